@@ -1,0 +1,36 @@
+# `make demo` and `make test` each work on a fresh clone: they create .venv and install first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+EXTRAS ?= dev,ray
+
+.PHONY: setup demo test lint unit bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/python examples/demo.py
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+unit: setup
+	$(BIN)/python -m pytest -q
+
+test: lint unit
+
+bench: setup
+	$(BIN)/fabric bench exact_match --backend local --n 20000 --concurrency 64 --baseline ray --json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

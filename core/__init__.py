@@ -1,0 +1,1 @@
+"""The core Ray job: rollout, reward stream, sample buffer, trainer (see docs/DESIGN.md)."""

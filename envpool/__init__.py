@@ -1,0 +1,1 @@
+"""Stateful environments in session-affine container pools (see docs/DESIGN.md)."""

@@ -1,0 +1,169 @@
+"""The ``Backend`` ABC and the typed configs of every backend kind.
+
+A backend turns an ``Invocation`` into a ``Result``. It never raises for a failed call:
+failures come back as ``Result(ok=False)`` with a retryable flag the client acts on.
+The public lifecycle (``start``/``aclose``/``submit``) lives here and is final in spirit;
+backends override the narrow hooks ``_start``, ``_close`` and ``_submit``/``_invoke``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from abc import ABC, abstractmethod
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from fabric.errors import ConfigError, ErrorCode
+from fabric.protocol import Invocation, Result
+from fabric.registry import Registry, default_registry
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class InprocConfig(_Config):
+    """Run functions in the calling process (tests, debugging). No isolation."""
+
+    type: Literal["inproc"] = "inproc"
+
+
+class FaultInjection(_Config):
+    """Chaos for benchmarks and tests: hold back some replies without blocking the worker."""
+
+    straggler_rate: float = Field(0.0, ge=0.0, le=1.0)
+    """Probability that a call's reply is delayed."""
+    straggler_ms: float = Field(0.0, ge=0.0)
+    seed: int = 0
+
+
+class LocalConfig(_Config):
+    """Warm pools of worker processes on this machine: the embedded default."""
+
+    type: Literal["local"] = "local"
+    max_workers: int | None = Field(None, ge=1)
+    """Cap on worker processes per function (default: the number of CPUs). The function's
+    own ``max_concurrency`` still bounds calls in flight."""
+    warm: int | None = Field(None, ge=0)
+    """Override every function's ``warm`` (e.g. 0 to measure cold starts)."""
+    idle_window_s: float = Field(60.0, gt=0)
+    """Workers beyond ``warm`` that stay idle this long are stopped."""
+    start_timeout_s: float = Field(60.0, gt=0)
+    """A worker that is not ready (imported and set up) by then is killed."""
+    setup_failure_cooldown_s: float = Field(5.0, ge=0)
+    """After a setup hook fails, calls fail fast this long before a new worker is tried."""
+    fault: FaultInjection | None = None
+
+
+BackendConfig = Annotated[InprocConfig | LocalConfig, Field(discriminator="type")]
+_config_adapter: TypeAdapter[Any] = TypeAdapter(BackendConfig)
+
+
+def parse_backend_config(obj: Any) -> InprocConfig | LocalConfig:
+    """Validate a backend config given as a name (``"local"``), a dict or a config object."""
+    if isinstance(obj, InprocConfig | LocalConfig):
+        return obj
+    if isinstance(obj, str):
+        obj = {"type": obj}
+    try:
+        return _config_adapter.validate_python(obj)
+    except ValidationError as e:
+        raise ConfigError(f"bad backend config {obj!r}; known types: inproc, local\n{e}") from None
+
+
+class Backend(ABC):
+    """Runs invocations. Use as ``async with backend:``; ``start``/``aclose`` are idempotent."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, registry: Registry | None = None):
+        self.registry = registry if registry is not None else default_registry
+        self._started = False
+        self._closed = False
+
+    async def __aenter__(self) -> Backend:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        await self._start()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # shielded: a cancelled caller must not leave worker processes behind
+        await asyncio.shield(self._close())
+
+    def submit(self, inv: Invocation) -> asyncio.Future[Result]:
+        """Start ``inv`` and return a future of its ``Result``; cancelling the future
+        abandons the call (a queued call is never run)."""
+        if self._closed:
+            fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+            fut.set_result(
+                Result.failure(
+                    ErrorCode.BACKEND_CLOSED,
+                    f"{self.kind} backend is closed",
+                    function=inv.function,
+                    request_id=inv.request_id,
+                )
+            )
+            return fut
+        return self._submit(inv)
+
+    async def invoke(self, inv: Invocation) -> Result:
+        return await self.submit(inv)
+
+    async def warmup(self, names: list[str] | None = None) -> None:
+        """Start warm instances of ``names`` (all registered functions by default) and wait."""
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    # -- hooks
+    async def _start(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    async def _close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def _submit(self, inv: Invocation) -> asyncio.Future[Result]:
+        return asyncio.ensure_future(self._invoke(inv))
+
+    @abstractmethod
+    async def _invoke(self, inv: Invocation) -> Result: ...
+
+
+def make_backend(
+    backend: str | dict[str, Any] | BaseModel | Backend, registry: Registry | None = None
+) -> Backend:
+    """A backend from a name, a config dict/object, or an existing backend (returned as is)."""
+    if isinstance(backend, Backend):
+        return backend
+    cfg = parse_backend_config(backend)
+    if isinstance(cfg, InprocConfig):
+        from fabric.backends.inproc import InprocBackend
+
+        return InprocBackend(registry, cfg)
+    from fabric.backends.local import LocalBackend
+
+    return LocalBackend(registry, cfg)
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

@@ -1,0 +1,66 @@
+"""The embedded default: per-function warm pools of worker processes on this machine."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fabric.backends._pool import FunctionPool
+from fabric.backends.base import Backend, LocalConfig, cpu_count
+from fabric.errors import EntryPointError, ErrorCode, UnknownFunctionError
+from fabric.protocol import Invocation, Result
+from fabric.registry import Registry
+
+
+class LocalBackend(Backend):
+    kind = "local"
+
+    def __init__(self, registry: Registry | None = None, config: LocalConfig | None = None):
+        super().__init__(registry)
+        self.config = config or LocalConfig()
+        self._pools: dict[str, FunctionPool] = {}
+        self._cpu = cpu_count()
+
+    def pool(self, name: str) -> FunctionPool:
+        """The pool of ``name``, started on first use."""
+        pool = self._pools.get(name)
+        if pool is None:
+            spec = self.registry.get(name)
+            if "<locals>" in spec.entry or "<lambda>" in spec.entry:
+                raise EntryPointError(
+                    f"{name}: {spec.entry} is a nested function or lambda; the local backend imports functions "
+                    "in worker processes, so define it at the top level of a module (or use backend='inproc')"
+                )
+            pool = FunctionPool(spec, self.config, cpu=self._cpu)
+            self._pools[name] = pool
+            pool.start()
+        return pool
+
+    def _submit(self, inv: Invocation) -> asyncio.Future[Result]:
+        pool = self._pools.get(inv.function)
+        if pool is None:
+            try:
+                pool = self.pool(inv.function)
+            except (UnknownFunctionError, EntryPointError) as e:
+                fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+                code = (
+                    ErrorCode.UNKNOWN_FUNCTION
+                    if isinstance(e, UnknownFunctionError)
+                    else ErrorCode.SETUP_FAILED
+                )
+                fut.set_result(Result.failure(code, str(e), function=inv.function, request_id=inv.request_id))
+                return fut
+        return pool.submit(inv)
+
+    async def _invoke(self, inv: Invocation) -> Result:
+        return await self._submit(inv)
+
+    async def warmup(self, names: list[str] | None = None) -> None:
+        pools = [self.pool(n) for n in (names if names is not None else self.registry.names())]
+        await asyncio.gather(*(p.wait_ready() for p in pools))
+
+    async def _close(self) -> None:
+        await asyncio.gather(*(p.close() for p in self._pools.values()))
+
+    def stats(self) -> dict[str, Any]:
+        return {name: p.stats() for name, p in self._pools.items()}

@@ -1,0 +1,423 @@
+"""``Client``: the one resilient async entry point to every backend.
+
+    async with fabric.Client(backend="local") as c:
+        r = await c.call("exact_match", {"traj": t, "ground_truth": "42"})
+
+What it adds on top of a backend, per function:
+
+* refuses bad calls before sending (unknown name, bad arguments, not JSON, over 6 MB);
+* a concurrency limit (the function's ``max_concurrency``) and a deadline that travels
+  with the call to the worker;
+* retries of retryable failures only, with exponential backoff and full jitter (tenacity),
+  bounded by attempts and by the deadline;
+* hedged requests: a duplicate after the function's observed p95 latency, capped to a
+  share of calls; the first answer wins and the loser is cancelled;
+* idempotency: one execution per key; a repeated key gets the cached result;
+* a circuit breaker that opens after consecutive infrastructure failures;
+* metrics (``client.metrics()``).
+
+A failed call is a ``Result(ok=False)``, never an exception; ``Result.unwrap()`` raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from tenacity import (
+    AsyncRetrying,
+    retry_if_result,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_random_exponential,
+)
+
+from fabric.backends.base import Backend, make_backend
+from fabric.errors import ErrorCode, PayloadError
+from fabric.metrics import FunctionMetrics
+from fabric.protocol import Invocation, Result, encode_payload
+from fabric.registry import Registry, default_registry
+from fabric.spec import FunctionSpec
+
+
+class HedgeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = True
+    quantile: float = Field(95.0, gt=50, lt=100)
+    """Send the duplicate once a call has been out longer than this latency quantile."""
+    max_share: float = Field(0.1, ge=0, le=1)
+    """At most this share of calls get a hedge (plus a small burst)."""
+    min_samples: int = Field(100, ge=1)
+    """No hedging until this many latencies were observed."""
+    min_delay_ms: float = Field(1.0, ge=0)
+
+
+class BreakerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    failure_threshold: int = Field(20, ge=1)
+    """Consecutive infrastructure failures (retryable errors) that open the circuit."""
+    cooldown_s: float = Field(5.0, gt=0)
+    """How long an open circuit fails calls fast before one probe is let through."""
+
+
+class ClientConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    hedge: HedgeConfig = Field(default_factory=HedgeConfig)
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    default_deadline_s: float | None = Field(None, gt=0)
+    """Deadline for calls that give none (None: bounded by the function's timeout and retries)."""
+    idempotency_cache_size: int = Field(100_000, ge=0)
+    tenant: str = "default"
+
+
+class _Fn:
+    """Client-side state of one function."""
+
+    __slots__ = ("breaker_open_until", "consecutive_failures", "metrics", "sem", "spec")
+
+    def __init__(self, spec: FunctionSpec, quantile: float):
+        self.spec = spec
+        self.sem = asyncio.Semaphore(spec.max_concurrency)
+        self.metrics = FunctionMetrics(quantile)
+        self.consecutive_failures = 0
+        self.breaker_open_until = 0.0
+
+
+_BURST = 5  # hedges allowed beyond the share, so a short run can still hedge
+
+
+class Client:
+    def __init__(
+        self,
+        backend: str | dict[str, Any] | BaseModel | Backend = "local",
+        *,
+        registry: Registry | None = None,
+        config: ClientConfig | dict[str, Any] | None = None,
+    ):
+        self.registry = registry if registry is not None else default_registry
+        self._owns_backend = not isinstance(backend, Backend)
+        self.backend = make_backend(backend, self.registry)
+        self.config = (
+            config if isinstance(config, ClientConfig) else ClientConfig.model_validate(config or {})
+        )
+        self._fns: dict[str, _Fn] = {}
+        self._cache: dict[str, Result] = {}
+        self._inflight: dict[str, asyncio.Future[Result]] = {}
+        self._ids = itertools.count(1)
+        self._prefix = os.urandom(4).hex()
+
+    async def __aenter__(self) -> Client:
+        await self.backend.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._owns_backend:
+            await self.backend.aclose()
+
+    # ------------------------------------------------------------------ public calls
+    async def call(
+        self,
+        name: str,
+        payload: dict[str, Any] | None = None,
+        *,
+        idempotency_key: str | None = None,
+        deadline_s: float | None = None,
+        hedge: bool | None = None,
+        tenant: str | None = None,
+    ) -> Result:
+        """Run ``name`` with ``payload`` (its keyword arguments); never raises for a failed call."""
+        t0 = time.perf_counter()
+        request_id = f"{self._prefix}-{next(self._ids)}"
+        payload = {} if payload is None else payload
+        fn = self._fns.get(name)
+        if fn is None:
+            if name not in self.registry:
+                from fabric.errors import UnknownFunctionError
+
+                return Result.failure(
+                    ErrorCode.UNKNOWN_FUNCTION,
+                    str(UnknownFunctionError(name, self.registry.names())),
+                    function=name,
+                    request_id=request_id,
+                )
+            fn = self._fns[name] = _Fn(self.registry.get(name), self.config.hedge.quantile)
+        spec = fn.spec
+        m = fn.metrics
+        m.calls += 1
+        # refuse bad input before anything is sent
+        if not isinstance(payload, dict):
+            return self._refuse(
+                m,
+                ErrorCode.INVALID_ARGUMENTS,
+                f"{name}: payload must be a dict of keyword arguments, got {type(payload).__name__}",
+                name,
+                request_id,
+            )
+        problem = spec.check_args(payload)
+        if problem is not None:
+            return self._refuse(m, ErrorCode.INVALID_ARGUMENTS, problem, name, request_id)
+        try:
+            raw = encode_payload(payload, what=f"payload of {name}")
+        except PayloadError as e:
+            return self._refuse(m, e.code, str(e), name, request_id)
+        now = time.monotonic()
+        if fn.breaker_open_until > now:
+            return self._refuse(
+                m,
+                ErrorCode.CIRCUIT_OPEN,
+                f"{name}: circuit open after {fn.consecutive_failures} "
+                f"infrastructure failures in a row; retry in {fn.breaker_open_until - now:.1f} s",
+                name,
+                request_id,
+            )
+        # idempotency: one execution per key
+        key = f"{name}:{spec.version}:{idempotency_key if idempotency_key is not None else request_id}"
+        if idempotency_key is not None:
+            hit = self._cache.get(key)
+            if hit is None and key in self._inflight:
+                hit = await asyncio.shield(self._inflight[key])
+            if hit is not None:
+                m.cache_hits += 1
+                return hit.model_copy(update={"cached": True, "request_id": request_id})
+        deadline_s = deadline_s if deadline_s is not None else self.config.default_deadline_s
+        inv = Invocation.model_construct(
+            function=name,
+            payload=payload,
+            request_id=request_id,
+            idempotency_key=key,
+            deadline=time.time() + deadline_s if deadline_s is not None else None,
+            tenant=tenant or self.config.tenant,
+            attempt=1,
+            hedge=False,
+        )
+        inv._raw = raw
+        shared: asyncio.Future[Result] | None = None
+        if idempotency_key is not None:
+            shared = self._inflight[key] = asyncio.get_running_loop().create_future()
+        try:
+            async with fn.sem:
+                result = await self._attempt(fn, inv, hedge)
+                if not result.ok and result.retryable:
+                    result = await self._retry(fn, inv, result, hedge)
+        finally:
+            if shared is not None:
+                del self._inflight[key]
+        self._settle(fn, result, t0)
+        if shared is not None:
+            shared.set_result(result)
+            if result.ok or not result.retryable:
+                self._remember(key, result)
+        return result
+
+    async def map(self, name: str, payloads: Iterable[dict[str, Any]], **kw: Any) -> list[Result]:
+        """Run ``name`` over ``payloads``; results in input order."""
+        results = await asyncio.gather(*(self.call(name, p, **kw) for p in payloads))
+        for i, r in enumerate(results):
+            r.index = i
+        return list(results)
+
+    async def stream(
+        self,
+        name: str,
+        payloads: Iterable[dict[str, Any]] | AsyncIterable[dict[str, Any]],
+        *,
+        max_inflight: int | None = None,
+        **kw: Any,
+    ) -> AsyncIterator[Result]:
+        """Yield results as they complete (``Result.index`` is the payload's position).
+        ``payloads`` may be an async iterable that is still being produced."""
+        limit = max_inflight or max(1, 2 * self._spec_or_default(name).max_concurrency)
+        queue: asyncio.Queue[Result | None] = asyncio.Queue()
+        sem = asyncio.Semaphore(limit)
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(i: int, p: dict[str, Any]) -> None:
+            try:
+                r = await self.call(name, p, **kw)
+                r.index = i
+                await queue.put(r)
+            finally:
+                sem.release()
+
+        async def produce() -> None:
+            i = 0
+            try:
+                if isinstance(payloads, AsyncIterable):
+                    async for p in payloads:
+                        await sem.acquire()
+                        t = asyncio.create_task(one(i, p))
+                        tasks.add(t)
+                        t.add_done_callback(tasks.discard)
+                        i += 1
+                else:
+                    for p in payloads:
+                        await sem.acquire()
+                        t = asyncio.create_task(one(i, p))
+                        tasks.add(t)
+                        t.add_done_callback(tasks.discard)
+                        i += 1
+                if tasks:
+                    await asyncio.gather(*list(tasks))
+            finally:
+                await queue.put(None)
+
+        producer = asyncio.create_task(produce())
+        try:
+            while (r := await queue.get()) is not None:
+                yield r
+            await producer
+        finally:
+            producer.cancel()
+            for t in list(tasks):
+                t.cancel()
+
+    def metrics(self) -> dict[str, Any]:
+        return {name: fn.metrics.snapshot() for name, fn in self._fns.items()}
+
+    # ------------------------------------------------------------------ internals
+    def _spec_or_default(self, name: str) -> FunctionSpec:
+        if name in self.registry:
+            return self.registry.get(name)
+        return FunctionSpec(name="unknown", entry="unknown:unknown", version="0")
+
+    @staticmethod
+    def _refuse(m: FunctionMetrics, code: ErrorCode, message: str, name: str, request_id: str) -> Result:
+        m.errors[str(code)] += 1
+        return Result.failure(code, message, function=name, request_id=request_id)
+
+    def _remember(self, key: str, result: Result) -> None:
+        cache = self._cache
+        if self.config.idempotency_cache_size == 0:
+            return
+        if len(cache) >= self.config.idempotency_cache_size:
+            del cache[next(iter(cache))]  # dicts keep insertion order: drop the oldest
+        cache[key] = result
+
+    async def _attempt(self, fn: _Fn, inv: Invocation, hedge: bool | None) -> Result:
+        """One attempt, hedged after the observed p95 when allowed."""
+        backend = self.backend
+        t0 = time.perf_counter()
+        primary = backend.submit(inv)
+        hcfg = self.config.hedge
+        delay_ms = None
+        if (hedge if hedge is not None else hcfg.enabled) and fn.spec.hedgeable:
+            delay_ms = fn.metrics.window.quantile(hcfg.min_samples)
+        if delay_ms is None:
+            try:
+                result = await primary
+            except asyncio.CancelledError:
+                primary.cancel()
+                raise
+            fn.metrics.window.add((time.perf_counter() - t0) * 1e3)
+        else:
+            result = await self._hedged(fn, inv, primary, max(delay_ms, hcfg.min_delay_ms) / 1e3, t0)
+        if result.ok:
+            fn.consecutive_failures = 0
+        elif result.retryable:
+            fn.consecutive_failures += 1
+            if fn.consecutive_failures >= self.config.breaker.failure_threshold:
+                fn.breaker_open_until = time.monotonic() + self.config.breaker.cooldown_s
+        return result
+
+    async def _hedged(
+        self, fn: _Fn, inv: Invocation, primary: asyncio.Future[Result], delay_s: float, t0: float
+    ) -> Result:
+        loop = asyncio.get_running_loop()
+        winner: asyncio.Future[Result] = loop.create_future()
+        futs = [primary]
+        m = fn.metrics
+
+        def done(f: asyncio.Future[Result]) -> None:
+            if winner.done() or f.cancelled():
+                return
+            r = f.result()
+            # a retryable failure of one copy waits for the other copy, if there is one
+            if not r.ok and r.retryable and any(not g.done() for g in futs):
+                return
+            if f is not primary:
+                m.hedge_wins += 1
+            winner.set_result(r)
+
+        def fire() -> None:
+            if winner.done() or primary.done():
+                return
+            if m.hedges >= self.config.hedge.max_share * m.calls + _BURST:
+                return
+            m.hedges += 1
+            h = self.backend.submit(
+                inv.model_copy(update={"hedge": True, "request_id": inv.request_id + "-h"})
+            )
+            futs.append(h)
+            h.add_done_callback(done)
+
+        primary.add_done_callback(done)
+        timer = loop.call_later(delay_s, fire)
+        try:
+            result = await winner
+        finally:
+            timer.cancel()
+            for f in futs:
+                if not f.done():
+                    f.cancel()  # the loser: a queued copy never runs, a running one is ignored
+        m.window.add((time.perf_counter() - t0) * 1e3)
+        if len(futs) > 1:
+            result.hedged = True
+        return result
+
+    async def _retry(self, fn: _Fn, inv: Invocation, first: Result, hedge: bool | None) -> Result:
+        """Retry a retryable failure: exponential backoff with full jitter, bounded by the
+        function's attempts and by the call's deadline. Runs only after a failure."""
+        policy = fn.spec.retry
+        stop = stop_after_attempt(policy.max_attempts)
+        remaining = inv.remaining_s()
+        if remaining is not None:
+            stop = stop | stop_after_delay(max(remaining, 0.0))
+        already = [first]  # tenacity's first attempt is the one the fast path made
+        attempts = itertools.count(2)
+
+        async def attempt() -> Result:
+            if already:
+                return already.pop()
+            rem = inv.remaining_s()
+            if rem is not None and rem <= 0:
+                return Result.failure(
+                    ErrorCode.DEADLINE_EXCEEDED,
+                    "deadline passed before a retry could start",
+                    function=inv.function,
+                    request_id=inv.request_id,
+                )
+            fn.metrics.retries += 1
+            return await self._attempt(fn, inv.model_copy(update={"attempt": next(attempts)}), hedge)
+
+        retrying = AsyncRetrying(
+            stop=stop,
+            wait=wait_random_exponential(multiplier=policy.initial_backoff_s, max=policy.max_backoff_s),
+            retry=retry_if_result(lambda r: not r.ok and r.retryable),
+            retry_error_callback=lambda state: state.outcome.result() if state.outcome else first,
+            sleep=asyncio.sleep,
+        )
+        result: Result = await retrying(attempt)
+        result.attempts = retrying.statistics.get("attempt_number", 1)
+        return result
+
+    def _settle(self, fn: _Fn, result: Result, t0: float) -> None:
+        m = fn.metrics
+        ms = (time.perf_counter() - t0) * 1e3
+        result.timings.total_ms = ms
+        m.observe(ms)
+        if result.cold_start:
+            m.cold_starts += 1
+        if result.ok:
+            m.ok += 1
+            fn.consecutive_failures = 0
+        else:
+            assert result.error is not None
+            m.errors[result.error.type] += 1

@@ -1,0 +1,127 @@
+"""Errors raised by the fabric SDK.
+
+The tree (every class derives from ``FabricError``)::
+
+    FabricError
+    ├── RegistryError            bad registration or lookup
+    │   ├── DuplicateFunctionError
+    │   ├── SignatureError
+    │   ├── UnknownFunctionError   (lists the known names)
+    │   └── EntryPointError        (``module:attr`` cannot be imported)
+    ├── PayloadError             refused before sending
+    │   ├── PayloadNotSerializableError
+    │   ├── PayloadTooLargeError
+    │   └── InvalidArgumentsError
+    ├── BackendError             a backend could not be started or used
+    │   └── BackendClosedError
+    ├── ConfigError              a config failed validation at the edge
+    └── InvocationError          raised by ``Result.unwrap()``; carries the Result
+
+A failing *call* is not an exception: the client returns ``Result(ok=False)`` with an
+``ErrorInfo`` whose ``type`` is one of the codes in ``ErrorCode``. Only the caller decides
+to raise (``Result.unwrap()``).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fabric.protocol import Result
+
+
+class ErrorCode(StrEnum):
+    """Error ``type`` values in a failed ``Result``. ``RETRYABLE`` says which ones are retried."""
+
+    USER_ERROR = "UserError"  # the handler raised
+    INVALID_ARGUMENTS = "InvalidArguments"
+    UNKNOWN_FUNCTION = "UnknownFunction"
+    PAYLOAD_TOO_LARGE = "PayloadTooLarge"
+    PAYLOAD_NOT_SERIALIZABLE = "PayloadNotSerializable"
+    RESULT_NOT_SERIALIZABLE = "ResultNotSerializable"
+    DEADLINE_EXCEEDED = "DeadlineExceeded"
+    TIMEOUT = "FunctionTimeout"  # ran past timeout_s; its worker was killed and replaced
+    WORKER_LOST = "WorkerLost"  # the worker died with the call in flight
+    SETUP_FAILED = "SetupFailed"  # the setup hook raised: no worker can serve
+    THROTTLED = "Throttled"
+    TRANSPORT = "TransportError"
+    CIRCUIT_OPEN = "CircuitOpen"
+    BACKEND_CLOSED = "BackendClosed"
+    CANCELLED = "Cancelled"
+
+
+RETRYABLE: frozenset[str] = frozenset(
+    {
+        ErrorCode.TIMEOUT,
+        ErrorCode.WORKER_LOST,
+        ErrorCode.THROTTLED,
+        ErrorCode.TRANSPORT,
+    }
+)
+
+
+class FabricError(Exception):
+    """Base class of every error the fabric SDK raises."""
+
+
+class RegistryError(FabricError):
+    pass
+
+
+class DuplicateFunctionError(RegistryError):
+    pass
+
+
+class SignatureError(RegistryError):
+    pass
+
+
+class UnknownFunctionError(RegistryError):
+    def __init__(self, name: str, known: list[str]):
+        self.name = name
+        self.known = sorted(known)
+        shown = ", ".join(self.known) if self.known else "(none registered)"
+        super().__init__(f"unknown function {name!r}; known functions: {shown}")
+
+
+class EntryPointError(RegistryError):
+    pass
+
+
+class PayloadError(FabricError):
+    code: ErrorCode = ErrorCode.INVALID_ARGUMENTS
+
+
+class PayloadNotSerializableError(PayloadError):
+    code = ErrorCode.PAYLOAD_NOT_SERIALIZABLE
+
+
+class PayloadTooLargeError(PayloadError):
+    code = ErrorCode.PAYLOAD_TOO_LARGE
+
+
+class InvalidArgumentsError(PayloadError):
+    code = ErrorCode.INVALID_ARGUMENTS
+
+
+class BackendError(FabricError):
+    pass
+
+
+class BackendClosedError(BackendError):
+    pass
+
+
+class ConfigError(FabricError):
+    pass
+
+
+class InvocationError(FabricError):
+    """Raised by ``Result.unwrap()`` on a failed result."""
+
+    def __init__(self, result: Result):
+        self.result = result
+        err = result.error
+        assert err is not None
+        super().__init__(f"{result.function}: {err.type}: {err.message}")

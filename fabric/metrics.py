@@ -1,0 +1,117 @@
+"""Per-function call metrics: counters, a latency histogram and a recent-latency window
+(the window gives the p95 the client hedges after)."""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter, deque
+from typing import Any
+
+#: Histogram bucket upper bounds in milliseconds (Prometheus style, +Inf implied).
+BUCKETS_MS: tuple[float, ...] = (
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    25,
+    50,
+    100,
+    250,
+    500,
+    1000,
+    2500,
+    5000,
+    10000,
+)
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated percentile of an already sorted list (q in [0, 100])."""
+    if not sorted_values:
+        return 0.0
+    pos = (len(sorted_values) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+class LatencyWindow:
+    """Recent latencies; quantiles are recomputed every ``every`` samples, not per call."""
+
+    __slots__ = ("_every", "_n", "_q", "_value", "samples")
+
+    def __init__(self, size: int = 2048, q: float = 95.0, every: int = 128):
+        self.samples: deque[float] = deque(maxlen=size)
+        self._q = q
+        self._every = every
+        self._n = 0
+        self._value: float | None = None
+
+    def add(self, ms: float) -> None:
+        self.samples.append(ms)
+        self._n += 1
+        if self._n % self._every == 0:
+            self._value = percentile(sorted(self.samples), self._q)
+
+    def quantile(self, min_samples: int) -> float | None:
+        if self._n < min_samples:
+            return None
+        if self._value is None:
+            self._value = percentile(sorted(self.samples), self._q)
+        return self._value
+
+
+class FunctionMetrics:
+    __slots__ = (
+        "buckets",
+        "cache_hits",
+        "calls",
+        "cold_starts",
+        "errors",
+        "hedge_wins",
+        "hedges",
+        "latency_sum_ms",
+        "ok",
+        "retries",
+        "window",
+    )
+
+    def __init__(self, hedge_quantile: float = 95.0) -> None:
+        self.calls = 0
+        self.ok = 0
+        self.errors: Counter[str] = Counter()
+        self.retries = 0
+        self.hedges = 0
+        self.hedge_wins = 0
+        self.cold_starts = 0
+        self.cache_hits = 0
+        self.buckets = [0] * (len(BUCKETS_MS) + 1)
+        self.latency_sum_ms = 0.0
+        self.window = LatencyWindow(q=hedge_quantile)
+
+    def observe(self, ms: float) -> None:
+        self.buckets[bisect.bisect_left(BUCKETS_MS, ms)] += 1
+        self.latency_sum_ms += ms
+
+    def snapshot(self) -> dict[str, Any]:
+        recent = sorted(self.window.samples)
+        return {
+            "calls": self.calls,
+            "ok": self.ok,
+            "errors": dict(self.errors),
+            "retries": self.retries,
+            "hedges": self.hedges,
+            "hedge_wins": self.hedge_wins,
+            "cold_starts": self.cold_starts,
+            "cache_hits": self.cache_hits,
+            "latency_ms": {
+                "p50": percentile(recent, 50),
+                "p95": percentile(recent, 95),
+                "p99": percentile(recent, 99),
+                "sum": self.latency_sum_ms,
+                "buckets": dict(zip([*map(str, BUCKETS_MS), "+Inf"], self.buckets, strict=True)),
+            },
+        }

@@ -1,0 +1,222 @@
+"""Wire models shared by every backend: what goes out (``Invocation``) and what comes back
+(``Result``), plus the RL data that reward functions take (``Trajectory``) and give
+(``RewardResult``).
+
+Everything here is JSON-safe so the same bytes can go to a local worker, the Lambda Invoke
+API or Modal. Payloads are encoded once, at the client edge, with pydantic-core's encoder
+(it understands pydantic models, dataclasses, datetimes) and the size is checked there:
+a payload over the Lambda synchronous limit is refused before it is sent.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+import pydantic_core
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+
+from fabric.errors import (
+    RETRYABLE,
+    ErrorCode,
+    InvocationError,
+    PayloadNotSerializableError,
+    PayloadTooLargeError,
+)
+
+#: AWS Lambda's synchronous invoke payload limit (request and response), in bytes.
+MAX_PAYLOAD_BYTES = 6 * 1024 * 1024
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def encode_payload(payload: Any, *, limit: int = MAX_PAYLOAD_BYTES, what: str = "payload") -> bytes:
+    """Encode ``payload`` as JSON bytes or raise a ``PayloadError`` that says what to do."""
+    try:
+        raw = pydantic_core.to_json(payload)
+    except (pydantic_core.PydanticSerializationError, TypeError, ValueError) as e:
+        raise PayloadNotSerializableError(
+            f"{what} is not JSON-serialisable: {e}. Pass plain JSON types (dict, list, str, numbers, "
+            "bool, None) or pydantic models."
+        ) from None
+    if len(raw) > limit:
+        raise PayloadTooLargeError(
+            f"{what} is {len(raw) / 1e6:.2f} MB, over the {limit / 1e6:.0f} MB limit of a synchronous "
+            "invoke. Send a reference instead (an S3/local path or a trajectory id)."
+        )
+    return raw
+
+
+def decode_payload(raw: bytes) -> Any:
+    return pydantic_core.from_json(raw)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Invocation(_Model):
+    """One request to run a function."""
+
+    function: str
+    payload: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the function, JSON-safe."""
+    request_id: str = Field(default_factory=new_request_id)
+    idempotency_key: str | None = None
+    """Same key, same execution: a retry or hedge reuses the first result."""
+    deadline: float | None = None
+    """Absolute wall-clock deadline (``time.time()`` seconds); propagated to the worker."""
+    tenant: str = "default"
+    attempt: int = 1
+    hedge: bool = False
+    """True for the duplicate sent after the function's observed p95 latency."""
+
+    # encoded payload, filled once by the client so backends do not encode again
+    _raw: bytes | None = PrivateAttr(default=None)
+
+    @property
+    def raw_payload(self) -> bytes:
+        if self._raw is None:
+            self._raw = encode_payload(self.payload)
+        return self._raw
+
+    def remaining_s(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.time()
+
+
+class ErrorInfo(_Model):
+    type: str
+    message: str
+    retryable: bool = False
+    traceback: str | None = None
+    """The last frames of the handler's traceback, for user errors."""
+
+    @classmethod
+    def of(cls, code: ErrorCode | str, message: str, traceback: str | None = None) -> ErrorInfo:
+        return cls(type=str(code), message=message, retryable=code in RETRYABLE, traceback=traceback)
+
+
+class Timings(_Model):
+    queue_ms: float = 0.0
+    """Time from submission to the start of execution (dispatch, pipe, batching)."""
+    exec_ms: float = 0.0
+    """Time the handler itself ran."""
+    total_ms: float = 0.0
+    """Client-observed latency of the whole call, retries and hedges included."""
+
+
+class Result(_Model):
+    """The outcome of a call. A failure is data: only ``unwrap()`` raises."""
+
+    ok: bool
+    function: str = ""
+    request_id: str = ""
+    value: Any = None
+    error: ErrorInfo | None = None
+    timings: Timings = Field(default_factory=Timings)
+    cold_start: bool = False
+    worker: str | None = None
+    attempts: int = 1
+    hedged: bool = False
+    """True when a hedge was sent for this call."""
+    cached: bool = False
+    """True when the result came from the idempotency cache (no new execution)."""
+    index: int | None = None
+    """Position of the payload in the input of ``Client.map``/``Client.stream``."""
+
+    @property
+    def retryable(self) -> bool:
+        return self.error is not None and self.error.retryable
+
+    def unwrap(self) -> Any:
+        if not self.ok:
+            raise InvocationError(self)
+        return self.value
+
+    @classmethod
+    def failure(
+        cls,
+        code: ErrorCode | str,
+        message: str,
+        *,
+        function: str = "",
+        request_id: str = "",
+        traceback: str | None = None,
+        worker: str | None = None,
+    ) -> Result:
+        return cls.model_construct(
+            ok=False,
+            function=function,
+            request_id=request_id,
+            value=None,
+            error=ErrorInfo.of(code, message, traceback),
+            timings=Timings(),
+            cold_start=False,
+            worker=worker,
+            attempts=1,
+            hedged=False,
+            cached=False,
+            index=None,
+        )
+
+
+# ----------------------------------------------------------------------------- RL data
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
+    """``{"name": ..., "arguments": "<json string>"}`` as in the OpenAI chat API."""
+
+
+class Message(BaseModel):
+    """An OpenAI-style chat message, stamped with the policy version that produced it."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    policy_version: int | None = None
+    """For assistant turns: the weights version that generated this turn."""
+
+
+class Trajectory(BaseModel):
+    """A finished (or failed) multi-turn episode, as reward functions receive it."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(default_factory=new_request_id)
+    messages: list[Message] = Field(default_factory=list)
+    task: dict[str, Any] = Field(default_factory=dict)
+    """Task metadata, such as ``ground_truth``, ``tests`` or ``env_id``."""
+    status: Literal["ok", "truncated", "aborted", "infra_failed"] = "ok"
+    """``infra_failed`` trajectories are masked from training, never scored as zero."""
+    env_reward: float | None = None
+    info: dict[str, Any] = Field(default_factory=dict)
+
+    def final_text(self) -> str:
+        """Content of the last assistant message ('' if there is none)."""
+        for m in reversed(self.messages):
+            if m.role == "assistant" and m.content:
+                return m.content
+        return ""
+
+    def policy_versions(self) -> list[int]:
+        return [
+            m.policy_version for m in self.messages if m.role == "assistant" and m.policy_version is not None
+        ]
+
+
+class RewardResult(BaseModel):
+    """A score plus the named components it was made of."""
+
+    model_config = ConfigDict(extra="forbid")
+    score: float
+    components: dict[str, float] = Field(default_factory=dict)
+    info: dict[str, Any] = Field(default_factory=dict)

@@ -1,0 +1,293 @@
+"""Decorators and the ``Registry`` object.
+
+``@fabric.reward`` / ``@fabric.tool`` / ``@fabric.function(kind=...)`` work bare or with
+arguments. They return the original function, unchanged and still callable in-process,
+with its ``FunctionSpec`` attached as ``__fabric_spec__``; they also add it to the default
+registry. Fresh ``Registry()`` objects (tests, several jobs in one process) pick functions
+up through ``discover()``, which reads that attribute, so nothing depends on which registry
+happened to be live when a module was first imported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import pkgutil
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TypeVar, get_type_hints, overload
+
+from pydantic import ValidationError
+
+from fabric.errors import (
+    DuplicateFunctionError,
+    EntryPointError,
+    RegistryError,
+    SignatureError,
+    UnknownFunctionError,
+)
+from fabric.spec import CTX_PARAM, FunctionSpec, Kind, ParamSpec, Resources, RetryPolicy
+
+F = TypeVar("F", bound=Callable[..., Any])
+SPEC_ATTR = "__fabric_spec__"
+SETUP_ATTR = "__fabric_setup__"
+_FILE_MODULE_PREFIX = "_fabric_file_"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def entry_point_of(fn: Callable[..., Any]) -> str:
+    """``module:qualname`` for ``fn``; a script's functions get ``path.py:qualname``."""
+    mod = fn.__module__
+    if mod == "__main__" or mod.startswith(_FILE_MODULE_PREFIX):
+        path = getattr(sys.modules[mod], "__file__", None)
+        if path:
+            return f"{Path(path).resolve()}:{fn.__qualname__}"
+    return f"{mod}:{fn.__qualname__}"
+
+
+def load_entry_point(entry: str) -> Any:
+    """Import ``module:attr`` (or ``file.py:attr``) and return the attribute."""
+    mod_name, _, attr = entry.partition(":")
+    if not attr:
+        raise EntryPointError(f"entry point {entry!r} must look like 'module:attr'")
+    if "<locals>" in attr or "<lambda>" in attr:
+        raise EntryPointError(
+            f"{entry!r} is a nested function or a lambda; worker processes can only import "
+            "functions defined at the top level of a module"
+        )
+    try:
+        if mod_name.endswith(".py"):
+            module = _import_file(Path(mod_name))
+        else:
+            module = importlib.import_module(mod_name)
+    except Exception as e:  # the user's module may raise anything at import
+        raise EntryPointError(f"cannot import {mod_name!r} for {entry!r}: {type(e).__name__}: {e}") from e
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise EntryPointError(f"{mod_name!r} has no attribute {attr!r} (entry {entry!r})") from None
+    return obj
+
+
+def _import_file(path: Path) -> ModuleType:
+    # a script run as __main__ is imported under another name so its main guard stays off
+    name = _FILE_MODULE_PREFIX + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"no such file: {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def source_version(*objs: Callable[..., Any] | None) -> str:
+    """A short hash of the source of ``objs`` (bytecode when the source is unavailable)."""
+    h = hashlib.sha256()
+    for obj in objs:
+        if obj is None:
+            continue
+        try:
+            h.update(inspect.getsource(obj).encode())
+        except (OSError, TypeError):
+            code = getattr(obj, "__code__", None)
+            h.update(code.co_code if code is not None else repr(obj).encode())
+    return h.hexdigest()[:12]
+
+
+def _params_of(fn: Callable[..., Any], kind: Kind) -> tuple[tuple[ParamSpec, ...], bool]:
+    name = getattr(fn, "__qualname__", repr(fn))
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as e:
+        raise SignatureError(f"cannot read the signature of {name}: {e}") from None
+    try:
+        hints = get_type_hints(fn)
+    except Exception:  # unresolvable forward references: validate those params as Any
+        hints = {}
+    params: list[ParamSpec] = []
+    accepts_extra = False
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_POSITIONAL:
+            raise SignatureError(
+                f"{name}: *{p.name} is not supported; payloads are keyword arguments, "
+                "so declare each argument by name"
+            )
+        if p.kind is p.POSITIONAL_ONLY:
+            raise SignatureError(f"{name}: positional-only parameter {p.name!r} cannot be passed by name")
+        if p.kind is p.VAR_KEYWORD:
+            accepts_extra = True
+            continue
+        if p.name == CTX_PARAM:
+            continue  # filled by the worker with the setup hook's return value
+        hint = hints.get(p.name, p.annotation)
+        ann = "Any" if hint is inspect.Parameter.empty else getattr(hint, "__name__", str(hint))
+        params.append(ParamSpec(name=p.name, required=p.default is p.empty, annotation=ann))
+    if kind == "reward" and not params and not accepts_extra:
+        raise SignatureError(f"reward {name} takes no arguments; it needs at least the trajectory")
+    return tuple(params), accepts_extra
+
+
+def make_spec(
+    fn: Callable[..., Any],
+    *,
+    kind: Kind,
+    name: str | None = None,
+    setup: Callable[[], Any] | None = None,
+    retry: RetryPolicy | dict[str, Any] | None = None,
+    resources: Resources | dict[str, Any] | None = None,
+    **options: Any,
+) -> FunctionSpec:
+    if not callable(fn) or inspect.isclass(fn):
+        raise SignatureError(f"@{kind} decorates a function, got {fn!r}")
+    if setup is not None and not callable(setup):
+        raise SignatureError(f"setup= must be a callable, got {setup!r}")
+    if setup is not None and inspect.signature(setup).parameters:
+        raise SignatureError("the setup hook takes no arguments; it runs once per worker")
+    params, accepts_extra = _params_of(fn, kind)
+    fn_name = name or fn.__name__
+    try:
+        return FunctionSpec(
+            name=fn_name,
+            kind=kind,
+            entry=entry_point_of(fn),
+            description=inspect.cleandoc(fn.__doc__ or "").split("\n\n")[0],
+            version=source_version(fn, setup),
+            is_async=inspect.iscoroutinefunction(fn),
+            setup=entry_point_of(setup) if setup is not None else None,
+            params=params,
+            accepts_extra=accepts_extra,
+            retry=RetryPolicy.model_validate(retry or {}),
+            resources=Resources.model_validate(resources or {}),
+            **options,
+        )
+    except ValidationError as e:
+        raise RegistryError(f"bad options for function {fn_name!r}:\n{e}") from None
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+class Registry:
+    """Named functions. Use the default one through the module-level decorators, or a
+    fresh one per test or per job."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, FunctionSpec] = {}
+        self._fns: dict[str, Callable[..., Any]] = {}
+
+    # -- decorators
+    @overload
+    def function(self, fn: F, /) -> F: ...
+    @overload
+    def function(self, fn: None = None, /, **options: Any) -> Callable[[F], F]: ...
+    def function(self, fn: Any = None, /, *, kind: Kind = "function", **options: Any) -> Any:
+        def deco(f: F) -> F:
+            setup = options.get("setup")
+            spec = make_spec(f, kind=kind, **options)
+            setattr(f, SPEC_ATTR, spec)
+            setattr(f, SETUP_ATTR, setup)
+            self.add(f)
+            return f
+
+        return deco(fn) if fn is not None else deco
+
+    def reward(self, fn: Any = None, /, **options: Any) -> Any:
+        return self.function(fn, kind="reward", **options)
+
+    def tool(self, fn: Any = None, /, **options: Any) -> Any:
+        return self.function(fn, kind="tool", **options)
+
+    # -- contents
+    def add(self, fn: Callable[..., Any]) -> FunctionSpec:
+        """Add a function that was decorated (with any registry)."""
+        spec: FunctionSpec | None = getattr(fn, SPEC_ATTR, None)
+        if spec is None:
+            raise RegistryError(
+                f"{fn!r} is not a fabric function; decorate it with @fabric.reward/tool/function"
+            )
+        old = self._specs.get(spec.name)
+        if old is not None and old.entry != spec.entry:
+            raise DuplicateFunctionError(
+                f"function name {spec.name!r} is taken by {old.entry}; {spec.entry} needs another name "
+                "(pass name=... to the decorator)"
+            )
+        # the same entry again (a module reloaded) replaces the old definition
+        self._specs[spec.name] = spec
+        self._fns[spec.name] = fn
+        return spec
+
+    def get(self, name: str) -> FunctionSpec:
+        try:
+            return self._specs[name]
+        except KeyError:
+            raise UnknownFunctionError(name, list(self._specs)) from None
+
+    def callable(self, name: str) -> Callable[..., Any]:
+        self.get(name)
+        return self._fns[name]
+
+    def names(self) -> list[str]:
+        return sorted(self._specs)
+
+    def specs(self) -> list[FunctionSpec]:
+        return [self._specs[n] for n in self.names()]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._specs
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def __iter__(self) -> Iterator[FunctionSpec]:
+        return iter(self.specs())
+
+    # -- discovery
+    def discover(self, *targets: str) -> list[FunctionSpec]:
+        """Import modules, packages (recursively) or ``module:attr`` strings and add every
+        fabric function found. Returns the specs added."""
+        found: list[FunctionSpec] = []
+        for target in targets:
+            if ":" in target:
+                obj = load_entry_point(target)
+                found.append(self.add(obj))
+                continue
+            try:
+                module = (
+                    _import_file(Path(target)) if target.endswith(".py") else importlib.import_module(target)
+                )
+            except ImportError as e:
+                raise EntryPointError(f"cannot import {target!r} for discovery: {e}") from e
+            for mod in _walk(module):
+                for obj in list(vars(mod).values()):
+                    spec = getattr(obj, SPEC_ATTR, None)
+                    # only where it was defined: re-exports would be found twice
+                    if isinstance(spec, FunctionSpec) and getattr(obj, "__module__", None) == mod.__name__:
+                        found.append(self.add(obj))
+        return found
+
+
+def _walk(module: ModuleType) -> Iterator[ModuleType]:
+    yield module
+    path = getattr(module, "__path__", None)
+    if path is None:
+        return
+    for info in pkgutil.walk_packages(path, prefix=module.__name__ + "."):
+        try:
+            yield importlib.import_module(info.name)
+        except ImportError as e:
+            raise EntryPointError(f"cannot import {info.name!r} during discovery: {e}") from e
+
+
+#: The registry the module-level decorators write to.
+default_registry = Registry()

@@ -1,0 +1,160 @@
+"""Runs one registered function on encoded payloads; shared by the worker process and the
+in-process backend so both validate, call and encode the same way.
+
+An outcome is a plain tuple, cheap to pickle across the worker pipe:
+``(True, value_json_bytes)`` or ``(False, (code, message, traceback))``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import traceback as tb_mod
+from collections.abc import Callable
+from typing import Any, NotRequired, Required, get_type_hints
+
+import pydantic_core
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+from typing_extensions import TypedDict
+
+from fabric.errors import ErrorCode
+from fabric.protocol import MAX_PAYLOAD_BYTES
+from fabric.registry import SETUP_ATTR, SPEC_ATTR, load_entry_point
+from fabric.spec import CTX_PARAM, FunctionSpec
+
+Outcome = tuple[bool, Any]
+
+_TB_FRAMES = 6
+
+
+def _args_adapter(fn: Callable[..., Any], spec: FunctionSpec) -> TypeAdapter[Any]:
+    """A pydantic validator for the keyword arguments of ``fn`` (a TypedDict, so function
+    defaults stay the function's own and any parameter name is allowed)."""
+    try:
+        hints = get_type_hints(fn)
+    except Exception:
+        hints = {}
+    fields: dict[str, Any] = {}
+    for p in spec.params:
+        hint = hints.get(p.name, Any)
+        fields[p.name] = Required[hint] if p.required else NotRequired[hint]
+    td = TypedDict(f"{spec.name}_args", fields)  # type: ignore[misc]
+    td.__pydantic_config__ = ConfigDict(  # type: ignore[attr-defined]
+        extra="allow" if spec.accepts_extra else "forbid", arbitrary_types_allowed=True
+    )
+    return TypeAdapter(td)
+
+
+def format_validation_error(spec: FunctionSpec, e: ValidationError) -> str:
+    missing, unexpected, bad = [], [], []
+    for err in e.errors(include_url=False):
+        loc = ".".join(str(x) for x in err["loc"])
+        if err["type"] == "missing" and len(err["loc"]) == 1:
+            missing.append(repr(loc))
+        elif err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
+            unexpected.append(repr(loc))
+        elif err["type"] == "json_invalid":
+            bad.append(f"payload is not valid JSON ({err['msg']})")
+        else:
+            bad.append(f"{loc}: {err['msg']}")
+    parts = []
+    if missing:
+        parts.append("missing " + ", ".join(missing))
+    if unexpected:
+        parts.append("unexpected " + ", ".join(unexpected))
+    parts.extend(bad[:5])
+    sig = ", ".join(p.name + ("" if p.required else "=…") for p in spec.params)
+    return f"{spec.name}({sig}): " + "; ".join(parts)
+
+
+def _user_error(e: BaseException) -> tuple[str, str, str]:
+    frames = tb_mod.format_exception(type(e), e, e.__traceback__, limit=-_TB_FRAMES)
+    return (ErrorCode.USER_ERROR, f"{type(e).__name__}: {e}", "".join(frames)[-4000:])
+
+
+class FunctionRunner:
+    """Holds a function, its argument validator and what its setup hook returned."""
+
+    def __init__(self, fn: Callable[..., Any], spec: FunctionSpec):
+        self.fn = fn
+        self.spec = spec
+        self.is_async = inspect.iscoroutinefunction(fn)
+        self.wants_ctx = CTX_PARAM in inspect.signature(fn).parameters
+        self.ctx: Any = None
+        self._setup_fn = getattr(fn, SETUP_ATTR, None)
+        self._adapter = _args_adapter(fn, spec)
+
+    @classmethod
+    def from_entry(cls, entry: str) -> FunctionRunner:
+        fn = load_entry_point(entry)
+        spec = getattr(fn, SPEC_ATTR, None)
+        if not isinstance(spec, FunctionSpec):
+            from fabric.errors import EntryPointError
+
+            raise EntryPointError(f"{entry!r} is not a fabric function (no @fabric.reward/tool/function)")
+        return cls(fn, spec)
+
+    def setup(self) -> None:
+        """Run the setup hook once (a worker calls this before serving)."""
+        if self._setup_fn is not None:
+            self.ctx = self._setup_fn()
+
+    def _kwargs(self, raw: bytes) -> dict[str, Any]:
+        kwargs = self._adapter.validate_json(raw)
+        if self.wants_ctx:
+            kwargs[CTX_PARAM] = self.ctx
+        return kwargs
+
+    def _encode(self, value: Any) -> Outcome:
+        try:
+            out = pydantic_core.to_json(value)
+        except (pydantic_core.PydanticSerializationError, TypeError, ValueError) as e:
+            return (
+                False,
+                (
+                    ErrorCode.RESULT_NOT_SERIALIZABLE,
+                    f"{self.spec.name} returned {type(value).__name__}, which is not JSON-serialisable: {e}",
+                    None,
+                ),
+            )
+        if len(out) > MAX_PAYLOAD_BYTES:
+            return (
+                False,
+                (
+                    ErrorCode.RESULT_NOT_SERIALIZABLE,
+                    f"{self.spec.name} returned {len(out) / 1e6:.1f} MB, over the 6 MB response limit",
+                    None,
+                ),
+            )
+        return (True, out)
+
+    def run(self, raw: bytes) -> Outcome:
+        """Run a synchronous function on an encoded payload."""
+        try:
+            kwargs = self._kwargs(raw)
+        except ValidationError as e:
+            return (False, (ErrorCode.INVALID_ARGUMENTS, format_validation_error(self.spec, e), None))
+        try:
+            value = self.fn(**kwargs)
+        except (Exception, SystemExit) as e:  # a user error is data, and must not end the worker
+            return (False, _user_error(e))
+        return self._encode(value)
+
+    async def run_async(self, raw: bytes, timeout_s: float | None) -> Outcome:
+        """Run a function (sync or async) from an event loop; async ones get ``timeout_s``."""
+        if not self.is_async:
+            return self.run(raw)
+        try:
+            kwargs = self._kwargs(raw)
+        except ValidationError as e:
+            return (False, (ErrorCode.INVALID_ARGUMENTS, format_validation_error(self.spec, e), None))
+        try:
+            value = await asyncio.wait_for(self.fn(**kwargs), timeout_s)
+        except TimeoutError:
+            return (
+                False,
+                (ErrorCode.TIMEOUT, f"{self.spec.name} ran past its {timeout_s:.3g} s limit", None),
+            )
+        except (Exception, SystemExit) as e:
+            return (False, _user_error(e))
+        return self._encode(value)

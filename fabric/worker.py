@@ -1,0 +1,181 @@
+"""The worker process of the local backend: ``python -m fabric.worker``.
+
+One worker serves one function. It imports the function once, runs its setup hook once,
+then serves batches of calls from its parent over a socketpair until the parent says stop
+or goes away. Every call runs in this warm process; a user exception is returned as data.
+
+Orphans are impossible by construction: the kernel kills us when the parent dies
+(PR_SET_PDEATHSIG), and we exit on EOF of the parent's socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import mmap
+import os
+import random
+import signal
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+from fabric.backends._wire import SLOT, SLOT_SIZE, FrameReader, pack
+from fabric.errors import ErrorCode
+
+_FLUSH_AFTER_NS = 1_000_000  # send buffered results once the oldest has waited 1 ms
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _recv_frame(sock: socket.socket) -> Any:
+    reader = FrameReader()
+    while True:
+        data = sock.recv(1 << 16)
+        if not data:
+            os._exit(0)
+        msgs = reader.feed(data)
+        if msgs:
+            return msgs[0]
+
+
+class _Serve(asyncio.Protocol):
+    def __init__(
+        self, runner: Any, slot: mmap.mmap, fault: dict[str, Any] | None, done: asyncio.Future[None]
+    ):
+        self.runner = runner
+        self.slot = slot
+        self.reader = FrameReader()
+        self.done = done
+        self.transport: asyncio.Transport | None = None
+        self.tasks: dict[int, asyncio.Task[None]] = {}
+        self.fault_rate = float(fault["straggler_rate"]) if fault else 0.0
+        self.fault_s = float(fault["straggler_ms"]) / 1000 if fault else 0.0
+        self.rng = random.Random(fault.get("seed", 0) * 1_000_003 + os.getpid() if fault else 0)
+        self.loop = asyncio.get_running_loop()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        for msg in self.reader.feed(data):
+            kind = msg[0]
+            if kind == "calls":
+                self._calls(msg[1])
+            elif kind == "cancel":
+                task = self.tasks.get(msg[1])
+                if task is not None:
+                    task.cancel()
+            elif kind == "stop":
+                if not self.done.done():
+                    self.done.set_result(None)
+
+    # -- results
+    def _send(self, results: list[Any]) -> None:
+        if results and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(pack(("results", results)))
+
+    def _emit(self, out: list[Any], item: tuple[Any, ...]) -> None:
+        # fault injection: a straggling reply is held back without blocking the worker
+        if self.fault_rate and self.rng.random() < self.fault_rate:
+            self.loop.call_later(self.fault_s, self._send, [item])
+        else:
+            out.append(item)
+
+    def _calls(self, calls: list[tuple[int, bytes, int, float]]) -> None:
+        runner, slot, out = self.runner, self.slot, []
+        first_ns = 0
+        for cid, raw, deadline_ns, timeout_s in calls:
+            start = time.monotonic_ns()
+            if deadline_ns and start > deadline_ns:
+                self._emit(
+                    out,
+                    (
+                        cid,
+                        False,
+                        (ErrorCode.DEADLINE_EXCEEDED, "deadline passed before the call started", None),
+                        start,
+                        0.0,
+                    ),
+                )
+                continue
+            if runner.is_async:
+                self.tasks[cid] = self.loop.create_task(self._run_async(cid, raw, timeout_s, start))
+                continue
+            SLOT.pack_into(slot, 0, cid, start)
+            ok, res = runner.run(raw)
+            end = time.monotonic_ns()
+            SLOT.pack_into(slot, 0, 0, 0)
+            self._emit(out, (cid, ok, res, start, (end - start) / 1e6))
+            if not first_ns:
+                first_ns = end
+            elif end - first_ns > _FLUSH_AFTER_NS:
+                self._send(out)
+                out, first_ns = [], 0
+        self._send(out)
+
+    async def _run_async(self, cid: int, raw: bytes, timeout_s: float, start: int) -> None:
+        try:
+            ok, res = await self.runner.run_async(raw, timeout_s)
+        except asyncio.CancelledError:
+            ok, res = False, (ErrorCode.CANCELLED, "cancelled by the caller", None)
+        finally:
+            self.tasks.pop(cid, None)
+        out: list[Any] = []
+        self._emit(out, (cid, ok, res, start, (time.monotonic_ns() - start) / 1e6))
+        self._send(out)
+
+
+def main() -> None:
+    fd = int(os.environ["FABRIC_WORKER_FD"])
+    shm_fd = int(os.environ["FABRIC_WORKER_SHM"])
+    _die_with_parent(int(os.environ["FABRIC_PARENT_PID"]))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent shuts us down; Ctrl-C is its business
+    os.dup2(2, 1)  # user prints go to stderr so the parent's stdout (e.g. --json) stays clean
+    sock = socket.socket(fileno=fd)
+    slot = mmap.mmap(shm_fd, SLOT_SIZE)
+    kind, init = _recv_frame(sock)
+    assert kind == "init", kind
+    sys.path[:] = init["sys_path"]
+    t0 = time.perf_counter()
+    try:
+        from fabric.runner import FunctionRunner
+
+        runner = FunctionRunner.from_entry(init["entry"])
+        t1 = time.perf_counter()
+        runner.setup()
+    except BaseException as e:
+        msg = f"{type(e).__name__}: {e}"
+        sock.sendall(pack(("fatal", ErrorCode.SETUP_FAILED, msg, traceback.format_exc()[-4000:])))
+        os._exit(3)
+    t2 = time.perf_counter()
+    sock.sendall(
+        pack(("ready", {"pid": os.getpid(), "import_ms": (t1 - t0) * 1e3, "setup_ms": (t2 - t1) * 1e3}))
+    )
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        sock.setblocking(False)
+        await loop.connect_accepted_socket(lambda: _Serve(runner, slot, init.get("fault"), done), sock)
+        await done
+
+    asyncio.run(serve())
+    os._exit(0)  # skip interpreter teardown: nothing to flush, and it is the slow part
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Built-in fabric functions (rewards, verifiers, tools). ``fabric`` discovers this package."""

@@ -1,0 +1,62 @@
+"""Final-answer extraction and normalisation shared by the answer-matching rewards."""
+
+from __future__ import annotations
+
+import re
+import string
+
+_ANSWER_IS = re.compile(r"(?:final answer|the answer)\s*(?:is|:)\s*(.+)", re.IGNORECASE)
+_ANSWER_COLON = re.compile(r"^\s*answer\s*:\s*(.+)$", re.IGNORECASE | re.MULTILINE)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
+_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$")
+_PUNCT = str.maketrans("", "", string.punctuation.replace(".", "").replace("-", ""))
+
+
+def last_boxed(text: str) -> str | None:
+    r"""Content of the last ``\boxed{...}`` (or ``\fbox{...}``), braces balanced."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth = 1
+    for j in range(i, len(text)):
+        c = text[j]
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j]
+    return None  # unbalanced: no reliable answer
+
+
+def extract_answer(text: str) -> str:
+    r"""The final answer of a completion: ``\boxed{}``, else "the answer is ...", else
+    "Answer: ...", else the last non-empty line."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    matches = _ANSWER_IS.findall(text) or _ANSWER_COLON.findall(text)
+    if matches:
+        return matches[-1].strip().split("\n")[0]
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def normalize(answer: str) -> str:
+    """Lower-case, strip math delimiters, punctuation, articles and thousands separators;
+    canonical numbers ('42.0' == '42')."""
+    s = answer.strip().strip("$").strip()
+    s = s.replace("\\text{", "").replace("\\mathrm{", "").replace("}", "").replace("{", "")
+    s = s.lower().rstrip(".").strip()
+    s = _THOUSANDS.sub("", s)
+    if _NUMBER.match(s):
+        try:
+            f = float(s)
+            return str(int(f)) if f.is_integer() and abs(f) < 1e15 else repr(f)
+        except ValueError:
+            pass
+    s = s.translate(_PUNCT)
+    s = _ARTICLES.sub(" ", s)
+    return " ".join(s.split())

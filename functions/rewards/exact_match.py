@@ -1,0 +1,29 @@
+"""``exact_match``: 1.0 when the final answer equals the ground truth after normalisation."""
+
+from __future__ import annotations
+
+import fabric
+from fabric.protocol import Trajectory
+from functions.rewards.answer import extract_answer, normalize
+
+_EXAMPLE_TRAJ = {
+    "messages": [
+        {"role": "user", "content": "What is 6 * 7?"},
+        {"role": "assistant", "content": "6 * 7 = 42, so the answer is \\boxed{42}.", "policy_version": 0},
+    ]
+}
+
+
+@fabric.reward(
+    warm=1,
+    timeout_s=5,
+    max_batch=64,
+    examples=(
+        {"traj": _EXAMPLE_TRAJ, "ground_truth": "42"},
+        {"traj": "The answer is: Paris.", "ground_truth": "paris"},
+    ),
+)
+def exact_match(traj: Trajectory | str, *, ground_truth: str) -> float:
+    """Normalised string match of the final answer (boxed, "the answer is", or last line)."""
+    text = traj if isinstance(traj, str) else traj.final_text()
+    return 1.0 if normalize(extract_answer(text)) == normalize(ground_truth) else 0.0
