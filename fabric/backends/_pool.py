@@ -138,9 +138,9 @@ class FunctionPool:
             self._spawn(on_demand=False)
         self._maint = self._loop.create_task(self._maintain())
 
-    async def wait_ready(self, timeout: float | None = None) -> None:
+    async def wait_ready(self, within_s: float | None = None) -> None:
         """Wait until ``warm`` workers are ready (or the pool is broken)."""
-        deadline = time.monotonic() + (timeout or self.config.start_timeout_s)
+        deadline = time.monotonic() + (within_s or self.config.start_timeout_s)
         while sum(w.ready for w in self._workers) < self.warm and self._broken is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.spec.name}: warm workers not ready in time")
@@ -160,7 +160,8 @@ class FunctionPool:
             proc = w.proc
             if proc is None:
                 continue
-            while proc.poll() is None and time.monotonic() < deadline:
+            # a process exit has no awaitable here (no child watcher): poll briefly, then kill
+            while proc.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110
                 await asyncio.sleep(0.005)
             w.kill()
             await self._loop.run_in_executor(None, proc.wait)
@@ -346,7 +347,8 @@ class FunctionPool:
                 PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
             )
             # a new session: the terminal's Ctrl-C goes to the parent, which shuts us down in order
-            w.proc = subprocess.Popen(
+            # fork+exec takes a few ms; doing it on the loop keeps spawns ordered and simple
+            w.proc = subprocess.Popen(  # noqa: ASYNC220
                 [sys.executable, "-m", "fabric.worker"],
                 pass_fds=(child.fileno(), shm_fd),
                 env=env,

@@ -126,7 +126,7 @@ class Backend(ABC):
     async def invoke(self, inv: Invocation) -> Result:
         return await self.submit(inv)
 
-    async def warmup(self, names: list[str] | None = None) -> None:
+    async def warmup(self, names: list[str] | None = None) -> None:  # noqa: B027 - optional
         """Start warm instances of ``names`` (all registered functions by default) and wait."""
 
     def stats(self) -> dict[str, Any]:

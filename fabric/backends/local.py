@@ -28,8 +28,9 @@ class LocalBackend(Backend):
             spec = self.registry.get(name)
             if "<locals>" in spec.entry or "<lambda>" in spec.entry:
                 raise EntryPointError(
-                    f"{name}: {spec.entry} is a nested function or lambda; the local backend imports functions "
-                    "in worker processes, so define it at the top level of a module (or use backend='inproc')"
+                    f"{name}: {spec.entry} is a nested function or lambda; the local backend imports "
+                    "functions in worker processes, so define it at the top level of a module "
+                    "(or use backend='inproc')"
                 )
             pool = FunctionPool(spec, self.config, cpu=self._cpu)
             self._pools[name] = pool
