@@ -1,0 +1,239 @@
+"""``fabric bench``: closed-loop load on one function, with same-run baselines.
+
+Every figure that is compared is measured in the same run: the direct in-process call
+(for ``overhead_p50_ms``), a round-robin pool of Ray actors running the same function the
+way RL frameworks run reward workers (``--baseline ray``), and the same load with hedging
+off (``--compare-hedge``). Absolute numbers vary with the machine; the ratios hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fabric.backends.base import FaultInjection, LocalConfig, cpu_count
+from fabric.client import Client, ClientConfig
+from fabric.errors import ConfigError
+from fabric.metrics import percentile
+from fabric.protocol import encode_payload
+from fabric.registry import Registry
+from fabric.runner import FunctionRunner
+
+Progress = Callable[[str, int, int], None]
+
+
+class BenchConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    function: str
+    n: int = Field(20_000, ge=1)
+    concurrency: int = Field(64, ge=1)
+    backend: str = "local"
+    workers: int | None = Field(None, ge=1)
+    """Worker processes (and Ray actors for the baseline); default: the number of CPUs."""
+    payload: dict[str, Any] | None = None
+    """Default: the function's first example payload."""
+    baseline: str | None = None
+    hedge: bool = True
+    compare_hedge: bool = False
+    straggler_rate: float = Field(0.0, ge=0, le=1)
+    straggler_ms: float = Field(200.0, ge=0)
+    warmup: int | None = Field(None, ge=0)
+    """Calls before timing starts (default: n/10, at most 2,000) so hedging has a p95."""
+    seed: int = 0
+
+
+def _summary(lat_ms: list[float], elapsed_s: float) -> dict[str, float]:
+    lat = sorted(lat_ms)
+    return {
+        "throughput_per_s": len(lat) / elapsed_s if elapsed_s > 0 else 0.0,
+        "p50_ms": percentile(lat, 50),
+        "p95_ms": percentile(lat, 95),
+        "p99_ms": percentile(lat, 99),
+        "p999_ms": percentile(lat, 99.9),
+        "mean_ms": statistics.fmean(lat) if lat else 0.0,
+        "elapsed_s": elapsed_s,
+    }
+
+
+async def _closed_loop(n: int, concurrency: int, one: Callable[[], Awaitable[float]],
+                       progress: Progress | None, label: str) -> tuple[list[float], float]:
+    """``concurrency`` callers each issue calls back to back until ``n`` are done."""
+    lat: list[float] = []
+    issued = 0
+
+    async def caller() -> None:
+        nonlocal issued
+        while issued < n:
+            issued += 1
+            lat.append(await one())
+            if progress is not None and len(lat) % 500 == 0:
+                progress(label, len(lat), n)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(caller() for _ in range(min(concurrency, n))))
+    elapsed = time.perf_counter() - t0
+    if progress is not None:
+        progress(label, len(lat), n)
+    return lat, elapsed
+
+
+def _direct_p50_ms(runner: FunctionRunner, payload: dict[str, Any], n: int = 2000) -> float:
+    # the function called in-process on ready arguments: what a pool call adds is measured against it
+    kwargs = runner._kwargs(encode_payload(payload))
+    fn = runner.fn
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn(**kwargs)
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return percentile(times, 50)
+
+
+async def _run_fabric(cfg: BenchConfig, registry: Registry, payload: dict[str, Any], workers: int, hedge: bool,
+                      progress: Progress | None, label: str) -> dict[str, Any]:
+    fault = None
+    if cfg.straggler_rate > 0:
+        fault = FaultInjection(straggler_rate=cfg.straggler_rate, straggler_ms=cfg.straggler_ms, seed=cfg.seed)
+    backend = LocalConfig(warm=workers, max_workers=workers, fault=fault) if cfg.backend == "local" else cfg.backend
+    client_cfg = ClientConfig.model_validate({"hedge": {"enabled": hedge}})
+    async with Client(backend=backend, registry=registry, config=client_cfg) as client:
+        await client.backend.warmup([cfg.function])
+        name = cfg.function
+
+        async def one() -> float:
+            r = await client.call(name, payload)
+            if not r.ok:
+                errors.append(r.error.type if r.error else "?")
+            return r.timings.total_ms
+
+        errors: list[str] = []
+        warm = cfg.warmup if cfg.warmup is not None else min(2000, max(cfg.n // 10, 100))
+        if warm:
+            await _closed_loop(warm, cfg.concurrency, one, None, label)
+        m0 = client.metrics().get(name, {})
+        errors.clear()
+        lat, elapsed = await _closed_loop(cfg.n, cfg.concurrency, one, progress, label)
+        m1 = client.metrics()[name]
+    out: dict[str, Any] = _summary(lat, elapsed)
+    out["errors"] = len(errors)
+    for k in ("hedges", "hedge_wins", "retries"):
+        out[k] = m1[k] - m0.get(k, 0)
+    return out
+
+
+async def _cold_start_ms(cfg: BenchConfig, registry: Registry, payload: dict[str, Any]) -> float:
+    """First call on a pool with no warm worker: spawn, import, setup hook and the call."""
+    async with Client(backend=LocalConfig(warm=0, max_workers=1), registry=registry) as client:
+        t0 = time.perf_counter()
+        r = await client.call(cfg.function, payload)
+        ms = (time.perf_counter() - t0) * 1e3
+    if not r.ok:
+        raise ConfigError(f"cold-start call failed: {r.error}")
+    return ms
+
+
+async def _run_ray(cfg: BenchConfig, registry: Registry, payload: dict[str, Any], workers: int,
+                   progress: Progress | None) -> dict[str, Any]:
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("--baseline ray needs Ray: pip install 'rl-fabric[ray]'") from None
+    import os
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    entry = registry.get(cfg.function).entry
+
+    @ray.remote(num_cpus=0)
+    class RewardWorker:
+        """The usual reward worker: an actor that holds the function, called round-robin."""
+
+        def __init__(self, entry: str) -> None:
+            from fabric.runner import FunctionRunner
+
+            self.runner = FunctionRunner.from_entry(entry)
+            self.runner.setup()
+
+        def run(self, raw: bytes) -> tuple[bool, Any]:
+            return self.runner.run(raw)
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=cpu_count(), include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        actors = [RewardWorker.remote(entry) for _ in range(workers)]  # type: ignore[attr-defined]
+        await asyncio.gather(*(a.__ray_ready__.remote() for a in actors))
+        counter = iter(range(1 << 62))
+
+        async def one() -> float:
+            t0 = time.perf_counter()
+            raw = encode_payload(payload)
+            await actors[next(counter) % workers].run.remote(raw)
+            return (time.perf_counter() - t0) * 1e3
+
+        warm = cfg.warmup if cfg.warmup is not None else min(2000, max(cfg.n // 10, 100))
+        if warm:
+            await _closed_loop(warm, cfg.concurrency, one, None, "ray")
+        lat, elapsed = await _closed_loop(cfg.n, cfg.concurrency, one, progress, "ray baseline")
+        for a in actors:
+            ray.kill(a)
+    finally:
+        if started_here:
+            ray.shutdown()
+    return _summary(lat, elapsed)
+
+
+async def run_bench(cfg: BenchConfig, registry: Registry, progress: Progress | None = None) -> dict[str, Any]:
+    spec = registry.get(cfg.function)
+    if cfg.backend != "local":
+        raise ConfigError(f"fabric bench drives the local backend; got backend={cfg.backend!r}")
+    if cfg.baseline not in (None, "ray"):
+        raise ConfigError(f"unknown baseline {cfg.baseline!r}; the only baseline is 'ray'")
+    payload = cfg.payload if cfg.payload is not None else (spec.examples[0] if spec.examples else None)
+    if payload is None:
+        raise ConfigError(f"{cfg.function} has no example payload; pass --payload JSON")
+    problem = spec.check_args(payload)
+    if problem:
+        raise ConfigError(f"bad --payload: {problem}")
+    workers = cfg.workers or cpu_count()
+    runner = FunctionRunner(registry.callable(cfg.function), spec)
+    runner.setup()
+    direct_p50 = _direct_p50_ms(runner, payload)
+    cold = await _cold_start_ms(cfg, registry, payload)
+    main = await _run_fabric(cfg, registry, payload, workers, cfg.hedge, progress, "fabric " + cfg.backend)
+    out: dict[str, Any] = {
+        "function": cfg.function,
+        "backend": cfg.backend,
+        "n": cfg.n,
+        "concurrency": cfg.concurrency,
+        "workers": workers,
+        "hedge": cfg.hedge,
+        "straggler_rate": cfg.straggler_rate,
+        "straggler_ms": cfg.straggler_ms if cfg.straggler_rate else 0.0,
+        **main,
+        "direct_p50_ms": direct_p50,
+        "overhead_p50_ms": main["p50_ms"] - direct_p50,
+        "cold_start_ms": cold,
+    }
+    if cfg.compare_hedge:
+        other = await _run_fabric(cfg, registry, payload, workers, not cfg.hedge, progress,
+                                  "hedging " + ("off" if cfg.hedge else "on"))
+        on, off = (main, other) if cfg.hedge else (other, main)
+        out["hedge_on_p99_ms"] = on["p99_ms"]
+        out["hedge_off_p99_ms"] = off["p99_ms"]
+        out["hedge_on_p999_ms"] = on["p999_ms"]
+        out["hedge_off_p999_ms"] = off["p999_ms"]
+        out["p99_ratio_off_vs_on"] = off["p99_ms"] / on["p99_ms"] if on["p99_ms"] else None
+    if cfg.baseline == "ray":
+        base = await _run_ray(cfg, registry, payload, workers, progress)
+        out["baseline"] = "ray"
+        out["baseline_throughput_per_s"] = base["throughput_per_s"]
+        out["baseline_p50_ms"] = base["p50_ms"]
+        out["baseline_p99_ms"] = base["p99_ms"]
+        out["ratio_vs_baseline"] = main["throughput_per_s"] / base["throughput_per_s"]
+    return out
