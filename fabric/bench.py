@@ -60,8 +60,9 @@ def _summary(lat_ms: list[float], elapsed_s: float) -> dict[str, float]:
     }
 
 
-async def _closed_loop(n: int, concurrency: int, one: Callable[[], Awaitable[float]],
-                       progress: Progress | None, label: str) -> tuple[list[float], float]:
+async def _closed_loop(
+    n: int, concurrency: int, one: Callable[[], Awaitable[float]], progress: Progress | None, label: str
+) -> tuple[list[float], float]:
     """``concurrency`` callers each issue calls back to back until ``n`` are done."""
     lat: list[float] = []
     issued = 0
@@ -95,12 +96,23 @@ def _direct_p50_ms(runner: FunctionRunner, payload: dict[str, Any], n: int = 200
     return percentile(times, 50)
 
 
-async def _run_fabric(cfg: BenchConfig, registry: Registry, payload: dict[str, Any], workers: int, hedge: bool,
-                      progress: Progress | None, label: str) -> dict[str, Any]:
+async def _run_fabric(
+    cfg: BenchConfig,
+    registry: Registry,
+    payload: dict[str, Any],
+    workers: int,
+    hedge: bool,
+    progress: Progress | None,
+    label: str,
+) -> dict[str, Any]:
     fault = None
     if cfg.straggler_rate > 0:
-        fault = FaultInjection(straggler_rate=cfg.straggler_rate, straggler_ms=cfg.straggler_ms, seed=cfg.seed)
-    backend = LocalConfig(warm=workers, max_workers=workers, fault=fault) if cfg.backend == "local" else cfg.backend
+        fault = FaultInjection(
+            straggler_rate=cfg.straggler_rate, straggler_ms=cfg.straggler_ms, seed=cfg.seed
+        )
+    backend = (
+        LocalConfig(warm=workers, max_workers=workers, fault=fault) if cfg.backend == "local" else cfg.backend
+    )
     client_cfg = ClientConfig.model_validate({"hedge": {"enabled": hedge}})
     async with Client(backend=backend, registry=registry, config=client_cfg) as client:
         await client.backend.warmup([cfg.function])
@@ -138,8 +150,9 @@ async def _cold_start_ms(cfg: BenchConfig, registry: Registry, payload: dict[str
     return ms
 
 
-async def _run_ray(cfg: BenchConfig, registry: Registry, payload: dict[str, Any], workers: int,
-                   progress: Progress | None) -> dict[str, Any]:
+async def _run_ray(
+    cfg: BenchConfig, registry: Registry, payload: dict[str, Any], workers: int, progress: Progress | None
+) -> dict[str, Any]:
     try:
         import ray
     except ImportError:
@@ -221,8 +234,15 @@ async def run_bench(cfg: BenchConfig, registry: Registry, progress: Progress | N
         "cold_start_ms": cold,
     }
     if cfg.compare_hedge:
-        other = await _run_fabric(cfg, registry, payload, workers, not cfg.hedge, progress,
-                                  "hedging " + ("off" if cfg.hedge else "on"))
+        other = await _run_fabric(
+            cfg,
+            registry,
+            payload,
+            workers,
+            not cfg.hedge,
+            progress,
+            "hedging " + ("off" if cfg.hedge else "on"),
+        )
         on, off = (main, other) if cfg.hedge else (other, main)
         out["hedge_on_p99_ms"] = on["p99_ms"]
         out["hedge_off_p99_ms"] = off["p99_ms"]

@@ -76,6 +76,7 @@ class _Worker(asyncio.Protocol):
         self.ready = False
         self.ready_fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.served = 0
+        self.ready_ns = 0
         self.last_active = time.monotonic()
         self.last_progress = self.last_active
         self.lost = False
@@ -92,6 +93,7 @@ class _Worker(asyncio.Protocol):
                 self.pool._on_results(self, msg[1])
             elif kind == "ready":
                 self.ready = True
+                self.ready_ns = time.monotonic_ns()
                 if not self.ready_fut.done():
                     self.ready_fut.set_result(None)
             elif kind == "fatal":
@@ -231,8 +233,6 @@ class FunctionPool:
                 call.cid = cid
                 call.worker = w
                 w.inflight[cid] = call
-                if not w.served and w.on_demand:
-                    self.metrics["cold_starts"] += 1
                 batch.append((cid, call.inv.raw_payload, call.deadline_ns, call.timeout_s))
             pending.extendleft(reversed(skipped))
             if batch:
@@ -264,7 +264,10 @@ class FunctionPool:
             self._forget(call)
             if call.fut.done():
                 continue
-            cold = w.on_demand and w.served == 0 and served == 1
+            # cold: this call waited for its worker to start (import and setup hook included)
+            cold = call.t_submit_ns < w.ready_ns
+            if cold:
+                self.metrics["cold_starts"] += 1
             timings = Timings.model_construct(
                 queue_ms=(start_ns - call.t_submit_ns) / 1e6, exec_ms=exec_ms, total_ms=0.0
             )

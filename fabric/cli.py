@@ -1,0 +1,202 @@
+"""``fabric``: list, invoke and benchmark registered functions.
+
+Functions are discovered from the built-in ``functions`` package, from ``--module/-m``
+(module names, ``module:attr`` or ``file.py``), and from ``$FABRIC_MODULES``
+(comma-separated). The core is async; this is its thin synchronous edge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fabric.errors import FabricError
+from fabric.registry import Registry
+
+app = typer.Typer(
+    help="rl-fabric: reward and tool functions as warm, resilient FaaS.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+err = Console(stderr=True)
+out = Console()
+
+ModulesOpt = Annotated[
+    list[str] | None,
+    typer.Option("--module", "-m", help="Module, package, module:attr or file.py to discover functions in."),
+]
+BackendOpt = Annotated[str, typer.Option(help="Backend: local (warm worker processes) or inproc.")]
+
+
+def _registry(modules: list[str] | None) -> Registry:
+    reg = Registry()
+    targets = ["functions", *(modules or [])]
+    targets += [m for m in os.environ.get("FABRIC_MODULES", "").split(",") if m.strip()]
+    reg.discover(*targets)
+    return reg
+
+
+def _fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(code)
+
+
+@app.command("ls")
+def ls_cmd(modules: ModulesOpt = None, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """List registered functions."""
+    try:
+        reg = _registry(modules)
+    except FabricError as e:
+        _fail(str(e))
+    if as_json:
+        print(json.dumps([s.model_dump(mode="json") for s in reg.specs()], indent=2))
+        return
+    table = Table(title=f"{len(reg)} functions")
+    for col in ("name", "kind", "version", "warm", "max conc.", "timeout s", "entry"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("description", ratio=1)
+    for s in reg.specs():
+        table.add_row(
+            s.name,
+            s.kind,
+            s.version,
+            str(s.warm),
+            str(s.max_concurrency),
+            f"{s.timeout_s:g}",
+            s.entry,
+            s.description,
+        )
+    out.print(table)
+
+
+@app.command()
+def invoke(
+    name: str,
+    payload: Annotated[str, typer.Option(help="Keyword arguments as a JSON object.")] = "{}",
+    modules: ModulesOpt = None,
+    backend: BackendOpt = "local",
+) -> None:
+    """Call a function once and print its Result as JSON (exit 1 if the call failed)."""
+    try:
+        args = json.loads(payload)
+    except json.JSONDecodeError as e:
+        _fail(f"--payload is not valid JSON: {e}")
+    if not isinstance(args, dict):
+        _fail('--payload must be a JSON object of keyword arguments, e.g. \'{"traj": "..."}\'')
+    try:
+        reg = _registry(modules)
+    except FabricError as e:
+        _fail(str(e))
+
+    async def run() -> Any:
+        from fabric.client import Client
+
+        async with Client(backend=backend, registry=reg) as c:
+            return await c.call(name, args)
+
+    try:
+        result = asyncio.run(run())
+    except FabricError as e:
+        _fail(str(e))
+    print(result.model_dump_json(indent=2, exclude={"index"}))
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def bench(
+    name: str,
+    n: Annotated[int, typer.Option("--n", help="Timed calls.")] = 20_000,
+    concurrency: Annotated[int, typer.Option(help="Callers issuing calls back to back.")] = 64,
+    backend: BackendOpt = "local",
+    baseline: Annotated[
+        str | None, typer.Option(help="Also run the same load through round-robin Ray actors.")
+    ] = None,
+    workers: Annotated[
+        int | None, typer.Option(help="Worker processes / Ray actors (default: CPUs).")
+    ] = None,
+    payload: Annotated[
+        str | None, typer.Option(help="JSON payload (default: the function's first example).")
+    ] = None,
+    straggler_rate: Annotated[float, typer.Option(help="Share of calls whose reply is held back.")] = 0.0,
+    straggler_ms: Annotated[float, typer.Option(help="How long a straggling reply is held back.")] = 200.0,
+    hedge: Annotated[
+        bool, typer.Option("--hedge/--no-hedge", help="Hedged requests after the observed p95.")
+    ] = True,
+    compare_hedge: Annotated[
+        bool, typer.Option(help="Also run with hedging flipped, in the same run.")
+    ] = False,
+    modules: ModulesOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Closed-loop benchmark of one function, with same-run baselines."""
+    from fabric.bench import BenchConfig, run_bench
+
+    try:
+        reg = _registry(modules)
+        cfg = BenchConfig(
+            function=name,
+            n=n,
+            concurrency=concurrency,
+            backend=backend,
+            baseline=baseline,
+            workers=workers,
+            payload=json.loads(payload) if payload else None,
+            hedge=hedge,
+            compare_hedge=compare_hedge,
+            straggler_rate=straggler_rate,
+            straggler_ms=straggler_ms,
+        )
+    except (FabricError, ValueError) as e:
+        _fail(str(e))
+    if as_json:
+        try:
+            result = asyncio.run(run_bench(cfg, reg))
+        except FabricError as e:
+            _fail(str(e))
+        print(json.dumps(result))
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("{task.description:>16}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as prog:
+        tasks: dict[str, Any] = {}
+
+        def progress(label: str, done: int, total: int) -> None:
+            if label not in tasks:
+                tasks[label] = prog.add_task(label, total=total)
+            prog.update(tasks[label], completed=done)
+
+        try:
+            result = asyncio.run(run_bench(cfg, reg, progress))
+        except FabricError as e:
+            _fail(str(e))
+    table = Table("metric", "value", title=f"fabric bench {name}")
+    for k, v in result.items():
+        table.add_row(k, f"{v:,.3f}" if isinstance(v, float) else str(v))
+    out.print(table)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Fakes and conformance checks, shipped for users' own test suites.
+
+* ``FakeBackend``: runs functions in-process like ``inproc`` but lets a test script
+  infrastructure failures and delays, and records every execution, so tests exercise the
+  client's retries, hedging and idempotency without patching internals.
+* ``check_function``: the conformance check every registered function should pass
+  (like gymnasium's ``check_env``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass
+from typing import Any
+
+from fabric.backends.base import Backend
+from fabric.backends.inproc import _to_result
+from fabric.errors import ErrorCode, FabricError, UnknownFunctionError
+from fabric.protocol import MAX_PAYLOAD_BYTES, Invocation, Result, encode_payload
+from fabric.registry import SPEC_ATTR, Registry, default_registry, load_entry_point, source_version
+from fabric.runner import FunctionRunner
+from fabric.spec import FunctionSpec
+
+
+@dataclass
+class Fault:
+    """What the fake does to one invocation instead of (or before) running it."""
+
+    code: ErrorCode | None = None
+    """Fail with this error code (without running the function)."""
+    delay_s: float = 0.0
+    """Wait this long first (a straggler)."""
+    message: str = "injected fault"
+
+
+class FakeBackend(Backend):
+    """In-process backend with scripted faults and an execution log."""
+
+    kind = "fake"
+
+    def __init__(self, registry: Registry | None = None):
+        super().__init__(registry)
+        self._runners: dict[str, FunctionRunner] = {}
+        self._faults: dict[str, deque[Fault]] = defaultdict(deque)
+        self.invocations: list[Invocation] = []
+        """Every invocation received, in order (hedges and retries included)."""
+        self.executions: Counter[str] = Counter()
+        """Function executions per idempotency key (a fault that fails a call does not execute it)."""
+
+    def inject(self, function: str, *faults: Fault) -> None:
+        """Queue faults for the next invocations of ``function``, one per invocation."""
+        self._faults[function].extend(faults)
+
+    def fail_next(self, function: str, code: ErrorCode = ErrorCode.WORKER_LOST, times: int = 1) -> None:
+        self.inject(function, *(Fault(code=code) for _ in range(times)))
+
+    async def _invoke(self, inv: Invocation) -> Result:
+        self.invocations.append(inv)
+        fault = self._faults[inv.function].popleft() if self._faults[inv.function] else None
+        if fault is not None and fault.delay_s:
+            await asyncio.sleep(fault.delay_s)
+        if fault is not None and fault.code is not None:
+            return Result.failure(
+                fault.code, fault.message, function=inv.function, request_id=inv.request_id, worker="fake"
+            )
+        try:
+            runner = self._runners.get(inv.function)
+            if runner is None:
+                runner = FunctionRunner(self.registry.callable(inv.function), self.registry.get(inv.function))
+                runner.setup()
+                self._runners[inv.function] = runner
+        except UnknownFunctionError as e:
+            return Result.failure(
+                ErrorCode.UNKNOWN_FUNCTION, str(e), function=inv.function, request_id=inv.request_id
+            )
+        self.executions[inv.idempotency_key or inv.request_id] += 1
+        t0 = time.perf_counter()
+        ok, out = await runner.run_async(inv.raw_payload, runner.spec.timeout_s)
+        return _to_result(inv, ok, out, (time.perf_counter() - t0) * 1e3, worker="fake")
+
+
+class ConformanceError(FabricError):
+    def __init__(self, name: str, problems: list[str]):
+        self.problems = problems
+        super().__init__(f"{name} fails conformance:\n  - " + "\n  - ".join(problems))
+
+
+def check_function(spec: FunctionSpec | str, registry: Registry | None = None) -> None:
+    """Raise ``ConformanceError`` listing every problem of a registered function.
+
+    Checks: the spec survives a JSON round trip (it is what deploys read); the entry point
+    imports in a fresh lookup and carries the same spec; the version matches the source;
+    every example payload is valid, fits the payload limit, runs, and returns JSON (a reward
+    returns a finite number or a ``RewardResult``); unknown arguments are refused."""
+    reg = registry if registry is not None else default_registry
+    if isinstance(spec, str):
+        spec = reg.get(spec)
+    problems: list[str] = []
+    if FunctionSpec.model_validate_json(spec.model_dump_json()) != spec:
+        problems.append("spec does not survive a JSON round trip")
+    try:
+        fn = load_entry_point(spec.entry)
+    except FabricError as e:
+        raise ConformanceError(spec.name, [f"entry point: {e}"]) from None
+    loaded = getattr(fn, SPEC_ATTR, None)
+    if not isinstance(loaded, FunctionSpec) or loaded.name != spec.name:
+        problems.append(f"entry point {spec.entry} does not carry this spec")
+    elif source_version(fn, getattr(fn, "__fabric_setup__", None)) != spec.version:
+        problems.append("version does not match the function's source (stale spec?)")
+    if not spec.examples:
+        problems.append(
+            "no example payloads: add examples=(...) to the decorator so the function can be checked"
+        )
+    runner = FunctionRunner(fn, spec)
+    try:
+        runner.setup()
+    except Exception as e:
+        raise ConformanceError(spec.name, [*problems, f"setup hook raised {type(e).__name__}: {e}"]) from None
+    for i, example in enumerate(spec.examples):
+        problem = spec.check_args(example)
+        if problem:
+            problems.append(f"example {i}: {problem}")
+            continue
+        raw = encode_payload(example)
+        if len(raw) > MAX_PAYLOAD_BYTES:
+            problems.append(f"example {i}: payload over the limit")
+        ok, out = asyncio.run(runner.run_async(raw, spec.timeout_s)) if runner.is_async else runner.run(raw)
+        if not ok:
+            problems.append(f"example {i} failed: {out[0]}: {out[1]}")
+            continue
+        if spec.kind == "reward":
+            problems.extend(f"example {i}: {p}" for p in _reward_problems(out))
+    if not spec.accepts_extra:
+        bogus = dict(spec.examples[0]) if spec.examples else {}
+        bogus["__not_an_argument__"] = 1
+        raw = encode_payload(bogus)
+        ok, out = asyncio.run(runner.run_async(raw, spec.timeout_s)) if runner.is_async else runner.run(raw)
+        if ok or out[0] != ErrorCode.INVALID_ARGUMENTS:
+            problems.append("an unknown argument was not refused with InvalidArguments")
+    if problems:
+        raise ConformanceError(spec.name, problems)
+
+
+def _reward_problems(raw: bytes) -> list[str]:
+    from fabric.protocol import RewardResult, decode_payload
+
+    value: Any = decode_payload(raw)
+    if isinstance(value, bool) or not isinstance(value, int | float | dict):
+        return [f"a reward must return a number or a RewardResult, got {type(value).__name__}"]
+    if isinstance(value, dict):
+        try:
+            value = RewardResult.model_validate(value).score
+        except ValueError as e:
+            return [f"returned a dict that is not a RewardResult: {e}"]
+    if not math.isfinite(value):
+        return [f"score {value} is not finite"]
+    return []

@@ -1,0 +1,35 @@
+"""Functions for the client tests (run in-process by FakeBackend)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fabric.registry import Registry
+
+REG = Registry()
+
+
+@REG.function(retry={"max_attempts": 3, "initial_backoff_s": 0.001, "max_backoff_s": 0.01})
+def double(x: int) -> int:
+    return 2 * x
+
+
+@REG.function(retry={"max_attempts": 20, "initial_backoff_s": 0.01, "max_backoff_s": 0.01})
+def slow_retry(x: int) -> int:
+    return x
+
+
+@REG.function()
+def fail_user(x: int) -> int:
+    raise KeyError(x)
+
+
+@REG.tool(side_effects=True, retry={"max_attempts": 3, "initial_backoff_s": 0.001})
+def effect(x: int) -> int:
+    return x
+
+
+@REG.function()
+async def nap(seconds: float, tag: int = 0) -> int:
+    await asyncio.sleep(seconds)
+    return tag

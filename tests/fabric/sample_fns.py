@@ -1,0 +1,111 @@
+"""Functions the local-backend tests run in real worker processes (top level, importable)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+from fabric.registry import Registry
+
+REG = Registry()
+_SETUP_CALLS = 0
+
+
+@REG.function(warm=1)
+def add(a: int, b: int = 0) -> int:
+    return a + b
+
+
+@REG.function(warm=0)
+def pid(tag: str = "") -> int:
+    return os.getpid()
+
+
+@REG.function(warm=0)
+def boom(x: int) -> int:
+    raise ValueError(f"bad x={x}")
+
+
+@REG.function(warm=0, timeout_s=10)
+def sleepy(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+@REG.function(warm=0, timeout_s=0.5, retry={"max_attempts": 1})
+def hang() -> None:
+    while True:
+        pass
+
+
+@REG.function(warm=0, retry={"max_attempts": 2, "initial_backoff_s": 0.01})
+def suicide() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@REG.function(warm=0, retry={"max_attempts": 3, "initial_backoff_s": 0.01})
+def flaky(path: str, fail_times: int) -> int:
+    """Dies (SIGKILL) on its first ``fail_times`` executions, counted in a file."""
+    p = Path(path)
+    n = int(p.read_text()) if p.exists() else 0
+    p.write_text(str(n + 1))
+    if n < fail_times:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return n + 1
+
+
+def _setup() -> dict:
+    global _SETUP_CALLS
+    _SETUP_CALLS += 1
+    return {"pid": os.getpid(), "setup_calls": _SETUP_CALLS, "at": time.time()}
+
+
+@REG.function(warm=1, setup=_setup)
+def with_setup(x: int, ctx: dict) -> dict:
+    return {"x": x, **ctx}
+
+
+def _bad_setup() -> None:
+    raise RuntimeError("model weights not found")
+
+
+@REG.function(warm=0, setup=_bad_setup)
+def bad_setup(x: int) -> int:
+    return x
+
+
+@REG.function(warm=0, max_concurrency=16)
+async def async_sleepy(seconds: float) -> int:
+    await asyncio.sleep(seconds)
+    return os.getpid()
+
+
+@REG.function(warm=0)
+def big_result(n: int) -> str:
+    return "x" * n
+
+
+@REG.function(warm=0)
+def not_json() -> object:
+    return object()
+
+
+@REG.function(warm=0, max_concurrency=2)
+def limited(seconds: float) -> float:
+    time.sleep(seconds)
+    return time.time()
+
+
+@REG.tool(warm=0, side_effects=True)
+def append_line(path: str, line: str) -> int:
+    with open(path, "a") as f:
+        f.write(line + "\n")
+    return len(Path(path).read_text().splitlines())
+
+
+@REG.function(warm=0)
+def exits() -> None:
+    raise SystemExit(3)

@@ -1,0 +1,109 @@
+"""The ``fabric`` command, through typer's runner (the local backend spawns real workers)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from fabric.cli import app
+
+runner = CliRunner()
+
+
+def test_ls_lists_builtins_and_user_modules():
+    r = runner.invoke(app, ["ls", "--json", "-m", "sample_fns"])
+    assert r.exit_code == 0, r.output
+    names = {s["name"] for s in json.loads(r.stdout)}
+    assert {"exact_match", "add", "boom"} <= names
+    r = runner.invoke(app, ["ls"])
+    assert r.exit_code == 0 and "exact_match" in r.stdout
+
+
+def test_ls_bad_module_is_a_clear_error():
+    r = runner.invoke(app, ["ls", "-m", "no_such_module_xyz"])
+    assert r.exit_code == 2 and "no_such_module_xyz" in r.output
+
+
+def test_invoke_prints_the_result():
+    r = runner.invoke(
+        app, ["invoke", "exact_match", "--payload", '{"traj": "The answer is 42.", "ground_truth": "42"}']
+    )
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["ok"] is True and out["value"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "text"),
+    [
+        (["invoke", "exact_matc", "--payload", "{}"], 1, "known functions: exact_match"),
+        (["invoke", "exact_match", "--payload", "{not json"], 2, "not valid JSON"),
+        (["invoke", "exact_match", "--payload", "[1]"], 2, "JSON object"),
+        (["invoke", "exact_match", "--payload", '{"traj": "x"}'], 1, "missing 'ground_truth'"),
+        (
+            ["invoke", "boom", "-m", "sample_fns", "--payload", '{"x": 1}', "--backend", "inproc"],
+            1,
+            "ValueError",
+        ),
+        (["invoke", "add", "-m", "sample_fns", "--backend", "lambda"], 2, "known types"),
+    ],
+)
+def test_invoke_errors(args, code, text):
+    r = runner.invoke(app, args)
+    assert r.exit_code == code, r.output
+    assert text in r.output
+
+
+def test_bench_json_has_the_figures():
+    r = runner.invoke(app, ["bench", "exact_match", "--n", "400", "--concurrency", "8", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    for key in ("throughput_per_s", "p50_ms", "p99_ms", "overhead_p50_ms", "cold_start_ms"):
+        assert out[key] > 0, key
+    assert out["errors"] == 0 and out["n"] == 400
+
+
+def test_bench_compare_hedge_with_stragglers():
+    r = runner.invoke(
+        app,
+        [
+            "bench",
+            "exact_match",
+            "--n",
+            "600",
+            "--concurrency",
+            "8",
+            "--straggler-rate",
+            "0.05",
+            "--straggler-ms",
+            "100",
+            "--compare-hedge",
+            "--json",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["hedge_off_p99_ms"] >= 100  # 5% stragglers show at p99 without hedging
+    assert out["hedges"] > 0
+
+
+def test_bench_rejects_bad_options():
+    r = runner.invoke(app, ["bench", "exact_match", "--n", "0", "--json"])
+    assert r.exit_code == 2 and "n" in r.output
+    r = runner.invoke(app, ["bench", "exact_match", "--baseline", "spark", "--n", "10", "--json"])
+    assert r.exit_code == 2 and "baseline" in r.output
+
+
+@pytest.mark.ray
+def test_bench_ray_baseline_runs_side_by_side():
+    r = runner.invoke(
+        app, ["bench", "exact_match", "--n", "300", "--concurrency", "8", "--baseline", "ray", "--json"]
+    )
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["baseline"] == "ray" and out["baseline_throughput_per_s"] > 0
+    assert out["ratio_vs_baseline"] == pytest.approx(
+        out["throughput_per_s"] / out["baseline_throughput_per_s"]
+    )

@@ -1,0 +1,170 @@
+"""Client behaviour against the shipped FakeBackend: retries, deadlines, hedging,
+idempotency, the circuit breaker, streaming and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from client_fns import REG
+
+from fabric.client import Client, ClientConfig
+from fabric.errors import ErrorCode
+from fabric.testing import FakeBackend, Fault
+
+
+def make(**cfg) -> tuple[Client, FakeBackend]:
+    fake = FakeBackend(REG)
+    return Client(backend=fake, registry=REG, config=ClientConfig.model_validate(cfg)), fake
+
+
+async def test_retryable_failures_are_retried_with_backoff():
+    c, fake = make()
+    fake.fail_next("double", ErrorCode.WORKER_LOST, times=2)
+    r = await c.call("double", {"x": 4})
+    assert r.ok and r.value == 8 and r.attempts == 3
+    assert [i.attempt for i in fake.invocations] == [1, 2, 3]
+    assert c.metrics()["double"]["retries"] == 2
+
+
+async def test_retries_stop_at_max_attempts():
+    c, fake = make()
+    fake.fail_next("double", ErrorCode.THROTTLED, times=10)
+    r = await c.call("double", {"x": 1})
+    assert not r.ok and r.error.type == ErrorCode.THROTTLED and r.retryable and r.attempts == 3
+    assert len(fake.invocations) == 3
+
+
+async def test_user_errors_are_never_retried():
+    c, fake = make()
+    r = await c.call("fail_user", {"x": 1})
+    assert not r.ok and r.error.type == ErrorCode.USER_ERROR and "KeyError" in r.error.message
+    assert len(fake.invocations) == 1
+
+
+async def test_deadline_bounds_the_retries():
+    c, fake = make()
+    # every attempt takes 0.1 s and fails retryably; the policy would allow 20 attempts
+    fake.inject("slow_retry", *(Fault(code=ErrorCode.TRANSPORT, delay_s=0.1) for _ in range(20)))
+    t0 = time.monotonic()
+    r = await c.call("slow_retry", {"x": 1}, deadline_s=0.25)
+    assert not r.ok and time.monotonic() - t0 < 0.6
+    assert 2 <= len(fake.invocations) <= 4
+    assert fake.invocations[0].deadline is not None  # the deadline travels with the call
+
+
+async def test_idempotency_key_means_one_execution():
+    c, fake = make()
+    r1 = await c.call("double", {"x": 3}, idempotency_key="traj-1")
+    r2 = await c.call("double", {"x": 3}, idempotency_key="traj-1")
+    assert r1.value == r2.value == 6 and r2.cached and not r1.cached
+    # concurrent calls with one key share a single execution
+    rs = await asyncio.gather(
+        *(c.call("nap", {"seconds": 0.05, "tag": 1}, idempotency_key="k") for _ in range(5))
+    )
+    assert all(r.value == 1 for r in rs)
+    assert sum(fake.executions.values()) == 2
+    assert c.metrics()["nap"]["cache_hits"] == 4
+
+
+async def test_retry_after_failure_keeps_the_idempotency_key():
+    c, fake = make()
+    fake.fail_next("effect", ErrorCode.WORKER_LOST)
+    r = await c.call("effect", {"x": 1}, idempotency_key="t")
+    assert r.ok
+    keys = {i.idempotency_key for i in fake.invocations}
+    assert len(keys) == 1 and "effect" in keys.pop()
+
+
+async def _warm_latency(c: Client, n: int = 30) -> None:
+    await c.map("nap", [{"seconds": 0.001}] * n)
+
+
+async def test_hedge_fires_after_p95_and_first_answer_wins():
+    c, fake = make(hedge={"min_samples": 20, "max_share": 0.5})
+    await _warm_latency(c)
+    fake.inject("nap", Fault(delay_s=1.0))  # the primary straggles, the hedge does not
+    t0 = time.monotonic()
+    r = await c.call("nap", {"seconds": 0.001, "tag": 9})
+    assert r.ok and r.value == 9 and r.hedged
+    assert time.monotonic() - t0 < 0.5
+    m = c.metrics()["nap"]
+    assert m["hedges"] == 1 and m["hedge_wins"] == 1
+    assert (
+        fake.invocations[-1].hedge
+        and fake.invocations[-1].idempotency_key == fake.invocations[-2].idempotency_key
+    )
+
+
+async def test_no_hedge_when_disabled_or_for_side_effects():
+    c, fake = make(hedge={"min_samples": 20, "enabled": False})
+    await _warm_latency(c)
+    fake.inject("nap", Fault(delay_s=0.3))
+    r = await c.call("nap", {"seconds": 0.001})
+    assert r.ok and not r.hedged
+    c2, fake2 = make(hedge={"min_samples": 5})
+    await c2.map("effect", [{"x": i} for i in range(10)])
+    fake2.inject("effect", Fault(delay_s=0.3))
+    r = await c2.call("effect", {"x": 1})
+    assert r.ok and not r.hedged and not any(i.hedge for i in fake2.invocations)
+
+
+async def test_hedges_are_capped():
+    c, fake = make(hedge={"min_samples": 20, "max_share": 0.0})
+    await _warm_latency(c)
+    for _ in range(8):
+        fake.inject("nap", Fault(delay_s=0.2))
+    await c.map("nap", [{"seconds": 0.001}] * 8)
+    assert c.metrics()["nap"]["hedges"] == 5  # the burst allowance, then nothing
+
+
+async def test_circuit_opens_after_consecutive_infra_failures_and_recovers():
+    c, fake = make(breaker={"failure_threshold": 3, "cooldown_s": 0.2})
+    fake.fail_next("double", ErrorCode.WORKER_LOST, times=3)
+    r = await c.call("double", {"x": 1})
+    assert not r.ok and r.attempts == 3
+    n = len(fake.invocations)
+    r = await c.call("double", {"x": 1})
+    assert r.error.type == ErrorCode.CIRCUIT_OPEN and "retry in" in r.error.message
+    assert len(fake.invocations) == n  # failed fast, nothing sent
+    await asyncio.sleep(0.25)
+    r = await c.call("double", {"x": 1})
+    assert r.ok  # the probe after the cooldown went through and closed the circuit
+
+
+async def test_stream_yields_in_completion_order_and_takes_async_input():
+    c, _ = make()
+    order = [
+        r.value async for r in c.stream("nap", [{"seconds": 0.2, "tag": 0}, {"seconds": 0.01, "tag": 1}])
+    ]
+    assert order == [1, 0]
+
+    async def produce():
+        for i in range(5):
+            await asyncio.sleep(0.01)
+            yield {"x": i}
+
+    got = sorted([(r.index, r.value) async for r in c.stream("double", produce())])
+    assert got == [(i, 2 * i) for i in range(5)]
+
+
+async def test_bad_payloads_never_reach_the_backend():
+    c, fake = make()
+    assert (await c.call("double", {"y": 1})).error.type == ErrorCode.INVALID_ARGUMENTS
+    assert (await c.call("double", {"x": object()})).error.type == ErrorCode.PAYLOAD_NOT_SERIALIZABLE
+    assert (await c.call("double", [1])).error.type == ErrorCode.INVALID_ARGUMENTS  # type: ignore[arg-type]
+    unknown = await c.call("tripple", {"x": 1})
+    assert unknown.error.type == ErrorCode.UNKNOWN_FUNCTION and "double" in unknown.error.message
+    assert fake.invocations == []
+    assert (await c.call("double", {"x": 2})).unwrap() == 4
+
+
+async def test_metrics_snapshot():
+    c, fake = make()
+    fake.fail_next("double", ErrorCode.WORKER_LOST)
+    await c.map("double", [{"x": i} for i in range(10)])
+    await c.call("fail_user", {"x": 1})
+    m = c.metrics()
+    assert m["double"]["calls"] == 10 and m["double"]["ok"] == 10 and m["double"]["retries"] == 1
+    assert m["fail_user"]["errors"] == {"UserError": 1}
+    assert sum(m["double"]["latency_ms"]["buckets"].values()) == 10

@@ -1,0 +1,252 @@
+"""The local backend with real worker processes: calls, failures, timeouts, scaling, cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import sample_fns
+from sample_fns import REG
+
+from fabric.backends.base import LocalConfig
+from fabric.client import Client
+from fabric.errors import ErrorCode
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def local(**kw) -> Client:
+    return Client(backend=LocalConfig(**kw), registry=REG)
+
+
+async def test_call_returns_value_timings_and_worker():
+    async with local() as c:
+        r = await c.call("add", {"a": 2, "b": 3})
+        assert r.ok and r.value == 5
+        assert r.worker and r.worker.startswith("add-")
+        assert r.timings.total_ms > 0 and r.timings.exec_ms >= 0
+        assert (await c.call("add", {"a": 1})).value == 1  # the function's default applies
+
+
+async def test_map_keeps_order_and_stream_yields_every_result():
+    async with local() as c:
+        rs = await c.map("add", [{"a": i, "b": i} for i in range(300)])
+        assert [r.value for r in rs] == [2 * i for i in range(300)]
+        assert [r.index for r in rs] == list(range(300))
+        seen = {r.index: r.value async for r in c.stream("add", ({"a": i} for i in range(100)))}
+        assert seen == {i: i for i in range(100)}
+
+
+async def test_user_exception_is_data_and_the_pool_keeps_serving():
+    async with local() as c:
+        r = await c.call("boom", {"x": 7})
+        assert not r.ok and r.error.type == ErrorCode.USER_ERROR and not r.error.retryable
+        assert "ValueError: bad x=7" in r.error.message
+        assert "boom" in r.error.traceback
+        assert r.attempts == 1
+        exited = await c.call("exits", {})
+        assert exited.error.type == ErrorCode.USER_ERROR and "SystemExit" in exited.error.message
+        # same worker process still serves
+        p1 = (await c.call("pid", {})).value
+        p2 = (await c.call("pid", {})).value
+        assert p1 == p2
+
+
+async def test_worker_killed_mid_call_is_retryable_and_replaced(tmp_path):
+    async with local() as c:
+        r = await c.call("suicide", {})
+        assert not r.ok and r.error.type == ErrorCode.WORKER_LOST and r.error.retryable
+        assert r.attempts == 2  # the policy allows 2; both died
+        # the retry lands on a fresh worker and succeeds when the failure was transient
+        r = await c.call("flaky", {"path": str(tmp_path / "n"), "fail_times": 1})
+        assert r.ok and r.value == 2 and r.attempts == 2
+        assert c.backend.stats()["flaky"]["lost"] == 1
+
+
+async def test_hung_handler_times_out_and_its_worker_is_replaced():
+    async with local() as c:
+        t0 = time.monotonic()
+        r = await c.call("hang", {})
+        took = time.monotonic() - t0
+        assert not r.ok and r.error.type == ErrorCode.TIMEOUT and "0.5 s" in r.error.message
+        assert took < 5
+        stats = c.backend.stats()["hang"]
+        assert stats["timeouts"] == 1
+        # another function's pool is untouched, and the replaced pool would serve again
+        assert (await c.call("add", {"a": 1})).ok
+
+
+async def test_deadline_travels_with_the_call():
+    async with local() as c:
+        t0 = time.monotonic()
+        r = await c.call("sleepy", {"seconds": 5}, deadline_s=0.4)
+        assert not r.ok and r.error.type in (ErrorCode.TIMEOUT, ErrorCode.DEADLINE_EXCEEDED)
+        assert time.monotonic() - t0 < 3
+
+
+async def test_setup_hook_runs_once_per_worker():
+    async with local() as c:
+        rs = await c.map("with_setup", [{"x": i} for i in range(50)])
+        assert all(r.ok for r in rs)
+        by_pid: dict[int, set] = {}
+        for r in rs:
+            by_pid.setdefault(r.value["pid"], set()).add(r.value["setup_calls"])
+        assert by_pid and all(calls == {1} for calls in by_pid.values())
+
+
+async def test_setup_failure_fails_fast_with_the_cause():
+    async with local(setup_failure_cooldown_s=30) as c:
+        r = await c.call("bad_setup", {"x": 1})
+        assert not r.ok and r.error.type == ErrorCode.SETUP_FAILED and not r.error.retryable
+        assert "model weights not found" in r.error.message
+        t0 = time.monotonic()
+        r2 = await c.call("bad_setup", {"x": 1})
+        assert r2.error.type == ErrorCode.SETUP_FAILED and time.monotonic() - t0 < 0.1
+
+
+async def test_cold_start_growth_and_idle_shrink():
+    async with local(warm=0, max_workers=2, idle_window_s=0.3) as c:
+        r = await c.call("sleepy", {"seconds": 0})
+        assert r.ok and r.cold_start
+        assert not (await c.call("sleepy", {"seconds": 0})).cold_start
+        pids = {r.value for r in await c.map("sleepy", [{"seconds": 0.3}] * 80)}
+        assert len(pids) == 2  # grew to the cap under load
+        stats = c.backend.stats()["sleepy"]
+        assert stats["workers"] == 2 and stats["spawned"] == 2
+        await asyncio.sleep(1.0)
+        assert c.backend.stats()["sleepy"]["workers"] == 0  # shrank back to warm=0
+        assert not any(alive(p) for p in pids)
+
+
+async def test_warm_workers_are_ready_before_the_first_call():
+    async with local() as c:
+        await c.backend.warmup(["add"])
+        r = await c.call("add", {"a": 1})
+        assert r.ok and not r.cold_start
+
+
+async def test_async_function_runs_concurrently_in_one_worker():
+    async with local(max_workers=1) as c:
+        await c.backend.warmup(["async_sleepy"])
+        t0 = time.monotonic()
+        rs = await c.map("async_sleepy", [{"seconds": 0.3}] * 8)
+        assert all(r.ok for r in rs) and len({r.value for r in rs}) == 1
+        assert time.monotonic() - t0 < 1.5  # 8 x 0.3 s would be 2.4 s one after another
+
+
+async def test_concurrency_limit_is_respected():
+    async with local(max_workers=4) as c:
+        rs = await c.map("limited", [{"seconds": 0.2}] * 6)
+        ends = sorted(r.value for r in rs)
+        # at most 2 at once: six 0.2 s calls take at least three rounds
+        assert ends[-1] - ends[0] >= 0.35
+
+
+async def test_bad_results_and_bad_arguments_are_clear_errors():
+    async with local() as c:
+        r = await c.call("not_json", {})
+        assert r.error.type == ErrorCode.RESULT_NOT_SERIALIZABLE and "object" in r.error.message
+        r = await c.call("big_result", {"n": 7 * 1024 * 1024})
+        assert r.error.type == ErrorCode.RESULT_NOT_SERIALIZABLE and "6 MB" in r.error.message
+        r = await c.call("add", {"a": "not a number"})
+        assert r.error.type == ErrorCode.INVALID_ARGUMENTS and "a:" in r.error.message
+        r = await c.call("add", {"b": 1, "c": 2})
+        assert r.error.type == ErrorCode.INVALID_ARGUMENTS
+        assert "missing 'a'" in r.error.message and "unexpected 'c'" in r.error.message
+        r = await c.call("add", {"a": object()})
+        assert r.error.type == ErrorCode.PAYLOAD_NOT_SERIALIZABLE
+        r = await c.call("big_result", {"n": "x" * (7 * 1024 * 1024)})
+        assert r.error.type == ErrorCode.PAYLOAD_TOO_LARGE and "MB" in r.error.message
+        r = await c.call("ad", {"a": 1})
+        assert r.error.type == ErrorCode.UNKNOWN_FUNCTION and "add" in r.error.message
+        # none of those reached a worker of big_result except the oversized result
+        assert c.backend.stats()["big_result"]["calls"] == 1
+        assert (await c.call("add", {"a": 1})).ok
+
+
+async def test_close_leaves_no_process():
+    async with local(max_workers=2) as c:
+        pids = {r.value for r in await c.map("sleepy", [{"seconds": 0.05}] * 40)}
+        pids |= set(c.backend.stats()["add"]["pids"]) if "add" in c.backend.stats() else set()
+        assert pids
+    assert not any(alive(p) for p in pids)
+
+
+async def test_calls_in_flight_at_close_get_an_answer():
+    c = local()
+    await c.__aenter__()
+    task = asyncio.create_task(c.call("sleepy", {"seconds": 5}))
+    await asyncio.sleep(0.5)
+    await c.aclose()
+    r = await asyncio.wait_for(task, 5)
+    assert not r.ok and r.error.type in (ErrorCode.BACKEND_CLOSED, ErrorCode.WORKER_LOST)
+    r = await c.call("add", {"a": 1})
+    assert r.error.type == ErrorCode.BACKEND_CLOSED
+
+
+def _run_script(body: str, *, sig: int | None = None) -> list[int]:
+    """Run a script that starts workers and prints their pids, then ends abruptly."""
+    script = textwrap.dedent(
+        """
+        import asyncio, os, sys
+        sys.path.insert(0, HELPERS)
+        from sample_fns import REG
+        from fabric.client import Client
+        from fabric.backends.base import LocalConfig
+
+        async def main():
+            c = Client(backend=LocalConfig(max_workers=2), registry=REG)
+            await c.__aenter__()
+            rs = await c.map("sleepy", [{"seconds": 0.2}] * 8)
+            print(" ".join(str(p) for p in {r.value for r in rs}), flush=True)
+        """
+    ).replace("HELPERS", repr(os.path.dirname(sample_fns.__file__))) + textwrap.dedent(body)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    pids = [int(p) for p in line.split()]
+    if sig is not None:
+        proc.send_signal(sig)
+    proc.wait(timeout=30)
+    return pids
+
+
+@pytest.mark.parametrize(
+    ("body", "sig"),
+    [
+        ("asyncio.run(main())\n", None),  # never closed: the atexit backstop
+        ("asyncio.run(main()); os._exit(0)\n", None),  # no atexit at all: the kernel's death signal
+        (
+            "async def m2():\n    await main()\n    await asyncio.sleep(60)\nasyncio.run(m2())\n",
+            signal.SIGINT,
+        ),
+        (
+            "async def m2():\n    await main()\n    await asyncio.sleep(60)\nasyncio.run(m2())\n",
+            signal.SIGKILL,
+        ),
+    ],
+    ids=["atexit", "os._exit", "ctrl-c", "kill-9"],
+)
+def test_no_orphans_whatever_way_the_parent_ends(body, sig):
+    pids = _run_script(body, sig=sig)
+    assert pids
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in pids)
