@@ -38,7 +38,7 @@ from tenacity import (
 )
 
 from fabric.backends.base import Backend, make_backend
-from fabric.errors import ErrorCode, PayloadError
+from fabric.errors import ErrorCode, FabricError, PayloadError
 from fabric.metrics import FunctionMetrics
 from fabric.protocol import Invocation, Result, encode_payload
 from fabric.registry import Registry, default_registry
@@ -99,6 +99,13 @@ class Client:
         registry: Registry | None = None,
         config: ClientConfig | dict[str, Any] | None = None,
     ):
+        importing = os.environ.get("_FABRIC_WORKER_IMPORTING")
+        if importing:
+            raise FabricError(
+                f"a fabric worker imported {importing.rpartition(':')[0]} to find its function, and the "
+                "import started a fabric.Client. Put the script's entry point under "
+                '`if __name__ == "__main__":` so importing the file only defines functions.'
+            )
         self.registry = registry if registry is not None else default_registry
         self._owns_backend = not isinstance(backend, Backend)
         self.backend = make_backend(backend, self.registry)

@@ -33,10 +33,20 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+def to_strict_json(value: Any) -> bytes:
+    """JSON bytes of ``value``; ``ValueError`` for NaN/Infinity, which JSON cannot carry
+    (pydantic-core would write the non-standard ``NaN`` token that Lambda rejects)."""
+    raw = pydantic_core.to_json(value)
+    # the tokens are rare; only then pay for a second encoding to tell them from strings
+    if (b"NaN" in raw or b"Infinity" in raw) and raw != pydantic_core.to_json(value, inf_nan_mode="null"):
+        raise ValueError("NaN or Infinity is not valid JSON; send None or a finite number")
+    return raw
+
+
 def encode_payload(payload: Any, *, limit: int = MAX_PAYLOAD_BYTES, what: str = "payload") -> bytes:
     """Encode ``payload`` as JSON bytes or raise a ``PayloadError`` that says what to do."""
     try:
-        raw = pydantic_core.to_json(payload)
+        raw = to_strict_json(payload)
     except (pydantic_core.PydanticSerializationError, TypeError, ValueError) as e:
         raise PayloadNotSerializableError(
             f"{what} is not JSON-serialisable: {e}. Pass plain JSON types (dict, list, str, numbers, "
@@ -44,7 +54,8 @@ def encode_payload(payload: Any, *, limit: int = MAX_PAYLOAD_BYTES, what: str = 
         ) from None
     if len(raw) > limit:
         raise PayloadTooLargeError(
-            f"{what} is {len(raw) / 1e6:.2f} MB, over the {limit / 1e6:.0f} MB limit of a synchronous "
+            f"{what} is {len(raw) / 2**20:.2f} MiB ({len(raw):,} bytes), over the {limit / 2**20:.3g} MiB "
+            f"({limit:,}-byte) limit of a synchronous "
             "invoke. Send a reference instead (an S3/local path or a trajectory id)."
         )
     return raw

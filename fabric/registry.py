@@ -87,7 +87,11 @@ def _import_file(path: Path) -> ModuleType:
         raise ImportError(f"no such file: {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]  # a broken file must fail again next time, not look empty
+        raise
     return module
 
 
@@ -266,8 +270,10 @@ class Registry:
                 module = (
                     _import_file(Path(target)) if target.endswith(".py") else importlib.import_module(target)
                 )
-            except ImportError as e:
-                raise EntryPointError(f"cannot import {target!r} for discovery: {e}") from e
+            except Exception as e:  # the user's module may raise anything at import
+                raise EntryPointError(
+                    f"cannot import {target!r} for discovery: {type(e).__name__}: {e}"
+                ) from e
             for mod in _walk(module):
                 for obj in list(vars(mod).values()):
                     spec = getattr(obj, SPEC_ATTR, None)
@@ -285,8 +291,10 @@ def _walk(module: ModuleType) -> Iterator[ModuleType]:
     for info in pkgutil.walk_packages(path, prefix=module.__name__ + "."):
         try:
             yield importlib.import_module(info.name)
-        except ImportError as e:
-            raise EntryPointError(f"cannot import {info.name!r} during discovery: {e}") from e
+        except Exception as e:
+            raise EntryPointError(
+                f"cannot import {info.name!r} during discovery: {type(e).__name__}: {e}"
+            ) from e
 
 
 #: The registry the module-level decorators write to.

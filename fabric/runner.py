@@ -18,7 +18,7 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError
 from typing_extensions import TypedDict
 
 from fabric.errors import ErrorCode
-from fabric.protocol import MAX_PAYLOAD_BYTES
+from fabric.protocol import MAX_PAYLOAD_BYTES, to_strict_json
 from fabric.registry import SETUP_ATTR, SPEC_ATTR, load_entry_point
 from fabric.spec import CTX_PARAM, FunctionSpec
 
@@ -107,7 +107,7 @@ class FunctionRunner:
 
     def _encode(self, value: Any) -> Outcome:
         try:
-            out = pydantic_core.to_json(value)
+            out = to_strict_json(value)
         except (pydantic_core.PydanticSerializationError, TypeError, ValueError) as e:
             return (
                 False,

@@ -26,6 +26,7 @@ from typing import Any
 from fabric.backends._wire import SLOT, SLOT_SIZE, FrameReader, pack
 from fabric.errors import ErrorCode
 
+IMPORTING_ENV = "_FABRIC_WORKER_IMPORTING"
 _FLUSH_AFTER_NS = 1_000_000  # send buffered results once the oldest has waited 1 ms
 
 
@@ -154,7 +155,13 @@ def main() -> None:
     try:
         from fabric.runner import FunctionRunner
 
-        runner = FunctionRunner.from_entry(init["entry"])
+        # a script that starts a Client at import (no main guard) would otherwise make every
+        # worker start its own pool; the Client refuses while this is set
+        os.environ[IMPORTING_ENV] = init["entry"]
+        try:
+            runner = FunctionRunner.from_entry(init["entry"])
+        finally:
+            os.environ.pop(IMPORTING_ENV, None)
         t1 = time.perf_counter()
         runner.setup()
     except BaseException as e:

@@ -35,6 +35,7 @@ from fabric.spec import FunctionSpec
 _TICK_S = 0.05  # maintenance period: timeouts, idle shrink, replenish
 _ASYNC_GRACE_S = 1.0  # an async call is enforced in the worker; the parent steps in after this
 _MAX_START_FAILURES = 3
+_QUEUED_WORK_MS = 2.0  # work a synchronous worker may have queued (see FunctionPool.per_worker)
 
 # exit backstop: whatever a crashed caller failed to close is killed at interpreter exit
 _LIVE_PIDS: set[int] = set()
@@ -118,8 +119,7 @@ class FunctionPool:
         self.config = config
         self.max_workers = max(1, min(spec.max_concurrency, config.max_workers or cpu))
         self.warm = min(self.max_workers, spec.warm if config.warm is None else config.warm)
-        # synchronous workers run one call at a time: more than a batch in flight only queues
-        self.per_worker = spec.max_concurrency if spec.is_async else spec.max_batch
+        self._exec_ewma_ms: float | None = None
         self._loop = asyncio.get_running_loop()
         self._pending: deque[_Call] = deque()
         self._scheduled = False
@@ -204,18 +204,31 @@ class FunctionPool:
             self._loop.call_soon(self._dispatch)
         return fut
 
+    @property
+    def per_worker(self) -> int:
+        """Calls one worker may hold. Async workers run them concurrently; a synchronous
+        worker runs them one after another, so it gets about ``_QUEUED_WORK_MS`` of work:
+        cheap calls are batched, slow ones stay in the pool queue for whichever worker
+        (maybe a new one) frees up first instead of queueing behind each other."""
+        if self.spec.is_async:
+            return self.spec.max_concurrency
+        if self._exec_ewma_ms is None:
+            return min(4, self.spec.max_batch)
+        return max(1, min(self.spec.max_batch, int(_QUEUED_WORK_MS / max(self._exec_ewma_ms, 1e-3))))
+
     def _dispatch(self) -> None:
         self._scheduled = False
         pending = self._pending
         if not pending or self._closed:
             return
-        ready = [w for w in self._workers if w.ready and not w.lost and len(w.inflight) < self.per_worker]
+        cap = self.per_worker
+        ready = [w for w in self._workers if w.ready and not w.lost and len(w.inflight) < cap]
         ready.sort(key=lambda w: len(w.inflight))
         now = time.monotonic_ns()
         for w in ready:
             if not pending:
                 break
-            room = min(self.per_worker - len(w.inflight), self.spec.max_batch)
+            room = min(cap - len(w.inflight), self.spec.max_batch)
             batch: list[tuple[int, bytes, int, float]] = []
             skipped: list[_Call] = []
             while pending and len(batch) < room:
@@ -247,7 +260,8 @@ class FunctionPool:
         # one more worker per tick while calls queue and the cap allows
         alive = len(self._workers)
         if self._broken is None and alive < self.max_workers and self._starting == 0:
-            busy = all(len(w.inflight) >= self.per_worker for w in self._workers if w.ready)
+            cap = self.per_worker
+            busy = all(len(w.inflight) >= cap for w in self._workers if w.ready)
             if busy:
                 self._spawn(on_demand=True)
 
@@ -256,7 +270,9 @@ class FunctionPool:
         now = time.monotonic()
         w.last_progress = w.last_active = now
         served = 0
+        ewma = self._exec_ewma_ms
         for cid, ok, out, start_ns, exec_ms in results:
+            ewma = exec_ms if ewma is None else 0.9 * ewma + 0.1 * exec_ms
             call = w.inflight.pop(cid, None)
             if call is None:
                 continue
@@ -304,6 +320,7 @@ class FunctionPool:
                     index=None,
                 )
             call.fut.set_result(res)
+        self._exec_ewma_ms = ewma
         w.served += served
         self.metrics["calls"] += served
         if self._pending and not self._scheduled:

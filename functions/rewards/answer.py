@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import re
-import string
 
-_ANSWER_IS = re.compile(r"(?:final answer|the answer)\s*(?:is|:)\s*(.+)", re.IGNORECASE)
+_ANSWER_IS = re.compile(r"(?:final answer|the answer)\s*(?:is\s*:?|:)\s*(.+)", re.IGNORECASE)
 _ANSWER_COLON = re.compile(r"^\s*answer\s*:\s*(.+)$", re.IGNORECASE | re.MULTILINE)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
 _NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$")
-_PUNCT = str.maketrans("", "", string.punctuation.replace(".", "").replace("-", ""))
+# sentence punctuation only: math symbols (/ ^ + - * = ( ) [ ] < > %) change the meaning
+_PUNCT = str.maketrans("", "", "!\"'`?;:,_~@#&|")
 
 
 def last_boxed(text: str) -> str | None:
@@ -58,5 +58,6 @@ def normalize(answer: str) -> str:
         except ValueError:
             pass
     s = s.translate(_PUNCT)
-    s = _ARTICLES.sub(" ", s)
+    if " " in s:  # a lone "a" is a multiple-choice answer, not an article
+        s = _ARTICLES.sub(" ", s)
     return " ".join(s.split())

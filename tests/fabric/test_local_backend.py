@@ -126,7 +126,7 @@ async def test_cold_start_growth_and_idle_shrink():
         r = await c.call("sleepy", {"seconds": 0})
         assert r.ok and r.cold_start
         assert not (await c.call("sleepy", {"seconds": 0})).cold_start
-        pids = {r.value for r in await c.map("sleepy", [{"seconds": 0.3}] * 80)}
+        pids = {r.value for r in await c.map("sleepy", [{"seconds": 0.05}] * 40)}
         assert len(pids) == 2  # grew to the cap under load
         stats = c.backend.stats()["sleepy"]
         assert stats["workers"] == 2 and stats["spawned"] == 2
@@ -173,7 +173,7 @@ async def test_bad_results_and_bad_arguments_are_clear_errors():
         r = await c.call("add", {"a": object()})
         assert r.error.type == ErrorCode.PAYLOAD_NOT_SERIALIZABLE
         r = await c.call("big_result", {"n": "x" * (7 * 1024 * 1024)})
-        assert r.error.type == ErrorCode.PAYLOAD_TOO_LARGE and "MB" in r.error.message
+        assert r.error.type == ErrorCode.PAYLOAD_TOO_LARGE and "MiB" in r.error.message
         r = await c.call("ad", {"a": 1})
         assert r.error.type == ErrorCode.UNKNOWN_FUNCTION and "add" in r.error.message
         # none of those reached a worker of big_result except the oversized result

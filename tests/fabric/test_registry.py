@@ -17,9 +17,9 @@ from fabric.errors import (
 from fabric.protocol import encode_payload
 from fabric.registry import SPEC_ATTR, Registry, load_entry_point
 from fabric.runner import FunctionRunner
-from fabric.spec import FunctionSpec
+from functions.rewards.answer import normalize
 
-# ----------------------------------------------------------------------------- top-level helpers
+# top-level helpers: entry points are module:qualname
 
 
 def add_one(x: int) -> int:
@@ -41,21 +41,9 @@ def load_model() -> dict[str, Any]:
     return {"model": "loaded"}
 
 
-def load_other_model() -> dict[str, Any]:
-    return {"model": "other"}
-
-
 def greet(text: str, ctx: dict[str, Any] | None = None) -> str:
     assert ctx is not None
     return f"{ctx['model']}:{text}"
-
-
-def star_args(*items: int) -> int:
-    return len(items)
-
-
-def pos_only(a: int, /) -> int:
-    return a
 
 
 def no_params() -> float:
@@ -66,24 +54,24 @@ def only_kwargs(**kw: Any) -> float:
     return float(len(kw))
 
 
-def setup_with_arg(x: int) -> int:
-    return x
+def _make_nested() -> Any:
+    def inner(x: int) -> int:
+        return x
+
+    return inner
 
 
-def plain(x: int) -> int:
-    return x
+def spec_of(fn: Any, **options: Any) -> Any:
+    return getattr(Registry().function(**options)(fn), SPEC_ATTR)
 
 
 @pytest.fixture
 def default_reg(monkeypatch: pytest.MonkeyPatch) -> Registry:
-    """The default registry, restored after the test."""
+    """fabric.default_registry, restored after the test."""
     reg = fabric.default_registry
     monkeypatch.setattr(reg, "_specs", dict(reg._specs))
     monkeypatch.setattr(reg, "_fns", dict(reg._fns))
     return reg
-
-
-# ----------------------------------------------------------------------------- decorators
 
 
 def test_bare_decorators_return_the_function_and_register_it() -> None:
@@ -94,8 +82,7 @@ def test_bare_decorators_return_the_function_and_register_it() -> None:
     assert add_one(1) == 2  # still a plain callable
     assert reg.names() == ["add_one", "add_two", "score"]
     assert [reg.get(n).kind for n in reg.names()] == ["tool", "function", "reward"]
-    assert reg.callable("score") is score
-    assert getattr(score, SPEC_ATTR) == reg.get("score")
+    assert reg.callable("score") is score and getattr(score, SPEC_ATTR) == reg.get("score")
     assert len(reg) == 3 and "score" in reg and "nope" not in reg
     assert [s.name for s in reg] == ["add_one", "add_two", "score"]
 
@@ -113,26 +100,19 @@ def test_decorators_with_arguments() -> None:
 def test_module_level_reward_writes_to_default_registry(default_reg: Registry) -> None:
     fabric.reward(name="test_registry_default_probe", timeout_s=3)(score)
     spec = default_reg.get("test_registry_default_probe")
-    assert spec.kind == "reward" and spec.timeout_s == 3
-    assert spec.entry == f"{__name__}:score"
+    assert spec.kind == "reward" and spec.timeout_s == 3 and spec.entry == f"{__name__}:score"
 
 
 def test_spec_fields() -> None:
-    reg = Registry()
-    reg.function(
-        timeout_s=12.5,
-        memory_mb=2048,
-        warm=3,
-        max_concurrency=8,
-        max_batch=4,
+    s = spec_of(
+        add_one,
+        **{"timeout_s": 12.5, "memory_mb": 2048, "warm": 3, "max_concurrency": 8, "max_batch": 4},
         retry={"max_attempts": 5, "initial_backoff_s": 0.5},
         resources={"cpu": 2, "gpu": 1, "gpu_type": "H100"},
         side_effects=True,
         examples=({"x": 1},),
-    )(add_one)
-    s = reg.get("add_one")
-    assert s.name == "add_one" and s.kind == "function"
-    assert s.entry == f"{__name__}:add_one"
+    )
+    assert (s.name, s.kind, s.entry) == ("add_one", "function", f"{__name__}:add_one")
     assert s.description == "Adds one."
     assert (s.timeout_s, s.memory_mb, s.warm, s.max_concurrency, s.max_batch) == (12.5, 2048, 3, 8, 4)
     assert (s.retry.max_attempts, s.retry.initial_backoff_s, s.retry.max_backoff_s) == (5, 0.5, 2.0)
@@ -140,52 +120,28 @@ def test_spec_fields() -> None:
     assert s.side_effects is True and s.examples == ({"x": 1},)
     assert s.is_async is False and s.setup is None
     assert [(p.name, p.required, p.annotation) for p in s.params] == [("x", True, "int")]
-    assert s.check_args({"x": 1}) is None
     assert s.check_args({"y": 1}) == "add_one(x): missing 'x'; unexpected 'y'"
     with pytest.raises(Exception, match="frozen"):
-        s.warm = 0  # type: ignore[misc]
+        s.warm = 0
+    d = getattr(Registry().reward(score), SPEC_ATTR)  # defaults
+    assert (d.timeout_s, d.memory_mb, d.warm, d.max_concurrency, d.max_batch) == (30.0, 512, 1, 64, 32)
+    assert d.retry.max_attempts == 3 and d.resources.gpu == 0 and d.side_effects is False
+    assert [(p.name, p.required) for p in d.params] == [("traj", True), ("ground_truth", False)]
 
 
-def test_spec_defaults() -> None:
-    s = Registry().reward(score).__fabric_spec__
-    assert (s.timeout_s, s.memory_mb, s.warm, s.max_concurrency, s.max_batch) == (30.0, 512, 1, 64, 32)
-    assert s.retry.max_attempts == 3 and s.resources.gpu == 0 and s.side_effects is False
-    assert [(p.name, p.required) for p in s.params] == [("traj", True), ("ground_truth", False)]
-
-
-def _write(path, body: str) -> str:
-    path.write_text(f"def scorer(traj):\n    return {body}\n")
-    return f"{path}:scorer"
-
-
-def test_version_depends_on_source(tmp_path) -> None:
-    a = load_entry_point(_write(tmp_path / "va.py", "1.0"))
-    b = load_entry_point(_write(tmp_path / "vb.py", "2.0"))
-    same = load_entry_point(_write(tmp_path / "vc.py", "1.0"))
-    va, vb, vc = (Registry().reward(f).__fabric_spec__.version for f in (a, b, same))
+def test_version_follows_source_and_setup(tmp_path) -> None:
+    fns = []
+    for i, body in enumerate(["1.0", "2.0", "1.0"]):
+        (tmp_path / f"v{i}.py").write_text(f"def scorer(traj):\n    return {body}\n")
+        fns.append(load_entry_point(f"{tmp_path / f'v{i}.py'}:scorer"))
+    va, vb, vsame = (spec_of(f).version for f in fns)
     assert va != vb
-    assert va == vc  # only the source counts, not the file it lives in
+    assert va == vsame  # only the source counts, not the file it lives in
     assert len(va) == 12
-    assert (
-        Registry().function(add_one).__fabric_spec__.version
-        != Registry().function(add_two).__fabric_spec__.version
-    )
-
-
-def test_version_stable_for_same_function() -> None:
-    v1 = Registry().function(add_one).__fabric_spec__.version
-    v2 = Registry().function(add_one).__fabric_spec__.version
-    assert v1 == v2
-
-
-def test_version_includes_setup_hook() -> None:
-    v0 = Registry().function(greet).__fabric_spec__.version
-    v1 = Registry().function(setup=load_model)(greet).__fabric_spec__.version
-    v2 = Registry().function(setup=load_other_model)(greet).__fabric_spec__.version
-    assert len({v0, v1, v2}) == 3
-
-
-# ----------------------------------------------------------------------------- setup hook
+    assert spec_of(add_one).version == spec_of(add_one).version  # stable
+    assert spec_of(add_one).version != spec_of(add_two).version
+    with_setup = {spec_of(greet, setup=s).version for s in (None, load_model, no_params)}
+    assert len(with_setup) == 3
 
 
 def test_setup_hook_passes_ctx() -> None:
@@ -201,43 +157,31 @@ def test_setup_hook_passes_ctx() -> None:
     again = FunctionRunner.from_entry(spec.entry)
     again.setup()
     assert again.run(encode_payload({"text": "yo"})) == (True, b'"loaded:yo"')
-
-
-def test_setup_must_be_zero_arg_callable() -> None:
     with pytest.raises(SignatureError, match="setup= must be a callable"):
         Registry().function(setup=42)(add_one)
-    with pytest.raises(SignatureError, match="takes no arguments"):
-        Registry().function(setup=setup_with_arg)(add_one)
+    with pytest.raises(SignatureError, match="the setup hook takes no arguments"):
+        Registry().function(setup=lambda x: x)(add_one)
 
 
-# ----------------------------------------------------------------------------- errors
-
-
-def test_duplicate_name_different_entry() -> None:
+def test_duplicate_names() -> None:
     reg = Registry()
     reg.function(name="adder")(add_one)
     with pytest.raises(DuplicateFunctionError) as ei:
         reg.function(name="adder")(add_two)
     msg = str(ei.value)
-    assert f"'adder' is taken by {__name__}:add_one" in msg
-    assert f"{__name__}:add_two needs another name" in msg
-    assert "name=" in msg
+    assert f"'adder' is taken by {__name__}:add_one; {__name__}:add_two needs another name" in msg
+    assert "(pass name=... to the decorator)" in msg
     assert reg.callable("adder") is add_one
-
-
-def test_re_adding_same_function_is_fine() -> None:
-    reg = Registry()
-    reg.function(add_one)
-    reg.function(warm=2)(add_one)
+    reg.function(name="adder", warm=2)(add_one)  # the same function again is fine
     reg.add(add_one)
-    assert reg.names() == ["add_one"] and reg.get("add_one").warm == 2
+    assert reg.names() == ["adder"] and reg.get("adder").warm == 2
 
 
 @pytest.mark.parametrize(
     ("fn", "kind", "match"),
     [
-        (star_args, "function", r"\*items is not supported"),
-        (pos_only, "function", "positional-only parameter 'a'"),
+        (lambda *items: 0, "function", r"\*items is not supported"),
+        (lambda a, /: a, "function", "positional-only parameter 'a'"),
         (no_params, "reward", "takes no arguments; it needs at least the trajectory"),
         (int, "function", "decorates a function"),
     ],
@@ -253,8 +197,7 @@ def test_signatures_that_are_allowed() -> None:
     reg = Registry()
     reg.function(no_params)  # a plain function may take nothing
     reg.reward(only_kwargs)  # a reward taking **kwargs is fine
-    assert reg.get("only_kwargs").accepts_extra is True
-    assert reg.get("no_params").params == ()
+    assert reg.get("only_kwargs").accepts_extra is True and reg.get("no_params").params == ()
 
 
 @pytest.mark.parametrize(
@@ -288,83 +231,55 @@ def test_unknown_function_lists_known_names() -> None:
     assert ei.value.known == ["add_one", "add_two"] and ei.value.name == "gamma"
     with pytest.raises(UnknownFunctionError, match=r"\(none registered\)"):
         Registry().callable("gamma")
-
-
-def test_add_undecorated_function() -> None:
     with pytest.raises(RegistryError, match="not a fabric function"):
-        Registry().add(plain)
+        Registry().add(normalize)
 
 
-# ----------------------------------------------------------------------------- discovery
-
-
-def test_discover_package() -> None:
+def test_discover_package_and_entry_point() -> None:
     reg = Registry()
-    found = reg.discover("functions")
-    assert "exact_match" in [s.name for s in found]
+    assert "exact_match" in [s.name for s in reg.discover("functions")]
     spec = reg.get("exact_match")
-    assert spec.entry == "functions.rewards.exact_match:exact_match"
+    assert spec.entry == "functions.rewards.exact_match:exact_match" and len(spec.examples) == 2
     assert (spec.kind, spec.warm, spec.timeout_s, spec.max_batch) == ("reward", 1, 5.0, 64)
-    assert len(spec.examples) == 2
-
-
-def test_discover_entry_point() -> None:
-    reg = Registry()
-    found = reg.discover("functions.rewards.exact_match:exact_match")
-    assert [s.name for s in found] == ["exact_match"] and reg.names() == ["exact_match"]
+    one = Registry()
+    assert [s.name for s in one.discover(spec.entry)] == ["exact_match"] == one.names()
     with pytest.raises(RegistryError, match="not a fabric function"):
-        reg.discover("functions.rewards.answer:normalize")
+        one.discover("functions.rewards.answer:normalize")
 
 
 def test_discover_py_file(tmp_path, default_reg: Registry) -> None:
     path = tmp_path / "my_rewards.py"
     path.write_text(
-        "import fabric\n\n\n"
-        "@fabric.reward(name='test_registry_file_reward', timeout_s=2)\n"
-        "def file_reward(traj: str) -> float:\n"
-        "    return 0.5 if traj else 0.0\n"
+        "import fabric\n\n\n@fabric.reward(name='test_registry_file_reward', timeout_s=2)\n"
+        "def file_reward(traj: str) -> float:\n    return 0.5 if traj else 0.0\n"
     )
     reg = Registry()
-    found = reg.discover(str(path))
-    assert [s.name for s in found] == ["test_registry_file_reward"]
+    assert [s.name for s in reg.discover(str(path))] == ["test_registry_file_reward"]
     spec = reg.get("test_registry_file_reward")
     assert spec.entry == f"{path.resolve()}:file_reward" and spec.timeout_s == 2
     assert FunctionRunner.from_entry(spec.entry).run(encode_payload({"traj": "x"})) == (True, b"0.5")
 
 
 def test_discover_missing_module() -> None:
-    with pytest.raises(EntryPointError, match="cannot import 'no_such_module_xyz'"):
+    with pytest.raises(EntryPointError, match="cannot import 'no_such_module_xyz' for discovery"):
         Registry().discover("no_such_module_xyz")
+    with pytest.raises(EntryPointError, match=r"cannot import 'functions\.nope'"):
+        Registry().discover("functions.nope")
 
 
-@pytest.mark.xfail(strict=True, reason="discover() of a missing .py file raises FileNotFoundError")
-def test_discover_missing_py_file(tmp_path) -> None:
-    with pytest.raises(EntryPointError):
-        Registry().discover(str(tmp_path / "missing.py"))
+@pytest.mark.parametrize("content", [None, "raise ValueError('boom at import')\n"], ids=["missing", "raises"])
+def test_discover_bad_py_file_is_entry_point_error(tmp_path, content: str | None) -> None:
+    if content is not None:
+        (tmp_path / "bad.py").write_text(content)
+    with pytest.raises(EntryPointError, match=r"bad\.py"):
+        Registry().discover(str(tmp_path / "bad.py"))
 
 
-@pytest.mark.xfail(strict=True, reason="discover() lets a .py file's import error escape unwrapped")
-def test_discover_py_file_that_raises(tmp_path) -> None:
-    path = tmp_path / "broken.py"
-    path.write_text("raise ValueError('boom at import')\n")
-    with pytest.raises(EntryPointError, match="boom at import"):
-        Registry().discover(str(path))
-
-
-@pytest.mark.xfail(strict=True, reason="a failed .py import stays in sys.modules; a retry finds nothing")
 def test_discover_py_file_failure_is_not_cached(tmp_path) -> None:
-    path = tmp_path / "broken_twice.py"
-    path.write_text("raise ValueError('boom at import')\n")
+    (tmp_path / "broken2.py").write_text("raise ValueError('boom at import')\n")
     for _ in range(2):
         with pytest.raises((ValueError, EntryPointError), match="boom at import"):
-            Registry().discover(str(path))
-
-
-def _make_nested() -> Any:
-    def inner(x: int) -> int:
-        return x
-
-    return inner
+            Registry().discover(str(tmp_path / "broken2.py"))
 
 
 @pytest.mark.parametrize(
@@ -383,9 +298,9 @@ def test_load_entry_point_errors(entry: str, match: str) -> None:
 
 
 def test_nested_function_cannot_be_run_by_entry() -> None:
-    spec: FunctionSpec = Registry().function(_make_nested()).__fabric_spec__
+    spec = spec_of(_make_nested())
     assert spec.entry == f"{__name__}:_make_nested.<locals>.inner"
     with pytest.raises(EntryPointError, match="nested function"):
         FunctionRunner.from_entry(spec.entry)
     with pytest.raises(EntryPointError, match="not a fabric function"):
-        FunctionRunner.from_entry(f"{__name__}:plain")
+        FunctionRunner.from_entry("functions.rewards.answer:normalize")

@@ -1,0 +1,150 @@
+"""The answer-matching helpers and the ``exact_match`` reward."""
+
+from __future__ import annotations
+
+import pytest
+
+from fabric.protocol import Message, Trajectory, encode_payload
+from fabric.runner import FunctionRunner
+from functions.rewards.answer import extract_answer, last_boxed, normalize
+from functions.rewards.exact_match import exact_match
+
+ENTRY = "functions.rewards.exact_match:exact_match"
+
+
+def traj_saying(*replies: str) -> Trajectory:
+    msgs = [Message(role="user", content="question?")]
+    msgs += [Message(role="assistant", content=r, policy_version=i) for i, r in enumerate(replies)]
+    return Trajectory(messages=msgs)
+
+
+# ----------------------------------------------------------------------------- extract_answer
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so the result is \\boxed{\\frac{1}{2}} here", "\\frac{1}{2}"),
+        ("\\boxed{{a}{b{c}}}", "{a}{b{c}}"),
+        ("first \\boxed{1}, then \\boxed{2}", "2"),
+        ("\\boxed{1} and finally \\fbox{3}", "3"),
+        ("the answer is 7 but \\boxed{8}", "8"),
+        ("Thinking...\nThe answer is 17.", "17."),
+        ("So the final answer: Paris\nDone.", "Paris"),
+        ("The answer is 1\nlater: the answer is 2", "2"),
+        ("work\nAnswer: 12 apples\nthanks", "12 apples"),
+        ("step one\nresult: 42\n\n", "result: 42"),
+        ("just 5", "just 5"),
+        ("", ""),
+        ("  \n \n", ""),
+    ],
+)
+def test_extract_answer(text: str, expected: str) -> None:
+    assert extract_answer(text) == expected
+
+
+def test_unbalanced_boxed_falls_back() -> None:
+    assert last_boxed("so \\boxed{42") is None
+    assert last_boxed("\\boxed{1} and \\boxed{2") is None  # the last one decides: no reliable answer
+    assert extract_answer("work\nso \\boxed{42") == "so \\boxed{42"
+    assert extract_answer("the answer is 9 \\boxed{4") == "9 \\boxed{4"
+    assert last_boxed("no box here") is None
+
+
+# ----------------------------------------------------------------------------- normalize
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("PARIS", "paris"),
+        ("  Paris  ", "paris"),
+        ("$42$", "42"),
+        ("$\\text{Paris}$", "paris"),
+        ("\\mathrm{kg}", "kg"),
+        ("1,234,567", "1234567"),
+        ("1,234.5", "1234.5"),
+        ("42.0", "42"),
+        ("42.", "42"),
+        ("-3.00", "-3"),
+        ("4.50", "4.5"),
+        ("+7", "7"),
+        (".5", "0.5"),
+        ("1e3", "1000"),
+        ("The Eiffel Tower", "eiffel tower"),
+        ("an apple a day", "apple day"),
+        ("Paris!", "paris"),
+        ("hello, world.", "hello world"),
+        ("well-known", "well-known"),
+        ("a   b\tc", "b c"),
+    ],
+)
+def test_normalize(raw: str, expected: str) -> None:
+    assert normalize(raw) == expected
+
+
+def test_normalize_equivalences() -> None:
+    assert normalize("42.0") == normalize("42") == normalize("$42$") == normalize("42.")
+    assert normalize("1,000") == normalize("1000")
+    assert normalize("41.9") != normalize("42")
+    assert normalize("the Answer") == normalize("answer")
+
+
+def test_normalize_keeps_choice_letters() -> None:
+    assert normalize("A") == "a"
+    assert exact_match("", ground_truth="A") == 0.0
+
+
+def test_normalize_keeps_fractions_apart() -> None:
+    assert normalize("1/2") != normalize("12")
+
+
+# ----------------------------------------------------------------------------- exact_match
+
+
+def test_exact_match_with_trajectory() -> None:
+    right = traj_saying("hmm", "6 * 7 = 42, so the answer is \\boxed{42}.")
+    assert exact_match(right, ground_truth="42") == 1.0
+    assert exact_match(right, ground_truth="42.0") == 1.0
+    assert exact_match(right, ground_truth="43") == 0.0
+    # only the last assistant reply counts
+    assert exact_match(traj_saying("\\boxed{42}", "\\boxed{41}"), ground_truth="42") == 0.0
+    assert exact_match(Trajectory(), ground_truth="42") == 0.0
+    assert isinstance(exact_match(right, ground_truth="42"), float)
+
+
+def test_exact_match_with_str() -> None:
+    assert exact_match("The answer is: Paris.", ground_truth="paris") == 1.0
+    assert exact_match("Answer: $1,000$", ground_truth="1000") == 1.0
+    assert exact_match("blah\n\\boxed{\\text{Blue}}", ground_truth="blue") == 1.0
+    assert exact_match("The answer is London.", ground_truth="Paris") == 0.0
+
+
+def test_answer_is_colon_number() -> None:
+    assert extract_answer("The answer is: 42.0") == "42.0"
+    assert exact_match("The answer is: 42.0", ground_truth="42") == 1.0
+
+
+def test_runner_from_entry() -> None:
+    runner = FunctionRunner.from_entry(ENTRY)
+    runner.setup()
+    traj = traj_saying("so \\boxed{42}")
+    assert runner.run(encode_payload({"traj": traj, "ground_truth": "42"})) == (True, b"1.0")
+    assert runner.run(encode_payload({"traj": "the answer is 42", "ground_truth": "42"})) == (True, b"1.0")
+    assert runner.run(encode_payload({"traj": traj, "ground_truth": "7"})) == (True, b"0.0")
+
+
+def test_runner_runs_spec_examples() -> None:
+    runner = FunctionRunner.from_entry(ENTRY)
+    assert len(runner.spec.examples) == 2
+    for example in runner.spec.examples:
+        assert runner.run(encode_payload(example)) == (True, b"1.0")
+
+
+def test_runner_rejects_bad_arguments() -> None:
+    runner = FunctionRunner.from_entry(ENTRY)
+    ok, (code, message, tb) = runner.run(encode_payload({"traj": "x"}))
+    assert ok is False and code == "InvalidArguments" and tb is None
+    assert message == "exact_match(traj, ground_truth): missing 'ground_truth'"
+    ok, (code, message, _) = runner.run(encode_payload({"traj": "x", "ground_truth": "1", "extra": 2}))
+    assert ok is False and code == "InvalidArguments" and "unexpected 'extra'" in message
