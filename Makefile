@@ -23,6 +23,7 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 unit: setup
 	$(BIN)/python -m pytest -q

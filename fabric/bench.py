@@ -9,6 +9,7 @@ off (``--compare-hedge``). Absolute numbers vary with the machine; the ratios ho
 from __future__ import annotations
 
 import asyncio
+import logging
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -177,7 +178,9 @@ async def _run_ray(
 
     started_here = not ray.is_initialized()
     if started_here:
-        ray.init(num_cpus=cpu_count(), include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        ray.init(
+            num_cpus=cpu_count(), include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR
+        )
     try:
         actors = [RewardWorker.remote(entry) for _ in range(workers)]  # type: ignore[attr-defined]
         await asyncio.gather(*(a.__ray_ready__.remote() for a in actors))

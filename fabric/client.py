@@ -383,7 +383,7 @@ class Client:
         """Retry a retryable failure: exponential backoff with full jitter, bounded by the
         function's attempts and by the call's deadline. Runs only after a failure."""
         policy = fn.spec.retry
-        stop = stop_after_attempt(policy.max_attempts)
+        stop: Any = stop_after_attempt(policy.max_attempts)
         remaining = inv.remaining_s()
         if remaining is not None:
             stop = stop | stop_after_delay(max(remaining, 0.0))

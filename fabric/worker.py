@@ -97,7 +97,8 @@ class _Serve(asyncio.Protocol):
             out.append(item)
 
     def _calls(self, calls: list[tuple[int, bytes, int, float]]) -> None:
-        runner, slot, out = self.runner, self.slot, []
+        runner, slot = self.runner, self.slot
+        out: list[Any] = []
         first_ns = 0
         for cid, raw, deadline_ns, timeout_s in calls:
             start = time.monotonic_ns()
