@@ -135,6 +135,9 @@ async def _run_fabric(
         m1 = client.metrics()[name]
     out: dict[str, Any] = _summary(lat, elapsed)
     out["errors"] = len(errors)
+    if cfg.straggler_rate:
+        # the share of calls that felt a straggler: p99 only shows them when this exceeds 1%
+        out["slow_share"] = sum(ms >= cfg.straggler_ms / 2 for ms in lat) / len(lat)
     for k in ("hedges", "hedge_wins", "retries"):
         out[k] = m1[k] - m0.get(k, 0)
     return out
@@ -251,6 +254,9 @@ async def run_bench(cfg: BenchConfig, registry: Registry, progress: Progress | N
         out["hedge_off_p99_ms"] = off["p99_ms"]
         out["hedge_on_p999_ms"] = on["p999_ms"]
         out["hedge_off_p999_ms"] = off["p999_ms"]
+        if "slow_share" in on:
+            out["hedge_on_slow_share"] = on["slow_share"]
+            out["hedge_off_slow_share"] = off["slow_share"]
         out["p99_ratio_off_vs_on"] = off["p99_ms"] / on["p99_ms"] if on["p99_ms"] else None
     if cfg.baseline == "ray":
         base = await _run_ray(cfg, registry, payload, workers, progress)

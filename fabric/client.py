@@ -38,7 +38,7 @@ from tenacity import (
 )
 
 from fabric.backends.base import Backend, make_backend
-from fabric.errors import ErrorCode, FabricError, PayloadError
+from fabric.errors import FINAL_ERRORS, SAFE_TO_RETRY, ErrorCode, FabricError, PayloadError
 from fabric.metrics import FunctionMetrics
 from fabric.protocol import Invocation, Result, encode_payload
 from fabric.registry import Registry, default_registry
@@ -78,7 +78,7 @@ class ClientConfig(BaseModel):
 class _Fn:
     """Client-side state of one function."""
 
-    __slots__ = ("breaker_open_until", "consecutive_failures", "metrics", "sem", "spec")
+    __slots__ = ("breaker_open_until", "consecutive_failures", "metrics", "probing", "sem", "spec")
 
     def __init__(self, spec: FunctionSpec, quantile: float):
         self.spec = spec
@@ -86,6 +86,7 @@ class _Fn:
         self.metrics = FunctionMetrics(quantile)
         self.consecutive_failures = 0
         self.breaker_open_until = 0.0
+        self.probing = False
 
 
 _BURST = 5  # hedges allowed beyond the share, so a short run can still hedge
@@ -175,25 +176,22 @@ class Client:
             raw = encode_payload(payload, what=f"payload of {name}")
         except PayloadError as e:
             return self._refuse(m, e.code, str(e), name, request_id)
-        now = time.monotonic()
-        if fn.breaker_open_until > now:
-            return self._refuse(
-                m,
-                ErrorCode.CIRCUIT_OPEN,
-                f"{name}: circuit open after {fn.consecutive_failures} "
-                f"infrastructure failures in a row; retry in {fn.breaker_open_until - now:.1f} s",
-                name,
-                request_id,
-            )
-        # idempotency: one execution per key
+        # idempotency: one execution per key; a caller that finds the key in flight waits for
+        # that execution, and tries itself if it ended without a final answer
         key = f"{name}:{spec.version}:{idempotency_key if idempotency_key is not None else request_id}"
         if idempotency_key is not None:
-            hit = self._cache.get(key)
-            if hit is None and key in self._inflight:
-                hit = await asyncio.shield(self._inflight[key])
-            if hit is not None:
-                m.cache_hits += 1
-                return hit.model_copy(update={"cached": True, "request_id": request_id})
+            while True:
+                hit = self._cache.get(key)
+                if hit is not None:
+                    m.cache_hits += 1
+                    return hit.model_copy(update={"cached": True, "request_id": request_id})
+                owner = self._inflight.get(key)
+                if owner is None:
+                    break
+                await asyncio.shield(owner)
+        refusal = self._breaker_admits(fn)
+        if refusal is not None:
+            return self._refuse(m, ErrorCode.CIRCUIT_OPEN, refusal, name, request_id)
         deadline_s = deadline_s if deadline_s is not None else self.config.default_deadline_s
         inv = Invocation.model_construct(
             function=name,
@@ -206,23 +204,30 @@ class Client:
             hedge=False,
         )
         inv._raw = raw
-        shared: asyncio.Future[Result] | None = None
+        owned: asyncio.Future[None] | None = None
         if idempotency_key is not None:
-            shared = self._inflight[key] = asyncio.get_running_loop().create_future()
+            owned = self._inflight[key] = asyncio.get_running_loop().create_future()
         try:
             async with fn.sem:
                 result = await self._attempt(fn, inv, hedge)
-                if not result.ok and result.retryable:
+                if not result.ok and self._should_retry(spec, result):
                     result = await self._retry(fn, inv, result, hedge)
-        finally:
-            if shared is not None:
-                del self._inflight[key]
-        self._settle(fn, result, t0)
-        if shared is not None:
-            shared.set_result(result)
-            if result.ok or not result.retryable:
+            if owned is not None and (
+                result.ok or (result.error is not None and result.error.type in FINAL_ERRORS)
+            ):
                 self._remember(key, result)
+        finally:
+            if owned is not None:
+                # waiters wake whatever happened to us (answered, failed, cancelled)
+                del self._inflight[key]
+                owned.set_result(None)
+        self._settle(fn, result, t0)
         return result
+
+    async def warmup(self, names: list[str] | None = None) -> None:
+        """Start the warm instances of ``names`` (default: every registered function) and wait
+        until they are ready, so the first calls do not pay a cold start."""
+        await self.backend.warmup(names)
 
     async def map(self, name: str, payloads: Iterable[dict[str, Any]], **kw: Any) -> list[Result]:
         """Run ``name`` over ``payloads``; results in input order."""
@@ -242,49 +247,55 @@ class Client:
         """Yield results as they complete (``Result.index`` is the payload's position).
         ``payloads`` may be an async iterable that is still being produced."""
         limit = max_inflight or max(1, 2 * self._spec_or_default(name).max_concurrency)
-        queue: asyncio.Queue[Result | None] = asyncio.Queue()
-        sem = asyncio.Semaphore(limit)
+        # a slot is held from launch until the consumer takes the result: at most ``limit``
+        # calls are running or waiting to be consumed, and a lazy input is read only as fast
+        slots = asyncio.Semaphore(limit)
+        done: asyncio.Queue[Result | BaseException | None] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()
 
         async def one(i: int, p: dict[str, Any]) -> None:
-            try:
-                r = await self.call(name, p, **kw)
-                r.index = i
-                await queue.put(r)
-            finally:
-                sem.release()
+            r = await self.call(name, p, **kw)
+            r.index = i
+            done.put_nowait(r)
+
+        def launch(i: int, p: dict[str, Any]) -> None:
+            t = asyncio.create_task(one(i, p))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
 
         async def produce() -> None:
-            i = 0
             try:
+                i = 0
                 if isinstance(payloads, AsyncIterable):
                     async for p in payloads:
-                        await sem.acquire()
-                        t = asyncio.create_task(one(i, p))
-                        tasks.add(t)
-                        t.add_done_callback(tasks.discard)
+                        await slots.acquire()
+                        launch(i, p)
                         i += 1
                 else:
                     for p in payloads:
-                        await sem.acquire()
-                        t = asyncio.create_task(one(i, p))
-                        tasks.add(t)
-                        t.add_done_callback(tasks.discard)
+                        await slots.acquire()
+                        launch(i, p)
                         i += 1
-                if tasks:
+                while tasks:
                     await asyncio.gather(*list(tasks))
+            except BaseException as e:  # a failing input iterator reaches the consumer
+                done.put_nowait(e)
+                raise
             finally:
-                await queue.put(None)
+                done.put_nowait(None)
 
         producer = asyncio.create_task(produce())
         try:
-            while (r := await queue.get()) is not None:
-                yield r
-            await producer
+            while (item := await done.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                slots.release()
         finally:
             producer.cancel()
             for t in list(tasks):
                 t.cancel()
+            await asyncio.gather(producer, *tasks, return_exceptions=True)
 
     def metrics(self) -> dict[str, Any]:
         return {name: fn.metrics.snapshot() for name, fn in self._fns.items()}
@@ -294,6 +305,30 @@ class Client:
         if name in self.registry:
             return self.registry.get(name)
         return FunctionSpec(name="unknown", entry="unknown:unknown", version="0")
+
+    @staticmethod
+    def _should_retry(spec: FunctionSpec, r: Result) -> bool:
+        if not r.retryable:
+            return False
+        # a function with side effects is retried only when the call provably did not run
+        return not spec.side_effects or (r.error is not None and r.error.type in SAFE_TO_RETRY)
+
+    def _breaker_admits(self, fn: _Fn) -> str | None:
+        """None when the call may go; else why not. After the cooldown one probe goes
+        through; its outcome closes the circuit or opens it again."""
+        if fn.consecutive_failures < self.config.breaker.failure_threshold:
+            return None
+        now = time.monotonic()
+        if now >= fn.breaker_open_until and not fn.probing:
+            fn.probing = True
+            return None
+        wait = max(fn.breaker_open_until - now, 0.0)
+        return (
+            f"{fn.spec.name}: circuit open after {fn.consecutive_failures} infrastructure failures in a row; "
+            f"retry in {wait:.1f} s"
+            if wait
+            else f"{fn.spec.name}: circuit half-open, a probe call is in flight"
+        )
 
     @staticmethod
     def _refuse(m: FunctionMetrics, code: ErrorCode, message: str, name: str, request_id: str) -> Result:
@@ -317,25 +352,29 @@ class Client:
         delay_ms = None
         if (hedge if hedge is not None else hcfg.enabled) and fn.spec.hedgeable:
             delay_ms = fn.metrics.window.quantile(hcfg.min_samples)
-        if delay_ms is None:
-            try:
-                result = await primary
-            except asyncio.CancelledError:
-                primary.cancel()
-                raise
+        try:
+            if delay_ms is None:
+                try:
+                    result = await primary
+                except asyncio.CancelledError:
+                    primary.cancel()
+                    raise
+            else:
+                result = await self._hedged(fn, inv, primary, max(delay_ms, hcfg.min_delay_ms) / 1e3)
+        finally:
+            fn.probing = False  # a cancelled probe must not leave the circuit half-open forever
+        if result.ok:  # the hedge delay follows the latency of answers, not of fast failures
             fn.metrics.window.add((time.perf_counter() - t0) * 1e3)
+        if result.ok or not result.retryable:
+            fn.consecutive_failures = 0  # the function answered: the infrastructure works
         else:
-            result = await self._hedged(fn, inv, primary, max(delay_ms, hcfg.min_delay_ms) / 1e3, t0)
-        if result.ok:
-            fn.consecutive_failures = 0
-        elif result.retryable:
             fn.consecutive_failures += 1
             if fn.consecutive_failures >= self.config.breaker.failure_threshold:
                 fn.breaker_open_until = time.monotonic() + self.config.breaker.cooldown_s
         return result
 
     async def _hedged(
-        self, fn: _Fn, inv: Invocation, primary: asyncio.Future[Result], delay_s: float, t0: float
+        self, fn: _Fn, inv: Invocation, primary: asyncio.Future[Result], delay_s: float
     ) -> Result:
         loop = asyncio.get_running_loop()
         winner: asyncio.Future[Result] = loop.create_future()
@@ -374,7 +413,6 @@ class Client:
             for f in futs:
                 if not f.done():
                     f.cancel()  # the loser: a queued copy never runs, a running one is ignored
-        m.window.add((time.perf_counter() - t0) * 1e3)
         if len(futs) > 1:
             result.hedged = True
         return result
@@ -407,7 +445,7 @@ class Client:
         retrying = AsyncRetrying(
             stop=stop,
             wait=wait_random_exponential(multiplier=policy.initial_backoff_s, max=policy.max_backoff_s),
-            retry=retry_if_result(lambda r: not r.ok and r.retryable),
+            retry=retry_if_result(lambda r: not r.ok and self._should_retry(fn.spec, r)),
             retry_error_callback=lambda state: state.outcome.result() if state.outcome else first,
             sleep=asyncio.sleep,
         )

@@ -42,7 +42,8 @@ class ErrorCode(StrEnum):
     RESULT_NOT_SERIALIZABLE = "ResultNotSerializable"
     DEADLINE_EXCEEDED = "DeadlineExceeded"
     TIMEOUT = "FunctionTimeout"  # ran past timeout_s; its worker was killed and replaced
-    WORKER_LOST = "WorkerLost"  # the worker died with the call in flight
+    WORKER_LOST = "WorkerLost"  # the worker died while running the call (it may have had effects)
+    NOT_STARTED = "NotStarted"  # the worker died before the call started: safe to retry anything
     SETUP_FAILED = "SetupFailed"  # the setup hook raised: no worker can serve
     THROTTLED = "Throttled"
     TRANSPORT = "TransportError"
@@ -55,8 +56,24 @@ RETRYABLE: frozenset[str] = frozenset(
     {
         ErrorCode.TIMEOUT,
         ErrorCode.WORKER_LOST,
+        ErrorCode.NOT_STARTED,
         ErrorCode.THROTTLED,
         ErrorCode.TRANSPORT,
+    }
+)
+
+
+#: Retryable failures after which the call provably did not run: the only ones retried for
+#: functions declared ``side_effects=True``.
+SAFE_TO_RETRY: frozenset[str] = frozenset({ErrorCode.NOT_STARTED, ErrorCode.THROTTLED})
+
+#: Outcomes that are the function's own answer: cached under an idempotency key. Anything
+#: else (an infrastructure failure, a deadline) lets a later call with the key try again.
+FINAL_ERRORS: frozenset[str] = frozenset(
+    {
+        ErrorCode.USER_ERROR,
+        ErrorCode.INVALID_ARGUMENTS,
+        ErrorCode.RESULT_NOT_SERIALIZABLE,
     }
 )
 

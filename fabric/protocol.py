@@ -148,6 +148,35 @@ class Result(_Model):
         return self.value
 
     @classmethod
+    def built(
+        cls,
+        ok: bool,
+        *,
+        function: str,
+        request_id: str,
+        value: Any = None,
+        error: ErrorInfo | None = None,
+        timings: Timings | None = None,
+        cold_start: bool = False,
+        worker: str | None = None,
+    ) -> Result:
+        """Construct without validation: the hot path, where every field is our own."""
+        return cls.model_construct(
+            ok=ok,
+            function=function,
+            request_id=request_id,
+            value=value,
+            error=error,
+            timings=timings if timings is not None else Timings.model_construct(),
+            cold_start=cold_start,
+            worker=worker,
+            attempts=1,
+            hedged=False,
+            cached=False,
+            index=None,
+        )
+
+    @classmethod
     def failure(
         cls,
         code: ErrorCode | str,
@@ -158,20 +187,8 @@ class Result(_Model):
         traceback: str | None = None,
         worker: str | None = None,
     ) -> Result:
-        return cls.model_construct(
-            ok=False,
-            function=function,
-            request_id=request_id,
-            value=None,
-            error=ErrorInfo.of(code, message, traceback),
-            timings=Timings(),
-            cold_start=False,
-            worker=worker,
-            attempts=1,
-            hedged=False,
-            cached=False,
-            index=None,
-        )
+        error = ErrorInfo.of(code, message, traceback)
+        return cls.built(False, function=function, request_id=request_id, error=error, worker=worker)
 
 
 # ----------------------------------------------------------------------------- RL data

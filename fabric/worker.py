@@ -27,7 +27,6 @@ from fabric.backends._wire import SLOT, SLOT_SIZE, FrameReader, pack
 from fabric.errors import ErrorCode
 
 IMPORTING_ENV = "_FABRIC_WORKER_IMPORTING"
-_FLUSH_AFTER_NS = 1_000_000  # send buffered results once the oldest has waited 1 ms
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -85,49 +84,35 @@ class _Serve(asyncio.Protocol):
                     self.done.set_result(None)
 
     # -- results
-    def _send(self, results: list[Any]) -> None:
-        if results and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(pack(("results", results)))
-
-    def _emit(self, out: list[Any], item: tuple[Any, ...]) -> None:
+    def _reply(self, item: tuple[Any, ...]) -> None:
+        """Send one result now. Results are never held back for a batch: a finished call
+        must not be lost (and so re-run) if the next call in the batch hangs and is killed."""
         # fault injection: a straggling reply is held back without blocking the worker
         if self.fault_rate and self.rng.random() < self.fault_rate:
-            self.loop.call_later(self.fault_s, self._send, [item])
+            self.loop.call_later(self.fault_s, self._send, item)
         else:
-            out.append(item)
+            self._send(item)
+
+    def _send(self, item: tuple[Any, ...]) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(pack(("results", [item])))
 
     def _calls(self, calls: list[tuple[int, bytes, int, float]]) -> None:
         runner, slot = self.runner, self.slot
-        out: list[Any] = []
-        first_ns = 0
         for cid, raw, deadline_ns, timeout_s in calls:
             start = time.monotonic_ns()
             if deadline_ns and start > deadline_ns:
-                self._emit(
-                    out,
-                    (
-                        cid,
-                        False,
-                        (ErrorCode.DEADLINE_EXCEEDED, "deadline passed before the call started", None),
-                        start,
-                        0.0,
-                    ),
-                )
+                late = (ErrorCode.DEADLINE_EXCEEDED, "deadline passed before the call started", None)
+                self._reply((cid, False, late, start, 0.0))
                 continue
             if runner.is_async:
                 self.tasks[cid] = self.loop.create_task(self._run_async(cid, raw, timeout_s, start))
                 continue
             SLOT.pack_into(slot, 0, cid, start)
             ok, res = runner.run(raw)
-            end = time.monotonic_ns()
+            self._reply((cid, ok, res, start, (time.monotonic_ns() - start) / 1e6))
+            # cleared only after the reply is written: a death in between reads as "was running"
             SLOT.pack_into(slot, 0, 0, 0)
-            self._emit(out, (cid, ok, res, start, (end - start) / 1e6))
-            if not first_ns:
-                first_ns = end
-            elif end - first_ns > _FLUSH_AFTER_NS:
-                self._send(out)
-                out, first_ns = [], 0
-        self._send(out)
 
     async def _run_async(self, cid: int, raw: bytes, timeout_s: float, start: int) -> None:
         try:
@@ -136,9 +121,7 @@ class _Serve(asyncio.Protocol):
             ok, res = False, (ErrorCode.CANCELLED, "cancelled by the caller", None)
         finally:
             self.tasks.pop(cid, None)
-        out: list[Any] = []
-        self._emit(out, (cid, ok, res, start, (time.monotonic_ns() - start) / 1e6))
-        self._send(out)
+        self._reply((cid, ok, res, start, (time.monotonic_ns() - start) / 1e6))
 
 
 def main() -> None:
@@ -149,8 +132,10 @@ def main() -> None:
     os.dup2(2, 1)  # user prints go to stderr so the parent's stdout (e.g. --json) stays clean
     sock = socket.socket(fileno=fd)
     slot = mmap.mmap(shm_fd, SLOT_SIZE)
-    kind, init = _recv_frame(sock)
-    assert kind == "init", kind
+    msg = _recv_frame(sock)
+    if msg[0] != "init":  # closed before it started: nothing to do
+        os._exit(0)
+    init = msg[1]
     sys.path[:] = init["sys_path"]
     t0 = time.perf_counter()
     try:

@@ -4,8 +4,11 @@ Calls wait in one FIFO per function and are handed to the least-loaded ready wor
 batches: everything submitted in the same event-loop tick goes out as one message, which
 is what makes small calls cheap. The pool keeps ``warm`` workers ready, grows on demand up
 to its cap, stops idle extras, replaces dead ones, and kills a worker whose running call
-passes its timeout (seen through the worker's shared-memory slot, so a worker stuck in C
-code is caught too).
+passes the function's timeout (seen through the worker's shared-memory slot, so a worker
+stuck in C code is caught too).
+
+A caller's deadline is the caller's business: past it the call is answered
+``DeadlineExceeded`` and its result discarded, but the worker is not killed for it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
 import itertools
 import mmap
 import os
@@ -49,26 +53,25 @@ def _kill_leftovers() -> None:
 
 
 class _Call:
-    __slots__ = ("avoid", "cid", "deadline_ns", "fut", "inv", "t_submit_ns", "timeout_s", "worker")
+    __slots__ = ("avoid", "cid", "deadline_ns", "fut", "inv", "t_submit_ns", "timer", "worker")
 
-    def __init__(self, inv: Invocation, fut: asyncio.Future[Result], timeout_s: float, deadline_ns: int):
+    def __init__(self, inv: Invocation, fut: asyncio.Future[Result], deadline_ns: int):
         self.inv = inv
         self.fut = fut
         self.t_submit_ns = time.monotonic_ns()
-        self.timeout_s = timeout_s
         self.deadline_ns = deadline_ns
         self.cid = 0
         self.worker: _Worker | None = None
         self.avoid: _Worker | None = None
+        self.timer: asyncio.TimerHandle | None = None
 
 
 class _Worker(asyncio.Protocol):
     """Parent-side handle of one worker process."""
 
-    def __init__(self, pool: FunctionPool, wid: str, on_demand: bool):
+    def __init__(self, pool: FunctionPool, wid: str):
         self.pool = pool
         self.id = wid
-        self.on_demand = on_demand
         self.proc: subprocess.Popen[bytes] | None = None
         self.slot: mmap.mmap | None = None
         self.transport: asyncio.Transport | None = None
@@ -76,12 +79,17 @@ class _Worker(asyncio.Protocol):
         self.inflight: dict[int, _Call] = {}
         self.ready = False
         self.ready_fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.served = 0
         self.ready_ns = 0
+        self.served = 0
         self.last_active = time.monotonic()
         self.last_progress = self.last_active
         self.lost = False
+        self.fatal = False
         self.kill_reason: tuple[int, str] | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.ready and not self.lost and self.kill_reason is None
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -95,13 +103,17 @@ class _Worker(asyncio.Protocol):
             elif kind == "ready":
                 self.ready = True
                 self.ready_ns = time.monotonic_ns()
-                if not self.ready_fut.done():
-                    self.ready_fut.set_result(None)
+                self.settle_start()
             elif kind == "fatal":
                 self.pool._on_fatal(self, msg[2], msg[3])
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.pool._on_lost(self)
+
+    def settle_start(self) -> None:
+        """Whatever happened (ready, fatal, death), the spawner stops waiting."""
+        if not self.ready_fut.done():
+            self.ready_fut.set_result(None)
 
     def send(self, msg: Any) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -119,7 +131,6 @@ class FunctionPool:
         self.config = config
         self.max_workers = max(1, min(spec.max_concurrency, config.max_workers or cpu))
         self.warm = min(self.max_workers, spec.warm if config.warm is None else config.warm)
-        self._exec_ewma_ms: float | None = None
         self._loop = asyncio.get_running_loop()
         self._pending: deque[_Call] = deque()
         self._scheduled = False
@@ -130,20 +141,30 @@ class FunctionPool:
         self._by_key: dict[str, _Call] = {}
         self._closed = False
         self._broken: tuple[float, str, str | None] | None = None  # until, message, traceback
+        self._no_spawn_until = 0.0
         self._start_failures = 0
+        self._exec_ewma_ms: float | None = None
         self._maint: asyncio.Task[None] | None = None
-        self.metrics = {"spawned": 0, "lost": 0, "timeouts": 0, "cold_starts": 0, "batches": 0, "calls": 0}
+        self.metrics = {
+            "spawned": 0,
+            "lost": 0,
+            "timeouts": 0,
+            "cold_starts": 0,
+            "batches": 0,
+            "calls": 0,
+            "start_failures": 0,
+        }
 
     # -- lifecycle
     def start(self) -> None:
         for _ in range(self.warm):
-            self._spawn(on_demand=False)
+            self._spawn()
         self._maint = self._loop.create_task(self._maintain())
 
     async def wait_ready(self, within_s: float | None = None) -> None:
         """Wait until ``warm`` workers are ready (or the pool is broken)."""
         deadline = time.monotonic() + (within_s or self.config.start_timeout_s)
-        while sum(w.ready for w in self._workers) < self.warm and self._broken is None:
+        while sum(w.usable for w in self._workers) < self.warm and self._broken is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.spec.name}: warm workers not ready in time")
             await asyncio.sleep(0.01)
@@ -160,14 +181,13 @@ class FunctionPool:
         deadline = time.monotonic() + 1.0
         for w in workers:
             proc = w.proc
-            if proc is None:
-                continue
-            # a process exit has no awaitable here (no child watcher): poll briefly, then kill
-            while proc.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110
-                await asyncio.sleep(0.005)
-            w.kill()
-            await self._loop.run_in_executor(None, proc.wait)
-            _LIVE_PIDS.discard(proc.pid)
+            if proc is not None:
+                # a process exit has no awaitable here (no child watcher): poll briefly, then kill
+                while proc.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110
+                    await asyncio.sleep(0.005)
+                w.kill()
+                await self._loop.run_in_executor(None, proc.wait)
+                _LIVE_PIDS.discard(proc.pid)
             if w.transport is not None:
                 w.transport.close()
             for call in list(w.inflight.values()):
@@ -177,19 +197,19 @@ class FunctionPool:
     # -- submission
     def submit(self, inv: Invocation) -> asyncio.Future[Result]:
         fut: asyncio.Future[Result] = self._loop.create_future()
-        timeout = self.spec.timeout_s
-        deadline_ns = 0
+        call = _Call(inv, fut, 0)
         if inv.deadline is not None:
             remaining = inv.deadline - time.time()
-            timeout = min(timeout, max(remaining, 0.0))
-            deadline_ns = time.monotonic_ns() + int(remaining * 1e9)
-        call = _Call(inv, fut, timeout, deadline_ns)
+            call.deadline_ns = time.monotonic_ns() + int(remaining * 1e9)
+            call.timer = self._loop.call_later(max(remaining, 0.0), self._expire, call)
         if self._broken is not None:
             until, message, tb = self._broken
             if time.monotonic() < until:
                 self._fail(call, ErrorCode.SETUP_FAILED, message, tb)
                 return fut
             self._broken = None
+        if self.spec.is_async:  # an async call can really be cancelled inside the worker
+            fut.add_done_callback(functools.partial(self._on_done, call))
         key = inv.idempotency_key
         if key is not None:
             if inv.hedge:
@@ -203,6 +223,15 @@ class FunctionPool:
             self._scheduled = True
             self._loop.call_soon(self._dispatch)
         return fut
+
+    def _expire(self, call: _Call) -> None:
+        where = "while running; its result will be discarded" if call.worker else "while queued"
+        self._fail(call, ErrorCode.DEADLINE_EXCEEDED, f"deadline passed {where}")
+
+    def _on_done(self, call: _Call, fut: asyncio.Future[Result]) -> None:
+        w = call.worker
+        if fut.cancelled() and w is not None and call.cid in w.inflight:
+            w.send(("cancel", call.cid))
 
     @property
     def per_worker(self) -> int:
@@ -222,7 +251,7 @@ class FunctionPool:
         if not pending or self._closed:
             return
         cap = self.per_worker
-        ready = [w for w in self._workers if w.ready and not w.lost and len(w.inflight) < cap]
+        ready = [w for w in self._workers if w.usable and len(w.inflight) < cap]
         ready.sort(key=lambda w: len(w.inflight))
         now = time.monotonic_ns()
         for w in ready:
@@ -233,7 +262,7 @@ class FunctionPool:
             skipped: list[_Call] = []
             while pending and len(batch) < room:
                 call = pending.popleft()
-                if call.fut.done():  # cancelled by the caller (a hedge loser) or failed
+                if call.fut.done():  # cancelled by the caller (a hedge loser), expired or failed
                     self._forget(call)
                     continue
                 if call.avoid is w and len(ready) > 1:
@@ -246,7 +275,10 @@ class FunctionPool:
                 call.cid = cid
                 call.worker = w
                 w.inflight[cid] = call
-                batch.append((cid, call.inv.raw_payload, call.deadline_ns, call.timeout_s))
+                timeout = self.spec.timeout_s
+                if call.deadline_ns:  # an async handler is cancelled at the deadline, in the worker
+                    timeout = min(timeout, max((call.deadline_ns - now) / 1e9, 0.0))
+                batch.append((cid, call.inv.raw_payload, call.deadline_ns, timeout))
             pending.extendleft(reversed(skipped))
             if batch:
                 if len(w.inflight) == len(batch):
@@ -256,14 +288,20 @@ class FunctionPool:
         if pending:
             self._grow()
 
+    def _can_spawn(self) -> bool:
+        return (
+            not self._closed
+            and self._broken is None
+            and len(self._workers) < self.max_workers
+            and time.monotonic() >= self._no_spawn_until
+        )
+
     def _grow(self) -> None:
-        # one more worker per tick while calls queue and the cap allows
-        alive = len(self._workers)
-        if self._broken is None and alive < self.max_workers and self._starting == 0:
+        # one more worker at a time while calls queue and the cap allows
+        if self._starting == 0 and self._can_spawn():
             cap = self.per_worker
-            busy = all(len(w.inflight) >= cap for w in self._workers if w.ready)
-            if busy:
-                self._spawn(on_demand=True)
+            if all(len(w.inflight) >= cap for w in self._workers if w.usable):
+                self._spawn()
 
     # -- results
     def _on_results(self, w: _Worker, results: list[tuple[Any, ...]]) -> None:
@@ -278,7 +316,9 @@ class FunctionPool:
                 continue
             served += 1
             self._forget(call)
-            if call.fut.done():
+            if call.timer is not None:
+                call.timer.cancel()
+            if call.fut.done():  # expired, or a cancelled hedge loser
                 continue
             # cold: this call waited for its worker to start (import and setup hook included)
             cold = call.t_submit_ns < w.ready_ns
@@ -289,36 +329,19 @@ class FunctionPool:
             )
             inv = call.inv
             if ok:
-                res = Result.model_construct(
-                    ok=True,
-                    function=inv.function,
-                    request_id=inv.request_id,
-                    value=pydantic_core.from_json(out),
-                    error=None,
-                    timings=timings,
-                    cold_start=cold,
-                    worker=w.id,
-                    attempts=1,
-                    hedged=False,
-                    cached=False,
-                    index=None,
-                )
+                value, error = pydantic_core.from_json(out), None
             else:
-                code, message, tb = out
-                res = Result.model_construct(
-                    ok=False,
-                    function=inv.function,
-                    request_id=inv.request_id,
-                    value=None,
-                    error=ErrorInfo.of(code, message, tb),
-                    timings=timings,
-                    cold_start=cold,
-                    worker=w.id,
-                    attempts=1,
-                    hedged=False,
-                    cached=False,
-                    index=None,
-                )
+                value, error = None, ErrorInfo.of(*out)
+            res = Result.built(
+                ok,
+                function=inv.function,
+                request_id=inv.request_id,
+                value=value,
+                error=error,
+                timings=timings,
+                cold_start=cold,
+                worker=w.id,
+            )
             call.fut.set_result(res)
         self._exec_ewma_ms = ewma
         w.served += served
@@ -334,123 +357,143 @@ class FunctionPool:
 
     def _fail(self, call: _Call, code: ErrorCode, message: str, tb: str | None = None) -> None:
         self._forget(call)
+        if call.timer is not None:
+            call.timer.cancel()
         if not call.fut.done():
             inv = call.inv
+            wid = call.worker.id if call.worker else None
             r = Result.failure(
-                code,
-                message,
-                function=inv.function,
-                request_id=inv.request_id,
-                traceback=tb,
-                worker=call.worker.id if call.worker else None,
+                code, message, function=inv.function, request_id=inv.request_id, traceback=tb, worker=wid
             )
             call.fut.set_result(r)
 
+    def _fail_pending(self, code: ErrorCode, message: str, tb: str | None = None) -> None:
+        while self._pending:
+            self._fail(self._pending.popleft(), code, message, tb)
+
     # -- worker lifecycle
-    def _spawn(self, *, on_demand: bool) -> None:
+    def _spawn(self) -> None:
         self._starting += 1
-        w = _Worker(self, f"{self.spec.name}-{next(self._wids)}", on_demand)
+        w = _Worker(self, f"{self.spec.name}-{next(self._wids)}")
         self._workers.append(w)
         self._loop.create_task(self._start_worker(w))
 
     async def _start_worker(self, w: _Worker) -> None:
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        shm_fd = os.memfd_create("fabric-slot", 0)
         try:
-            os.ftruncate(shm_fd, SLOT_SIZE)
-            w.slot = mmap.mmap(shm_fd, SLOT_SIZE)
-            env = dict(os.environ)
-            env.update(
-                FABRIC_WORKER_FD=str(child.fileno()),
-                FABRIC_WORKER_SHM=str(shm_fd),
-                FABRIC_PARENT_PID=str(os.getpid()),
-                PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
-            )
-            # a new session: the terminal's Ctrl-C goes to the parent, which shuts us down in order
-            # fork+exec takes a few ms; doing it on the loop keeps spawns ordered and simple
-            w.proc = subprocess.Popen(  # noqa: ASYNC220
-                [sys.executable, "-m", "fabric.worker"],
-                pass_fds=(child.fileno(), shm_fd),
-                env=env,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        finally:
-            child.close()
-            os.close(shm_fd)
-        _LIVE_PIDS.add(w.proc.pid)
-        self.metrics["spawned"] += 1
-        await self._loop.connect_accepted_socket(lambda: w, parent)
-        w.send(
-            (
-                "init",
-                {
-                    "entry": self.spec.entry,
-                    "sys_path": list(sys.path),
-                    "fault": self.config.fault.model_dump() if self.config.fault else None,
-                },
-            )
-        )
-        try:
+            await self._launch(w)
             await asyncio.wait_for(asyncio.shield(w.ready_fut), self.config.start_timeout_s)
         except TimeoutError:
-            w.kill()
+            w.kill()  # its connection closes and _on_lost counts the failed start
         except asyncio.CancelledError:
             w.kill()
             raise
+        except Exception as e:  # the spawn itself failed (no process, no fds): never wedge the pool
+            self._start_failed(w, f"cannot start a worker: {type(e).__name__}: {e}")
         finally:
             self._starting -= 1
-        if w.ready:
+        if w.usable:
             self._start_failures = 0
+        if not self._closed and self._pending:
             self._dispatch()
 
-    def _on_fatal(self, w: _Worker, message: str, tb: str | None) -> None:
-        # the setup hook or the import failed: no worker of this function can serve now
-        msg = f"{self.spec.name}: worker setup failed: {message}"
-        self._broken = (time.monotonic() + self.config.setup_failure_cooldown_s, msg, tb)
-        while self._pending:
-            self._fail(self._pending.popleft(), ErrorCode.SETUP_FAILED, msg, tb)
+    async def _launch(self, w: _Worker) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            shm_fd = os.memfd_create("fabric-slot", 0)
+            try:
+                os.ftruncate(shm_fd, SLOT_SIZE)
+                w.slot = mmap.mmap(shm_fd, SLOT_SIZE)
+                env = dict(os.environ)
+                env.update(
+                    FABRIC_WORKER_FD=str(child.fileno()),
+                    FABRIC_WORKER_SHM=str(shm_fd),
+                    FABRIC_PARENT_PID=str(os.getpid()),
+                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+                )
+                # a new session: the terminal's Ctrl-C goes to the parent, which shuts us down in order.
+                # fork+exec takes a few ms; doing it on the loop keeps spawns ordered and simple
+                w.proc = subprocess.Popen(  # noqa: ASYNC220
+                    [sys.executable, "-m", "fabric.worker"],
+                    pass_fds=(child.fileno(), shm_fd),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            finally:
+                child.close()
+                os.close(shm_fd)
+            _LIVE_PIDS.add(w.proc.pid)
+            self.metrics["spawned"] += 1
+            await self._loop.connect_accepted_socket(lambda: w, parent)
+        except BaseException:
+            parent.close()
+            raise
+        fault = self.config.fault.model_dump() if self.config.fault else None
+        w.send(("init", {"entry": self.spec.entry, "sys_path": list(sys.path), "fault": fault}))
 
-    def _on_lost(self, w: _Worker) -> None:
-        if w.lost:
-            return
+    def _start_failed(self, w: _Worker, message: str, tb: str | None = None) -> None:
+        """A worker that never became ready: after a few in a row, stop trying for a while."""
         w.lost = True
+        w.kill()
         if w in self._workers:
             self._workers.remove(w)
+        self.metrics["start_failures"] += 1
+        self._start_failures += 1
+        if self._closed:
+            return
+        msg = f"{self.spec.name}: {message}"
+        cooldown = time.monotonic() + self.config.setup_failure_cooldown_s
+        if any(x.usable for x in self._workers):
+            self._no_spawn_until = cooldown  # the healthy workers keep serving the queue
+        elif w.fatal or self._start_failures >= _MAX_START_FAILURES:
+            self._broken = (cooldown, msg, tb)  # nothing can serve: fail fast until the cooldown ends
+            self._fail_pending(ErrorCode.SETUP_FAILED, msg, tb)
+
+    def _on_fatal(self, w: _Worker, message: str, tb: str | None) -> None:
+        # the import or the setup hook raised: this is the function's fault, not the machine's
+        w.fatal = True
+        w.settle_start()
+        self._start_failed(w, f"worker setup failed: {message}", tb)
+
+    def _on_lost(self, w: _Worker) -> None:
+        w.settle_start()
         if w.proc is not None:
             w.kill()
             proc = w.proc
             self._loop.run_in_executor(None, proc.wait).add_done_callback(
                 lambda _: _LIVE_PIDS.discard(proc.pid)
             )
-        if self._closed:
+        if w.lost:  # stopped on purpose, or already handled
             return
+        if self._closed:
+            w.lost = True
+            return
+        if not w.ready:
+            code = w.proc.poll() if w.proc is not None else None
+            self._start_failed(w, f"a worker died before it was ready (exit code {code}); see its stderr")
+            return
+        w.lost = True
+        if w in self._workers:
+            self._workers.remove(w)
         self.metrics["lost"] += 1
         code = w.proc.poll() if w.proc is not None else None
         timed_out = w.kill_reason[0] if w.kill_reason else 0
+        # a synchronous worker runs one call at a time, the one in its slot; the others it held
+        # never started, so they are safe to retry even for functions with side effects
+        running = read_slot(w.slot)[0] if w.slot is not None and not self.spec.is_async else -1
         for cid, call in list(w.inflight.items()):
-            if cid == timed_out:
-                self._fail(call, ErrorCode.TIMEOUT, w.kill_reason[1] if w.kill_reason else "timeout")
-            else:
+            if cid == timed_out and w.kill_reason:
+                self._fail(call, ErrorCode.TIMEOUT, w.kill_reason[1])
+            elif running == -1 or cid == running:
                 self._fail(
-                    call,
-                    ErrorCode.WORKER_LOST,
-                    f"worker {w.id} died (exit code {code}) with the call in flight",
+                    call, ErrorCode.WORKER_LOST, f"worker {w.id} died (exit code {code}) running the call"
                 )
+            else:
+                msg = f"worker {w.id} died (exit code {code}) before the call started"
+                self._fail(call, ErrorCode.NOT_STARTED, msg)
         w.inflight.clear()
-        if not w.ready and self._broken is None:
-            self._start_failures += 1
-            if self._start_failures >= _MAX_START_FAILURES:
-                msg = (
-                    f"{self.spec.name}: {self._start_failures} workers in a row died before they were ready "
-                    f"(last exit code {code}); see the worker's stderr"
-                )
-                self._broken = (time.monotonic() + self.config.setup_failure_cooldown_s, msg, None)
-                while self._pending:
-                    self._fail(self._pending.popleft(), ErrorCode.SETUP_FAILED, msg)
-                return
-        if self._broken is None and (len(self._workers) < self.warm or self._pending):
-            self._spawn(on_demand=len(self._workers) >= self.warm)
+        if self._can_spawn() and (len(self._workers) < self.warm or self._pending):
+            self._spawn()
 
     async def _maintain(self) -> None:
         while not self._closed:
@@ -458,34 +501,31 @@ class FunctionPool:
             try:
                 self._check_timeouts()
                 self._shrink()
-                if self._broken is None and not self._starting and len(self._workers) < self.warm:
-                    self._spawn(on_demand=False)
+                if not self._starting and len(self._workers) < self.warm and self._can_spawn():
+                    self._spawn()
+                if self._pending and not self._scheduled:
+                    self._dispatch()  # e.g. after a spawn cooldown ended
             except Exception as e:  # never let the pool's housekeeping die silently
                 print(f"fabric: pool maintenance error in {self.spec.name}: {e!r}", file=sys.stderr)
 
     def _check_timeouts(self) -> None:
         now_ns = time.monotonic_ns()
         now = time.monotonic()
+        limit = self.spec.timeout_s
         for w in list(self._workers):
             if not w.inflight or w.slot is None or w.kill_reason:
                 continue
+            if self.spec.is_async:
+                if now - w.last_progress > limit + _ASYNC_GRACE_S:
+                    head = next(iter(w.inflight.values()))
+                    msg = f"{self.spec.name}: worker stopped responding (event loop blocked past the timeout)"
+                    self._kill_for_timeout(w, head, msg + "; killed and replaced")
+                continue
             cid, start = read_slot(w.slot)
             call = w.inflight.get(cid) if cid else None
-            if call is not None and start and (now_ns - start) / 1e9 > call.timeout_s:
-                self._kill_for_timeout(
-                    w,
-                    call,
-                    f"{self.spec.name} ran past its {call.timeout_s:.3g} s limit; "
-                    f"its worker was killed and replaced",
-                )
-            elif self.spec.is_async and now - w.last_progress > call_timeout(w) + _ASYNC_GRACE_S:
-                head = next(iter(w.inflight.values()))
-                self._kill_for_timeout(
-                    w,
-                    head,
-                    f"{self.spec.name}: worker stopped responding (event loop blocked "
-                    "for longer than the timeout); killed and replaced",
-                )
+            if call is not None and start and (now_ns - start) / 1e9 > limit:
+                msg = f"{self.spec.name} ran past its {limit:.3g} s limit; its worker was killed and replaced"
+                self._kill_for_timeout(w, call, msg)
 
     def _kill_for_timeout(self, w: _Worker, call: _Call, message: str) -> None:
         self.metrics["timeouts"] += 1
@@ -498,14 +538,14 @@ class FunctionPool:
         for w in list(self._workers):
             if extra <= 0:
                 break
-            if w.ready and not w.inflight and now - w.last_active > self.config.idle_window_s:
+            if w.usable and not w.inflight and now - w.last_active > self.config.idle_window_s:
                 extra -= 1
                 self._workers.remove(w)
+                w.lost = True
                 w.send(("stop",))
                 self._loop.create_task(self._reap(w))
 
     async def _reap(self, w: _Worker) -> None:
-        w.lost = True
         await asyncio.sleep(0.5)
         w.kill()
         if w.proc is not None:
@@ -517,7 +557,7 @@ class FunctionPool:
     def stats(self) -> dict[str, Any]:
         return {
             "workers": len(self._workers),
-            "ready": sum(w.ready for w in self._workers),
+            "ready": sum(w.usable for w in self._workers),
             "pending": len(self._pending),
             "inflight": sum(len(w.inflight) for w in self._workers),
             "max_workers": self.max_workers,
@@ -525,7 +565,3 @@ class FunctionPool:
             "pids": [w.proc.pid for w in self._workers if w.proc is not None],
             **self.metrics,
         }
-
-
-def call_timeout(w: _Worker) -> float:
-    return max(c.timeout_s for c in w.inflight.values())

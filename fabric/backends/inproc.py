@@ -13,7 +13,7 @@ from typing import Any
 
 from fabric.backends.base import Backend, InprocConfig
 from fabric.errors import ErrorCode, UnknownFunctionError
-from fabric.protocol import Invocation, Result, Timings, decode_payload
+from fabric.protocol import ErrorInfo, Invocation, Result, Timings, decode_payload
 from fabric.registry import Registry
 from fabric.runner import FunctionRunner
 
@@ -77,35 +77,15 @@ class InprocBackend(Backend):
         return {"calls": self._calls}
 
 
-def _to_result(
-    inv: Invocation,
-    ok: bool,
-    out: Any,
-    exec_ms: float,
-    *,
-    worker: str,
-    queue_ms: float = 0.0,
-    cold: bool = False,
-) -> Result:
-    if ok:
-        return Result.model_construct(
-            ok=True,
-            function=inv.function,
-            request_id=inv.request_id,
-            value=decode_payload(out),
-            error=None,
-            timings=Timings.model_construct(queue_ms=queue_ms, exec_ms=exec_ms, total_ms=0.0),
-            cold_start=cold,
-            worker=worker,
-            attempts=1,
-            hedged=False,
-            cached=False,
-            index=None,
-        )
-    code, message, tb = out
-    r = Result.failure(
-        code, message, function=inv.function, request_id=inv.request_id, traceback=tb, worker=worker
+def _to_result(inv: Invocation, ok: bool, out: Any, exec_ms: float, *, worker: str) -> Result:
+    timings = Timings.model_construct(queue_ms=0.0, exec_ms=exec_ms, total_ms=0.0)
+    value, error = (decode_payload(out), None) if ok else (None, ErrorInfo.of(*out))
+    return Result.built(
+        ok,
+        function=inv.function,
+        request_id=inv.request_id,
+        value=value,
+        error=error,
+        timings=timings,
+        worker=worker,
     )
-    r.timings = Timings.model_construct(queue_ms=queue_ms, exec_ms=exec_ms, total_ms=0.0)
-    r.cold_start = cold
-    return r

@@ -109,3 +109,52 @@ def append_line(path: str, line: str) -> int:
 @REG.function(warm=0)
 def exits() -> None:
     raise SystemExit(3)
+
+
+@REG.tool(
+    warm=0,
+    timeout_s=0.5,
+    max_batch=8,
+    side_effects=True,
+    retry={"max_attempts": 2, "initial_backoff_s": 0.01},
+)
+def maybe_hang(path: str, hang: bool) -> str:
+    """Appends to ``path`` (a side effect), then hangs when asked."""
+    with open(path, "a") as f:
+        f.write("x")
+    while hang:
+        pass
+    return "done"
+
+
+def _second_worker_fails() -> None:
+    # the first worker to start leaves a marker; any later one fails its setup
+    marker = Path(os.environ["FABRIC_TEST_MARKER"])
+    if marker.exists():
+        raise RuntimeError("this worker cannot load its model")
+    marker.write_text("taken")
+
+
+@REG.function(warm=1, setup=_second_worker_fails)
+def picky(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def _fails_first_time() -> None:
+    marker = Path(os.environ["FABRIC_TEST_MARKER"])
+    if not marker.exists():
+        marker.write_text("failed once")
+        raise RuntimeError("transient setup failure")
+
+
+@REG.function(warm=0, setup=_fails_first_time)
+def recovers(x: int) -> int:
+    return x
+
+
+@REG.function(warm=0)
+async def slow_write(path: str, seconds: float) -> str:
+    await asyncio.sleep(seconds)
+    Path(path).write_text("written")  # noqa: ASYNC240 - a tiny write is the side effect under test
+    return "written"

@@ -69,11 +69,46 @@ async def test_idempotency_key_means_one_execution():
 
 async def test_retry_after_failure_keeps_the_idempotency_key():
     c, fake = make()
-    fake.fail_next("effect", ErrorCode.WORKER_LOST)
-    r = await c.call("effect", {"x": 1}, idempotency_key="t")
-    assert r.ok
+    fake.fail_next("double", ErrorCode.WORKER_LOST)
+    r = await c.call("double", {"x": 1}, idempotency_key="t")
+    assert r.ok and r.attempts == 2
     keys = {i.idempotency_key for i in fake.invocations}
-    assert len(keys) == 1 and "effect" in keys.pop()
+    assert len(keys) == 1 and "double" in keys.pop()
+
+
+async def test_side_effects_are_retried_only_when_the_call_did_not_run():
+    c, fake = make()
+    fake.fail_next("effect", ErrorCode.NOT_STARTED)
+    r = await c.call("effect", {"x": 1})
+    assert r.ok and r.attempts == 2  # never started: safe to retry
+    fake.fail_next("effect", ErrorCode.WORKER_LOST)
+    r = await c.call("effect", {"x": 1})
+    assert not r.ok and r.error.type == ErrorCode.WORKER_LOST and r.attempts == 1  # may have run: not again
+    fake.fail_next("effect", ErrorCode.TIMEOUT)
+    assert (await c.call("effect", {"x": 1})).attempts == 1
+
+
+async def test_waiters_on_a_key_retry_themselves_when_the_owner_is_cancelled():
+    c, _ = make()
+    owner = asyncio.create_task(c.call("nap", {"seconds": 0.3, "tag": 1}, idempotency_key="k"))
+    await asyncio.sleep(0.05)
+    waiter = asyncio.create_task(c.call("nap", {"seconds": 0.01, "tag": 1}, idempotency_key="k"))
+    await asyncio.sleep(0.05)
+    owner.cancel()
+    r = await asyncio.wait_for(waiter, 2)
+    assert r.ok and r.value == 1 and not r.cached
+
+
+async def test_infrastructure_failures_are_not_cached_under_a_key():
+    c, fake = make()
+    fake.fail_next("double", ErrorCode.THROTTLED, times=3)
+    r = await c.call("double", {"x": 5}, idempotency_key="k")
+    assert not r.ok and r.error.type == ErrorCode.THROTTLED
+    r = await c.call("double", {"x": 5}, idempotency_key="k")
+    assert r.ok and r.value == 10 and not r.cached
+    # a user error is the function's answer: cached
+    await c.call("fail_user", {"x": 1}, idempotency_key="u")
+    assert (await c.call("fail_user", {"x": 1}, idempotency_key="u")).cached
 
 
 async def _warm_latency(c: Client, n: int = 30) -> None:
@@ -128,8 +163,13 @@ async def test_circuit_opens_after_consecutive_infra_failures_and_recovers():
     assert r.error.type == ErrorCode.CIRCUIT_OPEN and "retry in" in r.error.message
     assert len(fake.invocations) == n  # failed fast, nothing sent
     await asyncio.sleep(0.25)
+    fake.inject("double", Fault(delay_s=0.1))
+    probe = asyncio.create_task(c.call("double", {"x": 1}))
+    await asyncio.sleep(0.02)
     r = await c.call("double", {"x": 1})
-    assert r.ok  # the probe after the cooldown went through and closed the circuit
+    assert r.error.type == ErrorCode.CIRCUIT_OPEN and "probe" in r.error.message  # one probe at a time
+    assert (await probe).ok  # the probe went through and closed the circuit
+    assert (await c.call("double", {"x": 1})).ok
 
 
 async def test_stream_yields_in_completion_order_and_takes_async_input():
@@ -146,6 +186,24 @@ async def test_stream_yields_in_completion_order_and_takes_async_input():
 
     got = sorted([(r.index, r.value) async for r in c.stream("double", produce())])
     assert got == [(i, 2 * i) for i in range(5)]
+
+
+async def test_stream_reads_its_input_only_as_fast_as_it_is_consumed():
+    c, fake = make()
+    taken = 0
+
+    def payloads():
+        nonlocal taken
+        for i in range(10_000):
+            taken += 1
+            yield {"x": i}
+
+    agen = c.stream("double", payloads(), max_inflight=10)
+    first = await agen.__anext__()
+    await asyncio.sleep(0.1)
+    assert first.ok and taken <= 11
+    await agen.aclose()
+    assert len(fake.invocations) <= 11
 
 
 async def test_bad_payloads_never_reach_the_backend():

@@ -250,3 +250,82 @@ def test_no_orphans_whatever_way_the_parent_ends(body, sig):
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(p) for p in pids)
+
+
+async def test_a_finished_call_survives_a_hang_after_it_and_queued_calls_did_not_run(tmp_path):
+    path = tmp_path / "effects"
+    async with local(max_workers=1) as c:
+        await c.backend.warmup(["maybe_hang"])  # warm=0: starts nothing, but the pool exists
+        rs = await c.map("maybe_hang", [{"path": str(path), "hang": h} for h in (False, True, False)])
+        assert rs[0].ok and rs[0].value == "done"  # answered before the next call hung
+        assert rs[1].error.type == ErrorCode.TIMEOUT and rs[1].attempts == 1  # side effects: not retried
+        # the third call was queued behind the hang: it never ran, so it was retried and ran once
+        assert rs[2].ok and rs[2].attempts == 2
+        assert path.read_text() == "xxx"
+
+
+async def test_deadline_while_queued_answers_on_time_without_killing_the_worker():
+    async with local(max_workers=1) as c:
+        await c.backend.warmup(["sleepy"])
+        first = asyncio.create_task(c.call("sleepy", {"seconds": 0.9}))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        r = await c.call("sleepy", {"seconds": 0}, deadline_s=0.1)
+        assert r.error.type == ErrorCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 0.5
+        assert (await first).ok
+        assert c.backend.stats()["sleepy"]["timeouts"] == 0 and c.backend.stats()["sleepy"]["lost"] == 0
+
+
+async def test_a_failing_scale_up_worker_does_not_break_a_healthy_pool(tmp_path, monkeypatch):
+    monkeypatch.setenv("FABRIC_TEST_MARKER", str(tmp_path / "marker"))
+    async with local(max_workers=2, setup_failure_cooldown_s=30) as c:
+        await c.backend.warmup(["picky"])
+        rs = await c.map("picky", [{"seconds": 0.02}] * 30)  # enough to ask for a second worker
+        assert all(r.ok for r in rs), [r.error for r in rs if not r.ok]
+        stats = c.backend.stats()["picky"]
+        assert stats["start_failures"] >= 1 and stats["ready"] == 1
+        assert (await c.call("picky", {"seconds": 0})).ok
+
+
+async def test_the_pool_recovers_after_a_transient_setup_failure(tmp_path, monkeypatch):
+    monkeypatch.setenv("FABRIC_TEST_MARKER", str(tmp_path / "marker"))
+    async with local(setup_failure_cooldown_s=0.2) as c:
+        r = await c.call("recovers", {"x": 1})
+        assert r.error.type == ErrorCode.SETUP_FAILED and "transient" in r.error.message
+        await asyncio.sleep(0.3)
+        r = await asyncio.wait_for(c.call("recovers", {"x": 2}), 10)
+        assert r.ok and r.value == 2
+
+
+async def test_a_failed_spawn_does_not_wedge_the_pool(monkeypatch):
+    from fabric.backends import _pool
+
+    real = _pool.subprocess.Popen
+    calls = {"n": 0}
+
+    def flaky_popen(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(11, "Resource temporarily unavailable")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(_pool.subprocess, "Popen", flaky_popen)
+    async with local(setup_failure_cooldown_s=0.1) as c:
+        r = await asyncio.wait_for(c.call("pid", {}), 10)
+        if not r.ok:  # the first spawn failed with the call queued: it is answered, then retried
+            assert r.error.type == ErrorCode.SETUP_FAILED
+            await asyncio.sleep(0.2)
+            r = await asyncio.wait_for(c.call("pid", {}), 10)
+        assert r.ok and calls["n"] >= 2
+
+
+async def test_cancelling_an_async_call_cancels_it_in_the_worker(tmp_path):
+    path = tmp_path / "out"
+    async with local() as c:
+        await c.call("slow_write", {"path": str(tmp_path / "warm"), "seconds": 0})
+        task = asyncio.create_task(c.call("slow_write", {"path": str(path), "seconds": 0.4}))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        await asyncio.sleep(0.6)
+        assert not path.exists()
+        assert (await c.call("slow_write", {"path": str(path), "seconds": 0})).ok

@@ -136,7 +136,7 @@ def test_unwrap() -> None:
 
 @pytest.mark.parametrize("code", list(ErrorCode))
 def test_failure_retryable_from_code(code: ErrorCode) -> None:
-    expected = code in {"WorkerLost", "FunctionTimeout", "Throttled", "TransportError"}
+    expected = code in {"WorkerLost", "NotStarted", "FunctionTimeout", "Throttled", "TransportError"}
     r = Result.failure(code, "m")
     assert r.ok is False and r.value is None
     assert r.retryable is expected
@@ -149,7 +149,7 @@ def test_failure_fields() -> None:
     assert (r.function, r.request_id, r.worker, r.attempts) == ("f", "r1", "w3", 1)
     assert r.retryable is True
     assert Result.failure("UserError", "x").retryable is False
-    assert RETRYABLE == {"WorkerLost", "FunctionTimeout", "Throttled", "TransportError"}
+    assert RETRYABLE == {"WorkerLost", "NotStarted", "FunctionTimeout", "Throttled", "TransportError"}
     assert Result(ok=True).retryable is False
 
 
