@@ -18,7 +18,7 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError
 from typing_extensions import TypedDict
 
 from fabric.errors import ErrorCode
-from fabric.protocol import MAX_PAYLOAD_BYTES, to_strict_json
+from fabric.protocol import MAX_PAYLOAD_BYTES, ErrorInfo, Invocation, Result, Timings, to_strict_json
 from fabric.registry import SETUP_ATTR, SPEC_ATTR, load_entry_point
 from fabric.spec import CTX_PARAM, FunctionSpec
 
@@ -70,6 +70,23 @@ def format_validation_error(spec: FunctionSpec, e: ValidationError) -> str:
 def _user_error(e: BaseException) -> tuple[str, str, str]:
     frames = tb_mod.format_exception(type(e), e, e.__traceback__, limit=-_TB_FRAMES)
     return (ErrorCode.USER_ERROR, f"{type(e).__name__}: {e}", "".join(frames)[-4000:])
+
+
+def outcome_to_result(
+    inv: Invocation,
+    ok: bool,
+    out: Any,
+    *,
+    exec_ms: float,
+    worker: str,
+    queue_ms: float = 0.0,
+    cold: bool = False,
+) -> Result:
+    """The ``Result`` of an outcome tuple (decoding the JSON value)."""
+    timings = Timings.model_construct(queue_ms=queue_ms, exec_ms=exec_ms, total_ms=0.0)
+    value, error = (pydantic_core.from_json(out), None) if ok else (None, ErrorInfo.of(*out))
+    return Result.built(ok, function=inv.function, request_id=inv.request_id, value=value, error=error,
+                        timings=timings, cold_start=cold, worker=worker)  # fmt: skip
 
 
 class FunctionRunner:

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fabric.backends.base import Backend
-from fabric.backends.inproc import _to_result
 from fabric.errors import ErrorCode, FabricError, UnknownFunctionError
 from fabric.protocol import MAX_PAYLOAD_BYTES, Invocation, Result, encode_payload
 from fabric.registry import SPEC_ATTR, Registry, default_registry, load_entry_point, source_version
-from fabric.runner import FunctionRunner
+from fabric.runner import FunctionRunner, outcome_to_result
 from fabric.spec import FunctionSpec
 
 
@@ -79,7 +78,7 @@ class FakeBackend(Backend):
         self.executions[inv.idempotency_key or inv.request_id] += 1
         t0 = time.perf_counter()
         ok, out = await runner.run_async(inv.raw_payload, runner.spec.timeout_s)
-        return _to_result(inv, ok, out, (time.perf_counter() - t0) * 1e3, worker="fake")
+        return outcome_to_result(inv, ok, out, exec_ms=(time.perf_counter() - t0) * 1e3, worker="fake")
 
 
 class ConformanceError(FabricError):

@@ -28,12 +28,11 @@ import time
 from collections import deque
 from typing import Any
 
-import pydantic_core
-
 from fabric.backends._wire import SLOT_SIZE, FrameReader, pack, read_slot
 from fabric.backends.base import LocalConfig
 from fabric.errors import ErrorCode
-from fabric.protocol import ErrorInfo, Invocation, Result, Timings
+from fabric.protocol import Invocation, Result
+from fabric.runner import outcome_to_result
 from fabric.spec import FunctionSpec
 
 _TICK_S = 0.05  # maintenance period: timeouts, idle shrink, replenish
@@ -324,24 +323,8 @@ class FunctionPool:
             cold = call.t_submit_ns < w.ready_ns
             if cold:
                 self.metrics["cold_starts"] += 1
-            timings = Timings.model_construct(
-                queue_ms=(start_ns - call.t_submit_ns) / 1e6, exec_ms=exec_ms, total_ms=0.0
-            )
-            inv = call.inv
-            if ok:
-                value, error = pydantic_core.from_json(out), None
-            else:
-                value, error = None, ErrorInfo.of(*out)
-            res = Result.built(
-                ok,
-                function=inv.function,
-                request_id=inv.request_id,
-                value=value,
-                error=error,
-                timings=timings,
-                cold_start=cold,
-                worker=w.id,
-            )
+            res = outcome_to_result(call.inv, ok, out, exec_ms=exec_ms, worker=w.id, cold=cold,
+                                    queue_ms=(start_ns - call.t_submit_ns) / 1e6)  # fmt: skip
             call.fut.set_result(res)
         self._exec_ewma_ms = ewma
         w.served += served

@@ -13,9 +13,9 @@ from typing import Any
 
 from fabric.backends.base import Backend, InprocConfig
 from fabric.errors import ErrorCode, UnknownFunctionError
-from fabric.protocol import ErrorInfo, Invocation, Result, Timings, decode_payload
+from fabric.protocol import Invocation, Result
 from fabric.registry import Registry
-from fabric.runner import FunctionRunner
+from fabric.runner import FunctionRunner, outcome_to_result
 
 
 class InprocBackend(Backend):
@@ -71,21 +71,7 @@ class InprocBackend(Backend):
             ok, out = False, (ErrorCode.TIMEOUT, f"{inv.function} ran past its {timeout:.3g} s limit", None)
         exec_ms = (time.perf_counter() - t0) * 1e3
         self._calls += 1
-        return _to_result(inv, ok, out, exec_ms, worker="inproc")
+        return outcome_to_result(inv, ok, out, exec_ms=exec_ms, worker="inproc")
 
     def stats(self) -> dict[str, Any]:
         return {"calls": self._calls}
-
-
-def _to_result(inv: Invocation, ok: bool, out: Any, exec_ms: float, *, worker: str) -> Result:
-    timings = Timings.model_construct(queue_ms=0.0, exec_ms=exec_ms, total_ms=0.0)
-    value, error = (decode_payload(out), None) if ok else (None, ErrorInfo.of(*out))
-    return Result.built(
-        ok,
-        function=inv.function,
-        request_id=inv.request_id,
-        value=value,
-        error=error,
-        timings=timings,
-        worker=worker,
-    )
