@@ -25,7 +25,8 @@ import asyncio
 import itertools
 import os
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections import deque
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -75,10 +76,47 @@ class ClientConfig(BaseModel):
     tenant: str = "default"
 
 
+class _HedgeClock:
+    """When to hedge, for one function: a FIFO of (time, callback) under one timer.
+
+    Every call of a function gets the same delay (its current p95), so the times arrive in
+    order and one timer for the head replaces a heap entry per call (the hot path). A call
+    that finished meanwhile makes its callback a no-op."""
+
+    __slots__ = ("_loop", "_q", "_timer")
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._q: deque[tuple[float, Callable[[], None]]] = deque()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def at(self, when: float, callback: Callable[[], None]) -> None:
+        self._q.append((when, callback))
+        if self._timer is None:
+            self._timer = self._loop.call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        q = self._q
+        now = self._loop.time()
+        while q and q[0][0] <= now:
+            q.popleft()[1]()
+        if q:
+            self._timer = self._loop.call_at(q[0][0], self._fire)
+
+
 class _Fn:
     """Client-side state of one function."""
 
-    __slots__ = ("breaker_open_until", "consecutive_failures", "metrics", "probing", "sem", "spec")
+    __slots__ = (
+        "breaker_open_until",
+        "consecutive_failures",
+        "hedge_clock",
+        "metrics",
+        "probing",
+        "sem",
+        "spec",
+    )
 
     def __init__(self, spec: FunctionSpec, quantile: float):
         self.spec = spec
@@ -87,6 +125,7 @@ class _Fn:
         self.consecutive_failures = 0
         self.breaker_open_until = 0.0
         self.probing = False
+        self.hedge_clock = _HedgeClock()
 
 
 _BURST = 5  # hedges allowed beyond the share, so a short run can still hedge
@@ -193,7 +232,7 @@ class Client:
         if refusal is not None:
             return self._refuse(m, ErrorCode.CIRCUIT_OPEN, refusal, name, request_id)
         deadline_s = deadline_s if deadline_s is not None else self.config.default_deadline_s
-        inv = Invocation.model_construct(
+        inv = Invocation.fast(
             function=name,
             payload=payload,
             request_id=request_id,
@@ -202,8 +241,8 @@ class Client:
             tenant=tenant or self.config.tenant,
             attempt=1,
             hedge=False,
+            raw=raw,
         )
-        inv._raw = raw
         owned: asyncio.Future[None] | None = None
         if idempotency_key is not None:
             owned = self._inflight[key] = asyncio.get_running_loop().create_future()
@@ -405,11 +444,10 @@ class Client:
             h.add_done_callback(done)
 
         primary.add_done_callback(done)
-        timer = loop.call_later(delay_s, fire)
+        fn.hedge_clock.at(loop.time() + delay_s, fire)
         try:
             result = await winner
         finally:
-            timer.cancel()
             for f in futs:
                 if not f.done():
                     f.cancel()  # the loser: a queued copy never runs, a running one is ignored

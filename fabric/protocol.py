@@ -15,7 +15,7 @@ import uuid
 from typing import Any, Literal
 
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field
 
 from fabric.errors import (
     RETRYABLE,
@@ -68,6 +68,20 @@ def decode_payload(raw: bytes) -> Any:
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    @classmethod
+    def fast(cls, **values: Any) -> Any:
+        """Build without validation or defaults: the per-call hot path, where every field is
+        ours and given. (``model_construct`` costs ~10 us; this ~1 us.)"""
+        obj = cls.__new__(cls)
+        _set(obj, "__dict__", values)
+        _set(obj, "__pydantic_fields_set__", set(values))
+        _set(obj, "__pydantic_extra__", None)
+        _set(obj, "__pydantic_private__", None)
+        return obj
+
+
+_set = object.__setattr__
+
 
 class Invocation(_Model):
     """One request to run a function."""
@@ -85,14 +99,16 @@ class Invocation(_Model):
     hedge: bool = False
     """True for the duplicate sent after the function's observed p95 latency."""
 
-    # encoded payload, filled once by the client so backends do not encode again
-    _raw: bytes | None = PrivateAttr(default=None)
+    raw: bytes | None = Field(None, exclude=True, repr=False)
+    """The payload encoded once by the client, so no backend encodes it again (never sent
+    as a field: it *is* the payload on the wire)."""
 
     @property
     def raw_payload(self) -> bytes:
-        if self._raw is None:
-            self._raw = encode_payload(self.payload)
-        return self._raw
+        raw = self.raw
+        if raw is None:
+            raw = self.raw = encode_payload(self.payload)
+        return raw
 
     def remaining_s(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.time()
@@ -161,13 +177,13 @@ class Result(_Model):
         worker: str | None = None,
     ) -> Result:
         """Construct without validation: the hot path, where every field is our own."""
-        return cls.model_construct(
+        return cls.fast(
             ok=ok,
             function=function,
             request_id=request_id,
             value=value,
             error=error,
-            timings=timings if timings is not None else Timings.model_construct(),
+            timings=timings if timings is not None else Timings.fast(queue_ms=0.0, exec_ms=0.0, total_ms=0.0),
             cold_start=cold_start,
             worker=worker,
             attempts=1,

@@ -83,7 +83,7 @@ def outcome_to_result(
     cold: bool = False,
 ) -> Result:
     """The ``Result`` of an outcome tuple (decoding the JSON value)."""
-    timings = Timings.model_construct(queue_ms=queue_ms, exec_ms=exec_ms, total_ms=0.0)
+    timings = Timings.fast(queue_ms=queue_ms, exec_ms=exec_ms, total_ms=0.0)
     value, error = (pydantic_core.from_json(out), None) if ok else (None, ErrorInfo.of(*out))
     return Result.built(ok, function=inv.function, request_id=inv.request_id, value=value, error=error,
                         timings=timings, cold_start=cold, worker=worker)  # fmt: skip
