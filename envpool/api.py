@@ -1,0 +1,237 @@
+"""The environment contract: gymnasium's shape, with text actions and chat-ready
+observations, plus the registry (``register``/``make``).
+
+    class MyEnv(envpool.Env):
+        def reset(self, *, seed=None, options=None):
+            return envpool.Observation(text="..."), {}
+        def step(self, action: str) -> envpool.StepResult: ...
+
+``make(id)`` wraps every environment so the rules hold whoever wrote it: no step before
+reset or after the episode ended, actions are UTF-8 text under the size limit, episodes
+are truncated at ``max_episode_steps``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from envpool.errors import ActionError, EnvOrderError, EnvRegistryError, UnknownEnvError
+
+#: Actions over this many UTF-8 bytes are refused (an env may lower it).
+MAX_ACTION_BYTES = 64 * 1024
+
+
+class Observation(BaseModel):
+    """What the policy sees: text for a chat message, and the tools it may call."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI-style tool schemas available on this turn."""
+
+    def as_message(self) -> dict[str, Any]:
+        return {"role": "user", "content": self.text}
+
+
+class StepResult(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    obs: Observation
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+    info: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.terminated or self.truncated
+
+
+#: ``(tool name, arguments) -> text`` shown to the policy. The host provides it: in a
+#: container the session brokers the call to the fabric (the container has no network).
+ToolCaller = Callable[[str, dict[str, Any]], str]
+
+
+class Env(ABC):
+    """Subclass this. ``reset`` may return a plain string as the observation."""
+
+    #: Actions that are valid in the initial state; the conformance checker plays them.
+    example_actions: ClassVar[tuple[str, ...]] = ()
+    _tool_caller: ToolCaller | None = None
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        """Call a stateless fabric tool (e.g. ``calculator``) from inside ``step``."""
+        if self._tool_caller is None:
+            raise RuntimeError(
+                "this environment was created without a tool bridge; use envpool.make() or a pool"
+            )
+        return self._tool_caller(name, arguments)
+
+    @abstractmethod
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """Start an episode; return ``(observation, info)``."""
+
+    @abstractmethod
+    def step(self, action: str) -> StepResult:
+        """Apply one text action."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what the environment holds (files, subprocesses)."""
+
+
+def as_observation(obs: Any) -> Observation:
+    if isinstance(obs, Observation):
+        return obs
+    if isinstance(obs, str):
+        return Observation(text=obs)
+    if isinstance(obs, dict):
+        return Observation.model_validate(obs)
+    raise TypeError(f"an observation is an Observation, a str or a dict, got {type(obs).__name__}")
+
+
+def check_action(action: Any, limit: int = MAX_ACTION_BYTES) -> str:
+    """The action as text, or ``ActionError`` saying what is wrong with it."""
+    if isinstance(action, bytes | bytearray):
+        try:
+            action = bytes(action).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ActionError(f"action is not valid UTF-8: {e}") from None
+    if not isinstance(action, str):
+        raise ActionError(f"an action is text, got {type(action).__name__}")
+    try:
+        size = len(action.encode("utf-8"))
+    except UnicodeEncodeError as e:  # lone surrogates
+        raise ActionError(f"action is not valid UTF-8: {e}") from None
+    if size > limit:
+        raise ActionError(f"action is {size:,} bytes, over the {limit:,}-byte limit")
+    return action
+
+
+class EnvSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    id: str = Field(pattern=r"^[A-Za-z][A-Za-z0-9_.\-]*-v\d+$")
+    """``name-vN``; a new version for any change that alters behaviour."""
+    entry_point: str
+    """``module:Class`` of an ``Env`` subclass."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    max_episode_steps: int | None = Field(None, ge=1)
+    deterministic: bool = True
+    """Same seed and actions give the same episode: a session lost to a dead container can
+    then be rebuilt by replaying its actions on a fresh one."""
+    max_action_bytes: int = Field(MAX_ACTION_BYTES, ge=1)
+    description: str = ""
+
+
+class EnvRegistry:
+    def __init__(self) -> None:
+        self._specs: dict[str, EnvSpec] = {}
+
+    def register(self, id: str, entry_point: str, **options: Any) -> EnvSpec:
+        try:
+            spec = EnvSpec(id=id, entry_point=entry_point, **options)
+        except ValidationError as e:
+            raise EnvRegistryError(f"bad registration of {id!r}:\n{e}") from None
+        old = self._specs.get(id)
+        if old is not None and old != spec:
+            raise EnvRegistryError(f"environment id {id!r} is already registered to {old.entry_point}")
+        self._specs[id] = spec
+        return spec
+
+    def spec(self, id: str) -> EnvSpec:
+        try:
+            return self._specs[id]
+        except KeyError:
+            raise UnknownEnvError(id, list(self._specs)) from None
+
+    def ids(self) -> list[str]:
+        return sorted(self._specs)
+
+    def __contains__(self, id: object) -> bool:
+        return id in self._specs
+
+    def make(self, id: str, *, tool_caller: ToolCaller | None = None, **kwargs: Any) -> GuardedEnv:
+        """An in-process instance. Tool calls run the fabric function in this process
+        unless ``tool_caller`` says otherwise."""
+        spec = self.spec(id)
+        cls = load_class(spec.entry_point)
+        env = cls(**{**spec.kwargs, **kwargs})
+        env._tool_caller = tool_caller or inprocess_tool_caller
+        return GuardedEnv(env, spec)
+
+
+def load_class(entry_point: str) -> type[Env]:
+    mod, _, attr = entry_point.partition(":")
+    try:
+        obj = getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise EnvRegistryError(f"cannot load {entry_point!r}: {e}") from e
+    if not (isinstance(obj, type) and issubclass(obj, Env)):
+        raise EnvRegistryError(f"{entry_point!r} is not an envpool.Env subclass")
+    return obj
+
+
+def inprocess_tool_caller(name: str, arguments: dict[str, Any]) -> str:
+    """Run a registered fabric tool right here (built-ins are discovered on first use)."""
+    import fabric
+
+    reg = fabric.default_registry
+    if name not in reg:
+        reg.discover("functions")
+    try:
+        value = reg.callable(name)(**arguments)
+    except Exception as e:  # a tool error is text for the policy, not a crash of the env
+        return f"error: {type(e).__name__}: {e}"
+    return value if isinstance(value, str) else str(value)
+
+
+class GuardedEnv:
+    """What ``make`` returns: the user's env behind the rules of the contract."""
+
+    def __init__(self, env: Env, spec: EnvSpec):
+        self.env = env
+        self.spec = spec
+        self._needs_reset = True
+        self._steps = 0
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Observation, dict]:
+        obs, info = self.env.reset(seed=seed, options=options)
+        self._needs_reset = False
+        self._steps = 0
+        return as_observation(obs), dict(info)
+
+    def step(self, action: Any) -> StepResult:
+        if self._needs_reset:
+            raise EnvOrderError(
+                f"{self.spec.id}: step() before reset() (or after the episode ended); call reset()"
+            )
+        text = check_action(action, self.spec.max_action_bytes)
+        res = self.env.step(text)
+        if not isinstance(res, StepResult):
+            res = StepResult.model_validate(res)
+        if not math.isfinite(res.reward):
+            raise ValueError(f"{self.spec.id} returned a non-finite reward {res.reward}")
+        self._steps += 1
+        limit = self.spec.max_episode_steps
+        if limit is not None and self._steps >= limit and not res.terminated:
+            res.truncated = True
+        if res.done:
+            self._needs_reset = True
+        return res
+
+    def close(self) -> None:
+        self.env.close()
+
+
+#: The registry ``envpool.register``/``envpool.make`` use.
+default_registry = EnvRegistry()
+register = default_registry.register
+make = default_registry.make

@@ -1,0 +1,154 @@
+"""The pool's end of one session connection (``envpool.protocol``) to a container."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from envpool.errors import (
+    ActionError,
+    ConnectionLost,
+    EnvLogicError,
+    EnvOrderError,
+    EnvPoolError,
+    EnvRegistryError,
+    SessionTokenError,
+    StepTimeout,
+)
+from envpool.protocol import FrameDecoder, FrameError, encode
+
+AsyncToolCaller = Callable[[str, dict[str, Any]], Awaitable[str]]
+
+_USAGE = {
+    "EnvOrderError": EnvOrderError,
+    "ActionError": ActionError,
+    "SessionTokenError": SessionTokenError,
+    "UnknownEnvError": EnvRegistryError,  # its constructor wants the id list; the message has it
+    "EnvRegistryError": EnvRegistryError,
+}
+
+
+def remote_error(err: dict[str, Any]) -> EnvPoolError:
+    """The exception a server-side error stands for, in this process's hierarchy."""
+    kind = str(err.get("type", ""))
+    msg = str(err.get("message", ""))
+    if kind in _USAGE:
+        return _USAGE[kind](msg)
+    return EnvLogicError(f"{kind}: {msg}", remote_type=kind, traceback=err.get("traceback"))
+
+
+class Connection(asyncio.Protocol):
+    """Requests with ids, heartbeats that keep a slow request alive, tool calls brokered
+    back to the pool. A silent server (no reply, no heartbeat) is declared hung."""
+
+    def __init__(self, *, heartbeat_s: float, misses: int, tool_caller: AsyncToolCaller | None):
+        self.decoder = FrameDecoder()
+        self.transport: asyncio.Transport | None = None
+        self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.last_seen = time.monotonic()
+        self.silence_s = heartbeat_s * misses
+        self.tool_caller = tool_caller
+        self.ids = itertools.count(1)
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    async def open(cls, path: str, **kw: Any) -> Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await loop.create_unix_connection(lambda: cls(**kw), path)
+        except OSError as e:
+            raise ConnectionLost(f"cannot connect to the container at {path}: {e}") from e
+        return conn
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.last_seen = time.monotonic()
+        try:
+            frames = self.decoder.feed(data)
+        except (FrameError, ValueError) as e:
+            self._fail_all(ConnectionLost(f"garbled frame from the container: {e}"))
+            if self.transport is not None:
+                self.transport.close()
+            return
+        for msg in frames:
+            op = msg.get("op")
+            if op == "heartbeat":
+                continue
+            if op == "tool":
+                t = asyncio.get_running_loop().create_task(self._tool(msg))
+                self.tasks.add(t)
+                t.add_done_callback(self.tasks.discard)
+                continue
+            fut = self.waiting.pop(int(msg.get("id", -1)), None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail_all(ConnectionLost("the container closed the session connection (it died?)"))
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for fut in self.waiting.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self.waiting.clear()
+
+    async def _tool(self, msg: dict[str, Any]) -> None:
+        name, args = str(msg.get("name")), msg.get("arguments") or {}
+        if self.tool_caller is None:
+            result = f"error: no tool bridge configured for {name!r}"
+        else:
+            try:
+                result = await self.tool_caller(name, args)
+            except Exception as e:  # the policy sees the tool's failure as text
+                result = f"error: {type(e).__name__}: {e}"
+        self.send({"op": "tool_result", "tool_id": msg.get("tool_id"), "result": result})
+
+    # -- requests
+    def send(self, msg: dict[str, Any]) -> None:
+        if self.transport is None or self.transport.is_closing():
+            raise ConnectionLost("the session connection is closed")
+        self.transport.write(encode(msg))
+
+    async def request(self, msg: dict[str, Any], timeout_s: float) -> Any:
+        """Send ``msg`` (its ``id`` set here unless given) and return the result; raises the
+        remote error, ``StepTimeout`` (too slow, or silent past the heartbeat misses) or
+        ``ConnectionLost``."""
+        rid = msg.setdefault("id", next(self.ids))
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.waiting[rid] = fut
+        self.send(msg)
+        deadline = time.monotonic() + timeout_s
+        self.last_seen = time.monotonic()
+        try:
+            while True:
+                now = time.monotonic()
+                wait = min(deadline, self.last_seen + self.silence_s) - now
+                if wait <= 0:
+                    if now >= deadline:
+                        raise StepTimeout(f"{msg.get('op')} took longer than {timeout_s:g} s")
+                    raise StepTimeout(f"the container missed its heartbeats for {self.silence_s:g} s (hung)")
+                try:
+                    reply = await asyncio.wait_for(asyncio.shield(fut), wait)
+                    break
+                except TimeoutError:
+                    continue
+        finally:
+            self.waiting.pop(rid, None)
+        if reply.get("ok"):
+            return reply.get("result")
+        raise remote_error(reply.get("error") or {})
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        for t in self.tasks:
+            t.cancel()

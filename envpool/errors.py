@@ -1,0 +1,81 @@
+"""Errors of envpool.
+
+    EnvPoolError
+    ├── EnvRegistryError        unknown id (lists the known ones), bad registration
+    ├── EnvUsageError           the caller's mistake; never retried
+    │   ├── EnvOrderError       step before reset, step after the episode ended
+    │   ├── ActionError         not text, not UTF-8, over the size limit
+    │   └── SessionTokenError   a request carrying another session's token
+    ├── EnvLogicError           the environment's own code raised: data, never retried
+    └── InfraError              retryable: the machinery failed, not the environment
+        ├── ContainerDied
+        ├── ContainerStartError
+        ├── ConnectionLost
+        ├── StepTimeout         (also: a container that missed its heartbeats)
+        └── ImageFetchError     (from envpool.images)
+
+Only ``InfraError`` is retried (exponential backoff, full jitter). A session that cannot be
+saved ends its trajectory as ``infra_failed``: masked from training, never a fake zero.
+"""
+
+from __future__ import annotations
+
+
+class EnvPoolError(Exception):
+    pass
+
+
+class EnvRegistryError(EnvPoolError):
+    pass
+
+
+class UnknownEnvError(EnvRegistryError):
+    def __init__(self, env_id: str, known: list[str]):
+        self.env_id = env_id
+        self.known = sorted(known)
+        super().__init__(f"unknown environment {env_id!r}; registered: {', '.join(self.known) or '(none)'}")
+
+
+class EnvUsageError(EnvPoolError):
+    pass
+
+
+class EnvOrderError(EnvUsageError):
+    pass
+
+
+class ActionError(EnvUsageError):
+    pass
+
+
+class SessionTokenError(EnvUsageError):
+    pass
+
+
+class EnvLogicError(EnvPoolError):
+    """The environment raised; carries the remote type, message and traceback."""
+
+    def __init__(self, message: str, *, remote_type: str = "", traceback: str | None = None):
+        self.remote_type = remote_type
+        self.traceback = traceback
+        super().__init__(message)
+
+
+class InfraError(EnvPoolError):
+    retryable = True
+
+
+class ContainerDied(InfraError):
+    pass
+
+
+class ContainerStartError(InfraError):
+    pass
+
+
+class ConnectionLost(InfraError):
+    pass
+
+
+class StepTimeout(InfraError):
+    pass

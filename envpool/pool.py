@@ -1,0 +1,438 @@
+"""``EnvPool``: session-affine pools of warm containers.
+
+    async with EnvPool() as pool:
+        async with pool.session("frozenlake-v1") as s:     # claims a container, pins to it
+            obs, info = await s.reset(seed=7)
+            res = await s.step("right")
+
+Every call of a session goes to the container it claimed. Containers are started ahead
+of demand (``min_warm`` idle per image), reused across episodes, recycled after
+``max_episodes`` or any failure, and replaced in the background. Infrastructure failures
+(a dead container, missed heartbeats, a timeout, a failed image fetch) are retried with
+exponential backoff and full jitter; a deterministic environment's session survives the
+loss of its container by replaying its actions on a fresh one. A session that cannot be
+saved ends ``infra_failed`` (``SessionLost``): masked from training, never a fake zero.
+Environment bugs and usage errors are never retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections import Counter, defaultdict, deque
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+
+from envpool.api import MAX_ACTION_BYTES, EnvRegistry, Observation, StepResult, check_action, default_registry
+from envpool.connection import AsyncToolCaller, Connection
+from envpool.errors import ContainerDied, EnvOrderError, InfraError, StepTimeout
+from envpool.runtimes.base import Container, ProcessRuntimeConfig, Runtime, make_runtime
+
+
+class SessionLost(InfraError):
+    """The session's container failed and the session could not be saved: the trajectory
+    is ``infra_failed``."""
+
+    retryable = False
+
+
+def _retryable(e: BaseException) -> bool:
+    return isinstance(e, InfraError | OSError) and not isinstance(e, SessionLost)
+
+
+class RetryConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    attempts: int = Field(5, ge=1)
+    initial_backoff_s: float = Field(0.05, gt=0)
+    max_backoff_s: float = Field(2.0, gt=0)
+
+
+class PoolConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    runtime: ProcessRuntimeConfig = Field(default_factory=ProcessRuntimeConfig)
+    min_warm: int = Field(2, ge=0)
+    """Idle containers kept ready per image (once the image has been used or prewarmed)."""
+    max_containers: int = Field(64, ge=1)
+    """All containers of the pool, idle and claimed."""
+    max_episodes: int = Field(100, ge=1)
+    """A container is recycled after this many episodes."""
+    reset_timeout_s: float = Field(60.0, gt=0)
+    step_timeout_s: float = Field(30.0, gt=0)
+    heartbeat_misses: int = Field(4, ge=1)
+    """A request whose container sends neither reply nor heartbeat for this many heartbeat
+    periods is declared hung: the container is killed and replaced."""
+    claim_timeout_s: float = Field(120.0, gt=0)
+    session_ttl_s: float = Field(3600.0, gt=0)
+    """The reaper reclaims a container held longer than this (a leaked session)."""
+    retry: RetryConfig = Field(default_factory=RetryConfig)
+
+
+class ImageResolver(Protocol):
+    """What the pool needs of an image cache: the unpacked bundle of an image reference."""
+
+    async def get(self, digest: str) -> Path: ...
+
+
+def digest_of(image: str) -> str:
+    """``name@sha256:hex`` or ``sha256:hex`` -> ``sha256:hex``."""
+    digest = image.rpartition("@")[2]
+    if not digest.startswith("sha256:") or len(digest) != 71:
+        raise ValueError(f"image {image!r} is not content-addressed; use name@sha256:<64 hex digits>")
+    return digest
+
+
+class EnvPool:
+    def __init__(
+        self,
+        config: PoolConfig | dict[str, Any] | None = None,
+        *,
+        registry: EnvRegistry | None = None,
+        images: ImageResolver | None = None,
+        tool_caller: AsyncToolCaller | None = None,
+    ):
+        self.config = config if isinstance(config, PoolConfig) else PoolConfig.model_validate(config or {})
+        self.registry = registry if registry is not None else default_registry
+        self.images = images
+        self.tool_caller = tool_caller
+        self.runtime: Runtime = make_runtime(self.config.runtime)
+        self._idle: dict[str | None, deque[Container]] = defaultdict(deque)
+        self._wanted: dict[str | None, int] = {}
+        self._claimed: dict[str, tuple[Container, float]] = {}
+        self._starting: Counter[str | None] = Counter()
+        self._changed = asyncio.Condition()
+        self._closed = False
+        self._maint: asyncio.Task[None] | None = None
+        self._bg: set[asyncio.Task[Any]] = set()
+        self.metrics: Counter[str] = Counter()
+        self.claim_ms: deque[float] = deque(maxlen=10_000)
+
+    async def __aenter__(self) -> EnvPool:
+        import envpool.envs  # noqa: F401 - the built-in environments
+
+        self._maint = asyncio.get_running_loop().create_task(self._maintain())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._maint is not None:
+            self._maint.cancel()
+        for t in list(self._bg):
+            t.cancel()
+        await asyncio.gather(*self._bg, return_exceptions=True)
+        await self.runtime.aclose()
+
+    # ------------------------------------------------------------------ sessions
+    @contextlib.asynccontextmanager
+    async def session(
+        self, env_id: str, *, image: str | None = None, env_kwargs: dict[str, Any] | None = None
+    ) -> AsyncIterator[EnvSession]:
+        """Claim a container for ``env_id`` (from ``image``, or the built-ins) and pin a
+        session to it until the block ends."""
+        spec = self.registry.spec(env_id) if image is None else None  # unknown id: a clear error now
+        s = EnvSession(
+            self, env_id, image, env_kwargs or {}, deterministic=spec.deterministic if spec else True
+        )
+        try:
+            await s._attach()
+            yield s
+        finally:
+            await s._detach()
+
+    async def prewarm(self, image: str | None = None, n: int | None = None) -> None:
+        """Start ``n`` (default ``min_warm``) idle containers for ``image`` and wait for them."""
+        n = self.config.min_warm if n is None else n
+        self._wanted[image] = max(self._wanted.get(image, 0), n)
+        need = n - len(self._idle[image]) - self._starting[image]
+        await asyncio.gather(*(self._start_idle(image) for _ in range(max(need, 0))))
+
+    def stats(self) -> dict[str, Any]:
+        claims = sorted(self.claim_ms)
+        return {
+            **self.metrics,
+            "containers": len(self.runtime.live),
+            "idle": sum(len(q) for q in self._idle.values()),
+            "claimed": len(self._claimed),
+            "claim_p50_ms": claims[len(claims) // 2] if claims else None,
+            "runtime": dict(self.runtime.metrics),
+        }
+
+    # ------------------------------------------------------------------ containers
+    async def _bundle(self, image: str | None) -> Path | None:
+        if image is None:
+            return None
+        if self.images is None:
+            raise ValueError(f"image {image!r} given but the pool has no image cache (EnvPool(images=...))")
+        return await self.images.get(digest_of(image))
+
+    async def _new_container(self, image: str | None) -> Container:
+        self._starting[image] += 1
+        try:
+            bundle = await self._bundle(image)
+            return await self.runtime.start(image, bundle, timeout_s=self.config.runtime.start_timeout_s)
+        finally:
+            self._starting[image] -= 1
+
+    async def _start_idle(self, image: str | None) -> None:
+        if len(self.runtime.live) + sum(self._starting.values()) >= self.config.max_containers:
+            return
+        try:
+            c = await self._new_container(image)
+        except (InfraError, OSError) as e:
+            self.metrics[f"prestart_failed:{type(e).__name__}"] += 1
+            return
+        self._idle[image].append(c)
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _claim(self, image: str | None) -> Container:
+        """An idle container of ``image`` (warm claim), else a new one (cold), else wait."""
+        self._wanted.setdefault(image, self.config.min_warm)
+        deadline = time.monotonic() + self.config.claim_timeout_s
+        while True:
+            idle = self._idle[image]
+            while idle:
+                c = idle.popleft()
+                if await self.runtime.alive(c):
+                    self.metrics["claims_warm"] += 1
+                    return c
+                self.metrics["idle_died"] += 1
+                await self.runtime.stop(c)
+            if len(self.runtime.live) + sum(self._starting.values()) < self.config.max_containers:
+                self.metrics["claims_cold"] += 1
+                return await self._new_container(image)
+            if not await self._evict_idle_other_than(image):
+                async with self._changed:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise InfraError(
+                            f"no container free in {self.config.claim_timeout_s:g} s (max_containers)"
+                        )
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._changed.wait(), remaining)
+
+    async def _evict_idle_other_than(self, image: str | None) -> bool:
+        for other, q in self._idle.items():
+            if other != image and q:
+                await self.runtime.stop(q.popleft())
+                return True
+        return False
+
+    async def _release(self, c: Container, *, healthy: bool) -> None:
+        self._claimed.pop(c.id, None)
+        if self._closed:
+            return
+        if not healthy or c.failed or c.episodes >= self.config.max_episodes:
+            self.metrics["recycled" if healthy and not c.failed else "discarded"] += 1
+            await self.runtime.stop(c)
+        else:
+            self._idle[c.image].append(c)
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _maintain(self) -> None:
+        """Replenish warm containers, drop dead idle ones, reap leaked sessions."""
+        while not self._closed:
+            await asyncio.sleep(0.1)
+            try:
+                for image, want in list(self._wanted.items()):
+                    missing = want - len(self._idle[image]) - self._starting[image]
+                    for _ in range(max(missing, 0)):
+                        self._spawn_bg(self._start_idle(image))
+                now = time.monotonic()
+                for c, since in list(self._claimed.values()):
+                    if now - since > self.config.session_ttl_s:
+                        self.metrics["reaped"] += 1
+                        self._claimed.pop(c.id, None)
+                        await self.runtime.stop(c)
+            except Exception as e:  # housekeeping must not die silently
+                self.metrics[f"maintenance_error:{type(e).__name__}"] += 1
+
+    def _spawn_bg(self, coro: Any) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+
+class EnvSession:
+    """One trajectory's handle: every call goes to the container it holds."""
+
+    def __init__(
+        self, pool: EnvPool, env_id: str, image: str | None, kwargs: dict[str, Any], *, deterministic: bool
+    ):
+        self.pool = pool
+        self.env_id = env_id
+        self.image = image
+        self.kwargs = kwargs
+        self.deterministic = deterministic
+        self.token = os.urandom(16).hex()
+        # an image's environments are registered inside its container: the server checks those
+        self.max_action_bytes = (
+            pool.registry.spec(env_id).max_action_bytes if image is None else MAX_ACTION_BYTES
+        )
+        self.container: Container | None = None
+        self.conn: Connection | None = None
+        self.status: Literal["ok", "infra_failed"] = "ok"
+        self.failures: list[str] = []
+        self._reset_args: dict[str, Any] | None = None
+        self._actions: list[str] = []
+        self._done = True
+
+    # -- public
+    async def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Observation, dict]:
+        self._check_alive()
+        args = {"seed": seed, "options": options}
+        result = await self._with_recovery(
+            "reset", lambda: self._call("reset", args, self._cfg.reset_timeout_s)
+        )
+        self._reset_args, self._actions, self._done = args, [], False
+        if self.container is not None:
+            self.container.episodes += 1
+        self.pool.metrics["resets"] += 1
+        return Observation.model_validate(result["obs"]), result.get("info") or {}
+
+    async def step(self, action: str | bytes) -> StepResult:
+        self._check_alive()
+        text = check_action(action, self.max_action_bytes)
+        if self._done:
+            raise EnvOrderError(
+                f"{self.env_id}: step() before reset() (or after the episode ended); call reset()"
+            )
+        result = await self._with_recovery(
+            "step", lambda: self._call("step", {"action": text}, self._cfg.step_timeout_s), replay=True
+        )
+        res = StepResult.model_validate(result)
+        self._actions.append(text)
+        self._done = res.done
+        self.pool.metrics["steps"] += 1
+        return res
+
+    # -- internals
+    @property
+    def _cfg(self) -> PoolConfig:
+        return self.pool.config
+
+    def _check_alive(self) -> None:
+        if self.status == "infra_failed":
+            raise SessionLost(
+                f"session lost: {self.failures[-1] if self.failures else 'infrastructure failure'}"
+            )
+
+    async def _call(self, op: str, args: dict[str, Any], timeout_s: float) -> Any:
+        if self.conn is None:
+            await self._attach()
+        assert self.conn is not None
+        return await self.conn.request({"op": op, "token": self.token, "args": args}, timeout_s)
+
+    async def _attach(self) -> None:
+        """Claim a container and open the session connection (the handshake makes the env)."""
+        t0 = time.perf_counter()
+        c = await self.pool._claim(self.image)
+        self.pool._claimed[c.id] = (c, time.monotonic())
+        try:
+            rt = self._cfg.runtime
+            conn = await Connection.open(
+                c.endpoint,
+                heartbeat_s=rt.heartbeat_s,
+                misses=self._cfg.heartbeat_misses,
+                tool_caller=self.pool.tool_caller,
+            )
+            self.container, self.conn = c, conn
+            hello = {"op": "open", "id": 0, "token": self.token, "env_id": self.env_id, "kwargs": self.kwargs}
+            info = await conn.request(hello, self._cfg.reset_timeout_s)
+            # the container knows its environments (an image registers its own)
+            self.deterministic = bool(info.get("deterministic", self.deterministic))
+            self.max_action_bytes = int(info.get("max_action_bytes", self.max_action_bytes))
+        except BaseException:
+            await self._drop_container(healthy=False)
+            raise
+        self.pool.claim_ms.append((time.perf_counter() - t0) * 1e3)
+
+    async def _detach(self) -> None:
+        if self.conn is not None and self.container is not None and self.status == "ok":
+            try:
+                await self.conn.request({"op": "close", "token": self.token}, 5.0)
+                await self._drop_container(healthy=True)
+                return
+            except (InfraError, OSError):
+                pass
+        await self._drop_container(healthy=False)
+
+    async def _drop_container(self, *, healthy: bool) -> None:
+        conn, c = self.conn, self.container
+        self.conn = self.container = None
+        if conn is not None:
+            conn.close()
+        if c is not None:
+            if not healthy:
+                c.failed = True
+            await self.pool._release(c, healthy=healthy)
+
+    async def _with_recovery(self, what: str, call: Any, *, replay: bool = False) -> Any:
+        """Run ``call``; on an infrastructure failure replace the container and try again
+        (a step is retried after replaying the episode so far, if the env is deterministic)."""
+        metrics = self.pool.metrics
+        rc = self._cfg.retry
+        first = True
+        try:
+            async for attempt in AsyncRetrying(
+                stop=stop_after_attempt(rc.attempts),
+                wait=wait_random_exponential(multiplier=rc.initial_backoff_s, max=rc.max_backoff_s),
+                retry=retry_if_exception(_retryable),
+                reraise=True,
+            ):
+                with attempt:
+                    if not first:
+                        metrics[f"{what}_retries"] += 1
+                        if replay:
+                            await self._replay()
+                    first = False
+                    try:
+                        return await call()
+                    except (InfraError, OSError) as e:
+                        self._note(e)
+                        if replay and not self.deterministic:
+                            msg = f"{self.env_id} is not deterministic: its episode cannot be rebuilt ({e})"
+                            raise SessionLost(msg) from e
+                        await self._drop_container(healthy=False)
+                        raise
+        except SessionLost:
+            self._lose()
+            raise
+        except (InfraError, OSError) as e:
+            self._lose()
+            raise SessionLost(f"{what} failed after {rc.attempts} attempts: {e}") from e
+        raise AssertionError("unreachable")
+
+    async def _replay(self) -> None:
+        """Rebuild the episode on a fresh container: same reset, same actions."""
+        self.pool.metrics["replays"] += 1
+        if self._reset_args is None:
+            return
+        await self._call("reset", self._reset_args, self._cfg.reset_timeout_s)
+        for a in self._actions:
+            await self._call("step", {"action": a}, self._cfg.step_timeout_s)
+
+    def _note(self, e: BaseException) -> None:
+        kind = {StepTimeout: "hung_or_timeout", ContainerDied: "container_died"}.get(
+            type(e), type(e).__name__
+        )
+        self.pool.metrics[f"infra:{kind}"] += 1
+        self.failures.append(f"{type(e).__name__}: {e}")
+
+    def _lose(self) -> None:
+        if self.status != "infra_failed":
+            self.status = "infra_failed"
+            self.pool.metrics["sessions_infra_failed"] += 1

@@ -1,0 +1,243 @@
+"""The server inside a container: ``python -m envpool.server --sock PATH [--bundle DIR]``.
+
+It makes the environments of its image available over the session protocol
+(``envpool.protocol``): one session at a time, one Env instance reused across episodes
+(the pool recycles the container after N episodes). While a request runs, a heartbeat
+thread tells the pool the process is alive; a stuck environment is found by the pool's
+step timeout, a dead or frozen process by missed heartbeats.
+
+Isolation it applies to itself before it serves: its own network namespace (no network,
+loopback included) where the kernel allows, resource limits, the bundle directory as its
+working directory, and death with its parent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import random
+import resource
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from envpool.protocol import encode, error_payload, recv_frame
+
+_REPLY_CACHE = 64
+CLONE_NEWNET = 0x40000000
+CLONE_NEWUSER = 0x10000000
+
+
+def isolate_network() -> str:
+    """Enter a fresh network namespace: no interfaces but a down loopback."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for flags, what in ((CLONE_NEWNET, "netns"), (CLONE_NEWUSER | CLONE_NEWNET, "userns+netns")):
+        if libc.unshare(flags) == 0:
+            return what
+    return "none"
+
+
+def die_with_parent(parent_pid: int) -> None:
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def apply_limits(limits: dict[str, int]) -> None:
+    names = {
+        "as_bytes": resource.RLIMIT_AS,
+        "nofile": resource.RLIMIT_NOFILE,
+        "fsize_bytes": resource.RLIMIT_FSIZE,
+        "cpu_s": resource.RLIMIT_CPU,
+    }
+    for key, value in limits.items():
+        if value:
+            resource.setrlimit(names[key], (value, value))
+
+
+def load_bundle(bundle: Path | None) -> Any:
+    """The registry of this image: the built-ins, plus what the bundle's manifest registers."""
+    import envpool.envs  # noqa: F401 - registers the built-in environments
+    from envpool.api import default_registry
+
+    if bundle is not None:
+        sys.path.insert(0, str(bundle))
+        manifest = bundle / "envpool.json"
+        if manifest.exists():
+            for reg in json.loads(manifest.read_text()).get("register", []):
+                default_registry.register(**reg)
+    return default_registry
+
+
+class Server:
+    def __init__(self, registry: Any, fault: dict[str, float]):
+        self.registry = registry
+        self.env: Any = None
+        self.env_key: tuple[str, str] | None = None
+        self.write_lock = threading.Lock()
+        self.conn: socket.socket | None = None
+        self.busy = threading.Event()
+        self.fault = fault
+        self.rng = random.Random()
+        self.replies: OrderedDict[int, dict[str, Any]] = OrderedDict()
+
+    # -- io
+    def send(self, msg: dict[str, Any]) -> None:
+        data = encode(msg)
+        with self.write_lock:
+            if self.conn is not None:
+                self.conn.sendall(data)
+
+    def heartbeat(self, interval: float) -> None:
+        while True:
+            time.sleep(interval)
+            if self.busy.is_set():
+                with contextlib.suppress(OSError):
+                    self.send({"op": "heartbeat"})
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        """Ask the pool to run a fabric tool; the container itself has no network."""
+        tool_id = self.rng.getrandbits(48)
+        self.send({"op": "tool", "tool_id": tool_id, "name": name, "arguments": arguments})
+        assert self.conn is not None
+        while True:
+            msg = recv_frame(self.conn)
+            if msg.get("op") == "tool_result" and msg.get("tool_id") == tool_id:
+                return str(msg.get("result", ""))
+
+    # -- sessions
+    def serve(self, listener: socket.socket) -> None:
+        while True:
+            conn, _ = listener.accept()
+            self.conn = conn
+            try:
+                self.session(conn)
+            except (EOFError, ConnectionError, OSError):
+                pass  # the pool hung up: wait for the next session
+            finally:
+                with self.write_lock:
+                    self.conn = None
+                conn.close()
+
+    def session(self, conn: socket.socket) -> None:
+        hello = recv_frame(conn)
+        token = hello.get("token")
+        try:
+            self.open_env(str(hello.get("env_id")), hello.get("kwargs") or {})
+        except Exception as e:
+            self.send({"id": 0, "ok": False, "error": error_payload(e)})
+            return
+        self.replies.clear()
+        spec = self.env.spec
+        info = {
+            "pid": os.getpid(),
+            "deterministic": spec.deterministic,
+            "max_action_bytes": spec.max_action_bytes,
+        }
+        self.send({"id": 0, "ok": True, "result": info})
+        while True:
+            msg = recv_frame(conn)
+            rid = int(msg.get("id", -1))
+            if msg.get("token") != token:
+                from envpool.errors import SessionTokenError
+
+                err = SessionTokenError("this request carries another session's token; it was refused")
+                self.send({"id": rid, "ok": False, "error": error_payload(err)})
+                continue
+            cached = self.replies.get(rid)
+            if cached is not None:  # a retried request: answered once, from what it got the first time
+                self.send(cached)
+                continue
+            op = msg.get("op")
+            if op == "close":
+                self.send({"id": rid, "ok": True, "result": None})
+                return
+            reply = self.handle(rid, op, msg.get("args") or {})
+            self.replies[rid] = reply
+            while len(self.replies) > _REPLY_CACHE:
+                self.replies.popitem(last=False)
+            self.send(reply)
+
+    def open_env(self, env_id: str, kwargs: dict[str, Any]) -> None:
+        key = (env_id, json.dumps(kwargs, sort_keys=True))
+        if self.env_key != key:
+            if self.env is not None:
+                self.env.close()
+            self.env = self.registry.make(env_id, tool_caller=self.call_tool, **kwargs)
+            self.env_key = key
+
+    def handle(self, rid: int, op: Any, args: dict[str, Any]) -> dict[str, Any]:
+        from envpool.errors import EnvUsageError
+
+        self.busy.set()
+        try:
+            self.maybe_crash()
+            if op == "ping":
+                result: Any = {"pid": os.getpid()}
+            elif op == "reset":
+                obs, info = self.env.reset(seed=args.get("seed"), options=args.get("options"))
+                result = {"obs": obs.model_dump(mode="json"), "info": info}
+            elif op == "step":
+                result = self.env.step(args.get("action")).model_dump(mode="json")
+            else:
+                return {
+                    "id": rid,
+                    "ok": False,
+                    "error": {"type": "ProtocolError", "message": f"unknown op {op!r}"},
+                }
+            return {"id": rid, "ok": True, "result": result}
+        except EnvUsageError as e:
+            return {"id": rid, "ok": False, "error": error_payload(e)}
+        except Exception as e:  # the environment's own bug: data for the caller, the server lives on
+            tb = "".join(traceback.format_exception(type(e), e, e.__traceback__, limit=-6))[-4000:]
+            return {"id": rid, "ok": False, "error": {**error_payload(e, traceback=tb), "logic": True}}
+        finally:
+            self.busy.clear()
+
+    def maybe_crash(self) -> None:
+        # fault injection for benchmarks and tests: the whole container dies mid-request
+        if self.fault.get("crash_rate") and self.rng.random() < self.fault["crash_rate"]:
+            os._exit(17)
+        if self.fault.get("hang_rate") and self.rng.random() < self.fault["hang_rate"]:
+            time.sleep(3600)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sock", required=True)
+    ap.add_argument("--bundle")
+    ap.add_argument("--parent-pid", type=int, required=True)
+    ap.add_argument("--heartbeat-s", type=float, default=1.0)
+    ap.add_argument("--limits", default="{}")
+    ap.add_argument("--fault", default="{}")
+    ap.add_argument("--no-netns", action="store_true")
+    args = ap.parse_args()
+    die_with_parent(args.parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the pool stops us
+    isolation = "none" if args.no_netns else isolate_network()
+    apply_limits(json.loads(args.limits))
+    bundle = Path(args.bundle) if args.bundle else None
+    if bundle is not None:
+        os.chdir(bundle)
+    registry = load_bundle(bundle)
+    server = Server(registry, json.loads(args.fault))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(args.sock)
+    listener.listen(4)
+    threading.Thread(target=server.heartbeat, args=(args.heartbeat_s,), daemon=True).start()
+    print(json.dumps({"ready": True, "pid": os.getpid(), "isolation": isolation}), flush=True)
+    server.serve(listener)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""A trivial environment shipped as an image bundle directory, for pool tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ENV_SOURCE = '''
+import time
+import envpool
+
+
+class EchoEnv(envpool.Env):
+    """Echoes the action; 'boom' raises, 'sleep S' blocks, 'tool EXPR' calls the calculator."""
+
+    example_actions = ("hello",)
+
+    def reset(self, *, seed=None, options=None):
+        self.n = 0
+        return f"ready {seed}", {"seed": seed}
+
+    def step(self, action):
+        self.n += 1
+        if action == "boom":
+            raise ZeroDivisionError("env bug")
+        if action.startswith("sleep "):
+            time.sleep(float(action.split()[1]))
+        if action.startswith("tool "):
+            out = self.call_tool("calculator", {"expression": action[5:]})
+            return envpool.StepResult(obs=envpool.Observation(text=out))
+        obs = envpool.Observation(text=f"{action} #{self.n}")
+        return envpool.StepResult(obs=obs, reward=float(self.n), terminated=action == "done")
+
+
+class RandomEnv(EchoEnv):
+    """Not deterministic: a lost session cannot be replayed."""
+'''
+
+DIGEST = "sha256:" + "e" * 64
+IMAGE = f"echo@{DIGEST}"
+
+
+def write_bundle(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "echo_env.py").write_text(ENV_SOURCE)
+    manifest = {
+        "register": [
+            {"id": "echo-v0", "entry_point": "echo_env:EchoEnv", "max_episode_steps": 1000},
+            {"id": "random-v0", "entry_point": "echo_env:RandomEnv", "deterministic": False},
+        ]
+    }
+    (root / "envpool.json").write_text(json.dumps(manifest))
+    return root
+
+
+class DirImages:
+    """An image resolver over one local bundle directory (the pool's ImageResolver)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.gets = 0
+
+    async def get(self, digest: str) -> Path:
+        self.gets += 1
+        if digest != DIGEST:
+            from envpool.errors import InfraError
+
+            raise InfraError(f"no such image {digest}")
+        return self.root

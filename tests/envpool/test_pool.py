@@ -1,0 +1,219 @@
+"""EnvPool with real containers (server processes): affinity, warm claims, failures, cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+from echo_bundle import IMAGE, DirImages, write_bundle
+
+from envpool.connection import Connection
+from envpool.errors import ActionError, EnvLogicError, EnvOrderError, EnvRegistryError, SessionTokenError
+from envpool.pool import EnvPool, SessionLost
+
+
+@pytest.fixture
+def images(tmp_path):
+    return DirImages(write_bundle(tmp_path / "bundle"))
+
+
+def pool(images, **cfg) -> EnvPool:
+    cfg.setdefault("min_warm", 1)
+    cfg.setdefault("runtime", {"heartbeat_s": 0.1})
+    return EnvPool(cfg, images=images)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[1][0] != "Z"
+
+
+async def test_session_reset_step_and_affinity(images):
+    async with pool(images) as p, p.session("echo-v0", image=IMAGE) as s:
+        obs, info = await s.reset(seed=7)
+        assert obs.text == "ready 7" and info == {"seed": 7}
+        pids = set()
+        for i in range(5):
+            r = await s.step(f"a{i}")
+            assert r.obs.text == f"a{i} #{i + 1}" and r.reward == i + 1
+            pids.add(s.container.pid)
+        assert len(pids) == 1  # every step reached the same container
+        assert s.container.isolation != "none" or os.geteuid() != 0
+
+
+async def test_warm_claims_reuse_containers_across_episodes(images):
+    async with pool(images, min_warm=2) as p:
+        await p.prewarm(IMAGE)
+        seen = set()
+        for _ in range(4):
+            async with p.session("echo-v0", image=IMAGE) as s:
+                await s.reset()
+                seen.add(s.container.id)
+        stats = p.stats()
+        assert stats["claims_warm"] == 4 and stats.get("claims_cold", 0) == 0
+        assert len(seen) <= 2
+
+
+async def test_containers_recycle_after_max_episodes(images):
+    async with pool(images, min_warm=0, max_episodes=2) as p:
+        ids = []
+        for _ in range(3):
+            async with p.session("echo-v0", image=IMAGE) as s:
+                await s.reset()
+                ids.append(s.container.id)
+        assert ids[0] == ids[1] != ids[2]
+        assert p.stats()["recycled"] == 1
+
+
+async def test_environment_bugs_and_usage_errors_are_not_retried(images):
+    async with pool(images) as p, p.session("echo-v0", image=IMAGE) as s:
+        with pytest.raises(EnvOrderError):
+            await s.step("x")  # before reset
+        await s.reset()
+        with pytest.raises(EnvLogicError, match="ZeroDivisionError: env bug"):
+            await s.step("boom")
+        with pytest.raises(ActionError, match="UTF-8"):
+            await s.step(b"\xff\xfe")
+        with pytest.raises(ActionError, match="limit"):
+            await s.step("x" * (64 * 1024 + 1))
+        assert (await s.step("still here")).obs.text.startswith("still here")
+        assert p.stats().get("step_retries", 0) == 0 and s.status == "ok"
+
+
+async def test_unknown_environment_is_a_clear_error(images):
+    async with pool(images) as p:
+        with pytest.raises(EnvRegistryError, match="unknown environment 'no-such-env-v0'; registered: "):
+            async with p.session("no-such-env-v0"):
+                pass
+        with pytest.raises(EnvRegistryError, match="no-such-env-v0"):
+            async with p.session("no-such-env-v0", image=IMAGE) as s:
+                await s.reset()
+        async with p.session("echo-v0", image=IMAGE) as s:  # the pool keeps serving
+            await s.reset()
+
+
+async def test_a_request_with_another_sessions_token_is_refused(images):
+    async with pool(images) as p, p.session("echo-v0", image=IMAGE) as s:
+        await s.reset()
+        with pytest.raises(SessionTokenError):
+            await s.conn.request({"op": "step", "token": "not-" + s.token, "args": {"action": "x"}}, 5)
+        assert (await s.step("mine")).obs.text.startswith("mine")
+
+
+async def test_a_retried_request_id_is_answered_once(images):
+    async with pool(images) as p, p.session("echo-v0", image=IMAGE) as s:
+        await s.reset()
+        msg = {"op": "step", "id": 99, "token": s.token, "args": {"action": "once"}}
+        first = await s.conn.request(dict(msg), 5)
+        again = await s.conn.request(dict(msg), 5)
+        assert first == again and first["reward"] == 1.0
+        assert (await s.step("next")).reward == 2.0  # the repeat did not run the env again
+
+
+async def test_a_dead_container_is_replaced_and_the_episode_replayed(images):
+    async with pool(images) as p, p.session("echo-v0", image=IMAGE) as s:
+        await s.reset(seed=1)
+        await s.step("a")
+        await s.step("b")
+        old = s.container.pid
+        os.killpg(old, signal.SIGKILL)
+        r = await s.step("c")
+        assert r.obs.text == "c #3" and r.reward == 3.0  # same episode, rebuilt on a new container
+        assert s.container.pid != old and s.status == "ok"
+        stats = p.stats()
+        assert stats["replays"] == 1 and stats["step_retries"] == 1
+        assert not alive(old)
+
+
+async def test_a_frozen_container_misses_heartbeats_and_is_replaced(images):
+    async with pool(images) as p, p.session("echo-v0", image=IMAGE) as s:
+        await s.reset()
+        old = s.container.pid
+        os.kill(old, signal.SIGSTOP)
+        t0 = time.monotonic()
+        r = await s.step("x")
+        assert r.obs.text == "x #1" and time.monotonic() - t0 < 5
+        assert p.stats()["infra:hung_or_timeout"] == 1
+
+
+async def test_a_step_past_its_timeout_is_an_infra_failure(images):
+    async with pool(images, step_timeout_s=0.5, retry={"attempts": 2, "initial_backoff_s": 0.01}) as p:
+        async with p.session("echo-v0", image=IMAGE) as s:
+            await s.reset()
+            with pytest.raises(SessionLost, match=r"longer than 0\.5 s"):
+                await s.step("sleep 30")
+            assert s.status == "infra_failed"
+            with pytest.raises(SessionLost):
+                await s.step("x")
+
+
+async def test_a_non_deterministic_session_is_lost_not_faked(images):
+    async with pool(images) as p, p.session("random-v0", image=IMAGE) as s:
+        await s.reset()
+        await s.step("a")
+        os.killpg(s.container.pid, signal.SIGKILL)
+        with pytest.raises(SessionLost, match="not deterministic"):
+            await s.step("b")
+        assert s.status == "infra_failed" and p.stats()["sessions_infra_failed"] == 1
+
+
+async def test_reset_retries_through_container_crashes(images):
+    async with pool(images, min_warm=0, runtime={"heartbeat_s": 0.1, "faults": {"crash_rate": 0.3}}) as p:
+        ok = 0
+        for seed in range(20):
+            async with p.session("echo-v0", image=IMAGE) as s:
+                try:
+                    await s.reset(seed=seed)
+                    ok += 1
+                except SessionLost:
+                    pass
+        stats = p.stats()
+        assert stats.get("reset_retries", 0) > 0
+        assert ok + stats.get("sessions_infra_failed", 0) == 20  # every reset accounted for
+
+
+async def test_tool_calls_are_brokered_by_the_pool(images):
+    calls = []
+
+    async def tools(name, arguments):
+        calls.append((name, arguments))
+        return "42"
+
+    async with EnvPool({"min_warm": 0}, images=images, tool_caller=tools) as p:
+        async with p.session("echo-v0", image=IMAGE) as s:
+            await s.reset()
+            r = await s.step("tool 6*7")
+            assert r.obs.text == "42" and calls == [("calculator", {"expression": "6*7"})]
+
+
+async def test_close_leaves_no_container(images):
+    async with pool(images, min_warm=3) as p:
+        await p.prewarm(IMAGE)
+        async with p.session("echo-v0", image=IMAGE) as s:
+            await s.reset()
+        pids = [c.pid for c in p.runtime.live.values()]
+        assert len(pids) >= 3
+    await asyncio.sleep(0.1)
+    assert not any(alive(pid) for pid in pids)
+
+
+async def test_image_without_cache_and_bad_reference_are_clear_errors(images):
+    async with EnvPool({"min_warm": 0}) as p:
+        with pytest.raises(ValueError, match="no image cache"):
+            async with p.session("echo-v0", image=IMAGE):
+                pass
+    async with pool(images) as p:
+        with pytest.raises(ValueError, match="content-addressed"):
+            async with p.session("echo-v0", image="echo:latest"):
+                pass
+
+
+def test_connection_module_has_no_side_effects():
+    assert Connection.__doc__
