@@ -85,8 +85,16 @@ def outcome_to_result(
     """The ``Result`` of an outcome tuple (decoding the JSON value)."""
     timings = Timings.fast(queue_ms=queue_ms, exec_ms=exec_ms, total_ms=0.0)
     value, error = (pydantic_core.from_json(out), None) if ok else (None, ErrorInfo.of(*out))
-    return Result.built(ok, function=inv.function, request_id=inv.request_id, value=value, error=error,
-                        timings=timings, cold_start=cold, worker=worker)  # fmt: skip
+    return Result.built(
+        ok,
+        function=inv.function,
+        request_id=inv.request_id,
+        value=value,
+        error=error,
+        timings=timings,
+        cold_start=cold,
+        worker=worker,
+    )
 
 
 class FunctionRunner:

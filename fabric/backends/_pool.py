@@ -323,8 +323,10 @@ class FunctionPool:
             cold = call.t_submit_ns < w.ready_ns
             if cold:
                 self.metrics["cold_starts"] += 1
-            res = outcome_to_result(call.inv, ok, out, exec_ms=exec_ms, worker=w.id, cold=cold,
-                                    queue_ms=(start_ns - call.t_submit_ns) / 1e6)  # fmt: skip
+            queue_ms = (start_ns - call.t_submit_ns) / 1e6
+            res = outcome_to_result(
+                call.inv, ok, out, exec_ms=exec_ms, worker=w.id, cold=cold, queue_ms=queue_ms
+            )
             call.fut.set_result(res)
         self._exec_ewma_ms = ewma
         w.served += served
