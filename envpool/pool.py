@@ -144,7 +144,7 @@ class EnvPool:
             self, env_id, image, env_kwargs or {}, deterministic=spec.deterministic if spec else True
         )
         try:
-            await s._attach()
+            await s._with_recovery("claim", s._attach)
             yield s
         finally:
             await s._detach()

@@ -212,6 +212,28 @@ class Server:
             time.sleep(3600)
 
 
+def run(opts: dict[str, Any], ready: Any) -> None:
+    """Isolate, load the image, listen, report ``ready({...})``, serve until killed.
+    ``opts``: sock, bundle, heartbeat_s, limits, fault, netns. Shared by ``main`` (a fresh
+    interpreter) and the zygote (a fork of a pre-imported one)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the pool stops us
+    isolation = isolate_network() if opts.get("netns", True) else "none"
+    apply_limits(opts.get("limits") or {})
+    bundle = Path(opts["bundle"]) if opts.get("bundle") else None
+    if bundle is not None:
+        os.chdir(bundle)
+    registry = load_bundle(bundle)
+    server = Server(registry, opts.get("fault") or {})
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(opts["sock"])
+    listener.listen(4)
+    threading.Thread(
+        target=server.heartbeat, args=(float(opts.get("heartbeat_s", 1.0)),), daemon=True
+    ).start()
+    ready({"ready": True, "pid": os.getpid(), "isolation": isolation})
+    server.serve(listener)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sock", required=True)
@@ -223,20 +245,15 @@ def main() -> None:
     ap.add_argument("--no-netns", action="store_true")
     args = ap.parse_args()
     die_with_parent(args.parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the pool stops us
-    isolation = "none" if args.no_netns else isolate_network()
-    apply_limits(json.loads(args.limits))
-    bundle = Path(args.bundle) if args.bundle else None
-    if bundle is not None:
-        os.chdir(bundle)
-    registry = load_bundle(bundle)
-    server = Server(registry, json.loads(args.fault))
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(args.sock)
-    listener.listen(4)
-    threading.Thread(target=server.heartbeat, args=(args.heartbeat_s,), daemon=True).start()
-    print(json.dumps({"ready": True, "pid": os.getpid(), "isolation": isolation}), flush=True)
-    server.serve(listener)
+    opts = {
+        "sock": args.sock,
+        "bundle": args.bundle,
+        "heartbeat_s": args.heartbeat_s,
+        "limits": json.loads(args.limits),
+        "fault": json.loads(args.fault),
+        "netns": not args.no_netns,
+    }
+    run(opts, lambda info: print(json.dumps(info), flush=True))
 
 
 if __name__ == "__main__":

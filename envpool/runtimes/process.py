@@ -1,6 +1,9 @@
-"""The embedded default runtime: each container is ``python -m envpool.server`` in its own
+"""The embedded default runtime: each container is an ``envpool.server`` in its own
 session (process group), its own network namespace where the kernel allows, under
-resource limits, with a private directory for its socket and scratch files."""
+resource limits, with a private directory for its socket and scratch files.
+
+With ``zygote=True`` (the default) containers are forked from a pre-imported zygote
+(``envpool.zygote``): a few ms per container instead of an interpreter start."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from envpool.errors import ContainerStartError
 from envpool.runtimes.base import Container, ProcessRuntimeConfig, Runtime
@@ -31,6 +35,75 @@ def _kill_leftovers() -> None:
             os.killpg(pgid, signal.SIGKILL)
 
 
+def _child_env(cdir: Path) -> dict[str, str]:
+    # no cloud credentials inside a container; its scratch space is its own directory
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MODAL_", "RAY_"))}
+    env.update(PYTHONPATH=os.pathsep.join(p for p in sys.path if p), TMPDIR=str(cdir), HOME=str(cdir))
+    return env
+
+
+class _Zygote:
+    """The pool's handle on ``python -m envpool.zygote``."""
+
+    def __init__(self) -> None:
+        self.proc: asyncio.subprocess.Process | None = None
+        self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.exited: set[int] = set()
+        self.ids = itertools.count(1)
+        self.reader: asyncio.Task[None] | None = None
+
+    async def ensure(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            return
+        self.proc = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "envpool.zygote", str(os.getpid())),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=_child_env(Path(tempfile.gettempdir())),
+            start_new_session=True,
+        )
+        _LIVE_GROUPS.add(self.proc.pid)
+        self.reader = asyncio.get_running_loop().create_task(self._read(self.proc))
+
+    async def _read(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        while line := await proc.stdout.readline():
+            msg = json.loads(line)
+            if "exit" in msg:
+                self.exited.add(int(msg["exit"]))
+                _LIVE_GROUPS.discard(int(msg["exit"]))
+                continue
+            fut = self.waiting.pop(int(msg["req"]), None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        for fut in self.waiting.values():  # the zygote died: its children died with it
+            if not fut.done():
+                fut.set_exception(ContainerStartError("the zygote exited; it will be restarted"))
+        self.waiting.clear()
+
+    async def fork(self, opts: dict[str, Any], cwd: Path) -> dict[str, Any]:
+        await self.ensure()
+        assert self.proc is not None and self.proc.stdin is not None
+        req = next(self.ids)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.waiting[req] = fut
+        line = json.dumps(
+            {"req": req, "opts": opts, "cwd": str(cwd), "env": {"TMPDIR": str(cwd), "HOME": str(cwd)}}
+        )
+        self.proc.stdin.write(line.encode() + b"\n")
+        await self.proc.stdin.drain()
+        return await fut
+
+    async def aclose(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            await self.proc.wait()
+            _LIVE_GROUPS.discard(self.proc.pid)
+        if self.reader is not None:
+            await asyncio.gather(self.reader, return_exceptions=True)
+
+
 class ProcessRuntime(Runtime):
     kind = "process"
 
@@ -40,32 +113,68 @@ class ProcessRuntime(Runtime):
         self._own_root = self.config.root is None
         self.root = Path(self.config.root or tempfile.mkdtemp(prefix="envpool-"))
         self._ids = itertools.count(1)
+        self._zygote = _Zygote() if self.config.zygote else None
+
+    def _opts(self, sock: Path, bundle: Path | None) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "sock": str(sock),
+            "bundle": str(bundle) if bundle is not None else None,
+            "heartbeat_s": cfg.heartbeat_s,
+            "limits": cfg.limits.model_dump(),
+            "fault": cfg.faults.model_dump(),
+            "netns": cfg.network_namespace,
+        }
 
     async def _start(self, image: str | None, bundle: Path | None) -> Container:
         cid = f"p{os.getpid()}-{next(self._ids)}"
         cdir = self.root / cid
         cdir.mkdir(parents=True)
         sock = cdir / "s"  # short: Unix socket paths are limited to 108 bytes
-        cfg = self.config
-        cmd = [sys.executable, "-m", "envpool.server", "--sock", str(sock), "--parent-pid", str(os.getpid())]
-        cmd += ["--heartbeat-s", str(cfg.heartbeat_s), "--limits", cfg.limits.model_dump_json()]
-        cmd += ["--fault", cfg.faults.model_dump_json()]
-        if bundle is not None:
-            cmd += ["--bundle", str(bundle)]
-        if not cfg.network_namespace:
+        opts = self._opts(sock, bundle)
+        if self._zygote is not None:
+            info = await self._zygote.fork(opts, cdir)
+            pid = int(info["pid"])
+            _LIVE_GROUPS.add(pid)
+            c = Container(id=cid, endpoint=str(sock), image=image, runtime=self.kind, pid=pid)
+            if "error" in info:
+                await self._stop(c)
+                raise ContainerStartError(f"container {cid} failed to start: {info['error']}")
+        else:
+            c = await self._exec(cid, cdir, opts, image)
+            info = {"isolation": c.isolation}
+        c.isolation = info.get("isolation", "none")
+        return c
+
+    async def _exec(self, cid: str, cdir: Path, opts: dict[str, Any], image: str | None) -> Container:
+        """A fresh interpreter per container (``zygote=False``)."""
+        cmd = [
+            sys.executable,
+            "-m",
+            "envpool.server",
+            "--sock",
+            opts["sock"],
+            "--parent-pid",
+            str(os.getpid()),
+        ]
+        cmd += ["--heartbeat-s", str(opts["heartbeat_s"]), "--limits", json.dumps(opts["limits"])]
+        cmd += ["--fault", json.dumps(opts["fault"])]
+        if opts["bundle"]:
+            cmd += ["--bundle", opts["bundle"]]
+        if not opts["netns"]:
             cmd.append("--no-netns")
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MODAL_", "RAY_"))}
-        env.update(PYTHONPATH=os.pathsep.join(p for p in sys.path if p), TMPDIR=str(cdir), HOME=str(cdir))
         proc = await asyncio.create_subprocess_exec(
             *cmd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
-            env=env,
+            env=_child_env(cdir),
             cwd=str(cdir),
             start_new_session=True,  # its own process group: killed as a whole
         )
         _LIVE_GROUPS.add(proc.pid)
-        c = Container(id=cid, endpoint=str(sock), image=image, runtime=self.kind, pid=proc.pid, handle=proc)
+        c = Container(
+            id=cid, endpoint=opts["sock"], image=image, runtime=self.kind, pid=proc.pid, handle=proc
+        )
         assert proc.stdout is not None
         try:
             line = await proc.stdout.readline()
@@ -74,26 +183,30 @@ class ProcessRuntime(Runtime):
             await self._stop(c)
             raise
         if not info.get("ready"):
-            code = await self._kill(c)
-            raise ContainerStartError(f"container {cid} exited before it was ready (exit code {code})")
+            await self._stop(c)
+            raise ContainerStartError(
+                f"container {cid} exited before it was ready (exit code {proc.returncode})"
+            )
         c.isolation = info.get("isolation", "none")
         return c
 
-    async def _kill(self, c: Container) -> int | None:
-        proc = c.handle
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        _LIVE_GROUPS.discard(proc.pid)
-        return await proc.wait()
-
     async def _stop(self, c: Container) -> None:
-        await self._kill(c)
+        if c.pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(c.pid, signal.SIGKILL)
+            _LIVE_GROUPS.discard(c.pid)
+        if c.handle is not None:
+            await c.handle.wait()
         shutil.rmtree(Path(c.endpoint).parent, ignore_errors=True)
 
     async def _alive(self, c: Container) -> bool:
-        return c.handle.returncode is None
+        if c.handle is not None:
+            return c.handle.returncode is None
+        return self._zygote is not None and c.pid not in self._zygote.exited
 
     async def aclose(self) -> None:
         await super().aclose()
+        if self._zygote is not None:
+            await self._zygote.aclose()
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)

@@ -217,3 +217,11 @@ async def test_image_without_cache_and_bad_reference_are_clear_errors(images):
 
 def test_connection_module_has_no_side_effects():
     assert Connection.__doc__
+
+
+async def test_without_the_zygote_each_container_is_a_fresh_interpreter(images):
+    async with pool(images, min_warm=0, runtime={"zygote": False, "heartbeat_s": 0.1}) as p:
+        async with p.session("echo-v0", image=IMAGE) as s:
+            await s.reset(seed=2)
+            assert (await s.step("z")).obs.text == "z #1"
+            assert s.container.handle is not None  # its own Popen, not a fork of the zygote

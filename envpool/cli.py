@@ -1,0 +1,122 @@
+"""``envpool``: list environments and benchmark the pool (JSON with ``--json``)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from envpool.errors import EnvPoolError
+
+app = typer.Typer(
+    help="envpool: stateful environments in session-affine container pools.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+bench_app = typer.Typer(
+    help="Benchmarks, each against a baseline measured in the same run.", no_args_is_help=True
+)
+app.add_typer(bench_app, name="bench")
+out = Console()
+err = Console(stderr=True)
+ModulesOpt = Annotated[
+    list[str] | None, typer.Option("--module", "-m", help="Module that registers environments.")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+
+
+def _emit(result: dict[str, Any], as_json: bool, title: str) -> None:
+    if as_json:
+        print(json.dumps(result))
+        return
+    table = Table("metric", "value", title=title)
+    for k, v in result.items():
+        if not isinstance(v, dict):
+            table.add_row(k, f"{v:,.3f}" if isinstance(v, float) else str(v))
+    out.print(table)
+
+
+@app.command("ls")
+def ls_cmd(modules: ModulesOpt = None, as_json: JsonOpt = False) -> None:
+    """List registered environments (the built-ins and those of --module)."""
+    import envpool.envs  # noqa: F401
+    from envpool.api import default_registry
+
+    for m in modules or []:
+        try:
+            importlib.import_module(m)
+        except ImportError as e:
+            err.print(f"[bold red]error:[/] cannot import {m!r}: {e}")
+            raise typer.Exit(2) from None
+    specs = [default_registry.spec(i) for i in default_registry.ids()]
+    if as_json:
+        print(json.dumps([s.model_dump(mode="json") for s in specs], indent=2))
+        return
+    table = Table(
+        "id", "entry point", "max steps", "deterministic", "description", title=f"{len(specs)} environments"
+    )
+    for s in specs:
+        table.add_row(
+            s.id, s.entry_point, str(s.max_episode_steps or "-"), str(s.deterministic), s.description
+        )
+    out.print(table)
+
+
+def _progress() -> tuple[Any, Any]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    cols = (TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    prog = Progress(*cols, console=err, transient=True)
+    tasks: dict[str, Any] = {}
+
+    def update(label: str, done: int, total: int) -> None:
+        if label not in tasks:
+            tasks[label] = prog.add_task(label, total=total)
+        prog.update(tasks[label], completed=done)
+
+    return prog, update
+
+
+@bench_app.command("latency")
+def bench_latency(as_json: JsonOpt = False) -> None:
+    """Warm claim and step round trip (echo-v0) vs the same step in-process."""
+    from envpool.bench import latency
+
+    _emit(asyncio.run(latency()), as_json, "envpool latency")
+
+
+@bench_app.command("resets")
+def bench_resets(
+    n: Annotated[int, typer.Option("--n", min=1)] = 10_000,
+    concurrency: Annotated[int, typer.Option(min=1)] = 32,
+    fetch_error_rate: Annotated[float, typer.Option(min=0, max=1)] = 0.05,
+    crash_rate: Annotated[float, typer.Option(min=0, max=1)] = 0.01,
+    as_json: JsonOpt = False,
+) -> None:
+    """N resets under injected image-fetch errors and container crashes."""
+    from envpool.bench import resets
+
+    prog, update = _progress()
+    try:
+        with prog:
+            result = asyncio.run(
+                resets(n, concurrency, fetch_error_rate, crash_rate, None if as_json else update)
+            )
+    except EnvPoolError as e:
+        err.print(f"[bold red]error:[/] {e}")
+        raise typer.Exit(1) from None
+    _emit(result, as_json, "envpool resets")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The zygote: a pre-imported Python that forks containers (``python -m envpool.zygote``).
+
+Starting ``python -m envpool.server`` costs ~150-200 ms of interpreter start and imports; a
+fork of a process that already imported everything costs a few ms. The zygote reads one
+JSON request per line on stdin, forks a child that becomes its own session (process
+group), dies with the zygote, and runs ``envpool.server.run``; it answers on stdout once
+the child is listening, and reports children that exit. It stays single-threaded so
+forking it is safe.
+
+    stdin   {"req": N, "opts": {...server options...}, "cwd": DIR, "env": {...}}
+    stdout  {"req": N, "pid": P, "isolation": ...} | {"req": N, "error": "..."} | {"exit": P, "code": C}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import sys
+from typing import Any
+
+import envpool.envs  # noqa: F401 - imported once here, inherited by every container
+import envpool.server as server
+
+
+def _child(req: dict[str, Any], ready_w: int, inherited: list[int]) -> None:
+    try:
+        for fd in inherited:  # other containers' ready pipes
+            os.close(fd)
+        # stdin/stdout are the zygote's channel to the pool: never let an environment touch them
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(2, 1)
+        os.close(devnull)
+        os.setsid()  # its own process group: the pool kills a container as a whole
+        server.die_with_parent(os.getppid())
+        os.environ.update(req.get("env") or {})
+        os.chdir(req["cwd"])
+
+        def ready(info: dict[str, Any]) -> None:
+            os.write(ready_w, json.dumps(info).encode())
+            os.close(ready_w)
+
+        server.run(req["opts"], ready)
+    except BaseException as e:  # report, never return into the zygote's loop
+        try:
+            os.write(ready_w, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+        finally:
+            os._exit(3)
+    os._exit(0)
+
+
+def _say(msg: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(msg) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    server.die_with_parent(int(sys.argv[1]))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sel = selectors.DefaultSelector()
+    sel.register(sys.stdin.fileno(), selectors.EVENT_READ, None)
+    pending: dict[int, tuple[int, bytearray]] = {}  # ready pipe -> (req, bytes so far)
+    buf = b""
+    while True:
+        for key, _ in sel.select(timeout=0.05):
+            fd = key.fd
+            if key.data is None:  # a request (or the pool went away)
+                data = os.read(fd, 65536)
+                if not data:
+                    os._exit(0)
+                buf += data
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    req = json.loads(line)
+                    r, w = os.pipe()
+                    pid = os.fork()
+                    if pid == 0:
+                        os.close(r)
+                        sel.close()
+                        _child(req, w, list(pending))
+                    os.close(w)
+                    pending[r] = (req["req"], bytearray())
+                    sel.register(r, selectors.EVENT_READ, pid)
+            else:
+                chunk = os.read(fd, 65536)
+                req_id, got = pending[fd]
+                if chunk:
+                    got += chunk
+                    continue
+                sel.unregister(fd)
+                os.close(fd)
+                del pending[fd]
+                try:
+                    info = (
+                        json.loads(bytes(got))
+                        if got
+                        else {"error": "the container exited before it was ready"}
+                    )
+                except ValueError:
+                    info = {"error": "garbled ready message"}
+                _say({"req": req_id, "pid": key.data, **info})
+        while True:  # reap, and tell the pool which containers are gone
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            _say({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+if __name__ == "__main__":
+    main()
