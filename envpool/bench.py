@@ -144,3 +144,109 @@ async def resets(
         "p99_ms": _pct(lat, 99),
         "pool": stats,
     }
+
+
+_COLD_ENV = '''
+import envpool
+
+
+class Weighted(envpool.Env):
+    """Loads its data file at reset, as a real environment loads its assets."""
+
+    def reset(self, *, seed=None, options=None):
+        with open("data/weights.bin", "rb") as f:
+            size = len(f.read(1 << 16))
+        return f"loaded {size}", {}
+
+    def step(self, action):
+        return envpool.StepResult(obs=envpool.Observation(text=action), terminated=True)
+'''
+
+
+class _OwnFetch:
+    """The baseline: every container pulls the image on its own (its own empty cache)."""
+
+    def __init__(self, root: Path, origin_url: str):
+        self.root = root
+        self.url = origin_url
+        self.n = 0
+
+    async def get(self, digest: str) -> Path:
+        from envpool.images import (
+            DiskTier,
+            DiskTierConfig,
+            HttpTier,
+            OriginTierConfig,
+            RetryPolicy,
+            TieredCache,
+        )
+
+        self.n += 1
+        own = self.root / f"own-{self.n}"
+        tiers = [DiskTier(DiskTierConfig(path=own / "l1")), HttpTier(OriginTierConfig(url=self.url))]
+        async with TieredCache(tiers, unpack_dir=own / "unpacked", retry=RetryPolicy(attempts=3)) as cache:
+            return await cache.get(digest)
+
+
+async def cold_image(
+    sessions: int = 64, size_mb: float = 8.0, bandwidth_mbps: float = 40.0
+) -> dict[str, Any]:
+    """``sessions`` sessions claim a container and reset at once, on an image no node has:
+    through one tiered cache with single-flight, vs every container fetching on its own."""
+    from envpool.images import DiskTier, DiskTierConfig, HttpTier, OriginTierConfig, TieredCache, build_bundle
+    from envpool.images.fake_origin import FakeOrigin
+
+    with tempfile.TemporaryDirectory(prefix="envpool-cold-") as tmp:
+        root = Path(tmp)
+        src = root / "src"
+        (src / "data").mkdir(parents=True)
+        (src / "weighted_env.py").write_text(_COLD_ENV)
+        manifest = '{"register": [{"id": "weighted-v0", "entry_point": "weighted_env:Weighted"}]}'
+        (src / "envpool.json").write_text(manifest)
+        (src / "data" / "weights.bin").write_bytes(random.Random(0).randbytes(int(size_mb * 2**20)))
+        bundle = build_bundle(src)
+        image = str(bundle.ref("weighted"))
+        cfg = {"min_warm": 0, "max_containers": sessions + 4, "reset_timeout_s": 300, "claim_timeout_s": 300}
+
+        async def storm(resolver: Any) -> list[float]:
+            async with EnvPool(cfg, images=resolver) as pool:
+                go = asyncio.Event()
+
+                async def one() -> float:
+                    await go.wait()
+                    t0 = time.perf_counter()
+                    async with pool.session("weighted-v0", image=image) as s:
+                        await s.reset()
+                    return time.perf_counter() - t0
+
+                tasks = [asyncio.create_task(one()) for _ in range(sessions)]
+                await asyncio.sleep(0)
+                go.set()
+                return list(await asyncio.gather(*tasks))
+
+        out: dict[str, Any] = {
+            "sessions": sessions,
+            "bundle_bytes": bundle.size,
+            "origin_MBps": bandwidth_mbps,
+        }
+        with FakeOrigin({bundle.digest: bundle.data}, bandwidth_bps=bandwidth_mbps * 1e6) as origin:
+            tiers = [
+                DiskTier(DiskTierConfig(path=root / "node" / "l1")),
+                HttpTier(OriginTierConfig(url=origin.url)),
+            ]
+            async with TieredCache(tiers, unpack_dir=root / "node" / "unpacked") as cache:
+                shared = await storm(cache)
+            out["tiered"] = {
+                "p50_s": _pct(shared, 50),
+                "p99_s": _pct(shared, 99),
+                "origin_gets": origin.requests,
+            }
+        with FakeOrigin({bundle.digest: bundle.data}, bandwidth_bps=bandwidth_mbps * 1e6) as origin:
+            alone = await storm(_OwnFetch(root / "own", origin.url))
+            out["own_fetch"] = {
+                "p50_s": _pct(alone, 50),
+                "p99_s": _pct(alone, 99),
+                "origin_gets": origin.requests,
+            }
+    out["p99_ratio"] = out["own_fetch"]["p99_s"] / out["tiered"]["p99_s"]
+    return out

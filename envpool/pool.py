@@ -80,11 +80,10 @@ class ImageResolver(Protocol):
 
 
 def digest_of(image: str) -> str:
-    """``name@sha256:hex`` or ``sha256:hex`` -> ``sha256:hex``."""
-    digest = image.rpartition("@")[2]
-    if not digest.startswith("sha256:") or len(digest) != 71:
-        raise ValueError(f"image {image!r} is not content-addressed; use name@sha256:<64 hex digits>")
-    return digest
+    """``name@sha256:hex`` or ``sha256:hex`` -> ``sha256:hex`` (``InvalidImageRef`` otherwise)."""
+    from envpool.images.bundle import ImageRef
+
+    return ImageRef.parse(str(image)).digest
 
 
 class EnvPool:

@@ -51,10 +51,14 @@ class _Zygote:
         self.exited: set[int] = set()
         self.ids = itertools.count(1)
         self.reader: asyncio.Task[None] | None = None
+        self.lock = asyncio.Lock()
 
     async def ensure(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            return
+        async with self.lock:  # concurrent first starts must share one zygote
+            if self.proc is None or self.proc.returncode is not None:
+                await self._spawn()
+
+    async def _spawn(self) -> None:
         self.proc = await asyncio.create_subprocess_exec(
             *(sys.executable, "-m", "envpool.zygote", str(os.getpid())),
             stdin=subprocess.PIPE,

@@ -210,7 +210,7 @@ async def test_image_without_cache_and_bad_reference_are_clear_errors(images):
             async with p.session("echo-v0", image=IMAGE):
                 pass
     async with pool(images) as p:
-        with pytest.raises(ValueError, match="content-addressed"):
+        with pytest.raises(ValueError, match="expected 'name@sha256:<64 hex>'"):
             async with p.session("echo-v0", image="echo:latest"):
                 pass
 
