@@ -96,7 +96,7 @@ async def resets(
     cfg = {
         "min_warm": concurrency,
         "max_containers": concurrency + 8,
-        "max_episodes": 1_000_000,
+        "max_episodes": 20,  # recycled often, so image fetches (and their injected errors) keep happening
         "runtime": {"faults": {"crash_rate": crash_rate}, "heartbeat_s": 0.2},
         "retry": {"attempts": 6, "initial_backoff_s": 0.02, "max_backoff_s": 0.5},
     }

@@ -425,9 +425,11 @@ class EnvSession:
             await self._call("step", {"action": a}, self._cfg.step_timeout_s)
 
     def _note(self, e: BaseException) -> None:
-        kind = {StepTimeout: "hung_or_timeout", ContainerDied: "container_died"}.get(
-            type(e), type(e).__name__
-        )
+        names: dict[type[BaseException], str] = {
+            StepTimeout: "hung_or_timeout",
+            ContainerDied: "container_died",
+        }
+        kind = names.get(type(e), type(e).__name__)
         self.pool.metrics[f"infra:{kind}"] += 1
         self.failures.append(f"{type(e).__name__}: {e}")
 

@@ -10,6 +10,7 @@ a payload over the Lambda synchronous limit is refused before it is sent.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -36,11 +37,18 @@ def new_request_id() -> str:
 def to_strict_json(value: Any) -> bytes:
     """JSON bytes of ``value``; ``ValueError`` for NaN/Infinity, which JSON cannot carry
     (pydantic-core would write the non-standard ``NaN`` token that Lambda rejects)."""
-    raw = pydantic_core.to_json(value)
-    # the tokens are rare; only then pay for a second encoding to tell them from strings
-    if (b"NaN" in raw or b"Infinity" in raw) and raw != pydantic_core.to_json(value, inf_nan_mode="null"):
-        raise ValueError("NaN or Infinity is not valid JSON; send None or a finite number")
+    raw = pydantic_core.to_json(value, inf_nan_mode="constants")
+    # the tokens are rare; only then pay for a strict parse to tell them from text in strings
+    if b"NaN" in raw or b"Infinity" in raw:
+        try:
+            json.loads(raw, parse_constant=_refuse_constant)
+        except ValueError:
+            raise ValueError("NaN or Infinity is not valid JSON; send None or a finite number") from None
     return raw
+
+
+def _refuse_constant(token: str) -> Any:
+    raise ValueError(token)
 
 
 def encode_payload(payload: Any, *, limit: int = MAX_PAYLOAD_BYTES, what: str = "payload") -> bytes:
@@ -210,8 +218,13 @@ class Result(_Model):
 # ----------------------------------------------------------------------------- RL data
 
 
+# RL data keeps NaN/Infinity as such when encoded (pydantic would write null): the strict
+# encoder above then refuses them instead of letting a NaN reward become a silent null
+_RL_DATA = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
+
+
 class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", ser_json_inf_nan="constants")
     id: str
     type: Literal["function"] = "function"
     function: dict[str, Any]
@@ -221,7 +234,7 @@ class ToolCall(BaseModel):
 class Message(BaseModel):
     """An OpenAI-style chat message, stamped with the policy version that produced it."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", ser_json_inf_nan="constants")
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -234,7 +247,7 @@ class Message(BaseModel):
 class Trajectory(BaseModel):
     """A finished (or failed) multi-turn episode, as reward functions receive it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _RL_DATA
     id: str = Field(default_factory=new_request_id)
     messages: list[Message] = Field(default_factory=list)
     task: dict[str, Any] = Field(default_factory=dict)
@@ -260,7 +273,7 @@ class Trajectory(BaseModel):
 class RewardResult(BaseModel):
     """A score plus the named components it was made of."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _RL_DATA
     score: float
     components: dict[str, float] = Field(default_factory=dict)
     info: dict[str, Any] = Field(default_factory=dict)

@@ -124,7 +124,8 @@ class Runtime(ABC):
 
 
 def make_runtime(config: Any) -> Runtime:
-    cfg = config if isinstance(config, BaseModel) else _adapter.validate_python(config)
+    """A runtime from its config (or a dict with a ``type``). Other kinds plug in here."""
+    cfg = config if isinstance(config, ProcessRuntimeConfig) else _adapter.validate_python(config)
     from envpool.runtimes.process import ProcessRuntime
 
     return ProcessRuntime(cfg)

@@ -45,8 +45,8 @@ def write_bundle(root: Path) -> Path:
     (root / "echo_env.py").write_text(ENV_SOURCE)
     manifest = {
         "register": [
-            {"id": "echo-v0", "entry_point": "echo_env:EchoEnv", "max_episode_steps": 1000},
-            {"id": "random-v0", "entry_point": "echo_env:RandomEnv", "deterministic": False},
+            {"id": "bundle-echo-v0", "entry_point": "echo_env:EchoEnv", "max_episode_steps": 1000},
+            {"id": "bundle-random-v0", "entry_point": "echo_env:RandomEnv", "deterministic": False},
         ]
     }
     (root / "envpool.json").write_text(json.dumps(manifest))

@@ -36,7 +36,7 @@ def alive(pid: int) -> bool:
 
 
 async def test_session_reset_step_and_affinity(images):
-    async with pool(images) as p, p.session("echo-v0", image=IMAGE) as s:
+    async with pool(images) as p, p.session("bundle-echo-v0", image=IMAGE) as s:
         obs, info = await s.reset(seed=7)
         assert obs.text == "ready 7" and info == {"seed": 7}
         pids = set()
@@ -53,7 +53,7 @@ async def test_warm_claims_reuse_containers_across_episodes(images):
         await p.prewarm(IMAGE)
         seen = set()
         for _ in range(4):
-            async with p.session("echo-v0", image=IMAGE) as s:
+            async with p.session("bundle-echo-v0", image=IMAGE) as s:
                 await s.reset()
                 seen.add(s.container.id)
         stats = p.stats()
@@ -65,7 +65,7 @@ async def test_containers_recycle_after_max_episodes(images):
     async with pool(images, min_warm=0, max_episodes=2) as p:
         ids = []
         for _ in range(3):
-            async with p.session("echo-v0", image=IMAGE) as s:
+            async with p.session("bundle-echo-v0", image=IMAGE) as s:
                 await s.reset()
                 ids.append(s.container.id)
         assert ids[0] == ids[1] != ids[2]
@@ -73,7 +73,7 @@ async def test_containers_recycle_after_max_episodes(images):
 
 
 async def test_environment_bugs_and_usage_errors_are_not_retried(images):
-    async with pool(images) as p, p.session("echo-v0", image=IMAGE) as s:
+    async with pool(images) as p, p.session("bundle-echo-v0", image=IMAGE) as s:
         with pytest.raises(EnvOrderError):
             await s.step("x")  # before reset
         await s.reset()
@@ -95,12 +95,12 @@ async def test_unknown_environment_is_a_clear_error(images):
         with pytest.raises(EnvRegistryError, match="no-such-env-v0"):
             async with p.session("no-such-env-v0", image=IMAGE) as s:
                 await s.reset()
-        async with p.session("echo-v0", image=IMAGE) as s:  # the pool keeps serving
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:  # the pool keeps serving
             await s.reset()
 
 
 async def test_a_request_with_another_sessions_token_is_refused(images):
-    async with pool(images) as p, p.session("echo-v0", image=IMAGE) as s:
+    async with pool(images) as p, p.session("bundle-echo-v0", image=IMAGE) as s:
         await s.reset()
         with pytest.raises(SessionTokenError):
             await s.conn.request({"op": "step", "token": "not-" + s.token, "args": {"action": "x"}}, 5)
@@ -108,7 +108,7 @@ async def test_a_request_with_another_sessions_token_is_refused(images):
 
 
 async def test_a_retried_request_id_is_answered_once(images):
-    async with pool(images) as p, p.session("echo-v0", image=IMAGE) as s:
+    async with pool(images) as p, p.session("bundle-echo-v0", image=IMAGE) as s:
         await s.reset()
         msg = {"op": "step", "id": 99, "token": s.token, "args": {"action": "once"}}
         first = await s.conn.request(dict(msg), 5)
@@ -118,7 +118,7 @@ async def test_a_retried_request_id_is_answered_once(images):
 
 
 async def test_a_dead_container_is_replaced_and_the_episode_replayed(images):
-    async with pool(images) as p, p.session("echo-v0", image=IMAGE) as s:
+    async with pool(images) as p, p.session("bundle-echo-v0", image=IMAGE) as s:
         await s.reset(seed=1)
         await s.step("a")
         await s.step("b")
@@ -133,7 +133,7 @@ async def test_a_dead_container_is_replaced_and_the_episode_replayed(images):
 
 
 async def test_a_frozen_container_misses_heartbeats_and_is_replaced(images):
-    async with pool(images) as p, p.session("echo-v0", image=IMAGE) as s:
+    async with pool(images) as p, p.session("bundle-echo-v0", image=IMAGE) as s:
         await s.reset()
         old = s.container.pid
         os.kill(old, signal.SIGSTOP)
@@ -145,7 +145,7 @@ async def test_a_frozen_container_misses_heartbeats_and_is_replaced(images):
 
 async def test_a_step_past_its_timeout_is_an_infra_failure(images):
     async with pool(images, step_timeout_s=0.5, retry={"attempts": 2, "initial_backoff_s": 0.01}) as p:
-        async with p.session("echo-v0", image=IMAGE) as s:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
             await s.reset()
             with pytest.raises(SessionLost, match=r"longer than 0\.5 s"):
                 await s.step("sleep 30")
@@ -155,7 +155,7 @@ async def test_a_step_past_its_timeout_is_an_infra_failure(images):
 
 
 async def test_a_non_deterministic_session_is_lost_not_faked(images):
-    async with pool(images) as p, p.session("random-v0", image=IMAGE) as s:
+    async with pool(images) as p, p.session("bundle-random-v0", image=IMAGE) as s:
         await s.reset()
         await s.step("a")
         os.killpg(s.container.pid, signal.SIGKILL)
@@ -168,7 +168,7 @@ async def test_reset_retries_through_container_crashes(images):
     async with pool(images, min_warm=0, runtime={"heartbeat_s": 0.1, "faults": {"crash_rate": 0.3}}) as p:
         ok = 0
         for seed in range(20):
-            async with p.session("echo-v0", image=IMAGE) as s:
+            async with p.session("bundle-echo-v0", image=IMAGE) as s:
                 try:
                     await s.reset(seed=seed)
                     ok += 1
@@ -187,7 +187,7 @@ async def test_tool_calls_are_brokered_by_the_pool(images):
         return "42"
 
     async with EnvPool({"min_warm": 0}, images=images, tool_caller=tools) as p:
-        async with p.session("echo-v0", image=IMAGE) as s:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
             await s.reset()
             r = await s.step("tool 6*7")
             assert r.obs.text == "42" and calls == [("calculator", {"expression": "6*7"})]
@@ -196,7 +196,7 @@ async def test_tool_calls_are_brokered_by_the_pool(images):
 async def test_close_leaves_no_container(images):
     async with pool(images, min_warm=3) as p:
         await p.prewarm(IMAGE)
-        async with p.session("echo-v0", image=IMAGE) as s:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
             await s.reset()
         pids = [c.pid for c in p.runtime.live.values()]
         assert len(pids) >= 3
@@ -207,11 +207,11 @@ async def test_close_leaves_no_container(images):
 async def test_image_without_cache_and_bad_reference_are_clear_errors(images):
     async with EnvPool({"min_warm": 0}) as p:
         with pytest.raises(ValueError, match="no image cache"):
-            async with p.session("echo-v0", image=IMAGE):
+            async with p.session("bundle-echo-v0", image=IMAGE):
                 pass
     async with pool(images) as p:
         with pytest.raises(ValueError, match="expected 'name@sha256:<64 hex>'"):
-            async with p.session("echo-v0", image="echo:latest"):
+            async with p.session("bundle-echo-v0", image="echo:latest"):
                 pass
 
 
@@ -221,7 +221,7 @@ def test_connection_module_has_no_side_effects():
 
 async def test_without_the_zygote_each_container_is_a_fresh_interpreter(images):
     async with pool(images, min_warm=0, runtime={"zygote": False, "heartbeat_s": 0.1}) as p:
-        async with p.session("echo-v0", image=IMAGE) as s:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
             await s.reset(seed=2)
             assert (await s.step("z")).obs.text == "z #1"
             assert s.container.handle is not None  # its own Popen, not a fork of the zygote

@@ -252,3 +252,13 @@ def test_reward_result() -> None:
         RewardResult(score="high")
     with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
         RewardResult(score=1.0, weight=2)
+
+
+def test_nan_inside_a_model_is_refused_not_turned_into_null() -> None:
+    from fabric.protocol import to_strict_json
+
+    with pytest.raises(ValueError, match="NaN or Infinity"):
+        to_strict_json(RewardResult(score=float("nan")))
+    with pytest.raises(PayloadNotSerializableError):
+        encode_payload({"r": RewardResult(score=1.0, components={"x": float("inf")})})
+    assert to_strict_json({"text": "NaN and Infinity are words"}) == b'{"text":"NaN and Infinity are words"}'

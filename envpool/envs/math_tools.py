@@ -1,0 +1,175 @@
+"""Arithmetic word problems with a calculator tool.
+
+Each reset poses one problem generated from the seed (or ``options={"question": ...,
+"answer": ...}`` for a problem of your own). An action is either
+
+* a tool call, as JSON: ``{"tool": "calculator", "arguments": {"expression": "17 * 23"}}``
+  (``"name"`` for ``"tool"`` and OpenAI's JSON-string ``"arguments"`` are accepted too):
+  the environment calls the tool through its bridge and shows the output, reward 0; or
+* a final answer, ``Answer: 42`` or ``\\boxed{42}``: the episode ends with reward 1.0 when it
+  matches (after ``functions.rewards.answer.normalize``), else 0.0.
+
+Anything else gets a reminder of the two forms, reward 0.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from envpool.api import Env, Observation, StepResult
+from functions.rewards.answer import extract_answer, normalize
+from functions.tools.calculator import OPENAI_SCHEMA
+
+TOOLS = [OPENAI_SCHEMA]
+_FINAL = re.compile(r"\\boxed\{|^\s*(?:final\s+)?answer\s*:|the answer is", re.IGNORECASE | re.MULTILINE)
+_FENCE = re.compile(r"^```(?:json)?\s*|\s*```$")
+_HOW = (
+    'Call the calculator with JSON, e.g. {"tool": "calculator", "arguments": {"expression": "12 * 7"}}, '
+    "or give the final answer as 'Answer: <number>'."
+)
+
+Problem = tuple[str, int]
+
+
+def _orchard(r: random.Random) -> Problem:
+    a, b, c = r.randint(12, 48), r.randint(15, 60), r.randint(20, 300)
+    q = (
+        f"An orchard has {a} rows of {b} apple trees. The farmer plants {c} more trees. "
+        "How many trees are there now?"
+    )
+    return q, a * b + c
+
+
+def _change(r: random.Random) -> Problem:
+    price, n = r.randint(3, 19), r.randint(4, 12)
+    bill = 50 * ((price * n) // 50 + 1)
+    q = (
+        f"Pens cost {price} dollars each. Maria buys {n} pens and pays with {bill} dollars. "
+        "How much change, in dollars, does she get?"
+    )
+    return q, bill - price * n
+
+
+def _train(r: random.Random) -> Problem:
+    speed, hours = r.randint(45, 140), r.randint(2, 9)
+    q = (
+        f"A train travels {speed * hours} km in {hours} hours at a constant speed. "
+        "What is its speed in km per hour?"
+    )
+    return q, speed
+
+
+def _tank(r: random.Random) -> Problem:
+    start, leak, hours = r.randint(800, 2000), r.randint(11, 39), r.randint(3, 12)
+    refill = r.randint(50, 400)
+    q = (
+        f"A tank holds {start} liters of water. It leaks {leak} liters per hour for {hours} hours, "
+        f"then {refill} liters are added. How many liters are in the tank now?"
+    )
+    return q, start - leak * hours + refill
+
+
+def _boxes(r: random.Random) -> Problem:
+    per_box, boxes = r.randint(6, 24), r.randint(25, 140)
+    extra = r.randint(1, per_box - 1)
+    q = (
+        f"A bakery packs cookies in boxes of {per_box}. Today it baked {per_box * boxes + extra} cookies. "
+        f"How many full boxes can it pack?"
+    )
+    return q, boxes
+
+
+GENERATORS: tuple[Callable[[random.Random], Problem], ...] = (_orchard, _change, _train, _tank, _boxes)
+
+
+def generate_problem(rng: random.Random) -> Problem:
+    """One ``(question, integer answer)`` drawn from the built-in templates."""
+    return GENERATORS[int(rng.random() * len(GENERATORS))](rng)
+
+
+class MathToolsEnv(Env):
+    """One word problem per episode; the policy may call ``calculator`` before answering."""
+
+    example_actions: ClassVar[tuple[str, ...]] = (
+        '{"tool": "calculator", "arguments": {"expression": "6 * 7"}}',
+        "I am not sure yet.",
+        "Answer: 0",
+    )
+
+    def __init__(self) -> None:
+        self._rng: random.Random | None = None
+        self.question = ""
+        self.answer = ""
+        self.tool_calls = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        if seed is not None or self._rng is None:
+            self._rng = random.Random(seed)
+        options = options or {}
+        if "question" in options:
+            if "answer" not in options:
+                raise ValueError("options with a 'question' need its 'answer' too")
+            self.question, self.answer = str(options["question"]), str(options["answer"])
+        else:
+            question, answer = generate_problem(self._rng)
+            self.question, self.answer = question, str(answer)
+        self.tool_calls = 0
+        text = f"{self.question}\n\n{_HOW}"
+        return Observation(text=text, tools=TOOLS), {"tools": ["calculator"]}
+
+    def step(self, action: str) -> StepResult:
+        text = action.strip()
+        call = _parse_tool_call(text)
+        if call is not None:
+            return self._tool_step(call)
+        if _FINAL.search(text):
+            given = extract_answer(text)
+            correct = normalize(given) == normalize(self.answer)
+            verdict = "Correct." if correct else "Incorrect."
+            return StepResult(
+                obs=Observation(text=f"{verdict} Episode over."),
+                reward=1.0 if correct else 0.0,
+                terminated=True,
+                info={"answer": given, "correct": correct, "tool_calls": self.tool_calls},
+            )
+        return StepResult(obs=Observation(text=f"No tool call or final answer found. {_HOW}", tools=TOOLS))
+
+    def _tool_step(self, call: dict[str, Any] | str) -> StepResult:
+        if isinstance(call, str):  # what was wrong with the JSON
+            return StepResult(obs=Observation(text=f"Bad tool call: {call}. {_HOW}", tools=TOOLS))
+        self.tool_calls += 1
+        output = self.call_tool(call["tool"], call["arguments"])
+        return StepResult(
+            obs=Observation(text=output, tools=TOOLS),
+            info={"tool": call["tool"], "tool_calls": self.tool_calls},
+        )
+
+
+def _parse_tool_call(text: str) -> dict[str, Any] | str | None:
+    """``{"tool", "arguments"}``, a message saying why the JSON is not a valid call, or
+    None when the action is not meant as a tool call."""
+    body = _FENCE.sub("", text).strip()
+    if not body.startswith("{"):
+        return None
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as e:
+        return f"invalid JSON ({e.msg} at position {e.pos})"
+    if not isinstance(data, dict):
+        return "a tool call is a JSON object"
+    name = data.get("tool", data.get("name"))
+    args = data.get("arguments", {})
+    if isinstance(args, str):  # OpenAI sends arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return "'arguments' is a string that is not JSON"
+    if name != "calculator":
+        return f"unknown tool {name!r}; the only tool is 'calculator'"
+    if not isinstance(args, dict) or set(args) != {"expression"} or not isinstance(args["expression"], str):
+        return 'calculator takes {"expression": "<text>"} and nothing else'
+    return {"tool": name, "arguments": args}

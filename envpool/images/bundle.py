@@ -1,0 +1,179 @@
+"""Image bundles: a directory packed as a deterministic tar.gz, named by the sha256 of its bytes.
+
+Deterministic means the same directory gives the same digest on any machine: entries sorted,
+mtimes zero, owners zero, modes normalised to 0644/0755, and no timestamp or file name in the
+gzip header. Unpacking trusts nothing in the archive: absolute paths, ``..``, links that leave
+the root and device files are refused before anything is written, and Python's ``data``
+extraction filter checks again against the real paths on disk.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import os
+import posixpath
+import re
+import stat
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from envpool.images.errors import DigestMismatch, InvalidImageRef, UnsafeBundle
+
+_DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
+_REF_RE = re.compile(r"(?:(?P<name>[^\s@]+)@)?(?P<digest>sha256:[0-9a-f]{64})")
+
+
+def digest_of(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def parse_digest(digest: str) -> str:
+    """Return ``digest`` if it is ``sha256:<64 lowercase hex>``; raise ``InvalidImageRef`` if not."""
+    if not isinstance(digest, str) or not _DIGEST_RE.fullmatch(digest):
+        raise InvalidImageRef(f"bad digest {digest!r}: expected 'sha256:' and 64 lowercase hex digits")
+    return digest
+
+
+def verify(data: bytes, digest: str, *, source: str = "") -> None:
+    """Raise ``DigestMismatch`` unless ``data`` hashes to ``digest``."""
+    actual = digest_of(data)
+    if actual != digest:
+        raise DigestMismatch(digest, actual, tier=source)
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """``name@sha256:<hex>``. Only the digest identifies the image; the name is for people."""
+
+    name: str
+    digest: str
+
+    @classmethod
+    def parse(cls, ref: str) -> ImageRef:
+        m = _REF_RE.fullmatch(ref) if isinstance(ref, str) else None
+        if m is None:
+            raise InvalidImageRef(
+                f"bad image reference {ref!r}: expected 'name@sha256:<64 hex>' or 'sha256:<64 hex>' "
+                "(build one with envpool.images.build_bundle)"
+            )
+        return cls(name=m["name"] or "", digest=m["digest"])
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.digest}" if self.name else self.digest
+
+
+@dataclass(frozen=True)
+class Bundle:
+    digest: str
+    data: bytes
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+    def ref(self, name: str) -> ImageRef:
+        return ImageRef(name=name, digest=self.digest)
+
+
+def build_bundle(src: str | os.PathLike[str], *, compresslevel: int = 6) -> Bundle:
+    """Pack the directory ``src`` into a bundle. Symlinks are kept if they stay inside ``src``."""
+    root = Path(src)
+    if not root.is_dir():
+        raise UnsafeBundle(f"cannot bundle {root}: not a directory")
+    buf = io.BytesIO()
+    # filename="" and mtime=0 keep the gzip header free of anything machine- or time-specific
+    with (
+        gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=compresslevel) as gz,
+        tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar,
+    ):
+        for rel in _walk_sorted(root):
+            _add(tar, root, rel)
+    data = buf.getvalue()
+    return Bundle(digest=digest_of(data), data=data)
+
+
+def _walk_sorted(root: Path) -> list[str]:
+    out: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()  # os.walk descends in this order
+        base = os.path.relpath(dirpath, root)
+        for name in dirnames + filenames:
+            out.append(name if base == "." else posixpath.join(Path(base).as_posix(), name))
+    return sorted(out)
+
+
+def _add(tar: tarfile.TarFile, root: Path, rel: str) -> None:
+    path = root / rel
+    st = path.lstat()
+    info = tarfile.TarInfo(rel)
+    info.mtime = 0
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    if stat.S_ISDIR(st.st_mode):
+        info.type, info.mode = tarfile.DIRTYPE, 0o755
+        tar.addfile(info)
+    elif stat.S_ISREG(st.st_mode):
+        info.mode = 0o755 if st.st_mode & 0o111 else 0o644
+        info.size = st.st_size
+        with path.open("rb") as f:
+            tar.addfile(info, f)
+    elif stat.S_ISLNK(st.st_mode):
+        info.type, info.mode = tarfile.SYMTYPE, 0o777
+        info.linkname = os.readlink(path)
+        _check_link(rel, info.linkname, symlink=True)
+        tar.addfile(info)
+    else:
+        raise UnsafeBundle(f"cannot bundle {path}: not a file, directory or symlink")
+
+
+def _check_name(name: str) -> None:
+    if not name or name.startswith("/") or "\\" in name or (len(name) > 1 and name[1] == ":"):
+        raise UnsafeBundle(f"bundle member {name!r} has an absolute or non-POSIX path")
+    if ".." in name.split("/"):
+        raise UnsafeBundle(f"bundle member {name!r} contains '..'")
+
+
+def _check_link(name: str, target: str, *, symlink: bool) -> None:
+    if not target or target.startswith("/"):
+        raise UnsafeBundle(f"bundle member {name!r} links to the absolute path {target!r}")
+    # a symlink resolves against its own directory, a hard link against the archive root
+    joined = posixpath.join(posixpath.dirname(name), target) if symlink else target
+    norm = posixpath.normpath(joined)
+    if norm == ".." or norm.startswith("../"):
+        raise UnsafeBundle(f"bundle member {name!r} links outside the bundle ({target!r})")
+
+
+def unpack(data: bytes, dest: str | os.PathLike[str], *, max_bytes: int | None = None) -> None:
+    """Unpack a bundle into the (new or empty) directory ``dest``; ``UnsafeBundle`` on any
+    member that could write outside it, and before anything is written."""
+    try:
+        tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:gz")
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise UnsafeBundle(f"not a tar.gz bundle: {e}") from None
+    with tar:
+        try:
+            members = tar.getmembers()
+        except (tarfile.TarError, OSError, EOFError) as e:
+            raise UnsafeBundle(f"truncated or corrupt bundle: {e}") from None
+        total = 0
+        for m in members:
+            _check_name(m.name)
+            if m.issym() or m.islnk():
+                _check_link(m.name, m.linkname, symlink=m.issym())
+            elif not (m.isreg() or m.isdir()):
+                raise UnsafeBundle(f"bundle member {m.name!r} is a device, fifo or other special file")
+            total += m.size
+        if max_bytes is not None and total > max_bytes:
+            raise UnsafeBundle(f"bundle unpacks to {total} bytes, over the {max_bytes}-byte limit")
+        if not hasattr(tarfile, "data_filter"):  # pragma: no cover - Python 3.11.0-3.11.3
+            raise UnsafeBundle("unpacking bundles safely needs Python >= 3.11.4 (tarfile filters)")
+        Path(dest).mkdir(parents=True, exist_ok=True)
+        try:
+            # the "data" filter re-checks against real paths (a member written through an
+            # earlier symlink) and drops setuid bits and ownership
+            tar.extractall(dest, members=members, filter="data")
+        except tarfile.FilterError as e:
+            raise UnsafeBundle(f"refused bundle member: {e}") from None

@@ -1,0 +1,343 @@
+"""``TieredCache``: image bundles from the nearest tier that has them, unpacked once per node.
+
+    async with TieredCache.from_config(config) as cache:
+        cache.prefetch(["envs/frozenlake@sha256:..."])   # before the step starts
+        root = await cache.get("envs/frozenlake@sha256:...")   # the unpacked directory
+
+A ``get`` walks the tiers fastest first. Whatever a tier returns is checked against the digest;
+a corrupt blob is counted, dropped from that tier and the walk goes on to the next one. The
+first good copy is written back to the faster writable tiers it missed and unpacked (both at
+once). Concurrent gets of one digest share a single fetch (single-flight), so a thousand resets
+of a cold image cost one download. A walk that ends in a transport fault is retried with
+exponential backoff and full jitter; one that ends in "no tier has it" is not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_random_exponential,
+)
+from tenacity.stop import stop_base
+
+from envpool.images.bundle import ImageRef, unpack, verify
+from envpool.images.errors import DigestMismatch, ImageError, ImageFetchError, ImageNotFound
+from envpool.images.tiers import Tier, TierConfig, make_tier
+from envpool.images.tiers.disk import STALE_TEMP_S
+
+log = logging.getLogger(__name__)
+
+
+class RetryPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    attempts: int = Field(4, ge=1)
+    """Walks of the tiers per fetch, the first included."""
+    backoff_s: float = Field(0.2, ge=0)
+    """Scale of the exponential backoff; each wait is uniform in [0, backoff_s * 2**n]."""
+    max_backoff_s: float = Field(10.0, ge=0)
+    deadline_s: float | None = Field(600.0, gt=0)
+    """No new attempt starts after this long (None: attempts alone bound it)."""
+
+
+class CacheConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tiers: list[TierConfig] = Field(min_length=1)
+    """Fastest first, e.g. disk, s3, mirror, origin. The last one is the source of truth."""
+    unpack_dir: Path
+    """Unpacked bundles live at ``<unpack_dir>/sha256/<hex>``, one copy per node."""
+    retry: RetryPolicy = Field(default_factory=RetryPolicy)
+    max_concurrent_fetches: int = Field(8, ge=1)
+    """Downloads of distinct images at once (a big prefetch must not starve a reset)."""
+    max_unpacked_bytes: int | None = Field(None, gt=0)
+    """Refuse bundles that unpack to more than this (a decompression bomb)."""
+
+
+def _retryable(e: BaseException) -> bool:
+    return isinstance(e, ImageFetchError) and e.retryable
+
+
+class TieredCache:
+    """Owns its tiers: they start with the cache and close with it."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        unpack_dir: str | os.PathLike[str],
+        retry: RetryPolicy | None = None,
+        max_concurrent_fetches: int = 8,
+        max_unpacked_bytes: int | None = None,
+    ):
+        if not tiers:
+            raise ImageError("a TieredCache needs at least one tier (the origin)")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ImageError(f"tier names must be unique (they key the metrics): {names}")
+        self.tiers = list(tiers)
+        self.unpack_root = Path(unpack_dir) / "sha256"
+        self.retry = retry or RetryPolicy()
+        self.max_unpacked_bytes = max_unpacked_bytes
+        self._fetch_slots = asyncio.Semaphore(max_concurrent_fetches)
+        self._inflight: dict[str, asyncio.Task[Path]] = {}
+        self._outcomes: Counter[str] = Counter()
+        self._started = False
+        self._closed = False
+        self._start_lock = asyncio.Lock()
+
+    @classmethod
+    def from_config(cls, config: CacheConfig | dict[str, Any]) -> TieredCache:
+        cfg = config if isinstance(config, CacheConfig) else CacheConfig.model_validate(config)
+        return cls(
+            [make_tier(t) for t in cfg.tiers],
+            unpack_dir=cfg.unpack_dir,
+            retry=cfg.retry,
+            max_concurrent_fetches=cfg.max_concurrent_fetches,
+            max_unpacked_bytes=cfg.max_unpacked_bytes,
+        )
+
+    async def __aenter__(self) -> TieredCache:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        async with self._start_lock:
+            if self._closed:
+                raise ImageError("the image cache is closed")
+            if not self._started:
+                try:
+                    await asyncio.to_thread(self._prepare_unpack_root)
+                    await asyncio.gather(*(t.start() for t in self.tiers))
+                except BaseException:
+                    # `async with` calls no __aexit__ when __aenter__ fails: release what started
+                    await asyncio.gather(*(t.aclose() for t in self.tiers), return_exceptions=True)
+                    raise
+                self._started = True
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        flights = list(self._inflight.values())
+        for task in flights:
+            task.cancel()
+        # shielded: a cancelled caller must not leave connection pools or threads behind
+        await asyncio.shield(self._close(flights))
+
+    async def _close(self, flights: list[asyncio.Task[Path]]) -> None:
+        await asyncio.gather(*flights, return_exceptions=True)
+        await asyncio.gather(*(t.aclose() for t in self.tiers), return_exceptions=True)
+
+    def path_of(self, image: str) -> Path:
+        """Where the bundle of ``image`` (a reference or a digest) is, or will be, unpacked."""
+        return self.unpack_root / ImageRef.parse(image).digest.removeprefix("sha256:")
+
+    async def get(self, image: str) -> Path:
+        """The unpacked directory of ``image`` (``name@sha256:<hex>`` or ``sha256:<hex>``).
+
+        Raises ``ImageNotFound`` (no tier has it; not retried), ``ImageFetchError`` (tiers kept
+        failing after the retries; an ``InfraError``), ``DigestMismatch`` (every copy was
+        corrupt) or ``UnsafeBundle`` (the bundle tries to write outside its directory)."""
+        digest = ImageRef.parse(image).digest
+        if self._closed:
+            raise ImageError("the image cache is closed")
+        path = self.path_of(digest)
+        if digest not in self._inflight and path.is_dir():
+            self._outcomes["ready"] += 1
+            return path
+        task = self._flight(digest)
+        try:
+            # shielded: one caller giving up must not cancel the fetch the others are waiting on
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if task.cancelled() and self._closed and not (me and me.cancelling()):
+                raise ImageError(f"the image cache was closed while fetching {digest}") from None
+            raise
+
+    def prefetch(self, images: Iterable[str]) -> int:
+        """Start fetching ``images`` in the background; return how many fetches started.
+
+        A later ``get`` joins a fetch still running. Failures are logged and counted, and the
+        next ``get`` tries again. Wait for all with ``asyncio.gather(*map(cache.get, images))``."""
+        if self._closed:
+            raise ImageError("the image cache is closed")
+        started = 0
+        for image in images:
+            digest = ImageRef.parse(image).digest
+            if digest in self._inflight or self.path_of(digest).is_dir():
+                continue
+            self._flight(digest, prefetch=True)
+            started += 1
+        self._outcomes["prefetched"] += started
+        return started
+
+    def metrics(self) -> dict[str, Any]:
+        return {
+            "tiers": {t.name: t.metrics.snapshot() for t in self.tiers},
+            "outcomes": dict(self._outcomes),
+            "inflight": len(self._inflight),
+        }
+
+    # -- single flight
+    def _flight(self, digest: str, *, prefetch: bool = False) -> asyncio.Task[Path]:
+        task = self._inflight.get(digest)
+        if task is not None:
+            self._outcomes["coalesced"] += 1
+            return task
+        task = asyncio.create_task(self._load(digest), name=f"envpool-image-fetch {digest[:19]}")
+        self._inflight[digest] = task
+        task.add_done_callback(partial(self._landed, digest, prefetch))
+        return task
+
+    def _landed(self, digest: str, prefetch: bool, task: asyncio.Task[Path]) -> None:
+        if self._inflight.get(digest) is task:
+            del self._inflight[digest]
+        if task.cancelled():
+            return
+        exc = task.exception()  # retrieved here so a prefetch nobody awaits does not warn
+        if exc is not None and prefetch:
+            log.warning("prefetch of %s failed: %s", digest, exc)
+
+    async def _load(self, digest: str) -> Path:
+        await self.start()
+        path = self.path_of(digest)
+        if await asyncio.to_thread(path.is_dir):  # another process sharing unpack_dir won
+            self._outcomes["ready"] += 1
+            return path
+        try:
+            async with self._fetch_slots:
+                data, found_at = await self._fetch(digest)
+            faster = [t for t in self.tiers[:found_at] if t.writable]
+            # unpack while the copies are written back; _write_back never raises
+            unpacking = asyncio.ensure_future(asyncio.to_thread(self._unpack, digest, data))
+            try:
+                await asyncio.gather(*(self._write_back(t, digest, data) for t in faster))
+            except BaseException:
+                unpacking.cancel()
+                raise
+            path = await unpacking
+        except ImageNotFound:
+            self._outcomes["not_found"] += 1
+            raise
+        except ImageError as e:
+            self._outcomes["failed"] += 1
+            log.warning("fetching image %s failed: %s", digest, e)
+            raise
+        self._outcomes["loaded"] += 1
+        return path
+
+    # -- the walk
+    async def _fetch(self, digest: str) -> tuple[bytes, int]:
+        r = self.retry
+        stop: stop_base = stop_after_attempt(r.attempts)
+        if r.deadline_s is not None:
+            stop = stop | stop_after_delay(r.deadline_s)
+        retrying = AsyncRetrying(
+            stop=stop,
+            wait=wait_random_exponential(multiplier=r.backoff_s, max=r.max_backoff_s),
+            retry=retry_if_exception(_retryable),
+            before_sleep=partial(self._before_retry, digest),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                return await self._walk(digest)
+        raise AssertionError("unreachable: tenacity reraises the last error")
+
+    def _before_retry(self, digest: str, state: RetryCallState) -> None:
+        self._outcomes["retries"] += 1
+        exc = state.outcome.exception() if state.outcome else None
+        log.info("retrying image %s after attempt %d: %s", digest, state.attempt_number, exc)
+
+    async def _walk(self, digest: str) -> tuple[bytes, int]:
+        """One pass over the tiers. Its verdict is the last tier's: a miss there means the
+        image does not exist (final), a fault there means try again later."""
+        last_error: ImageFetchError | None = None
+        for i, tier in enumerate(self.tiers):
+            try:
+                data = await tier.get(digest)
+            except ImageFetchError as e:
+                log.info("tier %s failed for %s: %s", tier.name, digest, e)
+                last_error = e
+                continue
+            if data is None:
+                last_error = None
+                continue
+            try:
+                # hashing releases the GIL; off the loop so an 8 GB check does not stall it
+                await asyncio.to_thread(verify, data, digest, source=tier.name)
+            except DigestMismatch as e:
+                tier.metrics.corrupt += 1
+                self._outcomes["corrupt"] += 1
+                then = "trying the next tier" if i + 1 < len(self.tiers) else "fetching it again"
+                log.warning("%s; dropping it and %s", e, then)
+                await self._drop(tier, digest)
+                last_error = e
+                continue
+            return data, i
+        if last_error is not None:
+            raise last_error
+        raise ImageNotFound(digest, [t.name for t in self.tiers])
+
+    async def _drop(self, tier: Tier, digest: str) -> None:
+        try:
+            await tier.delete(digest)
+        except ImageError as e:
+            log.warning("could not drop corrupt %s from %s: %s", digest, tier.name, e)
+
+    async def _write_back(self, tier: Tier, digest: str, data: bytes) -> None:
+        try:
+            await tier.put(digest, data)
+        except ImageError as e:
+            # the image is in hand; a tier that cannot keep a copy costs a later fetch only
+            log.warning("could not write %s back to %s: %s", digest, tier.name, e)
+
+    def _prepare_unpack_root(self) -> None:
+        self.unpack_root.mkdir(parents=True, exist_ok=True)
+        for entry in self.unpack_root.glob(".tmp-*"):
+            # left by a process that died mid-unpack; young ones may belong to a live neighbour
+            if time.time() - entry.lstat().st_mtime > STALE_TEMP_S:
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def _unpack(self, digest: str, data: bytes) -> Path:
+        final = self.unpack_root / digest.removeprefix("sha256:")
+        if final.is_dir():
+            return final
+        # unpack beside the final place and rename: a directory is there whole or not at all
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{digest[7:19]}-", dir=self.unpack_root))
+        try:
+            unpack(data, tmp, max_bytes=self.max_unpacked_bytes)
+            try:
+                tmp.rename(final)
+            except OSError:
+                if not final.is_dir():
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)  # another process unpacked it first
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final

@@ -1,0 +1,180 @@
+"""The ``Tier`` ABC: one level of the image cache, from node-local disk out to the origin.
+
+A tier maps a digest to the bundle's bytes. ``get`` returns ``None`` for a blob the tier does
+not have (a miss, never retried) and raises ``ImageFetchError`` when the tier itself failed
+(``retryable`` says whether trying again can help). Tiers do not verify digests: the cache
+does, once, for whatever any tier returns. The public methods live here and keep the
+metrics; tiers override the hooks ``_get``, ``_put``, ``_delete``, ``_start`` and ``_close``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+from envpool.images.bundle import parse_digest
+from envpool.images.errors import ImageError, ImageFetchError
+
+
+class TierConfigBase(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = None
+    """Label of the tier in metrics and errors (default: its ``type``)."""
+
+
+class TierMetrics:
+    """Counters of one tier. Latencies keep the most recent ``window`` gets."""
+
+    def __init__(self, window: int = 4096):
+        self.hits = 0
+        self.misses = 0
+        self.errors = 0
+        self.corrupt = 0
+        """Blobs the cache found not to match their digest (and dropped, where it could)."""
+        self.puts = 0
+        self.put_errors = 0
+        self.evictions = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self._latencies: deque[float] = deque(maxlen=window)
+
+    def observe(self, seconds: float) -> None:
+        self._latencies.append(seconds)
+
+    def snapshot(self) -> dict[str, Any]:
+        lat = sorted(self._latencies)
+
+        def pct(p: float) -> float | None:
+            return round(lat[min(len(lat) - 1, int(p * len(lat)))] * 1e3, 3) if lat else None
+
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "errors": self.errors,
+            "corrupt": self.corrupt,
+            "puts": self.puts,
+            "put_errors": self.put_errors,
+            "evictions": self.evictions,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+            "get_latency_ms": {"n": len(lat), "p50": pct(0.50), "p99": pct(0.99), "max": pct(1.0)},
+        }
+
+
+class Tier(ABC):
+    """One cache level. Use as ``async with tier:`` (or let ``TieredCache`` own it);
+    ``start`` and ``aclose`` are idempotent, and ``get``/``put`` start a tier on first use."""
+
+    kind: ClassVar[str]
+    writable: ClassVar[bool] = True
+    """False for registries and origins: the cache never writes back to them."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.metrics = TierMetrics()
+        self._started = False
+        self._closed = False
+        self._start_lock = asyncio.Lock()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+    async def __aenter__(self) -> Tier:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        async with self._start_lock:
+            if self._closed:
+                raise ImageError(f"tier {self.name!r} is closed")
+            if not self._started:
+                await self._start()
+                self._started = True
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._started:
+            # shielded: a cancelled caller must not leave connection pools open
+            await asyncio.shield(self._close())
+
+    async def get(self, digest: str) -> bytes | None:
+        """The blob's bytes, ``None`` if this tier does not have it, ``ImageFetchError`` if
+        the tier failed."""
+        parse_digest(digest)  # a digest is also a file name and a URL path: nothing else gets in
+        await self.start()
+        t0 = time.perf_counter()
+        try:
+            data = await self._get(digest)
+        except ImageFetchError:
+            self.metrics.errors += 1
+            raise
+        except ImageError:
+            raise
+        except Exception as e:
+            # a hook let a third-party error through: surface it as a tier fault, not a crash
+            # of the whole walk, but do not retry what nobody understood
+            self.metrics.errors += 1
+            raise ImageFetchError(
+                f"unexpected {type(e).__name__}: {e}", tier=self.name, retryable=False
+            ) from e
+        finally:
+            self.metrics.observe(time.perf_counter() - t0)
+        if data is None:
+            self.metrics.misses += 1
+        else:
+            self.metrics.hits += 1
+            self.metrics.bytes_read += len(data)
+        return data
+
+    async def put(self, digest: str, data: bytes) -> None:
+        """Store a verified blob; a no-op on read-only tiers. Raises ``ImageFetchError``."""
+        parse_digest(digest)
+        if not self.writable:
+            return
+        await self.start()
+        try:
+            await self._put(digest, data)
+        except ImageError:
+            self.metrics.put_errors += 1
+            raise
+        except Exception as e:
+            self.metrics.put_errors += 1
+            raise ImageFetchError(f"write failed: {type(e).__name__}: {e}", tier=self.name) from e
+        self.metrics.puts += 1
+        self.metrics.bytes_written += len(data)
+
+    async def delete(self, digest: str) -> None:
+        """Drop a blob (the cache calls this on a corrupt one); a no-op on read-only tiers."""
+        parse_digest(digest)
+        if self.writable:
+            await self.start()
+            await self._delete(digest)
+
+    # -- hooks
+    async def _start(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    async def _close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    @abstractmethod
+    async def _get(self, digest: str) -> bytes | None: ...
+
+    async def _put(self, digest: str, data: bytes) -> None:  # noqa: B027 - read-only tiers
+        pass
+
+    async def _delete(self, digest: str) -> None:  # noqa: B027 - read-only tiers
+        pass

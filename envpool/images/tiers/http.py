@@ -1,0 +1,93 @@
+"""Tiers reached over HTTP: a peer node (L2), a registry mirror (L3), the origin (L4).
+
+All three answer ``GET {url}/blobs/sha256:<hex>`` with the blob, or 404. They are read-only
+to the cache. httpx's transport errors (refused, reset, timeout, a body cut short) and 5xx/429
+answers are retryable; any other status is a configuration problem and is not.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import httpx
+from pydantic import Field
+
+from envpool.images.errors import ImageFetchError
+from envpool.images.tiers.base import Tier, TierConfigBase
+
+
+class HttpTierConfig(TierConfigBase):
+    url: str
+    """Base URL; blobs are fetched from ``{url}/blobs/sha256:<hex>``."""
+    timeout_s: float = Field(120.0, gt=0)
+    """Read timeout: the longest silence tolerated mid-download."""
+    connect_timeout_s: float = Field(5.0, gt=0)
+    headers: dict[str, str] = Field(default_factory=dict)
+    """Sent with every request (e.g. ``Authorization`` for a private registry)."""
+    max_connections: int = Field(64, ge=1)
+
+
+class PeerTierConfig(HttpTierConfig):
+    """Another node of the cluster serving its L1 blobs."""
+
+    type: Literal["peer"] = "peer"
+
+
+class MirrorTierConfig(HttpTierConfig):
+    """A registry mirror near the cluster."""
+
+    type: Literal["mirror"] = "mirror"
+
+
+class OriginTierConfig(HttpTierConfig):
+    """Where images are published: the source of truth."""
+
+    type: Literal["origin"] = "origin"
+
+
+class HttpTier(Tier):
+    kind = "http"
+    writable = False
+
+    def __init__(self, config: PeerTierConfig | MirrorTierConfig | OriginTierConfig):
+        super().__init__(config.name or config.type)
+        self.config = config
+        self._client: httpx.AsyncClient | None = None
+
+    async def _start(self) -> None:
+        c = self.config
+        self._client = httpx.AsyncClient(
+            base_url=c.url.rstrip("/"),
+            headers=c.headers,
+            timeout=httpx.Timeout(c.timeout_s, connect=c.connect_timeout_s),
+            limits=httpx.Limits(max_connections=c.max_connections),
+        )
+
+    async def _close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def _get(self, digest: str) -> bytes | None:
+        assert self._client is not None
+        try:
+            resp = await self._client.get(f"/blobs/{digest}")
+        except httpx.TransportError as e:
+            raise ImageFetchError(f"{type(e).__name__} fetching {digest}: {e}", tier=self.name) from e
+        if resp.status_code == 404:
+            return None
+        if resp.status_code == 200:
+            return resp.content
+        raise _status_error(resp, self.name)
+
+
+def _status_error(resp: httpx.Response, tier: str) -> ImageFetchError:
+    status = resp.status_code
+    where: Any = resp.request.url
+    if status in (401, 403):
+        return ImageFetchError(
+            f"HTTP {status} from {where}: check the credentials in the tier's headers",
+            tier=tier,
+            retryable=False,
+        )
+    retryable = status >= 500 or status in (408, 429)
+    return ImageFetchError(f"HTTP {status} from {where}", tier=tier, retryable=retryable)

@@ -1,0 +1,141 @@
+"""L2: a cluster-wide cache in an S3 bucket (or anything speaking S3: MinIO, moto).
+
+boto3 is imported here only, when the tier starts. Its calls block, so they run in threads;
+one client is shared (boto3 clients are thread-safe, sessions are not). botocore's own retries
+are off: the cache retries with backoff and jitter, and two layers would multiply the waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Literal
+
+from pydantic import Field
+
+from envpool.images.errors import ImageFetchError
+from envpool.images.tiers.base import Tier, TierConfigBase
+
+_MISSING = frozenset({"NoSuchKey", "404", "NotFound"})
+_THROTTLED = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "503"})
+
+
+class S3TierConfig(TierConfigBase):
+    type: Literal["s3"] = "s3"
+    bucket: str
+    prefix: str = "envpool/images/"
+    """Blobs are stored at ``<prefix>sha256/<hex>``."""
+    endpoint_url: str | None = None
+    """For MinIO, moto or a VPC endpoint; None means AWS."""
+    region: str = "us-east-1"
+    max_pool_connections: int = Field(32, ge=1)
+    connect_timeout_s: float = Field(5.0, gt=0)
+    read_timeout_s: float = Field(60.0, gt=0)
+
+
+class S3Tier(Tier):
+    kind = "s3"
+
+    def __init__(self, config: S3TierConfig):
+        super().__init__(config.name or config.type)
+        self.config = config
+        self._client: Any = None
+
+    def key_of(self, digest: str) -> str:
+        return f"{self.config.prefix}sha256/{digest.removeprefix('sha256:')}"
+
+    async def _start(self) -> None:
+        self._client = await asyncio.to_thread(self._make_client)
+
+    def _make_client(self) -> Any:
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:  # pragma: no cover - depends on the install
+            raise ImageFetchError(
+                "the s3 tier needs boto3: pip install 'rl-fabric[aws]'", tier=self.name, retryable=False
+            ) from None
+        c = self.config
+        return boto3.session.Session().client(
+            "s3",
+            region_name=c.region,
+            endpoint_url=c.endpoint_url,
+            config=Config(
+                retries={"total_max_attempts": 1},
+                max_pool_connections=c.max_pool_connections,
+                connect_timeout=c.connect_timeout_s,
+                read_timeout=c.read_timeout_s,
+            ),
+        )
+
+    async def _close(self) -> None:
+        if self._client is not None:
+            await asyncio.to_thread(self._client.close)
+
+    async def _get(self, digest: str) -> bytes | None:
+        return await asyncio.to_thread(self._get_sync, digest)
+
+    def _get_sync(self, digest: str) -> bytes | None:
+        try:
+            resp = self._client.get_object(Bucket=self.config.bucket, Key=self.key_of(digest))
+            data: bytes = resp["Body"].read()
+        except Exception as e:
+            if _error_code(e) in _MISSING:
+                return None
+            raise self._translate(e) from e
+        return data
+
+    async def _put(self, digest: str, data: bytes) -> None:
+        try:
+            await asyncio.to_thread(
+                self._client.put_object, Bucket=self.config.bucket, Key=self.key_of(digest), Body=data
+            )
+        except Exception as e:
+            raise self._translate(e) from e
+
+    async def _delete(self, digest: str) -> None:
+        try:
+            await asyncio.to_thread(
+                self._client.delete_object, Bucket=self.config.bucket, Key=self.key_of(digest)
+            )
+        except Exception as e:
+            raise self._translate(e) from e
+
+    def _translate(self, e: Exception) -> ImageFetchError:
+        """The one place botocore's errors become ours."""
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+        bucket = self.config.bucket
+        if isinstance(e, NoCredentialsError):
+            return ImageFetchError(
+                "no AWS credentials: set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY",
+                tier=self.name,
+                retryable=False,
+            )
+        if isinstance(e, ClientError):
+            code = _error_code(e)
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if code == "NoSuchBucket":
+                return ImageFetchError(
+                    f"bucket {bucket!r} does not exist: create it or fix S3TierConfig.bucket",
+                    tier=self.name,
+                    retryable=False,
+                )
+            if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+                return ImageFetchError(
+                    f"access to s3://{bucket}/{self.config.prefix} denied ({code}): check the "
+                    "credentials and the bucket policy",
+                    tier=self.name,
+                    retryable=False,
+                )
+            retryable = code in _THROTTLED or status >= 500 or status == 429
+            return ImageFetchError(f"S3 {code} (HTTP {status})", tier=self.name, retryable=retryable)
+        if isinstance(e, BotoCoreError):  # connection refused, timeouts, truncated bodies
+            return ImageFetchError(f"S3 transport error: {e}", tier=self.name)
+        return ImageFetchError(f"unexpected {type(e).__name__}: {e}", tier=self.name, retryable=False)
+
+
+def _error_code(e: Exception) -> str:
+    response = getattr(e, "response", None)
+    if not isinstance(response, dict):
+        return ""
+    return str(response.get("Error", {}).get("Code", ""))

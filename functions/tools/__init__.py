@@ -1,0 +1,1 @@
+"""Built-in stateless tools (the policy calls them by name through the fabric)."""

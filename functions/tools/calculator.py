@@ -1,0 +1,138 @@
+"""``calculator``: safe arithmetic for tool-using policies.
+
+The expression is parsed with ``ast`` and only numbers, ``+ - * / // % **``, unary signs
+and parentheses are evaluated: no names, calls, attributes or subscripts, so nothing the
+policy writes can reach Python. Sizes are bounded before the work is done (``9**9**9`` is
+refused at once instead of computing a number with 370 million digits).
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import fabric
+
+#: Longest expression accepted, in characters.
+MAX_EXPRESSION_CHARS = 500
+#: Largest integer (in bits, about 3,000 decimal digits) an intermediate result may have.
+MAX_INT_BITS = 10_000
+
+_BINOPS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+_HINTS: dict[type[ast.AST], str] = {
+    ast.BitXor: "'^' is not a power; use '**'",
+    ast.Name: "names are not allowed",
+    ast.Call: "function calls are not allowed",
+    ast.Attribute: "attributes are not allowed",
+}
+
+#: The OpenAI-style tool schema a policy is shown (envpool's math environment offers it).
+OPENAI_SCHEMA: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": (
+            "Evaluate an arithmetic expression: numbers, + - * / // % **, parentheses. "
+            "Returns the result as text."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "for example: (17 + 25) * 3 / 4"}},
+            "required": ["expression"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def _check_size(value: Any) -> Any:
+    if isinstance(value, complex):  # (-8) ** 0.5
+        raise ValueError("the result is not a real number")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("the result is too large")
+    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
+        raise ValueError(f"the result is too large (over {MAX_INT_BITS:,} bits)")
+    return value
+
+
+def _power(base: Any, exp: Any) -> Any:
+    # bound the result before computing it: log2|base| * exp is its size in bits
+    if isinstance(base, int) and isinstance(exp, int) and exp > 0 and abs(base) > 1:
+        if math.log2(abs(base)) * exp > MAX_INT_BITS:
+            raise ValueError(f"{base} ** {exp} is too large (over {MAX_INT_BITS:,} bits)")
+    return base**exp
+
+
+def _eval(node: ast.AST) -> Any:
+    if isinstance(node, ast.Expression):
+        return _eval(node.body)
+    if isinstance(node, ast.Constant):
+        if isinstance(node.value, bool) or not isinstance(node.value, int | float):
+            raise ValueError(f"only numbers are allowed, got {node.value!r}")
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_eval(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+        left, right = _eval(node.left), _eval(node.right)
+        op = _power if isinstance(node.op, ast.Pow) else _BINOPS[type(node.op)]
+        return _check_size(op(left, right))
+    what = getattr(node, "op", node)
+    hint = _HINTS.get(type(what), f"{type(what).__name__} is not allowed")
+    raise ValueError(f"unsupported expression: {hint} (only numbers, + - * / // % ** and parentheses)")
+
+
+def _format(value: int | float) -> str:
+    if isinstance(value, float):
+        if value.is_integer() and abs(value) < 1e15:
+            return str(int(value))
+        return f"{value:.12g}"  # 0.1 + 0.2 reads 0.3, not 0.30000000000000004
+    return str(value)
+
+
+def evaluate(expression: str) -> int | float:
+    """The value of an arithmetic expression; ``ValueError`` saying what is wrong."""
+    text = expression.strip()
+    if not text:
+        raise ValueError("empty expression")
+    if len(text) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression is {len(text)} characters, over the {MAX_EXPRESSION_CHARS} limit")
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"not an arithmetic expression: {e.msg}") from None
+    except (RecursionError, MemoryError):
+        raise ValueError("expression is nested too deeply") from None
+    try:
+        return _eval(tree)
+    except ZeroDivisionError:
+        raise ValueError("division by zero") from None
+    except OverflowError:
+        raise ValueError("the result is too large") from None
+    except RecursionError:
+        raise ValueError("expression is nested too deeply") from None
+
+
+@fabric.tool(
+    warm=1,
+    timeout_s=5,
+    examples=(
+        {"expression": "2 + 3 * 4"},
+        {"expression": "(17 + 25) ** 2 / 7 - -1"},
+        {"expression": "7 // 2 % 3"},
+    ),
+)
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression (numbers, + - * / // % **, parentheses)."""
+    return _format(evaluate(expression))

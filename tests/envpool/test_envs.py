@@ -1,0 +1,593 @@
+"""The built-in environments, the calculator tool and the ``check_env`` conformance checker."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from itertools import count
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+import envpool
+import envpool.envs  # registers the built-ins
+from envpool.api import EnvRegistry, Observation, StepResult, as_observation
+from envpool.envs.code_repair import TASKS, parse_blocks
+from envpool.envs.frozenlake import FrozenLakeEnv
+from envpool.errors import EnvOrderError
+from envpool.testing import EnvConformanceError, check_env
+from fabric.registry import Registry
+from functions.tools.calculator import MAX_INT_BITS, OPENAI_SCHEMA, calculator
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def edit_action(file: str, search: str, replace: str) -> str:
+    return f"edit {file}\n<<<<<<< SEARCH\n{search}\n=======\n{replace}\n>>>>>>> REPLACE"
+
+
+# ----------------------------------------------------------------------------- calculator
+
+
+@pytest.mark.parametrize(
+    ("expression", "expected"),
+    [
+        ("2 + 3 * 4", "14"),
+        ("(1 + 2) ** 3", "27"),
+        ("7 // 2", "3"),
+        ("-7 // 2", "-4"),
+        ("7 % 4", "3"),
+        ("-3 ** 2", "-9"),
+        ("+5 - -5", "10"),
+        ("10 / 4", "2.5"),
+        ("6 / 3", "2"),
+        ("0.1 + 0.2", "0.3"),
+        ("2 ** -1", "0.5"),
+        ("  1_000 * 3\n", "3000"),
+        ("2 ** 100", str(2**100)),
+        ("1.5e3 / 2", "750"),
+    ],
+)
+def test_calculator_evaluates(expression, expected):
+    assert calculator(expression) == expected
+
+
+@pytest.mark.parametrize(
+    ("expression", "message"),
+    [
+        ("1 / 0", "division by zero"),
+        ("5 % 0", "division by zero"),
+        ("7 // 0.0", "division by zero"),
+        ("x + 1", "names are not allowed"),
+        ("abs(-1)", "function calls are not allowed"),
+        ("__import__('os').system('true')", "function calls are not allowed"),
+        ("(1).real", "attributes are not allowed"),
+        ("2 ^ 3", "use '**'"),
+        ("[1, 2]", "List is not allowed"),
+        ("1 < 2", "Compare is not allowed"),
+        ("'a' * 3", "only numbers"),
+        ("True + 1", "only numbers"),
+        ("2j", "only numbers"),
+        ("", "empty expression"),
+        ("1 +", "not an arithmetic expression"),
+        ("(-8) ** 0.5", "not a real number"),
+        ("1e308 * 10", "too large"),
+        ("1" * 501, "over the 500 limit"),
+    ],
+)
+def test_calculator_refuses(expression, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        calculator(expression)
+
+
+@pytest.mark.parametrize("expression", ["9**9**9", "2 ** 10 ** 100", "10 ** 3000 * 10 ** 3000", "7 ** 5000"])
+def test_calculator_refuses_huge_numbers_fast(expression):
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="too large"):
+        calculator(expression)
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_calculator_allows_numbers_up_to_the_bound():
+    assert calculator(f"2 ** {MAX_INT_BITS - 1}") == str(2 ** (MAX_INT_BITS - 1))
+
+
+def test_calculator_schema_matches_its_signature():
+    reg = Registry()
+    reg.discover("functions.tools")
+    spec = reg.get("calculator")
+    assert spec.kind == "tool"
+    params = OPENAI_SCHEMA["function"]["parameters"]
+    assert OPENAI_SCHEMA["function"]["name"] == spec.name
+    assert params["required"] == [p.name for p in spec.params if p.required]
+    assert set(params["properties"]) == {p.name for p in spec.params}
+
+
+# ----------------------------------------------------------------------------- frozenlake
+
+SEED0_MAP = ["SFFF", "FFFF", "FFHF", "FFFG"]
+
+
+def test_frozenlake_seeded_map_is_reproducible():
+    env = envpool.make("frozenlake-v1")
+    obs, info = env.reset(seed=0)
+    assert info["map"] == SEED0_MAP  # pinned: a change of generation needs frozenlake-v2
+    assert env.reset(seed=0) == (obs, info)
+    assert envpool.make("frozenlake-v1").reset(seed=1)[1]["map"] != SEED0_MAP
+    assert obs.text.splitlines()[1:5] == ["@ F F F", "F F F F", "F F H F", "F F F G"]
+
+
+def test_frozenlake_reset_without_seed_continues_the_seeded_stream():
+    a, b = envpool.make("frozenlake-v1"), envpool.make("frozenlake-v1")
+    a.reset(seed=5)
+    b.reset(seed=5)
+    assert a.reset()[1]["map"] == b.reset()[1]["map"]
+
+
+def test_frozenlake_winning_path():
+    env = envpool.make("frozenlake-v1")
+    env.reset(seed=0)
+    path = ["right", "right", "right", "down", "down", "down"]
+    for move in path[:-1]:
+        res = env.step(move)
+        assert (res.reward, res.terminated) == (0.0, False)
+    res = env.step(path[-1])
+    assert (res.reward, res.terminated, res.truncated) == (1.0, True, False)
+    assert res.info["position"] == [3, 3]
+    assert "reached the goal" in res.obs.text
+    with pytest.raises(EnvOrderError):
+        env.step("left")
+
+
+def test_frozenlake_hole_ends_the_episode_without_reward():
+    env = envpool.make("frozenlake-v1")
+    env.reset(seed=0)
+    results = [env.step(m) for m in ("down", "down", "right", "right")]
+    assert [r.terminated for r in results] == [False, False, False, True]
+    assert results[-1].reward == 0.0
+    assert results[-1].info["position"] == [2, 2]
+    assert "fell into a hole" in results[-1].obs.text
+
+
+def test_frozenlake_invalid_move_and_edges():
+    env = envpool.make("frozenlake-v1")
+    env.reset(seed=0)
+    res = env.step("jump")
+    assert (res.reward, res.terminated, res.info["valid"]) == (0.0, False, False)
+    assert "Valid actions: left, right, up, down" in res.obs.text
+    assert res.info["position"] == [0, 0]
+    res = env.step("up")  # the edge: stays put, still a valid move
+    assert res.info == {"valid": True, "moved": "up", "slipped": False, "position": [0, 0]}
+    assert "bumped into the edge" in res.obs.text
+    assert env.step("  RIGHT \n").info["position"] == [0, 1]  # case and whitespace ignored
+
+
+def test_frozenlake_episode_is_truncated_at_max_steps():
+    env = envpool.make("frozenlake-v1")
+    env.reset(seed=0)
+    results = [env.step("up") for _ in range(env.spec.max_episode_steps)]
+    assert not any(r.truncated for r in results[:-1])
+    assert results[-1].truncated and not results[-1].terminated
+
+
+def test_frozenlake_slippery_is_reproducible_from_the_seed():
+    def play() -> list[tuple[str, list[int]]]:
+        env = envpool.make("frozenlake-v1", slippery=True)
+        env.reset(seed=3)
+        out = []
+        for move in ["right", "down"] * 10:
+            res = env.step(move)
+            out.append((res.info["moved"], res.info["position"]))
+            if res.done:
+                break
+        return out
+
+    first = play()
+    assert play() == first
+    assert any(moved not in ("right", "down") for moved, _ in first)  # it did slip
+
+
+def test_frozenlake_size_and_fixed_map():
+    env = envpool.make("frozenlake-v1", size=7)
+    _, info = env.reset(seed=11)
+    assert len(info["map"]) == 7 and all(len(r) == 7 for r in info["map"])
+    assert info["map"][0][0] == "S" and info["map"][-1][-1] == "G"
+    fixed = envpool.make("frozenlake-v1", desc=["SH", "FG"])
+    assert fixed.reset(seed=1)[1]["map"] == ["SH", "FG"]
+    assert fixed.step("right").terminated
+    with pytest.raises(ValueError, match="size"):
+        FrozenLakeEnv(size=1)
+    with pytest.raises(ValueError, match="desc"):
+        FrozenLakeEnv(desc=["SX", "FG"])
+
+
+# ----------------------------------------------------------------------------- math tools
+
+
+def test_math_seeded_problem_and_correct_answer():
+    env = envpool.make("math-tools-v1")
+    obs, info = env.reset(seed=0)
+    assert "boxes of 19" in obs.text and "579 cookies" in obs.text  # 579 // 19 == 30
+    assert obs.tools == [OPENAI_SCHEMA] and info == {"tools": ["calculator"]}
+    assert env.reset(seed=0)[0] == obs
+    res = env.step("579 // 19 is 30, so\nAnswer: 30")
+    assert (res.reward, res.terminated) == (1.0, True)
+    assert res.info["correct"] is True
+
+
+def test_math_tool_call_through_the_inprocess_caller():
+    env = envpool.make("math-tools-v1")
+    env.reset(seed=0)
+    res = env.step('{"tool": "calculator", "arguments": {"expression": "579 // 19"}}')
+    assert (res.obs.text, res.reward, res.terminated) == ("30", 0.0, False)
+    assert res.obs.tools == [OPENAI_SCHEMA]
+    # OpenAI's shape: "name", and arguments as a JSON string; a fenced block is fine too
+    res = env.step('```json\n{"name": "calculator", "arguments": "{\\"expression\\": \\"2 ** 10\\"}"}\n```')
+    assert res.obs.text == "1024"
+    assert res.info == {"tool": "calculator", "tool_calls": 2}
+    res = env.step('{"tool": "calculator", "arguments": {"expression": "1 / 0"}}')
+    assert res.obs.text == "error: ValueError: division by zero" and not res.terminated
+
+
+def test_math_tool_calls_go_through_the_bridge():
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    def bridge(name: str, arguments: dict[str, Any]) -> str:
+        calls.append((name, arguments))
+        return "99"
+
+    env = envpool.make("math-tools-v1", tool_caller=bridge)
+    env.reset(seed=0)
+    assert env.step('{"tool": "calculator", "arguments": {"expression": "1 + 1"}}').obs.text == "99"
+    assert calls == [("calculator", {"expression": "1 + 1"})]
+
+
+@pytest.mark.parametrize(
+    ("action", "reward"),
+    [("\\boxed{42}", 1.0), ("The answer is 42.", 1.0), ("Answer: 42.0", 1.0), ("Answer: 41", 0.0)],
+)
+def test_math_final_answer(action, reward):
+    env = envpool.make("math-tools-v1")
+    env.reset(options={"question": "What is 6 * 7?", "answer": "42"})
+    res = env.step(action)
+    assert (res.reward, res.terminated) == (reward, True)
+
+
+@pytest.mark.parametrize(
+    ("action", "says"),
+    [
+        ("let me think", "No tool call or final answer"),
+        ('{"tool": "calculator", "arguments": ', "Bad tool call: invalid JSON"),
+        ('{"tool": "python", "arguments": {"code": "1"}}', "unknown tool 'python'"),
+        ('{"tool": "calculator", "arguments": {"expr": "1"}}', 'takes {"expression"'),
+        ("[1, 2]", "No tool call or final answer"),
+    ],
+)
+def test_math_other_actions_get_a_reminder(action, says):
+    env = envpool.make("math-tools-v1")
+    env.reset(seed=1)
+    res = env.step(action)
+    assert says in res.obs.text
+    assert (res.reward, res.terminated) == (0.0, False)
+
+
+def test_math_problems_have_positive_integer_answers():
+    env = envpool.make("math-tools-v1")
+    answers = set()
+    for seed in range(100):
+        env.reset(seed=seed)
+        answers.add(env.env.answer)
+        assert env.env.answer.isdigit() and int(env.env.answer) > 0
+    assert len(answers) > 50
+
+
+# ----------------------------------------------------------------------------- code repair
+
+
+@pytest.fixture
+def repair():
+    env = envpool.make("code-repair-v1")
+    yield env
+    env.close()
+
+
+def test_code_repair_view(repair):
+    obs, info = repair.reset(options={"task": "mathutils"})
+    assert info == {"task": "mathutils", "files": ["README.md", "mathutils.py", "test_mathutils.py"]}
+    assert "view <file>" in obs.text and "mathutils.py" in obs.text
+    res = repair.step("view mathutils.py")
+    assert "   6 |     return a - b" in res.obs.text
+    assert (res.reward, res.terminated) == (0.0, False)
+    assert "No such file 'nope.py'" in repair.step("view nope.py").obs.text
+
+
+@pytest.mark.parametrize("task", TASKS, ids=lambda t: t.name)
+def test_code_repair_fix_run_tests_and_submit(repair, task):
+    repair.reset(options={"task": task.name})
+    res = repair.step("run_tests")
+    assert res.info["failed"] > 0 and not res.info["all_passed"]
+    for file, search, replace in task.fix:
+        assert "block(s) applied" in repair.step(edit_action(file, search, replace)).obs.text
+    res = repair.step("run_tests")
+    assert res.info == {"passed": task.n_tests, "failed": 0, "all_passed": True}
+    assert res.obs.text.startswith(f"Tests: {task.n_tests} passed, 0 failed.")
+    res = repair.step("submit")
+    assert (res.reward, res.terminated) == (1.0, True)
+
+
+def test_code_repair_submit_unfixed_scores_zero(repair):
+    repair.reset(options={"task": "stats"})
+    res = repair.step("submit")
+    assert (res.reward, res.terminated) == (0.0, True)
+    assert res.info == {"passed": 2, "failed": 2, "all_passed": False}
+
+
+@pytest.mark.parametrize(
+    "action",
+    [
+        "view ../outside.txt",
+        "view /etc/passwd",
+        "view sub/../../outside.txt",
+        edit_action("../outside.txt", "secret", "changed"),
+        edit_action("/tmp/outside.txt", "secret", "changed"),
+    ],
+)
+def test_code_repair_refuses_paths_outside_the_work_dir(repair, action):
+    repair.reset(options={"task": "mathutils"})
+    outside = repair.env.workdir.parent / "outside.txt"
+    res = repair.step(action)
+    assert res.obs.text.startswith("Refused")
+    assert not outside.exists() or "changed" not in outside.read_text()
+
+
+def test_code_repair_refuses_a_symlink_out(repair, tmp_path):
+    repair.reset(options={"task": "mathutils"})
+    secret = tmp_path / "secret.txt"
+    secret.write_text("secret\n")
+    (repair.env.workdir / "link.txt").symlink_to(secret)
+    assert "points outside" in repair.step("view link.txt").obs.text
+    assert "points outside" in repair.step(edit_action("link.txt", "secret", "x")).obs.text
+    assert secret.read_text() == "secret\n"
+
+
+def test_code_repair_tests_are_read_only(repair):
+    repair.reset(options={"task": "mathutils"})
+    res = repair.step(edit_action("test_mathutils.py", "assert got == 5", "assert True"))
+    assert "read-only" in res.obs.text
+    # code that rewrites the tests on disk does not help either: they are restored per run
+    (repair.env.workdir / "test_mathutils.py").write_text("def test_add():\n    pass\n")
+    res = repair.step("run_tests")
+    assert res.info["failed"] == 2
+
+
+@pytest.mark.parametrize(
+    ("blocks", "says"),
+    [
+        ("<<<<<<< SEARCH\nreturn a * b\n=======\nx\n>>>>>>> REPLACE", "was not found"),
+        ("<<<<<<< SEARCH\n    return\n=======\nx\n>>>>>>> REPLACE", "found 2 times"),
+        ("<<<<<<< SEARCH\nreturn a - b\n=======\nx", "not closed"),
+        ("replace it please", "expected '<<<<<<< SEARCH'"),
+        ("", "no SEARCH/REPLACE block"),
+        ("<<<<<<< SEARCH\n\n=======\nx\n>>>>>>> REPLACE", "SEARCH section is empty"),
+    ],
+)
+def test_code_repair_bad_edits_leave_the_file_alone(repair, blocks, says):
+    repair.reset(options={"task": "mathutils"})
+    before = (repair.env.workdir / "mathutils.py").read_text()
+    res = repair.step(f"edit mathutils.py\n{blocks}")
+    assert says in res.obs.text and "not applied" in res.obs.text
+    assert (repair.env.workdir / "mathutils.py").read_text() == before
+
+
+def test_parse_blocks_several_and_deletion():
+    text = "<<<<<<< SEARCH\na\n=======\nb\n>>>>>>> REPLACE\n\n<<<<<<< SEARCH\nc\nd\n=======\n>>>>>>> REPLACE"
+    assert parse_blocks(text) == [("a", "b"), ("c\nd", "")]
+
+
+def test_code_repair_output_hides_the_work_dir_and_forged_results(repair):
+    repair.reset(options={"task": "mathutils"})
+    workdir = str(repair.env.workdir)
+    res = repair.step(edit_action("mathutils.py", "    return a - b", "    return a -"))
+    res = repair.step("run_tests")
+    assert "ERROR test_mathutils.py: SyntaxError" in res.obs.text
+    assert workdir not in res.obs.text and res.info["passed"] == 0
+    forged = 'print("@@result x 3 0")\n    return a - b'
+    repair.step(edit_action("mathutils.py", "    return a -", "    " + forged))
+    res = repair.step("submit")
+    assert res.reward == 0.0 and res.info["failed"] == 2
+
+
+def test_code_repair_test_timeout():
+    env = envpool.make("code-repair-v1", test_timeout_s=0.5)
+    try:
+        env.reset(options={"task": "mathutils"})
+        env.step(edit_action("mathutils.py", "    return a - b", "    while True:\n        pass"))
+        res = env.step("run_tests")
+        assert "The test run timed out after 0.5 s" in res.obs.text
+        assert res.info == {"passed": 0, "failed": 3, "all_passed": False}
+        assert env.step("submit").reward == 0.0
+    finally:
+        env.close()
+
+
+def test_code_repair_dirs_are_removed(repair):
+    repair.reset(seed=1)
+    first = repair.env.workdir
+    assert first.is_dir()
+    repair.reset(seed=2)
+    second = repair.env.workdir
+    assert not first.exists() and second.is_dir()
+    repair.close()
+    repair.close()
+    assert not second.exists()
+
+
+def test_code_repair_seed_picks_the_task():
+    env = envpool.make("code-repair-v1")
+    try:
+        names = [env.reset(seed=s)[1]["task"] for s in range(12)]
+        assert names == [env.reset(seed=s)[1]["task"] for s in range(12)]
+        assert set(names) == {t.name for t in TASKS}
+        with pytest.raises(ValueError, match="unknown task"):
+            env.reset(options={"task": "nope"})
+    finally:
+        env.close()
+
+
+def test_code_repair_unknown_action(repair):
+    repair.reset(seed=0)
+    res = repair.step("rm -rf /")
+    assert "Unknown action 'rm -rf /'" in res.obs.text and "run_tests" in res.obs.text
+
+
+# ----------------------------------------------------------------------------- check_env
+
+
+def test_builtins_are_registered():
+    builtins = {"frozenlake-v1", "math-tools-v1", "code-repair-v1"}
+    assert builtins <= set(envpool.default_registry.ids())
+
+
+@pytest.mark.parametrize("env_id", envpool.default_registry.ids())
+def test_registered_env_conforms(env_id):
+    check_env(env_id)
+
+
+class NoisyEnv(envpool.Env):
+    """Everything wrong that a well-behaved wrapper cannot fix."""
+
+    example_actions: ClassVar[tuple[str, ...]] = ("go",)
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def reset(self, *, seed=None, options=None):
+        return f"it is {time.perf_counter_ns()}", {"handle": object()}
+
+    def step(self, action: str) -> StepResult:
+        return StepResult(obs=Observation(text="ok"), reward=math.nan)
+
+    def close(self) -> None:
+        if self.closed:
+            raise RuntimeError("already closed")
+        self.closed = True
+
+
+class EndlessEnv(envpool.Env):
+    example_actions: ClassVar[tuple[str, ...]] = ("wait",)
+
+    def reset(self, *, seed=None, options=None):
+        return "waiting", {}
+
+    def step(self, action: str) -> StepResult:
+        return StepResult(obs=Observation(text="still waiting"), info={"score": math.inf})
+
+
+class SilentEnv(EndlessEnv):
+    example_actions: ClassVar[tuple[str, ...]] = ()
+
+
+class BadResetEnv(EndlessEnv):
+    def reset(self, *, seed=None, options=None):
+        return 42, {}
+
+
+_instances = count()
+
+
+class DriftingEnv(EndlessEnv):
+    """Deterministic per instance, but each new instance plays differently."""
+
+    def __init__(self) -> None:
+        self.n = next(_instances)
+
+    def step(self, action: str) -> StepResult:
+        return StepResult(obs=Observation(text=f"instance {self.n}"), terminated=True)
+
+
+class UnguardedEnv:
+    """A registry that forgets the rules of ``make``: check_env must notice."""
+
+    def __init__(self, env: envpool.Env, spec: envpool.EnvSpec):
+        self.env, self.spec = env, spec
+
+    def reset(self, *, seed=None, options=None):
+        obs, info = self.env.reset(seed=seed, options=options)
+        return as_observation(obs), info
+
+    def step(self, action: Any) -> StepResult:
+        text = action.decode("utf-8", "replace") if isinstance(action, bytes) else action
+        return self.env.step(text)
+
+    def close(self) -> None:
+        self.env.close()
+
+
+class LaxRegistry(EnvRegistry):
+    def make(self, id: str, **kwargs: Any) -> Any:
+        guarded = super().make(id, **kwargs)
+        return UnguardedEnv(guarded.env, guarded.spec)
+
+
+def broken_registry(cls: type, registry: EnvRegistry | None = None, **options: Any) -> EnvRegistry:
+    reg = registry or EnvRegistry()
+    reg.register("broken-v0", entry_point=f"{__name__}:{cls.__name__}", **options)
+    return reg
+
+
+def problems_of(reg: EnvRegistry) -> str:
+    with pytest.raises(EnvConformanceError) as e:
+        check_env("broken-v0", reg)
+    return str(e.value)
+
+
+def test_check_env_reports_every_problem():
+    report = problems_of(broken_registry(NoisyEnv, max_episode_steps=5))
+    assert "reset() info is not JSON-serialisable" in report
+    assert "twice gave different observations" in report
+    assert "step('go') raised ValueError" in report and "non-finite" in report
+    assert "close() call 2 raised RuntimeError" in report
+
+
+def test_check_env_reports_an_endless_episode_and_non_json_numbers():
+    report = problems_of(broken_registry(EndlessEnv))
+    assert "did not end within 1000 steps (the spec sets no max_episode_steps)" in report
+    assert "contains NaN or Infinity" in report
+
+
+def test_check_env_reports_missing_examples_and_bad_resets():
+    assert "example_actions must be a non-empty" in problems_of(broken_registry(SilentEnv))
+    assert "reset(seed=1234) raised TypeError" in problems_of(broken_registry(BadResetEnv))
+
+
+def test_check_env_reports_a_replay_that_differs():
+    report = problems_of(broken_registry(DriftingEnv))
+    assert "a fresh instance replaying seed 1234" in report and "differs at step 1" in report
+    check_env("broken-v0", broken_registry(DriftingEnv, deterministic=False))  # honest flag: fine
+
+
+def test_check_env_reports_a_registry_that_skips_the_rules():
+    report = problems_of(broken_registry(DriftingEnv, LaxRegistry(), deterministic=False))
+    assert "step() before reset() did not raise EnvOrderError" in report
+    assert "a non-UTF-8 action was accepted" in report
+    assert "an oversized action was accepted" in report
+    assert "step() after the episode ended did not raise EnvOrderError" in report
+
+
+def test_documented_example_runs(tmp_path):
+    doc = (REPO / "docs" / "envpool-new-env.md").read_text()
+    code = re.search(r"```python\n(# guess_env\.py\n.*?)```", doc, re.DOTALL)
+    assert code is not None
+    (tmp_path / "guess_env.py").write_text(code.group(1))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "guess_env.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    expected = re.search(r"prints:\n\n```text\n(.*?)```", doc, re.DOTALL)
+    assert expected is not None and out.stdout == expected.group(1)

@@ -1,0 +1,529 @@
+"""The tiered image cache: bundles, tiers, single-flight, retries, corruption, metrics.
+
+Everything is real: HTTP on 127.0.0.1 (FakeOrigin), S3 through moto, files in tmp_path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import shutil
+import tarfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from envpool.errors import InfraError
+from envpool.images import (
+    Bundle,
+    CacheConfig,
+    DigestMismatch,
+    DiskTier,
+    DiskTierConfig,
+    HttpTier,
+    ImageError,
+    ImageFetchError,
+    ImageNotFound,
+    ImageRef,
+    InvalidImageRef,
+    OriginTierConfig,
+    PeerTierConfig,
+    RetryPolicy,
+    S3Tier,
+    S3TierConfig,
+    TieredCache,
+    UnsafeBundle,
+    build_bundle,
+    digest_of,
+    unpack,
+    verify,
+)
+from envpool.images.fake_origin import FakeOrigin, Faults
+
+FAST_RETRY = RetryPolicy(attempts=4, backoff_s=0.001, max_backoff_s=0.01)
+
+
+def make_tree(root: Path, *, payload: bytes = b"x" * 1000) -> Path:
+    (root / "pkg" / "data").mkdir(parents=True)
+    (root / "pkg" / "__init__.py").write_text("VALUE = 42\n")
+    (root / "pkg" / "data" / "blob.bin").write_bytes(payload)
+    (root / "run.sh").write_text("#!/bin/sh\necho hi\n")
+    (root / "run.sh").chmod(0o755)
+    (root / "empty").mkdir()
+    os.symlink("pkg/__init__.py", root / "link.py")
+    return root
+
+
+@pytest.fixture
+def bundle(tmp_path: Path) -> Bundle:
+    return build_bundle(make_tree(tmp_path / "src"))
+
+
+def cache_with(
+    tmp_path: Path, origin_url: str, *, node: str = "a", retry: RetryPolicy = FAST_RETRY
+) -> TieredCache:
+    return TieredCache(
+        [
+            DiskTier(DiskTierConfig(path=tmp_path / node / "l1", max_bytes=10 * 2**20)),
+            HttpTier(OriginTierConfig(url=origin_url)),
+        ],
+        unpack_dir=tmp_path / node / "unpacked",
+        retry=retry,
+    )
+
+
+async def until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.005)):
+        if cond():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition not met in time")
+
+
+def tar_gz(*members: tuple[tarfile.TarInfo, bytes | None]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return buf.getvalue()
+
+
+def member(name: str, *, type: bytes = tarfile.REGTYPE, linkname: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = type
+    info.linkname = linkname
+    info.mode = 0o644
+    return info
+
+
+# -- bundles
+
+
+def test_bundle_is_deterministic(tmp_path: Path) -> None:
+    a = build_bundle(make_tree(tmp_path / "a"))
+    b_root = make_tree(tmp_path / "b")
+    os.utime(b_root / "run.sh", (1, 1))  # other mtimes, same content
+    b = build_bundle(b_root)
+    assert a.digest == b.digest == digest_of(a.data)
+    (b_root / "run.sh").write_text("#!/bin/sh\necho changed\n")
+    assert build_bundle(b_root).digest != a.digest
+
+
+def test_bundle_round_trip(tmp_path: Path, bundle: Bundle) -> None:
+    unpack(bundle.data, tmp_path / "out")
+    out = tmp_path / "out"
+    assert (out / "pkg" / "__init__.py").read_text() == "VALUE = 42\n"
+    assert (out / "pkg" / "data" / "blob.bin").read_bytes() == b"x" * 1000
+    assert os.access(out / "run.sh", os.X_OK)
+    assert (out / "empty").is_dir()
+    assert (out / "link.py").is_symlink() and (out / "link.py").read_text() == "VALUE = 42\n"
+
+
+def test_build_refuses_symlink_out_of_the_root(tmp_path: Path) -> None:
+    root = make_tree(tmp_path / "src")
+    os.symlink("../../etc/passwd", root / "pkg" / "evil")
+    with pytest.raises(UnsafeBundle, match="outside"):
+        build_bundle(root)
+
+
+def test_image_ref_and_digest_checks(bundle: Bundle) -> None:
+    ref = ImageRef.parse(f"envs/frozenlake@{bundle.digest}")
+    assert (ref.name, ref.digest) == ("envs/frozenlake", bundle.digest)
+    assert str(ref) == f"envs/frozenlake@{bundle.digest}"
+    assert ImageRef.parse(bundle.digest).name == ""
+    for bad in ["envs/x", "envs/x@sha256:abc", f"x@{bundle.digest.upper()}", "a b@" + bundle.digest, ""]:
+        with pytest.raises(InvalidImageRef, match="expected 'name@sha256"):
+            ImageRef.parse(bad)
+    verify(bundle.data, bundle.digest)
+    with pytest.raises(DigestMismatch, match="expected " + bundle.digest) as e:
+        verify(bundle.data + b"!", bundle.digest, source="mirror")
+    assert e.value.retryable and isinstance(e.value, InfraError)
+
+
+@pytest.mark.parametrize(
+    ("members", "message"),
+    [
+        ([(member("/etc/cron.d/x"), b"boom")], "absolute"),
+        ([(member("../outside.txt"), b"boom")], r"'\.\.'"),
+        ([(member("a/../../outside.txt"), b"boom")], r"'\.\.'"),
+        ([(member("ln", type=tarfile.SYMTYPE, linkname="/etc/passwd"), None)], "absolute path"),
+        ([(member("a/ln", type=tarfile.SYMTYPE, linkname="../../etc"), None)], "outside"),
+        ([(member("hard", type=tarfile.LNKTYPE, linkname="../../etc/passwd"), None)], "outside"),
+        ([(member("dev", type=tarfile.CHRTYPE), None)], "device"),
+        ([(member("blk", type=tarfile.BLKTYPE), None)], "device"),
+        ([(member("fifo", type=tarfile.FIFOTYPE), None)], "fifo"),
+    ],
+    ids=["abs", "dotdot", "dotdot2", "abs-symlink", "symlink-out", "hardlink-out", "chr", "blk", "fifo"],
+)
+def test_unpack_refuses_path_attacks(tmp_path: Path, members: list, message: str) -> None:
+    (tmp_path / "jail").mkdir()
+    with pytest.raises(UnsafeBundle, match=message):
+        unpack(tar_gz(*members), tmp_path / "jail" / "dest")
+    assert list(tmp_path.rglob("*")) == [tmp_path / "jail"]  # refused before anything was written
+
+
+def test_unpack_refuses_escape_through_a_symlink_chain(tmp_path: Path) -> None:
+    # each link looks harmless on its own; only the real path on disk shows the escape
+    data = tar_gz(
+        (member("here", type=tarfile.SYMTYPE, linkname="."), None),
+        (member("up", type=tarfile.SYMTYPE, linkname="here/.."), None),
+        (member("up/escaped.txt"), b"boom"),
+    )
+    with pytest.raises(UnsafeBundle):
+        unpack(data, tmp_path / "jail" / "dest")
+    assert not (tmp_path / "jail" / "escaped.txt").exists()
+
+
+def test_unpack_refuses_garbage_and_bombs(tmp_path: Path, bundle: Bundle) -> None:
+    with pytest.raises(UnsafeBundle, match=r"not a tar\.gz"):
+        unpack(b"definitely not gzip", tmp_path / "x")
+    with pytest.raises(UnsafeBundle, match="over the 100-byte limit"):
+        unpack(bundle.data, tmp_path / "y", max_bytes=100)
+
+
+# -- L1 disk
+
+
+async def test_disk_tier_evicts_least_recently_used(tmp_path: Path) -> None:
+    blobs = [bytes([i]) * 100 for i in range(4)]
+    digests = [digest_of(b) for b in blobs]
+    async with DiskTier(DiskTierConfig(path=tmp_path / "l1", max_bytes=250)) as l1:
+        await l1.put(digests[0], blobs[0])
+        await l1.put(digests[1], blobs[1])
+        assert await l1.get(digests[0]) == blobs[0]  # 0 is now more recent than 1
+        await l1.put(digests[2], blobs[2])
+        assert await l1.get(digests[1]) is None
+        assert await l1.get(digests[0]) == blobs[0]
+        assert l1.total_bytes == 200 and l1.metrics.evictions == 1
+        await l1.put(digests[3], blobs[3])  # evicts 2, the least recently used
+        assert digests[2] not in l1 and digests[0] in l1
+        assert l1.metrics.snapshot()["hits"] == 2
+        # a blob bigger than the cap is not stored rather than emptying the tier
+        await l1.put(digest_of(b"z" * 300), b"z" * 300)
+        assert l1.total_bytes == 200
+    files = sorted(p.name for p in (tmp_path / "l1" / "sha256").iterdir())
+    assert files == sorted(d.removeprefix("sha256:") for d in (digests[0], digests[3]))  # no temp files
+
+
+async def test_tiers_refuse_what_is_not_a_digest(tmp_path: Path) -> None:
+    async with DiskTier(DiskTierConfig(path=tmp_path / "l1")) as l1:
+        with pytest.raises(InvalidImageRef, match="bad digest"):
+            await l1.put("sha256:../../../etc/cron.d/x", b"boom")
+        with pytest.raises(InvalidImageRef, match="bad digest"):
+            await l1.get("../l1")
+        assert l1.total_bytes == 0 and l1.metrics.errors == 0
+
+
+async def test_disk_tier_survives_restart_and_cleans_temp_files(tmp_path: Path) -> None:
+    data = b"persisted"
+    async with DiskTier(DiskTierConfig(path=tmp_path / "l1")) as l1:
+        await l1.put(digest_of(data), data)
+    store = tmp_path / "l1" / "sha256"
+    (store / ".tmp-dead-writer").write_bytes(b"half")
+    os.utime(store / ".tmp-dead-writer", (1, 1))
+    (store / ".tmp-live-writer").write_bytes(b"half")  # a neighbour process, still writing
+    (store / "README").write_text("not a blob")
+    async with DiskTier(DiskTierConfig(path=tmp_path / "l1")) as l1:
+        assert l1.total_bytes == len(data)
+        assert await l1.get(digest_of(data)) == data
+    assert {p.name for p in store.iterdir()} == {".tmp-live-writer", "README", digest_of(data)[7:]}
+
+
+# -- the cache over a real HTTP origin
+
+
+async def test_get_unpacks_once_and_writes_back_to_l1(tmp_path: Path, bundle: Bundle) -> None:
+    with FakeOrigin({bundle.digest: bundle.data}) as origin:
+        async with cache_with(tmp_path, origin.url) as cache:
+            path = await cache.get(f"envs/demo@{bundle.digest}")
+            assert (path / "pkg" / "__init__.py").read_text() == "VALUE = 42\n"
+            assert await cache.get(bundle.digest) == path
+            m = cache.metrics()
+        assert m["outcomes"] == {"loaded": 1, "ready": 1}
+        assert m["tiers"]["disk"]["misses"] == 1 and m["tiers"]["disk"]["puts"] == 1
+        assert m["tiers"]["origin"]["hits"] == 1 and m["tiers"]["origin"]["bytes_read"] == bundle.size
+        assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp dirs left
+
+        # a node restarted with its L1 but without the unpacked copy: served from disk
+        shutil.rmtree(tmp_path / "a" / "unpacked")
+        async with cache_with(tmp_path, origin.url) as cache:
+            await cache.get(bundle.digest)
+            assert cache.metrics()["tiers"]["disk"]["hits"] == 1
+        assert origin.blob_requests[bundle.digest] == 1
+
+
+async def test_single_flight_32_concurrent_gets_fetch_once(tmp_path: Path, bundle: Bundle) -> None:
+    with FakeOrigin({bundle.digest: bundle.data}, latency_s=0.05) as origin:
+        async with cache_with(tmp_path, origin.url) as cache:
+            paths = await asyncio.gather(*(cache.get(bundle.digest) for _ in range(32)))
+            outcomes = cache.metrics()["outcomes"]
+        assert len(set(paths)) == 1
+        assert origin.blob_requests[bundle.digest] == 1 and origin.bytes_served == bundle.size
+        assert outcomes == {"loaded": 1, "coalesced": 31}
+
+
+async def test_a_cancelled_waiter_does_not_cancel_the_fetch(tmp_path: Path, bundle: Bundle) -> None:
+    with FakeOrigin({bundle.digest: bundle.data}, latency_s=0.1) as origin:
+        async with cache_with(tmp_path, origin.url) as cache:
+            impatient = asyncio.create_task(cache.get(bundle.digest))
+            patient = asyncio.create_task(cache.get(bundle.digest))
+            await asyncio.sleep(0.02)
+            impatient.cancel()
+            assert (await patient).is_dir()
+        assert origin.blob_requests[bundle.digest] == 1
+
+
+async def test_closing_the_cache_ends_waiting_gets_with_an_error(tmp_path: Path, bundle: Bundle) -> None:
+    with FakeOrigin({bundle.digest: bundle.data}, latency_s=5) as origin:
+        cache = cache_with(tmp_path, origin.url)
+        async with cache:
+            waiter = asyncio.create_task(cache.get(bundle.digest))
+            await until(lambda: origin.requests == 1)
+        with pytest.raises(ImageError, match="closed while fetching"):
+            await waiter
+        with pytest.raises(ImageError, match="is closed"):
+            await cache.get(bundle.digest)
+
+
+async def test_corrupt_l1_blob_is_dropped_and_refetched(tmp_path: Path, bundle: Bundle) -> None:
+    blob = tmp_path / "a" / "l1" / "sha256" / bundle.digest.removeprefix("sha256:")
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(b"bit rot" + bundle.data[7:])
+    with FakeOrigin({bundle.digest: bundle.data}) as origin:
+        async with cache_with(tmp_path, origin.url) as cache:
+            await cache.get(bundle.digest)
+            m = cache.metrics()
+        assert m["tiers"]["disk"]["corrupt"] == 1 and m["outcomes"]["corrupt"] == 1
+        assert m["tiers"]["disk"]["puts"] == 1  # the good copy replaced the bad one
+        assert blob.read_bytes() == bundle.data
+        assert origin.blob_requests[bundle.digest] == 1
+
+
+async def test_corrupt_download_is_refetched(tmp_path: Path, bundle: Bundle) -> None:
+    with FakeOrigin({bundle.digest: bundle.data}, faults=Faults(script=["corrupt"])) as origin:
+        async with cache_with(tmp_path, origin.url) as cache:
+            path = await cache.get(bundle.digest)
+            m = cache.metrics()
+        assert path.is_dir()
+        assert origin.blob_requests[bundle.digest] == 2
+        assert m["tiers"]["origin"]["corrupt"] == 1 and m["outcomes"]["retries"] == 1
+
+
+async def test_persistent_corruption_surfaces_as_digest_mismatch(tmp_path: Path, bundle: Bundle) -> None:
+    with FakeOrigin({bundle.digest: bundle.data}, faults=Faults(corrupt_rate=1.0)) as origin:
+        async with cache_with(tmp_path, origin.url, retry=FAST_RETRY.model_copy(update={"attempts": 3})) as c:
+            with pytest.raises(DigestMismatch, match="wrong blob"):
+                await c.get(bundle.digest)
+            assert c.metrics()["outcomes"]["failed"] == 1
+        assert origin.blob_requests[bundle.digest] == 3
+    assert not (tmp_path / "a" / "unpacked" / "sha256" / bundle.digest[7:]).exists()
+
+
+async def test_retries_injected_500s_and_resets(tmp_path: Path, bundle: Bundle) -> None:
+    faults = Faults(script=["error", "reset", "error"])
+    with FakeOrigin({bundle.digest: bundle.data}, faults=faults) as origin:
+        async with cache_with(tmp_path, origin.url) as cache:
+            assert (await cache.get(bundle.digest)).is_dir()
+            m = cache.metrics()
+        assert origin.faults_injected == {"error": 2, "reset": 1}
+        assert origin.blob_requests[bundle.digest] == 4
+        assert m["outcomes"]["retries"] == 3 and m["tiers"]["origin"]["errors"] == 3
+
+
+async def test_gives_up_after_the_attempts(tmp_path: Path, bundle: Bundle) -> None:
+    with FakeOrigin({bundle.digest: bundle.data}, faults=Faults(error_rate=1.0)) as origin:
+        async with cache_with(tmp_path, origin.url) as cache:
+            with pytest.raises(ImageFetchError, match="HTTP 500") as e:
+                await cache.get(bundle.digest)
+        assert e.value.retryable and e.value.tier == "origin"
+        assert origin.blob_requests[bundle.digest] == FAST_RETRY.attempts
+
+
+async def test_missing_image_is_not_retried(tmp_path: Path, bundle: Bundle) -> None:
+    with FakeOrigin({}) as origin:
+        async with cache_with(tmp_path, origin.url, retry=RetryPolicy(backoff_s=5)) as cache:
+            with pytest.raises(ImageNotFound, match=r"none of the tiers \(disk, origin\)"):
+                await asyncio.wait_for(cache.get(bundle.digest), 2)  # a backoff would take 5 s
+            assert cache.metrics()["outcomes"] == {"not_found": 1}
+        assert origin.blob_requests[bundle.digest] == 1
+
+
+async def test_a_dead_tier_is_skipped(tmp_path: Path, bundle: Bundle) -> None:
+    with FakeOrigin() as dead:
+        dead_url = dead.url  # nothing listens there once closed
+    with FakeOrigin({bundle.digest: bundle.data}) as origin:
+        tiers = [
+            HttpTier(PeerTierConfig(url=dead_url, connect_timeout_s=1)),
+            HttpTier(OriginTierConfig(url=origin.url)),
+        ]
+        async with TieredCache(tiers, unpack_dir=tmp_path / "u", retry=FAST_RETRY) as cache:
+            await cache.get(bundle.digest)
+            m = cache.metrics()
+        assert m["tiers"]["peer"]["errors"] == 1 and m["tiers"]["origin"]["hits"] == 1
+        assert "retries" not in m["outcomes"]
+
+
+async def test_unsafe_bundle_with_a_valid_digest_is_refused(tmp_path: Path) -> None:
+    evil = tar_gz((member("../../escape.txt"), b"boom"))
+    digest = digest_of(evil)
+    with FakeOrigin({digest: evil}) as origin:
+        async with cache_with(tmp_path, origin.url) as cache:
+            with pytest.raises(UnsafeBundle, match=r"'\.\.'"):
+                await cache.get(digest)
+        assert origin.blob_requests[digest] == 1  # not retried
+    assert list((tmp_path / "a" / "unpacked" / "sha256").iterdir()) == []
+    assert not (tmp_path / "escape.txt").exists()
+
+
+async def test_prefetch_runs_in_the_background(tmp_path: Path, bundle: Bundle) -> None:
+    other = build_bundle(make_tree(tmp_path / "other", payload=b"y" * 5000))
+    with FakeOrigin({bundle.digest: bundle.data, other.digest: other.data}, latency_s=0.05) as origin:
+        async with cache_with(tmp_path, origin.url) as cache:
+            assert cache.prefetch([f"envs/a@{bundle.digest}", other.digest, other.digest]) == 2
+            assert cache.metrics()["inflight"] == 2
+            assert cache.prefetch([bundle.digest]) == 0  # already on its way
+            await until(lambda: all(cache.path_of(b.digest).is_dir() for b in (bundle, other)))
+            await cache.get(bundle.digest)
+            m = cache.metrics()
+        assert m["outcomes"] == {"prefetched": 2, "loaded": 2, "ready": 1}
+        assert origin.blob_requests == {bundle.digest: 1, other.digest: 1}
+
+
+async def test_a_failed_prefetch_is_retried_by_get(tmp_path: Path, bundle: Bundle) -> None:
+    with FakeOrigin({bundle.digest: bundle.data}, faults=Faults(script=["error"] * 2)) as origin:
+        retry = FAST_RETRY.model_copy(update={"attempts": 2})
+        async with cache_with(tmp_path, origin.url, retry=retry) as cache:
+            cache.prefetch([bundle.digest])
+            await until(lambda: cache.metrics()["inflight"] == 0)
+            assert cache.metrics()["outcomes"]["failed"] == 1
+            assert (await cache.get(bundle.digest)).is_dir()
+        assert origin.blob_requests[bundle.digest] == 3
+
+
+async def test_peer_tier_serves_another_nodes_l1(tmp_path: Path, bundle: Bundle) -> None:
+    with FakeOrigin({bundle.digest: bundle.data}) as origin:
+        async with cache_with(tmp_path, origin.url, node="a") as node_a:
+            await node_a.get(bundle.digest)
+        # node b reads node a's L1 over HTTP before going to the origin
+        with FakeOrigin(tmp_path / "a" / "l1") as peer:
+            tiers = [
+                DiskTier(DiskTierConfig(path=tmp_path / "b" / "l1")),
+                HttpTier(PeerTierConfig(url=peer.url)),
+                HttpTier(OriginTierConfig(url=origin.url)),
+            ]
+            async with TieredCache(tiers, unpack_dir=tmp_path / "b" / "unpacked") as node_b:
+                await node_b.get(bundle.digest)
+                m = node_b.metrics()
+        assert m["tiers"]["peer"]["hits"] == 1 and m["tiers"]["disk"]["puts"] == 1
+        assert origin.blob_requests[bundle.digest] == 1
+
+
+# -- L2 on S3 (moto)
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    moto = pytest.importorskip("moto")
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    with moto.mock_aws():
+        import boto3
+
+        boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="images")
+        yield "images"
+
+
+async def test_s3_tier_against_moto(s3: str) -> None:
+    data = b"bundle bytes"
+    digest = digest_of(data)
+    async with S3Tier(S3TierConfig(bucket=s3)) as tier:
+        assert await tier.get(digest) is None
+        await tier.put(digest, data)
+        assert await tier.get(digest) == data
+        await tier.delete(digest)
+        assert await tier.get(digest) is None
+        assert tier.metrics.snapshot() | {"get_latency_ms": None} == {
+            "hits": 1,
+            "misses": 2,
+            "errors": 0,
+            "corrupt": 0,
+            "puts": 1,
+            "put_errors": 0,
+            "evictions": 0,
+            "bytes_read": len(data),
+            "bytes_written": len(data),
+            "get_latency_ms": None,
+        }
+    async with S3Tier(S3TierConfig(bucket="no-such-bucket")) as tier:
+        with pytest.raises(ImageFetchError, match="does not exist: create it") as e:
+            await tier.get(digest)
+        assert not e.value.retryable
+
+
+async def test_s3_shares_an_image_between_nodes(s3: str, tmp_path: Path, bundle: Bundle) -> None:
+    def config(node: str, origin_url: str) -> CacheConfig:  # as a node would read it from YAML
+        return CacheConfig.model_validate(
+            {
+                "tiers": [
+                    {"type": "disk", "path": str(tmp_path / node / "l1"), "max_bytes": 2**20},
+                    {"type": "s3", "bucket": s3, "name": "cluster"},
+                    {"type": "origin", "url": origin_url},
+                ],
+                "unpack_dir": str(tmp_path / node / "unpacked"),
+                "retry": FAST_RETRY.model_dump(),
+            }
+        )
+
+    with FakeOrigin({bundle.digest: bundle.data}) as origin:
+        metrics = []
+        for node in ("a", "b"):
+            async with TieredCache.from_config(config(node, origin.url)) as cache:
+                await asyncio.gather(*(cache.get(bundle.digest) for _ in range(8)))
+                metrics.append(cache.metrics()["tiers"])
+        assert origin.blob_requests[bundle.digest] == 1
+    assert metrics[0]["cluster"]["puts"] == 1 and metrics[0]["disk"]["puts"] == 1
+    assert metrics[1]["cluster"]["hits"] == 1 and metrics[1]["disk"]["puts"] == 1
+    assert metrics[1]["origin"]["get_latency_ms"]["n"] == 0
+
+
+def test_configs_are_validated(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="does not match any of the expected tags"):
+        CacheConfig.model_validate({"tiers": [{"type": "ftp"}], "unpack_dir": str(tmp_path)})
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        DiskTierConfig.model_validate({"path": str(tmp_path), "max_gb": 3})
+    with pytest.raises(ValidationError, match="at least 1 item"):
+        CacheConfig.model_validate({"tiers": [], "unpack_dir": str(tmp_path)})
+
+
+# -- the fake origin itself
+
+
+def test_fake_origin_limits_bandwidth_and_leaves_no_threads() -> None:
+    before = set(threading.enumerate())
+    data = os.urandom(200_000)
+    with FakeOrigin({digest_of(data): data}, bandwidth_bps=1_000_000) as origin:
+        with httpx.Client(base_url=origin.url) as client:
+            t0 = time.perf_counter()
+            assert client.get(f"/blobs/{digest_of(data)}").content == data
+            elapsed = time.perf_counter() - t0
+            assert client.get("/blobs/sha256:" + "0" * 64).status_code == 404
+            assert client.get("/nope").status_code == 404
+        assert 0.15 < elapsed < 2.0
+        assert origin.stats()["requests"] == 3 and origin.bytes_served == len(data)
+        with httpx.Client(base_url=origin.url) as client:
+            client.get("/nope")
+            origin.close()  # while a kept-alive connection holds a handler thread
+    assert set(threading.enumerate()) == before
