@@ -21,14 +21,31 @@ from envpool.api import (
     register,
 )
 from envpool.errors import EnvPoolError
+from envpool.testing import EnvConformanceError, check_env
+
+
+def __getattr__(name: str) -> object:
+    # the pool (tenacity, asyncio machinery) is not needed inside a container
+    if name in ("EnvPool", "EnvSession", "PoolConfig", "SessionLost"):
+        from envpool import pool
+
+        return getattr(pool, name)
+    raise AttributeError(f"module 'envpool' has no attribute {name!r}")
+
 
 __all__ = [
     "Env",
+    "EnvConformanceError",
+    "EnvPool",
     "EnvPoolError",
     "EnvRegistry",
+    "EnvSession",
     "EnvSpec",
     "Observation",
+    "PoolConfig",
+    "SessionLost",
     "StepResult",
+    "check_env",
     "default_registry",
     "make",
     "register",

@@ -199,6 +199,7 @@ class GuardedEnv:
         self.spec = spec
         self._needs_reset = True
         self._steps = 0
+        self._closed = False
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -228,7 +229,11 @@ class GuardedEnv:
         return res
 
     def close(self) -> None:
-        self.env.close()
+        """Close the environment; idempotent. A closed environment takes no more steps."""
+        self._needs_reset = True
+        if not self._closed:
+            self._closed = True
+            self.env.close()
 
 
 #: The registry ``envpool.register``/``envpool.make`` use.

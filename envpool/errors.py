@@ -7,6 +7,8 @@
     │   ├── ActionError         not text, not UTF-8, over the size limit
     │   └── SessionTokenError   a request carrying another session's token
     ├── EnvLogicError           the environment's own code raised: data, never retried
+    ├── EnvConformanceError     check_env found problems (envpool.testing)
+    ├── ImageError              envpool.images: bad reference, not found, unsafe bundle
     └── InfraError              retryable: the machinery failed, not the environment
         ├── ContainerDied
         ├── ContainerStartError

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import importlib
 import json
 import os
 import random
@@ -66,7 +67,9 @@ def apply_limits(limits: dict[str, int]) -> None:
 
 
 def load_bundle(bundle: Path | None) -> Any:
-    """The registry of this image: the built-ins, plus what the bundle's manifest registers."""
+    """The registry of this image: the built-ins, plus what the bundle's ``envpool.json``
+    adds: ``{"modules": [...]}`` to import (they register themselves) and/or
+    ``{"register": [{"id": ..., "entry_point": ...}, ...]}``."""
     import envpool.envs  # noqa: F401 - registers the built-in environments
     from envpool.api import default_registry
 
@@ -74,7 +77,10 @@ def load_bundle(bundle: Path | None) -> Any:
         sys.path.insert(0, str(bundle))
         manifest = bundle / "envpool.json"
         if manifest.exists():
-            for reg in json.loads(manifest.read_text()).get("register", []):
+            spec = json.loads(manifest.read_text())
+            for module in spec.get("modules", []):  # modules that call envpool.register themselves
+                importlib.import_module(module)
+            for reg in spec.get("register", []):
                 default_registry.register(**reg)
     return default_registry
 

@@ -37,7 +37,7 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
-from envpool.images.bundle import ImageRef, unpack, verify
+from envpool.images.bundle import Bundle, ImageRef, unpack, verify
 from envpool.images.errors import DigestMismatch, ImageError, ImageFetchError, ImageNotFound
 from envpool.images.tiers import Tier, TierConfig, make_tier
 from envpool.images.tiers.disk import STALE_TEMP_S
@@ -177,6 +177,16 @@ class TieredCache:
             if task.cancelled() and self._closed and not (me and me.cancelling()):
                 raise ImageError(f"the image cache was closed while fetching {digest}") from None
             raise
+
+    async def publish(self, bundle: Bundle, name: str = "image") -> str:
+        """Put a bundle into every writable tier (a local image, or a push to the shared
+        cache) and return its reference ``name@sha256:<hex>`` for ``EnvPool.session``."""
+        verify(bundle.data, bundle.digest, source="publish")
+        writable = [t for t in self.tiers if t.writable]
+        if not writable:
+            raise ImageError("no writable tier to publish to; add a disk or S3 tier")
+        await asyncio.gather(*(t.put(bundle.digest, bundle.data) for t in writable))
+        return str(bundle.ref(name))
 
     def prefetch(self, images: Iterable[str]) -> int:
         """Start fetching ``images`` in the background; return how many fetches started.

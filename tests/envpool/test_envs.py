@@ -591,3 +591,17 @@ def test_documented_example_runs(tmp_path):
     assert out.returncode == 0, out.stderr
     expected = re.search(r"prints:\n\n```text\n(.*?)```", doc, re.DOTALL)
     assert expected is not None and out.stdout == expected.group(1)
+
+
+def test_docs_pool_example_runs_the_same_episode_in_a_container(tmp_path):
+    doc = (REPO / "docs" / "envpool-new-env.md").read_text()
+    for name in ("guess_env.py", "run_in_pool.py"):
+        code = re.search(rf"```python\n(# {re.escape(name)}[^\n]*\n.*?)```", doc, re.DOTALL)
+        assert code is not None, name
+        (tmp_path / name).write_text(code.group(1))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "run_in_pool.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("I picked a number from 1 to 100. Guess it. | 50: go lower. | container ")

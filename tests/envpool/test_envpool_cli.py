@@ -1,0 +1,49 @@
+"""The ``envpool`` command (real containers for the benchmarks, kept small)."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from envpool.cli import app
+
+runner = CliRunner()
+
+
+def test_ls_lists_the_builtins():
+    r = runner.invoke(app, ["ls", "--json"])
+    assert r.exit_code == 0, r.output
+    ids = {s["id"] for s in json.loads(r.stdout)}
+    assert {"frozenlake-v1", "math-tools-v1", "code-repair-v1", "echo-v0"} <= ids
+    r = runner.invoke(app, ["ls"])
+    assert r.exit_code == 0 and "frozenlake-v1" in r.stdout
+
+
+def test_ls_with_a_bad_module_is_a_clear_error():
+    r = runner.invoke(app, ["ls", "-m", "no_such_module_xyz"])
+    assert r.exit_code == 2 and "no_such_module_xyz" in r.output
+
+
+def test_bench_resets_accounts_for_every_reset():
+    args = ["bench", "resets", "--n", "150", "--concurrency", "4", "--crash-rate", "0.05"]
+    r = runner.invoke(app, [*args, "--fetch-error-rate", "0.2", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["accounted"] and out["ok"] + out["infra_failed"] == 150
+    assert out["container_crashes"] > 0 and out["success_rate"] >= 0.95
+
+
+def test_bench_latency_reports_claim_and_step_figures():
+    r = runner.invoke(app, ["bench", "latency", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert 0 < out["warm_claim_p50_ms"] and 0 < out["step_rtt_p50_ms"] and out["direct_step_p50_ms"] > 0
+
+
+def test_bench_cold_image_compares_both_ways():
+    args = ["bench", "cold-image", "--sessions", "4", "--size-mb", "0.5", "--bandwidth-mbps", "20"]
+    r = runner.invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["tiered"]["origin_gets"] == 1 and out["own_fetch"]["origin_gets"] == 4
