@@ -1,17 +1,25 @@
-"""`make demo`: a short showcase of the fabric (the RL job will take this slot once it exists).
+"""`make demo`: a short showcase of the fabric and envpool (the RL job, not built yet, will
+take this slot once it exists).
 
-It registers a reward and a tool in a script, calls them through the local warm pools,
-shows a user error coming back as data, and runs a small benchmark against a direct call.
+Part 1, the fabric: a reward and a tool registered in this script are called through the
+local warm pools; a user error comes back as data; a small benchmark against a direct call.
+Part 2, envpool: environments in containers (zygote-forked processes with their own
+network namespace): a FrozenLake episode, then a math episode whose calculator calls the
+container brokers through the pool to the fabric. The "policy" is scripted here; in the RL
+job it is the LLM.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
+from collections import deque
 
 from rich.console import Console
 
+import envpool
 import fabric
 from fabric.bench import BenchConfig, run_bench
 
@@ -29,17 +37,14 @@ def length_penalised_match(traj: fabric.Trajectory | str, *, ground_truth: str) 
 
 
 @fabric.tool(warm=1)
-def calculator(expression: str) -> str:
-    """Evaluate + - * / on numbers (no names, no calls)."""
-    allowed = set("0123456789+-*/(). ")
-    if not set(expression) <= allowed:
-        raise ValueError(f"unsupported characters in {expression!r}")
-    return str(eval(expression, {"__builtins__": {}}, {}))
+def word_count(text: str) -> int:
+    """Count the words of a text."""
+    return len(text.split())
 
 
 async def main() -> None:
     console.rule("[bold]rl-fabric demo[/] (the fabric SDK; the RL job is not built yet)")
-    fabric.default_registry.discover("functions")  # the built-ins, exact_match among them
+    fabric.default_registry.discover("functions")  # the built-ins: exact_match, calculator
     console.print("registered:", ", ".join(fabric.default_registry.names()))
     traj = fabric.Trajectory(
         messages=[
@@ -61,8 +66,10 @@ async def main() -> None:
         console.print(f"exact_match -> {r.value}  (worker {r.worker}, {r.timings.total_ms:.2f} ms)")
         r = await client.call("length_penalised_match", {"traj": traj, "ground_truth": "12"})
         console.print(f"length_penalised_match -> {json.dumps(r.value)}")
+        r = await client.call("word_count", {"text": "tools are functions too"})
+        console.print(f"word_count('tools are functions too') -> {r.value}")
         r = await client.call("calculator", {"expression": "(3 + 4) * 6"})
-        console.print(f"calculator('(3 + 4) * 6') -> {r.value}")
+        console.print(f"built-in calculator('(3 + 4) * 6') -> {r.value}")
         r = await client.call("calculator", {"expression": "__import__('os')"})
         console.print(f"a handler that raises is data: ok={r.ok} {r.error.type}: {r.error.message}")
         rs = await client.map(
@@ -76,6 +83,62 @@ async def main() -> None:
     keys = ("throughput_per_s", "p50_ms", "p99_ms", "overhead_p50_ms", "cold_start_ms", "errors")
     console.print_json(json.dumps({k: round(out[k], 3) for k in keys}))
     console.print("Full benchmark with the Ray-actor baseline: [bold]make bench[/]")
+    await envpool_demo()
+
+
+def shortest_path(grid: list[str]) -> list[str]:
+    """The scripted FrozenLake policy: breadth-first search over the map."""
+    n = len(grid)
+    moves = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}
+    todo: deque[tuple[tuple[int, int], list[str]]] = deque([((0, 0), [])])
+    seen = {(0, 0)}
+    while todo:
+        (r, c), path = todo.popleft()
+        if grid[r][c] == "G":
+            return path
+        for name, (dr, dc) in moves.items():
+            rr, cc = r + dr, c + dc
+            if 0 <= rr < n and 0 <= cc < n and (rr, cc) not in seen and grid[rr][cc] != "H":
+                seen.add((rr, cc))
+                todo.append(((rr, cc), [*path, name]))
+    return []
+
+
+async def envpool_demo() -> None:
+    console.rule("envpool: environments in session-affine containers")
+    async with fabric.Client(backend="local") as tools:
+
+        async def call_tool(name: str, arguments: dict) -> str:  # the pool's bridge to the fabric
+            r = await tools.call(name, arguments)
+            return str(r.value) if r.ok else f"error: {r.error.message if r.error else ''}"
+
+        async with envpool.EnvPool({"min_warm": 1}, tool_caller=call_tool) as pool:
+            t0 = time.perf_counter()
+            async with pool.session("frozenlake-v1") as s:
+                obs, info = await s.reset(seed=0)
+                console.print(
+                    f"claimed container {s.container.id} ({s.container.isolation}) in "
+                    f"{(time.perf_counter() - t0) * 1e3:.0f} ms (cold: the first of this pool)"
+                )
+                console.print(obs.text)
+                for action in shortest_path(info["map"]):
+                    res = await s.step(action)
+                console.print(f"scripted path -> reward {res.reward}, terminated={res.terminated}")
+            question = {
+                "question": "A crate holds 17 rows of 23 bottles, plus 4 loose ones. How many bottles?",
+                "answer": "395",
+            }
+            async with pool.session("math-tools-v1") as s:
+                obs, _ = await s.reset(seed=1, options=question)
+                console.print(obs.text.splitlines()[0])
+                call = {"tool": "calculator", "arguments": {"expression": "17 * 23 + 4"}}
+                res = await s.step(json.dumps(call))
+                console.print(f"tool call through the pool and the fabric -> {res.obs.text.splitlines()[0]}")
+                number = re.findall(r"-?\d+", res.obs.text)[0]
+                res = await s.step(f"Answer: {number}")
+                console.print(f"answer {number} -> reward {res.reward}")
+            console.print(f"pool: {json.dumps({k: v for k, v in pool.stats().items() if k != 'runtime'})}")
+    console.print("Benchmarks: [bold].venv/bin/envpool bench latency | resets | cold-image[/]")
 
 
 if __name__ == "__main__":
