@@ -24,11 +24,11 @@ from __future__ import annotations
 
 
 class EnvPoolError(Exception):
-    pass
+    """Base class of every envpool error."""
 
 
 class EnvRegistryError(EnvPoolError):
-    pass
+    """A bad registration, or an id that is not registered."""
 
 
 class UnknownEnvError(EnvRegistryError):
@@ -39,19 +39,19 @@ class UnknownEnvError(EnvRegistryError):
 
 
 class EnvUsageError(EnvPoolError):
-    pass
+    """The caller's mistake: never retried, the session stays usable."""
 
 
 class EnvOrderError(EnvUsageError):
-    pass
+    """step() before reset(), after the episode ended, or after close()."""
 
 
 class ActionError(EnvUsageError):
-    pass
+    """An action that is not UTF-8 text or is over the size limit."""
 
 
 class SessionTokenError(EnvUsageError):
-    pass
+    """A request carrying another session's token."""
 
 
 class EnvLogicError(EnvPoolError):
@@ -68,16 +68,16 @@ class InfraError(EnvPoolError):
 
 
 class ContainerDied(InfraError):
-    pass
+    """The container's process died."""
 
 
 class ContainerStartError(InfraError):
-    pass
+    """A container did not become ready."""
 
 
 class ConnectionLost(InfraError):
-    pass
+    """The session connection broke (usually: the container died)."""
 
 
 class StepTimeout(InfraError):
-    pass
+    """A request ran past its timeout, or the container went silent (missed heartbeats)."""

@@ -17,11 +17,11 @@ from envpool.errors import EnvPoolError, InfraError
 
 
 class ImageError(EnvPoolError):
-    pass
+    """Base class of the image cache's errors."""
 
 
 class InvalidImageRef(ImageError, ValueError):
-    pass
+    """Not ``name@sha256:<64 hex>`` or ``sha256:<64 hex>``."""
 
 
 class ImageNotFound(ImageError):
@@ -35,7 +35,7 @@ class ImageNotFound(ImageError):
 
 
 class UnsafeBundle(ImageError):
-    pass
+    """A bundle path escaping its root, a device file or an outside link."""
 
 
 class ImageFetchError(InfraError, ImageError):

@@ -12,6 +12,7 @@ first from ``Faults.script`` in order, then at random from a seeded generator.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -227,10 +228,8 @@ class _Server(ThreadingMixIn, HTTPServer):
         with self._conns_lock:
             conns = list(self._conns)
         for c in conns:
-            try:
+            with contextlib.suppress(OSError):  # already closed by its client
                 c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
 
 class _Handler(BaseHTTPRequestHandler):
