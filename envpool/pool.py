@@ -19,20 +19,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
+import secrets
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from envpool.api import MAX_ACTION_BYTES, EnvRegistry, Observation, StepResult, check_action, default_registry
 from envpool.connection import AsyncToolCaller, Connection
-from envpool.errors import ContainerDied, EnvOrderError, InfraError, StepTimeout
+from envpool.errors import (
+    ContainerDied,
+    EnvLogicError,
+    EnvOrderError,
+    EnvPoolError,
+    EnvUsageError,
+    InfraError,
+    StepTimeout,
+)
 from envpool.runtimes.base import Container, ProcessRuntimeConfig, Runtime, make_runtime
+
+
+class PoolClosed(EnvPoolError):
+    """The pool was closed: no new claims."""
 
 
 class SessionLost(InfraError):
@@ -40,6 +55,11 @@ class SessionLost(InfraError):
     is ``infra_failed``."""
 
     retryable = False
+
+
+def _digest(result: Any) -> str:
+    """What the policy saw of a reset or step, for checking a replay."""
+    return hashlib.sha256(pydantic_core.to_json(result)).hexdigest()
 
 
 def _retryable(e: BaseException) -> bool:
@@ -69,7 +89,8 @@ class PoolConfig(BaseModel):
     periods is declared hung: the container is killed and replaced."""
     claim_timeout_s: float = Field(120.0, gt=0)
     session_ttl_s: float = Field(3600.0, gt=0)
-    """The reaper reclaims a container held longer than this (a leaked session)."""
+    """The reaper reclaims a container whose session made no request for this long (leaked);
+    that session then ends ``infra_failed``."""
     retry: RetryConfig = Field(default_factory=RetryConfig)
 
 
@@ -102,7 +123,9 @@ class EnvPool:
         self.runtime: Runtime = make_runtime(self.config.runtime)
         self._idle: dict[str | None, deque[Container]] = defaultdict(deque)
         self._wanted: dict[str | None, int] = {}
-        self._claimed: dict[str, tuple[Container, float]] = {}
+        self._claimed: dict[str, Container] = {}
+        self._prestart_failures: Counter[str | None] = Counter()
+        self._prestart_after: dict[str | None, float] = {}
         self._starting: Counter[str | None] = Counter()
         self._changed = asyncio.Condition()
         self._closed = False
@@ -128,7 +151,9 @@ class EnvPool:
             self._maint.cancel()
         for t in list(self._bg):
             t.cancel()
-        await asyncio.gather(*self._bg, return_exceptions=True)
+        await asyncio.gather(*self._bg, *([self._maint] if self._maint else []), return_exceptions=True)
+        async with self._changed:
+            self._changed.notify_all()  # claimers waiting for capacity learn the pool closed
         await self.runtime.aclose()
 
     # ------------------------------------------------------------------ sessions
@@ -175,30 +200,38 @@ class EnvPool:
         return await self.images.get(digest_of(image))
 
     async def _new_container(self, image: str | None) -> Container:
+        if self._closed:
+            raise PoolClosed("the pool is closed")
         self._starting[image] += 1
         try:
             bundle = await self._bundle(image)
             return await self.runtime.start(image, bundle, timeout_s=self.config.runtime.start_timeout_s)
         finally:
             self._starting[image] -= 1
+            self._kick()
 
     async def _start_idle(self, image: str | None) -> None:
         if len(self.runtime.live) + sum(self._starting.values()) >= self.config.max_containers:
             return
         try:
             c = await self._new_container(image)
-        except (InfraError, OSError) as e:
+        except Exception as e:  # background work: count it, back off, never crash the loop
             self.metrics[f"prestart_failed:{type(e).__name__}"] += 1
+            self._prestart_failures[image] += 1
+            delay = min(30.0, 0.2 * 2 ** self._prestart_failures[image])
+            self._prestart_after[image] = time.monotonic() + delay
             return
+        self._prestart_failures[image] = 0
         self._idle[image].append(c)
         async with self._changed:
             self._changed.notify_all()
 
     async def _claim(self, image: str | None) -> Container:
         """An idle container of ``image`` (warm claim), else a new one (cold), else wait."""
-        self._wanted.setdefault(image, self.config.min_warm)
         deadline = time.monotonic() + self.config.claim_timeout_s
         while True:
+            if self._closed:
+                raise PoolClosed("the pool is closed")
             idle = self._idle[image]
             while idle:
                 c = idle.popleft()
@@ -209,16 +242,31 @@ class EnvPool:
                 await self.runtime.stop(c)
             if len(self.runtime.live) + sum(self._starting.values()) < self.config.max_containers:
                 self.metrics["claims_cold"] += 1
-                return await self._new_container(image)
+                c = await self._new_container(image)
+                # only an image that starts is kept warm: a bad one must not be retried forever
+                self._wanted.setdefault(image, self.config.min_warm)
+                return c
             if not await self._evict_idle_other_than(image):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise SessionLost(
+                        f"no container free in {self.config.claim_timeout_s:g} s (max_containers)"
+                    )
                 async with self._changed:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise InfraError(
-                            f"no container free in {self.config.claim_timeout_s:g} s (max_containers)"
-                        )
+                    # notified when capacity frees up; the short timeout is a backstop for any path
+                    # that frees it silently (a container found dead, a failed start)
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._changed.wait(), remaining)
+                        await asyncio.wait_for(self._changed.wait(), min(remaining, 0.05))
+
+    def _kick(self) -> None:
+        """Wake claimers waiting for capacity (from sync code too)."""
+
+        async def notify() -> None:
+            async with self._changed:
+                self._changed.notify_all()
+
+        if not self._closed:
+            self._spawn_bg(notify())
 
     async def _evict_idle_other_than(self, image: str | None) -> bool:
         for other, q in self._idle.items():
@@ -230,6 +278,7 @@ class EnvPool:
     async def _release(self, c: Container, *, healthy: bool) -> None:
         self._claimed.pop(c.id, None)
         if self._closed:
+            await self.runtime.stop(c)  # a session that outlived its pool still cleans up
             return
         if not healthy or c.failed or c.episodes >= self.config.max_episodes:
             self.metrics["recycled" if healthy and not c.failed else "discarded"] += 1
@@ -244,16 +293,21 @@ class EnvPool:
         while not self._closed:
             await asyncio.sleep(0.1)
             try:
+                now = time.monotonic()
                 for image, want in list(self._wanted.items()):
+                    if now < self._prestart_after.get(image, 0.0):
+                        continue
                     missing = want - len(self._idle[image]) - self._starting[image]
                     for _ in range(max(missing, 0)):
                         self._spawn_bg(self._start_idle(image))
-                now = time.monotonic()
-                for c, since in list(self._claimed.values()):
-                    if now - since > self.config.session_ttl_s:
+                for c in list(self._claimed.values()):
+                    if now - c.last_active > self.config.session_ttl_s:
+                        # a session idle this long was leaked (its owner forgot it): reclaim
                         self.metrics["reaped"] += 1
+                        c.reaped = True
                         self._claimed.pop(c.id, None)
                         await self.runtime.stop(c)
+                        self._kick()
             except Exception as e:  # housekeeping must not die silently
                 self.metrics[f"maintenance_error:{type(e).__name__}"] += 1
 
@@ -285,6 +339,7 @@ class EnvSession:
         self.failures: list[str] = []
         self._reset_args: dict[str, Any] | None = None
         self._actions: list[str] = []
+        self._trace: list[str] = []
         self._done = True
 
     # -- public
@@ -292,11 +347,14 @@ class EnvSession:
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[Observation, dict]:
         self._check_alive()
+        if seed is None:  # a random episode all the same, but one a replay can rebuild
+            seed = secrets.randbits(31)
         args = {"seed": seed, "options": options}
         result = await self._with_recovery(
             "reset", lambda: self._call("reset", args, self._cfg.reset_timeout_s)
         )
         self._reset_args, self._actions, self._done = args, [], False
+        self._trace = [_digest(result)]
         if self.container is not None:
             self.container.episodes += 1
         self.pool.metrics["resets"] += 1
@@ -314,6 +372,7 @@ class EnvSession:
         )
         res = StepResult.model_validate(result)
         self._actions.append(text)
+        self._trace.append(_digest(result))
         self._done = res.done
         self.pool.metrics["steps"] += 1
         return res
@@ -332,14 +391,21 @@ class EnvSession:
     async def _call(self, op: str, args: dict[str, Any], timeout_s: float) -> Any:
         if self.conn is None:
             await self._attach()
-        assert self.conn is not None
-        return await self.conn.request({"op": op, "token": self.token, "args": args}, timeout_s)
+        assert self.conn is not None and self.container is not None
+        self.container.last_active = time.monotonic()
+        try:
+            return await self.conn.request({"op": op, "token": self.token, "args": args}, timeout_s)
+        finally:
+            if self.container is not None:
+                self.container.last_active = time.monotonic()
 
     async def _attach(self) -> None:
         """Claim a container and open the session connection (the handshake makes the env)."""
         t0 = time.perf_counter()
         c = await self.pool._claim(self.image)
-        self.pool._claimed[c.id] = (c, time.monotonic())
+        self.pool._claimed[c.id] = c
+        c.last_active = time.monotonic()
+        self.container = c
         try:
             rt = self._cfg.runtime
             conn = await Connection.open(
@@ -348,7 +414,7 @@ class EnvSession:
                 misses=self._cfg.heartbeat_misses,
                 tool_caller=self.pool.tool_caller,
             )
-            self.container, self.conn = c, conn
+            self.conn = conn
             hello = {"op": "open", "id": 0, "token": self.token, "env_id": self.env_id, "kwargs": self.kwargs}
             info = await conn.request(hello, self._cfg.reset_timeout_s)
             # the container knows its environments (an image registers its own)
@@ -393,15 +459,19 @@ class EnvSession:
                 reraise=True,
             ):
                 with attempt:
-                    if not first:
-                        metrics[f"{what}_retries"] += 1
-                        if replay:
-                            await self._replay()
-                    first = False
                     try:
+                        if not first:
+                            metrics[f"{what}_retries"] += 1
+                            if replay:
+                                await self._replay()
+                        first = False
                         return await call()
                     except (InfraError, OSError) as e:
+                        if isinstance(e, SessionLost):
+                            raise
                         self._note(e)
+                        if self.container is not None and self.container.reaped:
+                            raise SessionLost(f"the reaper reclaimed this session's container: {e}") from e
                         if replay and not self.deterministic:
                             msg = f"{self.env_id} is not deterministic: its episode cannot be rebuilt ({e})"
                             raise SessionLost(msg) from e
@@ -416,13 +486,23 @@ class EnvSession:
         raise AssertionError("unreachable")
 
     async def _replay(self) -> None:
-        """Rebuild the episode on a fresh container: same reset, same actions."""
+        """Rebuild the episode on a fresh container: same reset, same actions, and the same
+        observations, checked step by step. Anything else loses the session: a rebuilt
+        episode that differs from the one the policy saw would be wrong training data."""
         self.pool.metrics["replays"] += 1
         if self._reset_args is None:
             return
-        await self._call("reset", self._reset_args, self._cfg.reset_timeout_s)
-        for a in self._actions:
-            await self._call("step", {"action": a}, self._cfg.step_timeout_s)
+        try:
+            result = await self._call("reset", self._reset_args, self._cfg.reset_timeout_s)
+            seen = [_digest(result)]
+            for a in self._actions:
+                seen.append(_digest(await self._call("step", {"action": a}, self._cfg.step_timeout_s)))
+        except (EnvLogicError, EnvUsageError) as e:
+            raise SessionLost(f"replaying the episode on a new container failed: {e}") from e
+        if seen != self._trace:
+            raise SessionLost(
+                f"{self.env_id}: the replayed episode differs from the original (not deterministic?)"
+            )
 
     def _note(self, e: BaseException) -> None:
         names: dict[type[BaseException], str] = {

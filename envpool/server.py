@@ -31,7 +31,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from envpool.protocol import encode, error_payload, recv_frame
+from envpool.protocol import MAX_FRAME, FrameError, encode, error_payload, recv_frame
 
 _REPLY_CACHE = 64
 CLONE_NEWNET = 0x40000000
@@ -100,6 +100,10 @@ class Server:
     # -- io
     def send(self, msg: dict[str, Any]) -> None:
         data = encode(msg)
+        if len(data) > MAX_FRAME:  # the environment's answer is too big: its bug, not the pool's
+            message = f"reply of {len(data):,} bytes is over the {MAX_FRAME:,}-byte frame limit"
+            err = {"type": "ObservationTooLarge", "message": message, "logic": True}
+            data = encode({"id": msg.get("id"), "ok": False, "error": err})
         with self.write_lock:
             if self.conn is not None:
                 self.conn.sendall(data)
@@ -130,6 +134,12 @@ class Server:
                 self.session(conn)
             except (EOFError, ConnectionError, OSError):
                 pass  # the pool hung up: wait for the next session
+            except (FrameError, ValueError, TypeError) as e:
+                # a garbled request ends that connection, never the container
+                with contextlib.suppress(OSError):
+                    self.send(
+                        {"id": None, "ok": False, "error": {"type": "ProtocolError", "message": str(e)}}
+                    )
             finally:
                 with self.write_lock:
                     self.conn = None
@@ -138,11 +148,14 @@ class Server:
     def session(self, conn: socket.socket) -> None:
         hello = recv_frame(conn)
         token = hello.get("token")
+        self.busy.set()  # a slow constructor still heartbeats
         try:
             self.open_env(str(hello.get("env_id")), hello.get("kwargs") or {})
         except Exception as e:
             self.send({"id": 0, "ok": False, "error": error_payload(e)})
             return
+        finally:
+            self.busy.clear()
         self.replies.clear()
         spec = self.env.spec
         info = {
@@ -179,6 +192,7 @@ class Server:
         if self.env_key != key:
             if self.env is not None:
                 self.env.close()
+                self.env, self.env_key = None, None
             self.env = self.registry.make(env_id, tool_caller=self.call_tool, **kwargs)
             self.env_key = key
 

@@ -73,6 +73,9 @@ class Container:
     started_at: float = field(default_factory=time.monotonic)
     episodes: int = 0
     failed: bool = False
+    reaped: bool = False
+    last_active: float = field(default_factory=time.monotonic)
+    """Last request of the session holding it: the reaper's clock."""
     handle: Any = None
     """Runtime-private (a Popen, a pod name, a sandbox id)."""
 

@@ -52,6 +52,7 @@ class _Zygote:
         self.ids = itertools.count(1)
         self.reader: asyncio.Task[None] | None = None
         self.lock = asyncio.Lock()
+        self.cwds: dict[int, Path] = {}
 
     async def ensure(self) -> None:
         async with self.lock:  # concurrent first starts must share one zygote
@@ -77,9 +78,19 @@ class _Zygote:
                 self.exited.add(int(msg["exit"]))
                 _LIVE_GROUPS.discard(int(msg["exit"]))
                 continue
-            fut = self.waiting.pop(int(msg["req"]), None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
+            req = int(msg["req"])
+            cwd = self.cwds.pop(req, None)
+            fut = self.waiting.pop(req, None)
+            if fut is None or fut.done():
+                # its claim was cancelled (an aborted rollout) or timed out: nobody will own
+                # this container, so it must not outlive the moment it reports in
+                if "pid" in msg:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(int(msg["pid"]), signal.SIGKILL)
+                if cwd is not None:
+                    shutil.rmtree(cwd, ignore_errors=True)
+                continue
+            fut.set_result(msg)
         for fut in self.waiting.values():  # the zygote died: its children died with it
             if not fut.done():
                 fut.set_exception(ContainerStartError("the zygote exited; it will be restarted"))
@@ -91,6 +102,7 @@ class _Zygote:
         req = next(self.ids)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.waiting[req] = fut
+        self.cwds[req] = cwd
         line = json.dumps(
             {"req": req, "opts": opts, "cwd": str(cwd), "env": {"TMPDIR": str(cwd), "HOME": str(cwd)}}
         )

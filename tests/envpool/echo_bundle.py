@@ -34,6 +34,23 @@ class EchoEnv(envpool.Env):
 
 class RandomEnv(EchoEnv):
     """Not deterministic: a lost session cannot be replayed."""
+
+
+class LiarEnv(EchoEnv):
+    """Claims to be deterministic but is not: a replay must notice."""
+
+    def reset(self, *, seed=None, options=None):
+        import os
+
+        self.n = 0
+        return f"ready {os.urandom(4).hex()}", {}
+
+
+class SlowInitEnv(EchoEnv):
+    """Takes longer to construct than the heartbeat window."""
+
+    def __init__(self):
+        time.sleep(1.0)
 '''
 
 DIGEST = "sha256:" + "e" * 64
@@ -47,6 +64,8 @@ def write_bundle(root: Path) -> Path:
         "register": [
             {"id": "bundle-echo-v0", "entry_point": "echo_env:EchoEnv", "max_episode_steps": 1000},
             {"id": "bundle-random-v0", "entry_point": "echo_env:RandomEnv", "deterministic": False},
+            {"id": "bundle-liar-v0", "entry_point": "echo_env:LiarEnv"},
+            {"id": "bundle-slow-init-v0", "entry_point": "echo_env:SlowInitEnv"},
         ]
     }
     (root / "envpool.json").write_text(json.dumps(manifest))

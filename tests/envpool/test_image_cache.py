@@ -390,7 +390,13 @@ async def test_prefetch_runs_in_the_background(tmp_path: Path, bundle: Bundle) -
             assert cache.prefetch([f"envs/a@{bundle.digest}", other.digest, other.digest]) == 2
             assert cache.metrics()["inflight"] == 2
             assert cache.prefetch([bundle.digest]) == 0  # already on its way
-            await until(lambda: all(cache.path_of(b.digest).is_dir() for b in (bundle, other)))
+            # landed: unpacked, and the flight done (a get joining a flight still closing is "coalesced")
+            await until(
+                lambda: (
+                    cache.metrics()["inflight"] == 0
+                    and all(cache.path_of(b.digest).is_dir() for b in (bundle, other))
+                )
+            )
             await cache.get(bundle.digest)
             m = cache.metrics()
         assert m["outcomes"] == {"prefetched": 2, "loaded": 2, "ready": 1}

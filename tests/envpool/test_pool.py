@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from echo_bundle import IMAGE, DirImages, write_bundle
@@ -225,3 +227,106 @@ async def test_without_the_zygote_each_container_is_a_fresh_interpreter(images):
             await s.reset(seed=2)
             assert (await s.step("z")).obs.text == "z #1"
             assert s.container.handle is not None  # its own Popen, not a fork of the zygote
+
+
+async def test_a_replay_rebuilds_the_same_random_episode(images):
+    async with EnvPool({"min_warm": 0}) as p, p.session("frozenlake-v1") as s:
+        obs, _ = await s.reset()  # no seed: the pool draws one, so a replay can rebuild it
+        first = await s.step("down")
+        os.killpg(s.container.pid, signal.SIGKILL)
+        second = await s.step("right")
+        assert s.status == "ok" and p.stats()["replays"] == 1
+        grid = [line.replace("@", "F").replace("S", "F") for line in obs.text.splitlines()[1:5]]
+        assert [
+            line.replace("@", "F").replace("S", "F") for line in second.obs.text.splitlines()[1:5]
+        ] == grid
+        assert first.obs.text != second.obs.text
+
+
+async def test_a_replay_that_diverges_loses_the_session(images):
+    async with pool(images) as p, p.session("bundle-liar-v0", image=IMAGE) as s:
+        await s.reset(seed=1)
+        os.killpg(s.container.pid, signal.SIGKILL)
+        with pytest.raises(SessionLost, match="differs from the original"):
+            await s.step("x")
+        assert s.status == "infra_failed"
+
+
+async def test_a_slow_constructor_keeps_heartbeating(images):
+    async with pool(images, min_warm=0) as p, p.session("bundle-slow-init-v0", image=IMAGE) as s:
+        obs, _ = await s.reset(seed=3)  # 1 s to construct, 0.4 s of heartbeat window
+        assert obs.text == "ready 3" and p.stats().get("claim_retries", 0) == 0
+
+
+async def test_a_claim_waiting_for_capacity_wakes_when_it_frees(images):
+    async with pool(images, min_warm=0, max_containers=1) as p:
+        holder = p.session("bundle-echo-v0", image=IMAGE)
+        s = await holder.__aenter__()
+        await s.reset()
+        waiter = asyncio.create_task(_one_reset(p))
+        await asyncio.sleep(0.3)
+        assert not waiter.done()
+        t0 = time.monotonic()
+        await holder.__aexit__(None, None, None)
+        assert await asyncio.wait_for(waiter, 5) == "ready 1"
+        assert time.monotonic() - t0 < 1.0
+
+
+async def _one_reset(p):
+    async with p.session("bundle-echo-v0", image=IMAGE) as s:
+        return (await s.reset(seed=1))[0].text
+
+
+async def test_a_closed_pool_refuses_new_sessions(images):
+    from envpool.pool import PoolClosed
+
+    p = pool(images)
+    async with p:
+        pass
+    with pytest.raises(PoolClosed):
+        async with p.session("bundle-echo-v0", image=IMAGE):
+            pass
+
+
+async def test_a_garbled_frame_ends_that_connection_not_the_container(images):
+    async with pool(images, min_warm=0) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset()
+            pid, endpoint = s.container.pid, s.container.endpoint
+        # the container is idle again: throw garbage at it, then use it
+        r, w = await asyncio.open_unix_connection(endpoint)
+        w.write(b"\x00\x00\x00\x05nope!")
+        await w.drain()
+        await asyncio.wait_for(r.read(), 5)  # the server answers with an error and hangs up
+        w.close()
+        assert alive(pid)
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            assert s.container.pid == pid and (await s.reset(seed=4))[0].text == "ready 4"
+
+
+async def test_the_reaper_takes_only_idle_sessions(images):
+    async with pool(images, session_ttl_s=0.5) as p, p.session("bundle-echo-v0", image=IMAGE) as s:
+        await s.reset()
+        for _ in range(10):  # busy for 1 s, one request every 0.1 s: never idle for 0.5 s
+            await s.step("x")
+            await asyncio.sleep(0.1)
+        assert p.stats().get("reaped", 0) == 0
+        await asyncio.sleep(1.0)
+        with pytest.raises(SessionLost, match="reaper"):
+            await s.step("x")
+
+
+async def test_a_cancelled_cold_claim_leaves_no_container(images):
+    async with pool(images, min_warm=0) as p:
+        await _one_reset(p)  # the zygote is up
+        zygote = p.runtime._zygote.proc.pid
+        for _ in range(3):
+            t = asyncio.create_task(_one_reset(p))
+            await asyncio.sleep(0.001)
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await asyncio.sleep(0.5)
+        children = [int(x) for x in Path(f"/proc/{zygote}/task/{zygote}/children").read_text().split()]  # noqa: ASYNC240
+        tracked = {c.pid for c in p.runtime.live.values()}
+        assert set(children) <= tracked
