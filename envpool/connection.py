@@ -56,12 +56,17 @@ class Connection(asyncio.Protocol):
         self.tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
-    async def open(cls, path: str, **kw: Any) -> Connection:
+    async def open(cls, endpoint: str, **kw: Any) -> Connection:
+        """Connect to ``endpoint``: a Unix socket path or ``tcp://host:port``."""
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await loop.create_unix_connection(lambda: cls(**kw), path)
-        except OSError as e:
-            raise ConnectionLost(f"cannot connect to the container at {path}: {e}") from e
+            if endpoint.startswith("tcp://"):
+                host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+                _, conn = await loop.create_connection(lambda: cls(**kw), host, int(port))
+            else:
+                _, conn = await loop.create_unix_connection(lambda: cls(**kw), endpoint)
+        except (OSError, ValueError) as e:
+            raise ConnectionLost(f"cannot connect to the container at {endpoint}: {e}") from e
         return conn
 
     # -- asyncio.Protocol

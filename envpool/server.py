@@ -232,6 +232,23 @@ class Server:
             time.sleep(3600)
 
 
+def listen(opts: dict[str, Any]) -> tuple[str, socket.socket]:
+    """A Unix socket at ``opts["sock"]`` (process runtime), or TCP at ``opts["tcp"]`` =
+    ``host:port`` (a container with its own network: docker, kubernetes, modal)."""
+    if opts.get("tcp"):
+        host, _, port = str(opts["tcp"]).rpartition(":")
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, int(port)))
+        listener.listen(4)
+        bound_host, bound_port = listener.getsockname()[:2]
+        return f"tcp://{bound_host}:{bound_port}", listener
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(opts["sock"])
+    listener.listen(4)
+    return str(opts["sock"]), listener
+
+
 def run(opts: dict[str, Any], ready: Any) -> None:
     """Isolate, load the image, listen, report ``ready({...})``, serve until killed.
     ``opts``: sock, bundle, heartbeat_s, limits, fault, netns. Shared by ``main`` (a fresh
@@ -244,29 +261,34 @@ def run(opts: dict[str, Any], ready: Any) -> None:
         os.chdir(bundle)
     registry = load_bundle(bundle)
     server = Server(registry, opts.get("fault") or {})
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(opts["sock"])
-    listener.listen(4)
+    endpoint, listener = listen(opts)
     threading.Thread(
         target=server.heartbeat, args=(float(opts.get("heartbeat_s", 1.0)),), daemon=True
     ).start()
-    ready({"ready": True, "pid": os.getpid(), "isolation": isolation})
+    ready({"ready": True, "pid": os.getpid(), "isolation": isolation, "endpoint": endpoint})
     server.serve(listener)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sock", required=True)
+    ap.add_argument("--sock", help="Unix socket path to listen on")
+    ap.add_argument("--tcp", help="host:port to listen on instead (containers with their own network)")
     ap.add_argument("--bundle")
-    ap.add_argument("--parent-pid", type=int, required=True)
+    ap.add_argument(
+        "--parent-pid", type=int, default=0, help="die with this process (0: no parent to follow)"
+    )
     ap.add_argument("--heartbeat-s", type=float, default=1.0)
     ap.add_argument("--limits", default="{}")
     ap.add_argument("--fault", default="{}")
     ap.add_argument("--no-netns", action="store_true")
     args = ap.parse_args()
-    die_with_parent(args.parent_pid)
+    if not args.sock and not args.tcp:
+        ap.error("give --sock PATH or --tcp HOST:PORT")
+    if args.parent_pid:
+        die_with_parent(args.parent_pid)
     opts = {
         "sock": args.sock,
+        "tcp": args.tcp,
         "bundle": args.bundle,
         "heartbeat_s": args.heartbeat_s,
         "limits": json.loads(args.limits),

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -331,3 +333,28 @@ async def test_a_cancelled_cold_claim_leaves_no_container(images):
         children = [int(x) for x in Path(f"/proc/{zygote}/task/{zygote}/children").read_text().split()]  # noqa: ASYNC240
         tracked = {c.pid for c in p.runtime.live.values()}
         assert set(children) <= tracked
+
+
+async def test_a_server_listening_on_tcp_speaks_the_same_protocol():
+    # what a docker/kubernetes/modal container runs: its own network, the pool connects over TCP
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "envpool.server",
+        "--tcp",
+        "127.0.0.1:0",
+        "--no-netns",
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        info = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+        assert info["ready"] and info["endpoint"].startswith("tcp://127.0.0.1:")
+        conn = await Connection.open(info["endpoint"], heartbeat_s=0.5, misses=4, tool_caller=None)
+        await conn.request({"op": "open", "id": 0, "token": "t", "env_id": "echo-v0", "kwargs": {}}, 10)
+        reset = await conn.request({"op": "reset", "token": "t", "args": {"seed": 5}}, 10)
+        step = await conn.request({"op": "step", "token": "t", "args": {"action": "hi"}}, 10)
+        assert reset["obs"]["text"] == "echo ready (seed=5)" and step["obs"]["text"] == "hi"
+        conn.close()
+    finally:
+        proc.kill()
+        await proc.wait()
