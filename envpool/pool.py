@@ -43,7 +43,7 @@ from envpool.errors import (
     InfraError,
     StepTimeout,
 )
-from envpool.runtimes.base import Container, ProcessRuntimeConfig, Runtime, make_runtime
+from envpool.runtimes.base import Container, ProcessRuntimeConfig, Runtime, RuntimeConfig, make_runtime
 
 
 class PoolClosed(EnvPoolError):
@@ -75,7 +75,8 @@ class RetryConfig(BaseModel):
 
 class PoolConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    runtime: ProcessRuntimeConfig = Field(default_factory=ProcessRuntimeConfig)
+    runtime: RuntimeConfig = Field(default_factory=ProcessRuntimeConfig)
+    """Where containers run: ``process`` (the embedded default), ``kubernetes``, ``docker``, ``modal``."""
     min_warm: int = Field(2, ge=0)
     """Idle containers kept ready per image (once the image has been used or prewarmed)."""
     max_containers: int = Field(64, ge=1)

@@ -232,6 +232,25 @@ class Server:
             time.sleep(3600)
 
 
+def fetch_image(digest: str, source: str) -> Path:
+    """A remote container fetches its image bundle itself, through the tiered cache
+    (verified by digest, retried), from the mirror or origin the pool named."""
+    import asyncio
+    import tempfile
+
+    from envpool.images import HttpTier, MirrorTierConfig, TieredCache
+
+    if not source:
+        raise ValueError(f"image {digest} given without an image source to fetch it from")
+
+    async def get() -> Path:
+        tiers = [HttpTier(MirrorTierConfig(url=source))]
+        async with TieredCache(tiers, unpack_dir=Path(tempfile.mkdtemp(prefix="envpool-image-"))) as cache:
+            return await cache.get(digest)
+
+    return asyncio.run(get())
+
+
 def listen(opts: dict[str, Any]) -> tuple[str, socket.socket]:
     """A Unix socket at ``opts["sock"]`` (process runtime), or TCP at ``opts["tcp"]`` =
     ``host:port`` (a container with its own network: docker, kubernetes, modal)."""
@@ -257,6 +276,8 @@ def run(opts: dict[str, Any], ready: Any) -> None:
     isolation = isolate_network() if opts.get("netns", True) else "none"
     apply_limits(opts.get("limits") or {})
     bundle = Path(opts["bundle"]) if opts.get("bundle") else None
+    if bundle is None and opts.get("image_digest"):
+        bundle = fetch_image(str(opts["image_digest"]), str(opts.get("image_source") or ""))
     if bundle is not None:
         os.chdir(bundle)
     registry = load_bundle(bundle)
@@ -273,7 +294,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sock", help="Unix socket path to listen on")
     ap.add_argument("--tcp", help="host:port to listen on instead (containers with their own network)")
-    ap.add_argument("--bundle")
+    ap.add_argument("--bundle", help="an unpacked image bundle directory")
+    ap.add_argument("--image-digest", help="fetch this bundle (sha256:...) from --image-source first")
+    ap.add_argument("--image-source", help="base URL serving GET /blobs/sha256:<hex>")
     ap.add_argument(
         "--parent-pid", type=int, default=0, help="die with this process (0: no parent to follow)"
     )
@@ -290,6 +313,8 @@ def main() -> None:
         "sock": args.sock,
         "tcp": args.tcp,
         "bundle": args.bundle,
+        "image_digest": args.image_digest,
+        "image_source": args.image_source,
         "heartbeat_s": args.heartbeat_s,
         "limits": json.loads(args.limits),
         "fault": json.loads(args.fault),

@@ -41,7 +41,14 @@ class ContainerFaults(_Config):
     hang_rate: float = Field(0.0, ge=0, le=1)
 
 
-class ProcessRuntimeConfig(_Config):
+class _RuntimeCommon(_Config):
+    heartbeat_s: float = Field(0.5, gt=0)
+    """How often a container's server heartbeats while a request runs."""
+    start_timeout_s: float = Field(30.0, gt=0)
+    faults: ContainerFaults = Field(default_factory=ContainerFaults)
+
+
+class ProcessRuntimeConfig(_RuntimeCommon):
     """The embedded default: a container is an isolated process group on this machine."""
 
     type: Literal["process"] = "process"
@@ -52,12 +59,62 @@ class ProcessRuntimeConfig(_Config):
     limits: Limits = Field(default_factory=Limits)
     zygote: bool = True
     """Fork containers from a pre-imported zygote (ms) instead of a fresh interpreter (~200 ms)."""
-    heartbeat_s: float = Field(0.5, gt=0)
-    start_timeout_s: float = Field(30.0, gt=0)
-    faults: ContainerFaults = Field(default_factory=ContainerFaults)
 
 
-RuntimeConfig = Annotated[ProcessRuntimeConfig, Field(discriminator="type")]
+class _RemoteCommon(_RuntimeCommon):
+    """Runtimes whose containers run an OCI image with rl-fabric installed and serve the
+    session protocol over TCP; a custom environment image (a bundle) is fetched by the
+    container's server from ``image_source`` (an HTTP mirror or origin of bundles)."""
+
+    image: str = "rl-fabric-env:latest"
+    """OCI image with rl-fabric installed; its command is replaced by ``python -m envpool.server``."""
+    port: int = Field(7000, ge=1, le=65535)
+    """Port the server listens on inside the container."""
+    image_source: str | None = None
+    """Base URL (``GET {url}/blobs/sha256:<hex>``) the container fetches bundles from."""
+    cpu: float = Field(1.0, gt=0)
+    memory_mb: int = Field(1024, ge=64)
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class KubernetesRuntimeConfig(_RemoteCommon):
+    """Each container is a pod, created through the official Kubernetes client."""
+
+    type: Literal["kubernetes"] = "kubernetes"
+    namespace: str = "default"
+    kubeconfig: str | None = None
+    """Path of a kubeconfig; None: in-cluster config, else ~/.kube/config."""
+    host: str | None = None
+    """API server URL, overriding the kubeconfig (tests point this at the fake API)."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    service_account: str | None = None
+    start_timeout_s: float = Field(120.0, gt=0)
+
+
+class DockerRuntimeConfig(_RemoteCommon):
+    """Each container is a Docker container on the local engine (docker SDK)."""
+
+    type: Literal["docker"] = "docker"
+    base_url: str | None = None
+    """Docker engine URL; None: the environment's (DOCKER_HOST or the local socket)."""
+    network: str | None = None
+
+
+class ModalRuntimeConfig(_RemoteCommon):
+    """Each container is a ``modal.Sandbox``; a sandbox is found again by its id."""
+
+    type: Literal["modal"] = "modal"
+    app_name: str = "rl-fabric-envs"
+    timeout_s: int = Field(3600, ge=10, le=86400)
+    """Sandbox lifetime (Modal allows up to 24 h)."""
+    block_network: bool = False
+    """True cuts the sandbox off the network (it can still serve its tunnel)."""
+
+
+RuntimeConfig = Annotated[
+    ProcessRuntimeConfig | KubernetesRuntimeConfig | DockerRuntimeConfig | ModalRuntimeConfig,
+    Field(discriminator="type"),
+]
 _adapter: TypeAdapter[Any] = TypeAdapter(RuntimeConfig)
 
 
@@ -65,7 +122,7 @@ _adapter: TypeAdapter[Any] = TypeAdapter(RuntimeConfig)
 class Container:
     id: str
     endpoint: str
-    """Unix socket path of its server."""
+    """Where its server listens: a Unix socket path, or ``tcp://host:port``."""
     image: str | None
     runtime: str
     pid: int | None = None
@@ -127,8 +184,22 @@ class Runtime(ABC):
 
 
 def make_runtime(config: Any) -> Runtime:
-    """A runtime from its config (or a dict with a ``type``). Other kinds plug in here."""
-    cfg = config if isinstance(config, ProcessRuntimeConfig) else _adapter.validate_python(config)
+    """A runtime from its config (or a dict with a ``type``); SDKs are imported only by the
+    runtime that needs them."""
+    cfg = config if isinstance(config, BaseModel) else _adapter.validate_python(config)
+    if isinstance(cfg, KubernetesRuntimeConfig):
+        from envpool.runtimes.kubernetes import KubernetesRuntime
+
+        return KubernetesRuntime(cfg)
+    if isinstance(cfg, DockerRuntimeConfig):
+        from envpool.runtimes.docker import DockerRuntime
+
+        return DockerRuntime(cfg)
+    if isinstance(cfg, ModalRuntimeConfig):
+        from envpool.runtimes.modal_ import ModalRuntime
+
+        return ModalRuntime(cfg)
     from envpool.runtimes.process import ProcessRuntime
 
+    assert isinstance(cfg, ProcessRuntimeConfig)
     return ProcessRuntime(cfg)
