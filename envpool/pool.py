@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from envpool.api import MAX_ACTION_BYTES, EnvRegistry, Observation, StepResult, check_action, default_registry
@@ -77,6 +77,15 @@ class PoolConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     runtime: RuntimeConfig = Field(default_factory=ProcessRuntimeConfig)
     """Where containers run: ``process`` (the embedded default), ``kubernetes``, ``docker``, ``modal``."""
+
+    @field_validator("runtime", mode="before")
+    @classmethod
+    def _default_runtime_type(cls, v: Any) -> Any:
+        # {"heartbeat_s": 0.1} means the embedded default; other kinds name their type
+        if isinstance(v, dict) and "type" not in v:
+            return {**v, "type": "process"}
+        return v
+
     min_warm: int = Field(2, ge=0)
     """Idle containers kept ready per image (once the image has been used or prewarmed)."""
     max_containers: int = Field(64, ge=1)
@@ -138,6 +147,12 @@ class EnvPool:
     async def __aenter__(self) -> EnvPool:
         import envpool.envs  # noqa: F401 - the built-in environments
 
+        try:
+            reaped = await self.runtime.reap_orphans()
+        except Exception as e:  # a cluster that cannot be listed must not stop the pool
+            self.metrics[f"reap_orphans_failed:{type(e).__name__}"] += 1
+        else:
+            self.metrics["orphans_reaped"] += len(reaped)
         self._maint = asyncio.get_running_loop().create_task(self._maintain())
         return self
 
@@ -195,6 +210,9 @@ class EnvPool:
     # ------------------------------------------------------------------ containers
     async def _bundle(self, image: str | None) -> Path | None:
         if image is None:
+            return None
+        if not self.runtime.uses_local_bundle:
+            digest_of(image)  # a bad reference is refused here; the container fetches the bundle
             return None
         if self.images is None:
             raise ValueError(f"image {image!r} given but the pool has no image cache (EnvPool(images=...))")

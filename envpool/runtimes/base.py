@@ -139,6 +139,9 @@ class Container:
 
 class Runtime(ABC):
     kind: ClassVar[str]
+    #: True when containers run on this machine and take an unpacked bundle directory; a
+    #: remote runtime passes the image digest and its container fetches the bundle itself.
+    uses_local_bundle: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.live: dict[str, Container] = {}
@@ -172,6 +175,12 @@ class Runtime(ABC):
 
     async def aclose(self) -> None:
         await asyncio.gather(*(self.stop(c) for c in list(self.live.values())), return_exceptions=True)
+
+    async def reap_orphans(self) -> list[str]:
+        """Remove containers left behind by owners that are gone (a crashed trainer);
+        return what was removed. Local runtimes need nothing: their containers die with
+        their parent."""
+        return []
 
     @abstractmethod
     async def _start(self, image: str | None, bundle: Path | None) -> Container: ...

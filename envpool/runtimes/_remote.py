@@ -1,0 +1,43 @@
+"""What the remote runtimes (kubernetes, docker, modal) share: the server command of a
+container with its own network, and starting through SDK calls that cannot be cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def server_command(config: Any, image: str | None) -> list[str]:
+    """TCP on ``config.port``, no network namespace of its own (the container is one), and
+    a custom image's bundle fetched by digest from ``config.image_source``."""
+    cmd = ["python", "-m", "envpool.server", "--tcp", f"0.0.0.0:{config.port}", "--no-netns"]
+    cmd += ["--heartbeat-s", str(config.heartbeat_s)]
+    if config.faults.crash_rate or config.faults.hang_rate:
+        cmd += ["--fault", json.dumps(config.faults.model_dump())]
+    if image is not None:
+        from envpool.images.bundle import ImageRef
+
+        if not config.image_source:
+            raise ValueError(
+                f"image {image!r} needs runtime.image_source: the container fetches its bundle there"
+            )
+        cmd += ["--image-digest", ImageRef.parse(image).digest, "--image-source", config.image_source]
+    return cmd
+
+
+async def create_or_clean(create: Awaitable[T], clean: Callable[[T], Awaitable[None]]) -> T:
+    """Await ``create`` (a blocking SDK call in a thread, which cancellation cannot stop);
+    if the caller is cancelled meanwhile (a start timeout, a closing pool), let it finish
+    and ``clean`` up what it made before the cancellation goes on: nothing is left running."""
+    task = asyncio.ensure_future(create)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await clean(await task)
+        raise

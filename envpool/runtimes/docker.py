@@ -1,0 +1,179 @@
+"""The ``docker`` runtime: each container is a Docker container on an engine (docker SDK).
+
+The container runs ``python -m envpool.server --tcp 0.0.0.0:<port>`` from ``config.image``
+(an OCI image with rl-fabric installed); its port is published on the host's loopback at a
+port the engine picks, and the pool speaks the session protocol to it over TCP. A custom
+environment image (a bundle) is fetched by the server itself from ``config.image_source``.
+
+The SDK is blocking: every call runs in a worker thread. Its errors are translated into
+envpool's in ``_translate`` (one place), with messages that say what to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any, TypeVar
+
+from envpool.errors import ContainerStartError, EnvPoolError, EnvUsageError
+from envpool.runtimes._remote import create_or_clean, server_command
+from envpool.runtimes.base import Container, DockerRuntimeConfig, Runtime
+
+T = TypeVar("T")
+
+MANAGED_BY = {"app.kubernetes.io/managed-by": "envpool"}
+"""Labels on every container the runtime starts (``docker ps --filter label=...`` finds them)."""
+
+
+def _import_docker() -> Any:
+    try:
+        import docker
+    except ImportError as e:  # a base install stays light: the SDK is an extra
+        raise ImportError("the docker runtime needs the docker SDK: pip install 'rl-fabric[docker]'") from e
+    return docker
+
+
+def run_kwargs(config: DockerRuntimeConfig, image: str | None, *, owner: int) -> dict[str, Any]:
+    """The arguments of ``client.containers.run`` for one container (pure: tested as is)."""
+    return {
+        "image": config.image,
+        "command": server_command(config, image),
+        "detach": True,
+        # the engine picks a free host port, bound to loopback only
+        "ports": {f"{config.port}/tcp": ("127.0.0.1", None)},
+        "labels": {**MANAGED_BY, "envpool.owner": str(owner)},
+        "nano_cpus": int(config.cpu * 1e9),
+        "mem_limit": f"{config.memory_mb}m",
+        "environment": dict(config.env),
+        "network": config.network,
+    }
+
+
+def _translate(docker: Any, e: Exception, config: DockerRuntimeConfig, what: str) -> EnvPoolError:
+    """A docker SDK error as an envpool error: a setup mistake is never retried, an engine
+    hiccup is an ``InfraError`` the pool retries."""
+    errors = docker.errors
+    if isinstance(e, errors.ImageNotFound):
+        return EnvUsageError(
+            f"docker: image {config.image!r} is not on the engine and could not be pulled: "
+            f"build or pull it (docker pull {config.image}), or set runtime.image ({e})"
+        )
+    if isinstance(e, errors.APIError):
+        return ContainerStartError(f"docker: the engine refused to {what}: {e.explanation or e}")
+    where = (
+        config.base_url or os.environ.get("DOCKER_HOST") or "the local socket (unix:///var/run/docker.sock)"
+    )
+    return ContainerStartError(
+        f"docker: engine not reachable at {where} ({e}); start Docker, or point "
+        "runtime.base_url (or DOCKER_HOST) at a running engine"
+    )
+
+
+class DockerRuntime(Runtime):
+    kind = "docker"
+    uses_local_bundle = False  # the container fetches its bundle from image_source
+
+    def __init__(self, config: DockerRuntimeConfig | None = None):
+        super().__init__()
+        self.config = config or DockerRuntimeConfig()
+        self._docker = _import_docker()
+        self._client: Any = None
+
+    async def _sdk(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        """Run a blocking SDK call in a thread, its errors translated."""
+        try:
+            return await asyncio.to_thread(fn, *args, **kw)
+        except self._docker.errors.DockerException as e:
+            raise _translate(self._docker, e, self.config, what) from e
+
+    def _connect(self) -> Any:
+        # the client asks the engine its API version on construction: this is where an
+        # unreachable engine shows
+        if self.config.base_url:
+            return self._docker.DockerClient(base_url=self.config.base_url)
+        return self._docker.from_env()
+
+    async def client(self) -> Any:
+        if self._client is None:
+            self._client = await self._sdk("connect", self._connect)
+        return self._client
+
+    async def _start(self, image: str | None, bundle: Path | None) -> Container:
+        client = await self.client()
+        kw = run_kwargs(self.config, image, owner=os.getpid())
+        ctr = await create_or_clean(
+            self._sdk("start a container", client.containers.run, **kw),
+            lambda ctr: asyncio.to_thread(ctr.remove, force=True),
+        )
+        c = Container(id=f"d-{ctr.id[:12]}", endpoint="", image=image, runtime=self.kind, handle=ctr.id)
+        try:
+            await self._sdk("inspect a container", ctr.reload)
+            bound = (ctr.attrs["NetworkSettings"]["Ports"] or {}).get(f"{self.config.port}/tcp") or []
+            if not bound:
+                raise ContainerStartError(
+                    f"docker: container {ctr.id[:12]} published no port for {self.config.port}/tcp "
+                    f"(status {ctr.status}); see `docker logs {ctr.id[:12]}`"
+                )
+            c.endpoint = f"tcp://127.0.0.1:{bound[0]['HostPort']}"
+            await self._wait_listening(c, ctr)
+        except BaseException:  # a timeout (cancellation) too: nothing is left behind
+            await asyncio.shield(self._stop(c))
+            raise
+        c.isolation = "docker"
+        return c
+
+    async def _wait_listening(self, c: Container, ctr: Any) -> None:
+        host, _, port = c.endpoint.removeprefix("tcp://").rpartition(":")
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while True:
+            try:
+                _, w = await asyncio.open_connection(host, int(port))
+                w.close()
+                return
+            except OSError:
+                pass
+            await self._sdk("inspect a container", ctr.reload)
+            if ctr.status in ("exited", "dead"):
+                raise ContainerStartError(
+                    f"docker: container {ctr.id[:12]} exited before it was ready; "
+                    f"see `docker logs {ctr.id[:12]}`"
+                )
+            if time.monotonic() > deadline:
+                raise ContainerStartError(
+                    f"docker: container {ctr.id[:12]} not listening on {c.endpoint} in "
+                    f"{self.config.start_timeout_s:g} s"
+                )
+            await asyncio.sleep(0.1)
+
+    async def _get(self, c: Container) -> Any:
+        """The SDK's container object, or None where the engine no longer has it."""
+        client = await self.client()
+        try:
+            return await asyncio.to_thread(client.containers.get, c.handle)
+        except self._docker.errors.NotFound:
+            return None
+        except self._docker.errors.DockerException as e:
+            raise _translate(self._docker, e, self.config, "inspect a container") from e
+
+    async def _stop(self, c: Container) -> None:
+        ctr = await self._get(c)
+        if ctr is None:
+            return
+        try:
+            await asyncio.to_thread(ctr.remove, force=True)
+        except self._docker.errors.NotFound:
+            pass  # gone already: that is what we wanted
+        except self._docker.errors.DockerException as e:
+            raise _translate(self._docker, e, self.config, "remove a container") from e
+
+    async def _alive(self, c: Container) -> bool:
+        ctr = await self._get(c)
+        return ctr is not None and ctr.status == "running"
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        if self._client is not None:
+            await asyncio.to_thread(self._client.close)
+            self._client = None

@@ -1,0 +1,362 @@
+"""The ``kubernetes`` runtime: each container is a pod running ``python -m envpool.server``
+over TCP, created through the official client (its sync API, in worker threads).
+
+    EnvPool({"runtime": {"type": "kubernetes", "image": "registry/rl-fabric-env:1.2", "namespace": "rl"}})
+
+A pod is ready when its phase is Running, it has an IP, and its server accepts a TCP
+connection at ``podIP:port``. The port is the container spec's ``containerPort``
+(``config.port``) unless the pod carries an ``envpool.dev/port`` annotation, which wins:
+the fake API (``envpool.runtimes.k8s_fake``) runs every pod on 127.0.0.1 and uses that
+annotation to say which port it picked.
+
+A custom environment image is not mounted into the pod (the pool's local bundle is of no
+use there): the pod's server fetches the bundle by digest from ``config.image_source``.
+
+Every pod is labelled ``app.kubernetes.io/managed-by: envpool`` and annotated with its owner
+(``envpool.dev/owner``: host/pid/runtime instance). ``reap_orphans()`` deletes pods whose
+owner on this host is gone; an exit hook deletes what this process still holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import json
+import os
+import secrets
+import socket
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from envpool.errors import ContainerStartError, EnvPoolError, InfraError
+from envpool.runtimes._remote import server_command
+from envpool.runtimes.base import Container, KubernetesRuntimeConfig, Runtime
+
+MANAGED_BY = ("app.kubernetes.io/managed-by", "envpool")
+OWNER_ANNOTATION = "envpool.dev/owner"
+PORT_ANNOTATION = "envpool.dev/port"
+IMAGE_ANNOTATION = "envpool.dev/image"
+# waiting reasons that never resolve by themselves: fail the start now, not at its timeout
+_FATAL_WAITING = frozenset(
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "ErrImageNeverPull",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "CrashLoopBackOff",
+    }
+)
+_REQUEST_TIMEOUT_S = 10.0
+
+_RUNTIMES: weakref.WeakSet[KubernetesRuntime] = weakref.WeakSet()
+
+
+@atexit.register
+def _delete_leftovers() -> None:
+    # exit backstop: a pool that was never closed does not leave its pods running
+    for rt in list(_RUNTIMES):
+        for name in list(rt._pods):
+            with contextlib.suppress(Exception):
+                rt._core.delete_namespaced_pod(
+                    name, rt.config.namespace, grace_period_seconds=0, _request_timeout=2
+                )
+
+
+def _import_kubernetes() -> Any:
+    try:
+        import kubernetes
+    except ImportError as e:
+        raise ImportError(
+            "the kubernetes runtime needs the official client: pip install 'rl-fabric[kubernetes]'"
+        ) from e
+    return kubernetes
+
+
+def _owner_id(instance: str) -> str:
+    return f"{socket.gethostname()}/{os.getpid()}/{instance}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
+class KubernetesRuntime(Runtime):
+    kind = "kubernetes"
+    uses_local_bundle = False  # the pod fetches its bundle from config.image_source
+
+    def __init__(self, config: KubernetesRuntimeConfig | None = None):
+        super().__init__()
+        self.config = config or KubernetesRuntimeConfig()
+        k8s = _import_kubernetes()
+        self._ApiException: type[Exception] = k8s.client.exceptions.ApiException
+        self._api_client = k8s.client.ApiClient(self._client_configuration(k8s))
+        self._core = k8s.client.CoreV1Api(self._api_client)
+        self._instance = secrets.token_hex(4)
+        self.owner = _owner_id(self._instance)
+        self._pods: set[str] = set()
+        """Pods this runtime created and has not deleted (starting ones included)."""
+        _RUNTIMES.add(self)
+
+    def _client_configuration(self, k8s: Any) -> Any:
+        cfg = self.config
+        conf = k8s.client.Configuration()
+        if cfg.host:  # an explicit API server (the fake in tests): plain HTTP, no auth
+            conf.host = cfg.host.rstrip("/")
+            return conf
+        if cfg.kubeconfig:
+            k8s.config.load_kube_config(config_file=cfg.kubeconfig, client_configuration=conf)
+            return conf
+        try:
+            k8s.config.load_incluster_config(client_configuration=conf)
+        except k8s.config.ConfigException:
+            k8s.config.load_kube_config(client_configuration=conf)
+        return conf
+
+    # ------------------------------------------------------------------ API calls
+    async def _api(
+        self, fn: Callable[..., Any], *args: Any, what: str, start: bool = False, **kw: Any
+    ) -> Any:
+        """Call the sync client in a worker thread; its errors become envpool's (the one
+        place they are translated): ContainerStartError while starting, else InfraError."""
+        kw.setdefault("_request_timeout", _REQUEST_TIMEOUT_S)
+        try:
+            return await asyncio.to_thread(fn, *args, **kw)
+        except Exception as e:
+            raise self._translate(e, what, start=start) from e
+
+    def _translate(self, e: Exception, what: str, *, start: bool) -> EnvPoolError:
+        err = ContainerStartError if start else InfraError
+        if isinstance(e, self._ApiException):
+            status = getattr(e, "status", None)
+            reason = getattr(e, "reason", None)
+            message = ""
+            with contextlib.suppress(TypeError, ValueError):
+                body = json.loads(getattr(e, "body", None) or "{}")
+                message = str(body.get("message") or "")
+                reason = body.get("reason") or reason
+            out = err(f"kubernetes: {what}: {status} {reason}" + (f": {message}" if message else ""))
+            out.status = status  # type: ignore[attr-defined]
+            out.reason = reason  # type: ignore[attr-defined]
+            return out
+        # urllib3 errors (connection refused, timeouts) and anything else the client raises
+        return err(f"kubernetes: {what}: cannot reach the API server: {type(e).__name__}: {e}")
+
+    @staticmethod
+    def _status_of(e: BaseException) -> int | None:
+        return getattr(e, "status", None)
+
+    # ------------------------------------------------------------------ pods
+    def _command(self, image: str | None) -> list[str]:
+        return server_command(self.config, image)
+
+    def _manifest(self, name: str, image: str | None) -> dict[str, Any]:
+        cfg = self.config
+        resources = {"cpu": f"{max(1, round(cfg.cpu * 1000))}m", "memory": f"{cfg.memory_mb}Mi"}
+        annotations = {OWNER_ANNOTATION: self.owner}
+        if image is not None:
+            annotations[IMAGE_ANNOTATION] = image
+        spec: dict[str, Any] = {
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "envpool",
+                    "image": cfg.image,
+                    "command": self._command(image),
+                    "ports": [{"containerPort": cfg.port, "protocol": "TCP"}],
+                    "resources": {"requests": resources, "limits": resources},
+                    "env": [{"name": k, "value": v} for k, v in cfg.env.items()],
+                    "terminationMessagePolicy": "FallbackToLogsOnError",
+                }
+            ],
+        }
+        if cfg.service_account:
+            spec["serviceAccountName"] = cfg.service_account
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "labels": {**cfg.labels, MANAGED_BY[0]: MANAGED_BY[1]},
+                "annotations": annotations,
+            },
+            "spec": spec,
+        }
+
+    async def _start(self, image: str | None, bundle: Path | None) -> Container:
+        del bundle  # a local path: of no use inside a pod (it fetches by digest instead)
+        ns = self.config.namespace
+        name = f"envpool-{secrets.token_hex(5)}"
+        manifest = self._manifest(name, image)
+        self._pods.add(name)
+        try:
+            await self._api(
+                self._core.create_namespaced_pod, ns, manifest, what=f"create pod {name}", start=True
+            )
+            host, port = await self._wait_running(name)
+            await self._wait_listening(name, host, port)
+        except BaseException:
+            # failed, timed out (cancelled by the base's wait_for) or aborted: no pod left behind
+            with contextlib.suppress(InfraError):  # still tracked: aclose and the exit hook retry
+                await asyncio.shield(self._delete(name))
+            raise
+        return Container(
+            id=name,
+            endpoint=f"tcp://{host}:{port}",
+            image=image,
+            runtime=self.kind,
+            isolation="pod",
+            handle=name,
+        )
+
+    async def _wait_running(self, name: str) -> tuple[str, int]:
+        delay = 0.02
+        while True:
+            pod = await self._api(
+                self._core.read_namespaced_pod,
+                name,
+                self.config.namespace,
+                what=f"read pod {name}",
+                start=True,
+            )
+            self._raise_if_failed(pod)
+            status = pod.status
+            if status is not None and status.phase == "Running" and status.pod_ip:
+                return status.pod_ip, self._port_of(pod)
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 1.0)
+
+    def _raise_if_failed(self, pod: Any) -> None:
+        name = pod.metadata.name
+        status = pod.status
+        if status is None:
+            return
+        for cs in status.container_statuses or []:
+            state = cs.state
+            waiting = state.waiting if state is not None else None
+            if waiting is not None and waiting.reason in _FATAL_WAITING:
+                raise ContainerStartError(
+                    f"kubernetes: pod {name} cannot start image {cs.image or self.config.image!r}: "
+                    f"{waiting.reason}: {waiting.message or ''}".rstrip(": ")
+                )
+        if status.phase in ("Failed", "Succeeded"):
+            detail = status.reason or status.message or ""
+            for cs in status.container_statuses or []:
+                term = cs.state.terminated if cs.state is not None else None
+                if term is not None:
+                    detail = (
+                        f"exit code {term.exit_code} ({term.reason}): {(term.message or '').strip()[-500:]}"
+                    )
+            raise ContainerStartError(
+                f"kubernetes: pod {name} ended ({status.phase}) before it was ready: {detail}"
+            )
+
+    def _port_of(self, pod: Any) -> int:
+        annotations = pod.metadata.annotations or {}
+        if PORT_ANNOTATION in annotations:
+            return int(annotations[PORT_ANNOTATION])
+        for c in pod.spec.containers:
+            for p in c.ports or []:
+                return int(p.container_port)
+        return self.config.port
+
+    async def _wait_listening(self, name: str, host: str, port: int) -> None:
+        """Running is not ready: the server may still be fetching its image or importing."""
+        delay = 0.02
+        while True:
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 2.0)
+            except (OSError, TimeoutError):
+                pod = await self._api(
+                    self._core.read_namespaced_pod,
+                    name,
+                    self.config.namespace,
+                    what=f"read pod {name}",
+                    start=True,
+                )
+                self._raise_if_failed(pod)
+                await asyncio.sleep(delay)
+                delay = min(delay * 1.5, 0.5)
+                continue
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+            return
+
+    async def _delete(self, name: str) -> None:
+        try:
+            await self._api(
+                self._core.delete_namespaced_pod,
+                name,
+                self.config.namespace,
+                grace_period_seconds=0,
+                what=f"delete pod {name}",
+            )
+        except InfraError as e:
+            if self._status_of(e) != 404:  # already gone is what we wanted
+                raise
+        self._pods.discard(name)
+
+    async def _stop(self, c: Container) -> None:
+        await self._delete(str(c.handle))
+
+    async def _alive(self, c: Container) -> bool:
+        try:
+            pod = await self._api(
+                self._core.read_namespaced_pod,
+                str(c.handle),
+                self.config.namespace,
+                what=f"read pod {c.handle}",
+            )
+        except InfraError as e:
+            if self._status_of(e) == 404:
+                return False
+            raise
+        return pod.status is not None and pod.status.phase == "Running"
+
+    async def reap_orphans(self) -> list[str]:
+        """Delete envpool pods whose owner is gone: a process on this host that exited, or
+        this runtime's own pods it no longer tracks. Pods of other hosts are left alone (their
+        liveness cannot be seen from here). Returns the names deleted."""
+        pods = await self._api(
+            self._core.list_namespaced_pod,
+            self.config.namespace,
+            label_selector=f"{MANAGED_BY[0]}={MANAGED_BY[1]}",
+            what="list pods",
+        )
+        host = socket.gethostname()
+        reaped = []
+        for pod in pods.items:
+            name = pod.metadata.name
+            owner = (pod.metadata.annotations or {}).get(OWNER_ANNOTATION, "")
+            o_host, _, rest = owner.partition("/")
+            o_pid, _, o_instance = rest.partition("/")
+            if o_host != host or not o_pid.isdigit():
+                continue
+            if int(o_pid) == os.getpid():
+                orphan = o_instance == self._instance and name not in self._pods
+            else:
+                orphan = not _pid_alive(int(o_pid))
+            if orphan:
+                self._pods.add(name)
+                await self._delete(name)
+                reaped.append(name)
+        self.metrics["reaped_orphans"] += len(reaped)
+        return reaped
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        # starts still in flight delete their own pods; anything else tracked goes now
+        await asyncio.gather(*(self._delete(n) for n in list(self._pods)), return_exceptions=True)
+        await asyncio.to_thread(self._api_client.close)
+        _RUNTIMES.discard(self)

@@ -1,0 +1,178 @@
+"""The ``modal`` runtime: each container is a ``modal.Sandbox`` running ``envpool.server``.
+
+The sandbox serves the session protocol on ``config.port``, exposed through an unencrypted
+Modal tunnel (the protocol is plain TCP); the pool connects to the tunnel's TCP socket. A
+sandbox is found again by its id (``reconnect``), so a pool that restarts can reattach to
+sandboxes it started. A custom environment image (a bundle) is fetched by the server itself
+from ``config.image_source``.
+
+``modal`` is imported lazily; tests inject ``envpool.runtimes.modal_fake`` instead, which
+runs each sandbox as a local process. Modal's errors are translated in ``_translate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from envpool.errors import ContainerDied, ContainerStartError, EnvPoolError, EnvUsageError
+from envpool.runtimes._remote import create_or_clean, server_command
+from envpool.runtimes.base import Container, ModalRuntimeConfig, Runtime
+
+
+def _import_modal() -> Any:
+    try:
+        import modal
+    except ImportError as e:  # a base install stays light: the SDK is an extra
+        raise ImportError("the modal runtime needs the modal SDK: pip install 'rl-fabric[modal]'") from e
+    return modal
+
+
+async def _call(fn: Any, *args: Any, **kw: Any) -> Any:
+    """Modal's async variant (``fn.aio``) where it has one, else the call in a thread."""
+    aio = getattr(fn, "aio", None)
+    if aio is not None:
+        return await aio(*args, **kw)
+    return await asyncio.to_thread(fn, *args, **kw)
+
+
+class ModalRuntime(Runtime):
+    kind = "modal"
+    uses_local_bundle = False  # the sandbox fetches its bundle from image_source
+
+    def __init__(self, config: ModalRuntimeConfig | None = None, *, modal_module: Any = None):
+        super().__init__()
+        self.config = config or ModalRuntimeConfig()
+        self.modal = modal_module if modal_module is not None else _import_modal()
+        self._app: Any = None
+
+    def _translate(self, e: Exception, what: str) -> EnvPoolError:
+        """A Modal error as an envpool error: a missing token is the caller's to fix (never
+        retried); anything else Modal raises is an ``InfraError`` the pool retries."""
+        exc = self.modal.exception
+        if isinstance(e, exc.AuthError):
+            return EnvUsageError(
+                f"modal: not authenticated ({e}); run `modal token new`, or set "
+                "MODAL_TOKEN_ID and MODAL_TOKEN_SECRET"
+            )
+        if isinstance(e, exc.NotFoundError):
+            return ContainerDied(f"modal: cannot {what}: {e} (the sandbox ended or the id is wrong)")
+        return ContainerStartError(f"modal: cannot {what}: {type(e).__name__}: {e}")
+
+    async def _modal(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        try:
+            return await _call(fn, *args, **kw)
+        except self.modal.exception.Error as e:
+            raise self._translate(e, what) from e
+
+    def create_args(self, image: str | None) -> tuple[list[str], dict[str, Any]]:
+        """The arguments of ``modal.Sandbox.create`` (minus ``app`` and ``image``)."""
+        cfg = self.config
+        kw: dict[str, Any] = {
+            "timeout": cfg.timeout_s,
+            "unencrypted_ports": [cfg.port],  # the session protocol is plain TCP, not TLS
+            "cpu": cfg.cpu,
+            "memory": cfg.memory_mb,
+            "block_network": cfg.block_network,
+        }
+        if cfg.env:
+            kw["env"] = dict(cfg.env)
+        return server_command(cfg, image), kw
+
+    async def _start(self, image: str | None, bundle: Path | None) -> Container:
+        m = self.modal
+        if self._app is None:
+            self._app = await self._modal(
+                "look up the app", m.App.lookup, self.config.app_name, create_if_missing=True
+            )
+        args, kw = self.create_args(image)
+        create = self._modal(
+            "create a sandbox",
+            m.Sandbox.create,
+            *args,
+            app=self._app,
+            image=m.Image.from_registry(self.config.image),
+            **kw,
+        )
+        sb = await create_or_clean(create, self._terminate)
+        try:
+            c = await self._container(sb, image)
+            await self._wait_listening(c, sb)
+        except BaseException:  # a timeout (cancellation) too: nothing is left running
+            await asyncio.shield(self._terminate(sb))
+            raise
+        return c
+
+    async def _container(self, sb: Any, image: str | None) -> Container:
+        tunnels = await self._modal("read the sandbox's tunnels", sb.tunnels)
+        tunnel = tunnels.get(self.config.port)
+        if tunnel is None:
+            raise ContainerStartError(
+                f"modal: sandbox {sb.object_id} has no tunnel for port {self.config.port}"
+            )
+        host, port = tunnel.tcp_socket
+        return Container(
+            id=f"m-{sb.object_id}",
+            endpoint=f"tcp://{host}:{port}",
+            image=image,
+            runtime=self.kind,
+            isolation="modal",
+            handle=sb.object_id,
+        )
+
+    async def _wait_listening(self, c: Container, sb: Any) -> None:
+        host, _, port = c.endpoint.removeprefix("tcp://").rpartition(":")
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while True:
+            try:
+                _, w = await asyncio.open_connection(host, int(port))
+                w.close()
+                return
+            except OSError:
+                pass
+            code = await self._modal("poll a sandbox", sb.poll)
+            if code is not None:
+                raise ContainerStartError(
+                    f"modal: sandbox {sb.object_id} exited (code {code}) before it was ready"
+                )
+            if time.monotonic() > deadline:
+                raise ContainerStartError(
+                    f"modal: sandbox {sb.object_id} not listening on {c.endpoint} in "
+                    f"{self.config.start_timeout_s:g} s"
+                )
+            await asyncio.sleep(0.1)
+
+    async def reconnect(self, sandbox_id: str, image: str | None = None) -> Container:
+        """The container of a sandbox started earlier (by this pool or a previous one), found
+        by its id; it joins this runtime's live containers (``stop`` terminates it)."""
+        sb = await self._modal(f"find sandbox {sandbox_id}", self.modal.Sandbox.from_id, sandbox_id)
+        code = await self._modal("poll a sandbox", sb.poll)
+        if code is not None:
+            raise ContainerDied(f"modal: sandbox {sandbox_id} has exited (code {code})")
+        c = await self._container(sb, image)
+        self.live[c.id] = c
+        return c
+
+    async def _terminate(self, sb: Any) -> None:
+        try:
+            await _call(sb.terminate)
+        except self.modal.exception.NotFoundError:
+            pass  # gone already: that is what we wanted
+
+    async def _stop(self, c: Container) -> None:
+        try:
+            sb = await _call(self.modal.Sandbox.from_id, c.handle)
+        except self.modal.exception.NotFoundError:
+            return
+        except self.modal.exception.Error as e:
+            raise self._translate(e, f"terminate sandbox {c.handle}") from e
+        await self._terminate(sb)
+
+    async def _alive(self, c: Container) -> bool:
+        try:
+            sb = await _call(self.modal.Sandbox.from_id, c.handle)
+            return await _call(sb.poll) is None
+        except self.modal.exception.NotFoundError:
+            return False

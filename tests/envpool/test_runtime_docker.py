@@ -1,0 +1,167 @@
+"""The docker runtime. Tests that need an engine are skipped where none runs (never faked);
+the arguments it builds and its errors without an engine are tested everywhere."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from envpool.errors import ContainerStartError, EnvUsageError
+from envpool.pool import EnvPool
+from envpool.runtimes.base import DockerRuntimeConfig
+from envpool.runtimes.docker import DockerRuntime, _translate, run_kwargs
+
+docker = pytest.importorskip("docker")
+
+DIGEST = "sha256:" + "cd" * 32
+
+
+def _engine() -> bool:
+    try:
+        client = docker.from_env(timeout=2)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:
+        return False
+
+
+ENGINE = _engine()
+needs_engine = pytest.mark.skipif(not ENGINE, reason="no Docker engine on this machine")
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # closed again when the block ends: nothing listens
+
+
+def test_run_arguments_for_the_built_ins():
+    cfg = DockerRuntimeConfig(image="envs:1", port=7100, cpu=0.5, memory_mb=256, heartbeat_s=0.2)
+    kw = run_kwargs(cfg, None, owner=42)
+    assert kw == {
+        "image": "envs:1",
+        "command": [
+            "python",
+            "-m",
+            "envpool.server",
+            "--tcp",
+            "0.0.0.0:7100",
+            "--no-netns",
+            "--heartbeat-s",
+            "0.2",
+        ],
+        "detach": True,
+        "ports": {"7100/tcp": ("127.0.0.1", None)},
+        "labels": {"app.kubernetes.io/managed-by": "envpool", "envpool.owner": "42"},
+        "nano_cpus": 500_000_000,
+        "mem_limit": "256m",
+        "environment": {},
+        "network": None,
+    }
+
+
+def test_run_arguments_for_a_bundle_image():
+    cfg = DockerRuntimeConfig(image_source="http://mirror:8080", env={"K": "v"}, network="envnet")
+    kw = run_kwargs(cfg, f"echo@{DIGEST}", owner=7)
+    cmd = kw["command"]
+    assert cmd[cmd.index("--image-digest") + 1] == DIGEST
+    assert cmd[cmd.index("--image-source") + 1] == "http://mirror:8080"
+    assert kw["environment"] == {"K": "v"} and kw["network"] == "envnet"
+    # without a source the container has nowhere to fetch from: a clear error, not a dead container
+    with pytest.raises(ValueError, match=r"needs runtime\.image_source"):
+        run_kwargs(DockerRuntimeConfig(), f"echo@{DIGEST}", owner=7)
+    faulty = DockerRuntimeConfig(faults={"crash_rate": 0.1})
+    assert '{"crash_rate": 0.1, "hang_rate": 0.0}' in run_kwargs(faulty, None, owner=7)["command"]
+
+
+@pytest.mark.parametrize(
+    "base_url",
+    [f"tcp://127.0.0.1:{_closed_port()}", "unix:///nonexistent/envpool-test/docker.sock"],
+)
+async def test_an_unreachable_engine_is_a_clear_error(base_url):
+    rt = DockerRuntime(DockerRuntimeConfig(base_url=base_url))
+    with pytest.raises(ContainerStartError, match="engine not reachable") as e:
+        await rt.start(None, None, timeout_s=20)
+    assert base_url in str(e.value) and "runtime.base_url" in str(e.value)
+    assert rt.live == {} and rt.metrics["start_failures"] == 1
+    await rt.aclose()
+
+
+def test_a_missing_image_is_the_callers_to_fix():
+    cfg = DockerRuntimeConfig(image="nosuch:1")
+    err = _translate(docker, docker.errors.ImageNotFound("not found"), cfg, "start a container")
+    assert isinstance(err, EnvUsageError) and "docker pull nosuch:1" in str(err)
+    err = _translate(docker, docker.errors.APIError("conflict"), cfg, "start a container")
+    assert isinstance(err, ContainerStartError) and "refused to start a container" in str(err)
+
+
+def test_make_runtime_builds_it_from_a_dict():
+    p = EnvPool({"runtime": {"type": "docker", "base_url": "tcp://127.0.0.1:1"}})
+    assert isinstance(p.runtime, DockerRuntime) and p.runtime.config.base_url == "tcp://127.0.0.1:1"
+
+
+# -- with an engine ----------------------------------------------------------------------
+IMAGE = os.environ.get("ENVPOOL_DOCKER_IMAGE", "rl-fabric-env:latest")
+"""An image with rl-fabric installed (``make docker-image``, or set ENVPOOL_DOCKER_IMAGE)."""
+
+
+def _have_image() -> bool:
+    if not ENGINE:
+        return False
+    client = docker.from_env()
+    try:
+        client.images.get(IMAGE)
+        return True
+    except docker.errors.ImageNotFound:
+        return False
+    finally:
+        client.close()
+
+
+needs_image = pytest.mark.skipif(not _have_image(), reason=f"no Docker engine, or no {IMAGE} image")
+
+
+@needs_engine
+@needs_image
+async def test_a_session_runs_in_a_docker_container():
+    cfg = {"min_warm": 0, "runtime": {"type": "docker", "image": IMAGE, "heartbeat_s": 0.2}}
+    async with EnvPool(cfg) as p:
+        async with p.session("echo-v0") as s:
+            obs, _ = await s.reset(seed=2)
+            assert obs.text == "echo ready (seed=2)" and (await s.step("x")).obs.text == "x"
+            assert s.container is not None and s.container.endpoint.startswith("tcp://127.0.0.1:")
+            cid = s.container.handle
+    client = docker.from_env()
+    try:
+        with pytest.raises(docker.errors.NotFound):
+            client.containers.get(cid)  # removed when the pool closed
+    finally:
+        client.close()
+
+
+@needs_engine
+@needs_image
+async def test_a_killed_container_is_not_alive_and_stop_ignores_it():
+    rt = DockerRuntime(DockerRuntimeConfig(image=IMAGE))
+    c = await rt.start(None, None, timeout_s=60)
+    assert await rt.alive(c)
+    client = docker.from_env()
+    try:
+        client.containers.get(c.handle).remove(force=True)
+    finally:
+        client.close()
+    assert not await rt.alive(c)
+    await rt.stop(c)  # NotFound is fine
+    await rt.aclose()
+
+
+@needs_engine
+async def test_an_image_the_engine_cannot_find_is_a_clear_error():
+    rt = DockerRuntime(DockerRuntimeConfig(image="envpool-test/no-such-image:0"))
+    with pytest.raises((EnvUsageError, ContainerStartError), match="no-such-image"):
+        await rt.start(None, None, timeout_s=60)
+    await rt.aclose()

@@ -1,0 +1,168 @@
+"""The kubernetes runtime against ``FakeKubernetesAPI``: the official client over real HTTP,
+each pod a real ``envpool.server`` process on 127.0.0.1 reached over TCP."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from echo_bundle import write_bundle
+
+from envpool.images.bundle import build_bundle
+from envpool.images.fake_origin import FakeOrigin
+from envpool.pool import EnvPool, SessionLost
+from envpool.runtimes.k8s_fake import FakeKubernetesAPI
+from envpool.runtimes.kubernetes import KubernetesRuntime
+
+pytest.importorskip("kubernetes")
+# raised inside the kubernetes client when it builds an ApiException, not ours to fix
+pytestmark = pytest.mark.filterwarnings("ignore:HTTPResponse.getheaders:DeprecationWarning")
+
+IMAGE = "rl-fabric-env:test"
+
+
+@pytest.fixture
+def api() -> Iterator[FakeKubernetesAPI]:
+    with FakeKubernetesAPI() as fake:
+        yield fake
+        pids = fake.processes()
+    assert not pids or all(not _alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[1][0] != "Z"
+
+
+def pool(api: FakeKubernetesAPI, *, images: object = None, attempts: int = 3, **runtime: object) -> EnvPool:
+    rt = {"type": "kubernetes", "host": api.url, "image": IMAGE, "heartbeat_s": 0.2, "start_timeout_s": 15}
+    rt.update(runtime)
+    cfg = {
+        "runtime": rt,
+        "min_warm": 0,
+        "retry": {"attempts": attempts, "initial_backoff_s": 0.01, "max_backoff_s": 0.05},
+    }
+    return EnvPool(cfg, images=images)  # type: ignore[arg-type]
+
+
+async def test_session_over_tcp_with_affinity_and_stop_deletes_the_pod(api):
+    async with pool(api) as p:
+        async with p.session("echo-v0") as s:
+            assert isinstance(p.runtime, KubernetesRuntime)
+            await s.reset(seed=3)
+            names = set()
+            for i in range(4):
+                r = await s.step(f"a{i}")
+                assert f"a{i}" in r.obs.text
+                names.add(s.container.handle)
+            assert len(names) == 1  # every step reached the same pod
+            (name,) = names
+            assert s.container.endpoint.startswith("tcp://127.0.0.1:")
+            pod = api.pod(name)
+            assert pod["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "envpool"
+            c = pod["spec"]["containers"][0]
+            assert c["image"] == IMAGE and pod["spec"]["restartPolicy"] == "Never"
+            assert c["command"][:6] == [
+                "python",
+                "-m",
+                "envpool.server",
+                "--tcp",
+                "0.0.0.0:7000",
+                "--no-netns",
+            ]
+            assert c["resources"]["limits"] == {"cpu": "1000m", "memory": "1024Mi"}
+            assert api.pod_names() == [name]
+        # the session released it idle; closing the pool stops it: the pod is deleted
+    assert api.pod_names() == []
+    assert api.requests["DELETE pod"] >= 1
+
+
+async def test_a_pod_killed_behind_the_pools_back_is_replaced(api):
+    async with pool(api) as p, p.session("echo-v0") as s:
+        await s.reset(seed=1)
+        await s.step("x")
+        first = s.container.handle
+        api.kill(first)
+        r = await s.step("y")  # the pool replays reset + "x" on a new pod, then steps
+        assert "y" in r.obs.text
+        assert s.container.handle != first
+        assert first not in api.pod_names()  # the dead pod was deleted, not leaked
+        assert p.metrics["replays"] >= 1 and s.status == "ok"
+    assert api.pod_names() == []
+
+
+async def test_image_pull_error_fails_fast_with_the_image_name(api):
+    api.image_pull_error_for.add("rl-fabric-env:missing")
+    async with pool(api, image="rl-fabric-env:missing", attempts=2) as p:
+        with pytest.raises(
+            SessionLost, match=r"ErrImagePull.*rl-fabric-env:missing|rl-fabric-env:missing.*ErrImagePull"
+        ):
+            async with p.session("echo-v0"):
+                pass
+        assert p.runtime.metrics["start_failures"] == 2
+    assert api.pod_names() == []  # the failed pods were deleted
+
+
+async def test_api_500_on_create_is_retried(api):
+    api.fail_next_create.append(500)
+    async with pool(api) as p, p.session("echo-v0") as s:
+        await s.reset(seed=0)
+        assert api.requests["POST pods"] == 2
+        assert p.metrics["claim_retries"] == 1
+        assert "500" in s.failures[0] and "InternalError" in s.failures[0]
+    assert api.pod_names() == []
+
+
+async def test_custom_image_is_fetched_by_the_pod_from_the_image_source(api, tmp_path: Path):
+    bundle = build_bundle(write_bundle(tmp_path / "src"))
+    with FakeOrigin({bundle.digest: bundle.data}) as origin:
+        # no local image cache at all: the pod fetches the bundle itself
+        async with pool(api, image_source=origin.url) as p:
+            async with p.session("bundle-echo-v0", image=f"echo@{bundle.digest}") as s:
+                obs, _ = await s.reset(seed=5)
+                assert obs.text == "ready 5"
+                assert (await s.step("hi")).obs.text == "hi #1"
+                cmd = api.pod(s.container.handle)["spec"]["containers"][0]["command"]
+                assert cmd[cmd.index("--image-digest") + 1] == bundle.digest
+                assert cmd[cmd.index("--image-source") + 1] == origin.url
+            assert origin.blob_requests[bundle.digest] >= 1
+    assert api.pod_names() == []
+
+
+async def test_reap_orphans_deletes_pods_of_dead_owners(api):
+    async with pool(api) as p:
+        rt = p.runtime
+        assert isinstance(rt, KubernetesRuntime)
+        c = await rt.start(None, None, timeout_s=15)
+        # a pod left behind by a process of this host that has since exited
+        proc = await asyncio.create_subprocess_exec("true")
+        await proc.wait()
+        leaked = {
+            "metadata": {
+                "name": "envpool-dead0",
+                "labels": {"app.kubernetes.io/managed-by": "envpool"},
+                "annotations": {"envpool.dev/owner": f"{socket.gethostname()}/{proc.pid}/x"},
+            },
+            "spec": {"containers": [{"name": "c", "image": IMAGE, "command": ["sleep", "60"]}]},
+        }
+        assert api.create("default", leaked)[0] == 201
+        elsewhere = {"envpool.dev/owner": "elsewhere/1/x"}  # another host: not ours to judge
+        other = {
+            **leaked,
+            "metadata": {**leaked["metadata"], "name": "envpool-other0", "annotations": elsewhere},
+        }
+        assert api.create("default", other)[0] == 201
+        reaped = await rt.reap_orphans()
+        assert reaped == ["envpool-dead0"]
+        assert sorted(api.pod_names()) == sorted([c.handle, "envpool-other0"])
+        api.delete("default", "envpool-other0")
+        assert await rt.alive(c)
+    assert api.pod_names() == []

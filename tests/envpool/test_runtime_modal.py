@@ -1,0 +1,160 @@
+"""The modal runtime against ``envpool.runtimes.modal_fake`` (each sandbox a local server
+process), and the real ``modal`` package without a token."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from envpool.connection import Connection
+from envpool.errors import ContainerDied, EnvUsageError
+from envpool.pool import EnvPool
+from envpool.runtimes.base import ModalRuntimeConfig
+from envpool.runtimes.modal_ import ModalRuntime
+from envpool.runtimes.modal_fake import FakeModal
+
+DIGEST = "sha256:" + "ab" * 32
+
+
+@pytest.fixture
+def fake():
+    f = FakeModal()
+    yield f
+    f.close()
+
+
+def modal_pool(fake: FakeModal, **cfg) -> EnvPool:
+    cfg.setdefault("min_warm", 0)
+    cfg.setdefault("runtime", {"type": "modal", "heartbeat_s": 0.2})
+    p = EnvPool(cfg)
+    assert isinstance(p.config.runtime, ModalRuntimeConfig)
+    p.runtime = ModalRuntime(p.config.runtime, modal_module=fake)  # the pool only asks its runtime
+    return p
+
+
+async def test_a_session_runs_over_a_sandbox_tunnel(fake):
+    async with modal_pool(fake) as p, p.session("echo-v0") as s:
+        obs, info = await s.reset(seed=3)
+        assert obs.text == "echo ready (seed=3)" and info == {"seed": 3}
+        assert (await s.step("hi")).obs.text == "hi"
+        c = s.container
+        assert c is not None and c.runtime == "modal" and c.endpoint.startswith("tcp://127.0.0.1:")
+        assert c.handle in fake.running()
+        sb = fake.sandboxes[c.handle]
+        assert sb.app.name == "rl-fabric-envs" and sb.image.tag == "rl-fabric-env:latest"
+        assert sb.kwargs == {
+            "timeout": 3600,
+            "unencrypted_ports": [7000],
+            "cpu": 1.0,
+            "memory": 1024,
+            "block_network": False,
+        }
+
+
+def test_the_sandbox_command_serves_tcp_and_fetches_a_bundle_by_digest():
+    cfg = ModalRuntimeConfig(image_source="http://mirror:8080", env={"A": "1"}, block_network=True)
+    args, kw = ModalRuntime(cfg, modal_module=FakeModal()).create_args(f"echo@{DIGEST}")
+    assert args[:6] == ["python", "-m", "envpool.server", "--tcp", "0.0.0.0:7000", "--no-netns"]
+    assert args[args.index("--image-digest") + 1] == DIGEST
+    assert args[args.index("--image-source") + 1] == "http://mirror:8080"
+    assert kw["env"] == {"A": "1"} and kw["block_network"] is True
+
+
+async def test_reconnect_by_sandbox_id_gives_a_working_container(fake):
+    cfg = ModalRuntimeConfig(heartbeat_s=0.2)
+    first = ModalRuntime(cfg, modal_module=fake)
+    c = await first.start(None, None, timeout_s=30)
+    # another runtime (a restarted pool) finds the sandbox by its id alone
+    again = ModalRuntime(cfg, modal_module=fake)
+    c2 = await again.reconnect(c.handle)
+    assert c2.endpoint == c.endpoint and c2.id in again.live and await again.alive(c2)
+    conn = await Connection.open(c2.endpoint, heartbeat_s=0.2, misses=4, tool_caller=None)
+    try:
+        await conn.request({"op": "open", "id": 0, "token": "t", "env_id": "echo-v0", "kwargs": {}}, 10)
+        step = await conn.request({"op": "reset", "token": "t", "args": {"seed": 1}}, 10)
+        assert step["obs"]["text"] == "echo ready (seed=1)"
+    finally:
+        conn.close()
+    await again.aclose()  # stop terminates the sandbox, whoever started it
+    assert fake.running() == [] and not await first.alive(c)
+    with pytest.raises(ContainerDied, match="has exited"):
+        await again.reconnect(c.handle)
+    await first.aclose()
+
+
+async def test_a_sandbox_that_dies_is_replaced_and_the_episode_replayed(fake):
+    async with modal_pool(fake) as p, p.session("echo-v0") as s:
+        await s.reset(seed=1)
+        await s.step("a")
+        assert s.container is not None
+        old = s.container.handle
+        fake.kill(old)
+        r = await s.step("b")
+        assert r.obs.text == "b" and r.info == {"steps": 2}  # same episode, on a new sandbox
+        assert s.container is not None and s.container.handle != old and s.status == "ok"
+        assert p.stats()["replays"] == 1
+        assert fake.running() == [s.container.handle]
+
+
+async def test_stop_terminates_every_sandbox(fake):
+    async with modal_pool(fake, min_warm=2) as p:
+        await p.prewarm(None)
+        async with p.session("echo-v0") as s:
+            await s.reset()
+        assert len(fake.running()) >= 2
+    assert fake.running() == [] and len(fake.sandboxes) >= 2
+
+
+async def test_a_missing_token_is_a_clear_error_at_once():
+    rt = ModalRuntime(ModalRuntimeConfig(), modal_module=FakeModal(authenticated=False))
+    with pytest.raises(EnvUsageError, match="modal token new"):
+        await rt.start(None, None, timeout_s=5)
+    assert rt.live == {}
+
+
+def _has_modal_token() -> bool:
+    import modal.config
+
+    return bool(modal.config.config.get("token_id"))
+
+
+async def test_the_real_modal_without_a_token_is_a_clear_error_at_once():
+    pytest.importorskip("modal")
+    if _has_modal_token():
+        pytest.skip("a Modal token is configured here: this test is for machines without one")
+    rt = ModalRuntime(ModalRuntimeConfig())
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(EnvUsageError, match="modal token new"):
+        await rt.start(None, None, timeout_s=20)
+    assert loop.time() - t0 < 5  # modal checks the token before any network call
+
+
+async def test_a_missing_token_ends_a_session_without_retries():
+    p = EnvPool({"min_warm": 0, "runtime": {"type": "modal"}})
+    p.runtime = ModalRuntime(p.config.runtime, modal_module=FakeModal(authenticated=False))  # type: ignore[arg-type]
+    async with p:
+        with pytest.raises(EnvUsageError, match="not authenticated"):
+            async with p.session("echo-v0"):
+                pass
+        assert p.stats().get("claim_retries", 0) == 0
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.1, 0.4])
+async def test_a_start_cancelled_midway_leaves_no_sandbox(after_s):
+    # cancelled before, during (create takes 0.2 s) and after the sandbox's create call
+    fake = FakeModal(create_delay_s=0.2)
+    rt = ModalRuntime(ModalRuntimeConfig(), modal_module=fake)
+    t = asyncio.get_running_loop().create_task(rt.start(None, None, timeout_s=30))
+    await asyncio.sleep(after_s)
+    t.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await t
+    await rt.aclose()
+    await asyncio.sleep(0.3)  # a create still running in its thread would have finished by now
+    try:
+        assert fake.running() == []
+    finally:
+        fake.close()
