@@ -1,0 +1,178 @@
+r"""``format_reward``: does the completion have the structure the task asks for?
+
+Rules are configured per call (``rules`` in the payload) and each enabled rule gives one
+component, 1.0 or 0.0; the score is their mean. A rule set to ``null``/``false`` (or left
+out) is off. Without ``rules`` the default is the reasoning format most RL recipes use::
+
+    {"tags": ["think"], "answer_after_tag": "think", "boxed_once": true, "nothing_after_answer": true}
+
+The "final answer" is the last ``\boxed{...}`` of the completion.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+import fabric
+from fabric.protocol import RewardResult, Trajectory
+
+_BOXED = re.compile(r"\\boxed\{")
+_TAG_NAME = re.compile(r"^[A-Za-z][\w:-]*$")
+_CLOSING_TAG = re.compile(r"</[A-Za-z][\w:-]*>")
+# what may follow the final answer under nothing_after_answer: closing math/punctuation
+_TRAILING_OK = set(" \t\r\n$.)]")
+
+
+class FormatRules(BaseModel):
+    """Which structural rules to check; every field is one rule (``None`` = off)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tags: list[str] | None = None
+    """Each ``<tag>...</tag>`` pair appears exactly once, unnested, in this order
+    (``["think", "answer"]``: the thinking comes before the answer)."""
+    answer_after_tag: str | None = None
+    r"""The completion opens with ``<tag>`` and the final answer (last ``\boxed{}``) begins
+    after its ``</tag>``: "think first, then answer"."""
+    boxed_once: bool | None = None
+    r"""``\boxed{...}`` appears exactly once, with balanced braces."""
+    max_chars: int | None = Field(None, gt=0)
+    """The completion is at most this many characters long."""
+    nothing_after_answer: bool | str | None = None
+    r"""``true``: nothing but whitespace, ``$``, ``.``, brackets and closing tags after the final
+    ``\boxed{}``; a string (such as ``"</answer>"``): nothing but whitespace after its last
+    occurrence."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_rules(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(cls.model_fields))
+            if unknown:
+                raise ValueError(
+                    f"unknown format rule(s) {', '.join(map(repr, unknown))}; "
+                    f"known rules: {', '.join(cls.model_fields)}"
+                )
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> FormatRules:
+        if not self.enabled():
+            raise ValueError(
+                f"no format rule is enabled; set at least one of: {', '.join(FormatRules.model_fields)}"
+            )
+        for tag in [*(self.tags or []), *([self.answer_after_tag] if self.answer_after_tag else [])]:
+            if not _TAG_NAME.match(tag):
+                raise ValueError(f"{tag!r} is not a tag name (write 'think', not '<think>')")
+        return self
+
+    def enabled(self) -> dict[str, Any]:
+        """The rules that are on, in field order, with their settings."""
+        return {k: v for k, v in self if v is not None and v is not False}
+
+
+DEFAULT_RULES = FormatRules(
+    tags=["think"], answer_after_tag="think", boxed_once=True, nothing_after_answer=True
+)
+
+
+def boxed_spans(text: str) -> list[tuple[int, int] | None]:
+    r"""``(start, end)`` of every ``\boxed{...}`` (end is past the closing brace); ``None``
+    for one whose braces never balance."""
+    spans: list[tuple[int, int] | None] = []
+    for m in _BOXED.finditer(text):
+        depth = 1
+        for j in range(m.end(), len(text)):
+            if text[j] == "{":
+                depth += 1
+            elif text[j] == "}":
+                depth -= 1
+                if depth == 0:
+                    spans.append((m.start(), j + 1))
+                    break
+        else:
+            spans.append(None)
+    return spans
+
+
+def _tags_ok(text: str, tags: list[str]) -> bool:
+    pos = 0
+    for tag in tags:
+        open_, close = f"<{tag}>", f"</{tag}>"
+        if text.count(open_) != 1 or text.count(close) != 1:
+            return False
+        start, end = text.find(open_), text.find(close)
+        if start < pos or end < start:  # out of order, overlapping, or closed before opened
+            return False
+        pos = end + len(close)
+    return True
+
+
+def _final_answer(text: str) -> tuple[int, int] | None:
+    spans = boxed_spans(text)
+    return spans[-1] if spans else None
+
+
+def _answer_after_tag(text: str, tag: str) -> bool:
+    answer = _final_answer(text)
+    close = text.find(f"</{tag}>")
+    return (
+        answer is not None
+        and text.lstrip().startswith(f"<{tag}>")
+        and text.count(f"<{tag}>") == 1
+        and 0 <= close < answer[0]
+    )
+
+
+def _nothing_after(text: str, marker: bool | str) -> bool:
+    if isinstance(marker, str):
+        at = text.rfind(marker)
+        return at >= 0 and not text[at + len(marker) :].strip()
+    answer = _final_answer(text)
+    if answer is None:
+        return False
+    rest = _CLOSING_TAG.sub("", text[answer[1] :])
+    return set(rest) <= _TRAILING_OK
+
+
+def check_rule(text: str, rule: str, setting: Any) -> bool:
+    """Whether ``text`` passes one rule (``rule`` is a ``FormatRules`` field name)."""
+    if rule == "tags":
+        return _tags_ok(text, setting)
+    if rule == "answer_after_tag":
+        return _answer_after_tag(text, setting)
+    if rule == "boxed_once":
+        return len(spans := boxed_spans(text)) == 1 and spans[0] is not None
+    if rule == "max_chars":
+        return len(text) <= setting
+    if rule == "nothing_after_answer":
+        return _nothing_after(text, setting)
+    raise ValueError(f"unknown format rule {rule!r}; known rules: {', '.join(FormatRules.model_fields)}")
+
+
+_EXAMPLE = "<think>6 * 7 is 42.</think>\nThe answer is \\boxed{42}."
+
+
+@fabric.reward(
+    warm=1,
+    timeout_s=5,
+    max_batch=64,
+    examples=(
+        {"traj": {"messages": [{"role": "assistant", "content": _EXAMPLE}]}},
+        {"traj": "no tags, \\boxed{1} and \\boxed{2}", "rules": {"boxed_once": True, "max_chars": 100}},
+    ),
+)
+def format_reward(traj: Trajectory | str, *, rules: FormatRules | None = None) -> RewardResult:
+    """Structure of the final completion: one 1.0/0.0 component per rule, score = their mean."""
+    text = traj if isinstance(traj, str) else traj.final_text()
+    # in-process callers may pass a plain dict; the JSON path already validated it
+    if rules is None:
+        rules = DEFAULT_RULES
+    elif not isinstance(rules, FormatRules):
+        rules = FormatRules.model_validate(rules)
+    components = {rule: float(check_rule(text, rule, setting)) for rule, setting in rules.enabled().items()}
+    score = sum(components.values()) / len(components)
+    return RewardResult(score=score, components=components, info={"chars": len(text)})

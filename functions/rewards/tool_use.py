@@ -1,0 +1,132 @@
+"""``tool_use_reward``: how well a trajectory used its tools.
+
+Components, each in [0, 1]:
+
+* ``valid_calls``: share of the assistant's tool calls whose ``arguments`` are a JSON object
+  and whose name is in ``allowed_tools`` (any name when ``allowed_tools`` is not given);
+* ``answered_calls``: share of calls followed by a ``role: "tool"`` message with the same
+  ``tool_call_id``;
+* ``no_errors``: share of tool results whose content does not start with ``error_prefix``
+  (``"error:"``, case-insensitive);
+* ``within_budget``: 1.0 when ``min_calls <= calls <= max_calls``.
+
+A share over no calls (or no results) is 1.0: nothing was done wrong; ask for ``min_calls``
+when the task needs tools. The score is the weighted mean of the components, every weight
+1.0 by default; ``weights`` overrides some or all (0 drops a component).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import fabric
+from fabric.protocol import RewardResult, ToolCall, Trajectory
+
+COMPONENTS = ("valid_calls", "answered_calls", "no_errors", "within_budget")
+DEFAULT_WEIGHTS: dict[str, float] = dict.fromkeys(COMPONENTS, 1.0)
+
+
+def check_weights(weights: dict[str, float], known: tuple[str, ...] | None = None) -> None:
+    """``ValueError`` for unknown names, negative or non-finite weights, or all zero."""
+    if known is not None:
+        unknown = sorted(set(weights) - set(known))
+        if unknown:
+            raise ValueError(
+                f"unknown component(s) {', '.join(map(repr, unknown))} in weights; known: {', '.join(known)}"
+            )
+    bad = {k: w for k, w in weights.items() if not (0.0 <= w < float("inf"))}
+    if bad:
+        raise ValueError(f"weights must be finite and >= 0, got {bad}")
+    if not any(weights.values()):
+        raise ValueError("all weights are zero; at least one component must count")
+
+
+def _call_problem(call: ToolCall, allowed: set[str] | None) -> str | None:
+    name = call.function.get("name")
+    if not isinstance(name, str) or not name:
+        return "no tool name"
+    if allowed is not None and name not in allowed:
+        return f"unknown tool {name!r}"
+    args = call.function.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return "arguments are not valid JSON"
+    if not isinstance(args, dict):
+        return "arguments are not a JSON object"
+    return None
+
+
+_EXAMPLE_TRAJ = {
+    "messages": [
+        {"role": "user", "content": "What is 6 * 7?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "function": {"name": "calculator", "arguments": '{"expression": "6*7"}'}},
+                {"id": "c2", "function": {"name": "search", "arguments": "{bad json"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        {"role": "assistant", "content": "The answer is 42."},
+    ]
+}
+
+
+@fabric.reward(
+    warm=1,
+    timeout_s=5,
+    max_batch=64,
+    examples=(
+        {"traj": _EXAMPLE_TRAJ, "allowed_tools": ["calculator"], "max_calls": 4},
+        {"traj": _EXAMPLE_TRAJ, "weights": {"within_budget": 0.0, "no_errors": 2.0}},
+    ),
+)
+def tool_use_reward(
+    traj: Trajectory,
+    *,
+    allowed_tools: list[str] | None = None,
+    max_calls: int | None = None,
+    min_calls: int = 0,
+    error_prefix: str = "error:",
+    weights: dict[str, float] | None = None,
+) -> RewardResult:
+    """Valid, answered, error-free tool calls within budget: a weighted mean of four shares."""
+    w = {**DEFAULT_WEIGHTS, **(weights or {})}
+    check_weights(w, COMPONENTS)
+    allowed = set(allowed_tools) if allowed_tools is not None else None
+    prefix = error_prefix.lower()
+
+    calls: list[tuple[int, ToolCall]] = []
+    results: dict[str, int] = {}  # tool_call_id -> index of its first result
+    errors = n_results = 0
+    for i, m in enumerate(traj.messages):
+        if m.role == "assistant" and m.tool_calls:
+            calls.extend((i, c) for c in m.tool_calls)
+        elif m.role == "tool":
+            n_results += 1
+            errors += (m.content or "").lstrip().lower().startswith(prefix)
+            if m.tool_call_id is not None:
+                results.setdefault(m.tool_call_id, i)
+
+    invalid = {c.id: p for _, c in calls if (p := _call_problem(c, allowed)) is not None}
+    unanswered = [c.id for i, c in calls if results.get(c.id, -1) <= i]
+    n = len(calls)
+    components = {
+        "valid_calls": 1.0 - len(invalid) / n if n else 1.0,
+        "answered_calls": 1.0 - len(unanswered) / n if n else 1.0,
+        "no_errors": 1.0 - errors / n_results if n_results else 1.0,
+        "within_budget": float(min_calls <= n and (max_calls is None or n <= max_calls)),
+    }
+    score = sum(w[k] * v for k, v in components.items()) / sum(w.values())
+    info: dict[str, Any] = {
+        "calls": n,
+        "results": n_results,
+        "errors": errors,
+        "invalid": invalid,
+        "unanswered": unanswered,
+    }
+    return RewardResult(score=score, components=components, info=info)

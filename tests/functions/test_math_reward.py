@@ -1,0 +1,214 @@
+"""The ``math_answer`` reward: the labelled equivalence table, extraction, the rules the
+module documents, and the hard time limit on pathological input (inside threads)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from fabric.protocol import Message, RewardResult, Trajectory
+from functions.rewards import math as math_reward
+from functions.rewards.math import canonical, extract_final, is_equivalent, math_answer
+
+TABLE = Path(__file__).parent.parent / "data" / "math_equivalence.jsonl"
+ROWS = [json.loads(line) for line in TABLE.read_text().splitlines() if line.strip()]
+
+
+def judge(row: dict) -> bool:
+    """Whole completions (the extraction rows) go through the reward; the rest are answers."""
+    if row["category"] == "extraction":
+        return math_answer(row["prediction"], ground_truth=row["ground_truth"]).score == 1.0
+    return is_equivalent(row["prediction"], row["ground_truth"])[0]
+
+
+def children() -> set[int]:
+    pids: set[int] = set()
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        text = (task / "children").read_text().split()
+        pids.update(int(p) for p in text)
+    return pids
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def test_table_is_large_and_balanced():
+    assert len(ROWS) >= 220
+    cats = defaultdict(set)
+    for r in ROWS:
+        assert set(r) == {"prediction", "ground_truth", "equivalent", "category"}
+        cats[r["category"]].add(r["equivalent"])
+    assert len(cats) >= 15
+    assert all(labels == {True, False} for labels in cats.values()), cats
+
+
+def test_accuracy_on_labelled_table():
+    per_cat: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    wrong = []
+    for row in ROWS:
+        ok = judge(row) == row["equivalent"]
+        per_cat[row["category"]][0] += ok
+        per_cat[row["category"]][1] += 1
+        if not ok:
+            wrong.append(row)
+    for cat, (good, n) in sorted(per_cat.items()):
+        print(f"{cat:14s} {good}/{n} = {good / n:.3f}")
+    accuracy = 1 - len(wrong) / len(ROWS)
+    print(f"overall accuracy {accuracy:.4f} over {len(ROWS)} rows; wrong: {wrong}")
+    assert accuracy >= 0.99, wrong
+
+
+# ----------------------------------------------------------------------------- extraction
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so \\boxed{1} then \\boxed{\\frac{1}{2}}", ("\\frac{1}{2}", "boxed")),
+        ("The answer is 17.", ("17.", "answer_is")),
+        ("Answer: 2\\sqrt{2}", ("2\\sqrt{2}", "answer_is")),
+        ("5 red and 7 blue, 1,200 in total", ("1,200", "last_number")),
+        ("ratio 3/4 overall", ("3/4", "last_number")),
+        ("no digits here", (None, "none")),
+    ],
+)
+def test_extract_final(text, expected):
+    assert extract_final(text) == expected
+
+
+# ----------------------------------------------------------------------------- documented rules
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt", "equal"),
+    [
+        ("50%", "0.5", True),  # the other side is a decimal: 50% is 0.5
+        ("50%", "50", True),  # the other side is an integer: 50% is 50
+        ("50%", "5", False),
+        ("0.5%", "0.5", False),
+        ("\\frac{\\pi}{2}", "1.57", False),  # rounded decimals do not match exact values
+        ("\\frac{\\pi}{2}", "1.5707963267949", True),  # ten significant digits do
+        ("0.3333333333333", "1/3", True),
+        ("(1,2)", "[1,2]", False),
+        ("\\{2,1\\}", "\\{1,2\\}", True),
+        ("(2,1)", "(1,2)", False),
+    ],
+)
+def test_documented_rules(pred, gt, equal):
+    assert is_equivalent(pred, gt)[0] is equal
+
+
+def test_fast_path_needs_no_child(monkeypatch):
+    def no_fork(*a, **k):
+        raise AssertionError("the fast path forked")
+
+    monkeypatch.setattr(math_reward, "sympy_equivalent", no_fork)
+    for pred, gt in [
+        ("1/2", "0.5"),
+        ("5 cm", "5"),
+        ("\\{1,2\\}", "\\{2,1\\}"),
+        ("1,000", "1e3"),
+        ("12", "1/2"),
+    ]:
+        assert is_equivalent(pred, gt)[1] in {"string", "number", "structure", "text"}
+
+
+def test_canonical_strips_presentation():
+    assert canonical("\\$1,500.") == "1500"
+    assert canonical("x = \\left( \\dfrac12 \\right)") == "( \\frac{1}{2} )"
+    assert canonical("90^{\\circ}") == "90"
+    assert canonical("10 \\text{ m}^2") == "10"
+
+
+# ----------------------------------------------------------------------------- the reward
+
+
+def test_reward_result_shape_for_a_trajectory():
+    traj = Trajectory(
+        messages=[
+            Message(role="user", content="1/4 + 1/4?"),
+            Message(role="assistant", content="so \\boxed{\\dfrac{1}{2}}", policy_version=3),
+        ]
+    )
+    res = math_answer(traj, ground_truth="0.5")
+    assert isinstance(res, RewardResult)
+    assert res.score == 1.0
+    assert res.components == {"correct": 1.0, "extracted": 1.0}
+    assert res.info["extracted"] == "\\dfrac{1}{2}"
+    assert res.info["extracted_by"] == "boxed"
+    assert res.info["prediction"] == "\\frac{1}{2}"
+    assert res.info["decided_by"] == "number"
+    json.dumps(res.model_dump())  # JSON-safe
+
+
+def test_reward_without_an_answer():
+    res = math_answer("I give up.", ground_truth="3")
+    assert res.score == 0.0
+    assert res.components == {"correct": 0.0, "extracted": 0.0}
+    assert res.info["decided_by"] == "no_answer"
+
+
+def test_wrong_answer_scores_zero_with_sympy_rule():
+    res = math_answer("\\boxed{3\\sqrt{2}}", ground_truth="\\sqrt{12}")
+    assert res.score == 0.0
+    assert res.components["extracted"] == 1.0
+    assert res.info["decided_by"] == "sympy"
+
+
+def test_missing_sympy_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(math_reward, "_sympy", None)
+    monkeypatch.setitem(sys.modules, "sympy", None)
+    with pytest.raises(ImportError, match=r"rl-fabric\[rewards\]"):
+        is_equivalent("2\\sqrt{2}", "\\sqrt{8}")
+    assert is_equivalent("1/2", "0.5") == (True, "number")  # the fast path needs no sympy
+
+
+# ----------------------------------------------------------------------------- time limit
+
+NESTED = "2"
+for _ in range(200):
+    NESTED = "\\frac{1}{" + NESTED + "}"
+PATHOLOGICAL = ["10^{10^{10}}", NESTED, "9**9**9", "9^{9^{9^{9}}}"]
+
+
+def test_pathological_inputs_return_in_time_inside_threads():
+    limit = 1.0
+    before = children()
+
+    def call(pred):
+        t0 = time.monotonic()
+        res = math_answer(f"\\boxed{{{pred}}}", ground_truth="7", sympy_timeout_s=limit)
+        return res, time.monotonic() - t0
+
+    with ThreadPoolExecutor(max_workers=len(PATHOLOGICAL)) as pool:
+        outcomes = list(pool.map(call, PATHOLOGICAL))
+    rules = []
+    for res, elapsed in outcomes:
+        assert res.score == 0.0
+        assert elapsed < limit + 0.75, (res.info, elapsed)
+        rules.append(res.info["decided_by"])
+    assert "timeout" in rules  # the huge powers really ran into the limit
+    assert next(r for r, _ in outcomes if r.info["decided_by"] == "timeout").info["timeout_s"] == limit
+    assert children() <= before  # every child was killed and reaped
+
+
+def test_no_children_left_after_many_calls():
+    before = children()
+    for row in ROWS[:60]:
+        judge(row)
+    assert is_equivalent("x^2-1", "(x-1)(x+1)") == (True, "sympy")
+    assert children() <= before
+
+
+def test_concurrent_calls_agree_with_serial_ones():
+    rows = [r for r in ROWS if r["category"] in {"sqrt", "algebraic", "pi"}]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        got = list(pool.map(judge, rows))
+    assert got == [r["equivalent"] for r in rows]

@@ -1,0 +1,388 @@
+"""Format, tool-use and composite rewards, and ``combine``."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from fabric.errors import UnknownFunctionError
+from fabric.protocol import Message, RewardResult, ToolCall, Trajectory, encode_payload
+from fabric.registry import Registry
+from fabric.runner import FunctionRunner
+from fabric.testing import check_function
+from functions.rewards.compose import CompositeSpec, combine, composite
+from functions.rewards.format import DEFAULT_RULES, FormatRules, boxed_spans, check_rule, format_reward
+from functions.rewards.tool_use import tool_use_reward
+
+GOOD = "<think>6 * 7 = 42</think>\nSo the answer is \\boxed{42}."
+
+
+def reply(text: str) -> Trajectory:
+    return Trajectory(messages=[Message(role="user", content="q"), Message(role="assistant", content=text)])
+
+
+def call(id_: str, name: str, arguments: Any = '{"x": 1}') -> ToolCall:
+    return ToolCall(id=id_, function={"name": name, "arguments": arguments})
+
+
+def tool_traj(calls: list[ToolCall], results: dict[str, str]) -> Trajectory:
+    msgs = [Message(role="user", content="q"), Message(role="assistant", tool_calls=calls)]
+    msgs += [Message(role="tool", tool_call_id=cid, content=c) for cid, c in results.items()]
+    msgs.append(Message(role="assistant", content="done"))
+    return Trajectory(messages=msgs)
+
+
+def run(entry: str, payload: dict[str, Any]) -> tuple[bool, Any]:
+    runner = FunctionRunner.from_entry(entry)
+    runner.setup()
+    ok, out = runner.run(encode_payload(payload))
+    return ok, (json.loads(out) if ok else out)
+
+
+# ----------------------------------------------------------------------------- format
+
+
+def test_format_default_rules_well_formed() -> None:
+    r = format_reward(reply(GOOD))
+    assert r.score == 1.0
+    assert r.components == {
+        "tags": 1.0,
+        "answer_after_tag": 1.0,
+        "boxed_once": 1.0,
+        "nothing_after_answer": 1.0,
+    }
+    assert format_reward(GOOD) == r  # a plain string is the completion itself
+    assert r.info == {"chars": len(GOOD)}
+
+
+@pytest.mark.parametrize(
+    ("text", "failing"),
+    [
+        ("6 * 7 = 42, \\boxed{42}", {"tags", "answer_after_tag"}),
+        ("<think>a</think><think>b</think> \\boxed{1}", {"tags", "answer_after_tag"}),
+        ("<think>unclosed \\boxed{42}", {"tags", "answer_after_tag"}),
+        ("\\boxed{42} <think>after</think>", {"answer_after_tag", "nothing_after_answer"}),
+        ("<think>x</think> \\boxed{1} or \\boxed{2}", {"boxed_once"}),
+        ("<think>x</think> \\boxed{42} and more words", {"nothing_after_answer"}),
+        ("<think>x</think> no answer", {"boxed_once", "answer_after_tag", "nothing_after_answer"}),
+        ("<think>x</think> \\boxed{4{2}", {"boxed_once", "answer_after_tag", "nothing_after_answer"}),
+    ],
+)
+def test_format_default_rules_malformed(text: str, failing: set[str]) -> None:
+    r = format_reward(text)
+    assert {k for k, v in r.components.items() if v == 0.0} == failing
+    assert r.score == pytest.approx(1 - len(failing) / 4)
+
+
+def test_format_trailing_punctuation_and_closing_tags_allowed() -> None:
+    assert check_rule("\\boxed{42}.  ", "nothing_after_answer", True)
+    assert check_rule("$\\boxed{42}$", "nothing_after_answer", True)
+    assert check_rule("<answer>\\boxed{42}</answer>\n", "nothing_after_answer", True)
+    assert not check_rule("\\boxed{42} because", "nothing_after_answer", True)
+    assert check_rule("<answer>42</answer>  \n", "nothing_after_answer", "</answer>")
+    assert not check_rule("<answer>42</answer> P.S.", "nothing_after_answer", "</answer>")
+    assert not check_rule("no marker", "nothing_after_answer", "</answer>")
+
+
+def test_format_tag_order_and_max_chars() -> None:
+    rules = {"tags": ["think", "answer"], "max_chars": 40}
+    ok = format_reward("<think>hm</think><answer>42</answer>", rules=rules)
+    assert ok.components == {"tags": 1.0, "max_chars": 1.0} and ok.score == 1.0
+    swapped = format_reward("<answer>42</answer><think>hm</think>", rules=rules)
+    assert swapped.components["tags"] == 0.0
+    nested = format_reward("<think><answer>42</answer></think>", rules={"tags": ["think", "answer"]})
+    assert nested.score == 0.0
+    long = format_reward("<think>" + "x" * 40 + "</think><answer>1</answer>", rules=rules)
+    assert long.components == {"tags": 1.0, "max_chars": 0.0} and long.score == 0.5
+
+
+def test_format_rules_off_and_pydantic_rules() -> None:
+    r = format_reward("\\boxed{1}", rules=FormatRules(boxed_once=True, tags=None, nothing_after_answer=False))
+    assert r.components == {"boxed_once": 1.0}
+    assert DEFAULT_RULES.enabled()["tags"] == ["think"]
+
+
+def test_format_boxed_spans() -> None:
+    assert boxed_spans("a \\boxed{x{y}} b") == [(2, 14)]
+    assert boxed_spans("\\boxed{1}\\boxed{2") == [(0, 9), None]
+    assert boxed_spans("none") == []
+
+
+def test_format_unknown_and_empty_rules() -> None:
+    with pytest.raises(
+        ValueError, match=r"unknown format rule\(s\) 'boxd'; known rules: tags, answer_after_tag"
+    ):
+        format_reward(GOOD, rules={"boxd": True})
+    with pytest.raises(ValueError, match="no format rule is enabled"):
+        format_reward(GOOD, rules={"boxed_once": False})
+    with pytest.raises(ValueError, match="not a tag name"):
+        format_reward(GOOD, rules={"tags": ["<think>"]})
+    with pytest.raises(ValueError, match="unknown format rule 'nope'"):
+        check_rule(GOOD, "nope", True)
+
+
+def test_format_through_runner() -> None:
+    entry = "functions.rewards.format:format_reward"
+    ok, value = run(entry, {"traj": reply(GOOD), "rules": {"boxed_once": True, "max_chars": 10}})
+    assert ok and value == {
+        "score": 0.5,
+        "components": {"boxed_once": 1.0, "max_chars": 0.0},
+        "info": {"chars": len(GOOD)},
+    }
+    ok, (code, message, _) = run(entry, {"traj": GOOD, "rules": {"boxd": True}})
+    assert not ok and code == "InvalidArguments"
+    assert "unknown format rule(s) 'boxd'" in message and "known rules: tags" in message
+
+
+# ----------------------------------------------------------------------------- tool use
+
+
+def test_tool_use_perfect() -> None:
+    t = tool_traj([call("a", "calculator"), call("b", "search")], {"a": "42", "b": "Paris"})
+    r = tool_use_reward(t, allowed_tools=["calculator", "search"], max_calls=2)
+    assert r.score == 1.0
+    assert r.components == {"valid_calls": 1.0, "answered_calls": 1.0, "no_errors": 1.0, "within_budget": 1.0}
+    assert r.info["calls"] == 2 and r.info["invalid"] == {} and r.info["unanswered"] == []
+
+
+def test_tool_use_bad_json_unknown_tool_non_object() -> None:
+    calls = [
+        call("a", "calculator"),
+        call("b", "calculator", "{not json"),
+        call("c", "rm_rf"),
+        call("d", "calculator", "[1, 2]"),
+    ]
+    r = tool_use_reward(tool_traj(calls, dict.fromkeys("abcd", "ok")), allowed_tools=["calculator"])
+    assert r.components["valid_calls"] == 0.25
+    assert r.info["invalid"] == {
+        "b": "arguments are not valid JSON",
+        "c": "unknown tool 'rm_rf'",
+        "d": "arguments are not a JSON object",
+    }
+    # without an allow-list every named tool is allowed; already-parsed dict arguments are fine
+    r = tool_use_reward(tool_traj([call("c", "rm_rf"), call("e", "calc", {"x": 1})], {"c": "1", "e": "2"}))
+    assert r.components["valid_calls"] == 1.0
+
+
+def test_tool_use_unanswered_and_errors() -> None:
+    calls = [call("a", "calculator"), call("b", "calculator"), call("c", "calculator")]
+    t = tool_traj(calls, {"a": "Error: division by zero", "b": "42", "zzz": "stray"})
+    r = tool_use_reward(t)
+    assert r.components["answered_calls"] == pytest.approx(2 / 3)
+    assert r.info["unanswered"] == ["c"]
+    assert r.components["no_errors"] == pytest.approx(2 / 3)  # 1 of 3 results is an error
+    assert tool_use_reward(t, error_prefix="fail:").components["no_errors"] == 1.0
+    # a result that comes before its call does not answer it
+    early = Trajectory(
+        messages=[
+            Message(role="tool", tool_call_id="a", content="42"),
+            Message(role="assistant", tool_calls=[call("a", "calculator")]),
+        ]
+    )
+    assert tool_use_reward(early).components["answered_calls"] == 0.0
+
+
+def test_tool_use_budget_and_weights() -> None:
+    t = tool_traj([call("a", "calculator"), call("b", "nope", "{")], {"a": "1", "b": "2"})
+    r = tool_use_reward(t, allowed_tools=["calculator"], max_calls=1)
+    assert r.components["within_budget"] == 0.0 and r.components["valid_calls"] == 0.5
+    assert r.score == pytest.approx((0.5 + 1 + 1 + 0) / 4)
+    r = tool_use_reward(
+        t, allowed_tools=["calculator"], max_calls=1, weights={"within_budget": 0, "valid_calls": 3}
+    )
+    assert r.score == pytest.approx((3 * 0.5 + 1 + 1) / 5)
+    none = tool_traj([], {})
+    assert tool_use_reward(none).score == 1.0  # nothing done wrong
+    assert tool_use_reward(none, min_calls=1).components["within_budget"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("weights", "match"),
+    [
+        ({"validity": 1.0}, "unknown component.*'validity'.*known: valid_calls"),
+        ({"no_errors": -1.0}, "finite and >= 0"),
+        ({"no_errors": math.nan}, "finite and >= 0"),
+        (
+            dict.fromkeys(["valid_calls", "answered_calls", "no_errors", "within_budget"], 0.0),
+            "all weights are zero",
+        ),
+    ],
+)
+def test_tool_use_bad_weights(weights: dict[str, float], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        tool_use_reward(tool_traj([], {}), weights=weights)
+
+
+def test_tool_use_through_runner() -> None:
+    entry = "functions.rewards.tool_use:tool_use_reward"
+    t = tool_traj([call("a", "calculator"), call("b", "calculator", "{")], {"a": "error: boom"})
+    ok, value = run(entry, {"traj": t, "allowed_tools": ["calculator"], "max_calls": 5})
+    assert ok
+    assert value["components"] == {
+        "valid_calls": 0.5,
+        "answered_calls": 0.5,
+        "no_errors": 0.0,
+        "within_budget": 1.0,
+    }
+    assert value["score"] == 0.5
+    ok, (code, message, _) = run(entry, {"traj": t, "weights": {"x": 1.0}})
+    assert not ok and code == "UserError" and "unknown component(s) 'x'" in message
+
+
+# ----------------------------------------------------------------------------- combine
+
+
+def test_combine_normalised_and_plain() -> None:
+    fmt = RewardResult(score=0.5, components={"tags": 1.0, "boxed_once": 0.0}, info={"chars": 3})
+    r = combine({"correct": 1.0, "format": fmt}, {"correct": 3.0, "format": 1.0})
+    assert r.score == pytest.approx((3 * 1.0 + 0.5) / 4)
+    assert r.components == {"correct": 1.0, "format": 0.5}
+    assert r.info == {
+        "correct": {},
+        "format": {"components": {"tags": 1.0, "boxed_once": 0.0}, "info": {"chars": 3}},
+    }
+    plain = combine({"correct": 1.0, "format": fmt}, {"correct": 3.0, "format": 1.0}, normalize=False)
+    assert plain.score == pytest.approx(3.5)
+    # a missing weight counts 1.0; a zero weight keeps the component visible but not counted
+    assert combine({"a": 1.0, "b": 0.0}, {}).score == 0.5
+    assert combine({"a": 1.0, "b": 0.0}, {"b": 0.0}).score == 1.0
+    assert combine({"a": 1.0, "b": 0.0}, {"b": 0.0}).components == {"a": 1.0, "b": 0.0}
+
+
+@pytest.mark.parametrize(
+    ("results", "weights", "match"),
+    [
+        ({}, {}, "no component results"),
+        ({"a": 1.0}, {"a": 1.0, "b": 1.0}, "no result: b"),
+        ({"a": 1.0}, {"a": -0.5}, "finite and >= 0"),
+        ({"a": 1.0, "b": 1.0}, {"a": 0.0, "b": 0.0}, "all weights are zero"),
+        ({"a": math.inf}, {}, "non-finite score"),
+        ({"a": "1.0"}, {}, "expected a RewardResult or a number"),
+        ({"a": True}, {}, "expected a RewardResult or a number"),
+    ],
+)
+def test_combine_errors(results: dict[str, Any], weights: dict[str, float], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        combine(results, weights)
+
+
+# ----------------------------------------------------------------------------- composite
+
+
+SPEC = {
+    "components": [
+        {"name": "correct", "function": "exact_match", "weight": 3.0, "kwargs": {"ground_truth": "42"}},
+        {
+            "name": "format",
+            "function": "format_reward",
+            "weight": 1.0,
+            "kwargs": {"rules": {"tags": ["think"]}},
+        },
+    ]
+}
+
+
+def test_composite_runs_components() -> None:
+    right_no_think = reply("so \\boxed{42}")
+    r = composite(right_no_think, spec=CompositeSpec.model_validate(SPEC))
+    assert r.components == {"correct": 1.0, "format": 0.0}
+    assert r.score == pytest.approx(0.75)
+    assert r.info["format"] == {"components": {"tags": 0.0}, "info": {"chars": 13}}
+    wrong_with_think = reply("<think>hm</think> \\boxed{41}")
+    r = composite(wrong_with_think, spec=SPEC)  # type: ignore[arg-type]  # a dict is accepted in-process
+    assert r.components == {"correct": 0.0, "format": 1.0} and r.score == pytest.approx(0.25)
+    r = composite(wrong_with_think, spec=CompositeSpec.model_validate({**SPEC, "normalize": False}))
+    assert r.score == pytest.approx(1.0)
+
+
+def test_composite_same_function_twice_and_tool_use() -> None:
+    spec = CompositeSpec.model_validate(
+        {
+            "components": [
+                {"name": "is42", "function": "exact_match", "kwargs": {"ground_truth": "42"}},
+                {"name": "is7", "function": "exact_match", "kwargs": {"ground_truth": "7"}},
+                {"name": "tools", "function": "tool_use_reward", "weight": 2.0, "kwargs": {"max_calls": 0}},
+            ]
+        }
+    )
+    t = tool_traj([call("a", "calculator")], {"a": "42"})
+    t.messages[-1] = Message(role="assistant", content="\\boxed{42}")
+    r = composite(t, spec=spec)
+    assert r.components == {"is42": 1.0, "is7": 0.0, "tools": 0.75}
+    assert r.score == pytest.approx((1.0 + 0.0 + 2 * 0.75) / 4)
+    assert r.info["tools"]["components"]["within_budget"] == 0.0
+
+
+def test_composite_errors() -> None:
+    t = reply(GOOD)
+    with pytest.raises(
+        UnknownFunctionError, match=r"unknown function 'no_such_reward'; known functions: .*exact_match"
+    ):
+        composite(t, spec=CompositeSpec(components=[{"name": "x", "function": "no_such_reward"}]))  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="is a tool, not a reward"):
+        composite(
+            t, spec=CompositeSpec.model_validate({"components": [{"name": "c", "function": "calculator"}]})
+        )
+    bad_kwargs = {
+        "components": [{"name": "c", "function": "exact_match", "kwargs": {"ground_truth": "1", "x": 1}}]
+    }
+    with pytest.raises(
+        RuntimeError, match=r"component 'c': exact_match failed: InvalidArguments: .*unexpected 'x'"
+    ):
+        composite(t, spec=CompositeSpec.model_validate(bad_kwargs))
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ({"components": []}, "at least 1 item"),
+        (
+            {"components": [{"name": "a", "function": "exact_match", "weight": -1}]},
+            "greater than or equal to 0",
+        ),
+        (
+            {
+                "components": [
+                    {"name": "a", "function": "f", "weight": 0},
+                    {"name": "b", "function": "f", "weight": 0},
+                ]
+            },
+            "all weights are zero",
+        ),
+        ({"components": [{"name": "a", "function": "f"}, {"name": "a", "function": "g"}]}, "repeated: a"),
+        ({"components": [{"name": "a", "function": "f", "kwargs": {"traj": "x"}}]}, "must not set 'traj'"),
+        ({"components": [{"name": "a", "function": "f"}], "normalise": True}, "Extra inputs"),
+    ],
+)
+def test_composite_spec_validation(spec: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValidationError, match=match):
+        CompositeSpec.model_validate(spec)
+
+
+def test_composite_through_runner() -> None:
+    entry = "functions.rewards.compose:composite"
+    ok, value = run(entry, {"traj": reply("<think>x</think> \\boxed{42}"), "spec": SPEC})
+    assert ok and value["score"] == 1.0 and value["components"] == {"correct": 1.0, "format": 1.0}
+    ok, (code, message, _) = run(
+        entry, {"traj": reply("x"), "spec": {"components": [{"name": "a", "function": "f", "weight": -1}]}}
+    )
+    assert not ok and code == "InvalidArguments" and "weight" in message
+    ok, (code, message, _) = run(
+        entry, {"traj": reply("x"), "spec": {"components": [{"name": "a", "function": "nope"}]}}
+    )
+    assert not ok and code == "UserError" and "unknown function 'nope'" in message
+
+
+# ----------------------------------------------------------------------------- conformance
+
+
+@pytest.mark.parametrize("name", ["format_reward", "tool_use_reward", "composite"])
+def test_conformance(name: str) -> None:
+    reg = Registry()
+    reg.discover("functions")
+    check_function(name, reg)
+    assert reg.get(name).kind == "reward" and len(reg.get(name).examples) == 2
