@@ -451,7 +451,7 @@ class EnvSession:
                 await self._drop_container(healthy=True)
                 return
             except (InfraError, OSError):
-                pass
+                pass  # it did not answer the goodbye: discard it rather than reuse it
         await self._drop_container(healthy=False)
 
     async def _drop_container(self, *, healthy: bool) -> None:
