@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fabric.errors import ErrorCode, FabricError, InvocationError
+from fabric.errors import ErrorCode, FabricError, InvocationError, Unavailable
 from fabric.protocol import ErrorInfo, Invocation, Message, Result, RewardResult, Timings, Trajectory
 from fabric.registry import Registry, default_registry
 from fabric.spec import FunctionSpec, Resources, RetryPolicy
@@ -54,6 +54,7 @@ __all__ = [
     "RewardResult",
     "Timings",
     "Trajectory",
+    "Unavailable",
     "default_registry",
     "function",
     "reward",

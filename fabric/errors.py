@@ -15,7 +15,8 @@ The tree (every class derives from ``FabricError``)::
     ├── BackendError             a backend could not be started or used
     │   └── BackendClosedError
     ├── ConfigError              a config failed validation at the edge
-    └── InvocationError          raised by ``Result.unwrap()``; carries the Result
+    ├── InvocationError          raised by ``Result.unwrap()``; carries the Result
+    └── Unavailable              raised *by a function*: a transient failure, retried
 
 A failing *call* is not an exception: the client returns ``Result(ok=False)`` with an
 ``ErrorInfo`` whose ``type`` is one of the codes in ``ErrorCode``. Only the caller decides
@@ -50,6 +51,7 @@ class ErrorCode(StrEnum):
     CIRCUIT_OPEN = "CircuitOpen"
     BACKEND_CLOSED = "BackendClosed"
     CANCELLED = "Cancelled"
+    UNAVAILABLE = "Unavailable"  # the function raised ``Unavailable``: a dependency failed transiently
 
 
 RETRYABLE: frozenset[str] = frozenset(
@@ -59,6 +61,7 @@ RETRYABLE: frozenset[str] = frozenset(
         ErrorCode.NOT_STARTED,
         ErrorCode.THROTTLED,
         ErrorCode.TRANSPORT,
+        ErrorCode.UNAVAILABLE,
     }
 )
 
@@ -142,3 +145,10 @@ class InvocationError(FabricError):
         err = result.error
         assert err is not None
         super().__init__(f"{result.function}: {err.type}: {err.message}")
+
+
+class Unavailable(FabricError):
+    """Raise this from a function when it failed for a transient reason of its own
+    infrastructure (a sandbox died, a judge endpoint is overloaded), not because of its input:
+    the call fails with ``Unavailable``, which is retryable. Any other exception is a final
+    ``UserError``."""

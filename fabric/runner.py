@@ -17,7 +17,7 @@ import pydantic_core
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 from typing_extensions import TypedDict
 
-from fabric.errors import ErrorCode
+from fabric.errors import ErrorCode, Unavailable
 from fabric.protocol import MAX_PAYLOAD_BYTES, ErrorInfo, Invocation, Result, Timings, to_strict_json
 from fabric.registry import SETUP_ATTR, SPEC_ATTR, load_entry_point
 from fabric.spec import CTX_PARAM, FunctionSpec
@@ -67,7 +67,9 @@ def format_validation_error(spec: FunctionSpec, e: ValidationError) -> str:
     return f"{spec.name}({sig}): " + "; ".join(parts)
 
 
-def _user_error(e: BaseException) -> tuple[str, str, str]:
+def _user_error(e: BaseException) -> tuple[str, str, str | None]:
+    if isinstance(e, Unavailable):
+        return (ErrorCode.UNAVAILABLE, str(e), None)
     frames = tb_mod.format_exception(type(e), e, e.__traceback__, limit=-_TB_FRAMES)
     return (ErrorCode.USER_ERROR, f"{type(e).__name__}: {e}", "".join(frames)[-4000:])
 

@@ -1,0 +1,64 @@
+"""``code_verify``: the reward of a program written by the policy, judged in the sandbox."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import fabric
+from fabric.protocol import RewardResult, Trajectory
+from functions.verifiers.errors import SandboxError
+from functions.verifiers.verify import StdioCase, TestSuite, Verifier, default_verifier
+
+_FENCE = re.compile(r"```[ \t]*([\w+#-]*)[^\n]*\n(.*?)```", re.DOTALL)
+
+_EXAMPLE_TRAJ = {
+    "messages": [
+        {"role": "user", "content": "Read a line and print it reversed."},
+        {"role": "assistant", "content": "```python\nprint(input()[::-1])\n```", "policy_version": 0},
+    ]
+}
+
+
+def extract_code(text: str) -> str:
+    """The last fenced code block of ``text`` (a model's answer), or all of it if none."""
+    blocks = _FENCE.findall(text)
+    return blocks[-1][1] if blocks else text
+
+
+@fabric.reward(
+    setup=default_verifier,
+    timeout_s=120,
+    warm=1,
+    examples=(
+        {"traj": _EXAMPLE_TRAJ, "tests": [{"stdin": "abc\n", "expected_stdout": "cba"}]},
+        {
+            "traj": "def add(a, b):\n    return a + b\n",
+            "test_code": "assert add(2, 3) == 5",
+            "extract": False,
+        },
+    ),
+)
+def code_verify(
+    traj: Trajectory | str,
+    *,
+    tests: list[StdioCase] | None = None,
+    test_code: str | None = None,
+    language: str = "python",
+    extract: bool = True,
+    ctx: Any = None,
+) -> RewardResult:
+    """Pass fraction of the program in the final answer on ``tests`` (stdin/stdout cases) or
+    ``test_code`` (asserts appended to it). The per-case verdicts are in ``info``."""
+    text = traj if isinstance(traj, str) else traj.final_text()
+    code = extract_code(text) if extract else text
+    verifier: Verifier = ctx or default_verifier()
+    result = verifier.verify(code, TestSuite(cases=tests, test_code=test_code), language)
+    if result.retryable:
+        # a 0 here would punish the policy for our failure: fail the call so it is retried
+        raise SandboxError(f"the sandbox failed on {result.total - result.passed} case(s); retry")
+    return RewardResult(
+        score=result.pass_fraction,
+        components={"pass_fraction": result.pass_fraction, "all_passed": float(result.status == "Finished")},
+        info=result.model_dump(),
+    )

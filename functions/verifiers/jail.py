@@ -1,0 +1,78 @@
+"""The read-only root every sandboxed run sees, built once by the zygote.
+
+The zygote enters its own mount namespace, assembles a small tree on a tmpfs (the system
+directories, the Python installation and ``/dev/{null,zero,random,urandom}`` bind-mounted
+read-only, empty ``/sandbox``, ``/tmp`` and ``/proc`` mount points) and ``pivot_root``s into it.
+Every run then copies that namespace (a dozen mounts, so the copy is cheap) and only adds
+its own size-limited tmpfs at ``/sandbox``. Nothing else of the host is visible: not ``/root``,
+not the project checkout, not other runs' files.
+
+Stdlib only: this module runs inside the zygote, which stays small so forks stay cheap.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+from functions.verifiers import _linux as lx
+
+#: Directories shared read-only with every run (when they exist on this machine).
+SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc", "/opt")
+DEVICES = ("null", "zero", "random", "urandom")
+RO_FLAGS = lx.MS_BIND | lx.MS_REMOUNT | lx.MS_RDONLY | lx.MS_NOSUID | lx.MS_NODEV
+
+
+def _python_dirs() -> list[str]:
+    dirs = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}
+    return sorted(d for d in dirs if not any(d == s or d.startswith(s + "/") for s in SYSTEM_DIRS))
+
+
+def _bind_ro(src: str, dst: str, flags: int = RO_FLAGS) -> None:
+    if os.path.isdir(src):
+        os.makedirs(dst, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        open(dst, "a").close()  # a file bind needs a file to mount over
+    lx.mount(src, dst, None, lx.MS_BIND | lx.MS_REC)
+    # the bind itself ignores MS_RDONLY; it takes a remount, and submounts need their own
+    for target in _mounts_under(dst):
+        lx.mount("none", target, None, flags)
+
+
+def _mounts_under(path: str) -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        targets = [line.split()[4] for line in f]
+    return [t for t in targets if t == path or t.startswith(path + "/")]
+
+
+def enter(extra_ro: tuple[str, ...] = ()) -> str:
+    """Build the jail and make it this process's root. Returns the list of what is shared."""
+    lx.unshare(lx.CLONE_NEWNS)
+    lx.mount("none", "/", None, lx.MS_REC | lx.MS_PRIVATE)  # nothing propagates back to the host
+    root = tempfile.mkdtemp(prefix="rlfabric-jail-")
+    lx.mount("tmpfs", root, "tmpfs", lx.MS_NOSUID | lx.MS_NODEV, "size=1m,mode=755")
+    shared = []
+    for src in (*SYSTEM_DIRS, *_python_dirs(), *extra_ro):
+        if not os.path.exists(src):
+            continue
+        if os.path.islink(src):  # /bin -> usr/bin on merged-/usr systems
+            os.symlink(os.readlink(src), root + src)
+        else:
+            _bind_ro(os.path.realpath(src), root + src)
+        shared.append(src)
+    os.makedirs(root + "/dev")
+    for dev in DEVICES:
+        # read-only still lets a program write to /dev/null: that goes to the driver
+        _bind_ro("/dev/" + dev, f"{root}/dev/{dev}", RO_FLAGS & ~lx.MS_NODEV)
+    for name in ("sandbox", "tmp", "proc"):
+        os.makedirs(f"{root}/{name}")
+    os.makedirs(root + "/.old")
+    lx.pivot_root(root, root + "/.old")
+    os.chdir("/")
+    os.rmdir("/.old" + root)  # the host-side mount point; the tmpfs now lives on as our root
+    lx.umount("/.old", lx.MNT_DETACH)
+    os.rmdir("/.old")
+    lx.mount("none", "/", None, lx.MS_REMOUNT | lx.MS_RDONLY | lx.MS_NOSUID | lx.MS_NODEV)
+    return ",".join(shared)

@@ -1,0 +1,252 @@
+"""The client side of the code sandbox: ``Sandbox`` starts a zygote and runs programs in it.
+
+    with Sandbox() as sb:
+        out = sb.run_python("print(input()[::-1])", stdin=b"hello\\n")
+        out.stdout  # b"olleh\\n"
+
+One ``Sandbox`` per worker process (the code verifier starts it in its setup hook). It is
+thread-safe; each ``run`` takes one warm sandbox the zygote prepared ahead of time, talks to
+it directly over two pipes and gets back exactly what happened (``RunOutcome``); judging
+the output is the verifier's business. If the zygote dies, runs in flight end in
+``SandboxError`` and the next run starts a fresh zygote.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import queue
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from functions.verifiers import _linux
+from functions.verifiers.errors import SandboxError, SandboxUnavailable
+
+
+class Limits(BaseModel):
+    """What one run may use. Defaults suit a test case of a competitive-programming task."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    cpu_s: float = Field(2.0, gt=0, le=600, description="CPU seconds (SIGKILL at the limit)")
+    wall_s: float = Field(5.0, gt=0, le=3600, description="wall clock; the whole run is killed at it")
+    memory_mb: int = Field(512, ge=32, le=1 << 20, description="address space (RLIMIT_AS)")
+    nproc: int = Field(32, ge=1, le=4096, description="processes and threads of the run's uid")
+    fsize_mb: int = Field(16, ge=0, le=1 << 20, description="largest file the run may write")
+    nofile: int = Field(64, ge=8, le=65536, description="open files")
+    disk_mb: int = Field(64, ge=1, le=1 << 16, description="size of the run's tmpfs (/sandbox, /tmp)")
+    stdout_bytes: int = Field(1 << 20, ge=1, description="stdout kept; a run writing more is killed")
+    stderr_bytes: int = Field(64 << 10, ge=1, description="stderr kept; a run writing more is killed")
+    collect_bytes: int = Field(64 << 20, ge=1, description="largest file a run may hand back")
+
+
+class SandboxConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    spares: int = Field(4, ge=1, le=64, description="warm sandboxes kept ready")
+    base_uid: int = Field(200_000, ge=1000, description="runs get uids base_uid .. base_uid+1023")
+    python: str = Field(default_factory=lambda: sys.executable, description="interpreter of the zygote")
+    start_timeout_s: float = Field(30.0, gt=0)
+    #: how much longer than a run's wall limit the client waits for its report
+    grace_s: float = Field(5.0, gt=0)
+
+
+class RunOutcome(BaseModel):
+    """What happened to one program (no judgement; see ``functions.verifiers.verify``)."""
+
+    status: Literal["exited", "signaled", "timeout", "output_limit", "sandbox_error"]
+    exit_code: int | None = None
+    signal: int | None = None
+    stdout: bytes = b""
+    stderr: bytes = b""
+    stdout_total: int = 0
+    stderr_total: int = 0
+    wall_ms: float = 0.0
+    cpu_ms: float = 0.0
+    maxrss_kb: int = 0
+    files: dict[str, bytes] = Field(default_factory=dict)
+    error: str | None = None
+
+
+class Sandbox:
+    def __init__(self, config: SandboxConfig | None = None) -> None:
+        self.config = config or SandboxConfig()
+        self._lock = threading.Lock()
+        self._zygote: subprocess.Popen[bytes] | None = None
+        self._chan: socket.socket | None = None
+        self._spares: queue.Queue[tuple[int, int] | None] = queue.Queue()
+        self.shared = ""
+
+    # -- lifecycle -------------------------------------------------------------------
+    def __enter__(self) -> Sandbox:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        with self._lock:
+            if self._zygote is not None and self._zygote.poll() is None:
+                return
+            self._shutdown()
+            reason = _linux.supported()
+            if reason:
+                raise SandboxUnavailable(reason)
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            cmd = [self.config.python, "-m", "functions.verifiers.zygote"]
+            cmd += [str(self.config.base_uid), str(self.config.spares)]
+            # an empty environment: nothing of the worker's (keys, tokens) reaches a run
+            env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": _package_root()}
+            self._zygote = subprocess.Popen(
+                cmd, stdin=theirs.fileno(), stdout=subprocess.DEVNULL, env=env, cwd="/"
+            )
+            theirs.close()
+            ours.settimeout(self.config.start_timeout_s)
+            try:
+                hello = json.loads(ours.recv(65536) or b"{}")
+            except (OSError, ValueError) as e:
+                hello = {"error": f"no answer from the sandbox zygote ({e})"}
+            if not hello.get("ready"):
+                self._zygote.kill()
+                self._zygote.wait()
+                raise SandboxUnavailable(hello.get("error") or "the sandbox zygote exited while starting")
+            ours.settimeout(None)
+            self.shared = hello["shared"]
+            self._chan = ours
+            self._spares = queue.Queue()
+            threading.Thread(target=self._receive, args=(ours, self._spares), daemon=True).start()
+
+    def close(self) -> None:
+        with self._lock:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._chan is not None:
+            self._chan.close()  # the zygote exits on EOF; its sandboxes die with it
+            self._chan = None
+        if self._zygote is not None:
+            try:
+                self._zygote.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._zygote.kill()
+                self._zygote.wait()
+            self._zygote = None
+        while not self._spares.empty():
+            spare = self._spares.get_nowait()
+            if spare:
+                for fd in spare:
+                    os.close(fd)
+
+    @staticmethod
+    def _receive(chan: socket.socket, spares: queue.Queue[tuple[int, int] | None]) -> None:
+        while True:
+            try:
+                msg, fds, _, _ = socket.recv_fds(chan, 64, 2)
+            except OSError:
+                msg, fds = b"", []
+            if not msg:
+                spares.put(None)  # the zygote is gone: waiting runs fail fast
+                return
+            spares.put((fds[0], fds[1]))
+
+    # -- runs ------------------------------------------------------------------------
+    def run_python(
+        self, source: str, *, stdin: bytes = b"", limits: Limits | None = None, **kw: Any
+    ) -> RunOutcome:
+        files = {"solution.py": source.encode(), **kw.pop("files", {})}
+        return self.run(mode="python", entry="solution.py", files=files, stdin=stdin, limits=limits, **kw)
+
+    def run(
+        self,
+        *,
+        mode: Literal["python", "exec"],
+        files: dict[str, bytes] | None = None,
+        entry: str | None = None,
+        argv: list[str] | None = None,
+        stdin: bytes = b"",
+        limits: Limits | None = None,
+        executable: tuple[str, ...] = (),
+        collect: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> RunOutcome:
+        """Run one program in a fresh sandbox. Raises ``SandboxError`` only for the sandbox's
+        own failures (retryable); whatever the program does is in the ``RunOutcome``."""
+        limits = limits or Limits()
+        req = {
+            "mode": mode,
+            "entry": entry,
+            "argv": argv,
+            "files": {k: base64.b64encode(v).decode() for k, v in (files or {}).items()},
+            "executable": list(executable),
+            "stdin": base64.b64encode(stdin).decode(),
+            "limits": limits.model_dump(),
+            "collect": list(collect),
+            "env": env or {},
+        }
+        data = json.dumps(req).encode() + b"\n"
+        req_w, res_r = self._take_spare()
+        try:
+            try:
+                while data:
+                    data = data[os.write(req_w, data) :]
+            except OSError as e:
+                raise SandboxError(f"the warm sandbox died before the run started ({e})") from e
+            finally:
+                os.close(req_w)
+            raw = self._read_report(res_r, time.monotonic() + limits.wall_s + self.config.grace_s)
+        finally:
+            os.close(res_r)
+        reply = json.loads(raw)
+        for key in ("stdout", "stderr"):
+            reply[key] = base64.b64decode(reply.get(key) or "")
+        reply["files"] = {k: base64.b64decode(v) for k, v in (reply.get("files") or {}).items()}
+        outcome = RunOutcome.model_validate(reply)
+        if outcome.status == "sandbox_error":
+            raise SandboxError(outcome.error or "the sandbox failed")
+        return outcome
+
+    def _take_spare(self) -> tuple[int, int]:
+        for _ in range(2):  # a dead zygote is restarted once per run
+            self.start()
+            try:
+                spare = self._spares.get(timeout=self.config.start_timeout_s)
+            except queue.Empty:
+                raise SandboxError(
+                    "no warm sandbox became ready in time (is the machine overloaded?)"
+                ) from None
+            if spare is not None:
+                chan = self._chan
+                if chan is not None:
+                    with contextlib.suppress(OSError):
+                        chan.send(b"u")  # the zygote forks a replacement
+                return spare
+            self.close()
+        raise SandboxError("the sandbox zygote keeps dying; see the worker's stderr")
+
+    @staticmethod
+    def _read_report(fd: int, deadline: float) -> bytes:
+        raw = bytearray()
+        while not raw.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise SandboxError("the sandbox did not report in time after the run's wall limit")
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                raise SandboxError("the sandbox supervisor died without a report")
+            raw += chunk
+        return bytes(raw)
+
+
+def _package_root() -> str:
+    """Where ``functions`` lives, so the zygote imports this checkout and nothing else."""
+    import functions
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(functions.__file__)))

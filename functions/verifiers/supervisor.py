@@ -1,0 +1,316 @@
+"""One sandboxed run: the supervisor (forked by the zygote) and the program it starts.
+
+The supervisor, still root but inside the zygote's read-only jail, takes fresh mount, net,
+IPC, UTS and PID namespaces, mounts a size-limited tmpfs at ``/sandbox`` (also seen as
+``/tmp``), writes the run's files there and forks the program. The program is PID 1 of
+its own PID namespace, so when it exits the kernel kills everything it started: nothing
+outlives a run. Before user code runs it mounts its own ``/proc``, takes its rlimits,
+becomes the run's unprivileged uid (which clears every capability), enters a user namespace
+of its own, drops whatever capabilities that namespace granted, sets ``no_new_privs``,
+scrubs the environment, then either ``exec``s a command or, for Python, runs the source
+in this already-initialised interpreter (the point of the zygote: no interpreter start-up).
+
+The supervisor reads stdout/stderr up to their caps, enforces the wall-clock limit with
+SIGKILL (the whole namespace dies with its PID 1), and reports exactly what happened; it
+does not judge the output (``functions.verifiers.sandbox`` does).
+
+Stdlib only, like everything the zygote imports.
+"""
+
+from __future__ import annotations
+
+import base64
+import builtins
+import io
+import json
+import os
+import resource
+import selectors
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+from functions.verifiers import _linux as lx
+
+RUN_NAMESPACES = lx.CLONE_NEWNS | lx.CLONE_NEWNET | lx.CLONE_NEWIPC | lx.CLONE_NEWUTS | lx.CLONE_NEWPID
+WORK = "/sandbox"
+#: Environment of every run: nothing inherited, so no credential can leak in.
+BASE_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": WORK,
+    "TMPDIR": "/tmp",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONHASHSEED": "0",
+}
+EXEC_FAILED = 127
+#: Exit code of a program whose sandbox set-up failed (with a message on stderr).
+SETUP_FAILED = 125
+#: The run's tmpfs, sized ahead of time (a request for another size remounts it).
+DEFAULT_DISK_MB = 64
+INODES = 4096
+
+
+def _rlimits(limits: dict[str, Any]) -> None:
+    """Lower this process's limits (the program sets its own: lowering needs no privilege,
+    while setting another process's needs CAP_SYS_RESOURCE, which containers often lack)."""
+    mb = 1024 * 1024
+    cpu = max(1, int(limits["cpu_s"] + 0.999))
+    # soft == hard: the kernel sends SIGKILL at the limit (a SIGXCPU could be caught)
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+    resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mb"] * mb,) * 2)
+    resource.setrlimit(resource.RLIMIT_NPROC, (limits["nproc"],) * 2)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limits["fsize_mb"] * mb,) * 2)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limits["nofile"],) * 2)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _become_unprivileged(uid: int) -> None:
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)  # root -> non-root clears all capabilities
+    # a uid change makes /proc/self root-owned; the maps below are written through it
+    lx.prctl(lx.PR_SET_DUMPABLE, 1)
+    lx.unshare(lx.CLONE_NEWUSER)
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{uid} {uid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+    lx.drop_all_capabilities()  # a new user namespace starts with a full set inside it
+    lx.prctl(lx.PR_SET_NO_NEW_PRIVS, 1)
+
+
+def _run_python(source: str, entry: str) -> int:
+    """Run ``source`` as ``__main__`` in this (forked, pristine) interpreter."""
+    sys.argv = [entry]
+    sys.path[:] = [WORK] + [p for p in sys.path if p.startswith(sys.base_prefix) or p.startswith(sys.prefix)]
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8", errors="replace")
+    sys.stdout = io.TextIOWrapper(
+        io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace"
+    )
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
+    )
+    code = 0
+    try:
+        compiled = compile(source, entry, "exec")
+        exec(compiled, {"__name__": "__main__", "__builtins__": builtins, "__file__": os.path.abspath(entry)})
+    except SystemExit as e:
+        if e.code is None:
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code & 0xFF
+        else:
+            sys.stderr.write(f"{e.code}\n")
+            code = 1
+    except BaseException as e:
+        try:  # from the program's own frames down: ours would only confuse a reader
+            traceback.print_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
+        except BaseException:
+            os.write(2, b"Traceback unavailable (out of memory?)\nMemoryError\n")
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            code = code or 1
+    return code
+
+
+def _program(uid: int, go_r: int, stdin_fd: int, out_w: int, err_w: int) -> None:
+    """PID 1 of the run's namespace: lock itself down, wait for the run, run it. Never returns.
+
+    Everything up to the wait happens while the sandbox is a spare, off the run's latency;
+    the rlimits come with the run.
+    """
+    try:
+        lx.prctl(lx.PR_SET_PDEATHSIG, signal.SIGKILL)
+        lx.mount("proc", "/proc", "proc", lx.MS_NOSUID | lx.MS_NODEV | lx.MS_NOEXEC)
+        lx.sethostname("sandbox")
+        os.dup2(stdin_fd, 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        os.dup2(go_r, 3)
+        os.closerange(4, 65536)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        os.chdir(WORK)
+        _become_unprivileged(uid)
+        raw = b""
+        while chunk := os.read(3, 65536):  # warm until here: the run arrives as one message
+            raw += chunk
+        os.close(3)
+        if not raw:
+            os._exit(0)  # the supervisor gave up on this spare
+        run = json.loads(raw)
+        _rlimits(run["limits"])
+        env = {**BASE_ENV, **(run.get("env") or {})}
+        os.environ.clear()
+        os.environ.update(env)
+    except BaseException as e:
+        os.write(2, f"rl-fabric sandbox setup failed: {type(e).__name__}: {e}\n".encode())
+        os._exit(SETUP_FAILED)
+    if run["mode"] == "python":
+        with open(run["entry"], encoding="utf-8", errors="replace") as f:
+            source = f.read()
+        os._exit(_run_python(source, run["entry"]))
+    argv = run["argv"]
+    try:
+        os.execve(argv[0], argv, env)
+    except OSError as e:
+        os.write(2, f"cannot execute {argv[0]}: {e.strerror}\n".encode())
+    os._exit(EXEC_FAILED)
+
+
+def _write_files(req: dict[str, Any], uid: int, stdin: int) -> None:
+    limits = req["limits"]
+    if limits["disk_mb"] != DEFAULT_DISK_MB:
+        lx.mount(
+            "tmpfs", WORK, None, lx.MS_REMOUNT | lx.MS_NOSUID | lx.MS_NODEV, f"size={limits['disk_mb']}m"
+        )
+    for name, blob in (req.get("files") or {}).items():
+        path = os.path.join(WORK, name)
+        mode = 0o755 if name in req.get("executable", ()) else 0o644
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        try:
+            os.write(fd, base64.b64decode(blob))
+        finally:
+            os.close(fd)
+        os.chown(path, uid, uid)
+    os.write(stdin, base64.b64decode(req.get("stdin") or ""))
+    os.lseek(stdin, 0, os.SEEK_SET)
+
+
+class _Capture:
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.data = bytearray()
+        self.total = 0
+
+    def feed(self, chunk: bytes) -> bool:
+        """Keep up to the cap; True once the program wrote past it."""
+        self.total += len(chunk)
+        room = self.cap - len(self.data)
+        if room > 0:
+            self.data += chunk[:room]
+        return self.total > self.cap
+
+
+def _read_request(fd: int) -> dict[str, Any] | None:
+    raw = bytearray()
+    while not raw.endswith(b"\n"):
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            return None
+        raw += chunk
+    return json.loads(raw)  # type: ignore[no-any-return]
+
+
+def spare(uid: int, req_fd: int) -> dict[str, Any] | None:
+    """Prepare a warm sandbox, wait for a request on ``req_fd``, run it, report.
+
+    Everything before the request (namespaces, the ``/sandbox`` tmpfs, PID 1 with its
+    ``/proc``, already unprivileged) happens ahead of time, off the run's latency. ``None``: no request came.
+    """
+    try:
+        lx.prctl(lx.PR_SET_PDEATHSIG, signal.SIGKILL)
+        lx.unshare(RUN_NAMESPACES)
+        opts = f"size={DEFAULT_DISK_MB}m,nr_inodes={INODES},mode=0700,uid={uid},gid={uid}"
+        lx.mount("tmpfs", WORK, "tmpfs", lx.MS_NOSUID | lx.MS_NODEV, opts)
+        lx.mount(WORK, "/tmp", None, lx.MS_BIND)
+        stdin = os.memfd_create("stdin")
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        go_r, go_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(req_fd)
+            _program(uid, go_r, stdin, out_w, err_w)
+        for fd in (out_w, err_w, go_r):
+            os.close(fd)
+    except BaseException as e:
+        req = _read_request(req_fd)
+        return (
+            None
+            if req is None
+            else {"status": "sandbox_error", "error": f"preparing the sandbox: {type(e).__name__}: {e}"}
+        )
+    req = _read_request(req_fd)
+    if req is None:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return None
+    try:
+        _write_files(req, uid, stdin)
+        os.write(
+            go_w, json.dumps({k: req.get(k) for k in ("mode", "entry", "argv", "env", "limits")}).encode()
+        )
+    except BrokenPipeError:
+        pass  # the program died during its set-up: its exit status and stderr say why
+    except BaseException as e:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return {"status": "sandbox_error", "error": f"starting the run: {type(e).__name__}: {e}"}
+    finally:
+        os.close(go_w)
+    return _supervise(req, pid, out_r, err_r)
+
+
+def _supervise(req: dict[str, Any], pid: int, out_r: int, err_r: int) -> dict[str, Any]:
+    limits = req["limits"]
+    started = time.monotonic()
+    deadline = started + limits["wall_s"]
+    captures = {out_r: _Capture(limits["stdout_bytes"]), err_r: _Capture(limits["stderr_bytes"])}
+    exited = os.pidfd_open(pid)
+    sel = selectors.DefaultSelector()
+    for fd in (out_r, err_r, exited):
+        sel.register(fd, selectors.EVENT_READ)
+    killed_for = None
+    # until the program has exited and both pipes are drained (PID 1's exit takes the rest)
+    while sel.get_map() and not killed_for:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            killed_for = "timeout"
+            break
+        for key, _ in sel.select(timeout=left):
+            if key.fd == exited:
+                sel.unregister(exited)
+                continue
+            chunk = os.read(key.fd, 65536)
+            if not chunk:
+                sel.unregister(key.fd)
+            elif captures[key.fd].feed(chunk):
+                killed_for = "output_limit"
+                break
+    if killed_for:
+        os.kill(pid, signal.SIGKILL)  # PID 1: the kernel takes every process of the run with it
+    _, status, usage = os.wait4(pid, 0)
+    for fd in (out_r, err_r, exited):
+        os.close(fd)
+    wall = time.monotonic() - started
+    out, err = captures[out_r], captures[err_r]
+    reply: dict[str, Any] = {
+        "status": killed_for or ("signaled" if os.WIFSIGNALED(status) else "exited"),
+        "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+        "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+        "stdout": base64.b64encode(bytes(out.data)).decode(),
+        "stderr": base64.b64encode(bytes(err.data)).decode(),
+        "stdout_total": out.total,
+        "stderr_total": err.total,
+        "wall_ms": wall * 1000,
+        "cpu_ms": (usage.ru_utime + usage.ru_stime) * 1000,
+        "maxrss_kb": usage.ru_maxrss,
+    }
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == SETUP_FAILED and err.data.startswith(b"rl-fabric"):
+        reply.update(status="sandbox_error", error=err.data.decode(errors="replace").strip())
+    files = {}
+    for name in req.get("collect") or ():
+        try:
+            with open(os.path.join(WORK, name), "rb") as f:
+                files[name] = base64.b64encode(f.read(limits["collect_bytes"] + 1)).decode()
+        except OSError:
+            continue  # absent: the caller decides (a compile that produced nothing failed)
+    reply["files"] = files
+    return reply

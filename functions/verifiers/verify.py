@@ -1,0 +1,287 @@
+"""Judging programs: run a submission against its test cases and say what happened.
+
+Two kinds of tests: stdin/stdout cases (each case is a fresh run; the output is compared
+line by line, trailing whitespace ignored) and assert-style test code (appended to the
+submission and run once; it passes when it exits cleanly). Every case gets one status:
+
+    Finished              ran and produced the expected output (or its asserts held)
+    Failed                ran and produced something else (or an assertion failed)
+    TimeLimitExceeded     CPU or wall-clock limit
+    MemoryLimitExceeded   the runtime ran out of memory under the address-space limit
+    RuntimeError          crashed, exited non-zero, wrote past the output caps, or did not compile
+    SandboxError          the sandbox failed, not the program: the only retryable status
+
+A case that hits a ``SandboxError`` is retried once on a fresh sandbox before it is reported.
+"""
+
+from __future__ import annotations
+
+import atexit
+import signal
+import threading
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from functions.verifiers.errors import SandboxError
+from functions.verifiers.languages import Language, get_language
+from functions.verifiers.sandbox import Limits, RunOutcome, Sandbox
+
+Status = Literal[
+    "Finished", "Failed", "TimeLimitExceeded", "MemoryLimitExceeded", "RuntimeError", "SandboxError"
+]
+#: The overall status is the worst one among the cases, in this order.
+SEVERITY: tuple[Status, ...] = (
+    "SandboxError",
+    "RuntimeError",
+    "MemoryLimitExceeded",
+    "TimeLimitExceeded",
+    "Failed",
+    "Finished",
+)
+MAX_CODE_BYTES = 256 * 1024
+MAX_CASES = 512
+EXCERPT = 1024
+
+
+class StdioCase(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    stdin: str = ""
+    expected_stdout: str = Field(..., description="compared line by line, trailing whitespace ignored")
+
+
+class TestSuite(BaseModel):
+    """Exactly one of ``cases`` (stdin/stdout) or ``test_code`` (assert-style)."""
+
+    model_config = ConfigDict(extra="forbid")
+    cases: list[StdioCase] | None = Field(None, max_length=MAX_CASES)
+    test_code: str | None = Field(None, max_length=MAX_CODE_BYTES)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> TestSuite:
+        if (self.cases is None) == (self.test_code is None):
+            raise ValueError(
+                "give exactly one of cases=[{stdin, expected_stdout}, ...] or test_code='assert ...'"
+            )
+        if self.cases is not None and not self.cases:
+            raise ValueError("cases is empty: a submission with no test cases cannot be judged")
+        return self
+
+
+class CaseResult(BaseModel):
+    status: Status
+    message: str = ""
+    exit_code: int | None = None
+    stdout: str = Field("", description=f"first {EXCERPT} characters")
+    stderr: str = Field("", description=f"last {EXCERPT} characters")
+    wall_ms: float = 0.0
+    cpu_ms: float = 0.0
+
+
+class VerifyResult(BaseModel):
+    status: Status
+    passed: int
+    total: int
+    pass_fraction: float
+    language: str
+    compile: CaseResult | None = None
+    cases: list[CaseResult]
+    total_ms: float
+
+    @property
+    def retryable(self) -> bool:
+        return self.status == "SandboxError"
+
+
+def _text(data: bytes, tail: bool = False) -> str:
+    text = data.decode("utf-8", errors="replace")
+    return text[-EXCERPT:] if tail else text[:EXCERPT]
+
+
+def _same_output(got: bytes, expected: str) -> bool:
+    a = got.decode("utf-8", errors="replace").replace("\r\n", "\n").rstrip().split("\n")
+    b = expected.replace("\r\n", "\n").rstrip().split("\n")
+    return [line.rstrip() for line in a] == [line.rstrip() for line in b]
+
+
+def classify(out: RunOutcome, lang: Language, limits: Limits, expected: str | None) -> CaseResult:
+    """Turn what happened into a verdict (``expected`` None: assert-style, exit 0 passes)."""
+    base = {
+        "exit_code": out.exit_code,
+        "stdout": _text(out.stdout),
+        "stderr": _text(out.stderr, tail=True),
+        "wall_ms": round(out.wall_ms, 3),
+        "cpu_ms": round(out.cpu_ms, 3),
+    }
+    if out.status == "timeout":
+        return CaseResult(
+            status="TimeLimitExceeded", message=f"killed at the {limits.wall_s:g} s wall limit", **base
+        )
+    if out.status == "output_limit":
+        which = "stdout" if out.stdout_total > limits.stdout_bytes else "stderr"
+        return CaseResult(status="RuntimeError", message=f"wrote more than the {which} cap", **base)
+    cpu_limit_ms = max(1, int(limits.cpu_s + 0.999)) * 1000
+    if out.signal in (signal.SIGKILL, signal.SIGXCPU) and out.cpu_ms >= 0.9 * cpu_limit_ms:
+        return CaseResult(
+            status="TimeLimitExceeded", message=f"used its {limits.cpu_s:g} CPU seconds", **base
+        )
+    if any(m in out.stderr for m in lang.oom_markers):
+        msg = f"ran out of memory under the {limits.memory_mb} MB limit"
+        return CaseResult(status="MemoryLimitExceeded", message=msg, **base)
+    if out.signal is not None:
+        name = (
+            signal.Signals(out.signal).name if out.signal in signal.Signals._value2member_map_ else out.signal
+        )
+        hint = " (file size limit)" if out.signal == signal.SIGXFSZ else ""
+        return CaseResult(status="RuntimeError", message=f"killed by {name}{hint}", **base)
+    if out.exit_code != 0:
+        if any(m in out.stderr for m in lang.assert_markers):
+            return CaseResult(status="Failed", message="an assertion failed", **base)
+        return CaseResult(status="RuntimeError", message=f"exited with code {out.exit_code}", **base)
+    if expected is None or _same_output(out.stdout, expected):
+        return CaseResult(status="Finished", **base)
+    return CaseResult(status="Failed", message="wrong output", **base)
+
+
+class Verifier:
+    """Runs submissions in a ``Sandbox``. Thread-safe; one per worker."""
+
+    def __init__(self, sandbox: Sandbox, limits: Limits | None = None) -> None:
+        self.sandbox = sandbox
+        self.limits = limits or Limits()
+
+    def verify(
+        self, code: str, tests: TestSuite, language: str = "python", limits: Limits | None = None
+    ) -> VerifyResult:
+        """Judge ``code``. Bad input (unknown language, oversized code) raises ``ValueError``."""
+        t0 = time.monotonic()
+        lang = get_language(language)
+        if len(code.encode()) > MAX_CODE_BYTES:
+            raise ValueError(f"code is {len(code.encode())} bytes; the limit is {MAX_CODE_BYTES}")
+        limits = limits or self.limits
+        source = code if tests.test_code is None else f"{code}\n\n{tests.test_code}\n"
+        files = {lang.source_file: source.encode()}
+        compiled = None
+        if lang.compile_argv is not None:
+            compiled = self._compile(lang, files)
+            if compiled[0].status != "Finished":
+                n = len(tests.cases or [None])
+                skipped = CaseResult(
+                    status=compiled[0].status, message="not run: the program did not compile"
+                )
+                return self._result(lang, compiled[0], [skipped] * n, t0)
+            files = compiled[1]
+        expected_list: list[str | None] = [c.expected_stdout for c in tests.cases] if tests.cases else [None]
+        stdins = [c.stdin for c in tests.cases] if tests.cases else [""]
+        results = [
+            self._case(lang, files, s.encode(), e, limits) for s, e in zip(stdins, expected_list, strict=True)
+        ]
+        return self._result(lang, compiled[0] if compiled else None, results, t0)
+
+    def _compile(self, lang: Language, files: dict[str, bytes]) -> tuple[CaseResult, dict[str, bytes]]:
+        assert lang.compile_argv is not None and lang.artifact is not None
+        try:
+            out = self._run(
+                lang.resolved(lang.compile_argv), files, b"", lang.compile_limits, collect=(lang.artifact,)
+            )
+        except SandboxError as e:
+            return CaseResult(status="SandboxError", message=str(e)), {}
+        verdict = classify(out, lang, lang.compile_limits, None)
+        if verdict.status == "Finished" and lang.artifact not in out.files:
+            verdict = verdict.model_copy(
+                update={"status": "RuntimeError", "message": "the compiler produced nothing"}
+            )
+        elif verdict.status != "Finished":
+            verdict = verdict.model_copy(
+                update={"status": "RuntimeError", "message": "compile error: " + verdict.message}
+            )
+        return verdict, {lang.artifact: out.files.get(lang.artifact, b"")}
+
+    def _case(
+        self, lang: Language, files: dict[str, bytes], stdin: bytes, expected: str | None, limits: Limits
+    ) -> CaseResult:
+        run_limits = limits
+        argv = list(lang.run_argv)
+        if lang.run_memory_floor_mb or lang.run_nproc_floor:
+            # V8 reserves gigabytes of address space up front: the heap flag is its memory limit
+            run_limits = limits.model_copy(
+                update={
+                    "memory_mb": max(limits.memory_mb, lang.run_memory_floor_mb),
+                    "nproc": max(limits.nproc, lang.run_nproc_floor),
+                }
+            )
+            argv = [argv[0], f"--max-old-space-size={limits.memory_mb}", *argv[1:]]
+        last = None
+        for _ in range(2):
+            try:
+                if lang.mode == "python":
+                    out = self.sandbox.run(
+                        mode="python", entry=lang.source_file, files=files, stdin=stdin, limits=run_limits
+                    )
+                else:
+                    out = self._run(
+                        lang.resolved(tuple(argv)),
+                        files,
+                        stdin,
+                        run_limits,
+                        executable=(lang.artifact or "",),
+                    )
+            except SandboxError as e:
+                last = CaseResult(status="SandboxError", message=str(e))
+                continue
+            return classify(out, lang, limits, expected)
+        assert last is not None
+        return last
+
+    def _run(
+        self,
+        argv: list[str],
+        files: dict[str, bytes],
+        stdin: bytes,
+        limits: Limits,
+        collect: tuple[str, ...] = (),
+        executable: tuple[str, ...] = (),
+    ) -> RunOutcome:
+        return self.sandbox.run(
+            mode="exec",
+            argv=argv,
+            files=files,
+            stdin=stdin,
+            limits=limits,
+            collect=collect,
+            executable=executable,
+        )
+
+    @staticmethod
+    def _result(
+        lang: Language, compiled: CaseResult | None, cases: list[CaseResult], t0: float
+    ) -> VerifyResult:
+        passed = sum(c.status == "Finished" for c in cases)
+        worst = min((c.status for c in cases), key=SEVERITY.index)
+        return VerifyResult(
+            status=worst,
+            passed=passed,
+            total=len(cases),
+            pass_fraction=passed / len(cases),
+            language=lang.name,
+            compile=compiled,
+            cases=cases,
+            total_ms=round((time.monotonic() - t0) * 1000, 3),
+        )
+
+
+_default: Verifier | None = None
+_default_lock = threading.Lock()
+
+
+def default_verifier() -> Verifier:
+    """The worker's shared verifier (one zygote serves every function of the process)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            sandbox = Sandbox()
+            sandbox.start()
+            atexit.register(sandbox.close)
+            _default = Verifier(sandbox)
+        return _default
