@@ -105,6 +105,7 @@ async def _run_fabric(
     hedge: bool,
     progress: Progress | None,
     label: str,
+    function: str | None = None,
 ) -> dict[str, Any]:
     fault = None
     if cfg.straggler_rate > 0:
@@ -116,8 +117,8 @@ async def _run_fabric(
     )
     client_cfg = ClientConfig.model_validate({"hedge": {"enabled": hedge}})
     async with Client(backend=backend, registry=registry, config=client_cfg) as client:
-        await client.backend.warmup([cfg.function])
-        name = cfg.function
+        name = function or cfg.function
+        await client.backend.warmup([name])
 
         async def one() -> float:
             r = await client.call(name, payload)
@@ -211,8 +212,13 @@ async def run_bench(cfg: BenchConfig, registry: Registry, progress: Progress | N
     spec = registry.get(cfg.function)
     if cfg.backend != "local":
         raise ConfigError(f"fabric bench drives the local backend; got backend={cfg.backend!r}")
-    if cfg.baseline not in (None, "ray"):
-        raise ConfigError(f"unknown baseline {cfg.baseline!r}; the only baseline is 'ray'")
+    if cfg.baseline not in (None, "ray") and not (cfg.baseline or "").startswith("fn:"):
+        raise ConfigError(
+            f"unknown baseline {cfg.baseline!r}: use 'ray' (the same function on Ray actors) or "
+            "'fn:NAME' (another registered function under the same load, e.g. fn:code_verify_subprocess)"
+        )
+    if cfg.baseline and cfg.baseline.startswith("fn:"):
+        registry.get(cfg.baseline[3:])  # unknown: UnknownFunctionError lists the registered ones
     payload = cfg.payload if cfg.payload is not None else (spec.examples[0] if spec.examples else None)
     if payload is None:
         raise ConfigError(f"{cfg.function} has no example payload; pass --payload JSON")
@@ -265,4 +271,14 @@ async def run_bench(cfg: BenchConfig, registry: Registry, progress: Progress | N
         out["baseline_p50_ms"] = base["p50_ms"]
         out["baseline_p99_ms"] = base["p99_ms"]
         out["ratio_vs_baseline"] = main["throughput_per_s"] / base["throughput_per_s"]
+    elif cfg.baseline:
+        label = "baseline " + cfg.baseline[3:]
+        base = await _run_fabric(
+            cfg, registry, payload, workers, cfg.hedge, progress, label, cfg.baseline[3:]
+        )
+        out["baseline"] = cfg.baseline[3:]
+        for key in ("throughput_per_s", "p50_ms", "p99_ms", "errors"):
+            out["baseline_" + key] = base[key]
+        out["ratio_vs_baseline"] = main["throughput_per_s"] / base["throughput_per_s"]
+        out["p50_ratio_baseline_vs_main"] = base["p50_ms"] / main["p50_ms"] if main["p50_ms"] else None
     return out

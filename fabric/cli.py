@@ -118,7 +118,11 @@ def bench(
     concurrency: Annotated[int, typer.Option(help="Callers issuing calls back to back.")] = 64,
     backend: BackendOpt = "local",
     baseline: Annotated[
-        str | None, typer.Option(help="Also run the same load through round-robin Ray actors.")
+        str | None,
+        typer.Option(
+            help="Same-run baseline: 'ray' (the function on round-robin Ray actors) or 'fn:NAME' "
+            "(another registered function under the same load and payload)."
+        ),
     ] = None,
     workers: Annotated[
         int | None, typer.Option(help="Worker processes / Ray actors (default: CPUs).")

@@ -55,7 +55,10 @@ def python(code: str, stdin: str = "", ctx: Any = None) -> str:
     if len(code.encode()) > MAX_CODE_BYTES:
         raise ValueError(f"code is {len(code.encode())} bytes; the limit is {MAX_CODE_BYTES}")
     verifier: Verifier = ctx or default_verifier()
-    out = verifier.sandbox.run_python(code, stdin=stdin.encode(), limits=TOOL_LIMITS)
+    files = {"solution.py": code.encode()}
+    out = verifier.sandbox.run(
+        mode="python", entry="solution.py", files=files, stdin=stdin.encode(), limits=TOOL_LIMITS
+    )
     parts = []
     if out.stdout:
         parts.append(_shown(out.stdout.decode("utf-8", errors="replace")))

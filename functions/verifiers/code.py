@@ -8,7 +8,7 @@ from typing import Any
 import fabric
 from fabric.protocol import RewardResult, Trajectory
 from functions.verifiers.errors import SandboxError
-from functions.verifiers.verify import StdioCase, TestSuite, Verifier, default_verifier
+from functions.verifiers.verify import CodeTests, StdioCase, Verifier, default_verifier
 
 _FENCE = re.compile(r"```[ \t]*([\w+#-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
@@ -50,10 +50,23 @@ def code_verify(
 ) -> RewardResult:
     """Pass fraction of the program in the final answer on ``tests`` (stdin/stdout cases) or
     ``test_code`` (asserts appended to it). The per-case verdicts are in ``info``."""
+    return judge(traj, tests=tests, test_code=test_code, language=language, extract=extract, verifier=ctx)
+
+
+def judge(
+    traj: Trajectory | str,
+    *,
+    tests: list[StdioCase] | None,
+    test_code: str | None,
+    language: str,
+    extract: bool,
+    verifier: Verifier | None,
+) -> RewardResult:
     text = traj if isinstance(traj, str) else traj.final_text()
     code = extract_code(text) if extract else text
-    verifier: Verifier = ctx or default_verifier()
-    result = verifier.verify(code, TestSuite(cases=tests, test_code=test_code), language)
+    result = (verifier or default_verifier()).verify(
+        code, CodeTests(cases=tests, test_code=test_code), language
+    )
     if result.retryable:
         # a 0 here would punish the policy for our failure: fail the call so it is retried
         raise SandboxError(f"the sandbox failed on {result.total - result.passed} case(s); retry")

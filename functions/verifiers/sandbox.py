@@ -130,6 +130,9 @@ class Sandbox:
 
     def _shutdown(self) -> None:
         if self._chan is not None:
+            # shutdown, not just close: it also wakes the thread blocked reading the channel
+            with contextlib.suppress(OSError):
+                self._chan.shutdown(socket.SHUT_RDWR)
             self._chan.close()  # the zygote exits on EOF; its sandboxes die with it
             self._chan = None
         if self._zygote is not None:
@@ -247,6 +250,4 @@ class Sandbox:
 
 def _package_root() -> str:
     """Where ``functions`` lives, so the zygote imports this checkout and nothing else."""
-    import functions
-
-    return os.path.dirname(os.path.dirname(os.path.abspath(functions.__file__)))
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

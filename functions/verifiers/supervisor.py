@@ -1,18 +1,19 @@
-"""One sandboxed run: the supervisor (forked by the zygote) and the program it starts.
+"""One sandboxed run: the supervisor (forked by the zygote) and the processes it starts.
 
-The supervisor, still root but inside the zygote's read-only jail, takes fresh mount, net,
-IPC, UTS and PID namespaces, mounts a size-limited tmpfs at ``/sandbox`` (also seen as
-``/tmp``), writes the run's files there and forks the program. The program is PID 1 of
-its own PID namespace, so when it exits the kernel kills everything it started: nothing
-outlives a run. Before user code runs it mounts its own ``/proc``, takes its rlimits,
-becomes the run's unprivileged uid (which clears every capability), enters a user namespace
-of its own, drops whatever capabilities that namespace granted, sets ``no_new_privs``,
-scrubs the environment, then either ``exec``s a command or, for Python, runs the source
-in this already-initialised interpreter (the point of the zygote: no interpreter start-up).
+Ahead of any request (a *spare*), the supervisor, still root but inside the zygote's
+read-only jail, takes fresh mount, net, IPC, UTS and PID namespaces, mounts a size-limited
+tmpfs at ``/sandbox`` (also seen as ``/tmp``) and forks twice: a placeholder PID 1 that
+holds the PID namespace, and the program (PID 2), which mounts the namespace's ``/proc``,
+becomes the run's unprivileged uid (clearing every capability), enters a user namespace of
+its own, drops what that namespace granted, sets ``no_new_privs`` and waits.
 
-The supervisor reads stdout/stderr up to their caps, enforces the wall-clock limit with
-SIGKILL (the whole namespace dies with its PID 1), and reports exactly what happened; it
-does not judge the output (``functions.verifiers.sandbox`` does).
+When the request comes, the supervisor writes the run's files and stdin, and sends the
+program its start message; the program takes its rlimits, scrubs its environment and
+either ``exec``s a command or, for Python, runs the source in this already-initialised
+interpreter (the point of the zygote: no interpreter start-up). The supervisor reads
+stdout/stderr up to their caps and enforces the wall-clock limit; when the program ends
+(or is killed) it kills PID 1, and the kernel kills everything the program left behind.
+It reports exactly what happened; judging the output is ``functions.verifiers.verify``'s.
 
 Stdlib only, like everything the zygote imports.
 """
@@ -119,8 +120,26 @@ def _run_python(source: str, entry: str) -> int:
     return code
 
 
+def _init() -> None:
+    """PID 1 of the run's namespace: holds the namespace open and nothing else. Never returns.
+
+    The program runs as PID 2, a child of the supervisor (which forks it into this
+    namespace): the kernel drops signals a PID 1 sends itself without a handler, so as
+    PID 1 a program's ``abort()`` or ``kill(getpid(), ...)`` would not end it. When the
+    program ends, the supervisor kills this process and the kernel kills whatever the
+    program left behind.
+    """
+    lx.prctl(lx.PR_SET_PDEATHSIG, signal.SIGKILL)
+    os.closerange(3, 65536)
+    while True:
+        try:
+            os.wait()  # reap orphans until killed
+        except ChildProcessError:
+            signal.pause()
+
+
 def _program(uid: int, go_r: int, stdin_fd: int, out_w: int, err_w: int) -> None:
-    """PID 1 of the run's namespace: lock itself down, wait for the run, run it. Never returns.
+    """The program (PID 2): mount ``/proc``, lock itself down, wait for the run, run it.
 
     Everything up to the wait happens while the sandbox is a spare, off the run's latency;
     the rlimits come with the run.
@@ -129,6 +148,7 @@ def _program(uid: int, go_r: int, stdin_fd: int, out_w: int, err_w: int) -> None
         lx.prctl(lx.PR_SET_PDEATHSIG, signal.SIGKILL)
         lx.mount("proc", "/proc", "proc", lx.MS_NOSUID | lx.MS_NODEV | lx.MS_NOEXEC)
         lx.sethostname("sandbox")
+        os.setsid()  # a group of its own: kill(0, ...) reaches only the program's processes
         os.dup2(stdin_fd, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
@@ -198,6 +218,16 @@ class _Capture:
         return self.total > self.cap
 
 
+_LEFT_TO_REAP: list[int] = []
+
+
+def finish() -> None:
+    """Wait until the run's PID namespace is gone (call after sending the report: the
+    zygote frees the run's uid only once this process has exited)."""
+    for pid in _LEFT_TO_REAP:
+        os.waitpid(pid, 0)
+
+
 def _read_request(fd: int) -> dict[str, Any] | None:
     raw = bytearray()
     while not raw.endswith(b"\n"):
@@ -224,9 +254,13 @@ def spare(uid: int, req_fd: int) -> dict[str, Any] | None:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         go_r, go_w = os.pipe()
-        pid = os.fork()
+        init = os.fork()  # the first child after unshare(CLONE_NEWPID) is the namespace's PID 1
+        if init == 0:
+            _init()
+        pid = os.fork()  # later ones join the same namespace
         if pid == 0:
-            os.close(req_fd)
+            for fd in (req_fd, out_r, err_r, go_w):
+                os.close(fd)
             _program(uid, go_r, stdin, out_w, err_w)
         for fd in (out_w, err_w, go_r):
             os.close(fd)
@@ -239,8 +273,7 @@ def spare(uid: int, req_fd: int) -> dict[str, Any] | None:
         )
     req = _read_request(req_fd)
     if req is None:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        os.kill(init, signal.SIGKILL)
         return None
     try:
         _write_files(req, uid, stdin)
@@ -250,15 +283,14 @@ def spare(uid: int, req_fd: int) -> dict[str, Any] | None:
     except BrokenPipeError:
         pass  # the program died during its set-up: its exit status and stderr say why
     except BaseException as e:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        os.kill(init, signal.SIGKILL)
         return {"status": "sandbox_error", "error": f"starting the run: {type(e).__name__}: {e}"}
     finally:
         os.close(go_w)
-    return _supervise(req, pid, out_r, err_r)
+    return _supervise(req, init, pid, out_r, err_r)
 
 
-def _supervise(req: dict[str, Any], pid: int, out_r: int, err_r: int) -> dict[str, Any]:
+def _supervise(req: dict[str, Any], init: int, pid: int, out_r: int, err_r: int) -> dict[str, Any]:
     limits = req["limits"]
     started = time.monotonic()
     deadline = started + limits["wall_s"]
@@ -267,8 +299,9 @@ def _supervise(req: dict[str, Any], pid: int, out_r: int, err_r: int) -> dict[st
     sel = selectors.DefaultSelector()
     for fd in (out_r, err_r, exited):
         sel.register(fd, selectors.EVENT_READ)
+    status = None
     killed_for = None
-    # until the program has exited and both pipes are drained (PID 1's exit takes the rest)
+    # until the program has ended and the pipes are drained
     while sel.get_map() and not killed_for:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -277,6 +310,8 @@ def _supervise(req: dict[str, Any], pid: int, out_r: int, err_r: int) -> dict[st
         for key, _ in sel.select(timeout=left):
             if key.fd == exited:
                 sel.unregister(exited)
+                _, status, usage = os.wait4(pid, 0)
+                os.kill(init, signal.SIGKILL)  # the namespace ends: whatever the program left dies
                 continue
             chunk = os.read(key.fd, 65536)
             if not chunk:
@@ -285,8 +320,11 @@ def _supervise(req: dict[str, Any], pid: int, out_r: int, err_r: int) -> dict[st
                 killed_for = "output_limit"
                 break
     if killed_for:
-        os.kill(pid, signal.SIGKILL)  # PID 1: the kernel takes every process of the run with it
-    _, status, usage = os.wait4(pid, 0)
+        os.kill(init, signal.SIGKILL)  # every process of the namespace dies with its PID 1
+        if status is None:
+            _, status, usage = os.wait4(pid, 0)
+    assert status is not None  # the loop ends only once the program has been waited for
+    _LEFT_TO_REAP.append(init)  # killed already; reaped by finish(), after the report is out
     for fd in (out_r, err_r, exited):
         os.close(fd)
     wall = time.monotonic() - started
@@ -303,7 +341,7 @@ def _supervise(req: dict[str, Any], pid: int, out_r: int, err_r: int) -> dict[st
         "cpu_ms": (usage.ru_utime + usage.ru_stime) * 1000,
         "maxrss_kb": usage.ru_maxrss,
     }
-    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == SETUP_FAILED and err.data.startswith(b"rl-fabric"):
+    if reply["exit_code"] == SETUP_FAILED and err.data.startswith(b"rl-fabric"):
         reply.update(status="sandbox_error", error=err.data.decode(errors="replace").strip())
     files = {}
     for name in req.get("collect") or ():

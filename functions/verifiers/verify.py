@@ -20,7 +20,7 @@ import atexit
 import signal
 import threading
 import time
-from typing import Literal
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -51,7 +51,7 @@ class StdioCase(BaseModel):
     expected_stdout: str = Field(..., description="compared line by line, trailing whitespace ignored")
 
 
-class TestSuite(BaseModel):
+class CodeTests(BaseModel):
     """Exactly one of ``cases`` (stdin/stdout) or ``test_code`` (assert-style)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -59,7 +59,7 @@ class TestSuite(BaseModel):
     test_code: str | None = Field(None, max_length=MAX_CODE_BYTES)
 
     @model_validator(mode="after")
-    def _one_kind(self) -> TestSuite:
+    def _one_kind(self) -> CodeTests:
         if (self.cases is None) == (self.test_code is None):
             raise ValueError(
                 "give exactly one of cases=[{stdin, expected_stdout}, ...] or test_code='assert ...'"
@@ -144,15 +144,33 @@ def classify(out: RunOutcome, lang: Language, limits: Limits, expected: str | No
     return CaseResult(status="Failed", message="wrong output", **base)
 
 
+class Runner(Protocol):
+    """What runs one program: a ``Sandbox`` (or the benchmark's subprocess baseline)."""
+
+    def run(
+        self,
+        *,
+        mode: Literal["python", "exec"],
+        files: dict[str, bytes] | None = None,
+        entry: str | None = None,
+        argv: list[str] | None = None,
+        stdin: bytes = b"",
+        limits: Limits | None = None,
+        executable: tuple[str, ...] = (),
+        collect: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> RunOutcome: ...
+
+
 class Verifier:
     """Runs submissions in a ``Sandbox``. Thread-safe; one per worker."""
 
-    def __init__(self, sandbox: Sandbox, limits: Limits | None = None) -> None:
+    def __init__(self, sandbox: Runner, limits: Limits | None = None) -> None:
         self.sandbox = sandbox
         self.limits = limits or Limits()
 
     def verify(
-        self, code: str, tests: TestSuite, language: str = "python", limits: Limits | None = None
+        self, code: str, tests: CodeTests, language: str = "python", limits: Limits | None = None
     ) -> VerifyResult:
         """Judge ``code``. Bad input (unknown language, oversized code) raises ``ValueError``."""
         t0 = time.monotonic()

@@ -40,7 +40,7 @@ import sys
 import typing  # noqa: F401
 
 from functions.verifiers import jail
-from functions.verifiers.supervisor import spare
+from functions.verifiers.supervisor import finish, spare
 
 MAX_SLOTS = 1024
 
@@ -102,6 +102,7 @@ def _supervisor(uid: int, req_r: int, result_w: int, inherited: list[int]) -> No
         reply = spare(uid, req_r)
         if reply is not None:
             _write_all(result_w, json.dumps(reply).encode() + b"\n")
+        finish()
     except BaseException as e:  # the client turns a missing report into a SandboxError
         os.write(2, f"rl-fabric sandbox supervisor failed: {type(e).__name__}: {e}\n".encode())
     finally:

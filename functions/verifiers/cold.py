@@ -1,0 +1,130 @@
+"""The benchmark baseline: one fresh ``python`` subprocess per run, under the same limits.
+
+This is how most RL code verifiers run programs: a temp dir, ``subprocess`` with rlimits in
+``preexec_fn``, a timeout that kills the process group. It has none of the sandbox's
+isolation (no namespaces, same uid as the worker) and exists only so ``fabric bench
+code_verify --baseline fn:code_verify_subprocess`` can measure what the warm sandbox buys.
+Never use it on untrusted code.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Literal
+
+import fabric
+from fabric.protocol import RewardResult, Trajectory
+from functions.verifiers.sandbox import Limits, RunOutcome
+from functions.verifiers.supervisor import BASE_ENV
+from functions.verifiers.verify import StdioCase, Verifier
+
+
+class SubprocessRunner:
+    """``Sandbox.run``'s interface, done the naive way (see the module docstring)."""
+
+    def run(
+        self,
+        *,
+        mode: Literal["python", "exec"],
+        files: dict[str, bytes] | None = None,
+        entry: str | None = None,
+        argv: list[str] | None = None,
+        stdin: bytes = b"",
+        limits: Limits | None = None,
+        executable: tuple[str, ...] = (),
+        collect: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> RunOutcome:
+        limits = limits or Limits()
+        with tempfile.TemporaryDirectory(prefix="rlfabric-cold-") as work:
+            for name, blob in (files or {}).items():
+                path = os.path.join(work, name)
+                with open(path, "wb") as f:
+                    f.write(blob)
+                os.chmod(path, 0o755 if name in executable else 0o644)
+            cmd = [sys.executable, entry or "solution.py"] if mode == "python" else list(argv or [])
+            t0 = time.monotonic()
+            proc = subprocess.Popen(
+                cmd,
+                cwd=work,
+                env={**BASE_ENV, "HOME": work, "TMPDIR": work, **(env or {})},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                preexec_fn=lambda: _limit(limits),
+            )
+            status = "exited"
+            try:
+                out, err = proc.communicate(stdin, timeout=limits.wall_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+                status = "timeout"
+            usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+            code = proc.returncode
+            collected = {}
+            for name in collect:
+                path = os.path.join(work, name)
+                if os.path.exists(path):
+                    with open(path, "rb") as f:
+                        collected[name] = f.read()
+        fields: dict[str, Any] = {
+            "status": status if status == "timeout" else ("signaled" if code < 0 else "exited"),
+            "exit_code": code if code >= 0 else None,
+            "signal": -code if code < 0 else None,
+            "stdout": out[: limits.stdout_bytes],
+            "stderr": err[: limits.stderr_bytes],
+            "stdout_total": len(out),
+            "stderr_total": len(err),
+            "wall_ms": (time.monotonic() - t0) * 1000,
+            "cpu_ms": (usage.ru_utime + usage.ru_stime) * 1000,
+            "files": collected,
+        }
+        return RunOutcome.model_validate(fields)
+
+
+def _limit(limits: Limits) -> None:
+    mb = 1024 * 1024
+    cpu = max(1, int(limits.cpu_s + 0.999))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+    resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb,) * 2)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limits.fsize_mb * mb,) * 2)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limits.nofile,) * 2)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _cold_verifier() -> Verifier:
+    return Verifier(SubprocessRunner())
+
+
+@fabric.reward(
+    setup=_cold_verifier,
+    timeout_s=120,
+    examples=(
+        {
+            "traj": "print(input()[::-1])",
+            "extract": False,
+            "tests": [{"stdin": "abc", "expected_stdout": "cba"}],
+        },
+    ),
+)
+def code_verify_subprocess(
+    traj: Trajectory | str,
+    *,
+    tests: list[StdioCase] | None = None,
+    test_code: str | None = None,
+    language: str = "python",
+    extract: bool = True,
+    ctx: Any = None,
+) -> RewardResult:
+    """BENCHMARK BASELINE ONLY (no isolation): ``code_verify`` with one subprocess per run."""
+    from functions.verifiers.code import judge
+
+    return judge(traj, tests=tests, test_code=test_code, language=language, extract=extract, verifier=ctx)

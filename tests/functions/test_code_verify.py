@@ -1,0 +1,257 @@
+"""The code verifier: verdicts, languages, bad input, sandbox failures, and the fabric path."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+
+import pytest
+
+from fabric.backends.base import LocalConfig
+from fabric.client import Client
+from fabric.errors import ErrorCode
+from fabric.registry import Registry
+from functions.verifiers import _linux
+from functions.verifiers.code import code_verify, extract_code
+from functions.verifiers.errors import SandboxError
+from functions.verifiers.sandbox import Limits, Sandbox, SandboxConfig
+from functions.verifiers.verify import CaseResult, CodeTests, Verifier, VerifyResult
+
+pytestmark = pytest.mark.skipif(_linux.supported() is not None, reason=str(_linux.supported()))
+
+LIMITS = Limits(cpu_s=1, wall_s=3, memory_mb=256)
+ADD_CASES = [{"stdin": "1 2\n", "expected_stdout": "3\n"}, {"stdin": "20 22\n", "expected_stdout": "42"}]
+
+
+def needs(binary: str):
+    return pytest.mark.skipif(shutil.which(binary) is None, reason=f"{binary} is not installed")
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    with Sandbox(SandboxConfig(base_uid=320_000, spares=2)) as sb:
+        yield Verifier(sb, LIMITS)
+
+
+def cases(*pairs: tuple[str, str]) -> CodeTests:
+    return CodeTests(cases=[{"stdin": i, "expected_stdout": o} for i, o in pairs])
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "message"),
+    [
+        ("a, b = map(int, input().split())\nprint(a + b)", "Finished", ""),
+        ("a, b = map(int, input().split())\nprint(a - b)", "Failed", "wrong output"),
+        ("while True:\n    pass", "TimeLimitExceeded", "CPU seconds"),
+        ("import time\ntime.sleep(10)", "TimeLimitExceeded", "wall limit"),
+        ("x = bytearray(10**10)", "MemoryLimitExceeded", "256 MB"),
+        ("raise KeyError('boom')", "RuntimeError", "exited with code 1"),
+        ("import sys\nsys.exit(4)", "RuntimeError", "exited with code 4"),
+        ("print(1", "RuntimeError", "exited with code 1"),
+        ("import os\nos.kill(os.getpid(), 11)", "RuntimeError", "SIGSEGV"),
+        ("while True:\n    print('y' * 1000)", "RuntimeError", "stdout cap"),
+    ],
+)
+def test_each_verdict(verifier, code, status, message):
+    result = verifier.verify(code, cases(("1 2", "3")))
+    case = result.cases[0]
+    assert (result.status, case.status) == (status, status), case
+    assert message in case.message
+    assert result.pass_fraction == (1.0 if status == "Finished" else 0.0)
+
+
+def test_pass_fraction_and_the_worst_status_wins(verifier):
+    code = "a, b = map(int, input().split())\nif a == 3:\n    while True: pass\nprint(a + b)"
+    result = verifier.verify(code, cases(("1 2", "3"), ("2 2", "5"), ("3 1", "4"), ("5 5", "10")))
+    assert [c.status for c in result.cases] == ["Finished", "Failed", "TimeLimitExceeded", "Finished"]
+    assert (result.status, result.passed, result.total, result.pass_fraction) == (
+        "TimeLimitExceeded",
+        2,
+        4,
+        0.5,
+    )
+
+
+def test_output_comparison_ignores_trailing_whitespace_only(verifier):
+    ok = verifier.verify("print('a  \\nb\\n\\n')", cases(("", "a\nb")))
+    assert ok.status == "Finished"
+    assert verifier.verify("print('a b')", cases(("", "ab"))).status == "Failed"
+    assert verifier.verify("print('A')", cases(("", "a"))).status == "Failed"
+
+
+def test_assert_style_tests(verifier):
+    code = "def add(a, b):\n    return a + b\n"
+    assert verifier.verify(code, CodeTests(test_code="assert add(2, 3) == 5")).status == "Finished"
+    failed = verifier.verify(code, CodeTests(test_code="assert add(2, 3) == 6, 'add is wrong'"))
+    assert (failed.status, failed.cases[0].message) == ("Failed", "an assertion failed")
+    assert "add is wrong" in failed.cases[0].stderr
+    crashed = verifier.verify(code, CodeTests(test_code="add(1)"))
+    assert crashed.status == "RuntimeError"
+
+
+def test_non_utf8_output_is_judged_not_fatal(verifier):
+    result = verifier.verify("import sys\nsys.stdout.buffer.write(b'\\xff\\xfe ok\\n')", cases(("", "ok")))
+    assert result.status == "Failed"
+    assert "\ufffd" in result.cases[0].stdout
+    result.model_dump_json()  # and the result is valid JSON for the wire
+
+
+def test_each_case_is_a_fresh_process(verifier):
+    code = "import os\nprint(os.path.exists('/sandbox/mark'))\nopen('/sandbox/mark', 'w').write('x')"
+    result = verifier.verify(code, cases(("", "False"), ("", "False"), ("", "False")))
+    assert result.passed == 3
+
+
+@needs("gcc")
+def test_c(verifier):
+    code = '#include <stdio.h>\nint main(){int a,b;scanf("%d %d",&a,&b);printf("%d\\n",a+b);return 0;}'
+    result = verifier.verify(code, CodeTests(cases=ADD_CASES), "c")
+    assert (result.status, result.passed) == ("Finished", 2)
+    assert result.compile is not None and result.compile.status == "Finished"
+    broken = verifier.verify("int main(){ return nope; }", CodeTests(cases=ADD_CASES), "c")
+    assert broken.status == "RuntimeError" and broken.compile is not None
+    assert "nope" in broken.compile.stderr and broken.cases[0].message.startswith("not run")
+    segv = verifier.verify("int main(){ int *p = 0; return *p; }", CodeTests(cases=ADD_CASES[:1]), "c")
+    assert "SIGSEGV" in segv.cases[0].message
+
+
+@needs("g++")
+def test_cpp(verifier):
+    code = "#include <iostream>\nint main(){long a,b;std::cin>>a>>b;std::cout<<a+b<<std::endl;}"
+    assert verifier.verify(code, CodeTests(cases=ADD_CASES), "c++").status == "Finished"
+    oom = "#include <vector>\nint main(){std::vector<char> v(1L<<34); return v[5];}"
+    assert verifier.verify(oom, CodeTests(cases=ADD_CASES[:1]), "cpp").status == "MemoryLimitExceeded"
+
+
+@needs("node")
+def test_javascript(verifier):
+    code = (
+        "const [a, b] = require('fs').readFileSync(0, 'utf8').trim().split(/\\s+/).map(Number);\n"
+        "console.log(a + b);\n"
+    )
+    assert verifier.verify(code, CodeTests(cases=ADD_CASES), "js").status == "Finished"
+    asserted = verifier.verify(
+        "function sq(x) { return x * x; }",
+        CodeTests(test_code="require('assert').strictEqual(sq(3), 10);"),
+        "javascript",
+    )
+    assert asserted.status == "Failed"
+    hog = "const a = []; while (true) a.push(new Array(1e6).fill(1));"
+    assert verifier.verify(hog, CodeTests(cases=ADD_CASES[:1]), "js").status in (
+        "MemoryLimitExceeded",
+        "TimeLimitExceeded",
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"language": "cobol"}, "unknown language 'cobol'"),
+        ({"code": "x" * (300 * 1024)}, "the limit is"),
+    ],
+)
+def test_bad_input_is_a_clear_error(verifier, kwargs, fragment):
+    args = {"code": "print(1)", "tests": cases(("", "1")), **kwargs}
+    with pytest.raises(ValueError, match=fragment):
+        verifier.verify(**args)
+
+
+def test_malformed_tests_are_refused():
+    with pytest.raises(ValueError, match="exactly one of"):
+        CodeTests()
+    with pytest.raises(ValueError, match="exactly one of"):
+        CodeTests(cases=ADD_CASES, test_code="assert True")
+    with pytest.raises(ValueError, match="empty"):
+        CodeTests(cases=[])
+    with pytest.raises(ValueError):
+        CodeTests(cases=[{"stdin": "1"}])  # no expected output
+
+
+def test_extract_code_takes_the_last_fenced_block():
+    text = "First try:\n```python\nprint(1)\n```\nBetter:\n```py\nprint(2)\n```\nDone."
+    assert extract_code(text) == "print(2)\n"
+    assert extract_code("print(3)") == "print(3)"
+
+
+def test_a_dead_zygote_is_a_retryable_sandbox_error_then_recovers():
+    with Sandbox(SandboxConfig(base_uid=330_000, spares=1)) as sb:
+        verifier = Verifier(sb, LIMITS)
+        assert verifier.verify("print(1)", cases(("", "1"))).status == "Finished"
+        zygote = sb._zygote
+        assert zygote is not None
+        outcome: list[BaseException | object] = []
+
+        def long_run():
+            try:
+                outcome.append(sb.run_python("import time\ntime.sleep(2)", limits=LIMITS))
+            except BaseException as e:
+                outcome.append(e)
+
+        t = threading.Thread(target=long_run)
+        t.start()
+        time.sleep(0.5)
+        os.kill(zygote.pid, signal.SIGKILL)  # its supervisors die with it, mid-run
+        t.join()
+        assert isinstance(outcome[0], SandboxError), outcome
+        assert "died" in str(outcome[0])
+        # the next run starts a fresh zygote
+        assert verifier.verify("print(2)", cases(("", "2"))).status == "Finished"
+        assert sb._zygote is not zygote
+
+
+def test_sandbox_errors_surface_as_retryable_failures_not_zero_rewards():
+    class Broken:
+        def verify(self, *a, **kw):
+            failed = CaseResult(status="SandboxError", message="zygote died")
+            return VerifyResult(
+                status="SandboxError",
+                passed=0,
+                total=1,
+                pass_fraction=0.0,
+                language="python",
+                cases=[failed],
+                total_ms=1,
+            )
+
+    with pytest.raises(SandboxError):
+        code_verify("print(1)", tests=[{"stdin": "", "expected_stdout": "1"}], extract=False, ctx=Broken())
+
+
+async def test_through_the_fabric_local_backend_bad_input_leaves_the_pool_healthy():
+    reg = Registry()
+    reg.discover("functions.verifiers.code", "functions.tools.python")
+    async with Client(backend=LocalConfig(), registry=reg) as client:
+        ok = await client.call(
+            "code_verify",
+            {
+                "traj": "print(input()[::-1])",
+                "extract": False,
+                "tests": [{"stdin": "ab", "expected_stdout": "ba"}],
+            },
+        )
+        assert ok.ok and ok.value["score"] == 1.0, ok
+        assert ok.value["info"]["cases"][0]["status"] == "Finished"
+        bad = [
+            (
+                {"traj": "print(1)", "language": "brainfuck", "test_code": "pass"},
+                ErrorCode.USER_ERROR,
+                "unknown language",
+            ),
+            ({"traj": "print(1)", "tests": [{"stdin": ""}]}, ErrorCode.INVALID_ARGUMENTS, "expected_stdout"),
+            ({"traj": "print(1)", "tests": "nope"}, ErrorCode.INVALID_ARGUMENTS, "tests"),
+            ({"traj": "print(1)"}, ErrorCode.USER_ERROR, "exactly one of"),
+            ({"traj": "x" * 300_000, "test_code": "pass"}, ErrorCode.USER_ERROR, "the limit is"),
+        ]
+        for payload, code, fragment in bad:
+            r = await client.call("code_verify", payload)
+            assert not r.ok and r.error.type == code and not r.error.retryable, r
+            assert fragment in r.error.message, r.error.message
+        again = await client.call(
+            "code_verify", {"traj": "print(6*7)", "extract": False, "test_code": "pass"}
+        )
+        assert again.ok and again.value["score"] == 1.0
+        tool = await client.call("python", {"code": "import sys\nprint(6 * 7)\nsys.exit(2)"})
+        assert tool.ok and tool.value == "42\n\n[exit code 2]", tool

@@ -1,0 +1,328 @@
+"""The security suite of the code sandbox: hostile programs are contained, the host is not
+touched, and the sandbox keeps giving correct answers afterwards.
+
+Each test runs a real program in the real sandbox (namespaces, rlimits, jail); the checks
+look at the host from outside: processes left in the sandbox's uid range, mounts, files,
+a listener on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from functions.verifiers import _linux
+from functions.verifiers.sandbox import Limits, Sandbox, SandboxConfig
+from functions.verifiers.verify import CodeTests, Verifier
+
+pytestmark = pytest.mark.skipif(_linux.supported() is not None, reason=str(_linux.supported()))
+
+BASE_UID = 310_000
+SECRET = "rlfabric-test-secret-7d1c2a"
+FAST = Limits(cpu_s=1, wall_s=3, memory_mb=256, nproc=16, disk_mb=8, fsize_mb=4, stdout_bytes=64 << 10)
+GOOD = "print(sum(map(int, input().split())))"
+
+
+def _sandbox_pids() -> list[int]:
+    """Processes of the host running as one of the sandbox's uids (there must be none left)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        uid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("Uid:"))
+        if BASE_UID <= uid < BASE_UID + 1024:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    os.environ["RLFABRIC_TEST_SECRET"] = SECRET  # in the worker's environment: must not reach a run
+    try:
+        with Sandbox(SandboxConfig(base_uid=BASE_UID, spares=2)) as sb:
+            yield sb
+    finally:
+        del os.environ["RLFABRIC_TEST_SECRET"]
+
+
+@pytest.fixture
+def sb(sandbox):
+    """After every hostile program: nothing of it survives, and a good program still works."""
+    mounts_before = Path("/proc/self/mountinfo").read_text()
+    yield sandbox
+    deadline = time.monotonic() + 5
+    leftover = [0]
+    while leftover and time.monotonic() < deadline:  # a run's PID 1 may still be exiting
+        # only warm spares (waiting for a run, unprivileged already) may remain
+        leftover = [pid for pid in _sandbox_pids() if not _is_spare(pid)]
+        time.sleep(0.02)
+    assert leftover == [], f"processes of a finished run survived: {leftover}"
+    assert Path("/proc/self/mountinfo").read_text() == mounts_before, "a run changed the host's mounts"
+    out = sandbox.run_python(GOOD, stdin=b"20 22\n", limits=FAST)
+    assert (out.status, out.stdout) == ("exited", b"42\n")
+
+
+def _is_spare(pid: int) -> bool:
+    # a warm spare's PID 1 is blocked reading its start message; it has run no user code
+    try:
+        return Path(f"/proc/{pid}/wchan").read_text() in ("pipe_read", "pipe_wait", "anon_pipe_read")
+    except OSError:
+        return True  # already gone
+
+
+def py(sb: Sandbox, code: str, **kw):
+    return sb.run_python(code, limits=kw.pop("limits", FAST), **kw)
+
+
+def test_fork_bomb_is_contained(sb):
+    t0 = time.monotonic()
+    out = py(sb, "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
+    assert out.status in ("timeout", "signaled")
+    assert time.monotonic() - t0 < FAST.wall_s + 2
+    pid = os.fork()  # the host can still make processes
+    if pid == 0:
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+
+
+def test_memory_bomb_hits_the_limit(sb):
+    out = py(sb, "chunks = []\nwhile True:\n    chunks.append(bytearray(10**7))\n")
+    assert out.status == "exited" and out.exit_code == 1
+    assert b"MemoryError" in out.stderr
+    assert out.maxrss_kb < FAST.memory_mb * 1024
+
+
+def test_infinite_loop_dies_at_the_cpu_limit(sb):
+    t0 = time.monotonic()
+    out = py(sb, "while True:\n    pass\n")
+    assert out.status == "signaled" and out.signal == 9
+    assert 900 <= out.cpu_ms <= 1500
+    assert time.monotonic() - t0 < 2.5
+
+
+def test_a_child_that_outlives_its_parent_is_killed(sb):
+    code = (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        time.sleep(60)\n"
+        "    os._exit(0)\n"
+        "print('parent done')\n"
+    )
+    out = py(sb, code)
+    assert (out.status, out.stdout) == ("exited", b"parent done\n")
+    # the sb fixture checks that no process of the run is left on the host
+
+
+def test_no_network_not_even_loopback(sb):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    accepted = []
+    acceptor = threading.Thread(target=lambda: accepted.append(_try_accept(listener)), daemon=True)
+    acceptor.start()
+    code = (
+        "import socket\n"
+        f"for host in ('127.0.0.1', 'localhost', '::1'):\n"
+        "    try:\n"
+        f"        socket.create_connection((host, {port}), timeout=1)\n"
+        "        print('connected', host)\n"
+        "    except OSError as e:\n"
+        "        print('refused', host, e.errno)\n"
+        "import os\n"
+        "print(sorted(os.listdir('/sys/class/net')) if os.path.exists('/sys/class/net') else 'no sysfs')\n"
+    )
+    out = py(sb, code)
+    acceptor.join()
+    listener.close()
+    assert b"connected" not in out.stdout, out.stdout
+    assert out.stdout.count(b"refused") == 3
+    assert accepted == [None]
+
+
+def _try_accept(listener: socket.socket):
+    try:
+        conn, _ = listener.accept()
+        conn.close()
+        return "accepted"
+    except OSError:
+        return None
+
+
+def test_writing_outside_the_work_dir_fails_and_host_is_untouched(sb, tmp_path):
+    targets = ["/etc/rlfabric-pwned", "/usr/rlfabric-pwned", "/rlfabric-pwned", str(tmp_path / "pwned")]
+    code = (
+        "import os\n"
+        f"for path in {targets!r}:\n"
+        "    try:\n"
+        "        open(path, 'w').write('x')\n"
+        "        print('wrote', path)\n"
+        "    except OSError as e:\n"
+        "        print('denied', path, e.errno)\n"
+        "open('/tmp/inside', 'w').write('fine')\n"
+        "print(open('/sandbox/inside').read())\n"
+    )
+    out = py(sb, code)
+    assert b"wrote" not in out.stdout, out.stdout
+    assert out.stdout.endswith(b"fine\n")
+    for path in targets:
+        assert not Path(path).exists()
+    assert not Path("/tmp/inside").exists() or Path("/tmp/inside").read_text() != "fine"
+
+
+def test_secrets_of_the_worker_are_invisible(sb):
+    code = (
+        "import os, glob\n"
+        "print(dict(os.environ))\n"
+        "for path in glob.glob('/proc/*/environ'):\n"
+        "    try:\n"
+        "        print(path, open(path, 'rb').read())\n"
+        "    except OSError as e:\n"
+        "        print(path, 'denied')\n"
+        "print(os.listdir('/proc'))\n"
+        "for path in ('/etc/shadow', '/root/.bash_history', '/proc/1/root/etc/shadow'):\n"
+        "    try:\n"
+        "        print(path, open(path).read()[:50])\n"
+        "    except OSError as e:\n"
+        "        print(path, 'denied', e.errno)\n"
+    )
+    out = py(sb, code)
+    assert out.status == "exited"
+    assert SECRET.encode() not in out.stdout
+    assert b"AWS_" not in out.stdout and b"TOKEN" not in out.stdout
+    assert b"root:" not in out.stdout
+
+
+def test_runs_cannot_read_each_others_files(sb):
+    writer = (
+        "import time\n"
+        "open('/sandbox/secret.txt', 'w').write('run-a-secret')\n"
+        "open('/tmp/secret2.txt', 'w').write('run-a-secret')\n"
+        "print('written', flush=True)\n"
+        "time.sleep(1.0)\n"
+    )
+    reader = (
+        "import os, glob\n"
+        "print(os.listdir('/sandbox'), os.listdir('/tmp'))\n"
+        "for path in glob.glob('/proc/*/root/sandbox/*'):\n"
+        "    print(path, open(path).read())\n"
+    )
+    results = {}
+    t = threading.Thread(target=lambda: results.setdefault("a", py(sb, writer)))
+    t.start()
+    time.sleep(0.3)  # the writer's files exist now
+    results["b"] = py(sb, reader)
+    t.join()
+    results["c"] = py(sb, reader)  # and after it finished
+    assert results["a"].stdout == b"written\n"
+    for key in "bc":
+        assert b"run-a-secret" not in results[key].stdout
+        assert b"secret" not in results[key].stdout, results[key].stdout
+
+
+def test_gigabytes_of_stdout_are_cut_at_the_cap(sb):
+    t0 = time.monotonic()
+    out = py(sb, "import sys\nblock = 'x' * 65536\nwhile True:\n    sys.stdout.write(block)\n")
+    assert out.status == "output_limit"
+    assert len(out.stdout) == FAST.stdout_bytes
+    assert time.monotonic() - t0 < 2
+
+
+def test_killing_the_parent_or_everything_hurts_no_one_else(sb):
+    code = (
+        "import os, signal\n"
+        "for target in (os.getppid(), 1, -1):\n"
+        "    try:\n"
+        "        os.kill(target, signal.SIGKILL)\n"
+        "    except OSError as e:\n"
+        "        print('kill', target, 'failed', e.errno)\n"
+        "print('still here')\n"
+    )
+    zygote = sb._zygote
+    out = py(sb, code)
+    assert out.status in ("exited", "signaled")
+    assert zygote is sb._zygote and zygote.poll() is None  # the zygote lives on
+    os.kill(os.getpid(), 0)  # and so does this process
+
+
+def test_ignoring_sigterm_does_not_outlive_the_wall_limit(sb):
+    code = (
+        "import signal, time\n"
+        "for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):\n"
+        "    signal.signal(sig, signal.SIG_IGN)\n"
+        "time.sleep(30)\n"
+    )
+    t0 = time.monotonic()
+    out = py(sb, code)
+    assert out.status == "timeout"
+    assert FAST.wall_s <= time.monotonic() - t0 < FAST.wall_s + 2
+
+
+def test_filling_the_disk_stops_at_the_run_quota(sb):
+    code = (
+        "import os\n"
+        "written = 0\n"
+        "for i in range(10_000):\n"
+        "    try:\n"
+        "        with open(f'/sandbox/f{i}', 'wb') as f:\n"
+        "            f.write(b'x' * (1 << 20))\n"
+        "        written += 1\n"
+        "    except OSError as e:\n"
+        "        print('stopped', e.errno, written)\n"
+        "        break\n"
+    )
+    out = py(sb, code)
+    assert out.stdout.startswith(b"stopped 28"), out  # ENOSPC
+    assert int(out.stdout.split()[-1]) <= FAST.disk_mb
+
+
+def test_one_file_past_the_size_limit_is_killed(sb):
+    # Python ignores SIGXFSZ, so the write fails with EFBIG; a C program gets the signal
+    out = py(sb, "f = open('/sandbox/big', 'wb')\nwhile True:\n    f.write(b'x' * (1 << 20))\n")
+    assert out.exit_code == 1 and b"File too large" in out.stderr, out
+
+
+def test_no_privilege_inside(sb):
+    code = (
+        "import os, ctypes\n"
+        "print(os.getuid(), os.geteuid())\n"
+        "for step in ('setuid', 'mount', 'chroot'):\n"
+        "    try:\n"
+        "        if step == 'setuid': os.setuid(0)\n"
+        "        elif step == 'chroot': os.chroot('/tmp')\n"
+        "        else:\n"
+        "            libc = ctypes.CDLL(None, use_errno=True)\n"
+        "            if libc.mount(b'none', b'/usr', None, 32 | 4096, None) != 0:\n"
+        "                raise OSError(ctypes.get_errno(), 'mount')\n"
+        "        print(step, 'succeeded')\n"
+        "    except OSError as e:\n"
+        "        print(step, 'denied', e.errno)\n"
+        "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])\n"
+    )
+    out = py(sb, code)
+    assert b"succeeded" not in out.stdout, out.stdout
+    assert out.stdout.splitlines()[-1] == b"0000000000000000"
+    assert not out.stdout.startswith(b"0 ")
+
+
+def test_the_verifier_still_judges_correctly_after_the_suite(sandbox):
+    verifier = Verifier(sandbox, FAST)
+    tests = CodeTests(
+        cases=[{"stdin": "1 2\n", "expected_stdout": "3"}, {"stdin": "5 5\n", "expected_stdout": "10"}]
+    )
+    result = verifier.verify(GOOD, tests)
+    assert (result.status, result.passed) == ("Finished", 2)
+    wrong = verifier.verify("print(0)", tests)
+    assert (wrong.status, wrong.passed) == ("Failed", 0)
