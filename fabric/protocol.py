@@ -16,7 +16,7 @@ import uuid
 from typing import Any, Literal
 
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fabric.errors import (
     RETRYABLE,
@@ -110,6 +110,14 @@ class Invocation(_Model):
     raw: bytes | None = Field(None, exclude=True, repr=False)
     """The payload encoded once by the client, so no backend encodes it again (never sent
     as a field: it *is* the payload on the wire)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_raw_on_the_wire(cls, data: Any) -> Any:
+        # only the client sets it (through ``fast``); from outside it would replace the payload
+        if isinstance(data, dict) and data.get("raw") is not None:
+            raise ValueError("'raw' is not a field of an Invocation on the wire; send the payload")
+        return data
 
     @property
     def raw_payload(self) -> bytes:

@@ -136,7 +136,14 @@ def test_unwrap() -> None:
 
 @pytest.mark.parametrize("code", list(ErrorCode))
 def test_failure_retryable_from_code(code: ErrorCode) -> None:
-    expected = code in {"WorkerLost", "NotStarted", "FunctionTimeout", "Throttled", "TransportError"}
+    expected = code in {
+        "WorkerLost",
+        "NotStarted",
+        "FunctionTimeout",
+        "Throttled",
+        "TransportError",
+        "Unavailable",
+    }
     r = Result.failure(code, "m")
     assert r.ok is False and r.value is None
     assert r.retryable is expected
@@ -149,7 +156,14 @@ def test_failure_fields() -> None:
     assert (r.function, r.request_id, r.worker, r.attempts) == ("f", "r1", "w3", 1)
     assert r.retryable is True
     assert Result.failure("UserError", "x").retryable is False
-    assert RETRYABLE == {"WorkerLost", "NotStarted", "FunctionTimeout", "Throttled", "TransportError"}
+    assert RETRYABLE == {
+        "WorkerLost",
+        "NotStarted",
+        "FunctionTimeout",
+        "Throttled",
+        "TransportError",
+        "Unavailable",
+    }
     assert Result(ok=True).retryable is False
 
 
@@ -262,3 +276,22 @@ def test_nan_inside_a_model_is_refused_not_turned_into_null() -> None:
     with pytest.raises(PayloadNotSerializableError):
         encode_payload({"r": RewardResult(score=1.0, components={"x": float("inf")})})
     assert to_strict_json({"text": "NaN and Infinity are words"}) == b'{"text":"NaN and Infinity are words"}'
+
+
+def test_raw_is_not_accepted_from_the_wire():
+    from fabric.protocol import Invocation
+
+    with pytest.raises(ValueError, match="'raw' is not a field"):
+        Invocation.model_validate_json('{"function": "f", "payload": {"a": 1}, "raw": "e30="}')
+    inv = Invocation.model_validate_json('{"function": "f", "payload": {"a": 1}}')
+    assert inv.raw_payload == b'{"a":1}'
+
+
+def test_a_function_raising_unavailable_fails_retryably_others_finally():
+    from fabric.errors import Unavailable
+    from fabric.runner import _user_error
+
+    code, message, tb = _user_error(Unavailable("judge endpoint overloaded"))
+    assert (code, message, tb) == (ErrorCode.UNAVAILABLE, "judge endpoint overloaded", None)
+    assert Result.failure(code, message).retryable
+    assert _user_error(ValueError("bad"))[0] == ErrorCode.USER_ERROR
