@@ -1,0 +1,543 @@
+"""The ``search`` tool: BM25 scores against hand-worked numbers and an independent naive
+implementation, retrieval on the shipped corpus, user corpora (directory, JSONL; through the
+environment variable and the Python API), every bad input and bad corpus, and calls through
+the fabric (in-process and in worker processes)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from fabric.backends.base import LocalConfig
+from fabric.client import Client
+from fabric.errors import ErrorCode
+from fabric.registry import Registry
+from fabric.testing import check_function
+from functions.tools import search as search_mod
+from functions.tools.search import (
+    CORPUS_ENV,
+    DEFAULT_CORPUS,
+    MAX_K,
+    MAX_QUERY_CHARS,
+    OPENAI_SCHEMA,
+    BM25Index,
+    CorpusError,
+    CorpusWarning,
+    Document,
+    check_arguments,
+    clear_cache,
+    corpus_path,
+    get_index,
+    load_documents,
+    load_index,
+    search,
+    stem,
+    tokenize,
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_corpus_env(monkeypatch):
+    monkeypatch.delenv(CORPUS_ENV, raising=False)
+
+
+def registry() -> Registry:
+    reg = Registry()
+    reg.discover("functions.tools.search")
+    return reg
+
+
+def write(root: Path, rel: str, text: str | bytes) -> Path:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+def docs(*texts: str) -> list[Document]:
+    # empty titles: only the text is indexed, so the hand-worked lengths below are the texts'
+    return [Document(id=f"d{i}", title="", text=t) for i, t in enumerate(texts)]
+
+
+# ----------------------------------------------------------------------------- BM25 by hand
+
+TINY = docs("apple banana apple", "banana cherry", "cherry cherry cherry date")
+
+
+def test_scores_match_the_hand_worked_formula():
+    # N = 3, lengths 3, 2, 4, so avgdl = 3; k1 = 1.5, b = 0.75
+    # idf(t) = ln(1 + (N - n + 0.5) / (n + 0.5)); K(d) = k1 * (1 - b + b * dl / avgdl)
+    # term score = idf * tf * (k1 + 1) / (tf + K)
+    index = BM25Index(TINY)
+    assert index.avgdl == 3
+    # "apple": n = 1, idf = ln(1 + 2.5 / 1.5) = ln(8/3); d0: tf = 2, K = 1.5
+    # -> ln(8/3) * 2 * 2.5 / 3.5 = ln(8/3) * 10/7
+    assert index.scores("apple") == {0: pytest.approx(math.log(8 / 3) * 10 / 7)}
+    # "banana", "cherry": n = 2 each, idf = ln(1 + 1.5 / 2.5) = ln(1.6)
+    # d0: banana tf 1, K = 1.5 -> 2.5 / 2.5 = 1
+    # d1: banana tf 1 and cherry tf 1, K = 1.5 * (0.25 + 0.75 * 2/3) = 1.125 -> 2 * 2.5 / 2.125 = 40/17
+    # d2: cherry tf 3, K = 1.5 * (0.25 + 0.75 * 4/3) = 1.875 -> 3 * 2.5 / 4.875 = 20/13
+    idf = math.log(1.6)
+    assert index.scores("banana cherry") == {
+        0: pytest.approx(idf),
+        1: pytest.approx(idf * 40 / 17),
+        2: pytest.approx(idf * 20 / 13),
+    }
+    results = index.search("banana cherry", k=3)
+    assert [h.id for h in results.hits] == ["d1", "d2", "d0"]
+    assert results.hits[0].score == pytest.approx(idf * 40 / 17)
+    assert results.matched == 3 and results.terms == ("banana", "cherry")
+
+
+def test_parameters_change_the_scores_as_the_formula_says():
+    # b = 0: no length normalisation, K = k1 everywhere; k1 = 0: tf does not matter (idf only)
+    flat = BM25Index(TINY, k1=1.2, b=0.0)
+    assert flat.scores("cherry")[2] == pytest.approx(math.log(1.6) * 3 * 2.2 / (3 + 1.2))
+    binary = BM25Index(TINY, k1=0.0, b=0.75)
+    assert binary.scores("cherry") == {1: pytest.approx(math.log(1.6)), 2: pytest.approx(math.log(1.6))}
+    with pytest.raises(ValueError, match="k1 >= 0"):
+        BM25Index(TINY, b=1.5)
+
+
+def test_each_query_term_counts_once_and_case_and_stopwords_do_not_matter():
+    index = BM25Index(TINY)
+    assert index.scores("apple apple APPLE") == index.scores("apple")
+    assert index.scores("The apples, of course?") == index.scores("apple course")
+    assert index.scores("zebra") == {} and index.search("zebra").hits == ()
+
+
+def test_a_common_term_still_scores_above_zero():
+    # the classic idf ln((N - n + 0.5) / (n + 0.5)) is negative for a term in most documents
+    index = BM25Index(docs("common a", "common b", "common c", "rare common"))
+    scores = index.scores("common")
+    assert len(scores) == 4 and all(s > 0 for s in scores.values())
+
+
+def naive_bm25(texts: list[list[str]], query: list[str], k1: float, b: float) -> dict[int, float]:
+    """Straight from the definition, one document at a time."""
+    n_docs = len(texts)
+    avgdl = sum(map(len, texts)) / n_docs
+    out: dict[int, float] = {}
+    for i, words in enumerate(texts):
+        total, matched = 0.0, False
+        for term in set(query):
+            tf = words.count(term)
+            if not tf:
+                continue
+            matched = True
+            n = sum(term in w for w in texts)
+            idf = math.log((n_docs - n + 0.5) / (n + 0.5) + 1)
+            total += idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * len(words) / avgdl))
+        if matched:
+            out[i] = total
+    return out
+
+
+@pytest.mark.parametrize(("k1", "b"), [(1.5, 0.75), (1.2, 0.0), (2.0, 1.0), (0.5, 0.3)])
+def test_index_agrees_with_a_naive_implementation(k1, b):
+    rng = random.Random(f"{k1}/{b}")
+    vocab = [f"w{i}" for i in range(40)]  # no stopwords, nothing to stem
+    texts = [rng.choices(vocab, weights=range(40, 0, -1), k=rng.randint(1, 30)) for _ in range(150)]
+    index = BM25Index(
+        [Document(id=str(i), title="", text=" ".join(t)) for i, t in enumerate(texts)], k1=k1, b=b
+    )
+    for _ in range(30):
+        query = rng.sample(vocab, rng.randint(1, 4))
+        want = naive_bm25(texts, query, k1, b)
+        got = index.scores(" ".join(query))
+        assert got.keys() == want.keys()
+        assert all(got[i] == pytest.approx(want[i]) for i in want)
+        k = rng.randint(1, 12)
+        ranked = sorted(want, key=lambda i: (-want[i], i))[:k]
+        assert [h.id for h in index.search(" ".join(query), k).hits] == [str(i) for i in ranked]
+
+
+def test_ties_keep_corpus_order():
+    index = BM25Index(docs("alike words", "other", "alike words", "alike words"))
+    assert [h.id for h in index.search("alike", k=2).hits] == ["d0", "d2"]
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def test_tokenizer():
+    assert tokenize("The Speed of LIGHT, in a vacuum!") == ["speed", "light", "vacuum"]
+    assert tokenize("Zürich naïve 東京 x_1 2024") == ["zürich", "naïve", "東京", "x_1", "2024"]
+    assert tokenize("it's what they don't do") == []  # stopwords and contraction pieces
+    assert tokenize("planets countries boxes classes glass virus analysis") == [
+        "planet",
+        "country",
+        "box",
+        "class",
+        "glass",
+        "virus",
+        "analysis",
+    ]
+    assert stem("gas") == "gas" and stem("bits") == "bit"
+
+
+# ----------------------------------------------------------------------------- shipped corpus
+
+RANKING = {
+    "how fast does light travel in a vacuum": "speed_of_light.txt",
+    "who was the first person to walk on the moon": "apollo_11.txt",
+    "tallest mountain above sea level": "mount_everest.txt",
+    "powerhouse of the cell ATP": "mitochondria.txt",
+    "longest river in Africa": "nile.txt",
+    "right triangle hypotenuse": "pythagorean_theorem.txt",
+    "find an item in a sorted array by halving": "binary_search.txt",
+    "capital of Australia": "australia.txt",
+    "who invented the printing press": "printing_press.txt",
+    "distributed version control branches commits": "git.txt",
+    "plants turn sunlight and carbon dioxide into sugar": "photosynthesis.txt",
+    "double helix base pairs": "dna.txt",
+    "deepest point of the ocean Mariana Trench": "pacific_ocean.txt",
+    "entropy heat absolute zero": "thermodynamics.txt",
+    "golden ratio sequence": "fibonacci.txt",
+    "voltage current resistance": "ohms_law.txt",
+    "404 Not Found status code": "http.txt",
+    "variable-width encoding of Unicode characters": "utf8.txt",
+    "coldest temperature ever recorded": "antarctica.txt",
+    "Guido van Rossum": "python_language.txt",
+    "pivot partition sorting algorithm": "quicksort.txt",
+    "smallpox eradicated": "vaccines.txt",
+    "curvature of spacetime gravitational waves": "general_relativity.txt",
+}
+
+
+def test_shipped_corpus_is_small_clean_and_the_default():
+    files = sorted(DEFAULT_CORPUS.iterdir())
+    assert 30 <= len(files) <= 60
+    assert sum(f.stat().st_size for f in files) < 100_000
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing skipped
+        documents = load_documents(DEFAULT_CORPUS, strict=True)
+    assert len(documents) == len(files) and len({d.id for d in documents}) == len(files)
+    assert all(d.title and len(d.text.split()) >= 40 for d in documents)
+    assert corpus_path() == DEFAULT_CORPUS and get_index() is get_index(DEFAULT_CORPUS)
+
+
+@pytest.mark.parametrize(("query", "doc_id"), RANKING.items())
+def test_shipped_corpus_ranks_the_right_document_first(query, doc_id):
+    results = get_index().search(query, k=3)
+    assert results.hits[0].id == doc_id, [(h.id, round(h.score, 2)) for h in results.hits]
+    assert results.hits[0].score > 1.3 * results.hits[1].score if len(results.hits) > 1 else True
+
+
+def test_snippet_shows_the_matching_passage():
+    hit = get_index().search("Tenzing Norgay first ascent", k=1).hits[0]
+    assert hit.title == "Mount Everest" and "Tenzing Norgay made the first confirmed ascent" in hit.snippet
+    assert hit.snippet.startswith("…") and len(hit.snippet) <= search_mod.SNIPPET_CHARS + 2
+    # a match at the start: no leading ellipsis
+    hit = get_index().search("Light travels through a vacuum", k=1).hits[0]
+    assert hit.snippet.startswith("Light travels through a vacuum at exactly 299,792,458")
+
+
+def test_text_for_the_policy():
+    text = search("speed of light", k=2)
+    head, first, second = text.split("\n\n")
+    assert head.startswith("Top 2 of ") and head.endswith('matching documents for "speed of light":')
+    assert first.startswith("[1] Speed of light (id: speed_of_light.txt, score ")
+    assert second.startswith("[2] ")
+    assert search("Guido   van\nRossum", k=5).startswith('1 matching document for "Guido van Rossum":\n\n[1]')
+    assert search("xylophone quasar").startswith('No documents match "xylophone quasar". Try other words')
+    assert len(get_index().search("light", k=MAX_K).hits) <= MAX_K
+
+
+# ----------------------------------------------------------------------------- bad arguments
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"query": ""}, "empty query"),
+        ({"query": " \n\t "}, "empty query"),
+        ({"query": "light " * 100}, f"over the {MAX_QUERY_CHARS} limit"),
+        ({"query": "light", "k": 0}, "k must be an integer from 1 to 20, got 0"),
+        ({"query": "light", "k": MAX_K + 1}, "got 21"),
+        ({"query": "light", "k": -3}, "got -3"),
+        ({"query": "light", "k": True}, "got True"),
+        ({"query": "light", "k": 2.5}, "got 2.5"),
+        ({"query": "the of and?!"}, "no searchable words"),
+        ({"query": 42}, "query must be a string"),
+    ],
+)
+def test_bad_arguments_say_what_to_do(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        search(**kwargs)
+
+
+def test_longest_query_is_accepted():
+    query = ("light " * MAX_QUERY_CHARS)[:MAX_QUERY_CHARS]
+    assert check_arguments(query, MAX_K) == query.strip()
+    assert search(query).startswith("Top 3 of ")
+
+
+# ----------------------------------------------------------------------------- user corpora
+
+
+def test_directory_corpus(tmp_path):
+    write(tmp_path, "alpha.txt", "Alpha particles\n\nHelium nuclei emitted in radioactive decay.")
+    write(
+        tmp_path,
+        "notes/beta.md",
+        "# Beta decay\n\nA neutron turns into a proton, an electron and a neutrino.",
+    )
+    long_first = "gamma rays are " + "very " * 40 + "energetic photons"
+    write(tmp_path, "notes/gamma-rays.txt", long_first + "\nsecond line")
+    write(tmp_path, ".hidden.txt", "hidden helium")
+    write(tmp_path, ".git/config.txt", "hidden helium")
+    write(tmp_path, "skip.rst", "helium in another format")
+    documents = load_documents(tmp_path)
+    assert [(d.id, d.title) for d in documents] == [
+        ("alpha.txt", "Alpha particles"),
+        ("notes/beta.md", "Beta decay"),
+        ("notes/gamma-rays.txt", "gamma rays"),  # a first line over 120 characters is text
+    ]
+    assert documents[0].text == "Helium nuclei emitted in radioactive decay."
+    assert documents[2].text.startswith("gamma rays are very")
+    index = load_index(tmp_path)
+    assert [h.id for h in index.search("helium").hits] == ["alpha.txt"]
+    assert index.search("neutrino proton").hits[0].title == "Beta decay"
+    assert index.search("energetic photons").hits[0].id == "notes/gamma-rays.txt"
+
+
+def test_utf8_bom_and_single_line_documents(tmp_path):
+    write(tmp_path, "a.txt", "\ufeffQuarks\n\nUp, down, strange, charm, bottom, top.")
+    write(tmp_path, "b.txt", "Just a title about gluons")
+    documents = load_documents(tmp_path)
+    assert documents[0].title == "Quarks" and documents[1].text == ""
+    assert load_index(tmp_path).search("gluons").hits[0].snippet == "Just a title about gluons"
+
+
+def test_bad_files_are_skipped_with_one_warning(tmp_path, monkeypatch):
+    monkeypatch.setattr(search_mod, "MAX_DOC_BYTES", 200)
+    write(tmp_path, "good.txt", "Good\n\nA readable document about comets.")
+    write(tmp_path, "latin1.txt", "Caf\xe9 cr\xe8me".encode("latin-1"))
+    write(tmp_path, "empty.md", "  \n\n ")
+    write(tmp_path, "huge.txt", "comets " * 100)
+    (tmp_path / "dangling.txt").symlink_to(tmp_path / "nowhere.txt")
+    with pytest.warns(CorpusWarning) as caught:
+        documents = load_documents(tmp_path)
+    assert [d.id for d in documents] == ["good.txt"]
+    message = str(caught[0].message)
+    assert "4 document(s) skipped" in message
+    assert "latin1.txt: not UTF-8 (byte 0xe9 at offset 3)" in message
+    assert "empty.md: empty" in message
+    assert "huge.txt: 700 bytes, over the 200-byte limit; split it" in message
+    assert "dangling.txt: cannot be read" in message
+    with pytest.raises(CorpusError, match="4 document"):
+        load_documents(tmp_path, strict=True)
+
+
+def test_a_corpus_with_no_usable_document_is_an_error(tmp_path):
+    write(tmp_path, "latin1.txt", b"\xff\xfe bad")
+    write(tmp_path, "empty.txt", "")
+    with pytest.raises(CorpusError, match=r"no \.txt or \.md documents \(2 skipped: .*not UTF-8"):
+        load_documents(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: p / "missing", "does not exist"),
+        (lambda p: p, r"has no \.txt or \.md documents; point RL_FABRIC_SEARCH_CORPUS at"),
+        (lambda p: write(p, "corpus.csv", "id,text\n1,hello"), "neither a directory nor a .jsonl file"),
+        (lambda p: p / "missing.jsonl", "does not exist"),
+        (lambda p: write(p, "empty.jsonl", "\n\n"), "has no documents"),
+    ],
+)
+def test_unusable_corpus_paths(tmp_path, make, message):
+    path = make(tmp_path)
+    with pytest.raises(CorpusError, match=message) as e:
+        load_index(path)
+    assert "unset it to use the shipped corpus" in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+def test_unreadable_directory_simulated(tmp_path, monkeypatch):
+    # what the permission test below checks, also where the tests run as root
+    write(tmp_path, "a.txt", "a document")
+    write(tmp_path, "locked/b.txt", "another")
+    real_scandir, real_listdir = os.scandir, os.listdir
+
+    def scandir(path):
+        if str(path).endswith("locked"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    def listdir(path):
+        if Path(path) == tmp_path:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_listdir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.warns(CorpusWarning, match="locked: directory cannot be read"):
+        assert [d.id for d in load_documents(tmp_path)] == ["a.txt"]
+    monkeypatch.setattr(os, "listdir", listdir)
+    with pytest.raises(CorpusError, match=r"directory .* cannot be read \(Permission denied\)"):
+        load_documents(tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any directory")
+def test_unreadable_directory(tmp_path):
+    corpus = tmp_path / "corpus"
+    write(corpus, "a.txt", "a document")
+    write(corpus, "locked/b.txt", "another")
+    (corpus / "locked").chmod(0)
+    try:
+        with pytest.warns(CorpusWarning, match="locked: directory cannot be read"):
+            assert [d.id for d in load_documents(corpus)] == ["a.txt"]
+        corpus.chmod(0)
+        with pytest.raises(CorpusError, match="cannot be read"):
+            load_documents(corpus)
+    finally:
+        corpus.chmod(0o755)
+        (corpus / "locked").chmod(0o755)
+
+
+def test_jsonl_corpus(tmp_path):
+    lines = [
+        json.dumps({"id": "e1", "title": "Electrons", "text": "Electrons carry negative charge."}),
+        "",
+        json.dumps({"text": "Protons carry positive charge."}),  # id: the line number; title: the id
+        json.dumps({"id": 7, "text": "Neutrons have no charge.", "title": "Neutrons"}),
+    ]
+    path = write(tmp_path, "physics.jsonl", "\n".join(lines) + "\n")
+    documents = load_documents(path)
+    assert [(d.id, d.title) for d in documents] == [("e1", "Electrons"), ("3", "3"), ("7", "Neutrons")]
+    assert load_index(path).search("positive charge").hits[0].id == "3"
+
+
+def test_bad_jsonl_lines_are_skipped(tmp_path):
+    lines = [
+        json.dumps({"id": "ok", "text": "fine text"}).encode(),
+        b"{not json",
+        b"[1, 2]",
+        json.dumps({"id": "no-text"}).encode(),
+        json.dumps({"id": "blank", "text": "   "}).encode(),
+        json.dumps({"id": [1], "text": "x"}).encode(),
+        json.dumps({"id": "t", "title": 3, "text": "x"}).encode(),
+        json.dumps({"id": "ok", "text": "again"}).encode(),
+        '{"id": "latin", "text": "caf\xe9"}'.encode("latin-1"),
+    ]
+    path = write(tmp_path, "c.jsonl", b"\n".join(lines))
+    with pytest.warns(CorpusWarning) as caught:
+        assert [d.id for d in load_documents(path)] == ["ok"]
+    message = str(caught[0].message)
+    for expected in (
+        "8 document(s) skipped",
+        "line 2: not JSON",
+        "line 3: not a JSON object but list",
+        'line 4: needs a non-empty string "text"',
+        "line 5: needs a non-empty",
+        'line 6: "id" must be a string or an integer',
+        'line 7: "title" must be a string',
+        "line 8: repeats id 'ok'",
+        "line 9: not UTF-8",
+    ):
+        assert expected in message
+    with pytest.raises(CorpusError, match="line 2: not JSON"):
+        load_documents(path, strict=True)
+
+
+def test_environment_variable_and_cache(tmp_path, monkeypatch):
+    write(tmp_path, "a.txt", "Comets\n\nIcy bodies that grow tails near the Sun.")
+    monkeypatch.setenv(CORPUS_ENV, str(tmp_path))
+    assert corpus_path() == tmp_path
+    index = get_index()
+    assert index is get_index(tmp_path) and index.source == str(tmp_path)
+    assert "[1] Comets (id: a.txt" in search("comet tails")
+    write(tmp_path, "b.txt", "Asteroids\n\nRocky bodies.")
+    assert "No documents match" in search("asteroids")  # built once, kept
+    clear_cache()
+    assert "[1] Asteroids" in search("asteroids")
+    monkeypatch.setenv(CORPUS_ENV, "  ")
+    assert corpus_path() == DEFAULT_CORPUS
+
+
+def test_explicit_index_through_ctx(tmp_path):
+    write(tmp_path, "a.txt", "Lichens\n\nA partnership of a fungus and an alga.")
+    assert "[1] Lichens" in search("fungus", ctx=load_index(tmp_path))
+
+
+# ----------------------------------------------------------------------------- through the fabric
+
+
+def test_conforms_and_schema_matches_signature():
+    reg = registry()
+    check_function("search", reg)
+    spec = reg.get("search")
+    assert spec.kind == "tool" and spec.setup == "functions.tools.search:default_index"
+    params = OPENAI_SCHEMA["function"]["parameters"]
+    assert OPENAI_SCHEMA["function"]["name"] == spec.name
+    assert params["required"] == [p.name for p in spec.params if p.required]
+    assert set(params["properties"]) == {p.name for p in spec.params} == {"query", "k"}
+    assert params["properties"]["k"]["maximum"] == MAX_K
+
+
+async def test_calls_through_an_inprocess_client():
+    async with Client(backend="inproc", registry=registry()) as c:
+        r = await c.call("search", {"query": "first person to walk on the moon", "k": 2})
+        assert r.ok and r.value.startswith("Top 2 of ") and "[1] Apollo 11 (id: apollo_11.txt" in r.value
+        r = await c.call("search", {"query": "qwertyuiop"})
+        assert r.ok and r.value.startswith('No documents match "qwertyuiop"')
+        for payload, message in [
+            ({"query": ""}, "ValueError: empty query"),
+            ({"query": "x" * (MAX_QUERY_CHARS + 1)}, "over the 500 limit"),
+            ({"query": "moon", "k": 0}, "k must be an integer from 1 to 20"),
+            ({"query": "moon", "k": 99}, "got 99"),
+            ({"query": "the"}, "no searchable words"),
+        ]:
+            r = await c.call("search", payload)
+            assert not r.ok and r.error.type == ErrorCode.USER_ERROR and message in r.error.message
+            assert not r.error.retryable
+        for payload in ({"query": "moon", "k": "three"}, {"query": 3}, {"k": 2}, {"query": "a", "path": "/"}):
+            r = await c.call("search", payload)
+            assert not r.ok and r.error.type == ErrorCode.INVALID_ARGUMENTS, payload
+
+
+async def test_setup_builds_the_index_once_per_worker(tmp_path, monkeypatch):
+    write(tmp_path, "a.txt", "Tides\n\nThe Moon's gravity raises tides.")
+    monkeypatch.setenv(CORPUS_ENV, str(tmp_path))
+    loads = Counter[str]()
+    real = search_mod.load_documents
+
+    def counting(path, **kw):
+        loads[str(path)] += 1
+        return real(path, **kw)
+
+    monkeypatch.setattr(search_mod, "load_documents", counting)
+    async with Client(backend="inproc", registry=registry()) as c:
+        results = await c.map("search", [{"query": "tides moon"}] * 5)
+    assert all(r.ok and "[1] Tides (id: a.txt" in r.value for r in results)
+    assert loads == {str(tmp_path): 1}
+
+
+async def test_a_bad_corpus_fails_setup_with_a_clear_message(tmp_path, monkeypatch):
+    monkeypatch.setenv(CORPUS_ENV, str(tmp_path / "nope"))
+    async with Client(backend="inproc", registry=registry()) as c:
+        r = await c.call("search", {"query": "moon"})
+    assert not r.ok and r.error.type == ErrorCode.SETUP_FAILED
+    assert f"CorpusError: search corpus {tmp_path / 'nope'} does not exist" in r.error.message
+    assert CORPUS_ENV in r.error.message
+
+
+async def test_worker_processes_read_the_corpus_named_by_the_environment(tmp_path, monkeypatch):
+    write(tmp_path, "kelp.md", "# Kelp forests\n\nLarge brown algae that grow in cold coastal water.")
+    monkeypatch.setenv(CORPUS_ENV, str(tmp_path))
+    async with Client(backend=LocalConfig(max_workers=1), registry=registry()) as c:
+        r = await c.call("search", {"query": "brown algae", "k": 1})
+        assert r.ok and r.value.startswith('1 matching document for "brown algae":\n\n[1] Kelp forests')
+        r = await c.call("search", {"query": "speed of light"})
+        assert r.ok and r.value.startswith("No documents match")
