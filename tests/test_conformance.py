@@ -7,6 +7,7 @@ from sample_fns import REG
 
 from fabric.registry import Registry
 from fabric.testing import ConformanceError, check_function
+from functions.fakes import FakeOpenAI
 
 BUILTINS = Registry()
 BUILTINS.discover("functions")
@@ -16,8 +17,18 @@ def test_builtins_are_discovered():
     assert "exact_match" in BUILTINS
 
 
+@pytest.fixture
+def fake_judge_env(monkeypatch):
+    """A FakeOpenAI server on 127.0.0.1 with RL_FABRIC_JUDGE_* pointing llm_judge at it:
+    the judge's examples run against a real (fake) endpoint, never the network."""
+    with FakeOpenAI() as srv:
+        for key, value in srv.env.items():
+            monkeypatch.setenv(key, value)
+        yield srv
+
+
 @pytest.mark.parametrize("name", BUILTINS.names())
-def test_builtin_conforms(name):
+def test_builtin_conforms(name, fake_judge_env):
     check_function(name, BUILTINS)
 
 

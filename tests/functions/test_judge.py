@@ -1,0 +1,418 @@
+"""The ``llm_judge`` reward against ``FakeOpenAI``, a real HTTP server on 127.0.0.1: score
+parsing, retries and Retry-After, timeouts, garbage replies, rate limits, auth, config, and the
+worker pool staying healthy. Waits are checked with an injected clock/sleep, not by waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from fabric.backends.base import LocalConfig
+from fabric.client import Client
+from fabric.errors import RETRYABLE, ConfigError, ErrorCode, Unavailable
+from fabric.protocol import Message, Trajectory, encode_payload
+from fabric.registry import Registry
+from fabric.runner import FunctionRunner
+from fabric.testing import check_function
+from functions.fakes import FakeOpenAI, Scripted
+from functions.rewards.judge import (
+    Judge,
+    JudgeConfig,
+    JudgeRejectedError,
+    JudgeResponseError,
+    RateLimiter,
+    estimate_tokens,
+    llm_judge,
+    parse_score,
+)
+
+ENTRY = "functions.rewards.judge:llm_judge"
+
+
+class FakeTime:
+    """An injected clock and sleep: sleeping records the wait and moves the clock."""
+
+    def __init__(self, advance: bool = True):
+        self.now = 1000.0
+        self.advance = advance
+        self.sleeps: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        if self.advance:
+            self.now += seconds
+        await asyncio.sleep(0)
+
+
+@pytest.fixture
+def srv():
+    with FakeOpenAI() as s:
+        yield s
+
+
+@pytest.fixture
+async def make_judge():
+    """Judges for a server (with an injected clock/sleep if given), closed after the test."""
+    made: list[Judge] = []
+
+    def make(srv: FakeOpenAI, t: FakeTime | None = None, **cfg: Any) -> Judge:
+        cfg.setdefault("backoff_s", 0.01)
+        config = JudgeConfig(model=srv.model, base_url=srv.base_url, api_key=srv.api_key, **cfg)
+        judge = Judge(config) if t is None else Judge(config, clock=t.clock, sleep=t.sleep)
+        made.append(judge)
+        return judge
+
+    yield make
+    for judge in made:
+        await judge.aclose()
+
+
+def traj(question: str, answer: str, **task: Any) -> Trajectory:
+    msgs = [Message(role="user", content=question), Message(role="assistant", content=answer)]
+    return Trajectory(messages=msgs, task=task)
+
+
+# ----------------------------------------------------------------------------- scores
+
+
+@pytest.mark.parametrize(
+    ("reply", "expected"),
+    [
+        ("Correct and clear.\nScore: 7/10", 0.7),
+        ("Mostly right. **8**", 0.8),
+        ('{"score": 6, "reason": "partial"}', 0.6),
+        ('```json\n{"score": 9}\n```', 0.9),
+        ("<score>3</score>", 0.3),
+        ("Rating: 4 out of 5", 0.8),  # a fraction of another scale is mapped onto the rubric's
+        ("Score: **10**/10", 1.0),
+        ("<think>first guess: score 2</think>On reflection, Score: 9", 0.9),
+        ("It has 2 small errors.\nI give it a 5.", 0.5),  # the last line's number, as a fallback
+        ("Overall grade: 85%", 0.85),
+    ],
+)
+async def test_scores_parsed_from_reply_formats(srv, reply, expected, make_judge):
+    srv.enqueue(Scripted(text=reply))
+    r = await make_judge(srv).score("Paris", question="Capital of France?")
+    assert r.score == pytest.approx(expected)
+    assert r.components["raw_score"] == pytest.approx(expected * 10)
+    assert r.info["judgement"] == reply and r.info["attempts"] == 1
+    assert r.info["usage"]["total_tokens"] > 0
+
+
+async def test_json_score_on_a_unit_scale(srv, make_judge):
+    srv.enqueue(Scripted(text='{"score": 0.8}'))
+    r = await make_judge(srv, min_score=0, max_score=1).score("x")
+    assert r.score == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize(
+    ("reply", "error"),
+    [
+        ("I cannot grade this response.", "no score in the judge's reply"),
+        ("2 + 2 is 4, not 5.\nSo it is wrong.", "no score"),  # numbers in the reasoning are not scores
+        ("Score: 12/10", "outside the rubric's range [0, 10]"),
+        ("<think>Score: 8</think>", "no score"),  # only scratch work: no verdict
+    ],
+)
+def test_unreadable_scores_are_clear_errors(reply, error):
+    with pytest.raises(JudgeResponseError, match=re.escape(error)):
+        parse_score(reply, 0, 10)
+
+
+async def test_question_reference_and_rubric_come_from_the_trajectory(srv, make_judge):
+    prompts: list[str] = []
+
+    def grade(request: dict[str, Any]) -> str:
+        prompt = request["messages"][0]["content"]
+        prompts.append(prompt)
+        return "Score: 10/10" if "REFERENCE:\nParis" in prompt and "is Paris" in prompt else "Score: 0/10"
+
+    with FakeOpenAI(reply=grade) as s:
+        judge = make_judge(s)
+        r = await llm_judge(traj("Capital of France?", "It is Paris.", reference="Paris"), ctx=judge)
+        assert r.score == 1.0
+        assert "QUESTION:\nCapital of France?" in prompts[0]
+        # a rubric may show literal JSON: only the known placeholders are filled
+        rubric = 'Answer {"score": N} for: {question} / {response} ({min_score}-{max_score})'
+        await llm_judge("42", question="6*7?", rubric=rubric, ctx=judge)
+        assert prompts[1] == 'Answer {"score": N} for: 6*7? / 42 (0-10)'
+        with pytest.raises(ValueError, match=r"must contain \{response\}"):
+            await llm_judge("42", rubric="no placeholder", ctx=judge)
+
+
+# ----------------------------------------------------------------------------- retries
+
+
+async def test_429_is_retried_after_the_servers_retry_after(srv, make_judge):
+    t = FakeTime()
+    srv.fail_next(429, times=2, retry_after=7)
+    r = await make_judge(srv, t).score("x")
+    assert r.score == 0.8 and r.info["attempts"] == 3
+    assert t.sleeps == [7.0, 7.0]  # Retry-After, not the (much shorter) backoff
+    assert len(srv.chat_requests) == 3
+
+
+async def test_retry_after_is_really_waited(srv, make_judge):
+    srv.fail_next(429, retry_after=0.2)
+    r = await make_judge(srv).score("x")
+    first, second = srv.chat_requests
+    assert r.info["attempts"] == 2 and second.at - first.at >= 0.2
+
+
+async def test_a_retry_after_over_the_cap_fails_at_once(srv, make_judge):
+    srv.fail_next(429, retry_after=3600)
+    with pytest.raises(Unavailable, match="retry after 3600 s, over max_retry_after_s=60"):
+        await make_judge(srv, FakeTime()).score("x")
+    assert len(srv.chat_requests) == 1
+
+
+async def test_5xx_until_retries_run_out_is_a_retryable_error(srv, make_judge):
+    t = FakeTime()
+    srv.fail_next(500, times=5)
+    with pytest.raises(Unavailable, match=r"failed 3 attempts; last: HTTP 500: fake failure 500"):
+        await make_judge(srv, t, max_retries=2, backoff_s=1.0).score("x")
+    assert len(srv.chat_requests) == 3
+    # exponential backoff with full jitter: up to 1 s, then up to 2 s
+    assert 0 <= t.sleeps[0] <= 1.0 and 0 <= t.sleeps[1] <= 2.0
+    # through the function runner it is a failed result that the fabric may retry
+    srv.fail_next(503, times=3)
+    runner = FunctionRunner.from_entry(ENTRY)
+    runner.ctx = make_judge(srv, max_retries=2)
+    ok, (code, message, _) = await runner.run_async(encode_payload({"traj": "x"}), 10)
+    assert not ok and code == ErrorCode.UNAVAILABLE and code in RETRYABLE
+    assert "HTTP 503" in message
+
+
+async def test_a_hung_endpoint_times_out_within_the_configured_timeout(srv, make_judge):
+    srv.hang_next(times=2)
+    t0 = time.monotonic()
+    with pytest.raises(Unavailable, match=r"failed 2 attempts; last: no answer within timeout_s=0.3 s"):
+        await make_judge(srv, timeout_s=0.3, max_retries=1).score("x")
+    assert 0.6 <= time.monotonic() - t0 < 1.5
+    srv.hang_next()  # one slow answer, then a good one
+    r = await make_judge(srv, timeout_s=0.3, max_retries=1).score("x")
+    assert r.score == 0.8 and r.info["attempts"] == 2
+
+
+async def test_an_unreachable_endpoint_says_where_it_looked():
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = JudgeConfig(model="m", base_url=f"http://127.0.0.1:{port}/v1", max_retries=0)
+    async with Judge(config) as judge:
+        with pytest.raises(Unavailable, match=rf"ConnectError.*BASE_URL=http://127.0.0.1:{port}/v1"):
+            await judge.score("x")
+
+
+# ----------------------------------------------------------------------------- bad replies
+
+
+async def test_garbage_is_a_final_error_and_not_retried(srv, make_judge):
+    srv.garbage_next()
+    runner = FunctionRunner.from_entry(ENTRY)
+    runner.ctx = make_judge(srv)
+    ok, (code, message, _) = await runner.run_async(encode_payload({"traj": "x"}), 10)
+    assert not ok and code == ErrorCode.USER_ERROR and code not in RETRYABLE
+    assert "JudgeResponseError" in message and "not JSON (text/html)" in message
+    assert "502 Bad Gateway" in message and "ending in /v1" in message
+    assert len(srv.chat_requests) == 1  # the same garbage would come back: no retry
+
+
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        (Scripted(body=b'{"object": "list"}'), "not a chat completion"),
+        (Scripted(body=b"[1, 2]"), "not an object"),
+        (Scripted(text=""), "returned no text"),
+    ],
+)
+async def test_json_that_is_not_a_completion_is_a_clear_error(srv, answer, error, make_judge):
+    srv.enqueue(answer)
+    with pytest.raises(JudgeResponseError, match=error):
+        await make_judge(srv).score("x")
+
+
+# ----------------------------------------------------------------------------- auth and request
+
+
+async def test_the_request_carries_the_key_model_and_settings(make_judge):
+    with FakeOpenAI(api_key="sk-test") as s:
+        judge = make_judge(s, extra_body={"seed": 3}, max_tokens=64)
+        await judge.score("It is Paris.", question="Capital of France?", reference="Paris")
+        (req,) = s.chat_requests
+        assert req.headers["authorization"] == "Bearer sk-test"
+        body = req.json
+        assert body["model"] == "fake-judge" and body["temperature"] == 0
+        assert body["max_tokens"] == 64 and body["seed"] == 3
+        prompt = body["messages"][0]["content"]
+        assert "Capital of France?" in prompt and "Paris" in prompt and "It is Paris." in prompt
+
+
+async def test_a_wrong_key_is_refused_with_what_to_check():
+    with FakeOpenAI(api_key="sk-right") as s:
+        config = JudgeConfig(model="m", base_url=s.base_url, api_key="sk-wrong")
+        async with Judge(config) as judge:
+            with pytest.raises(JudgeRejectedError, match=r"HTTP 401.*check the API key \(OPENAI_API_KEY"):
+                await judge.score("x")
+        assert len(s.chat_requests) == 1  # a 4xx is not retried
+        assert "sk-wrong" not in repr(config)  # the key stays out of logs
+
+
+# ----------------------------------------------------------------------------- rate limits
+
+
+def test_token_bucket_queues_requests_and_tokens():
+    t = FakeTime()
+    lim = RateLimiter(requests_per_minute=2, tokens_per_minute=None, clock=t.clock)
+    assert [lim.reserve(1), lim.reserve(1), lim.reserve(1)] == [0.0, 0.0, 30.0]
+    t.now += 30
+    assert lim.reserve(1) == 30.0  # the earlier waiter keeps its place
+    lim = RateLimiter(requests_per_minute=None, tokens_per_minute=600, clock=t.clock)
+    assert lim.reserve(400) == 0.0
+    assert lim.reserve(400) == pytest.approx(20.0)  # 200 tokens short at 10 tokens/s
+    lim.settle(estimated=400, actual=100)  # the reply used fewer: the difference comes back
+    assert lim.reserve(100) == pytest.approx(0.0)
+
+
+def test_token_bucket_refuses_long_waits_and_impossible_requests():
+    t = FakeTime()
+    lim = RateLimiter(requests_per_minute=1, tokens_per_minute=1000, clock=t.clock)
+    assert lim.reserve(10, max_wait_s=5) == 0.0
+    with pytest.raises(Unavailable, match=r"next request slot is 60\.0 s away"):
+        lim.reserve(10, max_wait_s=5)
+    t.now += 60
+    assert lim.reserve(10, max_wait_s=5) == 0.0  # the refused reservation took nothing
+    with pytest.raises(ValueError, match="more than tokens_per_minute=1000"):
+        lim.reserve(5000)
+
+
+async def test_the_judge_is_throttled_by_requests_per_minute(srv, make_judge):
+    t = FakeTime(advance=False)  # all calls reserve at the same instant
+    judge = make_judge(srv, t, requests_per_minute=1)
+    results = await asyncio.gather(*(judge.score("x") for _ in range(3)))
+    assert all(r.score == 0.8 for r in results)
+    assert sorted(t.sleeps) == [60.0, 120.0]  # one request a minute, queued in order
+    assert len(srv.chat_requests) == 3
+
+
+async def test_usage_settles_the_token_estimate(srv, make_judge):
+    t = FakeTime()
+    judge = make_judge(srv, t, tokens_per_minute=2000, max_tokens=1000)
+    assert estimate_tokens("", 1000) > 1000  # max_tokens alone: two estimates exceed the minute...
+    await judge.score("x")
+    await judge.score("x")
+    assert t.sleeps == []  # ...but the replies' usage (~120 tokens each) was charged instead
+    assert judge.limiter.tokens is not None and judge.limiter.tokens.level > 1500
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_config_from_env_precedence_and_errors():
+    env = {
+        "OPENAI_BASE_URL": "http://openai-env/v1",
+        "OPENAI_API_KEY": "sk-openai",
+        "RL_FABRIC_JUDGE_BASE_URL": "http://judge-env/v1",
+        "RL_FABRIC_JUDGE_MODEL": "judge-model",
+        "RL_FABRIC_JUDGE_TIMEOUT_S": "2.5",
+        "RL_FABRIC_JUDGE_REQUESTS_PER_MINUTE": "30",
+        "RL_FABRIC_JUDGE_EXTRA_BODY": '{"seed": 1}',
+    }
+    c = JudgeConfig.from_env(env)
+    assert c.base_url == "http://judge-env/v1" and c.model == "judge-model"
+    assert c.api_key is not None and c.api_key.get_secret_value() == "sk-openai"  # falls back
+    assert c.timeout_s == 2.5 and c.requests_per_minute == 30 and c.extra_body == {"seed": 1}
+    assert JudgeConfig.from_env(env, timeout_s=9).timeout_s == 9
+    with pytest.raises(ConfigError, match="set RL_FABRIC_JUDGE_MODEL"):
+        JudgeConfig.from_env({})
+    with pytest.raises(ConfigError, match="needs a key: set OPENAI_API_KEY"):
+        JudgeConfig.from_env({"RL_FABRIC_JUDGE_MODEL": "m"})
+    with pytest.raises(ConfigError, match="RL_FABRIC_JUDGE_TIMEOUT_S"):
+        JudgeConfig.from_env({**env, "RL_FABRIC_JUDGE_TIMEOUT_S": "soon"})
+    with pytest.raises(ConfigError, match="EXTRA_BODY must be a JSON object"):
+        JudgeConfig.from_env({**env, "RL_FABRIC_JUDGE_EXTRA_BODY": "seed=1"})
+    with pytest.raises(ConfigError, match="max_score"):
+        JudgeConfig.from_env({**env, "RL_FABRIC_JUDGE_MAX_SCORE": "0"})
+
+
+# ----------------------------------------------------------------------------- the fake itself
+
+
+def test_fake_server_lists_models_and_leaves_nothing_running():
+    with FakeOpenAI() as s:
+        models = httpx.get(s.base_url + "/models", headers={"Authorization": "Bearer sk-fake"})
+        assert models.json()["data"][0]["id"] == "fake-judge"
+        assert httpx.get(s.base_url + "/nope").status_code == 404
+        s.hang_next(seconds=60)  # held when the server closes: released, not waited out
+        seen: list[BaseException] = []
+        hung = threading.Thread(target=_post_held, args=(s, seen))
+        hung.start()
+        while not s.chat_requests:
+            time.sleep(0.01)
+        port = s.port
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 2
+    hung.join(5)
+    assert not hung.is_alive()
+    assert len(seen) == 1 and isinstance(seen[0], httpx.TransportError)  # the held client sees a drop
+    assert not [t for t in threading.enumerate() if t.name == "fake-openai"]
+    with socket.socket() as c, pytest.raises(ConnectionRefusedError):
+        c.connect(("127.0.0.1", port))
+
+
+def _post_held(s: FakeOpenAI, seen: list[BaseException]) -> None:
+    try:
+        httpx.post(
+            s.base_url + "/chat/completions",
+            json={"model": "m", "messages": []},
+            headers={"Authorization": "Bearer sk-fake"},
+            timeout=30,
+        )
+    except BaseException as e:
+        seen.append(e)
+
+
+# ----------------------------------------------------------------------------- through the fabric
+
+
+async def test_worker_stays_healthy_after_garbage_and_a_hang(srv, monkeypatch):
+    for k, v in {**srv.env, "RL_FABRIC_JUDGE_TIMEOUT_S": "0.5", "RL_FABRIC_JUDGE_MAX_RETRIES": "0"}.items():
+        monkeypatch.setenv(k, v)  # worker processes inherit the environment
+    reg = Registry()
+    reg.discover(ENTRY)
+    payload = {"traj": traj("Capital of France?", "Paris.").model_dump(), "reference": "Paris"}
+    async with Client(backend=LocalConfig(max_workers=1), registry=reg) as c:
+        first = await c.call("llm_judge", payload)
+        assert first.ok and first.value["score"] == 0.8
+        srv.garbage_next()
+        bad = await c.call("llm_judge", payload)
+        assert not bad.ok and bad.error.type == ErrorCode.USER_ERROR and not bad.error.retryable
+        assert "not JSON" in bad.error.message and bad.attempts == 1
+        srv.hang_next(times=3)  # every attempt the fabric makes hangs
+        hung = await c.call("llm_judge", payload)
+        assert not hung.ok and hung.error.type == ErrorCode.UNAVAILABLE and hung.error.retryable
+        assert (
+            "no answer within timeout_s=0.5 s" in hung.error.message and hung.attempts == 2
+        )  # retry={"max_attempts": 2}
+        after = await c.call("llm_judge", payload)
+        assert after.ok and after.value["score"] == 0.8
+        assert after.worker == first.worker  # the same warm worker served throughout
+
+
+def test_check_function_passes_against_the_fake_server(srv, monkeypatch):
+    for k, v in srv.env.items():
+        monkeypatch.setenv(k, v)
+    reg = Registry()
+    reg.discover("functions.rewards.judge")
+    check_function("llm_judge", reg)
+    assert len(srv.chat_requests) == len(reg.get("llm_judge").examples)
