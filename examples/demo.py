@@ -44,7 +44,7 @@ def word_count(text: str) -> int:
 
 async def main() -> None:
     console.rule("[bold]rl-fabric demo[/] (the fabric SDK; the RL job is not built yet)")
-    fabric.default_registry.discover("functions")  # the built-ins: exact_match, calculator
+    fabric.default_registry.discover("functions")  # the built-ins (rewards, verifiers, tools)
     console.print("registered:", ", ".join(fabric.default_registry.names()))
     traj = fabric.Trajectory(
         messages=[
@@ -72,6 +72,22 @@ async def main() -> None:
         console.print(f"built-in calculator('(3 + 4) * 6') -> {r.value}")
         r = await client.call("calculator", {"expression": "__import__('os')"})
         console.print(f"a handler that raises is data: ok={r.ok} {r.error.type}: {r.error.message}")
+        program = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+        cases = [{"stdin": "2 3", "expected_stdout": "5"}, {"stdin": "10 -4", "expected_stdout": "6"}]
+        r = await client.call("code_verify", {"traj": program, "tests": cases})
+        verdicts = [c["status"] for c in r.value["info"]["cases"]] if r.ok else r.error
+        console.print(
+            f"code_verify (sandboxed, warm) -> score {r.value['score'] if r.ok else '-'} {verdicts}"
+        )
+        r = await client.call(
+            "python", {"code": "import socket\nsocket.create_connection(('127.0.0.1', 22))"}
+        )
+        last = (
+            next((line for line in str(r.value).splitlines() if "Error" in line), r.value)
+            if r.ok
+            else r.error
+        )
+        console.print(f"python tool, no network in the sandbox -> {last}")
         rs = await client.map(
             "exact_match", [{"traj": f"the answer is {i}", "ground_truth": "7"} for i in range(10)]
         )
