@@ -20,6 +20,7 @@ import atexit
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -165,9 +166,10 @@ class Runner(Protocol):
 class Verifier:
     """Runs submissions in a ``Sandbox``. Thread-safe; one per worker."""
 
-    def __init__(self, sandbox: Runner, limits: Limits | None = None) -> None:
+    def __init__(self, sandbox: Runner, limits: Limits | None = None, parallel: int = 4) -> None:
         self.sandbox = sandbox
         self.limits = limits or Limits()
+        self._cases = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="verify-case")
 
     def verify(
         self, code: str, tests: CodeTests, language: str = "python", limits: Limits | None = None
@@ -192,9 +194,12 @@ class Verifier:
             files = compiled[1]
         expected_list: list[str | None] = [c.expected_stdout for c in tests.cases] if tests.cases else [None]
         stdins = [c.stdin for c in tests.cases] if tests.cases else [""]
-        results = [
-            self._case(lang, files, s.encode(), e, limits) for s, e in zip(stdins, expected_list, strict=True)
-        ]
+        # cases are independent runs: in parallel, as many at once as there are warm sandboxes
+        results = list(
+            self._cases.map(
+                lambda s, e: self._case(lang, files, s.encode(), e, limits), stdins, expected_list
+            )
+        )
         return self._result(lang, compiled[0] if compiled else None, results, t0)
 
     def _compile(self, lang: Language, files: dict[str, bytes]) -> tuple[CaseResult, dict[str, bytes]]:
