@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-EXTRAS ?= dev,ray,rewards,aws
+EXTRAS ?= dev,ray,rewards,aws,train
 
 .PHONY: setup demo test lint unit bench clean
 
