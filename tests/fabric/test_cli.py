@@ -38,7 +38,7 @@ def test_invoke_prints_the_result():
 @pytest.mark.parametrize(
     ("args", "code", "text"),
     [
-        (["invoke", "exact_matc", "--payload", "{}"], 1, "composite, exact_match, format_reward"),
+        (["invoke", "exact_matc", "--payload", "{}"], 1, "env_return, exact_match, format_reward"),
         (["invoke", "exact_match", "--payload", "{not json"], 2, "not valid JSON"),
         (["invoke", "exact_match", "--payload", "[1]"], 2, "JSON object"),
         (["invoke", "exact_match", "--payload", '{"traj": "x"}'], 1, "missing 'ground_truth'"),

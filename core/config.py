@@ -1,0 +1,465 @@
+"""``JobConfig``: everything one RL job needs, loaded from YAML and validated once, here.
+
+    cfg = JobConfig.from_yaml("examples/frozenlake/config.yaml")   # ConfigError if anything is off
+
+Validation has two layers, and both report every problem at once, each under the key it
+belongs to (``envs[1].id``, ``rewards.frozenlake[0].function``, ``alpha``):
+
+1. **Schema** (pydantic, ``extra="forbid"`` everywhere): types, bounds, unknown keys, unknown
+   engine/trainer/fabric backends, and the cross-field rules (every environment tag has
+   rewards, every reward tag is used by an environment, weights are not all zero, ...).
+2. **References** (``validate_references``): every environment id is registered with
+   envpool, every reward is a registered fabric *reward*, and its ``args``/``task_args``
+   fit the function's signature. ``from_yaml`` runs it against the registries found by
+   discovery (``fabric.discover`` modules and envpool's built-ins); tests pass their own.
+
+Nothing downstream re-validates: the job passes these typed objects inward.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from pathlib import Path
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from core.errors import ConfigError
+from envpool.pool import PoolConfig
+from fabric.client import ClientConfig
+from fabric.registry import Registry
+
+ENGINES = ("torch", "vllm", "openai")
+TRAINERS = ("torch", "megatron")
+FABRIC_BACKENDS = ("local", "inproc")
+#: The key of ``engine.hw_affinity`` that covers every tag not named there.
+DEFAULT_AFFINITY = "default"
+_SEMANTICS = "job_semantics"  # error type carrying the cross-field problems as a list
+
+
+def _known(what: str, known: tuple[str, ...]) -> BeforeValidator:
+    """A check that names the bad value and the known ones (pydantic's literal error says
+    only "Input should be ...")."""
+
+    def check(v: Any) -> Any:
+        if isinstance(v, str) and v not in known:
+            raise ValueError(f"unknown {what} {v!r}; known: {', '.join(known)}")
+        return v
+
+    return BeforeValidator(check)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+class EngineConfig(_Model):
+    """The policy's inference engine(s) behind the LLM proxy."""
+
+    backend: Annotated[Literal["torch", "vllm", "openai"], _known("engine", ENGINES)] = "torch"
+    """``torch`` (a small causal LM in plain PyTorch, the CPU default), ``vllm`` (GPU) or
+    ``openai`` (any OpenAI-compatible server; its URL goes in ``kwargs``)."""
+    model: str = Field("tiny-lm", min_length=1)
+    """Model name or path, as the backend understands it."""
+    replicas: int = Field(1, ge=1)
+    max_new_tokens: int = Field(64, ge=1)
+    """Per generated turn."""
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
+    hw_affinity: dict[str, str] = Field(default_factory=dict)
+    """Environment tag -> Ray custom resource the tag's generation runs on (``default`` for
+    every other tag), e.g. ``{frozenlake: H800, default: H20}``."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Backend-specific options (vLLM engine args, ``base_url``, ...), passed through."""
+
+
+class EnvConfig(_Model):
+    """One entry of the environment mix."""
+
+    id: str = Field(min_length=1)
+    """A registered envpool environment id (``frozenlake-v1``)."""
+    tag: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+    """Names the entry's rewards (``rewards.<tag>``) and hardware affinity."""
+    weight: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """Share of the groups drawn from this entry (relative to the other entries)."""
+    max_turns: int = Field(16, ge=1)
+    """Policy turns before the trajectory is truncated."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Constructor arguments of the environment (override the registered ones)."""
+    image: str | None = None
+    """Image reference of a custom environment bundle (None: the built-ins)."""
+
+
+class RewardConfig(_Model):
+    """One weighted component of a tag's reward."""
+
+    function: str = Field(min_length=1)
+    """A registered fabric reward function."""
+    name: str | None = Field(None, min_length=1)
+    """Component name in ``RewardResult.components`` (default: the function's name; set it
+    when one function appears twice under a tag)."""
+    weight: float = Field(1.0, ge=0, allow_inf_nan=False)
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Fixed keyword arguments besides the trajectory."""
+    task_args: dict[str, str] = Field(default_factory=dict)
+    """Keyword arguments read from the trajectory's task: parameter -> key of
+    ``Trajectory.task`` (``{ground_truth: answer}``)."""
+    deadline_s: float | None = Field(None, gt=0)
+    """Deadline of one call, retries included (None: the client's default)."""
+
+    @property
+    def component(self) -> str:
+        return self.name or self.function
+
+    @model_validator(mode="after")
+    def _args_do_not_clash(self) -> RewardConfig:
+        if "traj" in self.args or "traj" in self.task_args:
+            raise ValueError("'traj' is passed by the reward stream; do not set it in args or task_args")
+        both = sorted(set(self.args) & set(self.task_args))
+        if both:
+            raise ValueError(f"{', '.join(map(repr, both))} set in both args and task_args")
+        return self
+
+
+class TrainerConfig(_Model):
+    """GRPO hyper-parameters and the training backend."""
+
+    backend: Annotated[Literal["torch", "megatron"], _known("trainer", TRAINERS)] = "torch"
+    lr: float = Field(1e-5, gt=0, allow_inf_nan=False)
+    clip_eps: float = Field(0.2, gt=0, allow_inf_nan=False)
+    """PPO-style clipping of the probability ratio."""
+    kl_coef: float = Field(0.0, ge=0, allow_inf_nan=False)
+    """Weight of the KL penalty to the reference policy (0: no reference model is kept)."""
+    epochs: int = Field(1, ge=1)
+    """Passes over each batch."""
+    minibatch_size: int | None = Field(None, ge=1)
+    """Trajectories per optimiser step (None: the whole batch)."""
+    max_grad_norm: float | None = Field(1.0, gt=0, allow_inf_nan=False)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Backend-specific options (Megatron parallelism, ...), passed through."""
+
+
+class FabricConfig(_Model):
+    """Where reward and tool functions run."""
+
+    backend: Annotated[Literal["local", "inproc"], _known("fabric backend", FABRIC_BACKENDS)] = "local"
+    """``local``: warm worker processes on this machine (the embedded default); ``inproc``:
+    in the job's process (debugging, tests)."""
+    workers: int | None = Field(None, ge=1)
+    """Cap on worker processes per function (``local`` only; default: the CPU count)."""
+    discover: list[str] = Field(default_factory=lambda: ["functions"])
+    """Modules or packages whose fabric functions the job uses (the built-ins by default)."""
+    client: ClientConfig = Field(default_factory=ClientConfig)
+    """Hedging, circuit breaker, default deadline of the fabric client."""
+
+    def backend_config(self) -> dict[str, Any]:
+        """The config ``fabric.Client(backend=...)`` takes."""
+        if self.backend == "local" and self.workers is not None:
+            return {"type": "local", "max_workers": self.workers}
+        return {"type": self.backend}
+
+
+class EnvPoolConfig(PoolConfig):
+    """envpool's ``PoolConfig``, with ``runtime: process`` accepted as a shorthand for
+    ``runtime: {type: process}``."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    @field_validator("runtime", mode="before")
+    @classmethod
+    def _runtime_shorthand(cls, v: Any) -> Any:
+        return {"type": v} if isinstance(v, str) else v
+
+
+# ----------------------------------------------------------------------------- the job
+
+
+class JobConfig(_Model):
+    """One RL job: the policy engine, the environment mix and its rewards, the GRPO batch
+    shape, the asynchronous bound, the trainer and where functions and environments run."""
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    envs: list[EnvConfig] = Field(min_length=1)
+    rewards: dict[str, list[RewardConfig]] = Field(default_factory=dict)
+    """Environment tag -> the weighted reward components of its trajectories."""
+    batch_size: int = Field(8, ge=1)
+    """Groups per training step."""
+    group_size: int = Field(8, ge=2)
+    """Trajectories per group (GRPO normalises rewards within a group, so at least 2)."""
+    redundancy: int = Field(0, ge=0)
+    """Extra rollouts started per group; the slowest are aborted once ``group_size`` finished."""
+    alpha: int = Field(1, ge=0)
+    """Asynchronous bound: a trajectory started under policy version ``v`` is dropped once the
+    trainer publishes a version above ``v + alpha`` (0: fully on-policy)."""
+    steps: int = Field(100, ge=1)
+    """Training steps of the job."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    fabric: FabricConfig = Field(default_factory=FabricConfig)
+    envpool: EnvPoolConfig = Field(default_factory=EnvPoolConfig)
+    run_dir: Path = Path("runs/job")
+    """Where metrics, plots and the summary go (relative paths: to the working directory)."""
+    seed: int = 0
+
+    # -- cross-field rules: collected, so every one of them is reported at once
+    @model_validator(mode="after")
+    def _semantics(self) -> JobConfig:
+        problems = self.semantic_problems()
+        if problems:
+            raise PydanticCustomError(
+                _SEMANTICS, "{count} problems", {"count": len(problems), "problems": problems}
+            )
+        return self
+
+    def semantic_problems(self) -> list[tuple[str, str]]:
+        problems: list[tuple[str, str]] = []
+        tags = {e.tag for e in self.envs}
+        for i, env in enumerate(self.envs):
+            if env.tag not in self.rewards and env.tag not in {e.tag for e in self.envs[:i]}:
+                problems.append(
+                    (f"envs[{i}].tag", f"tag {env.tag!r} has no rewards; add a 'rewards.{env.tag}' list")
+                )
+        for tag, specs in self.rewards.items():
+            if tag not in tags:
+                problems.append((f"rewards.{tag}", f"no environment has tag {tag!r}; tags: {_list(tags)}"))
+            if not specs:
+                problems.append((f"rewards.{tag}", "needs at least one reward function"))
+                continue
+            seen: set[str] = set()
+            for j, spec in enumerate(specs):
+                if spec.component in seen:
+                    problems.append(
+                        (
+                            f"rewards.{tag}[{j}].name",
+                            f"component {spec.component!r} appears twice; give each a distinct name",
+                        )
+                    )
+                seen.add(spec.component)
+            if not any(s.weight > 0 for s in specs):
+                problems.append((f"rewards.{tag}", "all weights are zero; at least one component must count"))
+        for tag in self.engine.hw_affinity:
+            if tag != DEFAULT_AFFINITY and tag not in tags:
+                problems.append(
+                    (
+                        f"engine.hw_affinity.{tag}",
+                        f"no environment has tag {tag!r}; tags: {_list(tags)} (or '{DEFAULT_AFFINITY}')",
+                    )
+                )
+        rollouts = self.batch_size * self.group_size
+        mb = self.trainer.minibatch_size
+        if mb is not None and mb > rollouts:
+            problems.append(
+                (
+                    "trainer.minibatch_size",
+                    f"{mb} is more than the {rollouts} trajectories of a batch (batch_size * group_size)",
+                )
+            )
+        return problems
+
+    # -- references: the registries are the caller's, so tests can pass fresh ones
+    def validate_references(self, registry: Registry, env_ids: Iterable[str]) -> None:
+        """Raise ``ConfigError`` listing every environment id that is not registered and every
+        reward that is not a registered reward or whose arguments do not fit it."""
+        problems = self.reference_problems(registry, env_ids)
+        if problems:
+            raise ConfigError(problems)
+
+    def reference_problems(self, registry: Registry, env_ids: Iterable[str]) -> list[tuple[str, str]]:
+        known_envs = sorted(env_ids)
+        rewards = sorted(s.name for s in registry.specs() if s.kind == "reward")
+        problems: list[tuple[str, str]] = []
+        for i, env in enumerate(self.envs):
+            if env.id not in known_envs:
+                hint = _hint(env.id, known_envs)
+                msg = f"unknown environment {env.id!r}{hint}; registered: {_list(known_envs)}"
+                problems.append((f"envs[{i}].id", msg))
+        for tag, specs in self.rewards.items():
+            for j, spec in enumerate(specs):
+                key = f"rewards.{tag}[{j}]"
+                if spec.function not in registry:
+                    msg = (
+                        f"unknown reward {spec.function!r}{_hint(spec.function, rewards)}; "
+                        f"registered: {_list(rewards)}"
+                    )
+                    problems.append((f"{key}.function", msg))
+                    continue
+                fn = registry.get(spec.function)
+                if fn.kind != "reward":
+                    problems.append(
+                        (
+                            f"{key}.function",
+                            f"{spec.function!r} is a {fn.kind}, not a reward; rewards: {_list(rewards)}",
+                        )
+                    )
+                    continue
+                # the stream calls fn(traj=..., **args, **task_args): check that shape now, not per call
+                shape = dict.fromkeys(["traj", *spec.args, *spec.task_args])
+                problem = fn.check_args(shape)
+                if problem is not None:
+                    problems.append((f"{key}.args", problem))
+        return problems
+
+    # -- loading
+    @classmethod
+    def from_dict(
+        cls,
+        data: Any,
+        *,
+        source: str | None = None,
+        registry: Registry | None = None,
+        env_ids: Iterable[str] | None = None,
+        check_references: bool = True,
+    ) -> JobConfig:
+        """Validate ``data``; with ``check_references`` also the environment ids and reward
+        names (against ``registry``/``env_ids``, or what discovery finds when not given)."""
+        if not isinstance(data, dict):
+            raise ConfigError([("", f"a job config is a mapping of keys, got {type(data).__name__}")], source)
+        try:
+            cfg = cls.model_validate(data)
+        except ValidationError as e:
+            raise ConfigError(_problems(e), source) from None
+        if check_references:
+            if registry is None:
+                registry = cfg.discover_functions(source)
+            if env_ids is None:
+                env_ids = registered_env_ids()
+            problems = cfg.reference_problems(registry, env_ids)
+            if problems:
+                raise ConfigError(problems, source)
+        return cfg
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **kw: Any) -> JobConfig:
+        """Load and validate a YAML job config (see ``from_dict`` for the keywords)."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ConfigError([("", f"cannot read the config: {e.strerror or e}")], str(path)) from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError([("", f"not valid YAML: {e}")], str(path)) from None
+        return cls.from_dict({} if data is None else data, source=str(path), **kw)
+
+    def to_yaml(self) -> str:
+        """The config with every default filled in (what a run directory records)."""
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def discover_functions(self, source: str | None = None) -> Registry:
+        """A fresh registry holding the functions of the ``fabric.discover`` modules."""
+        from fabric.errors import RegistryError
+
+        registry = Registry()
+        for i, target in enumerate(self.fabric.discover):
+            try:
+                registry.discover(target)
+            except RegistryError as e:
+                raise ConfigError([(f"fabric.discover[{i}]", str(e))], source) from None
+        return registry
+
+
+def registered_env_ids() -> list[str]:
+    """Ids in envpool's default registry, the built-ins included."""
+    import envpool
+    import envpool.envs  # registers the built-in environments
+
+    return envpool.default_registry.ids()
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+def _list(names: Iterable[str]) -> str:
+    names = sorted(names)
+    return ", ".join(names) if names else "(none)"
+
+
+def _hint(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _key(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _allowed_keys(loc: tuple[int | str, ...]) -> list[str]:
+    """Field names of the model at ``loc`` (for "unknown key" messages); [] if unknown."""
+    ann: Any = JobConfig
+    for part in loc:
+        ann = _unwrap(ann)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            field = ann.model_fields.get(part) if isinstance(part, str) else None
+            if field is None:
+                return []
+            ann = field.annotation
+        elif get_origin(ann) is list:
+            ann = get_args(ann)[0]
+        elif get_origin(ann) is dict:
+            ann = get_args(ann)[1]
+        else:
+            return []
+    ann = _unwrap(ann)
+    return list(ann.model_fields) if isinstance(ann, type) and issubclass(ann, BaseModel) else []
+
+
+def _unwrap(ann: Any) -> Any:
+    """``M`` for ``Annotated[M, ...]`` and ``M | None``."""
+    if get_origin(ann) is Annotated:
+        return _unwrap(get_args(ann)[0])
+    if get_origin(ann) in (Union, UnionType):
+        models = [a for a in get_args(ann) if a is not type(None)]
+        return _unwrap(models[0]) if len(models) == 1 else ann
+    return ann
+
+
+def _problems(e: ValidationError) -> list[tuple[str, str]]:
+    problems: list[tuple[str, str]] = []
+    for err in e.errors(include_url=False):
+        loc, kind, ctx = tuple(err["loc"]), err["type"], err.get("ctx") or {}
+        if kind == _SEMANTICS:
+            problems.extend(ctx["problems"])
+            continue
+        if kind == "extra_forbidden":
+            allowed = _allowed_keys(loc[:-1])
+            msg = "unknown key" + (
+                f"{_hint(str(loc[-1]), allowed)}; allowed: {', '.join(allowed)}" if allowed else ""
+            )
+        elif kind == "missing":
+            msg = "required key is missing"
+        elif kind in _BOUNDS:
+            op, name = _BOUNDS[kind]
+            msg = f"must be {op} {ctx[name]} (got {err['input']!r})"
+        elif kind == "value_error":
+            msg = str(ctx.get("error", err["msg"]))
+        else:
+            shown = err["input"]
+            got = "" if isinstance(shown, dict | list) else f" (got {shown!r})"
+            msg = f"{err['msg']}{got}"
+        problems.append((_key(loc), msg))
+    return problems
+
+
+_BOUNDS = {
+    "greater_than_equal": (">=", "ge"),
+    "greater_than": (">", "gt"),
+    "less_than_equal": ("<=", "le"),
+    "less_than": ("<", "lt"),
+}

@@ -1,0 +1,42 @@
+"""Errors raised by the core job.
+
+The tree (every class derives from ``CoreError``)::
+
+    CoreError
+    ├── ConfigError          a job config failed validation (also a fabric ``ConfigError``);
+    │                        ``problems`` lists every ``(key, message)`` found, all at once
+    ├── BufferClosedError    ``SampleBuffer.get_batch`` on (or waiting when) the buffer closed
+    └── StreamClosedError    ``RewardStream.submit`` after the stream was closed
+
+A trajectory whose reward failed or whose environment broke is *data* (a masked ``Sample``),
+never an exception: only misuse of the API and bad configs raise.
+"""
+
+from __future__ import annotations
+
+from fabric.errors import ConfigError as FabricConfigError
+
+
+class CoreError(Exception):
+    """Base class of every error the core job raises."""
+
+
+class ConfigError(CoreError, FabricConfigError):
+    """A job config is invalid. ``problems`` holds every ``(key, message)`` found, so one
+    run of the validator reports all of them; ``str()`` shows one per line."""
+
+    def __init__(self, problems: list[tuple[str, str]], source: str | None = None):
+        self.problems = problems
+        self.source = source
+        where = f" in {source}" if source else ""
+        noun = "problem" if len(problems) == 1 else "problems"
+        lines = [f"{key}: {msg}" if key else msg for key, msg in problems]
+        super().__init__(f"invalid job config{where} ({len(problems)} {noun}):\n  " + "\n  ".join(lines))
+
+
+class BufferClosedError(CoreError):
+    """The sample buffer was closed; no batch will come."""
+
+
+class StreamClosedError(CoreError):
+    """The reward stream was closed; it takes no more trajectories."""

@@ -1,0 +1,239 @@
+"""JobConfig: every bad input is one clear error naming its key; the shipped examples load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from core.config import JobConfig
+from core.errors import ConfigError
+from fabric.errors import ConfigError as FabricConfigError
+from fabric.protocol import Trajectory
+from fabric.registry import Registry
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted(REPO.glob("examples/*/config.yaml"))
+
+REG = Registry()
+
+
+@REG.reward
+def env_return(traj: Trajectory) -> float:
+    return traj.env_reward or 0.0
+
+
+@REG.reward
+def exact_match(traj: Trajectory, *, ground_truth: str) -> float:
+    return float(traj.final_text() == ground_truth)
+
+
+@REG.tool
+def calculator(expression: str) -> str:
+    return expression
+
+
+ENV_IDS = ["frozenlake-v1", "math-tools-v1"]
+
+
+def base(**over):
+    cfg = {
+        "envs": [{"id": "frozenlake-v1", "tag": "frozenlake"}],
+        "rewards": {"frozenlake": [{"function": "env_return"}]},
+    }
+    cfg.update(over)
+    return cfg
+
+
+def load(data) -> JobConfig:
+    return JobConfig.from_dict(data, registry=REG, env_ids=ENV_IDS)
+
+
+def problems(data) -> list[tuple[str, str]]:
+    with pytest.raises(ConfigError) as e:
+        load(data)
+    return e.value.problems
+
+
+def test_a_minimal_config_gets_the_defaults():
+    cfg = load(base())
+    assert cfg.engine.backend == "torch" and cfg.alpha == 1 and cfg.fabric.backend == "local"
+    assert cfg.envpool.runtime.type == "process"
+    assert cfg.fabric.backend_config() == {"type": "local"}
+
+
+def test_unknown_environment_names_the_entry_and_the_registered_ids():
+    data = base(
+        envs=[{"id": "frozenlake-v1", "tag": "frozenlake"}, {"id": "frozenlak-v1", "tag": "frozenlake"}]
+    )
+    [(key, msg)] = problems(data)
+    assert key == "envs[1].id"
+    assert "unknown environment 'frozenlak-v1'" in msg and "did you mean 'frozenlake-v1'" in msg
+    assert "registered: frozenlake-v1, math-tools-v1" in msg
+
+
+def test_unknown_reward_names_the_component_and_the_registered_rewards():
+    data = base(rewards={"frozenlake": [{"function": "exact_mtch", "args": {"ground_truth": "1"}}]})
+    [(key, msg)] = problems(data)
+    assert key == "rewards.frozenlake[0].function"
+    assert "unknown reward 'exact_mtch'" in msg and "did you mean 'exact_match'" in msg
+    assert "registered: env_return, exact_match" in msg  # rewards only: the tool is not offered
+
+
+def test_a_tool_is_not_a_reward():
+    [(key, msg)] = problems(base(rewards={"frozenlake": [{"function": "calculator"}]}))
+    assert key == "rewards.frozenlake[0].function" and "is a tool, not a reward" in msg
+
+
+def test_reward_arguments_are_checked_against_the_signature():
+    [(key, msg)] = problems(base(rewards={"frozenlake": [{"function": "exact_match"}]}))
+    assert key == "rewards.frozenlake[0].args" and "missing 'ground_truth'" in msg
+    # task_args fill a parameter too; an argument the function lacks is refused
+    load(base(rewards={"frozenlake": [{"function": "exact_match", "task_args": {"ground_truth": "answer"}}]}))
+    bad = {"function": "env_return", "args": {"scale": 2}}
+    [(key, msg)] = problems(base(rewards={"frozenlake": [bad]}))
+    assert key == "rewards.frozenlake[0].args" and "unexpected 'scale'" in msg
+
+
+def test_unknown_engine():
+    [(key, msg)] = problems(base(engine={"backend": "tensorrt"}))
+    assert key == "engine.backend"
+    assert msg == "unknown engine 'tensorrt'; known: torch, vllm, openai"
+
+
+@pytest.mark.parametrize(
+    ("over", "key", "text"),
+    [
+        ({"trainer": {"backend": "jax"}}, "trainer.backend", "unknown trainer 'jax'"),
+        ({"fabric": {"backend": "lambda"}}, "fabric.backend", "unknown fabric backend 'lambda'"),
+        ({"envpool": {"runtime": "vm"}}, "envpool.runtime", "'vm'"),
+    ],
+)
+def test_unknown_backends(over, key, text):
+    [(k, msg)] = problems(base(**over))
+    assert k == key and text in msg
+
+
+def test_negative_alpha():
+    assert problems(base(alpha=-1)) == [("alpha", "must be >= 0 (got -1)")]
+
+
+@pytest.mark.parametrize(
+    ("over", "key", "text"),
+    [
+        ({"redundancy": -2}, "redundancy", "must be >= 0"),
+        ({"group_size": 1}, "group_size", "must be >= 2"),
+        ({"batch_size": 0}, "batch_size", "must be >= 1"),
+        ({"trainer": {"lr": 0}}, "trainer.lr", "must be > 0"),
+        ({"engine": {"temperature": "hot"}}, "engine.temperature", "valid number"),
+    ],
+)
+def test_bounds_and_types(over, key, text):
+    [(k, msg)] = problems(base(**over))
+    assert k == key and text in msg
+
+
+def test_unknown_keys_at_any_depth_name_the_key_and_the_allowed_ones():
+    [(key, msg)] = problems(base(aplha=1))
+    assert key == "aplha" and "did you mean 'alpha'" in msg
+    [(key, msg)] = problems(base(engine={"modle": "x"}))
+    assert key == "engine.modle" and "did you mean 'model'" in msg and "allowed: backend, model" in msg
+    [(key, msg)] = problems(base(rewards={"frozenlake": [{"function": "env_return", "wieght": 2}]}))
+    assert key == "rewards.frozenlake[0].wieght" and "did you mean 'weight'" in msg
+
+
+def test_a_tag_without_rewards():
+    data = base(envs=[{"id": "frozenlake-v1", "tag": "frozenlake"}, {"id": "math-tools-v1", "tag": "math"}])
+    [(key, msg)] = problems(data)
+    assert key == "envs[1].tag" and "tag 'math' has no rewards" in msg and "rewards.math" in msg
+
+
+def test_rewards_for_a_tag_no_environment_has():
+    data = base(
+        rewards={"frozenlake": [{"function": "env_return"}], "frozenlak": [{"function": "env_return"}]}
+    )
+    [(key, msg)] = problems(data)
+    assert key == "rewards.frozenlak" and "no environment has tag 'frozenlak'" in msg
+
+
+def test_reward_component_rules():
+    twice = [{"function": "env_return"}, {"function": "env_return"}]
+    [(key, msg)] = problems(base(rewards={"frozenlake": twice}))
+    assert key == "rewards.frozenlake[1].name" and "appears twice" in msg
+    named = [{"function": "env_return"}, {"function": "env_return", "name": "again"}]
+    load(base(rewards={"frozenlake": named}))
+    zero = [{"function": "env_return", "weight": 0}]
+    assert problems(base(rewards={"frozenlake": zero}))[0][0] == "rewards.frozenlake"
+    traj = [{"function": "env_return", "args": {"traj": 1}}]
+    [(key, msg)] = problems(base(rewards={"frozenlake": traj}))
+    assert key == "rewards.frozenlake[0]" and "'traj' is passed by the reward stream" in msg
+
+
+def test_cross_field_rules():
+    [(key, _)] = problems(
+        base(engine={"hw_affinity": {"frozenlake": "H800", "default": "H20", "math": "H20"}})
+    )
+    assert key == "engine.hw_affinity.math"
+    [(key, msg)] = problems(base(batch_size=2, group_size=4, trainer={"minibatch_size": 16}))
+    assert key == "trainer.minibatch_size" and "16 is more than the 8" in msg
+
+
+def test_every_problem_is_reported_at_once():
+    data = base(
+        envs=[{"id": "nope-v1", "tag": "frozenlake"}],
+        rewards={"frozenlake": [{"function": "nope"}, {"function": "exact_match"}]},
+    )
+    keys = [k for k, _ in problems(data)]
+    assert keys == ["envs[0].id", "rewards.frozenlake[0].function", "rewards.frozenlake[1].args"]
+    schema = problems(base(alpha=-1, steps=0, engine={"backend": "x"}))
+    assert sorted(k for k, _ in schema) == ["alpha", "engine.backend", "steps"]
+
+
+def test_the_error_is_readable_and_a_fabric_config_error():
+    with pytest.raises(FabricConfigError) as e:
+        load(base(alpha=-1))
+    assert str(e.value) == "invalid job config (1 problem):\n  alpha: must be >= 0 (got -1)"
+
+
+def test_yaml_edge(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read the config"):
+        JobConfig.from_yaml(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("envs: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML") as e:
+        JobConfig.from_yaml(bad)
+    assert str(bad) in str(e.value)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ConfigError, match="a mapping of keys, got int"):
+        JobConfig.from_yaml(scalar)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    with pytest.raises(ConfigError) as e:
+        JobConfig.from_yaml(empty)
+    assert e.value.problems == [("envs", "required key is missing")]
+
+
+def test_a_module_that_cannot_be_discovered_names_the_key():
+    data = base(fabric={"discover": ["functions", "no_such_module_xyz"]})
+    with pytest.raises(ConfigError) as e:
+        JobConfig.from_dict(data, env_ids=ENV_IDS)
+    [(key, msg)] = e.value.problems
+    assert key == "fabric.discover[1]" and "no_such_module_xyz" in msg
+
+
+def test_shipped_examples_exist():
+    assert {p.parent.name for p in EXAMPLES} >= {"frozenlake", "math_tools"}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.parent.name)
+def test_shipped_examples_load_against_the_real_registries(path):
+    cfg = JobConfig.from_yaml(path)  # discovers `functions` and envpool's built-ins
+    assert cfg.engine.backend == "torch" and cfg.fabric.backend == "local"
+    assert cfg.envpool.runtime.type == "process"
+    for env in cfg.envs:
+        assert cfg.rewards[env.tag]
+    # the run directory records the full config: it must load back to the same thing
+    again = JobConfig.from_dict(yaml.safe_load(cfg.to_yaml()), check_references=False)
+    assert again == cfg
