@@ -40,9 +40,12 @@ class SubprocessRunner:
         executable: tuple[str, ...] = (),
         collect: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        marker: str | None = None,
     ) -> RunOutcome:
         limits = limits or Limits()
         with tempfile.TemporaryDirectory(prefix="rlfabric-cold-") as work:
+            if marker and mode == "python" and entry and files:  # the runner's job in the sandbox
+                files = {**files, entry: files[entry] + f"\nprint('\\n{marker}')\n".encode()}
             for name, blob in (files or {}).items():
                 path = os.path.join(work, name)
                 with open(path, "wb") as f:

@@ -179,10 +179,18 @@ class Sandbox:
         executable: tuple[str, ...] = (),
         collect: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        marker: str | None = None,
     ) -> RunOutcome:
         """Run one program in a fresh sandbox. Raises ``SandboxError`` only for the sandbox's
-        own failures (retryable); whatever the program does is in the ``RunOutcome``."""
+        own failures (retryable); whatever the program does is in the ``RunOutcome``.
+
+        ``marker`` (Python): printed on its own line after the source ran to its end, so a
+        caller can tell "all the asserts ran" from an early ``exit(0)``. Bad file names
+        raise ``ValueError``."""
         limits = limits or Limits()
+        for name in (*(files or {}), *collect):
+            if not _plain_name(name):
+                raise ValueError(f"file name {name!r}: use a plain name inside the work dir (no '/', '..')")
         req = {
             "mode": mode,
             "entry": entry,
@@ -193,6 +201,7 @@ class Sandbox:
             "limits": limits.model_dump(),
             "collect": list(collect),
             "env": env or {},
+            "marker": marker,
         }
         data = json.dumps(req).encode() + b"\n"
         req_w, res_r = self._take_spare()
@@ -246,6 +255,12 @@ class Sandbox:
                 raise SandboxError("the sandbox supervisor died without a report")
             raw += chunk
         return bytes(raw)
+
+
+def _plain_name(name: str) -> bool:
+    return (
+        bool(name) and "/" not in name and "\0" not in name and name not in (".", "..") and len(name) <= 255
+    )
 
 
 def _package_root() -> str:

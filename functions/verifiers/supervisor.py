@@ -26,8 +26,10 @@ import io
 import json
 import os
 import resource
+import select
 import selectors
 import signal
+import stat
 import sys
 import time
 import traceback
@@ -79,11 +81,15 @@ def _become_unprivileged(uid: int) -> None:
     for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{uid} {uid} 1")):
         with open(f"/proc/self/{name}", "w") as f:
             f.write(text)
+    # no nested user namespaces: inside one, a program would hold every capability again
+    # (mount an unsized tmpfs, configure netfilter in its own network namespace)
+    with open("/proc/sys/user/max_user_namespaces", "w") as f:
+        f.write("0")
     lx.drop_all_capabilities()  # a new user namespace starts with a full set inside it
     lx.prctl(lx.PR_SET_NO_NEW_PRIVS, 1)
 
 
-def _run_python(source: str, entry: str) -> int:
+def _run_python(source: str, entry: str, marker: str | None = None) -> int:
     """Run ``source`` as ``__main__`` in this (forked, pristine) interpreter."""
     sys.argv = [entry]
     sys.path[:] = [WORK] + [p for p in sys.path if p.startswith(sys.base_prefix) or p.startswith(sys.prefix)]
@@ -98,6 +104,8 @@ def _run_python(source: str, entry: str) -> int:
     try:
         compiled = compile(source, entry, "exec")
         exec(compiled, {"__name__": "__main__", "__builtins__": builtins, "__file__": os.path.abspath(entry)})
+        if marker:  # the source ran to its end (no exit on the way): assert-style tests all ran
+            sys.stdout.write(f"\n{marker}\n")
     except SystemExit as e:
         if e.code is None:
             code = 0
@@ -120,6 +128,16 @@ def _run_python(source: str, entry: str) -> int:
     return code
 
 
+_SUPERVISOR_PIDFD = -1
+
+
+def _exit_if_orphaned() -> None:
+    """The parent-death signal is armed only after the fork: if the supervisor died in
+    between, nothing would ever kill this process. Its pidfd says whether it already did."""
+    if select.select([_SUPERVISOR_PIDFD], [], [], 0)[0]:
+        os._exit(1)
+
+
 def _init() -> None:
     """PID 1 of the run's namespace: holds the namespace open and nothing else. Never returns.
 
@@ -130,6 +148,7 @@ def _init() -> None:
     program left behind.
     """
     lx.prctl(lx.PR_SET_PDEATHSIG, signal.SIGKILL)
+    _exit_if_orphaned()
     os.closerange(3, 65536)
     while True:
         try:
@@ -138,7 +157,7 @@ def _init() -> None:
             signal.pause()
 
 
-def _program(uid: int, go_r: int, stdin_fd: int, out_w: int, err_w: int) -> None:
+def _program(uid: int, go_r: int, stdin_fd: int, out_w: int, err_w: int, ok_w: int) -> None:
     """The program (PID 2): mount ``/proc``, lock itself down, wait for the run, run it.
 
     Everything up to the wait happens while the sandbox is a spare, off the run's latency;
@@ -146,6 +165,7 @@ def _program(uid: int, go_r: int, stdin_fd: int, out_w: int, err_w: int) -> None
     """
     try:
         lx.prctl(lx.PR_SET_PDEATHSIG, signal.SIGKILL)
+        _exit_if_orphaned()
         lx.mount("proc", "/proc", "proc", lx.MS_NOSUID | lx.MS_NODEV | lx.MS_NOEXEC)
         lx.sethostname("sandbox")
         os.setsid()  # a group of its own: kill(0, ...) reaches only the program's processes
@@ -153,7 +173,8 @@ def _program(uid: int, go_r: int, stdin_fd: int, out_w: int, err_w: int) -> None
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
         os.dup2(go_r, 3)
-        os.closerange(4, 65536)
+        os.dup2(ok_w, 4)
+        os.closerange(5, 65536)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         os.chdir(WORK)
@@ -169,13 +190,16 @@ def _program(uid: int, go_r: int, stdin_fd: int, out_w: int, err_w: int) -> None
         env = {**BASE_ENV, **(run.get("env") or {})}
         os.environ.clear()
         os.environ.update(env)
+        # set-up succeeded: said out of band, so no program can fake a sandbox failure
+        os.write(4, b"1")
+        os.close(4)
     except BaseException as e:
         os.write(2, f"rl-fabric sandbox setup failed: {type(e).__name__}: {e}\n".encode())
         os._exit(SETUP_FAILED)
     if run["mode"] == "python":
         with open(run["entry"], encoding="utf-8", errors="replace") as f:
             source = f.read()
-        os._exit(_run_python(source, run["entry"]))
+        os._exit(_run_python(source, run["entry"], run.get("marker")))
     argv = run["argv"]
     try:
         os.execve(argv[0], argv, env)
@@ -218,14 +242,36 @@ class _Capture:
         return self.total > self.cap
 
 
-_LEFT_TO_REAP: list[int] = []
+def _collect(name: str, limit: int) -> bytes | None:
+    """A regular file the run left in ``/sandbox``, or None (absent, not a plain file, a
+    link, or over ``limit``: a truncated binary must not be run). Read as root, so never
+    through a link or anything that could block (a FIFO)."""
+    if "/" in name or name in ("", ".", ".."):
+        return None
+    try:
+        fd = os.open(os.path.join(WORK, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(limit + 1)[:limit]
+    finally:
+        os.close(fd)
 
 
 def finish() -> None:
     """Wait until the run's PID namespace is gone (call after sending the report: the
     zygote frees the run's uid only once this process has exited)."""
-    for pid in _LEFT_TO_REAP:
-        os.waitpid(pid, 0)
+    # every child, in whatever order: a child the program attached to us with
+    # clone(CLONE_PARENT) must be reaped before PID 1 can finish dying
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
 
 
 def _read_request(fd: int) -> dict[str, Any] | None:
@@ -254,15 +300,18 @@ def spare(uid: int, req_fd: int) -> dict[str, Any] | None:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         go_r, go_w = os.pipe()
+        ok_r, ok_w = os.pipe()
+        global _SUPERVISOR_PIDFD
+        _SUPERVISOR_PIDFD = os.pidfd_open(os.getpid())
         init = os.fork()  # the first child after unshare(CLONE_NEWPID) is the namespace's PID 1
         if init == 0:
             _init()
         pid = os.fork()  # later ones join the same namespace
         if pid == 0:
-            for fd in (req_fd, out_r, err_r, go_w):
+            for fd in (req_fd, out_r, err_r, go_w, ok_r):
                 os.close(fd)
-            _program(uid, go_r, stdin, out_w, err_w)
-        for fd in (out_w, err_w, go_r):
+            _program(uid, go_r, stdin, out_w, err_w, ok_w)
+        for fd in (out_w, err_w, go_r, ok_w):
             os.close(fd)
     except BaseException as e:
         req = _read_request(req_fd)
@@ -278,7 +327,10 @@ def spare(uid: int, req_fd: int) -> dict[str, Any] | None:
     try:
         _write_files(req, uid, stdin)
         os.write(
-            go_w, json.dumps({k: req.get(k) for k in ("mode", "entry", "argv", "env", "limits")}).encode()
+            go_w,
+            json.dumps(
+                {k: req.get(k) for k in ("mode", "entry", "argv", "env", "limits", "marker")}
+            ).encode(),
         )
     except BrokenPipeError:
         pass  # the program died during its set-up: its exit status and stderr say why
@@ -287,10 +339,10 @@ def spare(uid: int, req_fd: int) -> dict[str, Any] | None:
         return {"status": "sandbox_error", "error": f"starting the run: {type(e).__name__}: {e}"}
     finally:
         os.close(go_w)
-    return _supervise(req, init, pid, out_r, err_r)
+    return _supervise(req, init, pid, out_r, err_r, ok_r)
 
 
-def _supervise(req: dict[str, Any], init: int, pid: int, out_r: int, err_r: int) -> dict[str, Any]:
+def _supervise(req: dict[str, Any], init: int, pid: int, out_r: int, err_r: int, ok_r: int) -> dict[str, Any]:
     limits = req["limits"]
     started = time.monotonic()
     deadline = started + limits["wall_s"]
@@ -310,8 +362,10 @@ def _supervise(req: dict[str, Any], init: int, pid: int, out_r: int, err_r: int)
         for key, _ in sel.select(timeout=left):
             if key.fd == exited:
                 sel.unregister(exited)
+                # the namespace ends first: whatever the program left dies (a tracer that
+                # holds the program's exit status included), then its status can be had
+                os.kill(init, signal.SIGKILL)
                 _, status, usage = os.wait4(pid, 0)
-                os.kill(init, signal.SIGKILL)  # the namespace ends: whatever the program left dies
                 continue
             chunk = os.read(key.fd, 65536)
             if not chunk:
@@ -324,7 +378,7 @@ def _supervise(req: dict[str, Any], init: int, pid: int, out_r: int, err_r: int)
         if status is None:
             _, status, usage = os.wait4(pid, 0)
     assert status is not None  # the loop ends only once the program has been waited for
-    _LEFT_TO_REAP.append(init)  # killed already; reaped by finish(), after the report is out
+    # init is killed already; finish() reaps it (and the rest) once the report is out
     for fd in (out_r, err_r, exited):
         os.close(fd)
     wall = time.monotonic() - started
@@ -341,14 +395,18 @@ def _supervise(req: dict[str, Any], init: int, pid: int, out_r: int, err_r: int)
         "cpu_ms": (usage.ru_utime + usage.ru_stime) * 1000,
         "maxrss_kb": usage.ru_maxrss,
     }
-    if reply["exit_code"] == SETUP_FAILED and err.data.startswith(b"rl-fabric"):
+    os.set_blocking(ok_r, False)
+    try:
+        set_up = os.read(ok_r, 1) == b"1"
+    except BlockingIOError:
+        set_up = False
+    os.close(ok_r)
+    if not set_up and reply["exit_code"] == SETUP_FAILED and err.data.startswith(b"rl-fabric"):
         reply.update(status="sandbox_error", error=err.data.decode(errors="replace").strip())
     files = {}
     for name in req.get("collect") or ():
-        try:
-            with open(os.path.join(WORK, name), "rb") as f:
-                files[name] = base64.b64encode(f.read(limits["collect_bytes"] + 1)).decode()
-        except OSError:
-            continue  # absent: the caller decides (a compile that produced nothing failed)
+        data = _collect(name, limits["collect_bytes"])
+        if data is not None:
+            files[name] = base64.b64encode(data).decode()
     reply["files"] = files
     return reply

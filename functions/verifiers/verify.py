@@ -17,6 +17,7 @@ A case that hits a ``SandboxError`` is retried once on a fresh sandbox before it
 from __future__ import annotations
 
 import atexit
+import secrets
 import signal
 import threading
 import time
@@ -106,8 +107,17 @@ def _same_output(got: bytes, expected: str) -> bool:
     return [line.rstrip() for line in a] == [line.rstrip() for line in b]
 
 
-def classify(out: RunOutcome, lang: Language, limits: Limits, expected: str | None) -> CaseResult:
-    """Turn what happened into a verdict (``expected`` None: assert-style, exit 0 passes)."""
+def classify(
+    out: RunOutcome, lang: Language, limits: Limits, expected: str | None, marker: str | None = None
+) -> CaseResult:
+    """Turn what happened into a verdict (``expected`` None: assert-style, where exit 0 and
+    ``marker`` as the last line of stdout pass)."""
+    finished_tests = False
+    if marker:
+        body = out.stdout.rstrip(b"\n")
+        finished_tests = body.endswith(marker.encode())
+        if finished_tests:  # not part of what the program printed
+            out = out.model_copy(update={"stdout": body[: -len(marker)].rstrip(b"\n")})
     base = {
         "exit_code": out.exit_code,
         "stdout": _text(out.stdout),
@@ -140,6 +150,8 @@ def classify(out: RunOutcome, lang: Language, limits: Limits, expected: str | No
         if any(m in out.stderr for m in lang.assert_markers):
             return CaseResult(status="Failed", message="an assertion failed", **base)
         return CaseResult(status="RuntimeError", message=f"exited with code {out.exit_code}", **base)
+    if marker and not finished_tests:
+        return CaseResult(status="Failed", message="exited before the tests ran to their end", **base)
     if expected is None or _same_output(out.stdout, expected):
         return CaseResult(status="Finished", **base)
     return CaseResult(status="Failed", message="wrong output", **base)
@@ -160,7 +172,43 @@ class Runner(Protocol):
         executable: tuple[str, ...] = (),
         collect: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        marker: str | None = None,
     ) -> RunOutcome: ...
+
+
+_C_WRAPPER = """
+#undef main
+#include <stdio.h>
+int main(void) {
+    /* unprototyped call: works for main(void) and main(int, char **) alike */
+    int rc = ((int (*)())__rlfabric_tests_main)();
+    if (rc == 0) { printf("\\n%s\\n", "MARKER"); fflush(stdout); }
+    return rc;
+}
+"""
+_CPP_WRAPPER = """
+#undef main
+#include <cstdio>
+template <class R, class... A> static int __rlfabric_call(R (*f)(A...)) {
+    if constexpr (sizeof...(A) == 0) return f(); else return f(0, nullptr);
+}
+int main() {
+    int rc = __rlfabric_call(&__rlfabric_tests_main);
+    if (rc == 0) { std::printf("\\n%s\\n", "MARKER"); std::fflush(stdout); }
+    return rc;
+}
+"""
+
+
+def with_tests(lang: Language, code: str, test_code: str, marker: str) -> str:
+    """The program with its assert-style tests appended, printing ``marker`` once they all
+    ran (Python prints it from the sandbox's runner, after the source ran to its end)."""
+    if lang.name == "python":
+        return f"{code}\n\n{test_code}\n"
+    if lang.name == "javascript":
+        return f'{code}\n;\n{test_code}\n;process.stdout.write("\\n{marker}\\n");\n'
+    wrapper = (_CPP_WRAPPER if lang.name == "cpp" else _C_WRAPPER).replace("MARKER", marker)
+    return f"{code}\n#define main __rlfabric_tests_main\n{test_code}\n{wrapper}"
 
 
 class Verifier:
@@ -180,7 +228,10 @@ class Verifier:
         if len(code.encode()) > MAX_CODE_BYTES:
             raise ValueError(f"code is {len(code.encode())} bytes; the limit is {MAX_CODE_BYTES}")
         limits = limits or self.limits
-        source = code if tests.test_code is None else f"{code}\n\n{tests.test_code}\n"
+        # assert-style: the tests passed only if the program also ran past them, which a
+        # random line printed after them proves (an early exit(0) would skip the asserts)
+        marker = None if tests.test_code is None else f"rlfabric-tests-done-{secrets.token_hex(8)}"
+        source = code if tests.test_code is None else with_tests(lang, code, tests.test_code, marker or "")
         files = {lang.source_file: source.encode()}
         compiled = None
         if lang.compile_argv is not None:
@@ -197,7 +248,7 @@ class Verifier:
         # cases are independent runs: in parallel, as many at once as there are warm sandboxes
         results = list(
             self._cases.map(
-                lambda s, e: self._case(lang, files, s.encode(), e, limits), stdins, expected_list
+                lambda s, e: self._case(lang, files, s.encode(), e, limits, marker), stdins, expected_list
             )
         )
         return self._result(lang, compiled[0] if compiled else None, results, t0)
@@ -222,7 +273,13 @@ class Verifier:
         return verdict, {lang.artifact: out.files.get(lang.artifact, b"")}
 
     def _case(
-        self, lang: Language, files: dict[str, bytes], stdin: bytes, expected: str | None, limits: Limits
+        self,
+        lang: Language,
+        files: dict[str, bytes],
+        stdin: bytes,
+        expected: str | None,
+        limits: Limits,
+        marker: str | None = None,
     ) -> CaseResult:
         run_limits = limits
         argv = list(lang.run_argv)
@@ -240,7 +297,12 @@ class Verifier:
             try:
                 if lang.mode == "python":
                     out = self.sandbox.run(
-                        mode="python", entry=lang.source_file, files=files, stdin=stdin, limits=run_limits
+                        mode="python",
+                        entry=lang.source_file,
+                        files=files,
+                        stdin=stdin,
+                        limits=run_limits,
+                        marker=marker,
                     )
                 else:
                     out = self._run(
@@ -253,7 +315,7 @@ class Verifier:
             except SandboxError as e:
                 last = CaseResult(status="SandboxError", message=str(e))
                 continue
-            return classify(out, lang, limits, expected)
+            return classify(out, lang, limits, expected, marker)
         assert last is not None
         return last
 

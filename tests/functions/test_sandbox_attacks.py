@@ -1,0 +1,1097 @@
+"""Attacks on the code sandbox: hostile programs run for real, containment checked from outside.
+
+Every test is one attack. The ones that pass show it is contained. The ones marked
+``xfail(strict=True, reason="HOLE: ...")`` are holes found in review and not fixed yet: they fail today
+and will XPASS (and so fail the suite) once the product is fixed, as a reminder to drop
+the mark. Runs use uids from 340 000 up, apart from the other sandbox suites.
+
+Attacks that leave something behind on purpose (a stuck supervisor, a leaked uid slot)
+get a sandbox of their own, closed (and checked clean) at the end of the test; closing the
+zygote ends whatever a hole left, and orphaned run PID 1s (see the race test at the end)
+are killed by pid, so the suite leaves nothing running. The programs call x86_64 syscall
+numbers directly (clone, keyctl, add_key, userfaultfd).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import ctypes
+import itertools
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from functions.verifiers import _linux
+from functions.verifiers.errors import SandboxError
+from functions.verifiers.sandbox import Limits, RunOutcome, Sandbox, SandboxConfig, _package_root
+from functions.verifiers.verify import CodeTests, Verifier
+
+pytestmark = [
+    pytest.mark.skipif(_linux.supported() is not None, reason=str(_linux.supported())),
+    pytest.mark.skipif(platform.machine() != "x86_64", reason="the attacks use x86_64 syscall numbers"),
+]
+
+BASE_UID = 340_000
+#: sandboxes of their own (one per hole test), each with its own 1024-uid range
+_OWN_BASES = itertools.count(342_000, 1_100)
+MB = 1 << 20
+FAST = Limits(
+    cpu_s=1,
+    wall_s=2,
+    memory_mb=128,
+    nproc=16,
+    disk_mb=8,
+    fsize_mb=4,
+    nofile=32,
+    stdout_bytes=64 << 10,
+    stderr_bytes=16 << 10,
+)
+GOOD = "print(sum(map(int, input().split())))"
+PIPE_WAITS = ("pipe_read", "pipe_wait", "anon_pipe_read")
+ZYGOTE = b"functions.verifiers.zygote"
+
+# ctypes preamble of the programs that call the kernel directly
+LIBC = (
+    "import ctypes, os\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "libc.syscall.restype = ctypes.c_long\n"
+    "def err():\n"
+    "    return ctypes.get_errno()\n"
+)
+# enter a user namespace of one's own (full capabilities in it) plus the given namespaces
+NEST = (
+    "def nest(extra):\n"
+    "    uid = os.getuid()\n"
+    "    if libc.unshare(0x10000000 | extra) != 0:\n"
+    "        return False\n"
+    "    open('/proc/self/setgroups', 'w').write('deny')\n"
+    "    open('/proc/self/uid_map', 'w').write(f'0 {uid} 1')\n"
+    "    open('/proc/self/gid_map', 'w').write(f'0 {uid} 1')\n"
+    "    return True\n"
+)
+
+
+# -- looking at the host from outside --------------------------------------------------------
+def _proc(pid: str) -> dict[str, str]:
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields[key] = value.strip()
+    return fields
+
+
+def _is_zygote_family(pid: str) -> bool:
+    """The zygote or one of its supervisors (a live process started from the zygote's cmdline)."""
+    try:
+        return ZYGOTE in Path(f"/proc/{pid}/cmdline").read_bytes() and _proc(pid)["State"][0] != "Z"
+    except OSError:
+        return False
+
+
+def leftovers(base: int) -> list[str]:
+    """What of the runs of the sandbox with uids ``base..base+1023`` is still on the host.
+
+    A warm spare (blocked reading its start message) is expected. A zombie already handed to
+    the host's reaper is harmless (this VM's PID 1 reaps slowly); one whose parent is still a
+    supervisor is a leak (the supervisor is stuck with it).
+    """
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            st = _proc(entry.name)
+            uid = int(st["Uid"].split()[0])
+            if not base <= uid < base + 1024:
+                continue
+            if st["State"][0] == "Z":
+                if _is_zygote_family(st["PPid"]):
+                    found.append(f"{entry.name}: zombie held by supervisor {st['PPid']}")
+                continue
+            if (entry / "wchan").read_text() in PIPE_WAITS:
+                continue  # a warm spare
+            found.append(f"{entry.name}: {st['State']} {(entry / 'cmdline').read_bytes()[:60]!r}")
+        except (OSError, KeyError, ValueError):
+            continue  # gone while we looked
+    return found
+
+
+def wait_clean(base: int, timeout: float = 5.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    left = leftovers(base)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = leftovers(base)
+    return left
+
+
+def live_in_range(base: int) -> list[int]:
+    """Every non-zombie process with a uid of the range (spares included)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                st = _proc(entry.name)
+                if base <= int(st["Uid"].split()[0]) < base + 1024 and st["State"][0] != "Z":
+                    pids.append(int(entry.name))
+            except (OSError, KeyError, ValueError):
+                continue
+    return pids
+
+
+def supervisors(zygote_pid: int) -> list[int]:
+    """The zygote's live children: one supervisor per spare or run in flight."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                st = _proc(entry.name)
+                if st["PPid"] == str(zygote_pid) and st["State"][0] != "Z":
+                    kids.append(int(entry.name))
+            except (OSError, KeyError):
+                continue
+    return kids
+
+
+def settled_supervisors(zygote_pid: int, want: int, timeout: float = 3.0) -> int:
+    deadline = time.monotonic() + timeout
+    n = len(supervisors(zygote_pid))
+    while n != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+        n = len(supervisors(zygote_pid))
+    return n
+
+
+def orphaned_inits(base: int) -> list[int]:
+    """PID 1s of run namespaces of the sandbox ``base`` whose supervisor is gone. They run as
+    root (outside the uid range): a supervisor that died before its PID 1 had set
+    PR_SET_PDEATHSIG leaves that PID 1 pausing forever."""
+    tag = ZYGOTE + b"\0%d\0" % base
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if tag not in (entry / "cmdline").read_bytes():
+                continue
+            st = _proc(entry.name)
+            nspid = st["NSpid"].split()
+            if st["State"][0] == "Z" or len(nspid) < 2 or nspid[-1] != "1":
+                continue
+            if not _is_zygote_family(st["PPid"]):
+                found.append(int(entry.name))
+        except (OSError, KeyError):
+            continue
+    return found
+
+
+def kill_orphaned_inits(base: int) -> list[int]:
+    """Kill (by pid) the orphaned PID 1s of this suite's own sandbox ``base``, so the suite
+    leaves nothing behind even when that race hits (see the xfail test on it)."""
+    pids = orphaned_inits(base)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+# -- fixtures ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sandbox():
+    with Sandbox(SandboxConfig(base_uid=BASE_UID, spares=2, grace_s=2.0)) as sb:
+        yield sb
+    kill_orphaned_inits(BASE_UID)
+    assert wait_clean(BASE_UID) == []
+    assert live_in_range(BASE_UID) == [] or _wait_no_live(BASE_UID)
+
+
+def _wait_no_live(base: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while live_in_range(base) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return live_in_range(base) == []
+
+
+@pytest.fixture
+def sb(sandbox):
+    """After every attack: nothing of it survives, the host's mounts are unchanged, the
+    zygote has its spares back, and a good program is still judged right."""
+    mounts_before = Path("/proc/self/mountinfo").read_text()
+    yield sandbox
+    assert wait_clean(BASE_UID) == [], "processes of a finished run survived"
+    assert Path("/proc/self/mountinfo").read_text() == mounts_before, "a run changed the host's mounts"
+    assert sandbox._zygote is not None
+    assert settled_supervisors(sandbox._zygote.pid, 2) == 2, "a supervisor is stuck (uid slot leaked)"
+    out = sandbox.run_python(GOOD, stdin=b"20 22\n", limits=FAST)
+    assert (out.status, out.stdout) == ("exited", b"42\n")
+
+
+@contextlib.contextmanager
+def own_sandbox(**config) -> Iterator[Sandbox]:
+    """A sandbox for one attack that may leave debris; closing it must clear everything."""
+    base = next(_OWN_BASES)
+    cfg = {"base_uid": base, "spares": 1, "grace_s": 1.0, **config}
+    box = Sandbox(SandboxConfig(**cfg))
+    box.start()
+    try:
+        yield box
+    finally:
+        box.close()
+        kill_orphaned_inits(base)
+        assert _wait_no_live(base), f"close() left processes running: {live_in_range(base)}"
+
+
+def py(box: Sandbox, code: str, limits: Limits = FAST, **kw) -> RunOutcome:
+    return box.run_python(code, limits=limits, **kw)
+
+
+def lines(out: RunOutcome) -> list[str]:
+    return out.stdout.decode(errors="replace").splitlines()
+
+
+# -- the jail ----------------------------------------------------------------------------------
+def test_proc_shows_only_the_run_and_nothing_of_the_host(sb):
+    project_file = os.path.join(_package_root(), "functions", "verifiers", "sandbox.py")
+    code = (
+        "import os\n"
+        "print('pids', sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+        "for path in ('/proc/1/root', '/proc/1/cwd', '/proc/1/fd', '/proc/1/environ', '/proc/1/mem'):\n"
+        "    try:\n"
+        "        os.listdir(path) if not path.endswith(('environ', 'mem')) else open(path, 'rb').read(1)\n"
+        "        print('OPEN', path)\n"
+        "    except OSError as e:\n"
+        "        print('denied', path, e.errno)\n"
+        f"print('project', os.path.exists({project_file!r}))\n"
+        "print('sys', os.path.exists('/sys/kernel'), 'home', os.path.exists('/home'))\n"
+        "print('dev', sorted(os.listdir('/dev')))\n"
+    )
+    out = py(sb, code)
+    text = out.stdout.decode()
+    assert out.status == "exited", out
+    pids = ast.literal_eval(text.split("pids ")[1].split("\n")[0])
+    assert set(pids) <= {1, 2}, pids  # PID 1 (placeholder) and the program itself, nothing else
+    assert "OPEN" not in text, text
+    assert "project False" in text and "sys False home False" in text
+    assert "dev ['null', 'random', 'urandom', 'zero']" in text
+
+
+def test_nested_namespaces_cannot_unmask_or_alter_the_jail(sb, tmp_path):
+    marker = tmp_path / "host-marker"
+    code = (
+        LIBC + NEST + "print('nested', nest(0x00020000))\n"  # a mount namespace of its own, full caps in it
+        "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])\n"
+        "for target in (b'/usr', b'/etc', b'/', b'/proc', b'/sandbox'):\n"
+        "    print('umount', target, libc.umount2(target, 2), err())\n"
+        "for src, dst, fs, flags in ((b'none', b'/usr', None, 32 | 4096), (b'none', b'/', None, 32),\n"
+        "                            (b'proc', b'/tmp', b'proc', 0), (b'sysfs', b'/tmp', b'sysfs', 0)):\n"
+        "    print('mount', dst, fs, libc.mount(src, dst, fs, flags, None), err())\n"
+        f"for path in ('/usr/rlfabric-pwned', '/etc/rlfabric-pwned', {str(marker)!r}):\n"
+        "    try:\n"
+        "        open(path, 'w').write('x')\n"
+        "        print('WROTE', path)\n"
+        "    except OSError as e:\n"
+        "        print('denied', path, e.errno)\n"
+    )
+    out = py(sb, code)
+    text = out.stdout.decode()
+    assert out.status == "exited", out
+    for line in text.splitlines():
+        if line.startswith(("umount", "mount")):
+            assert line.split()[-2] == "-1", line  # every (un)mount refused
+    assert "WROTE" not in text, text
+    assert not Path("/usr/rlfabric-pwned").exists() and not Path("/etc/rlfabric-pwned").exists()
+    assert not marker.exists()
+
+
+def test_limits_hold_inside_a_nested_user_namespace(sb):
+    # root (with every capability) in a user namespace of its own: still the run's rlimits
+    code = (
+        LIBC
+        + NEST
+        + (
+            "import resource, time\n"
+            "print('nested', nest(0))\n"
+            "for res in (resource.RLIMIT_NPROC, resource.RLIMIT_AS, resource.RLIMIT_CPU):\n"
+            "    try:\n"
+            "        resource.setrlimit(res, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))\n"
+            "        print('RAISED', res)\n"
+            "    except (OSError, ValueError):\n"
+            "        pass\n"
+            "n = 0\n"
+            "try:\n"
+            "    while n < 200:\n"
+            "        if os.fork() == 0:\n"
+            "            time.sleep(5)\n"
+            "            os._exit(0)\n"
+            "        n += 1\n"
+            "except OSError:\n"
+            "    pass\n"
+            "print('forked', n)\n"
+        )
+    )
+    out = py(sb, code)
+    text = out.stdout.decode()
+    assert "RAISED" not in text, text
+    assert int(text.split("forked ")[1]) < FAST.nproc, text
+
+
+def test_file_names_cannot_write_outside_the_work_dir(sb):
+    # the names come from the verifier, but Sandbox.run takes any: nothing may land outside
+    for name in ("../rlfabric-escape", "../../rlfabric-escape", "/rlfabric-escape", "../proc/rlfabric"):
+        with contextlib.suppress(ValueError, SandboxError):
+            sb.run(mode="python", entry="solution.py", files={"solution.py": b"", name: b"x"}, limits=FAST)
+        assert not Path("/rlfabric-escape").exists()
+        assert not Path("/rlfabric-escape").is_symlink()
+
+
+def test_bad_file_names_are_a_clear_non_retryable_error(sb):
+    with pytest.raises(ValueError):
+        sb.run(mode="python", entry="solution.py", files={"solution.py": b"", "../x": b"x"}, limits=FAST)
+
+
+# -- processes that try to outlive their run ---------------------------------------------------
+SURVIVORS = {
+    "setsid_double_fork": (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        time.sleep(60)\n"
+        "    os._exit(0)\n"
+    ),
+    "thread_and_exec_of_sleep": (
+        "import os, threading, time\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=False).start()\n"
+        "os.posix_spawn('/bin/sleep', ['sleep', '60'], {})\n"
+    ),
+    "stopped_child": (
+        "import os, signal, time\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    time.sleep(60)\n"
+        "os.kill(pid, signal.SIGSTOP)\n"
+    ),
+    "nested_pid_namespace": LIBC
+    + NEST
+    + (
+        "import time\n"
+        "nest(0x20000000 | 0x00020000)\n"
+        "if os.fork() == 0:\n"  # PID 1 of a namespace of its own
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        time.sleep(60)\n"
+        "    time.sleep(60)\n"
+    ),
+    "ptrace_sibling_pair": LIBC
+    + (
+        "import time\n"
+        "a = os.fork()\n"
+        "if a == 0:\n"
+        "    time.sleep(60)\n"
+        "if os.fork() == 0:\n"
+        "    libc.ptrace(0x4206, a, 0, 0)\n"  # PTRACE_SEIZE its sibling, then idle
+        "    time.sleep(60)\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("code", SURVIVORS.values(), ids=SURVIVORS.keys())
+def test_no_process_survives_its_run(sb, code):
+    t0 = time.monotonic()
+    out = py(sb, code + "\nprint('parent done')\n")
+    assert out.status == "exited" and out.stdout.endswith(b"parent done\n"), out
+    assert time.monotonic() - t0 < 1.5  # the run ended with the program, not at its wall limit
+    # the sb fixture checks that nothing of the run is left on the host
+
+
+def test_a_child_printing_after_the_program_exits_is_not_heard(sb):
+    verifier = Verifier(sb, FAST)
+    code = "import os, time, sys\nif os.fork() == 0:\n    time.sleep(0.5)\n    print('ok', flush=True)\n"
+    result = verifier.verify(code, CodeTests(cases=[{"stdin": "", "expected_stdout": "ok"}]))
+    assert result.status == "Failed", result  # the late child was killed with the namespace
+
+
+# -- runs talking to each other or hurting each other -----------------------------------------
+def test_concurrent_runs_share_no_channel(sb):
+    first = (
+        LIBC + "import socket, time\n"
+        "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        "s.bind(b'\\0rlfabric-attack')\n"
+        "s.listen(1)\n"
+        "u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        "u.bind(('127.0.0.1', 47913))\n"
+        "shm = libc.shmget(0x5EED, 4096, 0o1666)\n"
+        "libc.msgget(0x5EED, 0o1666)\n"
+        "libc.semget(0x5EED, 1, 0o1666)\n"
+        "ring = libc.syscall(250, 1, b'rlfabric-shared')\n"  # KEYCTL_JOIN_SESSION_KEYRING by name
+        "libc.syscall(248, b'user', b'msg', b'run-a-secret', 12, -3)\n"
+        "open('/tmp/run-a', 'w').write('run-a-secret')\n"
+        "time.sleep(1.2)\n"
+        "print('a done')\n"
+    )
+    second = (
+        LIBC + "import socket, glob\n"
+        "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        "try:\n"
+        "    s.connect(b'\\0rlfabric-attack')\n"
+        "    print('LEAK abstract socket')\n"
+        "except OSError:\n"
+        "    pass\n"
+        "u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        "try:\n"
+        "    u.sendto(b'x', ('127.0.0.1', 47913))\n"
+        "    print('LEAK udp')\n"
+        "except OSError:\n"
+        "    pass\n"
+        "for name, call in (('shm', lambda: libc.shmget(0x5EED, 0, 0)),\n"
+        "                   ('msg', lambda: libc.msgget(0x5EED, 0)),\n"
+        "                   ('sem', lambda: libc.semget(0x5EED, 0, 0))):\n"
+        "    if call() >= 0:\n"
+        "        print('LEAK sysv', name)\n"
+        "ring = libc.syscall(250, 1, b'rlfabric-shared')\n"
+        "if libc.syscall(250, 10, ring, b'user', b'msg', 0) >= 0:\n"  # KEYCTL_SEARCH
+        "    print('LEAK keyring')\n"
+        "print('files', glob.glob('/tmp/*') + glob.glob('/sandbox/*') + glob.glob('/proc/*/root/tmp/*'))\n"
+        "print('b done')\n"
+    )
+    results: dict[str, RunOutcome] = {}
+    t = threading.Thread(target=lambda: results.setdefault("a", py(sb, first)))
+    t.start()
+    time.sleep(0.5)  # the first run holds every channel open now
+    results["b"] = py(sb, second)
+    t.join()
+    assert results["a"].stdout == b"a done\n", results["a"]
+    b_out = results["b"].stdout.decode()
+    assert "LEAK" not in b_out and "run-a" not in b_out, b_out
+    assert b_out.endswith("b done\n")
+
+
+def test_signals_reach_no_other_run_nor_the_sandbox(sb):
+    victim = "import time\ntime.sleep(1.0)\nprint('survived')\n"
+    killer = (
+        "import os, signal\n"
+        "if os.fork() == 0:\n"  # in its own group, so kill(-1) does not end the report
+        "    os.setsid()\n"
+        "    for sig in (signal.SIGSTOP, signal.SIGKILL):\n"
+        "        for pid in [p for p in (-1, *range(1, 4096)) if p != os.getpid()]:\n"
+        "            try:\n"
+        "                os.kill(pid, sig)\n"
+        "            except OSError:\n"
+        "                pass\n"
+        "    os._exit(0)\n"
+        "os.wait()\n"
+    )
+    zygote = sb._zygote
+    results: dict[str, RunOutcome] = {}
+    t = threading.Thread(target=lambda: results.setdefault("victim", py(sb, victim)))
+    t.start()
+    time.sleep(0.3)
+    py(sb, killer)
+    t.join()
+    assert results["victim"].stdout == b"survived\n"
+    assert sb._zygote is zygote and zygote is not None and zygote.poll() is None
+
+
+def test_keyrings_are_the_runs_own_and_do_not_persist(sb):
+    code = (
+        LIBC + "buf = ctypes.create_string_buffer(256)\n"
+        "for spec in (-3, -4, -5):\n"  # session, user, user-session keyrings
+        "    ring = libc.syscall(250, 0, spec, 1)\n"  # KEYCTL_GET_KEYRING_ID (create)
+        "    libc.syscall(250, 6, ring, buf, 256)\n"  # KEYCTL_DESCRIBE
+        "    print('ring', buf.value.decode())\n"
+        "found = libc.syscall(250, 10, -4, b'user', b'rlfabric-persist', 0)\n"
+        "print('found', found >= 0)\n"
+        "libc.syscall(248, b'user', b'rlfabric-persist', b'x', 1, -4)\n"
+    )
+    for _ in range(3):  # the next run (often the same uid slot) must not find the key
+        out = py(sb, code)
+        text = out.stdout.decode()
+        assert "found False" in text, text
+        for line in text.splitlines():
+            if line.startswith("ring"):
+                owner = int(line.split(";")[1])
+                assert BASE_UID <= owner < BASE_UID + 1024, line  # never the worker's (root's)
+
+
+# -- starving the sandbox ----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("code", "stdin", "check"),
+    [
+        (  # non-UTF-8, NUL bytes and no final newline: byte-exact
+            "import sys\nsys.stdout.buffer.write(bytes(range(256)) * 3)",
+            b"",
+            lambda o: o.status == "exited" and o.stdout == bytes(range(256)) * 3,
+        ),
+        (  # one giant line with no newline: cut at the cap, the run killed
+            "import sys\nsys.stdout.write('x' * (200 << 10))",
+            b"",
+            lambda o: o.status == "output_limit" and len(o.stdout) == FAST.stdout_bytes,
+        ),
+        (  # a flood of stderr
+            "import os\nwhile True:\n    os.write(2, b'e' * 65536)",
+            b"",
+            lambda o: o.status == "output_limit" and len(o.stderr) == FAST.stderr_bytes,
+        ),
+        (  # 8 MB of stdin it never reads
+            "print('ignored')",
+            b"y" * (8 * MB),
+            lambda o: o.status == "exited" and o.stdout == b"ignored\n",
+        ),
+        (  # 8 MB of stdin read in full
+            "import sys\nprint(len(sys.stdin.buffer.read()))",
+            b"y" * (8 * MB),
+            lambda o: o.stdout == b"%d\n" % (8 * MB),
+        ),
+        (  # stdout and stderr closed, then a long quiet exit
+            "import os\nos.close(1)\nos.close(2)\nos._exit(7)",
+            b"",
+            lambda o: o.status == "exited" and o.exit_code == 7,
+        ),
+        (  # thousands of inodes
+            "import os\n"
+            "for i in range(10_000):\n"
+            "    try:\n"
+            "        open(f'/sandbox/{i}', 'w').close()\n"
+            "    except OSError as e:\n"
+            "        print(e.errno, i)\n"
+            "        break\n",
+            b"",
+            lambda o: o.stdout.split()[0] == b"28" and int(o.stdout.split()[1]) <= 4096,
+        ),
+    ],
+    ids=["binary", "giant_line", "stderr_flood", "unread_stdin", "read_stdin", "closed_pipes", "inodes"],
+)
+def test_output_and_input_edge_cases(sb, code, stdin, check):
+    out = py(sb, code, stdin=stdin)
+    assert check(out), out
+
+
+def test_the_wall_limit_holds_and_is_accounted(sb):
+    code = (
+        "import os, signal, time\n"
+        "for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):\n"
+        "    signal.signal(sig, signal.SIG_IGN)\n"
+        "os.fork()\n"
+        "time.sleep(60)\n"
+    )
+    limits = FAST.model_copy(update={"wall_s": 1.0})
+    t0 = time.monotonic()
+    out = py(sb, code, limits=limits)
+    took = time.monotonic() - t0
+    assert out.status == "timeout", out
+    assert 1000 <= out.wall_ms < 1500, out.wall_ms
+    assert took < 2.0
+
+
+def test_a_userfaultfd_stall_still_dies_at_the_wall_limit(sb):
+    code = LIBC + (
+        "import mmap\n"
+        "fd = libc.syscall(323, os.O_CLOEXEC | 1)\n"  # userfaultfd(UFFD_USER_MODE_ONLY)
+        "if fd < 0:\n"
+        "    print('no uffd')\n"
+        "    raise SystemExit(0)\n"
+        "api = (ctypes.c_uint64 * 3)(0xAA, 0, 0)\n"
+        "libc.ioctl(fd, 0xC018AA3F, api)\n"  # UFFDIO_API
+        "m = mmap.mmap(-1, 4096)\n"
+        "addr = ctypes.addressof(ctypes.c_char.from_buffer(m))\n"
+        "reg = (ctypes.c_uint64 * 4)(addr, 4096, 1, 0)\n"
+        "libc.ioctl(fd, 0xC020AA00, reg)\n"  # UFFDIO_REGISTER (missing pages)
+        "print('faulting', flush=True)\n"
+        "m[0]\n"  # nobody serves the fault
+    )
+    limits = FAST.model_copy(update={"wall_s": 1.0})
+    t0 = time.monotonic()
+    out = py(sb, code, limits=limits)
+    assert out.status == "timeout" or out.stdout == b"no uffd\n", out
+    assert time.monotonic() - t0 < 2.0
+
+
+# -- verdicts ----------------------------------------------------------------------------------
+def test_verdicts_that_cannot_be_forged(sb):
+    verifier = Verifier(sb, FAST)
+    secret = "rlfabric-expected-4f2a9c"
+    one = CodeTests(cases=[{"stdin": "", "expected_stdout": secret}])
+    # the right output, then a crash: not a pass
+    printed_then_failed = verifier.verify(f"print({secret!r})\nraise SystemExit(3)", one)
+    assert printed_then_failed.status == "RuntimeError"
+    killed = verifier.verify(f"import os\nprint({secret!r}, flush=True)\nos.kill(os.getpid(), 9)", one)
+    assert killed.status == "RuntimeError"
+    # the expected output is nowhere the program can look
+    hunt = (
+        "import os\n"
+        "hits = []\n"
+        "def look(path):\n"
+        "    try:\n"
+        "        if b'rlfabric-expected' in open(path, 'rb').read(1 << 20):\n"
+        "            hits.append(path)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "for root in ('/sandbox', '/tmp', '/proc/self', '/proc/1'):\n"
+        "    for d, _, files in os.walk(root):\n"
+        "        for f in files:\n"
+        "            look(os.path.join(d, f))\n"
+        "print(os.environ, hits)\n"
+    )
+    found = verifier.verify(hunt, one)
+    assert found.status == "Failed" and "rlfabric-expected" not in found.cases[0].stdout
+
+
+EARLY_EXITS = {
+    "sys_exit": "import sys\nsys.exit(0)\n",
+    "os_exit": "import os\nos._exit(0)\n",
+    "raise_systemexit": "raise SystemExit\n",
+    "patched_traceback": (
+        "import os, traceback\ntraceback.print_exception = lambda *a, **k: os._exit(0)\n"
+    ),  # a failing assert then exits 0 from the sandbox's own handler
+}
+
+
+@pytest.mark.parametrize("tail", EARLY_EXITS.values(), ids=EARLY_EXITS.keys())
+def test_exiting_early_does_not_pass_assert_style_tests(sb, tail):
+    verifier = Verifier(sb, FAST)
+    result = verifier.verify(
+        "def add(a, b):\n    return 0\n" + tail, CodeTests(test_code="assert add(2, 3) == 5")
+    )
+    assert result.status != "Finished", result
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
+def test_exiting_early_does_not_pass_javascript_asserts(sb):
+    verifier = Verifier(sb, FAST.model_copy(update={"wall_s": 5, "cpu_s": 3}))
+    code = "function add(a, b) { return 0; }\nprocess.exit(0);\n"
+    tests = CodeTests(test_code="require('assert').strictEqual(add(2, 3), 5);")
+    assert verifier.verify(code, tests, "javascript").status != "Finished"
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc is not installed")
+def test_exiting_early_does_not_pass_c_asserts(sb):
+    verifier = Verifier(sb, FAST.model_copy(update={"wall_s": 5, "cpu_s": 3}))
+    code = (
+        "#include <stdlib.h>\nint add(int a, int b) { return 0; }\n"
+        "__attribute__((constructor)) static void early(void) { exit(0); }\n"
+    )
+    tests = CodeTests(test_code="#include <assert.h>\nint main(void) { assert(add(2, 3) == 5); return 0; }")
+    assert verifier.verify(code, tests, "c").status != "Finished"
+
+
+def test_a_program_cannot_fake_a_retryable_sandbox_error(sb):
+    verifier = Verifier(sb, FAST)
+    code = "import os\nos.write(2, b'rl-fabric sandbox setup failed: not me\\n')\nos._exit(125)\n"
+    result = verifier.verify(code, CodeTests(cases=[{"stdin": "", "expected_stdout": "1"}]))
+    assert not result.retryable and result.status == "RuntimeError", result
+
+
+# -- holes: the supervisor can be stalled or made to leak -------------------------------------
+def test_a_tracer_holding_the_programs_zombie_cannot_stall_the_wall_limit():
+    code = LIBC + (
+        "import time\n"
+        "parent = os.getpid()\n"
+        "libc.prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)\n"  # Yama: PR_SET_PTRACER_ANY
+        "r, w = os.pipe()\n"
+        "if os.fork() == 0:\n"
+        "    os.write(w, b'%d' % libc.ptrace(0x4206, parent, 0, 0))\n"  # PTRACE_SEIZE the program
+        "    time.sleep(3600)\n"  # never wait()s for it
+        "print('seized', os.read(r, 8), flush=True)\n"
+        "os._exit(0)\n"
+    )
+    limits = FAST.model_copy(update={"wall_s": 1.0})
+    with own_sandbox() as box:
+        t0 = time.monotonic()
+        out = py(box, code, limits=limits)  # today: SandboxError after wall_s + grace_s
+        assert out.status in ("exited", "timeout"), out
+        assert time.monotonic() - t0 < 1.8
+        assert wait_clean(box.config.base_uid, 2.0) == []
+
+
+def test_a_clone_parent_sibling_does_not_leak_the_runs_uid_slot():
+    code = LIBC + (
+        "pid = libc.syscall(56, 0x8000 | 17, 0, 0, 0, 0)\n"  # clone(CLONE_PARENT | SIGCHLD): fork-like
+        "if pid == 0:\n"
+        "    os._exit(0)\n"
+        "open('/sandbox/pinned', 'wb').write(b'x' * (4 << 20))\n"  # kept alive with the leak
+        "print('sibling', pid > 0)\n"
+    )
+    with own_sandbox() as box:
+        out = py(box, code)
+        assert out.stdout == b"sibling True\n", out  # the verdict itself is right
+        assert box._zygote is not None
+        assert wait_clean(box.config.base_uid, 3.0) == []
+        assert settled_supervisors(box._zygote.pid, 1) == 1
+
+
+def test_collect_does_not_follow_symlinks_or_dotdot_as_root():
+    if not Path("/etc/shadow").exists():
+        pytest.skip("this host has no /etc/shadow to leak")
+    plant = "import os\nos.symlink('/etc/shadow', '/sandbox/main')\nos.symlink('/etc/shadow', '/tmp/a.out')\n"
+    with own_sandbox() as box:
+        leaked = []
+        for collect in (("main", "a.out"), ("../etc/shadow",)):
+            try:
+                out = box.run(
+                    mode="python",
+                    entry="solution.py",
+                    files={"solution.py": plant.encode()},
+                    limits=FAST,
+                    collect=collect,
+                )
+            except ValueError:
+                continue  # refusing a '../' name is a fine answer
+            leaked += [name for name, blob in out.files.items() if blob]
+        assert leaked == [], leaked
+
+
+def test_collecting_a_fifo_does_not_hang_the_supervisor():
+    with own_sandbox() as box:
+        t0 = time.monotonic()
+        out = box.run(
+            mode="python",
+            entry="solution.py",
+            files={"solution.py": b"import os\nos.mkfifo('/sandbox/main')\n"},
+            limits=FAST.model_copy(update={"wall_s": 1.0}),
+            collect=("main",),
+        )
+        assert time.monotonic() - t0 < 1.8
+        assert out.status == "exited" and not out.files.get("main")
+        assert box._zygote is not None and settled_supervisors(box._zygote.pid, 1) == 1
+
+
+def test_collect_never_returns_more_than_collect_bytes(sb):
+    limits = FAST.model_copy(update={"collect_bytes": 1000})
+    write = b"open('/sandbox/big', 'wb').write(b'x' * 5000)\n"
+    try:
+        out = sb.run(
+            mode="python", entry="solution.py", files={"solution.py": write}, limits=limits, collect=("big",)
+        )
+    except ValueError:
+        return
+    assert len(out.files.get("big", b"")) <= 1000, len(out.files["big"])
+
+
+# -- holes: limits that are per process, not per run -------------------------------------------
+MEMORY = Limits(cpu_s=2, wall_s=3, memory_mb=64, nproc=16, disk_mb=8, fsize_mb=4, nofile=32)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="HOLE: RLIMIT_AS is per process: nproc children each get memory_mb (default 32 x 512 MB "
+    "= 16 GB per run); there is no per-run memory cgroup",
+)
+def test_forked_children_share_one_memory_limit(sb):
+    code = (
+        "import os, time\n"
+        "r, w = os.pipe()\n"
+        "for i in range(6):\n"
+        "    if os.fork() == 0:\n"
+        "        try:\n"
+        "            block = bytearray(40 << 20)\n"  # touched: really resident
+        "            os.write(w, b'1')\n"
+        "        except MemoryError:\n"
+        "            os.write(w, b'0')\n"
+        "        time.sleep(2)\n"
+        "        os._exit(0)\n"
+        "held = 0\n"
+        "for _ in range(6):\n"  # one byte per child, then the run ends (and its children with it)
+        "    held += 40 * (os.read(r, 1) == b'1')\n"
+        "    print('held', held, flush=True)\n"
+    )
+    out = py(sb, code, limits=MEMORY)
+    held = max([int(line.split()[1]) for line in lines(out) if line.startswith("held")] or [0])
+    assert held <= MEMORY.memory_mb, f"the run held {held} MB under a {MEMORY.memory_mb} MB limit"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="HOLE: memfd (shmem) pages are not address space: one process holds nofile x fsize_mb "
+    "(default 64 x 16 MB = 1 GB) past RLIMIT_AS",
+)
+def test_memfd_memory_counts_against_the_limit(sb):
+    code = (
+        "import os\n"
+        "held = 0\n"
+        "for i in range(25):\n"
+        "    fd = os.memfd_create(f'm{i}')\n"
+        "    for _ in range(4):\n"
+        "        os.write(fd, b'x' * (1 << 20))\n"
+        "    held += 4\n"
+        "    print('held', held, flush=True)\n"
+    )
+    out = py(sb, code, limits=MEMORY)
+    held = max([int(line.split()[1]) for line in lines(out) if line.startswith("held")] or [0])
+    assert held <= MEMORY.memory_mb, f"the run held {held} MB of memfd under a {MEMORY.memory_mb} MB limit"
+
+
+def test_a_nested_user_namespace_cannot_mount_an_unbounded_tmpfs(sb):
+    code = (
+        LIBC
+        + NEST
+        + (
+            "if not nest(0x00020000) or libc.mount(b'none', b'/tmp', b'tmpfs', 0, None) != 0:\n"
+            "    print('refused')\n"
+            "    raise SystemExit(0)\n"
+            "written = 0\n"
+            "for i in range(100):\n"
+            "    try:\n"
+            "        open(f'/tmp/f{i}', 'wb').write(b'x' * (1 << 20))\n"
+            "    except OSError:\n"
+            "        break\n"
+            "    written += 1\n"
+            "print('written', written, flush=True)\n"
+        )
+    )
+    out = py(sb, code, limits=MEMORY)
+    written = max([int(line.split()[1]) for line in lines(out) if line.startswith("written")] or [0])
+    assert written <= MEMORY.disk_mb + MEMORY.memory_mb, f"{written} MB in a tmpfs of its own"
+
+
+def test_a_run_gets_no_capability_in_a_nested_namespace(sb):
+    code = (
+        LIBC
+        + NEST
+        + (
+            "import fcntl, socket, struct\n"
+            "if not nest(0x40000000):\n"  # a user and a network namespace of its own
+            "    print('refused')\n"
+            "    raise SystemExit(0)\n"
+            "print('CapEff', open('/proc/self/status').read().split('CapEff:')[1].split()[0])\n"
+            "u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            "try:\n"
+            "    fcntl.ioctl(u, 0x8914, struct.pack('16sH14s', b'lo', 0x9, b''))\n"  # SIOCSIFFLAGS up
+            "    print('NET_ADMIN')\n"
+            "except OSError:\n"
+            "    pass\n"
+        )
+    )
+    out = py(sb, code)
+    assert out.stdout == b"refused\n", out.stdout
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
+@pytest.mark.xfail(
+    strict=True,
+    reason="HOLE: JavaScript runs with RLIMIT_AS raised to 4096 MB and only V8's heap flag at "
+    "memory_mb: Buffers live off that heap, so a 64 MB run holds 600 MB (and 32 x 4 GB forked)",
+)
+def test_javascript_buffers_respect_the_memory_limit(sb):
+    verifier = Verifier(sb, Limits(cpu_s=3, wall_s=5, memory_mb=64))
+    code = "const b = [];\nfor (let i = 0; i < 6; i++) b.push(Buffer.alloc(100 * 2 ** 20, 1));\n"
+    code += "console.log(600);\n"
+    result = verifier.verify(code, CodeTests(cases=[{"stdin": "", "expected_stdout": "600"}]), "js")
+    assert result.status != "Finished", result
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="HOLE: RLIMIT_CPU is per process: nproc children each get cpu_s (a run takes nproc x cpu_s "
+    "CPU seconds within its wall limit, starving concurrent runs into wall-clock timeouts)",
+)
+def test_forked_children_share_one_cpu_budget(sb):
+    code = (
+        "import os, time\n"
+        "kids = []\n"
+        "for i in range(3):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        t = time.process_time()\n"
+        "        while time.process_time() - t < 0.6:\n"
+        "            pass\n"
+        "        os._exit(0)\n"
+        "    kids.append(pid)\n"
+        "total = sum(sum(os.wait4(pid, 0)[2][:2]) for pid in kids)\n"
+        "print('cpu', round(total, 2))\n"
+    )
+    limits = FAST.model_copy(update={"cpu_s": 1.0, "wall_s": 4.0})
+    out = py(sb, code, limits=limits)
+    used = max([float(line.split()[1]) for line in lines(out) if line.startswith("cpu")] or [0.0])
+    assert used <= limits.cpu_s * 1.2, f"the run used {used} CPU s under a {limits.cpu_s} s budget"
+
+
+# -- leaks and lifecycle -----------------------------------------------------------------------
+def jail_dirs() -> set[Path]:
+    return set(Path("/tmp").glob("rlfabric-jail-*"))
+
+
+def stale_jail_dirs(before: set[Path]) -> list[Path]:
+    """Jail dirs that appeared since ``before`` and stay (another suite's zygote that is
+    starting right now has one for a few milliseconds)."""
+    new = jail_dirs() - before
+    if new:
+        time.sleep(0.5)
+    return sorted(d for d in new if d.exists())
+
+
+def test_nothing_leaks_over_many_hostile_runs(sb):
+    zygote = sb._zygote
+    assert zygote is not None
+    programs = [
+        "print(1)",
+        "import os\nos._exit(3)",
+        "while True:\n    pass",
+        "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)",
+        "import os\nfor i in range(8):\n    os.pipe()\nos.fork()\nos.memfd_create('x')",
+        "raise SystemExit('boom')",
+        "import os, socket\nsocket.socketpair()\nos.mkfifo('/tmp/f')\nos.symlink('/etc', '/tmp/l')",
+    ]
+    quick = FAST.model_copy(update={"cpu_s": 0.3, "wall_s": 1.0})
+    py(sb, "print(0)", limits=quick)
+    settled_supervisors(zygote.pid, 2)
+
+    def snapshot():
+        return (
+            len(os.listdir("/proc/self/fd")),
+            len(os.listdir(f"/proc/{zygote.pid}/fd")),
+            Path("/proc/self/mountinfo").read_text(),
+        )
+
+    dirs = jail_dirs()
+    before = snapshot()
+    for _ in range(3):
+        for code in programs:
+            py(sb, code, limits=quick)
+    assert settled_supervisors(zygote.pid, 2) == 2  # every uid slot came back
+    assert snapshot() == before
+    assert stale_jail_dirs(dirs) == []
+
+
+def test_close_leaves_nothing_running():
+    base = next(_OWN_BASES)
+    box = Sandbox(SandboxConfig(base_uid=base, spares=2))
+    box.start()
+    outcome: list[object] = []
+
+    def long_run():
+        try:
+            outcome.append(py(box, "import os, time\nos.fork()\ntime.sleep(30)", Limits(cpu_s=30, wall_s=30)))
+        except SandboxError as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=long_run)
+    t.start()
+    time.sleep(0.4)
+    assert len(live_in_range(base)) >= 3  # two program processes and a spare
+    zygote = box._zygote
+    assert zygote is not None
+    box.close()
+    t.join(5)
+    assert isinstance(outcome[0], SandboxError)
+    assert zygote.poll() is not None
+    kill_orphaned_inits(base)
+    assert _wait_no_live(base, 3.0), live_in_range(base)
+
+
+CLIENT = """
+import sys, time
+from functions.verifiers.sandbox import Limits, Sandbox, SandboxConfig
+box = Sandbox(SandboxConfig(base_uid=int(sys.argv[1]), spares=2))
+box.start()
+print(box._zygote.pid, flush=True)
+box.run_python("import os, time\\nif os.fork() == 0:\\n    os.setsid()\\ntime.sleep(60)",
+               limits=Limits(cpu_s=60, wall_s=60))
+"""
+
+
+def test_a_killed_client_leaves_nothing_running():
+    base = next(_OWN_BASES)
+    env = {**os.environ, "PYTHONPATH": _package_root()}
+    client = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, str(base)], stdout=subprocess.PIPE, env=env, cwd=_package_root()
+    )
+    try:
+        assert client.stdout is not None
+        zygote = int(client.stdout.readline())
+        deadline = time.monotonic() + 5
+        while len(live_in_range(base)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(live_in_range(base)) >= 3  # the run (two processes) and a spare
+    finally:
+        client.kill()
+        client.wait()
+        kill_orphaned_inits(base)
+    assert _wait_no_live(base, 3.0), live_in_range(base)
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and _is_zygote_family(str(zygote)):
+        time.sleep(0.05)
+    assert not _is_zygote_family(str(zygote)), "the zygote outlived its client"
+
+
+def test_start_and_close_leave_no_jail_dirs_or_mounts():
+    before = jail_dirs()
+    mounts = Path("/proc/self/mountinfo").read_text()
+    for _ in range(3):
+        with own_sandbox() as box:
+            assert py(box, "print(5)").stdout == b"5\n"
+    assert stale_jail_dirs(before) == []
+    assert Path("/proc/self/mountinfo").read_text() == mounts
+
+
+# -- a race made deterministic: PR_SET_PDEATHSIG is set after fork ---------------------------
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.ptrace.restype = ctypes.c_long
+_libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+PTRACE_CONT, PTRACE_DETACH, PTRACE_GETEVENTMSG, PTRACE_SEIZE = 7, 17, 0x4201, 0x4206
+PTRACE_O_TRACEFORK, PTRACE_EVENT_FORK = 0x2, 1
+WALL = 0x40000000
+
+
+def _ptrace(request: int, pid: int, data: int = 0) -> int:
+    ret = _libc.ptrace(request, pid, None, ctypes.c_void_p(data))
+    if ret < 0:
+        raise OSError(ctypes.get_errno(), f"ptrace {request} {pid}")
+    return ret
+
+
+def _stop_at_fork(pid: int) -> int:
+    """Let traced ``pid`` run until it forks; return the child (born stopped, traced too)."""
+    while True:
+        _, status = os.waitpid(pid, WALL)
+        if status >> 8 == signal.SIGTRAP | (PTRACE_EVENT_FORK << 8):
+            msg = ctypes.c_ulong()
+            _libc.ptrace(PTRACE_GETEVENTMSG, pid, None, ctypes.byref(msg))
+            return msg.value
+        _ptrace(PTRACE_CONT, pid)  # its first stop (or anything else): go on
+
+
+def test_a_supervisor_dying_right_after_forking_pid1_leaves_no_orphan():
+    """Freeze a fresh PID 1 at birth (ptrace), let its supervisor die (close the sandbox),
+    then let it run: it must notice and exit, as it does when the order is the usual one."""
+    base = next(_OWN_BASES)
+    box = Sandbox(SandboxConfig(base_uid=base, spares=1))
+    box.start()
+    frozen = None
+    try:
+        assert box._zygote is not None
+        zygote = box._zygote.pid
+        _ptrace(PTRACE_SEIZE, zygote, PTRACE_O_TRACEFORK)
+        assert py(box, "print(1)").stdout == b"1\n"  # the zygote forks a replacement spare
+        supervisor = _stop_at_fork(zygote)
+        _ptrace(PTRACE_DETACH, zygote)
+        frozen = _stop_at_fork(supervisor)  # the replacement's PID 1, stopped before its first line
+        os.waitpid(frozen, WALL)
+        _ptrace(PTRACE_DETACH, supervisor)
+        box.close()  # the zygote exits; the supervisor dies of its PR_SET_PDEATHSIG
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and _is_zygote_family(str(supervisor)):
+            time.sleep(0.02)
+        _ptrace(PTRACE_DETACH, frozen)
+        frozen = None
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline and orphaned_inits(base):
+            time.sleep(0.05)
+        assert orphaned_inits(base) == []
+    finally:
+        if frozen is not None:
+            with contextlib.suppress(OSError):
+                os.kill(frozen, signal.SIGKILL)
+                _ptrace(PTRACE_DETACH, frozen)
+        box.close()
+        kill_orphaned_inits(base)
+        assert _wait_no_live(base)
