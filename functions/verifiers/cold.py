@@ -97,7 +97,7 @@ def _limit(limits: Limits) -> None:
     mb = 1024 * 1024
     cpu = max(1, int(limits.cpu_s + 0.999))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-    resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb,) * 2)
+    resource.setrlimit(resource.RLIMIT_AS, ((limits.address_space_mb or limits.memory_mb) * mb,) * 2)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits.fsize_mb * mb,) * 2)
     resource.setrlimit(resource.RLIMIT_NOFILE, (limits.nofile,) * 2)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))

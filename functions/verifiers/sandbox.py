@@ -38,7 +38,12 @@ class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     cpu_s: float = Field(2.0, gt=0, le=600, description="CPU seconds (SIGKILL at the limit)")
     wall_s: float = Field(5.0, gt=0, le=3600, description="wall clock; the whole run is killed at it")
-    memory_mb: int = Field(512, ge=32, le=1 << 20, description="address space (RLIMIT_AS)")
+    memory_mb: int = Field(
+        512, ge=32, le=1 << 20, description="memory of the whole run (cgroup; plus disk_mb for its files)"
+    )
+    address_space_mb: int | None = Field(
+        None, ge=32, le=1 << 22, description="RLIMIT_AS per process (default memory_mb; V8 reserves more)"
+    )
     nproc: int = Field(32, ge=1, le=4096, description="processes and threads of the run's uid")
     fsize_mb: int = Field(16, ge=0, le=1 << 20, description="largest file the run may write")
     nofile: int = Field(64, ge=8, le=65536, description="open files")
@@ -61,7 +66,7 @@ class SandboxConfig(BaseModel):
 class RunOutcome(BaseModel):
     """What happened to one program (no judgement; see ``functions.verifiers.verify``)."""
 
-    status: Literal["exited", "signaled", "timeout", "output_limit", "sandbox_error"]
+    status: Literal["exited", "signaled", "timeout", "cpu_limit", "output_limit", "sandbox_error"]
     exit_code: int | None = None
     signal: int | None = None
     stdout: bytes = b""
@@ -73,6 +78,8 @@ class RunOutcome(BaseModel):
     maxrss_kb: int = 0
     files: dict[str, bytes] = Field(default_factory=dict)
     error: str | None = None
+    oom_killed: bool = False
+    """The run's memory cgroup killed a process at its limit."""
 
 
 class Sandbox:
@@ -120,6 +127,7 @@ class Sandbox:
                 raise SandboxUnavailable(hello.get("error") or "the sandbox zygote exited while starting")
             ours.settimeout(None)
             self.shared = hello["shared"]
+            self.cgroups: list[str] = hello.get("cgroups", [])
             self._chan = ours
             self._spares = queue.Queue()
             threading.Thread(target=self._receive, args=(ours, self._spares), daemon=True).start()

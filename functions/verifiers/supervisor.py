@@ -36,6 +36,7 @@ import traceback
 from typing import Any
 
 from functions.verifiers import _linux as lx
+from functions.verifiers.cgroups import Slot
 
 RUN_NAMESPACES = lx.CLONE_NEWNS | lx.CLONE_NEWNET | lx.CLONE_NEWIPC | lx.CLONE_NEWUTS | lx.CLONE_NEWPID
 WORK = "/sandbox"
@@ -64,7 +65,8 @@ def _rlimits(limits: dict[str, Any]) -> None:
     cpu = max(1, int(limits["cpu_s"] + 0.999))
     # soft == hard: the kernel sends SIGKILL at the limit (a SIGXCPU could be caught)
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-    resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mb"] * mb,) * 2)
+    address_space = limits.get("address_space_mb") or limits["memory_mb"]
+    resource.setrlimit(resource.RLIMIT_AS, (address_space * mb,) * 2)
     resource.setrlimit(resource.RLIMIT_NPROC, (limits["nproc"],) * 2)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits["fsize_mb"] * mb,) * 2)
     resource.setrlimit(resource.RLIMIT_NOFILE, (limits["nofile"],) * 2)
@@ -271,7 +273,9 @@ def finish() -> None:
         try:
             os.waitpid(-1, 0)
         except ChildProcessError:
-            return
+            break
+    if _SLOT is not None:
+        _SLOT.remove()
 
 
 def _read_request(fd: int) -> dict[str, Any] | None:
@@ -284,7 +288,10 @@ def _read_request(fd: int) -> dict[str, Any] | None:
     return json.loads(raw)  # type: ignore[no-any-return]
 
 
-def spare(uid: int, req_fd: int) -> dict[str, Any] | None:
+_SLOT: Slot | None = None
+
+
+def spare(uid: int, req_fd: int, slot: Slot | None = None) -> dict[str, Any] | None:
     """Prepare a warm sandbox, wait for a request on ``req_fd``, run it, report.
 
     Everything before the request (namespaces, the ``/sandbox`` tmpfs, PID 1 with its
@@ -313,6 +320,11 @@ def spare(uid: int, req_fd: int) -> dict[str, Any] | None:
             _program(uid, go_r, stdin, out_w, err_w, ok_w)
         for fd in (out_w, err_w, go_r, ok_w):
             os.close(fd)
+        global _SLOT
+        _SLOT = slot
+        if slot is not None:  # before any user code: every process it makes is counted
+            slot.add(init)
+            slot.add(pid)
     except BaseException as e:
         req = _read_request(req_fd)
         return (
@@ -326,6 +338,10 @@ def spare(uid: int, req_fd: int) -> dict[str, Any] | None:
         return None
     try:
         _write_files(req, uid, stdin)
+        if slot is not None:
+            lim = req["limits"]
+            # pages in its tmpfs and memfds are the run's memory too; +1 task: PID 1
+            slot.limit((lim["memory_mb"] + lim["disk_mb"]) << 20, lim["nproc"] + 1)
         os.write(
             go_w,
             json.dumps(
@@ -339,10 +355,12 @@ def spare(uid: int, req_fd: int) -> dict[str, Any] | None:
         return {"status": "sandbox_error", "error": f"starting the run: {type(e).__name__}: {e}"}
     finally:
         os.close(go_w)
-    return _supervise(req, init, pid, out_r, err_r, ok_r)
+    return _supervise(req, init, pid, out_r, err_r, ok_r, slot)
 
 
-def _supervise(req: dict[str, Any], init: int, pid: int, out_r: int, err_r: int, ok_r: int) -> dict[str, Any]:
+def _supervise(
+    req: dict[str, Any], init: int, pid: int, out_r: int, err_r: int, ok_r: int, slot: Slot | None
+) -> dict[str, Any]:
     limits = req["limits"]
     started = time.monotonic()
     deadline = started + limits["wall_s"]
@@ -359,6 +377,14 @@ def _supervise(req: dict[str, Any], init: int, pid: int, out_r: int, err_r: int,
         if left <= 0:
             killed_for = "timeout"
             break
+        cpu_budget_ns = limits["cpu_s"] * 1e9
+        # with a cgroup, the CPU of all the run's processes is polled (rlimits see one each)
+        if slot is not None and "cpuacct" in slot.fds:
+            used = slot.cpu_ns() or 0
+            if used > cpu_budget_ns:
+                killed_for = "cpu_limit"
+                break
+            left = min(left, 0.05)
         for key, _ in sel.select(timeout=left):
             if key.fd == exited:
                 sel.unregister(exited)
@@ -394,7 +420,10 @@ def _supervise(req: dict[str, Any], init: int, pid: int, out_r: int, err_r: int,
         "wall_ms": wall * 1000,
         "cpu_ms": (usage.ru_utime + usage.ru_stime) * 1000,
         "maxrss_kb": usage.ru_maxrss,
+        "oom_killed": slot.oom_killed() if slot is not None else False,
     }
+    if slot is not None and "cpuacct" in slot.fds:
+        reply["cpu_ms"] = (slot.cpu_ns() or 0) / 1e6  # every process of the run, not just one
     os.set_blocking(ok_r, False)
     try:
         set_up = os.read(ok_r, 1) == b"1"

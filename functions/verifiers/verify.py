@@ -132,6 +132,12 @@ def classify(
     if out.status == "output_limit":
         which = "stdout" if out.stdout_total > limits.stdout_bytes else "stderr"
         return CaseResult(status="RuntimeError", message=f"wrote more than the {which} cap", **base)
+    if out.status == "cpu_limit":
+        msg = f"its processes used more than {limits.cpu_s:g} CPU seconds together"
+        return CaseResult(status="TimeLimitExceeded", message=msg, **base)
+    if out.oom_killed:
+        msg = f"its processes used more than the {limits.memory_mb} MB limit together"
+        return CaseResult(status="MemoryLimitExceeded", message=msg, **base)
     cpu_limit_ms = max(1, int(limits.cpu_s + 0.999)) * 1000
     if out.signal in (signal.SIGKILL, signal.SIGXCPU) and out.cpu_ms >= 0.9 * cpu_limit_ms:
         return CaseResult(
@@ -284,10 +290,11 @@ class Verifier:
         run_limits = limits
         argv = list(lang.run_argv)
         if lang.run_memory_floor_mb or lang.run_nproc_floor:
-            # V8 reserves gigabytes of address space up front: the heap flag is its memory limit
+            # V8 reserves gigabytes of address space up front: its RLIMIT_AS is raised, and the
+            # run's memory cgroup (plus the heap flag, for a clear message) bounds what it uses
             run_limits = limits.model_copy(
                 update={
-                    "memory_mb": max(limits.memory_mb, lang.run_memory_floor_mb),
+                    "address_space_mb": max(limits.memory_mb, lang.run_memory_floor_mb),
                     "nproc": max(limits.nproc, lang.run_nproc_floor),
                 }
             )

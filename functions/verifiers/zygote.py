@@ -40,6 +40,7 @@ import sys
 import typing  # noqa: F401
 
 from functions.verifiers import jail
+from functions.verifiers.cgroups import RunCgroups
 from functions.verifiers.supervisor import finish, spare
 
 MAX_SLOTS = 1024
@@ -52,8 +53,9 @@ class _Spares:
     is off every run's path: it only forks replacements and frees uid slots.
     """
 
-    def __init__(self, chan: socket.socket, base_uid: int, target: int) -> None:
+    def __init__(self, chan: socket.socket, base_uid: int, target: int, cgroups: RunCgroups) -> None:
         self.chan = chan
+        self.cgroups = cgroups
         self.base_uid = base_uid
         self.target = target
         self.unused = 0  # spares the client holds and has not used yet
@@ -67,7 +69,9 @@ class _Spares:
             res_r, res_w = os.pipe()
             pid = os.fork()
             if pid == 0:
-                _supervisor(self.base_uid + slot, req_r, res_w, [self.chan.fileno(), req_w, res_r])
+                _supervisor(
+                    self.base_uid + slot, slot, self.cgroups, req_r, res_w, [self.chan.fileno(), req_w, res_r]
+                )
             os.close(req_r)
             os.close(res_w)
             self.slot_of[pid] = slot
@@ -90,7 +94,9 @@ def _write_all(fd: int, data: bytes) -> None:
         data = data[os.write(fd, data) :]
 
 
-def _supervisor(uid: int, req_r: int, result_w: int, inherited: list[int]) -> None:
+def _supervisor(
+    uid: int, slot: int, cgroups: RunCgroups, req_r: int, result_w: int, inherited: list[int]
+) -> None:
     try:
         null = os.open(os.devnull, os.O_RDWR)
         os.dup2(null, 0)  # fd 0 was the zygote's channel: replaced, so no fd below 3 is free
@@ -99,7 +105,7 @@ def _supervisor(uid: int, req_r: int, result_w: int, inherited: list[int]) -> No
         for fd in inherited:  # ends of this sandbox's own pipes the zygote keeps
             if fd > 2:
                 os.close(fd)
-        reply = spare(uid, req_r)
+        reply = spare(uid, req_r, cgroups.slot(slot) if cgroups.dirs else None)
         if reply is not None:
             _write_all(result_w, json.dumps(reply).encode() + b"\n")
         finish()
@@ -113,16 +119,19 @@ def main() -> None:
     base_uid, spares = int(sys.argv[1]), int(sys.argv[2])
     chan = socket.socket(fileno=0)  # a SOCK_SEQPACKET pair end: one message per spare
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cgroups = RunCgroups()  # before the jail: the cgroup tree is not visible from inside it
     try:
         shared = jail.enter()
     except OSError as e:
         chan.send(json.dumps({"ready": False, "error": f"cannot build the sandbox jail: {e}"}).encode())
         os._exit(2)
-    chan.send(json.dumps({"ready": True, "shared": shared, "pid": os.getpid()}).encode())
+    chan.send(
+        json.dumps({"ready": True, "shared": shared, "cgroups": cgroups.names, "pid": os.getpid()}).encode()
+    )
     # what the zygote allocated will never be collected: keep the collector of every run
     # from walking (and so copying, page by page) the inherited heap
     gc.freeze()
-    pool = _Spares(chan, base_uid, spares)
+    pool = _Spares(chan, base_uid, spares, cgroups)
     sel = selectors.DefaultSelector()
     sel.register(chan, selectors.EVENT_READ)
     while True:
@@ -130,6 +139,7 @@ def main() -> None:
         if sel.select(timeout=0.5):
             msg = chan.recv(64)
             if not msg:
+                cgroups.remove()  # what is still busy goes when its runs end (next start cleans up)
                 os._exit(0)  # the client went away; every supervisor dies with us (PDEATHSIG)
             pool.unused -= len(msg)  # one byte per spare the client started using
         pool.reap()

@@ -86,7 +86,7 @@ def py(sb: Sandbox, code: str, **kw):
 def test_fork_bomb_is_contained(sb):
     t0 = time.monotonic()
     out = py(sb, "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
-    assert out.status in ("timeout", "signaled")
+    assert out.status in ("timeout", "signaled", "cpu_limit")  # the run's CPU budget, usually
     assert time.monotonic() - t0 < FAST.wall_s + 2
     pid = os.fork()  # the host can still make processes
     if pid == 0:

@@ -1,0 +1,166 @@
+"""Per-run cgroups: one memory, CPU and process budget for a run as a whole.
+
+rlimits bound each *process*: six children of one run may each hold ``memory_mb``, each
+burn ``cpu_s``, and memory a program keeps in a memfd or its tmpfs is not address space at
+all. A cgroup per run closes that: ``memory.limit_in_bytes`` covers every page the run
+charges (tmpfs and memfd included), ``pids.max`` every task, and ``cpuacct.usage`` the CPU
+of all of them, which the supervisor polls. cgroup v1 controllers, created *under the
+zygote's own cgroup* so whatever limits the host put on the worker still hold.
+
+The zygote opens the controllers' directories before it enters the jail; supervisors reach
+them through those descriptors (``dir_fd``), since the jail shows no ``/sys``. Where a
+controller is missing or read-only the sandbox falls back to rlimits alone and says so in
+``Sandbox.isolation``.
+
+Stdlib only (the zygote imports it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+CONTROLLERS = ("memory", "pids", "cpuacct")
+_PREFIX = "rlfabric-"
+
+
+def _mount_points() -> dict[str, str]:
+    """Controller -> where its v1 hierarchy is mounted."""
+    found: dict[str, str] = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, (fstype, _src, super_opts) = left.split(), right.split()[:3]
+            if fstype != "cgroup":
+                continue
+            for opt in super_opts.split(","):
+                if opt in CONTROLLERS:
+                    found[opt] = fields[4]
+    return found
+
+
+def _own_paths() -> dict[str, str]:
+    """Controller -> this process's cgroup in it."""
+    paths: dict[str, str] = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, names, path = line.rstrip("\n").split(":", 2)
+            for name in names.split(","):
+                paths[name] = path
+    return paths
+
+
+class RunCgroups:
+    """The zygote's cgroup directories, one per controller (``<own cgroup>/rlfabric-<pid>``)."""
+
+    def __init__(self) -> None:
+        self.dirs: dict[str, int] = {}
+        self._parents: dict[str, int] = {}  # to remove our own directory from inside the jail
+        self._name = f"{_PREFIX}{os.getpid()}"
+        mounts, own = _mount_points(), _own_paths()
+        for ctl in CONTROLLERS:
+            if ctl not in mounts or ctl not in own:
+                continue
+            parent = os.path.join(mounts[ctl], own[ctl].lstrip("/"))
+            _remove_stale(parent)
+            try:
+                os.mkdir(os.path.join(parent, self._name))
+                self._parents[ctl] = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+                self.dirs[ctl] = os.open(self._name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=self._parents[ctl])
+            except OSError:
+                continue  # not ours to create (read-only, no permission): rlimits only
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.dirs)
+
+    def slot(self, slot: int) -> Slot:
+        return Slot({ctl: fd for ctl, fd in self.dirs.items()}, f"s{slot}")
+
+    def remove(self) -> None:
+        """Best effort: empty slot cgroups and then our own (busy ones stay until next start)."""
+        for ctl, fd in self.dirs.items():
+            for name in os.listdir(fd):
+                if name.startswith("s") and name[1:].isdigit():
+                    with contextlib.suppress(OSError):
+                        os.rmdir(name, dir_fd=fd)
+            with contextlib.suppress(OSError):
+                os.rmdir(self._name, dir_fd=self._parents[ctl])
+
+
+def _remove_stale(parent: str) -> None:
+    """Directories of zygotes that died without cleaning up (SIGKILL): remove the empty ones."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parent):
+            if not name.startswith(_PREFIX) or not name[len(_PREFIX) :].isdigit():
+                continue
+            pid = int(name[len(_PREFIX) :])
+            if pid == os.getpid() or os.path.exists(f"/proc/{pid}"):
+                continue
+            path = os.path.join(parent, name)
+            for sub in os.listdir(path):
+                if sub.startswith("s"):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(os.path.join(path, sub))
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+
+
+class Slot:
+    """The cgroups of one run (one per controller), made fresh for each run."""
+
+    def __init__(self, parents: dict[str, int], name: str) -> None:
+        self.parents = parents
+        self.name = name
+        self.fds: dict[str, int] = {}
+        for ctl, parent in parents.items():
+            with contextlib.suppress(OSError):
+                os.rmdir(name, dir_fd=parent)  # a leftover of a supervisor that died
+            try:
+                os.mkdir(name, dir_fd=parent)
+                self.fds[ctl] = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=parent)
+            except OSError:
+                continue
+
+    def _write(self, ctl: str, key: str, value: str) -> None:
+        if ctl in self.fds:
+            fd = os.open(key, os.O_WRONLY, dir_fd=self.fds[ctl])
+            try:
+                os.write(fd, value.encode())
+            finally:
+                os.close(fd)
+
+    def _read(self, ctl: str, key: str) -> str:
+        fd = os.open(key, os.O_RDONLY, dir_fd=self.fds[ctl])
+        try:
+            return os.read(fd, 65536).decode()
+        finally:
+            os.close(fd)
+
+    def add(self, pid: int) -> None:
+        for ctl in self.fds:
+            self._write(ctl, "cgroup.procs", str(pid))
+
+    def limit(self, memory_bytes: int, tasks: int) -> None:
+        self._write("memory", "memory.limit_in_bytes", str(memory_bytes))
+        self._write("pids", "pids.max", str(tasks))
+
+    def cpu_ns(self) -> int | None:
+        return int(self._read("cpuacct", "cpuacct.usage")) if "cpuacct" in self.fds else None
+
+    def oom_killed(self) -> bool:
+        if "memory" not in self.fds:
+            return False
+        for line in self._read("memory", "memory.oom_control").splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value) > 0
+        return int(self._read("memory", "memory.failcnt")) > 0
+
+    def remove(self) -> None:
+        """After the run's last process is gone (an empty cgroup is all rmdir removes)."""
+        for ctl, fd in self.fds.items():
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.rmdir(self.name, dir_fd=self.parents[ctl])
+        self.fds = {}
