@@ -53,11 +53,11 @@ def _own_paths() -> dict[str, str]:
 class RunCgroups:
     """The zygote's cgroup directories, one per controller (``<own cgroup>/rlfabric-<pid>``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
         self.dirs: dict[str, int] = {}
         self._parents: dict[str, int] = {}  # to remove our own directory from inside the jail
         self._name = f"{_PREFIX}{os.getpid()}"
-        mounts, own = _mount_points(), _own_paths()
+        mounts, own = (_mount_points(), _own_paths()) if enabled else ({}, {})
         for ctl in CONTROLLERS:
             if ctl not in mounts or ctl not in own:
                 continue
@@ -77,15 +77,24 @@ class RunCgroups:
     def slot(self, slot: int) -> Slot:
         return Slot({ctl: fd for ctl, fd in self.dirs.items()}, f"s{slot}")
 
-    def remove(self) -> None:
-        """Best effort: empty slot cgroups and then our own (busy ones stay until next start)."""
+    def remove(self) -> bool:
+        """Remove the slot cgroups and our own; False while some are busy (a zygote that
+        could not wait for that leaves empty directories the next one removes)."""
+        done = True
         for ctl, fd in self.dirs.items():
             for name in os.listdir(fd):
                 if name.startswith("s") and name[1:].isdigit():
-                    with contextlib.suppress(OSError):
+                    try:
                         os.rmdir(name, dir_fd=fd)
-            with contextlib.suppress(OSError):
+                    except OSError:
+                        done = False
+            try:
                 os.rmdir(self._name, dir_fd=self._parents[ctl])
+            except FileNotFoundError:
+                pass
+            except OSError:
+                done = False
+        return done
 
 
 def _remove_stale(parent: str) -> None:
@@ -107,20 +116,24 @@ def _remove_stale(parent: str) -> None:
 
 
 class Slot:
-    """The cgroups of one run (one per controller), made fresh for each run."""
+    """The cgroups of one uid slot (one per controller), reused by the slot's runs one after
+    another: creating and removing a memory cgroup per run costs more CPU than the run
+    itself. Each run starts from zeroed counters (and the OOM-kill count it found)."""
 
     def __init__(self, parents: dict[str, int], name: str) -> None:
         self.parents = parents
         self.name = name
         self.fds: dict[str, int] = {}
         for ctl, parent in parents.items():
-            with contextlib.suppress(OSError):
-                os.rmdir(name, dir_fd=parent)  # a leftover of a supervisor that died
-            try:
+            with contextlib.suppress(FileExistsError):
                 os.mkdir(name, dir_fd=parent)
+            try:
                 self.fds[ctl] = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=parent)
             except OSError:
                 continue
+        if "cpuacct" in self.fds:
+            self._write("cpuacct", "cpuacct.usage", "0")
+        self._ooms_before = self._oom_kills() if "memory" in self.fds else 0
 
     def _write(self, ctl: str, key: str, value: str) -> None:
         if ctl in self.fds:
@@ -148,19 +161,18 @@ class Slot:
     def cpu_ns(self) -> int | None:
         return int(self._read("cpuacct", "cpuacct.usage")) if "cpuacct" in self.fds else None
 
-    def oom_killed(self) -> bool:
-        if "memory" not in self.fds:
-            return False
+    def _oom_kills(self) -> int:
         for line in self._read("memory", "memory.oom_control").splitlines():
             key, _, value = line.partition(" ")
             if key == "oom_kill":
-                return int(value) > 0
-        return int(self._read("memory", "memory.failcnt")) > 0
+                return int(value)
+        return 0
 
-    def remove(self) -> None:
-        """After the run's last process is gone (an empty cgroup is all rmdir removes)."""
-        for ctl, fd in self.fds.items():
+    def oom_killed(self) -> bool:
+        return "memory" in self.fds and self._oom_kills() > self._ooms_before
+
+    def close(self) -> None:
+        """After the run's last process is gone; the zygote removes the slots when it exits."""
+        for fd in self.fds.values():
             os.close(fd)
-            with contextlib.suppress(OSError):
-                os.rmdir(self.name, dir_fd=self.parents[ctl])
         self.fds = {}

@@ -58,6 +58,7 @@ class SandboxConfig(BaseModel):
     spares: int = Field(4, ge=1, le=64, description="warm sandboxes kept ready")
     base_uid: int = Field(200_000, ge=1000, description="runs get uids base_uid .. base_uid+1023")
     python: str = Field(default_factory=lambda: sys.executable, description="interpreter of the zygote")
+    cgroups: bool = Field(True, description="per-run memory/CPU/task budgets in cgroups, where available")
     start_timeout_s: float = Field(30.0, gt=0)
     #: how much longer than a run's wall limit the client waits for its report
     grace_s: float = Field(5.0, gt=0)
@@ -109,7 +110,7 @@ class Sandbox:
                 raise SandboxUnavailable(reason)
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             cmd = [self.config.python, "-m", "functions.verifiers.zygote"]
-            cmd += [str(self.config.base_uid), str(self.config.spares)]
+            cmd += [str(self.config.base_uid), str(self.config.spares), "1" if self.config.cgroups else "0"]
             # an empty environment: nothing of the worker's (keys, tokens) reaches a run
             env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": _package_root()}
             self._zygote = subprocess.Popen(

@@ -275,7 +275,7 @@ def finish() -> None:
         except ChildProcessError:
             break
     if _SLOT is not None:
-        _SLOT.remove()
+        _SLOT.close()
 
 
 def _read_request(fd: int) -> dict[str, Any] | None:

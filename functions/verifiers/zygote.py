@@ -18,6 +18,7 @@ from __future__ import annotations
 # What model-written programs commonly import, loaded once here and inherited by every run.
 import bisect  # noqa: F401
 import collections  # noqa: F401
+import contextlib
 import copy  # noqa: F401
 import dataclasses  # noqa: F401
 import decimal  # noqa: F401
@@ -37,6 +38,7 @@ import socket
 import statistics  # noqa: F401
 import string  # noqa: F401
 import sys
+import time
 import typing  # noqa: F401
 
 from functions.verifiers import jail
@@ -75,10 +77,27 @@ class _Spares:
             os.close(req_r)
             os.close(res_w)
             self.slot_of[pid] = slot
-            socket.send_fds(self.chan, [b"spare"], [req_w, res_r])
+            try:
+                socket.send_fds(self.chan, [b"spare"], [req_w, res_r])
+            except OSError:  # the client is gone: so are we
+                self.shutdown()
             os.close(req_w)  # the client has its own copies now
             os.close(res_r)
             self.unused += 1
+
+    def shutdown(self) -> None:
+        """End every run (its processes die with their supervisor), then remove our cgroups
+        once they are empty. Never returns."""
+        for pid in self.slot_of:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 2.0
+        while self.slot_of and time.monotonic() < deadline:
+            self.reap()
+            time.sleep(0.005)
+        while time.monotonic() < deadline and not self.cgroups.remove():
+            time.sleep(0.01)  # the runs' own processes are still dying
+        os._exit(0)
 
     def reap(self) -> None:
         # a slot is free again only once its supervisor (and so its whole run) is gone
@@ -116,10 +135,10 @@ def _supervisor(
 
 
 def main() -> None:
-    base_uid, spares = int(sys.argv[1]), int(sys.argv[2])
+    base_uid, spares, use_cgroups = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:] != ["0"]
     chan = socket.socket(fileno=0)  # a SOCK_SEQPACKET pair end: one message per spare
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    cgroups = RunCgroups()  # before the jail: the cgroup tree is not visible from inside it
+    cgroups = RunCgroups(enabled=use_cgroups)  # before the jail: no cgroup tree inside it
     try:
         shared = jail.enter()
     except OSError as e:
@@ -139,8 +158,7 @@ def main() -> None:
         if sel.select(timeout=0.5):
             msg = chan.recv(64)
             if not msg:
-                cgroups.remove()  # what is still busy goes when its runs end (next start cleans up)
-                os._exit(0)  # the client went away; every supervisor dies with us (PDEATHSIG)
+                pool.shutdown()  # the client went away
             pool.unused -= len(msg)  # one byte per spare the client started using
         pool.reap()
 

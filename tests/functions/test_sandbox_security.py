@@ -326,3 +326,15 @@ def test_the_verifier_still_judges_correctly_after_the_suite(sandbox):
     assert (result.status, result.passed) == ("Finished", 2)
     wrong = verifier.verify("print(0)", tests)
     assert (wrong.status, wrong.passed) == ("Failed", 0)
+
+
+def test_closing_the_sandbox_removes_its_cgroups():
+    with Sandbox(SandboxConfig(base_uid=BASE_UID + 2048, spares=2)) as box:
+        if not box.cgroups:
+            pytest.skip("no writable cgroup v1 controllers here: the sandbox runs on rlimits alone")
+        assert set(box.cgroups) == {"memory", "pids", "cpuacct"}
+        assert box.run_python(GOOD, stdin=b"1 2\n", limits=FAST).stdout == b"3\n"
+        assert box._zygote is not None
+        zygote = box._zygote.pid
+    left = [str(p) for p in Path("/sys/fs/cgroup").glob(f"**/rlfabric-{zygote}")]
+    assert left == []
