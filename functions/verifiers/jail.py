@@ -21,6 +21,11 @@ from functions.verifiers import _linux as lx
 #: Directories shared read-only with every run (when they exist on this machine).
 SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc", "/opt")
 DEVICES = ("null", "zero", "random", "urandom")
+#: Mount points every run covers with its own tmpfs.
+PER_RUN = ("/sandbox", "/tmp")
+HIDDEN = "/.rlfabric"
+#: (hidden path, real path) of shared directories that live under a per-run mount point.
+RELOCATED: list[tuple[str, str]] = []
 RO_FLAGS = lx.MS_BIND | lx.MS_REMOUNT | lx.MS_RDONLY | lx.MS_NOSUID | lx.MS_NODEV
 
 
@@ -47,6 +52,15 @@ def _mounts_under(path: str) -> list[str]:
     return [t for t in targets if t == path or t.startswith(path + "/")]
 
 
+def restore_relocated() -> None:
+    """In a run's mount namespace, after its tmpfs covers ``/sandbox`` and ``/tmp``: bind the
+    shared directories that lived there back, read-only (their parents are root's)."""
+    for hidden, real in RELOCATED:
+        os.makedirs(real, exist_ok=True)
+        lx.mount(hidden, real, None, lx.MS_BIND | lx.MS_REC)
+        lx.mount("none", real, None, RO_FLAGS)
+
+
 def enter(extra_ro: tuple[str, ...] = ()) -> str:
     """Build the jail and make it this process's root. Returns the list of what is shared."""
     lx.unshare(lx.CLONE_NEWNS)
@@ -57,7 +71,13 @@ def enter(extra_ro: tuple[str, ...] = ()) -> str:
     for src in (*SYSTEM_DIRS, *_python_dirs(), *extra_ro):
         if not os.path.exists(src):
             continue
-        if os.path.islink(src):  # /bin -> usr/bin on merged-/usr systems
+        if any(src == d or src.startswith(d + "/") for d in PER_RUN):
+            # a virtualenv in /tmp (a CI checkout): each run's own /tmp would hide it, so it
+            # waits at a hidden path and each run binds it back into its /tmp
+            hidden = f"{HIDDEN}/{len(RELOCATED)}"
+            _bind_ro(os.path.realpath(src), root + hidden)
+            RELOCATED.append((hidden, src))
+        elif os.path.islink(src):  # /bin -> usr/bin on merged-/usr systems
             os.symlink(os.readlink(src), root + src)
         else:
             _bind_ro(os.path.realpath(src), root + src)
@@ -67,7 +87,7 @@ def enter(extra_ro: tuple[str, ...] = ()) -> str:
         # read-only still lets a program write to /dev/null: that goes to the driver
         _bind_ro("/dev/" + dev, f"{root}/dev/{dev}", RO_FLAGS & ~lx.MS_NODEV)
     for name in ("sandbox", "tmp", "proc"):
-        os.makedirs(f"{root}/{name}")
+        os.makedirs(f"{root}/{name}", exist_ok=True)
     os.makedirs(root + "/.old")
     lx.pivot_root(root, root + "/.old")
     os.chdir("/")

@@ -36,6 +36,7 @@ import traceback
 from typing import Any
 
 from functions.verifiers import _linux as lx
+from functions.verifiers import jail
 from functions.verifiers.cgroups import Slot
 
 RUN_NAMESPACES = lx.CLONE_NEWNS | lx.CLONE_NEWNET | lx.CLONE_NEWIPC | lx.CLONE_NEWUTS | lx.CLONE_NEWPID
@@ -303,6 +304,7 @@ def spare(uid: int, req_fd: int, slot: Slot | None = None) -> dict[str, Any] | N
         opts = f"size={DEFAULT_DISK_MB}m,nr_inodes={INODES},mode=0700,uid={uid},gid={uid}"
         lx.mount("tmpfs", WORK, "tmpfs", lx.MS_NOSUID | lx.MS_NODEV, opts)
         lx.mount(WORK, "/tmp", None, lx.MS_BIND)
+        jail.restore_relocated()
         stdin = os.memfd_create("stdin")
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
