@@ -3,8 +3,8 @@
 rlimits bound each *process*: six children of one run may each hold ``memory_mb``, each
 burn ``cpu_s``, and memory a program keeps in a memfd or its tmpfs is not address space at
 all. A cgroup per run closes that: ``memory.limit_in_bytes`` covers every page the run
-charges (tmpfs and memfd included), ``pids.max`` every task, and ``cpuacct.usage`` the CPU
-of all of them, which the supervisor polls. cgroup v1 controllers, created *under the
+charges (tmpfs and memfd included) and ``cpuacct.usage`` the CPU of all its processes,
+which the supervisor polls. cgroup v1 controllers, created *under the
 zygote's own cgroup* so whatever limits the host put on the worker still hold.
 
 The zygote opens the controllers' directories before it enters the jail; supervisors reach
@@ -20,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import os
 
-CONTROLLERS = ("memory", "pids", "cpuacct")
+# no ``pids``: every run has a uid of its own, so RLIMIT_NPROC already counts the run as a
+# whole, and each controller costs a task migration per run
+CONTROLLERS = ("memory", "cpuacct")
 _PREFIX = "rlfabric-"
 
 
@@ -131,8 +133,11 @@ class Slot:
                 self.fds[ctl] = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=parent)
             except OSError:
                 continue
+        self._usage = -1
         if "cpuacct" in self.fds:
             self._write("cpuacct", "cpuacct.usage", "0")
+            # kept open: the supervisor polls it every few tens of milliseconds
+            self._usage = os.open("cpuacct.usage", os.O_RDONLY, dir_fd=self.fds["cpuacct"])
         self._ooms_before = self._oom_kills() if "memory" in self.fds else 0
 
     def _write(self, ctl: str, key: str, value: str) -> None:
@@ -154,12 +159,11 @@ class Slot:
         for ctl in self.fds:
             self._write(ctl, "cgroup.procs", str(pid))
 
-    def limit(self, memory_bytes: int, tasks: int) -> None:
+    def limit(self, memory_bytes: int) -> None:
         self._write("memory", "memory.limit_in_bytes", str(memory_bytes))
-        self._write("pids", "pids.max", str(tasks))
 
     def cpu_ns(self) -> int | None:
-        return int(self._read("cpuacct", "cpuacct.usage")) if "cpuacct" in self.fds else None
+        return int(os.pread(self._usage, 64, 0)) if self._usage >= 0 else None
 
     def _oom_kills(self) -> int:
         for line in self._read("memory", "memory.oom_control").splitlines():
@@ -175,4 +179,7 @@ class Slot:
         """After the run's last process is gone; the zygote removes the slots when it exits."""
         for fd in self.fds.values():
             os.close(fd)
+        if self._usage >= 0:
+            os.close(self._usage)
+            self._usage = -1
         self.fds = {}

@@ -29,6 +29,7 @@ import resource
 import select
 import selectors
 import signal
+import socket
 import stat
 import sys
 import time
@@ -39,7 +40,9 @@ from functions.verifiers import _linux as lx
 from functions.verifiers import jail
 from functions.verifiers.cgroups import Slot
 
-RUN_NAMESPACES = lx.CLONE_NEWNS | lx.CLONE_NEWNET | lx.CLONE_NEWIPC | lx.CLONE_NEWUTS | lx.CLONE_NEWPID
+#: Fresh for every run. Network and UTS namespaces are the uid slot's (``make_slot_namespaces``).
+RUN_NAMESPACES = lx.CLONE_NEWNS | lx.CLONE_NEWIPC | lx.CLONE_NEWPID
+SLOT_NAMESPACES = lx.CLONE_NEWNET | lx.CLONE_NEWUTS
 WORK = "/sandbox"
 #: Environment of every run: nothing inherited, so no credential can leak in.
 BASE_ENV = {
@@ -292,7 +295,20 @@ def _read_request(fd: int) -> dict[str, Any] | None:
 _SLOT: Slot | None = None
 
 
-def spare(uid: int, req_fd: int, slot: Slot | None = None) -> dict[str, Any] | None:
+def make_slot_namespaces(chan: socket.socket) -> None:
+    """In a throwaway child of the zygote: make a network namespace (no interface up, so no
+    network at all, loopback included) and a UTS namespace named "sandbox", and send them."""
+    lx.unshare(SLOT_NAMESPACES | lx.CLONE_NEWNS)
+    lx.sethostname("sandbox")
+    lx.mount("none", "/", None, lx.MS_REC | lx.MS_PRIVATE)
+    lx.mount("proc", "/proc", "proc", lx.MS_NOSUID | lx.MS_NODEV | lx.MS_NOEXEC)  # to open the two
+    fds = [os.open(f"/proc/self/ns/{ns}", os.O_RDONLY) for ns in ("net", "uts")]
+    socket.send_fds(chan, [b"ns"], fds)
+
+
+def spare(
+    uid: int, req_fd: int, slot: Slot | None = None, namespaces: list[int] | None = None
+) -> dict[str, Any] | None:
     """Prepare a warm sandbox, wait for a request on ``req_fd``, run it, report.
 
     Everything before the request (namespaces, the ``/sandbox`` tmpfs, PID 1 with its
@@ -300,7 +316,12 @@ def spare(uid: int, req_fd: int, slot: Slot | None = None) -> dict[str, Any] | N
     """
     try:
         lx.prctl(lx.PR_SET_PDEATHSIG, signal.SIGKILL)
-        lx.unshare(RUN_NAMESPACES)
+        if namespaces:
+            lx.setns(namespaces[0], lx.CLONE_NEWNET)
+            lx.setns(namespaces[1], lx.CLONE_NEWUTS)
+            lx.unshare(RUN_NAMESPACES)
+        else:
+            lx.unshare(RUN_NAMESPACES | SLOT_NAMESPACES)
         opts = f"size={DEFAULT_DISK_MB}m,nr_inodes={INODES},mode=0700,uid={uid},gid={uid}"
         lx.mount("tmpfs", WORK, "tmpfs", lx.MS_NOSUID | lx.MS_NODEV, opts)
         lx.mount(WORK, "/tmp", None, lx.MS_BIND)
@@ -325,8 +346,7 @@ def spare(uid: int, req_fd: int, slot: Slot | None = None) -> dict[str, Any] | N
         global _SLOT
         _SLOT = slot
         if slot is not None:  # before any user code: every process it makes is counted
-            slot.add(init)
-            slot.add(pid)
+            slot.add(pid)  # (PID 1 only waits: one task migration saved per run)
     except BaseException as e:
         req = _read_request(req_fd)
         return (
@@ -342,8 +362,8 @@ def spare(uid: int, req_fd: int, slot: Slot | None = None) -> dict[str, Any] | N
         _write_files(req, uid, stdin)
         if slot is not None:
             lim = req["limits"]
-            # pages in its tmpfs and memfds are the run's memory too; +1 task: PID 1
-            slot.limit((lim["memory_mb"] + lim["disk_mb"]) << 20, lim["nproc"] + 1)
+            # pages in its tmpfs and memfds are the run's memory too
+            slot.limit((lim["memory_mb"] + lim["disk_mb"]) << 20)
         os.write(
             go_w,
             json.dumps(

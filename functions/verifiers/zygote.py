@@ -43,7 +43,7 @@ import typing  # noqa: F401
 
 from functions.verifiers import jail
 from functions.verifiers.cgroups import RunCgroups
-from functions.verifiers.supervisor import finish, spare
+from functions.verifiers.supervisor import finish, make_slot_namespaces, spare
 
 MAX_SLOTS = 1024
 
@@ -63,6 +63,7 @@ class _Spares:
         self.unused = 0  # spares the client holds and has not used yet
         self.slot_of: dict[int, int] = {}  # supervisor pid -> uid slot
         self.free = list(range(MAX_SLOTS - 1, -1, -1))
+        self.netns: dict[int, list[int]] = {}  # uid slot -> its network and UTS namespaces
 
     def refill(self) -> None:
         while self.unused < self.target and self.free:
@@ -72,7 +73,13 @@ class _Spares:
             pid = os.fork()
             if pid == 0:
                 _supervisor(
-                    self.base_uid + slot, slot, self.cgroups, req_r, res_w, [self.chan.fileno(), req_w, res_r]
+                    self.base_uid + slot,
+                    slot,
+                    self.cgroups,
+                    self._slot_namespaces(slot),
+                    req_r,
+                    res_w,
+                    [self.chan.fileno(), req_w, res_r],
                 )
             os.close(req_r)
             os.close(res_w)
@@ -84,6 +91,26 @@ class _Spares:
             os.close(req_w)  # the client has its own copies now
             os.close(res_r)
             self.unused += 1
+
+    def _slot_namespaces(self, slot: int) -> list[int]:
+        """The slot's network and UTS namespaces, made on its first run and reused by its runs
+        one after another: a run cannot configure them (no capability over them) and its
+        sockets die with its processes, so nothing carries over, and making and tearing
+        down a network namespace per run costs more CPU than a short run itself."""
+        if slot not in self.netns:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    make_slot_namespaces(theirs)
+                finally:
+                    os._exit(0)
+            theirs.close()
+            _, fds, _, _ = socket.recv_fds(ours, 16, 2)
+            ours.close()
+            os.waitpid(pid, 0)
+            self.netns[slot] = fds
+        return self.netns[slot]
 
     def shutdown(self) -> None:
         """End every run (its processes die with their supervisor), then remove our cgroups
@@ -114,7 +141,13 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _supervisor(
-    uid: int, slot: int, cgroups: RunCgroups, req_r: int, result_w: int, inherited: list[int]
+    uid: int,
+    slot: int,
+    cgroups: RunCgroups,
+    namespaces: list[int],
+    req_r: int,
+    result_w: int,
+    inherited: list[int],
 ) -> None:
     try:
         null = os.open(os.devnull, os.O_RDWR)
@@ -124,7 +157,7 @@ def _supervisor(
         for fd in inherited:  # ends of this sandbox's own pipes the zygote keeps
             if fd > 2:
                 os.close(fd)
-        reply = spare(uid, req_r, cgroups.slot(slot) if cgroups.dirs else None)
+        reply = spare(uid, req_r, cgroups.slot(slot) if cgroups.dirs else None, namespaces)
         if reply is not None:
             _write_all(result_w, json.dumps(reply).encode() + b"\n")
         finish()
