@@ -1,0 +1,1 @@
+"""Rollout: inference engines behind one ABC, the LLM proxy and the env managers."""

@@ -1,0 +1,314 @@
+"""The inference-engine contract the LLM proxy talks to, one sibling module per backend.
+
+    engine = engine_registry.create("torch", model=model, tokenizer=tok)
+    async with engine:
+        c = await engine.generate(GenerateRequest(messages=[...], max_new_tokens=8))
+        c.text, c.token_ids, c.logprobs, c.policy_version, c.finish_reason
+
+        await engine.suspend()                       # finish the step in flight, then hold
+        await engine.load_weights(state, version=3)  # new weights, new version stamp
+        await engine.resume()
+
+The base class owns the lifecycle (start/close, the suspend gate, request bookkeeping,
+validation); a backend implements narrow hooks (``_generate``, ``_abort``,
+``_load_weights``, ``_start``/``_close``, ``_pause``). Every lifecycle method is async, as
+the core is: a remote backend (vLLM, an OpenAI-compatible server) does I/O in each of them.
+
+Outcomes are data: an aborted request returns a ``Completion`` with
+``finish_reason="abort"`` and what it had generated so far; only misuse (a bad request, a
+closed engine, a prompt over the context) raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Coroutine, Mapping
+from typing import Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from core.errors import CoreError
+from fabric.protocol import Message
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class EngineError(CoreError):
+    """Base class of the engines' errors."""
+
+
+class EngineClosedError(EngineError):
+    """``generate`` on an engine that was closed (or is closing)."""
+
+
+class PromptTooLongError(EngineError, ValueError):
+    """The prompt leaves no room for a single new token within the model's context."""
+
+
+class UnknownEngineError(EngineError, KeyError):
+    def __init__(self, name: str, known: list[str]):
+        self.name, self.known = name, known
+        super().__init__(f"unknown engine {name!r}; known engines: {', '.join(known) or '(none)'}")
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0])
+
+
+class GenerateRequest(BaseModel):
+    """One turn to generate: a chat (rendered by the engine's template) or prompt ids."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    """Unique among the engine's requests in flight; ``abort`` names it."""
+    messages: list[Message] | None = None
+    """OpenAI-style chat; the engine appends the assistant generation prompt."""
+    prompt_ids: list[int] | None = None
+    """Token ids to continue as they are (no template)."""
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    """0 = greedy. Logprobs are of the distribution sampled from (logits / temperature);
+    a greedy request reports the untempered (temperature 1) logprobs."""
+    stop: list[str] = Field(default_factory=list)
+    """Stop strings, cut from the text (not from the token ids). The end-of-turn token
+    always stops."""
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)
+    """Sample only these ids (vLLM's ``SamplingParams.allowed_token_ids``): constrained
+    decoding over a closed action vocabulary. Logprobs are of the renormalised distribution,
+    so training must apply the same restriction (the completion carries the list on)."""
+    seed: int | None = None
+    """Seeds this request's sampler; ``None`` draws from the engine's seeded stream."""
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    """Carried through untouched (trajectory id, turn index, tag)."""
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        if (self.messages is None) == (self.prompt_ids is None):
+            raise ValueError("give exactly one of messages or prompt_ids")
+        if self.prompt_ids is not None and not self.prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        return self
+
+
+class Completion(BaseModel):
+    """What a generated turn is, for the trajectory and for the trainer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str
+    text: str
+    """The decoded turn: special tokens dropped, cut before a stop string."""
+    prompt_ids: list[int]
+    """The ids the model was conditioned on (the rendered chat)."""
+    token_ids: list[int]
+    """Every sampled id, the closing end-of-turn token included (the policy learns to stop)."""
+    logprobs: list[float]
+    """Per sampled token, under the weights that sampled it (the GRPO 'old' logprobs)."""
+    policy_version: int
+    """The oldest weights version that produced a token of this turn (all of them, unless
+    new weights arrived mid-turn: the engine then re-reads the prefix under the new ones)."""
+    finish_reason: FinishReason
+    allowed_token_ids: list[int] | None = None
+    """The request's restriction, if any (the logprobs are under it)."""
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Completion:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"{len(self.token_ids)} token ids but {len(self.logprobs)} logprobs")
+        return self
+
+
+class Engine(ABC):
+    """One model replica that generates many requests concurrently."""
+
+    #: The registry name (``torch``, ``vllm``, ``openai``).
+    name: str = ""
+
+    def __init__(self, *, version: int = 0) -> None:
+        self._version = version
+        self._running = asyncio.Event()
+        self._running.set()
+        self._started = False
+        self._closed = False
+        self._inflight: dict[str, asyncio.Event] = {}  # request id -> its abort flag
+
+    # -- lifecycle (template methods)
+    async def start(self) -> None:
+        if self._closed:
+            raise EngineClosedError(f"{self.name} engine is closed")
+        if not self._started:
+            self._started = True
+            await self._start()
+
+    async def aclose(self) -> None:
+        """Abort what is in flight and release the backend; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for rid in list(self._inflight):
+            await self.abort(rid)
+        self._running.set()  # release waiters at the gate so they see the engine closed
+        await self._close()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def version(self) -> int:
+        """The weights version new tokens are generated with."""
+        return self._version
+
+    @property
+    def suspended(self) -> bool:
+        return not self._running.is_set()
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        """Generate one turn. Waits while the engine is suspended; returns a
+        ``finish_reason="abort"`` completion if ``abort`` names it meanwhile."""
+        if self._closed:
+            raise EngineClosedError(f"{self.name} engine is closed")
+        rid = request.request_id
+        if rid in self._inflight:
+            raise EngineError(f"request id {rid!r} is already in flight")
+        await self.start()
+        aborted = asyncio.Event()
+        self._inflight[rid] = aborted
+        try:
+            if not self._running.is_set():
+                # new work waits at the gate, where an abort still finds it
+                await _first_of(self._running.wait(), aborted.wait())
+            if aborted.is_set():
+                return self._aborted_before_start(request)
+            if self._closed:
+                raise EngineClosedError(f"{self.name} engine is closed")
+            return await self._generate(request)
+        finally:
+            self._inflight.pop(rid, None)
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is (at the gate, queued or generating); its
+        ``generate`` returns what it had. False when no such request is in flight (finished,
+        or never sent): aborting is idempotent, so a group can abort its extras blindly."""
+        aborted = self._inflight.get(request_id)
+        if aborted is None:
+            return False
+        aborted.set()
+        await self._abort(request_id)
+        return True
+
+    def _aborted_before_start(self, request: GenerateRequest) -> Completion:
+        return Completion(
+            request_id=request.request_id,
+            text="",
+            prompt_ids=list(request.prompt_ids or []),
+            token_ids=[],
+            logprobs=[],
+            policy_version=self._version,
+            finish_reason="abort",
+            allowed_token_ids=request.allowed_token_ids,
+            metadata=request.metadata,
+        )
+
+    async def suspend(self) -> None:
+        """Take no new step until ``resume``; returns once the step in flight is done, so
+        weights can be swapped under no running forward pass."""
+        self._running.clear()
+        await self._pause()
+
+    async def resume(self) -> None:
+        self._running.set()
+
+    async def load_weights(self, state: Mapping[str, Any], version: int) -> None:
+        """Install new weights stamped ``version`` (never lower than the current one).
+
+        Works while running too (the backend swaps them between steps), but the proxy
+        suspends first so no turn straddles two versions."""
+        if version < self._version:
+            raise EngineError(f"weights version {version} is older than the engine's {self._version}")
+        await self._load_weights(state, version)
+        self._version = version
+
+    # -- hooks
+    async def _start(self) -> None:  # noqa: B027 - optional hook
+        """Start background work (a scheduler task, a client session)."""
+
+    async def _close(self) -> None:  # noqa: B027 - optional hook
+        """Stop background work; in-flight requests were aborted already."""
+
+    async def _pause(self) -> None:  # noqa: B027 - optional hook
+        """Return once no step is running (the gate is already closed)."""
+
+    @abstractmethod
+    async def _generate(self, request: GenerateRequest) -> Completion: ...
+
+    @abstractmethod
+    async def _abort(self, request_id: str) -> None:
+        """Stop the request if the backend holds it (it may not have reached it yet)."""
+
+    @abstractmethod
+    async def _load_weights(self, state: Mapping[str, Any], version: int) -> None: ...
+
+
+async def _first_of(*aws: Coroutine[Any, Any, Any]) -> None:
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class EngineRegistry:
+    """Engine name -> ``module:Class``, imported on first use so a base install never
+    imports a backend's SDK (vllm, openai) it does not use."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, str] = {}
+
+    def register(self, name: str, entry_point: str) -> None:
+        old = self._entries.get(name)
+        if old is not None and old != entry_point:
+            raise EngineError(f"engine {name!r} is already registered to {old}")
+        self._entries[name] = entry_point
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def get(self, name: str) -> type[Engine]:
+        try:
+            entry = self._entries[name]
+        except KeyError:
+            raise UnknownEngineError(name, self.names()) from None
+        module, _, attr = entry.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise EngineError(f"cannot load engine {name!r} from {entry}: {e}") from e
+        if not (isinstance(cls, type) and issubclass(cls, Engine)):
+            raise EngineError(f"{entry} is not an Engine subclass")
+        return cls
+
+    def create(self, name: str, **kwargs: Any) -> Engine:
+        return self.get(name)(**kwargs)
+
+
+#: The default registry; backends register here (tests build their own).
+engine_registry = EngineRegistry()
+engine_registry.register("torch", "core.rollout.engines.torch_:TorchEngine")

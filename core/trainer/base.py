@@ -1,0 +1,258 @@
+"""The trainer contract: samples in, metrics and versioned weights out.
+
+    trainer = trainer_registry.create("torch", model=model, config=TorchTrainerConfig(lr=1e-3))
+    metrics = trainer.step(batch)          # one policy update per call -> version + 1
+    update = trainer.publish()             # WeightUpdate(version, state)
+    await engine.load_weights(update.state, update.version)
+
+A ``TrainSample`` is one generated turn (or a whole multi-turn completion with the environment's
+tokens masked out) as the sample buffer hands it over. It carries either its
+``advantage`` or the ``reward`` of its trajectory; ``step`` computes group-normalised
+advantages for the latter, over *trajectories* (a trajectory cut into several turn samples
+counts once in its group's mean and std).
+
+``step`` is synchronous: it is the trainer's whole job, and it runs in its own process (a
+Ray actor) or a worker thread. The base class validates the batch, computes advantages,
+times the step and bumps the version; a backend implements ``_step`` and ``state``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from core.errors import CoreError
+from core.rollout.engines.base import Completion
+from core.trainer.grpo import group_advantages
+from fabric.protocol import Message, Trajectory
+
+#: Fields ``assistant_message`` adds to a turn so the trainer can rebuild it token-exactly.
+TURN_FIELDS = ("prompt_ids", "token_ids", "logprobs")
+
+
+class TrainerError(CoreError):
+    """Base class of the trainers' errors."""
+
+
+class UnknownTrainerError(TrainerError, KeyError):
+    def __init__(self, name: str, known: list[str]):
+        super().__init__(f"unknown trainer {name!r}; known trainers: {', '.join(known) or '(none)'}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class TrainSample(BaseModel):
+    """One training sequence: ``prompt_ids + completion_ids``, loss on the completion."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_ids: list[int] = Field(min_length=1)
+    completion_ids: list[int] = Field(min_length=1)
+    old_logprobs: list[float]
+    """Per completion token, under the weights that sampled it (``Completion.logprobs``;
+    any value where ``mask`` is 0)."""
+    mask: list[int] | None = None
+    """Per completion token, 1 = train on it. ``None`` = all 1. Environment or tool tokens
+    inside a multi-turn completion are 0; a sample that must not train is all 0."""
+    advantage: float | None = None
+    reward: float | None = None
+    """The trajectory's reward; used when ``advantage`` is None."""
+    group_id: str
+    """Trajectories of one group share the prompt (same task, same seed)."""
+    trajectory_id: str | None = None
+    """Turn samples of one trajectory share it; ``None``: the sample is its own trajectory."""
+    policy_version: int = Field(ge=0)
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)
+    """The sampler's restriction (``GenerateRequest.allowed_token_ids``): the policy's
+    distribution at every completion token is renormalised over these ids, as it was when
+    the tokens were sampled."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainSample:
+        n = len(self.completion_ids)
+        if len(self.old_logprobs) != n:
+            raise ValueError(f"{n} completion ids but {len(self.old_logprobs)} old logprobs")
+        if self.mask is not None and len(self.mask) != n:
+            raise ValueError(f"{n} completion ids but a mask of {len(self.mask)}")
+        if self.mask is not None and set(self.mask) - {0, 1}:
+            raise ValueError("mask values are 0 or 1")
+        if self.advantage is None and self.reward is None:
+            raise ValueError("a sample needs an advantage or a reward")
+        return self
+
+    @property
+    def token_mask(self) -> list[int]:
+        return self.mask if self.mask is not None else [1] * len(self.completion_ids)
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """What the trainer publishes: a full ``state_dict`` (CPU tensors) and its version."""
+
+    version: int
+    state: Mapping[str, torch.Tensor]
+
+
+def batch_advantages(batch: Sequence[TrainSample], *, eps: float = 1e-6, scale: bool = True) -> list[float]:
+    """Each sample's advantage: its own if set, else its trajectory's group-normalised
+    reward. Trajectories, not samples, are the members of a group."""
+    traj_reward: dict[str, float] = {}
+    traj_group: dict[str, str] = {}
+    keys: list[str] = []
+    for i, s in enumerate(batch):
+        key = s.trajectory_id if s.trajectory_id is not None else f"#sample{i}"
+        keys.append(key)
+        if s.advantage is not None:
+            continue
+        assert s.reward is not None  # the model's validator requires one of the two
+        old = traj_reward.setdefault(key, s.reward)
+        if old != s.reward or traj_group.setdefault(key, s.group_id) != s.group_id:
+            raise TrainerError(f"trajectory {key!r} has samples with different rewards or groups")
+    names = list(traj_reward)
+    adv = group_advantages(
+        [traj_reward[k] for k in names], [traj_group[k] for k in names], eps=eps, scale=scale
+    )
+    by_traj = dict(zip(names, adv.tolist(), strict=True))
+    return [s.advantage if s.advantage is not None else by_traj[k] for s, k in zip(batch, keys, strict=True)]
+
+
+def assistant_message(completion: Completion) -> Message:
+    """The trajectory's record of a generated turn: the text for the chat, plus what
+    training needs (prompt ids, token ids, logprobs, version) as extra fields."""
+    return Message(
+        role="assistant",
+        content=completion.text,
+        policy_version=completion.policy_version,
+        **{
+            "prompt_ids": completion.prompt_ids,
+            "token_ids": completion.token_ids,
+            "logprobs": completion.logprobs,
+            "allowed_token_ids": completion.allowed_token_ids,
+        },
+    )
+
+
+def turn_samples(traj: Trajectory, *, reward: float, group_id: str) -> list[TrainSample]:
+    """One ``TrainSample`` per generated turn of ``traj`` (messages made by
+    ``assistant_message``), all carrying the trajectory's ``reward``. Turns with no tokens
+    (aborted before the first) are skipped; a turn without the token fields is an error:
+    its trajectory was not recorded for training."""
+    out = []
+    for n, m in enumerate(traj.messages):
+        if m.role != "assistant":
+            continue
+        extra = m.model_extra or {}
+        missing = [f for f in TURN_FIELDS if f not in extra]
+        if missing or m.policy_version is None:
+            raise TrainerError(
+                f"trajectory {traj.id} message {n}: an assistant turn lacks {missing or ['policy_version']} "
+                "(record turns with assistant_message(completion))"
+            )
+        if not extra["token_ids"]:
+            continue
+        out.append(
+            TrainSample(
+                prompt_ids=extra["prompt_ids"],
+                completion_ids=extra["token_ids"],
+                old_logprobs=extra["logprobs"],
+                reward=reward,
+                group_id=group_id,
+                trajectory_id=traj.id,
+                policy_version=m.policy_version,
+                allowed_token_ids=extra.get("allowed_token_ids"),
+            )
+        )
+    return out
+
+
+class Trainer(ABC):
+    """One policy being trained; ``version`` counts the updates it has made."""
+
+    name: str = ""
+
+    def __init__(self, *, version: int = 0, adv_eps: float = 1e-6, scale_advantages: bool = True) -> None:
+        self._version = version
+        self._adv_eps = adv_eps
+        self._scale = scale_advantages
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def step(self, batch: Sequence[TrainSample]) -> dict[str, float]:
+        """One policy update on ``batch``; returns its metrics (``version`` included)."""
+        if not batch:
+            raise TrainerError("step() needs a non-empty batch")
+        t0 = time.perf_counter()
+        advantages = batch_advantages(batch, eps=self._adv_eps, scale=self._scale)
+        metrics = self._step(batch, advantages)
+        self._version += 1
+        rewards = [s.reward for s in batch if s.reward is not None]
+        metrics.update(
+            version=float(self._version),
+            samples=float(len(batch)),
+            advantage_abs_mean=sum(map(abs, advantages)) / len(advantages),
+            step_s=time.perf_counter() - t0,
+        )
+        if rewards:
+            metrics["reward_mean"] = sum(rewards) / len(rewards)
+        return metrics
+
+    def publish(self) -> WeightUpdate:
+        return WeightUpdate(version=self._version, state=self.state())
+
+    @abstractmethod
+    def state(self) -> dict[str, torch.Tensor]:
+        """The policy's weights, detached copies on the CPU (safe to ship and to keep)."""
+
+    @abstractmethod
+    def _step(self, batch: Sequence[TrainSample], advantages: list[float]) -> dict[str, float]: ...
+
+
+class TrainerRegistry:
+    """Trainer name -> ``module:Class``, imported on first use (megatron is heavy)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, str] = {}
+
+    def register(self, name: str, entry_point: str) -> None:
+        old = self._entries.get(name)
+        if old is not None and old != entry_point:
+            raise TrainerError(f"trainer {name!r} is already registered to {old}")
+        self._entries[name] = entry_point
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def get(self, name: str) -> type[Trainer]:
+        try:
+            entry = self._entries[name]
+        except KeyError:
+            raise UnknownTrainerError(name, self.names()) from None
+        module, _, attr = entry.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise TrainerError(f"cannot load trainer {name!r} from {entry}: {e}") from e
+        if not (isinstance(cls, type) and issubclass(cls, Trainer)):
+            raise TrainerError(f"{entry} is not a Trainer subclass")
+        return cls
+
+    def create(self, name: str, **kwargs: Any) -> Trainer:
+        return self.get(name)(**kwargs)
+
+
+#: The default registry (tests build their own).
+trainer_registry = TrainerRegistry()
+trainer_registry.register("torch", "core.trainer.torch_:TorchTrainer")

@@ -1,0 +1,162 @@
+"""GRPO as pure tensor functions: advantages, the clipped policy loss, the k3 KL.
+
+Shapes: ``[batch, tokens]`` for per-token quantities (completion tokens, padded, with a
+0/1 ``mask``), ``[batch]`` for per-sample ones. Nothing here knows about models or
+batching, so each piece is checked against hand-computed numbers in the tests.
+
+    A_i   = (r_i - mean(r_group)) / (std(r_group) + eps)               group_advantages
+    ratio = exp(logp - logp_old)
+    loss  = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)  policy_loss
+    kl    = exp(ref - logp) - (ref - logp) - 1                          kl_k3 (Schulman's k3)
+
+For multi-turn agents, ``step_advantages`` adds GiGPO's per-state comparison on top of the
+episode-level group advantage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+LossAgg = Literal["token_mean", "seq_mean_token_mean"]
+
+
+def group_advantages(
+    rewards: Tensor | Sequence[float],
+    groups: Sequence[Hashable],
+    *,
+    eps: float = 1e-6,
+    scale: bool = True,
+) -> Tensor:
+    """``(r - group mean) / (group std + eps)`` per element.
+
+    ``std`` is the sample standard deviation (Bessel-corrected, as ``torch.std``); a group
+    of one has advantage 0 (nothing to compare with). ``scale=False`` keeps the centred
+    reward only (Dr. GRPO: the std division over-weights near-uniform groups).
+    """
+    r = torch.as_tensor(rewards, dtype=torch.float32)
+    if r.ndim != 1 or len(groups) != r.shape[0]:
+        raise ValueError(f"need one group id per reward: {len(groups)} ids for shape {tuple(r.shape)}")
+    out = torch.zeros_like(r)
+    index: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(groups):
+        index.setdefault(g, []).append(i)
+    for members in index.values():
+        if len(members) < 2:
+            continue
+        idx = torch.tensor(members)
+        gr = r[idx]
+        centred = gr - gr.mean()
+        denom = gr.std() + eps
+        # a group with no spread has nothing to learn from (and 0/0 with eps=0)
+        out[idx] = centred / denom if scale and denom > 0 else centred
+    return out
+
+
+def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:
+    """``G_t = r_t + gamma * G_{t+1}`` for one trajectory's per-turn rewards."""
+    out: list[float] = []
+    g = 0.0
+    for r in reversed(rewards):
+        g = r + gamma * g
+        out.append(g)
+    return out[::-1]
+
+
+def step_advantages(
+    returns: Sequence[float],
+    groups: Sequence[Hashable],
+    states: Sequence[Hashable],
+    *,
+    eps: float = 1e-6,
+    scale: bool = True,
+) -> Tensor:
+    """Step-level advantages of GiGPO (Feng et al., 2025, "Group-in-Group Policy
+    Optimization for LLM Agent Training"): the turns of a group's trajectories that were
+    taken in the *same state* (an anchor state: same task, identical observation) form a
+    sub-group, compared by their discounted returns. In a multi-turn task this says which
+    action was better *here*, which the episode-level advantage (the same for every turn of
+    a trajectory) cannot; add the two. Members are turns (a state revisited within one
+    trajectory counts once per visit)."""
+    if not len(returns) == len(groups) == len(states):
+        raise ValueError(f"{len(returns)} returns, {len(groups)} group ids, {len(states)} states")
+    return group_advantages(returns, list(zip(groups, states, strict=True)), eps=eps, scale=scale)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of ``x`` where ``mask`` is 1; 0 where nothing is masked in."""
+    m = mask.to(x.dtype)
+    if dim is None:
+        return (x * m).sum() / m.sum().clamp(min=1.0)
+    return (x * m).sum(dim) / m.sum(dim).clamp(min=1.0)
+
+
+def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+    """``log softmax(logits / T)[target]`` per position: ``[B, T, V]`` x ``[B, T]`` -> ``[B, T]``."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy of ``softmax(logits / T)`` per position."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def aggregate(per_token: Tensor, mask: Tensor, how: LossAgg = "token_mean") -> Tensor:
+    """``token_mean``: every trained token weighs the same (long turns weigh more);
+    ``seq_mean_token_mean``: mean per sample, then over samples (GRPO's paper form)."""
+    if how == "token_mean":
+        return masked_mean(per_token, mask)
+    if how == "seq_mean_token_mean":
+        per_seq = masked_mean(per_token, mask, dim=-1)
+        has = (mask.sum(-1) > 0).to(per_seq.dtype)
+        return (per_seq * has).sum() / has.sum().clamp(min=1.0)
+    raise ValueError(f"unknown loss aggregation {how!r}")
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    agg: LossAgg = "token_mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The clipped-ratio surrogate (to minimise) and its diagnostics.
+
+    ``advantages`` is ``[B]`` (one per sample, broadcast over its tokens) or ``[B, T]``.
+    ``clip_high`` defaults to ``clip_low`` (DAPO's clip-higher sets it larger). Stats:
+    ``clip_frac`` (share of tokens where the clipped branch is the one taken, i.e. the
+    gradient is zero), ``ratio_mean``, ``approx_kl`` (k3 of old vs new, a drift gauge).
+    """
+    if clip_high is None:
+        clip_high = clip_low
+    adv = advantages[:, None] if advantages.ndim == 1 else advantages
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    loss = aggregate(per_token, mask, agg)
+    with torch.no_grad():
+        m = mask.to(ratio.dtype)
+        took_clip = (clipped < unclipped).to(ratio.dtype)
+        stats = {
+            "clip_frac": masked_mean(took_clip, m),
+            "ratio_mean": masked_mean(ratio, m),
+            "approx_kl": masked_mean(torch.exp(-log_ratio) + log_ratio - 1.0, m),
+        }
+    return loss, stats
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(policy || reference) on tokens sampled from the policy:
+    ``exp(ref - logp) - (ref - logp) - 1``; unbiased, always >= 0, low variance."""
+    d = ref_logprobs - logprobs
+    return torch.exp(d) - d - 1.0

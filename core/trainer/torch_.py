@@ -1,0 +1,210 @@
+"""``TorchTrainer``: GRPO on a ``TinyLM`` with AdamW, for the CPU default.
+
+A ``step(batch)`` shuffles the batch (seeded) into mini-batches and makes one optimizer
+update per mini-batch, ``epochs`` times over: the first mini-batch is exactly on-policy
+(ratio 1), later ones are slightly off-policy, which is what the clipped ratio is for.
+Sequences are right-padded ``prompt + completion``; the loss covers completion tokens
+whose sample mask is 1.
+
+With ``kl_coef > 0`` a frozen copy of the initial policy (or the ``reference`` given) is
+the KL anchor, estimated with k3 on the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from core.policy.tiny_lm import TinyLM
+from core.trainer.base import Trainer, TrainerError, TrainSample
+from core.trainer.grpo import LossAgg, aggregate, entropy, kl_k3, policy_loss, token_logprobs
+
+
+class TorchTrainerConfig(BaseModel):
+    """GRPO hyper-parameters for the torch backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["torch"] = "torch"
+    lr: float = Field(1e-3, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float | None = Field(1.0, gt=0.0)
+    """Max global grad norm; ``None`` = no clipping (the norm is still reported)."""
+    mini_batch_size: int | None = Field(None, ge=1)
+    """Samples per optimizer update; ``None`` = the whole batch in one update."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the batch per ``step``."""
+    clip_low: float = Field(0.2, gt=0.0, lt=1.0)
+    clip_high: float | None = Field(None, gt=0.0)
+    """Upper ratio clip; ``None`` = ``clip_low`` (symmetric)."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Bonus on the policy's entropy at the trained tokens: keeps a small policy exploring
+    (without it a group whose rollouts all agree teaches nothing, and they soon all do)."""
+    loss_agg: LossAgg = "token_mean"
+    temperature: float = Field(1.0, gt=0.0)
+    """The rollout temperature: logprobs are of ``logits / T``, as the engine's are."""
+    adv_eps: float = Field(1e-6, gt=0.0)
+    scale_advantages: bool = True
+    """Divide by the group std (GRPO); False keeps the centred reward (Dr. GRPO)."""
+    seed: int = 0
+    """Seeds the mini-batch shuffling."""
+
+
+class TorchTrainer(Trainer):
+    name = "torch"
+
+    def __init__(
+        self,
+        model: TinyLM,
+        config: TorchTrainerConfig | None = None,
+        *,
+        reference: TinyLM | None = None,
+        version: int = 0,
+    ) -> None:
+        config = config or TorchTrainerConfig()
+        super().__init__(version=version, adv_eps=config.adv_eps, scale_advantages=config.scale_advantages)
+        self.config = config
+        self.model = model.train()
+        self.reference: TinyLM | None = None
+        if config.kl_coef > 0:
+            self.reference = copy.deepcopy(reference if reference is not None else model)
+            self.reference.eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+        )
+        self._shuffle = torch.Generator().manual_seed(config.seed)
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_lr(self, lr: float) -> None:
+        """Change the learning rate from the next update on (a schedule lives with the caller,
+        which knows whether it counts steps or wall time)."""
+        if not lr > 0:
+            raise ValueError(f"learning rate must be positive, got {lr}")
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def state(self) -> dict[str, Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def _step(self, batch: Sequence[TrainSample], advantages: list[float]) -> dict[str, float]:
+        cfg = self.config
+        size = cfg.mini_batch_size or len(batch)
+        sums: dict[str, float] = {}
+        updates = 0
+        tokens = sum(sum(s.token_mask) for s in batch)
+        if tokens == 0:  # every sample masked (infra failures): nothing to learn from
+            return {"tokens": 0.0, "updates": 0.0, "skipped": 1.0}
+        for _ in range(cfg.epochs):
+            order = torch.randperm(len(batch), generator=self._shuffle).tolist()
+            for start in range(0, len(order), size):
+                idx = order[start : start + size]
+                stats = self._update([batch[i] for i in idx], [advantages[i] for i in idx])
+                if stats is None:
+                    continue
+                updates += 1
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + v
+        metrics = {k: v / max(updates, 1) for k, v in sums.items()}
+        metrics.update(tokens=float(tokens), updates=float(updates), lr=self.lr)
+        return metrics
+
+    def _update(self, samples: list[TrainSample], advantages: list[float]) -> dict[str, float] | None:
+        cfg = self.config
+        ids, attn, targets, mask, old = _pack(samples, self.model.config.max_len)
+        if not mask.any():
+            return None
+        adv = torch.tensor(advantages, dtype=torch.float32)
+        restrict = _restriction(samples, self.model.config.vocab_size)
+        logits = self.model(ids, attn)
+        if restrict is not None:
+            logits = logits + restrict[:, None, :]
+        logp = token_logprobs(logits, targets, cfg.temperature)
+        pg, stats = policy_loss(
+            logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.loss_agg
+        )
+        # entropy at the trained positions only (with a gradient when it is rewarded)
+        with torch.set_grad_enabled(cfg.entropy_coef > 0):
+            ent = aggregate(entropy(logits, cfg.temperature), mask, cfg.loss_agg)
+        loss = pg - cfg.entropy_coef * ent
+        kl = torch.zeros(())
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logits = self.reference(ids, attn)
+                if restrict is not None:
+                    ref_logits = ref_logits + restrict[:, None, :]
+                ref = token_logprobs(ref_logits, targets, cfg.temperature)
+            kl = aggregate(kl_k3(logp, ref), mask, cfg.loss_agg)
+            loss = loss + cfg.kl_coef * kl
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), cfg.grad_clip if cfg.grad_clip is not None else math.inf
+        )
+        if not torch.isfinite(norm):
+            # one bad batch must not poison the weights the engines will load
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainerError(f"non-finite gradient norm ({float(norm)}); update skipped")
+        self.optimizer.step()
+        return {
+            "loss": loss.item(),
+            "pg_loss": pg.item(),
+            "kl": kl.item(),
+            "clip_frac": float(stats["clip_frac"]),
+            "ratio_mean": float(stats["ratio_mean"]),
+            "approx_kl": float(stats["approx_kl"]),
+            "entropy": ent.item(),
+            "grad_norm": float(norm),
+        }
+
+
+def _restriction(samples: list[TrainSample], vocab_size: int) -> Tensor | None:
+    """Per sample, 0 for allowed ids and a large negative number for the others (finite, so
+    entropy's ``p * log p`` stays 0 rather than NaN); ``None`` when nothing is restricted."""
+    if all(s.allowed_token_ids is None for s in samples):
+        return None
+    out = torch.zeros(len(samples), vocab_size)
+    for i, s in enumerate(samples):
+        if s.allowed_token_ids is not None:
+            out[i] = -1e9
+            out[i, s.allowed_token_ids] = 0.0
+    return out
+
+
+def _pack(samples: list[TrainSample], max_len: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Right-padded inputs plus per-position targets, loss mask and old logprobs.
+
+    Position ``t`` predicts token ``t + 1``, so completion token ``j`` of a sample (at
+    position ``len(prompt) + j``) is scored by the logits at ``len(prompt) + j - 1``.
+    """
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+    too_long = [n for n in lengths if n > max_len]
+    if too_long:
+        raise TrainerError(f"a sample of {max(too_long)} tokens exceeds the model's max_len={max_len}")
+    width = max(lengths) - 1
+    b = len(samples)
+    ids = torch.zeros(b, width, dtype=torch.long)
+    attn = torch.zeros(b, width, dtype=torch.bool)
+    targets = torch.zeros(b, width, dtype=torch.long)
+    mask = torch.zeros(b, width)
+    old = torch.zeros(b, width)
+    for i, s in enumerate(samples):
+        seq = s.prompt_ids + s.completion_ids
+        n, p = len(seq) - 1, len(s.prompt_ids)
+        ids[i, :n] = torch.tensor(seq[:-1])
+        attn[i, :n] = True
+        targets[i, :n] = torch.tensor(seq[1:])
+        c = len(s.completion_ids)
+        mask[i, p - 1 : p - 1 + c] = torch.tensor(s.token_mask, dtype=torch.float32)
+        old[i, p - 1 : p - 1 + c] = torch.tensor(s.old_logprobs, dtype=torch.float32)
+    return ids, attn, targets, mask, old

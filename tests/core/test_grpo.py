@@ -1,0 +1,211 @@
+import math
+
+import pytest
+import torch
+
+from core.rollout.engines.base import Completion
+from core.trainer.base import TrainerError, TrainSample, assistant_message, batch_advantages, turn_samples
+from core.trainer.grpo import (
+    aggregate,
+    discounted_returns,
+    entropy,
+    group_advantages,
+    kl_k3,
+    masked_mean,
+    policy_loss,
+    step_advantages,
+    token_logprobs,
+)
+from fabric.protocol import Message, Trajectory
+
+SQRT_HALF = math.sqrt(0.5)
+
+
+def test_group_advantages_by_hand():
+    adv = group_advantages(
+        [1.0, 0.0, 1.0, 2.0, 3.0, 5.0, 0.5, 0.5], ["a", "a", "b", "b", "b", "c", "d", "d"], eps=0.0
+    )
+    # a: mean .5, sample std sqrt(.5) -> +-.5/sqrt(.5); b: mean 2, std 1; c: alone; d: no spread
+    expected = [SQRT_HALF, -SQRT_HALF, -1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    assert adv.tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_group_advantages_eps_and_unscaled():
+    adv = group_advantages([1.0, 0.0], [0, 0], eps=0.1)
+    assert adv.tolist() == pytest.approx([0.5 / (SQRT_HALF + 0.1), -0.5 / (SQRT_HALF + 0.1)])
+    assert group_advantages([1.0, 0.0, 0.0, 0.0], [0] * 4, scale=False).tolist() == pytest.approx(
+        [0.75, -0.25, -0.25, -0.25]
+    )
+    with pytest.raises(ValueError, match="one group id per reward"):
+        group_advantages([1.0, 2.0], ["a"])
+
+
+def test_discounted_returns_by_hand():
+    assert discounted_returns([0.0, -0.5, 1.0], 0.5) == pytest.approx([0.0 - 0.25 + 0.25, -0.5 + 0.5, 1.0])
+    assert discounted_returns([], 0.9) == []
+
+
+def test_step_advantages_compare_turns_taken_in_the_same_state():
+    # group g: two trajectories both start in state s0; one of them visits s1 twice
+    returns = [0.9, 0.5, 1.0, 0.0, 0.7]
+    groups = ["g", "g", "g", "g", "h"]
+    states = ["s0", "s0", "s1", "s1", "s0"]  # h's s0 is another map: not comparable
+    adv = step_advantages(returns, groups, states, eps=0.0)
+    assert adv.tolist() == pytest.approx([SQRT_HALF, -SQRT_HALF, SQRT_HALF, -SQRT_HALF, 0.0])
+    with pytest.raises(ValueError, match="2 returns, 1 group ids, 2 states"):
+        step_advantages([1.0, 0.0], ["g"], ["a", "b"])
+
+
+def ratios_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
+    new = torch.log(torch.tensor([[0.5, 0.75, 0.25]])).requires_grad_(True)  # ratios 1, 1.5, 0.5
+    return old, new, torch.ones(1, 3)
+
+
+def test_policy_loss_positive_advantage_by_hand():
+    old, new, _ = ratios_case()
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, stats = policy_loss(new, old, torch.tensor([1.0]), mask, clip_low=0.2)
+    # per token -min(r A, clip(r) A): -1, -min(1.5, 1.2) = -1.2, (masked out)
+    assert loss.item() == pytest.approx(-1.1)
+    assert float(stats["clip_frac"]) == pytest.approx(0.5)
+    assert float(stats["ratio_mean"]) == pytest.approx(1.25)
+    loss.backward()
+    assert new.grad is not None
+    # d/dlogp of -r*A = -r: token 0 (unclipped, r=1) gets -1/2 (mean over 2 tokens); the
+    # clipped token and the masked token get nothing
+    assert new.grad[0].tolist() == pytest.approx([-0.5, 0.0, 0.0])
+
+
+def test_policy_loss_negative_advantage_by_hand():
+    old, new, mask = ratios_case()
+    loss, stats = policy_loss(new, old, torch.tensor([-1.0]), mask, clip_low=0.2)
+    # -min(-1, -1) = 1; -min(-1.5, -1.2) = 1.5; -min(-0.5, -0.8) = 0.8 (clipped)
+    assert loss.item() == pytest.approx((1 + 1.5 + 0.8) / 3)
+    assert float(stats["clip_frac"]) == pytest.approx(1 / 3)
+    loss.backward()
+    assert new.grad is not None
+    assert new.grad[0].tolist() == pytest.approx([1 / 3, 1.5 / 3, 0.0])
+
+
+def test_clip_high_widens_the_upper_bound_only():
+    old, new, mask = ratios_case()
+    loss, stats = policy_loss(new, old, torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.6)
+    assert loss.item() == pytest.approx(-(1 + 1.5 + 0.5) / 3)  # 1.5 < 1.6: not clipped
+    assert float(stats["clip_frac"]) == 0.0
+
+
+def test_per_token_advantages_and_on_policy_ratio():
+    lp = torch.log(torch.tensor([[0.2, 0.4]]))
+    loss, stats = policy_loss(lp, lp.clone(), torch.tensor([[2.0, -1.0]]), torch.ones(1, 2))
+    assert loss.item() == pytest.approx(-(2.0 - 1.0) / 2)
+    assert float(stats["approx_kl"]) == pytest.approx(0.0)
+    assert float(stats["clip_frac"]) == 0.0
+
+
+def test_kl_k3_by_hand():
+    logp = torch.log(torch.tensor([0.5, 0.5, 0.1]))
+    ref = torch.log(torch.tensor([0.25, 0.5, 0.2]))
+    k3 = kl_k3(logp, ref)
+    # exp(d) - d - 1 with d = ref - logp: d = log .5, 0, log 2
+    assert k3.tolist() == pytest.approx([0.5 + math.log(2) - 1, 0.0, 2 - math.log(2) - 1])
+    assert (k3 >= 0).all()
+
+
+def test_aggregations_and_masked_mean():
+    per_token = torch.tensor([[1.0, 1.0, 1.0], [4.0, 100.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert float(aggregate(per_token, mask, "token_mean")) == pytest.approx(7 / 4)
+    assert float(aggregate(per_token, mask, "seq_mean_token_mean")) == pytest.approx((1 + 4) / 2)
+    assert float(masked_mean(per_token, torch.zeros_like(mask))) == 0.0
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        aggregate(per_token, mask, "sum")  # type: ignore[arg-type]
+
+
+def test_token_logprobs_and_entropy():
+    logits = torch.tensor([[[0.0, 0.0], [math.log(3.0), 0.0]]])
+    lp = token_logprobs(logits, torch.tensor([[1, 0]]))
+    assert lp[0].tolist() == pytest.approx([math.log(0.5), math.log(0.75)])
+    assert entropy(logits)[0, 0].item() == pytest.approx(math.log(2))
+    # temperature 2 halves the logits: log(3)/2 -> p = sqrt(3) / (sqrt(3) + 1)
+    assert token_logprobs(logits, torch.tensor([[1, 0]]), 2.0)[0, 1].item() == pytest.approx(
+        math.log(math.sqrt(3) / (math.sqrt(3) + 1))
+    )
+
+
+def sample(traj: str, reward: float, group: str = "g", n: int = 1) -> TrainSample:
+    return TrainSample(
+        prompt_ids=[1],
+        completion_ids=[2] * n,
+        old_logprobs=[-1.0] * n,
+        reward=reward,
+        group_id=group,
+        trajectory_id=traj,
+        policy_version=0,
+    )
+
+
+def test_batch_advantages_count_trajectories_not_turns():
+    # trajectory A has 3 turn samples, B has 1: the group is {A: 1, B: 0}, not {1, 1, 1, 0}
+    batch = [sample("A", 1.0), sample("A", 1.0), sample("B", 0.0), sample("A", 1.0)]
+    adv = batch_advantages(batch, eps=0.0)
+    assert adv == pytest.approx([SQRT_HALF, SQRT_HALF, -SQRT_HALF, SQRT_HALF])
+    given = batch[0].model_copy(update={"advantage": 0.25})
+    assert batch_advantages([given, *batch[1:]], eps=0.0)[0] == 0.25
+    with pytest.raises(TrainerError, match="different rewards"):
+        batch_advantages([sample("A", 1.0), sample("A", 0.0)])
+
+
+def test_sample_validation():
+    with pytest.raises(ValueError, match="2 completion ids but 1 old logprobs"):
+        TrainSample(
+            prompt_ids=[1],
+            completion_ids=[2, 3],
+            old_logprobs=[0.0],
+            reward=1,
+            group_id="g",
+            policy_version=0,
+        )
+    with pytest.raises(ValueError, match="advantage or a reward"):
+        TrainSample(prompt_ids=[1], completion_ids=[2], old_logprobs=[0.0], group_id="g", policy_version=0)
+    with pytest.raises(ValueError, match="mask of 2"):
+        TrainSample(
+            prompt_ids=[1],
+            completion_ids=[2],
+            old_logprobs=[0.0],
+            mask=[1, 0],
+            reward=1,
+            group_id="g",
+            policy_version=0,
+        )
+
+
+def test_turn_samples_from_a_recorded_trajectory():
+    def completion(ids: list[int], version: int) -> Completion:
+        return Completion(
+            request_id="r",
+            text="right",
+            prompt_ids=[2, 5, 9],
+            token_ids=ids,
+            logprobs=[-0.5] * len(ids),
+            policy_version=version,
+            finish_reason="stop" if ids else "abort",
+            allowed_token_ids=[11, 12, 8],
+        )
+
+    traj = Trajectory(
+        messages=[
+            Message(role="user", content="obs"),
+            assistant_message(completion([11, 8], 3)),
+            Message(role="user", content="obs"),
+            assistant_message(completion([], 4)),  # aborted before its first token: no sample
+        ]
+    )
+    traj = Trajectory.model_validate_json(traj.model_dump_json())  # survives the wire
+    [s] = turn_samples(traj, reward=1.0, group_id="g1")
+    assert (s.prompt_ids, s.completion_ids, s.old_logprobs) == ([2, 5, 9], [11, 8], [-0.5, -0.5])
+    assert (s.reward, s.group_id, s.trajectory_id, s.policy_version) == (1.0, "g1", traj.id, 3)
+    assert s.allowed_token_ids == [11, 12, 8]  # trained under the restriction it was sampled with
+    bare = Trajectory(messages=[Message(role="assistant", content="right", policy_version=0)])
+    with pytest.raises(TrainerError, match="lacks"):
+        turn_samples(bare, reward=0.0, group_id="g")
