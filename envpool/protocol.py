@@ -34,7 +34,7 @@ def encode(msg: dict[str, Any]) -> bytes:
 
 
 class FrameError(Exception):
-    pass
+    """A frame that is not valid protocol (bad length, not JSON): the connection ends."""
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:

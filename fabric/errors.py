@@ -86,15 +86,15 @@ class FabricError(Exception):
 
 
 class RegistryError(FabricError):
-    pass
+    """Bad registration or lookup."""
 
 
 class DuplicateFunctionError(RegistryError):
-    pass
+    """Two functions registered under one name."""
 
 
 class SignatureError(RegistryError):
-    pass
+    """A function or setup hook whose signature the fabric cannot call."""
 
 
 class UnknownFunctionError(RegistryError):
@@ -106,7 +106,7 @@ class UnknownFunctionError(RegistryError):
 
 
 class EntryPointError(RegistryError):
-    pass
+    """A ``module:attr`` entry point that cannot be imported."""
 
 
 class PayloadError(FabricError):
@@ -126,15 +126,15 @@ class InvalidArgumentsError(PayloadError):
 
 
 class BackendError(FabricError):
-    pass
+    """A backend could not be started or used."""
 
 
 class BackendClosedError(BackendError):
-    pass
+    """A call on a backend that was closed."""
 
 
 class ConfigError(FabricError):
-    pass
+    """A config that failed validation at the edge."""
 
 
 class InvocationError(FabricError):
