@@ -184,10 +184,10 @@ class Engine(ABC):
         rid = request.request_id
         if rid in self._inflight:
             raise EngineError(f"request id {rid!r} is already in flight")
-        await self.start()
         aborted = asyncio.Event()
-        self._inflight[rid] = aborted
+        self._inflight[rid] = aborted  # before any await: a duplicate id cannot slip in
         try:
+            await self.start()
             if not self._running.is_set():
                 # new work waits at the gate, where an abort still finds it
                 await _first_of(self._running.wait(), aborted.wait())
