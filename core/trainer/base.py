@@ -256,3 +256,4 @@ class TrainerRegistry:
 #: The default registry (tests build their own).
 trainer_registry = TrainerRegistry()
 trainer_registry.register("torch", "core.trainer.torch_:TorchTrainer")
+trainer_registry.register("megatron", "core.trainer.megatron_:MegatronTrainer")

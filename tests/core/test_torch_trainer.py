@@ -222,5 +222,7 @@ def test_registry():
     reg.register("torch", "core.trainer.torch_:TorchTrainer")
     assert isinstance(reg.create("torch", model=model()), TorchTrainer)
     reg.register("megatron", "core.trainer.megatron_:MegatronTrainer")
-    with pytest.raises(TrainerError, match="cannot load trainer 'megatron'"):
-        reg.get("megatron")
+    assert reg.get("megatron").__name__ == "MegatronTrainer"  # importable without megatron-core
+    reg.register("broken", "core.trainer.no_such_module:Trainer")
+    with pytest.raises(TrainerError, match="cannot load trainer 'broken'"):
+        reg.get("broken")

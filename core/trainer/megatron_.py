@@ -1,0 +1,583 @@
+"""``MegatronTrainer``: GRPO on a megatron-core ``GPTModel``, for the GPU path.
+
+    trainer = trainer_registry.create("megatron", config=MegatronTrainerConfig(
+        model=GPTShape(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=64,
+                       max_sequence_length=128)))
+    metrics = trainer.step(batch)          # same metric keys as the torch backend
+    update = trainer.publish()             # fp32 CPU tensors, megatron's state_dict names
+
+The model is built from megatron-core's local layer spec (``get_gpt_layer_local_spec``: no
+TransformerEngine, no apex, no compiled kernels), so the only requirements are
+megatron-core, PyTorch and one CUDA device. megatron-core and CUDA are imported lazily: this
+module imports without them, and constructing the trainer without them raises a
+``TrainerError`` that says what to install.
+
+A ``step(batch)`` has the torch backend's shape: the batch is shuffled (seeded) into
+mini-batches, one optimizer update per mini-batch, ``epochs`` times over. Each mini-batch is
+cut into micro-batches of ``micro_batch_size`` samples whose gradients accumulate, weighted
+so the update equals one pass over the whole mini-batch (``loss_agg`` holds across
+micro-batches). The loss is ``core.trainer.grpo``'s clipped-ratio surrogate on the completion
+tokens, with the sampler's ``allowed_token_ids`` restriction applied to the logits first.
+
+Choices, and why:
+
+* **Optimizer: plain ``torch.optim.AdamW``** on fp32 parameters. megatron-core's optimizer
+  wants the model wrapped in its DDP (contiguous grad buffers, ``main_grad``), picks
+  TransformerEngine's or apex's fused Adam when present (falling back to this same AdamW), and
+  its builder's signature changes between releases; with one data-parallel rank it adds
+  nothing but coupling. Gradient clipping is done here, over the tensor-parallel group.
+* **bf16 = autocast**: parameters (the master weights) stay fp32 and the forward runs under
+  ``torch.autocast(bfloat16)``, megatron-core's own ``enable_autocast`` path. AdamW on bf16
+  parameters would lose small updates; ``state()`` is fp32 either way.
+* **No dropout**: the trainer's logprobs must be the sampler's (the ratio starts at 1).
+* **Parallelism**: ``tensor_parallel_size`` / ``pipeline_parallel_size`` are validated and
+  passed to ``parallel_state`` and the ``TransformerConfig``. Only 1 x 1 is exercised end to
+  end (one process, one GPU). Tensor parallelism under ``torchrun`` should work (logits are
+  gathered, the grad norm is reduced over the TP group, ``state()`` is this rank's shard) but
+  is untested; a step with pipeline parallelism raises: it needs megatron's pipeline
+  schedule, which is not wired in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import os
+import pickle
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import Tensor
+
+from core.trainer.base import Trainer, TrainerError, TrainSample
+from core.trainer.grpo import LossAgg, aggregate, entropy, kl_k3, policy_loss, token_logprobs
+
+#: The ``format`` field of a checkpoint written by ``save_checkpoint``.
+CHECKPOINT_FORMAT = "rl-fabric/megatron-gpt/1"
+
+INSTALL_HINT = "install the megatron extra (pip install -e .[megatron]) on a GPU machine"
+
+
+class GPTShape(BaseModel):
+    """The ``GPTModel``'s shape (learned absolute positions, LayerNorm, GeLU MLP)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_layers: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    num_attention_heads: int = Field(ge=1)
+    ffn_hidden_size: int | None = Field(None, ge=1)
+    """``None`` = ``4 * hidden_size`` (megatron's default)."""
+    vocab_size: int = Field(ge=1)
+    """The tokenizer's vocabulary (megatron-core does not pad it)."""
+    max_sequence_length: int = Field(ge=2)
+    """Longest ``prompt + completion`` the model takes (size of the position table)."""
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> GPTShape:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        return self
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+
+class MegatronTrainerConfig(BaseModel):
+    """The model (a shape or a checkpoint), parallelism and GRPO hyper-parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["megatron"] = "megatron"
+    model: GPTShape | None = None
+    """Build a freshly initialised model of this shape (seeded by ``seed``)."""
+    checkpoint: Path | None = None
+    """Or load one written by ``MegatronTrainer.save_checkpoint`` (shape, weights, version)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    bf16: bool = False
+    """Run the forward under bf16 autocast; the weights (and ``state()``) stay fp32."""
+    lr: float = Field(1e-5, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float | None = Field(1.0, gt=0.0)
+    """Max global grad norm; ``None`` = no clipping (the norm is still reported)."""
+    mini_batch_size: int | None = Field(None, ge=1)
+    """Samples per optimizer update; ``None`` = the whole batch in one update."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Samples per forward/backward (gradients accumulate over a mini-batch); ``None`` = the
+    whole mini-batch at once. Memory, not maths: the update is the same."""
+    epochs: int = Field(1, ge=1)
+    clip_low: float = Field(0.2, gt=0.0, lt=1.0)
+    clip_high: float | None = Field(None, gt=0.0)
+    """Upper ratio clip; ``None`` = ``clip_low`` (symmetric)."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of the k3 KL to a frozen copy of the initial policy (0: no copy is kept)."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    loss_agg: LossAgg = "token_mean"
+    temperature: float = Field(1.0, gt=0.0)
+    """The rollout temperature: logprobs are of ``logits / T``, as the engine's are."""
+    adv_eps: float = Field(1e-6, gt=0.0)
+    scale_advantages: bool = True
+    seed: int = 0
+    """Seeds the weights' initialisation and the mini-batch shuffling."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MegatronTrainerConfig:
+        if (self.model is None) == (self.checkpoint is None):
+            raise ValueError("give exactly one of model (a shape) or checkpoint")
+        if self.model is not None:
+            check_parallel_shape(self.model, self.tensor_parallel_size, self.pipeline_parallel_size)
+        return self
+
+
+def check_parallel_shape(shape: GPTShape, tp: int, pp: int) -> None:
+    """What megatron-core would assert, as a readable ``ValueError``."""
+    for name, value in (
+        ("num_attention_heads", shape.num_attention_heads),
+        ("ffn_hidden_size", shape.ffn),
+        ("vocab_size", shape.vocab_size),
+    ):
+        if value % tp:
+            raise ValueError(f"{name}={value} is not divisible by tensor_parallel_size={tp}")
+    if shape.num_layers % pp:
+        raise ValueError(f"num_layers={shape.num_layers} is not divisible by pipeline_parallel_size={pp}")
+
+
+def _require_runtime() -> None:
+    """megatron-core first (the fix is an install), then a CUDA device."""
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as e:
+        raise TrainerError(f"the megatron trainer needs megatron-core: {INSTALL_HINT} ({e})") from e
+    if not torch.cuda.is_available():
+        raise TrainerError(
+            "no CUDA device: the megatron trainer runs on an NVIDIA GPU "
+            "(torch.cuda.is_available() is False); use the 'torch' trainer on a CPU"
+        )
+
+
+def _init_distributed(tp: int, pp: int) -> None:
+    """One process on one GPU unless a launcher (torchrun) set up a bigger world; then
+    megatron-core's model-parallel groups, unless someone already made them."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:  # torchrun
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl")
+        else:
+            if tp * pp > 1:
+                raise TrainerError(
+                    f"tensor_parallel_size * pipeline_parallel_size = {tp * pp} needs as many "
+                    f"processes (launch with torchrun --nproc-per-node {tp * pp}); this one is alone"
+                )
+            # an in-process store: a world of one needs no port and no rendezvous
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise TrainerError(f"world size {world} is not divisible by tensor x pipeline parallel = {tp * pp}")
+    if parallel_state.model_parallel_is_initialized():
+        have = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        )
+        if have != (tp, pp):
+            raise TrainerError(
+                f"megatron model parallelism is already initialised as tp x pp = {have[0]} x {have[1]}, "
+                f"this trainer asks for {tp} x {pp}"
+            )
+        return
+    kwargs: dict[str, Any] = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}
+    if "create_gloo_process_groups" in inspect.signature(parallel_state.initialize_model_parallel).parameters:
+        kwargs["create_gloo_process_groups"] = False  # only megatron's distributed optimizer uses them
+    parallel_state.initialize_model_parallel(**kwargs)
+
+
+def _build_gpt(shape: GPTShape, cfg: MegatronTrainerConfig) -> torch.nn.Module:
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    tconfig = TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        ffn_hidden_size=shape.ffn,
+        tensor_model_parallel_size=cfg.tensor_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_parallel_size,
+        pipeline_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # plain PyTorch kernels: the local spec must not need apex or compiled extensions
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    model = GPTModel(
+        config=tconfig,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.max_sequence_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=False,  # full-vocabulary logits on every TP rank: the loss needs them
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="learned_absolute",
+    )
+    return model.cuda(torch.cuda.current_device())
+
+
+class MegatronTrainer(Trainer):
+    name = "megatron"
+
+    def __init__(
+        self,
+        config: MegatronTrainerConfig | Mapping[str, Any],
+        *,
+        version: int | None = None,
+    ) -> None:
+        if not isinstance(config, MegatronTrainerConfig):
+            config = MegatronTrainerConfig.model_validate(config)
+        _require_runtime()
+        ckpt = _read_checkpoint(config.checkpoint) if config.checkpoint is not None else None
+        shape = config.model
+        if ckpt is not None:
+            shape = GPTShape.model_validate(ckpt["model"])
+            try:
+                check_parallel_shape(shape, config.tensor_parallel_size, config.pipeline_parallel_size)
+            except ValueError as e:
+                raise TrainerError(f"checkpoint {config.checkpoint}: {e}") from None
+            if ckpt["tensor_parallel_size"] != config.tensor_parallel_size:
+                raise TrainerError(
+                    f"checkpoint {config.checkpoint} holds a tensor_parallel_size="
+                    f"{ckpt['tensor_parallel_size']} shard; this trainer uses {config.tensor_parallel_size}"
+                )
+            if version is None:
+                version = int(ckpt["version"])
+        assert shape is not None  # the config's validator requires a shape or a checkpoint
+        super().__init__(
+            version=version or 0, adv_eps=config.adv_eps, scale_advantages=config.scale_advantages
+        )
+        self.config = config
+        self.shape = shape
+        _init_distributed(config.tensor_parallel_size, config.pipeline_parallel_size)
+
+        from megatron.core import parallel_state, tensor_parallel
+
+        self._parallel_state = parallel_state
+        self._not_duplicate = tensor_parallel.param_is_not_tensor_parallel_duplicate
+        torch.manual_seed(config.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.model = _build_gpt(shape, config)
+        if ckpt is not None:
+            self._load(ckpt["state"], str(config.checkpoint))
+        self.model.train()
+        self.reference: torch.nn.Module | None = None
+        if config.kl_coef > 0:
+            self.reference = _build_gpt(shape, config)
+            self.reference.load_state_dict(self.model.state_dict())
+            self.reference.eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+        )
+        self._shuffle = torch.Generator().manual_seed(config.seed)
+
+    # -- public helpers -------------------------------------------------------------------
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_lr(self, lr: float) -> None:
+        """Change the learning rate from the next update on."""
+        if not lr > 0:
+            raise ValueError(f"learning rate must be positive, got {lr}")
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def state(self) -> dict[str, Tensor]:
+        """This rank's weights (the whole model at tp = pp = 1), fp32 copies on the CPU.
+        Non-tensor entries (``_extra_state``) are left out: an engine loads tensors."""
+        return {
+            k: v.detach().to("cpu", copy=True)
+            for k, v in self.model.state_dict().items()
+            if isinstance(v, Tensor)
+        }
+
+    @torch.no_grad()
+    def logprobs(
+        self, prompt_ids: list[int], completion_ids: list[int], allowed_token_ids: list[int] | None = None
+    ) -> list[float]:
+        """Per completion token, its logprob under the current weights (as the engine that
+        samples from them reports it): for checks and for tests."""
+        probe = TrainSample(
+            prompt_ids=prompt_ids,
+            completion_ids=completion_ids,
+            old_logprobs=[0.0] * len(completion_ids),
+            advantage=0.0,
+            group_id="-",
+            policy_version=0,
+            allowed_token_ids=allowed_token_ids,
+        )
+        self.model.eval()
+        try:
+            packed = self._pack([probe])
+            logits = self._completion_logits(self.model, packed)
+            logp = token_logprobs(logits, packed.targets, self.config.temperature)
+        finally:
+            self.model.train()
+        return [float(x) for x in logp[0, : len(completion_ids)].cpu()]
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        """Shape, weights and version in one file, loadable with ``checkpoint=path``."""
+        torch.save(
+            {
+                "format": CHECKPOINT_FORMAT,
+                "model": self.shape.model_dump(),
+                "tensor_parallel_size": self.config.tensor_parallel_size,
+                "version": self.version,
+                "state": self.state(),
+            },
+            Path(path),
+        )
+
+    # -- the step -------------------------------------------------------------------------
+
+    def _step(self, batch: Sequence[TrainSample], advantages: list[float]) -> dict[str, float]:
+        cfg = self.config
+        if cfg.pipeline_parallel_size > 1:
+            raise TrainerError(
+                "a step with pipeline_parallel_size > 1 needs megatron's pipeline schedule, "
+                "which this backend does not run yet; use tensor parallelism"
+            )
+        size = cfg.mini_batch_size or len(batch)
+        tokens = sum(sum(s.token_mask) for s in batch)
+        if tokens == 0:  # every sample masked (infra failures): nothing to learn from
+            return {"tokens": 0.0, "updates": 0.0, "skipped": 1.0}
+        sums: dict[str, float] = {}
+        updates = 0
+        for _ in range(cfg.epochs):
+            order = torch.randperm(len(batch), generator=self._shuffle).tolist()
+            for start in range(0, len(order), size):
+                idx = order[start : start + size]
+                stats = self._update([batch[i] for i in idx], [advantages[i] for i in idx])
+                if stats is None:
+                    continue
+                updates += 1
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + v
+        metrics = {k: v / max(updates, 1) for k, v in sums.items()}
+        metrics.update(tokens=float(tokens), updates=float(updates), lr=self.lr)
+        return metrics
+
+    def _update(self, samples: list[TrainSample], advantages: list[float]) -> dict[str, float] | None:
+        """One optimizer update over ``samples``, in micro-batches whose gradients add up to
+        the mini-batch's."""
+        cfg = self.config
+        for s in samples:  # fail before any backward, not half-way through the accumulation
+            _check_sample(s, self.shape)
+        token_total = sum(sum(s.token_mask) for s in samples)
+        if token_total == 0:
+            return None
+        seq_total = sum(1 for s in samples if any(s.token_mask))
+        micro = cfg.micro_batch_size or len(samples)
+        self.optimizer.zero_grad(set_to_none=True)
+        out = dict.fromkeys(("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "approx_kl"), 0.0)
+        for start in range(0, len(samples), micro):
+            part = samples[start : start + micro]
+            packed = self._pack(part)
+            n_tok = float(packed.mask.sum())
+            if n_tok == 0:
+                continue
+            # the micro-batch's share of the mini-batch's aggregate: its gradients add up to it
+            if cfg.loss_agg == "token_mean":
+                weight = n_tok / token_total
+            else:
+                weight = sum(1 for s in part if any(s.token_mask)) / seq_total
+            tok_weight = n_tok / token_total
+            adv = torch.tensor(advantages[start : start + micro], dtype=torch.float32, device=self.device)
+            logits = self._completion_logits(self.model, packed)
+            logp = token_logprobs(logits, packed.targets, cfg.temperature)
+            pg, stats = policy_loss(
+                logp,
+                packed.old,
+                adv,
+                packed.mask,
+                clip_low=cfg.clip_low,
+                clip_high=cfg.clip_high,
+                agg=cfg.loss_agg,
+            )
+            with torch.set_grad_enabled(cfg.entropy_coef > 0):
+                ent = aggregate(entropy(logits, cfg.temperature), packed.mask, cfg.loss_agg)
+            loss = pg - cfg.entropy_coef * ent
+            kl = torch.zeros((), device=self.device)
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref = token_logprobs(
+                        self._completion_logits(self.reference, packed), packed.targets, cfg.temperature
+                    )
+                kl = aggregate(kl_k3(logp, ref), packed.mask, cfg.loss_agg)
+                loss = loss + cfg.kl_coef * kl
+            (loss * weight).backward()  # type: ignore[no-untyped-call]
+            out["loss"] += weight * loss.item()
+            out["pg_loss"] += weight * pg.item()
+            out["kl"] += weight * kl.item()
+            out["entropy"] += weight * ent.item()
+            for k in ("clip_frac", "ratio_mean", "approx_kl"):
+                out[k] += tok_weight * float(stats[k])
+        norm = self._clip_gradients(cfg.grad_clip)
+        if not math.isfinite(norm):
+            # one bad batch must not poison the weights the engines will load
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainerError(f"non-finite gradient norm ({norm}); update skipped")
+        self.optimizer.step()
+        out["grad_norm"] = norm
+        return out
+
+    def _completion_logits(self, model: torch.nn.Module, packed: _Packed) -> Tensor:
+        """fp32 logits at the positions that score completion tokens, ``[B, C, V]``, with
+        the sampler's restriction applied (after the cast: -1e9 is not exact in bf16)."""
+        autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16) if self.config.bf16 else contextlib.nullcontext()
+        )
+        with autocast:
+            # attention_mask=None: the local spec's attention is causal and builds its own mask;
+            # sequences are right-padded, so no real position sees a pad
+            logits = model(packed.ids, packed.position_ids, None)
+        rows = torch.arange(packed.ids.shape[0], device=self.device)[:, None]
+        out = logits[rows, packed.positions].float()
+        if packed.restrict is not None:
+            out = out + packed.restrict[:, None, :]
+        return out
+
+    def _clip_gradients(self, max_norm: float | None) -> float:
+        """Global L2 norm over every rank's unique shard (duplicated TP parameters count
+        once), then scale all gradients down to ``max_norm``."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        unique = [p.grad for p in params if self._not_duplicate(p) and p.grad is not None]
+        sq = torch.zeros((), device=self.device, dtype=torch.float32)
+        for g in unique:
+            sq += g.detach().float().pow(2).sum()
+        if self.config.tensor_parallel_size > 1:
+            torch.distributed.all_reduce(sq, group=self._parallel_state.get_tensor_model_parallel_group())
+        norm = float(sq.sqrt())
+        if max_norm is not None and math.isfinite(norm) and norm > max_norm:
+            coef = max_norm / (norm + 1e-6)
+            torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
+        return norm
+
+    def _pack(self, samples: list[TrainSample]) -> _Packed:
+        for s in samples:
+            _check_sample(s, self.shape)
+        return _pack(samples, self.shape.vocab_size, self.device)
+
+    def _load(self, state: Mapping[str, Tensor], source: str) -> None:
+        result = self.model.load_state_dict(dict(state), strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if missing or result.unexpected_keys:
+            raise TrainerError(
+                f"checkpoint {source} does not fit the model: missing {missing[:5]}, "
+                f"unexpected {result.unexpected_keys[:5]}"
+            )
+
+
+class _Packed:
+    """A micro-batch on the GPU: right-padded inputs, and per completion token the position
+    that scores it, its target, mask and old logprob (``[B, C]``)."""
+
+    def __init__(
+        self,
+        ids: Tensor,
+        position_ids: Tensor,
+        positions: Tensor,
+        targets: Tensor,
+        mask: Tensor,
+        old: Tensor,
+        restrict: Tensor | None,
+    ) -> None:
+        self.ids = ids
+        self.position_ids = position_ids
+        self.positions = positions
+        self.targets = targets
+        self.mask = mask
+        self.old = old
+        self.restrict = restrict
+
+
+def _pack(samples: list[TrainSample], vocab_size: int, device: torch.device) -> _Packed:
+    """Position ``t`` predicts token ``t + 1``, so completion token ``j`` of a sample (at
+    ``len(prompt) + j``) is scored by the logits at ``len(prompt) + j - 1``. Only those
+    positions' logits are kept: ``[B, C, V]`` rather than ``[B, T, V]``."""
+    width = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples) - 1
+    comp = max(len(s.completion_ids) for s in samples)
+    b = len(samples)
+    ids = torch.zeros(b, width, dtype=torch.long)
+    positions = torch.zeros(b, comp, dtype=torch.long)
+    targets = torch.zeros(b, comp, dtype=torch.long)
+    mask = torch.zeros(b, comp)
+    old = torch.zeros(b, comp)
+    for i, s in enumerate(samples):
+        seq = s.prompt_ids + s.completion_ids
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        ids[i, : len(seq) - 1] = torch.tensor(seq[:-1])
+        positions[i, :c] = torch.arange(p - 1, p - 1 + c)
+        targets[i, :c] = torch.tensor(s.completion_ids)
+        mask[i, :c] = torch.tensor(s.token_mask, dtype=torch.float32)
+        old[i, :c] = torch.tensor(s.old_logprobs, dtype=torch.float32)
+    restrict = None
+    if any(s.allowed_token_ids is not None for s in samples):
+        # finite, so entropy's p * log p stays 0 rather than NaN (as the torch backend)
+        restrict = torch.zeros(b, vocab_size)
+        for i, s in enumerate(samples):
+            if s.allowed_token_ids is not None:
+                restrict[i] = -1e9
+                restrict[i, s.allowed_token_ids] = 0.0
+    position_ids = torch.arange(width).expand(b, width)
+    return _Packed(
+        ids.to(device),
+        position_ids.to(device),
+        positions.to(device),
+        targets.to(device),
+        mask.to(device),
+        old.to(device),
+        None if restrict is None else restrict.to(device),
+    )
+
+
+def _check_sample(s: TrainSample, shape: GPTShape) -> None:
+    """An out-of-range id would be a device-side assert on the GPU: say it here instead."""
+    n = len(s.prompt_ids) + len(s.completion_ids)
+    if n > shape.max_sequence_length:
+        raise TrainerError(
+            f"a sample of {n} tokens exceeds the model's max_sequence_length={shape.max_sequence_length}"
+        )
+    ids = s.prompt_ids + s.completion_ids + (s.allowed_token_ids or [])
+    bad = [t for t in ids if not 0 <= t < shape.vocab_size]
+    if bad:
+        raise TrainerError(f"token id {bad[0]} is outside the model's vocab_size={shape.vocab_size}")
+
+
+def _read_checkpoint(path: Path) -> dict[str, Any]:
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise TrainerError(f"cannot read megatron checkpoint {path}: {e}") from e
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise TrainerError(f"{path} is not a checkpoint written by MegatronTrainer.save_checkpoint")
+    return ckpt
