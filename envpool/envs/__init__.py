@@ -3,6 +3,7 @@
 * ``frozenlake-v1``: text FrozenLake, seeded maps (``size``, ``slippery``).
 * ``math-tools-v1``: arithmetic word problems with a ``calculator`` tool.
 * ``code-repair-v1``: fix a buggy module until its tests pass (view, edit, run_tests, submit).
+* ``latency-v0``: steps that take N(mu, sigma) seconds, slow or failing episodes (benchmarks).
 
 Only specs are registered here; an environment's module is imported by ``make``, so
 importing this package stays cheap (the zygote and every container import it).
@@ -36,6 +37,13 @@ default_registry.register(
     description="Fix a buggy Python module: view, edit (search/replace), run_tests, submit.",
 )
 
+default_registry.register(
+    "latency-v0",
+    entry_point="envpool.envs.latency:LatencyEnv",
+    max_episode_steps=1000,
+    deterministic=True,
+    description="Steps that take N(mu, sigma) seconds; slow or failing episodes on demand (benchmarks).",
+)
 default_registry.register(
     "echo-v0",
     entry_point="envpool.envs.echo:EchoEnv",

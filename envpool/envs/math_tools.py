@@ -119,7 +119,10 @@ class MathToolsEnv(Env):
             self.question, self.answer = question, str(answer)
         self.tool_calls = 0
         text = f"{self.question}\n\n{_HOW}"
-        return Observation(text=text, tools=TOOLS), {"tools": ["calculator"]}
+        # info["task"] is for the harness (the policy never sees info): the core job copies it
+        # into the trajectory's task, where reward functions find the ground truth
+        task = {"question": self.question, "answer": self.answer}
+        return Observation(text=text, tools=TOOLS), {"tools": ["calculator"], "task": task}
 
     def step(self, action: str) -> StepResult:
         text = action.strip()

@@ -213,7 +213,11 @@ def test_math_seeded_problem_and_correct_answer():
     env = envpool.make("math-tools-v1")
     obs, info = env.reset(seed=0)
     assert "boxes of 19" in obs.text and "579 cookies" in obs.text  # 579 // 19 == 30
-    assert obs.tools == [OPENAI_SCHEMA] and info == {"tools": ["calculator"]}
+    assert (
+        obs.tools == [OPENAI_SCHEMA]
+        and info["tools"] == ["calculator"]
+        and set(info["task"]) == {"question", "answer"}
+    )
     assert env.reset(seed=0)[0] == obs
     res = env.step("579 // 19 is 30, so\nAnswer: 30")
     assert (res.reward, res.terminated) == (1.0, True)
