@@ -83,8 +83,27 @@ class EngineConfig(_Model):
     hw_affinity: dict[str, str] = Field(default_factory=dict)
     """Environment tag -> Ray custom resource the tag's generation runs on (``default`` for
     every other tag), e.g. ``{frozenlake: H800, default: H20}``."""
+    max_restarts: int = Field(3, ge=0)
+    """Times Ray restarts a crashed engine replica; the proxy reloads the latest weights
+    into it and re-runs the turns it lost."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Backend-specific options (vLLM engine args, ``base_url``, ...), passed through."""
+    """Backend-specific options, passed through: for ``torch`` the ``TinyLM`` shape
+    (``d_model``, ``n_layers``, ``n_heads``, ``max_len``) and ``TorchEngineConfig`` fields;
+    vLLM engine args; ``base_url`` of an OpenAI-compatible server."""
+
+
+class PromptConfig(_Model):
+    """What the policy is shown each turn (the trajectory itself always keeps everything)."""
+
+    history: int | None = Field(None, ge=0)
+    """Earlier (reply, observation) pairs shown before the latest observation; ``None``:
+    the whole conversation. An environment whose observation is its whole state (FrozenLake's
+    map) learns faster with 0: shorter prompts, nothing stale to attend to."""
+    drop_lines: list[str] = Field(default_factory=list)
+    """Observation lines starting with one of these are cut from the prompt (a legend that is
+    the same every turn carries no information)."""
+    system: str | None = None
+    """A system message put first."""
 
 
 class EnvConfig(_Model):
@@ -102,6 +121,12 @@ class EnvConfig(_Model):
     """Constructor arguments of the environment (override the registered ones)."""
     image: str | None = None
     """Image reference of a custom environment bundle (None: the built-ins)."""
+    prompt: PromptConfig = Field(default_factory=PromptConfig)
+    actions: list[str] | None = Field(None, min_length=1)
+    """Constrain every reply to one of these words (one token each, the engine's
+    ``allowed_token_ids``): a closed action space the policy cannot step outside. ``None``:
+    free text, parsed by the environment (an unparseable reply is an invalid action, which
+    the environment penalises)."""
 
 
 class RewardConfig(_Model):
@@ -148,9 +173,42 @@ class TrainerConfig(_Model):
     """Passes over each batch."""
     minibatch_size: int | None = Field(None, ge=1)
     """Trajectories per optimiser step (None: the whole batch)."""
+    clip_eps_high: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """Upper ratio clip (DAPO's clip-higher); None: ``clip_eps``."""
     max_grad_norm: float | None = Field(1.0, gt=0, allow_inf_nan=False)
+    entropy_coef: float = Field(0.0, ge=0, allow_inf_nan=False)
+    """Bonus on the policy's entropy (keeps a small policy exploring)."""
+    lr_end: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """Decay the learning rate linearly to this over the job's steps (None: constant)."""
+    scale_advantages: bool = True
+    """Divide by the group's reward std (GRPO); False keeps the centred reward (Dr. GRPO)."""
+    step_adv: float = Field(0.0, ge=0, allow_inf_nan=False)
+    """Weight of GiGPO's step-level advantage (turns taken in the same state of the same task,
+    compared by discounted return), added to the episode's group advantage; 0: plain GRPO."""
+    gamma: float = Field(0.95, gt=0, le=1, allow_inf_nan=False)
+    """Discount of the step-level returns."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Backend-specific options (Megatron parallelism, ...), passed through."""
+
+
+class RolloutConfig(_Model):
+    """How the rollout is driven."""
+
+    mode: Literal["async", "sync"] = "async"
+    """``async``: trajectory-level: every trajectory runs its own loop, groups keep starting
+    while the trainer trains, within ``alpha``. ``sync``: batch-level, for comparison: a
+    step's groups start together, every turn waits for the whole batch, training waits for
+    the last trajectory."""
+    max_groups_in_flight: int | None = Field(None, ge=1)
+    """Groups rolling out at once (None: ``batch_size * (alpha + 1)``)."""
+    trajectory_timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False)
+    """A trajectory running longer is aborted as ``infra_failed`` and re-run."""
+    max_reruns: int = Field(3, ge=0)
+    """Re-runs of a group's failed trajectories before the group is given up."""
+    eval_every: int = Field(10, ge=0)
+    """Greedy evaluation on held-out tasks every this many steps (0: never)."""
+    eval_episodes: int = Field(64, ge=1)
+    """Held-out tasks per evaluation (seeds the training draw never uses)."""
 
 
 class FabricConfig(_Model):
@@ -208,6 +266,7 @@ class JobConfig(_Model):
     steps: int = Field(100, ge=1)
     """Training steps of the job."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     fabric: FabricConfig = Field(default_factory=FabricConfig)
     envpool: EnvPoolConfig = Field(default_factory=EnvPoolConfig)
     run_dir: Path = Path("runs/job")

@@ -1,0 +1,150 @@
+"""The job's policy, built once in the driver and shipped to the engines and the trainer.
+
+    bundle = build_policy(cfg)          # tokenizer, model shape, initial weights
+    bundle.model()                      # a TinyLM holding the initial weights
+
+``engine.model: tiny-lm`` (the embedded default) trains a word tokenizer on text the job's
+own environments produce (seeded random episodes, with the configured action words or the
+environment's example actions) and initialises a ``TinyLM`` from ``seed``. Any other value
+is a directory written by ``TinyLM.save_pretrained`` holding a ``tokenizer.json`` too (a
+policy trained earlier, e.g. by ``benchmarks/frozenlake_learning.py --save``).
+
+Every replica and the trainer start from the same ``state`` (one copy, put in Ray's object
+store by the job), so version 0 means the same weights everywhere.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.config import JobConfig
+from core.errors import ConfigError
+from core.policy.tiny_lm import TinyLM, TinyLMConfig
+from core.policy.tokenizer import WordTokenizer
+
+TINY_LM = "tiny-lm"
+#: ``engine.kwargs`` keys that shape the ``TinyLM`` (the rest configure the torch engine).
+MODEL_KEYS = ("d_model", "n_layers", "n_heads", "d_ff", "max_len", "rope_base", "init_std")
+CORPUS_EPISODES = 200
+CORPUS_TURNS = 12
+
+
+@dataclass(frozen=True)
+class PolicyBundle:
+    tokenizer: dict[str, Any]
+    """``WordTokenizer.to_dict()`` (plain data: ships through Ray without pickling code)."""
+    model_config: dict[str, Any]
+    state: dict[str, torch.Tensor]
+
+    def model(self) -> TinyLM:
+        m = TinyLM(TinyLMConfig.model_validate(self.model_config))
+        m.load_state_dict(self.state)
+        return m
+
+    def tok(self) -> WordTokenizer:
+        return WordTokenizer.from_dict(self.tokenizer)
+
+    def save(self, directory: str | Path) -> Path:
+        """``save_pretrained`` + ``tokenizer.json``: what ``engine.model: <dir>`` loads, and
+        what actors load from (a Ray actor restarted after a crash reads it again, so its
+        constructor arguments are a path, not an object that may be gone)."""
+        d = Path(directory)
+        self.model().save_pretrained(d)
+        self.tok().save(d / "tokenizer.json")
+        return d
+
+    @classmethod
+    def load(cls, directory: str | Path) -> PolicyBundle:
+        d = Path(directory)
+        model = TinyLM.from_pretrained(d)
+        return cls(
+            tokenizer=WordTokenizer.load(d / "tokenizer.json").to_dict(),
+            model_config=model.config.model_dump(),
+            state=dict(model.state_dict()),
+        )
+
+
+def build_policy(cfg: JobConfig) -> PolicyBundle:
+    if cfg.engine.backend != "torch":
+        raise ConfigError([("engine.backend", "build_policy builds the torch engine's policy only")])
+    shape = {k: v for k, v in cfg.engine.kwargs.items() if k in MODEL_KEYS}
+    if cfg.engine.model == TINY_LM:
+        tok = WordTokenizer.train(env_corpus(cfg))
+        try:
+            mcfg = TinyLMConfig(vocab_size=tok.vocab_size, **shape)
+        except ValueError as e:
+            raise ConfigError([("engine.kwargs", f"not a valid tiny-lm shape: {e}")]) from None
+        model = TinyLM(mcfg, seed=cfg.seed)
+    else:
+        path = Path(cfg.engine.model)
+        if not (path / "tokenizer.json").is_file():
+            raise ConfigError(
+                [
+                    (
+                        "engine.model",
+                        f"{str(path)!r} is neither {TINY_LM!r} nor a directory holding a saved TinyLM "
+                        "and its tokenizer.json",
+                    )
+                ]
+            )
+        model = TinyLM.from_pretrained(path)
+        tok = WordTokenizer.load(path / "tokenizer.json")
+        if shape:
+            raise ConfigError([("engine.kwargs", "model shape keys apply to a new tiny-lm only")])
+    missing = [a for e in cfg.envs for a in (e.actions or []) if _single_id(tok, a) is None]
+    if missing:
+        raise ConfigError([("envs[].actions", f"not single tokens of the policy's vocabulary: {missing}")])
+    return PolicyBundle(
+        tokenizer=tok.to_dict(),
+        model_config=model.config.model_dump(),
+        state={k: v.detach().clone() for k, v in model.state_dict().items()},
+    )
+
+
+def env_corpus(cfg: JobConfig, episodes: int = CORPUS_EPISODES) -> list[str]:
+    """Text of seeded random episodes of every configured environment: observations,
+    invalid-action messages, the action words. Deterministic for a config."""
+    import envpool
+    import envpool.envs
+
+    rng = random.Random(cfg.seed)
+    corpus: list[str] = []
+    for env_cfg in cfg.envs:
+        env = envpool.make(env_cfg.id, tool_caller=_no_tools, **env_cfg.kwargs)
+        actions = list(env_cfg.actions or env.env.example_actions or ("noop",))
+        corpus.append(" ".join(actions))
+        if env_cfg.prompt.system:
+            corpus.append(env_cfg.prompt.system)
+        for seed in range(episodes):
+            obs, _ = env.reset(seed=seed)
+            corpus.append(obs.text)
+            for _ in range(CORPUS_TURNS):
+                res = env.step(rng.choice(actions))
+                corpus.append(res.obs.text)
+                if res.done:
+                    break
+    return corpus
+
+
+def _no_tools(name: str, arguments: dict[str, Any]) -> str:
+    return f"{name} output"
+
+
+def _single_id(tok: WordTokenizer, word: str) -> int | None:
+    ids = tok.encode(word)
+    return ids[0] if len(ids) == 1 and ids[0] != tok.token_to_id("<unk>") else None
+
+
+def action_ids(tok: WordTokenizer, words: list[str]) -> list[int]:
+    out = []
+    for w in words:
+        i = _single_id(tok, w)
+        if i is None:
+            raise ValueError(f"{w!r} is not one token of the policy's vocabulary")
+        out.append(i)
+    return out

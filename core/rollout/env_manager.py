@@ -1,0 +1,244 @@
+"""Env managers: one asyncio loop per trajectory, never waiting on another trajectory.
+
+    manager = EnvManager(cfg, pool, proxy, actions={"frozenlake": [12, 13, 14, 15]})
+    traj = await manager.run(Task(env=cfg.envs[0], seed=7, group_id="g1"), version=3)
+
+A trajectory is ``reset -> (generate -> step)* -> done``: its own environment session
+(``async with pool.session``: every step reaches the same container), its own turns
+through the LLM proxy (which keeps it on one engine replica). What the policy is shown each
+turn is the environment's ``prompt`` config (``history``, ``drop_lines``, ``system``); the
+trajectory records everything. A stateless tool call inside an environment (math-tools'
+calculator) goes to the fabric through the pool's tool bridge.
+
+Outcomes are data, never exceptions:
+
+* ``ok`` / ``truncated`` (``max_turns`` reached): rewarded by the reward stream.
+* ``aborted``: the proxy answered a turn with ``abort`` (the group had enough, or the
+  trajectory went stale); never reaches the trainer.
+* ``infra_failed``: the environment's container was lost beyond repair, the engine replicas
+  are gone, or the trajectory outran ``rollout.trajectory_timeout_s``: masked, re-run by the
+  group, never scored as zero.
+
+A reply that is not a valid action is sent to the environment as it is: the environment
+records it as invalid and decides the penalty (one too large to send at all is recorded as
+an invalid turn by the manager).
+
+What the trainer needs beyond the messages goes in ``traj.info``: ``turn_rewards`` (per
+assistant turn, the environment's step reward) and ``turn_states`` (the state the turn was
+taken in, for step-level advantages: the step/reset ``info["state"]`` if the environment
+gives one, else ``info["position"]``, else the observation as shown), plus where the time
+went (``gen_s``, ``env_s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from core.config import EnvConfig, JobConfig
+from core.rollout.engines.base import Completion, EngineError, GenerateRequest
+from core.sample import GROUP_KEY, TAG_KEY, VERSION_KEY
+from core.trainer.base import assistant_message
+from envpool.api import Observation, StepResult
+from envpool.errors import ActionError, EnvPoolError
+from envpool.pool import EnvPool
+from fabric.protocol import Message, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class ProxyLike(Protocol):
+    async def generate(self, traj_id: str, tag: str, request: GenerateRequest) -> Completion: ...
+
+    async def abort(self, traj_id: str) -> int: ...
+
+    async def release(self, traj_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Task:
+    """One environment episode to play: which mix entry, which seed, which group."""
+
+    env: EnvConfig
+    seed: int
+    group_id: str
+    greedy: bool = False
+    """Evaluation: temperature 0."""
+
+
+class TurnBarrier:
+    """Batch-level lockstep (``rollout.mode: sync``): a turn's generation starts only when
+    every live trajectory of the batch has reached that turn, as a batch-level rollout
+    generates for the whole batch, then steps every environment, then waits for the last."""
+
+    def __init__(self) -> None:
+        self._members = 0
+        self._arrived = 0
+        self._round = 0
+        self._cond = asyncio.Condition()
+
+    def join(self) -> None:
+        self._members += 1
+
+    async def leave(self) -> None:
+        async with self._cond:
+            self._members -= 1
+            self._maybe_release()
+
+    async def wait(self) -> None:
+        async with self._cond:
+            self._arrived += 1
+            my_round = self._round
+            self._maybe_release()
+            await self._cond.wait_for(lambda: self._round != my_round)
+
+    def _maybe_release(self) -> None:
+        if self._members > 0 and self._arrived >= self._members:
+            self._arrived = 0
+            self._round += 1
+            self._cond.notify_all()
+
+
+class EnvManager:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        pool: EnvPool,
+        proxy: ProxyLike,
+        *,
+        actions: dict[str, list[int]] | None = None,
+    ):
+        self.cfg = cfg
+        self.pool = pool
+        self.proxy = proxy
+        self.actions = actions or {}
+        """Tag -> allowed token ids (constrained replies), from ``EnvConfig.actions``."""
+
+    async def run(
+        self, task: Task, *, version: int, traj_id: str | None = None, barrier: TurnBarrier | None = None
+    ) -> Trajectory:
+        env = task.env
+        traj = Trajectory(
+            id=traj_id or uuid.uuid4().hex,
+            task={
+                "env_id": env.id,
+                "seed": task.seed,
+                TAG_KEY: env.tag,
+                GROUP_KEY: task.group_id,
+            },
+            info={VERSION_KEY: version, "turn_rewards": [], "turn_states": [], "gen_s": 0.0, "env_s": 0.0},
+        )
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.cfg.rollout.trajectory_timeout_s):
+                await self._play(task, traj, barrier)
+        except TimeoutError:
+            _fail(
+                traj,
+                f"trajectory ran over rollout.trajectory_timeout_s={self.cfg.rollout.trajectory_timeout_s}",
+            )
+        except (EnvPoolError, EngineError) as e:
+            # EnvLogicError (the environment's own bug) lands here too: masked like a lost
+            # container, since no reward for it would be true
+            _fail(traj, f"{type(e).__name__}: {e}")
+        finally:
+            traj.info["wall_s"] = time.perf_counter() - t0
+            if barrier is not None:
+                await barrier.leave()
+            await asyncio.shield(self.proxy.release(traj.id))
+        return traj
+
+    async def _play(self, task: Task, traj: Trajectory, barrier: TurnBarrier | None) -> None:
+        env, info = task.env, traj.info
+        async with self.pool.session(env.id, image=env.image, env_kwargs=env.kwargs) as session:
+            te = time.perf_counter()
+            obs, reset_info = await session.reset(seed=task.seed)
+            info["env_s"] += time.perf_counter() - te
+            if isinstance(reset_info.get("task"), dict):
+                traj.task.update(reset_info["task"])
+            if env.prompt.system:
+                traj.messages.append(Message(role="system", content=env.prompt.system))
+            traj.messages.append(Message(role="user", content=obs.text))
+            state = _state(reset_info, self._shown(obs.text, env))
+            traj.status = "truncated"
+            for turn in range(env.max_turns):
+                if barrier is not None:
+                    await barrier.wait()
+                tg = time.perf_counter()
+                c = await self.proxy.generate(traj.id, env.tag, self._request(task, traj, turn))
+                info["gen_s"] += time.perf_counter() - tg
+                if c.finish_reason == "abort":
+                    traj.status = "aborted"
+                    return
+                traj.messages.append(assistant_message(c))
+                te = time.perf_counter()
+                try:
+                    res = await session.step(c.text)
+                except ActionError as e:  # not sendable at all (over the size limit): invalid
+                    res = StepResult(obs=Observation(text=f"Invalid action: {e}"), info={"valid": False})
+                info["env_s"] += time.perf_counter() - te
+                info["turn_rewards"].append(res.reward)
+                info["turn_states"].append(state)
+                if res.info.get("valid") is False:
+                    info["invalid"] = info.get("invalid", 0) + 1
+                traj.messages.append(Message(role="user", content=res.obs.text))
+                state = _state(res.info, self._shown(res.obs.text, env))
+                if res.done:
+                    traj.status = "ok"
+                    break
+            traj.env_reward = float(sum(info["turn_rewards"]))
+
+    def _request(self, task: Task, traj: Trajectory, turn: int) -> GenerateRequest:
+        env = task.env
+        return GenerateRequest(
+            request_id=f"{traj.id}/{turn}",
+            messages=self.context(traj.messages, env),
+            max_new_tokens=self.cfg.engine.max_new_tokens,
+            temperature=0.0 if task.greedy else self.cfg.engine.temperature,
+            allowed_token_ids=self.actions.get(env.tag),
+            metadata={"trajectory_id": traj.id, "turn": turn, "tag": env.tag},
+        )
+
+    @staticmethod
+    def context(messages: list[Message], env: EnvConfig) -> list[Message]:
+        """What the policy sees: the system message, then the last ``history`` (reply,
+        observation) pairs and the latest observation, with ``drop_lines`` cut."""
+        system = [m for m in messages[:1] if m.role == "system"]
+        rest = messages[len(system) :]
+        history = env.prompt.history
+        window = rest if history is None else rest[-(2 * history + 1) :]
+        if env.prompt.drop_lines:
+            window = [
+                m.model_copy(update={"content": _drop(m.content or "", env.prompt.drop_lines)})
+                if m.role == "user"
+                else m
+                for m in window
+            ]
+        return [*system, *window]
+
+    @staticmethod
+    def _shown(text: str, env: EnvConfig) -> str:
+        return _drop(text, env.prompt.drop_lines) if env.prompt.drop_lines else text
+
+
+def _drop(text: str, prefixes: list[str]) -> str:
+    return "\n".join(line for line in text.split("\n") if not line.startswith(tuple(prefixes)))
+
+
+def _state(info: dict[str, Any], shown: str) -> str:
+    for key in ("state", "position"):
+        if key in info:
+            v = info[key]
+            return v if isinstance(v, str) else json.dumps(v, sort_keys=True)
+    return shown
+
+
+def _fail(traj: Trajectory, error: str) -> None:
+    traj.status = "infra_failed"
+    traj.info["error"] = error
+    log.info("trajectory %s infra_failed: %s", traj.id, error)

@@ -1,0 +1,227 @@
+"""Groups of rollouts: redundancy with prompt abort, re-runs of failures, stale aborts.
+
+    runner = GroupRunner(cfg, manager, proxy, submit=stream.submit)
+    runner.start(task_env, seed, group_id, version)    # group_size + redundancy trajectories
+    runner.reward_failed(sample)                       # a scored-out member: run another
+    runner.abort_group(gid, "stale")                   # the buffer's on_abort callback
+
+A group runs ``group_size + redundancy`` trajectories of one task. The first ``group_size``
+to finish (``ok`` or ``truncated``) go to the reward stream; at that moment the others are
+aborted at once: their LLM request (the proxy answers ``abort``) and their environment
+session (the task is cancelled, the session context releases the container). A trajectory
+that finishes in the race after the group filled is dropped here (``extra``), so no group
+ever sends more than ``group_size`` trajectories to be scored.
+
+An ``infra_failed`` trajectory goes to the stream too (the buffer counts it, masked) and,
+while the group is short of ``group_size`` finished-or-running trajectories, a replacement
+starts (same task, new trajectory id); so does one for a member whose reward failed. After
+``rollout.max_reruns`` replacements the group is given up (its members are aborted; the
+buffer's bound drops what it had).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from core.buffer import AbortReason
+from core.config import EnvConfig, JobConfig
+from core.rollout.env_manager import EnvManager, ProxyLike, Task, TurnBarrier
+from core.sample import Sample
+from fabric.protocol import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GroupState:
+    id: str
+    env: EnvConfig
+    seed: int
+    version: int
+    barrier: TurnBarrier | None = None
+    running: dict[str, asyncio.Task[Trajectory]] = field(default_factory=dict)
+    finished: int = 0
+    reruns: int = 0
+    closed: str | None = None
+    """Why no more trajectories of this group are wanted: ``full``, ``stale``, ``given_up``."""
+
+
+class GroupRunner:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        manager: EnvManager,
+        proxy: ProxyLike,
+        *,
+        submit: Callable[[Trajectory], object],
+        on_finished: Callable[[Trajectory], None] | None = None,
+        on_given_up: Callable[[GroupState], None] | None = None,
+    ):
+        self.cfg = cfg
+        self.manager = manager
+        self.proxy = proxy
+        self.submit = submit
+        self.on_finished = on_finished
+        """Called with every trajectory that ends (any status): the job's accounting."""
+        self.on_given_up = on_given_up
+        """Called when a group is given up (out of re-runs): the job starts another."""
+        self.groups: dict[str, GroupState] = {}
+        self.changed = asyncio.Event()
+        """Set whenever a group fills or closes (the launcher waits on it)."""
+        self.metrics: Counter[str] = Counter()
+        self.aborted_ids: set[str] = set()
+        """Every trajectory this runner aborted (the job checks none of them is trained on)."""
+        self._aborting: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ starting
+    def start(
+        self,
+        env: EnvConfig,
+        seed: int,
+        version: int,
+        *,
+        group_id: str | None = None,
+        barrier: TurnBarrier | None = None,
+    ) -> GroupState:
+        gid = group_id or uuid.uuid4().hex[:12]
+        g = GroupState(gid, env, seed, version, barrier)
+        self.groups[gid] = g
+        self.metrics["groups_started"] += 1
+        for _ in range(self.cfg.group_size + self.cfg.redundancy):
+            self._launch(g)
+        return g
+
+    def _launch(self, g: GroupState) -> None:
+        traj_id = uuid.uuid4().hex
+        if g.barrier is not None:
+            g.barrier.join()
+        task = asyncio.create_task(
+            self.manager.run(
+                Task(g.env, g.seed, g.id), version=g.version, traj_id=traj_id, barrier=g.barrier
+            ),
+            name=f"traj-{traj_id[:8]}",
+        )
+        g.running[traj_id] = task
+        self.metrics["trajectories_started"] += 1
+        task.add_done_callback(functools.partial(self._done, g, traj_id))
+
+    # ------------------------------------------------------------------ outcomes
+    def _done(self, g: GroupState, traj_id: str, task: asyncio.Task[Trajectory]) -> None:
+        g.running.pop(traj_id, None)
+        if task.cancelled():
+            self.metrics["aborted"] += 1
+            self.aborted_ids.add(traj_id)
+            self._after(g)
+            return
+        exc = task.exception()
+        if exc is not None:  # a bug in the manager: keep the job going, count it loudly
+            log.error("trajectory %s raised", traj_id, exc_info=exc)
+            self.metrics["errors"] += 1
+            self._maybe_rerun(g)
+            self._after(g)
+            return
+        traj = task.result()
+        if self.on_finished is not None:
+            self.on_finished(traj)
+        self.metrics[traj.status] += 1
+        if traj.status == "aborted":
+            self.aborted_ids.add(traj_id)
+        if traj.status in ("ok", "truncated"):
+            if g.closed is not None:
+                self.metrics["extra"] += 1  # finished in the race after the group filled
+            else:
+                g.finished += 1
+                self.submit(traj)
+                if g.finished >= self.cfg.group_size:
+                    self._close(g, "full")
+        elif traj.status == "infra_failed":
+            self.submit(traj)  # masked: the buffer counts it, never scores it
+            self._maybe_rerun(g)
+        # aborted: the group (or the bound) asked for it; nothing to do
+        self._after(g)
+
+    def reward_failed(self, sample: Sample) -> None:
+        """A member's reward failed for good (masked): the group needs another trajectory."""
+        g = self.groups.get(sample.group_id)
+        if g is None or g.closed in ("stale", "given_up"):
+            return
+        g.finished -= 1
+        if g.closed == "full":
+            g.closed = None
+        self._maybe_rerun(g)
+
+    def _maybe_rerun(self, g: GroupState) -> None:
+        if g.closed is not None or g.finished + len(g.running) >= self.cfg.group_size:
+            return
+        if g.reruns >= self.cfg.rollout.max_reruns:
+            log.warning("group %s given up after %d re-runs", g.id, g.reruns)
+            self.metrics["given_up"] += 1
+            self._close(g, "given_up")
+            if self.on_given_up is not None:
+                self.on_given_up(g)
+            return
+        g.reruns += 1
+        self.metrics["reruns"] += 1
+        self._launch(g)
+
+    def _after(self, g: GroupState) -> None:
+        if not g.running and g.closed is not None and g.closed != "full":
+            self.groups.pop(g.id, None)
+        self.changed.set()
+
+    # ------------------------------------------------------------------ aborting
+    def abort_group(self, gid: str, reason: AbortReason) -> None:
+        """The buffer's ``on_abort``: ``complete`` (scored and ready: forget the group) or
+        ``stale`` (out of the asynchronous bound: stop its rollouts)."""
+        g = self.groups.get(gid)
+        if g is None:
+            return
+        if reason == "complete":
+            self._close(g, g.closed or "full")
+            self.groups.pop(gid, None)
+            return
+        self.metrics["stale_groups"] += 1
+        self._close(g, "stale")
+
+    def _close(self, g: GroupState, why: str) -> None:
+        first = g.closed is None
+        g.closed = why
+        if first and why == "full" and g.running:
+            self.metrics["redundant_aborted"] += len(g.running)
+        for traj_id, task in list(g.running.items()):
+            t = asyncio.ensure_future(self._abort(traj_id, task))
+            self._aborting.add(t)
+            t.add_done_callback(self._aborting.discard)
+        self.changed.set()
+
+    async def _abort(self, traj_id: str, task: asyncio.Task[Trajectory]) -> None:
+        with contextlib.suppress(Exception):
+            await self.proxy.abort(traj_id)  # stops the turn in flight on its engine replica
+        # cancelling also stops a trajectory inside a (slow) environment step, and its
+        # session context releases the container; cancelling alone would not reach the
+        # engine (a Ray call's remote side runs on when its caller stops waiting)
+        if not task.done():
+            task.cancel()
+
+    # ------------------------------------------------------------------ introspection
+    def rolling_groups(self) -> int:
+        """Groups still short of ``group_size`` finished trajectories."""
+        return sum(1 for g in self.groups.values() if g.closed is None)
+
+    def running(self) -> int:
+        return sum(len(g.running) for g in self.groups.values())
+
+    async def aclose(self) -> None:
+        for g in list(self.groups.values()):
+            self._close(g, "given_up")
+        tasks = [t for g in self.groups.values() for t in g.running.values()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, *self._aborting, return_exceptions=True)

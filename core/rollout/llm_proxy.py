@@ -1,0 +1,301 @@
+"""The LLM proxy: one front door to the policy's engine replicas (a Ray actor in the job).
+
+    proxy = LLMProxy({"default": [replica_a, replica_b], "H800": [replica_c]},
+                     affinity={"frozenlake": "H800"})
+    c = await proxy.generate(traj_id, "frozenlake", GenerateRequest(...))   # one turn
+    await proxy.abort(traj_id)                    # its turn in flight returns "abort"
+    await proxy.update_weights(3, [state_ref])    # suspend, load, resume every replica
+
+Routing. A tag's generation runs on the replicas of its hardware group (``hw_affinity``
+maps tags to Ray custom resources; the job places each group's replicas on them). Within
+the group a trajectory sticks to the replica that served its first turn (**trajectory
+affinity**: that replica's prefix cache holds the conversation so far); a new trajectory
+goes to the least loaded one. ``release`` ends a trajectory's affinity.
+
+Weights. ``update_weights`` swaps every replica (suspend: the step in flight finishes;
+load; resume) and remembers the latest version, so that a replica Ray restarted after a
+crash gets it back before it serves again. Every completion carries the version that
+produced it.
+
+Replica loss. A call that fails because the replica's process died (``ReplicaLost``) is
+recovered here: wait for Ray to restart the actor (``max_restarts``), reload the latest
+weights, run the turn again (a turn has no side effects: it is only tokens). A replica out
+of restarts leaves the group; a group with none left fails the turn with
+``NoReplicaError``, which the env manager records as an ``infra_failed`` trajectory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+from core.config import DEFAULT_AFFINITY
+from core.rollout.coalesce import Answer, answer_all
+from core.rollout.engines.base import Completion, Engine, EngineError, GenerateRequest
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaLost(EngineError):
+    """The replica's process died or is restarting; the call may be retried on it later."""
+
+
+class ReplicaGone(ReplicaLost):
+    """The replica died for good (out of restarts)."""
+
+
+class NoReplicaError(EngineError):
+    """No replica is left to serve a tag's hardware group."""
+
+
+class Replica(ABC):
+    """How the proxy reaches one engine: in this process or as a Ray actor."""
+
+    name: str = "replica"
+
+    @abstractmethod
+    async def generate(self, request: GenerateRequest) -> Completion: ...
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> bool: ...
+
+    @abstractmethod
+    async def swap(self, version: int, state: Any) -> None:
+        """Suspend, load ``state`` as ``version``, resume."""
+
+    @abstractmethod
+    async def ping(self) -> int:
+        """The replica's weights version (raises ``ReplicaLost`` while it is down)."""
+
+
+class LocalReplica(Replica):
+    """An engine in the proxy's own process (tests, single-process runs)."""
+
+    def __init__(self, engine: Engine, name: str = "local"):
+        self.engine, self.name = engine, name
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        return await self.engine.generate(request)
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.engine.abort(request_id)
+
+    async def swap(self, version: int, state: Any) -> None:
+        await swap_weights(self.engine, version, state)
+
+    async def ping(self) -> int:
+        return self.engine.version
+
+
+async def swap_weights(engine: Engine, version: int, state: Mapping[str, Any]) -> None:
+    await engine.suspend()
+    try:
+        await engine.load_weights(state, version)
+    finally:
+        await engine.resume()
+
+
+class LLMProxy:
+    def __init__(
+        self,
+        groups: Mapping[str, Sequence[Replica]],
+        *,
+        affinity: Mapping[str, str] | None = None,
+        recover_timeout_s: float = 120.0,
+        max_turn_retries: int = 3,
+    ):
+        if not groups or not any(groups.values()):
+            raise ValueError("the proxy needs at least one replica")
+        self.groups: dict[str, list[Replica]] = {g: list(rs) for g, rs in groups.items()}
+        self.affinity = dict(affinity or {})
+        unknown = sorted(set(self.affinity.values()) - set(self.groups))
+        if unknown:
+            raise ValueError(f"hw_affinity names groups without replicas: {unknown}")
+        self.recover_timeout_s = recover_timeout_s
+        self.max_turn_retries = max_turn_retries
+        self._sticky: dict[str, Replica] = {}  # trajectory id -> its replica
+        self._load: Counter[int] = Counter()  # id(replica) -> turns in flight
+        self._inflight: dict[str, dict[str, Replica]] = {}  # traj id -> {request id: replica}
+        self._aborted: set[str] = set()  # trajectories aborted (until released)
+        self._latest: tuple[int, Any] | None = None  # (version, state or [ObjectRef])
+        self._recovering: dict[int, asyncio.Task[None]] = {}
+        self.version = 0
+        self.metrics: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ routing
+    def group_of(self, tag: str) -> str:
+        return self.affinity.get(tag, self.affinity.get(DEFAULT_AFFINITY, _first(self.groups)))
+
+    def _route(self, traj_id: str, tag: str) -> Replica:
+        replicas = self.groups.get(self.group_of(tag)) or []
+        if not replicas:
+            raise NoReplicaError(f"no engine replica left for tag {tag!r} (group {self.group_of(tag)!r})")
+        r = self._sticky.get(traj_id)
+        if r is not None and r in replicas:
+            self.metrics["affinity_hits"] += 1
+            return r
+        r = min(replicas, key=lambda x: self._load[id(x)])
+        self._sticky[traj_id] = r
+        return r
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, traj_id: str, tag: str, request: GenerateRequest) -> Completion:
+        """One turn of trajectory ``traj_id``. An aborted trajectory gets ``abort`` at once."""
+        for attempt in range(self.max_turn_retries + 1):
+            if traj_id in self._aborted:
+                return _aborted(request, self.version)
+            replica = self._route(traj_id, tag)
+            rid = request.request_id
+            self._inflight.setdefault(traj_id, {})[rid] = replica
+            self._load[id(replica)] += 1
+            try:
+                c = await replica.generate(request)
+            except ReplicaLost as e:
+                self.metrics["replica_lost"] += 1
+                log.warning("replica %s lost during a turn of %s: %s", replica.name, traj_id, e)
+                self._sticky.pop(traj_id, None)
+                if attempt == self.max_turn_retries:
+                    raise
+                await self._recover(replica, gone=isinstance(e, ReplicaGone))
+                self.metrics["turns_rerun"] += 1
+                continue
+            finally:
+                self._load[id(replica)] -= 1
+                self._inflight.get(traj_id, {}).pop(rid, None)
+            self.metrics["turns"] += 1
+            self.metrics["tokens"] += len(c.token_ids)
+            return c
+        raise AssertionError("unreachable")
+
+    async def generate_many(
+        self, items: list[tuple[str, str, GenerateRequest]]
+    ) -> AsyncIterator[list[Answer]]:
+        """Coalesced turns (see ``core.rollout.coalesce``), answered as each finishes."""
+        async for answers in answer_all(
+            (req.request_id, self.generate(tid, tag, req)) for tid, tag, req in items
+        ):
+            yield answers
+
+    async def abort(self, traj_id: str) -> int:
+        """Abort the trajectory's turn in flight (and any it starts later, until
+        ``release``). Returns how many requests were stopped."""
+        self._aborted.add(traj_id)
+        stopped = 0
+        for rid, replica in list(self._inflight.get(traj_id, {}).items()):
+            try:
+                stopped += bool(await replica.abort(rid))
+            except ReplicaLost:
+                pass  # the turn fails on its own; nothing to stop
+        self.metrics["aborts"] += stopped
+        return stopped
+
+    async def release(self, traj_id: str) -> None:
+        """The trajectory ended: forget its affinity and abort flag."""
+        self._sticky.pop(traj_id, None)
+        self._aborted.discard(traj_id)
+        self._inflight.pop(traj_id, None)
+
+    # ------------------------------------------------------------------ weights
+    async def update_weights(self, version: int, state: Any) -> None:
+        """Install ``state`` (a state dict, or ``[ObjectRef]`` of one) as ``version`` on every
+        replica. A replica that is down gets it when it comes back."""
+        if version < self.version:
+            raise EngineError(f"weights version {version} is older than the proxy's {self.version}")
+        self._latest = (version, state)
+        t0 = time.perf_counter()
+        replicas = [r for rs in self.groups.values() for r in rs]
+        results = await asyncio.gather(
+            *(r.swap(version, _unwrap(state)) for r in replicas), return_exceptions=True
+        )
+        for r, res in zip(replicas, results, strict=True):
+            if isinstance(res, ReplicaLost):
+                self._spawn_recover(r, gone=isinstance(res, ReplicaGone))
+            elif isinstance(res, BaseException):
+                raise res
+        self.version = version
+        self.metrics["weight_updates"] += 1
+        self.metrics["weight_update_ms"] += round((time.perf_counter() - t0) * 1000)
+
+    # ------------------------------------------------------------------ recovery
+    def _spawn_recover(self, replica: Replica, *, gone: bool) -> asyncio.Task[None]:
+        task = self._recovering.get(id(replica))
+        if task is None or task.done():
+            task = asyncio.ensure_future(self._do_recover(replica, gone=gone))
+            self._recovering[id(replica)] = task
+        return task
+
+    async def _recover(self, replica: Replica, *, gone: bool) -> None:
+        await asyncio.shield(self._spawn_recover(replica, gone=gone))
+
+    async def _do_recover(self, replica: Replica, *, gone: bool) -> None:
+        deadline = time.monotonic() + self.recover_timeout_s
+        delay = 0.05
+        while not gone:
+            try:
+                version = await replica.ping()
+            except ReplicaGone:
+                break
+            except ReplicaLost:
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(random.uniform(0, delay))  # full jitter
+                delay = min(delay * 2, 2.0)
+                continue
+            if self._latest is not None and version < self._latest[0]:
+                try:
+                    await replica.swap(self._latest[0], _unwrap(self._latest[1]))
+                except ReplicaLost:
+                    continue
+                self.metrics["weights_reloaded"] += 1
+            self.metrics["replicas_recovered"] += 1
+            return
+        for group in self.groups.values():
+            if replica in group:
+                group.remove(replica)
+        self.metrics["replicas_removed"] += 1
+        log.error("engine replica %s is gone; %d replicas left", replica.name, self.num_replicas)
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def num_replicas(self) -> int:
+        return sum(len(rs) for rs in self.groups.values())
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "replicas": {g: [r.name for r in rs] for g, rs in self.groups.items()},
+            "trajectories": len(self._sticky),
+            **self.metrics,
+        }
+
+
+def _first(groups: Mapping[str, Any]) -> str:
+    return DEFAULT_AFFINITY if DEFAULT_AFFINITY in groups else next(iter(groups))
+
+
+def _unwrap(state: Any) -> Any:
+    # ``[ObjectRef]`` stays wrapped through the proxy (Ray would resolve a bare ref in each
+    # hop); the replica call unwraps it so Ray resolves it once, in the replica's process
+    if isinstance(state, list) and len(state) == 1:
+        return state[0]
+    return state
+
+
+def _aborted(request: GenerateRequest, version: int) -> Completion:
+    return Completion(
+        request_id=request.request_id,
+        text="",
+        prompt_ids=list(request.prompt_ids or []),
+        token_ids=[],
+        logprobs=[],
+        policy_version=version,
+        finish_reason="abort",
+        allowed_token_ids=request.allowed_token_ids,
+        metadata=request.metadata,
+    )

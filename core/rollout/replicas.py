@@ -1,0 +1,148 @@
+"""Engine replicas as Ray actors, and the adapters the proxy and env managers call them by.
+
+    handle = ray.remote(EngineReplicaActor).options(max_restarts=3, resources={"H800": 1}).remote(...)
+    proxy = LLMProxy({"H800": [RayReplica(handle, "H800-0")]})
+
+``EngineReplicaActor`` owns one ``Engine`` (built in its own process from the job's policy
+bundle, so a restarted actor rebuilds it and the proxy reloads the latest weights).
+``RayReplica`` turns Ray's actor failures into ``ReplicaLost`` for the proxy.
+``RemoteProxy`` is what an env manager holds: the proxy actor's methods as coroutines.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from core.policy.build import PolicyBundle
+from core.rollout.coalesce import Answer, Coalescer, answer_all
+from core.rollout.engines.base import Completion, Engine, GenerateRequest, engine_registry
+from core.rollout.llm_proxy import Replica, ReplicaGone, ReplicaLost, swap_weights
+
+#: ``engine.kwargs`` keys of the torch engine's serving config (the rest shape the model).
+_TORCH_ENGINE_KEYS = ("max_batch_size", "batch_wait_ms", "num_threads")
+
+
+def make_engine(
+    backend: str, bundle: PolicyBundle | str | None, kwargs: dict[str, Any], *, seed: int
+) -> Engine:
+    """The job's engine for ``backend``: the torch engine runs the bundle's ``TinyLM``;
+    other backends get ``kwargs`` as they are."""
+    if backend == "torch":
+        from core.rollout.engines.torch_ import TorchEngine, TorchEngineConfig
+
+        if bundle is None:
+            raise ValueError("the torch engine needs the job's policy bundle")
+        if isinstance(bundle, str):
+            bundle = PolicyBundle.load(bundle)
+        serving = {k: v for k, v in kwargs.items() if k in _TORCH_ENGINE_KEYS}
+        return TorchEngine(bundle.model(), bundle.tok(), TorchEngineConfig(seed=seed, **serving))
+    return engine_registry.create(backend, **kwargs)
+
+
+class EngineReplicaActor:
+    """One engine replica in its own process (wrap with ``ray.remote``)."""
+
+    def __init__(
+        self, backend: str, bundle: PolicyBundle | str | None, kwargs: dict[str, Any], *, seed: int, name: str
+    ):
+        self.name = name
+        self.engine = make_engine(backend, bundle, kwargs, seed=seed)
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        return await self.engine.generate(request)
+
+    async def generate_many(self, requests: list[GenerateRequest]) -> AsyncIterator[list[Answer]]:
+        """Coalesced turns (see ``core.rollout.coalesce``), answered as each finishes."""
+        async for answers in answer_all((r.request_id, self.engine.generate(r)) for r in requests):
+            yield answers
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.engine.abort(request_id)
+
+    async def swap(self, version: int, state: Any) -> None:
+        await swap_weights(self.engine, version, state)
+
+    async def ping(self) -> int:
+        return self.engine.version
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def stats(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.engine.version, **getattr(self.engine, "stats", {})}
+
+
+class RayReplica(Replica):
+    """The proxy's handle on an ``EngineReplicaActor``."""
+
+    def __init__(self, handle: Any, name: str):
+        self.handle, self.name = handle, name
+        self._coalescer: Coalescer | None = None
+
+    def __getstate__(self) -> dict[str, Any]:  # shipped to the proxy actor: no loop state
+        return {"handle": self.handle, "name": self.name, "_coalescer": None}
+
+    def _lost(self, e: BaseException) -> BaseException:
+        import ray.exceptions as rex
+
+        if isinstance(e, rex.ActorUnschedulableError):
+            return ReplicaGone(f"{self.name}: {_first_line(e)}")
+        if isinstance(e, rex.RayActorError):
+            return ReplicaLost(f"{self.name}: {_first_line(e)}")
+        return e
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        import ray.exceptions as rex
+
+        try:
+            return await getattr(self.handle, method).remote(*args)
+        except rex.ActorDiedError as e:
+            # Ray says "died" both for a process that will restart and for one out of
+            # restarts; the proxy's ping tells them apart (a gone actor never answers)
+            raise ReplicaLost(f"{self.name}: {_first_line(e)}") from e
+        except rex.RayActorError as e:  # unavailable: restarting, or the node is unreachable
+            raise ReplicaLost(f"{self.name}: {_first_line(e)}") from e
+        except rex.ActorUnschedulableError as e:
+            raise ReplicaGone(f"{self.name}: {_first_line(e)}") from e
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        if self._coalescer is None:
+            many = self.handle.generate_many.options(num_returns="streaming")
+            self._coalescer = Coalescer(many.remote, on_error=self._lost)
+        result: Completion = await self._coalescer.call(request.request_id, request)
+        return result
+
+    async def abort(self, request_id: str) -> bool:
+        return bool(await self._call("abort", request_id))
+
+    async def swap(self, version: int, state: Any) -> None:
+        await self._call("swap", version, state)
+
+    async def ping(self) -> int:
+        return int(await self._call("ping"))
+
+
+class RemoteProxy:
+    """An ``LLMProxy`` actor's methods as coroutines (what env managers hold)."""
+
+    def __init__(self, handle: Any):
+        self.handle = handle
+        self._coalescer: Coalescer | None = None
+
+    async def generate(self, traj_id: str, tag: str, request: GenerateRequest) -> Completion:
+        if self._coalescer is None:
+            self._coalescer = Coalescer(self.handle.generate_many.options(num_returns="streaming").remote)
+        result: Completion = await self._coalescer.call(request.request_id, (traj_id, tag, request))
+        return result
+
+    async def abort(self, traj_id: str) -> int:
+        return int(await self.handle.abort.remote(traj_id))
+
+    async def release(self, traj_id: str) -> None:
+        await self.handle.release.remote(traj_id)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]

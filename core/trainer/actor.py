@@ -1,0 +1,98 @@
+"""The trainer as a Ray actor: steps on finished samples, publishes versioned weights.
+
+    trainer = ray.remote(TrainerActor).remote(cfg, bundle, ...)
+    metrics_ref, state_ref = trainer.step.options(num_returns=2).remote(batch)
+    await proxy.update_weights.remote(version, [state_ref])   # the weights never visit the driver
+
+The job's ``TrainerConfig`` maps onto the backend's own config here; ``trainer.kwargs``
+pass further backend options through (``weight_decay``, ``loss_agg``, ``num_threads``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from core.config import TrainerConfig
+from core.errors import ConfigError
+from core.policy.build import PolicyBundle
+from core.trainer.base import Trainer, TrainSample
+
+
+class TrainerActor:
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        bundle: PolicyBundle | str | None,
+        *,
+        total_steps: int,
+        temperature: float,
+        seed: int,
+    ):
+        self.cfg = cfg
+        self.total_steps = total_steps
+        if isinstance(bundle, str):
+            bundle = PolicyBundle.load(bundle)
+        self.trainer = make_trainer(cfg, bundle, temperature=temperature, seed=seed)
+        self.steps = 0
+
+    def step(self, batch: Sequence[TrainSample]) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        """One update; returns its metrics and the new weights (``num_returns=2``: the
+        caller forwards the weights' object ref without fetching them)."""
+        if self.cfg.lr_end is not None and hasattr(self.trainer, "set_lr"):
+            frac = min(1.0, self.steps / max(self.total_steps - 1, 1))
+            self.trainer.set_lr(self.cfg.lr + frac * (self.cfg.lr_end - self.cfg.lr))
+        n_traj = len({s.trajectory_id for s in batch})
+        if self.cfg.minibatch_size is not None and hasattr(self.trainer, "config"):
+            # minibatch_size counts trajectories; the backend splits turns: same proportion
+            per_update = math.ceil(len(batch) * min(1.0, self.cfg.minibatch_size / max(n_traj, 1)))
+            self.trainer.config = self.trainer.config.model_copy(update={"mini_batch_size": per_update})
+        metrics = self.trainer.step(batch)
+        self.steps += 1
+        return metrics, self.trainer.state()
+
+    def version(self) -> int:
+        return self.trainer.version
+
+
+def backend_config(cfg: TrainerConfig, *, temperature: float, seed: int) -> dict[str, Any]:
+    """The job's GRPO settings in the field names the backends share (torch, megatron),
+    then ``trainer.kwargs`` on top (backend-only options: model shape, parallelism)."""
+    return {
+        "lr": cfg.lr,
+        "clip_low": cfg.clip_eps,
+        "clip_high": cfg.clip_eps_high,
+        "kl_coef": cfg.kl_coef,
+        "epochs": cfg.epochs,
+        "grad_clip": cfg.max_grad_norm,
+        "entropy_coef": cfg.entropy_coef,
+        "scale_advantages": cfg.scale_advantages,
+        "temperature": max(temperature, 1e-3),  # a greedy rollout still trains at T=1-ish
+        "seed": seed,
+        **cfg.kwargs,
+    }
+
+
+def make_trainer(
+    cfg: TrainerConfig, bundle: PolicyBundle | None, *, temperature: float, seed: int
+) -> Trainer:
+    options = backend_config(cfg, temperature=temperature, seed=seed)
+    if cfg.backend == "torch":
+        from core.trainer.torch_ import TorchTrainer, TorchTrainerConfig
+
+        threads = options.pop("num_threads", None)
+        if threads is not None:
+            torch.set_num_threads(int(threads))
+        if bundle is None:
+            raise ConfigError([("trainer.backend", "the torch trainer trains the torch engine's policy")])
+        try:
+            tcfg = TorchTrainerConfig(**options)
+        except ValueError as e:
+            raise ConfigError([("trainer.kwargs", str(e))]) from None
+        return TorchTrainer(bundle.model(), tcfg)
+    from core.trainer.base import trainer_registry
+
+    return trainer_registry.create(cfg.backend, config=options)

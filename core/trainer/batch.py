@@ -1,0 +1,56 @@
+"""From the buffer's complete groups to ``TrainSample``s with their advantages.
+
+Each generated turn of a trajectory is one sample. Its advantage is the trajectory's
+episode-level group advantage (GRPO: its reward against the group's) plus, with
+``trainer.step_adv > 0``, GiGPO's step-level advantage: the turns of the group taken in the
+same state (``traj.info["turn_states"]``, recorded by the env manager) compared by their
+discounted return (``traj.info["turn_rewards"]``, ``trainer.gamma``). The advantages are
+computed here, on the whole batch, so the trainer (a Ray actor) receives finished samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from core.buffer import Group
+from core.config import TrainerConfig
+from core.trainer.base import TrainerError, TrainSample, turn_samples
+from core.trainer.grpo import discounted_returns, group_advantages, step_advantages
+
+
+def build_batch(groups: Sequence[Group], cfg: TrainerConfig) -> list[TrainSample]:
+    samples = [s for g in groups for s in g.samples]
+    if not samples:
+        raise TrainerError("build_batch needs at least one sample")
+    episode = group_advantages(
+        [s.score for s in samples], [s.group_id for s in samples], scale=cfg.scale_advantages
+    ).tolist()
+    per_turn: list[list[float]] = [[0.0] * _turns(s.traj.info) for s in samples]
+    if cfg.step_adv > 0:
+        returns: list[float] = []
+        keys: list[str] = []
+        states: list[str] = []
+        for s in samples:
+            rewards = list(s.traj.info.get("turn_rewards", []))
+            returns += discounted_returns(rewards, cfg.gamma)
+            keys += [s.group_id] * len(rewards)
+            states += [str(x) for x in s.traj.info.get("turn_states", [])][: len(rewards)]
+        if len(states) != len(returns):
+            raise TrainerError("trajectories lack turn_states for step-level advantages (step_adv > 0)")
+        flat = iter(step_advantages(returns, keys, states, scale=cfg.scale_advantages).tolist())
+        per_turn = [[next(flat) for _ in turns] for turns in per_turn]
+    out: list[TrainSample] = []
+    for s, ep, steps in zip(samples, episode, per_turn, strict=True):
+        turns = turn_samples(s.traj, reward=s.score, group_id=s.group_id)
+        if steps and len(steps) != len(turns):
+            # a turn without tokens has no sample; step advantages are per stepped turn
+            steps = steps[: len(turns)] + [0.0] * max(0, len(turns) - len(steps))
+        for i, t in enumerate(turns):
+            extra = cfg.step_adv * steps[i] if steps else 0.0
+            out.append(t.model_copy(update={"advantage": ep + extra}))
+    return out
+
+
+def _turns(info: dict[str, object]) -> int:
+    rewards = info.get("turn_rewards")
+    return len(rewards) if isinstance(rewards, list) else 0
