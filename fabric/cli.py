@@ -1,4 +1,4 @@
-"""``fabric``: list, invoke and benchmark registered functions.
+"""``fabric``: list, invoke and benchmark registered functions; run an RL job.
 
 Functions are discovered from the built-in ``functions`` package, from ``--module/-m``
 (module names, ``module:attr`` or ``file.py``), and from ``$FABRIC_MODULES``
@@ -193,6 +193,47 @@ def bench(
     for k, v in result.items():
         table.add_row(k, f"{v:,.3f}" if isinstance(v, float) else str(v))
     out.print(table)
+
+
+@app.command()
+def run(
+    config: Annotated[str, typer.Argument(help="A job config (YAML), e.g. examples/frozenlake/config.yaml.")],
+    steps: Annotated[int | None, typer.Option(help="Override the config's training steps.")] = None,
+    run_dir: Annotated[str | None, typer.Option(help="Override the config's run directory.")] = None,
+    quiet: Annotated[bool, typer.Option(help="No progress display; print only the summary JSON.")] = False,
+) -> None:
+    """Run an RL job: a local Ray cluster, local fabric pools, process containers."""
+    try:
+        from core.errors import CoreError
+        from core.job import Job, load
+    except ImportError as e:  # the job needs the ray and train extras
+        _fail(f"the RL job needs its extras: pip install -e '.[ray,train,rewards]' ({e})")
+    try:
+        cfg = load(config, steps=steps, run_dir=run_dir)
+    except CoreError as e:
+        _fail(str(e))
+    summary = asyncio.run(Job(cfg, progress=not quiet).run())
+    if not quiet:
+        _print_summary(summary)
+    print(json.dumps(summary))
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    table = Table("figure", "value", title="job summary")
+    for k in (
+        "mode",
+        "steps",
+        "train_wall_s",
+        "step_s_mean",
+        "untrained_success",
+        "final_success",
+        "best_eval_success",
+        "final_train_reward",
+        "aborted_trained",
+        "run_dir",
+    ):
+        table.add_row(k, str(summary.get(k)))
+    err.print(table)
 
 
 def main() -> None:

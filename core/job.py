@@ -1,0 +1,520 @@
+"""The RL job: rollout streams trajectories out to the reward functions, rewards flow back
+into the sample buffer, the trainer steps within the asynchronous bound.
+
+    fabric run examples/frozenlake/config.yaml        # or: python -m core.job CONFIG
+
+    cfg = JobConfig.from_yaml("examples/frozenlake/config.yaml")
+    summary = asyncio.run(Job(cfg).run())
+
+What runs where (on one machine: a local Ray cluster, local fabric pools, process
+containers):
+
+* Ray actors: the engine replicas (``EngineReplicaActor``, restarted by Ray on a crash,
+  placed by ``hw_affinity``), the ``LLMProxy`` in front of them, the ``TrainerActor``.
+* This process's event loop: the env managers (one task per trajectory), the group runner
+  (redundancy, re-runs), the ``RewardStream`` (fabric client) and the ``SampleBuffer``.
+  They exchange only in-process callbacks, so none of them needs its own actor.
+
+The step loop takes ``batch_size`` complete groups from the buffer, builds the samples and
+their advantages, has the trainer step and hand its weights straight to the proxy (an
+object ref: the weights never pass through this process), then advances the buffer's
+bound. In ``async`` mode a launcher keeps groups starting meanwhile, at most ``alpha``
+versions ahead of the trainer; in ``sync`` mode (the batch-level baseline) a step's groups
+start together, move turn by turn in lockstep, and the trainer waits for the last one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from core.buffer import Group, SampleBuffer
+from core.config import DEFAULT_AFFINITY, EnvConfig, JobConfig
+from core.errors import ConfigError, CoreError
+from core.policy.build import PolicyBundle, action_ids, build_policy
+from core.report import JobProgress, RunDir
+from core.rewards import RewardStream
+from core.rollout.env_manager import EnvManager, Task, TurnBarrier
+from core.rollout.groups import GroupRunner
+from core.rollout.llm_proxy import LLMProxy
+from core.rollout.replicas import EngineReplicaActor, RayReplica, RemoteProxy
+from core.sample import Sample
+from core.trainer.actor import TrainerActor
+from core.trainer.batch import build_batch
+from fabric.protocol import Trajectory
+from fabric.registry import Registry
+
+log = logging.getLogger(__name__)
+
+#: Evaluation seeds start here; training draws below it, so evaluation tasks are unseen.
+EVAL_SEED_BASE = 10_000_000
+
+
+class Job:
+    def __init__(self, cfg: JobConfig, *, progress: bool = True, registry: Registry | None = None):
+        self.cfg = cfg
+        self.registry = registry
+        self.progress_enabled = progress
+        self.rng = random.Random(cfg.seed)
+        # live handles, for tests and fault injection while the job runs
+        self.replicas: list[Any] = []
+        self.proxy_handle: Any = None
+        self.trainer_handle: Any = None
+        self.pool: Any = None
+        self.runner: GroupRunner | None = None
+        self.buffer: SampleBuffer | None = None
+        self.stream: RewardStream | None = None
+        self.step = 0
+        self.version = 0
+        self._window: Counter[str] = Counter()  # per-step accounting of finished trajectories
+        self._window_times: dict[str, list[float]] = {"gen_s": [], "env_s": []}
+        self._groups_live = 0  # started minus dropped (stale, given up): the launch budget
+        self._seen_trajs: set[str] = set()
+        self.evals: list[dict[str, Any]] = []
+        self.run_dir: RunDir | None = None
+
+    # ------------------------------------------------------------------ the run
+    async def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        registry = self.registry if self.registry is not None else cfg.discover_functions()
+        bundle = build_policy(cfg) if cfg.engine.backend == "torch" else None
+        actions = self._action_ids(bundle)
+        run_dir = self.run_dir = RunDir(Path(cfg.run_dir))
+        run_dir.write_config(cfg.to_yaml())
+        with JobProgress(cfg.steps, enabled=self.progress_enabled) as progress:
+            progress.note(f"run directory: {run_dir.path}")
+            init = str(bundle.save(run_dir.path.resolve() / "policy-init")) if bundle is not None else None
+            async with self._cluster(init) as proxy, self._fabric(registry) as (client, pool):
+                self.pool = pool
+                buffer = self.buffer = SampleBuffer(cfg.group_size, cfg.alpha, on_abort=self._on_abort)
+                stream = self.stream = RewardStream(client, cfg.rewards, self._deliver)
+                manager = EnvManager(cfg, pool, proxy, actions=actions)
+                runner = self.runner = GroupRunner(
+                    cfg,
+                    manager,
+                    proxy,
+                    submit=stream.submit,
+                    on_finished=self._account,
+                    on_given_up=self._given_up,
+                )
+                async with stream:
+                    setup_s = time.perf_counter() - t_start
+                    progress.note(f"ready in {setup_s:.1f}s; training {cfg.steps} steps ({cfg.rollout.mode})")
+                    summary = await self._train(manager, runner, buffer, stream, run_dir, progress)
+                    summary["setup_s"] = round(setup_s, 1)
+                    await runner.aclose()
+        summary["wall_s"] = round(time.perf_counter() - t_start, 1)
+        run_dir.finish(summary)
+        return summary
+
+    async def _train(
+        self,
+        manager: EnvManager,
+        runner: GroupRunner,
+        buffer: SampleBuffer,
+        stream: RewardStream,
+        run_dir: RunDir,
+        progress: JobProgress,
+    ) -> dict[str, Any]:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        launcher = asyncio.create_task(self._launch_loop(runner)) if cfg.rollout.mode == "async" else None
+        eval_task: asyncio.Task[dict[str, Any]] | None = None
+        first_eval = await self._evaluate(manager, 0) if cfg.rollout.eval_every else None
+        if first_eval:
+            run_dir.log(first_eval)
+        tokens_last, t_last = 0, time.perf_counter()
+        try:
+            for step in range(1, cfg.steps + 1):
+                self.step = step
+                tw = time.perf_counter()
+                if cfg.rollout.mode == "sync":
+                    barrier = TurnBarrier()
+                    for _ in range(cfg.batch_size):
+                        self._start_group(runner, barrier)
+                groups = await buffer.get_batch(cfg.batch_size)
+                wait_s = time.perf_counter() - tw
+                tt = time.perf_counter()
+                trained = {s.id for g in groups for s in g.samples}
+                self._window["aborted_trained"] += len(trained & runner.aborted_ids)
+                self._window["masked_trained"] += sum(s.masked for g in groups for s in g.samples)
+                batch = build_batch(groups, cfg.trainer)
+                metrics_ref, state_ref = self.trainer_handle.step.options(num_returns=2).remote(batch)
+                metrics = await metrics_ref
+                train_s = time.perf_counter() - tt
+                tp = time.perf_counter()
+                version = int(metrics["version"])
+                await self.proxy_handle.update_weights.remote(version, [state_ref])
+                self.version = version
+                buffer.advance(version)
+                runner.changed.set()
+                publish_s = time.perf_counter() - tp
+                now = time.perf_counter()
+                tokens = self._window["tokens"]
+                row = self._row(step, groups, metrics, now - t0, wait_s, train_s, publish_s, stream)
+                row["tokens_per_s"] = (tokens - tokens_last) / max(now - t_last, 1e-9)
+                tokens_last, t_last = tokens, now
+                run_dir.log(row)
+                if eval_task is not None and eval_task.done():
+                    run_dir.log(eval_task.result())
+                    eval_task = None
+                if cfg.rollout.eval_every and step % cfg.rollout.eval_every == 0 and step < cfg.steps:
+                    if eval_task is None:  # one at a time; in sync mode it runs between steps
+                        eval_task = asyncio.create_task(self._evaluate(manager, step))
+                        if cfg.rollout.mode == "sync":
+                            run_dir.log(await eval_task)
+                            eval_task = None
+                progress.step(row, self.evals[-1]["success"] if self.evals else None)
+        finally:
+            if launcher is not None:
+                launcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await launcher
+        train_wall = time.perf_counter() - t0
+        if eval_task is not None:
+            run_dir.log(await eval_task)
+        final = await self._evaluate(manager, cfg.steps) if cfg.rollout.eval_every else None
+        if final:
+            run_dir.log(final)
+        return self._summary(run_dir, train_wall, first_eval, final, buffer, stream, runner)
+
+    # ------------------------------------------------------------------ launching
+    async def _launch_loop(self, runner: GroupRunner) -> None:
+        """Keep groups starting: at most ``alpha`` versions ahead of the trainer (groups that
+        would only go stale are never started) and ``max_groups_in_flight`` at a time."""
+        cfg = self.cfg
+        cap = cfg.rollout.max_groups_in_flight or cfg.batch_size * (cfg.alpha + 1)
+        while True:
+            runner.changed.clear()
+            budget = (self.version + cfg.alpha + 1) * cfg.batch_size
+            while self._groups_live < budget and runner.rolling_groups() < cap:
+                self._start_group(runner)
+            await runner.changed.wait()
+
+    def _start_group(self, runner: GroupRunner, barrier: TurnBarrier | None = None) -> None:
+        env = self._draw_env()
+        seed = self.rng.randrange(EVAL_SEED_BASE)
+        g = runner.start(env, seed, self.version, barrier=barrier)
+        assert self.buffer is not None
+        self.buffer.open_group(g.id, self.version)
+        self._groups_live += 1
+
+    def _draw_env(self) -> EnvConfig:
+        envs = self.cfg.envs
+        return envs[0] if len(envs) == 1 else self.rng.choices(envs, weights=[e.weight for e in envs])[0]
+
+    # ------------------------------------------------------------------ callbacks
+    def _deliver(self, sample: Sample) -> None:
+        """The reward stream's output: into the buffer; a failed reward re-runs a member."""
+        assert self.buffer is not None and self.runner is not None
+        self.buffer.put(sample)
+        if sample.status == "reward_failed":
+            self._window["reward_failed"] += 1
+            self.runner.reward_failed(sample)
+
+    def _on_abort(self, gid: str, reason: str) -> None:
+        assert self.runner is not None
+        if reason == "stale":
+            self._groups_live -= 1
+            self._window["stale_groups"] += 1
+        self.runner.abort_group(gid, reason)  # type: ignore[arg-type]
+
+    def _given_up(self, g: Any) -> None:
+        self._groups_live -= 1
+        self._window["given_up_groups"] += 1
+        if self.cfg.rollout.mode == "sync" and self.runner is not None:
+            self._start_group(self.runner)  # the step waits for batch_size groups: replace it
+
+    def _account(self, traj: Trajectory) -> None:
+        if traj.id in self._seen_trajs:  # cannot happen by construction; counted if it does
+            self._window["double_count"] += 1
+        self._seen_trajs.add(traj.id)
+        self._window[traj.status] += 1
+        self._window["tokens"] += sum(
+            len((m.model_extra or {}).get("token_ids", [])) for m in traj.messages if m.role == "assistant"
+        )
+        if traj.status in ("ok", "truncated"):
+            for k in ("gen_s", "env_s"):
+                self._window_times[k].append(float(traj.info.get(k, 0.0)))
+
+    # ------------------------------------------------------------------ evaluation
+    async def _evaluate(self, manager: EnvManager, step: int) -> dict[str, Any]:
+        """Greedy episodes on held-out seeds (the same seeds every time)."""
+        cfg = self.cfg
+        n = cfg.rollout.eval_episodes
+        rng = random.Random(cfg.seed + 1)
+        tasks = []
+        for i in range(n):
+            env = cfg.envs[i % len(cfg.envs)] if len(cfg.envs) > 1 else cfg.envs[0]
+            tasks.append(Task(env, EVAL_SEED_BASE + i, f"eval-{step}", greedy=True))
+        rng.shuffle(tasks)
+        te = time.perf_counter()
+        trajs = await asyncio.gather(*(manager.run(t, version=self.version) for t in tasks))
+        scored = [t for t in trajs if t.status in ("ok", "truncated") and t.env_reward is not None]
+        row = {
+            "kind": "eval",
+            "step": step,
+            "version": self.version,
+            "episodes": len(scored),
+            "success": sum(1 for t in scored if (t.env_reward or 0) > 0) / max(len(scored), 1),
+            "return_mean": statistics.fmean([t.env_reward or 0.0 for t in scored]) if scored else 0.0,
+            "infra_failed": sum(1 for t in trajs if t.status == "infra_failed"),
+            "eval_s": round(time.perf_counter() - te, 2),
+        }
+        self.evals.append(row)
+        return row
+
+    # ------------------------------------------------------------------ rows
+    def _row(
+        self,
+        step: int,
+        groups: list[Group],
+        metrics: dict[str, float],
+        wall: float,
+        wait_s: float,
+        train_s: float,
+        publish_s: float,
+        stream: RewardStream,
+    ) -> dict[str, Any]:
+        samples = [s for g in groups for s in g.samples]
+        envr = [s.traj.env_reward for s in samples if s.traj.env_reward is not None]
+        w, times = self._window, self._window_times
+        row = {
+            "kind": "train",
+            "step": step,
+            "version": self.version,
+            "wall_s": round(wall, 2),
+            "reward_mean": statistics.fmean(s.score for s in samples),
+            "success": sum(1 for r in envr if r > 0) / len(envr) if envr else 0.0,
+            "trajectories": len(samples),
+            "turns_mean": statistics.fmean(len(s.traj.info.get("turn_rewards", [])) for s in samples),
+            "staleness_mean": statistics.fmean(self.version - 1 - s.version for s in samples),
+            "loss": metrics.get("loss"),
+            "entropy": metrics.get("entropy"),
+            "lr": metrics.get("lr"),
+            "finished": {k: w[k] for k in ("ok", "truncated", "aborted", "infra_failed", "reward_failed")},
+            "stale_groups": w["stale_groups"],
+            "time": {
+                "wait_s": round(wait_s, 3),
+                "train_s": round(train_s, 3),
+                "publish_s": round(publish_s, 3),
+                "gen_s": round(statistics.fmean(times["gen_s"]), 3) if times["gen_s"] else 0.0,
+                "env_s": round(statistics.fmean(times["env_s"]), 3) if times["env_s"] else 0.0,
+                "reward_s": round(stream.metrics()["reward_ms"]["mean"] / 1000, 3),
+            },
+        }
+        for k in ("gen_s", "env_s"):
+            times[k].clear()
+        return row
+
+    def _summary(
+        self,
+        run_dir: RunDir,
+        train_wall: float,
+        first: dict[str, Any] | None,
+        final: dict[str, Any] | None,
+        buffer: SampleBuffer,
+        stream: RewardStream,
+        runner: GroupRunner,
+    ) -> dict[str, Any]:
+        rows = run_dir.rows
+        return {
+            "config": str(self.cfg.run_dir / "config.yaml"),
+            "mode": self.cfg.rollout.mode,
+            "steps": len(rows),
+            "train_wall_s": round(train_wall, 1),
+            "step_s_mean": round(train_wall / max(len(rows), 1), 3),
+            "untrained_success": first["success"] if first else None,
+            "final_success": final["success"] if final else None,
+            "best_eval_success": max((e["success"] for e in self.evals), default=None),
+            "final_train_reward": rows[-1]["reward_mean"] if rows else None,
+            "evals": [{k: e[k] for k in ("step", "success", "return_mean")} for e in self.evals],
+            "trajectories": dict(self._window),
+            "aborted_trained": self._window["aborted_trained"],
+            "masked_trained": self._window["masked_trained"],
+            "buffer": {k: v for k, v in buffer.metrics().items() if k not in ("trainer_wait_s",)},
+            "rewards": stream.metrics(),
+            "groups": dict(runner.metrics),
+            "run_dir": str(run_dir.path),
+        }
+
+    # ------------------------------------------------------------------ setup
+    def _action_ids(self, bundle: PolicyBundle | None) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for i, env in enumerate(self.cfg.envs):
+            if env.actions is None:
+                continue
+            if bundle is None:
+                raise ConfigError([(f"envs[{i}].actions", "constrained actions need the torch engine")])
+            out[env.tag] = action_ids(bundle.tok(), env.actions)
+        return out
+
+    @contextlib.asynccontextmanager
+    async def _cluster(self, bundle: str | None) -> AsyncIterator[RemoteProxy]:
+        """Ray (started here unless the caller did), the engine replicas per hardware group,
+        the proxy, the trainer; all killed on the way out."""
+        import ray
+
+        started = False
+        if not ray.is_initialized():
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            ray.init(
+                num_cpus=os.cpu_count() or 1,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.ERROR,
+                configure_logging=False,
+            )
+            started = True
+        cfg = self.cfg
+        actors: list[Any] = []
+        try:
+            groups = self._hw_groups()
+            replica_cls = ray.remote(EngineReplicaActor)
+            by_group: dict[str, list[RayReplica]] = {}
+            for group, resource in groups.items():
+                for i in range(cfg.engine.replicas):
+                    name = f"{group}-{i}"
+                    opts: dict[str, Any] = {
+                        "max_restarts": cfg.engine.max_restarts,
+                        "max_concurrency": 10_000,
+                        "num_cpus": 0,
+                    }
+                    if resource is not None:
+                        opts["resources"] = {resource: 1}
+                    h = replica_cls.options(**opts).remote(
+                        cfg.engine.backend, bundle, cfg.engine.kwargs, seed=cfg.seed + i, name=name
+                    )
+                    actors.append(h)
+                    self.replicas.append(h)
+                    by_group.setdefault(group, []).append(RayReplica(h, name))
+            affinity = {tag: tag_group for tag, tag_group in cfg.engine.hw_affinity.items()}
+            proxy = (
+                ray.remote(LLMProxy)
+                .options(max_concurrency=100_000, num_cpus=0)
+                .remote(by_group, affinity=affinity)
+            )
+            actors.append(proxy)
+            trainer = (
+                ray.remote(TrainerActor)
+                .options(num_cpus=0)
+                .remote(
+                    cfg.trainer,
+                    bundle,
+                    total_steps=cfg.steps,
+                    temperature=cfg.engine.temperature,
+                    seed=cfg.seed,
+                )
+            )
+            actors.append(trainer)
+            self.proxy_handle, self.trainer_handle = proxy, trainer
+            # surface a replica or trainer that cannot start (bad kwargs) now, not mid-run
+            await asyncio.gather(*(a.__ray_ready__.remote() for a in actors))
+            yield RemoteProxy(proxy)
+        finally:
+            for a in actors:
+                with contextlib.suppress(Exception):
+                    ray.kill(a, no_restart=True)
+            if started:
+                ray.shutdown()
+
+    def _hw_groups(self) -> dict[str, str | None]:
+        """Replica group -> the Ray custom resource its replicas need (None: anywhere).
+        Groups are named by their resource; tags without affinity use ``default``."""
+        import ray
+
+        aff = self.cfg.engine.hw_affinity
+        groups: dict[str, str | None] = {}
+        tags = {e.tag for e in self.cfg.envs}
+        if not aff or any(t not in aff for t in tags) or DEFAULT_AFFINITY in aff:
+            groups[DEFAULT_AFFINITY] = aff.get(DEFAULT_AFFINITY)
+        for tag, resource in aff.items():
+            if tag != DEFAULT_AFFINITY:
+                groups[resource] = resource
+        have = ray.cluster_resources()
+        missing = sorted({r for r in groups.values() if r is not None and have.get(r, 0) < 1})
+        if missing:
+            raise ConfigError(
+                [
+                    (
+                        "engine.hw_affinity",
+                        f"no Ray node offers the resource(s) {missing}; start the cluster with them "
+                        f"(ray start --resources='{{\"{missing[0]}\": 1}}') or drop the affinity",
+                    )
+                ]
+            )
+        return groups
+
+    @contextlib.asynccontextmanager
+    async def _fabric(self, registry: Registry) -> AsyncIterator[tuple[Any, Any]]:
+        from envpool.pool import EnvPool
+        from fabric.client import Client
+
+        cfg = self.cfg
+        async with Client(
+            backend=cfg.fabric.backend_config(), registry=registry, config=cfg.fabric.client
+        ) as client:
+
+            async def call_tool(name: str, arguments: dict[str, Any]) -> str:
+                # a tool's failure is shown to the policy as text, like any tool output
+                r = await client.call(name, arguments)
+                if r.ok:
+                    return str(r.value)
+                return f"error: {r.error.message if r.error else 'the tool failed'}"
+
+            async with EnvPool(cfg.envpool, tool_caller=call_tool) as pool:
+                await pool.prewarm()
+                yield client, pool
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m core.job CONFIG [--steps N] [--run-dir DIR] [--quiet]``."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m core.job", description="Run an RL job from a YAML config.")
+    ap.add_argument("config")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--run-dir")
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load(args.config, steps=args.steps, run_dir=args.run_dir)
+    except CoreError as e:
+        print(e, file=sys.stderr)
+        return 2
+    summary = asyncio.run(Job(cfg, progress=not args.quiet).run())
+    print(json.dumps(summary))
+    return 0
+
+
+def load(path: str, *, steps: int | None = None, run_dir: str | None = None) -> JobConfig:
+    """The config at ``path`` with command-line overrides, validated once."""
+    import yaml
+
+    cfg = JobConfig.from_yaml(path)
+    overrides: dict[str, Any] = {}
+    if steps is not None:
+        overrides["steps"] = steps
+    if run_dir is not None:
+        overrides["run_dir"] = run_dir
+    if not overrides:
+        return cfg
+    data = yaml.safe_load(cfg.to_yaml())
+    data.update(overrides)
+    return JobConfig.from_dict(data, source=path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The run directory: what a job leaves behind, and its live progress display.
+
+    runs/frozenlake/
+      config.yaml      the config with every default filled in
+      metrics.jsonl    one JSON object per training step (and one per evaluation)
+      reward.png       reward and success rate per step (evaluation on held-out tasks too)
+      time.png         where each step's time went
+      summary.json     the final figures (also printed)
+
+The time breakdown has two views, because in an asynchronous job they overlap: the
+trainer's wall time per step (waiting for a batch / training / publishing weights), and
+per trajectory, the mean time in generation, environment and reward.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+
+class RunDir:
+    def __init__(self, path: Path):
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+        self._metrics = (path / "metrics.jsonl").open("w")
+        self.rows: list[dict[str, Any]] = []
+        self.evals: list[dict[str, Any]] = []
+
+    def write_config(self, text: str) -> None:
+        (self.path / "config.yaml").write_text(text)
+
+    def log(self, row: dict[str, Any]) -> None:
+        (self.evals if row.get("kind") == "eval" else self.rows).append(row)
+        self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.flush()
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        self._metrics.close()
+        (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self.plot()
+
+    def plot(self) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display; must precede pyplot
+        import matplotlib.pyplot as plt
+
+        if not self.rows:
+            return
+        steps = [r["step"] for r in self.rows]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot(steps, [r["reward_mean"] for r in self.rows], label="reward (train batch)", alpha=0.7)
+        ax.plot(steps, [r["success"] for r in self.rows], label="success (train, sampled)", alpha=0.7)
+        if self.evals:
+            ax.plot(
+                [e["step"] for e in self.evals],
+                [e["success"] for e in self.evals],
+                "o-",
+                label="success (held-out, greedy)",
+            )
+        ax.set_xlabel("step")
+        ax.set_ylim(-0.05, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+        ax.set_title("reward curve")
+        fig.tight_layout()
+        fig.savefig(self.path / "reward.png", dpi=110)
+        plt.close(fig)
+
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+        bottom = [0.0] * len(steps)
+        for key, label in (
+            ("wait_s", "waiting for a batch"),
+            ("train_s", "training"),
+            ("publish_s", "weights"),
+        ):
+            vals = [r["time"][key] for r in self.rows]
+            a1.bar(steps, vals, bottom=bottom, label=label, width=1.0)
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        a1.set_xlabel("step")
+        a1.set_ylabel("seconds")
+        a1.set_title("trainer wall time per step")
+        a1.legend()
+        bottom = [0.0] * len(steps)
+        for key, label in (("gen_s", "generation"), ("env_s", "environment"), ("reward_s", "reward")):
+            vals = [r["time"][key] for r in self.rows]
+            a2.bar(steps, vals, bottom=bottom, label=label, width=1.0)
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        a2.set_xlabel("step")
+        a2.set_title("per trajectory (mean), overlapping the trainer")
+        a2.legend()
+        fig.tight_layout()
+        fig.savefig(self.path / "time.png", dpi=110)
+        plt.close(fig)
+
+
+class JobProgress:
+    """A rich progress bar with the latest figures (or plain lines when not a terminal)."""
+
+    def __init__(self, total_steps: int, *, enabled: bool = True, console: Console | None = None):
+        self.console = console or Console(stderr=True)
+        self.enabled = enabled
+        self.live = enabled and self.console.is_terminal
+        self._progress = Progress(
+            TextColumn("[bold]step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[figures]}"),
+            console=self.console,
+            transient=False,
+        )
+        self._task = self._progress.add_task("train", total=total_steps, figures="starting")
+        self._last_line = 0.0
+
+    def __enter__(self) -> JobProgress:
+        if self.live:
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.live:
+            self._progress.stop()
+
+    def step(self, row: dict[str, Any], eval_success: float | None) -> None:
+        figures = (
+            f"reward {row['reward_mean']:.3f}  success {row['success']:.2f}"
+            + (f"  eval {eval_success:.2f}" if eval_success is not None else "")
+            + f"  tok/s {row['tokens_per_s']:.0f}  stale {row['staleness_mean']:.2f}"
+            + f"  wait {row['time']['wait_s']:.1f}s train {row['time']['train_s']:.1f}s"
+        )
+        if self.live:
+            self._progress.update(self._task, completed=row["step"], figures=figures)
+        elif self.enabled and time.monotonic() - self._last_line > 5.0:
+            self._last_line = time.monotonic()
+            self.console.print(f"step {row['step']}: {figures}", highlight=False)
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(text, highlight=False)
