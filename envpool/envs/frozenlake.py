@@ -61,6 +61,7 @@ class FrozenLakeEnv(Env):
         slippery: bool = False,
         p_frozen: float = 0.8,
         desc: list[str] | None = None,
+        neighbours: bool = False,
     ):
         if desc is not None:
             if not desc or any(len(row) != len(desc[0]) for row in desc) or set("".join(desc)) - set("SFHG"):
@@ -75,6 +76,9 @@ class FrozenLakeEnv(Env):
         self.slippery = slippery
         self.p_frozen = p_frozen
         self.desc = list(desc) if desc is not None else None
+        # a local view: small policies learn "avoid the hole next to me" from one line long
+        # before they learn to read it off the 2-D map
+        self.neighbours = neighbours
         self._rng: random.Random | None = None
         self.map: list[str] = []
         self.pos = (0, 0)
@@ -85,7 +89,21 @@ class FrozenLakeEnv(Env):
         for r, row in enumerate(self.map):
             lines.append(" ".join("@" if (r, c) == self.pos else t for c, t in enumerate(row)))
         r, c = self.pos
-        return "\n".join([*lines, f"You are at row {r}, column {c}.", _LEGEND])
+        lines.append(f"You are at row {r}, column {c}.")
+        if self.neighbours:
+            lines.append(f"Next to you: {self._around()}.")
+        return "\n".join([*lines, _LEGEND])
+
+    def _around(self) -> str:
+        """``left F, right H, up edge, down F``: the tile each move would reach."""
+        r, c = self.pos
+        out = []
+        for name in ("left", "right", "up", "down"):
+            dr, dc = MOVES[name]
+            nr, nc = r + dr, c + dc
+            inside = 0 <= nr < len(self.map) and 0 <= nc < len(self.map[0])
+            out.append(f"{name} {self.map[nr][nc] if inside else 'edge'}")
+        return ", ".join(out)
 
     def _obs(self, message: str) -> Observation:
         return Observation(text=f"{message}\n{self.render()}")

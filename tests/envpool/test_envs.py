@@ -122,6 +122,16 @@ def test_frozenlake_seeded_map_is_reproducible():
     assert obs.text.splitlines()[1:5] == ["@ F F F", "F F F F", "F F H F", "F F F G"]
 
 
+def test_frozenlake_neighbours_line_names_the_tile_each_move_reaches():
+    env = envpool.make("frozenlake-v1", neighbours=True)
+    obs, _ = env.reset(seed=0)
+    assert "Next to you: left edge, right F, up edge, down F." in obs.text.splitlines()
+    for move in ("down", "right", "right"):
+        obs = env.step(move).obs
+    assert "Next to you: left F, right F, up F, down H." in obs.text.splitlines()  # at (1, 2)
+    assert "Next to you" not in envpool.make("frozenlake-v1").reset(seed=0)[0].text
+
+
 def test_frozenlake_reset_without_seed_continues_the_seeded_stream():
     a, b = envpool.make("frozenlake-v1"), envpool.make("frozenlake-v1")
     a.reset(seed=5)
