@@ -25,10 +25,10 @@ _TORCH_ENGINE_KEYS = ("max_batch_size", "batch_wait_ms", "num_threads")
 
 
 def make_engine(
-    backend: str, bundle: PolicyBundle | str | None, kwargs: dict[str, Any], *, seed: int
+    backend: str, bundle: PolicyBundle | str | None, kwargs: dict[str, Any], *, seed: int, model: str
 ) -> Engine:
     """The job's engine for ``backend``: the torch engine runs the bundle's ``TinyLM``;
-    other backends get ``kwargs`` as they are."""
+    other backends get ``model`` (the job's ``engine.model``) and ``kwargs`` as they are."""
     if backend == "torch":
         from core.rollout.engines.torch_ import TorchEngine, TorchEngineConfig
 
@@ -38,17 +38,26 @@ def make_engine(
             bundle = PolicyBundle.load(bundle)
         serving = {k: v for k, v in kwargs.items() if k in _TORCH_ENGINE_KEYS}
         return TorchEngine(bundle.model(), bundle.tok(), TorchEngineConfig(seed=seed, **serving))
-    return engine_registry.create(backend, **kwargs)
+    if "model" in kwargs:
+        raise ValueError("give the model as engine.model, not in engine.kwargs")
+    return engine_registry.create(backend, model=model, **kwargs)
 
 
 class EngineReplicaActor:
     """One engine replica in its own process (wrap with ``ray.remote``)."""
 
     def __init__(
-        self, backend: str, bundle: PolicyBundle | str | None, kwargs: dict[str, Any], *, seed: int, name: str
+        self,
+        backend: str,
+        bundle: PolicyBundle | str | None,
+        kwargs: dict[str, Any],
+        *,
+        seed: int,
+        name: str,
+        model: str,
     ):
         self.name = name
-        self.engine = make_engine(backend, bundle, kwargs, seed=seed)
+        self.engine = make_engine(backend, bundle, kwargs, seed=seed, model=model)
 
     async def generate(self, request: GenerateRequest) -> Completion:
         return await self.engine.generate(request)

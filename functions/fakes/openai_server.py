@@ -20,6 +20,13 @@ in order; when none is queued the request gets a normal completion whose text is
 (a string, or a callable given the request's JSON body). ``usage`` is counted as one token
 per four characters, like the clients' estimates.
 
+Token-level answers, for inference engines: a request with ``"logprobs": true`` gets
+``choices[0].logprobs.content``, one entry per fake token (``FakeOpenAI.tokenize``: four
+characters each, ids and logprobs derived from the text, so tests can predict them). vLLM's
+extra fields are honoured as vLLM does: ``return_token_ids`` adds ``prompt_token_ids`` and
+``choices[0].token_ids``; ``return_tokens_as_token_ids`` names logprob tokens
+``token_id:<id>``. ``srv.max_inflight`` is the most chat requests it held at once.
+
 Leaving the ``with`` block (or ``close()``) releases held requests, closes every open
 connection and joins every thread: nothing keeps running.
 """
@@ -30,6 +37,7 @@ import json
 import socket
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -53,6 +61,8 @@ class Scripted:
     headers: Mapping[str, str] = field(default_factory=dict)
     hang_s: float = 0.0
     """Hold the request this long first (released early when the server closes)."""
+    finish_reason: str = "stop"
+    """``choices[0].finish_reason`` of the completion."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,16 @@ class RecordedRequest:
 
 def _tokens(text: str) -> int:
     return (len(text) + 3) // 4
+
+
+def _fake_tokens(text: str) -> list[tuple[int, str]]:
+    # four characters a token (so there are as many as ``usage`` counts); ids from a hash
+    pieces = [text[i : i + 4] for i in range(0, len(text), 4)]
+    return [(1000 + zlib.crc32(p.encode()) % 30000, p) for p in pieces]
+
+
+def _fake_logprob(token_id: int) -> float:
+    return -((token_id % 7) + 1) / 8
 
 
 def _error(message: str, type_: str, code: str | None = None) -> bytes:
@@ -95,6 +115,9 @@ class FakeOpenAI:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._conns: set[socket.socket] = set()
+        self._inflight = 0
+        self.max_inflight = 0
+        """The most chat requests held at once (being answered or hanging)."""
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -176,6 +199,11 @@ class FakeOpenAI:
         """Hold the next ``times`` chat requests ``seconds`` before answering them normally."""
         self.enqueue(*(Scripted(hang_s=seconds) for _ in range(times)))
 
+    @staticmethod
+    def tokenize(text: str) -> list[tuple[int, float, str]]:
+        """``(token id, logprob, piece)`` per fake token of ``text``, as the server reports them."""
+        return [(i, _fake_logprob(i), p) for i, p in _fake_tokens(text)]
+
     @property
     def chat_requests(self) -> list[RecordedRequest]:
         with self._lock:
@@ -190,29 +218,58 @@ class FakeOpenAI:
         with self._lock:
             return self._script.popleft() if self._script else None
 
-    def _completion(self, request: dict[str, Any], text: str | None) -> bytes:
+    def _completion(self, request: dict[str, Any], text: str | None, finish_reason: str = "stop") -> bytes:
         if text is None:
             text = self.reply(request) if callable(self.reply) else self.reply
-        prompt = sum(_tokens(str(m.get("content") or "")) for m in request["messages"] if isinstance(m, dict))
+        contents = [str(m.get("content") or "") for m in request["messages"] if isinstance(m, dict)]
+        prompt = sum(_tokens(c) for c in contents)
         completion = _tokens(text)
         with self._lock:
             n = len(self.requests)
-        return json.dumps(
-            {
-                "id": f"chatcmpl-fake-{n}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": request.get("model", self.model),
-                "choices": [
-                    {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
-                ],
-                "usage": {
-                    "prompt_tokens": prompt,
-                    "completion_tokens": completion,
-                    "total_tokens": prompt + completion,
-                },
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": finish_reason,
+        }
+        body: dict[str, Any] = {
+            "id": f"chatcmpl-fake-{n}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": request.get("model", self.model),
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            },
+        }
+        tokens = self.tokenize(text)
+        if request.get("logprobs"):
+            as_ids = bool(request.get("return_tokens_as_token_ids"))
+            choice["logprobs"] = {
+                "content": [
+                    {
+                        "token": f"token_id:{i}" if as_ids else p,
+                        "logprob": lp,
+                        "bytes": list(p.encode()),
+                        "top_logprobs": [],
+                    }
+                    for i, lp, p in tokens
+                ]
             }
-        ).encode()
+        if request.get("return_token_ids"):
+            choice["token_ids"] = [i for i, _, _ in tokens]
+            body["prompt_token_ids"] = [i for c in contents for i, _, _ in self.tokenize(c)]
+        return json.dumps(body).encode()
+
+    def _enter(self) -> None:
+        with self._lock:
+            self._inflight += 1
+            self.max_inflight = max(self.max_inflight, self._inflight)
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._inflight -= 1
 
 
 class _Server(ThreadingHTTPServer):
@@ -308,10 +365,14 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(400, _error("the fake server does not stream", "invalid_request_error"))
             return
         step = fake._next_scripted() or Scripted()
-        if step.hang_s and fake._stopping.wait(step.hang_s):
-            self.close_connection = True  # closing: drop the request unanswered
-            return
-        if step.body is not None:
-            self._send(step.status, step.body, step.headers)
-        else:
-            self._send(step.status, fake._completion(body, step.text), step.headers)
+        fake._enter()
+        try:
+            if step.hang_s and fake._stopping.wait(step.hang_s):
+                self.close_connection = True  # closing: drop the request unanswered
+                return
+            if step.body is not None:
+                self._send(step.status, step.body, step.headers)
+            else:
+                self._send(step.status, fake._completion(body, step.text, step.finish_reason), step.headers)
+        finally:
+            fake._leave()

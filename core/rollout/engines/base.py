@@ -312,3 +312,5 @@ class EngineRegistry:
 #: The default registry; backends register here (tests build their own).
 engine_registry = EngineRegistry()
 engine_registry.register("torch", "core.rollout.engines.torch_:TorchEngine")
+engine_registry.register("vllm", "core.rollout.engines.vllm_:VLLMEngine")
+engine_registry.register("openai", "core.rollout.engines.openai_:OpenAIEngine")
