@@ -95,7 +95,14 @@ class TurnBarrier:
             self._arrived += 1
             my_round = self._round
             self._maybe_release()
-            await self._cond.wait_for(lambda: self._round != my_round)
+            try:
+                await self._cond.wait_for(lambda: self._round != my_round)
+            except BaseException:
+                # a cancelled waiter (its trajectory aborted) must not stay counted, or the
+                # next round would be released one member short
+                if self._round == my_round:
+                    self._arrived -= 1
+                raise
 
     def _maybe_release(self) -> None:
         if self._members > 0 and self._arrived >= self._members:

@@ -166,6 +166,7 @@ class GroupRunner:
             self._close(g, "given_up")
             if self.on_given_up is not None:
                 self.on_given_up(g)
+            self._after(g)  # nothing may be running (a reward failed late): forget it now
             return
         g.reruns += 1
         self.metrics["reruns"] += 1
@@ -189,6 +190,7 @@ class GroupRunner:
             return
         self.metrics["stale_groups"] += 1
         self._close(g, "stale")
+        self._after(g)  # forgotten now if nothing runs; else when its last rollout ends
 
     def _close(self, g: GroupState, why: str) -> None:
         first = g.closed is None

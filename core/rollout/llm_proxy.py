@@ -239,20 +239,18 @@ class LLMProxy:
         while not gone:
             try:
                 version = await replica.ping()
+                if self._latest is not None and version < self._latest[0]:
+                    await replica.swap(self._latest[0], _unwrap(self._latest[1]))
+                    self.metrics["weights_reloaded"] += 1
             except ReplicaGone:
                 break
             except ReplicaLost:
+                # a lost ping or a lost swap alike: back off and try again until the deadline
                 if time.monotonic() > deadline:
                     break
                 await asyncio.sleep(random.uniform(0, delay))  # full jitter
                 delay = min(delay * 2, 2.0)
                 continue
-            if self._latest is not None and version < self._latest[0]:
-                try:
-                    await replica.swap(self._latest[0], _unwrap(self._latest[1]))
-                except ReplicaLost:
-                    continue
-                self.metrics["weights_reloaded"] += 1
             self.metrics["replicas_recovered"] += 1
             return
         for group in self.groups.values():

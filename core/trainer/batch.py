@@ -16,6 +16,7 @@ from core.buffer import Group
 from core.config import TrainerConfig
 from core.trainer.base import TrainerError, TrainSample, turn_samples
 from core.trainer.grpo import discounted_returns, group_advantages, step_advantages
+from fabric.protocol import Trajectory
 
 
 def build_batch(groups: Sequence[Group], cfg: TrainerConfig) -> list[TrainSample]:
@@ -42,13 +43,19 @@ def build_batch(groups: Sequence[Group], cfg: TrainerConfig) -> list[TrainSample
     out: list[TrainSample] = []
     for s, ep, steps in zip(samples, episode, per_turn, strict=True):
         turns = turn_samples(s.traj, reward=s.score, group_id=s.group_id)
-        if steps and len(steps) != len(turns):
-            # a turn without tokens has no sample; step advantages are per stepped turn
-            steps = steps[: len(turns)] + [0.0] * max(0, len(turns) - len(steps))
-        for i, t in enumerate(turns):
-            extra = cfg.step_adv * steps[i] if steps else 0.0
+        # step advantages are per env turn (the n-th assistant message), but a turn without
+        # tokens has no sample: pair each sample with its own turn's advantage
+        kept = _turns_with_tokens(s.traj)
+        for t, turn in zip(turns, kept, strict=True):
+            extra = cfg.step_adv * steps[turn] if turn < len(steps) else 0.0
             out.append(t.model_copy(update={"advantage": ep + extra}))
     return out
+
+
+def _turns_with_tokens(traj: Trajectory) -> list[int]:
+    """Turn numbers (0-based, over assistant messages) of the turns ``turn_samples`` keeps."""
+    assistant = [m for m in traj.messages if m.role == "assistant"]
+    return [n for n, m in enumerate(assistant) if (m.model_extra or {}).get("token_ids")]
 
 
 def _turns(info: dict[str, object]) -> int:

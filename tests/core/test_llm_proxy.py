@@ -1,0 +1,648 @@
+"""LLMProxy routing, aborts, weights and replica recovery; the Coalescer transport.
+
+The happy path runs real ``TorchEngine`` replicas (a one-layer TinyLM); failures use fake
+``Replica`` subclasses that fail on cue. No Ray: the proxy is a plain object here."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import pytest
+import torch
+
+from core.policy.tiny_lm import TinyLM, TinyLMConfig
+from core.policy.tokenizer import WordTokenizer
+from core.rollout.coalesce import Answer, Coalescer, answer_all
+from core.rollout.engines.base import Completion, EngineError, GenerateRequest
+from core.rollout.engines.torch_ import TorchEngine, TorchEngineConfig
+from core.rollout.llm_proxy import (
+    LLMProxy,
+    LocalReplica,
+    NoReplicaError,
+    Replica,
+    ReplicaGone,
+    ReplicaLost,
+    swap_weights,
+)
+
+WORDS = "left right up down you are at row column the lake is frozen hole goal start".split()
+_ids = itertools.count()
+
+
+@pytest.fixture
+def tok() -> WordTokenizer:
+    return WordTokenizer(WORDS)
+
+
+def tiny(tok: WordTokenizer, seed: int = 0) -> TinyLM:
+    return TinyLM(
+        TinyLMConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=1, n_heads=2, max_len=64), seed=seed
+    )
+
+
+def stopless(model: TinyLM, tok: WordTokenizer) -> TinyLM:
+    """The model made never to end a turn (as in test_torch_engine): every turn runs to
+    ``max_new_tokens``, so a long one is reliably still in flight when it is aborted."""
+    with torch.no_grad():
+        u = torch.zeros(model.config.d_model)
+        u[0] = 1.0
+        model.ln_f.weight.zero_()
+        model.ln_f.bias.copy_(u)
+        for i in tok.stop_ids:
+            model.embed.weight[i] = -20 * u
+    return model
+
+
+def engine(model: TinyLM, tok: WordTokenizer) -> TorchEngine:
+    return TorchEngine(model, tok, TorchEngineConfig(num_threads=1, batch_wait_ms=0.0))
+
+
+def req(**kw: Any) -> GenerateRequest:
+    kw.setdefault("prompt_ids", [2, 5, 9])
+    kw.setdefault("max_new_tokens", 2)
+    kw.setdefault("request_id", f"r{next(_ids)}")
+    return GenerateRequest(**kw)
+
+
+async def until(cond, within: float = 5.0) -> None:
+    async with asyncio.timeout(within):
+        while not cond():  # noqa: ASYNC110 - polling counters the code under test moves
+            await asyncio.sleep(0.001)
+
+
+class Recording(LocalReplica):
+    """A real engine replica that remembers which trajectories it served."""
+
+    def __init__(self, engine: TorchEngine, name: str):
+        super().__init__(engine, name)
+        self.served: list[str] = []
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        self.served.append(request.metadata.get("traj", "?"))
+        return await super().generate(request)
+
+
+def completion(request: GenerateRequest, version: int, text: str = "ok") -> Completion:
+    return Completion(
+        request_id=request.request_id,
+        text=text,
+        prompt_ids=list(request.prompt_ids or []),
+        token_ids=[7],
+        logprobs=[-0.5],
+        policy_version=version,
+        finish_reason="stop",
+        metadata=request.metadata,
+    )
+
+
+class Fake(Replica):
+    """A scripted replica: ``fail`` lists what the next generate calls raise (None:
+    succeed); the first ``ping_down`` pings and ``swap_down`` swaps raise ``ReplicaLost``
+    (the process is restarting); ``gate`` holds generate (of the ``only`` request ids)
+    until it is set or the request is aborted."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        fail: list[BaseException | None] | None = None,
+        ping_down: float = 0,
+        swap_down: float = 0,
+        gate: asyncio.Event | None = None,
+        only: set[str] | None = None,
+    ):
+        self.name = name
+        self.version = 0
+        self.fail = list(fail or [])
+        self.ping_down = ping_down
+        self.swap_down = swap_down
+        self.gate = gate
+        self.only = only  # request ids the gate holds (None: all)
+        self.generated: list[str] = []  # request ids, in call order
+        self.swaps: list[tuple[int, Any]] = []
+        self.pings = 0
+        self.aborted: list[str] = []
+        self._waiting: dict[str, asyncio.Future[None]] = {}
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        self.generated.append(request.request_id)
+        if self.gate is not None and (self.only is None or request.request_id in self.only):
+            fut = asyncio.get_running_loop().create_future()
+            self._waiting[request.request_id] = fut
+            gate = asyncio.ensure_future(self.gate.wait())
+            try:
+                await asyncio.wait([fut, gate], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gate.cancel()
+                self._waiting.pop(request.request_id, None)
+            if fut.done():
+                c = completion(request, self.version, text="")
+                return c.model_copy(update={"finish_reason": "abort", "token_ids": [], "logprobs": []})
+        else:
+            await asyncio.sleep(0)
+        err = self.fail.pop(0) if self.fail else None
+        if err is not None:
+            raise err
+        return completion(request, self.version, text=self.name)
+
+    async def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        fut = self._waiting.get(request_id)
+        if fut is None or fut.done():
+            return False
+        fut.set_result(None)
+        return True
+
+    async def swap(self, version: int, state: Any) -> None:
+        await asyncio.sleep(0)
+        if self.swap_down > 0:
+            self.swap_down -= 1
+            raise ReplicaLost("crashed while loading")
+        self.swaps.append((version, state))
+        self.version = version
+
+    async def ping(self) -> int:
+        self.pings += 1
+        await asyncio.sleep(0)
+        if self.ping_down > 0:
+            self.ping_down -= 1
+            raise ReplicaLost("restarting")
+        return self.version
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+async def test_a_trajectory_sticks_to_the_replica_of_its_first_turn(tok):
+    async with engine(tiny(tok), tok) as e1, engine(tiny(tok), tok) as e2:
+        a, b = Recording(e1, "a"), Recording(e2, "b")
+        proxy = LLMProxy({"default": [a, b]})
+        # first turns together: t1 loads "a", so t2 starts on "b"
+        first = await asyncio.gather(
+            *(proxy.generate(t, "lake", req(metadata={"traj": t})) for t in ("t1", "t2"))
+        )
+        assert all(c.token_ids for c in first)
+        for _ in range(2):  # later turns one at a time: both replicas idle, yet each sticks
+            for traj in ("t2", "t1"):
+                c = await proxy.generate(traj, "lake", req(metadata={"traj": traj}))
+                assert c.finish_reason in ("stop", "length") and c.token_ids
+        assert a.served == ["t1"] * 3 and b.served == ["t2"] * 3
+        assert proxy.metrics["affinity_hits"] == 4  # turns 2 and 3 of both trajectories
+        assert proxy.metrics["turns"] == 6
+        assert proxy.stats()["trajectories"] == 2
+
+
+async def test_a_new_trajectory_goes_to_the_least_loaded_replica():
+    gate = asyncio.Event()
+    r0, r1 = Fake("r0", gate=gate), Fake("r1", gate=gate)
+    proxy = LLMProxy({"default": [r0, r1]})
+    t_a = asyncio.create_task(proxy.generate("a", "x", req(request_id="a0")))
+    await until(lambda: r0.generated == ["a0"])  # a tie: the first replica
+    t_b = asyncio.create_task(proxy.generate("b", "x", req(request_id="b0")))
+    await until(lambda: r1.generated == ["b0"])  # r0 has one in flight, r1 none
+    t_a2 = asyncio.create_task(proxy.generate("a", "x", req(request_id="a1")))
+    await until(lambda: r0.generated == ["a0", "a1"])  # sticky (both have one in flight)
+    t_c = asyncio.create_task(proxy.generate("c", "x", req(request_id="c0")))
+    await until(lambda: r1.generated == ["b0", "c0"])  # r0 has 2 in flight, r1 1
+    gate.set()
+    done = await asyncio.gather(t_a, t_b, t_a2, t_c)
+    assert [c.text for c in done] == ["r0", "r1", "r0", "r1"]
+    # all idle again: a new trajectory takes the first of the tied replicas
+    c = await proxy.generate("d", "x", req(request_id="d0"))
+    assert c.text == "r0"
+
+
+async def test_tags_run_on_their_hardware_group_and_unknown_tags_on_the_default():
+    d, h = Fake("d"), Fake("h")
+    proxy = LLMProxy({"default": [d], "H800": [h]}, affinity={"frozenlake": "H800"})
+    assert proxy.group_of("frozenlake") == "H800" and proxy.group_of("math") == "default"
+    assert (await proxy.generate("t1", "frozenlake", req())).text == "h"
+    assert (await proxy.generate("t2", "math", req())).text == "d"
+    assert (await proxy.generate("t3", "never-named", req())).text == "d"
+    # stickiness holds within the tag's group only: the tag decides the group every turn
+    assert (await proxy.generate("t1", "frozenlake", req())).text == "h"
+    assert (await proxy.generate("t1", "math", req())).text == "d"
+
+    # "default" in the affinity map moves every other tag too
+    proxy = LLMProxy({"H20": [d], "H800": [h]}, affinity={"frozenlake": "H800", "default": "H20"})
+    assert (await proxy.generate("u1", "math", req())).text == "d"
+    assert (await proxy.generate("u2", "frozenlake", req())).text == "h"
+    # no "default" group and no default affinity: the first group
+    proxy = LLMProxy({"H800": [h], "H20": [d]})
+    assert proxy.group_of("anything") == "H800"
+
+
+def test_construction_refuses_no_replicas_and_unknown_groups():
+    with pytest.raises(ValueError, match="at least one replica"):
+        LLMProxy({})
+    with pytest.raises(ValueError, match="at least one replica"):
+        LLMProxy({"default": []})
+    with pytest.raises(ValueError, match=r"groups without replicas: \['H800'\]"):
+        LLMProxy({"default": [Fake("d")]}, affinity={"frozenlake": "H800"})
+
+
+async def test_release_forgets_the_trajectory():
+    hold = asyncio.Event()
+    r0, r1 = Fake("r0", gate=hold, only={"c0"}), Fake("r1")
+    proxy = LLMProxy({"default": [r0, r1]})
+    assert (await proxy.generate("a", "x", req())).text == "r0"  # a tie: the first
+    other = asyncio.create_task(proxy.generate("c", "x", req(request_id="c0")))
+    await until(lambda: r0.generated[-1:] == ["c0"])  # r0 now has a turn in flight
+    assert (await proxy.generate("a", "x", req())).text == "r0"  # sticky, though r0 is busier
+    assert proxy.stats()["trajectories"] == 2
+    await proxy.release("a")
+    assert proxy.stats()["trajectories"] == 1  # only "c" is still known
+    assert (await proxy.generate("a", "x", req())).text == "r1"  # routed afresh: least loaded
+    hold.set()
+    assert (await other).text == "r0"
+
+
+# ----------------------------------------------------------------------------- aborts
+
+
+async def test_abort_stops_the_turn_in_flight_on_a_real_engine(tok):
+    async with engine(stopless(tiny(tok), tok), tok) as eng:
+        proxy = LLMProxy({"default": [LocalReplica(eng)]})
+        long = asyncio.create_task(proxy.generate("t", "x", req(max_new_tokens=50, request_id="long")))
+        await until(lambda: eng.stats["tokens"] >= 3)
+        assert await proxy.abort("t") == 1
+        c = await long
+        assert c.finish_reason == "abort" and 1 <= len(c.token_ids) < 50
+        assert proxy.metrics["aborts"] == 1
+        # until released, every later turn of the trajectory is aborted without generating
+        tokens = eng.stats["tokens"]
+        again = await proxy.generate("t", "x", req(max_new_tokens=5, prompt_ids=[3, 4]))
+        assert again.finish_reason == "abort" and again.token_ids == [] and again.prompt_ids == [3, 4]
+        assert eng.stats["tokens"] == tokens
+        assert await proxy.abort("t") == 0  # nothing in flight: nothing stopped
+        # other trajectories are untouched
+        other = await proxy.generate("u", "x", req(max_new_tokens=3))
+        assert other.finish_reason == "length" and len(other.token_ids) == 3
+        await proxy.release("t")
+        after = await proxy.generate("t", "x", req(max_new_tokens=3))
+        assert after.finish_reason == "length"
+        assert eng.num_inflight == 0
+
+
+async def test_abort_at_a_suspended_engine_and_unknown_trajectories(tok):
+    async with engine(tiny(tok), tok) as eng:
+        proxy = LLMProxy({"default": [LocalReplica(eng)]})
+        assert await proxy.abort("nobody") == 0
+        await proxy.release("nobody")
+        await eng.suspend()
+        t1 = asyncio.create_task(proxy.generate("a", "x", req(request_id="a0")))
+        t2 = asyncio.create_task(proxy.generate("b", "x", req(request_id="b0")))
+        await until(lambda: eng.num_inflight == 2)
+        assert await proxy.abort("a") == 1
+        c = await t1
+        assert (c.finish_reason, c.token_ids, c.request_id) == ("abort", [], "a0")
+        await eng.resume()
+        assert (await t2).finish_reason in ("stop", "length")
+
+
+async def test_abort_ignores_a_replica_that_is_down():
+    class DownOnAbort(Fake):
+        async def abort(self, request_id: str) -> bool:
+            raise ReplicaLost("the actor is restarting")
+
+    gate = asyncio.Event()
+    r = DownOnAbort("r", gate=gate)
+    proxy = LLMProxy({"default": [r]})
+    turn = asyncio.create_task(proxy.generate("t", "x", req()))
+    await until(lambda: len(r.generated) == 1)
+    assert await proxy.abort("t") == 0
+    gate.set()
+    await turn
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+async def test_update_weights_reaches_every_replica_and_stamps_completions(tok):
+    new = tiny(tok, seed=5)
+    state = new.state_dict()
+    async with engine(tiny(tok), tok) as e1, engine(tiny(tok), tok) as e2:
+        proxy = LLMProxy({"default": [LocalReplica(e1, "a")], "other": [LocalReplica(e2, "b")]})
+        before = await proxy.generate("t0", "x", req(temperature=0.0, max_new_tokens=4))
+        assert before.policy_version == 0
+        await proxy.update_weights(1, [state])  # an [ObjectRef]-style wrapped state
+        assert proxy.version == 1 and e1.version == 1 and e2.version == 1
+        for eng in (e1, e2):
+            for k, v in state.items():
+                assert torch.equal(eng.model.state_dict()[k], v)
+            assert not eng.suspended  # swap resumes the engine
+        proxy.affinity["y"] = "other"
+        for traj, tag in (("t1", "x"), ("t2", "y")):
+            c = await proxy.generate(traj, tag, req(temperature=0.0, max_new_tokens=4))
+            assert c.policy_version == 1
+        await proxy.update_weights(2, state)  # a bare state works too
+        assert (await proxy.generate("t3", "y", req())).policy_version == 2
+        with pytest.raises(EngineError, match="older"):
+            await proxy.update_weights(1, [state])
+        assert proxy.version == 2 and proxy.metrics["weight_updates"] == 2
+
+
+async def test_swap_weights_resumes_the_engine_even_when_loading_fails(tok):
+    async with engine(tiny(tok), tok) as eng:
+        with pytest.raises(EngineError, match="do not fit"):
+            await swap_weights(eng, 1, {"nope": torch.zeros(1)})
+        assert not eng.suspended and eng.version == 0
+        assert (await eng.generate(req())).policy_version == 0
+
+
+async def test_a_replica_down_during_update_weights_gets_them_when_back():
+    up, down = Fake("up"), Fake("down", swap_down=1, ping_down=1)
+    proxy = LLMProxy({"default": [up, down]})
+    await proxy.update_weights(4, ["STATE"])
+    assert proxy.version == 4 and up.swaps == [(4, "STATE")]
+    await until(lambda: proxy.metrics["replicas_recovered"] == 1)
+    assert down.swaps == [(4, "STATE")] and proxy.metrics["weights_reloaded"] == 1
+    assert proxy.num_replicas == 2
+
+
+# ----------------------------------------------------------------------------- recovery
+
+
+async def test_a_lost_replica_is_pinged_reloaded_and_the_turn_rerun_on_it():
+    r = Fake("r")
+    proxy = LLMProxy({"default": [r]})
+    await proxy.update_weights(2, ["W2"])
+    # the process dies mid-turn; Ray restarts it with its initial weights (version 0)
+    r.fail = [ReplicaLost("actor died")]
+    r.ping_down = 2
+    r.version = 0
+    c = await proxy.generate("t", "x", req(request_id="turn"))
+    assert c.policy_version == 2 and c.text == "r"
+    assert r.generated == ["turn", "turn"]  # the same turn, run again on the same replica
+    assert r.pings == 3 and r.swaps == [(2, "W2"), (2, "W2")]
+    m = proxy.metrics
+    assert (m["replica_lost"], m["turns_rerun"], m["weights_reloaded"], m["replicas_recovered"]) == (
+        1,
+        1,
+        1,
+        1,
+    )
+
+
+async def test_a_replica_back_with_current_weights_is_not_reloaded():
+    r = Fake("r", fail=[ReplicaLost("blip")])
+    proxy = LLMProxy({"default": [r]})
+    await proxy.update_weights(1, ["W1"])
+    c = await proxy.generate("t", "x", req())
+    assert c.policy_version == 1 and r.swaps == [(1, "W1")]
+    assert proxy.metrics["weights_reloaded"] == 0 and proxy.metrics["replicas_recovered"] == 1
+
+
+async def test_turns_lost_together_reload_the_weights_once():
+    gate = asyncio.Event()
+    r = Fake("r", gate=gate, fail=[ReplicaLost("died"), ReplicaLost("died")])
+    proxy = LLMProxy({"default": [r]})
+    await proxy.update_weights(3, ["W3"])
+    r.version = 0  # restarted with initial weights
+    turns = [asyncio.create_task(proxy.generate(t, "x", req())) for t in ("a", "b")]
+    await until(lambda: len(r.generated) == 2)
+    gate.set()
+    done = await asyncio.gather(*turns)
+    assert [c.policy_version for c in done] == [3, 3]
+    assert proxy.metrics["replica_lost"] == 2 and proxy.metrics["weights_reloaded"] == 1
+    assert r.swaps == [(3, "W3"), (3, "W3")]  # the update, then one reload
+
+
+async def test_a_gone_replica_leaves_its_group_and_the_turn_moves_on():
+    gone, ok = Fake("gone", fail=[ReplicaGone("out of restarts")]), Fake("ok")
+    proxy = LLMProxy({"default": [gone, ok]})
+    c = await proxy.generate("t", "x", req(request_id="turn"))
+    assert c.text == "ok" and gone.generated == ["turn"] and ok.generated == ["turn"]
+    assert proxy.groups["default"] == [ok] and proxy.num_replicas == 1
+    assert gone.pings == 0  # gone for good: not waited for
+    assert proxy.metrics["replicas_removed"] == 1
+    assert proxy.stats()["replicas"] == {"default": ["ok"]}
+    assert (await proxy.generate("t", "x", req())).text == "ok"  # sticks to the survivor
+
+
+async def test_no_replica_left_is_a_no_replica_error():
+    proxy = LLMProxy({"default": [Fake("only", fail=[ReplicaGone("gone")])]})
+    with pytest.raises(NoReplicaError, match="no engine replica left"):
+        await proxy.generate("t", "x", req())
+    assert proxy.num_replicas == 0
+    assert issubclass(NoReplicaError, EngineError)  # the env manager records infra_failed
+    with pytest.raises(NoReplicaError):
+        await proxy.generate("u", "x", req())
+
+
+async def test_a_replica_that_never_comes_back_is_removed_after_the_recover_timeout():
+    never = Fake("never", fail=[ReplicaLost("died")], ping_down=float("inf"))
+    proxy = LLMProxy({"default": [never]}, recover_timeout_s=0.2)
+    with pytest.raises(NoReplicaError):
+        await asyncio.wait_for(proxy.generate("t", "x", req()), 5)
+    assert never.pings >= 2 and proxy.metrics["replicas_removed"] == 1
+
+
+async def test_a_turn_that_keeps_losing_its_replica_fails_after_max_turn_retries():
+    r = Fake("r", fail=[ReplicaLost(f"died {i}") for i in range(10)])
+    proxy = LLMProxy({"default": [r]}, max_turn_retries=2)
+    with pytest.raises(ReplicaLost, match="died 2"):
+        await proxy.generate("t", "x", req())
+    assert len(r.generated) == 3 and proxy.metrics["turns_rerun"] == 2
+
+
+async def test_a_trajectory_aborted_while_its_replica_recovers_gets_abort():
+    r = Fake("r", fail=[ReplicaLost("died")], ping_down=float("inf"))
+    proxy = LLMProxy({"default": [r]}, recover_timeout_s=0.3)
+    turn = asyncio.create_task(proxy.generate("t", "x", req()))
+    await until(lambda: r.pings >= 1)
+    assert await proxy.abort("t") == 0  # nothing in flight on a replica
+    c = await turn  # the replica is given up meanwhile; the turn is aborted, not failed
+    assert c.finish_reason == "abort" and len(r.generated) == 1
+
+
+async def test_recovery_gives_up_on_a_replica_whose_reload_keeps_failing():
+    r = Fake("r", fail=[ReplicaLost("died")], swap_down=float("inf"))
+    proxy = LLMProxy({"default": [r]}, recover_timeout_s=0.2)
+    proxy._latest = (1, "W1")  # weights were published: the recovery must reload them
+    try:
+        with pytest.raises(NoReplicaError):
+            await asyncio.wait_for(proxy.generate("t", "x", req()), 1.0)
+    finally:
+        for t in proxy._recovering.values():
+            t.cancel()
+        await asyncio.gather(*proxy._recovering.values(), return_exceptions=True)
+
+
+# ----------------------------------------------------------------------------- generate_many
+
+
+async def test_generate_many_answers_every_request_errors_included():
+    gate = asyncio.Event()
+    slow, fast = Fake("slow", gate=gate), Fake("fast")
+    proxy = LLMProxy({"default": [slow], "fast": [fast], "dead": [Fake("dead", fail=[ReplicaGone("x")])]})
+    proxy.affinity.update({"f": "fast", "d": "dead"})
+    items = [
+        ("t1", "s", req(request_id="q1")),
+        ("t2", "f", req(request_id="q2")),
+        ("t3", "d", req(request_id="q3")),
+    ]
+    seen: list[list[str]] = []
+    answers: dict[str, Answer] = {}
+    async for batch in proxy.generate_many(items):
+        seen.append(sorted(a.request_id for a in batch))
+        answers.update({a.request_id: a for a in batch})
+        if {"q2", "q3"} <= set(answers):
+            gate.set()
+    assert seen[-1] == ["q1"]  # the slow one comes last, on its own
+    assert answers["q1"].value.text == "slow" and answers["q2"].value.text == "fast"
+    assert isinstance(answers["q3"].error, NoReplicaError) and answers["q3"].value is None
+
+
+# ----------------------------------------------------------------------------- coalescer
+
+
+async def ready(value: Any) -> Any:
+    return value
+
+
+class Server:
+    """The remote side of a Coalescer: runs each batch with ``answer_all`` and streams
+    ``await``-able answer lists back, as Ray's streaming generator does."""
+
+    def __init__(self, handle=None, *, break_after: int | None = None, drop: set[str] | None = None):
+        self.batches: list[list[tuple[str, Any]]] = []
+        self.handle = handle or self.double
+        self.break_after = break_after
+        self.drop = drop or set()
+
+    @staticmethod
+    async def double(x: Any) -> Any:
+        await asyncio.sleep(0.001 * (5 - x) if isinstance(x, int) and x < 5 else 0)
+        return 2 * x
+
+    def send(self, items: list[tuple[str, Any]]):
+        self.batches.append(list(items))
+
+        async def stream():
+            sent = 0
+            work = ((rid, self.handle(x)) for rid, x in items if rid not in self.drop)
+            async for answers in answer_all(work):
+                if self.break_after is not None and sent >= self.break_after:
+                    raise ConnectionError("actor died")
+                sent += len(answers)
+                yield ready(answers)
+
+        return stream()
+
+
+async def test_calls_within_the_window_go_in_one_batch_and_answers_find_their_callers():
+    server = Server()
+    co = Coalescer(server.send, window_s=0.01)
+    # the server answers in reverse order (larger x sleeps less): answers are matched by id
+    out = await asyncio.gather(*(co.call(f"r{i}", (f"r{i}", i)) for i in range(5)))
+    assert out == [0, 2, 4, 6, 8]
+    assert len(server.batches) == 1 and [rid for rid, _ in server.batches[0]] == [f"r{i}" for i in range(5)]
+    assert (co.calls, co.requests) == (1, 5)
+    # calls apart in time go in separate batches
+    assert await co.call("a", ("a", 10)) == 20
+    assert await co.call("b", ("b", 11)) == 22
+    assert len(server.batches) == 3 and co.calls == 3
+
+
+async def test_a_full_batch_is_sent_at_once():
+    server = Server()
+    co = Coalescer(server.send, window_s=10.0, max_batch=2)  # the window alone would take 10 s
+    async with asyncio.timeout(2):
+        out = await asyncio.gather(co.call("a", ("a", 1)), co.call("b", ("b", 2)))
+    assert out == [2, 4] and [len(b) for b in server.batches] == [2]
+
+
+async def test_an_error_answer_reaches_only_its_caller():
+    async def handle(x):
+        if x == "boom":
+            raise KeyError("bad request")
+        return x.upper()
+
+    co = Coalescer(Server(handle).send)
+    out = await asyncio.gather(
+        co.call("1", ("1", "a")),
+        co.call("2", ("2", "boom")),
+        co.call("3", ("3", "c")),
+        return_exceptions=True,
+    )
+    assert out[0] == "A" and out[2] == "C"
+    assert isinstance(out[1], KeyError) and co.calls == 1
+
+
+async def test_a_transport_failure_reaches_every_unanswered_caller_of_the_batch():
+    server = Server(break_after=0)
+    co = Coalescer(server.send, on_error=lambda e: EngineError(f"transport: {e}"), window_s=0.005)
+    out = await asyncio.gather(*(co.call(f"r{i}", (f"r{i}", i)) for i in range(3)), return_exceptions=True)
+    assert all(isinstance(e, EngineError) and "actor died" in str(e) for e in out)
+    assert co.calls == 1
+    # the coalescer is still usable: the next batch goes through
+    server.break_after = None
+    assert await co.call("again", ("again", 3)) == 6
+
+    def broken_send(items):
+        raise ConnectionError("cannot reach the actor")
+
+    co2 = Coalescer(broken_send, on_error=lambda e: EngineError(str(e)))
+    out = await asyncio.gather(co2.call("x", 1), co2.call("y", 2), return_exceptions=True)
+    assert [str(e) for e in out] == ["cannot reach the actor"] * 2
+
+
+async def test_answered_callers_keep_their_answers_when_the_transport_breaks_later():
+    async def handle(x):
+        await asyncio.sleep(0 if x == 0 else 0.05)
+        return x
+
+    server = Server(handle, break_after=1)
+    co = Coalescer(server.send)
+    out = await asyncio.gather(
+        co.call("fast", ("fast", 0)), co.call("slow", ("slow", 1)), return_exceptions=True
+    )
+    assert out[0] == 0 and isinstance(out[1], ConnectionError)
+
+
+async def test_a_request_the_server_never_answers_fails_instead_of_hanging():
+    co = Coalescer(Server(drop={"lost"}).send)
+    async with asyncio.timeout(2):
+        out = await asyncio.gather(
+            co.call("kept", ("kept", 1)), co.call("lost", ("lost", 2)), return_exceptions=True
+        )
+    assert out[0] == 2
+    assert isinstance(out[1], RuntimeError) and "did not answer" in str(out[1])
+
+
+async def test_answer_all_yields_as_they_finish_and_cancels_the_rest_when_closed():
+    events = {name: asyncio.Event() for name in ("a", "b", "bad", "fast", "slow")}
+    cancelled: list[str] = []
+
+    async def job(name: str) -> str:
+        try:
+            await events[name].wait()
+        except asyncio.CancelledError:
+            cancelled.append(name)
+            raise
+        if name == "bad":
+            raise ValueError("bad")
+        return name
+
+    def shown(answers: list[Answer]) -> list[tuple[str, Any, str | None]]:
+        return [(x.request_id, x.value, type(x.error).__name__ if x.error else None) for x in answers]
+
+    gen = answer_all([(n, job(n)) for n in ("a", "b", "bad")])
+    events["b"].set()
+    assert shown(await anext(gen)) == [("b", "b", None)]
+    events["bad"].set()
+    assert shown(await anext(gen)) == [("bad", None, "ValueError")]  # an exception is an answer
+    events["a"].set()
+    assert shown(await anext(gen)) == [("a", "a", None)]
+    with pytest.raises(StopAsyncIteration):
+        await anext(gen)
+
+    gen = answer_all([("fast", job("fast")), ("slow", job("slow"))])
+    events["fast"].set()
+    assert shown(await anext(gen)) == [("fast", "fast", None)]
+    await gen.aclose()  # the caller went away: the work still running is cancelled
+    await asyncio.sleep(0)
+    assert cancelled == ["slow"]

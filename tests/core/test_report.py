@@ -1,0 +1,94 @@
+"""RunDir (config, metrics, summary, plots) and JobProgress (plain, disabled, live)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from rich.console import Console
+
+from core.report import JobProgress, RunDir
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def row(step: int, reward: float = 0.5, success: float = 0.25) -> dict:
+    return {
+        "step": step,
+        "reward_mean": reward,
+        "success": success,
+        "tokens_per_s": 1234.4,
+        "staleness_mean": 0.5,
+        "time": {
+            "wait_s": 1.0,
+            "train_s": 2.0,
+            "publish_s": 0.1,
+            "gen_s": 0.3,
+            "env_s": 0.2,
+            "reward_s": 0.05,
+        },
+    }
+
+
+def test_run_dir_writes_config_metrics_summary_and_plots(tmp_path):
+    run = RunDir(tmp_path / "runs" / "job")  # parents are created
+    run.write_config("seed: 3\nsteps: 2\n")
+    rows = [row(1, 0.1, 0.0), {"kind": "eval", "step": 1, "success": 0.5}, row(2, 0.9, 1.0)]
+    for r in rows:
+        run.log(r)
+    # metrics are flushed as they come (a crashed job keeps them)
+    lines = (run.path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x) for x in lines] == rows
+    assert [r["step"] for r in run.rows] == [1, 2] and run.evals == [rows[1]]
+    run.finish({"steps": 2, "final_success": 1.0})
+    assert (run.path / "config.yaml").read_text() == "seed: 3\nsteps: 2\n"
+    assert json.loads((run.path / "summary.json").read_text()) == {"steps": 2, "final_success": 1.0}
+    for name in ("reward.png", "time.png"):
+        data = (run.path / name).read_bytes()
+        assert data.startswith(PNG) and len(data) > 1000
+
+
+def test_run_dir_without_training_rows_writes_no_plots(tmp_path):
+    run = RunDir(tmp_path)
+    run.log({"kind": "eval", "step": 0, "success": 0.0})
+    run.finish({"steps": 0})
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"steps": 0}
+    assert not (tmp_path / "reward.png").exists() and not (tmp_path / "time.png").exists()
+
+
+def plain_console() -> tuple[Console, io.StringIO]:
+    out = io.StringIO()
+    return Console(file=out, force_terminal=False, width=200), out
+
+
+def test_plain_progress_prints_step_lines_at_most_every_five_seconds():
+    console, out = plain_console()
+    with JobProgress(10, console=console) as p:
+        assert not p.live
+        p.note("run directory: runs/x")
+        p.step(row(1), eval_success=0.75)
+        p.step(row(2), eval_success=None)  # within 5 s of the last line: not printed
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "run directory: runs/x"
+    assert lines[1].startswith("step 1: reward 0.500  success 0.25  eval 0.75  tok/s 1234  stale 0.50")
+    assert lines[1].endswith("wait 1.0s train 2.0s")
+    assert len(lines) == 2
+
+
+def test_disabled_progress_prints_nothing():
+    console, out = plain_console()
+    with JobProgress(10, enabled=False, console=console) as p:
+        p.note("hello")
+        p.step(row(1), eval_success=0.5)
+    assert out.getvalue() == ""
+    assert not p.live
+
+
+def test_live_progress_on_a_terminal_shows_the_bar_and_figures():
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=160)
+    with JobProgress(4, console=console) as p:
+        assert p.live
+        p.step(row(2), eval_success=None)
+    text = out.getvalue()
+    assert "2/4" in text and "reward 0.500" in text
