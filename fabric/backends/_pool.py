@@ -39,6 +39,7 @@ _TICK_S = 0.05  # maintenance period: timeouts, idle shrink, replenish
 _ASYNC_GRACE_S = 1.0  # an async call is enforced in the worker; the parent steps in after this
 _MAX_START_FAILURES = 3
 _QUEUED_WORK_MS = 2.0  # work a synchronous worker may have queued (see FunctionPool.per_worker)
+_MAX_REQUEUES = 3  # a call queued on workers that died before running it: re-dispatched this often
 
 # exit backstop: whatever a crashed caller failed to close is killed at interpreter exit
 _LIVE_PIDS: set[int] = set()
@@ -52,7 +53,7 @@ def _kill_leftovers() -> None:
 
 
 class _Call:
-    __slots__ = ("avoid", "cid", "deadline_ns", "fut", "inv", "t_submit_ns", "timer", "worker")
+    __slots__ = ("avoid", "cid", "deadline_ns", "fut", "inv", "requeues", "t_submit_ns", "timer", "worker")
 
     def __init__(self, inv: Invocation, fut: asyncio.Future[Result], deadline_ns: int):
         self.inv = inv
@@ -63,6 +64,7 @@ class _Call:
         self.worker: _Worker | None = None
         self.avoid: _Worker | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.requeues = 0
 
 
 class _Worker(asyncio.Protocol):
@@ -152,6 +154,7 @@ class FunctionPool:
             "batches": 0,
             "calls": 0,
             "start_failures": 0,
+            "requeued": 0,
         }
 
     # -- lifecycle
@@ -466,6 +469,7 @@ class FunctionPool:
         # a synchronous worker runs one call at a time, the one in its slot; the others it held
         # never started, so they are safe to retry even for functions with side effects
         running = read_slot(w.slot)[0] if w.slot is not None and not self.spec.is_async else -1
+        requeue: list[_Call] = []
         for cid, call in list(w.inflight.items()):
             if cid == timed_out and w.kill_reason:
                 self._fail(call, ErrorCode.TIMEOUT, w.kill_reason[1])
@@ -473,10 +477,22 @@ class FunctionPool:
                 self._fail(
                     call, ErrorCode.WORKER_LOST, f"worker {w.id} died (exit code {code}) running the call"
                 )
+            elif call.requeues < _MAX_REQUEUES and not call.fut.done():
+                # it never ran: back to the head of the queue, for another worker, without
+                # spending one of the caller's attempts (a neighbour's timeout is not its fault)
+                call.requeues += 1
+                call.worker, call.cid = None, 0
+                requeue.append(call)
             else:
                 msg = f"worker {w.id} died (exit code {code}) before the call started"
                 self._fail(call, ErrorCode.NOT_STARTED, msg)
         w.inflight.clear()
+        if requeue:
+            self.metrics["requeued"] += len(requeue)
+            self._pending.extendleft(reversed(requeue))
+            if not self._scheduled:
+                self._scheduled = True
+                self._loop.call_soon(self._dispatch)
         if self._can_spawn() and (len(self._workers) < self.warm or self._pending):
             self._spawn()
 

@@ -41,6 +41,14 @@ def hang() -> None:
         pass
 
 
+@REG.function(warm=1, timeout_s=0.5, retry={"max_attempts": 1})
+def hang_or_echo(hang: bool, x: int) -> int:
+    """Never retried: queued behind a call that hangs, a call must still be answered."""
+    while hang:
+        pass
+    return x
+
+
 @REG.function(warm=0, retry={"max_attempts": 2, "initial_backoff_s": 0.01})
 def suicide() -> None:
     os.kill(os.getpid(), signal.SIGKILL)

@@ -93,6 +93,21 @@ async def test_hung_handler_times_out_and_its_worker_is_replaced():
         assert (await c.call("add", {"a": 1})).ok
 
 
+async def test_calls_queued_behind_a_timed_out_call_run_on_another_worker_without_a_retry():
+    async with local() as c:
+        await c.call("hang_or_echo", {"hang": False, "x": 0})  # one warm, ready worker
+        # the hanging call and three more go to that one worker in one batch; its timeout
+        # kills the worker before the three start: they are re-queued, not failed
+        rs = await asyncio.gather(
+            c.call("hang_or_echo", {"hang": True, "x": -1}),
+            *(c.call("hang_or_echo", {"hang": False, "x": i}) for i in (1, 2, 3)),
+        )
+        assert rs[0].error.type == ErrorCode.TIMEOUT
+        assert [(r.ok, r.value, r.attempts) for r in rs[1:]] == [(True, i, 1) for i in (1, 2, 3)]
+        stats = c.backend.stats()["hang_or_echo"]
+        assert stats["timeouts"] == 1 and stats["requeued"] == 3
+
+
 async def test_deadline_travels_with_the_call():
     async with local() as c:
         t0 = time.monotonic()
