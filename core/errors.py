@@ -6,10 +6,13 @@ The tree (every class derives from ``CoreError``)::
     ├── ConfigError          a job config failed validation (also a fabric ``ConfigError``);
     │                        ``problems`` lists every ``(key, message)`` found, all at once
     ├── BufferClosedError    ``SampleBuffer.get_batch`` on (or waiting when) the buffer closed
-    └── StreamClosedError    ``RewardStream.submit`` after the stream was closed
+    ├── StreamClosedError    ``RewardStream.submit`` after the stream was closed
+    └── RolloutError         the rollout cannot make progress: every group fails (the job stops
+                             with the trajectories' last error instead of spinning)
 
 A trajectory whose reward failed or whose environment broke is *data* (a masked ``Sample``),
-never an exception: only misuse of the API and bad configs raise.
+never an exception: only misuse of the API, bad configs and a rollout where *every* group
+fails (a deterministic fault such as a prompt longer than the model's context) raise.
 """
 
 from __future__ import annotations
@@ -40,3 +43,7 @@ class BufferClosedError(CoreError):
 
 class StreamClosedError(CoreError):
     """The reward stream was closed; it takes no more trajectories."""
+
+
+class RolloutError(CoreError):
+    """Group after group was given up with no group completing: the fault is not transient."""

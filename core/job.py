@@ -34,13 +34,13 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from core.buffer import Group, SampleBuffer
-from core.config import DEFAULT_AFFINITY, EnvConfig, JobConfig
-from core.errors import ConfigError, CoreError
+from core.config import DEFAULT_AFFINITY, EnvConfig, JobConfig, registered_env_ids
+from core.errors import ConfigError, CoreError, RolloutError
 from core.policy.build import PolicyBundle, action_ids, build_policy
 from core.report import JobProgress, RunDir
 from core.rewards import RewardStream
@@ -55,6 +55,7 @@ from fabric.protocol import Trajectory
 from fabric.registry import Registry
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: Evaluation seeds start here; training draws below it, so evaluation tasks are unseen.
 EVAL_SEED_BASE = 10_000_000
@@ -82,12 +83,22 @@ class Job:
         self._seen_trajs: set[str] = set()
         self.evals: list[dict[str, Any]] = []
         self.run_dir: RunDir | None = None
+        # consecutive groups given up with none completed, and the last trajectory error seen
+        self._give_up_streak = 0
+        self._last_error = ""
+        self._fatal: asyncio.Future[None] | None = None
 
     # ------------------------------------------------------------------ the run
     async def run(self) -> dict[str, Any]:
         cfg = self.cfg
         t_start = time.perf_counter()
         registry = self.registry if self.registry is not None else cfg.discover_functions()
+        # the config was checked against what discovery found; a job given its own registry
+        # checks against that one, or an unknown reward would fail every trajectory
+        problems = cfg.reference_problems(registry, registered_env_ids())
+        if problems:
+            raise ConfigError(problems)
+        self._fatal = asyncio.get_running_loop().create_future()
         bundle = build_policy(cfg) if cfg.engine.backend == "torch" else None
         actions = self._action_ids(bundle)
         run_dir = self.run_dir = RunDir(Path(cfg.run_dir))
@@ -143,7 +154,7 @@ class Job:
                     barrier = TurnBarrier()
                     for _ in range(cfg.batch_size):
                         self._start_group(runner, barrier)
-                groups = await buffer.get_batch(cfg.batch_size)
+                groups = await self._unless_fatal(buffer.get_batch(cfg.batch_size))
                 wait_s = time.perf_counter() - tw
                 tt = time.perf_counter()
                 trained = {s.id for g in groups for s in g.samples}
@@ -189,6 +200,18 @@ class Job:
             run_dir.log(final)
         return self._summary(run_dir, train_wall, first_eval, final, buffer, stream, runner)
 
+    async def _unless_fatal(self, aw: Awaitable[T]) -> T:
+        """``aw``'s result, or the rollout's fatal error if that comes first."""
+        assert self._fatal is not None
+        task: asyncio.Future[Any] = asyncio.ensure_future(aw)
+        await asyncio.wait({task, self._fatal}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            self._fatal.result()  # raises RolloutError
+        return task.result()
+
     # ------------------------------------------------------------------ launching
     async def _launch_loop(self, runner: GroupRunner) -> None:
         """Keep groups starting: at most ``alpha`` versions ahead of the trainer (groups that
@@ -225,6 +248,8 @@ class Job:
 
     def _on_abort(self, gid: str, reason: str) -> None:
         assert self.runner is not None
+        if reason == "complete":
+            self._give_up_streak = 0
         if reason == "stale":
             self._groups_live -= 1
             self._window["stale_groups"] += 1
@@ -233,6 +258,17 @@ class Job:
     def _given_up(self, g: Any) -> None:
         self._groups_live -= 1
         self._window["given_up_groups"] += 1
+        self._give_up_streak += 1
+        limit = max(8, 2 * self.cfg.batch_size)
+        if self._give_up_streak >= limit and self._fatal is not None and not self._fatal.done():
+            self._fatal.set_exception(
+                RolloutError(
+                    f"{self._give_up_streak} groups in a row were given up (each after "
+                    f"{self.cfg.rollout.max_reruns} re-runs) and none completed; the last "
+                    f"trajectory error: {self._last_error or 'none recorded'}"
+                )
+            )
+            return
         if self.cfg.rollout.mode == "sync" and self.runner is not None:
             self._start_group(self.runner)  # the step waits for batch_size groups: replace it
 
@@ -241,6 +277,8 @@ class Job:
             self._window["double_count"] += 1
         self._seen_trajs.add(traj.id)
         self._window[traj.status] += 1
+        if traj.status == "infra_failed":
+            self._last_error = str(traj.info.get("error", ""))
         self._window["tokens"] += sum(
             len((m.model_extra or {}).get("token_ids", [])) for m in traj.messages if m.role == "assistant"
         )
@@ -250,28 +288,29 @@ class Job:
 
     # ------------------------------------------------------------------ evaluation
     async def _evaluate(self, manager: EnvManager, step: int) -> dict[str, Any]:
-        """Greedy episodes on held-out seeds (the same seeds every time)."""
+        """Episodes on held-out seeds (the same seeds every time), each seed played greedily
+        (``success``) and sampled at the rollout temperature (``success_sampled``): greedy
+        shows what the policy prefers, sampled what the rollouts it trains on achieve."""
         cfg = self.cfg
         n = cfg.rollout.eval_episodes
-        rng = random.Random(cfg.seed + 1)
         tasks = []
         for i in range(n):
-            env = cfg.envs[i % len(cfg.envs)] if len(cfg.envs) > 1 else cfg.envs[0]
-            tasks.append(Task(env, EVAL_SEED_BASE + i, f"eval-{step}", greedy=True))
-        rng.shuffle(tasks)
+            env = cfg.envs[i % len(cfg.envs)]
+            for greedy in (True, False):
+                tasks.append(Task(env, EVAL_SEED_BASE + i, f"eval-{step}", greedy=greedy))
         te = time.perf_counter()
         trajs = await asyncio.gather(*(manager.run(t, version=self.version) for t in tasks))
-        scored = [t for t in trajs if t.status in ("ok", "truncated") and t.env_reward is not None]
-        row = {
-            "kind": "eval",
-            "step": step,
-            "version": self.version,
-            "episodes": len(scored),
-            "success": sum(1 for t in scored if (t.env_reward or 0) > 0) / max(len(scored), 1),
-            "return_mean": statistics.fmean([t.env_reward or 0.0 for t in scored]) if scored else 0.0,
-            "infra_failed": sum(1 for t in trajs if t.status == "infra_failed"),
-            "eval_s": round(time.perf_counter() - te, 2),
-        }
+        row: dict[str, Any] = {"kind": "eval", "step": step, "version": self.version}
+        for greedy, suffix in ((True, ""), (False, "_sampled")):
+            mine = [tr for t, tr in zip(tasks, trajs, strict=True) if t.greedy is greedy]
+            scored = [t for t in mine if t.status in ("ok", "truncated") and t.env_reward is not None]
+            row[f"success{suffix}"] = sum(1 for t in scored if (t.env_reward or 0) > 0) / max(len(scored), 1)
+            row[f"return_mean{suffix}"] = (
+                statistics.fmean([t.env_reward or 0.0 for t in scored]) if scored else 0.0
+            )
+            row[f"episodes{suffix}"] = len(scored)
+        row["infra_failed"] = sum(1 for t in trajs if t.status == "infra_failed")
+        row["eval_s"] = round(time.perf_counter() - te, 2)
         self.evals.append(row)
         return row
 
@@ -339,7 +378,8 @@ class Job:
             "final_success": final["success"] if final else None,
             "best_eval_success": max((e["success"] for e in self.evals), default=None),
             "final_train_reward": rows[-1]["reward_mean"] if rows else None,
-            "evals": [{k: e[k] for k in ("step", "success", "return_mean")} for e in self.evals],
+            "final_success_sampled": final["success_sampled"] if final else None,
+            "evals": [{k: e[k] for k in ("step", "success", "success_sampled")} for e in self.evals],
             "trajectories": dict(self._window),
             "aborted_trained": self._window["aborted_trained"],
             "masked_trained": self._window["masked_trained"],
@@ -394,7 +434,12 @@ class Job:
                     if resource is not None:
                         opts["resources"] = {resource: 1}
                     h = replica_cls.options(**opts).remote(
-                        cfg.engine.backend, bundle, cfg.engine.kwargs, seed=cfg.seed + i, name=name
+                        cfg.engine.backend,
+                        bundle,
+                        cfg.engine.kwargs,
+                        seed=cfg.seed + i,
+                        name=name,
+                        model=cfg.engine.model,
                     )
                     actors.append(h)
                     self.replicas.append(h)
@@ -494,7 +539,11 @@ def main(argv: list[str] | None = None) -> int:
     except CoreError as e:
         print(e, file=sys.stderr)
         return 2
-    summary = asyncio.run(Job(cfg, progress=not args.quiet).run())
+    try:
+        summary = asyncio.run(Job(cfg, progress=not args.quiet).run())
+    except CoreError as e:
+        print(e, file=sys.stderr)
+        return 2
     print(json.dumps(summary))
     return 0
 

@@ -5,9 +5,10 @@
 
 ``engine.model: tiny-lm`` (the embedded default) trains a word tokenizer on text the job's
 own environments produce (seeded random episodes, with the configured action words or the
-environment's example actions) and initialises a ``TinyLM`` from ``seed``. Any other value
-is a directory written by ``TinyLM.save_pretrained`` holding a ``tokenizer.json`` too (a
-policy trained earlier, e.g. by ``benchmarks/frozenlake_learning.py --save``).
+environment's example actions, played in a child process: ``core/policy/corpus.py``) and
+initialises a ``TinyLM`` from ``seed``. Any other value is a directory written by
+``TinyLM.save_pretrained`` holding a ``tokenizer.json`` too (a policy trained earlier,
+e.g. by ``benchmarks/frozenlake_learning.py --save``).
 
 Every replica and the trainer start from the same ``state`` (one copy, put in Ray's object
 store by the job), so version 0 means the same weights everywhere.
@@ -15,7 +16,6 @@ store by the job), so version 0 means the same weights everywhere.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,14 +24,13 @@ import torch
 
 from core.config import JobConfig
 from core.errors import ConfigError
+from core.policy.corpus import env_corpus
 from core.policy.tiny_lm import TinyLM, TinyLMConfig
 from core.policy.tokenizer import WordTokenizer
 
 TINY_LM = "tiny-lm"
 #: ``engine.kwargs`` keys that shape the ``TinyLM`` (the rest configure the torch engine).
 MODEL_KEYS = ("d_model", "n_layers", "n_heads", "d_ff", "max_len", "rope_base", "init_std")
-CORPUS_EPISODES = 200
-CORPUS_TURNS = 12
 
 
 @dataclass(frozen=True)
@@ -104,35 +103,6 @@ def build_policy(cfg: JobConfig) -> PolicyBundle:
         model_config=model.config.model_dump(),
         state={k: v.detach().clone() for k, v in model.state_dict().items()},
     )
-
-
-def env_corpus(cfg: JobConfig, episodes: int = CORPUS_EPISODES) -> list[str]:
-    """Text of seeded random episodes of every configured environment: observations,
-    invalid-action messages, the action words. Deterministic for a config."""
-    import envpool
-    import envpool.envs
-
-    rng = random.Random(cfg.seed)
-    corpus: list[str] = []
-    for env_cfg in cfg.envs:
-        env = envpool.make(env_cfg.id, tool_caller=_no_tools, **env_cfg.kwargs)
-        actions = list(env_cfg.actions or env.env.example_actions or ("noop",))
-        corpus.append(" ".join(actions))
-        if env_cfg.prompt.system:
-            corpus.append(env_cfg.prompt.system)
-        for seed in range(episodes):
-            obs, _ = env.reset(seed=seed)
-            corpus.append(obs.text)
-            for _ in range(CORPUS_TURNS):
-                res = env.step(rng.choice(actions))
-                corpus.append(res.obs.text)
-                if res.done:
-                    break
-    return corpus
-
-
-def _no_tools(name: str, arguments: dict[str, Any]) -> str:
-    return f"{name} output"
 
 
 def _single_id(tok: WordTokenizer, word: str) -> int | None:

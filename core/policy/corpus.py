@@ -1,0 +1,152 @@
+"""The tokenizer's training text: seeded random episodes of the job's environments, played
+outside the driver.
+
+Environment code never runs in the driver: an environment may kill its process on purpose
+(``latency-v0`` models a container dying with ``os._exit``), run model-written code
+(``code-repair-v1``) or hang. One child process per environment builds it once, then forks
+a grandchild per episode (cheap: the child holds no threads, no Ray, no torch) that plays
+it and prints one JSON line. An episode that kills or hangs its grandchild is skipped and
+reported; one that all episodes fail, or an environment that cannot be built, is a
+``ConfigError`` naming the environment.
+
+    texts = env_corpus(cfg)             # list[str], deterministic for a config
+
+``python -m core.policy.corpus`` is the child (a JSON spec on stdin).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+from typing import Any
+
+from core.config import JobConfig
+from core.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+CORPUS_EPISODES = 200
+CORPUS_TURNS = 12
+#: One episode's wall-clock limit (SIGALRM in its own process), and the child's in all.
+EPISODE_TIMEOUT_S = 10
+CHILD_TIMEOUT_S = 300.0
+
+
+def env_corpus(cfg: JobConfig, episodes: int = CORPUS_EPISODES) -> list[str]:
+    """Text of seeded random episodes of every configured environment: the action words,
+    the system prompt, observations and invalid-action messages."""
+    corpus: list[str] = []
+    for i, env_cfg in enumerate(cfg.envs):
+        spec = {
+            "id": env_cfg.id,
+            "kwargs": env_cfg.kwargs,
+            "actions": env_cfg.actions,
+            "salt": f"{cfg.seed}-{i}",
+            "episodes": episodes,
+            "episode_timeout_s": EPISODE_TIMEOUT_S,
+        }
+        if env_cfg.prompt.system:
+            corpus.append(env_cfg.prompt.system)
+        corpus += _play(spec, where=f"envs[{i}].id")
+    return corpus
+
+
+def _play(spec: dict[str, Any], *, where: str) -> list[str]:
+    def refuse(why: str) -> ConfigError:
+        return ConfigError([(where, f"cannot play {spec['id']} to build the tokenizer: {why}")])
+
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "core.policy.corpus"],
+            input=json.dumps(spec),
+            capture_output=True,
+            text=True,
+            timeout=CHILD_TIMEOUT_S,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+        )
+    except subprocess.TimeoutExpired:
+        raise refuse(f"{spec['episodes']} episodes took over {CHILD_TIMEOUT_S:.0f} s") from None
+    if proc.returncode != 0:
+        raise refuse(_last_line(proc.stderr) or f"exit code {proc.returncode}")
+    texts: list[str] = []
+    played, died = 0, []
+    for line in proc.stdout.splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # torn by an episode that died writing it
+        if "actions" in row:
+            texts.append(" ".join(row["actions"]))
+        elif "died" in row:
+            died.append(f"seed {row['seed']}: {row['died']}")
+        else:
+            texts += row["texts"]
+            played += 1
+    if played == 0:
+        raise refuse(f"every episode failed ({died[0] if died else 'no output'})")
+    if died:
+        n = spec["episodes"]
+        log.info("%s: %d of %d corpus episodes failed and were skipped (%s)", where, len(died), n, died[0])
+    return texts
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def _child(spec: dict[str, Any]) -> None:
+    """Build the environment, then play each episode in a forked process of its own."""
+    import envpool
+    import envpool.envs
+
+    out = os.dup(1)
+    os.dup2(2, 1)  # whatever the environment prints goes to stderr, not into the protocol
+    env = envpool.make(spec["id"], tool_caller=_no_tools, **spec["kwargs"])
+    actions = list(spec["actions"] or env.env.example_actions or ("noop",))
+    _write(out, {"actions": actions})
+    for seed in range(spec["episodes"]):
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(spec["episode_timeout_s"])
+            try:
+                row = {"seed": seed, "texts": _episode(env, actions, seed, spec["salt"])}
+            except Exception as e:  # the environment's own bug: reported, not fatal
+                row = {"seed": seed, "died": f"{type(e).__name__}: {e}"}
+            _write(out, row)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0:
+            why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            _write(out, {"seed": seed, "died": why}, fresh_line=True)
+
+
+def _episode(env: Any, actions: list[str], seed: int, salt: str) -> list[str]:
+    rng = random.Random(f"{salt}-{seed}")
+    obs, _ = env.reset(seed=seed)
+    texts = [obs.text]
+    for _ in range(CORPUS_TURNS):
+        res = env.step(rng.choice(actions))
+        texts.append(res.obs.text)
+        if res.done:
+            break
+    return texts
+
+
+def _write(fd: int, row: dict[str, Any], *, fresh_line: bool = False) -> None:
+    data = ("\n" if fresh_line else "") + json.dumps(row) + "\n"
+    os.write(fd, data.encode())
+
+
+def _no_tools(name: str, arguments: dict[str, Any]) -> str:
+    return f"{name} output"
+
+
+if __name__ == "__main__":
+    _child(json.loads(sys.stdin.read()))
