@@ -63,6 +63,13 @@ class RunDir:
                 "o-",
                 label="success (held-out, greedy)",
             )
+            if all("success_sampled" in e for e in self.evals):
+                ax.plot(
+                    [e["step"] for e in self.evals],
+                    [e["success_sampled"] for e in self.evals],
+                    "s--",
+                    label="success (held-out, sampled)",
+                )
         ax.set_xlabel("step")
         ax.set_ylim(-0.05, 1.05)
         ax.grid(alpha=0.3)

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fabric.errors import FabricError
@@ -45,7 +46,8 @@ def _registry(modules: list[str] | None) -> Registry:
 
 
 def _fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {message}")
+    # escaped (keys such as envs[0].id are not markup) and unwrapped (easy to grep and paste)
+    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -210,9 +212,9 @@ def run(
         _fail(f"the RL job needs its extras: pip install -e '.[ray,train,rewards]' ({e})")
     try:
         cfg = load(config, steps=steps, run_dir=run_dir)
-    except CoreError as e:
+        summary = asyncio.run(Job(cfg, progress=not quiet).run())
+    except CoreError as e:  # a bad config, or a rollout where every group fails
         _fail(str(e))
-    summary = asyncio.run(Job(cfg, progress=not quiet).run())
     if not quiet:
         _print_summary(summary)
     print(json.dumps(summary))
@@ -227,6 +229,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
         "step_s_mean",
         "untrained_success",
         "final_success",
+        "final_success_sampled",
         "best_eval_success",
         "final_train_reward",
         "aborted_trained",

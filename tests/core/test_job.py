@@ -1,0 +1,392 @@
+"""The RL job end to end on the embedded default (a local Ray cluster, a tiny torch policy,
+local fabric worker processes, process containers), and under faults: rewards that raise or
+time out, containers that die mid-episode, an engine replica killed mid-run; and bad configs
+refused before anything starts.
+
+Every job is tiny (batch 2 x group 2, a few steps, one-token replies), so the whole module
+stays well under two minutes on two cores. Faults are injected deterministically: reward
+functions claim numbered slots in a directory (``job_faults_fns``), the failing container's
+episode is picked by its seed, the replica is killed once the trainer published version 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import job_faults_fns as faults
+import pytest
+import yaml
+
+from core.config import JobConfig
+from core.errors import ConfigError, RolloutError
+from core.job import EVAL_SEED_BASE, Job, load, main
+
+TINY = {"d_model": 16, "n_layers": 1, "n_heads": 2, "max_len": 64}
+LATENCY = {
+    "id": "latency-v0",
+    "tag": "latency",
+    "max_turns": 2,
+    "kwargs": {"mu_s": 0.01, "turns": 2},
+    "actions": ["go", "wait"],
+    "prompt": {"history": 0},
+}
+FROZENLAKE = {
+    "id": "frozenlake-v1",
+    "tag": "frozenlake",
+    "max_turns": 4,
+    "kwargs": {"size": 4, "slippery": False},
+    "actions": ["left", "right", "up", "down"],
+    "prompt": {"history": 0, "drop_lines": ["Legend:"]},
+}
+TRAIN_KEYS = {"step", "version", "reward_mean", "success", "staleness_mean", "time"}
+TIME_KEYS = {"wait_s", "train_s", "publish_s", "gen_s", "env_s", "reward_s"}
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def job_config(tmp_path: Path, *, env: dict[str, Any] = LATENCY, rewards: list | None = None, **over: Any):
+    data = {
+        "engine": {"backend": "torch", "max_new_tokens": 1, "kwargs": TINY},
+        "envs": [env],
+        "rewards": {env["tag"]: rewards or [{"function": "env_return"}]},
+        "batch_size": 2,
+        "group_size": 2,
+        "alpha": 1,
+        "steps": 3,
+        "trainer": {"lr": 1e-3},
+        "rollout": {"eval_every": 0, "max_reruns": 3},
+        "fabric": {"backend": "local", "workers": 1},
+        "envpool": {
+            "runtime": "process",
+            "min_warm": 2,
+            "max_containers": 32,
+            "retry": {"attempts": 2, "initial_backoff_s": 0.01, "max_backoff_s": 0.05},
+        },
+        "run_dir": str(tmp_path / "run"),
+        "seed": 0,
+    }
+    return JobConfig.from_dict(_merge(data, over), registry=faults.REG)
+
+
+async def run_job(cfg: JobConfig) -> tuple[Job, dict[str, Any]]:
+    job = Job(cfg, progress=False, registry=faults.REG)
+    summary = await job.run()
+    return job, summary
+
+
+def check_invariants(summary: dict[str, Any], cfg: JobConfig) -> None:
+    """What holds for every job, faults or not."""
+    assert summary["steps"] == cfg.steps
+    assert summary["aborted_trained"] == 0
+    assert summary["masked_trained"] == 0
+    assert summary["trajectories"].get("double_count", 0) == 0
+    assert summary["rewards"]["duplicate"] == 0
+    assert summary["buffer"]["dropped"].get("duplicate", 0) == 0
+    assert summary["buffer"]["served_groups"] == cfg.steps * cfg.batch_size
+    assert summary["buffer"]["served_samples"] == cfg.steps * cfg.batch_size * cfg.group_size
+    # every trained trajectory within the asynchronous bound
+    assert summary["buffer"]["staleness"]
+    assert all(0 <= int(k) <= cfg.alpha for k in summary["buffer"]["staleness"])
+
+
+def train_rows(run_dir: Path) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("kind") == "train"]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+# ----------------------------------------------------------------------------- bad configs
+# test_config.py covers each of these at JobConfig.from_dict; here: the job's own edges (the
+# CLI entry, overrides, what only the job can check) refuse them before anything starts.
+
+
+@pytest.mark.parametrize(
+    ("over", "key"),
+    [
+        ({"envs": [{**LATENCY, "id": "latency-v9"}]}, "envs[0].id"),
+        ({"rewards": {"latency": [{"function": "env_retrun"}]}}, "rewards.latency[0].function"),
+        ({"engine": {"backend": "tensorrt"}}, "engine.backend"),
+        ({"alpha": -1}, "alpha"),
+    ],
+)
+def test_the_cli_refuses_a_bad_config_before_anything_starts(tmp_path, capsys, over, key):
+    data = _merge(
+        {
+            "envs": [LATENCY],
+            "rewards": {"latency": [{"function": "env_return"}]},
+            "run_dir": str(tmp_path / "run"),
+        },
+        over,
+    )
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main([str(path), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"{key}: " in err and str(path) in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_overrides_are_validated_too(tmp_path):
+    path = tmp_path / "job.yaml"
+    data = {"envs": [LATENCY], "rewards": {"latency": [{"function": "env_return"}]}}
+    path.write_text(yaml.safe_dump(data))
+    assert load(str(path), steps=4, run_dir=str(tmp_path / "r")).steps == 4
+    with pytest.raises(ConfigError) as e:
+        load(str(path), steps=0)
+    assert [k for k, _ in e.value.problems] == ["steps"]
+
+
+async def test_constrained_actions_without_the_torch_engine_fail_before_the_run_dir(tmp_path):
+    cfg = job_config(tmp_path, engine={"backend": "openai", "kwargs": {"base_url": "http://127.0.0.1:9"}})
+    with pytest.raises(ConfigError) as e:
+        await Job(cfg, progress=False, registry=faults.REG).run()
+    assert [k for k, _ in e.value.problems] == ["envs[0].actions"]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.ray
+async def test_a_reward_missing_from_the_jobs_registry_is_refused_before_anything_starts(
+    tmp_path, ray_cluster
+):
+    data = {
+        "envs": [LATENCY],
+        "rewards": {"latency": [{"function": "no_such_reward"}]},
+        "run_dir": str(tmp_path / "run"),
+        "engine": {"kwargs": TINY, "max_new_tokens": 1},
+    }
+    cfg = JobConfig.from_dict(data, check_references=False)
+    task = asyncio.ensure_future(Job(cfg, progress=False, registry=faults.REG).run())
+    config_written = tmp_path / "run" / "config.yaml"
+    for _ in range(600):
+        if task.done() or config_written.exists():
+            break
+        await asyncio.sleep(0.05)
+    started = config_written.exists()
+    if not task.done():
+        task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, ConfigError):
+        await task
+    assert not started
+    assert isinstance(task.exception(), ConfigError)
+    assert "rewards.latency[0].function" in str(task.exception())
+
+
+@pytest.mark.ray
+async def test_a_rollout_where_every_group_fails_stops_with_the_cause(tmp_path, ray_cluster):
+    # the map prompt (~66 tokens) does not fit a 64-token context: every trajectory fails the
+    # same way, so the job must stop and say why instead of re-running groups forever
+    cfg = job_config(tmp_path, env=FROZENLAKE, steps=2)
+    with pytest.raises(RolloutError) as e:
+        await run_job(cfg)
+    assert "groups in a row were given up" in str(e.value)
+    assert "PromptTooLongError" in str(e.value) and "context is 64" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- the happy path
+
+
+@pytest.mark.ray
+async def test_the_job_trains_end_to_end_and_leaves_its_run_directory(tmp_path, ray_cluster):
+    cfg = job_config(
+        tmp_path,
+        env=FROZENLAKE,
+        steps=4,
+        engine={"kwargs": {"max_len": 128}},  # the map prompt is ~66 tokens
+        rollout={"eval_every": 2, "eval_episodes": 2},
+    )
+    job, summary = await run_job(cfg)
+    check_invariants(summary, cfg)
+    run_dir = tmp_path / "run"
+    for name in ("metrics.jsonl", "summary.json", "config.yaml", "reward.png", "time.png"):
+        assert (run_dir / name).stat().st_size > 0, name
+    assert json.loads((run_dir / "summary.json").read_text()) == json.loads(json.dumps(summary))
+    assert JobConfig.from_yaml(run_dir / "config.yaml", registry=faults.REG) == cfg
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["version"] for r in rows] == [1, 2, 3, 4]  # one new version per step
+    for r in rows:
+        assert TRAIN_KEYS <= r.keys() and TIME_KEYS <= r["time"].keys()
+        assert 0 <= r["staleness_mean"] <= cfg.alpha
+        assert 0.0 <= r["success"] <= 1.0 and r["trajectories"] == 4
+    assert job.version == 4 and summary["buffer"]["version"] == 4
+    # evaluations: untrained, after step 2, final (greedy, held-out seeds)
+    assert [e["step"] for e in summary["evals"]] == [0, 2, 4]
+    evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(e["step"] for e in evals if e.get("kind") == "eval") == [0, 2, 4]
+    assert summary["untrained_success"] is not None and summary["final_success"] is not None
+
+
+@pytest.mark.ray
+async def test_sync_mode_runs_too(tmp_path, ray_cluster):
+    cfg = job_config(tmp_path, rollout={"mode": "sync"})
+    _, summary = await run_job(cfg)
+    check_invariants(summary, cfg)
+    assert summary["mode"] == "sync"
+    # a step's groups start together under the version being trained: never stale
+    assert set(summary["buffer"]["staleness"]) == {0}
+    assert summary["groups"]["groups_started"] == cfg.steps * cfg.batch_size
+    assert [r["version"] for r in train_rows(tmp_path / "run")] == [1, 2, 3]
+
+
+@pytest.mark.ray
+async def test_redundant_rollouts_are_aborted_and_never_trained(tmp_path, ray_cluster):
+    cfg = job_config(tmp_path, redundancy=2)
+    job, summary = await run_job(cfg)
+    check_invariants(summary, cfg)
+    groups = summary["groups"]
+    assert groups["redundant_aborted"] > 0
+    assert groups["trajectories_started"] >= groups["groups_started"] * (cfg.group_size + cfg.redundancy)
+    assert job.runner is not None and job.runner.aborted_ids  # checked against every batch
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+@pytest.mark.ray
+async def test_a_reward_that_raises_masks_and_reruns_the_member(tmp_path, ray_cluster):
+    state = tmp_path / "state"
+    state.mkdir()
+    rewards = [{"function": "raise_first", "args": {"state_dir": str(state), "n": 2}}]
+    cfg = job_config(tmp_path, rewards=rewards)
+    _, summary = await run_job(cfg)
+    check_invariants(summary, cfg)
+    failed = faults.claimed(state, "raised")
+    assert len(set(failed)) == 2
+    assert summary["trajectories"]["reward_failed"] == 2
+    assert summary["rewards"]["reward_failed"] == 2
+    assert summary["rewards"]["failures"] == {"raise_first:UserError": 2}
+    assert summary["buffer"]["dropped"]["reward_failed"] == 2  # masked, not a zero reward
+    assert summary["groups"]["reruns"] >= 2  # each failed member replaced
+    assert summary["rewards"]["scored"] >= cfg.steps * cfg.batch_size * cfg.group_size
+
+
+@pytest.mark.ray
+async def test_a_reward_that_times_out_is_retried_and_scored(tmp_path, ray_cluster):
+    state = tmp_path / "state"
+    state.mkdir()
+    rewards = [{"function": "slow_once", "args": {"state_dir": str(state), "n": 1}}]
+    cfg = job_config(tmp_path, rewards=rewards)
+    job, summary = await run_job(cfg)
+    check_invariants(summary, cfg)
+    [slow] = faults.claimed(state, "slow")
+    assert (state / f"scored-{slow}").exists()  # the retry scored the same trajectory
+    assert summary["rewards"]["reward_failed"] == 0
+    assert job.stream is not None
+    assert job.stream.client.metrics()["slow_once"]["retries"] >= 1  # the timeout, counted
+
+
+@pytest.mark.ray
+async def test_a_final_reward_timeout_masks_the_trajectory_and_replaces_it(tmp_path, ray_cluster):
+    state = tmp_path / "state"
+    state.mkdir()
+    rewards = [{"function": "slow_no_retry", "args": {"state_dir": str(state), "n": 1}}]
+    cfg = job_config(tmp_path, rewards=rewards)
+    _, summary = await run_job(cfg)
+    check_invariants(summary, cfg)
+    [slow] = faults.claimed(state, "slow")
+    assert not (state / f"scored-{slow}").exists()
+    assert summary["rewards"]["failures"] == {"slow_no_retry:FunctionTimeout": 1}
+    assert summary["trajectories"]["reward_failed"] == 1
+    assert summary["buffer"]["dropped"]["reward_failed"] == 1
+    assert summary["groups"]["reruns"] >= 1
+
+
+def _latency_fails(seed: int, fail_prob: float) -> bool:
+    rng = random.Random(seed)  # LatencyEnv.reset: the slow draw, then the fail draw
+    rng.random()
+    return rng.random() < fail_prob
+
+
+def _job_seed_whose_first_group_fails(fail_prob: float, clean_after: int) -> int:
+    """A job seed whose first group's episode kills its container and whose next
+    ``clean_after`` groups do not (the job draws one task seed per group from its rng)."""
+    for job_seed in range(100_000):
+        rng = random.Random(job_seed)
+        seeds = [rng.randrange(EVAL_SEED_BASE) for _ in range(1 + clean_after)]
+        if _latency_fails(seeds[0], fail_prob) and not any(_latency_fails(s, fail_prob) for s in seeds[1:]):
+            return job_seed
+    raise AssertionError("no such seed")
+
+
+@pytest.mark.ray
+async def test_a_container_that_dies_mid_episode_is_masked_not_scored(tmp_path, ray_cluster):
+    fail_prob = 0.2
+    seed = _job_seed_whose_first_group_fails(fail_prob, clean_after=24)
+    env = {**LATENCY, "kwargs": {"mu_s": 0.01, "turns": 2, "fail_prob": fail_prob}}
+    cfg = job_config(tmp_path, env=env, seed=seed, rollout={"max_reruns": 1})
+    _, summary = await run_job(cfg)
+    check_invariants(summary, cfg)
+    failed = summary["trajectories"]["infra_failed"]
+    # the first group replays its failing episode: both members fail, and its one re-run
+    # fails too, or is aborted when the group is given up (the second failure leaves it no
+    # way to reach group_size), whichever comes first
+    assert cfg.group_size <= failed <= cfg.group_size + 1
+    assert summary["groups"]["given_up"] == 1 and summary["groups"]["reruns"] == 1
+    assert summary["buffer"]["dropped"]["infra_failed"] == failed  # masked, never a zero
+    assert summary["rewards"]["passed_masked"] >= failed  # never sent to a reward function
+    assert summary["rewards"]["reward_failed"] == 0
+
+
+@pytest.mark.ray
+async def test_a_killed_engine_replica_restarts_and_gets_the_latest_weights(tmp_path, ray_cluster):
+    ray = ray_cluster
+    # enough steps that the job outlives the restart (a new worker process loading torch)
+    cfg = job_config(tmp_path, steps=40)
+    job = Job(cfg, progress=False, registry=faults.REG)
+    task = asyncio.ensure_future(job.run())
+    while job.version < 1 and not task.done():  # noqa: ASYNC110 - polls another task's progress
+        await asyncio.sleep(0.02)
+    assert not task.done()
+    [replica] = job.replicas
+    pid = await replica.pid.remote()
+    killed_at = job.version
+    ray.kill(replica, no_restart=False)  # Ray restarts it (engine.max_restarts)
+    seen: dict[str, Any] = {}
+    while not task.done():
+        with contextlib.suppress(Exception):
+            stats = await asyncio.wait_for(replica.stats.remote(), 5)
+            new_pid = await asyncio.wait_for(replica.pid.remote(), 5)
+            if new_pid != pid and stats["version"] >= killed_at:
+                seen = {"pid": new_pid, "version": stats["version"]}
+                seen["proxy"] = await job.proxy_handle.stats.remote()
+                break
+        await asyncio.sleep(0.05)
+    summary = await task
+    check_invariants(summary, cfg)
+    assert [r["version"] for r in train_rows(tmp_path / "run")] == list(range(1, cfg.steps + 1))
+    # the restarted process was given the weights it lost (it starts from the initial ones)
+    assert seen, "the restarted replica was never seen with the latest weights"
+    assert seen["proxy"].get("replica_lost", 0) + seen["proxy"].get("replicas_recovered", 0) >= 1
+    assert summary["trajectories"].get("infra_failed", 0) == 0  # the lost turns were re-run
+
+
+@pytest.mark.ray
+async def test_an_affinity_no_node_offers_is_a_config_error(tmp_path, ray_cluster):
+    cfg = job_config(tmp_path, engine={"hw_affinity": {"latency": "H800"}})
+    with pytest.raises(ConfigError) as e:
+        await Job(cfg, progress=False, registry=faults.REG).run()
+    [(key, msg)] = e.value.problems
+    assert key == "engine.hw_affinity" and "H800" in msg
