@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 EXTRAS ?= dev,ray,rewards,aws,train
 
-.PHONY: setup demo test lint unit bench clean
+.PHONY: setup demo showcase test lint unit bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -17,7 +17,14 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 setup: $(STAMP)
 
+# the main job: GRPO on FrozenLake with a tiny torch policy, a local Ray cluster, local
+# fabric pools and process containers (~10 minutes on 2 cores; runs/frozenlake/ holds the
+# metrics, plots and summary)
 demo: setup
+	$(BIN)/fabric run examples/frozenlake/config.yaml
+
+# a one-minute tour of the fabric and envpool (register, call, bench, sessions)
+showcase: setup
 	$(BIN)/python examples/demo.py
 
 lint: setup
