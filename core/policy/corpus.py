@@ -4,8 +4,9 @@ outside the driver.
 Environment code never runs in the driver: an environment may kill its process on purpose
 (``latency-v0`` models a container dying with ``os._exit``), run model-written code
 (``code-repair-v1``) or hang. One child process per environment builds it once, then forks
-a grandchild per episode (cheap: the child holds no threads, no Ray, no torch) that plays
-it and prints one JSON line. An episode that kills or hangs its grandchild is skipped and
+a grandchild per episode (cheap: the child holds no threads, no Ray, no torch), up to
+``PARALLEL`` at once, that plays it and leaves its texts in a file; the child prints them,
+one JSON line per episode, in seed order. An episode that kills or hangs its grandchild is skipped and
 reported; one that all episodes fail, or an environment that cannot be built, is a
 ``ConfigError`` naming the environment.
 
@@ -16,6 +17,7 @@ reported; one that all episodes fail, or an environment that cannot be built, is
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -23,6 +25,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 from core.config import JobConfig
@@ -35,6 +38,8 @@ CORPUS_TURNS = 12
 #: One episode's wall-clock limit (SIGALRM in its own process), and the child's in all.
 EPISODE_TIMEOUT_S = 10
 CHILD_TIMEOUT_S = 300.0
+#: Episodes played at once.
+PARALLEL = 64
 
 
 def env_corpus(cfg: JobConfig, episodes: int = CORPUS_EPISODES) -> list[str]:
@@ -49,6 +54,7 @@ def env_corpus(cfg: JobConfig, episodes: int = CORPUS_EPISODES) -> list[str]:
             "salt": f"{cfg.seed}-{i}",
             "episodes": episodes,
             "episode_timeout_s": EPISODE_TIMEOUT_S,
+            "parallel": PARALLEL,
         }
         if env_cfg.prompt.system:
             corpus.append(env_cfg.prompt.system)
@@ -79,7 +85,7 @@ def _play(spec: dict[str, Any], *, where: str) -> list[str]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
-            continue  # torn by an episode that died writing it
+            continue  # not a protocol line (cannot happen: the child moved stdout to stderr)
         if "actions" in row:
             texts.append(" ".join(row["actions"]))
         elif "died" in row:
@@ -101,7 +107,8 @@ def _last_line(text: str) -> str:
 
 
 def _child(spec: dict[str, Any]) -> None:
-    """Build the environment, then play each episode in a forked process of its own."""
+    """Build the environment, then play each episode in a forked process of its own, up to
+    ``parallel`` at once (an environment's steps often wait: a tool, a simulator, a sleep)."""
     import envpool
     import envpool.envs
 
@@ -110,21 +117,50 @@ def _child(spec: dict[str, Any]) -> None:
     env = envpool.make(spec["id"], tool_caller=_no_tools, **spec["kwargs"])
     actions = list(spec["actions"] or env.env.example_actions or ("noop",))
     _write(out, {"actions": actions})
-    for seed in range(spec["episodes"]):
-        pid = os.fork()
-        if pid == 0:
-            signal.alarm(spec["episode_timeout_s"])
-            try:
-                row = {"seed": seed, "texts": _episode(env, actions, seed, spec["salt"])}
-            except Exception as e:  # the environment's own bug: reported, not fatal
-                row = {"seed": seed, "died": f"{type(e).__name__}: {e}"}
-            _write(out, row)
-            os._exit(0)
-        _, status = os.waitpid(pid, 0)
-        code = os.waitstatus_to_exitcode(status)
-        if code != 0:
-            why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-            _write(out, {"seed": seed, "died": why}, fresh_line=True)
+    n = spec["episodes"]
+    seeds = iter(range(n))
+    running: dict[int, int] = {}  # pid -> seed
+    rows: dict[int, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="rl-fabric-corpus-") as tmp:
+
+        def start(seed: int) -> None:
+            pid = os.fork()
+            if pid == 0:
+                signal.alarm(spec["episode_timeout_s"])
+                try:
+                    row = {"seed": seed, "texts": _episode(env, actions, seed, spec["salt"])}
+                except Exception as e:  # the environment's own bug: reported, not fatal
+                    row = {"seed": seed, "died": f"{type(e).__name__}: {e}"}
+                with open(os.path.join(tmp, f"{seed}.json"), "w") as f:
+                    json.dump(row, f)
+                os._exit(0)
+            running[pid] = seed
+
+        for seed in itertools.islice(seeds, spec["parallel"]):
+            start(seed)
+        while running:
+            pid, status = os.waitpid(-1, 0)
+            seed = running.pop(pid, -1)
+            if seed < 0:
+                continue  # a process the environment started itself
+            rows[seed] = _result(tmp, seed, os.waitstatus_to_exitcode(status))
+            nxt = next(seeds, None)
+            if nxt is not None:
+                start(nxt)
+    for seed in range(n):  # in seed order: the corpus does not depend on who finished first
+        _write(out, rows[seed])
+
+
+def _result(tmp: str, seed: int, code: int) -> dict[str, Any]:
+    if code == 0:
+        try:
+            with open(os.path.join(tmp, f"{seed}.json")) as f:
+                row: dict[str, Any] = json.load(f)
+            return row
+        except (OSError, json.JSONDecodeError):
+            pass
+    why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    return {"seed": seed, "died": why}
 
 
 def _episode(env: Any, actions: list[str], seed: int, salt: str) -> list[str]:
@@ -139,9 +175,10 @@ def _episode(env: Any, actions: list[str], seed: int, salt: str) -> list[str]:
     return texts
 
 
-def _write(fd: int, row: dict[str, Any], *, fresh_line: bool = False) -> None:
-    data = ("\n" if fresh_line else "") + json.dumps(row) + "\n"
-    os.write(fd, data.encode())
+def _write(fd: int, row: dict[str, Any]) -> None:
+    data = (json.dumps(row) + "\n").encode()
+    while data:
+        data = data[os.write(fd, data) :]
 
 
 def _no_tools(name: str, arguments: dict[str, Any]) -> str:
