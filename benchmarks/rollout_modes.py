@@ -14,10 +14,13 @@ measured); the trainer trains it for real.
   for the last trajectory) and ``async`` (trajectory-level loops, groups keep starting
   within ``alpha``=1). Reported: mean step time (first ``--warmup`` steps excluded) and the
   ratio sync/async.
-* **redundancy**: 5% of episodes are slow (10x) or failing (the container dies mid-episode;
-  replay fails the same way, so the trajectory ends ``infra_failed`` and is re-run), async
-  mode, ``redundancy`` 0 vs 2 extra rollouts per group. Reported: step time, aborted
-  trajectories, and how many aborted ones reached the trainer (must be 0).
+* **redundancy**: 5% of rollouts are slow (10x) or failing (the container dies mid-episode;
+  ``tail: rollout``, so the slowness is the machine's, not the task's: another rollout of
+  the same task, or the replay in a fresh container, escapes it), async
+  mode, ``redundancy`` 0 vs 2 extra rollouts per group, under ``alpha`` 0 (the trainer
+  waits for each batch: the tail is on the critical path) and 1 (the next batch is already
+  rolling: the buffer hides much of the tail). Reported: step time, aborted trajectories,
+  and how many aborted ones reached the trainer (must be 0).
 
 One Ray cluster serves every run; each run is a fresh ``Job`` (new actors, pools, containers).
 Prints one JSON object.
@@ -53,6 +56,8 @@ def config(
     batch_size: int = 4,
     group_size: int = 4,
     turns: int = 4,
+    alpha: int = 1,
+    tail: str = "task",
 ) -> JobConfig:
     return JobConfig.from_dict(
         {
@@ -73,6 +78,7 @@ def config(
                         "slow_prob": slow_prob,
                         "slow_factor": 10.0,
                         "fail_prob": fail_prob,
+                        "tail": tail,
                     },
                     "actions": ["go", "wait"],
                     "prompt": {"history": 0},
@@ -82,7 +88,7 @@ def config(
             "batch_size": batch_size,
             "group_size": group_size,
             "redundancy": redundancy,
-            "alpha": 1,
+            "alpha": alpha,
             "steps": steps,
             "trainer": {"lr": 1e-3},
             "rollout": {"mode": mode, "eval_every": 0, "max_reruns": 8, "trajectory_timeout_s": 120},
@@ -143,26 +149,32 @@ async def modes(args: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
     return out
 
 
-async def redundancy(args: argparse.Namespace, tmp: str) -> dict[str, Any]:
-    res: dict[str, Any] = {"slow_prob": 0.04, "fail_prob": 0.01, "slow_factor": 10.0, "mu_s": args.mu}
-    for red in (0, 2):
-        cfg = config(
-            mode="async",
-            mu=args.mu,
-            sigma=0.1 * args.mu,
-            steps=args.steps,
-            run_dir=f"{tmp}/redundancy-{red}",
-            redundancy=red,
-            slow_prob=0.04,
-            fail_prob=0.01,
+async def redundancy(args: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
+    out = []
+    for alpha in args.redundancy_alphas:
+        res: dict[str, Any] = {"alpha": alpha, "slow_prob": 0.04, "fail_prob": 0.01, "slow_factor": 10.0}
+        res["mu_s"] = args.mu
+        for red in (0, 2):
+            cfg = config(
+                mode="async",
+                mu=args.mu,
+                sigma=0.1 * args.mu,
+                steps=args.redundancy_steps,
+                run_dir=f"{tmp}/redundancy-{alpha}-{red}",
+                redundancy=red,
+                slow_prob=0.04,
+                fail_prob=0.01,
+                alpha=alpha,
+                tail="rollout",  # straggling/crashing machines: another rollout escapes them
+            )
+            r = await run_one(cfg, args.warmup)
+            res[f"redundancy_{red}"] = r
+            print(f"  alpha={alpha} redundancy={red}: step {r['step_s_mean']} s", file=sys.stderr, flush=True)
+        res["speedup_redundant"] = round(
+            res["redundancy_0"]["step_s_mean"] / res["redundancy_2"]["step_s_mean"], 2
         )
-        r = await run_one(cfg, args.warmup)
-        res[f"redundancy_{red}"] = r
-        print(f"  redundancy={red}: step {r['step_s_mean']} s", file=sys.stderr, flush=True)
-    res["speedup_redundant"] = round(
-        res["redundancy_0"]["step_s_mean"] / res["redundancy_2"]["step_s_mean"], 2
-    )
-    return res
+        out.append(res)
+    return out
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -196,6 +208,14 @@ def main() -> None:
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.5, 1.0], help="sigma/mu values")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2, help="first steps not timed")
+    ap.add_argument("--redundancy-steps", type=int, default=16)
+    ap.add_argument(
+        "--redundancy-alphas",
+        type=int,
+        nargs="+",
+        default=[0, 1],
+        help="asynchronous bounds to compare redundancy 0 vs 2 under (0: the trainer waits for every batch)",
+    )
     args = ap.parse_args()
     print(json.dumps(asyncio.run(main_async(args))))
 

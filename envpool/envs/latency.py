@@ -4,8 +4,13 @@ Every step sleeps a duration drawn from N(``mu_s``, ``sigma_s``) (truncated at 0
 real environment's tool call, compile or simulator tick would; with probability
 ``slow_prob`` an episode is *slow* (every step ``slow_factor`` times longer) and with
 ``fail_prob`` it *fails* (its process exits mid-episode, as a crashed container does). The
-draws come from the reset seed, so an episode replays the same way. The episode lasts
-``turns`` steps and returns 1.0 (any action is valid: the policy is not what is measured).
+episode lasts ``turns`` steps and returns 1.0 (any action is valid: the policy is not what
+is measured).
+
+``tail="task"`` (the default) draws everything from the reset seed: the task is slow or
+fatal, so every rollout of it (a group's members, a replay) behaves the same. ``"rollout"``
+draws from fresh entropy at each reset: a straggling or crashing *machine*, which another
+rollout of the same task, or a replay in a fresh container, escapes.
 """
 
 from __future__ import annotations
@@ -29,11 +34,15 @@ class LatencyEnv(Env):
         slow_prob: float = 0.0,
         slow_factor: float = 10.0,
         fail_prob: float = 0.0,
+        tail: str = "task",
     ):
         if mu_s < 0 or sigma_s < 0 or turns < 1 or slow_factor < 1:
             raise ValueError("need mu_s >= 0, sigma_s >= 0, turns >= 1, slow_factor >= 1")
         if not (0 <= slow_prob <= 1 and 0 <= fail_prob <= 1):
             raise ValueError("slow_prob and fail_prob are probabilities")
+        if tail not in ("task", "rollout"):
+            raise ValueError(f"tail is 'task' or 'rollout', got {tail!r}")
+        self.tail = tail
         self.mu_s, self.sigma_s, self.turns = mu_s, sigma_s, turns
         self.slow_prob, self.slow_factor, self.fail_prob = slow_prob, slow_factor, fail_prob
         self._rng = random.Random()
@@ -41,7 +50,7 @@ class LatencyEnv(Env):
         self.slow = self.fail = False
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
-        self._rng = random.Random(seed)
+        self._rng = random.Random(seed if self.tail == "task" else None)  # None: fresh entropy
         self.t = 0
         self.slow = self._rng.random() < self.slow_prob
         self.fail = self._rng.random() < self.fail_prob

@@ -132,6 +132,24 @@ def test_frozenlake_neighbours_line_names_the_tile_each_move_reaches():
     assert "Next to you" not in envpool.make("frozenlake-v1").reset(seed=0)[0].text
 
 
+def test_latency_tail_per_task_repeats_for_a_seed_and_per_rollout_does_not():
+    def slow_draws(tail: str) -> list[bool]:
+        env = envpool.make("latency-v0", mu_s=0.0, slow_prob=0.5, tail=tail)
+        return [env.reset(seed=7)[1]["slow"] for _ in range(40)]
+
+    assert len(set(slow_draws("task"))) == 1  # the same task is slow (or not) every time
+    assert set(slow_draws("rollout")) == {True, False}  # 2 ** -39 to fail by chance
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"tail": "machine"}, {"mu_s": -1.0}, {"turns": 0}, {"slow_prob": 1.5}, {"fail_prob": -0.1}],
+)
+def test_latency_refuses_bad_kwargs(kwargs):
+    with pytest.raises(ValueError):
+        envpool.make("latency-v0", **kwargs)
+
+
 def test_frozenlake_reset_without_seed_continues_the_seeded_stream():
     a, b = envpool.make("frozenlake-v1"), envpool.make("frozenlake-v1")
     a.reset(seed=5)
