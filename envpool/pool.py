@@ -137,7 +137,10 @@ class EnvPool:
         self._prestart_failures: Counter[str | None] = Counter()
         self._prestart_after: dict[str | None, float] = {}
         self._starting: Counter[str | None] = Counter()
-        self._changed = asyncio.Condition()
+        # resolved (and replaced) whenever capacity may have freed up; waiters shield it, so a
+        # cancelled claimer (an aborted trajectory) cannot disturb the others. (A Condition
+        # under wait_for can fail to re-acquire its lock when the waiter is cancelled.)
+        self._changed: asyncio.Future[None] | None = None
         self._closed = False
         self._maint: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
@@ -168,8 +171,7 @@ class EnvPool:
         for t in list(self._bg):
             t.cancel()
         await asyncio.gather(*self._bg, *([self._maint] if self._maint else []), return_exceptions=True)
-        async with self._changed:
-            self._changed.notify_all()  # claimers waiting for capacity learn the pool closed
+        self._notify_changed()  # claimers waiting for capacity learn the pool closed
         await self.runtime.aclose()
 
     # ------------------------------------------------------------------ sessions
@@ -242,13 +244,23 @@ class EnvPool:
             return
         self._prestart_failures[image] = 0
         self._idle[image].append(c)
-        async with self._changed:
-            self._changed.notify_all()
+        self._notify_changed()
+
+    def _notify_changed(self) -> None:
+        fut, self._changed = self._changed, None
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def _changed_future(self) -> asyncio.Future[None]:
+        if self._changed is None:
+            self._changed = asyncio.get_running_loop().create_future()
+        return self._changed
 
     async def _claim(self, image: str | None) -> Container:
         """An idle container of ``image`` (warm claim), else a new one (cold), else wait."""
         deadline = time.monotonic() + self.config.claim_timeout_s
         while True:
+            changed = self._changed_future()  # taken before looking: no wake-up can slip by
             if self._closed:
                 raise PoolClosed("the pool is closed")
             idle = self._idle[image]
@@ -271,21 +283,15 @@ class EnvPool:
                     raise SessionLost(
                         f"no container free in {self.config.claim_timeout_s:g} s (max_containers)"
                     )
-                async with self._changed:
-                    # notified when capacity frees up; the short timeout is a backstop for any path
-                    # that frees it silently (a container found dead, a failed start)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._changed.wait(), min(remaining, 0.05))
+                # notified when capacity frees up; the short timeout is a backstop for any path
+                # that frees it silently (a container found dead, a failed start)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(changed), min(remaining, 0.05))
 
     def _kick(self) -> None:
         """Wake claimers waiting for capacity (from sync code too)."""
-
-        async def notify() -> None:
-            async with self._changed:
-                self._changed.notify_all()
-
         if not self._closed:
-            self._spawn_bg(notify())
+            self._notify_changed()
 
     async def _evict_idle_other_than(self, image: str | None) -> bool:
         for other, q in self._idle.items():
@@ -304,8 +310,7 @@ class EnvPool:
             await self.runtime.stop(c)
         else:
             self._idle[c.image].append(c)
-        async with self._changed:
-            self._changed.notify_all()
+        self._notify_changed()
 
     async def _maintain(self) -> None:
         """Replenish warm containers, drop dead idle ones, reap leaked sessions."""

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import sys
 import time
@@ -273,6 +274,29 @@ async def test_a_claim_waiting_for_capacity_wakes_when_it_frees(images):
         await holder.__aexit__(None, None, None)
         assert await asyncio.wait_for(waiter, 5) == "ready 1"
         assert time.monotonic() - t0 < 1.0
+
+
+async def test_claimers_cancelled_while_waiting_for_capacity_do_not_break_the_others(images):
+    # aborted trajectories cancel their claims at any moment, the backstop timeouts included;
+    # twice, too; the claimers left must still be served (a Condition under wait_for hung here)
+    rng = random.Random(0)
+    async with pool(images, min_warm=0, max_containers=1) as p:
+        holder = p.session("bundle-echo-v0", image=IMAGE)
+        s = await holder.__aenter__()
+        await s.reset()
+        waiters = [asyncio.create_task(_one_reset(p)) for _ in range(60)]
+        doomed = rng.sample(waiters, 45)
+        for _ in range(300):  # a claim may be cancelled again while it handles the first
+            await asyncio.sleep(rng.uniform(0, 0.01))
+            rng.choice(doomed).cancel()
+        for w in doomed:
+            w.cancel()
+        await holder.__aexit__(None, None, None)
+        kept = [w for w in waiters if w not in doomed]
+        _, pending = await asyncio.wait(waiters, timeout=30)
+        assert not pending, f"{len(pending)} claims never finished"
+        assert [w.result() for w in kept] == ["ready 1"] * len(kept)
+        assert all(w.cancelled() for w in doomed)
 
 
 async def _one_reset(p):
