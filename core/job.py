@@ -87,6 +87,7 @@ class Job:
         self._give_up_streak = 0
         self._last_error = ""
         self._fatal: asyncio.Future[None] | None = None
+        self._t0 = time.perf_counter()
 
     # ------------------------------------------------------------------ the run
     async def run(self) -> dict[str, Any]:
@@ -139,7 +140,7 @@ class Job:
         progress: JobProgress,
     ) -> dict[str, Any]:
         cfg = self.cfg
-        t0 = time.perf_counter()
+        t0 = self._t0 = time.perf_counter()
         launcher = asyncio.create_task(self._launch_loop(runner)) if cfg.rollout.mode == "async" else None
         eval_task: asyncio.Task[dict[str, Any]] | None = None
         first_eval = await self._evaluate(manager, 0) if cfg.rollout.eval_every else None
@@ -311,6 +312,7 @@ class Job:
             row[f"episodes{suffix}"] = len(scored)
         row["infra_failed"] = sum(1 for t in trajs if t.status == "infra_failed")
         row["eval_s"] = round(time.perf_counter() - te, 2)
+        row["wall_s"] = round(time.perf_counter() - self._t0, 1)  # since training began, as train rows
         self.evals.append(row)
         return row
 

@@ -145,8 +145,8 @@ class JobProgress:
             self._progress.update(self._task, completed=row["step"], figures=figures)
         elif self.enabled and time.monotonic() - self._last_line > 5.0:
             self._last_line = time.monotonic()
-            self.console.print(f"step {row['step']}: {figures}", highlight=False)
+            self.console.print(f"step {row['step']}: {figures}", highlight=False, soft_wrap=True)
 
     def note(self, text: str) -> None:
         if self.enabled:
-            self.console.print(text, highlight=False)
+            self.console.print(text, highlight=False, soft_wrap=True)
