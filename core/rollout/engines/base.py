@@ -28,7 +28,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Coroutine, Mapping
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from core.errors import CoreError
 from fabric.protocol import Message
@@ -38,6 +38,15 @@ FinishReason = Literal["stop", "length", "abort"]
 
 class EngineError(CoreError):
     """Base class of the engines' errors."""
+
+
+def options_error(backend: str, e: ValidationError) -> EngineError:
+    """An engine's invalid ``engine.kwargs``, every problem on one line, named by key."""
+    problems = "; ".join(
+        f"{'.'.join(map(str, err['loc'])) or '(config)'}: {err['msg'].removeprefix('Value error, ')}"
+        for err in e.errors()
+    )
+    return EngineError(f"invalid {backend} engine options: {problems}")
 
 
 class EngineClosedError(EngineError):

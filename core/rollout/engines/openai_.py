@@ -56,6 +56,7 @@ from core.rollout.engines.base import (
     FinishReason,
     GenerateRequest,
     PromptTooLongError,
+    options_error,
 )
 
 OPENAI_URL = "https://api.openai.com/v1"
@@ -429,11 +430,4 @@ def _validate(cls: type[OpenAIEngineConfig], options: dict[str, Any]) -> OpenAIE
     try:
         return cls(**options)
     except ValidationError as e:
-        raise EngineError(f"invalid openai engine options: {_problems(e)}") from None
-
-
-def _problems(e: ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(map(str, err['loc'])) or '(config)'}: {err['msg'].removeprefix('Value error, ')}"
-        for err in e.errors()
-    )
+        raise options_error("openai", e) from None

@@ -62,6 +62,7 @@ from core.rollout.engines.base import (
     FinishReason,
     GenerateRequest,
     PromptTooLongError,
+    options_error,
 )
 from fabric.protocol import Message
 
@@ -415,11 +416,4 @@ def _config_from(options: dict[str, Any]) -> VLLMEngineConfig:
     try:
         return VLLMEngineConfig(**known)
     except ValidationError as e:
-        raise EngineError(f"invalid vllm engine options: {_problems(e)}") from None
-
-
-def _problems(e: ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(map(str, err['loc'])) or '(config)'}: {err['msg'].removeprefix('Value error, ')}"
-        for err in e.errors()
-    )
+        raise options_error("vllm", e) from None
