@@ -158,7 +158,7 @@ def _result(tmp: str, seed: int, code: int) -> dict[str, Any]:
                 row: dict[str, Any] = json.load(f)
             return row
         except (OSError, json.JSONDecodeError):
-            pass
+            pass  # exited 0 without a whole file (killed between write and exit): it died
     why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
     return {"seed": seed, "died": why}
 

@@ -298,7 +298,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             super().finish()
         except OSError:
-            pass
+            pass  # the client hung up first: nothing left to flush
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # tests read srv.requests, not a log on stderr

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_models import stopless
 
 from core.policy.tiny_lm import TinyLM, TinyLMConfig
 from core.policy.tokenizer import WordTokenizer
@@ -40,19 +41,6 @@ def tiny(tok: WordTokenizer, seed: int = 0) -> TinyLM:
     return TinyLM(
         TinyLMConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=1, n_heads=2, max_len=64), seed=seed
     )
-
-
-def stopless(model: TinyLM, tok: WordTokenizer) -> TinyLM:
-    """The model made never to end a turn (as in test_torch_engine): every turn runs to
-    ``max_new_tokens``, so a long one is reliably still in flight when it is aborted."""
-    with torch.no_grad():
-        u = torch.zeros(model.config.d_model)
-        u[0] = 1.0
-        model.ln_f.weight.zero_()
-        model.ln_f.bias.copy_(u)
-        for i in tok.stop_ids:
-            model.embed.weight[i] = -20 * u
-    return model
 
 
 def engine(model: TinyLM, tok: WordTokenizer) -> TorchEngine:

@@ -3,6 +3,7 @@ import asyncio
 import pytest
 import torch
 from pydantic import ValidationError
+from tiny_models import stopless
 
 from core.policy.tiny_lm import TinyLM, TinyLMConfig
 from core.policy.tokenizer import WordTokenizer
@@ -30,20 +31,6 @@ def make_model(tok: WordTokenizer, seed: int = 0, max_len: int = 64) -> TinyLM:
     return TinyLM(
         TinyLMConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=4, max_len=max_len), seed=seed
     )
-
-
-def stopless(model: TinyLM, tok: WordTokenizer) -> TinyLM:
-    """The same model, made never to end a turn: the final norm outputs a constant vector u
-    and the stop tokens' (tied) embeddings point away from it, so generation always runs to
-    ``max_new_tokens`` while the other tokens stay near-uniform."""
-    with torch.no_grad():
-        u = torch.zeros(model.config.d_model)
-        u[0] = 1.0
-        model.ln_f.weight.zero_()
-        model.ln_f.bias.copy_(u)
-        for i in tok.stop_ids:
-            model.embed.weight[i] = -20 * u
-    return model
 
 
 def engine(model: TinyLM, tok: WordTokenizer, **cfg) -> TorchEngine:
