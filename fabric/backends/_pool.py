@@ -104,6 +104,8 @@ class _Worker(asyncio.Protocol):
             elif kind == "ready":
                 self.ready = True
                 self.ready_ns = time.monotonic_ns()
+                # idle counts from readiness, not from the spawn: a slow cold start is not idleness
+                self.last_active = time.monotonic()
                 self.settle_start()
             elif kind == "fatal":
                 self.pool._on_fatal(self, msg[2], msg[3])
@@ -534,6 +536,8 @@ class FunctionPool:
         w.kill()
 
     def _shrink(self) -> None:
+        if self._pending:  # calls are waiting: a worker without any is about to get some
+            return
         now = time.monotonic()
         extra = len(self._workers) - self.warm
         for w in list(self._workers):
