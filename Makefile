@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-EXTRAS ?= dev,ray,rewards,aws,train
+EXTRAS ?= dev,ray,rewards,aws,serve,train
 
 .PHONY: setup demo showcase test lint unit bench clean
 

@@ -198,6 +198,84 @@ def bench(
 
 
 @app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port (0 picks a free one).")] = 9000,
+    token: Annotated[
+        str | None, typer.Option(help="Bearer token of the one tenant 'default' (or $RL_FABRIC_TOKEN).")
+    ] = None,
+    token_file: Annotated[str | None, typer.Option(help="File holding the 'default' tenant's token.")] = None,
+    tenants: Annotated[
+        str | None, typer.Option(help="Key file: tenants with tokens and quotas (see docs/serve.md).")
+    ] = None,
+    max_concurrency: Annotated[
+        int, typer.Option(help="Calls the 'default' tenant may hold at once (with --token/--token-file).")
+    ] = 64,
+    functions: Annotated[
+        list[str] | None, typer.Option("--function", "-f", help="Serve only these functions (repeatable).")
+    ] = None,
+    workers: Annotated[
+        int | None, typer.Option(help="Worker processes per function (default: CPUs).")
+    ] = None,
+    modules: ModulesOpt = None,
+) -> None:
+    """Serve the registered functions over the AWS Lambda Invoke API (for the lambda backend,
+    boto3, the AWS CLI), with tokens and per-tenant quotas."""
+    from fabric.backends.base import TOKEN_ENV
+    from fabric.serve import Gateway, ServeConfig, TenantConfig, load_tenants, new_token
+
+    generated = None
+    try:
+        reg = _registry(modules)
+        if tenants is not None:
+            if token or token_file:
+                _fail("give --tenants or --token/--token-file, not both")
+            tenant_map = load_tenants(tenants)
+        else:
+            secret = token or os.environ.get(TOKEN_ENV)
+            if token_file is None and not secret:
+                secret = generated = new_token()
+            source: dict[str, Any] = {"token_file": token_file} if token_file else {"token": secret}
+            tenant_map = {"default": TenantConfig(max_concurrency=max_concurrency, **source)}
+        cfg = ServeConfig(
+            host=host,
+            port=port,
+            tenants=tenant_map,
+            functions=functions,
+            backend={"type": "local", "max_workers": workers},
+        )
+        gateway = Gateway(cfg, reg)
+    except FabricError as e:
+        _fail(str(e))
+    except ValueError as e:  # pydantic's, for a bad option value
+        _fail(str(e))
+
+    async def main() -> None:
+        import signal
+
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        async with gateway:
+            err.print(
+                f"[bold]fabric serve[/] {len(gateway.served)} functions at {gateway.url} "
+                f"(tenants: {', '.join(sorted(cfg.tenants))}); Ctrl-C stops",
+                soft_wrap=True,
+            )
+            if generated:
+                err.print(f"token (tenant 'default'): {generated}", soft_wrap=True)
+            # a machine-readable line for scripts that start the server
+            print(json.dumps({"url": gateway.url, "port": gateway.port}), flush=True)
+            await stop.wait()
+
+    try:
+        asyncio.run(main())
+    except OSError as e:  # the port is taken, the address is not ours
+        _fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
+
+
+@app.command()
 def run(
     config: Annotated[str, typer.Argument(help="A job config (YAML), e.g. examples/frozenlake/config.yaml.")],
     steps: Annotated[int | None, typer.Option(help="Override the config's training steps.")] = None,

@@ -51,6 +51,7 @@ class ErrorCode(StrEnum):
     CIRCUIT_OPEN = "CircuitOpen"
     BACKEND_CLOSED = "BackendClosed"
     CANCELLED = "Cancelled"
+    UNAUTHORIZED = "Unauthorized"  # the backend refused our credentials or token
     UNAVAILABLE = "Unavailable"  # the function raised ``Unavailable``: a dependency failed transiently
 
 

@@ -13,11 +13,14 @@ import os
 from abc import ABC, abstractmethod
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, ValidationError
 
 from fabric.errors import ConfigError, ErrorCode
 from fabric.protocol import Invocation, Result
 from fabric.registry import Registry, default_registry
+
+TOKEN_ENV = "RL_FABRIC_TOKEN"
+"""The bearer token of ``fabric serve``, for the server and for the lambda backend."""
 
 
 class _Config(BaseModel):
@@ -57,20 +60,42 @@ class LocalConfig(_Config):
     fault: FaultInjection | None = None
 
 
-BackendConfig = Annotated[InprocConfig | LocalConfig, Field(discriminator="type")]
+class LambdaConfig(_Config):
+    """Call functions deployed to AWS Lambda (``fabric deploy``) or served by ``fabric serve``."""
+
+    type: Literal["lambda"] = "lambda"
+    endpoint_url: str | None = None
+    """``None``: AWS. ``http://127.0.0.1:9000``: a ``fabric serve``."""
+    region: str = Field(default_factory=lambda: os.environ.get("AWS_REGION", "us-east-1"))
+    function_prefix: str = ""
+    """Deployed names are ``prefix + name`` (``fabric deploy --prefix``)."""
+    qualifier: str | None = "live"
+    """The alias with provisioned concurrency; ``None`` calls ``$LATEST`` (no warm pool)."""
+    token: SecretStr | None = None
+    """Bearer token for ``fabric serve`` (default ``$RL_FABRIC_TOKEN`` when ``endpoint_url``
+    is set). With a token, requests are not SigV4-signed."""
+    max_connections: int = Field(64, ge=1)
+    """Calls in flight (boto3's connection pool and the thread pool that drives it)."""
+    connect_timeout_s: float = Field(5.0, gt=0)
+    read_timeout_s: float = Field(910.0, gt=0)
+    """Longer than Lambda's 900 s maximum: a slow function is the function's timeout's
+    business, a hung connection is this one's."""
+
+
+BackendConfig = Annotated[InprocConfig | LocalConfig | LambdaConfig, Field(discriminator="type")]
 _config_adapter: TypeAdapter[Any] = TypeAdapter(BackendConfig)
 
 
-def parse_backend_config(obj: Any) -> InprocConfig | LocalConfig:
+def parse_backend_config(obj: Any) -> InprocConfig | LocalConfig | LambdaConfig:
     """Validate a backend config given as a name (``"local"``), a dict or a config object."""
-    if isinstance(obj, InprocConfig | LocalConfig):
+    if isinstance(obj, InprocConfig | LocalConfig | LambdaConfig):
         return obj
     if isinstance(obj, str):
         obj = {"type": obj}
     try:
         return _config_adapter.validate_python(obj)
     except ValidationError as e:
-        raise ConfigError(f"bad backend config {obj!r}; known types: inproc, local\n{e}") from None
+        raise ConfigError(f"bad backend config {obj!r}; known types: inproc, local, lambda\n{e}") from None
 
 
 class Backend(ABC):
@@ -157,6 +182,10 @@ def make_backend(
         from fabric.backends.inproc import InprocBackend
 
         return InprocBackend(registry, cfg)
+    if isinstance(cfg, LambdaConfig):
+        from fabric.backends.lambda_ import LambdaBackend
+
+        return LambdaBackend(registry, cfg)
     from fabric.backends.local import LocalBackend
 
     return LocalBackend(registry, cfg)

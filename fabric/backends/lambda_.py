@@ -1,0 +1,213 @@
+"""AWS Lambda through boto3: AWS itself, or ``fabric serve`` with the same code.
+
+Each registered function is a Lambda function named ``function_prefix + name``, invoked on
+the ``live`` alias (provisioned concurrency, the warm pool, is configured on an alias or
+version, never on ``$LATEST``). The request body is the fabric ``Invocation`` envelope, the
+idempotency key included, which the Lambda handler (``functions.handler``) honours; the reply
+is the ``Result`` it builds.
+
+boto3 is synchronous: calls run on a thread pool as wide as boto3's connection pool, so the
+event loop never blocks. Pointed at ``fabric serve`` (``endpoint_url`` + ``token``),
+requests are unsigned and carry ``Authorization: Bearer``; pointed at AWS they are SigV4
+signed with the usual credential chain.
+
+Failures are translated here, once: throttling (429), 5xx service faults, connection
+faults and read timeouts are retryable; a ``FunctionError`` whose body is not a ``Result``
+is Lambda's own error object (a timeout or a crashed runtime is retryable, anything else is
+the function's ``UserError``); a missing function, a refused token, a bad request are final.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fabric.backends.base import TOKEN_ENV, Backend, LambdaConfig
+from fabric.errors import ConfigError, ErrorCode
+from fabric.protocol import Invocation, Result, decode_payload
+from fabric.registry import Registry
+
+#: Lambda/service error codes -> fabric codes. Anything else: 5xx retryable, 4xx final.
+_CLIENT_ERRORS: dict[str, ErrorCode] = {
+    "TooManyRequestsException": ErrorCode.THROTTLED,
+    "ThrottlingException": ErrorCode.THROTTLED,
+    "EC2ThrottledException": ErrorCode.THROTTLED,
+    "ResourceConflictException": ErrorCode.THROTTLED,  # the function is being updated: wait
+    "ResourceNotReadyException": ErrorCode.THROTTLED,
+    "ResourceNotFoundException": ErrorCode.UNKNOWN_FUNCTION,
+    "RequestEntityTooLargeException": ErrorCode.PAYLOAD_TOO_LARGE,
+    "InvalidRequestContentException": ErrorCode.INVALID_ARGUMENTS,
+    "InvalidParameterValueException": ErrorCode.INVALID_ARGUMENTS,
+    "UnrecognizedClientException": ErrorCode.UNAUTHORIZED,
+    "MissingAuthenticationTokenException": ErrorCode.UNAUTHORIZED,
+    "AccessDeniedException": ErrorCode.UNAUTHORIZED,
+    "InvalidSignatureException": ErrorCode.UNAUTHORIZED,
+    "ExpiredTokenException": ErrorCode.UNAUTHORIZED,
+}
+_RUNTIME_CRASHES = ("Runtime.ExitError", "Runtime.OutOfMemory", "Runtime.Unknown")
+
+
+class LambdaBackend(Backend):
+    kind = "lambda"
+
+    def __init__(self, registry: Registry | None = None, config: LambdaConfig | None = None):
+        super().__init__(registry)
+        self.config = config or LambdaConfig()
+        self._client: Any = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._calls = 0
+        self._errors: dict[str, int] = {}
+        token = self.config.token.get_secret_value() if self.config.token else None
+        if token is None and self.config.endpoint_url is not None:
+            token = os.environ.get(TOKEN_ENV) or None
+        self._token = token
+
+    async def _start(self) -> None:
+        try:
+            import boto3
+            from botocore import UNSIGNED
+            from botocore.config import Config
+        except ImportError as e:
+            raise ConfigError(f"the lambda backend needs boto3: pip install 'rl-fabric[aws]' ({e})") from None
+        cfg = self.config
+        options: dict[str, Any] = {
+            "max_pool_connections": cfg.max_connections,
+            "connect_timeout": cfg.connect_timeout_s,
+            "read_timeout": cfg.read_timeout_s,
+            # retries are the fabric client's (with its budget and idempotency), not botocore's
+            "retries": {"max_attempts": 1, "mode": "standard"},
+            "tcp_keepalive": True,
+        }
+        if self._token is not None:
+            options["signature_version"] = UNSIGNED
+        session = boto3.session.Session()
+        self._client = session.client(
+            "lambda", region_name=cfg.region, endpoint_url=cfg.endpoint_url, config=Config(**options)
+        )
+        if self._token is not None:
+            header = f"Bearer {self._token}"
+
+            def add_token(request: Any, **_: Any) -> None:
+                request.headers["Authorization"] = header
+
+            self._client.meta.events.register("before-send.lambda.Invoke", add_token)
+        self._executor = ThreadPoolExecutor(cfg.max_connections, thread_name_prefix="fabric-lambda")
+
+    async def _close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._client is not None:
+            self._client.close()
+
+    async def _invoke(self, inv: Invocation) -> Result:
+        if self._executor is None:
+            await self.start()
+        assert self._executor is not None
+        t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self._executor, self._invoke_sync, inv)
+        self._calls += 1
+        if not result.ok and result.error is not None:
+            self._errors[result.error.type] = self._errors.get(result.error.type, 0) + 1
+        if result.timings.total_ms == 0.0:
+            result.timings.total_ms = (time.perf_counter() - t0) * 1e3
+        return result
+
+    # -- the blocking part, on a worker thread
+    def _invoke_sync(self, inv: Invocation) -> Result:
+        from botocore.exceptions import BotoCoreError, ClientError, ConnectionError, ReadTimeoutError
+
+        name = self.config.function_prefix + inv.function
+        kwargs: dict[str, Any] = {"FunctionName": name, "Payload": envelope(inv)}
+        if self.config.qualifier:
+            kwargs["Qualifier"] = self.config.qualifier
+        try:
+            response = self._client.invoke(**kwargs)
+            body = response["Payload"].read()
+        except ClientError as e:
+            return self._client_error(inv, e)
+        except ReadTimeoutError as e:
+            return self._fail(inv, ErrorCode.TIMEOUT, f"no reply from Lambda in time: {e}")
+        except ConnectionError as e:
+            return self._fail(inv, ErrorCode.TRANSPORT, f"cannot reach {self._where()}: {e}")
+        except BotoCoreError as e:  # credentials missing, a bad endpoint URL
+            return self._fail(inv, ErrorCode.UNAUTHORIZED, f"{type(e).__name__}: {e}")
+        return self._reply(inv, body, response.get("FunctionError"))
+
+    def _where(self) -> str:
+        return self.config.endpoint_url or f"AWS Lambda in {self.config.region}"
+
+    def _fail(self, inv: Invocation, code: ErrorCode, message: str) -> Result:
+        return Result.failure(
+            code, message, function=inv.function, request_id=inv.request_id, worker="lambda"
+        )
+
+    def _client_error(self, inv: Invocation, e: Any) -> Result:
+        error = e.response.get("Error", {})
+        code_name = str(error.get("Code", ""))
+        status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        code = _CLIENT_ERRORS.get(code_name)
+        if code is None:
+            code = ErrorCode.THROTTLED if status == 429 else ErrorCode.TRANSPORT if status >= 500 else None
+        message = f"{code_name or status}: {error.get('Message', '')}"
+        if code is None:  # another 4xx: our request is wrong, retrying will not fix it
+            code = ErrorCode.INVALID_ARGUMENTS
+        if code == ErrorCode.UNAUTHORIZED:
+            message += (
+                " (for fabric serve: set the token with LambdaConfig.token or $RL_FABRIC_TOKEN; for AWS: "
+                "check the credentials and the lambda:InvokeFunction permission)"
+            )
+        elif code == ErrorCode.UNKNOWN_FUNCTION:
+            message += f" (deployed as {self.config.function_prefix + inv.function!r}; run `fabric deploy`?)"
+        return self._fail(inv, code, message)
+
+    def _reply(self, inv: Invocation, body: bytes, function_error: str | None) -> Result:
+        try:
+            data = decode_payload(body) if body else None
+        except ValueError:
+            return self._fail(inv, ErrorCode.TRANSPORT, f"reply is not JSON: {body[:200]!r}")
+        if isinstance(data, dict) and "ok" in data and ("value" in data or "error" in data):
+            try:
+                result = Result.model_validate(data)
+            except ValueError:
+                pass
+            else:
+                result.attempts = 1
+                return result
+        if function_error:  # Lambda's own error object: the handler never returned
+            info = data if isinstance(data, dict) else {}
+            etype = str(info.get("errorType", function_error))
+            emsg = str(info.get("errorMessage", body[:500].decode(errors="replace")))
+            if etype == "Sandbox.Timedout" or "Task timed out" in emsg:
+                return self._fail(inv, ErrorCode.TIMEOUT, emsg)
+            if etype in _RUNTIME_CRASHES:
+                return self._fail(inv, ErrorCode.WORKER_LOST, f"{etype}: {emsg}")
+            return self._fail(inv, ErrorCode.USER_ERROR, f"{etype}: {emsg}")
+        # a plain function (not the fabric handler) answered with its bare value
+        return Result.built(
+            True, function=inv.function, request_id=inv.request_id, value=data, worker="lambda"
+        )
+
+    def stats(self) -> dict[str, Any]:
+        return {"lambda": {"calls": self._calls, **{f"errors_{k}": v for k, v in self._errors.items()}}}
+
+
+def envelope(inv: Invocation) -> bytes:
+    """The ``Invocation`` as JSON, its payload bytes spliced in as encoded once by the client."""
+    head = {
+        "function": inv.function,
+        "request_id": inv.request_id,
+        "idempotency_key": inv.idempotency_key,
+        "deadline": inv.deadline,
+        "tenant": inv.tenant,
+        "attempt": inv.attempt,
+        "hedge": inv.hedge,
+    }
+    return json.dumps(head, separators=(",", ":"))[:-1].encode() + b',"payload":' + inv.raw_payload + b"}"
+
+
+__all__ = ["LambdaBackend", "LambdaConfig", "envelope"]

@@ -1,0 +1,345 @@
+"""The gateway: the AWS Lambda Invoke API in front of the local warm pools.
+
+``POST /2015-03-31/functions/{name}/invocations`` is what boto3's ``lambda.invoke`` sends,
+so the Lambda backend (and the AWS CLI, and any Lambda SDK) talks to this server or to AWS
+with the same code. The function name may carry a qualifier (``name:live``, an ARN, or
+``?Qualifier=``); ``$LATEST``, ``live`` and the function's version hash are served.
+
+Two body shapes, told apart by the body itself:
+
+* **envelope**: a fabric ``Invocation`` whose ``function`` is the name in the path (what
+  the Lambda backend sends, and what the Lambda handler takes in AWS). The reply is the
+  fabric ``Result``, a failure included: a failure is data, as with the handler in AWS.
+* **raw**: any other JSON object is the function's keyword arguments (``aws lambda invoke
+  --payload '{"prediction": "4", "reference": "4"}'``). The reply is the bare value; a
+  failed call answers ``X-Amz-Function-Error: Unhandled`` with Lambda's error object
+  (``errorType``, ``errorMessage``, ``stackTrace``).
+
+The caller's tenant comes from its token, never from the body. Errors are Lambda's: 400
+``InvalidRequestContentException``/``InvalidParameterValueException``, 401/403 (missing or
+wrong token), 404 ``ResourceNotFoundException``, 413 ``RequestEntityTooLargeException``,
+429 ``TooManyRequestsException``, with the code in ``x-amzn-ErrorType`` where botocore looks.
+``GET /healthz`` needs no token and says only ``ok``; ``GET /metrics`` (Prometheus) needs one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from typing import Any
+from urllib.parse import unquote
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from fabric.backends.base import Backend, make_backend
+from fabric.errors import ConfigError
+from fabric.protocol import Invocation, Result, decode_payload, new_request_id, to_strict_json
+from fabric.registry import Registry, default_registry
+from fabric.serve.config import ServeConfig
+from fabric.serve.gate import FairGate, QuotaExceeded, Quotas
+from fabric.serve.metrics import ServeMetrics
+
+log = logging.getLogger("fabric.serve")
+
+INVOKE_ROUTE = "/2015-03-31/functions/{name}/invocations"
+_TYPES = ("RequestResponse", "Event", "DryRun")
+_JSON = "application/json"
+
+
+class _Reply(Exception):
+    """An early answer (an error before the function runs)."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+def _error_response(status: int, code: str, message: str, request_id: str) -> web.Response:
+    # botocore's rest-json parser reads the code from x-amzn-ErrorType, the text from "message"
+    body = json.dumps({"__type": code, "Type": "User", "message": message})
+    return web.Response(
+        status=status,
+        body=body.encode(),
+        content_type=_JSON,
+        headers={"x-amzn-ErrorType": code, "x-amzn-RequestId": request_id},
+    )
+
+
+def _split_name(raw: str, query_qualifier: str | None) -> tuple[str, str | None]:
+    """``name``, ``name:qualifier`` or ``arn:aws:lambda:region:account:function:name[:q]``."""
+    name = unquote(raw)
+    qualifier = query_qualifier
+    if name.startswith("arn:"):
+        parts = name.split(":")
+        if len(parts) not in (7, 8) or parts[5] != "function":
+            raise _Reply(400, "InvalidParameterValueException", f"not a Lambda function ARN: {name!r}")
+        name = parts[6]
+        if len(parts) == 8:
+            qualifier = qualifier or parts[7]
+    elif ":" in name:
+        name, _, q = name.partition(":")
+        qualifier = qualifier or q
+    return name, qualifier
+
+
+class Gateway:
+    """``async with Gateway(config, registry) as gw:`` serves at ``gw.url`` until closed."""
+
+    def __init__(self, config: ServeConfig, registry: Registry | None = None, backend: Backend | None = None):
+        self.config = config
+        self.registry = registry if registry is not None else default_registry
+        self._tokens = config.token_index()  # reads token files now: a bad one fails at start
+        served = config.functions if config.functions is not None else self.registry.names()
+        unknown = [n for n in served if n not in self.registry]
+        if unknown:
+            raise ConfigError(f"--function names not registered: {', '.join(unknown)}")
+        self.served = frozenset(served)
+        self.backend = backend if backend is not None else make_backend(config.backend, self.registry)
+        self.quotas = Quotas({name: t.max_concurrency for name, t in config.tenants.items()})
+        self._gates: dict[str, FairGate] = {}
+        self._events: set[asyncio.Task[None]] = set()
+        self.metrics = ServeMetrics(self)
+        self._runner: web.AppRunner | None = None
+        self.port: int = config.port
+
+    # -- lifecycle
+    async def __aenter__(self) -> Gateway:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.backend.start()
+        if self.config.warm:
+            warm = [n for n in sorted(self.served) if self.registry.get(n).warm > 0]
+            await self.backend.warmup(warm)
+        app = web.Application(
+            client_max_size=max(self.config.max_body_bytes, self.config.max_event_bytes) + 1
+        )
+        app.router.add_post(INVOKE_ROUTE, self._invoke)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
+        await site.start()
+        server = site._server  # aiohttp exposes the bound port only here
+        assert server is not None
+        self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+
+    async def aclose(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        for task in list(self._events):
+            task.cancel()
+        await asyncio.gather(*self._events, return_exceptions=True)
+        await self.backend.aclose()
+
+    # -- routes
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        try:
+            self._tenant(request)
+        except _Reply as e:
+            return _error_response(e.status, e.code, e.message, new_request_id())
+        body, content_type = self.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def _invoke(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        request_id = new_request_id()
+        tenant = function = "-"
+        try:
+            tenant = self._tenant(request)
+            function, qualifier = _split_name(request.match_info["name"], request.query.get("Qualifier"))
+            if function not in self.served:
+                raise _Reply(404, "ResourceNotFoundException", f"Function not found: {function}")
+            spec = self.registry.get(function)
+            if qualifier not in (None, "$LATEST", "live", spec.version):
+                raise _Reply(
+                    404,
+                    "ResourceNotFoundException",
+                    f"Function not found: {function}:{qualifier} (served qualifiers: $LATEST, live, "
+                    f"{spec.version})",
+                )
+            kind = request.headers.get("X-Amz-Invocation-Type", "RequestResponse")
+            if kind not in _TYPES:
+                raise _Reply(
+                    400,
+                    "InvalidParameterValueException",
+                    f"X-Amz-Invocation-Type must be one of {', '.join(_TYPES)}; got {kind[:40]!r}",
+                )
+            body = await self._body(request, kind)
+            inv, envelope = self._invocation(body, function, tenant, request_id)
+            if kind == "DryRun":
+                response: web.StreamResponse = web.Response(
+                    status=204, headers={"x-amzn-RequestId": request_id}
+                )
+            else:
+                try:
+                    self.quotas.take(tenant)
+                except QuotaExceeded:
+                    limit = self.quotas.limits[tenant]
+                    raise _Reply(
+                        429,
+                        "TooManyRequestsException",
+                        f"Rate Exceeded: tenant {tenant!r} already has {limit} calls in flight "
+                        "(its max_concurrency); retry with backoff",
+                    ) from None
+                if kind == "Event":
+                    task = asyncio.get_running_loop().create_task(self._run_event(inv, tenant))
+                    self._events.add(task)
+                    task.add_done_callback(self._events.discard)
+                    response = web.Response(status=202, headers={"x-amzn-RequestId": request_id})
+                else:
+                    try:
+                        result = await self._call(inv, tenant)
+                    finally:
+                        self.quotas.give(tenant)
+                    response = self._result_response(result, envelope, request_id)
+        except _Reply as e:
+            response = _error_response(e.status, e.code, e.message, request_id)
+        # unknown names are one label: a scan of made-up names must not grow the metrics
+        label = function if function in self.served else "-"
+        self.metrics.observe(tenant, label, response.status, time.perf_counter() - t0)
+        return response
+
+    # -- steps
+    def _tenant(self, request: web.Request) -> str:
+        auth = request.headers.get("Authorization")
+        if not auth:
+            raise _Reply(
+                401, "MissingAuthenticationTokenException", "missing 'Authorization: Bearer <token>' header"
+            )
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise _Reply(
+                401,
+                "MissingAuthenticationTokenException",
+                "the Authorization header must be 'Bearer <token>'",
+            )
+        tenant = self._tokens.get(hashlib.sha256(token.strip().encode()).digest())
+        if tenant is None:
+            raise _Reply(
+                403, "UnrecognizedClientException", "The security token included in the request is invalid"
+            )
+        return tenant
+
+    async def _body(self, request: web.Request, kind: str) -> bytes:
+        limit = self.config.max_event_bytes if kind == "Event" else self.config.max_body_bytes
+        too_large = _Reply(
+            413,
+            "RequestEntityTooLargeException",
+            f"Request must be smaller than {limit} bytes for the {kind} invocation type",
+        )
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large from None
+        if len(body) > limit:
+            raise too_large
+        return body
+
+    def _invocation(
+        self, body: bytes, function: str, tenant: str, request_id: str
+    ) -> tuple[Invocation, bool]:
+        if not body.strip():
+            body = b"{}"  # the AWS CLI sends no payload as an empty body
+        try:
+            data = decode_payload(body)
+        except ValueError as e:
+            raise _Reply(
+                400, "InvalidRequestContentException", f"Could not parse request body into json: {e}"
+            ) from None
+        if not isinstance(data, dict):
+            raise _Reply(
+                400,
+                "InvalidRequestContentException",
+                f"the payload must be a JSON object of keyword arguments, not {type(data).__name__}",
+            )
+        if data.get("function") == function and "payload" in data:
+            try:
+                inv = Invocation.model_validate(data)
+            except ValidationError as e:
+                raise _Reply(
+                    400, "InvalidRequestContentException", f"not a valid fabric Invocation: {e}"
+                ) from None
+            # the tenant is who the token says, whatever the body claims
+            return inv.model_copy(update={"tenant": tenant}), True
+        inv = Invocation.fast(
+            function=function,
+            payload=data,
+            request_id=request_id,
+            idempotency_key=None,
+            deadline=None,
+            tenant=tenant,
+            attempt=1,
+            hedge=False,
+            raw=body,  # already the payload's JSON: not encoded again on the way to the worker
+        )
+        return inv, False
+
+    def _gate(self, function: str) -> FairGate:
+        gate = self._gates.get(function)
+        if gate is None:
+            gate = self._gates[function] = FairGate(self._capacity(function))
+        return gate
+
+    def _capacity(self, function: str) -> Any:
+        backend = self.backend
+        pool_of = getattr(backend, "pool", None)
+        spec = self.registry.get(function)
+        if pool_of is None:  # inproc: the function's own concurrency bound
+            return lambda: spec.max_concurrency
+        pool = pool_of(function)
+        # what the pool can hold without queueing: workers x calls each may hold
+        return lambda: max(1, pool.max_workers * pool.per_worker)
+
+    async def _call(self, inv: Invocation, tenant: str) -> Result:
+        gate = self._gate(inv.function)
+        await gate.acquire(tenant)
+        try:
+            return await self.backend.submit(inv)
+        finally:
+            gate.release()
+
+    async def _run_event(self, inv: Invocation, tenant: str) -> None:
+        try:
+            result = await self._call(inv, tenant)
+        finally:
+            self.quotas.give(tenant)
+        if not result.ok and result.error is not None:
+            log.warning(
+                "event %s %s failed: %s: %s",
+                inv.request_id,
+                inv.function,
+                result.error.type,
+                result.error.message,
+            )
+
+    def _result_response(self, result: Result, envelope: bool, request_id: str) -> web.Response:
+        headers = {"x-amzn-RequestId": request_id, "X-Amz-Executed-Version": "$LATEST"}
+        if envelope:
+            return web.Response(body=result.model_dump_json().encode(), content_type=_JSON, headers=headers)
+        if result.ok:
+            return web.Response(body=to_strict_json(result.value), content_type=_JSON, headers=headers)
+        assert result.error is not None
+        headers["X-Amz-Function-Error"] = "Unhandled"
+        trace = (result.error.traceback or "").splitlines()
+        body = {"errorType": result.error.type, "errorMessage": result.error.message, "stackTrace": trace}
+        return web.Response(body=json.dumps(body).encode(), content_type=_JSON, headers=headers)

@@ -1,0 +1,132 @@
+"""``fabric serve`` settings: where to listen, who may call, how much each tenant may hold.
+
+Every request needs a token. A tenant is a name with a token and a concurrency quota;
+several training jobs share one server by each using its own tenant. Tokens come from
+(first match): ``tenants`` given in code, a key file (``--tenants FILE``, YAML or JSON), a
+token file (``--token-file FILE``, one token, tenant ``default``), ``--token``, or
+``$RL_FABRIC_TOKEN``. With none of those the server makes a random token and prints it.
+
+Key file::
+
+    tenants:
+      job-a: {token: "3c1f...", max_concurrency: 32}
+      job-b: {token_file: /run/secrets/job-b, max_concurrency: 8}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+from fabric.backends.base import TOKEN_ENV, InprocConfig, LocalConfig
+from fabric.errors import ConfigError
+from fabric.protocol import MAX_PAYLOAD_BYTES
+
+__all__ = ["TOKEN_ENV", "ServeConfig", "TenantConfig", "load_tenants", "new_token"]
+
+#: Lambda's limit on an asynchronous (``Event``) invocation's payload.
+MAX_EVENT_BYTES = 1024 * 1024
+#: A token shorter than this is refused: it would be guessable.
+MIN_TOKEN_CHARS = 16
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TenantConfig(_Model):
+    """One caller of the server (a training job)."""
+
+    token: SecretStr | None = None
+    token_file: Path | None = None
+    """Read the token from this file (stripped) instead of writing it in the key file."""
+    max_concurrency: int = Field(64, ge=1)
+    """Calls this tenant may have queued or running at once; beyond it a call is answered
+    429 ``TooManyRequestsException`` at once (the client backs off and retries)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TenantConfig:
+        if (self.token is None) == (self.token_file is None):
+            raise ValueError("give exactly one of token, token_file")
+        return self
+
+    def secret(self) -> str:
+        if self.token is not None:
+            value = self.token.get_secret_value()
+        else:
+            assert self.token_file is not None
+            try:
+                value = self.token_file.read_text().strip()
+            except OSError as e:
+                raise ConfigError(f"cannot read token_file {str(self.token_file)!r}: {e.strerror}") from None
+        if len(value) < MIN_TOKEN_CHARS:
+            raise ConfigError(
+                f"a token must have at least {MIN_TOKEN_CHARS} characters; make one with "
+                "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+            )
+        return value
+
+
+class ServeConfig(_Model):
+    """A Lambda-Invoke-compatible gateway over the local warm pools."""
+
+    host: str = "127.0.0.1"
+    """Loopback by default: binding another address is a deliberate choice."""
+    port: int = Field(9000, ge=0, le=65535)
+    """0 picks a free port (tests)."""
+    tenants: dict[str, TenantConfig] = Field(min_length=1)
+    functions: list[str] | None = None
+    """Serve only these names (404 for the rest); ``None`` serves every registered function."""
+    backend: LocalConfig | InprocConfig = Field(default_factory=LocalConfig, discriminator="type")
+    max_body_bytes: int = Field(MAX_PAYLOAD_BYTES, ge=1)
+    """Largest ``RequestResponse`` payload (Lambda's 6 MB); bigger gets 413."""
+    max_event_bytes: int = Field(MAX_EVENT_BYTES, ge=1)
+    """Largest ``Event`` (asynchronous) payload (Lambda's 1 MB)."""
+    warm: bool = True
+    """Start the warm workers of the served functions before accepting calls."""
+
+    def token_index(self) -> dict[bytes, str]:
+        """sha256(token) -> tenant. Looking up a digest, not the token, keeps the lookup's
+        timing independent of how much of a guessed token is right."""
+        index: dict[bytes, str] = {}
+        for name, tenant in self.tenants.items():
+            digest = hashlib.sha256(tenant.secret().encode()).digest()
+            if digest in index:
+                raise ConfigError(f"tenants {index[digest]!r} and {name!r} have the same token")
+            index[digest] = name
+        return index
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def load_tenants(path: str | Path) -> dict[str, TenantConfig]:
+    """Tenants from a key file (``tenants: {name: {token | token_file, max_concurrency}}``)."""
+    p = Path(path)
+    try:
+        data: Any = yaml.safe_load(p.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read the tenants file {str(p)!r}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"tenants file {str(p)!r} is not valid YAML/JSON: {e}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("tenants"), dict) or not data["tenants"]:
+        raise ConfigError(
+            f"tenants file {str(p)!r} must hold a mapping `tenants: {{NAME: {{token: ..., "
+            "max_concurrency: N}}, ...}}`"
+        )
+    out: dict[str, TenantConfig] = {}
+    for name, body in data["tenants"].items():
+        try:
+            out[str(name)] = TenantConfig.model_validate(body)
+        except ValidationError as e:
+            problems = "; ".join(
+                f"{'.'.join(map(str, x['loc'])) or 'tenant'}: {x['msg']}" for x in e.errors()
+            )
+            raise ConfigError(f"tenants file {str(p)!r}, tenant {name!r}: {problems}") from None
+    return out

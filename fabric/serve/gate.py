@@ -1,0 +1,88 @@
+"""Per-tenant quotas and fair admission in front of one function's pool.
+
+A quota alone does not isolate tenants: a flooding tenant within its quota still fills the
+pool's FIFO, and everyone else's call waits behind its backlog. So the server admits calls
+to a pool only while the pool has room (``capacity``), and when it is full the waiting
+calls are admitted tenant by tenant in turn (round robin): another tenant's call waits for
+one slot, not for the flood.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+
+
+class QuotaExceeded(Exception):
+    """The tenant already holds its ``max_concurrency`` calls."""
+
+
+class Quotas:
+    """Calls each tenant holds (queued or running), against its limit."""
+
+    def __init__(self, limits: dict[str, int]):
+        self.limits = dict(limits)
+        self.held: dict[str, int] = dict.fromkeys(limits, 0)
+        self.throttled: dict[str, int] = dict.fromkeys(limits, 0)
+
+    def take(self, tenant: str) -> None:
+        if self.held[tenant] >= self.limits[tenant]:
+            self.throttled[tenant] += 1
+            raise QuotaExceeded(tenant)
+        self.held[tenant] += 1
+
+    def give(self, tenant: str) -> None:
+        self.held[tenant] -= 1
+
+
+class FairGate:
+    """At most ``capacity()`` admitted calls at once; waiters are served round robin by tenant."""
+
+    def __init__(self, capacity: Callable[[], int]):
+        self._capacity = capacity
+        self._running = 0
+        self._waiting: dict[str, deque[asyncio.Future[None]]] = {}
+        self._turns: deque[str] = deque()  # tenants with waiters, in the order they get a slot
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(q) for q in self._waiting.values())
+
+    async def acquire(self, tenant: str) -> None:
+        if not self._turns and self._running < self._capacity():
+            self._running += 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        queue = self._waiting.setdefault(tenant, deque())
+        if not queue:
+            self._turns.append(tenant)
+        queue.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # the slot was granted as the waiter was cancelled: pass it on
+            raise
+
+    def release(self) -> None:
+        self._running -= 1
+        self._admit()
+
+    def _admit(self) -> None:
+        while self._turns and self._running < self._capacity():
+            tenant = self._turns.popleft()
+            queue = self._waiting[tenant]
+            fut = queue.popleft()
+            if queue:
+                self._turns.append(tenant)  # its next call goes to the back of the line
+            else:
+                del self._waiting[tenant]
+            if fut.done():  # cancelled while waiting
+                continue
+            self._running += 1
+            fut.set_result(None)

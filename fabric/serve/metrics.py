@@ -1,0 +1,92 @@
+"""Prometheus metrics of a gateway: requests by tenant/function/status, latency, quotas,
+and the pools behind it (read at scrape time, so serving a call costs two dict lookups)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from fabric.serve.app import Gateway
+
+_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _Live:
+    """Gauges read off the gateway when scraped."""
+
+    def __init__(self, gateway: Gateway):
+        self.gateway = gateway
+
+    def collect(self) -> Iterator[Metric]:
+        gw = self.gateway
+        held = GaugeMetricFamily("fabric_serve_tenant_inflight", "Calls a tenant holds", labels=["tenant"])
+        limit = GaugeMetricFamily(
+            "fabric_serve_tenant_limit", "A tenant's max_concurrency", labels=["tenant"]
+        )
+        throttled = GaugeMetricFamily(
+            "fabric_serve_tenant_throttled", "Calls refused with 429 so far", labels=["tenant"]
+        )
+        for tenant, n in gw.quotas.held.items():
+            held.add_metric([tenant], n)
+            limit.add_metric([tenant], gw.quotas.limits[tenant])
+            throttled.add_metric([tenant], gw.quotas.throttled[tenant])
+        yield from (held, limit, throttled)
+        waiting = GaugeMetricFamily(
+            "fabric_serve_waiting", "Calls waiting for room in a function's pool", labels=["function"]
+        )
+        for name, gate in gw._gates.items():
+            waiting.add_metric([name], gate.waiting)
+        yield waiting
+        stats: dict[str, Any] = gw.backend.stats()
+        families: dict[str, GaugeMetricFamily] = {}
+        for function, values in sorted(stats.items()):
+            for key, value in sorted(values.items()) if isinstance(values, dict) else ():
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    continue
+                fam = families.get(key)
+                if fam is None:
+                    fam = families[key] = GaugeMetricFamily(
+                        f"fabric_pool_{key}", f"pool statistic {key!r}", labels=["function"]
+                    )
+                fam.add_metric([function], value)
+        yield from families.values()
+
+
+class ServeMetrics:
+    def __init__(self, gateway: Gateway):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "fabric_serve_requests",
+            "Invoke requests by tenant, function and HTTP status",
+            ["tenant", "function", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "fabric_serve_request_seconds",
+            "Invoke request latency inside the server",
+            ["function"],
+            buckets=_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.registry.register(_Live(gateway))  # type: ignore[arg-type]
+        self._children: dict[tuple[str, str, int], Any] = {}
+        self._hist: dict[str, Any] = {}
+
+    def observe(self, tenant: str, function: str, status: int, seconds: float) -> None:
+        key = (tenant, function, status)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.requests.labels(tenant, function, str(status))
+        child.inc()
+        hist = self._hist.get(function)
+        if hist is None:
+            hist = self._hist[function] = self.latency.labels(function)
+        hist.observe(seconds)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
