@@ -1,0 +1,205 @@
+"""The lambda backend: real boto3 over real HTTP, to ``fabric serve`` and to a moto server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import pytest
+from sample_fns import REG
+
+from fabric.backends.base import LambdaConfig, LocalConfig, make_backend
+from fabric.backends.lambda_ import LambdaBackend
+from fabric.client import Client
+from fabric.errors import ErrorCode
+from fabric.protocol import Invocation
+from fabric.serve import Gateway, ServeConfig, TenantConfig
+
+TOKEN = "lambda-test-token-0123456789"
+
+
+@pytest.fixture
+async def gw():
+    cfg = ServeConfig(
+        port=0,
+        tenants={"job": TenantConfig(token=TOKEN, max_concurrency=64)},
+        backend=LocalConfig(max_workers=2),
+        warm=False,
+    )
+    async with Gateway(cfg, REG) as g:
+        yield g
+
+
+def lam(gw: Gateway, **kw) -> LambdaConfig:
+    return LambdaConfig(endpoint_url=gw.url, token=kw.pop("token", TOKEN), **kw)
+
+
+async def test_calls_through_boto3_reach_the_local_pool(gw):
+    async with Client(backend=lam(gw), registry=REG) as c:
+        r = await c.call("add", {"a": 2, "b": 5})
+        assert r.ok and r.value == 7
+        assert r.worker and r.worker.startswith("add-")  # the pool's worker, through the envelope
+        assert r.timings.total_ms > 0 and r.timings.exec_ms >= 0
+        results = await c.map("add", [{"a": i} for i in range(50)])
+        assert [x.value for x in results] == list(range(50))
+    assert gw.quotas.held["job"] == 0
+
+
+async def test_user_error_is_final_and_not_retried(gw):
+    async with Client(backend=lam(gw), registry=REG) as c:
+        r = await c.call("boom", {"x": 3})
+    assert not r.ok and r.error.type == ErrorCode.USER_ERROR and "bad x=3" in r.error.message
+    assert r.attempts == 1
+
+
+async def test_unknown_function_says_how_it_is_deployed(gw):
+    async with LambdaBackend(REG, lam(gw, function_prefix="rl-")) as b:
+        r = await b.invoke(Invocation(function="add", payload={"a": 1}))
+    assert r.error.type == ErrorCode.UNKNOWN_FUNCTION and "'rl-add'" in r.error.message
+    assert "fabric deploy" in r.error.message and not r.retryable
+
+
+async def test_wrong_or_missing_token_is_unauthorized_and_final(gw, monkeypatch):
+    monkeypatch.delenv("RL_FABRIC_TOKEN", raising=False)
+    async with LambdaBackend(REG, lam(gw, token="not-the-token-0123456789")) as b:
+        r = await b.invoke(Invocation(function="add", payload={"a": 1}))
+    assert r.error.type == ErrorCode.UNAUTHORIZED and not r.retryable
+    assert "RL_FABRIC_TOKEN" in r.error.message
+
+
+async def test_token_from_the_environment(gw, monkeypatch):
+    monkeypatch.setenv("RL_FABRIC_TOKEN", TOKEN)
+    async with LambdaBackend(REG, LambdaConfig(endpoint_url=gw.url)) as b:
+        r = await b.invoke(Invocation(function="add", payload={"a": 4}))
+    assert r.ok and r.value == 4
+
+
+async def test_qualifier_none_calls_latest(gw):
+    async with LambdaBackend(REG, lam(gw, qualifier=None)) as b:
+        assert (await b.invoke(Invocation(function="add", payload={"a": 1}))).value == 1
+
+
+async def test_throttling_is_retryable_and_the_client_gets_through():
+    cfg = ServeConfig(
+        port=0,
+        tenants={"job": TenantConfig(token=TOKEN, max_concurrency=1)},
+        backend=LocalConfig(max_workers=2),
+        warm=False,
+    )
+    async with Gateway(cfg, REG) as g, LambdaBackend(REG, lam(g)) as b:
+        slow = asyncio.ensure_future(b.invoke(Invocation(function="sleepy", payload={"seconds": 0.5})))
+        for _ in range(200):
+            if g.quotas.held["job"]:
+                break
+            await asyncio.sleep(0.01)
+        r = await b.invoke(Invocation(function="add", payload={"a": 1}))
+        assert r.error.type == ErrorCode.THROTTLED and r.retryable
+        assert (await slow).ok
+    # through the client, throttled calls back off and go through (sleepy retries 3 times)
+    async with Gateway(cfg, REG) as g, Client(backend=lam(g), registry=REG) as c:
+        results = await c.map("sleepy", [{"seconds": 0.05}] * 2)
+        assert all(x.ok for x in results)
+        assert g.quotas.throttled["job"] >= 1 and max(x.attempts for x in results) >= 2
+
+
+async def test_unreachable_endpoint_is_a_retryable_transport_error():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    cfg = LambdaConfig(endpoint_url=f"http://127.0.0.1:{port}", token=TOKEN, connect_timeout_s=1)
+    async with LambdaBackend(REG, cfg) as b:
+        r = await b.invoke(Invocation(function="add", payload={"a": 1}))
+    assert r.error.type == ErrorCode.TRANSPORT and r.retryable and f"127.0.0.1:{port}" in r.error.message
+
+
+@pytest.mark.parametrize(
+    ("body", "function_error", "code"),
+    [
+        (
+            {"errorType": "Sandbox.Timedout", "errorMessage": "Task timed out after 3.00 seconds"},
+            "Unhandled",
+            "FunctionTimeout",
+        ),
+        (
+            {"errorMessage": "2026-01-01 RequestId: x Error: Task timed out after 3.00 seconds"},
+            "Unhandled",
+            "FunctionTimeout",
+        ),
+        ({"errorType": "Runtime.ExitError", "errorMessage": "signal: killed"}, "Unhandled", "WorkerLost"),
+        ({"errorType": "Runtime.OutOfMemory", "errorMessage": "out of memory"}, "Unhandled", "WorkerLost"),
+        ({"errorType": "KeyError", "errorMessage": "'x'"}, "Unhandled", "UserError"),
+    ],
+)
+def test_lambda_error_objects_are_mapped(body, function_error, code):
+    b = LambdaBackend(REG, LambdaConfig())
+    inv = Invocation(function="add")
+    r = b._reply(inv, json.dumps(body).encode(), function_error)
+    assert not r.ok and r.error.type == code
+    assert r.retryable == (code in ("FunctionTimeout", "WorkerLost"))
+
+
+def test_replies_that_are_not_results():
+    b = LambdaBackend(REG, LambdaConfig())
+    inv = Invocation(function="add")
+    assert b._reply(inv, b"not json", None).error.type == ErrorCode.TRANSPORT
+    plain = b._reply(inv, b'{"score": 1.0}', None)  # a plain Lambda function's bare value
+    assert plain.ok and plain.value == {"score": 1.0}
+    assert b._reply(inv, b"", None).value is None
+
+
+def test_config_by_name_and_dict():
+    b = make_backend({"type": "lambda", "endpoint_url": "http://127.0.0.1:1", "function_prefix": "x-"}, REG)
+    assert isinstance(b, LambdaBackend) and b.config.function_prefix == "x-"
+    with pytest.raises(Exception, match="known types: inproc, local, lambda"):
+        make_backend({"type": "lambada"}, REG)
+
+
+async def test_signed_requests_to_a_real_aws_protocol_endpoint(monkeypatch):
+    # no token: boto3 signs with SigV4, as against AWS. moto's server speaks the Lambda API;
+    # without Docker its invoke echoes the request body, so what comes back is our envelope
+    from moto.server import ThreadedMotoServer
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        for k, v in {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.delenv("RL_FABRIC_TOKEN", raising=False)
+        url = f"http://127.0.0.1:{port}"
+        _deploy_to_moto(url, "rl-add")
+        async with LambdaBackend(REG, LambdaConfig(endpoint_url=url, function_prefix="rl-")) as b:
+            inv = Invocation(function="add", payload={"a": 1}, idempotency_key="key-1")
+            r = await b.invoke(inv)
+        assert r.ok and r.value["function"] == "add" and r.value["idempotency_key"] == "key-1"
+        assert r.value["payload"] == {"a": 1}
+    finally:
+        server.stop()
+
+
+def _deploy_to_moto(url: str, name: str) -> None:
+    import boto3
+    import httpx
+
+    httpx.post(f"{url}/moto-api/config", json={"lambda": {"use_docker": False}})
+    iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1")
+    role = iam.create_role(RoleName="r", AssumeRolePolicyDocument="{}")["Role"]["Arn"]
+    aws = boto3.client("lambda", endpoint_url=url, region_name="us-east-1")
+    aws.create_function(
+        FunctionName=name,
+        Runtime="python3.11",
+        Role=role,
+        Handler="functions.handler.handler",
+        Code={"ZipFile": b"PK\x05\x06" + b"\x00" * 18},
+    )
+    version = aws.publish_version(FunctionName=name)["Version"]
+    aws.create_alias(FunctionName=name, Name="live", FunctionVersion=version)
