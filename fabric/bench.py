@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fabric.backends.base import FaultInjection, LocalConfig, cpu_count
+from fabric.backends.base import FaultInjection, LambdaConfig, LocalConfig, cpu_count
 from fabric.client import Client, ClientConfig
 from fabric.errors import ConfigError
 from fabric.metrics import percentile
@@ -34,6 +34,14 @@ class BenchConfig(BaseModel):
     n: int = Field(20_000, ge=1)
     concurrency: int = Field(64, ge=1)
     backend: str = "local"
+    """``local``, or ``lambda`` (through boto3 to ``endpoint_url``: a ``fabric serve`` or AWS);
+    a lambda run also measures the local backend in the same run, as its baseline."""
+    endpoint_url: str | None = None
+    token: str | None = None
+    """``fabric serve``'s bearer token (default ``$RL_FABRIC_TOKEN``)."""
+    function_prefix: str = ""
+    transport: str = "auto"
+    """The lambda backend's transport: ``auto``, ``boto3`` or ``http``."""
     workers: int | None = Field(None, ge=1)
     """Worker processes (and Ray actors for the baseline); default: the number of CPUs."""
     payload: dict[str, Any] | None = None
@@ -112,9 +120,15 @@ async def _run_fabric(
         fault = FaultInjection(
             straggler_rate=cfg.straggler_rate, straggler_ms=cfg.straggler_ms, seed=cfg.seed
         )
-    backend = (
-        LocalConfig(warm=workers, max_workers=workers, fault=fault) if cfg.backend == "local" else cfg.backend
-    )
+    backend: Any = LocalConfig(warm=workers, max_workers=workers, fault=fault)
+    if cfg.backend == "lambda":
+        backend = LambdaConfig(
+            endpoint_url=cfg.endpoint_url,
+            token=cfg.token,
+            function_prefix=cfg.function_prefix,
+            transport=cfg.transport,
+            max_connections=max(cfg.concurrency, 1),
+        )
     client_cfg = ClientConfig.model_validate({"hedge": {"enabled": hedge}})
     async with Client(backend=backend, registry=registry, config=client_cfg) as client:
         name = function or cfg.function
@@ -208,10 +222,48 @@ async def _run_ray(
     return _summary(lat, elapsed)
 
 
+async def _vs_local(
+    cfg: BenchConfig,
+    registry: Registry,
+    payload: dict[str, Any],
+    workers: int,
+    main: dict[str, Any],
+    progress: Progress | None,
+) -> dict[str, Any]:
+    """What the HTTP hop costs, in this run: the same load on the local backend, and both
+    one call at a time (a closed loop's p50 under load is mostly queueing, so the overhead
+    of a call is measured unloaded)."""
+    local_cfg = cfg.model_copy(update={"backend": "local"})
+    local = await _run_fabric(local_cfg, registry, payload, workers, cfg.hedge, progress, "local")
+    n1 = min(cfg.n, 2000)
+    one = {"concurrency": 1, "n": n1, "warmup": 200}
+    lam1 = await _run_fabric(
+        cfg.model_copy(update=one), registry, payload, workers, False, progress, "lambda, 1 caller"
+    )
+    local1 = await _run_fabric(
+        local_cfg.model_copy(update=one), registry, payload, workers, False, progress, "local, 1 caller"
+    )
+    return {
+        "endpoint_url": cfg.endpoint_url or "aws",
+        "transport": cfg.transport,
+        "local_throughput_per_s": local["throughput_per_s"],
+        "local_p50_ms": local["p50_ms"],
+        "local_p99_ms": local["p99_ms"],
+        "throughput_ratio_vs_local": main["throughput_per_s"] / local["throughput_per_s"],
+        "unloaded_p50_ms": lam1["p50_ms"],
+        "unloaded_p99_ms": lam1["p99_ms"],
+        "local_unloaded_p50_ms": local1["p50_ms"],
+        "local_unloaded_p99_ms": local1["p99_ms"],
+        "overhead_vs_local_p50_ms": lam1["p50_ms"] - local1["p50_ms"],
+    }
+
+
 async def run_bench(cfg: BenchConfig, registry: Registry, progress: Progress | None = None) -> dict[str, Any]:
     spec = registry.get(cfg.function)
-    if cfg.backend != "local":
-        raise ConfigError(f"fabric bench drives the local backend; got backend={cfg.backend!r}")
+    if cfg.backend not in ("local", "lambda"):
+        raise ConfigError(f"fabric bench drives the local or the lambda backend; got backend={cfg.backend!r}")
+    if cfg.backend != "lambda" and cfg.endpoint_url:
+        raise ConfigError("--endpoint-url is for --backend lambda")
     if cfg.baseline not in (None, "ray") and not (cfg.baseline or "").startswith("fn:"):
         raise ConfigError(
             f"unknown baseline {cfg.baseline!r}: use 'ray' (the same function on Ray actors) or "
@@ -245,6 +297,8 @@ async def run_bench(cfg: BenchConfig, registry: Registry, progress: Progress | N
         "overhead_p50_ms": main["p50_ms"] - direct_p50,
         "cold_start_ms": cold,
     }
+    if cfg.backend == "lambda":
+        out.update(await _vs_local(cfg, registry, payload, workers, main, progress))
     if cfg.compare_hedge:
         other = await _run_fabric(
             cfg,

@@ -118,7 +118,19 @@ def bench(
     name: str,
     n: Annotated[int, typer.Option("--n", help="Timed calls.")] = 20_000,
     concurrency: Annotated[int, typer.Option(help="Callers issuing calls back to back.")] = 64,
-    backend: BackendOpt = "local",
+    backend: Annotated[
+        str, typer.Option(help="local (warm worker processes) or lambda (boto3 to --endpoint-url or AWS).")
+    ] = "local",
+    endpoint_url: Annotated[
+        str | None, typer.Option(help="With --backend lambda: a `fabric serve` URL (default: AWS).")
+    ] = None,
+    token: Annotated[
+        str | None, typer.Option(help="`fabric serve` token (default: $RL_FABRIC_TOKEN).")
+    ] = None,
+    prefix: Annotated[str, typer.Option(help="With --backend lambda: deployed name prefix.")] = "",
+    transport: Annotated[
+        str, typer.Option(help="With --backend lambda: auto, boto3 or http (aiohttp; fabric serve only).")
+    ] = "auto",
     baseline: Annotated[
         str | None,
         typer.Option(
@@ -153,6 +165,10 @@ def bench(
             n=n,
             concurrency=concurrency,
             backend=backend,
+            endpoint_url=endpoint_url,
+            token=token,
+            function_prefix=prefix,
+            transport=transport,
             baseline=baseline,
             workers=workers,
             payload=json.loads(payload) if payload else None,

@@ -74,8 +74,13 @@ class LambdaConfig(_Config):
     token: SecretStr | None = None
     """Bearer token for ``fabric serve`` (default ``$RL_FABRIC_TOKEN`` when ``endpoint_url``
     is set). With a token, requests are not SigV4-signed."""
+    transport: Literal["auto", "boto3", "http"] = "auto"
+    """``boto3``: botocore's client on a thread pool (AWS: SigV4, the credential chain).
+    ``http``: an asyncio HTTP client speaking the same Invoke API with the bearer token, for
+    ``fabric serve`` (botocore spends ~2 ms of CPU per call, which caps one process at a few
+    hundred calls per second). ``auto``: ``http`` when there is a token, else ``boto3``."""
     max_connections: int = Field(64, ge=1)
-    """Calls in flight (boto3's connection pool and the thread pool that drives it)."""
+    """Calls in flight (the connection pool, and for boto3 the thread pool that drives it)."""
     connect_timeout_s: float = Field(5.0, gt=0)
     read_timeout_s: float = Field(910.0, gt=0)
     """Longer than Lambda's 900 s maximum: a slow function is the function's timeout's

@@ -166,3 +166,10 @@ async def slow_write(path: str, seconds: float) -> str:
     await asyncio.sleep(seconds)
     Path(path).write_text("written")  # noqa: ASYNC240 - a tiny write is the side effect under test
     return "written"
+
+
+@REG.function(warm=0, retry={"max_attempts": 20, "initial_backoff_s": 0.05, "max_backoff_s": 0.2})
+def patient_sleep(seconds: float) -> float:
+    """Retried often enough to outlast a throttling server (the quota tests)."""
+    time.sleep(seconds)
+    return seconds

@@ -47,7 +47,7 @@ def test_invoke_prints_the_result():
             1,
             "ValueError",
         ),
-        (["invoke", "add", "-m", "sample_fns", "--backend", "lambda"], 2, "known types"),
+        (["invoke", "add", "-m", "sample_fns", "--backend", "lambada"], 2, "known types"),
     ],
 )
 def test_invoke_errors(args, code, text):

@@ -31,12 +31,17 @@ async def gw():
         yield g
 
 
-def lam(gw: Gateway, **kw) -> LambdaConfig:
-    return LambdaConfig(endpoint_url=gw.url, token=kw.pop("token", TOKEN), **kw)
+@pytest.fixture(params=["http", "boto3"])
+def transport(request) -> str:
+    return request.param
 
 
-async def test_calls_through_boto3_reach_the_local_pool(gw):
-    async with Client(backend=lam(gw), registry=REG) as c:
+def lam(gw: Gateway, transport: str = "auto", **kw) -> LambdaConfig:
+    return LambdaConfig(endpoint_url=gw.url, token=kw.pop("token", TOKEN), transport=transport, **kw)
+
+
+async def test_calls_reach_the_local_pool(gw, transport):
+    async with Client(backend=lam(gw, transport), registry=REG) as c:
         r = await c.call("add", {"a": 2, "b": 5})
         assert r.ok and r.value == 7
         assert r.worker and r.worker.startswith("add-")  # the pool's worker, through the envelope
@@ -46,23 +51,23 @@ async def test_calls_through_boto3_reach_the_local_pool(gw):
     assert gw.quotas.held["job"] == 0
 
 
-async def test_user_error_is_final_and_not_retried(gw):
-    async with Client(backend=lam(gw), registry=REG) as c:
+async def test_user_error_is_final_and_not_retried(gw, transport):
+    async with Client(backend=lam(gw, transport), registry=REG) as c:
         r = await c.call("boom", {"x": 3})
     assert not r.ok and r.error.type == ErrorCode.USER_ERROR and "bad x=3" in r.error.message
     assert r.attempts == 1
 
 
-async def test_unknown_function_says_how_it_is_deployed(gw):
-    async with LambdaBackend(REG, lam(gw, function_prefix="rl-")) as b:
+async def test_unknown_function_says_how_it_is_deployed(gw, transport):
+    async with LambdaBackend(REG, lam(gw, transport, function_prefix="rl-")) as b:
         r = await b.invoke(Invocation(function="add", payload={"a": 1}))
     assert r.error.type == ErrorCode.UNKNOWN_FUNCTION and "'rl-add'" in r.error.message
     assert "fabric deploy" in r.error.message and not r.retryable
 
 
-async def test_wrong_or_missing_token_is_unauthorized_and_final(gw, monkeypatch):
+async def test_wrong_or_missing_token_is_unauthorized_and_final(gw, transport, monkeypatch):
     monkeypatch.delenv("RL_FABRIC_TOKEN", raising=False)
-    async with LambdaBackend(REG, lam(gw, token="not-the-token-0123456789")) as b:
+    async with LambdaBackend(REG, lam(gw, transport, token="not-the-token-0123456789")) as b:
         r = await b.invoke(Invocation(function="add", payload={"a": 1}))
     assert r.error.type == ErrorCode.UNAUTHORIZED and not r.retryable
     assert "RL_FABRIC_TOKEN" in r.error.message
@@ -75,40 +80,43 @@ async def test_token_from_the_environment(gw, monkeypatch):
     assert r.ok and r.value == 4
 
 
-async def test_qualifier_none_calls_latest(gw):
-    async with LambdaBackend(REG, lam(gw, qualifier=None)) as b:
+async def test_qualifier_none_calls_latest(gw, transport):
+    async with LambdaBackend(REG, lam(gw, transport, qualifier=None)) as b:
         assert (await b.invoke(Invocation(function="add", payload={"a": 1}))).value == 1
 
 
-async def test_throttling_is_retryable_and_the_client_gets_through():
+async def test_throttling_is_retryable_and_the_client_gets_through(transport):
     cfg = ServeConfig(
         port=0,
         tenants={"job": TenantConfig(token=TOKEN, max_concurrency=1)},
         backend=LocalConfig(max_workers=2),
         warm=False,
     )
-    async with Gateway(cfg, REG) as g, LambdaBackend(REG, lam(g)) as b:
-        slow = asyncio.ensure_future(b.invoke(Invocation(function="sleepy", payload={"seconds": 0.5})))
-        for _ in range(200):
+    async with Gateway(cfg, REG) as g, LambdaBackend(REG, lam(g, transport)) as b:
+        slow = asyncio.ensure_future(b.invoke(Invocation(function="sleepy", payload={"seconds": 1.0})))
+        for _ in range(1000):  # boto3's first call loads its service model: allow for it
             if g.quotas.held["job"]:
                 break
             await asyncio.sleep(0.01)
+        assert g.quotas.held["job"] == 1
         r = await b.invoke(Invocation(function="add", payload={"a": 1}))
         assert r.error.type == ErrorCode.THROTTLED and r.retryable
         assert (await slow).ok
-    # through the client, throttled calls back off and go through (sleepy retries 3 times)
-    async with Gateway(cfg, REG) as g, Client(backend=lam(g), registry=REG) as c:
-        results = await c.map("sleepy", [{"seconds": 0.05}] * 2)
+    # through the client, throttled calls back off and go through
+    async with Gateway(cfg, REG) as g, Client(backend=lam(g, transport), registry=REG) as c:
+        results = await c.map("patient_sleep", [{"seconds": 0.05}] * 3)
         assert all(x.ok for x in results)
         assert g.quotas.throttled["job"] >= 1 and max(x.attempts for x in results) >= 2
 
 
-async def test_unreachable_endpoint_is_a_retryable_transport_error():
+async def test_unreachable_endpoint_is_a_retryable_transport_error(transport):
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()  # nothing listens there now
-    cfg = LambdaConfig(endpoint_url=f"http://127.0.0.1:{port}", token=TOKEN, connect_timeout_s=1)
+    cfg = LambdaConfig(
+        endpoint_url=f"http://127.0.0.1:{port}", token=TOKEN, connect_timeout_s=1, transport=transport
+    )
     async with LambdaBackend(REG, cfg) as b:
         r = await b.invoke(Invocation(function="add", payload={"a": 1}))
     assert r.error.type == ErrorCode.TRANSPORT and r.retryable and f"127.0.0.1:{port}" in r.error.message
@@ -147,6 +155,14 @@ def test_replies_that_are_not_results():
     plain = b._reply(inv, b'{"score": 1.0}', None)  # a plain Lambda function's bare value
     assert plain.ok and plain.value == {"score": 1.0}
     assert b._reply(inv, b"", None).value is None
+
+
+def test_transport_choice(monkeypatch):
+    monkeypatch.delenv("RL_FABRIC_TOKEN", raising=False)
+    assert LambdaBackend(REG, LambdaConfig()).transport == "boto3"  # AWS
+    assert LambdaBackend(REG, LambdaConfig(endpoint_url="http://x", token=TOKEN)).transport == "http"
+    with pytest.raises(Exception, match="needs transport 'boto3'"):
+        LambdaBackend(REG, LambdaConfig(transport="http"))
 
 
 def test_config_by_name_and_dict():
