@@ -87,20 +87,35 @@ class LambdaConfig(_Config):
     business, a hung connection is this one's."""
 
 
-BackendConfig = Annotated[InprocConfig | LocalConfig | LambdaConfig, Field(discriminator="type")]
+class ModalConfig(_Config):
+    """Call functions deployed to Modal (``fabric deploy --backend modal``)."""
+
+    type: Literal["modal"] = "modal"
+    app_name: str = "rl-fabric"
+    function_prefix: str = "rl-fabric-"
+    """Deployed names are ``prefix + name`` (``fabric deploy --prefix``)."""
+    environment_name: str | None = None
+    """Modal environment; ``None`` is the workspace default."""
+
+
+BackendConfig = Annotated[
+    InprocConfig | LocalConfig | LambdaConfig | ModalConfig, Field(discriminator="type")
+]
 _config_adapter: TypeAdapter[Any] = TypeAdapter(BackendConfig)
 
 
-def parse_backend_config(obj: Any) -> InprocConfig | LocalConfig | LambdaConfig:
+def parse_backend_config(obj: Any) -> InprocConfig | LocalConfig | LambdaConfig | ModalConfig:
     """Validate a backend config given as a name (``"local"``), a dict or a config object."""
-    if isinstance(obj, InprocConfig | LocalConfig | LambdaConfig):
+    if isinstance(obj, InprocConfig | LocalConfig | LambdaConfig | ModalConfig):
         return obj
     if isinstance(obj, str):
         obj = {"type": obj}
     try:
         return _config_adapter.validate_python(obj)
     except ValidationError as e:
-        raise ConfigError(f"bad backend config {obj!r}; known types: inproc, local, lambda\n{e}") from None
+        raise ConfigError(
+            f"bad backend config {obj!r}; known types: inproc, local, lambda, modal\n{e}"
+        ) from None
 
 
 class Backend(ABC):
@@ -191,6 +206,10 @@ def make_backend(
         from fabric.backends.lambda_ import LambdaBackend
 
         return LambdaBackend(registry, cfg)
+    if isinstance(cfg, ModalConfig):
+        from fabric.backends.modal_ import ModalBackend
+
+        return ModalBackend(registry, cfg)
     from fabric.backends.local import LocalBackend
 
     return LocalBackend(registry, cfg)

@@ -165,6 +165,11 @@ class Gateway:
         try:
             tenant = self._tenant(request)
             function, qualifier = _split_name(request.match_info["name"], request.query.get("Qualifier"))
+            prefix = self.config.function_prefix
+            if prefix and function.startswith(prefix):
+                function = function[len(prefix) :]
+            elif prefix:
+                raise _Reply(404, "ResourceNotFoundException", f"Function not found: {function}")
             if function not in self.served:
                 raise _Reply(404, "ResourceNotFoundException", f"Function not found: {function}")
             spec = self.registry.get(function)

@@ -82,6 +82,9 @@ class ServeConfig(_Model):
     tenants: dict[str, TenantConfig] = Field(min_length=1)
     functions: list[str] | None = None
     """Serve only these names (404 for the rest); ``None`` serves every registered function."""
+    function_prefix: str = ""
+    """Names in requests carry this prefix, as deployed Lambdas do (``fabric deploy
+    --prefix``): the same ``LambdaConfig(function_prefix=...)`` then works here and on AWS."""
     backend: LocalConfig | InprocConfig = Field(default_factory=LocalConfig, discriminator="type")
     max_body_bytes: int = Field(MAX_PAYLOAD_BYTES, ge=1)
     """Largest ``RequestResponse`` payload (Lambda's 6 MB); bigger gets 413."""

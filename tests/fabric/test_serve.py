@@ -358,3 +358,10 @@ def test_envelope_json_round_trips():
     inv = Invocation(function="add", payload={"a": 1, "s": "é\n"}, idempotency_key="k", deadline=5.0)
     data = json.loads(envelope(inv))
     assert Invocation.model_validate(data).model_dump() == inv.model_dump()
+
+
+async def test_prefixed_names_as_deployed():
+    async with Gateway(config(function_prefix="rl-"), REG) as g, httpx.AsyncClient(base_url=g.url) as c:
+        assert (await c.post(PATH.format("rl-add"), json={"a": 3}, headers=auth())).json() == 3
+        assert (await c.post(PATH.format("rl-add:live"), json={"a": 3}, headers=auth())).json() == 3
+        assert (await c.post(PATH.format("add"), json={"a": 3}, headers=auth())).status_code == 404

@@ -1,0 +1,188 @@
+"""``fabric deploy --direct``: the Lambda control plane through boto3, without terraform.
+
+Per function: create it (or update its code and configuration), wait until it is ready,
+publish a version, point the ``live`` alias at it, set reserved concurrency, and put
+provisioned concurrency (the warm pool) on the alias. Every step is idempotent, so a
+deploy that stopped half way is finished by running it again.
+
+Provisioned concurrency fails soft: a warning names the function and the reason, and the
+function works without a warm pool (moto, for one, does not implement the call).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from fabric.deploy.package import MAX_DIRECT_ZIP_BYTES
+from fabric.deploy.plan import ALIAS, HANDLER, DeployedFunction, DeployError
+
+_TRUST = {
+    "Version": "2012-10-17",
+    "Statement": [
+        {"Effect": "Allow", "Principal": {"Service": "lambda.amazonaws.com"}, "Action": "sts:AssumeRole"}
+    ],
+}
+#: What the functions may do: write their own logs (the handler needs nothing else unless
+#: idempotency or the SQS path is on; grant those with --role-arn or terraform).
+_LOGS = {
+    "Version": "2012-10-17",
+    "Statement": [
+        {
+            "Effect": "Allow",
+            "Action": ["logs:CreateLogGroup", "logs:CreateLogStream", "logs:PutLogEvents"],
+            "Resource": "arn:aws:logs:*:*:log-group:/aws/lambda/{prefix}*",
+        }
+    ],
+}
+
+
+class DirectConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    region: str
+    endpoint_url: str | None = None
+    """An AWS-compatible endpoint (moto, LocalStack); ``None`` is AWS."""
+    role_arn: str | None = None
+    """The functions' execution role; ``None`` creates ``<prefix>lambda``, allowed to write
+    the functions' logs and nothing else."""
+    prefix: str = "rl-fabric-"
+    runtime: str = "python3.11"
+    architecture: str = "x86_64"
+    environment: dict[str, str] = {}
+    """Extra variables for every function (e.g. ``RL_FABRIC_IDEMPOTENCY_TABLE``)."""
+
+
+class Deployed(BaseModel):
+    name: str
+    deployed_name: str
+    version: str
+    alias_arn: str
+    created: bool
+    provisioned: int
+    warning: str | None = None
+
+
+def _clients(cfg: DirectConfig) -> tuple[Any, Any]:
+    try:
+        import boto3
+    except ImportError:
+        raise DeployError("--direct needs boto3: pip install 'rl-fabric[aws]'") from None
+    kw = {"region_name": cfg.region, "endpoint_url": cfg.endpoint_url}
+    return boto3.client("lambda", **kw), boto3.client("iam", **kw)
+
+
+def ensure_role(iam: Any, cfg: DirectConfig) -> str:
+    if cfg.role_arn:
+        return cfg.role_arn
+    name = f"{cfg.prefix}lambda"
+    try:
+        return str(iam.get_role(RoleName=name)["Role"]["Arn"])
+    except iam.exceptions.NoSuchEntityException:
+        pass
+    arn = str(iam.create_role(RoleName=name, AssumeRolePolicyDocument=json.dumps(_TRUST))["Role"]["Arn"])
+    policy = json.dumps(_LOGS).replace("{prefix}", cfg.prefix)
+    iam.put_role_policy(RoleName=name, PolicyName="logs", PolicyDocument=policy)
+    return arn
+
+
+def deploy_direct(
+    functions: list[DeployedFunction],
+    zip_path: Path,
+    cfg: DirectConfig,
+    on_step: Callable[[str], None] | None = None,
+) -> list[Deployed]:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    code = zip_path.read_bytes()
+    if len(code) > MAX_DIRECT_ZIP_BYTES:
+        raise DeployError(
+            f"{zip_path} is {len(code) / 2**20:.1f} MiB, over Lambda's 50 MiB direct upload; deploy with "
+            "terraform (which uploads through S3) or --no-deps with a layer"
+        )
+    say = on_step or (lambda _m: None)
+    lam, iam = _clients(cfg)
+    try:
+        role = ensure_role(iam, cfg)
+        out = []
+        for fn in functions:
+            say(f"{fn.deployed_name}: deploying")
+            out.append(_one(lam, fn, code, role, cfg, say))
+        return out
+    except (ClientError, BotoCoreError) as e:
+        raise DeployError(f"deploy failed: {e}") from None
+
+
+def _one(
+    lam: Any, fn: DeployedFunction, code: bytes, role: str, cfg: DirectConfig, say: Callable[[str], None]
+) -> Deployed:
+    from botocore.exceptions import ClientError
+
+    name = fn.deployed_name
+    settings: dict[str, Any] = {
+        "Role": role,
+        "Handler": HANDLER,
+        "Runtime": cfg.runtime,
+        "Timeout": fn.timeout_s,
+        "MemorySize": fn.memory_mb,
+        "Description": fn.description,
+        "Environment": {
+            "Variables": {"RL_FABRIC_MODULES": fn.module, "RL_FABRIC_FUNCTIONS": fn.name, **cfg.environment}
+        },
+    }
+    try:
+        lam.get_function(FunctionName=name)
+        created = False
+    except lam.exceptions.ResourceNotFoundException:
+        created = True
+    if created:
+        lam.create_function(
+            FunctionName=name,
+            Code={"ZipFile": code},
+            Architectures=[cfg.architecture],
+            Publish=False,
+            **settings,
+        )
+        lam.get_waiter("function_active_v2").wait(FunctionName=name)
+    else:
+        lam.update_function_code(FunctionName=name, ZipFile=code, Architectures=[cfg.architecture])
+        lam.get_waiter("function_updated_v2").wait(FunctionName=name)
+        lam.update_function_configuration(FunctionName=name, **settings)
+        lam.get_waiter("function_updated_v2").wait(FunctionName=name)
+    version = str(lam.publish_version(FunctionName=name, Description=f"fabric {fn.version}")["Version"])
+    try:
+        alias = lam.update_alias(FunctionName=name, Name=ALIAS, FunctionVersion=version)
+    except lam.exceptions.ResourceNotFoundException:
+        alias = lam.create_alias(FunctionName=name, Name=ALIAS, FunctionVersion=version)
+    if fn.reserved_concurrency >= 0:
+        lam.put_function_concurrency(FunctionName=name, ReservedConcurrentExecutions=fn.reserved_concurrency)
+    provisioned, warning = 0, None
+    if fn.warm > 0:
+        try:
+            lam.put_provisioned_concurrency_config(
+                FunctionName=name, Qualifier=ALIAS, ProvisionedConcurrentExecutions=fn.warm
+            )
+            provisioned = fn.warm
+        except ClientError as e:
+            err = e.response.get("Error", {})
+            # an endpoint without the API (moto) answers with an HTML page: keep its words
+            text = " ".join(re.sub(r"<[^>]+>", " ", str(err.get("Message") or "")).split())[:160]
+            warning = (
+                f"{name}: provisioned concurrency ({fn.warm} warm) not set: {err.get('Code')}: "
+                f"{text}; the function works, with cold starts"
+            )
+            say(f"warning: {warning}")
+    say(f"{name}: version {version}, alias {ALIAS}" + (f", {provisioned} warm" if provisioned else ""))
+    return Deployed(
+        name=fn.name,
+        deployed_name=name,
+        version=version,
+        alias_arn=str(alias["AliasArn"]),
+        created=created,
+        provisioned=provisioned,
+        warning=warning,
+    )

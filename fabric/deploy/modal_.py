@@ -1,0 +1,109 @@
+"""A ``modal.App`` from the registry: one Modal function per registered function.
+
+The options follow the ``FunctionSpec``: ``warm`` -> ``min_containers`` (plus one
+``buffer_containers`` so a burst finds a container ready), ``max_concurrency`` ->
+``max_containers``, ``timeout_s`` -> ``timeout``, ``retry`` -> ``modal.Retries`` (they
+cover a lost container: a function's own error comes back as a ``Result``, never raised),
+``resources`` -> ``cpu``/``gpu``, ``memory_mb`` -> ``memory``. The image installs rl-fabric's
+runtime requirements and adds the code (``fabric``, ``functions`` and your modules).
+
+``deploy_modal`` needs a Modal token (``modal token new``, or ``MODAL_TOKEN_ID`` and
+``MODAL_TOKEN_SECRET``); without one it stops at once and says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fabric.deploy.package import code_roots, requirements
+from fabric.deploy.plan import DeployedFunction, DeployError
+from fabric.registry import Registry
+
+APP_NAME = "rl-fabric"
+SCALEDOWN_WINDOW_S = 60
+"""Idle containers beyond ``min_containers`` stop after this (the local pools' idle window)."""
+
+
+def _modal() -> Any:
+    try:
+        import modal
+    except ImportError:
+        raise DeployError("the modal backend needs the modal SDK: pip install 'rl-fabric[modal]'") from None
+    return modal
+
+
+def modal_options(registry: Registry, fn: DeployedFunction) -> dict[str, Any]:
+    """The keyword arguments of ``app.function`` for one function, as plain data."""
+    spec = registry.get(fn.name)
+    retry = spec.retry
+    options: dict[str, Any] = {
+        "name": fn.deployed_name,
+        "min_containers": fn.warm,
+        "buffer_containers": 1 if fn.warm > 0 else 0,
+        "max_containers": spec.max_concurrency,
+        "scaledown_window": SCALEDOWN_WINDOW_S,
+        "timeout": fn.timeout_s,
+        "retries": {
+            "max_retries": min(retry.max_attempts - 1, 10),
+            "backoff_coefficient": 2.0,
+            # Modal's bounds: initial delay 0-60 s, max delay 1-60 s
+            "initial_delay": min(max(retry.initial_backoff_s, 0.0), 60.0),
+            "max_delay": min(max(retry.max_backoff_s, 1.0), 60.0),
+        },
+        "cpu": spec.resources.cpu,
+        "memory": fn.memory_mb,
+    }
+    if spec.resources.gpu > 0:
+        kind = spec.resources.gpu_type or "any"
+        options["gpu"] = kind if spec.resources.gpu == 1 else f"{kind}:{spec.resources.gpu}"
+    return options
+
+
+def _entry(name: str, module: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def entry(envelope: dict[str, Any]) -> dict[str, Any]:
+        from fabric.deploy.modal_runtime import run
+
+        return run(name, module, envelope)
+
+    entry.__name__ = entry.__qualname__ = f"fabric_{name}"
+    return entry
+
+
+def build_app(
+    registry: Registry, plan: list[DeployedFunction], app_name: str = APP_NAME
+) -> tuple[Any, dict[str, Any]]:
+    """``(app, functions)``: the app and its Modal functions by fabric name."""
+    modal = _modal()
+    roots = code_roots(plan)
+    image = (
+        modal.Image.debian_slim(python_version="3.11")
+        .pip_install(*requirements())
+        .add_local_python_source(*sorted(r.removesuffix(".py") for r in roots))
+    )
+    app = modal.App(app_name, image=image)
+    functions = {}
+    for fn in plan:
+        opts = modal_options(registry, fn)
+        retries = modal.Retries(**opts.pop("retries"))
+        functions[fn.name] = app.function(serialized=True, retries=retries, **opts)(
+            _entry(fn.name, fn.module)
+        )
+    return app, functions
+
+
+def deploy_modal(
+    registry: Registry, plan: list[DeployedFunction], *, app_name: str = APP_NAME, echo: Callable[[str], None]
+) -> None:
+    modal = _modal()
+    app, _ = build_app(registry, plan, app_name)
+    echo(f"deploying Modal app {app_name!r}: {', '.join(f.deployed_name for f in plan)}")
+    try:
+        with modal.enable_output():
+            app.deploy()
+    except modal.exception.AuthError as e:
+        raise DeployError(
+            f"Modal refused the deploy: {e}. Run `modal token new`, or set MODAL_TOKEN_ID and "
+            "MODAL_TOKEN_SECRET."
+        ) from None
+    echo(f"deployed; call them with backend {{'type': 'modal', 'app_name': {app_name!r}}}")

@@ -1,0 +1,70 @@
+"""What runs inside a Modal container: a fabric ``Invocation`` in, a ``Result`` out.
+
+One ``FunctionRunner`` per function per container, built on first use (the setup hook runs
+once, as in a local warm worker). A failure is data, as with the Lambda handler: the Modal
+function itself raises only if this module is broken, so Modal's own retries cover
+infrastructure (a lost container), never a function's error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fabric.errors import ErrorCode
+from fabric.protocol import Invocation, Result
+from fabric.registry import Registry
+from fabric.runner import FunctionRunner, outcome_to_result
+
+_runners: dict[str, FunctionRunner] = {}
+_cold = True
+
+
+def run(name: str, module: str, envelope: dict[str, Any]) -> dict[str, Any]:
+    global _cold
+    cold, _cold = _cold, False
+    try:
+        inv = Invocation.model_validate(envelope)
+    except ValueError as e:
+        return _dump(
+            Result.failure(ErrorCode.INVALID_ARGUMENTS, f"not a fabric Invocation: {e}", function=name)
+        )
+    if inv.function != name:
+        return _dump(
+            Result.failure(
+                ErrorCode.UNKNOWN_FUNCTION,
+                f"this Modal function serves {name!r}, not {inv.function!r}",
+                function=inv.function,
+                request_id=inv.request_id,
+            )
+        )
+    runner = _runners.get(name)
+    if runner is None:
+        try:
+            registry = Registry()
+            registry.discover(module)
+            runner = FunctionRunner(registry.callable(name), registry.get(name))
+            runner.setup()
+        except Exception as e:  # an import or setup failure: every call says why
+            return _dump(
+                Result.failure(
+                    ErrorCode.SETUP_FAILED,
+                    f"{type(e).__name__}: {e}",
+                    function=name,
+                    request_id=inv.request_id,
+                )
+            )
+        _runners[name] = runner
+    t0 = time.perf_counter()
+    if runner.is_async:
+        ok, out = asyncio.run(runner.run_async(inv.raw_payload, runner.spec.timeout_s))
+    else:
+        ok, out = runner.run(inv.raw_payload)
+    result = outcome_to_result(inv, ok, out, exec_ms=(time.perf_counter() - t0) * 1e3, worker=f"modal:{name}")
+    result.cold_start = cold
+    return _dump(result)
+
+
+def _dump(result: Result) -> dict[str, Any]:
+    return result.model_dump(mode="json")

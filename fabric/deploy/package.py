@@ -1,0 +1,181 @@
+"""The Lambda deployment package: a zip, or a container image build context.
+
+The zip holds the ``fabric`` and ``functions`` packages, the modules the deployed functions
+live in, and (unless ``deps=False``) the dependencies, installed by pip for Lambda's
+platform (manylinux x86_64 or aarch64, CPython 3.11, wheels only) rather than for this
+machine. boto3 is left out: the Lambda Python runtime has it. The zip is deterministic
+(sorted entries, fixed timestamps), so an unchanged package keeps its hash and terraform
+does not redeploy it.
+
+Heavy functions (an LLM judge with a model, native toolchains for the code verifier) go
+as a container image instead: ``image_context`` writes a Dockerfile on the AWS Lambda
+Python base image and the code beside it; build and push it with your registry's tools
+(no Docker engine is needed here).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from fabric.deploy.plan import HANDLER, DeployedFunction, DeployError
+
+#: Lambda caps a directly uploaded zip at 50 MB (bigger goes through S3, up to 250 MB unzipped).
+MAX_DIRECT_ZIP_BYTES = 50 * 1024 * 1024
+_FIXED_TIME = (2020, 1, 1, 0, 0, 0)
+_SKIP_DIRS = {"__pycache__", ".mypy_cache", ".pytest_cache"}
+#: Provided by the Lambda runtime; not worth 20 MB of the package.
+_IN_RUNTIME = {"boto3", "botocore", "s3transfer", "jmespath"}
+_EXTRAS = ("aws", "rewards")
+
+
+def _package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        raise DeployError(f"cannot find the {name!r} package to put in the deploy package")
+    return Path(spec.origin).parent
+
+
+def code_roots(functions: Iterable[DeployedFunction]) -> dict[str, Path]:
+    """Archive name -> local path of every code root the package needs."""
+    roots: dict[str, Path] = {"fabric": _package_dir("fabric"), "functions": _package_dir("functions")}
+    for fn in functions:
+        if fn.source_file is not None:
+            path = Path(fn.source_file)
+            if not path.is_file():
+                raise DeployError(f"{fn.name}: entry file {fn.source_file!r} not found")
+            roots[path.name] = path
+            continue
+        top = fn.module.split(".")[0]
+        if top in roots:
+            continue
+        spec = importlib.util.find_spec(top)
+        if spec is None or spec.origin is None:
+            raise DeployError(f"{fn.name}: cannot find module {top!r} to package")
+        origin = Path(spec.origin)
+        roots[top if origin.name == "__init__.py" else origin.name] = (
+            origin.parent if origin.name == "__init__.py" else origin
+        )
+    return roots
+
+
+def _files(root: Path, arcname: str) -> Iterator[tuple[Path, str]]:
+    if root.is_file():
+        yield root, arcname
+        return
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        for f in sorted(filenames):
+            if f.endswith((".pyc", ".pyo")):
+                continue
+            path = Path(dirpath) / f
+            yield path, str(Path(arcname) / path.relative_to(root))
+
+
+def requirements() -> list[str]:
+    """The runtime dependencies of rl-fabric's base install and its ``aws`` and ``rewards``
+    extras, minus what the Lambda runtime has."""
+    try:
+        reqs = importlib.metadata.requires("rl-fabric") or []
+    except importlib.metadata.PackageNotFoundError:
+        raise DeployError(
+            "rl-fabric is not installed (pip install -e .); its requirements are unknown"
+        ) from None
+    out = []
+    for req in reqs:
+        spec, _, marker = req.partition(";")
+        marker = marker.strip()
+        if marker and not any(f'extra == "{e}"' in marker for e in _EXTRAS):
+            continue
+        name = re.match(r"[A-Za-z0-9._-]*", spec.strip())
+        if name is None or name.group(0).lower() in _IN_RUNTIME:
+            continue
+        out.append(spec.strip())
+    return sorted(set(out))
+
+
+def install_deps(target: Path, *, architecture: str = "x86_64", python: str = "3.11") -> None:
+    platform = "manylinux2014_x86_64" if architecture == "x86_64" else "manylinux2014_aarch64"
+    cmd = [
+        *(sys.executable, "-m", "pip", "install", "--quiet", "--target", str(target)),
+        *("--platform", platform, "--implementation", "cp", "--python-version", python),
+        "--only-binary=:all:",
+        *requirements(),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise DeployError(
+            f"pip could not install the dependencies for Lambda ({platform}, Python {python}):\n"
+            f"{done.stderr.strip()[-2000:]}\nA dependency without a wheel for that platform needs "
+            "--image (a container image), or --no-deps with the dependencies in a Lambda layer."
+        )
+
+
+def build_zip(
+    functions: list[DeployedFunction], out: Path, *, deps: bool = True, architecture: str = "x86_64"
+) -> Path:
+    """Write ``out`` (a .zip) and return it."""
+    roots = code_roots(functions)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="fabric-deploy-") as tmp:
+        entries: list[tuple[Path, str]] = []
+        if deps:
+            site = Path(tmp) / "site"
+            install_deps(site, architecture=architecture)
+            entries += [
+                (p, a)
+                for p, a in _files(site, "")
+                if not a.startswith(("bin/", "fabric/", "functions/")) and ".dist-info/RECORD" not in a
+            ]
+        for arc, path in sorted(roots.items()):
+            entries += list(_files(path, arc))
+        partial = out.with_suffix(".zip.partial")
+        with zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as zf:
+            for path, arc in sorted(entries, key=lambda e: e[1]):
+                info = zipfile.ZipInfo(arc.lstrip("/"), date_time=_FIXED_TIME)
+                info.external_attr = 0o644 << 16
+                info.compress_type = zipfile.ZIP_DEFLATED
+                zf.writestr(info, path.read_bytes())
+        partial.replace(out)  # a failed build never leaves a half-written package behind
+    return out
+
+
+DOCKERFILE = """\
+# rl-fabric functions as a Lambda container image (generated by `fabric deploy --image`).
+# Build and push with your registry's tools, e.g.
+#   docker build --platform linux/{arch} -t ACCOUNT.dkr.ecr.REGION.amazonaws.com/rl-fabric:TAG .
+FROM public.ecr.aws/lambda/python:{python}
+COPY requirements.txt ${{LAMBDA_TASK_ROOT}}/
+RUN pip install --no-cache-dir -r ${{LAMBDA_TASK_ROOT}}/requirements.txt
+COPY code/ ${{LAMBDA_TASK_ROOT}}/
+CMD ["{handler}"]
+"""
+
+
+def image_context(
+    functions: list[DeployedFunction], out: Path, *, python: str = "3.11", architecture: str = "x86_64"
+) -> Path:
+    """A build context (Dockerfile, requirements.txt, code/) in ``out``; returns ``out``."""
+    roots = code_roots(functions)
+    if out.exists():
+        shutil.rmtree(out)
+    code = out / "code"
+    code.mkdir(parents=True)
+    for arc, path in roots.items():
+        if path.is_file():
+            shutil.copy2(path, code / arc)
+        else:
+            shutil.copytree(path, code / arc, ignore=shutil.ignore_patterns(*_SKIP_DIRS, "*.pyc"))
+    (out / "requirements.txt").write_text("\n".join(requirements()) + "\n")
+    arch = "amd64" if architecture == "x86_64" else "arm64"
+    (out / "Dockerfile").write_text(DOCKERFILE.format(python=python, handler=HANDLER, arch=arch))
+    return out

@@ -1,0 +1,98 @@
+"""What a deploy creates: one Lambda/Modal function per registered function."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from fabric.errors import FabricError
+from fabric.registry import Registry
+from fabric.spec import FunctionSpec
+
+HANDLER = "functions.handler.handler"
+SQS_HANDLER = "functions.handler.sqs_handler"
+ALIAS = "live"
+
+
+class DeployError(FabricError):
+    """A deploy that cannot go on (bad options, a failed packaging or cloud step)."""
+
+
+class DeployedFunction(BaseModel):
+    """One registered function as a cloud function."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    """The fabric name (what callers use)."""
+    deployed_name: str
+    """``prefix + name``: the Lambda/Modal function."""
+    module: str
+    """What the handler discovers (``RL_FABRIC_MODULES``): the entry's module, or the
+    basename of a ``file.py`` entry (packaged at the root)."""
+    source_file: str | None = None
+    """A ``file.py`` entry's path, to package."""
+    memory_mb: int
+    timeout_s: int
+    warm: int
+    reserved_concurrency: int
+    description: str
+    version: str
+    gpu: int = 0
+    cpu: float = 1.0
+
+
+def _module_of(spec: FunctionSpec) -> tuple[str, str | None]:
+    mod = spec.entry.partition(":")[0]
+    if mod.endswith(".py"):
+        return Path(mod).name, mod
+    return mod, None
+
+
+def plan_functions(
+    registry: Registry,
+    names: list[str] | None = None,
+    *,
+    prefix: str = "",
+    warm: int | None = None,
+    reserved: bool = False,
+) -> list[DeployedFunction]:
+    """The functions to deploy (all registered ones unless ``names``), in name order.
+
+    ``warm`` overrides every function's provisioned concurrency (0 turns the warm pools
+    off: provisioned concurrency is billed while idle). ``reserved`` caps each function at
+    its ``max_concurrency`` with reserved concurrency (which also takes that much out of
+    the account's pool, so it is off unless asked)."""
+    chosen = sorted(names if names is not None else registry.names())
+    unknown = [n for n in chosen if n not in registry]
+    if unknown:
+        raise DeployError(f"not registered: {', '.join(unknown)} (known: {', '.join(registry.names())})")
+    if not chosen:
+        raise DeployError("nothing to deploy: no functions registered (pass -m MODULE)")
+    out = []
+    for name in chosen:
+        spec = registry.get(name)
+        module, source = _module_of(spec)
+        out.append(
+            DeployedFunction(
+                name=name,
+                deployed_name=prefix + name,
+                module=module,
+                source_file=source,
+                memory_mb=spec.memory_mb,
+                timeout_s=max(1, math.ceil(spec.timeout_s)),
+                warm=spec.warm if warm is None else warm,
+                reserved_concurrency=spec.max_concurrency if reserved else -1,
+                description=(spec.description or f"rl-fabric {spec.kind} {name}")[:256],
+                version=spec.version,
+                gpu=spec.resources.gpu,
+                cpu=spec.resources.cpu,
+            )
+        )
+    too_long = [f.deployed_name for f in out if len(f.deployed_name) > 64]
+    if too_long:
+        raise DeployError(
+            f"Lambda names are at most 64 characters: {', '.join(too_long)}; use a shorter --prefix"
+        )
+    return out

@@ -1,0 +1,72 @@
+"""``fabric.auto.tfvars.json``: the registered functions as input to ``terraform/``."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from fabric.deploy.plan import DeployedFunction, DeployError
+
+TFVARS_FILE = "fabric.auto.tfvars.json"
+_VARIABLE = re.compile(r'^\s*variable\s+"([A-Za-z_][A-Za-z0-9_-]*)"', re.M)
+
+
+def tfvars(
+    functions: list[DeployedFunction],
+    *,
+    region: str,
+    prefix: str,
+    zip_path: str | None = None,
+    image_uri: str | None = None,
+    architecture: str = "x86_64",
+    tags: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    if (zip_path is None) == (image_uri is None):
+        raise DeployError("the package is a zip or an image: give exactly one of zip_path, image_uri")
+    package: dict[str, Any] = {"type": "zip" if zip_path else "image", "architecture": architecture}
+    if zip_path:
+        package["zip_path"] = zip_path
+    else:
+        package["image_uri"] = image_uri
+    return {
+        "region": region,
+        "name_prefix": prefix,
+        "package": package,
+        "functions": {
+            f.name: {
+                "modules": f.module,
+                "memory_mb": f.memory_mb,
+                "timeout_s": f.timeout_s,
+                "warm": f.warm,
+                "reserved_concurrency": f.reserved_concurrency,
+                "description": f.description,
+                "version": f.version,
+            }
+            for f in functions
+        },
+        "tags": {"managed-by": "rl-fabric", **(tags or {})},
+    }
+
+
+def declared_variables(terraform_dir: Path) -> set[str]:
+    names: set[str] = set()
+    for tf in terraform_dir.glob("*.tf"):
+        names.update(_VARIABLE.findall(tf.read_text()))
+    return names
+
+
+def write_tfvars(values: dict[str, Any], terraform_dir: Path) -> Path:
+    """Write the file into ``terraform_dir`` after checking every key is a declared variable
+    (terraform would only warn, and the setting would silently not apply)."""
+    if not terraform_dir.is_dir():
+        raise DeployError(f"no terraform directory at {str(terraform_dir)!r} (--terraform-dir)")
+    undeclared = sorted(set(values) - declared_variables(terraform_dir))
+    if undeclared:
+        raise DeployError(
+            f"{terraform_dir}: these tfvars are not declared variables: {', '.join(undeclared)}"
+        )
+    path = terraform_dir / TFVARS_FILE
+    path.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+    return path

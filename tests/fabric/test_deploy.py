@@ -1,0 +1,373 @@
+"""``fabric deploy``: packaging, tfvars, the boto3 path end to end against a moto server (then
+the deployed names called through the lambda backend pointed at ``fabric serve``), Modal."""
+
+from __future__ import annotations
+
+import json
+import socket
+import zipfile
+from pathlib import Path
+
+import pytest
+from sample_fns import REG
+from typer.testing import CliRunner
+
+from fabric.backends.base import LambdaConfig, LocalConfig, ModalConfig
+from fabric.client import Client
+from fabric.deploy import DeployError, plan_functions
+from fabric.deploy.direct import DirectConfig, deploy_direct
+from fabric.deploy.package import build_zip, image_context, requirements
+from fabric.deploy.tfvars import TFVARS_FILE, declared_variables, tfvars, write_tfvars
+from fabric.errors import ErrorCode
+from fabric.protocol import Invocation
+from fabric.serve import Gateway, ServeConfig, TenantConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "deploy-test-token-0123456789"
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.fixture
+def aws_env(monkeypatch):
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(k, v)
+
+
+@pytest.fixture
+def moto_url(aws_env):
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    # without Docker moto creates functions but cannot run them (invoke echoes the payload)
+    httpx.post(f"{url}/moto-api/config", json={"lambda": {"use_docker": False}})
+    yield url
+    server.stop()
+
+
+# -- plan
+
+
+def test_plan_names_modules_and_limits():
+    plan = plan_functions(REG, ["add", "sleepy"], prefix="rl-")
+    assert [f.deployed_name for f in plan] == ["rl-add", "rl-sleepy"]
+    assert plan[0].module == "sample_fns" and plan[0].warm == 1 and plan[0].reserved_concurrency == -1
+    assert plan[1].timeout_s == 10
+    assert plan_functions(REG, ["add"], warm=0)[0].warm == 0
+    assert (
+        plan_functions(REG, ["add"], reserved=True)[0].reserved_concurrency == REG.get("add").max_concurrency
+    )
+
+
+def test_plan_errors():
+    with pytest.raises(DeployError, match="not registered: nope"):
+        plan_functions(REG, ["add", "nope"])
+    with pytest.raises(DeployError, match="at most 64 characters"):
+        plan_functions(REG, ["add"], prefix="x" * 70)
+    with pytest.raises(DeployError, match="nothing to deploy"):
+        plan_functions(REG, [])
+
+
+# -- package
+
+
+def test_zip_holds_the_code_and_is_deterministic(tmp_path):
+    plan = plan_functions(REG, ["add"])
+    a = build_zip(plan, tmp_path / "a.zip", deps=False)
+    b = build_zip(plan, tmp_path / "b.zip", deps=False)
+    assert a.read_bytes() == b.read_bytes()  # an unchanged package keeps its hash
+    names = zipfile.ZipFile(a).namelist()
+    assert "fabric/protocol.py" in names and "functions/handler.py" in names
+    assert "sample_fns.py" in names  # the module the deployed function lives in
+    assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
+    assert not (tmp_path / "a.zip.partial").exists()
+
+
+def test_requirements_leave_out_what_lambda_has():
+    reqs = requirements()
+    assert any(r.startswith("pydantic") for r in reqs) and any(
+        r.startswith("aws-lambda-powertools") for r in reqs
+    )
+    assert not any(r.startswith(("boto3", "botocore", "torch", "ray")) for r in reqs)
+
+
+def test_image_context(tmp_path):
+    ctx = image_context(plan_functions(REG, ["add"]), tmp_path / "image")
+    dockerfile = (ctx / "Dockerfile").read_text()
+    assert "FROM public.ecr.aws/lambda/python:3.11" in dockerfile
+    assert 'CMD ["functions.handler.handler"]' in dockerfile
+    assert (ctx / "code" / "fabric" / "protocol.py").is_file() and (ctx / "code" / "sample_fns.py").is_file()
+    assert "pydantic" in (ctx / "requirements.txt").read_text()
+
+
+# -- tfvars
+
+
+def test_tfvars_keys_are_declared_terraform_variables(tmp_path):
+    values = tfvars(plan_functions(REG, ["add", "boom"]), region="eu-west-1", prefix="rl-", zip_path="/x.zip")
+    declared = declared_variables(ROOT / "terraform")
+    assert set(values) <= declared, set(values) - declared
+    assert values["functions"]["add"] == {
+        "modules": "sample_fns",
+        "memory_mb": 512,
+        "timeout_s": 30,
+        "warm": 1,
+        "reserved_concurrency": -1,
+        "description": REG.get("add").description or "rl-fabric function add",
+        "version": REG.get("add").version,
+    }
+    (tmp_path / "variables.tf").write_text('variable "region" {}\n')
+    with pytest.raises(DeployError, match="not declared variables: functions, name_prefix, package, tags"):
+        write_tfvars(values, tmp_path)
+    with pytest.raises(DeployError, match="exactly one of zip_path, image_uri"):
+        tfvars([], region="r", prefix="p")
+
+
+# -- direct (boto3) against moto, then called through fabric serve
+
+
+async def test_direct_deploy_then_invoke_through_fabric_serve(moto_url, tmp_path):
+    import boto3
+
+    plan = plan_functions(REG, ["add", "boom"], prefix="rl-")
+    package = build_zip(plan, tmp_path / "fabric.zip", deps=False)
+    cfg = DirectConfig(region="us-east-1", endpoint_url=moto_url, prefix="rl-")
+    steps: list[str] = []
+    first = deploy_direct(plan, package, cfg, on_step=steps.append)
+    assert [d.deployed_name for d in first] == ["rl-add", "rl-boom"] and all(d.created for d in first)
+    add = first[0]
+    # moto does not implement provisioned concurrency: a warning, not a failure
+    assert add.provisioned == 0 and "provisioned concurrency (1 warm) not set" in (add.warning or "")
+    assert any(s.startswith("warning: rl-add") for s in steps)
+    assert first[1].warning is None  # boom has warm=0: nothing to set
+
+    lam = boto3.client("lambda", endpoint_url=moto_url, region_name="us-east-1")
+    conf = lam.get_function(FunctionName="rl-add")["Configuration"]
+    assert conf["Handler"] == "functions.handler.handler" and conf["Timeout"] == 30
+    assert conf["Environment"]["Variables"] == {
+        "RL_FABRIC_MODULES": "sample_fns",
+        "RL_FABRIC_FUNCTIONS": "add",
+    }
+    assert lam.get_alias(FunctionName="rl-add", Name="live")["FunctionVersion"] == add.version
+
+    again = deploy_direct(plan, package, cfg)  # idempotent: updates, publishes, moves the alias
+    assert not again[0].created and again[0].version != add.version
+    assert lam.get_alias(FunctionName="rl-add", Name="live")["FunctionVersion"] == again[0].version
+
+    # the deployed names, called through the lambda backend pointed at fabric serve
+    serve = ServeConfig(
+        port=0,
+        tenants={"job": TenantConfig(token=TOKEN)},
+        function_prefix="rl-",
+        backend=LocalConfig(max_workers=1),
+        warm=False,
+    )
+    async with Gateway(serve, REG) as gw:
+        for transport in ("boto3", "http"):
+            backend = LambdaConfig(
+                endpoint_url=gw.url, token=TOKEN, function_prefix="rl-", transport=transport
+            )
+            async with Client(backend=backend, registry=REG) as c:
+                assert (await c.call("add", {"a": 20, "b": 22})).value == 42
+                boom = await c.call("boom", {"x": 1})
+                assert boom.error.type == ErrorCode.USER_ERROR
+
+
+def test_provisioned_concurrency_call_on_the_alias():
+    # the call moto lacks, against botocore's Stubber: parameters checked against the API model
+    import boto3
+    from botocore.stub import Stubber
+
+    from fabric.deploy.direct import _one
+
+    lam = boto3.client("lambda", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    fn = plan_functions(REG, ["add"], prefix="rl-", warm=3)[0]
+    arn = "arn:aws:lambda:us-east-1:123456789012:function:rl-add"
+    with Stubber(lam) as stub:
+        stub.add_client_error("get_function", "ResourceNotFoundException", http_status_code=404)
+        stub.add_response("create_function", {"FunctionName": "rl-add"})
+        stub.add_response(
+            "get_function", {"Configuration": {"State": "Active", "LastUpdateStatus": "Successful"}}
+        )
+        stub.add_response("publish_version", {"Version": "1"})
+        stub.add_client_error("update_alias", "ResourceNotFoundException", http_status_code=404)
+        stub.add_response("create_alias", {"AliasArn": arn + ":live"})
+        stub.add_response(
+            "put_provisioned_concurrency_config",
+            {"RequestedProvisionedConcurrentExecutions": 3, "Status": "IN_PROGRESS"},
+            {"FunctionName": "rl-add", "Qualifier": "live", "ProvisionedConcurrentExecutions": 3},
+        )
+        done = _one(
+            lam, fn, b"zip", "arn:aws:iam::123456789012:role/r", DirectConfig(region="us-east-1"), print
+        )
+        stub.assert_no_pending_responses()
+    assert done.provisioned == 3 and done.warning is None and done.alias_arn.endswith(":live")
+
+
+def test_oversize_zip_is_refused_before_any_call(tmp_path):
+    big = tmp_path / "big.zip"
+    with big.open("wb") as f:
+        f.truncate(51 * 1024 * 1024)
+    with pytest.raises(DeployError, match="over Lambda's 50 MiB direct upload"):
+        deploy_direct(plan_functions(REG, ["add"]), big, DirectConfig(region="us-east-1"))
+
+
+# -- CLI
+
+
+def test_cli_direct_deploy(moto_url, tmp_path, monkeypatch):
+    from fabric.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(
+        app,
+        [
+            *("deploy", "--direct", "--no-deps", "--endpoint-url", moto_url, "--prefix", "cli-"),
+            *("-m", "sample_fns", "-f", "add", "-f", "pid", "--out", str(tmp_path / "build")),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    done = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [d["deployed_name"] for d in done] == ["cli-add", "cli-pid"]
+
+
+def test_cli_terraform_path_writes_tfvars(tmp_path, monkeypatch):
+    from fabric.cli import app
+
+    tf = tmp_path / "terraform"
+    tf.mkdir()
+    for name in ("region", "name_prefix", "package", "functions", "tags"):
+        (tf / f"{name}.tf").write_text(f'variable "{name}" {{}}\n')
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no terraform on PATH
+    r = CliRunner().invoke(
+        app,
+        [
+            "deploy",
+            "--no-deps",
+            "-m",
+            "sample_fns",
+            "-f",
+            "add",
+            "--terraform-dir",
+            str(tf),
+            "--out",
+            str(tmp_path / "b"),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    values = json.loads((tf / TFVARS_FILE).read_text())
+    assert values["functions"]["add"]["modules"] == "sample_fns"
+    assert Path(values["package"]["zip_path"]).is_file()
+    assert "terraform is not on PATH" in r.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--backend", "azure"], "--backend must be lambda or modal"),
+        (["--architecture", "sparc"], "--architecture must be x86_64 or arm64"),
+        (["-m", "sample_fns", "-f", "nope"], "not registered: nope"),
+        (["-m", "sample_fns", "-f", "add", "--direct", "--image", "x"], "--direct deploys zip packages"),
+        (
+            ["-m", "sample_fns", "-f", "add", "--no-deps", "--terraform-dir", "/nonexistent"],
+            "no terraform directory",
+        ),
+    ],
+)
+def test_cli_deploy_bad_input(tmp_path, monkeypatch, args, message):
+    from fabric.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["deploy", *args])
+    assert r.exit_code == 2 and message in r.output, r.output
+
+
+# -- Modal
+
+
+def test_modal_app_definitions_and_local_run():
+    from fabric.deploy.modal_ import build_app, modal_options
+
+    plan = plan_functions(REG, ["add", "async_sleepy"], prefix="rl-")
+    opts = modal_options(REG, plan[0])
+    assert opts == {
+        "name": "rl-add",
+        "min_containers": 1,
+        "buffer_containers": 1,
+        "max_containers": 64,
+        "scaledown_window": 60,
+        "timeout": 30,
+        "retries": {"max_retries": 2, "backoff_coefficient": 2.0, "initial_delay": 0.05, "max_delay": 2.0},
+        "cpu": 1.0,
+        "memory": 512,
+    }
+    assert (
+        modal_options(REG, plan[1])["min_containers"] == 0
+        and modal_options(REG, plan[1])["buffer_containers"] == 0
+    )
+    app, functions = build_app(REG, plan)
+    assert app.name == "rl-fabric" and set(functions) == {"add", "async_sleepy"}
+    out = functions["add"].local(Invocation(function="add", payload={"a": 2, "b": 3}).model_dump(mode="json"))
+    assert out["ok"] and out["value"] == 5 and out["worker"] == "modal:add"
+    out = functions["async_sleepy"].local(
+        Invocation(function="async_sleepy", payload={"seconds": 0}).model_dump(mode="json")
+    )
+    assert out["ok"]
+    wrong = functions["add"].local(Invocation(function="boom", payload={}).model_dump(mode="json"))
+    assert wrong["error"]["type"] == "UnknownFunction"
+    bad = functions["add"].local({"function": "add", "payload": {"a": "x"}})
+    assert bad["error"]["type"] == "InvalidArguments"
+
+
+@pytest.fixture
+def no_modal_token(monkeypatch, tmp_path):
+    monkeypatch.delenv("MODAL_TOKEN_ID", raising=False)
+    monkeypatch.delenv("MODAL_TOKEN_SECRET", raising=False)
+    monkeypatch.setenv("MODAL_CONFIG_PATH", str(tmp_path / "modal.toml"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+
+async def test_modal_backend_without_a_token_fails_at_once(no_modal_token):
+    import time
+
+    from fabric.backends.modal_ import ModalBackend
+
+    async with ModalBackend(REG, ModalConfig()) as b:
+        t0 = time.monotonic()
+        r = await b.invoke(Invocation(function="add", payload={"a": 1}))
+    assert r.error.type == ErrorCode.UNAUTHORIZED and not r.retryable
+    assert "modal token new" in r.error.message and time.monotonic() - t0 < 10
+
+
+def test_modal_deploy_without_a_token_is_a_clear_error(no_modal_token, tmp_path, monkeypatch):
+    from fabric.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["deploy", "--backend", "modal", "-m", "sample_fns", "-f", "add"])
+    assert r.exit_code == 2 and "modal token new" in r.output, r.output
+
+
+def test_deploy_docs_commands_exist():
+    # the deploy guide's commands use options the CLI has
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    from fabric.cli import app
+
+    help_text = CliRunner().invoke(app, ["deploy", "--help"], terminal_width=200).output
+    for opt in ("--direct", "--plan-only", "--prefix", "--endpoint-url", "--no-deps", "--image", "--warm"):
+        assert opt in text and opt in help_text, opt
