@@ -212,7 +212,7 @@ class Client:
         if problem is not None:
             return self._refuse(m, ErrorCode.INVALID_ARGUMENTS, problem, name, request_id)
         try:
-            raw = encode_payload(payload, what=f"payload of {name}")
+            raw = encode_payload(payload, limit=self.backend.max_payload_bytes, what=f"payload of {name}")
         except PayloadError as e:
             return self._refuse(m, e.code, str(e), name, request_id)
         # idempotency: one execution per key; a caller that finds the key in flight waits for

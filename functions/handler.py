@@ -37,9 +37,10 @@ import uuid
 from typing import IO, TYPE_CHECKING, Any, cast
 
 from fabric.errors import FINAL_ERRORS, ErrorCode, PayloadError, UnknownFunctionError
-from fabric.protocol import Invocation, Result, Timings, encode_payload
+from fabric.protocol import Invocation, Result, Timings, decode_payload, encode_payload
 from fabric.registry import Registry
 from fabric.runner import FunctionRunner, outcome_to_result
+from fabric.spill import SpillError, fetch, is_pointer
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -142,6 +143,7 @@ class _Container:
         self.worker = f"lambda:{os.environ.get('AWS_LAMBDA_FUNCTION_NAME', SERVICE)}/{uuid.uuid4().hex[:8]}"
         self.reply_queue_url = os.environ.get(REPLY_QUEUE_ENV) or None
         self._sqs: Any = None
+        self._s3: Any = None
         self._runners: dict[str, FunctionRunner] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._first_call = os.environ.get("AWS_LAMBDA_INITIALIZATION_TYPE") != "provisioned-concurrency"
@@ -222,6 +224,8 @@ class _Container:
             self._loop.close()
         if self._sqs is not None:
             self._sqs.close()
+        if self._s3 is not None:
+            self._s3.close()
 
     # ------------------------------------------------------------------ one invocation
     def take_cold(self) -> bool:
@@ -256,10 +260,41 @@ class _Container:
             return refuse(
                 ErrorCode.INVALID_ARGUMENTS, "the event is not a fabric Invocation: 'raw' is not allowed"
             )
+        if is_pointer(inv.payload):  # a payload over 6 MB, spilled to S3 by the caller
+            return self._unspill(inv)
         try:
             inv.raw = encode_payload(inv.payload, what=f"payload of {inv.function}")
         except PayloadError as e:
             return Result.failure(e.code, str(e), function=inv.function, request_id=inv.request_id)
+        return inv
+
+    def _unspill(self, inv: Invocation) -> Invocation | Result:
+        if self._s3 is None:
+            import boto3
+
+            self._s3 = boto3.client("s3")
+        try:
+            raw = fetch(self._s3, inv.payload)
+            payload = decode_payload(raw)
+        except SpillError as e:
+            code = ErrorCode.TRANSPORT if e.retryable else ErrorCode.INVALID_ARGUMENTS
+            return Result.failure(code, str(e), function=inv.function, request_id=inv.request_id)
+        except ValueError as e:
+            return Result.failure(
+                ErrorCode.INVALID_ARGUMENTS,
+                f"the spilled payload is not JSON: {e}",
+                function=inv.function,
+                request_id=inv.request_id,
+            )
+        if not isinstance(payload, dict):
+            return Result.failure(
+                ErrorCode.INVALID_ARGUMENTS,
+                "the spilled payload is not a JSON object",
+                function=inv.function,
+                request_id=inv.request_id,
+            )
+        inv.payload = payload
+        inv.raw = raw  # the bytes as uploaded: no second encoding, and no 6 MB limit here
         return inv
 
     def invoke(self, inv: Invocation, *, cold: bool, queue_ms: float, context: Any) -> Result:

@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, ValidationError
 
 from fabric.errors import ConfigError, ErrorCode
-from fabric.protocol import Invocation, Result
+from fabric.protocol import MAX_PAYLOAD_BYTES, Invocation, Result
 from fabric.registry import Registry, default_registry
 
 TOKEN_ENV = "RL_FABRIC_TOKEN"
@@ -85,6 +85,13 @@ class LambdaConfig(_Config):
     read_timeout_s: float = Field(910.0, gt=0)
     """Longer than Lambda's 900 s maximum: a slow function is the function's timeout's
     business, a hung connection is this one's."""
+    spill_bucket: str | None = None
+    """Payloads over 6 MB go to ``s3://spill_bucket/spill_prefix/...`` and the call carries a
+    pointer (``fabric.spill``); ``None`` refuses them at the client, before sending."""
+    spill_prefix: str = "spill"
+    max_spill_bytes: int = Field(256 * 1024 * 1024, ge=1)
+    s3_endpoint_url: str | None = None
+    """S3 for spilled payloads (``None``: AWS)."""
 
 
 class ModalConfig(_Config):
@@ -151,6 +158,12 @@ class Backend(ABC):
         self._closed = True
         # shielded: a cancelled caller must not leave worker processes behind
         await asyncio.shield(self._close())
+
+    @property
+    def max_payload_bytes(self) -> int:
+        """The largest encoded payload this backend takes; the client refuses bigger ones
+        before sending (Lambda's synchronous limit unless a backend can do better)."""
+        return MAX_PAYLOAD_BYTES
 
     def submit(self, inv: Invocation) -> asyncio.Future[Result]:
         """Start ``inv`` and return a future of its ``Result``; cancelling the future

@@ -31,8 +31,9 @@ from urllib.parse import quote
 
 from fabric.backends.base import TOKEN_ENV, Backend, LambdaConfig
 from fabric.errors import ConfigError, ErrorCode
-from fabric.protocol import Invocation, Result, decode_payload
+from fabric.protocol import MAX_PAYLOAD_BYTES, Invocation, Result, decode_payload, encode_payload
 from fabric.registry import Registry
+from fabric.spill import pointer, spill_key
 
 #: Lambda/service error codes -> fabric codes. Anything else: 5xx retryable, 4xx final.
 _CLIENT_ERRORS: dict[str, ErrorCode] = {
@@ -64,6 +65,7 @@ class LambdaBackend(Backend):
         self._executor: ThreadPoolExecutor | None = None
         self._session: Any = None
         self._calls = 0
+        self._spilled = 0
         self._errors: dict[str, int] = {}
         token = self.config.token.get_secret_value() if self.config.token else None
         if token is None and self.config.endpoint_url is not None:
@@ -78,8 +80,23 @@ class LambdaBackend(Backend):
                 "and token (or $RL_FABRIC_TOKEN); AWS itself needs transport 'boto3' (SigV4 signing)"
             )
         self.transport = transport
+        self._s3: Any = None
+
+    @property
+    def max_payload_bytes(self) -> int:
+        return self.config.max_spill_bytes if self.config.spill_bucket else MAX_PAYLOAD_BYTES
 
     async def _start(self) -> None:
+        if self.config.spill_bucket:
+            try:
+                import boto3
+            except ImportError as e:
+                raise ConfigError(
+                    f"spilling payloads to S3 needs boto3: pip install 'rl-fabric[aws]' ({e})"
+                ) from None
+            self._s3 = boto3.session.Session().client(
+                "s3", region_name=self.config.region, endpoint_url=self.config.s3_endpoint_url
+            )
         if self.transport == "http":
             await self._start_http()
         else:
@@ -143,11 +160,17 @@ class LambdaBackend(Backend):
         if not self._started:
             await self.start()
         t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        body = envelope(inv)
+        if len(body) > MAX_PAYLOAD_BYTES and self._s3 is not None:
+            spilled = await loop.run_in_executor(None, self._spill, inv)
+            if isinstance(spilled, Result):
+                return spilled
+            body = spilled
         if self.transport == "http":
-            result = await self._invoke_http(inv)
+            result = await self._invoke_http(inv, body)
         else:
-            loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self._executor, self._invoke_sync, inv)
+            result = await loop.run_in_executor(self._executor, self._invoke_sync, inv, body)
         self._calls += 1
         if not result.ok and result.error is not None:
             self._errors[result.error.type] = self._errors.get(result.error.type, 0) + 1
@@ -156,11 +179,26 @@ class LambdaBackend(Backend):
         return result
 
     # -- boto3: the blocking part, on a worker thread
-    def _invoke_sync(self, inv: Invocation) -> Result:
+    def _spill(self, inv: Invocation) -> bytes | Result:
+        """Upload the payload, return the envelope that points at it (a thread's work)."""
+        cfg = self.config
+        assert cfg.spill_bucket is not None
+        key = spill_key(cfg.spill_prefix, inv.tenant, inv.request_id)
+        raw = inv.raw_payload
+        try:
+            self._s3.put_object(Bucket=cfg.spill_bucket, Key=key, Body=raw, ContentType="application/json")
+        except Exception as e:  # botocore's errors: a refused upload may work on a retry
+            return self._fail(
+                inv, ErrorCode.TRANSPORT, f"cannot spill the payload to s3://{cfg.spill_bucket}/{key}: {e}"
+            )
+        self._spilled += 1
+        return envelope(inv, encode_payload(pointer(cfg.spill_bucket, key, raw)))
+
+    def _invoke_sync(self, inv: Invocation, body: bytes) -> Result:
         from botocore.exceptions import BotoCoreError, ClientError, ConnectionError, ReadTimeoutError
 
         name = self.config.function_prefix + inv.function
-        kwargs: dict[str, Any] = {"FunctionName": name, "Payload": envelope(inv)}
+        kwargs: dict[str, Any] = {"FunctionName": name, "Payload": body}
         if self.config.qualifier:
             kwargs["Qualifier"] = self.config.qualifier
         try:
@@ -179,15 +217,15 @@ class LambdaBackend(Backend):
         return self._reply(inv, body, response.get("FunctionError"))
 
     # -- http: the same API on the event loop
-    async def _invoke_http(self, inv: Invocation) -> Result:
+    async def _invoke_http(self, inv: Invocation, body: bytes) -> Result:
         import aiohttp
 
         name = quote(self.config.function_prefix + inv.function, safe="")
         url = f"{self.config.endpoint_url}/2015-03-31/functions/{name}/invocations"
         params = {"Qualifier": self.config.qualifier} if self.config.qualifier else None
         try:
-            async with self._session.post(url, data=envelope(inv), params=params) as response:
-                body = await response.read()
+            async with self._session.post(url, data=body, params=params) as response:
+                reply = await response.read()
                 status = response.status
                 headers = response.headers
         except (aiohttp.ServerTimeoutError, TimeoutError) as e:
@@ -198,13 +236,13 @@ class LambdaBackend(Backend):
             code = headers.get("x-amzn-ErrorType", "").split(":")[0]
             message = ""
             try:
-                data = json.loads(body)
+                data = json.loads(reply)
                 code = code or str(data.get("__type", ""))
                 message = str(data.get("message") or data.get("Message") or "")
             except (ValueError, AttributeError):
-                message = body[:200].decode(errors="replace")
+                message = reply[:200].decode(errors="replace")
             return self._refused(inv, code, status, message)
-        return self._reply(inv, body, headers.get("X-Amz-Function-Error"))
+        return self._reply(inv, reply, headers.get("X-Amz-Function-Error"))
 
     # -- translation (both transports)
     def _where(self) -> str:
@@ -260,11 +298,13 @@ class LambdaBackend(Backend):
         )
 
     def stats(self) -> dict[str, Any]:
-        return {"lambda": {"calls": self._calls, **{f"errors_{k}": v for k, v in self._errors.items()}}}
+        errors = {f"errors_{k}": v for k, v in self._errors.items()}
+        return {"lambda": {"calls": self._calls, "spilled": self._spilled, **errors}}
 
 
-def envelope(inv: Invocation) -> bytes:
-    """The ``Invocation`` as JSON, its payload bytes spliced in as encoded once by the client."""
+def envelope(inv: Invocation, payload: bytes | None = None) -> bytes:
+    """The ``Invocation`` as JSON, its payload bytes spliced in as encoded once by the client
+    (or ``payload``: a spill pointer)."""
     head = {
         "function": inv.function,
         "request_id": inv.request_id,
@@ -274,7 +314,8 @@ def envelope(inv: Invocation) -> bytes:
         "attempt": inv.attempt,
         "hedge": inv.hedge,
     }
-    return json.dumps(head, separators=(",", ":"))[:-1].encode() + b',"payload":' + inv.raw_payload + b"}"
+    raw = inv.raw_payload if payload is None else payload
+    return json.dumps(head, separators=(",", ":"))[:-1].encode() + b',"payload":' + raw + b"}"
 
 
 __all__ = ["LambdaBackend", "LambdaConfig", "envelope"]

@@ -55,7 +55,9 @@ def moto_url(aws_env):
     url = f"http://127.0.0.1:{port}"
     import httpx
 
-    # without Docker moto creates functions but cannot run them (invoke echoes the payload)
+    # moto's state is per process, not per server: start from nothing. Without Docker moto
+    # creates functions but cannot run them (invoke echoes the payload)
+    httpx.post(f"{url}/moto-api/reset")
     httpx.post(f"{url}/moto-api/config", json={"lambda": {"use_docker": False}})
     yield url
     server.stop()

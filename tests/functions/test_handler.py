@@ -607,3 +607,36 @@ def test_failed_reply_send_retries_the_record(sqs: Any) -> None:
     gone = "https://sqs.us-east-1.amazonaws.com/123456789012/no-such-queue"
     msg = send(sqs, inbox, {"function": "calculator", "payload": {"expression": "1"}}, gone)
     assert deliver(sqs, inbox)[0] == {"batchItemFailures": [{"itemIdentifier": msg}]}
+
+
+# ----------------------------------------------------------------------------- S3 spill
+
+
+def _spill(payload: dict[str, Any], bucket: str = "spill-bucket") -> dict[str, Any]:
+    from fabric.protocol import encode_payload
+    from fabric.spill import pointer
+
+    raw = encode_payload(payload, limit=64 * 1024 * 1024)
+    s3 = boto3.client("s3", region_name=REGION)
+    s3.create_bucket(Bucket=bucket)
+    s3.put_object(Bucket=bucket, Key="spill/t/r1.json", Body=raw)
+    return pointer(bucket, "spill/t/r1.json", raw)
+
+
+def test_a_spilled_payload_over_6_mb_is_fetched_and_run(aws: None) -> None:
+    big = "x" * (7 * 1024 * 1024)
+    traj = {"messages": [{"role": "assistant", "content": big}]}
+    r = invoke("exact_match", _spill({"traj": traj, "ground_truth": big}))
+    assert r.ok and r.value == 1.0, r.error
+
+
+def test_a_spill_pointer_that_does_not_resolve_is_a_clear_error(aws: None) -> None:
+    p = _spill({"traj": TRAJ, "ground_truth": "42"})
+    p["__fabric_spill__"]["sha256"] = "0" * 64
+    r = invoke("exact_match", p)
+    assert r.error.type == ErrorCode.INVALID_ARGUMENTS and "does not match its pointer" in r.error.message
+    p["__fabric_spill__"]["key"] = "spill/t/missing.json"
+    r = invoke("exact_match", p)
+    assert r.error.type == ErrorCode.INVALID_ARGUMENTS and "not found" in r.error.message
+    r = invoke("exact_match", {"__fabric_spill__": {"bucket": 3}})
+    assert r.error.type == ErrorCode.INVALID_ARGUMENTS and "needs a bucket and a key" in r.error.message
