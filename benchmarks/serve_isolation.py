@@ -9,7 +9,9 @@ report its p50/p99:
 * while ``flood`` hammers the same function from another process, with the fabric client
   and many calls in flight (a training job's reward stream gone wild);
 * while ``flood-unbounded`` does the same (the same-run baseline: what the quota buys);
-* ``--raw-flood``: the flooder ignores 429 and re-sends at once (a misbehaving client).
+* ``--raw-flood``: the flooder ignores 429 and re-sends at once (a misbehaving client);
+* ``--flood-rps N``: the flood tenant also has ``max_rps: N`` (pacing: its excess requests
+  wait, costing the server nothing, instead of being refused over and over).
 
 The default function is ``io_reward`` (benchmarks/serve_fns.py: 10 ms of waiting, as an LLM
 judge): tenants then share the pool's slots, which is what quotas and fair admission
@@ -88,13 +90,19 @@ asyncio.run(main())
 """
 
 
-def start_server(workdir: Path, flood_quota: int, function: str) -> tuple[subprocess.Popen[str], str]:
+def start_server(
+    workdir: Path, flood_quota: int, flood_rps: float | None, function: str
+) -> tuple[subprocess.Popen[str], str]:
     tenants = workdir / "tenants.yaml"
     quotas = {"victim": 8, "flood": flood_quota, "flood-unbounded": 100_000}
+    rps = f", max_rps: {flood_rps}" if flood_rps else ""
     tenants.write_text(
         "tenants:\n"
         + "".join(
-            f"  {name}: {{token: {TOKENS[name]}, max_concurrency: {quotas[name]}}}\n" for name in TOKENS
+            f"  {name}: {{token: {TOKENS[name]}, max_concurrency: {quotas[name]}"
+            + (rps if name == "flood" else "")
+            + "}\n"
+            for name in TOKENS
         )
     )
     proc = subprocess.Popen(
@@ -167,9 +175,10 @@ async def main() -> None:
     ap.add_argument("--raw-flood", action="store_true", help="the flooder ignores 429 and re-sends at once")
     ap.add_argument("--flood-connections", type=int, default=128)
     ap.add_argument("--flood-quota", type=int, default=8, help="the flood tenant's max_concurrency")
+    ap.add_argument("--flood-rps", type=float, default=None, help="the flood tenant's max_rps (pacing)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        server, url = start_server(Path(tmp), args.flood_quota, args.function)
+        server, url = start_server(Path(tmp), args.flood_quota, args.flood_rps, args.function)
         try:
             alone = await victim(url, args.calls, args.function)
             quota = await flooded(url, "flood", args.calls, args)
@@ -185,6 +194,7 @@ async def main() -> None:
         "victim_calls": args.calls,
         "flood_connections": args.flood_connections,
         "flood_quota": args.flood_quota,
+        "flood_rps": args.flood_rps,
         "alone": alone,
         "flooded": quota,
         "flooded_unbounded": unbounded,

@@ -40,7 +40,7 @@ from fabric.errors import ConfigError
 from fabric.protocol import Invocation, Result, decode_payload, new_request_id, to_strict_json
 from fabric.registry import Registry, default_registry
 from fabric.serve.config import ServeConfig
-from fabric.serve.gate import FairGate, QuotaExceeded, Quotas
+from fabric.serve.gate import FairGate, QuotaExceeded, Quotas, RateLimiter
 from fabric.serve.metrics import ServeMetrics
 
 log = logging.getLogger("fabric.serve")
@@ -100,6 +100,7 @@ class Gateway:
         self.served = frozenset(served)
         self.backend = backend if backend is not None else make_backend(config.backend, self.registry)
         self.quotas = Quotas({name: t.max_concurrency for name, t in config.tenants.items()})
+        self.rates = RateLimiter({name: t.max_rps for name, t in config.tenants.items()})
         self._gates: dict[str, FairGate] = {}
         self._events: set[asyncio.Task[None]] = set()
         self.metrics = ServeMetrics(self)
@@ -164,6 +165,16 @@ class Gateway:
         tenant = function = "-"
         try:
             tenant = self._tenant(request)
+            wait = self.rates.delay(tenant, time.monotonic())
+            if wait is None:
+                raise _Reply(
+                    429,
+                    "TooManyRequestsException",
+                    f"Rate Exceeded: tenant {tenant!r} is more than "
+                    f"{RateLimiter.MAX_DELAY_S:g} s of requests over its max_rps; retry with backoff",
+                )
+            if wait:
+                await asyncio.sleep(wait)
             function, qualifier = _split_name(request.match_info["name"], request.query.get("Qualifier"))
             prefix = self.config.function_prefix
             if prefix and function.startswith(prefix):

@@ -48,6 +48,11 @@ class TenantConfig(_Model):
     max_concurrency: int = Field(64, ge=1)
     """Calls this tenant may have queued or running at once; beyond it a call is answered
     429 ``TooManyRequestsException`` at once (the client backs off and retries)."""
+    max_rps: float | None = Field(None, gt=0)
+    """Requests per second this tenant may send; faster ones are *delayed* (not refused),
+    right after the token check and before the body is read. A delayed request costs the
+    server nothing while it waits, so a client that ignores 429 and re-sends at once cannot
+    fill the server's CPU with refusals. ``None``: no rate limit."""
 
     @model_validator(mode="after")
     def _one_source(self) -> TenantConfig:

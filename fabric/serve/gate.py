@@ -36,6 +36,35 @@ class Quotas:
         self.held[tenant] -= 1
 
 
+class RateLimiter:
+    """Per-tenant request pacing (GCRA, the token bucket as a schedule): a request past the
+    tenant's rate waits for its turn. ``burst`` requests may go at once after a quiet spell."""
+
+    MAX_DELAY_S = 5.0
+    """Past this much queueing a request is refused instead (429): the tenant is far over."""
+
+    def __init__(self, rates: dict[str, float | None], burst_s: float = 0.05):
+        self._interval = {t: 1.0 / r for t, r in rates.items() if r}
+        self._tau = burst_s
+        self._tat: dict[str, float] = dict.fromkeys(self._interval, 0.0)
+        self.delayed: dict[str, int] = dict.fromkeys(rates, 0)
+
+    def delay(self, tenant: str, now: float) -> float | None:
+        """Seconds to wait before serving this request (0: at once), or ``None``: refuse."""
+        interval = self._interval.get(tenant)
+        if interval is None:
+            return 0.0
+        tat = max(self._tat[tenant], now)  # the theoretical arrival time of this request
+        wait = tat - self._tau - now
+        if wait > self.MAX_DELAY_S:
+            return None
+        self._tat[tenant] = tat + interval
+        if wait > 0:
+            self.delayed[tenant] += 1
+            return wait
+        return 0.0
+
+
 class FairGate:
     """At most ``capacity()`` admitted calls at once; waiters are served round robin by tenant."""
 

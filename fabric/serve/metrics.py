@@ -35,7 +35,12 @@ class _Live:
             held.add_metric([tenant], n)
             limit.add_metric([tenant], gw.quotas.limits[tenant])
             throttled.add_metric([tenant], gw.quotas.throttled[tenant])
-        yield from (held, limit, throttled)
+        delayed = GaugeMetricFamily(
+            "fabric_serve_tenant_delayed", "Requests held back by max_rps so far", labels=["tenant"]
+        )
+        for tenant, n in gw.rates.delayed.items():
+            delayed.add_metric([tenant], n)
+        yield from (held, limit, throttled, delayed)
         waiting = GaugeMetricFamily(
             "fabric_serve_waiting", "Calls waiting for room in a function's pool", labels=["function"]
         )

@@ -365,3 +365,35 @@ async def test_prefixed_names_as_deployed():
         assert (await c.post(PATH.format("rl-add"), json={"a": 3}, headers=auth())).json() == 3
         assert (await c.post(PATH.format("rl-add:live"), json={"a": 3}, headers=auth())).json() == 3
         assert (await c.post(PATH.format("add"), json={"a": 3}, headers=auth())).status_code == 404
+
+
+def test_rate_limiter_paces_a_tenant_and_leaves_others_alone():
+    from fabric.serve.gate import RateLimiter
+
+    rl = RateLimiter({"slow": 100.0, "free": None}, burst_s=0.05)
+    waits = [rl.delay("slow", 10.0) for _ in range(20)]
+    assert waits[:5] == [0.0] * 5  # the burst: 50 ms worth at 100/s
+    assert waits[6] == pytest.approx(0.01) and waits[19] == pytest.approx(0.14)  # then one every 10 ms
+    assert rl.delay("slow", 10.5) == 0.0  # a quiet spell refills
+    assert rl.delay("free", 10.0) == 0.0 and rl.delayed == {"slow": 14, "free": 0}
+    for _ in range(600):
+        rl.delay("slow", 20.0)
+    assert rl.delay("slow", 20.0) is None  # over 5 s of backlog: refused
+
+
+async def test_max_rps_delays_instead_of_refusing():
+    tenants = {
+        "job-a": TenantConfig(token=TOKEN_A, max_rps=50.0),
+        "job-b": TenantConfig(token=TOKEN_B),
+    }
+    async with Gateway(config(tenants=tenants), REG) as g, httpx.AsyncClient(base_url=g.url) as c:
+        t0 = asyncio.get_running_loop().time()
+        rs = await asyncio.gather(
+            *(c.post(PATH.format("add"), json={"a": i}, headers=auth()) for i in range(10))
+        )
+        took = asyncio.get_running_loop().time() - t0
+        assert [r.json() for r in rs] == list(range(10))  # all served, none refused
+        assert took >= 0.1  # 10 requests at 50/s after a 50 ms burst
+        assert g.rates.delayed["job-a"] >= 5
+        text = (await c.get("/metrics", headers=auth(TOKEN_B))).text
+        assert 'fabric_serve_tenant_delayed{tenant="job-a"}' in text
