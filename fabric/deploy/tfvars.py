@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 from fabric.deploy.plan import DeployedFunction, DeployError
+from fabric.deploy.tfcheck import check_tfvars
 
 TFVARS_FILE = "fabric.auto.tfvars.json"
-_VARIABLE = re.compile(r'^\s*variable\s+"([A-Za-z_][A-Za-z0-9_-]*)"', re.M)
 
 
 def tfvars(
@@ -50,22 +49,15 @@ def tfvars(
     }
 
 
-def declared_variables(terraform_dir: Path) -> set[str]:
-    names: set[str] = set()
-    for tf in terraform_dir.glob("*.tf"):
-        names.update(_VARIABLE.findall(tf.read_text()))
-    return names
-
-
 def write_tfvars(values: dict[str, Any], terraform_dir: Path) -> Path:
     """Write the file into ``terraform_dir`` after checking every key is a declared variable
-    (terraform would only warn, and the setting would silently not apply)."""
+    and every object attribute a declared one (terraform would only warn, or drop it)."""
     if not terraform_dir.is_dir():
         raise DeployError(f"no terraform directory at {str(terraform_dir)!r} (--terraform-dir)")
-    undeclared = sorted(set(values) - declared_variables(terraform_dir))
-    if undeclared:
+    problems = check_tfvars(values, terraform_dir)
+    if problems:
         raise DeployError(
-            f"{terraform_dir}: these tfvars are not declared variables: {', '.join(undeclared)}"
+            f"{terraform_dir}/variables.tf does not declare what deploy writes: {'; '.join(problems)}"
         )
     path = terraform_dir / TFVARS_FILE
     path.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")

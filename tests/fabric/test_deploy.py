@@ -17,7 +17,8 @@ from fabric.client import Client
 from fabric.deploy import DeployError, plan_functions
 from fabric.deploy.direct import DirectConfig, deploy_direct
 from fabric.deploy.package import build_zip, image_context, requirements
-from fabric.deploy.tfvars import TFVARS_FILE, declared_variables, tfvars, write_tfvars
+from fabric.deploy.tfcheck import check_tfvars
+from fabric.deploy.tfvars import TFVARS_FILE, tfvars, write_tfvars
 from fabric.errors import ErrorCode
 from fabric.protocol import Invocation
 from fabric.serve import Gateway, ServeConfig, TenantConfig
@@ -123,8 +124,7 @@ def test_image_context(tmp_path):
 
 def test_tfvars_keys_are_declared_terraform_variables(tmp_path):
     values = tfvars(plan_functions(REG, ["add", "boom"]), region="eu-west-1", prefix="rl-", zip_path="/x.zip")
-    declared = declared_variables(ROOT / "terraform")
-    assert set(values) <= declared, set(values) - declared
+    assert check_tfvars(values, ROOT / "terraform") == []
     assert values["functions"]["add"] == {
         "modules": "sample_fns",
         "memory_mb": 512,
@@ -135,8 +135,9 @@ def test_tfvars_keys_are_declared_terraform_variables(tmp_path):
         "version": REG.get("add").version,
     }
     (tmp_path / "variables.tf").write_text('variable "region" {}\n')
-    with pytest.raises(DeployError, match="not declared variables: functions, name_prefix, package, tags"):
+    with pytest.raises(DeployError, match="name_prefix: not a declared variable; package: not a declared"):
         write_tfvars(values, tmp_path)
+    assert check_tfvars(values, ROOT / "terraform") == []
     with pytest.raises(DeployError, match="exactly one of zip_path, image_uri"):
         tfvars([], region="r", prefix="p")
 

@@ -1,0 +1,50 @@
+locals {
+  # records per sqs-worker invocation: sizes the worker's timeout and the event source mapping
+  sqs_batch_size = 10
+}
+
+module "storage" {
+  source = "./modules/storage"
+
+  name_prefix           = var.name_prefix
+  spill_expiration_days = var.spill_expiration_days
+}
+
+module "functions" {
+  source = "./modules/functions"
+
+  name_prefix            = var.name_prefix
+  package                = var.package
+  functions              = var.functions
+  log_retention_days     = var.log_retention_days
+  idempotency_table_name = module.storage.table_name
+  idempotency_table_arn  = module.storage.table_arn
+  idempotency_ttl_s      = var.idempotency_ttl_s
+  spill_bucket_name      = module.storage.bucket_name
+  spill_bucket_arn       = module.storage.bucket_arn
+
+  sqs_worker     = var.enable_queue
+  sqs_batch_size = local.sqs_batch_size
+  # objects built from a known condition: "given or not" is known at plan time even
+  # while the queue ARNs are not
+  input_queue = var.enable_queue ? { arn = module.queue[0].in_arn } : null
+  reply_queue = var.enable_queue ? { url = module.queue[0].out_url, arn = module.queue[0].out_arn } : null
+}
+
+module "queue" {
+  source = "./modules/queue"
+  count  = var.enable_queue ? 1 : 0
+
+  name_prefix        = var.name_prefix
+  function_arn       = module.functions.sqs_worker_alias_arn
+  function_timeout_s = module.functions.sqs_worker_timeout_s
+  batch_size         = local.sqs_batch_size
+}
+
+module "image_cache" {
+  source = "./modules/image_cache"
+  count  = var.enable_image_cache ? 1 : 0
+
+  name_prefix = var.name_prefix
+  upstreams   = var.image_cache_upstreams
+}

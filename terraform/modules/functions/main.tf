@@ -1,0 +1,242 @@
+data "aws_region" "current" {}
+
+locals {
+  zip   = var.package.type == "zip"
+  alias = "live"
+
+  # a per-function image (a heavy function, e.g. an LLM judge) overrides the package
+  image_uris = {
+    for name, f in var.functions : name => f.image_uri != null ? f.image_uri : (local.zip ? null : var.package.image_uri)
+  }
+
+  common_env = {
+    RL_FABRIC_IDEMPOTENCY_TABLE  = var.idempotency_table_name
+    RL_FABRIC_IDEMPOTENCY_TTL_S  = tostring(var.idempotency_ttl_s)
+    RL_FABRIC_SPILL_BUCKET       = var.spill_bucket_name
+    POWERTOOLS_SERVICE_NAME      = var.service_name
+    POWERTOOLS_METRICS_NAMESPACE = var.metrics_namespace
+  }
+
+  # the worker runs the shared package, so it discovers only the modules of functions
+  # without their own image (those carry dependencies the package lacks)
+  shared_modules = distinct(flatten([
+    for f in values(var.functions) : [for m in split(",", f.modules) : trimspace(m)] if f.image_uri == null
+  ]))
+  all_modules = distinct(flatten([
+    for f in values(var.functions) : [for m in split(",", f.modules) : trimspace(m)]
+  ]))
+  worker_modules = join(",", length(local.shared_modules) > 0 ? local.shared_modules : local.all_modules)
+
+  worker_name      = "${var.name_prefix}sqs-worker"
+  worker_memory_mb = coalesce(var.sqs_worker_memory_mb, max(128, [for f in values(var.functions) : f.memory_mb]...))
+  # the records of a batch run one after another
+  worker_timeout_s = coalesce(
+    var.sqs_worker_timeout_s,
+    min(900, var.sqs_batch_size * max(1, [for f in values(var.functions) : f.timeout_s]...)),
+  )
+  worker_storage_mb = max(512, [for f in values(var.functions) : f.ephemeral_storage_mb]...)
+}
+
+# Created before the functions so Lambda does not create them without a retention.
+resource "aws_cloudwatch_log_group" "this" {
+  for_each = var.functions
+
+  name              = "/aws/lambda/${var.name_prefix}${each.key}"
+  retention_in_days = var.log_retention_days
+}
+
+resource "aws_cloudwatch_log_group" "sqs_worker" {
+  count = var.sqs_worker ? 1 : 0
+
+  name              = "/aws/lambda/${local.worker_name}"
+  retention_in_days = var.log_retention_days
+}
+
+data "aws_iam_policy_document" "assume" {
+  statement {
+    actions = ["sts:AssumeRole"]
+
+    principals {
+      type        = "Service"
+      identifiers = ["lambda.amazonaws.com"]
+    }
+  }
+}
+
+# The region in the name: IAM is global and the same prefix may be deployed in two regions.
+resource "aws_iam_role" "this" {
+  name               = "${var.name_prefix}functions-${data.aws_region.current.name}"
+  assume_role_policy = data.aws_iam_policy_document.assume.json
+}
+
+data "aws_iam_policy_document" "this" {
+  statement {
+    sid     = "Logs"
+    actions = ["logs:CreateLogStream", "logs:PutLogEvents"]
+    # the groups' streams; no logs:CreateLogGroup, the groups are created here
+    resources = [
+      for g in concat(values(aws_cloudwatch_log_group.this), aws_cloudwatch_log_group.sqs_worker) : "${g.arn}:*"
+    ]
+  }
+
+  statement {
+    sid       = "Idempotency"
+    actions   = ["dynamodb:GetItem", "dynamodb:PutItem", "dynamodb:UpdateItem", "dynamodb:DeleteItem"]
+    resources = [var.idempotency_table_arn]
+  }
+
+  statement {
+    sid       = "SpilledPayloads"
+    actions   = ["s3:GetObject"]
+    resources = ["${var.spill_bucket_arn}/spill/*"]
+  }
+
+  dynamic "statement" {
+    for_each = var.reply_queue == null ? [] : [var.reply_queue.arn]
+    content {
+      sid       = "Replies"
+      actions   = ["sqs:SendMessage"]
+      resources = [statement.value]
+    }
+  }
+
+  dynamic "statement" {
+    for_each = var.input_queue == null ? [] : [var.input_queue.arn]
+    content {
+      sid = "Consume"
+      actions = [
+        "sqs:ReceiveMessage",
+        "sqs:DeleteMessage",
+        "sqs:GetQueueAttributes",
+        "sqs:ChangeMessageVisibility",
+      ]
+      resources = [statement.value]
+    }
+  }
+}
+
+resource "aws_iam_role_policy" "this" {
+  name   = "${var.name_prefix}functions"
+  role   = aws_iam_role.this.id
+  policy = data.aws_iam_policy_document.this.json
+}
+
+resource "aws_lambda_function" "this" {
+  for_each = var.functions
+
+  function_name = "${var.name_prefix}${each.key}"
+  description   = each.value.description
+  role          = aws_iam_role.this.arn
+  architectures = [var.package.architecture]
+  # every change publishes a version, and the live alias moves to it
+  publish = true
+
+  package_type     = local.image_uris[each.key] == null ? "Zip" : "Image"
+  filename         = local.image_uris[each.key] == null ? var.package.zip_path : null
+  source_code_hash = local.image_uris[each.key] == null ? filebase64sha256(var.package.zip_path) : null
+  runtime          = local.image_uris[each.key] == null ? var.package.runtime : null
+  handler          = local.image_uris[each.key] == null ? "functions.handler.handler" : null
+  image_uri        = local.image_uris[each.key]
+
+  dynamic "image_config" {
+    # one image serves both entry points: name the one this function runs
+    for_each = local.image_uris[each.key] == null ? [] : ["functions.handler.handler"]
+    content {
+      command = [image_config.value]
+    }
+  }
+
+  memory_size                    = each.value.memory_mb
+  timeout                        = each.value.timeout_s
+  reserved_concurrent_executions = each.value.reserved_concurrency
+
+  ephemeral_storage {
+    size = each.value.ephemeral_storage_mb
+  }
+
+  environment {
+    # user variables first: they may override the common ones, never the function's identity
+    variables = merge(
+      local.common_env,
+      each.value.environment,
+      {
+        RL_FABRIC_MODULES   = each.value.modules
+        RL_FABRIC_FUNCTIONS = each.key
+      },
+      # a new version string changes the configuration, which publishes a new version
+      # (an image pushed again under the same tag would not)
+      each.value.version == "" ? {} : { RL_FABRIC_FUNCTION_VERSION = each.value.version },
+    )
+  }
+
+  depends_on = [aws_cloudwatch_log_group.this, aws_iam_role_policy.this]
+}
+
+resource "aws_lambda_alias" "live" {
+  for_each = aws_lambda_function.this
+
+  name             = local.alias
+  function_name    = each.value.function_name
+  function_version = each.value.version
+}
+
+# Provisioned concurrency needs a version or alias: on the alias, it follows each publish.
+resource "aws_lambda_provisioned_concurrency_config" "warm" {
+  for_each = { for name, f in var.functions : name => f.warm if f.warm > 0 }
+
+  function_name                     = aws_lambda_alias.live[each.key].function_name
+  qualifier                         = aws_lambda_alias.live[each.key].name
+  provisioned_concurrent_executions = each.value
+}
+
+# One function for the SQS path: records name any function, so none is allow-listed
+# (RL_FABRIC_FUNCTIONS unset) and each cold start discovers them all.
+resource "aws_lambda_function" "sqs_worker" {
+  count = var.sqs_worker ? 1 : 0
+
+  function_name = local.worker_name
+  description   = "rl-fabric SQS worker: every function, results to the reply queue"
+  role          = aws_iam_role.this.arn
+  architectures = [var.package.architecture]
+  publish       = true
+
+  package_type     = local.zip ? "Zip" : "Image"
+  filename         = local.zip ? var.package.zip_path : null
+  source_code_hash = local.zip ? filebase64sha256(var.package.zip_path) : null
+  runtime          = local.zip ? var.package.runtime : null
+  handler          = local.zip ? "functions.handler.sqs_handler" : null
+  image_uri        = local.zip ? null : var.package.image_uri
+
+  dynamic "image_config" {
+    for_each = local.zip ? [] : ["functions.handler.sqs_handler"]
+    content {
+      command = [image_config.value]
+    }
+  }
+
+  memory_size                    = local.worker_memory_mb
+  timeout                        = local.worker_timeout_s
+  reserved_concurrent_executions = var.sqs_worker_reserved_concurrency
+
+  ephemeral_storage {
+    size = local.worker_storage_mb
+  }
+
+  environment {
+    variables = merge(
+      local.common_env,
+      { RL_FABRIC_MODULES = local.worker_modules },
+      var.reply_queue == null ? {} : { RL_FABRIC_REPLY_QUEUE_URL = var.reply_queue.url },
+    )
+  }
+
+  depends_on = [aws_cloudwatch_log_group.sqs_worker, aws_iam_role_policy.this]
+}
+
+resource "aws_lambda_alias" "sqs_worker" {
+  count = var.sqs_worker ? 1 : 0
+
+  name             = local.alias
+  function_name    = aws_lambda_function.sqs_worker[0].function_name
+  function_version = aws_lambda_function.sqs_worker[0].version
+}

@@ -1,0 +1,136 @@
+# `fabric deploy --backend lambda` writes region, name_prefix, package, functions and tags
+# into fabric.auto.tfvars.json; the rest keep their defaults unless set by hand.
+
+variable "region" {
+  description = "AWS region of every resource."
+  type        = string
+  default     = "us-east-1"
+}
+
+variable "name_prefix" {
+  description = "Prefix of every resource name; a deployed function is name_prefix + its fabric name."
+  type        = string
+  default     = "rl-fabric-"
+
+  validation {
+    condition     = can(regex("^[a-zA-Z0-9-_]*$", var.name_prefix)) && length(var.name_prefix) <= 40
+    error_message = "name_prefix: letters, digits, '-' and '_' only, at most 40 characters."
+  }
+}
+
+variable "package" {
+  description = "The code every function runs: a zip (zip_path) or a container image (image_uri)."
+  type = object({
+    type         = string
+    zip_path     = optional(string)
+    image_uri    = optional(string)
+    runtime      = optional(string, "python3.11")
+    architecture = optional(string, "x86_64")
+  })
+
+  validation {
+    condition     = contains(["zip", "image"], var.package.type)
+    error_message = "package.type must be \"zip\" or \"image\"."
+  }
+  validation {
+    condition     = var.package.type != "zip" || var.package.zip_path != null
+    error_message = "package.type \"zip\" needs package.zip_path."
+  }
+  validation {
+    condition     = var.package.type != "image" || var.package.image_uri != null
+    error_message = "package.type \"image\" needs package.image_uri."
+  }
+  validation {
+    condition     = contains(["x86_64", "arm64"], var.package.architecture)
+    error_message = "package.architecture must be \"x86_64\" or \"arm64\"."
+  }
+}
+
+variable "functions" {
+  description = "The fabric functions to deploy, keyed by fabric name (see README.md for the attributes)."
+  type = map(object({
+    modules              = string
+    memory_mb            = optional(number, 512)
+    timeout_s            = optional(number, 30)
+    warm                 = optional(number, 0)
+    reserved_concurrency = optional(number, -1)
+    ephemeral_storage_mb = optional(number, 512)
+    description          = optional(string, "")
+    version              = optional(string, "")
+    image_uri            = optional(string)
+    environment          = optional(map(string), {})
+  }))
+
+  validation {
+    condition     = length(var.functions) > 0
+    error_message = "functions: deploy at least one function."
+  }
+  validation {
+    condition     = alltrue([for f in values(var.functions) : f.timeout_s >= 1 && f.timeout_s <= 900])
+    error_message = "functions[*].timeout_s must be between 1 and 900 (the Lambda maximum)."
+  }
+  validation {
+    condition     = alltrue([for f in values(var.functions) : f.memory_mb >= 128 && f.memory_mb <= 10240])
+    error_message = "functions[*].memory_mb must be between 128 and 10240."
+  }
+  validation {
+    condition     = alltrue([for f in values(var.functions) : f.warm >= 0])
+    error_message = "functions[*].warm (provisioned concurrency) must be >= 0."
+  }
+  validation {
+    # Lambda refuses more provisioned than reserved concurrency
+    condition     = alltrue([for f in values(var.functions) : f.reserved_concurrency < 0 || f.warm <= f.reserved_concurrency])
+    error_message = "functions[*].warm must not exceed reserved_concurrency when that is set (>= 0)."
+  }
+  validation {
+    condition     = alltrue([for f in values(var.functions) : f.ephemeral_storage_mb >= 512 && f.ephemeral_storage_mb <= 10240])
+    error_message = "functions[*].ephemeral_storage_mb must be between 512 and 10240."
+  }
+}
+
+variable "tags" {
+  description = "Tags on every resource (the provider's default_tags)."
+  type        = map(string)
+  default     = {}
+}
+
+variable "log_retention_days" {
+  description = "Retention of the functions' CloudWatch log groups."
+  type        = number
+  default     = 14
+}
+
+variable "idempotency_ttl_s" {
+  description = "How long an idempotency record lives (RL_FABRIC_IDEMPOTENCY_TTL_S)."
+  type        = number
+  default     = 3600
+}
+
+variable "spill_expiration_days" {
+  description = "Spilled payloads (s3://bucket/spill/) are deleted after this many days."
+  type        = number
+  default     = 7
+}
+
+variable "enable_queue" {
+  description = "Create the SQS path: in/out/dead-letter queues and an sqs-worker function."
+  type        = bool
+  default     = false
+}
+
+variable "enable_image_cache" {
+  description = "Create ECR pull-through cache rules for the environments' container images."
+  type        = bool
+  default     = false
+}
+
+variable "image_cache_upstreams" {
+  description = "Pull-through cache upstreams, keyed by repository prefix (under name_prefix)."
+  type = map(object({
+    upstream_registry_url = string
+    credential_arn        = optional(string)
+  }))
+  default = {
+    "ecr-public" = { upstream_registry_url = "public.ecr.aws" }
+  }
+}
