@@ -1,0 +1,89 @@
+"""What the rollout schedulers decide about, and the ABCs they implement.
+
+A ``Request`` is one pending LLM turn of a trajectory: the unit a queueing policy orders
+and a placement policy puts on an engine worker. The same objects drive the real LLM proxy
+and the simulator (``core.sim``), so a policy is tested once and measured twice.
+
+Three decisions, three ABCs:
+
+* ``QueuePolicy``: which waiting request runs next (and which running one to preempt);
+* ``Placement``: which worker a trajectory's requests go to;
+* a policy's name in ``QUEUE_POLICIES`` / ``PLACEMENTS`` is what a job config selects.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+#: Tool-return outcomes C-MLFQ reacts to (``Request.last_outcome``).
+Outcome = Literal["ok", "tool_error", "test_failure", "timeout", "success"]
+
+_seq = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One turn of a trajectory waiting for (or running on) an engine."""
+
+    trajectory: str
+    arrival: float
+    """When this turn became ready (the previous tool call or env step returned)."""
+    turn: int = 0
+    prompt_tokens: int = 0
+    tokens_so_far: int = 0
+    """Tokens the trajectory has generated in earlier turns."""
+    predicted_total: float | None = None
+    """The length predictor's current estimate of the trajectory's total tokens."""
+    last_outcome: Outcome | None = None
+    worker: str | None = None
+    """Where the trajectory's prefix cache lives (its previous turn's worker)."""
+    seq: int = field(default_factory=lambda: next(_seq))
+    """Tie-breaker: first come, first served among equals."""
+
+    @property
+    def predicted_remaining(self) -> float:
+        if self.predicted_total is None:
+            return float("inf")
+        return max(self.predicted_total - self.tokens_so_far, 0.0)
+
+
+class QueuePolicy(ABC):
+    """Orders waiting requests. ``push`` / ``pop`` are O(log n) in every built-in policy."""
+
+    name: ClassVar[str]
+    preemptive: ClassVar[bool] = False
+
+    @abstractmethod
+    def push(self, req: Request, now: float) -> None: ...
+
+    @abstractmethod
+    def pop(self, now: float) -> Request | None:
+        """The next request to run, or ``None`` when none waits."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    def preempt(self, running: Iterable[Request], now: float) -> list[Request]:
+        """Running requests that should yield their slot to a waiting one (none by default)."""
+        return []
+
+    def drain(self, now: float) -> list[Request]:
+        out = []
+        while (r := self.pop(now)) is not None:
+            out.append(r)
+        return out
+
+
+class Placement(ABC):
+    """Puts trajectories on workers."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def place(self, reqs: list[Request], workers: dict[str, float]) -> dict[str, str]:
+        """``trajectory -> worker`` for ``reqs``; ``workers`` maps each worker to its current
+        load (tokens it still has to generate)."""

@@ -1,0 +1,206 @@
+"""Queueing policies: which waiting turn an engine runs next.
+
+* ``fcfs``: arrival order.
+* ``rr``: step-centric round robin, what current RL frameworks do: every trajectory's
+  turn ``k`` runs before any trajectory's turn ``k + 1``.
+* ``sjf``: shortest predicted remaining work first (online agent serving).
+* ``pps``: progressive priority (Heddle): *longest* predicted trajectory first, so the
+  long tail starts early and the step's makespan shrinks; the priority is re-read every
+  time a turn is pushed (the prediction sharpens turn by turn), and a running request may
+  be preempted by a waiting one predicted much longer.
+* ``cmlfq``: causal multi-level feedback queue (Libra): levels move on what tool calls
+  returned, not on predicted lengths (see ``CMLFQ``).
+
+Every policy is a heap keyed by a tuple that ends with the request's ``seq``, so equal
+priorities are first come, first served and the order is deterministic.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from core.sched.base import Outcome, QueuePolicy, Request
+
+
+class _HeapPolicy(QueuePolicy):
+    def __init__(self) -> None:
+        self._heap: list[tuple[Any, ...]] = []
+
+    def key(self, req: Request, now: float) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def push(self, req: Request, now: float) -> None:
+        heapq.heappush(self._heap, (*self.key(req, now), req.seq, req))
+
+    def pop(self, now: float) -> Request | None:
+        return heapq.heappop(self._heap)[-1] if self._heap else None
+
+    def peek(self) -> Request | None:
+        return self._heap[0][-1] if self._heap else None
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+class FCFS(_HeapPolicy):
+    name = "fcfs"
+
+    def key(self, req: Request, now: float) -> tuple[Any, ...]:
+        return (req.arrival,)
+
+
+class RoundRobin(_HeapPolicy):
+    name = "rr"
+
+    def key(self, req: Request, now: float) -> tuple[Any, ...]:
+        return (req.turn, req.arrival)
+
+
+class SJF(_HeapPolicy):
+    """Unknown predictions go last: a request with no estimate is not assumed short."""
+
+    name = "sjf"
+
+    def key(self, req: Request, now: float) -> tuple[Any, ...]:
+        return (req.predicted_remaining, req.arrival)
+
+
+class ProgressivePriority(_HeapPolicy):
+    """Longest predicted *total* first; unknown predictions go first (a new trajectory may
+    be the long one, and its first turn tells the predictor most)."""
+
+    name = "pps"
+    preemptive = True
+
+    def __init__(self, preempt_ratio: float = 2.0) -> None:
+        super().__init__()
+        if preempt_ratio < 1.0:
+            raise ValueError(f"preempt_ratio must be >= 1, got {preempt_ratio}")
+        self.preempt_ratio = preempt_ratio
+
+    @staticmethod
+    def _size(req: Request) -> float:
+        return float("inf") if req.predicted_total is None else req.predicted_total
+
+    def key(self, req: Request, now: float) -> tuple[Any, ...]:
+        return (-self._size(req), req.arrival)
+
+    def preempt(self, running: Iterable[Request], now: float) -> list[Request]:
+        """Running requests whose trajectory is predicted ``preempt_ratio`` times shorter
+        than the longest waiting ones, one per waiting request, shortest first."""
+        waiting = sorted((self._size(r) for _, _, _, r in self._heap), reverse=True)
+        if not waiting:
+            return []
+        victims: list[Request] = []
+        for r in sorted(running, key=self._size):
+            if len(victims) == len(waiting):
+                break
+            if waiting[len(victims)] >= self.preempt_ratio * self._size(r):
+                victims.append(r)
+        return victims
+
+
+class CMLFQ(QueuePolicy):
+    """Causal multi-level feedback queue.
+
+    Level 0 is served first. A trajectory's level moves on the outcome of its last tool
+    call, the signal that it is about to end or about to go on:
+
+    * ``success`` (tests pass, the answer checks out): to level 0, it is nearly done and
+      finishing it frees its slot and its KV cache;
+    * ``tool_error`` / ``test_failure``: down one level, another round of fixing follows;
+    * ``timeout``: down two levels;
+    * ``ok`` or nothing: stays.
+
+    Plus the classic MLFQ rules: a trajectory that has generated more than its level's
+    token quantum goes down one level, and a request that waited longer than ``aging_s``
+    goes up one (no starvation). ``bucket(level)`` maps levels onto heterogeneous engine
+    buckets (small-batch, low-latency engines for the top levels).
+    """
+
+    name = "cmlfq"
+    MOVES: ClassVar[dict[Outcome, int]] = {
+        "success": -99,
+        "tool_error": 1,
+        "test_failure": 1,
+        "timeout": 2,
+        "ok": 0,
+    }
+
+    def __init__(
+        self,
+        levels: int = 4,
+        quantum_tokens: tuple[int, ...] = (2048, 8192, 32768),
+        aging_s: float = 30.0,
+        buckets: int | None = None,
+    ) -> None:
+        if levels < 1:
+            raise ValueError(f"levels must be >= 1, got {levels}")
+        if len(quantum_tokens) < levels - 1:
+            raise ValueError(f"quantum_tokens needs {levels - 1} entries (one per level but the last)")
+        self.levels = levels
+        self.quantum = tuple(quantum_tokens[: levels - 1])
+        self.aging_s = aging_s
+        self.buckets = buckets or levels
+        self._level: dict[str, int] = {}
+        self._queues: list[list[tuple[float, int, Request]]] = [[] for _ in range(levels)]
+
+    def level_of(self, trajectory: str) -> int:
+        return self._level.get(trajectory, 0)
+
+    def bucket(self, level: int) -> int:
+        """The engine bucket serving ``level`` (levels spread evenly over the buckets)."""
+        return min(level * self.buckets // self.levels, self.buckets - 1)
+
+    def _classify(self, req: Request) -> int:
+        level = self._level.get(req.trajectory, 0)
+        if req.last_outcome is not None:
+            level += self.MOVES[req.last_outcome]
+        # the quantum: past level i's budget of generated tokens, at least level i + 1
+        for i, q in enumerate(self.quantum):
+            if req.tokens_so_far > q:
+                level = max(level, i + 1)
+        return min(max(level, 0), self.levels - 1)
+
+    def push(self, req: Request, now: float) -> None:
+        level = self._classify(req)
+        self._level[req.trajectory] = level
+        heapq.heappush(self._queues[level], (req.arrival, req.seq, req))
+
+    def _age(self, now: float) -> None:
+        for level in range(1, self.levels):
+            queue = self._queues[level]
+            while queue and now - queue[0][0] > self.aging_s:
+                _, seq, req = heapq.heappop(queue)
+                self._level[req.trajectory] = level - 1
+                # re-stamped so it ages again from its new level
+                heapq.heappush(self._queues[level - 1], (now, seq, req))
+
+    def pop(self, now: float) -> Request | None:
+        self._age(now)
+        for queue in self._queues:
+            if queue:
+                return heapq.heappop(queue)[-1]
+        return None
+
+    def forget(self, trajectory: str) -> None:
+        """The trajectory finished: drop its level."""
+        self._level.pop(trajectory, None)
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues)
+
+
+QUEUE_POLICIES: dict[str, type[QueuePolicy]] = {
+    p.name: p for p in (FCFS, RoundRobin, SJF, ProgressivePriority, CMLFQ)
+}
+
+
+def make_queue_policy(name: str, **options: Any) -> QueuePolicy:
+    try:
+        cls = QUEUE_POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown scheduler {name!r}; known: {', '.join(sorted(QUEUE_POLICIES))}") from None
+    return cls(**options)
