@@ -41,6 +41,8 @@ class Request:
     last_outcome: Outcome | None = None
     worker: str | None = None
     """Where the trajectory's prefix cache lives (its previous turn's worker)."""
+    remaining_tokens: float | None = None
+    """Set when the request was preempted: the decode tokens it still has to generate."""
     seq: int = field(default_factory=lambda: next(_seq))
     """Tie-breaker: first come, first served among equals."""
 

@@ -1,0 +1,218 @@
+"""Discrete-event simulation of one rollout step.
+
+Trajectories are placed on engine workers (a ``core.sched`` placement, sticky afterwards:
+the worker keeps the prefix cache). Each worker orders its waiting turns with its own
+``core.sched`` queue policy and runs up to ``max_batch`` of them with continuous batching
+(``core.sim.engine``). After a turn's generation comes its tool or environment call, then
+the next turn.
+
+Two interaction modes:
+
+* ``trajectory``: every trajectory goes on by itself (the fabric's env managers);
+* ``batch``: the step moves turn by turn. Turn ``k``'s tool calls start when every turn-``k``
+  generation is done, and turn ``k + 1`` starts when every tool call has returned (what
+  batch-level frameworks do).
+
+The result holds the makespan, each trajectory's finish time and the workers' utilisation.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from core.sched import Request, make_placement, make_queue_policy
+from core.sched.base import QueuePolicy
+from core.sim.engine import EngineProfile, Worker
+from core.sim.workload import TrajSpec
+
+Predictor = Callable[[TrajSpec, int], float | None]
+
+
+def oracle(spec: TrajSpec, turn: int) -> float | None:
+    """The true total length: the best any predictor can do."""
+    return float(spec.total_tokens)
+
+
+def no_prediction(spec: TrajSpec, turn: int) -> float | None:
+    return None
+
+
+@dataclass
+class SimResult:
+    makespan_ms: float
+    finish_ms: dict[str, float]
+    utilisation: float
+    """Mean over workers of busy time / makespan."""
+    events: int
+    preemptions: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Live:
+    spec: TrajSpec
+    turn: int = 0
+    tokens_so_far: int = 0
+    history: int = 0
+
+
+class Simulator:
+    def __init__(
+        self,
+        trajectories: list[TrajSpec],
+        *,
+        workers: int = 1,
+        profile: EngineProfile | None = None,
+        speeds: list[float] | None = None,
+        scheduler: str = "fcfs",
+        placement: str = "least_load",
+        mode: Literal["trajectory", "batch"] = "trajectory",
+        predictor: Predictor = no_prediction,
+        scheduler_options: dict[str, Any] | None = None,
+        placement_options: dict[str, Any] | None = None,
+    ) -> None:
+        if mode not in ("trajectory", "batch"):
+            raise ValueError(f"mode must be 'trajectory' or 'batch', got {mode!r}")
+        if workers < 1:
+            raise ValueError("need at least one worker")
+        profile = profile or EngineProfile()
+        speeds = speeds or [1.0] * workers
+        if len(speeds) != workers:
+            raise ValueError("one speed per worker")
+        self.trajs = trajectories
+        self.workers = {f"w{k}": Worker(f"w{k}", profile, speed=speeds[k]) for k in range(workers)}
+        self.queues: dict[str, QueuePolicy] = {
+            w: make_queue_policy(scheduler, **(scheduler_options or {})) for w in self.workers
+        }
+        self.placement = make_placement(placement, **(placement_options or {}))
+        self.mode = mode
+        self.predictor = predictor
+        self._events: list[tuple[float, int, str, Any]] = []
+        self._seq = itertools.count()
+        self._live = {t.id: _Live(t) for t in trajectories}
+        self._where: dict[str, str] = {}
+        self._finish: dict[str, float] = {}
+        self._held: dict[tuple[str, int], list[str]] = {}  # batch mode: barrier -> waiting trajectories
+        self._count: dict[tuple[str, int], int] = {}
+        self.preemptions = 0
+
+    # -- events
+    def _at(self, t: float, kind: str, payload: Any) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, payload))
+
+    def run(self) -> SimResult:
+        reqs = [self._request(self._live[t.id], 0.0) for t in self.trajs]
+        self._where = self.placement.place(reqs, {w: 0.0 for w in self.workers})
+        for r in reqs:
+            self._ready(r, 0.0)
+        events = 0
+        now = 0.0
+        while self._events:
+            now, _, kind, payload = heapq.heappop(self._events)
+            events += 1
+            if kind == "done":
+                name, version = payload
+                w = self.workers[name]
+                if version != w.version:
+                    continue  # the worker changed since: a newer event stands
+                self._generated(w.complete(now), now)
+                self._dispatch(w, now)
+            elif kind == "tool_done":
+                self._after_tool(payload, now)
+            elif kind == "ready":
+                self._ready(payload, now)
+        makespan = max(self._finish.values(), default=0.0)
+        util = (
+            sum(w.busy_ms for w in self.workers.values()) / (len(self.workers) * makespan)
+            if makespan
+            else 0.0
+        )
+        return SimResult(makespan, dict(self._finish), util, events, self.preemptions)
+
+    # -- steps
+    def _request(self, live: _Live, now: float) -> Request:
+        return Request(
+            trajectory=live.spec.id,
+            arrival=now,
+            turn=live.turn,
+            prompt_tokens=live.spec.prompt_tokens + live.history,
+            tokens_so_far=live.tokens_so_far,
+            predicted_total=self.predictor(live.spec, live.turn),
+            last_outcome=live.spec.turns[live.turn - 1].outcome if live.turn else None,
+            worker=self._where.get(live.spec.id),
+        )
+
+    def _ready(self, req: Request, now: float) -> None:
+        name = self._where[req.trajectory]
+        self.queues[name].push(req, now)
+        self._dispatch(self.workers[name], now)
+
+    def _dispatch(self, w: Worker, now: float) -> None:
+        queue = self.queues[w.name]
+        while w.free_slots > 0 and len(queue):
+            req = queue.pop(now)
+            assert req is not None
+            self._admit(w, req, now)
+        if queue.preemptive and len(queue) and w.free_slots == 0:
+            for victim in queue.preempt([item for _, _, item in w.running], now):
+                left = w.evict(now, victim)
+                self.preemptions += 1
+                victim.remaining_tokens = left  # it waits again, with what it has left
+                queue.push(victim, now)
+                nxt = queue.pop(now)
+                assert nxt is not None
+                self._admit(w, nxt, now)
+        t = w.next_completion_ms()
+        if t is not None:
+            self._at(t, "done", (w.name, w.version))
+
+    def _admit(self, w: Worker, req: Request, now: float) -> None:
+        live = self._live[req.trajectory]
+        left = req.remaining_tokens
+        tokens = live.spec.turns[live.turn].gen_tokens if left is None else left
+        w.admit(now, req, req.seq, tokens, req.prompt_tokens if left is None else 0, req.trajectory)
+
+    def _generated(self, req: Request, now: float) -> None:
+        live = self._live[req.trajectory]
+        turn = live.spec.turns[live.turn]
+        live.tokens_so_far += turn.gen_tokens
+        live.history += turn.gen_tokens
+        if self.mode == "batch":
+            self._barrier(("gen", live.turn), live, now)
+        else:
+            self._start_tool(live, now)
+
+    def _start_tool(self, live: _Live, now: float) -> None:
+        turn = live.spec.turns[live.turn]
+        if live.turn == len(live.spec.turns) - 1:
+            self._finish[live.spec.id] = now + turn.tool_ms
+            return
+        self._at(now + turn.tool_ms, "tool_done", live.spec.id)
+
+    def _after_tool(self, trajectory: str, now: float) -> None:
+        live = self._live[trajectory]
+        live.history += 64  # the tool's output joins the context
+        live.turn += 1
+        if self.mode == "batch":
+            self._barrier(("tool", live.turn), live, now)
+        else:
+            self._ready(self._request(live, now), now)
+
+    def _barrier(self, key: tuple[str, int], live: _Live, now: float) -> None:
+        """Batch mode: hold ``live`` until every trajectory that has this turn reached it."""
+        kind, turn = key
+        expected = sum(1 for t in self.trajs if len(t.turns) > turn)
+        waiting = self._held.setdefault(key, [])
+        waiting.append(live.spec.id)
+        if len(waiting) < expected:
+            return
+        for tid in self._held.pop(key):
+            other = self._live[tid]
+            if kind == "gen":
+                self._start_tool(other, now)
+            else:
+                self._at(now, "ready", self._request(other, now))

@@ -1,0 +1,112 @@
+"""Trajectories for the simulator: turns of generation, each followed by a tool or env call.
+
+Presets follow the shapes agentic RL workloads have: ``coding`` (many turns, test runs as
+tool calls, a long tail of trajectories that keep failing tests), ``search`` (a few turns
+of short generations and slow tool calls), ``math`` (one or two long generations). Every
+preset is seeded. ``env_latency_normal`` gives ROLLART's environment latency N(mu, sigma).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from core.sched.base import Outcome
+
+
+@dataclass(frozen=True)
+class Turn:
+    gen_tokens: int
+    tool_ms: float = 0.0
+    """The tool or environment call after this turn's generation (0: none, the episode ends)."""
+    outcome: Outcome = "ok"
+
+
+@dataclass(frozen=True)
+class TrajSpec:
+    id: str
+    prompt_tokens: int
+    turns: tuple[Turn, ...]
+    group: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(t.gen_tokens for t in self.turns)
+
+
+@dataclass
+class Workload:
+    trajectories: list[TrajSpec]
+    name: str = "custom"
+    meta: dict[str, float] = field(default_factory=dict)
+
+
+def _clip(x: float, lo: float, hi: float) -> float:
+    return min(max(x, lo), hi)
+
+
+def env_latency_normal(mu_ms: float, sigma_ms: float) -> Callable[[random.Random], float]:
+    return lambda rng: max(rng.gauss(mu_ms, sigma_ms), 0.0)
+
+
+def uniform_turns(
+    n: int,
+    turns: int,
+    gen_tokens: int,
+    env_latency: Callable[[random.Random], float],
+    *,
+    prompt_tokens: int = 512,
+    group_size: int = 8,
+    gen_jitter: float = 0.25,
+    seed: int = 0,
+) -> Workload:
+    """``n`` trajectories of ``turns`` turns each: the ROLLART environment-latency setup."""
+    rng = random.Random(seed)
+    trajs = []
+    for i in range(n):
+        ts = []
+        for k in range(turns):
+            gen = int(_clip(rng.gauss(gen_tokens, gen_tokens * gen_jitter), 1, 4 * gen_tokens))
+            ts.append(Turn(gen, env_latency(rng) if k < turns - 1 else 0.0))
+        trajs.append(TrajSpec(f"t{i}", prompt_tokens, tuple(ts), group=i // group_size))
+    return Workload(trajs, "uniform")
+
+
+def preset(name: str, n: int, *, seed: int = 0, group_size: int = 8) -> Workload:
+    """A named workload of ``n`` trajectories."""
+    rng = random.Random(seed)
+    trajs = []
+    for i in range(n):
+        if name == "coding":
+            # turns until the tests pass: geometric, so a few trajectories go on for long
+            turns: list[Turn] = []
+            while True:
+                gen = int(_clip(rng.lognormvariate(6.0, 0.8), 16, 8192))
+                passed = rng.random() < 0.3 or len(turns) >= 15
+                if passed:
+                    turns.append(Turn(gen, 0.0, "success"))
+                    break
+                turns.append(Turn(gen, _clip(rng.lognormvariate(7.5, 0.7), 50, 60_000), "test_failure"))
+            prompt = 1024
+        elif name == "search":
+            k = rng.randint(2, 6)
+            turns = [
+                Turn(
+                    int(_clip(rng.lognormvariate(5.0, 0.6), 8, 2048)),
+                    rng.uniform(300, 3000) if j < k - 1 else 0.0,
+                )
+                for j in range(k)
+            ]
+            prompt = 768
+        elif name == "math":
+            k = 1 if rng.random() < 0.7 else 2
+            turns = [
+                Turn(int(_clip(rng.lognormvariate(7.0, 1.0), 32, 32_768)), 200.0 if j < k - 1 else 0.0)
+                for j in range(k)
+            ]
+            prompt = 256
+        else:
+            raise ValueError(f"unknown workload preset {name!r}; known: coding, search, math")
+        trajs.append(TrajSpec(f"t{i}", prompt, tuple(turns), group=i // group_size))
+    return Workload(trajs, name)
