@@ -31,8 +31,10 @@ from core.sched.base import Placement, Request
 
 
 def _length(req: Request) -> float:
+    """The work a trajectory brings; without a prediction every trajectory counts 1 (balance
+    by count, not pile everything on the first worker as zero-length work would)."""
     p = req.predicted_remaining
-    return p if p != float("inf") else 0.0
+    return max(p, 1.0) if p != float("inf") else 1.0
 
 
 class LeastLoad(Placement):

@@ -11,11 +11,10 @@ same plan.
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 from collections.abc import Sequence
-
-from core.sched.placement import fast_partition
 
 #: Decode speed relative to one GPU, by model-parallel degree (a profile table; the
 #: simulator and benchmarks pass measured ones).
@@ -25,21 +24,43 @@ DEFAULT_SPEEDUP: dict[int, float] = {1: 1.0, 2: 1.8, 4: 3.2, 8: 5.6}
 def makespan(
     lengths: Sequence[float], degrees: Sequence[int], speedup: dict[int, float], a: float = 0.1
 ) -> float:
-    """The step's makespan: workers sorted fastest first take contiguous groups of the
-    lengths sorted longest first; each worker's group is costed as in ``presorted_dp``.
-    The group sizes come from a partition of the lengths into as many groups as workers,
-    balanced for equal speeds and then assigned longest-first to the fastest."""
+    """The step's makespan on workers of these degrees: the lengths sorted longest first go
+    in contiguous groups to the workers sorted fastest first, and a group's batch time
+    (``presorted_dp``'s cost) is divided by its worker's speed. The split is the one that
+    minimises the makespan: bisection on it, each worker in turn taking the longest group it
+    can finish in time (the fastest workers get the longest trajectories)."""
     if not degrees:
         return math.inf
     order = sorted(lengths, reverse=True)
-    _, cuts = fast_partition(order, len(degrees), 1.0, a)
-    groups = [order[cuts[k] : cuts[k + 1]] for k in range(len(cuts) - 1)]
-    fastest = sorted(degrees, key=lambda d: -speedup[d])
-    worst = 0.0
-    for g, d in zip(groups, fastest, strict=False):
-        cost = (g[0] + a * sum(g[1:])) if g else 0.0
-        worst = max(worst, cost / speedup[d])
-    return worst
+    n = len(order)
+    if n == 0:
+        return 0.0
+    speeds = sorted((speedup[d] for d in degrees), reverse=True)
+    prefix = [0.0]
+    for x in order:
+        prefix.append(prefix[-1] + x)
+
+    def fits(t: float) -> bool:
+        i = 0
+        for s in speeds:
+            if i == n:
+                return True
+            room = (t * s - order[i]) / a
+            if room < 0:
+                return False
+            i = max(bisect.bisect_right(prefix, prefix[i + 1] + room, lo=i + 1) - 1, i + 1)
+        return i == n
+
+    lo, hi = order[0] / speeds[0], (order[0] + a * (prefix[n] - order[0])) / speeds[0]
+    if fits(lo):
+        return lo
+    while hi - lo > 1e-9 * hi:
+        mid = (lo + hi) / 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 def sort_initialised(lengths: Sequence[float], budget: int, speedup: dict[int, float]) -> list[int]:
