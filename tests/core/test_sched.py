@@ -234,3 +234,11 @@ def test_hrrs_swaps_less_than_fcfs_on_interleaved_jobs():
     fcfs = run_worker(tasks, "fcfs")
     hrrs = run_worker(tasks, "hrrs")
     assert hrrs["setup_s"] < fcfs["setup_s"] and hrrs["makespan_s"] < fcfs["makespan_s"]
+
+
+def test_makespan_gives_the_fastest_worker_the_longest_trajectory():
+    # one MP=8 worker (5.6x) and one MP=1: the 1,000-token trajectory goes to the fast one
+    assert makespan([1000, 10], [1, 8], DEFAULT_SPEEDUP) == pytest.approx(1000 / 5.6)
+    # two equal workers: one trajectory each
+    assert makespan([1000, 10], [1, 1], DEFAULT_SPEEDUP) == pytest.approx(1000)
+    assert makespan([], [1], DEFAULT_SPEEDUP) == 0.0
