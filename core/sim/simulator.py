@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from core.sched import Request, make_placement, make_queue_policy
 from core.sched.base import QueuePolicy
+from core.sched.predictor import LengthPredictor
 from core.sim.engine import EngineProfile, Worker
 from core.sim.workload import TrajSpec
 
@@ -39,6 +40,19 @@ def oracle(spec: TrajSpec, turn: int) -> float | None:
 
 def no_prediction(spec: TrajSpec, turn: int) -> float | None:
     return None
+
+
+def progressive(model: LengthPredictor) -> Predictor:
+    """A trained ``LengthPredictor`` as the simulator's predictor: at turn ``k`` it sees the
+    prompt and the first ``k`` turns (tokens and tool outcomes), nothing later."""
+
+    def predict(spec: TrajSpec, turn: int) -> float | None:
+        done = spec.turns[:turn]
+        return model.predict(
+            spec.prompt_tokens, turn, sum(t.gen_tokens for t in done), [t.outcome for t in done]
+        )
+
+    return predict
 
 
 @dataclass

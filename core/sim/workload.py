@@ -79,16 +79,21 @@ def preset(name: str, n: int, *, seed: int = 0, group_size: int = 8) -> Workload
     trajs = []
     for i in range(n):
         if name == "coding":
-            # turns until the tests pass: geometric, so a few trajectories go on for long
+            # turns until the tests pass: geometric, so a few trajectories go on for long. A
+            # hidden difficulty makes a task's turns alike (hard tasks write more and fail
+            # more), which is what lets a predictor learn from the first turns
+            difficulty = rng.random()
+            p_pass = 0.55 - 0.45 * difficulty
             turns: list[Turn] = []
             while True:
-                gen = int(_clip(rng.lognormvariate(6.0, 0.8), 16, 8192))
-                passed = rng.random() < 0.3 or len(turns) >= 15
+                gen = int(_clip(rng.lognormvariate(5.6 + 1.0 * difficulty, 0.6), 16, 8192))
+                passed = rng.random() < p_pass or len(turns) >= 15
                 if passed:
                     turns.append(Turn(gen, 0.0, "success"))
                     break
-                turns.append(Turn(gen, _clip(rng.lognormvariate(7.5, 0.7), 50, 60_000), "test_failure"))
-            prompt = 1024
+                outcome: Outcome = "tool_error" if rng.random() < 0.2 else "test_failure"
+                turns.append(Turn(gen, _clip(rng.lognormvariate(7.5, 0.7), 50, 60_000), outcome))
+            prompt = int(_clip(rng.lognormvariate(6.5 + 0.5 * difficulty, 0.3), 64, 8192))
         elif name == "search":
             k = rng.randint(2, 6)
             turns = [

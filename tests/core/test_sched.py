@@ -242,3 +242,41 @@ def test_makespan_gives_the_fastest_worker_the_longest_trajectory():
     # two equal workers: one trajectory each
     assert makespan([1000, 10], [1, 1], DEFAULT_SPEEDUP) == pytest.approx(1000)
     assert makespan([], [1], DEFAULT_SPEEDUP) == 0.0
+
+
+# -- progressive length prediction
+
+
+def test_predictor_learns_lengths_and_sharpens_with_turns():
+    from core.sched.predictor import LengthPredictor
+
+    rng = random.Random(0)
+    p = LengthPredictor(refit_every=1)
+    assert p.predict(100, 0, 0, []) is None  # nothing observed yet
+    for _ in range(300):
+        # long prompts mean long trajectories; a failing first turn means more turns follow
+        prompt = rng.choice([100, 1000])
+        fails = rng.random() < 0.5
+        turns = [(prompt // 2, "test_failure" if fails else "success")]
+        if fails:
+            turns += [(prompt, "test_failure"), (prompt, "success")]
+        p.observe(prompt, turns)
+    short = p.predict(100, 0, 0, [])
+    long_ = p.predict(1000, 0, 0, [])
+    assert short is not None and long_ is not None and long_ > 5 * short
+    # after a failing first turn: two more turns follow (5x the first turn's tokens in all)
+    assert p.predict(1000, 1, 500, ["test_failure"]) == pytest.approx(2500, rel=0.15)
+    assert p.predict(100, 1, 50, ["test_failure"]) == pytest.approx(250, rel=0.15)
+    # never below what the trajectory already generated, whatever the model says
+    assert p.predict(100, 3, 10_000, ["test_failure"] * 3) >= 10_001
+
+
+def test_prediction_metrics_on_hand_cases():
+    from core.sched.predictor import LengthPredictor, pearson, top_recall
+
+    assert pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
+    truth = list(range(20))
+    assert top_recall(truth, truth, share=0.1) == 1.0
+    assert top_recall(truth[::-1], truth, share=0.1) == 0.0
+    with pytest.raises(ValueError):
+        LengthPredictor(forget=0.0)
