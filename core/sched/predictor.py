@@ -54,7 +54,8 @@ class LengthPredictor:
         """A finished trajectory: its turns as ``(generated tokens, outcome)``."""
         total = sum(n for n, _ in turns)
         y = math.log1p(total)
-        so_far, outcomes = 0, []
+        so_far = 0
+        outcomes: list[Outcome] = []
         for k, (n, outcome) in enumerate(turns):
             x = features(prompt_tokens, k, so_far, outcomes)
             self._xtx = self.forget * self._xtx + np.outer(x, x)
