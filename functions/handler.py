@@ -278,21 +278,11 @@ class _Container:
             payload = decode_payload(raw)
         except SpillError as e:
             code = ErrorCode.TRANSPORT if e.retryable else ErrorCode.INVALID_ARGUMENTS
-            return Result.failure(code, str(e), function=inv.function, request_id=inv.request_id)
+            return self._failure(inv, code, str(e))
         except ValueError as e:
-            return Result.failure(
-                ErrorCode.INVALID_ARGUMENTS,
-                f"the spilled payload is not JSON: {e}",
-                function=inv.function,
-                request_id=inv.request_id,
-            )
+            return self._failure(inv, ErrorCode.INVALID_ARGUMENTS, f"the spilled payload is not JSON: {e}")
         if not isinstance(payload, dict):
-            return Result.failure(
-                ErrorCode.INVALID_ARGUMENTS,
-                "the spilled payload is not a JSON object",
-                function=inv.function,
-                request_id=inv.request_id,
-            )
+            return self._failure(inv, ErrorCode.INVALID_ARGUMENTS, "the spilled payload is not a JSON object")
         inv.payload = payload
         inv.raw = raw  # the bytes as uploaded: no second encoding, and no 6 MB limit here
         return inv

@@ -18,6 +18,7 @@ priorities are first come, first served and the order is deterministic.
 from __future__ import annotations
 
 import heapq
+from abc import abstractmethod
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -28,8 +29,9 @@ class _HeapPolicy(QueuePolicy):
     def __init__(self) -> None:
         self._heap: list[tuple[Any, ...]] = []
 
+    @abstractmethod
     def key(self, req: Request, now: float) -> tuple[Any, ...]:
-        raise NotImplementedError
+        """The heap key (lowest first); ``seq`` is appended as the tie-breaker."""
 
     def push(self, req: Request, now: float) -> None:
         heapq.heappush(self._heap, (*self.key(req, now), req.seq, req))

@@ -111,7 +111,11 @@ class Simulator:
         self._where: dict[str, str] = {}
         self._finish: dict[str, float] = {}
         self._held: dict[tuple[str, int], list[str]] = {}  # batch mode: barrier -> waiting trajectories
-        self._count: dict[tuple[str, int], int] = {}
+        # batch mode: how many trajectories have a turn k (the barrier's size), counted once
+        self._reaching = [
+            sum(1 for t in trajectories if len(t.turns) > k)
+            for k in range(max((len(t.turns) for t in trajectories), default=0))
+        ]
         self.preemptions = 0
 
     # -- events
@@ -219,7 +223,7 @@ class Simulator:
     def _barrier(self, key: tuple[str, int], live: _Live, now: float) -> None:
         """Batch mode: hold ``live`` until every trajectory that has this turn reached it."""
         kind, turn = key
-        expected = sum(1 for t in self.trajs if len(t.turns) > turn)
+        expected = self._reaching[turn]
         waiting = self._held.setdefault(key, [])
         waiting.append(live.spec.id)
         if len(waiting) < expected:

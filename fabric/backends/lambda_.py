@@ -52,6 +52,8 @@ _CLIENT_ERRORS: dict[str, ErrorCode] = {
     "InvalidSignatureException": ErrorCode.UNAUTHORIZED,
     "ExpiredTokenException": ErrorCode.UNAUTHORIZED,
 }
+#: Room for the envelope's other fields (ids, key, deadline, tenant) beside the payload.
+_ENVELOPE_HEAD_BYTES = 4096
 _RUNTIME_CRASHES = ("Runtime.ExitError", "Runtime.OutOfMemory", "Runtime.Unknown")
 
 
@@ -162,12 +164,13 @@ class LambdaBackend(Backend):
             await self.start()
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
-        body = envelope(inv)
-        if len(body) > MAX_PAYLOAD_BYTES and self._s3 is not None:
+        if self._s3 is not None and len(inv.raw_payload) + _ENVELOPE_HEAD_BYTES > MAX_PAYLOAD_BYTES:
             spilled = await loop.run_in_executor(None, self._spill, inv)
             if isinstance(spilled, Result):
                 return spilled
             body = spilled
+        else:
+            body = envelope(inv)
         if self.transport == "http":
             result = await self._invoke_http(inv, body)
         else:
@@ -281,14 +284,9 @@ class LambdaBackend(Backend):
             data = decode_payload(body) if body else None
         except ValueError:
             return self._fail(inv, ErrorCode.TRANSPORT, f"reply is not JSON: {body[:200]!r}")
-        if isinstance(data, dict) and "ok" in data and ("value" in data or "error" in data):
-            try:
-                result = Result.model_validate(data)
-            except ValueError:
-                pass
-            else:
-                result.attempts = 1
-                return result
+        result = _as_result(data)
+        if result is not None:
+            return result
         if function_error:  # Lambda's own error object: the handler never returned
             info = data if isinstance(data, dict) else {}
             etype = str(info.get("errorType", function_error))
@@ -306,6 +304,19 @@ class LambdaBackend(Backend):
     def stats(self) -> dict[str, Any]:
         errors = {f"errors_{k}": v for k, v in self._errors.items()}
         return {"lambda": {"calls": self._calls, "spilled": self._spilled, **errors}}
+
+
+def _as_result(data: Any) -> Result | None:
+    """The fabric ``Result`` the handler (or ``fabric serve``) sent, or ``None`` when the
+    reply is something else: Lambda's own error object, or a plain function's value."""
+    if not (isinstance(data, dict) and "ok" in data and ("value" in data or "error" in data)):
+        return None
+    try:
+        result = Result.model_validate(data)
+    except ValueError:  # a user value that only looks like a Result
+        return None
+    result.attempts = 1
+    return result
 
 
 def envelope(inv: Invocation, payload: bytes | None = None) -> bytes:

@@ -83,7 +83,7 @@ def ensure_role(iam: Any, cfg: DirectConfig) -> str:
     try:
         return str(iam.get_role(RoleName=name)["Role"]["Arn"])
     except iam.exceptions.NoSuchEntityException:
-        pass
+        pass  # the first deploy with this prefix: create the role below
     arn = str(iam.create_role(RoleName=name, AssumeRolePolicyDocument=json.dumps(_TRUST))["Role"]["Arn"])
     policy = json.dumps(_LOGS).replace("{prefix}", cfg.prefix)
     iam.put_role_policy(RoleName=name, PolicyName="logs", PolicyDocument=policy)

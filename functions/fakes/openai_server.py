@@ -145,7 +145,7 @@ class FakeOpenAI:
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
-                pass
+                pass  # the client already closed it
         server.server_close()  # joins the handler threads
         assert self._thread is not None
         self._thread.join()

@@ -4,7 +4,6 @@ the deployed names called through the lambda backend pointed at ``fabric serve``
 from __future__ import annotations
 
 import json
-import socket
 import zipfile
 from pathlib import Path
 
@@ -25,43 +24,6 @@ from fabric.serve import Gateway, ServeConfig, TenantConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "deploy-test-token-0123456789"
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-@pytest.fixture
-def aws_env(monkeypatch):
-    for k, v in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(k, v)
-
-
-@pytest.fixture
-def moto_url(aws_env):
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    # moto's state is per process, not per server: start from nothing. Without Docker moto
-    # creates functions but cannot run them (invoke echoes the payload)
-    httpx.post(f"{url}/moto-api/reset")
-    httpx.post(f"{url}/moto-api/config", json={"lambda": {"use_docker": False}})
-    yield url
-    server.stop()
 
 
 # -- plan

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import pytest
+from aws_fakes import create_function, free_port
 from sample_fns import REG
 
 from fabric.backends.base import LambdaConfig, LocalConfig, make_backend
@@ -110,10 +110,7 @@ async def test_throttling_is_retryable_and_the_client_gets_through(transport):
 
 
 async def test_unreachable_endpoint_is_a_retryable_transport_error(transport):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # nothing listens there now
+    port = free_port()  # nothing listens there
     cfg = LambdaConfig(
         endpoint_url=f"http://127.0.0.1:{port}", token=TOKEN, connect_timeout_s=1, transport=transport
     )
@@ -172,110 +169,46 @@ def test_config_by_name_and_dict():
         make_backend({"type": "lambada"}, REG)
 
 
-async def test_signed_requests_to_a_real_aws_protocol_endpoint(monkeypatch):
+async def test_signed_requests_to_a_real_aws_protocol_endpoint(moto_url):
     # no token: boto3 signs with SigV4, as against AWS. moto's server speaks the Lambda API;
     # without Docker its invoke echoes the request body, so what comes back is our envelope
-    from moto.server import ThreadedMotoServer
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        for k, v in {
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-        }.items():
-            monkeypatch.setenv(k, v)
-        monkeypatch.delenv("RL_FABRIC_TOKEN", raising=False)
-        url = f"http://127.0.0.1:{port}"
-        _deploy_to_moto(url, "rl-add")
-        async with LambdaBackend(REG, LambdaConfig(endpoint_url=url, function_prefix="rl-")) as b:
-            inv = Invocation(function="add", payload={"a": 1}, idempotency_key="key-1")
-            r = await b.invoke(inv)
-        assert r.ok and r.value["function"] == "add" and r.value["idempotency_key"] == "key-1"
-        assert r.value["payload"] == {"a": 1}
-    finally:
-        server.stop()
+    create_function(moto_url, "rl-add")
+    async with LambdaBackend(REG, LambdaConfig(endpoint_url=moto_url, function_prefix="rl-")) as b:
+        inv = Invocation(function="add", payload={"a": 1}, idempotency_key="key-1")
+        r = await b.invoke(inv)
+    assert r.ok and r.value["function"] == "add" and r.value["idempotency_key"] == "key-1"
+    assert r.value["payload"] == {"a": 1}
 
 
-def _deploy_to_moto(url: str, name: str) -> None:
-    import boto3
-    import httpx
-
-    # moto's state is per process, not per server: start from nothing
-    httpx.post(f"{url}/moto-api/reset")
-    httpx.post(f"{url}/moto-api/config", json={"lambda": {"use_docker": False}})
-    iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1")
-    role = iam.create_role(RoleName="r", AssumeRolePolicyDocument="{}")["Role"]["Arn"]
-    aws = boto3.client("lambda", endpoint_url=url, region_name="us-east-1")
-    aws.create_function(
-        FunctionName=name,
-        Runtime="python3.11",
-        Role=role,
-        Handler="functions.handler.handler",
-        Code={"ZipFile": b"PK\x05\x06" + b"\x00" * 18},
-    )
-    version = aws.publish_version(FunctionName=name)["Version"]
-    aws.create_alias(FunctionName=name, Name="live", FunctionVersion=version)
-
-
-async def test_payloads_over_6_mb_spill_to_s3(monkeypatch):
+async def test_payloads_over_6_mb_spill_to_s3(moto_url):
     # the upload, the pointer in the envelope, and the client's limit; the handler's side
     # (fetch, check, run) is tests/functions/test_handler.py
     import boto3
-    from moto.server import ThreadedMotoServer
 
+    from fabric.registry import Registry
     from fabric.spill import SPILL_KEY
 
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        for k, v in {
-            "AWS_ACCESS_KEY_ID": "t",
-            "AWS_SECRET_ACCESS_KEY": "t",
-            "AWS_DEFAULT_REGION": "us-east-1",
-        }.items():
-            monkeypatch.setenv(k, v)
-        url = f"http://127.0.0.1:{port}"
-        _deploy_to_moto(url, "rl-add")
-        boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket="spill")
-        big = {"a": 1, "b": 2, "blob": "x" * (7 * 1024 * 1024)}
-        from fabric.registry import Registry
+    url = moto_url
+    create_function(url, "rl-add")
+    s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1")
+    s3.create_bucket(Bucket="spill")
+    big = {"a": 1, "b": 2, "blob": "x" * (7 * 1024 * 1024)}
+    reg = Registry()
 
-        reg = Registry()
+    @reg.function(name="add")
+    def add(a: int, b: int = 0, blob: str = "") -> int:
+        return a + b
 
-        @reg.function(name="add")
-        def add(a: int, b: int = 0, blob: str = "") -> int:
-            return a + b
-
-        plain = LambdaConfig(endpoint_url=url, function_prefix="rl-")
-        async with Client(backend=plain, registry=reg) as c:
-            refused = await c.call("add", big)
-        assert refused.error.type == ErrorCode.PAYLOAD_TOO_LARGE  # no bucket: refused before sending
-        spilling = plain.model_copy(update={"spill_bucket": "spill", "s3_endpoint_url": url})
-        async with Client(backend=spilling, registry=reg) as c:
-            r = await c.call("add", big)
-            small = await c.call("add", {"a": 1})
-        # moto echoes the envelope: the payload is the pointer, and S3 holds the payload
-        ptr = r.value["payload"][SPILL_KEY]
-        assert ptr["bucket"] == "spill" and ptr["key"].startswith("spill/default/") and ptr["bytes"] > 7e6
-        body = boto3.client("s3", endpoint_url=url, region_name="us-east-1").get_object(
-            Bucket="spill", Key=ptr["key"]
-        )
-        assert json.loads(body["Body"].read()) == big
-        assert small.value["payload"] == {"a": 1}  # small payloads go inline
-    finally:
-        server.stop()
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    plain = LambdaConfig(endpoint_url=url, function_prefix="rl-")
+    async with Client(backend=plain, registry=reg) as c:
+        refused = await c.call("add", big)
+    assert refused.error.type == ErrorCode.PAYLOAD_TOO_LARGE  # no bucket: refused before sending
+    spilling = plain.model_copy(update={"spill_bucket": "spill", "s3_endpoint_url": url})
+    async with Client(backend=spilling, registry=reg) as c:
+        r = await c.call("add", big)
+        small = await c.call("add", {"a": 1})
+    # moto echoes the envelope: the payload is the pointer, and S3 holds the payload
+    ptr = r.value["payload"][SPILL_KEY]
+    assert ptr["bucket"] == "spill" and ptr["key"].startswith("spill/default/") and ptr["bytes"] > 7e6
+    assert json.loads(s3.get_object(Bucket="spill", Key=ptr["key"])["Body"].read()) == big
+    assert small.value["payload"] == {"a": 1}  # small payloads go inline
