@@ -43,12 +43,18 @@ def is_pointer(payload: Any) -> bool:
     return isinstance(payload, dict) and len(payload) == 1 and isinstance(payload.get(SPILL_KEY), dict)
 
 
-def fetch(s3: Any, payload: dict[str, Any]) -> bytes:
-    """The spilled payload's bytes, checked against the pointer."""
+def fetch(s3: Any, payload: dict[str, Any], *, only_bucket: str | None = None) -> bytes:
+    """The spilled payload's bytes, checked against the pointer. With ``only_bucket`` (the
+    deployment's spill bucket, ``$RL_FABRIC_SPILL_BUCKET``), a pointer elsewhere is refused:
+    a caller must not make the function read whatever else its role can."""
     p = payload[SPILL_KEY]
     bucket, key = p.get("bucket"), p.get("key")
     if not isinstance(bucket, str) or not isinstance(key, str):
         raise SpillError(f"a spill pointer needs a bucket and a key, got {p!r}", retryable=False)
+    if only_bucket is not None and bucket != only_bucket:
+        raise SpillError(
+            f"spilled payloads are read from s3://{only_bucket} only, not {bucket!r}", retryable=False
+        )
     where = f"s3://{bucket}/{key}"
     try:
         raw: bytes = s3.get_object(Bucket=bucket, Key=key)["Body"].read()

@@ -40,6 +40,7 @@ from fabric.errors import FINAL_ERRORS, ErrorCode, PayloadError, UnknownFunction
 from fabric.protocol import Invocation, Result, Timings, decode_payload, encode_payload
 from fabric.registry import Registry
 from fabric.runner import FunctionRunner, outcome_to_result
+from fabric.spill import BUCKET_ENV as SPILL_BUCKET_ENV
 from fabric.spill import SpillError, fetch, is_pointer
 
 if TYPE_CHECKING:
@@ -274,7 +275,7 @@ class _Container:
 
             self._s3 = boto3.client("s3")
         try:
-            raw = fetch(self._s3, inv.payload)
+            raw = fetch(self._s3, inv.payload, only_bucket=os.environ.get(SPILL_BUCKET_ENV) or None)
             payload = decode_payload(raw)
         except SpillError as e:
             code = ErrorCode.TRANSPORT if e.retryable else ErrorCode.INVALID_ARGUMENTS

@@ -640,3 +640,17 @@ def test_a_spill_pointer_that_does_not_resolve_is_a_clear_error(aws: None) -> No
     assert r.error.type == ErrorCode.INVALID_ARGUMENTS and "not found" in r.error.message
     r = invoke("exact_match", {"__fabric_spill__": {"bucket": 3}})
     assert r.error.type == ErrorCode.INVALID_ARGUMENTS and "needs a bucket and a key" in r.error.message
+
+
+def test_a_spill_pointer_outside_the_deployment_bucket_is_refused(
+    aws: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p = _spill({"traj": TRAJ, "ground_truth": "42"}, bucket="someone-elses")
+    monkeypatch.setenv("RL_FABRIC_SPILL_BUCKET", "rl-fabric-spill")
+    r = invoke("exact_match", p)
+    assert (
+        r.error.type == ErrorCode.INVALID_ARGUMENTS
+        and "read from s3://rl-fabric-spill only" in r.error.message
+    )
+    monkeypatch.setenv("RL_FABRIC_SPILL_BUCKET", "someone-elses")
+    assert invoke("exact_match", p).value == 1.0
