@@ -209,6 +209,31 @@ class RolloutConfig(_Model):
     """Greedy evaluation on held-out tasks every this many steps (0: never)."""
     eval_episodes: int = Field(64, ge=1)
     """Held-out tasks per evaluation (seeds the training draw never uses)."""
+    scheduler: Literal["fcfs", "rr", "sjf", "pps", "cmlfq"] = "fcfs"
+    """Which waiting turn a replica runs next (``core.sched.queueing``): arrival order,
+    step-centric round robin, shortest predicted first, longest predicted first
+    (progressive priority), or the causal multi-level feedback queue on tool outcomes."""
+    placement: Literal["affinity", "least_load", "cache_affinity", "presorted_dp"] = "affinity"
+    """Which replica a trajectory runs on: ``affinity`` keeps it where its first turn ran
+    (least turns in flight); the others are ``core.sched.placement`` by predicted work,
+    re-decided between turns (``cache_affinity``, ``presorted_dp``)."""
+    slots_per_replica: int | None = Field(None, ge=1)
+    """Turns a replica runs at once; the rest wait in the scheduler's queue (None: the
+    engine's ``max_batch_size`` when a policy is set, no proxy queue with fcfs/affinity)."""
+    scheduler_options: dict[str, Any] = Field(default_factory=dict)
+    """Passed to the queue policy (e.g. ``{levels: 3, aging_s: 10}`` for cmlfq)."""
+    trace: bool = False
+    """Write one JSON line per turn to ``<run_dir>/trace.jsonl`` (replayed by ``core.sim``)."""
+
+    @model_validator(mode="after")
+    def _options_fit(self) -> RolloutConfig:
+        from core.sched import make_queue_policy
+
+        try:
+            make_queue_policy(self.scheduler, **self.scheduler_options)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"scheduler_options do not fit scheduler {self.scheduler!r}: {e}") from None
+        return self
 
 
 class FabricConfig(_Model):

@@ -48,6 +48,7 @@ from core.rollout.env_manager import EnvManager, Task, TurnBarrier
 from core.rollout.groups import GroupRunner
 from core.rollout.llm_proxy import LLMProxy
 from core.rollout.replicas import EngineReplicaActor, RayReplica, RemoteProxy
+from core.rollout.scheduling import TurnScheduler
 from core.sample import Sample
 from core.trainer.actor import TrainerActor
 from core.trainer.batch import build_batch
@@ -125,6 +126,8 @@ class Job:
                     progress.note(f"ready in {setup_s:.1f}s; training {cfg.steps} steps ({cfg.rollout.mode})")
                     summary = await self._train(manager, runner, buffer, stream, run_dir, progress)
                     summary["setup_s"] = round(setup_s, 1)
+                    # routing, recoveries and the turn scheduler's counts, for the record
+                    summary["proxy"] = await self.proxy_handle.stats.remote()
                     await runner.aclose()
         summary["wall_s"] = round(time.perf_counter() - t_start, 1)
         run_dir.finish(summary)
@@ -450,7 +453,7 @@ class Job:
             proxy = (
                 ray.remote(LLMProxy)
                 .options(max_concurrency=100_000, num_cpus=0)
-                .remote(by_group, affinity=affinity)
+                .remote(by_group, affinity=affinity, scheduler=turn_scheduler(cfg))
             )
             actors.append(proxy)
             trainer = (
@@ -569,3 +572,19 @@ def load(path: str, *, steps: int | None = None, run_dir: str | None = None) -> 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def turn_scheduler(cfg: JobConfig) -> TurnScheduler | None:
+    """The proxy's turn scheduler for ``cfg.rollout``; None keeps the plain path (every turn
+    straight to its replica) when nothing asks for a policy, a slot limit or a trace."""
+    r = cfg.rollout
+    if r.scheduler == "fcfs" and r.placement == "affinity" and r.slots_per_replica is None and not r.trace:
+        return None
+    slots = r.slots_per_replica or int(cfg.engine.kwargs.get("max_batch_size", 64))
+    return TurnScheduler(
+        r.scheduler,
+        r.placement,
+        slots=slots,
+        scheduler_options=r.scheduler_options,
+        trace=Path(cfg.run_dir).resolve() / "trace.jsonl" if r.trace else None,
+    )

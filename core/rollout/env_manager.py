@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 from core.config import EnvConfig, JobConfig
 from core.rollout.engines.base import Completion, EngineError, GenerateRequest
+from core.rollout.scheduling import OUTCOMES
 from core.sample import GROUP_KEY, TAG_KEY, VERSION_KEY
 from core.trainer.base import assistant_message
 from envpool.api import Observation, StepResult
@@ -173,11 +174,12 @@ class EnvManager:
             traj.messages.append(Message(role="user", content=obs.text))
             state = _state(reset_info, self._shown(obs.text, env))
             traj.status = "truncated"
+            outcome: str | None = None
             for turn in range(env.max_turns):
                 if barrier is not None:
                     await barrier.wait()
                 tg = time.perf_counter()
-                c = await self.proxy.generate(traj.id, env.tag, self._request(task, traj, turn))
+                c = await self.proxy.generate(traj.id, env.tag, self._request(task, traj, turn, outcome))
                 info["gen_s"] += time.perf_counter() - tg
                 if c.finish_reason == "abort":
                     traj.status = "aborted"
@@ -195,20 +197,26 @@ class EnvManager:
                     info["invalid"] = info.get("invalid", 0) + 1
                 traj.messages.append(Message(role="user", content=res.obs.text))
                 state = _state(res.info, self._shown(res.obs.text, env))
+                outcome = _outcome(res)
                 if res.done:
                     traj.status = "ok"
                     break
             traj.env_reward = float(sum(info["turn_rewards"]))
 
-    def _request(self, task: Task, traj: Trajectory, turn: int) -> GenerateRequest:
+    def _request(
+        self, task: Task, traj: Trajectory, turn: int, outcome: str | None = None
+    ) -> GenerateRequest:
         env = task.env
+        meta: dict[str, Any] = {"trajectory_id": traj.id, "turn": turn, "tag": env.tag}
+        if outcome is not None:
+            meta["outcome"] = outcome  # the turn scheduler's causal signal (C-MLFQ, predictor)
         return GenerateRequest(
             request_id=f"{traj.id}/{turn}",
             messages=self.context(traj.messages, env),
             max_new_tokens=self.cfg.engine.max_new_tokens,
             temperature=0.0 if task.greedy else self.cfg.engine.temperature,
             allowed_token_ids=self.actions.get(env.tag),
-            metadata={"trajectory_id": traj.id, "turn": turn, "tag": env.tag},
+            metadata=meta,
         )
 
     @staticmethod
@@ -235,6 +243,17 @@ class EnvManager:
 
 def _drop(text: str, prefixes: list[str]) -> str:
     return "\n".join(line for line in text.split("\n") if not line.startswith(tuple(prefixes)))
+
+
+def _outcome(res: StepResult) -> str:
+    """What the step returned, as the schedulers' tool outcome: the environment's own
+    ``info["outcome"]`` when it gives one, else an invalid action is a tool error."""
+    given = res.info.get("outcome")
+    if isinstance(given, str) and given in OUTCOMES:
+        return given
+    if res.info.get("valid") is False:
+        return "tool_error"
+    return "success" if res.done and res.reward > 0 else "ok"
 
 
 def _state(info: dict[str, Any], shown: str) -> str:

@@ -38,6 +38,8 @@ from typing import Any
 from core.config import DEFAULT_AFFINITY
 from core.rollout.coalesce import Answer, answer_all
 from core.rollout.engines.base import Completion, Engine, EngineError, GenerateRequest
+from core.rollout.scheduling import TurnScheduler
+from core.sched import Request
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,7 @@ class LLMProxy:
         affinity: Mapping[str, str] | None = None,
         recover_timeout_s: float = 120.0,
         max_turn_retries: int = 3,
+        scheduler: TurnScheduler | None = None,
     ):
         if not groups or not any(groups.values()):
             raise ValueError("the proxy needs at least one replica")
@@ -127,16 +130,26 @@ class LLMProxy:
         self._recovering: dict[int, asyncio.Task[None]] = {}
         self.version = 0
         self.metrics: Counter[str] = Counter()
+        self.scheduler = scheduler
+        """Admission, placement and length prediction by ``core.sched`` policies (None: every
+        turn goes to its replica at once, trajectory affinity, the engine's own FIFO)."""
 
     # ------------------------------------------------------------------ routing
     def group_of(self, tag: str) -> str:
         return self.affinity.get(tag, self.affinity.get(DEFAULT_AFFINITY, _first(self.groups)))
 
-    def _route(self, traj_id: str, tag: str) -> Replica:
+    def _route(self, traj_id: str, tag: str, sreq: Request | None = None) -> Replica:
         replicas = self.groups.get(self.group_of(tag)) or []
         if not replicas:
             raise NoReplicaError(f"no engine replica left for tag {tag!r} (group {self.group_of(tag)!r})")
         r = self._sticky.get(traj_id)
+        if self.scheduler is not None and sreq is not None:
+            by_id = {id(x): x for x in replicas}
+            sticky = id(r) if r is not None and r in replicas else None
+            chosen = self.scheduler.place(sreq, list(by_id), sticky)
+            if chosen is not None:
+                self._sticky[traj_id] = by_id[chosen]
+                return by_id[chosen]
         if r is not None and r in replicas:
             self.metrics["affinity_hits"] += 1
             return r
@@ -147,10 +160,24 @@ class LLMProxy:
     # ------------------------------------------------------------------ requests
     async def generate(self, traj_id: str, tag: str, request: GenerateRequest) -> Completion:
         """One turn of trajectory ``traj_id``. An aborted trajectory gets ``abort`` at once."""
+        sched = self.scheduler
+        sreq = None
+        if sched is not None:
+            sreq = sched.request(
+                traj_id, int(request.metadata.get("turn", 0)), _prompt_size(request), request.metadata
+            )
+        ready = sched.now() if sched is not None else 0.0
         for attempt in range(self.max_turn_retries + 1):
             if traj_id in self._aborted:
                 return _aborted(request, self.version)
-            replica = self._route(traj_id, tag)
+            replica = self._route(traj_id, tag, sreq)
+            if sched is not None and sreq is not None:
+                if not await sched.admit(id(replica), sreq):
+                    return _aborted(request, self.version)
+                if traj_id in self._aborted:  # aborted while it waited for its slot
+                    sched.done(id(replica))
+                    return _aborted(request, self.version)
+            start = sched.now() if sched is not None else 0.0
             rid = request.request_id
             self._inflight.setdefault(traj_id, {})[rid] = replica
             self._load[id(replica)] += 1
@@ -168,8 +195,26 @@ class LLMProxy:
             finally:
                 self._load[id(replica)] -= 1
                 self._inflight.get(traj_id, {}).pop(rid, None)
+                if sched is not None:
+                    sched.done(id(replica))
             self.metrics["turns"] += 1
             self.metrics["tokens"] += len(c.token_ids)
+            if sched is not None and sreq is not None:
+                sched.finished_turn(traj_id, len(c.token_ids))
+                sched.record(
+                    trajectory=traj_id,
+                    tag=tag,
+                    turn=sreq.turn,
+                    ready=round(ready, 6),
+                    start=round(start, 6),
+                    end=round(sched.now(), 6),
+                    prompt_tokens=len(c.prompt_ids) or sreq.prompt_tokens,
+                    gen_tokens=len(c.token_ids),
+                    predicted_total=sreq.predicted_total,
+                    outcome=sreq.last_outcome,
+                    replica=replica.name,
+                    finish=c.finish_reason,
+                )
             return c
         raise AssertionError("unreachable")
 
@@ -186,6 +231,8 @@ class LLMProxy:
         """Abort the trajectory's turn in flight (and any it starts later, until
         ``release``). Returns how many requests were stopped."""
         self._aborted.add(traj_id)
+        if self.scheduler is not None:
+            self.scheduler.cancel(traj_id)
         stopped = 0
         for rid, replica in list(self._inflight.get(traj_id, {}).items()):
             try:
@@ -198,8 +245,12 @@ class LLMProxy:
     async def release(self, traj_id: str) -> None:
         """The trajectory ended: forget its affinity and abort flag."""
         self._sticky.pop(traj_id, None)
+        aborted = traj_id in self._aborted
         self._aborted.discard(traj_id)
         self._inflight.pop(traj_id, None)
+        if self.scheduler is not None:
+            # an aborted trajectory's length says nothing about how long it would have run
+            self.scheduler.release(traj_id, learn=not aborted)
 
     # ------------------------------------------------------------------ weights
     async def update_weights(self, version: int, state: Any) -> None:
@@ -270,11 +321,20 @@ class LLMProxy:
             "replicas": {g: [r.name for r in rs] for g, rs in self.groups.items()},
             "trajectories": len(self._sticky),
             **self.metrics,
+            **({"scheduler": self.scheduler.stats()} if self.scheduler is not None else {}),
         }
 
 
 def _first(groups: Mapping[str, Any]) -> str:
     return DEFAULT_AFFINITY if DEFAULT_AFFINITY in groups else next(iter(groups))
+
+
+def _prompt_size(request: GenerateRequest) -> int:
+    """A turn's prompt size before the engine tokenises it: ids, or characters of the chat
+    (the predictor reads it on a log scale, so a consistent measure is what matters)."""
+    if request.prompt_ids is not None:
+        return len(request.prompt_ids)
+    return sum(len(m.content or "") for m in request.messages or [])
 
 
 def _unwrap(state: Any) -> Any:

@@ -30,7 +30,7 @@ import numpy as np
 from core.sched.base import Placement, Request
 
 
-def _length(req: Request) -> float:
+def predicted_work(req: Request) -> float:
     """The work a trajectory brings; without a prediction every trajectory counts 1 (balance
     by count, not pile everything on the first worker as zero-length work would)."""
     p = req.predicted_remaining
@@ -46,10 +46,10 @@ class LeastLoad(Placement):
         heap = [(load, name) for name, load in sorted(workers.items())]
         heapq.heapify(heap)
         out = {}
-        for req in sorted(reqs, key=lambda r: (-_length(r), r.seq)):
+        for req in sorted(reqs, key=lambda r: (-predicted_work(r), r.seq)):
             load, name = heapq.heappop(heap)
             out[req.trajectory] = name
-            heapq.heappush(heap, (load + _length(req), name))
+            heapq.heappush(heap, (load + predicted_work(req), name))
         return out
 
 
@@ -64,13 +64,13 @@ class CacheAffinity(Placement):
             raise ValueError("no workers to place on")
         load = dict(workers)
         out = {}
-        for req in sorted(reqs, key=lambda r: (-_length(r), r.seq)):
+        for req in sorted(reqs, key=lambda r: (-predicted_work(r), r.seq)):
             least = min(load, key=lambda w: (load[w], w))
             home = req.worker
-            busiest_ok = (1 + self.slack) * load[least] + _length(req)
+            busiest_ok = (1 + self.slack) * load[least] + predicted_work(req)
             target = home if home in load and load[home] <= busiest_ok else least
             out[req.trajectory] = target
-            load[target] += _length(req)
+            load[target] += predicted_work(req)
         return out
 
 
@@ -164,8 +164,8 @@ class PresortedDP(Placement):
     def place(self, reqs: list[Request], workers: dict[str, float]) -> dict[str, str]:
         if not workers:
             raise ValueError("no workers to place on")
-        order = sorted(reqs, key=lambda r: (-_length(r), r.seq))
-        lengths = [_length(r) for r in order]
+        order = sorted(reqs, key=lambda r: (-predicted_work(r), r.seq))
+        lengths = [predicted_work(r) for r in order]
         self.last_makespan, cuts = fast_partition(lengths, len(workers), self.c, self.a)
         groups = [order[cuts[k] : cuts[k + 1]] for k in range(len(cuts) - 1)]
         # the costliest group onto the least-loaded worker
@@ -183,8 +183,40 @@ class PresortedDP(Placement):
         """After predictions changed: re-partition the remaining trajectories and move only
         those waiting on a tool call (a move then costs nothing on the critical path: the
         prefix is re-read at the next turn anyway). ``trajectory -> new worker``."""
-        target = self.place(reqs, workers)
+        target = stable_relabel(self.place(reqs, workers), current)
         return {t: w for t, w in target.items() if t in in_tool_call and current.get(t) not in (None, w)}
+
+
+def stable_relabel(target: dict[str, str], current: dict[str, str]) -> dict[str, str]:
+    """The same partition as ``target``, with its groups matched to workers so that as few
+    trajectories as possible move from ``current``: a group's worker label is arbitrary
+    (the costliest group onto the least-loaded worker), and a relabelled split is as good.
+    Greedy matching by overlap, largest first, smaller groups first among equals (they have
+    fewer homes to choose from); not an optimal assignment (that is O(M^3) per turn), but
+    exact when each group mostly sits on one worker, the common case between turns."""
+    groups: dict[str, list[str]] = {}
+    for t, w in target.items():
+        groups.setdefault(w, []).append(t)
+    overlap = sorted(
+        (
+            (-sum(current.get(t) == home for t in members), len(members), g, home)
+            for g, members in groups.items()
+            for home in {current[t] for t in members if t in current}
+        )
+    )
+    rename: dict[str, str] = {}
+    taken: set[str] = set()
+    for _, _, g, home in overlap:
+        if g not in rename and home not in taken:
+            rename[g] = home
+            taken.add(home)
+    for g in sorted(groups):
+        if g not in rename:
+            # its own label if no group took it, else one that is free (there are enough:
+            # as many labels as groups, plus the homes matched)
+            rename[g] = g if g not in taken else min(set(groups) - taken)
+            taken.add(rename[g])
+    return {t: rename[w] for t, w in target.items()}
 
 
 PLACEMENTS: dict[str, type[Placement]] = {p.name: p for p in (LeastLoad, CacheAffinity, PresortedDP)}

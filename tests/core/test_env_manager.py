@@ -161,7 +161,11 @@ async def test_an_episode_that_ends_is_ok(pool):
     reqs = [r for _, _, r in proxy.calls]
     assert [(t, tag) for t, tag, _ in proxy.calls] == [("t-ok", "lake")] * 2
     assert [r.request_id for r in reqs] == ["t-ok/0", "t-ok/1"]
-    assert [r.metadata for r in reqs] == [{"trajectory_id": "t-ok", "turn": i, "tag": "lake"} for i in (0, 1)]
+    # the second turn carries what the first step returned (the schedulers' causal signal)
+    assert [r.metadata for r in reqs] == [
+        {"trajectory_id": "t-ok", "turn": 0, "tag": "lake"},
+        {"trajectory_id": "t-ok", "turn": 1, "tag": "lake", "outcome": "ok"},
+    ]
     assert all(r.max_new_tokens == 4 and r.temperature == 0.7 and r.allowed_token_ids is None for r in reqs)
     assert proxy.released == ["t-ok"]
     assert pool.stats()["claimed"] == 0  # the session gave its container back

@@ -280,3 +280,18 @@ def test_prediction_metrics_on_hand_cases():
     assert top_recall(truth[::-1], truth, share=0.1) == 0.0
     with pytest.raises(ValueError):
         LengthPredictor(forget=0.0)
+
+
+def test_stable_relabel_keeps_the_split_and_moves_the_fewest():
+    from core.sched.placement import stable_relabel
+
+    current = {"a": "w0", "b": "w0", "c": "w1"}
+    # the same split with swapped labels: nobody should move
+    assert stable_relabel({"a": "w1", "b": "w1", "c": "w0"}, current) == current
+    # a new split: {a} and {b, c}; a keeps w0, so {b, c} takes w1 and only b moves
+    assert stable_relabel({"a": "w1", "b": "w0", "c": "w0"}, current) == {"a": "w0", "b": "w1", "c": "w1"}
+    # nothing placed yet: the labels stand
+    assert stable_relabel({"a": "w1", "b": "w0"}, {}) == {"a": "w1", "b": "w0"}
+    # groups whose homes clash still get distinct workers
+    out = stable_relabel({"a": "w0", "b": "w1", "c": "w2"}, {"a": "w5", "b": "w5", "c": "w5"})
+    assert len(set(out.values())) == 3 and list(out.values()).count("w5") == 1

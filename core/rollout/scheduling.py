@@ -1,0 +1,250 @@
+"""The ``core.sched`` policies on the real rollout path: the LLM proxy's turn scheduler.
+
+Without a scheduler the proxy hands every turn to its replica at once and the engine runs
+them first come, first served (up to its batch size, the rest wait inside the engine). A
+``TurnScheduler`` takes that waiting line out of the engine and into the proxy, where a
+policy can order it:
+
+* **admission**: at most ``slots`` turns run on a replica; the others wait in the replica's
+  ``QueuePolicy`` (``rollout.scheduler``: fcfs, rr, sjf, pps, cmlfq), so the policy decides
+  which turn the engine gets next;
+* **placement** (``rollout.placement``): which replica a trajectory's turns go to. At every
+  turn (the trajectory has just come back from its tool call, so a move costs nothing on
+  the critical path) ``cache_affinity`` and ``presorted_dp`` may move it; ``least_load``
+  places a trajectory once, by predicted work;
+* **prediction**: a progressive ``LengthPredictor`` learns each finished trajectory's
+  length from (prompt size, turn, tokens so far, tool outcomes) and predicts the running
+  ones at every turn; a request's ``metadata["predicted_total"]`` overrides it (an oracle,
+  or an estimate from the task).
+
+Preemption of running turns (``pps``) is simulator-only: the engines here cannot hand back
+a turn's partial KV cache, and aborting a turn to restart it later throws its tokens away.
+
+The scheduler also writes the **trace** the simulator replays (``core.sim.trace``): one
+JSON line per turn, with when the turn became ready, started and ended, its sizes and its
+replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, get_args
+
+from core.sched import Request, make_placement, make_queue_policy
+from core.sched.base import Outcome, Placement, QueuePolicy
+from core.sched.placement import predicted_work, stable_relabel
+from core.sched.predictor import LengthPredictor
+from core.sched.queueing import CMLFQ
+
+OUTCOMES: frozenset[str] = frozenset(get_args(Outcome))
+
+
+@dataclass
+class _Traj:
+    prompt_tokens: int = -1
+    tokens: int = 0
+    turns: list[tuple[int, Outcome]] = field(default_factory=list)
+    predicted: float | None = None
+    replica: int | None = None
+
+
+@dataclass
+class _Slots:
+    """One replica's admission: running turns and the policy's waiting line."""
+
+    queue: QueuePolicy
+    running: int = 0
+    waiting: dict[int, tuple[str, asyncio.Future[bool]]] = field(default_factory=dict)
+    """seq -> (trajectory, admitted?)"""
+
+
+class TurnScheduler:
+    def __init__(
+        self,
+        scheduler: str = "fcfs",
+        placement: str = "affinity",
+        *,
+        slots: int = 64,
+        scheduler_options: dict[str, Any] | None = None,
+        predictor: LengthPredictor | None = None,
+        trace: Path | str | None = None,
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.scheduler, self.slots = scheduler, slots
+        self._options = dict(scheduler_options or {})
+        make_queue_policy(scheduler, **self._options)  # fail here, not at the first turn
+        self.placement: Placement | None = None if placement == "affinity" else make_placement(placement)
+        self.predictor = predictor if predictor is not None else LengthPredictor(refit_every=8)
+        self._replicas: dict[int, _Slots] = {}
+        self._trajs: dict[str, _Traj] = {}
+        self._t0 = time.monotonic()
+        self.trace_path = None if trace is None else Path(trace)
+        self._trace: IO[str] | None = None  # opened at the first record: the scheduler is
+        # built in the job's driver and pickled to the proxy actor
+        self.admitted = 0
+        self.queued = 0
+        self.migrations = 0
+
+    # ------------------------------------------------------------------ requests
+    def request(self, traj_id: str, turn: int, prompt_tokens: int, metadata: dict[str, Any]) -> Request:
+        """The ``Request`` a turn is scheduled as, with the trajectory's prediction updated."""
+        t = self._trajs.setdefault(traj_id, _Traj())
+        if t.prompt_tokens < 0:
+            t.prompt_tokens = prompt_tokens
+        outcome = metadata.get("outcome")
+        last: Outcome | None = outcome if outcome in OUTCOMES else None
+        if last is not None and t.turns:
+            t.turns[-1] = (t.turns[-1][0], last)  # what the previous turn's tool call returned
+        hint = metadata.get("predicted_total")
+        if isinstance(hint, (int, float)) and not isinstance(hint, bool) and hint > 0:
+            t.predicted = float(hint)
+        else:
+            t.predicted = self.predictor.predict(t.prompt_tokens, turn, t.tokens, [o for _, o in t.turns])
+        return Request(
+            trajectory=traj_id,
+            arrival=time.monotonic() - self._t0,
+            turn=turn,
+            prompt_tokens=prompt_tokens,
+            tokens_so_far=t.tokens,
+            predicted_total=t.predicted,
+            last_outcome=last,
+        )
+
+    def place(self, req: Request, candidates: Sequence[int], sticky: int | None) -> int | None:
+        """The replica (an index into ``candidates``' ids) for this turn, or ``None`` to let
+        the proxy keep its trajectory affinity."""
+        if self.placement is None:
+            return None
+        t = self._trajs[req.trajectory]
+        if sticky in candidates and self.placement.name == "least_load":
+            return sticky  # placed once
+        names = {str(c): c for c in candidates}
+        # a replica's load: the predicted work of the trajectories placed there
+        load = dict.fromkeys(names, 0.0)
+        others: list[Request] = []
+        for tid, other in self._trajs.items():
+            if tid != req.trajectory and other.replica in candidates:
+                load[str(other.replica)] += predicted_work(_as_request(tid, other))
+                others.append(_as_request(tid, other, worker=other.replica))
+        req.worker = str(sticky) if sticky in candidates else None
+        if self.placement.name == "presorted_dp":
+            # re-partition every trajectory of the group; only this one moves now (it is
+            # between turns), the others move at their own next turn
+            split = self.placement.place([*others, req], dict.fromkeys(names, 0.0))
+            now = {o.trajectory: o.worker for o in others if o.worker is not None}
+            if req.worker is not None:
+                now[req.trajectory] = req.worker
+            target = stable_relabel(split, now)[req.trajectory]
+        else:
+            target = self.placement.place([req], load)[req.trajectory]
+        chosen = names[target]
+        if sticky is not None and sticky != chosen:
+            self.migrations += 1
+        t.replica = chosen
+        return chosen
+
+    # ------------------------------------------------------------------ admission
+    async def admit(self, replica: int, req: Request) -> bool:
+        """Wait for a slot on ``replica``. False: the turn was cancelled while waiting."""
+        s = self._replicas.get(replica)
+        if s is None:
+            s = self._replicas[replica] = _Slots(make_queue_policy(self.scheduler, **self._options))
+        self._trajs.setdefault(req.trajectory, _Traj()).replica = replica
+        if s.running < self.slots and not len(s.queue):
+            s.running += 1
+            self.admitted += 1
+            return True
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        s.waiting[req.seq] = (req.trajectory, fut)
+        s.queue.push(req, req.arrival)
+        self.queued += 1
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            s.waiting.pop(req.seq, None)
+            if fut.done() and not fut.cancelled() and fut.result():
+                self.done(replica)  # admitted just as the caller went away: hand the slot on
+            raise
+
+    def done(self, replica: int) -> None:
+        """A turn on ``replica`` ended: its slot goes to the policy's next waiting turn."""
+        s = self._replicas[replica]
+        s.running -= 1
+        now = time.monotonic() - self._t0
+        while s.running < self.slots and len(s.queue):
+            nxt = s.queue.pop(now)
+            assert nxt is not None
+            entry = s.waiting.pop(nxt.seq, None)
+            if entry is None or entry[1].done():
+                continue  # cancelled while waiting
+            fut = entry[1]
+            s.running += 1
+            self.admitted += 1
+            fut.set_result(True)
+
+    def cancel(self, traj_id: str) -> None:
+        """The trajectory was aborted: its waiting turns leave the line without running."""
+        for s in self._replicas.values():
+            for seq, (owner, fut) in list(s.waiting.items()):
+                # the queue keeps the request; ``done`` skips it since its entry is gone
+                if owner == traj_id and not fut.done():
+                    del s.waiting[seq]
+                    fut.set_result(False)
+
+    # ------------------------------------------------------------------ trajectories
+    def finished_turn(self, traj_id: str, tokens: int, outcome: Outcome = "ok") -> None:
+        t = self._trajs.setdefault(traj_id, _Traj())
+        t.tokens += tokens
+        t.turns.append((tokens, outcome))
+
+    def release(self, traj_id: str, *, learn: bool = True) -> None:
+        """The trajectory ended: learn its length, forget it."""
+        t = self._trajs.pop(traj_id, None)
+        for s in self._replicas.values():
+            if isinstance(s.queue, CMLFQ):
+                s.queue.forget(traj_id)
+        if learn and t is not None and t.turns and t.prompt_tokens >= 0:
+            self.predictor.observe(t.prompt_tokens, t.turns)
+
+    def record(self, **row: Any) -> None:
+        if self.trace_path is None:
+            return
+        if self._trace is None:
+            self.trace_path.parent.mkdir(parents=True, exist_ok=True)
+            self._trace = self.trace_path.open("w", buffering=1)
+        self._trace.write(json.dumps(row, separators=(",", ":")) + "\n")
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def close(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "scheduler": self.scheduler,
+            "placement": self.placement.name if self.placement else "affinity",
+            "turns_admitted": self.admitted,
+            "turns_queued": self.queued,
+            "waiting": sum(len(s.waiting) for s in self._replicas.values()),
+            "migrations": self.migrations,
+            "predictor_trained_on": self.predictor.trajectories_seen,
+        }
+
+
+def _as_request(traj_id: str, t: _Traj, worker: int | None = None) -> Request:
+    return Request(
+        trajectory=traj_id,
+        arrival=0.0,
+        tokens_so_far=t.tokens,
+        predicted_total=t.predicted,
+        worker=None if worker is None else str(worker),
+    )
