@@ -2,7 +2,10 @@
 
 ``queueing`` (fcfs, rr, sjf, pps, cmlfq), ``placement`` (least_load, cache_affinity,
 presorted_dp), ``resources`` (adaptive model parallelism by simulated annealing),
-``multiplex`` (HRRS across jobs). ``base`` holds the ``Request`` they decide about.
+``multiplex`` (HRRS across jobs), ``horizon`` (cyclic-horizon packing of periodic jobs on
+shared nodes, over ``segtree``), ``planner`` (the periodic rollout/train GPU split over an
+elastic pool), ``predictor`` (progressive length prediction). ``base`` holds the
+``Request`` they decide about.
 """
 
 from core.sched.base import Placement, QueuePolicy, Request
