@@ -124,11 +124,14 @@ class Job:
                 async with stream:
                     setup_s = time.perf_counter() - t_start
                     progress.note(f"ready in {setup_s:.1f}s; training {cfg.steps} steps ({cfg.rollout.mode})")
-                    summary = await self._train(manager, runner, buffer, stream, run_dir, progress)
-                    summary["setup_s"] = round(setup_s, 1)
-                    # routing, recoveries and the turn scheduler's counts, for the record
-                    summary["proxy"] = await self.proxy_handle.stats.remote()
-                    await runner.aclose()
+                    try:
+                        summary = await self._train(manager, runner, buffer, stream, run_dir, progress)
+                        summary["setup_s"] = round(setup_s, 1)
+                        # routing, recoveries and the turn scheduler's counts, for the record
+                        summary["proxy"] = await self.proxy_handle.stats.remote()
+                    finally:
+                        # a failed run too stops its rollouts before the cluster goes away
+                        await runner.aclose()
         summary["wall_s"] = round(time.perf_counter() - t_start, 1)
         run_dir.finish(summary)
         return summary

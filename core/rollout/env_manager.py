@@ -125,6 +125,7 @@ class EnvManager:
         self.pool = pool
         self.proxy = proxy
         self.actions = actions or {}
+        self._releasing: set[asyncio.Task[None]] = set()
         """Tag -> allowed token ids (constrained replies), from ``EnvConfig.actions``."""
 
     async def run(
@@ -158,8 +159,18 @@ class EnvManager:
             traj.info["wall_s"] = time.perf_counter() - t0
             if barrier is not None:
                 await barrier.leave()
-            await asyncio.shield(self.proxy.release(traj.id))
+            # shielded: a cancelled trajectory still frees its affinity; kept so that ``drain``
+            # can wait for a release its cancelled caller no longer waits for
+            release = asyncio.ensure_future(self.proxy.release(traj.id))
+            self._releasing.add(release)
+            release.add_done_callback(self._releasing.discard)
+            await asyncio.shield(release)
         return traj
+
+    async def drain(self) -> None:
+        """Wait for the proxy releases that cancelled trajectories left running."""
+        while self._releasing:
+            await asyncio.gather(*self._releasing, return_exceptions=True)
 
     async def _play(self, task: Task, traj: Trajectory, barrier: TurnBarrier | None) -> None:
         env, info = task.env, traj.info

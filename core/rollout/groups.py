@@ -226,4 +226,11 @@ class GroupRunner:
         tasks = [t for g in self.groups.values() for t in g.running.values()]
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, *self._aborting, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # aborts started meanwhile (a trajectory's end can close its group) are awaited
+        # too: one left unstarted when the loop closes is a coroutine never awaited
+        while self._aborting:
+            await asyncio.gather(*self._aborting, return_exceptions=True)
+        drain = getattr(self.manager, "drain", None)
+        if drain is not None:
+            await drain()

@@ -1,5 +1,8 @@
 """Discrete-event simulator of rollout steps (``simulator``), its engine model (``engine``)
-and workloads (``workload``). It runs the same ``core.sched`` policies as the real path."""
+and workloads (``workload``). It runs the same ``core.sched`` policies as the real path.
+``pipeline`` and ``reward`` simulate the RL loop around the rollout (asynchrony, failures,
+reward workers); ``trace`` replays a real run's trace and ``calibrate`` measures a real
+engine's profile."""
 
 from core.sim.engine import EngineProfile, Worker
 from core.sim.simulator import SimResult, Simulator, no_prediction, oracle

@@ -33,6 +33,10 @@ class EngineProfile:
     """Decode-token equivalents per prompt token (prefill is compute-bound and batched)."""
     cache_tokens: int = 2_000_000
     """Prefix cache capacity per worker (tokens of history it keeps between turns)."""
+    prefill_blocks: bool = False
+    """True: a prefill stalls every running request for its duration (an engine that runs
+    a whole prefill pass between decode steps, like the torch engine or vLLM without
+    chunked prefill). False: it delays only its own request (chunked prefill)."""
 
     def __post_init__(self) -> None:
         if len(self.batch_sizes) != len(self.step_ms_table) or not self.batch_sizes:
@@ -58,6 +62,8 @@ class Worker:
     speed: float = 1.0
     """Decode speed relative to the profile (model parallelism, a faster GPU)."""
     V: float = 0.0
+    stall_ms: float = 0.0
+    """Prefill time still ahead (``prefill_blocks``): wall time in which ``V`` stands still."""
     last_ms: float = 0.0
     busy_ms: float = 0.0
     running: list[tuple[float, int, Any]] = field(default_factory=list)
@@ -74,32 +80,44 @@ class Worker:
     def advance(self, now_ms: float) -> None:
         b = len(self.running)
         if b and now_ms > self.last_ms:
-            self.V += (now_ms - self.last_ms) * self.speed / self.profile.step_ms(b)
-            self.busy_ms += now_ms - self.last_ms
+            dt = now_ms - self.last_ms
+            self.busy_ms += dt
+            stalled = min(self.stall_ms, dt)
+            self.stall_ms -= stalled
+            self.V += (dt - stalled) * self.speed / self.profile.step_ms(b)
         self.last_ms = now_ms
 
     def admit(
         self, now_ms: float, item: Any, seq: int, decode_tokens: float, prompt_tokens: int, trajectory: str
     ) -> None:
         self.advance(now_ms)
-        held = self.cached.pop(trajectory, 0)
+        caching = self.profile.cache_tokens > 0  # without a prefix cache every turn re-reads its prompt
+        held = self.cached.pop(trajectory, 0) if caching else 0
         to_prefill = max(prompt_tokens - held, 0)
-        work = decode_tokens + to_prefill * self.profile.prefill_ratio
-        heapq.heappush(self.running, (self.V + work, seq, item))
-        # the history after this turn, most recently used last
-        history = prompt_tokens + int(decode_tokens)
-        self.cached[trajectory] = history
-        self.cached_total += history - held
-        while self.cached_total > self.profile.cache_tokens and len(self.cached) > 1:
-            oldest = next(iter(self.cached))
-            self.cached_total -= self.cached.pop(oldest)
+        prefill = to_prefill * self.profile.prefill_ratio  # in decode tokens
+        if self.profile.prefill_blocks:
+            self.stall_ms += prefill * self.profile.step_ms_table[0] / self.speed
+            prefill = 0.0
+        heapq.heappush(self.running, (self.V + decode_tokens + prefill, seq, item))
+        if caching:
+            # the history after this turn, most recently used last
+            history = prompt_tokens + int(decode_tokens)
+            self.cached[trajectory] = history
+            self.cached_total += history - held
+            while self.cached_total > self.profile.cache_tokens and len(self.cached) > 1:
+                oldest = next(iter(self.cached))
+                self.cached_total -= self.cached.pop(oldest)
         self.version += 1
 
     def next_completion_ms(self) -> float | None:
         if not self.running:
             return None
         b = len(self.running)
-        return self.last_ms + (self.running[0][0] - self.V) * self.profile.step_ms(b) / self.speed
+        return (
+            self.last_ms
+            + self.stall_ms
+            + (self.running[0][0] - self.V) * self.profile.step_ms(b) / self.speed
+        )
 
     def complete(self, now_ms: float) -> Any:
         self.advance(now_ms)

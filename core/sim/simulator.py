@@ -14,6 +14,10 @@ Two interaction modes:
   batch-level frameworks do).
 
 The result holds the makespan, each trajectory's finish time and the workers' utilisation.
+
+Redundant rollouts (``keep_per_group``): a group launches more trajectories than it needs;
+once ``keep_per_group`` of them have finished, the others are aborted and their engine slots
+and prefix cache freed, as a real job cancels its requests (trajectory mode only).
 """
 
 from __future__ import annotations
@@ -88,9 +92,16 @@ class Simulator:
         predictor: Predictor = no_prediction,
         scheduler_options: dict[str, Any] | None = None,
         placement_options: dict[str, Any] | None = None,
+        keep_per_group: int | None = None,
+        starts_ms: dict[str, float] | None = None,
     ) -> None:
         if mode not in ("trajectory", "batch"):
             raise ValueError(f"mode must be 'trajectory' or 'batch', got {mode!r}")
+        if keep_per_group is not None:
+            if keep_per_group < 1:
+                raise ValueError(f"keep_per_group must be at least 1, got {keep_per_group}")
+            if mode != "trajectory":
+                raise ValueError("keep_per_group (redundant rollouts) needs mode='trajectory'")
         if workers < 1:
             raise ValueError("need at least one worker")
         profile = profile or EngineProfile()
@@ -117,16 +128,29 @@ class Simulator:
             for k in range(max((len(t.turns) for t in trajectories), default=0))
         ]
         self.preemptions = 0
+        self.keep = keep_per_group
+        self._groups: dict[int, list[str]] = {}
+        for t in trajectories:
+            self._groups.setdefault(t.group, []).append(t.id)
+        self._kept: dict[int, int] = {}
+        self._aborted: set[str] = set()
+        self.starts = dict(starts_ms or {})
+        """When each trajectory's first turn is ready (a replayed trace); absent: at 0."""
+        if any(v < 0 for v in self.starts.values()):
+            raise ValueError("starts_ms must be >= 0")
 
     # -- events
     def _at(self, t: float, kind: str, payload: Any) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
 
     def run(self) -> SimResult:
-        reqs = [self._request(self._live[t.id], 0.0) for t in self.trajs]
+        reqs = [self._request(self._live[t.id], self.starts.get(t.id, 0.0)) for t in self.trajs]
         self._where = self.placement.place(reqs, {w: 0.0 for w in self.workers})
         for r in reqs:
-            self._ready(r, 0.0)
+            if r.arrival > 0:
+                self._at(r.arrival, "ready", r)
+            else:
+                self._ready(r, 0.0)
         events = 0
         now = 0.0
         while self._events:
@@ -143,13 +167,16 @@ class Simulator:
                 self._after_tool(payload, now)
             elif kind == "ready":
                 self._ready(payload, now)
+            elif kind == "finish":
+                self._finished(payload, now)
         makespan = max(self._finish.values(), default=0.0)
         util = (
             sum(w.busy_ms for w in self.workers.values()) / (len(self.workers) * makespan)
             if makespan
             else 0.0
         )
-        return SimResult(makespan, dict(self._finish), util, events, self.preemptions)
+        meta: dict[str, Any] = {"aborted": sorted(self._aborted)} if self.keep is not None else {}
+        return SimResult(makespan, dict(self._finish), util, events, self.preemptions, meta)
 
     # -- steps
     def _request(self, live: _Live, now: float) -> Request:
@@ -165,15 +192,15 @@ class Simulator:
         )
 
     def _ready(self, req: Request, now: float) -> None:
+        if req.trajectory in self._aborted:
+            return
         name = self._where[req.trajectory]
         self.queues[name].push(req, now)
         self._dispatch(self.workers[name], now)
 
     def _dispatch(self, w: Worker, now: float) -> None:
         queue = self.queues[w.name]
-        while w.free_slots > 0 and len(queue):
-            req = queue.pop(now)
-            assert req is not None
+        while w.free_slots > 0 and (req := self._pop_live(queue, now)) is not None:
             self._admit(w, req, now)
         if queue.preemptive and len(queue) and w.free_slots == 0:
             for victim in queue.preempt([item for _, _, item in w.running], now):
@@ -181,12 +208,19 @@ class Simulator:
                 self.preemptions += 1
                 victim.remaining_tokens = left  # it waits again, with what it has left
                 queue.push(victim, now)
-                nxt = queue.pop(now)
+                nxt = self._pop_live(queue, now)
                 assert nxt is not None
                 self._admit(w, nxt, now)
         t = w.next_completion_ms()
         if t is not None:
             self._at(t, "done", (w.name, w.version))
+
+    def _pop_live(self, queue: QueuePolicy, now: float) -> Request | None:
+        """The queue's next request, dropping those of aborted trajectories on the way (the
+        policies have no removal, so aborted turns are skipped when they come up)."""
+        while (req := queue.pop(now)) is not None and req.trajectory in self._aborted:
+            pass
+        return req
 
     def _admit(self, w: Worker, req: Request, now: float) -> None:
         live = self._live[req.trajectory]
@@ -207,13 +241,18 @@ class Simulator:
     def _start_tool(self, live: _Live, now: float) -> None:
         turn = live.spec.turns[live.turn]
         if live.turn == len(live.spec.turns) - 1:
-            self._finish[live.spec.id] = now + turn.tool_ms
+            if self.keep is None:
+                self._finish[live.spec.id] = now + turn.tool_ms
+            else:  # the group's count changes when it really finishes
+                self._at(now + turn.tool_ms, "finish", live.spec.id)
             return
         self._at(now + turn.tool_ms, "tool_done", live.spec.id)
 
     def _after_tool(self, trajectory: str, now: float) -> None:
+        if trajectory in self._aborted:
+            return
         live = self._live[trajectory]
-        live.history += 64  # the tool's output joins the context
+        live.history += live.spec.turns[live.turn].tool_tokens  # the tool's output joins the context
         live.turn += 1
         if self.mode == "batch":
             self._barrier(("tool", live.turn), live, now)
@@ -234,3 +273,34 @@ class Simulator:
                 self._start_tool(other, now)
             else:
                 self._at(now, "ready", self._request(other, now))
+
+    def _finished(self, trajectory: str, now: float) -> None:
+        """Redundant rollouts: record a finisher; the group's ``keep``-th one aborts the rest."""
+        if trajectory in self._aborted:
+            return
+        self._finish[trajectory] = now
+        group = self._live[trajectory].spec.group
+        self._kept[group] = self._kept.get(group, 0) + 1
+        if self._kept[group] != self.keep:
+            return
+        for tid in self._groups[group]:
+            if tid not in self._finish:
+                self._abort(tid, now)
+
+    def _abort(self, trajectory: str, now: float) -> None:
+        """Free what ``trajectory`` holds: its running turn's slot and its prefix cache. Its
+        pending tool call, and a queued turn, are dropped when they come up (a preemptive
+        queue drops it at once)."""
+        self._aborted.add(trajectory)
+        w = self.workers[self._where[trajectory]]
+        w.cached_total -= w.cached.pop(trajectory, 0)
+        queue = self.queues[w.name]
+        if queue.preemptive:  # it preempts on what waits: an aborted turn must not count
+            for req in queue.drain(now):
+                if req.trajectory not in self._aborted:
+                    queue.push(req, now)
+        for _, _, item in w.running:
+            if item.trajectory == trajectory:
+                w.evict(now, item)
+                self._dispatch(w, now)  # refill the slot and reschedule the worker's completion
+                break

@@ -21,6 +21,8 @@ class Turn:
     tool_ms: float = 0.0
     """The tool or environment call after this turn's generation (0: none, the episode ends)."""
     outcome: Outcome = "ok"
+    tool_tokens: int = 64
+    """The tool's output, added to the context for the next turn."""
 
 
 @dataclass(frozen=True)
