@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from typing import Any
 
 from repro_cluster import global_planner, two_job_packing
 from repro_pipeline import async_bound, redundant_rollouts, reward_as_a_service
@@ -64,7 +65,7 @@ def env_interaction() -> list[dict[str, object]]:
 
 def queueing() -> list[dict[str, object]]:
     w = preset("coding", 2000, seed=0)
-    base = {"workers": 8, "placement": "least_load", "predictor": oracle, "profile": KV32}
+    base: dict[str, Any] = {"workers": 8, "placement": "least_load", "predictor": oracle, "profile": KV32}
     runs = {
         s: Simulator(w.trajectories, scheduler=s, **base).run().makespan_ms
         for s in ("fcfs", "rr", "sjf", "pps")
@@ -85,7 +86,7 @@ def learned() -> list[dict[str, object]]:
     for t in preset("coding", 2000, seed=10).trajectories:
         model.observe(t.prompt_tokens, [(x.gen_tokens, x.outcome) for x in t.turns])
     w = preset("coding", 2000, seed=0)
-    base = {"workers": 8, "placement": "least_load", "profile": KV32}
+    base: dict[str, Any] = {"workers": 8, "placement": "least_load", "profile": KV32}
     fcfs = Simulator(w.trajectories, scheduler="fcfs", **base).run().makespan_ms
     pps = Simulator(w.trajectories, scheduler="pps", predictor=progressive(model), **base).run().makespan_ms
     return [
@@ -137,7 +138,7 @@ def adaptive_mp() -> list[dict[str, object]]:
 
 def cmlfq() -> list[dict[str, object]]:
     w = preset("coding", 2000, seed=3)
-    base = {"workers": 8, "placement": "least_load", "profile": KV32}
+    base: dict[str, Any] = {"workers": 8, "placement": "least_load", "profile": KV32}
     noisy_pps = Simulator(w.trajectories, scheduler="pps", predictor=noisy(1.0), **base).run().makespan_ms
     c = Simulator(w.trajectories, scheduler="cmlfq", **base).run().makespan_ms
     return [
