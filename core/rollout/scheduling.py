@@ -125,13 +125,11 @@ class TurnScheduler:
         if sticky in candidates and self.placement.name == "least_load":
             return sticky  # placed once
         names = {str(c): c for c in candidates}
-        # a replica's load: the predicted work of the trajectories placed there
-        load = dict.fromkeys(names, 0.0)
-        others: list[Request] = []
-        for tid, other in self._trajs.items():
-            if tid != req.trajectory and other.replica in candidates:
-                load[str(other.replica)] += predicted_work(_as_request(tid, other))
-                others.append(_as_request(tid, other, worker=other.replica))
+        others = [
+            _as_request(tid, other, other.replica)
+            for tid, other in self._trajs.items()
+            if tid != req.trajectory and other.replica in candidates
+        ]
         req.worker = str(sticky) if sticky in candidates else None
         if self.placement.name == "presorted_dp":
             # re-partition every trajectory of the group; only this one moves now (it is
@@ -142,6 +140,10 @@ class TurnScheduler:
                 now[req.trajectory] = req.worker
             target = stable_relabel(split, now)[req.trajectory]
         else:
+            # a replica's load: the predicted work of the trajectories placed there
+            load = dict.fromkeys(names, 0.0)
+            for o in others:
+                load[str(o.worker)] += predicted_work(o)
             target = self.placement.place([req], load)[req.trajectory]
         chosen = names[target]
         if sticky is not None and sticky != chosen:
@@ -240,7 +242,7 @@ class TurnScheduler:
         }
 
 
-def _as_request(traj_id: str, t: _Traj, worker: int | None = None) -> Request:
+def _as_request(traj_id: str, t: _Traj, worker: int | None) -> Request:
     return Request(
         trajectory=traj_id,
         arrival=0.0,

@@ -218,8 +218,9 @@ class Simulator:
     def _pop_live(self, queue: QueuePolicy, now: float) -> Request | None:
         """The queue's next request, dropping those of aborted trajectories on the way (the
         policies have no removal, so aborted turns are skipped when they come up)."""
-        while (req := queue.pop(now)) is not None and req.trajectory in self._aborted:
-            pass
+        req = queue.pop(now)
+        while req is not None and req.trajectory in self._aborted:
+            req = queue.pop(now)
         return req
 
     def _admit(self, w: Worker, req: Request, now: float) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tiny_models import completion
 
 from core.rollout.engines.base import Completion, Engine, GenerateRequest
 from core.sim import Simulator
@@ -117,15 +118,7 @@ class ClockEngine(Engine):
         self.now_ms += ((1 + b) * n) / b + 0.01 * len(request.prompt_ids or [])
         await asyncio.sleep(0)
         self.joined = 0
-        return Completion(
-            request_id=request.request_id,
-            text="",
-            prompt_ids=list(request.prompt_ids or []),
-            token_ids=[1] * n,
-            logprobs=[0.0] * n,
-            policy_version=0,
-            finish_reason="length",
-        )
+        return completion(request, n)
 
 
 async def test_profile_engine_measures_step_time_by_batch_size_and_prefill_cost():

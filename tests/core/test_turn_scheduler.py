@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 import pytest
-from tiny_models import stopless
+from tiny_models import completion, stopless
 
 from core.config import JobConfig
 from core.errors import ConfigError
@@ -40,15 +40,7 @@ class GatedReplica(Replica):
         gate = self.gates.setdefault(request.request_id, asyncio.Event())
         await gate.wait()
         n = int(request.metadata.get("tokens", 1))
-        return Completion(
-            request_id=request.request_id,
-            text="x",
-            prompt_ids=list(request.prompt_ids or []),
-            token_ids=[1] * n,
-            logprobs=[0.0] * n,
-            policy_version=0,
-            finish_reason="length",
-        )
+        return completion(request, n, "x")
 
     def open(self, rid: str) -> None:
         self.gates.setdefault(rid, asyncio.Event()).set()
@@ -127,12 +119,18 @@ async def test_cmlfq_serves_a_trajectory_whose_tool_call_succeeded_first():
     assert await order_under("cmlfq", turns) == ["plain/1", "passes/3", "fails/2"]
 
 
-async def test_an_aborted_trajectory_leaves_the_line_and_its_place_goes_on():
+async def one_busy_slot() -> tuple[GatedReplica, TurnScheduler, LLMProxy, asyncio.Future[Completion]]:
+    """One replica with one slot, held by a turn ("busy/0") until the test opens it."""
     rep = GatedReplica()
     sched = TurnScheduler("fcfs", slots=1)
     proxy = LLMProxy({"default": [rep]}, scheduler=sched)
     busy = asyncio.ensure_future(proxy.generate("busy", "t", req("busy")))
     await settle()
+    return rep, sched, proxy, busy
+
+
+async def test_an_aborted_trajectory_leaves_the_line_and_its_place_goes_on():
+    rep, sched, proxy, busy = await one_busy_slot()
     doomed = asyncio.ensure_future(proxy.generate("doomed", "t", req("doomed")))
     later = asyncio.ensure_future(proxy.generate("later", "t", req("later")))
     await settle()
@@ -149,11 +147,7 @@ async def test_an_aborted_trajectory_leaves_the_line_and_its_place_goes_on():
 
 
 async def test_a_caller_that_goes_away_while_waiting_does_not_keep_a_slot():
-    rep = GatedReplica()
-    sched = TurnScheduler("fcfs", slots=1)
-    proxy = LLMProxy({"default": [rep]}, scheduler=sched)
-    busy = asyncio.ensure_future(proxy.generate("busy", "t", req("busy")))
-    await settle()
+    rep, sched, proxy, busy = await one_busy_slot()
     gone = asyncio.ensure_future(proxy.generate("gone", "t", req("gone")))
     await settle()
     gone.cancel()

@@ -7,6 +7,7 @@ import torch
 
 from core.policy.tiny_lm import TinyLM
 from core.policy.tokenizer import WordTokenizer
+from core.rollout.engines.base import Completion, GenerateRequest
 
 
 def stopless(model: TinyLM, tok: WordTokenizer) -> TinyLM:
@@ -22,3 +23,16 @@ def stopless(model: TinyLM, tok: WordTokenizer) -> TinyLM:
         for i in tok.stop_ids:
             model.embed.weight[i] = -20 * u
     return model
+
+
+def completion(request: GenerateRequest, n: int, text: str = "") -> Completion:
+    """A finished turn of ``n`` tokens answering ``request`` (fake engines and replicas)."""
+    return Completion(
+        request_id=request.request_id,
+        text=text,
+        prompt_ids=list(request.prompt_ids or []),
+        token_ids=[1] * n,
+        logprobs=[0.0] * n,
+        policy_version=0,
+        finish_reason="length",
+    )
