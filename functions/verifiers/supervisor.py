@@ -1,19 +1,27 @@
 """One sandboxed run: the supervisor (forked by the zygote) and the processes it starts.
 
-Ahead of any request (a *spare*), the supervisor, still root but inside the zygote's
-read-only jail, takes fresh mount, net, IPC, UTS and PID namespaces, mounts a size-limited
-tmpfs at ``/sandbox`` (also seen as ``/tmp``) and forks twice: a placeholder PID 1 that
-holds the PID namespace, and the program (PID 2), which mounts the namespace's ``/proc``,
-becomes the run's unprivileged uid (clearing every capability), enters a user namespace of
-its own, drops what that namespace granted, sets ``no_new_privs`` and waits.
+The supervisor is PID 1 of a fresh PID namespace (the zygote forks it right after
+``unshare(CLONE_NEWPID)``). Ahead of any request (a *spare*), still root but inside the
+zygote's read-only jail, it joins its uid slot's network and UTS namespaces, takes fresh
+mount and IPC namespaces, mounts a size-limited tmpfs at ``/sandbox`` (also seen as
+``/tmp``) and forks the program (PID 2), which mounts the namespace's ``/proc``, becomes
+the run's unprivileged uid (clearing every capability), enters a user namespace of its
+own, drops what that namespace granted, sets ``no_new_privs`` and waits.
 
 When the request comes, the supervisor writes the run's files and stdin, and sends the
 program its start message; the program takes its rlimits, scrubs its environment and
 either ``exec``s a command or, for Python, runs the source in this already-initialised
 interpreter (the point of the zygote: no interpreter start-up). The supervisor reads
 stdout/stderr up to their caps and enforces the wall-clock limit; when the program ends
-(or is killed) it kills PID 1, and the kernel kills everything the program left behind.
+(or is killed) it kills every other process of its namespace (``kill(-1)`` from PID 1
+reaches exactly those), and if the supervisor itself dies the kernel ends the namespace.
 It reports exactly what happened; judging the output is ``functions.verifiers.verify``'s.
+
+Why the supervisor is PID 1 and not the program: the kernel drops the signals a PID 1
+sends itself without a handler, so as PID 1 a program's ``abort()`` or
+``kill(getpid(), ...)`` would not end it. The supervisor installs no handler, so nothing
+in the namespace can signal it either. (A separate placeholder PID 1 cost a fork and an
+exit of the whole interpreter image per run.)
 
 Stdlib only, like everything the zygote imports.
 """
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import builtins
+import contextlib
 import io
 import json
 import os
@@ -40,8 +49,9 @@ from functions.verifiers import _linux as lx
 from functions.verifiers import jail
 from functions.verifiers.cgroups import Slot
 
-#: Fresh for every run. Network and UTS namespaces are the uid slot's (``make_slot_namespaces``).
-RUN_NAMESPACES = lx.CLONE_NEWNS | lx.CLONE_NEWIPC | lx.CLONE_NEWPID
+#: Fresh for every run, with the PID namespace the zygote makes for the supervisor. Network
+#: and UTS namespaces are the uid slot's (``make_slot_namespaces``).
+RUN_NAMESPACES = lx.CLONE_NEWNS | lx.CLONE_NEWIPC
 SLOT_NAMESPACES = lx.CLONE_NEWNET | lx.CLONE_NEWUTS
 WORK = "/sandbox"
 #: Environment of every run: nothing inherited, so no credential can leak in.
@@ -142,25 +152,6 @@ def _exit_if_orphaned() -> None:
     between, nothing would ever kill this process. Its pidfd says whether it already did."""
     if select.select([_SUPERVISOR_PIDFD], [], [], 0)[0]:
         os._exit(1)
-
-
-def _init() -> None:
-    """PID 1 of the run's namespace: holds the namespace open and nothing else. Never returns.
-
-    The program runs as PID 2, a child of the supervisor (which forks it into this
-    namespace): the kernel drops signals a PID 1 sends itself without a handler, so as
-    PID 1 a program's ``abort()`` or ``kill(getpid(), ...)`` would not end it. When the
-    program ends, the supervisor kills this process and the kernel kills whatever the
-    program left behind.
-    """
-    lx.prctl(lx.PR_SET_PDEATHSIG, signal.SIGKILL)
-    _exit_if_orphaned()
-    os.closerange(3, 65536)
-    while True:
-        try:
-            os.wait()  # reap orphans until killed
-        except ChildProcessError:
-            signal.pause()
 
 
 def _program(uid: int, go_r: int, stdin_fd: int, out_w: int, err_w: int, ok_w: int) -> None:
@@ -268,12 +259,20 @@ def _collect(name: str, limit: int) -> bytes | None:
         os.close(fd)
 
 
+def end_namespace() -> None:
+    """Kill every process of the run's PID namespace but this one (PID 1).
+
+    Every process there descends from us, and an orphan is re-parented to us, so repeating
+    until nothing is left to wait for also catches one forked while the first kill ran."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(-1, signal.SIGKILL)
+
+
 def finish() -> None:
-    """Wait until the run's PID namespace is gone (call after sending the report: the
-    zygote frees the run's uid only once this process has exited)."""
-    # every child, in whatever order: a child the program attached to us with
-    # clone(CLONE_PARENT) must be reaped before PID 1 can finish dying
+    """End and reap everything in the run's PID namespace (call after sending the report:
+    the zygote frees the run's uid only once this process has exited)."""
     while True:
+        end_namespace()
         try:
             os.waitpid(-1, 0)
         except ChildProcessError:
@@ -306,22 +305,21 @@ def make_slot_namespaces(chan: socket.socket) -> None:
     socket.send_fds(chan, [b"ns"], fds)
 
 
-def spare(
-    uid: int, req_fd: int, slot: Slot | None = None, namespaces: list[int] | None = None
-) -> dict[str, Any] | None:
-    """Prepare a warm sandbox, wait for a request on ``req_fd``, run it, report.
+def spare(uid: int, req_fd: int, slot: Slot | None, namespaces: list[int]) -> dict[str, Any] | None:
+    """Prepare a warm sandbox, wait for a request on ``req_fd``, run it, report. Call as
+    PID 1 of a fresh PID namespace (the zygote forks us into one).
 
-    Everything before the request (namespaces, the ``/sandbox`` tmpfs, PID 1 with its
-    ``/proc``, already unprivileged) happens ahead of time, off the run's latency. ``None``: no request came.
+    Everything before the request (namespaces, the ``/sandbox`` tmpfs, the program with its
+    ``/proc``, already unprivileged) happens ahead of time, off the run's latency.
+    ``None``: no request came.
     """
     try:
         lx.prctl(lx.PR_SET_PDEATHSIG, signal.SIGKILL)
-        if namespaces:
-            lx.setns(namespaces[0], lx.CLONE_NEWNET)
-            lx.setns(namespaces[1], lx.CLONE_NEWUTS)
-            lx.unshare(RUN_NAMESPACES)
-        else:
-            lx.unshare(RUN_NAMESPACES | SLOT_NAMESPACES)
+        if os.getpid() != 1:
+            raise RuntimeError("the supervisor must be PID 1 of the run's own PID namespace")
+        lx.setns(namespaces[0], lx.CLONE_NEWNET)
+        lx.setns(namespaces[1], lx.CLONE_NEWUTS)
+        lx.unshare(RUN_NAMESPACES)
         opts = f"size={DEFAULT_DISK_MB}m,nr_inodes={INODES},mode=0700,uid={uid},gid={uid}"
         lx.mount("tmpfs", WORK, "tmpfs", lx.MS_NOSUID | lx.MS_NODEV, opts)
         lx.mount(WORK, "/tmp", None, lx.MS_BIND)
@@ -333,10 +331,7 @@ def spare(
         ok_r, ok_w = os.pipe()
         global _SUPERVISOR_PIDFD
         _SUPERVISOR_PIDFD = os.pidfd_open(os.getpid())
-        init = os.fork()  # the first child after unshare(CLONE_NEWPID) is the namespace's PID 1
-        if init == 0:
-            _init()
-        pid = os.fork()  # later ones join the same namespace
+        pid = os.fork()  # PID 2 of our namespace
         if pid == 0:
             for fd in (req_fd, out_r, err_r, go_w, ok_r):
                 os.close(fd)
@@ -346,7 +341,7 @@ def spare(
         global _SLOT
         _SLOT = slot
         if slot is not None:  # before any user code: every process it makes is counted
-            slot.add(pid)  # (PID 1 only waits: one task migration saved per run)
+            slot.add(pid)  # (not us: one task migration per run, and our work is not the run's)
     except BaseException as e:
         req = _read_request(req_fd)
         return (
@@ -356,8 +351,7 @@ def spare(
         )
     req = _read_request(req_fd)
     if req is None:
-        os.kill(init, signal.SIGKILL)
-        return None
+        return None  # finish() ends the spare's program
     try:
         _write_files(req, uid, stdin)
         if slot is not None:
@@ -373,15 +367,15 @@ def spare(
     except BrokenPipeError:
         pass  # the program died during its set-up: its exit status and stderr say why
     except BaseException as e:
-        os.kill(init, signal.SIGKILL)
+        end_namespace()
         return {"status": "sandbox_error", "error": f"starting the run: {type(e).__name__}: {e}"}
     finally:
         os.close(go_w)
-    return _supervise(req, init, pid, out_r, err_r, ok_r, slot)
+    return _supervise(req, pid, out_r, err_r, ok_r, slot)
 
 
 def _supervise(
-    req: dict[str, Any], init: int, pid: int, out_r: int, err_r: int, ok_r: int, slot: Slot | None
+    req: dict[str, Any], pid: int, out_r: int, err_r: int, ok_r: int, slot: Slot | None
 ) -> dict[str, Any]:
     limits = req["limits"]
     started = time.monotonic()
@@ -412,7 +406,7 @@ def _supervise(
                 sel.unregister(exited)
                 # the namespace ends first: whatever the program left dies (a tracer that
                 # holds the program's exit status included), then its status can be had
-                os.kill(init, signal.SIGKILL)
+                end_namespace()
                 _, status, usage = os.wait4(pid, 0)
                 continue
             chunk = os.read(key.fd, 65536)
@@ -422,11 +416,11 @@ def _supervise(
                 killed_for = "output_limit"
                 break
     if killed_for:
-        os.kill(init, signal.SIGKILL)  # every process of the namespace dies with its PID 1
+        end_namespace()
         if status is None:
             _, status, usage = os.wait4(pid, 0)
     assert status is not None  # the loop ends only once the program has been waited for
-    # init is killed already; finish() reaps it (and the rest) once the report is out
+    # the rest is killed already; finish() reaps it once the report is out
     for fd in (out_r, err_r, exited):
         os.close(fd)
     wall = time.monotonic() - started

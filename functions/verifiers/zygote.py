@@ -2,10 +2,10 @@
 
 Started once per worker with an empty environment. It imports what user programs commonly
 import, builds the read-only jail and ``pivot_root``s into it, then forks one supervisor per
-run request: a fork of a warm interpreter costs about a millisecond where starting
-``python`` costs tens. It stays single-threaded so forking it is safe, and gives every run
-that is in flight its own uid (``BASE_UID + slot``) so one run's process limit or files
-never touch another's.
+run request, each as PID 1 of a PID namespace of its own: a fork of a warm interpreter
+costs about a millisecond where starting ``python`` costs tens. It stays single-threaded
+so forking it is safe, and gives every run that is in flight its own uid
+(``BASE_UID + slot``) so one run's process limit or files never touch another's.
 
 Its channel (fd 0) is one end of a ``SOCK_SEQPACKET`` pair: it says ``{"ready": ...}``
 once, then sends ``b"spare"`` with two file descriptors per warm sandbox (write a request
@@ -32,6 +32,7 @@ import math  # noqa: F401
 import os
 import random  # noqa: F401
 import re  # noqa: F401
+import resource
 import selectors
 import signal
 import socket
@@ -41,6 +42,7 @@ import sys
 import time
 import typing  # noqa: F401
 
+from functions.verifiers import _linux as lx
 from functions.verifiers import jail
 from functions.verifiers.cgroups import RunCgroups
 from functions.verifiers.supervisor import finish, make_slot_namespaces, spare
@@ -55,8 +57,11 @@ class _Spares:
     is off every run's path: it only forks replacements and frees uid slots.
     """
 
-    def __init__(self, chan: socket.socket, base_uid: int, target: int, cgroups: RunCgroups) -> None:
+    def __init__(
+        self, chan: socket.socket, base_uid: int, target: int, cgroups: RunCgroups, pid_ns: int
+    ) -> None:
         self.chan = chan
+        self.pid_ns = pid_ns  # our own PID namespace, to come back to after each fork
         self.cgroups = cgroups
         self.base_uid = base_uid
         self.target = target
@@ -68,18 +73,27 @@ class _Spares:
     def refill(self) -> None:
         while self.unused < self.target and self.free:
             slot = self.free.pop()
+            # in the zygote, before the fork: a child's cache would die with it
+            namespaces = self._slot_namespaces(slot)
             req_r, req_w = os.pipe()
             res_r, res_w = os.pipe()
-            pid = os.fork()
+            # the next child is PID 1 of a namespace of its own: the run's supervisor
+            pid = -1
+            lx.unshare(lx.CLONE_NEWPID)
+            try:
+                pid = os.fork()
+            finally:
+                if pid != 0:  # (not in the child) our later children are ours again
+                    lx.setns(self.pid_ns, lx.CLONE_NEWPID)
             if pid == 0:
                 _supervisor(
                     self.base_uid + slot,
                     slot,
                     self.cgroups,
-                    self._slot_namespaces(slot),
+                    namespaces,
                     req_r,
                     res_w,
-                    [self.chan.fileno(), req_w, res_r],
+                    [self.chan.fileno(), self.pid_ns, req_w, res_r],
                 )
             os.close(req_r)
             os.close(res_w)
@@ -172,6 +186,12 @@ def main() -> None:
     chan = socket.socket(fileno=0)  # a SOCK_SEQPACKET pair end: one message per spare
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cgroups = RunCgroups(enabled=use_cgroups)  # before the jail: no cgroup tree inside it
+    pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)  # before the jail too: no /proc there
+    # two namespace descriptors kept per uid slot, plus the pipes of the spares
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 4 * MAX_SLOTS if hard == resource.RLIM_INFINITY else min(hard, 4 * MAX_SLOTS)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     try:
         shared = jail.enter()
     except OSError as e:
@@ -183,7 +203,7 @@ def main() -> None:
     # what the zygote allocated will never be collected: keep the collector of every run
     # from walking (and so copying, page by page) the inherited heap
     gc.freeze()
-    pool = _Spares(chan, base_uid, spares, cgroups)
+    pool = _Spares(chan, base_uid, spares, cgroups, pid_ns)
     sel = selectors.DefaultSelector()
     sel.register(chan, selectors.EVENT_READ)
     while True:
