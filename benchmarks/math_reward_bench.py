@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from functions.rewards.math import is_equivalent, math_answer
+from functions.rewards.math import Verdict, is_equivalent, math_answer
 
 TABLE = Path(__file__).resolve().parent.parent / "tests" / "data" / "math_equivalence.jsonl"
 FAST_RULES = {"string", "number", "structure", "text", "empty"}
@@ -36,7 +36,7 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-def _judge(row: dict[str, Any], timeout: float) -> tuple[bool, str]:
+def _judge(row: dict[str, Any], timeout: float) -> Verdict:  # None: undecided (counts as wrong)
     if row["category"] == "extraction":
         res = math_answer(row["prediction"], ground_truth=row["ground_truth"], sympy_timeout_s=timeout)
         return res.score == 1.0, str(res.info["decided_by"])

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from fabric.backends.base import LambdaConfig
 from fabric.client import Client
@@ -45,7 +46,7 @@ TOKENS = {
     "flood": "flood-token-0123456789abcdef",
     "flood-unbounded": "flood-unbounded-token-0123456789",
 }
-PAYLOADS = {
+PAYLOADS: dict[str, dict[str, Any]] = {
     "io_reward": {"answer": "4", "wait_ms": 10.0},
     "exact_match": {"traj": {"messages": [{"role": "assistant", "content": "4"}]}, "ground_truth": "4"},
 }
@@ -149,7 +150,7 @@ async def victim(url: str, calls: int, function: str) -> dict[str, float]:
     return {"p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99), "mean_ms": statistics.fmean(lat)}
 
 
-def flood(url: str, tenant: str, connections: int, function: str, raw: bool) -> subprocess.Popen[str]:
+def flood(url: str, tenant: str, connections: int, function: str, raw: bool) -> subprocess.Popen[bytes]:
     code = (RAW_FLOODER if raw else CLIENT_FLOODER).format(payload=repr(PAYLOADS[function]))
     return subprocess.Popen(
         [sys.executable, "-c", code, url, TOKENS[tenant], str(connections), function, FNS],
