@@ -262,15 +262,17 @@ def _collect(name: str, limit: int) -> bytes | None:
 def end_namespace() -> None:
     """Kill every process of the run's PID namespace but this one (PID 1).
 
-    Every process there descends from us, and an orphan is re-parented to us, so repeating
-    until nothing is left to wait for also catches one forked while the first kill ran."""
+    One call is enough: a fork that races the kill fails (the kernel refuses to finish a
+    fork once a signal is pending for the parent), so no child slips through."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(-1, signal.SIGKILL)
 
 
 def finish() -> None:
     """End and reap everything in the run's PID namespace (call after sending the report:
-    the zygote frees the run's uid only once this process has exited)."""
+    the zygote frees the run's uid only once this process has exited). Every process there
+    descends from us and orphans are re-parented to us, so nothing left to wait for means
+    nothing left at all; the kill is repeated anyway, for anything started since."""
     while True:
         end_namespace()
         try:
