@@ -123,6 +123,9 @@ def fast_partition(
     if a <= 0:
         raise ValueError("the interference factor must be > 0")
     prefix = list(itertools.accumulate(lengths, initial=0.0))
+    # the rounding of the room arithmetic below: without it, a budget equal to a group's
+    # exact cost can come out a hair short (one group too many, e.g. none fits on m = 1)
+    tol = 1e-12 * (prefix[-1] + max(lengths))
 
     def greedy(t: float) -> list[int] | None:
         cuts, i = [0], 0
@@ -131,9 +134,9 @@ def fast_partition(
                 return None
             # largest j with c * (L[i] + a * (prefix[j] - prefix[i+1])) <= t
             room = (t / c - lengths[i]) / a
-            if room < 0:
+            if room < -tol:
                 return None
-            j = bisect.bisect_right(prefix, prefix[i + 1] + room, lo=i + 1) - 1
+            j = bisect.bisect_right(prefix, prefix[i + 1] + room + tol, lo=i + 1) - 1
             i = max(j, i + 1)
             cuts.append(i)
         return cuts if len(cuts) - 1 <= m else None

@@ -170,6 +170,22 @@ def test_fast_partition_matches_the_dp(seed):
     assert len(cuts) - 1 <= m and cuts[0] == 0 and cuts[-1] == n
 
 
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [453.80042580893786, 54, 3.0, 0.8],
+        [812.9872389979743, 676.3169148243999, 3.0, 3.0, 0.8, 0.30000000000000004],
+        [987.8141206659546, 324, 292, 103, 3.0, 3.0, 3.0, 3.0, 0.6000000000000001],
+    ],
+)
+def test_fast_partition_on_one_worker_despite_rounding(lengths):
+    # these once came out one group over the budget (an AssertionError inside the proxy,
+    # the job's presorted_dp placement with one replica)
+    cost, cuts = fast_partition(lengths, 1)
+    assert cuts == [0, len(lengths)]
+    assert cost == pytest.approx(dp_partition(lengths, 1)[0], rel=1e-9)
+
+
 def test_presorted_dp_places_contiguous_groups_and_the_costliest_on_the_idlest():
     lengths = {"t1": 1000, "t2": 900, "t3": 100, "t4": 90, "t5": 80}
     reqs = [req(t, predicted_total=v) for t, v in lengths.items()]
