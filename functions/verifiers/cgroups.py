@@ -7,10 +7,11 @@ charges (tmpfs and memfd included) and ``cpuacct.usage`` the CPU of all its proc
 which the supervisor polls. cgroup v1 controllers, created *under the
 zygote's own cgroup* so whatever limits the host put on the worker still hold.
 
-The zygote opens the controllers' directories before it enters the jail; supervisors reach
-them through those descriptors (``dir_fd``), since the jail shows no ``/sys``. Where a
-controller is missing or read-only the sandbox falls back to rlimits alone and says so in
-``Sandbox.isolation``.
+The zygote opens the controllers' directories before it enters the jail (which shows no
+``/sys``) and puts each program into its uid slot's cgroups (``RunCgroups.join``); the
+supervisors, in the client outside the jail, open the same directories by path
+(``SlotCgroups``) to set a run's limit and read what it used. Where a controller is missing
+or read-only the sandbox falls back to rlimits alone and says so in ``Sandbox.cgroups``.
 
 Stdlib only (the zygote imports it).
 """
@@ -57,6 +58,8 @@ class RunCgroups:
 
     def __init__(self, enabled: bool = True) -> None:
         self.dirs: dict[str, int] = {}
+        self.paths: dict[str, str] = {}  # on the host, for the supervisors
+        self._procs: dict[int, list[int]] = {}  # uid slot -> its cgroup.procs, one per controller
         self._parents: dict[str, int] = {}  # to remove our own directory from inside the jail
         self._name = f"{_PREFIX}{os.getpid()}"
         mounts, own = (_mount_points(), _own_paths()) if enabled else ({}, {})
@@ -69,6 +72,7 @@ class RunCgroups:
                 os.mkdir(os.path.join(parent, self._name))
                 self._parents[ctl] = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
                 self.dirs[ctl] = os.open(self._name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=self._parents[ctl])
+                self.paths[ctl] = os.path.join(parent, self._name)
             except OSError:
                 continue  # not ours to create (read-only, no permission): rlimits only
 
@@ -76,13 +80,28 @@ class RunCgroups:
     def names(self) -> list[str]:
         return sorted(self.dirs)
 
-    def slot(self, slot: int) -> Slot:
-        return Slot({ctl: fd for ctl, fd in self.dirs.items()}, f"s{slot}")
+    def join(self, slot: int, pid: int) -> None:
+        """Put ``pid`` (a spare's program, before it runs any user code) into the slot's
+        cgroups; everything it starts is counted there too."""
+        fds = self._procs.get(slot)
+        if fds is None:
+            fds = []
+            for parent in self.dirs.values():
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(f"s{slot}", dir_fd=parent)
+                fds.append(os.open(f"s{slot}/cgroup.procs", os.O_WRONLY, dir_fd=parent))
+            self._procs[slot] = fds
+        for fd in fds:
+            os.write(fd, str(pid).encode())
 
     def remove(self) -> bool:
         """Remove the slot cgroups and our own; False while some are busy (a zygote that
         could not wait for that leaves empty directories the next one removes)."""
         done = True
+        for fds in self._procs.values():
+            for fd in fds:
+                os.close(fd)
+        self._procs = {}
         for ctl, fd in self.dirs.items():
             for name in os.listdir(fd):
                 if name.startswith("s") and name[1:].isdigit():
@@ -117,6 +136,34 @@ def _remove_stale(parent: str) -> None:
                 os.rmdir(path)
 
 
+class SlotCgroups:
+    """The supervisors' side: the zygote's cgroup directories, opened by path, and one
+    ``Slot`` per uid slot, kept for the slot's next runs."""
+
+    def __init__(self, paths: dict[str, str]) -> None:
+        self.parents: dict[str, int] = {}
+        for ctl, path in paths.items():
+            with contextlib.suppress(OSError):
+                self.parents[ctl] = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        self._slots: dict[int, Slot] = {}
+
+    def slot(self, slot: int) -> Slot | None:
+        """The slot's cgroups (a slot runs one run at a time, so no lock is needed)."""
+        if not self.parents:
+            return None
+        found = self._slots.get(slot)
+        if found is None:
+            found = self._slots[slot] = Slot(self.parents, f"s{slot}")
+        return found
+
+    def close(self) -> None:
+        for s in self._slots.values():
+            s.close()
+        for fd in self.parents.values():
+            os.close(fd)
+        self._slots, self.parents = {}, {}
+
+
 class Slot:
     """The cgroups of one uid slot (one per controller), reused by the slot's runs one after
     another: creating and removing a memory cgroup per run costs more CPU than the run
@@ -135,9 +182,13 @@ class Slot:
                 continue
         self._usage = -1
         if "cpuacct" in self.fds:
-            self._write("cpuacct", "cpuacct.usage", "0")
             # kept open: the supervisor polls it every few tens of milliseconds
             self._usage = os.open("cpuacct.usage", os.O_RDONLY, dir_fd=self.fds["cpuacct"])
+        self._ooms_before = 0
+
+    def begin_run(self) -> None:
+        """Zero the counters for the run about to start (before its program runs user code)."""
+        self._write("cpuacct", "cpuacct.usage", "0")
         self._ooms_before = self._oom_kills() if "memory" in self.fds else 0
 
     def _write(self, ctl: str, key: str, value: str) -> None:
@@ -176,7 +227,7 @@ class Slot:
         return "memory" in self.fds and self._oom_kills() > self._ooms_before
 
     def close(self) -> None:
-        """After the run's last process is gone; the zygote removes the slots when it exits."""
+        """When the sandbox closes; the zygote removes the slots when it exits."""
         for fd in self.fds.values():
             os.close(fd)
         if self._usage >= 0:

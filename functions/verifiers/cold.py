@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 import fabric
 from fabric.protocol import RewardResult, Trajectory
+from functions.verifiers.program import BASE_ENV
 from functions.verifiers.sandbox import Limits, RunOutcome
-from functions.verifiers.supervisor import BASE_ENV
 from functions.verifiers.verify import StdioCase, Verifier
 
 

@@ -5,31 +5,31 @@
         out.stdout  # b"olleh\\n"
 
 One ``Sandbox`` per worker process (the code verifier starts it in its setup hook). It is
-thread-safe; each ``run`` takes one warm sandbox the zygote prepared ahead of time, talks to
-it directly over two pipes and gets back exactly what happened (``RunOutcome``); judging
-the output is the verifier's business. If the zygote dies, runs in flight end in
-``SandboxError`` and the next run starts a fresh zygote.
+thread-safe; each ``run`` takes one warm sandbox the zygote prepared ahead of time and
+supervises it from the calling thread (``functions.verifiers.supervisor``), and gets back
+exactly what happened (``RunOutcome``); judging the output is the verifier's business. If
+the zygote dies, runs in flight end in ``SandboxError`` and the next run starts a fresh
+zygote.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
 import queue
-import select
 import socket
 import subprocess
 import sys
 import threading
-import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from functions.verifiers import _linux
+from functions.verifiers.cgroups import SlotCgroups
 from functions.verifiers.errors import SandboxError, SandboxUnavailable
+from functions.verifiers.supervisor import SPARE_FDS, Spare, supervise
 
 
 class Limits(BaseModel):
@@ -89,8 +89,10 @@ class Sandbox:
         self._lock = threading.Lock()
         self._zygote: subprocess.Popen[bytes] | None = None
         self._chan: socket.socket | None = None
-        self._spares: queue.Queue[tuple[int, int] | None] = queue.Queue()
+        self._spares: queue.Queue[Spare | SandboxError | None] = queue.Queue()
+        self._slots = SlotCgroups({})
         self.shared = ""
+        self.cgroups: list[str] = []
 
     # -- lifecycle -------------------------------------------------------------------
     def __enter__(self) -> Sandbox:
@@ -128,10 +130,13 @@ class Sandbox:
                 raise SandboxUnavailable(hello.get("error") or "the sandbox zygote exited while starting")
             ours.settimeout(None)
             self.shared = hello["shared"]
-            self.cgroups: list[str] = hello.get("cgroups", [])
+            paths = hello.get("cgroups") or {}
+            self.cgroups = sorted(paths)
+            self._slots = SlotCgroups(paths)
             self._chan = ours
             self._spares = queue.Queue()
-            threading.Thread(target=self._receive, args=(ours, self._spares), daemon=True).start()
+            args = (ours, self._spares, self.config.base_uid)
+            threading.Thread(target=self._receive, args=args, daemon=True).start()
 
     def close(self) -> None:
         with self._lock:
@@ -153,21 +158,28 @@ class Sandbox:
             self._zygote = None
         while not self._spares.empty():
             spare = self._spares.get_nowait()
-            if spare:
-                for fd in spare:
-                    os.close(fd)
+            if isinstance(spare, Spare):
+                spare.close()  # its namespace ends
+        self._slots.close()
 
     @staticmethod
-    def _receive(chan: socket.socket, spares: queue.Queue[tuple[int, int] | None]) -> None:
+    def _receive(
+        chan: socket.socket, spares: queue.Queue[Spare | SandboxError | None], base_uid: int
+    ) -> None:
         while True:
             try:
-                msg, fds, _, _ = socket.recv_fds(chan, 64, 2)
+                msg, fds, _, _ = socket.recv_fds(chan, 4096, len(SPARE_FDS))
             except OSError:
                 msg, fds = b"", []
             if not msg:
                 spares.put(None)  # the zygote is gone: waiting runs fail fast
                 return
-            spares.put((fds[0], fds[1]))
+            if fds:
+                spares.put(Spare.from_message(msg, fds, base_uid))
+            else:
+                spares.put(
+                    SandboxError(json.loads(msg).get("error") or "the zygote could not make a sandbox")
+                )
 
     # -- runs ------------------------------------------------------------------------
     def run_python(
@@ -204,37 +216,24 @@ class Sandbox:
             "mode": mode,
             "entry": entry,
             "argv": argv,
-            "files": {k: base64.b64encode(v).decode() for k, v in (files or {}).items()},
+            "files": dict(files or {}),
             "executable": list(executable),
-            "stdin": base64.b64encode(stdin).decode(),
+            "stdin": stdin,
             "limits": limits.model_dump(),
             "collect": list(collect),
             "env": env or {},
             "marker": marker,
         }
-        data = json.dumps(req).encode() + b"\n"
-        req_w, res_r = self._take_spare()
-        try:
-            try:
-                while data:
-                    data = data[os.write(req_w, data) :]
-            except OSError as e:
-                raise SandboxError(f"the warm sandbox died before the run started ({e})") from e
-            finally:
-                os.close(req_w)
-            raw = self._read_report(res_r, time.monotonic() + limits.wall_s + self.config.grace_s)
-        finally:
-            os.close(res_r)
-        reply = json.loads(raw)
-        for key in ("stdout", "stderr"):
-            reply[key] = base64.b64decode(reply.get(key) or "")
-        reply["files"] = {k: base64.b64decode(v) for k, v in (reply.get("files") or {}).items()}
+        spare = self._take_spare()
+        reply = supervise(
+            spare, req, self._slots.slot(spare.slot), self.config.start_timeout_s, self.config.grace_s
+        )
         outcome = RunOutcome.model_validate(reply)
         if outcome.status == "sandbox_error":
             raise SandboxError(outcome.error or "the sandbox failed")
         return outcome
 
-    def _take_spare(self) -> tuple[int, int]:
+    def _take_spare(self) -> Spare:
         for _ in range(2):  # a dead zygote is restarted once per run
             self.start()
             try:
@@ -247,23 +246,12 @@ class Sandbox:
                 chan = self._chan
                 if chan is not None:
                     with contextlib.suppress(OSError):
-                        chan.send(b"u")  # the zygote forks a replacement
+                        chan.send(b"u")  # the zygote makes a replacement
+                if isinstance(spare, SandboxError):
+                    raise spare
                 return spare
             self.close()
         raise SandboxError("the sandbox zygote keeps dying; see the worker's stderr")
-
-    @staticmethod
-    def _read_report(fd: int, deadline: float) -> bytes:
-        raw = bytearray()
-        while not raw.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise SandboxError("the sandbox did not report in time after the run's wall limit")
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                raise SandboxError("the sandbox supervisor died without a report")
-            raw += chunk
-        return bytes(raw)
 
 
 def _plain_name(name: str) -> bool:

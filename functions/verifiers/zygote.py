@@ -1,16 +1,19 @@
-"""The sandbox zygote: ``python -m functions.verifiers.zygote BASE_UID SPARES``.
+"""The sandbox zygote: ``python -m functions.verifiers.zygote BASE_UID SPARES CGROUPS``.
 
 Started once per worker with an empty environment. It imports what user programs commonly
-import, builds the read-only jail and ``pivot_root``s into it, then forks one supervisor per
-run request, each as PID 1 of a PID namespace of its own: a fork of a warm interpreter
-costs about a millisecond where starting ``python`` costs tens. It stays single-threaded
-so forking it is safe, and gives every run that is in flight its own uid
-(``BASE_UID + slot``) so one run's process limit or files never touch another's.
+import, builds the read-only jail and ``pivot_root``s into it, then keeps warm sandboxes
+ready: for each, a fresh PID namespace whose PID 1 is an exec'd ``cat`` (see
+``functions.verifiers.program``) and whose PID 2 is a fork of this warm interpreter, the
+program, which sets up the rest itself. A fork of a warm interpreter costs about a
+millisecond where starting ``python`` costs tens. It stays single-threaded so forking it
+is safe, and gives every run that is in flight its own uid (``BASE_UID + slot``) so one
+run's process limit or files never touch another's.
 
 Its channel (fd 0) is one end of a ``SOCK_SEQPACKET`` pair: it says ``{"ready": ...}``
-once, then sends ``b"spare"`` with two file descriptors per warm sandbox (write a request
-to the first, read the report from the second); the client sends one byte per spare it
-starts using.
+once, then sends one message per warm sandbox, ``{"slot": N}`` with the descriptors of
+``supervisor.SPARE_FDS`` (or ``{"error": ...}`` if it could not make one); the client
+sends one byte per spare it starts using. As the programs' parent it reaps them and
+forwards each one's exit status and rusage to its supervisor.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import contextlib
 import copy  # noqa: F401
 import dataclasses  # noqa: F401
 import decimal  # noqa: F401
+import errno
 import fractions  # noqa: F401
 import functools  # noqa: F401
 import gc
@@ -45,66 +49,129 @@ import typing  # noqa: F401
 from functions.verifiers import _linux as lx
 from functions.verifiers import jail
 from functions.verifiers.cgroups import RunCgroups
-from functions.verifiers.supervisor import finish, make_slot_namespaces, spare
+from functions.verifiers.program import SETUP_FAILED, make_slot_namespaces, program
 
 MAX_SLOTS = 1024
+#: Each run's PID 1 (``cat`` reading a pipe its supervisor holds: EOF ends the namespace).
+INITS = ("/usr/bin/cat", "/bin/cat")
 
 
 class _Spares:
-    """Forks warm sandboxes and hands each one's two pipe ends to the client.
+    """Makes warm sandboxes and hands each one's descriptors to the client, reaps their
+    programs and inits, and frees a uid slot once its namespace is gone.
 
-    The client then talks to the sandbox directly (request in, report out), so the zygote
-    is off every run's path: it only forks replacements and frees uid slots.
+    The client then supervises the run itself (``functions.verifiers.supervisor``), so the
+    zygote is off every run's path: it forks replacements, forwards exit statuses and
+    frees uid slots.
     """
 
     def __init__(
-        self, chan: socket.socket, base_uid: int, target: int, cgroups: RunCgroups, pid_ns: int
+        self, chan: socket.socket, base_uid: int, target: int, cgroups: RunCgroups, pid_ns: int, init: str
     ) -> None:
         self.chan = chan
-        self.pid_ns = pid_ns  # our own PID namespace, to come back to after each fork
+        self.pid_ns = pid_ns  # our own PID namespace, to come back to after each spare
+        self.init = init
         self.cgroups = cgroups
         self.base_uid = base_uid
         self.target = target
         self.unused = 0  # spares the client holds and has not used yet
-        self.slot_of: dict[int, int] = {}  # supervisor pid -> uid slot
+        self.programs: dict[int, tuple[int, int]] = {}  # program pid -> (uid slot, status pipe)
+        self.inits: dict[int, int] = {}  # init pid -> uid slot
+        self.alive: dict[int, int] = {}  # uid slot -> its processes not reaped yet (program, init)
         self.free = list(range(MAX_SLOTS - 1, -1, -1))
         self.netns: dict[int, list[int]] = {}  # uid slot -> its network and UTS namespaces
+        self.pidfd = os.pidfd_open(os.getpid())  # a program whose parent-death signal came late checks it
+        self.null = os.open(os.devnull, os.O_RDWR)
+        # where a spare's hold pipe waits while its program is forked (see ``_spare``)
+        self.stash, self.stash_out = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
 
     def refill(self) -> None:
         while self.unused < self.target and self.free:
             slot = self.free.pop()
-            # in the zygote, before the fork: a child's cache would die with it
-            namespaces = self._slot_namespaces(slot)
-            req_r, req_w = os.pipe()
-            res_r, res_w = os.pipe()
-            # the next child is PID 1 of a namespace of its own: the run's supervisor
-            pid = -1
+            try:
+                self._spare(slot)
+            except OSError as e:  # said to the client in the spare's place
+                error = {"error": f"preparing a sandbox: {type(e).__name__}: {e}"}
+                if not self._send([json.dumps(error).encode()], []):
+                    return
+            self.unused += 1
+
+    def _spare(self, slot: int) -> None:
+        # in the zygote, before the fork: a child's cache would die with it
+        namespaces = self._slot_namespaces(slot)
+        go_r, go_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        ok, ok_theirs = (s.detach() for s in socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+        status_r, status_w = os.pipe()
+        hold_r, hold_w = os.pipe()
+        ours = [go_w, out_r, err_r, ok, status_r, hold_w]
+        init = pid = -1
+        try:
+            # the next two children are PID 1 and PID 2 of a namespace of their own
             lx.unshare(lx.CLONE_NEWPID)
             try:
+                init = os.posix_spawn(
+                    self.init,
+                    [f"rlfabric-init-{self.base_uid}"],
+                    {},
+                    file_actions=[
+                        (os.POSIX_SPAWN_DUP2, hold_r, 0),
+                        (os.POSIX_SPAWN_DUP2, self.null, 1),
+                        (os.POSIX_SPAWN_DUP2, self.null, 2),
+                    ],
+                )
+                self.inits[init] = slot
+                self.alive[slot] = 1
+                # the program must not inherit the write end of its init's pipe: frozen
+                # before it closes what it inherited (by a tracer, say), it would keep its
+                # own namespace alive after its supervisor is gone. So the end waits in a
+                # socket of ours across the fork (a descriptor in flight is no one's)
+                socket.send_fds(self.stash, [b"h"], [hold_w])
+                os.close(hold_w)
+                hold_w = -1
                 pid = os.fork()
             finally:
                 if pid != 0:  # (not in the child) our later children are ours again
                     lx.setns(self.pid_ns, lx.CLONE_NEWPID)
+                    if hold_w < 0:
+                        hold_w = socket.recv_fds(self.stash_out, 1, 1)[1][0]
+                        ours[5] = hold_w
             if pid == 0:
-                _supervisor(
-                    self.base_uid + slot,
-                    slot,
-                    self.cgroups,
-                    namespaces,
-                    req_r,
-                    res_w,
-                    [self.chan.fileno(), self.pid_ns, req_w, res_r],
-                )
-            os.close(req_r)
-            os.close(res_w)
-            self.slot_of[pid] = slot
-            try:
-                socket.send_fds(self.chan, [b"spare"], [req_w, res_r])
-            except OSError:  # the client is gone: so are we
-                self.shutdown()
-            os.close(req_w)  # the client has its own copies now
-            os.close(res_r)
-            self.unused += 1
+                try:
+                    program(self.base_uid + slot, namespaces, self.pidfd, go_r, out_w, err_w, ok_theirs)
+                finally:
+                    os._exit(SETUP_FAILED)
+            self.programs[pid] = (slot, status_w)
+            self.alive[slot] = 2
+            ours.append(os.pidfd_open(pid))
+            self.cgroups.join(slot, pid)  # before the client can start it
+        except BaseException:
+            # the init's end ends the namespace; the program (if any) sees its start pipe
+            # close and exits; both are reaped as usual, and the slot freed then
+            if init > 0:
+                os.kill(init, signal.SIGKILL)
+            else:
+                self.free.append(slot)
+            if pid <= 0:
+                os.close(status_w)
+            for fd in ours:
+                os.close(fd)
+            raise
+        finally:
+            for fd in (go_r, out_w, err_w, hold_r, ok_theirs):
+                os.close(fd)
+        self._send([json.dumps({"slot": slot}).encode()], ours)
+        for fd in ours:  # the client has its own copies now
+            os.close(fd)
+
+    def _send(self, msg: list[bytes], fds: list[int]) -> bool:
+        try:
+            socket.send_fds(self.chan, msg, fds)
+            return True
+        except OSError:  # the client is gone: so are we
+            self.shutdown()
+            return False
 
     def _slot_namespaces(self, slot: int) -> list[int]:
         """The slot's network and UTS namespaces, made on its first run and reused by its runs
@@ -123,17 +190,23 @@ class _Spares:
             _, fds, _, _ = socket.recv_fds(ours, 16, 2)
             ours.close()
             os.waitpid(pid, 0)
+            if len(fds) != 2:
+                raise OSError(errno.EIO, "could not make the uid slot's network namespace")
             self.netns[slot] = fds
         return self.netns[slot]
 
     def shutdown(self) -> None:
-        """End every run (its processes die with their supervisor), then remove our cgroups
-        once they are empty. Never returns."""
-        for pid in self.slot_of:
+        """End every run (killing its init ends its namespace), then remove our cgroups once
+        they are empty. Never returns."""
+        # first, so no run killed here is reported as the program's own death
+        for pid, (slot, status_w) in self.programs.items():
+            os.close(status_w)
+            self.programs[pid] = (slot, -1)
+        for pid in (*self.inits, *self.programs):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 2.0
-        while self.slot_of and time.monotonic() < deadline:
+        while (self.inits or self.programs) and time.monotonic() < deadline:
             self.reap()
             time.sleep(0.005)
         while time.monotonic() < deadline and not self.cgroups.remove():
@@ -141,44 +214,39 @@ class _Spares:
         os._exit(0)
 
     def reap(self) -> None:
-        # a slot is free again only once its supervisor (and so its whole run) is gone
-        while self.slot_of:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+        while True:
+            try:
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
             if pid == 0:
-                break
-            self.free.append(self.slot_of.pop(pid))
+                return
+            if pid in self.programs:
+                slot, status_w = self.programs.pop(pid)
+                report = {
+                    "status": status,
+                    "cpu_ms": (usage.ru_utime + usage.ru_stime) * 1000,
+                    "maxrss_kb": usage.ru_maxrss,
+                }
+                if status_w >= 0:
+                    with contextlib.suppress(OSError):  # a supervisor that gave up closed its end
+                        _write_all(status_w, json.dumps(report).encode() + b"\n")
+                    os.close(status_w)
+            elif pid in self.inits:
+                slot = self.inits.pop(pid)
+            else:
+                continue
+            # a slot is free again only once its whole namespace is gone: its init exits only
+            # after every other process of the namespace has been reaped
+            self.alive[slot] -= 1
+            if not self.alive[slot]:
+                del self.alive[slot]
+                self.free.append(slot)
 
 
 def _write_all(fd: int, data: bytes) -> None:
     while data:
         data = data[os.write(fd, data) :]
-
-
-def _supervisor(
-    uid: int,
-    slot: int,
-    cgroups: RunCgroups,
-    namespaces: list[int],
-    req_r: int,
-    result_w: int,
-    inherited: list[int],
-) -> None:
-    try:
-        null = os.open(os.devnull, os.O_RDWR)
-        os.dup2(null, 0)  # fd 0 was the zygote's channel: replaced, so no fd below 3 is free
-        os.dup2(null, 1)
-        os.close(null)
-        for fd in inherited:  # ends of this sandbox's own pipes the zygote keeps
-            if fd > 2:
-                os.close(fd)
-        reply = spare(uid, req_r, cgroups.slot(slot) if cgroups.dirs else None, namespaces)
-        if reply is not None:
-            _write_all(result_w, json.dumps(reply).encode() + b"\n")
-        finish()
-    except BaseException as e:  # the client turns a missing report into a SandboxError
-        os.write(2, f"rl-fabric sandbox supervisor failed: {type(e).__name__}: {e}\n".encode())
-    finally:
-        os._exit(0)
 
 
 def main() -> None:
@@ -187,9 +255,9 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cgroups = RunCgroups(enabled=use_cgroups)  # before the jail: no cgroup tree inside it
     pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)  # before the jail too: no /proc there
-    # two namespace descriptors kept per uid slot, plus the pipes of the spares
+    # four descriptors kept per uid slot (namespaces, cgroups), plus the runs' status pipes
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = 4 * MAX_SLOTS if hard == resource.RLIM_INFINITY else min(hard, 4 * MAX_SLOTS)
+    want = 6 * MAX_SLOTS if hard == resource.RLIM_INFINITY else min(hard, 6 * MAX_SLOTS)
     if soft != resource.RLIM_INFINITY and soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     try:
@@ -197,18 +265,36 @@ def main() -> None:
     except OSError as e:
         chan.send(json.dumps({"ready": False, "error": f"cannot build the sandbox jail: {e}"}).encode())
         os._exit(2)
-    chan.send(
-        json.dumps({"ready": True, "shared": shared, "cgroups": cgroups.names, "pid": os.getpid()}).encode()
-    )
+    init = next((p for p in INITS if os.access(p, os.X_OK)), None)
+    if init is None:
+        chan.send(
+            json.dumps(
+                {"ready": False, "error": f"no init for the runs' namespaces: none of {INITS}"}
+            ).encode()
+        )
+        os._exit(2)
+    hello = {"ready": True, "shared": shared, "cgroups": cgroups.paths, "pid": os.getpid()}
+    chan.send(json.dumps(hello).encode())
     # what the zygote allocated will never be collected: keep the collector of every run
     # from walking (and so copying, page by page) the inherited heap
     gc.freeze()
-    pool = _Spares(chan, base_uid, spares, cgroups, pid_ns)
+    pool = _Spares(chan, base_uid, spares, cgroups, pid_ns, init)
+    # a program's exit wakes the loop at once: its supervisor is waiting for the status
+    child_r, child_w = os.pipe()
+    os.set_blocking(child_r, False)
+    os.set_blocking(child_w, False)
+    signal.set_wakeup_fd(child_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     sel = selectors.DefaultSelector()
     sel.register(chan, selectors.EVENT_READ)
+    sel.register(child_r, selectors.EVENT_READ)
     while True:
         pool.refill()
-        if sel.select(timeout=0.5):
+        for key, _ in sel.select(timeout=0.5):
+            if key.fd == child_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(child_r, 4096)
+                continue
             msg = chan.recv(64)
             if not msg:
                 pool.shutdown()  # the client went away

@@ -5,9 +5,9 @@ found 16 holes; each is fixed and its test passes). A hole found later belongs h
 ``xfail(strict=True, reason="HOLE: ...")`` test until it is fixed. Runs use uids from
 340 000 up, apart from the other sandbox suites.
 
-Attacks that leave something behind on purpose (a stuck supervisor, a leaked uid slot)
+Attacks that leave something behind on purpose (a stuck run, a leaked uid slot)
 get a sandbox of their own, closed (and checked clean) at the end of the test; closing the
-zygote ends whatever a hole left, and orphaned run PID 1s (see the race test at the end)
+sandbox ends whatever a hole left, and orphaned run PID 1s (see the race test at the end)
 are killed by pid, so the suite leaves nothing running. The programs call x86_64 syscall
 numbers directly (clone, keyctl, add_key, userfaultfd).
 """
@@ -59,6 +59,7 @@ FAST = Limits(
 GOOD = "print(sum(map(int, input().split())))"
 PIPE_WAITS = ("pipe_read", "pipe_wait", "anon_pipe_read")
 ZYGOTE = b"functions.verifiers.zygote"
+INIT_TAG = b"rlfabric-init-"  # argv[0] of every run's init
 
 # ctypes preamble of the programs that call the kernel directly
 LIBC = (
@@ -91,9 +92,11 @@ def _proc(pid: str) -> dict[str, str]:
 
 
 def _is_zygote_family(pid: str) -> bool:
-    """The zygote or one of its supervisors (a live process started from the zygote's cmdline)."""
+    """The zygote or a run's init (``cat``, PID 1 of the run's namespace): the live
+    processes that hold a run's zombies."""
     try:
-        return ZYGOTE in Path(f"/proc/{pid}/cmdline").read_bytes() and _proc(pid)["State"][0] != "Z"
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        return (ZYGOTE in cmdline or cmdline.startswith(INIT_TAG)) and _proc(pid)["State"][0] != "Z"
     except OSError:
         return False
 
@@ -102,8 +105,8 @@ def leftovers(base: int) -> list[str]:
     """What of the runs of the sandbox with uids ``base..base+1023`` is still on the host.
 
     A warm spare (blocked reading its start message) is expected. A zombie already handed to
-    the host's reaper is harmless (this VM's PID 1 reaps slowly); one whose parent is still a
-    supervisor is a leak (the supervisor is stuck with it).
+    the host's reaper is harmless (this VM's PID 1 reaps slowly); one whose parent is still
+    the zygote or a run's init is a leak (its run's namespace is stuck with it).
     """
     found = []
     for entry in Path("/proc").iterdir():
@@ -116,7 +119,7 @@ def leftovers(base: int) -> list[str]:
                 continue
             if st["State"][0] == "Z":
                 if _is_zygote_family(st["PPid"]):
-                    found.append(f"{entry.name}: zombie held by supervisor {st['PPid']}")
+                    found.append(f"{entry.name}: zombie held by {st['PPid']}")
                 continue
             if (entry / "wchan").read_text() in PIPE_WAITS:
                 continue  # a warm spare
@@ -149,40 +152,45 @@ def live_in_range(base: int) -> list[int]:
     return pids
 
 
-def supervisors(zygote_pid: int) -> list[int]:
-    """The zygote's live children: one supervisor per spare or run in flight."""
+def run_inits(zygote_pid: int) -> list[int]:
+    """The zygote's live children that are a run's PID 1: one per spare or run in flight."""
     kids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 st = _proc(entry.name)
-                if st["PPid"] == str(zygote_pid) and st["State"][0] != "Z":
+                if (
+                    st["PPid"] == str(zygote_pid)
+                    and st["State"][0] != "Z"
+                    and (entry / "cmdline").read_bytes().startswith(INIT_TAG)
+                ):
                     kids.append(int(entry.name))
             except (OSError, KeyError):
                 continue
     return kids
 
 
-def settled_supervisors(zygote_pid: int, want: int, timeout: float = 3.0) -> int:
+def settled_runs(zygote_pid: int, want: int, timeout: float = 3.0) -> int:
+    """How many run namespaces are alive, once that is ``want`` (or ``timeout`` passed)."""
     deadline = time.monotonic() + timeout
-    n = len(supervisors(zygote_pid))
+    n = len(run_inits(zygote_pid))
     while n != want and time.monotonic() < deadline:
         time.sleep(0.05)
-        n = len(supervisors(zygote_pid))
+        n = len(run_inits(zygote_pid))
     return n
 
 
 def orphaned_inits(base: int) -> list[int]:
-    """PID 1s of run namespaces of the sandbox ``base`` (their supervisors) whose zygote is
-    gone. They run as root (outside the uid range): one that outlived its zygote would hold
-    its namespace, and whatever runs in it, forever."""
-    tag = ZYGOTE + b"\0%d\0" % base
+    """PID 1s of run namespaces of the sandbox ``base`` whose zygote is gone. They run as
+    root (outside the uid range): one that outlived its sandbox would hold its namespace,
+    and whatever runs in it, forever."""
+    tag = INIT_TAG + b"%d\0" % base
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if tag not in (entry / "cmdline").read_bytes():
+            if (entry / "cmdline").read_bytes() != tag:
                 continue
             st = _proc(entry.name)
             nspid = st["NSpid"].split()
@@ -231,7 +239,7 @@ def sb(sandbox):
     assert wait_clean(BASE_UID) == [], "processes of a finished run survived"
     assert Path("/proc/self/mountinfo").read_text() == mounts_before, "a run changed the host's mounts"
     assert sandbox._zygote is not None
-    assert settled_supervisors(sandbox._zygote.pid, 2) == 2, "a supervisor is stuck (uid slot leaked)"
+    assert settled_runs(sandbox._zygote.pid, 2) == 2, "a run's namespace is stuck (uid slot leaked)"
     out = sandbox.run_python(GOOD, stdin=b"20 22\n", limits=FAST)
     assert (out.status, out.stdout) == ("exited", b"42\n")
 
@@ -279,7 +287,7 @@ def test_proc_shows_only_the_run_and_nothing_of_the_host(sb):
     text = out.stdout.decode()
     assert out.status == "exited", out
     pids = ast.literal_eval(text.split("pids ")[1].split("\n")[0])
-    assert set(pids) <= {1, 2}, pids  # PID 1 (the supervisor) and the program itself, nothing else
+    assert set(pids) <= {1, 2}, pids  # PID 1 (the run's init) and the program itself, nothing else
     assert "OPEN" not in text, text
     assert "project False" in text and "sys False home False" in text
     assert "dev ['null', 'random', 'urandom', 'zero']" in text
@@ -496,7 +504,7 @@ def test_signals_reach_no_other_run_nor_the_sandbox(sb):
     t = threading.Thread(target=lambda: results.setdefault("victim", py(sb, victim)))
     t.start()
     time.sleep(0.3)
-    # PID 1 of the killer's namespace is its supervisor: neither SIGSTOP nor SIGKILL from
+    # PID 1 of the killer's namespace is its init: neither SIGSTOP nor SIGKILL from
     # inside reaches it, so the killer's own run is reported (its child killed the program)
     out = py(sb, killer)
     assert (out.status, out.signal) == ("signaled", signal.SIGKILL), out
@@ -731,7 +739,7 @@ def test_a_clone_parent_sibling_does_not_leak_the_runs_uid_slot():
         assert out.stdout == b"sibling True\n", out  # the verdict itself is right
         assert box._zygote is not None
         assert wait_clean(box.config.base_uid, 3.0) == []
-        assert settled_supervisors(box._zygote.pid, 1) == 1
+        assert settled_runs(box._zygote.pid, 1) == 1
 
 
 def test_collect_does_not_follow_symlinks_or_dotdot_as_root():
@@ -767,7 +775,7 @@ def test_collecting_a_fifo_does_not_hang_the_supervisor():
         )
         assert time.monotonic() - t0 < 1.8
         assert out.status == "exited" and not out.files.get("main")
-        assert box._zygote is not None and settled_supervisors(box._zygote.pid, 1) == 1
+        assert box._zygote is not None and settled_runs(box._zygote.pid, 1) == 1
 
 
 def test_collect_never_returns_more_than_collect_bytes(sb):
@@ -937,7 +945,7 @@ def test_nothing_leaks_over_many_hostile_runs(sb):
     ]
     quick = FAST.model_copy(update={"cpu_s": 0.3, "wall_s": 1.0})
     py(sb, "print(0)", limits=quick)
-    settled_supervisors(zygote.pid, 2)
+    settled_runs(zygote.pid, 2)
 
     def zygote_fds() -> list[str]:
         fds = Path(f"/proc/{zygote.pid}/fd")
@@ -956,7 +964,7 @@ def test_nothing_leaks_over_many_hostile_runs(sb):
     for _ in range(3):
         for code in programs:
             py(sb, code, limits=quick)
-    assert settled_supervisors(zygote.pid, 2) == 2  # every uid slot came back
+    assert settled_runs(zygote.pid, 2) == 2  # every uid slot came back
     assert snapshot() == before
     assert stale_jail_dirs(dirs) == []
     kept = [link for link in zygote_fds() if link.startswith(("net:", "uts:"))]
@@ -1058,26 +1066,29 @@ def _stop_at_fork(pid: int) -> int:
             msg = ctypes.c_ulong()
             _libc.ptrace(PTRACE_GETEVENTMSG, pid, None, ctypes.byref(msg))
             return msg.value
-        _ptrace(PTRACE_CONT, pid)  # its first stop (or anything else): go on
+        # anything else: go on, passing a signal on (the zygote's SIGCHLD wakes its loop)
+        plain_signal = os.WIFSTOPPED(status) and status >> 16 == 0
+        _ptrace(PTRACE_CONT, pid, os.WSTOPSIG(status) if plain_signal else 0)
 
 
-def _stop_at_supervisor_fork(zygote: int) -> int:
-    """Let the traced zygote run until it forks a supervisor (PID 1 of a new namespace); a
-    helper it forks for a new slot's namespaces is let go."""
+def _stop_at_program_fork(zygote: int) -> int:
+    """Let the traced zygote run until it forks a program (PID 2 of a new namespace; the
+    init before it is a vfork, not traced); a helper it forks for a new slot's namespaces
+    is let go. The program is returned frozen at birth."""
     while True:
         child = _stop_at_fork(zygote)
         os.waitpid(child, WALL)  # born stopped
         if len(_proc(str(child))["NSpid"].split()) > 1:
-            _ptrace(PTRACE_CONT, child)  # on to its own fork
             return child
         _ptrace(PTRACE_DETACH, child)
         _ptrace(PTRACE_CONT, zygote)
 
 
-def test_a_supervisor_dying_right_after_forking_the_program_leaves_no_orphan():
-    """Freeze a fresh program at birth (ptrace), before it arms PR_SET_PDEATHSIG, and let
-    its supervisor die (close the sandbox): the supervisor is PID 1 of the run's namespace,
-    so the kernel ends the frozen program with it."""
+def test_a_zygote_dying_right_after_forking_the_program_leaves_no_orphan():
+    """Freeze a fresh program at birth (ptrace), before it arms PR_SET_PDEATHSIG, and kill
+    its parent, the zygote: nothing signals the program then, but the run's namespace
+    outlives the zygote only as long as its supervisor holds the init's pipe, so closing
+    the sandbox ends the frozen program with the namespace."""
     base = next(_OWN_BASES)
     box = Sandbox(SandboxConfig(base_uid=base, spares=1))
     box.start()
@@ -1087,23 +1098,36 @@ def test_a_supervisor_dying_right_after_forking_the_program_leaves_no_orphan():
         zygote = box._zygote.pid
         for _ in range(3):  # every slot the runs below use has its namespaces already
             assert py(box, "print(1)").stdout == b"1\n"
-        settled_supervisors(zygote, 1)
+        settled_runs(zygote, 1)
         _ptrace(PTRACE_SEIZE, zygote, PTRACE_O_TRACEFORK)
-        assert py(box, "print(1)").stdout == b"1\n"  # the zygote forks a replacement spare
-        supervisor = _stop_at_supervisor_fork(zygote)
+        # a run makes the zygote make a replacement spare (and forward the run's status,
+        # which it can only do while we let it run)
+        runs: list[RunOutcome] = []
+        t = threading.Thread(target=lambda: runs.append(py(box, "print(1)")))
+        t.start()
+        frozen = _stop_at_program_fork(zygote)
         _ptrace(PTRACE_DETACH, zygote)
-        frozen = _stop_at_fork(supervisor)  # the replacement's program, before its first line
-        os.waitpid(frozen, WALL)
-        _ptrace(PTRACE_DETACH, supervisor)
-        box.close()  # the zygote exits; the supervisor dies of its PR_SET_PDEATHSIG
+        t.join(10)
+        assert runs and runs[0].stdout == b"1\n"
+        deadline = time.monotonic() + 3
+        while box._spares.empty() and time.monotonic() < deadline:  # the spare reaches us
+            time.sleep(0.01)
+        assert not box._spares.empty()
+        os.kill(zygote, signal.SIGKILL)
+        time.sleep(0.1)
+        assert os.waitpid(frozen, WALL | os.WNOHANG) == (0, 0), "no signal reaches the frozen program"
+        box.close()  # the spare's pipe to its init closes: the namespace ends
         deadline = time.monotonic() + 3
         ended, status = 0, 0
         while not ended and time.monotonic() < deadline:
             ended, status = os.waitpid(frozen, WALL | os.WNOHANG)  # its tracer sees it end
             time.sleep(0.02)
-        assert ended, "the frozen program outlived its supervisor"
+        assert ended, "the frozen program outlived its sandbox"
         frozen = None
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+        deadline = time.monotonic() + 3
+        while orphaned_inits(base) and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert orphaned_inits(base) == []
     finally:
         if frozen is not None:

@@ -1,0 +1,228 @@
+"""The program of one sandboxed run: forked by the zygote, it sets up its own sandbox.
+
+The zygote makes a fresh PID namespace for every run: its PID 1 is a tiny exec'd init
+(``cat`` reading a pipe the run's supervisor holds) and the program, a fork of the
+zygote's warm interpreter, is PID 2. Ahead of any request (a *spare*), still root but
+inside the zygote's read-only jail, the program joins its uid slot's network and UTS
+namespaces, takes fresh mount and IPC namespaces, mounts a size-limited tmpfs at
+``/sandbox`` (also seen as ``/tmp``) and the namespace's ``/proc``, hands its supervisor
+(``functions.verifiers.supervisor``, in the client) a descriptor of ``/sandbox`` and of its
+stdin, becomes the run's unprivileged uid (clearing every capability), enters a user
+namespace of its own, drops what that namespace granted, sets ``no_new_privs`` and waits.
+
+Meanwhile the supervisor writes the run's files and stdin through those descriptors and
+sends the start message; the program takes its rlimits, scrubs its environment, says
+(out of band) that its set-up worked, and either ``exec``s a command or, for Python, runs
+the source in this already-initialised interpreter (the point of the zygote: no
+interpreter start-up).
+
+Why a separate PID 1 and not the program: the kernel drops the signals a PID 1 sends
+itself without a handler, so as PID 1 a program's ``abort()`` or ``kill(getpid(), ...)``
+would not end it. ``cat`` installs no handler, so nothing in the namespace can signal it
+either, and it runs as root, so nothing there can trace it. When the supervisor closes
+the pipe (the run is over, or the supervisor died), ``cat`` exits and the kernel kills
+everything left in the namespace. Why an exec'd ``cat`` and not a fork of Python: the
+zygote starts it with ``posix_spawn`` (a vfork: no copy of the interpreter's page tables),
+and its exit unmaps almost nothing; a forked interpreter costs both, on every run.
+
+Stdlib only, like everything the zygote imports.
+"""
+
+from __future__ import annotations
+
+import builtins
+import fcntl
+import io
+import json
+import os
+import resource
+import select
+import signal
+import socket
+import sys
+import traceback
+from typing import Any
+
+from functions.verifiers import _linux as lx
+from functions.verifiers import jail
+
+#: Fresh for every run, with the PID namespace the zygote makes for it. Network
+#: and UTS namespaces are the uid slot's (``make_slot_namespaces``).
+RUN_NAMESPACES = lx.CLONE_NEWNS | lx.CLONE_NEWIPC
+SLOT_NAMESPACES = lx.CLONE_NEWNET | lx.CLONE_NEWUTS
+WORK = "/sandbox"
+#: Environment of every run: nothing inherited, so no credential can leak in.
+BASE_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": WORK,
+    "TMPDIR": "/tmp",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONHASHSEED": "0",
+}
+EXEC_FAILED = 127
+#: Exit code of a program whose sandbox set-up failed (with a message on stderr).
+SETUP_FAILED = 125
+#: The run's tmpfs, sized ahead of time (a request for another size remounts it).
+DEFAULT_DISK_MB = 64
+INODES = 4096
+
+
+def _rlimits(limits: dict[str, Any]) -> None:
+    """Lower this process's limits (the program sets its own: lowering needs no privilege,
+    while setting another process's needs CAP_SYS_RESOURCE, which containers often lack)."""
+    mb = 1024 * 1024
+    cpu = max(1, int(limits["cpu_s"] + 0.999))
+    # soft == hard: the kernel sends SIGKILL at the limit (a SIGXCPU could be caught)
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+    address_space = limits.get("address_space_mb") or limits["memory_mb"]
+    resource.setrlimit(resource.RLIMIT_AS, (address_space * mb,) * 2)
+    resource.setrlimit(resource.RLIMIT_NPROC, (limits["nproc"],) * 2)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limits["fsize_mb"] * mb,) * 2)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limits["nofile"],) * 2)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _become_unprivileged(uid: int) -> None:
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)  # root -> non-root clears all capabilities
+    # a uid change makes /proc/self root-owned; the maps below are written through it
+    lx.prctl(lx.PR_SET_DUMPABLE, 1)
+    lx.unshare(lx.CLONE_NEWUSER)
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{uid} {uid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+    # no nested user namespaces: inside one, a program would hold every capability again
+    # (mount an unsized tmpfs, configure netfilter in its own network namespace)
+    with open("/proc/sys/user/max_user_namespaces", "w") as f:
+        f.write("0")
+    lx.drop_all_capabilities()  # a new user namespace starts with a full set inside it
+    lx.prctl(lx.PR_SET_NO_NEW_PRIVS, 1)
+
+
+def _run_python(source: str, entry: str, marker: str | None = None) -> int:
+    """Run ``source`` as ``__main__`` in this (forked, pristine) interpreter."""
+    sys.argv = [entry]
+    sys.path[:] = [WORK] + [p for p in sys.path if p.startswith(sys.base_prefix) or p.startswith(sys.prefix)]
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8", errors="replace")
+    sys.stdout = io.TextIOWrapper(
+        io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace"
+    )
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
+    )
+    code = 0
+    try:
+        compiled = compile(source, entry, "exec")
+        exec(compiled, {"__name__": "__main__", "__builtins__": builtins, "__file__": os.path.abspath(entry)})
+        if marker:  # the source ran to its end (no exit on the way): assert-style tests all ran
+            sys.stdout.write(f"\n{marker}\n")
+    except SystemExit as e:
+        if e.code is None:
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code & 0xFF
+        else:
+            sys.stderr.write(f"{e.code}\n")
+            code = 1
+    except BaseException as e:
+        try:  # from the program's own frames down: ours would only confuse a reader
+            traceback.print_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
+        except BaseException:
+            os.write(2, b"Traceback unavailable (out of memory?)\nMemoryError\n")
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            code = code or 1
+    return code
+
+
+def _move_fds(fds: list[int]) -> None:
+    """Make ``fds`` this process's 0, 1, 2... and close every other descriptor (the other
+    runs' pipes and the namespace descriptors the zygote holds)."""
+    # above 0..N first, so no dup2 below overwrites a source it still needs
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for fd in fds]
+    for target, fd in enumerate(high):
+        os.dup2(fd, target)
+    os.closerange(len(fds), 65536)
+
+
+def program(
+    uid: int, namespaces: list[int], zygote_pidfd: int, go_r: int, out_w: int, err_w: int, ok: int
+) -> None:
+    """The program (PID 2 of the run's namespace): set up, lock itself down, wait for the run,
+    run it. Never returns.
+
+    Everything up to the wait happens while the sandbox is a spare, off the run's latency;
+    the rlimits come with the run. ``ok`` is a ``SOCK_SEQPACKET`` socket: the descriptors of
+    ``/sandbox`` and stdin go out on it at once, ``b"1"`` once the run's own set-up worked.
+    """
+    try:
+        signal.set_wakeup_fd(-1)  # the zygote's: a handler the program installs must not write there
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        lx.prctl(lx.PR_SET_PDEATHSIG, signal.SIGKILL)
+        # armed only now: if the zygote died since the fork, nothing would ever signal us
+        if select.select([zygote_pidfd], [], [], 0)[0]:
+            os._exit(1)
+        if os.getpid() != 2:
+            raise RuntimeError("the program must be PID 2 of the run's own PID namespace")
+        lx.setns(namespaces[0], lx.CLONE_NEWNET)
+        lx.setns(namespaces[1], lx.CLONE_NEWUTS)
+        _move_fds([os.memfd_create("stdin"), out_w, err_w, go_r, ok])
+        lx.unshare(RUN_NAMESPACES)
+        opts = f"size={DEFAULT_DISK_MB}m,nr_inodes={INODES},mode=0700,uid={uid},gid={uid}"
+        lx.mount("tmpfs", WORK, "tmpfs", lx.MS_NOSUID | lx.MS_NODEV, opts)
+        lx.mount(WORK, "/tmp", None, lx.MS_BIND)
+        jail.restore_relocated()
+        lx.mount("proc", "/proc", "proc", lx.MS_NOSUID | lx.MS_NODEV | lx.MS_NOEXEC)
+        os.setsid()  # a group of its own: kill(0, ...) reaches only the program's processes
+        work = os.open(WORK, os.O_PATH | os.O_DIRECTORY)
+        chan = socket.socket(fileno=4)
+        socket.send_fds(chan, [b"d"], [work, 0])
+        os.close(work)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
+            signal.signal(sig, signal.SIG_DFL)
+        os.chdir(WORK)
+        _become_unprivileged(uid)
+        raw = b""
+        while chunk := os.read(3, 65536):  # warm until here: the run arrives as one message
+            raw += chunk
+        os.close(3)
+        if not raw:
+            os._exit(0)  # the supervisor gave up on this spare
+        run = json.loads(raw)
+        _rlimits(run["limits"])
+        env = {**BASE_ENV, **(run.get("env") or {})}
+        os.environ.clear()
+        os.environ.update(env)
+        # set-up succeeded: said out of band, so no program can fake a sandbox failure
+        chan.send(b"1")
+        chan.close()
+    except BaseException as e:
+        os.write(2, f"rl-fabric sandbox setup failed: {type(e).__name__}: {e}\n".encode())
+        os._exit(SETUP_FAILED)
+    if run["mode"] == "python":
+        with open(run["entry"], encoding="utf-8", errors="replace") as f:
+            source = f.read()
+        os._exit(_run_python(source, run["entry"], run.get("marker")))
+    argv = run["argv"]
+    try:
+        os.execve(argv[0], argv, env)
+    except OSError as e:
+        os.write(2, f"cannot execute {argv[0]}: {e.strerror}\n".encode())
+    os._exit(EXEC_FAILED)
+
+
+def make_slot_namespaces(chan: socket.socket) -> None:
+    """In a throwaway child of the zygote: make a network namespace (no interface up, so no
+    network at all, loopback included) and a UTS namespace named "sandbox", and send them."""
+    lx.unshare(SLOT_NAMESPACES | lx.CLONE_NEWNS)
+    lx.sethostname("sandbox")
+    lx.mount("none", "/", None, lx.MS_REC | lx.MS_PRIVATE)
+    lx.mount("proc", "/proc", "proc", lx.MS_NOSUID | lx.MS_NODEV | lx.MS_NOEXEC)  # to open the two
+    fds = [os.open(f"/proc/self/ns/{ns}", os.O_RDONLY) for ns in ("net", "uts")]
+    socket.send_fds(chan, [b"ns"], fds)
