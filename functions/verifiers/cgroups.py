@@ -180,57 +180,48 @@ class Slot:
                 self.fds[ctl] = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=parent)
             except OSError:
                 continue
-        self._usage = -1
-        if "cpuacct" in self.fds:
-            # kept open: the supervisor polls it every few tens of milliseconds
-            self._usage = os.open("cpuacct.usage", os.O_RDONLY, dir_fd=self.fds["cpuacct"])
+        # kept open: a slot runs many runs, and each reads or writes these
+        self._usage = self._open("cpuacct", "cpuacct.usage")  # also polled every 50 ms
+        self._limit = self._open("memory", "memory.limit_in_bytes")
+        self._oom = self._open("memory", "memory.oom_control")
         self._ooms_before = 0
+
+    def _open(self, ctl: str, key: str) -> int:
+        return (
+            os.open(key, os.O_RDWR if key != "memory.oom_control" else os.O_RDONLY, dir_fd=self.fds[ctl])
+            if ctl in self.fds
+            else -1
+        )
 
     def begin_run(self) -> None:
         """Zero the counters for the run about to start (before its program runs user code)."""
-        self._write("cpuacct", "cpuacct.usage", "0")
-        self._ooms_before = self._oom_kills() if "memory" in self.fds else 0
-
-    def _write(self, ctl: str, key: str, value: str) -> None:
-        if ctl in self.fds:
-            fd = os.open(key, os.O_WRONLY, dir_fd=self.fds[ctl])
-            try:
-                os.write(fd, value.encode())
-            finally:
-                os.close(fd)
-
-    def _read(self, ctl: str, key: str) -> str:
-        fd = os.open(key, os.O_RDONLY, dir_fd=self.fds[ctl])
-        try:
-            return os.read(fd, 65536).decode()
-        finally:
-            os.close(fd)
-
-    def add(self, pid: int) -> None:
-        for ctl in self.fds:
-            self._write(ctl, "cgroup.procs", str(pid))
+        if self._usage >= 0:
+            os.pwrite(self._usage, b"0", 0)
+        self._ooms_before = self._oom_kills()
 
     def limit(self, memory_bytes: int) -> None:
-        self._write("memory", "memory.limit_in_bytes", str(memory_bytes))
+        if self._limit >= 0:
+            os.pwrite(self._limit, str(memory_bytes).encode(), 0)
 
     def cpu_ns(self) -> int | None:
         return int(os.pread(self._usage, 64, 0)) if self._usage >= 0 else None
 
     def _oom_kills(self) -> int:
-        for line in self._read("memory", "memory.oom_control").splitlines():
+        if self._oom < 0:
+            return 0
+        for line in os.pread(self._oom, 4096, 0).decode().splitlines():
             key, _, value = line.partition(" ")
             if key == "oom_kill":
                 return int(value)
         return 0
 
     def oom_killed(self) -> bool:
-        return "memory" in self.fds and self._oom_kills() > self._ooms_before
+        return self._oom_kills() > self._ooms_before
 
     def close(self) -> None:
         """When the sandbox closes; the zygote removes the slots when it exits."""
-        for fd in self.fds.values():
-            os.close(fd)
-        if self._usage >= 0:
-            os.close(self._usage)
-            self._usage = -1
+        for fd in (*self.fds.values(), self._usage, self._limit, self._oom):
+            if fd >= 0:
+                os.close(fd)
+        self._usage = self._limit = self._oom = -1
         self.fds = {}
