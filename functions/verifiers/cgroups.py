@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+import weakref
 
 # no ``pids``: every run has a uid of its own, so RLIMIT_NPROC already counts the run as a
 # whole, and each controller costs a task migration per run
@@ -146,22 +148,25 @@ class SlotCgroups:
             with contextlib.suppress(OSError):
                 self.parents[ctl] = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         self._slots: dict[int, Slot] = {}
+        self._lock = threading.Lock()  # no Slot is made from a parent descriptor being closed
 
     def slot(self, slot: int) -> Slot | None:
-        """The slot's cgroups (a slot runs one run at a time, so no lock is needed)."""
-        if not self.parents:
-            return None
-        found = self._slots.get(slot)
-        if found is None:
-            found = self._slots[slot] = Slot(self.parents, f"s{slot}")
-        return found
+        with self._lock:
+            if not self.parents:
+                return None
+            found = self._slots.get(slot)
+            if found is None:
+                found = self._slots[slot] = Slot(self.parents, f"s{slot}")
+            return found
 
     def close(self) -> None:
-        for s in self._slots.values():
-            s.close()
-        for fd in self.parents.values():
-            os.close(fd)
-        self._slots, self.parents = {}, {}
+        """Forget the slots: each one's descriptors close once no run in flight holds it (a
+        run still polling a descriptor closed under it could read, or write a limit into,
+        whatever file took its number next)."""
+        with self._lock:
+            for fd in self.parents.values():
+                os.close(fd)
+            self._slots, self.parents = {}, {}
 
 
 class Slot:
@@ -180,11 +185,14 @@ class Slot:
                 self.fds[ctl] = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=parent)
             except OSError:
                 continue
-        # kept open: a slot runs many runs, and each reads or writes these
+        # kept open (closed when the Slot is collected): a slot runs many runs, and each
+        # reads or writes these
         self._usage = self._open("cpuacct", "cpuacct.usage")  # also polled every 50 ms
         self._limit = self._open("memory", "memory.limit_in_bytes")
         self._oom = self._open("memory", "memory.oom_control")
         self._ooms_before = 0
+        fds = [*self.fds.values(), self._usage, self._limit, self._oom]
+        self._finalizer = weakref.finalize(self, _close_all, [fd for fd in fds if fd >= 0])
 
     def _open(self, ctl: str, key: str) -> int:
         return (
@@ -218,10 +226,8 @@ class Slot:
     def oom_killed(self) -> bool:
         return self._oom_kills() > self._ooms_before
 
-    def close(self) -> None:
-        """When the sandbox closes; the zygote removes the slots when it exits."""
-        for fd in (*self.fds.values(), self._usage, self._limit, self._oom):
-            if fd >= 0:
-                os.close(fd)
-        self._usage = self._limit = self._oom = -1
-        self.fds = {}
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
