@@ -175,7 +175,12 @@ class Sandbox:
                 spares.put(None)  # the zygote is gone: waiting runs fail fast
                 return
             if fds:
-                spares.put(Spare.from_message(msg, fds, base_uid))
+                try:
+                    spares.put(Spare.from_message(msg, fds, base_uid))
+                except (ValueError, KeyError, OSError) as e:  # a cut-off message: this spare only
+                    for fd in fds:
+                        os.close(fd)
+                    spares.put(SandboxError(f"a warm sandbox arrived incomplete ({e})"))
             else:
                 spares.put(
                     SandboxError(json.loads(msg).get("error") or "the zygote could not make a sandbox")

@@ -110,7 +110,7 @@ def supervise(
         except _SetupFailed as e:
             return {"status": "sandbox_error", "error": str(e)}
         try:
-            os.write(
+            _write_all(
                 spare.go,
                 json.dumps(
                     {k: req.get(k) for k in ("mode", "entry", "argv", "env", "limits", "marker")}
