@@ -61,6 +61,11 @@ BASE_ENV = {
     "PYTHONDONTWRITEBYTECODE": "1",
     "PYTHONHASHSEED": "0",
 }
+#: The descriptors of a spare the zygote sends its supervisor, in this order: the start
+#: message goes in ``go``; ``out``/``err`` are the program's; ``ok`` its socket; ``status``
+#: the exit status the zygote forwards; closing ``hold`` ends the namespace (a death link);
+#: ``pidfd`` and ``init`` are the program's and the init's process descriptors.
+SPARE_FDS = ("go", "out", "err", "ok", "status", "hold", "pidfd", "init")
 EXEC_FAILED = 127
 #: Exit code of a program whose sandbox set-up failed (with a message on stderr).
 SETUP_FAILED = 125
@@ -151,6 +156,14 @@ def _move_fds(fds: list[int]) -> None:
     os.closerange(len(fds), 65536)
 
 
+def _die_with_zygote(zygote_pidfd: int) -> None:
+    """Arm the parent-death signal (the zygote is the parent); if the zygote already died,
+    nothing would ever send it, so exit now."""
+    lx.prctl(lx.PR_SET_PDEATHSIG, signal.SIGKILL)
+    if select.select([zygote_pidfd], [], [], 0)[0]:
+        os._exit(1)
+
+
 def program(
     uid: int, namespaces: list[int], zygote_pidfd: int, go_r: int, out_w: int, err_w: int, ok: int
 ) -> None:
@@ -164,15 +177,12 @@ def program(
     try:
         signal.set_wakeup_fd(-1)  # the zygote's: a handler the program installs must not write there
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        lx.prctl(lx.PR_SET_PDEATHSIG, signal.SIGKILL)
-        # armed only now: if the zygote died since the fork, nothing would ever signal us
-        if select.select([zygote_pidfd], [], [], 0)[0]:
-            os._exit(1)
+        _die_with_zygote(zygote_pidfd)
         if os.getpid() != 2:
             raise RuntimeError("the program must be PID 2 of the run's own PID namespace")
         lx.setns(namespaces[0], lx.CLONE_NEWNET)
         lx.setns(namespaces[1], lx.CLONE_NEWUTS)
-        _move_fds([os.memfd_create("stdin"), out_w, err_w, go_r, ok])
+        _move_fds([os.memfd_create("stdin"), out_w, err_w, go_r, ok, zygote_pidfd])
         lx.unshare(RUN_NAMESPACES)
         opts = f"size={DEFAULT_DISK_MB}m,nr_inodes={INODES},mode=0700,uid={uid},gid={uid}"
         lx.mount("tmpfs", WORK, "tmpfs", lx.MS_NOSUID | lx.MS_NODEV, opts)
@@ -188,12 +198,19 @@ def program(
             signal.signal(sig, signal.SIG_DFL)
         os.chdir(WORK)
         _become_unprivileged(uid)
+        # the uid change cleared the parent-death signal: a spare must not outlive its zygote
+        # (a new zygote hands out the same uids)
+        _die_with_zygote(5)
+        os.close(5)
+        # warm until here: the run arrives as one line. Not "until EOF": a fork of the
+        # worker may hold a copy of the pipe's other end for as long as it lives
         raw = b""
-        while chunk := os.read(3, 65536):  # warm until here: the run arrives as one message
+        while not raw.endswith(b"\n"):
+            chunk = os.read(3, 65536)
+            if not chunk:
+                os._exit(0)  # the supervisor gave up on this spare
             raw += chunk
         os.close(3)
-        if not raw:
-            os._exit(0)  # the supervisor gave up on this spare
         run = json.loads(raw)
         _rlimits(run["limits"])
         env = {**BASE_ENV, **(run.get("env") or {})}

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -29,7 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from functions.verifiers import _linux
 from functions.verifiers.cgroups import SlotCgroups
 from functions.verifiers.errors import SandboxError, SandboxUnavailable
-from functions.verifiers.supervisor import SPARE_FDS, Spare, supervise
+from functions.verifiers.program import SPARE_FDS
+from functions.verifiers.supervisor import Spare, supervise
 
 
 class Limits(BaseModel):
@@ -89,7 +91,7 @@ class Sandbox:
         self._lock = threading.Lock()
         self._zygote: subprocess.Popen[bytes] | None = None
         self._chan: socket.socket | None = None
-        self._spares: queue.Queue[Spare | SandboxError | None] = queue.Queue()
+        self._spares: queue.Queue[Spare | _Failed | None] = queue.Queue()
         self._slots = SlotCgroups({})
         self.shared = ""
         self.cgroups: list[str] = []
@@ -135,7 +137,7 @@ class Sandbox:
             self._slots = SlotCgroups(paths)
             self._chan = ours
             self._spares = queue.Queue()
-            args = (ours, self._spares, self.config.base_uid)
+            args = (ours, self._spares, self.config.base_uid, self._slots)
             threading.Thread(target=self._receive, args=args, daemon=True).start()
 
     def close(self) -> None:
@@ -164,7 +166,10 @@ class Sandbox:
 
     @staticmethod
     def _receive(
-        chan: socket.socket, spares: queue.Queue[Spare | SandboxError | None], base_uid: int
+        chan: socket.socket,
+        spares: queue.Queue[Spare | _Failed | None],
+        base_uid: int,
+        cgroups: SlotCgroups,
     ) -> None:
         while True:
             try:
@@ -176,15 +181,17 @@ class Sandbox:
                 return
             if fds:
                 try:
-                    spares.put(Spare.from_message(msg, fds, base_uid))
+                    spares.put(Spare.from_message(msg, fds, base_uid, chan, cgroups))
                 except (ValueError, KeyError, OSError) as e:  # a cut-off message: this spare only
                     for fd in fds:
                         os.close(fd)
-                    spares.put(SandboxError(f"a warm sandbox arrived incomplete ({e})"))
+                    spares.put(_Failed(chan, SandboxError(f"a warm sandbox arrived incomplete ({e})")))
             else:
-                spares.put(
-                    SandboxError(json.loads(msg).get("error") or "the zygote could not make a sandbox")
-                )
+                try:
+                    error = str(json.loads(msg)["error"])
+                except (ValueError, KeyError, TypeError):
+                    error = f"the zygote could not make a sandbox ({msg[:200]!r})"
+                spares.put(_Failed(chan, SandboxError(error)))
 
     # -- runs ------------------------------------------------------------------------
     def run_python(
@@ -230,9 +237,15 @@ class Sandbox:
             "marker": marker,
         }
         spare = self._take_spare()
-        reply = supervise(
-            spare, req, self._slots.slot(spare.slot), self.config.start_timeout_s, self.config.grace_s
-        )
+        try:
+            try:
+                slot = spare.cgroups.slot(spare.slot)
+            except OSError as e:
+                raise SandboxError(f"opening the run's cgroups: {e}") from e
+            reply = supervise(spare, req, slot, self.config.start_timeout_s, self.config.grace_s)
+        finally:
+            spare.close()
+            spare.done()  # only now may the zygote give the uid slot to another run
         outcome = RunOutcome.model_validate(reply)
         if outcome.status == "sandbox_error":
             raise SandboxError(outcome.error or "the sandbox failed")
@@ -248,15 +261,21 @@ class Sandbox:
                     "no warm sandbox became ready in time (is the machine overloaded?)"
                 ) from None
             if spare is not None:
-                chan = self._chan
-                if chan is not None:
-                    with contextlib.suppress(OSError):
-                        chan.send(b"u")  # the zygote makes a replacement
-                if isinstance(spare, SandboxError):
-                    raise spare
+                with contextlib.suppress(OSError):
+                    spare.chan.send(b"u")  # its zygote makes a replacement
+                if isinstance(spare, _Failed):
+                    raise spare.error
                 return spare
             self.close()
         raise SandboxError("the sandbox zygote keeps dying; see the worker's stderr")
+
+
+@dataclass
+class _Failed:
+    """A spare the zygote (``chan``) could not make."""
+
+    chan: socket.socket
+    error: SandboxError
 
 
 def _plain_name(name: str) -> bool:

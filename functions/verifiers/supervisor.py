@@ -23,7 +23,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import selectors
+import signal
 import socket
 import stat
 import time
@@ -31,12 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from functions.verifiers import _linux as lx
-from functions.verifiers.cgroups import Slot
+from functions.verifiers.cgroups import Slot, SlotCgroups
 from functions.verifiers.errors import SandboxError
-from functions.verifiers.program import DEFAULT_DISK_MB, SETUP_FAILED
-
-#: What a spare message carries, in this order.
-SPARE_FDS = ("go", "out", "err", "ok", "status", "hold", "pidfd")
+from functions.verifiers.program import DEFAULT_DISK_MB, SETUP_FAILED, SPARE_FDS
 
 
 class _SetupFailed(Exception):
@@ -45,7 +44,8 @@ class _SetupFailed(Exception):
 
 @dataclass
 class Spare:
-    """One warm sandbox: its uid slot, its program and the descriptors to run it."""
+    """One warm sandbox: its uid slot, its program and the descriptors to run it (see
+    ``program.SPARE_FDS``), and the zygote it came from."""
 
     slot: int
     uid: int
@@ -54,27 +54,37 @@ class Spare:
     err: int
     ok: socket.socket  # the program's /sandbox and stdin descriptors, then b"1" once set up
     status: int  # the zygote writes the program's exit status here
-    hold: int  # closing it ends the run's PID namespace
+    hold: int  # the init reads it: closed, by us or by our death, the namespace ends
     pidfd: int  # readable once the program has ended
+    init: int  # readable once the whole namespace has ended
+    chan: socket.socket  # to the zygote that made it (not a newer one's)
+    cgroups: SlotCgroups  # of that zygote
     fds: list[int] = field(default_factory=list)  # work dir, stdin, once the program sent them
 
     @classmethod
-    def from_message(cls, msg: bytes, fds: list[int], base_uid: int) -> Spare:
+    def from_message(
+        cls, msg: bytes, fds: list[int], base_uid: int, chan: socket.socket, cgroups: SlotCgroups
+    ) -> Spare:
         head = json.loads(msg)
-        go, out, err, ok, status, hold, pidfd = fds
-        return cls(
-            head["slot"], base_uid + head["slot"], go, out, err, socket.socket(fileno=ok), status, hold, pidfd
-        )
+        if len(fds) != len(SPARE_FDS):
+            raise ValueError(f"{len(fds)} descriptors instead of {len(SPARE_FDS)}")
+        go, out, err, ok, status, hold, pidfd, init = fds
+        slot = int(head["slot"])
+        sock = socket.socket(fileno=ok)
+        return cls(slot, base_uid + slot, go, out, err, sock, status, hold, pidfd, init, chan, cgroups)
 
     def end(self) -> None:
-        """End the run's namespace: its init sees EOF and exits, and the kernel kills the rest."""
+        """End the run's namespace: kill its init, and the kernel kills the rest. (Closing
+        ``hold`` alone would not do while a fork of this process holds a copy of it.)"""
         if self.hold >= 0:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self.init, signal.SIGKILL)
             os.close(self.hold)
             self.hold = -1
 
     def close(self) -> None:
         self.end()
-        for name in ("go", "out", "err", "status", "pidfd"):
+        for name in ("go", "out", "err", "status", "pidfd", "init"):
             fd = getattr(self, name)
             if fd >= 0:
                 os.close(fd)
@@ -83,6 +93,11 @@ class Spare:
             os.close(fd)
         self.fds = []
         self.ok.close()
+
+    def done(self) -> None:
+        """Tell the zygote the slot is free as far as we are concerned (after ``close``)."""
+        with contextlib.suppress(OSError):
+            self.chan.send(b"f%d" % self.slot)
 
 
 class _Capture:
@@ -114,13 +129,17 @@ def supervise(
                 spare.go,
                 json.dumps(
                     {k: req.get(k) for k in ("mode", "entry", "argv", "env", "limits", "marker")}
-                ).encode(),
+                ).encode()
+                + b"\n",  # one line: JSON escapes every newline inside it
             )
         except BrokenPipeError:
             pass  # the program died during its set-up: its exit status and stderr say why
         os.close(spare.go)
         spare.go = -1
-        return _watch(spare, req, work, slot, grace)
+        try:
+            return _watch(spare, req, work, slot, grace)
+        except OSError as e:  # ours, not the program's (a cgroup gone with its zygote, say)
+            return {"status": "sandbox_error", "error": f"supervising the run: {type(e).__name__}: {e}"}
     finally:
         spare.close()
 
@@ -214,7 +233,10 @@ def _watch(spare: Spare, req: dict[str, Any], work: int, slot: Slot | None, grac
                     killed_for = "output_limit"
                     break
     spare.end()
-    exit_ = _read_status(spare.status, time.monotonic() + grace)
+    give_up = time.monotonic() + grace
+    exit_ = _read_status(spare.status, give_up)
+    # collect only once the namespace is gone, so no survivor is still writing a file
+    select.select([spare.init], [], [], max(0.0, give_up - time.monotonic()))
     status = exit_["status"]
     wall = time.monotonic() - started
     out, err = captures[spare.out], captures[spare.err]

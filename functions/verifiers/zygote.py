@@ -49,7 +49,7 @@ import typing  # noqa: F401
 from functions.verifiers import _linux as lx
 from functions.verifiers import jail
 from functions.verifiers.cgroups import RunCgroups
-from functions.verifiers.program import SETUP_FAILED, make_slot_namespaces, program
+from functions.verifiers.program import SETUP_FAILED, SPARE_FDS, make_slot_namespaces, program
 
 MAX_SLOTS = 1024
 #: Each run's PID 1 (``cat`` reading a pipe its supervisor holds: EOF ends the namespace).
@@ -77,7 +77,8 @@ class _Spares:
         self.unused = 0  # spares the client holds and has not used yet
         self.programs: dict[int, tuple[int, int]] = {}  # program pid -> (uid slot, status pipe)
         self.inits: dict[int, int] = {}  # init pid -> uid slot
-        self.alive: dict[int, int] = {}  # uid slot -> its processes not reaped yet (program, init)
+        self.alive: dict[int, int] = {}  # uid slot -> its holders: program, init, client
+        self.handed: set[int] = set()  # slots whose spare the client has and is not done with
         self.free = list(range(MAX_SLOTS - 1, -1, -1))
         self.netns: dict[int, list[int]] = {}  # uid slot -> its network and UTS namespaces
         self.pidfd = os.pidfd_open(os.getpid())  # a program whose parent-death signal came late checks it
@@ -97,17 +98,21 @@ class _Spares:
             self.unused += 1
 
     def _spare(self, slot: int) -> None:
-        # in the zygote, before the fork: a child's cache would die with it
-        namespaces = self._slot_namespaces(slot)
-        go_r, go_w = os.pipe()
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        ok, ok_theirs = (s.detach() for s in socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET))
-        status_r, status_w = os.pipe()
-        hold_r, hold_w = os.pipe()
-        ours = [go_w, out_r, err_r, ok, status_r, hold_w]
+        """Make one warm sandbox in uid ``slot`` and send it to the client. On a failure,
+        whatever was started is killed (and reaped as usual) and nothing stays open."""
+        fds: dict[str, int] = {}  # the client's ends under their SPARE_FDS names, the rest "_"
         init = pid = -1
         try:
+            # in the zygote, before the fork: a child's cache would die with it
+            namespaces = self._slot_namespaces(slot)
+            fds["_go"], fds["go"] = os.pipe()
+            fds["out"], fds["_out"] = os.pipe()
+            fds["err"], fds["_err"] = os.pipe()
+            ok, ok_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            fds["ok"], fds["_ok"] = ok.detach(), ok_theirs.detach()
+            fds["status"], fds["_status"] = os.pipe()
+            fds["_hold"], hold = os.pipe()
+            stashed = False
             # the next two children are PID 1 and PID 2 of a namespace of their own
             lx.unshare(lx.CLONE_NEWPID)
             try:
@@ -116,7 +121,7 @@ class _Spares:
                     [f"rlfabric-init-{self.base_uid}"],
                     {},
                     file_actions=[
-                        (os.POSIX_SPAWN_DUP2, hold_r, 0),
+                        (os.POSIX_SPAWN_DUP2, fds["_hold"], 0),
                         (os.POSIX_SPAWN_DUP2, self.null, 1),
                         (os.POSIX_SPAWN_DUP2, self.null, 2),
                     ],
@@ -127,43 +132,60 @@ class _Spares:
                 # before it closes what it inherited (by a tracer, say), it would keep its
                 # own namespace alive after its supervisor is gone. So the end waits in a
                 # socket of ours across the fork (a descriptor in flight is no one's)
-                socket.send_fds(self.stash, [b"h"], [hold_w])
-                os.close(hold_w)
-                hold_w = -1
+                try:
+                    socket.send_fds(self.stash, [b"h"], [hold])
+                finally:
+                    os.close(hold)
+                stashed = True
                 pid = os.fork()
             finally:
                 if pid != 0:  # (not in the child) our later children are ours again
                     lx.setns(self.pid_ns, lx.CLONE_NEWPID)
-                    if hold_w < 0:
-                        hold_w = socket.recv_fds(self.stash_out, 1, 1)[1][0]
-                        ours[5] = hold_w
+                    if stashed:
+                        fds["hold"] = socket.recv_fds(self.stash_out, 1, 1)[1][0]
             if pid == 0:
                 try:
-                    program(self.base_uid + slot, namespaces, self.pidfd, go_r, out_w, err_w, ok_theirs)
+                    program(
+                        self.base_uid + slot,
+                        namespaces,
+                        self.pidfd,
+                        fds["_go"],
+                        fds["_out"],
+                        fds["_err"],
+                        fds["_ok"],
+                    )
                 finally:
                     os._exit(SETUP_FAILED)
-            self.programs[pid] = (slot, status_w)
+            self.programs[pid] = (slot, fds.pop("_status"))
             self.alive[slot] = 2
-            ours.append(os.pidfd_open(pid))
+            fds["pidfd"] = os.pidfd_open(pid)
+            fds["init"] = os.pidfd_open(init)
             self.cgroups.join(slot, pid)  # before the client can start it
         except BaseException:
-            # the init's end ends the namespace; the program (if any) sees its start pipe
-            # close and exits; both are reaped as usual, and the slot freed then
+            # killing the init ends the namespace, the program (if any) with it; both are
+            # reaped as usual and the slot is freed then
             if init > 0:
                 os.kill(init, signal.SIGKILL)
             else:
                 self.free.append(slot)
-            if pid <= 0:
-                os.close(status_w)
-            for fd in ours:
+            for fd in fds.values():
                 os.close(fd)
             raise
-        finally:
-            for fd in (go_r, out_w, err_w, hold_r, ok_theirs):
-                os.close(fd)
-        self._send([json.dumps({"slot": slot}).encode()], ours)
+        for name in [n for n in fds if n.startswith("_")]:  # the children's ends
+            os.close(fds.pop(name))
+        ours = [fds[name] for name in SPARE_FDS]
+        sent = self._send([json.dumps({"slot": slot}).encode()], ours)
         for fd in ours:  # the client has its own copies now
             os.close(fd)
+        if sent:  # and the slot is the client's until it says it is done
+            self.alive[slot] += 1
+            self.handed.add(slot)
+
+    def done(self, slot: int) -> None:
+        """The client's supervisor is done with the slot (it holds nothing of the run now)."""
+        if slot in self.handed:
+            self.handed.remove(slot)
+            self._release(slot)
 
     def _send(self, msg: list[bytes], fds: list[int]) -> bool:
         try:
@@ -236,12 +258,16 @@ class _Spares:
                 slot = self.inits.pop(pid)
             else:
                 continue
-            # a slot is free again only once its whole namespace is gone: its init exits only
-            # after every other process of the namespace has been reaped
-            self.alive[slot] -= 1
-            if not self.alive[slot]:
-                del self.alive[slot]
-                self.free.append(slot)
+            self._release(slot)
+
+    def _release(self, slot: int) -> None:
+        """One holder of the slot less: its program, its init (which exits only after every
+        other process of its namespace has been reaped) and its supervisor. When all three
+        are gone, nothing of the run is left, and the slot is free again."""
+        self.alive[slot] -= 1
+        if not self.alive[slot]:
+            del self.alive[slot]
+            self.free.append(slot)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -298,7 +324,10 @@ def main() -> None:
             msg = chan.recv(64)
             if not msg:
                 pool.shutdown()  # the client went away
-            pool.unused -= len(msg)  # one byte per spare the client started using
+            elif msg.startswith(b"f"):  # b"f<slot>": a run's supervisor is done with its slot
+                pool.done(int(msg[1:]))
+            else:
+                pool.unused -= len(msg)  # one byte per spare the client started using
         pool.reap()
 
 

@@ -9,9 +9,11 @@ a listener on 127.0.0.1.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -28,8 +30,9 @@ FAST = Limits(cpu_s=1, wall_s=3, memory_mb=256, nproc=16, disk_mb=8, fsize_mb=4,
 GOOD = "print(sum(map(int, input().split())))"
 
 
-def _sandbox_pids() -> list[int]:
-    """Processes of the host running as one of the sandbox's uids (there must be none left)."""
+def _sandbox_pids(base: int = BASE_UID) -> list[int]:
+    """Live processes of the host running as one of the sandbox's uids (there must be none
+    left)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -39,7 +42,8 @@ def _sandbox_pids() -> list[int]:
         except OSError:
             continue
         uid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("Uid:"))
-        if BASE_UID <= uid < BASE_UID + 1024:
+        state = next(line.split()[1] for line in status.splitlines() if line.startswith("State:"))
+        if base <= uid < base + 1024 and state != "Z":
             found.append(int(entry.name))
     return found
 
@@ -384,3 +388,63 @@ def test_slot_namespaces_are_made_once_per_slot_not_per_run():
         seen = {box.run_python(NETNS, limits=FAST).stdout for _ in range(10)}
     # one run in flight and one spare at a time: a handful of slots, not one per run
     assert len(seen) <= 4, seen
+
+
+def test_uid_slots_come_back_only_after_their_supervisor_is_done():
+    """A slot is reused once its program, its init and its supervisor are all done with it
+    (the supervisor holds the run's tmpfs until it has collected the files): the uids of
+    many runs one after another stay a handful, and concurrent runs never share one."""
+    code = "import os, time\nprint(os.getuid())\ntime.sleep(0.05)\n"
+    with Sandbox(SandboxConfig(base_uid=BASE_UID + 6144, spares=1)) as box:
+        one_by_one = {box.run_python(code, limits=FAST).stdout for _ in range(15)}
+        assert len(one_by_one) <= 4, one_by_one
+        for _ in range(3):
+            with ThreadPoolExecutor(4) as pool:
+                uids = [o.stdout for o in pool.map(lambda _: box.run_python(code, limits=FAST), range(4))]
+            assert len(set(uids)) == 4, uids
+
+
+def test_a_fork_of_the_worker_does_not_keep_a_run_alive():
+    """The worker may fork (the math reward does, for sympy) while it holds warm sandboxes:
+    the fork holds copies of their descriptors, the pipe that ends a run's namespace when
+    closed included. A run must still end when its program does, background children and
+    all, not at its wall limit."""
+    leaver = "import os, time\nif os.fork() == 0:\n    time.sleep(30)\nprint('done')\n"
+    with Sandbox(SandboxConfig(base_uid=BASE_UID + 7168, spares=2)) as box:
+        box.run_python("print(1)", limits=FAST)  # the spares are made and queued here
+        time.sleep(0.2)
+        child = os.fork()
+        if child == 0:  # a stand-in for the math reward's sympy child
+            time.sleep(5)
+            os._exit(0)
+        try:
+            t0 = time.monotonic()
+            out = box.run_python(leaver, limits=Limits(cpu_s=2, wall_s=4))
+            took = time.monotonic() - t0
+        finally:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+    assert (out.status, out.stdout) == ("exited", b"done\n"), out
+    assert took < 2, took
+
+
+def test_warm_spares_die_with_their_zygote():
+    """A spare's program has already become the run's uid, which clears the parent-death
+    signal: it re-arms it, so spares of a zygote that died do not live on (a new zygote hands
+    out the same uids)."""
+    base = BASE_UID + 8192
+    with Sandbox(SandboxConfig(base_uid=base, spares=2)) as box:
+        box.run_python("print(1)", limits=FAST)
+        deadline = time.monotonic() + 3
+        while len(_sandbox_pids(base)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(_sandbox_pids(base)) == 2  # two warm spares, unprivileged already
+        assert box._zygote is not None
+        os.kill(box._zygote.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 3
+        while _sandbox_pids(base) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _sandbox_pids(base) == []
+        # and the sandbox recovers: the next run starts a new zygote
+        out = box.run_python("print(2)", limits=FAST)
+        assert out.stdout == b"2\n"
