@@ -162,6 +162,7 @@ class Sandbox:
             spare = self._spares.get_nowait()
             if isinstance(spare, Spare):
                 spare.close()  # its namespace ends
+        self._spares.put(None)  # runs still waiting on this zygote wake up and go to the next
         self._slots.close()
 
     @staticmethod
@@ -254,19 +255,24 @@ class Sandbox:
     def _take_spare(self) -> Spare:
         for _ in range(2):  # a dead zygote is restarted once per run
             self.start()
+            spares = self._spares  # this zygote's; a restart makes a new queue
             try:
-                spare = self._spares.get(timeout=self.config.start_timeout_s)
+                spare = spares.get(timeout=self.config.start_timeout_s)
             except queue.Empty:
                 raise SandboxError(
                     "no warm sandbox became ready in time (is the machine overloaded?)"
                 ) from None
-            if spare is not None:
-                with contextlib.suppress(OSError):
-                    spare.chan.send(b"u")  # its zygote makes a replacement
-                if isinstance(spare, _Failed):
-                    raise spare.error
-                return spare
-            self.close()
+            if spare is None:  # that zygote is gone
+                spares.put(None)  # so every other run waiting on it wakes up too
+                with self._lock:
+                    if self._spares is spares:  # and no other run has restarted it yet
+                        self._shutdown()
+                continue
+            with contextlib.suppress(OSError):
+                spare.chan.send(b"u")  # its zygote makes a replacement
+            if isinstance(spare, _Failed):
+                raise spare.error
+            return spare
         raise SandboxError("the sandbox zygote keeps dying; see the worker's stderr")
 
 

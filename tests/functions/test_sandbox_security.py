@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from functions.verifiers import _linux
+from functions.verifiers.errors import SandboxError
 from functions.verifiers.sandbox import Limits, Sandbox, SandboxConfig
 from functions.verifiers.verify import CodeTests, Verifier
 
@@ -448,3 +449,32 @@ def test_warm_spares_die_with_their_zygote():
         # and the sandbox recovers: the next run starts a new zygote
         out = box.run_python("print(2)", limits=FAST)
         assert out.stdout == b"2\n"
+
+
+def test_runs_waiting_on_a_dead_zygote_all_move_to_the_next():
+    """When the zygote dies, every run waiting for one of its spares moves on to the
+    restarted zygote (not just the first to notice)."""
+    with Sandbox(SandboxConfig(base_uid=BASE_UID + 9216, spares=1, start_timeout_s=20)) as box:
+        box.run_python("print(1)", limits=FAST)
+        time.sleep(0.2)  # its replacement spare is queued
+        assert box._zygote is not None
+        first = box._zygote.pid
+        os.kill(first, signal.SIGSTOP)  # makes no more spares: the runs below wait for one
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(box.run_python, f"print({i})", limits=FAST) for i in range(4)]
+            time.sleep(0.5)
+            os.kill(first, signal.SIGKILL)
+            outs = []
+            for i, f in enumerate(futures):
+                try:
+                    outs.append(f.result().stdout)
+                except SandboxError:  # the one run that got the queued spare: its zygote died
+                    outs.append(b"lost %d" % i)
+        took = time.monotonic() - t0
+        lost = [o for o in outs if o.startswith(b"lost")]
+        assert len(lost) <= 1 and sorted(set(outs) - set(lost)) == [
+            b"%d\n" % i for i in range(4) if b"lost %d" % i not in lost
+        ], outs
+        assert box._zygote is not None and box._zygote.pid != first
+    assert took < 10, took  # not the 20 s a run left waiting on the dead zygote sits out
