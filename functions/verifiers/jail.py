@@ -61,8 +61,13 @@ def restore_relocated() -> None:
         lx.mount("none", real, None, RO_FLAGS)
 
 
-def enter(extra_ro: tuple[str, ...] = ()) -> str:
-    """Build the jail and make it this process's root. Returns the list of what is shared."""
+#: Where the runs' init is, in the jail, when there is one for this machine (``init.py``).
+INIT = "/.rlfabric-init"
+
+
+def enter(extra_ro: tuple[str, ...] = (), init: bytes | None = None) -> str:
+    """Build the jail and make it this process's root (with ``init`` as ``INIT``). Returns
+    the list of what is shared."""
     lx.unshare(lx.CLONE_NEWNS)
     lx.mount("none", "/", None, lx.MS_REC | lx.MS_PRIVATE)  # nothing propagates back to the host
     root = tempfile.mkdtemp(prefix="rlfabric-jail-")
@@ -88,6 +93,12 @@ def enter(extra_ro: tuple[str, ...] = ()) -> str:
         _bind_ro("/dev/" + dev, f"{root}/dev/{dev}", RO_FLAGS & ~lx.MS_NODEV)
     for name in ("sandbox", "tmp", "proc"):
         os.makedirs(f"{root}/{name}", exist_ok=True)
+    if init is not None:  # root's, and read-only with the rest once the root is remounted
+        fd = os.open(root + INIT, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o555)
+        try:
+            os.write(fd, init)
+        finally:
+            os.close(fd)
     os.makedirs(root + "/.old")
     lx.pivot_root(root, root + "/.old")
     os.chdir("/")

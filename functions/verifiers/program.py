@@ -1,8 +1,8 @@
 """The program of one sandboxed run: forked by the zygote, it sets up its own sandbox.
 
 The zygote makes a fresh PID namespace for every run: its PID 1 is a tiny exec'd init
-(``cat`` reading a pipe the run's supervisor holds) and the program, a fork of the
-zygote's warm interpreter, is PID 2. Ahead of any request (a *spare*), still root but
+(``functions.verifiers.init``, or ``cat``, reading a pipe the run's supervisor holds) and
+the program, a fork of the zygote's warm interpreter, is PID 2. Ahead of any request (a *spare*), still root but
 inside the zygote's read-only jail, the program joins its uid slot's network and UTS
 namespaces, takes fresh mount and IPC namespaces, mounts a size-limited tmpfs at
 ``/sandbox`` (also seen as ``/tmp``) and the namespace's ``/proc``, hands its supervisor
@@ -18,10 +18,10 @@ interpreter start-up).
 
 Why a separate PID 1 and not the program: the kernel drops the signals a PID 1 sends
 itself without a handler, so as PID 1 a program's ``abort()`` or ``kill(getpid(), ...)``
-would not end it. ``cat`` installs no handler, so nothing in the namespace can signal it
+would not end it. The init installs no handler, so nothing in the namespace can signal it
 either, and it runs as root, so nothing there can trace it. When the supervisor closes
-the pipe (the run is over, or the supervisor died), ``cat`` exits and the kernel kills
-everything left in the namespace. Why an exec'd ``cat`` and not a fork of Python: the
+the pipe (the run is over, or the supervisor died), or kills the init, the kernel kills
+everything left in the namespace. Why an exec'd init and not a fork of Python: the
 zygote starts it with ``posix_spawn`` (a vfork: no copy of the interpreter's page tables),
 and its exit unmaps almost nothing; a forked interpreter costs both, on every run.
 

@@ -49,11 +49,13 @@ import typing  # noqa: F401
 from functions.verifiers import _linux as lx
 from functions.verifiers import jail
 from functions.verifiers.cgroups import RunCgroups
+from functions.verifiers.init import image as init_image
 from functions.verifiers.program import SETUP_FAILED, SPARE_FDS, make_slot_namespaces, program
 
 MAX_SLOTS = 1024
-#: Each run's PID 1 (``cat`` reading a pipe its supervisor holds: EOF ends the namespace).
-INITS = ("/usr/bin/cat", "/bin/cat")
+#: Each run's PID 1, the first there is: it reads a pipe its supervisor holds, and EOF ends
+#: the namespace (``functions.verifiers.init``, or ``cat`` where that has no build).
+INITS = (jail.INIT, "/usr/bin/cat", "/bin/cat")
 
 
 class _Spares:
@@ -287,7 +289,7 @@ def main() -> None:
     if soft != resource.RLIM_INFINITY and soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     try:
-        shared = jail.enter()
+        shared = jail.enter(init=init_image())
     except OSError as e:
         chan.send(json.dumps({"ready": False, "error": f"cannot build the sandbox jail: {e}"}).encode())
         os._exit(2)

@@ -8,9 +8,12 @@ a listener on 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import platform
 import signal
 import socket
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +23,7 @@ import pytest
 
 from functions.verifiers import _linux
 from functions.verifiers.errors import SandboxError
+from functions.verifiers.init import image as init_image
 from functions.verifiers.sandbox import Limits, Sandbox, SandboxConfig
 from functions.verifiers.verify import CodeTests, Verifier
 
@@ -478,3 +482,36 @@ def test_runs_waiting_on_a_dead_zygote_all_move_to_the_next():
         ], outs
         assert box._zygote is not None and box._zygote.pid != first
     assert took < 10, took  # not the 20 s a run left waiting on the dead zygote sits out
+
+
+def test_the_init_reads_until_eof_then_exits(tmp_path):
+    """The runs' PID 1 (a hand-assembled static program where there is one for this
+    machine): it lives while its pipe is open, whatever comes down it, and exits at EOF."""
+    image = init_image()
+    if image is None:
+        pytest.skip(f"no static init for {platform.machine()}: the sandbox uses cat")
+    path = tmp_path / "init"
+    path.write_bytes(image)
+    path.chmod(0o755)
+    r, w = os.pipe()
+    proc = subprocess.Popen([str(path)], stdin=r)
+    os.close(r)
+    try:
+        os.write(w, b"anything\n" * 1000)
+        time.sleep(0.2)
+        assert proc.poll() is None
+    finally:
+        os.close(w)
+    assert proc.wait(timeout=5) == 0
+    # and it is what the sandbox runs as every run's PID 1
+    with Sandbox(SandboxConfig(base_uid=BASE_UID + 10240, spares=1)) as box:
+        box.run_python("print(1)", limits=FAST)
+        assert box._zygote is not None
+        inits = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if f"PPid:\t{box._zygote.pid}\n" in (entry / "status").read_text():
+                        if (entry / "cmdline").read_bytes().startswith(b"rlfabric-init-"):
+                            inits.append(os.readlink(entry / "exe"))
+        assert inits and all(exe.endswith(".rlfabric-init") for exe in inits), inits
