@@ -8,7 +8,7 @@ which the supervisor polls. cgroup v1 controllers, created *under the
 zygote's own cgroup* so whatever limits the host put on the worker still hold.
 
 The zygote opens the controllers' directories before it enters the jail (which shows no
-``/sys``) and puts each program into its uid slot's cgroups (``RunCgroups.join``); the
+``/sys``) and each program joins its uid slot's cgroups (``RunCgroups.procs``); the
 supervisors, in the client outside the jail, open the same directories by path
 (``SlotCgroups``) to set a run's limit and read what it used. Where a controller is missing
 or read-only the sandbox falls back to rlimits alone and says so in ``Sandbox.cgroups``.
@@ -82,9 +82,10 @@ class RunCgroups:
     def names(self) -> list[str]:
         return sorted(self.dirs)
 
-    def join(self, slot: int, pid: int) -> None:
-        """Put ``pid`` (a spare's program, before it runs any user code) into the slot's
-        cgroups; everything it starts is counted there too."""
+    def procs(self, slot: int) -> list[int]:
+        """The slot's ``cgroup.procs`` files, one per controller (kept open: every run's
+        program writes ``0`` to each, joining them, before it runs any user code; a
+        migration can wait for an RCU grace period, which must not stall the zygote)."""
         fds = self._procs.get(slot)
         if fds is None:
             fds = []
@@ -93,8 +94,7 @@ class RunCgroups:
                     os.mkdir(f"s{slot}", dir_fd=parent)
                 fds.append(os.open(f"s{slot}/cgroup.procs", os.O_WRONLY, dir_fd=parent))
             self._procs[slot] = fds
-        for fd in fds:
-            os.write(fd, str(pid).encode())
+        return fds
 
     def remove(self) -> bool:
         """Remove the slot cgroups and our own; False while some are busy (a zygote that

@@ -2,13 +2,14 @@
 
 The zygote makes a fresh PID namespace for every run: its PID 1 is a tiny exec'd init
 (``functions.verifiers.init``, or ``cat``, reading a pipe the run's supervisor holds) and
-the program, a fork of the zygote's warm interpreter, is PID 2. Ahead of any request (a *spare*), still root but
-inside the zygote's read-only jail, the program joins its uid slot's network and UTS
-namespaces, takes fresh mount and IPC namespaces, mounts a size-limited tmpfs at
-``/sandbox`` (also seen as ``/tmp``) and the namespace's ``/proc``, hands its supervisor
-(``functions.verifiers.supervisor``, in the client) a descriptor of ``/sandbox`` and of its
-stdin, becomes the run's unprivileged uid (clearing every capability), enters a user
-namespace of its own, drops what that namespace granted, sets ``no_new_privs`` and waits.
+the program, a fork of the zygote's warm interpreter, is PID 2. Ahead of any request (a
+*spare*), still root but inside the zygote's read-only jail, the program joins its uid
+slot's cgroups and its network and UTS namespaces, takes fresh mount and IPC namespaces,
+mounts a size-limited tmpfs at ``/sandbox`` (also seen as ``/tmp``) and the namespace's
+``/proc``, hands its supervisor (``functions.verifiers.supervisor``, in the client) a
+descriptor of ``/sandbox`` and of its stdin, becomes the run's unprivileged uid (clearing
+every capability), enters a user namespace of its own, drops what that namespace granted,
+sets ``no_new_privs`` and waits.
 
 Meanwhile the supervisor writes the run's files and stdin through those descriptors and
 sends the start message; the program takes its rlimits, scrubs its environment, says
@@ -165,7 +166,14 @@ def _die_with_zygote(zygote_pidfd: int) -> None:
 
 
 def program(
-    uid: int, namespaces: list[int], zygote_pidfd: int, go_r: int, out_w: int, err_w: int, ok: int
+    uid: int,
+    namespaces: list[int],
+    cgroup_procs: list[int],
+    zygote_pidfd: int,
+    go_r: int,
+    out_w: int,
+    err_w: int,
+    ok: int,
 ) -> None:
     """The program (PID 2 of the run's namespace): set up, lock itself down, wait for the run,
     run it. Never returns.
@@ -178,6 +186,8 @@ def program(
         signal.set_wakeup_fd(-1)  # the zygote's: a handler the program installs must not write there
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         _die_with_zygote(zygote_pidfd)
+        for fd in cgroup_procs:  # the run's cgroups, before any user code: all it starts counts
+            os.write(fd, b"0")
         if os.getpid() != 2:
             raise RuntimeError("the program must be PID 2 of the run's own PID namespace")
         lx.setns(namespaces[0], lx.CLONE_NEWNET)

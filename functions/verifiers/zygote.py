@@ -90,6 +90,7 @@ class _Spares:
 
     def refill(self) -> None:
         while self.unused < self.target and self.free:
+            self.reap()  # first: a supervisor waiting for a status waits on us
             slot = self.free.pop()
             try:
                 self._spare(slot)
@@ -107,6 +108,7 @@ class _Spares:
         try:
             # in the zygote, before the fork: a child's cache would die with it
             namespaces = self._slot_namespaces(slot)
+            cgroup_procs = self.cgroups.procs(slot)  # the program joins them itself
             fds["_go"], fds["go"] = os.pipe()
             fds["out"], fds["_out"] = os.pipe()
             fds["err"], fds["_err"] = os.pipe()
@@ -150,6 +152,7 @@ class _Spares:
                     program(
                         self.base_uid + slot,
                         namespaces,
+                        cgroup_procs,
                         self.pidfd,
                         fds["_go"],
                         fds["_out"],
@@ -162,7 +165,6 @@ class _Spares:
             self.alive[slot] = 2
             fds["pidfd"] = os.pidfd_open(pid)
             fds["init"] = os.pidfd_open(init)
-            self.cgroups.join(slot, pid)  # before the client can start it
         except BaseException:
             # killing the init ends the namespace, the program (if any) with it; both are
             # reaped as usual and the slot is freed then
