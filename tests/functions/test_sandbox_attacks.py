@@ -7,7 +7,7 @@ found 16 holes; each is fixed and its test passes). A hole found later belongs h
 
 Attacks that leave something behind on purpose (a stuck run, a leaked uid slot)
 get a sandbox of their own, closed (and checked clean) at the end of the test; closing the
-sandbox ends whatever a hole left, and orphaned run PID 1s (see the race test at the end)
+sandbox ends whatever a hole left, and orphaned run PID 1s (see test_sandbox_lifecycle.py)
 are killed by pid, so the suite leaves nothing running. The programs call x86_64 syscall
 numbers directly (clone, keyctl, add_key, userfaultfd).
 """
@@ -16,20 +16,32 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import ctypes
-import itertools
 import os
 import platform
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sandbox_probe import (
+    FAST,
+    GOOD,
+    LIBC,
+    MB,
+    NEST,
+    jail_dirs,
+    kill_orphaned_inits,
+    lines,
+    live_in_range,
+    own_sandbox,
+    py,
+    settled_runs,
+    stale_jail_dirs,
+    wait_clean,
+    wait_no_live,
+)
 
 from functions.verifiers import _linux
 from functions.verifiers.errors import SandboxError
@@ -42,175 +54,6 @@ pytestmark = [
 ]
 
 BASE_UID = 340_000
-#: sandboxes of their own (one per hole test), each with its own 1024-uid range
-_OWN_BASES = itertools.count(342_000, 1_100)
-MB = 1 << 20
-FAST = Limits(
-    cpu_s=1,
-    wall_s=2,
-    memory_mb=128,
-    nproc=16,
-    disk_mb=8,
-    fsize_mb=4,
-    nofile=32,
-    stdout_bytes=64 << 10,
-    stderr_bytes=16 << 10,
-)
-GOOD = "print(sum(map(int, input().split())))"
-PIPE_WAITS = ("pipe_read", "pipe_wait", "anon_pipe_read")
-ZYGOTE = b"functions.verifiers.zygote"
-INIT_TAG = b"rlfabric-init-"  # argv[0] of every run's init
-
-# ctypes preamble of the programs that call the kernel directly
-LIBC = (
-    "import ctypes, os\n"
-    "libc = ctypes.CDLL(None, use_errno=True)\n"
-    "libc.syscall.restype = ctypes.c_long\n"
-    "def err():\n"
-    "    return ctypes.get_errno()\n"
-)
-# enter a user namespace of one's own (full capabilities in it) plus the given namespaces
-NEST = (
-    "def nest(extra):\n"
-    "    uid = os.getuid()\n"
-    "    if libc.unshare(0x10000000 | extra) != 0:\n"
-    "        return False\n"
-    "    open('/proc/self/setgroups', 'w').write('deny')\n"
-    "    open('/proc/self/uid_map', 'w').write(f'0 {uid} 1')\n"
-    "    open('/proc/self/gid_map', 'w').write(f'0 {uid} 1')\n"
-    "    return True\n"
-)
-
-
-# -- looking at the host from outside --------------------------------------------------------
-def _proc(pid: str) -> dict[str, str]:
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        fields[key] = value.strip()
-    return fields
-
-
-def _is_zygote_family(pid: str) -> bool:
-    """The zygote or a run's init (``cat``, PID 1 of the run's namespace): the live
-    processes that hold a run's zombies."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        return (ZYGOTE in cmdline or cmdline.startswith(INIT_TAG)) and _proc(pid)["State"][0] != "Z"
-    except OSError:
-        return False
-
-
-def leftovers(base: int) -> list[str]:
-    """What of the runs of the sandbox with uids ``base..base+1023`` is still on the host.
-
-    A warm spare (blocked reading its start message) is expected. A zombie already handed to
-    the host's reaper is harmless (this VM's PID 1 reaps slowly); one whose parent is still
-    the zygote or a run's init is a leak (its run's namespace is stuck with it).
-    """
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            st = _proc(entry.name)
-            uid = int(st["Uid"].split()[0])
-            if not base <= uid < base + 1024:
-                continue
-            if st["State"][0] == "Z":
-                if _is_zygote_family(st["PPid"]):
-                    found.append(f"{entry.name}: zombie held by {st['PPid']}")
-                continue
-            if (entry / "wchan").read_text() in PIPE_WAITS:
-                continue  # a warm spare
-            found.append(f"{entry.name}: {st['State']} {(entry / 'cmdline').read_bytes()[:60]!r}")
-        except (OSError, KeyError, ValueError):
-            continue  # gone while we looked
-    return found
-
-
-def wait_clean(base: int, timeout: float = 5.0) -> list[str]:
-    deadline = time.monotonic() + timeout
-    left = leftovers(base)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.05)
-        left = leftovers(base)
-    return left
-
-
-def live_in_range(base: int) -> list[int]:
-    """Every non-zombie process with a uid of the range (spares included)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                st = _proc(entry.name)
-                if base <= int(st["Uid"].split()[0]) < base + 1024 and st["State"][0] != "Z":
-                    pids.append(int(entry.name))
-            except (OSError, KeyError, ValueError):
-                continue
-    return pids
-
-
-def run_inits(zygote_pid: int) -> list[int]:
-    """The zygote's live children that are a run's PID 1: one per spare or run in flight."""
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                st = _proc(entry.name)
-                if (
-                    st["PPid"] == str(zygote_pid)
-                    and st["State"][0] != "Z"
-                    and (entry / "cmdline").read_bytes().startswith(INIT_TAG)
-                ):
-                    kids.append(int(entry.name))
-            except (OSError, KeyError):
-                continue
-    return kids
-
-
-def settled_runs(zygote_pid: int, want: int, timeout: float = 3.0) -> int:
-    """How many run namespaces are alive, once that is ``want`` (or ``timeout`` passed)."""
-    deadline = time.monotonic() + timeout
-    n = len(run_inits(zygote_pid))
-    while n != want and time.monotonic() < deadline:
-        time.sleep(0.05)
-        n = len(run_inits(zygote_pid))
-    return n
-
-
-def orphaned_inits(base: int) -> list[int]:
-    """PID 1s of run namespaces of the sandbox ``base`` whose zygote is gone. They run as
-    root (outside the uid range): one that outlived its sandbox would hold its namespace,
-    and whatever runs in it, forever."""
-    tag = INIT_TAG + b"%d\0" % base
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if (entry / "cmdline").read_bytes() != tag:
-                continue
-            st = _proc(entry.name)
-            nspid = st["NSpid"].split()
-            if st["State"][0] == "Z" or len(nspid) < 2 or nspid[-1] != "1":
-                continue
-            if not _is_zygote_family(st["PPid"]):
-                found.append(int(entry.name))
-        except (OSError, KeyError):
-            continue
-    return found
-
-
-def kill_orphaned_inits(base: int) -> list[int]:
-    """Kill (by pid) the orphaned PID 1s of this suite's own sandbox ``base``, so the suite
-    leaves nothing behind even if that ever happens (see the race test at the end)."""
-    pids = orphaned_inits(base)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return pids
 
 
 # -- fixtures ----------------------------------------------------------------------------------
@@ -220,14 +63,7 @@ def sandbox():
         yield sb
     kill_orphaned_inits(BASE_UID)
     assert wait_clean(BASE_UID) == []
-    assert live_in_range(BASE_UID) == [] or _wait_no_live(BASE_UID)
-
-
-def _wait_no_live(base: int, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while live_in_range(base) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return live_in_range(base) == []
+    assert live_in_range(BASE_UID) == [] or wait_no_live(BASE_UID)
 
 
 @pytest.fixture
@@ -242,29 +78,6 @@ def sb(sandbox):
     assert settled_runs(sandbox._zygote.pid, 2) == 2, "a run's namespace is stuck (uid slot leaked)"
     out = sandbox.run_python(GOOD, stdin=b"20 22\n", limits=FAST)
     assert (out.status, out.stdout) == ("exited", b"42\n")
-
-
-@contextlib.contextmanager
-def own_sandbox(**config) -> Iterator[Sandbox]:
-    """A sandbox for one attack that may leave debris; closing it must clear everything."""
-    base = next(_OWN_BASES)
-    cfg = {"base_uid": base, "spares": 1, "grace_s": 1.0, **config}
-    box = Sandbox(SandboxConfig(**cfg))
-    box.start()
-    try:
-        yield box
-    finally:
-        box.close()
-        kill_orphaned_inits(base)
-        assert _wait_no_live(base), f"close() left processes running: {live_in_range(base)}"
-
-
-def py(box: Sandbox, code: str, limits: Limits = FAST, **kw) -> RunOutcome:
-    return box.run_python(code, limits=limits, **kw)
-
-
-def lines(out: RunOutcome) -> list[str]:
-    return out.stdout.decode(errors="replace").splitlines()
 
 
 # -- the jail ----------------------------------------------------------------------------------
@@ -917,20 +730,6 @@ def test_forked_children_share_one_cpu_budget(sb):
     assert used <= limits.cpu_s * 1.2, f"the run used {used} CPU s under a {limits.cpu_s} s budget"
 
 
-# -- leaks and lifecycle -----------------------------------------------------------------------
-def jail_dirs() -> set[Path]:
-    return set(Path("/tmp").glob("rlfabric-jail-*"))
-
-
-def stale_jail_dirs(before: set[Path]) -> list[Path]:
-    """Jail dirs that appeared since ``before`` and stay (another suite's zygote that is
-    starting right now has one for a few milliseconds)."""
-    new = jail_dirs() - before
-    if new:
-        time.sleep(0.5)
-    return sorted(d for d in new if d.exists())
-
-
 def test_nothing_leaks_over_many_hostile_runs(sb):
     zygote = sb._zygote
     assert zygote is not None
@@ -969,171 +768,3 @@ def test_nothing_leaks_over_many_hostile_runs(sb):
     assert stale_jail_dirs(dirs) == []
     kept = [link for link in zygote_fds() if link.startswith(("net:", "uts:"))]
     assert len(kept) <= 2 * 8, kept  # a few slots at a time here, not one per run (21)
-
-
-def test_close_leaves_nothing_running():
-    base = next(_OWN_BASES)
-    box = Sandbox(SandboxConfig(base_uid=base, spares=2))
-    box.start()
-    outcome: list[object] = []
-
-    def long_run():
-        try:
-            outcome.append(py(box, "import os, time\nos.fork()\ntime.sleep(30)", Limits(cpu_s=30, wall_s=30)))
-        except SandboxError as e:
-            outcome.append(e)
-
-    t = threading.Thread(target=long_run)
-    t.start()
-    time.sleep(0.4)
-    assert len(live_in_range(base)) >= 3  # two program processes and a spare
-    zygote = box._zygote
-    assert zygote is not None
-    box.close()
-    t.join(5)
-    assert isinstance(outcome[0], SandboxError)
-    assert zygote.poll() is not None
-    kill_orphaned_inits(base)
-    assert _wait_no_live(base, 3.0), live_in_range(base)
-
-
-CLIENT = """
-import sys, time
-from functions.verifiers.sandbox import Limits, Sandbox, SandboxConfig
-box = Sandbox(SandboxConfig(base_uid=int(sys.argv[1]), spares=2))
-box.start()
-print(box._zygote.pid, flush=True)
-box.run_python("import os, time\\nif os.fork() == 0:\\n    os.setsid()\\ntime.sleep(60)",
-               limits=Limits(cpu_s=60, wall_s=60))
-"""
-
-
-def test_a_killed_client_leaves_nothing_running():
-    base = next(_OWN_BASES)
-    env = {**os.environ, "PYTHONPATH": _package_root()}
-    client = subprocess.Popen(
-        [sys.executable, "-c", CLIENT, str(base)], stdout=subprocess.PIPE, env=env, cwd=_package_root()
-    )
-    try:
-        assert client.stdout is not None
-        zygote = int(client.stdout.readline())
-        deadline = time.monotonic() + 5
-        while len(live_in_range(base)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(live_in_range(base)) >= 3  # the run (two processes) and a spare
-    finally:
-        client.kill()
-        client.wait()
-        kill_orphaned_inits(base)
-    assert _wait_no_live(base, 3.0), live_in_range(base)
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline and _is_zygote_family(str(zygote)):
-        time.sleep(0.05)
-    assert not _is_zygote_family(str(zygote)), "the zygote outlived its client"
-
-
-def test_start_and_close_leave_no_jail_dirs_or_mounts():
-    before = jail_dirs()
-    mounts = Path("/proc/self/mountinfo").read_text()
-    for _ in range(3):
-        with own_sandbox() as box:
-            assert py(box, "print(5)").stdout == b"5\n"
-    assert stale_jail_dirs(before) == []
-    assert Path("/proc/self/mountinfo").read_text() == mounts
-
-
-# -- a race made deterministic: PR_SET_PDEATHSIG is set after fork ---------------------------
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.ptrace.restype = ctypes.c_long
-_libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
-PTRACE_CONT, PTRACE_DETACH, PTRACE_GETEVENTMSG, PTRACE_SEIZE = 7, 17, 0x4201, 0x4206
-PTRACE_O_TRACEFORK, PTRACE_EVENT_FORK = 0x2, 1
-WALL = 0x40000000
-
-
-def _ptrace(request: int, pid: int, data: int = 0) -> int:
-    ret = _libc.ptrace(request, pid, None, ctypes.c_void_p(data))
-    if ret < 0:
-        raise OSError(ctypes.get_errno(), f"ptrace {request} {pid}")
-    return ret
-
-
-def _stop_at_fork(pid: int) -> int:
-    """Let traced ``pid`` run until it forks; return the child (born stopped, traced too)."""
-    while True:
-        _, status = os.waitpid(pid, WALL)
-        if status >> 8 == signal.SIGTRAP | (PTRACE_EVENT_FORK << 8):
-            msg = ctypes.c_ulong()
-            _libc.ptrace(PTRACE_GETEVENTMSG, pid, None, ctypes.byref(msg))
-            return msg.value
-        # anything else: go on, passing a signal on (the zygote's SIGCHLD wakes its loop)
-        plain_signal = os.WIFSTOPPED(status) and status >> 16 == 0
-        _ptrace(PTRACE_CONT, pid, os.WSTOPSIG(status) if plain_signal else 0)
-
-
-def _stop_at_program_fork(zygote: int) -> int:
-    """Let the traced zygote run until it forks a program (PID 2 of a new namespace; the
-    init before it is a vfork, not traced); a helper it forks for a new slot's namespaces
-    is let go. The program is returned frozen at birth."""
-    while True:
-        child = _stop_at_fork(zygote)
-        os.waitpid(child, WALL)  # born stopped
-        if len(_proc(str(child))["NSpid"].split()) > 1:
-            return child
-        _ptrace(PTRACE_DETACH, child)
-        _ptrace(PTRACE_CONT, zygote)
-
-
-def test_a_zygote_dying_right_after_forking_the_program_leaves_no_orphan():
-    """Freeze a fresh program at birth (ptrace), before it arms PR_SET_PDEATHSIG, and kill
-    its parent, the zygote: nothing signals the program then, but the run's namespace
-    outlives the zygote only as long as its supervisor holds the init's pipe, so closing
-    the sandbox ends the frozen program with the namespace."""
-    base = next(_OWN_BASES)
-    box = Sandbox(SandboxConfig(base_uid=base, spares=1))
-    box.start()
-    frozen = None
-    try:
-        assert box._zygote is not None
-        zygote = box._zygote.pid
-        for _ in range(3):  # every slot the runs below use has its namespaces already
-            assert py(box, "print(1)").stdout == b"1\n"
-        settled_runs(zygote, 1)
-        _ptrace(PTRACE_SEIZE, zygote, PTRACE_O_TRACEFORK)
-        # a run makes the zygote make a replacement spare (and forward the run's status,
-        # which it can only do while we let it run)
-        runs: list[RunOutcome] = []
-        t = threading.Thread(target=lambda: runs.append(py(box, "print(1)")))
-        t.start()
-        frozen = _stop_at_program_fork(zygote)
-        _ptrace(PTRACE_DETACH, zygote)
-        t.join(10)
-        assert runs and runs[0].stdout == b"1\n"
-        deadline = time.monotonic() + 3
-        while box._spares.empty() and time.monotonic() < deadline:  # the spare reaches us
-            time.sleep(0.01)
-        assert not box._spares.empty()
-        os.kill(zygote, signal.SIGKILL)
-        time.sleep(0.1)
-        assert os.waitpid(frozen, WALL | os.WNOHANG) == (0, 0), "no signal reaches the frozen program"
-        box.close()  # the spare's pipe to its init closes: the namespace ends
-        deadline = time.monotonic() + 3
-        ended, status = 0, 0
-        while not ended and time.monotonic() < deadline:
-            ended, status = os.waitpid(frozen, WALL | os.WNOHANG)  # its tracer sees it end
-            time.sleep(0.02)
-        assert ended, "the frozen program outlived its sandbox"
-        frozen = None
-        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
-        deadline = time.monotonic() + 3
-        while orphaned_inits(base) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert orphaned_inits(base) == []
-    finally:
-        if frozen is not None:
-            with contextlib.suppress(OSError):
-                os.kill(frozen, signal.SIGKILL)
-                _ptrace(PTRACE_DETACH, frozen)
-        box.close()
-        kill_orphaned_inits(base)
-        assert _wait_no_live(base)

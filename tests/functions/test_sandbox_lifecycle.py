@@ -1,0 +1,173 @@
+"""The sandbox's lifecycle: closing it, its client or zygote dying, and a race made
+deterministic with ptrace. Each test has a sandbox of its own (``own_sandbox`` ranges) and
+checks from outside that nothing is left running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from sandbox_probe import (
+    OWN_BASES,
+    PTRACE_DETACH,
+    PTRACE_O_TRACEFORK,
+    PTRACE_SEIZE,
+    WALL,
+    is_zygote_family,
+    jail_dirs,
+    kill_orphaned_inits,
+    live_in_range,
+    orphaned_inits,
+    own_sandbox,
+    ptrace,
+    py,
+    settled_runs,
+    stale_jail_dirs,
+    stop_at_program_fork,
+    wait_no_live,
+)
+
+from functions.verifiers import _linux
+from functions.verifiers.errors import SandboxError
+from functions.verifiers.sandbox import Limits, RunOutcome, Sandbox, SandboxConfig, _package_root
+
+pytestmark = [
+    pytest.mark.skipif(_linux.supported() is not None, reason=str(_linux.supported())),
+    pytest.mark.skipif(platform.machine() != "x86_64", reason="the attacks use x86_64 syscall numbers"),
+]
+
+
+def test_close_leaves_nothing_running():
+    base = next(OWN_BASES)
+    box = Sandbox(SandboxConfig(base_uid=base, spares=2))
+    box.start()
+    outcome: list[object] = []
+
+    def long_run():
+        try:
+            outcome.append(py(box, "import os, time\nos.fork()\ntime.sleep(30)", Limits(cpu_s=30, wall_s=30)))
+        except SandboxError as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=long_run)
+    t.start()
+    time.sleep(0.4)
+    assert len(live_in_range(base)) >= 3  # two program processes and a spare
+    zygote = box._zygote
+    assert zygote is not None
+    box.close()
+    t.join(5)
+    assert isinstance(outcome[0], SandboxError)
+    assert zygote.poll() is not None
+    kill_orphaned_inits(base)
+    assert wait_no_live(base, 3.0), live_in_range(base)
+
+
+CLIENT = """
+import sys, time
+from functions.verifiers.sandbox import Limits, Sandbox, SandboxConfig
+box = Sandbox(SandboxConfig(base_uid=int(sys.argv[1]), spares=2))
+box.start()
+print(box._zygote.pid, flush=True)
+box.run_python("import os, time\\nif os.fork() == 0:\\n    os.setsid()\\ntime.sleep(60)",
+               limits=Limits(cpu_s=60, wall_s=60))
+"""
+
+
+def test_a_killed_client_leaves_nothing_running():
+    base = next(OWN_BASES)
+    env = {**os.environ, "PYTHONPATH": _package_root()}
+    client = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, str(base)], stdout=subprocess.PIPE, env=env, cwd=_package_root()
+    )
+    try:
+        assert client.stdout is not None
+        zygote = int(client.stdout.readline())
+        deadline = time.monotonic() + 5
+        while len(live_in_range(base)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(live_in_range(base)) >= 3  # the run (two processes) and a spare
+    finally:
+        client.kill()
+        client.wait()
+        kill_orphaned_inits(base)
+    assert wait_no_live(base, 3.0), live_in_range(base)
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and is_zygote_family(str(zygote)):
+        time.sleep(0.05)
+    assert not is_zygote_family(str(zygote)), "the zygote outlived its client"
+
+
+def test_start_and_close_leave_no_jail_dirs_or_mounts():
+    before = jail_dirs()
+    mounts = Path("/proc/self/mountinfo").read_text()
+    for _ in range(3):
+        with own_sandbox() as box:
+            assert py(box, "print(5)").stdout == b"5\n"
+    assert stale_jail_dirs(before) == []
+    assert Path("/proc/self/mountinfo").read_text() == mounts
+
+
+# -- a race made deterministic: PR_SET_PDEATHSIG is set after fork ---------------------------
+def test_a_zygote_dying_right_after_forking_the_program_leaves_no_orphan():
+    """Freeze a fresh program at birth (ptrace), before it arms PR_SET_PDEATHSIG, and kill
+    its parent, the zygote: nothing signals the program then, but the run's namespace
+    outlives the zygote only as long as its supervisor holds the init's pipe, so closing
+    the sandbox ends the frozen program with the namespace."""
+    base = next(OWN_BASES)
+    box = Sandbox(SandboxConfig(base_uid=base, spares=1))
+    box.start()
+    frozen = None
+    try:
+        assert box._zygote is not None
+        zygote = box._zygote.pid
+        for _ in range(3):  # every slot the runs below use has its namespaces already
+            assert py(box, "print(1)").stdout == b"1\n"
+        settled_runs(zygote, 1)
+        ptrace(PTRACE_SEIZE, zygote, PTRACE_O_TRACEFORK)
+        # a run makes the zygote make a replacement spare (and forward the run's status,
+        # which it can only do while we let it run)
+        runs: list[RunOutcome] = []
+        t = threading.Thread(target=lambda: runs.append(py(box, "print(1)")))
+        t.start()
+        frozen = stop_at_program_fork(zygote)
+        ptrace(PTRACE_DETACH, zygote)
+        t.join(10)
+        assert runs and runs[0].stdout == b"1\n"
+        deadline = time.monotonic() + 3
+        while box._spares.empty() and time.monotonic() < deadline:  # the spare reaches us
+            time.sleep(0.01)
+        assert not box._spares.empty()
+        os.kill(zygote, signal.SIGKILL)
+        time.sleep(0.1)
+        assert os.waitpid(frozen, WALL | os.WNOHANG) == (0, 0), "no signal reaches the frozen program"
+        box.close()  # the spare's pipe to its init closes: the namespace ends
+        deadline = time.monotonic() + 3
+        ended, status = 0, 0
+        while not ended and time.monotonic() < deadline:
+            ended, status = os.waitpid(frozen, WALL | os.WNOHANG)  # its tracer sees it end
+            time.sleep(0.02)
+        assert ended, "the frozen program outlived its sandbox"
+        frozen = None
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+        deadline = time.monotonic() + 3
+        while orphaned_inits(base) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert orphaned_inits(base) == []
+    finally:
+        if frozen is not None:
+            with contextlib.suppress(OSError):
+                os.kill(frozen, signal.SIGKILL)
+                ptrace(PTRACE_DETACH, frozen)
+        box.close()
+        kill_orphaned_inits(base)
+        assert wait_no_live(base)
