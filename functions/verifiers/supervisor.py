@@ -1,16 +1,17 @@
 """The supervisor of one sandboxed run, in the client (the worker process), not in the sandbox.
 
 A spare (``Spare``) is what the zygote hands over for each warm sandbox: the program's
-pipes, a descriptor of its process, the pipe its namespace's init (``cat``) reads, which
-ends the namespace when closed, and the pipe on which the zygote (the program's parent)
-forwards its exit status. The program sends the descriptors of its ``/sandbox`` and its
-stdin itself, as soon as its namespaces are set up.
+pipes, descriptors of its process and of its namespace's init, the pipe that init reads
+(closed, by us or by this process's death, it ends the namespace), and the pipe on which
+the zygote (the program's parent) forwards its exit status. The program sends the
+descriptors of its ``/sandbox`` and its stdin itself, as soon as its namespaces are set up.
 
 ``supervise`` writes the run's files and stdin through those descriptors (as root, before
 any user code ran there, so nothing can race it), sizes the run's tmpfs and memory cgroup,
 starts the program, reads stdout/stderr up to their caps and enforces the wall-clock and
-CPU limits. When the program ends (or is killed) it ends the namespace, waits for the
-status, and collects the files the caller asked for. It reports exactly what happened;
+CPU limits. When the program ends (or is killed) it kills the init, which ends the
+namespace, waits for the status and for the namespace to be gone, and collects the files
+the caller asked for. It reports exactly what happened;
 judging the output is ``functions.verifiers.verify``'s.
 
 Why not a supervisor process per run: it would be a fork of the zygote's interpreter, and

@@ -2,18 +2,20 @@
 
 Started once per worker with an empty environment. It imports what user programs commonly
 import, builds the read-only jail and ``pivot_root``s into it, then keeps warm sandboxes
-ready: for each, a fresh PID namespace whose PID 1 is an exec'd ``cat`` (see
-``functions.verifiers.program``) and whose PID 2 is a fork of this warm interpreter, the
-program, which sets up the rest itself. A fork of a warm interpreter costs about a
-millisecond where starting ``python`` costs tens. It stays single-threaded so forking it
-is safe, and gives every run that is in flight its own uid (``BASE_UID + slot``) so one
-run's process limit or files never touch another's.
+ready: for each, a fresh PID namespace whose PID 1 is a tiny exec'd init (see
+``functions.verifiers.init``) and whose PID 2 is a fork of this warm interpreter, the
+program, which sets up the rest itself (``functions.verifiers.program``). A fork of a warm
+interpreter costs about a millisecond where starting ``python`` costs tens. It stays
+single-threaded so forking it is safe, and gives every run that is in flight its own uid
+(``BASE_UID + slot``) so one run's process limit or files never touch another's.
 
 Its channel (fd 0) is one end of a ``SOCK_SEQPACKET`` pair: it says ``{"ready": ...}``
 once, then sends one message per warm sandbox, ``{"slot": N}`` with the descriptors of
-``supervisor.SPARE_FDS`` (or ``{"error": ...}`` if it could not make one); the client
-sends one byte per spare it starts using. As the programs' parent it reaps them and
-forwards each one's exit status and rusage to its supervisor.
+``program.SPARE_FDS`` (or ``{"error": ...}`` if it could not make one). The client sends
+``b"u"`` for each spare it starts using (a replacement is made) and ``b"f<slot>"`` once its
+supervisor is done with a slot. As the programs' parent the zygote reaps them and forwards
+each one's exit status and rusage to its supervisor; a slot is free again once its
+program, its init and its supervisor are all done with it.
 """
 
 from __future__ import annotations
