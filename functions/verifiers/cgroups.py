@@ -78,10 +78,6 @@ class RunCgroups:
             except OSError:
                 continue  # not ours to create (read-only, no permission): rlimits only
 
-    @property
-    def names(self) -> list[str]:
-        return sorted(self.dirs)
-
     def procs(self, slot: int) -> list[int]:
         """The slot's ``cgroup.procs`` files, one per controller (kept open: every run's
         program writes ``0`` to each, joining them, before it runs any user code; a
@@ -114,7 +110,7 @@ class RunCgroups:
             try:
                 os.rmdir(self._name, dir_fd=self._parents[ctl])
             except FileNotFoundError:
-                pass
+                pass  # already gone: that is what we wanted
             except OSError:
                 done = False
         return done
@@ -175,8 +171,6 @@ class Slot:
     itself. Each run starts from zeroed counters (and the OOM-kill count it found)."""
 
     def __init__(self, parents: dict[str, int], name: str) -> None:
-        self.parents = parents
-        self.name = name
         self.fds: dict[str, int] = {}
         for ctl, parent in parents.items():
             with contextlib.suppress(FileExistsError):

@@ -114,35 +114,33 @@ def wait_clean(base: int, timeout: float = 5.0) -> list[str]:
     return left
 
 
-def live_in_range(base: int) -> list[int]:
-    """Every non-zombie process with a uid of the range (spares included)."""
-    pids = []
+def _live_processes() -> Iterator[tuple[Path, dict[str, str]]]:
+    """``(/proc/PID, its status fields)`` of every process that is not a zombie."""
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 st = _proc(entry.name)
-                if base <= int(st["Uid"].split()[0]) < base + 1024 and st["State"][0] != "Z":
-                    pids.append(int(entry.name))
-            except (OSError, KeyError, ValueError):
-                continue
-    return pids
+            except OSError:
+                continue  # gone while we looked
+            if st.get("State", "Z")[0] != "Z":
+                yield entry, st
+
+
+def live_in_range(base: int) -> list[int]:
+    """Every non-zombie process with a uid of the range (spares included)."""
+    return [
+        int(entry.name) for entry, st in _live_processes() if base <= int(st["Uid"].split()[0]) < base + 1024
+    ]
 
 
 def run_inits(zygote_pid: int) -> list[int]:
     """The zygote's live children that are a run's PID 1: one per spare or run in flight."""
     kids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                st = _proc(entry.name)
-                if (
-                    st["PPid"] == str(zygote_pid)
-                    and st["State"][0] != "Z"
-                    and (entry / "cmdline").read_bytes().startswith(INIT_TAG)
-                ):
+    for entry, st in _live_processes():
+        if st["PPid"] == str(zygote_pid):
+            with contextlib.suppress(OSError):
+                if (entry / "cmdline").read_bytes().startswith(INIT_TAG):
                     kids.append(int(entry.name))
-            except (OSError, KeyError):
-                continue
     return kids
 
 
