@@ -89,6 +89,7 @@ class Job:
         self._last_error = ""
         self._fatal: asyncio.Future[None] | None = None
         self._t0 = time.perf_counter()
+        self._pretrained: dict[str, float] = {}
 
     # ------------------------------------------------------------------ the run
     async def run(self) -> dict[str, Any]:
@@ -101,11 +102,11 @@ class Job:
         if problems:
             raise ConfigError(problems)
         self._fatal = asyncio.get_running_loop().create_future()
-        bundle = build_policy(cfg) if cfg.engine.backend == "torch" else None
-        actions = self._action_ids(bundle)
-        run_dir = self.run_dir = RunDir(Path(cfg.run_dir))
-        run_dir.write_config(cfg.to_yaml())
         with JobProgress(cfg.steps, enabled=self.progress_enabled) as progress:
+            bundle = self._build_policy(progress) if cfg.engine.backend == "torch" else None
+            actions = self._action_ids(bundle)
+            run_dir = self.run_dir = RunDir(Path(cfg.run_dir))
+            run_dir.write_config(cfg.to_yaml())
             progress.note(f"run directory: {run_dir.path}")
             init = str(bundle.save(run_dir.path.resolve() / "policy-init")) if bundle is not None else None
             async with self._cluster(init) as proxy, self._fabric(registry) as (client, pool):
@@ -395,9 +396,23 @@ class Job:
             "rewards": stream.metrics(),
             "groups": dict(runner.metrics),
             "run_dir": str(run_dir.path),
+            **({"pretrain": self._pretrained} if self._pretrained else {}),
         }
 
     # ------------------------------------------------------------------ setup
+    def _build_policy(self, progress: JobProgress) -> PolicyBundle:
+        if self.cfg.engine.pretrain.steps:
+            progress.note(f"pretraining the policy on random play ({self.cfg.engine.pretrain.steps} steps)")
+        bundle = build_policy(self.cfg, on_pretrain_step=progress.pretrain_step)
+        if bundle.pretrained:
+            self._pretrained = bundle.pretrained
+            p = bundle.pretrained
+            progress.note(
+                f"pretrained in {p['seconds']:.0f}s: held-out next-token loss "
+                f"{p['held_out_loss_before']:.2f} -> {p['held_out_loss_after']:.2f}"
+            )
+        return bundle
+
     def _action_ids(self, bundle: PolicyBundle | None) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
         for i, env in enumerate(self.cfg.envs):

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 
 class RunDir:
@@ -114,7 +114,7 @@ class JobProgress:
         self.enabled = enabled
         self.live = enabled and self.console.is_terminal
         self._progress = Progress(
-            TextColumn("[bold]step"),
+            TextColumn("[bold]{task.description}"),
             MofNCompleteColumn(),
             BarColumn(),
             TimeElapsedColumn(),
@@ -122,7 +122,8 @@ class JobProgress:
             console=self.console,
             transient=False,
         )
-        self._task = self._progress.add_task("train", total=total_steps, figures="starting")
+        self._task = self._progress.add_task("step", total=total_steps, figures="starting")
+        self._pretrain: TaskID | None = None
         self._last_line = 0.0
 
     def __enter__(self) -> JobProgress:
@@ -146,6 +147,16 @@ class JobProgress:
         elif self.enabled and time.monotonic() - self._last_line > 5.0:
             self._last_line = time.monotonic()
             self.console.print(f"step {row['step']}: {figures}", highlight=False, soft_wrap=True)
+
+    def pretrain_step(self, step: int, total: int, loss: float) -> None:
+        figures = f"next-token loss {loss:.3f}"
+        if self.live:
+            if self._pretrain is None:
+                self._pretrain = self._progress.add_task("pretrain", total=total, figures=figures)
+            self._progress.update(self._pretrain, completed=step, figures=figures)
+        elif self.enabled and (time.monotonic() - self._last_line > 5.0 or step == total):
+            self._last_line = time.monotonic()
+            self.console.print(f"pretrain {step}/{total}: {figures}", highlight=False, soft_wrap=True)
 
     def note(self, text: str) -> None:
         if self.enabled:

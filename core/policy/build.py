@@ -6,7 +6,8 @@
 ``engine.model: tiny-lm`` (the embedded default) trains a word tokenizer on text the job's
 own environments produce (seeded random episodes, with the configured action words or the
 environment's example actions, played in a child process: ``core/policy/corpus.py``) and
-initialises a ``TinyLM`` from ``seed``. Any other value is a directory written by
+initialises a ``TinyLM`` from ``seed``; with ``engine.pretrain.steps`` it then pretrains it
+on those episodes (``core/policy/pretrain.py``). Any other value is a directory written by
 ``TinyLM.save_pretrained`` holding a ``tokenizer.json`` too (a policy trained earlier,
 e.g. by ``benchmarks/frozenlake_learning.py --save``).
 
@@ -16,7 +17,7 @@ store by the job), so version 0 means the same weights everywhere.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,8 @@ import torch
 
 from core.config import JobConfig
 from core.errors import ConfigError
-from core.policy.corpus import env_corpus
+from core.policy.corpus import CORPUS_EPISODES, play_envs
+from core.policy.pretrain import OnStep, pretrain, transition_sequences
 from core.policy.tiny_lm import TinyLM, TinyLMConfig
 from core.policy.tokenizer import WordTokenizer
 
@@ -39,6 +41,8 @@ class PolicyBundle:
     """``WordTokenizer.to_dict()`` (plain data: ships through Ray without pickling code)."""
     model_config: dict[str, Any]
     state: dict[str, torch.Tensor]
+    pretrained: dict[str, float] = field(default_factory=dict)
+    """``PretrainReport.as_dict()`` when the weights were pretrained here (for the summary)."""
 
     def model(self) -> TinyLM:
         m = TinyLM(TinyLMConfig.model_validate(self.model_config))
@@ -68,17 +72,32 @@ class PolicyBundle:
         )
 
 
-def build_policy(cfg: JobConfig) -> PolicyBundle:
+def build_policy(cfg: JobConfig, *, on_pretrain_step: OnStep | None = None) -> PolicyBundle:
     if cfg.engine.backend != "torch":
         raise ConfigError([("engine.backend", "build_policy builds the torch engine's policy only")])
     shape = {k: v for k, v in cfg.engine.kwargs.items() if k in MODEL_KEYS}
+    pre = cfg.engine.pretrain
+    report: dict[str, float] = {}
     if cfg.engine.model == TINY_LM:
-        tok = WordTokenizer.train(env_corpus(cfg))
+        played = play_envs(cfg, max(CORPUS_EPISODES, pre.episodes) if pre.steps else CORPUS_EPISODES)
+        tok = WordTokenizer.train(played.texts)
         try:
             mcfg = TinyLMConfig(vocab_size=tok.vocab_size, **shape)
         except ValueError as e:
             raise ConfigError([("engine.kwargs", f"not a valid tiny-lm shape: {e}")]) from None
         model = TinyLM(mcfg, seed=cfg.seed)
+        if pre.steps:
+            seqs = transition_sequences(cfg, tok, played.episodes, mcfg.max_len)
+            if len(seqs) < 2:
+                raise ConfigError(
+                    [
+                        (
+                            "engine.pretrain",
+                            f"random play gave {len(seqs)} transitions; pretraining needs 2 or more",
+                        )
+                    ]
+                )
+            report = pretrain(model, seqs, pre, seed=cfg.seed, on_step=on_pretrain_step).as_dict()
     else:
         path = Path(cfg.engine.model)
         if not (path / "tokenizer.json").is_file():
@@ -102,6 +121,7 @@ def build_policy(cfg: JobConfig) -> PolicyBundle:
         tokenizer=tok.to_dict(),
         model_config=model.config.model_dump(),
         state={k: v.detach().clone() for k, v in model.state_dict().items()},
+        pretrained=report,
     )
 
 

@@ -11,6 +11,8 @@ reported; one that all episodes fail, or an environment that cannot be built, is
 ``ConfigError`` naming the environment.
 
     texts = env_corpus(cfg)             # list[str], deterministic for a config
+    played = play_envs(cfg, episodes)   # the episodes too: observations and the actions
+                                        # between them (what pretraining learns from)
 
 ``python -m core.policy.corpus`` is the child (a JSON spec on stdin).
 """
@@ -26,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from typing import Any
 
 from core.config import JobConfig
@@ -42,10 +45,33 @@ CHILD_TIMEOUT_S = 300.0
 PARALLEL = 64
 
 
+@dataclass(frozen=True)
+class Episode:
+    """One random-play episode: ``texts[0]`` is the reset observation, ``texts[k + 1]`` the
+    observation after ``actions[k]``."""
+
+    env: int
+    """Index into ``cfg.envs``."""
+    texts: list[str]
+    actions: list[str]
+
+
+@dataclass
+class Played:
+    texts: list[str] = field(default_factory=list)
+    """The tokenizer's corpus: action words, system prompts, every observation."""
+    episodes: list[Episode] = field(default_factory=list)
+
+
 def env_corpus(cfg: JobConfig, episodes: int = CORPUS_EPISODES) -> list[str]:
     """Text of seeded random episodes of every configured environment: the action words,
     the system prompt, observations and invalid-action messages."""
-    corpus: list[str] = []
+    return play_envs(cfg, episodes).texts
+
+
+def play_envs(cfg: JobConfig, episodes: int = CORPUS_EPISODES) -> Played:
+    """``episodes`` seeded random episodes of every configured environment, in seed order."""
+    played = Played()
     for i, env_cfg in enumerate(cfg.envs):
         spec = {
             "id": env_cfg.id,
@@ -57,12 +83,12 @@ def env_corpus(cfg: JobConfig, episodes: int = CORPUS_EPISODES) -> list[str]:
             "parallel": PARALLEL,
         }
         if env_cfg.prompt.system:
-            corpus.append(env_cfg.prompt.system)
-        corpus += _play(spec, where=f"envs[{i}].id")
-    return corpus
+            played.texts.append(env_cfg.prompt.system)
+        _play(spec, where=f"envs[{i}].id", env=i, into=played)
+    return played
 
 
-def _play(spec: dict[str, Any], *, where: str) -> list[str]:
+def _play(spec: dict[str, Any], *, where: str, env: int, into: Played) -> None:
     def refuse(why: str) -> ConfigError:
         return ConfigError([(where, f"cannot play {spec['id']} to build the tokenizer: {why}")])
 
@@ -79,7 +105,7 @@ def _play(spec: dict[str, Any], *, where: str) -> list[str]:
         raise refuse(f"{spec['episodes']} episodes took over {CHILD_TIMEOUT_S:.0f} s") from None
     if proc.returncode != 0:
         raise refuse(_last_line(proc.stderr) or f"exit code {proc.returncode}")
-    texts: list[str] = []
+    texts = into.texts
     played, died = 0, []
     for line in proc.stdout.splitlines():
         try:
@@ -92,13 +118,13 @@ def _play(spec: dict[str, Any], *, where: str) -> list[str]:
             died.append(f"seed {row['seed']}: {row['died']}")
         else:
             texts += row["texts"]
+            into.episodes.append(Episode(env, row["texts"], row["taken"]))
             played += 1
     if played == 0:
         raise refuse(f"every episode failed ({died[0] if died else 'no output'})")
     if died:
         n = spec["episodes"]
         log.info("%s: %d of %d corpus episodes failed and were skipped (%s)", where, len(died), n, died[0])
-    return texts
 
 
 def _last_line(text: str) -> str:
@@ -128,7 +154,8 @@ def _child(spec: dict[str, Any]) -> None:
             if pid == 0:
                 signal.alarm(spec["episode_timeout_s"])
                 try:
-                    row = {"seed": seed, "texts": _episode(env, actions, seed, spec["salt"])}
+                    texts, taken = _episode(env, actions, seed, spec["salt"])
+                    row = {"seed": seed, "texts": texts, "taken": taken}
                 except Exception as e:  # the environment's own bug: reported, not fatal
                     row = {"seed": seed, "died": f"{type(e).__name__}: {e}"}
                 with open(os.path.join(tmp, f"{seed}.json"), "w") as f:
@@ -163,16 +190,18 @@ def _result(tmp: str, seed: int, code: int) -> dict[str, Any]:
     return {"seed": seed, "died": why}
 
 
-def _episode(env: Any, actions: list[str], seed: int, salt: str) -> list[str]:
+def _episode(env: Any, actions: list[str], seed: int, salt: str) -> tuple[list[str], list[str]]:
     rng = random.Random(f"{salt}-{seed}")
     obs, _ = env.reset(seed=seed)
-    texts = [obs.text]
+    texts, taken = [obs.text], []
     for _ in range(CORPUS_TURNS):
-        res = env.step(rng.choice(actions))
+        action = rng.choice(actions)
+        res = env.step(action)
         texts.append(res.obs.text)
+        taken.append(action)
         if res.done:
             break
-    return texts
+    return texts, taken
 
 
 def _write(fd: int, row: dict[str, Any]) -> None:

@@ -183,7 +183,7 @@ class EnvManager:
             if env.prompt.system:
                 traj.messages.append(Message(role="system", content=env.prompt.system))
             traj.messages.append(Message(role="user", content=obs.text))
-            state = _state(reset_info, self._shown(obs.text, env))
+            state = _state(reset_info, self.shown(obs.text, env))
             traj.status = "truncated"
             outcome: str | None = None
             for turn in range(env.max_turns):
@@ -207,7 +207,7 @@ class EnvManager:
                 if res.info.get("valid") is False:
                     info["invalid"] = info.get("invalid", 0) + 1
                 traj.messages.append(Message(role="user", content=res.obs.text))
-                state = _state(res.info, self._shown(res.obs.text, env))
+                state = _state(res.info, self.shown(res.obs.text, env))
                 outcome = _outcome(res)
                 if res.done:
                     traj.status = "ok"
@@ -248,7 +248,8 @@ class EnvManager:
         return [*system, *window]
 
     @staticmethod
-    def _shown(text: str, env: EnvConfig) -> str:
+    def shown(text: str, env: EnvConfig) -> str:
+        """An observation as the policy is shown it (``drop_lines`` cut)."""
         return _drop(text, env.prompt.drop_lines) if env.prompt.drop_lines else text
 
 

@@ -130,6 +130,8 @@ def ray_cluster():
         ({"rewards": {"latency": [{"function": "env_retrun"}]}}, "rewards.latency[0].function"),
         ({"engine": {"backend": "tensorrt"}}, "engine.backend"),
         ({"alpha": -1}, "alpha"),
+        ({"engine": {"pretrain": {"steps": -1}}}, "engine.pretrain.steps"),
+        ({"engine": {"model": "runs/old/policy", "pretrain": {"steps": 5}}}, "engine.pretrain.steps"),
     ],
 )
 def test_the_cli_refuses_a_bad_config_before_anything_starts(tmp_path, capsys, over, key):
@@ -214,11 +216,14 @@ async def test_the_job_trains_end_to_end_and_leaves_its_run_directory(tmp_path, 
         tmp_path,
         env=FROZENLAKE,
         steps=4,
-        engine={"kwargs": {"max_len": 128}},  # the map prompt is ~66 tokens
+        # the map prompt is ~66 tokens; a few pretraining steps: the wiring, not the learning
+        engine={"kwargs": {"max_len": 128}, "pretrain": {"steps": 3, "episodes": 10}},
         rollout={"eval_every": 2, "eval_episodes": 2},
     )
     job, summary = await run_job(cfg)
     check_invariants(summary, cfg)
+    pre = summary["pretrain"]
+    assert pre["steps"] == 3 and pre["held_out_loss_after"] < pre["held_out_loss_before"]
     run_dir = tmp_path / "run"
     for name in ("metrics.jsonl", "summary.json", "config.yaml", "reward.png", "time.png"):
         assert (run_dir / name).stat().st_size > 0, name
