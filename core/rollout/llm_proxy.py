@@ -146,7 +146,22 @@ class LLMProxy:
         if self.scheduler is not None and sreq is not None:
             by_id = {id(x): x for x in replicas}
             sticky = id(r) if r is not None and r in replicas else None
-            chosen = self.scheduler.place(sreq, list(by_id), sticky)
+            try:
+                chosen = self.scheduler.place(sreq, list(by_id), sticky)
+            except Exception:
+                # a placement policy is pluggable code: its bug must not fail the turn, which
+                # is served where affinity puts it (logged once, counted every time)
+                if not self.metrics["placement_errors"]:
+                    log.exception("the placement policy failed; routing by trajectory affinity instead")
+                self.metrics["placement_errors"] += 1
+                chosen = None
+            if chosen is not None and chosen not in by_id:
+                if not self.metrics["placement_errors"]:
+                    log.error(
+                        "the placement policy chose replica %r, not a candidate; routing by affinity", chosen
+                    )
+                self.metrics["placement_errors"] += 1
+                chosen = None
             if chosen is not None:
                 self._sticky[traj_id] = by_id[chosen]
                 return by_id[chosen]

@@ -209,6 +209,33 @@ async def test_least_load_places_by_predicted_work_and_keeps_a_trajectory_where_
     assert sched.migrations == 0
 
 
+@pytest.mark.parametrize("fault", ["raises", "unknown replica"])
+async def test_a_failing_placement_policy_falls_back_to_affinity(fault, caplog):
+    a, b = GatedReplica("a"), GatedReplica("b")
+    sched = TurnScheduler("fcfs", "least_load", slots=8)
+    assert sched.placement is not None
+
+    def broken(reqs, workers):
+        if fault == "raises":
+            raise RuntimeError("placement bug")
+        return {r.trajectory: "no-such-replica" for r in reqs}
+
+    sched.placement.place = broken  # type: ignore[method-assign]
+    proxy = LLMProxy({"default": [a, b]}, scheduler=sched)
+    for r in (a, b):
+        for rid in ("x/0", "x/1", "y/0"):
+            r.open(rid)
+    for traj, turn in (("x", 0), ("y", 0), ("x", 1)):
+        done = await proxy.generate(traj, "t", req(traj, turn))
+        assert done.finish_reason != "abort"
+    # every turn served; x stayed on its replica (affinity), the least-loaded took y
+    home_x = a if "x/0" in a.started else b
+    assert home_x.started[:1] == ["x/0"] and "x/1" in home_x.started
+    # x's second turn never asked the policy: least_load keeps a placed trajectory
+    assert proxy.metrics["placement_errors"] == 2 and proxy.metrics["turns"] == 3
+    assert len([r for r in caplog.records if "placement policy" in r.getMessage()]) == 1  # logged once
+
+
 async def test_presorted_dp_moves_a_trajectory_between_turns_when_its_prediction_changes():
     a, b = GatedReplica("a"), GatedReplica("b")
     sched = TurnScheduler("fcfs", "presorted_dp", slots=8)
