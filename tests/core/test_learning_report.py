@@ -1,0 +1,48 @@
+"""benchmarks/learning_report.py reads finished run directories (the README's learning table)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "learning_report.py"
+
+
+def _run_dir(path: Path, setup_s: float, evals: list[tuple[int, float]], step_s: float = 2.0) -> Path:
+    path.mkdir()
+    rows = []
+    for step in range(1, max(s for s, _ in evals) + 1):
+        rows.append({"kind": "train", "step": step, "wall_s": step * step_s})
+    rows += [{"kind": "eval", "step": s, "success": ok, "success_sampled": ok} for s, ok in evals]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {"setup_s": setup_s, "steps": len(rows), "wall_s": 999.0, "pretrain": {"steps": 4}}
+    (path / "summary.json").write_text(json.dumps(summary))
+    return path
+
+
+def _report(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_the_bar_is_timed_from_the_start_of_the_run_set_up_included(tmp_path):
+    fast = _run_dir(tmp_path / "fast", 80.0, [(0, 0.0), (20, 0.73), (40, 0.9)])
+    # reaches the bar at step 300: 80 s + 600 s, past the 10-minute budget
+    slow = _run_dir(tmp_path / "slow", 80.0, [(0, 0.0), (200, 0.5), (300, 0.8)])
+    out = _report(str(fast), str(slow))
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["runs"] == 2 and data["reached_bar_within_budget"] == 1 and data["bar_wall_s"] == [120.0]
+    by = {Path(r["run"]).name: r for r in data["per_run"]}
+    assert by["fast"]["bar_step"] == 20 and by["fast"]["best_success"] == 0.9
+    assert by["slow"]["bar_step"] == 300 and by["slow"]["bar_wall_s"] == 680.0
+    assert by["slow"]["success_at_budget"] == 0.5  # the last evaluation within 600 s (step 200, 480 s)
+
+
+def test_an_unfinished_run_is_refused_by_name(tmp_path):
+    run = _run_dir(tmp_path / "killed", 80.0, [(0, 0.0)])
+    (run / "summary.json").unlink()
+    out = _report(str(run))
+    assert out.returncode != 0 and "no summary.json" in out.stderr and "killed" in out.stderr
