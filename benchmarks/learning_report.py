@@ -5,9 +5,10 @@
 Per run: the set-up time (tokenizer, pretraining, cluster start), the first held-out
 evaluation whose greedy success reaches ``--bar`` (its step and its wall time counted from
 the start of the run, set-up included), the success at the last evaluation within
-``--budget-s`` of the start, and the final and best evaluations. Then how many runs reached
-the bar within the budget. The wall time of an evaluation is when the step it follows ended
-(the evaluation itself runs next to the training steps after it).
+``--budget-s`` of the start, and the final and best evaluations, with the final success on
+the evaluation tasks training never saw (``success_unseen``: held-out seeds can give a task
+training saw). Then how many runs reached the bar within the budget. The wall time of an
+evaluation is when it finished (it runs next to the training steps after the one it follows).
 """
 
 from __future__ import annotations
@@ -25,15 +26,14 @@ def report(run: Path, bar: float, budget_s: float) -> dict[str, Any]:
         raise SystemExit(f"{run}: no summary.json (the run did not finish); finished runs only")
     summary = json.loads(summary_file.read_text())
     setup = float(summary["setup_s"])
-    walls = {}
     evals = []
     for line in (run / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
-        if row.get("kind") == "train":
-            walls[row["step"]] = row["wall_s"]
-        elif row.get("kind") == "eval":
+        if row.get("kind") == "eval":
             evals.append(row)
-    curve = [(e["step"], round(setup + walls.get(e["step"], 0.0), 1), e["success"]) for e in evals]
+    # an eval row's wall_s is when it finished, counted from the start of training
+    curve = [(e["step"], round(setup + e["wall_s"], 1), e["success"]) for e in evals]
+    unseen = [(e.get("success_unseen"), e.get("episodes_unseen")) for e in evals]
     reached = next(((s, w) for s, w, ok in curve if ok >= bar), None)
     within = [ok for _, w, ok in curve if w <= budget_s]
     return {
@@ -45,9 +45,14 @@ def report(run: Path, bar: float, budget_s: float) -> dict[str, Any]:
         "success_at_budget": within[-1] if within else None,
         "best_success": max((ok for *_, ok in curve), default=None),
         "final_success": curve[-1][2] if curve else None,
+        "final_success_unseen": unseen[-1][0] if unseen else None,
+        "final_unseen_episodes": unseen[-1][1] if unseen else None,
         "steps": summary["steps"],
         "wall_s": summary["wall_s"],
-        "curve": [{"step": s, "wall_s": w, "success": ok} for s, w, ok in curve],
+        "curve": [
+            {"step": s, "wall_s": w, "success": ok, "success_unseen": u, "episodes_unseen": n}
+            for (s, w, ok), (u, n) in zip(curve, unseen, strict=True)
+        ],
     }
 
 

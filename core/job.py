@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,7 +44,7 @@ from core.errors import ConfigError, CoreError, RolloutError
 from core.policy.build import PolicyBundle, action_ids, build_policy
 from core.report import JobProgress, RunDir
 from core.rewards import RewardStream
-from core.rollout.env_manager import EnvManager, Task, TurnBarrier
+from core.rollout.env_manager import EnvManager, Task, TurnBarrier, first_observation, task_key
 from core.rollout.groups import GroupRunner
 from core.rollout.llm_proxy import LLMProxy
 from core.rollout.replicas import EngineReplicaActor, RayReplica, RemoteProxy
@@ -58,7 +58,9 @@ from fabric.registry import Registry
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: Evaluation seeds start here; training draws below it, so evaluation tasks are unseen.
+#: Evaluation seeds start here; training draws below it. Different seeds can still give the
+#: same task (a small map space), so evaluations also report success on the tasks training
+#: never saw (``task_key``).
 EVAL_SEED_BASE = 10_000_000
 
 
@@ -90,6 +92,9 @@ class Job:
         self._fatal: asyncio.Future[None] | None = None
         self._t0 = time.perf_counter()
         self._pretrained: dict[str, float] = {}
+        #: ``task_key``s of every task trained on (pretraining included): an evaluation task
+        #: among them is not unseen, whatever its seed
+        self._seen: set[str] = set()
 
     # ------------------------------------------------------------------ the run
     async def run(self) -> dict[str, Any]:
@@ -166,6 +171,7 @@ class Job:
                 wait_s = time.perf_counter() - tw
                 tt = time.perf_counter()
                 trained = {s.id for g in groups for s in g.samples}
+                self._seen.update(_task_keys(s.traj for g in groups for s in g.samples))
                 self._window["aborted_trained"] += len(trained & runner.aborted_ids)
                 self._window["masked_trained"] += sum(s.masked for g in groups for s in g.samples)
                 batch = build_batch(groups, cfg.trainer)
@@ -312,11 +318,15 @@ class Job:
         for greedy, suffix in ((True, ""), (False, "_sampled")):
             mine = [tr for t, tr in zip(tasks, trajs, strict=True) if t.greedy is greedy]
             scored = [t for t in mine if t.status in ("ok", "truncated") and t.env_reward is not None]
-            row[f"success{suffix}"] = sum(1 for t in scored if (t.env_reward or 0) > 0) / max(len(scored), 1)
+            row[f"success{suffix}"] = _success(scored)
             row[f"return_mean{suffix}"] = (
                 statistics.fmean([t.env_reward or 0.0 for t in scored]) if scored else 0.0
             )
             row[f"episodes{suffix}"] = len(scored)
+            # held-out seeds can still give a task training saw (a map): say how it does on the rest
+            unseen = [t for t in scored if _task_key_of(t) not in self._seen]
+            row[f"success_unseen{suffix}"] = _success(unseen) if unseen else None
+            row[f"episodes_unseen{suffix}"] = len(unseen)
         row["infra_failed"] = sum(1 for t in trajs if t.status == "infra_failed")
         row["eval_s"] = round(time.perf_counter() - te, 2)
         row["wall_s"] = round(time.perf_counter() - self._t0, 1)  # since training began, as train rows
@@ -388,7 +398,12 @@ class Job:
             "best_eval_success": max((e["success"] for e in self.evals), default=None),
             "final_train_reward": rows[-1]["reward_mean"] if rows else None,
             "final_success_sampled": final["success_sampled"] if final else None,
-            "evals": [{k: e[k] for k in ("step", "success", "success_sampled")} for e in self.evals],
+            "final_success_unseen": final["success_unseen"] if final else None,
+            "final_unseen_episodes": final["episodes_unseen"] if final else None,
+            "evals": [
+                {k: e[k] for k in ("step", "success", "success_sampled", "success_unseen", "episodes_unseen")}
+                for e in self.evals
+            ],
             "trajectories": dict(self._window),
             "aborted_trained": self._window["aborted_trained"],
             "masked_trained": self._window["masked_trained"],
@@ -404,6 +419,7 @@ class Job:
         if self.cfg.engine.pretrain.steps:
             progress.note(f"pretraining the policy on random play ({self.cfg.engine.pretrain.steps} steps)")
         bundle = build_policy(self.cfg, on_pretrain_step=progress.pretrain_step)
+        self._seen |= bundle.tasks
         if bundle.pretrained:
             self._pretrained = bundle.pretrained
             p = bundle.pretrained
@@ -606,3 +622,16 @@ def turn_scheduler(cfg: JobConfig) -> TurnScheduler | None:
         scheduler_options=r.scheduler_options,
         trace=Path(cfg.run_dir).resolve() / "trace.jsonl" if r.trace else None,
     )
+
+
+def _success(trajs: list[Trajectory]) -> float:
+    return sum(1 for t in trajs if (t.env_reward or 0) > 0) / max(len(trajs), 1)
+
+
+def _task_key_of(traj: Trajectory) -> str | None:
+    text = first_observation(traj)
+    return None if text is None else task_key(text)
+
+
+def _task_keys(trajs: Iterable[Trajectory]) -> Iterator[str]:
+    return (k for k in map(_task_key_of, trajs) if k is not None)

@@ -29,6 +29,7 @@ from core.policy.corpus import CORPUS_EPISODES, play_envs
 from core.policy.pretrain import OnStep, pretrain, transition_sequences
 from core.policy.tiny_lm import TinyLM, TinyLMConfig
 from core.policy.tokenizer import WordTokenizer
+from core.rollout.env_manager import task_key
 
 TINY_LM = "tiny-lm"
 #: ``engine.kwargs`` keys that shape the ``TinyLM`` (the rest configure the torch engine).
@@ -43,6 +44,8 @@ class PolicyBundle:
     state: dict[str, torch.Tensor]
     pretrained: dict[str, float] = field(default_factory=dict)
     """``PretrainReport.as_dict()`` when the weights were pretrained here (for the summary)."""
+    tasks: frozenset[str] = frozenset()
+    """``task_key``s of the episodes it was pretrained on: tasks the policy has seen."""
 
     def model(self) -> TinyLM:
         m = TinyLM(TinyLMConfig.model_validate(self.model_config))
@@ -78,6 +81,7 @@ def build_policy(cfg: JobConfig, *, on_pretrain_step: OnStep | None = None) -> P
     shape = {k: v for k, v in cfg.engine.kwargs.items() if k in MODEL_KEYS}
     pre = cfg.engine.pretrain
     report: dict[str, float] = {}
+    tasks: frozenset[str] = frozenset()
     if cfg.engine.model == TINY_LM:
         played = play_envs(cfg, max(CORPUS_EPISODES, pre.episodes) if pre.steps else CORPUS_EPISODES)
         tok = WordTokenizer.train(played.texts)
@@ -98,6 +102,7 @@ def build_policy(cfg: JobConfig, *, on_pretrain_step: OnStep | None = None) -> P
                     ]
                 )
             report = pretrain(model, seqs, pre, seed=cfg.seed, on_step=on_pretrain_step).as_dict()
+            tasks = frozenset(task_key(e.texts[0]) for e in played.episodes)
     else:
         path = Path(cfg.engine.model)
         if not (path / "tokenizer.json").is_file():
@@ -122,6 +127,7 @@ def build_policy(cfg: JobConfig, *, on_pretrain_step: OnStep | None = None) -> P
         model_config=model.config.model_dump(),
         state={k: v.detach().clone() for k, v in model.state_dict().items()},
         pretrained=report,
+        tasks=tasks,
     )
 
 

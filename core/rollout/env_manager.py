@@ -33,6 +33,7 @@ went (``gen_s``, ``env_s``).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -51,6 +52,18 @@ from envpool.pool import EnvPool
 from fabric.protocol import Message, Trajectory
 
 log = logging.getLogger(__name__)
+
+
+def task_key(reset_text: str) -> str:
+    """Which task an episode is, by the observation its reset gave: different seeds can give
+    the same task (4x4 FrozenLake has a few thousand maps), so a held-out seed is not a
+    held-out task. The job compares these keys to say which evaluation tasks training saw."""
+    return hashlib.sha1(reset_text.encode()).hexdigest()[:16]
+
+
+def first_observation(traj: Trajectory) -> str | None:
+    """The reset observation: the trajectory's first user message."""
+    return next((m.content for m in traj.messages if m.role == "user" and isinstance(m.content, str)), None)
 
 
 class ProxyLike(Protocol):

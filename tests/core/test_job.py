@@ -26,6 +26,8 @@ import yaml
 from core.config import JobConfig
 from core.errors import ConfigError, RolloutError
 from core.job import EVAL_SEED_BASE, Job, load, main
+from core.rollout.env_manager import task_key
+from envpool.envs.frozenlake import FrozenLakeEnv
 
 TINY = {"d_model": 16, "n_layers": 1, "n_heads": 2, "max_len": 64}
 LATENCY = {
@@ -218,7 +220,7 @@ async def test_the_job_trains_end_to_end_and_leaves_its_run_directory(tmp_path, 
         steps=4,
         # the map prompt is ~66 tokens; a few pretraining steps: the wiring, not the learning
         engine={"kwargs": {"max_len": 128}, "pretrain": {"steps": 3, "episodes": 10}},
-        rollout={"eval_every": 2, "eval_episodes": 2},
+        rollout={"eval_every": 2, "eval_episodes": 8},
     )
     job, summary = await run_job(cfg)
     check_invariants(summary, cfg)
@@ -242,6 +244,16 @@ async def test_the_job_trains_end_to_end_and_leaves_its_run_directory(tmp_path, 
     evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert sorted(e["step"] for e in evals if e.get("kind") == "eval") == [0, 2, 4]
     assert summary["untrained_success"] is not None and summary["final_success"] is not None
+    # the unseen split: the evaluation tasks (maps) no pretraining or training episode had,
+    # worked out here from the environment itself
+    env = FrozenLakeEnv(**FROZENLAKE["kwargs"])
+    keys = [task_key(env.reset(seed=EVAL_SEED_BASE + i)[0].text) for i in range(8)]
+    # every map pretraining played (seeds 0..199: 10 episodes asked, the corpus's 200 played)
+    assert {task_key(env.reset(seed=s)[0].text) for s in range(200)} <= job._seen
+    final = next(e for e in evals if e.get("kind") == "eval" and e["step"] == 4)
+    assert final["episodes_unseen"] == sum(k not in job._seen for k in keys) <= final["episodes"]
+    assert (final["success_unseen"] is None) == (final["episodes_unseen"] == 0)
+    assert summary["final_unseen_episodes"] == final["episodes_unseen"]
 
 
 @pytest.mark.ray
