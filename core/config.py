@@ -81,8 +81,9 @@ class PretrainConfig(_Model):
 
     steps: int = Field(0, ge=0)
     """Optimizer steps; 0 = RL starts from the random initialisation."""
-    episodes: int = Field(600, ge=1)
-    """Random-play episodes per environment (the tokenizer is trained on them too)."""
+    episodes: int = Field(600, ge=1, le=1_000_000)
+    """Random-play episodes per environment (seeds 0..episodes-1; the tokenizer is trained on
+    them too). At least the tokenizer's 200 are played, whatever this says."""
     batch_size: int = Field(64, ge=1)
     """Transitions per step."""
     lr: float = Field(3e-3, gt=0, allow_inf_nan=False)

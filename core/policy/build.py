@@ -91,17 +91,17 @@ def build_policy(cfg: JobConfig, *, on_pretrain_step: OnStep | None = None) -> P
             raise ConfigError([("engine.kwargs", f"not a valid tiny-lm shape: {e}")]) from None
         model = TinyLM(mcfg, seed=cfg.seed)
         if pre.steps:
-            seqs = transition_sequences(cfg, tok, played.episodes, mcfg.max_len)
-            if len(seqs) < 2:
+            data = transition_sequences(cfg, tok, played.episodes, mcfg.max_len)
+            if len(data.seqs) < 2:
                 raise ConfigError(
                     [
                         (
                             "engine.pretrain",
-                            f"random play gave {len(seqs)} transitions; pretraining needs 2 or more",
+                            f"random play gave {len(data.seqs)} transitions; pretraining needs 2 or more",
                         )
                     ]
                 )
-            report = pretrain(model, seqs, pre, seed=cfg.seed, on_step=on_pretrain_step).as_dict()
+            report = pretrain(model, data, pre, seed=cfg.seed, on_step=on_pretrain_step).as_dict()
             tasks = frozenset(task_key(e.texts[0]) for e in played.episodes)
     else:
         path = Path(cfg.engine.model)

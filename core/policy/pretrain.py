@@ -16,6 +16,9 @@ tokens are uniform random, so the pretrained policy still picks moves at random 
 untrained success rate is the random policy's); what changes is that RL's reward has
 something to select from.
 
+The held-out loss is measured on the transitions of tasks (maps) kept out of training
+entirely: random seeds repeat maps, so a split by transition would score memorised ones.
+
 Deterministic for a config: the episodes are seeded, the held-out split and the batches
 come from ``seed``, and the model's initialisation is seeded by the caller.
 """
@@ -31,13 +34,14 @@ import torch
 import torch.nn.functional as F
 
 from core.config import JobConfig, PretrainConfig
+from core.errors import ConfigError
 from core.policy.corpus import Episode
 from core.policy.tiny_lm import TinyLM
 from core.policy.tokenizer import WordTokenizer
-from core.rollout.env_manager import EnvManager
+from core.rollout.env_manager import EnvManager, task_key
 from fabric.protocol import Message
 
-#: Share of the sequences kept out of training to report the held-out loss.
+#: Share of the tasks (and so of the sequences) kept out of training to report the held-out loss.
 HELD_OUT = 0.05
 #: Callback per optimizer step: (step, total steps, training loss).
 OnStep = Callable[[int, int, float], None]
@@ -61,46 +65,63 @@ class PretrainReport:
         }
 
 
+@dataclass(frozen=True)
+class Transitions:
+    seqs: list[list[int]]
+    tasks: list[str]
+    """``task_key`` of the episode each sequence comes from (the held-out split's unit)."""
+
+
 def transition_sequences(
     cfg: JobConfig, tok: WordTokenizer, episodes: Sequence[Episode], max_len: int
-) -> list[list[int]]:
-    """One token sequence per transition, cut to ``max_len`` (the prompt and the action come
-    first, so a cut loses the end of the next observation only)."""
-    out = []
+) -> Transitions:
+    """One token sequence per transition, cut to ``max_len``: the prompt and the action come
+    first, so a cut loses the end of the next observation only; a prompt and action that do
+    not fit are a ``ConfigError`` (the policy could not be shown that prompt either)."""
+    out = Transitions([], [])
     for ep in episodes:
         env = cfg.envs[ep.env]
+        task = task_key(ep.texts[0])
         messages = [Message(role="system", content=env.prompt.system)] if env.prompt.system else []
         messages.append(Message(role="user", content=ep.texts[0]))
         for action, nxt in zip(ep.actions, ep.texts[1:], strict=False):
-            shown = [
-                *EnvManager.context(messages, env),
-                Message(role="assistant", content=action),
-                Message(role="user", content=EnvManager.shown(nxt, env)),
-            ]
-            out.append(tok.encode_chat(shown, add_generation_prompt=False)[:max_len])
+            prompt = [*EnvManager.context(messages, env), Message(role="assistant", content=action)]
+            need = len(tok.encode_chat(prompt, add_generation_prompt=False))
+            if need > max_len:
+                raise ConfigError(
+                    [
+                        (
+                            "engine.kwargs.max_len",
+                            f"a prompt of envs[{ep.env}] ({env.id}) and its action take {need} tokens; "
+                            f"the model's context is {max_len}: raise max_len or shorten the prompt "
+                            "(envs[].prompt.history, drop_lines)",
+                        )
+                    ]
+                )
+            shown = [*prompt, Message(role="user", content=EnvManager.shown(nxt, env))]
+            out.seqs.append(tok.encode_chat(shown, add_generation_prompt=False)[:max_len])
+            out.tasks.append(task)
             messages += [Message(role="assistant", content=action), Message(role="user", content=nxt)]
     return out
 
 
 def pretrain(
     model: TinyLM,
-    seqs: list[list[int]],
+    data: Transitions,
     cfg: PretrainConfig,
     *,
     seed: int,
     on_step: OnStep | None = None,
 ) -> PretrainReport:
-    """``cfg.steps`` AdamW steps of next-token prediction on ``seqs`` (batches drawn with
-    replacement across steps, without within one); ``model`` is trained in place."""
+    """``cfg.steps`` AdamW steps of next-token prediction on ``data`` (batches drawn with
+    replacement across steps, without within one); ``model`` is trained in place. The
+    held-out loss is on the sequences of ``HELD_OUT`` of the tasks, never trained on."""
+    seqs = data.seqs
     if len(seqs) < 2:
         raise ValueError(f"pretraining needs at least 2 transitions, got {len(seqs)}")
     t0 = time.perf_counter()
     rng = random.Random(seed)
-    order = list(range(len(seqs)))
-    rng.shuffle(order)
-    n_held = max(1, int(len(seqs) * HELD_OUT))
-    held = [seqs[i] for i in order[:n_held]]
-    train = [seqs[i] for i in order[n_held:]]
+    train, held = held_out_split(data, rng)
     before = _loss(model, held)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
     model.train()
@@ -116,6 +137,18 @@ def pretrain(
             on_step(step + 1, cfg.steps, loss.item())
     after = _loss(model, held)
     return PretrainReport(cfg.steps, len(seqs), before, after, time.perf_counter() - t0)
+
+
+def held_out_split(data: Transitions, rng: random.Random) -> tuple[list[list[int]], list[list[int]]]:
+    """(train, held out): every sequence of ``HELD_OUT`` of the tasks is held out, so no
+    held-out map was trained on; where every episode is one task, the unit is the sequence."""
+    of = data.tasks if len(set(data.tasks)) > 1 else [str(i) for i in range(len(data.seqs))]
+    units = sorted(set(of))
+    rng.shuffle(units)
+    held_units = set(units[: max(1, int(len(units) * HELD_OUT))])
+    held = [s for s, u in zip(data.seqs, of, strict=True) if u in held_units]
+    train = [s for s, u in zip(data.seqs, of, strict=True) if u not in held_units]
+    return train, held
 
 
 def _pad(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

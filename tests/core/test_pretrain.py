@@ -3,6 +3,8 @@ deterministic, and the configs it refuses."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -10,10 +12,10 @@ from core.config import JobConfig
 from core.errors import ConfigError
 from core.policy.build import build_policy
 from core.policy.corpus import play_envs
-from core.policy.pretrain import pretrain, transition_sequences
+from core.policy.pretrain import Transitions, held_out_split, pretrain, transition_sequences
 from core.policy.tiny_lm import TinyLM, TinyLMConfig
 from core.policy.tokenizer import WordTokenizer
-from core.rollout.env_manager import EnvManager
+from core.rollout.env_manager import EnvManager, task_key
 from fabric.protocol import Message
 
 ACTIONS = ["left", "right", "up", "down"]
@@ -57,9 +59,11 @@ def test_a_transition_is_the_prompt_the_policy_sees_then_the_action_and_what_fol
     cfg = _cfg()
     played = play_envs(cfg, episodes=3)
     tok = WordTokenizer.train(played.texts)
-    seqs = transition_sequences(cfg, tok, played.episodes, max_len=10_000)
-    assert len(seqs) == sum(len(ep.actions) for ep in played.episodes)
+    data = transition_sequences(cfg, tok, played.episodes, max_len=10_000)
+    seqs = data.seqs
+    assert len(seqs) == len(data.tasks) == sum(len(ep.actions) for ep in played.episodes)
     ep = played.episodes[0]
+    assert set(data.tasks[: len(ep.actions)]) == {task_key(ep.texts[0])}  # the episode's map
     first, second = (tok.decode(s, skip_special=False) for s in seqs[:2])
     assert first.startswith("<bos> <|user|> FrozenLake 4 x 4:")
     assert f"<|assistant|> {ep.actions[0]} <|end|> <|user|>" in first
@@ -80,13 +84,47 @@ def test_a_transition_is_the_prompt_the_policy_sees_then_the_action_and_what_fol
     assert seqs[1] == expect and "FrozenLake" not in second
 
 
-def test_a_sequence_longer_than_the_model_keeps_its_head():
+def test_a_sequence_longer_than_the_model_keeps_its_head_and_a_prompt_that_does_not_fit_is_refused():
     cfg = _cfg()
     played = play_envs(cfg, episodes=2)
     tok = WordTokenizer.train(played.texts)
-    full = transition_sequences(cfg, tok, played.episodes, max_len=10_000)
-    cut = transition_sequences(cfg, tok, played.episodes, max_len=20)
-    assert [s[:20] for s in full] == cut
+    full = transition_sequences(cfg, tok, played.episodes, max_len=10_000).seqs
+
+    def fits(n: int) -> bool:
+        try:
+            transition_sequences(cfg, tok, played.episodes, max_len=n)
+            return True
+        except ConfigError:
+            return False
+
+    # the shortest context that holds every prompt and its action
+    need = next(n for n in range(1, max(map(len, full)) + 1) if fits(n))
+    cut = transition_sequences(cfg, tok, played.episodes, max_len=need).seqs
+    assert any(len(s) > need for s in full)  # some next observations were cut
+    assert [s[:need] for s in full] == cut
+    with pytest.raises(ConfigError, match=r"engine\.kwargs\.max_len") as e:
+        transition_sequences(cfg, tok, played.episodes, max_len=need - 1)
+    assert f"take {need} tokens" in str(e.value)
+
+
+def test_the_held_out_loss_is_on_maps_never_trained_on():
+    cfg = _cfg()
+    played = play_envs(cfg, episodes=60)
+    tok = WordTokenizer.train(played.texts)
+    data = transition_sequences(cfg, tok, played.episodes, max_len=10_000)
+    assert len(set(data.tasks)) < len(played.episodes)  # seeds repeat maps: the reason
+    train, held = held_out_split(data, random.Random(0))
+    assert held and train and len(train) + len(held) == len(data.seqs)
+    task_of = {}
+    for seq, task in zip(data.seqs, data.tasks, strict=True):
+        task_of.setdefault(tuple(seq), set()).add(task)
+    held_tasks = set().union(*(task_of[tuple(s)] for s in held))
+    train_tasks = set().union(*(task_of[tuple(s)] for s in train))
+    assert not held_tasks & train_tasks
+    # one map only: nothing can be held out by map, so single sequences are
+    one = Transitions(data.seqs[:40], ["same"] * 40)
+    train, held = held_out_split(one, random.Random(0))
+    assert len(held) == 2 and len(train) == 38
 
 
 def test_pretraining_lowers_the_held_out_loss_and_is_deterministic():
@@ -111,7 +149,7 @@ def test_pretraining_lowers_the_held_out_loss_and_is_deterministic():
 def test_pretrain_refuses_too_few_transitions():
     model = TinyLM(TinyLMConfig(vocab_size=8, **SHAPE))
     with pytest.raises(ValueError, match="at least 2 transitions"):
-        pretrain(model, [[1, 2, 3]], _cfg().engine.pretrain, seed=0)
+        pretrain(model, Transitions([[1, 2, 3]], ["a"]), _cfg().engine.pretrain, seed=0)
 
 
 @pytest.mark.parametrize(
