@@ -123,6 +123,7 @@ class LLMProxy:
         self.recover_timeout_s = recover_timeout_s
         self.max_turn_retries = max_turn_retries
         self._sticky: dict[str, Replica] = {}  # trajectory id -> its replica
+        self._placement_logged: set[str] = set()  # kinds of placement-policy fault logged so far
         self._load: Counter[int] = Counter()  # id(replica) -> turns in flight
         self._inflight: dict[str, dict[str, Replica]] = {}  # traj id -> {request id: replica}
         self._aborted: set[str] = set()  # trajectories aborted (until released)
@@ -150,13 +151,15 @@ class LLMProxy:
                 chosen = self.scheduler.place(sreq, list(by_id), sticky)
             except Exception:
                 # a placement policy is pluggable code: its bug must not fail the turn, which
-                # is served where affinity puts it (logged once, counted every time)
-                if not self.metrics["placement_errors"]:
+                # is served where affinity puts it (each kind of fault logged once, all counted)
+                if "raised" not in self._placement_logged:
+                    self._placement_logged.add("raised")
                     log.exception("the placement policy failed; routing by trajectory affinity instead")
                 self.metrics["placement_errors"] += 1
                 chosen = None
             if chosen is not None and chosen not in by_id:
-                if not self.metrics["placement_errors"]:
+                if "not a candidate" not in self._placement_logged:
+                    self._placement_logged.add("not a candidate")
                     log.error(
                         "the placement policy chose replica %r, not a candidate; routing by affinity", chosen
                     )

@@ -209,7 +209,7 @@ async def test_least_load_places_by_predicted_work_and_keeps_a_trajectory_where_
     assert sched.migrations == 0
 
 
-@pytest.mark.parametrize("fault", ["raises", "unknown replica"])
+@pytest.mark.parametrize("fault", ["raises", "names an unknown replica", "picks a non-candidate"])
 async def test_a_failing_placement_policy_falls_back_to_affinity(fault, caplog):
     a, b = GatedReplica("a"), GatedReplica("b")
     sched = TurnScheduler("fcfs", "least_load", slots=8)
@@ -218,9 +218,12 @@ async def test_a_failing_placement_policy_falls_back_to_affinity(fault, caplog):
     def broken(reqs, workers):
         if fault == "raises":
             raise RuntimeError("placement bug")
-        return {r.trajectory: "no-such-replica" for r in reqs}
+        return {r.trajectory: "no-such-replica" for r in reqs}  # TurnScheduler.place fails on it
 
-    sched.placement.place = broken  # type: ignore[method-assign]
+    if fault == "picks a non-candidate":  # the scheduler itself answers a replica not offered
+        sched.place = lambda req, candidates, sticky: max(candidates) + 1  # type: ignore[method-assign]
+    else:
+        sched.placement.place = broken  # type: ignore[method-assign]
     proxy = LLMProxy({"default": [a, b]}, scheduler=sched)
     for r in (a, b):
         for rid in ("x/0", "x/1", "y/0"):
@@ -231,9 +234,13 @@ async def test_a_failing_placement_policy_falls_back_to_affinity(fault, caplog):
     # every turn served; x stayed on its replica (affinity), the least-loaded took y
     home_x = a if "x/0" in a.started else b
     assert home_x.started[:1] == ["x/0"] and "x/1" in home_x.started
-    # x's second turn never asked the policy: least_load keeps a placed trajectory
-    assert proxy.metrics["placement_errors"] == 2 and proxy.metrics["turns"] == 3
-    assert len([r for r in caplog.records if "placement policy" in r.getMessage()]) == 1  # logged once
+    # least_load keeps a placed trajectory, so x's second turn asked the policy only where
+    # the stub replaced the scheduler's own placement
+    errors = 3 if fault == "picks a non-candidate" else 2
+    assert proxy.metrics["placement_errors"] == errors and proxy.metrics["turns"] == 3
+    logged = [r.getMessage() for r in caplog.records if "placement policy" in r.getMessage()]
+    assert len(logged) == 1  # logged once
+    assert ("not a candidate" in logged[0]) is (fault == "picks a non-candidate")
 
 
 async def test_presorted_dp_moves_a_trajectory_between_turns_when_its_prediction_changes():
