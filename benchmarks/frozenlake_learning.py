@@ -36,8 +36,9 @@ This harness trains **from random weights**: it is the from-scratch ablation. Th
 lr 1e-3 and entropy 0.03; without that step this recipe passes 0.7 in about half of its
 runs within 10 minutes (docs/job.md, "The embedded-default policy and its pretraining").
 
-Success rate is measured on held-out seeds (never trained on) with **greedy** actions at
-step 0 (the untrained policy) and every ``--eval-every`` steps; the end also reports the
+Success rate is measured on held-out seeds (never training seeds; their maps can repeat:
+docs/job.md) with **greedy** actions at step 0 (the untrained policy) and every
+``--eval-every`` steps; the end also reports the
 sampled (temperature 1) success. Prints a line per step and one JSON object at the end.
 """
 
@@ -68,7 +69,7 @@ from fabric.protocol import Message, Trajectory
 ENV_ID = "frozenlake-v1"
 ACTIONS = ("left", "right", "up", "down")
 LEGEND = "Legend: @ you, S start, F frozen (safe), H hole, G goal. Row 0 is the top row."
-EVAL_SEED_BASE = 10_000_000  # training seeds are drawn below it: evaluation maps are unseen
+EVAL_SEED_BASE = 10_000_000  # training seeds are drawn below it (seeds, not maps: 4x4 maps repeat)
 
 
 def build_tokenizer() -> WordTokenizer:
@@ -321,7 +322,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "frozenlake_learning",
         "env": ENV_ID,
         "eval_policy": "greedy",
-        "eval_seeds": f"{EVAL_SEED_BASE}..{EVAL_SEED_BASE + args.eval_episodes - 1} (held out)",
+        "eval_seeds": f"{EVAL_SEED_BASE}..{EVAL_SEED_BASE + args.eval_episodes - 1} (held-out seeds)",
         "untrained_success": untrained["success"],
         "final_success": final["success"],
         "final_success_sampled": round(sampled["success"], 4),
