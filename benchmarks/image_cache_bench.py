@@ -1,6 +1,6 @@
 """64 environments resetting at once on a cold image, behind a bandwidth-limited origin.
 
-    python benchmarks/image_cache_bench.py [--concurrency 64] [--size-mb 8] [--bandwidth-mbps 40]
+    .venv/bin/python benchmarks/image_cache_bench.py [--concurrency 64] [--size-mb 8] [--bandwidth-mbps 40]
 
 Measured in one run, against the same kind of origin (a FakeOrigin on 127.0.0.1 whose link
 is shared by every download, like a saturated registry uplink):

@@ -5,7 +5,7 @@ Trained online on 2,000 finished trajectories, evaluated on 1,000 others: after 
 running then. Reports Pearson r (log lengths) and the recall of the longest 10%. The same
 figures for a prediction from the prompt alone (before step 1) are the baseline.
 
-    python benchmarks/length_predictor.py
+    .venv/bin/python benchmarks/length_predictor.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Accuracy and latency of the ``math_answer`` reward on the labelled equivalence table.
 
-    python benchmarks/math_reward_bench.py [--repeat 3] [--timeout 2.0]
+    .venv/bin/python benchmarks/math_reward_bench.py [--repeat 3] [--timeout 2.0]
 
 Calls run in-process and warm (sympy imported and warmed once before timing): rows of the
 ``extraction`` category go through the whole reward, the others through ``is_equivalent``.

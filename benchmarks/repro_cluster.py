@@ -1,7 +1,7 @@
 """Reproductions of the two cluster-level results: PlexRL's two-job packing and Libra's
 periodic global planner, each on a seeded workload beside its baseline.
 
-    python benchmarks/repro_cluster.py        # one JSON object: {"rows": [...]}
+    .venv/bin/python benchmarks/repro_cluster.py        # one JSON object: {"rows": [...]}
 
 Both are analytical (``core.sched.horizon`` places periodic jobs on a ring of slots,
 ``core.sched.planner`` runs a step-level pipeline); no engine or trainer runs.

@@ -12,7 +12,7 @@ group's trajectories share one task, so its prompt and hidden difficulty, and di
 sampling. Drawing every trajectory's difficulty independently would overstate how much a
 group's first finishers gain over its slowest member.
 
-    python benchmarks/repro_pipeline.py        # one JSON object: {"rows": [...]}
+    .venv/bin/python benchmarks/repro_pipeline.py        # one JSON object: {"rows": [...]}
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The goal is <= 50 ms (Heddle reports ~37 ms). ``fast_partition`` (greedy + bisec
 exact) is timed beside the textbook O(N^2 M) dynamic program on the same input, and
 their makespans are compared: they must agree.
 
-    python benchmarks/sched_placement.py [--n 1000] [--workers 64] [--repeat 20]
+    .venv/bin/python benchmarks/sched_placement.py [--n 1000] [--workers 64] [--repeat 20]
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ judge): tenants then share the pool's slots, which is what quotas and fair admis
 protect. ``--function exact_match`` measures a microsecond function, where the flood's
 HTTP parsing itself fills the server's one core.
 
-    python benchmarks/serve_isolation.py [--calls 1000] [--flood-connections 128]
+    .venv/bin/python benchmarks/serve_isolation.py [--calls 1000] [--flood-connections 128]
 
 Prints one JSON object; ``p99_ratio_flooded`` is the figure (goal: <= 2).
 """

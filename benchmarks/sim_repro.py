@@ -5,7 +5,7 @@ ratio beside the published one, with a note on what differs. Rows from
 ``repro_pipeline.py`` (the RL loop: redundancy, asynchrony, Reward-as-a-Service) and
 ``repro_cluster.py`` (packing jobs, the global planner) are included.
 
-    python benchmarks/sim_repro.py            # one JSON object: {"rows": [...]}
+    .venv/bin/python benchmarks/sim_repro.py            # one JSON object: {"rows": [...]}
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@
    compare makespans (medians of 3 runs, a held-out workload). Both for fcfs and pps
    (with the true length as the hint), so the scheduler's effect is compared too.
 
-    python benchmarks/sim_vs_real.py            # one JSON object
+    .venv/bin/python benchmarks/sim_vs_real.py            # one JSON object
 """
 
 from __future__ import annotations

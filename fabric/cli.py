@@ -415,7 +415,8 @@ def _deploy_lambda(plan: Any, **o: Any) -> None:
     path = write_tfvars(values, o["terraform_dir"])
     say(f"wrote {path}")
     if terraform_binary() is None:
-        say(f"terraform is not on PATH; run: cd {o['terraform_dir']} && terraform init && terraform apply")
+        last = "terraform plan" if o["plan_only"] else "terraform plan && terraform apply"
+        say(f"terraform is not on PATH; run: cd {o['terraform_dir']} && terraform init && {last}")
         return
     run_terraform(o["terraform_dir"], plan_only=o["plan_only"], echo=say)
 

@@ -25,6 +25,7 @@ to raise (``Result.unwrap()``).
 
 from __future__ import annotations
 
+import sys
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -103,7 +104,15 @@ class UnknownFunctionError(RegistryError):
         self.name = name
         self.known = sorted(known)
         shown = ", ".join(self.known) if self.known else "(none registered)"
-        super().__init__(f"unknown function {name!r}; known functions: {shown}")
+        hint = ""
+        if "functions.rewards" not in sys.modules:
+            # the commonest miss: a script calling a built-in (exact_match, code_verify, ...)
+            # that never imported them; the CLI discovers them, a user's own client does not
+            hint = (
+                "; the built-in functions register when their package is discovered: "
+                "fabric.default_registry.discover('functions')"
+            )
+        super().__init__(f"unknown function {name!r}; known functions: {shown}{hint}")
 
 
 class EntryPointError(RegistryError):

@@ -103,7 +103,7 @@ def deploy_modal(
             app.deploy()
     except modal.exception.AuthError as e:
         raise DeployError(
-            f"Modal refused the deploy: {e}. Run `modal token new`, or set MODAL_TOKEN_ID and "
-            "MODAL_TOKEN_SECRET."
+            f"Modal refused the deploy: {str(e).rstrip('.')}. Run `modal token new`, or set "
+            "MODAL_TOKEN_ID and MODAL_TOKEN_SECRET."
         ) from None
     echo(f"deployed; call them with backend {{'type': 'modal', 'app_name': {app_name!r}}}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -233,6 +235,31 @@ def test_unknown_function_lists_known_names() -> None:
         Registry().callable("gamma")
     with pytest.raises(RegistryError, match="not a fabric function"):
         Registry().add(normalize)
+
+
+_BUILTIN_MISS = """
+import fabric
+from fabric.errors import UnknownFunctionError
+for discover in (False, True):
+    if discover:
+        fabric.default_registry.discover("functions")
+    try:
+        fabric.default_registry.get("exact_match")
+        print("found")
+    except UnknownFunctionError as e:
+        print(e)
+"""
+
+
+def test_a_script_that_never_loaded_the_built_ins_is_told_how() -> None:
+    """A fresh interpreter, as a user's script: the built-ins are not registered until their
+    package is discovered, and the error says so (the CLI discovers them itself)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _BUILTIN_MISS], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.splitlines()
+    assert out[0].startswith("unknown function 'exact_match'; known functions: (none registered)")
+    assert "fabric.default_registry.discover('functions')" in out[0]
+    assert out[1] == "found"
 
 
 def test_discover_package_and_entry_point() -> None:
