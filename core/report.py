@@ -61,14 +61,22 @@ class RunDir:
                 [e["step"] for e in self.evals],
                 [e["success"] for e in self.evals],
                 "o-",
-                label="success (held-out, greedy)",
+                label="success (held-out seeds, greedy)",
             )
             if all("success_sampled" in e for e in self.evals):
                 ax.plot(
                     [e["step"] for e in self.evals],
                     [e["success_sampled"] for e in self.evals],
                     "s--",
-                    label="success (held-out, sampled)",
+                    label="success (held-out seeds, sampled)",
+                )
+            unseen = [e for e in self.evals if e.get("success_unseen") is not None]
+            if unseen:
+                ax.plot(
+                    [e["step"] for e in unseen],
+                    [e["success_unseen"] for e in unseen],
+                    "^:",
+                    label="success (tasks never trained on, greedy)",
                 )
         ax.set_xlabel("step")
         ax.set_ylim(-0.05, 1.05)
