@@ -34,17 +34,18 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from core.buffer import Group, SampleBuffer
 from core.config import DEFAULT_AFFINITY, EnvConfig, JobConfig, registered_env_ids
 from core.errors import ConfigError, CoreError, RolloutError
+from core.evaluation import EVAL_SEED_BASE, Evaluator
 from core.policy.build import PolicyBundle, action_ids, build_policy
 from core.report import JobProgress, RunDir
 from core.rewards import RewardStream
-from core.rollout.env_manager import EnvManager, Task, TurnBarrier, first_observation, task_key
+from core.rollout.env_manager import EnvManager, TurnBarrier
 from core.rollout.groups import GroupRunner
 from core.rollout.llm_proxy import LLMProxy
 from core.rollout.replicas import EngineReplicaActor, RayReplica, RemoteProxy
@@ -57,11 +58,6 @@ from fabric.registry import Registry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-#: Evaluation seeds start here; training draws below it. Different seeds can still give the
-#: same task (a small map space), so evaluations also report success on the tasks training
-#: never saw (``task_key``).
-EVAL_SEED_BASE = 10_000_000
 
 
 class Job:
@@ -84,7 +80,7 @@ class Job:
         self._window_times: dict[str, list[float]] = {"gen_s": [], "env_s": []}
         self._groups_live = 0  # started minus dropped (stale, given up): the launch budget
         self._seen_trajs: set[str] = set()
-        self.evals: list[dict[str, Any]] = []
+        self.evaluator = Evaluator(cfg)
         self.run_dir: RunDir | None = None
         # consecutive groups given up with none completed, and the last trajectory error seen
         self._give_up_streak = 0
@@ -92,9 +88,10 @@ class Job:
         self._fatal: asyncio.Future[None] | None = None
         self._t0 = time.perf_counter()
         self._pretrained: dict[str, float] = {}
-        #: ``task_key``s of every task trained on (pretraining included): an evaluation task
-        #: among them is not unseen, whatever its seed
-        self._seen: set[str] = set()
+
+    @property
+    def evals(self) -> list[dict[str, Any]]:
+        return self.evaluator.rows
 
     # ------------------------------------------------------------------ the run
     async def run(self) -> dict[str, Any]:
@@ -171,7 +168,7 @@ class Job:
                 wait_s = time.perf_counter() - tw
                 tt = time.perf_counter()
                 trained = {s.id for g in groups for s in g.samples}
-                self._seen.update(_task_keys(s.traj for g in groups for s in g.samples))
+                self.evaluator.trained_on_trajectories(s.traj for g in groups for s in g.samples)
                 self._window["aborted_trained"] += len(trained & runner.aborted_ids)
                 self._window["masked_trained"] += sum(s.masked for g in groups for s in g.samples)
                 batch = build_batch(groups, cfg.trainer)
@@ -302,35 +299,8 @@ class Job:
 
     # ------------------------------------------------------------------ evaluation
     async def _evaluate(self, manager: EnvManager, step: int) -> dict[str, Any]:
-        """Episodes on held-out seeds (the same seeds every time), each seed played greedily
-        (``success``) and sampled at the rollout temperature (``success_sampled``): greedy
-        shows what the policy prefers, sampled what the rollouts it trains on achieve."""
-        cfg = self.cfg
-        n = cfg.rollout.eval_episodes
-        tasks = []
-        for i in range(n):
-            env = cfg.envs[i % len(cfg.envs)]
-            for greedy in (True, False):
-                tasks.append(Task(env, EVAL_SEED_BASE + i, f"eval-{step}", greedy=greedy))
-        te = time.perf_counter()
-        trajs = await asyncio.gather(*(manager.run(t, version=self.version) for t in tasks))
-        row: dict[str, Any] = {"kind": "eval", "step": step, "version": self.version}
-        for greedy, suffix in ((True, ""), (False, "_sampled")):
-            mine = [tr for t, tr in zip(tasks, trajs, strict=True) if t.greedy is greedy]
-            scored = [t for t in mine if t.status in ("ok", "truncated") and t.env_reward is not None]
-            row[f"success{suffix}"] = _success(scored)
-            row[f"return_mean{suffix}"] = (
-                statistics.fmean([t.env_reward or 0.0 for t in scored]) if scored else 0.0
-            )
-            row[f"episodes{suffix}"] = len(scored)
-            # held-out seeds can still give a task training saw (a map): say how it does on the rest
-            unseen = [t for t in scored if _task_key_of(t) not in self._seen]
-            row[f"success_unseen{suffix}"] = _success(unseen) if unseen else None
-            row[f"episodes_unseen{suffix}"] = len(unseen)
-        row["infra_failed"] = sum(1 for t in trajs if t.status == "infra_failed")
-        row["eval_s"] = round(time.perf_counter() - te, 2)
+        row = await self.evaluator.run(manager, step, self.version)
         row["wall_s"] = round(time.perf_counter() - self._t0, 1)  # since training began, as train rows
-        self.evals.append(row)
         return row
 
     # ------------------------------------------------------------------ rows
@@ -419,7 +389,7 @@ class Job:
         if self.cfg.engine.pretrain.steps:
             progress.note(f"pretraining the policy on random play ({self.cfg.engine.pretrain.steps} steps)")
         bundle = build_policy(self.cfg, on_pretrain_step=progress.pretrain_step)
-        self._seen |= bundle.tasks
+        self.evaluator.trained_on(bundle.tasks)
         if bundle.pretrained:
             self._pretrained = bundle.pretrained
             p = bundle.pretrained
@@ -622,16 +592,3 @@ def turn_scheduler(cfg: JobConfig) -> TurnScheduler | None:
         scheduler_options=r.scheduler_options,
         trace=Path(cfg.run_dir).resolve() / "trace.jsonl" if r.trace else None,
     )
-
-
-def _success(trajs: list[Trajectory]) -> float:
-    return sum(1 for t in trajs if (t.env_reward or 0) > 0) / max(len(trajs), 1)
-
-
-def _task_key_of(traj: Trajectory) -> str | None:
-    text = first_observation(traj)
-    return None if text is None else task_key(text)
-
-
-def _task_keys(trajs: Iterable[Trajectory]) -> Iterator[str]:
-    return (k for k in map(_task_key_of, trajs) if k is not None)

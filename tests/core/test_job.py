@@ -249,9 +249,13 @@ async def test_the_job_trains_end_to_end_and_leaves_its_run_directory(tmp_path, 
     env = FrozenLakeEnv(**FROZENLAKE["kwargs"])
     keys = [task_key(env.reset(seed=EVAL_SEED_BASE + i)[0].text) for i in range(8)]
     # every map pretraining played (seeds 0..199: 10 episodes asked, the corpus's 200 played)
-    assert {task_key(env.reset(seed=s)[0].text) for s in range(200)} <= job._seen
+    assert {task_key(env.reset(seed=s)[0].text) for s in range(200)} <= job.evaluator.trained_tasks
     final = next(e for e in evals if e.get("kind") == "eval" and e["step"] == 4)
-    assert final["episodes_unseen"] == sum(k not in job._seen for k in keys) <= final["episodes"]
+    assert (
+        final["episodes_unseen"]
+        == sum(k not in job.evaluator.trained_tasks for k in keys)
+        <= final["episodes"]
+    )
     assert (final["success_unseen"] is None) == (final["episodes_unseen"] == 0)
     assert summary["final_unseen_episodes"] == final["episodes_unseen"]
 

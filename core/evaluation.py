@@ -1,0 +1,85 @@
+"""How the policy does on held-out seeds, and on the tasks among them training never saw.
+
+    ev = Evaluator(cfg)
+    ev.trained_on(keys)                     # the pretraining corpus's tasks
+    ev.trained_on_trajectories(batch)       # each training batch
+    row = await ev.run(manager, step, version)
+
+Evaluation seeds start at ``EVAL_SEED_BASE``; training draws below it. A seed is not a task,
+though: different seeds can give the same task (4x4 FrozenLake has a few thousand maps, so
+100 evaluation seeds give ~81 of them, most of which training meets too). A task is its
+reset observation (``task_key``), so every row also says how the policy does on the
+evaluation episodes whose task no pretraining or training episode had (``success_unseen``
+over ``episodes_unseen``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from core.config import JobConfig
+from core.rollout.env_manager import EnvManager, Task, first_observation, task_key
+from fabric.protocol import Trajectory
+
+EVAL_SEED_BASE = 10_000_000
+
+
+class Evaluator:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.rows: list[dict[str, Any]] = []
+        #: ``task_key``s of every task trained on (pretraining included)
+        self.trained_tasks: set[str] = set()
+
+    def trained_on(self, keys: Iterable[str]) -> None:
+        self.trained_tasks.update(keys)
+
+    def trained_on_trajectories(self, trajs: Iterable[Trajectory]) -> None:
+        self.trained_tasks.update(task_keys(trajs))
+
+    async def run(self, manager: EnvManager, step: int, version: int) -> dict[str, Any]:
+        """Episodes on held-out seeds (the same seeds every time), each seed played greedily
+        (``success``) and sampled at the rollout temperature (``success_sampled``): greedy
+        shows what the policy prefers, sampled what the rollouts it trains on achieve."""
+        cfg = self.cfg
+        tasks = []
+        for i in range(cfg.rollout.eval_episodes):
+            env = cfg.envs[i % len(cfg.envs)]
+            for greedy in (True, False):
+                tasks.append(Task(env, EVAL_SEED_BASE + i, f"eval-{step}", greedy=greedy))
+        te = time.perf_counter()
+        trajs = await asyncio.gather(*(manager.run(t, version=version) for t in tasks))
+        row: dict[str, Any] = {"kind": "eval", "step": step, "version": version}
+        for greedy, suffix in ((True, ""), (False, "_sampled")):
+            mine = [tr for t, tr in zip(tasks, trajs, strict=True) if t.greedy is greedy]
+            scored = [t for t in mine if t.status in ("ok", "truncated") and t.env_reward is not None]
+            row[f"success{suffix}"] = _success(scored)
+            row[f"return_mean{suffix}"] = (
+                statistics.fmean([t.env_reward or 0.0 for t in scored]) if scored else 0.0
+            )
+            row[f"episodes{suffix}"] = len(scored)
+            unseen = [t for t in scored if _task_key_of(t) not in self.trained_tasks]
+            row[f"success_unseen{suffix}"] = _success(unseen) if unseen else None
+            row[f"episodes_unseen{suffix}"] = len(unseen)
+        row["infra_failed"] = sum(1 for t in trajs if t.status == "infra_failed")
+        row["eval_s"] = round(time.perf_counter() - te, 2)
+        self.rows.append(row)
+        return row
+
+
+def _success(trajs: list[Trajectory]) -> float:
+    return sum(1 for t in trajs if (t.env_reward or 0) > 0) / max(len(trajs), 1)
+
+
+def _task_key_of(traj: Trajectory) -> str | None:
+    text = first_observation(traj)
+    return None if text is None else task_key(text)
+
+
+def task_keys(trajs: Iterable[Trajectory]) -> Iterator[str]:
+    """The ``task_key`` of each trajectory that has a reset observation."""
+    return (k for k in map(_task_key_of, trajs) if k is not None)
