@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -325,10 +326,10 @@ def test_the_job_config_selects_the_scheduler_and_refuses_bad_ones():
 WORDS = "left right up down you are at row column the lake is frozen hole goal start".split()
 
 
-async def _rollout(policy: str, *, hint: bool, rounds: int = 1) -> list[list[str]]:
+async def _rollout(policy: str, *, hint: bool, rounds: int = 1, trace: Path | None = None) -> list[list[str]]:
     """Twelve short trajectories (2 turns) and one long one (8 turns), all at once, on one
     TorchEngine replica with 1 slot; the long one has the longer prompt. Returns, per round,
-    the order trajectories finished in."""
+    the order trajectories finished in (trajectory ``NAME@ROUND`` in the trace)."""
     tok = WordTokenizer(WORDS)
     model = stopless(
         TinyLM(
@@ -337,7 +338,9 @@ async def _rollout(policy: str, *, hint: bool, rounds: int = 1) -> list[list[str
         tok,
     )
     engine = TorchEngine(model, tok, TorchEngineConfig(num_threads=1, batch_wait_ms=0.0))
-    proxy = LLMProxy({"default": [LocalReplica(engine)]}, scheduler=TurnScheduler(policy, slots=1))
+    proxy = LLMProxy(
+        {"default": [LocalReplica(engine)]}, scheduler=TurnScheduler(policy, slots=1, trace=trace)
+    )
     spec = {"long": (8, 24), **{f"s{k}": (2, 4) for k in range(12)}}  # turns, prompt size
     orders = []
     async with engine:
@@ -375,9 +378,26 @@ async def test_on_the_torch_engine_progressive_priority_finishes_the_longest_tra
     assert pps.index("long") < len(pps) // 2
 
 
-async def test_with_the_learned_predictor_pps_finds_the_long_trajectory_after_one_round():
-    rounds = await _rollout("pps", hint=False, rounds=2)
-    # round 0 knows nothing (unknown predictions go first by arrival); round 1 has learned
-    # that the long prompt means a long trajectory
-    assert rounds[1].index("long") < len(rounds[1]) // 2
+async def test_with_the_learned_predictor_pps_finds_the_long_trajectory_after_one_round(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    rounds = await _rollout("pps", hint=False, rounds=2, trace=trace)
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+
+    def predicted(rnd: int, long: bool) -> list[float | None]:
+        return [
+            r["predicted_total"]
+            for r in rows
+            if r["trajectory"].endswith(f"@{rnd}") and r["trajectory"].startswith("long") == long
+        ]
+
+    # round 0 knows nothing (unknown predictions go first by arrival), so the long one ends last
+    assert predicted(0, long=False) == [None] * 24
+    assert rounds[0].index("long") == len(rounds[0]) - 1
+    # round 1 has learned that the long prompt means a long trajectory: every one of its turns
+    # is predicted longer than any short turn, so pps starts it whenever it is back from its
+    # environment. How many short turns fit into its 2 ms environment steps depends on the
+    # machine's speed, so the finishing position is only compared with round 0's.
+    longs, shorts = predicted(1, long=True), predicted(1, long=False)
+    assert None not in longs and None not in shorts and len(longs) == 8 and len(shorts) == 24
+    assert min(x for x in longs if x is not None) > 2 * max(x for x in shorts if x is not None)
     assert rounds[1].index("long") < rounds[0].index("long")
