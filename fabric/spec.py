@@ -67,6 +67,9 @@ class FunctionSpec(BaseModel):
     resources: Resources = Field(default_factory=Resources)
     side_effects: bool = False
     """True for tools that change the world: never hedged, retries deduplicated by key."""
+    hedge: bool = True
+    """False for calls that cost money each time (an LLM judge behind a paid API): a hedge
+    would pay for the same answer twice, and slow calls are where hedges fire."""
     is_async: bool = False
     setup: str | None = None
     """``module:attr`` of the hook run once per warm worker; its return value is passed as ``ctx``."""
@@ -92,7 +95,7 @@ class FunctionSpec(BaseModel):
 
     @property
     def hedgeable(self) -> bool:
-        return not self.side_effects
+        return self.hedge and not self.side_effects
 
     def check_args(self, payload: dict[str, Any]) -> str | None:
         """Cheap client-side argument check: a message naming the problem, or None."""

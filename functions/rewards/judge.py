@@ -634,6 +634,8 @@ _EXAMPLE_TRAJ = {
     # the judge retries the endpoint itself (with Retry-After); the client only retries once
     # more, for a lost worker, so attempts do not multiply into minutes on a dead endpoint
     retry={"max_attempts": 2},
+    # every call is a paid request, and a judge's slow tail is where hedges would fire
+    hedge=False,
     max_concurrency=64,
     max_batch=64,
     examples=(

@@ -33,3 +33,10 @@ def effect(x: int) -> int:
 async def nap(seconds: float, tag: int = 0) -> int:
     await asyncio.sleep(seconds)
     return tag
+
+
+@REG.function(hedge=False)
+async def paid_nap(seconds: float, tag: int = 0) -> int:
+    """Like ``nap``, but each call costs money: never hedged."""
+    await asyncio.sleep(seconds)
+    return tag

@@ -144,6 +144,19 @@ async def test_no_hedge_when_disabled_or_for_side_effects():
     assert r.ok and not r.hedged and not any(i.hedge for i in fake2.invocations)
 
 
+async def test_a_function_declared_hedge_false_is_never_hedged_not_even_when_asked():
+    c, fake = make(hedge={"min_samples": 5})
+    await c.map("paid_nap", [{"seconds": 0.001}] * 10)
+    fake.inject("paid_nap", Fault(delay_s=0.3))
+    r = await c.call("paid_nap", {"seconds": 0.001, "tag": 4}, hedge=True)
+    assert r.ok and r.value == 4 and not r.hedged
+    assert not any(i.hedge for i in fake.invocations) and c.metrics()["paid_nap"]["hedges"] == 0
+    # the same straggler on a function that allows hedges is hedged: the setting is what differs
+    await _warm_latency(c)
+    fake.inject("nap", Fault(delay_s=0.3))
+    assert (await c.call("nap", {"seconds": 0.001})).hedged
+
+
 async def test_hedges_are_capped():
     c, fake = make(hedge={"min_samples": 20, "max_share": 0.0})
     await _warm_latency(c)

@@ -416,3 +416,11 @@ def test_check_function_passes_against_the_fake_server(srv, monkeypatch):
     reg.discover("functions.rewards.judge")
     check_function("llm_judge", reg)
     assert len(srv.chat_requests) == len(reg.get("llm_judge").examples)
+
+
+def test_the_judge_is_never_hedged():
+    # each judge call is a paid request: a hedge would pay for the same score twice
+    reg = Registry()
+    reg.discover("functions.rewards.judge")
+    spec = reg.get("llm_judge")
+    assert spec.hedge is False and spec.hedgeable is False and spec.side_effects is False
