@@ -61,21 +61,30 @@ def ls_cmd(modules: ModulesOpt = None, as_json: Annotated[bool, typer.Option("--
     if as_json:
         print(json.dumps([s.model_dump(mode="json") for s in reg.specs()], indent=2))
         return
-    table = Table(title=f"{len(reg)} functions")
-    for col in ("name", "kind", "version", "warm", "max conc.", "timeout s", "entry"):
-        table.add_column(col, no_wrap=True)
-    table.add_column("description", ratio=1)
-    for s in reg.specs():
-        table.add_row(
-            s.name,
-            s.kind,
-            s.version,
-            str(s.warm),
-            str(s.max_concurrency),
-            f"{s.timeout_s:g}",
-            s.entry,
-            s.description,
-        )
+    specs = reg.specs()
+    # on a narrow terminal (80 columns, or a pipe) the short columns keep their width, the
+    # entry folds, and the version and the description (the longest) are left out
+    wide = out.width >= 120
+    table = Table(
+        title=f"{len(reg)} functions" + ("" if wide else " (--json or a wider terminal: all fields)")
+    )
+    table.add_column("name", no_wrap=True, min_width=min(max((len(s.name) for s in specs), default=4), 28))
+    cols = (
+        ("kind", "version", "warm", "max conc.", "timeout s")
+        if wide
+        else ("kind", "warm", "conc.", "timeout")
+    )
+    for col in cols:
+        table.add_column(col, no_wrap=True, min_width=len(col))
+    table.add_column("entry", overflow="fold", ratio=1)
+    if wide:
+        table.add_column("description", ratio=1)
+    for s in specs:
+        limits = [str(s.warm), str(s.max_concurrency), f"{s.timeout_s:g}"]
+        if wide:
+            table.add_row(s.name, s.kind, s.version[:12], *limits, s.entry, s.description)
+        else:
+            table.add_row(s.name, s.kind, *limits, s.entry)
     out.print(table)
 
 

@@ -21,6 +21,22 @@ def test_ls_lists_builtins_and_user_modules():
     assert r.exit_code == 0 and "exact_match" in r.stdout
 
 
+def test_ls_stays_readable_on_a_narrow_terminal(monkeypatch):
+    from fabric import cli
+
+    monkeypatch.setattr(cli.out, "width", 80)
+    r = runner.invoke(app, ["ls"])
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    row = next(line for line in lines if "exact_match" in line)
+    # the name and the limits are whole, not cut to an ellipsis
+    assert "…" not in row and "reward" in row and "functions" in row  # the entry, folded
+    monkeypatch.setattr(cli.out, "width", 200)
+    wide = runner.invoke(app, ["ls"]).stdout
+    assert "description" in wide and "version" in wide
+
+
 def test_ls_bad_module_is_a_clear_error():
     r = runner.invoke(app, ["ls", "-m", "no_such_module_xyz"])
     assert r.exit_code == 2 and "no_such_module_xyz" in r.output
