@@ -107,12 +107,23 @@ class EngineConfig(_Model):
     max_restarts: int = Field(3, ge=0)
     """Times Ray restarts a crashed engine replica; the proxy reloads the latest weights
     into it and re-runs the turns it lost."""
+    num_gpus: float | None = Field(None, ge=0, allow_inf_nan=False)
+    """GPUs each replica reserves from Ray (Ray then sets its ``CUDA_VISIBLE_DEVICES``);
+    ``None``: 1 for ``vllm``, 0 otherwise. A fraction shares a card, e.g. 0.5 with the
+    trainer's 0.5 on a one-GPU machine."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Backend-specific options, passed through: for ``torch`` the ``TinyLM`` shape
     (``d_model``, ``n_layers``, ``n_heads``, ``max_len``) and ``TorchEngineConfig`` fields;
     vLLM engine args; ``base_url`` of an OpenAI-compatible server."""
     pretrain: PretrainConfig = Field(default_factory=PretrainConfig)
     """Pretraining of a new ``tiny-lm`` (torch backend) before RL; off by default."""
+
+    @property
+    def gpus(self) -> float:
+        """GPUs per replica (``num_gpus`` or the backend's default)."""
+        if self.num_gpus is not None:
+            return self.num_gpus
+        return 1.0 if self.backend == "vllm" else 0.0
 
 
 class PromptConfig(_Model):
@@ -212,6 +223,14 @@ class TrainerConfig(_Model):
     """Discount of the step-level returns."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Backend-specific options (Megatron parallelism, ...), passed through."""
+    num_gpus: float | None = Field(None, ge=0, allow_inf_nan=False)
+    """GPUs the trainer actor reserves from Ray; ``None``: 1 for ``megatron``, 0 for ``torch``."""
+
+    @property
+    def gpus(self) -> float:
+        if self.num_gpus is not None:
+            return self.num_gpus
+        return 1.0 if self.backend == "megatron" else 0.0
 
 
 class RolloutConfig(_Model):

@@ -430,6 +430,7 @@ class Job:
         actors: list[Any] = []
         try:
             groups = self._hw_groups()
+            self._check_gpus(len(groups))
             replica_cls = ray.remote(EngineReplicaActor)
             by_group: dict[str, list[RayReplica]] = {}
             for group, resource in groups.items():
@@ -442,6 +443,8 @@ class Job:
                     }
                     if resource is not None:
                         opts["resources"] = {resource: 1}
+                    if cfg.engine.gpus:
+                        opts["num_gpus"] = cfg.engine.gpus
                     h = replica_cls.options(**opts).remote(
                         cfg.engine.backend,
                         bundle,
@@ -462,7 +465,7 @@ class Job:
             actors.append(proxy)
             trainer = (
                 ray.remote(TrainerActor)
-                .options(num_cpus=0)
+                .options(num_cpus=0, num_gpus=cfg.trainer.gpus)
                 .remote(
                     cfg.trainer,
                     bundle,
@@ -482,6 +485,26 @@ class Job:
                     ray.kill(a, no_restart=True)
             if started:
                 ray.shutdown()
+
+    def _check_gpus(self, groups: int) -> None:
+        """Refuse, before any actor is made, GPU reservations the cluster cannot meet: Ray
+        would otherwise leave the actors pending and the job waiting forever."""
+        import ray
+
+        engine, trainer = self.cfg.engine, self.cfg.trainer
+        want = engine.gpus * engine.replicas * groups + trainer.gpus
+        have = ray.cluster_resources().get("GPU", 0.0)
+        if want > have + 1e-9:
+            raise ConfigError(
+                [
+                    (
+                        "engine.num_gpus" if engine.gpus else "trainer.num_gpus",
+                        f"the job reserves {want:g} GPU(s) ({engine.replicas * groups} engine replica(s) x "
+                        f"{engine.gpus:g} + trainer {trainer.gpus:g}) and the Ray cluster has {have:g}; "
+                        "lower engine.replicas or the num_gpus fractions (0.5 + 0.5 share one card)",
+                    )
+                ]
+            )
 
     def _hw_groups(self) -> dict[str, str | None]:
         """Replica group -> the Ray custom resource its replicas need (None: anywhere).

@@ -438,3 +438,32 @@ async def test_an_affinity_no_node_offers_is_a_config_error(tmp_path, ray_cluste
         await Job(cfg, progress=False, registry=faults.REG).run()
     [(key, msg)] = e.value.problems
     assert key == "engine.hw_affinity" and "H800" in msg
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize(
+    ("over", "key", "text"),
+    [
+        (
+            {"trainer": {"num_gpus": 1}},
+            "trainer.num_gpus",
+            "reserves 1 GPU(s) (1 engine replica(s) x 0 + trainer 1)",
+        ),
+        ({"engine": {"num_gpus": 0.5, "replicas": 2}}, "engine.num_gpus", "reserves 1 GPU(s)"),
+    ],
+)
+async def test_gpus_the_cluster_lacks_are_a_config_error_not_a_hang(tmp_path, ray_cluster, over, key, text):
+    cfg = job_config(tmp_path, **over)
+    with pytest.raises(ConfigError) as e:
+        await Job(cfg, progress=False, registry=faults.REG).run()
+    [(got_key, msg)] = e.value.problems
+    assert got_key == key and text in msg and "the Ray cluster has 0" in msg
+
+
+def test_gpu_reservations_default_by_backend():
+    from core.config import EngineConfig, TrainerConfig
+
+    assert EngineConfig().gpus == 0 and EngineConfig(backend="vllm").gpus == 1
+    assert EngineConfig(backend="vllm", num_gpus=0.5).gpus == 0.5
+    assert TrainerConfig().gpus == 0 and TrainerConfig(backend="megatron").gpus == 1
+    assert TrainerConfig(backend="megatron", num_gpus=0.5).gpus == 0.5
