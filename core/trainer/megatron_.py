@@ -6,6 +6,9 @@
     metrics = trainer.step(batch)          # same metric keys as the torch backend
     update = trainer.publish()             # fp32 CPU tensors, megatron's state_dict names
 
+    # or the model a vLLM engine serves, published under Hugging Face names:
+    MegatronTrainerConfig(hf_model="/models/Qwen2.5-0.5B-Instruct", bf16=True)
+
 The model is built from megatron-core's local layer spec (``get_gpt_layer_local_spec``: no
 TransformerEngine, no apex, no compiled kernels), so the only requirements are
 megatron-core, PyTorch and one CUDA device. megatron-core and CUDA are imported lazily: this
@@ -30,6 +33,10 @@ Choices, and why:
   ``torch.autocast(bfloat16)``, megatron-core's own ``enable_autocast`` path. AdamW on bf16
   parameters would lose small updates; ``state()`` is fp32 either way.
 * **No dropout**: the trainer's logprobs must be the sampler's (the ratio starts at 1).
+* **A Hugging Face checkpoint** (``hf_model``: Llama, Qwen2, Mistral): the model is built as
+  that architecture (RMSNorm, SwiGLU, RoPE, grouped-query attention) and loaded through
+  ``core.trainer.hf_gpt``'s name mapping, and ``state()`` maps back, so the weights published
+  to a vLLM engine serving the same checkpoint carry the names its ``load_weights`` expects.
 * **Parallelism**: ``tensor_parallel_size`` / ``pipeline_parallel_size`` are validated and
   passed to ``parallel_state`` and the ``TransformerConfig``. Only 1 x 1 is exercised end to
   end (one process, one GPU). Tensor parallelism under ``torchrun`` should work (logits are
@@ -55,6 +62,7 @@ from torch import Tensor
 
 from core.trainer.base import Trainer, TrainerError, TrainSample
 from core.trainer.grpo import LossAgg, aggregate, entropy, kl_k3, policy_loss, token_logprobs
+from core.trainer.hf_gpt import HFArch, hf_to_megatron, megatron_to_hf, read_hf_state
 
 #: The ``format`` field of a checkpoint written by ``save_checkpoint``.
 CHECKPOINT_FORMAT = "rl-fabric/megatron-gpt/1"
@@ -101,6 +109,11 @@ class MegatronTrainerConfig(BaseModel):
     """Build a freshly initialised model of this shape (seeded by ``seed``)."""
     checkpoint: Path | None = None
     """Or load one written by ``MegatronTrainer.save_checkpoint`` (shape, weights, version)."""
+    hf_model: Path | None = None
+    """Or start from a Hugging Face checkpoint directory (Llama, Qwen2 or Mistral family:
+    RMSNorm, SwiGLU, RoPE, grouped-query attention): its ``config.json`` and weights. The
+    trainer's ``state()`` then uses Hugging Face names, which an engine serving the same
+    checkpoint (vLLM) loads as they are."""
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     bf16: bool = False
@@ -132,20 +145,26 @@ class MegatronTrainerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> MegatronTrainerConfig:
-        if (self.model is None) == (self.checkpoint is None):
-            raise ValueError("give exactly one of model (a shape) or checkpoint")
+        if sum(x is not None for x in (self.model, self.checkpoint, self.hf_model)) != 1:
+            raise ValueError("give exactly one of model (a shape), checkpoint or hf_model")
         if self.model is not None:
             check_parallel_shape(self.model, self.tensor_parallel_size, self.pipeline_parallel_size)
+        if self.hf_model is not None and self.tensor_parallel_size > 1:
+            # the name mapping fuses whole q/k/v projections; a rank's shard is a slice of it
+            raise ValueError("hf_model needs tensor_parallel_size=1 (the weight mapping is unsharded)")
         return self
 
 
-def check_parallel_shape(shape: GPTShape, tp: int, pp: int) -> None:
+def check_parallel_shape(shape: GPTShape | HFArch, tp: int, pp: int) -> None:
     """What megatron-core would assert, as a readable ``ValueError``."""
-    for name, value in (
+    sizes = [
         ("num_attention_heads", shape.num_attention_heads),
         ("ffn_hidden_size", shape.ffn),
         ("vocab_size", shape.vocab_size),
-    ):
+    ]
+    if isinstance(shape, HFArch):
+        sizes.append(("num_key_value_heads", shape.num_key_value_heads))
+    for name, value in sizes:
         if value % tp:
             raise ValueError(f"{name}={value} is not divisible by tensor_parallel_size={tp}")
     if shape.num_layers % pp:
@@ -203,12 +222,37 @@ def _init_distributed(tp: int, pp: int) -> None:
     parallel_state.initialize_model_parallel(**kwargs)
 
 
-def _build_gpt(shape: GPTShape, cfg: MegatronTrainerConfig) -> torch.nn.Module:
+def _build_gpt(shape: GPTShape | HFArch, cfg: MegatronTrainerConfig) -> torch.nn.Module:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    arch: dict[str, Any] = {}
+    model_arch: dict[str, Any] = {
+        "share_embeddings_and_output_weights": False,
+        "position_embedding_type": "learned_absolute",
+    }
+    spec_args: dict[str, Any] = {}
+    if isinstance(shape, HFArch):
+        # the Llama family: RMSNorm, SwiGLU without biases, RoPE, grouped-query attention
+        arch = {
+            "num_query_groups": shape.num_key_value_heads,
+            "kv_channels": shape.head_dim,
+            "normalization": "RMSNorm",
+            "layernorm_epsilon": shape.rms_norm_eps,
+            "gated_linear_unit": True,
+            "activation_func": torch.nn.functional.silu,
+            "add_bias_linear": False,
+            "add_qkv_bias": shape.qkv_bias,
+        }
+        model_arch = {
+            "share_embeddings_and_output_weights": shape.tie_word_embeddings,
+            "position_embedding_type": "rope",
+            "rotary_base": int(shape.rope_theta),
+        }
+        if "normalization" in inspect.signature(get_gpt_layer_local_spec).parameters:
+            spec_args["normalization"] = "RMSNorm"
     tconfig = TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -225,17 +269,17 @@ def _build_gpt(shape: GPTShape, cfg: MegatronTrainerConfig) -> torch.nn.Module:
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         gradient_accumulation_fusion=False,
+        **arch,
     )
     model = GPTModel(
         config=tconfig,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=get_gpt_layer_local_spec(**spec_args),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_sequence_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=False,  # full-vocabulary logits on every TP rank: the loss needs them
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="learned_absolute",
+        **model_arch,
     )
     return model.cuda(torch.cuda.current_device())
 
@@ -253,9 +297,21 @@ class MegatronTrainer(Trainer):
             config = MegatronTrainerConfig.model_validate(config)
         _require_runtime()
         ckpt = _read_checkpoint(config.checkpoint) if config.checkpoint is not None else None
-        shape = config.model
+        shape: GPTShape | HFArch | None = config.model
+        hf_state: dict[str, Tensor] | None = None
+        if config.hf_model is not None:
+            shape = HFArch.from_dir(config.hf_model)
+            hf_state = hf_to_megatron(read_hf_state(config.hf_model), shape)
+            try:
+                check_parallel_shape(shape, config.tensor_parallel_size, config.pipeline_parallel_size)
+            except ValueError as e:
+                raise TrainerError(f"{config.hf_model}: {e}") from None
         if ckpt is not None:
-            shape = GPTShape.model_validate(ckpt["model"])
+            shape = (
+                HFArch.from_config(ckpt["hf_config"], source=str(config.checkpoint))
+                if "hf_config" in ckpt
+                else GPTShape.model_validate(ckpt["model"])
+            )
             try:
                 check_parallel_shape(shape, config.tensor_parallel_size, config.pipeline_parallel_size)
             except ValueError as e:
@@ -285,6 +341,8 @@ class MegatronTrainer(Trainer):
         self.model = _build_gpt(shape, config)
         if ckpt is not None:
             self._load(ckpt["state"], str(config.checkpoint))
+        if hf_state is not None:
+            self._load(hf_state, str(config.hf_model))
         self.model.train()
         self.reference: torch.nn.Module | None = None
         if config.kl_coef > 0:
@@ -310,8 +368,14 @@ class MegatronTrainer(Trainer):
             group["lr"] = lr
 
     def state(self) -> dict[str, Tensor]:
-        """This rank's weights (the whole model at tp = pp = 1), fp32 copies on the CPU.
-        Non-tensor entries (``_extra_state``) are left out: an engine loads tensors."""
+        """This rank's weights (the whole model at tp = pp = 1), fp32 copies on the CPU,
+        under Hugging Face names when the model came from ``hf_model``. Non-tensor entries
+        (``_extra_state``) are left out: an engine loads tensors."""
+        own = self._own_state()
+        return megatron_to_hf(own, self.shape) if isinstance(self.shape, HFArch) else own
+
+    def _own_state(self) -> dict[str, Tensor]:
+        """The weights under megatron-core's names (what a checkpoint holds)."""
         return {
             k: v.detach().to("cpu", copy=True)
             for k, v in self.model.state_dict().items()
@@ -344,13 +408,18 @@ class MegatronTrainer(Trainer):
 
     def save_checkpoint(self, path: str | Path) -> None:
         """Shape, weights and version in one file, loadable with ``checkpoint=path``."""
+        arch = (
+            {"hf_config": self.shape.config}
+            if isinstance(self.shape, HFArch)
+            else {"model": self.shape.model_dump()}
+        )
         torch.save(
             {
                 "format": CHECKPOINT_FORMAT,
-                "model": self.shape.model_dump(),
+                **arch,
                 "tensor_parallel_size": self.config.tensor_parallel_size,
                 "version": self.version,
-                "state": self.state(),
+                "state": self._own_state(),
             },
             Path(path),
         )
@@ -560,7 +629,7 @@ def _pack(samples: list[TrainSample], vocab_size: int, device: torch.device) -> 
     )
 
 
-def _check_sample(s: TrainSample, shape: GPTShape) -> None:
+def _check_sample(s: TrainSample, shape: GPTShape | HFArch) -> None:
     """An out-of-range id would be a device-side assert on the GPU: say it here instead."""
     n = len(s.prompt_ids) + len(s.completion_ids)
     if n > shape.max_sequence_length:

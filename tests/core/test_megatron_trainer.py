@@ -249,3 +249,80 @@ def test_checkpoint_round_trip_and_bad_samples(tmp_path):
         )
     with pytest.raises(TrainerError, match="world size 1 is not divisible by tensor x pipeline parallel = 2"):
         MegatronTrainer(config(tensor_parallel_size=2))
+
+
+# -- a Hugging Face checkpoint (hf_model): the model vLLM serves, trained by megatron ---------
+
+HF_KINDS = {
+    # grouped-query attention, q/k/v biases, tied embeddings (Qwen2.5's small models)
+    "qwen2": {"num_key_value_heads": 2, "tie_word_embeddings": True},
+    # multi-head attention, no biases, a separate lm_head
+    "llama": {"num_key_value_heads": 4, "tie_word_embeddings": False},
+}
+
+
+def tiny_hf_model(kind: str, path):
+    """A random two-layer model of that family saved with ``save_pretrained``; every weight
+    (norms and biases too) perturbed, so a misplaced tensor cannot hide behind a 1 or a 0."""
+    import transformers
+
+    cls = {"qwen2": "Qwen2", "llama": "Llama"}[kind]
+    cfg = getattr(transformers, f"{cls}Config")(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        rope_theta=10000.0 if kind == "llama" else 1000000.0,
+        rms_norm_eps=1e-6,
+        **HF_KINDS[kind],
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{cls}ForCausalLM")(cfg).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model.cuda().eval()
+
+
+def hf_logprobs(model, prompt: list[int], completion: list[int]) -> list[float]:
+    ids = torch.tensor([prompt + completion], device="cuda")
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    return [float(logp[len(prompt) - 1 + j, t]) for j, t in enumerate(completion)]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("kind", list(HF_KINDS))
+def test_an_hf_model_trains_and_publishes_weights_the_hf_model_loads(kind, tmp_path):
+    pytest.importorskip("transformers")
+    hf = tiny_hf_model(kind, tmp_path / kind)
+    t = MegatronTrainer(MegatronTrainerConfig(hf_model=tmp_path / kind, lr=1e-2, seed=1))
+    prompt, completion = [3, 17, 42, 5, 9], [11, 60, 2, 33]
+    # the same function as the Hugging Face model: RoPE, RMSNorm, SwiGLU, GQA mapped right
+    assert t.logprobs(prompt, completion) == pytest.approx(hf_logprobs(hf, prompt, completion), abs=1e-4)
+    # published under Hugging Face names, equal to what was loaded
+    names = {
+        k for k in hf.state_dict() if not (HF_KINDS[kind]["tie_word_embeddings"] and k == "lm_head.weight")
+    }
+    before = t.state()
+    assert set(before) == names
+    for k, v in hf.state_dict().items():
+        if k in before:
+            assert torch.equal(before[k], v.cpu()), k
+    for _ in range(3):
+        t.step([sample(t, [GOOD], 1.0, prompt=prompt), sample(t, [BAD], -1.0, prompt=prompt)])
+    after = t.state()
+    assert any(not torch.equal(after[k], before[k]) for k in names)
+    # an engine that loads the published weights samples from the trainer's policy
+    result = hf.load_state_dict({k: v.cuda() for k, v in after.items()}, strict=False)
+    assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}
+    assert t.logprobs(prompt, completion) == pytest.approx(hf_logprobs(hf, prompt, completion), abs=1e-4)
+    # and a checkpoint keeps the architecture and the version
+    t.save_checkpoint(tmp_path / "ckpt.pt")
+    back = MegatronTrainer(MegatronTrainerConfig(checkpoint=tmp_path / "ckpt.pt"))
+    assert back.version == 3 and set(back.state()) == names
+    assert back.logprobs(prompt, completion) == pytest.approx(t.logprobs(prompt, completion), abs=1e-6)
