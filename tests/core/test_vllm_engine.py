@@ -129,7 +129,7 @@ class FakeLLM:
         self.running_at_rpc.append(self.running)
         if self.fail is not None:
             raise self.fail
-        return [len(args[0])]
+        return [len(vllm_.unpack_weights(args[0]))]
 
     async def reset_prefix_cache(self) -> bool:
         self.resets += 1
@@ -305,7 +305,7 @@ async def test_drain_suspend_then_load_weights(fake_vllm):
         await e.resume()
         assert (await first).policy_version == 0 and (await later).policy_version == 1
     assert [m for m, _ in llm.rpcs] == [LOAD_METHOD, LOAD_METHOD]
-    (w,), (v,) = (args[0] for _, args in llm.rpcs)
+    (w,), (v,) = (vllm_.unpack_weights(args[0]) for _, args in llm.rpcs)
     assert w[0] == "w" and torch.equal(w[1], torch.ones(3)) and v[0] == "v"
     assert llm.running_at_rpc == [0, 0] and llm.resets == 1 and e.stats["weight_loads"] == 1
 

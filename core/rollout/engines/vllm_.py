@@ -7,19 +7,22 @@
 vLLM and its CUDA stack are imported lazily (this module imports without them); a missing
 install is an ``EngineError`` naming ``pip install 'rl-fabric[vllm]'``. Written against the V1
 engine of vLLM 0.10.2-0.11 (``vllm.v1.engine.async_llm.AsyncLLM``; older releases expose the
-same methods as ``vllm.AsyncLLMEngine``, used as a fallback). The vLLM API it relies on:
+same methods as ``vllm.AsyncLLMEngine``, used as a fallback); weight loading and generation
+run on an H100 with vLLM 0.24.0. The vLLM API it relies on:
 
 * ``AsyncLLM.from_engine_args(AsyncEngineArgs(model=..., seed=..., logprobs_mode=...,
   worker_extension_cls=..., **engine_args))``; ``shutdown()`` on close;
 * ``generate({"prompt_token_ids": ids}, SamplingParams(...), request_id)``, an async stream of
   ``RequestOutput`` deltas (``output_kind=DELTA``): continuous batching is vLLM's own;
 * ``abort(request_id)``;
-* ``collective_rpc("rl_fabric_load_weights", args=(chunk,))``: ``WeightSyncExtension`` below is
-  mixed into every worker (``worker_extension_cls``) and calls
+* ``collective_rpc("rl_fabric_load_weights", args=(payload,))``: ``WeightSyncExtension`` below
+  is mixed into every worker (``worker_extension_cls``) and calls
   ``worker.model_runner.model.load_weights(weights=[(name, tensor), ...])``, vLLM's own
   checkpoint loader, which shards each full tensor for tensor parallelism. Names are the
   Hugging Face checkpoint's (what ``model.state_dict()`` of the HF model gives); tensors go
-  to the workers as CPU tensors through vLLM's msgpack IPC, ``weight_chunk_mb`` per call;
+  to the workers as CPU tensors, ``weight_chunk_mb`` per call, each chunk ``torch.save``d to
+  bytes (``pack_weights``): vLLM's msgpack IPC decodes a utility call's arguments untyped, so
+  a bare tensor would reach the worker as a list;
 * ``reset_prefix_cache()`` after new weights, so no prompt reuses a KV cache computed under
   the old ones.
 
@@ -121,7 +124,8 @@ class WeightSyncExtension:
     each worker a chunk of the new weights. Runs in the worker process, where ``self`` is the
     worker (``model_runner`` is its attribute)."""
 
-    def rl_fabric_load_weights(self, weights: list[tuple[str, Any]]) -> int:
+    def rl_fabric_load_weights(self, payload: bytes) -> int:
+        weights = unpack_weights(payload)
         # vLLM's loader maps HF names onto its fused/sharded parameters and copies in place
         self.model_runner.model.load_weights(weights=weights)  # type: ignore[attr-defined]
         return len(weights)
@@ -177,6 +181,32 @@ def weight_chunks(state: Mapping[str, Any], max_bytes: int) -> list[list[tuple[s
     if chunk:
         chunks.append(chunk)
     return chunks
+
+
+def pack_weights(chunk: Sequence[tuple[str, Any]]) -> bytes:
+    """A chunk of ``(name, CPU tensor)`` as ``torch.save`` bytes, what ``collective_rpc`` carries.
+
+    vLLM's msgpack IPC encodes a tensor as ``(dtype, shape, buffer)`` and decodes a utility
+    call's arguments untyped, so a tensor inside them reaches the worker as a list, not a
+    tensor (vLLM 0.24: ``'list' object has no attribute 'shape'`` in the loader); bytes
+    arrive as they left. Views into a larger storage are cloned so only their own bytes go."""
+    import io
+
+    import torch
+
+    items = [(n, t if t.untyped_storage().nbytes() == t.nbytes else t.clone()) for n, t in chunk]
+    buf = io.BytesIO()
+    torch.save(items, buf)
+    return buf.getvalue()
+
+
+def unpack_weights(payload: bytes) -> list[tuple[str, Any]]:
+    """``pack_weights``'s inverse (tensors and names only: ``weights_only``)."""
+    import io
+
+    import torch
+
+    return [(n, t) for n, t in torch.load(io.BytesIO(payload), weights_only=True)]
 
 
 def _finish_reason(reason: Any) -> FinishReason:
@@ -293,7 +323,7 @@ class VLLMEngine(Engine):
         chunks = weight_chunks(state, int(self.config.weight_chunk_mb * 2**20))
         try:
             for chunk in chunks:
-                await llm.collective_rpc(LOAD_METHOD, args=(chunk,))
+                await llm.collective_rpc(LOAD_METHOD, args=(pack_weights(chunk),))
         except Exception as e:
             raise EngineError(
                 f"vLLM could not load the weights ({type(e).__name__}: {e}); the state's names must be "
