@@ -356,6 +356,42 @@ async def test_an_owned_engine_is_built_on_start_and_shut_down(fake_vllm, monkey
     assert shared.shutdowns == 0  # a caller's AsyncLLM stays the caller's
 
 
+def _fake_vllm_tree(monkeypatch, async_llm: types.ModuleType | None) -> types.ModuleType:
+    """``vllm`` with ``engine.arg_utils`` and, unless None, ``v1.engine.async_llm``."""
+    pkg = types.ModuleType("vllm")
+    args = types.ModuleType("vllm.engine.arg_utils")
+    args.AsyncEngineArgs = lambda **kw: kw  # type: ignore[attr-defined]
+
+    class OldEngine:
+        @staticmethod
+        def from_engine_args(a: Any) -> str:
+            return "old engine"
+
+    pkg.AsyncLLMEngine = OldEngine  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", pkg)
+    monkeypatch.setitem(sys.modules, "vllm.engine", types.ModuleType("vllm.engine"))
+    monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", args)
+    for name in ("vllm.v1", "vllm.v1.engine", "vllm.v1.engine.async_llm"):
+        monkeypatch.setitem(sys.modules, name, None if async_llm is None else types.ModuleType(name))
+    if async_llm is not None:
+        monkeypatch.setitem(sys.modules, "vllm.v1.engine.async_llm", async_llm)
+    return pkg
+
+
+def test_only_a_vllm_without_the_v1_engine_falls_back_to_the_old_one(monkeypatch):
+    cfg = VLLMEngineConfig(model="m")
+    _fake_vllm_tree(monkeypatch, async_llm=None)  # import vllm.v1... -> ModuleNotFoundError
+    assert vllm_._build_llm(cfg) == "old engine"
+
+    class Broken(types.ModuleType):
+        def __getattr__(self, name: str) -> Any:  # the V1 module is there, a dependency is not
+            raise ModuleNotFoundError("No module named 'llguidance'", name="llguidance")
+
+    _fake_vllm_tree(monkeypatch, async_llm=Broken("vllm.v1.engine.async_llm"))
+    with pytest.raises(ModuleNotFoundError, match="llguidance"):
+        vllm_._build_llm(cfg)
+
+
 # -- on a GPU with vLLM ---------------------------------------------------------------------
 
 

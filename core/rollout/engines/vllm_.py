@@ -420,7 +420,11 @@ def _build_llm(cfg: VLLMEngineConfig) -> Any:
 
     try:
         from vllm.v1.engine.async_llm import AsyncLLM
-    except ImportError:  # before the V1 engine was the default
+    except ModuleNotFoundError as e:
+        # only a vLLM without the V1 module falls back; a dependency the V1 engine lacks
+        # (vLLM imports many) must surface as itself, not as a second, misleading traceback
+        if e.name not in ("vllm.v1", "vllm.v1.engine", "vllm.v1.engine.async_llm"):
+            raise
         from vllm import AsyncLLMEngine as AsyncLLM
     try:
         args = AsyncEngineArgs(
