@@ -4,7 +4,8 @@ keywords, chat -> prompt ids, state -> weight chunks) and the engine's own bookk
 accumulation, abort, drain/in-flight suspend, weight loading calls) run against a stand-in
 for vLLM's ``AsyncLLM``. Against real vLLM on a CUDA device (``pytest.mark.gpu``, skipped
 without one): logprobs, allowed_token_ids, abort and weight loading on a small HF model
-(``RL_FABRIC_VLLM_TEST_MODEL``, default Qwen/Qwen2.5-0.5B-Instruct, from the local HF cache)."""
+(``RL_FABRIC_VLLM_TEST_MODEL``, default Qwen/Qwen2.5-0.5B-Instruct, from the local HF cache;
+offline, ``benchmarks/gpu/make_tiny_hf_model.py DIR`` builds a tiny one to point it at)."""
 
 from __future__ import annotations
 
@@ -424,7 +425,7 @@ def _reference_logprobs(
 async def test_gpu_logprobs_allowed_ids_and_abort():
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(GPU_MODEL, torch_dtype=torch.float32).cuda().eval()
+    ref = AutoModelForCausalLM.from_pretrained(GPU_MODEL, dtype=torch.float32).cuda().eval()
     async with _gpu_engine() as e:
         greedy = await e.generate(chat("Count from 1 to 20.", temperature=0.0, max_new_tokens=24))
         assert greedy.finish_reason in ("stop", "length") and greedy.text and len(greedy.token_ids) > 4
@@ -452,7 +453,7 @@ async def test_gpu_logprobs_allowed_ids_and_abort():
 async def test_gpu_weights_load_between_versions():
     from transformers import AutoModelForCausalLM
 
-    state = AutoModelForCausalLM.from_pretrained(GPU_MODEL, torch_dtype=torch.bfloat16).state_dict()
+    state = AutoModelForCausalLM.from_pretrained(GPU_MODEL, dtype=torch.bfloat16).state_dict()
     broken = {k: (torch.zeros_like(v) if "mlp.down_proj" in k else v) for k, v in state.items()}
     req = dict(temperature=0.0, max_new_tokens=16)
     async with _gpu_engine() as e:
