@@ -384,6 +384,7 @@ class JobConfig(_Model):
                     f"this engine is {self.engine.backend} {self.engine.model!r}: set steps to 0",
                 )
             )
+        problems += self._trainer_engine_problems()
         for tag in self.engine.hw_affinity:
             if tag != DEFAULT_AFFINITY and tag not in tags:
                 problems.append(
@@ -402,6 +403,39 @@ class JobConfig(_Model):
                 )
             )
         return problems
+
+    def _trainer_engine_problems(self) -> list[tuple[str, str]]:
+        """The trainer must train the policy the engine serves, under names it can load."""
+        trainer, engine = self.trainer.backend, self.engine.backend
+        if trainer == "torch" and engine != "torch":
+            return [
+                (
+                    "trainer.backend",
+                    f"the torch trainer trains the torch engine's tiny-lm; with engine.backend {engine} use "
+                    "trainer.backend: megatron (trainer.kwargs.hf_model: the checkpoint the engine serves)",
+                )
+            ]
+        if trainer == "megatron" and engine == "torch":
+            return [
+                (
+                    "trainer.backend",
+                    "megatron trains a Hugging Face model for the vllm engine; the torch engine's "
+                    "tiny-lm is trained by trainer.backend: torch",
+                )
+            ]
+        if (
+            trainer == "megatron"
+            and engine == "vllm"
+            and not {"hf_model", "checkpoint"} & set(self.trainer.kwargs)
+        ):
+            return [
+                (
+                    "trainer.kwargs.hf_model",
+                    "vLLM loads weights under Hugging Face names: start the megatron trainer from the "
+                    f"checkpoint the engine serves (engine.model {self.engine.model!r}; a local directory)",
+                )
+            ]
+        return []
 
     # -- references: the registries are the caller's, so tests can pass fresh ones
     def validate_references(self, registry: Registry, env_ids: Iterable[str]) -> None:

@@ -179,6 +179,32 @@ def test_cross_field_rules():
     assert key == "trainer.minibatch_size" and "16 is more than the 8" in msg
 
 
+@pytest.mark.parametrize(
+    ("engine", "trainer", "key", "text"),
+    [
+        (
+            {"backend": "vllm", "model": "/m"},
+            {},
+            "trainer.backend",
+            "torch trainer trains the torch engine's",
+        ),
+        ({}, {"backend": "megatron"}, "trainer.backend", "megatron trains a Hugging Face model"),
+        (
+            {"backend": "vllm", "model": "/m"},
+            {"backend": "megatron"},
+            "trainer.kwargs.hf_model",
+            "engine.model '/m'",
+        ),
+    ],
+)
+def test_the_trainer_must_fit_the_engine(engine, trainer, key, text):
+    over = {"engine": {**engine, "pretrain": {"steps": 0}}, "trainer": trainer}
+    [(k, msg)] = problems(base(**over))
+    assert k == key and text in msg
+    if trainer.get("backend") == "megatron" and engine:  # what fits: the engine's checkpoint
+        assert load(base(**{**over, "trainer": {**trainer, "kwargs": {"hf_model": "/m"}}})).trainer.gpus == 1
+
+
 def test_every_problem_is_reported_at_once():
     data = base(
         envs=[{"id": "nope-v1", "tag": "frozenlake"}],

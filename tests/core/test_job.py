@@ -164,7 +164,11 @@ def test_overrides_are_validated_too(tmp_path):
 
 
 async def test_constrained_actions_without_the_torch_engine_fail_before_the_run_dir(tmp_path):
-    cfg = job_config(tmp_path, engine={"backend": "openai", "kwargs": {"base_url": "http://127.0.0.1:9"}})
+    cfg = job_config(
+        tmp_path,
+        engine={"backend": "openai", "kwargs": {"base_url": "http://127.0.0.1:9"}},
+        trainer={"backend": "megatron"},  # the server's weights are not ours: any trainer fits
+    )
     with pytest.raises(ConfigError) as e:
         await Job(cfg, progress=False, registry=faults.REG).run()
     assert [k for k, _ in e.value.problems] == ["envs[0].actions"]
