@@ -77,6 +77,28 @@ class HFArch(BaseModel):
         """Query heads per key/value head."""
         return self.num_attention_heads // self.num_key_value_heads
 
+    def transformer_config_args(self) -> dict[str, Any]:
+        """megatron-core ``TransformerConfig`` fields for this architecture: RMSNorm, SwiGLU
+        without biases (q/k/v biases for Qwen2), grouped-query attention."""
+        return {
+            "num_query_groups": self.num_key_value_heads,
+            "kv_channels": self.head_dim,
+            "normalization": "RMSNorm",
+            "layernorm_epsilon": self.rms_norm_eps,
+            "gated_linear_unit": True,
+            "activation_func": torch.nn.functional.silu,
+            "add_bias_linear": False,
+            "add_qkv_bias": self.qkv_bias,
+        }
+
+    def gpt_model_args(self) -> dict[str, Any]:
+        """``GPTModel`` arguments: RoPE with this base, embeddings tied or not."""
+        return {
+            "share_embeddings_and_output_weights": self.tie_word_embeddings,
+            "position_embedding_type": "rope",
+            "rotary_base": int(self.rope_theta),
+        }
+
     @classmethod
     def from_config(cls, config: Mapping[str, Any], *, source: str = "config.json") -> HFArch:
         """Read a Hugging Face ``config.json`` (as a dict); what it cannot map is a

@@ -235,22 +235,7 @@ def _build_gpt(shape: GPTShape | HFArch, cfg: MegatronTrainerConfig) -> torch.nn
     }
     spec_args: dict[str, Any] = {}
     if isinstance(shape, HFArch):
-        # the Llama family: RMSNorm, SwiGLU without biases, RoPE, grouped-query attention
-        arch = {
-            "num_query_groups": shape.num_key_value_heads,
-            "kv_channels": shape.head_dim,
-            "normalization": "RMSNorm",
-            "layernorm_epsilon": shape.rms_norm_eps,
-            "gated_linear_unit": True,
-            "activation_func": torch.nn.functional.silu,
-            "add_bias_linear": False,
-            "add_qkv_bias": shape.qkv_bias,
-        }
-        model_arch = {
-            "share_embeddings_and_output_weights": shape.tie_word_embeddings,
-            "position_embedding_type": "rope",
-            "rotary_base": int(shape.rope_theta),
-        }
+        arch, model_arch = shape.transformer_config_args(), shape.gpt_model_args()
         if "normalization" in inspect.signature(get_gpt_layer_local_spec).parameters:
             spec_args["normalization"] = "RMSNorm"
     tconfig = TransformerConfig(

@@ -195,3 +195,17 @@ def test_the_trainer_config_takes_exactly_one_model_source(tmp_path: Path):
         MegatronTrainerConfig(hf_model=tmp_path, checkpoint=tmp_path / "x.pt")
     with pytest.raises(ValueError, match="hf_model needs tensor_parallel_size=1"):
         MegatronTrainerConfig(hf_model=tmp_path, tensor_parallel_size=2)
+
+
+def test_the_megatron_arguments_follow_the_architecture():
+    q, lm = HFArch.from_config(QWEN2), HFArch.from_config(LLAMA)
+    assert (
+        q.transformer_config_args()["num_query_groups"] == 2 and q.transformer_config_args()["add_qkv_bias"]
+    )
+    assert q.gpt_model_args() == {
+        "share_embeddings_and_output_weights": True,
+        "position_embedding_type": "rope",
+        "rotary_base": 1000000,
+    }
+    assert not lm.transformer_config_args()["add_qkv_bias"]
+    assert not lm.gpt_model_args()["share_embeddings_and_output_weights"]
