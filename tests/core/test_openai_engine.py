@@ -212,6 +212,11 @@ async def test_a_silent_server_times_out_and_is_retried(srv):
     async with make(srv, timeout_s=0.2, max_retries=1) as engine:
         with pytest.raises(OpenAIEngineError, match=r"failed 2 attempts.*no answer within timeout_s=0.2 s"):
             await engine.generate(chat())
+        # both attempts were sent before the error; on a loaded machine the server's handler
+        # thread may read the second one after the client's 0.2 s have run out
+        deadline = time.monotonic() + 5
+        while len(srv.chat_requests) < 2 and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)  # a server thread records it: there is no event to await
         assert len(srv.chat_requests) == 2
 
 
