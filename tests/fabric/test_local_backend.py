@@ -220,7 +220,10 @@ def _run_script(body: str, *, sig: int | None = None) -> list[int]:
     """Run a script that starts workers and prints their pids, then ends abruptly."""
     script = textwrap.dedent(
         """
-        import asyncio, os, sys
+        import asyncio, faulthandler, os, signal, sys
+        # a hang shows where it is: every thread's stack on stderr, then the script ends
+        faulthandler.dump_traceback_later(25, exit=True)
+        print("SIGINT:", signal.getsignal(signal.SIGINT), file=sys.stderr, flush=True)
         sys.path.insert(0, HELPERS)
         from sample_fns import REG
         from fabric.client import Client
@@ -233,12 +236,20 @@ def _run_script(body: str, *, sig: int | None = None) -> list[int]:
             print(" ".join(str(p) for p in {r.value for r in rs}), flush=True)
         """
     ).replace("HELPERS", repr(os.path.dirname(sample_fns.__file__))) + textwrap.dedent(body)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
     line = proc.stdout.readline()
     pids = [int(p) for p in line.split()]
     if sig is not None:
         proc.send_signal(sig)
-    proc.wait(timeout=30)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:  # seen in a few loaded full runs: say where it hung
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"the script did not end within 30 s (signal {sig}); its stderr:\n{err[-6000:]}")
     return pids
 
 
