@@ -354,14 +354,14 @@ def retry_after_s(headers: httpx.Headers) -> float | None:
         try:
             return max(float(ms) / 1000, 0.0)
         except ValueError:
-            pass
+            pass  # not milliseconds: try the standard header
     value = headers.get("retry-after")
     if not value:
         return None
     try:
         return max(float(value), 0.0)
     except ValueError:
-        pass
+        pass  # not seconds: an HTTP date, below
     try:
         return max(parsedate_to_datetime(value).timestamp() - time.time(), 0.0)
     except (TypeError, ValueError):
@@ -374,7 +374,7 @@ def _error_message(resp: httpx.Response) -> str:
         if isinstance(err, dict) and err.get("message"):
             return str(err["message"])
     except (ValueError, AttributeError):
-        pass
+        pass  # not OpenAI's error JSON: show the body itself
     return _excerpt(resp.text)
 
 

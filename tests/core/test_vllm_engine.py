@@ -353,7 +353,7 @@ async def test_an_owned_engine_is_built_on_start_and_shut_down(fake_vllm, monkey
     assert built[0].engine_args == {"max_model_len": 64} and llm.shutdowns == 1
     shared = FakeLLM()
     async with engine(shared):
-        pass
+        pass  # only entering and leaving are under test
     assert shared.shutdowns == 0  # a caller's AsyncLLM stays the caller's
 
 
