@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import socket
 from pathlib import Path
@@ -268,6 +269,20 @@ async def test_a_thousand_malformed_requests_leave_the_server_serving(gw, http):
     for a in range(5):
         r = await http.post(PATH.format("add"), json={"a": a, "b": 1}, headers=auth())
         assert r.json() == a + 1
+
+
+async def test_a_malformed_request_is_one_debug_line_not_an_error_traceback(gw, http, caplog):
+    caplog.set_level(logging.DEBUG)
+    _, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n")
+    await writer.drain()
+    await asyncio.wait_for(_.read(), 10)  # the 400, then the server hangs up
+    writer.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    lines = [r.getMessage() for r in caplog.records if r.name == "fabric.serve"]
+    assert any("malformed HTTP request" in m and "Content-Length" in m for m in lines), lines
+    r = await http.post(PATH.format("add"), json={"a": 1, "b": 1}, headers=auth())
+    assert r.json() == 2
 
 
 async def test_fair_gate_takes_tenants_in_turn():
