@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from functions.rewards.math import Verdict, is_equivalent, math_answer
+from functions.rewards.math import is_equivalent, math_answer
+from functions.rewards.math_fast import Verdict
 
 TABLE = Path(__file__).resolve().parent.parent / "tests" / "data" / "math_equivalence.jsonl"
 FAST_RULES = {"string", "number", "structure", "text", "empty"}

@@ -33,356 +33,58 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
-from email.utils import parsedate_to_datetime
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
 from tenacity.wait import wait_random_exponential
 
 import fabric
-from fabric.errors import ConfigError, Unavailable
+from fabric.errors import Unavailable
 from fabric.protocol import RewardResult, Trajectory
+from functions.rewards.judge_config import DEFAULT_RUBRIC, ENV_PREFIX, OPENAI_URL, JudgeConfig
+from functions.rewards.judge_errors import (
+    _REJECT_HINTS,
+    JudgeError,
+    JudgeRejectedError,
+    JudgeResponseError,
+    _error_message,
+    _excerpt,
+    _Transient,
+    retry_after_s,
+)
+from functions.rewards.judge_ratelimit import RateLimiter, TokenBucket, estimate_tokens
+from functions.rewards.judge_score import parse_score
 
-ENV_PREFIX = "RL_FABRIC_JUDGE_"
-OPENAI_URL = "https://api.openai.com/v1"
+# the config, errors, rate limits and score parsing live in their own modules; their public
+# names stay importable from here
+__all__ = [
+    "DEFAULT_RUBRIC",
+    "ENV_PREFIX",
+    "MAX_INFO_CHARS",
+    "OPENAI_URL",
+    "Judge",
+    "JudgeConfig",
+    "JudgeError",
+    "JudgeRejectedError",
+    "JudgeResponseError",
+    "RateLimiter",
+    "TokenBucket",
+    "estimate_tokens",
+    "judge_from_env",
+    "llm_judge",
+    "parse_score",
+    "retry_after_s",
+]
+
 #: Judge text kept in ``RewardResult.info`` (enough to audit a score, small on the wire).
 MAX_INFO_CHARS = 2000
-
-DEFAULT_RUBRIC = """\
-You are a strict, fair grader. Grade the RESPONSE to the QUESTION for correctness, \
-completeness and clarity. If a REFERENCE answer is given, a response that contradicts it is wrong.
-
-QUESTION:
-{question}
-
-REFERENCE:
-{reference}
-
-RESPONSE:
-{response}
-
-Explain your judgement in a few sentences, then end with one line of the form \
-"Score: N/{max_score}", where N is a whole number from {min_score} (worst) to {max_score} (best)."""
 
 _PLACEHOLDER = re.compile(r"\{(question|reference|response|min_score|max_score)\}")
 
 
-class JudgeError(Exception):
-    """The judge answered, but not with something usable (a final error: not retried)."""
-
-
-class JudgeResponseError(JudgeError):
-    """The reply is not a chat completion, or holds no score in the rubric's range."""
-
-
-class JudgeRejectedError(JudgeError):
-    """The endpoint refused the request (a 4xx other than 408/429): fix the config."""
-
-
-# ----------------------------------------------------------------------------- config
-
-
-class JudgeConfig(BaseModel):
-    """Where the judge is and how to use it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    model: str = Field(min_length=1)
-    """Model name as the endpoint knows it (``gpt-4o-mini``, ``Qwen/Qwen2.5-72B-Instruct``)."""
-    base_url: str = OPENAI_URL
-    """API root, ending in ``/v1``; ``/chat/completions`` is appended."""
-    api_key: SecretStr | None = None
-    """Sent as ``Authorization: Bearer``; local servers often need none."""
-    rubric: str = DEFAULT_RUBRIC
-    """Prompt template; must contain ``{response}``."""
-    min_score: float = 0.0
-    max_score: float = 10.0
-    """The rubric's scale; parsed scores are normalised from it to [0, 1]."""
-    temperature: float = Field(0.0, ge=0)
-    max_tokens: int = Field(512, ge=1)
-    extra_body: dict[str, Any] = Field(default_factory=dict)
-    """Merged into every request body (``{"seed": 0}``, vendor options)."""
-    timeout_s: float = Field(60.0, gt=0)
-    """Limit on each attempt, connection to last byte."""
-    max_retries: int = Field(3, ge=0, le=10)
-    """Retries after the first attempt, for 408/429/5xx, timeouts and network errors."""
-    backoff_s: float = Field(0.5, gt=0)
-    """Backoff scale: retry n waits a random time up to ``backoff_s * 2**(n-1)`` (full jitter)."""
-    max_backoff_s: float = Field(30.0, gt=0)
-    max_retry_after_s: float = Field(60.0, gt=0)
-    """A ``Retry-After`` longer than this is not waited out: the call fails (retryable) now."""
-    requests_per_minute: float | None = Field(None, gt=0)
-    """Cap on requests sent by one worker (``None``: no cap). Set it below the provider's limit."""
-    tokens_per_minute: float | None = Field(None, gt=0)
-    """Cap on tokens (prompt + completion) by one worker (``None``: no cap)."""
-    max_wait_s: float = Field(120.0, ge=0)
-    """Longest a call waits for the rate limiter before failing (retryable)."""
-
-    @model_validator(mode="after")
-    def _check(self) -> JudgeConfig:
-        if self.max_score <= self.min_score:
-            raise ValueError(f"max_score ({self.max_score:g}) must be above min_score ({self.min_score:g})")
-        if "{response}" not in self.rubric:
-            raise ValueError("the rubric must contain {response}, or the judge never sees the answer")
-        if not self.base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
-        if self.api_key is None and self.base_url.rstrip("/") == OPENAI_URL:
-            raise ValueError(
-                f"the OpenAI API needs a key: set OPENAI_API_KEY or {ENV_PREFIX}API_KEY "
-                f"(or point {ENV_PREFIX}BASE_URL at your own server)"
-            )
-        return self
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> JudgeConfig:
-        """The config from ``RL_FABRIC_JUDGE_*`` (then ``OPENAI_*``) variables and ``overrides``;
-        ``ConfigError`` naming the variables when it is incomplete or invalid."""
-        env = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        for name in cls.model_fields:
-            raw = env.get(ENV_PREFIX + name.upper())
-            if raw is None or raw == "":
-                continue
-            try:
-                values[name] = json.loads(raw) if name == "extra_body" else raw
-            except ValueError as e:
-                raise ConfigError(f"{ENV_PREFIX}EXTRA_BODY must be a JSON object: {e}") from None
-        for name, fallback in (("base_url", "OPENAI_BASE_URL"), ("api_key", "OPENAI_API_KEY")):
-            if name not in values and env.get(fallback):
-                values[name] = env[fallback]
-        values.update(overrides)
-        if not values.get("model"):
-            raise ConfigError(
-                f"llm_judge needs a model: set {ENV_PREFIX}MODEL (e.g. gpt-4o-mini) "
-                "or pass JudgeConfig(model=...)"
-            )
-        try:
-            return cls.model_validate(values)
-        except ValidationError as e:
-            problems = "; ".join(
-                f"{ENV_PREFIX}{'.'.join(map(str, err['loc'])).upper() or '*'}: {err['msg']}"
-                for err in e.errors(include_url=False)
-            )
-            raise ConfigError(f"bad llm_judge config: {problems}") from None
-
-
-# ----------------------------------------------------------------------------- rate limits
-
-
-class TokenBucket:
-    """``per_minute`` units a minute, bursting up to one minute's worth. Reservations may take
-    the level below zero: each caller learns how long to wait, so waiters queue in order."""
-
-    def __init__(self, per_minute: float, now: float):
-        self.capacity = per_minute
-        self.rate = per_minute / 60.0
-        self.level = per_minute
-        self.last = now
-
-    def reserve(self, cost: float, now: float) -> float:
-        """Take ``cost`` and return the seconds until it is covered."""
-        self.level = min(self.capacity, self.level + (now - self.last) * self.rate)
-        self.last = now
-        self.level -= cost
-        return 0.0 if self.level >= 0 else -self.level / self.rate
-
-    def give_back(self, amount: float) -> None:
-        self.level = min(self.capacity, self.level + amount)
-
-
-class RateLimiter:
-    """Requests-per-minute and tokens-per-minute buckets of one worker. Thread-safe (sync
-    functions run in threads on some backends); waiting is the caller's, so it never blocks
-    an event loop."""
-
-    def __init__(
-        self,
-        requests_per_minute: float | None,
-        tokens_per_minute: float | None,
-        clock: Callable[[], float] = time.monotonic,
-    ):
-        self.clock = clock
-        now = clock()
-        self.requests = TokenBucket(requests_per_minute, now) if requests_per_minute else None
-        self.tokens = TokenBucket(tokens_per_minute, now) if tokens_per_minute else None
-        self._lock = threading.Lock()
-
-    def reserve(self, tokens: int, max_wait_s: float = float("inf")) -> float:
-        """Reserve one request of ``tokens`` and return how long to wait before sending it;
-        ``Unavailable`` (nothing reserved) when that is over ``max_wait_s``."""
-        if self.tokens is not None and tokens > self.tokens.capacity:
-            raise ValueError(
-                f"one request needs ~{tokens} tokens, more than tokens_per_minute="
-                f"{self.tokens.capacity:g}: raise tokens_per_minute or lower max_tokens"
-            )
-        with self._lock:
-            now = self.clock()
-            wait_r = self.requests.reserve(1, now) if self.requests else 0.0
-            wait_t = self.tokens.reserve(tokens, now) if self.tokens else 0.0
-            wait = max(wait_r, wait_t)
-            if wait > max_wait_s:
-                if self.requests:
-                    self.requests.give_back(1)
-                if self.tokens:
-                    self.tokens.give_back(tokens)
-        if wait > max_wait_s:
-            raise Unavailable(
-                f"llm_judge is rate limited: the next request slot is {wait:.1f} s away, over "
-                f"max_wait_s={max_wait_s:g} (requests_per_minute, tokens_per_minute bound one worker); "
-                "send fewer concurrent calls or raise the limits if the provider allows"
-            )
-        return wait
-
-    def settle(self, estimated: int, actual: int) -> None:
-        """Correct a reservation with the tokens the reply says were used."""
-        if self.tokens is not None:
-            with self._lock:
-                self.tokens.give_back(estimated - actual)
-
-
-def estimate_tokens(prompt: str, max_tokens: int) -> int:
-    """Upper-ish estimate of a request's tokens before sending it: ~4 characters a token
-    (English BPE) for the prompt, plus the most the reply may use (providers charge that)."""
-    return len(prompt) // 4 + 1 + max_tokens
-
-
-# ----------------------------------------------------------------------------- score parsing
-
-_NUM = r"[-+]?\d+(?:\.\d+)?"
-_OF = rf"\s*(?:/|out\s+of)\s*({_NUM})"
-_THINK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL | re.IGNORECASE)
-_FENCE = re.compile(r"^```(?:json)?\s*|\s*```$")
-_JSON_OBJ = re.compile(r"\{[^{}]*\}")
-_TAG = re.compile(rf"<score>\s*({_NUM})(?:{_OF})?\s*</score>", re.IGNORECASE)
-_LABEL = re.compile(
-    rf"\b(?:score|rating|grade)\b[\s*_:=]*(?:is|of)?[\s*:=]*({_NUM})(\s*%)?\**(?:{_OF})?", re.IGNORECASE
-)
-_BOLD = re.compile(rf"\*\*\s*({_NUM})(?:{_OF})?\s*\*\*")
-_LAST = re.compile(rf"({_NUM})(\s*%)?(?:{_OF})?")
-_SCORE_KEYS = ("score", "rating", "grade")
-
-
-def _on_scale(num: str, percent: str | None, den: str | None, lo: float, hi: float) -> float:
-    """A matched number on the rubric's scale: ``8/10`` on a 0-10 rubric is 8; ``4/5`` on it
-    is 8 (a fraction of the range); ``80%`` likewise."""
-    n = float(num)
-    if percent:
-        return lo + n / 100 * (hi - lo)
-    if den is None or float(den) == hi:
-        return n
-    if float(den) <= 0:
-        raise JudgeResponseError(f"score {num}/{den} has a zero or negative denominator")
-    return lo + n / float(den) * (hi - lo)
-
-
-def _json_score(text: str, lo: float, hi: float) -> float | None:
-    candidates = [_FENCE.sub("", text.strip()), *_JSON_OBJ.findall(text)[::-1]]
-    for cand in candidates:
-        try:
-            obj = json.loads(cand)
-        except ValueError:
-            continue
-        if not isinstance(obj, dict):
-            continue
-        for key in _SCORE_KEYS:
-            value = obj.get(key)
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                return float(value)
-            if isinstance(value, str):
-                return parse_score(value, lo, hi)
-    return None
-
-
-def parse_score(text: str, lo: float = 0.0, hi: float = 10.0) -> float:
-    """The score a judge gave, on the rubric's ``[lo, hi]`` scale. Looks for, in order: a JSON
-    object with a ``score``, ``<score>N</score>``, a labelled ``Score: N`` (``/M``, ``out of M``,
-    ``%``), a bold ``**N**``, and last the last number of the last line; the last match of a
-    kind wins (a verdict follows its reasoning). ``JudgeResponseError`` when there is none or
-    it is out of range."""
-    body = _THINK.sub("", text)  # a reasoning model's scratch work is not its verdict
-    raw = _json_score(body, lo, hi)
-    lines = body.strip().splitlines()
-    # an unlabelled number is trusted only on the last line: earlier ones are reasoning ("2 + 2")
-    last_line = lines[-1] if lines else ""
-    if raw is None:
-        for pattern in (_TAG, _LABEL, _BOLD, _LAST):
-            matches = pattern.findall(last_line if pattern is _LAST else body)
-            if matches:
-                m = matches[-1]
-                if pattern is _TAG or pattern is _BOLD:
-                    raw = _on_scale(m[0], None, m[1] or None, lo, hi)
-                else:
-                    raw = _on_scale(m[0], m[1].strip() or None, m[2] or None, lo, hi)
-                break
-    if raw is None:
-        raise JudgeResponseError(
-            f"no score in the judge's reply {_excerpt(text)}; make the rubric ask for a final "
-            f'line "Score: N/{hi:g}" (or check that the model follows instructions)'
-        )
-    if not lo <= raw <= hi:
-        raise JudgeResponseError(
-            f"the judge's score {raw:g} is outside the rubric's range [{lo:g}, {hi:g}] "
-            f"(reply {_excerpt(text)}); check min_score/max_score against the rubric"
-        )
-    return raw
-
-
-def _excerpt(text: str, n: int = 200) -> str:
-    return repr(text if len(text) <= n else text[:n] + "...")
-
-
 # ----------------------------------------------------------------------------- the judge
-
-
-class _Transient(Exception):
-    """An attempt that may succeed if repeated (status 408/429/5xx, timeout, network)."""
-
-    def __init__(self, message: str, hint: str, retry_after: float | None = None):
-        super().__init__(message)
-        self.hint = hint
-        self.retry_after = retry_after
-
-
-def retry_after_s(headers: httpx.Headers) -> float | None:
-    """Seconds the server asked us to wait: ``retry-after-ms`` (OpenAI), ``Retry-After`` as
-    seconds or as an HTTP date; ``None`` when absent or unreadable."""
-    ms = headers.get("retry-after-ms")
-    if ms:
-        try:
-            return max(float(ms) / 1000, 0.0)
-        except ValueError:
-            pass  # not milliseconds: try the standard header
-    value = headers.get("retry-after")
-    if not value:
-        return None
-    try:
-        return max(float(value), 0.0)
-    except ValueError:
-        pass  # not seconds: an HTTP date, below
-    try:
-        return max(parsedate_to_datetime(value).timestamp() - time.time(), 0.0)
-    except (TypeError, ValueError):
-        return None
-
-
-def _error_message(resp: httpx.Response) -> str:
-    try:
-        err = resp.json().get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-    except (ValueError, AttributeError):
-        pass  # not OpenAI's error JSON: show the body itself
-    return _excerpt(resp.text)
-
-
-_REJECT_HINTS = {
-    401: f"check the API key (OPENAI_API_KEY or {ENV_PREFIX}API_KEY)",
-    403: "the key is not allowed to use this model or endpoint",
-    404: f"check base_url ({ENV_PREFIX}BASE_URL, the API root ending in /v1) and the model name",
-}
 
 
 async def _closes_with_loop(client: httpx.AsyncClient) -> AsyncGenerator[None, None]:

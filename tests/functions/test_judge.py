@@ -22,16 +22,11 @@ from fabric.registry import Registry
 from fabric.runner import FunctionRunner
 from fabric.testing import check_function
 from functions.fakes import FakeOpenAI, Scripted
-from functions.rewards.judge import (
-    Judge,
-    JudgeConfig,
-    JudgeRejectedError,
-    JudgeResponseError,
-    RateLimiter,
-    estimate_tokens,
-    llm_judge,
-    parse_score,
-)
+from functions.rewards.judge import Judge, llm_judge
+from functions.rewards.judge_config import JudgeConfig
+from functions.rewards.judge_errors import JudgeRejectedError, JudgeResponseError
+from functions.rewards.judge_ratelimit import RateLimiter, estimate_tokens
+from functions.rewards.judge_score import parse_score
 
 ENTRY = "functions.rewards.judge:llm_judge"
 

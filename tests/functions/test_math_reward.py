@@ -15,7 +15,9 @@ import pytest
 
 from fabric.protocol import Message, RewardResult, Trajectory
 from functions.rewards import math as math_reward
-from functions.rewards.math import canonical, extract_final, is_equivalent, math_answer
+from functions.rewards import math_sympy
+from functions.rewards.math import extract_final, is_equivalent, math_answer
+from functions.rewards.math_fast import canonical
 
 TABLE = Path(__file__).parent.parent / "data" / "math_equivalence.jsonl"
 ROWS = [json.loads(line) for line in TABLE.read_text().splitlines() if line.strip()]
@@ -166,7 +168,7 @@ def test_wrong_answer_scores_zero_with_sympy_rule():
 
 
 def test_missing_sympy_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(math_reward, "_sympy", None)
+    monkeypatch.setattr(math_sympy, "_sympy", None)
     monkeypatch.setitem(sys.modules, "sympy", None)
     with pytest.raises(ImportError, match=r"rl-fabric\[rewards\]"):
         is_equivalent("2\\sqrt{2}", "\\sqrt{8}")

@@ -1,0 +1,116 @@
+"""``llm_judge``'s configuration: ``JudgeConfig`` (where the judge is and how to use it), its
+default rubric, and reading it from ``RL_FABRIC_JUDGE_*`` (then ``OPENAI_*``) variables."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+from fabric.errors import ConfigError
+
+ENV_PREFIX = "RL_FABRIC_JUDGE_"
+OPENAI_URL = "https://api.openai.com/v1"
+
+DEFAULT_RUBRIC = """\
+You are a strict, fair grader. Grade the RESPONSE to the QUESTION for correctness, \
+completeness and clarity. If a REFERENCE answer is given, a response that contradicts it is wrong.
+
+QUESTION:
+{question}
+
+REFERENCE:
+{reference}
+
+RESPONSE:
+{response}
+
+Explain your judgement in a few sentences, then end with one line of the form \
+"Score: N/{max_score}", where N is a whole number from {min_score} (worst) to {max_score} (best)."""
+
+
+class JudgeConfig(BaseModel):
+    """Where the judge is and how to use it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1)
+    """Model name as the endpoint knows it (``gpt-4o-mini``, ``Qwen/Qwen2.5-72B-Instruct``)."""
+    base_url: str = OPENAI_URL
+    """API root, ending in ``/v1``; ``/chat/completions`` is appended."""
+    api_key: SecretStr | None = None
+    """Sent as ``Authorization: Bearer``; local servers often need none."""
+    rubric: str = DEFAULT_RUBRIC
+    """Prompt template; must contain ``{response}``."""
+    min_score: float = 0.0
+    max_score: float = 10.0
+    """The rubric's scale; parsed scores are normalised from it to [0, 1]."""
+    temperature: float = Field(0.0, ge=0)
+    max_tokens: int = Field(512, ge=1)
+    extra_body: dict[str, Any] = Field(default_factory=dict)
+    """Merged into every request body (``{"seed": 0}``, vendor options)."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Limit on each attempt, connection to last byte."""
+    max_retries: int = Field(3, ge=0, le=10)
+    """Retries after the first attempt, for 408/429/5xx, timeouts and network errors."""
+    backoff_s: float = Field(0.5, gt=0)
+    """Backoff scale: retry n waits a random time up to ``backoff_s * 2**(n-1)`` (full jitter)."""
+    max_backoff_s: float = Field(30.0, gt=0)
+    max_retry_after_s: float = Field(60.0, gt=0)
+    """A ``Retry-After`` longer than this is not waited out: the call fails (retryable) now."""
+    requests_per_minute: float | None = Field(None, gt=0)
+    """Cap on requests sent by one worker (``None``: no cap). Set it below the provider's limit."""
+    tokens_per_minute: float | None = Field(None, gt=0)
+    """Cap on tokens (prompt + completion) by one worker (``None``: no cap)."""
+    max_wait_s: float = Field(120.0, ge=0)
+    """Longest a call waits for the rate limiter before failing (retryable)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> JudgeConfig:
+        if self.max_score <= self.min_score:
+            raise ValueError(f"max_score ({self.max_score:g}) must be above min_score ({self.min_score:g})")
+        if "{response}" not in self.rubric:
+            raise ValueError("the rubric must contain {response}, or the judge never sees the answer")
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
+        if self.api_key is None and self.base_url.rstrip("/") == OPENAI_URL:
+            raise ValueError(
+                f"the OpenAI API needs a key: set OPENAI_API_KEY or {ENV_PREFIX}API_KEY "
+                f"(or point {ENV_PREFIX}BASE_URL at your own server)"
+            )
+        return self
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> JudgeConfig:
+        """The config from ``RL_FABRIC_JUDGE_*`` (then ``OPENAI_*``) variables and ``overrides``;
+        ``ConfigError`` naming the variables when it is incomplete or invalid."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for name in cls.model_fields:
+            raw = env.get(ENV_PREFIX + name.upper())
+            if raw is None or raw == "":
+                continue
+            try:
+                values[name] = json.loads(raw) if name == "extra_body" else raw
+            except ValueError as e:
+                raise ConfigError(f"{ENV_PREFIX}EXTRA_BODY must be a JSON object: {e}") from None
+        for name, fallback in (("base_url", "OPENAI_BASE_URL"), ("api_key", "OPENAI_API_KEY")):
+            if name not in values and env.get(fallback):
+                values[name] = env[fallback]
+        values.update(overrides)
+        if not values.get("model"):
+            raise ConfigError(
+                f"llm_judge needs a model: set {ENV_PREFIX}MODEL (e.g. gpt-4o-mini) "
+                "or pass JudgeConfig(model=...)"
+            )
+        try:
+            return cls.model_validate(values)
+        except ValidationError as e:
+            problems = "; ".join(
+                f"{ENV_PREFIX}{'.'.join(map(str, err['loc'])).upper() or '*'}: {err['msg']}"
+                for err in e.errors(include_url=False)
+            )
+            raise ConfigError(f"bad llm_judge config: {problems}") from None

@@ -1,0 +1,289 @@
+"""The fast path of ``math_answer``'s equivalence, in-process and without sympy: the
+canonical form of an answer, its structure (tuples, intervals, sets, unions), exact plain
+numbers, and ``compare``, the structure-first comparison the sympy path reuses with its own
+scalar test. The rules are documented in ``functions.rewards.math``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from fractions import Fraction
+from functools import lru_cache
+
+from functions.rewards.answer import normalize
+
+_TOL = Fraction(1, 10**9)
+
+# ----------------------------------------------------------------------------- canonical form
+
+_UNITS = (
+    "mm cm m km meter meters metre metres centimeter centimeters millimeter millimeters kilometer "
+    "kilometers in inch inches ft foot feet yd yard yards mi mile miles mph kph kmh "
+    "g kg mg gram grams kilogram kilograms lb lbs pound pounds oz ounce ounces ton tons "
+    "l ml liter liters litre litres gallon gallons cup cups quart quarts "
+    "s sec second seconds min minute minutes h hr hrs hour hours day days week weeks month months "
+    "year years dollar dollars cent cents euro euros "
+    "deg degree degrees radian radians unit units sq square cubic "
+    "people persons students apples cookies marbles pages points ways times"
+).split()
+_UNIT_WORDS = re.compile(
+    r"(?:\s*(?:\b(?:"
+    + "|".join(sorted(_UNITS, key=len, reverse=True))
+    + r")\b\.?(?:\^\{?[23]\}?|²|³)?))+\s*$",
+    re.IGNORECASE,
+)
+_TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|mbox|mathrm|mathbf|operatorname)\s*\{([^{}]*)\}")
+_TEXT_UNIT = re.compile(_TEXT_CMD.pattern + r"(?:\s*\^\s*\{?[23]\}?)?")
+_SPACING = re.compile(r"\\[,;:! ]|\\(?:quad|qquad|displaystyle|textstyle)\b|~")
+_LEFT_RIGHT = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big)\b\.?")
+_DEGREES = re.compile(r"\^\s*\{?\\circ\}?|°|\\degree\b")
+_LHS = re.compile(
+    r"^(?:[a-zA-Z](?:_\{?\w+\}?)?|\(\s*[a-zA-Z](?:\s*,\s*[a-zA-Z])*\s*\))\s*(?:=|\\in\b)\s*(?=\S)"
+)
+_THIN_THOUSANDS = re.compile(r"(?<=\d)\\[,!: ](?=\d{3}\b)")
+_THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_FRAC_SHORT = re.compile(r"\\frac\s*(\d)\s*(\d)")
+_FRAC_SHORT2 = re.compile(r"\\frac\s*\{([^{}]*)\}\s*(\d)")
+_SQRT_SHORT = re.compile(r"\\sqrt\s*(\d+|[a-zA-Z])")
+
+
+def _strip_text(s: str) -> str:
+    r"""``\text{cm}`` after a number is a unit (dropped); ``\text{Paris}`` alone is the answer."""
+    without = _TEXT_UNIT.sub("", s).strip()
+    if without and any(c.isdigit() for c in without):
+        return without
+    return _TEXT_CMD.sub(r"\1", s)
+
+
+@lru_cache(maxsize=65536)
+def canonical(answer: str) -> str:
+    """The answer with presentation stripped (see ``functions.rewards.math``'s docstring)."""
+    s = answer.strip()
+    s = s.replace("\\$", "").replace("$", "").replace("\\(", "").replace("\\)", "")
+    s = _LEFT_RIGHT.sub("", s)
+    s = _THIN_THOUSANDS.sub("", s)
+    s = _SPACING.sub(" ", s)
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("{,}", "")
+    s = _DEGREES.sub("", s)
+    s = s.replace("\\%", "%").replace("\\percent", "%")
+    s = re.sub(r"\s*\bpercent\b", "%", s, flags=re.IGNORECASE)
+    s = _strip_text(s)
+    s = s.strip().rstrip(".").strip()
+    if any(c.isdigit() for c in s):
+        s = _UNIT_WORDS.sub("", s).strip()
+    s = _LHS.sub("", s)
+    s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
+    s = _FRAC_SHORT2.sub(r"\\frac{\1}{\2}", s)
+    s = _SQRT_SHORT.sub(r"\\sqrt{\1}", s)
+    s = " ".join(s.split())
+    if _THOUSANDS.match(s):
+        s = s.replace(",", "")
+    return s
+
+
+# ----------------------------------------------------------------------------- structure
+
+
+def _split_top(s: str, sep: str) -> list[str]:
+    """Split at ``sep`` outside any bracket (``(``/``[``/``{`` open, ``)``/``]``/``}`` close,
+    so half-open intervals balance)."""
+    parts: list[str] = []
+    depth = 0
+    start = 0
+    i = 0
+    n = len(sep)
+    while i < len(s):
+        c = s[i]
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif depth == 0 and s.startswith(sep, i):
+            parts.append(s[start:i].strip())
+            start = i + n
+            i += n
+            continue
+        i += 1
+    parts.append(s[start:].strip())
+    return parts
+
+
+def _balanced(inner: str) -> bool:
+    depth = 0
+    for c in inner:
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth < 0:
+                return False
+    return depth == 0
+
+
+Shape = tuple[str, str, tuple[str, ...]]
+"""``(kind, brackets, elements)``: kind is scalar, seq (tuple/interval), set or union."""
+
+
+@lru_cache(maxsize=65536)
+def shape(s: str) -> Shape:
+    if "\\cup" in s:
+        parts = _split_top(s, "\\cup")
+        if len(parts) > 1:
+            return ("union", "", tuple(parts))
+    if s.startswith("\\{") and s.endswith("\\}") and _balanced(s[2:-2]):
+        return ("set", "{}", tuple(p for p in _split_top(s[2:-2], ",") if p))
+    if len(s) >= 2 and s[0] in "([{" and s[-1] in ")]}" and _balanced(s[1:-1]):
+        parts = _split_top(s[1:-1], ",")
+        if len(parts) > 1:
+            if s[0] == "{":
+                return ("set", "{}", tuple(parts))
+            return ("seq", s[0] + s[-1], tuple(parts))
+    parts = _split_top(s, ",")
+    if len(parts) > 1 and all(parts):
+        return ("set", "", tuple(parts))
+    return ("scalar", "", (s,))
+
+
+# ----------------------------------------------------------------------------- numbers
+
+_NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+_PLAIN = re.compile(rf"^{_NUM}$")
+_SLASH = re.compile(rf"^({_NUM})\s*/\s*({_NUM})$")
+_FRAC = re.compile(rf"^([-+]?)\\frac\{{\s*({_NUM})\s*\}}\{{\s*({_NUM})\s*\}}$")
+_SCI = re.compile(
+    rf"^({_NUM})\s*(?:\\times|\\cdot|\*|x)\s*10\s*(?:\^|\*\*)\s*\{{?\s*([-+]?\d{{1,3}})\s*\}}?$"
+)
+_MIXED = re.compile(r"^([-+]?)(\d+)\s*\\frac\{(\d+)\}\{(\d+)\}$")
+_POW10 = re.compile(r"^10\s*\^\s*\{?\s*([-+]?\d{1,3})\s*\}?$")
+
+
+@lru_cache(maxsize=65536)
+def as_fraction(s: str) -> Fraction | None:
+    """The exact value of a plain number written as ``s``, or None."""
+    try:
+        if _PLAIN.match(s):
+            return Fraction(s)
+        if m := _SLASH.match(s):
+            den = Fraction(m[2])
+            return Fraction(m[1]) / den if den else None
+        if m := _FRAC.match(s):
+            den = Fraction(m[3])
+            if not den:
+                return None
+            v = Fraction(m[2]) / den
+            return -v if m[1] == "-" else v
+        if m := _SCI.match(s):
+            return Fraction(m[1]) * Fraction(10) ** int(m[2])
+        if (m := _MIXED.match(s)) and 0 < int(m[3]) < int(m[4]):  # 3\frac{1}{3} is 3 + 1/3
+            v = int(m[2]) + Fraction(int(m[3]), int(m[4]))
+            return -v if m[1] == "-" else v
+        if m := _POW10.match(s):
+            return Fraction(10) ** int(m[1])
+    except (ValueError, ZeroDivisionError, OverflowError):
+        return None
+    return None
+
+
+def _close(a: Fraction, b: Fraction) -> bool:
+    return a == b or abs(a - b) <= _TOL * max(abs(a), abs(b))
+
+
+def _is_integer_form(s: str) -> bool:
+    return bool(re.fullmatch(r"[-+]?\d+", s))
+
+
+_WORD = re.compile(r"^[A-Za-z][A-Za-z ]*$")
+
+
+# ----------------------------------------------------------------------------- comparison
+
+Verdict = tuple[bool | None, str]
+"""``(equivalent, rule)``; ``None`` means the fast path cannot tell."""
+
+
+def _percent(pred: str, gt: str) -> tuple[str, str]:
+    """Apply the percentage rule: drop the ``%`` signs, scaling by 1/100 where it applies."""
+    pp, gp = pred.endswith("%"), gt.endswith("%")
+    if pp == gp:
+        return pred.rstrip("%").strip(), gt.rstrip("%").strip()
+
+    def scaled(x: str, other: str) -> str:
+        x = x.rstrip("%").strip()
+        if _is_integer_form(other):
+            return x
+        v = as_fraction(x)
+        return str(v / 100) if v is not None else f"({x})/100"
+
+    if pp:
+        return scaled(pred, gt), gt
+    return pred, scaled(gt, pred)
+
+
+def _fast_scalar(p: str, g: str) -> Verdict:
+    if p == g or p.replace(" ", "") == g.replace(" ", ""):
+        return True, "string"
+    a, b = as_fraction(p), as_fraction(g)
+    if a is not None and b is not None:
+        return _close(a, b), "number"
+    pw, gw = bool(_WORD.match(p)), bool(_WORD.match(g))
+    if pw and gw:
+        if normalize(p) == normalize(g):
+            return True, "text"
+        if max(len(w) for w in (p + " " + g).split()) > 3:  # words, not products like "ab"
+            return False, "text"
+        return None, "undecided"
+    if (pw and b is not None) or (gw and a is not None):
+        return False, "text"
+    return None, "undecided"
+
+
+def compare(pred: str, gt: str, scalar: Callable[[str, str], Verdict]) -> Verdict:
+    """Compare canonical answers structure-first, scalars with ``scalar``."""
+    pred, gt = _percent(pred, gt)
+    ps, gs = shape(pred), shape(gt)
+    if ps[0] == "scalar" and gs[0] == "scalar":
+        return scalar(pred, gt)
+    if ps[0] != gs[0] or ps[1] != gs[1]:
+        if {ps[0], gs[0]} == {"set"}:  # a bare list against a braced set
+            pass
+        else:
+            return False, "structure"
+    pe, ge = ps[2], gs[2]
+    if ps[0] == "set":
+        pe, ge = tuple(dict.fromkeys(pe)), tuple(dict.fromkeys(ge))
+    if len(pe) != len(ge):
+        return False, "structure"
+    rule = "structure"
+    if ps[0] != "set":
+        undecided = False
+        for a, b in zip(pe, ge, strict=True):
+            v, r = compare(a, b, scalar)
+            if v is False:
+                return False, r
+            if v is None:
+                undecided = True
+            elif r == "sympy":
+                rule = r
+        return (None, "undecided") if undecided else (True, rule)
+    # sets: every ground-truth element matched by a distinct predicted element
+    unused = list(pe)
+    undecided = False
+    for b in ge:
+        hit = None
+        for a in unused:
+            v, r = compare(a, b, scalar)
+            if v:
+                hit = a
+                rule = "sympy" if r == "sympy" else rule
+                break
+            if v is None:
+                undecided = True
+        if hit is None:
+            return (None, "undecided") if undecided else (False, "structure")
+        unused.remove(hit)
+    return True, rule
+
+
+def fast_equivalent(pred: str, gt: str) -> Verdict:
+    """In-process verdict on canonical answers, or ``None`` when sympy is needed."""
+    return compare(pred, gt, _fast_scalar)

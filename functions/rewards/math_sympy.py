@@ -1,0 +1,294 @@
+"""The sympy path of ``math_answer``'s equivalence: LaTeX to a sympy expression, the scalar
+test (exact, numeric, at fixed points), and ``sympy_equivalent``, which runs it in a forked
+child killed after a wall-clock limit."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import time
+from typing import Any
+
+from functions.rewards.math_fast import Verdict, _fast_scalar, compare
+
+DEFAULT_TIMEOUT_S = 2.0
+"""Wall-clock limit of the sympy child, in seconds."""
+_MAX_CHILD_MEMORY = 1 << 30
+"""Address space the child may add to the parent's, so a huge power fails fast."""
+
+# ----------------------------------------------------------------------------- sympy (child only)
+
+_sympy: Any = None
+
+
+def _load_sympy() -> Any:
+    global _sympy
+    if _sympy is None:
+        try:
+            import sympy
+            from sympy.parsing import sympy_parser
+        except ImportError as e:
+            raise ImportError(
+                "the math_answer reward needs sympy for symbolic answers: pip install 'rl-fabric[rewards]'"
+            ) from e
+        _sympy = (sympy, sympy_parser)
+        # sympy imports modules lazily on first use (evalf, the parser, polys); do it once
+        # here so each forked child does not pay ~100 ms for it again
+        for pred, gt in _WARM_UP:
+            compare(pred, gt, sympy_scalar)
+    return _sympy
+
+
+_WARM_UP = (
+    ("x^2+2x+1", "(x+1)^2"),
+    ("\\pi/2", "1.57"),
+    ("2\\sqrt{2}", "\\sqrt[3]{8}"),
+    ("e^{i\\pi}", "\\frac{\\sin(x)}{\\log(3)}"),
+)
+
+
+_FUNCS = {"sqrt", "pi", "oo", "log", "sin", "cos", "tan", "cot", "sec", "csc", "exp", "E", "I", "Abs"}
+_LATEX_CMDS = {
+    "\\pi": " pi ",
+    "\\infty": " oo ",
+    "\\cdot": "*",
+    "\\times": "*",
+    "\\div": "/",
+    "\\ln": " log",
+    "\\log": " log",
+    "\\exp": " exp",
+    "\\sin": " sin",
+    "\\cos": " cos",
+    "\\tan": " tan",
+    "\\cot": " cot",
+    "\\sec": " sec",
+    "\\csc": " csc",
+}
+_CMD = re.compile(r"\\[A-Za-z]+")
+
+
+def latex_to_python(s: str) -> str | None:
+    r"""A sympy-parsable string for LaTeX-ish ``s``, or None. Iterative (an explicit brace
+    stack), so deep nesting costs no recursion."""
+    out: list[str] = []
+    stack: list[str] = []
+    i = 0
+    n = len(s)
+    while i < n:
+        c = s[i]
+        if c == "\\":
+            m = _CMD.match(s, i)
+            if m is None:
+                return None
+            cmd = m.group()
+            i = m.end()
+            while i < n and s[i] == " ":
+                i += 1
+            if cmd == "\\frac":
+                if i >= n or s[i] != "{":
+                    return None
+                stack.append("frac1")
+                out.append("((")
+                i += 1
+            elif cmd == "\\sqrt":
+                if i < n and s[i] == "[":
+                    j = s.find("]", i)
+                    if j < 0 or j + 1 >= n or s[j + 1] != "{":
+                        return None
+                    idx = latex_to_python(s[i + 1 : j])
+                    if idx is None:
+                        return None
+                    stack.append("root:" + idx)
+                    out.append("((")
+                    i = j + 2
+                elif i < n and s[i] == "{":
+                    stack.append("sqrt")
+                    out.append(" sqrt(")
+                    i += 1
+                else:
+                    return None
+            elif cmd in _LATEX_CMDS:
+                out.append(_LATEX_CMDS[cmd])
+            else:
+                return None
+            continue
+        if c == "{":
+            stack.append("group")
+            out.append("(")
+        elif c == "}":
+            if not stack:
+                return None
+            kind = stack.pop()
+            if kind == "frac1":
+                out.append(")/")
+                while i + 1 < n and s[i + 1] == " ":
+                    i += 1
+                if i + 1 >= n or s[i + 1] != "{":
+                    return None
+                stack.append("frac2")
+                out.append("(")
+                i += 1
+            elif kind == "frac2":
+                out.append("))")
+            elif kind.startswith("root:"):
+                out.append(f")**(1/({kind[5:]})))")
+            else:
+                out.append(")")
+        elif c == "^":
+            out.append("**")
+        elif c == "|":  # |x|: the absolute value (no nesting of bars inside bars)
+            if stack and stack[-1] == "abs":
+                stack.pop()
+                out.append(")")
+            else:
+                stack.append("abs")
+                out.append(" Abs(")
+        elif c in "[]":
+            out.append("(" if c == "[" else ")")
+        elif c.isalnum() or c in " .+-*/()":
+            out.append(c)
+        else:
+            return None
+        i += 1
+    if stack:
+        return None
+    text = "".join(out)
+    # words: known functions stay, short letter runs are products of symbols, others are text
+    for word in set(re.findall(r"[A-Za-z]+", text)):
+        if word not in _FUNCS and len(word) > 3:
+            return None
+    text = re.sub(r"(?<![A-Za-z])([a-z]{2,3})(?![A-Za-z(])", _split_word, text)
+    return text
+
+
+def _split_word(m: re.Match[str]) -> str:
+    w = m.group(1)
+    return w if w in _FUNCS else "*".join(w)
+
+
+def _parse(s: str) -> Any:
+    sympy, sp = _load_sympy()
+    code = latex_to_python(s)
+    if code is None or not code.strip():
+        return None
+    trans = (*sp.standard_transformations, sp.implicit_multiplication_application, sp.convert_xor)
+    local = {"e": sympy.E, "i": sympy.I, "E": sympy.E, "I": sympy.I, "pi": sympy.pi, "oo": sympy.oo}
+    try:
+        return sp.parse_expr(code, local_dict=local, transformations=trans)
+    except Exception:  # sympy raises anything from SyntaxError to TypeError on junk
+        return None
+
+
+_POINTS = ((0.5381, 1.2713), (1.9127, -0.7349), (-1.3163, 2.4471))
+
+
+def _num_close(a: Any, b: Any) -> bool:
+    sympy, _ = _load_sympy()
+    d = abs(complex(sympy.N(a - b, 30)))
+    scale = max(abs(complex(sympy.N(a, 30))), abs(complex(sympy.N(b, 30))))
+    return d <= 1e-9 * scale
+
+
+def sympy_scalar(p: str, g: str) -> Verdict:
+    fast = _fast_scalar(p, g)
+    if fast[0] is not None:
+        return fast
+    sympy, _ = _load_sympy()
+    a, b = _parse(p), _parse(g)
+    if a is None or b is None:
+        return False, "unparsable"
+    try:
+        if a == b:
+            return True, "sympy"
+        diff = a - b
+        if diff == 0:
+            return True, "sympy"
+        syms = sorted(diff.free_symbols | a.free_symbols | b.free_symbols, key=str)
+        if not syms:
+            return _num_close(a, b), "sympy"
+        checked = 0
+        for k, (x0, dx) in enumerate(_POINTS):
+            sub = {s: x0 + j * dx / (k + 2) for j, s in enumerate(syms)}
+            av, bv = a.subs(sub), b.subs(sub)
+            if not (av.is_finite and bv.is_finite):
+                continue
+            if not _num_close(av, bv):
+                return False, "sympy"
+            checked += 1
+        if checked:
+            return True, "sympy"
+        return bool(sympy.simplify(diff) == 0), "sympy"
+    except Exception:  # comparisons of odd objects (sets, relations) raise TypeError etc.
+        return False, "sympy_error"
+
+
+# ----------------------------------------------------------------------------- the child
+
+
+def _child_memory_limit() -> None:
+    try:
+        import resource
+
+        with open("/proc/self/statm") as f:
+            vm = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (vm + _MAX_CHILD_MEMORY, vm + _MAX_CHILD_MEMORY))
+    except (OSError, ValueError, ImportError):
+        pass  # no /proc or no rlimits: the wall-clock kill still applies
+
+
+def sympy_equivalent(pred: str, gt: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Verdict:
+    """Decide with sympy in a forked child killed after ``timeout_s``; a timeout is
+    ``(False, "timeout")``."""
+    _load_sympy()  # imported here, before the fork, so the child does not pay for it
+    r, w = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(r)
+        os.close(w)
+        raise
+    if pid == 0:  # the child: compute, write one line, exit without cleanup handlers
+        code = 1
+        try:
+            os.close(r)
+            _child_memory_limit()
+            try:
+                verdict, rule = compare(pred, gt, sympy_scalar)
+            except MemoryError:
+                verdict, rule = False, "memory"
+            except RecursionError:
+                verdict, rule = False, "too_deep"
+            os.write(w, json.dumps([bool(verdict), rule]).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    deadline = time.monotonic() + timeout_s
+    data = b""
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False, "timeout"
+            ready, _, _ = select.select([r], [], [], left)
+            if not ready:
+                return False, "timeout"
+            chunk = os.read(r, 4096)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(r)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+    try:
+        verdict, rule = json.loads(data)
+        return bool(verdict), str(rule)
+    except (ValueError, TypeError):
+        return False, "child_failed"
