@@ -233,6 +233,7 @@ class Judge:
                 f"Raise {ENV_PREFIX}TIMEOUT_S if the model is slow, or check the server.",
             ) from None
         except httpx.UnsupportedProtocol as e:
+            self.limiter.settle(tokens, 0)
             raise JudgeRejectedError(f"bad base_url {cfg.base_url!r}: {e}") from None
         except httpx.TransportError as e:
             self.limiter.settle(tokens, 0)
@@ -257,6 +258,7 @@ class Judge:
             )
             raise _Transient(f"HTTP {status}: {_error_message(resp)}", hint, after)
         if status >= 400:
+            self.limiter.settle(tokens, 0)  # refused: nothing was generated, so nothing is charged
             hint = _REJECT_HINTS.get(status, "check the model name and extra_body options")
             raise JudgeRejectedError(
                 f"{self.url} refused the request (HTTP {status}: {_error_message(resp)}); {hint}"

@@ -74,6 +74,12 @@ class JudgeConfig(BaseModel):
             raise ValueError(f"max_score ({self.max_score:g}) must be above min_score ({self.min_score:g})")
         if "{response}" not in self.rubric:
             raise ValueError("the rubric must contain {response}, or the judge never sees the answer")
+        if self.tokens_per_minute is not None and self.max_tokens >= self.tokens_per_minute:
+            # every request is charged max_tokens up front: none could ever be sent
+            raise ValueError(
+                f"max_tokens ({self.max_tokens}) must be below tokens_per_minute "
+                f"({self.tokens_per_minute:g}), which also covers the prompt"
+            )
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
         if self.api_key is None and self.base_url.rstrip("/") == OPENAI_URL:

@@ -310,6 +310,26 @@ async def test_usage_settles_the_token_estimate(srv, make_judge):
     assert judge.limiter.tokens is not None and judge.limiter.tokens.level > 1500
 
 
+async def test_a_refused_request_gives_its_token_estimate_back(srv, make_judge):
+    t = FakeTime()
+    judge = make_judge(srv, t, tokens_per_minute=2000, max_tokens=1000)
+    for _ in range(3):  # three estimates of ~1000 would overdraw the minute if they stayed charged
+        srv.fail_next(400)
+        with pytest.raises(JudgeRejectedError, match="HTTP 400"):
+            await judge.score("x")
+    assert t.sleeps == []
+    assert judge.limiter.tokens is not None and judge.limiter.tokens.level == pytest.approx(2000)
+
+
+def test_max_tokens_over_the_token_budget_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"max_tokens \(1000\) must be below tokens_per_minute"):
+        JudgeConfig.from_env(
+            {"RL_FABRIC_JUDGE_MODEL": "m", "RL_FABRIC_JUDGE_BASE_URL": "http://x/v1"},
+            tokens_per_minute=1000,
+            max_tokens=1000,
+        )
+
+
 # ----------------------------------------------------------------------------- config
 
 
