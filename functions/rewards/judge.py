@@ -43,16 +43,14 @@ from tenacity.wait import wait_random_exponential
 import fabric
 from fabric.errors import Unavailable
 from fabric.protocol import RewardResult, Trajectory
+from functions.openai_api import error_message, excerpt, retry_after_s
 from functions.rewards.judge_config import DEFAULT_RUBRIC, ENV_PREFIX, OPENAI_URL, JudgeConfig
 from functions.rewards.judge_errors import (
     _REJECT_HINTS,
     JudgeError,
     JudgeRejectedError,
     JudgeResponseError,
-    _error_message,
-    _excerpt,
     _Transient,
-    retry_after_s,
 )
 from functions.rewards.judge_ratelimit import RateLimiter, TokenBucket, estimate_tokens
 from functions.rewards.judge_score import parse_score
@@ -256,23 +254,23 @@ class Judge:
                 if status == 429
                 else "The endpoint is failing; the call is retryable."
             )
-            raise _Transient(f"HTTP {status}: {_error_message(resp)}", hint, after)
+            raise _Transient(f"HTTP {status}: {error_message(resp)}", hint, after)
         if status >= 400:
             self.limiter.settle(tokens, 0)  # refused: nothing was generated, so nothing is charged
             hint = _REJECT_HINTS.get(status, "check the model name and extra_body options")
             raise JudgeRejectedError(
-                f"{self.url} refused the request (HTTP {status}: {_error_message(resp)}); {hint}"
+                f"{self.url} refused the request (HTTP {status}: {error_message(resp)}); {hint}"
             )
         try:
             data = resp.json()
         except ValueError:
             raise JudgeResponseError(
                 f"{self.url} answered {status} with a body that is not JSON "
-                f"({resp.headers.get('content-type', 'no content type')}): {_excerpt(resp.text)}; "
+                f"({resp.headers.get('content-type', 'no content type')}): {excerpt(resp.text)}; "
                 f"is {ENV_PREFIX}BASE_URL the OpenAI-compatible API root (ending in /v1)?"
             ) from None
         if not isinstance(data, dict):
-            raise JudgeResponseError(f"{self.url} answered JSON that is not an object: {_excerpt(resp.text)}")
+            raise JudgeResponseError(f"{self.url} answered JSON that is not an object: {excerpt(resp.text)}")
         usage = data.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
             self.limiter.settle(tokens, usage["total_tokens"])
@@ -285,7 +283,7 @@ class Judge:
         except (KeyError, IndexError, TypeError):
             raise JudgeResponseError(
                 f"{self.url} answered JSON that is not a chat completion (no choices[0].message.content): "
-                f"{_excerpt(json.dumps(data))}"
+                f"{excerpt(json.dumps(data))}"
             ) from None
         if not isinstance(text, str) or not text.strip():
             reason = choice.get("finish_reason") if isinstance(choice, dict) else None

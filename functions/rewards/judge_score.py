@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import re
 
-from functions.rewards.judge_errors import JudgeResponseError, _excerpt
+from functions.openai_api import excerpt
+from functions.rewards.judge_errors import JudgeResponseError
 
 _NUM = r"[-+]?\d+(?:\.\d+)?"
 _OF = rf"\s*(?:/|out\s+of)\s*({_NUM})"
@@ -76,12 +77,12 @@ def parse_score(text: str, lo: float = 0.0, hi: float = 10.0) -> float:
                 break
     if raw is None:
         raise JudgeResponseError(
-            f"no score in the judge's reply {_excerpt(text)}; make the rubric ask for a final "
+            f"no score in the judge's reply {excerpt(text)}; make the rubric ask for a final "
             f'line "Score: N/{hi:g}" (or check that the model follows instructions)'
         )
     if not lo <= raw <= hi:
         raise JudgeResponseError(
             f"the judge's score {raw:g} is outside the rubric's range [{lo:g}, {hi:g}] "
-            f"(reply {_excerpt(text)}); check min_score/max_score against the rubric"
+            f"(reply {excerpt(text)}); check min_score/max_score against the rubric"
         )
     return raw

@@ -58,6 +58,7 @@ from core.rollout.engines.base import (
     PromptTooLongError,
     options_error,
 )
+from functions.openai_api import error_message, excerpt, retry_after_s
 
 OPENAI_URL = "https://api.openai.com/v1"
 
@@ -267,7 +268,7 @@ class OpenAIEngine(Engine):
         except (KeyError, IndexError, TypeError):
             raise OpenAIEngineError(
                 f"{self.url} answered JSON that is not a chat completion (no choices[0].message): "
-                f"{_excerpt(str(data))}"
+                f"{excerpt(str(data))}"
             ) from None
         usage = data.get("usage")
         if isinstance(usage, dict):
@@ -338,10 +339,10 @@ class OpenAIEngine(Engine):
                 raise _Transient(f"{type(e).__name__}: {e or 'connection failed'}") from None
         status = resp.status_code
         if status in (408, 429) or status >= 500:
-            after = _retry_after_s(resp.headers) if status in (429, 503) else None
-            raise _Transient(f"HTTP {status}: {_error_message(resp)}", status, after)
+            after = retry_after_s(resp.headers) if status in (429, 503) else None
+            raise _Transient(f"HTTP {status}: {error_message(resp)}", status, after)
         if status >= 400:
-            message = _error_message(resp)
+            message = error_message(resp)
             if status == 400 and "context length" in message.lower():
                 raise PromptTooLongError(f"{self.url}: {message}")
             raise OpenAIEngineError(
@@ -353,12 +354,12 @@ class OpenAIEngine(Engine):
         except ValueError:
             raise OpenAIEngineError(
                 f"{self.url} answered {status} with a body that is not JSON "
-                f"({resp.headers.get('content-type', 'no content type')}): {_excerpt(resp.text)}; "
+                f"({resp.headers.get('content-type', 'no content type')}): {excerpt(resp.text)}; "
                 "is base_url the OpenAI-compatible API root (ending in /v1)?",
                 status=status,
             ) from None
         if not isinstance(data, dict):
-            raise OpenAIEngineError(f"{self.url} answered JSON that is not an object: {_excerpt(resp.text)}")
+            raise OpenAIEngineError(f"{self.url} answered JSON that is not an object: {excerpt(resp.text)}")
         return data
 
 
@@ -392,38 +393,12 @@ def _id_of(token: Any) -> int | None:
     return None
 
 
-def _retry_after_s(headers: httpx.Headers) -> float | None:
-    """``retry-after-ms`` (OpenAI) or ``Retry-After`` in seconds; ``None`` when absent or an
-    HTTP date (then our own backoff decides)."""
-    for name, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
-        value = headers.get(name)
-        if value:
-            with contextlib.suppress(ValueError):
-                return max(float(value) / scale, 0.0)
-    return None
-
-
-def _error_message(resp: httpx.Response) -> str:
-    with contextlib.suppress(ValueError, AttributeError):
-        err = resp.json().get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-        if isinstance(err, str) and err:
-            return err
-    return _excerpt(resp.text) or "(empty body)"
-
-
 def _hint(status: int, cfg: OpenAIEngineConfig) -> str:
     return {
         401: f"check the API key ({cfg.api_key_env} or api_key)",
         403: "the key may not use this model or endpoint",
         404: f"check base_url (the API root ending in /v1) and that the server serves {cfg.model!r}",
     }.get(status, "the same request will fail again: fix it (model, options, extra_body)")
-
-
-def _excerpt(text: str, n: int = 300) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 def _validate(cls: type[OpenAIEngineConfig], options: dict[str, Any]) -> OpenAIEngineConfig:

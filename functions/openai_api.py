@@ -1,0 +1,52 @@
+"""Reading an OpenAI-compatible endpoint's answers, shared by every client of one in this
+project (``llm_judge``, the ``openai`` rollout engine): how long a 429/503 asks us to wait,
+the error message of a refusal, and a short excerpt of a body that is not what we expected."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from email.utils import parsedate_to_datetime
+
+import httpx
+
+
+def retry_after_s(headers: httpx.Headers, now: Callable[[], float] = time.time) -> float | None:
+    """Seconds the server asked us to wait: ``retry-after-ms`` (OpenAI), else ``Retry-After``
+    as seconds or as an HTTP date; ``None`` when absent or unreadable (our own backoff
+    decides then)."""
+    ms = headers.get("retry-after-ms")
+    if ms:
+        with contextlib.suppress(ValueError):
+            return max(float(ms) / 1000, 0.0)
+        # not milliseconds: try the standard header
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    with contextlib.suppress(ValueError):
+        return max(float(value), 0.0)
+    try:  # not seconds: an HTTP date
+        return max(parsedate_to_datetime(value).timestamp() - now(), 0.0)
+    except (TypeError, ValueError):
+        return None
+
+
+def error_message(resp: httpx.Response) -> str:
+    """The ``error.message`` of OpenAI's error JSON (or a bare ``error`` string, as some
+    servers send); else an excerpt of the body itself."""
+    with contextlib.suppress(ValueError, AttributeError):
+        err = resp.json().get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if isinstance(err, str) and err:
+            return err
+    return excerpt(resp.text)
+
+
+def excerpt(text: str, n: int = 300) -> str:
+    """``text`` on one line, cut to ``n`` characters, for an error message."""
+    text = " ".join(text.split())
+    if not text:
+        return "(empty body)"
+    return text if len(text) <= n else text[: n - 3] + "..."
