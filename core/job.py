@@ -10,7 +10,8 @@ What runs where (on one machine: a local Ray cluster, local fabric pools, proces
 containers):
 
 * Ray actors: the engine replicas (``EngineReplicaActor``, restarted by Ray on a crash,
-  placed by ``hw_affinity``), the ``LLMProxy`` in front of them, the ``TrainerActor``.
+  placed by ``hw_affinity``), the ``LLMProxy`` in front of them, the ``TrainerActor``
+  (started and killed by ``core.cluster``).
 * This process's event loop: the env managers (one task per trajectory), the group runner
   (redundancy, re-runs), the ``RewardStream`` (fabric client) and the ``SampleBuffer``.
   They exchange only in-process callbacks, so none of them needs its own actor.
@@ -21,6 +22,7 @@ object ref: the weights never pass through this process), then advances the buff
 bound. In ``async`` mode a launcher keeps groups starting meanwhile, at most ``alpha``
 versions ahead of the trainer; in ``sync`` mode (the batch-level baseline) a step's groups
 start together, move turn by turn in lockstep, and the trainer waits for the last one.
+What each step records is counted by ``core.tally``.
 """
 
 from __future__ import annotations
@@ -28,18 +30,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import random
-import statistics
 import sys
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from core.buffer import Group, SampleBuffer
-from core.config import DEFAULT_AFFINITY, EnvConfig, JobConfig, registered_env_ids
+from core.buffer import SampleBuffer
+from core.cluster import Cluster, turn_scheduler
+from core.config import EnvConfig, JobConfig, registered_env_ids
 from core.errors import ConfigError, CoreError, RolloutError
 from core.evaluation import EVAL_SEED_BASE, Evaluator
 from core.policy.build import PolicyBundle, action_ids, build_policy
@@ -47,14 +47,12 @@ from core.report import JobProgress, RunDir
 from core.rewards import RewardStream
 from core.rollout.env_manager import EnvManager, TurnBarrier
 from core.rollout.groups import GroupRunner
-from core.rollout.llm_proxy import LLMProxy
-from core.rollout.replicas import EngineReplicaActor, RayReplica, RemoteProxy
-from core.rollout.scheduling import TurnScheduler
 from core.sample import Sample
-from core.trainer.actor import TrainerActor
+from core.tally import Tally
 from core.trainer.batch import build_batch
-from fabric.protocol import Trajectory
 from fabric.registry import Registry
+
+__all__ = ["EVAL_SEED_BASE", "Job", "load", "main", "turn_scheduler"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -66,25 +64,19 @@ class Job:
         self.registry = registry
         self.progress_enabled = progress
         self.rng = random.Random(cfg.seed)
-        # live handles, for tests and fault injection while the job runs
-        self.replicas: list[Any] = []
-        self.proxy_handle: Any = None
-        self.trainer_handle: Any = None
+        self.cluster = Cluster(cfg)  # the Ray actors
         self.pool: Any = None
         self.runner: GroupRunner | None = None
         self.buffer: SampleBuffer | None = None
         self.stream: RewardStream | None = None
         self.step = 0
         self.version = 0
-        self._window: Counter[str] = Counter()  # per-step accounting of finished trajectories
-        self._window_times: dict[str, list[float]] = {"gen_s": [], "env_s": []}
+        self.tally = Tally()  # accounting of finished trajectories, the train rows
         self._groups_live = 0  # started minus dropped (stale, given up): the launch budget
-        self._seen_trajs: set[str] = set()
         self.evaluator = Evaluator(cfg)
         self.run_dir: RunDir | None = None
-        # consecutive groups given up with none completed, and the last trajectory error seen
+        # consecutive groups given up with none completed (the error names tally.last_error)
         self._give_up_streak = 0
-        self._last_error = ""
         self._fatal: asyncio.Future[None] | None = None
         self._t0 = time.perf_counter()
         self._pretrained: dict[str, float] = {}
@@ -92,6 +84,19 @@ class Job:
     @property
     def evals(self) -> list[dict[str, Any]]:
         return self.evaluator.rows
+
+    # live handles, for tests and fault injection while the job runs
+    @property
+    def replicas(self) -> list[Any]:
+        return self.cluster.replicas
+
+    @property
+    def proxy_handle(self) -> Any:
+        return self.cluster.proxy
+
+    @property
+    def trainer_handle(self) -> Any:
+        return self.cluster.trainer
 
     # ------------------------------------------------------------------ the run
     async def run(self) -> dict[str, Any]:
@@ -111,7 +116,7 @@ class Job:
             run_dir.write_config(cfg.to_yaml())
             progress.note(f"run directory: {run_dir.path}")
             init = str(bundle.save(run_dir.path.resolve() / "policy-init")) if bundle is not None else None
-            async with self._cluster(init) as proxy, self._fabric(registry) as (client, pool):
+            async with self.cluster.start(init) as proxy, self._fabric(registry) as (client, pool):
                 self.pool = pool
                 buffer = self.buffer = SampleBuffer(cfg.group_size, cfg.alpha, on_abort=self._on_abort)
                 stream = self.stream = RewardStream(client, cfg.rewards, self._deliver)
@@ -121,7 +126,7 @@ class Job:
                     manager,
                     proxy,
                     submit=stream.submit,
-                    on_finished=self._account,
+                    on_finished=self.tally.finished,
                     on_given_up=self._given_up,
                 )
                 async with stream:
@@ -169,8 +174,8 @@ class Job:
                 tt = time.perf_counter()
                 trained = {s.id for g in groups for s in g.samples}
                 self.evaluator.trained_on_trajectories(s.traj for g in groups for s in g.samples)
-                self._window["aborted_trained"] += len(trained & runner.aborted_ids)
-                self._window["masked_trained"] += sum(s.masked for g in groups for s in g.samples)
+                self.tally.counts["aborted_trained"] += len(trained & runner.aborted_ids)
+                self.tally.counts["masked_trained"] += sum(s.masked for g in groups for s in g.samples)
                 batch = build_batch(groups, cfg.trainer)
                 metrics_ref, state_ref = self.trainer_handle.step.options(num_returns=2).remote(batch)
                 metrics = await metrics_ref
@@ -183,8 +188,10 @@ class Job:
                 runner.changed.set()
                 publish_s = time.perf_counter() - tp
                 now = time.perf_counter()
-                tokens = self._window["tokens"]
-                row = self._row(step, groups, metrics, now - t0, wait_s, train_s, publish_s, stream)
+                tokens = self.tally.counts["tokens"]
+                row = self.tally.train_row(
+                    step, self.version, groups, metrics, now - t0, wait_s, train_s, publish_s, stream
+                )
                 row["tokens_per_s"] = (tokens - tokens_last) / max(now - t_last, 1e-9)
                 tokens_last, t_last = tokens, now
                 run_dir.log(row)
@@ -254,7 +261,7 @@ class Job:
         assert self.buffer is not None and self.runner is not None
         self.buffer.put(sample)
         if sample.status == "reward_failed":
-            self._window["reward_failed"] += 1
+            self.tally.counts["reward_failed"] += 1
             self.runner.reward_failed(sample)
 
     def _on_abort(self, gid: str, reason: str) -> None:
@@ -263,12 +270,12 @@ class Job:
             self._give_up_streak = 0
         if reason == "stale":
             self._groups_live -= 1
-            self._window["stale_groups"] += 1
+            self.tally.counts["stale_groups"] += 1
         self.runner.abort_group(gid, reason)  # type: ignore[arg-type]
 
     def _given_up(self, g: Any) -> None:
         self._groups_live -= 1
-        self._window["given_up_groups"] += 1
+        self.tally.counts["given_up_groups"] += 1
         self._give_up_streak += 1
         limit = max(8, 2 * self.cfg.batch_size)
         if self._give_up_streak >= limit and self._fatal is not None and not self._fatal.done():
@@ -276,26 +283,12 @@ class Job:
                 RolloutError(
                     f"{self._give_up_streak} groups in a row were given up (each after "
                     f"{self.cfg.rollout.max_reruns} re-runs) and none completed; the last "
-                    f"trajectory error: {self._last_error or 'none recorded'}"
+                    f"trajectory error: {self.tally.last_error or 'none recorded'}"
                 )
             )
             return
         if self.cfg.rollout.mode == "sync" and self.runner is not None:
             self._start_group(self.runner)  # the step waits for batch_size groups: replace it
-
-    def _account(self, traj: Trajectory) -> None:
-        if traj.id in self._seen_trajs:  # cannot happen by construction; counted if it does
-            self._window["double_count"] += 1
-        self._seen_trajs.add(traj.id)
-        self._window[traj.status] += 1
-        if traj.status == "infra_failed":
-            self._last_error = str(traj.info.get("error", ""))
-        self._window["tokens"] += sum(
-            len((m.model_extra or {}).get("token_ids", [])) for m in traj.messages if m.role == "assistant"
-        )
-        if traj.status in ("ok", "truncated"):
-            for k in ("gen_s", "env_s"):
-                self._window_times[k].append(float(traj.info.get(k, 0.0)))
 
     # ------------------------------------------------------------------ evaluation
     async def _evaluate(self, manager: EnvManager, step: int) -> dict[str, Any]:
@@ -303,49 +296,7 @@ class Job:
         row["wall_s"] = round(time.perf_counter() - self._t0, 1)  # since training began, as train rows
         return row
 
-    # ------------------------------------------------------------------ rows
-    def _row(
-        self,
-        step: int,
-        groups: list[Group],
-        metrics: dict[str, float],
-        wall: float,
-        wait_s: float,
-        train_s: float,
-        publish_s: float,
-        stream: RewardStream,
-    ) -> dict[str, Any]:
-        samples = [s for g in groups for s in g.samples]
-        envr = [s.traj.env_reward for s in samples if s.traj.env_reward is not None]
-        w, times = self._window, self._window_times
-        row = {
-            "kind": "train",
-            "step": step,
-            "version": self.version,
-            "wall_s": round(wall, 2),
-            "reward_mean": statistics.fmean(s.score for s in samples),
-            "success": sum(1 for r in envr if r > 0) / len(envr) if envr else 0.0,
-            "trajectories": len(samples),
-            "turns_mean": statistics.fmean(len(s.traj.info.get("turn_rewards", [])) for s in samples),
-            "staleness_mean": statistics.fmean(self.version - 1 - s.version for s in samples),
-            "loss": metrics.get("loss"),
-            "entropy": metrics.get("entropy"),
-            "lr": metrics.get("lr"),
-            "finished": {k: w[k] for k in ("ok", "truncated", "aborted", "infra_failed", "reward_failed")},
-            "stale_groups": w["stale_groups"],
-            "time": {
-                "wait_s": round(wait_s, 3),
-                "train_s": round(train_s, 3),
-                "publish_s": round(publish_s, 3),
-                "gen_s": round(statistics.fmean(times["gen_s"]), 3) if times["gen_s"] else 0.0,
-                "env_s": round(statistics.fmean(times["env_s"]), 3) if times["env_s"] else 0.0,
-                "reward_s": round(stream.metrics()["reward_ms"]["mean"] / 1000, 3),
-            },
-        }
-        for k in ("gen_s", "env_s"):
-            times[k].clear()
-        return row
-
+    # ------------------------------------------------------------------ summary
     def _summary(
         self,
         run_dir: RunDir,
@@ -374,9 +325,9 @@ class Job:
                 {k: e[k] for k in ("step", "success", "success_sampled", "success_unseen", "episodes_unseen")}
                 for e in self.evals
             ],
-            "trajectories": dict(self._window),
-            "aborted_trained": self._window["aborted_trained"],
-            "masked_trained": self._window["masked_trained"],
+            "trajectories": dict(self.tally.counts),
+            "aborted_trained": self.tally.counts["aborted_trained"],
+            "masked_trained": self.tally.counts["masked_trained"],
             "buffer": {k: v for k, v in buffer.metrics().items() if k not in ("trainer_wait_s",)},
             "rewards": stream.metrics(),
             "groups": dict(runner.metrics),
@@ -408,130 +359,6 @@ class Job:
                 raise ConfigError([(f"envs[{i}].actions", "constrained actions need the torch engine")])
             out[env.tag] = action_ids(bundle.tok(), env.actions)
         return out
-
-    @contextlib.asynccontextmanager
-    async def _cluster(self, bundle: str | None) -> AsyncIterator[RemoteProxy]:
-        """Ray (started here unless the caller did), the engine replicas per hardware group,
-        the proxy, the trainer; all killed on the way out."""
-        import ray
-
-        started = False
-        if not ray.is_initialized():
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            ray.init(
-                num_cpus=os.cpu_count() or 1,
-                include_dashboard=False,
-                log_to_driver=False,
-                logging_level=logging.ERROR,
-                configure_logging=False,
-            )
-            started = True
-        cfg = self.cfg
-        actors: list[Any] = []
-        try:
-            groups = self._hw_groups()
-            self._check_gpus(len(groups))
-            replica_cls = ray.remote(EngineReplicaActor)
-            by_group: dict[str, list[RayReplica]] = {}
-            for group, resource in groups.items():
-                for i in range(cfg.engine.replicas):
-                    name = f"{group}-{i}"
-                    opts: dict[str, Any] = {
-                        "max_restarts": cfg.engine.max_restarts,
-                        "max_concurrency": 10_000,
-                        "num_cpus": 0,
-                    }
-                    if resource is not None:
-                        opts["resources"] = {resource: 1}
-                    if cfg.engine.gpus:
-                        opts["num_gpus"] = cfg.engine.gpus
-                    h = replica_cls.options(**opts).remote(
-                        cfg.engine.backend,
-                        bundle,
-                        cfg.engine.kwargs,
-                        seed=cfg.seed + i,
-                        name=name,
-                        model=cfg.engine.model,
-                    )
-                    actors.append(h)
-                    self.replicas.append(h)
-                    by_group.setdefault(group, []).append(RayReplica(h, name))
-            affinity = {tag: tag_group for tag, tag_group in cfg.engine.hw_affinity.items()}
-            proxy = (
-                ray.remote(LLMProxy)
-                .options(max_concurrency=100_000, num_cpus=0)
-                .remote(by_group, affinity=affinity, scheduler=turn_scheduler(cfg))
-            )
-            actors.append(proxy)
-            trainer = (
-                ray.remote(TrainerActor)
-                .options(num_cpus=0, num_gpus=cfg.trainer.gpus)
-                .remote(
-                    cfg.trainer,
-                    bundle,
-                    total_steps=cfg.steps,
-                    temperature=cfg.engine.temperature,
-                    seed=cfg.seed,
-                )
-            )
-            actors.append(trainer)
-            self.proxy_handle, self.trainer_handle = proxy, trainer
-            # surface a replica or trainer that cannot start (bad kwargs) now, not mid-run
-            await asyncio.gather(*(a.__ray_ready__.remote() for a in actors))
-            yield RemoteProxy(proxy)
-        finally:
-            for a in actors:
-                with contextlib.suppress(Exception):
-                    ray.kill(a, no_restart=True)
-            if started:
-                ray.shutdown()
-
-    def _check_gpus(self, groups: int) -> None:
-        """Refuse, before any actor is made, GPU reservations the cluster cannot meet: Ray
-        would otherwise leave the actors pending and the job waiting forever."""
-        import ray
-
-        engine, trainer = self.cfg.engine, self.cfg.trainer
-        want = engine.gpus * engine.replicas * groups + trainer.gpus
-        have = ray.cluster_resources().get("GPU", 0.0)
-        if want > have + 1e-9:
-            raise ConfigError(
-                [
-                    (
-                        "engine.num_gpus" if engine.gpus else "trainer.num_gpus",
-                        f"the job reserves {want:g} GPU(s) ({engine.replicas * groups} engine replica(s) x "
-                        f"{engine.gpus:g} + trainer {trainer.gpus:g}) and the Ray cluster has {have:g}; "
-                        "lower engine.replicas or the num_gpus fractions (0.5 + 0.5 share one card)",
-                    )
-                ]
-            )
-
-    def _hw_groups(self) -> dict[str, str | None]:
-        """Replica group -> the Ray custom resource its replicas need (None: anywhere).
-        Groups are named by their resource; tags without affinity use ``default``."""
-        import ray
-
-        aff = self.cfg.engine.hw_affinity
-        groups: dict[str, str | None] = {}
-        tags = {e.tag for e in self.cfg.envs}
-        if not aff or any(t not in aff for t in tags) or DEFAULT_AFFINITY in aff:
-            groups[DEFAULT_AFFINITY] = aff.get(DEFAULT_AFFINITY)
-        for tag, resource in aff.items():
-            if tag != DEFAULT_AFFINITY:
-                groups[resource] = resource
-        have = ray.cluster_resources()
-        missing = sorted({r for r in groups.values() if r is not None and have.get(r, 0) < 1})
-        if missing:
-            raise ConfigError(
-                [
-                    (
-                        "engine.hw_affinity",
-                        f"no Ray node offers the resource(s) {missing}; start the cluster with them "
-                        f"(ray start --resources='{{\"{missing[0]}\": 1}}') or drop the affinity",
-                    )
-                ]
-            )
-        return groups
 
     @contextlib.asynccontextmanager
     async def _fabric(self, registry: Registry) -> AsyncIterator[tuple[Any, Any]]:
@@ -599,19 +426,3 @@ def load(path: str, *, steps: int | None = None, run_dir: str | None = None) -> 
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def turn_scheduler(cfg: JobConfig) -> TurnScheduler | None:
-    """The proxy's turn scheduler for ``cfg.rollout``; None keeps the plain path (every turn
-    straight to its replica) when nothing asks for a policy, a slot limit or a trace."""
-    r = cfg.rollout
-    if r.scheduler == "fcfs" and r.placement == "affinity" and r.slots_per_replica is None and not r.trace:
-        return None
-    slots = r.slots_per_replica or int(cfg.engine.kwargs.get("max_batch_size", 64))
-    return TurnScheduler(
-        r.scheduler,
-        r.placement,
-        slots=slots,
-        scheduler_options=r.scheduler_options,
-        trace=Path(cfg.run_dir).resolve() / "trace.jsonl" if r.trace else None,
-    )

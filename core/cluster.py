@@ -1,0 +1,179 @@
+"""The job's Ray side: Ray itself (started unless the caller did), the engine replicas per
+hardware group (``engine.hw_affinity``), the ``LLMProxy`` in front of them with its turn
+scheduler, and the ``TrainerActor``.
+
+    cluster = Cluster(cfg)
+    async with cluster.start(init_bundle) as proxy:   # a RemoteProxy for the env managers
+        ...                                            # cluster.proxy / .trainer / .replicas
+
+GPU reservations and custom resources the Ray cluster cannot meet are refused as a
+``ConfigError`` before any actor is made, instead of leaving the actors pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from core.config import DEFAULT_AFFINITY, JobConfig
+from core.errors import ConfigError
+from core.rollout.llm_proxy import LLMProxy
+from core.rollout.replicas import EngineReplicaActor, RayReplica, RemoteProxy
+from core.rollout.scheduling import TurnScheduler
+from core.trainer.actor import TrainerActor
+
+
+class Cluster:
+    """The Ray actors of one job; ``start`` makes them and kills them on the way out."""
+
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        # live handles, for tests and fault injection while the job runs
+        self.replicas: list[Any] = []
+        self.proxy: Any = None
+        self.trainer: Any = None
+
+    @contextlib.asynccontextmanager
+    async def start(self, bundle: str | None) -> AsyncIterator[RemoteProxy]:
+        """Ray (started here unless the caller did), the engine replicas per hardware group,
+        the proxy, the trainer; all killed on the way out."""
+        import ray
+
+        started = False
+        if not ray.is_initialized():
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            ray.init(
+                num_cpus=os.cpu_count() or 1,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.ERROR,
+                configure_logging=False,
+            )
+            started = True
+        cfg = self.cfg
+        actors: list[Any] = []
+        try:
+            groups = self._hw_groups()
+            self._check_gpus(len(groups))
+            replica_cls = ray.remote(EngineReplicaActor)
+            by_group: dict[str, list[RayReplica]] = {}
+            for group, resource in groups.items():
+                for i in range(cfg.engine.replicas):
+                    name = f"{group}-{i}"
+                    opts: dict[str, Any] = {
+                        "max_restarts": cfg.engine.max_restarts,
+                        "max_concurrency": 10_000,
+                        "num_cpus": 0,
+                    }
+                    if resource is not None:
+                        opts["resources"] = {resource: 1}
+                    if cfg.engine.gpus:
+                        opts["num_gpus"] = cfg.engine.gpus
+                    h = replica_cls.options(**opts).remote(
+                        cfg.engine.backend,
+                        bundle,
+                        cfg.engine.kwargs,
+                        seed=cfg.seed + i,
+                        name=name,
+                        model=cfg.engine.model,
+                    )
+                    actors.append(h)
+                    self.replicas.append(h)
+                    by_group.setdefault(group, []).append(RayReplica(h, name))
+            affinity = {tag: tag_group for tag, tag_group in cfg.engine.hw_affinity.items()}
+            proxy = (
+                ray.remote(LLMProxy)
+                .options(max_concurrency=100_000, num_cpus=0)
+                .remote(by_group, affinity=affinity, scheduler=turn_scheduler(cfg))
+            )
+            actors.append(proxy)
+            trainer = (
+                ray.remote(TrainerActor)
+                .options(num_cpus=0, num_gpus=cfg.trainer.gpus)
+                .remote(
+                    cfg.trainer,
+                    bundle,
+                    total_steps=cfg.steps,
+                    temperature=cfg.engine.temperature,
+                    seed=cfg.seed,
+                )
+            )
+            actors.append(trainer)
+            self.proxy, self.trainer = proxy, trainer
+            # surface a replica or trainer that cannot start (bad kwargs) now, not mid-run
+            await asyncio.gather(*(a.__ray_ready__.remote() for a in actors))
+            yield RemoteProxy(proxy)
+        finally:
+            for a in actors:
+                with contextlib.suppress(Exception):
+                    ray.kill(a, no_restart=True)
+            if started:
+                ray.shutdown()
+
+    def _check_gpus(self, groups: int) -> None:
+        """Refuse, before any actor is made, GPU reservations the cluster cannot meet: Ray
+        would otherwise leave the actors pending and the job waiting forever."""
+        import ray
+
+        engine, trainer = self.cfg.engine, self.cfg.trainer
+        want = engine.gpus * engine.replicas * groups + trainer.gpus
+        have = ray.cluster_resources().get("GPU", 0.0)
+        if want > have + 1e-9:
+            raise ConfigError(
+                [
+                    (
+                        "engine.num_gpus" if engine.gpus else "trainer.num_gpus",
+                        f"the job reserves {want:g} GPU(s) ({engine.replicas * groups} engine replica(s) x "
+                        f"{engine.gpus:g} + trainer {trainer.gpus:g}) and the Ray cluster has {have:g}; "
+                        "lower engine.replicas or the num_gpus fractions (0.5 + 0.5 share one card)",
+                    )
+                ]
+            )
+
+    def _hw_groups(self) -> dict[str, str | None]:
+        """Replica group -> the Ray custom resource its replicas need (None: anywhere).
+        Groups are named by their resource; tags without affinity use ``default``."""
+        import ray
+
+        aff = self.cfg.engine.hw_affinity
+        groups: dict[str, str | None] = {}
+        tags = {e.tag for e in self.cfg.envs}
+        if not aff or any(t not in aff for t in tags) or DEFAULT_AFFINITY in aff:
+            groups[DEFAULT_AFFINITY] = aff.get(DEFAULT_AFFINITY)
+        for tag, resource in aff.items():
+            if tag != DEFAULT_AFFINITY:
+                groups[resource] = resource
+        have = ray.cluster_resources()
+        missing = sorted({r for r in groups.values() if r is not None and have.get(r, 0) < 1})
+        if missing:
+            raise ConfigError(
+                [
+                    (
+                        "engine.hw_affinity",
+                        f"no Ray node offers the resource(s) {missing}; start the cluster with them "
+                        f"(ray start --resources='{{\"{missing[0]}\": 1}}') or drop the affinity",
+                    )
+                ]
+            )
+        return groups
+
+
+def turn_scheduler(cfg: JobConfig) -> TurnScheduler | None:
+    """The proxy's turn scheduler for ``cfg.rollout``; None keeps the plain path (every turn
+    straight to its replica) when nothing asks for a policy, a slot limit or a trace."""
+    r = cfg.rollout
+    if r.scheduler == "fcfs" and r.placement == "affinity" and r.slots_per_replica is None and not r.trace:
+        return None
+    slots = r.slots_per_replica or int(cfg.engine.kwargs.get("max_batch_size", 64))
+    return TurnScheduler(
+        r.scheduler,
+        r.placement,
+        slots=slots,
+        scheduler_options=r.scheduler_options,
+        trace=Path(cfg.run_dir).resolve() / "trace.jsonl" if r.trace else None,
+    )

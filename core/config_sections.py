@@ -1,0 +1,283 @@
+"""The sections of a job config: one pydantic model per part of the YAML (``engine``,
+``envs[i]``, ``rewards.<tag>[j]``, ``trainer``, ``rollout``, ``fabric``, ``envpool``), each
+with its own types, bounds and field-level rules.
+
+``core.config.JobConfig`` puts them together and checks the rules that span sections; every
+model here forbids unknown keys, and each field's docstring is its reference.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from envpool.pool import PoolConfig
+from fabric.client import ClientConfig
+
+ENGINES = ("torch", "vllm", "openai")
+TRAINERS = ("torch", "megatron")
+FABRIC_BACKENDS = ("local", "inproc")
+#: The key of ``engine.hw_affinity`` that covers every tag not named there.
+DEFAULT_AFFINITY = "default"
+
+
+def _known(what: str, known: tuple[str, ...]) -> BeforeValidator:
+    """A check that names the bad value and the known ones (pydantic's literal error says
+    only "Input should be ...")."""
+
+    def check(v: Any) -> Any:
+        if isinstance(v, str) and v not in known:
+            raise ValueError(f"unknown {what} {v!r}; known: {', '.join(known)}")
+        return v
+
+    return BeforeValidator(check)
+
+
+class ConfigModel(BaseModel):
+    """The base of every config model: an unknown key is an error, a field's docstring is its
+    description."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class PretrainConfig(ConfigModel):
+    """Self-supervised pretraining of a new ``tiny-lm`` before RL starts.
+
+    An LLM that RL trains has read a lot of text first; a ``tiny-lm`` starts from random
+    weights, and must learn to read its prompt from the reward alone: on FrozenLake it sat
+    undecided between two moves for 130-400 steps before it learned to look at the tiles
+    next to it. Next-token prediction on random play (observation, action, next observation,
+    as the policy is shown them) teaches it what a move does first ("right" into an ``H``
+    is followed by "You fell into a hole"); RL then only has to prefer what it can read.
+    """
+
+    steps: int = Field(0, ge=0)
+    """Optimizer steps; 0 = RL starts from the random initialisation."""
+    episodes: int = Field(600, ge=1, le=1_000_000)
+    """Random-play episodes per environment (seeds 0..episodes-1; the tokenizer is trained on
+    them too). At least the tokenizer's 200 are played, whatever this says."""
+    batch_size: int = Field(64, ge=1)
+    """Transitions per step."""
+    lr: float = Field(3e-3, gt=0, allow_inf_nan=False)
+
+
+class EngineConfig(ConfigModel):
+    """The policy's inference engine(s) behind the LLM proxy."""
+
+    backend: Annotated[Literal["torch", "vllm", "openai"], _known("engine", ENGINES)] = "torch"
+    """``torch`` (a small causal LM in plain PyTorch, the CPU default), ``vllm`` (GPU) or
+    ``openai`` (any OpenAI-compatible server; its URL goes in ``kwargs``)."""
+    model: str = Field("tiny-lm", min_length=1)
+    """Model name or path, as the backend understands it."""
+    replicas: int = Field(1, ge=1)
+    max_new_tokens: int = Field(64, ge=1)
+    """Per generated turn."""
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
+    hw_affinity: dict[str, str] = Field(default_factory=dict)
+    """Environment tag -> Ray custom resource the tag's generation runs on (``default`` for
+    every other tag), e.g. ``{frozenlake: H800, default: H20}``."""
+    max_restarts: int = Field(3, ge=0)
+    """Times Ray restarts a crashed engine replica; the proxy reloads the latest weights
+    into it and re-runs the turns it lost."""
+    num_gpus: float | None = Field(None, ge=0, allow_inf_nan=False)
+    """GPUs each replica reserves from Ray (Ray then sets its ``CUDA_VISIBLE_DEVICES``);
+    ``None``: 1 for ``vllm``, 0 otherwise. A fraction shares a card, e.g. 0.5 with the
+    trainer's 0.5 on a one-GPU machine."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Backend-specific options, passed through: for ``torch`` the ``TinyLM`` shape
+    (``d_model``, ``n_layers``, ``n_heads``, ``max_len``) and ``TorchEngineConfig`` fields;
+    vLLM engine args; ``base_url`` of an OpenAI-compatible server."""
+    pretrain: PretrainConfig = Field(default_factory=PretrainConfig)
+    """Pretraining of a new ``tiny-lm`` (torch backend) before RL; off by default."""
+
+    @property
+    def gpus(self) -> float:
+        """GPUs per replica (``num_gpus`` or the backend's default)."""
+        if self.num_gpus is not None:
+            return self.num_gpus
+        return 1.0 if self.backend == "vllm" else 0.0
+
+
+class PromptConfig(ConfigModel):
+    """What the policy is shown each turn (the trajectory itself always keeps everything)."""
+
+    history: int | None = Field(None, ge=0)
+    """Earlier (reply, observation) pairs shown before the latest observation; ``None``:
+    the whole conversation. An environment whose observation is its whole state (FrozenLake's
+    map) learns faster with 0: shorter prompts, nothing stale to attend to."""
+    drop_lines: list[str] = Field(default_factory=list)
+    """Observation lines starting with one of these are cut from the prompt (a legend that is
+    the same every turn carries no information)."""
+    system: str | None = None
+    """A system message put first."""
+
+
+class EnvConfig(ConfigModel):
+    """One entry of the environment mix."""
+
+    id: str = Field(min_length=1)
+    """A registered envpool environment id (``frozenlake-v1``)."""
+    tag: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+    """Names the entry's rewards (``rewards.<tag>``) and hardware affinity."""
+    weight: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """Share of the groups drawn from this entry (relative to the other entries)."""
+    max_turns: int = Field(16, ge=1)
+    """Policy turns before the trajectory is truncated."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Constructor arguments of the environment (override the registered ones)."""
+    image: str | None = None
+    """Image reference of a custom environment bundle (None: the built-ins)."""
+    prompt: PromptConfig = Field(default_factory=PromptConfig)
+    actions: list[str] | None = Field(None, min_length=1)
+    """Constrain every reply to one of these words (one token each, the engine's
+    ``allowed_token_ids``): a closed action space the policy cannot step outside. ``None``:
+    free text, parsed by the environment (an unparseable reply is an invalid action, which
+    the environment penalises)."""
+
+
+class RewardConfig(ConfigModel):
+    """One weighted component of a tag's reward."""
+
+    function: str = Field(min_length=1)
+    """A registered fabric reward function."""
+    name: str | None = Field(None, min_length=1)
+    """Component name in ``RewardResult.components`` (default: the function's name; set it
+    when one function appears twice under a tag)."""
+    weight: float = Field(1.0, ge=0, allow_inf_nan=False)
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Fixed keyword arguments besides the trajectory."""
+    task_args: dict[str, str] = Field(default_factory=dict)
+    """Keyword arguments read from the trajectory's task: parameter -> key of
+    ``Trajectory.task`` (``{ground_truth: answer}``)."""
+    deadline_s: float | None = Field(None, gt=0)
+    """Deadline of one call, retries included (None: the client's default)."""
+
+    @property
+    def component(self) -> str:
+        return self.name or self.function
+
+    @model_validator(mode="after")
+    def _args_do_not_clash(self) -> RewardConfig:
+        if "traj" in self.args or "traj" in self.task_args:
+            raise ValueError("'traj' is passed by the reward stream; do not set it in args or task_args")
+        both = sorted(set(self.args) & set(self.task_args))
+        if both:
+            raise ValueError(f"{', '.join(map(repr, both))} set in both args and task_args")
+        return self
+
+
+class TrainerConfig(ConfigModel):
+    """GRPO hyper-parameters and the training backend."""
+
+    backend: Annotated[Literal["torch", "megatron"], _known("trainer", TRAINERS)] = "torch"
+    lr: float = Field(1e-5, gt=0, allow_inf_nan=False)
+    clip_eps: float = Field(0.2, gt=0, allow_inf_nan=False)
+    """PPO-style clipping of the probability ratio."""
+    kl_coef: float = Field(0.0, ge=0, allow_inf_nan=False)
+    """Weight of the KL penalty to the reference policy (0: no reference model is kept)."""
+    epochs: int = Field(1, ge=1)
+    """Passes over each batch."""
+    minibatch_size: int | None = Field(None, ge=1)
+    """Trajectories per optimiser step (None: the whole batch)."""
+    clip_eps_high: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """Upper ratio clip (DAPO's clip-higher); None: ``clip_eps``."""
+    max_grad_norm: float | None = Field(1.0, gt=0, allow_inf_nan=False)
+    entropy_coef: float = Field(0.0, ge=0, allow_inf_nan=False)
+    """Bonus on the policy's entropy (keeps a small policy exploring)."""
+    lr_end: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """Decay the learning rate linearly to this over the job's steps (None: constant)."""
+    scale_advantages: bool = True
+    """Divide by the group's reward std (GRPO); False keeps the centred reward (Dr. GRPO)."""
+    step_adv: float = Field(0.0, ge=0, allow_inf_nan=False)
+    """Weight of GiGPO's step-level advantage (turns taken in the same state of the same task,
+    compared by discounted return), added to the episode's group advantage; 0: plain GRPO."""
+    gamma: float = Field(0.95, gt=0, le=1, allow_inf_nan=False)
+    """Discount of the step-level returns."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Backend-specific options (Megatron parallelism, ...), passed through."""
+    num_gpus: float | None = Field(None, ge=0, allow_inf_nan=False)
+    """GPUs the trainer actor reserves from Ray; ``None``: 1 for ``megatron``, 0 for ``torch``."""
+
+    @property
+    def gpus(self) -> float:
+        if self.num_gpus is not None:
+            return self.num_gpus
+        return 1.0 if self.backend == "megatron" else 0.0
+
+
+class RolloutConfig(ConfigModel):
+    """How the rollout is driven."""
+
+    mode: Literal["async", "sync"] = "async"
+    """``async``: trajectory-level: every trajectory runs its own loop, groups keep starting
+    while the trainer trains, within ``alpha``. ``sync``: batch-level, for comparison: a
+    step's groups start together, every turn waits for the whole batch, training waits for
+    the last trajectory."""
+    max_groups_in_flight: int | None = Field(None, ge=1)
+    """Groups rolling out at once (None: ``batch_size * (alpha + 1)``)."""
+    trajectory_timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False)
+    """A trajectory running longer is aborted as ``infra_failed`` and re-run."""
+    max_reruns: int = Field(3, ge=0)
+    """Re-runs of a group's failed trajectories before the group is given up."""
+    eval_every: int = Field(10, ge=0)
+    """Greedy evaluation on held-out tasks every this many steps (0: never)."""
+    eval_episodes: int = Field(64, ge=1)
+    """Held-out tasks per evaluation (seeds the training draw never uses)."""
+    scheduler: Literal["fcfs", "rr", "sjf", "pps", "cmlfq"] = "fcfs"
+    """Which waiting turn a replica runs next (``core.sched.queueing``): arrival order,
+    step-centric round robin, shortest predicted first, longest predicted first
+    (progressive priority), or the causal multi-level feedback queue on tool outcomes."""
+    placement: Literal["affinity", "least_load", "cache_affinity", "presorted_dp"] = "affinity"
+    """Which replica a trajectory runs on: ``affinity`` keeps it where its first turn ran
+    (least turns in flight); the others are ``core.sched.placement`` by predicted work,
+    re-decided between turns (``cache_affinity``, ``presorted_dp``)."""
+    slots_per_replica: int | None = Field(None, ge=1)
+    """Turns a replica runs at once; the rest wait in the scheduler's queue (None: the
+    engine's ``max_batch_size`` when a policy is set, no proxy queue with fcfs/affinity)."""
+    scheduler_options: dict[str, Any] = Field(default_factory=dict)
+    """Passed to the queue policy (e.g. ``{levels: 3, aging_s: 10}`` for cmlfq)."""
+    trace: bool = False
+    """Write one JSON line per turn to ``<run_dir>/trace.jsonl`` (replayed by ``core.sim``)."""
+
+    @model_validator(mode="after")
+    def _options_fit(self) -> RolloutConfig:
+        from core.sched import make_queue_policy
+
+        try:
+            make_queue_policy(self.scheduler, **self.scheduler_options)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"scheduler_options do not fit scheduler {self.scheduler!r}: {e}") from None
+        return self
+
+
+class FabricConfig(ConfigModel):
+    """Where reward and tool functions run."""
+
+    backend: Annotated[Literal["local", "inproc"], _known("fabric backend", FABRIC_BACKENDS)] = "local"
+    """``local``: warm worker processes on this machine (the embedded default); ``inproc``:
+    in the job's process (debugging, tests)."""
+    workers: int | None = Field(None, ge=1)
+    """Cap on worker processes per function (``local`` only; default: the CPU count)."""
+    discover: list[str] = Field(default_factory=lambda: ["functions"])
+    """Modules or packages whose fabric functions the job uses (the built-ins by default)."""
+    client: ClientConfig = Field(default_factory=ClientConfig)
+    """Hedging, circuit breaker, default deadline of the fabric client."""
+
+    def backend_config(self) -> dict[str, Any]:
+        """The config ``fabric.Client(backend=...)`` takes."""
+        if self.backend == "local" and self.workers is not None:
+            return {"type": "local", "max_workers": self.workers}
+        return {"type": self.backend}
+
+
+class EnvPoolConfig(PoolConfig):
+    """envpool's ``PoolConfig``, with ``runtime: process`` accepted as a shorthand for
+    ``runtime: {type: process}``."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    @field_validator("runtime", mode="before")
+    @classmethod
+    def _runtime_shorthand(cls, v: Any) -> Any:
+        return {"type": v} if isinstance(v, str) else v

@@ -1,0 +1,87 @@
+"""The job's tally: what it counts while trajectories finish and groups come and go, and the
+``train`` row of ``metrics.jsonl`` built from it each step.
+
+    tally = Tally()
+    tally.finished(traj)                    # every trajectory the group runner finishes
+    tally.counts["stale_groups"] += 1       # what the job's other callbacks count
+    row = tally.train_row(step, version, groups, metrics, wall, wait_s, train_s, publish_s, stream)
+
+``counts`` run over the whole job (finished trajectories by status, generated tokens, groups
+dropped as stale or given up, aborted or masked trajectories that were trained); the
+generation and environment times of the finished trajectories are since the last row.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from typing import Any
+
+from core.buffer import Group
+from core.rewards import RewardStream
+from fabric.protocol import Trajectory
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()  # accounting of finished trajectories (and more)
+        self._times: dict[str, list[float]] = {"gen_s": [], "env_s": []}
+        self._seen: set[str] = set()
+        self.last_error = ""  # the last trajectory error seen
+
+    def finished(self, traj: Trajectory) -> None:
+        if traj.id in self._seen:  # cannot happen by construction; counted if it does
+            self.counts["double_count"] += 1
+        self._seen.add(traj.id)
+        self.counts[traj.status] += 1
+        if traj.status == "infra_failed":
+            self.last_error = str(traj.info.get("error", ""))
+        self.counts["tokens"] += sum(
+            len((m.model_extra or {}).get("token_ids", [])) for m in traj.messages if m.role == "assistant"
+        )
+        if traj.status in ("ok", "truncated"):
+            for k in ("gen_s", "env_s"):
+                self._times[k].append(float(traj.info.get(k, 0.0)))
+
+    def train_row(
+        self,
+        step: int,
+        version: int,
+        groups: list[Group],
+        metrics: dict[str, float],
+        wall: float,
+        wait_s: float,
+        train_s: float,
+        publish_s: float,
+        stream: RewardStream,
+    ) -> dict[str, Any]:
+        samples = [s for g in groups for s in g.samples]
+        envr = [s.traj.env_reward for s in samples if s.traj.env_reward is not None]
+        w, times = self.counts, self._times
+        row = {
+            "kind": "train",
+            "step": step,
+            "version": version,
+            "wall_s": round(wall, 2),
+            "reward_mean": statistics.fmean(s.score for s in samples),
+            "success": sum(1 for r in envr if r > 0) / len(envr) if envr else 0.0,
+            "trajectories": len(samples),
+            "turns_mean": statistics.fmean(len(s.traj.info.get("turn_rewards", [])) for s in samples),
+            "staleness_mean": statistics.fmean(version - 1 - s.version for s in samples),
+            "loss": metrics.get("loss"),
+            "entropy": metrics.get("entropy"),
+            "lr": metrics.get("lr"),
+            "finished": {k: w[k] for k in ("ok", "truncated", "aborted", "infra_failed", "reward_failed")},
+            "stale_groups": w["stale_groups"],
+            "time": {
+                "wait_s": round(wait_s, 3),
+                "train_s": round(train_s, 3),
+                "publish_s": round(publish_s, 3),
+                "gen_s": round(statistics.fmean(times["gen_s"]), 3) if times["gen_s"] else 0.0,
+                "env_s": round(statistics.fmean(times["env_s"]), 3) if times["env_s"] else 0.0,
+                "reward_s": round(stream.metrics()["reward_ms"]["mean"] / 1000, 3),
+            },
+        }
+        for k in ("gen_s", "env_s"):
+            times[k].clear()
+        return row
