@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import random
 import sys
 import time
@@ -54,7 +53,6 @@ from fabric.registry import Registry
 
 __all__ = ["EVAL_SEED_BASE", "Job", "load", "main", "turn_scheduler"]
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 

@@ -73,6 +73,7 @@ class Tally:
             "lr": metrics.get("lr"),
             "finished": {k: w[k] for k in ("ok", "truncated", "aborted", "infra_failed", "reward_failed")},
             "stale_groups": w["stale_groups"],
+            "given_up_groups": w["given_up_groups"],
             "time": {
                 "wait_s": round(wait_s, 3),
                 "train_s": round(train_s, 3),

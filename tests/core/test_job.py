@@ -397,6 +397,7 @@ async def test_a_container_that_dies_mid_episode_is_masked_not_scored(tmp_path, 
     # way to reach group_size), whichever comes first
     assert cfg.group_size <= failed <= cfg.group_size + 1
     assert summary["groups"]["given_up"] == 1 and summary["groups"]["reruns"] == 1
+    assert train_rows(tmp_path / "run")[-1]["given_up_groups"] == 1  # metrics.jsonl counts it too
     assert summary["buffer"]["dropped"]["infra_failed"] == failed  # masked, never a zero
     assert summary["rewards"]["passed_masked"] >= failed  # never sent to a reward function
     assert summary["rewards"]["reward_failed"] == 0
