@@ -424,15 +424,19 @@ async def test_a_killed_engine_replica_restarts_and_gets_the_latest_weights(tmp_
             new_pid = await asyncio.wait_for(replica.pid.remote(), 5)
             if new_pid != pid and stats["version"] >= killed_at:
                 seen = {"pid": new_pid, "version": stats["version"]}
-                seen["proxy"] = await job.proxy_handle.stats.remote()
                 break
         await asyncio.sleep(0.05)
     summary = await task
     check_invariants(summary, cfg)
     assert [r["version"] for r in train_rows(tmp_path / "run")] == list(range(1, cfg.steps + 1))
-    # the restarted process was given the weights it lost (it starts from the initial ones)
-    assert seen, "the restarted replica was never seen with the latest weights"
-    assert seen["proxy"].get("replica_lost", 0) + seen["proxy"].get("replicas_recovered", 0) >= 1
+    # the restarted process was given the weights it lost (it starts from the initial ones):
+    # the proxy's record says so; the poll above may miss the moment on a loaded machine (a
+    # reply slower than its 5 s wait), so what it saw, if anything, is checked on top
+    proxy = summary["proxy"]
+    assert proxy.get("replicas_recovered", 0) >= 1 and proxy.get("weights_reloaded", 0) >= 1, proxy
+    assert proxy.get("replicas_removed", 0) == 0, proxy
+    if seen:
+        assert seen["version"] >= killed_at and seen["pid"] != pid
     assert summary["trajectories"].get("infra_failed", 0) == 0  # the lost turns were re-run
 
 
