@@ -194,6 +194,7 @@ class RewardStream:
             "reward_ms": {
                 "mean": self._reward_ms_total / scored if scored else 0.0,
                 "max": self._reward_ms_max,
+                "total": self._reward_ms_total,
             },
         }
 

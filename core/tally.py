@@ -8,7 +8,7 @@
 
 ``counts`` run over the whole job (finished trajectories by status, generated tokens, groups
 dropped as stale or given up, aborted or masked trajectories that were trained); the
-generation and environment times of the finished trajectories are since the last row.
+generation, environment and reward times are means over what finished since the last row.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ class Tally:
         self.counts: Counter[str] = Counter()  # accounting of finished trajectories (and more)
         self._times: dict[str, list[float]] = {"gen_s": [], "env_s": []}
         self._seen: set[str] = set()
+        self._reward_mark = (0.0, 0)  # the reward stream's (total ms, scored) at the last row
         self.last_error = ""  # the last trajectory error seen
 
     def finished(self, traj: Trajectory) -> None:
@@ -58,6 +59,10 @@ class Tally:
         samples = [s for g in groups for s in g.samples]
         envr = [s.traj.env_reward for s in samples if s.traj.env_reward is not None]
         w, times = self.counts, self._times
+        rm = stream.metrics()
+        total_ms, scored = rm["reward_ms"]["total"], rm["scored"]
+        d_ms, d_n = total_ms - self._reward_mark[0], scored - self._reward_mark[1]
+        self._reward_mark = (total_ms, scored)
         row = {
             "kind": "train",
             "step": step,
@@ -80,7 +85,7 @@ class Tally:
                 "publish_s": round(publish_s, 3),
                 "gen_s": round(statistics.fmean(times["gen_s"]), 3) if times["gen_s"] else 0.0,
                 "env_s": round(statistics.fmean(times["env_s"]), 3) if times["env_s"] else 0.0,
-                "reward_s": round(stream.metrics()["reward_ms"]["mean"] / 1000, 3),
+                "reward_s": round(d_ms / d_n / 1000, 3) if d_n else 0.0,
             },
         }
         for k in ("gen_s", "env_s"):

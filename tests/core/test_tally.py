@@ -1,0 +1,64 @@
+"""The job's tally and the train rows of metrics.jsonl built from it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from core.buffer import Group
+from core.sample import Sample
+from core.tally import Tally
+from fabric.protocol import RewardResult, Trajectory
+
+
+class FakeStream:
+    """What a train row reads of the reward stream: its running totals."""
+
+    def __init__(self) -> None:
+        self.total_ms, self.scored = 0.0, 0
+
+    def score(self, *ms: float) -> None:
+        self.total_ms += sum(ms)
+        self.scored += len(ms)
+
+    def metrics(self) -> dict[str, Any]:
+        mean = self.total_ms / self.scored if self.scored else 0.0
+        return {"scored": self.scored, "reward_ms": {"mean": mean, "max": 0.0, "total": self.total_ms}}
+
+
+def group(gid: str, *statuses: str) -> Group:
+    samples = []
+    for i, status in enumerate(statuses):
+        traj = Trajectory(id=f"{gid}-{i}", status=status, info={"gen_s": 0.5, "env_s": 0.25})  # type: ignore[arg-type]
+        s = Sample(traj=traj, tag="t", group_id=gid, version=0, status="ok")
+        s.reward = RewardResult(score=float(i))
+        samples.append(s)
+    return Group(id=gid, version=0, samples=samples)
+
+
+def row(tally: Tally, stream: FakeStream, step: int) -> dict[str, Any]:
+    return tally.train_row(step, step, [group(f"g{step}", "ok", "ok")], {}, 1.0, 0.0, 0.0, 0.0, stream)  # type: ignore[arg-type]
+
+
+def test_times_are_per_row_and_counts_run_totals():
+    tally, stream = Tally(), FakeStream()
+    for t in group("a", "ok", "truncated", "infra_failed").samples:
+        tally.finished(t.traj)
+    stream.score(1000.0, 3000.0)
+    first = row(tally, stream, 1)
+    assert first["time"]["reward_s"] == 2.0 and first["time"]["gen_s"] == 0.5
+    tally.counts["given_up_groups"] += 1
+    stream.score(100.0)  # the second step's rewards only: not averaged with the first's
+    second = row(tally, stream, 2)
+    assert second["time"]["reward_s"] == 0.1
+    assert second["time"]["gen_s"] == 0.0  # nothing finished since the last row
+    assert second["finished"]["ok"] == 1 and second["finished"]["infra_failed"] == 1  # run totals
+    assert second["given_up_groups"] == 1
+    assert row(tally, stream, 3)["time"]["reward_s"] == 0.0  # nothing scored since
+
+
+def test_a_trajectory_counted_twice_is_recorded():
+    tally = Tally()
+    t = Trajectory(id="x", status="ok")
+    tally.finished(t)
+    tally.finished(t)
+    assert tally.counts["double_count"] == 1
