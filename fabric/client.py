@@ -32,11 +32,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from tenacity import (
     AsyncRetrying,
+    RetryCallState,
     retry_if_result,
     stop_after_attempt,
-    stop_after_delay,
     wait_random_exponential,
 )
+from tenacity.stop import stop_base
 
 from fabric.backends.base import Backend, make_backend
 from fabric.errors import FINAL_ERRORS, SAFE_TO_RETRY, ErrorCode, FabricError, PayloadError
@@ -74,6 +75,23 @@ class ClientConfig(BaseModel):
     """Deadline for calls that give none (None: bounded by the function's timeout and retries)."""
     idempotency_cache_size: int = Field(100_000, ge=0)
     tenant: str = "default"
+
+
+class _StopAtDeadline(stop_base):
+    """Stop retrying when the next backoff would end at or after the deadline: tenacity has
+    drawn that backoff (``upcoming_sleep``) when it asks, so no sleep runs past the deadline
+    (``stop_after_delay`` looks only at the time already spent)."""
+
+    def __init__(self, deadline: Callable[[], float | None]):
+        self.deadline = deadline
+        self.hit = False
+        """True once the deadline, not the attempts, ended the retries."""
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        d = self.deadline()
+        if d is not None and time.time() + retry_state.upcoming_sleep >= d:
+            self.hit = True
+        return self.hit
 
 
 class _HedgeClock:
@@ -250,7 +268,7 @@ class Client:
             async with fn.sem:
                 result = await self._attempt(fn, inv, hedge)
                 if not result.ok and self._should_retry(spec, result):
-                    result = await self._retry(fn, inv, result, hedge)
+                    result = await self._retry(fn, inv, result, hedge, lambda: inv.deadline)
             if owned is not None and (
                 result.ok or (result.error is not None and result.error.type in FINAL_ERRORS)
             ):
@@ -455,40 +473,67 @@ class Client:
             result.hedged = True
         return result
 
-    async def _retry(self, fn: _Fn, inv: Invocation, first: Result, hedge: bool | None) -> Result:
+    async def _retry(
+        self,
+        fn: _Fn,
+        inv: Invocation,
+        first: Result,
+        hedge: bool | None,
+        deadline: Callable[[], float | None],
+    ) -> Result:
         """Retry a retryable failure: exponential backoff with full jitter, bounded by the
-        function's attempts and by the call's deadline. Runs only after a failure."""
+        function's attempts and by ``deadline()``. Runs only after a failure.
+
+        Never sleeps past the deadline: when the next backoff would end after it, the retries
+        stop and the answer is the last real failure (its type and message, with a note that
+        the deadline left no time for another attempt), not a made-up deadline error."""
         policy = fn.spec.retry
-        stop: Any = stop_after_attempt(policy.max_attempts)
-        remaining = inv.remaining_s()
-        if remaining is not None:
-            stop = stop | stop_after_delay(max(remaining, 0.0))
-        already = [first]  # tenacity's first attempt is the one the fast path made
-        attempts = itertools.count(2)
+        pending_first = [first]  # tenacity's first attempt is the one the fast path made
+        sent = 1
+        last = prev = first
+        at_deadline = _StopAtDeadline(deadline)
 
         async def attempt() -> Result:
-            if already:
-                return already.pop()
-            rem = inv.remaining_s()
-            if rem is not None and rem <= 0:
-                return Result.failure(
-                    ErrorCode.DEADLINE_EXCEEDED,
-                    "deadline passed before a retry could start",
-                    function=inv.function,
-                    request_id=inv.request_id,
-                )
+            nonlocal sent, last, prev
+            if pending_first:
+                return pending_first.pop()
+            d = deadline()
+            if d is not None and time.time() >= d:
+                at_deadline.hit = True  # the backoff overran the deadline a little: send nothing
+                return last
+            sent += 1
             fn.metrics.retries += 1
-            return await self._attempt(fn, inv.model_copy(update={"attempt": next(attempts)}), hedge)
+            prev, last = last, await self._attempt(fn, inv.model_copy(update={"attempt": sent}), hedge)
+            return last
 
         retrying = AsyncRetrying(
-            stop=stop,
+            stop=stop_after_attempt(policy.max_attempts) | at_deadline,
             wait=wait_random_exponential(multiplier=policy.initial_backoff_s, max=policy.max_backoff_s),
             retry=retry_if_result(lambda r: not r.ok and self._should_retry(fn.spec, r)),
-            retry_error_callback=lambda state: state.outcome.result() if state.outcome else first,
+            retry_error_callback=lambda state: state.outcome.result() if state.outcome else last,
             sleep=asyncio.sleep,
         )
         result: Result = await retrying(attempt)
-        result.attempts = retrying.statistics.get("attempt_number", 1)
+        result.attempts = sent
+        err = result.error
+        note = None
+        if err is not None and at_deadline.hit and sent < policy.max_attempts:
+            note = (
+                f" (not retried: the deadline left no time for attempt {sent + 1} of {policy.max_attempts})"
+            )
+        elif (
+            err is not None
+            and err.type == ErrorCode.DEADLINE_EXCEEDED
+            and prev.error is not None
+            and sent > 1
+        ):
+            # the deadline passed during the last attempt: keep the cause of the retries
+            note = f"; attempt {sent - 1} had failed with {prev.error.type}: {prev.error.message}"
+        if note is not None:
+            assert err is not None
+            result = result.model_copy(
+                update={"error": err.model_copy(update={"message": err.message + note})}
+            )
         return result
 
     def _settle(self, fn: _Fn, result: Result, t0: float) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from fabric.errors import Unavailable
 from fabric.registry import Registry
 
 REG = Registry()
@@ -40,3 +41,9 @@ async def paid_nap(seconds: float, tag: int = 0) -> int:
     """Like ``nap``, but each call costs money: never hedged."""
     await asyncio.sleep(seconds)
     return tag
+
+
+@REG.function(retry={"max_attempts": 5, "initial_backoff_s": 5.0, "max_backoff_s": 5.0})
+def overloaded() -> int:
+    """A dependency that is always down; its backoff (up to 5 s) dwarfs the tests' deadlines."""
+    raise Unavailable("judge endpoint overloaded")

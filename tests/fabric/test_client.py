@@ -53,6 +53,27 @@ async def test_deadline_bounds_the_retries():
     assert fake.invocations[0].deadline is not None  # the deadline travels with the call
 
 
+async def test_retry_backoff_never_sleeps_past_the_deadline():
+    # a backoff of up to 5 s (full jitter) against a 0.3 s deadline: the retries stop when the
+    # next sleep would end after the deadline, for a keyed execution as for a plain call
+    c, _ = make()
+    async with c:
+        for key in (None, None, "k1", "k2"):
+            t0 = time.monotonic()
+            r = await c.call("overloaded", {}, deadline_s=0.3, idempotency_key=key)
+            elapsed = time.monotonic() - t0
+            assert not r.ok and elapsed < 1.0, f"deadline 0.3 s, answered after {elapsed:.2f} s ({r.error})"
+
+
+async def test_a_deadline_during_retries_keeps_the_cause():
+    c, fake = make()
+    r = await c.call("overloaded", {}, deadline_s=0.3)
+    # the real failure, not a made-up "deadline passed before a retry could start"
+    assert r.error.type == ErrorCode.UNAVAILABLE and r.retryable
+    assert "judge endpoint overloaded" in r.error.message and "deadline left no time" in r.error.message
+    assert r.attempts == len(fake.invocations) < 5
+
+
 async def test_idempotency_key_means_one_execution():
     c, fake = make()
     r1 = await c.call("double", {"x": 3}, idempotency_key="traj-1")
