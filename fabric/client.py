@@ -12,7 +12,8 @@ What it adds on top of a backend, per function:
   bounded by attempts and by the deadline;
 * hedged requests: a duplicate after the function's observed p95 latency, capped to a
   share of calls; the first answer wins and the loser is cancelled;
-* idempotency: one execution per key; a repeated key gets the cached result;
+* idempotency: one execution per key, shared by every caller with the key (each waits
+  within its own deadline), then its cached result;
 * a circuit breaker that opens after consecutive infrastructure failures;
 * metrics (``client.metrics()``).
 
@@ -32,14 +33,22 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from tenacity import (
     AsyncRetrying,
+    RetryCallState,
     retry_if_result,
     stop_after_attempt,
-    stop_after_delay,
     wait_random_exponential,
 )
+from tenacity.stop import stop_base
 
 from fabric.backends.base import Backend, make_backend
-from fabric.errors import FINAL_ERRORS, SAFE_TO_RETRY, ErrorCode, FabricError, PayloadError
+from fabric.errors import (
+    FINAL_ERRORS,
+    RETRYABLE,
+    SAFE_TO_RETRY,
+    ErrorCode,
+    FabricError,
+    PayloadError,
+)
 from fabric.metrics import FunctionMetrics
 from fabric.protocol import Invocation, Result, encode_payload
 from fabric.registry import Registry, default_registry
@@ -74,6 +83,29 @@ class ClientConfig(BaseModel):
     """Deadline for calls that give none (None: bounded by the function's timeout and retries)."""
     idempotency_cache_size: int = Field(100_000, ge=0)
     tenant: str = "default"
+
+
+#: Failures after which a call may have run, in part or whole (the worker died in it, it ran
+#: past its timeout, the transport lost the answer, the function reported a dependency down):
+#: for a function with side effects, the effect may have happened.
+_MAY_HAVE_RUN: frozenset[str] = RETRYABLE - SAFE_TO_RETRY
+
+
+class _StopAtDeadline(stop_base):
+    """Stop retrying when the next backoff would end at or after the deadline: tenacity has
+    drawn that backoff (``upcoming_sleep``) when it asks, so no sleep runs past the deadline
+    (``stop_after_delay`` looks only at the time already spent)."""
+
+    def __init__(self, deadline: Callable[[], float | None]):
+        self.deadline = deadline
+        self.hit = False
+        """True once the deadline, not the attempts, ended the retries."""
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        d = self.deadline()
+        if d is not None and time.time() + retry_state.upcoming_sleep >= d:
+            self.hit = True
+        return self.hit
 
 
 class _HedgeClock:
@@ -131,6 +163,27 @@ class _Fn:
 _BURST = 5  # hedges allowed beyond the share, so a short run can still hedge
 
 
+class _Execution:
+    """The one execution under an idempotency key, shared by every caller with the key.
+
+    It belongs to the key, not to the caller that started it: a caller's deadline or
+    cancellation ends only that caller's wait. It ends when the backend answers (a hung call
+    is bounded by the function's ``timeout_s``), and only then is the key free again, so a
+    caller that comes later never starts a second execution while the first may still run."""
+
+    __slots__ = ("deadline", "task")
+
+    def __init__(self, deadline: float | None):
+        self.deadline = deadline
+        """The latest deadline of the callers that joined (None once one has none): retries
+        stop when no caller could still use their answer."""
+        self.task: asyncio.Task[Result] | None = None
+
+    def join(self, deadline: float | None) -> None:
+        if self.deadline is not None:
+            self.deadline = None if deadline is None else max(self.deadline, deadline)
+
+
 class Client:
     def __init__(
         self,
@@ -154,7 +207,8 @@ class Client:
         )
         self._fns: dict[str, _Fn] = {}
         self._cache: dict[str, Result] = {}
-        self._inflight: dict[str, asyncio.Future[Result]] = {}
+        self._inflight: dict[str, _Execution] = {}
+        self._executions: set[asyncio.Task[Result]] = set()
         self._ids = itertools.count(1)
         self._prefix = os.urandom(4).hex()
 
@@ -166,6 +220,11 @@ class Client:
         await self.aclose()
 
     async def aclose(self) -> None:
+        # keyed executions outlive their callers (see _Execution); they end with the client
+        tasks = list(self._executions)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._owns_backend:
             await self.backend.aclose()
 
@@ -215,51 +274,30 @@ class Client:
             raw = encode_payload(payload, limit=self.backend.max_payload_bytes, what=f"payload of {name}")
         except PayloadError as e:
             return self._refuse(m, e.code, str(e), name, request_id)
-        # idempotency: one execution per key; a caller that finds the key in flight waits for
-        # that execution, and tries itself if it ended without a final answer
-        key = f"{name}:{spec.version}:{idempotency_key if idempotency_key is not None else request_id}"
+        deadline_s = deadline_s if deadline_s is not None else self.config.default_deadline_s
+        deadline = time.time() + deadline_s if deadline_s is not None else None
         if idempotency_key is not None:
-            while True:
-                hit = self._cache.get(key)
-                if hit is not None:
-                    m.cache_hits += 1
-                    return hit.model_copy(update={"cached": True, "request_id": request_id})
-                owner = self._inflight.get(key)
-                if owner is None:
-                    break
-                await asyncio.shield(owner)
+            return await self._call_keyed(
+                fn, idempotency_key, payload, raw, request_id, deadline, hedge, tenant, t0
+            )
         refusal = self._breaker_admits(fn)
         if refusal is not None:
             return self._refuse(m, ErrorCode.CIRCUIT_OPEN, refusal, name, request_id)
-        deadline_s = deadline_s if deadline_s is not None else self.config.default_deadline_s
         inv = Invocation.fast(
             function=name,
             payload=payload,
             request_id=request_id,
-            idempotency_key=key,
-            deadline=time.time() + deadline_s if deadline_s is not None else None,
+            idempotency_key=f"{name}:{spec.version}:{request_id}",
+            deadline=deadline,
             tenant=tenant or self.config.tenant,
             attempt=1,
             hedge=False,
             raw=raw,
         )
-        owned: asyncio.Future[None] | None = None
-        if idempotency_key is not None:
-            owned = self._inflight[key] = asyncio.get_running_loop().create_future()
-        try:
-            async with fn.sem:
-                result = await self._attempt(fn, inv, hedge)
-                if not result.ok and self._should_retry(spec, result):
-                    result = await self._retry(fn, inv, result, hedge)
-            if owned is not None and (
-                result.ok or (result.error is not None and result.error.type in FINAL_ERRORS)
-            ):
-                self._remember(key, result)
-        finally:
-            if owned is not None:
-                # waiters wake whatever happened to us (answered, failed, cancelled)
-                del self._inflight[key]
-                owned.set_result(None)
+        async with fn.sem:
+            result = await self._attempt(fn, inv, hedge)
+            if not result.ok and self._should_retry(spec, result):
+                result = await self._retry(fn, inv, result, hedge, lambda: deadline)
         self._settle(fn, result, t0)
         return result
 
@@ -340,6 +378,136 @@ class Client:
         return {name: fn.metrics.snapshot() for name, fn in self._fns.items()}
 
     # ------------------------------------------------------------------ internals
+    async def _call_keyed(
+        self,
+        fn: _Fn,
+        user_key: str,
+        payload: dict[str, Any],
+        raw: bytes,
+        request_id: str,
+        deadline: float | None,
+        hedge: bool | None,
+        tenant: str | None,
+        t0: float,
+    ) -> Result:
+        """A call under an idempotency key: the key's cached answer, else its execution
+        (joined when one is in flight, else started), waited for until this caller's own
+        deadline."""
+        spec = fn.spec
+        m = fn.metrics
+        key = f"{spec.name}:{spec.version}:{user_key}"
+        hit = self._cache.get(key)
+        if hit is not None:
+            m.cache_hits += 1
+            return hit.model_copy(update={"cached": True, "request_id": request_id})
+        ex = self._inflight.get(key)
+        joined = ex is not None
+        if ex is None:
+            refusal = self._breaker_admits(fn)
+            if refusal is not None:
+                return self._refuse(m, ErrorCode.CIRCUIT_OPEN, refusal, spec.name, request_id)
+            inv = Invocation.fast(
+                function=spec.name,
+                payload=payload,
+                request_id=request_id,
+                idempotency_key=key,
+                # no caller's deadline goes to the backend: it would answer DeadlineExceeded
+                # there while a synchronous handler runs on, and the key would look free while
+                # its execution still runs; each caller's deadline bounds its own wait instead
+                deadline=None,
+                tenant=tenant or self.config.tenant,
+                attempt=1,
+                hedge=False,
+                raw=raw,
+            )
+            ex = self._inflight[key] = _Execution(deadline)
+            ex.task = asyncio.create_task(self._execute(fn, inv, user_key, ex, hedge))
+            self._executions.add(ex.task)
+            ex.task.add_done_callback(self._executions.discard)
+        else:
+            ex.join(deadline)
+        task = ex.task
+        assert task is not None
+        # asyncio.wait never cancels the task: a caller that gives up leaves it to the others
+        await asyncio.wait((task,), timeout=None if deadline is None else max(deadline - time.time(), 0.0))
+        if not task.done():
+            result = Result.failure(
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"{spec.name}: deadline passed while the call under idempotency key {user_key!r} was in "
+                "progress; it goes on, and a later call with this key gets its answer",
+                function=spec.name,
+                request_id=request_id,
+            )
+        elif task.cancelled():
+            result = Result.failure(
+                ErrorCode.CANCELLED,
+                f"{spec.name}: the client closed before the call under idempotency key {user_key!r} ended",
+                function=spec.name,
+                request_id=request_id,
+            )
+        else:
+            result = task.result()
+            if joined:  # no new execution for this caller
+                m.cache_hits += 1
+                timings = result.timings.model_copy(update={"total_ms": (time.perf_counter() - t0) * 1e3})
+                return result.model_copy(
+                    update={"cached": True, "request_id": request_id, "timings": timings}
+                )
+        self._settle(fn, result, t0)
+        return result
+
+    async def _execute(
+        self, fn: _Fn, inv: Invocation, user_key: str, ex: _Execution, hedge: bool | None
+    ) -> Result:
+        """The execution under a key: attempts and retries, then what a later caller with
+        the key gets (``_conclude``), and the key is free again."""
+        key = inv.idempotency_key
+        assert key is not None
+        try:
+            async with fn.sem:
+                if ex.deadline is not None and ex.deadline <= time.time():
+                    # every caller gave up while it waited for a slot: nothing was sent
+                    fn.probing = False  # it may have been the breaker's probe
+                    result = Result.failure(
+                        ErrorCode.DEADLINE_EXCEEDED,
+                        "deadline passed before the call was sent",
+                        function=inv.function,
+                        request_id=inv.request_id,
+                    )
+                else:
+                    result = await self._attempt(fn, inv, hedge)
+                    if not result.ok and self._should_retry(fn.spec, result):
+                        result = await self._retry(fn, inv, result, hedge, lambda: ex.deadline)
+            self._conclude(fn, key, user_key, result)
+            return result
+        finally:
+            if self._inflight.get(key) is ex:
+                del self._inflight[key]
+
+    def _conclude(self, fn: _Fn, key: str, user_key: str, result: Result) -> None:
+        """Remember what a later caller with the key gets instead of a new execution: the
+        function's own answer; or, for a function with side effects whose call may have run
+        (WorkerLost, FunctionTimeout, ...), a final ``OutcomeUnknown``, since running it
+        again could apply the effect twice. After other failures (the call did not run, or
+        a pure function) the next caller with the key runs it again."""
+        err = result.error
+        if err is None or err.type in FINAL_ERRORS:
+            self._remember(key, result)
+        elif fn.spec.side_effects and err.type in _MAY_HAVE_RUN:
+            name = fn.spec.name
+            self._remember(
+                key,
+                Result.failure(
+                    ErrorCode.OUTCOME_UNKNOWN,
+                    f"{name}: the call under idempotency key {user_key!r} ended with {err.type} "
+                    f"({err.message}) and may have run; {name} has side effects, so it is not run "
+                    "again under this key. Check whether its effect happened; to run it again, call "
+                    "with a new idempotency key",
+                    function=name,
+                    request_id=result.request_id,
+                ),
+            )
+
     def _spec_or_default(self, name: str) -> FunctionSpec:
         if name in self.registry:
             return self.registry.get(name)
@@ -455,40 +623,68 @@ class Client:
             result.hedged = True
         return result
 
-    async def _retry(self, fn: _Fn, inv: Invocation, first: Result, hedge: bool | None) -> Result:
+    async def _retry(
+        self,
+        fn: _Fn,
+        inv: Invocation,
+        first: Result,
+        hedge: bool | None,
+        deadline: Callable[[], float | None],
+    ) -> Result:
         """Retry a retryable failure: exponential backoff with full jitter, bounded by the
-        function's attempts and by the call's deadline. Runs only after a failure."""
+        function's attempts and by ``deadline()`` (read at each step: a keyed execution's
+        grows as callers join). Runs only after a failure.
+
+        Never sleeps past the deadline: when the next backoff would end after it, the retries
+        stop and the answer is the last real failure (its type and message, with a note that
+        the deadline left no time for another attempt), not a made-up deadline error."""
         policy = fn.spec.retry
-        stop: Any = stop_after_attempt(policy.max_attempts)
-        remaining = inv.remaining_s()
-        if remaining is not None:
-            stop = stop | stop_after_delay(max(remaining, 0.0))
-        already = [first]  # tenacity's first attempt is the one the fast path made
-        attempts = itertools.count(2)
+        pending_first = [first]  # tenacity's first attempt is the one the fast path made
+        sent = 1
+        last = prev = first
+        at_deadline = _StopAtDeadline(deadline)
 
         async def attempt() -> Result:
-            if already:
-                return already.pop()
-            rem = inv.remaining_s()
-            if rem is not None and rem <= 0:
-                return Result.failure(
-                    ErrorCode.DEADLINE_EXCEEDED,
-                    "deadline passed before a retry could start",
-                    function=inv.function,
-                    request_id=inv.request_id,
-                )
+            nonlocal sent, last, prev
+            if pending_first:
+                return pending_first.pop()
+            d = deadline()
+            if d is not None and time.time() >= d:
+                at_deadline.hit = True  # the backoff overran the deadline a little: send nothing
+                return last
+            sent += 1
             fn.metrics.retries += 1
-            return await self._attempt(fn, inv.model_copy(update={"attempt": next(attempts)}), hedge)
+            prev, last = last, await self._attempt(fn, inv.model_copy(update={"attempt": sent}), hedge)
+            return last
 
         retrying = AsyncRetrying(
-            stop=stop,
+            stop=stop_after_attempt(policy.max_attempts) | at_deadline,
             wait=wait_random_exponential(multiplier=policy.initial_backoff_s, max=policy.max_backoff_s),
             retry=retry_if_result(lambda r: not r.ok and self._should_retry(fn.spec, r)),
-            retry_error_callback=lambda state: state.outcome.result() if state.outcome else first,
+            retry_error_callback=lambda state: state.outcome.result() if state.outcome else last,
             sleep=asyncio.sleep,
         )
         result: Result = await retrying(attempt)
-        result.attempts = retrying.statistics.get("attempt_number", 1)
+        result.attempts = sent
+        err = result.error
+        note = None
+        if err is not None and at_deadline.hit and sent < policy.max_attempts:
+            note = (
+                f" (not retried: the deadline left no time for attempt {sent + 1} of {policy.max_attempts})"
+            )
+        elif (
+            err is not None
+            and err.type == ErrorCode.DEADLINE_EXCEEDED
+            and prev.error is not None
+            and sent > 1
+        ):
+            # the deadline passed during the last attempt: keep the cause of the retries
+            note = f"; attempt {sent - 1} had failed with {prev.error.type}: {prev.error.message}"
+        if note is not None:
+            assert err is not None
+            result = result.model_copy(
+                update={"error": err.model_copy(update={"message": err.message + note})}
+            )
         return result
 
     def _settle(self, fn: _Fn, result: Result, t0: float) -> None:

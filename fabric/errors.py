@@ -54,6 +54,10 @@ class ErrorCode(StrEnum):
     CANCELLED = "Cancelled"
     UNAUTHORIZED = "Unauthorized"  # the backend refused our credentials or token
     UNAVAILABLE = "Unavailable"  # the function raised ``Unavailable``: a dependency failed transiently
+    # an earlier call under this idempotency key of a side-effecting function ended in an unknown
+    # state (WorkerLost, FunctionTimeout, ...): its effect may have happened, so the client does
+    # not run it again under that key (a new key does)
+    OUTCOME_UNKNOWN = "OutcomeUnknown"
 
 
 RETRYABLE: frozenset[str] = frozenset(

@@ -1,9 +1,12 @@
-"""Functions for the client tests (run in-process by FakeBackend)."""
+"""Functions for the client tests (run in-process by FakeBackend; top level, so that the
+few tests with real worker processes can import them there too)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
+from fabric.errors import Unavailable
 from fabric.registry import Registry
 
 REG = Registry()
@@ -40,3 +43,18 @@ async def paid_nap(seconds: float, tag: int = 0) -> int:
     """Like ``nap``, but each call costs money: never hedged."""
     await asyncio.sleep(seconds)
     return tag
+
+
+@REG.tool(side_effects=True, timeout_s=10)
+def charge(path: str, amount: int, seconds: float = 0.0) -> int:
+    """A side effect (a payment appended to ``path``), then slow work."""
+    with open(path, "a") as f:
+        f.write(f"{amount}\n")
+    time.sleep(seconds)
+    return amount
+
+
+@REG.function(retry={"max_attempts": 5, "initial_backoff_s": 5.0, "max_backoff_s": 5.0})
+def overloaded() -> int:
+    """A dependency that is always down; its backoff (up to 5 s) dwarfs the tests' deadlines."""
+    raise Unavailable("judge endpoint overloaded")

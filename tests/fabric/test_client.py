@@ -8,6 +8,7 @@ import time
 
 from client_fns import REG
 
+from fabric.backends.base import LocalConfig
 from fabric.client import Client, ClientConfig
 from fabric.errors import ErrorCode
 from fabric.testing import FakeBackend, Fault
@@ -53,6 +54,27 @@ async def test_deadline_bounds_the_retries():
     assert fake.invocations[0].deadline is not None  # the deadline travels with the call
 
 
+async def test_retry_backoff_never_sleeps_past_the_deadline():
+    # a backoff of up to 5 s (full jitter) against a 0.3 s deadline: the retries stop when the
+    # next sleep would end after the deadline, for a keyed execution as for a plain call
+    c, _ = make()
+    async with c:
+        for key in (None, None, "k1", "k2"):
+            t0 = time.monotonic()
+            r = await c.call("overloaded", {}, deadline_s=0.3, idempotency_key=key)
+            elapsed = time.monotonic() - t0
+            assert not r.ok and elapsed < 1.0, f"deadline 0.3 s, answered after {elapsed:.2f} s ({r.error})"
+
+
+async def test_a_deadline_during_retries_keeps_the_cause():
+    c, fake = make()
+    r = await c.call("overloaded", {}, deadline_s=0.3)
+    # the real failure, not a made-up "deadline passed before a retry could start"
+    assert r.error.type == ErrorCode.UNAVAILABLE and r.retryable
+    assert "judge endpoint overloaded" in r.error.message and "deadline left no time" in r.error.message
+    assert r.attempts == len(fake.invocations) < 5
+
+
 async def test_idempotency_key_means_one_execution():
     c, fake = make()
     r1 = await c.call("double", {"x": 3}, idempotency_key="traj-1")
@@ -88,15 +110,82 @@ async def test_side_effects_are_retried_only_when_the_call_did_not_run():
     assert (await c.call("effect", {"x": 1})).attempts == 1
 
 
-async def test_waiters_on_a_key_retry_themselves_when_the_owner_is_cancelled():
+async def test_a_cancelled_caller_leaves_the_keyed_execution_to_the_others():
+    c, fake = make()
+    async with c:
+        owner = asyncio.create_task(c.call("nap", {"seconds": 0.3, "tag": 1}, idempotency_key="k"))
+        await asyncio.sleep(0.05)
+        waiter = asyncio.create_task(c.call("nap", {"seconds": 0.3, "tag": 1}, idempotency_key="k"))
+        await asyncio.sleep(0.05)
+        owner.cancel()
+        r = await asyncio.wait_for(waiter, 2)
+        assert r.ok and r.value == 1 and r.cached  # the execution went on; the waiter joined it
+        assert len(fake.invocations) == 1
+
+
+async def test_a_caller_joining_a_keyed_execution_keeps_its_own_deadline():
+    c, fake = make()
+    async with c:
+        owner = asyncio.create_task(c.call("nap", {"seconds": 1.0, "tag": 3}, idempotency_key="k"))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        r = await c.call("nap", {"seconds": 1.0, "tag": 3}, idempotency_key="k", deadline_s=0.2)
+        elapsed = time.monotonic() - t0
+        assert r.error.type == ErrorCode.DEADLINE_EXCEEDED and elapsed < 0.7, (elapsed, r.error)
+        assert (await owner).value == 3  # giving up did not cancel the shared execution
+        assert len(fake.invocations) == 1
+
+
+async def test_closing_the_client_ends_the_keyed_executions_nobody_waits_for():
     c, _ = make()
-    owner = asyncio.create_task(c.call("nap", {"seconds": 0.3, "tag": 1}, idempotency_key="k"))
-    await asyncio.sleep(0.05)
-    waiter = asyncio.create_task(c.call("nap", {"seconds": 0.01, "tag": 1}, idempotency_key="k"))
-    await asyncio.sleep(0.05)
-    owner.cancel()
-    r = await asyncio.wait_for(waiter, 2)
-    assert r.ok and r.value == 1 and not r.cached
+    t0 = time.monotonic()
+    async with c:
+        r = await c.call("nap", {"seconds": 30}, idempotency_key="k", deadline_s=0.05)
+        assert r.error.type == ErrorCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - t0 < 5
+
+
+async def test_one_idempotency_key_runs_a_side_effect_once(tmp_path):
+    """The first caller's deadline passes while the call runs on in its worker (the worker is
+    not killed for a caller's deadline); a second caller with the key joins that execution
+    instead of paying a second time, and a later one gets the cached answer."""
+    path = tmp_path / "payments"
+    payload = {"path": str(path), "amount": 5, "seconds": 0.6}
+    async with Client(backend=LocalConfig(max_workers=2), registry=REG) as c:
+        await c.warmup(["charge"])
+        first = asyncio.create_task(c.call("charge", payload, idempotency_key="order-1", deadline_s=0.2))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(c.call("charge", payload, idempotency_key="order-1"))
+        r1, r2 = await asyncio.gather(first, second)
+        assert path.read_text().split() == ["5"], "one idempotency key, two executions of a side effect"
+        assert r1.error.type == ErrorCode.DEADLINE_EXCEEDED and "goes on" in r1.error.message
+        assert r2.ok and r2.value == 5 and r2.cached
+        r3 = await c.call("charge", payload, idempotency_key="order-1", deadline_s=0.2)
+        assert r3.ok and r3.cached
+    assert path.read_text().split() == ["5"]
+
+
+async def test_a_side_effect_that_may_have_run_is_not_run_again_under_its_key():
+    c, fake = make()
+    for code in (ErrorCode.WORKER_LOST, ErrorCode.TIMEOUT):
+        fake.fail_next("effect", code)
+        r = await c.call("effect", {"x": 1}, idempotency_key=f"pay-{code}")
+        assert r.error.type == code and r.attempts == 1
+        sent = len(fake.invocations)
+        again = await c.call("effect", {"x": 1}, idempotency_key=f"pay-{code}")
+        assert again.error.type == ErrorCode.OUTCOME_UNKNOWN and not again.retryable and again.cached
+        assert code in again.error.message and "new idempotency key" in again.error.message
+        assert len(fake.invocations) == sent  # nothing was sent
+    assert (await c.call("effect", {"x": 1}, idempotency_key="pay-new")).ok  # a new key runs it
+    # a call that provably did not run leaves the key free
+    fake.fail_next("effect", ErrorCode.THROTTLED, times=3)
+    assert (await c.call("effect", {"x": 1}, idempotency_key="pay-t")).error.type == ErrorCode.THROTTLED
+    assert (await c.call("effect", {"x": 1}, idempotency_key="pay-t")).ok
+    # a pure function runs again after an infrastructure failure
+    fake.fail_next("double", ErrorCode.WORKER_LOST, times=3)
+    assert (await c.call("double", {"x": 2}, idempotency_key="d")).error.type == ErrorCode.WORKER_LOST
+    r = await c.call("double", {"x": 2}, idempotency_key="d")
+    assert r.ok and r.value == 4 and not r.cached
 
 
 async def test_infrastructure_failures_are_not_cached_under_a_key():
@@ -129,6 +218,22 @@ async def test_hedge_fires_after_p95_and_first_answer_wins():
         fake.invocations[-1].hedge
         and fake.invocations[-1].idempotency_key == fake.invocations[-2].idempotency_key
     )
+
+
+async def test_a_keyed_call_is_hedged_under_its_key_and_its_answer_cached():
+    c, fake = make(hedge={"min_samples": 20, "max_share": 0.5})
+    async with c:
+        await _warm_latency(c)
+        fake.inject("nap", Fault(delay_s=1.0))  # the primary straggles, the hedge does not
+        t0 = time.monotonic()
+        r = await c.call("nap", {"seconds": 0.001, "tag": 9}, idempotency_key="h")
+        assert r.ok and r.value == 9 and r.hedged and not r.cached
+        assert time.monotonic() - t0 < 0.5
+        primary, dup = fake.invocations[-2:]
+        assert dup.hedge and dup.idempotency_key == primary.idempotency_key
+        assert fake.executions[primary.idempotency_key] == 1  # the straggler was cancelled
+        again = await c.call("nap", {"seconds": 0.001, "tag": 9}, idempotency_key="h")
+        assert again.cached and again.value == 9 and len(fake.invocations) == 32
 
 
 async def test_no_hedge_when_disabled_or_for_side_effects():
