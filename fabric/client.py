@@ -280,7 +280,7 @@ class Client:
             return await self._call_keyed(
                 fn, idempotency_key, payload, raw, request_id, deadline, hedge, tenant, t0
             )
-        refusal = self._breaker_admits(fn)
+        refusal, probe = self._breaker_admits(fn)
         if refusal is not None:
             return self._refuse(m, ErrorCode.CIRCUIT_OPEN, refusal, name, request_id)
         inv = Invocation.fast(
@@ -294,10 +294,14 @@ class Client:
             hedge=False,
             raw=raw,
         )
-        async with fn.sem:
-            result = await self._attempt(fn, inv, hedge)
-            if not result.ok and self._should_retry(spec, result):
-                result = await self._retry(fn, inv, result, hedge, lambda: deadline)
+        try:
+            async with fn.sem:
+                result = await self._attempt(fn, inv, hedge)
+                if not result.ok and self._should_retry(spec, result):
+                    result = await self._retry(fn, inv, result, hedge, lambda: deadline)
+        finally:
+            if probe:
+                fn.probing = False
         self._settle(fn, result, t0)
         return result
 
@@ -403,7 +407,7 @@ class Client:
         ex = self._inflight.get(key)
         joined = ex is not None
         if ex is None:
-            refusal = self._breaker_admits(fn)
+            refusal, probe = self._breaker_admits(fn)
             if refusal is not None:
                 return self._refuse(m, ErrorCode.CIRCUIT_OPEN, refusal, spec.name, request_id)
             inv = Invocation.fast(
@@ -421,7 +425,7 @@ class Client:
                 raw=raw,
             )
             ex = self._inflight[key] = _Execution(deadline)
-            ex.task = asyncio.create_task(self._execute(fn, inv, user_key, ex, hedge))
+            ex.task = asyncio.create_task(self._execute(fn, inv, user_key, ex, hedge, probe))
             self._executions.add(ex.task)
             ex.task.add_done_callback(self._executions.discard)
         else:
@@ -457,7 +461,7 @@ class Client:
         return result
 
     async def _execute(
-        self, fn: _Fn, inv: Invocation, user_key: str, ex: _Execution, hedge: bool | None
+        self, fn: _Fn, inv: Invocation, user_key: str, ex: _Execution, hedge: bool | None, probe: bool
     ) -> Result:
         """The execution under a key: attempts and retries, then what a later caller with
         the key gets (``_conclude``), and the key is free again."""
@@ -467,7 +471,6 @@ class Client:
             async with fn.sem:
                 if ex.deadline is not None and ex.deadline <= time.time():
                     # every caller gave up while it waited for a slot: nothing was sent
-                    fn.probing = False  # it may have been the breaker's probe
                     result = Result.failure(
                         ErrorCode.DEADLINE_EXCEEDED,
                         "deadline passed before the call was sent",
@@ -481,6 +484,8 @@ class Client:
             self._conclude(fn, key, user_key, result)
             return result
         finally:
+            if probe:
+                fn.probing = False
             if self._inflight.get(key) is ex:
                 del self._inflight[key]
 
@@ -520,22 +525,25 @@ class Client:
         # a function with side effects is retried only when the call provably did not run
         return not spec.side_effects or (r.error is not None and r.error.type in SAFE_TO_RETRY)
 
-    def _breaker_admits(self, fn: _Fn) -> str | None:
-        """None when the call may go; else why not. After the cooldown one probe goes
-        through; its outcome closes the circuit or opens it again."""
+    def _breaker_admits(self, fn: _Fn) -> tuple[str | None, bool]:
+        """``(None, is_probe)`` when the call may go, else ``(why not, False)``. After the
+        cooldown one probe goes through; its outcome closes the circuit or opens it again.
+        The probe's caller ends the probe (``fn.probing = False``) however its call ends,
+        even cancelled while it waits for a concurrency slot: else the circuit would stay
+        half-open, refusing every call, for good."""
         if fn.consecutive_failures < self.config.breaker.failure_threshold:
-            return None
+            return None, False
         now = time.monotonic()
         if now >= fn.breaker_open_until and not fn.probing:
             fn.probing = True
-            return None
+            return None, True
         wait = max(fn.breaker_open_until - now, 0.0)
         return (
             f"{fn.spec.name}: circuit open after {fn.consecutive_failures} infrastructure failures in a row; "
             f"retry in {wait:.1f} s"
             if wait
             else f"{fn.spec.name}: circuit half-open, a probe call is in flight"
-        )
+        ), False
 
     @staticmethod
     def _refuse(m: FunctionMetrics, code: ErrorCode, message: str, name: str, request_id: str) -> Result:
@@ -559,17 +567,14 @@ class Client:
         delay_ms = None
         if (hedge if hedge is not None else hcfg.enabled) and fn.spec.hedgeable:
             delay_ms = fn.metrics.window.quantile(hcfg.min_samples)
-        try:
-            if delay_ms is None:
-                try:
-                    result = await primary
-                except asyncio.CancelledError:
-                    primary.cancel()
-                    raise
-            else:
-                result = await self._hedged(fn, inv, primary, max(delay_ms, hcfg.min_delay_ms) / 1e3)
-        finally:
-            fn.probing = False  # a cancelled probe must not leave the circuit half-open forever
+        if delay_ms is None:
+            try:
+                result = await primary
+            except asyncio.CancelledError:
+                primary.cancel()
+                raise
+        else:
+            result = await self._hedged(fn, inv, primary, max(delay_ms, hcfg.min_delay_ms) / 1e3)
         if result.ok:  # the hedge delay follows the latency of answers, not of fast failures
             fn.metrics.window.add((time.perf_counter() - t0) * 1e3)
         if result.ok or not result.retryable:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from client_fns import REG
 
 from fabric.backends.base import LocalConfig
@@ -288,6 +289,27 @@ async def test_circuit_opens_after_consecutive_infra_failures_and_recovers():
     assert r.error.type == ErrorCode.CIRCUIT_OPEN and "probe" in r.error.message  # one probe at a time
     assert (await probe).ok  # the probe went through and closed the circuit
     assert (await c.call("double", {"x": 1})).ok
+
+
+async def test_a_probe_cancelled_while_it_waits_for_a_slot_does_not_jam_the_circuit():
+    c, fake = make(breaker={"failure_threshold": 3, "cooldown_s": 0.05})
+    fake.fail_next("double", ErrorCode.WORKER_LOST, times=3)
+    assert not (await c.call("double", {"x": 1})).ok  # the circuit opens
+    await asyncio.sleep(0.06)
+    fn = c._fns["double"]
+    for _ in range(fn.spec.max_concurrency):  # every slot busy: the probe will queue for one
+        await fn.sem.acquire()
+    probe = asyncio.create_task(c.call("double", {"x": 1}))
+    await asyncio.sleep(0.01)
+    assert fn.probing  # admitted as the probe, waiting for a slot
+    probe.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await probe
+    for _ in range(fn.spec.max_concurrency):
+        fn.sem.release()
+    r = await c.call("double", {"x": 1})  # the next call is the probe: it goes and closes the circuit
+    assert r.ok, r.error
+    assert (await c.call("double", {"x": 2})).ok
 
 
 async def test_stream_yields_in_completion_order_and_takes_async_input():
