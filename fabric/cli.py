@@ -38,6 +38,13 @@ BackendOpt = Annotated[str, typer.Option(help="Backend: local (warm worker proce
 
 
 def _registry(modules: list[str] | None) -> Registry:
+    # `python -m fabric.cli` searches the current directory, the installed `fabric` script
+    # does not: `-m my_rewards` next to my_rewards.py must work with both. Last, so a file
+    # here cannot shadow an installed package (the built-in `functions` above all); worker
+    # processes get this sys.path, so they import the module too
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
     reg = Registry()
     targets = ["functions", *(modules or [])]
     targets += [m for m in os.environ.get("FABRIC_MODULES", "").split(",") if m.strip()]

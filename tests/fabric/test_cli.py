@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -40,6 +41,29 @@ def test_ls_stays_readable_on_a_narrow_terminal(monkeypatch):
 def test_ls_bad_module_is_a_clear_error():
     r = runner.invoke(app, ["ls", "-m", "no_such_module_xyz"])
     assert r.exit_code == 2 and "no_such_module_xyz" in r.output
+
+
+def test_a_module_in_the_current_directory_is_found(tmp_path, monkeypatch):
+    """``fabric ls -m my_rewards`` next to my_rewards.py: the installed ``fabric`` script
+    has no current directory on sys.path (``python -m fabric.cli`` has), and the import
+    failed; workers must find the module as well."""
+    (tmp_path / "cli_cwd_rewards.py").write_text(
+        "import fabric\n\n@fabric.reward\ndef cli_cwd_reward(traj: str) -> float:\n    return 0.5\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "cli_cwd_rewards", raising=False)
+    try:
+        r = runner.invoke(app, ["ls", "--json", "-m", "cli_cwd_rewards"])
+        assert r.exit_code == 0, r.output
+        assert "cli_cwd_reward" in {s["name"] for s in json.loads(r.stdout)}
+        r = runner.invoke(
+            app, ["invoke", "cli_cwd_reward", "-m", "cli_cwd_rewards", "--payload", '{"traj": "a"}']
+        )
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["value"] == 0.5
+    finally:
+        sys.modules.pop("cli_cwd_rewards", None)
 
 
 def test_invoke_prints_the_result():
