@@ -3,14 +3,34 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+import fabric
 from fabric.cli import app
+from fabric.errors import ErrorCode
 
 runner = CliRunner()
+HERE = Path(__file__).resolve().parent
+
+
+def _cli_process(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -m fabric.cli`` in a process of its own (what happens at its exit counts)."""
+    root = str(Path(fabric.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, str(HERE)])}
+    return subprocess.run(
+        [sys.executable, "-m", "fabric.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_ls_lists_builtins_and_user_modules():
@@ -94,6 +114,19 @@ def test_invoke_errors(args, code, text):
     r = runner.invoke(app, args)
     assert r.exit_code == code, r.output
     assert text in r.output
+
+
+def test_invoke_inproc_ends_once_the_call_timed_out(tmp_path):
+    """The FunctionTimeout result was ready after timeout_s, but asyncio.run (and then the
+    interpreter's exit) waited for the hung handler's thread: the command never ended."""
+    try:
+        p = _cli_process(
+            ["invoke", "cli_hangs", "-m", "cli_fns", "--backend", "inproc"], tmp_path, timeout=30
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("fabric invoke --backend inproc did not end after the handler's 0.3 s timeout")
+    assert p.returncode == 1, p.stderr[-1500:]
+    assert json.loads(p.stdout)["error"]["type"] == ErrorCode.TIMEOUT
 
 
 def test_bench_json_has_the_figures():
