@@ -98,10 +98,13 @@ def test_invoke_prints_the_result():
 @pytest.mark.parametrize(
     ("args", "code", "text"),
     [
-        (["invoke", "exact_matc", "--payload", "{}"], 1, "env_return, exact_match, format_reward"),
-        (["invoke", "exact_match", "--payload", "{not json"], 2, "not valid JSON"),
+        # bad input exits 2, whether the CLI or the client refuses it; a failed call exits 1
+        (["invoke", "exact_matc", "--payload", "{}"], 2, "env_return, exact_match, format_reward"),
+        (["invoke", "exact_match", "--payload", "{not json"], 2, "--payload is not valid JSON"),
+        (["invoke", "exact_match", "--payload", '{"traj": NaN}'], 2, "NaN is not JSON"),
         (["invoke", "exact_match", "--payload", "[1]"], 2, "JSON object"),
-        (["invoke", "exact_match", "--payload", '{"traj": "x"}'], 1, "missing 'ground_truth'"),
+        (["invoke", "exact_match", "--payload", '{"traj": "x"}'], 2, "missing 'ground_truth'"),
+        (["invoke", "add", "-m", "sample_fns", "--payload", '{"a": "x"}', "--backend", "inproc"], 2, "a:"),
         (
             ["invoke", "boom", "-m", "sample_fns", "--payload", '{"x": 1}', "--backend", "inproc"],
             1,
@@ -167,6 +170,10 @@ def test_bench_rejects_bad_options():
     assert r.exit_code == 2 and "n" in r.output
     r = runner.invoke(app, ["bench", "exact_match", "--baseline", "spark", "--n", "10", "--json"])
     assert r.exit_code == 2 and "baseline" in r.output
+    r = runner.invoke(app, ["bench", "exact_match", "--payload", "{x", "--n", "10", "--json"])
+    assert r.exit_code == 2 and "--payload is not valid JSON" in r.output
+    r = runner.invoke(app, ["bench", "exact_match", "--payload", "[1]", "--n", "10", "--json"])
+    assert r.exit_code == 2 and "--payload must be a JSON object" in r.output
 
 
 @pytest.mark.ray
