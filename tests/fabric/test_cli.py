@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cli_fns
 import pytest
 from typer.testing import CliRunner
 
@@ -174,6 +175,61 @@ def test_bench_rejects_bad_options():
     assert r.exit_code == 2 and "--payload is not valid JSON" in r.output
     r = runner.invoke(app, ["bench", "exact_match", "--payload", "[1]", "--n", "10", "--json"])
     assert r.exit_code == 2 and "--payload must be a JSON object" in r.output
+
+
+def _bench(name: str, *extra: str) -> object:
+    return runner.invoke(
+        app, ["bench", name, "-m", "cli_fns", "--n", "20", "--concurrency", "2", "--json", *extra]
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("cli_raises", "cli_raises raised ValueError: bad trajectory"),
+        ("cli_bad_setup", "cli_bad_setup: the setup hook raised RuntimeError: no model here"),
+        ("cli_hangs", "cli_hangs: a call on the bench payload ran past 0.3 s"),
+    ],
+)
+def test_bench_of_a_function_that_fails_in_process_is_a_clear_error(name, text):
+    """The direct (in-process) measurement called the function unguarded: a raising handler
+    or setup hook ended the CLI with a traceback, a hung one hung it."""
+    cli_fns.RELEASE.clear()
+    try:
+        r = _bench(name)
+    finally:
+        cli_fns.RELEASE.set()  # the abandoned cli_hangs call ends
+    assert r.exit_code == 2, r.output
+    assert text in r.output
+    assert isinstance(r.exception, SystemExit)  # typer's exit, not a traceback
+
+
+def test_bench_json_stays_parseable_when_the_function_prints():
+    r = _bench("cli_prints")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["errors"] == 0
+    assert "debug: a" in r.stderr  # like a worker's prints
+
+
+def test_bench_of_an_async_function_awaits_it():
+    """The direct measurement called an async function without awaiting it: 'coroutine was
+    never awaited', and direct_p50_ms was the cost of creating a coroutine."""
+    r = _bench("cli_async")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["direct_p50_ms"] >= 2  # it sleeps 2 ms
+    assert out["overhead_p50_ms"] == pytest.approx(out["p50_ms"] - out["direct_p50_ms"])
+
+
+def test_bench_direct_calls_are_bounded_by_time():
+    """2,000 direct calls came before any timed one whatever --n said: 40 s for a 20 ms
+    function. About a second of them now."""
+    before = cli_fns.SLOW_CALLS
+    r = _bench("cli_slow", "--n", "4")
+    assert r.exit_code == 0, r.output
+    direct = cli_fns.SLOW_CALLS - before  # workers are other processes: these ran here
+    assert 3 <= direct <= 60, direct
+    assert json.loads(r.stdout)["direct_p50_ms"] >= 20
 
 
 @pytest.mark.ray
