@@ -9,13 +9,16 @@ off (``--compare-hedge``). Absolute numbers vary with the machine; the ratios ho
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import statistics
+import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fabric.backends.base import FaultInjection, LambdaConfig, LocalConfig, cpu_count
 from fabric.client import Client, ClientConfig
@@ -23,9 +26,13 @@ from fabric.errors import ConfigError
 from fabric.metrics import percentile
 from fabric.protocol import encode_payload
 from fabric.registry import Registry
-from fabric.runner import FunctionRunner
+from fabric.runner import FunctionRunner, format_validation_error
 
 Progress = Callable[[str, int, int], None]
+
+DIRECT_CALLS = 2000
+DIRECT_MIN_CALLS = 3
+DIRECT_BUDGET_S = 1.0
 
 
 class BenchConfig(BaseModel):
@@ -92,17 +99,95 @@ async def _closed_loop(
     return lat, elapsed
 
 
-def _direct_p50_ms(runner: FunctionRunner, payload: dict[str, Any], n: int = 2000) -> float:
-    # the function called in-process on ready arguments: what a pool call adds is measured against it
-    kwargs = runner._kwargs(encode_payload(payload))
-    fn = runner.fn
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn(**kwargs)
-        times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return percentile(times, 50)
+class _Direct:
+    """The in-process measurement's state, shared with the thread that runs it."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.error: BaseException | None = None
+        self.phase = "setup"
+        self.since = time.monotonic()
+        self.done = threading.Event()
+
+
+def _direct_calls(runner: FunctionRunner, payload: dict[str, Any], st: _Direct, budget_s: float) -> None:
+    # up to DIRECT_CALLS calls or about budget_s, at least DIRECT_MIN_CALLS: the direct
+    # figure must not cost 2,000 times a slow function before the bench proper starts
+    try:
+        runner.setup()
+        st.since = time.monotonic()
+        st.phase = "args"  # after since: the watchdog must not time this phase from setup's start
+        kwargs = runner._kwargs(encode_payload(payload))
+        fn, times = runner.fn, st.times
+        st.phase = "call"
+        end = time.monotonic() + budget_s
+
+        def more() -> bool:
+            n = len(times)
+            return n < DIRECT_MIN_CALLS or (n < DIRECT_CALLS and time.monotonic() < end)
+
+        if runner.is_async:
+
+            async def calls() -> None:
+                while more():
+                    st.since = time.monotonic()
+                    t0 = time.perf_counter()
+                    await fn(**kwargs)
+                    times.append((time.perf_counter() - t0) * 1e3)
+
+            asyncio.run(calls())  # this thread's own loop: the bench's loop stays free
+        else:
+            while more():
+                st.since = time.monotonic()
+                t0 = time.perf_counter()
+                fn(**kwargs)
+                times.append((time.perf_counter() - t0) * 1e3)
+    except BaseException as e:  # the user's function (or setup hook) may raise anything
+        st.error = e
+    finally:
+        st.done.set()
+
+
+async def _direct_p50_ms(
+    runner: FunctionRunner, payload: dict[str, Any], budget_s: float = DIRECT_BUDGET_S
+) -> float:
+    """The function called in-process on ready arguments: what a pool call adds is
+    measured against it. It runs on a daemon thread watched from here, so a function that
+    hangs is reported after its ``timeout_s`` (its setup hook after a worker's start
+    timeout) instead of hanging the bench; its prints go to stderr like a worker's."""
+    name = runner.spec.name
+    st = _Direct()
+    with contextlib.redirect_stdout(sys.stderr):  # keep --json clean
+        threading.Thread(
+            target=_direct_calls,
+            args=(runner, payload, st, budget_s),
+            name="fabric-bench-direct",
+            daemon=True,
+        ).start()
+        while not st.done.is_set():
+            phase = st.phase
+            limit = LocalConfig().start_timeout_s if phase == "setup" else runner.spec.timeout_s
+            if time.monotonic() - st.since > limit:
+                what = {"setup": "its setup hook", "args": "validating the payload"}.get(
+                    phase, "a call on the bench payload"
+                )
+                raise ConfigError(
+                    f"{name}: {what} ran past {limit:g} s in-process (measuring "
+                    "direct_p50_ms); fabric bench needs a function that answers"
+                )
+            await asyncio.sleep(0.01)
+    if st.error is not None:
+        e = st.error
+        if st.phase == "setup":
+            raise ConfigError(f"{name}: the setup hook raised {type(e).__name__}: {e}")
+        if st.phase == "args":  # pydantic's validation, or a payload that is not JSON
+            detail = format_validation_error(runner.spec, e) if isinstance(e, ValidationError) else str(e)
+            raise ConfigError(f"bad --payload: {detail}")
+        raise ConfigError(
+            f"{name} raised {type(e).__name__}: {e} when called in-process on the bench payload "
+            "(measuring direct_p50_ms); bench it on a payload it accepts: --payload JSON"
+        )
+    return percentile(sorted(st.times), 50)
 
 
 async def _run_fabric(
@@ -279,8 +364,7 @@ async def run_bench(cfg: BenchConfig, registry: Registry, progress: Progress | N
         raise ConfigError(f"bad --payload: {problem}")
     workers = cfg.workers or cpu_count()
     runner = FunctionRunner(registry.callable(cfg.function), spec)
-    runner.setup()
-    direct_p50 = _direct_p50_ms(runner, payload)
+    direct_p50 = await _direct_p50_ms(runner, payload)
     cold = await _cold_start_ms(cfg, registry, payload)
     main = await _run_fabric(cfg, registry, payload, workers, cfg.hedge, progress, "fabric " + cfg.backend)
     out: dict[str, Any] = {

@@ -11,14 +11,14 @@ import asyncio
 import json
 import os
 import sys
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from fabric.errors import FabricError
+from fabric.errors import ErrorCode, FabricError
 from fabric.registry import Registry
 
 app = typer.Typer(
@@ -38,6 +38,13 @@ BackendOpt = Annotated[str, typer.Option(help="Backend: local (warm worker proce
 
 
 def _registry(modules: list[str] | None) -> Registry:
+    # `python -m fabric.cli` searches the current directory, the installed `fabric` script
+    # does not: `-m my_rewards` next to my_rewards.py must work with both. Last, so a file
+    # here cannot shadow an installed package (the built-in `functions` above all); worker
+    # processes get this sys.path, so they import the module too
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
     reg = Registry()
     targets = ["functions", *(modules or [])]
     targets += [m for m in os.environ.get("FABRIC_MODULES", "").split(",") if m.strip()]
@@ -45,7 +52,33 @@ def _registry(modules: list[str] | None) -> Registry:
     return reg
 
 
-def _fail(message: str, code: int = 2) -> None:
+#: Failed calls that are the caller's mistake: ``invoke`` exits 2 for these, as for bad options
+_BAD_INPUT = frozenset(
+    {
+        ErrorCode.UNKNOWN_FUNCTION,
+        ErrorCode.INVALID_ARGUMENTS,
+        ErrorCode.PAYLOAD_TOO_LARGE,
+        ErrorCode.PAYLOAD_NOT_SERIALIZABLE,
+    }
+)
+
+
+def _no_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not JSON (payloads are strict JSON)")
+
+
+def _payload_arg(text: str) -> dict[str, Any]:
+    """``--payload``: a JSON object of keyword arguments; an error names the option."""
+    try:
+        args = json.loads(text, parse_constant=_no_constant)
+    except ValueError as e:  # JSONDecodeError, or NaN/Infinity
+        _fail(f"--payload is not valid JSON: {e}")
+    if not isinstance(args, dict):
+        _fail('--payload must be a JSON object of keyword arguments, e.g. \'{"traj": "..."}\'')
+    return args
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
     # escaped (keys such as envs[0].id are not markup) and unwrapped (easy to grep and paste)
     err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     raise typer.Exit(code)
@@ -95,13 +128,9 @@ def invoke(
     modules: ModulesOpt = None,
     backend: BackendOpt = "local",
 ) -> None:
-    """Call a function once and print its Result as JSON (exit 1 if the call failed)."""
-    try:
-        args = json.loads(payload)
-    except json.JSONDecodeError as e:
-        _fail(f"--payload is not valid JSON: {e}")
-    if not isinstance(args, dict):
-        _fail('--payload must be a JSON object of keyword arguments, e.g. \'{"traj": "..."}\'')
+    """Call a function once and print its Result as JSON (exit 1 if the call failed, 2 if
+    it was refused as bad input: an unknown function, arguments the function does not take)."""
+    args = _payload_arg(payload)
     try:
         reg = _registry(modules)
     except FabricError as e:
@@ -119,7 +148,7 @@ def invoke(
         _fail(str(e))
     print(result.model_dump_json(indent=2, exclude={"index"}))
     if not result.ok:
-        raise typer.Exit(1)
+        raise typer.Exit(2 if result.error is not None and result.error.type in _BAD_INPUT else 1)
 
 
 @app.command()
@@ -167,6 +196,7 @@ def bench(
     """Closed-loop benchmark of one function, with same-run baselines."""
     from fabric.bench import BenchConfig, run_bench
 
+    args = _payload_arg(payload) if payload is not None else None
     try:
         reg = _registry(modules)
         cfg = BenchConfig(
@@ -180,7 +210,7 @@ def bench(
             transport=transport,
             baseline=baseline,
             workers=workers,
-            payload=json.loads(payload) if payload else None,
+            payload=args,
             hedge=hedge,
             compare_hedge=compare_hedge,
             straggler_rate=straggler_rate,

@@ -44,8 +44,15 @@ _FILE_MODULE_PREFIX = "_fabric_file_"
 def entry_point_of(fn: Callable[..., Any]) -> str:
     """``module:qualname`` for ``fn``; a script's functions get ``path.py:qualname``."""
     mod = fn.__module__
+    module = sys.modules.get(mod)
+    if mod == "__main__" and module is not None:
+        # ``python -m pkg.script`` runs a module of a package as __main__: workers import it
+        # by that name (its relative imports need the package; the file alone has none)
+        spec_name = getattr(getattr(module, "__spec__", None), "name", None)
+        if spec_name and spec_name != "__main__":
+            return f"{spec_name}:{fn.__qualname__}"
     if mod == "__main__" or mod.startswith(_FILE_MODULE_PREFIX):
-        path = getattr(sys.modules[mod], "__file__", None)
+        path = getattr(module, "__file__", None)
         if path:
             return f"{Path(path).resolve()}:{fn.__qualname__}"
     return f"{mod}:{fn.__qualname__}"

@@ -10,17 +10,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections import Counter, defaultdict, deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from fabric.backends.base import Backend
-from fabric.errors import ErrorCode, FabricError, UnknownFunctionError
-from fabric.protocol import MAX_PAYLOAD_BYTES, Invocation, Result, encode_payload
+from fabric.errors import ErrorCode, FabricError, PayloadError, UnknownFunctionError
+from fabric.protocol import Invocation, Result, encode_payload
 from fabric.registry import SPEC_ATTR, Registry, default_registry, load_entry_point, source_version
-from fabric.runner import FunctionRunner, outcome_to_result
+from fabric.runner import FunctionRunner, Outcome, outcome_to_result
 from fabric.spec import FunctionSpec
 
 
@@ -118,29 +121,59 @@ def check_function(spec: FunctionSpec | str, registry: Registry | None = None) -
         runner.setup()
     except Exception as e:
         raise ConformanceError(spec.name, [*problems, f"setup hook raised {type(e).__name__}: {e}"]) from None
-    for i, example in enumerate(spec.examples):
-        problem = spec.check_args(example)
-        if problem:
-            problems.append(f"example {i}: {problem}")
-            continue
-        raw = encode_payload(example)
-        if len(raw) > MAX_PAYLOAD_BYTES:
-            problems.append(f"example {i}: payload over the limit")
-        ok, out = asyncio.run(runner.run_async(raw, spec.timeout_s)) if runner.is_async else runner.run(raw)
-        if not ok:
-            problems.append(f"example {i} failed: {out[0]}: {out[1]}")
-            continue
-        if spec.kind == "reward":
-            problems.extend(f"example {i}: {p}" for p in _reward_problems(out))
-    if not spec.accepts_extra:
-        bogus = dict(spec.examples[0]) if spec.examples else {}
-        bogus["__not_an_argument__"] = 1
-        raw = encode_payload(bogus)
-        ok, out = asyncio.run(runner.run_async(raw, spec.timeout_s)) if runner.is_async else runner.run(raw)
-        if ok or out[0] != ErrorCode.INVALID_ARGUMENTS:
-            problems.append("an unknown argument was not refused with InvalidArguments")
+    with _calls(runner) as call:
+        for i, example in enumerate(spec.examples):
+            problem = spec.check_args(example)
+            if problem:
+                problems.append(f"example {i}: {problem}")
+                continue
+            try:  # NaN, a set, over the payload limit: the client would refuse it
+                raw = encode_payload(example, what=f"example {i}")
+            except PayloadError as e:
+                problems.append(str(e))
+                continue
+            ok, out = call(raw)
+            if not ok:
+                problems.append(f"example {i} failed: {out[0]}: {out[1]}")
+                continue
+            if spec.kind == "reward":
+                problems.extend(f"example {i}: {p}" for p in _reward_problems(out))
+        if not spec.accepts_extra:
+            bogus = dict(spec.examples[0]) if spec.examples else {}
+            bogus["__not_an_argument__"] = 1
+            with contextlib.suppress(PayloadError):  # a bad example 0: reported above
+                ok, out = call(encode_payload(bogus))
+                if ok or out[0] != ErrorCode.INVALID_ARGUMENTS:
+                    problems.append("an unknown argument was not refused with InvalidArguments")
     if problems:
         raise ConformanceError(spec.name, problems)
+
+
+@contextlib.contextmanager
+def _calls(runner: FunctionRunner) -> Iterator[Callable[[bytes], Outcome]]:
+    """Calls of the function for ``check_function``. An async function runs on one private
+    event loop on a thread of its own: the caller may be in a running loop (an async test),
+    where ``asyncio.run`` refuses, and one loop serves every call, as in a worker."""
+    if not runner.is_async:
+        yield runner.run
+        return
+    loop = asyncio.new_event_loop()
+    with ThreadPoolExecutor(1, thread_name_prefix="fabric-check") as thread:
+
+        def call(raw: bytes) -> Outcome:
+            return thread.submit(
+                loop.run_until_complete, runner.run_async(raw, runner.spec.timeout_s)
+            ).result()
+
+        try:
+            yield call
+        finally:
+
+            def close() -> None:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.close()
+
+            thread.submit(close).result()
 
 
 def _reward_problems(raw: bytes) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from cli_fns import REG as CLI_REG
 from sample_fns import REG
 
 from fabric.registry import Registry
@@ -37,3 +38,19 @@ def test_check_function_reports_problems():
     with pytest.raises(ConformanceError) as e:
         check_function("boom", REG)
     assert "no example payloads" in str(e.value)
+
+
+def test_check_function_lists_an_example_that_is_not_json():
+    """An example the client would refuse (NaN) was raised as PayloadNotSerializableError
+    instead of being listed among the problems."""
+    with pytest.raises(ConformanceError) as e:
+        check_function("cli_nan_example", CLI_REG)
+    assert "example 0 is not JSON-serialisable" in str(e.value)
+
+
+async def test_check_function_of_an_async_function_from_an_async_test():
+    """asyncio.run refused inside the test's running loop; the calls now run on a private
+    loop of their own."""
+    check_function("cli_async", CLI_REG)
+    with pytest.raises(ConformanceError, match="example 0 failed: UserError: ValueError"):
+        check_function("cli_raises", CLI_REG)

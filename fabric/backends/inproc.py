@@ -2,13 +2,19 @@
 
 Synchronous functions run in a thread so a slow one does not stall the event loop and
 ``timeout_s`` can be reported; a thread cannot be killed, so a truly hung function keeps
-its thread (use the local backend for isolation).
+its thread (use the local backend for isolation). Those threads are daemons owned by the
+backend: a hung function cannot hold up ``asyncio.run``'s shutdown or the interpreter's
+exit, as it did on ``asyncio.to_thread``'s executor (both wait for its threads).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import queue
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fabric.backends.base import Backend, InprocConfig
@@ -16,6 +22,59 @@ from fabric.errors import ErrorCode, UnknownFunctionError
 from fabric.protocol import Invocation, Result
 from fabric.registry import Registry
 from fabric.runner import FunctionRunner, outcome_to_result
+
+_Job = tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[[], Any]]
+
+
+class _DaemonThreads:
+    """A thread pool of daemon threads that nobody joins (the stdlib's executors are
+    joined at loop shutdown and at exit). Idle threads are reused, as in
+    ``ThreadPoolExecutor``; a hung call keeps its thread and the next call gets another."""
+
+    def __init__(self, max_threads: int = 32):
+        self._max = max_threads
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+        self._threads = 0
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        ctx = contextvars.copy_context()  # as asyncio.to_thread does
+        self._jobs.put((loop, fut, lambda: ctx.run(fn, *args)))
+        if not self._idle.acquire(blocking=False) and self._threads < self._max:
+            self._threads += 1
+            threading.Thread(target=self._serve, name="fabric-inproc", daemon=True).start()
+        return fut
+
+    def shutdown(self) -> None:
+        """Idle threads end now, busy ones after their call; none is waited for."""
+        for _ in range(self._threads):
+            self._jobs.put(None)
+        self._threads = 0
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            loop, fut, call = job
+            if not fut.cancelled():  # timed out while queued: do not run it late
+                try:
+                    value, error = call(), None
+                except BaseException as e:  # handed to the awaiting task, like to_thread
+                    value, error = None, e
+                try:
+                    loop.call_soon_threadsafe(_settle, fut, value, error)
+                except RuntimeError:
+                    pass  # the loop is closed: nobody waits for this call any more
+            self._idle.release()
+
+
+def _settle(fut: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+    if fut.done():  # the caller stopped waiting (timeout, cancellation)
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)
 
 
 class InprocBackend(Backend):
@@ -26,6 +85,10 @@ class InprocBackend(Backend):
         self.config = config or InprocConfig()
         self._runners: dict[str, FunctionRunner] = {}
         self._calls = 0
+        self._threads = _DaemonThreads()
+
+    async def _close(self) -> None:
+        self._threads.shutdown()
 
     def _runner(self, name: str) -> FunctionRunner:
         runner = self._runners.get(name)
@@ -66,7 +129,7 @@ class InprocBackend(Backend):
             if runner.is_async:
                 ok, out = await runner.run_async(inv.raw_payload, timeout)
             else:
-                ok, out = await asyncio.wait_for(asyncio.to_thread(runner.run, inv.raw_payload), timeout)
+                ok, out = await asyncio.wait_for(self._threads.run(runner.run, inv.raw_payload), timeout)
         except TimeoutError:
             ok, out = False, (ErrorCode.TIMEOUT, f"{inv.function} ran past its {timeout:.3g} s limit", None)
         exec_ms = (time.perf_counter() - t0) * 1e3

@@ -3,13 +3,35 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import cli_fns
 import pytest
 from typer.testing import CliRunner
 
+import fabric
 from fabric.cli import app
+from fabric.errors import ErrorCode
 
 runner = CliRunner()
+HERE = Path(__file__).resolve().parent
+
+
+def _cli_process(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -m fabric.cli`` in a process of its own (what happens at its exit counts)."""
+    root = str(Path(fabric.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, str(HERE)])}
+    return subprocess.run(
+        [sys.executable, "-m", "fabric.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_ls_lists_builtins_and_user_modules():
@@ -42,6 +64,29 @@ def test_ls_bad_module_is_a_clear_error():
     assert r.exit_code == 2 and "no_such_module_xyz" in r.output
 
 
+def test_a_module_in_the_current_directory_is_found(tmp_path, monkeypatch):
+    """``fabric ls -m my_rewards`` next to my_rewards.py: the installed ``fabric`` script
+    has no current directory on sys.path (``python -m fabric.cli`` has), and the import
+    failed; workers must find the module as well."""
+    (tmp_path / "cli_cwd_rewards.py").write_text(
+        "import fabric\n\n@fabric.reward\ndef cli_cwd_reward(traj: str) -> float:\n    return 0.5\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "cli_cwd_rewards", raising=False)
+    try:
+        r = runner.invoke(app, ["ls", "--json", "-m", "cli_cwd_rewards"])
+        assert r.exit_code == 0, r.output
+        assert "cli_cwd_reward" in {s["name"] for s in json.loads(r.stdout)}
+        r = runner.invoke(
+            app, ["invoke", "cli_cwd_reward", "-m", "cli_cwd_rewards", "--payload", '{"traj": "a"}']
+        )
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["value"] == 0.5
+    finally:
+        sys.modules.pop("cli_cwd_rewards", None)
+
+
 def test_invoke_prints_the_result():
     r = runner.invoke(
         app, ["invoke", "exact_match", "--payload", '{"traj": "The answer is 42.", "ground_truth": "42"}']
@@ -54,10 +99,13 @@ def test_invoke_prints_the_result():
 @pytest.mark.parametrize(
     ("args", "code", "text"),
     [
-        (["invoke", "exact_matc", "--payload", "{}"], 1, "env_return, exact_match, format_reward"),
-        (["invoke", "exact_match", "--payload", "{not json"], 2, "not valid JSON"),
+        # bad input exits 2, whether the CLI or the client refuses it; a failed call exits 1
+        (["invoke", "exact_matc", "--payload", "{}"], 2, "env_return, exact_match, format_reward"),
+        (["invoke", "exact_match", "--payload", "{not json"], 2, "--payload is not valid JSON"),
+        (["invoke", "exact_match", "--payload", '{"traj": NaN}'], 2, "NaN is not JSON"),
         (["invoke", "exact_match", "--payload", "[1]"], 2, "JSON object"),
-        (["invoke", "exact_match", "--payload", '{"traj": "x"}'], 1, "missing 'ground_truth'"),
+        (["invoke", "exact_match", "--payload", '{"traj": "x"}'], 2, "missing 'ground_truth'"),
+        (["invoke", "add", "-m", "sample_fns", "--payload", '{"a": "x"}', "--backend", "inproc"], 2, "a:"),
         (
             ["invoke", "boom", "-m", "sample_fns", "--payload", '{"x": 1}', "--backend", "inproc"],
             1,
@@ -70,6 +118,19 @@ def test_invoke_errors(args, code, text):
     r = runner.invoke(app, args)
     assert r.exit_code == code, r.output
     assert text in r.output
+
+
+def test_invoke_inproc_ends_once_the_call_timed_out(tmp_path):
+    """The FunctionTimeout result was ready after timeout_s, but asyncio.run (and then the
+    interpreter's exit) waited for the hung handler's thread: the command never ended."""
+    try:
+        p = _cli_process(
+            ["invoke", "cli_hangs", "-m", "cli_fns", "--backend", "inproc"], tmp_path, timeout=30
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("fabric invoke --backend inproc did not end after the handler's 0.3 s timeout")
+    assert p.returncode == 1, p.stderr[-1500:]
+    assert json.loads(p.stdout)["error"]["type"] == ErrorCode.TIMEOUT
 
 
 def test_bench_json_has_the_figures():
@@ -110,6 +171,65 @@ def test_bench_rejects_bad_options():
     assert r.exit_code == 2 and "n" in r.output
     r = runner.invoke(app, ["bench", "exact_match", "--baseline", "spark", "--n", "10", "--json"])
     assert r.exit_code == 2 and "baseline" in r.output
+    r = runner.invoke(app, ["bench", "exact_match", "--payload", "{x", "--n", "10", "--json"])
+    assert r.exit_code == 2 and "--payload is not valid JSON" in r.output
+    r = runner.invoke(app, ["bench", "exact_match", "--payload", "[1]", "--n", "10", "--json"])
+    assert r.exit_code == 2 and "--payload must be a JSON object" in r.output
+
+
+def _bench(name: str, *extra: str) -> object:
+    return runner.invoke(
+        app, ["bench", name, "-m", "cli_fns", "--n", "20", "--concurrency", "2", "--json", *extra]
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("cli_raises", "cli_raises raised ValueError: bad trajectory"),
+        ("cli_bad_setup", "cli_bad_setup: the setup hook raised RuntimeError: no model here"),
+        ("cli_hangs", "cli_hangs: a call on the bench payload ran past 0.3 s"),
+    ],
+)
+def test_bench_of_a_function_that_fails_in_process_is_a_clear_error(name, text):
+    """The direct (in-process) measurement called the function unguarded: a raising handler
+    or setup hook ended the CLI with a traceback, a hung one hung it."""
+    cli_fns.RELEASE.clear()
+    try:
+        r = _bench(name)
+    finally:
+        cli_fns.RELEASE.set()  # the abandoned cli_hangs call ends
+    assert r.exit_code == 2, r.output
+    assert text in r.output
+    assert isinstance(r.exception, SystemExit)  # typer's exit, not a traceback
+
+
+def test_bench_json_stays_parseable_when_the_function_prints():
+    r = _bench("cli_prints")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["errors"] == 0
+    assert "debug: a" in r.stderr  # like a worker's prints
+
+
+def test_bench_of_an_async_function_awaits_it():
+    """The direct measurement called an async function without awaiting it: 'coroutine was
+    never awaited', and direct_p50_ms was the cost of creating a coroutine."""
+    r = _bench("cli_async")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["direct_p50_ms"] >= 2  # it sleeps 2 ms
+    assert out["overhead_p50_ms"] == pytest.approx(out["p50_ms"] - out["direct_p50_ms"])
+
+
+def test_bench_direct_calls_are_bounded_by_time():
+    """2,000 direct calls came before any timed one whatever --n said: 40 s for a 20 ms
+    function. About a second of them now."""
+    before = cli_fns.SLOW_CALLS
+    r = _bench("cli_slow", "--n", "4")
+    assert r.exit_code == 0, r.output
+    direct = cli_fns.SLOW_CALLS - before  # workers are other processes: these ran here
+    assert 3 <= direct <= 60, direct
+    assert json.loads(r.stdout)["direct_p50_ms"] >= 20
 
 
 @pytest.mark.ray

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -285,6 +288,47 @@ def test_discover_py_file(tmp_path, default_reg: Registry) -> None:
     spec = reg.get("test_registry_file_reward")
     assert spec.entry == f"{path.resolve()}:file_reward" and spec.timeout_s == 2
     assert FunctionRunner.from_entry(spec.entry).run(encode_payload({"traj": "x"})) == (True, b"0.5")
+
+
+_PKG_SCRIPT = """
+import asyncio, fabric
+from .helpers import norm
+
+@fabric.reward
+def match(traj: str, ground_truth: str) -> float:
+    return float(norm(traj) == norm(ground_truth))
+
+async def main():
+    print("ENTRY", match.__fabric_spec__.entry)
+    async with fabric.Client(backend="local") as c:
+        r = await c.call("match", {"traj": " A", "ground_truth": "a"})
+        print("RESULT", r.ok, r.value, r.error)
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+def test_a_module_run_with_python_dash_m_is_imported_by_name_in_workers(tmp_path) -> None:
+    """``python -m pkg.script``: __main__ is ``pkg.script``, so workers import it by that name;
+    as a bare file its relative import failed (SetupFailed: no known parent package)."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "helpers.py").write_text("def norm(s):\n    return s.strip().lower()\n")
+    (pkg / "script.py").write_text(textwrap.dedent(_PKG_SCRIPT))
+    root = str(Path(fabric.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    p = subprocess.run(
+        [sys.executable, "-m", "pkg.script"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "ENTRY pkg.script:match" in p.stdout, p.stdout + p.stderr[-2000:]
+    assert "RESULT True 1.0" in p.stdout, p.stdout + p.stderr[-2000:]
 
 
 def test_discover_missing_module() -> None:

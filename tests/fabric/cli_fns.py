@@ -1,0 +1,62 @@
+"""Functions the CLI, bench and conformance tests run (top level: workers and
+``check_function`` import them by entry point)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from fabric.registry import Registry
+
+REG = Registry()
+_EXAMPLE = ({"traj": "a"},)
+SLOW_CALLS = 0
+"""Calls of ``cli_slow`` in this process (the bench's in-process ones; workers count their own)."""
+RELEASE = threading.Event()
+"""Set by a test to end ``cli_hangs`` calls left running in its process."""
+
+
+@REG.reward(examples=_EXAMPLE)
+def cli_raises(traj: str) -> float:
+    raise ValueError("bad trajectory")
+
+
+@REG.reward(examples=_EXAMPLE)
+def cli_prints(traj: str) -> float:
+    print("debug:", traj)
+    return 1.0
+
+
+@REG.reward(examples=_EXAMPLE)
+def cli_slow(traj: str) -> float:
+    global SLOW_CALLS
+    SLOW_CALLS += 1
+    time.sleep(0.02)
+    return 1.0
+
+
+@REG.reward(examples=_EXAMPLE)
+async def cli_async(traj: str) -> float:
+    await asyncio.sleep(0.002)
+    return 1.0
+
+
+def _no_model() -> None:
+    raise RuntimeError("no model here")
+
+
+@REG.reward(examples=_EXAMPLE, setup=_no_model)
+def cli_bad_setup(traj: str) -> float:
+    return 1.0
+
+
+@REG.reward(examples=_EXAMPLE, timeout_s=0.3, retry={"max_attempts": 1})
+def cli_hangs(traj: str = "") -> float:
+    RELEASE.wait(60)
+    return 1.0
+
+
+@REG.reward(examples=({"traj": "a", "weight": float("nan")},))
+def cli_nan_example(traj: str, weight: float = 1.0) -> float:
+    return 1.0
