@@ -40,6 +40,7 @@ _ASYNC_GRACE_S = 1.0  # an async call is enforced in the worker; the parent step
 _MAX_START_FAILURES = 3
 _QUEUED_WORK_MS = 2.0  # work a synchronous worker may have queued (see FunctionPool.per_worker)
 _MAX_REQUEUES = 3  # a call queued on workers that died before running it: re-dispatched this often
+_REAP_WAIT_S = 0.2  # a worker whose socket closed is exiting: how long to wait for its exit status
 
 # exit backstop: whatever a crashed caller failed to close is killed at interpreter exit
 _LIVE_PIDS: set[int] = set()
@@ -50,6 +51,21 @@ def _kill_leftovers() -> None:
     for pid in list(_LIVE_PIDS):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def _exit_status(proc: subprocess.Popen[bytes]) -> str:
+    """How a worker ended, for error messages: its exit code or the signal that killed it."""
+    try:
+        # its socket closes as the process exits, so the status follows within moments
+        code = proc.wait(timeout=_REAP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        return "exit status unknown"
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 class _Call:
@@ -459,14 +475,17 @@ class FunctionPool:
             w.lost = True
             return
         if not w.ready:
-            code = w.proc.poll() if w.proc is not None else None
-            self._start_failed(w, f"a worker died before it was ready (exit code {code}); see its stderr")
+            status = _exit_status(w.proc) if w.proc is not None else "never started"
+            self._start_failed(w, f"a worker died before it was ready ({status}); see its stderr")
             return
         w.lost = True
         if w in self._workers:
             self._workers.remove(w)
         self.metrics["lost"] += 1
-        code = w.proc.poll() if w.proc is not None else None
+        if w.kill_reason:  # killed by us: the reason is known, no need to wait for the status
+            code = "killed: a call ran past the function's timeout"
+        else:
+            code = _exit_status(w.proc) if w.proc is not None else "never started"
         timed_out = w.kill_reason[0] if w.kill_reason else 0
         # a synchronous worker runs one call at a time, the one in its slot; the others it held
         # never started, so they are safe to retry even for functions with side effects
@@ -476,9 +495,7 @@ class FunctionPool:
             if cid == timed_out and w.kill_reason:
                 self._fail(call, ErrorCode.TIMEOUT, w.kill_reason[1])
             elif running == -1 or cid == running:
-                self._fail(
-                    call, ErrorCode.WORKER_LOST, f"worker {w.id} died (exit code {code}) running the call"
-                )
+                self._fail(call, ErrorCode.WORKER_LOST, f"worker {w.id} died ({code}) running the call")
             elif call.requeues < _MAX_REQUEUES and not call.fut.done():
                 # it never ran: back to the head of the queue, for another worker, without
                 # spending one of the caller's attempts (a neighbour's timeout is not its fault)
@@ -486,7 +503,7 @@ class FunctionPool:
                 call.worker, call.cid = None, 0
                 requeue.append(call)
             else:
-                msg = f"worker {w.id} died (exit code {code}) before the call started"
+                msg = f"worker {w.id} died ({code}) before the call started"
                 self._fail(call, ErrorCode.NOT_STARTED, msg)
         w.inflight.clear()
         if requeue:

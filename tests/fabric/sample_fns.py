@@ -173,3 +173,27 @@ def patient_sleep(seconds: float) -> float:
     """Retried often enough to outlast a throttling server (the quota tests)."""
     time.sleep(seconds)
     return seconds
+
+
+def _raise(kind: str) -> None:
+    if kind == "KeyboardInterrupt":
+        raise KeyboardInterrupt
+    if kind == "SystemExit":
+        raise SystemExit(3)
+    if kind == "GeneratorExit":
+        raise GeneratorExit
+    if kind == "CancelledError":
+        raise asyncio.CancelledError("an inner task was cancelled")
+    raise ValueError(kind)
+
+
+@REG.function(warm=0, retry={"max_attempts": 3, "initial_backoff_s": 0.01})
+def raises_base(kind: str) -> None:
+    """Raises a BaseException that is not an Exception: the function's error, not a dead worker."""
+    _raise(kind)
+
+
+@REG.function(warm=0, retry={"max_attempts": 3, "initial_backoff_s": 0.01})
+async def async_raises_base(kind: str) -> None:
+    await asyncio.sleep(0)
+    _raise(kind)

@@ -73,6 +73,7 @@ async def test_worker_killed_mid_call_is_retryable_and_replaced(tmp_path):
     async with local() as c:
         r = await c.call("suicide", {})
         assert not r.ok and r.error.type == ErrorCode.WORKER_LOST and r.error.retryable
+        assert "killed by SIGKILL" in r.error.message  # how it died, not "exit code None"
         assert r.attempts == 2  # the policy allows 2; both died
         # the retry lands on a fresh worker and succeeds when the failure was transient
         r = await c.call("flaky", {"path": str(tmp_path / "n"), "fail_times": 1})
@@ -134,6 +135,27 @@ async def test_setup_failure_fails_fast_with_the_cause():
         t0 = time.monotonic()
         r2 = await c.call("bad_setup", {"x": 1})
         assert r2.error.type == ErrorCode.SETUP_FAILED and time.monotonic() - t0 < 0.1
+
+
+@pytest.mark.parametrize(
+    ("fn", "kind"),
+    [
+        *(("raises_base", k) for k in ("KeyboardInterrupt", "GeneratorExit", "CancelledError")),
+        *(
+            ("async_raises_base", k)
+            for k in ("KeyboardInterrupt", "SystemExit", "GeneratorExit", "CancelledError")
+        ),
+    ],
+)
+async def test_a_handler_raising_a_base_exception_is_a_user_error_not_a_dead_worker(fn, kind):
+    # (a synchronous SystemExit: test_user_exception_is_data_and_the_pool_keeps_serving)
+    async with local(max_workers=1) as c:
+        r = await c.call(fn, {"kind": kind})
+        assert r.error is not None and r.error.type == ErrorCode.USER_ERROR, r.error
+        assert kind in r.error.message and r.attempts == 1
+        assert (await c.call(fn, {"kind": "ValueError"})).error.type == ErrorCode.USER_ERROR
+        stats = c.backend.stats()[fn]
+        assert stats["lost"] == 0 and stats["spawned"] == 1  # one worker served both
 
 
 async def test_cold_start_growth_and_idle_shrink():
