@@ -32,6 +32,15 @@ class LocalBackend(Backend):
                     "functions in worker processes, so define it at the top level of a module "
                     "(or use backend='inproc')"
                 )
+            if spec.entry.startswith("__main__:"):
+                # a script's functions get a file path as their module; no path means there is
+                # no file (python -c, stdin, a notebook cell, the REPL) for a worker to import,
+                # and a worker's own __main__ is fabric.worker
+                raise EntryPointError(
+                    f"{name} is defined in __main__ without a file (python -c, stdin, a notebook "
+                    "cell or the REPL): the local backend imports functions in worker processes, "
+                    "so define it in a module or a .py file (or use backend='inproc')"
+                )
             pool = FunctionPool(spec, self.config, cpu=self._cpu)
             self._pools[name] = pool
             pool.start()

@@ -14,6 +14,7 @@ import pytest
 import sample_fns
 from sample_fns import REG
 
+import fabric
 from fabric.backends.base import LocalConfig
 from fabric.client import Client
 from fabric.errors import ErrorCode
@@ -156,6 +157,35 @@ async def test_a_handler_raising_a_base_exception_is_a_user_error_not_a_dead_wor
         assert (await c.call(fn, {"kind": "ValueError"})).error.type == ErrorCode.USER_ERROR
         stats = c.backend.stats()[fn]
         assert stats["lost"] == 0 and stats["spawned"] == 1  # one worker served both
+
+
+def test_a_function_defined_without_a_file_gets_a_clear_error(tmp_path):
+    # python -c (like a notebook cell or stdin) has no file for a worker to import
+    code = textwrap.dedent(
+        """
+        import asyncio, fabric
+        @fabric.reward
+        def match(traj: str, ground_truth: str) -> float:
+            return float(traj == ground_truth)
+        async def main():
+            async with fabric.Client(backend="local") as c:
+                r = await c.call("match", {"traj": "a", "ground_truth": "a"})
+                print("RESULT", r.ok, r.error.type if r.error else "", r.error.message if r.error else "")
+            async with fabric.Client(backend="inproc") as c:
+                print("INPROC", (await c.call("match", {"traj": "a", "ground_truth": "a"})).value)
+        asyncio.run(main())
+        """
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fabric.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    p = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert "RESULT False SetupFailed match is defined in __main__ without a file" in p.stdout, (
+        p.stdout + p.stderr[-2000:]
+    )
+    assert "define it in a module or a .py file (or use backend='inproc')" in p.stdout
+    assert "INPROC 1.0" in p.stdout
 
 
 async def test_cold_start_growth_and_idle_shrink():
