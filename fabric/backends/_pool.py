@@ -389,7 +389,14 @@ class FunctionPool:
             await self._launch(w)
             await asyncio.wait_for(asyncio.shield(w.ready_fut), self.config.start_timeout_s)
         except TimeoutError:
-            w.kill()  # its connection closes and _on_lost counts the failed start
+            # counted now, before a replacement can start: a worker that is still starting
+            # keeps the pool from failing fast (see _start_failed)
+            limit = self.config.start_timeout_s
+            self._start_failed(
+                w,
+                f"a worker did not become ready within start_timeout_s={limit:g} s (import and "
+                "setup hook) and was killed; if they are this slow, raise LocalConfig(start_timeout_s=...)",
+            )
         except asyncio.CancelledError:
             w.kill()
             raise

@@ -197,3 +197,12 @@ def raises_base(kind: str) -> None:
 async def async_raises_base(kind: str) -> None:
     await asyncio.sleep(0)
     _raise(kind)
+
+
+def _slow_setup() -> None:
+    time.sleep(60)  # a model load far slower than the start timeout of the test
+
+
+@REG.function(warm=0, setup=_slow_setup)
+def slow_to_start(x: int = 0) -> int:
+    return x

@@ -138,6 +138,15 @@ async def test_setup_failure_fails_fast_with_the_cause():
         assert r2.error.type == ErrorCode.SETUP_FAILED and time.monotonic() - t0 < 0.1
 
 
+async def test_a_worker_that_does_not_start_in_time_says_so():
+    async with local(start_timeout_s=0.5, setup_failure_cooldown_s=30) as c:
+        r = await c.call("slow_to_start", {})
+        assert r.error.type == ErrorCode.SETUP_FAILED, r.error
+        assert "did not become ready within start_timeout_s=0.5 s" in r.error.message
+        assert "start_timeout_s=..." in r.error.message  # what to do about it
+        assert c.backend.stats()["slow_to_start"]["start_failures"] == 3
+
+
 @pytest.mark.parametrize(
     ("fn", "kind"),
     [
