@@ -175,6 +175,23 @@ def patient_sleep(seconds: float) -> float:
     return seconds
 
 
+def _first_worker_fails() -> str:
+    """The first worker to run its setup fails at once (a flaky download, a GPU OOM); every
+    later one succeeds, a little more slowly (so it is still starting when the first fails)."""
+    try:
+        fd = os.open(os.environ["FABRIC_TEST_MARKER"], os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        time.sleep(0.3)
+        return "loaded"
+    os.close(fd)
+    raise RuntimeError("transient setup failure")
+
+
+@REG.function(warm=2, setup=_first_worker_fails)
+def first_setup_fails(x: int = 0, ctx: str = "") -> str:
+    return ctx
+
+
 def _raise(kind: str) -> None:
     if kind == "KeyboardInterrupt":
         raise KeyboardInterrupt

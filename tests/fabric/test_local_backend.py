@@ -17,7 +17,7 @@ from sample_fns import REG
 import fabric
 from fabric.backends.base import LocalConfig
 from fabric.client import Client
-from fabric.errors import ErrorCode
+from fabric.errors import ErrorCode, SetupFailedError
 
 
 def alive(pid: int) -> bool:
@@ -136,6 +136,31 @@ async def test_setup_failure_fails_fast_with_the_cause():
         t0 = time.monotonic()
         r2 = await c.call("bad_setup", {"x": 1})
         assert r2.error.type == ErrorCode.SETUP_FAILED and time.monotonic() - t0 < 0.1
+
+
+async def test_warmup_reports_a_setup_failure():
+    async with local(warm=1, setup_failure_cooldown_s=30) as c:
+        with pytest.raises(SetupFailedError) as e:
+            await c.warmup(["add", "bad_setup"])
+        # the cause and where it was raised, for a CLI that prints the error
+        assert str(e.value).startswith(
+            "bad_setup: worker setup failed: RuntimeError: model weights not found"
+        )
+        assert "_bad_setup" in str(e.value)
+        assert e.value.traceback and "RuntimeError" in e.value.traceback
+        assert c.backend.stats()["add"]["ready"] == 1  # the healthy function warmed up all the same
+
+
+async def test_one_failed_setup_does_not_fail_calls_a_ready_sibling_can_serve(tmp_path, monkeypatch):
+    # warm=2: the first worker's setup fails while its sibling is still starting; the pool
+    # must wait for the sibling, not fail every call fast for setup_failure_cooldown_s
+    monkeypatch.setenv("FABRIC_TEST_MARKER", str(tmp_path / "marker"))
+    async with local(max_workers=2, setup_failure_cooldown_s=30) as c:
+        await c.warmup(["first_setup_fails"])  # returns: a worker serves although one failed
+        stats = c.backend.stats()["first_setup_fails"]
+        assert stats["ready"] >= 1 and stats["start_failures"] == 1
+        r = await c.call("first_setup_fails", {})
+        assert r.ok and r.value == "loaded", r.error
 
 
 async def test_a_worker_that_does_not_start_in_time_says_so():
