@@ -13,7 +13,8 @@ The tree (every class derives from ``FabricError``)::
     │   ├── PayloadTooLargeError
     │   └── InvalidArgumentsError
     ├── BackendError             a backend could not be started or used
-    │   └── BackendClosedError
+    │   ├── BackendClosedError
+    │   └── SetupFailedError       (``warmup``: a function's import or setup hook failed)
     ├── ConfigError              a config failed validation at the edge
     ├── InvocationError          raised by ``Result.unwrap()``; carries the Result
     └── Unavailable              raised *by a function*: a transient failure, retried
@@ -145,6 +146,18 @@ class BackendError(FabricError):
 
 class BackendClosedError(BackendError):
     """A call on a backend that was closed."""
+
+
+class SetupFailedError(BackendError):
+    """A function's workers cannot start: its import or setup hook raised, or they did not
+    become ready in time. Raised by ``warmup``; a call gets the same failure as a
+    ``SetupFailed`` result. ``traceback`` is the worker's, when there is one."""
+
+    def __init__(self, message: str, traceback: str | None = None):
+        self.message = message
+        self.traceback = traceback
+        # the excerpt is part of the text: a CLI that prints the error shows where setup broke
+        super().__init__(f"{message}\n{traceback.rstrip()}" if traceback else message)
 
 
 class ConfigError(FabricError):

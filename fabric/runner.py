@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import signal
+import threading
 import traceback as tb_mod
 from collections.abc import Callable
 from typing import Any, NotRequired, Required, get_type_hints
@@ -71,7 +73,21 @@ def _user_error(e: BaseException) -> tuple[str, str, str | None]:
     if isinstance(e, Unavailable):
         return (ErrorCode.UNAVAILABLE, str(e), None)
     frames = tb_mod.format_exception(type(e), e, e.__traceback__, limit=-_TB_FRAMES)
-    return (ErrorCode.USER_ERROR, f"{type(e).__name__}: {e}", "".join(frames)[-4000:])
+    text = str(e)
+    return (
+        ErrorCode.USER_ERROR,
+        f"{type(e).__name__}: {text}" if text else type(e).__name__,
+        "".join(frames)[-4000:],
+    )
+
+
+def _may_be_ctrl_c(e: BaseException) -> bool:
+    """Whether ``e`` may be the user's Ctrl-C rather than the function's own raise: only a
+    KeyboardInterrupt in a main thread that has a Python SIGINT handler. A worker ignores
+    SIGINT and sync calls in-process run in a thread, so there it is always the function's."""
+    if not isinstance(e, KeyboardInterrupt) or threading.current_thread() is not threading.main_thread():
+        return False
+    return signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, signal.SIG_DFL, None)
 
 
 def outcome_to_result(
@@ -163,9 +179,27 @@ class FunctionRunner:
             return (False, (ErrorCode.INVALID_ARGUMENTS, format_validation_error(self.spec, e), None))
         try:
             value = self.fn(**kwargs)
-        except (Exception, SystemExit) as e:  # a user error is data, and must not end the worker
+        except BaseException as e:  # a user error is data, and must not end the worker
+            if _may_be_ctrl_c(e):
+                raise
             return (False, _user_error(e))
         return self._encode(value)
+
+    async def _guarded(self, kwargs: dict[str, Any]) -> Outcome:
+        """Await the function, its raises as outcomes. On Python 3.11 ``wait_for`` runs it as
+        a task of its own, and a task that raises KeyboardInterrupt or SystemExit re-raises
+        it out of the event loop, ending the worker: it must be caught inside."""
+        try:
+            return (True, await self.fn(**kwargs))
+        except asyncio.CancelledError as e:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # a real cancellation (the caller's, or the timeout's) goes on
+            return (False, e)  # the function's own (it awaited something cancelled)
+        except BaseException as e:
+            if _may_be_ctrl_c(e):
+                raise
+            return (False, e)
 
     async def run_async(self, raw: bytes, timeout_s: float | None) -> Outcome:
         """Run a function (sync or async) from an event loop; async ones get ``timeout_s``."""
@@ -176,12 +210,12 @@ class FunctionRunner:
         except ValidationError as e:
             return (False, (ErrorCode.INVALID_ARGUMENTS, format_validation_error(self.spec, e), None))
         try:
-            value = await asyncio.wait_for(self.fn(**kwargs), timeout_s)
+            ok, value = await asyncio.wait_for(self._guarded(kwargs), timeout_s)
         except TimeoutError:
             return (
                 False,
                 (ErrorCode.TIMEOUT, f"{self.spec.name} ran past its {timeout_s:.3g} s limit", None),
             )
-        except (Exception, SystemExit) as e:
-            return (False, _user_error(e))
+        if not ok:
+            return (False, _user_error(value))
         return self._encode(value)

@@ -30,7 +30,7 @@ from typing import Any
 
 from fabric.backends._wire import SLOT_SIZE, FrameReader, pack, read_slot
 from fabric.backends.base import LocalConfig
-from fabric.errors import ErrorCode
+from fabric.errors import BackendError, ErrorCode, SetupFailedError
 from fabric.protocol import Invocation, Result
 from fabric.runner import outcome_to_result
 from fabric.spec import FunctionSpec
@@ -40,6 +40,7 @@ _ASYNC_GRACE_S = 1.0  # an async call is enforced in the worker; the parent step
 _MAX_START_FAILURES = 3
 _QUEUED_WORK_MS = 2.0  # work a synchronous worker may have queued (see FunctionPool.per_worker)
 _MAX_REQUEUES = 3  # a call queued on workers that died before running it: re-dispatched this often
+_REAP_WAIT_S = 0.2  # a worker whose socket closed is exiting: how long to wait for its exit status
 
 # exit backstop: whatever a crashed caller failed to close is killed at interpreter exit
 _LIVE_PIDS: set[int] = set()
@@ -50,6 +51,21 @@ def _kill_leftovers() -> None:
     for pid in list(_LIVE_PIDS):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def _exit_status(proc: subprocess.Popen[bytes]) -> str:
+    """How a worker ended, for error messages: its exit code or the signal that killed it."""
+    try:
+        # its socket closes as the process exits, so the status follows within moments
+        code = proc.wait(timeout=_REAP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        return "exit status unknown"
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 class _Call:
@@ -92,6 +108,10 @@ class _Worker(asyncio.Protocol):
     def usable(self) -> bool:
         return self.ready and not self.lost and self.kill_reason is None
 
+    @property
+    def starting(self) -> bool:
+        return not self.ready and not self.lost
+
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -107,6 +127,7 @@ class _Worker(asyncio.Protocol):
                 # idle counts from readiness, not from the spawn: a slow cold start is not idleness
                 self.last_active = time.monotonic()
                 self.settle_start()
+                self.pool._on_ready(self)
             elif kind == "fatal":
                 self.pool._on_fatal(self, msg[2], msg[3])
 
@@ -143,7 +164,9 @@ class FunctionPool:
         self._wids = itertools.count(1)
         self._by_key: dict[str, _Call] = {}
         self._closed = False
+        # nothing can serve (set only while no worker is usable or starting): calls fail fast
         self._broken: tuple[float, str, str | None] | None = None  # until, message, traceback
+        self._last_start_failure: tuple[str, str | None] | None = None  # message, traceback
         self._no_spawn_until = 0.0
         self._start_failures = 0
         self._exec_ewma_ms: float | None = None
@@ -166,11 +189,32 @@ class FunctionPool:
         self._maint = self._loop.create_task(self._maintain())
 
     async def wait_ready(self, within_s: float | None = None) -> None:
-        """Wait until ``warm`` workers are ready (or the pool is broken)."""
-        deadline = time.monotonic() + (within_s or self.config.start_timeout_s)
-        while sum(w.usable for w in self._workers) < self.warm and self._broken is None:
+        """Wait until ``warm`` workers are ready.
+
+        Raises ``SetupFailedError`` when none can be: the setup hook or the import raised, or
+        starts failed or timed out until the pool gave up. A pool that serves with fewer
+        workers because one of them failed to start counts as ready: calls are answered.
+        """
+        # each start is bounded by start_timeout_s and the pool gives up after a few failed
+        # ones in a row, so this deadline is only a backstop
+        limit = within_s or self.config.start_timeout_s * (_MAX_START_FAILURES + 1)
+        if self._broken is not None and time.monotonic() >= self._broken[0]:
+            self._broken = None  # the cooldown is over: try again (maintenance starts the workers)
+        deadline = time.monotonic() + limit
+        failures = self.metrics["start_failures"]
+        while True:
+            ready = sum(w.usable for w in self._workers)
+            if ready >= self.warm or (ready and self.metrics["start_failures"] > failures):
+                return
+            if self._broken is not None:
+                _, message, tb = self._broken
+                raise SetupFailedError(message, tb)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.spec.name}: warm workers not ready in time")
+                last = self._last_start_failure
+                raise BackendError(
+                    f"{self.spec.name}: {ready} of {self.warm} warm workers ready after {limit:.3g} s"
+                    + (f"; the last failed start: {last[0]}" if last else "")
+                )
             await asyncio.sleep(0.01)
 
     async def close(self) -> None:
@@ -208,7 +252,7 @@ class FunctionPool:
             call.timer = self._loop.call_later(max(remaining, 0.0), self._expire, call)
         if self._broken is not None:
             until, message, tb = self._broken
-            if time.monotonic() < until:
+            if time.monotonic() < until and not any(w.usable for w in self._workers):
                 self._fail(call, ErrorCode.SETUP_FAILED, message, tb)
                 return fut
             self._broken = None
@@ -373,7 +417,14 @@ class FunctionPool:
             await self._launch(w)
             await asyncio.wait_for(asyncio.shield(w.ready_fut), self.config.start_timeout_s)
         except TimeoutError:
-            w.kill()  # its connection closes and _on_lost counts the failed start
+            # counted now, before a replacement can start: a worker that is still starting
+            # keeps the pool from failing fast (see _start_failed)
+            limit = self.config.start_timeout_s
+            self._start_failed(
+                w,
+                f"a worker did not become ready within start_timeout_s={limit:g} s (import and "
+                "setup hook) and was killed; if they are this slow, raise LocalConfig(start_timeout_s=...)",
+            )
         except asyncio.CancelledError:
             w.kill()
             raise
@@ -432,12 +483,21 @@ class FunctionPool:
         if self._closed:
             return
         msg = f"{self.spec.name}: {message}"
+        self._last_start_failure = (msg, tb)
         cooldown = time.monotonic() + self.config.setup_failure_cooldown_s
         if any(x.usable for x in self._workers):
             self._no_spawn_until = cooldown  # the healthy workers keep serving the queue
+        elif any(x.starting for x in self._workers):
+            # a sibling is still starting: a transient failure (a flaky download, an OOM) says
+            # nothing about it, so the queue waits for it; if it fails too, its failure decides
+            pass
         elif w.fatal or self._start_failures >= _MAX_START_FAILURES:
             self._broken = (cooldown, msg, tb)  # nothing can serve: fail fast until the cooldown ends
             self._fail_pending(ErrorCode.SETUP_FAILED, msg, tb)
+
+    def _on_ready(self, w: _Worker) -> None:
+        # a worker that can serve ends any fail-fast period (see _broken)
+        self._broken = None
 
     def _on_fatal(self, w: _Worker, message: str, tb: str | None) -> None:
         # the import or the setup hook raised: this is the function's fault, not the machine's
@@ -459,14 +519,17 @@ class FunctionPool:
             w.lost = True
             return
         if not w.ready:
-            code = w.proc.poll() if w.proc is not None else None
-            self._start_failed(w, f"a worker died before it was ready (exit code {code}); see its stderr")
+            status = _exit_status(w.proc) if w.proc is not None else "never started"
+            self._start_failed(w, f"a worker died before it was ready ({status}); see its stderr")
             return
         w.lost = True
         if w in self._workers:
             self._workers.remove(w)
         self.metrics["lost"] += 1
-        code = w.proc.poll() if w.proc is not None else None
+        if w.kill_reason:  # killed by us: the reason is known, no need to wait for the status
+            code = "killed: a call ran past the function's timeout"
+        else:
+            code = _exit_status(w.proc) if w.proc is not None else "never started"
         timed_out = w.kill_reason[0] if w.kill_reason else 0
         # a synchronous worker runs one call at a time, the one in its slot; the others it held
         # never started, so they are safe to retry even for functions with side effects
@@ -476,9 +539,7 @@ class FunctionPool:
             if cid == timed_out and w.kill_reason:
                 self._fail(call, ErrorCode.TIMEOUT, w.kill_reason[1])
             elif running == -1 or cid == running:
-                self._fail(
-                    call, ErrorCode.WORKER_LOST, f"worker {w.id} died (exit code {code}) running the call"
-                )
+                self._fail(call, ErrorCode.WORKER_LOST, f"worker {w.id} died ({code}) running the call")
             elif call.requeues < _MAX_REQUEUES and not call.fut.done():
                 # it never ran: back to the head of the queue, for another worker, without
                 # spending one of the caller's attempts (a neighbour's timeout is not its fault)
@@ -486,7 +547,7 @@ class FunctionPool:
                 call.worker, call.cid = None, 0
                 requeue.append(call)
             else:
-                msg = f"worker {w.id} died (exit code {code}) before the call started"
+                msg = f"worker {w.id} died ({code}) before the call started"
                 self._fail(call, ErrorCode.NOT_STARTED, msg)
         w.inflight.clear()
         if requeue:

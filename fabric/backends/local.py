@@ -7,7 +7,7 @@ from typing import Any
 
 from fabric.backends._pool import FunctionPool
 from fabric.backends.base import Backend, LocalConfig, cpu_count
-from fabric.errors import EntryPointError, ErrorCode, UnknownFunctionError
+from fabric.errors import EntryPointError, ErrorCode, SetupFailedError, UnknownFunctionError
 from fabric.protocol import Invocation, Result
 from fabric.registry import Registry
 
@@ -31,6 +31,15 @@ class LocalBackend(Backend):
                     f"{name}: {spec.entry} is a nested function or lambda; the local backend imports "
                     "functions in worker processes, so define it at the top level of a module "
                     "(or use backend='inproc')"
+                )
+            if spec.entry.startswith("__main__:"):
+                # a script's functions get a file path as their module; no path means there is
+                # no file (python -c, stdin, a notebook cell, the REPL) for a worker to import,
+                # and a worker's own __main__ is fabric.worker
+                raise EntryPointError(
+                    f"{name} is defined in __main__ without a file (python -c, stdin, a notebook "
+                    "cell or the REPL): the local backend imports functions in worker processes, "
+                    "so define it in a module or a .py file (or use backend='inproc')"
                 )
             pool = FunctionPool(spec, self.config, cpu=self._cpu)
             self._pools[name] = pool
@@ -57,8 +66,22 @@ class LocalBackend(Backend):
         return await self._submit(inv)
 
     async def warmup(self, names: list[str] | None = None) -> None:
+        """Start the pools of ``names`` and wait for their warm workers. Raises
+        ``SetupFailedError`` for a function whose workers cannot start (its setup hook or
+        import raised), after every pool has settled."""
         pools = [self.pool(n) for n in (names if names is not None else self.registry.names())]
-        await asyncio.gather(*(p.wait_ready() for p in pools))
+        outcomes = await asyncio.gather(*(p.wait_ready() for p in pools), return_exceptions=True)
+        failed = [
+            (p.spec.name, o) for p, o in zip(pools, outcomes, strict=True) if isinstance(o, BaseException)
+        ]
+        if not failed:
+            return
+        first = failed[0][1]
+        if isinstance(first, SetupFailedError) and len(failed) > 1:
+            # the first failure in full, and the names of the others: each needs fixing
+            others = ", ".join(name for name, _ in failed[1:])
+            raise SetupFailedError(f"{first.message}; also failed to start: {others}", first.traceback)
+        raise first
 
     async def _close(self) -> None:
         await asyncio.gather(*(p.close() for p in self._pools.values()))

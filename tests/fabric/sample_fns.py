@@ -173,3 +173,53 @@ def patient_sleep(seconds: float) -> float:
     """Retried often enough to outlast a throttling server (the quota tests)."""
     time.sleep(seconds)
     return seconds
+
+
+def _first_worker_fails() -> str:
+    """The first worker to run its setup fails at once (a flaky download, a GPU OOM); every
+    later one succeeds, a little more slowly (so it is still starting when the first fails)."""
+    try:
+        fd = os.open(os.environ["FABRIC_TEST_MARKER"], os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        time.sleep(0.3)
+        return "loaded"
+    os.close(fd)
+    raise RuntimeError("transient setup failure")
+
+
+@REG.function(warm=2, setup=_first_worker_fails)
+def first_setup_fails(x: int = 0, ctx: str = "") -> str:
+    return ctx
+
+
+def _raise(kind: str) -> None:
+    if kind == "KeyboardInterrupt":
+        raise KeyboardInterrupt
+    if kind == "SystemExit":
+        raise SystemExit(3)
+    if kind == "GeneratorExit":
+        raise GeneratorExit
+    if kind == "CancelledError":
+        raise asyncio.CancelledError("an inner task was cancelled")
+    raise ValueError(kind)
+
+
+@REG.function(warm=0, retry={"max_attempts": 3, "initial_backoff_s": 0.01})
+def raises_base(kind: str) -> None:
+    """Raises a BaseException that is not an Exception: the function's error, not a dead worker."""
+    _raise(kind)
+
+
+@REG.function(warm=0, retry={"max_attempts": 3, "initial_backoff_s": 0.01})
+async def async_raises_base(kind: str) -> None:
+    await asyncio.sleep(0)
+    _raise(kind)
+
+
+def _slow_setup() -> None:
+    time.sleep(60)  # a model load far slower than the start timeout of the test
+
+
+@REG.function(warm=0, setup=_slow_setup)
+def slow_to_start(x: int = 0) -> int:
+    return x

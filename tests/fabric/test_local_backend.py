@@ -14,9 +14,10 @@ import pytest
 import sample_fns
 from sample_fns import REG
 
+import fabric
 from fabric.backends.base import LocalConfig
 from fabric.client import Client
-from fabric.errors import ErrorCode
+from fabric.errors import ErrorCode, SetupFailedError
 
 
 def alive(pid: int) -> bool:
@@ -73,6 +74,7 @@ async def test_worker_killed_mid_call_is_retryable_and_replaced(tmp_path):
     async with local() as c:
         r = await c.call("suicide", {})
         assert not r.ok and r.error.type == ErrorCode.WORKER_LOST and r.error.retryable
+        assert "killed by SIGKILL" in r.error.message  # how it died, not "exit code None"
         assert r.attempts == 2  # the policy allows 2; both died
         # the retry lands on a fresh worker and succeeds when the failure was transient
         r = await c.call("flaky", {"path": str(tmp_path / "n"), "fail_times": 1})
@@ -134,6 +136,90 @@ async def test_setup_failure_fails_fast_with_the_cause():
         t0 = time.monotonic()
         r2 = await c.call("bad_setup", {"x": 1})
         assert r2.error.type == ErrorCode.SETUP_FAILED and time.monotonic() - t0 < 0.1
+
+
+async def test_warmup_reports_a_setup_failure():
+    async with local(warm=1, setup_failure_cooldown_s=30) as c:
+        with pytest.raises(SetupFailedError) as e:
+            await c.warmup(["add", "bad_setup"])
+        # the cause and where it was raised, for a CLI that prints the error
+        assert str(e.value).startswith(
+            "bad_setup: worker setup failed: RuntimeError: model weights not found"
+        )
+        assert "_bad_setup" in str(e.value)
+        assert e.value.traceback and "RuntimeError" in e.value.traceback
+        assert c.backend.stats()["add"]["ready"] == 1  # the healthy function warmed up all the same
+
+
+async def test_one_failed_setup_does_not_fail_calls_a_ready_sibling_can_serve(tmp_path, monkeypatch):
+    # warm=2: the first worker's setup fails while its sibling is still starting; the pool
+    # must wait for the sibling, not fail every call fast for setup_failure_cooldown_s
+    monkeypatch.setenv("FABRIC_TEST_MARKER", str(tmp_path / "marker"))
+    async with local(max_workers=2, setup_failure_cooldown_s=30) as c:
+        await c.warmup(["first_setup_fails"])  # returns: a worker serves although one failed
+        stats = c.backend.stats()["first_setup_fails"]
+        assert stats["ready"] >= 1 and stats["start_failures"] == 1
+        r = await c.call("first_setup_fails", {})
+        assert r.ok and r.value == "loaded", r.error
+
+
+async def test_a_worker_that_does_not_start_in_time_says_so():
+    async with local(start_timeout_s=0.5, setup_failure_cooldown_s=30) as c:
+        r = await c.call("slow_to_start", {})
+        assert r.error.type == ErrorCode.SETUP_FAILED, r.error
+        assert "did not become ready within start_timeout_s=0.5 s" in r.error.message
+        assert "start_timeout_s=..." in r.error.message  # what to do about it
+        assert c.backend.stats()["slow_to_start"]["start_failures"] == 3
+
+
+@pytest.mark.parametrize(
+    ("fn", "kind"),
+    [
+        *(("raises_base", k) for k in ("KeyboardInterrupt", "GeneratorExit", "CancelledError")),
+        *(
+            ("async_raises_base", k)
+            for k in ("KeyboardInterrupt", "SystemExit", "GeneratorExit", "CancelledError")
+        ),
+    ],
+)
+async def test_a_handler_raising_a_base_exception_is_a_user_error_not_a_dead_worker(fn, kind):
+    # (a synchronous SystemExit: test_user_exception_is_data_and_the_pool_keeps_serving)
+    async with local(max_workers=1) as c:
+        r = await c.call(fn, {"kind": kind})
+        assert r.error is not None and r.error.type == ErrorCode.USER_ERROR, r.error
+        assert kind in r.error.message and r.attempts == 1
+        assert (await c.call(fn, {"kind": "ValueError"})).error.type == ErrorCode.USER_ERROR
+        stats = c.backend.stats()[fn]
+        assert stats["lost"] == 0 and stats["spawned"] == 1  # one worker served both
+
+
+def test_a_function_defined_without_a_file_gets_a_clear_error(tmp_path):
+    # python -c (like a notebook cell or stdin) has no file for a worker to import
+    code = textwrap.dedent(
+        """
+        import asyncio, fabric
+        @fabric.reward
+        def match(traj: str, ground_truth: str) -> float:
+            return float(traj == ground_truth)
+        async def main():
+            async with fabric.Client(backend="local") as c:
+                r = await c.call("match", {"traj": "a", "ground_truth": "a"})
+                print("RESULT", r.ok, r.error.type if r.error else "", r.error.message if r.error else "")
+            async with fabric.Client(backend="inproc") as c:
+                print("INPROC", (await c.call("match", {"traj": "a", "ground_truth": "a"})).value)
+        asyncio.run(main())
+        """
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fabric.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    p = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert "RESULT False SetupFailed match is defined in __main__ without a file" in p.stdout, (
+        p.stdout + p.stderr[-2000:]
+    )
+    assert "define it in a module or a .py file (or use backend='inproc')" in p.stdout
+    assert "INPROC 1.0" in p.stdout
 
 
 async def test_cold_start_growth_and_idle_shrink():
