@@ -57,7 +57,10 @@ async def main() -> None:
     )
     async with fabric.Client(backend="local") as client:
         t0 = time.perf_counter()
-        await client.backend.warmup()
+        # the built-ins this tour calls (llm_judge, registered too, needs RL_FABRIC_JUDGE_MODEL)
+        await client.backend.warmup(
+            ["exact_match", "length_penalised_match", "word_count", "calculator", "code_verify"]
+        )
         console.print(
             f"warm pools ready in {(time.perf_counter() - t0) * 1e3:.0f} ms: "
             f"{ {k: v['ready'] for k, v in client.backend.stats().items()} }"

@@ -322,6 +322,9 @@ def serve(
                 f"(tenants: {', '.join(sorted(cfg.tenants))}); Ctrl-C stops",
                 soft_wrap=True,
             )
+            for name, why in sorted(gateway.not_ready.items()):
+                first = why.splitlines()[0] if why else name
+                err.print(f"[yellow]not ready:[/] {first} (its calls answer SetupFailed)", soft_wrap=True)
             if generated:
                 err.print(f"token (tenant 'default'): {generated}", soft_wrap=True)
             # a machine-readable line for scripts that start the server
@@ -332,6 +335,8 @@ def serve(
         asyncio.run(main())
     except OSError as e:  # the port is taken, the address is not ours
         _fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
+    except FabricError as e:  # a function named with -f cannot start (SetupFailedError)
+        _fail(str(e))
 
 
 @app.command()

@@ -37,7 +37,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import ValidationError
 
 from fabric.backends.base import Backend, make_backend
-from fabric.errors import ConfigError
+from fabric.errors import ConfigError, SetupFailedError
 from fabric.protocol import Invocation, Result, decode_payload, new_request_id, to_strict_json
 from fabric.registry import Registry, default_registry
 from fabric.serve.config import ServeConfig
@@ -124,6 +124,8 @@ class Gateway:
         self.metrics = ServeMetrics(self)
         self._runner: web.AppRunner | None = None
         self.port: int = config.port
+        self.not_ready: dict[str, str] = {}
+        """Functions that could not start at warm-up (no ``-f``), with why."""
 
     # -- lifecycle
     async def __aenter__(self) -> Gateway:
@@ -139,9 +141,12 @@ class Gateway:
 
     async def start(self) -> None:
         await self.backend.start()
-        if self.config.warm:
-            warm = [n for n in sorted(self.served) if self.registry.get(n).warm > 0]
-            await self.backend.warmup(warm)
+        try:
+            if self.config.warm:
+                await self._warm()
+        except BaseException:
+            await self.backend.aclose()  # no pool outlives a server that did not start
+            raise
         app = web.Application(
             client_max_size=max(self.config.max_body_bytes, self.config.max_event_bytes) + 1
         )
@@ -156,6 +161,24 @@ class Gateway:
         server = site._server  # aiohttp exposes the bound port only here
         assert server is not None
         self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+
+    async def _warm(self) -> None:
+        """Start the warm workers. A function named with ``functions`` (``-f``) must start,
+        or the server does not; of all the registered ones (no ``-f``), one that cannot start
+        (the LLM judge without its model set, a missing toolchain) is left out of the warm-up
+        and recorded in ``not_ready``: its calls answer ``SetupFailed`` with the cause, and the
+        rest are served."""
+        warm = [n for n in sorted(self.served) if self.registry.get(n).warm > 0]
+        if self.config.functions is not None:
+            await self.backend.warmup(warm)
+            return
+        outcomes = await asyncio.gather(*(self.backend.warmup([n]) for n in warm), return_exceptions=True)
+        for name, outcome in zip(warm, outcomes, strict=True):
+            if isinstance(outcome, SetupFailedError):
+                self.not_ready[name] = outcome.message
+                log.info("%s cannot start; its calls answer SetupFailed: %s", name, outcome.message)
+            elif isinstance(outcome, BaseException):
+                raise outcome
 
     async def aclose(self) -> None:
         if self._runner is not None:

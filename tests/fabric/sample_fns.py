@@ -223,3 +223,17 @@ def _slow_setup() -> None:
 @REG.function(warm=0, setup=_slow_setup)
 def slow_to_start(x: int = 0) -> int:
     return x
+
+
+# a server's set of functions where one cannot start (fabric serve's warm-up)
+SERVE_REG = Registry()
+
+
+@SERVE_REG.function(warm=1)
+def serve_add(a: int, b: int = 1) -> int:
+    return a + b
+
+
+@SERVE_REG.function(warm=1, setup=_bad_setup)
+def serve_broken(x: int) -> int:
+    return x

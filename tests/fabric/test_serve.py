@@ -5,16 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import socket
 from pathlib import Path
 
 import httpx
 import pytest
-from sample_fns import REG
+from sample_fns import REG, SERVE_REG
 
 from fabric.backends.base import LocalConfig
-from fabric.errors import ConfigError
+from fabric.errors import ConfigError, SetupFailedError
 from fabric.protocol import Invocation
 from fabric.serve import Gateway, ServeConfig, TenantConfig, load_tenants
 from fabric.serve.gate import FairGate
@@ -32,7 +33,8 @@ def config(**kw) -> ServeConfig:
             "job-b": TenantConfig(token=TOKEN_B, max_concurrency=64),
         },
     )
-    return ServeConfig(port=0, tenants=tenants, backend=LocalConfig(max_workers=2), warm=False, **kw)
+    kw.setdefault("warm", False)
+    return ServeConfig(port=0, tenants=tenants, backend=LocalConfig(max_workers=2), **kw)
 
 
 def auth(token: str = TOKEN_A) -> dict[str, str]:
@@ -119,6 +121,33 @@ async def test_functions_outside_the_allow_list_are_404():
 async def test_unknown_served_function_is_a_config_error():
     with pytest.raises(ConfigError, match="not registered: nope"):
         Gateway(config(functions=["add", "nope"]), REG)
+
+
+async def test_a_function_that_cannot_start_is_reported_and_the_rest_are_served():
+    cfg = config(warm=True)
+    async with Gateway(cfg, SERVE_REG) as g, httpx.AsyncClient(base_url=g.url, timeout=30) as http:
+        assert list(g.not_ready) == ["serve_broken"]
+        assert "model weights not found" in g.not_ready["serve_broken"]
+        assert (await http.post(PATH.format("serve_add"), json={"a": 1}, headers=auth())).json() == 2
+        r = await http.post(PATH.format("serve_broken"), json={"x": 1}, headers=auth())
+        assert "model weights not found" in r.text
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_a_named_function_that_cannot_start_stops_the_server_and_its_pools():
+    gw = Gateway(config(warm=True, functions=["serve_add", "serve_broken"]), SERVE_REG)
+    with pytest.raises(SetupFailedError, match="model weights not found"):
+        await gw.start()
+    pids = [pid for p in gw.backend.stats().values() for pid in p["pids"]]
+    assert pids  # serve_add's worker had started...
+    assert [pid for pid in pids if _alive(pid)] == []  # ...and stopped with the rest
 
 
 async def test_oversize_payload_is_413_and_runs_nothing(http, tmp_path):
