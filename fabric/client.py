@@ -26,21 +26,20 @@ import asyncio
 import itertools
 import os
 import time
-from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 from tenacity import (
     AsyncRetrying,
-    RetryCallState,
     retry_if_result,
     stop_after_attempt,
     wait_random_exponential,
 )
-from tenacity.stop import stop_base
 
 from fabric.backends.base import Backend, make_backend
+from fabric.client_config import BreakerConfig, ClientConfig, HedgeConfig
+from fabric.client_state import Execution, FnState, StopAtDeadline
 from fabric.errors import (
     FINAL_ERRORS,
     RETRYABLE,
@@ -54,36 +53,8 @@ from fabric.protocol import Invocation, Result, encode_payload
 from fabric.registry import Registry, default_registry
 from fabric.spec import FunctionSpec
 
-
-class HedgeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    enabled: bool = True
-    quantile: float = Field(95.0, gt=50, lt=100)
-    """Send the duplicate once a call has been out longer than this latency quantile."""
-    max_share: float = Field(0.1, ge=0, le=1)
-    """At most this share of calls get a hedge (plus a small burst)."""
-    min_samples: int = Field(100, ge=1)
-    """No hedging until this many latencies were observed."""
-    min_delay_ms: float = Field(1.0, ge=0)
-
-
-class BreakerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    failure_threshold: int = Field(20, ge=1)
-    """Consecutive infrastructure failures (retryable errors) that open the circuit."""
-    cooldown_s: float = Field(5.0, gt=0)
-    """How long an open circuit fails calls fast before one probe is let through."""
-
-
-class ClientConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    hedge: HedgeConfig = Field(default_factory=HedgeConfig)
-    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
-    default_deadline_s: float | None = Field(None, gt=0)
-    """Deadline for calls that give none (None: bounded by the function's timeout and retries)."""
-    idempotency_cache_size: int = Field(100_000, ge=0)
-    tenant: str = "default"
-
+# the settings live in their own module; they stay importable from here
+__all__ = ["BreakerConfig", "Client", "ClientConfig", "HedgeConfig"]
 
 #: Failures after which a call may have run, in part or whole (the worker died in it, it ran
 #: past its timeout, the transport lost the answer, the function reported a dependency down):
@@ -91,97 +62,7 @@ class ClientConfig(BaseModel):
 _MAY_HAVE_RUN: frozenset[str] = RETRYABLE - SAFE_TO_RETRY
 
 
-class _StopAtDeadline(stop_base):
-    """Stop retrying when the next backoff would end at or after the deadline: tenacity has
-    drawn that backoff (``upcoming_sleep``) when it asks, so no sleep runs past the deadline
-    (``stop_after_delay`` looks only at the time already spent)."""
-
-    def __init__(self, deadline: Callable[[], float | None]):
-        self.deadline = deadline
-        self.hit = False
-        """True once the deadline, not the attempts, ended the retries."""
-
-    def __call__(self, retry_state: RetryCallState) -> bool:
-        d = self.deadline()
-        if d is not None and time.time() + retry_state.upcoming_sleep >= d:
-            self.hit = True
-        return self.hit
-
-
-class _HedgeClock:
-    """When to hedge, for one function: a FIFO of (time, callback) under one timer.
-
-    Every call of a function gets the same delay (its current p95), so the times arrive in
-    order and one timer for the head replaces a heap entry per call (the hot path). A call
-    that finished meanwhile makes its callback a no-op."""
-
-    __slots__ = ("_loop", "_q", "_timer")
-
-    def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._q: deque[tuple[float, Callable[[], None]]] = deque()
-        self._timer: asyncio.TimerHandle | None = None
-
-    def at(self, when: float, callback: Callable[[], None]) -> None:
-        self._q.append((when, callback))
-        if self._timer is None:
-            self._timer = self._loop.call_at(when, self._fire)
-
-    def _fire(self) -> None:
-        self._timer = None
-        q = self._q
-        now = self._loop.time()
-        while q and q[0][0] <= now:
-            q.popleft()[1]()
-        if q:
-            self._timer = self._loop.call_at(q[0][0], self._fire)
-
-
-class _Fn:
-    """Client-side state of one function."""
-
-    __slots__ = (
-        "breaker_open_until",
-        "consecutive_failures",
-        "hedge_clock",
-        "metrics",
-        "probing",
-        "sem",
-        "spec",
-    )
-
-    def __init__(self, spec: FunctionSpec, quantile: float):
-        self.spec = spec
-        self.sem = asyncio.Semaphore(spec.max_concurrency)
-        self.metrics = FunctionMetrics(quantile)
-        self.consecutive_failures = 0
-        self.breaker_open_until = 0.0
-        self.probing = False
-        self.hedge_clock = _HedgeClock()
-
-
 _BURST = 5  # hedges allowed beyond the share, so a short run can still hedge
-
-
-class _Execution:
-    """The one execution under an idempotency key, shared by every caller with the key.
-
-    It belongs to the key, not to the caller that started it: a caller's deadline or
-    cancellation ends only that caller's wait. It ends when the backend answers (a hung call
-    is bounded by the function's ``timeout_s``), and only then is the key free again, so a
-    caller that comes later never starts a second execution while the first may still run."""
-
-    __slots__ = ("deadline", "task")
-
-    def __init__(self, deadline: float | None):
-        self.deadline = deadline
-        """The latest deadline of the callers that joined (None once one has none): retries
-        stop when no caller could still use their answer."""
-        self.task: asyncio.Task[Result] | None = None
-
-    def join(self, deadline: float | None) -> None:
-        if self.deadline is not None:
-            self.deadline = None if deadline is None else max(self.deadline, deadline)
 
 
 class Client:
@@ -205,9 +86,9 @@ class Client:
         self.config = (
             config if isinstance(config, ClientConfig) else ClientConfig.model_validate(config or {})
         )
-        self._fns: dict[str, _Fn] = {}
+        self._fns: dict[str, FnState] = {}
         self._cache: dict[str, Result] = {}
-        self._inflight: dict[str, _Execution] = {}
+        self._inflight: dict[str, Execution] = {}
         self._executions: set[asyncio.Task[Result]] = set()
         self._ids = itertools.count(1)
         self._prefix = os.urandom(4).hex()
@@ -220,7 +101,7 @@ class Client:
         await self.aclose()
 
     async def aclose(self) -> None:
-        # keyed executions outlive their callers (see _Execution); they end with the client
+        # keyed executions outlive their callers (see Execution); they end with the client
         tasks = list(self._executions)
         for t in tasks:
             t.cancel()
@@ -254,7 +135,7 @@ class Client:
                     function=name,
                     request_id=request_id,
                 )
-            fn = self._fns[name] = _Fn(self.registry.get(name), self.config.hedge.quantile)
+            fn = self._fns[name] = FnState(self.registry.get(name), self.config.hedge.quantile)
         spec = fn.spec
         m = fn.metrics
         m.calls += 1
@@ -384,7 +265,7 @@ class Client:
     # ------------------------------------------------------------------ internals
     async def _call_keyed(
         self,
-        fn: _Fn,
+        fn: FnState,
         user_key: str,
         payload: dict[str, Any],
         raw: bytes,
@@ -424,7 +305,7 @@ class Client:
                 hedge=False,
                 raw=raw,
             )
-            ex = self._inflight[key] = _Execution(deadline)
+            ex = self._inflight[key] = Execution(deadline)
             ex.task = asyncio.create_task(self._execute(fn, inv, user_key, ex, hedge, probe))
             self._executions.add(ex.task)
             ex.task.add_done_callback(self._executions.discard)
@@ -461,7 +342,7 @@ class Client:
         return result
 
     async def _execute(
-        self, fn: _Fn, inv: Invocation, user_key: str, ex: _Execution, hedge: bool | None, probe: bool
+        self, fn: FnState, inv: Invocation, user_key: str, ex: Execution, hedge: bool | None, probe: bool
     ) -> Result:
         """The execution under a key: attempts and retries, then what a later caller with
         the key gets (``_conclude``), and the key is free again."""
@@ -489,7 +370,7 @@ class Client:
             if self._inflight.get(key) is ex:
                 del self._inflight[key]
 
-    def _conclude(self, fn: _Fn, key: str, user_key: str, result: Result) -> None:
+    def _conclude(self, fn: FnState, key: str, user_key: str, result: Result) -> None:
         """Remember what a later caller with the key gets instead of a new execution: the
         function's own answer; or, for a function with side effects whose call may have run
         (WorkerLost, FunctionTimeout, ...), a final ``OutcomeUnknown``, since running it
@@ -525,7 +406,7 @@ class Client:
         # a function with side effects is retried only when the call provably did not run
         return not spec.side_effects or (r.error is not None and r.error.type in SAFE_TO_RETRY)
 
-    def _breaker_admits(self, fn: _Fn) -> tuple[str | None, bool]:
+    def _breaker_admits(self, fn: FnState) -> tuple[str | None, bool]:
         """``(None, is_probe)`` when the call may go, else ``(why not, False)``. After the
         cooldown one probe goes through; its outcome closes the circuit or opens it again.
         The probe's caller ends the probe (``fn.probing = False``) however its call ends,
@@ -558,7 +439,7 @@ class Client:
             del cache[next(iter(cache))]  # dicts keep insertion order: drop the oldest
         cache[key] = result
 
-    async def _attempt(self, fn: _Fn, inv: Invocation, hedge: bool | None) -> Result:
+    async def _attempt(self, fn: FnState, inv: Invocation, hedge: bool | None) -> Result:
         """One attempt, hedged after the observed p95 when allowed."""
         backend = self.backend
         t0 = time.perf_counter()
@@ -586,7 +467,7 @@ class Client:
         return result
 
     async def _hedged(
-        self, fn: _Fn, inv: Invocation, primary: asyncio.Future[Result], delay_s: float
+        self, fn: FnState, inv: Invocation, primary: asyncio.Future[Result], delay_s: float
     ) -> Result:
         loop = asyncio.get_running_loop()
         winner: asyncio.Future[Result] = loop.create_future()
@@ -630,7 +511,7 @@ class Client:
 
     async def _retry(
         self,
-        fn: _Fn,
+        fn: FnState,
         inv: Invocation,
         first: Result,
         hedge: bool | None,
@@ -647,7 +528,7 @@ class Client:
         pending_first = [first]  # tenacity's first attempt is the one the fast path made
         sent = 1
         last = prev = first
-        at_deadline = _StopAtDeadline(deadline)
+        at_deadline = StopAtDeadline(deadline)
 
         async def attempt() -> Result:
             nonlocal sent, last, prev
@@ -692,7 +573,7 @@ class Client:
             )
         return result
 
-    def _settle(self, fn: _Fn, result: Result, t0: float) -> None:
+    def _settle(self, fn: FnState, result: Result, t0: float) -> None:
         m = fn.metrics
         ms = (time.perf_counter() - t0) * 1e3
         result.timings.total_ms = ms

@@ -1,0 +1,36 @@
+"""The client's settings (``ClientConfig``): hedging, the circuit breaker, default deadline,
+idempotency cache and tenant; validated once, where the client is made."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class HedgeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = True
+    quantile: float = Field(95.0, gt=50, lt=100)
+    """Send the duplicate once a call has been out longer than this latency quantile."""
+    max_share: float = Field(0.1, ge=0, le=1)
+    """At most this share of calls get a hedge (plus a small burst)."""
+    min_samples: int = Field(100, ge=1)
+    """No hedging until this many latencies were observed."""
+    min_delay_ms: float = Field(1.0, ge=0)
+
+
+class BreakerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    failure_threshold: int = Field(20, ge=1)
+    """Consecutive infrastructure failures (retryable errors) that open the circuit."""
+    cooldown_s: float = Field(5.0, gt=0)
+    """How long an open circuit fails calls fast before one probe is let through."""
+
+
+class ClientConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    hedge: HedgeConfig = Field(default_factory=HedgeConfig)
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    default_deadline_s: float | None = Field(None, gt=0)
+    """Deadline for calls that give none (None: bounded by the function's timeout and retries)."""
+    idempotency_cache_size: int = Field(100_000, ge=0)
+    tenant: str = "default"

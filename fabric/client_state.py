@@ -1,0 +1,107 @@
+"""The client's state per function (``FnState``), per idempotency key (``Execution``), and
+its two timing helpers: when to hedge (``HedgeClock``) and when retries must stop before the
+deadline (``StopAtDeadline``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+
+from tenacity import RetryCallState
+from tenacity.stop import stop_base
+
+from fabric.metrics import FunctionMetrics
+from fabric.protocol import Result
+from fabric.spec import FunctionSpec
+
+
+class StopAtDeadline(stop_base):
+    """Stop retrying when the next backoff would end at or after the deadline: tenacity has
+    drawn that backoff (``upcoming_sleep``) when it asks, so no sleep runs past the deadline
+    (``stop_after_delay`` looks only at the time already spent)."""
+
+    def __init__(self, deadline: Callable[[], float | None]):
+        self.deadline = deadline
+        self.hit = False
+        """True once the deadline, not the attempts, ended the retries."""
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        d = self.deadline()
+        if d is not None and time.time() + retry_state.upcoming_sleep >= d:
+            self.hit = True
+        return self.hit
+
+
+class HedgeClock:
+    """When to hedge, for one function: a FIFO of (time, callback) under one timer.
+
+    Every call of a function gets the same delay (its current p95), so the times arrive in
+    order and one timer for the head replaces a heap entry per call (the hot path). A call
+    that finished meanwhile makes its callback a no-op."""
+
+    __slots__ = ("_loop", "_q", "_timer")
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._q: deque[tuple[float, Callable[[], None]]] = deque()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def at(self, when: float, callback: Callable[[], None]) -> None:
+        self._q.append((when, callback))
+        if self._timer is None:
+            self._timer = self._loop.call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        q = self._q
+        now = self._loop.time()
+        while q and q[0][0] <= now:
+            q.popleft()[1]()
+        if q:
+            self._timer = self._loop.call_at(q[0][0], self._fire)
+
+
+class FnState:
+    """Client-side state of one function."""
+
+    __slots__ = (
+        "breaker_open_until",
+        "consecutive_failures",
+        "hedge_clock",
+        "metrics",
+        "probing",
+        "sem",
+        "spec",
+    )
+
+    def __init__(self, spec: FunctionSpec, quantile: float):
+        self.spec = spec
+        self.sem = asyncio.Semaphore(spec.max_concurrency)
+        self.metrics = FunctionMetrics(quantile)
+        self.consecutive_failures = 0
+        self.breaker_open_until = 0.0
+        self.probing = False
+        self.hedge_clock = HedgeClock()
+
+
+class Execution:
+    """The one execution under an idempotency key, shared by every caller with the key.
+
+    It belongs to the key, not to the caller that started it: a caller's deadline or
+    cancellation ends only that caller's wait. It ends when the backend answers (a hung call
+    is bounded by the function's ``timeout_s``), and only then is the key free again, so a
+    caller that comes later never starts a second execution while the first may still run."""
+
+    __slots__ = ("deadline", "task")
+
+    def __init__(self, deadline: float | None):
+        self.deadline = deadline
+        """The latest deadline of the callers that joined (None once one has none): retries
+        stop when no caller could still use their answer."""
+        self.task: asyncio.Task[Result] | None = None
+
+    def join(self, deadline: float | None) -> None:
+        if self.deadline is not None:
+            self.deadline = None if deadline is None else max(self.deadline, deadline)
