@@ -14,13 +14,10 @@ A caller's deadline is the caller's business: past it the call is answered
 from __future__ import annotations
 
 import asyncio
-import atexit
-import contextlib
 import functools
 import itertools
 import mmap
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -28,7 +25,8 @@ import time
 from collections import deque
 from typing import Any
 
-from fabric.backends._wire import SLOT_SIZE, FrameReader, pack, read_slot
+from fabric.backends._wire import SLOT_SIZE, read_slot
+from fabric.backends._worker_handle import LIVE_PIDS, PoolCall, WorkerHandle, exit_status
 from fabric.backends.base import LocalConfig
 from fabric.errors import BackendError, ErrorCode, SetupFailedError
 from fabric.protocol import Invocation, Result
@@ -40,113 +38,6 @@ _ASYNC_GRACE_S = 1.0  # an async call is enforced in the worker; the parent step
 _MAX_START_FAILURES = 3
 _QUEUED_WORK_MS = 2.0  # work a synchronous worker may have queued (see FunctionPool.per_worker)
 _MAX_REQUEUES = 3  # a call queued on workers that died before running it: re-dispatched this often
-_REAP_WAIT_S = 0.2  # a worker whose socket closed is exiting: how long to wait for its exit status
-
-# exit backstop: whatever a crashed caller failed to close is killed at interpreter exit
-_LIVE_PIDS: set[int] = set()
-
-
-@atexit.register
-def _kill_leftovers() -> None:
-    for pid in list(_LIVE_PIDS):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _exit_status(proc: subprocess.Popen[bytes]) -> str:
-    """How a worker ended, for error messages: its exit code or the signal that killed it."""
-    try:
-        # its socket closes as the process exits, so the status follows within moments
-        code = proc.wait(timeout=_REAP_WAIT_S)
-    except subprocess.TimeoutExpired:
-        return "exit status unknown"
-    if code >= 0:
-        return f"exit code {code}"
-    try:
-        return f"killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"killed by signal {-code}"
-
-
-class _Call:
-    __slots__ = ("avoid", "cid", "deadline_ns", "fut", "inv", "requeues", "t_submit_ns", "timer", "worker")
-
-    def __init__(self, inv: Invocation, fut: asyncio.Future[Result], deadline_ns: int):
-        self.inv = inv
-        self.fut = fut
-        self.t_submit_ns = time.monotonic_ns()
-        self.deadline_ns = deadline_ns
-        self.cid = 0
-        self.worker: _Worker | None = None
-        self.avoid: _Worker | None = None
-        self.timer: asyncio.TimerHandle | None = None
-        self.requeues = 0
-
-
-class _Worker(asyncio.Protocol):
-    """Parent-side handle of one worker process."""
-
-    def __init__(self, pool: FunctionPool, wid: str):
-        self.pool = pool
-        self.id = wid
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.slot: mmap.mmap | None = None
-        self.transport: asyncio.Transport | None = None
-        self.reader = FrameReader()
-        self.inflight: dict[int, _Call] = {}
-        self.ready = False
-        self.ready_fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.ready_ns = 0
-        self.served = 0
-        self.last_active = time.monotonic()
-        self.last_progress = self.last_active
-        self.lost = False
-        self.fatal = False
-        self.kill_reason: tuple[int, str] | None = None
-
-    @property
-    def usable(self) -> bool:
-        return self.ready and not self.lost and self.kill_reason is None
-
-    @property
-    def starting(self) -> bool:
-        return not self.ready and not self.lost
-
-    # -- asyncio.Protocol
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        for msg in self.reader.feed(data):
-            kind = msg[0]
-            if kind == "results":
-                self.pool._on_results(self, msg[1])
-            elif kind == "ready":
-                self.ready = True
-                self.ready_ns = time.monotonic_ns()
-                # idle counts from readiness, not from the spawn: a slow cold start is not idleness
-                self.last_active = time.monotonic()
-                self.settle_start()
-                self.pool._on_ready(self)
-            elif kind == "fatal":
-                self.pool._on_fatal(self, msg[2], msg[3])
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.pool._on_lost(self)
-
-    def settle_start(self) -> None:
-        """Whatever happened (ready, fatal, death), the spawner stops waiting."""
-        if not self.ready_fut.done():
-            self.ready_fut.set_result(None)
-
-    def send(self, msg: Any) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(pack(msg))
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
 
 
 class FunctionPool:
@@ -156,13 +47,13 @@ class FunctionPool:
         self.max_workers = max(1, min(spec.max_concurrency, config.max_workers or cpu))
         self.warm = min(self.max_workers, spec.warm if config.warm is None else config.warm)
         self._loop = asyncio.get_running_loop()
-        self._pending: deque[_Call] = deque()
+        self._pending: deque[PoolCall] = deque()
         self._scheduled = False
-        self._workers: list[_Worker] = []
+        self._workers: list[WorkerHandle] = []
         self._starting = 0
         self._cids = itertools.count(1)
         self._wids = itertools.count(1)
-        self._by_key: dict[str, _Call] = {}
+        self._by_key: dict[str, PoolCall] = {}
         self._closed = False
         # nothing can serve (set only while no worker is usable or starting): calls fail fast
         self._broken: tuple[float, str, str | None] | None = None  # until, message, traceback
@@ -235,7 +126,7 @@ class FunctionPool:
                     await asyncio.sleep(0.005)
                 w.kill()
                 await self._loop.run_in_executor(None, proc.wait)
-                _LIVE_PIDS.discard(proc.pid)
+                LIVE_PIDS.discard(proc.pid)
             if w.transport is not None:
                 w.transport.close()
             for call in list(w.inflight.values()):
@@ -245,7 +136,7 @@ class FunctionPool:
     # -- submission
     def submit(self, inv: Invocation) -> asyncio.Future[Result]:
         fut: asyncio.Future[Result] = self._loop.create_future()
-        call = _Call(inv, fut, 0)
+        call = PoolCall(inv, fut, 0)
         if inv.deadline is not None:
             remaining = inv.deadline - time.time()
             call.deadline_ns = time.monotonic_ns() + int(remaining * 1e9)
@@ -272,11 +163,11 @@ class FunctionPool:
             self._loop.call_soon(self._dispatch)
         return fut
 
-    def _expire(self, call: _Call) -> None:
+    def _expire(self, call: PoolCall) -> None:
         where = "while running; its result will be discarded" if call.worker else "while queued"
         self._fail(call, ErrorCode.DEADLINE_EXCEEDED, f"deadline passed {where}")
 
-    def _on_done(self, call: _Call, fut: asyncio.Future[Result]) -> None:
+    def _on_done(self, call: PoolCall, fut: asyncio.Future[Result]) -> None:
         w = call.worker
         if fut.cancelled() and w is not None and call.cid in w.inflight:
             w.send(("cancel", call.cid))
@@ -307,7 +198,7 @@ class FunctionPool:
                 break
             room = min(cap - len(w.inflight), self.spec.max_batch)
             batch: list[tuple[int, bytes, int, float]] = []
-            skipped: list[_Call] = []
+            skipped: list[PoolCall] = []
             while pending and len(batch) < room:
                 call = pending.popleft()
                 if call.fut.done():  # cancelled by the caller (a hedge loser), expired or failed
@@ -352,7 +243,7 @@ class FunctionPool:
                 self._spawn()
 
     # -- results
-    def _on_results(self, w: _Worker, results: list[tuple[Any, ...]]) -> None:
+    def _on_results(self, w: WorkerHandle, results: list[tuple[Any, ...]]) -> None:
         now = time.monotonic()
         w.last_progress = w.last_active = now
         served = 0
@@ -384,12 +275,12 @@ class FunctionPool:
             self._scheduled = True
             self._loop.call_soon(self._dispatch)
 
-    def _forget(self, call: _Call) -> None:
+    def _forget(self, call: PoolCall) -> None:
         key = call.inv.idempotency_key
         if key is not None and not call.inv.hedge and self._by_key.get(key) is call:
             del self._by_key[key]
 
-    def _fail(self, call: _Call, code: ErrorCode, message: str, tb: str | None = None) -> None:
+    def _fail(self, call: PoolCall, code: ErrorCode, message: str, tb: str | None = None) -> None:
         self._forget(call)
         if call.timer is not None:
             call.timer.cancel()
@@ -408,11 +299,11 @@ class FunctionPool:
     # -- worker lifecycle
     def _spawn(self) -> None:
         self._starting += 1
-        w = _Worker(self, f"{self.spec.name}-{next(self._wids)}")
+        w = WorkerHandle(self, f"{self.spec.name}-{next(self._wids)}")
         self._workers.append(w)
         self._loop.create_task(self._start_worker(w))
 
-    async def _start_worker(self, w: _Worker) -> None:
+    async def _start_worker(self, w: WorkerHandle) -> None:
         try:
             await self._launch(w)
             await asyncio.wait_for(asyncio.shield(w.ready_fut), self.config.start_timeout_s)
@@ -437,7 +328,7 @@ class FunctionPool:
         if not self._closed and self._pending:
             self._dispatch()
 
-    async def _launch(self, w: _Worker) -> None:
+    async def _launch(self, w: WorkerHandle) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             shm_fd = os.memfd_create("fabric-slot", 0)
@@ -463,7 +354,7 @@ class FunctionPool:
             finally:
                 child.close()
                 os.close(shm_fd)
-            _LIVE_PIDS.add(w.proc.pid)
+            LIVE_PIDS.add(w.proc.pid)
             self.metrics["spawned"] += 1
             await self._loop.connect_accepted_socket(lambda: w, parent)
         except BaseException:
@@ -472,7 +363,7 @@ class FunctionPool:
         fault = self.config.fault.model_dump() if self.config.fault else None
         w.send(("init", {"entry": self.spec.entry, "sys_path": list(sys.path), "fault": fault}))
 
-    def _start_failed(self, w: _Worker, message: str, tb: str | None = None) -> None:
+    def _start_failed(self, w: WorkerHandle, message: str, tb: str | None = None) -> None:
         """A worker that never became ready: after a few in a row, stop trying for a while."""
         w.lost = True
         w.kill()
@@ -495,23 +386,23 @@ class FunctionPool:
             self._broken = (cooldown, msg, tb)  # nothing can serve: fail fast until the cooldown ends
             self._fail_pending(ErrorCode.SETUP_FAILED, msg, tb)
 
-    def _on_ready(self, w: _Worker) -> None:
+    def _on_ready(self, w: WorkerHandle) -> None:
         # a worker that can serve ends any fail-fast period (see _broken)
         self._broken = None
 
-    def _on_fatal(self, w: _Worker, message: str, tb: str | None) -> None:
+    def _on_fatal(self, w: WorkerHandle, message: str, tb: str | None) -> None:
         # the import or the setup hook raised: this is the function's fault, not the machine's
         w.fatal = True
         w.settle_start()
         self._start_failed(w, f"worker setup failed: {message}", tb)
 
-    def _on_lost(self, w: _Worker) -> None:
+    def _on_lost(self, w: WorkerHandle) -> None:
         w.settle_start()
         if w.proc is not None:
             w.kill()
             proc = w.proc
             self._loop.run_in_executor(None, proc.wait).add_done_callback(
-                lambda _: _LIVE_PIDS.discard(proc.pid)
+                lambda _: LIVE_PIDS.discard(proc.pid)
             )
         if w.lost:  # stopped on purpose, or already handled
             return
@@ -519,7 +410,7 @@ class FunctionPool:
             w.lost = True
             return
         if not w.ready:
-            status = _exit_status(w.proc) if w.proc is not None else "never started"
+            status = exit_status(w.proc) if w.proc is not None else "never started"
             self._start_failed(w, f"a worker died before it was ready ({status}); see its stderr")
             return
         w.lost = True
@@ -529,12 +420,12 @@ class FunctionPool:
         if w.kill_reason:  # killed by us: the reason is known, no need to wait for the status
             code = "killed: a call ran past the function's timeout"
         else:
-            code = _exit_status(w.proc) if w.proc is not None else "never started"
+            code = exit_status(w.proc) if w.proc is not None else "never started"
         timed_out = w.kill_reason[0] if w.kill_reason else 0
         # a synchronous worker runs one call at a time, the one in its slot; the others it held
         # never started, so they are safe to retry even for functions with side effects
         running = read_slot(w.slot)[0] if w.slot is not None and not self.spec.is_async else -1
-        requeue: list[_Call] = []
+        requeue: list[PoolCall] = []
         for cid, call in list(w.inflight.items()):
             if cid == timed_out and w.kill_reason:
                 self._fail(call, ErrorCode.TIMEOUT, w.kill_reason[1])
@@ -591,7 +482,7 @@ class FunctionPool:
                 msg = f"{self.spec.name} ran past its {limit:.3g} s limit; its worker was killed and replaced"
                 self._kill_for_timeout(w, call, msg)
 
-    def _kill_for_timeout(self, w: _Worker, call: _Call, message: str) -> None:
+    def _kill_for_timeout(self, w: WorkerHandle, call: PoolCall, message: str) -> None:
         self.metrics["timeouts"] += 1
         w.kill_reason = (call.cid, message)
         w.kill()
@@ -611,12 +502,12 @@ class FunctionPool:
                 w.send(("stop",))
                 self._loop.create_task(self._reap(w))
 
-    async def _reap(self, w: _Worker) -> None:
+    async def _reap(self, w: WorkerHandle) -> None:
         await asyncio.sleep(0.5)
         w.kill()
         if w.proc is not None:
             await self._loop.run_in_executor(None, w.proc.wait)
-            _LIVE_PIDS.discard(w.proc.pid)
+            LIVE_PIDS.discard(w.proc.pid)
         if w.transport is not None:
             w.transport.close()
 

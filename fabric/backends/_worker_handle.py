@@ -1,0 +1,129 @@
+"""Parent-side handles of the local pool: one worker process (``WorkerHandle``, the asyncio
+protocol on its socket) and one call on its way through the pool (``PoolCall``), with the exit
+backstop that kills whatever worker a crashed caller failed to close."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import mmap
+import os
+import signal
+import subprocess
+import time
+from typing import TYPE_CHECKING, Any
+
+from fabric.backends._wire import FrameReader, pack
+from fabric.protocol import Invocation, Result
+
+if TYPE_CHECKING:
+    from fabric.backends._pool import FunctionPool
+
+_REAP_WAIT_S = 0.2  # a worker whose socket closed is exiting: how long to wait for its exit status
+
+# exit backstop: whatever a crashed caller failed to close is killed at interpreter exit
+LIVE_PIDS: set[int] = set()
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for pid in list(LIVE_PIDS):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def exit_status(proc: subprocess.Popen[bytes]) -> str:
+    """How a worker ended, for error messages: its exit code or the signal that killed it."""
+    try:
+        # its socket closes as the process exits, so the status follows within moments
+        code = proc.wait(timeout=_REAP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        return "exit status unknown"
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+class PoolCall:
+    __slots__ = ("avoid", "cid", "deadline_ns", "fut", "inv", "requeues", "t_submit_ns", "timer", "worker")
+
+    def __init__(self, inv: Invocation, fut: asyncio.Future[Result], deadline_ns: int):
+        self.inv = inv
+        self.fut = fut
+        self.t_submit_ns = time.monotonic_ns()
+        self.deadline_ns = deadline_ns
+        self.cid = 0
+        self.worker: WorkerHandle | None = None
+        self.avoid: WorkerHandle | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.requeues = 0
+
+
+class WorkerHandle(asyncio.Protocol):
+    """Parent-side handle of one worker process."""
+
+    def __init__(self, pool: FunctionPool, wid: str):
+        self.pool = pool
+        self.id = wid
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.slot: mmap.mmap | None = None
+        self.transport: asyncio.Transport | None = None
+        self.reader = FrameReader()
+        self.inflight: dict[int, PoolCall] = {}
+        self.ready = False
+        self.ready_fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.ready_ns = 0
+        self.served = 0
+        self.last_active = time.monotonic()
+        self.last_progress = self.last_active
+        self.lost = False
+        self.fatal = False
+        self.kill_reason: tuple[int, str] | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.ready and not self.lost and self.kill_reason is None
+
+    @property
+    def starting(self) -> bool:
+        return not self.ready and not self.lost
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        for msg in self.reader.feed(data):
+            kind = msg[0]
+            if kind == "results":
+                self.pool._on_results(self, msg[1])
+            elif kind == "ready":
+                self.ready = True
+                self.ready_ns = time.monotonic_ns()
+                # idle counts from readiness, not from the spawn: a slow cold start is not idleness
+                self.last_active = time.monotonic()
+                self.settle_start()
+                self.pool._on_ready(self)
+            elif kind == "fatal":
+                self.pool._on_fatal(self, msg[2], msg[3])
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.pool._on_lost(self)
+
+    def settle_start(self) -> None:
+        """Whatever happened (ready, fatal, death), the spawner stops waiting."""
+        if not self.ready_fut.done():
+            self.ready_fut.set_result(None)
+
+    def send(self, msg: Any) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(pack(msg))
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
