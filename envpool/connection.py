@@ -15,6 +15,7 @@ from envpool.errors import (
     EnvOrderError,
     EnvPoolError,
     EnvRegistryError,
+    ProtocolError,
     SessionTokenError,
     StepTimeout,
 )
@@ -37,7 +38,18 @@ def remote_error(err: dict[str, Any]) -> EnvPoolError:
     msg = str(err.get("message", ""))
     if kind in _USAGE:
         return _USAGE[kind](msg)
+    if kind == "ProtocolError":
+        return ProtocolError(msg)
     return EnvLogicError(f"{kind}: {msg}", remote_type=kind, traceback=err.get("traceback"))
+
+
+def _protocol_error(msg: dict[str, Any]) -> ProtocolError:
+    err = msg.get("error")
+    detail = f": {err.get('message')}" if isinstance(err, dict) and err.get("message") else ""
+    return ProtocolError(
+        f"the container answered with a reply that has no valid request id ({msg.get('id')!r}) "
+        f"and the session connection was closed{detail}"
+    )
 
 
 class Connection(asyncio.Protocol):
@@ -91,7 +103,15 @@ class Connection(asyncio.Protocol):
                 self.tasks.add(t)
                 t.add_done_callback(self.tasks.discard)
                 continue
-            fut = self.waiting.pop(int(msg.get("id", -1)), None)
+            rid = msg.get("id")
+            if not isinstance(rid, int) or isinstance(rid, bool):
+                # the server answers a request it could not read with a null id, then hangs up:
+                # an error of the protocol (a bug on one side), which no retry fixes
+                self._fail_all(_protocol_error(msg))
+                if self.transport is not None:
+                    self.transport.close()
+                return
+            fut = self.waiting.pop(rid, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
 

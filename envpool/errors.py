@@ -7,6 +7,7 @@
     │   ├── ActionError         not text, not UTF-8, over the size limit
     │   └── SessionTokenError   a request carrying another session's token
     ├── EnvLogicError           the environment's own code raised: data, never retried
+    ├── ProtocolError           a message the session protocol does not allow: never retried
     ├── EnvConformanceError     check_env found problems (envpool.testing)
     ├── ImageError              envpool.images: bad reference, not found, unsafe bundle
     └── InfraError              retryable: the machinery failed, not the environment
@@ -61,6 +62,11 @@ class EnvLogicError(EnvPoolError):
         self.remote_type = remote_type
         self.traceback = traceback
         super().__init__(message)
+
+
+class ProtocolError(EnvPoolError):
+    """A message the session protocol does not allow (a reply without a request id, an
+    unknown op): a bug of the server or of the pool, which no retry fixes."""
 
 
 class InfraError(EnvPoolError):

@@ -7,6 +7,8 @@ and a JSON object (any language can implement the server side):
                        {"op": "reset" | "step" | "ping" | "close", "id": N, "token": T, "args": {...}}
                        {"op": "tool_result", "tool_id": K, "result": "..."}
     server -> client   {"id": N, "ok": true, "result": ...} | {"id": N, "ok": false, "error": {...}}
+                       {"id": null, "ok": false, "error": {...}}   a request it could not read;
+                                                     it hangs up (never retried: a bug of one side)
                        {"op": "heartbeat"}           while a request runs
                        {"op": "tool", "tool_id": K, "name": ..., "arguments": {...}}
 
@@ -74,7 +76,10 @@ class FrameDecoder:
                 raise FrameError(f"frame of {size} bytes is over the {MAX_FRAME}-byte limit")
             if len(buf) - pos - 4 < size:
                 break
-            out.append(pydantic_core.from_json(bytes(buf[pos + 4 : pos + 4 + size])))
+            msg = pydantic_core.from_json(bytes(buf[pos + 4 : pos + 4 + size]))
+            if not isinstance(msg, dict):
+                raise FrameError("a frame must be a JSON object")
+            out.append(msg)
             pos += 4 + size
         if pos:
             del buf[:pos]

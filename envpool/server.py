@@ -31,6 +31,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import pydantic_core
+
 from envpool.protocol import MAX_FRAME, FrameError, encode, error_payload, recv_frame
 
 _REPLY_CACHE = 64
@@ -64,6 +66,22 @@ def apply_limits(limits: dict[str, int]) -> None:
     for key, value in limits.items():
         if value:
             resource.setrlimit(names[key], (value, value))
+
+
+class NotJSONSafe(TypeError):
+    """An environment returned something the wire format cannot carry (its bug)."""
+
+
+def jsonable(op: str, result: Any) -> Any:
+    """``result`` as plain JSON values, converted here so that a value JSON cannot carry is
+    the environment's error on its own request, not a reply that fails to send later."""
+    try:
+        return pydantic_core.to_jsonable_python(result)
+    except pydantic_core.PydanticSerializationError as e:
+        raise NotJSONSafe(
+            f"{op}() returned a value that cannot be serialized as JSON ({e}); keep observations, "
+            "info and rewards JSON-safe (a numpy scalar: .item(), an array: .tolist())"
+        ) from None
 
 
 def load_bundle(bundle: Path | None) -> Any:
@@ -206,9 +224,9 @@ class Server:
                 result: Any = {"pid": os.getpid()}
             elif op == "reset":
                 obs, info = self.env.reset(seed=args.get("seed"), options=args.get("options"))
-                result = {"obs": obs.model_dump(mode="json"), "info": info}
+                result = jsonable("reset", {"obs": obs, "info": info})
             elif op == "step":
-                result = self.env.step(args.get("action")).model_dump(mode="json")
+                result = jsonable("step", self.env.step(args.get("action")))
             else:
                 return {
                     "id": rid,

@@ -46,6 +46,31 @@ class LiarEnv(EchoEnv):
         return f"ready {os.urandom(4).hex()}", {}
 
 
+class Opaque:
+    """Stands for a numpy scalar or any other value JSON cannot carry."""
+
+
+class BadResetInfoEnv(EchoEnv):
+    """An environment bug: its reset info cannot be serialised (like a numpy.int64)."""
+
+    def reset(self, *, seed=None, options=None):
+        self.n = 0
+        return f"ready {seed}", {"level": Opaque()}
+
+
+class TimedInfoEnv(EchoEnv):
+    """Deterministic in all the policy sees; its info carries wall-clock timings."""
+
+    def reset(self, *, seed=None, options=None):
+        self.n = 0
+        return f"ready {seed}", {"started_at": time.time()}
+
+    def step(self, action):
+        res = super().step(action)
+        res.info["elapsed_s"] = time.time()
+        return res
+
+
 class SlowInitEnv(EchoEnv):
     """Takes longer to construct than the heartbeat window."""
 
@@ -66,6 +91,8 @@ def write_bundle(root: Path) -> Path:
             {"id": "bundle-random-v0", "entry_point": "echo_env:RandomEnv", "deterministic": False},
             {"id": "bundle-liar-v0", "entry_point": "echo_env:LiarEnv"},
             {"id": "bundle-slow-init-v0", "entry_point": "echo_env:SlowInitEnv"},
+            {"id": "bundle-bad-reset-info-v0", "entry_point": "echo_env:BadResetInfoEnv"},
+            {"id": "bundle-timed-info-v0", "entry_point": "echo_env:TimedInfoEnv"},
         ]
     }
     (root / "envpool.json").write_text(json.dumps(manifest))

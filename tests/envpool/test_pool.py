@@ -8,6 +8,7 @@ import json
 import os
 import random
 import signal
+import struct
 import sys
 import time
 from pathlib import Path
@@ -16,8 +17,16 @@ import pytest
 from echo_bundle import IMAGE, DirImages, write_bundle
 
 from envpool.connection import Connection
-from envpool.errors import ActionError, EnvLogicError, EnvOrderError, EnvRegistryError, SessionTokenError
+from envpool.errors import (
+    ActionError,
+    EnvLogicError,
+    EnvOrderError,
+    EnvRegistryError,
+    ProtocolError,
+    SessionTokenError,
+)
 from envpool.pool import EnvPool, SessionLost
+from envpool.protocol import encode
 
 
 @pytest.fixture
@@ -90,6 +99,35 @@ async def test_environment_bugs_and_usage_errors_are_not_retried(images):
             await s.step("x" * (64 * 1024 + 1))
         assert (await s.step("still here")).obs.text.startswith("still here")
         assert p.stats().get("step_retries", 0) == 0 and s.status == "ok"
+
+
+async def test_a_reset_info_that_cannot_be_serialised_is_an_env_bug_not_an_infra_failure(images, caplog):
+    # as in step()'s info: the server once failed to send such a reply outside its handler,
+    # answered with a null id and hung up; the pool crashed on the null id and retried the
+    # session as a dead container, killing containers and masking an env bug as infra_failed
+    async with pool(images, min_warm=0) as p:
+        with pytest.raises(EnvLogicError, match=r"reset\(\) returned a value that cannot be serialized"):
+            async with p.session("bundle-bad-reset-info-v0", image=IMAGE) as s:
+                await s.reset(seed=1)
+        stats = p.stats()
+        assert stats.get("reset_retries", 0) == 0 and stats.get("sessions_infra_failed", 0) == 0
+        assert stats.get("discarded", 0) == 0  # the container is fine: it stays in the pool
+    assert "data_received" not in caplog.text
+
+
+async def test_a_reply_without_a_request_id_is_a_protocol_error_not_a_crash(tmp_path, caplog):
+    async def answer(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readexactly(struct.unpack("!I", await r.readexactly(4))[0])
+        w.write(encode({"id": None, "ok": False, "error": {"type": "ProtocolError", "message": "bad"}}))
+        await w.drain()
+
+    server = await asyncio.start_unix_server(answer, str(tmp_path / "s"))
+    async with server:
+        conn = await Connection.open(str(tmp_path / "s"), heartbeat_s=0.5, misses=4, tool_caller=None)
+        with pytest.raises(ProtocolError, match=r"no valid request id.*: bad"):
+            await conn.request({"op": "ping", "token": "t"}, 5)
+        await asyncio.wait_for(conn.closed, 5)  # and the connection is closed, not left half-dead
+    assert "data_received" not in caplog.text
 
 
 async def test_unknown_environment_is_a_clear_error(images):
