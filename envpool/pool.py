@@ -305,12 +305,14 @@ class EnvPool:
         if self._closed:
             await self.runtime.stop(c)  # a session that outlived its pool still cleans up
             return
-        if not healthy or c.failed or c.episodes >= self.config.max_episodes:
-            self.metrics["recycled" if healthy and not c.failed else "discarded"] += 1
-            await self.runtime.stop(c)
-        else:
-            self._idle[c.image].append(c)
-        self._notify_changed()
+        try:
+            if not healthy or c.failed or c.episodes >= self.config.max_episodes:
+                self.metrics["recycled" if healthy and not c.failed else "discarded"] += 1
+                await self.runtime.stop(c)
+            else:
+                self._idle[c.image].append(c)
+        finally:  # a cancelled stop frees its slot all the same: claimers must hear of it
+            self._notify_changed()
 
     async def _maintain(self) -> None:
         """Replenish warm containers, drop dead idle ones, reap leaked sessions."""
@@ -365,6 +367,9 @@ class EnvSession:
         self._actions: list[str] = []
         self._trace: list[str] = []
         self._done = True
+        self._interrupted = False
+        """A request was cut off before its reply (cancelled): the container may still be
+        running it, so its state is unknown and it is not reused."""
 
     # -- public
     async def reset(
@@ -419,6 +424,10 @@ class EnvSession:
         self.container.last_active = time.monotonic()
         try:
             return await self.conn.request({"op": op, "token": self.token, "args": args}, timeout_s)
+        except BaseException as e:
+            if not isinstance(e, Exception):  # cancelled mid-request (an aborted trajectory)
+                self._interrupted = True
+            raise
         finally:
             if self.container is not None:
                 self.container.last_active = time.monotonic()
@@ -450,16 +459,28 @@ class EnvSession:
         self.pool.claim_ms.append((time.perf_counter() - t0) * 1e3)
 
     async def _detach(self) -> None:
-        if self.conn is not None and self.container is not None and self.status == "ok":
-            try:
-                await self.conn.request({"op": "close", "token": self.token}, 5.0)
-                await self._drop_container(healthy=True)
-                return
-            except (InfraError, OSError):
-                pass  # it did not answer the goodbye: discard it rather than reuse it
-        await self._drop_container(healthy=False)
+        """Give the container back: reused after a clean goodbye, else discarded. A request
+        cut off by a cancellation discards it at once: waiting for the environment to finish
+        a step nobody wants would hold an aborted trajectory for seconds. A cancellation of
+        the goodbye itself (a rollout is cancelled twice: aclose, then abort) discards it
+        too; it must never stay claimed until the reaper."""
+        if self.conn is None or self.container is None or self.status != "ok" or self._interrupted:
+            await self._drop_container(healthy=False)
+            return
+        try:
+            await self.conn.request({"op": "close", "token": self.token}, 5.0)
+        except Exception:  # it did not answer the goodbye: discard it rather than reuse it
+            healthy = False
+        except BaseException:
+            await self._drop_container(healthy=False)
+            raise
+        else:
+            healthy = True
+        await self._drop_container(healthy=healthy)
 
     async def _drop_container(self, *, healthy: bool) -> None:
+        # the bookkeeping happens before the first await: a cancellation landing in the stop
+        # leaves nothing claimed (the runtime finishes the stop it shields)
         conn, c = self.conn, self.container
         self.conn = self.container = None
         if conn is not None:

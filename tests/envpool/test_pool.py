@@ -342,6 +342,62 @@ async def _one_reset(p):
         return (await s.reset(seed=1))[0].text
 
 
+async def _hold_a_slow_step(p: EnvPool, started: asyncio.Event, pids: list[int]) -> None:
+    async with p.session("bundle-echo-v0", image=IMAGE) as s:
+        await s.reset(seed=0)
+        pids.append(s.container.pid)
+        started.set()
+        await s.step("sleep 30")
+
+
+async def test_a_trajectory_cancelled_mid_step_frees_its_container_at_once(images):
+    # an aborted (redundant) rollout is cancelled mid-step, and cancelled again (the group
+    # scheduler's aclose() then _abort()): its task ends at once, not after a step nobody
+    # wants (nor a 5 s goodbye), and its container, in an unknown state, is discarded
+    async with pool(images, min_warm=0) as p:
+        started, pids = asyncio.Event(), []
+        t = asyncio.create_task(_hold_a_slow_step(p, started, pids))
+        await asyncio.wait_for(started.wait(), 30)
+        await asyncio.sleep(0.2)  # inside the step
+        t0 = time.monotonic()
+        t.cancel()
+        await asyncio.sleep(0)
+        t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
+        assert time.monotonic() - t0 < 2.0, f"the cancelled task took {time.monotonic() - t0:.1f} s to end"
+        assert p.stats()["claimed"] == 0 and p.stats()["discarded"] == 1
+        await asyncio.sleep(0.1)  # the stop a second cancel may interrupt goes on, shielded
+        assert p.stats()["containers"] == 0 and not alive(pids[0])
+
+
+async def test_a_cancel_during_the_goodbye_discards_the_container(images):
+    # the second cancel of an aborted rollout can land while the session says goodbye; that
+    # once skipped the release, leaving the container claimed until the reaper (1 h)
+    async with pool(images, min_warm=0, runtime={"heartbeat_s": 1.0}) as p:
+        leaving, pids = asyncio.Event(), []
+
+        async def play() -> None:
+            async with p.session("bundle-echo-v0", image=IMAGE) as s:
+                await s.reset(seed=0)
+                pids.append(s.container.pid)
+                os.kill(s.container.pid, signal.SIGSTOP)  # the goodbye gets no answer for 4 s
+                leaving.set()
+            # the task's next suspension is the goodbye's wait for its reply
+
+        t = asyncio.create_task(play())
+        await asyncio.wait_for(leaving.wait(), 30)
+        t0 = time.monotonic()
+        t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
+        assert time.monotonic() - t0 < 2.0
+        stats = p.stats()
+        assert stats["claimed"] == 0 and stats["idle"] == 0 and stats["discarded"] == 1
+        await asyncio.sleep(0.1)
+        assert not alive(pids[0])
+
+
 async def test_a_closed_pool_refuses_new_sessions(images):
     from envpool.pool import PoolClosed
 
