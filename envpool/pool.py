@@ -266,7 +266,14 @@ class EnvPool:
             idle = self._idle[image]
             while idle:
                 c = idle.popleft()
-                if await self.runtime.alive(c):
+                try:
+                    ok = await self.runtime.alive(c)
+                except BaseException:
+                    # a probe that failed (a remote API hiccup) or was cancelled says nothing
+                    # of the container: back first in line, not lost holding a slot until close
+                    idle.appendleft(c)
+                    raise
+                if ok:
                     self.metrics["claims_warm"] += 1
                     return c
                 self.metrics["idle_died"] += 1

@@ -22,11 +22,14 @@ from envpool.errors import (
     EnvLogicError,
     EnvOrderError,
     EnvRegistryError,
+    InfraError,
     ProtocolError,
     SessionTokenError,
 )
 from envpool.pool import EnvPool, SessionLost
 from envpool.protocol import encode
+from envpool.runtimes.base import Container
+from envpool.runtimes.process import ProcessRuntime
 
 
 @pytest.fixture
@@ -396,6 +399,31 @@ async def test_a_cancel_during_the_goodbye_discards_the_container(images):
         assert stats["claimed"] == 0 and stats["idle"] == 0 and stats["discarded"] == 1
         await asyncio.sleep(0.1)
         assert not alive(pids[0])
+
+
+class _FlakyProbeRuntime(ProcessRuntime):
+    """A runtime whose first liveness probe fails (a k8s API 500, an engine hiccup)."""
+
+    probes = 0
+
+    async def _alive(self, c: Container) -> bool:
+        self.probes += 1
+        if self.probes == 1:
+            raise InfraError("kubernetes: read pod envpool-x: 500 InternalError")
+        return await super()._alive(c)
+
+
+async def test_a_failing_liveness_probe_does_not_lose_the_idle_container(images):
+    # the claim had already taken the idle container when the probe raised: it was then
+    # neither idle nor claimed, and held the only slot (max_containers=1) until the pool closed
+    p = pool(images, min_warm=1, max_containers=1, claim_timeout_s=2)
+    p.runtime = _FlakyProbeRuntime(p.config.runtime)  # the pool only asks its runtime
+    async with p:
+        await p.prewarm(IMAGE, 1)
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            assert (await s.reset(seed=1))[0].text == "ready 1"
+        stats = p.stats()
+        assert stats["claim_retries"] == 1 and stats["claims_warm"] == 1 and stats["containers"] == 1
 
 
 async def test_a_closed_pool_refuses_new_sessions(images):
