@@ -374,6 +374,7 @@ class EnvSession:
         self._actions: list[str] = []
         self._trace: list[str] = []
         self._done = True
+        self._closed = False
         self._interrupted = False
         """A request was cut off before its reply (cancelled): the container may still be
         running it, so its state is unknown and it is not reused."""
@@ -419,13 +420,20 @@ class EnvSession:
         return self.pool.config
 
     def _check_alive(self) -> None:
+        if self._closed:
+            # a call after the block would claim a container that nothing releases
+            raise EnvOrderError(
+                f"{self.env_id}: this session is closed (its `async with` block ended); "
+                "open a new one with pool.session(...)"
+            )
         if self.status == "infra_failed":
             raise SessionLost(
                 f"session lost: {self.failures[-1] if self.failures else 'infrastructure failure'}"
             )
 
     async def _call(self, op: str, args: dict[str, Any], timeout_s: float) -> Any:
-        if self.conn is None:
+        if self.conn is None:  # the container was lost: a retry claims a new one
+            self._check_alive()
             await self._attach()
         assert self.conn is not None and self.container is not None
         self.container.last_active = time.monotonic()
@@ -471,6 +479,7 @@ class EnvSession:
         a step nobody wants would hold an aborted trajectory for seconds. A cancellation of
         the goodbye itself (a rollout is cancelled twice: aclose, then abort) discards it
         too; it must never stay claimed until the reaper."""
+        self._closed = True
         if self.conn is None or self.container is None or self.status != "ok" or self._interrupted:
             await self._drop_container(healthy=False)
             return

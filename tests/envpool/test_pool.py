@@ -145,6 +145,18 @@ async def test_unknown_environment_is_a_clear_error(images):
             await s.reset()
 
 
+async def test_a_session_used_after_its_block_is_a_clear_error_and_claims_nothing(images):
+    # it once claimed a fresh container on the spot, which nothing would ever release
+    async with pool(images, min_warm=0) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+        with pytest.raises(EnvOrderError, match=r"session is closed.*open a new one with pool\.session"):
+            await s.reset(seed=2)
+        with pytest.raises(EnvOrderError, match="session is closed"):
+            await s.step("x")
+        assert p.stats()["claimed"] == 0 and p.stats()["claims_cold"] == 1
+
+
 async def test_a_request_with_another_sessions_token_is_refused(images):
     async with pool(images) as p, p.session("bundle-echo-v0", image=IMAGE) as s:
         await s.reset()
