@@ -57,9 +57,14 @@ class SessionLost(InfraError):
     retryable = False
 
 
-def _digest(result: Any) -> str:
-    """What the policy saw of a reset or step, for checking a replay."""
-    return hashlib.sha256(pydantic_core.to_json(result)).hexdigest()
+_SEEN = ("obs", "reward", "terminated", "truncated")
+
+
+def _digest(result: dict[str, Any]) -> str:
+    """What the policy saw of a reset or step, for checking a replay: the observation, the
+    reward and the episode's end. Not ``info``: determinism is asked of these only (as
+    ``check_env`` checks it), and info may well carry timings that differ on every run."""
+    return hashlib.sha256(pydantic_core.to_json({k: result.get(k) for k in _SEEN})).hexdigest()
 
 
 def _retryable(e: BaseException) -> bool:
@@ -548,8 +553,9 @@ class EnvSession:
 
     async def _replay(self) -> None:
         """Rebuild the episode on a fresh container: same reset, same actions, and the same
-        observations, checked step by step. Anything else loses the session: a rebuilt
-        episode that differs from the one the policy saw would be wrong training data."""
+        observations, rewards and episode ends, checked step by step (``info`` may differ).
+        Anything else loses the session: a rebuilt episode that differs from the one the
+        policy saw would be wrong training data."""
         self.pool.metrics["replays"] += 1
         if self._reset_args is None:
             return

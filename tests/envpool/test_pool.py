@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from echo_bundle import IMAGE, DirImages, write_bundle
 
+from envpool.api import EnvRegistry
 from envpool.connection import Connection
 from envpool.errors import (
     ActionError,
@@ -30,6 +31,7 @@ from envpool.pool import EnvPool, SessionLost
 from envpool.protocol import encode
 from envpool.runtimes.base import Container
 from envpool.runtimes.process import ProcessRuntime
+from envpool.testing import check_env
 
 
 @pytest.fixture
@@ -298,6 +300,22 @@ async def test_a_replay_rebuilds_the_same_random_episode(images):
             return [ln for ln in text.splitlines() if ln.strip() and set(ln) <= set("@SFHG ")]
 
         assert grid(res.obs.text) == grid(obs.text)  # the same map as the episode the policy saw
+
+
+async def test_a_replay_checks_what_the_policy_saw_not_info_timings(images, monkeypatch):
+    # deterministic where it counts (check_env passes) but with wall-clock times in info, which
+    # the docs allow: a replay that compared info lost every such session with its container
+    monkeypatch.syspath_prepend(str(images.root))
+    reg = EnvRegistry()
+    reg.register("bundle-timed-info-v0", entry_point="echo_env:TimedInfoEnv", max_episode_steps=4)
+    check_env("bundle-timed-info-v0", reg)
+    async with pool(images) as p, p.session("bundle-timed-info-v0", image=IMAGE) as s:
+        await s.reset(seed=1)
+        await s.step("a")
+        os.killpg(s.container.pid, signal.SIGKILL)
+        res = await s.step("b")
+        assert res.obs.text == "b #2" and res.reward == 2.0 and s.status == "ok"
+        assert p.stats()["replays"] == 1
 
 
 async def test_a_replay_that_diverges_loses_the_session(images):
