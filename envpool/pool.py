@@ -197,11 +197,18 @@ class EnvPool:
             await s._detach()
 
     async def prewarm(self, image: str | None = None, n: int | None = None) -> None:
-        """Start ``n`` (default ``min_warm``) idle containers for ``image`` and wait for them."""
+        """Start ``n`` (default ``min_warm``) idle containers for ``image`` and wait for them;
+        from then on the pool keeps that many warm. If none of them starts, the first start
+        error is raised (``ImageNotFound`` for a wrong reference) and the image is not kept
+        warm: only an image that starts is retried in the background."""
         n = self.config.min_warm if n is None else n
+        need = max(n - len(self._idle[image]) - self._starting[image], 0)
+        if need:
+            starts = [self._start_idle(image, background=False) for _ in range(need)]
+            errors = [r for r in await asyncio.gather(*starts, return_exceptions=True) if r is not None]
+            if len(errors) == need:
+                raise errors[0]
         self._wanted[image] = max(self._wanted.get(image, 0), n)
-        need = n - len(self._idle[image]) - self._starting[image]
-        await asyncio.gather(*(self._start_idle(image) for _ in range(max(need, 0))))
 
     def stats(self) -> dict[str, Any]:
         claims = sorted(self.claim_ms)
@@ -236,13 +243,17 @@ class EnvPool:
             self._starting[image] -= 1
             self._kick()
 
-    async def _start_idle(self, image: str | None) -> None:
+    async def _start_idle(self, image: str | None, *, background: bool = True) -> None:
+        """Start an idle container of ``image`` (none at ``max_containers``). In the
+        background a failure is counted and backs the image off; else it is raised."""
         if len(self.runtime.live) + sum(self._starting.values()) >= self.config.max_containers:
             return
         try:
             c = await self._new_container(image)
         except Exception as e:  # background work: count it, back off, never crash the loop
             self.metrics[f"prestart_failed:{type(e).__name__}"] += 1
+            if not background:
+                raise
             self._prestart_failures[image] += 1
             delay = min(30.0, 0.2 * 2 ** self._prestart_failures[image])
             self._prestart_after[image] = time.monotonic() + delay

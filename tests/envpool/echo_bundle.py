@@ -109,7 +109,7 @@ class DirImages:
     async def get(self, digest: str) -> Path:
         self.gets += 1
         if digest != DIGEST:
-            from envpool.errors import InfraError
+            from envpool.images.errors import ImageNotFound
 
-            raise InfraError(f"no such image {digest}")
+            raise ImageNotFound(digest, [str(self.root)])
         return self.root

@@ -27,6 +27,7 @@ from envpool.errors import (
     ProtocolError,
     SessionTokenError,
 )
+from envpool.images.errors import ImageNotFound
 from envpool.pool import EnvPool, SessionLost
 from envpool.protocol import encode
 from envpool.runtimes.base import Container
@@ -78,6 +79,17 @@ async def test_warm_claims_reuse_containers_across_episodes(images):
         stats = p.stats()
         assert stats["claims_warm"] == 4 and stats.get("claims_cold", 0) == 0
         assert len(seen) <= 2
+
+
+async def test_prewarm_of_an_image_that_cannot_start_says_so(images):
+    # it once returned normally with no container, and the image, recorded as wanted before
+    # anything started, was retried in the background for the pool's whole life
+    async with pool(images, min_warm=2) as p:
+        with pytest.raises(ImageNotFound):
+            await p.prewarm("missing@sha256:" + "0" * 64)
+        await asyncio.sleep(1.0)  # ten rounds of the maintenance loop
+        assert images.gets == 2  # prewarm's own two starts, none since
+        assert p.stats()["prestart_failed:ImageNotFound"] == 2
 
 
 async def test_containers_recycle_after_max_episodes(images):
