@@ -28,6 +28,10 @@ import pydantic_core
 
 HEADER = struct.Struct("!I")
 MAX_FRAME = 16 * 1024 * 1024
+EXIT_IMAGE_NOT_FOUND = 66
+"""The server's exit code when the image it was told to fetch is in none of its sources
+(sysexits' EX_NOINPUT): a wrong reference, which the remote runtimes turn into
+``ImageNotFound`` (never retried) rather than a failed start (retried, a pod per attempt)."""
 
 
 def encode(msg: dict[str, Any]) -> bytes:

@@ -33,7 +33,7 @@ from typing import Any
 
 import pydantic_core
 
-from envpool.protocol import MAX_FRAME, FrameError, encode, error_payload, recv_frame
+from envpool.protocol import EXIT_IMAGE_NOT_FOUND, MAX_FRAME, FrameError, encode, error_payload, recv_frame
 
 _REPLY_CACHE = 64
 CLONE_NEWNET = 0x40000000
@@ -338,7 +338,14 @@ def main() -> None:
         "fault": json.loads(args.fault),
         "netns": not args.no_netns,
     }
-    run(opts, lambda info: print(json.dumps(info), flush=True))
+    from envpool.images.errors import ImageNotFound
+
+    try:
+        run(opts, lambda info: print(json.dumps(info), flush=True))
+    except ImageNotFound as e:
+        # a wrong reference, not a crash: the exit code tells the runtime not to retry it
+        print(f"envpool.server: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_IMAGE_NOT_FOUND)
 
 
 if __name__ == "__main__":

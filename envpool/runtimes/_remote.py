@@ -1,5 +1,7 @@
 """What the remote runtimes (kubernetes, docker, modal) share: the server command of a
-container with its own network, and starting through SDK calls that cannot be cancelled."""
+container with its own network, starting through SDK calls that cannot be cancelled, and
+the error of a container whose server found no such image (it exits with
+``EXIT_IMAGE_NOT_FOUND``; each runtime reads the exit code its way)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+def image_not_found(config: Any, image: str | None, where: str) -> Exception:
+    """The error of a container whose server exited with ``EXIT_IMAGE_NOT_FOUND``: the
+    image is not at ``config.image_source`` (a wrong reference; never retried)."""
+    from envpool.images.bundle import ImageRef
+    from envpool.images.errors import ImageNotFound
+
+    digest = ImageRef.parse(image).digest if image else "(no image)"
+    return ImageNotFound(digest, [f"{config.image_source} (fetched by {where})"])
 
 
 def server_command(config: Any, image: str | None) -> list[str]:

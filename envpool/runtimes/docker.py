@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from envpool.errors import ContainerStartError, EnvPoolError, EnvUsageError
-from envpool.runtimes._remote import create_or_clean, server_command
+from envpool.protocol import EXIT_IMAGE_NOT_FOUND
+from envpool.runtimes._remote import create_or_clean, image_not_found, server_command
 from envpool.runtimes.base import Container, DockerRuntimeConfig, Runtime
 
 T = TypeVar("T")
@@ -75,11 +76,13 @@ class DockerRuntime(Runtime):
     kind = "docker"
     uses_local_bundle = False  # the container fetches its bundle from image_source
 
-    def __init__(self, config: DockerRuntimeConfig | None = None):
+    def __init__(self, config: DockerRuntimeConfig | None = None, *, client: Any = None):
+        """``client``: a ``docker.DockerClient`` to use (tests pass a fake); by default one
+        is connected on first use from ``config.base_url`` or the environment."""
         super().__init__()
         self.config = config or DockerRuntimeConfig()
         self._docker = _import_docker()
-        self._client: Any = None
+        self._client: Any = client
 
     async def _sdk(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
         """Run a blocking SDK call in a thread, its errors translated."""
@@ -136,6 +139,8 @@ class DockerRuntime(Runtime):
                 pass
             await self._sdk("inspect a container", ctr.reload)
             if ctr.status in ("exited", "dead"):
+                if (ctr.attrs.get("State") or {}).get("ExitCode") == EXIT_IMAGE_NOT_FOUND:
+                    raise image_not_found(self.config, c.image, f"container {ctr.id[:12]}")
                 raise ContainerStartError(
                     f"docker: container {ctr.id[:12]} exited before it was ready; "
                     f"see `docker logs {ctr.id[:12]}`"

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from envpool.errors import ContainerStartError, EnvPoolError, InfraError
-from envpool.runtimes._remote import server_command
+from envpool.protocol import EXIT_IMAGE_NOT_FOUND
+from envpool.runtimes._remote import image_not_found, server_command
 from envpool.runtimes.base import Container, KubernetesRuntimeConfig, Runtime
 
 MANAGED_BY = ("app.kubernetes.io/managed-by", "envpool")
@@ -253,6 +254,9 @@ class KubernetesRuntime(Runtime):
             detail = status.reason or status.message or ""
             for cs in status.container_statuses or []:
                 term = cs.state.terminated if cs.state is not None else None
+                if term is not None and term.exit_code == EXIT_IMAGE_NOT_FOUND:
+                    image = (pod.metadata.annotations or {}).get(IMAGE_ANNOTATION)
+                    raise image_not_found(self.config, image, f"pod {name}")
                 if term is not None:
                     detail = (
                         f"exit code {term.exit_code} ({term.reason}): {(term.message or '').strip()[-500:]}"

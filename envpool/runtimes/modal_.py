@@ -13,12 +13,14 @@ runs each sandbox as a local process. Modal's errors are translated in ``_transl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
 
 from envpool.errors import ContainerDied, ContainerStartError, EnvPoolError, EnvUsageError
-from envpool.runtimes._remote import create_or_clean, server_command
+from envpool.protocol import EXIT_IMAGE_NOT_FOUND
+from envpool.runtimes._remote import create_or_clean, image_not_found, server_command
 from envpool.runtimes.base import Container, ModalRuntimeConfig, Runtime
 
 
@@ -100,6 +102,14 @@ class ModalRuntime(Runtime):
         try:
             c = await self._container(sb, image)
             await self._wait_listening(c, sb)
+        except ContainerStartError as e:
+            code = None
+            with contextlib.suppress(Exception):
+                code = await _call(sb.poll)
+            await asyncio.shield(self._terminate(sb))
+            if code == EXIT_IMAGE_NOT_FOUND:  # its server found no such image: not worth a retry
+                raise image_not_found(self.config, image, f"sandbox {sb.object_id}") from e
+            raise
         except BaseException:  # a timeout (cancellation) too: nothing is left running
             await asyncio.shield(self._terminate(sb))
             raise

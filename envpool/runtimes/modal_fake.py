@@ -193,6 +193,9 @@ class FakeModal:
                     raise Error(f"sandbox {s.object_id} exited or timed out before its tunnels were ready")
             line = s.proc.stdout.readline()
             if not line:
+                # as on Modal, a sandbox that ended has its exit code for poll() to report
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    s.proc.wait(timeout=10)
                 raise Error(f"sandbox {s.object_id} exited before its tunnels were ready")
             host, _, port = json.loads(line)["endpoint"].removeprefix("tcp://").rpartition(":")
             s.endpoint = (host, int(port))

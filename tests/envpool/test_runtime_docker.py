@@ -9,7 +9,9 @@ import socket
 import pytest
 
 from envpool.errors import ContainerStartError, EnvUsageError
+from envpool.images.errors import ImageNotFound
 from envpool.pool import EnvPool
+from envpool.protocol import EXIT_IMAGE_NOT_FOUND
 from envpool.runtimes.base import DockerRuntimeConfig
 from envpool.runtimes.docker import DockerRuntime, _translate, run_kwargs
 
@@ -97,6 +99,69 @@ def test_a_missing_image_is_the_callers_to_fix():
     assert isinstance(err, EnvUsageError) and "docker pull nosuch:1" in str(err)
     err = _translate(docker, docker.errors.APIError("conflict"), cfg, "start a container")
     assert isinstance(err, ContainerStartError) and "refused to start a container" in str(err)
+
+
+class FakeContainer:
+    """What the runtime uses of the SDK's ``Container``."""
+
+    def __init__(self, client: FakeClient, labels: dict[str, str], *, port: int, exit_code: int | None):
+        self.client = client
+        self.id = f"{len(client.made) + 1:064x}"
+        self.labels = labels
+        self.status = "exited" if exit_code is not None else "running"
+        state = {"ExitCode": exit_code} if exit_code is not None else {}
+        self.attrs = {"State": state, "NetworkSettings": {"Ports": {"7000/tcp": [{"HostPort": str(port)}]}}}
+
+    def reload(self) -> None:
+        pass
+
+    def remove(self, force: bool = False) -> None:
+        if self.client.remove_failures:
+            self.client.remove_failures -= 1
+            raise docker.errors.APIError("500 Server Error: the engine is busy")
+        self.client.made.pop(self.id, None)
+        self.status = "removed"
+
+
+class FakeClient:
+    """A docker client without an engine: ``run`` makes a container whose server listens on
+    ``port`` (or has exited with ``exit_code``); the containers are kept in ``made``."""
+
+    def __init__(self, *, port: int = 0, exit_code: int | None = None) -> None:
+        self.made: dict[str, FakeContainer] = {}
+        self.port, self.exit_code = port, exit_code
+        self.remove_failures = 0
+        self.containers = self
+
+    def run(self, **kw: object) -> FakeContainer:
+        labels = kw["labels"]
+        assert isinstance(labels, dict)
+        ctr = FakeContainer(self, labels, port=self.port, exit_code=self.exit_code)
+        self.made[ctr.id] = ctr
+        return ctr
+
+    def get(self, cid: str) -> FakeContainer:
+        if cid not in self.made:
+            raise docker.errors.NotFound(f"no such container {cid}")
+        return self.made[cid]
+
+    def list(self, *, all: bool = False, filters: dict[str, str] | None = None) -> list[FakeContainer]:
+        assert filters == {"label": "app.kubernetes.io/managed-by=envpool"}
+        return list(self.made.values())
+
+    def close(self) -> None:
+        pass
+
+
+async def test_an_unknown_image_is_image_not_found_at_once_not_a_retried_start():
+    # the container's server fetches its bundle itself; an unknown digest once ended it as a
+    # generic failure: retried with a new container per attempt, then masked as infra_failed
+    client = FakeClient(port=_closed_port(), exit_code=EXIT_IMAGE_NOT_FOUND)
+    rt = DockerRuntime(DockerRuntimeConfig(image_source="http://origin:8080"), client=client)
+    with pytest.raises(ImageNotFound, match=r"c{64}.*http://origin:8080"):
+        await rt.start("typo@sha256:" + "c" * 64, None, timeout_s=10)
+    assert client.made == {} and rt.live == {}  # the exited container was removed
+    await rt.aclose()
 
 
 def test_make_runtime_builds_it_from_a_dict():

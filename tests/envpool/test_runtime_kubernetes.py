@@ -13,6 +13,7 @@ import pytest
 from echo_bundle import write_bundle
 
 from envpool.images.bundle import build_bundle
+from envpool.images.errors import ImageNotFound
 from envpool.images.fake_origin import FakeOrigin
 from envpool.pool import EnvPool, SessionLost
 from envpool.runtimes.k8s_fake import FakeKubernetesAPI
@@ -134,6 +135,18 @@ async def test_custom_image_is_fetched_by_the_pod_from_the_image_source(api, tmp
                 assert cmd[cmd.index("--image-digest") + 1] == bundle.digest
                 assert cmd[cmd.index("--image-source") + 1] == origin.url
             assert origin.blob_requests[bundle.digest] >= 1
+    assert api.pod_names() == []
+
+
+async def test_an_unknown_image_is_image_not_found_at_once_not_a_retried_start(api):
+    # the pod's server fetches its bundle itself; an unknown digest once ended the pod as a
+    # generic failure: retried with a new pod per attempt, then masked as infra_failed
+    with FakeOrigin({}) as origin:
+        async with pool(api, image_source=origin.url) as p:
+            with pytest.raises(ImageNotFound, match=r"a{64}"):
+                async with p.session("bundle-echo-v0", image="typo@sha256:" + "a" * 64):
+                    pass
+            assert api.requests["POST pods"] == 1 and p.stats().get("claim_retries", 0) == 0
     assert api.pod_names() == []
 
 

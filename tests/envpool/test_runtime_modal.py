@@ -10,6 +10,8 @@ import pytest
 
 from envpool.connection import Connection
 from envpool.errors import ContainerDied, EnvUsageError
+from envpool.images.errors import ImageNotFound
+from envpool.images.fake_origin import FakeOrigin
 from envpool.pool import EnvPool
 from envpool.runtimes.base import ModalRuntimeConfig
 from envpool.runtimes.modal_ import ModalRuntime
@@ -96,6 +98,18 @@ async def test_a_sandbox_that_dies_is_replaced_and_the_episode_replayed(fake):
         assert s.container is not None and s.container.handle != old and s.status == "ok"
         assert p.stats()["replays"] == 1
         assert fake.running() == [s.container.handle]
+
+
+async def test_an_unknown_image_is_image_not_found_at_once_not_a_retried_start(fake):
+    # the sandbox's server fetches its bundle itself and exits with EXIT_IMAGE_NOT_FOUND
+    rt = {"type": "modal", "heartbeat_s": 0.2}
+    with FakeOrigin({}) as origin:
+        async with modal_pool(fake, runtime={**rt, "image_source": origin.url}) as p:
+            with pytest.raises(ImageNotFound, match=r"b{64}"):
+                async with p.session("bundle-echo-v0", image="typo@sha256:" + "b" * 64):
+                    pass
+            assert len(fake.sandboxes) == 1 and p.stats().get("claim_retries", 0) == 0
+    assert fake.running() == []
 
 
 async def test_stop_terminates_every_sandbox(fake):
