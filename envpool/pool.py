@@ -262,6 +262,15 @@ class EnvPool:
         self._idle[image].append(c)
         self._notify_changed()
 
+    async def _stop(self, c: Container) -> None:
+        """Stop a container the pool gives up; a failure is counted, not raised (the session
+        or housekeeping that let it go is done with it): the runtime keeps it tracked, and
+        its aclose (and exit hook) tries again."""
+        try:
+            await self.runtime.stop(c)
+        except Exception as e:
+            self.metrics[f"stop_failed:{type(e).__name__}"] += 1
+
     def _notify_changed(self) -> None:
         fut, self._changed = self._changed, None
         if fut is not None and not fut.done():
@@ -293,7 +302,7 @@ class EnvPool:
                     self.metrics["claims_warm"] += 1
                     return c
                 self.metrics["idle_died"] += 1
-                await self.runtime.stop(c)
+                await self._stop(c)
             if len(self.runtime.live) + sum(self._starting.values()) < self.config.max_containers:
                 self.metrics["claims_cold"] += 1
                 c = await self._new_container(image)
@@ -319,19 +328,19 @@ class EnvPool:
     async def _evict_idle_other_than(self, image: str | None) -> bool:
         for other, q in self._idle.items():
             if other != image and q:
-                await self.runtime.stop(q.popleft())
+                await self._stop(q.popleft())
                 return True
         return False
 
     async def _release(self, c: Container, *, healthy: bool) -> None:
         self._claimed.pop(c.id, None)
         if self._closed:
-            await self.runtime.stop(c)  # a session that outlived its pool still cleans up
+            await self._stop(c)  # a session that outlived its pool still cleans up
             return
         try:
             if not healthy or c.failed or c.episodes >= self.config.max_episodes:
                 self.metrics["recycled" if healthy and not c.failed else "discarded"] += 1
-                await self.runtime.stop(c)
+                await self._stop(c)
             else:
                 self._idle[c.image].append(c)
         finally:  # a cancelled stop frees its slot all the same: claimers must hear of it
@@ -355,7 +364,7 @@ class EnvPool:
                         self.metrics["reaped"] += 1
                         c.reaped = True
                         self._claimed.pop(c.id, None)
-                        await self.runtime.stop(c)
+                        await self._stop(c)
                         self._kick()
             except Exception as e:  # housekeeping must not die silently
                 self.metrics[f"maintenance_error:{type(e).__name__}"] += 1

@@ -8,10 +8,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+def owner_id(instance: str) -> str:
+    """``host/pid/instance``: whose containers these are, for reaping them once that
+    process is gone (a crashed trainer)."""
+    return f"{socket.gethostname()}/{os.getpid()}/{instance}"
+
+
+def owner_gone(owner: str) -> bool:
+    """True when ``owner`` (an ``owner_id``) is a process of this host that has exited.
+    Another host's processes cannot be seen from here: never judged gone."""
+    o_host, _, rest = owner.partition("/")
+    o_pid, _, _ = rest.partition("/")
+    if o_host != socket.gethostname() or not o_pid.isdigit():
+        return False
+    return int(o_pid) != os.getpid() and not pid_alive(int(o_pid))
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
 
 
 def image_not_found(config: Any, image: str | None, where: str) -> Exception:

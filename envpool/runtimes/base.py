@@ -145,7 +145,9 @@ class Runtime(ABC):
 
     def __init__(self) -> None:
         self.live: dict[str, Container] = {}
+        """Containers started and not yet confirmed stopped (a failed stop stays here)."""
         self.metrics: Counter[str] = Counter()
+        self._stopping: dict[str, asyncio.Task[None]] = {}
 
     async def start(self, image: str | None, bundle: Path | None, *, timeout_s: float) -> Container:
         t0 = time.monotonic()
@@ -165,10 +167,29 @@ class Runtime(ABC):
         return c
 
     async def stop(self, c: Container) -> None:
-        if self.live.pop(c.id, None) is None:
+        """Stop ``c``: idempotent, concurrent calls share one stop, and a cancelled caller
+        does not interrupt it. ``c`` leaves ``live`` only once ``_stop`` succeeded: a stop
+        that failed (an engine or API hiccup) is tried again by ``aclose`` (and the
+        runtime's exit hook) instead of being forgotten with the container still running."""
+        if c.id not in self.live:
             return
+        task = self._stopping.get(c.id)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._stop_tracked(c))
+            self._stopping[c.id] = task
+            task.add_done_callback(lambda t: self._stop_done(c.id, t))
+        await asyncio.shield(task)
+
+    async def _stop_tracked(self, c: Container) -> None:
+        await self._stop(c)
+        self.live.pop(c.id, None)
         self.metrics["stopped"] += 1
-        await asyncio.shield(self._stop(c))
+
+    def _stop_done(self, cid: str, task: asyncio.Task[None]) -> None:
+        self._stopping.pop(cid, None)
+        # read here: the caller it was shielded from may be gone (cancelled)
+        if not task.cancelled() and task.exception() is not None:
+            self.metrics["stop_failures"] += 1
 
     async def alive(self, c: Container) -> bool:
         return c.id in self.live and await self._alive(c)

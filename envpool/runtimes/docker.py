@@ -7,25 +7,45 @@ environment image (a bundle) is fetched by the server itself from ``config.image
 
 The SDK is blocking: every call runs in a worker thread. Its errors are translated into
 envpool's in ``_translate`` (one place), with messages that say what to do.
+
+Every container is labelled ``app.kubernetes.io/managed-by: envpool`` and with its owner
+(``envpool.owner``: host/pid/runtime instance). ``reap_orphans()`` removes containers whose
+owner on this host is gone; an exit hook removes what this process still holds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import os
+import secrets
 import time
+import weakref
 from pathlib import Path
 from typing import Any, TypeVar
 
 from envpool.errors import ContainerStartError, EnvPoolError, EnvUsageError
 from envpool.protocol import EXIT_IMAGE_NOT_FOUND
-from envpool.runtimes._remote import create_or_clean, image_not_found, server_command
+from envpool.runtimes._remote import create_or_clean, image_not_found, owner_gone, owner_id, server_command
 from envpool.runtimes.base import Container, DockerRuntimeConfig, Runtime
 
 T = TypeVar("T")
 
 MANAGED_BY = {"app.kubernetes.io/managed-by": "envpool"}
 """Labels on every container the runtime starts (``docker ps --filter label=...`` finds them)."""
+OWNER_LABEL = "envpool.owner"
+
+_RUNTIMES: weakref.WeakSet[DockerRuntime] = weakref.WeakSet()
+
+
+@atexit.register
+def _remove_leftovers() -> None:
+    # exit backstop: a pool that was never closed (or whose stops failed) leaves no container
+    for rt in list(_RUNTIMES):
+        for c in list(rt.live.values()):
+            with contextlib.suppress(Exception):
+                rt._client.containers.get(c.handle).remove(force=True)
 
 
 def _import_docker() -> Any:
@@ -36,7 +56,7 @@ def _import_docker() -> Any:
     return docker
 
 
-def run_kwargs(config: DockerRuntimeConfig, image: str | None, *, owner: int) -> dict[str, Any]:
+def run_kwargs(config: DockerRuntimeConfig, image: str | None, *, owner: str) -> dict[str, Any]:
     """The arguments of ``client.containers.run`` for one container (pure: tested as is)."""
     return {
         "image": config.image,
@@ -44,7 +64,7 @@ def run_kwargs(config: DockerRuntimeConfig, image: str | None, *, owner: int) ->
         "detach": True,
         # the engine picks a free host port, bound to loopback only
         "ports": {f"{config.port}/tcp": ("127.0.0.1", None)},
-        "labels": {**MANAGED_BY, "envpool.owner": str(owner)},
+        "labels": {**MANAGED_BY, OWNER_LABEL: owner},
         "nano_cpus": int(config.cpu * 1e9),
         "mem_limit": f"{config.memory_mb}m",
         "environment": dict(config.env),
@@ -83,6 +103,8 @@ class DockerRuntime(Runtime):
         self.config = config or DockerRuntimeConfig()
         self._docker = _import_docker()
         self._client: Any = client
+        self.owner = owner_id(secrets.token_hex(4))
+        _RUNTIMES.add(self)
 
     async def _sdk(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
         """Run a blocking SDK call in a thread, its errors translated."""
@@ -105,7 +127,7 @@ class DockerRuntime(Runtime):
 
     async def _start(self, image: str | None, bundle: Path | None) -> Container:
         client = await self.client()
-        kw = run_kwargs(self.config, image, owner=os.getpid())
+        kw = run_kwargs(self.config, image, owner=self.owner)
         ctr = await create_or_clean(
             self._sdk("start a container", client.containers.run, **kw),
             lambda ctr: asyncio.to_thread(ctr.remove, force=True),
@@ -177,8 +199,32 @@ class DockerRuntime(Runtime):
         ctr = await self._get(c)
         return ctr is not None and ctr.status == "running"
 
+    async def reap_orphans(self) -> list[str]:
+        """Remove envpool containers whose owner is gone: a process of this host that
+        exited (a crashed trainer). Those of other hosts sharing the engine are left alone
+        (their owner's liveness cannot be seen from here). Returns the ids removed."""
+        client = await self.client()
+        labels = [f"{k}={v}" for k, v in MANAGED_BY.items()]
+        ctrs = await self._sdk("list containers", client.containers.list, all=True, filters={"label": labels})
+        reaped = []
+        for ctr in ctrs:
+            if not owner_gone((ctr.labels or {}).get(OWNER_LABEL, "")):
+                continue
+            try:
+                await asyncio.to_thread(ctr.remove, force=True)
+            except self._docker.errors.NotFound:
+                pass  # gone already: that is what we wanted
+            except self._docker.errors.DockerException as e:
+                raise _translate(self._docker, e, self.config, "remove a container") from e
+            reaped.append(ctr.id)
+        self.metrics["reaped_orphans"] += len(reaped)
+        return reaped
+
     async def aclose(self) -> None:
         await super().aclose()
+        if self.live:  # a stop failed again: the exit hook tries once more, with this client
+            return
+        _RUNTIMES.discard(self)
         if self._client is not None:
             await asyncio.to_thread(self._client.close)
             self._client = None

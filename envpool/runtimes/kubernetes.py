@@ -33,7 +33,7 @@ from typing import Any
 
 from envpool.errors import ContainerStartError, EnvPoolError, InfraError
 from envpool.protocol import EXIT_IMAGE_NOT_FOUND
-from envpool.runtimes._remote import image_not_found, server_command
+from envpool.runtimes._remote import image_not_found, owner_id, pid_alive, server_command
 from envpool.runtimes.base import Container, KubernetesRuntimeConfig, Runtime
 
 MANAGED_BY = ("app.kubernetes.io/managed-by", "envpool")
@@ -78,20 +78,6 @@ def _import_kubernetes() -> Any:
     return kubernetes
 
 
-def _owner_id(instance: str) -> str:
-    return f"{socket.gethostname()}/{os.getpid()}/{instance}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process: alive
-    return True
-
-
 class KubernetesRuntime(Runtime):
     kind = "kubernetes"
     uses_local_bundle = False  # the pod fetches its bundle from config.image_source
@@ -104,7 +90,7 @@ class KubernetesRuntime(Runtime):
         self._api_client = k8s.client.ApiClient(self._client_configuration(k8s))
         self._core = k8s.client.CoreV1Api(self._api_client)
         self._instance = secrets.token_hex(4)
-        self.owner = _owner_id(self._instance)
+        self.owner = owner_id(self._instance)
         self._pods: set[str] = set()
         """Pods this runtime created and has not deleted (starting ones included)."""
         _RUNTIMES.add(self)
@@ -350,7 +336,7 @@ class KubernetesRuntime(Runtime):
             if int(o_pid) == os.getpid():
                 orphan = o_instance == self._instance and name not in self._pods
             else:
-                orphan = not _pid_alive(int(o_pid))
+                orphan = not pid_alive(int(o_pid))
             if orphan:
                 self._pods.add(name)
                 await self._delete(name)

@@ -468,6 +468,33 @@ async def test_a_failing_liveness_probe_does_not_lose_the_idle_container(images)
         assert stats["claim_retries"] == 1 and stats["claims_warm"] == 1 and stats["containers"] == 1
 
 
+class _FlakyStopRuntime(ProcessRuntime):
+    """A runtime whose first stop fails (a docker engine or Kubernetes API hiccup)."""
+
+    stops = 0
+
+    async def _stop(self, c: Container) -> None:
+        self.stops += 1
+        if self.stops == 1:
+            raise InfraError("docker: the engine refused to remove a container: 500")
+        await super()._stop(c)
+
+
+async def test_a_failed_stop_neither_fails_the_session_nor_forgets_the_container(images):
+    # the stop once raised out of the finished session's block, and the runtime had already
+    # forgotten the container: nothing ever tried to stop it again
+    p = pool(images, min_warm=0, max_episodes=1)  # recycled (stopped) when released
+    p.runtime = _FlakyStopRuntime(p.config.runtime)
+    async with p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            pid = s.container.pid
+        stats = p.stats()
+        assert stats["stop_failed:InfraError"] == 1 and stats["containers"] == 1 and alive(pid)
+    await asyncio.sleep(0.1)
+    assert not alive(pid)  # the pool's close stopped it
+
+
 async def test_a_closed_pool_refuses_new_sessions(images):
     from envpool.pool import PoolClosed
 

@@ -3,6 +3,7 @@ the arguments it builds and its errors without an engine are tested everywhere."
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 
@@ -13,7 +14,14 @@ from envpool.images.errors import ImageNotFound
 from envpool.pool import EnvPool
 from envpool.protocol import EXIT_IMAGE_NOT_FOUND
 from envpool.runtimes.base import DockerRuntimeConfig
-from envpool.runtimes.docker import DockerRuntime, _translate, run_kwargs
+from envpool.runtimes.docker import (
+    MANAGED_BY,
+    OWNER_LABEL,
+    DockerRuntime,
+    _remove_leftovers,
+    _translate,
+    run_kwargs,
+)
 
 docker = pytest.importorskip("docker")
 
@@ -43,7 +51,7 @@ def _closed_port() -> int:
 
 def test_run_arguments_for_the_built_ins():
     cfg = DockerRuntimeConfig(image="envs:1", port=7100, cpu=0.5, memory_mb=256, heartbeat_s=0.2)
-    kw = run_kwargs(cfg, None, owner=42)
+    kw = run_kwargs(cfg, None, owner="host/42/ab12")
     assert kw == {
         "image": "envs:1",
         "command": [
@@ -58,7 +66,7 @@ def test_run_arguments_for_the_built_ins():
         ],
         "detach": True,
         "ports": {"7100/tcp": ("127.0.0.1", None)},
-        "labels": {"app.kubernetes.io/managed-by": "envpool", "envpool.owner": "42"},
+        "labels": {"app.kubernetes.io/managed-by": "envpool", "envpool.owner": "host/42/ab12"},
         "nano_cpus": 500_000_000,
         "mem_limit": "256m",
         "environment": {},
@@ -68,16 +76,16 @@ def test_run_arguments_for_the_built_ins():
 
 def test_run_arguments_for_a_bundle_image():
     cfg = DockerRuntimeConfig(image_source="http://mirror:8080", env={"K": "v"}, network="envnet")
-    kw = run_kwargs(cfg, f"echo@{DIGEST}", owner=7)
+    kw = run_kwargs(cfg, f"echo@{DIGEST}", owner="host/7/x")
     cmd = kw["command"]
     assert cmd[cmd.index("--image-digest") + 1] == DIGEST
     assert cmd[cmd.index("--image-source") + 1] == "http://mirror:8080"
     assert kw["environment"] == {"K": "v"} and kw["network"] == "envnet"
     # without a source the container has nowhere to fetch from: a clear error, not a dead container
     with pytest.raises(ValueError, match=r"needs runtime\.image_source"):
-        run_kwargs(DockerRuntimeConfig(), f"echo@{DIGEST}", owner=7)
+        run_kwargs(DockerRuntimeConfig(), f"echo@{DIGEST}", owner="host/7/x")
     faulty = DockerRuntimeConfig(faults={"crash_rate": 0.1})
-    assert '{"crash_rate": 0.1, "hang_rate": 0.0}' in run_kwargs(faulty, None, owner=7)["command"]
+    assert '{"crash_rate": 0.1, "hang_rate": 0.0}' in run_kwargs(faulty, None, owner="host/7/x")["command"]
 
 
 @pytest.mark.parametrize(
@@ -133,9 +141,7 @@ class FakeClient:
         self.remove_failures = 0
         self.containers = self
 
-    def run(self, **kw: object) -> FakeContainer:
-        labels = kw["labels"]
-        assert isinstance(labels, dict)
+    def run(self, *, labels: dict[str, str], **kw: object) -> FakeContainer:
         ctr = FakeContainer(self, labels, port=self.port, exit_code=self.exit_code)
         self.made[ctr.id] = ctr
         return ctr
@@ -145,8 +151,8 @@ class FakeClient:
             raise docker.errors.NotFound(f"no such container {cid}")
         return self.made[cid]
 
-    def list(self, *, all: bool = False, filters: dict[str, str] | None = None) -> list[FakeContainer]:
-        assert filters == {"label": "app.kubernetes.io/managed-by=envpool"}
+    def list(self, *, all: bool = False, filters: dict[str, list[str]] | None = None) -> list[FakeContainer]:
+        assert all and filters == {"label": ["app.kubernetes.io/managed-by=envpool"]}
         return list(self.made.values())
 
     def close(self) -> None:
@@ -161,6 +167,61 @@ async def test_an_unknown_image_is_image_not_found_at_once_not_a_retried_start()
     with pytest.raises(ImageNotFound, match=r"c{64}.*http://origin:8080"):
         await rt.start("typo@sha256:" + "c" * 64, None, timeout_s=10)
     assert client.made == {} and rt.live == {}  # the exited container was removed
+    await rt.aclose()
+
+
+@pytest.fixture
+def listening_port():
+    with socket.socket() as s:  # stands for a container's published port: connections succeed
+        s.bind(("127.0.0.1", 0))
+        s.listen(16)
+        yield int(s.getsockname()[1])
+
+
+async def test_a_container_whose_stop_failed_stays_tracked_and_aclose_removes_it(listening_port):
+    # Runtime.stop once dropped the container from `live` before the engine removed it: a
+    # failed remove was forgotten, and aclose never tried again (the container ran on)
+    client = FakeClient(port=listening_port)
+    rt = DockerRuntime(DockerRuntimeConfig(), client=client)
+    c = await rt.start(None, None, timeout_s=10)
+    client.remove_failures = 1
+    with pytest.raises(ContainerStartError, match="refused to remove a container"):
+        await rt.stop(c)
+    assert c.id in rt.live and len(client.made) == 1 and rt.metrics["stop_failures"] == 1
+    await rt.aclose()
+    assert client.made == {} and rt.live == {}
+
+
+def test_the_exit_hook_removes_the_containers_of_a_runtime_never_closed(listening_port):
+    client = FakeClient(port=listening_port)
+    rt = DockerRuntime(DockerRuntimeConfig(), client=client)
+    asyncio.run(rt.start(None, None, timeout_s=10))  # and never closed (a crashed job)
+    assert len(client.made) == 1
+    _remove_leftovers()
+    assert client.made == {}
+    asyncio.run(rt.aclose())
+
+
+async def test_reap_orphans_removes_containers_of_owners_that_are_gone():
+    # a crashed trainer's containers once ran forever: the docker runtime had no reaper
+    proc = await asyncio.create_subprocess_exec("true")
+    await proc.wait()  # a process of this host that has since exited
+    host = socket.gethostname()
+    client = FakeClient()
+    rt = DockerRuntime(DockerRuntimeConfig(), client=client)
+    owners = {
+        "dead": f"{host}/{proc.pid}/x",
+        "mine": rt.owner,
+        "alive": f"{host}/1/x",  # init: alive, someone else's
+        "elsewhere": "other-host/1234/x",  # another host sharing the engine: not ours to judge
+        "unlabelled": "",
+    }
+    made = {name: client.run(labels={**MANAGED_BY, OWNER_LABEL: o}) for name, o in owners.items()}
+    assert await rt.reap_orphans() == [made["dead"].id]
+    assert made["dead"].status == "removed"
+    assert sorted(c.id for c in client.made.values()) == sorted(
+        made[n].id for n in ("mine", "alive", "elsewhere", "unlabelled")
+    )
     await rt.aclose()
 
 
