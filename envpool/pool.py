@@ -32,7 +32,15 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from envpool.api import MAX_ACTION_BYTES, EnvRegistry, Observation, StepResult, check_action, default_registry
+from envpool.api import (
+    MAX_ACTION_BYTES,
+    EnvRegistry,
+    Observation,
+    StepResult,
+    check_action,
+    default_registry,
+    inprocess_tool_caller,
+)
 from envpool.connection import AsyncToolCaller, Connection
 from envpool.errors import (
     ContainerDied,
@@ -115,6 +123,12 @@ class ImageResolver(Protocol):
     async def get(self, digest: str) -> Path: ...
 
 
+async def inprocess_tools(name: str, arguments: dict[str, Any]) -> str:
+    """The default tool bridge: the fabric tool runs in this process, as ``envpool.make``
+    runs it (in a thread: a tool may block). A job passes its fabric client's instead."""
+    return await asyncio.to_thread(inprocess_tool_caller, name, arguments)
+
+
 def digest_of(image: str) -> str:
     """``name@sha256:hex`` or ``sha256:hex`` -> ``sha256:hex`` (``InvalidImageRef`` otherwise)."""
     from envpool.images.bundle import ImageRef
@@ -134,7 +148,8 @@ class EnvPool:
         self.config = config if isinstance(config, PoolConfig) else PoolConfig.model_validate(config or {})
         self.registry = registry if registry is not None else default_registry
         self.images = images
-        self.tool_caller = tool_caller
+        # without a bridge every tool call would be an error observation: wrong training data
+        self.tool_caller: AsyncToolCaller = tool_caller if tool_caller is not None else inprocess_tools
         self.runtime: Runtime = make_runtime(self.config.runtime)
         self._idle: dict[str | None, deque[Container]] = defaultdict(deque)
         self._wanted: dict[str | None, int] = {}

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from echo_bundle import IMAGE, DirImages, write_bundle
 
+import envpool
+import envpool.envs  # the built-ins register on import
 from envpool.api import EnvRegistry
 from envpool.connection import Connection
 from envpool.errors import (
@@ -263,6 +265,18 @@ async def test_tool_calls_are_brokered_by_the_pool(images):
             await s.reset()
             r = await s.step("tool 6*7")
             assert r.obs.text == "42" and calls == [("calculator", {"expression": "6*7"})]
+
+
+async def test_the_default_pool_runs_tool_calls_like_make_does():
+    # without tool_caller= every calculator call once observed "error: no tool bridge
+    # configured for 'calculator'", while envpool.make ran the tool: silently wrong data
+    call = '{"tool": "calculator", "arguments": {"expression": "6*7"}}'
+    env = envpool.make("math-tools-v1")
+    env.reset(seed=1)
+    assert env.step(call).obs.text == "42"
+    async with EnvPool({"min_warm": 0}) as p, p.session("math-tools-v1") as s:
+        await s.reset(seed=1)
+        assert (await s.step(call)).obs.text == "42"
 
 
 async def test_close_leaves_no_container(images):
