@@ -8,6 +8,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pydantic_core
+
 from envpool.errors import (
     ActionError,
     ConnectionLost,
@@ -15,6 +17,7 @@ from envpool.errors import (
     EnvOrderError,
     EnvPoolError,
     EnvRegistryError,
+    EnvUsageError,
     ProtocolError,
     SessionTokenError,
     StepTimeout,
@@ -141,16 +144,25 @@ class Connection(asyncio.Protocol):
     def send(self, msg: dict[str, Any]) -> None:
         if self.transport is None or self.transport.is_closing():
             raise ConnectionLost("the session connection is closed")
-        self.transport.write(encode(msg))
+        try:
+            data = encode(msg)
+        except pydantic_core.PydanticSerializationError as e:
+            raise EnvUsageError(
+                f"cannot send {msg.get('op', 'a message')!r} to the container: {e}; its arguments "
+                "(env_kwargs, reset options) must be JSON-safe"
+            ) from None
+        self.transport.write(data)
 
     async def request(self, msg: dict[str, Any], timeout_s: float) -> Any:
         """Send ``msg`` (its ``id`` set here unless given) and return the result; raises the
         remote error, ``StepTimeout`` (too slow, or silent past the heartbeat misses) or
         ``ConnectionLost``."""
         rid = msg.setdefault("id", next(self.ids))
+        # sent before anything waits for a reply: a message that cannot be sent leaves no
+        # future behind (no reply can arrive in between: there is no await)
+        self.send(msg)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.waiting[rid] = fut
-        self.send(msg)
         deadline = time.monotonic() + timeout_s
         self.last_seen = time.monotonic()
         try:

@@ -202,6 +202,10 @@ class EnvPool:
         """Claim a container for ``env_id`` (from ``image``, or the built-ins) and pin a
         session to it until the block ends."""
         spec = self.registry.spec(env_id) if image is None else None  # unknown id: a clear error now
+        try:  # and kwargs the container cannot be sent, before a container is claimed for them
+            pydantic_core.to_json(env_kwargs or {})
+        except pydantic_core.PydanticSerializationError as e:
+            raise EnvUsageError(f"{env_id}: env_kwargs must be JSON-safe to reach a container: {e}") from None
         s = EnvSession(
             self, env_id, image, env_kwargs or {}, deterministic=spec.deterministic if spec else True
         )

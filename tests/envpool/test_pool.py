@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import random
@@ -25,6 +26,7 @@ from envpool.errors import (
     EnvLogicError,
     EnvOrderError,
     EnvRegistryError,
+    EnvUsageError,
     InfraError,
     ProtocolError,
     SessionTokenError,
@@ -147,6 +149,23 @@ async def test_a_reply_without_a_request_id_is_a_protocol_error_not_a_crash(tmp_
             await conn.request({"op": "ping", "token": "t"}, 5)
         await asyncio.wait_for(conn.closed, 5)  # and the connection is closed, not left half-dead
     assert "data_received" not in caplog.text
+
+
+async def test_arguments_that_cannot_be_sent_are_a_clear_error_with_no_stray_future(images, caplog):
+    # they once raised a raw PydanticSerializationError, leaving a registered reply future
+    # that the connection's close failed later: "Future exception was never retrieved"
+    async with pool(images, min_warm=0) as p:
+        with pytest.raises(EnvUsageError, match="env_kwargs must be JSON-safe"):
+            async with p.session("bundle-echo-v0", image=IMAGE, env_kwargs={"rng": object()}):
+                pass
+        assert p.stats().get("claims_cold", 0) == 0  # refused before a container was claimed
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            with pytest.raises(EnvUsageError, match=r"'reset' to the container.*must be JSON-safe"):
+                await s.reset(seed=1, options={"rng": object()})
+            assert (await s.reset(seed=1))[0].text == "ready 1"  # the session is still fine
+            assert s.conn is not None and s.conn.waiting == {}
+    gc.collect()
+    assert "never retrieved" not in caplog.text
 
 
 async def test_unknown_environment_is_a_clear_error(images):
