@@ -130,8 +130,11 @@ class EnvSpec(BaseModel):
 
 
 class EnvRegistry:
-    def __init__(self) -> None:
+    def __init__(self, *, builtins: str | None = None) -> None:
+        """``builtins``: a module that registers environments here when imported, imported
+        the first time an id is looked up (the default registry's: ``envpool.envs``)."""
         self._specs: dict[str, EnvSpec] = {}
+        self._builtins = builtins
 
     def register(self, id: str, entry_point: str, **options: Any) -> EnvSpec:
         try:
@@ -145,13 +148,22 @@ class EnvRegistry:
         return spec
 
     def spec(self, id: str) -> EnvSpec:
+        if id not in self._specs:
+            self._load_builtins()
         try:
             return self._specs[id]
         except KeyError:
             raise UnknownEnvError(id, list(self._specs)) from None
 
     def ids(self) -> list[str]:
+        self._load_builtins()
         return sorted(self._specs)
+
+    def _load_builtins(self) -> None:
+        # so that envpool.make("frozenlake-v1") works without `import envpool.envs` first
+        module, self._builtins = self._builtins, None
+        if module is not None:
+            importlib.import_module(module)
 
     def __contains__(self, id: object) -> bool:
         return id in self._specs
@@ -237,6 +249,6 @@ class GuardedEnv:
 
 
 #: The registry ``envpool.register``/``envpool.make`` use.
-default_registry = EnvRegistry()
+default_registry = EnvRegistry(builtins="envpool.envs")
 register = default_registry.register
 make = default_registry.make

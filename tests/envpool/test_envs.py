@@ -485,6 +485,18 @@ def test_builtins_are_registered():
     assert builtins <= set(envpool.default_registry.ids())
 
 
+def test_make_finds_the_builtins_without_importing_envpool_envs_first():
+    # a fresh interpreter, where nothing imported envpool.envs: make once answered
+    # "unknown environment 'frozenlake-v1'; registered: (none)"
+    code = "import envpool; print(envpool.make('frozenlake-v1').spec.id, len(envpool.default_registry.ids()))"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"frozenlake-v1 {len(envpool.default_registry.ids())}\n"
+    # a registry of one's own stays as registered: nothing is added behind its back
+    assert EnvRegistry().ids() == []
+
+
 @pytest.mark.parametrize("env_id", envpool.default_registry.ids())
 def test_registered_env_conforms(env_id):
     check_env(env_id)
