@@ -272,6 +272,10 @@ class Job:
         self.runner.abort_group(gid, reason)  # type: ignore[arg-type]
 
     def _given_up(self, g: Any) -> None:
+        if self.buffer is not None:
+            # closed in the buffer too, or its bound drops it later as stale and _on_abort
+            # counts it out of the launch budget (and into stale_groups) a second time
+            self.buffer.drop(g.id)
         self._groups_live -= 1
         self.tally.counts["given_up_groups"] += 1
         self._give_up_streak += 1

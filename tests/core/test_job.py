@@ -175,6 +175,35 @@ async def test_constrained_actions_without_the_torch_engine_fail_before_the_run_
     assert not (tmp_path / "run").exists()
 
 
+# ----------------------------------------------------------------------------- launch accounting
+
+
+async def test_a_given_up_group_is_counted_out_of_the_launch_budget_once():
+    # given up (out of re-runs), a group leaves the launch budget; left pending in the buffer,
+    # its bound dropped it later as stale too, and each given-up group made the launcher
+    # start one group more than its budget (one that could only go stale)
+    from test_groups import FakeManager, FakeProxy
+    from test_groups import job as group_job
+
+    from core.buffer import SampleBuffer
+    from core.rollout.groups import GroupRunner
+
+    cfg = group_job(group_size=2, max_reruns=0)
+    j = Job(cfg, progress=False)
+    manager = FakeManager(default=(0.001, "infra_failed"))
+    j.runner = GroupRunner(cfg, manager, FakeProxy(), submit=lambda t: None, on_given_up=j._given_up)  # type: ignore[arg-type]
+    j.buffer = SampleBuffer(cfg.group_size, cfg.alpha, on_abort=j._on_abort)
+    j._start_group(j.runner)
+    assert j._groups_live == 1
+    async with asyncio.timeout(5):
+        while not j.tally.counts["given_up_groups"]:  # noqa: ASYNC110 - no event for "given up"
+            await asyncio.sleep(0.005)
+    assert j._groups_live == 0
+    assert j.buffer.advance(cfg.alpha + 1) == []  # the trainer moves past the group's version
+    assert j.tally.counts["stale_groups"] == 0 and j._groups_live == 0
+    await j.runner.aclose()
+
+
 @pytest.mark.ray
 async def test_a_reward_missing_from_the_jobs_registry_is_refused_before_anything_starts(
     tmp_path, ray_cluster
