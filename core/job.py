@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import random
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
@@ -108,7 +109,7 @@ class Job:
             raise ConfigError(problems)
         self._fatal = asyncio.get_running_loop().create_future()
         with JobProgress(cfg.steps, enabled=self.progress_enabled) as progress:
-            bundle = self._build_policy(progress) if cfg.engine.backend == "torch" else None
+            bundle = await self._build_policy(progress) if cfg.engine.backend == "torch" else None
             actions = self._action_ids(bundle)
             run_dir = self.run_dir = RunDir(Path(cfg.run_dir))
             run_dir.write_config(cfg.to_yaml())
@@ -338,10 +339,26 @@ class Job:
         }
 
     # ------------------------------------------------------------------ setup
-    def _build_policy(self, progress: JobProgress) -> PolicyBundle:
+    async def _build_policy(self, progress: JobProgress) -> PolicyBundle:
         if self.cfg.engine.pretrain.steps:
             progress.note(f"pretraining the policy on random play ({self.cfg.engine.pretrain.steps} steps)")
-        bundle = build_policy(self.cfg, on_pretrain_step=progress.pretrain_step)
+        # in a worker thread: run here, the build (corpus play, pretraining: minutes) held the
+        # event loop, and the first Ctrl-C (asyncio.run cancels the main task) took effect
+        # only at the next await, after it. A thread cannot be cancelled: told to stop, the
+        # build ends at its next check (a pretraining step, a poll of the corpus child, whose
+        # processes it kills), and this waits for that, so nothing outlives the job. Nothing
+        # else runs yet, so the thread shares nothing with the loop but the progress display.
+        stop = threading.Event()
+        build = asyncio.ensure_future(
+            asyncio.to_thread(build_policy, self.cfg, on_pretrain_step=progress.pretrain_step, stop=stop)
+        )
+        try:
+            bundle = await asyncio.shield(build)
+        except asyncio.CancelledError:
+            stop.set()
+            with contextlib.suppress(Exception):  # StoppedError, or what it failed with meanwhile
+                await build
+            raise
         self.evaluator.trained_on(bundle.tasks)
         if bundle.pretrained:
             self._pretrained = bundle.pretrained
@@ -405,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     except CoreError as e:
         print(e, file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the job stopped what it had started; no traceback
+        print("interrupted", file=sys.stderr)
+        return 130
     print(json.dumps(summary))
     return 0
 

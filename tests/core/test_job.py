@@ -175,6 +175,63 @@ async def test_constrained_actions_without_the_torch_engine_fail_before_the_run_
     assert not (tmp_path / "run").exists()
 
 
+# ----------------------------------------------------------------------------- Ctrl-C
+
+
+def test_ctrl_c_during_pretraining_stops_the_job_promptly(tmp_path):
+    # the policy build (corpus play, pretraining: a minute or more) ran inside Job.run's
+    # coroutine: asyncio.run's first Ctrl-C only cancels the main task, at its next await,
+    # so the job went on until pretraining was over (174 s measured on a loaded machine)
+    import signal
+    import subprocess
+    import sys
+
+    data = {
+        "engine": {
+            "backend": "torch",
+            "max_new_tokens": 1,
+            "kwargs": {**TINY, "max_len": 256},
+            "pretrain": {"steps": 1_000_000, "episodes": 50},
+        },
+        "envs": [{**FROZENLAKE, "max_turns": 2}],
+        "rewards": {"frozenlake": [{"function": "env_return"}]},
+        "steps": 1,
+        "rollout": {"eval_every": 0},
+        "run_dir": str(tmp_path / "run"),
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "core.job", str(path)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
+    )
+    try:
+        assert p.stdout is not None
+        seen = []
+        for line in p.stdout:  # until pretraining runs (not a terminal: plain progress lines)
+            seen.append(line)
+            if line.startswith("pretrain 1/"):
+                break
+        assert seen and seen[-1].startswith("pretrain 1/"), "".join(seen)
+        p.send_signal(signal.SIGINT)
+        try:
+            rest, _ = p.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("Ctrl-C during pretraining did not stop the job within 15 s") from None
+        assert p.returncode == 130 and rest.strip().endswith("interrupted"), rest
+        assert "Traceback" not in rest, rest
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 # ----------------------------------------------------------------------------- launch accounting
 
 
