@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from core.config import JobConfig
+from core.config_backends import MODEL_KEYS as MODEL_KEYS  # engine.kwargs that shape the TinyLM
 from core.errors import ConfigError
 from core.policy.corpus import CORPUS_EPISODES, play_envs
 from core.policy.pretrain import OnStep, pretrain, transition_sequences
@@ -33,8 +34,6 @@ from core.policy.tokenizer import WordTokenizer
 from core.rollout.env_manager import task_key
 
 TINY_LM = "tiny-lm"
-#: ``engine.kwargs`` keys that shape the ``TinyLM`` (the rest configure the torch engine).
-MODEL_KEYS = ("d_model", "n_layers", "n_heads", "d_ff", "max_len", "rope_base", "init_std")
 
 
 @dataclass(frozen=True)

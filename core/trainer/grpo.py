@@ -16,12 +16,11 @@ episode-level group advantage.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-LossAgg = Literal["token_mean", "seq_mean_token_mean"]
+from core.config_backends import LossAgg as LossAgg  # with the torch trainer's config
 
 
 def group_advantages(
