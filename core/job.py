@@ -105,13 +105,22 @@ class Job:
         # the config was checked against what discovery found; a job given its own registry
         # checks against that one, or an unknown reward would fail every trajectory
         problems = cfg.reference_problems(registry, registered_env_ids())
+        # before the policy build (minutes of pretraining), not at the RunDir made after it
+        bad_dir = RunDir.problem(Path(cfg.run_dir))
+        if bad_dir is not None:
+            problems.append(("run_dir", f"{bad_dir}; choose another (run_dir, or --run-dir)"))
         if problems:
             raise ConfigError(problems)
         self._fatal = asyncio.get_running_loop().create_future()
         with JobProgress(cfg.steps, enabled=self.progress_enabled) as progress:
             bundle = await self._build_policy(progress) if cfg.engine.backend == "torch" else None
             actions = self._action_ids(bundle)
-            run_dir = self.run_dir = RunDir(Path(cfg.run_dir))
+            try:
+                run_dir = self.run_dir = RunDir(Path(cfg.run_dir))
+            except OSError as e:  # changed since the check above
+                raise ConfigError(
+                    [("run_dir", f"cannot use {str(cfg.run_dir)!r}: {e.strerror or e}")]
+                ) from None
             run_dir.write_config(cfg.to_yaml())
             progress.note(f"run directory: {run_dir.path}")
             init = str(bundle.save(run_dir.path.resolve() / "policy-init")) if bundle is not None else None

@@ -163,6 +163,35 @@ def test_overrides_are_validated_too(tmp_path):
     assert [k for k, _ in e.value.problems] == ["steps"]
 
 
+@pytest.mark.parametrize("under", [False, True])
+def test_a_run_dir_that_cannot_be_a_directory_is_refused_before_the_policy_is_built(
+    tmp_path, capsys, monkeypatch, under
+):
+    # mkdir's FileExistsError / NotADirectoryError escaped as a traceback (exit 1), after the
+    # policy build (with engine.pretrain, a minute of pretraining lost)
+    import core.job
+
+    def no_build(*a: Any, **kw: Any) -> None:
+        raise AssertionError("the policy was built before the run directory was checked")
+
+    monkeypatch.setattr(core.job, "build_policy", no_build)
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    data = {
+        "engine": {"max_new_tokens": 1, "kwargs": TINY},
+        "envs": [LATENCY],
+        "rewards": {"latency": [{"function": "env_return"}]},
+        "steps": 1,
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    run_dir = taken / "run" if under else taken
+    assert main([str(path), "--run-dir", str(run_dir), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"run_dir: {str(taken)!r} is a file, not a directory; choose another" in err
+    assert "Traceback" not in err and taken.read_text() == "a file"
+
+
 async def test_constrained_actions_without_the_torch_engine_fail_before_the_run_dir(tmp_path):
     cfg = job_config(
         tmp_path,
