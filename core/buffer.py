@@ -5,6 +5,7 @@ asynchronous bound.
         buf.put(sample)                      # from the reward stream, never blocks
         groups = await buf.get_batch(16)     # the trainer; oldest groups first
         buf.advance(new_version)             # after publishing weights: drops what is too old
+        buf.drop(group_id)                   # the rollout side gave a group up
 
 One asyncio event loop owns it (later: one Ray actor), so no method needs a lock and only
 ``get_batch`` awaits.
@@ -25,6 +26,9 @@ Semantics:
   calls ``on_abort(gid, "stale")`` so the rollout side stops the group's in-flight rollouts;
   a stale sample that arrives later is dropped the same way. ``open_group`` lets the rollout
   side register a group before its first sample, and tells it when starting is pointless.
+* **Given up.** ``drop(gid)``: the rollout side gave the group up (out of re-runs); it is
+  closed at once, what it had and whatever arrives for it later is counted as ``given_up``,
+  and the bound never drops it again (nor reports it ``stale``: it was counted once already).
 * **Exactly once.** A trajectory id that was already accepted is ignored (``duplicate``).
   Ids (and closed group ids) are remembered for the last ``memory`` of each.
 * **Batches.** ``await get_batch(n)`` returns ``n`` complete groups, oldest policy version
@@ -50,9 +54,10 @@ log = logging.getLogger(__name__)
 
 AbortReason = Literal["complete", "stale"]
 AbortCallback = Callable[[str, AbortReason], None]
-PutOutcome = Literal["accepted", "completed", "duplicate", "masked", "extra", "stale", "closed"]
+PutOutcome = Literal["accepted", "completed", "duplicate", "masked", "extra", "stale", "given_up", "closed"]
 """What ``put`` did: ``completed`` when this sample completed its group; ``extra`` for a
-sample of a group that is already complete or served; ``closed`` after ``close()``."""
+sample of a group that is already complete or served; ``given_up`` for one of a group the
+rollout side dropped; ``closed`` after ``close()``."""
 
 
 @dataclass(slots=True)
@@ -92,7 +97,7 @@ class SampleBuffer:
         self._memory = max(memory, 1)
         self._pending: dict[str, Group] = {}
         self._ready: dict[str, Group] = {}
-        self._closed_groups: OrderedDict[str, Literal["served", "stale"]] = OrderedDict()
+        self._closed_groups: OrderedDict[str, Literal["served", "stale", "given_up"]] = OrderedDict()
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._waiters: deque[tuple[int, asyncio.Future[list[Group]]]] = deque()
         self._seq = itertools.count()
@@ -165,6 +170,9 @@ class SampleBuffer:
         if gid in self._ready or self._closed_groups.get(gid) == "served":
             self._dropped["extra"] += 1
             return "extra"
+        if self._closed_groups.get(gid) == "given_up":
+            self._dropped["given_up"] += 1
+            return "given_up"
         if self._closed_groups.get(gid) == "stale" or self.is_stale(sample.version):
             self._dropped["stale"] += 1
             if gid not in self._closed_groups:
@@ -185,6 +193,18 @@ class SampleBuffer:
         self._notify(gid, "complete")
         self._wake()
         return "completed"
+
+    def drop(self, group_id: str) -> None:
+        """The rollout side gave the group up: close it now. Left pending, the bound would
+        drop it later as stale and report it (``on_abort``) a second time, so the launcher
+        would count it out twice and start one group too many. Not called back: the caller
+        knows. A group already complete is left alone (it is the trainer's)."""
+        if group_id in self._ready or self._closed_groups.get(group_id) == "served":
+            return
+        g = self._pending.pop(group_id, None)
+        if g is not None:
+            self._dropped["given_up"] += len(g.samples)
+        self._remember(self._closed_groups, group_id, "given_up")
 
     # ------------------------------------------------------------------ trainer side
     def advance(self, version: int) -> list[str]:

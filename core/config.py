@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from core.config_backends import torch_engine_problems, torch_trainer_problems
 from core.config_messages import hint, listing, semantic_error, validation_problems
 from core.config_sections import (
     DEFAULT_AFFINITY,
@@ -137,6 +138,10 @@ class JobConfig(ConfigModel):
                 )
             )
         problems += self._trainer_engine_problems()
+        # the torch backends' own settings: refused here, not dropped (engine.kwargs) or found
+        # by the trainer actor after the policy was built and Ray started (trainer.kwargs)
+        problems += torch_engine_problems(self.engine)
+        problems += torch_trainer_problems(self.trainer, temperature=self.engine.temperature, seed=self.seed)
         for tag in self.engine.hw_affinity:
             if tag != DEFAULT_AFFINITY and tag not in tags:
                 problems.append(

@@ -85,9 +85,11 @@ class EngineConfig(ConfigModel):
     ``None``: 1 for ``vllm``, 0 otherwise. A fraction shares a card, e.g. 0.5 with the
     trainer's 0.5 on a one-GPU machine."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Backend-specific options, passed through: for ``torch`` the ``TinyLM`` shape
-    (``d_model``, ``n_layers``, ``n_heads``, ``max_len``) and ``TorchEngineConfig`` fields;
-    vLLM engine args; ``base_url`` of an OpenAI-compatible server."""
+    """Backend-specific options: for ``torch`` the ``TinyLM`` shape (``d_model``,
+    ``n_layers``, ``n_heads``, ``max_len``, ...) and ``TorchEngineConfig`` fields
+    (``max_batch_size``, ``batch_wait_ms``, ``num_threads``), checked here (``JobConfig``
+    refuses any other key); passed through to the others: vLLM engine args, ``base_url`` of
+    an OpenAI-compatible server."""
     pretrain: PretrainConfig = Field(default_factory=PretrainConfig)
     """Pretraining of a new ``tiny-lm`` (torch backend) before RL; off by default."""
 
@@ -195,7 +197,10 @@ class TrainerConfig(ConfigModel):
     gamma: float = Field(0.95, gt=0, le=1, allow_inf_nan=False)
     """Discount of the step-level returns."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Backend-specific options (Megatron parallelism, ...), passed through."""
+    """Backend-specific options: for ``torch`` ``TorchTrainerConfig`` fields
+    (``weight_decay``, ``loss_agg``, ...) and ``num_threads``, checked with the config, as is
+    the config the job's settings make for it; passed through to ``megatron`` (parallelism,
+    ``hf_model``, ...)."""
     num_gpus: float | None = Field(None, ge=0, allow_inf_nan=False)
     """GPUs the trainer actor reserves from Ray; ``None``: 1 for ``megatron``, 0 for ``torch``."""
 

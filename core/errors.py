@@ -7,8 +7,10 @@ The tree (every class derives from ``CoreError``)::
     │                        ``problems`` lists every ``(key, message)`` found, all at once
     ├── BufferClosedError    ``SampleBuffer.get_batch`` on (or waiting when) the buffer closed
     ├── StreamClosedError    ``RewardStream.submit`` after the stream was closed
-    └── RolloutError         the rollout cannot make progress: every group fails (the job stops
-                             with the trajectories' last error instead of spinning)
+    ├── RolloutError         the rollout cannot make progress: every group fails (the job stops
+    │                        with the trajectories' last error instead of spinning)
+    └── StoppedError         a blocking step run in a worker thread (the policy build: corpus
+                             play, pretraining) stopped because its caller asked (Ctrl-C)
 
 A trajectory whose reward failed or whose environment broke is *data* (a masked ``Sample``),
 never an exception: only misuse of the API, bad configs and a rollout where *every* group
@@ -47,3 +49,7 @@ class StreamClosedError(CoreError):
 
 class RolloutError(CoreError):
     """Group after group was given up with no group completing: the fault is not transient."""
+
+
+class StoppedError(CoreError):
+    """A blocking step stopped early because its caller set its stop flag."""

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import random
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
@@ -104,13 +105,22 @@ class Job:
         # the config was checked against what discovery found; a job given its own registry
         # checks against that one, or an unknown reward would fail every trajectory
         problems = cfg.reference_problems(registry, registered_env_ids())
+        # before the policy build (minutes of pretraining), not at the RunDir made after it
+        bad_dir = RunDir.problem(Path(cfg.run_dir))
+        if bad_dir is not None:
+            problems.append(("run_dir", f"{bad_dir}; choose another (run_dir, or --run-dir)"))
         if problems:
             raise ConfigError(problems)
         self._fatal = asyncio.get_running_loop().create_future()
         with JobProgress(cfg.steps, enabled=self.progress_enabled) as progress:
-            bundle = self._build_policy(progress) if cfg.engine.backend == "torch" else None
+            bundle = await self._build_policy(progress) if cfg.engine.backend == "torch" else None
             actions = self._action_ids(bundle)
-            run_dir = self.run_dir = RunDir(Path(cfg.run_dir))
+            try:
+                run_dir = self.run_dir = RunDir(Path(cfg.run_dir))
+            except OSError as e:  # changed since the check above
+                raise ConfigError(
+                    [("run_dir", f"cannot use {str(cfg.run_dir)!r}: {e.strerror or e}")]
+                ) from None
             run_dir.write_config(cfg.to_yaml())
             progress.note(f"run directory: {run_dir.path}")
             init = str(bundle.save(run_dir.path.resolve() / "policy-init")) if bundle is not None else None
@@ -272,6 +282,10 @@ class Job:
         self.runner.abort_group(gid, reason)  # type: ignore[arg-type]
 
     def _given_up(self, g: Any) -> None:
+        if self.buffer is not None:
+            # closed in the buffer too, or its bound drops it later as stale and _on_abort
+            # counts it out of the launch budget (and into stale_groups) a second time
+            self.buffer.drop(g.id)
         self._groups_live -= 1
         self.tally.counts["given_up_groups"] += 1
         self._give_up_streak += 1
@@ -334,10 +348,26 @@ class Job:
         }
 
     # ------------------------------------------------------------------ setup
-    def _build_policy(self, progress: JobProgress) -> PolicyBundle:
+    async def _build_policy(self, progress: JobProgress) -> PolicyBundle:
         if self.cfg.engine.pretrain.steps:
             progress.note(f"pretraining the policy on random play ({self.cfg.engine.pretrain.steps} steps)")
-        bundle = build_policy(self.cfg, on_pretrain_step=progress.pretrain_step)
+        # in a worker thread: run here, the build (corpus play, pretraining: minutes) held the
+        # event loop, and the first Ctrl-C (asyncio.run cancels the main task) took effect
+        # only at the next await, after it. A thread cannot be cancelled: told to stop, the
+        # build ends at its next check (a pretraining step, a poll of the corpus child, whose
+        # processes it kills), and this waits for that, so nothing outlives the job. Nothing
+        # else runs yet, so the thread shares nothing with the loop but the progress display.
+        stop = threading.Event()
+        build = asyncio.ensure_future(
+            asyncio.to_thread(build_policy, self.cfg, on_pretrain_step=progress.pretrain_step, stop=stop)
+        )
+        try:
+            bundle = await asyncio.shield(build)
+        except asyncio.CancelledError:
+            stop.set()
+            with contextlib.suppress(Exception):  # StoppedError, or what it failed with meanwhile
+                await build
+            raise
         self.evaluator.trained_on(bundle.tasks)
         if bundle.pretrained:
             self._pretrained = bundle.pretrained
@@ -401,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     except CoreError as e:
         print(e, file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the job stopped what it had started; no traceback
+        print("interrupted", file=sys.stderr)
+        return 130
     print(json.dumps(summary))
     return 0
 

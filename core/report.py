@@ -6,6 +6,11 @@
       reward.png       reward and success rate per step (evaluation on held-out tasks too)
       time.png         where each step's time went
       summary.json     the final figures (also printed)
+      trace.jsonl      one line per turn (``rollout.trace``)
+
+A directory is reused as it is: what an earlier run left there that this one may not write
+again (its summary, plots and trace: an interrupted run writes none) is removed at the start,
+so every file in it is this run's.
 
 The time breakdown has two views, because in an asynchronous job they overlap: the
 trainer's wall time per step (waiting for a batch / training / publishing weights), and
@@ -15,6 +20,7 @@ per trajectory, the mean time in generation, environment and reward.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -22,14 +28,36 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+#: Outputs written at the end of a run (or only with some settings): an earlier run's are removed.
+STALE_OUTPUTS = ("summary.json", "reward.png", "time.png", "trace.jsonl")
+
 
 class RunDir:
     def __init__(self, path: Path):
         self.path = path
         path.mkdir(parents=True, exist_ok=True)
+        for name in STALE_OUTPUTS:
+            (path / name).unlink(missing_ok=True)
         self._metrics = (path / "metrics.jsonl").open("w")
         self.rows: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
+
+    @staticmethod
+    def problem(path: Path) -> str | None:
+        """Why ``path`` cannot be a run directory (None: it can), checked without creating
+        anything, so that a job can refuse it before its long set-up rather than after."""
+        if path.exists():
+            if not path.is_dir():
+                return f"{str(path)!r} is a file, not a directory"
+            return None if os.access(path, os.W_OK | os.X_OK) else f"cannot write in {str(path)!r}"
+        parent = path.absolute().parent
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            return f"{str(parent)!r} is a file, not a directory"
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return f"cannot create {str(path)!r}: {str(parent)!r} is not writable"
+        return None
 
     def write_config(self, text: str) -> None:
         (self.path / "config.yaml").write_text(text)

@@ -17,6 +17,7 @@ store by the job), so version 0 means the same weights everywhere.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from core.config import JobConfig
+from core.config_backends import MODEL_KEYS as MODEL_KEYS  # engine.kwargs that shape the TinyLM
 from core.errors import ConfigError
 from core.policy.corpus import CORPUS_EPISODES, play_envs
 from core.policy.pretrain import OnStep, pretrain, transition_sequences
@@ -32,8 +34,6 @@ from core.policy.tokenizer import WordTokenizer
 from core.rollout.env_manager import task_key
 
 TINY_LM = "tiny-lm"
-#: ``engine.kwargs`` keys that shape the ``TinyLM`` (the rest configure the torch engine).
-MODEL_KEYS = ("d_model", "n_layers", "n_heads", "d_ff", "max_len", "rope_base", "init_std")
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,11 @@ class PolicyBundle:
         )
 
 
-def build_policy(cfg: JobConfig, *, on_pretrain_step: OnStep | None = None) -> PolicyBundle:
+def build_policy(
+    cfg: JobConfig, *, on_pretrain_step: OnStep | None = None, stop: threading.Event | None = None
+) -> PolicyBundle:
+    """The job's policy. Blocking (corpus play, pretraining: minutes); ``stop`` set from
+    another thread makes it raise ``StoppedError`` soon after, nothing left running."""
     if cfg.engine.backend != "torch":
         raise ConfigError([("engine.backend", "build_policy builds the torch engine's policy only")])
     shape = {k: v for k, v in cfg.engine.kwargs.items() if k in MODEL_KEYS}
@@ -83,7 +87,9 @@ def build_policy(cfg: JobConfig, *, on_pretrain_step: OnStep | None = None) -> P
     report: dict[str, float] = {}
     tasks: frozenset[str] = frozenset()
     if cfg.engine.model == TINY_LM:
-        played = play_envs(cfg, max(CORPUS_EPISODES, pre.episodes) if pre.steps else CORPUS_EPISODES)
+        played = play_envs(
+            cfg, max(CORPUS_EPISODES, pre.episodes) if pre.steps else CORPUS_EPISODES, stop=stop
+        )
         tok = WordTokenizer.train(played.texts)
         try:
             mcfg = TinyLMConfig(vocab_size=tok.vocab_size, **shape)
@@ -101,7 +107,7 @@ def build_policy(cfg: JobConfig, *, on_pretrain_step: OnStep | None = None) -> P
                         )
                     ]
                 )
-            report = pretrain(model, data, pre, seed=cfg.seed, on_step=on_pretrain_step).as_dict()
+            report = pretrain(model, data, pre, seed=cfg.seed, on_step=on_pretrain_step, stop=stop).as_dict()
             tasks = frozenset(task_key(e.texts[0]) for e in played.episodes)
     else:
         path = Path(cfg.engine.model)

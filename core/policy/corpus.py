@@ -10,6 +10,10 @@ one JSON line per episode, in seed order. An episode that kills or hangs its gra
 reported; one that all episodes fail, or an environment that cannot be built, is a
 ``ConfigError`` naming the environment.
 
+The child runs in a session of its own, so that stopping it (its time is up, or the caller's
+``stop`` flag is set: the job was interrupted) kills its episodes' processes with it, and
+the files they write go to a directory the driver owns and removes, whatever happened.
+
     texts = env_corpus(cfg)             # list[str], deterministic for a config
     played = play_envs(cfg, episodes)   # the episodes too: observations and the actions
                                         # between them (what pretraining learns from)
@@ -19,6 +23,7 @@ reported; one that all episodes fail, or an environment that cannot be built, is
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -28,11 +33,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from core.config import JobConfig
-from core.errors import ConfigError
+from core.errors import ConfigError, StoppedError
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +50,8 @@ EPISODE_TIMEOUT_S = 10
 CHILD_TIMEOUT_S = 300.0
 #: Episodes played at once.
 PARALLEL = 64
+#: How often the driver looks at its ``stop`` flag while the child plays.
+POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -69,8 +78,11 @@ def env_corpus(cfg: JobConfig, episodes: int = CORPUS_EPISODES) -> list[str]:
     return play_envs(cfg, episodes).texts
 
 
-def play_envs(cfg: JobConfig, episodes: int = CORPUS_EPISODES) -> Played:
-    """``episodes`` seeded random episodes of every configured environment, in seed order."""
+def play_envs(
+    cfg: JobConfig, episodes: int = CORPUS_EPISODES, *, stop: threading.Event | None = None
+) -> Played:
+    """``episodes`` seeded random episodes of every configured environment, in seed order.
+    Raises ``StoppedError`` soon after ``stop`` is set (the children killed)."""
     played = Played()
     for i, env_cfg in enumerate(cfg.envs):
         spec = {
@@ -84,30 +96,25 @@ def play_envs(cfg: JobConfig, episodes: int = CORPUS_EPISODES) -> Played:
         }
         if env_cfg.prompt.system:
             played.texts.append(env_cfg.prompt.system)
-        _play(spec, where=f"envs[{i}].id", env=i, into=played)
+        _play(spec, where=f"envs[{i}].id", env=i, into=played, stop=stop)
     return played
 
 
-def _play(spec: dict[str, Any], *, where: str, env: int, into: Played) -> None:
+def _play(
+    spec: dict[str, Any], *, where: str, env: int, into: Played, stop: threading.Event | None = None
+) -> None:
     def refuse(why: str) -> ConfigError:
         return ConfigError([(where, f"cannot play {spec['id']} to build the tokenizer: {why}")])
 
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "core.policy.corpus"],
-            input=json.dumps(spec),
-            capture_output=True,
-            text=True,
-            timeout=CHILD_TIMEOUT_S,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
-        )
+        returncode, stdout, stderr = _run_child(spec, stop)
     except subprocess.TimeoutExpired:
         raise refuse(f"{spec['episodes']} episodes took over {CHILD_TIMEOUT_S:.0f} s") from None
-    if proc.returncode != 0:
-        raise refuse(_last_line(proc.stderr) or f"exit code {proc.returncode}")
+    if returncode != 0:
+        raise refuse(_last_line(stderr) or f"exit code {returncode}")
     texts = into.texts
     played, died = 0, []
-    for line in proc.stdout.splitlines():
+    for line in stdout.splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
@@ -125,6 +132,41 @@ def _play(spec: dict[str, Any], *, where: str, env: int, into: Played) -> None:
     if died:
         n = spec["episodes"]
         log.info("%s: %d of %d corpus episodes failed and were skipped (%s)", where, len(died), n, died[0])
+
+
+def _run_child(spec: dict[str, Any], stop: threading.Event | None) -> tuple[int, str, str]:
+    """The child's (exit code, stdout, stderr). Raises ``TimeoutExpired`` after
+    ``CHILD_TIMEOUT_S`` and ``StoppedError`` once ``stop`` is set, with the child's whole
+    session killed either way (its episodes' processes too: killing the child alone left
+    them playing on) and the episodes' directory removed."""
+    with tempfile.TemporaryDirectory(prefix="rl-fabric-corpus-", ignore_cleanup_errors=True) as tmp:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "core.policy.corpus"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+            start_new_session=True,  # its own process group: one killpg stops all of it
+        )
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        data: str | None = json.dumps({**spec, "tmp": tmp})
+        try:
+            while True:
+                try:
+                    stdout, stderr = proc.communicate(data, timeout=POLL_S)
+                    return proc.returncode, stdout, stderr
+                except subprocess.TimeoutExpired:
+                    data = None  # sent already; communicate goes on where it was
+                if stop is not None and stop.is_set():
+                    raise StoppedError(f"stopped while playing {spec['id']} for the tokenizer corpus")
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(proc.args, CHILD_TIMEOUT_S)
+        finally:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()  # reaps it and closes the pipes
 
 
 def _last_line(text: str) -> str:
@@ -147,7 +189,12 @@ def _child(spec: dict[str, Any]) -> None:
     seeds = iter(range(n))
     running: dict[int, int] = {}  # pid -> seed
     rows: dict[int, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="rl-fabric-corpus-") as tmp:
+    # the driver's directory (it removes it, even after killing this process), or our own
+    given = spec.get("tmp")
+    where = (
+        contextlib.nullcontext(given) if given else tempfile.TemporaryDirectory(prefix="rl-fabric-corpus-")
+    )
+    with where as tmp:
 
         def start(seed: int) -> None:
             pid = os.fork()

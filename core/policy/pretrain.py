@@ -26,6 +26,7 @@ come from ``seed``, and the model's initialisation is seeded by the caller.
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from core.config import JobConfig, PretrainConfig
-from core.errors import ConfigError
+from core.errors import ConfigError, StoppedError
 from core.policy.corpus import Episode
 from core.policy.tiny_lm import TinyLM
 from core.policy.tokenizer import WordTokenizer
@@ -112,10 +113,12 @@ def pretrain(
     *,
     seed: int,
     on_step: OnStep | None = None,
+    stop: threading.Event | None = None,
 ) -> PretrainReport:
     """``cfg.steps`` AdamW steps of next-token prediction on ``data`` (batches drawn with
     replacement across steps, without within one); ``model`` is trained in place. The
-    held-out loss is on the sequences of ``HELD_OUT`` of the tasks, never trained on."""
+    held-out loss is on the sequences of ``HELD_OUT`` of the tasks, never trained on.
+    Raises ``StoppedError`` at the first step after ``stop`` is set."""
     seqs = data.seqs
     if len(seqs) < 2:
         raise ValueError(f"pretraining needs at least 2 transitions, got {len(seqs)}")
@@ -127,6 +130,8 @@ def pretrain(
     model.train()
     size = min(cfg.batch_size, len(train))
     for step in range(cfg.steps):
+        if stop is not None and stop.is_set():
+            raise StoppedError(f"pretraining stopped after {step} of {cfg.steps} steps")
         ids, attn = _pad(rng.sample(train, size))
         loss = _lm_loss(model, ids, attn)
         opt.zero_grad(set_to_none=True)

@@ -29,43 +29,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
+
+from core.config_backends import TinyLMConfig as TinyLMConfig  # the shape: torch-free, for the job config
 
 #: One layer's cache: rotated keys and values, each ``[batch, heads, tokens, head_dim]``.
 KV = tuple[Tensor, Tensor]
 
 _CONFIG_FILE = "config.json"
 _WEIGHTS_FILE = "model.pt"
-
-
-class TinyLMConfig(BaseModel):
-    """Shape of a ``TinyLM``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    vocab_size: int = Field(ge=2)
-    d_model: int = Field(64, ge=8)
-    n_layers: int = Field(2, ge=1)
-    n_heads: int = Field(4, ge=1)
-    d_ff: int | None = Field(None, ge=1)
-    """Width of the MLP; ``None`` means ``4 * d_model``."""
-    max_len: int = Field(256, ge=2)
-    """Longest sequence (prompt + completion) the model takes."""
-    rope_base: float = Field(10000.0, gt=1.0)
-    init_std: float = Field(0.02, gt=0.0)
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> TinyLMConfig:
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
-        if (self.d_model // self.n_heads) % 2:
-            raise ValueError("d_model / n_heads must be even (rotary embeddings rotate pairs)")
-        return self
-
-    @property
-    def ff(self) -> int:
-        return self.d_ff or 4 * self.d_model
 
 
 class _Attention(nn.Module):

@@ -33,6 +33,7 @@ went (``gen_s``, ``env_s``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -156,10 +157,12 @@ class EnvManager:
             info={VERSION_KEY: version, "turn_rewards": [], "turn_states": [], "gen_s": 0.0, "env_s": 0.0},
         )
         t0 = time.perf_counter()
+        timed_out = False
         try:
             async with asyncio.timeout(self.cfg.rollout.trajectory_timeout_s):
                 await self._play(task, traj, barrier)
         except TimeoutError:
+            timed_out = True
             _fail(
                 traj,
                 f"trajectory ran over rollout.trajectory_timeout_s={self.cfg.rollout.trajectory_timeout_s}",
@@ -174,11 +177,20 @@ class EnvManager:
                 await barrier.leave()
             # shielded: a cancelled trajectory still frees its affinity; kept so that ``drain``
             # can wait for a release its cancelled caller no longer waits for
-            release = asyncio.ensure_future(self.proxy.release(traj.id))
+            release = asyncio.ensure_future(self._end(traj.id, abort=timed_out))
             self._releasing.add(release)
             release.add_done_callback(self._releasing.discard)
             await asyncio.shield(release)
         return traj
+
+    async def _end(self, traj_id: str, *, abort: bool) -> None:
+        if abort:
+            # the timeout cancelled only this side of the turn in flight: under Ray the proxy
+            # and the engine run it on (and it holds a batch slot) until it ends by itself,
+            # which for a hung turn, the usual reason for the timeout, is never
+            with contextlib.suppress(Exception):
+                await self.proxy.abort(traj_id)
+        await self.proxy.release(traj_id)
 
     async def drain(self) -> None:
         """Wait for the proxy releases that cancelled trajectories left running."""

@@ -14,7 +14,10 @@ ever sends more than ``group_size`` trajectories to be scored.
 
 An ``infra_failed`` trajectory goes to the stream too (the buffer counts it, masked) and,
 while the group is short of ``group_size`` finished-or-running trajectories, a replacement
-starts (same task, new trajectory id); so does one for a member whose reward failed. After
+starts (same task, new trajectory id); so does one for a member whose reward failed. A
+member whose abort was asked for counts as gone at once (a group that filled, then lost a
+member to a failed reward, does not wait for its redundant rollouts' aborts to go through,
+and never takes one that finishes in that race). After
 ``rollout.max_reruns`` replacements the group is given up (its members are aborted; the
 buffer's bound drops what it had).
 """
@@ -47,6 +50,10 @@ class GroupState:
     version: int
     barrier: TurnBarrier | None = None
     running: dict[str, asyncio.Task[Trajectory]] = field(default_factory=dict)
+    aborting: set[str] = field(default_factory=set)
+    """Members of ``running`` whose abort was asked for: they no longer count toward the group
+    (a group reopened by a failed reward while they are being stopped needs a replacement
+    now, not when their abort, a Ray round trip, is through)."""
     finished: int = 0
     reruns: int = 0
     closed: str | None = None
@@ -115,9 +122,14 @@ class GroupRunner:
     # ------------------------------------------------------------------ outcomes
     def _done(self, g: GroupState, traj_id: str, task: asyncio.Task[Trajectory]) -> None:
         g.running.pop(traj_id, None)
+        dropped = traj_id in g.aborting  # this runner asked it to stop: it is no member any more
+        g.aborting.discard(traj_id)
         if task.cancelled():
             self.metrics["aborted"] += 1
             self.aborted_ids.add(traj_id)
+            # an open group that loses a member (cancelled from outside the runner) needs
+            # another, or it waits forever for a trajectory nobody runs
+            self._maybe_rerun(g)
             self._after(g)
             return
         exc = task.exception()
@@ -134,8 +146,10 @@ class GroupRunner:
         if traj.status == "aborted":
             self.aborted_ids.add(traj_id)
         if traj.status in ("ok", "truncated"):
-            if g.closed is not None:
-                self.metrics["extra"] += 1  # finished in the race after the group filled
+            if g.closed is not None or dropped:
+                # finished in the race after the group filled (its abort came too late); a
+                # group reopened meanwhile has launched its replacement already
+                self.metrics["extra"] += 1
             else:
                 g.finished += 1
                 self.submit(traj)
@@ -144,7 +158,10 @@ class GroupRunner:
         elif traj.status == "infra_failed":
             self.submit(traj)  # masked: the buffer counts it, never scores it
             self._maybe_rerun(g)
-        # aborted: the group (or the bound) asked for it; nothing to do
+        else:
+            # aborted: the group (or the bound) asked for it, and then the group is closed or
+            # replaced it already; an open group that lost it otherwise needs another
+            self._maybe_rerun(g)
         self._after(g)
 
     def reward_failed(self, sample: Sample) -> None:
@@ -158,7 +175,8 @@ class GroupRunner:
         self._maybe_rerun(g)
 
     def _maybe_rerun(self, g: GroupState) -> None:
-        if g.closed is not None or g.finished + len(g.running) >= self.cfg.group_size:
+        live = len(g.running) - len(g.aborting)  # members being aborted will not finish
+        if g.closed is not None or g.finished + live >= self.cfg.group_size:
             return
         if g.reruns >= self.cfg.rollout.max_reruns:
             log.warning("group %s given up after %d re-runs", g.id, g.reruns)
@@ -195,9 +213,13 @@ class GroupRunner:
     def _close(self, g: GroupState, why: str) -> None:
         first = g.closed is None
         g.closed = why
-        if first and why == "full" and g.running:
-            self.metrics["redundant_aborted"] += len(g.running)
-        for traj_id, task in list(g.running.items()):
+        # members whose abort is in flight already (a group that filled, reopened on a failed
+        # reward and fills again) are neither aborted nor counted twice
+        stopping = [(tid, task) for tid, task in g.running.items() if tid not in g.aborting]
+        if first and why == "full" and stopping:
+            self.metrics["redundant_aborted"] += len(stopping)
+        for traj_id, task in stopping:
+            g.aborting.add(traj_id)
             t = asyncio.ensure_future(self._abort(traj_id, task))
             self._aborting.add(t)
             t.add_done_callback(self._aborting.discard)

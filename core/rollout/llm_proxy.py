@@ -10,7 +10,9 @@ Routing. A tag's generation runs on the replicas of its hardware group (``hw_aff
 maps tags to Ray custom resources; the job places each group's replicas on them). Within
 the group a trajectory sticks to the replica that served its first turn (**trajectory
 affinity**: that replica's prefix cache holds the conversation so far); a new trajectory
-goes to the least loaded one. ``release`` ends a trajectory's affinity.
+goes to the least loaded one. ``release`` ends a trajectory's affinity, and aborts a turn
+it left running or waiting (its caller timed out or was cancelled: under Ray the proxy's
+side of a call runs on without its caller, and after ``release`` nothing could stop it).
 
 Weights. ``update_weights`` swaps every replica (suspend: the step in flight finishes;
 load; resume) and remembers the latest version, so that a replica Ray restarted after a
@@ -261,13 +263,23 @@ class LLMProxy:
         return stopped
 
     async def release(self, traj_id: str) -> None:
-        """The trajectory ended: forget its affinity and abort flag."""
+        """The trajectory ended: forget its affinity and abort flag. A turn of it still
+        running or waiting for a slot (its caller timed out or was cancelled; a Ray call's
+        remote side outlives its caller) is aborted first: it would hold its replica's batch
+        slot and its scheduler slot to its end, and this is the last moment anything knows
+        its request ids."""
+        left = bool(self._inflight.get(traj_id)) or (
+            self.scheduler is not None and self.scheduler.waiting_of(traj_id) > 0
+        )
+        if left and traj_id not in self._aborted:  # abort() stopped them already otherwise
+            await self.abort(traj_id)
         self._sticky.pop(traj_id, None)
-        aborted = traj_id in self._aborted
+        aborted = left or traj_id in self._aborted
         self._aborted.discard(traj_id)
         self._inflight.pop(traj_id, None)
         if self.scheduler is not None:
-            # an aborted trajectory's length says nothing about how long it would have run
+            # an aborted (or cut-off) trajectory's length says nothing about how long it would
+            # have run
             self.scheduler.release(traj_id, learn=not aborted)
 
     # ------------------------------------------------------------------ weights

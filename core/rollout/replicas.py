@@ -15,13 +15,11 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
+from core.config_backends import TORCH_ENGINE_KEYS
 from core.policy.build import PolicyBundle
 from core.rollout.coalesce import Answer, Coalescer, answer_all
 from core.rollout.engines.base import Completion, Engine, GenerateRequest, engine_registry
 from core.rollout.llm_proxy import Replica, ReplicaGone, ReplicaLost, swap_weights
-
-#: ``engine.kwargs`` keys of the torch engine's serving config (the rest shape the model).
-_TORCH_ENGINE_KEYS = ("max_batch_size", "batch_wait_ms", "num_threads")
 
 
 def make_engine(
@@ -36,7 +34,8 @@ def make_engine(
             raise ValueError("the torch engine needs the job's policy bundle")
         if isinstance(bundle, str):
             bundle = PolicyBundle.load(bundle)
-        serving = {k: v for k, v in kwargs.items() if k in _TORCH_ENGINE_KEYS}
+        # JobConfig refused any other key; the rest shape the model (the bundle has it)
+        serving = {k: v for k, v in kwargs.items() if k in TORCH_ENGINE_KEYS}
         return TorchEngine(bundle.model(), bundle.tok(), TorchEngineConfig(seed=seed, **serving))
     if "model" in kwargs:
         raise ValueError("give the model as engine.model, not in engine.kwargs")

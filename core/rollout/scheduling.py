@@ -157,7 +157,9 @@ class TurnScheduler:
         s = self._replicas.get(replica)
         if s is None:
             s = self._replicas[replica] = _Slots(make_queue_policy(self.scheduler, **self._options))
-        self._trajs.setdefault(req.trajectory, _Traj()).replica = replica
+        t = self._trajs.get(req.trajectory)
+        if t is not None:  # None: released meanwhile (its turn ends aborted); not re-created
+            t.replica = replica
         if s.running < self.slots and not len(s.queue):
             s.running += 1
             self.admitted += 1
@@ -190,6 +192,15 @@ class TurnScheduler:
             self.admitted += 1
             fut.set_result(True)
 
+    def waiting_of(self, traj_id: str) -> int:
+        """Turns of the trajectory waiting for a slot."""
+        return sum(
+            1
+            for s in self._replicas.values()
+            for owner, fut in s.waiting.values()
+            if owner == traj_id and not fut.done()
+        )
+
     def cancel(self, traj_id: str) -> None:
         """The trajectory was aborted: its waiting turns leave the line without running."""
         for s in self._replicas.values():
@@ -201,7 +212,9 @@ class TurnScheduler:
 
     # ------------------------------------------------------------------ trajectories
     def finished_turn(self, traj_id: str, tokens: int, outcome: Outcome = "ok") -> None:
-        t = self._trajs.setdefault(traj_id, _Traj())
+        t = self._trajs.get(traj_id)
+        if t is None:
+            return  # released while the turn ran: re-creating it would keep it forever
         t.tokens += tokens
         t.turns.append((tokens, outcome))
 

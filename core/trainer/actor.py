@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from core.config import TrainerConfig
+from core.config_backends import backend_config
 from core.errors import ConfigError
 from core.policy.build import PolicyBundle
 from core.trainer.base import Trainer, TrainSample
@@ -58,24 +58,6 @@ class TrainerActor:
         return self.trainer.version
 
 
-def backend_config(cfg: TrainerConfig, *, temperature: float, seed: int) -> dict[str, Any]:
-    """The job's GRPO settings in the field names the backends share (torch, megatron),
-    then ``trainer.kwargs`` on top (backend-only options: model shape, parallelism)."""
-    return {
-        "lr": cfg.lr,
-        "clip_low": cfg.clip_eps,
-        "clip_high": cfg.clip_eps_high,
-        "kl_coef": cfg.kl_coef,
-        "epochs": cfg.epochs,
-        "grad_clip": cfg.max_grad_norm,
-        "entropy_coef": cfg.entropy_coef,
-        "scale_advantages": cfg.scale_advantages,
-        "temperature": max(temperature, 1e-3),  # a greedy rollout still trains at T=1-ish
-        "seed": seed,
-        **cfg.kwargs,
-    }
-
-
 def make_trainer(
     cfg: TrainerConfig, bundle: PolicyBundle | None, *, temperature: float, seed: int
 ) -> Trainer:
@@ -88,7 +70,7 @@ def make_trainer(
             torch.set_num_threads(int(threads))
         if bundle is None:
             raise ConfigError([("trainer.backend", "the torch trainer trains the torch engine's policy")])
-        try:
+        try:  # JobConfig checked it (torch_trainer_problems); a TrainerActor built by hand may not be
             tcfg = TorchTrainerConfig(**options)
         except ValueError as e:
             raise ConfigError([("trainer.kwargs", str(e))]) from None

@@ -16,12 +16,11 @@ episode-level group advantage.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-LossAgg = Literal["token_mean", "seq_mean_token_mean"]
+from core.config_backends import LossAgg as LossAgg  # with the torch trainer's config
 
 
 def group_advantages(
@@ -34,10 +33,15 @@ def group_advantages(
     """``(r - group mean) / (group std + eps)`` per element.
 
     ``std`` is the sample standard deviation (Bessel-corrected, as ``torch.std``); a group
-    of one has advantage 0 (nothing to compare with). ``scale=False`` keeps the centred
-    reward only (Dr. GRPO: the std division over-weights near-uniform groups).
+    of one has advantage 0 (nothing to compare with), and so has a group whose rewards are
+    all equal. ``scale=False`` keeps the centred reward only (Dr. GRPO: the std division
+    over-weights near-uniform groups). Returned as float32.
     """
-    r = torch.as_tensor(rewards, dtype=torch.float32)
+    # float64, and an exact zero for a group with no spread: in float32 the mean of eight
+    # 0.3s is not 0.3, so the centred rewards are ~3e-8 while the std is exactly 0, and
+    # dividing by (0 + eps) turned that rounding into an advantage of ~0.03 for every
+    # member: a push on all of a uniform group's tokens, exactly where there is no signal
+    r = torch.as_tensor(rewards, dtype=torch.float64)
     if r.ndim != 1 or len(groups) != r.shape[0]:
         raise ValueError(f"need one group id per reward: {len(groups)} ids for shape {tuple(r.shape)}")
     out = torch.zeros_like(r)
@@ -49,11 +53,12 @@ def group_advantages(
             continue
         idx = torch.tensor(members)
         gr = r[idx]
+        if bool(gr.max() == gr.min()):
+            continue  # no spread: nothing to learn from (and 0/0 with eps=0)
         centred = gr - gr.mean()
         denom = gr.std() + eps
-        # a group with no spread has nothing to learn from (and 0/0 with eps=0)
         out[idx] = centred / denom if scale and denom > 0 else centred
-    return out
+    return out.to(torch.float32)
 
 
 def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:

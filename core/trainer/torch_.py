@@ -15,47 +15,14 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from core.config_backends import TorchTrainerConfig as TorchTrainerConfig  # torch-free, for the job config
 from core.policy.tiny_lm import TinyLM
 from core.trainer.base import Trainer, TrainerError, TrainSample
-from core.trainer.grpo import LossAgg, aggregate, entropy, kl_k3, policy_loss, token_logprobs
-
-
-class TorchTrainerConfig(BaseModel):
-    """GRPO hyper-parameters for the torch backend."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["torch"] = "torch"
-    lr: float = Field(1e-3, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.99)
-    grad_clip: float | None = Field(1.0, gt=0.0)
-    """Max global grad norm; ``None`` = no clipping (the norm is still reported)."""
-    mini_batch_size: int | None = Field(None, ge=1)
-    """Samples per optimizer update; ``None`` = the whole batch in one update."""
-    epochs: int = Field(1, ge=1)
-    """Passes over the batch per ``step``."""
-    clip_low: float = Field(0.2, gt=0.0, lt=1.0)
-    clip_high: float | None = Field(None, gt=0.0)
-    """Upper ratio clip; ``None`` = ``clip_low`` (symmetric)."""
-    kl_coef: float = Field(0.0, ge=0.0)
-    entropy_coef: float = Field(0.0, ge=0.0)
-    """Bonus on the policy's entropy at the trained tokens: keeps a small policy exploring
-    (without it a group whose rollouts all agree teaches nothing, and they soon all do)."""
-    loss_agg: LossAgg = "token_mean"
-    temperature: float = Field(1.0, gt=0.0)
-    """The rollout temperature: logprobs are of ``logits / T``, as the engine's are."""
-    adv_eps: float = Field(1e-6, gt=0.0)
-    scale_advantages: bool = True
-    """Divide by the group std (GRPO); False keeps the centred reward (Dr. GRPO)."""
-    seed: int = 0
-    """Seeds the mini-batch shuffling."""
+from core.trainer.grpo import aggregate, entropy, kl_k3, policy_loss, token_logprobs
 
 
 class TorchTrainer(Trainer):

@@ -130,6 +130,23 @@ async def test_open_group_registers_in_flight_groups_and_refuses_pointless_ones(
     assert not buf.open_group("g", 5)  # closed for good
 
 
+async def test_a_group_the_rollout_side_gave_up_is_closed_and_never_reported_stale():
+    aborts = Aborts()
+    buf = SampleBuffer(group_size=3, alpha=1, on_abort=aborts)
+    assert buf.open_group("g", 0) and fill(buf, "g", 1) == ["accepted"]
+    buf.drop("g")
+    assert buf.metrics()["pending_groups"] == 0 and buf.metrics()["dropped"] == {"given_up": 1}
+    assert buf.put(sample("late", "g")) == "given_up"  # a member's reward that was under way
+    assert not buf.open_group("g", 0)
+    assert buf.advance(5) == [] and aborts.calls == []  # counted once, by the one who gave it up
+    assert buf.metrics()["dropped"] == {"given_up": 2}
+    # a group complete already is the trainer's: dropping it changes nothing
+    buf2 = SampleBuffer(group_size=1, alpha=1)
+    fill(buf2, "done", 1)
+    buf2.drop("done")
+    assert [g.id for g in await buf2.get_batch(1)] == ["done"]
+
+
 async def test_get_batch_returns_oldest_groups_first():
     buf = SampleBuffer(group_size=1, alpha=5, version=3)
     for gid, v in [("v3", 3), ("v1", 1), ("v2a", 2), ("v2b", 2)]:

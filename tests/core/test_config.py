@@ -205,6 +205,45 @@ def test_the_trainer_must_fit_the_engine(engine, trainer, key, text):
         assert load(base(**{**over, "trainer": {**trainer, "kwargs": {"hf_model": "/m"}}})).trainer.gpus == 1
 
 
+def test_the_torch_engines_kwargs_are_checked_not_dropped():
+    # the engine takes the shape keys and its serving keys; anything else was silently
+    # dropped, so `d_modl: 256` ran the default shape without a word
+    [(key, msg)] = problems(base(engine={"kwargs": {"d_modl": 256}}))
+    assert key == "engine.kwargs.d_modl" and "did you mean 'd_model'" in msg and "max_batch_size" in msg
+    [(key, msg)] = problems(base(engine={"kwargs": {"max_batch": 512}}))
+    assert key == "engine.kwargs.max_batch" and "did you mean 'max_batch_size'" in msg
+    # and their values, before the corpus is played and the replicas started
+    [(key, msg)] = problems(base(engine={"kwargs": {"max_batch_size": 0}}))
+    assert key == "engine.kwargs.max_batch_size" and "must be >= 1" in msg
+    [(key, msg)] = problems(base(engine={"kwargs": {"d_model": 12, "n_heads": 4}}))
+    assert key == "engine.kwargs" and "not a valid tiny-lm shape" in msg and "must be even" in msg
+    cfg = load(base(engine={"kwargs": {"d_model": 16, "n_heads": 2, "max_batch_size": 8, "num_threads": 1}}))
+    assert cfg.engine.kwargs["max_batch_size"] == 8
+    # another backend's kwargs are its own business
+    load(
+        base(
+            engine={"backend": "vllm", "model": "/m", "kwargs": {"d_modl": 1}},
+            trainer={"backend": "megatron", "kwargs": {"hf_model": "/m"}},
+        )
+    )
+
+
+def test_the_torch_trainers_kwargs_are_checked_with_the_config():
+    # checked only in the trainer actor's constructor: the job built (and pretrained) the
+    # policy and started Ray before dying with an ActorDiedError traceback
+    [(key, msg)] = problems(base(trainer={"kwargs": {"weight_decy": 0.1}}))
+    assert key == "trainer.kwargs.weight_decy" and "did you mean 'weight_decay'" in msg
+    got = dict(problems(base(trainer={"kwargs": {"weight_decay": -1, "num_threads": 0}})))
+    assert "must be >= 0" in got["trainer.kwargs.weight_decay"] and "num_threads" in " ".join(got)
+    # a job setting the backend bounds more tightly is named under its own key
+    [(key, msg)] = problems(base(trainer={"clip_eps": 1.5}))
+    assert key == "trainer.clip_eps" and "the torch trainer: must be < 1" in msg
+    cfg = load(
+        base(trainer={"kwargs": {"weight_decay": 0.01, "loss_agg": "seq_mean_token_mean", "num_threads": 1}})
+    )
+    assert cfg.trainer.kwargs["weight_decay"] == 0.01
+
+
 def test_every_problem_is_reported_at_once():
     data = base(
         envs=[{"id": "nope-v1", "tag": "frozenlake"}],

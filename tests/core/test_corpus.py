@@ -4,11 +4,16 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
 from core.config import JobConfig
-from core.errors import ConfigError
+from core.errors import ConfigError, StoppedError
 from core.policy import corpus
 from core.policy.corpus import env_corpus
 
@@ -64,6 +69,68 @@ def test_an_environment_that_cannot_be_built_is_a_config_error():
         env_corpus(cfg, episodes=5)
     [(key, msg)] = e.value.problems
     assert key == "envs[0].id" and "ValueError: need mu_s >= 0" in msg
+
+
+def _session_alive(sid: int) -> list[int]:
+    """Processes of session ``sid`` that still run (zombies are dead: an orphan's wait is
+    init's business)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        state, session = fields[0], int(fields[3])
+        if session == sid and state != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
+
+
+def test_a_stop_kills_the_child_and_its_episodes_and_removes_their_directory(monkeypatch):
+    # the job interrupted (Ctrl-C) during corpus play: the driver must not wait for minutes
+    # of episodes, nor leave them playing on
+    children: list[subprocess.Popen] = []
+    dirs: list[str] = []
+
+    class Recorded(subprocess.Popen):  # type: ignore[type-arg]
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            children.append(self)
+
+    class Tmp(tempfile.TemporaryDirectory):  # type: ignore[type-arg]
+        def __enter__(self) -> str:
+            dirs.append(self.name)
+            return self.name
+
+    monkeypatch.setattr(corpus.subprocess, "Popen", Recorded)
+    monkeypatch.setattr(corpus.tempfile, "TemporaryDirectory", Tmp)
+    # every step sleeps 2 s: 64 episodes at once, each of them for several seconds
+    cfg = _cfg({"id": "latency-v0", "kwargs": {"mu_s": 0.02, "slow_prob": 1.0, "slow_factor": 100.0}})
+    stop = threading.Event()
+    failed: list[BaseException] = []
+
+    def play() -> None:
+        try:
+            corpus.play_envs(cfg, 64, stop=stop)
+        except BaseException as e:
+            failed.append(e)
+
+    worker = threading.Thread(target=play)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while not (children and len(_session_alive(children[0].pid)) > 1):  # the episodes run
+        assert time.monotonic() < deadline, "the corpus child never started its episodes"
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    stop.set()
+    worker.join(10)
+    assert not worker.is_alive() and time.monotonic() - t0 < 2
+    assert len(failed) == 1 and isinstance(failed[0], StoppedError), failed
+    assert children[0].returncode is not None
+    while _session_alive(children[0].pid):  # SIGKILL is delivered at once; dying takes a moment
+        assert time.monotonic() - t0 < 5, f"left running: {_session_alive(children[0].pid)}"
+        time.sleep(0.02)
+    assert dirs and not os.path.exists(dirs[0])
 
 
 def test_an_episode_that_hangs_is_cut_off_and_skipped(monkeypatch):

@@ -233,6 +233,9 @@ async def test_a_trajectory_over_its_timeout_is_infra_failed(pool):
     assert "trajectory_timeout_s=0.3" in traj.info["error"]
     assert 0.3 <= traj.info["wall_s"] < 5
     assert proxy.released == [traj.id] and pool.stats()["claimed"] == 0
+    # the hung turn is stopped on the engine too: under Ray the proxy's side of the call runs
+    # on without its caller, holding the replica's batch slot
+    assert proxy.aborted == [traj.id]
 
 
 @module_loop

@@ -73,7 +73,8 @@ class FakeManager:
 
 
 class FakeProxy:
-    def __init__(self) -> None:
+    def __init__(self, abort_s: float = 0.0) -> None:
+        self.abort_s = abort_s  # an abort's round trip (a Ray call to a busy proxy actor)
         self.aborted: list[str] = []
         self.released: list[str] = []
 
@@ -82,7 +83,7 @@ class FakeProxy:
 
     async def abort(self, traj_id: str) -> int:
         self.aborted.append(traj_id)
-        await asyncio.sleep(0)
+        await asyncio.sleep(self.abort_s)
         return 1
 
     async def release(self, traj_id: str) -> None:
@@ -90,10 +91,10 @@ class FakeProxy:
 
 
 class Harness:
-    def __init__(self, cfg: JobConfig, manager: FakeManager):
+    def __init__(self, cfg: JobConfig, manager: FakeManager, *, abort_s: float = 0.0):
         self.cfg = cfg
         self.manager = manager
-        self.proxy = FakeProxy()
+        self.proxy = FakeProxy(abort_s)
         self.submitted: list[Trajectory] = []
         self.finished: list[Trajectory] = []
         self.given_up: list[GroupState] = []
@@ -218,6 +219,37 @@ async def test_a_failed_reward_reruns_a_member():
     # a reward failure of a group nobody knows (or that is gone) changes nothing
     h.runner.reward_failed(sample_of(h.submitted[0], "unknown"))
     assert len(h.manager.launched) == 3
+
+
+async def test_a_reward_failure_while_the_redundant_rollouts_are_being_aborted_reruns_at_once():
+    # the group fills (2 of 2 + 1); its redundant rollout's abort takes 50 ms, and meanwhile
+    # a member's reward fails: the group must not count the rollout being stopped, or nothing
+    # runs for it once that rollout ends (in sync mode the step then waits forever)
+    script = [(0.005, "ok"), (0.01, "ok"), (10.0, "ok")]
+    h = Harness(job(group_size=2, redundancy=1), FakeManager(script), abort_s=0.05)
+    g = h.start(group_id="g")
+    async with asyncio.timeout(5):
+        while g.closed != "full":  # noqa: ASYNC110 - no event for "full"
+            await asyncio.sleep(0.001)
+    assert len(g.running) == 1 and g.aborting == set(g.running)  # its abort is in flight
+    h.runner.reward_failed(sample_of(h.submitted[0], "g"))
+    assert len(h.manager.launched) == 3 and g.closed is None
+    await asyncio.sleep(0)
+    assert len(h.manager.launched) == 4, "the replacement waits for the abort to go through"
+    await h.settle()
+    assert g.closed == "full" and g.finished == 2 and g.reruns == 1
+    assert h.submitted_ids() == [h.manager.ids()[0], h.manager.ids()[1], h.manager.ids()[3]]
+    assert h.manager.cancelled == [h.manager.ids()[2]] and h.proxy.aborted == [h.manager.ids()[2]]
+    assert h.runner.metrics["redundant_aborted"] == 1  # not counted again when it refilled
+
+
+async def test_a_member_cancelled_from_outside_an_open_group_is_replaced():
+    h = Harness(job(group_size=2), FakeManager([(0.005, "ok"), (10.0, "ok")], default=(0.005, "ok")))
+    g = h.start(group_id="g")
+    await asyncio.sleep(0.001)
+    g.running[h.manager.ids()[1]].cancel()  # the slow one, by someone else than the runner
+    await h.settle()
+    assert g.closed == "full" and g.finished == 2 and g.reruns == 1 and len(h.manager.launched) == 3
 
 
 async def test_a_group_out_of_reruns_is_given_up():

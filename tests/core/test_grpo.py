@@ -40,6 +40,20 @@ def test_group_advantages_eps_and_unscaled():
         group_advantages([1.0, 2.0], ["a"])
 
 
+@pytest.mark.parametrize("reward", [0.3, 0.7, 0.95, 1 / 3])
+def test_a_group_whose_rewards_are_all_equal_has_exactly_zero_advantage(reward):
+    # in float32 the mean of eight 0.3s is not 0.3: the centred rewards were ~3e-8 while the
+    # std was exactly 0, and (r - mean) / (0 + eps) gave every member an advantage of ~0.03
+    for scale in (True, False):
+        adv = group_advantages([reward] * 8 + [0.0, 1.0], ["g"] * 8 + ["h", "h"], scale=scale)
+        assert adv[:8].abs().max().item() == 0.0, adv.tolist()
+        assert adv[8].item() < 0 < adv[9].item()  # a group with spread still has its advantages
+    # GiGPO: two turns taken in the same state with the same discounted return
+    step = step_advantages([reward, reward], ["g", "g"], ["s", "s"])
+    assert step.abs().max().item() == 0.0, step.tolist()
+    assert adv.dtype == step.dtype == torch.float32
+
+
 def test_discounted_returns_by_hand():
     assert discounted_returns([0.0, -0.5, 1.0], 0.5) == pytest.approx([0.0 - 0.25 + 0.25, -0.5 + 0.5, 1.0])
     assert discounted_returns([], 0.9) == []

@@ -163,6 +163,35 @@ def test_overrides_are_validated_too(tmp_path):
     assert [k for k, _ in e.value.problems] == ["steps"]
 
 
+@pytest.mark.parametrize("under", [False, True])
+def test_a_run_dir_that_cannot_be_a_directory_is_refused_before_the_policy_is_built(
+    tmp_path, capsys, monkeypatch, under
+):
+    # mkdir's FileExistsError / NotADirectoryError escaped as a traceback (exit 1), after the
+    # policy build (with engine.pretrain, a minute of pretraining lost)
+    import core.job
+
+    def no_build(*a: Any, **kw: Any) -> None:
+        raise AssertionError("the policy was built before the run directory was checked")
+
+    monkeypatch.setattr(core.job, "build_policy", no_build)
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    data = {
+        "engine": {"max_new_tokens": 1, "kwargs": TINY},
+        "envs": [LATENCY],
+        "rewards": {"latency": [{"function": "env_return"}]},
+        "steps": 1,
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    run_dir = taken / "run" if under else taken
+    assert main([str(path), "--run-dir", str(run_dir), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"run_dir: {str(taken)!r} is a file, not a directory; choose another" in err
+    assert "Traceback" not in err and taken.read_text() == "a file"
+
+
 async def test_constrained_actions_without_the_torch_engine_fail_before_the_run_dir(tmp_path):
     cfg = job_config(
         tmp_path,
@@ -173,6 +202,92 @@ async def test_constrained_actions_without_the_torch_engine_fail_before_the_run_
         await Job(cfg, progress=False, registry=faults.REG).run()
     assert [k for k, _ in e.value.problems] == ["envs[0].actions"]
     assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+
+
+def test_ctrl_c_during_pretraining_stops_the_job_promptly(tmp_path):
+    # the policy build (corpus play, pretraining: a minute or more) ran inside Job.run's
+    # coroutine: asyncio.run's first Ctrl-C only cancels the main task, at its next await,
+    # so the job went on until pretraining was over (174 s measured on a loaded machine)
+    import signal
+    import subprocess
+    import sys
+
+    data = {
+        "engine": {
+            "backend": "torch",
+            "max_new_tokens": 1,
+            "kwargs": {**TINY, "max_len": 256},
+            "pretrain": {"steps": 1_000_000, "episodes": 50},
+        },
+        "envs": [{**FROZENLAKE, "max_turns": 2}],
+        "rewards": {"frozenlake": [{"function": "env_return"}]},
+        "steps": 1,
+        "rollout": {"eval_every": 0},
+        "run_dir": str(tmp_path / "run"),
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "core.job", str(path)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
+    )
+    try:
+        assert p.stdout is not None
+        seen = []
+        for line in p.stdout:  # until pretraining runs (not a terminal: plain progress lines)
+            seen.append(line)
+            if line.startswith("pretrain 1/"):
+                break
+        assert seen and seen[-1].startswith("pretrain 1/"), "".join(seen)
+        p.send_signal(signal.SIGINT)
+        try:
+            rest, _ = p.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("Ctrl-C during pretraining did not stop the job within 15 s") from None
+        assert p.returncode == 130 and rest.strip().endswith("interrupted"), rest
+        assert "Traceback" not in rest, rest
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+# ----------------------------------------------------------------------------- launch accounting
+
+
+async def test_a_given_up_group_is_counted_out_of_the_launch_budget_once():
+    # given up (out of re-runs), a group leaves the launch budget; left pending in the buffer,
+    # its bound dropped it later as stale too, and each given-up group made the launcher
+    # start one group more than its budget (one that could only go stale)
+    from test_groups import FakeManager, FakeProxy
+    from test_groups import job as group_job
+
+    from core.buffer import SampleBuffer
+    from core.rollout.groups import GroupRunner
+
+    cfg = group_job(group_size=2, max_reruns=0)
+    j = Job(cfg, progress=False)
+    manager = FakeManager(default=(0.001, "infra_failed"))
+    j.runner = GroupRunner(cfg, manager, FakeProxy(), submit=lambda t: None, on_given_up=j._given_up)  # type: ignore[arg-type]
+    j.buffer = SampleBuffer(cfg.group_size, cfg.alpha, on_abort=j._on_abort)
+    j._start_group(j.runner)
+    assert j._groups_live == 1
+    async with asyncio.timeout(5):
+        while not j.tally.counts["given_up_groups"]:  # noqa: ASYNC110 - no event for "given up"
+            await asyncio.sleep(0.005)
+    assert j._groups_live == 0
+    assert j.buffer.advance(cfg.alpha + 1) == []  # the trainer moves past the group's version
+    assert j.tally.counts["stale_groups"] == 0 and j._groups_live == 0
+    await j.runner.aclose()
 
 
 @pytest.mark.ray

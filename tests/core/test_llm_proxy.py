@@ -247,6 +247,23 @@ async def test_release_forgets_the_trajectory():
     assert (await other).text == "r0"
 
 
+async def test_release_aborts_a_turn_its_trajectory_left_running():
+    # the caller of a turn went away (its trajectory timed out): under Ray the proxy's side
+    # of the call runs on, holding the replica's batch slot; after release nothing knows its
+    # request id, so release stops it
+    r = Fake("r", gate=asyncio.Event(), only={"t/0"})
+    proxy = LLMProxy({"default": [r]})
+    turn = asyncio.ensure_future(proxy.generate("t", "x", req(request_id="t/0")))
+    await until(lambda: r.generated == ["t/0"])
+    await proxy.release("t")
+    assert r.aborted == ["t/0"] and (await turn).finish_reason == "abort"
+    assert proxy.metrics["aborts"] == 1 and proxy.stats()["trajectories"] == 0
+    # the trajectory id is free again; a trajectory that ended cleanly aborts nothing
+    assert (await proxy.generate("t", "x", req())).text == "r"
+    await proxy.release("t")
+    assert r.aborted == ["t/0"]
+
+
 # ----------------------------------------------------------------------------- aborts
 
 

@@ -150,6 +150,26 @@ def test_pretraining_lowers_the_held_out_loss_and_is_deterministic():
     assert any(not torch.equal(v, plain.state[k]) for k, v in a.state.items())
 
 
+def test_pretraining_stops_at_the_next_step_once_asked():
+    # the job's Ctrl-C sets the flag from the event loop's thread; the build runs in another
+    import threading
+
+    from core.errors import StoppedError
+
+    stop = threading.Event()
+    steps: list[int] = []
+
+    def on_step(step: int, total: int, loss: float) -> None:
+        steps.append(step)
+        if step == 3:
+            stop.set()
+
+    cfg = _cfg(pretrain={"steps": 1000, "episodes": 10, "batch_size": 4})
+    with pytest.raises(StoppedError, match="after 3 of 1000 steps"):
+        build_policy(cfg, on_pretrain_step=on_step, stop=stop)
+    assert steps == [1, 2, 3]
+
+
 def test_pretrain_refuses_too_few_transitions():
     model = TinyLM(TinyLMConfig(vocab_size=8, **SHAPE))
     with pytest.raises(ValueError, match="at least 2 transitions"):

@@ -56,6 +56,27 @@ def test_run_dir_without_training_rows_writes_no_plots(tmp_path):
     assert not (tmp_path / "reward.png").exists() and not (tmp_path / "time.png").exists()
 
 
+def test_a_reused_run_dir_keeps_nothing_of_the_earlier_run(tmp_path):
+    # an earlier run's summary and plots beside this run's metrics read as this run's
+    first = RunDir(tmp_path)
+    first.log(row(1))
+    first.finish({"steps": 1})
+    (tmp_path / "trace.jsonl").write_text("{}\n")
+    (tmp_path / "notes.txt").write_text("mine")
+    second = RunDir(tmp_path)  # interrupted: never finishes
+    second.log(row(1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "notes.txt"]
+
+
+def test_run_dir_problem_says_why_a_path_cannot_be_one(tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    assert RunDir.problem(taken) == f"{str(taken)!r} is a file, not a directory"
+    assert RunDir.problem(taken / "run" / "x") == f"{str(taken)!r} is a file, not a directory"
+    assert RunDir.problem(tmp_path) is None and RunDir.problem(tmp_path / "new" / "run") is None
+    assert not (tmp_path / "new").exists()  # checked, not created
+
+
 def plain_console() -> tuple[Console, io.StringIO]:
     out = io.StringIO()
     return Console(file=out, force_terminal=False, width=200), out

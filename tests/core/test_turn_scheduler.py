@@ -163,6 +163,32 @@ async def test_a_caller_that_goes_away_while_waiting_does_not_keep_a_slot():
     assert sched._replicas[id(rep)].running == 0
 
 
+async def test_release_of_a_trajectory_whose_turn_waits_for_a_slot_takes_it_out_of_the_line():
+    # its caller timed out while the turn waited: admitted later, the turn would run for
+    # nobody and leave the trajectory known to the scheduler forever
+    rep, sched, proxy, busy = await one_busy_slot()
+    left = asyncio.ensure_future(proxy.generate("left", "t", req("left")))
+    await settle()
+    assert sched.waiting_of("left") == 1
+    await proxy.release("left")
+    assert (await asyncio.wait_for(left, 1)).finish_reason == "abort"
+    rep.open("busy/0")
+    await busy
+    await proxy.release("busy")
+    await settle()
+    assert rep.started == ["busy/0"]  # it never ran
+    assert sched.stats()["waiting"] == 0 and sched._trajs == {}
+    assert sched.predictor.trajectories_seen == 1  # "busy" only: "left" was cut off
+
+
+async def test_a_turn_that_ends_after_its_trajectory_was_released_is_not_remembered():
+    rep, sched, proxy, busy = await one_busy_slot()
+    await proxy.release("busy")  # the replica cannot abort it (a turn about to end): it runs on
+    rep.open("busy/0")
+    await busy
+    assert sched._trajs == {} and sched._replicas[id(rep)].running == 0
+
+
 async def test_the_predictor_learns_finished_trajectories_but_not_aborted_ones():
     rep = GatedReplica()
     sched = TurnScheduler("pps", slots=4)

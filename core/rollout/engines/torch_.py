@@ -26,13 +26,13 @@ import copy
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from core.config_backends import TorchEngineConfig as TorchEngineConfig  # torch-free, for the job config
 from core.policy.tiny_lm import KV, TinyLM
 from core.policy.tokenizer import WordTokenizer
 from core.rollout.engines.base import (
@@ -43,23 +43,6 @@ from core.rollout.engines.base import (
     GenerateRequest,
     PromptTooLongError,
 )
-
-
-class TorchEngineConfig(BaseModel):
-    """Serving knobs of the torch engine (the model's shape is the model's config)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["torch"] = "torch"
-    max_batch_size: int = Field(64, ge=1)
-    """Sequences per forward pass; more wait in the queue."""
-    batch_wait_ms: float = Field(2.0, ge=0.0)
-    """An idle engine waits this long after a request arrives, to batch its companions."""
-    num_threads: int | None = Field(None, ge=1)
-    """torch intra-op threads for this process (``torch.set_num_threads``); ``None`` leaves
-    the process setting alone (torch defaults to the physical cores)."""
-    seed: int = 0
-    """Seeds the stream that seeds requests sent without their own ``seed``."""
 
 
 @dataclass(eq=False)
