@@ -8,7 +8,8 @@ submission and run once; it passes when it exits cleanly). Every case gets one s
     Failed                ran and produced something else (or an assertion failed)
     TimeLimitExceeded     CPU or wall-clock limit
     MemoryLimitExceeded   the runtime ran out of memory under the address-space limit
-    RuntimeError          crashed, exited non-zero, wrote past the output caps, or did not compile
+    RuntimeError          crashed, exited non-zero, wrote past the output caps, did not compile,
+                          or was too long to run (over ``MAX_CODE_BYTES``)
     SandboxError          the sandbox failed, not the program: the only retryable status
 
 A case that hits a ``SandboxError`` is retried once on a fresh sandbox before it is reported.
@@ -306,11 +307,17 @@ class Verifier:
     def verify(
         self, code: str, tests: CodeTests, language: str = "python", limits: Limits | None = None
     ) -> VerifyResult:
-        """Judge ``code``. Bad input (unknown language, oversized code) raises ``ValueError``."""
+        """Judge ``code``. Bad input from the caller (an unknown language) raises
+        ``ValueError``; a program too long to run is the program's fault, judged 0."""
         t0 = time.monotonic()
         lang = get_language(language)
-        if len(code.encode()) > MAX_CODE_BYTES:
-            raise ValueError(f"code is {len(code.encode())} bytes; the limit is {MAX_CODE_BYTES}")
+        size = len(code.encode())
+        if size > MAX_CODE_BYTES:
+            # the policy wrote it: a score of 0, not an error that would mask the trajectory
+            too_long = CaseResult(
+                status="RuntimeError", message=f"not run: program too long: {size} bytes > {MAX_CODE_BYTES}"
+            )
+            return self._result(lang, None, [too_long] * len(tests.cases or [None]), t0)
         limits = limits or self.limits
         # assert-style: the tests passed only if the program also ran past them, which a
         # random line printed after them proves (an early exit(0) would skip the asserts)
