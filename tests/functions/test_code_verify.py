@@ -177,6 +177,17 @@ def test_extract_code_takes_the_last_fenced_block():
     assert extract_code("print(3)") == "print(3)"
 
 
+def test_extract_code_is_linear_in_unclosed_fences():
+    # a regex tried at every fence scanned to the end each time: ~4 s at 120 KB, so minutes
+    # at these 2 MB; one pass takes milliseconds (the bound only catches the quadratic)
+    for hostile in ("```" * 700_000, "```\n" + "```x" * 500_000, "```py\nprint(1)\n```" + "``` " * 500_000):
+        t0 = time.monotonic()
+        extract_code(hostile)
+        assert time.monotonic() - t0 < 10.0
+    assert extract_code("```py\nprint(1)\n```" + "``` " * 10) == "print(1)\n"
+    assert extract_code("````\nx\n```") == "x\n" and extract_code("```py") == "```py"
+
+
 def test_a_dead_zygote_is_a_retryable_sandbox_error_then_recovers():
     with Sandbox(SandboxConfig(base_uid=330_000, spares=1)) as sb:
         verifier = Verifier(sb, LIMITS)
