@@ -190,9 +190,15 @@ class _Container:
 
     def _init_idempotency(self) -> None:
         self.table = os.environ.get(TABLE_ENV) or None
-        ttl_s = int(os.environ.get(TTL_ENV, "3600"))
         if self.table is None:
-            return
+            return  # idempotency off: its TTL does not matter, a bad one included
+        raw_ttl = os.environ.get(TTL_ENV, "3600")
+        try:
+            ttl_s = int(raw_ttl)
+        except ValueError:
+            ttl_s = 0
+        if ttl_s <= 0:
+            raise ValueError(f"{TTL_ENV}={raw_ttl!r}: give the TTL as a whole number of seconds > 0")
         from aws_lambda_powertools.utilities.idempotency import (
             DynamoDBPersistenceLayer,
             IdempotencyConfig,

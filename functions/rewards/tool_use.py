@@ -2,10 +2,11 @@
 
 Components, each in [0, 1]:
 
-* ``valid_calls``: share of the assistant's tool calls whose ``arguments`` are a JSON object
-  and whose name is in ``allowed_tools`` (any name when ``allowed_tools`` is not given);
+* ``valid_calls``: share of the assistant's tool calls (each one counted, ids repeated or
+  not) whose ``arguments`` are a JSON object and whose name is in ``allowed_tools`` (any
+  name when ``allowed_tools`` is not given);
 * ``answered_calls``: share of calls followed by a ``role: "tool"`` message with the same
-  ``tool_call_id``;
+  ``tool_call_id`` (each result answers one call: the oldest unanswered one with its id);
 * ``no_errors``: share of tool results whose content does not start with ``error_prefix``
   (``"error:"``, case-insensitive);
 * ``within_budget``: 1.0 when ``min_calls <= calls <= max_calls``.
@@ -100,23 +101,27 @@ def tool_use_reward(
     allowed = set(allowed_tools) if allowed_tools is not None else None
     prefix = error_prefix.lower()
 
-    calls: list[tuple[int, ToolCall]] = []
-    results: dict[str, int] = {}  # tool_call_id -> index of its first result
+    # counted per call, not per id: a policy may repeat an id, and one result answers one call
+    calls: list[ToolCall] = []
+    waiting: dict[str, list[int]] = {}  # tool_call_id -> its unanswered calls, oldest first
     errors = n_results = 0
-    for i, m in enumerate(traj.messages):
+    for m in traj.messages:
         if m.role == "assistant" and m.tool_calls:
-            calls.extend((i, c) for c in m.tool_calls)
+            for c in m.tool_calls:
+                waiting.setdefault(c.id, []).append(len(calls))
+                calls.append(c)
         elif m.role == "tool":
             n_results += 1
             errors += (m.content or "").lstrip().lower().startswith(prefix)
-            if m.tool_call_id is not None:
-                results.setdefault(m.tool_call_id, i)
+            if waiting.get(m.tool_call_id or ""):
+                waiting[m.tool_call_id or ""].pop(0)
 
-    invalid = {c.id: p for _, c in calls if (p := _call_problem(c, allowed)) is not None}
-    unanswered = [c.id for i, c in calls if results.get(c.id, -1) <= i]
+    problems = [(c.id, p) for c in calls if (p := _call_problem(c, allowed)) is not None]
+    invalid = dict(problems)
+    unanswered = [calls[k].id for k in sorted(k for ks in waiting.values() for k in ks)]
     n = len(calls)
     components = {
-        "valid_calls": 1.0 - len(invalid) / n if n else 1.0,
+        "valid_calls": 1.0 - len(problems) / n if n else 1.0,
         "answered_calls": 1.0 - len(unanswered) / n if n else 1.0,
         "no_errors": 1.0 - errors / n_results if n_results else 1.0,
         "within_budget": float(min_calls <= n and (max_calls is None or n <= max_calls)),

@@ -72,7 +72,18 @@ def _power(base: Any, exp: Any) -> Any:
     if isinstance(base, int) and isinstance(exp, int) and exp > 0 and abs(base) > 1:
         if math.log2(abs(base)) * exp > MAX_INT_BITS:
             raise ValueError(f"{base} ** {exp} is too large (over {MAX_INT_BITS:,} bits)")
-    return base**exp
+    try:
+        return base**exp
+    except OverflowError:
+        # a float power whose exponent does not fit a float (2 ** -(10**3000)): the result
+        # is huge or tiny by whether |base| > 1 and the exponent's sign agree
+        if base == 0:
+            raise ZeroDivisionError from None  # 0 ** -(10**3000)
+        if abs(base) == 1:
+            return float(base) ** (abs(exp) % 2)
+        if (abs(base) > 1) == (exp > 0):
+            raise
+        return 0.0  # tiny: what a float power that underflows gives (2 ** -2000)
 
 
 def _eval(node: ast.AST) -> Any:
@@ -81,6 +92,8 @@ def _eval(node: ast.AST) -> Any:
     if isinstance(node, ast.Constant):
         if isinstance(node.value, bool) or not isinstance(node.value, int | float):
             raise ValueError(f"only numbers are allowed, got {node.value!r}")
+        if isinstance(node.value, float) and not math.isfinite(node.value):  # 1e999 parses as inf
+            raise ValueError("a number is too large for a float (over about 1.8e308)")
         return node.value
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_eval(node.operand))

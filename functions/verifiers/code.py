@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import fabric
 from fabric.protocol import RewardResult, Trajectory
 from functions.verifiers.errors import SandboxError
 from functions.verifiers.verify import CodeTests, StdioCase, Verifier, default_verifier
-
-_FENCE = re.compile(r"```[ \t]*([\w+#-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
 _EXAMPLE_TRAJ = {
     "messages": [
@@ -21,9 +18,25 @@ _EXAMPLE_TRAJ = {
 
 
 def extract_code(text: str) -> str:
-    """The last fenced code block of ``text`` (a model's answer), or all of it if none."""
-    blocks = _FENCE.findall(text)
-    return blocks[-1][1] if blocks else text
+    """The last fenced code block of ``text`` (a model's answer), or all of it if none.
+
+    A block opens at a fence (```, then an optional language tag, then the rest of that
+    line) and its body runs to the next fence. One pass over the text: once a fence has no
+    newline or no closing fence after it, no later one has either (a regex tried at every
+    fence scanned to the end each time, quadratic in a run of unclosed fences).
+    """
+    last = None
+    at = text.find("```")
+    while at >= 0:
+        newline = text.find("\n", at + 3)
+        if newline < 0:
+            break
+        close = text.find("```", newline + 1)
+        if close < 0:
+            break
+        last = text[newline + 1 : close]
+        at = text.find("```", close + 3)
+    return text if last is None else last
 
 
 @fabric.reward(

@@ -108,8 +108,37 @@ def _become_unprivileged(uid: int) -> None:
     lx.prctl(lx.PR_SET_NO_NEW_PRIVS, 1)
 
 
-def _run_python(source: str, entry: str, marker: str | None = None) -> int:
-    """Run ``source`` as ``__main__`` in this (forked, pristine) interpreter."""
+def _read_exactly(fd: int, n: int) -> bytes:
+    """``n`` bytes of ``fd`` and not one more; EOF first means the supervisor gave up on
+    this spare."""
+    data = b""
+    while len(data) < n:
+        chunk = os.read(fd, n - len(data))
+        if not chunk:
+            os._exit(0)
+        data += chunk
+    return data
+
+
+def _marker_line(fd: int) -> bytes:
+    """The marker line the supervisor left in ``fd`` (empty if the program took it or closed
+    the descriptor: then the run cannot pass)."""
+    line = b""
+    try:
+        while not line.endswith(b"\n"):
+            chunk = os.read(fd, 64)
+            if not chunk:
+                return b""
+            line += chunk
+    except OSError:
+        return b""
+    return line
+
+
+def _run_python(source: str, entry: str, marker_fd: int | None = None) -> int:
+    """Run ``source`` as ``__main__`` in this (forked, pristine) interpreter. With
+    ``marker_fd``, print the marker line read from it once the source ran to its end (read
+    only then, so no frame or object of this process holds it while user code runs)."""
     sys.argv = [entry]
     sys.path[:] = [WORK] + [p for p in sys.path if p.startswith(sys.base_prefix) or p.startswith(sys.prefix)]
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8", errors="replace")
@@ -123,8 +152,9 @@ def _run_python(source: str, entry: str, marker: str | None = None) -> int:
     try:
         compiled = compile(source, entry, "exec")
         exec(compiled, {"__name__": "__main__", "__builtins__": builtins, "__file__": os.path.abspath(entry)})
-        if marker:  # the source ran to its end (no exit on the way): assert-style tests all ran
-            sys.stdout.write(f"\n{marker}\n")
+        if marker_fd is not None:  # the source ran to its end: assert-style tests all ran
+            sys.stdout.flush()
+            os.write(1, b"\n" + _marker_line(marker_fd))
     except SystemExit as e:
         if e.code is None:
             code = 0
@@ -212,16 +242,13 @@ def program(
         # (a new zygote hands out the same uids)
         _die_with_zygote(5)
         os.close(5)
-        # warm until here: the run arrives as one line. Not "until EOF": a fork of the
-        # worker may hold a copy of the pipe's other end for as long as it lives
-        raw = b""
-        while not raw.endswith(b"\n"):
-            chunk = os.read(3, 65536)
-            if not chunk:
-                os._exit(0)  # the supervisor gave up on this spare
-            raw += chunk
-        os.close(3)
-        run = json.loads(raw)
+        # warm until here: the run arrives length-prefixed (not "until EOF": a fork of the
+        # worker may hold a copy of the pipe's other end for as long as it lives), and only
+        # its own bytes are read: an assert-style run's marker line follows it in the pipe
+        run = json.loads(_read_exactly(3, int(_read_exactly(3, 8), 16)))
+        marker_fd = 3 if run.pop("marker", False) else None
+        if marker_fd is None:
+            os.close(3)
         _rlimits(run["limits"])
         env = {**BASE_ENV, **(run.get("env") or {})}
         os.environ.clear()
@@ -235,7 +262,8 @@ def program(
     if run["mode"] == "python":
         with open(run["entry"], encoding="utf-8", errors="replace") as f:
             source = f.read()
-        os._exit(_run_python(source, run["entry"], run.get("marker")))
+        os._exit(_run_python(source, run["entry"], marker_fd=marker_fd))
+    # an exec'd test harness (verify.with_tests) reads the marker from fd 3 itself
     argv = run["argv"]
     try:
         os.execve(argv[0], argv, env)

@@ -218,9 +218,12 @@ class Sandbox:
         """Run one program in a fresh sandbox. Raises ``SandboxError`` only for the sandbox's
         own failures (retryable); whatever the program does is in the ``RunOutcome``.
 
-        ``marker`` (Python): printed on its own line after the source ran to its end, so a
-        caller can tell "all the asserts ran" from an early ``exit(0)``. Bad file names
-        raise ``ValueError``."""
+        ``marker``: a line the supervisor leaves on the program's fd 3, after the start
+        message, for a test harness to print once the tests ran, so a caller can tell "all
+        the asserts ran" from an early ``exit(0)``. In Python mode the runner prints it after
+        the source ran to its end; an exec'd harness reads fd 3 itself (``verify.with_tests``).
+        It is in no source, argv, environment or frame of the run, but a program that reads
+        fd 3 can forge it (docs/code-verifier.md). Bad file names raise ``ValueError``."""
         limits = limits or Limits()
         for name in (*(files or {}), *collect):
             if not _plain_name(name):

@@ -125,14 +125,16 @@ def supervise(
             work = _prepare(spare, req, slot, setup_timeout)
         except _SetupFailed as e:
             return {"status": "sandbox_error", "error": str(e)}
+        start = {k: req.get(k) for k in ("mode", "entry", "argv", "env", "limits")}
+        start["marker"] = bool(req.get("marker"))
+        body = json.dumps(start).encode()
         try:
-            _write_all(
-                spare.go,
-                json.dumps(
-                    {k: req.get(k) for k in ("mode", "entry", "argv", "env", "limits", "marker")}
-                ).encode()
-                + b"\n",  # one line: JSON escapes every newline inside it
-            )
+            # length-prefixed, so the program reads exactly the start message and leaves the
+            # marker line after it in the pipe: its test harness reads it from fd 3 only
+            # once the tests ran, and it never sits in the program's memory before that
+            _write_all(spare.go, b"%08x" % len(body) + body)
+            if req.get("marker"):
+                _write_all(spare.go, req["marker"].encode() + b"\n")
         except BrokenPipeError:
             pass  # the program died during its set-up: its exit status and stderr say why
         os.close(spare.go)

@@ -8,7 +8,8 @@ submission and run once; it passes when it exits cleanly). Every case gets one s
     Failed                ran and produced something else (or an assertion failed)
     TimeLimitExceeded     CPU or wall-clock limit
     MemoryLimitExceeded   the runtime ran out of memory under the address-space limit
-    RuntimeError          crashed, exited non-zero, wrote past the output caps, or did not compile
+    RuntimeError          crashed, exited non-zero, wrote past the output caps, did not compile,
+                          or was too long to run (over ``MAX_CODE_BYTES``)
     SandboxError          the sandbox failed, not the program: the only retryable status
 
 A case that hits a ``SandboxError`` is retried once on a fresh sandbox before it is reported.
@@ -16,6 +17,7 @@ A case that hits a ``SandboxError`` is retried once on a fresh sandbox before it
 
 from __future__ import annotations
 
+import ast
 import atexit
 import secrets
 import signal
@@ -182,13 +184,19 @@ class Runner(Protocol):
     ) -> RunOutcome: ...
 
 
+#: The marker the supervisor leaves on fd 3 (after the start message); a harness reads it
+#: only once the tests ran, so it is in no source, argv, environment or binary of the run.
 _C_WRAPPER = """
 #undef main
 #include <stdio.h>
 int main(void) {
     /* unprototyped call: works for main(void) and main(int, char **) alike */
     int rc = ((int (*)())__rlfabric_tests_main)();
-    if (rc == 0) { printf("\\n%s\\n", "MARKER"); fflush(stdout); }
+    char __rlfabric_m[80];
+    FILE *__rlfabric_f = rc == 0 ? fdopen(3, "r") : NULL;
+    if (__rlfabric_f && fgets(__rlfabric_m, sizeof __rlfabric_m, __rlfabric_f)) {
+        printf("\\n%s", __rlfabric_m); fflush(stdout);
+    }
     return rc;
 }
 """
@@ -200,20 +208,91 @@ template <class R, class... A> static int __rlfabric_call(R (*f)(A...)) {
 }
 int main() {
     int rc = __rlfabric_call(&__rlfabric_tests_main);
-    if (rc == 0) { std::printf("\\n%s\\n", "MARKER"); std::fflush(stdout); }
+    char m[80];
+    std::FILE *f = rc == 0 ? fdopen(3, "r") : nullptr;
+    if (f && std::fgets(m, sizeof m, f)) { std::printf("\\n%s", m); std::fflush(stdout); }
     return rc;
+}
+"""
+_JS_TAIL = """
+;{
+  const fs = require("fs"), buf = Buffer.alloc(80);
+  let line = "";
+  while (!line.endsWith("\\n")) {
+    const n = fs.readSync(3, buf, 0, buf.length, null);
+    if (n <= 0) break;
+    line += buf.toString("latin1", 0, n);
+  }
+  if (line.endsWith("\\n")) process.stdout.write("\\n" + line);
 }
 """
 
 
-def with_tests(lang: Language, code: str, test_code: str, marker: str) -> str:
-    """The program with its assert-style tests appended, printing ``marker`` once they all
-    ran (Python prints it from the sandbox's runner, after the source ran to its end)."""
+#: Defined ahead of Python test code whose ``assert a == b`` are rewritten to call it. The rule:
+#: if either side compares with C code all the way down (builtin and extension types, and
+#: containers of them), the other side must too; then ``a == b`` as usual. So an object whose
+#: ``__eq__`` always says True (defined in Python, or rebound from another type's slot) no
+#: longer "equals" 5, [5] or "5", while two instances of the program's own class still compare
+#: with its ``__eq__``. Read through ``type``'s own descriptors, so a metaclass cannot lie.
+_STRICT_EQ = """
+def _rlfabric_strict_eq(a, b, _mro=type.__dict__["__mro__"].__get__,
+                        _vars=type.__dict__["__dict__"].__get__, _slot=type(object.__eq__)):
+    def trusted(x):
+        todo, seen = [x], set()
+        while todo:
+            v = todo.pop()
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            t = type(v)
+            for c in _mro(t):
+                eq = _vars(c).get("__eq__")
+                if eq is not None and not (type(eq) is _slot and eq.__objclass__ is c):
+                    return False
+            if issubclass(t, dict):
+                todo.extend(dict.keys(v))
+                todo.extend(dict.values(v))
+            else:
+                for base in (list, tuple, set, frozenset):
+                    if issubclass(t, base):
+                        todo.extend(base.__iter__(v))
+                        break
+        return True
+
+    ta, tb = trusted(a), trusted(b)
+    return ta == tb and a == b if (ta or tb) else a == b
+
+"""
+
+
+class _StrictAsserts(ast.NodeTransformer):
+    def visit_Assert(self, node: ast.Assert) -> ast.Assert:
+        test = node.test
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
+            call = ast.Call(ast.Name("_rlfabric_strict_eq", ast.Load()), [test.left, test.comparators[0]], [])
+            node.test = ast.copy_location(call, test)
+        return node
+
+
+def strict_asserts(test_code: str) -> str:
+    """Python test code with every ``assert a == b`` checked by ``_STRICT_EQ``'s rule (test
+    code that does not parse is left alone: the run reports its syntax error)."""
+    try:
+        tree = ast.parse(test_code)
+    except (SyntaxError, ValueError):
+        return test_code
+    tree = ast.fix_missing_locations(_StrictAsserts().visit(tree))
+    return _STRICT_EQ + ast.unparse(tree)
+
+
+def with_tests(lang: Language, code: str, test_code: str) -> str:
+    """The program with its assert-style tests appended and, after them, what prints the
+    run's marker (Python: the sandbox's runner prints it once the source ran to its end)."""
     if lang.name == "python":
-        return f"{code}\n\n{test_code}\n"
+        return f"{code}\n\n{strict_asserts(test_code)}\n"
     if lang.name == "javascript":
-        return f'{code}\n;\n{test_code}\n;process.stdout.write("\\n{marker}\\n");\n'
-    wrapper = (_CPP_WRAPPER if lang.name == "cpp" else _C_WRAPPER).replace("MARKER", marker)
+        return f"{code}\n;\n{test_code}\n{_JS_TAIL}"
+    wrapper = _CPP_WRAPPER if lang.name == "cpp" else _C_WRAPPER
     return f"{code}\n#define main __rlfabric_tests_main\n{test_code}\n{wrapper}"
 
 
@@ -228,16 +307,22 @@ class Verifier:
     def verify(
         self, code: str, tests: CodeTests, language: str = "python", limits: Limits | None = None
     ) -> VerifyResult:
-        """Judge ``code``. Bad input (unknown language, oversized code) raises ``ValueError``."""
+        """Judge ``code``. Bad input from the caller (an unknown language) raises
+        ``ValueError``; a program too long to run is the program's fault, judged 0."""
         t0 = time.monotonic()
         lang = get_language(language)
-        if len(code.encode()) > MAX_CODE_BYTES:
-            raise ValueError(f"code is {len(code.encode())} bytes; the limit is {MAX_CODE_BYTES}")
+        size = len(code.encode())
+        if size > MAX_CODE_BYTES:
+            # the policy wrote it: a score of 0, not an error that would mask the trajectory
+            too_long = CaseResult(
+                status="RuntimeError", message=f"not run: program too long: {size} bytes > {MAX_CODE_BYTES}"
+            )
+            return self._result(lang, None, [too_long] * len(tests.cases or [None]), t0)
         limits = limits or self.limits
         # assert-style: the tests passed only if the program also ran past them, which a
         # random line printed after them proves (an early exit(0) would skip the asserts)
         marker = None if tests.test_code is None else f"rlfabric-tests-done-{secrets.token_hex(8)}"
-        source = code if tests.test_code is None else with_tests(lang, code, tests.test_code, marker or "")
+        source = code if tests.test_code is None else with_tests(lang, code, tests.test_code)
         files = {lang.source_file: source.encode()}
         compiled = None
         if lang.compile_argv is not None:
@@ -318,6 +403,7 @@ class Verifier:
                         stdin,
                         run_limits,
                         executable=(lang.artifact or "",),
+                        marker=marker,
                     )
             except SandboxError as e:
                 last = CaseResult(status="SandboxError", message=str(e))
@@ -334,6 +420,7 @@ class Verifier:
         limits: Limits,
         collect: tuple[str, ...] = (),
         executable: tuple[str, ...] = (),
+        marker: str | None = None,
     ) -> RunOutcome:
         return self.sandbox.run(
             mode="exec",
@@ -343,6 +430,7 @@ class Verifier:
             limits=limits,
             collect=collect,
             executable=executable,
+            marker=marker,
         )
 
     @staticmethod

@@ -51,6 +51,11 @@ def edit_action(file: str, search: str, replace: str) -> str:
         ("  1_000 * 3\n", "3000"),
         ("2 ** 100", str(2**100)),
         ("1.5e3 / 2", "750"),
+        # tiny, not "too large": an exponent too big for a float underflows like 2 ** -2000
+        ("2 ** -(10 ** 3000)", "0"),
+        ("0.5 ** (10 ** 3000)", "0"),
+        ("2 ** -2000", "0"),
+        ("(-1) ** -(10 ** 3000 + 1)", "-1"),
     ],
 )
 def test_calculator_evaluates(expression, expected):
@@ -77,6 +82,10 @@ def test_calculator_evaluates(expression, expected):
         ("1 +", "not an arithmetic expression"),
         ("(-8) ** 0.5", "not a real number"),
         ("1e308 * 10", "too large"),
+        ("1e999", "a number is too large for a float"),  # parses as inf
+        ("-1e999 + 1", "a number is too large for a float"),
+        ("0.5 ** -(10 ** 3000)", "the result is too large"),
+        ("0 ** -(10 ** 3000)", "division by zero"),
         ("1" * 501, "over the 500 limit"),
     ],
 )

@@ -478,6 +478,20 @@ def test_without_a_table_keys_are_ignored(aws: None) -> None:
     assert CALLS["counted:e"] == 2
 
 
+@pytest.mark.parametrize("ttl", ["1h", "0"])
+def test_a_bad_idempotency_ttl_names_its_variable_and_does_not_matter_without_a_table(
+    monkeypatch: pytest.MonkeyPatch, table: Any, ttl: str
+) -> None:
+    monkeypatch.setenv(handler.TTL_ENV, ttl)
+    r = invoke("exact_match", {"traj": "42", "ground_truth": "42"})
+    assert not r.ok and r.error is not None and r.error.type == ErrorCode.SETUP_FAILED
+    assert f"{handler.TTL_ENV}={ttl!r}" in r.error.message, r.error.message
+    # without a table idempotency is off and the TTL is never read
+    monkeypatch.delenv(handler.TABLE_ENV)
+    handler.reset()
+    assert invoke("exact_match", {"traj": "42", "ground_truth": "42"}).ok
+
+
 def test_store_failure_is_a_retryable_transport_error(aws: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(handler.TABLE_ENV, "table-that-does-not-exist")
     r = invoke("counted", {"key": "t"}, idempotency_key="kt")

@@ -186,6 +186,23 @@ def test_tool_use_unanswered_and_errors() -> None:
     assert tool_use_reward(early).components["answered_calls"] == 0.0
 
 
+def test_tool_use_counts_every_call_even_with_repeated_ids() -> None:
+    bad = {"id": "c1", "function": {"name": "calculator", "arguments": "{not json"}}
+    traj = Trajectory.model_validate(
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": None, "tool_calls": [bad, bad, bad, bad]},
+                {"role": "tool", "tool_call_id": "c1", "content": "42"},
+            ]
+        }
+    )
+    # four calls, none valid, one answered: one result answers one call, not every call of its id
+    r = tool_use_reward(traj)
+    assert r.components["valid_calls"] == 0.0 and r.components["answered_calls"] == 0.25, r
+    assert r.info["unanswered"] == ["c1", "c1", "c1"]
+
+
 def test_tool_use_budget_and_weights() -> None:
     t = tool_traj([call("a", "calculator"), call("b", "nope", "{")], {"a": "1", "b": "2"})
     r = tool_use_reward(t, allowed_tools=["calculator"], max_calls=1)

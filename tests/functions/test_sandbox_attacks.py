@@ -510,6 +510,132 @@ def test_exiting_early_does_not_pass_c_asserts(sb):
     assert verifier.verify(code, tests, "c").status != "Finished"
 
 
+# The marker of assert-style tests sits on the program's fd 3 until its harness reads it
+# after the tests: it is in no frame, source, binary, argv or environment of the run.
+PY_READS_MARKER = {
+    "runner_frame": (
+        "import sys\nm = sys._getframe(1).f_locals.get('marker')"
+        " or sys._getframe(2).f_locals['run']['marker']\n"
+    ),
+    "start_message": "import sys\nm = sys._getframe(2).f_locals['run']['marker']\n",
+    "environment": (
+        "import os\nm = [v for v in os.environ.values() if v.startswith('rlfabric-tests-done-')][0]\n"
+    ),
+    "source": "m = [w for w in open(__file__).read().split() if w.startswith('rlfabric-tests-done-')][0]\n",
+}
+
+
+@pytest.mark.parametrize("steal", PY_READS_MARKER.values(), ids=PY_READS_MARKER.keys())
+def test_python_asserts_cannot_be_passed_by_reading_the_marker(sb, steal):
+    verifier = Verifier(sb, FAST)
+    code = (
+        "def add(a, b):\n    return 0\n"
+        + steal
+        + "import os\nos.write(1, ('\\n' + m + '\\n').encode())\nos._exit(0)\n"
+    )
+    result = verifier.verify(code, CodeTests(test_code="assert add(2, 3) == 5\nassert add(1, 1) == 2"))
+    assert result.status != "Finished", result.cases[0]
+
+
+ALWAYS_EQUAL = {  # a wrong add() and what it is asserted to equal
+    "python_eq": ("class Any:\n    def __eq__(self, other):\n        return True\n", "Any()", "5"),
+    "int_subclass": ("class I(int):\n    __eq__ = int.__ge__\n", "I(10**9)", "5"),
+    "inside_a_list": (
+        "class Any:\n    __eq__ = lambda self, other: True\n    __hash__ = lambda self: 5\n",
+        "[Any()]",
+        "[5]",
+    ),
+    "inside_a_set": (
+        "class Any:\n    __eq__ = lambda self, other: True\n    __hash__ = lambda self: 5\n",
+        "{Any()}",
+        "{5}",
+    ),
+    "metaclass_lies": (
+        "class Meta(type):\n    __dict__ = property(lambda cls: {})\n"
+        "class Any(metaclass=Meta):\n    def __eq__(self, other):\n        return True\n",
+        "Any()",
+        "5",
+    ),
+}
+
+
+@pytest.mark.parametrize(("cls", "answer", "expected"), ALWAYS_EQUAL.values(), ids=ALWAYS_EQUAL.keys())
+def test_python_asserts_cannot_be_passed_by_an_always_equal_answer(sb, cls, answer, expected):
+    verifier = Verifier(sb, FAST)
+    code = f"{cls}\ndef add(a, b):\n    return {answer}\n"
+    for test in (f"assert add(2, 3) == {expected}", f"assert {expected} == add(2, 3)"):
+        plain = verifier.verify(code, CodeTests(test_code=test.replace("assert ", "print(") + ")"))
+        assert plain.cases[0].stdout.strip() == "True", "the hack works on a plain =="
+        result = verifier.verify(code, CodeTests(test_code=test))
+        assert result.status == "Failed", result.cases[0]
+
+
+def test_strict_asserts_still_pass_honest_programs(sb):
+    verifier = Verifier(sb, FAST)
+    code = (
+        "import collections\nclass P:\n    def __init__(self, x):\n        self.x = x\n"
+        "    def __eq__(self, other):\n        return isinstance(other, P) and other.x == self.x\n"
+        "Pair = collections.namedtuple('Pair', 'a b')\n"
+        "def half(n):\n    return n / 2\n"
+    )
+    tests = (
+        "assert half(10) == 5\nassert P(1) == P(1)\nassert Pair(1, 2) == (1, 2)\n"
+        "assert {'k': [half(2)]} == {'k': [1]}\n"
+        "class T:\n    def check(self):\n        assert half(4) == 2, 'msg'\n"
+        "T().check()\nassert (half(2) == 1) == True"
+    )
+    result = verifier.verify(code, CodeTests(test_code=tests))
+    assert result.status == "Finished", result.cases[0]
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
+def test_javascript_asserts_cannot_be_passed_by_reading_the_marker(sb):
+    verifier = Verifier(sb, FAST.model_copy(update={"wall_s": 5, "cpu_s": 3}))
+    code = (
+        "function add(a, b) { return 0; }\n"
+        "const src = require('fs').readFileSync(__filename, 'utf8')"
+        " + JSON.stringify(process.env) + process.argv;\n"
+        "const m = src.match(/rlfabric-tests-done-[0-9a-f]{16}/);\n"
+        "process.stdout.write('\\n' + (m ? m[0] : 'none') + '\\n'); process.exit(0);\n"
+    )
+    tests = CodeTests(test_code="require('assert').strictEqual(add(2, 3), 5);")
+    result = verifier.verify(code, tests, "javascript")
+    assert result.status != "Finished", result.cases[0]
+    honest = verifier.verify("function add(a, b) { return a + b; }", tests, "javascript")
+    assert honest.status == "Finished", honest.cases[0]
+
+
+C_READS_MARKER = r"""
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+int add(int a, int b) { volatile int wrong = 0; return wrong; }
+static char image[1 << 21];
+__attribute__((constructor)) static void early(void) {
+    char prefix[21];
+    strcpy(prefix, "rlfabric"); strcat(prefix, "-tests-done-");
+    FILE *f = fopen("/proc/self/exe", "rb");
+    size_t n = f ? fread(image, 1, sizeof image, f) : 0;
+    for (size_t i = 0; i + 36 <= n; i++)
+        if (memcmp(image + i, prefix, 20) == 0) {
+            char line[38]; line[0] = '\n'; memcpy(line + 1, image + i, 36); line[37] = '\n';
+            write(1, line, sizeof line); _exit(0);
+        }
+    _exit(0);
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc is not installed")
+def test_c_asserts_cannot_be_passed_by_reading_the_marker(sb):
+    verifier = Verifier(sb, FAST.model_copy(update={"wall_s": 5, "cpu_s": 3}))
+    tests = CodeTests(test_code="#include <assert.h>\nint main(void) { assert(add(2, 3) == 5); return 0; }")
+    result = verifier.verify(C_READS_MARKER, tests, "c")
+    assert result.status != "Finished", result.cases[0]
+    honest = verifier.verify("int add(int a, int b) { return a + b; }", tests, "c")
+    assert honest.status == "Finished", honest.cases[0]
+
+
 def test_a_program_cannot_fake_a_retryable_sandbox_error(sb):
     verifier = Verifier(sb, FAST)
     code = "import os\nos.write(2, b'rl-fabric sandbox setup failed: not me\\n')\nos._exit(125)\n"
@@ -762,6 +888,18 @@ def test_nothing_leaks_over_many_hostile_runs(sb):
             Path("/proc/self/mountinfo").read_text(),
         )
 
+    def settled_snapshot():
+        # a short-lived fd of the zygote (a cgroup file it reads, a spare in the making) must
+        # not land in "before" either: take it when two reads a moment apart agree
+        last, deadline = snapshot(), time.monotonic() + 5
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            now = snapshot()
+            if now == last:
+                return now
+            last = now
+        return last
+
     def own_fds() -> int:
         return len(os.listdir("/proc/self/fd"))
 
@@ -773,7 +911,7 @@ def test_nothing_leaks_over_many_hostile_runs(sb):
         peak = max(peak, own_fds())
     settled_runs(zygote.pid, 2)
     dirs = jail_dirs()
-    before = snapshot()
+    before = settled_snapshot()
     for _ in range(3):
         for code in programs:
             py(sb, code, limits=quick)
