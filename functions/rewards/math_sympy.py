@@ -182,14 +182,28 @@ def _parse(s: str) -> Any:
         return None
 
 
+_REL_TOL = 1e-9
+"""Relative tolerance of numeric comparisons (see ``functions.rewards.math``)."""
 _POINTS = ((0.5381, 1.2713), (1.9127, -0.7349), (-1.3163, 2.4471))
 
 
 def _num_close(a: Any, b: Any) -> bool:
+    """Whether two numeric sympy values are equal within the documented tolerance.
+
+    Everything stays in sympy Floats (mpmath: arbitrary exponent), so ``9^{999}`` or
+    ``e^{1000}`` is a huge finite number rather than a Python ``inf`` that compares "close" to
+    anything (``inf <= 1e-9 * inf``). A value that is not finite (``oo``, ``-oo``, ``zoo``,
+    ``nan``) equals only a structurally identical one; two exact rationals compare exactly."""
     sympy, _ = _load_sympy()
-    d = abs(complex(sympy.N(a - b, 30)))
-    scale = max(abs(complex(sympy.N(a, 30))), abs(complex(sympy.N(b, 30))))
-    return d <= 1e-9 * scale
+    if not (a.is_finite and b.is_finite):
+        return bool(a == b)
+    if a.is_Rational and b.is_Rational:
+        return bool(a == b)
+    d = abs(sympy.N(a - b, 30))
+    scale = max(abs(sympy.N(a, 30)), abs(sympy.N(b, 30)))
+    if not (d.is_number and scale.is_number and d.is_finite and scale.is_finite):
+        return False
+    return bool(d <= _REL_TOL * scale)
 
 
 def sympy_scalar(p: str, g: str) -> Verdict:

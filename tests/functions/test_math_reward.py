@@ -217,3 +217,34 @@ def test_concurrent_calls_agree_with_serial_ones():
     with ThreadPoolExecutor(max_workers=8) as pool:
         got = list(pool.map(judge, rows))
     assert got == [r["equivalent"] for r in rows]
+
+
+# ----------------------------------------------------------------------------- false positives
+
+
+@pytest.mark.parametrize("gt", ["42", "\\frac{3}{7}", "2\\sqrt{3}", "\\pi/4", "0.5", "50\\%"])
+@pytest.mark.parametrize("pred", ["\\infty", "-\\infty", "10^{10^{3}}", "e^{1000}"])
+def test_infinity_or_an_overflowing_number_does_not_match_every_number(pred, gt):
+    # complex(N(oo)) is inf and inf <= 1e-9 * inf: \boxed{\infty} used to match anything
+    res = math_answer(f"so the result is \\boxed{{{pred}}}", ground_truth=gt)
+    assert res.score == 0.0, res.info
+
+
+@pytest.mark.parametrize("gt", ["x+1", "\\sin(x)", "2n+1", "-7", "\\frac{x^2-1}{x+1}"])
+def test_a_huge_finite_number_does_not_match_every_expression(gt):
+    # 9^{999} is finite, but complex(N(9^999)) overflowed at the identity test's points
+    res = math_answer("\\boxed{9^{999}}", ground_truth=gt)
+    assert res.score == 0.0, res.info
+
+
+def test_a_tuple_of_huge_numbers_does_not_match_every_interval():
+    assert math_answer("\\boxed{(9^{999}, 9^{999})}", ground_truth="(1,2)").score == 0.0
+
+
+def test_infinities_equal_only_themselves():
+    assert is_equivalent("-\\infty", "\\infty")[0] is False
+    assert is_equivalent("\\infty", "-\\infty")[0] is False
+    assert is_equivalent("+\\infty", "\\infty")[0] is True
+    assert is_equivalent("-\\infty", "-\\infty")[0] is True
+    assert is_equivalent("9^{999}", "9^{999}+1")[0] is False  # exact: no tolerance
+    assert is_equivalent("e^{1000}", "e^{1000}")[0] is True
