@@ -22,9 +22,14 @@ Equivalence, cheapest first:
 
 Rules worth knowing:
 
-* **Tolerance.** Numbers are equal when ``|a - b| <= 1e-9 * max(|a|, |b|)``. A rounded
-  decimal therefore does *not* match an exact value (``1.57`` is not ``\pi/2``, ``0.333`` is
-  not ``1/3``); only a decimal good to about ten significant digits does.
+* **Tolerance.** Exact values compare exactly: two integers or fractions (``123456789013``
+  is not ``123456789012``, ``10^{30}+1`` is not ``10^{30}``), and two exact irrational values
+  agree to 20 of the 30 digits they are evaluated at. Only a decimal is read as rounded: it
+  equals a number when ``|a - b| <= 1e-9 * max(|a|, |b|)`` and, on the fast path, ``|a - b|``
+  is at most one unit in its last place. A rounded decimal therefore does *not* match an
+  exact value (``1.57`` is not ``\pi/2``, ``0.333`` is not ``1/3``); only a decimal good to
+  about ten significant digits does. An infinity (``\infty``, ``-\infty``) equals only
+  itself; a huge finite number (``9^{999}``, ``e^{1000}``) is compared as any other number.
 * **Percentages.** When exactly one side has a ``%`` (or ``\%``, "percent"), its number
   ``X`` is read as ``X/100`` if the other side is written as a fraction or decimal
   (``50% == 0.5 == 1/2``) and as ``X`` if the other side is an integer (``50% == 50``).

@@ -146,7 +146,9 @@ def shape(s: str) -> Shape:
 
 # ----------------------------------------------------------------------------- numbers
 
-_NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+# linear: ``\d+\.?\d*`` backtracks quadratically on a long run of digits; the exponent is
+# bounded so that ``Fraction("1e999999999")`` is never built
+_NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,4})?"
 _PLAIN = re.compile(rf"^{_NUM}$")
 _SLASH = re.compile(rf"^({_NUM})\s*/\s*({_NUM})$")
 _FRAC = re.compile(rf"^([-+]?)\\frac\{{\s*({_NUM})\s*\}}\{{\s*({_NUM})\s*\}}$")
@@ -184,8 +186,31 @@ def as_fraction(s: str) -> Fraction | None:
     return None
 
 
-def _close(a: Fraction, b: Fraction) -> bool:
-    return a == b or abs(a - b) <= _TOL * max(abs(a), abs(b))
+_DECIMAL = re.compile(r"^[-+]?(\d*)\.(\d*)(?:[eE]([-+]?\d+))?$")
+
+
+def _ulp(s: str) -> Fraction | None:
+    """The unit in the last place of ``s`` when it is written as a decimal (``1.57``: 1/100,
+    ``1.5 \\times 10^3``: 100; an odd form such as ``1.5/2``: 1), None when ``s`` is exact
+    (integers, ``a/b``, ``\\frac``, integer mantissas)."""
+    if "." not in s:
+        return None
+    if m := _DECIMAL.match(s):
+        return Fraction(10) ** (int(m[3] or 0) - len(m[2]))
+    if (m := _SCI.match(s)) and (d := _DECIMAL.match(m[1])):
+        return Fraction(10) ** (int(m[2]) + int(d[3] or 0) - len(d[2]))
+    return Fraction(1)
+
+
+def _close(a: Fraction, b: Fraction, ulp_a: Fraction | None = None, ulp_b: Fraction | None = None) -> bool:
+    """Exact values compare exactly; a rounded decimal matches within the relative tolerance
+    and within one unit of its last place (so ``123456789013.0`` is not ``123456789012``)."""
+    if a == b:
+        return True
+    ulps = [u for u in (ulp_a, ulp_b) if u is not None]
+    if not ulps:
+        return False
+    return abs(a - b) <= min(_TOL * max(abs(a), abs(b)), max(ulps))
 
 
 def _is_integer_form(s: str) -> bool:
@@ -224,7 +249,7 @@ def _fast_scalar(p: str, g: str) -> Verdict:
         return True, "string"
     a, b = as_fraction(p), as_fraction(g)
     if a is not None and b is not None:
-        return _close(a, b), "number"
+        return _close(a, b, _ulp(p), _ulp(g)), "number"
     pw, gw = bool(_WORD.match(p)), bool(_WORD.match(g))
     if pw and gw:
         if normalize(p) == normalize(g):

@@ -184,6 +184,8 @@ def _parse(s: str) -> Any:
 
 _REL_TOL = 1e-9
 """Relative tolerance of numeric comparisons (see ``functions.rewards.math``)."""
+_EXACT_REL_TOL = 1e-20
+"""Relative tolerance between two exact (Float-free) values evaluated at 30 digits."""
 _POINTS = ((0.5381, 1.2713), (1.9127, -0.7349), (-1.3163, 2.4471))
 
 
@@ -199,11 +201,14 @@ def _num_close(a: Any, b: Any) -> bool:
         return bool(a == b)
     if a.is_Rational and b.is_Rational:
         return bool(a == b)
+    # the 1e-9 tolerance is for rounded decimals; two exact values (sqrt, pi, ...) evaluated to
+    # 30 digits must agree to 20
+    tol = _REL_TOL if (a.has(sympy.Float) or b.has(sympy.Float)) else _EXACT_REL_TOL
     d = abs(sympy.N(a - b, 30))
     scale = max(abs(sympy.N(a, 30)), abs(sympy.N(b, 30)))
     if not (d.is_number and scale.is_number and d.is_finite and scale.is_finite):
         return False
-    return bool(d <= _REL_TOL * scale)
+    return bool(d <= tol * scale)
 
 
 def sympy_scalar(p: str, g: str) -> Verdict:

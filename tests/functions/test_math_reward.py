@@ -248,3 +248,22 @@ def test_infinities_equal_only_themselves():
     assert is_equivalent("-\\infty", "-\\infty")[0] is True
     assert is_equivalent("9^{999}", "9^{999}+1")[0] is False  # exact: no tolerance
     assert is_equivalent("e^{1000}", "e^{1000}")[0] is True
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt", "equal"),
+    [
+        ("123456789013", "123456789012", False),  # an off-by-one count
+        ("1099511627000", "1099511627776", False),  # 2^40 with the last digits wrong
+        ("1099511627000", "2^{40}", False),
+        ("10^{30}+1", "10^{30}", False),
+        ("10000000000000001", "10000000000000000", False),
+        ("123456789013.0", "123456789012", False),  # a decimal is good to its last place
+        ("\\frac{1}{3}", "\\frac{333333333334}{1000000000000}", False),
+        ("0.6666666666", "2/3", True),  # a decimal rounded (or cut) at ten digits still matches
+        ("1.5 \\times 10^{3}", "1500", True),
+    ],
+)
+def test_exact_integers_are_compared_exactly(pred, gt, equal):
+    # the 1e-9 relative tolerance was applied to two exact values
+    assert is_equivalent(pred, gt)[0] is equal
