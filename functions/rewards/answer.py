@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import re
 
+MAX_ANSWER_CHARS = 1000
+"""An extracted final answer longer than this matches nothing: no real final answer is that
+long, and the policy must not be able to make a reward call slow."""
+
 _ANSWER_IS = re.compile(r"(?:final answer|the answer)\s*(?:is\s*:?|:)\s*(.+)", re.IGNORECASE)
 _ANSWER_COLON = re.compile(r"^\s*answer\s*:\s*(.+)$", re.IGNORECASE | re.MULTILINE)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
-_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$")
+_NUMBER = re.compile(r"^[-+]?(\d+(?:\.\d*)?|\.\d+)(e[-+]?\d+)?$")  # \d+\.?\d* backtracks: O(n^2)
 # sentence punctuation only: math symbols (/ ^ + - * = ( ) [ ] < > %) change the meaning
 _PUNCT = str.maketrans("", "", "!\"'`?;:,_~@#&|")
 

@@ -36,6 +36,8 @@ Rules worth knowing:
 * **Collections.** ``(a, b)``, ``[a, b)`` etc. compare element-wise and brackets must match
   (an open interval is not a closed one); ``\{...\}`` sets and bare comma lists compare as
   sets (order and repeats ignored).
+* **Length.** A predicted final answer over ``MAX_ANSWER_CHARS`` (1000) characters is not
+  equivalent (``decided_by: too_long``); every in-process step is linear in the answer.
 * **Symbols.** ``e`` is Euler's number, ``i`` the imaginary unit; words that are not math
   functions are text, never multiplied-out symbols.
 """
@@ -47,7 +49,7 @@ from typing import Any
 
 import fabric
 from fabric.protocol import RewardResult, Trajectory
-from functions.rewards.answer import _ANSWER_COLON, _ANSWER_IS, last_boxed
+from functions.rewards.answer import _ANSWER_COLON, _ANSWER_IS, MAX_ANSWER_CHARS, last_boxed
 from functions.rewards.math_fast import (
     Shape,
     Verdict,
@@ -63,6 +65,7 @@ from functions.rewards.math_sympy import DEFAULT_TIMEOUT_S, latex_to_python, sym
 # importable from here
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "MAX_ANSWER_CHARS",
     "Shape",
     "Verdict",
     "as_fraction",
@@ -104,6 +107,8 @@ def extract_final(text: str) -> tuple[str | None, str]:
 
 def is_equivalent(pred: str, gt: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Verdict:
     """``(equivalent, rule)`` for two raw answers (not whole completions)."""
+    if len(pred) > MAX_ANSWER_CHARS:  # see answer.MAX_ANSWER_CHARS
+        return False, "too_long"
     p, g = canonical(pred), canonical(gt)
     if not p or not g:
         return False, "empty"
@@ -144,6 +149,9 @@ def math_answer(
     if answer is None:
         info.update(decided_by="no_answer")
         return RewardResult(score=0.0, components={"correct": 0.0, "extracted": 0.0}, info=info)
+    if len(answer) > MAX_ANSWER_CHARS:
+        info.update(extracted=answer[:100] + "...", chars=len(answer), decided_by="too_long")
+        return RewardResult(score=0.0, components={"correct": 0.0, "extracted": 1.0}, info=info)
     ok, rule = is_equivalent(answer, ground_truth, timeout_s=sympy_timeout_s)
     info.update(prediction=canonical(answer), ground_truth=canonical(ground_truth), decided_by=rule)
     if rule == "timeout":

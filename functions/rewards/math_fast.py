@@ -8,11 +8,29 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from fractions import Fraction
-from functools import lru_cache
+from functools import lru_cache, wraps
+from typing import TypeVar
 
 from functions.rewards.answer import normalize
 
 _TOL = Fraction(1, 10**9)
+_CACHE_KEY_MAX = 256
+"""Longer strings bypass the caches: answers are policy-controlled, and 65536 cached 1 MB
+answers would hold gigabytes."""
+
+_T = TypeVar("_T")
+
+
+def _small_cache(fn: Callable[[str], _T]) -> Callable[[str], _T]:
+    """``lru_cache`` for short arguments only (see ``_CACHE_KEY_MAX``)."""
+    cached = lru_cache(maxsize=65536)(fn)
+
+    @wraps(fn)
+    def call(s: str) -> _T:
+        return cached(s) if len(s) <= _CACHE_KEY_MAX else fn(s)
+
+    return call
+
 
 # ----------------------------------------------------------------------------- canonical form
 
@@ -26,12 +44,14 @@ _UNITS = (
     "deg degree degrees radian radians unit units sq square cubic "
     "people persons students apples cookies marbles pages points ways times"
 ).split()
-_UNIT_WORDS = re.compile(
-    r"(?:\s*(?:\b(?:"
-    + "|".join(sorted(_UNITS, key=len, reverse=True))
-    + r")\b\.?(?:\^\{?[23]\}?|²|³)?))+\s*$",
+# one unit token (``cm``, ``m^2``, ``km²``, ``sec.``); units are stripped token by token from
+# the right (_strip_units), never with a pattern anchored at ``$`` that is retried from every
+# start, which is quadratic in a long run of spaces or units
+_UNIT_TOKEN = re.compile(
+    r"(?:" + "|".join(sorted(_UNITS, key=len, reverse=True)) + r")\.?(?:\^\{?[23]\}?|²|³)?",
     re.IGNORECASE,
 )
+_PERCENT_WORD = re.compile(r"(?<!\s)\s*\bpercent\b", re.IGNORECASE)  # starts once per space run
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|mbox|mathrm|mathbf|operatorname)\s*\{([^{}]*)\}")
 _TEXT_UNIT = re.compile(_TEXT_CMD.pattern + r"(?:\s*\^\s*\{?[23]\}?)?")
 _SPACING = re.compile(r"\\[,;:! ]|\\(?:quad|qquad|displaystyle|textstyle)\b|~")
@@ -47,6 +67,21 @@ _FRAC_SHORT2 = re.compile(r"\\frac\s*\{([^{}]*)\}\s*(\d)")
 _SQRT_SHORT = re.compile(r"\\sqrt\s*(\d+|[a-zA-Z])")
 
 
+def _strip_units(s: str) -> str:
+    """``s`` without its trailing whitespace-separated unit words, in one right-to-left pass."""
+    end = len(s)
+    while True:
+        j = end
+        while j > 0 and s[j - 1].isspace():
+            j -= 1
+        i = j
+        while i > 0 and not s[i - 1].isspace():
+            i -= 1
+        if i == 0 or i == j or not _UNIT_TOKEN.fullmatch(s, i, j):
+            return s[:end]  # the first token is the number itself, never a unit
+        end = i
+
+
 def _strip_text(s: str) -> str:
     r"""``\text{cm}`` after a number is a unit (dropped); ``\text{Paris}`` alone is the answer."""
     without = _TEXT_UNIT.sub("", s).strip()
@@ -55,7 +90,7 @@ def _strip_text(s: str) -> str:
     return _TEXT_CMD.sub(r"\1", s)
 
 
-@lru_cache(maxsize=65536)
+@_small_cache
 def canonical(answer: str) -> str:
     """The answer with presentation stripped (see ``functions.rewards.math``'s docstring)."""
     s = answer.strip()
@@ -66,11 +101,11 @@ def canonical(answer: str) -> str:
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("{,}", "")
     s = _DEGREES.sub("", s)
     s = s.replace("\\%", "%").replace("\\percent", "%")
-    s = re.sub(r"\s*\bpercent\b", "%", s, flags=re.IGNORECASE)
+    s = _PERCENT_WORD.sub("%", s)
     s = _strip_text(s)
     s = s.strip().rstrip(".").strip()
     if any(c.isdigit() for c in s):
-        s = _UNIT_WORDS.sub("", s).strip()
+        s = _strip_units(s).strip()
     s = _LHS.sub("", s)
     s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
     s = _FRAC_SHORT2.sub(r"\\frac{\1}{\2}", s)
@@ -124,7 +159,7 @@ Shape = tuple[str, str, tuple[str, ...]]
 """``(kind, brackets, elements)``: kind is scalar, seq (tuple/interval), set or union."""
 
 
-@lru_cache(maxsize=65536)
+@_small_cache
 def shape(s: str) -> Shape:
     if "\\cup" in s:
         parts = _split_top(s, "\\cup")
@@ -159,7 +194,7 @@ _MIXED = re.compile(r"^([-+]?)(\d+)\s*\\frac\{(\d+)\}\{(\d+)\}$")
 _POW10 = re.compile(r"^10\s*\^\s*\{?\s*([-+]?\d{1,3})\s*\}?$")
 
 
-@lru_cache(maxsize=65536)
+@_small_cache
 def as_fraction(s: str) -> Fraction | None:
     """The exact value of a plain number written as ``s``, or None."""
     try:

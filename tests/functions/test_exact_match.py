@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from fabric.protocol import Message, Trajectory, encode_payload
 from fabric.runner import FunctionRunner
-from functions.rewards.answer import extract_answer, last_boxed, normalize
+from functions.rewards.answer import MAX_ANSWER_CHARS, extract_answer, last_boxed, normalize
 from functions.rewards.exact_match import exact_match
 
 ENTRY = "functions.rewards.exact_match:exact_match"
@@ -148,3 +150,22 @@ def test_runner_rejects_bad_arguments() -> None:
     assert message == "exact_match(traj, ground_truth): missing 'ground_truth'"
     ok, (code, message, _) = runner.run(encode_payload({"traj": "x", "ground_truth": "1", "extra": 2}))
     assert ok is False and code == "InvalidArguments" and "unexpected 'extra'" in message
+
+
+# ----------------------------------------------------------------------------- linear time
+
+
+def test_exact_match_is_linear_in_a_long_run_of_digits() -> None:
+    # _NUMBER = \d+\.?\d* backtracked O(n^2) on digits then junk: 20,000 digits took seconds,
+    # these 200,000 would take minutes; linear, they take milliseconds (the bound is loose)
+    text = "1" * 200_000 + "x"
+    t0 = time.monotonic()
+    normalize(text)
+    assert exact_match(text, ground_truth="7") == 0.0
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_a_too_long_answer_matches_nothing() -> None:
+    long = "1" * (MAX_ANSWER_CHARS + 1)
+    assert exact_match(f"\\boxed{{{long}}}", ground_truth=long) == 0.0
+    assert exact_match(f"\\boxed{{{long[:-1]}}}", ground_truth=long[:-1]) == 1.0

@@ -267,3 +267,49 @@ def test_infinities_equal_only_themselves():
 def test_exact_integers_are_compared_exactly(pred, gt, equal):
     # the 1e-9 relative tolerance was applied to two exact values
     assert is_equivalent(pred, gt)[0] is equal
+
+
+# ----------------------------------------------------------------------------- linear time
+# Policy-controlled input must not make a reward call slow: past the function's timeout_s the
+# worker is killed and the trajectory is masked instead of scored 0. The sizes are chosen so
+# that the old quadratic scans took minutes while a linear one takes milliseconds; the bound
+# is loose on purpose (a loaded machine).
+
+
+def _elapsed(fn, *args, **kwargs) -> float:
+    t0 = time.monotonic()
+    fn(*args, **kwargs)
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "1" + " " * 200_000 + "x",
+        "1" + " cm" * 20_000 + " x",
+        "1" + " cm" * 20_000,
+        "5" + " percent" * 20_000 + " x",
+    ],
+    ids=["spaces", "units_then_word", "units", "percent"],
+)
+def test_math_canonical_is_linear_in_long_whitespace_and_unit_runs(answer):
+    # _UNIT_WORDS (anchored at $, retried at every start) and \s*\bpercent\b were O(n^2)
+    assert _elapsed(canonical, answer) < 5.0
+
+
+def test_canonical_still_strips_units_and_percent_words():
+    assert canonical("5 cm^2") == "5"
+    assert canonical("3 km²") == "3"
+    assert canonical("12 sq. ft") == "12"
+    assert canonical("7 square meters") == "7"
+    assert canonical("50 percent") == "50%"
+    assert canonical("cm") == "cm"  # no number: a word, not a unit
+
+
+def test_a_too_long_answer_scores_zero_with_the_reason():
+    res = math_answer("\\boxed{" + "1" * 5_000 + "}", ground_truth="1" * 5_000)
+    assert res.score == 0.0
+    assert res.info["decided_by"] == "too_long"
+    assert res.info["chars"] == 5_000
+    assert is_equivalent("1 " * 1_000, "1")[1] == "too_long"
+    assert _elapsed(math_answer, "\\boxed{" * 200_000, ground_truth="7") < 5.0
