@@ -169,3 +169,27 @@ def test_a_too_long_answer_matches_nothing() -> None:
     long = "1" * (MAX_ANSWER_CHARS + 1)
     assert exact_match(f"\\boxed{{{long}}}", ground_truth=long) == 0.0
     assert exact_match(f"\\boxed{{{long[:-1]}}}", ground_truth=long[:-1]) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt"),
+    [
+        ("10000000000000001", "10000000000000000"),  # float() rounded both to 1e16
+        ("9007199254740993", "9007199254740992"),  # 2^53 + 1
+        ("1.00000000000000001", "1"),
+        ("1,2", "12"),  # the comma of a list / pair was deleted
+        ("(1,2)", "(12)"),
+        ("1:2", "12"),  # a ratio
+        ("10_2", "102"),  # a base subscript
+    ],
+)
+def test_exact_match_does_not_merge_different_answers(pred: str, gt: str) -> None:
+    assert normalize(pred) != normalize(gt)
+    assert exact_match(f"The answer is {pred}", ground_truth=gt) == 0.0
+
+
+def test_normalize_numbers_exactly() -> None:
+    assert normalize("1e3") == normalize("1000") == normalize("1,000") == normalize("1000.00")
+    assert normalize("-0.0") == normalize("0")
+    assert normalize("1, 2") == normalize("1,2") == "1 2"
+    assert normalize("1e999999999") != normalize("1e999999998")  # no float overflow to inf
