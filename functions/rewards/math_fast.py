@@ -62,6 +62,7 @@ _LHS = re.compile(
 )
 _THIN_THOUSANDS = re.compile(r"(?<=\d)\\[,!: ](?=\d{3}\b)")
 _THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_SPACED_THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?: \d{3})+(?:\.\d+)?$")
 _FRAC_SHORT = re.compile(r"\\frac\s*(\d)\s*(\d)")
 _FRAC_SHORT2 = re.compile(r"\\frac\s*\{([^{}]*)\}\s*(\d)")
 _SQRT_SHORT = re.compile(r"\\sqrt\s*(\d+|[a-zA-Z])")
@@ -111,8 +112,8 @@ def canonical(answer: str) -> str:
     s = _FRAC_SHORT2.sub(r"\\frac{\1}{\2}", s)
     s = _SQRT_SHORT.sub(r"\\sqrt{\1}", s)
     s = " ".join(s.split())
-    if _THOUSANDS.match(s):
-        s = s.replace(",", "")
+    if _THOUSANDS.match(s) or _SPACED_THOUSANDS.match(s):
+        s = s.replace(",", "").replace(" ", "")
     return s
 
 
@@ -279,8 +280,18 @@ def _percent(pred: str, gt: str) -> tuple[str, str]:
     return pred, scaled(gt, pred)
 
 
+_DROPPABLE_SPACE = re.compile(r" (?!\d)|(?<!\d) ")
+
+
+def _squash(s: str) -> str:
+    """``s`` without the spaces that do not change it: a space between two digits separates two
+    numbers (``1 2`` is not ``12``, ``2^3 4`` is not ``2^34``); ``canonical`` has already
+    joined a number written in groups of three (``1 000 000``)."""
+    return _DROPPABLE_SPACE.sub("", s)
+
+
 def _fast_scalar(p: str, g: str) -> Verdict:
-    if p == g or p.replace(" ", "") == g.replace(" ", ""):
+    if p == g or _squash(p) == _squash(g):
         return True, "string"
     a, b = as_fraction(p), as_fraction(g)
     if a is not None and b is not None:

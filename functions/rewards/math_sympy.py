@@ -68,6 +68,7 @@ _LATEX_CMDS = {
     "\\csc": " csc",
 }
 _CMD = re.compile(r"\\[A-Za-z]+")
+_GLUED_NUMBERS = re.compile(r"[\d.]\s+[\d.]")
 
 
 def latex_to_python(s: str) -> str | None:
@@ -156,6 +157,8 @@ def latex_to_python(s: str) -> str | None:
     if stack:
         return None
     text = "".join(out)
+    if _GLUED_NUMBERS.search(text):  # "5 6" is two numbers (5 \text{ or } 6), not 30
+        return None
     # words: known functions stay, short letter runs are products of symbols, others are text
     for word in set(re.findall(r"[A-Za-z]+", text)):
         if word not in _FUNCS and len(word) > 3:

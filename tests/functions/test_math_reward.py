@@ -313,3 +313,21 @@ def test_a_too_long_answer_scores_zero_with_the_reason():
     assert res.info["chars"] == 5_000
     assert is_equivalent("1 " * 1_000, "1")[1] == "too_long"
     assert _elapsed(math_answer, "\\boxed{" * 200_000, ground_truth="7") < 5.0
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt"),
+    [("1 2", "12"), ("5 \\text{ or } 6", "56"), ("5 \\text{ or } 6", "30"), ("2^3 4", "2^34"), ("2 3", "6")],
+)
+def test_separate_numbers_are_not_glued_together(pred, gt):
+    # _fast_scalar's string rule dropped every space ("1 2" == "12"), and sympy read two
+    # numbers side by side as a product ("5 6" == 30)
+    assert is_equivalent(pred, gt)[0] is False
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt"),
+    [("1 000 000", "1000000"), ("x + 1", "x+1"), ("2 \\sqrt{3}", "\\sqrt{12}"), ("2 x", "x+x")],
+)
+def test_spaces_that_do_not_separate_numbers_still_do_not_matter(pred, gt):
+    assert is_equivalent(pred, gt)[0] is True
