@@ -331,3 +331,23 @@ def test_separate_numbers_are_not_glued_together(pred, gt):
 )
 def test_spaces_that_do_not_separate_numbers_still_do_not_matter(pred, gt):
     assert is_equivalent(pred, gt)[0] is True
+
+
+def test_long_answers_are_not_kept_in_the_caches():
+    # canonical/shape/as_fraction were lru_caches of 65536 entries keyed by whole answers:
+    # 50 distinct 1 MB answers stayed in memory; 12 of 100 KB would hold 2.4 MB here
+    import tracemalloc
+
+    from functions.rewards.math_fast import as_fraction, shape
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for k in range(12):
+            answer = f"{k}" + "y" * 100_000
+            shape(canonical(answer))
+            as_fraction(answer)
+        retained = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert retained < 1_000_000, retained
