@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import decimal
 import re
+
+MAX_ANSWER_CHARS = 1000
+"""An extracted final answer longer than this matches nothing: no real final answer is that
+long, and the policy must not be able to make a reward call slow."""
 
 _ANSWER_IS = re.compile(r"(?:final answer|the answer)\s*(?:is\s*:?|:)\s*(.+)", re.IGNORECASE)
 _ANSWER_COLON = re.compile(r"^\s*answer\s*:\s*(.+)$", re.IGNORECASE | re.MULTILINE)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
-_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$")
-# sentence punctuation only: math symbols (/ ^ + - * = ( ) [ ] < > %) change the meaning
-_PUNCT = str.maketrans("", "", "!\"'`?;:,_~@#&|")
+_NUMBER = re.compile(r"^[-+]?(\d+(?:\.\d*)?|\.\d+)(e[-+]?\d+)?$")  # \d+\.?\d* backtracks: O(n^2)
+# sentence punctuation only: math symbols (/ ^ + - * = ( ) [ ] < > %) change the meaning.
+# Quotes are dropped; the rest becomes a space, so that it still separates: "1,2" (a pair),
+# "1:2" (a ratio) and "10_2" (a base) are not "12" and "102".
+_QUOTES = str.maketrans("", "", "\"'`")
+_PUNCT = str.maketrans(dict.fromkeys("!?;:,_~@#&|", " "))
 
 
 def last_boxed(text: str) -> str | None:
@@ -44,20 +52,29 @@ def extract_answer(text: str) -> str:
     return lines[-1] if lines else ""
 
 
+def _canonical_number(s: str) -> str:
+    """One spelling per exact value ('42.0', '42.', '4.2e1' -> '42'): decimal arithmetic with
+    enough precision for every digit, never float (which merged 2**53 + 1 with 2**53)."""
+    ctx = decimal.Context(prec=len(s) + 2, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN)
+    try:
+        d = decimal.Decimal(s).normalize(ctx)
+    except decimal.DecimalException:
+        return s
+    if d.is_zero():
+        return "0"
+    return format(d, "f") if -30 <= d.adjusted() <= 30 else str(d)
+
+
 def normalize(answer: str) -> str:
     """Lower-case, strip math delimiters, punctuation, articles and thousands separators;
-    canonical numbers ('42.0' == '42')."""
+    canonical numbers ('42.0' == '42'), compared exactly."""
     s = answer.strip().strip("$").strip()
     s = s.replace("\\text{", "").replace("\\mathrm{", "").replace("}", "").replace("{", "")
     s = s.lower().rstrip(".").strip()
     s = _THOUSANDS.sub("", s)
     if _NUMBER.match(s):
-        try:
-            f = float(s)
-            return str(int(f)) if f.is_integer() and abs(f) < 1e15 else repr(f)
-        except ValueError:
-            pass
-    s = s.translate(_PUNCT)
+        return _canonical_number(s)
+    s = s.translate(_QUOTES).translate(_PUNCT)
     if " " in s:  # a lone "a" is a multiple-choice answer, not an article
         s = _ARTICLES.sub(" ", s)
     return " ".join(s.split())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fabric
 from fabric.protocol import Trajectory
-from functions.rewards.answer import extract_answer, normalize
+from functions.rewards.answer import MAX_ANSWER_CHARS, extract_answer, normalize
 
 _EXAMPLE_TRAJ = {
     "messages": [
@@ -24,6 +24,10 @@ _EXAMPLE_TRAJ = {
     ),
 )
 def exact_match(traj: Trajectory | str, *, ground_truth: str) -> float:
-    """Normalised string match of the final answer (boxed, "the answer is", or last line)."""
+    """Normalised string match of the final answer (boxed, "the answer is", or last line);
+    an answer over ``MAX_ANSWER_CHARS`` characters matches nothing."""
     text = traj if isinstance(traj, str) else traj.final_text()
-    return 1.0 if normalize(extract_answer(text)) == normalize(ground_truth) else 0.0
+    answer = extract_answer(text)
+    if len(answer) > MAX_ANSWER_CHARS:
+        return 0.0
+    return 1.0 if normalize(answer) == normalize(ground_truth) else 0.0

@@ -80,22 +80,23 @@ DEFAULT_RULES = FormatRules(
 
 
 def boxed_spans(text: str) -> list[tuple[int, int] | None]:
-    r"""``(start, end)`` of every ``\boxed{...}`` (end is past the closing brace); ``None``
-    for one whose braces never balance."""
-    spans: list[tuple[int, int] | None] = []
-    for m in _BOXED.finditer(text):
-        depth = 1
-        for j in range(m.end(), len(text)):
-            if text[j] == "{":
-                depth += 1
-            elif text[j] == "}":
-                depth -= 1
-                if depth == 0:
-                    spans.append((m.start(), j + 1))
-                    break
-        else:
-            spans.append(None)
-    return spans
+    r"""``(start, end)`` of every ``\boxed{...}`` (end is past the closing brace), in order of
+    start; ``None`` for one whose braces never balance. One pass with a stack of open braces
+    (linear, however many boxes are left open)."""
+    opens = {m.end() - 1: m.start() for m in _BOXED.finditer(text)}  # brace index -> box start
+    if not opens:
+        return []
+    found: dict[int, tuple[int, int] | None] = dict.fromkeys(opens.values())
+    stack: list[int] = []  # box start, or -1 for a plain brace
+    for j in range(min(opens), len(text)):
+        c = text[j]
+        if c == "{":
+            stack.append(opens.get(j, -1))
+        elif c == "}" and stack:
+            start = stack.pop()
+            if start >= 0:
+                found[start] = (start, j + 1)
+    return [found[start] for start in sorted(found)]
 
 
 def _tags_ok(text: str, tags: list[str]) -> bool:

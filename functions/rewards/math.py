@@ -22,15 +22,22 @@ Equivalence, cheapest first:
 
 Rules worth knowing:
 
-* **Tolerance.** Numbers are equal when ``|a - b| <= 1e-9 * max(|a|, |b|)``. A rounded
-  decimal therefore does *not* match an exact value (``1.57`` is not ``\pi/2``, ``0.333`` is
-  not ``1/3``); only a decimal good to about ten significant digits does.
+* **Tolerance.** Exact values compare exactly: two integers or fractions (``123456789013``
+  is not ``123456789012``, ``10^{30}+1`` is not ``10^{30}``), and two exact irrational values
+  agree to 20 of the 30 digits they are evaluated at. Only a decimal is read as rounded: it
+  equals a number when ``|a - b| <= 1e-9 * max(|a|, |b|)`` and, on the fast path, ``|a - b|``
+  is at most one unit in its last place. A rounded decimal therefore does *not* match an
+  exact value (``1.57`` is not ``\pi/2``, ``0.333`` is not ``1/3``); only a decimal good to
+  about ten significant digits does. An infinity (``\infty``, ``-\infty``) equals only
+  itself; a huge finite number (``9^{999}``, ``e^{1000}``) is compared as any other number.
 * **Percentages.** When exactly one side has a ``%`` (or ``\%``, "percent"), its number
   ``X`` is read as ``X/100`` if the other side is written as a fraction or decimal
   (``50% == 0.5 == 1/2``) and as ``X`` if the other side is an integer (``50% == 50``).
 * **Collections.** ``(a, b)``, ``[a, b)`` etc. compare element-wise and brackets must match
   (an open interval is not a closed one); ``\{...\}`` sets and bare comma lists compare as
   sets (order and repeats ignored).
+* **Length.** A predicted final answer over ``MAX_ANSWER_CHARS`` (1000) characters is not
+  equivalent (``decided_by: too_long``); every in-process step is linear in the answer.
 * **Symbols.** ``e`` is Euler's number, ``i`` the imaginary unit; words that are not math
   functions are text, never multiplied-out symbols.
 """
@@ -42,7 +49,7 @@ from typing import Any
 
 import fabric
 from fabric.protocol import RewardResult, Trajectory
-from functions.rewards.answer import _ANSWER_COLON, _ANSWER_IS, last_boxed
+from functions.rewards.answer import _ANSWER_COLON, _ANSWER_IS, MAX_ANSWER_CHARS, last_boxed
 from functions.rewards.math_fast import (
     Shape,
     Verdict,
@@ -58,6 +65,7 @@ from functions.rewards.math_sympy import DEFAULT_TIMEOUT_S, latex_to_python, sym
 # importable from here
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "MAX_ANSWER_CHARS",
     "Shape",
     "Verdict",
     "as_fraction",
@@ -99,6 +107,8 @@ def extract_final(text: str) -> tuple[str | None, str]:
 
 def is_equivalent(pred: str, gt: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Verdict:
     """``(equivalent, rule)`` for two raw answers (not whole completions)."""
+    if len(pred) > MAX_ANSWER_CHARS:  # see answer.MAX_ANSWER_CHARS
+        return False, "too_long"
     p, g = canonical(pred), canonical(gt)
     if not p or not g:
         return False, "empty"
@@ -139,6 +149,9 @@ def math_answer(
     if answer is None:
         info.update(decided_by="no_answer")
         return RewardResult(score=0.0, components={"correct": 0.0, "extracted": 0.0}, info=info)
+    if len(answer) > MAX_ANSWER_CHARS:
+        info.update(extracted=answer[:100] + "...", chars=len(answer), decided_by="too_long")
+        return RewardResult(score=0.0, components={"correct": 0.0, "extracted": 1.0}, info=info)
     ok, rule = is_equivalent(answer, ground_truth, timeout_s=sympy_timeout_s)
     info.update(prediction=canonical(answer), ground_truth=canonical(ground_truth), decided_by=rule)
     if rule == "timeout":

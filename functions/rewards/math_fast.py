@@ -8,11 +8,29 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from fractions import Fraction
-from functools import lru_cache
+from functools import lru_cache, wraps
+from typing import TypeVar
 
 from functions.rewards.answer import normalize
 
 _TOL = Fraction(1, 10**9)
+_CACHE_KEY_MAX = 256
+"""Longer strings bypass the caches: answers are policy-controlled, and 65536 cached 1 MB
+answers would hold gigabytes."""
+
+_T = TypeVar("_T")
+
+
+def _small_cache(fn: Callable[[str], _T]) -> Callable[[str], _T]:
+    """``lru_cache`` for short arguments only (see ``_CACHE_KEY_MAX``)."""
+    cached = lru_cache(maxsize=65536)(fn)
+
+    @wraps(fn)
+    def call(s: str) -> _T:
+        return cached(s) if len(s) <= _CACHE_KEY_MAX else fn(s)
+
+    return call
+
 
 # ----------------------------------------------------------------------------- canonical form
 
@@ -26,12 +44,14 @@ _UNITS = (
     "deg degree degrees radian radians unit units sq square cubic "
     "people persons students apples cookies marbles pages points ways times"
 ).split()
-_UNIT_WORDS = re.compile(
-    r"(?:\s*(?:\b(?:"
-    + "|".join(sorted(_UNITS, key=len, reverse=True))
-    + r")\b\.?(?:\^\{?[23]\}?|²|³)?))+\s*$",
+# one unit token (``cm``, ``m^2``, ``km²``, ``sec.``); units are stripped token by token from
+# the right (_strip_units), never with a pattern anchored at ``$`` that is retried from every
+# start, which is quadratic in a long run of spaces or units
+_UNIT_TOKEN = re.compile(
+    r"(?:" + "|".join(sorted(_UNITS, key=len, reverse=True)) + r")\.?(?:\^\{?[23]\}?|²|³)?",
     re.IGNORECASE,
 )
+_PERCENT_WORD = re.compile(r"(?<!\s)\s*\bpercent\b", re.IGNORECASE)  # starts once per space run
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|mbox|mathrm|mathbf|operatorname)\s*\{([^{}]*)\}")
 _TEXT_UNIT = re.compile(_TEXT_CMD.pattern + r"(?:\s*\^\s*\{?[23]\}?)?")
 _SPACING = re.compile(r"\\[,;:! ]|\\(?:quad|qquad|displaystyle|textstyle)\b|~")
@@ -42,9 +62,25 @@ _LHS = re.compile(
 )
 _THIN_THOUSANDS = re.compile(r"(?<=\d)\\[,!: ](?=\d{3}\b)")
 _THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_SPACED_THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?: \d{3})+(?:\.\d+)?$")
 _FRAC_SHORT = re.compile(r"\\frac\s*(\d)\s*(\d)")
 _FRAC_SHORT2 = re.compile(r"\\frac\s*\{([^{}]*)\}\s*(\d)")
 _SQRT_SHORT = re.compile(r"\\sqrt\s*(\d+|[a-zA-Z])")
+
+
+def _strip_units(s: str) -> str:
+    """``s`` without its trailing whitespace-separated unit words, in one right-to-left pass."""
+    end = len(s)
+    while True:
+        j = end
+        while j > 0 and s[j - 1].isspace():
+            j -= 1
+        i = j
+        while i > 0 and not s[i - 1].isspace():
+            i -= 1
+        if i == 0 or i == j or not _UNIT_TOKEN.fullmatch(s, i, j):
+            return s[:end]  # the first token is the number itself, never a unit
+        end = i
 
 
 def _strip_text(s: str) -> str:
@@ -55,7 +91,7 @@ def _strip_text(s: str) -> str:
     return _TEXT_CMD.sub(r"\1", s)
 
 
-@lru_cache(maxsize=65536)
+@_small_cache
 def canonical(answer: str) -> str:
     """The answer with presentation stripped (see ``functions.rewards.math``'s docstring)."""
     s = answer.strip()
@@ -66,18 +102,18 @@ def canonical(answer: str) -> str:
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("{,}", "")
     s = _DEGREES.sub("", s)
     s = s.replace("\\%", "%").replace("\\percent", "%")
-    s = re.sub(r"\s*\bpercent\b", "%", s, flags=re.IGNORECASE)
+    s = _PERCENT_WORD.sub("%", s)
     s = _strip_text(s)
     s = s.strip().rstrip(".").strip()
     if any(c.isdigit() for c in s):
-        s = _UNIT_WORDS.sub("", s).strip()
+        s = _strip_units(s).strip()
     s = _LHS.sub("", s)
     s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
     s = _FRAC_SHORT2.sub(r"\\frac{\1}{\2}", s)
     s = _SQRT_SHORT.sub(r"\\sqrt{\1}", s)
     s = " ".join(s.split())
-    if _THOUSANDS.match(s):
-        s = s.replace(",", "")
+    if _THOUSANDS.match(s) or _SPACED_THOUSANDS.match(s):
+        s = s.replace(",", "").replace(" ", "")
     return s
 
 
@@ -124,7 +160,7 @@ Shape = tuple[str, str, tuple[str, ...]]
 """``(kind, brackets, elements)``: kind is scalar, seq (tuple/interval), set or union."""
 
 
-@lru_cache(maxsize=65536)
+@_small_cache
 def shape(s: str) -> Shape:
     if "\\cup" in s:
         parts = _split_top(s, "\\cup")
@@ -146,7 +182,9 @@ def shape(s: str) -> Shape:
 
 # ----------------------------------------------------------------------------- numbers
 
-_NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+# linear: ``\d+\.?\d*`` backtracks quadratically on a long run of digits; the exponent is
+# bounded so that ``Fraction("1e999999999")`` is never built
+_NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,4})?"
 _PLAIN = re.compile(rf"^{_NUM}$")
 _SLASH = re.compile(rf"^({_NUM})\s*/\s*({_NUM})$")
 _FRAC = re.compile(rf"^([-+]?)\\frac\{{\s*({_NUM})\s*\}}\{{\s*({_NUM})\s*\}}$")
@@ -157,7 +195,7 @@ _MIXED = re.compile(r"^([-+]?)(\d+)\s*\\frac\{(\d+)\}\{(\d+)\}$")
 _POW10 = re.compile(r"^10\s*\^\s*\{?\s*([-+]?\d{1,3})\s*\}?$")
 
 
-@lru_cache(maxsize=65536)
+@_small_cache
 def as_fraction(s: str) -> Fraction | None:
     """The exact value of a plain number written as ``s``, or None."""
     try:
@@ -184,8 +222,31 @@ def as_fraction(s: str) -> Fraction | None:
     return None
 
 
-def _close(a: Fraction, b: Fraction) -> bool:
-    return a == b or abs(a - b) <= _TOL * max(abs(a), abs(b))
+_DECIMAL = re.compile(r"^[-+]?(\d*)\.(\d*)(?:[eE]([-+]?\d+))?$")
+
+
+def _ulp(s: str) -> Fraction | None:
+    """The unit in the last place of ``s`` when it is written as a decimal (``1.57``: 1/100,
+    ``1.5 \\times 10^3``: 100; an odd form such as ``1.5/2``: 1), None when ``s`` is exact
+    (integers, ``a/b``, ``\\frac``, integer mantissas)."""
+    if "." not in s:
+        return None
+    if m := _DECIMAL.match(s):
+        return Fraction(10) ** (int(m[3] or 0) - len(m[2]))
+    if (m := _SCI.match(s)) and (d := _DECIMAL.match(m[1])):
+        return Fraction(10) ** (int(m[2]) + int(d[3] or 0) - len(d[2]))
+    return Fraction(1)
+
+
+def _close(a: Fraction, b: Fraction, ulp_a: Fraction | None = None, ulp_b: Fraction | None = None) -> bool:
+    """Exact values compare exactly; a rounded decimal matches within the relative tolerance
+    and within one unit of its last place (so ``123456789013.0`` is not ``123456789012``)."""
+    if a == b:
+        return True
+    ulps = [u for u in (ulp_a, ulp_b) if u is not None]
+    if not ulps:
+        return False
+    return abs(a - b) <= min(_TOL * max(abs(a), abs(b)), max(ulps))
 
 
 def _is_integer_form(s: str) -> bool:
@@ -219,12 +280,22 @@ def _percent(pred: str, gt: str) -> tuple[str, str]:
     return pred, scaled(gt, pred)
 
 
+_DROPPABLE_SPACE = re.compile(r" (?!\d)|(?<!\d) ")
+
+
+def _squash(s: str) -> str:
+    """``s`` without the spaces that do not change it: a space between two digits separates two
+    numbers (``1 2`` is not ``12``, ``2^3 4`` is not ``2^34``); ``canonical`` has already
+    joined a number written in groups of three (``1 000 000``)."""
+    return _DROPPABLE_SPACE.sub("", s)
+
+
 def _fast_scalar(p: str, g: str) -> Verdict:
-    if p == g or p.replace(" ", "") == g.replace(" ", ""):
+    if p == g or _squash(p) == _squash(g):
         return True, "string"
     a, b = as_fraction(p), as_fraction(g)
     if a is not None and b is not None:
-        return _close(a, b), "number"
+        return _close(a, b, _ulp(p), _ulp(g)), "number"
     pw, gw = bool(_WORD.match(p)), bool(_WORD.match(g))
     if pw and gw:
         if normalize(p) == normalize(g):

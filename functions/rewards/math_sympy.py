@@ -68,6 +68,7 @@ _LATEX_CMDS = {
     "\\csc": " csc",
 }
 _CMD = re.compile(r"\\[A-Za-z]+")
+_GLUED_NUMBERS = re.compile(r"[\d.]\s+[\d.]")
 
 
 def latex_to_python(s: str) -> str | None:
@@ -156,6 +157,8 @@ def latex_to_python(s: str) -> str | None:
     if stack:
         return None
     text = "".join(out)
+    if _GLUED_NUMBERS.search(text):  # "5 6" is two numbers (5 \text{ or } 6), not 30
+        return None
     # words: known functions stay, short letter runs are products of symbols, others are text
     for word in set(re.findall(r"[A-Za-z]+", text)):
         if word not in _FUNCS and len(word) > 3:
@@ -182,14 +185,33 @@ def _parse(s: str) -> Any:
         return None
 
 
+_REL_TOL = 1e-9
+"""Relative tolerance of numeric comparisons (see ``functions.rewards.math``)."""
+_EXACT_REL_TOL = 1e-20
+"""Relative tolerance between two exact (Float-free) values evaluated at 30 digits."""
 _POINTS = ((0.5381, 1.2713), (1.9127, -0.7349), (-1.3163, 2.4471))
 
 
 def _num_close(a: Any, b: Any) -> bool:
+    """Whether two numeric sympy values are equal within the documented tolerance.
+
+    Everything stays in sympy Floats (mpmath: arbitrary exponent), so ``9^{999}`` or
+    ``e^{1000}`` is a huge finite number rather than a Python ``inf`` that compares "close" to
+    anything (``inf <= 1e-9 * inf``). A value that is not finite (``oo``, ``-oo``, ``zoo``,
+    ``nan``) equals only a structurally identical one; two exact rationals compare exactly."""
     sympy, _ = _load_sympy()
-    d = abs(complex(sympy.N(a - b, 30)))
-    scale = max(abs(complex(sympy.N(a, 30))), abs(complex(sympy.N(b, 30))))
-    return d <= 1e-9 * scale
+    if not (a.is_finite and b.is_finite):
+        return bool(a == b)
+    if a.is_Rational and b.is_Rational:
+        return bool(a == b)
+    # the 1e-9 tolerance is for rounded decimals; two exact values (sqrt, pi, ...) evaluated to
+    # 30 digits must agree to 20
+    tol = _REL_TOL if (a.has(sympy.Float) or b.has(sympy.Float)) else _EXACT_REL_TOL
+    d = abs(sympy.N(a - b, 30))
+    scale = max(abs(sympy.N(a, 30)), abs(sympy.N(b, 30)))
+    if not (d.is_number and scale.is_number and d.is_finite and scale.is_finite):
+        return False
+    return bool(d <= tol * scale)
 
 
 def sympy_scalar(p: str, g: str) -> Verdict:

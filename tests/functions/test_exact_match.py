@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from fabric.protocol import Message, Trajectory, encode_payload
 from fabric.runner import FunctionRunner
-from functions.rewards.answer import extract_answer, last_boxed, normalize
+from functions.rewards.answer import MAX_ANSWER_CHARS, extract_answer, last_boxed, normalize
 from functions.rewards.exact_match import exact_match
 
 ENTRY = "functions.rewards.exact_match:exact_match"
@@ -148,3 +150,46 @@ def test_runner_rejects_bad_arguments() -> None:
     assert message == "exact_match(traj, ground_truth): missing 'ground_truth'"
     ok, (code, message, _) = runner.run(encode_payload({"traj": "x", "ground_truth": "1", "extra": 2}))
     assert ok is False and code == "InvalidArguments" and "unexpected 'extra'" in message
+
+
+# ----------------------------------------------------------------------------- linear time
+
+
+def test_exact_match_is_linear_in_a_long_run_of_digits() -> None:
+    # _NUMBER = \d+\.?\d* backtracked O(n^2) on digits then junk: 20,000 digits took seconds,
+    # these 200,000 would take minutes; linear, they take milliseconds (the bound is loose)
+    text = "1" * 200_000 + "x"
+    t0 = time.monotonic()
+    normalize(text)
+    assert exact_match(text, ground_truth="7") == 0.0
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_a_too_long_answer_matches_nothing() -> None:
+    long = "1" * (MAX_ANSWER_CHARS + 1)
+    assert exact_match(f"\\boxed{{{long}}}", ground_truth=long) == 0.0
+    assert exact_match(f"\\boxed{{{long[:-1]}}}", ground_truth=long[:-1]) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt"),
+    [
+        ("10000000000000001", "10000000000000000"),  # float() rounded both to 1e16
+        ("9007199254740993", "9007199254740992"),  # 2^53 + 1
+        ("1.00000000000000001", "1"),
+        ("1,2", "12"),  # the comma of a list / pair was deleted
+        ("(1,2)", "(12)"),
+        ("1:2", "12"),  # a ratio
+        ("10_2", "102"),  # a base subscript
+    ],
+)
+def test_exact_match_does_not_merge_different_answers(pred: str, gt: str) -> None:
+    assert normalize(pred) != normalize(gt)
+    assert exact_match(f"The answer is {pred}", ground_truth=gt) == 0.0
+
+
+def test_normalize_numbers_exactly() -> None:
+    assert normalize("1e3") == normalize("1000") == normalize("1,000") == normalize("1000.00")
+    assert normalize("-0.0") == normalize("0")
+    assert normalize("1, 2") == normalize("1,2") == "1 2"
+    assert normalize("1e999999999") != normalize("1e999999998")  # no float overflow to inf

@@ -217,3 +217,137 @@ def test_concurrent_calls_agree_with_serial_ones():
     with ThreadPoolExecutor(max_workers=8) as pool:
         got = list(pool.map(judge, rows))
     assert got == [r["equivalent"] for r in rows]
+
+
+# ----------------------------------------------------------------------------- false positives
+
+
+@pytest.mark.parametrize("gt", ["42", "\\frac{3}{7}", "2\\sqrt{3}", "\\pi/4", "0.5", "50\\%"])
+@pytest.mark.parametrize("pred", ["\\infty", "-\\infty", "10^{10^{3}}", "e^{1000}"])
+def test_infinity_or_an_overflowing_number_does_not_match_every_number(pred, gt):
+    # complex(N(oo)) is inf and inf <= 1e-9 * inf: \boxed{\infty} used to match anything
+    res = math_answer(f"so the result is \\boxed{{{pred}}}", ground_truth=gt)
+    assert res.score == 0.0, res.info
+
+
+@pytest.mark.parametrize("gt", ["x+1", "\\sin(x)", "2n+1", "-7", "\\frac{x^2-1}{x+1}"])
+def test_a_huge_finite_number_does_not_match_every_expression(gt):
+    # 9^{999} is finite, but complex(N(9^999)) overflowed at the identity test's points
+    res = math_answer("\\boxed{9^{999}}", ground_truth=gt)
+    assert res.score == 0.0, res.info
+
+
+def test_a_tuple_of_huge_numbers_does_not_match_every_interval():
+    assert math_answer("\\boxed{(9^{999}, 9^{999})}", ground_truth="(1,2)").score == 0.0
+
+
+def test_infinities_equal_only_themselves():
+    assert is_equivalent("-\\infty", "\\infty")[0] is False
+    assert is_equivalent("\\infty", "-\\infty")[0] is False
+    assert is_equivalent("+\\infty", "\\infty")[0] is True
+    assert is_equivalent("-\\infty", "-\\infty")[0] is True
+    assert is_equivalent("9^{999}", "9^{999}+1")[0] is False  # exact: no tolerance
+    assert is_equivalent("e^{1000}", "e^{1000}")[0] is True
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt", "equal"),
+    [
+        ("123456789013", "123456789012", False),  # an off-by-one count
+        ("1099511627000", "1099511627776", False),  # 2^40 with the last digits wrong
+        ("1099511627000", "2^{40}", False),
+        ("10^{30}+1", "10^{30}", False),
+        ("10000000000000001", "10000000000000000", False),
+        ("123456789013.0", "123456789012", False),  # a decimal is good to its last place
+        ("\\frac{1}{3}", "\\frac{333333333334}{1000000000000}", False),
+        ("0.6666666666", "2/3", True),  # a decimal rounded (or cut) at ten digits still matches
+        ("1.5 \\times 10^{3}", "1500", True),
+    ],
+)
+def test_exact_integers_are_compared_exactly(pred, gt, equal):
+    # the 1e-9 relative tolerance was applied to two exact values
+    assert is_equivalent(pred, gt)[0] is equal
+
+
+# ----------------------------------------------------------------------------- linear time
+# Policy-controlled input must not make a reward call slow: past the function's timeout_s the
+# worker is killed and the trajectory is masked instead of scored 0. The sizes are chosen so
+# that the old quadratic scans took minutes while a linear one takes milliseconds; the bound
+# is loose on purpose (a loaded machine).
+
+
+def _elapsed(fn, *args, **kwargs) -> float:
+    t0 = time.monotonic()
+    fn(*args, **kwargs)
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "1" + " " * 200_000 + "x",
+        "1" + " cm" * 20_000 + " x",
+        "1" + " cm" * 20_000,
+        "5" + " percent" * 20_000 + " x",
+    ],
+    ids=["spaces", "units_then_word", "units", "percent"],
+)
+def test_math_canonical_is_linear_in_long_whitespace_and_unit_runs(answer):
+    # _UNIT_WORDS (anchored at $, retried at every start) and \s*\bpercent\b were O(n^2)
+    assert _elapsed(canonical, answer) < 5.0
+
+
+def test_canonical_still_strips_units_and_percent_words():
+    assert canonical("5 cm^2") == "5"
+    assert canonical("3 km²") == "3"
+    assert canonical("12 sq. ft") == "12"
+    assert canonical("7 square meters") == "7"
+    assert canonical("50 percent") == "50%"
+    assert canonical("cm") == "cm"  # no number: a word, not a unit
+
+
+def test_a_too_long_answer_scores_zero_with_the_reason():
+    res = math_answer("\\boxed{" + "1" * 5_000 + "}", ground_truth="1" * 5_000)
+    assert res.score == 0.0
+    assert res.info["decided_by"] == "too_long"
+    assert res.info["chars"] == 5_000
+    assert is_equivalent("1 " * 1_000, "1")[1] == "too_long"
+    assert _elapsed(math_answer, "\\boxed{" * 200_000, ground_truth="7") < 5.0
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt"),
+    [("1 2", "12"), ("5 \\text{ or } 6", "56"), ("5 \\text{ or } 6", "30"), ("2^3 4", "2^34"), ("2 3", "6")],
+)
+def test_separate_numbers_are_not_glued_together(pred, gt):
+    # _fast_scalar's string rule dropped every space ("1 2" == "12"), and sympy read two
+    # numbers side by side as a product ("5 6" == 30)
+    assert is_equivalent(pred, gt)[0] is False
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt"),
+    [("1 000 000", "1000000"), ("x + 1", "x+1"), ("2 \\sqrt{3}", "\\sqrt{12}"), ("2 x", "x+x")],
+)
+def test_spaces_that_do_not_separate_numbers_still_do_not_matter(pred, gt):
+    assert is_equivalent(pred, gt)[0] is True
+
+
+def test_long_answers_are_not_kept_in_the_caches():
+    # canonical/shape/as_fraction were lru_caches of 65536 entries keyed by whole answers:
+    # 50 distinct 1 MB answers stayed in memory; 12 of 100 KB would hold 2.4 MB here
+    import tracemalloc
+
+    from functions.rewards.math_fast import as_fraction, shape
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for k in range(12):
+            answer = f"{k}" + "y" * 100_000
+            shape(canonical(answer))
+            as_fraction(answer)
+        retained = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert retained < 1_000_000, retained

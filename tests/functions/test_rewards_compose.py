@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from typing import Any
 
 import pytest
@@ -110,6 +111,18 @@ def test_format_boxed_spans() -> None:
     assert boxed_spans("a \\boxed{x{y}} b") == [(2, 14)]
     assert boxed_spans("\\boxed{1}\\boxed{2") == [(0, 9), None]
     assert boxed_spans("none") == []
+    assert boxed_spans("\\boxed{a \\boxed{b}} c") == [(0, 19), (9, 18)]
+    assert boxed_spans("\\boxed{\\boxed{1}") == [None, (7, 16)]
+    assert boxed_spans("{ \\boxed{x} }} \\boxed{") == [(2, 11), None]
+
+
+def test_format_reward_is_linear_in_unbalanced_boxes() -> None:
+    # boxed_spans scanned to the end once per unbalanced \boxed{ (O(n * k)): 28,000 took 6.6 s,
+    # these 200,000 would take minutes; one pass takes well under a second (the bound is loose)
+    t0 = time.monotonic()
+    r = format_reward("<think>x</think>" + "\\boxed{" * 200_000)
+    assert time.monotonic() - t0 < 5.0
+    assert r.components["boxed_once"] == 0.0
 
 
 def test_format_unknown_and_empty_rules() -> None:
