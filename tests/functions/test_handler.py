@@ -638,10 +638,13 @@ def _spill(payload: dict[str, Any], bucket: str = "spill-bucket") -> dict[str, A
 
 
 def test_a_spilled_payload_over_6_mb_is_fetched_and_run(aws: None) -> None:
-    big = "x" * (7 * 1024 * 1024)
+    # 7 MB of reasoning before a short answer (an answer over MAX_ANSWER_CHARS matches nothing)
+    big = "x" * (7 * 1024 * 1024) + "\nso the answer is \\boxed{42}."
     traj = {"messages": [{"role": "assistant", "content": big}]}
-    r = invoke("exact_match", _spill({"traj": traj, "ground_truth": big}))
+    r = invoke("exact_match", _spill({"traj": traj, "ground_truth": "42"}))
     assert r.ok and r.value == 1.0, r.error
+    wrong = invoke("exact_match", _spill({"traj": traj, "ground_truth": "43"}))
+    assert wrong.ok and wrong.value == 0.0, wrong.error
 
 
 def test_a_spill_pointer_that_does_not_resolve_is_a_clear_error(aws: None) -> None:
