@@ -158,7 +158,7 @@ class DockerRuntime(Runtime):
                 w.close()
                 return
             except OSError:
-                pass
+                pass  # not listening yet: see whether the container still runs
             await self._sdk("inspect a container", ctr.reload)
             if ctr.status in ("exited", "dead"):
                 if (ctr.attrs.get("State") or {}).get("ExitCode") == EXIT_IMAGE_NOT_FOUND:
@@ -186,8 +186,10 @@ class DockerRuntime(Runtime):
 
     async def _stop(self, c: Container) -> None:
         ctr = await self._get(c)
-        if ctr is None:
-            return
+        if ctr is not None:
+            await self._remove(ctr)
+
+    async def _remove(self, ctr: Any) -> None:
         try:
             await asyncio.to_thread(ctr.remove, force=True)
         except self._docker.errors.NotFound:
@@ -210,12 +212,7 @@ class DockerRuntime(Runtime):
         for ctr in ctrs:
             if not owner_gone((ctr.labels or {}).get(OWNER_LABEL, "")):
                 continue
-            try:
-                await asyncio.to_thread(ctr.remove, force=True)
-            except self._docker.errors.NotFound:
-                pass  # gone already: that is what we wanted
-            except self._docker.errors.DockerException as e:
-                raise _translate(self._docker, e, self.config, "remove a container") from e
+            await self._remove(ctr)
             reaped.append(ctr.id)
         self.metrics["reaped_orphans"] += len(reaped)
         return reaped

@@ -141,7 +141,7 @@ class ModalRuntime(Runtime):
                 w.close()
                 return
             except OSError:
-                pass
+                pass  # not listening yet: see whether the container still runs
             code = await self._modal("poll a sandbox", sb.poll)
             if code is not None:
                 raise ContainerStartError(

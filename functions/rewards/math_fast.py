@@ -314,11 +314,9 @@ def compare(pred: str, gt: str, scalar: Callable[[str, str], Verdict]) -> Verdic
     ps, gs = shape(pred), shape(gt)
     if ps[0] == "scalar" and gs[0] == "scalar":
         return scalar(pred, gt)
-    if ps[0] != gs[0] or ps[1] != gs[1]:
-        if {ps[0], gs[0]} == {"set"}:  # a bare list against a braced set
-            pass
-        else:
-            return False, "structure"
+    # a bare list against a braced set differs only in its brackets: compared as sets below
+    if (ps[0] != gs[0] or ps[1] != gs[1]) and not ps[0] == gs[0] == "set":
+        return False, "structure"
     pe, ge = ps[2], gs[2]
     if ps[0] == "set":
         pe, ge = tuple(dict.fromkeys(pe)), tuple(dict.fromkeys(ge))

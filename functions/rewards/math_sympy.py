@@ -4,6 +4,7 @@ child killed after a wall-clock limit."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -304,10 +305,8 @@ def sympy_equivalent(pred: str, gt: str, timeout_s: float = DEFAULT_TIMEOUT_S) -
             data += chunk
     finally:
         os.close(r)
-        try:
+        with contextlib.suppress(ProcessLookupError):  # it may have exited already
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         os.waitpid(pid, 0)
     try:
         verdict, rule = json.loads(data)
