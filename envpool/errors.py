@@ -10,12 +10,14 @@
     ├── ProtocolError           a message the session protocol does not allow: never retried
     ├── EnvConformanceError     check_env found problems (envpool.testing)
     ├── ImageError              envpool.images: bad reference, not found, unsafe bundle
+    ├── PoolClosed              the pool was closed: no new claims
     └── InfraError              retryable: the machinery failed, not the environment
         ├── ContainerDied
         ├── ContainerStartError
         ├── ConnectionLost
         ├── StepTimeout         (also: a container that missed its heartbeats)
-        └── ImageFetchError     (from envpool.images)
+        ├── ImageFetchError     (from envpool.images)
+        └── SessionLost         the session could not be saved: infra_failed (not retried)
 
 Only ``InfraError`` is retried (exponential backoff, full jitter). A session that cannot be
 saved ends its trajectory as ``infra_failed``: masked from training, never a fake zero.
@@ -87,3 +89,14 @@ class ConnectionLost(InfraError):
 
 class StepTimeout(InfraError):
     """A request ran past its timeout, or the container went silent (missed heartbeats)."""
+
+
+class PoolClosed(EnvPoolError):
+    """The pool was closed: no new claims."""
+
+
+class SessionLost(InfraError):
+    """The session's container failed and the session could not be saved: the trajectory
+    is ``infra_failed``."""
+
+    retryable = False

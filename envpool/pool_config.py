@@ -1,0 +1,71 @@
+"""``PoolConfig``: how an ``EnvPool`` runs its containers (runtime, warm and total counts,
+timeouts, retries); and what a pool takes from outside: an image cache (``ImageResolver``)
+and a tool bridge (``inprocess_tools`` by default)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from envpool.api import inprocess_tool_caller
+from envpool.runtimes.base import ProcessRuntimeConfig, RuntimeConfig
+
+
+class RetryConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    attempts: int = Field(5, ge=1)
+    initial_backoff_s: float = Field(0.05, gt=0)
+    max_backoff_s: float = Field(2.0, gt=0)
+
+
+class PoolConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    runtime: RuntimeConfig = Field(default_factory=ProcessRuntimeConfig)
+    """Where containers run: ``process`` (the embedded default), ``kubernetes``, ``docker``, ``modal``."""
+
+    @field_validator("runtime", mode="before")
+    @classmethod
+    def _default_runtime_type(cls, v: Any) -> Any:
+        # {"heartbeat_s": 0.1} means the embedded default; other kinds name their type
+        if isinstance(v, dict) and "type" not in v:
+            return {**v, "type": "process"}
+        return v
+
+    min_warm: int = Field(2, ge=0)
+    """Idle containers kept ready per image (once the image has been used or prewarmed)."""
+    max_containers: int = Field(64, ge=1)
+    """All containers of the pool, idle and claimed."""
+    max_episodes: int = Field(100, ge=1)
+    """A container is recycled after this many episodes."""
+    reset_timeout_s: float = Field(60.0, gt=0)
+    step_timeout_s: float = Field(30.0, gt=0)
+    heartbeat_misses: int = Field(4, ge=1)
+    """A request whose container sends neither reply nor heartbeat for this many heartbeat
+    periods is declared hung: the container is killed and replaced."""
+    claim_timeout_s: float = Field(120.0, gt=0)
+    session_ttl_s: float = Field(3600.0, gt=0)
+    """The reaper reclaims a container whose session made no request for this long (leaked);
+    that session then ends ``infra_failed``."""
+    retry: RetryConfig = Field(default_factory=RetryConfig)
+
+
+class ImageResolver(Protocol):
+    """What the pool needs of an image cache: the unpacked bundle of an image reference."""
+
+    async def get(self, digest: str) -> Path: ...
+
+
+async def inprocess_tools(name: str, arguments: dict[str, Any]) -> str:
+    """The default tool bridge: the fabric tool runs in this process, as ``envpool.make``
+    runs it (in a thread: a tool may block). A job passes its fabric client's instead."""
+    return await asyncio.to_thread(inprocess_tool_caller, name, arguments)
+
+
+def digest_of(image: str) -> str:
+    """``name@sha256:hex`` or ``sha256:hex`` -> ``sha256:hex`` (``InvalidImageRef`` otherwise)."""
+    from envpool.images.bundle import ImageRef
+
+    return ImageRef.parse(str(image)).digest

@@ -1,0 +1,275 @@
+"""``EnvSession``: one trajectory's handle on a pool, pinned to the container it claimed;
+it replays a deterministic episode on a fresh container when its own is lost."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import time
+from typing import TYPE_CHECKING, Any, Literal
+
+import pydantic_core
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+
+from envpool.api import MAX_ACTION_BYTES, Observation, StepResult, check_action
+from envpool.connection import Connection
+from envpool.errors import (
+    ContainerDied,
+    EnvLogicError,
+    EnvOrderError,
+    EnvUsageError,
+    InfraError,
+    SessionLost,
+    StepTimeout,
+)
+from envpool.pool_config import PoolConfig
+from envpool.runtimes.base import Container
+
+if TYPE_CHECKING:
+    from envpool.pool import EnvPool
+
+
+_SEEN = ("obs", "reward", "terminated", "truncated")
+
+
+def _digest(result: dict[str, Any]) -> str:
+    """What the policy saw of a reset or step, for checking a replay: the observation, the
+    reward and the episode's end. Not ``info``: determinism is asked of these only (as
+    ``check_env`` checks it), and info may well carry timings that differ on every run."""
+    return hashlib.sha256(pydantic_core.to_json({k: result.get(k) for k in _SEEN})).hexdigest()
+
+
+def _retryable(e: BaseException) -> bool:
+    return isinstance(e, InfraError | OSError) and not isinstance(e, SessionLost)
+
+
+class EnvSession:
+    """One trajectory's handle: every call goes to the container it holds."""
+
+    def __init__(
+        self, pool: EnvPool, env_id: str, image: str | None, kwargs: dict[str, Any], *, deterministic: bool
+    ):
+        self.pool = pool
+        self.env_id = env_id
+        self.image = image
+        self.kwargs = kwargs
+        self.deterministic = deterministic
+        self.token = os.urandom(16).hex()
+        # an image's environments are registered inside its container: the server checks those
+        self.max_action_bytes = (
+            pool.registry.spec(env_id).max_action_bytes if image is None else MAX_ACTION_BYTES
+        )
+        self.container: Container | None = None
+        self.conn: Connection | None = None
+        self.status: Literal["ok", "infra_failed"] = "ok"
+        self.failures: list[str] = []
+        self._reset_args: dict[str, Any] | None = None
+        self._actions: list[str] = []
+        self._trace: list[str] = []
+        self._done = True
+        self._closed = False
+        self._interrupted = False
+        """A request was cut off before its reply (cancelled): the container may still be
+        running it, so its state is unknown and it is not reused."""
+
+    # -- public
+    async def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Observation, dict]:
+        self._check_alive()
+        if seed is None:  # a random episode all the same, but one a replay can rebuild
+            seed = secrets.randbits(31)
+        args = {"seed": seed, "options": options}
+        result = await self._with_recovery(
+            "reset", lambda: self._call("reset", args, self._cfg.reset_timeout_s)
+        )
+        self._reset_args, self._actions, self._done = args, [], False
+        self._trace = [_digest(result)]
+        if self.container is not None:
+            self.container.episodes += 1
+        self.pool.metrics["resets"] += 1
+        return Observation.model_validate(result["obs"]), result.get("info") or {}
+
+    async def step(self, action: str | bytes) -> StepResult:
+        self._check_alive()
+        text = check_action(action, self.max_action_bytes)
+        if self._done:
+            raise EnvOrderError(
+                f"{self.env_id}: step() before reset() (or after the episode ended); call reset()"
+            )
+        result = await self._with_recovery(
+            "step", lambda: self._call("step", {"action": text}, self._cfg.step_timeout_s), replay=True
+        )
+        res = StepResult.model_validate(result)
+        self._actions.append(text)
+        self._trace.append(_digest(result))
+        self._done = res.done
+        self.pool.metrics["steps"] += 1
+        return res
+
+    # -- internals
+    @property
+    def _cfg(self) -> PoolConfig:
+        return self.pool.config
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            # a call after the block would claim a container that nothing releases
+            raise EnvOrderError(
+                f"{self.env_id}: this session is closed (its `async with` block ended); "
+                "open a new one with pool.session(...)"
+            )
+        if self.status == "infra_failed":
+            raise SessionLost(
+                f"session lost: {self.failures[-1] if self.failures else 'infrastructure failure'}"
+            )
+
+    async def _call(self, op: str, args: dict[str, Any], timeout_s: float) -> Any:
+        if self.conn is None:  # the container was lost: a retry claims a new one
+            self._check_alive()
+            await self._attach()
+        assert self.conn is not None and self.container is not None
+        self.container.last_active = time.monotonic()
+        try:
+            return await self.conn.request({"op": op, "token": self.token, "args": args}, timeout_s)
+        except BaseException as e:
+            if not isinstance(e, Exception):  # cancelled mid-request (an aborted trajectory)
+                self._interrupted = True
+            raise
+        finally:
+            if self.container is not None:
+                self.container.last_active = time.monotonic()
+
+    async def _attach(self) -> None:
+        """Claim a container and open the session connection (the handshake makes the env)."""
+        t0 = time.perf_counter()
+        c = await self.pool._claim(self.image)
+        self.pool._claimed[c.id] = c
+        c.last_active = time.monotonic()
+        self.container = c
+        try:
+            rt = self._cfg.runtime
+            conn = await Connection.open(
+                c.endpoint,
+                heartbeat_s=rt.heartbeat_s,
+                misses=self._cfg.heartbeat_misses,
+                tool_caller=self.pool.tool_caller,
+            )
+            self.conn = conn
+            hello = {"op": "open", "id": 0, "token": self.token, "env_id": self.env_id, "kwargs": self.kwargs}
+            info = await conn.request(hello, self._cfg.reset_timeout_s)
+            # the container knows its environments (an image registers its own)
+            self.deterministic = bool(info.get("deterministic", self.deterministic))
+            self.max_action_bytes = int(info.get("max_action_bytes", self.max_action_bytes))
+        except BaseException:
+            await self._drop_container(healthy=False)
+            raise
+        self.pool.claim_ms.append((time.perf_counter() - t0) * 1e3)
+
+    async def _detach(self) -> None:
+        """Give the container back: reused after a clean goodbye, else discarded. A request
+        cut off by a cancellation discards it at once: waiting for the environment to finish
+        a step nobody wants would hold an aborted trajectory for seconds. A cancellation of
+        the goodbye itself (a rollout is cancelled twice: aclose, then abort) discards it
+        too; it must never stay claimed until the reaper."""
+        self._closed = True
+        if self.conn is None or self.container is None or self.status != "ok" or self._interrupted:
+            await self._drop_container(healthy=False)
+            return
+        try:
+            await self.conn.request({"op": "close", "token": self.token}, 5.0)
+        except Exception:  # it did not answer the goodbye: discard it rather than reuse it
+            healthy = False
+        except BaseException:
+            await self._drop_container(healthy=False)
+            raise
+        else:
+            healthy = True
+        await self._drop_container(healthy=healthy)
+
+    async def _drop_container(self, *, healthy: bool) -> None:
+        # the bookkeeping happens before the first await: a cancellation landing in the stop
+        # leaves nothing claimed (the runtime finishes the stop it shields)
+        conn, c = self.conn, self.container
+        self.conn = self.container = None
+        if conn is not None:
+            conn.close()
+        if c is not None:
+            if not healthy:
+                c.failed = True
+            await self.pool._release(c, healthy=healthy)
+
+    async def _with_recovery(self, what: str, call: Any, *, replay: bool = False) -> Any:
+        """Run ``call``; on an infrastructure failure replace the container and try again
+        (a step is retried after replaying the episode so far, if the env is deterministic)."""
+        metrics = self.pool.metrics
+        rc = self._cfg.retry
+        first = True
+        try:
+            async for attempt in AsyncRetrying(
+                stop=stop_after_attempt(rc.attempts),
+                wait=wait_random_exponential(multiplier=rc.initial_backoff_s, max=rc.max_backoff_s),
+                retry=retry_if_exception(_retryable),
+                reraise=True,
+            ):
+                with attempt:
+                    try:
+                        if not first:
+                            metrics[f"{what}_retries"] += 1
+                            if replay:
+                                await self._replay()
+                        first = False
+                        return await call()
+                    except (InfraError, OSError) as e:
+                        if isinstance(e, SessionLost):
+                            raise
+                        self._note(e)
+                        if self.container is not None and self.container.reaped:
+                            raise SessionLost(f"the reaper reclaimed this session's container: {e}") from e
+                        if replay and not self.deterministic:
+                            msg = f"{self.env_id} is not deterministic: its episode cannot be rebuilt ({e})"
+                            raise SessionLost(msg) from e
+                        await self._drop_container(healthy=False)
+                        raise
+        except SessionLost:
+            self._lose()
+            raise
+        except (InfraError, OSError) as e:
+            self._lose()
+            raise SessionLost(f"{what} failed after {rc.attempts} attempts: {e}") from e
+        raise AssertionError("unreachable")
+
+    async def _replay(self) -> None:
+        """Rebuild the episode on a fresh container: same reset, same actions, and the same
+        observations, rewards and episode ends, checked step by step (``info`` may differ).
+        Anything else loses the session: a rebuilt episode that differs from the one the
+        policy saw would be wrong training data."""
+        self.pool.metrics["replays"] += 1
+        if self._reset_args is None:
+            return
+        try:
+            result = await self._call("reset", self._reset_args, self._cfg.reset_timeout_s)
+            seen = [_digest(result)]
+            for a in self._actions:
+                seen.append(_digest(await self._call("step", {"action": a}, self._cfg.step_timeout_s)))
+        except (EnvLogicError, EnvUsageError) as e:
+            raise SessionLost(f"replaying the episode on a new container failed: {e}") from e
+        if seen != self._trace:
+            raise SessionLost(
+                f"{self.env_id}: the replayed episode differs from the original (not deterministic?)"
+            )
+
+    def _note(self, e: BaseException) -> None:
+        names: dict[type[BaseException], str] = {
+            StepTimeout: "hung_or_timeout",
+            ContainerDied: "container_died",
+        }
+        kind = names.get(type(e), type(e).__name__)
+        self.pool.metrics[f"infra:{kind}"] += 1
+        self.failures.append(f"{type(e).__name__}: {e}")
+
+    def _lose(self) -> None:
+        if self.status != "infra_failed":
+            self.status = "infra_failed"
+            self.pool.metrics["sessions_infra_failed"] += 1
