@@ -91,10 +91,15 @@ def _strip_text(s: str) -> str:
     return _TEXT_CMD.sub(r"\1", s)
 
 
+_MINUS_SIGNS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
+
+
 @_small_cache
 def canonical(answer: str) -> str:
     """The answer with presentation stripped (see ``functions.rewards.math``'s docstring)."""
-    s = answer.strip()
+    # the Unicode minus sign (and its small and full-width forms) is a minus; dashes are not
+    # (an en dash, U+2013, between two numbers is a range, which must not become 3 - 5)
+    s = answer.strip().translate(_MINUS_SIGNS)
     s = s.replace("\\$", "").replace("$", "").replace("\\(", "").replace("\\)", "")
     s = _LEFT_RIGHT.sub("", s)
     s = _THIN_THOUSANDS.sub("", s)

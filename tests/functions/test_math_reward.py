@@ -351,3 +351,18 @@ def test_long_answers_are_not_kept_in_the_caches():
     finally:
         tracemalloc.stop()
     assert retained < 1_000_000, retained
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt", "same"),
+    [
+        ("\u22125", "-5", True),  # the Unicode minus sign
+        ("\u2212\\frac{1}{2}", "-0.5", True),
+        ("3\u22125", "-2", True),
+        ("\uff0d7", "-7", True),  # full-width
+        ("3\u20135", "-2", False),  # an en dash is a range, not a minus
+        ("\u22125", "5", False),
+    ],
+)
+def test_the_unicode_minus_sign_is_a_minus(pred, gt, same):
+    assert is_equivalent(pred, gt)[0] is same
