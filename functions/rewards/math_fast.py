@@ -323,12 +323,14 @@ def compare(pred: str, gt: str, scalar: Callable[[str, str], Verdict]) -> Verdic
     if (ps[0] != gs[0] or ps[1] != gs[1]) and not ps[0] == gs[0] == "set":
         return False, "structure"
     pe, ge = ps[2], gs[2]
-    if ps[0] == "set":
+    # a set's elements and a union's parts are unordered ((3,4)\cup(1,2) is (1,2)\cup(3,4))
+    unordered = ps[0] in ("set", "union")
+    if unordered:
         pe, ge = tuple(dict.fromkeys(pe)), tuple(dict.fromkeys(ge))
     if len(pe) != len(ge):
         return False, "structure"
     rule = "structure"
-    if ps[0] != "set":
+    if not unordered:
         undecided = False
         for a, b in zip(pe, ge, strict=True):
             v, r = compare(a, b, scalar)

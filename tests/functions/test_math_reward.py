@@ -366,3 +366,17 @@ def test_long_answers_are_not_kept_in_the_caches():
 )
 def test_the_unicode_minus_sign_is_a_minus(pred, gt, same):
     assert is_equivalent(pred, gt)[0] is same
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt", "same"),
+    [
+        ("(3,4)\\cup(1,2)", "(1,2)\\cup(3,4)", True),  # a union's parts are unordered
+        ("(3,4]\\cup[1,2)", "[1,2)\\cup(3,4]", True),
+        ("(3,4)\\cup[1,2)", "(1,2)\\cup(3,4)", False),  # but each part keeps its brackets
+        ("(1,2)\\cup(3,5)", "(1,2)\\cup(3,4)", False),
+        ("(1,2)", "(1,2)\\cup(3,4)", False),
+    ],
+)
+def test_unions_match_in_any_order(pred, gt, same):
+    assert is_equivalent(pred, gt)[0] is same
