@@ -332,12 +332,17 @@ class Client:
             )
         else:
             result = task.result()
-            if joined:  # no new execution for this caller
-                m.cache_hits += 1
+            if joined:  # no new execution for this caller: its own copy of the answer
                 timings = result.timings.model_copy(update={"total_ms": (time.perf_counter() - t0) * 1e3})
-                return result.model_copy(
-                    update={"cached": True, "request_id": request_id, "timings": timings}
+                # "cached" only when the key keeps this answer; a failure it does not keep (the
+                # key is free again) is this caller's failure, counted as such
+                kept = key in self._cache
+                result = result.model_copy(
+                    update={"cached": kept, "cold_start": False, "request_id": request_id, "timings": timings}
                 )
+                if kept:
+                    m.cache_hits += 1
+                    return result
         self._settle(fn, result, t0)
         return result
 

@@ -312,6 +312,21 @@ async def test_a_probe_cancelled_while_it_waits_for_a_slot_does_not_jam_the_circ
     assert (await c.call("double", {"x": 2})).ok
 
 
+async def test_a_caller_that_joined_a_failed_execution_gets_it_uncached_and_counted():
+    c, fake = make()
+    # the one execution under the key fails for good (3 attempts), slowly enough to be joined
+    fake.inject("double", *(Fault(code=ErrorCode.UNAVAILABLE, delay_s=0.05) for _ in range(3)))
+    first, joined = await asyncio.gather(
+        c.call("double", {"x": 1}, idempotency_key="k"), c.call("double", {"x": 1}, idempotency_key="k")
+    )
+    assert len(fake.invocations) == 3  # one execution, shared
+    assert not first.ok and not joined.ok
+    assert joined.cached is False  # the key does not keep a retryable failure of a pure function
+    m = c.metrics()["double"]
+    assert m["cache_hits"] == 0 and m["errors"].get("Unavailable") == 2
+    assert (await c.call("double", {"x": 1}, idempotency_key="k")).ok  # the key is free again
+
+
 async def test_stream_yields_in_completion_order_and_takes_async_input():
     c, _ = make()
     order = [
