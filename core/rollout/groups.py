@@ -86,6 +86,7 @@ class GroupRunner:
         self.aborted_ids: set[str] = set()
         """Every trajectory this runner aborted (the job checks none of them is trained on)."""
         self._aborting: set[asyncio.Task[None]] = set()
+        self._closing = False  # set by aclose: a shutdown launches nothing new
 
     # ------------------------------------------------------------------ starting
     def start(
@@ -176,7 +177,9 @@ class GroupRunner:
 
     def _maybe_rerun(self, g: GroupState) -> None:
         live = len(g.running) - len(g.aborting)  # members being aborted will not finish
-        if g.closed is not None or g.finished + live >= self.cfg.group_size:
+        # closing, cancellations are the shutdown's (Ctrl-C): a replacement would only start
+        # an environment session nobody will wait for
+        if self._closing or g.closed is not None or g.finished + live >= self.cfg.group_size:
             return
         if g.reruns >= self.cfg.rollout.max_reruns:
             log.warning("group %s given up after %d re-runs", g.id, g.reruns)
@@ -243,6 +246,7 @@ class GroupRunner:
         return sum(len(g.running) for g in self.groups.values())
 
     async def aclose(self) -> None:
+        self._closing = True
         for g in list(self.groups.values()):
             self._close(g, "given_up")
         tasks = [t for g in self.groups.values() for t in g.running.values()]

@@ -252,6 +252,18 @@ async def test_a_member_cancelled_from_outside_an_open_group_is_replaced():
     assert g.closed == "full" and g.finished == 2 and g.reruns == 1 and len(h.manager.launched) == 3
 
 
+async def test_a_member_cancelled_while_the_runner_closes_is_not_replaced():
+    h = Harness(job(group_size=2), FakeManager([(0.005, "ok"), (10.0, "ok")], default=(0.005, "ok")))
+    g = h.start(group_id="g")
+    await asyncio.sleep(0.001)
+    h.runner._closing = True  # aclose has begun (a shutdown cancels from outside too)
+    g.running[h.manager.ids()[1]].cancel()
+    await asyncio.sleep(0.05)
+    assert g.reruns == 0 and len(h.manager.launched) == 2  # nothing new started
+    await h.runner.aclose()
+    assert h.runner.running() == 0
+
+
 async def test_a_group_out_of_reruns_is_given_up():
     script = [(0.01, "infra_failed"), (0.02, "infra_failed"), (5.0, "ok")]
     h = Harness(job(group_size=2, max_reruns=1), FakeManager(script))
