@@ -106,6 +106,10 @@ class Client:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        # a task cancelled before it ever ran skipped its own clean-up (its finally)
+        self._inflight.clear()
+        for fn in self._fns.values():
+            fn.probing = False
         if self._owns_backend:
             await self.backend.aclose()
 

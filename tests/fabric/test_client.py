@@ -327,6 +327,17 @@ async def test_a_caller_that_joined_a_failed_execution_gets_it_uncached_and_coun
     assert (await c.call("double", {"x": 1}, idempotency_key="k")).ok  # the key is free again
 
 
+async def test_closing_the_client_before_a_keyed_execution_ran_leaves_no_key_in_flight():
+    c, fake = make()
+    fake.inject("double", Fault(delay_s=5.0))
+    call = asyncio.create_task(c.call("double", {"x": 1}, idempotency_key="k"))
+    await asyncio.sleep(0)  # the caller made the execution's task, which has not run yet
+    await c.aclose()
+    r = await call
+    assert not r.ok and r.error.type == ErrorCode.CANCELLED
+    assert c._inflight == {}  # its clean-up never ran: the close did it
+
+
 async def test_stream_yields_in_completion_order_and_takes_async_input():
     c, _ = make()
     order = [
