@@ -121,7 +121,7 @@ class FakeContainer:
         self.attrs = {"State": state, "NetworkSettings": {"Ports": {"7000/tcp": [{"HostPort": str(port)}]}}}
 
     def reload(self) -> None:
-        pass
+        pass  # the fake's attrs are always current: nothing to refresh
 
     def remove(self, force: bool = False) -> None:
         if self.client.remove_failures:
@@ -156,7 +156,7 @@ class FakeClient:
         return list(self.made.values())
 
     def close(self) -> None:
-        pass
+        pass  # the fake client holds no connection
 
 
 async def test_an_unknown_image_is_image_not_found_at_once_not_a_retried_start():
