@@ -35,7 +35,10 @@ Rules worth knowing:
   (``50% == 0.5 == 1/2``) and as ``X`` if the other side is an integer (``50% == 50``).
 * **Collections.** ``(a, b)``, ``[a, b)`` etc. compare element-wise and brackets must match
   (an open interval is not a closed one); ``\{...\}`` sets and bare comma lists compare as
-  sets (order and repeats ignored).
+  sets (order and repeats ignored). A list of assignments names a point: ``x = 1, y = 2``
+  (in any order) is ``(1, 2)`` and ``1, 2``, its values ordered by variable (``x_2`` before
+  ``x_10``), and another assignment list must name the same variables; ``x = 1, x = 2`` (the
+  solutions of one unknown) is the set ``1, 2``.
 * **Length.** A predicted final answer over ``MAX_ANSWER_CHARS`` (1000) characters is not
   equivalent (``decided_by: too_long``); every in-process step is linear in the answer.
 * **Symbols.** ``e`` is Euler's number, ``i`` the imaginary unit; words that are not math

@@ -60,6 +60,9 @@ _DEGREES = re.compile(r"\^\s*\{?\\circ\}?|°|\\degree\b")
 _LHS = re.compile(
     r"^(?:[a-zA-Z](?:_\{?\w+\}?)?|\(\s*[a-zA-Z](?:\s*,\s*[a-zA-Z])*\s*\))\s*(?:=|\\in\b)\s*(?=\S)"
 )
+# one part of an answer such as ``x = 1, y = 2``: a variable (``x``, ``x_1``, ``x_{12}``) and
+# its value (anything with no further ``=``)
+_ASSIGN = re.compile(r"^([a-zA-Z](?:_\{?\w+\}?)?)\s*=\s*(\S[^=]*)$")  # linear: \S ends the \s*
 _THIN_THOUSANDS = re.compile(r"(?<=\d)\\[,!: ](?=\d{3}\b)")
 _THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _SPACED_THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?: \d{3})+(?:\.\d+)?$")
@@ -112,7 +115,9 @@ def canonical(answer: str) -> str:
     s = s.strip().rstrip(".").strip()
     if any(c.isdigit() for c in s):
         s = _strip_units(s).strip()
-    s = _LHS.sub("", s)
+    listed = _assignments(s)
+    # a single leading ``x =`` goes; an assignment list keeps its variables (``_named``)
+    s = _LHS.sub("", s) if listed is None else listed
     s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
     s = _FRAC_SHORT2.sub(r"\\frac{\1}{\2}", s)
     s = _SQRT_SHORT.sub(r"\\sqrt{\1}", s)
@@ -120,6 +125,46 @@ def canonical(answer: str) -> str:
     if _THOUSANDS.match(s) or _SPACED_THOUSANDS.match(s):
         s = s.replace(",", "").replace(" ", "")
     return s
+
+
+def _name_order(name: str) -> tuple[str, int]:
+    """``x_2`` before ``x_10``; ``x`` before ``y``."""
+    base, _, sub = name.partition("_")
+    digits = sub.strip("{}")
+    return base, int(digits) if digits.isdigit() else -1
+
+
+def _assignments(s: str) -> str | None:
+    """A list of assignments in one form: ``x = 1, x = 2`` (the solutions of one unknown) is the
+    list ``1, 2``; ``y = 2, x = 1`` (a solution of a system) is ``x=1, y=2``, ordered by
+    variable, which ``compare`` reads as the tuple ``(1, 2)``."""
+    parts = _split_top(s, ",")
+    if len(parts) < 2:
+        return None
+    found = [_ASSIGN.match(p) for p in parts]
+    if not all(found):
+        return None
+    pairs = [(m[1].replace("{", "").replace("}", ""), m[2].strip()) for m in found if m]
+    names = {n for n, _ in pairs}
+    if len(names) == 1:
+        return ", ".join(v for _, v in pairs)
+    if len(names) < len(pairs):  # x = 1, y = 2, x = 3: not one point; left as written
+        return s
+    return ", ".join(f"{n}={v}" for n, v in sorted(pairs, key=lambda nv: _name_order(nv[0])))
+
+
+def _named(s: str) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """``(names, values)`` of a canonical ``x=1, y=2`` (see ``_assignments``), else None."""
+    parts = _split_top(s, ",")
+    if len(parts) < 2:
+        return None
+    found = [_ASSIGN.match(p) for p in parts]
+    if not all(found):
+        return None
+    names = tuple(m[1] for m in found if m)
+    if len(set(names)) < len(names):  # not one point (see _assignments)
+        return None
+    return names, tuple(m[2].strip() for m in found if m)
 
 
 # ----------------------------------------------------------------------------- structure
@@ -316,6 +361,9 @@ def _fast_scalar(p: str, g: str) -> Verdict:
 def compare(pred: str, gt: str, scalar: Callable[[str, str], Verdict]) -> Verdict:
     """Compare canonical answers structure-first, scalars with ``scalar``."""
     pred, gt = _percent(pred, gt)
+    pn, gn = _named(pred), _named(gt)
+    if pn or gn:
+        return _compare_named(pred, gt, pn, gn, scalar)
     ps, gs = shape(pred), shape(gt)
     if ps[0] == "scalar" and gs[0] == "scalar":
         return scalar(pred, gt)
@@ -358,6 +406,32 @@ def compare(pred: str, gt: str, scalar: Callable[[str, str], Verdict]) -> Verdic
             return (None, "undecided") if undecided else (False, "structure")
         unused.remove(hit)
     return True, rule
+
+
+def _compare_named(
+    pred: str,
+    gt: str,
+    pn: tuple[tuple[str, ...], tuple[str, ...]] | None,
+    gn: tuple[tuple[str, ...], tuple[str, ...]] | None,
+    scalar: Callable[[str, str], Verdict],
+) -> Verdict:
+    """``x=1, y=2`` is the point ``(1, 2)``: against another assignment list the variables must
+    be the same; against a tuple or a bare list (``(1, 2)``, ``1, 2``) its values, ordered by
+    variable, compare element-wise (a bare list is read in its written order here, not as a set:
+    ``y=1, x=2`` is not ``1, 2``)."""
+    if pn and gn and pn[0] != gn[0]:
+        return False, "structure"
+
+    def values(s: str, named: tuple[tuple[str, ...], tuple[str, ...]] | None) -> tuple[str, ...] | None:
+        if named:
+            return named[1]
+        kind, brackets, elements = shape(s)
+        return elements if (kind, brackets) in (("seq", "()"), ("set", "")) else None
+
+    pv, gv = values(pred, pn), values(gt, gn)
+    if pv is None or gv is None or len(pv) != len(gv):
+        return False, "structure"
+    return compare(f"({', '.join(pv)})", f"({', '.join(gv)})", scalar)
 
 
 def fast_equivalent(pred: str, gt: str) -> Verdict:

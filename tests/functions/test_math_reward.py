@@ -380,3 +380,34 @@ def test_the_unicode_minus_sign_is_a_minus(pred, gt, same):
 )
 def test_unions_match_in_any_order(pred, gt, same):
     assert is_equivalent(pred, gt)[0] is same
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt", "same"),
+    [
+        ("x=1, y=2", "1, 2", True),  # a solution of a system is the point, variables in order
+        ("x = 1, y = 2", "(1, 2)", True),
+        ("y=2, x=1", "(1,2)", True),
+        ("y=1, x=2", "(1,2)", False),  # the values go with their variables
+        ("y=1, x=2", "1, 2", False),  # against assignments a bare list is a point, not a set
+        ("x=\\frac{1}{2}, y=0.5", "(0.5, 1/2)", True),
+        ("x_{10}=1, x_2=2", "(2, 1)", True),  # x_2 before x_10
+        ("a=1, b=2", "x=1, y=2", False),  # different variables
+        ("y=2, x=1", "x=1, y=2", True),
+        ("x=1, y=2", "x=1, y=3", False),
+        ("x=1, y=2, z=3", "(1, 2)", False),
+        ("x=1, y=2", "[1, 2]", False),  # an interval is not a point
+        ("x=1, x=2", "2, 1", True),  # the solutions of one unknown stay a set
+        ("x=1, x=2", "1, 3", False),
+        ("x = 5", "5", True),
+    ],
+)
+def test_a_list_of_assignments_is_the_point_it_names(pred, gt, same):
+    assert is_equivalent(pred, gt)[0] is same
+    if "=" not in gt:  # the other way round too
+        assert is_equivalent(gt, pred)[0] is same
+
+
+def test_assignment_lists_are_read_in_linear_time():
+    # \s*=\s*[^=]+$ backtracked quadratically over a run of spaces before a second "="
+    assert _elapsed(canonical, "x=" + " " * 200_000 + "1 = 2, y=3") < 5.0
