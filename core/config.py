@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from core.config_backends import torch_engine_problems, torch_trainer_problems
+from core.config_backends import torch_engine_problems, trainer_problems
 from core.config_messages import hint, listing, semantic_error, validation_problems
 from core.config_sections import (
     DEFAULT_AFFINITY,
@@ -137,11 +137,14 @@ class JobConfig(ConfigModel):
                     f"this engine is {self.engine.backend} {self.engine.model!r}: set steps to 0",
                 )
             )
-        problems += self._trainer_engine_problems()
-        # the torch backends' own settings: refused here, not dropped (engine.kwargs) or found
-        # by the trainer actor after the policy was built and Ray started (trainer.kwargs)
+        mismatch = self._trainer_engine_problems()
+        problems += mismatch
+        # the backends' own settings: refused here, not dropped (engine.kwargs) or found by the
+        # trainer actor after the policy was built and Ray started (trainer.kwargs); a trainer
+        # that does not fit the engine is fixed first (its kwargs would change with it)
         problems += torch_engine_problems(self.engine)
-        problems += torch_trainer_problems(self.trainer, temperature=self.engine.temperature, seed=self.seed)
+        if not mismatch:
+            problems += trainer_problems(self.trainer, temperature=self.engine.temperature, seed=self.seed)
         for tag in self.engine.hw_affinity:
             if tag != DEFAULT_AFFINITY and tag not in tags:
                 problems.append(

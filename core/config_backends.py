@@ -9,7 +9,8 @@ They are the models the policy, the engine replicas and the trainer actor build 
 modules re-export them); kept here, where importing them needs no torch, so the job config
 can refuse a misspelt or out-of-range key naming it, instead of the key being dropped (an
 ``engine.kwargs`` key nobody reads) or the trainer actor dying in Ray after the policy was
-built and pretrained.
+built and pretrained. The megatron trainer's config (``core.config_megatron``) is checked the
+same way by ``trainer_problems``.
 """
 
 from __future__ import annotations
@@ -156,14 +157,23 @@ def torch_engine_problems(engine: EngineConfig) -> list[tuple[str, str]]:
     return problems
 
 
-def torch_trainer_problems(trainer: TrainerConfig, *, temperature: float, seed: int) -> list[tuple[str, str]]:
-    """The torch trainer's config as the trainer actor will build it, checked now: a bad
+def trainer_problems(trainer: TrainerConfig, *, temperature: float, seed: int) -> list[tuple[str, str]]:
+    """The trainer's config as the trainer actor will build it, checked now: a bad
     ``trainer.kwargs`` key or value (or a job setting the backend bounds more tightly, such as
-    ``clip_eps`` below 1) named under the key it came from."""
-    if trainer.backend != "torch":
+    ``clip_eps`` below 1) named under the key it came from. Both backends: the torch trainer,
+    and the megatron trainer, whose actor would otherwise die in Ray on a GPU machine."""
+    model: type[BaseModel]
+    extra: tuple[str, ...] = ()
+    if trainer.backend == "torch":
+        model, extra, what = TorchTrainerConfig, TORCH_TRAINER_EXTRA_KEYS, "the torch trainer"
+    elif trainer.backend == "megatron":
+        from core.config_megatron import MegatronTrainerConfig  # it reads this module's LossAgg
+
+        model, what = MegatronTrainerConfig, "the megatron trainer"
+    else:
         return []
-    allowed = [k for k in TorchTrainerConfig.model_fields if k != "type"] + list(TORCH_TRAINER_EXTRA_KEYS)
-    problems = _unknown("trainer.kwargs", trainer.kwargs, allowed, "the torch trainer")
+    allowed = [k for k in model.model_fields if k != "type"] + list(extra)
+    problems = _unknown("trainer.kwargs", trainer.kwargs, allowed, what)
     options = {
         k: v for k, v in backend_config(trainer, temperature=temperature, seed=seed).items() if k in allowed
     }
@@ -174,12 +184,12 @@ def torch_trainer_problems(trainer: TrainerConfig, *, temperature: float, seed: 
     origin |= {"temperature": "engine.temperature", "seed": "seed"}
     origin |= {k: f"trainer.kwargs.{k}" for k in trainer.kwargs}
     try:
-        TorchTrainerConfig.model_validate(options)
+        model.model_validate(options)
     except ValidationError as e:
-        for key, msg in validation_problems(e, TorchTrainerConfig):
+        for key, msg in validation_problems(e, model):
             field = key.split(".", 1)[0].split("[", 1)[0]
             where = origin.get(field, "trainer.kwargs")
-            problems.append((where + key[len(field) :] if field else where, f"the torch trainer: {msg}"))
+            problems.append((where + key[len(field) :] if field else where, f"{what}: {msg}"))
     return problems
 
 

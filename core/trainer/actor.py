@@ -70,7 +70,7 @@ def make_trainer(
             torch.set_num_threads(int(threads))
         if bundle is None:
             raise ConfigError([("trainer.backend", "the torch trainer trains the torch engine's policy")])
-        try:  # JobConfig checked it (torch_trainer_problems); a TrainerActor built by hand may not be
+        try:  # JobConfig checked it (trainer_problems); a TrainerActor built by hand may not be
             tcfg = TorchTrainerConfig(**options)
         except ValueError as e:
             raise ConfigError([("trainer.kwargs", str(e))]) from None

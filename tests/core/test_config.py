@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,8 @@ from core.errors import ConfigError
 from fabric.errors import ConfigError as FabricConfigError
 from fabric.protocol import Trajectory
 from fabric.registry import Registry
+
+ROOT = Path(__file__).resolve().parents[2]
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(REPO.glob("examples/*/config.yaml"))
@@ -242,6 +246,36 @@ def test_the_torch_trainers_kwargs_are_checked_with_the_config():
         base(trainer={"kwargs": {"weight_decay": 0.01, "loss_agg": "seq_mean_token_mean", "num_threads": 1}})
     )
     assert cfg.trainer.kwargs["weight_decay"] == 0.01
+
+
+def test_the_megatron_trainers_kwargs_are_checked_with_the_config():
+    # checked only in the trainer actor: on a GPU machine, after the vLLM engine had started
+    vllm = {"backend": "vllm", "model": "/m", "pretrain": {"steps": 0}}
+
+    def megatron(**kwargs):
+        return problems(
+            base(engine=vllm, trainer={"backend": "megatron", "kwargs": {"hf_model": "/m", **kwargs}})
+        )
+
+    [(key, msg)] = megatron(tensor_paralel_size=2)
+    assert key == "trainer.kwargs.tensor_paralel_size" and "did you mean 'tensor_parallel_size'" in msg
+    [(key, msg)] = megatron(micro_batch_size=0)
+    assert key == "trainer.kwargs.micro_batch_size" and "the megatron trainer: must be >= 1" in msg
+    [(key, msg)] = megatron(tensor_parallel_size=2)
+    assert key == "trainer.kwargs" and "hf_model needs tensor_parallel_size=1" in msg
+    [(key, _)] = megatron(num_threads=2)  # the torch trainer's, not megatron's
+    assert key == "trainer.kwargs.num_threads"
+    [(key, msg)] = problems(
+        base(engine=vllm, trainer={"backend": "megatron", "clip_eps": 1.5, "kwargs": {"hf_model": "/m"}})
+    )
+    assert key == "trainer.clip_eps" and "the megatron trainer: must be < 1" in msg
+    cfg = load(base(engine=vllm, trainer={"backend": "megatron", "kwargs": {"hf_model": "/m", "bf16": True}}))
+    assert cfg.trainer.kwargs["bf16"] is True
+
+
+def test_the_config_checks_import_no_torch():
+    code = "import sys, core.config, core.config_megatron; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=False).returncode == 0
 
 
 def test_every_problem_is_reported_at_once():
