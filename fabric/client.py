@@ -310,7 +310,7 @@ class Client:
                 raw=raw,
             )
             ex = self._inflight[key] = Execution(deadline)
-            ex.task = asyncio.create_task(self._execute(fn, inv, user_key, ex, hedge, probe))
+            ex.task = asyncio.create_task(self._execute(fn, inv, user_key, ex, hedge, probe, t0))
             self._executions.add(ex.task)
             ex.task.add_done_callback(self._executions.discard)
         else:
@@ -320,14 +320,16 @@ class Client:
         # asyncio.wait never cancels the task: a caller that gives up leaves it to the others
         await asyncio.wait((task,), timeout=None if deadline is None else max(deadline - time.time(), 0.0))
         if not task.done():
-            result = Result.failure(
+            # not the execution's outcome (that one is counted when it ends): a give-up
+            m.gave_up += 1
+            return Result.failure(
                 ErrorCode.DEADLINE_EXCEEDED,
                 f"{spec.name}: deadline passed while the call under idempotency key {user_key!r} was in "
                 "progress; it goes on, and a later call with this key gets its answer",
                 function=spec.name,
                 request_id=request_id,
             )
-        elif task.cancelled():
+        if task.cancelled():  # closed before it had an outcome to count: each caller's own
             result = Result.failure(
                 ErrorCode.CANCELLED,
                 f"{spec.name}: the client closed before the call under idempotency key {user_key!r} ended",
@@ -336,25 +338,36 @@ class Client:
             )
         else:
             result = task.result()
-            if joined:  # no new execution for this caller: its own copy of the answer
-                timings = result.timings.model_copy(update={"total_ms": (time.perf_counter() - t0) * 1e3})
-                # "cached" only when the key keeps this answer; a failure it does not keep (the
-                # key is free again) is this caller's failure, counted as such
-                kept = key in self._cache
-                result = result.model_copy(
-                    update={"cached": kept, "cold_start": False, "request_id": request_id, "timings": timings}
-                )
-                if kept:
-                    m.cache_hits += 1
-                    return result
+            if not joined:
+                return result  # the execution counted its outcome as it ended (_execute)
+            # no new execution for this caller: its own copy of the answer
+            timings = result.timings.model_copy(update={"total_ms": (time.perf_counter() - t0) * 1e3})
+            # "cached" only when the key keeps this answer; a failure it does not keep (the
+            # key is free again) is this caller's failure, counted as such
+            kept = key in self._cache
+            result = result.model_copy(
+                update={"cached": kept, "cold_start": False, "request_id": request_id, "timings": timings}
+            )
+            if kept:
+                m.cache_hits += 1
+                return result
         self._settle(fn, result, t0)
         return result
 
     async def _execute(
-        self, fn: FnState, inv: Invocation, user_key: str, ex: Execution, hedge: bool | None, probe: bool
+        self,
+        fn: FnState,
+        inv: Invocation,
+        user_key: str,
+        ex: Execution,
+        hedge: bool | None,
+        probe: bool,
+        t0: float,
     ) -> Result:
         """The execution under a key: attempts and retries, then what a later caller with
-        the key gets (``_conclude``), and the key is free again."""
+        the key gets (``_conclude``), and the key is free again. Its outcome goes into the
+        metrics here, once, timed from its starter's call (``t0``): the starter may have
+        given up long before."""
         key = inv.idempotency_key
         assert key is not None
         try:
@@ -372,6 +385,7 @@ class Client:
                     if not result.ok and self._should_retry(fn.spec, result):
                         result = await self._retry(fn, inv, result, hedge, lambda: ex.deadline)
             self._conclude(fn, key, user_key, result)
+            self._settle(fn, result, t0)
             return result
         finally:
             if probe:

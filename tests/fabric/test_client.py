@@ -137,6 +137,33 @@ async def test_a_caller_joining_a_keyed_execution_keeps_its_own_deadline():
         assert len(fake.invocations) == 1
 
 
+async def test_metrics_count_a_keyed_execution_s_outcome_not_its_starter_s_give_up():
+    c, fake = make()
+    async with c:
+        # the starter gives up at 0.1 s, a joiner at 0.15 s; the execution ends well at 0.3 s
+        starter = asyncio.create_task(
+            c.call("nap", {"seconds": 0.3, "tag": 7}, idempotency_key="k", deadline_s=0.1)
+        )
+        await asyncio.sleep(0.05)
+        joiner = await c.call("nap", {"seconds": 0.3, "tag": 7}, idempotency_key="k", deadline_s=0.1)
+        assert (await starter).error.type == joiner.error.type == ErrorCode.DEADLINE_EXCEEDED
+        m = c.metrics()["nap"]
+        assert (m["ok"], m["errors"]) == (0, {}) and m.get("gave_up") == 2  # nothing ended yet
+        await asyncio.wait_for(asyncio.gather(*c._executions), 2)
+        m = c.metrics()["nap"]
+        # the execution's real outcome, once, with its latency; the give-ups are not errors
+        assert (m["calls"], m["ok"], m["errors"], m["gave_up"]) == (2, 1, {}, 2)
+        assert sum(m["latency_ms"]["buckets"].values()) == 1 and m["latency_ms"]["sum"] >= 250
+        # the same when it fails: its failure is counted, not the starter's DeadlineExceeded
+        fake.inject("double", Fault(code=ErrorCode.UNAVAILABLE, delay_s=0.1))
+        r = await c.call("double", {"x": 1}, idempotency_key="d", deadline_s=0.05)
+        assert r.error.type == ErrorCode.DEADLINE_EXCEEDED
+        await asyncio.wait_for(asyncio.gather(*c._executions), 2)
+        assert c.metrics()["double"]["errors"] == {"Unavailable": 1}
+        assert c.metrics()["double"]["gave_up"] == 1
+    assert len(fake.invocations) == 2  # one of each (no retry: the execution's deadline had passed)
+
+
 async def test_closing_the_client_ends_the_keyed_executions_nobody_waits_for():
     c, _ = make()
     t0 = time.monotonic()
