@@ -13,7 +13,7 @@ What it adds on top of a backend, per function:
 * hedged requests: a duplicate after the function's observed p95 latency, capped to a
   share of calls; the first answer wins and the loser is cancelled;
 * idempotency: one execution per key, shared by every caller with the key (each waits
-  within its own deadline), then its cached result;
+  within its own deadline; the execution's is the latest of theirs), then its cached result;
 * a circuit breaker that opens after consecutive infrastructure failures;
 * metrics (``client.metrics()``).
 
@@ -177,6 +177,7 @@ class Client:
             tenant=tenant or self.config.tenant,
             attempt=1,
             hedge=False,
+            wait_for_run=False,
             raw=raw,
         )
         try:
@@ -300,34 +301,44 @@ class Client:
                 payload=payload,
                 request_id=request_id,
                 idempotency_key=key,
-                # no caller's deadline goes to the backend: it would answer DeadlineExceeded
-                # there while a synchronous handler runs on, and the key would look free while
-                # its execution still runs; each caller's deadline bounds its own wait instead
-                deadline=None,
+                # each call sent carries the execution's deadline as it is then, the latest of
+                # its callers' (Execution.deadline): an async handler is cancelled there, in the
+                # worker, when no caller can use its answer any more. wait_for_run: the backend
+                # answers with the run's own outcome, never early while it runs (a synchronous
+                # handler runs on past a deadline), so the key stays busy while it may run, and
+                # a cut run is a FunctionTimeout: for a side effect, OutcomeUnknown
+                deadline=deadline,
                 tenant=tenant or self.config.tenant,
                 attempt=1,
                 hedge=False,
+                wait_for_run=True,
                 raw=raw,
             )
             ex = self._inflight[key] = Execution(deadline)
-            ex.task = asyncio.create_task(self._execute(fn, inv, user_key, ex, hedge, probe))
+            ex.task = asyncio.create_task(self._execute(fn, inv, user_key, ex, hedge, probe, t0))
             self._executions.add(ex.task)
             ex.task.add_done_callback(self._executions.discard)
-        else:
-            ex.join(deadline)
+        elif ex.join(deadline):
+            # a later deadline than the execution had: what was sent moves with it where the
+            # backend can (the local pool); elsewhere it keeps the one it went with, and the
+            # execution's retries (pure functions) go on until this one
+            self.backend.extend_deadline(spec.name, key, ex.deadline)
         task = ex.task
         assert task is not None
         # asyncio.wait never cancels the task: a caller that gives up leaves it to the others
         await asyncio.wait((task,), timeout=None if deadline is None else max(deadline - time.time(), 0.0))
         if not task.done():
-            result = Result.failure(
+            # not the execution's outcome (that one is counted when it ends): a give-up
+            m.gave_up += 1
+            return Result.failure(
                 ErrorCode.DEADLINE_EXCEEDED,
                 f"{spec.name}: deadline passed while the call under idempotency key {user_key!r} was in "
-                "progress; it goes on, and a later call with this key gets its answer",
+                "progress; it goes on for the callers still waiting (a synchronous handler to its end), "
+                "and a later call with this key gets the answer it leaves",
                 function=spec.name,
                 request_id=request_id,
             )
-        elif task.cancelled():
+        if task.cancelled():  # closed before it had an outcome to count: each caller's own
             result = Result.failure(
                 ErrorCode.CANCELLED,
                 f"{spec.name}: the client closed before the call under idempotency key {user_key!r} ended",
@@ -336,25 +347,36 @@ class Client:
             )
         else:
             result = task.result()
-            if joined:  # no new execution for this caller: its own copy of the answer
-                timings = result.timings.model_copy(update={"total_ms": (time.perf_counter() - t0) * 1e3})
-                # "cached" only when the key keeps this answer; a failure it does not keep (the
-                # key is free again) is this caller's failure, counted as such
-                kept = key in self._cache
-                result = result.model_copy(
-                    update={"cached": kept, "cold_start": False, "request_id": request_id, "timings": timings}
-                )
-                if kept:
-                    m.cache_hits += 1
-                    return result
+            if not joined:
+                return result  # the execution counted its outcome as it ended (_execute)
+            # no new execution for this caller: its own copy of the answer
+            timings = result.timings.model_copy(update={"total_ms": (time.perf_counter() - t0) * 1e3})
+            # "cached" only when the key keeps this answer; a failure it does not keep (the
+            # key is free again) is this caller's failure, counted as such
+            kept = key in self._cache
+            result = result.model_copy(
+                update={"cached": kept, "cold_start": False, "request_id": request_id, "timings": timings}
+            )
+            if kept:
+                m.cache_hits += 1
+                return result
         self._settle(fn, result, t0)
         return result
 
     async def _execute(
-        self, fn: FnState, inv: Invocation, user_key: str, ex: Execution, hedge: bool | None, probe: bool
+        self,
+        fn: FnState,
+        inv: Invocation,
+        user_key: str,
+        ex: Execution,
+        hedge: bool | None,
+        probe: bool,
+        t0: float,
     ) -> Result:
         """The execution under a key: attempts and retries, then what a later caller with
-        the key gets (``_conclude``), and the key is free again."""
+        the key gets (``_conclude``), and the key is free again. Its outcome goes into the
+        metrics here, once, timed from its starter's call (``t0``): the starter may have
+        given up long before."""
         key = inv.idempotency_key
         assert key is not None
         try:
@@ -368,10 +390,11 @@ class Client:
                         request_id=inv.request_id,
                     )
                 else:
-                    result = await self._attempt(fn, inv, hedge)
+                    result = await self._attempt(fn, inv, hedge, lambda: ex.deadline)
                     if not result.ok and self._should_retry(fn.spec, result):
                         result = await self._retry(fn, inv, result, hedge, lambda: ex.deadline)
             self._conclude(fn, key, user_key, result)
+            self._settle(fn, result, t0)
             return result
         finally:
             if probe:
@@ -448,8 +471,18 @@ class Client:
             del cache[next(iter(cache))]  # dicts keep insertion order: drop the oldest
         cache[key] = result
 
-    async def _attempt(self, fn: FnState, inv: Invocation, hedge: bool | None) -> Result:
-        """One attempt, hedged after the observed p95 when allowed."""
+    async def _attempt(
+        self,
+        fn: FnState,
+        inv: Invocation,
+        hedge: bool | None,
+        deadline: Callable[[], float | None] | None = None,
+    ) -> Result:
+        """One attempt, hedged after the observed p95 when allowed. With ``deadline`` (a
+        keyed execution's, which grows as callers join), each copy sent carries its value
+        at the time it is sent."""
+        if deadline is not None and (d := deadline()) != inv.deadline:
+            inv = inv.model_copy(update={"deadline": d})
         backend = self.backend
         t0 = time.perf_counter()
         primary = backend.submit(inv)
@@ -464,7 +497,7 @@ class Client:
                 primary.cancel()
                 raise
         else:
-            result = await self._hedged(fn, inv, primary, max(delay_ms, hcfg.min_delay_ms) / 1e3)
+            result = await self._hedged(fn, inv, primary, max(delay_ms, hcfg.min_delay_ms) / 1e3, deadline)
         if result.ok:  # the hedge delay follows the latency of answers, not of fast failures
             fn.metrics.window.add((time.perf_counter() - t0) * 1e3)
         if result.ok or not result.retryable:
@@ -476,7 +509,12 @@ class Client:
         return result
 
     async def _hedged(
-        self, fn: FnState, inv: Invocation, primary: asyncio.Future[Result], delay_s: float
+        self,
+        fn: FnState,
+        inv: Invocation,
+        primary: asyncio.Future[Result],
+        delay_s: float,
+        deadline: Callable[[], float | None] | None,
     ) -> Result:
         loop = asyncio.get_running_loop()
         winner: asyncio.Future[Result] = loop.create_future()
@@ -500,9 +538,10 @@ class Client:
             if m.hedges >= self.config.hedge.max_share * m.calls + _BURST:
                 return
             m.hedges += 1
-            h = self.backend.submit(
-                inv.model_copy(update={"hedge": True, "request_id": inv.request_id + "-h"})
-            )
+            update: dict[str, Any] = {"hedge": True, "request_id": inv.request_id + "-h"}
+            if deadline is not None:
+                update["deadline"] = deadline()
+            h = self.backend.submit(inv.model_copy(update=update))
             futs.append(h)
             h.add_done_callback(done)
 
@@ -549,7 +588,8 @@ class Client:
                 return last
             sent += 1
             fn.metrics.retries += 1
-            prev, last = last, await self._attempt(fn, inv.model_copy(update={"attempt": sent}), hedge)
+            again = inv.model_copy(update={"attempt": sent})
+            prev, last = last, await self._attempt(fn, again, hedge, deadline)
             return last
 
         retrying = AsyncRetrying(

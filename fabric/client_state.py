@@ -91,17 +91,24 @@ class Execution:
 
     It belongs to the key, not to the caller that started it: a caller's deadline or
     cancellation ends only that caller's wait. It ends when the backend answers (a hung call
-    is bounded by the function's ``timeout_s``), and only then is the key free again, so a
-    caller that comes later never starts a second execution while the first may still run."""
+    is bounded by the function's ``timeout_s``, a run by ``deadline``), and only then is the
+    key free again, so a caller that comes later never starts a second execution while the
+    first may still run."""
 
     __slots__ = ("deadline", "task")
 
     def __init__(self, deadline: float | None):
         self.deadline = deadline
-        """The latest deadline of the callers that joined (None once one has none): retries
-        stop when no caller could still use their answer."""
+        """The latest deadline of the callers that joined (None once one has none): after it
+        no caller could use the answer, so each call sent carries it (an async handler is
+        cancelled there, in the worker) and the retries stop there."""
         self.task: asyncio.Task[Result] | None = None
 
-    def join(self, deadline: float | None) -> None:
-        if self.deadline is not None:
-            self.deadline = None if deadline is None else max(self.deadline, deadline)
+    def join(self, deadline: float | None) -> bool:
+        """Count in a joining caller's deadline; True when that moved ``deadline`` later."""
+        if self.deadline is None:
+            return False
+        later = None if deadline is None else max(self.deadline, deadline)
+        moved = later != self.deadline
+        self.deadline = later
+        return moved

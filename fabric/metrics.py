@@ -65,12 +65,21 @@ class LatencyWindow:
 
 
 class FunctionMetrics:
+    """Counters of one function. ``ok``, ``errors``, the latency histogram and
+    ``cold_starts`` count outcomes: of each call, except that the one execution under an
+    idempotency key counts its own outcome once, when it ends, even when the caller that
+    started it gave up first (its latency is from that caller's call). A caller answered with
+    a key's kept answer counts in ``cache_hits``; one whose deadline passed while the keyed
+    execution it waited for went on counts in ``gave_up`` (not an error: the execution goes on,
+    and its outcome is counted when it ends)."""
+
     __slots__ = (
         "buckets",
         "cache_hits",
         "calls",
         "cold_starts",
         "errors",
+        "gave_up",
         "hedge_wins",
         "hedges",
         "latency_sum_ms",
@@ -88,6 +97,7 @@ class FunctionMetrics:
         self.hedge_wins = 0
         self.cold_starts = 0
         self.cache_hits = 0
+        self.gave_up = 0
         self.buckets = [0] * (len(BUCKETS_MS) + 1)
         self.latency_sum_ms = 0.0
         self.window = LatencyWindow(q=hedge_quantile)
@@ -107,6 +117,7 @@ class FunctionMetrics:
             "hedge_wins": self.hedge_wins,
             "cold_starts": self.cold_starts,
             "cache_hits": self.cache_hits,
+            "gave_up": self.gave_up,
             "latency_ms": {
                 "p50": percentile(recent, 50),
                 "p95": percentile(recent, 95),

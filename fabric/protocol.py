@@ -106,6 +106,14 @@ class Invocation(_Model):
     attempt: int = 1
     hedge: bool = False
     """True for the duplicate sent after the function's observed p95 latency."""
+    wait_for_run: bool = Field(False, exclude=True)
+    """Set by the client for the one execution under a caller's idempotency key, whose
+    callers each bound their own wait: ``deadline`` (the latest of theirs) bounds the run, so
+    a queued call does not start after it and an async handler is cancelled at it (a
+    ``FunctionTimeout``: it may have run part way), but a backend never answers such a call
+    ``DeadlineExceeded`` while it runs: the answer is the run's own, and until it comes the
+    key is busy. Off the default dump (it means nothing to a Lambda or Modal handler, which
+    always answers with its run); the Lambda envelope carries it for ``fabric serve``."""
 
     raw: bytes | None = Field(None, exclude=True, repr=False)
     """The payload encoded once by the client, so no backend encodes it again (never sent

@@ -186,9 +186,9 @@ class FunctionRunner:
         return self._encode(value)
 
     async def _guarded(self, kwargs: dict[str, Any]) -> Outcome:
-        """Await the function, its raises as outcomes. On Python 3.11 ``wait_for`` runs it as
-        a task of its own, and a task that raises KeyboardInterrupt or SystemExit re-raises
-        it out of the event loop, ending the worker: it must be caught inside."""
+        """Await the function, its raises as outcomes. A task that raises KeyboardInterrupt
+        or SystemExit re-raises it out of the event loop, ending the worker: it must be
+        caught inside."""
         try:
             return (True, await self.fn(**kwargs))
         except asyncio.CancelledError as e:
@@ -201,20 +201,34 @@ class FunctionRunner:
                 raise
             return (False, e)
 
-    async def run_async(self, raw: bytes, timeout_s: float | None) -> Outcome:
-        """Run a function (sync or async) from an event loop; async ones get ``timeout_s``."""
+    async def run_async(
+        self,
+        raw: bytes,
+        timeout_s: float | None,
+        on_timer: Callable[[asyncio.Timeout], None] | None = None,
+    ) -> Outcome:
+        """Run a function (sync or async) from an event loop; async ones get ``timeout_s``.
+        ``on_timer`` gets the timer of an async run, which its caller may move later
+        (``reschedule``): a worker does when the call's deadline moves."""
         if not self.is_async:
             return self.run(raw)
         try:
             kwargs = self._kwargs(raw)
         except ValidationError as e:
             return (False, (ErrorCode.INVALID_ARGUMENTS, format_validation_error(self.spec, e), None))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        timer = asyncio.timeout(timeout_s)
         try:
-            ok, value = await asyncio.wait_for(self._guarded(kwargs), timeout_s)
+            async with timer:
+                if on_timer is not None:
+                    on_timer(timer)
+                ok, value = await self._guarded(kwargs)
         except TimeoutError:
+            limit = (timer.when() or started) - started  # what it had, moved or not
             return (
                 False,
-                (ErrorCode.TIMEOUT, f"{self.spec.name} ran past its {timeout_s:.3g} s limit", None),
+                (ErrorCode.TIMEOUT, f"{self.spec.name} ran past its {limit:.3g} s limit", None),
             )
         if not ok:
             return (False, _user_error(value))

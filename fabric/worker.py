@@ -58,6 +58,7 @@ class _Serve(asyncio.Protocol):
         self.done = done
         self.transport: asyncio.Transport | None = None
         self.tasks: dict[int, asyncio.Task[None]] = {}
+        self.timers: dict[int, tuple[int, asyncio.Timeout]] = {}  # async calls: start_ns, timer
         self.fault_rate = float(fault["straggler_rate"]) if fault else 0.0
         self.fault_s = float(fault["straggler_ms"]) / 1000 if fault else 0.0
         self.rng = random.Random(fault.get("seed", 0) * 1_000_003 + os.getpid() if fault else 0)
@@ -79,6 +80,8 @@ class _Serve(asyncio.Protocol):
                 task = self.tasks.get(msg[1])
                 if task is not None:
                     task.cancel()
+            elif kind == "extend":
+                self._extend(msg[1], msg[2])
             elif kind == "stop":
                 if not self.done.done():
                     self.done.set_result(None)
@@ -115,13 +118,32 @@ class _Serve(asyncio.Protocol):
             SLOT.pack_into(slot, 0, 0, 0)
 
     async def _run_async(self, cid: int, raw: bytes, timeout_s: float, start: int) -> None:
+        def keep(timer: asyncio.Timeout) -> None:
+            self.timers[cid] = (start, timer)
+
         try:
-            ok, res = await self.runner.run_async(raw, timeout_s)
+            ok, res = await self.runner.run_async(raw, timeout_s, keep)
         except asyncio.CancelledError:
             ok, res = False, (ErrorCode.CANCELLED, "cancelled by the caller", None)
         finally:
             self.tasks.pop(cid, None)
+            self.timers.pop(cid, None)
         self._reply((cid, ok, res, start, (time.monotonic_ns() - start) / 1e6))
+
+    def _extend(self, cid: int, deadline_ns: int) -> None:
+        """The call's deadline moved (a caller with a later one joined its keyed execution):
+        its handler now stops there, or at the function's own limit from its start."""
+        entry = self.timers.get(cid)
+        if entry is None:  # it ended meanwhile
+            return
+        start, timer = entry
+        if timer.expired():  # too late: it is being cancelled
+            return
+        end_ns = start + int(self.runner.spec.timeout_s * 1e9)
+        if deadline_ns:
+            end_ns = min(end_ns, deadline_ns)
+        # the loop's clock is time.monotonic, the clock of the _ns stamps
+        timer.reschedule(self.loop.time() + (end_ns - time.monotonic_ns()) / 1e9)
 
 
 def main() -> None:

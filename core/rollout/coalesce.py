@@ -11,6 +11,9 @@ its batch. It is transport batching, like HTTP/2 multiplexing, not batch-level r
     coalescer = Coalescer(lambda items: handle.generate_many.options(num_returns="streaming").remote(items))
     c = await coalescer.call(request_id, item)
 
+A caller cancelled before its batch goes out (within the window) is dropped from the batch:
+its request never reaches the server. One cancelled after that is the server's to abort.
+
 A server method answers with ``Answer`` objects (the request id plus the value or an
 exception, pickled); a transport failure (the actor died) fails every unanswered request of
 the call with ``on_error(exc)``.
@@ -66,8 +69,7 @@ class Coalescer:
         self.on_error = on_error
         self.window_s = window_s
         self.max_batch = max_batch
-        self._items: list[Any] = []
-        self._futures: dict[str, asyncio.Future[Any]] = {}
+        self._waiting: list[tuple[str, Any, asyncio.Future[Any]]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.calls = 0
@@ -76,9 +78,8 @@ class Coalescer:
     async def call(self, request_id: str, item: Any) -> Any:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        self._futures[request_id] = fut
-        self._items.append(item)
-        if len(self._items) >= self.max_batch:
+        self._waiting.append((request_id, item, fut))
+        if len(self._waiting) >= self.max_batch:
             self._flush()
         elif self._timer is None:
             self._timer = loop.call_later(self.window_s, self._flush)
@@ -88,11 +89,14 @@ class Coalescer:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        items, self._items = self._items, []
-        if not items:
+        waiting, self._waiting = self._waiting, []
+        # a caller cancelled within the window (its trajectory was aborted, its group done)
+        # has its future cancelled: its request is dropped here, so no turn runs for nobody
+        live = [(rid, item, fut) for rid, item, fut in waiting if not fut.done()]
+        if not live:
             return
-        futures = self._futures
-        self._futures = {}
+        items = [item for _, item, _ in live]
+        futures = {rid: fut for rid, _, fut in live}
         self.calls += 1
         self.requests += len(items)
         task = asyncio.ensure_future(self._run(items, futures))

@@ -8,7 +8,11 @@ passes the function's timeout (seen through the worker's shared-memory slot, so 
 stuck in C code is caught too).
 
 A caller's deadline is the caller's business: past it the call is answered
-``DeadlineExceeded`` and its result discarded, but the worker is not killed for it.
+``DeadlineExceeded`` and its result discarded, but the worker is not killed for it. A call
+of a keyed execution (``Invocation.wait_for_run``) is not answered early once on a worker:
+its worker answers (it cancels an async handler at the deadline), so the key stays busy as
+long as the handler may run; its deadline can move later (``extend_deadline``) as callers
+with later deadlines join it.
 """
 
 from __future__ import annotations
@@ -163,7 +167,31 @@ class FunctionPool:
             self._loop.call_soon(self._dispatch)
         return fut
 
+    def extend_deadline(self, key: str, deadline: float | None) -> None:
+        """Move the deadline of the calls under ``key`` (a keyed execution's attempt and its
+        hedge), queued or running, to ``deadline``; a running async call's moves in its worker
+        too. A scan, not an index: only a join with a later deadline asks, and a client keeps
+        at most ``max_concurrency`` calls of a function (and their hedges) here."""
+        deadline_ns = 0 if deadline is None else time.monotonic_ns() + int((deadline - time.time()) * 1e9)
+        calls = [c for c in self._pending if c.inv.idempotency_key == key]
+        for w in self._workers:
+            calls.extend(c for c in w.inflight.values() if c.inv.idempotency_key == key)
+        for call in calls:
+            if call.fut.done():
+                continue
+            call.deadline_ns = deadline_ns
+            if call.timer is not None:
+                call.timer.cancel()
+                call.timer = None
+            if deadline is not None:
+                call.timer = self._loop.call_later(max(deadline - time.time(), 0.0), self._expire, call)
+            # a synchronous worker runs a batch in one go: a later message cannot reach its calls
+            if call.worker is not None and self.spec.is_async:
+                call.worker.send(("extend", call.cid, deadline_ns))
+
     def _expire(self, call: PoolCall) -> None:
+        if call.worker is not None and call.inv.wait_for_run:
+            return  # its worker answers: it cancels an async handler there, a sync one runs on
         where = "while running; its result will be discarded" if call.worker else "while queued"
         self._fail(call, ErrorCode.DEADLINE_EXCEEDED, f"deadline passed {where}")
 

@@ -3,7 +3,8 @@
 Pickle is safe here: both ends are our own processes, started by us, over a socketpair.
 Messages are tuples whose first item names them:
 
-parent -> worker: ("init", dict) ("calls", [(cid, raw, deadline_ns | 0, timeout_s)]) ("cancel", cid) ("stop",)
+parent -> worker: ("init", dict) ("calls", [(cid, raw, deadline_ns | 0, timeout_s)]) ("cancel", cid)
+                  ("extend", cid, deadline_ns | 0) ("stop",)
 worker -> parent: ("ready", dict) ("fatal", code, message, traceback)
                   ("results", [(cid, ok, out, start_ns, exec_ms)])
 

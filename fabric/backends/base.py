@@ -184,6 +184,16 @@ class Backend(ABC):
     async def invoke(self, inv: Invocation) -> Result:
         return await self.submit(inv)
 
+    def extend_deadline(self, function: str, idempotency_key: str, deadline: float | None) -> bool:
+        """Move the deadline of the calls under ``idempotency_key`` that are queued or running
+        to ``deadline``, a later one (``None``: none, the function's ``timeout_s`` only): a
+        keyed execution's, when a caller with a later deadline joins it. False where this
+        backend cannot: its calls keep the deadline they were sent with (an async handler is
+        cancelled there, and a pure function's execution retries while a caller still waits;
+        a side effect's ends ``OutcomeUnknown``). Remote backends cannot: the deadline went
+        with the request."""
+        return False
+
     async def warmup(self, names: list[str] | None = None) -> None:  # noqa: B027 - optional
         """Start warm instances of ``names`` (all registered functions by default) and wait."""
 

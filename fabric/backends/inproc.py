@@ -123,7 +123,10 @@ class InprocBackend(Backend):
                     function=inv.function,
                     request_id=inv.request_id,
                 )
-            timeout = min(timeout, remaining)
+            if runner.is_async or not inv.wait_for_run:
+                # a thread cannot be stopped: a wait cut at the deadline would free a keyed
+                # execution's key while its handler still runs (see Invocation.wait_for_run)
+                timeout = min(timeout, remaining)
         t0 = time.perf_counter()
         try:
             if runner.is_async:

@@ -331,6 +331,10 @@ def envelope(inv: Invocation, payload: bytes | None = None) -> bytes:
         "attempt": inv.attempt,
         "hedge": inv.hedge,
     }
+    if inv.wait_for_run and inv.deadline is not None:
+        # only where it changes something (a fabric serve's pools would answer early): every
+        # other envelope stays as a handler deployed before the field knows it
+        head["wait_for_run"] = True
     raw = inv.raw_payload if payload is None else payload
     return json.dumps(head, separators=(",", ":"))[:-1].encode() + b',"payload":' + raw + b"}"
 

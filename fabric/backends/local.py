@@ -65,6 +65,12 @@ class LocalBackend(Backend):
     async def _invoke(self, inv: Invocation) -> Result:
         return await self._submit(inv)
 
+    def extend_deadline(self, function: str, idempotency_key: str, deadline: float | None) -> bool:
+        pool = self._pools.get(function)
+        if pool is not None:  # no pool: nothing was sent yet, and what will be carries the new one
+            pool.extend_deadline(idempotency_key, deadline)
+        return True
+
     async def warmup(self, names: list[str] | None = None) -> None:
         """Start the pools of ``names`` and wait for their warm workers. Raises
         ``SetupFailedError`` for a function whose workers cannot start (its setup hook or

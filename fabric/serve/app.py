@@ -348,6 +348,7 @@ class Gateway:
             tenant=tenant,
             attempt=1,
             hedge=False,
+            wait_for_run=False,
             raw=body,  # already the payload's JSON: not encoded again on the way to the worker
         )
         return inv, False

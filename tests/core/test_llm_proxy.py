@@ -608,6 +608,31 @@ async def test_answered_callers_keep_their_answers_when_the_transport_breaks_lat
     assert out[0] == 0 and isinstance(out[1], ConnectionError)
 
 
+async def test_a_call_cancelled_within_the_window_never_reaches_the_server():
+    ran: list[Any] = []
+
+    async def handle(x):
+        ran.append(x)
+        return x
+
+    server = Server(handle)
+    co = Coalescer(server.send, window_s=0.05)
+    gone = asyncio.create_task(co.call("gone", ("gone", "late turn")))
+    kept = asyncio.create_task(co.call("kept", ("kept", "turn")))
+    await asyncio.sleep(0)  # both are waiting in the window
+    gone.cancel()  # e.g. its trajectory was aborted
+    assert await kept == "turn"
+    assert gone.cancelled()
+    assert server.batches == [[("kept", "turn")]] and ran == ["turn"]
+    assert (co.calls, co.requests) == (1, 1)
+    # a window whose every caller was cancelled sends nothing at all
+    alone = asyncio.create_task(co.call("alone", ("alone", "nobody")))
+    await asyncio.sleep(0)
+    alone.cancel()
+    await asyncio.sleep(0.1)  # past the window
+    assert len(server.batches) == 1 and ran == ["turn"] and co.calls == 1
+
+
 async def test_a_request_the_server_never_answers_fails_instead_of_hanging():
     co = Coalescer(Server(drop={"lost"}).send)
     async with asyncio.timeout(2):

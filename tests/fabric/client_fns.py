@@ -54,6 +54,16 @@ def charge(path: str, amount: int, seconds: float = 0.0) -> int:
     return amount
 
 
+@REG.tool(side_effects=True, timeout_s=10)
+async def deliver(path: str, seconds: float) -> str:
+    """An async side effect that lands at the end (a delivery appended to ``path`` after
+    ``seconds`` of work): a run cancelled before then leaves no line."""
+    await asyncio.sleep(seconds)
+    with open(path, "a") as f:  # noqa: ASYNC230 - a tiny write is the side effect under test
+        f.write("delivered\n")
+    return "delivered"
+
+
 @REG.function(retry={"max_attempts": 5, "initial_backoff_s": 5.0, "max_backoff_s": 5.0})
 def overloaded() -> int:
     """A dependency that is always down; its backoff (up to 5 s) dwarfs the tests' deadlines."""

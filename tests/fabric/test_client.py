@@ -137,6 +137,33 @@ async def test_a_caller_joining_a_keyed_execution_keeps_its_own_deadline():
         assert len(fake.invocations) == 1
 
 
+async def test_metrics_count_a_keyed_execution_s_outcome_not_its_starter_s_give_up():
+    c, fake = make()
+    async with c:
+        # the starter gives up at 0.1 s, a joiner at 0.15 s; the execution ends well at 0.6 s
+        starter = asyncio.create_task(
+            c.call("nap", {"seconds": 0.6, "tag": 7}, idempotency_key="k", deadline_s=0.1)
+        )
+        await asyncio.sleep(0.05)
+        joiner = await c.call("nap", {"seconds": 0.6, "tag": 7}, idempotency_key="k", deadline_s=0.1)
+        assert (await starter).error.type == joiner.error.type == ErrorCode.DEADLINE_EXCEEDED
+        m = c.metrics()["nap"]
+        assert (m["ok"], m["errors"]) == (0, {}) and m.get("gave_up") == 2  # nothing ended yet
+        await asyncio.wait_for(asyncio.gather(*c._executions), 2)
+        m = c.metrics()["nap"]
+        # the execution's real outcome, once, with its latency; the give-ups are not errors
+        assert (m["calls"], m["ok"], m["errors"], m["gave_up"]) == (2, 1, {}, 2)
+        assert sum(m["latency_ms"]["buckets"].values()) == 1 and m["latency_ms"]["sum"] >= 550
+        # the same when it fails: its failure is counted, not the starter's DeadlineExceeded
+        fake.inject("double", Fault(code=ErrorCode.UNAVAILABLE, delay_s=0.1))
+        r = await c.call("double", {"x": 1}, idempotency_key="d", deadline_s=0.05)
+        assert r.error.type == ErrorCode.DEADLINE_EXCEEDED
+        await asyncio.wait_for(asyncio.gather(*c._executions), 2)
+        assert c.metrics()["double"]["errors"] == {"Unavailable": 1}
+        assert c.metrics()["double"]["gave_up"] == 1
+    assert len(fake.invocations) == 2  # one of each (no retry: the execution's deadline had passed)
+
+
 async def test_closing_the_client_ends_the_keyed_executions_nobody_waits_for():
     c, _ = make()
     t0 = time.monotonic()
@@ -164,6 +191,81 @@ async def test_one_idempotency_key_runs_a_side_effect_once(tmp_path):
         r3 = await c.call("charge", payload, idempotency_key="order-1", deadline_s=0.2)
         assert r3.ok and r3.cached
     assert path.read_text().split() == ["5"]
+
+
+async def test_a_keyed_async_call_stops_in_its_worker_when_its_callers_deadline_passes(tmp_path):
+    """The execution's deadline goes to the worker, which cancels the async handler there
+    instead of letting it run to its timeout_s (10 s) for nobody. Cut part way, a side
+    effect may have happened: the key keeps OutcomeUnknown, as after any worker timeout."""
+    path = tmp_path / "deliveries"
+    payload = {"path": str(path), "seconds": 1.0}
+    async with Client(backend=LocalConfig(max_workers=1), registry=REG) as c:
+        await c.warmup(["deliver"])
+        r = await c.call("deliver", payload, idempotency_key="parcel-1", deadline_s=0.3)
+        assert r.error.type == ErrorCode.DEADLINE_EXCEEDED
+        await asyncio.wait_for(asyncio.gather(*c._executions), 5)
+        await asyncio.sleep(1.0)  # past the handler's own end, had it run on
+        assert not path.exists(), "the handler ran on after every caller had given up"
+        again = await c.call("deliver", payload, idempotency_key="parcel-1")
+        assert again.error.type == ErrorCode.OUTCOME_UNKNOWN and ErrorCode.TIMEOUT in again.error.message
+        stats = c.backend.stats()["deliver"]
+        assert stats["timeouts"] == 0 and stats["lost"] == 0  # cancelled in the worker, not killed
+        assert c.metrics()["deliver"]["errors"] == {ErrorCode.TIMEOUT: 1}
+
+
+async def test_a_joiner_with_a_later_deadline_extends_the_keyed_call_in_its_worker(tmp_path):
+    """The execution runs to the latest deadline of its callers: a joiner with a later one
+    (or none) moves the deadline of the call already running, so the handler is not cut at
+    the starter's deadline and the joiner gets the one execution's answer."""
+    path = tmp_path / "deliveries"
+    payload = {"path": str(path), "seconds": 0.9}
+    async with Client(backend=LocalConfig(max_workers=1), registry=REG) as c:
+        await c.warmup(["deliver"])
+        for key, later in (("parcel-1", 5.0), ("parcel-2", None)):
+            starter = asyncio.create_task(c.call("deliver", payload, idempotency_key=key, deadline_s=0.5))
+            await asyncio.sleep(0.1)  # the call is running in the worker, with the starter's deadline
+            joiner = await c.call("deliver", payload, idempotency_key=key, deadline_s=later)
+            assert joiner.ok and joiner.value == "delivered" and joiner.cached, joiner.error
+            assert (await starter).error.type == ErrorCode.DEADLINE_EXCEEDED
+    assert path.read_text().split() == ["delivered", "delivered"]  # one execution per key
+
+
+@pytest.mark.parametrize("backend", [LocalConfig(max_workers=2), "inproc"], ids=["local", "inproc"])
+async def test_a_keyed_sync_call_past_its_deadline_keeps_its_key_until_its_worker_answers(tmp_path, backend):
+    """A synchronous handler cannot be stopped at the deadline it was sent with: the backend
+    does not answer its call early, so the key stays busy while it runs, and a caller that
+    comes after the first one gave up joins it instead of paying a second time (or being
+    told OutcomeUnknown while the payment is still going through)."""
+    path = tmp_path / "payments"
+    payload = {"path": str(path), "amount": 5, "seconds": 0.6}
+    async with Client(backend=backend, registry=REG) as c:
+        await c.warmup(["charge"])
+        first = await c.call("charge", payload, idempotency_key="order-1", deadline_s=0.2)
+        assert first.error.type == ErrorCode.DEADLINE_EXCEEDED
+        second = await c.call("charge", payload, idempotency_key="order-1", deadline_s=5)
+        assert second.ok and second.value == 5 and second.cached
+    assert path.read_text().split() == ["5"]
+
+
+async def test_a_keyed_execution_sends_the_latest_deadline_of_its_callers():
+    c, fake = make()
+    async with c:
+        # the first attempt fails (retryably) after 0.1 s; a joiner with a later deadline
+        # came meanwhile: the retry carries the joiner's deadline
+        fake.inject("double", Fault(code=ErrorCode.WORKER_LOST, delay_s=0.1))
+        t0 = time.time()
+        starter = asyncio.create_task(c.call("double", {"x": 2}, idempotency_key="k", deadline_s=0.5))
+        await asyncio.sleep(0.05)  # before the first attempt's answer: timers fire in order
+        t1 = time.time()
+        joiner = await c.call("double", {"x": 2}, idempotency_key="k", deadline_s=2.0)
+        assert joiner.ok and joiner.value == 4 and (await starter).ok
+        first, retry = fake.invocations
+        assert first.wait_for_run and retry.wait_for_run
+        assert t0 + 0.5 <= first.deadline < t1 + 0.5
+        assert t1 + 2.0 <= retry.deadline < t1 + 2.1
+        # a caller with no deadline: none is sent
+        await c.call("double", {"x": 3}, idempotency_key="k2")
+        assert fake.invocations[-1].deadline is None
 
 
 async def test_a_side_effect_that_may_have_run_is_not_run_again_under_its_key():

@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -402,6 +403,35 @@ def test_envelope_json_round_trips():
     inv = Invocation(function="add", payload={"a": 1, "s": "é\n"}, idempotency_key="k", deadline=5.0)
     data = json.loads(envelope(inv))
     assert Invocation.model_validate(data).model_dump() == inv.model_dump()
+    # a keyed execution's mark goes only where it matters (with a deadline), so every other
+    # envelope stays as a handler deployed before the field knows it
+    assert "wait_for_run" not in data
+    no_deadline = inv.model_copy(update={"deadline": None, "wait_for_run": True})
+    assert "wait_for_run" not in json.loads(envelope(no_deadline))
+    keyed = json.loads(envelope(inv.model_copy(update={"wait_for_run": True})))
+    assert keyed["wait_for_run"] is True and Invocation.model_validate(keyed).wait_for_run
+
+
+async def test_a_keyed_execution_s_call_is_answered_by_its_run_not_at_its_deadline(http):
+    """A fabric client marks the call of the execution under an idempotency key
+    (``wait_for_run``): a synchronous handler runs on past the deadline, and the answer is the
+    run's own, not an early DeadlineExceeded that would free the client's key while it runs."""
+    from fabric.backends.lambda_ import envelope
+
+    await http.post(PATH.format("sleepy"), json={"seconds": 0}, headers=auth())  # a warm worker
+    for wait in (True, False):  # first the one that leaves its worker free
+        inv = Invocation(
+            function="sleepy",
+            payload={"seconds": 0.5},
+            idempotency_key=f"k-{wait}",
+            deadline=time.time() + 0.2,
+            wait_for_run=wait,
+        )
+        body = (await http.post(PATH.format("sleepy"), content=envelope(inv), headers=auth())).json()
+        if wait:
+            assert body["ok"] and isinstance(body["value"], int), body["error"]
+        else:
+            assert body["error"]["type"] == "DeadlineExceeded", body
 
 
 async def test_prefixed_names_as_deployed():
