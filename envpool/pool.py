@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import random
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import AsyncIterator
@@ -33,6 +35,8 @@ from envpool.errors import EnvUsageError, PoolClosed, SessionLost
 from envpool.pool_config import ImageResolver, PoolConfig, RetryConfig, digest_of, inprocess_tools
 from envpool.runtimes.base import Container, Runtime, make_runtime
 from envpool.session import EnvSession
+
+log = logging.getLogger(__name__)
 
 # these lived here first: still importable from envpool.pool
 __all__ = [
@@ -76,6 +80,8 @@ class EnvPool:
         self._closed = False
         self._maint: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
+        self._stopping_again: set[str] = set()
+        """Containers whose stop failed and is being retried in the background."""
         self.metrics: Counter[str] = Counter()
         self.claim_ms: deque[float] = deque(maxlen=10_000)
 
@@ -148,6 +154,7 @@ class EnvPool:
             "containers": len(self.runtime.live),
             "idle": sum(len(q) for q in self._idle.values()),
             "claimed": len(self._claimed),
+            "leaked": len(self.runtime.leaked),
             "claim_p50_ms": claims[len(claims) // 2] if claims else None,
             "runtime": dict(self.runtime.metrics),
         }
@@ -195,12 +202,55 @@ class EnvPool:
 
     async def _stop(self, c: Container) -> None:
         """Stop a container the pool gives up; a failure is counted, not raised (the session
-        or housekeeping that let it go is done with it): the runtime keeps it tracked, and
-        its aclose (and exit hook) tries again."""
+        or housekeeping that let it go is done with it), and retried in the background."""
         try:
             await self.runtime.stop(c)
         except Exception as e:
             self.metrics[f"stop_failed:{type(e).__name__}"] += 1
+            if not self._closed and c.id not in self._stopping_again:
+                self._stopping_again.add(c.id)
+                self._spawn_bg(self._stop_again(c, e))
+
+    async def _stop_again(self, c: Container, error: Exception) -> None:
+        """Retry a failed stop with backoff and full jitter. Until it succeeds the container
+        holds a slot (it may still run); once ``stop_retry.attempts`` are spent it is handed
+        over as leaked (``Runtime.abandon``): it frees its slot, and the runtime's close and
+        exit hook try once more. Capacity must not shrink for the rest of a run because an
+        engine or API refused a few removals."""
+        rc = self.config.stop_retry
+        try:
+            for n in range(1, rc.attempts):
+                cap = min(rc.max_backoff_s, rc.initial_backoff_s * 2 ** (n - 1))
+                await asyncio.sleep(random.uniform(0, cap))  # full jitter
+                if c.id not in self.runtime.live:
+                    return  # stopped (or given up) on another path meanwhile
+                try:
+                    await self.runtime.stop(c)
+                except Exception as e:
+                    self.metrics[f"stop_failed:{type(e).__name__}"] += 1
+                    error = e
+                    continue
+                self.metrics["stop_retried_ok"] += 1
+                return
+            if self.runtime.abandon(c):
+                self.metrics["containers_leaked"] += 1
+                # named by what finds it by hand: a docker id, a pod name, a sandbox id, a pid
+                where = c.handle if isinstance(c.handle, str) else f"pid {c.pid}"
+                log.warning(
+                    "envpool: gave up stopping container %s (%s runtime, %s, image %s) after %d "
+                    "attempts; its pool slot is released and it is recorded as leaked (the "
+                    "runtime's close tries once more). Last error: %s: %s",
+                    c.id,
+                    self.runtime.kind,
+                    where,
+                    c.image or "built-ins",
+                    rc.attempts,
+                    type(error).__name__,
+                    error,
+                )
+        finally:
+            self._stopping_again.discard(c.id)
+            self._kick()  # a slot may have freed up either way
 
     def _notify_changed(self) -> None:
         fut, self._changed = self._changed, None

@@ -50,6 +50,14 @@ class PoolConfig(BaseModel):
     """The reaper reclaims a container whose session made no request for this long (leaked);
     that session then ends ``infra_failed``."""
     retry: RetryConfig = Field(default_factory=RetryConfig)
+    """Retries of a session's requests through infrastructure failures."""
+    stop_retry: RetryConfig = Field(
+        default_factory=lambda: RetryConfig(attempts=5, initial_backoff_s=1.0, max_backoff_s=10.0)
+    )
+    """Attempts at stopping a container the pool let go (an engine or API may refuse a
+    removal for a while). A container still not stopped after these (at most ~15 s of
+    backoff by default) is logged as leaked and frees its slot (``containers_leaked``);
+    the runtime's close and exit hook try it once more."""
 
 
 class ImageResolver(Protocol):

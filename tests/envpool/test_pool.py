@@ -528,6 +528,41 @@ async def test_a_failed_stop_neither_fails_the_session_nor_forgets_the_container
     assert not alive(pid)  # the pool's close stopped it
 
 
+class _StuckStopRuntime(ProcessRuntime):
+    """A runtime whose stops fail until told otherwise (an engine refusing every removal)."""
+
+    refuse = True
+
+    async def _stop(self, c: Container) -> None:
+        if self.refuse:
+            raise InfraError("docker: the engine refused to remove a container: 500")
+        await super()._stop(c)
+
+
+async def test_a_container_whose_stop_keeps_failing_gives_its_slot_back(images, caplog):
+    # it stayed in the runtime's live set, which is what max_containers counts: with one slot,
+    # every later claim waited claim_timeout_s and failed, for the rest of the run
+    stop_retry = {"attempts": 3, "initial_backoff_s": 0.01, "max_backoff_s": 0.05}
+    p = pool(images, min_warm=0, max_containers=1, max_episodes=1, claim_timeout_s=5, stop_retry=stop_retry)
+    p.runtime = rt = _StuckStopRuntime(p.config.runtime)
+    async with p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            first = s.container
+        t0 = time.monotonic()
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:  # needs the only slot
+            assert (await s.reset(seed=2))[0].text == "ready 2"
+        assert time.monotonic() - t0 < 3
+        stats = p.stats()
+        assert first.id in rt.leaked and stats["containers_leaked"] >= 1 and stats["leaked"] >= 1
+        assert stats["stop_failed:InfraError"] >= 3  # the first try and two retries, then given up
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert any(f"gave up stopping container {first.id}" in m and f"pid {first.pid}" in m for m in warned)
+        rt.refuse = False  # the engine recovers: the pool's close removes what leaked
+    await asyncio.sleep(0.1)
+    assert not alive(first.pid) and not rt.leaked and not rt.live
+
+
 async def test_a_closed_pool_refuses_new_sessions(images):
     from envpool.pool import PoolClosed
 
