@@ -8,11 +8,13 @@
 Every call of a session goes to the container it claimed. Containers are started ahead
 of demand (``min_warm`` idle per image), reused across episodes, recycled after
 ``max_episodes`` or any failure, and replaced in the background. Infrastructure failures
-(a dead container, missed heartbeats, a timeout, a failed image fetch) are retried with
-exponential backoff and full jitter; a deterministic environment's session survives the
-loss of its container by replaying its actions on a fresh one. A session that cannot be
-saved ends ``infra_failed`` (``SessionLost``): masked from training, never a fake zero.
-Environment bugs and usage errors are never retried.
+(a dead container, missed heartbeats, a timeout with no sign of life, a failed image
+fetch) are retried with exponential backoff and full jitter; a deterministic environment's
+session survives the loss of its container by replaying its actions on a fresh one. A
+session that cannot be saved ends ``infra_failed`` (``SessionLost``): masked from
+training, never a fake zero. Environment bugs and usage errors are never retried; nor is
+a request that runs past its timeout while its container heartbeats (``EnvHung``: the
+environment's code hangs, and a replay would hang again).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from envpool.api import EnvRegistry
 from envpool.connection import Connection
 from envpool.errors import (
     ActionError,
+    EnvHung,
     EnvLogicError,
     EnvOrderError,
     EnvRegistryError,
@@ -236,15 +237,66 @@ async def test_a_frozen_container_misses_heartbeats_and_is_replaced(images):
         assert p.stats()["infra:hung_or_timeout"] == 1
 
 
-async def test_a_step_past_its_timeout_is_an_infra_failure(images):
-    async with pool(images, step_timeout_s=0.5, retry={"attempts": 2, "initial_backoff_s": 0.01}) as p:
+async def test_a_step_that_hangs_while_its_container_heartbeats_fails_fast_as_an_env_bug(images):
+    # it was an infrastructure timeout: replayed on a fresh container and hung again, for
+    # retry.attempts x step_timeout_s (5 x 30 s by default) before the session was lost
+    async with pool(images, step_timeout_s=0.5) as p:  # heartbeats every 0.1 s, 5 attempts
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=3)
+            await s.step("a")
+            pid = s.container.pid
+            t0 = time.monotonic()
+            hung = r"bundle-echo-v0: step did not answer in 0\.5 s while its container was alive"
+            with pytest.raises(EnvHung, match=hung):
+                await s.step("sleep 30")
+            assert time.monotonic() - t0 < 1.5
+            stats = p.stats()
+            assert stats["env_hung"] == 1
+            assert stats.get("step_retries", 0) == 0 and stats.get("replays", 0) == 0
+            assert s.status == "ok" and s.container is None  # not lost: the environment's bug
+            with pytest.raises(EnvOrderError, match=r"step\(\) hung; call reset"):
+                await s.step("b")
+            assert (await s.reset(seed=4))[0].text == "ready 4"  # a new episode, a fresh container
+            assert s.container.pid != pid
+        await asyncio.sleep(0.1)
+        assert not alive(pid)  # the container still running the hung step was discarded
+
+
+async def test_a_constructor_that_outruns_its_timeout_while_heartbeating_is_not_retried(images):
+    async with pool(images, min_warm=0, reset_timeout_s=0.3) as p:  # the env takes 1 s to build
+        t0 = time.monotonic()
+        with pytest.raises(EnvHung, match=r"bundle-slow-init-v0: open did not answer in 0\.3 s"):
+            async with p.session("bundle-slow-init-v0", image=IMAGE):
+                pass
+        assert time.monotonic() - t0 < 1.0 and p.stats().get("claim_retries", 0) == 0
+
+
+async def test_a_step_past_its_timeout_with_no_sign_of_life_is_an_infra_failure(images):
+    # a timeout shorter than a heartbeat period proves nothing about the container: retried
+    cfg = {"step_timeout_s": 0.5, "retry": {"attempts": 2, "initial_backoff_s": 0.01}}
+    async with pool(images, runtime={"heartbeat_s": 5.0}, **cfg) as p:
         async with p.session("bundle-echo-v0", image=IMAGE) as s:
             await s.reset()
-            with pytest.raises(SessionLost, match=r"longer than 0\.5 s"):
+            with pytest.raises(SessionLost, match=r"longer than 0\.5 s \(no recent heartbeat\)"):
                 await s.step("sleep 30")
-            assert s.status == "infra_failed"
+            assert s.status == "infra_failed" and p.stats()["step_retries"] == 1
             with pytest.raises(SessionLost):
                 await s.step("x")
+
+
+async def test_a_step_waiting_on_a_slow_tool_past_its_timeout_is_an_infra_failure(images):
+    # the container heartbeats while the pool runs its tool call: the time is the tool's
+    async def slow_tool(name, arguments):
+        await asyncio.sleep(30)
+        return "late"
+
+    cfg = {"min_warm": 0, "step_timeout_s": 0.5, "retry": {"attempts": 1}, "runtime": {"heartbeat_s": 0.1}}
+    async with EnvPool(cfg, images=images, tool_caller=slow_tool) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset()
+            with pytest.raises(SessionLost, match="tool call was still pending"):
+                await s.step("tool 6*7")
+            assert p.stats().get("env_hung", 0) == 0
 
 
 async def test_a_non_deterministic_session_is_lost_not_faked(images):
