@@ -33,7 +33,7 @@ import pydantic_core
 
 from envpool.api import EnvRegistry, default_registry
 from envpool.connection import AsyncToolCaller
-from envpool.errors import EnvUsageError, PoolClosed, SessionLost
+from envpool.errors import EnvUsageError, InfraError, PoolClosed, SessionLost
 from envpool.pool_config import ImageResolver, PoolConfig, RetryConfig, digest_of, inprocess_tools
 from envpool.runtimes.base import Container, Runtime, make_runtime
 from envpool.session import EnvSession
@@ -71,6 +71,12 @@ class EnvPool:
         self.runtime: Runtime = make_runtime(self.config.runtime)
         self._idle: dict[str | None, deque[Container]] = defaultdict(deque)
         self._wanted: dict[str | None, int] = {}
+        """Images kept warm -> idle containers wanted: an image that started (a cold claim, a
+        prewarm), until it is pruned (``_unwant``): idle past ``warm_idle_s``, failing for
+        good, or the least recently asked for when the wants exceed ``max_containers``."""
+        self._asked: dict[str | None, float] = {}
+        """Image -> when a session last asked for it or held it (or it was prewarmed): the
+        prune's clock."""
         self._claimed: dict[str, Container] = {}
         self._prestart_failures: Counter[str | None] = Counter()
         self._prestart_after: dict[str | None, float] = {}
@@ -137,17 +143,18 @@ class EnvPool:
 
     async def prewarm(self, image: str | None = None, n: int | None = None) -> None:
         """Start ``n`` (default ``min_warm``) idle containers for ``image`` and wait for them;
-        from then on the pool keeps that many warm. If none of them starts, the first start
-        error is raised (``ImageNotFound`` for a wrong reference) and the image is not kept
-        warm: only an image that starts is retried in the background."""
+        from then on the pool keeps that many warm (until no session has asked for it in
+        ``warm_idle_s``). If none of them starts, the first start error is raised
+        (``ImageNotFound`` for a wrong reference) and the image is not kept warm: only an
+        image that starts is retried in the background."""
         n = self.config.min_warm if n is None else n
-        need = max(n - len(self._idle[image]) - self._starting[image], 0)
+        need = max(n - len(self._idle.get(image, ())) - self._starting[image], 0)
         if need:
             starts = [self._start_idle(image, background=False) for _ in range(need)]
             errors = [r for r in await asyncio.gather(*starts, return_exceptions=True) if r is not None]
             if len(errors) == need:
                 raise errors[0]
-        self._wanted[image] = max(self._wanted.get(image, 0), n)
+        self._keep_warm(image, max(self._wanted.get(image, 0), n))
 
     def stats(self) -> dict[str, Any]:
         claims = sorted(self.claim_ms)
@@ -156,6 +163,7 @@ class EnvPool:
             "containers": len(self.runtime.live),
             "idle": sum(len(q) for q in self._idle.values()),
             "claimed": len(self._claimed),
+            "warm_images": len(self._wanted),
             "leaked": len(self.runtime.leaked),
             "claim_p50_ms": claims[len(claims) // 2] if claims else None,
             "runtime": dict(self.runtime.metrics),
@@ -181,6 +189,8 @@ class EnvPool:
             return await self.runtime.start(image, bundle, timeout_s=self.config.runtime.start_timeout_s)
         finally:
             self._starting[image] -= 1
+            if not self._starting[image]:
+                del self._starting[image]  # keyed by image: bounded by the images starting now
             self._kick()
 
     async def _start_idle(self, image: str | None, *, background: bool = True) -> None:
@@ -194,11 +204,25 @@ class EnvPool:
             self.metrics[f"prestart_failed:{type(e).__name__}"] += 1
             if not background:
                 raise
+            if not (isinstance(e, InfraError) and getattr(e, "retryable", True)):
+                # gone for good (ImageNotFound: the image was deleted; a setup error): no backoff
+                # makes it start, and retrying it would last as long as the pool
+                log.warning(
+                    "envpool: image %s no longer starts (%s: %s); it is no longer kept warm",
+                    image or "built-ins",
+                    type(e).__name__,
+                    e,
+                )
+                self._unwant(image, type(e).__name__)
+                return
             self._prestart_failures[image] += 1
             delay = min(30.0, 0.2 * 2 ** self._prestart_failures[image])
             self._prestart_after[image] = time.monotonic() + delay
             return
-        self._prestart_failures[image] = 0
+        self._prestart_failures.pop(image, None)
+        if background and image not in self._wanted:  # let go of while it started
+            await self._stop(c)
+            return
         self._idle[image].append(c)
         self._notify_changed()
 
@@ -266,12 +290,14 @@ class EnvPool:
 
     async def _claim(self, image: str | None) -> Container:
         """An idle container of ``image`` (warm claim), else a new one (cold), else wait."""
+        if image in self._wanted:  # (a bad reference is not remembered: it never started)
+            self._asked[image] = time.monotonic()
         deadline = time.monotonic() + self.config.claim_timeout_s
         while True:
             changed = self._changed_future()  # taken before looking: no wake-up can slip by
             if self._closed:
                 raise PoolClosed("the pool is closed")
-            idle = self._idle[image]
+            idle = self._idle.get(image)  # (get: no entry made for an image that never started)
             while idle:
                 c = idle.popleft()
                 try:
@@ -279,7 +305,7 @@ class EnvPool:
                 except BaseException:
                     # a probe that failed (a remote API hiccup) or was cancelled says nothing
                     # of the container: back first in line, not lost holding a slot until close
-                    idle.appendleft(c)
+                    self._idle[image].appendleft(c)
                     raise
                 if ok:
                     self.metrics["claims_warm"] += 1
@@ -290,7 +316,8 @@ class EnvPool:
                 self.metrics["claims_cold"] += 1
                 c = await self._new_container(image)
                 # only an image that starts is kept warm: a bad one must not be retried forever
-                self._wanted.setdefault(image, self.config.min_warm)
+                if image not in self._wanted:
+                    self._keep_warm(image, self.config.min_warm)
                 return c
             if not await self._evict_idle_other_than(image):
                 remaining = deadline - time.monotonic()
@@ -324,6 +351,9 @@ class EnvPool:
             if not healthy or c.failed or c.episodes >= self.config.max_episodes:
                 self.metrics["recycled" if healthy and not c.failed else "discarded"] += 1
                 await self._stop(c)
+            elif c.image not in self._wanted:  # no longer kept warm (pruned): nobody wants it idle
+                self.metrics["released_unwanted"] += 1
+                await self._stop(c)
             else:
                 self._idle[c.image].append(c)
         finally:  # a cancelled stop frees its slot all the same: claimers must hear of it
@@ -335,6 +365,7 @@ class EnvPool:
             await asyncio.sleep(0.1)
             try:
                 now = time.monotonic()
+                self._prune_idle_images(now)
                 for image, want in list(self._wanted.items()):
                     if now < self._prestart_after.get(image, 0.0):
                         continue
@@ -351,6 +382,41 @@ class EnvPool:
                         self._kick()
             except Exception as e:  # housekeeping must not die silently
                 self.metrics[f"maintenance_error:{type(e).__name__}"] += 1
+
+    # ------------------------------------------------------------------ warm images
+    def _keep_warm(self, image: str | None, n: int) -> None:
+        """Keep ``n`` idle containers of ``image``. The wants are bounded by the pool's size:
+        past ``max_containers`` the least recently asked images are let go (else the pool
+        would keep trying to warm more than it can hold, for every image a run ever used)."""
+        self._wanted[image] = n
+        self._asked[image] = time.monotonic()
+        while sum(self._wanted.values()) > self.config.max_containers and len(self._wanted) > 1:
+            oldest = min((i for i in self._wanted if i != image), key=lambda i: self._asked.get(i, 0.0))
+            self._unwant(oldest, "capacity")
+
+    def _prune_idle_images(self, now: float) -> None:
+        """Let go of the images no session has used for ``warm_idle_s`` (asked for, or held
+        open): a run that moves on from an image (a dataset with an image per task) must not
+        keep its containers warm, nor its bookkeeping, until the pool closes."""
+        in_use = {c.image for c in self._claimed.values()}
+        for image in list(self._wanted):
+            if image in in_use:
+                self._asked[image] = now  # the window starts when its last session ends
+            elif now - self._asked.get(image, now) > self.config.warm_idle_s:
+                self._unwant(image, "idle")
+
+    def _unwant(self, image: str | None, why: str) -> None:
+        """Stop keeping ``image`` warm: its idle containers are stopped, and one still claimed
+        is stopped when its session ends. A session that asks for it again starts it cold."""
+        self._wanted.pop(image, None)
+        self._asked.pop(image, None)
+        self._prestart_failures.pop(image, None)
+        self._prestart_after.pop(image, None)
+        for c in self._idle.pop(image, ()):
+            if not self._closed:  # (a closing pool's runtime stops them all)
+                self._spawn_bg(self._stop(c))
+        self.metrics[f"warm_dropped:{why}"] += 1
+        self._kick()
 
     def _spawn_bg(self, coro: Any) -> None:
         t = asyncio.get_running_loop().create_task(coro)

@@ -36,6 +36,12 @@ class PoolConfig(BaseModel):
 
     min_warm: int = Field(2, ge=0)
     """Idle containers kept ready per image (once the image has been used or prewarmed)."""
+    warm_idle_s: float = Field(1800.0, gt=0)
+    """An image stops being kept warm (its idle containers are stopped) once no session has
+    asked for it or held it open for this long; the next session starts it cold. Keep it
+    above the gap between rollout phases (a training step). An image that fails for good
+    (``ImageNotFound``) is let go at once, and past ``max_containers`` idle containers wanted
+    in all, the least recently asked images are let go."""
     max_containers: int = Field(64, ge=1)
     """All containers of the pool, idle and claimed."""
     max_episodes: int = Field(100, ge=1)

@@ -615,6 +615,66 @@ async def test_a_container_whose_stop_keeps_failing_gives_its_slot_back(images, 
     assert not alive(first.pid) and not rt.leaked and not rt.live
 
 
+async def _wait_for(check, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_an_image_nobody_asks_for_is_no_longer_kept_warm(images):
+    # every image a run ever used was kept warm (min_warm idle containers, and its entry)
+    # until the pool closed
+    async with pool(images, min_warm=1, warm_idle_s=0.5) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            await asyncio.sleep(0.8)  # an open session keeps its image warm past the window
+            assert p.stats()["warm_images"] == 1
+        assert p.stats()["idle"] >= 1  # kept warm while the window runs
+        await _wait_for(lambda: p.stats()["warm_images"] == 0)
+        await _wait_for(lambda: p.stats()["containers"] == 0)
+        assert p.stats()["warm_dropped:idle"] == 1
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:  # asked again: a cold start
+            assert (await s.reset(seed=2))[0].text == "ready 2"
+        assert p.stats()["claims_cold"] == 2 and p.stats()["warm_images"] == 1
+
+
+class _DeletedImages(DirImages):
+    """An image resolver whose one image can be deleted upstream (ImageNotFound from then on)."""
+
+    deleted = False
+
+    async def get(self, digest: str) -> Path:
+        if self.deleted:
+            raise ImageNotFound(digest, ["origin"])
+        return await super().get(digest)
+
+
+async def test_an_image_that_is_gone_for_good_is_no_longer_kept_warm(images):
+    # it was retried in the background, backing off to every 30 s, for as long as the pool ran
+    images = _DeletedImages(images.root)
+    async with pool(images, min_warm=1, max_episodes=1) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            images.deleted = True  # its container is recycled at the end: a new one is wanted
+        await _wait_for(lambda: p.stats()["warm_images"] == 0)
+        await asyncio.sleep(1.0)  # a retry would have come (0.4 s, then 0.8 s)
+        stats = p.stats()
+        assert stats["prestart_failed:ImageNotFound"] == 1 and stats["warm_dropped:ImageNotFound"] == 1
+
+
+async def test_warm_images_are_bounded_by_the_pool_size(images):
+    # two images wanting two idle containers each cannot both be kept warm in two slots:
+    # the least recently asked one is let go instead of fighting over the slots
+    async with pool(images, min_warm=2, max_containers=2) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+        async with p.session("echo-v0") as s:  # the built-ins: another image
+            await s.reset(seed=1)
+        stats = p.stats()
+        assert stats["warm_images"] == 1 and stats["warm_dropped:capacity"] == 1
+
+
 async def test_a_closed_pool_refuses_new_sessions(images):
     from envpool.pool import PoolClosed
 
