@@ -34,7 +34,14 @@ import pydantic_core
 from envpool.api import EnvRegistry, default_registry
 from envpool.connection import AsyncToolCaller
 from envpool.errors import EnvUsageError, InfraError, PoolClosed, SessionLost
-from envpool.pool_config import ImageResolver, PoolConfig, RetryConfig, digest_of, inprocess_tools
+from envpool.pool_config import (
+    ImageResolver,
+    PinningImageResolver,
+    PoolConfig,
+    RetryConfig,
+    digest_of,
+    inprocess_tools,
+)
 from envpool.runtimes.base import Container, Runtime, make_runtime
 from envpool.session import EnvSession
 
@@ -88,6 +95,9 @@ class EnvPool:
         self._closed = False
         self._maint: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
+        self._pinned: dict[str, str] = {}
+        """Container id -> the image digest whose unpacked bundle it runs from, pinned in the
+        image cache (not evicted) until the container has stopped."""
         self._stopping_again: set[str] = set()
         """Containers whose stop failed and is being retried in the background."""
         self.metrics: Counter[str] = Counter()
@@ -118,7 +128,12 @@ class EnvPool:
             t.cancel()
         await asyncio.gather(*self._bg, *([self._maint] if self._maint else []), return_exceptions=True)
         self._notify_changed()  # claimers waiting for capacity learn the pool closed
-        await self.runtime.aclose()
+        try:
+            await self.runtime.aclose()
+        finally:
+            for cid in list(self._pinned):  # what may still run (a stop that failed) stays pinned
+                if cid not in self.runtime.live and cid not in self.runtime.leaked:
+                    self._unpin(cid)
 
     # ------------------------------------------------------------------ sessions
     @contextlib.asynccontextmanager
@@ -170,23 +185,36 @@ class EnvPool:
         }
 
     # ------------------------------------------------------------------ containers
-    async def _bundle(self, image: str | None) -> Path | None:
+    async def _bundle(self, image: str | None) -> tuple[Path | None, str | None]:
+        """The unpacked bundle of ``image`` for a container on this machine, and the digest
+        pinned for it in the image cache (None where the cache does not evict)."""
         if image is None:
-            return None
+            return None, None
         if not self.runtime.uses_local_bundle:
             digest_of(image)  # a bad reference is refused here; the container fetches the bundle
-            return None
+            return None, None
         if self.images is None:
             raise ValueError(f"image {image!r} given but the pool has no image cache (EnvPool(images=...))")
-        return await self.images.get(digest_of(image))
+        digest = digest_of(image)
+        if isinstance(self.images, PinningImageResolver):
+            return await self.images.acquire(digest), digest
+        return await self.images.get(digest), None
 
     async def _new_container(self, image: str | None) -> Container:
         if self._closed:
             raise PoolClosed("the pool is closed")
         self._starting[image] += 1
         try:
-            bundle = await self._bundle(image)
-            return await self.runtime.start(image, bundle, timeout_s=self.config.runtime.start_timeout_s)
+            bundle, pinned = await self._bundle(image)
+            try:
+                c = await self.runtime.start(image, bundle, timeout_s=self.config.runtime.start_timeout_s)
+            except BaseException:
+                if pinned is not None:
+                    self._release_pin(pinned)
+                raise
+            if pinned is not None:
+                self._pinned[c.id] = pinned
+            return c
         finally:
             self._starting[image] -= 1
             if not self._starting[image]:
@@ -236,6 +264,8 @@ class EnvPool:
             if not self._closed and c.id not in self._stopping_again:
                 self._stopping_again.add(c.id)
                 self._spawn_bg(self._stop_again(c, e))
+        else:
+            self._unpin(c.id)
 
     async def _stop_again(self, c: Container, error: Exception) -> None:
         """Retry a failed stop with backoff and full jitter. Until it succeeds the container
@@ -257,6 +287,7 @@ class EnvPool:
                     error = e
                     continue
                 self.metrics["stop_retried_ok"] += 1
+                self._unpin(c.id)
                 return
             if self.runtime.abandon(c):
                 self.metrics["containers_leaked"] += 1
@@ -277,6 +308,19 @@ class EnvPool:
         finally:
             self._stopping_again.discard(c.id)
             self._kick()  # a slot may have freed up either way
+
+    def _unpin(self, cid: str) -> None:
+        """The container has stopped: its bundle may be evicted again."""
+        digest = self._pinned.pop(cid, None)
+        if digest is not None:
+            self._release_pin(digest)
+
+    def _release_pin(self, digest: str) -> None:
+        assert isinstance(self.images, PinningImageResolver)
+        try:
+            self.images.release(digest)
+        except Exception as e:  # the cache's bookkeeping must not fail a stop
+            self.metrics[f"unpin_failed:{type(e).__name__}"] += 1
 
     def _notify_changed(self) -> None:
         fut, self._changed = self._changed, None
@@ -366,6 +410,9 @@ class EnvPool:
             try:
                 now = time.monotonic()
                 self._prune_idle_images(now)
+                for cid in list(self._pinned):  # a stop whose caller was cancelled went on
+                    if cid not in self.runtime.live and cid not in self.runtime.leaked:
+                        self._unpin(cid)
                 for image, want in list(self._wanted.items()):
                     if now < self._prestart_after.get(image, 0.0):
                         continue

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -70,6 +70,18 @@ class ImageResolver(Protocol):
     """What the pool needs of an image cache: the unpacked bundle of an image reference."""
 
     async def get(self, digest: str) -> Path: ...
+
+
+@runtime_checkable
+class PinningImageResolver(Protocol):
+    """An image cache that evicts unpacked bundles (``TieredCache``): the pool pins the
+    bundle of each container it starts (``acquire``) until the container has stopped."""
+
+    async def get(self, digest: str) -> Path: ...
+
+    async def acquire(self, digest: str) -> Path: ...
+
+    def release(self, digest: str) -> None: ...
 
 
 async def inprocess_tools(name: str, arguments: dict[str, Any]) -> str:

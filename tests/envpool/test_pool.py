@@ -32,6 +32,7 @@ from envpool.errors import (
     ProtocolError,
     SessionTokenError,
 )
+from envpool.images import DiskTier, DiskTierConfig, TieredCache, build_bundle
 from envpool.images.errors import ImageNotFound
 from envpool.pool import EnvPool, SessionLost
 from envpool.protocol import encode
@@ -673,6 +674,32 @@ async def test_warm_images_are_bounded_by_the_pool_size(images):
             await s.reset(seed=1)
         stats = p.stats()
         assert stats["warm_images"] == 1 and stats["warm_dropped:capacity"] == 1
+
+
+async def test_the_pool_pins_the_bundle_its_containers_run_from(tmp_path):
+    # with an eviction budget the cache must not delete a bundle a live container runs from
+    def other_bundle(name: str):
+        root = tmp_path / name
+        root.mkdir()
+        (root / "data.bin").write_bytes(name.encode() * 1000)
+        return build_bundle(root)
+
+    echo, other, third = build_bundle(write_bundle(tmp_path / "echo")), other_bundle("o"), other_bundle("t")
+    tiers = [DiskTier(DiskTierConfig(path=tmp_path / "l1"))]
+    async with TieredCache(tiers, unpack_dir=tmp_path / "unpacked", unpacked_budget_bytes=1) as cache:
+        image = await cache.publish(echo, name="echo")
+        for b in (other, third):
+            await cache.publish(b)
+        async with EnvPool({"min_warm": 0, "runtime": {"heartbeat_s": 0.1}}, images=cache) as p:
+            async with p.session("bundle-echo-v0", image=image) as s:
+                await s.reset(seed=1)
+                await cache.get(other.digest)  # over the budget: only what is not in use goes
+                assert cache.path_of(image).is_dir() and cache.metrics()["unpacked"]["pinned"] == 1
+            async with p.session("bundle-echo-v0", image=image) as s:  # the idle container: still pinned
+                assert (await s.reset(seed=2))[0].text == "ready 2"
+        assert cache.metrics()["unpacked"]["pinned"] == 0  # its containers stopped with the pool
+        await cache.get(third.digest)
+        assert not cache.path_of(image).exists()
 
 
 async def test_a_closed_pool_refuses_new_sessions(images):
