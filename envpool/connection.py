@@ -13,6 +13,7 @@ import pydantic_core
 from envpool.errors import (
     ActionError,
     ConnectionLost,
+    EnvHung,
     EnvLogicError,
     EnvOrderError,
     EnvPoolError,
@@ -64,6 +65,8 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.last_seen = time.monotonic()
+        self.last_frame = float("-inf")
+        """When the container last sent anything (a reply, a heartbeat): proof it is alive."""
         self.silence_s = heartbeat_s * misses
         self.tool_caller = tool_caller
         self.ids = itertools.count(1)
@@ -89,7 +92,7 @@ class Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        self.last_seen = time.monotonic()
+        self.last_seen = self.last_frame = time.monotonic()
         try:
             frames = self.decoder.feed(data)
         except (FrameError, ValueError) as e:
@@ -155,7 +158,8 @@ class Connection(asyncio.Protocol):
 
     async def request(self, msg: dict[str, Any], timeout_s: float) -> Any:
         """Send ``msg`` (its ``id`` set here unless given) and return the result; raises the
-        remote error, ``StepTimeout`` (too slow, or silent past the heartbeat misses) or
+        remote error, ``EnvHung`` (too slow while the container heartbeats), ``StepTimeout``
+        (silent past the heartbeat misses, or too slow with no sign of life) or
         ``ConnectionLost``."""
         rid = msg.setdefault("id", next(self.ids))
         # sent before anything waits for a reply: a message that cannot be sent leaves no
@@ -163,15 +167,15 @@ class Connection(asyncio.Protocol):
         self.send(msg)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.waiting[rid] = fut
-        deadline = time.monotonic() + timeout_s
-        self.last_seen = time.monotonic()
+        sent = self.last_seen = time.monotonic()
+        deadline = sent + timeout_s
         try:
             while True:
                 now = time.monotonic()
                 wait = min(deadline, self.last_seen + self.silence_s) - now
                 if wait <= 0:
                     if now >= deadline:
-                        raise StepTimeout(f"{msg.get('op')} took longer than {timeout_s:g} s")
+                        raise self._timeout(str(msg.get("op")), timeout_s, sent)
                     raise StepTimeout(f"the container missed its heartbeats for {self.silence_s:g} s (hung)")
                 try:
                     reply = await asyncio.wait_for(asyncio.shield(fut), wait)
@@ -183,6 +187,24 @@ class Connection(asyncio.Protocol):
         if reply.get("ok"):
             return reply.get("result")
         raise remote_error(reply.get("error") or {})
+
+    def _timeout(self, op: str, timeout_s: float, sent: float) -> EnvPoolError:
+        """Whose fault a request past its deadline is. Heartbeats heard during it (the server
+        sends them from its own thread while the request runs) prove the container alive:
+        the environment's code is what does not answer, and a retry would only hang again.
+        Without that proof (no heartbeat yet: a timeout shorter than a heartbeat period), or
+        with a tool call still pending here (the time may be the tool's), it stays an
+        infrastructure timeout, retried on a fresh container."""
+        if self.tasks:
+            return StepTimeout(f"{op} took longer than {timeout_s:g} s (a tool call was still pending)")
+        if self.last_frame <= sent or time.monotonic() - self.last_frame >= self.silence_s:
+            return StepTimeout(f"{op} took longer than {timeout_s:g} s (no recent heartbeat)")
+        return EnvHung(
+            f"{op} did not answer in {timeout_s:g} s while its container was alive (heartbeating): "
+            "the environment hangs on this input; not retried (a replay would hang the same way)",
+            op=op,
+            timeout_s=timeout_s,
+        )
 
     def close(self) -> None:
         if self.transport is not None:

@@ -7,6 +7,7 @@
     │   ├── ActionError         not text, not UTF-8, over the size limit
     │   └── SessionTokenError   a request carrying another session's token
     ├── EnvLogicError           the environment's own code raised: data, never retried
+    │   └── EnvHung             it ran past its timeout while its container was alive
     ├── ProtocolError           a message the session protocol does not allow: never retried
     ├── EnvConformanceError     check_env found problems (envpool.testing)
     ├── ImageError              envpool.images: bad reference, not found, unsafe bundle
@@ -15,7 +16,8 @@
         ├── ContainerDied
         ├── ContainerStartError
         ├── ConnectionLost
-        ├── StepTimeout         (also: a container that missed its heartbeats)
+        ├── StepTimeout         a container that missed its heartbeats, or a timeout
+        │                       with no sign of life (or a tool call still pending)
         ├── ImageFetchError     (from envpool.images)
         └── SessionLost         the session could not be saved: infra_failed (not retried)
 
@@ -66,6 +68,18 @@ class EnvLogicError(EnvPoolError):
         super().__init__(message)
 
 
+class EnvHung(EnvLogicError):
+    """A request ran past its timeout while its container kept heartbeating: the process
+    is alive and the environment's own code did not answer (it hangs on that input). Not
+    retried: replaying a deterministic episode on a fresh container would hang the same
+    way, for another timeout per attempt."""
+
+    def __init__(self, message: str, *, op: str = "", timeout_s: float = 0.0):
+        self.op = op
+        self.timeout_s = timeout_s
+        super().__init__(message, remote_type="EnvHung")
+
+
 class ProtocolError(EnvPoolError):
     """A message the session protocol does not allow (a reply without a request id, an
     unknown op): a bug of the server or of the pool, which no retry fixes."""
@@ -88,7 +102,9 @@ class ConnectionLost(InfraError):
 
 
 class StepTimeout(InfraError):
-    """A request ran past its timeout, or the container went silent (missed heartbeats)."""
+    """The container went silent (missed heartbeats), or a request ran past its timeout
+    with nothing to show the container alive (no heartbeat heard: ``step_timeout_s``
+    shorter than a heartbeat period) or while a tool call the pool brokers was pending."""
 
 
 class PoolClosed(EnvPoolError):

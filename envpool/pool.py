@@ -8,17 +8,21 @@
 Every call of a session goes to the container it claimed. Containers are started ahead
 of demand (``min_warm`` idle per image), reused across episodes, recycled after
 ``max_episodes`` or any failure, and replaced in the background. Infrastructure failures
-(a dead container, missed heartbeats, a timeout, a failed image fetch) are retried with
-exponential backoff and full jitter; a deterministic environment's session survives the
-loss of its container by replaying its actions on a fresh one. A session that cannot be
-saved ends ``infra_failed`` (``SessionLost``): masked from training, never a fake zero.
-Environment bugs and usage errors are never retried.
+(a dead container, missed heartbeats, a timeout with no sign of life, a failed image
+fetch) are retried with exponential backoff and full jitter; a deterministic environment's
+session survives the loss of its container by replaying its actions on a fresh one. A
+session that cannot be saved ends ``infra_failed`` (``SessionLost``): masked from
+training, never a fake zero. Environment bugs and usage errors are never retried; nor is
+a request that runs past its timeout while its container heartbeats (``EnvHung``: the
+environment's code hangs, and a replay would hang again).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import random
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import AsyncIterator
@@ -29,10 +33,19 @@ import pydantic_core
 
 from envpool.api import EnvRegistry, default_registry
 from envpool.connection import AsyncToolCaller
-from envpool.errors import EnvUsageError, PoolClosed, SessionLost
-from envpool.pool_config import ImageResolver, PoolConfig, RetryConfig, digest_of, inprocess_tools
+from envpool.errors import EnvUsageError, InfraError, PoolClosed, SessionLost
+from envpool.pool_config import (
+    ImageResolver,
+    PinningImageResolver,
+    PoolConfig,
+    RetryConfig,
+    digest_of,
+    inprocess_tools,
+)
 from envpool.runtimes.base import Container, Runtime, make_runtime
 from envpool.session import EnvSession
+
+log = logging.getLogger(__name__)
 
 # these lived here first: still importable from envpool.pool
 __all__ = [
@@ -65,6 +78,12 @@ class EnvPool:
         self.runtime: Runtime = make_runtime(self.config.runtime)
         self._idle: dict[str | None, deque[Container]] = defaultdict(deque)
         self._wanted: dict[str | None, int] = {}
+        """Images kept warm -> idle containers wanted: an image that started (a cold claim, a
+        prewarm), until it is pruned (``_unwant``): idle past ``warm_idle_s``, failing for
+        good, or the least recently asked for when the wants exceed ``max_containers``."""
+        self._asked: dict[str | None, float] = {}
+        """Image -> when a session last asked for it or held it (or it was prewarmed): the
+        prune's clock."""
         self._claimed: dict[str, Container] = {}
         self._prestart_failures: Counter[str | None] = Counter()
         self._prestart_after: dict[str | None, float] = {}
@@ -76,6 +95,11 @@ class EnvPool:
         self._closed = False
         self._maint: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
+        self._pinned: dict[str, str] = {}
+        """Container id -> the image digest whose unpacked bundle it runs from, pinned in the
+        image cache (not evicted) until the container has stopped."""
+        self._stopping_again: set[str] = set()
+        """Containers whose stop failed and is being retried in the background."""
         self.metrics: Counter[str] = Counter()
         self.claim_ms: deque[float] = deque(maxlen=10_000)
 
@@ -104,7 +128,12 @@ class EnvPool:
             t.cancel()
         await asyncio.gather(*self._bg, *([self._maint] if self._maint else []), return_exceptions=True)
         self._notify_changed()  # claimers waiting for capacity learn the pool closed
-        await self.runtime.aclose()
+        try:
+            await self.runtime.aclose()
+        finally:
+            for cid in list(self._pinned):  # what may still run (a stop that failed) stays pinned
+                if cid not in self.runtime.live and cid not in self.runtime.leaked:
+                    self._unpin(cid)
 
     # ------------------------------------------------------------------ sessions
     @contextlib.asynccontextmanager
@@ -129,17 +158,18 @@ class EnvPool:
 
     async def prewarm(self, image: str | None = None, n: int | None = None) -> None:
         """Start ``n`` (default ``min_warm``) idle containers for ``image`` and wait for them;
-        from then on the pool keeps that many warm. If none of them starts, the first start
-        error is raised (``ImageNotFound`` for a wrong reference) and the image is not kept
-        warm: only an image that starts is retried in the background."""
+        from then on the pool keeps that many warm (until no session has asked for it in
+        ``warm_idle_s``). If none of them starts, the first start error is raised
+        (``ImageNotFound`` for a wrong reference) and the image is not kept warm: only an
+        image that starts is retried in the background."""
         n = self.config.min_warm if n is None else n
-        need = max(n - len(self._idle[image]) - self._starting[image], 0)
+        need = max(n - len(self._idle.get(image, ())) - self._starting[image], 0)
         if need:
             starts = [self._start_idle(image, background=False) for _ in range(need)]
             errors = [r for r in await asyncio.gather(*starts, return_exceptions=True) if r is not None]
             if len(errors) == need:
                 raise errors[0]
-        self._wanted[image] = max(self._wanted.get(image, 0), n)
+        self._keep_warm(image, max(self._wanted.get(image, 0), n))
 
     def stats(self) -> dict[str, Any]:
         claims = sorted(self.claim_ms)
@@ -148,30 +178,47 @@ class EnvPool:
             "containers": len(self.runtime.live),
             "idle": sum(len(q) for q in self._idle.values()),
             "claimed": len(self._claimed),
+            "warm_images": len(self._wanted),
+            "leaked": len(self.runtime.leaked),
             "claim_p50_ms": claims[len(claims) // 2] if claims else None,
             "runtime": dict(self.runtime.metrics),
         }
 
     # ------------------------------------------------------------------ containers
-    async def _bundle(self, image: str | None) -> Path | None:
+    async def _bundle(self, image: str | None) -> tuple[Path | None, str | None]:
+        """The unpacked bundle of ``image`` for a container on this machine, and the digest
+        pinned for it in the image cache (None where the cache does not evict)."""
         if image is None:
-            return None
+            return None, None
         if not self.runtime.uses_local_bundle:
             digest_of(image)  # a bad reference is refused here; the container fetches the bundle
-            return None
+            return None, None
         if self.images is None:
             raise ValueError(f"image {image!r} given but the pool has no image cache (EnvPool(images=...))")
-        return await self.images.get(digest_of(image))
+        digest = digest_of(image)
+        if isinstance(self.images, PinningImageResolver):
+            return await self.images.acquire(digest), digest
+        return await self.images.get(digest), None
 
     async def _new_container(self, image: str | None) -> Container:
         if self._closed:
             raise PoolClosed("the pool is closed")
         self._starting[image] += 1
         try:
-            bundle = await self._bundle(image)
-            return await self.runtime.start(image, bundle, timeout_s=self.config.runtime.start_timeout_s)
+            bundle, pinned = await self._bundle(image)
+            try:
+                c = await self.runtime.start(image, bundle, timeout_s=self.config.runtime.start_timeout_s)
+            except BaseException:
+                if pinned is not None:
+                    self._release_pin(pinned)
+                raise
+            if pinned is not None:
+                self._pinned[c.id] = pinned
+            return c
         finally:
             self._starting[image] -= 1
+            if not self._starting[image]:
+                del self._starting[image]  # keyed by image: bounded by the images starting now
             self._kick()
 
     async def _start_idle(self, image: str | None, *, background: bool = True) -> None:
@@ -185,22 +232,95 @@ class EnvPool:
             self.metrics[f"prestart_failed:{type(e).__name__}"] += 1
             if not background:
                 raise
+            if not (isinstance(e, InfraError) and getattr(e, "retryable", True)):
+                # gone for good (ImageNotFound: the image was deleted; a setup error): no backoff
+                # makes it start, and retrying it would last as long as the pool
+                log.warning(
+                    "envpool: image %s no longer starts (%s: %s); it is no longer kept warm",
+                    image or "built-ins",
+                    type(e).__name__,
+                    e,
+                )
+                self._unwant(image, type(e).__name__)
+                return
             self._prestart_failures[image] += 1
             delay = min(30.0, 0.2 * 2 ** self._prestart_failures[image])
             self._prestart_after[image] = time.monotonic() + delay
             return
-        self._prestart_failures[image] = 0
+        self._prestart_failures.pop(image, None)
+        if background and image not in self._wanted:  # let go of while it started
+            await self._stop(c)
+            return
         self._idle[image].append(c)
         self._notify_changed()
 
     async def _stop(self, c: Container) -> None:
         """Stop a container the pool gives up; a failure is counted, not raised (the session
-        or housekeeping that let it go is done with it): the runtime keeps it tracked, and
-        its aclose (and exit hook) tries again."""
+        or housekeeping that let it go is done with it), and retried in the background."""
         try:
             await self.runtime.stop(c)
         except Exception as e:
             self.metrics[f"stop_failed:{type(e).__name__}"] += 1
+            if not self._closed and c.id not in self._stopping_again:
+                self._stopping_again.add(c.id)
+                self._spawn_bg(self._stop_again(c, e))
+        else:
+            self._unpin(c.id)
+
+    async def _stop_again(self, c: Container, error: Exception) -> None:
+        """Retry a failed stop with backoff and full jitter. Until it succeeds the container
+        holds a slot (it may still run); once ``stop_retry.attempts`` are spent it is handed
+        over as leaked (``Runtime.abandon``): it frees its slot, and the runtime's close and
+        exit hook try once more. Capacity must not shrink for the rest of a run because an
+        engine or API refused a few removals."""
+        rc = self.config.stop_retry
+        try:
+            for n in range(1, rc.attempts):
+                cap = min(rc.max_backoff_s, rc.initial_backoff_s * 2 ** (n - 1))
+                await asyncio.sleep(random.uniform(0, cap))  # full jitter
+                if c.id not in self.runtime.live:
+                    return  # stopped (or given up) on another path meanwhile
+                try:
+                    await self.runtime.stop(c)
+                except Exception as e:
+                    self.metrics[f"stop_failed:{type(e).__name__}"] += 1
+                    error = e
+                    continue
+                self.metrics["stop_retried_ok"] += 1
+                self._unpin(c.id)
+                return
+            if self.runtime.abandon(c):
+                self.metrics["containers_leaked"] += 1
+                # named by what finds it by hand: a docker id, a pod name, a sandbox id, a pid
+                where = c.handle if isinstance(c.handle, str) else f"pid {c.pid}"
+                log.warning(
+                    "envpool: gave up stopping container %s (%s runtime, %s, image %s) after %d "
+                    "attempts; its pool slot is released and it is recorded as leaked (the "
+                    "runtime's close tries once more). Last error: %s: %s",
+                    c.id,
+                    self.runtime.kind,
+                    where,
+                    c.image or "built-ins",
+                    rc.attempts,
+                    type(error).__name__,
+                    error,
+                )
+        finally:
+            self._stopping_again.discard(c.id)
+            self._kick()  # a slot may have freed up either way
+
+    def _unpin(self, cid: str) -> None:
+        """The container has stopped: its bundle may be evicted again."""
+        digest = self._pinned.pop(cid, None)
+        if digest is not None:
+            self._release_pin(digest)
+
+    def _release_pin(self, digest: str) -> None:
+        assert isinstance(self.images, PinningImageResolver)
+        try:
+            self.images.release(digest)
+        except Exception as e:  # the cache's bookkeeping must not fail a stop
+            self.metrics[f"unpin_failed:{type(e).__name__}"] += 1
 
     def _notify_changed(self) -> None:
         fut, self._changed = self._changed, None
@@ -214,12 +334,14 @@ class EnvPool:
 
     async def _claim(self, image: str | None) -> Container:
         """An idle container of ``image`` (warm claim), else a new one (cold), else wait."""
+        if image in self._wanted:  # (a bad reference is not remembered: it never started)
+            self._asked[image] = time.monotonic()
         deadline = time.monotonic() + self.config.claim_timeout_s
         while True:
             changed = self._changed_future()  # taken before looking: no wake-up can slip by
             if self._closed:
                 raise PoolClosed("the pool is closed")
-            idle = self._idle[image]
+            idle = self._idle.get(image)  # (get: no entry made for an image that never started)
             while idle:
                 c = idle.popleft()
                 try:
@@ -227,7 +349,7 @@ class EnvPool:
                 except BaseException:
                     # a probe that failed (a remote API hiccup) or was cancelled says nothing
                     # of the container: back first in line, not lost holding a slot until close
-                    idle.appendleft(c)
+                    self._idle[image].appendleft(c)
                     raise
                 if ok:
                     self.metrics["claims_warm"] += 1
@@ -238,7 +360,8 @@ class EnvPool:
                 self.metrics["claims_cold"] += 1
                 c = await self._new_container(image)
                 # only an image that starts is kept warm: a bad one must not be retried forever
-                self._wanted.setdefault(image, self.config.min_warm)
+                if image not in self._wanted:
+                    self._keep_warm(image, self.config.min_warm)
                 return c
             if not await self._evict_idle_other_than(image):
                 remaining = deadline - time.monotonic()
@@ -272,6 +395,9 @@ class EnvPool:
             if not healthy or c.failed or c.episodes >= self.config.max_episodes:
                 self.metrics["recycled" if healthy and not c.failed else "discarded"] += 1
                 await self._stop(c)
+            elif c.image not in self._wanted:  # no longer kept warm (pruned): nobody wants it idle
+                self.metrics["released_unwanted"] += 1
+                await self._stop(c)
             else:
                 self._idle[c.image].append(c)
         finally:  # a cancelled stop frees its slot all the same: claimers must hear of it
@@ -283,6 +409,10 @@ class EnvPool:
             await asyncio.sleep(0.1)
             try:
                 now = time.monotonic()
+                self._prune_idle_images(now)
+                for cid in list(self._pinned):  # a stop whose caller was cancelled went on
+                    if cid not in self.runtime.live and cid not in self.runtime.leaked:
+                        self._unpin(cid)
                 for image, want in list(self._wanted.items()):
                     if now < self._prestart_after.get(image, 0.0):
                         continue
@@ -299,6 +429,41 @@ class EnvPool:
                         self._kick()
             except Exception as e:  # housekeeping must not die silently
                 self.metrics[f"maintenance_error:{type(e).__name__}"] += 1
+
+    # ------------------------------------------------------------------ warm images
+    def _keep_warm(self, image: str | None, n: int) -> None:
+        """Keep ``n`` idle containers of ``image``. The wants are bounded by the pool's size:
+        past ``max_containers`` the least recently asked images are let go (else the pool
+        would keep trying to warm more than it can hold, for every image a run ever used)."""
+        self._wanted[image] = n
+        self._asked[image] = time.monotonic()
+        while sum(self._wanted.values()) > self.config.max_containers and len(self._wanted) > 1:
+            oldest = min((i for i in self._wanted if i != image), key=lambda i: self._asked.get(i, 0.0))
+            self._unwant(oldest, "capacity")
+
+    def _prune_idle_images(self, now: float) -> None:
+        """Let go of the images no session has used for ``warm_idle_s`` (asked for, or held
+        open): a run that moves on from an image (a dataset with an image per task) must not
+        keep its containers warm, nor its bookkeeping, until the pool closes."""
+        in_use = {c.image for c in self._claimed.values()}
+        for image in list(self._wanted):
+            if image in in_use:
+                self._asked[image] = now  # the window starts when its last session ends
+            elif now - self._asked.get(image, now) > self.config.warm_idle_s:
+                self._unwant(image, "idle")
+
+    def _unwant(self, image: str | None, why: str) -> None:
+        """Stop keeping ``image`` warm: its idle containers are stopped, and one still claimed
+        is stopped when its session ends. A session that asks for it again starts it cold."""
+        self._wanted.pop(image, None)
+        self._asked.pop(image, None)
+        self._prestart_failures.pop(image, None)
+        self._prestart_after.pop(image, None)
+        for c in self._idle.pop(image, ()):
+            if not self._closed:  # (a closing pool's runtime stops them all)
+                self._spawn_bg(self._stop(c))
+        self.metrics[f"warm_dropped:{why}"] += 1
+        self._kick()
 
     def _spawn_bg(self, coro: Any) -> None:
         t = asyncio.get_running_loop().create_task(coro)

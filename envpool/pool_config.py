@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -36,6 +36,12 @@ class PoolConfig(BaseModel):
 
     min_warm: int = Field(2, ge=0)
     """Idle containers kept ready per image (once the image has been used or prewarmed)."""
+    warm_idle_s: float = Field(1800.0, gt=0)
+    """An image stops being kept warm (its idle containers are stopped) once no session has
+    asked for it or held it open for this long; the next session starts it cold. Keep it
+    above the gap between rollout phases (a training step). An image that fails for good
+    (``ImageNotFound``) is let go at once, and past ``max_containers`` idle containers wanted
+    in all, the least recently asked images are let go."""
     max_containers: int = Field(64, ge=1)
     """All containers of the pool, idle and claimed."""
     max_episodes: int = Field(100, ge=1)
@@ -50,12 +56,32 @@ class PoolConfig(BaseModel):
     """The reaper reclaims a container whose session made no request for this long (leaked);
     that session then ends ``infra_failed``."""
     retry: RetryConfig = Field(default_factory=RetryConfig)
+    """Retries of a session's requests through infrastructure failures."""
+    stop_retry: RetryConfig = Field(
+        default_factory=lambda: RetryConfig(attempts=5, initial_backoff_s=1.0, max_backoff_s=10.0)
+    )
+    """Attempts at stopping a container the pool let go (an engine or API may refuse a
+    removal for a while). A container still not stopped after these (at most ~15 s of
+    backoff by default) is logged as leaked and frees its slot (``containers_leaked``);
+    the runtime's close and exit hook try it once more."""
 
 
 class ImageResolver(Protocol):
     """What the pool needs of an image cache: the unpacked bundle of an image reference."""
 
     async def get(self, digest: str) -> Path: ...
+
+
+@runtime_checkable
+class PinningImageResolver(Protocol):
+    """An image cache that evicts unpacked bundles (``TieredCache``): the pool pins the
+    bundle of each container it starts (``acquire``) until the container has stopped."""
+
+    async def get(self, digest: str) -> Path: ...
+
+    async def acquire(self, digest: str) -> Path: ...
+
+    def release(self, digest: str) -> None: ...
 
 
 async def inprocess_tools(name: str, arguments: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ from envpool.api import MAX_ACTION_BYTES, Observation, StepResult, check_action
 from envpool.connection import Connection
 from envpool.errors import (
     ContainerDied,
+    EnvHung,
     EnvLogicError,
     EnvOrderError,
     EnvUsageError,
@@ -72,6 +73,8 @@ class EnvSession:
         self._interrupted = False
         """A request was cut off before its reply (cancelled): the container may still be
         running it, so its state is unknown and it is not reused."""
+        self._hung: str | None = None
+        """Why the episode ended without an end: its last request hung (``EnvHung``)."""
 
     # -- public
     async def reset(
@@ -84,7 +87,7 @@ class EnvSession:
         result = await self._with_recovery(
             "reset", lambda: self._call("reset", args, self._cfg.reset_timeout_s)
         )
-        self._reset_args, self._actions, self._done = args, [], False
+        self._reset_args, self._actions, self._done, self._hung = args, [], False, None
         self._trace = [_digest(result)]
         if self.container is not None:
             self.container.episodes += 1
@@ -95,6 +98,8 @@ class EnvSession:
         self._check_alive()
         text = check_action(action, self.max_action_bytes)
         if self._done:
+            if self._hung:
+                raise EnvOrderError(f"{self.env_id}: the episode ended when {self._hung}; call reset()")
             raise EnvOrderError(
                 f"{self.env_id}: step() before reset() (or after the episode ended); call reset()"
             )
@@ -133,6 +138,14 @@ class EnvSession:
         self.container.last_active = time.monotonic()
         try:
             return await self.conn.request({"op": op, "token": self.token, "args": args}, timeout_s)
+        except EnvHung as e:
+            # the environment's bug, not the container's: no retry, no replay (it would hang
+            # again). The container is still running the request: discard it; the episode is
+            # over, and a reset() starts a new one on a fresh container.
+            self.pool.metrics["env_hung"] += 1
+            self._hung, self._done = f"{op}() hung", True
+            await self._drop_container(healthy=False)
+            raise EnvHung(f"{self.env_id}: {e}", op=e.op, timeout_s=e.timeout_s) from None
         except BaseException as e:
             if not isinstance(e, Exception):  # cancelled mid-request (an aborted trajectory)
                 self._interrupted = True
@@ -162,6 +175,10 @@ class EnvSession:
             # the container knows its environments (an image registers its own)
             self.deterministic = bool(info.get("deterministic", self.deterministic))
             self.max_action_bytes = int(info.get("max_action_bytes", self.max_action_bytes))
+        except EnvHung as e:  # its constructor hangs: as a hung step, not retried
+            self.pool.metrics["env_hung"] += 1
+            await self._drop_container(healthy=False)
+            raise EnvHung(f"{self.env_id}: {e}", op=e.op, timeout_s=e.timeout_s) from None
         except BaseException:
             await self._drop_container(healthy=False)
             raise

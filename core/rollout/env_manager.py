@@ -15,9 +15,10 @@ Outcomes are data, never exceptions:
 * ``ok`` / ``truncated`` (``max_turns`` reached): rewarded by the reward stream.
 * ``aborted``: the proxy answered a turn with ``abort`` (the group had enough, or the
   trajectory went stale); never reaches the trainer.
-* ``infra_failed``: the environment's container was lost beyond repair, the engine replicas
-  are gone, or the trajectory outran ``rollout.trajectory_timeout_s``: masked, re-run by the
-  group, never scored as zero.
+* ``infra_failed``: the environment's container was lost beyond repair, the environment
+  itself failed (raised, or hung past ``step_timeout_s``), the engine replicas are gone, or
+  the trajectory outran ``rollout.trajectory_timeout_s``: masked, re-run by the group,
+  never scored as zero.
 
 A reply that is not a valid action is sent to the environment as it is: the environment
 records it as invalid and decides the penalty (one too large to send at all is recorded as
@@ -168,8 +169,8 @@ class EnvManager:
                 f"trajectory ran over rollout.trajectory_timeout_s={self.cfg.rollout.trajectory_timeout_s}",
             )
         except (EnvPoolError, EngineError) as e:
-            # EnvLogicError (the environment's own bug) lands here too: masked like a lost
-            # container, since no reward for it would be true
+            # EnvLogicError (the environment's own bug, EnvHung: it hangs on an action) lands
+            # here too: masked like a lost container, since no reward for it would be true
             _fail(traj, f"{type(e).__name__}: {e}")
         finally:
             traj.info["wall_s"] = time.perf_counter() - t0

@@ -3,6 +3,7 @@
     async with TieredCache.from_config(config) as cache:
         cache.prefetch(["envs/frozenlake@sha256:..."])   # before the step starts
         root = await cache.get("envs/frozenlake@sha256:...")   # the unpacked directory
+        root = await cache.acquire(ref); ...; cache.release(ref)  # pinned while in use
 
 A ``get`` walks the tiers fastest first. Whatever a tier returns is checked against the digest;
 a corrupt blob is counted, dropped from that tier and the walk goes on to the next one. The
@@ -10,6 +11,10 @@ first good copy is written back to the faster writable tiers it missed and unpac
 once). Concurrent gets of one digest share a single fetch (single-flight), so a thousand resets
 of a cold image cost one download. A walk that ends in a transport fault is retried with
 exponential backoff and full jitter; one that ends in "no tier has it" is not.
+
+Unpacked bundles are evicted least recently used first to stay under
+``unpacked_budget_bytes`` (``envpool.images.unpacked``); one pinned with ``acquire`` (a
+container runs from it) is never evicted until ``release``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from envpool.images.bundle import Bundle, ImageRef, unpack, verify
 from envpool.images.errors import DigestMismatch, ImageError, ImageFetchError, ImageNotFound
 from envpool.images.tiers import Tier, TierConfig, make_tier
 from envpool.images.tiers.disk import STALE_TEMP_S
+from envpool.images.unpacked import UnpackedStore, remove_all, tree_bytes
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +63,9 @@ class RetryPolicy(BaseModel):
     """No new attempt starts after this long (None: attempts alone bound it)."""
 
 
+DEFAULT_UNPACKED_BUDGET = 20 * 2**30
+
+
 class CacheConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -69,6 +78,11 @@ class CacheConfig(BaseModel):
     """Downloads of distinct images at once (a big prefetch must not starve a reset)."""
     max_unpacked_bytes: int | None = Field(None, gt=0)
     """Refuse bundles that unpack to more than this (a decompression bomb)."""
+    unpacked_budget_bytes: int | None = Field(DEFAULT_UNPACKED_BUDGET, gt=0)
+    """Disk the unpacked bundles of ``unpack_dir`` may take (20 GiB by default; None: no
+    limit). Past it, the least recently used bundles are deleted after each unpack, never
+    one pinned by a live container (``acquire``: here or in another process sharing the
+    directory), so it may be exceeded while everything left is in use. Enforced per process."""
 
 
 def _retryable(e: BaseException) -> bool:
@@ -86,6 +100,7 @@ class TieredCache:
         retry: RetryPolicy | None = None,
         max_concurrent_fetches: int = 8,
         max_unpacked_bytes: int | None = None,
+        unpacked_budget_bytes: int | None = DEFAULT_UNPACKED_BUDGET,
     ):
         if not tiers:
             raise ImageError("a TieredCache needs at least one tier (the origin)")
@@ -96,6 +111,7 @@ class TieredCache:
         self.unpack_root = Path(unpack_dir) / "sha256"
         self.retry = retry or RetryPolicy()
         self.max_unpacked_bytes = max_unpacked_bytes
+        self.unpacked = UnpackedStore(self.unpack_root, unpacked_budget_bytes)
         self._fetch_slots = asyncio.Semaphore(max_concurrent_fetches)
         self._inflight: dict[str, asyncio.Task[Path]] = {}
         self._outcomes: Counter[str] = Counter()
@@ -112,6 +128,7 @@ class TieredCache:
             retry=cfg.retry,
             max_concurrent_fetches=cfg.max_concurrent_fetches,
             max_unpacked_bytes=cfg.max_unpacked_bytes,
+            unpacked_budget_bytes=cfg.unpacked_budget_bytes,
         )
 
     async def __aenter__(self) -> TieredCache:
@@ -129,7 +146,9 @@ class TieredCache:
                 raise ImageError("the image cache is closed")
             if not self._started:
                 try:
-                    await asyncio.to_thread(self._prepare_unpack_root)
+                    found = await asyncio.to_thread(self._prepare_unpack_root)
+                    self.unpacked.load(found)
+                    await self._evict()
                     await asyncio.gather(*(t.start() for t in self.tiers))
                 except BaseException:
                     # `async with` calls no __aexit__ when __aenter__ fails: release what started
@@ -150,6 +169,7 @@ class TieredCache:
     async def _close(self, flights: list[asyncio.Task[Path]]) -> None:
         await asyncio.gather(*flights, return_exceptions=True)
         await asyncio.gather(*(t.aclose() for t in self.tiers), return_exceptions=True)
+        self.unpacked.unpin_all()
 
     def path_of(self, image: str) -> Path:
         """Where the bundle of ``image`` (a reference or a digest) is, or will be, unpacked."""
@@ -167,6 +187,7 @@ class TieredCache:
         path = self.path_of(digest)
         if digest not in self._inflight and path.is_dir():
             self._outcomes["ready"] += 1
+            await self._used(path.name)
             return path
         task = self._flight(digest)
         try:
@@ -177,6 +198,21 @@ class TieredCache:
             if task.cancelled() and self._closed and not (me and me.cancelling()):
                 raise ImageError(f"the image cache was closed while fetching {digest}") from None
             raise
+
+    async def acquire(self, image: str) -> Path:
+        """``get``, and pin the bundle: it is not evicted (by this process, or another sharing
+        ``unpack_dir``) until ``release(image)``. One release per acquire; an ``EnvPool``
+        pins the bundle of each container it starts until the container has stopped."""
+        for _ in range(3):
+            path = await self.get(image)
+            if self.unpacked.pin(path.name):
+                return path
+            # evicted between the get and the pin (another process's unpack): fetch it again
+        raise ImageError(f"image {image}: its unpacked bundle kept being evicted before it could be pinned")
+
+    def release(self, image: str) -> None:
+        """Undo one ``acquire``: the bundle may be evicted again."""
+        self.unpacked.unpin(self.path_of(image).name)
 
     async def publish(self, bundle: Bundle, name: str = "image") -> str:
         """Put a bundle into every writable tier (a local image, or a push to the shared
@@ -210,6 +246,7 @@ class TieredCache:
             "tiers": {t.name: t.metrics.snapshot() for t in self.tiers},
             "outcomes": dict(self._outcomes),
             "inflight": len(self._inflight),
+            "unpacked": self.unpacked.snapshot(),
         }
 
     # -- single flight
@@ -237,6 +274,7 @@ class TieredCache:
         path = self.path_of(digest)
         if await asyncio.to_thread(path.is_dir):  # another process sharing unpack_dir won
             self._outcomes["ready"] += 1
+            await self._used(path.name)
             return path
         try:
             async with self._fetch_slots:
@@ -249,7 +287,7 @@ class TieredCache:
             except BaseException:
                 unpacking.cancel()
                 raise
-            path = await unpacking
+            path, size = await unpacking
         except ImageNotFound:
             self._outcomes["not_found"] += 1
             raise
@@ -258,7 +296,22 @@ class TieredCache:
             log.warning("fetching image %s failed: %s", digest, e)
             raise
         self._outcomes["loaded"] += 1
+        self.unpacked.added(path.name, size)
+        await self._evict(keep=path.name)
         return path
+
+    async def _used(self, hex_: str) -> None:
+        if not self.unpacked.known(hex_):  # unpacked by another process sharing the directory
+            self.unpacked.added(hex_, await asyncio.to_thread(self.unpacked.sized, hex_))
+            self.unpacked.used(hex_)
+            await self._evict(keep=hex_)
+        else:
+            self.unpacked.used(hex_)
+
+    async def _evict(self, keep: str | None = None) -> None:
+        victims = self.unpacked.evict(keep)
+        if victims:  # renamed away already: deleting them off the loop races with nothing
+            await asyncio.to_thread(remove_all, victims)
 
     # -- the walk
     async def _fetch(self, digest: str) -> tuple[bytes, int]:
@@ -326,21 +379,25 @@ class TieredCache:
             # the image is in hand; a tier that cannot keep a copy costs a later fetch only
             log.warning("could not write %s back to %s: %s", digest, tier.name, e)
 
-    def _prepare_unpack_root(self) -> None:
+    def _prepare_unpack_root(self) -> list[tuple[str, int]]:
         self.unpack_root.mkdir(parents=True, exist_ok=True)
         for entry in self.unpack_root.glob(".tmp-*"):
-            # left by a process that died mid-unpack; young ones may belong to a live neighbour
+            # left by a process that died mid-unpack (or mid-eviction); young ones may belong
+            # to a live neighbour
             if time.time() - entry.lstat().st_mtime > STALE_TEMP_S:
                 shutil.rmtree(entry, ignore_errors=True)
+        return self.unpacked.scan()
 
-    def _unpack(self, digest: str, data: bytes) -> Path:
+    def _unpack(self, digest: str, data: bytes) -> tuple[Path, int]:
+        """The bundle unpacked in place, and the bytes it takes."""
         final = self.unpack_root / digest.removeprefix("sha256:")
         if final.is_dir():
-            return final
+            return final, tree_bytes(final)
         # unpack beside the final place and rename: a directory is there whole or not at all
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{digest[7:19]}-", dir=self.unpack_root))
         try:
             unpack(data, tmp, max_bytes=self.max_unpacked_bytes)
+            size = tree_bytes(tmp)
             try:
                 tmp.rename(final)
             except OSError:
@@ -350,4 +407,4 @@ class TieredCache:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return final
+        return final, size

@@ -145,7 +145,11 @@ class Runtime(ABC):
 
     def __init__(self) -> None:
         self.live: dict[str, Container] = {}
-        """Containers started and not yet confirmed stopped (a failed stop stays here)."""
+        """Containers started and not yet confirmed stopped (a failed stop stays here): what
+        the pool counts against ``max_containers``."""
+        self.leaked: dict[str, Container] = {}
+        """Containers the pool gave up stopping (``abandon``): they no longer hold a slot, and
+        ``aclose`` (and the runtime's exit hook) still try to stop them once more."""
         self.metrics: Counter[str] = Counter()
         self._stopping: dict[str, asyncio.Task[None]] = {}
 
@@ -171,7 +175,7 @@ class Runtime(ABC):
         does not interrupt it. ``c`` leaves ``live`` only once ``_stop`` succeeded: a stop
         that failed (an engine or API hiccup) is tried again by ``aclose`` (and the
         runtime's exit hook) instead of being forgotten with the container still running."""
-        if c.id not in self.live:
+        if c.id not in self.live and c.id not in self.leaked:
             return
         task = self._stopping.get(c.id)
         if task is None:
@@ -183,7 +187,18 @@ class Runtime(ABC):
     async def _stop_tracked(self, c: Container) -> None:
         await self._stop(c)
         self.live.pop(c.id, None)
+        self.leaked.pop(c.id, None)
         self.metrics["stopped"] += 1
+
+    def abandon(self, c: Container) -> bool:
+        """Stop counting ``c`` as live: its stop kept failing, and a container that cannot be
+        stopped must not hold a pool slot for the rest of a run. It moves to ``leaked``,
+        where ``aclose`` (and the exit hook) try again. False if it was not live."""
+        if self.live.pop(c.id, None) is None:
+            return False
+        self.leaked[c.id] = c
+        self.metrics["leaked"] += 1
+        return True
 
     def _stop_done(self, cid: str, task: asyncio.Task[None]) -> None:
         self._stopping.pop(cid, None)
@@ -195,7 +210,8 @@ class Runtime(ABC):
         return c.id in self.live and await self._alive(c)
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(self.stop(c) for c in list(self.live.values())), return_exceptions=True)
+        everything = [*self.live.values(), *self.leaked.values()]
+        await asyncio.gather(*(self.stop(c) for c in everything), return_exceptions=True)
 
     async def reap_orphans(self) -> list[str]:
         """Remove containers left behind by owners that are gone (a crashed trainer);

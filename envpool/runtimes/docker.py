@@ -43,7 +43,7 @@ _RUNTIMES: weakref.WeakSet[DockerRuntime] = weakref.WeakSet()
 def _remove_leftovers() -> None:
     # exit backstop: a pool that was never closed (or whose stops failed) leaves no container
     for rt in list(_RUNTIMES):
-        for c in list(rt.live.values()):
+        for c in [*rt.live.values(), *rt.leaked.values()]:
             with contextlib.suppress(Exception):
                 rt._client.containers.get(c.handle).remove(force=True)
 
@@ -219,7 +219,7 @@ class DockerRuntime(Runtime):
 
     async def aclose(self) -> None:
         await super().aclose()
-        if self.live:  # a stop failed again: the exit hook tries once more, with this client
+        if self.live or self.leaked:  # a stop failed again: the exit hook tries once more, with this client
             return
         _RUNTIMES.discard(self)
         if self._client is not None:

@@ -224,6 +224,24 @@ async def test_a_container_that_dies_for_good_is_infra_failed(pool):
     assert pool.stats()["sessions_infra_failed"] == lost_before + 1
 
 
+async def test_an_environment_that_hangs_is_infra_failed_at_once_not_retried():
+    # its container heartbeats through the step: the environment's own fault (EnvHung), so the
+    # trajectory is masked like any environment bug after one step timeout, instead of being
+    # replayed on retry.attempts fresh containers that all hang the same way
+    lat = {"id": "latency-v0", "tag": "lat", "max_turns": 4, "kwargs": {"mu_s": 30.0, "turns": 2}}
+    cfg = job(lat)
+    pool_cfg = {"min_warm": 0, "step_timeout_s": 0.5, "runtime": {"heartbeat_s": 0.1}}
+    async with EnvPool(pool_cfg) as p:
+        proxy = ScriptedProxy(lambda tid, turn: "go")
+        traj = await EnvManager(cfg, p, proxy).run(Task(cfg.envs[0], 1, "g"), version=0)
+        stats = p.stats()
+    assert traj.status == "infra_failed"  # masked: never scored, the group runs another
+    assert traj.info["error"].startswith("EnvHung: latency-v0: step did not answer in 0.5 s")
+    assert traj.info["wall_s"] < 2.5
+    assert stats["env_hung"] == 1 and stats.get("step_retries", 0) == 0
+    assert proxy.released == [traj.id] and stats["claimed"] == 0 and not p.runtime.live
+
+
 @module_loop
 async def test_a_trajectory_over_its_timeout_is_infra_failed(pool):
     cfg = job(LAKE, timeout_s=0.3)

@@ -9,6 +9,7 @@ import asyncio
 import io
 import os
 import shutil
+import sys
 import tarfile
 import threading
 import time
@@ -412,6 +413,72 @@ async def test_a_failed_prefetch_is_retried_by_get(tmp_path: Path, bundle: Bundl
             assert cache.metrics()["outcomes"]["failed"] == 1
             assert (await cache.get(bundle.digest)).is_dir()
         assert origin.blob_requests[bundle.digest] == 3
+
+
+def payload_bundle(tmp_path: Path, name: str, size: int) -> Bundle:
+    """A bundle that unpacks to ``size`` bytes (one file)."""
+    root = tmp_path / "src" / name
+    root.mkdir(parents=True)
+    (root / "data.bin").write_bytes(name.encode() * size)
+    return build_bundle(root)
+
+
+def origin_cache(tmp_path: Path, url: str, budget: int | None) -> TieredCache:
+    tiers = [HttpTier(OriginTierConfig(url=url))]
+    return TieredCache(tiers, unpack_dir=tmp_path / "u", retry=FAST_RETRY, unpacked_budget_bytes=budget)
+
+
+async def test_unpacked_bundles_are_evicted_least_recently_used_to_the_budget(tmp_path: Path) -> None:
+    # they were never evicted: a run over many images filled the node's disk
+    a, b, c = (payload_bundle(tmp_path, x, 10_000) for x in "abc")
+    with FakeOrigin({x.digest: x.data for x in (a, b, c)}) as origin:
+        async with origin_cache(tmp_path, origin.url, 25_000) as cache:
+            pa, pb = await cache.get(a.digest), await cache.get(b.digest)
+            await cache.get(a.digest)  # a is used again: b is the least recently used
+            pc = await cache.get(c.digest)
+            assert pa.is_dir() and pc.is_dir() and not pb.exists()
+            m = cache.metrics()["unpacked"]
+            assert m["evictions"] == 1 and m["bundles"] == 2 and m["bytes"] == 20_000
+            assert (await cache.get(b.digest) / "data.bin").read_bytes() == b"b" * 10_000  # fetched again
+            assert not pa.exists() and pc.is_dir()  # a was the least recently used by then
+        # a restart keeps the order (directory mtimes) and enforces a smaller budget at once
+        async with origin_cache(tmp_path, origin.url, 10_000) as cache:
+            assert pb.is_dir() and not pc.exists()
+        leftovers = [p.name for p in (tmp_path / "u" / "sha256").iterdir() if p.name.startswith(".")]
+        assert leftovers == []  # evicted directories are deleted, not left renamed
+
+
+async def test_a_pinned_bundle_is_never_evicted(tmp_path: Path) -> None:
+    a, b, c, d = (payload_bundle(tmp_path, x, 10_000) for x in "abcd")
+    with FakeOrigin({x.digest: x.data for x in (a, b, c, d)}) as origin:
+        async with origin_cache(tmp_path, origin.url, 15_000) as cache:
+            pa = await cache.acquire(a.digest)  # a container runs from it
+            pb = await cache.get(b.digest)  # over the budget, and nothing may go
+            assert pa.is_dir() and pb.is_dir() and cache.metrics()["unpacked"]["over_budget"] == 1
+            cache.release(a.digest)
+            pc = await cache.get(c.digest)
+            assert not pa.exists() and not pb.exists() and pc.is_dir()
+            # pinned by another process sharing the directory (another pool on this node)
+            holder = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-c",
+                "import fcntl, os, sys\n"
+                "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
+                "fcntl.flock(fd, fcntl.LOCK_SH)\n"
+                "print('pinned', flush=True)\n"
+                "sys.stdin.read()\n",
+                str(pc),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+            )
+            try:
+                assert await asyncio.wait_for(holder.stdout.readline(), 30) == b"pinned\n"
+                pd = await cache.get(d.digest)
+                assert pc.is_dir() and pd.is_dir()
+            finally:
+                holder.stdin.close()
+                await holder.wait()
+            assert cache.metrics()["unpacked"]["pinned"] == 0
 
 
 async def test_peer_tier_serves_another_nodes_l1(tmp_path: Path, bundle: Bundle) -> None:

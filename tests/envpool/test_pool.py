@@ -23,6 +23,7 @@ from envpool.api import EnvRegistry
 from envpool.connection import Connection
 from envpool.errors import (
     ActionError,
+    EnvHung,
     EnvLogicError,
     EnvOrderError,
     EnvRegistryError,
@@ -31,6 +32,7 @@ from envpool.errors import (
     ProtocolError,
     SessionTokenError,
 )
+from envpool.images import DiskTier, DiskTierConfig, TieredCache, build_bundle
 from envpool.images.errors import ImageNotFound
 from envpool.pool import EnvPool, SessionLost
 from envpool.protocol import encode
@@ -236,15 +238,67 @@ async def test_a_frozen_container_misses_heartbeats_and_is_replaced(images):
         assert p.stats()["infra:hung_or_timeout"] == 1
 
 
-async def test_a_step_past_its_timeout_is_an_infra_failure(images):
-    async with pool(images, step_timeout_s=0.5, retry={"attempts": 2, "initial_backoff_s": 0.01}) as p:
+async def test_a_step_that_hangs_while_its_container_heartbeats_fails_fast_as_an_env_bug(images):
+    # it was an infrastructure timeout: replayed on a fresh container and hung again, for
+    # retry.attempts x step_timeout_s (5 x 30 s by default) before the session was lost
+    async with pool(images, step_timeout_s=0.5) as p:  # heartbeats every 0.1 s, 5 attempts
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=3)
+            await s.step("a")
+            pid = s.container.pid
+            t0 = time.monotonic()
+            hung = r"bundle-echo-v0: step did not answer in 0\.5 s while its container was alive"
+            with pytest.raises(EnvHung, match=hung):
+                await s.step("sleep 30")
+            assert time.monotonic() - t0 < 1.5
+            stats = p.stats()
+            assert stats["env_hung"] == 1
+            assert stats.get("step_retries", 0) == 0 and stats.get("replays", 0) == 0
+            assert s.status == "ok" and s.container is None  # not lost: the environment's bug
+            with pytest.raises(EnvOrderError, match=r"step\(\) hung; call reset"):
+                await s.step("b")
+            assert (await s.reset(seed=4))[0].text == "ready 4"  # a new episode, a fresh container
+            assert s.container.pid != pid
+        await asyncio.sleep(0.1)
+        assert not alive(pid)  # the container still running the hung step was discarded
+
+
+async def test_a_constructor_that_outruns_its_timeout_while_heartbeating_is_not_retried(images):
+    async with pool(images, min_warm=0, reset_timeout_s=0.3) as p:  # the env takes 1 s to build
+        await _one_reset(p)  # the zygote is up: what is timed is the claim
+        t0 = time.monotonic()
+        with pytest.raises(EnvHung, match=r"bundle-slow-init-v0: open did not answer in 0\.3 s"):
+            async with p.session("bundle-slow-init-v0", image=IMAGE):
+                pass
+        assert time.monotonic() - t0 < 1.5 and p.stats().get("claim_retries", 0) == 0
+
+
+async def test_a_step_past_its_timeout_with_no_sign_of_life_is_an_infra_failure(images):
+    # a timeout shorter than a heartbeat period proves nothing about the container: retried
+    cfg = {"step_timeout_s": 0.5, "retry": {"attempts": 2, "initial_backoff_s": 0.01}}
+    async with pool(images, runtime={"heartbeat_s": 5.0}, **cfg) as p:
         async with p.session("bundle-echo-v0", image=IMAGE) as s:
             await s.reset()
-            with pytest.raises(SessionLost, match=r"longer than 0\.5 s"):
+            with pytest.raises(SessionLost, match=r"longer than 0\.5 s \(no recent heartbeat\)"):
                 await s.step("sleep 30")
-            assert s.status == "infra_failed"
+            assert s.status == "infra_failed" and p.stats()["step_retries"] == 1
             with pytest.raises(SessionLost):
                 await s.step("x")
+
+
+async def test_a_step_waiting_on_a_slow_tool_past_its_timeout_is_an_infra_failure(images):
+    # the container heartbeats while the pool runs its tool call: the time is the tool's
+    async def slow_tool(name, arguments):
+        await asyncio.sleep(30)
+        return "late"
+
+    cfg = {"min_warm": 0, "step_timeout_s": 0.5, "retry": {"attempts": 1}, "runtime": {"heartbeat_s": 0.1}}
+    async with EnvPool(cfg, images=images, tool_caller=slow_tool) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset()
+            with pytest.raises(SessionLost, match="tool call was still pending"):
+                await s.step("tool 6*7")
+            assert p.stats().get("env_hung", 0) == 0
 
 
 async def test_a_non_deterministic_session_is_lost_not_faked(images):
@@ -526,6 +580,127 @@ async def test_a_failed_stop_neither_fails_the_session_nor_forgets_the_container
         assert stats["stop_failed:InfraError"] == 1 and stats["containers"] == 1 and alive(pid)
     await asyncio.sleep(0.1)
     assert not alive(pid)  # the pool's close stopped it
+
+
+class _StuckStopRuntime(ProcessRuntime):
+    """A runtime whose stops fail until told otherwise (an engine refusing every removal)."""
+
+    refuse = True
+
+    async def _stop(self, c: Container) -> None:
+        if self.refuse:
+            raise InfraError("docker: the engine refused to remove a container: 500")
+        await super()._stop(c)
+
+
+async def test_a_container_whose_stop_keeps_failing_gives_its_slot_back(images, caplog):
+    # it stayed in the runtime's live set, which is what max_containers counts: with one slot,
+    # every later claim waited claim_timeout_s and failed, for the rest of the run
+    stop_retry = {"attempts": 3, "initial_backoff_s": 0.01, "max_backoff_s": 0.05}
+    p = pool(images, min_warm=0, max_containers=1, max_episodes=1, claim_timeout_s=5, stop_retry=stop_retry)
+    p.runtime = rt = _StuckStopRuntime(p.config.runtime)
+    async with p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            first = s.container
+        t0 = time.monotonic()
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:  # needs the only slot
+            assert (await s.reset(seed=2))[0].text == "ready 2"
+        assert time.monotonic() - t0 < 3
+        stats = p.stats()
+        assert first.id in rt.leaked and stats["containers_leaked"] >= 1 and stats["leaked"] >= 1
+        assert stats["stop_failed:InfraError"] >= 3  # the first try and two retries, then given up
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert any(f"gave up stopping container {first.id}" in m and f"pid {first.pid}" in m for m in warned)
+        rt.refuse = False  # the engine recovers: the pool's close removes what leaked
+    await asyncio.sleep(0.1)
+    assert not alive(first.pid) and not rt.leaked and not rt.live
+
+
+async def _wait_for(check, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_an_image_nobody_asks_for_is_no_longer_kept_warm(images):
+    # every image a run ever used was kept warm (min_warm idle containers, and its entry)
+    # until the pool closed
+    async with pool(images, min_warm=1, warm_idle_s=0.5) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            await asyncio.sleep(0.8)  # an open session keeps its image warm past the window
+            assert p.stats()["warm_images"] == 1
+        assert p.stats()["idle"] >= 1  # kept warm while the window runs
+        await _wait_for(lambda: p.stats()["warm_images"] == 0)
+        await _wait_for(lambda: p.stats()["containers"] == 0)
+        assert p.stats()["warm_dropped:idle"] == 1
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:  # asked again: a cold start
+            assert (await s.reset(seed=2))[0].text == "ready 2"
+        assert p.stats()["claims_cold"] == 2 and p.stats()["warm_images"] == 1
+
+
+class _DeletedImages(DirImages):
+    """An image resolver whose one image can be deleted upstream (ImageNotFound from then on)."""
+
+    deleted = False
+
+    async def get(self, digest: str) -> Path:
+        if self.deleted:
+            raise ImageNotFound(digest, ["origin"])
+        return await super().get(digest)
+
+
+async def test_an_image_that_is_gone_for_good_is_no_longer_kept_warm(images):
+    # it was retried in the background, backing off to every 30 s, for as long as the pool ran
+    images = _DeletedImages(images.root)
+    async with pool(images, min_warm=1, max_episodes=1) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            images.deleted = True  # its container is recycled at the end: a new one is wanted
+        await _wait_for(lambda: p.stats()["warm_images"] == 0)
+        await asyncio.sleep(1.0)  # a retry would have come (0.4 s, then 0.8 s)
+        stats = p.stats()
+        assert stats["prestart_failed:ImageNotFound"] == 1 and stats["warm_dropped:ImageNotFound"] == 1
+
+
+async def test_warm_images_are_bounded_by_the_pool_size(images):
+    # two images wanting two idle containers each cannot both be kept warm in two slots:
+    # the least recently asked one is let go instead of fighting over the slots
+    async with pool(images, min_warm=2, max_containers=2) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+        async with p.session("echo-v0") as s:  # the built-ins: another image
+            await s.reset(seed=1)
+        stats = p.stats()
+        assert stats["warm_images"] == 1 and stats["warm_dropped:capacity"] == 1
+
+
+async def test_the_pool_pins_the_bundle_its_containers_run_from(tmp_path):
+    # with an eviction budget the cache must not delete a bundle a live container runs from
+    def other_bundle(name: str):
+        root = tmp_path / name
+        root.mkdir()
+        (root / "data.bin").write_bytes(name.encode() * 1000)
+        return build_bundle(root)
+
+    echo, other, third = build_bundle(write_bundle(tmp_path / "echo")), other_bundle("o"), other_bundle("t")
+    tiers = [DiskTier(DiskTierConfig(path=tmp_path / "l1"))]
+    async with TieredCache(tiers, unpack_dir=tmp_path / "unpacked", unpacked_budget_bytes=1) as cache:
+        image = await cache.publish(echo, name="echo")
+        for b in (other, third):
+            await cache.publish(b)
+        async with EnvPool({"min_warm": 0, "runtime": {"heartbeat_s": 0.1}}, images=cache) as p:
+            async with p.session("bundle-echo-v0", image=image) as s:
+                await s.reset(seed=1)
+                await cache.get(other.digest)  # over the budget: only what is not in use goes
+                assert cache.path_of(image).is_dir() and cache.metrics()["unpacked"]["pinned"] == 1
+            async with p.session("bundle-echo-v0", image=image) as s:  # the idle container: still pinned
+                assert (await s.reset(seed=2))[0].text == "ready 2"
+        assert cache.metrics()["unpacked"]["pinned"] == 0  # its containers stopped with the pool
+        await cache.get(third.digest)
+        assert not cache.path_of(image).exists()
 
 
 async def test_a_closed_pool_refuses_new_sessions(images):
