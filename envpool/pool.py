@@ -258,7 +258,7 @@ class EnvPool:
         """Stop a container the pool gives up; a failure is counted, not raised (the session
         or housekeeping that let it go is done with it), and retried in the background."""
         try:
-            await self.runtime.stop(c)
+            await self._stop_once(c)
         except Exception as e:
             self.metrics[f"stop_failed:{type(e).__name__}"] += 1
             if not self._closed and c.id not in self._stopping_again:
@@ -266,6 +266,16 @@ class EnvPool:
                 self._spawn_bg(self._stop_again(c, e))
         else:
             self._unpin(c.id)
+
+    async def _stop_once(self, c: Container) -> None:
+        """One stop attempt, bounded by ``stop_timeout_s``: ``Runtime.stop`` shields the stop
+        it shares, so giving up here does not interrupt it; a later attempt joins it."""
+        try:
+            await asyncio.wait_for(self.runtime.stop(c), self.config.stop_timeout_s)
+        except TimeoutError:
+            raise InfraError(
+                f"stopping container {c.id} did not return in {self.config.stop_timeout_s:g} s"
+            ) from None
 
     async def _stop_again(self, c: Container, error: Exception) -> None:
         """Retry a failed stop with backoff and full jitter. Until it succeeds the container
@@ -281,7 +291,7 @@ class EnvPool:
                 if c.id not in self.runtime.live:
                     return  # stopped (or given up) on another path meanwhile
                 try:
-                    await self.runtime.stop(c)
+                    await self._stop_once(c)
                 except Exception as e:
                     self.metrics[f"stop_failed:{type(e).__name__}"] += 1
                     error = e

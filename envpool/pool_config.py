@@ -64,6 +64,10 @@ class PoolConfig(BaseModel):
     removal for a while). A container still not stopped after these (at most ~15 s of
     backoff by default) is logged as leaked and frees its slot (``containers_leaked``);
     the runtime's close and exit hook try it once more."""
+    stop_timeout_s: float = Field(120.0, gt=0)
+    """A stop that has not returned after this long (an engine or API that hangs rather
+    than fails) counts as a failed attempt of ``stop_retry``, so a hung stop cannot hold a
+    slot for the rest of a run; the stop itself goes on in the background."""
 
 
 class ImageResolver(Protocol):

@@ -617,6 +617,45 @@ async def test_a_container_whose_stop_keeps_failing_gives_its_slot_back(images, 
     assert not alive(first.pid) and not rt.leaked and not rt.live
 
 
+class _HungStopRuntime(ProcessRuntime):
+    """A runtime whose stops hang until released (an engine that never answers a removal)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.release = asyncio.Event()
+
+    async def _stop(self, c: Container) -> None:
+        await self.release.wait()
+        await super()._stop(c)
+
+
+async def test_a_container_whose_stop_hangs_gives_its_slot_back(images):
+    # a stop that never returned (rather than failed) held its slot for the rest of the run
+    stop_retry = {"attempts": 2, "initial_backoff_s": 0.01, "max_backoff_s": 0.05}
+    p = pool(
+        images,
+        min_warm=0,
+        max_containers=1,
+        max_episodes=1,
+        claim_timeout_s=5,
+        stop_retry=stop_retry,
+        stop_timeout_s=0.2,
+    )
+    p.runtime = rt = _HungStopRuntime(p.config.runtime)
+    async with p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            first = s.container
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:  # needs the only slot
+            assert (await s.reset(seed=2))[0].text == "ready 2"
+        stats = p.stats()
+        assert first.id in rt.leaked and stats["containers_leaked"] >= 1
+        assert stats["stop_failed:InfraError"] >= 2  # each timed-out attempt counts as failed
+        rt.release.set()  # the engine answers at last: the stop still under way ends it
+        await _wait_for(lambda: first.id not in rt.leaked)
+    assert not alive(first.pid) and not rt.leaked and not rt.live
+
+
 async def _wait_for(check, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
