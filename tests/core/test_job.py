@@ -196,7 +196,8 @@ async def test_constrained_actions_without_the_torch_engine_fail_before_the_run_
     cfg = job_config(
         tmp_path,
         engine={"backend": "openai", "kwargs": {"base_url": "http://127.0.0.1:9"}},
-        trainer={"backend": "megatron"},  # the server's weights are not ours: any trainer fits
+        # the server's weights are not ours: any trainer fits (megatron's needs a model named)
+        trainer={"backend": "megatron", "kwargs": {"hf_model": str(tmp_path)}},
     )
     with pytest.raises(ConfigError) as e:
         await Job(cfg, progress=False, registry=faults.REG).run()
