@@ -1,0 +1,311 @@
+"""Python's assert-style tests run in a sandbox of their own (``Sandbox.run_pair``): the
+forgeries that worked while the tests ran inside the program's process now fail, and honest
+programs still pass. Real sandbox, no mocks; uids from 380 000 up."""
+
+from __future__ import annotations
+
+import pytest
+
+from functions.verifiers import _linux
+from functions.verifiers.sandbox import Limits, Sandbox, SandboxConfig
+from functions.verifiers.verify import CodeTests, Verifier
+
+pytestmark = pytest.mark.skipif(_linux.supported() is not None, reason=str(_linux.supported()))
+
+LIMITS = Limits(cpu_s=1, wall_s=3, memory_mb=256)
+#: the program's end of the channel to its tests (the runner keeps it aside, above fd 9)
+CHANNEL = (
+    "import os, fcntl\n"
+    "def _writable(fd):\n"
+    "    try:\n"
+    "        return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY\n"
+    "    except OSError:\n"
+    "        return False\n"
+    "chan = [fd for fd in map(int, os.listdir('/proc/self/fd')) if fd > 2 and _writable(fd)][0]\n"
+)
+TWO_ASSERTS = "assert add(2, 3) == 5\nassert add(1, 1) == 2\n"
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    with Sandbox(SandboxConfig(base_uid=380_000, spares=2)) as sb:
+        yield Verifier(sb, LIMITS)
+
+
+def judge(verifier: Verifier, code: str, tests: str, limits: Limits | None = None):
+    result = verifier.verify(code, CodeTests(test_code=tests), limits=limits)
+    assert result.total == 1
+    return result.cases[0]
+
+
+# -- forgeries ---------------------------------------------------------------------------------
+FORGERIES = {
+    # the old proof of a pass was a marker line on fd 3; now fd 3 carries the tests' requests
+    "read_fd3_at_top_level": "import os\nm = os.read(3, 80)\nprint(m.decode())\nos._exit(0)\n",
+    "read_fd3_when_called": (
+        "import os\ndef add(a, b):\n    os.write(1, b'\\n' + os.read(3, 80))\n    os._exit(0)\n"
+    ),
+    "patch_assertion_error": (
+        "import builtins\nclass Quiet(Exception):\n    pass\nbuiltins.AssertionError = Quiet\n"
+        "def add(a, b):\n    return 0\n"
+    ),
+    "settrace_skips_asserts": (
+        "import sys\ndef tracer(frame, event, arg):\n    return None\nsys.settrace(tracer)\n"
+        "sys.setprofile(tracer)\ndef add(a, b):\n    return 0\n"
+    ),
+    "exit_zero_from_a_function": "import sys\ndef add(a, b):\n    sys.exit(0)\n",
+    "exit_before_defining": "import sys\nsys.exit(0)\ndef add(a, b):\n    return a + b\n",
+    "os_exit_before_defining": "import os\nos._exit(0)\ndef add(a, b):\n    return a + b\n",
+    "assertion_error_from_the_program": "def add(a, b):\n    raise AssertionError('passed')\n",
+    "rebinding_builtins_for_the_tests": (
+        "def add(a, b):\n    return 0\ndef abs(x):\n    return 0\ndef isinstance(*a):\n    return True\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("code", FORGERIES.values(), ids=FORGERIES.keys())
+def test_forgeries_of_the_old_harness_fail(verifier, code):
+    tests = TWO_ASSERTS + "assert abs(add(0.5, 0.25) - 0.75) < 1e-9\n"
+    case = judge(verifier, code, tests)
+    assert case.status != "Finished", case
+
+
+ALWAYS_EQUAL = {
+    "python_eq": (
+        "class Any:\n    def __eq__(self, o):\n        return True\n    __ne__ = lambda s, o: False\n"
+    ),
+    "every_comparison": (
+        "class Any:\n    __eq__ = __le__ = __ge__ = __lt__ = __gt__ = lambda s, o: True\n"
+        "    __ne__ = lambda s, o: False\n    __hash__ = lambda s: 5\n"
+    ),
+    "int_subclass": (
+        "class Any(int):\n    __eq__ = int.__ge__\n    __ne__ = int.__lt__\n"
+        "    __lt__ = __gt__ = lambda s, o: True\n"
+    ),
+    "metaclass_lies": (
+        "class Meta(type):\n    __dict__ = property(lambda cls: {})\n"
+        "class Any(metaclass=Meta):\n    def __eq__(self, other):\n        return True\n"
+    ),
+}
+#: each is true of an answer equal to 5 (and of the lying object, in the program's process)
+COMPARISONS = {
+    "eq": "assert add(2, 3) == 5",
+    "eq_reflected": "assert 5 == add(2, 3)",
+    "ne": "assert not (add(2, 3) != 5)",
+    "chained": "assert 4 < add(2, 3) < 6",
+    "in_a_list": "assert [add(2, 3)] == [5]",
+    "in_a_set": "assert {add(2, 3)} == {5}",
+    "assert_equal": "import unittest\nunittest.TestCase().assertEqual(add(2, 3), 5)",
+    "fraction_expected": "from fractions import Fraction\nassert add(2, 3) == Fraction(5)",
+}
+#: an expected value of a class of the tests' own, which no honest answer equals either
+DATACLASS_EXPECTED = (
+    "import dataclasses\n@dataclasses.dataclass\nclass P:\n    x: int\nassert add(2, 3) == P(5)"
+)
+
+
+@pytest.mark.parametrize("cls", ALWAYS_EQUAL.values(), ids=ALWAYS_EQUAL.keys())
+@pytest.mark.parametrize("test", COMPARISONS.values(), ids=COMPARISONS.keys())
+def test_an_object_that_lies_about_comparisons_fails(verifier, cls, test):
+    code = f"{cls}\ndef add(a, b):\n    return Any(10**9) if Any.__mro__[1] is int else Any()\n"
+    case = judge(verifier, code, test)
+    assert case.status in ("Failed", "RuntimeError"), case
+    # and the same answer, honest, passes the same test
+    honest = judge(verifier, "def add(a, b):\n    return a + b\n", test)
+    assert honest.status == "Finished", honest
+    case = judge(verifier, code, DATACLASS_EXPECTED)
+    assert case.status == "Failed", case
+
+
+def test_fake_frames_on_the_channel_fail(verifier):
+    fake_hello = '["hello",{"add":["h",0,null,"function"]}]'
+    fake_ok = '["ok",5,[]]'
+    frames = "".join(
+        f"os.write(chan, len({f!r}).to_bytes(4, 'big') + {f!r}.encode())\n"
+        for f in (fake_hello, fake_ok, fake_ok, fake_ok)
+    )
+    code = CHANNEL + frames + "def add(a, b):\n    return 0\n"
+    case = judge(verifier, code, TWO_ASSERTS + "assert add(10, 10) == 20\n")
+    assert case.status != "Finished", case
+    code = CHANNEL + "os.write(chan, b'\\xff' * 64)\ndef add(a, b):\n    return a + b\n"
+    garbage = judge(verifier, code, TWO_ASSERTS)
+    assert (garbage.status, garbage.message.split(":")[0]) == (
+        "RuntimeError",
+        "protocol error on the test channel",
+    ), garbage
+    # what the program prints is not on the channel, whatever it looks like
+    printed = judge(
+        verifier,
+        f"import sys\nsys.stdout.write({fake_hello!r})\nprint({fake_ok!r})\n"
+        "def add(a, b):\n    return a + b\n",
+        TWO_ASSERTS,
+    )
+    assert printed.status == "Finished", printed
+    assert fake_ok in printed.stdout
+
+
+def test_flooding_the_channel_is_cut_off(verifier):
+    code = CHANNEL + (
+        "os.write(chan, (15 << 20).to_bytes(4, 'big'))\n"  # a frame announced, then too much of it
+        "while True:\n    os.write(chan, b'[' * 65536)\n"
+    )
+    limits = LIMITS.model_copy(update={"channel_bytes": 1 << 20})
+    case = judge(verifier, code, TWO_ASSERTS, limits)
+    assert (case.status, case.message) == (
+        "RuntimeError",
+        "sent its tests more than the 1048576-byte channel cap",
+    ), case
+    printed = judge(verifier, "while True:\n    print('y' * 1000)\n", TWO_ASSERTS)
+    assert (printed.status, "output cap" in printed.message) == ("RuntimeError", True), printed
+
+
+def test_a_program_that_never_answers_runs_out_of_time(verifier):
+    spin = judge(verifier, "def add(a, b):\n    while True:\n        pass\n", TWO_ASSERTS)
+    assert (spin.status, "CPU seconds" in spin.message) == ("TimeLimitExceeded", True), spin
+    sleep = judge(verifier, "import time\ndef add(a, b):\n    time.sleep(60)\n", TWO_ASSERTS)
+    assert (sleep.status, "wall limit" in sleep.message) == ("TimeLimitExceeded", True), sleep
+    top = judge(verifier, "import time\ntime.sleep(60)\n", TWO_ASSERTS)
+    assert top.status == "TimeLimitExceeded", top
+
+
+def test_the_program_cannot_see_the_tests(verifier):
+    code = (
+        "import os\nseen = [p for d in ('/sandbox', '/tmp') for p in os.listdir(d)]\n"
+        "procs = [p for p in os.listdir('/proc') if p.isdigit()]\n"
+        "def report():\n    return seen, len(procs)\n"
+    )
+    tests = (
+        "seen, procs = report()\nassert 'solution.py' in seen and 'tests.py' not in seen, seen\n"
+        "assert procs <= 2\n"  # its own init and itself: no process of the tests
+    )
+    case = judge(verifier, code, tests)
+    assert case.status == "Finished", case
+
+
+# -- honest programs ---------------------------------------------------------------------------
+HONEST = {
+    "plain_values": (
+        "def f(kind):\n"
+        "    return {'int': 5, 'list': [1, [2]], 'dict': {'a': (1, 2)}, 'tuple': (1, 'x'),\n"
+        "            'set': {1, 2}, 'frozenset': frozenset({3}), 'float': 0.1 + 0.2, 'none': None,\n"
+        "            'str': 'héllo\\ud800', 'bytes': b'\\x00\\xff', 'big': 3 ** 200, 'neg': -(2 ** 70),\n"
+        "            'nan': float('nan'), 'inf': float('-inf'), 'complex': 1 + 2j, 'bool': True}[kind]\n",
+        "import math\n"
+        "assert f('int') == 5 and f('list') == [1, [2]] and f('dict') == {'a': (1, 2)}\n"
+        "assert f('tuple') == (1, 'x') and f('set') == {1, 2} and f('frozenset') == {3}\n"
+        "assert f('float') == 0.30000000000000004 and f('none') is None\n"
+        "assert f('str') == 'héllo\\ud800' and f('bytes') == b'\\x00\\xff'\n"
+        "assert f('big') == 3 ** 200 and f('neg') == -(2 ** 70)\n"
+        "assert math.isnan(f('nan')) and f('inf') == -math.inf and f('complex') == 1 + 2j\n"
+        "assert f('bool') is True and type(f('int')) is int and type(f('list')) is list\n",
+    ),
+    "class_based_solution": (
+        "from typing import List\nclass Solution:\n"
+        "    def twoSum(self, nums: List[int], target: int) -> List[int]:\n"
+        "        seen = {}\n        for i, n in enumerate(nums):\n"
+        "            if target - n in seen:\n                return [seen[target - n], i]\n"
+        "            seen[n] = i\n",
+        "s = Solution()\nassert s.twoSum([2, 7, 11, 15], 9) == [0, 1]\n"
+        "assert Solution().twoSum([3, 3], 6) == [0, 1]\n",
+    ),
+    "program_objects_compared_with_each_other": (
+        "import collections\nclass P:\n    def __init__(self, x):\n        self.x = x\n"
+        "    def __eq__(self, o):\n        return isinstance(o, P) and o.x == self.x\n"
+        "    def __hash__(self):\n        return hash(self.x)\n"
+        "    def __repr__(self):\n        return f'P({self.x})'\n"
+        "Pair = collections.namedtuple('Pair', 'a b')\n"
+        "def count(s):\n    return collections.Counter(s)\n",
+        "assert P(1) == P(1) and P(1) != P(2) and len({P(1), P(1)}) == 1\n"
+        "assert Pair(1, 2) == (1, 2) and Pair(1, 2).b == 2 and repr(P(3)) == 'P(3)'\n"
+        "assert count('aab') == {'a': 2, 'b': 1} and count('aab')['z'] == 0\n"
+        "assert isinstance(P(1), P) and not isinstance(5, P) and P(4).x == 4\n",
+    ),
+    "generators_and_iterators": (
+        "def gen(n):\n    for i in range(n):\n        yield i * i\n"
+        "def count():\n    i = 0\n    while True:\n        yield i\n        i += 1\n",
+        "import itertools\nassert list(gen(5)) == [0, 1, 4, 9, 16]\n"
+        "assert sum(gen(2000)) == sum(i * i for i in range(2000))\n"
+        "assert list(itertools.islice(count(), 3)) == [0, 1, 2]\ng = gen(3)\nassert next(g) == 0\n"
+        "assert list(g) == [1, 4]\n",
+    ),
+    "expected_exceptions": (
+        "def root(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x ** 0.5\n"
+        "class NotFound(Exception):\n    pass\n"
+        "def find(d, k):\n    if k not in d:\n        raise NotFound(k)\n    return d[k]\n",
+        "try:\n    root(-1)\nexcept ValueError as e:\n    assert 'negative' in str(e)\n"
+        "else:\n    assert False\n"
+        "try:\n    find({}, 'k')\nexcept Exception as e:\n    assert 'NotFound' in str(e)\n"
+        "else:\n    assert False\n"
+        "assert root(4) == 2.0\n",
+    ),
+    "helpers_imports_and_candidate": (
+        "import math\ndef hypot(a, b):\n    return math.sqrt(a * a + b * b)\nMOD = 10 ** 9 + 7\n",
+        "import math\nfrom math import isclose\n\ndef check(candidate):\n"
+        "    assert isclose(candidate(3, 4), 5)\n    assert math.isclose(candidate(5, 12), 13.0)\n\n"
+        "check(hypot)\nassert MOD == 1_000_000_007\nassert math is __import__('math')\n",
+    ),
+    "prints_at_top_level_and_when_called": (
+        "print('starting')\ndef add(a, b):\n    print('adding', a, b)\n    return a + b\n",
+        "print('testing')\nassert add(2, 3) == 5\n",
+    ),
+    "recursion_heavy": (
+        "import sys\nsys.setrecursionlimit(20000)\n"
+        "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
+        "def fib(n, memo={}):\n    if n < 2:\n        return n\n"
+        "    if n not in memo:\n        memo[n] = fib(n - 1) + fib(n - 2)\n    return memo[n]\n",
+        "assert depth(5000) == 5000\n"
+        "assert fib(300) == 222232244629420445529739893461909967206666939096499764990979600\n",
+    ),
+    "mutates_its_arguments": (
+        "def sort_in_place(nums):\n    nums.sort()\n"
+        "def rotate(m):\n    m[:] = [list(r) for r in zip(*m[::-1])]\n"
+        "def tally(d, k):\n    d[k] = d.get(k, 0) + 1\n    return len(d)\n",
+        "nums = [3, 1, 2]\nassert sort_in_place(nums) is None and nums == [1, 2, 3]\n"
+        "m = [[1, 2], [3, 4]]\nrotate(m)\nassert m == [[3, 1], [4, 2]]\n"
+        "d = {}\nassert tally(d, 'a') == 1 and tally(d=d, k='a') == 1 and d == {'a': 2}\n",
+    ),
+    "stdlib_value_types_and_stateful_objects": (
+        "from fractions import Fraction\nfrom decimal import Decimal\n"
+        "def half(n):\n    return Fraction(n, 2)\ndef price():\n    return Decimal('1.10')\n"
+        "class Stack:\n    def __init__(self):\n        self.items = []\n"
+        "    def push(self, x):\n        self.items.append(x)\n        return self\n"
+        "    def pop(self):\n        return self.items.pop()\n"
+        "    def __len__(self):\n        return len(self.items)\n",
+        "from fractions import Fraction\nassert half(1) == Fraction(1, 2) == 0.5\n"
+        "assert str(price()) == '1.10'\n"
+        "s = Stack()\nassert s.push(1).push(2) is s\nassert len(s) == 2 and s.pop() == 2 and s.items == [1]\n"
+        "s.items = [7]\nassert s.pop() == 7 and not s\n",
+    ),
+}
+
+
+@pytest.mark.parametrize(("code", "tests"), HONEST.values(), ids=HONEST.keys())
+def test_honest_programs_pass(verifier, code, tests):
+    case = judge(verifier, code, tests)
+    assert case.status == "Finished", case
+
+
+def test_what_the_case_shows(verifier):
+    code = "print('from the program')\ndef add(a, b):\n    return a - b\n"
+    case = judge(verifier, code, "print('from the tests')\nassert add(2, 3) == 5, 'add is wrong'\n")
+    assert (case.status, case.message) == ("Failed", "an assertion failed")
+    assert case.stdout == "from the program\n"
+    assert "from the tests" in case.stderr and "AssertionError: add is wrong" in case.stderr
+    crashed = judge(verifier, "def add(a, b):\n    return a + b\nraise KeyError('boom')\n", TWO_ASSERTS)
+    assert (crashed.status, crashed.message) == ("RuntimeError", "exited with code 1"), crashed
+    assert "KeyError: 'boom'" in crashed.stderr
+    raised = judge(verifier, "def add(a, b):\n    return {}[a]\n", TWO_ASSERTS)
+    assert (raised.status, raised.message) == ("RuntimeError", "the tests stopped on KeyError: 2"), raised
+    assert "raised in the program" in raised.stderr
+
+
+def test_a_function_of_the_tests_cannot_be_passed(verifier):
+    code = "def apply(f, x):\n    return f(x)\n"
+    case = judge(verifier, code, "assert apply(lambda x: x + 1, 1) == 2\n")
+    assert case.status == "RuntimeError", case
+    assert "cannot pass function" in case.stderr and "cross to its sandbox" in case.stderr
+
+
+def test_memory_and_limits_of_the_program(verifier):
+    big = judge(verifier, "def add(a, b):\n    return bytearray(10 ** 10)\n", TWO_ASSERTS)
+    assert big.status == "MemoryLimitExceeded", big
