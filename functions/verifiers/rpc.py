@@ -22,6 +22,7 @@ other value is a list whose first item is a tag::
     ["b", b64]  bytes              ["ba", b64]  bytearray
     ["l", [..]] list               ["t", [..]] tuple      ["s", [..]] set    ["fs", [..]] frozenset
     ["d", [[k, v], ..]] dict       ["q", num, den] Fraction   ["D", str] Decimal
+    ["sl", start, stop, step]  a slice (``seq[1:3]``)
     ["h", n, base, type]  an object that stays where it is, as handle n (from the program:
                           ``base`` names the builtin type it subclasses, or null)
     ["m", name, n]        a module (the tests bind their own module of that name if they
@@ -140,15 +141,16 @@ class Encoder:
     plain (the program's side: a subclass keeps its behaviour as a handle); otherwise
     subclasses travel as their builtin base (the tests' side, whose values are trusted)."""
 
-    def __init__(self, handle: Callable[[Any], Any], exact: bool) -> None:
+    def __init__(self, handle: Callable[[Any], Any], exact: bool, max_items: int = MAX_ITEMS) -> None:
         self.handle = handle
         self.exact = exact
         self.items = 0
+        self.max_items = max_items
 
     def encode(self, v: Any, depth: int = 0) -> Any:
         self.items += 1
-        if self.items > MAX_ITEMS:
-            raise ValueError(f"more than {MAX_ITEMS} values to send at once")
+        if self.items > self.max_items:
+            raise ValueError(f"more than {self.max_items} values to send at once")
         t = type(v) if self.exact else _plain_type(v)
         if v is None:
             return None
@@ -171,6 +173,8 @@ class Encoder:
             return ["q", self.encode(v.numerator), self.encode(v.denominator)]
         if t is decimal.Decimal:
             return ["D", str(v)]
+        if type(v) is slice:  # for items: seq[1:3]
+            return ["sl", *(self.encode(x, depth + 1) for x in (v.start, v.stop, v.step))]
         if (t is not dict and t not in _TAGS) or depth >= MAX_DEPTH:
             return self.handle(v)
         d = depth + 1
@@ -244,6 +248,8 @@ class Decoder:
             if type(x) is not int or type(y) is not int:
                 raise TypeError("the parts of a Fraction must be ints")
             return fractions.Fraction(x, y)
+        if tag == "sl":
+            return slice(*(self.decode(a, d) for a in _arity(tag, args, 3)))
         (arg,) = _arity(tag, args, 1)
         if tag == "i":
             return int(_str(arg), 16)

@@ -53,6 +53,8 @@ _COPIES: dict[type, Callable[[Any], Any]] = {
     set: set.copy,
     frozenset: frozenset.copy,
 }
+#: Most values of one global name sent by value with the program's names.
+HELLO_ITEMS = 10_000
 #: What a mutated argument is sent back as (the tests update their own object in place).
 _MUTABLE = (list, dict, set, bytearray)
 
@@ -92,13 +94,15 @@ class Server:
 
     # -- requests ------------------------------------------------------------------------------
     def hello(self, namespace: dict[str, Any]) -> list[Any]:
-        """The program's global names (the tests choose which to bind)."""
+        """The program's global names (the tests choose which to bind). Small plain values
+        go by value; a big one (a precomputed table of a million primes) as a handle, so
+        a program does not pay for sending what its tests may never look at."""
         names = {}
         for name, v in list(namespace.items()):
             if type(name) is str and not (name.startswith("__") and name.endswith("__")):
                 try:
-                    names[name] = self.encode(v)
-                except Exception:  # too big to send by value: the tests get a handle
+                    names[name] = rpc.Encoder(self._handle, exact=True, max_items=HELLO_ITEMS).encode(v)
+                except Exception:
                     names[name] = self._handle(v)
         return ["hello", names]
 

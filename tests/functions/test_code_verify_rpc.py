@@ -256,6 +256,12 @@ HONEST = {
         "assert depth(5000) == 5000\n"
         "assert fib(300) == 222232244629420445529739893461909967206666939096499764990979600\n",
     ),
+    "big_global_table": (
+        "N = 10 ** 6\nSIEVE = [True] * N\nSQUARES = {i: i * i for i in range(100_000)}\n"
+        "def is_even(n):\n    return n % 2 == 0\n",
+        "assert len(SIEVE) == N and SIEVE[10] is True and SIEVE[:2] == [True, True]\n"
+        "assert SQUARES[300] == 90_000 and is_even(4) and not is_even(3)\n",
+    ),
     "mutates_its_arguments": (
         "def sort_in_place(nums):\n    nums.sort()\n"
         "def rotate(m):\n    m[:] = [list(r) for r in zip(*m[::-1])]\n"
