@@ -7,7 +7,9 @@
 One ``Sandbox`` per worker process (the code verifier starts it in its setup hook). It is
 thread-safe; each ``run`` takes one warm sandbox the zygote prepared ahead of time and
 supervises it from the calling thread (``functions.verifiers.supervisor``), and gets back
-exactly what happened (``RunOutcome``); judging the output is the verifier's business. If
+exactly what happened (``RunOutcome``); judging the output is the verifier's business.
+``run_pair`` runs a Python program and its assert-style tests as two such runs that talk
+only through the supervisor (``PairOutcome``). If
 the zygote dies, runs in flight end in ``SandboxError`` and the next run starts a fresh
 zygote.
 """

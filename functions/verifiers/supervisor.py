@@ -14,6 +14,11 @@ namespace, waits for the status and for the namespace to be gone, and collects t
 the caller asked for. It reports exactly what happened;
 judging the output is ``functions.verifiers.verify``'s.
 
+``supervise_pair`` does the same for two runs at once, a Python program and its
+assert-style tests (``Sandbox.run_pair``), in one select loop: each run's stdout is relayed
+to the other's fd 3, which stays open after the start message (``functions.verifiers.rpc``
+is what travels there; the supervisor only moves bytes, bounded each way).
+
 Why not a supervisor process per run: it would be a fork of the zygote's interpreter, and
 the copy-on-write faults, page-table copies and unmapping of that fork cost more CPU than a
 short run itself. Here supervision is a few system calls in a thread of the client.
@@ -323,6 +328,9 @@ def _watch(runs: list[_Run], grace: float) -> list[dict[str, Any]]:
             # tests' end is noticed, and that would read as the program's early exit
             if last.peer is not None and not last.inbox and last.relay_done():
                 _close_go(last)
+    for run in runs[:-1]:
+        if not run.ended:  # its tests hit a limit: the program did nothing wrong by itself
+            run.kill("stopped")
     give_up = time.monotonic() + grace
     for run in runs:
         run.spare.end()

@@ -4,6 +4,8 @@ programs still pass. Real sandbox, no mocks; uids from 380 000 up."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from functions.verifiers import _linux
@@ -166,6 +168,22 @@ def test_a_program_that_never_answers_runs_out_of_time(verifier):
     assert (sleep.status, "wall limit" in sleep.message) == ("TimeLimitExceeded", True), sleep
     top = judge(verifier, "import time\ntime.sleep(60)\n", TWO_ASSERTS)
     assert top.status == "TimeLimitExceeded", top
+
+
+def test_the_tests_own_limits(verifier):
+    honest = "def add(a, b):\n    return a + b\n"
+    spin = judge(verifier, honest, "assert add(1, 2) == 3\nwhile True:\n    pass\n")
+    assert (spin.status, "CPU seconds" in spin.message) == ("TimeLimitExceeded", True), spin
+    chatty = judge(verifier, honest, "while True:\n    print('x' * 1000)\n")
+    assert (chatty.status, chatty.message) == ("RuntimeError", "the tests wrote more than the stderr cap")
+
+
+def test_concurrent_pairs_share_the_spares_without_deadlock(verifier):
+    # each case takes two of the two warm spares; six at once wait for replacements in turn
+    honest, wrong = "def add(a, b):\n    return a + b\n", "def add(a, b):\n    return 0\n"
+    with ThreadPoolExecutor(6) as pool:
+        cases = list(pool.map(lambda i: judge(verifier, (honest, wrong)[i % 2], TWO_ASSERTS), range(24)))
+    assert [c.status for c in cases] == ["Finished", "Failed"] * 12
 
 
 def test_the_program_cannot_see_the_tests(verifier):
