@@ -7,6 +7,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from sandbox_probe import settled_runs, wait_clean
 
 from functions.verifiers import _linux
 from functions.verifiers.sandbox import Limits, Sandbox, SandboxConfig
@@ -28,10 +29,24 @@ CHANNEL = (
 TWO_ASSERTS = "assert add(2, 3) == 5\nassert add(1, 1) == 2\n"
 
 
+BASE_UID = 380_000
+
+
 @pytest.fixture(scope="module")
-def verifier():
-    with Sandbox(SandboxConfig(base_uid=380_000, spares=2)) as sb:
-        yield Verifier(sb, LIMITS)
+def sandbox():
+    with Sandbox(SandboxConfig(base_uid=BASE_UID, spares=2)) as sb:
+        yield sb
+    assert wait_clean(BASE_UID) == []
+
+
+@pytest.fixture
+def verifier(sandbox):
+    """After every test: nothing of either run survives, and every uid slot came back (only
+    the two warm spares' namespaces are alive)."""
+    yield Verifier(sandbox, LIMITS)
+    assert wait_clean(BASE_UID) == [], "processes of a finished pair survived"
+    assert sandbox._zygote is not None
+    assert settled_runs(sandbox._zygote.pid, 2) == 2, "a run's namespace is stuck (uid slot leaked)"
 
 
 def judge(verifier: Verifier, code: str, tests: str, limits: Limits | None = None):
