@@ -108,22 +108,23 @@ class Connection:
             if self.broken is not None:
                 raise type(self.broken)(*self.broken.args)
             try:
-                rpc.send(self.fd_out, frame)
+                try:
+                    rpc.send(self.fd_out, frame)
+                except OSError as e:  # the program's end of the channel is gone
+                    raise rpc.ProgramGone(f"writing to the program: {e}") from None
                 reply = rpc.recv(self.fd_in)
                 if reply is None:
                     raise rpc.ProgramGone("the program exited (or closed the channel) before it answered")
                 if type(reply) is list and len(reply) == 3 and reply[0] == "ok" and type(reply[2]) is list:
                     return self.decode(reply[1]), reply[2]
-                if type(reply) is list and len(reply) == 4 and reply[0] == "err":
-                    if all(type(x) is str for x in reply[1:]):
-                        raise _exception(*reply[1:])
-                raise rpc.ProtocolError("an answer that is neither ok nor err")
-            except OSError as e:  # the program's end of the channel is gone
-                self.broken = rpc.ProgramGone(f"writing to the program: {e}")
-                raise self.broken from None
+                if not (type(reply) is list and len(reply) == 4 and reply[0] == "err"):
+                    raise rpc.ProtocolError("an answer that is neither ok nor err")
+                if not all(type(x) is str for x in reply[1:]):
+                    raise rpc.ProtocolError("an error whose fields are not strings")
             except rpc.ChannelError as e:
                 self.broken = e
                 raise
+        raise _exception(*reply[1:])  # the program's own exception: the channel is fine
 
     def fail(self, message: str) -> rpc.ProtocolError:
         self.broken = rpc.ProtocolError(message)

@@ -264,11 +264,13 @@ HONEST = {
     "expected_exceptions": (
         "def root(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x ** 0.5\n"
         "class NotFound(Exception):\n    pass\n"
-        "def find(d, k):\n    if k not in d:\n        raise NotFound(k)\n    return d[k]\n",
+        "def find(d, k):\n    if k not in d:\n        raise NotFound(k)\n    return d[k]\n"
+        "def read(path):\n    return open(path).read()\n",
         "try:\n    root(-1)\nexcept ValueError as e:\n    assert 'negative' in str(e)\n"
         "else:\n    assert False\n"
         "try:\n    find({}, 'k')\nexcept Exception as e:\n    assert 'NotFound' in str(e)\n"
         "else:\n    assert False\n"
+        "try:\n    read('/nonexistent')\nexcept FileNotFoundError:\n    pass\nelse:\n    assert False\n"
         "assert root(4) == 2.0\n",
     ),
     "helpers_imports_and_candidate": (
