@@ -151,7 +151,7 @@ class Encoder:
         self.items += 1
         if self.items > self.max_items:
             raise ValueError(f"more than {self.max_items} values to send at once")
-        t = type(v) if self.exact else _plain_type(v)
+        t = type(v) if self.exact else plain_type(v)
         if v is None:
             return None
         if t is bool:
@@ -201,9 +201,12 @@ _PLAIN_ORDER = (
     fractions.Fraction,
     decimal.Decimal,
 )
+#: The plain types by name (``isinstance(5, Cls)`` with a class of the program asks it
+#: ``issubclass(int, Cls)``: the name of the type, never the tests' value).
+PLAIN_TYPES: dict[str, type] = {t.__name__: t for t in (type(None), *_PLAIN_ORDER)}
 
 
-def _plain_type(v: Any) -> type | None:
+def plain_type(v: Any) -> type | None:
     """The plain type ``v`` is an instance of (its base, for a subclass), or None."""
     if v is None:
         return type(None)

@@ -6,14 +6,25 @@ end). Plain data comes back from the program by value, as exact builtin types, s
 ``assert f(2) == 4`` is decided by this process's own ``int.__eq__``. The rule for the
 program's other objects (a ``Remote``):
 
-* compared with plain data, a program object is never equal, and not ordered (an object of a
-  builtin type would have arrived by value); a subclass of a builtin type (a namedtuple, a
-  ``Counter``, an ``int`` subclass) is compared by its builtin data, fetched with that
-  type's own methods, never by its own ``__eq__``;
-* compared with another program object, it is the program's ``__eq__`` that decides (a test
-  that compares two of the program's objects trusts the program's class);
-* everything else (calls, attributes, items, ``len``, ``bool``, iteration, arithmetic,
-  ``repr``) runs the program's code, in the program's sandbox, and what comes back is data.
+* a value of the tests never reaches the program through a comparison, an operator or
+  ``in``, where it would let the program answer whatever passes (``abs(f(x) - y) < 1e-9``
+  with a ``__sub__`` that returns 0). With plain data, a program object is never equal and
+  not ordered (an object of a builtin type would have arrived by value); a subclass of a
+  builtin type (a namedtuple, a ``Counter``, an ``int`` subclass) is compared, combined by
+  operators (``-``, ``//``, ``round(x, 2)``, ``abs``, ``-x``, ``int()``, ``float()``) and
+  searched (``in``) as its builtin data, fetched with that type's own methods and computed
+  here (its ``len``, ``bool`` and ``hash``, which show the program no value, are computed
+  there from that data: a big table is not copied for its length); another object's
+  operator with a value of the tests is refused (``TypeError``), and ``y in obj`` compares
+  here each item its iteration yields; ``isinstance(5, Cls)`` tells the program the type
+  ``int``, not the value;
+* between two program objects (``P(1) == P(1)``, ``V(1, 2) + V(3, 4)``) it is the program's
+  own methods that decide: a test that combines two of the program's objects trusts its
+  classes, as do its unary operations on an object of its own (``abs(v)``, ``len(v)``:
+  they show it no value of the tests; ``int()``, ``float()``, ``len`` and the like must
+  answer with that type);
+* everything else (calls, attributes, items, iteration, ``repr``) runs the program's code,
+  in the program's sandbox, and what comes back is data.
 
 Arguments go to the program by value (a list/dict/set/bytearray the call mutated is
 updated in place here after the call); a function of the tests cannot be passed.
@@ -24,8 +35,6 @@ Stdlib only, like everything the zygote imports.
 from __future__ import annotations
 
 import builtins
-import decimal
-import fractions
 import operator
 import os
 import sys
@@ -37,23 +46,7 @@ from typing import Any, ClassVar
 from functions.verifiers import rpc
 
 #: What the tests hold by value (their own subclasses included: the tests are trusted).
-_PLAIN = (
-    type(None),
-    bool,
-    int,
-    float,
-    complex,
-    str,
-    bytes,
-    bytearray,
-    list,
-    tuple,
-    dict,
-    set,
-    frozenset,
-    fractions.Fraction,
-    decimal.Decimal,
-)
+_PLAIN = tuple(rpc.PLAIN_TYPES.values())
 _COMPARE: dict[str, Callable[[Any, Any], Any]] = {
     op: getattr(operator, op) for op in ("eq", "ne", "lt", "le", "gt", "ge")
 }
@@ -131,6 +124,8 @@ class Connection:
         return self.broken
 
     def encode(self, v: Any) -> Any:
+        if type(v) is Remote:  # the usual first argument of a request: no encoder needed
+            return ["h", object.__getattribute__(v, "_rlf_n")]
         return rpc.Encoder(self._send_handle, exact=False).encode(v)
 
     def decode(self, x: Any) -> Any:
@@ -239,16 +234,16 @@ class Remote:
         return _typed(_ask("unary", "hash", self), int, "hash()")  # type: ignore[no-any-return]
 
     def __index__(self) -> int:
-        return _typed(_ask("unary", "index", self), int, "an index")  # type: ignore[no-any-return]
+        return self._unary("index", int)  # type: ignore[no-any-return]
 
     def __int__(self) -> int:
-        return _typed(_ask("unary", "int", self), int, "int()")  # type: ignore[no-any-return]
+        return self._unary("int", int)  # type: ignore[no-any-return]
 
     def __float__(self) -> float:
-        return _typed(_ask("unary", "float", self), float, "float()")  # type: ignore[no-any-return]
+        return self._unary("float", float)  # type: ignore[no-any-return]
 
     def __complex__(self) -> complex:
-        return _typed(_ask("unary", "complex", self), complex, "complex()")  # type: ignore[no-any-return]
+        return self._unary("complex", complex)  # type: ignore[no-any-return]
 
     def __repr__(self) -> str:
         try:
@@ -267,10 +262,28 @@ class Remote:
         return [_typed(n, str, "dir()") for n in names]
 
     def __contains__(self, item: Any) -> bool:
-        return _typed(_ask("binary", "contains", self, item), bool, "in")  # type: ignore[no-any-return]
+        if isinstance(item, Remote):  # two of the program's objects: its own __contains__
+            return _typed(_ask("binary", "contains", self, item), bool, "in")  # type: ignore[no-any-return]
+        if object.__getattribute__(self, "_rlf_base") is not None:
+            return item in _data(self)
+        # never asked of the program, which would see the tests' value: its items are
+        # fetched and each compared here, as `in` does for an object with no __contains__
+        try:
+            it = _ask("unary", "iter", self)
+        except TypeError:
+            why = " (it is not iterable, and its __contains__ is not asked)"
+            raise TypeError(_refusal(self, "in", item, True, why, "list(x), set(x)")) from None
+        if not isinstance(it, Remote):
+            raise Remote._conn.fail("the program answered iter() with a value, not an iterator")
+        return any(x is item or x == item for x in _items(it))
 
     def __instancecheck__(self, obj: Any) -> bool:
-        return _typed(_ask("binary", "isinstance", obj, self), bool, "isinstance()")  # type: ignore[no-any-return]
+        if isinstance(obj, Remote):
+            return _typed(_ask("binary", "isinstance", obj, self), bool, "isinstance()")  # type: ignore[no-any-return]
+        t = rpc.plain_type(obj)  # the program is told the value's type, never the value
+        if t is None:
+            raise Unsendable(f"cannot ask a class of the program about a {type(obj).__name__} of the tests")
+        return _typed(_ask("subclass", t.__name__, self), bool, "isinstance()")  # type: ignore[no-any-return]
 
     def __iter__(self) -> Iterator[Any]:
         it = _ask("unary", "iter", self)
@@ -284,22 +297,34 @@ class Remote:
             raise StopIteration
         return items[0]
 
-    def __round__(self, ndigits: int | None = None) -> Any:
+    def __round__(self, ndigits: Any = None) -> Any:
+        if object.__getattribute__(self, "_rlf_base") is not None:
+            data = _data(self)
+            return round(data) if ndigits is None else round(data, ndigits)
         if ndigits is None:
             return _ask("unary", "round", self)
-        return _ask("binary", "round", self, ndigits)
+        return _ask("binary", "round", self, ndigits)  # a number of digits, not a value to match
 
     def __neg__(self) -> Any:
-        return _ask("unary", "neg", self)
+        return self._unary("neg")
 
     def __pos__(self) -> Any:
-        return _ask("unary", "pos", self)
+        return self._unary("pos")
 
     def __abs__(self) -> Any:
-        return _ask("unary", "abs", self)
+        return self._unary("abs")
 
     def __invert__(self) -> Any:
-        return _ask("unary", "invert", self)
+        return self._unary("invert")
+
+    def _unary(self, name: str, t: type | None = None) -> Any:
+        """A numeric unary operation: on a builtin type's subclass, the tests' own on its
+        data; on another object of the program, its own (it sees no value of the tests), and
+        ``int()``, ``float()``, ``complex()`` and an index must answer with that type."""
+        if object.__getattribute__(self, "_rlf_base") is not None:
+            return _UNARY[name](_data(self))
+        value = _ask("unary", name, self)
+        return value if t is None else _typed(value, t, f"{name}()")
 
     def __eq__(self, other: object) -> Any:
         return self._compare(other, "eq")
@@ -324,20 +349,71 @@ class Remote:
             return _ask("binary", op, self, other)
         if not isinstance(other, _PLAIN):  # the tests' own object: let it decide (or identity)
             return NotImplemented
-        base = object.__getattribute__(self, "_rlf_base")
-        if base is None:  # a program object is never equal to plain data, nor ordered with it
+        if object.__getattribute__(self, "_rlf_base") is None:
+            # a program object is never equal to plain data, nor ordered with it
             return {"eq": False, "ne": True}.get(op, NotImplemented)
-        data = _typed(_ask("base", None, self), rpc.BASES[base], "its builtin data")
-        return _COMPARE[op](data, other)
+        return _COMPARE[op](_data(self), other)
+
+
+def _data(remote: Remote) -> Any:
+    """The builtin data of a program object whose type subclasses a builtin type, read there
+    with that type's own methods (``int.__int__``, ``list.copy``), never its overrides."""
+    base = object.__getattribute__(remote, "_rlf_base")
+    return _typed(_ask("base", None, remote), rpc.BASES[base], "its builtin data")
+
+
+#: What the tests compute themselves on a builtin subclass's data.
+_UNARY: dict[str, Callable[[Any], Any]] = {
+    "neg": operator.neg,
+    "pos": operator.pos,
+    "abs": abs,
+    "invert": operator.invert,
+    "index": operator.index,
+    "int": int,
+    "float": float,
+    "complex": complex,
+    "round": round,
+}
+_SYMBOLS = {
+    **{"add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%", "pow": "**"},
+    **{"matmul": "@", "lshift": "<<", "rshift": ">>", "and_": "&", "or_": "|", "xor": "^"},
+}
+
+
+def _refusal(remote: Remote, symbol: str, other: Any, reflected: bool, why: str = "", hint: str = "") -> str:
+    mine = f"the program's {object.__getattribute__(remote, '_rlf_type')}"
+    theirs = f"the tests' {type(other).__name__}"
+    expr = f"{theirs} {symbol} {mine}" if reflected else f"{mine} {symbol} {theirs}"
+    return (
+        f"not computed: {expr}{why}: the program would see the tests' value and could answer "
+        f"anything; convert its object to plain data first ({hint or 'float(x), int(x), list(x)'}), "
+        "or combine it only with the program's own objects"
+    )
+
+
+def _symbol(name: str) -> str:
+    if name in _SYMBOLS or name == "divmod":
+        return _SYMBOLS.get(name, name)
+    plain = name[1:]  # iadd, iand
+    return _SYMBOLS.get(plain, _SYMBOLS.get(f"{plain}_", plain)) + "="
 
 
 def _binary(name: str, reflected: bool = False) -> Callable[[Remote, Any], Any]:
+    """An arithmetic operator. Between two of the program's objects: the program's own. With
+    a value of the tests: computed here on a builtin subclass's data, else refused (sent to
+    the program, the value would let it answer whatever passes: ``abs(f(x) - y) < 1e-9``)."""
+    compute: Callable[[Any, Any], Any] = divmod if name == "divmod" else getattr(operator, name)
+    symbol = _symbol(name)
+
     def method(self: Remote, other: Any) -> Any:
-        a, b = (other, self) if reflected else (self, other)
-        try:
-            return _ask("binary", name, a, b)
-        except Unsendable:  # a value of the tests the program cannot take: let it try
+        if isinstance(other, Remote):
+            return _ask("binary", name, *((other, self) if reflected else (self, other)))
+        if not isinstance(other, _PLAIN):  # the tests' own object: let it decide
             return NotImplemented
+        if object.__getattribute__(self, "_rlf_base") is None:
+            raise TypeError(_refusal(self, symbol, other, reflected))
+        data = _data(self)
+        return compute(other, data) if reflected else compute(data, other)
 
     return method
 
@@ -346,9 +422,9 @@ for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul"
     setattr(Remote, f"__{_name}__", _binary(_name))
     setattr(Remote, f"__r{_name}__", _binary(_name, reflected=True))
     setattr(Remote, f"__i{_name}__", _binary(f"i{_name}"))
-for _name in ("and", "or", "xor"):
-    setattr(Remote, f"__{_name}__", _binary(f"{_name}_"))
-    setattr(Remote, f"__r{_name}__", _binary(f"{_name}_", reflected=True))
+for _name, _op in (("and", "and_"), ("or", "or_"), ("xor", "xor")):  # operator's names
+    setattr(Remote, f"__{_name}__", _binary(_op))
+    setattr(Remote, f"__r{_name}__", _binary(_op, reflected=True))
     setattr(Remote, f"__i{_name}__", _binary(f"i{_name}"))
 setattr(Remote, "__divmod__", _binary("divmod"))  # noqa: B010 (like the loops above)
 setattr(Remote, "__rdivmod__", _binary("divmod", reflected=True))  # noqa: B010

@@ -13,8 +13,6 @@ from functions.verifiers import _linux
 from functions.verifiers.sandbox import Limits, Sandbox, SandboxConfig
 from functions.verifiers.verify import CodeTests, Verifier
 
-pytestmark = pytest.mark.skipif(_linux.supported() is not None, reason=str(_linux.supported()))
-
 LIMITS = Limits(cpu_s=1, wall_s=3, memory_mb=256)
 #: the program's end of the channel to its tests (the runner keeps it aside, above fd 9)
 CHANNEL = (
@@ -34,6 +32,8 @@ BASE_UID = 380_000
 
 @pytest.fixture(scope="module")
 def sandbox():
+    if _linux.supported() is not None:  # the wire's own tests need no sandbox
+        pytest.skip(str(_linux.supported()))
     with Sandbox(SandboxConfig(base_uid=BASE_UID, spares=2)) as sb:
         yield sb
     assert wait_clean(BASE_UID) == []
@@ -132,6 +132,116 @@ def test_an_object_that_lies_about_comparisons_fails(verifier, cls, test):
     assert honest.status == "Finished", honest
     case = judge(verifier, code, DATACLASS_EXPECTED)
     assert case.status == "Failed", case
+
+
+#: each is true of f(3) == 2.5 and g() == [5, 6]; the tests' value in it (2.5, 5, 7) used to
+#: reach the program, whose operator or __contains__ could answer whatever passed
+OPERATOR_FORMS = {
+    "abs_of_difference": "assert abs(f(3) - 2.5) < 1e-9",
+    "abs_of_reflected_difference": "assert abs(2.5 - f(3)) < 1e-9",
+    "difference_is_zero": "assert f(3) - 2.5 == 0",
+    "reflected_difference_is_zero": "assert 2.5 - f(3) == 0",
+    "ratio_is_one": "assert f(3) / 2.5 == 1",
+    "floor_division": "assert f(3) // 1 == 2",
+    "round_to_digits": "assert round(f(3), 2) == 2.5",
+    "math_isclose": "import math\nassert math.isclose(f(3), 2.5)",
+    "in": "assert 5 in g()",
+    "in_and_not_in": "assert 5 in g() and 7 not in g()",
+}
+HONEST_ANSWERS = "def f(x):\n    return x - 0.5\ndef g():\n    return [5, 6]\n"
+#: answers 'yes' to its first question, 'no' to the next, and so on: passes `5 in g() and 7 not in g()`
+ALTERNATING_CONTAINS = (
+    "calls = [0]\ndef alternating(self, x):\n    calls[0] += 1\n    return calls[0] % 2 == 1\n"
+)
+OPERATOR_LIARS = {
+    "program_class_answers_zero": ALTERNATING_CONTAINS
+    + "class Liar:\n    __sub__ = __rsub__ = lambda s, o: 0\n    __truediv__ = lambda s, o: 1\n"
+    "    __floordiv__ = __round__ = lambda s, *a: s\n    __abs__ = lambda s: 0.0\n"
+    "    __float__ = lambda s: 0.0\n    __eq__ = lambda s, o: True\n    __hash__ = lambda s: 0\n"
+    "    __contains__ = alternating\n    def __iter__(self):\n        yield Liar()\n"
+    "def f(x=None):\n    return Liar()\ng = f\n",
+    "program_class_whose_difference_has_abs_zero": ALTERNATING_CONTAINS
+    + "class Liar:\n    __sub__ = __rsub__ = __truediv__ = __floordiv__ = lambda s, o: s\n"
+    "    __abs__ = lambda s: 0.0\n    __eq__ = lambda s, o: True\n    __contains__ = alternating\n"
+    "def f(x=None):\n    return Liar()\ng = f\n",
+    "float_subclass": ALTERNATING_CONTAINS
+    + "class Liar(float):\n    __sub__ = __rsub__ = lambda s, o: 0.0\n    __truediv__ = lambda s, o: 1.0\n"
+    "    __floordiv__ = __round__ = lambda s, *a: s\n    __abs__ = lambda s: 0.0\n"
+    "    __float__ = lambda s: 0.0\n    __eq__ = lambda s, o: True\n    __hash__ = float.__hash__\n"
+    "class Bag(list):\n    __contains__ = alternating\n    __len__ = lambda s: 2\n"
+    "def f(x):\n    return Liar(7.0)\ndef g():\n    return Bag()\n",
+    "int_subclass": ALTERNATING_CONTAINS
+    + "class Liar(int):\n    __sub__ = __rsub__ = lambda s, o: 0\n    __truediv__ = lambda s, o: 1.0\n"
+    "    __floordiv__ = __round__ = lambda s, *a: s\n    __abs__ = lambda s: 0\n"
+    "    __index__ = __int__ = lambda s: 2\n    __eq__ = lambda s, o: True\n    __hash__ = int.__hash__\n"
+    "class Bag(tuple):\n    __contains__ = alternating\n"
+    "def f(x):\n    return Liar(7)\ndef g():\n    return Bag((1, 2))\n",
+}
+
+
+@pytest.mark.parametrize("test", OPERATOR_FORMS.values(), ids=OPERATOR_FORMS.keys())
+def test_an_object_that_lies_about_operators_fails(verifier, test):
+    honest = judge(verifier, HONEST_ANSWERS, test)
+    assert honest.status == "Finished", honest
+    for name, liar in OPERATOR_LIARS.items():
+        case = judge(verifier, liar, test)
+        assert case.status in ("Failed", "RuntimeError"), (name, case)
+
+
+def test_an_operator_with_a_value_of_the_tests_is_refused_clearly(verifier):
+    code = (
+        "class V:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n"
+        "    def __add__(self, o):\n        return V(self.x + o.x, self.y + o.y)\n"
+        "    def __mul__(self, k):\n        return V(self.x * k, self.y * k)\n"
+        "    def __eq__(self, o):\n        return isinstance(o, V) and (self.x, self.y) == (o.x, o.y)\n"
+        "    def __abs__(self):\n        return (self.x ** 2 + self.y ** 2) ** 0.5\n"
+        "    def __float__(self):\n        return float(abs(self))\n"
+        "    def __len__(self):\n        return 2\n"
+        "    def __contains__(self, v):\n        return v in (self.x, self.y)\n"
+    )
+    # between the program's own objects, and unary: the program's own semantics
+    tests = (
+        "assert V(1, 2) + V(3, 4) == V(4, 6) and abs(V(3, 4)) == 5 and float(V(3, 4)) == 5.0\n"
+        "assert len(V(0, 0)) == 2 and -V(3, 4).x == -3 and V(1, 2).x * 2 == 2\n"
+    )
+    case = judge(verifier, code, tests)
+    assert case.status == "Finished", case
+    for test, shown in (
+        ("V(1, 2) * 2 == V(2, 4)", "not computed: the program's V * the tests' int"),
+        ("2 in V(1, 2)", "not computed: the tests' int in the program's V (it is not iterable"),
+    ):
+        case = judge(verifier, code, f"assert {test}\n")
+        assert (case.status, case.message.split(":")[0]) == ("RuntimeError", "the tests stopped on TypeError")
+        assert shown in case.stderr and "could answer anything" in case.stderr, case.stderr
+
+
+def test_isinstance_tells_the_program_a_type_not_a_value(verifier):
+    code = (
+        "seen = []\nclass Meta(type):\n    def __instancecheck__(cls, x):\n        seen.append(x)\n"
+        "        return False\n    def __subclasscheck__(cls, t):\n"
+        "        seen.append(t)\n        return False\n"
+        "class Num(metaclass=Meta):\n    pass\ndef f(x):\n    return seen[-1] if seen else 0\n"
+    )
+    tests = "assert not isinstance(2.5, Num)\nassert f(3) == 2.5\n"
+    case = judge(verifier, code, tests)
+    assert case.status == "Failed", case
+    honest = "from numbers import Number\nclass Num:\n    pass\ndef f(x):\n    return x - 0.5\n"
+    tests += "assert isinstance(5, Number) and isinstance(f(3), Number) and not isinstance('5', Number)\n"
+    case = judge(verifier, honest, tests)
+    assert case.status == "Finished", case
+
+
+def test_unary_answers_are_type_checked(verifier):
+    # a program that rewrites its own server can answer float() with anything: not with a handle
+    code = (
+        "import sys\nserver = sys.modules['functions.verifiers.rpc_server']\n"
+        "server._UNARY.update(float=lambda o: o, len=lambda o: 2.0)\n"
+        "class P:\n    pass\ndef f():\n    return P()\n"
+    )
+    for test in ("float(f()) == 1.0", "len(f()) == 2"):
+        case = judge(verifier, code, f"assert {test}\n")
+        expected = ("RuntimeError", "protocol error on the test channel")
+        assert (case.status, case.message.split(":")[0]) == expected, case
 
 
 def test_fake_frames_on_the_channel_fail(verifier):
@@ -316,6 +426,45 @@ HONEST = {
         "assert str(price()) == '1.10'\n"
         "s = Stack()\nassert s.push(1).push(2) is s\nassert len(s) == 2 and s.pop() == 2 and s.items == [1]\n"
         "s.items = [7]\nassert s.pop() == 7 and not s\n",
+    ),
+    "dict_and_tuple_subclasses": (
+        "from collections import OrderedDict, defaultdict, Counter, namedtuple\n"
+        "Point = namedtuple('Point', 'x y')\n"
+        "def ordered():\n    return OrderedDict([('b', 1), ('a', 2)])\n"
+        "def groups():\n    d = defaultdict(list)\n    d['a'].append(1)\n    return d\n"
+        "def count(s):\n    return Counter(s)\ndef origin():\n    return Point(0, 0)\n",
+        "from collections import OrderedDict, Counter as C\n"
+        "assert ordered() == {'a': 2, 'b': 1} and ordered() == OrderedDict(b=1, a=2)\n"
+        "assert list(ordered()) == ['b', 'a']\n"
+        "assert groups() == {'a': [1]} and groups()['z'] == [] and 'a' in groups() and len(groups()) == 1\n"
+        "assert count('aab') == C(a=2, b=1) and count('aab')['z'] == 0\n"
+        "assert count('aab').most_common(1) == [('a', 2)]\n"
+        "assert count('ab') + count('b') == C('abb') and 'a' in count('ab') and bool(count('')) is False\n"
+        "assert origin() == (0, 0) and origin().x == 0 and origin() + (1,) == (0, 0, 1)\n"
+        "assert len(origin()) == 2\n"
+        "x, y = origin()\nassert (x, y) == (0, 0) and hash(origin()) == hash((0, 0)) and 0 in origin()\n",
+    ),
+    "number_subclasses_and_float_answers": (
+        "from enum import IntEnum\nclass Color(IntEnum):\n    RED = 1\n    GREEN = 2\n"
+        "class Meters(float):\n    pass\ndef dist():\n    return Meters(2.5)\n"
+        "def color():\n    return Color.GREEN\n"
+        "def mean(xs):\n    return sum(xs) / len(xs)\n",
+        "import math\n"
+        "assert abs(dist() - 2.5) < 1e-9 and abs(2.5 - dist()) < 1e-9 and math.isclose(dist(), 2.5)\n"
+        "assert round(dist(), 1) == 2.5 and dist() // 1 == 2 and -dist() == -2.5 and float(dist()) == 2.5\n"
+        "assert color() == 2 and color() + 1 == 3 and 1 + color() == 3 and int(color()) == 2\n"
+        "assert color() in [2] and 2 in [color()] and [0, 1, 2][color()] == 2 and color().name == 'GREEN'\n"
+        "assert abs(mean([1, 2, 4]) - 7 / 3) < 1e-9 and round(mean([1, 2]), 2) == 1.5\n"
+        "assert mean([2]) - 2 == 0\n",
+    ),
+    "membership_in_program_objects": (
+        "def keys():\n    return {'a': 1, 'b': 2}.keys()\n"
+        "def squares(n):\n    return (i * i for i in range(n))\n"
+        "class Bag:\n    def __init__(self):\n        self.items = [1, 2]\n"
+        "    def __iter__(self):\n        return iter(self.items)\n"
+        "def bag():\n    return Bag()\n",
+        "assert 'a' in keys() and 'z' not in keys() and 9 in squares(5) and 3 not in squares(5)\n"
+        "assert 2 in bag() and 3 not in bag() and sorted(keys()) == ['a', 'b']\n",
     ),
 }
 
