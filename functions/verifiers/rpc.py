@@ -22,7 +22,11 @@ other value is a list whose first item is a tag::
     ["b", b64]  bytes              ["ba", b64]  bytearray
     ["l", [..]] list               ["t", [..]] tuple      ["s", [..]] set    ["fs", [..]] frozenset
     ["d", [[k, v], ..]] dict       ["q", num, den] Fraction   ["D", str] Decimal
-    ["sl", start, stop, step]  a slice (``seq[1:3]``)
+    ["sl", start, stop, step]  a slice (``seq[1:3]``)     ["r", start, stop, step]  a range
+    ["date", y, m, d]     ["time", h, m, s, us, fold, tz]     ["dt", y, m, d, h, m, s, us, fold, tz]
+                          (``tz``: null, or [days, seconds, us, name or null], a fixed-offset
+                          ``datetime.timezone``; another tzinfo makes it a handle)
+    ["td", days, seconds, us]  a timedelta      ["dq", [..], maxlen or null]  a deque
     ["h", n, base, type]  an object that stays where it is, as handle n (from the program:
                           ``base`` names the builtin type it subclasses, or null)
     ["m", name, n]        a module (the tests bind their own module of that name if they
@@ -39,6 +43,8 @@ Stdlib only: the zygote imports it, and both runs are forks of the zygote.
 from __future__ import annotations
 
 import base64
+import collections
+import datetime
 import decimal
 import fractions
 import json
@@ -176,7 +182,9 @@ class Encoder:
         if type(v) is slice:  # for items: seq[1:3]
             return ["sl", *(self.encode(x, depth + 1) for x in (v.start, v.stop, v.step))]
         if (t is not dict and t not in _TAGS) or depth >= MAX_DEPTH:
-            return self.handle(v)
+            special = _SPECIAL.get(t) if t is not None and depth < MAX_DEPTH else None
+            encoded = special(self, v, depth + 1) if special is not None else None
+            return self.handle(v) if encoded is None else encoded
         d = depth + 1
         if t is dict:
             return ["d", [[self.encode(k, d), self.encode(x, d)] for k, x in dict.items(v)]]
@@ -185,6 +193,46 @@ class Encoder:
 
 
 _TAGS: dict[type, str] = {list: "l", tuple: "t", set: "s", frozenset: "fs"}
+
+
+def _tz(tz: Any) -> Any:
+    """A datetime's or time's tzinfo: null, or a fixed-offset ``datetime.timezone`` as its
+    offset and name; ``...`` for any other (its value then stays where it is)."""
+    if tz is None:
+        return None
+    if type(tz) is not datetime.timezone:
+        return ...
+    offset, *name = tz.__getinitargs__()  # type: ignore[attr-defined]
+    return [offset.days, offset.seconds, offset.microseconds, str(name[0]) if name else None]
+
+
+def _encode_time(e: Encoder, v: Any, d: int) -> Any:
+    tz = _tz(v.tzinfo)
+    if tz is ...:
+        return None
+    return ["time", v.hour, v.minute, v.second, v.microsecond, v.fold, tz]
+
+
+def _encode_datetime(e: Encoder, v: Any, d: int) -> Any:
+    tz = _tz(v.tzinfo)
+    if tz is ...:
+        return None
+    return ["dt", v.year, v.month, v.day, v.hour, v.minute, v.second, v.microsecond, v.fold, tz]
+
+
+_deque_items = collections.deque.__iter__
+
+
+#: Value types of the standard library that travel by value (their encoders return None for a
+#: value that cannot: a datetime with a tzinfo of its own).
+_SPECIAL: dict[type, Callable[[Encoder, Any, int], Any]] = {
+    range: lambda e, v, d: ["r", e.encode(v.start, d), e.encode(v.stop, d), e.encode(v.step, d)],
+    datetime.date: lambda e, v, d: ["date", v.year, v.month, v.day],
+    datetime.time: _encode_time,
+    datetime.datetime: _encode_datetime,
+    datetime.timedelta: lambda e, v, d: ["td", v.days, v.seconds, v.microseconds],
+    collections.deque: lambda e, v, d: ["dq", [e.encode(x, d) for x in _deque_items(v)], v.maxlen],
+}
 _PLAIN_ORDER = (
     bool,
     int,
@@ -200,6 +248,12 @@ _PLAIN_ORDER = (
     frozenset,
     fractions.Fraction,
     decimal.Decimal,
+    range,
+    datetime.datetime,  # before date, its base
+    datetime.date,
+    datetime.time,
+    datetime.timedelta,
+    collections.deque,
 )
 #: The plain types by name (``isinstance(5, Cls)`` with a class of the program asks it
 #: ``issubclass(int, Cls)``: the name of the type, never the tests' value).
@@ -253,6 +307,8 @@ class Decoder:
             return fractions.Fraction(x, y)
         if tag == "sl":
             return slice(*(self.decode(a, d) for a in _arity(tag, args, 3)))
+        if tag in _STDLIB_TAGS:
+            return self._stdlib(tag, args, d)
         (arg,) = _arity(tag, args, 1)
         if tag == "i":
             return int(_str(arg), 16)
@@ -271,18 +327,73 @@ class Decoder:
             return dict(self._pair(p, d) for p in _list(arg))
         raise ValueError(f"unknown tag {tag!r}")
 
+    def _stdlib(self, tag: str, args: list[Any], d: int) -> Any:
+        """The standard library's value types, rebuilt by their own constructors (which
+        check each field's range) from exact ints."""
+        if tag == "r":
+            start, stop, step = (_int(self.decode(a, d)) for a in _arity(tag, args, 3))
+            return range(start, stop, step)
+        if tag == "date":
+            return datetime.date(*_ints(_arity(tag, args, 3)))
+        if tag == "time":
+            *fields, tz = _arity(tag, args, 6)
+            h, m, s, us, fold = _ints(fields)
+            return datetime.time(h, m, s, us, _timezone(tz), fold=fold)
+        if tag == "dt":
+            *fields, tz = _arity(tag, args, 9)
+            y, mo, day, h, m, s, us, fold = _ints(fields)
+            return datetime.datetime(y, mo, day, h, m, s, us, _timezone(tz), fold=fold)
+        if tag == "td":
+            return _timedelta(args)
+        if tag == "dq":
+            items, maxlen = _arity(tag, args, 2)
+            values = [self.decode(v, d) for v in _list(items)]
+            if maxlen is not None and (type(maxlen) is not int or not 0 <= maxlen or len(values) > maxlen):
+                raise ValueError(f"a deque of {len(values)} items with a maxlen of {_brief(maxlen)}")
+            return collections.deque(values, maxlen)
+        raise AssertionError(tag)  # unreachable: _STDLIB_TAGS lists the tags above
+
     def _pair(self, p: Any, d: int) -> tuple[Any, Any]:
         k, v = _arity("d", _list(p), 2)
         return self.decode(k, d), self.decode(v, d)
 
 
 _CONTAINERS: dict[str, type] = {"l": list, "t": tuple, "s": set, "fs": frozenset}
+_STDLIB_TAGS = frozenset(("r", "date", "time", "dt", "td", "dq"))
 
 
 def _arity(tag: str, args: list[Any], n: int) -> list[Any]:
     if len(args) != n:
         raise ValueError(f"{len(args)} fields instead of {n}")
     return args
+
+
+def _int(x: Any) -> int:
+    if type(x) is not int:
+        raise TypeError(f"expected an int, got {_brief(x)}")
+    return x
+
+
+def _ints(xs: list[Any]) -> list[int]:
+    return [_int(x) for x in xs]
+
+
+def _timedelta(fields: list[Any]) -> datetime.timedelta:
+    """A timedelta from its normalized fields (as ``days``, ``seconds``, ``microseconds``
+    hold them: seconds below a day, microseconds below a second)."""
+    days, seconds, us = _ints(_arity("td", fields, 3))
+    if not (0 <= seconds < 86_400 and 0 <= us < 1_000_000):
+        raise ValueError("a timedelta's seconds or microseconds out of their range")
+    return datetime.timedelta(days, seconds, us)
+
+
+def _timezone(x: Any) -> datetime.timezone | None:
+    if x is None:
+        return None
+    *offset, name = _arity("tz", _list(x), 4)
+    if name is not None:
+        return datetime.timezone(_timedelta(offset), _str(name))
+    return datetime.timezone(_timedelta(offset))
 
 
 def _str(x: Any) -> str:

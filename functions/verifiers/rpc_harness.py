@@ -26,7 +26,7 @@ program's other objects (a ``Remote``):
 * everything else (calls, attributes, items, iteration, ``repr``) runs the program's code,
   in the program's sandbox, and what comes back is data.
 
-Arguments go to the program by value (a list/dict/set/bytearray the call mutated is
+Arguments go to the program by value (a list/dict/set/bytearray/deque the call mutated is
 updated in place here after the call); a function of the tests cannot be passed.
 
 Stdlib only, like everything the zygote imports.
@@ -35,6 +35,7 @@ Stdlib only, like everything the zygote imports.
 from __future__ import annotations
 
 import builtins
+import collections
 import operator
 import os
 import sys
@@ -139,8 +140,9 @@ class Connection:
             raise Unsendable(f"a value nested deeper than {rpc.MAX_DEPTH} cannot be sent to the program")
         raise Unsendable(
             f"cannot pass {type(v).__name__} {v!r:.60} to the program: only plain values (None, bool, "
-            "int, float, complex, str, bytes, list, tuple, dict, set, frozenset, Fraction, Decimal) "
-            "and the program's own objects cross to its sandbox"
+            "int, float, complex, str, bytes, list, tuple, dict, set, frozenset, Fraction, Decimal, "
+            "range, deque, date, time, datetime with a fixed-offset timezone, timedelta) and the "
+            "program's own objects cross to its sandbox"
         )
 
     def _remote(self, x: list[Any]) -> Any:
@@ -465,6 +467,10 @@ def _update(args: tuple[Any, ...], kwargs: dict[str, Any], item: Any) -> None:
     new = Remote._conn.decode(raw)
     if isinstance(target, list | bytearray) and type(new) is type(target):
         target[:] = new
+        return
+    if isinstance(target, collections.deque) and type(new) is collections.deque:
+        target.clear()
+        target.extend(new)
         return
     if isinstance(target, dict | set) and type(new) is type(target):
         target.clear()

@@ -10,6 +10,7 @@ Stdlib only, like everything the zygote imports.
 
 from __future__ import annotations
 
+import collections
 import operator
 import traceback
 from collections.abc import Callable
@@ -60,7 +61,7 @@ _BASE_TYPES = tuple(rpc.BASES.values())
 #: Most values of one global name sent by value with the program's names.
 HELLO_ITEMS = 10_000
 #: What a mutated argument is sent back as (the tests update their own object in place).
-_MUTABLE = (list, dict, set, bytearray)
+_MUTABLE = (list, dict, set, bytearray, collections.deque)
 
 
 class Server:
