@@ -9,19 +9,21 @@ Never use it on untrusted code.
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Literal
 
 import fabric
 from fabric.protocol import RewardResult, Trajectory
 from functions.verifiers.program import BASE_ENV
-from functions.verifiers.sandbox import Limits, RunOutcome
+from functions.verifiers.sandbox import Limits, PairOutcome, RunOutcome, _package_root
 from functions.verifiers.verify import StdioCase, Verifier
 
 
@@ -100,6 +102,85 @@ class SubprocessRunner:
             "files": collected,
         }
         return RunOutcome.model_validate(fields)
+
+    def run_pair(
+        self,
+        *,
+        files: dict[str, bytes],
+        entry: str,
+        test_files: dict[str, bytes],
+        test_entry: str,
+        limits: Limits | None = None,
+    ) -> PairOutcome:
+        """``Sandbox.run_pair`` done the naive way: two ``python`` subprocesses whose stdouts
+        are each other's fd 3 (no supervisor in between, no limit on the channel)."""
+        limits = limits or Limits()
+        with tempfile.TemporaryDirectory(prefix="rlfabric-cold-") as work:
+            for name, blob in {**files, **test_files}.items():
+                with open(os.path.join(work, name), "wb") as f:
+                    f.write(blob)
+            to_tests_r, to_tests_w = os.pipe()
+            to_program_r, to_program_w = os.pipe()
+            env = {**BASE_ENV, "HOME": work, "TMPDIR": work, "PYTHONPATH": _package_root()}
+            procs = []
+            t0 = time.monotonic()
+            for role, file, out, chan in (
+                ("serve", entry, to_tests_w, to_program_r),
+                ("test", test_entry, to_program_w, to_tests_r),
+            ):
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "functions.verifiers.program", role, file],
+                        cwd=work,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=subprocess.PIPE,
+                        start_new_session=True,
+                        preexec_fn=functools.partial(_limit, limits, chan),
+                        close_fds=False,  # its end of the channel becomes fd 3
+                    )
+                )
+            for fd in (to_tests_r, to_tests_w, to_program_r, to_program_w):
+                os.close(fd)
+            program, tests = procs
+            errs: list[bytes] = [b"", b""]
+            readers = [
+                threading.Thread(target=lambda i=i, p=p: errs.__setitem__(i, p.stderr.read()))  # type: ignore[union-attr]
+                for i, p in enumerate(procs)
+            ]
+            for r in readers:
+                r.start()
+            status = ["exited", "exited"]
+            try:
+                tests.wait(timeout=limits.wall_s)
+            except subprocess.TimeoutExpired:
+                status[1] = "timeout"
+                os.killpg(tests.pid, signal.SIGKILL)
+                tests.wait()
+            if program.poll() is None:
+                os.killpg(program.pid, signal.SIGKILL)
+            # ended once the tests closed its channel (or by our kill): stopped, as in the
+            # sandbox; only a failure of its own before that counts
+            if program.wait() in (0, -signal.SIGKILL):
+                status[0] = "stopped" if status[1] != "timeout" else "timeout"
+            for r in readers:
+                r.join()
+            wall_ms = (time.monotonic() - t0) * 1000
+        outcomes = []
+        for proc, st, err in zip(procs, status, errs, strict=True):
+            code = proc.returncode
+            outcomes.append(
+                RunOutcome(
+                    status=st if st != "exited" else ("signaled" if code < 0 else "exited"),  # type: ignore[arg-type]
+                    exit_code=code if code >= 0 else None,
+                    signal=-code if code < 0 else None,
+                    stderr=err[: limits.stderr_bytes],
+                    stderr_total=len(err),
+                    wall_ms=wall_ms,
+                )
+            )
+        return PairOutcome(program=outcomes[0], tests=outcomes[1])
 
 
 def _limit(limits: Limits, marker_fd: int | None = None) -> None:

@@ -45,7 +45,7 @@ import traceback
 from typing import Any
 
 from functions.verifiers import _linux as lx
-from functions.verifiers import jail
+from functions.verifiers import jail, rpc_harness, rpc_server
 
 #: Fresh for every run, with the PID namespace the zygote makes for it. Network
 #: and UTS namespaces are the uid slot's (``make_slot_namespaces``).
@@ -135,26 +135,46 @@ def _marker_line(fd: int) -> bytes:
     return line
 
 
-def _run_python(source: str, entry: str, marker_fd: int | None = None) -> int:
+def _run_python(source: str, entry: str, marker_fd: int | None = None, role: str | None = None) -> int:
     """Run ``source`` as ``__main__`` in this (forked, pristine) interpreter. With
     ``marker_fd``, print the marker line read from it once the source ran to its end (read
-    only then, so no frame or object of this process holds it while user code runs)."""
+    only then, so no frame or object of this process holds it while user code runs).
+
+    ``role``: one of a pair of runs for assert-style tests (``functions.verifiers.rpc``).
+    ``"serve"``: run the program, then answer the tests' requests; ``"test"``: run the
+    tests against it. Requests come in on fd 3 and leave by the run's stdout; fd 1 is
+    pointed at stderr first, so nothing printed can be mistaken for a frame."""
+    channel = -1
+    if role is not None:
+        channel = fcntl.fcntl(1, fcntl.F_DUPFD_CLOEXEC, 10)
+        os.dup2(2, 1)
+        os.set_inheritable(3, False)
     sys.argv = [entry]
     sys.path[:] = [WORK] + [p for p in sys.path if p.startswith(sys.base_prefix) or p.startswith(sys.prefix)]
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8", errors="replace")
     sys.stdout = io.TextIOWrapper(
-        io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace"
+        io.FileIO(1, "w", closefd=False),
+        encoding="utf-8",
+        errors="backslashreplace",
+        line_buffering=role is not None,  # it shares a pipe with stderr: keep them in order
     )
     sys.stderr = io.TextIOWrapper(
         io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
     )
     code = 0
     try:
-        compiled = compile(source, entry, "exec")
-        exec(compiled, {"__name__": "__main__", "__builtins__": builtins, "__file__": os.path.abspath(entry)})
-        if marker_fd is not None:  # the source ran to its end: assert-style tests all ran
-            sys.stdout.flush()
-            os.write(1, b"\n" + _marker_line(marker_fd))
+        if role == "test":
+            code = rpc_harness.run_tests(source, entry, 3, channel)
+        else:
+            compiled = compile(source, entry, "exec")
+            namespace = {"__name__": "__main__", "__builtins__": builtins, "__file__": os.path.abspath(entry)}
+            exec(compiled, namespace)
+            if role == "serve":
+                sys.stdout.flush()  # what the top-level code printed comes first
+                code = rpc_server.serve(namespace, 3, channel)
+            if marker_fd is not None:  # the source ran to its end: assert-style tests all ran
+                sys.stdout.flush()
+                os.write(1, b"\n" + _marker_line(marker_fd))
     except SystemExit as e:
         if e.code is None:
             code = 0
@@ -244,10 +264,12 @@ def program(
         os.close(5)
         # warm until here: the run arrives length-prefixed (not "until EOF": a fork of the
         # worker may hold a copy of the pipe's other end for as long as it lives), and only
-        # its own bytes are read: an assert-style run's marker line follows it in the pipe
+        # its own bytes are read: an assert-style run's marker line, or the requests of a
+        # run of a pair (``rpc``), follow it in the pipe
         run = json.loads(_read_exactly(3, int(_read_exactly(3, 8), 16)))
         marker_fd = 3 if run.pop("marker", False) else None
-        if marker_fd is None:
+        role = run.get("rpc") if run["mode"] == "python" else None
+        if marker_fd is None and role is None:
             os.close(3)
         _rlimits(run["limits"])
         env = {**BASE_ENV, **(run.get("env") or {})}
@@ -262,7 +284,7 @@ def program(
     if run["mode"] == "python":
         with open(run["entry"], encoding="utf-8", errors="replace") as f:
             source = f.read()
-        os._exit(_run_python(source, run["entry"], marker_fd=marker_fd))
+        os._exit(_run_python(source, run["entry"], marker_fd=marker_fd, role=role))
     # an exec'd test harness (verify.with_tests) reads the marker from fd 3 itself
     argv = run["argv"]
     try:
@@ -270,6 +292,16 @@ def program(
     except OSError as e:
         os.write(2, f"cannot execute {argv[0]}: {e.strerror}\n".encode())
     os._exit(EXEC_FAILED)
+
+
+def main() -> None:
+    """``python -m functions.verifiers.program serve|test FILE``: one run of a pair, with no
+    sandbox at all (the benchmark's subprocess baseline, ``functions.verifiers.cold``): fd 3
+    and stdout are the channel, as in the sandbox."""
+    role, entry = sys.argv[1], sys.argv[2]
+    with open(entry, encoding="utf-8", errors="replace") as f:
+        source = f.read()
+    os._exit(_run_python(source, entry, role=role))
 
 
 def make_slot_namespaces(chan: socket.socket) -> None:
@@ -281,3 +313,7 @@ def make_slot_namespaces(chan: socket.socket) -> None:
     lx.mount("proc", "/proc", "proc", lx.MS_NOSUID | lx.MS_NODEV | lx.MS_NOEXEC)  # to open the two
     fds = [os.open(f"/proc/self/ns/{ns}", os.O_RDONLY) for ns in ("net", "uts")]
     socket.send_fds(chan, [b"ns"], fds)
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,9 @@
 One ``Sandbox`` per worker process (the code verifier starts it in its setup hook). It is
 thread-safe; each ``run`` takes one warm sandbox the zygote prepared ahead of time and
 supervises it from the calling thread (``functions.verifiers.supervisor``), and gets back
-exactly what happened (``RunOutcome``); judging the output is the verifier's business. If
+exactly what happened (``RunOutcome``); judging the output is the verifier's business.
+``run_pair`` runs a Python program and its assert-style tests as two such runs that talk
+only through the supervisor (``PairOutcome``). If
 the zygote dies, runs in flight end in ``SandboxError`` and the next run starts a fresh
 zygote.
 """
@@ -31,7 +33,7 @@ from functions.verifiers import _linux
 from functions.verifiers.cgroups import SlotCgroups
 from functions.verifiers.errors import SandboxError, SandboxUnavailable
 from functions.verifiers.program import SPARE_FDS
-from functions.verifiers.supervisor import Spare, supervise
+from functions.verifiers.supervisor import Spare, supervise, supervise_pair
 
 
 class Limits(BaseModel):
@@ -53,6 +55,9 @@ class Limits(BaseModel):
     stdout_bytes: int = Field(1 << 20, ge=1, description="stdout kept; a run writing more is killed")
     stderr_bytes: int = Field(64 << 10, ge=1, description="stderr kept; a run writing more is killed")
     collect_bytes: int = Field(64 << 20, ge=1, description="largest file a run may hand back")
+    channel_bytes: int = Field(
+        64 << 20, ge=1, description="bytes a program and its tests (run_pair) may send each other, each way"
+    )
 
 
 class SandboxConfig(BaseModel):
@@ -69,7 +74,8 @@ class SandboxConfig(BaseModel):
 class RunOutcome(BaseModel):
     """What happened to one program (no judgement; see ``functions.verifiers.verify``)."""
 
-    status: Literal["exited", "signaled", "timeout", "cpu_limit", "output_limit", "sandbox_error"]
+    status: Literal["exited", "signaled", "timeout", "cpu_limit", "output_limit", "stopped", "sandbox_error"]
+    """``stopped``: a run of a pair ended because the other one did (``Sandbox.run_pair``)."""
     exit_code: int | None = None
     signal: int | None = None
     stdout: bytes = b""
@@ -85,10 +91,21 @@ class RunOutcome(BaseModel):
     """The run's memory cgroup killed a process at its limit."""
 
 
+class PairOutcome(BaseModel):
+    """What happened to a program and its assert-style tests (``Sandbox.run_pair``)."""
+
+    program: RunOutcome
+    """Its stdout is empty (it was the channel); what the program printed, to stdout or
+    stderr, is its ``stderr``."""
+    tests: RunOutcome
+    """Its exit code is the verdict (``functions.verifiers.rpc.PASSED`` and the others)."""
+
+
 class Sandbox:
     def __init__(self, config: SandboxConfig | None = None) -> None:
         self.config = config or SandboxConfig()
         self._lock = threading.Lock()
+        self._pair_lock = threading.Lock()
         self._zygote: subprocess.Popen[bytes] | None = None
         self._chan: socket.socket | None = None
         self._spares: queue.Queue[Spare | _Failed | None] = queue.Queue()
@@ -254,6 +271,79 @@ class Sandbox:
         if outcome.status == "sandbox_error":
             raise SandboxError(outcome.error or "the sandbox failed")
         return outcome
+
+    def run_pair(
+        self,
+        *,
+        files: dict[str, bytes],
+        entry: str,
+        test_files: dict[str, bytes],
+        test_entry: str,
+        limits: Limits | None = None,
+    ) -> PairOutcome:
+        """Run a Python program and its assert-style tests as two sandboxed runs that talk
+        only through the supervisor (``functions.verifiers.rpc``): the program (``files``,
+        ``entry``; empty stdin) runs its top-level code, then answers the tests' requests;
+        the tests (``test_files``, ``test_entry``) run with its names bound to proxies. Each
+        run has its own namespaces, uid and cgroups and ``limits``; the wall limit covers
+        both. The pair ends when the tests end; then the program is ``stopped``.
+
+        What the program prints goes to its stderr (its stdout is the channel), whose cap is
+        ``stdout_bytes + stderr_bytes``; the channel carries at most ``channel_bytes`` each
+        way. Raises ``SandboxError`` for the sandbox's own failures only."""
+        limits = limits or Limits()
+        for name in (*files, *test_files):
+            if not _plain_name(name):
+                raise ValueError(f"file name {name!r}: use a plain name inside the work dir (no '/', '..')")
+        program_limits = limits.model_copy(update={"stderr_bytes": limits.stdout_bytes + limits.stderr_bytes})
+        reqs = [
+            self._request("python", files, entry, program_limits, rpc="serve"),
+            self._request("python", test_files, test_entry, limits, rpc="test"),
+        ]
+        # both spares under one lock: two pairs that each took one spare and wait for a
+        # second would otherwise hold two slots while waiting for replacements
+        with self._pair_lock:
+            first = self._take_spare()
+            try:
+                second = self._take_spare()
+            except BaseException:
+                first.close()
+                first.done()
+                raise
+        spares = [first, second]
+        try:
+            try:
+                slots = [s.cgroups.slot(s.slot) for s in spares]
+            except OSError as e:
+                raise SandboxError(f"opening the run's cgroups: {e}") from e
+            replies = supervise_pair(spares, reqs, slots, self.config.start_timeout_s, self.config.grace_s)
+        finally:
+            for spare in spares:
+                spare.close()
+                spare.done()
+        program, tests = (RunOutcome.model_validate(r) for r in replies)
+        for out in (program, tests):
+            if out.status == "sandbox_error":
+                raise SandboxError(out.error or "the sandbox failed")
+        return PairOutcome(program=program, tests=tests)
+
+    @staticmethod
+    def _request(
+        mode: str, files: dict[str, bytes], entry: str, limits: Limits, **extra: Any
+    ) -> dict[str, Any]:
+        return {
+            "mode": mode,
+            "entry": entry,
+            "argv": None,
+            "files": dict(files),
+            "executable": [],
+            "stdin": b"",
+            "limits": limits.model_dump(),
+            "collect": [],
+            "env": {},
+            "marker": None,
+            **extra,
+        }
 
     def _take_spare(self) -> Spare:
         for _ in range(2):  # a dead zygote is restarted once per run

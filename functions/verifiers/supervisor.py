@@ -14,6 +14,11 @@ namespace, waits for the status and for the namespace to be gone, and collects t
 the caller asked for. It reports exactly what happened;
 judging the output is ``functions.verifiers.verify``'s.
 
+``supervise_pair`` does the same for two runs at once, a Python program and its
+assert-style tests (``Sandbox.run_pair``), in one select loop: each run's stdout is relayed
+to the other's fd 3, which stays open after the start message (``functions.verifiers.rpc``
+is what travels there; the supervisor only moves bytes, bounded each way).
+
 Why not a supervisor process per run: it would be a fork of the zygote's interpreter, and
 the copy-on-write faults, page-table copies and unmapping of that fork cost more CPU than a
 short run itself. Here supervision is a few system calls in a thread of the client.
@@ -120,31 +125,72 @@ def supervise(
     spare: Spare, req: dict[str, Any], slot: Slot | None, setup_timeout: float, grace: float
 ) -> dict[str, Any]:
     """Run ``req`` in ``spare`` and report (a ``RunOutcome``'s fields). Closes the spare."""
+    return _supervise([spare], [req], [slot], setup_timeout, grace)[0]
+
+
+def supervise_pair(
+    spares: list[Spare],
+    reqs: list[dict[str, Any]],
+    slots: list[Slot | None],
+    setup_timeout: float,
+    grace: float,
+) -> list[dict[str, Any]]:
+    """Run a program and its tests side by side (``Sandbox.run_pair``; in that order) and
+    report both. Each one's stdout is relayed to the other's fd 3, which stays open after
+    the start message; the pair ends when the tests end. Closes the spares."""
+    return _supervise(spares, reqs, slots, setup_timeout, grace, pair=True)
+
+
+def _supervise(
+    spares: list[Spare],
+    reqs: list[dict[str, Any]],
+    slots: list[Slot | None],
+    setup_timeout: float,
+    grace: float,
+    pair: bool = False,
+) -> list[dict[str, Any]]:
     try:
         try:
-            work = _prepare(spare, req, slot, setup_timeout)
+            works = [_prepare(*args, setup_timeout) for args in zip(spares, reqs, slots, strict=True)]
         except _SetupFailed as e:
-            return {"status": "sandbox_error", "error": str(e)}
-        start = {k: req.get(k) for k in ("mode", "entry", "argv", "env", "limits")}
-        start["marker"] = bool(req.get("marker"))
-        body = json.dumps(start).encode()
+            return [{"status": "sandbox_error", "error": str(e)} for _ in spares]
+        for spare, req in zip(spares, reqs, strict=True):
+            _start(spare, req, keep_open=pair)
+        runs = [_Run(*args) for args in zip(spares, reqs, works, slots, strict=True)]
+        if pair:
+            program, tests = runs
+            program.peer, tests.peer = tests, program
         try:
-            # length-prefixed, so the program reads exactly the start message and leaves the
-            # marker line after it in the pipe: its test harness reads it from fd 3 only
-            # once the tests ran, and it never sits in the program's memory before that
-            _write_all(spare.go, b"%08x" % len(body) + body)
-            if req.get("marker"):
-                _write_all(spare.go, req["marker"].encode() + b"\n")
-        except BrokenPipeError:
-            pass  # the program died during its set-up: its exit status and stderr say why
+            return _watch(runs, grace)
+        except OSError as e:  # ours, not the program's (a cgroup gone with its zygote, say)
+            error = f"supervising the run: {type(e).__name__}: {e}"
+            return [{"status": "sandbox_error", "error": error} for _ in spares]
+    finally:
+        for spare in spares:
+            spare.close()
+
+
+def _start(spare: Spare, req: dict[str, Any], keep_open: bool) -> None:
+    """Say go: the start message, length-prefixed, so the program reads exactly that and
+    leaves what follows in the pipe (the marker line, or a pair's requests)."""
+    start = {k: req.get(k) for k in ("mode", "entry", "argv", "env", "limits")}
+    start["marker"] = bool(req.get("marker"))
+    if req.get("rpc"):
+        start["rpc"] = req["rpc"]
+    body = json.dumps(start).encode()
+    try:
+        # the marker goes after it: the test harness reads it from fd 3 only once the tests
+        # ran, and it never sits in the program's memory before that
+        _write_all(spare.go, b"%08x" % len(body) + body)
+        if req.get("marker"):
+            _write_all(spare.go, req["marker"].encode() + b"\n")
+    except BrokenPipeError:
+        keep_open = False  # the program died during its set-up: its status and stderr say why
+    if keep_open:
+        os.set_blocking(spare.go, False)  # relayed into without ever blocking the supervisor
+    else:
         os.close(spare.go)
         spare.go = -1
-        try:
-            return _watch(spare, req, work, slot, grace)
-        except OSError as e:  # ours, not the program's (a cgroup gone with its zygote, say)
-            return {"status": "sandbox_error", "error": f"supervising the run: {type(e).__name__}: {e}"}
-    finally:
-        spare.close()
 
 
 def _prepare(spare: Spare, req: dict[str, Any], slot: Slot | None, timeout: float) -> int:
@@ -198,56 +244,180 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _watch(spare: Spare, req: dict[str, Any], work: int, slot: Slot | None, grace: float) -> dict[str, Any]:
-    limits = req["limits"]
+#: Bytes relayed to a run's fd 3 that may wait in the supervisor; past it, the other run's
+#: stdout is not read until they drain (that run then blocks on its own pipe).
+RELAY_BUFFER = 1 << 20
+#: How often the CPU use of a run's cgroup is read (it is also read whenever the loop wakes
+#: after that, and the loop wakes at least every 50 ms).
+CPU_POLL_S = 0.01
+
+
+class _Run:
+    """What the supervisor tracks of one run while it watches it."""
+
+    def __init__(self, spare: Spare, req: dict[str, Any], work: int, slot: Slot | None) -> None:
+        limits = req["limits"]
+        self.spare, self.req, self.work, self.slot = spare, req, work, slot
+        self.out = _Capture(limits["stdout_bytes"])
+        self.err = _Capture(limits["stderr_bytes"])
+        self.cpu_budget_ns = limits["cpu_s"] * 1e9
+        # with a cgroup, the CPU of all the run's processes is polled (rlimits see one each)
+        self.poll_cpu = slot is not None and "cpuacct" in slot.fds
+        self.channel_bytes = limits.get("channel_bytes", 64 << 20)
+        self.open = {spare.out, spare.err, spare.pidfd}  # until EOF / until the program ends
+        self.killed_for: str | None = None
+        self.peer: _Run | None = None  # of a pair: our stdout goes to the peer's fd 3
+        self.inbox = bytearray()  # relayed from the peer, waiting for our fd 3
+
+    @property
+    def ended(self) -> bool:
+        return self.spare.pidfd not in self.open
+
+    def kill(self, why: str) -> None:
+        """End the run now (a limit, or its pair is over); what it still writes is dropped."""
+        self.killed_for = self.killed_for or why
+        self.spare.end()
+        self.open.clear()
+        self.inbox.clear()
+
+    def relay_done(self) -> bool:
+        """Whether nothing more will come for our fd 3 (the peer's stdout ended)."""
+        return self.peer is not None and self.peer.spare.out not in self.peer.open
+
+
+def _watch(runs: list[_Run], grace: float) -> list[dict[str, Any]]:
+    """Watch every run with one select loop until the last of them (a pair's tests, or the
+    only run) has ended and its pipes are drained, or a limit ends it first."""
     started = time.monotonic()
-    deadline = started + limits["wall_s"]
-    captures = {spare.out: _Capture(limits["stdout_bytes"]), spare.err: _Capture(limits["stderr_bytes"])}
-    cpu_budget_ns = limits["cpu_s"] * 1e9
-    # with a cgroup, the CPU of all the run's processes is polled (rlimits see one each)
-    poll_cpu = slot is not None and "cpuacct" in slot.fds
-    killed_for = None
+    deadline = started + runs[-1].req["limits"]["wall_s"]
+    last = runs[-1]
+    next_poll = started
     with selectors.DefaultSelector() as sel:
-        for fd in (spare.out, spare.err, spare.pidfd):
-            sel.register(fd, selectors.EVENT_READ)
-        # until the program has ended and the pipes are drained
-        while sel.get_map() and not killed_for:
-            left = deadline - time.monotonic()
+        while last.open and not last.killed_for:
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
-                killed_for = "timeout"
+                for run in runs:
+                    if not run.ended:
+                        run.kill("timeout")
                 break
-            if poll_cpu:
-                assert slot is not None
-                if (slot.cpu_ns() or 0) > cpu_budget_ns:
-                    killed_for = "cpu_limit"
-                    break
-                left = min(left, 0.05)
+            # at most every CPU_POLL_S: a pair wakes this loop twice per request of its
+            # tests, and reading a cgroup's usage costs more than relaying a small frame
+            polling, next_poll = (True, now + CPU_POLL_S) if now >= next_poll else (False, next_poll)
+            for run in runs:
+                if polling and run.poll_cpu and run.open and not run.killed_for:
+                    assert run.slot is not None
+                    if (run.slot.cpu_ns() or 0) > run.cpu_budget_ns:
+                        run.kill("cpu_limit")
+                if run.peer is last and run.killed_for:
+                    _close_go(last)  # the tests get EOF: the program is gone
+            if last.killed_for:
+                break
+            if any(run.poll_cpu for run in runs):
+                left = min(left, max(next_poll - now, 0.0) + 0.04)
+            _register(sel, runs)
             for key, _ in sel.select(timeout=left):
-                if key.fd == spare.pidfd:
-                    sel.unregister(spare.pidfd)
+                run, what = key.data
+                if what == "go":
+                    _flush(run)
+                elif what == "pidfd":
+                    run.open.discard(key.fd)
                     # the namespace ends first: whatever the program left dies (a tracer that
                     # holds the program's exit status included), then its status can be had
-                    spare.end()
-                    continue
-                chunk = os.read(key.fd, 65536)
-                if not chunk:
-                    sel.unregister(key.fd)
-                elif captures[key.fd].feed(chunk):
-                    killed_for = "output_limit"
-                    break
-    spare.end()
+                    run.spare.end()
+                    if run is last:  # the pair is over: its program goes too
+                        for other in runs[:-1]:
+                            if not other.ended:
+                                other.kill("stopped")
+                else:
+                    _read(run, key.fd, what)
+            # the tests see EOF once the program's answers are all theirs (it ended). Never
+            # the other way: a program that saw EOF could exit 0 of its own before its
+            # tests' end is noticed, and that would read as the program's early exit
+            if last.peer is not None and not last.inbox and last.relay_done():
+                _close_go(last)
+    for run in runs[:-1]:
+        if not run.ended:  # its tests hit a limit: the program did nothing wrong by itself
+            run.kill("stopped")
     give_up = time.monotonic() + grace
+    for run in runs:
+        run.spare.end()
+    return [_report(run, started, give_up) for run in runs]
+
+
+def _register(sel: selectors.BaseSelector, runs: list[_Run]) -> None:
+    """Watch what each run needs now: its open pipes (a relayed stdout only while the peer's
+    buffer has room), its exit, and its fd 3 while relayed bytes wait for it."""
+    want: dict[int, tuple[int, tuple[_Run, str]]] = {}
+    for run in runs:
+        spare = run.spare
+        if spare.out in run.open and (run.peer is None or len(run.peer.inbox) < RELAY_BUFFER):
+            want[spare.out] = (selectors.EVENT_READ, (run, "out"))
+        if spare.err in run.open:
+            want[spare.err] = (selectors.EVENT_READ, (run, "err"))
+        if spare.pidfd in run.open:
+            want[spare.pidfd] = (selectors.EVENT_READ, (run, "pidfd"))
+        if run.inbox and spare.go >= 0:
+            want[spare.go] = (selectors.EVENT_WRITE, (run, "go"))
+    for fd in [fd for fd in sel.get_map() if fd not in want]:
+        sel.unregister(fd)
+    for fd, (events, data) in want.items():
+        key = sel.get_map().get(fd)
+        if key is None:
+            sel.register(fd, events, data)
+        elif key.events != events or key.data != data:
+            sel.modify(fd, events, data)
+
+
+def _read(run: _Run, fd: int, what: str) -> None:
+    chunk = os.read(fd, 65536)
+    if not chunk:
+        run.open.discard(fd)
+        return
+    if what == "out" and run.peer is not None:
+        run.out.total += len(chunk)
+        if run.out.total > run.channel_bytes:
+            run.kill("output_limit")
+        elif not run.peer.ended and run.peer.spare.go >= 0:
+            run.peer.inbox += chunk
+            _flush(run.peer)
+    elif (run.out if what == "out" else run.err).feed(chunk):
+        run.kill("output_limit")
+
+
+def _flush(run: _Run) -> None:
+    """Write what waits for the run's fd 3, as much as its pipe takes now."""
+    try:
+        while run.inbox:
+            n = os.write(run.spare.go, run.inbox[:65536])
+            del run.inbox[:n]
+    except BlockingIOError:
+        pass
+    except OSError:  # it closed its fd 3, or died: nothing more reaches it
+        run.inbox.clear()
+        _close_go(run)
+
+
+def _close_go(run: _Run) -> None:
+    run.inbox.clear()
+    if run.spare.go >= 0:
+        os.close(run.spare.go)
+        run.spare.go = -1
+
+
+def _report(run: _Run, started: float, give_up: float) -> dict[str, Any]:
+    spare, slot, limits = run.spare, run.slot, run.req["limits"]
     exit_ = _read_status(spare.status, give_up)
     # collect only once the namespace is gone, so no survivor is still writing a file
     select.select([spare.init], [], [], max(0.0, give_up - time.monotonic()))
     status = exit_["status"]
     wall = time.monotonic() - started
-    out, err = captures[spare.out], captures[spare.err]
+    out, err = run.out, run.err
     reply: dict[str, Any] = {
-        "status": killed_for or ("signaled" if os.WIFSIGNALED(status) else "exited"),
+        "status": run.killed_for or ("signaled" if os.WIFSIGNALED(status) else "exited"),
         "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
         "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-        "stdout": bytes(out.data),
+        "stdout": bytes(out.data) if run.peer is None else b"",  # a pair's stdout is the channel
         "stderr": bytes(err.data),
         "stdout_total": out.total,
         "stderr_total": err.total,
@@ -256,7 +426,7 @@ def _watch(spare: Spare, req: dict[str, Any], work: int, slot: Slot | None, grac
         "maxrss_kb": exit_["maxrss_kb"],
         "oom_killed": slot.oom_killed() if slot is not None else False,
     }
-    if poll_cpu:
+    if run.poll_cpu:
         assert slot is not None
         reply["cpu_ms"] = (slot.cpu_ns() or 0) / 1e6  # every process of the run, not just one
     spare.ok.setblocking(False)
@@ -267,8 +437,8 @@ def _watch(spare: Spare, req: dict[str, Any], work: int, slot: Slot | None, grac
     if not set_up and reply["exit_code"] == SETUP_FAILED and err.data.startswith(b"rl-fabric"):
         reply.update(status="sandbox_error", error=err.data.decode(errors="replace").strip())
     files = {}
-    for name in req.get("collect") or ():
-        data = _collect(work, name, limits["collect_bytes"])
+    for name in run.req.get("collect") or ():
+        data = _collect(run.work, name, limits["collect_bytes"])
         if data is not None:
             files[name] = data
     reply["files"] = files

@@ -1,8 +1,11 @@
 """Judging programs: run a submission against its test cases and say what happened.
 
 Two kinds of tests: stdin/stdout cases (each case is a fresh run; the output is compared
-line by line, trailing whitespace ignored) and assert-style test code (appended to the
-submission and run once; it passes when it exits cleanly). Every case gets one status:
+line by line, trailing whitespace ignored) and assert-style test code (run once; it passes
+when it runs to its end). Python's assert-style tests run in a sandbox of their own, next
+to the program's, and see the program only through values (``Sandbox.run_pair``,
+``functions.verifiers.rpc``); C, C++ and JavaScript tests are appended to the submission
+and prove they ran to their end with a marker line. Every case gets one status:
 
     Finished              ran and produced the expected output (or its asserts held)
     Failed                ran and produced something else (or an assertion failed)
@@ -17,7 +20,6 @@ A case that hits a ``SandboxError`` is retried once on a fresh sandbox before it
 
 from __future__ import annotations
 
-import ast
 import atexit
 import secrets
 import signal
@@ -28,9 +30,10 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from functions.verifiers import rpc
 from functions.verifiers.errors import SandboxError
 from functions.verifiers.languages import Language, get_language
-from functions.verifiers.sandbox import Limits, RunOutcome, Sandbox
+from functions.verifiers.sandbox import Limits, PairOutcome, RunOutcome, Sandbox
 
 Status = Literal[
     "Finished", "Failed", "TimeLimitExceeded", "MemoryLimitExceeded", "RuntimeError", "SandboxError"
@@ -165,6 +168,62 @@ def classify(
     return CaseResult(status="Failed", message="wrong output", **base)
 
 
+def classify_pair(pair: PairOutcome, lang: Language, limits: Limits) -> CaseResult:
+    """The verdict of a program and its tests run apart (``Sandbox.run_pair``). If the
+    program ended before its tests did (a crash, a limit, an exit of its own), that is the
+    verdict; else the tests' exit status is (``rpc.PASSED``: every assert held).
+
+    ``stdout`` shows what the program printed (its stdout and stderr, in order: both went to
+    one pipe); ``stderr`` the end of the tests' stderr (a failed assert's traceback, the
+    tests' own prints), or of the program's output when the program's failure is the
+    verdict. ``cpu_ms`` is the program's; ``wall_ms`` the pair's."""
+    program, tests = pair.program, pair.tests
+    shown = {
+        "stdout": _text(program.stderr),
+        "stderr": _text(tests.stderr, tail=True),
+        "exit_code": tests.exit_code,
+        "wall_ms": round(max(program.wall_ms, tests.wall_ms), 3),
+        "cpu_ms": round(program.cpu_ms, 3),
+    }
+
+    def verdict(status: Status, message: str, **extra: object) -> CaseResult:
+        return CaseResult.model_validate({**shown, **extra, "status": status, "message": message})
+
+    if program.status != "stopped":  # it ended first: its own verdict
+        own = {"stderr": _text(program.stderr, tail=True), "exit_code": program.exit_code}
+        if program.status == "output_limit":
+            if program.stdout_total > limits.channel_bytes:
+                why = f"sent its tests more than the {limits.channel_bytes}-byte channel cap"
+            else:
+                why = f"printed more than the {limits.stdout_bytes + limits.stderr_bytes}-byte output cap"
+            return verdict("RuntimeError", why, **own)
+        alone = classify(program, lang, limits, None)
+        if alone.status == "Finished":
+            return verdict("Failed", "exited before the tests ran to their end", **own)
+        return verdict(alone.status, alone.message, **own)
+    if tests.status == "output_limit":
+        which = "channel" if tests.stdout_total > limits.channel_bytes else "stderr"
+        return verdict("RuntimeError", f"the tests wrote more than the {which} cap")
+    if tests.status != "exited":  # killed for a limit (the wall limit covers both runs) or a signal
+        alone = classify(tests, lang, limits, None)
+        return verdict(alone.status, alone.message)
+    last = next((ln for ln in reversed(_text(tests.stderr, tail=True).splitlines()) if ln.strip()), "")
+    code = tests.exit_code
+    if code == rpc.PASSED:
+        return verdict("Finished", "")
+    if code == rpc.ASSERTION_FAILED:
+        return verdict("Failed", "an assertion failed")
+    if code == rpc.TESTS_RAISED and last.startswith("MemoryError"):
+        return verdict("MemoryLimitExceeded", f"ran out of memory under the {limits.memory_mb} MB limit")
+    if code == rpc.TESTS_RAISED:
+        return verdict("RuntimeError", f"the tests stopped on {last[:200]}")
+    if code == rpc.PROTOCOL_ERROR:
+        return verdict("RuntimeError", f"protocol error on the test channel: {last[:200]}")
+    if code == rpc.PROGRAM_GONE:
+        return verdict("RuntimeError", f"the program closed the test channel: {last[:200]}")
+    return verdict("RuntimeError", f"the tests exited with code {code}")
+
+
 class Runner(Protocol):
     """What runs one program: a ``Sandbox`` (or the benchmark's subprocess baseline)."""
 
@@ -182,6 +241,16 @@ class Runner(Protocol):
         env: dict[str, str] | None = None,
         marker: str | None = None,
     ) -> RunOutcome: ...
+
+    def run_pair(
+        self,
+        *,
+        files: dict[str, bytes],
+        entry: str,
+        test_files: dict[str, bytes],
+        test_entry: str,
+        limits: Limits | None = None,
+    ) -> PairOutcome: ...
 
 
 #: The marker the supervisor leaves on fd 3 (after the start message); a harness reads it
@@ -228,68 +297,11 @@ _JS_TAIL = """
 """
 
 
-#: Defined ahead of Python test code whose ``assert a == b`` are rewritten to call it. The rule:
-#: if either side compares with C code all the way down (builtin and extension types, and
-#: containers of them), the other side must too; then ``a == b`` as usual. So an object whose
-#: ``__eq__`` always says True (defined in Python, or rebound from another type's slot) no
-#: longer "equals" 5, [5] or "5", while two instances of the program's own class still compare
-#: with its ``__eq__``. Read through ``type``'s own descriptors, so a metaclass cannot lie.
-_STRICT_EQ = """
-def _rlfabric_strict_eq(a, b, _mro=type.__dict__["__mro__"].__get__,
-                        _vars=type.__dict__["__dict__"].__get__, _slot=type(object.__eq__)):
-    def trusted(x):
-        todo, seen = [x], set()
-        while todo:
-            v = todo.pop()
-            if id(v) in seen:
-                continue
-            seen.add(id(v))
-            t = type(v)
-            for c in _mro(t):
-                eq = _vars(c).get("__eq__")
-                if eq is not None and not (type(eq) is _slot and eq.__objclass__ is c):
-                    return False
-            if issubclass(t, dict):
-                todo.extend(dict.keys(v))
-                todo.extend(dict.values(v))
-            else:
-                for base in (list, tuple, set, frozenset):
-                    if issubclass(t, base):
-                        todo.extend(base.__iter__(v))
-                        break
-        return True
-
-    ta, tb = trusted(a), trusted(b)
-    return ta == tb and a == b if (ta or tb) else a == b
-
-"""
-
-
-class _StrictAsserts(ast.NodeTransformer):
-    def visit_Assert(self, node: ast.Assert) -> ast.Assert:
-        test = node.test
-        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
-            call = ast.Call(ast.Name("_rlfabric_strict_eq", ast.Load()), [test.left, test.comparators[0]], [])
-            node.test = ast.copy_location(call, test)
-        return node
-
-
-def strict_asserts(test_code: str) -> str:
-    """Python test code with every ``assert a == b`` checked by ``_STRICT_EQ``'s rule (test
-    code that does not parse is left alone: the run reports its syntax error)."""
-    try:
-        tree = ast.parse(test_code)
-    except (SyntaxError, ValueError):
-        return test_code
-    tree = ast.fix_missing_locations(_StrictAsserts().visit(tree))
-    return _STRICT_EQ + ast.unparse(tree)
-
-
 def with_tests(lang: Language, code: str, test_code: str) -> str:
     """The program with its assert-style tests appended and, after them, what prints the
-    run's marker (Python: the sandbox's runner prints it once the source ran to its end)."""
+    run's marker (C, C++ and JavaScript; Python's tests run apart, see ``Sandbox.run_pair``)."""
     if lang.name == "python":
-        return f"{code}\n\n{strict_asserts(test_code)}\n"
+        raise ValueError("Python's assert-style tests run in a sandbox of their own (Sandbox.run_pair)")
     if lang.name == "javascript":
         return f"{code}\n;\n{test_code}\n{_JS_TAIL}"
     wrapper = _CPP_WRAPPER if lang.name == "cpp" else _C_WRAPPER
@@ -319,8 +331,11 @@ class Verifier:
             )
             return self._result(lang, None, [too_long] * len(tests.cases or [None]), t0)
         limits = limits or self.limits
-        # assert-style: the tests passed only if the program also ran past them, which a
-        # random line printed after them proves (an early exit(0) would skip the asserts)
+        if tests.test_code is not None and lang.name == "python":
+            return self._result(lang, None, [self._python_tests(lang, code, tests.test_code, limits)], t0)
+        # assert-style in C, C++, JavaScript: the tests passed only if the program also ran
+        # past them, which a random line printed after them proves (an early exit(0) would
+        # skip the asserts)
         marker = None if tests.test_code is None else f"rlfabric-tests-done-{secrets.token_hex(8)}"
         source = code if tests.test_code is None else with_tests(lang, code, tests.test_code)
         files = {lang.source_file: source.encode()}
@@ -362,6 +377,25 @@ class Verifier:
                 update={"status": "RuntimeError", "message": "compile error: " + verdict.message}
             )
         return verdict, {lang.artifact: out.files.get(lang.artifact, b"")}
+
+    def _python_tests(self, lang: Language, code: str, test_code: str, limits: Limits) -> CaseResult:
+        """Python's assert-style tests, in a sandbox of their own next to the program's."""
+        last = None
+        for _ in range(2):
+            try:
+                pair = self.sandbox.run_pair(
+                    files={"solution.py": code.encode()},
+                    entry="solution.py",
+                    test_files={"tests.py": test_code.encode()},
+                    test_entry="tests.py",
+                    limits=limits,
+                )
+            except SandboxError as e:
+                last = CaseResult(status="SandboxError", message=str(e))
+                continue
+            return classify_pair(pair, lang, limits)
+        assert last is not None
+        return last
 
     def _case(
         self,

@@ -510,8 +510,10 @@ def test_exiting_early_does_not_pass_c_asserts(sb):
     assert verifier.verify(code, tests, "c").status != "Finished"
 
 
-# The marker of assert-style tests sits on the program's fd 3 until its harness reads it
-# after the tests: it is in no frame, source, binary, argv or environment of the run.
+# The marker of assert-style tests (C, C++, JavaScript) sits on the program's fd 3 until its
+# harness reads it after the tests: it is in no frame, source, binary, argv or environment
+# of the run. Python's tests run in a sandbox of their own and need no marker: the old ways
+# to steal one find nothing, and printing proves nothing.
 PY_READS_MARKER = {
     "runner_frame": (
         "import sys\nm = sys._getframe(1).f_locals.get('marker')"
@@ -564,13 +566,15 @@ def test_python_asserts_cannot_be_passed_by_an_always_equal_answer(sb, cls, answ
     verifier = Verifier(sb, FAST)
     code = f"{cls}\ndef add(a, b):\n    return {answer}\n"
     for test in (f"assert add(2, 3) == {expected}", f"assert {expected} == add(2, 3)"):
-        plain = verifier.verify(code, CodeTests(test_code=test.replace("assert ", "print(") + ")"))
-        assert plain.cases[0].stdout.strip() == "True", "the hack works on a plain =="
+        # in the program's own process the lie works...
+        plain = sb.run_python(code + test.replace("assert ", "print(") + ")\n", limits=FAST)
+        assert plain.stdout.strip() == b"True", "the hack works on a plain =="
+        # ...but the tests run in a process of their own, which decides == itself
         result = verifier.verify(code, CodeTests(test_code=test))
         assert result.status == "Failed", result.cases[0]
 
 
-def test_strict_asserts_still_pass_honest_programs(sb):
+def test_python_asserts_still_pass_honest_programs(sb):
     verifier = Verifier(sb, FAST)
     code = (
         "import collections\nclass P:\n    def __init__(self, x):\n        self.x = x\n"
