@@ -192,6 +192,7 @@ class Sandbox:
         while True:
             try:
                 msg, fds, _, _ = socket.recv_fds(chan, 4096, len(SPARE_FDS))
+                _close_on_exec(fds)
             except OSError:
                 msg, fds = b"", []
             if not msg:
@@ -375,6 +376,15 @@ class _Failed:
 
     chan: socket.socket
     error: SandboxError
+
+
+def _close_on_exec(fds: list[int]) -> None:
+    """Descriptors received from the zygote arrive inheritable (``socket.recv_fds`` drops its
+    ``flags``, so ``MSG_CMSG_CLOEXEC`` cannot be asked for): a process this worker forks or
+    starts must not hold a run's pipes open, or the other side of a pair would never see
+    them close."""
+    for fd in fds:
+        os.set_inheritable(fd, False)
 
 
 def _plain_name(name: str) -> bool:

@@ -198,6 +198,8 @@ def _prepare(spare: Spare, req: dict[str, Any], slot: Slot | None, timeout: floa
     spare.ok.settimeout(timeout)
     try:
         msg, fds, _, _ = socket.recv_fds(spare.ok, 16, 2)
+        for fd in fds:  # see sandbox._close_on_exec
+            os.set_inheritable(fd, False)
     except OSError as e:
         msg, fds = b"", []
         why = str(e)

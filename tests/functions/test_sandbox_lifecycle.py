@@ -177,3 +177,30 @@ def test_a_zygote_dying_right_after_forking_the_program_leaves_no_orphan(monkeyp
         box.close()
         kill_orphaned_inits(base)
         assert wait_no_live(base)
+
+
+def _inheritable_fds() -> set[tuple[int, str]]:
+    import fcntl
+
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        with contextlib.suppress(OSError):
+            if fd > 2 and not fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC:
+                found.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+    return found
+
+
+def test_the_descriptors_of_spares_and_runs_are_close_on_exec():
+    # socket.recv_fds hands over inheritable descriptors: a process the worker started (a
+    # forked sympy child, a subprocess with close_fds=False) kept a run's pipes open, so a
+    # pair's tests never saw their program's channel close
+    before = _inheritable_fds()
+    box = Sandbox(SandboxConfig(base_uid=next(OWN_BASES), spares=2))
+    box.start()
+    try:
+        assert py(box, "print(1)").stdout == b"1\n"
+        time.sleep(0.2)  # the next spares have arrived
+        assert _inheritable_fds() - before == set()
+    finally:
+        box.close()
