@@ -351,15 +351,20 @@ class EnvPool:
             changed = self._changed_future()  # taken before looking: no wake-up can slip by
             if self._closed:
                 raise PoolClosed("the pool is closed")
-            idle = self._idle.get(image)  # (get: no entry made for an image that never started)
-            while idle:
+            # re-read after every probe: the image may have been let go meanwhile (_unwant),
+            # its idle containers taken to be stopped (get: no entry for an image never started)
+            while idle := self._idle.get(image):
                 c = idle.popleft()
                 try:
                     ok = await self.runtime.alive(c)
                 except BaseException:
                     # a probe that failed (a remote API hiccup) or was cancelled says nothing
                     # of the container: back first in line, not lost holding a slot until close
-                    self._idle[image].appendleft(c)
+                    # (unless its image was let go meanwhile: then it is stopped like the rest)
+                    if image in self._wanted and not self._closed:
+                        self._idle[image].appendleft(c)
+                    elif not self._closed:
+                        self._spawn_bg(self._stop(c))
                     raise
                 if ok:
                     self.metrics["claims_warm"] += 1
@@ -469,7 +474,10 @@ class EnvPool:
         self._asked.pop(image, None)
         self._prestart_failures.pop(image, None)
         self._prestart_after.pop(image, None)
-        for c in self._idle.pop(image, ()):
+        idle = self._idle.pop(image, None) or deque()
+        doomed = list(idle)
+        idle.clear()  # a claim probing this image holds the same deque: nothing left to take
+        for c in doomed:
             if not self._closed:  # (a closing pool's runtime stops them all)
                 self._spawn_bg(self._stop(c))
         self.metrics[f"warm_dropped:{why}"] += 1

@@ -820,3 +820,42 @@ async def test_a_server_listening_on_tcp_speaks_the_same_protocol():
     finally:
         proc.kill()
         await proc.wait()
+
+
+class _SlowProbeRuntime(ProcessRuntime):
+    """A remote-like runtime: a liveness probe is an API round trip, a stop has a grace
+    period during which the container still runs."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.dead: set[str] = set()
+
+    async def _alive(self, c: Container) -> bool:
+        await asyncio.sleep(0.05)
+        return c.id not in self.dead and await super()._alive(c)
+
+    async def _stop(self, c: Container) -> None:
+        if c.id not in self.dead:
+            await asyncio.sleep(1.0)
+        await super()._stop(c)
+
+
+async def test_a_claim_never_gets_a_container_its_image_was_let_go_with(images):
+    # the image was let go (past max_containers) while a claim probed its first idle
+    # container: the claim still held the same idle deque and handed out the next container,
+    # whose stop was already under way
+    image_a, image_b = "other@sha256:" + "e" * 64, "echo@sha256:" + "e" * 64
+    p = pool(images, min_warm=2, max_containers=3, warm_idle_s=3600)
+    p.runtime = rt = _SlowProbeRuntime(p.config.runtime)
+    async with p:
+        await p.prewarm(image_a)
+        a1, a2 = list(p._idle[image_a])
+        rt.dead.add(a1.id)  # died while idle: the claim probes it, finds it dead, goes on
+        claim = asyncio.create_task(p._claim(image_a))
+        await asyncio.sleep(0.01)
+        b = await p._claim(image_b)  # a cold start past max_containers lets go of image A
+        assert image_a not in p._wanted  # (a2's stop is under way, in the background)
+        got = await claim
+        assert got is not a2 and got.id not in rt._stopping and got.id in rt.live
+        await p._release(got, healthy=True)
+        await p._release(b, healthy=True)
