@@ -128,6 +128,8 @@ class EnvPool:
             t.cancel()
         await asyncio.gather(*self._bg, *([self._maint] if self._maint else []), return_exceptions=True)
         self._notify_changed()  # claimers waiting for capacity learn the pool closed
+        if self.runtime.close_timeout_s is None:  # a stop that hangs must not hang the close
+            self.runtime.close_timeout_s = self.config.stop_timeout_s
         try:
             await self.runtime.aclose()
         finally:
@@ -290,6 +292,11 @@ class EnvPool:
                 await asyncio.sleep(random.uniform(0, cap))  # full jitter
                 if c.id not in self.runtime.live:
                     return  # stopped (or given up) on another path meanwhile
+                if self.runtime.stopping(c):
+                    # the stop that timed out still hangs: waiting on it again for another
+                    # stop_timeout_s would hold the slot attempts x that long; count it failed
+                    self.metrics["stop_failed:still_stopping"] += 1
+                    continue
                 try:
                     await self._stop_once(c)
                 except Exception as e:

@@ -8,6 +8,7 @@ runtime starts, the pool talks to it over the session protocol at ``Container.en
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -18,6 +19,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from envpool.errors import ContainerStartError
+
+log = logging.getLogger(__name__)
 
 
 class _Config(BaseModel):
@@ -152,6 +155,9 @@ class Runtime(ABC):
         ``aclose`` (and the runtime's exit hook) still try to stop them once more."""
         self.metrics: Counter[str] = Counter()
         self._stopping: dict[str, asyncio.Task[None]] = {}
+        self.close_timeout_s: float | None = None
+        """How long ``aclose`` waits for the stops it makes (``None``: as long as they take);
+        the pool sets its ``stop_timeout_s``, so a stop that hangs cannot hang its close."""
 
     async def start(self, image: str | None, bundle: Path | None, *, timeout_s: float) -> Container:
         t0 = time.monotonic()
@@ -190,6 +196,10 @@ class Runtime(ABC):
         self.leaked.pop(c.id, None)
         self.metrics["stopped"] += 1
 
+    def stopping(self, c: Container) -> bool:
+        """True while a stop of ``c`` is under way (one that hangs, say)."""
+        return c.id in self._stopping
+
     def abandon(self, c: Container) -> bool:
         """Stop counting ``c`` as live: its stop kept failing, and a container that cannot be
         stopped must not hold a pool slot for the rest of a run. It moves to ``leaked``,
@@ -211,7 +221,30 @@ class Runtime(ABC):
 
     async def aclose(self) -> None:
         everything = [*self.live.values(), *self.leaked.values()]
-        await asyncio.gather(*(self.stop(c) for c in everything), return_exceptions=True)
+        if not everything:
+            return
+        stops = [asyncio.ensure_future(self.stop(c)) for c in everything]
+        done, pending = await asyncio.wait(stops, timeout=self.close_timeout_s)
+        for f in done:
+            f.exception()  # read: a failed stop stays in live/leaked, which is what tells
+        if not pending:
+            return
+        # a stop that hangs (an engine or API that never answers) must not hang the close:
+        # what is left stays in live/leaked, for the exit hook (docker) or the reaper
+        for f in pending:
+            f.cancel()
+        for c in everything:
+            if (task := self._stopping.get(c.id)) is not None:
+                task.cancel()
+        left = [c.id for c in everything if c.id in self.live or c.id in self.leaked]
+        self.metrics["close_stop_timeouts"] += len(left)
+        log.warning(
+            "envpool: %s runtime: %d container(s) did not stop within %g s of closing: %s",
+            self.kind,
+            len(left),
+            self.close_timeout_s,
+            ", ".join(left),
+        )
 
     async def reap_orphans(self) -> list[str]:
         """Remove containers left behind by owners that are gone (a crashed trainer);
