@@ -41,6 +41,8 @@ import os
 import sys
 import threading
 import traceback
+import types
+import unittest
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -111,7 +113,7 @@ class Connection:
                     raise rpc.ProgramGone("the program exited (or closed the channel) before it answered")
                 if type(reply) is list and len(reply) == 3 and reply[0] == "ok" and type(reply[2]) is list:
                     return self.decode(reply[1]), reply[2]
-                if not (type(reply) is list and len(reply) == 4 and reply[0] == "err"):
+                if not (type(reply) is list and len(reply) in (4, 5) and reply[0] == "err"):
                     raise rpc.ProtocolError("an answer that is neither ok nor err")
                 if not all(type(x) is str for x in reply[1:]):
                     raise rpc.ProtocolError("an error whose fields are not strings")
@@ -161,18 +163,42 @@ class Connection:
         return remote
 
 
-def _exception(type_name: str, message: str, trace: str) -> Exception:
+#: Builtin exceptions the program's may not become: an ``AssertionError`` must not read as a
+#: failed assertion of the tests, and a ``StopIteration`` would silently end the tests' own
+#: loop (``all(map(f, xs))`` is True when ``f`` raises it at once).
+_NOT_AS_IS = (AssertionError, StopIteration, StopAsyncIteration)
+
+
+def _builtin_exception(name: str) -> type[Exception] | None:
+    cls = getattr(builtins, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Exception)) or issubclass(cls, _NOT_AS_IS):
+        return None
+    return cls
+
+
+def _exception(type_name: str, message: str, trace: str, base: str = "") -> Exception:
     """The program's exception, as the builtin class of that name where there is one (so
-    ``except ValueError`` works), else a ``RemoteError``."""
-    cls = getattr(builtins, type_name, None)
+    ``except ValueError`` works); one of the program's own classes as a ``RemoteError``
+    that also derives from the nearest builtin class it does (``class BadInput(ValueError)``
+    is caught by ``except ValueError``); never an ``AssertionError`` or ``StopIteration``."""
+    cls = _builtin_exception(type_name)
     e: Exception | None = None
-    if isinstance(cls, type) and issubclass(cls, Exception) and cls is not AssertionError:
+    if cls is not None:
         try:
             e = cls(message)
         except Exception:  # one that takes other arguments (UnicodeDecodeError)
             e = None
     if e is None:
-        e = RemoteError(type_name, message)
+        parent = _builtin_exception(base)
+        if parent is not None and issubclass(parent, UnicodeError):
+            parent = ValueError  # its str() reads fields a message cannot fill
+        if parent is not None and parent is not Exception:
+            derived: Any = type(type_name, (parent, RemoteError), {"__module__": "program"})
+            err = derived.__new__(derived)
+            RemoteError.__init__(err, type_name, message)
+            e = err
+        else:
+            e = RemoteError(type_name, message)
     if trace:
         e.add_note("raised in the program:\n" + trace.rstrip())
     return e
@@ -207,7 +233,9 @@ class Remote:
         return value
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("_rlf_"):
+        # special names are protocols the tests' libraries look up on an object (numpy's
+        # __array_interface__ takes a raw pointer from it): none is the program's to answer
+        if name.startswith("_rlf_") or (name.startswith("__") and name.endswith("__")):
             raise AttributeError(name)
         return _ask("getattr", name, self)
 
@@ -487,29 +515,82 @@ def run_tests(source: str, entry: str, fd_in: int, fd_out: int) -> int:
         names = conn.hello()
     except rpc.ChannelError as e:
         return _channel_failed(e)
-    namespace: dict[str, Any] = {
-        "__name__": "__main__",
-        "__builtins__": builtins,
-        "__file__": os.path.abspath(entry),
-    }
+    # a real __main__ module, so unittest.main(), doctest and pickle find the tests' own
+    # classes and functions (in a bare dict they found none: "Ran 0 tests ... OK")
+    main = types.ModuleType("__main__")
+    namespace = main.__dict__
     for name, value in names.items():
-        if type(name) is str and name.isidentifier() and name not in _BUILTIN_NAMES:
+        if _bindable(name, value):
             namespace[name] = value
+    # the harness's own names last: the program's hello may not rebind them (a program's
+    # "__builtins__" would become the tests' builtins: abs, set, sorted, all of its making)
+    namespace.update(__name__="__main__", __builtins__=builtins, __file__=os.path.abspath(entry))
+    sys.modules["__main__"] = main
+    runs = _watch_unittest()
     try:
         exec(compile(source, entry, "exec"), namespace)
         code = rpc.PASSED
     except rpc.ChannelError as e:
         return _channel_failed(e)
     except SystemExit as e:  # the tests' own exit: trusted, like the rest of them
-        code = rpc.PASSED if e.code in (None, 0) else rpc.TESTS_RAISED
-        if code:
+        # 0 or None is a pass (unittest.main() exits with False when it succeeded)
+        if e.code is None or (type(e.code) in (int, bool) and not e.code):
+            code = rpc.PASSED  # (and the unittest runs below)
+        elif failed := _unittest_failures(runs):  # unittest.main() exits True: a test failed
+            print(failed, file=sys.stderr)
+            code = rpc.ASSERTION_FAILED
+        else:
             print(f"the tests exited with {e.code!r}", file=sys.stderr)
+            code = rpc.TESTS_RAISED
     except BaseException as e:
         _print_from_tests(e)
         code = rpc.ASSERTION_FAILED if isinstance(e, AssertionError) else rpc.TESTS_RAISED
     if conn.broken is not None:  # swallowed by a bare except of the tests: still no pass
         return _channel_failed(conn.broken)
+    if code == rpc.PASSED and (failed := _unittest_failures(runs)):
+        print(failed, file=sys.stderr)
+        return rpc.ASSERTION_FAILED
     return code
+
+
+def _bindable(name: object, value: Any) -> bool:
+    """May the program's global ``name`` be bound for the tests? Not a builtin's name (its
+    ``abs = lambda x: 0``), not a special name (``__builtins__``), and a standard-library
+    module's name only for that module itself (its ``math = FakeMath()`` must not answer
+    the tests' ``math.isclose`` when they forgot to import it)."""
+    if type(name) is not str or not name.isidentifier() or name in _BUILTIN_NAMES:
+        return False
+    if name.startswith("__") and name.endswith("__"):
+        return False
+    if name in sys.stdlib_module_names:
+        return isinstance(value, types.ModuleType) and value.__name__ == name
+    return True
+
+
+def _watch_unittest() -> list[Any]:
+    """Record every unittest run the tests start: ``unittest.main()`` that found no test, or
+    ``unittest.main(exit=False)`` whose tests failed, must not end as a pass. (unittest is
+    imported with this module, in the zygote: importing it per run cost ~11 ms.)"""
+    runs: list[Any] = []
+    run = unittest.TextTestRunner.run
+
+    def recorded(self: Any, test: Any) -> Any:
+        result = run(self, test)
+        runs.append(result)
+        return result
+
+    unittest.TextTestRunner.run = recorded  # type: ignore[method-assign]
+    return runs
+
+
+def _unittest_failures(runs: list[Any]) -> str:
+    """What went wrong in the unittest runs the tests started ("" when nothing did)."""
+    for result in runs:
+        if not result.wasSuccessful():
+            return f"unittest: {len(result.failures)} failed, {len(result.errors)} errors"
+        if result.testsRun == 0:
+            return "unittest ran no test (the tests define no TestCase it could find)"
+    return ""
 
 
 def _channel_failed(e: rpc.ChannelError) -> int:

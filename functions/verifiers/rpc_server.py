@@ -196,7 +196,10 @@ class Server:
             message = str(e)[:2000]
         except Exception:
             message = "(unprintable)"
-        return ["err", type(e).__name__[:100], message, text]
+        # the nearest builtin class it derives from, so the tests' ``except ValueError``
+        # catches the program's ``class BadInput(ValueError)`` too
+        base = next((c.__name__ for c in type(e).__mro__ if c.__module__ == "builtins"), "")
+        return ["err", type(e).__name__[:100], message, text, base[:100]]
 
 
 def _as_data(v: Any) -> Any:

@@ -81,14 +81,83 @@ FORGERIES = {
     "rebinding_builtins_for_the_tests": (
         "def add(a, b):\n    return 0\ndef abs(x):\n    return 0\ndef isinstance(*a):\n    return True\n"
     ),
+    # the hello named a "__builtins__" of the program's making, which became the tests' own
+    "binding___builtins___through_the_hello": (
+        "import sys, builtins\n"
+        "_srv = sys.modules['functions.verifiers.rpc_server']\n"
+        "_hello = _srv.Server.hello\n"
+        "def hello(self, ns):\n"
+        "    msg = _hello(self, ns)\n"
+        "    fake = dict(vars(builtins))\n"
+        "    fake['abs'] = lambda x: 0\n"
+        "    msg[1]['__builtins__'] = self.encode(fake)\n"
+        "    return msg\n"
+        "_srv.Server.hello = hello\n"
+        "def add(a, b):\n    return 12345\n"
+    ),
+    # a StopIteration of the program ended the tests' own loop: all(map(f, xs)) was True
+    "stop_iteration_from_the_program": "def add(a, b):\n    raise StopIteration\n",
 }
 
 
 @pytest.mark.parametrize("code", FORGERIES.values(), ids=FORGERIES.keys())
 def test_forgeries_of_the_old_harness_fail(verifier, code):
-    tests = TWO_ASSERTS + "assert abs(add(0.5, 0.25) - 0.75) < 1e-9\n"
-    case = judge(verifier, code, tests)
-    assert case.status != "Finished", case
+    for tests in (
+        TWO_ASSERTS,
+        "assert abs(add(0.5, 0.25) - 0.75) < 1e-9\n",
+        "assert all(map(lambda p: add(*p) == sum(p), [(1, 2), (3, 4)]))\n",
+    ):
+        case = judge(verifier, code, tests)
+        assert case.status != "Finished", (tests, case)
+
+
+UNITTEST = (
+    "import unittest\n"
+    "class TestAdd(unittest.TestCase):\n"
+    "    def test_add(self):\n"
+    "        self.assertEqual(add(2, 3), 5)\n"
+    "{tail}"
+)
+
+
+@pytest.mark.parametrize(
+    "tail",
+    ["if __name__ == '__main__':\n    unittest.main()\n", "unittest.main()\n", "unittest.main(exit=False)\n"],
+    ids=["guarded_main", "main", "main_no_exit"],
+)
+def test_unittest_style_tests_judge_the_program(verifier, tail):
+    # run in a bare dict, unittest.main() found no TestCase: "Ran 0 tests ... OK" passed any
+    # program; and unittest.main(exit=False) went on past failed tests to a pass
+    tests = UNITTEST.format(tail=tail)
+    assert judge(verifier, "def add(a, b):\n    return a + b\n", tests).status == "Finished"
+    wrong = judge(verifier, "def add(a, b):\n    return 0\n", tests)
+    assert wrong.status == "Failed" and "unittest: 1 failed" in wrong.stderr, wrong
+    none = judge(verifier, "def add(a, b):\n    return a + b\n", "import unittest\nunittest.main()\n")
+    assert none.status == "Failed" and "unittest ran no test" in none.stderr, none
+
+
+def test_a_program_object_cannot_answer_the_tests_libraries_protocols(verifier):
+    # numpy reads __array_interface__ off the object, a raw pointer included: the program
+    # chose memory of the tests' process as its answer (or crashed it)
+    code = (
+        "class A:\n    @property\n    def __array_interface__(self):\n"
+        "        return {'shape': (1,), 'typestr': '<f8', 'data': (4096, True), 'version': 3}\n"
+        "def sq(xs):\n    return A()\n"
+    )
+    tests = (
+        "r = sq([1])\nfor name in ('__array_interface__', '__array_struct__', '__array__', '__dlpack__'):\n"
+    )
+    tests += "    assert not hasattr(r, name), name\n"
+    assert judge(verifier, code, tests).status == "Finished"
+
+
+def test_a_stdlib_module_name_is_bound_only_to_that_module(verifier):
+    # the tests forgot to import math: the program's fake math answered math.isclose
+    fake = "class M:\n    def isclose(self, *a, **k):\n        return True\n"
+    fake += "math = M()\ndef f(x):\n    return 0\n"
+    assert judge(verifier, fake, "assert math.isclose(f(2), 4.0)").status != "Finished"
+    honest = "import math\ndef f(x):\n    return math.sqrt(x) * 2\n"
+    assert judge(verifier, honest, "assert math.isclose(f(4), 4.0)").status == "Finished"
 
 
 ALWAYS_EQUAL = {
@@ -488,6 +557,16 @@ HONEST = {
         "assert 2 in bag() and 3 not in bag() and sorted(keys()) == ['a', 'b']\n",
     ),
 }
+
+
+HONEST["exception_subclasses_of_builtins"] = (
+    "import json\nclass BadInput(ValueError):\n    pass\n"
+    "def parse(s):\n    if s == 'x':\n        raise BadInput('no x')\n    return json.loads(s)\n",
+    "try:\n    parse('x')\n    raise RuntimeError('no exception')\n"
+    "except ValueError as e:\n    assert 'no x' in str(e)\n"
+    "try:\n    parse('{')\n    raise RuntimeError('no exception')\nexcept ValueError:\n    pass\n"
+    "assert parse('[1]') == [1]\n",
+)
 
 
 @pytest.mark.parametrize(("code", "tests"), HONEST.values(), ids=HONEST.keys())
