@@ -569,6 +569,19 @@ HONEST["exception_subclasses_of_builtins"] = (
 )
 
 
+try:
+    import numpy  # noqa: F401  (in the sandbox too: it runs this interpreter)
+
+    HONEST["numpy_scalars_are_numbers"] = (
+        "import numpy as np\ndef total(xs):\n    return np.sum(np.array(xs))\n"
+        "def mean(xs):\n    return np.mean(xs)\ndef positive(x):\n    return np.array([x])[0] > 0\n",
+        "assert total([1, 2, 3]) == 6\nassert abs(mean([1, 2]) - 1.5) < 1e-9\n"
+        "assert positive(3) == True\nassert positive(-3) == False\n",
+    )
+except ImportError:  # the numpy case is not run where numpy is not installed
+    pass
+
+
 @pytest.mark.parametrize(("code", "tests"), HONEST.values(), ids=HONEST.keys())
 def test_honest_programs_pass(verifier, code, tests):
     case = judge(verifier, code, tests)
