@@ -69,6 +69,8 @@ class Connection(asyncio.Protocol):
         """When the container last sent anything (a reply, a heartbeat): proof it is alive."""
         self.silence_s = heartbeat_s * misses
         self.tool_caller = tool_caller
+        self.tool_seen = float("-inf")
+        """When a brokered tool call last started or ended (see ``_timeout``)."""
         self.ids = itertools.count(1)
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.tasks: set[asyncio.Task[None]] = set()
@@ -134,6 +136,7 @@ class Connection(asyncio.Protocol):
 
     async def _tool(self, msg: dict[str, Any]) -> None:
         name, args = str(msg.get("name")), msg.get("arguments") or {}
+        self.tool_seen = time.monotonic()
         if self.tool_caller is None:
             result = f"error: no tool bridge configured for {name!r}"
         else:
@@ -141,6 +144,8 @@ class Connection(asyncio.Protocol):
                 result = await self.tool_caller(name, args)
             except Exception as e:  # the policy sees the tool's failure as text
                 result = f"error: {type(e).__name__}: {e}"
+            finally:
+                self.tool_seen = time.monotonic()
         self.send({"op": "tool_result", "tool_id": msg.get("tool_id"), "result": result})
 
     # -- requests
@@ -193,10 +198,13 @@ class Connection(asyncio.Protocol):
         sends them from its own thread while the request runs) prove the container alive:
         the environment's code is what does not answer, and a retry would only hang again.
         Without that proof (no heartbeat yet: a timeout shorter than a heartbeat period), or
-        with a tool call still pending here (the time may be the tool's), it stays an
-        infrastructure timeout, retried on a fresh container."""
+        with a tool call during the request (still pending, or one that took most of the time:
+        a slow tool is not a hung environment), it stays an infrastructure timeout, retried on
+        a fresh container."""
         if self.tasks:
             return StepTimeout(f"{op} took longer than {timeout_s:g} s (a tool call was still pending)")
+        if self.tool_seen > sent:
+            return StepTimeout(f"{op} took longer than {timeout_s:g} s (tool calls ran during it)")
         if self.last_frame <= sent or time.monotonic() - self.last_frame >= self.silence_s:
             return StepTimeout(f"{op} took longer than {timeout_s:g} s (no recent heartbeat)")
         return EnvHung(

@@ -301,6 +301,19 @@ async def test_a_step_waiting_on_a_slow_tool_past_its_timeout_is_an_infra_failur
             assert p.stats().get("env_hung", 0) == 0
 
 
+async def test_a_step_whose_time_went_to_a_tool_that_finished_is_an_infra_failure():
+    # a tool that took 0.9 s of a 1 s budget, then 0.2 s of the env's own work: EnvHung (not
+    # retried, the trajectory masked), while a tool 0.2 s slower (still pending) was retried
+    conn = Connection(heartbeat_s=0.1, misses=4, tool_caller=None)
+    sent = time.monotonic() - 1.0
+    conn.last_frame = time.monotonic()  # heartbeats heard: the container is alive
+    assert isinstance(conn._timeout("step", 1.0, sent), EnvHung)  # no tool: the env hangs
+    conn.tool_seen = sent + 0.9  # a tool call ended during the request
+    err = conn._timeout("step", 1.0, sent)
+    assert isinstance(err, InfraError) and not isinstance(err, EnvHung)
+    assert "tool calls ran during it" in str(err)
+
+
 async def test_a_non_deterministic_session_is_lost_not_faked(images):
     async with pool(images) as p, p.session("bundle-random-v0", image=IMAGE) as s:
         await s.reset()
