@@ -306,7 +306,8 @@ class Client:
                 # worker, when no caller can use its answer any more. wait_for_run: the backend
                 # answers with the run's own outcome, never early while it runs (a synchronous
                 # handler runs on past a deadline), so the key stays busy while it may run, and
-                # a cut run is a FunctionTimeout: for a side effect, OutcomeUnknown
+                # a cut run is a FunctionTimeout: for a side effect, OutcomeUnknown. The
+                # remote backends send neither (Invocation.wait_for_run)
                 deadline=deadline,
                 tenant=tenant or self.config.tenant,
                 attempt=1,
@@ -320,8 +321,7 @@ class Client:
             ex.task.add_done_callback(self._executions.discard)
         elif ex.join(deadline):
             # a later deadline than the execution had: what was sent moves with it where the
-            # backend can (the local pool); elsewhere it keeps the one it went with, and the
-            # execution's retries (pure functions) go on until this one
+            # backend sent one (the local pool); the execution's retries go on until this one
             self.backend.extend_deadline(spec.name, key, ex.deadline)
         task = ex.task
         assert task is not None
