@@ -247,6 +247,26 @@ async def test_a_keyed_sync_call_past_its_deadline_keeps_its_key_until_its_worke
     assert path.read_text().split() == ["5"]
 
 
+async def test_a_joiner_s_later_deadline_reaches_a_keyed_call_waiting_in_a_sync_worker_s_batch(tmp_path):
+    """The keyed call waits, unstarted, behind a slow call on the only (synchronous) worker,
+    which took it with the starter's deadline and cannot take a later message: a joiner with
+    a later deadline still gets the run, not a DeadlineExceeded before its own deadline."""
+    path = tmp_path / "payments"
+    async with Client(backend=LocalConfig(max_workers=1, warm=1), registry=REG) as c:
+        await c.warmup(["charge"])
+        busy = asyncio.create_task(
+            c.call("charge", {"path": str(tmp_path / "a"), "amount": 1, "seconds": 1.2})
+        )
+        await asyncio.sleep(0.05)  # the busy call went to the worker first
+        payload = {"path": str(path), "amount": 5}
+        starter = asyncio.create_task(c.call("charge", payload, idempotency_key="order", deadline_s=0.4))
+        await asyncio.sleep(0.15)  # the keyed call is on the worker, behind the busy one
+        joiner = await c.call("charge", payload, idempotency_key="order", deadline_s=10)
+        assert joiner.ok and joiner.value == 5 and joiner.cached, joiner.error
+        assert (await starter).error.type == ErrorCode.DEADLINE_EXCEEDED and (await busy).ok
+    assert path.read_text().split() == ["5"]
+
+
 async def test_a_keyed_execution_sends_the_latest_deadline_of_its_callers():
     c, fake = make()
     async with c:
