@@ -347,6 +347,9 @@ class Client:
             )
         else:
             result = task.result()
+            if ex.unsent:  # nothing was sent, every caller's deadline had passed: this one's too
+                m.gave_up += 1
+                return result if not joined else result.model_copy(update={"request_id": request_id})
             if not joined:
                 return result  # the execution counted its outcome as it ended (_execute)
             # no new execution for this caller: its own copy of the answer
@@ -382,7 +385,10 @@ class Client:
         try:
             async with fn.sem:
                 if ex.deadline is not None and ex.deadline <= time.time():
-                    # every caller gave up while it waited for a slot: nothing was sent
+                    # every caller gave up while it waited for a slot: nothing was sent, and
+                    # there is no outcome to count (each caller counts in gave_up, the ones
+                    # whose wait ended before this too)
+                    ex.unsent = True
                     result = Result.failure(
                         ErrorCode.DEADLINE_EXCEEDED,
                         "deadline passed before the call was sent",
@@ -394,7 +400,8 @@ class Client:
                     if not result.ok and self._should_retry(fn.spec, result):
                         result = await self._retry(fn, inv, result, hedge, lambda: ex.deadline)
             self._conclude(fn, key, user_key, result)
-            self._settle(fn, result, t0)
+            if not ex.unsent:
+                self._settle(fn, result, t0)
             return result
         finally:
             if probe:

@@ -164,6 +164,23 @@ async def test_metrics_count_a_keyed_execution_s_outcome_not_its_starter_s_give_
     assert len(fake.invocations) == 2  # one of each (no retry: the execution's deadline had passed)
 
 
+async def test_a_keyed_execution_that_sent_nothing_counts_once_as_a_give_up():
+    """Its caller's deadline passes while the execution waits for the only concurrency slot:
+    nothing is sent, and the call counts once, in gave_up (not in errors too)."""
+    c, fake = make()
+    async with c:
+        busy = asyncio.create_task(c.call("one_at_a_time", {"seconds": 0.4}))  # holds the slot
+        await asyncio.sleep(0.01)
+        r = await c.call("one_at_a_time", {"seconds": 0.0}, idempotency_key="k", deadline_s=0.1)
+        assert r.error.type == ErrorCode.DEADLINE_EXCEEDED
+        assert (await busy).ok
+        await asyncio.wait_for(asyncio.gather(*c._executions), 2)
+        m = c.metrics()["one_at_a_time"]
+        assert (m["calls"], m["ok"], m["errors"], m["gave_up"]) == (2, 1, {}, 1)
+        assert sum(m["latency_ms"]["buckets"].values()) == 1  # the busy call's
+    assert len(fake.invocations) == 1
+
+
 async def test_closing_the_client_ends_the_keyed_executions_nobody_waits_for():
     c, _ = make()
     t0 = time.monotonic()
