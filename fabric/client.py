@@ -532,8 +532,13 @@ class Client:
             if winner.done() or f.cancelled():
                 return
             r = f.result()
-            # a retryable failure of one copy waits for the other copy, if there is one
-            if not r.ok and r.retryable and any(not g.done() for g in futs):
+            # a retryable failure of one copy waits for the other copy, if there is one; so
+            # does a keyed execution's copy answered DeadlineExceeded: it did not start (its
+            # backend does not answer such a call early once it runs), and the other may run
+            waits = r.retryable or (
+                inv.wait_for_run and r.error is not None and r.error.type == ErrorCode.DEADLINE_EXCEEDED
+            )
+            if not r.ok and waits and any(not g.done() for g in futs):
                 return
             if f is not primary:
                 m.hedge_wins += 1

@@ -376,6 +376,20 @@ async def test_a_keyed_call_is_hedged_under_its_key_and_its_answer_cached():
         assert again.cached and again.value == 9 and len(fake.invocations) == 32
 
 
+async def test_a_keyed_hedge_that_did_not_start_in_time_does_not_win_over_its_running_primary():
+    """A keyed execution's copy answered DeadlineExceeded never started (its backend does not
+    answer such a call early once it runs): like a retryable failure, it waits for the other
+    copy, which may be running, instead of ending the execution with a failure."""
+    c, fake = make(hedge={"min_samples": 20, "max_share": 0.5})
+    async with c:
+        await _warm_latency(c)
+        # the primary straggles and then succeeds; the hedge is answered as queued past its deadline
+        fake.inject("nap", Fault(delay_s=0.5), Fault(code=ErrorCode.DEADLINE_EXCEEDED))
+        r = await c.call("nap", {"seconds": 0.001, "tag": 9}, idempotency_key="h", deadline_s=5)
+        assert r.ok and r.value == 9 and r.hedged, r.error
+        assert fake.invocations[-1].hedge and c.metrics()["nap"]["hedge_wins"] == 0
+
+
 async def test_no_hedge_when_disabled_or_for_side_effects():
     c, fake = make(hedge={"min_samples": 20, "enabled": False})
     await _warm_latency(c)
