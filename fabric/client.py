@@ -306,7 +306,8 @@ class Client:
                 # worker, when no caller can use its answer any more. wait_for_run: the backend
                 # answers with the run's own outcome, never early while it runs (a synchronous
                 # handler runs on past a deadline), so the key stays busy while it may run, and
-                # a cut run is a FunctionTimeout: for a side effect, OutcomeUnknown
+                # a cut run is a FunctionTimeout: for a side effect, OutcomeUnknown. The
+                # remote backends send neither (Invocation.wait_for_run)
                 deadline=deadline,
                 tenant=tenant or self.config.tenant,
                 attempt=1,
@@ -320,8 +321,7 @@ class Client:
             ex.task.add_done_callback(self._executions.discard)
         elif ex.join(deadline):
             # a later deadline than the execution had: what was sent moves with it where the
-            # backend can (the local pool); elsewhere it keeps the one it went with, and the
-            # execution's retries (pure functions) go on until this one
+            # backend sent one (the local pool); the execution's retries go on until this one
             self.backend.extend_deadline(spec.name, key, ex.deadline)
         task = ex.task
         assert task is not None
@@ -347,6 +347,9 @@ class Client:
             )
         else:
             result = task.result()
+            if ex.unsent:  # nothing was sent, every caller's deadline had passed: this one's too
+                m.gave_up += 1
+                return result if not joined else result.model_copy(update={"request_id": request_id})
             if not joined:
                 return result  # the execution counted its outcome as it ended (_execute)
             # no new execution for this caller: its own copy of the answer
@@ -382,7 +385,10 @@ class Client:
         try:
             async with fn.sem:
                 if ex.deadline is not None and ex.deadline <= time.time():
-                    # every caller gave up while it waited for a slot: nothing was sent
+                    # every caller gave up while it waited for a slot: nothing was sent, and
+                    # there is no outcome to count (each caller counts in gave_up, the ones
+                    # whose wait ended before this too)
+                    ex.unsent = True
                     result = Result.failure(
                         ErrorCode.DEADLINE_EXCEEDED,
                         "deadline passed before the call was sent",
@@ -394,7 +400,8 @@ class Client:
                     if not result.ok and self._should_retry(fn.spec, result):
                         result = await self._retry(fn, inv, result, hedge, lambda: ex.deadline)
             self._conclude(fn, key, user_key, result)
-            self._settle(fn, result, t0)
+            if not ex.unsent:
+                self._settle(fn, result, t0)
             return result
         finally:
             if probe:
@@ -525,8 +532,13 @@ class Client:
             if winner.done() or f.cancelled():
                 return
             r = f.result()
-            # a retryable failure of one copy waits for the other copy, if there is one
-            if not r.ok and r.retryable and any(not g.done() for g in futs):
+            # a retryable failure of one copy waits for the other copy, if there is one; so
+            # does a keyed execution's copy answered DeadlineExceeded: it did not start (its
+            # backend does not answer such a call early once it runs), and the other may run
+            waits = r.retryable or (
+                inv.wait_for_run and r.error is not None and r.error.type == ErrorCode.DEADLINE_EXCEEDED
+            )
+            if not r.ok and waits and any(not g.done() for g in futs):
                 return
             if f is not primary:
                 m.hedge_wins += 1

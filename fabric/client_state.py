@@ -95,7 +95,7 @@ class Execution:
     key free again, so a caller that comes later never starts a second execution while the
     first may still run."""
 
-    __slots__ = ("deadline", "task")
+    __slots__ = ("deadline", "task", "unsent")
 
     def __init__(self, deadline: float | None):
         self.deadline = deadline
@@ -103,6 +103,10 @@ class Execution:
         no caller could use the answer, so each call sent carries it (an async handler is
         cancelled there, in the worker) and the retries stop there."""
         self.task: asyncio.Task[Result] | None = None
+        self.unsent = False
+        """True when it ended without sending anything: every caller's deadline had passed
+        while it waited for a concurrency slot. Not an outcome to count: each caller, its
+        deadline passed, counts as one that gave up."""
 
     def join(self, deadline: float | None) -> bool:
         """Count in a joining caller's deadline; True when that moved ``deadline`` later."""

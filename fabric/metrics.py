@@ -71,7 +71,9 @@ class FunctionMetrics:
     started it gave up first (its latency is from that caller's call). A caller answered with
     a key's kept answer counts in ``cache_hits``; one whose deadline passed while the keyed
     execution it waited for went on counts in ``gave_up`` (not an error: the execution goes on,
-    and its outcome is counted when it ends)."""
+    and its outcome is counted when it ends). An execution that sent nothing (every caller's
+    deadline passed while it waited for a concurrency slot) counts no outcome: its callers
+    count in ``gave_up``."""
 
     __slots__ = (
         "buckets",

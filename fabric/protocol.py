@@ -112,8 +112,10 @@ class Invocation(_Model):
     a queued call does not start after it and an async handler is cancelled at it (a
     ``FunctionTimeout``: it may have run part way), but a backend never answers such a call
     ``DeadlineExceeded`` while it runs: the answer is the run's own, and until it comes the
-    key is busy. Off the default dump (it means nothing to a Lambda or Modal handler, which
-    always answers with its run); the Lambda envelope carries it for ``fabric serve``."""
+    key is busy. The local backends only: it never leaves the client (off the default dump;
+    the remote backends send such a call without it and without its deadline, as before the
+    mark existed, so a handler deployed from older code takes it, and the run is bounded by
+    the function's ``timeout_s``). ``fabric serve`` reads it, should a request carry it."""
 
     raw: bytes | None = Field(None, exclude=True, repr=False)
     """The payload encoded once by the client, so no backend encodes it again (never sent

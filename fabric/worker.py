@@ -59,6 +59,9 @@ class _Serve(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.timers: dict[int, tuple[int, asyncio.Timeout]] = {}  # async calls: start_ns, timer
+        # a deadline moved before its call's task made its timer (the extend came in the chunk
+        # that brought the call): applied when the timer is made
+        self.pending: dict[int, int] = {}
         self.fault_rate = float(fault["straggler_rate"]) if fault else 0.0
         self.fault_s = float(fault["straggler_ms"]) / 1000 if fault else 0.0
         self.rng = random.Random(fault.get("seed", 0) * 1_000_003 + os.getpid() if fault else 0)
@@ -120,6 +123,9 @@ class _Serve(asyncio.Protocol):
     async def _run_async(self, cid: int, raw: bytes, timeout_s: float, start: int) -> None:
         def keep(timer: asyncio.Timeout) -> None:
             self.timers[cid] = (start, timer)
+            deadline_ns = self.pending.pop(cid, None)
+            if deadline_ns is not None:
+                self._extend(cid, deadline_ns)
 
         try:
             ok, res = await self.runner.run_async(raw, timeout_s, keep)
@@ -128,14 +134,17 @@ class _Serve(asyncio.Protocol):
         finally:
             self.tasks.pop(cid, None)
             self.timers.pop(cid, None)
+            self.pending.pop(cid, None)  # its arguments were refused: no timer was made
         self._reply((cid, ok, res, start, (time.monotonic_ns() - start) / 1e6))
 
     def _extend(self, cid: int, deadline_ns: int) -> None:
         """The call's deadline moved (a caller with a later one joined its keyed execution):
         its handler now stops there, or at the function's own limit from its start."""
         entry = self.timers.get(cid)
-        if entry is None:  # it ended meanwhile
-            return
+        if entry is None:
+            if cid in self.tasks:  # its task has not run yet: it makes its timer when it does
+                self.pending[cid] = deadline_ns
+            return  # else it ended meanwhile
         start, timer = entry
         if timer.expired():  # too late: it is being cancelled
             return

@@ -281,6 +281,8 @@ class FunctionPool:
             call = w.inflight.pop(cid, None)
             if call is None:
                 continue
+            if not ok and out[0] == ErrorCode.DEADLINE_EXCEEDED and self._requeue_moved(call):
+                continue
             served += 1
             self._forget(call)
             if call.timer is not None:
@@ -302,6 +304,23 @@ class FunctionPool:
         if self._pending and not self._scheduled:
             self._scheduled = True
             self._loop.call_soon(self._dispatch)
+
+    def _requeue_moved(self, call: PoolCall) -> bool:
+        """A worker answers DeadlineExceeded only for a call it found past the deadline it was
+        sent with, before starting it. For a keyed execution's call whose deadline moved since
+        (a caller with a later one joined: ``extend_deadline``), that answer is stale: a
+        synchronous worker takes a batch in one go and cannot read the move, and an async one
+        checks on receipt. Nothing ran, so the call goes back to the head of the queue under
+        its moved deadline (sent with it this time; its timer already follows it), and no
+        side-effect question arises. True when requeued."""
+        if call.fut.done() or not call.inv.wait_for_run:
+            return False
+        if call.deadline_ns and time.monotonic_ns() >= call.deadline_ns:
+            return False  # not moved (or moved, and passed too): the answer stands
+        call.worker, call.cid = None, 0
+        self.metrics["requeued"] += 1
+        self._pending.appendleft(call)
+        return True
 
     def _forget(self, call: PoolCall) -> None:
         key = call.inv.idempotency_key

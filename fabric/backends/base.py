@@ -190,8 +190,8 @@ class Backend(ABC):
         keyed execution's, when a caller with a later deadline joins it. False where this
         backend cannot: its calls keep the deadline they were sent with (an async handler is
         cancelled there, and a pure function's execution retries while a caller still waits;
-        a side effect's ends ``OutcomeUnknown``). Remote backends cannot: the deadline went
-        with the request."""
+        a side effect's ends ``OutcomeUnknown``). Remote backends need not: they send a keyed
+        execution's calls with no deadline (see ``Invocation.wait_for_run``)."""
         return False
 
     async def warmup(self, names: list[str] | None = None) -> None:  # noqa: B027 - optional

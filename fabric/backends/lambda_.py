@@ -326,15 +326,17 @@ def envelope(inv: Invocation, payload: bytes | None = None) -> bytes:
         "function": inv.function,
         "request_id": inv.request_id,
         "idempotency_key": inv.idempotency_key,
-        "deadline": inv.deadline,
+        # a keyed execution's call (wait_for_run) goes as it always has: with no deadline and
+        # no mark. A handler deployed from older code refuses a field it does not know
+        # (InvalidArguments, which the client would keep under the key), and a run cut at a
+        # deadline there is not recorded under the key (the handler drops its in-progress
+        # record), so another client process would run a side effect again. The run is bounded
+        # by the function's timeout_s; each caller's own deadline bounds its wait.
+        "deadline": None if inv.wait_for_run else inv.deadline,
         "tenant": inv.tenant,
         "attempt": inv.attempt,
         "hedge": inv.hedge,
     }
-    if inv.wait_for_run and inv.deadline is not None:
-        # only where it changes something (a fabric serve's pools would answer early): every
-        # other envelope stays as a handler deployed before the field knows it
-        head["wait_for_run"] = True
     raw = inv.raw_payload if payload is None else payload
     return json.dumps(head, separators=(",", ":"))[:-1].encode() + b',"payload":' + raw + b"}"
 

@@ -56,7 +56,9 @@ class ModalBackend(Backend):
         exc = self._modal.exception
         t0 = time.perf_counter()
         self._calls += 1
-        envelope = inv.model_dump(mode="json")
+        envelope = inv.model_dump(mode="json")  # wait_for_run is off the dump
+        if inv.wait_for_run:  # a keyed execution's call: no deadline, as for Lambda (envelope())
+            envelope["deadline"] = None
         try:
             data = await self._function(inv.function).remote.aio(envelope)
         except exc.AuthError as e:

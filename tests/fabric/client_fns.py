@@ -68,3 +68,10 @@ async def deliver(path: str, seconds: float) -> str:
 def overloaded() -> int:
     """A dependency that is always down; its backoff (up to 5 s) dwarfs the tests' deadlines."""
     raise Unavailable("judge endpoint overloaded")
+
+
+@REG.function(max_concurrency=1)
+async def one_at_a_time(seconds: float) -> float:
+    """Holds the client's only concurrency slot for ``seconds``."""
+    await asyncio.sleep(seconds)
+    return seconds

@@ -164,6 +164,23 @@ async def test_metrics_count_a_keyed_execution_s_outcome_not_its_starter_s_give_
     assert len(fake.invocations) == 2  # one of each (no retry: the execution's deadline had passed)
 
 
+async def test_a_keyed_execution_that_sent_nothing_counts_once_as_a_give_up():
+    """Its caller's deadline passes while the execution waits for the only concurrency slot:
+    nothing is sent, and the call counts once, in gave_up (not in errors too)."""
+    c, fake = make()
+    async with c:
+        busy = asyncio.create_task(c.call("one_at_a_time", {"seconds": 0.4}))  # holds the slot
+        await asyncio.sleep(0.01)
+        r = await c.call("one_at_a_time", {"seconds": 0.0}, idempotency_key="k", deadline_s=0.1)
+        assert r.error.type == ErrorCode.DEADLINE_EXCEEDED
+        assert (await busy).ok
+        await asyncio.wait_for(asyncio.gather(*c._executions), 2)
+        m = c.metrics()["one_at_a_time"]
+        assert (m["calls"], m["ok"], m["errors"], m["gave_up"]) == (2, 1, {}, 1)
+        assert sum(m["latency_ms"]["buckets"].values()) == 1  # the busy call's
+    assert len(fake.invocations) == 1
+
+
 async def test_closing_the_client_ends_the_keyed_executions_nobody_waits_for():
     c, _ = make()
     t0 = time.monotonic()
@@ -244,6 +261,26 @@ async def test_a_keyed_sync_call_past_its_deadline_keeps_its_key_until_its_worke
         assert first.error.type == ErrorCode.DEADLINE_EXCEEDED
         second = await c.call("charge", payload, idempotency_key="order-1", deadline_s=5)
         assert second.ok and second.value == 5 and second.cached
+    assert path.read_text().split() == ["5"]
+
+
+async def test_a_joiner_s_later_deadline_reaches_a_keyed_call_waiting_in_a_sync_worker_s_batch(tmp_path):
+    """The keyed call waits, unstarted, behind a slow call on the only (synchronous) worker,
+    which took it with the starter's deadline and cannot take a later message: a joiner with
+    a later deadline still gets the run, not a DeadlineExceeded before its own deadline."""
+    path = tmp_path / "payments"
+    async with Client(backend=LocalConfig(max_workers=1, warm=1), registry=REG) as c:
+        await c.warmup(["charge"])
+        busy = asyncio.create_task(
+            c.call("charge", {"path": str(tmp_path / "a"), "amount": 1, "seconds": 1.2})
+        )
+        await asyncio.sleep(0.05)  # the busy call went to the worker first
+        payload = {"path": str(path), "amount": 5}
+        starter = asyncio.create_task(c.call("charge", payload, idempotency_key="order", deadline_s=0.4))
+        await asyncio.sleep(0.15)  # the keyed call is on the worker, behind the busy one
+        joiner = await c.call("charge", payload, idempotency_key="order", deadline_s=10)
+        assert joiner.ok and joiner.value == 5 and joiner.cached, joiner.error
+        assert (await starter).error.type == ErrorCode.DEADLINE_EXCEEDED and (await busy).ok
     assert path.read_text().split() == ["5"]
 
 
@@ -337,6 +374,20 @@ async def test_a_keyed_call_is_hedged_under_its_key_and_its_answer_cached():
         assert fake.executions[primary.idempotency_key] == 1  # the straggler was cancelled
         again = await c.call("nap", {"seconds": 0.001, "tag": 9}, idempotency_key="h")
         assert again.cached and again.value == 9 and len(fake.invocations) == 32
+
+
+async def test_a_keyed_hedge_that_did_not_start_in_time_does_not_win_over_its_running_primary():
+    """A keyed execution's copy answered DeadlineExceeded never started (its backend does not
+    answer such a call early once it runs): like a retryable failure, it waits for the other
+    copy, which may be running, instead of ending the execution with a failure."""
+    c, fake = make(hedge={"min_samples": 20, "max_share": 0.5})
+    async with c:
+        await _warm_latency(c)
+        # the primary straggles and then succeeds; the hedge is answered as queued past its deadline
+        fake.inject("nap", Fault(delay_s=0.5), Fault(code=ErrorCode.DEADLINE_EXCEEDED))
+        r = await c.call("nap", {"seconds": 0.001, "tag": 9}, idempotency_key="h", deadline_s=5)
+        assert r.ok and r.value == 9 and r.hedged, r.error
+        assert fake.invocations[-1].hedge and c.metrics()["nap"]["hedge_wins"] == 0
 
 
 async def test_no_hedge_when_disabled_or_for_side_effects():

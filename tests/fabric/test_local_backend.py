@@ -443,3 +443,48 @@ async def test_cancelling_an_async_call_cancels_it_in_the_worker(tmp_path):
         await asyncio.sleep(0.6)
         assert not path.exists()
         assert (await c.call("slow_write", {"path": str(path), "seconds": 0})).ok
+
+
+async def test_a_worker_keeps_an_extend_that_comes_before_its_async_call_s_timer():
+    """The worker reads ("calls") and ("extend") in one chunk: the extend comes before the
+    call's task has run and made its timer; the moved deadline must still apply."""
+    import mmap
+
+    from fabric.backends._wire import SLOT_SIZE, FrameReader, pack
+    from fabric.protocol import encode_payload
+    from fabric.runner import FunctionRunner
+    from fabric.worker import _Serve
+
+    class Transport(asyncio.Transport):
+        def __init__(self):
+            super().__init__()
+            self.out: list[bytes] = []
+
+        def write(self, data):
+            self.out.append(data)
+
+        def is_closing(self):
+            return False
+
+    loop = asyncio.get_running_loop()
+    serve = _Serve(
+        FunctionRunner.from_entry("sample_fns:async_sleepy"),
+        mmap.mmap(-1, SLOT_SIZE),
+        None,
+        loop.create_future(),
+    )
+    transport = Transport()
+    serve.connection_made(transport)
+    now = time.monotonic_ns()
+    raw = encode_payload({"seconds": 0.6})
+    # sent with a 0.2 s deadline, then (the same chunk) moved to 10 s
+    serve.data_received(
+        pack(("calls", [(1, raw, now + int(0.2e9), 0.2)])) + pack(("extend", 1, now + int(10e9)))
+    )
+    for _ in range(300):
+        if transport.out:
+            break
+        await asyncio.sleep(0.01)
+    ((_, [(cid, ok, res, *_)]),) = FrameReader().feed(b"".join(transport.out))
+    assert cid == 1 and ok, res
+    assert not serve.tasks and not serve.timers and not serve.pending

@@ -403,18 +403,36 @@ def test_envelope_json_round_trips():
     inv = Invocation(function="add", payload={"a": 1, "s": "é\n"}, idempotency_key="k", deadline=5.0)
     data = json.loads(envelope(inv))
     assert Invocation.model_validate(data).model_dump() == inv.model_dump()
-    # a keyed execution's mark goes only where it matters (with a deadline), so every other
-    # envelope stays as a handler deployed before the field knows it
-    assert "wait_for_run" not in data
-    no_deadline = inv.model_copy(update={"deadline": None, "wait_for_run": True})
-    assert "wait_for_run" not in json.loads(envelope(no_deadline))
-    keyed = json.loads(envelope(inv.model_copy(update={"wait_for_run": True})))
-    assert keyed["wait_for_run"] is True and Invocation.model_validate(keyed).wait_for_run
+
+
+def test_a_keyed_execution_s_envelope_is_what_an_older_handler_takes():
+    """A keyed execution's call (``wait_for_run``) goes to a remote endpoint as before the
+    mark existed: no mark (a handler or ``fabric serve`` deployed from older code refuses a
+    field it does not know, InvalidArguments that the client would keep under the key) and no
+    deadline (a Lambda handler cut there drops the key's record, and a side effect could run
+    again from another client process)."""
+    from fabric.backends.lambda_ import envelope
+
+    old_fields = {
+        "function",
+        "payload",
+        "request_id",
+        "idempotency_key",
+        "deadline",
+        "tenant",
+        "attempt",
+        "hedge",
+    }
+    inv = Invocation(function="add", payload={"a": 1}, idempotency_key="k", deadline=5.0, wait_for_run=True)
+    data = json.loads(envelope(inv))
+    assert set(data) <= old_fields and data["deadline"] is None
+    plain = json.loads(envelope(inv.model_copy(update={"wait_for_run": False})))
+    assert set(plain) <= old_fields and plain["deadline"] == 5.0  # an unkeyed call keeps its deadline
 
 
 async def test_a_keyed_execution_s_call_is_answered_by_its_run_not_at_its_deadline(http):
-    """A fabric client marks the call of the execution under an idempotency key
-    (``wait_for_run``): a synchronous handler runs on past the deadline, and the answer is the
+    """A call marked ``wait_for_run`` (fabric serve reads the mark, though a fabric client
+    sends it only to its local pools): a synchronous handler runs on past the deadline, and the answer is the
     run's own, not an early DeadlineExceeded that would free the client's key while it runs."""
     from fabric.backends.lambda_ import envelope
 
@@ -427,7 +445,9 @@ async def test_a_keyed_execution_s_call_is_answered_by_its_run_not_at_its_deadli
             deadline=time.time() + 0.2,
             wait_for_run=wait,
         )
-        body = (await http.post(PATH.format("sleepy"), content=envelope(inv), headers=auth())).json()
+        # no fabric client sends the mark (see the test above); fabric serve still reads it
+        event = {**json.loads(envelope(inv)), "deadline": inv.deadline, "wait_for_run": wait}
+        body = (await http.post(PATH.format("sleepy"), json=event, headers=auth())).json()
         if wait:
             assert body["ok"] and isinstance(body["value"], int), body["error"]
         else:

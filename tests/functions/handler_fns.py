@@ -53,6 +53,14 @@ async def async_sleepy(seconds: float) -> str:
     return "woke"
 
 
+@REG.tool(side_effects=True)
+async def async_effect(key: str, seconds: float) -> str:
+    """A side effect first, then slow bookkeeping."""
+    CALLS[f"async_effect:{key}"] += 1
+    await asyncio.sleep(seconds)
+    return "done"
+
+
 @REG.function
 async def loop_id() -> int:
     """Which event loop ran the call: the handler keeps one per container."""

@@ -435,6 +435,29 @@ def test_timeout_is_not_cached(table: Any) -> None:
     assert table.scan(TableName=TABLE)["Count"] == 0
 
 
+def test_a_keyed_side_effect_sent_by_the_lambda_backend_runs_once(table: Any) -> None:
+    """What the client's Lambda backend sends for a keyed side effect whose caller has a short
+    deadline: the run is not cut at that deadline (a cut run's in-progress record is dropped,
+    and the next call with the key, from any client process, would run the effect again)."""
+    import time
+
+    from fabric.backends.lambda_ import envelope
+
+    key, payload = "order-7", {"key": "o7", "seconds": 0.4}
+    sent = Invocation(
+        function="async_effect",
+        payload=payload,
+        idempotency_key=key,
+        deadline=time.time() + 0.1,
+        wait_for_run=True,
+    )
+    first = call(json.loads(envelope(sent)))
+    assert first.ok and first.value == "done", first.error
+    again = invoke("async_effect", payload, idempotency_key=key)  # another process, no deadline
+    assert again.ok and again.cached
+    assert CALLS["async_effect:o7"] == 1
+
+
 def test_final_error_is_cached(table: Any) -> None:
     first = invoke("broken", {"key": "x"}, idempotency_key="kb")
     second = invoke("broken", {"key": "x"}, idempotency_key="kb")
