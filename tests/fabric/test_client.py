@@ -215,13 +215,15 @@ async def test_a_keyed_async_call_stops_in_its_worker_when_its_callers_deadline_
     instead of letting it run to its timeout_s (10 s) for nobody. Cut part way, a side
     effect may have happened: the key keeps OutcomeUnknown, as after any worker timeout."""
     path = tmp_path / "deliveries"
-    payload = {"path": str(path), "seconds": 1.0}
+    # margins for a loaded 2-core machine: the call must have started in its worker before
+    # the deadline (else it is a "not started" DeadlineExceeded, which leaves the key free)
+    payload = {"path": str(path), "seconds": 2.0}
     async with Client(backend=LocalConfig(max_workers=1), registry=REG) as c:
         await c.warmup(["deliver"])
-        r = await c.call("deliver", payload, idempotency_key="parcel-1", deadline_s=0.3)
+        r = await c.call("deliver", payload, idempotency_key="parcel-1", deadline_s=0.8)
         assert r.error.type == ErrorCode.DEADLINE_EXCEEDED
         await asyncio.wait_for(asyncio.gather(*c._executions), 5)
-        await asyncio.sleep(1.0)  # past the handler's own end, had it run on
+        await asyncio.sleep(2.0)  # past the handler's own end, had it run on
         assert not path.exists(), "the handler ran on after every caller had given up"
         again = await c.call("deliver", payload, idempotency_key="parcel-1")
         assert again.error.type == ErrorCode.OUTCOME_UNKNOWN and ErrorCode.TIMEOUT in again.error.message
