@@ -569,6 +569,14 @@ HONEST["exception_subclasses_of_builtins"] = (
 )
 
 
+HONEST["mutated_arguments_of_builtin_subclasses"] = (
+    "def bump(d, key):\n    d[key] = d.get(key, 0) + 1\n\ndef push(xs, x):\n    xs.append(x)\n",
+    "from collections import Counter, OrderedDict\n"
+    "c = Counter(a=1)\nbump(c, 'a')\nbump(c, 'b')\nassert c == Counter(a=2, b=1) and type(c) is Counter\n"
+    "o = OrderedDict(x=1)\nbump(o, 'y')\nassert list(o) == ['x', 'y'] and type(o) is OrderedDict\n"
+    "class Stack(list):\n    pass\ns = Stack([1])\npush(s, 2)\nassert s == [1, 2] and type(s) is Stack\n",
+)
+
 try:
     import numpy  # noqa: F401  (in the sandbox too: it runs this interpreter)
 
