@@ -53,6 +53,11 @@ _PLAIN = tuple(rpc.PLAIN_TYPES.values())
 _COMPARE: dict[str, Callable[[Any, Any], Any]] = {
     op: getattr(operator, op) for op in ("eq", "ne", "lt", "le", "gt", "ge")
 }
+#: Names that, in test code, mean a module (`np.allclose`, `pytest.approx`): bound only to the
+#: tests' own module, never to a program's object of that name.
+_MODULE_ALIASES = frozenset(
+    "np numpy pd pandas plt mpl matplotlib sp scipy sympy nx networkx torch tf pytest".split()
+)
 #: Names the program may not rebind for the tests: its own ``abs = lambda x: 0`` must not
 #: turn ``assert abs(f(x) - 0.5) < 1e-9`` into a pass.
 _BUILTIN_NAMES = frozenset(vars(builtins))
@@ -192,12 +197,16 @@ def _exception(type_name: str, message: str, trace: str, base: str = "") -> Exce
         parent = _builtin_exception(base)
         if parent is not None and issubclass(parent, UnicodeError):
             parent = ValueError  # its str() reads fields a message cannot fill
-        if parent is not None and parent is not Exception:
+        if parent is not None and issubclass(parent, BaseExceptionGroup):
+            parent = None  # made from a list of exceptions, which did not travel
+        try:
+            if parent is None or parent is Exception:
+                raise TypeError
             derived: Any = type(type_name, (parent, RemoteError), {"__module__": "program"})
             err = derived.__new__(derived)
             RemoteError.__init__(err, type_name, message)
             e = err
-        else:
+        except TypeError:  # no builtin base to add (or one that cannot be made so)
             e = RemoteError(type_name, message)
     if trace:
         e.add_note("raised in the program:\n" + trace.rstrip())
@@ -569,8 +578,14 @@ def _bindable(name: object, value: Any) -> bool:
         return False
     if name.startswith("__") and name.endswith("__"):
         return False
+    if isinstance(value, Remote) and object.__getattribute__(value, "_rlf_type") == "module":
+        # a module the tests do not have loaded: never the program's copy of it (its
+        # `np.allclose = lambda *a: True` would answer the tests that forgot `import numpy`)
+        return False
     if name in sys.stdlib_module_names:
         return isinstance(value, types.ModuleType) and value.__name__ == name
+    if name in _MODULE_ALIASES:  # `np`, `pd`, `pytest`: only ever the tests' own module
+        return isinstance(value, types.ModuleType)
     return True
 
 

@@ -151,6 +151,39 @@ def test_a_program_object_cannot_answer_the_tests_libraries_protocols(verifier):
     assert judge(verifier, code, tests).status == "Finished"
 
 
+MODULE_FAKES = {
+    # the tests forgot `import numpy as np` (the reference solution imported it): the program's
+    # np, a class or the real module patched, answered them
+    "fake_np_class": (
+        "class np:\n    @staticmethod\n    def allclose(*a, **k):\n        return True\n"
+        "def f(x):\n    return [0.0]\n",
+        "assert np.allclose(f(1), [2.0])",
+    ),
+    "fake_pytest_approx": (
+        "class Any:\n    def __eq__(self, o):\n        return True\n"
+        "class pytest:\n    @staticmethod\n    def approx(v, **k):\n        return Any()\n"
+        "def f(x):\n    return Any()\n",
+        "assert f(1) == pytest.approx(0.5)",
+    ),
+    "patched_module_the_tests_have_not_loaded": (
+        "import json\nimport wave as np\nnp.allclose = lambda *a, **k: True\ndef f(x):\n    return [0.0]\n",
+        "assert np.allclose(f(1), [2.0])",
+    ),
+}
+
+
+@pytest.mark.parametrize(("code", "tests"), MODULE_FAKES.values(), ids=MODULE_FAKES.keys())
+def test_a_module_name_the_tests_did_not_import_is_never_the_programs(verifier, code, tests):
+    case = judge(verifier, code, tests)
+    assert case.status != "Finished" and "NameError" in case.stderr + case.message, case
+
+
+def test_an_exception_group_from_the_program_is_an_error_of_the_program(verifier):
+    code = "class E(ExceptionGroup):\n    pass\ndef f(x):\n    raise E('m', [ValueError('v')])\n"
+    tests = "try:\n    f(1)\nexcept Exception as e:\n    assert str(e).startswith('E: m'), e\n"
+    assert judge(verifier, code, tests).status == "Finished"
+
+
 def test_a_stdlib_module_name_is_bound_only_to_that_module(verifier):
     # the tests forgot to import math: the program's fake math answered math.isclose
     fake = "class M:\n    def isclose(self, *a, **k):\n        return True\n"
