@@ -134,17 +134,25 @@ def _name_order(name: str) -> tuple[str, int]:
     return base, int(digits) if digits.isdigit() else -1
 
 
-def _assignments(s: str) -> str | None:
-    """A list of assignments in one form: ``x = 1, x = 2`` (the solutions of one unknown) is the
-    list ``1, 2``; ``y = 2, x = 1`` (a solution of a system) is ``x=1, y=2``, ordered by
-    variable, which ``compare`` reads as the tuple ``(1, 2)``."""
+def _pairs(s: str) -> list[tuple[str, str]] | None:
+    """The ``(variable, value)`` parts of a comma list of two or more assignments, else None."""
     parts = _split_top(s, ",")
     if len(parts) < 2:
         return None
     found = [_ASSIGN.match(p) for p in parts]
     if not all(found):
         return None
-    pairs = [(m[1].replace("{", "").replace("}", ""), m[2].strip()) for m in found if m]
+    return [(m[1], m[2].strip()) for m in found if m]
+
+
+def _assignments(s: str) -> str | None:
+    """A list of assignments in one form: ``x = 1, x = 2`` (the solutions of one unknown) is the
+    list ``1, 2``; ``y = 2, x = 1`` (a solution of a system) is ``x=1, y=2``, ordered by
+    variable, which ``compare`` reads as the tuple ``(1, 2)``."""
+    pairs = _pairs(s)
+    if pairs is None:
+        return None
+    pairs = [(n.replace("{", "").replace("}", ""), v) for n, v in pairs]
     names = {n for n, _ in pairs}
     if len(names) == 1:
         return ", ".join(v for _, v in pairs)
@@ -155,16 +163,10 @@ def _assignments(s: str) -> str | None:
 
 def _named(s: str) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
     """``(names, values)`` of a canonical ``x=1, y=2`` (see ``_assignments``), else None."""
-    parts = _split_top(s, ",")
-    if len(parts) < 2:
+    pairs = _pairs(s)
+    if pairs is None or len({n for n, _ in pairs}) < len(pairs):  # not one point
         return None
-    found = [_ASSIGN.match(p) for p in parts]
-    if not all(found):
-        return None
-    names = tuple(m[1] for m in found if m)
-    if len(set(names)) < len(names):  # not one point (see _assignments)
-        return None
-    return names, tuple(m[2].strip() for m in found if m)
+    return tuple(n for n, _ in pairs), tuple(v for _, v in pairs)
 
 
 # ----------------------------------------------------------------------------- structure

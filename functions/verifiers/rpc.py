@@ -49,6 +49,7 @@ import decimal
 import fractions
 import json
 import math
+import operator
 import os
 import struct
 import sys
@@ -411,6 +412,21 @@ def _list(x: Any) -> list[Any]:
 def _brief(x: Any) -> str:
     text = json.dumps(x)[:80] if type(x) in (list, dict, str, int, float, bool) or x is None else "?"
     return text
+
+
+#: The numeric unary operations, by their name on the wire: the program's server applies
+#: them to its objects, the tests to a builtin subclass's data (its own methods unasked).
+NUMERIC_UNARY: dict[str, Callable[[Any], Any]] = {
+    "neg": operator.neg,
+    "pos": operator.pos,
+    "abs": abs,
+    "invert": operator.invert,
+    "index": operator.index,
+    "int": int,
+    "float": float,
+    "complex": complex,
+    "round": round,
+}
 
 
 def is_module(v: Any) -> bool:

@@ -402,17 +402,7 @@ def _data(remote: Remote) -> Any:
 
 
 #: What the tests compute themselves on a builtin subclass's data.
-_UNARY: dict[str, Callable[[Any], Any]] = {
-    "neg": operator.neg,
-    "pos": operator.pos,
-    "abs": abs,
-    "invert": operator.invert,
-    "index": operator.index,
-    "int": int,
-    "float": float,
-    "complex": complex,
-    "round": round,
-}
+_UNARY = rpc.NUMERIC_UNARY
 _SYMBOLS = {
     **{"add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%", "pow": "**"},
     **{"matmul": "@", "lshift": "<<", "rshift": ">>", "and_": "&", "or_": "|", "xor": "^"},

@@ -30,15 +30,7 @@ _BINARY: dict[str, Callable[[Any, Any], Any]] = {
 }
 _BINARY.update(divmod=divmod, isinstance=isinstance, round=round)
 _UNARY: dict[str, Callable[[Any], Any]] = {
-    "neg": operator.neg,
-    "pos": operator.pos,
-    "abs": abs,
-    "invert": operator.invert,
-    "index": operator.index,
-    "int": int,
-    "float": float,
-    "complex": complex,
-    "round": round,
+    **rpc.NUMERIC_UNARY,
     "bool": bool,
     "len": len,
     "hash": hash,

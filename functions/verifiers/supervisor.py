@@ -394,7 +394,7 @@ def _flush(run: _Run) -> None:
             n = os.write(run.spare.go, run.inbox[:65536])
             del run.inbox[:n]
     except BlockingIOError:
-        pass
+        pass  # its pipe is full: the rest waits in the inbox for the next writable event
     except OSError:  # it closed its fd 3, or died: nothing more reaches it
         run.inbox.clear()
         _close_go(run)
