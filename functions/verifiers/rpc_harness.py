@@ -42,11 +42,13 @@ import sys
 import threading
 import traceback
 import types
-import unittest
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 from functions.verifiers import rpc
+from functions.verifiers.rpc_errors import RemoteError as RemoteError
+from functions.verifiers.rpc_errors import program_exception
+from functions.verifiers.rpc_unittest import unittest_failures, watch_unittest
 
 #: What the tests hold by value (their own subclasses included: the tests are trusted).
 _PLAIN = tuple(rpc.PLAIN_TYPES.values())
@@ -61,15 +63,6 @@ _MODULE_ALIASES = frozenset(
 #: Names the program may not rebind for the tests: its own ``abs = lambda x: 0`` must not
 #: turn ``assert abs(f(x) - 0.5) < 1e-9`` into a pass.
 _BUILTIN_NAMES = frozenset(vars(builtins))
-
-
-class RemoteError(Exception):
-    """The program raised an exception that is not one of Python's builtin ones (or an
-    ``AssertionError``, which must not read as a failed test assertion)."""
-
-    def __init__(self, type_name: str, message: str) -> None:
-        super().__init__(f"{type_name}: {message}" if message else type_name)
-        self.type_name = type_name
 
 
 class Unsendable(TypeError):
@@ -125,7 +118,7 @@ class Connection:
             except rpc.ChannelError as e:
                 self.broken = e
                 raise
-        raise _exception(*reply[1:])  # the program's own exception: the channel is fine
+        raise program_exception(*reply[1:])  # the program's own exception: the channel is fine
 
     def fail(self, message: str) -> rpc.ProtocolError:
         self.broken = rpc.ProtocolError(message)
@@ -166,51 +159,6 @@ class Connection:
         if remote is None:
             remote = self.remotes[x[1]] = Remote(x[1], x[2], x[3])
         return remote
-
-
-#: Builtin exceptions the program's may not become: an ``AssertionError`` must not read as a
-#: failed assertion of the tests, and a ``StopIteration`` would silently end the tests' own
-#: loop (``all(map(f, xs))`` is True when ``f`` raises it at once).
-_NOT_AS_IS = (AssertionError, StopIteration, StopAsyncIteration)
-
-
-def _builtin_exception(name: str) -> type[Exception] | None:
-    cls = getattr(builtins, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, Exception)) or issubclass(cls, _NOT_AS_IS):
-        return None
-    return cls
-
-
-def _exception(type_name: str, message: str, trace: str, base: str = "") -> Exception:
-    """The program's exception, as the builtin class of that name where there is one (so
-    ``except ValueError`` works); one of the program's own classes as a ``RemoteError``
-    that also derives from the nearest builtin class it does (``class BadInput(ValueError)``
-    is caught by ``except ValueError``); never an ``AssertionError`` or ``StopIteration``."""
-    cls = _builtin_exception(type_name)
-    e: Exception | None = None
-    if cls is not None:
-        try:
-            e = cls(message)
-        except Exception:  # one that takes other arguments (UnicodeDecodeError)
-            e = None
-    if e is None:
-        parent = _builtin_exception(base)
-        if parent is not None and issubclass(parent, UnicodeError):
-            parent = ValueError  # its str() reads fields a message cannot fill
-        if parent is not None and issubclass(parent, BaseExceptionGroup):
-            parent = None  # made from a list of exceptions, which did not travel
-        try:
-            if parent is None or parent is Exception:
-                raise TypeError
-            derived: Any = type(type_name, (parent, RemoteError), {"__module__": "program"})
-            err = derived.__new__(derived)
-            RemoteError.__init__(err, type_name, message)
-            e = err
-        except TypeError:  # no builtin base to add (or one that cannot be made so)
-            e = RemoteError(type_name, message)
-    if trace:
-        e.add_note("raised in the program:\n" + trace.rstrip())
-    return e
 
 
 def _ask(op: str, *args: Any) -> Any:
@@ -532,7 +480,7 @@ def run_tests(source: str, entry: str, fd_in: int, fd_out: int) -> int:
     # "__builtins__" would become the tests' builtins: abs, set, sorted, all of its making)
     namespace.update(__name__="__main__", __builtins__=builtins, __file__=os.path.abspath(entry))
     sys.modules["__main__"] = main
-    runs = _watch_unittest()
+    runs = watch_unittest()
     try:
         exec(compile(source, entry, "exec"), namespace)
         code = rpc.PASSED
@@ -542,7 +490,7 @@ def run_tests(source: str, entry: str, fd_in: int, fd_out: int) -> int:
         # 0 or None is a pass (unittest.main() exits with False when it succeeded)
         if e.code is None or (type(e.code) in (int, bool) and not e.code):
             code = rpc.PASSED  # (and the unittest runs below)
-        elif failed := _unittest_failures(runs):  # unittest.main() exits True: a test failed
+        elif failed := unittest_failures(runs):  # unittest.main() exits True: a test failed
             print(failed, file=sys.stderr)
             code = rpc.ASSERTION_FAILED
         else:
@@ -553,7 +501,7 @@ def run_tests(source: str, entry: str, fd_in: int, fd_out: int) -> int:
         code = rpc.ASSERTION_FAILED if isinstance(e, AssertionError) else rpc.TESTS_RAISED
     if conn.broken is not None:  # swallowed by a bare except of the tests: still no pass
         return _channel_failed(conn.broken)
-    if code == rpc.PASSED and (failed := _unittest_failures(runs)):
+    if code == rpc.PASSED and (failed := unittest_failures(runs)):
         print(failed, file=sys.stderr)
         return rpc.ASSERTION_FAILED
     return code
@@ -577,32 +525,6 @@ def _bindable(name: object, value: Any) -> bool:
     if name in _MODULE_ALIASES:  # `np`, `pd`, `pytest`: only ever the tests' own module
         return isinstance(value, types.ModuleType)
     return True
-
-
-def _watch_unittest() -> list[Any]:
-    """Record every unittest run the tests start: ``unittest.main()`` that found no test, or
-    ``unittest.main(exit=False)`` whose tests failed, must not end as a pass. (unittest is
-    imported with this module, in the zygote: importing it per run cost ~11 ms.)"""
-    runs: list[Any] = []
-    run = unittest.TextTestRunner.run
-
-    def recorded(self: Any, test: Any) -> Any:
-        result = run(self, test)
-        runs.append(result)
-        return result
-
-    unittest.TextTestRunner.run = recorded  # type: ignore[method-assign]
-    return runs
-
-
-def _unittest_failures(runs: list[Any]) -> str:
-    """What went wrong in the unittest runs the tests started ("" when nothing did)."""
-    for result in runs:
-        if not result.wasSuccessful():
-            return f"unittest: {len(result.failures)} failed, {len(result.errors)} errors"
-        if result.testsRun == 0:
-            return "unittest ran no test (the tests define no TestCase it could find)"
-    return ""
 
 
 def _channel_failed(e: rpc.ChannelError) -> int:
