@@ -221,7 +221,9 @@ async def test_a_keyed_async_call_stops_in_its_worker_when_its_callers_deadline_
     async with Client(backend=LocalConfig(max_workers=1), registry=REG) as c:
         await c.warmup(["deliver"])
         r = await c.call("deliver", payload, idempotency_key="parcel-1", deadline_s=0.8)
-        assert r.error.type == ErrorCode.DEADLINE_EXCEEDED
+        # the caller's wait and the worker's cut end at the same deadline: whichever the loop
+        # sees first (its own give-up, or the execution's cut answered in time) is its answer
+        assert r.error.type in (ErrorCode.DEADLINE_EXCEEDED, ErrorCode.TIMEOUT)
         await asyncio.wait_for(asyncio.gather(*c._executions), 5)
         await asyncio.sleep(2.0)  # past the handler's own end, had it run on
         assert not path.exists(), "the handler ran on after every caller had given up"
