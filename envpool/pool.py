@@ -99,6 +99,7 @@ class EnvPool:
         """Container id -> the image digest whose unpacked bundle it runs from, pinned in the
         image cache (not evicted) until the container has stopped."""
         self._stopping_again: set[str] = set()
+        self._leak_tried: dict[str, float] = {}  # leaked container id -> its last stop attempt
         """Containers whose stop failed and is being retried in the background."""
         self.metrics: Counter[str] = Counter()
         self.claim_ms: deque[float] = deque(maxlen=10_000)
@@ -312,19 +313,45 @@ class EnvPool:
                 where = c.handle if isinstance(c.handle, str) else f"pid {c.pid}"
                 log.warning(
                     "envpool: gave up stopping container %s (%s runtime, %s, image %s) after %d "
-                    "attempts; its pool slot is released and it is recorded as leaked (the "
-                    "runtime's close tries once more). Last error: %s: %s",
+                    "attempts; its pool slot is released and it is recorded as leaked (tried "
+                    "again every %g s, and at the pool's close). Last error: %s: %s",
                     c.id,
                     self.runtime.kind,
                     where,
                     c.image or "built-ins",
                     rc.attempts,
+                    self.config.leaked_retry_s,
                     type(error).__name__,
                     error,
                 )
         finally:
             self._stopping_again.discard(c.id)
             self._kick()  # a slot may have freed up either way
+
+    def _retry_leaked(self, now: float) -> None:
+        """Try the leaked containers' stops again, each every ``leaked_retry_s``: the engine
+        or API that refused them may have recovered, and a remote container left running
+        until the pool closes holds its node for the rest of the run. A stop of one still
+        under way (hung) is not doubled."""
+        leaked = self.runtime.leaked
+        for cid in [k for k in self._leak_tried if k not in leaked]:
+            del self._leak_tried[cid]
+        for cid, c in list(leaked.items()):
+            # first seen: it was given up just now, after stop_retry's attempts
+            last = self._leak_tried.setdefault(cid, now)
+            if now - last < self.config.leaked_retry_s or self.runtime.stopping(c):
+                continue
+            self._leak_tried[cid] = now
+            self._spawn_bg(self._stop_leaked(c))
+
+    async def _stop_leaked(self, c: Container) -> None:
+        try:
+            await self._stop_once(c)
+        except Exception as e:
+            self.metrics[f"leaked_stop_failed:{type(e).__name__}"] += 1
+        else:
+            self.metrics["leaked_stopped"] += 1
+            self._unpin(c.id)
 
     def _unpin(self, cid: str) -> None:
         """The container has stopped: its bundle may be evicted again."""
@@ -432,6 +459,7 @@ class EnvPool:
             try:
                 now = time.monotonic()
                 self._prune_idle_images(now)
+                self._retry_leaked(now)
                 for cid in list(self._pinned):  # a stop whose caller was cancelled went on
                     if cid not in self.runtime.live and cid not in self.runtime.leaked:
                         self._unpin(cid)

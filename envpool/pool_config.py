@@ -64,6 +64,10 @@ class PoolConfig(BaseModel):
     removal for a while). A container still not stopped after these (at most ~15 s of
     backoff by default) is logged as leaked and frees its slot (``containers_leaked``);
     the runtime's close and exit hook try it once more."""
+    leaked_retry_s: float = Field(300.0, gt=0)
+    """A leaked container (its stop gave up, above) is tried again this often while the
+    pool runs, not only at its close: on a shared engine or cluster it may hold a CPU, a
+    GPU or a node for the rest of a long run (``leaked_stopped`` counts the ones that went)."""
     stop_timeout_s: float = Field(120.0, gt=0)
     """A stop that has not returned after this long (an engine or API that hangs rather
     than fails) counts as a failed attempt of ``stop_retry``, so a hung stop cannot hold a

@@ -630,6 +630,26 @@ async def test_a_container_whose_stop_keeps_failing_gives_its_slot_back(images, 
     assert not alive(first.pid) and not rt.leaked and not rt.live
 
 
+async def test_a_leaked_container_is_stopped_once_the_engine_recovers(images):
+    # a leaked container was only tried again at the pool's close: a remote one held its
+    # node (a CPU, a GPU) for the rest of a long run
+    stop_retry = {"attempts": 2, "initial_backoff_s": 0.01, "max_backoff_s": 0.02}
+    p = pool(images, min_warm=0, max_episodes=1, stop_retry=stop_retry, leaked_retry_s=0.3)
+    p.runtime = rt = _StuckStopRuntime(p.config.runtime)
+    async with p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            first = s.container
+        await _wait_for(lambda: first.id in rt.leaked)
+        await asyncio.sleep(0.5)  # tried again while the engine still refuses: stays leaked
+        assert p.stats()["leaked_stop_failed:InfraError"] >= 1 and first.id in rt.leaked
+        assert alive(first.pid)
+        rt.refuse = False  # the engine recovers: the pool stops it while it runs
+        await _wait_for(lambda: first.id not in rt.leaked)
+        assert not alive(first.pid) and p.stats()["leaked_stopped"] == 1
+        assert first.id not in p._pinned  # its bundle may be evicted again
+
+
 class _HungStopRuntime(ProcessRuntime):
     """A runtime whose stops hang until released (an engine that never answers a removal)."""
 
