@@ -1,0 +1,33 @@
+"""Helpers shared by the pool's test modules: a pool on the echo bundle, a process probe."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+
+from envpool.pool import EnvPool
+
+
+def pool(images, **cfg) -> EnvPool:
+    cfg.setdefault("min_warm", 1)
+    cfg.setdefault("runtime", {"heartbeat_s": 0.1})
+    return EnvPool(cfg, images=images)
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a stopped container's reaped or not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[1][0] != "Z"
+
+
+async def wait_for(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
