@@ -60,7 +60,14 @@ class Connection(asyncio.Protocol):
     """Requests with ids, heartbeats that keep a slow request alive, tool calls brokered
     back to the pool. A silent server (no reply, no heartbeat) is declared hung."""
 
-    def __init__(self, *, heartbeat_s: float, misses: int, tool_caller: AsyncToolCaller | None):
+    def __init__(
+        self,
+        *,
+        heartbeat_s: float,
+        misses: int,
+        tool_caller: AsyncToolCaller | None,
+        cpu_probe: Callable[[], float | None] | None = None,
+    ):
         self.decoder = FrameDecoder()
         self.transport: asyncio.Transport | None = None
         self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
@@ -71,6 +78,13 @@ class Connection(asyncio.Protocol):
         self.tool_caller = tool_caller
         self.tool_seen = float("-inf")
         """When a brokered tool call last started or ended (see ``_timeout``)."""
+        self.cpu_probe = cpu_probe
+        """The container process's CPU seconds, where the runtime can read them (a local
+        process): a second proof of life, for code that holds the interpreter lock (a C
+        extension, a runaway regex) and so silences the heartbeat thread (see ``_computing``)."""
+        self.cpu_mark: tuple[float, float] | None = None  # (monotonic, cpu seconds) last read
+        self.last_busy = float("-inf")
+        """When the process was last seen on the CPU through a silence."""
         self.ids = itertools.count(1)
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.tasks: set[asyncio.Task[None]] = set()
@@ -173,6 +187,8 @@ class Connection(asyncio.Protocol):
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.waiting[rid] = fut
         sent = self.last_seen = time.monotonic()
+        if self.cpu_probe is not None:
+            self.cpu_mark = (sent, self.cpu_probe() or 0.0)
         deadline = sent + timeout_s
         try:
             while True:
@@ -181,6 +197,9 @@ class Connection(asyncio.Protocol):
                 if wait <= 0:
                     if now >= deadline:
                         raise self._timeout(str(msg.get("op")), timeout_s, sent)
+                    if self._computing(now):
+                        self.last_seen = now  # silent but running, not frozen: on to the deadline
+                        continue
                     raise StepTimeout(f"the container missed its heartbeats for {self.silence_s:g} s (hung)")
                 try:
                     reply = await asyncio.wait_for(asyncio.shield(fut), wait)
@@ -205,14 +224,38 @@ class Connection(asyncio.Protocol):
             return StepTimeout(f"{op} took longer than {timeout_s:g} s (a tool call was still pending)")
         if self.tool_seen > sent:
             return StepTimeout(f"{op} took longer than {timeout_s:g} s (tool calls ran during it)")
-        if self.last_frame <= sent or time.monotonic() - self.last_frame >= self.silence_s:
+        now = time.monotonic()
+        if self.last_frame > sent and now - self.last_frame < self.silence_s:
+            proof = "heartbeating"
+        elif self._computing(now):
+            proof = "running on the CPU, too busy to heartbeat: code that holds the interpreter lock"
+        else:
             return StepTimeout(f"{op} took longer than {timeout_s:g} s (no recent heartbeat)")
         return EnvHung(
-            f"{op} did not answer in {timeout_s:g} s while its container was alive (heartbeating): "
+            f"{op} did not answer in {timeout_s:g} s while its container was alive ({proof}): "
             "the environment hangs on this input; not retried (a replay would hang the same way)",
             op=op,
             timeout_s=timeout_s,
         )
+
+    def _computing(self, now: float) -> bool:
+        """Whether the container's process spent at least half a core on the CPU since the
+        last look: alive and working, only too busy to heartbeat (its code holds the
+        interpreter lock). A frozen or stopped process, or one blocked in the kernel, uses
+        none: that stays a hung container, replaced and replayed."""
+        if self.cpu_probe is None or self.cpu_mark is None:
+            return False
+        t0, cpu0 = self.cpu_mark
+        if now - t0 < 0.1:  # the kernel counts CPU time in clock ticks (10 ms): too short to tell
+            return now - self.last_busy < self.silence_s
+        cpu = self.cpu_probe()
+        if cpu is None:
+            return False
+        self.cpu_mark = (now, cpu)
+        if cpu - cpu0 < 0.5 * (now - t0):
+            return False
+        self.last_busy = now
+        return True
 
     def close(self) -> None:
         if self.transport is not None:

@@ -69,8 +69,10 @@ class EnvLogicError(EnvPoolError):
 
 
 class EnvHung(EnvLogicError):
-    """A request ran past its timeout while its container kept heartbeating: the process
-    is alive and the environment's own code did not answer (it hangs on that input). Not
+    """A request ran past its timeout while its container kept heartbeating, or (a local
+    process) kept running on the CPU through missed heartbeats, in code that holds the
+    interpreter lock: the process is alive and the environment's own code did not answer
+    (it hangs on that input). Not
     retried: replaying a deterministic episode on a fresh container would hang the same
     way, for another timeout per attempt."""
 
@@ -102,7 +104,8 @@ class ConnectionLost(InfraError):
 
 
 class StepTimeout(InfraError):
-    """The container went silent (missed heartbeats), or a request ran past its timeout
+    """The container went silent (missed heartbeats and, where the runtime can tell, no
+    CPU used: frozen, not busy), or a request ran past its timeout
     with nothing to show the container alive (no heartbeat heard: ``step_timeout_s``
     shorter than a heartbeat period) or while a tool call the pool brokers was pending."""
 

@@ -3,6 +3,7 @@ it replays a deterministic episode on a fresh container when its own is lost."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import secrets
@@ -168,6 +169,7 @@ class EnvSession:
                 heartbeat_s=rt.heartbeat_s,
                 misses=self._cfg.heartbeat_misses,
                 tool_caller=self.pool.tool_caller,
+                cpu_probe=functools.partial(self.pool.runtime.cpu_seconds, c),
             )
             self.conn = conn
             hello = {"op": "open", "id": 0, "token": self.token, "env_id": self.env_id, "kwargs": self.kwargs}

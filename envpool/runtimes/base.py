@@ -246,6 +246,13 @@ class Runtime(ABC):
             ", ".join(left),
         )
 
+    def cpu_seconds(self, c: Container) -> float | None:
+        """CPU time ``c``'s process has used, where this runtime can read it cheaply (a local
+        process); ``None`` where it cannot. The session's connection reads it when heartbeats
+        stop: a process still on the CPU is busy in code that holds the interpreter lock (the
+        environment hangs), one that is not is frozen (the infrastructure)."""
+        return None
+
     async def reap_orphans(self) -> list[str]:
         """Remove containers left behind by owners that are gone (a crashed trainer);
         return what was removed. Local runtimes need nothing: their containers die with

@@ -6,12 +6,14 @@ import json
 from pathlib import Path
 
 ENV_SOURCE = '''
+import sys
 import time
 import envpool
 
 
 class EchoEnv(envpool.Env):
-    """Echoes the action; 'boom' raises, 'sleep S' blocks, 'tool EXPR' calls the calculator."""
+    """Echoes the action; 'boom' raises, 'sleep S' blocks, 'spin S' holds the CPU
+    and the interpreter lock, 'tool EXPR' calls the calculator."""
 
     example_actions = ("hello",)
 
@@ -25,6 +27,12 @@ class EchoEnv(envpool.Env):
             raise ZeroDivisionError("env bug")
         if action.startswith("sleep "):
             time.sleep(float(action.split()[1]))
+        if action.startswith("spin "):  # busy on the CPU holding the interpreter lock: no heartbeats
+            sys.setswitchinterval(3600)
+            end = time.monotonic() + float(action.split()[1])
+            while time.monotonic() < end:
+                pass
+            sys.setswitchinterval(0.005)
         if action.startswith("tool "):
             out = self.call_tool("calculator", {"expression": action[5:]})
             return envpool.StepResult(obs=envpool.Observation(text=out))

@@ -241,6 +241,22 @@ async def test_a_step_that_hangs_while_its_container_heartbeats_fails_fast_as_an
         assert not alive(pid)  # the container still running the hung step was discarded
 
 
+async def test_a_step_that_holds_the_interpreter_lock_fails_fast_as_an_env_bug(images):
+    # code that holds the GIL (a C extension, a runaway regex) silences the heartbeat thread:
+    # it looked like a frozen container, replaced and replayed (hanging again) until the
+    # retries ran out, and the trajectory was masked as an infrastructure failure
+    async with pool(images, step_timeout_s=1.0) as p:  # silent for 0.4 s: missed heartbeats
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=3)
+            t0 = time.monotonic()
+            with pytest.raises(EnvHung, match=r"did not answer in 1 s .*running on the CPU"):
+                await s.step("spin 30")
+            assert time.monotonic() - t0 < 2.5
+            stats = p.stats()
+            assert stats["env_hung"] == 1 and stats.get("step_retries", 0) == 0
+            assert s.status == "ok"  # the environment's bug, not a lost session
+
+
 async def test_a_constructor_that_outruns_its_timeout_while_heartbeating_is_not_retried(images):
     async with pool(images, min_warm=0, reset_timeout_s=0.3) as p:  # the env takes 1 s to build
         await _one_reset(p)  # the zygote is up: what is timed is the claim
