@@ -352,15 +352,21 @@ class Client:
                 return result if not joined else result.model_copy(update={"request_id": request_id})
             if not joined:
                 return result  # the execution counted its outcome as it ended (_execute)
-            # no new execution for this caller: its own copy of the answer
+            # no new execution for this caller: its own copy of what the key keeps (the answer,
+            # or OutcomeUnknown for a side effect that may have run: what any later caller with
+            # the key gets, not the raw failure), "cached"; a failure the key does not keep
+            # (the key is free again) is this caller's failure, counted as such
+            kept = ex.kept
             timings = result.timings.model_copy(update={"total_ms": (time.perf_counter() - t0) * 1e3})
-            # "cached" only when the key keeps this answer; a failure it does not keep (the
-            # key is free again) is this caller's failure, counted as such
-            kept = key in self._cache
-            result = result.model_copy(
-                update={"cached": kept, "cold_start": False, "request_id": request_id, "timings": timings}
+            result = (kept or result).model_copy(
+                update={
+                    "cached": kept is not None,
+                    "cold_start": False,
+                    "request_id": request_id,
+                    "timings": timings,
+                }
             )
-            if kept:
+            if kept is not None:
                 m.cache_hits += 1
                 return result
         self._settle(fn, result, t0)
@@ -399,7 +405,7 @@ class Client:
                     result = await self._attempt(fn, inv, hedge, lambda: ex.deadline)
                     if not result.ok and self._should_retry(fn.spec, result):
                         result = await self._retry(fn, inv, result, hedge, lambda: ex.deadline)
-            self._conclude(fn, key, user_key, result)
+            ex.kept = self._conclude(fn, key, user_key, result)
             if not ex.unsent:
                 self._settle(fn, result, t0)
             return result
@@ -409,18 +415,19 @@ class Client:
             if self._inflight.get(key) is ex:
                 del self._inflight[key]
 
-    def _conclude(self, fn: FnState, key: str, user_key: str, result: Result) -> None:
+    def _conclude(self, fn: FnState, key: str, user_key: str, result: Result) -> Result | None:
         """Remember what a later caller with the key gets instead of a new execution: the
         function's own answer; or, for a function with side effects whose call may have run
         (WorkerLost, FunctionTimeout, ...), a final ``OutcomeUnknown``, since running it
         again could apply the effect twice. After other failures (the call did not run, or
-        a pure function) the next caller with the key runs it again."""
+        a pure function) the next caller with the key runs it again. Returns what the key
+        keeps (None: nothing, the key is free), which the callers that joined get too."""
         err = result.error
         if err is None or err.type in FINAL_ERRORS:
-            self._remember(key, result)
-        elif fn.spec.side_effects and err.type in _MAY_HAVE_RUN:
+            return self._remember(key, result)
+        if fn.spec.side_effects and err.type in _MAY_HAVE_RUN:
             name = fn.spec.name
-            self._remember(
+            return self._remember(
                 key,
                 Result.failure(
                     ErrorCode.OUTCOME_UNKNOWN,
@@ -432,6 +439,7 @@ class Client:
                     request_id=result.request_id,
                 ),
             )
+        return None
 
     def _spec_or_default(self, name: str) -> FunctionSpec:
         if name in self.registry:
@@ -470,13 +478,15 @@ class Client:
         m.errors[str(code)] += 1
         return Result.failure(code, message, function=name, request_id=request_id)
 
-    def _remember(self, key: str, result: Result) -> None:
+    def _remember(self, key: str, result: Result) -> Result | None:
+        """Keep ``result`` under ``key``; returns it, or None when no cache is kept."""
         cache = self._cache
         if self.config.idempotency_cache_size == 0:
-            return
+            return None
         if len(cache) >= self.config.idempotency_cache_size:
             del cache[next(iter(cache))]  # dicts keep insertion order: drop the oldest
         cache[key] = result
+        return result
 
     async def _attempt(
         self,

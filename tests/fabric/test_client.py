@@ -332,6 +332,32 @@ async def test_a_side_effect_that_may_have_run_is_not_run_again_under_its_key():
     assert r.ok and r.value == 4 and not r.cached
 
 
+async def test_a_joiner_of_a_side_effect_that_may_have_run_gets_what_its_key_keeps():
+    """A caller that joined a side effect's execution which ended FunctionTimeout (or
+    WorkerLost) gets the key's OutcomeUnknown, as a later caller does: it got the raw,
+    retryable failure marked cached, while the key said OutcomeUnknown. The starter gets its
+    call's own outcome, counted once."""
+    c, fake = make()
+    async with c:
+        for code in (ErrorCode.TIMEOUT, ErrorCode.WORKER_LOST):
+            key = f"pay-{code}"
+            fake.inject("effect", Fault(code=code, delay_s=0.1))
+            starter = asyncio.create_task(c.call("effect", {"x": 1}, idempotency_key=key))
+            await asyncio.sleep(0.02)  # the execution is in flight
+            joiner = await c.call("effect", {"x": 1}, idempotency_key=key)
+            first = await starter
+            assert first.error.type == code and not first.cached and first.attempts == 1
+            assert joiner.error.type == ErrorCode.OUTCOME_UNKNOWN and joiner.cached, joiner.error
+            assert not joiner.retryable and code in joiner.error.message
+            assert joiner.request_id != first.request_id
+            later = await c.call("effect", {"x": 1}, idempotency_key=key)
+            assert later.error.type == ErrorCode.OUTCOME_UNKNOWN and later.cached
+            assert later.error.message == joiner.error.message
+        assert len(fake.invocations) == 2  # one execution per key, nothing sent again
+        m = c.metrics()["effect"]
+        assert m["errors"] == {ErrorCode.TIMEOUT: 1, ErrorCode.WORKER_LOST: 1} and m["cache_hits"] == 4
+
+
 async def test_infrastructure_failures_are_not_cached_under_a_key():
     c, fake = make()
     fake.fail_next("double", ErrorCode.THROTTLED, times=3)
