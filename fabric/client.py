@@ -321,7 +321,7 @@ class Client:
             ex.task.add_done_callback(self._executions.discard)
         elif ex.join(deadline):
             # a later deadline than the execution had: what was sent moves with it where the
-            # backend sent one (the local pool); the execution's retries go on until this one
+            # backend sent one (the local pool, inproc); the execution's retries go on until this one
             self.backend.extend_deadline(spec.name, key, ex.deadline)
         task = ex.task
         assert task is not None
