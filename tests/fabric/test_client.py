@@ -254,6 +254,30 @@ async def test_a_joiner_with_a_later_deadline_extends_the_keyed_call_in_its_work
 
 
 @pytest.mark.parametrize("config", [LocalConfig(max_workers=1), InprocConfig()], ids=["local", "inproc"])
+async def test_calls_that_share_a_request_id_each_get_their_own_answer(config):
+    """A request id is for tracing: the local pool batches the calls of one tick into one
+    message (under ids of its own), so calls that share a request id, and even an idempotency
+    key, sent together each get their own answer, keyed or not."""
+    async with make_backend(config, REG) as b:
+        await b.warmup(["nap"])
+        invs = [
+            Invocation(
+                function="nap",
+                payload={"seconds": 0.01 * (i % 2), "tag": i},
+                request_id="same",
+                idempotency_key="same-key" if i < 4 else None,
+                deadline=time.time() + 30,
+                wait_for_run=i % 2 == 0,
+            )
+            for i in range(6)
+        ]
+        async with asyncio.timeout(20):
+            results = await asyncio.gather(*(b.submit(inv) for inv in invs))
+        assert [r.value for r in results] == list(range(6)), [r.error for r in results]
+        assert {r.request_id for r in results} == {"same"}
+
+
+@pytest.mark.parametrize("config", [LocalConfig(max_workers=1), InprocConfig()], ids=["local", "inproc"])
 async def test_extend_deadline_moves_where_a_keyed_async_call_is_cut(config):
     """``Backend.extend_deadline``, for each backend that can: a keyed execution's async call
     (``wait_for_run``) is cut at its deadline, and a move takes the cut to the new deadline
