@@ -95,7 +95,7 @@ class Execution:
     key free again, so a caller that comes later never starts a second execution while the
     first may still run."""
 
-    __slots__ = ("deadline", "task", "unsent")
+    __slots__ = ("deadline", "kept", "task", "unsent")
 
     def __init__(self, deadline: float | None):
         self.deadline = deadline
@@ -103,6 +103,10 @@ class Execution:
         no caller could use the answer, so each call sent carries it (an async handler is
         cancelled there, in the worker) and the retries stop there."""
         self.task: asyncio.Task[Result] | None = None
+        self.kept: Result | None = None
+        """What the key keeps once it ended (its answer, or ``OutcomeUnknown`` for a side
+        effect that may have run; None: nothing, the key is free again): the answer of every
+        caller that joined it, as of any caller that comes later."""
         self.unsent = False
         """True when it ended without sending anything: every caller's deadline had passed
         while it waited for a concurrency slot. Not an outcome to count: each caller, its

@@ -14,6 +14,11 @@ its batch. It is transport batching, like HTTP/2 multiplexing, not batch-level r
 A caller cancelled before its batch goes out (within the window) is dropped from the batch:
 its request never reaches the server. One cancelled after that is the server's to abort.
 
+Answers find their callers by request id, so no batch holds one id twice: a call whose id is
+already in the window (a retry, or a caller reusing an id) sends the window first and starts
+the next one. Each caller gets its own answer, as without coalescing (an engine refuses an id
+already in flight: that refusal is the second caller's answer).
+
 A server method answers with ``Answer`` objects (the request id plus the value or an
 exception, pickled); a transport failure (the actor died) fails every unanswered request of
 the call with ``on_error(exc)``.
@@ -70,6 +75,8 @@ class Coalescer:
         self.window_s = window_s
         self.max_batch = max_batch
         self._waiting: list[tuple[str, Any, asyncio.Future[Any]]] = []
+        self._ids: set[str] = set()
+        """The request ids in ``_waiting``: the answers of a batch are matched by id."""
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.calls = 0
@@ -78,6 +85,9 @@ class Coalescer:
     async def call(self, request_id: str, item: Any) -> Any:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
+        if request_id in self._ids:
+            self._flush()  # a second answer with this id would be ambiguous in one batch
+        self._ids.add(request_id)
         self._waiting.append((request_id, item, fut))
         if len(self._waiting) >= self.max_batch:
             self._flush()
@@ -90,6 +100,7 @@ class Coalescer:
             self._timer.cancel()
             self._timer = None
         waiting, self._waiting = self._waiting, []
+        self._ids = set()
         # a caller cancelled within the window (its trajectory was aborted, its group done)
         # has its future cancelled: its request is dropped here, so no turn runs for nobody
         live = [(rid, item, fut) for rid, item, fut in waiting if not fut.done()]

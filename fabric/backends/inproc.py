@@ -5,6 +5,10 @@ Synchronous functions run in a thread so a slow one does not stall the event loo
 its thread (use the local backend for isolation). Those threads are daemons owned by the
 backend: a hung function cannot hold up ``asyncio.run``'s shutdown or the interpreter's
 exit, as it did on ``asyncio.to_thread``'s executor (both wait for its threads).
+
+A keyed execution's call (``Invocation.wait_for_run``) follows its deadline as the local
+pool's does: an async handler is cancelled there, a synchronous one runs on, and the deadline
+moves later (``extend_deadline``) when a caller with a later one joins the execution.
 """
 
 from __future__ import annotations
@@ -68,6 +72,22 @@ class _DaemonThreads:
             self._idle.release()
 
 
+class _KeyedCall:
+    """A keyed execution's call (``wait_for_run``), as ``extend_deadline`` finds it: its
+    deadline, and once an async handler runs, the timer that cuts it and when it started."""
+
+    __slots__ = ("deadline", "started", "timer")
+
+    def __init__(self, deadline: float | None):
+        self.deadline = deadline
+        self.started = 0.0  # the loop's clock
+        self.timer: asyncio.Timeout | None = None
+
+    def keep(self, timer: asyncio.Timeout) -> None:
+        self.timer = timer
+        self.started = asyncio.get_running_loop().time()
+
+
 def _settle(fut: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
     if fut.done():  # the caller stopped waiting (timeout, cancellation)
         return
@@ -86,6 +106,8 @@ class InprocBackend(Backend):
         self._runners: dict[str, FunctionRunner] = {}
         self._calls = 0
         self._threads = _DaemonThreads()
+        self._keyed: dict[str, set[_KeyedCall]] = {}
+        """The keyed executions' calls under way, by idempotency key (an attempt and its hedge)."""
 
     async def _close(self) -> None:
         self._threads.shutdown()
@@ -99,7 +121,45 @@ class InprocBackend(Backend):
             self._runners[name] = runner
         return runner
 
+    def _submit(self, inv: Invocation) -> asyncio.Future[Result]:
+        key = inv.idempotency_key
+        if not inv.wait_for_run or key is None:
+            return asyncio.ensure_future(self._invoke(inv))
+        # registered before its task first runs: a deadline moved meanwhile is the one it starts with
+        call = _KeyedCall(inv.deadline)
+        calls = self._keyed.setdefault(key, set())
+        calls.add(call)
+
+        def forget(_: object) -> None:
+            calls.discard(call)
+            if not calls and self._keyed.get(key) is calls:
+                del self._keyed[key]
+
+        task = asyncio.ensure_future(self._run(inv, call))
+        task.add_done_callback(forget)
+        return task
+
+    def extend_deadline(self, function: str, idempotency_key: str, deadline: float | None) -> bool:
+        calls = self._keyed.get(idempotency_key)
+        if not calls:  # nothing under way: what is sent later carries the new deadline
+            return True
+        loop = asyncio.get_running_loop()
+        for call in calls:
+            call.deadline = deadline
+            timer = call.timer
+            if timer is None or timer.expired():  # not started (it reads the new one), or cut already
+                continue
+            timeout_s = self._runners[function].spec.timeout_s
+            end = call.started + timeout_s
+            if deadline is not None:
+                end = min(end, loop.time() + deadline - time.time())
+            timer.reschedule(end)
+        return True
+
     async def _invoke(self, inv: Invocation) -> Result:
+        return await self._run(inv, None)
+
+    async def _run(self, inv: Invocation, keyed: _KeyedCall | None) -> Result:
         try:
             runner = self._runner(inv.function)
         except UnknownFunctionError as e:
@@ -114,7 +174,8 @@ class InprocBackend(Backend):
                 request_id=inv.request_id,
             )
         timeout = runner.spec.timeout_s
-        remaining = inv.remaining_s()
+        deadline = inv.deadline if keyed is None else keyed.deadline
+        remaining = None if deadline is None else deadline - time.time()
         if remaining is not None:
             if remaining <= 0:
                 return Result.failure(
@@ -130,11 +191,16 @@ class InprocBackend(Backend):
         t0 = time.perf_counter()
         try:
             if runner.is_async:
-                ok, out = await runner.run_async(inv.raw_payload, timeout)
+                ok, out = await runner.run_async(
+                    inv.raw_payload, timeout, None if keyed is None else keyed.keep
+                )
             else:
                 ok, out = await asyncio.wait_for(self._threads.run(runner.run, inv.raw_payload), timeout)
         except TimeoutError:
             ok, out = False, (ErrorCode.TIMEOUT, f"{inv.function} ran past its {timeout:.3g} s limit", None)
+        finally:
+            if keyed is not None:
+                keyed.timer = None  # left: a later move has nothing to move (and would raise)
         exec_ms = (time.perf_counter() - t0) * 1e3
         self._calls += 1
         return outcome_to_result(inv, ok, out, exec_ms=exec_ms, worker="inproc")

@@ -676,3 +676,39 @@ async def test_answer_all_yields_as_they_finish_and_cancels_the_rest_when_closed
     await gen.aclose()  # the caller went away: the work still running is cancelled
     await asyncio.sleep(0)
     assert cancelled == ["slow"]
+
+
+async def test_two_calls_with_one_request_id_in_one_window_each_get_their_own_answer():
+    # a request id is the caller's (a retry or a user may reuse one): answers go by id, so two
+    # in one batch were ambiguous and one caller waited for good. They go in separate batches
+    server = Server()
+    co = Coalescer(server.send, window_s=0.01)
+    async with asyncio.timeout(2):
+        out = await asyncio.gather(
+            co.call("same", ("same", 1)), co.call("other", ("other", 2)), co.call("same", ("same", 3))
+        )
+    assert out == [2, 4, 6]
+    assert [[rid for rid, _ in b] for b in server.batches] == [["same", "other"], ["same"]]
+    assert (co.calls, co.requests) == (2, 3)
+
+    # the engine refuses an id already in flight: the second caller gets that refusal, the
+    # first its answer, as without coalescing
+    inflight: set[str] = set()
+
+    async def engine(item: tuple[str, int]) -> int:
+        rid, x = item
+        if rid in inflight:
+            raise EngineError(f"request id {rid!r} is already in flight")
+        inflight.add(rid)
+        try:
+            await asyncio.sleep(0.02)
+            return x
+        finally:
+            inflight.discard(rid)
+
+    co = Coalescer(Server(lambda x: engine(x)).send, window_s=0.01)
+    async with asyncio.timeout(2):
+        out = await asyncio.gather(
+            co.call("dup", ("dup", ("dup", 1))), co.call("dup", ("dup", ("dup", 2))), return_exceptions=True
+        )
+    assert out[0] == 1 and isinstance(out[1], EngineError) and "already in flight" in str(out[1])

@@ -9,9 +9,10 @@ import time
 import pytest
 from client_fns import REG
 
-from fabric.backends.base import LocalConfig
+from fabric.backends.base import InprocConfig, LocalConfig, make_backend
 from fabric.client import Client, ClientConfig
 from fabric.errors import ErrorCode
+from fabric.protocol import Invocation
 from fabric.testing import FakeBackend, Fault
 
 
@@ -234,13 +235,14 @@ async def test_a_keyed_async_call_stops_in_its_worker_when_its_callers_deadline_
         assert c.metrics()["deliver"]["errors"] == {ErrorCode.TIMEOUT: 1}
 
 
-async def test_a_joiner_with_a_later_deadline_extends_the_keyed_call_in_its_worker(tmp_path):
+@pytest.mark.parametrize("backend", [LocalConfig(max_workers=1), "inproc"], ids=["local", "inproc"])
+async def test_a_joiner_with_a_later_deadline_extends_the_keyed_call_in_its_worker(tmp_path, backend):
     """The execution runs to the latest deadline of its callers: a joiner with a later one
     (or none) moves the deadline of the call already running, so the handler is not cut at
     the starter's deadline and the joiner gets the one execution's answer."""
     path = tmp_path / "deliveries"
     payload = {"path": str(path), "seconds": 0.9}
-    async with Client(backend=LocalConfig(max_workers=1), registry=REG) as c:
+    async with Client(backend=backend, registry=REG) as c:
         await c.warmup(["deliver"])
         for key, later in (("parcel-1", 5.0), ("parcel-2", None)):
             starter = asyncio.create_task(c.call("deliver", payload, idempotency_key=key, deadline_s=0.5))
@@ -249,6 +251,73 @@ async def test_a_joiner_with_a_later_deadline_extends_the_keyed_call_in_its_work
             assert joiner.ok and joiner.value == "delivered" and joiner.cached, joiner.error
             assert (await starter).error.type == ErrorCode.DEADLINE_EXCEEDED
     assert path.read_text().split() == ["delivered", "delivered"]  # one execution per key
+
+
+@pytest.mark.parametrize("config", [LocalConfig(max_workers=1), InprocConfig()], ids=["local", "inproc"])
+async def test_calls_that_share_a_request_id_each_get_their_own_answer(config):
+    """A request id is for tracing: the local pool batches the calls of one tick into one
+    message (under ids of its own), so calls that share a request id, and even an idempotency
+    key, sent together each get their own answer, keyed or not."""
+    async with make_backend(config, REG) as b:
+        await b.warmup(["nap"])
+        invs = [
+            Invocation(
+                function="nap",
+                payload={"seconds": 0.01 * (i % 2), "tag": i},
+                request_id="same",
+                idempotency_key="same-key" if i < 4 else None,
+                deadline=time.time() + 30,
+                wait_for_run=i % 2 == 0,
+            )
+            for i in range(6)
+        ]
+        async with asyncio.timeout(20):
+            results = await asyncio.gather(*(b.submit(inv) for inv in invs))
+        assert [r.value for r in results] == list(range(6)), [r.error for r in results]
+        assert {r.request_id for r in results} == {"same"}
+
+
+@pytest.mark.parametrize("config", [LocalConfig(max_workers=1), InprocConfig()], ids=["local", "inproc"])
+async def test_extend_deadline_moves_where_a_keyed_async_call_is_cut(config):
+    """``Backend.extend_deadline``, for each backend that can: a keyed execution's async call
+    (``wait_for_run``) is cut at its deadline, and a move takes the cut to the new deadline
+    (or to the function's own limit, for none), whether the call runs or has not started."""
+
+    def keyed(key: str, seconds: float, deadline_s: float) -> Invocation:
+        return Invocation(
+            function="nap",
+            payload={"seconds": seconds, "tag": 1},
+            idempotency_key=key,
+            deadline=time.time() + deadline_s,
+            wait_for_run=True,
+        )
+
+    async with make_backend(config, REG) as b:
+        await b.warmup(["nap"])
+
+        async def case(key: str, seconds: float, deadline_s: float, to: float | None, after: float):
+            fut = b.submit(keyed(key, seconds, deadline_s))
+            if after:
+                await asyncio.sleep(after)  # it runs, with the deadline it was sent with
+            t0 = time.monotonic()
+            if to != -1:
+                assert b.extend_deadline("nap", key, None if to is None else time.time() + to)
+            r = await fut
+            return r, time.monotonic() - t0
+
+        kept, later, none, unstarted, shorter = await asyncio.gather(
+            case("kept", 1.0, 0.4, -1, 0),  # no move: cut at the deadline it was sent with
+            case("later", 1.0, 0.4, 5.0, 0.2),
+            case("none", 1.0, 0.4, None, 0.2),
+            case("unstarted", 1.0, 0.2, 5.0, 0),  # moved before it started
+            case("shorter", 5.0, 0.4, 0.8, 0.2),  # moved, and cut at the new deadline
+        )
+        assert kept[0].error.type == ErrorCode.TIMEOUT
+        for r, _ in (later, none, unstarted):
+            assert r.ok and r.value == 1, r.error
+        r, waited = shorter
+        assert r.error.type == ErrorCode.TIMEOUT and 0.6 < waited < 2.5, (r.error, waited)
+        assert b.extend_deadline("nap", "kept", None)  # nothing under the key any more: nothing to move
 
 
 @pytest.mark.parametrize("backend", [LocalConfig(max_workers=2), "inproc"], ids=["local", "inproc"])
@@ -330,6 +399,32 @@ async def test_a_side_effect_that_may_have_run_is_not_run_again_under_its_key():
     assert (await c.call("double", {"x": 2}, idempotency_key="d")).error.type == ErrorCode.WORKER_LOST
     r = await c.call("double", {"x": 2}, idempotency_key="d")
     assert r.ok and r.value == 4 and not r.cached
+
+
+async def test_a_joiner_of_a_side_effect_that_may_have_run_gets_what_its_key_keeps():
+    """A caller that joined a side effect's execution which ended FunctionTimeout (or
+    WorkerLost) gets the key's OutcomeUnknown, as a later caller does: it got the raw,
+    retryable failure marked cached, while the key said OutcomeUnknown. The starter gets its
+    call's own outcome, counted once."""
+    c, fake = make()
+    async with c:
+        for code in (ErrorCode.TIMEOUT, ErrorCode.WORKER_LOST):
+            key = f"pay-{code}"
+            fake.inject("effect", Fault(code=code, delay_s=0.1))
+            starter = asyncio.create_task(c.call("effect", {"x": 1}, idempotency_key=key))
+            await asyncio.sleep(0.02)  # the execution is in flight
+            joiner = await c.call("effect", {"x": 1}, idempotency_key=key)
+            first = await starter
+            assert first.error.type == code and not first.cached and first.attempts == 1
+            assert joiner.error.type == ErrorCode.OUTCOME_UNKNOWN and joiner.cached, joiner.error
+            assert not joiner.retryable and code in joiner.error.message
+            assert joiner.request_id != first.request_id
+            later = await c.call("effect", {"x": 1}, idempotency_key=key)
+            assert later.error.type == ErrorCode.OUTCOME_UNKNOWN and later.cached
+            assert later.error.message == joiner.error.message
+        assert len(fake.invocations) == 2  # one execution per key, nothing sent again
+        m = c.metrics()["effect"]
+        assert m["errors"] == {ErrorCode.TIMEOUT: 1, ErrorCode.WORKER_LOST: 1} and m["cache_hits"] == 4
 
 
 async def test_infrastructure_failures_are_not_cached_under_a_key():

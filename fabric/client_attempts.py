@@ -1,0 +1,239 @@
+"""The client's attempts at one call (``Attempts``, the base of ``Client``): the circuit
+breaker's admission, one attempt hedged after the function's observed p95 latency, the
+retries of retryable failures (tenacity: exponential backoff with full jitter, bounded by
+attempts and by the deadline), and the accounting of an outcome in the function's metrics.
+Keyed executions (``fabric.client_keyed``) and plain calls (``fabric.client``) both go
+through here."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tenacity import (
+    AsyncRetrying,
+    retry_if_result,
+    stop_after_attempt,
+    wait_random_exponential,
+)
+
+from fabric.backends.base import Backend
+from fabric.client_config import ClientConfig
+from fabric.client_state import FnState, StopAtDeadline
+from fabric.errors import SAFE_TO_RETRY, ErrorCode
+from fabric.metrics import FunctionMetrics
+from fabric.protocol import Invocation, Result
+from fabric.spec import FunctionSpec
+
+_BURST = 5  # hedges allowed beyond the share, so a short run can still hedge
+
+
+class Attempts:
+    """The attempts part of a ``Client``; its state is the client's (set in its ``__init__``)."""
+
+    backend: Backend
+    config: ClientConfig
+
+    @staticmethod
+    def _should_retry(spec: FunctionSpec, r: Result) -> bool:
+        if not r.retryable:
+            return False
+        # a function with side effects is retried only when the call provably did not run
+        return not spec.side_effects or (r.error is not None and r.error.type in SAFE_TO_RETRY)
+
+    def _breaker_admits(self, fn: FnState) -> tuple[str | None, bool]:
+        """``(None, is_probe)`` when the call may go, else ``(why not, False)``. After the
+        cooldown one probe goes through; its outcome closes the circuit or opens it again.
+        The probe's caller ends the probe (``fn.probing = False``) however its call ends,
+        even cancelled while it waits for a concurrency slot: else the circuit would stay
+        half-open, refusing every call, for good."""
+        if fn.consecutive_failures < self.config.breaker.failure_threshold:
+            return None, False
+        now = time.monotonic()
+        if now >= fn.breaker_open_until and not fn.probing:
+            fn.probing = True
+            return None, True
+        wait = max(fn.breaker_open_until - now, 0.0)
+        return (
+            f"{fn.spec.name}: circuit open after {fn.consecutive_failures} infrastructure failures in a row; "
+            f"retry in {wait:.1f} s"
+            if wait
+            else f"{fn.spec.name}: circuit half-open, a probe call is in flight"
+        ), False
+
+    @staticmethod
+    def _refuse(m: FunctionMetrics, code: ErrorCode, message: str, name: str, request_id: str) -> Result:
+        m.errors[str(code)] += 1
+        return Result.failure(code, message, function=name, request_id=request_id)
+
+    async def _attempt(
+        self,
+        fn: FnState,
+        inv: Invocation,
+        hedge: bool | None,
+        deadline: Callable[[], float | None] | None = None,
+    ) -> Result:
+        """One attempt, hedged after the observed p95 when allowed. With ``deadline`` (a
+        keyed execution's, which grows as callers join), each copy sent carries its value
+        at the time it is sent."""
+        if deadline is not None and (d := deadline()) != inv.deadline:
+            inv = inv.model_copy(update={"deadline": d})
+        backend = self.backend
+        t0 = time.perf_counter()
+        primary = backend.submit(inv)
+        hcfg = self.config.hedge
+        delay_ms = None
+        if (hedge if hedge is not None else hcfg.enabled) and fn.spec.hedgeable:
+            delay_ms = fn.metrics.window.quantile(hcfg.min_samples)
+        if delay_ms is None:
+            try:
+                result = await primary
+            except asyncio.CancelledError:
+                primary.cancel()
+                raise
+        else:
+            result = await self._hedged(fn, inv, primary, max(delay_ms, hcfg.min_delay_ms) / 1e3, deadline)
+        if result.ok:  # the hedge delay follows the latency of answers, not of fast failures
+            fn.metrics.window.add((time.perf_counter() - t0) * 1e3)
+        if result.ok or not result.retryable:
+            fn.consecutive_failures = 0  # the function answered: the infrastructure works
+        else:
+            fn.consecutive_failures += 1
+            if fn.consecutive_failures >= self.config.breaker.failure_threshold:
+                fn.breaker_open_until = time.monotonic() + self.config.breaker.cooldown_s
+        return result
+
+    async def _hedged(
+        self,
+        fn: FnState,
+        inv: Invocation,
+        primary: asyncio.Future[Result],
+        delay_s: float,
+        deadline: Callable[[], float | None] | None,
+    ) -> Result:
+        loop = asyncio.get_running_loop()
+        winner: asyncio.Future[Result] = loop.create_future()
+        futs = [primary]
+        m = fn.metrics
+
+        def done(f: asyncio.Future[Result]) -> None:
+            if winner.done() or f.cancelled():
+                return
+            r = f.result()
+            # a retryable failure of one copy waits for the other copy, if there is one; so
+            # does a keyed execution's copy answered DeadlineExceeded: it did not start (its
+            # backend does not answer such a call early once it runs), and the other may run
+            waits = r.retryable or (
+                inv.wait_for_run and r.error is not None and r.error.type == ErrorCode.DEADLINE_EXCEEDED
+            )
+            if not r.ok and waits and any(not g.done() for g in futs):
+                return
+            if f is not primary:
+                m.hedge_wins += 1
+            winner.set_result(r)
+
+        def fire() -> None:
+            if winner.done() or primary.done():
+                return
+            if m.hedges >= self.config.hedge.max_share * m.calls + _BURST:
+                return
+            m.hedges += 1
+            update: dict[str, Any] = {"hedge": True, "request_id": inv.request_id + "-h"}
+            if deadline is not None:
+                update["deadline"] = deadline()
+            h = self.backend.submit(inv.model_copy(update=update))
+            futs.append(h)
+            h.add_done_callback(done)
+
+        primary.add_done_callback(done)
+        fn.hedge_clock.at(loop.time() + delay_s, fire)
+        try:
+            result = await winner
+        finally:
+            for f in futs:
+                if not f.done():
+                    f.cancel()  # the loser: a queued copy never runs, a running one is ignored
+        if len(futs) > 1:
+            result.hedged = True
+        return result
+
+    async def _retry(
+        self,
+        fn: FnState,
+        inv: Invocation,
+        first: Result,
+        hedge: bool | None,
+        deadline: Callable[[], float | None],
+    ) -> Result:
+        """Retry a retryable failure: exponential backoff with full jitter, bounded by the
+        function's attempts and by ``deadline()`` (read at each step: a keyed execution's
+        grows as callers join). Runs only after a failure.
+
+        Never sleeps past the deadline: when the next backoff would end after it, the retries
+        stop and the answer is the last real failure (its type and message, with a note that
+        the deadline left no time for another attempt), not a made-up deadline error."""
+        policy = fn.spec.retry
+        pending_first = [first]  # tenacity's first attempt is the one the fast path made
+        sent = 1
+        last = prev = first
+        at_deadline = StopAtDeadline(deadline)
+
+        async def attempt() -> Result:
+            nonlocal sent, last, prev
+            if pending_first:
+                return pending_first.pop()
+            d = deadline()
+            if d is not None and time.time() >= d:
+                at_deadline.hit = True  # the backoff overran the deadline a little: send nothing
+                return last
+            sent += 1
+            fn.metrics.retries += 1
+            again = inv.model_copy(update={"attempt": sent})
+            prev, last = last, await self._attempt(fn, again, hedge, deadline)
+            return last
+
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(policy.max_attempts) | at_deadline,
+            wait=wait_random_exponential(multiplier=policy.initial_backoff_s, max=policy.max_backoff_s),
+            retry=retry_if_result(lambda r: not r.ok and self._should_retry(fn.spec, r)),
+            retry_error_callback=lambda state: state.outcome.result() if state.outcome else last,
+            sleep=asyncio.sleep,
+        )
+        result: Result = await retrying(attempt)
+        result.attempts = sent
+        err = result.error
+        note = None
+        if err is not None and at_deadline.hit and sent < policy.max_attempts:
+            note = (
+                f" (not retried: the deadline left no time for attempt {sent + 1} of {policy.max_attempts})"
+            )
+        elif (
+            err is not None
+            and err.type == ErrorCode.DEADLINE_EXCEEDED
+            and prev.error is not None
+            and sent > 1
+        ):
+            # the deadline passed during the last attempt: keep the cause of the retries
+            note = f"; attempt {sent - 1} had failed with {prev.error.type}: {prev.error.message}"
+        if note is not None:
+            assert err is not None
+            result = result.model_copy(
+                update={"error": err.model_copy(update={"message": err.message + note})}
+            )
+        return result
+
+    def _settle(self, fn: FnState, result: Result, t0: float) -> None:
+        m = fn.metrics
+        ms = (time.perf_counter() - t0) * 1e3
+        result.timings.total_ms = ms
+        m.observe(ms)
+        if result.cold_start:
+            m.cold_starts += 1
+        if result.ok:
+            m.ok += 1
+            fn.consecutive_failures = 0
+        else:
+            assert result.error is not None
+            m.errors[result.error.type] += 1

@@ -1,0 +1,215 @@
+"""Calls under an idempotency key (``KeyedCalls``, between ``Attempts`` and ``Client``):
+one execution per key, shared by every caller with the key, each waiting within its own
+deadline (the execution's is the latest of theirs); then what the key keeps (the answer, or
+``OutcomeUnknown`` for a side effect that may have run), which later callers get instead of
+a new execution."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fabric.client_attempts import Attempts
+from fabric.client_state import Execution, FnState
+from fabric.errors import FINAL_ERRORS, RETRYABLE, SAFE_TO_RETRY, ErrorCode
+from fabric.protocol import Invocation, Result
+
+#: Failures after which a call may have run, in part or whole (the worker died in it, it ran
+#: past its timeout, the transport lost the answer, the function reported a dependency down):
+#: for a function with side effects, the effect may have happened.
+_MAY_HAVE_RUN: frozenset[str] = RETRYABLE - SAFE_TO_RETRY
+
+
+class KeyedCalls(Attempts):
+    """The idempotency part of a ``Client``; its state is the client's (set in its ``__init__``)."""
+
+    _cache: dict[str, Result]
+    """What each key keeps, oldest first (at most ``idempotency_cache_size``)."""
+    _inflight: dict[str, Execution]
+    """The execution in flight under each key."""
+    _executions: set[asyncio.Task[Result]]
+    """The executions' tasks: they outlive their callers, and end with the client."""
+
+    async def _call_keyed(
+        self,
+        fn: FnState,
+        user_key: str,
+        payload: dict[str, Any],
+        raw: bytes,
+        request_id: str,
+        deadline: float | None,
+        hedge: bool | None,
+        tenant: str | None,
+        t0: float,
+    ) -> Result:
+        """A call under an idempotency key: the key's cached answer, else its execution
+        (joined when one is in flight, else started), waited for until this caller's own
+        deadline."""
+        spec = fn.spec
+        m = fn.metrics
+        key = f"{spec.name}:{spec.version}:{user_key}"
+        hit = self._cache.get(key)
+        if hit is not None:
+            m.cache_hits += 1
+            return hit.model_copy(update={"cached": True, "request_id": request_id})
+        ex = self._inflight.get(key)
+        joined = ex is not None
+        if ex is None:
+            refusal, probe = self._breaker_admits(fn)
+            if refusal is not None:
+                return self._refuse(m, ErrorCode.CIRCUIT_OPEN, refusal, spec.name, request_id)
+            inv = Invocation.fast(
+                function=spec.name,
+                payload=payload,
+                request_id=request_id,
+                idempotency_key=key,
+                # each call sent carries the execution's deadline as it is then, the latest of
+                # its callers' (Execution.deadline): an async handler is cancelled there, in the
+                # worker, when no caller can use its answer any more. wait_for_run: the backend
+                # answers with the run's own outcome, never early while it runs (a synchronous
+                # handler runs on past a deadline), so the key stays busy while it may run, and
+                # a cut run is a FunctionTimeout: for a side effect, OutcomeUnknown. The
+                # remote backends send neither (Invocation.wait_for_run)
+                deadline=deadline,
+                tenant=tenant or self.config.tenant,
+                attempt=1,
+                hedge=False,
+                wait_for_run=True,
+                raw=raw,
+            )
+            ex = self._inflight[key] = Execution(deadline)
+            ex.task = asyncio.create_task(self._execute(fn, inv, user_key, ex, hedge, probe, t0))
+            self._executions.add(ex.task)
+            ex.task.add_done_callback(self._executions.discard)
+        elif ex.join(deadline):
+            # a later deadline than the execution had: what was sent moves with it where the
+            # backend sent one (the local pool, inproc); the execution's retries go on until this one
+            self.backend.extend_deadline(spec.name, key, ex.deadline)
+        task = ex.task
+        assert task is not None
+        # asyncio.wait never cancels the task: a caller that gives up leaves it to the others
+        await asyncio.wait((task,), timeout=None if deadline is None else max(deadline - time.time(), 0.0))
+        if not task.done():
+            # not the execution's outcome (that one is counted when it ends): a give-up
+            m.gave_up += 1
+            return Result.failure(
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"{spec.name}: deadline passed while the call under idempotency key {user_key!r} was in "
+                "progress; it goes on for the callers still waiting (a synchronous handler to its end), "
+                "and a later call with this key gets the answer it leaves",
+                function=spec.name,
+                request_id=request_id,
+            )
+        if task.cancelled():  # closed before it had an outcome to count: each caller's own
+            result = Result.failure(
+                ErrorCode.CANCELLED,
+                f"{spec.name}: the client closed before the call under idempotency key {user_key!r} ended",
+                function=spec.name,
+                request_id=request_id,
+            )
+        else:
+            result = task.result()
+            if ex.unsent:  # nothing was sent, every caller's deadline had passed: this one's too
+                m.gave_up += 1
+                return result if not joined else result.model_copy(update={"request_id": request_id})
+            if not joined:
+                return result  # the execution counted its outcome as it ended (_execute)
+            # no new execution for this caller: its own copy of what the key keeps (the answer,
+            # or OutcomeUnknown for a side effect that may have run: what any later caller with
+            # the key gets, not the raw failure), "cached"; a failure the key does not keep
+            # (the key is free again) is this caller's failure, counted as such
+            kept = ex.kept
+            timings = result.timings.model_copy(update={"total_ms": (time.perf_counter() - t0) * 1e3})
+            result = (kept or result).model_copy(
+                update={
+                    "cached": kept is not None,
+                    "cold_start": False,
+                    "request_id": request_id,
+                    "timings": timings,
+                }
+            )
+            if kept is not None:
+                m.cache_hits += 1
+                return result
+        self._settle(fn, result, t0)
+        return result
+
+    async def _execute(
+        self,
+        fn: FnState,
+        inv: Invocation,
+        user_key: str,
+        ex: Execution,
+        hedge: bool | None,
+        probe: bool,
+        t0: float,
+    ) -> Result:
+        """The execution under a key: attempts and retries, then what a later caller with
+        the key gets (``_conclude``), and the key is free again. Its outcome goes into the
+        metrics here, once, timed from its starter's call (``t0``): the starter may have
+        given up long before."""
+        key = inv.idempotency_key
+        assert key is not None
+        try:
+            async with fn.sem:
+                if ex.deadline is not None and ex.deadline <= time.time():
+                    # every caller gave up while it waited for a slot: nothing was sent, and
+                    # there is no outcome to count (each caller counts in gave_up, the ones
+                    # whose wait ended before this too)
+                    ex.unsent = True
+                    result = Result.failure(
+                        ErrorCode.DEADLINE_EXCEEDED,
+                        "deadline passed before the call was sent",
+                        function=inv.function,
+                        request_id=inv.request_id,
+                    )
+                else:
+                    result = await self._attempt(fn, inv, hedge, lambda: ex.deadline)
+                    if not result.ok and self._should_retry(fn.spec, result):
+                        result = await self._retry(fn, inv, result, hedge, lambda: ex.deadline)
+            ex.kept = self._conclude(fn, key, user_key, result)
+            if not ex.unsent:
+                self._settle(fn, result, t0)
+            return result
+        finally:
+            if probe:
+                fn.probing = False
+            if self._inflight.get(key) is ex:
+                del self._inflight[key]
+
+    def _conclude(self, fn: FnState, key: str, user_key: str, result: Result) -> Result | None:
+        """Remember what a later caller with the key gets instead of a new execution: the
+        function's own answer; or, for a function with side effects whose call may have run
+        (WorkerLost, FunctionTimeout, ...), a final ``OutcomeUnknown``, since running it
+        again could apply the effect twice. After other failures (the call did not run, or
+        a pure function) the next caller with the key runs it again. Returns what the key
+        keeps (None: nothing, the key is free), which the callers that joined get too."""
+        err = result.error
+        if err is None or err.type in FINAL_ERRORS:
+            return self._remember(key, result)
+        if fn.spec.side_effects and err.type in _MAY_HAVE_RUN:
+            name = fn.spec.name
+            return self._remember(
+                key,
+                Result.failure(
+                    ErrorCode.OUTCOME_UNKNOWN,
+                    f"{name}: the call under idempotency key {user_key!r} ended with {err.type} "
+                    f"({err.message}) and may have run; {name} has side effects, so it is not run "
+                    "again under this key. Check whether its effect happened; to run it again, call "
+                    "with a new idempotency key",
+                    function=name,
+                    request_id=result.request_id,
+                ),
+            )
+        return None
+
+    def _remember(self, key: str, result: Result) -> Result | None:
+        """Keep ``result`` under ``key``; returns it, or None when no cache is kept."""
+        cache = self._cache
+        if self.config.idempotency_cache_size == 0:
+            return None
+        if len(cache) >= self.config.idempotency_cache_size:
+            del cache[next(iter(cache))]  # dicts keep insertion order: drop the oldest
+        cache[key] = result
+        return result
