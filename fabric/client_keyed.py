@@ -52,7 +52,9 @@ class KeyedCalls(Attempts):
         hit = self._cache.get(key)
         if hit is not None:
             m.cache_hits += 1
-            return hit.model_copy(update={"cached": True, "request_id": request_id})
+            # its own timings: the kept ones are the execution's, and a shallow copy would share them
+            timings = hit.timings.model_copy(update={"total_ms": (time.perf_counter() - t0) * 1e3})
+            return hit.model_copy(update={"cached": True, "request_id": request_id, "timings": timings})
         ex = self._inflight.get(key)
         joined = ex is not None
         if ex is None:
@@ -211,5 +213,6 @@ class KeyedCalls(Attempts):
             return None
         if len(cache) >= self.config.idempotency_cache_size:
             del cache[next(iter(cache))]  # dicts keep insertion order: drop the oldest
-        cache[key] = result
-        return result
+        # a copy: the caller that ran it gets ``result`` itself, and settles its own latency into it
+        cache[key] = kept = result.model_copy(update={"timings": result.timings.model_copy()})
+        return kept
