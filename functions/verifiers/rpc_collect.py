@@ -142,10 +142,13 @@ def _record(fn: ast.FunctionDef, key: str) -> None:
 def pending(
     plan: Plan, namespace: dict[str, Any], program: dict[str, Any], entry: str, runs: list[Any]
 ) -> list[tuple[str, Callable[[], object]]]:
-    """The tests the text defined and did not run, each as (name, call), in order; raises
-    ``Unrunnable`` if one cannot run. ``program``: the program's names bound for the tests
-    (the entry point is the program's, never a function of the tests of that name);
-    ``entry``: the test code's file; ``runs``: the unittest runs the text started."""
+    """The tests the text defined and did not run, each as (name, call), in order: to be
+    called only if ``name`` is still not in ``plan.ran`` when its turn comes (a test may
+    call another, ``check`` among them). Raises ``Unrunnable`` if a test takes fixtures;
+    the call of a ``check`` with no entry point raises it. ``program``: the program's names
+    bound for the tests (the entry point is the program's, never a function of the tests
+    of that name); ``entry``: the test code's file; ``runs``: the unittest runs the text
+    started."""
     calls: list[tuple[str, Callable[[], object]]] = []
     needs_arguments: list[str] = []
     for key in dict.fromkeys(plan.tests):  # a test defined twice is the later one, once
@@ -167,25 +170,15 @@ def pending(
             needs_arguments.append(f"{key}({', '.join(missing)})")
         else:
             calls.append((key, _on_instance(cls, name) if owner else test))
-    problems = []
     if needs_arguments:
         takes = "take" if len(needs_arguments) > 1 else "takes"
-        problems.append(
+        raise Unrunnable(
             f"{', '.join(needs_arguments)} {takes} arguments (pytest fixtures?), which the verifier "
             "cannot give: give them defaults, or call them in the tests"
         )
     check = namespace.get("check")
     if plan.check and "check" not in plan.ran and callable(check):
-        entry_point = _options(entry).get("entry_point")
-        if entry_point is None:
-            problems.append(
-                "check(candidate) is defined but never called, and the request names no entry_point: "
-                "give entry_point (the program's function it checks), or call check(...) in the tests"
-            )
-        else:
-            calls.append(("check", lambda: check(_candidate(program, entry_point))))
-    if problems:
-        raise Unrunnable("; ".join(problems))
+        calls.append(("check", lambda: check(_candidate(program, _options(entry).get("entry_point")))))
     if not runs and (suite := _unittest_suite(plan, namespace)).countTestCases():
         calls.append(("unittest", lambda: unittest.TextTestRunner().run(suite)))  # recorded in runs
     return calls
@@ -215,7 +208,12 @@ def _on_instance(cls: Any, name: str) -> Callable[[], object]:
     return lambda: getattr(cls(), name)()
 
 
-def _candidate(program: dict[str, Any], entry_point: str) -> Any:
+def _candidate(program: dict[str, Any], entry_point: str | None) -> Any:
+    if entry_point is None:
+        raise Unrunnable(
+            "check(candidate) is defined but never called, and the request names no entry_point: "
+            "give entry_point (the program's function it checks), or call check(...) in the tests"
+        )
     if entry_point not in program:  # the program's fault, as a test's call of a missing name
         raise NameError(
             f"name {entry_point!r} is not defined: the program has no {entry_point} (the entry point)"

@@ -136,6 +136,17 @@ def test_check_without_an_entry_point_cannot_judge_a_program(verifier):
     assert judge(verifier, WRONG, called, entry_point="add").status == "Failed"
 
 
+def test_check_called_by_a_test_the_harness_runs_runs_once(verifier):
+    once = "def check(candidate):\n    assert n == [], 'check ran twice'\n    n.append(1)\n"
+    tests = (
+        "n = []\n" + CHECK.replace("def check(candidate):\n", once) + "def test_check():\n    check(add)\n"
+    )
+    assert judge(verifier, ADD, tests).status == "Finished"  # no entry point needed
+    assert judge(verifier, ADD, tests, entry_point="add").status == "Finished"  # nor run again
+    wrong = judge(verifier, ONLY_2_3, tests, entry_point="add")
+    assert wrong.status == "Failed" and wrong.message == "an assertion failed in test_check", wrong
+
+
 def test_an_entry_point_the_program_lacks_is_the_programs_failure(verifier):
     case = judge(verifier, "def plus(a, b):\n    return a + b\n", CHECK, entry_point="add")
     assert case.status == "RuntimeError" and "NameError: name 'add' is not defined" in case.message, case
