@@ -57,13 +57,25 @@ def code_verify(
     *,
     tests: list[StdioCase] | None = None,
     test_code: str | None = None,
+    entry_point: str | None = None,
     language: str = "python",
     extract: bool = True,
     ctx: Any = None,
 ) -> RewardResult:
     """Pass fraction of the program in the final answer on ``tests`` (stdin/stdout cases) or
-    ``test_code`` (asserts appended to it). The per-case verdicts are in ``info``."""
-    return judge(traj, tests=tests, test_code=test_code, language=language, extract=extract, verifier=ctx)
+    ``test_code`` (asserts run against it). ``entry_point`` (Python ``test_code``): the
+    program's function that a HumanEval ``check(candidate)`` checks, when the tests define
+    ``check`` and do not call it. The per-case verdicts are in ``info``. Tests that cannot
+    judge any program (they run nothing) fail the call (``InvalidTests``), not a score."""
+    return judge(
+        traj,
+        tests=tests,
+        test_code=test_code,
+        entry_point=entry_point,
+        language=language,
+        extract=extract,
+        verifier=ctx,
+    )
 
 
 def judge(
@@ -74,11 +86,12 @@ def judge(
     language: str,
     extract: bool,
     verifier: Verifier | None,
+    entry_point: str | None = None,
 ) -> RewardResult:
     text = traj if isinstance(traj, str) else traj.final_text()
     code = extract_code(text) if extract else text
     result = (verifier or default_verifier()).verify(
-        code, CodeTests(cases=tests, test_code=test_code), language
+        code, CodeTests(cases=tests, test_code=test_code, entry_point=entry_point), language
     )
     if result.retryable:
         # a 0 here would punish the policy for our failure: fail the call so it is retried

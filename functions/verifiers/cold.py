@@ -216,6 +216,7 @@ def code_verify_subprocess(
     *,
     tests: list[StdioCase] | None = None,
     test_code: str | None = None,
+    entry_point: str | None = None,
     language: str = "python",
     extract: bool = True,
     ctx: Any = None,
@@ -223,4 +224,12 @@ def code_verify_subprocess(
     """BENCHMARK BASELINE ONLY (no isolation): ``code_verify`` with one subprocess per run."""
     from functions.verifiers.code import judge
 
-    return judge(traj, tests=tests, test_code=test_code, language=language, extract=extract, verifier=ctx)
+    return judge(
+        traj,
+        tests=tests,
+        test_code=test_code,
+        entry_point=entry_point,
+        language=language,
+        extract=extract,
+        verifier=ctx,
+    )

@@ -74,6 +74,15 @@ ASSERTION_FAILED = 10
 TESTS_RAISED = 11
 PROTOCOL_ERROR = 12
 PROGRAM_GONE = 13
+#: The tests cannot judge any program (they ran nothing, a test needs pytest fixtures, a
+#: ``check(candidate)`` has no candidate): the caller's error, not the program's.
+TESTS_INVALID = 14
+#: The last line of the tests' stderr when a test the harness ran itself (one the tests
+#: defined but never called) failed: this prefix, then the test's name.
+IN_COLLECTED = "rlfabric: in the tests' "
+#: Beside the test code in its sandbox: the request's options for the harness, as JSON
+#: (``{"entry_point": "add"}``); absent when there are none.
+TEST_OPTIONS = "tests.json"
 
 #: Builtin types a program's object may subclass; compared with plain data, such an object
 #: is compared by its builtin data (``int.__int__`` and the like), never its own ``__eq__``.

@@ -2,9 +2,10 @@
 names bound to ``Remote`` proxies of its objects, in a process the program cannot reach.
 
 The verdict is this process's exit status (``rpc.PASSED`` once ``test_code`` ran to its
-end). Plain data comes back from the program by value, as exact builtin types, so
-``assert f(2) == 4`` is decided by this process's own ``int.__eq__``. The rule for the
-program's other objects (a ``Remote``):
+end, and then the tests it defined but did not call: ``rpc_collect``). Plain data comes
+back from the program by value, as exact builtin types, so ``assert f(2) == 4`` is decided
+by this process's own ``int.__eq__``. The rule for the program's other objects (a
+``Remote``):
 
 * a value of the tests never reaches the program through a comparison, an operator or
   ``in``, where it would let the program answer whatever passes (``abs(f(x) - y) < 1e-9``
@@ -45,10 +46,16 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
-from functions.verifiers import rpc
+from functions.verifiers import rpc, rpc_collect
 from functions.verifiers.rpc_errors import RemoteError as RemoteError
 from functions.verifiers.rpc_errors import program_exception
-from functions.verifiers.rpc_unittest import unittest_failures, watch_unittest
+from functions.verifiers.rpc_unittest import (
+    empty_runs,
+    run_failures,
+    tests_ran,
+    watch_doctest,
+    watch_unittest,
+)
 
 #: What the tests hold by value (their own subclasses included: the tests are trusted).
 _PLAIN = tuple(rpc.PLAIN_TYPES.values())
@@ -473,16 +480,19 @@ def run_tests(source: str, entry: str, fd_in: int, fd_out: int) -> int:
     # classes and functions (in a bare dict they found none: "Ran 0 tests ... OK")
     main = types.ModuleType("__main__")
     namespace = main.__dict__
-    for name, value in names.items():
-        if _bindable(name, value):
-            namespace[name] = value
+    program = {name: value for name, value in names.items() if _bindable(name, value)}
+    namespace.update(program)
     # the harness's own names last: the program's hello may not rebind them (a program's
     # "__builtins__" would become the tests' builtins: abs, set, sorted, all of its making)
     namespace.update(__name__="__main__", __builtins__=builtins, __file__=os.path.abspath(entry))
     sys.modules["__main__"] = main
     runs = watch_unittest()
+    doctests = watch_doctest() if "doctest" in source else []
+    plan = None
     try:
-        exec(compile(source, entry, "exec"), namespace)
+        compiled, plan = rpc_collect.prepare(source, entry)
+        namespace[rpc_collect.RAN] = plan.ran
+        exec(compiled, namespace)
         code = rpc.PASSED
     except rpc.ChannelError as e:
         return _channel_failed(e)
@@ -490,9 +500,12 @@ def run_tests(source: str, entry: str, fd_in: int, fd_out: int) -> int:
         # 0 or None is a pass (unittest.main() exits with False when it succeeded)
         if e.code is None or (type(e.code) in (int, bool) and not e.code):
             code = rpc.PASSED  # (and the unittest runs below)
-        elif failed := unittest_failures(runs):  # unittest.main() exits True: a test failed
+        elif failed := run_failures(runs, doctests):  # unittest.main() exits True: a test failed
             print(failed, file=sys.stderr)
             code = rpc.ASSERTION_FAILED
+        elif empty := empty_runs(runs, doctests):  # (from Python 3.12, 5: no test ran)
+            print(empty, file=sys.stderr)
+            code = rpc.TESTS_INVALID
         else:
             print(f"the tests exited with {e.code!r}", file=sys.stderr)
             code = rpc.TESTS_RAISED
@@ -501,10 +514,51 @@ def run_tests(source: str, entry: str, fd_in: int, fd_out: int) -> int:
         code = rpc.ASSERTION_FAILED if isinstance(e, AssertionError) else rpc.TESTS_RAISED
     if conn.broken is not None:  # swallowed by a bare except of the tests: still no pass
         return _channel_failed(conn.broken)
-    if code == rpc.PASSED and (failed := unittest_failures(runs)):
+    if code != rpc.PASSED or plan is None:
+        return code
+    if failed := run_failures(runs, doctests):
         print(failed, file=sys.stderr)
         return rpc.ASSERTION_FAILED
-    return code
+    if empty := empty_runs(runs, doctests):
+        print(empty, file=sys.stderr)
+        return rpc.TESTS_INVALID
+    return _run_collected(plan, namespace, program, entry, runs, doctests)
+
+
+def _run_collected(
+    plan: rpc_collect.Plan,
+    namespace: dict[str, Any],
+    program: dict[str, Any],
+    entry: str,
+    runs: list[Any],
+    doctests: list[tuple[str, int, int]],
+) -> int:
+    """Once the text ran to its end: the tests it defined and did not run (``rpc_collect``),
+    then the rule that it must have tested something. A failure in one of them is the
+    case's, and the last line of stderr names it (``rpc.IN_COLLECTED``)."""
+    current = ""
+    try:
+        for current, call in rpc_collect.pending(plan, namespace, program, entry, runs):
+            if current not in plan.ran:  # (each test notes its own call in plan.ran)
+                call()
+        if not (plan.acts or plan.ran or tests_ran(runs, doctests)):
+            raise rpc_collect.Unrunnable(f"they ran nothing: {rpc_collect.HINT}")
+    except rpc_collect.Unrunnable as e:
+        print(e, file=sys.stderr)
+        return rpc.TESTS_INVALID
+    except rpc.ChannelError as e:
+        return _channel_failed(e)
+    except BaseException as e:
+        _print_from_tests(e, entry)
+        if current:
+            print(f"{rpc.IN_COLLECTED}{current}", file=sys.stderr)
+        return rpc.ASSERTION_FAILED if isinstance(e, AssertionError) else rpc.TESTS_RAISED
+    if Remote._conn.broken is not None:
+        return _channel_failed(Remote._conn.broken)
+    if failed := run_failures(runs, doctests):
+        print(failed, file=sys.stderr)
+        return rpc.ASSERTION_FAILED
+    return rpc.PASSED
 
 
 def _bindable(name: object, value: Any) -> bool:
@@ -532,8 +586,13 @@ def _channel_failed(e: rpc.ChannelError) -> int:
     return rpc.PROTOCOL_ERROR if isinstance(e, rpc.ProtocolError) else rpc.PROGRAM_GONE
 
 
-def _print_from_tests(e: BaseException) -> None:
-    try:  # from the tests' own frames down: the harness's would only confuse a reader
-        traceback.print_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
+def _print_from_tests(e: BaseException, entry: str | None = None) -> None:
+    """The traceback from the tests' own frames down: the harness's would only confuse a
+    reader (the first frame, or with ``entry``, every frame before the first of that file)."""
+    tb = e.__traceback__.tb_next if e.__traceback__ else None
+    while entry is not None and tb is not None and tb.tb_frame.f_code.co_filename != entry:
+        tb = tb.tb_next
+    try:
+        traceback.print_exception(type(e), e, tb)
     except BaseException:
         os.write(2, f"\n{type(e).__name__}\n".encode())

@@ -16,11 +16,14 @@ and prove they ran to their end with a marker line. Every case gets one status:
     SandboxError          the sandbox failed, not the program: the only retryable status
 
 A case that hits a ``SandboxError`` is retried once on a fresh sandbox before it is reported.
+Python tests that cannot judge any program (they ran nothing, see
+``functions.verifiers.rpc_collect``) get no status: ``verify`` raises ``InvalidTests``.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import secrets
 import signal
 import threading
@@ -31,7 +34,7 @@ from typing import Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from functions.verifiers import rpc
-from functions.verifiers.errors import SandboxError
+from functions.verifiers.errors import InvalidTests, SandboxError
 from functions.verifiers.languages import Language, get_language
 from functions.verifiers.sandbox import Limits, PairOutcome, RunOutcome, Sandbox
 
@@ -64,6 +67,10 @@ class CodeTests(BaseModel):
     model_config = ConfigDict(extra="forbid")
     cases: list[StdioCase] | None = Field(None, max_length=MAX_CASES)
     test_code: str | None = Field(None, max_length=MAX_CODE_BYTES)
+    entry_point: str | None = Field(None, max_length=200)
+    """Python ``test_code`` only: the program's function that HumanEval-style tests check.
+    If they define ``check(candidate)`` and never call it, the verifier calls
+    ``check(<entry_point>)`` (the program's, never a function of the tests of that name)."""
 
     @model_validator(mode="after")
     def _one_kind(self) -> CodeTests:
@@ -73,6 +80,11 @@ class CodeTests(BaseModel):
             )
         if self.cases is not None and not self.cases:
             raise ValueError("cases is empty: a submission with no test cases cannot be judged")
+        if self.entry_point is not None:
+            if self.test_code is None:
+                raise ValueError("entry_point goes with test_code (the function its check(candidate) checks)")
+            if not self.entry_point.isidentifier():
+                raise ValueError(f"entry_point {self.entry_point!r:.60} is not a Python name")
         return self
 
 
@@ -171,7 +183,8 @@ def classify(
 def classify_pair(pair: PairOutcome, lang: Language, limits: Limits) -> CaseResult:
     """The verdict of a program and its tests run apart (``Sandbox.run_pair``). If the
     program ended before its tests did (a crash, a limit, an exit of its own), that is the
-    verdict; else the tests' exit status is (``rpc.PASSED``: every assert held).
+    verdict; else the tests' exit status is (``rpc.PASSED``: every assert held). Tests that
+    cannot judge any program (``rpc.TESTS_INVALID``) raise ``InvalidTests``: no verdict.
 
     ``stdout`` shows what the program printed (its stdout and stderr, in order: both went to
     one pipe); ``stderr`` the end of the tests' stderr (a failed assert's traceback, the
@@ -207,16 +220,22 @@ def classify_pair(pair: PairOutcome, lang: Language, limits: Limits) -> CaseResu
     if tests.status != "exited":  # killed for a limit (the wall limit covers both runs) or a signal
         alone = classify(tests, lang, limits, None)
         return verdict(alone.status, alone.message)
-    last = next((ln for ln in reversed(_text(tests.stderr, tail=True).splitlines()) if ln.strip()), "")
+    lines = [ln for ln in _text(tests.stderr, tail=True).splitlines() if ln.strip()]
+    last = lines[-1] if lines else ""
+    where = ""  # a test the harness ran itself (the tests defined it, never called it)
+    if last.startswith(rpc.IN_COLLECTED) and len(lines) > 1:
+        where, last = f" in {last[len(rpc.IN_COLLECTED) :][:100]}", lines[-2]
     code = tests.exit_code
     if code == rpc.PASSED:
         return verdict("Finished", "")
     if code == rpc.ASSERTION_FAILED:
-        return verdict("Failed", "an assertion failed")
+        return verdict("Failed", f"an assertion failed{where}")
     if code == rpc.TESTS_RAISED and last.startswith("MemoryError"):
         return verdict("MemoryLimitExceeded", f"ran out of memory under the {limits.memory_mb} MB limit")
     if code == rpc.TESTS_RAISED:
-        return verdict("RuntimeError", f"the tests stopped on {last[:200]}")
+        return verdict("RuntimeError", f"the tests stopped{where} on {last[:200]}")
+    if code == rpc.TESTS_INVALID:
+        raise InvalidTests(f"the tests cannot judge a program: {last[:500]}")
     if code == rpc.PROTOCOL_ERROR:
         return verdict("RuntimeError", f"protocol error on the test channel: {last[:200]}")
     if code == rpc.PROGRAM_GONE:
@@ -320,9 +339,13 @@ class Verifier:
         self, code: str, tests: CodeTests, language: str = "python", limits: Limits | None = None
     ) -> VerifyResult:
         """Judge ``code``. Bad input from the caller (an unknown language) raises
-        ``ValueError``; a program too long to run is the program's fault, judged 0."""
+        ``ValueError``, and so do Python tests that cannot judge any program
+        (``InvalidTests``: they ran nothing); a program too long to run is the program's
+        fault, judged 0."""
         t0 = time.monotonic()
         lang = get_language(language)
+        if tests.entry_point is not None and lang.name != "python":
+            raise ValueError("entry_point is for Python test_code (HumanEval's check(candidate))")
         size = len(code.encode())
         if size > MAX_CODE_BYTES:
             # the policy wrote it: a score of 0, not an error that would mask the trajectory
@@ -332,7 +355,8 @@ class Verifier:
             return self._result(lang, None, [too_long] * len(tests.cases or [None]), t0)
         limits = limits or self.limits
         if tests.test_code is not None and lang.name == "python":
-            return self._result(lang, None, [self._python_tests(lang, code, tests.test_code, limits)], t0)
+            case = self._python_tests(lang, code, tests.test_code, tests.entry_point, limits)
+            return self._result(lang, None, [case], t0)
         # assert-style in C, C++, JavaScript: the tests passed only if the program also ran
         # past them, which a random line printed after them proves (an early exit(0) would
         # skip the asserts)
@@ -378,15 +402,20 @@ class Verifier:
             )
         return verdict, {lang.artifact: out.files.get(lang.artifact, b"")}
 
-    def _python_tests(self, lang: Language, code: str, test_code: str, limits: Limits) -> CaseResult:
+    def _python_tests(
+        self, lang: Language, code: str, test_code: str, entry_point: str | None, limits: Limits
+    ) -> CaseResult:
         """Python's assert-style tests, in a sandbox of their own next to the program's."""
+        test_files = {"tests.py": test_code.encode()}
+        if entry_point is not None:  # the harness's options, beside the tests
+            test_files[rpc.TEST_OPTIONS] = json.dumps({"entry_point": entry_point}).encode()
         last = None
         for _ in range(2):
             try:
                 pair = self.sandbox.run_pair(
                     files={"solution.py": code.encode()},
                     entry="solution.py",
-                    test_files={"tests.py": test_code.encode()},
+                    test_files=test_files,
                     test_entry="tests.py",
                     limits=limits,
                 )

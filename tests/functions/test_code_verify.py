@@ -255,6 +255,8 @@ async def test_through_the_fabric_local_backend_bad_input_leaves_the_pool_health
             ({"traj": "print(1)", "tests": [{"stdin": ""}]}, ErrorCode.INVALID_ARGUMENTS, "expected_stdout"),
             ({"traj": "print(1)", "tests": "nope"}, ErrorCode.INVALID_ARGUMENTS, "tests"),
             ({"traj": "print(1)"}, ErrorCode.USER_ERROR, "exactly one of"),
+            # tests that test nothing are the caller's to fix: neither a 0 nor a 1
+            ({"traj": "print(1)", "test_code": "pass"}, ErrorCode.USER_ERROR, "they ran nothing"),
         ]
         for payload, code, fragment in bad:
             r = await client.call("code_verify", payload)
@@ -264,7 +266,7 @@ async def test_through_the_fabric_local_backend_bad_input_leaves_the_pool_health
         assert long.ok and long.value["score"] == 0.0, long
         assert "program too long: 300000 bytes" in long.value["info"]["cases"][0]["message"]
         again = await client.call(
-            "code_verify", {"traj": "print(6*7)", "extract": False, "test_code": "pass"}
+            "code_verify", {"traj": "print(6*7)", "extract": False, "test_code": "assert True"}
         )
         assert again.ok and again.value["score"] == 1.0
         tool = await client.call("python", {"code": "import sys\nprint(6 * 7)\nsys.exit(2)"})
