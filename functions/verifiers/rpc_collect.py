@@ -25,7 +25,8 @@ tests make, each of a loop's thousands of proxy calls included; the edit costs o
 insertion per test.
 
 A text must test something: a top-level statement that does something (an ``assert``, a
-call, a loop: anything but imports, definitions, assignments and docstrings), a test it or
+call, a loop, an assignment that calls: anything but imports, definitions, docstrings and
+assignments of constants or names), a test it or
 the harness ran, a unittest test or a doctest example. Otherwise the tests are broken
 (``Unrunnable``), whatever the program.
 """
@@ -99,7 +100,7 @@ def prepare(source: str, entry: str) -> tuple[types.CodeType, Plan]:
                     if isinstance(item, ast.FunctionDef) and item.name.startswith("test"):
                         _record(item, f"{node.name}.{item.name}")
                         plan.tests.append(f"{node.name}.{item.name}")
-        elif not isinstance(node, _INERT) and not _is_string(node):
+        elif (not isinstance(node, _INERT) and not _is_string(node)) or _assigns_a_call(node):
             plan.acts = True
     if plan.tests or plan.check:
         code = compile(tree, entry, "exec")
@@ -119,6 +120,15 @@ def _plain_asserts(code: types.CodeType) -> bool:
             if const.co_name.startswith("test") or const.co_name == "check":
                 return False
     return True
+
+
+def _assigns_a_call(node: ast.stmt) -> bool:
+    """``ok = run_all()``, ``result = solution(5)``: an assignment that calls something runs
+    code (tests that check the program runs, or a runner not named ``test*``); one of a
+    constant or a name (``EPS = 1e-9``) does not."""
+    if not isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign) or node.value is None:
+        return False
+    return any(isinstance(n, ast.Call) for n in ast.walk(node.value))
 
 
 def _is_string(node: ast.stmt) -> bool:

@@ -238,6 +238,10 @@ def test_plain_asserts_are_judged_as_before(verifier):
     # a top-level statement that is not a definition counts as testing: a print, a loop
     assert judge(verifier, ADD, "print(add(2, 3))\n").status == "Finished"
     assert judge(verifier, WRONG, "for a in range(3):\n    assert add(a, 1) == a + 1\n").status == "Failed"
+    # and so does an assignment that calls: a runner not named test* (it was "ran nothing")
+    runner = "def run_all():\n    assert add(2, 3) == 5\n    return True\nok = run_all()\n"
+    assert judge(verifier, ADD, runner).status == "Finished"
+    assert judge(verifier, WRONG, runner).status == "Failed"
 
 
 # -- the plan, without a sandbox -----------------------------------------------------------------
@@ -283,3 +287,6 @@ def test_the_plan_names_the_tests_and_what_acts():
     namespace["TestB"]().test_c()
     assert plan.ran == {"test_a", "TestB.test_c"}
     assert rpc_collect.prepare("x = f()\nprint(x)\n", "tests.py")[1].acts
+    assert rpc_collect.prepare("ok: bool = run_all()\n", "tests.py")[1].acts
+    assert rpc_collect.prepare("n = 0\nn += len([1])\n", "tests.py")[1].acts
+    assert not rpc_collect.prepare("EPS = 1e-9\nF = EPS\nG: int = -1\n", "tests.py")[1].acts
