@@ -81,7 +81,7 @@ class Plan:
 def prepare(source: str, entry: str) -> tuple[types.CodeType, Plan]:
     """The text, compiled, and its plan. The common text (top-level asserts, no test function,
     no class) is compiled once, as before: its bytecode says so, with no AST pass."""
-    code = compile(source, entry, "exec")
+    code = compile(source, entry, "exec", dont_inherit=True)  # not this module's __future__ flags
     if _plain_asserts(code):
         return code, Plan()
     tree = ast.parse(source, entry)
@@ -103,7 +103,7 @@ def prepare(source: str, entry: str) -> tuple[types.CodeType, Plan]:
         elif (not isinstance(node, _INERT) and not _is_string(node)) or _assigns_a_call(node):
             plan.acts = True
     if plan.tests or plan.check:
-        code = compile(tree, entry, "exec")
+        code = compile(tree, entry, "exec", dont_inherit=True)
     return code, plan
 
 

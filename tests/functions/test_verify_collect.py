@@ -229,6 +229,16 @@ def test_a_text_that_runs_nothing_cannot_judge_a_program(verifier, tests):
             judge(verifier, program, tests)
 
 
+def test_the_tests_are_compiled_with_their_own_future_flags(verifier):
+    # the harness's `from __future__ import annotations` reached the tests: annotations were
+    # strings, and honest tests that read them failed every program
+    reads = "def f(x: int):\n    return x\nassert f.__annotations__['x'] is int\nassert add(2, 3) == 5\n"
+    assert judge(verifier, ADD, reads).status == "Finished"
+    collected = "def test_reads():\n    def f(x: int):\n        return x\n"
+    collected += "    assert f.__annotations__['x'] is int\n"
+    assert judge(verifier, ADD, collected).status == "Finished"
+
+
 def test_plain_asserts_are_judged_as_before(verifier):
     tests = "assert add(2, 3) == 5\nassert add(0, 7) == 7\n"
     assert judge(verifier, ADD, tests).status == "Finished"
@@ -261,7 +271,7 @@ def test_plain_asserts_compile_once_with_no_ast_pass(tests, monkeypatch):
 
     monkeypatch.setattr(rpc_collect.ast, "parse", no_ast)
     code, plan = rpc_collect.prepare(tests, "tests.py")
-    assert code == compile(tests, "tests.py", "exec")
+    assert code == compile(tests, "tests.py", "exec", dont_inherit=True)
     assert plan.acts and plan.tests == [] and not plan.check
 
 
