@@ -166,7 +166,7 @@ def _run_python(source: str, entry: str, marker_fd: int | None = None, role: str
         if role == "test":
             code = rpc_harness.run_tests(source, entry, 3, channel)
         else:
-            compiled = compile(source, entry, "exec")
+            compiled = compile(source, entry, "exec", dont_inherit=True)  # its own __future__ flags
             namespace = {"__name__": "__main__", "__builtins__": builtins, "__file__": os.path.abspath(entry)}
             exec(compiled, namespace)
             if role == "serve":

@@ -75,6 +75,13 @@ def test_pass_fraction_and_the_worst_status_wins(verifier):
     )
 
 
+def test_a_program_is_compiled_with_its_own_future_flags(verifier):
+    # the sandbox's `from __future__ import annotations` reached every Python program: its
+    # annotations were strings (an honest program that read them failed)
+    code = "def f(x: int):\n    return x\nprint(f.__annotations__['x'] is int)"
+    assert verifier.verify(code, cases(("", "True"))).status == "Finished"
+
+
 def test_output_comparison_ignores_trailing_whitespace_only(verifier):
     ok = verifier.verify("print('a  \\nb\\n\\n')", cases(("", "a\nb")))
     assert ok.status == "Finished"
