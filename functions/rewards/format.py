@@ -33,7 +33,8 @@ class FormatRules(BaseModel):
 
     tags: list[str] | None = None
     """Each ``<tag>...</tag>`` pair appears exactly once, unnested, in this order
-    (``["think", "answer"]``: the thinking comes before the answer)."""
+    (``["think", "answer"]``: the thinking comes before the answer). At least one tag, each
+    named once (an empty list would pass any text)."""
     answer_after_tag: str | None = None
     r"""The completion opens with ``<tag>`` and the final answer (last ``\boxed{}``) begins
     after its ``</tag>``: "think first, then answer"."""
@@ -44,7 +45,8 @@ class FormatRules(BaseModel):
     nothing_after_answer: bool | str | None = None
     r"""``true``: nothing but whitespace, ``$``, ``.``, brackets and closing tags after the final
     ``\boxed{}``; a string (such as ``"</answer>"``): nothing but whitespace after its last
-    occurrence."""
+    occurrence. The string may not be empty or blank (``""`` would be found at the end of any
+    text)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -64,9 +66,21 @@ class FormatRules(BaseModel):
             raise ValueError(
                 f"no format rule is enabled; set at least one of: {', '.join(FormatRules.model_fields)}"
             )
-        for tag in [*(self.tags or []), *([self.answer_after_tag] if self.answer_after_tag else [])]:
+        if self.tags == []:
+            raise ValueError("tags is empty, so any text would pass; name at least one tag, or null for off")
+        after = [] if self.answer_after_tag is None else [self.answer_after_tag]
+        for tag in [*(self.tags or []), *after]:
             if not _TAG_NAME.match(tag):
                 raise ValueError(f"{tag!r} is not a tag name (write 'think', not '<think>')")
+        if self.tags and len(set(self.tags)) < len(self.tags):
+            raise ValueError(f"tags {self.tags} repeats a tag; each pair must appear once, so none can pass")
+        marker = self.nothing_after_answer
+        if isinstance(marker, str) and not marker.strip():
+            # rfind("") is the end of any text: the rule would pass everything
+            raise ValueError(
+                f"nothing_after_answer={marker!r} is blank; give the marker the answer ends with "
+                "(such as '</answer>'), or true for the last \\boxed{}"
+            )
         return self
 
     def enabled(self) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from typing import Any
 
@@ -136,6 +137,25 @@ def test_format_unknown_and_empty_rules() -> None:
         format_reward(GOOD, rules={"tags": ["<think>"]})
     with pytest.raises(ValueError, match="unknown format rule 'nope'"):
         check_rule(GOOD, "nope", True)
+
+
+@pytest.mark.parametrize(
+    ("rules", "match"),
+    [
+        # each of these passed any text at all (score 1.0 for "x"): a free reward
+        ({"tags": []}, "tags is empty"),
+        ({"nothing_after_answer": ""}, "is blank"),
+        ({"nothing_after_answer": " \n"}, "is blank"),
+        # these could pass no text
+        ({"tags": ["think", "think"]}, "repeats a tag"),
+        ({"answer_after_tag": ""}, "'' is not a tag name"),
+    ],
+)
+def test_format_rules_that_decide_nothing_are_refused(rules: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        format_reward("x", rules=rules)
+    ok, (code, message, _) = run("functions.rewards.format:format_reward", {"traj": "x", "rules": rules})
+    assert not ok and code == "InvalidArguments" and re.search(match, message), message
 
 
 def test_format_through_runner() -> None:
