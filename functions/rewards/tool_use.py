@@ -53,7 +53,7 @@ def _call_problem(call: ToolCall, allowed: set[str] | None) -> str | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the decoder's depth: not usable JSON
             return "arguments are not valid JSON"
     if not isinstance(args, dict):
         return "arguments are not a JSON object"

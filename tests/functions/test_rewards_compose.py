@@ -201,6 +201,15 @@ def test_tool_use_bad_json_unknown_tool_non_object() -> None:
     assert r.components["valid_calls"] == 1.0
 
 
+def test_tool_use_deeply_nested_arguments_are_invalid_not_a_crash() -> None:
+    # the decoder gives up past its depth with RecursionError: the reward failed (masked, not
+    # penalised) for any policy that wrote arguments nested 100,000 deep
+    calls = [call("a", "calculator", "[" * 100_000), call("b", "calculator", '{"x": ' * 100_000)]
+    r = tool_use_reward(tool_traj([*calls, call("c", "calculator")], dict.fromkeys("abc", "ok")))
+    assert r.info["invalid"] == dict.fromkeys("ab", "arguments are not valid JSON")
+    assert r.components["valid_calls"] == pytest.approx(1 / 3)
+
+
 def test_tool_use_unanswered_and_errors() -> None:
     calls = [call("a", "calculator"), call("b", "calculator"), call("c", "calculator")]
     t = tool_traj(calls, {"a": "Error: division by zero", "b": "42", "zzz": "stray"})
