@@ -9,7 +9,8 @@ Components, each in [0, 1]:
   ``tool_call_id`` (each result answers one call: the oldest unanswered one with its id);
 * ``no_errors``: share of tool results whose content does not start with ``error_prefix``
   (``"error:"``, case-insensitive);
-* ``within_budget``: 1.0 when ``min_calls <= calls <= max_calls``.
+* ``within_budget``: 1.0 when ``min_calls <= calls <= max_calls`` (both counts >= 0,
+  ``min_calls`` not above ``max_calls``: a budget no trajectory can meet is an error).
 
 A share over no calls (or no results) is 1.0: nothing was done wrong; ask for ``min_calls``
 when the task needs tools. The score is the weighted mean of the components, every weight
@@ -41,6 +42,18 @@ def check_weights(weights: dict[str, float], known: tuple[str, ...] | None = Non
         raise ValueError(f"weights must be finite and >= 0, got {bad}")
     if not any(weights.values()):
         raise ValueError("all weights are zero; at least one component must count")
+
+
+def check_budget(min_calls: int, max_calls: int | None) -> None:
+    """``ValueError`` for a call budget no trajectory can meet (a negative count, or
+    ``min_calls`` above ``max_calls``): ``within_budget`` would be 0 for every one."""
+    for name, value in (("min_calls", min_calls), ("max_calls", max_calls)):
+        if value is not None and value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    if max_calls is not None and min_calls > max_calls:
+        raise ValueError(
+            f"min_calls ({min_calls}) is above max_calls ({max_calls}): no trajectory is within budget"
+        )
 
 
 def _call_problem(call: ToolCall, allowed: set[str] | None) -> str | None:
@@ -98,6 +111,7 @@ def tool_use_reward(
     """Valid, answered, error-free tool calls within budget: a weighted mean of four shares."""
     w = {**DEFAULT_WEIGHTS, **(weights or {})}
     check_weights(w, COMPONENTS)
+    check_budget(min_calls, max_calls)
     allowed = set(allowed_tools) if allowed_tools is not None else None
     prefix = error_prefix.lower()
 

@@ -276,6 +276,26 @@ def test_tool_use_bad_weights(weights: dict[str, float], match: str) -> None:
         tool_use_reward(tool_traj([], {}), weights=weights)
 
 
+@pytest.mark.parametrize(
+    ("budget", "match"),
+    [
+        # within_budget was 0 for every trajectory, silently: a component that decides nothing
+        ({"min_calls": 5, "max_calls": 2}, r"min_calls \(5\) is above max_calls \(2\)"),
+        ({"max_calls": -1}, "max_calls must be >= 0, got -1"),
+        ({"min_calls": -1}, "min_calls must be >= 0, got -1"),
+    ],
+)
+def test_tool_use_impossible_budgets_are_refused(budget: dict[str, int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        tool_use_reward(tool_traj([], {}), **budget)
+    ok, (code, message, _) = run(
+        "functions.rewards.tool_use:tool_use_reward", {"traj": tool_traj([], {}), **budget}
+    )
+    assert not ok and code == "UserError" and re.search(match, message), message
+    # the edges themselves are budgets: exactly n calls, or none at all
+    assert tool_use_reward(tool_traj([], {}), min_calls=0, max_calls=0).score == 1.0
+
+
 def test_tool_use_through_runner() -> None:
     entry = "functions.rewards.tool_use:tool_use_reward"
     t = tool_traj([call("a", "calculator"), call("b", "calculator", "{")], {"a": "error: boom"})
