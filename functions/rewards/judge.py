@@ -16,8 +16,12 @@ How a call goes:
   ``usage`` of the reply settles the difference);
 * 408, 429, 5xx, timeouts and network errors are retried with exponential backoff and
   jitter, or after the server's ``Retry-After``; other 4xx fail at once;
-* the score is parsed from the reply (``Score: 7/10``, ``**8**``, ``{"score": 8}``,
-  ``<score>3</score>``, else a number on the reply's last line) and normalised to [0, 1].
+* the score is parsed from the reply in the form the rubric asks for (``Score: 7/10``, as the
+  default rubric; ``<score>3</score>``; ``{"score": 8}``) and from its end, since a judge
+  quotes the response in its reasoning and gives its verdict last: a score-like text the
+  response carries and the judge quotes is not the score (``judge_score``). Other forms count
+  only where they end the reply (a JSON object or fenced block, ``**8**`` on the last line,
+  else a number on the last line). The score is normalised to [0, 1].
 
 Failures are results, never fake scores: an endpoint that stays overloaded, failing or silent
 raises ``Unavailable`` (retryable; the fabric may try the call again), and a reply that cannot
@@ -175,7 +179,7 @@ class Judge:
         }
         data, attempts = await self._complete(body, estimate_tokens(prompt, cfg.max_tokens))
         text = self._text(data)
-        raw = parse_score(text, cfg.min_score, cfg.max_score)
+        raw = parse_score(text, cfg.min_score, cfg.max_score, rubric=template)
         return RewardResult(
             score=(raw - cfg.min_score) / (cfg.max_score - cfg.min_score),
             components={"raw_score": raw},
