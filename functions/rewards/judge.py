@@ -10,7 +10,9 @@ SDK's ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``.
 How a call goes:
 
 * the rubric is filled in (``{question}``, ``{reference}``, ``{response}``, ``{min_score}``,
-  ``{max_score}``) and sent as one user message, temperature 0;
+  ``{max_score}``) and sent as one user message, temperature 0; ``{response}`` becomes the
+  response between ``<response-NONCE>`` tags, the nonce random per call, so a response cannot
+  close them and go on as the rubric;
 * a token bucket per worker holds requests under ``requests_per_minute`` and
   ``tokens_per_minute`` (a request is charged ``chars / 4 + max_tokens`` up front, the
   ``usage`` of the reply settles the difference);
@@ -38,6 +40,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from secrets import token_hex
 from typing import Any
 
 import httpx
@@ -84,6 +87,17 @@ __all__ = [
 MAX_INFO_CHARS = 2000
 
 _PLACEHOLDER = re.compile(r"\{(question|reference|response|min_score|max_score)\}")
+
+
+def _delimit(response: str, *others: str) -> str:
+    """``response`` between ``<response-NONCE>`` tags, the nonce random per call: the response
+    is the policy's text, and one that knew the closing tag could close it and write to the
+    judge as the rubric. A nonce found in the response (or the rest of the prompt) is drawn
+    again, so the closing tag appears once, where it is put."""
+    while True:
+        tag = f"response-{token_hex(8)}"
+        if not any(tag in text for text in (response, *others)):
+            return f"<{tag}>\n{response}\n</{tag}>"
 
 
 # ----------------------------------------------------------------------------- the judge
@@ -164,7 +178,7 @@ class Judge:
         fill = {
             "question": question or "(not given)",
             "reference": reference if reference else "(none)",
-            "response": response,
+            "response": _delimit(response, template, question, reference or ""),
             "min_score": f"{cfg.min_score:g}",
             "max_score": f"{cfg.max_score:g}",
         }
