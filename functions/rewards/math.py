@@ -13,12 +13,18 @@ Equivalence, cheapest first:
    compared exactly as fractions; two words are compared as normalised text. Intervals,
    tuples, sets and ``\cup`` unions are split into elements first, so a bracket or size
    mismatch is decided here too.
-2. **sympy, in a forked child process** killed after ``timeout_s`` (default 2 s). The child
-   converts the LaTeX to a sympy expression and compares: ``a - b == 0`` exactly; for numbers,
-   numerically at 30 digits; with free symbols, at three fixed points (a deterministic
-   identity test). A timeout, a crash or an unparsable answer counts as *not equivalent*,
-   and ``info`` says which. The limit works in any thread or worker process: it uses no
-   signals, only ``os.fork``, a pipe and ``SIGKILL``, and the child is always reaped.
+2. **sympy, in a forked child process** killed after ``sympy_timeout_s`` (default 2 s, at
+   most ``MAX_TIMEOUT_S``, 5 s: half the reward's own ``timeout_s``; 0, a negative number or
+   NaN is a ``ValueError``). The child converts the LaTeX to a sympy expression and compares:
+   ``a - b == 0`` exactly; for numbers, numerically at 30 digits; with free symbols, at three
+   fixed points (a deterministic identity test). A timeout, a crash or an unparsable answer
+   counts as *not equivalent*, and ``info`` says which. The limit works in any thread or
+   worker process: it uses no signals, only ``os.fork``, a pipe and ``SIGKILL``, and the child
+   is always reaped. Nor can the child outlive its parent or its budget when the parent itself
+   is killed (a worker past its ``timeout_s``): the kernel kills it with its parent
+   (``PR_SET_PDEATHSIG``, Linux), it keeps no file descriptor but its result pipe (so it
+   cannot hold its worker's socket open), and ``RLIMIT_CPU`` stops it after
+   ``ceil(limit) + 1`` seconds of CPU.
 
 Rules worth knowing:
 
@@ -62,13 +68,21 @@ from functions.rewards.math_fast import (
     fast_equivalent,
     shape,
 )
-from functions.rewards.math_sympy import DEFAULT_TIMEOUT_S, latex_to_python, sympy_equivalent, sympy_scalar
+from functions.rewards.math_sympy import (
+    DEFAULT_TIMEOUT_S,
+    MAX_TIMEOUT_S,
+    check_timeout,
+    latex_to_python,
+    sympy_equivalent,
+    sympy_scalar,
+)
 
 # the fast path and the sympy path live in math_fast and math_sympy; their public names stay
 # importable from here
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "MAX_ANSWER_CHARS",
+    "MAX_TIMEOUT_S",
     "Shape",
     "Verdict",
     "as_fraction",
@@ -142,10 +156,14 @@ _EXAMPLE_TRAJ = {
     ),
 )
 def math_answer(
-    traj: Trajectory | str, *, ground_truth: str, sympy_timeout_s: float = DEFAULT_TIMEOUT_S
+    traj: Trajectory | str,
+    *,
+    ground_truth: str,
+    sympy_timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> RewardResult:
     """1.0 when the final answer (boxed, "the answer is", last number) equals the ground
     truth mathematically (fractions, radicals, percentages, intervals, sets, units)."""
+    check_timeout(sympy_timeout_s)  # at most MAX_TIMEOUT_S: the call's own timeout_s is 10 s
     text = traj if isinstance(traj, str) else traj.final_text()
     answer, extracted_by = extract_final(text)
     info: dict[str, Any] = {"extracted": answer, "extracted_by": extracted_by}

@@ -5,7 +5,10 @@ child killed after a wall-clock limit."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import fcntl
 import json
+import math
 import os
 import re
 import select
@@ -17,6 +20,10 @@ from functions.rewards.math_fast import Verdict, _fast_scalar, compare
 
 DEFAULT_TIMEOUT_S = 2.0
 """Wall-clock limit of the sympy child, in seconds."""
+MAX_TIMEOUT_S = 5.0
+"""The longest limit a caller may ask for: half of ``math_answer``'s own ``timeout_s`` (10 s),
+so that extraction, the fork and the sympy child all end before the worker running the call is
+killed for running too long."""
 _MAX_CHILD_MEMORY = 1 << 30
 """Address space the child may add to the parent's, so a huge power fails fast."""
 
@@ -250,22 +257,76 @@ def sympy_scalar(p: str, g: str) -> Verdict:
 
 # ----------------------------------------------------------------------------- the child
 
+_PR_SET_PDEATHSIG = 1
+_libc: Any = None  # loaded in the parent: the child should do as little as it can
 
-def _child_memory_limit() -> None:
+
+def _load_libc() -> Any:
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        except OSError:
+            _libc = False
+    return _libc
+
+
+def check_timeout(timeout_s: float) -> float:
+    """``timeout_s`` when it is a usable limit for the sympy child, else ``ValueError``: 0 or a
+    negative limit made every sympy answer a silent timeout, NaN an opaque error."""
+    if not (isinstance(timeout_s, int | float) and 0 < timeout_s <= MAX_TIMEOUT_S):  # NaN fails too
+        raise ValueError(
+            f"sympy_timeout_s must be a number of seconds in (0, {MAX_TIMEOUT_S}], got {timeout_s!r}"
+        )
+    return float(timeout_s)
+
+
+def _confine_child(parent_pid: int, keep_fd: int, timeout_s: float) -> int:
+    """Make the child unable to outlive its parent or its budget, whatever it computes.
+
+    The parent kills it at its deadline, but the parent itself may be killed first (a worker
+    past its function's ``timeout_s`` is SIGKILLed): the kernel then kills the child too
+    (``PR_SET_PDEATHSIG``; the ``getppid`` check covers a parent that died before ``prctl``).
+    It keeps no file descriptor but its result pipe, so an orphan could not hold its parent's
+    socket open (the pool waits for EOF on it to replace the worker), and ``RLIMIT_CPU`` kills
+    it on its own if nobody else does (a parent stopped, not dead). Returns the result pipe's
+    descriptor (moved above 2 if it was one of them)."""
+    libc = _libc
+    if libc:
+        with contextlib.suppress(Exception):  # no prctl: not Linux; the other limits still apply
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+    if keep_fd <= 2:  # the parent had no stdin or stdout: the pipe got its number
+        keep_fd = fcntl.fcntl(keep_fd, fcntl.F_DUPFD, 3)
+    with contextlib.suppress(OSError):
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+    os.closerange(3, keep_fd)
+    os.closerange(keep_fd + 1, max(keep_fd + 1, os.sysconf("SC_OPEN_MAX")))
     try:
         import resource
 
+        cpu = math.ceil(timeout_s) + 1
+        # soft == hard: the kernel sends SIGKILL at once (SIGXCPU would dump core)
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         with open("/proc/self/statm") as f:
             vm = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
         resource.setrlimit(resource.RLIMIT_AS, (vm + _MAX_CHILD_MEMORY, vm + _MAX_CHILD_MEMORY))
     except (OSError, ValueError, ImportError):
         pass  # no /proc or no rlimits: the wall-clock kill still applies
+    return keep_fd
 
 
 def sympy_equivalent(pred: str, gt: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Verdict:
-    """Decide with sympy in a forked child killed after ``timeout_s``; a timeout is
-    ``(False, "timeout")``."""
+    """Decide with sympy in a forked child killed after ``timeout_s`` (at most
+    ``MAX_TIMEOUT_S``); a timeout is ``(False, "timeout")``."""
+    timeout_s = check_timeout(timeout_s)
     _load_sympy()  # imported here, before the fork, so the child does not pay for it
+    _load_libc()
+    parent_pid = os.getpid()
     r, w = os.pipe()
     try:
         pid = os.fork()
@@ -276,8 +337,7 @@ def sympy_equivalent(pred: str, gt: str, timeout_s: float = DEFAULT_TIMEOUT_S) -
     if pid == 0:  # the child: compute, write one line, exit without cleanup handlers
         code = 1
         try:
-            os.close(r)
-            _child_memory_limit()
+            w = _confine_child(parent_pid, w, timeout_s)
             try:
                 verdict, rule = compare(pred, gt, sympy_scalar)
             except MemoryError:
