@@ -9,8 +9,12 @@ MAX_ANSWER_CHARS = 1000
 """An extracted final answer longer than this matches nothing: no real final answer is that
 long, and the policy must not be able to make a reward call slow."""
 
-_ANSWER_IS = re.compile(r"(?:final answer|the answer)\s*(?:is\s*:?|:)\s*(.+)", re.IGNORECASE)
-_ANSWER_COLON = re.compile(r"^\s*answer\s*:\s*(.+)$", re.IGNORECASE | re.MULTILINE)
+# linear: no \s* that can run across lines sits where a failed match is retried from every
+# position (``^\s*answer`` with MULTILINE rescanned a run of n newlines from each of its n line
+# starts; ``is\s*:?\s*`` split one run between two \s* in n^2 ways); the \s* after the colon
+# is reached once per marker, and markers do not overlap
+_ANSWER_IS = re.compile(r"(?:final answer|the answer)[ \t]*(?:is(?:[ \t]*:)?|:)\s*(.+)", re.IGNORECASE)
+_ANSWER_COLON = re.compile(r"^[ \t]*answer[ \t]*:\s*(.+)$", re.IGNORECASE | re.MULTILINE)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
 _NUMBER = re.compile(r"^[-+]?(\d+(?:\.\d*)?|\.\d+)(e[-+]?\d+)?$")  # \d+\.?\d* backtracks: O(n^2)

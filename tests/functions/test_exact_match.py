@@ -165,6 +165,19 @@ def test_exact_match_is_linear_in_a_long_run_of_digits() -> None:
     assert time.monotonic() - t0 < 5.0
 
 
+@pytest.mark.parametrize(
+    "text",
+    ["\n" * 1_000_000 + "42", "The answer is" + "\n" * 1_000_000],
+    ids=["newlines", "answer_is_newlines"],
+)
+def test_extraction_is_linear_in_a_megabyte_of_blank_lines(text: str) -> None:
+    # ^\s*answer\s*: (MULTILINE) rescanned the run of newlines from each line start, and
+    # "is\s*:?\s*(.+)" retried ".+" at every split of the run: 40 KB took 5 s, 1 MB would take hours
+    t0 = time.monotonic()
+    exact_match(text, ground_truth="42")
+    assert time.monotonic() - t0 < 2.0
+
+
 def test_a_too_long_answer_matches_nothing() -> None:
     long = "1" * (MAX_ANSWER_CHARS + 1)
     assert exact_match(f"\\boxed{{{long}}}", ground_truth=long) == 0.0

@@ -311,6 +311,22 @@ def test_canonical_still_strips_units_and_percent_words():
     assert canonical("cm") == "cm"  # no number: a word, not a unit
 
 
+@pytest.mark.parametrize(
+    "text",
+    ["\n" * 1_000_000 + "42", "The answer is" + "\n" * 1_000_000],
+    ids=["newlines", "answer_is_newlines"],
+)
+def test_extraction_is_linear_in_a_megabyte_of_blank_lines(text):
+    # ^\s*answer\s*: (MULTILINE) rescanned the run of newlines from each line start, and
+    # "is\s*:?\s*" split a run of spaces in n^2 ways: 40 KB took 5 s, 1 MB would take hours
+    # (the worker is killed at the function's timeout_s and the trajectory masked, not scored)
+    t0 = time.monotonic()
+    res = math_answer(text, ground_truth="42")
+    assert time.monotonic() - t0 < 2.0
+    assert res.score == (1.0 if text.endswith("42") else 0.0), res.info
+    assert _elapsed(extract_final, text) < 2.0
+
+
 def test_a_too_long_answer_scores_zero_with_the_reason():
     res = math_answer("\\boxed{" + "1" * 5_000 + "}", ground_truth="1" * 5_000)
     assert res.score == 0.0
