@@ -34,8 +34,15 @@ Rules worth knowing:
   equals a number when ``|a - b| <= 1e-9 * max(|a|, |b|)`` and, on the fast path, ``|a - b|``
   is at most one unit in its last place. A rounded decimal therefore does *not* match an
   exact value (``1.57`` is not ``\pi/2``, ``0.333`` is not ``1/3``); only a decimal good to
-  about ten significant digits does. An infinity (``\infty``, ``-\infty``) equals only
-  itself; a huge finite number (``9^{999}``, ``e^{1000}``) is compared as any other number.
+  about ten significant digits does. Against a ground truth that is an exact rational ``p/q``
+  (an integer: ``q = 1``) a decimal must also single it out, its last place at most
+  ``1/(2q)``: ``1.844674407 \times 10^{19}`` and the float ``1.8446744073709552e19`` are not
+  ``2^{64}``, while ``0.3333333333`` is ``1/3``. A decimal inside an expression (decided by
+  sympy: ``(123456789013.0)``, ``123456789100.0 \cdot 1``) is read as the exact number it
+  spells and must equal such a ground truth exactly. The tolerance stays against a ground
+  truth that is irrational (``\pi`` against 15 digits) or itself a decimal. An infinity
+  (``\infty``, ``-\infty``) equals only itself; a huge finite number (``9^{999}``,
+  ``e^{1000}``) is compared as any other number.
 * **Percentages.** When exactly one side has a ``%`` (or ``\%``, "percent"), its number
   ``X`` is read as ``X/100`` if the other side is written as a fraction or decimal
   (``50% == 0.5 == 1/2``) and as ``X`` if the other side is an integer (``50% == 50``).

@@ -291,14 +291,21 @@ def _ulp(s: str) -> Fraction | None:
 
 
 def _close(a: Fraction, b: Fraction, ulp_a: Fraction | None = None, ulp_b: Fraction | None = None) -> bool:
-    """Exact values compare exactly; a rounded decimal matches within the relative tolerance
-    and within one unit of its last place (so ``123456789013.0`` is not ``123456789012``)."""
+    """Whether prediction ``a`` equals ground truth ``b``. Exact values compare exactly; a
+    rounded decimal matches within the relative tolerance and within one unit of its last place
+    (so ``123456789013.0`` is not ``123456789012``). Against an exact ground truth ``p/q`` (an
+    integer: ``q = 1``) a decimal must also single it out among the numbers of its denominator:
+    its last place at most ``1/(2q)``, so ``1.844674407 \times 10^{19}`` and the float
+    ``1.8446744073709552e19`` (last places 10^10 and 1000) are not ``2^{64}``, while
+    ``0.3333333333`` is ``1/3``."""
     if a == b:
         return True
-    ulps = [u for u in (ulp_a, ulp_b) if u is not None]
-    if not ulps:
+    if ulp_a is None and ulp_b is None:
         return False
-    return abs(a - b) <= min(_TOL * max(abs(a), abs(b)), max(ulps))
+    if ulp_b is None and ulp_a is not None and ulp_a * 2 * b.denominator > 1:
+        return False
+    ulp = max(u for u in (ulp_a, ulp_b) if u is not None)
+    return abs(a - b) <= min(_TOL * max(abs(a), abs(b)), ulp)
 
 
 def _is_integer_form(s: str) -> bool:

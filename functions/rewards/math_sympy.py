@@ -14,9 +14,10 @@ import re
 import select
 import signal
 import time
+from fractions import Fraction
 from typing import Any
 
-from functions.rewards.math_fast import Verdict, _fast_scalar, compare
+from functions.rewards.math_fast import Verdict, _close, _fast_scalar, _ulp, as_fraction, compare
 
 DEFAULT_TIMEOUT_S = 2.0
 """Wall-clock limit of the sympy child, in seconds."""
@@ -185,7 +186,14 @@ def _parse(s: str) -> Any:
     code = latex_to_python(s)
     if code is None or not code.strip():
         return None
-    trans = (*sp.standard_transformations, sp.implicit_multiplication_application, sp.convert_xor)
+    # a decimal is read as the exact number it spells (123456789013.0 is 123456789013, not a
+    # 15-digit Float); whether a side had one is tracked by _has_decimal, for _num_close
+    trans = (
+        *sp.standard_transformations,
+        sp.implicit_multiplication_application,
+        sp.convert_xor,
+        sp.rationalize,
+    )
     local = {"e": sympy.E, "i": sympy.I, "E": sympy.E, "I": sympy.I, "pi": sympy.pi, "oo": sympy.oo}
     try:
         return sp.parse_expr(code, local_dict=local, transformations=trans)
@@ -198,23 +206,38 @@ _REL_TOL = 1e-9
 _EXACT_REL_TOL = 1e-20
 """Relative tolerance between two exact (Float-free) values evaluated at 30 digits."""
 _POINTS = ((0.5381, 1.2713), (1.9127, -0.7349), (-1.3163, 2.4471))
+_DECIMAL_POINT = re.compile(r"\d\.|\.\d")
 
 
-def _num_close(a: Any, b: Any) -> bool:
-    """Whether two numeric sympy values are equal within the documented tolerance.
+def _has_decimal(s: str) -> bool:
+    """Whether ``s`` writes a decimal (``1.5``, ``.5``, ``3.``): a rounded number, maybe."""
+    return bool(_DECIMAL_POINT.search(s))
+
+
+def _num_close(a: Any, b: Any, rounded_a: bool = False, rounded_b: bool = False) -> bool:
+    """Whether prediction ``a`` equals ground truth ``b`` (numeric sympy values) within the
+    documented tolerance; ``rounded_*``: that side was written with a decimal.
 
     Everything stays in sympy Floats (mpmath: arbitrary exponent), so ``9^{999}`` or
     ``e^{1000}`` is a huge finite number rather than a Python ``inf`` that compares "close" to
     anything (``inf <= 1e-9 * inf``). A value that is not finite (``oo``, ``-oo``, ``zoo``,
-    ``nan``) equals only a structurally identical one; two exact rationals compare exactly."""
+    ``nan``) equals only a structurally identical one. Against an exact rational ground truth,
+    an exact rational or an expression with a decimal in it (read as the exact number it spells)
+    must be equal: the tolerance for a rounded decimal applies to a plain one (the fast path,
+    where its last place is known) and, here, to a ground truth that is irrational or itself
+    written as a decimal; ``(123456789013.0)``, ``123456789100.0 \\cdot 1`` are not
+    ``123456789012``."""
     sympy, _ = _load_sympy()
     if not (a.is_finite and b.is_finite):
         return bool(a == b)
-    if a.is_Rational and b.is_Rational:
+    if b.is_Rational and not rounded_b and (a.is_Rational or rounded_a):
         return bool(a == b)
-    # the 1e-9 tolerance is for rounded decimals; two exact values (sqrt, pi, ...) evaluated to
-    # 30 digits must agree to 20
-    tol = _REL_TOL if (a.has(sympy.Float) or b.has(sympy.Float)) else _EXACT_REL_TOL
+    if a.is_Rational and b.is_Rational and not (rounded_a or rounded_b):
+        return bool(a == b)
+    # the 1e-9 tolerance is for rounded decimals (written, or the Float points of the identity
+    # test); two exact values (sqrt, pi, ...) evaluated to 30 digits must agree to 20
+    rounded = rounded_a or rounded_b or a.has(sympy.Float) or b.has(sympy.Float)
+    tol = _REL_TOL if rounded else _EXACT_REL_TOL
     d = abs(sympy.N(a - b, 30))
     scale = max(abs(sympy.N(a, 30)), abs(sympy.N(b, 30)))
     if not (d.is_number and scale.is_number and d.is_finite and scale.is_finite):
@@ -237,15 +260,20 @@ def sympy_scalar(p: str, g: str) -> Verdict:
         if diff == 0:
             return True, "sympy"
         syms = sorted(diff.free_symbols | a.free_symbols | b.free_symbols, key=str)
+        rounded = _has_decimal(p), _has_decimal(g)
         if not syms:
-            return _num_close(a, b), "sympy"
+            if b.is_Rational and not rounded[1] and (x := as_fraction(p)) is not None:
+                # a plain number against an exact rational written otherwise (2^{64}): the fast
+                # path's rule, which knows the last place of a decimal
+                return _close(x, Fraction(int(b.p), int(b.q)), _ulp(p)), "sympy"
+            return _num_close(a, b, *rounded), "sympy"
         checked = 0
         for k, (x0, dx) in enumerate(_POINTS):
             sub = {s: x0 + j * dx / (k + 2) for j, s in enumerate(syms)}
             av, bv = a.subs(sub), b.subs(sub)
             if not (av.is_finite and bv.is_finite):
                 continue
-            if not _num_close(av, bv):
+            if not _num_close(av, bv, *rounded):
                 return False, "sympy"
             checked += 1
         if checked:

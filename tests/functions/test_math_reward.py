@@ -274,6 +274,43 @@ def test_exact_integers_are_compared_exactly(pred, gt, equal):
     assert is_equivalent(pred, gt)[0] is equal
 
 
+@pytest.mark.parametrize(
+    ("pred", "gt", "equal"),
+    [
+        # a decimal rounded to fewer digits than an exact integer has: the fast path took any
+        # value within one unit of the decimal's last place (10^10 here), sympy any within 1e-9
+        ("1.844674407 \\times 10^{19}", "18446744073709551616", False),  # 2^64 to 10 digits
+        ("1.8446744073709552e19", "18446744073709551616", False),  # the float nearest 2^64
+        ("1.8446744073709552e19", "2^{64}", False),
+        ("1.844674407 \\times 10^{19}", "2^{64}", False),
+        ("1.23456789013e11", "123456789012", False),  # last place 1: off by one
+        ("(123456789013.0)", "123456789012", False),  # sympy: any expression with a decimal
+        ("123456789013.0 + 0", "123456789012", False),
+        ("123456789100.0\\cdot 1", "123456789012", False),  # off by 88
+        ("1.763668414 \\times 10^{13}", "\\frac{123456789012345}{7}", False),
+        # honest: a decimal that spells the exact value, or one good to its last place against
+        # a ground truth that is not an integer (a fraction, an irrational, a decimal)
+        ("18446744073709551616.0", "2^{64}", True),
+        ("341.3333333333", "\\frac{2^{10}}{3}", True),
+        ("(123456789012.0)", "123456789012", True),
+        ("123456789012.0 + 0", "123456789012", True),
+        ("1.5 \\times 10^{3}", "1500", True),
+        ("1.5 \\cdot 10^{3} + 0", "1500", True),
+        ("0.5", "\\frac{1}{2}", True),
+        ("(0.5)", "\\frac{1}{2}", True),
+        ("0.3333333333", "\\frac{1}{3}", True),
+        ("0.1428571429", "1/7", True),
+        ("3.14159265358979", "\\pi", True),  # 15 digits of an irrational
+        ("1.4142135624", "\\sqrt{2}", True),
+        ("2^{64}", "1.8446744073709552e19", True),  # the ground truth itself is rounded
+        ("18446744073709551616", "1.8446744073709552e19", True),
+        ("0.33333333333", "0.3333333333", True),
+    ],
+)
+def test_a_rounded_decimal_does_not_match_an_exact_integer(pred, gt, equal):
+    assert is_equivalent(pred, gt)[0] is equal, is_equivalent(pred, gt)
+
+
 # ----------------------------------------------------------------------------- linear time
 # Policy-controlled input must not make a reward call slow: past the function's timeout_s the
 # worker is killed and the trajectory is masked instead of scored 0. The sizes are chosen so
