@@ -9,12 +9,16 @@ MAX_ANSWER_CHARS = 1000
 """An extracted final answer longer than this matches nothing: no real final answer is that
 long, and the policy must not be able to make a reward call slow."""
 
-# linear: no \s* that can run across lines sits where a failed match is retried from every
-# position (``^\s*answer`` with MULTILINE rescanned a run of n newlines from each of its n line
-# starts; ``is\s*:?\s*`` split one run between two \s* in n^2 ways); the \s* after the colon
-# is reached once per marker, and markers do not overlap
-_ANSWER_IS = re.compile(r"(?:final answer|the answer)[ \t]*(?:is(?:[ \t]*:)?|:)\s*(.+)", re.IGNORECASE)
-_ANSWER_COLON = re.compile(r"^[ \t]*answer[ \t]*:\s*(.+)$", re.IGNORECASE | re.MULTILINE)
+# where a stated answer starts: "the answer is", "final answer:", or a line that starts with
+# "Answer:" (markdown emphasis around the words allowed: "**Answer:** 42"). Linear: no \s*
+# that could run across lines sits where a failed match is retried from every position
+# (``^\s*answer`` with MULTILINE rescanned a run of n newlines from each of its n line starts;
+# ``is\s*:?\s*(.+)`` split one run between two \s* in n^2 ways), and markers do not overlap
+_ANSWER_MARK = re.compile(
+    r"(?:final answer|the answer)[*_]*[ \t]*(?:is\b(?:[ \t]*:)?|:)[*_]*"
+    r"|^[ \t]*[*_]*answer[*_]*[ \t]*:[*_]*",
+    re.IGNORECASE | re.MULTILINE,
+)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
 _NUMBER = re.compile(r"^[-+]?(\d+(?:\.\d*)?|\.\d+)(e[-+]?\d+)?$")  # \d+\.?\d* backtracks: O(n^2)
@@ -43,15 +47,59 @@ def last_boxed(text: str) -> str | None:
     return None  # unbalanced: no reliable answer
 
 
+def stated_answer(text: str) -> str | None:
+    """The answer after the last "the answer is" / "final answer:" / "Answer:" in ``text``
+    (the last one in the text wins, whichever its kind): the rest of its line (the next
+    non-blank line when the marker ends its own), up to the end of its first sentence, so that
+    "The final answer is $\\frac{1}{2}$. I hope it is correct." states ``$\\frac{1}{2}$``."""
+    n = len(text)
+    last_two: list[re.Match[str]] = []  # only the last marker can be followed by nothing
+    for m in _ANSWER_MARK.finditer(text):
+        last_two = [last_two[-1], m] if last_two else [m]
+    for m in reversed(last_two):
+        i = m.end()
+        while i < n and text[i].isspace():
+            i += 1
+        end = text.find("\n", i)
+        line = text[i : n if end < 0 else end].strip()
+        if line:
+            return first_sentence(line)
+    return None
+
+
+def first_sentence(s: str) -> str:
+    """``s`` up to the end of its first sentence: a period or ``!`` followed by a space, outside
+    math (``$...$``) and braces. A decimal point is followed by a digit; "17." stays whole."""
+    in_math = False
+    depth = 0
+    i = 0
+    n = len(s)
+    while i < n:
+        c = s[i]
+        if c == "\\":  # an escaped character (\$, \{, \.) or a command: skip its first letter
+            i += 2
+            continue
+        if c == "$":
+            in_math = not in_math
+        elif c == "{":
+            depth += 1
+        elif c == "}":
+            depth = max(0, depth - 1)
+        elif c in ".!" and not in_math and not depth and i + 1 < n and s[i + 1].isspace():
+            return s[:i].rstrip()
+        i += 1
+    return s
+
+
 def extract_answer(text: str) -> str:
-    r"""The final answer of a completion: ``\boxed{}``, else "the answer is ...", else
-    "Answer: ...", else the last non-empty line."""
+    r"""The final answer of a completion: ``\boxed{}``, else the stated answer (see
+    ``stated_answer``), else the last non-empty line."""
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed
-    matches = _ANSWER_IS.findall(text) or _ANSWER_COLON.findall(text)
-    if matches:
-        return matches[-1].strip().split("\n")[0]
+    stated = stated_answer(text)
+    if stated is not None:
+        return stated
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     return lines[-1] if lines else ""
 

@@ -24,8 +24,9 @@ _EXAMPLE_TRAJ = {
     ),
 )
 def exact_match(traj: Trajectory | str, *, ground_truth: str) -> float:
-    """Normalised string match of the final answer (boxed, "the answer is", or last line);
-    an answer over ``MAX_ANSWER_CHARS`` characters matches nothing."""
+    """Normalised string match of the final answer (boxed, else the first sentence after the
+    last "the answer is" / "Answer:", else the last line); an answer over ``MAX_ANSWER_CHARS``
+    characters matches nothing."""
     text = traj if isinstance(traj, str) else traj.final_text()
     answer = extract_answer(text)
     if len(answer) > MAX_ANSWER_CHARS:

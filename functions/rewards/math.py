@@ -1,8 +1,14 @@
 r"""``math_answer``: 1.0 when the final answer of a completion is mathematically equivalent
 to the ground truth.
 
-Extraction (first that applies): the last ``\boxed{}``/``\fbox{}``, else "the answer is ..."
-/ "Answer: ...", else the last number in the text.
+Extraction (first that applies): the last ``\boxed{}``/``\fbox{}``; else the stated answer
+after the last "the answer is" / "final answer:" / a line starting "Answer:" (the last one in
+the text, whichever its form), up to the end of its first sentence ("The final answer is
+$\frac{1}{2}$. I hope it is correct." states ``\frac{1}{2}``); else the last math span
+(``$...$``, ``\(...\)``, ``\[...\]``) when no number follows it, read as its last side
+(``$x = \frac{3}{4}$``: ``\frac{3}{4}``; an inequality is skipped); else the last number
+(``\frac{3}{4}`` counts as one). ``info["extracted_by"]`` says which: ``boxed``,
+``answer_is``, ``last_math``, ``last_number``.
 
 Equivalence, cheapest first:
 
@@ -65,7 +71,7 @@ from typing import Any
 
 import fabric
 from fabric.protocol import RewardResult, Trajectory
-from functions.rewards.answer import _ANSWER_COLON, _ANSWER_IS, MAX_ANSWER_CHARS, last_boxed
+from functions.rewards.answer import MAX_ANSWER_CHARS, last_boxed, stated_answer
 from functions.rewards.math_fast import (
     Shape,
     Verdict,
@@ -108,21 +114,63 @@ __all__ = [
 # ----------------------------------------------------------------------------- extraction
 
 _LAST_NUMBER = re.compile(
-    r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?(?:/\d+(?:\.\d+)?)?|[-+]?\.\d+"
+    r"[-+]?\\[dt]?frac\s*\{\s*\d+\s*\}\s*\{\s*\d+\s*\}"  # \frac{3}{4} is one number, not 3 and 4
+    r"|[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?(?:/\d+(?:\.\d+)?)?|[-+]?\.\d+"
 )
+# one math span: $...$, $$...$$ (an escaped \$ is a dollar sign), \(...\), \[...\]
+_DOLLAR = re.compile(r"(?<!\\)\$\$?")
+_INEQUALITY = re.compile(r"[<>]|\\(?:le|ge|lt|gt|leq|geq|neq|ne)\b")
+
+
+def _last_math(text: str) -> tuple[int, str] | None:
+    """``(end, content)`` of the last math span of ``text``, or None."""
+    found: list[tuple[int, str]] = []
+    opening = None  # the $ delimiters pair in order: 1st with 2nd, 3rd with 4th...
+    last = None  # a lone last $ is a dollar sign
+    for m in _DOLLAR.finditer(text):
+        if opening is None:
+            opening = m
+        else:
+            last, opening = (m.end(), text[opening.end() : m.start()]), None
+    if last is not None:
+        found.append(last)
+    for left, right in (("\\(", "\\)"), ("\\[", "\\]")):
+        j = text.rfind(right)
+        i = text.rfind(left, 0, j) if j > 0 else -1
+        if i >= 0 and not (i > 0 and text[i - 1] == "\\"):  # \\[2pt] is a line break, not math
+            found.append((j + len(right), text[i + len(left) : j]))
+    return max(found, default=None)
+
+
+def _value_of(span: str) -> str | None:
+    """What a math span says the answer is: its last side (``x = \\frac{3}{4}``:
+    ``\\frac{3}{4}``, ``2 + 3 = 5``: ``5``), or all of it for a list of assignments (``x = 1,
+    y = 2``); None for an inequality or an empty span."""
+    if _INEQUALITY.search(span):
+        return None
+    span = span.replace("\\approx", "=")
+    value = span if "," in span else span.rpartition("=")[2]
+    return value.strip() or None
 
 
 def extract_final(text: str) -> tuple[str | None, str]:
-    """``(answer, rule)``: rule is ``boxed``, ``answer_is``, ``last_number`` or ``none``."""
+    """``(answer, rule)``: rule is ``boxed``, ``answer_is``, ``last_math``, ``last_number`` or
+    ``none``."""
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed, "boxed"
-    matches = _ANSWER_IS.findall(text) or _ANSWER_COLON.findall(text)
-    if matches:
-        return matches[-1].strip().split("\n")[0], "answer_is"
-    numbers = _LAST_NUMBER.findall(text)
-    if numbers:
-        return numbers[-1], "last_number"
+    stated = stated_answer(text)
+    if stated is not None:
+        return stated, "answer_is"
+    numbers = list(_LAST_NUMBER.finditer(text))
+    number = numbers[-1] if numbers else None
+    span = _last_math(text)
+    if span is not None and (number is None or span[0] >= number.end()):
+        value = _value_of(span[1])
+        if value is not None:
+            return value, "last_math"
+    if number is not None:
+        return number.group(), "last_number"
     return None, "none"
 
 

@@ -36,6 +36,10 @@ def traj_saying(*replies: str) -> Trajectory:
         ("The answer is 1\nlater: the answer is 2", "2"),
         ("work\nAnswer: 12 apples\nthanks", "12 apples"),
         ("step one\nresult: 42\n\n", "result: 42"),
+        ("The answer is 3. Because 1 + 2 = 3.", "3"),  # the first sentence
+        ("The final answer is $42$. I hope it is correct.", "$42$"),
+        ("The answer is 3.\nAnswer: 5", "5"),  # the last stated answer, whichever its form
+        ("**Answer:** Paris", "Paris"),
         ("just 5", "just 5"),
         ("", ""),
         ("  \n \n", ""),

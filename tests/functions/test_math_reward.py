@@ -93,6 +93,54 @@ def test_extract_final(text, expected):
     assert extract_final(text) == expected
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # Minerva / MATH: the answer is the first sentence, not the rest of the line
+        ("The final answer is $\\frac{1}{2}$. I hope it is correct.", ("$\\frac{1}{2}$", "answer_is")),
+        ("Final Answer: The final answer is $5$. I hope it is correct.", ("$5$", "answer_is")),
+        ("The answer is 3. Because 1 + 2 = 3.", ("3", "answer_is")),
+        ("The answer is 3.5 exactly", ("3.5 exactly", "answer_is")),
+        ("**Final Answer:** 42", ("42", "answer_is")),
+        ("The answer is:\n\n42", ("42", "answer_is")),
+        # the last stated answer wins, whichever its form ("the answer is" beat a later Answer:)
+        ("The answer is 3.\nAnswer: 5", ("5", "answer_is")),
+        ("Answer: 5\nOn reflection, the answer is 3.", ("3.", "answer_is")),
+        # no box and no stated answer: the last math span when nothing follows it
+        ("... so $x = \\frac{3}{4}$", ("\\frac{3}{4}", "last_math")),
+        ("so \\[ y = 2 + 3 = 5 \\]", ("5", "last_math")),
+        ("the point $x = 1, y = 2$", ("x = 1, y = 2", "last_math")),
+        ("so x = \\frac{3}{4}", ("\\frac{3}{4}", "last_number")),  # \frac{3}{4} is one number
+        ("The total is $5$ apples, 12 left", ("12", "last_number")),  # a number after the span
+        ("we need $x \\geq 1$", ("1", "last_number")),  # an inequality: as before
+        ("it costs \\$5 and \\$7", ("7", "last_number")),  # escaped dollars are not math
+    ],
+)
+def test_extract_final_forms(text, expected):
+    assert extract_final(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "gt", "score"),
+    [
+        ("The final answer is $\\frac{1}{2}$. I hope it is correct.", "1/2", 1.0),
+        ("So the answer is 0.5. Let me double-check: yes.", "\\frac{1}{2}", 1.0),
+        ("... so $x = \\frac{3}{4}$", "3/4", 1.0),
+        ("x = \\frac{3}{4}", "0.75", 1.0),
+        ("The answer is 3.\nAnswer: 5", "5", 1.0),
+        ("The answer is 3.\nAnswer: 5", "3", 0.0),
+        # several answers at once still score 0
+        ("The answer is $1$ or $2$.", "1", 0.0),
+        ("The answer is $1$ or $2$.", "2", 0.0),
+        ("The answer is 1 or 2", "1", 0.0),
+        ("The answer is $1$, $2$.", "1", 0.0),
+        ("\\boxed{1} \\boxed{2}", "1", 0.0),
+    ],
+)
+def test_stated_answers_in_common_formats(text, gt, score):
+    assert math_answer(text, ground_truth=gt).score == score
+
+
 # ----------------------------------------------------------------------------- documented rules
 
 
