@@ -26,6 +26,9 @@ _NUMBER = re.compile(r"^[-+]?(\d+(?:\.\d*)?|\.\d+)(e[-+]?\d+)?$")  # \d+\.?\d* b
 # Quotes are dropped; the rest becomes a space, so that it still separates: "1,2" (a pair),
 # "1:2" (a ratio) and "10_2" (a base) are not "12" and "102".
 _QUOTES = str.maketrans("", "", "\"'`")
+_ZERO_WIDTH = str.maketrans("", "", "\u200b\u200c\u200d\u2060\ufeff")
+_TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mbox|emph|operatorname)\s*\{")
+_CHOICE = re.compile(r"\(?([a-z])\)")
 _PUNCT = str.maketrans(dict.fromkeys("!?;:,_~@#&|", " "))
 
 
@@ -118,11 +121,16 @@ def _canonical_number(s: str) -> str:
 
 
 def normalize(answer: str) -> str:
-    """Lower-case, strip math delimiters, punctuation, articles and thousands separators;
-    canonical numbers ('42.0' == '42'), compared exactly."""
-    s = answer.strip().strip("$").strip()
-    s = s.replace("\\text{", "").replace("\\mathrm{", "").replace("}", "").replace("{", "")
+    """Lower-case, strip math delimiters, text commands (``\\textbf{}``...), escapes (``\\$``,
+    ``\\%``), zero-width characters, punctuation, articles and thousands separators; a
+    parenthesised choice letter is the letter (``(A)``, ``A)``); canonical numbers ('42.0' ==
+    '42'), compared exactly."""
+    s = answer.translate(_ZERO_WIDTH).strip().strip("$").strip()
+    s = s.replace("\\$", "").replace("\\%", "%")
+    s = _TEXT_CMD.sub("", s).replace("}", "").replace("{", "")
     s = s.lower().rstrip(".").strip()
+    if m := _CHOICE.fullmatch(s):
+        return m[1]
     s = _THOUSANDS.sub("", s)
     if _NUMBER.match(s):
         return _canonical_number(s)

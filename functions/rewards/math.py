@@ -13,15 +13,18 @@ $\frac{1}{2}$. I hope it is correct." states ``\frac{1}{2}``); else the last mat
 Equivalence, cheapest first:
 
 1. **Fast path, in-process, no sympy.** Both answers are canonicalised (``$``, ``\left``/
-   ``\right``, spacing commands, ``\text{}`` units, unit words, degrees, ``\dfrac``, a
-   leading ``x =``, thousands separators removed). Equal strings are equal; two plain
-   numbers (integers, decimals, ``a/b``, ``\frac{a}{b}``, ``1e3``, ``1 \times 10^3``) are
+   ``\right``, spacing commands, ``\text{}`` units, unit words, degrees, ``\dfrac`` and
+   ``\cfrac``, a leading ``x =`` or ``f(x) =``, thousands separators and zero-width
+   characters removed; ``\varnothing`` and ``\{\}`` are ``\emptyset``; one ``a \pm b`` is
+   the list ``a + b, a - b``). Equal strings are equal; two plain numbers (integers,
+   decimals, ``a/b``, ``\frac{a}{b}``, ``1e3``, ``1 \times 10^3``, ``0.\overline{3}``) are
    compared exactly as fractions; two words are compared as normalised text. Intervals,
    tuples, sets and ``\cup`` unions are split into elements first, so a bracket or size
    mismatch is decided here too.
 2. **sympy, in a forked child process** killed after ``sympy_timeout_s`` (default 2 s, at
    most ``MAX_TIMEOUT_S``, 5 s: half the reward's own ``timeout_s``; 0, a negative number or
-   NaN is a ``ValueError``). The child converts the LaTeX to a sympy expression and compares:
+   NaN is a ``ValueError``). The child converts the LaTeX (with ``\binom`` and ``\log_b``)
+   to a sympy expression and compares:
    ``a - b == 0`` exactly; for numbers, numerically at 30 digits; with free symbols, at three
    fixed points (a deterministic identity test). A timeout, a crash or an unparsable answer
    counts as *not equivalent*, and ``info`` says which. The limit works in any thread or
@@ -52,6 +55,9 @@ Rules worth knowing:
 * **Percentages.** When exactly one side has a ``%`` (or ``\%``, "percent"), its number
   ``X`` is read as ``X/100`` if the other side is written as a fraction or decimal
   (``50% == 0.5 == 1/2``) and as ``X`` if the other side is an integer (``50% == 50``).
+* **Multiple choice.** Against a ground truth that is a letter A-E (``C``, ``(C)``), an
+  answer that starts with a choice, as AMC solutions do (``\textbf{(C) }12``), is that
+  choice, unless it names another one or says "or".
 * **Collections.** ``(a, b)``, ``[a, b)`` etc. compare element-wise and brackets must match
   (an open interval is not a closed one); ``\{...\}`` sets and bare comma lists compare as
   sets (order and repeats ignored). A list of assignments names a point: ``x = 1, y = 2``
@@ -177,10 +183,30 @@ def extract_final(text: str) -> tuple[str | None, str]:
 # ----------------------------------------------------------------------------- equivalence
 
 
+# a multiple-choice ground truth (a letter A-E) and an answer that starts with its choice, as
+# AMC solutions do: \textbf{(C) }12
+_CHOICE_GT = re.compile(r"\(?([A-E])\)?")
+_CHOICE_PRED = re.compile(r"\s*(?:\\text(?:bf|rm)?\s*\{\s*)?\(([A-E])\)")
+_ANOTHER_CHOICE = re.compile(r"\([A-E]\)|\bor\b")
+
+
+def _choice(pred: str, gt: str) -> Verdict | None:
+    """The verdict on a choice letter, or None when ``gt`` is not one or ``pred`` does not start
+    with exactly one."""
+    g = _CHOICE_GT.fullmatch(gt.strip().strip("$").strip())
+    p = pred.replace("$", "")
+    m = _CHOICE_PRED.match(p)
+    if g is None or m is None or _ANOTHER_CHOICE.search(p, m.end()):
+        return None
+    return m[1] == g[1], "choice"
+
+
 def is_equivalent(pred: str, gt: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Verdict:
     """``(equivalent, rule)`` for two raw answers (not whole completions)."""
     if len(pred) > MAX_ANSWER_CHARS:  # see answer.MAX_ANSWER_CHARS
         return False, "too_long"
+    if (choice := _choice(pred, gt)) is not None:
+        return choice
     p, g = canonical(pred), canonical(gt)
     if not p or not g:
         return False, "empty"

@@ -59,7 +59,10 @@ _WARM_UP = (
 )
 
 
-_FUNCS = {"sqrt", "pi", "oo", "log", "sin", "cos", "tan", "cot", "sec", "csc", "exp", "E", "I", "Abs"}
+_FUNCS = {
+    *("sqrt", "pi", "oo", "log", "sin", "cos", "tan", "cot", "sec", "csc", "exp", "E", "I", "Abs"),
+    "binomial",
+}
 _LATEX_CMDS = {
     "\\pi": " pi ",
     "\\infty": " oo ",
@@ -97,12 +100,23 @@ def latex_to_python(s: str) -> str | None:
             i = m.end()
             while i < n and s[i] == " ":
                 i += 1
-            if cmd == "\\frac":
+            if cmd in ("\\frac", "\\binom"):
                 if i >= n or s[i] != "{":
                     return None
-                stack.append("frac1")
-                out.append("((")
+                stack.append("frac1" if cmd == "\\frac" else "binom1")
+                out.append("((" if cmd == "\\frac" else " binomial((")
                 i += 1
+            elif cmd == "\\log" and i < n and s[i] == "_":  # \log_2 8, \log_{b} x: log(x)/log(b)
+                i += 1
+                if i < n and s[i] == "{":
+                    j = s.find("}", i)
+                    base, i = (s[i + 1 : j], j + 1) if j > 0 else ("", n)
+                else:
+                    base, i = s[i : i + 1], i + 1
+                base_code = latex_to_python(base) if base.strip() else None
+                if base_code is None:
+                    return None
+                out.append(f" (1/log({base_code}))*log")
             elif cmd == "\\sqrt":
                 if i < n and s[i] == "[":
                     j = s.find("]", i)
@@ -132,8 +146,8 @@ def latex_to_python(s: str) -> str | None:
             if not stack:
                 return None
             kind = stack.pop()
-            if kind == "frac1":
-                out.append(")/")
+            if kind in ("frac1", "binom1"):
+                out.append(")/" if kind == "frac1" else "),")
                 while i + 1 < n and s[i + 1] == " ":
                     i += 1
                 if i + 1 >= n or s[i + 1] != "{":

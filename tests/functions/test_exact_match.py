@@ -83,6 +83,14 @@ def test_unbalanced_boxed_falls_back() -> None:
         ("hello, world.", "hello world"),
         ("well-known", "well-known"),
         ("a   b\tc", "b c"),
+        ("\\textbf{Paris}", "paris"),  # every text command, not only \text and \mathrm
+        ("\\emph{Paris}", "paris"),
+        ("\\$5", "5"),  # an escaped dollar is a currency sign
+        ("5\\%", "5%"),
+        ("(A)", "a"),  # a choice letter
+        ("A)", "a"),
+        ("\\text{(B)}", "b"),
+        ("Pa\u200bris", "paris"),  # a zero-width space is not there
     ],
 )
 def test_normalize(raw: str, expected: str) -> None:

@@ -359,6 +359,49 @@ def test_a_rounded_decimal_does_not_match_an_exact_integer(pred, gt, equal):
     assert is_equivalent(pred, gt)[0] is equal, is_equivalent(pred, gt)
 
 
+@pytest.mark.parametrize(
+    ("pred", "gt", "equal"),
+    [
+        # \pm is the list of both signs
+        ("\\pm 2", "2, -2", True),
+        ("2, -2", "\\pm 2", True),
+        ("x = \\pm 2", "\\{-2, 2\\}", True),
+        ("\\frac{1 \\pm \\sqrt{5}}{2}", "\\frac{1+\\sqrt{5}}{2}, \\frac{1-\\sqrt{5}}{2}", True),
+        ("\\pm 2", "2", False),  # two answers for one
+        ("\\pm 2", "-2", False),
+        # a row break with spaces around it (\\ ) was read as a spacing command (\ )
+        ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}", True),
+        ("\\begin{matrix} 1 & 2 \\\\ 3 & 4 \\end{matrix}", "\\begin{matrix}1&2\\\\3&4\\end{matrix}", True),
+        ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix}2\\\\1\\end{pmatrix}", False),
+        # an AMC answer names its choice first
+        ("\\textbf{(C) }12", "C", True),
+        ("$\\textbf{(B)}\\ 7$", "B", True),
+        ("\\textbf{(C) }12", "D", False),
+        ("(C) or (D)", "C", False),
+        ("(C) 12 (D) 15", "D", False),
+        # other spellings
+        ("f(x) = 2x+1", "2x+1", True),
+        ("f(x) = 2x+1", "2x+2", False),
+        ("\\log_2 8", "3", True),
+        ("\\log_{10} 1000", "3", True),
+        ("\\log_2 8", "4", False),
+        ("\\binom{5}{2}", "10", True),
+        ("\\binom{5}{2}", "20", False),
+        ("\\cfrac{1}{2}", "0.5", True),
+        ("0.\\overline{3}", "\\frac{1}{3}", True),
+        ("1.2\\overline{45}", "\\frac{137}{110}", True),
+        ("0.\\overline{3}", "0.33", False),
+        ("\\emptyset", "\\varnothing", True),
+        ("\\{\\}", "\\emptyset", True),
+        ("3\u200b", "3", True),  # a zero-width space is not there
+        ("\u200b3", "3", True),
+        ("12 m/s", "12", True),
+    ],
+)
+def test_common_spellings_of_an_answer(pred, gt, equal):
+    assert is_equivalent(pred, gt)[0] is equal, is_equivalent(pred, gt)
+
+
 # ----------------------------------------------------------------------------- linear time
 # Policy-controlled input must not make a reward call slow: past the function's timeout_s the
 # worker is killed and the trajectory is masked instead of scored 0. The sizes are chosen so
