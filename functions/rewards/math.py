@@ -13,27 +13,30 @@ $\frac{1}{2}$. I hope it is correct." states ``\frac{1}{2}``); else the last mat
 Equivalence, cheapest first:
 
 1. **Fast path, in-process, no sympy.** Both answers are canonicalised (``$``, ``\left``/
-   ``\right``, spacing commands, ``\text{}`` units, unit words, degrees, ``\dfrac`` and
-   ``\cfrac``, a leading ``x =`` or ``f(x) =``, thousands separators and zero-width
-   characters removed; ``\varnothing`` and ``\{\}`` are ``\emptyset``; one ``a \pm b`` is
-   the list ``a + b, a - b``). Equal strings are equal; two plain numbers (integers,
-   decimals, ``a/b``, ``\frac{a}{b}``, ``1e3``, ``1 \times 10^3``, ``0.\overline{3}``) are
-   compared exactly as fractions; two words are compared as normalised text. Intervals,
-   tuples, sets and ``\cup`` unions are split into elements first, so a bracket or size
-   mismatch is decided here too.
+   ``\right``, spacing commands, unit words and a ``\text{}`` that holds only unit words
+   (any other ``\text{}`` says what it says: ``\text{not } 3`` is not 3, ``\text{ and }`` is
+   a comma), degrees, ``\dfrac`` and ``\cfrac``, a leading ``x =`` or ``f(x) =``, thousands
+   separators and zero-width characters removed; ``\varnothing`` and ``\{\}`` are
+   ``\emptyset``; one ``a \pm b`` is the list ``a + b, a - b``). Equal strings are equal;
+   two plain numbers (integers, decimals, ``a/b``, ``\frac{a}{b}``, ``1e3``,
+   ``1 \times 10^3``, ``0.\overline{3}``) are compared exactly as fractions; two words are
+   compared as normalised text. Intervals, tuples, sets and ``\cup`` unions are split into elements
+   first, so a bracket or size mismatch is decided here too.
 2. **sympy, in a forked child process** killed after ``sympy_timeout_s`` (default 2 s, at
    most ``MAX_TIMEOUT_S``, 5 s: half the reward's own ``timeout_s``; 0, a negative number or
    NaN is a ``ValueError``). The child converts the LaTeX (with ``\binom`` and ``\log_b``)
-   to a sympy expression and compares:
-   ``a - b == 0`` exactly; for numbers, numerically at 30 digits; with free symbols, at three
-   fixed points (a deterministic identity test). A timeout, a crash or an unparsable answer
-   counts as *not equivalent*, and ``info`` says which. The limit works in any thread or
-   worker process: it uses no signals, only ``os.fork``, a pipe and ``SIGKILL``, and the child
-   is always reaped. Nor can the child outlive its parent or its budget when the parent itself
-   is killed (a worker past its ``timeout_s``): the kernel kills it with its parent
-   (``PR_SET_PDEATHSIG``, Linux), it keeps no file descriptor but its result pipe (so it
-   cannot hold its worker's socket open), and ``RLIMIT_CPU`` stops it after
-   ``ceil(limit) + 1`` seconds of CPU.
+   to a sympy expression and compares: ``a - b == 0`` exactly; for numbers, numerically at
+   30 digits; with free symbols, at three fixed points and two drawn at random for each call
+   (an identity test no answer can be fitted to: a polynomial vanishing at the public points
+   is not ``0``); a point where one side is finite and the other is not is a difference, and
+   fewer than two finite points leave it to ``simplify``. A timeout, a crash or an
+   unparsable answer counts as *not equivalent*, and ``info`` says which. The limit works in
+   any thread or worker process: it uses no signals, only ``os.fork``, a pipe and
+   ``SIGKILL``, and the child is always reaped. Nor can the child outlive its parent or its
+   budget when the parent itself is killed (a worker past its ``timeout_s``): the kernel
+   kills it with its parent (``PR_SET_PDEATHSIG``, Linux), it keeps no file descriptor but
+   its result pipe (so it cannot hold its worker's socket open), and ``RLIMIT_CPU`` stops it
+   after ``ceil(limit) + 1`` seconds of CPU.
 
 Rules worth knowing:
 
@@ -67,7 +70,9 @@ Rules worth knowing:
 * **Length.** A predicted final answer over ``MAX_ANSWER_CHARS`` (1000) characters is not
   equivalent (``decided_by: too_long``); every in-process step is linear in the answer.
 * **Symbols.** ``e`` is Euler's number, ``i`` the imaginary unit; words that are not math
-  functions are text, never multiplied-out symbols.
+  functions are text, never multiplied-out symbols, and two answers made of letters only
+  compare as text however short (``on`` is not ``no``, ``ba`` is not ``ab``): a product is
+  written with an operator or a coefficient (``a \cdot b``, ``2ab``).
 """
 
 from __future__ import annotations

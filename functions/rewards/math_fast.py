@@ -43,7 +43,9 @@ _UNITS = (
     "year years dollar dollars cent cents euro euros "
     "deg degree degrees radian radians unit units sq square cubic "
     "people persons students apples cookies marbles pages points ways times "
-    "m/s km/h ft/s mi/h"
+    "m/s km/h ft/s mi/h per sqft "
+    "boys girls children adults men women friends members players teams games books cards coins "
+    "balls boxes bags eggs trees dogs cats cars rows seats handshakes hats tickets toys"
 ).split()
 # one unit token (``cm``, ``m^2``, ``km²``, ``sec.``); units are stripped token by token from
 # the right (_strip_units), never with a pattern anchored at ``$`` that is retried from every
@@ -90,12 +92,27 @@ def _strip_units(s: str) -> str:
         end = i
 
 
+def _is_units(text: str) -> bool:
+    """Whether ``text`` is only unit words (``cm``, ``square meters``, ``m/s``)."""
+    words = text.split()
+    return bool(words) and all(_UNIT_TOKEN.fullmatch(w) for w in words)
+
+
 def _strip_text(s: str) -> str:
-    r"""``\text{cm}`` after a number is a unit (dropped); ``\text{Paris}`` alone is the answer."""
-    without = _TEXT_UNIT.sub("", s).strip()
+    r"""``\text{cm}`` after a number is a unit (dropped); any other ``\text{}`` says what it
+    says: ``\text{Paris}`` is Paris, ``\text{not } 3`` is "not 3" and ``3 \text{ (or 5)}`` is
+    "3 (or 5)" (both used to be 3), ``\text{ and }`` is a comma (``x=1 \text{ and } y=2``)."""
+
+    def unit_or_text(m: re.Match[str]) -> str:
+        if _is_units(m[1]):
+            return ""
+        rest = m.group()[m.end(1) - m.start() + 1 :]  # an exponent that followed the braces
+        return ", " if m[1].strip() == "and" else m[1] + rest
+
+    without = _TEXT_UNIT.sub(unit_or_text, s).strip()
     if without and any(c.isdigit() for c in without):
         return without
-    return _TEXT_CMD.sub(r"\1", s)
+    return _TEXT_CMD.sub(r"\1", s)  # no number left: \text{cm} alone is the word cm
 
 
 _MINUS_SIGNS = str.maketrans(
@@ -387,12 +404,8 @@ def _fast_scalar(p: str, g: str) -> Verdict:
     if a is not None and b is not None:
         return _close(a, b, _ulp(p), _ulp(g)), "number"
     pw, gw = bool(_WORD.match(p)), bool(_WORD.match(g))
-    if pw and gw:
-        if normalize(p) == normalize(g):
-            return True, "text"
-        if max(len(w) for w in (p + " " + g).split()) > 3:  # words, not products like "ab"
-            return False, "text"
-        return None, "undecided"
+    if pw and gw:  # two words are text, however short: sympy read "on" as o*n, which is "no"
+        return normalize(p) == normalize(g), "text"
     if (pw and b is not None) or (gw and a is not None):
         return False, "text"
     return None, "undecided"

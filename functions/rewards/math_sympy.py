@@ -10,6 +10,7 @@ import fcntl
 import json
 import math
 import os
+import random
 import re
 import select
 import signal
@@ -220,6 +221,21 @@ _REL_TOL = 1e-9
 _EXACT_REL_TOL = 1e-20
 """Relative tolerance between two exact (Float-free) values evaluated at 30 digits."""
 _POINTS = ((0.5381, 1.2713), (1.9127, -0.7349), (-1.3163, 2.4471))
+_SECRET_POINTS = 2
+_random = random.SystemRandom()
+
+
+def _identity_points(syms: list[Any]) -> list[dict[Any, float]]:
+    """Where the identity test evaluates both sides: three fixed points (both signs, so that
+    ``|x|`` is not ``x``) and two drawn at random for each call from the OS's generator. The
+    fixed points are public (this file): ``x^2 + (x-0.5381)(x-1.9127)(x+1.3163)`` vanishes at
+    them and matched ``x^2``; no answer can vanish at points it cannot know. An honest identity
+    holds everywhere, so the random points never change its verdict."""
+    points = [{s: x0 + j * dx / (k + 2) for j, s in enumerate(syms)} for k, (x0, dx) in enumerate(_POINTS)]
+    points += [{s: _random.uniform(-2.5, 2.5) for s in syms} for _ in range(_SECRET_POINTS)]
+    return points
+
+
 _DECIMAL_POINT = re.compile(r"\d\.|\.\d")
 
 
@@ -282,15 +298,17 @@ def sympy_scalar(p: str, g: str) -> Verdict:
                 return _close(x, Fraction(int(b.p), int(b.q)), _ulp(p)), "sympy"
             return _num_close(a, b, *rounded), "sympy"
         checked = 0
-        for k, (x0, dx) in enumerate(_POINTS):
-            sub = {s: x0 + j * dx / (k + 2) for j, s in enumerate(syms)}
+        for sub in _identity_points(syms):
             av, bv = a.subs(sub), b.subs(sub)
-            if not (av.is_finite and bv.is_finite):
+            fa, fb = av.is_finite, bv.is_finite
+            if fa is not fb and None not in (fa, fb):  # x^{\infty} is 0 at 0.5, not at 1.9
+                return False, "sympy"
+            if not (fa and fb):
                 continue
             if not _num_close(av, bv, *rounded):
                 return False, "sympy"
             checked += 1
-        if checked:
+        if checked >= 2:
             return True, "sympy"
         return bool(sympy.simplify(diff) == 0), "sympy"
     except Exception:  # comparisons of odd objects (sets, relations) raise TypeError etc.

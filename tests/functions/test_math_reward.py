@@ -402,6 +402,73 @@ def test_common_spellings_of_an_answer(pred, gt, equal):
     assert is_equivalent(pred, gt)[0] is equal, is_equivalent(pred, gt)
 
 
+@pytest.mark.parametrize(
+    ("pred", "gt", "equal"),
+    [
+        # \text{} next to a number was deleted whatever it said
+        ("\\text{not } 3", "3", False),
+        ("\\text{anything but }3", "3", False),
+        ("3 \\text{ (or 5)}", "3", False),
+        ("\\text{-}3", "3", False),
+        ("\\text{-}3", "-3", True),
+        ("5 \\text{ or } 6", "5", False),
+        ("5 \\text{ and } 6", "5", False),
+        # units are still units, and "and" joins the parts of one answer
+        ("5 \\text{ cm}", "5", True),
+        ("10 \\text{ m}^2", "10", True),
+        ("3 \\text{ miles per hour}", "3", True),
+        ("12 \\text{ dogs}", "12", True),
+        ("\\text{5 cm}", "5", True),
+        ("x=1 \\text{ and } y=2", "(1,2)", True),
+        ("5 \\text{ and } 6", "6, 5", True),
+        ("\\text{Tuesday}", "Tuesday", True),
+    ],
+)
+def test_text_next_to_a_number_is_dropped_only_when_it_is_a_unit(pred, gt, equal):
+    assert is_equivalent(pred, gt)[0] is equal, is_equivalent(pred, gt)
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt", "equal"),
+    [
+        ("on", "no", False),  # sympy read short words as products of symbols: o*n == n*o
+        ("act", "cat", False),
+        ("god", "dog", False),
+        ("sey", "yes", False),
+        ("ab", "ba", False),  # two words; a product is written as one: a \cdot b, 2ab
+        ("Yes", "yes", True),
+        ("ab", "b \\cdot a", True),
+        ("2ab", "2ba", True),
+    ],
+)
+def test_short_words_are_text_not_products_of_symbols(pred, gt, equal):
+    assert is_equivalent(pred, gt)[0] is equal, is_equivalent(pred, gt)
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt"),
+    [
+        # vanishes at the three public points of the identity test: it matched x^2
+        ("x^2 + (x-0.5381)(x-1.9127)(x+1.3163)", "x^2"),
+        ("x^2 + 10^{6}(x-0.5381)(x-1.9127)(x+1.3163)", "x^2"),
+        # finite (0) at one point only, infinite where it differs: that one point decided
+        ("x^{\\infty}", "0"),
+    ],
+)
+def test_the_identity_test_cannot_be_passed_at_its_public_points(pred, gt):
+    for _ in range(3):
+        assert is_equivalent(pred, gt) == (False, "sympy")
+
+
+def test_honest_identities_hold_at_the_random_points_too():
+    for _ in range(5):
+        assert is_equivalent("x^2-1", "(x-1)(x+1)") == (True, "sympy")
+        assert is_equivalent("\\sin^2 x + \\cos^2 x", "1") == (True, "sympy")
+        assert is_equivalent("\\frac{x^2-1}{x-1}", "x+1") == (True, "sympy")
+        assert is_equivalent("\\sqrt{x^2}", "|x|") == (True, "sympy")
+        assert is_equivalent("|x|", "x") == (False, "sympy")  # a fixed point is negative
+
+
 # ----------------------------------------------------------------------------- linear time
 # Policy-controlled input must not make a reward call slow: past the function's timeout_s the
 # worker is killed and the trajectory is masked instead of scored 0. The sizes are chosen so
