@@ -67,6 +67,9 @@ Rules worth knowing:
   (in any order) is ``(1, 2)`` and ``1, 2``, its values ordered by variable (``x_2`` before
   ``x_10``), and another assignment list must name the same variables; ``x = 1, x = 2`` (the
   solutions of one unknown) is the set ``1, 2``.
+* **Empty ground truth.** One that is empty once canonicalised (``""``, ``"$ $"``) is a
+  ``ValueError`` (the call fails as a ``UserError``, not retried): it is a data or config
+  error, which scoring every answer 0 would hide.
 * **Length.** A predicted final answer over ``MAX_ANSWER_CHARS`` (1000) characters is not
   equivalent (``decided_by: too_long``); every in-process step is linear in the answer.
 * **Symbols.** ``e`` is Euler's number, ``i`` the imaginary unit; words that are not math
@@ -250,6 +253,8 @@ def math_answer(
     """1.0 when the final answer (boxed, "the answer is", last number) equals the ground
     truth mathematically (fractions, radicals, percentages, intervals, sets, units)."""
     check_timeout(sympy_timeout_s)  # at most MAX_TIMEOUT_S: the call's own timeout_s is 10 s
+    if not canonical(ground_truth):  # "" or "$ $": every answer would silently score 0
+        raise ValueError(f"ground_truth {ground_truth!r} is empty once canonicalised; give the answer itself")
     text = traj if isinstance(traj, str) else traj.final_text()
     answer, extracted_by = extract_final(text)
     info: dict[str, Any] = {"extracted": answer, "extracted_by": extracted_by}

@@ -218,3 +218,13 @@ def test_normalize_numbers_exactly() -> None:
     assert normalize("-0.0") == normalize("0")
     assert normalize("1, 2") == normalize("1,2") == "1 2"
     assert normalize("1e999999999") != normalize("1e999999998")  # no float overflow to inf
+
+
+@pytest.mark.parametrize("gt", ["", "   ", "the a", "an  the", "$$", "\\text{}"])
+def test_an_empty_ground_truth_is_a_clear_error(gt: str) -> None:
+    # it normalised to "", which an empty completion or \boxed{} matched: 1.0 for nothing
+    with pytest.raises(ValueError, match=r"ground_truth .* is empty once normalised"):
+        exact_match("\\boxed{}", ground_truth=gt)
+    runner = FunctionRunner.from_entry(ENTRY)
+    ok, (code, message, _) = runner.run(encode_payload({"traj": "", "ground_truth": gt}))
+    assert not ok and code == "UserError" and "is empty once normalised" in message

@@ -228,6 +228,16 @@ def test_missing_sympy_is_a_clear_error(monkeypatch):
     assert is_equivalent("1/2", "0.5") == (True, "number")  # the fast path needs no sympy
 
 
+@pytest.mark.parametrize("gt", ["", "   ", "$$", "$ $", "\\(\\)"])
+def test_an_empty_ground_truth_is_a_clear_error(gt):
+    # every answer silently scored 0 (decided_by: empty): a config error read as a bad policy
+    with pytest.raises(ValueError, match=r"ground_truth .* is empty once canonicalised"):
+        math_answer("\\boxed{3}", ground_truth=gt)
+    runner = FunctionRunner.from_entry("functions.rewards.math:math_answer")
+    ok, (code, message, _) = runner.run(encode_payload({"traj": "\\boxed{3}", "ground_truth": gt}))
+    assert not ok and code == "UserError" and "is empty once canonicalised" in message
+
+
 # ----------------------------------------------------------------------------- time limit
 
 NESTED = "2"
