@@ -72,7 +72,8 @@ def stated_answer(text: str) -> str | None:
 
 def first_sentence(s: str) -> str:
     """``s`` up to the end of its first sentence: a period or ``!`` followed by a space, outside
-    math (``$...$``) and braces. A decimal point is followed by a digit; "17." stays whole."""
+    math (``$...$``) and braces, and not after an abbreviation (``Mr.``). A decimal point is
+    followed by a digit; "17." stays whole."""
     in_math = False
     depth = 0
     i = 0
@@ -89,9 +90,17 @@ def first_sentence(s: str) -> str:
         elif c == "}":
             depth = max(0, depth - 1)
         elif c in ".!" and not in_math and not depth and i + 1 < n and s[i + 1].isspace():
-            return s[:i].rstrip()
+            j = i  # the word before the period; the scan stops at the space after the last one
+            while j > 0 and not s[j - 1].isspace():
+                j -= 1
+            if c == "!" or s[j:i].lower() not in _ABBREVIATIONS:
+                return s[:i].rstrip()
         i += 1
     return s
+
+
+# a period after these does not end a sentence ("the answer is Mr. Smith")
+_ABBREVIATIONS = frozenset("mr mrs ms dr st jr sr prof vs etc e.g i.e approx no".split())
 
 
 def extract_answer(text: str) -> str:

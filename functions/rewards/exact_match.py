@@ -29,7 +29,7 @@ def exact_match(traj: Trajectory | str, *, ground_truth: str) -> float:
     characters matches nothing. A ground truth that normalises to nothing ("", "the a") is a
     ``ValueError``: an empty answer would match it."""
     expected = normalize(ground_truth)
-    if not expected:  # "" or "the": an empty answer (\boxed{}, no text) would score 1.0
+    if not expected:  # "" or "the a": an empty answer (\boxed{}, no text) would score 1.0
         raise ValueError(f"ground_truth {ground_truth!r} is empty once normalised; give the answer itself")
     text = traj if isinstance(traj, str) else traj.final_text()
     answer = extract_answer(text)

@@ -343,7 +343,7 @@ def _close(a: Fraction, b: Fraction, ulp_a: Fraction | None = None, ulp_b: Fract
     rounded decimal matches within the relative tolerance and within one unit of its last place
     (so ``123456789013.0`` is not ``123456789012``). Against an exact ground truth ``p/q`` (an
     integer: ``q = 1``) a decimal must also single it out among the numbers of its denominator:
-    its last place at most ``1/(2q)``, so ``1.844674407 \times 10^{19}`` and the float
+    its last place at most ``1/(2q)``, so ``1.844674407 \\times 10^{19}`` and the float
     ``1.8446744073709552e19`` (last places 10^10 and 1000) are not ``2^{64}``, while
     ``0.3333333333`` is ``1/3``."""
     if a == b:

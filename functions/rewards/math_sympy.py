@@ -262,8 +262,6 @@ def _num_close(a: Any, b: Any, rounded_a: bool = False, rounded_b: bool = False)
         return bool(a == b)
     if b.is_Rational and not rounded_b and (a.is_Rational or rounded_a):
         return bool(a == b)
-    if a.is_Rational and b.is_Rational and not (rounded_a or rounded_b):
-        return bool(a == b)
     # the 1e-9 tolerance is for rounded decimals (written, or the Float points of the identity
     # test); two exact values (sqrt, pi, ...) evaluated to 30 digits must agree to 20
     rounded = rounded_a or rounded_b or a.has(sympy.Float) or b.has(sympy.Float)

@@ -40,6 +40,8 @@ def traj_saying(*replies: str) -> Trajectory:
         ("The final answer is $42$. I hope it is correct.", "$42$"),
         ("The answer is 3.\nAnswer: 5", "5"),  # the last stated answer, whichever its form
         ("**Answer:** Paris", "Paris"),
+        ("The answer is Mr. Smith. He was first.", "Mr. Smith"),  # not a sentence end
+        ("The answer is C. Because C is the only choice.", "C"),
         ("just 5", "just 5"),
         ("", ""),
         ("  \n \n", ""),
@@ -179,8 +181,8 @@ def test_exact_match_is_linear_in_a_long_run_of_digits() -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["\n" * 1_000_000 + "42", "The answer is" + "\n" * 1_000_000],
-    ids=["newlines", "answer_is_newlines"],
+    ["\n" * 1_000_000 + "42", "The answer is" + "\n" * 1_000_000, "The answer is " + "Mr. " * 250_000],
+    ids=["newlines", "answer_is_newlines", "abbreviations"],
 )
 def test_extraction_is_linear_in_a_megabyte_of_blank_lines(text: str) -> None:
     # ^\s*answer\s*: (MULTILINE) rescanned the run of newlines from each line start, and
