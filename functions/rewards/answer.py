@@ -9,8 +9,16 @@ MAX_ANSWER_CHARS = 1000
 """An extracted final answer longer than this matches nothing: no real final answer is that
 long, and the policy must not be able to make a reward call slow."""
 
-_ANSWER_IS = re.compile(r"(?:final answer|the answer)\s*(?:is\s*:?|:)\s*(.+)", re.IGNORECASE)
-_ANSWER_COLON = re.compile(r"^\s*answer\s*:\s*(.+)$", re.IGNORECASE | re.MULTILINE)
+# where a stated answer starts: "the answer is", "final answer:", or a line that starts with
+# "Answer:" (markdown emphasis around the words allowed: "**Answer:** 42"). Linear: no \s*
+# that could run across lines sits where a failed match is retried from every position
+# (``^\s*answer`` with MULTILINE rescanned a run of n newlines from each of its n line starts;
+# ``is\s*:?\s*(.+)`` split one run between two \s* in n^2 ways), and markers do not overlap
+_ANSWER_MARK = re.compile(
+    r"(?:final answer|the answer)[*_]*[ \t]*(?:is\b(?:[ \t]*:)?|:)[*_]*"
+    r"|^[ \t]*[*_]*answer[*_]*[ \t]*:[*_]*",
+    re.IGNORECASE | re.MULTILINE,
+)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
 _NUMBER = re.compile(r"^[-+]?(\d+(?:\.\d*)?|\.\d+)(e[-+]?\d+)?$")  # \d+\.?\d* backtracks: O(n^2)
@@ -18,6 +26,9 @@ _NUMBER = re.compile(r"^[-+]?(\d+(?:\.\d*)?|\.\d+)(e[-+]?\d+)?$")  # \d+\.?\d* b
 # Quotes are dropped; the rest becomes a space, so that it still separates: "1,2" (a pair),
 # "1:2" (a ratio) and "10_2" (a base) are not "12" and "102".
 _QUOTES = str.maketrans("", "", "\"'`")
+_ZERO_WIDTH = str.maketrans("", "", "\u200b\u200c\u200d\u2060\ufeff")
+_TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mbox|emph|operatorname)\s*\{")
+_CHOICE = re.compile(r"\(?([a-z])\)")
 _PUNCT = str.maketrans(dict.fromkeys("!?;:,_~@#&|", " "))
 
 
@@ -39,15 +50,68 @@ def last_boxed(text: str) -> str | None:
     return None  # unbalanced: no reliable answer
 
 
+def stated_answer(text: str) -> str | None:
+    """The answer after the last "the answer is" / "final answer:" / "Answer:" in ``text``
+    (the last one in the text wins, whichever its kind): the rest of its line (the next
+    non-blank line when the marker ends its own), up to the end of its first sentence, so that
+    "The final answer is $\\frac{1}{2}$. I hope it is correct." states ``$\\frac{1}{2}$``."""
+    n = len(text)
+    last_two: list[re.Match[str]] = []  # only the last marker can be followed by nothing
+    for m in _ANSWER_MARK.finditer(text):
+        last_two = [last_two[-1], m] if last_two else [m]
+    for m in reversed(last_two):
+        i = m.end()
+        while i < n and text[i].isspace():
+            i += 1
+        end = text.find("\n", i)
+        line = text[i : n if end < 0 else end].strip()
+        if line:
+            return first_sentence(line)
+    return None
+
+
+def first_sentence(s: str) -> str:
+    """``s`` up to the end of its first sentence: a period or ``!`` followed by a space, outside
+    math (``$...$``) and braces, and not after an abbreviation (``Mr.``). A decimal point is
+    followed by a digit; "17." stays whole."""
+    in_math = False
+    depth = 0
+    i = 0
+    n = len(s)
+    while i < n:
+        c = s[i]
+        if c == "\\":  # an escaped character (\$, \{, \.) or a command: skip its first letter
+            i += 2
+            continue
+        if c == "$":
+            in_math = not in_math
+        elif c == "{":
+            depth += 1
+        elif c == "}":
+            depth = max(0, depth - 1)
+        elif c in ".!" and not in_math and not depth and i + 1 < n and s[i + 1].isspace():
+            j = i  # the word before the period; the scan stops at the space after the last one
+            while j > 0 and not s[j - 1].isspace():
+                j -= 1
+            if c == "!" or s[j:i].lower() not in _ABBREVIATIONS:
+                return s[:i].rstrip()
+        i += 1
+    return s
+
+
+# a period after these does not end a sentence ("the answer is Mr. Smith")
+_ABBREVIATIONS = frozenset("mr mrs ms dr st jr sr prof vs etc e.g i.e approx no".split())
+
+
 def extract_answer(text: str) -> str:
-    r"""The final answer of a completion: ``\boxed{}``, else "the answer is ...", else
-    "Answer: ...", else the last non-empty line."""
+    r"""The final answer of a completion: ``\boxed{}``, else the stated answer (see
+    ``stated_answer``), else the last non-empty line."""
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed
-    matches = _ANSWER_IS.findall(text) or _ANSWER_COLON.findall(text)
-    if matches:
-        return matches[-1].strip().split("\n")[0]
+    stated = stated_answer(text)
+    if stated is not None:
+        return stated
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     return lines[-1] if lines else ""
 
@@ -66,11 +130,16 @@ def _canonical_number(s: str) -> str:
 
 
 def normalize(answer: str) -> str:
-    """Lower-case, strip math delimiters, punctuation, articles and thousands separators;
-    canonical numbers ('42.0' == '42'), compared exactly."""
-    s = answer.strip().strip("$").strip()
-    s = s.replace("\\text{", "").replace("\\mathrm{", "").replace("}", "").replace("{", "")
+    """Lower-case, strip math delimiters, text commands (``\\textbf{}``...), escapes (``\\$``,
+    ``\\%``), zero-width characters, punctuation, articles and thousands separators; a
+    parenthesised choice letter is the letter (``(A)``, ``A)``); canonical numbers ('42.0' ==
+    '42'), compared exactly."""
+    s = answer.translate(_ZERO_WIDTH).strip().strip("$").strip()
+    s = s.replace("\\$", "").replace("\\%", "%")
+    s = _TEXT_CMD.sub("", s).replace("}", "").replace("{", "")
     s = s.lower().rstrip(".").strip()
+    if m := _CHOICE.fullmatch(s):
+        return m[1]
     s = _THOUSANDS.sub("", s)
     if _NUMBER.match(s):
         return _canonical_number(s)

@@ -24,10 +24,15 @@ _EXAMPLE_TRAJ = {
     ),
 )
 def exact_match(traj: Trajectory | str, *, ground_truth: str) -> float:
-    """Normalised string match of the final answer (boxed, "the answer is", or last line);
-    an answer over ``MAX_ANSWER_CHARS`` characters matches nothing."""
+    """Normalised string match of the final answer (boxed, else the first sentence after the
+    last "the answer is" / "Answer:", else the last line); an answer over ``MAX_ANSWER_CHARS``
+    characters matches nothing. A ground truth that normalises to nothing ("", "the a") is a
+    ``ValueError``: an empty answer would match it."""
+    expected = normalize(ground_truth)
+    if not expected:  # "" or "the a": an empty answer (\boxed{}, no text) would score 1.0
+        raise ValueError(f"ground_truth {ground_truth!r} is empty once normalised; give the answer itself")
     text = traj if isinstance(traj, str) else traj.final_text()
     answer = extract_answer(text)
     if len(answer) > MAX_ANSWER_CHARS:
         return 0.0
-    return 1.0 if normalize(answer) == normalize(ground_truth) else 0.0
+    return 1.0 if normalize(answer) == expected else 0.0

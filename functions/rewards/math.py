@@ -1,24 +1,42 @@
 r"""``math_answer``: 1.0 when the final answer of a completion is mathematically equivalent
 to the ground truth.
 
-Extraction (first that applies): the last ``\boxed{}``/``\fbox{}``, else "the answer is ..."
-/ "Answer: ...", else the last number in the text.
+Extraction (first that applies): the last ``\boxed{}``/``\fbox{}``; else the stated answer
+after the last "the answer is" / "final answer:" / a line starting "Answer:" (the last one in
+the text, whichever its form), up to the end of its first sentence ("The final answer is
+$\frac{1}{2}$. I hope it is correct." states ``\frac{1}{2}``); else the last math span
+(``$...$``, ``\(...\)``, ``\[...\]``) when no number follows it, read as its last side
+(``$x = \frac{3}{4}$``: ``\frac{3}{4}``; an inequality is skipped); else the last number
+(``\frac{3}{4}`` counts as one). ``info["extracted_by"]`` says which: ``boxed``,
+``answer_is``, ``last_math``, ``last_number``.
 
 Equivalence, cheapest first:
 
 1. **Fast path, in-process, no sympy.** Both answers are canonicalised (``$``, ``\left``/
-   ``\right``, spacing commands, ``\text{}`` units, unit words, degrees, ``\dfrac``, a
-   leading ``x =``, thousands separators removed). Equal strings are equal; two plain
-   numbers (integers, decimals, ``a/b``, ``\frac{a}{b}``, ``1e3``, ``1 \times 10^3``) are
-   compared exactly as fractions; two words are compared as normalised text. Intervals,
-   tuples, sets and ``\cup`` unions are split into elements first, so a bracket or size
-   mismatch is decided here too.
-2. **sympy, in a forked child process** killed after ``timeout_s`` (default 2 s). The child
-   converts the LaTeX to a sympy expression and compares: ``a - b == 0`` exactly; for numbers,
-   numerically at 30 digits; with free symbols, at three fixed points (a deterministic
-   identity test). A timeout, a crash or an unparsable answer counts as *not equivalent*,
-   and ``info`` says which. The limit works in any thread or worker process: it uses no
-   signals, only ``os.fork``, a pipe and ``SIGKILL``, and the child is always reaped.
+   ``\right``, spacing commands, unit words and a ``\text{}`` that holds only unit words
+   (any other ``\text{}`` says what it says: ``\text{not } 3`` is not 3, ``\text{ and }`` is
+   a comma), degrees, ``\dfrac`` and ``\cfrac``, a leading ``x =`` or ``f(x) =``, thousands
+   separators and zero-width characters removed; ``\varnothing`` and ``\{\}`` are
+   ``\emptyset``; one ``a \pm b`` is the list ``a + b, a - b``). Equal strings are equal;
+   two plain numbers (integers, decimals, ``a/b``, ``\frac{a}{b}``, ``1e3``,
+   ``1 \times 10^3``, ``0.\overline{3}``) are compared exactly as fractions; two words are
+   compared as normalised text. Intervals, tuples, sets and ``\cup`` unions are split into elements
+   first, so a bracket or size mismatch is decided here too.
+2. **sympy, in a forked child process** killed after ``sympy_timeout_s`` (default 2 s, at
+   most ``MAX_TIMEOUT_S``, 5 s: half the reward's own ``timeout_s``; 0, a negative number or
+   NaN is a ``ValueError``). The child converts the LaTeX (with ``\binom`` and ``\log_b``)
+   to a sympy expression and compares: ``a - b == 0`` exactly; for numbers, numerically at
+   30 digits; with free symbols, at three fixed points and two drawn at random for each call
+   (an identity test no answer can be fitted to: a polynomial vanishing at the public points
+   is not ``0``); a point where one side is finite and the other is not is a difference, and
+   fewer than two finite points leave it to ``simplify``. A timeout, a crash or an
+   unparsable answer counts as *not equivalent*, and ``info`` says which. The limit works in
+   any thread or worker process: it uses no signals, only ``os.fork``, a pipe and
+   ``SIGKILL``, and the child is always reaped. Nor can the child outlive its parent or its
+   budget when the parent itself is killed (a worker past its ``timeout_s``): the kernel
+   kills it with its parent (``PR_SET_PDEATHSIG``, Linux), it keeps no file descriptor but
+   its result pipe (so it cannot hold its worker's socket open), and ``RLIMIT_CPU`` stops it
+   after ``ceil(limit) + 1`` seconds of CPU.
 
 Rules worth knowing:
 
@@ -28,21 +46,36 @@ Rules worth knowing:
   equals a number when ``|a - b| <= 1e-9 * max(|a|, |b|)`` and, on the fast path, ``|a - b|``
   is at most one unit in its last place. A rounded decimal therefore does *not* match an
   exact value (``1.57`` is not ``\pi/2``, ``0.333`` is not ``1/3``); only a decimal good to
-  about ten significant digits does. An infinity (``\infty``, ``-\infty``) equals only
-  itself; a huge finite number (``9^{999}``, ``e^{1000}``) is compared as any other number.
+  about ten significant digits does. Against a ground truth that is an exact rational ``p/q``
+  (an integer: ``q = 1``) a decimal must also single it out, its last place at most
+  ``1/(2q)``: ``1.844674407 \times 10^{19}`` and the float ``1.8446744073709552e19`` are not
+  ``2^{64}``, while ``0.3333333333`` is ``1/3``. A decimal inside an expression (decided by
+  sympy: ``(123456789013.0)``, ``123456789100.0 \cdot 1``) is read as the exact number it
+  spells and must equal such a ground truth exactly. The tolerance stays against a ground
+  truth that is irrational (``\pi`` against 15 digits) or itself a decimal. An infinity
+  (``\infty``, ``-\infty``) equals only itself; a huge finite number (``9^{999}``,
+  ``e^{1000}``) is compared as any other number.
 * **Percentages.** When exactly one side has a ``%`` (or ``\%``, "percent"), its number
   ``X`` is read as ``X/100`` if the other side is written as a fraction or decimal
   (``50% == 0.5 == 1/2``) and as ``X`` if the other side is an integer (``50% == 50``).
+* **Multiple choice.** Against a ground truth that is a letter A-E (``C``, ``(C)``), an
+  answer that starts with a choice, as AMC solutions do (``\textbf{(C) }12``), is that
+  choice, unless it names another one or says "or".
 * **Collections.** ``(a, b)``, ``[a, b)`` etc. compare element-wise and brackets must match
   (an open interval is not a closed one); ``\{...\}`` sets and bare comma lists compare as
   sets (order and repeats ignored). A list of assignments names a point: ``x = 1, y = 2``
   (in any order) is ``(1, 2)`` and ``1, 2``, its values ordered by variable (``x_2`` before
   ``x_10``), and another assignment list must name the same variables; ``x = 1, x = 2`` (the
   solutions of one unknown) is the set ``1, 2``.
+* **Empty ground truth.** One that is empty once canonicalised (``""``, ``"$ $"``) is a
+  ``ValueError`` (the call fails as a ``UserError``, not retried): it is a data or config
+  error, which scoring every answer 0 would hide.
 * **Length.** A predicted final answer over ``MAX_ANSWER_CHARS`` (1000) characters is not
   equivalent (``decided_by: too_long``); every in-process step is linear in the answer.
 * **Symbols.** ``e`` is Euler's number, ``i`` the imaginary unit; words that are not math
-  functions are text, never multiplied-out symbols.
+  functions are text, never multiplied-out symbols, and two answers made of letters only
+  compare as text however short (``on`` is not ``no``, ``ba`` is not ``ab``): a product is
+  written with an operator or a coefficient (``a \cdot b``, ``2ab``).
 """
 
 from __future__ import annotations
@@ -52,7 +85,7 @@ from typing import Any
 
 import fabric
 from fabric.protocol import RewardResult, Trajectory
-from functions.rewards.answer import _ANSWER_COLON, _ANSWER_IS, MAX_ANSWER_CHARS, last_boxed
+from functions.rewards.answer import MAX_ANSWER_CHARS, last_boxed, stated_answer
 from functions.rewards.math_fast import (
     Shape,
     Verdict,
@@ -62,13 +95,21 @@ from functions.rewards.math_fast import (
     fast_equivalent,
     shape,
 )
-from functions.rewards.math_sympy import DEFAULT_TIMEOUT_S, latex_to_python, sympy_equivalent, sympy_scalar
+from functions.rewards.math_sympy import (
+    DEFAULT_TIMEOUT_S,
+    MAX_TIMEOUT_S,
+    check_timeout,
+    latex_to_python,
+    sympy_equivalent,
+    sympy_scalar,
+)
 
 # the fast path and the sympy path live in math_fast and math_sympy; their public names stay
 # importable from here
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "MAX_ANSWER_CHARS",
+    "MAX_TIMEOUT_S",
     "Shape",
     "Verdict",
     "as_fraction",
@@ -87,31 +128,93 @@ __all__ = [
 # ----------------------------------------------------------------------------- extraction
 
 _LAST_NUMBER = re.compile(
-    r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?(?:/\d+(?:\.\d+)?)?|[-+]?\.\d+"
+    r"[-+]?\\[dt]?frac\s*\{\s*\d+\s*\}\s*\{\s*\d+\s*\}"  # \frac{3}{4} is one number, not 3 and 4
+    r"|[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?(?:/\d+(?:\.\d+)?)?|[-+]?\.\d+"
 )
+# one math span: $...$, $$...$$ (an escaped \$ is a dollar sign), \(...\), \[...\]
+_DOLLAR = re.compile(r"(?<!\\)\$\$?")
+_INEQUALITY = re.compile(r"[<>]|\\(?:le|ge|lt|gt|leq|geq|neq|ne)\b")
+
+
+def _last_math(text: str) -> tuple[int, str] | None:
+    """``(end, content)`` of the last math span of ``text``, or None."""
+    found: list[tuple[int, str]] = []
+    opening = None  # the $ delimiters pair in order: 1st with 2nd, 3rd with 4th...
+    last = None  # a lone last $ is a dollar sign
+    for m in _DOLLAR.finditer(text):
+        if opening is None:
+            opening = m
+        else:
+            last, opening = (m.end(), text[opening.end() : m.start()]), None
+    if last is not None:
+        found.append(last)
+    for left, right in (("\\(", "\\)"), ("\\[", "\\]")):
+        j = text.rfind(right)
+        i = text.rfind(left, 0, j) if j > 0 else -1
+        if i >= 0 and not (i > 0 and text[i - 1] == "\\"):  # \\[2pt] is a line break, not math
+            found.append((j + len(right), text[i + len(left) : j]))
+    return max(found, default=None)
+
+
+def _value_of(span: str) -> str | None:
+    """What a math span says the answer is: its last side (``x = \\frac{3}{4}``:
+    ``\\frac{3}{4}``, ``2 + 3 = 5``: ``5``), or all of it for a list of assignments (``x = 1,
+    y = 2``); None for an inequality or an empty span."""
+    if _INEQUALITY.search(span):
+        return None
+    span = span.replace("\\approx", "=")
+    value = span if "," in span else span.rpartition("=")[2]
+    return value.strip() or None
 
 
 def extract_final(text: str) -> tuple[str | None, str]:
-    """``(answer, rule)``: rule is ``boxed``, ``answer_is``, ``last_number`` or ``none``."""
+    """``(answer, rule)``: rule is ``boxed``, ``answer_is``, ``last_math``, ``last_number`` or
+    ``none``."""
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed, "boxed"
-    matches = _ANSWER_IS.findall(text) or _ANSWER_COLON.findall(text)
-    if matches:
-        return matches[-1].strip().split("\n")[0], "answer_is"
-    numbers = _LAST_NUMBER.findall(text)
-    if numbers:
-        return numbers[-1], "last_number"
+    stated = stated_answer(text)
+    if stated is not None:
+        return stated, "answer_is"
+    numbers = list(_LAST_NUMBER.finditer(text))
+    number = numbers[-1] if numbers else None
+    span = _last_math(text)
+    if span is not None and (number is None or span[0] >= number.end()):
+        value = _value_of(span[1])
+        if value is not None:
+            return value, "last_math"
+    if number is not None:
+        return number.group(), "last_number"
     return None, "none"
 
 
 # ----------------------------------------------------------------------------- equivalence
 
 
+# a multiple-choice ground truth (a letter A-E) and an answer that starts with its choice, as
+# AMC solutions do: \textbf{(C) }12
+_CHOICE_GT = re.compile(r"\(?([A-E])\)?")
+_CHOICE_PRED = re.compile(r"\s*(?:\\text(?:bf|rm)?\s*\{\s*)?\(([A-E])\)")
+_ANOTHER_CHOICE = re.compile(r"\([A-E]\)|\bor\b")
+
+
+def _choice(pred: str, gt: str) -> Verdict | None:
+    """The verdict on a choice letter, or None when ``gt`` is not one or ``pred`` does not start
+    with exactly one."""
+    g = _CHOICE_GT.fullmatch(gt.strip().strip("$").strip())
+    p = pred.replace("$", "")
+    m = _CHOICE_PRED.match(p)
+    if g is None or m is None or _ANOTHER_CHOICE.search(p, m.end()):
+        return None
+    return m[1] == g[1], "choice"
+
+
 def is_equivalent(pred: str, gt: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Verdict:
     """``(equivalent, rule)`` for two raw answers (not whole completions)."""
     if len(pred) > MAX_ANSWER_CHARS:  # see answer.MAX_ANSWER_CHARS
         return False, "too_long"
+    if (choice := _choice(pred, gt)) is not None:
+        return choice
     p, g = canonical(pred), canonical(gt)
     if not p or not g:
         return False, "empty"
@@ -142,10 +245,16 @@ _EXAMPLE_TRAJ = {
     ),
 )
 def math_answer(
-    traj: Trajectory | str, *, ground_truth: str, sympy_timeout_s: float = DEFAULT_TIMEOUT_S
+    traj: Trajectory | str,
+    *,
+    ground_truth: str,
+    sympy_timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> RewardResult:
     """1.0 when the final answer (boxed, "the answer is", last number) equals the ground
     truth mathematically (fractions, radicals, percentages, intervals, sets, units)."""
+    check_timeout(sympy_timeout_s)  # at most MAX_TIMEOUT_S: the call's own timeout_s is 10 s
+    if not canonical(ground_truth):  # "" or "$ $": every answer would silently score 0
+        raise ValueError(f"ground_truth {ground_truth!r} is empty once canonicalised; give the answer itself")
     text = traj if isinstance(traj, str) else traj.final_text()
     answer, extracted_by = extract_final(text)
     info: dict[str, Any] = {"extracted": answer, "extracted_by": extracted_by}

@@ -42,7 +42,10 @@ _UNITS = (
     "s sec second seconds min minute minutes h hr hrs hour hours day days week weeks month months "
     "year years dollar dollars cent cents euro euros "
     "deg degree degrees radian radians unit units sq square cubic "
-    "people persons students apples cookies marbles pages points ways times"
+    "people persons students apples cookies marbles pages points ways times "
+    "m/s km/h ft/s mi/h per sqft "
+    "boys girls children adults men women friends members players teams games books cards coins "
+    "balls boxes bags eggs trees dogs cats cars rows seats handshakes hats tickets toys"
 ).split()
 # one unit token (``cm``, ``m^2``, ``km²``, ``sec.``); units are stripped token by token from
 # the right (_strip_units), never with a pattern anchored at ``$`` that is retried from every
@@ -54,11 +57,14 @@ _UNIT_TOKEN = re.compile(
 _PERCENT_WORD = re.compile(r"(?<!\s)\s*\bpercent\b", re.IGNORECASE)  # starts once per space run
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|mbox|mathrm|mathbf|operatorname)\s*\{([^{}]*)\}")
 _TEXT_UNIT = re.compile(_TEXT_CMD.pattern + r"(?:\s*\^\s*\{?[23]\}?)?")
-_SPACING = re.compile(r"\\[,;:! ]|\\(?:quad|qquad|displaystyle|textstyle)\b|~")
+# not the second backslash of a row break: "1 \\\\ 2" (pmatrix) is not "1 \\ 2"
+_SPACING = re.compile(r"(?<!\\)\\[,;:! ]|\\(?:quad|qquad|displaystyle|textstyle)\b|~")
 _LEFT_RIGHT = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big)\b\.?")
 _DEGREES = re.compile(r"\^\s*\{?\\circ\}?|°|\\degree\b")
+# ``x =``, ``x_1 =``, ``f(x) =``, ``(x, y) =``, ``x \in``
 _LHS = re.compile(
-    r"^(?:[a-zA-Z](?:_\{?\w+\}?)?|\(\s*[a-zA-Z](?:\s*,\s*[a-zA-Z])*\s*\))\s*(?:=|\\in\b)\s*(?=\S)"
+    r"^(?:[a-zA-Z](?:_\{?\w+\}?)?(?:\(\s*[a-zA-Z]\s*\))?|\(\s*[a-zA-Z](?:\s*,\s*[a-zA-Z])*\s*\))"
+    r"\s*(?:=|\\in\b)\s*(?=\S)"
 )
 # one part of an answer such as ``x = 1, y = 2``: a variable (``x``, ``x_1``, ``x_{12}``) and
 # its value (anything with no further ``=``)
@@ -86,15 +92,35 @@ def _strip_units(s: str) -> str:
         end = i
 
 
+def _is_units(text: str) -> bool:
+    """Whether ``text`` is only unit words (``cm``, ``square meters``, ``m/s``)."""
+    words = text.split()
+    return bool(words) and all(_UNIT_TOKEN.fullmatch(w) for w in words)
+
+
 def _strip_text(s: str) -> str:
-    r"""``\text{cm}`` after a number is a unit (dropped); ``\text{Paris}`` alone is the answer."""
-    without = _TEXT_UNIT.sub("", s).strip()
+    r"""``\text{cm}`` after a number is a unit (dropped); any other ``\text{}`` says what it
+    says: ``\text{Paris}`` is Paris, ``\text{not } 3`` is "not 3" and ``3 \text{ (or 5)}`` is
+    "3 (or 5)" (both used to be 3), ``\text{ and }`` is a comma (``x=1 \text{ and } y=2``)."""
+
+    def unit_or_text(m: re.Match[str]) -> str:
+        if _is_units(m[1]):
+            return ""
+        rest = m.group()[m.end(1) - m.start() + 1 :]  # an exponent that followed the braces
+        return ", " if m[1].strip() == "and" else m[1] + rest
+
+    without = _TEXT_UNIT.sub(unit_or_text, s).strip()
     if without and any(c.isdigit() for c in without):
         return without
-    return _TEXT_CMD.sub(r"\1", s)
+    return _TEXT_CMD.sub(r"\1", s)  # no number left: \text{cm} alone is the word cm
 
 
-_MINUS_SIGNS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
+_MINUS_SIGNS = str.maketrans(
+    {"\u2212": "-", "\ufe63": "-", "\uff0d": "-"}
+    # zero-width characters are not there (3\u200b is 3)
+    | dict.fromkeys("\u200b\u200c\u200d\u2060\ufeff", "")
+)
+_EMPTY_SET = re.compile(r"\\varnothing\b|^\\\{\s*\\\}$")
 
 
 @_small_cache
@@ -107,7 +133,8 @@ def canonical(answer: str) -> str:
     s = _LEFT_RIGHT.sub("", s)
     s = _THIN_THOUSANDS.sub("", s)
     s = _SPACING.sub(" ", s)
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("{,}", "")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\cfrac", "\\frac")
+    s = s.replace("{,}", "")
     s = _DEGREES.sub("", s)
     s = s.replace("\\%", "%").replace("\\percent", "%")
     s = _PERCENT_WORD.sub("%", s)
@@ -124,7 +151,21 @@ def canonical(answer: str) -> str:
     s = " ".join(s.split())
     if _THOUSANDS.match(s) or _SPACED_THOUSANDS.match(s):
         s = s.replace(",", "").replace(" ", "")
-    return s
+    s = _EMPTY_SET.sub(r"\\emptyset", s)
+    return _plus_minus(s)
+
+
+def _plus_minus(s: str) -> str:
+    """``a \\pm b`` is the list ``a + b, a - b`` (one ``\\pm`` or ``\\mp``, in an answer that is
+    not already a list): ``\\pm 2`` is ``+2, -2``, ``\\frac{1 \\pm \\sqrt{5}}{2}`` both roots."""
+    signs = _PLUS_MINUS.findall(s)
+    if len(signs) != 1 or "," in s:
+        return s
+    first, second = ("+", "-") if signs[0].startswith("\\pm") else ("-", "+")
+    return f"{_PLUS_MINUS.sub(first, s)}, {_PLUS_MINUS.sub(second, s)}"
+
+
+_PLUS_MINUS = re.compile(r"\\(?:pm|mp)\b\s*")
 
 
 def _name_order(name: str) -> tuple[str, int]:
@@ -245,6 +286,8 @@ _SCI = re.compile(
 )
 _MIXED = re.compile(r"^([-+]?)(\d+)\s*\\frac\{(\d+)\}\{(\d+)\}$")
 _POW10 = re.compile(r"^10\s*\^\s*\{?\s*([-+]?\d{1,3})\s*\}?$")
+# a repeating decimal: 0.\overline{3} is 1/3, 1.2\overline{45} is 1.2454545...
+_REPEATING = re.compile(r"^([-+]?)(\d*)\.(\d{0,50})\\overline\s*\{(\d{1,50})\}$")
 
 
 @_small_cache
@@ -269,6 +312,11 @@ def as_fraction(s: str) -> Fraction | None:
             return -v if m[1] == "-" else v
         if m := _POW10.match(s):
             return Fraction(10) ** int(m[1])
+        if m := _REPEATING.match(s):
+            head, fixed, cycle = int(m[2] or 0), m[3], m[4]
+            tail = Fraction(int(fixed or 0)) + Fraction(int(cycle), 10 ** len(cycle) - 1)
+            v = head + tail / 10 ** len(fixed)
+            return -v if m[1] == "-" else v
     except (ValueError, ZeroDivisionError, OverflowError):
         return None
     return None
@@ -281,7 +329,7 @@ def _ulp(s: str) -> Fraction | None:
     """The unit in the last place of ``s`` when it is written as a decimal (``1.57``: 1/100,
     ``1.5 \\times 10^3``: 100; an odd form such as ``1.5/2``: 1), None when ``s`` is exact
     (integers, ``a/b``, ``\\frac``, integer mantissas)."""
-    if "." not in s:
+    if "." not in s or _REPEATING.match(s):  # a repeating decimal is exact
         return None
     if m := _DECIMAL.match(s):
         return Fraction(10) ** (int(m[3] or 0) - len(m[2]))
@@ -291,14 +339,21 @@ def _ulp(s: str) -> Fraction | None:
 
 
 def _close(a: Fraction, b: Fraction, ulp_a: Fraction | None = None, ulp_b: Fraction | None = None) -> bool:
-    """Exact values compare exactly; a rounded decimal matches within the relative tolerance
-    and within one unit of its last place (so ``123456789013.0`` is not ``123456789012``)."""
+    """Whether prediction ``a`` equals ground truth ``b``. Exact values compare exactly; a
+    rounded decimal matches within the relative tolerance and within one unit of its last place
+    (so ``123456789013.0`` is not ``123456789012``). Against an exact ground truth ``p/q`` (an
+    integer: ``q = 1``) a decimal must also single it out among the numbers of its denominator:
+    its last place at most ``1/(2q)``, so ``1.844674407 \\times 10^{19}`` and the float
+    ``1.8446744073709552e19`` (last places 10^10 and 1000) are not ``2^{64}``, while
+    ``0.3333333333`` is ``1/3``."""
     if a == b:
         return True
-    ulps = [u for u in (ulp_a, ulp_b) if u is not None]
-    if not ulps:
+    if ulp_a is None and ulp_b is None:
         return False
-    return abs(a - b) <= min(_TOL * max(abs(a), abs(b)), max(ulps))
+    if ulp_b is None and ulp_a is not None and ulp_a * 2 * b.denominator > 1:
+        return False
+    ulp = max(u for u in (ulp_a, ulp_b) if u is not None)
+    return abs(a - b) <= min(_TOL * max(abs(a), abs(b)), ulp)
 
 
 def _is_integer_form(s: str) -> bool:
@@ -349,12 +404,8 @@ def _fast_scalar(p: str, g: str) -> Verdict:
     if a is not None and b is not None:
         return _close(a, b, _ulp(p), _ulp(g)), "number"
     pw, gw = bool(_WORD.match(p)), bool(_WORD.match(g))
-    if pw and gw:
-        if normalize(p) == normalize(g):
-            return True, "text"
-        if max(len(w) for w in (p + " " + g).split()) > 3:  # words, not products like "ab"
-            return False, "text"
-        return None, "undecided"
+    if pw and gw:  # two words are text, however short: sympy read "on" as o*n, which is "no"
+        return normalize(p) == normalize(g), "text"
     if (pw and b is not None) or (gw and a is not None):
         return False, "text"
     return None, "undecided"

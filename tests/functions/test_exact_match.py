@@ -36,6 +36,12 @@ def traj_saying(*replies: str) -> Trajectory:
         ("The answer is 1\nlater: the answer is 2", "2"),
         ("work\nAnswer: 12 apples\nthanks", "12 apples"),
         ("step one\nresult: 42\n\n", "result: 42"),
+        ("The answer is 3. Because 1 + 2 = 3.", "3"),  # the first sentence
+        ("The final answer is $42$. I hope it is correct.", "$42$"),
+        ("The answer is 3.\nAnswer: 5", "5"),  # the last stated answer, whichever its form
+        ("**Answer:** Paris", "Paris"),
+        ("The answer is Mr. Smith. He was first.", "Mr. Smith"),  # not a sentence end
+        ("The answer is C. Because C is the only choice.", "C"),
         ("just 5", "just 5"),
         ("", ""),
         ("  \n \n", ""),
@@ -79,6 +85,14 @@ def test_unbalanced_boxed_falls_back() -> None:
         ("hello, world.", "hello world"),
         ("well-known", "well-known"),
         ("a   b\tc", "b c"),
+        ("\\textbf{Paris}", "paris"),  # every text command, not only \text and \mathrm
+        ("\\emph{Paris}", "paris"),
+        ("\\$5", "5"),  # an escaped dollar is a currency sign
+        ("5\\%", "5%"),
+        ("(A)", "a"),  # a choice letter
+        ("A)", "a"),
+        ("\\text{(B)}", "b"),
+        ("Pa\u200bris", "paris"),  # a zero-width space is not there
     ],
 )
 def test_normalize(raw: str, expected: str) -> None:
@@ -165,6 +179,19 @@ def test_exact_match_is_linear_in_a_long_run_of_digits() -> None:
     assert time.monotonic() - t0 < 5.0
 
 
+@pytest.mark.parametrize(
+    "text",
+    ["\n" * 1_000_000 + "42", "The answer is" + "\n" * 1_000_000, "The answer is " + "Mr. " * 250_000],
+    ids=["newlines", "answer_is_newlines", "abbreviations"],
+)
+def test_extraction_is_linear_in_a_megabyte_of_blank_lines(text: str) -> None:
+    # ^\s*answer\s*: (MULTILINE) rescanned the run of newlines from each line start, and
+    # "is\s*:?\s*(.+)" retried ".+" at every split of the run: 40 KB took 5 s, 1 MB would take hours
+    t0 = time.monotonic()
+    exact_match(text, ground_truth="42")
+    assert time.monotonic() - t0 < 2.0
+
+
 def test_a_too_long_answer_matches_nothing() -> None:
     long = "1" * (MAX_ANSWER_CHARS + 1)
     assert exact_match(f"\\boxed{{{long}}}", ground_truth=long) == 0.0
@@ -193,3 +220,13 @@ def test_normalize_numbers_exactly() -> None:
     assert normalize("-0.0") == normalize("0")
     assert normalize("1, 2") == normalize("1,2") == "1 2"
     assert normalize("1e999999999") != normalize("1e999999998")  # no float overflow to inf
+
+
+@pytest.mark.parametrize("gt", ["", "   ", "the a", "an  the", "$$", "\\text{}"])
+def test_an_empty_ground_truth_is_a_clear_error(gt: str) -> None:
+    # it normalised to "", which an empty completion or \boxed{} matched: 1.0 for nothing
+    with pytest.raises(ValueError, match=r"ground_truth .* is empty once normalised"):
+        exact_match("\\boxed{}", ground_truth=gt)
+    runner = FunctionRunner.from_entry(ENTRY)
+    ok, (code, message, _) = runner.run(encode_payload({"traj": "", "ground_truth": gt}))
+    assert not ok and code == "UserError" and "is empty once normalised" in message

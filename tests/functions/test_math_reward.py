@@ -3,8 +3,12 @@ module documents, and the hard time limit on pathological input (inside threads)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
+import signal
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -13,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from fabric.protocol import Message, RewardResult, Trajectory
+from fabric.protocol import Message, RewardResult, Trajectory, encode_payload
+from fabric.runner import FunctionRunner
 from functions.rewards import math as math_reward
 from functions.rewards import math_sympy
 from functions.rewards.math import extract_final, is_equivalent, math_answer
@@ -86,6 +91,54 @@ def test_accuracy_on_labelled_table():
 )
 def test_extract_final(text, expected):
     assert extract_final(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # Minerva / MATH: the answer is the first sentence, not the rest of the line
+        ("The final answer is $\\frac{1}{2}$. I hope it is correct.", ("$\\frac{1}{2}$", "answer_is")),
+        ("Final Answer: The final answer is $5$. I hope it is correct.", ("$5$", "answer_is")),
+        ("The answer is 3. Because 1 + 2 = 3.", ("3", "answer_is")),
+        ("The answer is 3.5 exactly", ("3.5 exactly", "answer_is")),
+        ("**Final Answer:** 42", ("42", "answer_is")),
+        ("The answer is:\n\n42", ("42", "answer_is")),
+        # the last stated answer wins, whichever its form ("the answer is" beat a later Answer:)
+        ("The answer is 3.\nAnswer: 5", ("5", "answer_is")),
+        ("Answer: 5\nOn reflection, the answer is 3.", ("3.", "answer_is")),
+        # no box and no stated answer: the last math span when nothing follows it
+        ("... so $x = \\frac{3}{4}$", ("\\frac{3}{4}", "last_math")),
+        ("so \\[ y = 2 + 3 = 5 \\]", ("5", "last_math")),
+        ("the point $x = 1, y = 2$", ("x = 1, y = 2", "last_math")),
+        ("so x = \\frac{3}{4}", ("\\frac{3}{4}", "last_number")),  # \frac{3}{4} is one number
+        ("The total is $5$ apples, 12 left", ("12", "last_number")),  # a number after the span
+        ("we need $x \\geq 1$", ("1", "last_number")),  # an inequality: as before
+        ("it costs \\$5 and \\$7", ("7", "last_number")),  # escaped dollars are not math
+    ],
+)
+def test_extract_final_forms(text, expected):
+    assert extract_final(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "gt", "score"),
+    [
+        ("The final answer is $\\frac{1}{2}$. I hope it is correct.", "1/2", 1.0),
+        ("So the answer is 0.5. Let me double-check: yes.", "\\frac{1}{2}", 1.0),
+        ("... so $x = \\frac{3}{4}$", "3/4", 1.0),
+        ("x = \\frac{3}{4}", "0.75", 1.0),
+        ("The answer is 3.\nAnswer: 5", "5", 1.0),
+        ("The answer is 3.\nAnswer: 5", "3", 0.0),
+        # several answers at once still score 0
+        ("The answer is $1$ or $2$.", "1", 0.0),
+        ("The answer is $1$ or $2$.", "2", 0.0),
+        ("The answer is 1 or 2", "1", 0.0),
+        ("The answer is $1$, $2$.", "1", 0.0),
+        ("\\boxed{1} \\boxed{2}", "1", 0.0),
+    ],
+)
+def test_stated_answers_in_common_formats(text, gt, score):
+    assert math_answer(text, ground_truth=gt).score == score
 
 
 # ----------------------------------------------------------------------------- documented rules
@@ -173,6 +226,16 @@ def test_missing_sympy_is_a_clear_error(monkeypatch):
     with pytest.raises(ImportError, match=r"rl-fabric\[rewards\]"):
         is_equivalent("2\\sqrt{2}", "\\sqrt{8}")
     assert is_equivalent("1/2", "0.5") == (True, "number")  # the fast path needs no sympy
+
+
+@pytest.mark.parametrize("gt", ["", "   ", "$$", "$ $", "\\(\\)"])
+def test_an_empty_ground_truth_is_a_clear_error(gt):
+    # every answer silently scored 0 (decided_by: empty): a config error read as a bad policy
+    with pytest.raises(ValueError, match=r"ground_truth .* is empty once canonicalised"):
+        math_answer("\\boxed{3}", ground_truth=gt)
+    runner = FunctionRunner.from_entry("functions.rewards.math:math_answer")
+    ok, (code, message, _) = runner.run(encode_payload({"traj": "\\boxed{3}", "ground_truth": gt}))
+    assert not ok and code == "UserError" and "is empty once canonicalised" in message
 
 
 # ----------------------------------------------------------------------------- time limit
@@ -269,6 +332,153 @@ def test_exact_integers_are_compared_exactly(pred, gt, equal):
     assert is_equivalent(pred, gt)[0] is equal
 
 
+@pytest.mark.parametrize(
+    ("pred", "gt", "equal"),
+    [
+        # a decimal rounded to fewer digits than an exact integer has: the fast path took any
+        # value within one unit of the decimal's last place (10^10 here), sympy any within 1e-9
+        ("1.844674407 \\times 10^{19}", "18446744073709551616", False),  # 2^64 to 10 digits
+        ("1.8446744073709552e19", "18446744073709551616", False),  # the float nearest 2^64
+        ("1.8446744073709552e19", "2^{64}", False),
+        ("1.844674407 \\times 10^{19}", "2^{64}", False),
+        ("1.23456789013e11", "123456789012", False),  # last place 1: off by one
+        ("(123456789013.0)", "123456789012", False),  # sympy: any expression with a decimal
+        ("123456789013.0 + 0", "123456789012", False),
+        ("123456789100.0\\cdot 1", "123456789012", False),  # off by 88
+        ("1.763668414 \\times 10^{13}", "\\frac{123456789012345}{7}", False),
+        # honest: a decimal that spells the exact value, or one good to its last place against
+        # a ground truth that is not an integer (a fraction, an irrational, a decimal)
+        ("18446744073709551616.0", "2^{64}", True),
+        ("341.3333333333", "\\frac{2^{10}}{3}", True),
+        ("(123456789012.0)", "123456789012", True),
+        ("123456789012.0 + 0", "123456789012", True),
+        ("1.5 \\times 10^{3}", "1500", True),
+        ("1.5 \\cdot 10^{3} + 0", "1500", True),
+        ("0.5", "\\frac{1}{2}", True),
+        ("(0.5)", "\\frac{1}{2}", True),
+        ("0.3333333333", "\\frac{1}{3}", True),
+        ("0.1428571429", "1/7", True),
+        ("3.14159265358979", "\\pi", True),  # 15 digits of an irrational
+        ("1.4142135624", "\\sqrt{2}", True),
+        ("2^{64}", "1.8446744073709552e19", True),  # the ground truth itself is rounded
+        ("18446744073709551616", "1.8446744073709552e19", True),
+        ("0.33333333333", "0.3333333333", True),
+    ],
+)
+def test_a_rounded_decimal_does_not_match_an_exact_integer(pred, gt, equal):
+    assert is_equivalent(pred, gt)[0] is equal, is_equivalent(pred, gt)
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt", "equal"),
+    [
+        # \pm is the list of both signs
+        ("\\pm 2", "2, -2", True),
+        ("2, -2", "\\pm 2", True),
+        ("x = \\pm 2", "\\{-2, 2\\}", True),
+        ("\\frac{1 \\pm \\sqrt{5}}{2}", "\\frac{1+\\sqrt{5}}{2}, \\frac{1-\\sqrt{5}}{2}", True),
+        ("\\pm 2", "2", False),  # two answers for one
+        ("\\pm 2", "-2", False),
+        # a row break with spaces around it (\\ ) was read as a spacing command (\ )
+        ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}", True),
+        ("\\begin{matrix} 1 & 2 \\\\ 3 & 4 \\end{matrix}", "\\begin{matrix}1&2\\\\3&4\\end{matrix}", True),
+        ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix}2\\\\1\\end{pmatrix}", False),
+        # an AMC answer names its choice first
+        ("\\textbf{(C) }12", "C", True),
+        ("$\\textbf{(B)}\\ 7$", "B", True),
+        ("\\textbf{(C) }12", "D", False),
+        ("(C) or (D)", "C", False),
+        ("(C) 12 (D) 15", "D", False),
+        # other spellings
+        ("f(x) = 2x+1", "2x+1", True),
+        ("f(x) = 2x+1", "2x+2", False),
+        ("\\log_2 8", "3", True),
+        ("\\log_{10} 1000", "3", True),
+        ("\\log_2 8", "4", False),
+        ("\\binom{5}{2}", "10", True),
+        ("\\binom{5}{2}", "20", False),
+        ("\\cfrac{1}{2}", "0.5", True),
+        ("0.\\overline{3}", "\\frac{1}{3}", True),
+        ("1.2\\overline{45}", "\\frac{137}{110}", True),
+        ("0.\\overline{3}", "0.33", False),
+        ("\\emptyset", "\\varnothing", True),
+        ("\\{\\}", "\\emptyset", True),
+        ("3\u200b", "3", True),  # a zero-width space is not there
+        ("\u200b3", "3", True),
+        ("12 m/s", "12", True),
+    ],
+)
+def test_common_spellings_of_an_answer(pred, gt, equal):
+    assert is_equivalent(pred, gt)[0] is equal, is_equivalent(pred, gt)
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt", "equal"),
+    [
+        # \text{} next to a number was deleted whatever it said
+        ("\\text{not } 3", "3", False),
+        ("\\text{anything but }3", "3", False),
+        ("3 \\text{ (or 5)}", "3", False),
+        ("\\text{-}3", "3", False),
+        ("\\text{-}3", "-3", True),
+        ("5 \\text{ or } 6", "5", False),
+        ("5 \\text{ and } 6", "5", False),
+        # units are still units, and "and" joins the parts of one answer
+        ("5 \\text{ cm}", "5", True),
+        ("10 \\text{ m}^2", "10", True),
+        ("3 \\text{ miles per hour}", "3", True),
+        ("12 \\text{ dogs}", "12", True),
+        ("\\text{5 cm}", "5", True),
+        ("x=1 \\text{ and } y=2", "(1,2)", True),
+        ("5 \\text{ and } 6", "6, 5", True),
+        ("\\text{Tuesday}", "Tuesday", True),
+    ],
+)
+def test_text_next_to_a_number_is_dropped_only_when_it_is_a_unit(pred, gt, equal):
+    assert is_equivalent(pred, gt)[0] is equal, is_equivalent(pred, gt)
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt", "equal"),
+    [
+        ("on", "no", False),  # sympy read short words as products of symbols: o*n == n*o
+        ("act", "cat", False),
+        ("god", "dog", False),
+        ("sey", "yes", False),
+        ("ab", "ba", False),  # two words; a product is written as one: a \cdot b, 2ab
+        ("Yes", "yes", True),
+        ("ab", "b \\cdot a", True),
+        ("2ab", "2ba", True),
+    ],
+)
+def test_short_words_are_text_not_products_of_symbols(pred, gt, equal):
+    assert is_equivalent(pred, gt)[0] is equal, is_equivalent(pred, gt)
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt"),
+    [
+        # vanishes at the three public points of the identity test: it matched x^2
+        ("x^2 + (x-0.5381)(x-1.9127)(x+1.3163)", "x^2"),
+        ("x^2 + 10^{6}(x-0.5381)(x-1.9127)(x+1.3163)", "x^2"),
+        # finite (0) at one point only, infinite where it differs: that one point decided
+        ("x^{\\infty}", "0"),
+    ],
+)
+def test_the_identity_test_cannot_be_passed_at_its_public_points(pred, gt):
+    for _ in range(3):
+        assert is_equivalent(pred, gt) == (False, "sympy")
+
+
+def test_honest_identities_hold_at_the_random_points_too():
+    for _ in range(5):
+        assert is_equivalent("x^2-1", "(x-1)(x+1)") == (True, "sympy")
+        assert is_equivalent("\\sin^2 x + \\cos^2 x", "1") == (True, "sympy")
+        assert is_equivalent("\\frac{x^2-1}{x-1}", "x+1") == (True, "sympy")
+        assert is_equivalent("\\sqrt{x^2}", "|x|") == (True, "sympy")
+        assert is_equivalent("|x|", "x") == (False, "sympy")  # a fixed point is negative
+
+
 # ----------------------------------------------------------------------------- linear time
 # Policy-controlled input must not make a reward call slow: past the function's timeout_s the
 # worker is killed and the trajectory is masked instead of scored 0. The sizes are chosen so
@@ -304,6 +514,22 @@ def test_canonical_still_strips_units_and_percent_words():
     assert canonical("7 square meters") == "7"
     assert canonical("50 percent") == "50%"
     assert canonical("cm") == "cm"  # no number: a word, not a unit
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["\n" * 1_000_000 + "42", "The answer is" + "\n" * 1_000_000],
+    ids=["newlines", "answer_is_newlines"],
+)
+def test_extraction_is_linear_in_a_megabyte_of_blank_lines(text):
+    # ^\s*answer\s*: (MULTILINE) rescanned the run of newlines from each line start, and
+    # "is\s*:?\s*" split a run of spaces in n^2 ways: 40 KB took 5 s, 1 MB would take hours
+    # (the worker is killed at the function's timeout_s and the trajectory masked, not scored)
+    t0 = time.monotonic()
+    res = math_answer(text, ground_truth="42")
+    assert time.monotonic() - t0 < 2.0
+    assert res.score == (1.0 if text.endswith("42") else 0.0), res.info
+    assert _elapsed(extract_final, text) < 2.0
 
 
 def test_a_too_long_answer_scores_zero_with_the_reason():
@@ -411,3 +637,134 @@ def test_a_list_of_assignments_is_the_point_it_names(pred, gt, same):
 def test_assignment_lists_are_read_in_linear_time():
     # \s*=\s*[^=]+$ backtracked quadratically over a run of spaces before a second "="
     assert _elapsed(canonical, "x=" + " " * 200_000 + "1 = 2, y=3") < 5.0
+
+
+# ----------------------------------------------------------------------------- the child's confinement
+# A worker past its function's timeout_s is SIGKILLed. Its sympy child used to be reparented to
+# init and compute on forever, holding the worker's socket (the pool waits for EOF on it), so
+# the call never came back and the worker was never replaced.
+
+_WORKER_LIKE = r"""
+import sys
+from functions.rewards.math import math_answer
+print("ready", flush=True)
+math_answer("\\boxed{9^{9^{9^{9}}}}", ground_truth="3", sympy_timeout_s=float(sys.argv[1]))
+print("returned", flush=True)
+"""
+
+
+def _children_of(pid: int) -> set[int]:
+    pids: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            pids.update(int(p) for p in task.read_text().split())
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a reaper (init in a container may never reap)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in {"Z", "X"}
+
+
+@contextlib.contextmanager
+def _worker_like(timeout_s: float):
+    """A process computing 9^{9^{9^9}} in a sympy child: ``(process, child pid)``."""
+    proc = subprocess.Popen([sys.executable, "-c", _WORKER_LIKE, str(timeout_s)], stdout=subprocess.PIPE)
+    child = None
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        deadline = time.monotonic() + 30  # importing sympy on a loaded machine
+        while not (kids := _children_of(proc.pid)):
+            assert time.monotonic() < deadline and proc.poll() is None, "no sympy child appeared"
+            time.sleep(0.01)
+        (child,) = kids
+        yield proc, child
+    finally:
+        proc.kill()
+        proc.wait()
+        if child is not None and _alive(child):  # only without the fix: never leave it running
+            os.kill(child, signal.SIGKILL)
+
+
+def _gone_within(pid: int, seconds: float) -> float | None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        if not _alive(pid):
+            return time.monotonic() - t0
+        time.sleep(0.02)
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux")
+def test_the_sympy_child_dies_with_its_parent():
+    with _worker_like(timeout_s=math_sympy.MAX_TIMEOUT_S) as (proc, child):
+        time.sleep(0.2)  # let it settle into the computation
+        proc.kill()
+        proc.wait()
+        assert _gone_within(child, 2.0) is not None, "the sympy child outlived its parent"
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 2.0)
+        assert ready and proc.stdout.read() == b""  # EOF: nothing holds the parent's stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux")
+def test_the_sympy_child_holds_no_file_descriptor_of_its_parent():
+    with _worker_like(timeout_s=math_sympy.MAX_TIMEOUT_S) as (_, child):
+        time.sleep(0.2)  # past the child's first steps
+        fds = {int(fd): os.readlink(f"/proc/{child}/fd/{fd}") for fd in os.listdir(f"/proc/{child}/fd")}
+    assert {fds[0], fds[1], fds[2]} == {os.devnull}, fds  # not the parent's stdout (our pipe)
+    assert len(fds) == 4 and next(v for k, v in fds.items() if k > 2).startswith("pipe:"), fds
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_CPU and /proc are Linux")
+def test_the_sympy_child_stops_at_its_cpu_limit_when_its_parent_cannot_kill_it():
+    # a parent that is stopped (not dead) cannot kill its child at the deadline: RLIMIT_CPU
+    # (ceil(timeout) + 1 = 2 s of CPU here) does
+    with _worker_like(timeout_s=1.0) as (proc, child):
+        proc.send_signal(signal.SIGSTOP)
+        assert _gone_within(child, 20.0) is not None, "the sympy child ran past its CPU limit"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
+def test_a_child_whose_parent_died_before_prctl_exits_at_once():
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        try:
+            math_sympy._load_libc()
+            math_sympy._confine_child(parent_pid=-1, keep_fd=w, timeout_s=1.0)  # "not my parent"
+            os._exit(0)
+        finally:
+            os._exit(2)
+    os.close(r)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 1
+
+
+@pytest.mark.parametrize("bad", [-1, 0, 0.0, float("nan"), float("inf"), math_sympy.MAX_TIMEOUT_S + 1, 60])
+def test_a_bad_sympy_timeout_is_a_clear_error(bad):
+    # 0 or a negative limit made every sympy answer a silent timeout (score 0); NaN an opaque error
+    with pytest.raises(ValueError, match=r"sympy_timeout_s must be a number of seconds in \(0, 5.0\]"):
+        math_answer("\\boxed{3}", ground_truth="3", sympy_timeout_s=bad)
+    with pytest.raises(ValueError, match="sympy_timeout_s"):
+        is_equivalent("2\\sqrt{2}", "\\sqrt{8}", timeout_s=bad)
+
+
+def test_a_bad_sympy_timeout_in_a_payload_fails_the_call_as_a_user_error():
+    runner = FunctionRunner.from_entry("functions.rewards.math:math_answer")
+    for bad in (-1, 0, 60):
+        ok, (code, message, _) = runner.run(
+            encode_payload({"traj": "\\boxed{3}", "ground_truth": "3", "sympy_timeout_s": bad})
+        )
+        assert not ok and code == "UserError" and "sympy_timeout_s must be" in message
+    ok, (code, message, _) = runner.run(b'{"traj": "x", "ground_truth": "3", "sympy_timeout_s": NaN}')
+    assert not ok and code == "UserError" and "got nan" in message
+    ok, _ = runner.run(encode_payload({"traj": "\\boxed{3}", "ground_truth": "3", "sympy_timeout_s": 5}))
+    assert ok
+    # the longest limit leaves half the function's own budget for extraction and the fork
+    assert runner.spec.timeout_s >= 2 * math_sympy.MAX_TIMEOUT_S
