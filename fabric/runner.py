@@ -33,7 +33,9 @@ def _args_adapter(fn: Callable[..., Any], spec: FunctionSpec) -> TypeAdapter[Any
     """A pydantic validator for the keyword arguments of ``fn`` (a TypedDict, so function
     defaults stay the function's own and any parameter name is allowed)."""
     try:
-        hints = get_type_hints(fn)
+        # with their Annotated extras: a Field(ge=0) or a validator on an argument is checked
+        # here, at the edge (InvalidArguments), not lost (the function then ran on -1)
+        hints = get_type_hints(fn, include_extras=True)
     except Exception:
         hints = {}
     fields: dict[str, Any] = {}

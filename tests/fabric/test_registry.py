@@ -7,14 +7,16 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
+from pydantic import Field
 
 import fabric
 from fabric.errors import (
     DuplicateFunctionError,
     EntryPointError,
+    ErrorCode,
     RegistryError,
     SignatureError,
     UnknownFunctionError,
@@ -49,6 +51,12 @@ def load_model() -> dict[str, Any]:
 def greet(text: str, ctx: dict[str, Any] | None = None) -> str:
     assert ctx is not None
     return f"{ctx['model']}:{text}"
+
+
+def bounded(
+    x: Annotated[int, Field(ge=0, le=10)] = 1, *, name: Annotated[str, Field(min_length=1)] = "a"
+) -> str:
+    return name * x
 
 
 def no_params() -> float:
@@ -147,6 +155,17 @@ def test_version_follows_source_and_setup(tmp_path) -> None:
     assert spec_of(add_one).version != spec_of(add_two).version
     with_setup = {spec_of(greet, setup=s).version for s in (None, load_model, no_params)}
     assert len(with_setup) == 3
+
+
+def test_constraints_on_arguments_are_checked_at_the_edge() -> None:
+    # get_type_hints dropped the Annotated extras: Field(ge=0) was never checked, and the
+    # function ran on -1
+    reg = Registry()
+    runner = FunctionRunner(reg.function(bounded), reg.get("bounded"))
+    assert runner.run(encode_payload({"x": 3, "name": "ab"})) == (True, b'"ababab"')
+    for bad, says in (({"x": -1}, "x: Input should be greater than or equal to 0"), ({"name": ""}, "name:")):
+        ok, (code, message, _) = runner.run(encode_payload(bad))
+        assert not ok and code == ErrorCode.INVALID_ARGUMENTS and says in message, message
 
 
 def test_setup_hook_passes_ctx() -> None:
