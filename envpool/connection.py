@@ -82,7 +82,10 @@ class Connection(asyncio.Protocol):
         """The container process's CPU seconds, where the runtime can read them (a local
         process): a second proof of life, for code that holds the interpreter lock (a C
         extension, a runaway regex) and so silences the heartbeat thread (see ``_computing``)."""
-        self.cpu_mark: tuple[float, float] | None = None  # (monotonic, cpu seconds) last read
+        self.cpu_mark: tuple[float, float] | None = None
+        """(monotonic, CPU seconds) read late in a silence, not per request (a read costs
+        ~12 us, 5% of a step's round trip): ``probe_s`` before it would count as hung."""
+        self.probe_s = max(0.1, self.silence_s / 2)
         self.last_busy = float("-inf")
         """When the process was last seen on the CPU through a silence."""
         self.ids = itertools.count(1)
@@ -109,6 +112,7 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last_seen = self.last_frame = time.monotonic()
+        self.cpu_mark = None  # alive: a later silence is measured afresh
         try:
             frames = self.decoder.feed(data)
         except (FrameError, ValueError) as e:
@@ -187,13 +191,19 @@ class Connection(asyncio.Protocol):
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.waiting[rid] = fut
         sent = self.last_seen = time.monotonic()
-        if self.cpu_probe is not None:
-            self.cpu_mark = (sent, self.cpu_probe() or 0.0)
+        self.cpu_mark = None
         deadline = sent + timeout_s
         try:
             while True:
                 now = time.monotonic()
-                wait = min(deadline, self.last_seen + self.silence_s) - now
+                wake = min(deadline, self.last_seen + self.silence_s)
+                if self.cpu_probe is not None and self.cpu_mark is None:
+                    mark_at = self.last_seen + self.silence_s - self.probe_s
+                    if now >= mark_at:
+                        self._mark(now)
+                    else:
+                        wake = min(wake, mark_at)
+                wait = wake - now
                 if wait <= 0:
                     if now >= deadline:
                         raise self._timeout(str(msg.get("op")), timeout_s, sent)
@@ -237,6 +247,13 @@ class Connection(asyncio.Protocol):
             op=op,
             timeout_s=timeout_s,
         )
+
+    def _mark(self, now: float) -> None:
+        cpu = self.cpu_probe() if self.cpu_probe is not None else None
+        if cpu is None:  # the runtime cannot tell (a remote one), or the process is gone
+            self.cpu_probe = None
+        else:
+            self.cpu_mark = (now, cpu)
 
     def _computing(self, now: float) -> bool:
         """Whether the container's process spent at least half a core on the CPU since the

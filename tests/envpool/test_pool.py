@@ -36,6 +36,8 @@ from envpool.errors import (
 from envpool.images.errors import ImageNotFound
 from envpool.pool import EnvPool, SessionLost
 from envpool.protocol import encode
+from envpool.runtimes.base import Container
+from envpool.runtimes.process import ProcessRuntime
 from envpool.testing import check_env
 
 
@@ -255,6 +257,27 @@ async def test_a_step_that_holds_the_interpreter_lock_fails_fast_as_an_env_bug(i
             stats = p.stats()
             assert stats["env_hung"] == 1 and stats.get("step_retries", 0) == 0
             assert s.status == "ok"  # the environment's bug, not a lost session
+
+
+class _CountingCpuRuntime(ProcessRuntime):
+    reads = 0
+
+    def cpu_seconds(self, c: Container) -> float | None:
+        self.reads += 1
+        return super().cpu_seconds(c)
+
+
+async def test_the_cpu_is_read_only_late_in_a_silence_not_per_step(images):
+    # a read per request cost ~12 us, 5% of a step's round trip
+    p = pool(images)
+    p.runtime = rt = _CountingCpuRuntime(p.config.runtime)
+    async with p, p.session("bundle-echo-v0", image=IMAGE) as s:
+        await s.reset(seed=1)
+        for _ in range(50):
+            await s.step("x")
+        assert rt.reads == 0
+        await s.step("sleep 0.5")  # heartbeats all along: still nothing read
+        assert rt.reads == 0
 
 
 async def test_a_constructor_that_outruns_its_timeout_while_heartbeating_is_not_retried(images):
