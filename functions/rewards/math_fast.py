@@ -54,13 +54,6 @@ _UNIT_TOKEN = re.compile(
     r"(?:" + "|".join(sorted(_UNITS, key=len, reverse=True)) + r")\.?(?:\^\{?[23]\}?|²|³)?",
     re.IGNORECASE,
 )
-#: Words that make a \text{} next to a number say something else than that number.
-_QUALIFIERS = frozenset(
-    "not no nor neither never none or either but except and plus minus than less more over under "
-    "at least most about around approximately roughly nearly almost only between from to "
-    "any anything all some maybe perhaps possibly probably unless if is are was were isnt wrong "
-    "false true incorrect correct impossible undefined infinite infinity".split()
-)
 _PERCENT_WORD = re.compile(r"(?<!\s)\s*\bpercent\b", re.IGNORECASE)  # starts once per space run
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|mbox|mathrm|mathbf|operatorname)\s*\{([^{}]*)\}")
 _TEXT_UNIT = re.compile(_TEXT_CMD.pattern + r"(?:\s*\^\s*\{?[23]\}?)?")
@@ -100,18 +93,9 @@ def _strip_units(s: str) -> str:
 
 
 def _is_units(text: str) -> bool:
-    """Whether ``text`` is only unit words (``cm``, ``square meters``, ``m/s``), or a short
-    label of plain words that qualifies nothing (``widgets``, ``red marbles``: what is
-    counted, which no list of units can hold): up to four words of letters, none of them a
-    word that changes what the number says (``not``, ``or``, ``but``, ``at least``...)."""
+    """Whether ``text`` is only unit words (``cm``, ``square meters``, ``m/s``)."""
     words = text.split()
-    if not words:
-        return False
-    if all(_UNIT_TOKEN.fullmatch(w) for w in words):
-        return True
-    return len(words) <= 4 and all(
-        w.isascii() and w.isalpha() and w.lower() not in _QUALIFIERS for w in words
-    )
+    return bool(words) and all(_UNIT_TOKEN.fullmatch(w) for w in words)
 
 
 def _strip_text(s: str) -> str:

@@ -428,12 +428,6 @@ def test_common_spellings_of_an_answer(pred, gt, equal):
         ("10 \\text{ m}^2", "10", True),
         ("3 \\text{ miles per hour}", "3", True),
         ("12 \\text{ dogs}", "12", True),
-        # as is a label of plain words, which no list of units holds (what is counted)
-        ("3 \\text{ widgets}", "3", True),
-        ("42 \\text{ red marbles}", "42", True),
-        ("7 \\text{ at least}", "7", False),
-        ("\\text{about } 7", "7", False),
-        ("7 \\text{ is wrong}", "7", False),
         ("\\text{5 cm}", "5", True),
         ("x=1 \\text{ and } y=2", "(1,2)", True),
         ("5 \\text{ and } 6", "6, 5", True),
