@@ -5,9 +5,12 @@ Extraction (first that applies): the last ``\boxed{}``/``\fbox{}``; else the sta
 after the last "the answer is" / "final answer:" / a line starting "Answer:" (the last one in
 the text, whichever its form), up to the end of its first sentence ("The final answer is
 $\frac{1}{2}$. I hope it is correct." states ``\frac{1}{2}``); else the last math span
-(``$...$``, ``\(...\)``, ``\[...\]``) when no number follows it, read as its last side
-(``$x = \frac{3}{4}$``: ``\frac{3}{4}``; an inequality is skipped); else the last number
-(``\frac{3}{4}`` counts as one). ``info["extracted_by"]`` says which: ``boxed``,
+(``$...$``, ``\(...\)``, ``\[...\]``) that no number of the prose follows, read as its last
+side (``$x = \frac{3}{4}$``: ``\frac{3}{4}``): an inequality is a condition, and the span
+before it is read (``$f(n) = 3$ for all $n \ge 1$``: ``3``), and a span with no number in it
+(a digit, ``\frac``, ``\sqrt``, ``\pi``...) is read only when it ends the text and is more
+than a lone variable (in "42 ways, one for each value of $n$." the answer is 42); else the last
+number (``\frac{3}{4}`` counts as one). ``info["extracted_by"]`` says which: ``boxed``,
 ``answer_is``, ``last_math``, ``last_number``.
 
 Equivalence, cheapest first:
@@ -80,6 +83,7 @@ Rules worth knowing:
 
 from __future__ import annotations
 
+import bisect
 import re
 from typing import Any
 
@@ -134,26 +138,37 @@ _LAST_NUMBER = re.compile(
 # one math span: $...$, $$...$$ (an escaped \$ is a dollar sign), \(...\), \[...\]
 _DOLLAR = re.compile(r"(?<!\\)\$\$?")
 _INEQUALITY = re.compile(r"[<>]|\\(?:le|ge|lt|gt|leq|geq|neq|ne)\b")
+# a value that is a number, or is built from numbers: a digit or a LaTeX number form
+_NUMERIC = re.compile(r"\d|\\(?:[dtc]?frac|sqrt|pi|infty|emptyset|varnothing|binom)(?![A-Za-z])")
+# a lone variable (n, X, \alpha, c_{\text{total}}, x'): what the prose talks about, not an answer
+_LONE_VARIABLE = re.compile(r"\\?[A-Za-z]+(?:_(?:\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}|\w))?'*")
+# what may follow a final math span: closing punctuation, emphasis, space
+_TRAILING = re.compile(r"[\s.,;:!?)\]*_]*")
 
 
-def _last_math(text: str) -> tuple[int, str] | None:
-    """``(end, content)`` of the last math span of ``text``, or None."""
-    found: list[tuple[int, str]] = []
-    opening = None  # the $ delimiters pair in order: 1st with 2nd, 3rd with 4th...
-    last = None  # a lone last $ is a dollar sign
-    for m in _DOLLAR.finditer(text):
+def _math_spans(text: str) -> list[tuple[int, int, str]]:
+    """``(start, end, content)`` of every math span of ``text``, in order of their ends.
+    Linear: each delimiter is looked for once from where the last search stopped."""
+    found: list[tuple[int, int, str]] = []
+    opening = None  # the $ delimiters pair in order: 1st with 2nd, 3rd with 4th... (a lone
+    for m in _DOLLAR.finditer(text):  # last $ is a dollar sign)
         if opening is None:
             opening = m
         else:
-            last, opening = (m.end(), text[opening.end() : m.start()]), None
-    if last is not None:
-        found.append(last)
+            found.append((opening.start(), m.end(), text[opening.end() : m.start()]))
+            opening = None
     for left, right in (("\\(", "\\)"), ("\\[", "\\]")):
-        j = text.rfind(right)
-        i = text.rfind(left, 0, j) if j > 0 else -1
-        if i >= 0 and not (i > 0 and text[i - 1] == "\\"):  # \\[2pt] is a line break, not math
-            found.append((j + len(right), text[i + len(left) : j]))
-    return max(found, default=None)
+        pos = 0
+        while (i := text.find(left, pos)) >= 0:
+            if i > 0 and text[i - 1] == "\\":  # \\[2pt] is a line break, not math
+                pos = i + len(left)
+                continue
+            j = text.find(right, i + len(left))
+            if j < 0:
+                break
+            found.append((i, j + len(right), text[i + len(left) : j]))
+            pos = j + len(right)
+    return sorted(found, key=lambda s: s[1])
 
 
 def _value_of(span: str) -> str | None:
@@ -167,6 +182,37 @@ def _value_of(span: str) -> str | None:
     return value.strip() or None
 
 
+def _last_math(text: str, numbers: list[re.Match[str]]) -> str | None:
+    """The value of the last math span that states an answer (see ``extract_final``), or None."""
+    spans = _math_spans(text)
+    # the end of the last number of the prose (outside every span): a span before it is not
+    # the answer ("$5$ apples, 12 left")
+    merged: list[list[int]] = []  # the spans as disjoint intervals (a $ span can sit in \[ \])
+    for start, end, _ in sorted(spans):
+        if merged and start < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    starts = [s for s, _ in merged]
+    prose_end = -1
+    for number in reversed(numbers):
+        k = bisect.bisect_right(starts, number.start()) - 1
+        if k < 0 or merged[k][1] < number.end():
+            prose_end = number.end()
+            break
+    for start, end, content in reversed(spans):
+        if end < prose_end:
+            return None
+        value = _value_of(content)
+        if value is None:  # an inequality ("for all $n \ge 1$") is a condition: look further back
+            continue
+        if _NUMERIC.search(value):
+            return value
+        if not _LONE_VARIABLE.fullmatch(value) and _TRAILING.fullmatch(text, end):
+            return value  # an expression that ends the text ("so it is $a + b$.")
+    return None
+
+
 def extract_final(text: str) -> tuple[str | None, str]:
     """``(answer, rule)``: rule is ``boxed``, ``answer_is``, ``last_math``, ``last_number`` or
     ``none``."""
@@ -177,12 +223,10 @@ def extract_final(text: str) -> tuple[str | None, str]:
     if stated is not None:
         return stated, "answer_is"
     numbers = list(_LAST_NUMBER.finditer(text))
+    value = _last_math(text, numbers)
+    if value is not None:
+        return value, "last_math"
     number = numbers[-1] if numbers else None
-    span = _last_math(text)
-    if span is not None and (number is None or span[0] >= number.end()):
-        value = _value_of(span[1])
-        if value is not None:
-            return value, "last_math"
     if number is not None:
         return number.group(), "last_number"
     return None, "none"

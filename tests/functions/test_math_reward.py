@@ -114,6 +114,20 @@ def test_extract_final(text, expected):
         ("The total is $5$ apples, 12 left", ("12", "last_number")),  # a number after the span
         ("we need $x \\geq 1$", ("1", "last_number")),  # an inequality: as before
         ("it costs \\$5 and \\$7", ("7", "last_number")),  # escaped dollars are not math
+        # a variable the prose names after the final number is not the answer
+        ("So there are 42 ways, one for each value of $n$.", ("42", "last_number")),
+        ("Hence the sum is 42 for every integer $k$.", ("42", "last_number")),
+        ("The area is 12 square units when $a = b$.", ("12", "last_number")),
+        ("Thus the minimum value is 5, attained at $x = y$.", ("5", "last_number")),
+        ("We need 7 more coins, i.e. $c_{\\text{total}}$.", ("7", "last_number")),
+        ("The probability is 0.25, since each outcome of $X$ is equally likely.", ("0.25", "last_number")),
+        # ... while an expression that ends the text is
+        ("Step 1 gives the sum, so it is $a + b$.", ("a + b", "last_math")),
+        ("so $x = \\sqrt{2}$ for each $n$", ("\\sqrt{2}", "last_math")),
+        # an inequality after the answer is a condition: the span before it states the answer
+        ("We get $f(n) = 3$ for all $n \\ge 1$.", ("3", "last_math")),
+        ("Thus $x=\\frac34$, since $4 > 3$.", ("\\frac34", "last_math")),
+        ("Thus $x = 2$, then 5 more, since $4 > 3$.", ("3", "last_number")),  # prose number after it
     ],
 )
 def test_extract_final_forms(text, expected):
