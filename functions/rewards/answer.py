@@ -54,7 +54,8 @@ def stated_answer(text: str) -> str | None:
     """The answer after the last "the answer is" / "final answer:" / "Answer:" in ``text``
     (the last one in the text wins, whichever its kind): the rest of its line (the next
     non-blank line when the marker ends its own), up to the end of its first sentence, so that
-    "The final answer is $\\frac{1}{2}$. I hope it is correct." states ``$\\frac{1}{2}$``."""
+    "The final answer is $\\frac{1}{2}$. I hope it is correct." states ``$\\frac{1}{2}$``;
+    markdown emphasis around it goes (``**42**``, see ``unemphasize``)."""
     n = len(text)
     last_two: list[re.Match[str]] = []  # only the last marker can be followed by nothing
     for m in _ANSWER_MARK.finditer(text):
@@ -66,8 +67,25 @@ def stated_answer(text: str) -> str | None:
         end = text.find("\n", i)
         line = text[i : n if end < 0 else end].strip()
         if line:
-            return first_sentence(line)
+            return unemphasize(first_sentence(line))
     return None
+
+
+# markdown emphasis around an answer: "**42**.", "*no*", "42**" when the marker took the opening
+# "**" ("**Answer: 42**"); the sentence's closing punctuation stays. Inside it only bold
+# between spaces goes ("**42** apples"): a lone * is a product (2*3*4), a lone _ a subscript
+_EMPHASIS_OPEN = re.compile(r"^[*_]+(?=\S)")
+_EMPHASIS_CLOSE = re.compile(r"(?<=[^\s^])[*_]+(?=[.!?,;:]*$)")
+_BOLD = re.compile(r"(?<!\S)(\*\*|__)(?=\S)(.+?)(?<=\S)\1(?![\w*])")
+
+
+def unemphasize(s: str) -> str:
+    """``s`` without the markdown emphasis (``*``, ``_``) around it: ``**42**.`` is ``42.``.
+    An answer over ``MAX_ANSWER_CHARS`` is left as it is (it matches nothing)."""
+    if len(s) > MAX_ANSWER_CHARS:
+        return s
+    s = _BOLD.sub(r"\2", s)
+    return _EMPHASIS_CLOSE.sub("", _EMPHASIS_OPEN.sub("", s))
 
 
 def first_sentence(s: str) -> str:
@@ -89,12 +107,16 @@ def first_sentence(s: str) -> str:
             depth += 1
         elif c == "}":
             depth = max(0, depth - 1)
-        elif c in ".!" and not in_math and not depth and i + 1 < n and s[i + 1].isspace():
-            j = i  # the word before the period; the scan stops at the space after the last one
-            while j > 0 and not s[j - 1].isspace():
-                j -= 1
-            if c == "!" or s[j:i].lower() not in _ABBREVIATIONS:
-                return s[:i].rstrip()
+        elif c in ".!" and not in_math and not depth:
+            k = i + 1  # closing emphasis may sit between the period and the space ("**42.** So")
+            while k < n and s[k] in "*_":
+                k += 1
+            if k < n and s[k].isspace():
+                j = i  # the word before the period; the scan stops at the space after the last one
+                while j > 0 and not s[j - 1].isspace():
+                    j -= 1
+                if c == "!" or s[j:i].lstrip("*_").lower() not in _ABBREVIATIONS:
+                    return s[:i].rstrip()
         i += 1
     return s
 

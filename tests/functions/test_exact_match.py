@@ -43,6 +43,16 @@ def traj_saying(*replies: str) -> Trajectory:
         ("The answer is Mr. Smith. He was first.", "Mr. Smith"),  # not a sentence end
         ("The answer is C. Because C is the only choice.", "C"),
         ("just 5", "just 5"),
+        # markdown emphasis around the stated answer is not part of it
+        ("The answer is **42**.", "42."),
+        ("**Answer: 42**", "42"),
+        ("The final answer is **Paris**.", "Paris."),
+        ("**Answer:** **Paris**", "Paris"),
+        ("The answer is *no*.", "no."),
+        ("The answer is **42** apples.", "42 apples."),
+        ("The answer is **42.** Because 6 * 7 = 42.", "42"),
+        ("The answer is 2*3*4 = 24", "2*3*4 = 24"),  # a product is not emphasis
+        ("Answer: $x^*$", "$x^*$"),
         ("", ""),
         ("  \n \n", ""),
     ],

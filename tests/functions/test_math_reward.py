@@ -143,6 +143,11 @@ def test_extract_final_forms(text, expected):
         ("x = \\frac{3}{4}", "0.75", 1.0),
         ("The answer is 3.\nAnswer: 5", "5", 1.0),
         ("The answer is 3.\nAnswer: 5", "3", 0.0),
+        # markdown emphasis around the stated answer
+        ("The answer is **42**.", "42", 1.0),
+        ("**Answer: 42**", "42", 1.0),
+        ("**Final Answer:** **$\\frac{1}{2}$**", "0.5", 1.0),
+        ("The answer is **41**.", "42", 0.0),
         # several answers at once still score 0
         ("The answer is $1$ or $2$.", "1", 0.0),
         ("The answer is $1$ or $2$.", "2", 0.0),
