@@ -9,13 +9,14 @@ MAX_ANSWER_CHARS = 1000
 """An extracted final answer longer than this matches nothing: no real final answer is that
 long, and the policy must not be able to make a reward call slow."""
 
-# where a stated answer starts: "the answer is", "final answer:", or a line that starts with
-# "Answer:" (markdown emphasis around the words allowed: "**Answer:** 42"). Linear: no \s*
-# that could run across lines sits where a failed match is retried from every position
+# where a stated answer starts: "the answer is" ("the correct answer is"), "final answer:", or a
+# line that starts with "Answer:" (markdown emphasis around the words allowed: "**Answer:**
+# 42"). Linear: no \s* that could run across lines sits where a failed match is retried from
+# every position
 # (``^\s*answer`` with MULTILINE rescanned a run of n newlines from each of its n line starts;
 # ``is\s*:?\s*(.+)`` split one run between two \s* in n^2 ways), and markers do not overlap
 _ANSWER_MARK = re.compile(
-    r"(?:final answer|the answer)[*_]*[ \t]*(?:is\b(?:[ \t]*:)?|:)[*_]*"
+    r"(?:final|the|(?:the )?(?:correct|right)) answer[*_]*[ \t]*(?:is\b(?:[ \t]*:)?|:)[*_]*"
     r"|^[ \t]*[*_]*answer[*_]*[ \t]*:[*_]*",
     re.IGNORECASE | re.MULTILINE,
 )

@@ -2,17 +2,17 @@ r"""``math_answer``: 1.0 when the final answer of a completion is mathematically
 to the ground truth.
 
 Extraction (first that applies): the last ``\boxed{}``/``\fbox{}``; else the stated answer
-after the last "the answer is" / "final answer:" / a line starting "Answer:" (the last one in
-the text, whichever its form), up to the end of its first sentence ("The final answer is
-$\frac{1}{2}$. I hope it is correct." states ``\frac{1}{2}``; markdown emphasis around it,
-``**42**``, goes); else the last math span
-(``$...$``, ``\(...\)``, ``\[...\]``) that no number of the prose follows, read as its last
-side (``$x = \frac{3}{4}$``: ``\frac{3}{4}``): an inequality is a condition, and the span
-before it is read (``$f(n) = 3$ for all $n \ge 1$``: ``3``), and a span with no number in it
-(a digit, ``\frac``, ``\sqrt``, ``\pi``...) is read only when it ends the text and is more
-than a lone variable (in "42 ways, one for each value of $n$." the answer is 42); else the last
-number (``\frac{3}{4}`` counts as one). ``info["extracted_by"]`` says which: ``boxed``,
-``answer_is``, ``last_math``, ``last_number``.
+after the last "the answer is" ("the correct answer is") / "final answer:" / a line starting
+"Answer:" (the last one in the text, whichever its form), up to the end of its first sentence
+("The final answer is $\frac{1}{2}$. I hope it is correct." states ``\frac{1}{2}``; markdown
+emphasis around it, ``**42**``, goes); else the last math span (``$...$``, ``\(...\)``,
+``\[...\]``) that no number of the prose follows, read as its last side (``$x = \frac{3}{4}$``:
+``\frac{3}{4}``): an inequality is a condition, and the span before it is read (``$f(n) = 3$
+for all $n \ge 1$``: ``3``), and a span with no number in it (a digit, ``\frac``, ``\sqrt``,
+``\pi``...) is read only when it ends the text and is more than a lone variable (in "42 ways,
+one for each value of $n$." the answer is 42); else the last number (``\frac{3}{4}`` counts as
+one). ``info["extracted_by"]`` says which: ``boxed``, ``answer_is``, ``last_math``,
+``last_number``.
 
 Equivalence, cheapest first:
 

@@ -53,6 +53,9 @@ def traj_saying(*replies: str) -> Trajectory:
         ("The answer is **42.** Because 6 * 7 = 42.", "42"),
         ("The answer is 2*3*4 = 24", "2*3*4 = 24"),  # a product is not emphasis
         ("Answer: $x^*$", "$x^*$"),
+        ("After checking each option, the correct answer is (B).", "(B)."),
+        ("The correct answer is B.", "B."),
+        ("So the right answer is 7", "7"),
         ("", ""),
         ("  \n \n", ""),
     ],

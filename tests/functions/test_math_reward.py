@@ -148,6 +148,9 @@ def test_extract_final_forms(text, expected):
         ("**Answer: 42**", "42", 1.0),
         ("**Final Answer:** **$\\frac{1}{2}$**", "0.5", 1.0),
         ("The answer is **41**.", "42", 0.0),
+        ("After checking each option, the correct answer is (B).", "B", 1.0),
+        ("The correct answer is B.", "B", 1.0),
+        ("The correct answer is (B).", "C", 0.0),
         # several answers at once still score 0
         ("The answer is $1$ or $2$.", "1", 0.0),
         ("The answer is $1$ or $2$.", "2", 0.0),
