@@ -116,14 +116,38 @@ def first_sentence(s: str) -> str:
                 j = i  # the word before the period; the scan stops at the space after the last one
                 while j > 0 and not s[j - 1].isspace():
                     j -= 1
-                if c == "!" or s[j:i].lstrip("*_").lower() not in _ABBREVIATIONS:
+                if c == "!" or not _abbreviation(s[j:i].lstrip("*_"), s, k + 1):
                     return s[:i].rstrip()
         i += 1
     return s
 
 
-# a period after these does not end a sentence ("the answer is Mr. Smith")
-_ABBREVIATIONS = frozenset("mr mrs ms dr st jr sr prof vs etc e.g i.e approx no".split())
+# a period after these does not end a sentence ("the answer is Mr. Smith"); "no." only before a
+# number ("No. 5"): "The answer is no. It cannot be done." states "no"
+_ABBREVIATIONS = frozenset("mr mrs ms dr st jr sr prof vs etc e.g i.e approx".split())
+_NUMBER_SIGN = frozenset(["no"])
+# an initialism (U.S, D.C) ends a sentence only before a word that starts one: "U.S. Grant" and
+# "U.S. dollars" go on, "Washington, D.C. It is the capital." ends at "D.C."
+_INITIALISM = re.compile(r"(?:[A-Za-z]\.)+[A-Za-z]")
+_STARTERS = frozenset(
+    "a an the it its this that these those he she they we i you there here so thus hence "
+    "therefore because since but and or which what note let if then".split()
+)
+_NEXT_WORD = re.compile(r"[\s*_]*([\w$\\]*)")
+
+
+def _abbreviation(word: str, s: str, after: int) -> bool:
+    """Whether the period after ``word`` is an abbreviation's; ``s[after:]`` follows the space."""
+    low = word.lower()
+    if low in _ABBREVIATIONS:
+        return True
+    nxt = _NEXT_WORD.match(s, after)
+    following = nxt[1] if nxt else ""
+    if low in _NUMBER_SIGN:
+        return following[:1].isdigit()
+    if _INITIALISM.fullmatch(word):
+        return bool(following) and following.lower() not in _STARTERS
+    return False
 
 
 def extract_answer(text: str) -> str:

@@ -56,6 +56,11 @@ def traj_saying(*replies: str) -> Trajectory:
         ("After checking each option, the correct answer is (B).", "(B)."),
         ("The correct answer is B.", "B."),
         ("So the right answer is 7", "7"),
+        # "no." is an abbreviation only before a number; an initialism only inside a name
+        ("The answer is no. It cannot be done.", "no"),
+        ("The answer is No. 5 on the list.", "No. 5 on the list."),
+        ("The answer is U.S. Grant. He was president.", "U.S. Grant"),
+        ("The answer is Washington, D.C. It is the capital.", "Washington, D.C"),
         ("", ""),
         ("  \n \n", ""),
     ],

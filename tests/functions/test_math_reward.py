@@ -151,6 +151,7 @@ def test_extract_final_forms(text, expected):
         ("After checking each option, the correct answer is (B).", "B", 1.0),
         ("The correct answer is B.", "B", 1.0),
         ("The correct answer is (B).", "C", 0.0),
+        ("The answer is no. It cannot be done.", "no", 1.0),
         # several answers at once still score 0
         ("The answer is $1$ or $2$.", "1", 0.0),
         ("The answer is $1$ or $2$.", "2", 0.0),
