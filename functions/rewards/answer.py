@@ -29,6 +29,7 @@ _NUMBER = re.compile(r"^[-+]?(\d+(?:\.\d*)?|\.\d+)(e[-+]?\d+)?$")  # \d+\.?\d* b
 _QUOTES = str.maketrans("", "", "\"'`")
 _ZERO_WIDTH = str.maketrans("", "", "\u200b\u200c\u200d\u2060\ufeff")
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mbox|emph|operatorname)\s*\{")
+_DISPLAY = re.compile(r"^\\[\[(]|\\[\])]$")  # \[ 42 \] and \( 42 \) around the answer
 _CHOICE = re.compile(r"\(?([a-z])\)")
 _PUNCT = str.maketrans(dict.fromkeys("!?;:,_~@#&|", " "))
 
@@ -65,11 +66,18 @@ def stated_answer(text: str) -> str | None:
         i = m.end()
         while i < n and text[i].isspace():
             i += 1
+        if (close := _DISPLAY_OPEN.get(text[i : i + 2])) is not None:
+            j = text.find(close, i + 2)  # display math: the whole block, over its lines
+            if j >= 0:
+                return " ".join(text[i : j + 2].split())
         end = text.find("\n", i)
         line = text[i : n if end < 0 else end].strip()
         if line:
             return unemphasize(first_sentence(line))
     return None
+
+
+_DISPLAY_OPEN = {"\\[": "\\]", "$$": "$$"}
 
 
 # markdown emphasis around an answer: "**42**.", "*no*", "42**" when the marker took the opening
@@ -177,11 +185,11 @@ def _canonical_number(s: str) -> str:
 
 
 def normalize(answer: str) -> str:
-    """Lower-case, strip math delimiters, text commands (``\\textbf{}``...), escapes (``\\$``,
+    """Lower-case, strip math delimiters (``$``, ``\\[ \\]``, ``\\( \\)``), text commands (``\\textbf{}``...), escapes (``\\$``,
     ``\\%``), zero-width characters, punctuation, articles and thousands separators; a
     parenthesised choice letter is the letter (``(A)``, ``A)``); canonical numbers ('42.0' ==
     '42'), compared exactly."""
-    s = answer.translate(_ZERO_WIDTH).strip().strip("$").strip()
+    s = _DISPLAY.sub("", answer.translate(_ZERO_WIDTH).strip()).strip().strip("$").strip()
     s = s.replace("\\$", "").replace("\\%", "%")
     s = _TEXT_CMD.sub("", s).replace("}", "").replace("{", "")
     s = s.lower().rstrip(".").strip()

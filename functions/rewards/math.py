@@ -5,7 +5,8 @@ Extraction (first that applies): the last ``\boxed{}``/``\fbox{}``; else the sta
 after the last "the answer is" ("the correct answer is") / "final answer:" / a line starting
 "Answer:" (the last one in the text, whichever its form), up to the end of its first sentence
 ("The final answer is $\frac{1}{2}$. I hope it is correct." states ``\frac{1}{2}``; markdown
-emphasis around it, ``**42**``, goes); else the last math span (``$...$``, ``\(...\)``,
+emphasis around it, ``**42**``, goes; a display block, ``\[...\]`` or ``$$...$$``, right after
+the marker is read whole, over its lines); else the last math span (``$...$``, ``\(...\)``,
 ``\[...\]``) that no number of the prose follows, read as its last side (``$x = \frac{3}{4}$``:
 ``\frac{3}{4}``): an inequality is a condition, and the span before it is read (``$f(n) = 3$
 for all $n \ge 1$``: ``3``), and a span with no number in it (a digit, ``\frac``, ``\sqrt``,
@@ -16,8 +17,8 @@ one). ``info["extracted_by"]`` says which: ``boxed``, ``answer_is``, ``last_math
 
 Equivalence, cheapest first:
 
-1. **Fast path, in-process, no sympy.** Both answers are canonicalised (``$``, ``\left``/
-   ``\right``, spacing commands, unit words and a ``\text{}`` that holds only unit words
+1. **Fast path, in-process, no sympy.** Both answers are canonicalised (``$``, ``\[ \]``,
+   ``\left``/``\right``, spacing commands, unit words and a ``\text{}`` that holds only unit words
    (any other ``\text{}`` says what it says: ``\text{not } 3`` is not 3, ``\text{ and }`` is
    a comma), degrees, ``\dfrac`` and ``\cfrac``, a leading ``x =`` or ``f(x) =``, thousands
    separators and zero-width characters removed; ``\varnothing`` and ``\{\}`` are

@@ -59,6 +59,7 @@ _TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|mbox|mathrm|mathbf|operatorname
 _TEXT_UNIT = re.compile(_TEXT_CMD.pattern + r"(?:\s*\^\s*\{?[23]\}?)?")
 # not the second backslash of a row break: "1 \\\\ 2" (pmatrix) is not "1 \\ 2"
 _SPACING = re.compile(r"(?<!\\)\\[,;:! ]|\\(?:quad|qquad|displaystyle|textstyle)\b|~")
+_DISPLAY = re.compile(r"^\\\[|\\\]$")  # display math around the answer: \[ 42 \]
 _LEFT_RIGHT = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big)\b\.?")
 _DEGREES = re.compile(r"\^\s*\{?\\circ\}?|°|\\degree\b")
 # ``x =``, ``x_1 =``, ``f(x) =``, ``(x, y) =``, ``x \in``
@@ -130,6 +131,7 @@ def canonical(answer: str) -> str:
     # (an en dash, U+2013, between two numbers is a range, which must not become 3 - 5)
     s = answer.strip().translate(_MINUS_SIGNS)
     s = s.replace("\\$", "").replace("$", "").replace("\\(", "").replace("\\)", "")
+    s = _DISPLAY.sub("", s.strip())
     s = _LEFT_RIGHT.sub("", s)
     s = _THIN_THOUSANDS.sub("", s)
     s = _SPACING.sub(" ", s)

@@ -61,6 +61,9 @@ def traj_saying(*replies: str) -> Trajectory:
         ("The answer is No. 5 on the list.", "No. 5 on the list."),
         ("The answer is U.S. Grant. He was president.", "U.S. Grant"),
         ("The answer is Washington, D.C. It is the capital.", "Washington, D.C"),
+        # display math after a marker: the whole block
+        ("The answer is:\n\\[\n42\n\\]", "\\[ 42 \\]"),
+        ("The answer is:\n$$\n42\n$$\nDone.", "$$ 42 $$"),
         ("", ""),
         ("  \n \n", ""),
     ],
@@ -110,6 +113,8 @@ def test_unbalanced_boxed_falls_back() -> None:
         ("(A)", "a"),  # a choice letter
         ("A)", "a"),
         ("\\text{(B)}", "b"),
+        ("\\[ 42 \\]", "42"),  # display and inline math delimiters
+        ("\\(Paris\\)", "paris"),
         ("Pa\u200bris", "paris"),  # a zero-width space is not there
     ],
 )

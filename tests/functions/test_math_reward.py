@@ -152,6 +152,11 @@ def test_extract_final_forms(text, expected):
         ("The correct answer is B.", "B", 1.0),
         ("The correct answer is (B).", "C", 0.0),
         ("The answer is no. It cannot be done.", "no", 1.0),
+        # display math after a marker
+        ("the answer is:\n\\[\n42\n\\]", "42", 1.0),
+        ("The answer is:\n$$\n\\frac{1}{2}\n$$\nDone.", "0.5", 1.0),
+        ("The answer is \\[ 42 \\]", "42", 1.0),
+        ("The answer is \\[ 41 \\]", "42", 0.0),
         # several answers at once still score 0
         ("The answer is $1$ or $2$.", "1", 0.0),
         ("The answer is $1$ or $2$.", "2", 0.0),
