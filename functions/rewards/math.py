@@ -22,7 +22,8 @@ Equivalence, cheapest first:
    (any other ``\text{}`` says what it says: ``\text{not } 3`` is not 3, ``\text{ and }`` is
    a comma), degrees, ``\dfrac`` and ``\cfrac``, a leading ``x =`` or ``f(x) =``, thousands
    separators and zero-width characters removed; ``\varnothing`` and ``\{\}`` are
-   ``\emptyset``; one ``a \pm b`` is the list ``a + b, a - b``). Equal strings are equal;
+   ``\emptyset``; ``a \pm b`` is the list ``a + b, a - b``, in a list element by element:
+   ``\pm 2, \pm 3`` is ``2, -2, 3, -3`` and ``(\pm 1, 2)`` the two points). Equal strings are equal;
    two plain numbers (integers, decimals, ``a/b``, ``\frac{a}{b}``, ``1e3``,
    ``1 \times 10^3``, ``0.\overline{3}``) are compared exactly as fractions; two words are
    compared as normalised text. Intervals, tuples, sets and ``\cup`` unions are split into elements

@@ -64,7 +64,7 @@ _LEFT_RIGHT = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big)\b\.?")
 _DEGREES = re.compile(r"\^\s*\{?\\circ\}?|°|\\degree\b")
 # ``x =``, ``x_1 =``, ``f(x) =``, ``(x, y) =``, ``x \in``
 _LHS = re.compile(
-    r"^(?:[a-zA-Z](?:_\{?\w+\}?)?(?:\(\s*[a-zA-Z]\s*\))?|\(\s*[a-zA-Z](?:\s*,\s*[a-zA-Z])*\s*\))"
+    r"^(?:[a-zA-Z](?:_(?:\{\w+(?:\s*,\s*\w+)+\}|\{?\w+\}?))?(?:\(\s*[a-zA-Z]\s*\))?|\(\s*[a-zA-Z](?:\s*,\s*[a-zA-Z])*\s*\))"
     r"\s*(?:=|\\in\b)\s*(?=\S)"
 )
 # one part of an answer such as ``x = 1, y = 2``: a variable (``x``, ``x_1``, ``x_{12}``) and
@@ -158,10 +158,39 @@ def canonical(answer: str) -> str:
 
 
 def _plus_minus(s: str) -> str:
-    """``a \\pm b`` is the list ``a + b, a - b`` (one ``\\pm`` or ``\\mp``, in an answer that is
-    not already a list): ``\\pm 2`` is ``+2, -2``, ``\\frac{1 \\pm \\sqrt{5}}{2}`` both roots."""
+    """``a \\pm b`` is the list ``a + b, a - b``: ``\\pm 2`` is ``+2, -2``, ``\\frac{1 \\pm
+    \\sqrt{5}}{2}`` both roots. In a list each element with one ``\\pm`` (or ``\\mp``) is
+    expanded on its own (``\\pm 2, \\pm 3`` is ``+2, -2, +3, -3``; the tuple ``(\\pm 1, 2)`` is
+    the two points ``(+1, 2), (-1, 2)``; in a set ``\\{\\pm 1, 2\\}`` the elements), and an
+    answer with an element of two is left as written; so is an assignment list with a comma
+    (``x = \\pm 1, y = 2``)."""
+    if "\\pm" not in s and "\\mp" not in s:
+        return s
+    if "," not in s:
+        return _expand_pm(s)
+    if "=" in s:
+        return s
+    out = []
+    for part in _split_top(s, ","):
+        part = part.strip()
+        if part.startswith("\\{") and part.endswith("\\}") and "," in part:
+            inner = _plus_minus(part[2:-2])
+            if inner == part[2:-2] and _PLUS_MINUS.search(inner):
+                return s
+            out.append(f"\\{{{inner}\\}}")
+            continue
+        expanded = _expand_pm(part)
+        if expanded == part and _PLUS_MINUS.search(part):
+            return s
+        out.append(expanded)
+    return ", ".join(out)
+
+
+def _expand_pm(s: str) -> str:
+    """``s`` with its one ``\\pm``/``\\mp`` as the pair of its two signs; ``s`` when it has none
+    or more than one."""
     signs = _PLUS_MINUS.findall(s)
-    if len(signs) != 1 or "," in s:
+    if len(signs) != 1:
         return s
     first, second = ("+", "-") if signs[0].startswith("\\pm") else ("-", "+")
     return f"{_PLUS_MINUS.sub(first, s)}, {_PLUS_MINUS.sub(second, s)}"

@@ -407,6 +407,15 @@ def test_a_rounded_decimal_does_not_match_an_exact_integer(pred, gt, equal):
         ("\\frac{1 \\pm \\sqrt{5}}{2}", "\\frac{1+\\sqrt{5}}{2}, \\frac{1-\\sqrt{5}}{2}", True),
         ("\\pm 2", "2", False),  # two answers for one
         ("\\pm 2", "-2", False),
+        # ... in a list, each element on its own; a subscript with a comma names both roots
+        ("x_{1,2} = 1 \\pm \\sqrt{2}", "1+\\sqrt{2}, 1-\\sqrt{2}", True),
+        ("\\pm 2, \\pm 3", "2,-2,3,-3", True),
+        ("\\pm 2, 3", "2,-2,3", True),
+        ("\\pm 2, 3", "2,3", False),
+        ("(\\pm 1, 2)", "(1,2), (-1,2)", True),  # two points
+        ("(\\pm 1, 2)", "(1,2)", False),
+        ("\\{\\pm 1, 2\\}", "\\{1,-1,2\\}", True),  # a set: its elements
+        ("\\pm 1 \\pm 2, 3", "3", False),  # two signs in one element: left as written
         # a row break with spaces around it (\\ ) was read as a spacing command (\ )
         ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}", True),
         ("\\begin{matrix} 1 & 2 \\\\ 3 & 4 \\end{matrix}", "\\begin{matrix}1&2\\\\3&4\\end{matrix}", True),
