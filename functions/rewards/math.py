@@ -48,7 +48,9 @@ Rules worth knowing:
 
 * **Tolerance.** Exact values compare exactly: two integers or fractions (``123456789013``
   is not ``123456789012``, ``10^{30}+1`` is not ``10^{30}``), and two exact irrational values
-  agree to 20 of the 30 digits they are evaluated at. Only a decimal is read as rounded: it
+  agree to 20 of the 30 digits they are evaluated at; against an exact rational ground truth
+  the difference must also be under 1e-20 absolutely (``10^{30} + \sqrt{2}`` is not
+  ``10^{30} + 7``). Only a decimal is read as rounded: it
   equals a number when ``|a - b| <= 1e-9 * max(|a|, |b|)`` and, on the fast path, ``|a - b|``
   is at most one unit in its last place. A rounded decimal therefore does *not* match an
   exact value (``1.57`` is not ``\pi/2``, ``0.333`` is not ``1/3``); only a decimal good to

@@ -256,7 +256,8 @@ def _num_close(a: Any, b: Any, rounded_a: bool = False, rounded_b: bool = False)
     must be equal: the tolerance for a rounded decimal applies to a plain one (the fast path,
     where its last place is known) and, here, to a ground truth that is irrational or itself
     written as a decimal; ``(123456789013.0)``, ``123456789100.0 \\cdot 1`` are not
-    ``123456789012``."""
+    ``123456789012``. An exact irrational prediction against an exact rational ground truth
+    must be within ``_EXACT_REL_TOL`` of it absolutely, not only relatively."""
     sympy, _ = _load_sympy()
     if not (a.is_finite and b.is_finite):
         return bool(a == b)
@@ -270,6 +271,11 @@ def _num_close(a: Any, b: Any, rounded_a: bool = False, rounded_b: bool = False)
     scale = max(abs(sympy.N(a, 30)), abs(sympy.N(b, 30)))
     if not (d.is_number and scale.is_number and d.is_finite and scale.is_finite):
         return False
+    if b.is_Rational and not rounded:
+        # two exact values, the ground truth rational: the difference must be small in
+        # absolute terms too, or 10^{30} + \sqrt{2} would be 10^{30} + 7 (20 digits of 31 agree);
+        # evalf finds a true zero far below it (0.e-146)
+        return bool(d <= tol * min(scale, 1))
     return bool(d <= tol * scale)
 
 

@@ -328,6 +328,22 @@ def test_a_huge_finite_number_does_not_match_every_expression(gt):
     assert res.score == 0.0, res.info
 
 
+@pytest.mark.parametrize(
+    ("pred", "gt", "equal"),
+    [
+        # an irrational answer near a huge exact rational: 20 of 31 digits agreeing is not equal
+        ("10^{30}+\\sqrt{2}", "10^{30}+7", False),
+        ("18446744073709551616 + \\pi/100", "2^{64}", False),
+        # exact expressions that are the rational still are
+        ("2^{64}(\\sin^2(1)+\\cos^2(1))", "2^{64}", True),
+        ("\\log_2(2^{100})", "100", True),
+        ("\\cos(\\pi/7)+\\cos(3\\pi/7)+\\cos(5\\pi/7)", "1/2", True),
+    ],
+)
+def test_an_irrational_answer_does_not_match_a_huge_rational_within_its_relative_tolerance(pred, gt, equal):
+    assert is_equivalent(pred, gt)[0] is equal
+
+
 def test_a_tuple_of_huge_numbers_does_not_match_every_interval():
     assert math_answer("\\boxed{(9^{999}, 9^{999})}", ground_truth="(1,2)").score == 0.0
 
