@@ -9,15 +9,16 @@ MAX_ANSWER_CHARS = 1000
 """An extracted final answer longer than this matches nothing: no real final answer is that
 long, and the policy must not be able to make a reward call slow."""
 
-# where a stated answer starts: "the answer is" ("the correct answer is"), "final answer:", or a
+# where a stated answer starts: "the answer is" ("the correct answer is"), "final answer:", a
 # line that starts with "Answer:" (markdown emphasis around the words allowed: "**Answer:**
-# 42"). Linear: no \s* that could run across lines sits where a failed match is retried from
+# 42"), or GSM8K's "#### 42". Linear: no \s* that could run across lines sits where a failed match is retried from
 # every position
 # (``^\s*answer`` with MULTILINE rescanned a run of n newlines from each of its n line starts;
 # ``is\s*:?\s*(.+)`` split one run between two \s* in n^2 ways), and markers do not overlap
 _ANSWER_MARK = re.compile(
     r"(?:final|the|(?:the )?(?:correct|right)) answer[*_]*[ \t]*(?:is\b(?:[ \t]*:)?|:)[*_]*"
-    r"|^[ \t]*[*_]*answer[*_]*[ \t]*:[*_]*",
+    r"|^[ \t]*[*_]*answer[*_]*[ \t]*:[*_]*"
+    r"|^[ \t]*####[ \t]*(?=[-+]?\$?[\d.,]+[ \t]*$)",  # GSM8K's "#### 42" (a number: not a heading)
     re.IGNORECASE | re.MULTILINE,
 )
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -53,7 +54,7 @@ def last_boxed(text: str) -> str | None:
 
 
 def stated_answer(text: str) -> str | None:
-    """The answer after the last "the answer is" / "final answer:" / "Answer:" in ``text``
+    """The answer after the last "the answer is" / "final answer:" / "Answer:" / "####" in ``text``
     (the last one in the text wins, whichever its kind): the rest of its line (the next
     non-blank line when the marker ends its own), up to the end of its first sentence, so that
     "The final answer is $\\frac{1}{2}$. I hope it is correct." states ``$\\frac{1}{2}$``;

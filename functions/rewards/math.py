@@ -3,10 +3,11 @@ to the ground truth.
 
 Extraction (first that applies): the last ``\boxed{}``/``\fbox{}``; else the stated answer
 after the last "the answer is" ("the correct answer is") / "final answer:" / a line starting
-"Answer:" (the last one in the text, whichever its form), up to the end of its first sentence
-("The final answer is $\frac{1}{2}$. I hope it is correct." states ``\frac{1}{2}``; markdown
-emphasis around it, ``**42**``, goes; a display block, ``\[...\]`` or ``$$...$$``, right after
-the marker is read whole, over its lines); else the last math span (``$...$``, ``\(...\)``,
+"Answer:" / GSM8K's "#### 42" line (the last one in the text, whichever its form), up to the
+end of its first sentence ("The final answer is $\frac{1}{2}$. I hope it is correct." states
+``\frac{1}{2}``; markdown emphasis around it, ``**42**``, goes; a display block, ``\[...\]`` or
+``$$...$$``, right after the marker is read whole, over its lines; a chain of arithmetic, "6
+\times 7 = 42", states its last side); else the last math span (``$...$``, ``\(...\)``,
 ``\[...\]``) that no number of the prose follows, read as its last side (``$x = \frac{3}{4}$``:
 ``\frac{3}{4}``): an inequality is a condition, and the span before it is read (``$f(n) = 3$
 for all $n \ge 1$``: ``3``), and a span with no number in it (a digit, ``\frac``, ``\sqrt``,
@@ -218,6 +219,20 @@ def _last_math(text: str, numbers: list[re.Match[str]]) -> str | None:
     return None
 
 
+_COMMAND = re.compile(r"\\[a-zA-Z]+")
+
+
+def _chain_end(stated: str) -> str:
+    """The last side of a stated chain of arithmetic ("6 \\times 7 = 42": ``42``); an equation
+    with a variable (``x + y = 5``) or a list (``x = 1, y = 2``) stays whole."""
+    if "=" not in stated or "," in stated or _INEQUALITY.search(stated):
+        return stated
+    lhs, _, value = stated.rpartition("=")
+    if any(c.isalpha() for c in _COMMAND.sub("", lhs.replace("\\text", ""))) or not value.strip():
+        return stated
+    return value.strip()
+
+
 def extract_final(text: str) -> tuple[str | None, str]:
     """``(answer, rule)``: rule is ``boxed``, ``answer_is``, ``last_math``, ``last_number`` or
     ``none``."""
@@ -226,7 +241,7 @@ def extract_final(text: str) -> tuple[str | None, str]:
         return boxed, "boxed"
     stated = stated_answer(text)
     if stated is not None:
-        return stated, "answer_is"
+        return _chain_end(stated), "answer_is"
     numbers = list(_LAST_NUMBER.finditer(text))
     value = _last_math(text, numbers)
     if value is not None:

@@ -64,6 +64,8 @@ def traj_saying(*replies: str) -> Trajectory:
         # display math after a marker: the whole block
         ("The answer is:\n\\[\n42\n\\]", "\\[ 42 \\]"),
         ("The answer is:\n$$\n42\n$$\nDone.", "$$ 42 $$"),
+        ("Let me check that the answer is reasonable: 6*7=42.\n#### 42", "42"),  # GSM8K
+        ("The answer is 5.\n#### Verification\n5 * 1 = 5", "5."),  # a heading is not a marker
         ("", ""),
         ("  \n \n", ""),
     ],

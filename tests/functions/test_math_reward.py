@@ -157,6 +157,16 @@ def test_extract_final_forms(text, expected):
         ("The answer is:\n$$\n\\frac{1}{2}\n$$\nDone.", "0.5", 1.0),
         ("The answer is \\[ 42 \\]", "42", 1.0),
         ("The answer is \\[ 41 \\]", "42", 0.0),
+        # a stated chain of arithmetic states its last side; an equation stays whole
+        ("So the answer is 6 \\times 7 = 42.", "42", 1.0),
+        ("So the answer is $6 \\times 7 = 41$.", "42", 0.0),
+        ("The answer is $x + y = 5$.", "x + y = 5", 1.0),
+        ("The answer is $x + y = 5$.", "5", 0.0),
+        # GSM8K's "#### 42" line is a stated answer, later than a marker in the reasoning
+        ("Let me check that the answer is reasonable: 6*7=42.\n#### 42", "42", 1.0),
+        ("To find the answer: multiply 6 by 7.\n6 * 7 = 42\n#### 42", "42", 1.0),
+        ("The answer is 5.\n#### Verification\n5 * 1 = 5", "5", 1.0),  # a heading is not one
+        ("So 12 apples.\n#### 1,234", "1234", 1.0),
         # several answers at once still score 0
         ("The answer is $1$ or $2$.", "1", 0.0),
         ("The answer is $1$ or $2$.", "2", 0.0),
