@@ -11,10 +11,10 @@ long, and the policy must not be able to make a reward call slow."""
 
 # where a stated answer starts: "the answer is" ("the correct answer is"), "final answer:", a
 # line that starts with "Answer:" (markdown emphasis around the words allowed: "**Answer:**
-# 42"), or GSM8K's "#### 42". Linear: no \s* that could run across lines sits where a failed match is retried from
-# every position
-# (``^\s*answer`` with MULTILINE rescanned a run of n newlines from each of its n line starts;
-# ``is\s*:?\s*(.+)`` split one run between two \s* in n^2 ways), and markers do not overlap
+# 42"), or GSM8K's "#### 42". Linear: no \s* that could run across lines sits where a failed
+# match is retried from every position (``^\s*answer`` with MULTILINE rescanned a run of n
+# newlines from each of its n line starts; ``is\s*:?\s*(.+)`` split one run between two \s* in
+# n^2 ways), and markers do not overlap
 _ANSWER_MARK = re.compile(
     r"(?:final|the|(?:the )?(?:correct|right)) answer[*_]*[ \t]*(?:is\b(?:[ \t]*:)?|:)[*_]*"
     r"|^[ \t]*[*_]*answer[*_]*[ \t]*:[*_]*"
@@ -186,10 +186,10 @@ def _canonical_number(s: str) -> str:
 
 
 def normalize(answer: str) -> str:
-    """Lower-case, strip math delimiters (``$``, ``\\[ \\]``, ``\\( \\)``), text commands (``\\textbf{}``...), escapes (``\\$``,
-    ``\\%``), zero-width characters, punctuation, articles and thousands separators; a
-    parenthesised choice letter is the letter (``(A)``, ``A)``); canonical numbers ('42.0' ==
-    '42'), compared exactly."""
+    """Lower-case, strip math delimiters (``$``, ``\\[ \\]``, ``\\( \\)``), text commands
+    (``\\textbf{}``...), escapes (``\\$``, ``\\%``), zero-width characters, punctuation,
+    articles and thousands separators; a parenthesised choice letter is the letter (``(A)``,
+    ``A)``); canonical numbers ('42.0' == '42'), compared exactly."""
     s = _DISPLAY.sub("", answer.translate(_ZERO_WIDTH).strip()).strip().strip("$").strip()
     s = s.replace("\\$", "").replace("\\%", "%")
     s = _TEXT_CMD.sub("", s).replace("}", "").replace("{", "")

@@ -206,7 +206,7 @@ def _last_math(text: str, numbers: list[re.Match[str]]) -> str | None:
         if k < 0 or merged[k][1] < number.end():
             prose_end = number.end()
             break
-    for start, end, content in reversed(spans):
+    for _, end, content in reversed(spans):
         if end < prose_end:
             return None
         value = _value_of(content)
