@@ -36,7 +36,10 @@ _OF = rf"\s*(?:/|out\s+of)\s*({_NUM})"
 _THINK = re.compile(r"\A\s*<think>.*?(?:</think>|\Z)", re.DOTALL | re.IGNORECASE)
 _TAG = re.compile(rf"<score>\s*({_NUM})(?:{_OF})?\s*</score>", re.IGNORECASE)
 _LABEL = re.compile(
-    rf"\b(?:score|rating|grade)\b[\s*_:=]*(?:is|of)?[\s*:=]*({_NUM})(\s*%)?\**(?:{_OF})?", re.IGNORECASE
+    # the separators before the number must not overlap ("score" then a long run of spaces
+    # was quadratic): "is"/"of" is optional and a whole word
+    rf"\b(?:score|rating|grade)\b[\s*_:=]*(?:(?:is|of)\b[\s*:=]*)?({_NUM})(\s*%)?\**(?:{_OF})?",
+    re.IGNORECASE,
 )
 _BOLD = re.compile(rf"\*\*\s*({_NUM})(?:{_OF})?\s*\*\*")
 _LAST = re.compile(rf"({_NUM})(\s*%)?(?:{_OF})?")

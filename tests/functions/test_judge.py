@@ -229,6 +229,15 @@ def test_deep_json_in_a_reply_is_not_a_crash():
         parse_score("The answer:\n" + "{" * 100_000 + "}", 0, 10)
 
 
+@pytest.mark.parametrize("run", [" ", "=", "*", ":", " *_:="])
+def test_a_long_run_after_a_score_label_is_parsed_in_linear_time(run):
+    # "score" then 20k spaces took ~4 s (40k: 16 s), blocking the worker's event loop
+    reply = "The score" + run * (1_000_000 // len(run)) + "x\nScore: 7/10"
+    t = time.perf_counter()
+    assert parse_score(reply, 0, 10) == 7
+    assert time.perf_counter() - t < 1.0
+
+
 async def test_the_response_sits_between_tags_it_cannot_close(make_judge, monkeypatch):
     prompts: list[str] = []
 
