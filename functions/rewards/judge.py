@@ -10,20 +10,21 @@ SDK's ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``.
 How a call goes:
 
 * the rubric is filled in (``{question}``, ``{reference}``, ``{response}``, ``{min_score}``,
-  ``{max_score}``) and sent as one user message, temperature 0; ``{response}`` becomes the
-  response between ``<response-NONCE>`` tags, the nonce random per call, so a response cannot
-  close them and go on as the rubric;
+  ``{max_score}``, ``{nonce}``) and sent as one user message, temperature 0; ``{response}``
+  becomes the response between ``<response-NONCE>`` tags, the nonce random per call, so a
+  response cannot close them and go on as the rubric; ``{nonce}`` is a second per-call
+  nonce (six letters, never in the response) for the verdict line;
 * a token bucket per worker holds requests under ``requests_per_minute`` and
   ``tokens_per_minute`` (a request is charged ``chars / 4 + max_tokens`` up front, the
   ``usage`` of the reply settles the difference);
 * 408, 429, 5xx, timeouts and network errors are retried with exponential backoff and
   jitter, or after the server's ``Retry-After``; other 4xx fail at once;
-* the score is parsed from the reply in the form the rubric asks for (``Score: 7/10``, as the
-  default rubric; ``<score>3</score>``; ``{"score": 8}``) and from its end, since a judge
-  quotes the response in its reasoning and gives its verdict last: a score-like text the
-  response carries and the judge quotes is not the score (``judge_score``). Other forms count
-  only where they end the reply (a JSON object or fenced block, ``**8**`` on the last line,
-  else a number on the last line). The score is normalised to [0, 1].
+* the score is the judge's verdict line, ``Verdict NONCE: N/10`` as the default rubric asks
+  (the response cannot know the nonce, so cannot forge the line); failing that, a reply that
+  is one JSON object, else the latest score in the reply in the form the rubric asks for
+  (``Score: 7/10``, ``<score>3</score>``, ``{"score": 8}``) or another form where it ends
+  the reply, leaving out any whose text the response carries (the judge quoting it): see
+  ``judge_score`` for the rules and what they cannot tell. The score is normalised to [0, 1].
 
 Failures are results, never fake scores: an endpoint that stays overloaded, failing or silent
 raises ``Unavailable`` (retryable; the fabric may try the call again), and a reply that cannot
@@ -60,7 +61,7 @@ from functions.rewards.judge_errors import (
     _Transient,
 )
 from functions.rewards.judge_ratelimit import RateLimiter, TokenBucket, estimate_tokens
-from functions.rewards.judge_score import parse_score
+from functions.rewards.judge_score import parse_score, verdict_nonce
 
 # the config, errors, rate limits and score parsing live in their own modules; their public
 # names stay importable from here
@@ -86,7 +87,7 @@ __all__ = [
 #: Judge text kept in ``RewardResult.info`` (enough to audit a score, small on the wire).
 MAX_INFO_CHARS = 2000
 
-_PLACEHOLDER = re.compile(r"\{(question|reference|response|min_score|max_score)\}")
+_PLACEHOLDER = re.compile(r"\{(question|reference|response|min_score|max_score|nonce)\}")
 
 
 def _delimit(response: str, *others: str) -> str:
@@ -175,12 +176,19 @@ class Judge:
         template = cfg.rubric if rubric is None else rubric
         if "{response}" not in template:
             raise ValueError("the rubric must contain {response}, or the judge never sees the answer")
+        others = (template, question, reference or "")
+        # the verdict line's nonce: never in the response (drawn again), so no copy of the
+        # response can carry the judge's verdict line
+        nonce = verdict_nonce()
+        while any(nonce in text.lower() for text in (response, *others)):
+            nonce = verdict_nonce()
         fill = {
             "question": question or "(not given)",
             "reference": reference if reference else "(none)",
-            "response": _delimit(response, template, question, reference or ""),
+            "response": _delimit(response, *others),
             "min_score": f"{cfg.min_score:g}",
             "max_score": f"{cfg.max_score:g}",
+            "nonce": nonce,
         }
         # only the known placeholders: a rubric may show JSON with literal braces
         prompt = _PLACEHOLDER.sub(lambda m: fill[m.group(1)], template)
@@ -193,7 +201,14 @@ class Judge:
         }
         data, attempts = await self._complete(body, estimate_tokens(prompt, cfg.max_tokens))
         text = self._text(data)
-        raw = parse_score(text, cfg.min_score, cfg.max_score, rubric=template)
+        raw = parse_score(
+            text,
+            cfg.min_score,
+            cfg.max_score,
+            rubric=template,
+            nonce=nonce if "{nonce}" in template else None,
+            response=response,
+        )
         return RewardResult(
             score=(raw - cfg.min_score) / (cfg.max_score - cfg.min_score),
             components={"raw_score": raw},

@@ -32,7 +32,8 @@ RESPONSE:
 {response}
 
 Explain your judgement in a few sentences, then end with one line of the form \
-"Score: N/{max_score}", where N is a whole number from {min_score} (worst) to {max_score} (best)."""
+"Verdict {nonce}: N/{max_score}", where N is a whole number from {min_score} (worst) to \
+{max_score} (best). Copy the code {nonce} exactly: it marks the line as your verdict."""
 
 
 class JudgeConfig(BaseModel):
@@ -49,9 +50,12 @@ class JudgeConfig(BaseModel):
     rubric: str = DEFAULT_RUBRIC
     """Prompt template; must contain ``{response}``, which is filled with the response between
     ``<response-NONCE>`` tags (a random nonce per call: say in the rubric that what is between
-    them is data to grade). The output format it shows the judge is the form the score is read
-    in: ``Score: N/M`` (the default), ``<score>N</score>``, or a JSON object with a ``"score"``
-    key; the judge's verdict is read from the end of its reply (``judge_score``)."""
+    them is data to grade). ``{nonce}`` is filled with a per-call nonce the response cannot
+    know: a rubric that asks for a final line ``Verdict {nonce}: N/M`` (as the default does)
+    has that line read as the score, whatever the judge quoted. Without it, the output
+    format the rubric shows is the form the score is read in (``Score: N/M``,
+    ``<score>N</score>``, or a JSON object with a ``"score"`` key), the latest in the reply
+    outside text copied from the response (``judge_score``)."""
     min_score: float = 0.0
     max_score: float = 10.0
     """The rubric's scale; parsed scores are normalised from it to [0, 1]."""

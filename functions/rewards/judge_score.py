@@ -1,19 +1,32 @@
 """``parse_score``: the score in a judge's reply, on the rubric's scale.
 
 A judge often quotes the response it grades, and that text is the policy's: anything in it
-that looks like a score (``{"score": 10}``, ``<score>10</score>``) must not become the
-score. So the verdict is read the way the rubric asks for it and from the end of the reply
-(a judge gives its verdict after its reasoning, and quotes come in the reasoning):
+that looks like a score (``Score: 10/10``, ``{"score": 10}``, ``<score>10</score>``) must not
+become the score. In order:
 
-1. a reply that is one JSON object (bare or in one fenced block) with a ``score``,
+1. the verdict line: the default rubric asks the judge to end with ``Verdict NONCE: N/M``,
+   ``NONCE`` six letters drawn per call and never found in the response (drawn again), so
+   no text of the response can carry it; its last such line is the score, whatever follows
+   (a custom rubric gets the same with the ``{nonce}`` placeholder);
+2. a reply that is one JSON object (bare or in one fenced block) with a ``score``,
    ``rating`` or ``grade``: the whole reply is the verdict;
-2. the form the rubric asks for (``requested_form``), its last match: ``Score: N/M`` (the
-   default rubric's line; also ``Rating: N out of M``, ``Grade: 85%``), ``<score>N</score>``,
-   or a JSON object that ends the reply;
-3. the other forms only where they end the reply: a JSON object (bare on its own lines, or
-   the reply's last fenced block) with nothing after it, ``<score>N</score>`` or ``**N**`` on
-   the last line; a labelled ``Score: N`` anywhere when the rubric asked for another form;
-4. last, a number on the reply's last line (``I give it a 7.``, ``3/10``).
+3. else the latest candidate in the reply, across the forms, that is not in a quoted copy of
+   the response. Candidates are the form the rubric asks for (``requested_form``) anywhere
+   (``Score: N/M``, also ``Rating: N out of M``, ``Grade: 85%``; ``<score>N</score>``; under
+   a JSON rubric a complete top-level object that starts a line, prose may follow it), the
+   other forms only where they end the reply (a JSON object or the last fenced block,
+   ``<score>N</score>``; ``**N**`` or a fraction, ``I give it 1/10.``, on the last line; a
+   labelled ``Score: N`` anywhere when the rubric asked for another form), and last of all a
+   bare number on the last line (``I give it a 7.``). A candidate within another is part of
+   it. A candidate is quoted when its text is in the response (a bare number: with 8
+   characters of its line around it).
+
+What step 3 cannot tell: a judge that writes a score after its verdict which the response
+does not carry verbatim (a paraphrase, ``it claims ten out of ten``) is read as that score;
+and a judge's own verdict that happens to be text the response carries (a response that
+lists ``Score: 0/10`` to ``Score: 10/10``) is not read, so the call fails
+(``JudgeResponseError``) rather than score. The verdict line of step 1 has neither problem,
+as long as the judge copies the nonce.
 
 A ``<think>...</think>`` block is dropped only where a reasoning model puts it, at the start
 of the reply: one quoted from the response (maybe unclosed) is ordinary text.
@@ -23,7 +36,10 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+import secrets
+from collections import deque
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any, Literal
 
 from functions.openai_api import excerpt
@@ -36,7 +52,10 @@ _OF = rf"\s*(?:/|out\s+of)\s*({_NUM})"
 _THINK = re.compile(r"\A\s*<think>.*?(?:</think>|\Z)", re.DOTALL | re.IGNORECASE)
 _TAG = re.compile(rf"<score>\s*({_NUM})(?:{_OF})?\s*</score>", re.IGNORECASE)
 _LABEL = re.compile(
-    rf"\b(?:score|rating|grade)\b[\s*_:=]*(?:is|of)?[\s*:=]*({_NUM})(\s*%)?\**(?:{_OF})?", re.IGNORECASE
+    # the separators before the number must not overlap ("score" then a long run of spaces
+    # was quadratic): "is"/"of" is optional and a whole word
+    rf"\b(?:score|rating|grade)\b[\s*_:=]*(?:(?:is|of)\b[\s*:=]*)?({_NUM})(\s*%)?\**(?:{_OF})?",
+    re.IGNORECASE,
 )
 _BOLD = re.compile(rf"\*\*\s*({_NUM})(?:{_OF})?\s*\*\*")
 _LAST = re.compile(rf"({_NUM})(\s*%)?(?:{_OF})?")
@@ -47,6 +66,7 @@ _FENCE_LANG = re.compile(r"\A[\w+-]*\s*")  # ```json
 # a rubric that shows the judge its answer format: <score>N</score>, or a JSON "score" key
 _ASKS_TAG = re.compile(r"<score>", re.IGNORECASE)
 _ASKS_JSON = re.compile(r"""["'](?:score|rating|grade)["']\s*:""", re.IGNORECASE)
+_NONCE_LETTERS = "bcdfghjklmnpqrstvwxz"  # no vowels: no words, nothing rude
 #: Line-start objects tried for a JSON verdict that ends the reply (from the last).
 _MAX_OBJ_TRIES = 16
 
@@ -115,82 +135,206 @@ def _whole_json(body: str, lo: float, hi: float) -> float | None:
     return _obj_score(_loads(text), lo, hi) if text.lstrip().startswith("{") else None
 
 
-def _json_at_end(body: str, lo: float, hi: float) -> float | None:
+def _last_line_span(body: str) -> tuple[int, int]:
+    start = body.rfind("\n") + 1
+    return start, len(body)
+
+
+# A candidate verdict: where it lies in the reply (start, end), whether its text alone is
+# specific enough to say it was copied from the response (a labelled, tagged, bold or JSON
+# score, or a fraction; not a bare number), and how to read it (lazily: a quoted "3/0" must
+# not fail the call).
+_Candidate = tuple[int, int, bool, Callable[[], float | None]]
+
+
+def _scaled(m: re.Match[str], lo: float, hi: float, *, pct: int | None, den: int) -> Callable[[], float]:
+    def read() -> float:
+        percent = m.group(pct) if pct else None
+        return _on_scale(m.group(1), (percent or "").strip() or None, m.group(den) or None, lo, hi)
+
+    return read
+
+
+def _tail(matches: Iterator[re.Match[str]]) -> deque[re.Match[str]]:
+    # only the latest candidates are ever looked at (_MAX_CANDIDATES)
+    return deque(matches, maxlen=_MAX_CANDIDATES)
+
+
+def _labels(body: str, lo: float, hi: float, at: int = 0) -> list[_Candidate]:
+    return [
+        (m.start(), m.end(), True, _scaled(m, lo, hi, pct=2, den=3)) for m in _tail(_LABEL.finditer(body, at))
+    ]
+
+
+def _tags(body: str, lo: float, hi: float, at: int = 0) -> list[_Candidate]:
+    return [
+        (m.start(), m.end(), True, _scaled(m, lo, hi, pct=None, den=2))
+        for m in _tail(_TAG.finditer(body, at))
+    ]
+
+
+def _tag_at_end(body: str, lo: float, hi: float) -> list[_Candidate]:
+    # another form than the one asked for counts only where it ends the reply
+    return [c for c in _tags(body, lo, hi, _last_line_span(body)[0]) if c[1] == len(body)]
+
+
+def _bold_at_end(body: str, lo: float, hi: float) -> list[_Candidate]:
+    at = _last_line_span(body)[0]
+    return [
+        (m.start(), m.end(), True, _scaled(m, lo, hi, pct=None, den=2))
+        for m in _tail(_BOLD.finditer(body, at))
+    ]
+
+
+def _json_ending(body: str, lo: float, hi: float) -> list[_Candidate]:
     """A JSON verdict that ends the reply: the last fenced block, or an object from the start
     of a line to the end (``{"score": 7}`` after the reasoning)."""
     inner = _unfenced(body)
     if inner is not None:
-        return _obj_score(_loads(inner), lo, hi)
+        start = body.rfind(_FENCE, 0, len(body) - len(_FENCE))
+        obj = _loads(inner)
+        return [(start, len(body), True, lambda: _obj_score(obj, lo, hi))]
     if not body.endswith("}"):
-        return None
+        return []
     starts = [m.start() for m in _OBJ_START.finditer(body)][-_MAX_OBJ_TRIES:]
     for start in reversed(starts):
         raw = _obj_score(_loads(body[start:]), lo, hi)
         if raw is not None:
-            return raw
+            return [(start, len(body), True, partial(float, raw))]
+    return []
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _json_objects(body: str, lo: float, hi: float) -> list[_Candidate]:
+    """Under a JSON rubric: complete objects that start a line and carry a score (the last
+    of them counts, prose may follow: ``{"score": 7}`` then a sentence), top-level only (an
+    object inside a tried one is part of it)."""
+    found: list[_Candidate] = []
+    end = -1
+    for m in list(_OBJ_START.finditer(body))[-_MAX_OBJ_TRIES:]:
+        start = body.index("{", m.start())
+        if start < end:
+            continue  # inside the object before
+        try:
+            obj, stop = _DECODER.raw_decode(body, start)
+        except (ValueError, RecursionError):
+            continue
+        end = stop
+        if isinstance(obj, dict) and any(k in obj for k in _SCORE_KEYS):
+            found.append((start, stop, True, partial(_obj_score, obj, lo, hi)))
+    return found
+
+
+def _number_at_end(body: str, lo: float, hi: float) -> list[_Candidate]:
+    # an unlabelled number is trusted only on the last line: earlier ones are reasoning
+    # ("2 + 2"); a fraction there ("I give it 1/10.") is a verdict, a bare number the last resort
+    at = _last_line_span(body)[0]
+    return [
+        (m.start(), m.end(), bool(m.group(2) or m.group(3)), _scaled(m, lo, hi, pct=2, den=3))
+        for m in _tail(_LAST.finditer(body, at))
+    ]
+
+
+_Finder = Callable[[str, float, float], list[_Candidate]]
+_FINDERS: dict[Form, tuple[_Finder, ...]] = {
+    "label": (_labels, _json_ending, _tag_at_end, _bold_at_end, _number_at_end),
+    "tag": (_tags, _json_ending, _labels, _bold_at_end, _number_at_end),
+    "json": (_json_objects, _json_ending, _labels, _tag_at_end, _bold_at_end, _number_at_end),
+}
+#: Bare-number candidates count as copied from the response only with this much of the text
+#: around them copied too ("7" alone is in many responses).
+_QUOTE_CONTEXT = 8
+#: Latest candidates looked at before giving up (each costs a search of the response).
+_MAX_CANDIDATES = 64
+
+
+def _quoted(body: str, c: _Candidate, response: str) -> bool:
+    """Whether candidate ``c`` lies in a copy of the response the judge quotes: its text is in
+    the response (a bare number: with ``_QUOTE_CONTEXT`` characters around it on its line)."""
+    start, end, specific, _ = c
+    if not response or body[start:end] not in response:
+        return False
+    if specific:
+        return True
+    line_start = body.rfind("\n", 0, start) + 1
+    line_end = body.find("\n", end)
+    line_end = len(body) if line_end < 0 else line_end
+    a, b = start, end
+    while a > line_start and (b - a) - (end - start) < _QUOTE_CONTEXT and body[a - 1 : b] in response:
+        a -= 1
+    while b < line_end and (b - a) - (end - start) < _QUOTE_CONTEXT and body[a : b + 1] in response:
+        b += 1
+    return (b - a) - (end - start) >= _QUOTE_CONTEXT
+
+
+def _latest(body: str, lo: float, hi: float, form: Form, response: str) -> float | None:
+    """The latest candidate in the reply, across the finders, that is not in a quoted copy of
+    the response; a bare number on the last line only when there is no other."""
+    found = [c for find in _FINDERS[form] for c in find(body, lo, hi)]
+    # a candidate within another (the "7/10" of "Score: 7/10", a label inside a JSON verdict)
+    # is part of it
+    spans = sorted({(c[0], c[1]) for c in found}, key=lambda s: (s[0], -s[1]))
+    inner: set[tuple[int, int]] = set()
+    reach = (-1, -1)
+    for span in spans:
+        if span[1] <= reach[1] and span != reach:
+            inner.add(span)
+        elif span[1] > reach[1]:
+            reach = span
+    found = [c for c in found if (c[0], c[1]) not in inner]
+    for strong in (True, False):
+        tier = sorted((c for c in found if c[2] == strong), key=lambda c: c[0], reverse=True)
+        for c in tier[:_MAX_CANDIDATES]:
+            if _quoted(body, c, response):
+                continue
+            raw = c[3]()
+            if raw is not None:
+                return raw
     return None
 
 
-def _last_line(body: str) -> str:
-    lines = body.splitlines()
-    return lines[-1] if lines else ""
+def verdict_nonce() -> str:
+    """A nonce for the verdict line (``Verdict NONCE: N/M``): six lowercase letters, short
+    enough for a judge to copy exactly, and no digits, so a judge that garbles it does not
+    turn it into a number."""
+    return "".join(secrets.choice(_NONCE_LETTERS) for _ in range(6))
 
 
-def _label(body: str, lo: float, hi: float) -> float | None:
-    matches = _LABEL.findall(body)
-    if not matches:
-        return None
-    num, percent, den = matches[-1]
-    return _on_scale(num, percent.strip() or None, den or None, lo, hi)
+def _verdict(body: str, nonce: str, lo: float, hi: float) -> float | None:
+    pattern = re.compile(
+        rf"\b{re.escape(nonce)}\b[^\w\n]{{0,12}}?({_NUM})(\s*%)?\**(?:{_OF})?", re.IGNORECASE
+    )
+    matches = list(pattern.finditer(body))
+    return _scaled(matches[-1], lo, hi, pct=2, den=3)() if matches else None
 
 
-def _tag(body: str, lo: float, hi: float) -> float | None:
-    matches = _TAG.findall(body)
-    return _on_scale(matches[-1][0], None, matches[-1][1] or None, lo, hi) if matches else None
-
-
-def _tag_at_end(body: str, lo: float, hi: float) -> float | None:
-    return _tag(_last_line(body), lo, hi)
-
-
-def _bold_at_end(body: str, lo: float, hi: float) -> float | None:
-    matches = _BOLD.findall(_last_line(body))
-    return _on_scale(matches[-1][0], None, matches[-1][1] or None, lo, hi) if matches else None
-
-
-def _number_at_end(body: str, lo: float, hi: float) -> float | None:
-    # an unlabelled number is trusted only on the last line: earlier ones are reasoning ("2 + 2")
-    matches = _LAST.findall(_last_line(body))
-    if not matches:
-        return None
-    num, percent, den = matches[-1]
-    return _on_scale(num, percent.strip() or None, den or None, lo, hi)
-
-
-_Finder = Callable[[str, float, float], float | None]
-_ORDER: dict[Form, tuple[_Finder, ...]] = {
-    "label": (_label, _json_at_end, _tag_at_end, _bold_at_end, _number_at_end),
-    "tag": (_tag, _json_at_end, _label, _bold_at_end, _number_at_end),
-    "json": (_json_at_end, _label, _tag_at_end, _bold_at_end, _number_at_end),
-}
-
-
-def parse_score(text: str, lo: float = 0.0, hi: float = 10.0, *, rubric: str | None = None) -> float:
-    """The score a judge gave, on the rubric's ``[lo, hi]`` scale, read in the form
-    ``rubric`` (the template) asks for and from the end of the reply (see the module's
-    docstring for the order). ``JudgeResponseError`` when there is none or it is out of
-    range."""
+def parse_score(
+    text: str,
+    lo: float = 0.0,
+    hi: float = 10.0,
+    *,
+    rubric: str | None = None,
+    nonce: str | None = None,
+    response: str | None = None,
+) -> float:
+    """The score a judge gave, on the rubric's ``[lo, hi]`` scale (see the module's docstring
+    for how it is found). ``rubric`` is the template (its form is the one read), ``nonce`` the
+    call's verdict nonce when the rubric asked for a verdict line with it, ``response`` the
+    graded text (a score the judge quotes from it is not the score). ``JudgeResponseError``
+    when there is none or it is out of range."""
     body = _THINK.sub("", text).strip()  # a reasoning model's scratch work is not its verdict
-    raw = _whole_json(body, lo, hi)
+    raw = _verdict(body, nonce, lo, hi) if nonce else None
     if raw is None:
-        for find in _ORDER[requested_form(rubric)]:
-            raw = find(body, lo, hi)
-            if raw is not None:
-                break
+        raw = _whole_json(body, lo, hi)
+    if raw is None:
+        raw = _latest(body, lo, hi, requested_form(rubric), response or "")
     if raw is None:
         raise JudgeResponseError(
-            f"no score in the judge's reply {excerpt(text)}; make the rubric ask for a final "
-            f'line "Score: N/{hi:g}" (or check that the model follows instructions)'
+            f"no score in the judge's reply {excerpt(text)} (a score in text quoted from the "
+            f"response does not count); make the rubric ask for a final line "
+            f'"Verdict {{nonce}}: N/{hi:g}" (or check that the model follows instructions)'
         )
     if not lo <= raw <= hi:
         raise JudgeResponseError(
