@@ -4,13 +4,13 @@ each pod a real ``envpool.server`` process on 127.0.0.1 reached over TCP."""
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from echo_bundle import write_bundle
+from pool_util import alive
 
 from envpool.images.bundle import build_bundle
 from envpool.images.errors import ImageNotFound
@@ -31,16 +31,7 @@ def api() -> Iterator[FakeKubernetesAPI]:
     with FakeKubernetesAPI() as fake:
         yield fake
         pids = fake.processes()
-    assert not pids or all(not _alive(p) for p in pids)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ")[1][0] != "Z"
+    assert not pids or all(not alive(p) for p in pids)
 
 
 def pool(api: FakeKubernetesAPI, *, images: object = None, attempts: int = 3, **runtime: object) -> EnvPool:
