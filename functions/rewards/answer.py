@@ -58,7 +58,9 @@ def stated_answer(text: str) -> str | None:
     (the last one in the text wins, whichever its kind): the rest of its line (the next
     non-blank line when the marker ends its own), up to the end of its first sentence, so that
     "The final answer is $\\frac{1}{2}$. I hope it is correct." states ``$\\frac{1}{2}$``;
-    markdown emphasis around it goes (``**42**``, see ``unemphasize``)."""
+    markdown emphasis around it goes (``**42**``, see ``unemphasize``). "the answer is correct"
+    (or reasonable, right, wrong...) judges an answer rather than states one: the marker
+    before it counts ("The answer is 42. Let me check that the answer is correct." states 42)."""
     n = len(text)
     last_two: list[re.Match[str]] = []  # only the last marker can be followed by nothing
     for m in _ANSWER_MARK.finditer(text):
@@ -73,9 +75,20 @@ def stated_answer(text: str) -> str | None:
                 return " ".join(text[i : j + 2].split())
         end = text.find("\n", i)
         line = text[i : n if end < 0 else end].strip()
-        if line:
+        if line and not (m[0][-1:].isalpha() and _VERDICT.match(line)):
             return unemphasize(first_sentence(line))
     return None
+
+
+# after "the answer is" (a marker ending in "is"): words that judge the answer, not state it
+_VERDICT = re.compile(
+    r"(?:indeed |also |still |now |definitely |probably )?(?:not )?"
+    r"(?:correct|right|wrong|incorrect|reasonable|plausible|consistent|valid|sound|accurate|"
+    r"confirmed|verified|checked)"
+    # and nothing after it but the sentence's end or a reason ("right triangle" is an answer)
+    r"(?=[ \t]*(?:[.,;:!?)]|$)|[ \t]+(?:because|since|as|and|so|but|for|if|when|given|here)\b)",
+    re.IGNORECASE,
+)
 
 
 _DISPLAY_OPEN = {"\\[": "\\]", "$$": "$$"}

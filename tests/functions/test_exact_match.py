@@ -66,6 +66,11 @@ def traj_saying(*replies: str) -> Trajectory:
         ("The answer is:\n$$\n42\n$$\nDone.", "$$ 42 $$"),
         ("Let me check that the answer is reasonable: 6*7=42.\n#### 42", "42"),  # GSM8K
         ("The answer is 5.\n#### Verification\n5 * 1 = 5", "5."),  # a heading is not a marker
+        # "the answer is correct" judges the answer stated before it (it extracted "correct")
+        ("The answer is: yes. Let me double check that the answer is correct.", "yes"),
+        ("The answer is 42.\nI verified that the answer is indeed correct because 6*7=42.", "42."),
+        ("The answer is 12. So the answer is reasonable, since 12 < 20.", "12"),
+        ("The final answer is right triangle.", "right triangle."),  # an answer, not a verdict
         ("", ""),
         ("  \n \n", ""),
     ],

@@ -167,6 +167,9 @@ def test_extract_final_forms(text, expected):
         ("To find the answer: multiply 6 by 7.\n6 * 7 = 42\n#### 42", "42", 1.0),
         ("The answer is 5.\n#### Verification\n5 * 1 = 5", "5", 1.0),  # a heading is not one
         ("So 12 apples.\n#### 1,234", "1234", 1.0),
+        # a verdict on the answer is not a stated answer
+        ("The answer is 42. Let me check that the answer is correct.", "42", 1.0),
+        ("The answer is 41. Checking, the answer is not correct.", "42", 0.0),
         # several answers at once still score 0
         ("The answer is $1$ or $2$.", "1", 0.0),
         ("The answer is $1$ or $2$.", "2", 0.0),
