@@ -154,6 +154,14 @@ class RewardConfig(ConfigModel):
     ``Trajectory.task`` (``{ground_truth: answer}``)."""
     deadline_s: float | None = Field(None, gt=0)
     """Deadline of one call, retries included (None: the client's default)."""
+    failure_score: float | None = Field(None, allow_inf_nan=False)
+    """The component's score when the function fails on this trajectory for good with
+    ``UserError`` (it raised) or ``FunctionTimeout`` (it hung, on every attempt): an output
+    that crashes or hangs the verifier then costs the policy this (say 0.0) instead of being
+    masked (``reward_failed``) and re-run, which never penalises it. Infrastructure failures
+    (a lost worker, throttling, an open circuit) always mask. Off by default: a dataset bug
+    that makes the function raise on every trajectory would score them all, so watch
+    ``failure_scored`` and ``failures`` in the stream's metrics."""
 
     @property
     def component(self) -> str:

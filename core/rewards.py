@@ -63,6 +63,9 @@ Deliver = Callable[[Sample], Awaitable[Any] | Any]
 
 #: Failures after which the call did not run and the client does not retry by itself.
 _OUTAGE = frozenset({ErrorCode.CIRCUIT_OPEN})
+#: Failures that the trajectory's output can cause (the function raised on it, or hung on it
+#: on every attempt): what ``RewardConfig.failure_score`` scores instead of masking.
+_OUTPUT_FAULTS = frozenset({ErrorCode.USER_ERROR, ErrorCode.TIMEOUT})
 
 
 class OutagePolicy(BaseModel):
@@ -189,6 +192,7 @@ class RewardStream:
             },
             "passed_masked": self._counts["infra_failed"] + self._counts["aborted"],
             "outage_retries": self._counts["outage_retries"],
+            "failure_scored": self._counts["failure_scored"],  # components given failure_score
             "deliver_errors": self._counts["deliver_errors"],
             "failures": dict(self._failures),
             "reward_ms": {
@@ -255,6 +259,12 @@ class RewardStream:
             if problem is not None:
                 kind = r.error.type if r.error is not None else "BadValue"
                 self._failures[f"{spec.function}:{kind}"] += 1
+                if spec.failure_score is not None and kind in _OUTPUT_FAULTS:
+                    self._counts["failure_scored"] += 1
+                    # why, kept with the score (the trajectory is not masked: its record says so)
+                    why = {"failed": (problem or "")[:500]}
+                    components[spec.component] = RewardResult(score=spec.failure_score, info=why)
+                    continue
                 errors.append(f"{spec.component}: {problem}")
             else:
                 assert value is not None

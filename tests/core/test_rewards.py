@@ -233,6 +233,31 @@ async def test_a_function_that_times_out_is_retried_by_the_client_then_masked():
     assert stream.metrics()["failures"] == {"sleepy:FunctionTimeout": 1}
 
 
+async def test_failure_score_penalises_an_output_that_crashes_or_hangs_the_function():
+    # masked and re-run, such an output never cost the policy anything
+    rewards = {
+        "t": [spec("const", args={"value": 1.0}), spec("boom", failure_score=0.0)],
+        "h": [spec("sleepy", failure_score=-1.0)],
+        "i": [spec("const", args={"value": 1.0}), spec("unavailable", failure_score=0.0)],
+    }
+    sink = Sink()
+    async with Client("inproc", registry=REG) as client, RewardStream(client, rewards, sink) as stream:
+        stream.submit(traj("crash"))
+        stream.submit(traj("hang", tag="h"))
+        stream.submit(traj("infra", tag="i"))
+    by_id = {s.id: s for s in sink.samples}
+    crash, hang = by_id["crash"].reward, by_id["hang"].reward
+    assert by_id["crash"].status == "ok" and crash.score == 0.5  # (1.0 + 0.0) / 2
+    assert crash.components == {"const": 1.0, "boom": 0.0}
+    assert "UserError: RuntimeError: the verifier crashed" in crash.info["boom"]["info"]["failed"]
+    assert by_id["hang"].status == "ok" and hang.score == -1.0
+    # a dependency that is down is not the output's fault: masked as before
+    assert by_id["infra"].status == "reward_failed" and by_id["infra"].masked
+    m = stream.metrics()
+    assert m["failure_scored"] == 2 and m["scored"] == 2 and m["reward_failed"] == 1
+    assert m["failures"]["boom:UserError"] == 1 and m["failures"]["sleepy:FunctionTimeout"] == 1
+
+
 async def test_an_unavailable_function_is_retried_by_the_client_only():
     sink = Sink()
     rewards = {"t": [spec("unavailable")], "u": [spec("flaky_once")]}
