@@ -415,13 +415,16 @@ def sympy_equivalent(pred: str, gt: str, timeout_s: float = DEFAULT_TIMEOUT_S) -
     os.close(w)
     deadline = time.monotonic() + timeout_s
     data = b""
+    # poll, not select: select() refuses a descriptor numbered 1024 or more, which a busy
+    # process (a server holding many connections) hands out
+    poller = select.poll()
+    poller.register(r, select.POLLIN)
     try:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False, "timeout"
-            ready, _, _ = select.select([r], [], [], left)
-            if not ready:
+            if not poller.poll(max(1, math.ceil(left * 1000))):
                 return False, "timeout"
             chunk = os.read(r, 4096)
             if not chunk:

@@ -786,6 +786,25 @@ def test_the_sympy_child_holds_no_file_descriptor_of_its_parent():
     assert len(fds) == 4 and next(v for k, v in fds.items() if k > 2).startswith("pipe:"), fds
 
 
+def test_a_sympy_call_works_in_a_process_with_many_open_descriptors():
+    # select() refused the result pipe's descriptor once it was numbered 1024 or more
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1100:
+        pytest.skip(f"RLIMIT_NOFILE's hard limit is {hard}: cannot open 1024 descriptors")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1100), hard))
+    held: list[int] = []
+    try:
+        while not held or held[-1] < 1030:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        assert math_sympy.sympy_equivalent("\\sin^2 x + \\cos^2 x", "1") == (True, "sympy")
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_CPU and /proc are Linux")
 def test_the_sympy_child_stops_at_its_cpu_limit_when_its_parent_cannot_kill_it():
     # a parent that is stopped (not dead) cannot kill its child at the deadline: RLIMIT_CPU
