@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from functions.verifiers.sandbox import Limits, RunOutcome, Sandbox, SandboxConfig
+from functions.verifiers.verify import Verifier
 
 #: sandboxes of their own (one per hole test), each with its own 1024-uid range
 OWN_BASES = itertools.count(342_000, 1_100)
@@ -271,3 +272,26 @@ def stop_at_program_fork(zygote: int) -> int:
             return child
         ptrace(PTRACE_DETACH, child)
         ptrace(PTRACE_CONT, zygote)
+
+
+def pair_sandbox(base: int) -> Iterator[Sandbox]:
+    """A module's sandbox for Python's assert-style pairs (skipped where sandboxes cannot
+    run); once closed, nothing of it survives in its uid range."""
+    from functions.verifiers import _linux
+
+    if _linux.supported() is not None:
+        import pytest
+
+        pytest.skip(str(_linux.supported()))
+    with Sandbox(SandboxConfig(base_uid=base, spares=2)) as sb:
+        yield sb
+    assert wait_clean(base) == []
+
+
+def checked_verifier(sandbox: Sandbox, base: int, limits: Limits) -> Iterator[Verifier]:
+    """A verifier for one test; after it, nothing of either run survives, and every uid slot
+    came back (only the two warm spares' namespaces are alive)."""
+    yield Verifier(sandbox, limits)
+    assert wait_clean(base) == [], "processes of a finished pair survived"
+    assert sandbox._zygote is not None
+    assert settled_runs(sandbox._zygote.pid, 2) == 2, "a run's namespace is stuck (uid slot leaked)"

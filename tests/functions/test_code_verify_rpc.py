@@ -7,11 +7,10 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from sandbox_probe import settled_runs, wait_clean
+from sandbox_probe import checked_verifier, pair_sandbox
 
-from functions.verifiers import _linux
 from functions.verifiers.errors import InvalidTests
-from functions.verifiers.sandbox import Limits, Sandbox, SandboxConfig
+from functions.verifiers.sandbox import Limits
 from functions.verifiers.verify import CodeTests, Verifier
 
 LIMITS = Limits(cpu_s=1, wall_s=3, memory_mb=256)
@@ -33,21 +32,12 @@ BASE_UID = 380_000
 
 @pytest.fixture(scope="module")
 def sandbox():
-    if _linux.supported() is not None:  # the wire's own tests need no sandbox
-        pytest.skip(str(_linux.supported()))
-    with Sandbox(SandboxConfig(base_uid=BASE_UID, spares=2)) as sb:
-        yield sb
-    assert wait_clean(BASE_UID) == []
+    yield from pair_sandbox(BASE_UID)
 
 
 @pytest.fixture
 def verifier(sandbox):
-    """After every test: nothing of either run survives, and every uid slot came back (only
-    the two warm spares' namespaces are alive)."""
-    yield Verifier(sandbox, LIMITS)
-    assert wait_clean(BASE_UID) == [], "processes of a finished pair survived"
-    assert sandbox._zygote is not None
-    assert settled_runs(sandbox._zygote.pid, 2) == 2, "a run's namespace is stuck (uid slot leaked)"
+    yield from checked_verifier(sandbox, BASE_UID, LIMITS)
 
 
 def judge(verifier: Verifier, code: str, tests: str, limits: Limits | None = None):

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
-from sandbox_probe import settled_runs, wait_clean
+from sandbox_probe import checked_verifier, pair_sandbox
 
-from functions.verifiers import _linux, rpc_collect
+from functions.verifiers import rpc_collect
 from functions.verifiers.cold import SubprocessRunner
 from functions.verifiers.errors import InvalidTests
-from functions.verifiers.sandbox import Limits, Sandbox, SandboxConfig
+from functions.verifiers.sandbox import Limits
 from functions.verifiers.verify import CaseResult, CodeTests, Verifier
 
 LIMITS = Limits(cpu_s=1, wall_s=3, memory_mb=256)
@@ -26,19 +26,12 @@ EXITS = "import os\ndef add(a, b):\n    os._exit(0)\n"
 
 @pytest.fixture(scope="module")
 def sandbox():
-    if _linux.supported() is not None:
-        pytest.skip(str(_linux.supported()))
-    with Sandbox(SandboxConfig(base_uid=BASE_UID, spares=2)) as sb:
-        yield sb
-    assert wait_clean(BASE_UID) == []
+    yield from pair_sandbox(BASE_UID)
 
 
 @pytest.fixture
 def verifier(sandbox):
-    yield Verifier(sandbox, LIMITS)
-    assert wait_clean(BASE_UID) == [], "processes of a finished pair survived"
-    assert sandbox._zygote is not None
-    assert settled_runs(sandbox._zygote.pid, 2) == 2, "a run's namespace is stuck (uid slot leaked)"
+    yield from checked_verifier(sandbox, BASE_UID, LIMITS)
 
 
 def judge(verifier: Verifier, code: str, tests: str, entry_point: str | None = None) -> CaseResult:
