@@ -113,8 +113,9 @@ def unemphasize(s: str) -> str:
 
 def first_sentence(s: str) -> str:
     """``s`` up to the end of its first sentence: a period or ``!`` followed by a space, outside
-    math (``$...$``) and braces, and not after an abbreviation (``Mr.``). A decimal point is
-    followed by a digit; "17." stays whole."""
+    math (``$...$``) and braces, and not after an abbreviation (``Mr.``) nor, for ``!``, before
+    an operator (``5! = 120``: a factorial). A decimal point is followed by a digit; "17." stays
+    whole."""
     in_math = False
     depth = 0
     i = 0
@@ -134,7 +135,9 @@ def first_sentence(s: str) -> str:
             k = i + 1  # closing emphasis may sit between the period and the space ("**42.** So")
             while k < n and s[k] in "*_":
                 k += 1
-            if k < n and s[k].isspace():
+            if c == "!" and k == n:  # "The answer is 5!": excitement; a factorial is 5! = 120 or $5!$
+                return s[:i].rstrip()
+            if k < n and s[k].isspace() and not (c == "!" and _FACTORIAL_NEXT.match(s, k)):
                 j = i  # the word before the period; the scan stops at the space after the last one
                 while j > 0 and not s[j - 1].isspace():
                     j -= 1
@@ -143,6 +146,9 @@ def first_sentence(s: str) -> str:
         i += 1
     return s
 
+
+# "5! = 120", "3! + 1": a "!" followed by an operator is a factorial, not an exclamation
+_FACTORIAL_NEXT = re.compile(r"\s+(?:[=+*/<>^-]|\\(?:times|cdot|div|neq?|le|ge)(?![A-Za-z]))")
 
 # a period after these does not end a sentence ("the answer is Mr. Smith"); "no." only before a
 # number ("No. 5"): "The answer is no. It cannot be done." states "no"

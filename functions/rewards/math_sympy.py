@@ -173,6 +173,10 @@ def latex_to_python(s: str) -> str | None:
                 out.append(" Abs(")
         elif c in "[]":
             out.append("(" if c == "[" else ")")
+        elif c == "!":  # a factorial (sympy's factorial_notation); "!=" is a relation, not a value
+            if s.startswith("!=", i):
+                return None
+            out.append(c)
         elif c.isalnum() or c in " .+-*/()":
             out.append(c)
         else:

@@ -128,6 +128,12 @@ def test_extract_final(text, expected):
         ("We get $f(n) = 3$ for all $n \\ge 1$.", ("3", "last_math")),
         ("Thus $x=\\frac34$, since $4 > 3$.", ("\\frac34", "last_math")),
         ("Thus $x = 2$, then 5 more, since $4 > 3$.", ("3", "last_number")),  # prose number after it
+        # "!" before an operator is a factorial (the sentence goes on); at the end, excitement
+        ("The answer is 5! = 120.", ("120.", "answer_is")),  # a chain: its last side
+        ("The answer is 3! + 1 = 7", ("7", "answer_is")),
+        ("The answer is 5!", ("5", "answer_is")),
+        ("The answer is **5!**", ("5", "answer_is")),
+        ("The answer is 5! That is all.", ("5", "answer_is")),
     ],
 )
 def test_extract_final_forms(text, expected):
