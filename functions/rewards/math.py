@@ -21,7 +21,9 @@ Equivalence, cheapest first:
 1. **Fast path, in-process, no sympy.** Both answers are canonicalised (``$``, ``\[ \]``,
    ``\left``/``\right``, spacing commands, unit words and a ``\text{}`` that holds only unit words
    (any other ``\text{}`` says what it says: ``\text{not } 3`` is not 3, ``\text{ and }`` is
-   a comma), degrees, ``\dfrac`` and ``\cfrac``, a leading ``x =`` or ``f(x) =``, thousands
+   a comma), degrees, ``\dfrac`` and ``\cfrac``, a leading ``x =``, ``x \approx`` or ``f(x) =``,
+   a leading "approximately" / "about" / "around" / "roughly" / ``\approx`` / ``~`` before a
+   number (not "at least" or "nearly", which change it), thousands
    separators and zero-width characters removed; ``\varnothing`` and ``\{\}`` are
    ``\emptyset``; ``a \pm b`` is the list ``a + b, a - b``, in a list element by element:
    ``\pm 2, \pm 3`` is ``2, -2, 3, -3`` and ``(\pm 1, 2)`` the two points). Equal strings are equal;

@@ -65,7 +65,13 @@ _DEGREES = re.compile(r"\^\s*\{?\\circ\}?|°|\\degree\b")
 # ``x =``, ``x_1 =``, ``f(x) =``, ``(x, y) =``, ``x \in``
 _LHS = re.compile(
     r"^(?:[a-zA-Z](?:_(?:\{\w+(?:\s*,\s*\w+)+\}|\{?\w+\}?))?(?:\(\s*[a-zA-Z]\s*\))?|\(\s*[a-zA-Z](?:\s*,\s*[a-zA-Z])*\s*\))"
-    r"\s*(?:=|\\in\b)\s*(?=\S)"
+    r"\s*(?:=|\\in\b|\\approx\b|≈)\s*(?=\S)"
+)
+# "approximately 3.14", "about 7 hours", "\approx 0.33": the number is the answer; only words
+# that say "about this value" go ("at least 7", "nearly 7" say something else and stay)
+_HEDGE = re.compile(
+    r"^(?:approximately|approx\.?|about|around|roughly|\\approx|≈|~)\s*(?=[-+]?(?:\d|\.\d|\\[dtc]?frac|\\sqrt|\\pi))",
+    re.IGNORECASE,
 )
 # one part of an answer such as ``x = 1, y = 2``: a variable (``x``, ``x_1``, ``x_{12}``) and
 # its value (anything with no further ``=``)
@@ -142,6 +148,7 @@ def canonical(answer: str) -> str:
     s = _PERCENT_WORD.sub("%", s)
     s = _strip_text(s)
     s = s.strip().rstrip(".").strip()
+    s = _HEDGE.sub("", s)
     if any(c.isdigit() for c in s):
         s = _strip_units(s).strip()
     listed = _assignments(s)

@@ -149,6 +149,22 @@ def test_extract_final_forms(text, expected):
         ("x = \\frac{3}{4}", "0.75", 1.0),
         ("The answer is 3.\nAnswer: 5", "5", 1.0),
         ("The answer is 3.\nAnswer: 5", "3", 0.0),
+        # a word that says "about this value" before a number goes; one that changes it stays
+        ("The answer is approximately 3.14.", "3.14", 1.0),
+        ("The answer is about 7 hours.", "7", 1.0),
+        ("The answer is approx. 3.14", "3.14", 1.0),
+        ("The answer is roughly 12", "12", 1.0),
+        ("\\boxed{x \\approx 0.33}", "0.33", 1.0),
+        ("The answer is about 8.", "7", 0.0),
+        ("The answer is at least 7.", "7", 0.0),
+        ("The answer is nearly 7.", "7", 0.0),
+        ("The answer is approximately 3.14.", "\\pi", 0.0),  # still a rounded decimal against pi
+        # factorials
+        ("The answer is $5!$.", "120", 1.0),
+        ("\\boxed{\\frac{6!}{3!}}", "120", 1.0),
+        ("The answer is 5! = 120.", "120", 1.0),
+        ("The answer is 5!", "5", 1.0),
+        ("\\boxed{5!}", "5", 0.0),
         # markdown emphasis around the stated answer
         ("The answer is **42**.", "42", 1.0),
         ("**Answer: 42**", "42", 1.0),
