@@ -28,6 +28,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import time
 from typing import Any
 from urllib.parse import unquote
@@ -49,6 +50,9 @@ log = logging.getLogger("fabric.serve")
 INVOKE_ROUTE = "/2015-03-31/functions/{name}/invocations"
 _TYPES = ("RequestResponse", "Event", "DryRun")
 _JSON = "application/json"
+#: An envelope's ``deadline`` is wall-clock seconds; past this it is not a deadline anyone
+#: meant (the year 33658), and the pool's arithmetic on it would overflow.
+_MAX_DEADLINE = 1e12
 
 
 class _QuietMalformed(logging.Filter):
@@ -270,6 +274,13 @@ class Gateway:
                     response = self._result_response(result, envelope, request_id)
         except _Reply as e:
             response = _error_response(e.status, e.code, e.message, request_id)
+        except Exception:
+            # a bug of ours: Lambda's own 500, in JSON, so boto3 raises ServiceException and
+            # the lambda backend reads a retryable service fault, not aiohttp's text page
+            log.exception("request %s to %s failed inside the server", request_id, function)
+            response = _error_response(
+                500, "ServiceException", f"internal error in fabric serve (request {request_id})", request_id
+            )
         # unknown names are one label: a scan of made-up names must not grow the metrics
         label = function if function in self.served else "-"
         self.metrics.observe(tenant, label, response.status, time.perf_counter() - t0)
@@ -337,6 +348,15 @@ class Gateway:
                 raise _Reply(
                     400, "InvalidRequestContentException", f"not a valid fabric Invocation: {e}"
                 ) from None
+            if inv.deadline is not None and not (
+                math.isfinite(inv.deadline) and abs(inv.deadline) < _MAX_DEADLINE
+            ):
+                raise _Reply(
+                    400,
+                    "InvalidRequestContentException",
+                    f"not a valid fabric Invocation: deadline {inv.deadline!r} is not a wall-clock "
+                    "time in seconds (time.time() + timeout)",
+                )
             # the tenant is who the token says, whatever the body claims
             return inv.model_copy(update={"tenant": tenant}), True
         inv = Invocation.fast(
