@@ -300,7 +300,10 @@ class Gateway:
                 "MissingAuthenticationTokenException",
                 "the Authorization header must be 'Bearer <token>'",
             )
-        tenant = self._tokens.get(hashlib.sha256(token.strip().encode()).digest())
+        # aiohttp hands over a header's bytes that are not UTF-8 as surrogates: encoded back
+        # as they came (a strict encode raised, a 500 and a traceback per unauthenticated request)
+        secret = token.strip().encode("utf-8", "surrogateescape")
+        tenant = self._tokens.get(hashlib.sha256(secret).digest())
         if tenant is None:
             raise _Reply(
                 403, "UnrecognizedClientException", "The security token included in the request is invalid"

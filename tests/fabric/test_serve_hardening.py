@@ -78,3 +78,40 @@ async def test_a_bug_inside_the_server_is_a_json_service_exception(caplog):
         assert r.headers["x-amzn-RequestId"] in r.json()["message"]
         assert g.quotas.held["job-a"] == 0 and g._gates["add"].running == 0
     assert "a bug in a backend" in caplog.text  # logged once, with the traceback
+
+
+async def _raw_request(port: int, data: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), 30)  # Connection: close: read to the end
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("path", [PATH.format("add"), "/metrics"])
+async def test_a_token_that_is_not_utf8_is_403_not_a_crash(gw, http, caplog, path):
+    method = b"GET" if path == "/metrics" else b"POST"
+    reply = await _raw_request(
+        gw.port,
+        method + b" " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        b"Authorization: Bearer " + TOKEN_A.encode() + b'\xff\r\nContent-Length: 7\r\n\r\n{"a":1}',
+    )
+    assert reply.startswith(b"HTTP/1.1 403 "), reply[:200]
+    assert b"UnrecognizedClientException" in reply
+    assert "Traceback" not in caplog.text
+    assert (await http.post(PATH.format("add"), json={"a": 3}, headers=auth())).json() == 3
+
+
+async def test_a_token_with_utf8_characters_is_recognised():
+    token = "jöb-ä-tökén-0123456789"
+    tenants = {"job-ä": TenantConfig(token=token)}
+    async with Gateway(config(tenants=tenants), REG) as g:
+        body = b'{"a": 4}'
+        reply = await _raw_request(
+            g.port,
+            b"POST " + PATH.format("add").encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Authorization: Bearer " + token.encode() + b"\r\nContent-Length: 8\r\n\r\n" + body,
+        )
+        assert reply.startswith(b"HTTP/1.1 200 ") and reply.endswith(b"\r\n\r\n4"), reply
