@@ -43,7 +43,8 @@ _CLIENT_ERRORS: dict[str, ErrorCode] = {
     "ResourceConflictException": ErrorCode.THROTTLED,  # the function is being updated: wait
     "ResourceNotReadyException": ErrorCode.THROTTLED,
     "ResourceNotFoundException": ErrorCode.UNKNOWN_FUNCTION,
-    "RequestEntityTooLargeException": ErrorCode.PAYLOAD_TOO_LARGE,
+    "RequestTooLargeException": ErrorCode.PAYLOAD_TOO_LARGE,  # Lambda's (and fabric serve's) 413
+    "RequestEntityTooLargeException": ErrorCode.PAYLOAD_TOO_LARGE,  # fabric serve before it said so
     "InvalidRequestContentException": ErrorCode.INVALID_ARGUMENTS,
     "InvalidParameterValueException": ErrorCode.INVALID_ARGUMENTS,
     "UnrecognizedClientException": ErrorCode.UNAUTHORIZED,

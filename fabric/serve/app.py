@@ -17,7 +17,7 @@ Two body shapes, told apart by the body itself:
 
 The caller's tenant comes from its token, never from the body. Errors are Lambda's: 400
 ``InvalidRequestContentException``/``InvalidParameterValueException``, 401/403 (missing or
-wrong token), 404 ``ResourceNotFoundException``, 413 ``RequestEntityTooLargeException``,
+wrong token), 404 ``ResourceNotFoundException``, 413 ``RequestTooLargeException``,
 429 ``TooManyRequestsException``, with the code in ``x-amzn-ErrorType`` where botocore looks.
 ``GET /healthz`` needs no token and says only ``ok``; ``GET /metrics`` (Prometheus) needs one.
 """
@@ -314,7 +314,7 @@ class Gateway:
         limit = self.config.max_event_bytes if kind == "Event" else self.config.max_body_bytes
         too_large = _Reply(
             413,
-            "RequestEntityTooLargeException",
+            "RequestTooLargeException",  # Lambda's code: boto3 raises its modeled exception
             f"Request must be smaller than {limit} bytes for the {kind} invocation type",
         )
         if request.content_length is not None and request.content_length > limit:

@@ -109,6 +109,50 @@ async def test_throttling_is_retryable_and_the_client_gets_through(transport):
         assert g.quotas.throttled["job"] >= 1 and max(x.attempts for x in results) >= 2
 
 
+async def test_a_request_over_the_size_limit_is_payload_too_large(transport):
+    """Lambda's 413 is ``RequestTooLargeException`` (AWS and fabric serve): PayloadTooLarge,
+    not an InvalidArguments that the client would keep under the key as the function's answer."""
+    cfg = ServeConfig(
+        port=0,
+        tenants={"job": TenantConfig(token=TOKEN)},
+        backend=LocalConfig(max_workers=1),
+        warm=False,
+        max_body_bytes=1000,
+    )
+    async with Gateway(cfg, REG) as g, LambdaBackend(REG, lam(g, transport)) as b:
+        r = await b.invoke(Invocation(function="add", payload={"a": 1, "pad": "x" * 2000}))
+    assert r.error.type == ErrorCode.PAYLOAD_TOO_LARGE and not r.retryable, r.error
+    assert "RequestTooLargeException" in r.error.message
+
+
+async def test_boto3_raises_lambdas_own_exception_for_a_request_too_large():
+    import boto3
+    from botocore import UNSIGNED
+    from botocore.config import Config
+
+    cfg = ServeConfig(port=0, tenants={"job": TenantConfig(token=TOKEN)}, warm=False, max_body_bytes=1000)
+    async with Gateway(cfg, REG) as g:
+        client = boto3.client(
+            "lambda",
+            region_name="us-east-1",
+            endpoint_url=g.url,
+            aws_access_key_id="x",
+            aws_secret_access_key="x",
+            config=Config(signature_version=UNSIGNED, retries={"total_max_attempts": 1}),
+        )
+
+        def add_token(request, **_):
+            request.headers["Authorization"] = f"Bearer {TOKEN}"
+
+        client.meta.events.register("before-send.lambda.Invoke", add_token)
+        big = json.dumps({"a": 1, "pad": "x" * 2000}).encode()
+        try:
+            with pytest.raises(client.exceptions.RequestTooLargeException):
+                await asyncio.to_thread(client.invoke, FunctionName="add", Payload=big)
+        finally:
+            client.close()
+
+
 async def test_unreachable_endpoint_is_a_retryable_transport_error(transport):
     port = free_port()  # nothing listens there
     cfg = LambdaConfig(
