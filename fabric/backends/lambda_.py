@@ -200,7 +200,14 @@ class LambdaBackend(Backend):
         return envelope(inv, encode_payload(pointer(cfg.spill_bucket, key, raw)))
 
     def _invoke_sync(self, inv: Invocation, body: bytes) -> Result:
-        from botocore.exceptions import BotoCoreError, ClientError, ConnectionError, ReadTimeoutError
+        from botocore.exceptions import (
+            BotoCoreError,
+            ClientError,
+            ConnectionError,
+            HTTPClientError,
+            IncompleteReadError,
+            ReadTimeoutError,
+        )
 
         name = self.config.function_prefix + inv.function
         kwargs: dict[str, Any] = {"FunctionName": name, "Payload": body}
@@ -217,6 +224,11 @@ class LambdaBackend(Backend):
             return self._fail(inv, ErrorCode.TIMEOUT, f"no reply from Lambda in time: {e}")
         except ConnectionError as e:
             return self._fail(inv, ErrorCode.TRANSPORT, f"cannot reach {self._where()}: {e}")
+        except (HTTPClientError, IncompleteReadError) as e:
+            # the connection broke after the request went out (ConnectionClosedError) or while
+            # the reply came in (ResponseStreamingError): as the http transport's aiohttp errors,
+            # a transport fault after which the call may have run, not refused credentials
+            return self._fail(inv, ErrorCode.TRANSPORT, f"no complete reply from {self._where()}: {e}")
         except BotoCoreError as e:  # credentials missing, a bad endpoint URL
             return self._fail(inv, ErrorCode.UNAUTHORIZED, f"{type(e).__name__}: {e}")
         return self._reply(inv, body, response.get("FunctionError"))

@@ -163,6 +163,35 @@ async def test_unreachable_endpoint_is_a_retryable_transport_error(transport):
     assert r.error.type == ErrorCode.TRANSPORT and r.retryable and f"127.0.0.1:{port}" in r.error.message
 
 
+@pytest.mark.parametrize("cut", ["before the reply", "in the reply"])
+async def test_a_connection_cut_after_the_request_is_a_transport_fault(transport, cut):
+    """The call may have run: a retryable TransportError (not retried for a side effect), as
+    with the http transport. boto3's ConnectionClosedError and ResponseStreamingError were
+    read as refused credentials: Unauthorized, final, with advice about tokens."""
+    received = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        received.set()
+        if cut == "in the reply":
+            writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"ok": ')
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    cfg = LambdaConfig(endpoint_url=f"http://127.0.0.1:{port}", token=TOKEN, transport=transport)
+    try:
+        async with LambdaBackend(REG, cfg) as b:
+            r = await b.invoke(Invocation(function="add", payload={"a": 1}))
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert received.is_set()
+    assert r.error.type == ErrorCode.TRANSPORT and r.retryable, r.error
+    assert "token" not in r.error.message
+
+
 @pytest.mark.parametrize(
     ("body", "function_error", "code"),
     [
