@@ -35,6 +35,7 @@ from urllib.parse import unquote
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from pydantic import ValidationError
 
 from fabric.backends.base import Backend, make_backend
@@ -58,11 +59,12 @@ _MAX_DEADLINE = 1e12
 class _QuietMalformed(logging.Filter):
     """aiohttp logs every request it cannot parse as an ERROR with a traceback, so a
     port scan or a fuzz floods the server's log. The client already got a 400 with the
-    parser's reason; here it is one DEBUG line."""
+    parser's reason; here it is one DEBUG line. A body it cannot decode (a bad
+    Content-Encoding) is logged again as aiohttp drains it after our 400: the same."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, HttpProcessingError):
+        if isinstance(exc, HttpProcessingError | RequestPayloadError):
             reason = " ".join(str(getattr(exc, "message", "") or exc).split())
             log.debug("malformed HTTP request (answered 400): %s", reason[:300])
             return False
@@ -323,6 +325,16 @@ class Gateway:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise too_large from None
+        except RequestPayloadError as e:  # a body aiohttp cannot decode (a bad Content-Encoding)
+            reason = " ".join(str(e).split())
+            raise _Reply(400, "InvalidRequestContentException", f"cannot read the body: {reason}") from None
+        except ConnectionError:
+            # the client hung up before its whole body came (a timeout, a crash): nobody reads
+            # the answer, and it is not our error to log with a traceback
+            log.debug("client hung up while sending the body of a %s request", kind)
+            raise _Reply(
+                400, "InvalidRequestContentException", "the connection closed before the whole body arrived"
+            ) from None
         if len(body) > limit:
             raise too_large
         return body

@@ -5,6 +5,7 @@ boto3 does not know. Real HTTP on 127.0.0.1, real local pools where a call must 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import httpx
 import pytest
@@ -115,3 +116,35 @@ async def test_a_token_with_utf8_characters_is_recognised():
             b"Authorization: Bearer " + token.encode() + b"\r\nContent-Length: 8\r\n\r\n" + body,
         )
         assert reply.startswith(b"HTTP/1.1 200 ") and reply.endswith(b"\r\n\r\n4"), reply
+
+
+async def test_a_body_that_cannot_be_decoded_is_400(gw, http, caplog):
+    # aiohttp inflates a Content-Encoding itself; a body that is not what it says raised
+    r = await http.post(
+        PATH.format("add"), content=b'{"a": 1}', headers={**auth(), "Content-Encoding": "gzip"}
+    )
+    assert r.status_code == 400 and r.headers["x-amzn-ErrorType"] == "InvalidRequestContentException"
+    assert "content-encoding" in r.json()["message"].lower()
+    assert "Traceback" not in caplog.text and gw.quotas.held["job-a"] == 0
+
+
+async def test_a_client_that_hangs_up_mid_body_is_no_error(gw, http, caplog):
+    _, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    writer.write(
+        b"POST " + PATH.format("add").encode() + b" HTTP/1.1\r\nHost: x\r\n"
+        b"Authorization: Bearer " + TOKEN_A.encode() + b'\r\nContent-Length: 1000\r\n\r\n{"a": '
+    )
+    await writer.drain()
+    writer.close()  # the server reads the headers and the start of the body, then the hang-up
+    await writer.wait_closed()
+    counted = ""
+    for _ in range(500):  # the request is counted when its handler ends
+        text = (await http.get("/metrics", headers=auth(TOKEN_B))).text
+        counted = "\n".join(x for x in text.splitlines() if x.startswith("fabric_serve_requests_total{"))
+        if 'tenant="job-a"' in counted:
+            break
+        await asyncio.sleep(0.01)
+    assert 'function="add",status="400",tenant="job-a"' in counted, counted
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert gw.quotas.held["job-a"] == 0
+    assert (await http.post(PATH.format("add"), json={"a": 5}, headers=auth())).json() == 5
