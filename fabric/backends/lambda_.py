@@ -279,7 +279,10 @@ class LambdaBackend(Backend):
         """A service error (the call was refused before or instead of running)."""
         code = _CLIENT_ERRORS.get(code_name)
         if code is None:
-            code = ErrorCode.THROTTLED if status == 429 else ErrorCode.TRANSPORT if status >= 500 else None
+            # 408: the request did not arrive in time (fabric serve's body_timeout_s, a proxy),
+            # a transport fault like a 5xx, not a request that is wrong whenever it is sent
+            transport = status >= 500 or status == 408
+            code = ErrorCode.THROTTLED if status == 429 else ErrorCode.TRANSPORT if transport else None
         message = f"{code_name or status}: {text}"
         if code is None:  # another 4xx: our request is wrong, retrying will not fix it
             code = ErrorCode.INVALID_ARGUMENTS

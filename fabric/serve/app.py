@@ -77,9 +77,11 @@ _QUIET_MALFORMED = _QuietMalformed()
 class _Reply(Exception):
     """An early answer (an error before the function runs)."""
 
-    def __init__(self, status: int, code: str, message: str):
+    def __init__(self, status: int, code: str, message: str, *, close: bool = False):
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
+        self.close = close
+        """End the connection after the answer: the rest of the request is not coming."""
 
 
 def _error_response(status: int, code: str, message: str, request_id: str) -> web.Response:
@@ -246,36 +248,43 @@ class Gateway:
                     "InvalidParameterValueException",
                     f"X-Amz-Invocation-Type must be one of {', '.join(_TYPES)}; got {kind[:40]!r}",
                 )
-            body = await self._body(request, kind)
-            inv, envelope = self._invocation(body, function, tenant, request_id)
-            if kind == "DryRun":
-                response: web.StreamResponse = web.Response(
-                    status=204, headers={"x-amzn-RequestId": request_id}
-                )
-            else:
-                try:
-                    self.quotas.take(tenant)
-                except QuotaExceeded:
-                    limit = self.quotas.limits[tenant]
-                    raise _Reply(
-                        429,
-                        "TooManyRequestsException",
-                        f"Rate Exceeded: tenant {tenant!r} already has {limit} calls in flight "
-                        "(its max_concurrency); retry with backoff",
-                    ) from None
-                if kind == "Event":
+            # the quota is taken before the body is read: a request holds its body in memory
+            # (up to 6 MB) from here on, so a tenant holds at most max_concurrency bodies, and
+            # one that opens requests and sends their bodies slowly spends its own quota only
+            try:
+                self.quotas.take(tenant)
+            except QuotaExceeded:
+                limit = self.quotas.limits[tenant]
+                raise _Reply(
+                    429,
+                    "TooManyRequestsException",
+                    f"Rate Exceeded: tenant {tenant!r} already has {limit} calls in flight "
+                    "(its max_concurrency); retry with backoff",
+                ) from None
+            handed_off = False
+            try:
+                body = await self._body(request, kind)
+                inv, envelope = self._invocation(body, function, tenant, request_id)
+                if kind == "DryRun":
+                    response: web.StreamResponse = web.Response(
+                        status=204, headers={"x-amzn-RequestId": request_id}
+                    )
+                elif kind == "Event":
                     task = asyncio.get_running_loop().create_task(self._run_event(inv, tenant))
+                    handed_off = True  # the task gives the quota back when the call ends
                     self._events.add(task)
                     task.add_done_callback(self._events.discard)
                     response = web.Response(status=202, headers={"x-amzn-RequestId": request_id})
                 else:
-                    try:
-                        result = await self._call(inv, tenant)
-                    finally:
-                        self.quotas.give(tenant)
+                    result = await self._call(inv, tenant)
                     response = self._result_response(result, envelope, request_id)
+            finally:
+                if not handed_off:
+                    self.quotas.give(tenant)
         except _Reply as e:
             response = _error_response(e.status, e.code, e.message, request_id)
+            if e.close:
+                response.force_close()
         except Exception:
             # a bug of ours: Lambda's own 500, in JSON, so boto3 raises ServiceException and
             # the lambda backend reads a retryable service fault, not aiohttp's text page
@@ -322,7 +331,17 @@ class Gateway:
         if request.content_length is not None and request.content_length > limit:
             raise too_large
         try:
-            body = await request.read()
+            # a body that stalls (a client that vanished without a FIN, or one that trickles
+            # bytes) would hold its quota slot for as long as TCP keeps the connection
+            async with asyncio.timeout(self.config.body_timeout_s):
+                body = await request.read()
+        except TimeoutError:
+            raise _Reply(
+                408,
+                "RequestTimeoutException",
+                f"the body did not arrive within {self.config.body_timeout_s:g} s (body_timeout_s)",
+                close=True,  # as HTTP says for a 408: the connection is in no state to reuse
+            ) from None
         except web.HTTPRequestEntityTooLarge:
             raise too_large from None
         except RequestPayloadError as e:  # a body aiohttp cannot decode (a bad Content-Encoding)

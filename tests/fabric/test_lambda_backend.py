@@ -218,6 +218,15 @@ def test_lambda_error_objects_are_mapped(body, function_error, code):
     assert r.retryable == (code in ("FunctionTimeout", "WorkerLost"))
 
 
+def test_a_request_timeout_is_a_retryable_transport_fault():
+    # fabric serve's body_timeout_s, or a proxy's: not a wrong request that the client would
+    # keep under the key as the function's InvalidArguments
+    b = LambdaBackend(REG, LambdaConfig())
+    r = b._refused(Invocation(function="add"), "RequestTimeoutException", 408, "the body did not arrive")
+    assert r.error.type == ErrorCode.TRANSPORT and r.retryable
+    assert b._refused(Invocation(function="add"), "", 418, "").error.type == ErrorCode.INVALID_ARGUMENTS
+
+
 def test_replies_that_are_not_results():
     b = LambdaBackend(REG, LambdaConfig())
     inv = Invocation(function="add")

@@ -5,6 +5,7 @@ boto3 does not know. Real HTTP on 127.0.0.1, real local pools where a call must 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import httpx
@@ -148,3 +149,73 @@ async def test_a_client_that_hangs_up_mid_body_is_no_error(gw, http, caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     assert gw.quotas.held["job-a"] == 0
     assert (await http.post(PATH.format("add"), json={"a": 5}, headers=auth())).json() == 5
+
+
+async def _stalled_body(port: int, token: str = TOKEN_A) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A request whose headers arrive and whose body never finishes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST " + PATH.format("add").encode() + b" HTTP/1.1\r\nHost: x\r\n"
+        b"Authorization: Bearer "
+        + token.encode()
+        + b'\r\nContent-Length: 100000\r\n\r\n{"a": "'
+        + b"x" * 50_000
+    )
+    await writer.drain()
+    return reader, writer
+
+
+async def _until(predicate, what: str) -> None:
+    for _ in range(1000):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def test_a_body_being_read_counts_in_the_quota():
+    """Bodies were read into memory before the quota was looked at: a tenant with a quota
+    of 2 could hold any number of 6 MB bodies (40 stalled ones: +250 MB) and starve the
+    others. Now a body being read holds a slot of its tenant's quota."""
+    async with (
+        Gateway(config(quota_a=2), REG) as g,
+        httpx.AsyncClient(base_url=g.url, timeout=30) as c,
+    ):
+        stalled = [await _stalled_body(g.port) for _ in range(2)]
+        await _until(lambda: g.quotas.held["job-a"] == 2, "two bodies being read")
+        r = await c.post(PATH.format("add"), json={"a": 1}, headers=auth())
+        assert r.status_code == 429 and r.headers["x-amzn-ErrorType"] == "TooManyRequestsException"
+        assert (await c.post(PATH.format("add"), json={"a": 1}, headers=auth(TOKEN_B))).json() == 1
+        for _, writer in stalled:
+            writer.close()
+            await writer.wait_closed()
+        await _until(lambda: g.quotas.held["job-a"] == 0, "the hung-up bodies' slots back")
+        assert (await c.post(PATH.format("add"), json={"a": 2}, headers=auth())).json() == 2
+
+
+async def test_a_body_that_stalls_is_408_and_frees_its_slot():
+    async with Gateway(config(quota_a=1, body_timeout_s=0.3), REG) as g:
+        reader, writer = await _stalled_body(g.port)
+        try:
+            reply = await asyncio.wait_for(reader.readuntil(b"body_timeout_s"), 30)
+            # the rest of the body, late: read and dropped, then the server hangs up
+            writer.write(b"x" * (100_000 - 50_007))
+            await writer.drain()
+            reply += await asyncio.wait_for(reader.read(), 30)
+        finally:
+            writer.close()
+        assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
+        assert b"RequestTimeoutException" in reply and b"Connection: close" in reply
+        assert g.quotas.held["job-a"] == 0
+
+
+@pytest.mark.parametrize("kind", ["DryRun", "Event", "RequestResponse"])
+async def test_every_kind_of_call_gives_its_slot_back(gw, http, kind, tmp_path):
+    out = tmp_path / "ran.txt"
+    headers = {**auth(), "X-Amz-Invocation-Type": kind}
+    for body in (b"{not json", json.dumps({"path": str(out), "line": kind}).encode()):
+        r = await http.post(PATH.format("append_line"), content=body, headers=headers)
+        assert r.status_code < 500
+    await _until(lambda: gw.quotas.held["job-a"] == 0, "the slots back")
+    await _until(lambda: kind == "DryRun" or out.exists(), "the call to run")
+    assert gw.quotas.held["job-a"] == 0
