@@ -43,7 +43,8 @@ _CLIENT_ERRORS: dict[str, ErrorCode] = {
     "ResourceConflictException": ErrorCode.THROTTLED,  # the function is being updated: wait
     "ResourceNotReadyException": ErrorCode.THROTTLED,
     "ResourceNotFoundException": ErrorCode.UNKNOWN_FUNCTION,
-    "RequestEntityTooLargeException": ErrorCode.PAYLOAD_TOO_LARGE,
+    "RequestTooLargeException": ErrorCode.PAYLOAD_TOO_LARGE,  # Lambda's (and fabric serve's) 413
+    "RequestEntityTooLargeException": ErrorCode.PAYLOAD_TOO_LARGE,  # fabric serve before it said so
     "InvalidRequestContentException": ErrorCode.INVALID_ARGUMENTS,
     "InvalidParameterValueException": ErrorCode.INVALID_ARGUMENTS,
     "UnrecognizedClientException": ErrorCode.UNAUTHORIZED,
@@ -199,7 +200,14 @@ class LambdaBackend(Backend):
         return envelope(inv, encode_payload(pointer(cfg.spill_bucket, key, raw)))
 
     def _invoke_sync(self, inv: Invocation, body: bytes) -> Result:
-        from botocore.exceptions import BotoCoreError, ClientError, ConnectionError, ReadTimeoutError
+        from botocore.exceptions import (
+            BotoCoreError,
+            ClientError,
+            ConnectionError,
+            HTTPClientError,
+            IncompleteReadError,
+            ReadTimeoutError,
+        )
 
         name = self.config.function_prefix + inv.function
         kwargs: dict[str, Any] = {"FunctionName": name, "Payload": body}
@@ -216,6 +224,11 @@ class LambdaBackend(Backend):
             return self._fail(inv, ErrorCode.TIMEOUT, f"no reply from Lambda in time: {e}")
         except ConnectionError as e:
             return self._fail(inv, ErrorCode.TRANSPORT, f"cannot reach {self._where()}: {e}")
+        except (HTTPClientError, IncompleteReadError) as e:
+            # the connection broke after the request went out (ConnectionClosedError) or while
+            # the reply came in (ResponseStreamingError): as the http transport's aiohttp errors,
+            # a transport fault after which the call may have run, not refused credentials
+            return self._fail(inv, ErrorCode.TRANSPORT, f"no complete reply from {self._where()}: {e}")
         except BotoCoreError as e:  # credentials missing, a bad endpoint URL
             return self._fail(inv, ErrorCode.UNAUTHORIZED, f"{type(e).__name__}: {e}")
         return self._reply(inv, body, response.get("FunctionError"))
@@ -266,7 +279,10 @@ class LambdaBackend(Backend):
         """A service error (the call was refused before or instead of running)."""
         code = _CLIENT_ERRORS.get(code_name)
         if code is None:
-            code = ErrorCode.THROTTLED if status == 429 else ErrorCode.TRANSPORT if status >= 500 else None
+            # 408: the request did not arrive in time (fabric serve's body_timeout_s, a proxy),
+            # a transport fault like a 5xx, not a request that is wrong whenever it is sent
+            transport = status >= 500 or status == 408
+            code = ErrorCode.THROTTLED if status == 429 else ErrorCode.TRANSPORT if transport else None
         message = f"{code_name or status}: {text}"
         if code is None:  # another 4xx: our request is wrong, retrying will not fix it
             code = ErrorCode.INVALID_ARGUMENTS

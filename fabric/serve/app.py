@@ -17,7 +17,7 @@ Two body shapes, told apart by the body itself:
 
 The caller's tenant comes from its token, never from the body. Errors are Lambda's: 400
 ``InvalidRequestContentException``/``InvalidParameterValueException``, 401/403 (missing or
-wrong token), 404 ``ResourceNotFoundException``, 413 ``RequestEntityTooLargeException``,
+wrong token), 404 ``ResourceNotFoundException``, 413 ``RequestTooLargeException``,
 429 ``TooManyRequestsException``, with the code in ``x-amzn-ErrorType`` where botocore looks.
 ``GET /healthz`` needs no token and says only ``ok``; ``GET /metrics`` (Prometheus) needs one.
 """
@@ -28,12 +28,14 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import time
 from typing import Any
 from urllib.parse import unquote
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from pydantic import ValidationError
 
 from fabric.backends.base import Backend, make_backend
@@ -49,16 +51,20 @@ log = logging.getLogger("fabric.serve")
 INVOKE_ROUTE = "/2015-03-31/functions/{name}/invocations"
 _TYPES = ("RequestResponse", "Event", "DryRun")
 _JSON = "application/json"
+#: An envelope's ``deadline`` is wall-clock seconds; past this it is not a deadline anyone
+#: meant (the year 33658), and the pool's arithmetic on it would overflow.
+_MAX_DEADLINE = 1e12
 
 
 class _QuietMalformed(logging.Filter):
     """aiohttp logs every request it cannot parse as an ERROR with a traceback, so a
     port scan or a fuzz floods the server's log. The client already got a 400 with the
-    parser's reason; here it is one DEBUG line."""
+    parser's reason; here it is one DEBUG line. A body it cannot decode (a bad
+    Content-Encoding) is logged again as aiohttp drains it after our 400: the same."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, HttpProcessingError):
+        if isinstance(exc, HttpProcessingError | RequestPayloadError):
             reason = " ".join(str(getattr(exc, "message", "") or exc).split())
             log.debug("malformed HTTP request (answered 400): %s", reason[:300])
             return False
@@ -71,9 +77,11 @@ _QUIET_MALFORMED = _QuietMalformed()
 class _Reply(Exception):
     """An early answer (an error before the function runs)."""
 
-    def __init__(self, status: int, code: str, message: str):
+    def __init__(self, status: int, code: str, message: str, *, close: bool = False):
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
+        self.close = close
+        """End the connection after the answer: the rest of the request is not coming."""
 
 
 def _error_response(status: int, code: str, message: str, request_id: str) -> web.Response:
@@ -240,36 +248,50 @@ class Gateway:
                     "InvalidParameterValueException",
                     f"X-Amz-Invocation-Type must be one of {', '.join(_TYPES)}; got {kind[:40]!r}",
                 )
-            body = await self._body(request, kind)
-            inv, envelope = self._invocation(body, function, tenant, request_id)
-            if kind == "DryRun":
-                response: web.StreamResponse = web.Response(
-                    status=204, headers={"x-amzn-RequestId": request_id}
-                )
-            else:
-                try:
-                    self.quotas.take(tenant)
-                except QuotaExceeded:
-                    limit = self.quotas.limits[tenant]
-                    raise _Reply(
-                        429,
-                        "TooManyRequestsException",
-                        f"Rate Exceeded: tenant {tenant!r} already has {limit} calls in flight "
-                        "(its max_concurrency); retry with backoff",
-                    ) from None
-                if kind == "Event":
+            # the quota is taken before the body is read: a request holds its body in memory
+            # (up to 6 MB) from here on, so a tenant holds at most max_concurrency bodies, and
+            # one that opens requests and sends their bodies slowly spends its own quota only
+            try:
+                self.quotas.take(tenant)
+            except QuotaExceeded:
+                limit = self.quotas.limits[tenant]
+                raise _Reply(
+                    429,
+                    "TooManyRequestsException",
+                    f"Rate Exceeded: tenant {tenant!r} already has {limit} calls in flight "
+                    "(its max_concurrency); retry with backoff",
+                ) from None
+            handed_off = False
+            try:
+                body = await self._body(request, kind)
+                inv, envelope = self._invocation(body, function, tenant, request_id)
+                if kind == "DryRun":
+                    response: web.StreamResponse = web.Response(
+                        status=204, headers={"x-amzn-RequestId": request_id}
+                    )
+                elif kind == "Event":
                     task = asyncio.get_running_loop().create_task(self._run_event(inv, tenant))
+                    handed_off = True  # the task gives the quota back when the call ends
                     self._events.add(task)
                     task.add_done_callback(self._events.discard)
                     response = web.Response(status=202, headers={"x-amzn-RequestId": request_id})
                 else:
-                    try:
-                        result = await self._call(inv, tenant)
-                    finally:
-                        self.quotas.give(tenant)
+                    result = await self._call(inv, tenant)
                     response = self._result_response(result, envelope, request_id)
+            finally:
+                if not handed_off:
+                    self.quotas.give(tenant)
         except _Reply as e:
             response = _error_response(e.status, e.code, e.message, request_id)
+            if e.close:
+                response.force_close()
+        except Exception:
+            # a bug of ours: Lambda's own 500, in JSON, so boto3 raises ServiceException and
+            # the lambda backend reads a retryable service fault, not aiohttp's text page
+            log.exception("request %s to %s failed inside the server", request_id, function)
+            response = _error_response(
+                500, "ServiceException", f"internal error in fabric serve (request {request_id})", request_id
+            )
         # unknown names are one label: a scan of made-up names must not grow the metrics
         label = function if function in self.served else "-"
         self.metrics.observe(tenant, label, response.status, time.perf_counter() - t0)
@@ -289,7 +311,10 @@ class Gateway:
                 "MissingAuthenticationTokenException",
                 "the Authorization header must be 'Bearer <token>'",
             )
-        tenant = self._tokens.get(hashlib.sha256(token.strip().encode()).digest())
+        # aiohttp hands over a header's bytes that are not UTF-8 as surrogates: encoded back
+        # as they came (a strict encode raised, a 500 and a traceback per unauthenticated request)
+        secret = token.strip().encode("utf-8", "surrogateescape")
+        tenant = self._tokens.get(hashlib.sha256(secret).digest())
         if tenant is None:
             raise _Reply(
                 403, "UnrecognizedClientException", "The security token included in the request is invalid"
@@ -300,15 +325,35 @@ class Gateway:
         limit = self.config.max_event_bytes if kind == "Event" else self.config.max_body_bytes
         too_large = _Reply(
             413,
-            "RequestEntityTooLargeException",
+            "RequestTooLargeException",  # Lambda's code: boto3 raises its modeled exception
             f"Request must be smaller than {limit} bytes for the {kind} invocation type",
         )
         if request.content_length is not None and request.content_length > limit:
             raise too_large
         try:
-            body = await request.read()
+            # a body that stalls (a client that vanished without a FIN, or one that trickles
+            # bytes) would hold its quota slot for as long as TCP keeps the connection
+            async with asyncio.timeout(self.config.body_timeout_s):
+                body = await request.read()
+        except TimeoutError:
+            raise _Reply(
+                408,
+                "RequestTimeoutException",
+                f"the body did not arrive within {self.config.body_timeout_s:g} s (body_timeout_s)",
+                close=True,  # as HTTP says for a 408: the connection is in no state to reuse
+            ) from None
         except web.HTTPRequestEntityTooLarge:
             raise too_large from None
+        except RequestPayloadError as e:  # a body aiohttp cannot decode (a bad Content-Encoding)
+            reason = " ".join(str(e).split())
+            raise _Reply(400, "InvalidRequestContentException", f"cannot read the body: {reason}") from None
+        except ConnectionError:
+            # the client hung up before its whole body came (a timeout, a crash): nobody reads
+            # the answer, and it is not our error to log with a traceback
+            log.debug("client hung up while sending the body of a %s request", kind)
+            raise _Reply(
+                400, "InvalidRequestContentException", "the connection closed before the whole body arrived"
+            ) from None
         if len(body) > limit:
             raise too_large
         return body
@@ -337,6 +382,15 @@ class Gateway:
                 raise _Reply(
                     400, "InvalidRequestContentException", f"not a valid fabric Invocation: {e}"
                 ) from None
+            if inv.deadline is not None and not (
+                math.isfinite(inv.deadline) and abs(inv.deadline) < _MAX_DEADLINE
+            ):
+                raise _Reply(
+                    400,
+                    "InvalidRequestContentException",
+                    f"not a valid fabric Invocation: deadline {inv.deadline!r} is not a wall-clock "
+                    "time in seconds (time.time() + timeout)",
+                )
             # the tenant is who the token says, whatever the body claims
             return inv.model_copy(update={"tenant": tenant}), True
         inv = Invocation.fast(

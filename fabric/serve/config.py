@@ -95,6 +95,10 @@ class ServeConfig(_Model):
     """Largest ``RequestResponse`` payload (Lambda's 6 MB); bigger gets 413."""
     max_event_bytes: int = Field(MAX_EVENT_BYTES, ge=1)
     """Largest ``Event`` (asynchronous) payload (Lambda's 1 MB)."""
+    body_timeout_s: float = Field(60.0, gt=0)
+    """A request whose body has not all arrived this long after its headers is answered 408
+    ``RequestTimeoutException``: the body's quota slot comes back. (6 MB in 60 s is 0.8
+    Mbit/s.)"""
     warm: bool = True
     """Start the warm workers of the served functions before accepting calls."""
 

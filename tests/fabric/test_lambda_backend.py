@@ -109,6 +109,50 @@ async def test_throttling_is_retryable_and_the_client_gets_through(transport):
         assert g.quotas.throttled["job"] >= 1 and max(x.attempts for x in results) >= 2
 
 
+async def test_a_request_over_the_size_limit_is_payload_too_large(transport):
+    """Lambda's 413 is ``RequestTooLargeException`` (AWS and fabric serve): PayloadTooLarge,
+    not an InvalidArguments that the client would keep under the key as the function's answer."""
+    cfg = ServeConfig(
+        port=0,
+        tenants={"job": TenantConfig(token=TOKEN)},
+        backend=LocalConfig(max_workers=1),
+        warm=False,
+        max_body_bytes=1000,
+    )
+    async with Gateway(cfg, REG) as g, LambdaBackend(REG, lam(g, transport)) as b:
+        r = await b.invoke(Invocation(function="add", payload={"a": 1, "pad": "x" * 2000}))
+    assert r.error.type == ErrorCode.PAYLOAD_TOO_LARGE and not r.retryable, r.error
+    assert "RequestTooLargeException" in r.error.message
+
+
+async def test_boto3_raises_lambdas_own_exception_for_a_request_too_large():
+    import boto3
+    from botocore import UNSIGNED
+    from botocore.config import Config
+
+    cfg = ServeConfig(port=0, tenants={"job": TenantConfig(token=TOKEN)}, warm=False, max_body_bytes=1000)
+    async with Gateway(cfg, REG) as g:
+        client = boto3.client(
+            "lambda",
+            region_name="us-east-1",
+            endpoint_url=g.url,
+            aws_access_key_id="x",
+            aws_secret_access_key="x",
+            config=Config(signature_version=UNSIGNED, retries={"total_max_attempts": 1}),
+        )
+
+        def add_token(request, **_):
+            request.headers["Authorization"] = f"Bearer {TOKEN}"
+
+        client.meta.events.register("before-send.lambda.Invoke", add_token)
+        big = json.dumps({"a": 1, "pad": "x" * 2000}).encode()
+        try:
+            with pytest.raises(client.exceptions.RequestTooLargeException):
+                await asyncio.to_thread(client.invoke, FunctionName="add", Payload=big)
+        finally:
+            client.close()
+
+
 async def test_unreachable_endpoint_is_a_retryable_transport_error(transport):
     port = free_port()  # nothing listens there
     cfg = LambdaConfig(
@@ -117,6 +161,35 @@ async def test_unreachable_endpoint_is_a_retryable_transport_error(transport):
     async with LambdaBackend(REG, cfg) as b:
         r = await b.invoke(Invocation(function="add", payload={"a": 1}))
     assert r.error.type == ErrorCode.TRANSPORT and r.retryable and f"127.0.0.1:{port}" in r.error.message
+
+
+@pytest.mark.parametrize("cut", ["before the reply", "in the reply"])
+async def test_a_connection_cut_after_the_request_is_a_transport_fault(transport, cut):
+    """The call may have run: a retryable TransportError (not retried for a side effect), as
+    with the http transport. boto3's ConnectionClosedError and ResponseStreamingError were
+    read as refused credentials: Unauthorized, final, with advice about tokens."""
+    received = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        received.set()
+        if cut == "in the reply":
+            writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"ok": ')
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    cfg = LambdaConfig(endpoint_url=f"http://127.0.0.1:{port}", token=TOKEN, transport=transport)
+    try:
+        async with LambdaBackend(REG, cfg) as b:
+            r = await b.invoke(Invocation(function="add", payload={"a": 1}))
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert received.is_set()
+    assert r.error.type == ErrorCode.TRANSPORT and r.retryable, r.error
+    assert "token" not in r.error.message
 
 
 @pytest.mark.parametrize(
@@ -143,6 +216,15 @@ def test_lambda_error_objects_are_mapped(body, function_error, code):
     r = b._reply(inv, json.dumps(body).encode(), function_error)
     assert not r.ok and r.error.type == code
     assert r.retryable == (code in ("FunctionTimeout", "WorkerLost"))
+
+
+def test_a_request_timeout_is_a_retryable_transport_fault():
+    # fabric serve's body_timeout_s, or a proxy's: not a wrong request that the client would
+    # keep under the key as the function's InvalidArguments
+    b = LambdaBackend(REG, LambdaConfig())
+    r = b._refused(Invocation(function="add"), "RequestTimeoutException", 408, "the body did not arrive")
+    assert r.error.type == ErrorCode.TRANSPORT and r.retryable
+    assert b._refused(Invocation(function="add"), "", 418, "").error.type == ErrorCode.INVALID_ARGUMENTS
 
 
 def test_replies_that_are_not_results():

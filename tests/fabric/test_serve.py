@@ -155,7 +155,7 @@ async def test_oversize_payload_is_413_and_runs_nothing(http, tmp_path):
     out = tmp_path / "ran.txt"
     big = {"path": str(out), "line": "x" * (6 * 1024 * 1024)}
     r = await http.post(PATH.format("append_line"), json=big, headers=auth())
-    assert r.status_code == 413 and r.headers["x-amzn-ErrorType"] == "RequestEntityTooLargeException"
+    assert r.status_code == 413 and r.headers["x-amzn-ErrorType"] == "RequestTooLargeException"
     # an Event's limit is 1 MB
     r = await http.post(
         PATH.format("append_line"),

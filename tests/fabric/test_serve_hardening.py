@@ -1,0 +1,221 @@
+"""``fabric serve`` against careless and hostile callers: requests that used to crash a
+handler (500 with a traceback), hold memory past a tenant's quota, or answer in a shape
+boto3 does not know. Real HTTP on 127.0.0.1, real local pools where a call must run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import httpx
+import pytest
+from sample_fns import REG
+
+from fabric.backends.base import LocalConfig
+from fabric.protocol import Invocation
+from fabric.serve import Gateway, ServeConfig, TenantConfig
+from fabric.testing import FakeBackend
+
+TOKEN_A = "token-a-0123456789abcdef"
+TOKEN_B = "token-b-0123456789abcdef"
+PATH = "/2015-03-31/functions/{}/invocations"
+
+
+def config(**kw) -> ServeConfig:
+    tenants = kw.pop(
+        "tenants",
+        {
+            "job-a": TenantConfig(token=TOKEN_A, max_concurrency=kw.pop("quota_a", 64)),
+            "job-b": TenantConfig(token=TOKEN_B, max_concurrency=64),
+        },
+    )
+    kw.setdefault("warm", False)
+    kw.setdefault("backend", LocalConfig(max_workers=2))
+    return ServeConfig(port=0, tenants=tenants, **kw)
+
+
+def auth(token: str = TOKEN_A) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture
+async def gw():
+    async with Gateway(config(), REG) as g:
+        yield g
+
+
+@pytest.fixture
+async def http(gw):
+    async with httpx.AsyncClient(base_url=gw.url, timeout=30) as c:
+        yield c
+
+
+@pytest.mark.parametrize("deadline", [b"NaN", b"Infinity", b"-Infinity", b"1e300", b"-1e300", b'"inf"'])
+async def test_a_deadline_that_is_no_time_is_400_not_a_crash(gw, http, deadline):
+    # the pool turned it into nanoseconds: OverflowError, a 500 the lambda backend retried
+    body = b'{"function": "add", "payload": {"a": 1}, "deadline": ' + deadline + b"}"
+    r = await http.post(PATH.format("add"), content=body, headers=auth())
+    assert r.status_code == 400, r.text
+    assert r.headers["x-amzn-ErrorType"] == "InvalidRequestContentException"
+    assert "deadline" in r.json()["message"]
+    assert gw.quotas.held["job-a"] == 0
+    assert (await http.post(PATH.format("add"), json={"a": 2}, headers=auth())).json() == 2
+
+
+class _Broken(FakeBackend):
+    def _submit(self, inv: Invocation) -> asyncio.Future:
+        raise RuntimeError("a bug in a backend")
+
+
+async def test_a_bug_inside_the_server_is_a_json_service_exception(caplog):
+    async with (
+        Gateway(config(), REG, backend=_Broken(REG)) as g,
+        httpx.AsyncClient(base_url=g.url, timeout=30) as c,
+    ):
+        r = await c.post(PATH.format("add"), json={"a": 1}, headers=auth())
+        # botocore reads the code from x-amzn-ErrorType: boto3 raises ServiceException, and
+        # the lambda backend maps a 5xx to a retryable TransportError
+        assert r.status_code == 500 and r.headers["x-amzn-ErrorType"] == "ServiceException"
+        assert r.headers["x-amzn-RequestId"] in r.json()["message"]
+        assert g.quotas.held["job-a"] == 0 and g._gates["add"].running == 0
+    assert "a bug in a backend" in caplog.text  # logged once, with the traceback
+
+
+async def _raw_request(port: int, data: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), 30)  # Connection: close: read to the end
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("path", [PATH.format("add"), "/metrics"])
+async def test_a_token_that_is_not_utf8_is_403_not_a_crash(gw, http, caplog, path):
+    method = b"GET" if path == "/metrics" else b"POST"
+    reply = await _raw_request(
+        gw.port,
+        method + b" " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        b"Authorization: Bearer " + TOKEN_A.encode() + b'\xff\r\nContent-Length: 7\r\n\r\n{"a":1}',
+    )
+    assert reply.startswith(b"HTTP/1.1 403 "), reply[:200]
+    assert b"UnrecognizedClientException" in reply
+    assert "Traceback" not in caplog.text
+    assert (await http.post(PATH.format("add"), json={"a": 3}, headers=auth())).json() == 3
+
+
+async def test_a_token_with_utf8_characters_is_recognised():
+    token = "jöb-ä-tökén-0123456789"
+    tenants = {"job-ä": TenantConfig(token=token)}
+    async with Gateway(config(tenants=tenants), REG) as g:
+        body = b'{"a": 4}'
+        reply = await _raw_request(
+            g.port,
+            b"POST " + PATH.format("add").encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Authorization: Bearer " + token.encode() + b"\r\nContent-Length: 8\r\n\r\n" + body,
+        )
+        assert reply.startswith(b"HTTP/1.1 200 ") and reply.endswith(b"\r\n\r\n4"), reply
+
+
+async def test_a_body_that_cannot_be_decoded_is_400(gw, http, caplog):
+    # aiohttp inflates a Content-Encoding itself; a body that is not what it says raised
+    r = await http.post(
+        PATH.format("add"), content=b'{"a": 1}', headers={**auth(), "Content-Encoding": "gzip"}
+    )
+    assert r.status_code == 400 and r.headers["x-amzn-ErrorType"] == "InvalidRequestContentException"
+    assert "content-encoding" in r.json()["message"].lower()
+    assert "Traceback" not in caplog.text and gw.quotas.held["job-a"] == 0
+
+
+async def test_a_client_that_hangs_up_mid_body_is_no_error(gw, http, caplog):
+    _, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    writer.write(
+        b"POST " + PATH.format("add").encode() + b" HTTP/1.1\r\nHost: x\r\n"
+        b"Authorization: Bearer " + TOKEN_A.encode() + b'\r\nContent-Length: 1000\r\n\r\n{"a": '
+    )
+    await writer.drain()
+    writer.close()  # the server reads the headers and the start of the body, then the hang-up
+    await writer.wait_closed()
+    counted = ""
+    for _ in range(500):  # the request is counted when its handler ends
+        text = (await http.get("/metrics", headers=auth(TOKEN_B))).text
+        counted = "\n".join(x for x in text.splitlines() if x.startswith("fabric_serve_requests_total{"))
+        if 'tenant="job-a"' in counted:
+            break
+        await asyncio.sleep(0.01)
+    assert 'function="add",status="400",tenant="job-a"' in counted, counted
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert gw.quotas.held["job-a"] == 0
+    assert (await http.post(PATH.format("add"), json={"a": 5}, headers=auth())).json() == 5
+
+
+async def _stalled_body(port: int, token: str = TOKEN_A) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A request whose headers arrive and whose body never finishes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST " + PATH.format("add").encode() + b" HTTP/1.1\r\nHost: x\r\n"
+        b"Authorization: Bearer "
+        + token.encode()
+        + b'\r\nContent-Length: 100000\r\n\r\n{"a": "'
+        + b"x" * 50_000
+    )
+    await writer.drain()
+    return reader, writer
+
+
+async def _until(predicate, what: str) -> None:
+    for _ in range(1000):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def test_a_body_being_read_counts_in_the_quota():
+    """Bodies were read into memory before the quota was looked at: a tenant with a quota
+    of 2 could hold any number of 6 MB bodies (40 stalled ones: +250 MB) and starve the
+    others. Now a body being read holds a slot of its tenant's quota."""
+    async with (
+        Gateway(config(quota_a=2), REG) as g,
+        httpx.AsyncClient(base_url=g.url, timeout=30) as c,
+    ):
+        stalled = [await _stalled_body(g.port) for _ in range(2)]
+        await _until(lambda: g.quotas.held["job-a"] == 2, "two bodies being read")
+        r = await c.post(PATH.format("add"), json={"a": 1}, headers=auth())
+        assert r.status_code == 429 and r.headers["x-amzn-ErrorType"] == "TooManyRequestsException"
+        assert (await c.post(PATH.format("add"), json={"a": 1}, headers=auth(TOKEN_B))).json() == 1
+        for _, writer in stalled:
+            writer.close()
+            await writer.wait_closed()
+        await _until(lambda: g.quotas.held["job-a"] == 0, "the hung-up bodies' slots back")
+        assert (await c.post(PATH.format("add"), json={"a": 2}, headers=auth())).json() == 2
+
+
+async def test_a_body_that_stalls_is_408_and_frees_its_slot():
+    async with Gateway(config(quota_a=1, body_timeout_s=0.3), REG) as g:
+        reader, writer = await _stalled_body(g.port)
+        try:
+            reply = await asyncio.wait_for(reader.readuntil(b"body_timeout_s"), 30)
+            # the rest of the body, late: read and dropped, then the server hangs up
+            writer.write(b"x" * (100_000 - 50_007))
+            await writer.drain()
+            reply += await asyncio.wait_for(reader.read(), 30)
+        finally:
+            writer.close()
+        assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
+        assert b"RequestTimeoutException" in reply and b"Connection: close" in reply
+        assert g.quotas.held["job-a"] == 0
+
+
+@pytest.mark.parametrize("kind", ["DryRun", "Event", "RequestResponse"])
+async def test_every_kind_of_call_gives_its_slot_back(gw, http, kind, tmp_path):
+    out = tmp_path / "ran.txt"
+    headers = {**auth(), "X-Amz-Invocation-Type": kind}
+    for body in (b"{not json", json.dumps({"path": str(out), "line": kind}).encode()):
+        r = await http.post(PATH.format("append_line"), content=body, headers=headers)
+        assert r.status_code < 500
+    await _until(lambda: gw.quotas.held["job-a"] == 0, "the slots back")
+    await _until(lambda: kind == "DryRun" or out.exists(), "the call to run")
+    assert gw.quotas.held["job-a"] == 0
