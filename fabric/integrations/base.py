@@ -1,0 +1,493 @@
+"""What every framework adapter shares: samples in, scores out, over one fabric ``Client``.
+
+* ``RewardAdapter`` (async): one registered function. It turns a trainer's sample (a
+  trajectory plus the named values the trainer has for it: dataset columns, a label, a
+  ground truth) into the function's keyword arguments, sends a batch through
+  ``Client.map`` (concurrently, answers in input order, one deadline for the batch) and
+  reads each ``Result`` back as a ``Score``. A failed call is a failed ``Score``, never 0.
+* ``SyncBridge``: trainers call reward functions synchronously, from their own threads.
+  The bridge owns one event loop on a daemon thread, started on the first call, where the
+  adapter's ``Client`` lives; ``close()`` ends it (and an ``atexit`` backstop, for a trainer
+  that never closes). Any thread may call it; so may a coroutine on another loop (``arun``).
+* ``build_trajectory``: a framework's prompt and completion (text or chat messages) as a
+  fabric ``Trajectory``.
+
+Framework modules (``trl``, ``verl``, ``openrlhf``) only translate their calling convention
+into ``Sample`` lists and ``Score`` lists into what their trainer expects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import logging
+import math
+import os
+import threading
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pydantic import ValidationError
+
+from fabric.backends.base import Backend
+from fabric.integrations.config import IntegrationConfig, plain
+from fabric.integrations.errors import (
+    BadBatchError,
+    BatchDeadlineError,
+    MissingArgumentError,
+    RewardCallError,
+)
+from fabric.protocol import ErrorInfo, Message, Result, Trajectory
+from fabric.registry import Registry, default_registry
+from fabric.spec import FunctionSpec
+
+log = logging.getLogger("fabric.integrations")
+
+T = TypeVar("T")
+
+#: Extra seconds the bridge waits past a batch's deadline: the client answers a call whose
+#: deadline passed by itself, so this only catches a loop that stopped answering.
+DEADLINE_GRACE_S = 30.0
+
+#: Error type of a function's answer that is not a reward (not a number, no "score").
+BAD_REWARD_VALUE = "BadRewardValue"
+
+
+@dataclass
+class Sample:
+    """One completion to score: the trajectory and the named values the trainer gave for it."""
+
+    traj: Trajectory
+    sources: Mapping[str, Any] = field(default_factory=dict)
+    """Dataset columns, ``label``, ``ground_truth``, ``extra_info``...; a dotted name
+    (``extra_info.tests``) reaches into a mapping."""
+
+
+@dataclass
+class Score:
+    value: float | None
+    """The reward; ``failure_score`` for a failed call when one is set, else ``None``."""
+    components: dict[str, float] = field(default_factory=dict)
+    error: ErrorInfo | None = None
+    """Why the call failed (also set when ``failure_score`` stood in for it)."""
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+
+# ----------------------------------------------------------------------------- trajectories
+
+
+def _text_of(content: Any) -> str | None:
+    """A message's content as text: a string, or the text parts of a list of content parts
+    (``[{"type": "text", "text": ...}]``, as multimodal chat templates write it)."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text"]
+        return "".join(parts)
+    raise TypeError(f"message content must be text or a list of content parts, not {type(content).__name__}")
+
+
+def _messages(value: Any, default_role: str, what: str) -> list[Message]:
+    if isinstance(value, str):
+        return [Message(role=default_role, content=value)]  # type: ignore[arg-type]
+    if not isinstance(value, list | tuple) or not all(isinstance(m, Mapping) for m in value):
+        raise BadBatchError(
+            f"{what} must be a string or a list of chat messages ({{'role': ..., 'content': ...}}), "
+            f"got {type(value).__name__}"
+        )
+    out: list[Message] = []
+    for m in value:
+        try:
+            body = {**m, "content": _text_of(m.get("content"))}
+            try:
+                out.append(Message.model_validate(body))
+            except ValidationError:
+                # a framework's tool-call shape may differ from OpenAI's (no id, arguments as a
+                # dict): keep the turn's role and text, which is what rewards read
+                out.append(Message(role=m.get("role"), content=body["content"]))
+        except (TypeError, ValidationError) as e:
+            raise BadBatchError(f"{what}: a message is not a chat message ({m!r:.200}): {e}") from None
+    return out
+
+
+def build_trajectory(
+    completion: Any,
+    prompt: Any = None,
+    *,
+    task: Mapping[str, Any] | None = None,
+    what: str = "completion",
+) -> Trajectory:
+    """A ``Trajectory`` of ``prompt`` (text: a user turn; or chat messages) followed by
+    ``completion`` (text: an assistant turn; or chat messages)."""
+    messages = [] if prompt is None else _messages(prompt, "user", what.replace("completion", "prompt"))
+    messages += _messages(completion, "assistant", what)
+    return Trajectory(messages=messages, task=dict(task or {}))
+
+
+def lookup(sources: Mapping[str, Any], name: str) -> tuple[bool, Any]:
+    """``(found, value)`` of ``name`` in ``sources``; ``a.b`` looks ``b`` up in mapping ``a``
+    (a JSON object in a string counts: labels often carry one)."""
+    if name in sources:
+        return True, sources[name]
+    head, dot, rest = name.partition(".")
+    if dot and head in sources:
+        inner = sources[head]
+        if isinstance(inner, str):
+            inner = _json_object(inner)
+        if isinstance(inner, Mapping):
+            return lookup(inner, rest)
+    return False, None
+
+
+def _json_object(text: str) -> Mapping[str, Any] | None:
+    import json
+
+    s = text.strip()
+    if not (s.startswith("{") and s.endswith("}")):
+        return None
+    try:
+        value = json.loads(s)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+# ----------------------------------------------------------------------------- the adapter
+
+
+def resolve_function(function: str | Callable[..., Any]) -> tuple[str, Callable[..., Any] | None]:
+    """A function name, or a decorated function (its registered name)."""
+    if isinstance(function, str):
+        return function, None
+    spec = getattr(function, "__fabric_spec__", None)
+    if not isinstance(spec, FunctionSpec):
+        raise TypeError(
+            f"{function!r} is not a fabric function: pass a registered name or a function decorated "
+            "with @fabric.reward"
+        )
+    return spec.name, function
+
+
+class RewardAdapter:
+    """One registered reward function, called in batches. ``async with`` or ``start``/``aclose``.
+
+    ``aliases`` maps a parameter to the framework's usual source for it (OpenRLHF:
+    ``ground_truth`` <- ``label``); ``backend`` replaces the configured one (tests pass a
+    ``fabric.testing.FakeBackend``)."""
+
+    def __init__(
+        self,
+        config: IntegrationConfig,
+        *,
+        registry: Registry | None = None,
+        function: Callable[..., Any] | None = None,
+        aliases: Mapping[str, str] | None = None,
+        backend: Backend | None = None,
+    ):
+        self.config = config
+        self.registry = registry if registry is not None else default_registry
+        if config.builtins:
+            self.registry.discover("functions")
+        if config.modules:
+            self.registry.discover(*config.modules)
+        if function is not None:
+            self.registry.add(function)
+        # UnknownFunctionError lists the known names
+        self.spec: FunctionSpec = self.registry.get(config.function)
+        self.aliases = dict(aliases or {})
+        self._backend = backend if backend is not None else config.backend_config()
+        self.traj_param = self._traj_param()
+        names = {p.name for p in self.spec.params}
+        for where, given in (("args", config.args), ("constants", config.constants)):
+            stray = sorted(set(given) - names - {self.traj_param})
+            if stray and not self.spec.accepts_extra:
+                raise MissingArgumentError(
+                    f"{where} names {', '.join(map(repr, stray))}, which {self._signature()} does not take"
+                )
+        self.as_text = self._annotation(self.traj_param) in ("str", "builtins.str")
+        self._plan: dict[str, str] | None = None
+        self._client: Any = None
+        self._keys: list[str] = list(config.components or ())
+        self.stats = {"batches": 0, "samples": 0, "failed": 0, "failure_scored": 0}
+
+    # -- lifecycle
+    async def start(self) -> None:
+        if self._client is not None:
+            return
+        from fabric.client import Client
+
+        client = Client(self._backend, registry=self.registry)
+        await client.__aenter__()
+        self._client = client
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    async def __aenter__(self) -> RewardAdapter:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- the signature
+    def _traj_param(self) -> str:
+        names = [p.name for p in self.spec.params]
+        chosen = self.config.traj_param or ("traj" if "traj" in names else (names[0] if names else None))
+        if chosen is None or chosen not in names:
+            raise MissingArgumentError(
+                f"{self._signature()} has no parameter {chosen!r} to receive the trajectory; set traj_param"
+            )
+        return chosen
+
+    def _annotation(self, name: str) -> str:
+        return next((p.annotation for p in self.spec.params if p.name == name), "Any")
+
+    def _signature(self) -> str:
+        return (
+            f"{self.spec.name}("
+            + ", ".join(p.name + ("" if p.required else "=...") for p in self.spec.params)
+            + ")"
+        )
+
+    def plan(self, first: Mapping[str, Any]) -> dict[str, str]:
+        """Parameter -> source, decided once from the first batch's sample against the
+        function's spec: a required parameter with no source is an error naming them all."""
+        if self._plan is not None:
+            return self._plan
+        plan: dict[str, str] = {}
+        missing: list[str] = []
+        for p in self.spec.params:
+            if p.name == self.traj_param or p.name in self.config.constants:
+                continue
+            given = self.config.args.get(p.name)
+            if given is not None:
+                if not lookup(first, given)[0]:
+                    raise MissingArgumentError(
+                        f"args maps {p.name!r} of {self._signature()} to {given!r}, which the batch does "
+                        f"not have; it has: {_shown(first)}"
+                    )
+                plan[p.name] = given
+            elif lookup(first, p.name)[0]:
+                plan[p.name] = p.name
+            elif p.name in self.aliases and lookup(first, self.aliases[p.name])[0]:
+                plan[p.name] = self.aliases[p.name]
+            elif p.required:
+                missing.append(p.name)
+        if missing:
+            raise MissingArgumentError(
+                f"{self._signature()} needs {', '.join(map(repr, missing))}, which the batch does not "
+                f"have; it has: {_shown(first)}. Name the source with args={{'{missing[0]}': 'COLUMN'}} "
+                "or give a value with constants"
+            )
+        self._plan = plan
+        return plan
+
+    def payloads(self, samples: Sequence[Sample]) -> list[dict[str, Any]]:
+        if not samples:
+            return []
+        plan = self.plan(samples[0].sources)
+        out = []
+        for i, s in enumerate(samples):
+            payload: dict[str, Any] = {
+                self.traj_param: s.traj.final_text() if self.as_text else s.traj,
+                **self.config.constants,
+            }
+            for param, source in plan.items():
+                found, value = lookup(s.sources, source)
+                if not found:
+                    raise MissingArgumentError(
+                        f"sample #{i} has no {source!r} for {param!r} of {self.spec.name} (the first sample "
+                        f"had it); it has: {_shown(s.sources)}"
+                    )
+                payload[param] = plain(value)
+            out.append(payload)
+        return out
+
+    # -- calls
+    async def score(self, samples: Sequence[Sample]) -> list[Score]:
+        """Scores of ``samples`` in their order. Bad input raises before anything is sent;
+        failed calls come back as failed ``Score``s."""
+        return await self.score_payloads(self.payloads(samples))
+
+    async def score_payloads(self, payloads: list[dict[str, Any]]) -> list[Score]:
+        await self.start()
+        results: list[Result] = await self._client.map(
+            self.spec.name, payloads, deadline_s=self.config.deadline_s
+        )
+        scores = [self._read(r) for r in results]
+        self.stats["batches"] += 1
+        self.stats["samples"] += len(scores)
+        return scores
+
+    def _read(self, r: Result) -> Score:
+        if r.ok:
+            value, components, problem = _reward_of(r.value)
+            if problem is None:
+                for k in components:
+                    if self.config.components is None and k not in self._keys:
+                        self._keys.append(k)
+                return Score(value, components)
+            error = ErrorInfo.of(BAD_REWARD_VALUE, f"{self.spec.name} returned {problem}")
+        else:
+            assert r.error is not None
+            error = r.error
+        self.stats["failed"] += 1
+        if self.config.failure_score is not None:
+            self.stats["failure_scored"] += 1
+        return Score(self.config.failure_score, {}, error)
+
+    def check(self, scores: Sequence[Score], *, none_ok: bool) -> None:
+        """Log the batch's failures (once, a summary); raise ``RewardCallError`` for them when
+        the framework has no "no reward" value (``none_ok`` False) and no ``failure_score``."""
+        failures = [(i, s.error) for i, s in enumerate(scores) if s.error is not None]
+        if not failures:
+            return
+        scored = self.config.failure_score is not None
+        outcome = (
+            f"scored {self.config.failure_score:g} (failure_score)"
+            if scored
+            else ("no reward (None)" if none_ok else "raised")
+        )
+        i, e = failures[0]
+        log.warning(
+            "%s: %d of %d calls failed, %s; first: #%d %s: %s",
+            self.spec.name,
+            len(failures),
+            len(scores),
+            outcome,
+            i,
+            e.type,
+            e.message.strip().splitlines()[0] if e.message.strip() else "",
+        )
+        if not scored and not none_ok:
+            raise RewardCallError(
+                self.spec.name,
+                len(scores),
+                failures,
+                hint=" (set failure_score to give failed calls a score instead)",
+            )
+
+    def report(self, score: Score) -> dict[str, float]:
+        """The components to report beside a score, with the same keys for every sample
+        (NaN where this one has none): veRL and OpenRLHF stack them into arrays by key."""
+        return {k: float(score.components.get(k, math.nan)) for k in self._keys}
+
+
+def _reward_of(value: Any) -> tuple[float | None, dict[str, float], str | None]:
+    """A function's answer as ``(score, components, problem)``: a number, or a
+    ``RewardResult`` (a mapping with ``score``, as it arrives over the wire)."""
+    if isinstance(value, bool | int | float):
+        score = float(value)
+        comps: dict[str, float] = {}
+    elif isinstance(value, Mapping) and isinstance(value.get("score"), bool | int | float):
+        score = float(value["score"])
+        raw = value.get("components") or {}
+        comps = {str(k): float(v) for k, v in raw.items() if isinstance(v, bool | int | float)}
+    else:
+        return None, {}, f"{type(value).__name__} {value!r:.100}, not a number or a RewardResult"
+    if not math.isfinite(score):
+        return None, {}, f"a score of {score}, not a finite number"
+    return score, comps, None
+
+
+def _shown(sources: Mapping[str, Any]) -> str:
+    return ", ".join(repr(k) for k in sources) or "(nothing)"
+
+
+# ----------------------------------------------------------------------------- the bridge
+
+
+class SyncBridge:
+    """Runs an adapter's coroutines on a loop of its own (a daemon thread), for callers that
+    are synchronous or on another loop. Thread-safe; started on first use; ``close()``
+    ends it, and an ``atexit`` backstop closes a bridge left open (its workers too). A
+    forked child starts a bridge of its own: the parent's thread does not exist there."""
+
+    def __init__(self, adapter: RewardAdapter, *, name: str = "fabric-bridge"):
+        self.adapter = adapter
+        self.name = name
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    @property
+    def started(self) -> bool:
+        return self._loop is not None and self._pid == os.getpid()
+
+    def _ensure(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._pid != os.getpid():  # forked: the loop's thread stayed in the parent
+                self._loop, self._thread, self._pid = None, None, os.getpid()
+                self.adapter._client = None
+            if self._loop is not None:
+                return self._loop
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name=self.name, daemon=True)
+            thread.start()
+            try:
+                asyncio.run_coroutine_threadsafe(self.adapter.start(), loop).result()
+            except BaseException:
+                loop.call_soon_threadsafe(loop.stop)
+                thread.join(timeout=5)
+                loop.close()
+                raise
+            self._loop, self._thread = loop, thread
+            atexit.register(self.close)
+            return loop
+
+    def _submit(self, coro: Callable[[], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro(), self._ensure())
+
+    def run(self, samples: Sequence[Sample]) -> list[Score]:
+        """Score ``samples`` from a synchronous caller; waits at most the batch deadline."""
+        payloads = self.adapter.payloads(samples)  # bad input raises here, in the caller's thread
+        fut = self._submit(lambda: self.adapter.score_payloads(payloads))
+        timeout = self.adapter.config.deadline_s + DEADLINE_GRACE_S
+        try:
+            return fut.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise BatchDeadlineError(
+                f"{self.adapter.spec.name}: a batch of {len(samples)} did not finish within {timeout:g} s"
+            ) from None
+
+    async def arun(self, samples: Sequence[Sample]) -> list[Score]:
+        """Score ``samples`` from a coroutine on any event loop (the trainer's own)."""
+        payloads = self.adapter.payloads(samples)
+        fut = self._submit(lambda: self.adapter.score_payloads(payloads))
+        timeout = self.adapter.config.deadline_s + DEADLINE_GRACE_S
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+        except TimeoutError:
+            raise BatchDeadlineError(
+                f"{self.adapter.spec.name}: a batch of {len(samples)} did not finish within {timeout:g} s"
+            ) from None
+
+    def close(self) -> None:
+        """Close the client (and its worker pools) and stop the loop. Idempotent; a later call
+        starts a new one."""
+        with self._lock:
+            loop, thread = self._loop, self._thread
+            self._loop = self._thread = None
+            atexit.unregister(self.close)
+            if loop is None or self._pid != os.getpid():
+                return
+            try:
+                asyncio.run_coroutine_threadsafe(self.adapter.aclose(), loop).result(timeout=60)
+            except Exception as e:  # closing must not mask why the caller is closing
+                log.warning("%s: closing the fabric client failed: %s: %s", self.name, type(e).__name__, e)
+            finally:
+                loop.call_soon_threadsafe(loop.stop)
+                if thread is not None:
+                    thread.join(timeout=10)
+                if not loop.is_running():
+                    loop.close()

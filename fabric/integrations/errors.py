@@ -1,0 +1,57 @@
+"""Errors of the framework adapters (``fabric.integrations``).
+
+The tree, under ``fabric.errors.FabricError``::
+
+    IntegrationError
+    ├── BadBatchError          the trainer's batch is not what its framework sends
+    │                          (lengths disagree, a completion that is not text or messages)
+    ├── MissingArgumentError   a required parameter of the function has no source in the batch
+    ├── RewardCallError        calls failed and no ``failure_score`` is set: carries the failures
+    └── BatchDeadlineError     the batch did not finish within its deadline
+
+A misconfigured adapter (an unknown function, a bad option) raises the SDK's own errors:
+``UnknownFunctionError`` (lists the known names) and ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+from fabric.errors import FabricError
+from fabric.protocol import ErrorInfo
+
+
+class IntegrationError(FabricError):
+    """Base class of the adapters' errors."""
+
+
+class BadBatchError(IntegrationError, ValueError):
+    """The batch handed to the adapter cannot be scored as given: nothing was sent."""
+
+
+class MissingArgumentError(IntegrationError, ValueError):
+    """A required parameter of the reward function has no value in the batch."""
+
+
+class BatchDeadlineError(IntegrationError, TimeoutError):
+    """A batch did not come back within the adapter's ``deadline_s`` (and its grace)."""
+
+
+class RewardCallError(IntegrationError):
+    """Calls of a batch failed (the function raised, or the infrastructure failed after the
+    client's retries) and the adapter has no ``failure_score``: the trainer must not read
+    those samples as a reward of 0. ``failures`` holds ``(index in the batch, ErrorInfo)``."""
+
+    def __init__(self, function: str, total: int, failures: list[tuple[int, ErrorInfo]], hint: str = ""):
+        self.function = function
+        self.total = total
+        self.failures = failures
+        shown = "; ".join(f"#{i} {e.type}: {_first_line(e.message)}" for i, e in failures[:5])
+        more = f"; and {len(failures) - 5} more" if len(failures) > 5 else ""
+        super().__init__(
+            f"{function} failed on {len(failures)} of {total} samples (they were not scored): "
+            f"{shown}{more}{hint}"
+        )
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[:limit] + "..."

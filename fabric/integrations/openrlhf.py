@@ -1,0 +1,289 @@
+"""rl-fabric rewards for OpenRLHF's remote reward (``--reward.remote_url``, formerly
+``--remote_rm_url``), in both of its forms (checked in OpenRLHF 0.11.2,
+``openrlhf/utils/agent.py``, ``SingleTurnAgentExecutor``):
+
+* **a Python file**: a URL ending in ``.py`` is loaded and its ``reward_func(queries, prompts,
+  labels)`` called on a thread, with lists (one sample per call in 0.11.2). ``queries`` are
+  the decoded prompt+response with special tokens, ``prompts`` the prompt text, ``labels``
+  the dataset's ``--data.label_key`` values. It returns ``{"rewards": ..., "scores": ...,
+  "extra_logs": {...}}``. Point it at this file with ``FABRIC_FUNCTION`` set (and the other
+  ``FABRIC_*`` variables; Ray actors need them in the runtime env), or write your own file
+  with ``reward_func = OpenRLHFReward("math_answer", ...)``.
+* **HTTP**: any other URL gets ``POST {"query": [...], "prompts": [...], "labels": [...]}``
+  and reads the same dict from the JSON answer; errors are retried 5 times, 1 s apart.
+  ``fabric integrate openrlhf-serve --function math_answer`` serves that (``serve`` below).
+
+OpenRLHF has no "no reward" value: an exception in the reward function is logged at INFO
+and the sample's reward stays ``None``, which the trainer later trips over. So a failed
+call raises ``RewardCallError`` (logged here as a WARNING first), or, with
+``failure_score``, scores that. ``label`` reaches ``ground_truth`` by default; a label that
+is a JSON object gives its keys as sources too (``args={"tests": "label.tests"}``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fabric.backends.base import Backend
+from fabric.integrations.base import (
+    RewardAdapter,
+    Sample,
+    Score,
+    SyncBridge,
+    _json_object,
+    build_trajectory,
+    resolve_function,
+)
+from fabric.integrations.config import IntegrationConfig, plain
+from fabric.integrations.errors import BadBatchError, IntegrationError, MissingArgumentError, RewardCallError
+from fabric.protocol import MAX_PAYLOAD_BYTES
+from fabric.registry import Registry
+
+log = logging.getLogger("fabric.integrations.openrlhf")
+
+_ALIASES = {"ground_truth": "label"}
+
+#: End-of-sequence markers a query carries (OpenRLHF decodes with special tokens): the
+#: response is read without them, so an answer is not "42<|im_end|>".
+EOS_MARKERS: tuple[str, ...] = (
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "</s>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>",  # DeepSeek's, in full-width bars
+)
+
+
+class OpenRLHFReward:
+    """``reward_func(queries, prompts, labels)`` for a fabric function."""
+
+    def __init__(
+        self,
+        function: str | Callable[..., Any] | IntegrationConfig,
+        *,
+        registry: Registry | None = None,
+        backend_instance: Backend | None = None,
+        eos_markers: Sequence[str] = EOS_MARKERS,
+        **options: Any,
+    ):
+        fn = None
+        if isinstance(function, IntegrationConfig):
+            self.config = function
+        else:
+            name, fn = resolve_function(function)
+            self.config = IntegrationConfig.parse({"function": name, **options})
+        self.adapter = RewardAdapter(
+            self.config, registry=registry, function=fn, aliases=_ALIASES, backend=backend_instance
+        )
+        self.eos_markers = tuple(eos_markers)
+        self._bridge = SyncBridge(self.adapter, name=f"fabric-openrlhf-{self.config.function}")
+
+    def samples(self, queries: Any, prompts: Any, labels: Any) -> list[Sample]:
+        for what, value in (("queries", queries), ("prompts", prompts), ("labels", labels)):
+            if not isinstance(value, list | tuple):
+                raise BadBatchError(f"{what} must be a list, not {type(value).__name__}")
+        if not len(queries) == len(prompts) == len(labels):
+            raise BadBatchError(
+                f"{len(queries)} queries, {len(prompts)} prompts and {len(labels)} labels: "
+                "one of each per sample"
+            )
+        out = []
+        for i, (query, prompt, label) in enumerate(zip(queries, prompts, labels, strict=True)):
+            if not isinstance(query, str) or not isinstance(prompt, str):
+                raise BadBatchError(f"sample #{i}: query and prompt must be text")
+            label = plain(label)
+            sources: dict[str, Any] = {"query": query, "prompt": prompt, "label": label}
+            inner = (
+                label if isinstance(label, dict) else _json_object(label) if isinstance(label, str) else None
+            )
+            if inner:
+                sources = {**inner, **sources}
+            task = {"ground_truth": label} if isinstance(label, str) else {}
+            traj = build_trajectory(self.response(query, prompt), prompt, task=task, what=f"query #{i}")
+            out.append(Sample(traj, sources))
+        return out
+
+    def response(self, query: str, prompt: str) -> str:
+        """The response in ``query`` (prompt + response, as decoded): after the prompt when the
+        query repeats it, without a trailing end-of-sequence marker."""
+        if query.startswith(prompt):
+            text = query[len(prompt) :]
+        else:
+            at = query.find(prompt) if prompt else -1
+            text = query[at + len(prompt) :] if at >= 0 else query
+        stripped = True
+        while stripped:
+            stripped = False
+            text = text.rstrip()
+            for marker in self.eos_markers:
+                if marker and text.endswith(marker):
+                    text, stripped = text[: -len(marker)], True
+        return text
+
+    def result(self, scores: list[Score]) -> dict[str, Any]:
+        self.adapter.check(scores, none_ok=False)
+        rewards = [s.value for s in scores]
+        logs: dict[str, list[float]] = {}
+        for s in scores:
+            for k, v in self.adapter.report(s).items():
+                logs.setdefault(k, []).append(v)
+        if self.config.failure_score is not None:
+            logs["fabric_failed"] = [1.0 if s.failed else 0.0 for s in scores]
+        return {"rewards": rewards, "scores": rewards, "extra_logs": logs}
+
+    def __call__(self, queries: Any, prompts: Any, labels: Any) -> dict[str, Any]:
+        try:
+            return self.result(self._bridge.run(self.samples(queries, prompts, labels)))
+        except IntegrationError as e:
+            # OpenRLHF logs a reward function's exception at INFO only: say it louder here
+            log.warning("%s", e)
+            raise
+
+    async def score_async(self, queries: Any, prompts: Any, labels: Any) -> dict[str, Any]:
+        """For a server on its own loop: the adapter's client lives on that loop."""
+        return self.result(await self.adapter.score(self.samples(queries, prompts, labels)))
+
+    def close(self) -> None:
+        self._bridge.close()
+
+    def __enter__(self) -> OpenRLHFReward:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------- the file form
+
+_DEFAULT: OpenRLHFReward | None = None
+_LOCK = threading.Lock()
+
+
+def reward_func(queries: Any, prompts: Any, labels: Any) -> dict[str, Any]:
+    """OpenRLHF's ``reward_func``, configured by the ``FABRIC_*`` environment variables."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        with _LOCK:
+            if _DEFAULT is None:
+                _DEFAULT = OpenRLHFReward(IntegrationConfig.parse())
+    return _DEFAULT(queries, prompts, labels)
+
+
+# ----------------------------------------------------------------------------- the HTTP form
+
+
+class RewardServer:
+    """OpenRLHF's remote reward over HTTP (aiohttp, as ``fabric serve``): ``POST /get_reward``
+    (any path but ``/healthz``). ``async with RewardServer(config) as s:`` serves at ``s.url``.
+
+    Answers: 200 with ``{"rewards", "scores", "extra_logs"}``; 400 for a body that is not the
+    OpenRLHF shape; 413 over ``max_body_bytes``; 502 when calls failed and there is no
+    ``failure_score`` (with the failures listed), which OpenRLHF retries and then gives up on."""
+
+    def __init__(
+        self,
+        config: IntegrationConfig,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        registry: Registry | None = None,
+        backend_instance: Backend | None = None,
+        max_body_bytes: int = MAX_PAYLOAD_BYTES,
+    ):
+        self.reward = OpenRLHFReward(config, registry=registry, backend_instance=backend_instance)
+        self.host, self.port = host, port
+        self.max_body_bytes = max_body_bytes
+        self._runner: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/get_reward"
+
+    async def __aenter__(self) -> RewardServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        from aiohttp import web
+
+        await self.reward.adapter.start()
+        try:
+            app = web.Application(client_max_size=self.max_body_bytes)
+            app.router.add_get("/healthz", self._healthz)
+            app.router.add_post("/{tail:.*}", self._score)
+            self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+            await site.start()
+        except BaseException:
+            await self.aclose()
+            raise
+        server = site._server  # aiohttp exposes the bound port only here
+        assert server is not None
+        self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+
+    async def aclose(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+        await self.reward.adapter.aclose()
+
+    async def _healthz(self, request: Any) -> Any:
+        from aiohttp import web
+
+        return web.json_response({"status": "ok", "function": self.reward.config.function})
+
+    async def _score(self, request: Any) -> Any:
+        from aiohttp import web
+
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"request body over {self.max_body_bytes} bytes")
+        try:
+            data = json.loads(body)
+        except ValueError as e:
+            return _error(400, f"body is not JSON: {e}")
+        if not isinstance(data, dict):
+            return _error(400, 'body must be {"query": [...], "prompts": [...], "labels": [...]}')
+        queries = data.get("query")
+        prompts = data.get("prompts", [""] * len(queries) if isinstance(queries, list) else None)
+        labels = data.get("labels", [None] * len(queries) if isinstance(queries, list) else None)
+        try:
+            return web.json_response(await self.reward.score_async(queries, prompts, labels))
+        except (BadBatchError, MissingArgumentError) as e:
+            return _error(400, str(e))
+        except RewardCallError as e:
+            log.warning("%s", e)
+            failures = [{"index": i, "type": err.type, "message": err.message} for i, err in e.failures]
+            return _error(502, str(e), failures=failures)
+
+
+def _error(status: int, message: str, **extra: Any) -> Any:
+    from aiohttp import web
+
+    return web.json_response({"error": message, **extra}, status=status)
+
+
+async def serve(
+    config: IntegrationConfig, *, host: str, port: int, ready: Callable[[str], None] | None = None
+) -> None:
+    """Serve until SIGINT/SIGTERM (``fabric integrate openrlhf-serve``)."""
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with RewardServer(config, host=host, port=port) as server:
+        if ready is not None:
+            ready(server.url)
+        await stop.wait()

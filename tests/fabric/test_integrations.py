@@ -1,0 +1,489 @@
+"""fabric.integrations: each adapter called exactly as its framework calls it (TRL 1.16.0,
+veRL 0.9.1, OpenRLHF 0.11.2; see docs/integrations.md), against real worker processes with
+the built-ins and a user function, and the failure paths with FakeBackend."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import os
+import threading
+import time
+
+import integ_fns
+import pytest
+from integ_fns import REG
+from test_local_backend import alive
+
+from fabric.errors import ConfigError, ErrorCode, UnknownFunctionError
+from fabric.integrations import (
+    BadBatchError,
+    IntegrationConfig,
+    MissingArgumentError,
+    RewardCallError,
+    build_trajectory,
+)
+from fabric.integrations import verl as verl_mod
+from fabric.integrations.openrlhf import OpenRLHFReward, RewardServer
+from fabric.integrations.trl import TRL_EXTRAS, trl_async_reward, trl_reward
+from fabric.integrations.verl import VerlReward
+from fabric.registry import Registry
+from fabric.testing import FakeBackend
+
+LOCAL1 = {"type": "local", "max_workers": 1}
+
+
+def msgs(text: str) -> list[dict[str, str]]:
+    return [{"role": "assistant", "content": text}]
+
+
+def trl_kwargs(n: int, **columns: list) -> dict:
+    """What GRPOTrainer._calculate_rewards adds to every call besides the dataset columns."""
+    metrics: list[tuple[str, float]] = []
+    return {
+        "completion_ids": [[5, 6, 7]] * n,
+        "trainer_state": object(),
+        "log_extra": lambda column, values: None,
+        "log_metric": lambda name, value: metrics.append((name, value)),
+        **columns,
+        "_metrics": metrics,
+    }
+
+
+def call_trl(reward, prompts, completions, **kw):
+    kw = dict(kw)
+    metrics = kw.pop("_metrics", None)
+    out = reward(prompts=prompts, completions=completions, **kw)
+    return out, metrics
+
+
+@pytest.fixture
+def fake():
+    return FakeBackend(REG)
+
+
+# ----------------------------------------------------------------------------- TRL
+
+
+def test_trl_conversational_batch_with_math_answer_on_local_workers():
+    prompts = [[{"role": "user", "content": "What is 6 * 7?"}]] * 4
+    completions = [
+        msgs("6 * 7 = 42, so the answer is \\boxed{42}."),
+        msgs("The answer is 41."),
+        msgs("I think it's \\frac{84}{2}"),
+        [{"role": "assistant", "content": [{"type": "text", "text": "Answer: 42"}]}],  # content parts
+    ]
+    kw = trl_kwargs(4, ground_truth=["42"] * 4, source=["gsm8k"] * 4)
+    with trl_reward("math_answer", registry=Registry(), backend=LOCAL1) as reward:
+        assert reward.__name__ == "math_answer"  # TRL logs rewards/<__name__>/mean
+        out, metrics = call_trl(reward, prompts, completions, **kw)
+        assert out == [1.0, 0.0, 1.0, 1.0]
+        names = dict(metrics)
+        assert names["math_answer/failed"] == 0.0
+        assert names["math_answer/correct"] == 0.75 and names["math_answer/extracted"] == 1.0
+        assert reward.adapter.stats == {"batches": 1, "samples": 4, "failed": 0, "failure_scored": 0}
+    assert not reward._bridge.started
+
+
+def test_trl_standard_strings_exact_match_and_the_async_variant():
+    prompts = ["Capital of France?", "Capital of Italy?"]
+    completions = [" The answer is: Paris.", " Milan"]
+    reward = trl_async_reward("exact_match", registry=Registry(), backend=LOCAL1)
+    try:
+        # TRL 1.16 tells async reward functions by inspect.iscoroutinefunction(func.__call__)
+        assert inspect.iscoroutinefunction(reward.__call__)
+        kw = trl_kwargs(2, ground_truth=["paris", "rome"])
+        kw.pop("_metrics")
+
+        async def on_trl_loop():  # TRL awaits it on its own loop thread
+            return await reward(prompts=prompts, completions=completions, **kw)
+
+        assert asyncio.run(on_trl_loop()) == [1.0, 0.0]
+        assert asyncio.run(on_trl_loop()) == [1.0, 0.0]  # a new loop each time: the client is not on it
+    finally:
+        reward.close()
+
+
+def test_trl_user_function_columns_by_name_or_args_and_components():
+    prompts = ["q1", "q2", "q3"]
+    completions = [msgs("x is 7"), msgs("no idea"), msgs("7!")]
+    with trl_reward(integ_fns.contains, registry=REG, backend=LOCAL1, args={"answer": "label"}) as reward:
+        out, metrics = call_trl(reward, prompts, completions, **trl_kwargs(3, label=["7", "7", "8"]))
+        assert out == [1.0, 0.0, 0.0]
+        assert dict(metrics)["contains/turns"] == 2.0  # the prompt's user turn + the completion
+    # the text form: a parameter annotated str gets the completion's text
+    with trl_reward("length", registry=REG, backend=LOCAL1) as reward:
+        out, _ = call_trl(reward, ["p"] * 5, ["a" * i for i in range(5)], **trl_kwargs(5))
+        assert out == [0.0, 1.0, 2.0, 3.0, 4.0]  # input order
+
+
+def test_trl_failures_are_none_never_zero(fake, caplog):
+    completions = ["fine", "boom", "fine", "fine"]
+    with trl_reward("explode", registry=REG, backend_instance=fake) as reward:
+        fake.fail_next("explode", ErrorCode.WORKER_LOST)  # infrastructure; explode has 1 attempt
+        with caplog.at_level(logging.WARNING, "fabric.integrations"):
+            out, metrics = call_trl(reward, ["p"] * 4, completions, **trl_kwargs(4, ground_truth=["g"] * 4))
+        # calls run concurrently, so which "fine" sample met the injected fault is not fixed
+        assert out.count(None) == 2 and out[1] is None and out.count(1.0) == 2
+        assert dict(metrics)["explode/failed"] == 0.5
+        assert "2 of 4 calls failed, no reward (None)" in caplog.text
+    with trl_reward("explode", registry=REG, backend_instance=FakeBackend(REG), failure_score=-1.0) as reward:
+        out, _ = call_trl(reward, ["p"] * 2, ["boom", "ok"], **trl_kwargs(2, ground_truth=["g"] * 2))
+        assert out == [-1.0, 1.0]
+        assert reward.adapter.stats["failure_scored"] == 1
+
+
+def test_trl_batch_goes_out_concurrently_within_its_deadline(fake):
+    with trl_reward("slow_length", registry=REG, backend_instance=fake) as reward:
+        t0 = time.monotonic()
+        out, _ = call_trl(reward, ["p"] * 8, [f"{'x' * i}" for i in range(8)], **trl_kwargs(8))
+        assert out == [float(i) for i in range(8)]
+        assert time.monotonic() - t0 < 8 * 0.3  # the calls overlapped (an async function)
+    # the deadline travels with the calls: the local backend answers DeadlineExceeded at it
+    slow = {"delay_s": 5.0}
+    with trl_reward("slow_length", registry=REG, backend=LOCAL1, deadline_s=1.0, constants=slow) as reward:
+        t0 = time.monotonic()
+        out, _ = call_trl(reward, ["p", "p"], ["a", "b"], **trl_kwargs(2))
+        assert out == [None, None]
+        assert time.monotonic() - t0 < 4.0
+
+
+def test_missing_parameter_is_one_clear_error_before_any_call(fake):
+    with trl_reward("contains", registry=REG, backend_instance=fake) as reward:
+        with pytest.raises(MissingArgumentError) as e:
+            call_trl(reward, ["p"], ["a"], **trl_kwargs(1, solution=["1"]))
+        text = str(e.value)
+        assert "contains(traj, answer)" in text and "'answer'" in text and "'solution'" in text
+        assert "trainer_state" not in text  # TRL's own kwargs are not columns
+        assert fake.invocations == []
+    with pytest.raises(MissingArgumentError, match=r"args maps 'answer' .* 'nope'"):
+        with trl_reward("contains", registry=REG, backend_instance=fake, args={"answer": "nope"}) as r:
+            call_trl(r, ["p"], ["a"], **trl_kwargs(1))
+    with pytest.raises(MissingArgumentError, match="constants names 'lang'"):
+        trl_reward("contains", registry=REG, backend_instance=fake, constants={"lang": "x"})
+
+
+def test_unknown_function_and_bad_options_are_refused_at_construction():
+    with pytest.raises(UnknownFunctionError) as e:
+        trl_reward("math_answr", registry=Registry())
+    assert "math_answer" in str(e.value) and "exact_match" in str(e.value)
+    with pytest.raises(ConfigError, match="failure_score"):
+        trl_reward("exact_match", registry=Registry(), failure_score=float("nan"))
+    with pytest.raises(ConfigError, match="deadline_s"):
+        trl_reward("exact_match", registry=Registry(), deadline_s=0)
+    with pytest.raises(ConfigError, match="for backend 'lambda'"):
+        trl_reward("exact_match", registry=Registry(), backend="local", endpoint_url="http://127.0.0.1:1")
+    with pytest.raises(ConfigError, match="bad fabric integration config: unknown"):
+        trl_reward("exact_match", registry=Registry(), unknown=1)
+
+
+def test_bad_trl_batches_are_refused_before_sending(fake):
+    with trl_reward("contains", registry=REG, backend_instance=fake) as reward:
+        with pytest.raises(BadBatchError, match="column 'answer' has 1 values for 2"):
+            call_trl(reward, ["p", "p"], ["a", "b"], **trl_kwargs(2, answer=["1"]))
+        with pytest.raises(BadBatchError, match="3 prompts but 2 completions"):
+            call_trl(reward, ["p"] * 3, ["a", "b"], **trl_kwargs(2, answer=["1", "1"]))
+        with pytest.raises(BadBatchError, match="completion #1 must be a string or a list of chat messages"):
+            call_trl(reward, ["p", "p"], ["a", 7], **trl_kwargs(2, answer=["1", "1"]))
+        with pytest.raises(BadBatchError, match="not a chat message"):
+            call_trl(reward, ["p"], [[{"role": "robot", "content": "x"}]], **trl_kwargs(1, answer=["1"]))
+        assert fake.invocations == []
+        assert TRL_EXTRAS >= {"completion_ids", "trainer_state", "log_extra", "log_metric"}
+
+
+def test_an_oversized_payload_fails_its_sample_and_keeps_the_others(caplog):
+    huge = "x" * (7 * 1024 * 1024)
+    with trl_reward("contains", registry=REG, backend="inproc") as reward:
+        with caplog.at_level(logging.WARNING, "fabric.integrations"):
+            out, _ = call_trl(reward, ["p"] * 3, ["a 1", huge, "b"], **trl_kwargs(3, answer=["1"] * 3))
+        assert out == [1.0, None, 0.0]
+        assert "PayloadTooLarge" in caplog.text
+    v = VerlReward("contains", registry=REG, backend="inproc", args={"answer": "ground_truth"})
+    try:
+        with pytest.raises(RewardCallError, match=r"#1 PayloadTooLarge"):
+            v.compute_score_batch(["d", "d"], ["1", huge], ["1", "1"], [{}, {}])
+    finally:
+        v.close()
+
+
+def test_a_non_reward_answer_is_a_failure_not_a_score(fake):
+    with trl_reward("not_a_reward", registry=REG, backend_instance=fake) as reward:
+        out, _ = call_trl(reward, ["p"], ["a"], **trl_kwargs(1))
+        assert out == [None]
+
+
+# ----------------------------------------------------------------------------- veRL
+
+
+@pytest.fixture
+def verl_rewards():
+    yield verl_mod
+    verl_mod.close_all()
+
+
+def test_verl_compute_score_as_the_naive_manager_calls_it(verl_rewards):
+    kwargs = {"function": "math_answer", "backend": LOCAL1}  # custom_reward_function.reward_kwargs
+    extra = {"index": 3, "num_turns": None, "rollout_reward_scores": {}}
+    a = verl_mod.compute_score(
+        data_source="openai/gsm8k",
+        solution_str="... so the answer is \\boxed{18}",
+        ground_truth="18",
+        extra_info=extra,
+        **kwargs,
+    )
+    b = verl_mod.compute_score(
+        data_source="openai/gsm8k",
+        solution_str="no number here",
+        ground_truth="18",
+        extra_info=extra,
+        **kwargs,
+    )
+    assert a == {"score": 1.0, "correct": 1.0, "extracted": 1.0}
+    assert b == {"score": 0.0, "correct": 0.0, "extracted": 0.0}  # same keys: veRL stacks them by key
+    assert len(verl_mod._REWARDS) == 1  # one adapter per distinct reward_kwargs
+
+
+def test_verl_async_and_batch_forms(verl_rewards):
+    kwargs = {"function": "exact_match", "backend": LOCAL1}
+
+    async def reward_loop():  # the reward loop's naive manager awaits an async compute_score
+        return await asyncio.gather(
+            *(
+                verl_mod.compute_score_async(
+                    data_source="x",
+                    solution_str=f"The answer is {i}.",
+                    ground_truth="2",
+                    extra_info={},
+                    **kwargs,
+                )
+                for i in range(4)
+            )
+        )
+
+    assert [r["score"] for r in asyncio.run(reward_loop())] == [0.0, 0.0, 1.0, 0.0]
+    # the batch manager: data_sources, solution_strs, ground_truths, extra_infos, **reward_kwargs
+    import numpy as np  # veRL hands non-tensor batches over as numpy object arrays
+
+    out = verl_mod.compute_score_batch(
+        data_sources=np.array(["a", "b"], dtype=object),
+        solution_strs=["Answer: blue", "Answer: red"],
+        ground_truths=[np.str_("blue"), "blue"],
+        extra_infos=[{"rollout_reward_scores": {}}, {"rollout_reward_scores": {}}],
+        **kwargs,
+    )
+    assert out == [{"score": 1.0}, {"score": 0.0}]
+    with pytest.raises(BadBatchError, match="2 solution_strs but 1 ground_truths"):
+        verl_mod.compute_score_batch(["a", "b"], ["x", "y"], ["1"], [{}, {}], **kwargs)
+
+
+def test_verl_extra_info_feeds_parameters_and_failures_raise_or_score(fake):
+    v = VerlReward("with_tests", registry=REG, backend_instance=fake)
+    try:
+        # a parameter is found in extra_info by name; veRL's own keys there are ignored
+        r = v.compute_score("code", "prints a, c", None, {"tests": ["a", "b", "c", "d"], "num_turns": 1})
+        assert r == {"score": 0.5, "passed": 2.0}
+        with pytest.raises(MissingArgumentError, match="sample #0 has no 'tests'"):
+            v.compute_score("code", "x", None, {"index": 1})
+    finally:
+        v.close()
+    v = VerlReward("explode", registry=REG, backend_instance=fake)
+    try:
+        with pytest.raises(
+            RewardCallError, match=r"explode failed on 1 of 1 samples .*UserError: ValueError"
+        ):
+            v.compute_score("d", "boom", "gt", {})
+    finally:
+        v.close()
+    v = VerlReward(
+        "contains", registry=REG, backend_instance=fake, args={"answer": "ground_truth"}, failure_score=0.0
+    )
+    try:
+        assert v.compute_score("d", "has 5", "5", {}) == {
+            "score": 1.0,
+            "hit": 1.0,
+            "turns": 1.0,
+            "fabric_failed": 0.0,
+        }
+        fake.fail_next("contains", ErrorCode.WORKER_LOST, times=3)  # every attempt
+        r = v.compute_score("d", "has 5", "5", {})
+        assert r["score"] == 0.0 and r["fabric_failed"] == 1.0 and r["hit"] != r["hit"]  # NaN, same keys
+    finally:
+        v.close()
+
+
+def test_verl_settings_from_the_environment_and_typos(verl_rewards, monkeypatch):
+    monkeypatch.setenv("FABRIC_FUNCTION", "exact_match")
+    monkeypatch.setenv("FABRIC_BACKEND", "inproc")
+    assert verl_mod.compute_score("d", "Answer: 4", "4", None) == {"score": 1.0}
+    with pytest.raises(ConfigError, match="functon"):
+        verl_mod.compute_score("d", "4", "4", None, functon="exact_match")
+    # veRL's own extras (a reward model's router) are not settings
+    assert verl_mod.compute_score("d", "Answer: 4", "4", None, reward_router_address=None)["score"] == 1.0
+    monkeypatch.setenv("FABRIC_ARGS", "not json")
+    with pytest.raises(ConfigError, match="FABRIC_ARGS must be a JSON object"):
+        IntegrationConfig.parse()
+
+
+# ----------------------------------------------------------------------------- OpenRLHF
+
+PROMPT = "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_openrlhf_reward_func_as_the_single_turn_executor_calls_it():
+    with OpenRLHFReward("math_answer", registry=Registry(), backend=LOCAL1) as reward_func:
+        # one sample per call, lists; the query is the decoded prompt + response, special tokens kept
+        out = reward_func([PROMPT + "2+3 = 5, so the answer is 5.<|im_end|>"], [PROMPT], ["5"])
+        assert out == {
+            "rewards": [1.0],
+            "scores": [1.0],
+            "extra_logs": {"correct": [1.0], "extracted": [1.0]},
+        }
+        assert reward_func.response(PROMPT + "x<|endoftext|>", PROMPT) == "x"
+        with pytest.raises(BadBatchError, match="2 queries, 1 prompts and 1 labels"):
+            reward_func(["a", "b"], [PROMPT], ["5"])
+
+
+def test_openrlhf_json_labels_and_failures(fake):
+    label = json.dumps({"tests": ["a", "c"], "difficulty": 3})
+    with OpenRLHFReward("with_tests", registry=REG, backend_instance=fake) as reward_func:
+        out = reward_func(["p: a b c"], ["p:"], [label])
+        assert out["rewards"] == [1.0] and out["extra_logs"] == {"passed": [2.0]}
+    with OpenRLHFReward("explode", registry=REG, backend_instance=fake) as reward_func:
+        with pytest.raises(RewardCallError, match="UserError"):
+            reward_func(["p boom"], ["p"], ["g"])  # ground_truth <- label
+    with OpenRLHFReward("explode", registry=REG, backend_instance=fake, failure_score=-0.5) as reward_func:
+        out = reward_func(["p boom", "p ok"], ["p", "p"], ["g", "g"])
+        assert out["rewards"] == [-0.5, 1.0] and out["extra_logs"] == {"fabric_failed": [1.0, 0.0]}
+
+
+async def test_openrlhf_http_form_over_a_socket():
+    import aiohttp
+
+    cfg = IntegrationConfig(function="explode", backend="inproc", builtins=False)
+    async with RewardServer(cfg, port=0, registry=REG, max_body_bytes=64 * 1024) as server:
+        assert server.url.startswith("http://127.0.0.1:") and server.url.endswith("/get_reward")
+        async with aiohttp.ClientSession() as http:
+            # what OpenRLHF's _fetch_rewards_via_http posts
+            body = {"query": ["p fine", "p also fine"], "prompts": ["p", "p"], "labels": ["g", "g"]}
+            async with http.post(server.url, json=body) as resp:
+                assert resp.status == 200
+                assert await resp.json() == {"rewards": [1.0, 1.0], "scores": [1.0, 1.0], "extra_logs": {}}
+            async with http.post(server.url, json={**body, "query": ["p boom", "p"]}) as resp:
+                assert resp.status == 502  # OpenRLHF retries, then leaves the sample unrewarded
+                data = await resp.json()
+                assert data["failures"][0]["index"] == 0 and data["failures"][0]["type"] == "UserError"
+            async with http.post(server.url, json={**body, "labels": ["g"]}) as resp:
+                assert (
+                    resp.status == 400 and "2 queries, 2 prompts and 1 labels" in (await resp.json())["error"]
+                )
+            async with http.post(server.url, data=b"[1, 2") as resp:
+                assert resp.status == 400
+            async with http.post(server.url, json={**body, "query": ["x" * 100_000, "y"]}) as resp:
+                assert resp.status == 413
+            async with http.get(server.url.replace("/get_reward", "/healthz")) as resp:
+                assert (await resp.json())["function"] == "explode"
+
+
+def test_cli_openrlhf_serve_serves_until_interrupted(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    SERVE = [sys.executable, "-m", "fabric.cli", "integrate", "openrlhf-serve"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["tests/fabric", os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [
+            *SERVE,
+            "-f",
+            "contains",
+            "-m",
+            "integ_fns",
+            "--port",
+            "0",
+            "--backend",
+            "inproc",
+            "--arg",
+            "answer=label",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        url = json.loads(line)["url"]
+        req = urllib.request.Request(
+            url,
+            data=json.dumps({"query": ["p 5"], "prompts": ["p"], "labels": ["5"]}).encode(),
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert json.loads(resp.read())["rewards"] == [1.0]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    bad = subprocess.run(
+        [*SERVE, "-f", "nope", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "unknown function 'nope'" in bad.stderr and "math_answer" in bad.stderr
+
+
+# ----------------------------------------------------------------------------- the bridge
+
+
+def test_bridge_starts_lazily_closes_workers_and_restarts():
+    reward = trl_reward("contains", registry=REG, backend={"type": "local", "max_workers": 1, "warm": 1})
+    assert not reward._bridge.started  # nothing runs until the first call
+    assert not any(t.name == "fabric-trl-contains" for t in threading.enumerate())
+    out, _ = call_trl(reward, ["p"], ["1"], **trl_kwargs(1, answer=["1"]))
+    assert out == [1.0]
+    pids = reward.adapter._client.backend.stats()["contains"]["pids"]
+    assert pids and all(alive(p) for p in pids)
+    reward.close()
+    assert not any(t.name == "fabric-trl-contains" for t in threading.enumerate())
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in pids)
+    reward.close()  # idempotent
+    out, _ = call_trl(reward, ["p"], ["2"], **trl_kwargs(1, answer=["1"]))  # starts again
+    assert out == [0.0]
+    reward.close()
+
+
+def test_trajectories_from_prompts_and_completions():
+    t = build_trajectory(msgs("hi"), [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+    assert [m.role for m in t.messages] == ["system", "user", "assistant"] and t.final_text() == "hi"
+    t = build_trajectory(
+        [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"function": {"name": "f", "arguments": {}}}],
+            }
+        ],
+        "prompt",
+    )
+    assert [m.role for m in t.messages] == [
+        "user",
+        "assistant",
+    ]  # a tool call of another shape is kept as a turn
+
+
+def test_the_trl_example_trains_two_steps():
+    pytest.importorskip("trl")  # not a dependency: run it by hand in a venv with TRL (see the file)
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "examples/trl_grpo.py", "--steps", "2"], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "'batches': 2" in done.stdout
