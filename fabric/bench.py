@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import statistics
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -222,25 +224,41 @@ async def _run_fabric(
         async def one() -> float:
             r = await client.call(name, payload)
             if not r.ok:
-                errors.append(r.error.type if r.error else "?")
+                errors.append((r.error.type, r.error.message) if r.error else ("?", ""))
+                return math.nan  # a failed call is no latency: it is left out of the figures
             return r.timings.total_ms
 
-        errors: list[str] = []
+        errors: list[tuple[str, str]] = []
         warm = cfg.warmup if cfg.warmup is not None else min(2000, max(cfg.n // 10, 100))
         if warm:
             await _closed_loop(warm, cfg.concurrency, one, None, label)
+            _all_failed(errors, warm, label)  # fail fast: no point timing a load that cannot run
         m0 = client.metrics().get(name, {})
         errors.clear()
         lat, elapsed = await _closed_loop(cfg.n, cfg.concurrency, one, progress, label)
         m1 = client.metrics()[name]
-    out: dict[str, Any] = _summary(lat, elapsed)
+    _all_failed(errors, len(lat), label)
+    out: dict[str, Any] = _summary([ms for ms in lat if not math.isnan(ms)], elapsed)
     out["errors"] = len(errors)
+    if errors:
+        out["error_types"] = dict(Counter(t for t, _ in errors))
+        out["first_error"] = f"{errors[0][0]}: {errors[0][1]}"[:500]
     if cfg.straggler_rate:
         # the share of calls that felt a straggler: p99 only shows them when this exceeds 1%
         out["slow_share"] = sum(ms >= cfg.straggler_ms / 2 for ms in lat) / len(lat)
     for k in ("hedges", "hedge_wins", "retries"):
         out[k] = m1[k] - m0.get(k, 0)
     return out
+
+
+def _all_failed(errors: list[tuple[str, str]], n: int, label: str) -> None:
+    """Refuse a run where every call failed: its "throughput" would be the speed of failing
+    (a lambda backend with no credentials or nothing listening measured 59,000 calls/s)."""
+    if n and len(errors) >= n:
+        kind, message = errors[0]
+        raise ConfigError(
+            f"{label}: every one of the {n} calls failed, first with {kind}: {message.strip()[:500]}"
+        )
 
 
 async def _cold_start_ms(cfg: BenchConfig, registry: Registry, payload: dict[str, Any]) -> float:
@@ -250,7 +268,8 @@ async def _cold_start_ms(cfg: BenchConfig, registry: Registry, payload: dict[str
         r = await client.call(cfg.function, payload)
         ms = (time.perf_counter() - t0) * 1e3
     if not r.ok:
-        raise ConfigError(f"cold-start call failed: {r.error}")
+        e = r.error
+        raise ConfigError(f"cold-start call failed: {e.type}: {e.message}" if e else "cold-start call failed")
     return ms
 
 

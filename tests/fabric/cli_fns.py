@@ -60,3 +60,29 @@ def cli_hangs(traj: str = "") -> float:
 @REG.reward(examples=({"traj": "a", "weight": float("nan")},))
 def cli_nan_example(traj: str, weight: float = 1.0) -> float:
     return 1.0
+
+
+@REG.reward(examples=_EXAMPLE, retry={"max_attempts": 1})
+def cli_fails_in_workers(traj: str) -> float:
+    """Answers in the bench's own process (its direct measurement) and fails in every worker."""
+    import os
+
+    if "FABRIC_WORKER_FD" in os.environ:
+        raise RuntimeError("this worker cannot score")
+    return 1.0
+
+
+_WORKER_CALLS = 0
+
+
+@REG.reward(examples=_EXAMPLE, retry={"max_attempts": 1}, hedge=False)
+def cli_fails_every_other_call_in_workers(traj: str) -> float:
+    """Every second call in a worker fails (the first answers: the cold-start call)."""
+    import os
+
+    global _WORKER_CALLS
+    if "FABRIC_WORKER_FD" in os.environ:
+        _WORKER_CALLS += 1
+        if _WORKER_CALLS % 2 == 0:
+            raise RuntimeError("even call")
+    return 1.0

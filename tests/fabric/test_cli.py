@@ -10,6 +10,7 @@ from pathlib import Path
 
 import cli_fns
 import pytest
+from aws_fakes import free_port
 from typer.testing import CliRunner
 
 import fabric
@@ -202,6 +203,39 @@ def test_bench_of_a_function_that_fails_in_process_is_a_clear_error(name, text):
     assert r.exit_code == 2, r.output
     assert text in r.output
     assert isinstance(r.exception, SystemExit)  # typer's exit, not a traceback
+
+
+def test_bench_of_a_function_that_fails_in_workers_says_why():
+    r = _bench("cli_fails_in_workers")
+    assert r.exit_code == 2, r.output
+    assert "cold-start call failed: UserError: RuntimeError: this worker cannot score" in r.output
+
+
+def test_bench_reports_failed_calls_and_leaves_them_out_of_the_figures():
+    r = _bench("cli_fails_every_other_call_in_workers")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert 0 < out["errors"] < 20 and out["error_types"] == {"UserError": out["errors"]}
+    assert out["first_error"].startswith("UserError:") and "even call" in out["first_error"]
+    # the rates count answers only: 20 calls, of which errors failed
+    assert out["throughput_per_s"] == pytest.approx((20 - out["errors"]) / out["elapsed_s"])
+
+
+@pytest.mark.parametrize("transport", ["http", "boto3"])
+def test_bench_where_every_call_fails_is_an_error_not_a_figure(transport, monkeypatch):
+    """A load whose every call failed (nothing listening at --endpoint-url, no credentials)
+    printed exit 0 and a throughput: the speed of failing, 59,000 calls/s."""
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "RL_FABRIC_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    args = ["bench", "exact_match", "--backend", "lambda", "--endpoint-url", url, "--transport", transport]
+    if transport == "http":
+        args += ["--token", "t0k3n"]
+    r = runner.invoke(app, [*args, "--n", "4", "--concurrency", "2", "--json"])
+    assert r.exit_code == 2, r.output
+    assert "every one of the" in r.output and "calls failed, first with" in r.output
 
 
 def test_bench_json_stays_parseable_when_the_function_prints():
