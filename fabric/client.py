@@ -47,6 +47,9 @@ from fabric.spec import FunctionSpec
 # the settings live in their own module; they stay importable from here
 __all__ = ["BreakerConfig", "Client", "ClientConfig", "HedgeConfig"]
 
+NO_DEADLINE_S = 1e9
+"""A ``deadline_s`` from here on (~32 years), ``math.inf`` included, is no deadline."""
+
 
 class Client(KeyedCalls):
     def __init__(
@@ -143,6 +146,11 @@ class Client(KeyedCalls):
         except PayloadError as e:
             return self._refuse(m, e.code, str(e), name, request_id)
         deadline_s = deadline_s if deadline_s is not None else self.config.default_deadline_s
+        if deadline_s is not None and not deadline_s < NO_DEADLINE_S:  # inf, past a lifetime, NaN
+            if deadline_s != deadline_s:
+                why = f"{name}: deadline_s is NaN; give seconds, or None (or math.inf) for no deadline"
+                return self._refuse(m, ErrorCode.INVALID_ARGUMENTS, why, name, request_id)
+            deadline_s = None  # the backends' nanosecond clocks overflowed on it (OverflowError)
         deadline = time.time() + deadline_s if deadline_s is not None else None
         if idempotency_key is not None:
             return await self._call_keyed(

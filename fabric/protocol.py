@@ -91,6 +91,10 @@ class _Model(BaseModel):
 _set = object.__setattr__
 
 
+MAX_DEADLINE = 1e12
+"""The latest wall-clock deadline an ``Invocation`` may carry (``time.time()`` seconds)."""
+
+
 class Invocation(_Model):
     """One request to run a function."""
 
@@ -100,8 +104,9 @@ class Invocation(_Model):
     request_id: str = Field(default_factory=new_request_id)
     idempotency_key: str | None = None
     """Same key, same execution: a retry or hedge reuses the first result."""
-    deadline: float | None = None
-    """Absolute wall-clock deadline (``time.time()`` seconds); propagated to the worker."""
+    deadline: float | None = Field(None, allow_inf_nan=False, gt=0, lt=MAX_DEADLINE)
+    """Absolute wall-clock deadline (``time.time()`` seconds); propagated to the worker. A
+    finite time (the year 33658 at most): a worker's nanosecond clock overflows past it."""
     tenant: str = "default"
     attempt: int = 1
     hedge: bool = False

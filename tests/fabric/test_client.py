@@ -56,6 +56,28 @@ async def test_deadline_bounds_the_retries():
     assert fake.invocations[0].deadline is not None  # the deadline travels with the call
 
 
+@pytest.mark.parametrize("backend", ["inproc", "local"])
+async def test_a_deadline_of_no_time_is_no_deadline_or_refused(backend):
+    """deadline_s=math.inf (or 1e300) raised OverflowError inside the backend's nanosecond
+    clock, NaN a ValueError: the caller got an exception instead of a Result."""
+    cfg = InprocConfig() if backend == "inproc" else LocalConfig(warm=1, max_workers=1)
+    async with Client(backend=cfg, registry=REG) as c:
+        for endless in (float("inf"), 1e300):
+            r = await c.call("double", {"x": 4}, deadline_s=endless)
+            assert r.ok and r.value == 8, r.error
+        r = await c.call("double", {"x": 4}, deadline_s=float("nan"))
+        assert not r.ok and r.error.type == ErrorCode.INVALID_ARGUMENTS and "NaN" in r.error.message
+        r = await c.call("double", {"x": 4}, deadline_s=float("nan"), idempotency_key="k")
+        assert not r.ok and r.error.type == ErrorCode.INVALID_ARGUMENTS
+
+
+def test_an_invocation_on_the_wire_carries_a_finite_deadline():
+    for bad in (float("nan"), float("inf"), 1e300, 0.0, -1.0):
+        with pytest.raises(ValueError):
+            Invocation.model_validate({"function": "double", "deadline": bad})
+    assert Invocation.model_validate({"function": "double", "deadline": time.time() + 5}).deadline
+
+
 async def test_retry_backoff_never_sleeps_past_the_deadline():
     # a backoff of up to 5 s (full jitter) against a 0.3 s deadline: the retries stop when the
     # next sleep would end after the deadline, for a keyed execution as for a plain call
