@@ -491,8 +491,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def load(path: str, *, steps: int | None = None, run_dir: str | None = None) -> JobConfig:
     """The config at ``path`` with command-line overrides, validated once."""
+    import os
+
     import yaml
 
+    # `python -m core.job` finds a `fabric.discover` module in the working directory (beside
+    # the config: my_rewards.py), the installed `fabric run` did not (ModuleNotFoundError):
+    # searched last, as the other `fabric` commands do, so a file here cannot shadow an
+    # installed package; the local backend's worker processes inherit sys.path
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
     cfg = JobConfig.from_yaml(path)
     overrides: dict[str, Any] = {}
     if steps is not None:

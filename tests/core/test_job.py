@@ -163,6 +163,35 @@ def test_overrides_are_validated_too(tmp_path):
     assert [k for k, _ in e.value.problems] == ["steps"]
 
 
+def test_a_reward_module_in_the_working_directory_is_found_by_either_entry_point(tmp_path, monkeypatch):
+    # python -m core.job puts the working directory on sys.path, the installed `fabric`
+    # script does not: `fabric run job.yaml` beside my_rewards.py failed with
+    # "fabric.discover[0]: cannot import 'my_rewards_cwd' ...: ModuleNotFoundError"
+    import sys
+
+    (tmp_path / "my_rewards_cwd.py").write_text(
+        "from fabric.registry import Registry\n"
+        "REG = Registry()\n\n\n"
+        "@REG.reward\n"
+        "def mine(traj) -> float:\n"
+        "    return 1.0\n"
+    )
+    data = {
+        "envs": [LATENCY],
+        "rewards": {"latency": [{"function": "mine"}]},
+        "fabric": {"discover": ["my_rewards_cwd"]},
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])  # as `fabric`
+    monkeypatch.delitem(sys.modules, "my_rewards_cwd", raising=False)
+    cfg = load("job.yaml")
+    assert cfg.rewards["latency"][0].function == "mine"
+    assert "mine" in cfg.discover_functions()
+    assert sys.path[-1] == str(tmp_path)  # searched last: it shadows no installed package
+    sys.modules.pop("my_rewards_cwd", None)
+
+
 @pytest.mark.parametrize("under", [False, True])
 def test_a_run_dir_that_cannot_be_a_directory_is_refused_before_the_policy_is_built(
     tmp_path, capsys, monkeypatch, under
