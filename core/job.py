@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import signal
 import sys
 import threading
 import time
@@ -99,6 +100,17 @@ class Job:
 
     # ------------------------------------------------------------------ the run
     async def run(self) -> dict[str, Any]:
+        """Run the job; its summary. SIGTERM stops it as Ctrl-C does (``KeyboardInterrupt``
+        once everything it started is stopped)."""
+        with _TermAsInterrupt() as term:
+            try:
+                return await self._run(term)
+            except asyncio.CancelledError:
+                if term.received:
+                    raise KeyboardInterrupt("SIGTERM") from None
+                raise
+
+    async def _run(self, term: _TermAsInterrupt) -> dict[str, Any]:
         cfg = self.cfg
         t_start = time.perf_counter()
         registry = self.registry if self.registry is not None else cfg.discover_functions()
@@ -125,6 +137,7 @@ class Job:
             progress.note(f"run directory: {run_dir.path}")
             init = str(bundle.save(run_dir.path.resolve() / "policy-init")) if bundle is not None else None
             async with self.cluster.start(init) as proxy, self._fabric(registry) as (client, pool):
+                term.reinstall()  # ray.init put its own handler in place of ours
                 self.pool = pool
                 buffer = self.buffer = SampleBuffer(cfg.group_size, cfg.alpha, on_abort=self._on_abort)
                 stream = self.stream = RewardStream(client, cfg.rewards, self._deliver)
@@ -410,6 +423,44 @@ class Job:
                 yield client, pool
 
 
+class _TermAsInterrupt:
+    """While the job runs, SIGTERM (``kill``, a scheduler's stop, a pod's deletion) cancels
+    it as Ctrl-C does, so every rollout, container, worker pool and Ray actor is stopped on
+    the way out. Left alone, the signal met the handler Ray's core worker installs, which
+    printed a C stack trace and killed the driver on the spot (exit 143 or 134): nothing
+    of the job's shutdown ran.
+
+    Installed only from the main thread over the default disposition (an application that
+    handles SIGTERM itself keeps its handler); put back as it was on the way out. A second
+    SIGTERM while the job stops is ignored: SIGKILL is the way to skip the shutdown."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._installed = False
+        self._task: asyncio.Task[Any] | None = None
+
+    def __enter__(self) -> _TermAsInterrupt:
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            self._task = asyncio.current_task()
+            self._installed = True
+            self.reinstall()
+        return self
+
+    def reinstall(self) -> None:
+        if self._installed:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._on_term)
+
+    def _on_term(self) -> None:
+        if not self.received and self._task is not None:
+            self.received = True
+            self._task.cancel()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)  # back to SIG_DFL
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m core.job CONFIG [--steps N] [--run-dir DIR] [--quiet]``."""
     import argparse
@@ -440,8 +491,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def load(path: str, *, steps: int | None = None, run_dir: str | None = None) -> JobConfig:
     """The config at ``path`` with command-line overrides, validated once."""
+    import os
+
     import yaml
 
+    # `python -m core.job` finds a `fabric.discover` module in the working directory (beside
+    # the config: my_rewards.py), the installed `fabric run` did not (ModuleNotFoundError):
+    # searched last, as the other `fabric` commands do, so a file here cannot shadow an
+    # installed package; the local backend's worker processes inherit sys.path
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
     cfg = JobConfig.from_yaml(path)
     overrides: dict[str, Any] = {}
     if steps is not None:

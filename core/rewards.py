@@ -273,10 +273,16 @@ class RewardStream:
             self._fail(sample, "; ".join(errors), None)
             return
         try:
-            sample.reward = combine(components, {s.component: s.weight for s in specs}, self.normalize)
+            reward = combine(components, {s.component: s.weight for s in specs}, self.normalize)
         except ValueError as e:  # a non-finite score: garbage in must not train
             self._fail(sample, f"cannot combine components: {e}", "combine:ValueError")
             return
+        if not math.isfinite(reward.score):
+            # finite components whose weighted sum overflows (1e308 + 1e308): an inf score
+            # makes its whole group's advantages NaN, and the weights with them
+            self._fail(sample, f"the combined score is non-finite ({reward.score})", "combine:NonFinite")
+            return
+        sample.reward = reward
         ms = (time.perf_counter() - t0) * 1e3
         self._reward_ms_total += ms
         self._reward_ms_max = max(self._reward_ms_max, ms)

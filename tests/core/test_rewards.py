@@ -413,3 +413,18 @@ async def test_a_tag_without_rewards_masks():
 def test_component_names_must_be_unique():
     with pytest.raises(ValueError, match="component names must be unique"):
         RewardStream(None, {"t": [spec("counted"), spec("counted")]}, Sink())  # type: ignore[arg-type]
+
+
+async def test_a_combined_score_that_overflows_masks():
+    # each component is finite, their weighted sum is not (1e308 + 1e308): the score was inf,
+    # and a group holding it trains on NaN advantages
+    rewards = {
+        "t": [spec("const", args={"value": 1e308}), spec("const", name="again", args={"value": 1e308})]
+    }
+    sink = Sink()
+    async with Client("inproc", registry=REG) as client, RewardStream(client, rewards, sink) as stream:
+        stream.submit(traj())
+    [s] = sink.samples
+    assert s.status == "reward_failed" and s.reward is None
+    assert "non-finite" in (s.error or "")
+    assert stream.metrics()["reward_failed"] == 1 and stream.metrics()["scored"] == 0
