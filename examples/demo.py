@@ -1,5 +1,4 @@
-"""`make demo`: a short showcase of the fabric and envpool (the RL job, not built yet, will
-take this slot once it exists).
+"""`make showcase`: a one-minute tour of the fabric and envpool (`make demo` runs the RL job).
 
 Part 1, the fabric: a reward and a tool registered in this script are called through the
 local warm pools; a user error comes back as data; a small benchmark against a direct call.
@@ -43,7 +42,7 @@ def word_count(text: str) -> int:
 
 
 async def main() -> None:
-    console.rule("[bold]rl-fabric demo[/] (the fabric SDK; the RL job is not built yet)")
+    console.rule("[bold]rl-fabric showcase[/] (the fabric SDK and envpool; `make demo` runs the RL job)")
     fabric.default_registry.discover("functions")  # the built-ins (rewards, verifiers, tools)
     console.print("registered:", ", ".join(fabric.default_registry.names()))
     traj = fabric.Trajectory(
