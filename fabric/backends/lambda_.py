@@ -322,6 +322,10 @@ class LambdaBackend(Backend):
         return {"lambda": {"calls": self._calls, "spilled": self._spilled, **errors}}
 
 
+#: Fields every Result a fabric handler or ``fabric serve`` sends carries.
+_RESULT_MARKS = frozenset({"ok", "function", "request_id", "timings", "worker"})
+
+
 def _as_result(data: Any) -> Result | None:
     """The fabric ``Result`` the handler (or ``fabric serve``) sent, or ``None`` when the
     reply is something else: Lambda's own error object, or a plain function's value."""
@@ -329,8 +333,17 @@ def _as_result(data: Any) -> Result | None:
         return None
     try:
         result = Result.model_validate(data)
-    except ValueError:  # a user value that only looks like a Result
-        return None
+    except ValueError:
+        # a newer handler's Result with a field this client does not know yet is still that
+        # Result (read as ok=True with the whole object, a failure would have become a value);
+        # what still does not validate is a user value that only looks like a Result
+        known = {k: v for k, v in data.items() if k in Result.model_fields}
+        if len(known) == len(data) or not _RESULT_MARKS <= known.keys():
+            return None
+        try:
+            result = Result.model_validate(known)
+        except ValueError:
+            return None
     result.attempts = 1
     return result
 

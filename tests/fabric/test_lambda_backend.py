@@ -294,3 +294,19 @@ async def test_payloads_over_6_mb_spill_to_s3(moto_url):
     assert ptr["bucket"] == "spill" and ptr["key"].startswith("spill/default/") and ptr["bytes"] > 7e6
     assert json.loads(s3.get_object(Bucket="spill", Key=ptr["key"])["Body"].read()) == big
     assert small.value["payload"] == {"a": 1}  # small payloads go inline
+
+
+def test_a_newer_handlers_result_with_an_unknown_field_is_still_its_result():
+    """A Result carrying a field this client does not know (a newer handler or fabric serve)
+    failed validation and was read as a plain function's value: a failure became ok=True
+    with the whole error object as its value."""
+    from fabric.backends.lambda_ import _as_result
+    from fabric.protocol import Result
+
+    sent = Result.failure(ErrorCode.USER_ERROR, "boom", function="f", request_id="r")
+    data = {**sent.model_dump(mode="json"), "added_in_a_later_release": {"x": 1}}
+    got = _as_result(data)
+    assert got is not None and not got.ok and got.error.type == ErrorCode.USER_ERROR
+    assert got.error.message == "boom"
+    # a user's value that only looks like a Result (no field of ours beside ok/value) stays a value
+    assert _as_result({"ok": "yes", "value": 3, "mine": True}) is None
