@@ -209,7 +209,10 @@ class FunctionPool:
         if self.spec.is_async:
             return self.spec.max_concurrency
         if self._exec_ewma_ms is None:
-            return min(4, self.spec.max_batch)
+            # one at a time until the first answer says how long a call takes: a slow call's
+            # batch-mates would wait behind it in the worker, where a caller that gives up on
+            # them (a timeout, a hedge that lost) cannot take them back and they run anyway
+            return 1
         return max(1, min(self.spec.max_batch, int(_QUEUED_WORK_MS / max(self._exec_ewma_ms, 1e-3))))
 
     def _dispatch(self) -> None:

@@ -51,6 +51,8 @@ log = logging.getLogger("fabric.serve")
 INVOKE_ROUTE = "/2015-03-31/functions/{name}/invocations"
 _TYPES = ("RequestResponse", "Event", "DryRun")
 _JSON = "application/json"
+#: The status a request whose client hung up before its answer is counted under (nginx's).
+CLIENT_CLOSED = 499
 #: An envelope's ``deadline`` is wall-clock seconds; past this it is not a deadline anyone
 #: meant (the year 33658), and the pool's arithmetic on it would overflow.
 _MAX_DEADLINE = 1e12
@@ -162,7 +164,11 @@ class Gateway:
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/metrics", self._metrics)
         logging.getLogger("aiohttp.server").addFilter(_QUIET_MALFORMED)  # idempotent
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # handler_cancellation: a client that hangs up (its timeout, a hedge that lost, Ctrl-C)
+        # cancels its call: one still queued never runs and gives its quota slot back at once.
+        # (aiohttp's default ran it when a worker came free, side effects included, holding
+        # the tenant's quota until then; a call already on a worker still finishes there.)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
         await site.start()
@@ -285,6 +291,12 @@ class Gateway:
             response = _error_response(e.status, e.code, e.message, request_id)
             if e.close:
                 response.force_close()
+        except asyncio.CancelledError:
+            # the client hung up (handler_cancellation): nobody reads an answer; counted as
+            # nginx counts it, 499 "client closed request", so a metric shows abandoned calls
+            label = function if function in self.served else "-"
+            self.metrics.observe(tenant, label, CLIENT_CLOSED, time.perf_counter() - t0)
+            raise
         except Exception:
             # a bug of ours: Lambda's own 500, in JSON, so boto3 raises ServiceException and
             # the lambda backend reads a retryable service fault, not aiohttp's text page

@@ -237,3 +237,12 @@ def serve_add(a: int, b: int = 1) -> int:
 @SERVE_REG.function(warm=1, setup=_bad_setup)
 def serve_broken(x: int) -> int:
     return x
+
+
+@REG.tool(warm=0, side_effects=True)
+def append_then_sleep(path: str, line: str, seconds: float = 0.0) -> int:
+    """Records that it ran, then holds its worker for ``seconds``."""
+    with open(path, "a") as f:
+        f.write(line + "\n")
+    time.sleep(seconds)
+    return len(Path(path).read_text().splitlines())
