@@ -21,6 +21,10 @@ from rich.table import Table
 from fabric.errors import ErrorCode, FabricError
 from fabric.registry import Registry
 
+# A command's help is its docstring when that is one line, else help= as one string: typer's
+# rich markup mode keeps a docstring's line breaks in the command list (`fabric --help` broke
+# off at "2 if"); markdown mode reflows them but drops the `quotes` of plain-text help and puts
+# each [default: ...] on a line of its own.
 app = typer.Typer(
     help="rl-fabric: reward and tool functions as warm, resilient FaaS.",
     no_args_is_help=True,
@@ -121,15 +125,16 @@ def ls_cmd(modules: ModulesOpt = None, as_json: Annotated[bool, typer.Option("--
     out.print(table)
 
 
-@app.command()
+@app.command(
+    help="Call a function once and print its Result as JSON (exit 1 if the call failed, 2 if it was "
+    "refused as bad input: an unknown function, arguments the function does not take)."
+)
 def invoke(
     name: str,
     payload: Annotated[str, typer.Option(help="Keyword arguments as a JSON object.")] = "{}",
     modules: ModulesOpt = None,
     backend: BackendOpt = "local",
 ) -> None:
-    """Call a function once and print its Result as JSON (exit 1 if the call failed, 2 if
-    it was refused as bad input: an unknown function, arguments the function does not take)."""
     args = _payload_arg(payload)
     try:
         reg = _registry(modules)
@@ -252,7 +257,10 @@ def bench(
     out.print(table)
 
 
-@app.command()
+@app.command(
+    help="Serve the registered functions over the AWS Lambda Invoke API (for the lambda backend, "
+    "boto3, the AWS CLI), with tokens and per-tenant quotas."
+)
 def serve(
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port (0 picks a free one).")] = 9000,
@@ -277,8 +285,6 @@ def serve(
     ] = "",
     modules: ModulesOpt = None,
 ) -> None:
-    """Serve the registered functions over the AWS Lambda Invoke API (for the lambda backend,
-    boto3, the AWS CLI), with tokens and per-tenant quotas."""
     from fabric.backends.base import TOKEN_ENV
     from fabric.serve import Gateway, ServeConfig, TenantConfig, load_tenants, new_token
 
@@ -339,7 +345,10 @@ def serve(
         _fail(str(e))
 
 
-@app.command()
+@app.command(
+    help="Deploy the registered functions: AWS Lambda (terraform or boto3) with a `live` alias and "
+    "provisioned concurrency for warm functions, or a Modal app."
+)
 def deploy(
     backend: Annotated[
         str, typer.Option(help="lambda (terraform, or boto3 with --direct) or modal.")
@@ -374,8 +383,6 @@ def deploy(
     architecture: Annotated[str, typer.Option(help="x86_64 or arm64.")] = "x86_64",
     modules: ModulesOpt = None,
 ) -> None:
-    """Deploy the registered functions: AWS Lambda (terraform or boto3) with a `live` alias and
-    provisioned concurrency for warm functions, or a Modal app."""
     from pathlib import Path
 
     from fabric.deploy import DeployError, plan_functions
@@ -531,7 +538,12 @@ def _pairs(items: list[str] | None, option: str, *, as_json: bool) -> dict[str, 
     return out
 
 
-@integrate_app.command("openrlhf-serve")
+@integrate_app.command(
+    "openrlhf-serve",
+    help="Serve a reward function as OpenRLHF's remote reward model: POST /get_reward takes "
+    '{"query", "prompts", "labels"} and answers {"rewards", "scores", "extra_logs"}. Train with '
+    "--reward.remote_url http://HOST:PORT/get_reward.",
+)
 def openrlhf_serve(
     function: Annotated[str, typer.Option("--function", "-f", help="The reward function to serve.")],
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
@@ -561,9 +573,6 @@ def openrlhf_serve(
     workers: Annotated[int | None, typer.Option(help="Worker processes per function (local).")] = None,
     modules: ModulesOpt = None,
 ) -> None:
-    """Serve a reward function as OpenRLHF's remote reward model: POST /get_reward takes
-    {"query", "prompts", "labels"} and answers {"rewards", "scores", "extra_logs"}. Train with
-    --reward.remote_url http://HOST:PORT/get_reward."""
     from fabric.integrations.config import IntegrationConfig
     from fabric.integrations.openrlhf import serve as serve_openrlhf
 
