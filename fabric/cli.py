@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from fabric.errors import ErrorCode, FabricError
+from fabric.errors import ErrorCode, FabricError, UnknownFunctionError
 from fabric.registry import Registry
 
 # A command's help is its docstring when that is one line, else help= as one string: typer's
@@ -64,6 +64,13 @@ _BAD_INPUT = frozenset(
         ErrorCode.PAYLOAD_TOO_LARGE,
         ErrorCode.PAYLOAD_NOT_SERIALIZABLE,
     }
+)
+
+
+#: How a function of the user's own gets registered, for errors about an unknown one
+_LOAD_YOURS = (
+    "a function of your own registers when its module is loaded: "
+    "-m MODULE (a module, module:attr or file.py) or $FABRIC_MODULES"
 )
 
 
@@ -291,6 +298,11 @@ def serve(
     generated = None
     try:
         reg = _registry(modules)
+        for name in functions or ():
+            try:
+                reg.get(name)
+            except UnknownFunctionError as e:  # names what is registered
+                _fail(f"--function: {e}; {_LOAD_YOURS}")
         if tenants is not None:
             if token or token_file:
                 _fail("give --tenants or --token/--token-file, not both")

@@ -124,6 +124,20 @@ def test_invoke_errors(args, code, text):
     assert text in r.output
 
 
+def test_serve_of_an_unknown_function_names_the_known_ones_and_how_to_load_yours():
+    """It said "--function names not registered: nonexistent" and stopped there."""
+    r = runner.invoke(app, ["serve", "-f", "exact_match", "-f", "nonexistent", "--port", "0"])
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert "unknown function 'nonexistent'" in text
+    assert "known functions: " in text and "exact_match" in text and "math_answer" in text
+    assert "-m MODULE" in text and "file.py" in text
+    # with its module, the same name is known: the command gets past the check (and then
+    # fails on its bad port, before it serves)
+    r = runner.invoke(app, ["serve", "-f", "add", "-m", "sample_fns", "--port", "-1"])
+    assert r.exit_code == 2 and "unknown function" not in r.output and "port" in r.output, r.output
+
+
 def test_invoke_inproc_ends_once_the_call_timed_out(tmp_path):
     """The FunctionTimeout result was ready after timeout_s, but asyncio.run (and then the
     interpreter's exit) waited for the hung handler's thread: the command never ended."""
