@@ -290,6 +290,10 @@ def serve(
     prefix: Annotated[
         str, typer.Option(help="Requests name functions PREFIX + name, as `fabric deploy --prefix` does.")
     ] = "",
+    body_timeout_s: Annotated[
+        float,
+        typer.Option(help="Seconds a request's body may take to arrive after its headers (then 408)."),
+    ] = 60.0,
     modules: ModulesOpt = None,
 ) -> None:
     from fabric.backends.base import TOKEN_ENV
@@ -319,6 +323,7 @@ def serve(
             tenants=tenant_map,
             functions=functions,
             function_prefix=prefix,
+            body_timeout_s=body_timeout_s,
             backend={"type": "local", "max_workers": workers},
         )
         gateway = Gateway(cfg, reg)

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,39 @@ def test_serve_of_an_unknown_function_names_the_known_ones_and_how_to_load_yours
     # fails on its bad port, before it serves)
     r = runner.invoke(app, ["serve", "-f", "add", "-m", "sample_fns", "--port", "-1"])
     assert r.exit_code == 2 and "unknown function" not in r.output and "port" in r.output, r.output
+
+
+def test_serve_body_timeout_s_reaches_the_server(tmp_path):
+    """ServeConfig.body_timeout_s had no option: a stalled body waited the 60 s default."""
+    import socket
+
+    token = "t" * 20
+    root = str(Path(fabric.__file__).resolve().parent.parent)
+    args = ["serve", "-f", "exact_match", "--workers", "1", "--port", "0", "--token", token]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fabric.cli", *args, "--body-timeout-s", "0.5"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([root, str(HERE)])},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        port = json.loads(proc.stdout.readline())["port"]
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(
+                b"POST /2015-03-31/functions/exact_match/invocations HTTP/1.1\r\nHost: x\r\n"
+                b"Authorization: Bearer " + token.encode() + b'\r\nContent-Length: 1000\r\n\r\n{"traj'
+            )
+            start = time.monotonic()
+            reply = s.recv(4096)
+            waited = time.monotonic() - start
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert reply.startswith(b"HTTP/1.1 408 "), reply
+    assert b"within 0.5 s" in reply and waited < 20
 
 
 def test_invoke_inproc_ends_once_the_call_timed_out(tmp_path):
