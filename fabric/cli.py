@@ -451,6 +451,10 @@ def _deploy_lambda(plan: Any, **o: Any) -> None:
         say(f"image build context: {ctx} (build and push it as {o['image']})")
         values = tfvars(plan, region=o["region"], prefix=o["prefix"], image_uri=o["image"])
     else:
+        if o["direct"] and o["endpoint_url"] is None:
+            from fabric.deploy.direct import check_credentials
+
+            check_credentials(o["region"])  # before packaging, which takes a while
         say(f"packaging {len(plan)} functions" + (" with dependencies (pip)" if o["deps"] else ""))
         zip_path = build_zip(
             plan, o["out"] / "fabric-lambda.zip", deps=o["deps"], architecture=o["architecture"]
