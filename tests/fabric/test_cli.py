@@ -339,3 +339,25 @@ def test_help_reads_as_whole_sentences(columns):
         r = runner.invoke(app, [*path, "--help"], env={"COLUMNS": str(columns)})
         assert r.exit_code == 0, r.output
         assert _early_breaks(r.stdout, columns) == [], (path, r.stdout)
+
+
+# -- the benchmark scripts' command lines (argparse, as the fabric command's options)
+
+
+@pytest.mark.parametrize(
+    "script", ["code_verify_bench.py", "sim_vs_real.py", "sim_repro.py", "length_predictor.py"]
+)
+def test_a_benchmark_script_prints_its_usage_on_help(script):
+    """They took no arguments: `--help` ran the whole benchmark (minutes for some) and
+    printed its JSON."""
+    path = Path(fabric.__file__).resolve().parent.parent / "benchmarks" / script
+    out = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"usage: {script}"), out.stdout
+    first_doc_line = path.read_text().split('"""')[1].splitlines()[0]
+    assert first_doc_line in out.stdout
+    assert not [line for line in out.stdout.splitlines() if line.startswith("{")]  # no results
+    bad = subprocess.run(
+        [sys.executable, str(path), "--no-such-option"], capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and "unrecognized arguments" in bad.stderr
