@@ -12,6 +12,7 @@ one stdin/stdout case) through the local backend, hedging off:
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -25,8 +26,16 @@ def bench(*args: str) -> dict:
     return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 
 
-def main() -> None:
-    r = bench("--n", "1000", "--concurrency", "1", "--baseline", "fn:code_verify_subprocess")
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--latency-n", type=int, default=1000, help="timed calls of the latency run (%(default)s)"
+    )
+    ap.add_argument(
+        "--throughput-n", type=int, default=3000, help="timed calls of the throughput run (%(default)s)"
+    )
+    args = ap.parse_args(argv)
+    r = bench("--n", str(args.latency_n), "--concurrency", "1", "--baseline", "fn:code_verify_subprocess")
     print(
         json.dumps(
             {
@@ -39,7 +48,7 @@ def main() -> None:
             }
         )
     )
-    r = bench("--n", "3000", "--concurrency", "8")
+    r = bench("--n", str(args.throughput_n), "--concurrency", "8")
     print(
         json.dumps(
             {

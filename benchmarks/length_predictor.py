@@ -10,6 +10,7 @@ figures for a prediction from the prompt alone (before step 1) are the baseline.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
@@ -17,7 +18,9 @@ from core.sched.predictor import LengthPredictor, pearson, top_recall
 from core.sim import preset
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.parse_args(argv)  # no options: --help, and a clear error for anything else
     pred = LengthPredictor()
     for t in preset("coding", 2000, seed=0).trajectories:
         pred.observe(t.prompt_tokens, [(turn.gen_tokens, turn.outcome) for turn in t.turns])

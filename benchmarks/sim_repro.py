@@ -10,6 +10,7 @@ ratio beside the published one, with a note on what differs. Rows from
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import time
@@ -169,7 +170,9 @@ def hrrs() -> list[dict[str, object]]:
     ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.parse_args(argv)  # no options: --help, and a clear error for anything else
     t0 = time.perf_counter()
     rows = [*env_interaction(), *queueing(), *learned(), *placement(), *adaptive_mp(), *cmlfq(), *hrrs()]
     # the pipeline rows (ROLLART: redundancy, asynchrony, RaaS) and the cluster rows (PlexRL

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import json
@@ -188,8 +189,16 @@ async def main_async(repeats: int = 3) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    print(json.dumps(asyncio.run(main_async())))
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="calibration runs and held-out runs per scheduler; figures are their medians (%(default)s)",
+    )
+    args = ap.parse_args(argv)
+    print(json.dumps(asyncio.run(main_async(args.repeats))))
 
 
 if __name__ == "__main__":

@@ -114,15 +114,18 @@ def bench_resets(
     _emit(result, as_json, "envpool resets")
 
 
-@bench_app.command("cold-image")
+@bench_app.command(
+    "cold-image",
+    # one string: typer's command list keeps a docstring's line breaks
+    help="SESSIONS sessions reset at once on an uncached image: tiered cache vs every container "
+    "fetching on its own, from the same bandwidth-limited origin.",
+)
 def bench_cold_image(
     sessions: Annotated[int, typer.Option(min=1)] = 64,
     size_mb: Annotated[float, typer.Option(min=0.01)] = 8.0,
     bandwidth_mbps: Annotated[float, typer.Option(min=0.1, help="Origin link in MB/s.")] = 40.0,
     as_json: JsonOpt = False,
 ) -> None:
-    """SESSIONS sessions reset at once on an uncached image: tiered cache vs every container
-    fetching on its own, from the same bandwidth-limited origin."""
     from envpool.bench import cold_image
 
     result = asyncio.run(cold_image(sessions, size_mb, bandwidth_mbps))

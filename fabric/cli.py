@@ -18,9 +18,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from fabric.errors import ErrorCode, FabricError
+from fabric.errors import ErrorCode, FabricError, UnknownFunctionError
 from fabric.registry import Registry
 
+# A command's help is its docstring when that is one line, else help= as one string: typer's
+# rich markup mode keeps a docstring's line breaks in the command list (`fabric --help` broke
+# off at "2 if"); markdown mode reflows them but drops the `quotes` of plain-text help and puts
+# each [default: ...] on a line of its own.
 app = typer.Typer(
     help="rl-fabric: reward and tool functions as warm, resilient FaaS.",
     no_args_is_help=True,
@@ -60,6 +64,13 @@ _BAD_INPUT = frozenset(
         ErrorCode.PAYLOAD_TOO_LARGE,
         ErrorCode.PAYLOAD_NOT_SERIALIZABLE,
     }
+)
+
+
+#: How a function of the user's own gets registered, for errors about an unknown one
+_LOAD_YOURS = (
+    "a function of your own registers when its module is loaded: "
+    "-m MODULE (a module, module:attr or file.py) or $FABRIC_MODULES"
 )
 
 
@@ -121,15 +132,16 @@ def ls_cmd(modules: ModulesOpt = None, as_json: Annotated[bool, typer.Option("--
     out.print(table)
 
 
-@app.command()
+@app.command(
+    help="Call a function once and print its Result as JSON (exit 1 if the call failed, 2 if it was "
+    "refused as bad input: an unknown function, arguments the function does not take)."
+)
 def invoke(
     name: str,
     payload: Annotated[str, typer.Option(help="Keyword arguments as a JSON object.")] = "{}",
     modules: ModulesOpt = None,
     backend: BackendOpt = "local",
 ) -> None:
-    """Call a function once and print its Result as JSON (exit 1 if the call failed, 2 if
-    it was refused as bad input: an unknown function, arguments the function does not take)."""
     args = _payload_arg(payload)
     try:
         reg = _registry(modules)
@@ -252,7 +264,10 @@ def bench(
     out.print(table)
 
 
-@app.command()
+@app.command(
+    help="Serve the registered functions over the AWS Lambda Invoke API (for the lambda backend, "
+    "boto3, the AWS CLI), with tokens and per-tenant quotas."
+)
 def serve(
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port (0 picks a free one).")] = 9000,
@@ -275,16 +290,23 @@ def serve(
     prefix: Annotated[
         str, typer.Option(help="Requests name functions PREFIX + name, as `fabric deploy --prefix` does.")
     ] = "",
+    body_timeout_s: Annotated[
+        float,
+        typer.Option(help="Seconds a request's body may take to arrive after its headers (then 408)."),
+    ] = 60.0,
     modules: ModulesOpt = None,
 ) -> None:
-    """Serve the registered functions over the AWS Lambda Invoke API (for the lambda backend,
-    boto3, the AWS CLI), with tokens and per-tenant quotas."""
     from fabric.backends.base import TOKEN_ENV
     from fabric.serve import Gateway, ServeConfig, TenantConfig, load_tenants, new_token
 
     generated = None
     try:
         reg = _registry(modules)
+        for name in functions or ():
+            try:
+                reg.get(name)
+            except UnknownFunctionError as e:  # names what is registered
+                _fail(f"--function: {e}; {_LOAD_YOURS}")
         if tenants is not None:
             if token or token_file:
                 _fail("give --tenants or --token/--token-file, not both")
@@ -301,6 +323,7 @@ def serve(
             tenants=tenant_map,
             functions=functions,
             function_prefix=prefix,
+            body_timeout_s=body_timeout_s,
             backend={"type": "local", "max_workers": workers},
         )
         gateway = Gateway(cfg, reg)
@@ -339,7 +362,10 @@ def serve(
         _fail(str(e))
 
 
-@app.command()
+@app.command(
+    help="Deploy the registered functions: AWS Lambda (terraform or boto3) with a `live` alias and "
+    "provisioned concurrency for warm functions, or a Modal app."
+)
 def deploy(
     backend: Annotated[
         str, typer.Option(help="lambda (terraform, or boto3 with --direct) or modal.")
@@ -374,8 +400,6 @@ def deploy(
     architecture: Annotated[str, typer.Option(help="x86_64 or arm64.")] = "x86_64",
     modules: ModulesOpt = None,
 ) -> None:
-    """Deploy the registered functions: AWS Lambda (terraform or boto3) with a `live` alias and
-    provisioned concurrency for warm functions, or a Modal app."""
     from pathlib import Path
 
     from fabric.deploy import DeployError, plan_functions
@@ -427,6 +451,10 @@ def _deploy_lambda(plan: Any, **o: Any) -> None:
         say(f"image build context: {ctx} (build and push it as {o['image']})")
         values = tfvars(plan, region=o["region"], prefix=o["prefix"], image_uri=o["image"])
     else:
+        if o["direct"] and o["endpoint_url"] is None:
+            from fabric.deploy.direct import check_credentials
+
+            check_credentials(o["region"])  # before packaging, which takes a while
         say(f"packaging {len(plan)} functions" + (" with dependencies (pip)" if o["deps"] else ""))
         zip_path = build_zip(
             plan, o["out"] / "fabric-lambda.zip", deps=o["deps"], architecture=o["architecture"]
@@ -531,7 +559,12 @@ def _pairs(items: list[str] | None, option: str, *, as_json: bool) -> dict[str, 
     return out
 
 
-@integrate_app.command("openrlhf-serve")
+@integrate_app.command(
+    "openrlhf-serve",
+    help="Serve a reward function as OpenRLHF's remote reward model: POST /get_reward takes "
+    '{"query", "prompts", "labels"} and answers {"rewards", "scores", "extra_logs"}. Train with '
+    "--reward.remote_url http://HOST:PORT/get_reward.",
+)
 def openrlhf_serve(
     function: Annotated[str, typer.Option("--function", "-f", help="The reward function to serve.")],
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
@@ -561,9 +594,6 @@ def openrlhf_serve(
     workers: Annotated[int | None, typer.Option(help="Worker processes per function (local).")] = None,
     modules: ModulesOpt = None,
 ) -> None:
-    """Serve a reward function as OpenRLHF's remote reward model: POST /get_reward takes
-    {"query", "prompts", "labels"} and answers {"rewards", "scores", "extra_logs"}. Train with
-    --reward.remote_url http://HOST:PORT/get_reward."""
     from fabric.integrations.config import IntegrationConfig
     from fabric.integrations.openrlhf import serve as serve_openrlhf
 

@@ -67,11 +67,38 @@ class Deployed(BaseModel):
     warning: str | None = None
 
 
-def _clients(cfg: DirectConfig) -> tuple[Any, Any]:
+#: What to do when boto3 finds no credentials
+_GET_CREDENTIALS = (
+    "run `aws configure`, or set AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; "
+    "to try it without an account, pass --endpoint-url of a moto server (`moto_server`; any key "
+    "values do)"
+)
+
+
+def _boto3() -> Any:
     try:
         import boto3
     except ImportError:
         raise DeployError("--direct needs boto3: pip install 'rl-fabric[aws]'") from None
+    return boto3
+
+
+def check_credentials(region: str) -> None:
+    """Fail before packaging (pip can take half a minute) when boto3 would find no
+    credentials to sign the deploy with, instead of after it."""
+    boto3 = _boto3()
+    from botocore.exceptions import BotoCoreError
+
+    try:
+        found = boto3.session.Session(region_name=region).get_credentials()
+    except BotoCoreError as e:  # a profile that is not in the config, a broken config file
+        raise DeployError(f"AWS credentials: {e}; {_GET_CREDENTIALS}") from None
+    if found is None:
+        raise DeployError(f"no AWS credentials found: {_GET_CREDENTIALS}")
+
+
+def _clients(cfg: DirectConfig) -> tuple[Any, Any]:
+    boto3 = _boto3()
     kw = {"region_name": cfg.region, "endpoint_url": cfg.endpoint_url}
     return boto3.client("lambda", **kw), boto3.client("iam", **kw)
 
@@ -96,7 +123,7 @@ def deploy_direct(
     cfg: DirectConfig,
     on_step: Callable[[str], None] | None = None,
 ) -> list[Deployed]:
-    from botocore.exceptions import BotoCoreError, ClientError
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
     code = zip_path.read_bytes()
     if len(code) > MAX_DIRECT_ZIP_BYTES:
@@ -113,6 +140,11 @@ def deploy_direct(
             say(f"{fn.deployed_name}: deploying")
             out.append(_one(lam, fn, code, role, cfg, say))
         return out
+    except NoCredentialsError:  # with --endpoint-url, which skips check_credentials
+        raise DeployError(
+            "no AWS credentials found: boto3 signs its requests to --endpoint-url too; set "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (any values do for moto)"
+        ) from None
     except (ClientError, BotoCoreError) as e:
         raise DeployError(f"deploy failed: {e}") from None
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import cli_fns
 import pytest
+import typer
 from aws_fakes import free_port
 from typer.testing import CliRunner
 
@@ -119,6 +124,53 @@ def test_invoke_errors(args, code, text):
     r = runner.invoke(app, args)
     assert r.exit_code == code, r.output
     assert text in r.output
+
+
+def test_serve_of_an_unknown_function_names_the_known_ones_and_how_to_load_yours():
+    """It said "--function names not registered: nonexistent" and stopped there."""
+    r = runner.invoke(app, ["serve", "-f", "exact_match", "-f", "nonexistent", "--port", "0"])
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert "unknown function 'nonexistent'" in text
+    assert "known functions: " in text and "exact_match" in text and "math_answer" in text
+    assert "-m MODULE" in text and "file.py" in text
+    # with its module, the same name is known: the command gets past the check (and then
+    # fails on its bad port, before it serves)
+    r = runner.invoke(app, ["serve", "-f", "add", "-m", "sample_fns", "--port", "-1"])
+    assert r.exit_code == 2 and "unknown function" not in r.output and "port" in r.output, r.output
+
+
+def test_serve_body_timeout_s_reaches_the_server(tmp_path):
+    """ServeConfig.body_timeout_s had no option: a stalled body waited the 60 s default."""
+    import socket
+
+    token = "t" * 20
+    root = str(Path(fabric.__file__).resolve().parent.parent)
+    args = ["serve", "-f", "exact_match", "--workers", "1", "--port", "0", "--token", token]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fabric.cli", *args, "--body-timeout-s", "0.5"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([root, str(HERE)])},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        port = json.loads(proc.stdout.readline())["port"]
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(
+                b"POST /2015-03-31/functions/exact_match/invocations HTTP/1.1\r\nHost: x\r\n"
+                b"Authorization: Bearer " + token.encode() + b'\r\nContent-Length: 1000\r\n\r\n{"traj'
+            )
+            start = time.monotonic()
+            reply = s.recv(4096)
+            waited = time.monotonic() - start
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert reply.startswith(b"HTTP/1.1 408 "), reply
+    assert b"within 0.5 s" in reply and waited < 20
 
 
 def test_invoke_inproc_ends_once_the_call_timed_out(tmp_path):
@@ -277,3 +329,69 @@ def test_bench_ray_baseline_runs_side_by_side():
     assert out["ratio_vs_baseline"] == pytest.approx(
         out["throughput_per_s"] / out["baseline_throughput_per_s"]
     )
+
+
+def _early_breaks(page: str, columns: int) -> list[str]:
+    """Lines of a help page's intro and command list that end before they had to: rich fills
+    lines greedily, so one whose next line's first word would still have fit broke at a line
+    break of the help text, mid-sentence."""
+    lines = page.splitlines()
+    start = next(i for i, line in enumerate(lines) if "Usage:" in line) + 1
+    end = next(i for i, line in enumerate(lines) if line.startswith("╭"))
+    intro = [line.rstrip() for line in lines[start:end] if line.strip()]
+    found = [a for a, b in itertools.pairwise(intro) if len(a) + 1 + len(b.split()[0]) < columns - 1]
+    in_commands, col, prev = False, 0, ""
+    for line in lines:
+        if line.startswith("╭"):
+            in_commands = "Commands" in line
+            continue
+        if not (in_commands and line.startswith("│")):
+            continue
+        row = line[1:-1]
+        first = re.match(r" \S+ +", row)
+        if first:  # a command's first line: its description starts after the name
+            col = first.end()
+        elif row.strip() and len(prev.rstrip()) + 1 + len(row[col:].split()[0]) < len(row):
+            found.append(prev.strip())
+        prev = row
+    return found
+
+
+def _command_paths(command: Any) -> list[list[str]]:
+    """[] for the command itself, then every subcommand's path, depth first."""
+    subs = getattr(command, "commands", {})
+    return [[], *([name, *path] for name, sub in subs.items() for path in _command_paths(sub))]
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_help_reads_as_whole_sentences(columns):
+    """typer's command list kept a docstring's line breaks: `fabric --help` broke the invoke
+    row off at "2 if" and went on with "it was refused" on a line of its own."""
+    paths = _command_paths(typer.main.get_command(app))
+    assert ["integrate", "openrlhf-serve"] in paths
+    for path in paths:
+        r = runner.invoke(app, [*path, "--help"], env={"COLUMNS": str(columns)})
+        assert r.exit_code == 0, r.output
+        assert _early_breaks(r.stdout, columns) == [], (path, r.stdout)
+
+
+# -- the benchmark scripts' command lines (argparse, as the fabric command's options)
+
+
+@pytest.mark.parametrize(
+    "script", ["code_verify_bench.py", "sim_vs_real.py", "sim_repro.py", "length_predictor.py"]
+)
+def test_a_benchmark_script_prints_its_usage_on_help(script):
+    """They took no arguments: `--help` ran the whole benchmark (minutes for some) and
+    printed its JSON."""
+    path = Path(fabric.__file__).resolve().parent.parent / "benchmarks" / script
+    out = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"usage: {script}"), out.stdout
+    first_doc_line = path.read_text().split('"""')[1].splitlines()[0]
+    assert first_doc_line in out.stdout
+    assert not [line for line in out.stdout.splitlines() if line.startswith("{")]  # no results
+    bad = subprocess.run(
+        [sys.executable, str(path), "--no-such-option"], capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and "unrecognized arguments" in bad.stderr

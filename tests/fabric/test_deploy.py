@@ -4,6 +4,7 @@ the deployed names called through the lambda backend pointed at ``fabric serve``
 from __future__ import annotations
 
 import json
+import os
 import zipfile
 from pathlib import Path
 
@@ -240,6 +241,55 @@ def test_cli_terraform_path_writes_tfvars(tmp_path, monkeypatch):
     assert values["functions"]["add"]["modules"] == "sample_fns"
     assert Path(values["package"]["zip_path"]).is_file()
     assert "terraform is not on PATH" in r.output
+
+
+@pytest.fixture
+def no_aws_credentials(monkeypatch, tmp_path):
+    """No AWS variables, empty credentials and config files, no instance metadata."""
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    for k, name in (("AWS_SHARED_CREDENTIALS_FILE", "credentials"), ("AWS_CONFIG_FILE", "config")):
+        (tmp_path / name).write_text("")
+        monkeypatch.setenv(k, str(tmp_path / name))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # an EC2 runner's role is credentials
+    import boto3
+
+    # boto3.client() reuses one default session, with the credentials an earlier test found
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
+
+
+def test_cli_direct_deploy_without_credentials_says_what_to_do_before_packaging(
+    no_aws_credentials, tmp_path, monkeypatch
+):
+    """It packaged (28 s with dependencies), then failed with "deploy failed: Unable to
+    locate credentials"."""
+    from fabric.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    args = ["deploy", "--direct", "--no-deps", "-f", "exact_match", "--out", str(tmp_path / "b")]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert "no AWS credentials found" in text and "aws configure" in text, text
+    assert "AWS_PROFILE" in text and "AWS_ACCESS_KEY_ID" in text and "--endpoint-url" in text
+    assert "packaging" not in text and not (tmp_path / "b").exists()
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2 and "no-such-profile" in r.output and "aws configure" in r.output, r.output
+    assert not (tmp_path / "b").exists()
+
+
+def test_cli_direct_deploy_to_an_endpoint_without_credentials_says_what_to_do(
+    no_aws_credentials, tmp_path, monkeypatch
+):
+    from fabric.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    args = ["deploy", "--direct", "--no-deps", "-f", "exact_match", "--out", str(tmp_path / "b")]
+    r = CliRunner().invoke(app, [*args, "--endpoint-url", "http://127.0.0.1:9"])
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert "no AWS credentials found" in text and "AWS_ACCESS_KEY_ID" in text, text
 
 
 @pytest.mark.parametrize(
