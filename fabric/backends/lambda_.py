@@ -230,7 +230,14 @@ class LambdaBackend(Backend):
             # a transport fault after which the call may have run, not refused credentials
             return self._fail(inv, ErrorCode.TRANSPORT, f"no complete reply from {self._where()}: {e}")
         except BotoCoreError as e:  # credentials missing, a bad endpoint URL
-            return self._fail(inv, ErrorCode.UNAUTHORIZED, f"{type(e).__name__}: {e}")
+            advice = ""
+            if type(e).__name__ == "NoCredentialsError":
+                advice = (
+                    "; run `aws configure`, set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+                    " (boto3 signs requests to an endpoint_url too: any values do for moto), or call a"
+                    " `fabric serve` with transport 'http' and its token"
+                )
+            return self._fail(inv, ErrorCode.UNAUTHORIZED, f"{type(e).__name__}: {e}{advice}")
         return self._reply(inv, body, response.get("FunctionError"))
 
     # -- http: the same API on the event loop
