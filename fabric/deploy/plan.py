@@ -67,7 +67,11 @@ def plan_functions(
     chosen = sorted(names if names is not None else registry.names())
     unknown = [n for n in chosen if n not in registry]
     if unknown:
-        raise DeployError(f"not registered: {', '.join(unknown)} (known: {', '.join(registry.names())})")
+        raise DeployError(
+            f"not registered: {', '.join(unknown)} (known: {', '.join(registry.names()) or 'none'}); "
+            "a function of your own registers when its module is loaded: -m MODULE (module, "
+            "module:attr or file.py) or $FABRIC_MODULES"
+        )
     if not chosen:
         raise DeployError("nothing to deploy: no functions registered (pass -m MODULE)")
     out = []

@@ -42,7 +42,7 @@ def test_plan_names_modules_and_limits():
 
 
 def test_plan_errors():
-    with pytest.raises(DeployError, match="not registered: nope"):
+    with pytest.raises(DeployError, match=r"not registered: nope .*-m MODULE"):
         plan_functions(REG, ["add", "nope"])
     with pytest.raises(DeployError, match="at most 64 characters"):
         plan_functions(REG, ["add"], prefix="x" * 70)
