@@ -384,15 +384,18 @@ class RewardAdapter:
 def _reward_of(value: Any) -> tuple[float | None, dict[str, float], str | None]:
     """A function's answer as ``(score, components, problem)``: a number, or a
     ``RewardResult`` (a mapping with ``score``, as it arrives over the wire)."""
-    if isinstance(value, bool | int | float):
-        score = float(value)
-        comps: dict[str, float] = {}
-    elif isinstance(value, Mapping) and isinstance(value.get("score"), bool | int | float):
-        score = float(value["score"])
-        raw = value.get("components") or {}
-        comps = {str(k): float(v) for k, v in raw.items() if isinstance(v, bool | int | float)}
-    else:
-        return None, {}, f"{type(value).__name__} {value!r:.100}, not a number or a RewardResult"
+    try:  # an int past float's range (10**400) is an OverflowError: this sample's failure only
+        if isinstance(value, bool | int | float):
+            score = float(value)
+            comps: dict[str, float] = {}
+        elif isinstance(value, Mapping) and isinstance(value.get("score"), bool | int | float):
+            score = float(value["score"])
+            raw = value.get("components") or {}
+            comps = {str(k): float(v) for k, v in raw.items() if isinstance(v, bool | int | float)}
+        else:
+            return None, {}, f"{type(value).__name__} {value!r:.100}, not a number or a RewardResult"
+    except OverflowError:
+        return None, {}, "a number too large for a float"
     if not math.isfinite(score):
         return None, {}, f"a score of {score}, not a finite number"
     return score, comps, None

@@ -50,3 +50,14 @@ def with_tests(traj: Trajectory, *, tests: list[str], language: str = "python") 
 @REG.reward(warm=0)
 def not_a_reward(traj: Trajectory) -> str:
     return "high"
+
+
+@REG.reward(warm=0)
+def huge(traj: Trajectory) -> float | RewardResult:
+    """An int past float's range, as a score or as a component, for the samples that ask."""
+    text = traj.final_text()
+    if text == "big":
+        return 10**400  # type: ignore[return-value]
+    if text == "big component":
+        return RewardResult(score=1.0, components={"n": 10**400})  # type: ignore[dict-item]
+    return 1.0

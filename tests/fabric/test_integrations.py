@@ -214,6 +214,14 @@ def test_a_non_reward_answer_is_a_failure_not_a_score(fake):
         assert out == [None]
 
 
+def test_a_score_too_large_for_a_float_fails_its_sample_only(fake):
+    # float(10**400) raises OverflowError: it took the whole batch down, the others unscored
+    with trl_reward("huge", registry=REG, backend_instance=fake) as reward:
+        out, _ = call_trl(reward, ["p"] * 3, ["ok", "big", "big component"], **trl_kwargs(3))
+        assert out == [1.0, None, None]
+        assert reward.adapter.stats["failed"] == 2
+
+
 # ----------------------------------------------------------------------------- veRL
 
 
