@@ -210,7 +210,7 @@ class RewardAdapter:
                     f"{where} names {', '.join(map(repr, stray))}, which {self._signature()} does not take"
                 )
         self.as_text = self._annotation(self.traj_param) in ("str", "builtins.str")
-        self._plan: dict[str, str] | None = None
+        self._plan: dict[str, tuple[str, ...]] | None = None
         self._client: Any = None
         self._keys: list[str] = list(config.components or ())
         self.stats = {"batches": 0, "samples": 0, "failed": 0, "failure_scored": 0}
@@ -257,30 +257,32 @@ class RewardAdapter:
             + ")"
         )
 
-    def plan(self, first: Mapping[str, Any]) -> dict[str, str]:
-        """Parameter -> source, decided once from the first batch's sample against the
-        function's spec: a required parameter with no source is an error naming them all."""
+    def plan(self, first: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+        """Parameter -> its sources, in the order they are tried for each sample (``args``'s, else
+        the parameter's own name, then the framework's alias), decided once from the first
+        batch's sample against the function's spec: a required parameter with no source there
+        is an error naming them all. An optional parameter is planned whether or not the first
+        sample has it: each sample passes the value it has, or leaves the default."""
         if self._plan is not None:
             return self._plan
-        plan: dict[str, str] = {}
+        plan: dict[str, tuple[str, ...]] = {}
         missing: list[str] = []
         for p in self.spec.params:
             if p.name == self.traj_param or p.name in self.config.constants:
                 continue
             given = self.config.args.get(p.name)
             if given is not None:
-                if not lookup(first, given)[0]:
+                if p.required and not lookup(first, given)[0]:
                     raise MissingArgumentError(
                         f"args maps {p.name!r} of {self._signature()} to {given!r}, which the batch does "
                         f"not have; it has: {_shown(first)}"
                     )
-                plan[p.name] = given
-            elif lookup(first, p.name)[0]:
-                plan[p.name] = p.name
-            elif p.name in self.aliases and lookup(first, self.aliases[p.name])[0]:
-                plan[p.name] = self.aliases[p.name]
-            elif p.required:
+                plan[p.name] = (given,)
+                continue
+            sources = (p.name, *((self.aliases[p.name],) if p.name in self.aliases else ()))
+            if p.required and not any(lookup(first, src)[0] for src in sources):
                 missing.append(p.name)
+            plan[p.name] = sources
         if missing:
             raise MissingArgumentError(
                 f"{self._signature()} needs {', '.join(map(repr, missing))}, which the batch does not "
@@ -294,20 +296,26 @@ class RewardAdapter:
         if not samples:
             return []
         plan = self.plan(samples[0].sources)
+        required = {p.name for p in self.spec.params if p.required}
         out = []
         for i, s in enumerate(samples):
             payload: dict[str, Any] = {
                 self.traj_param: s.traj.final_text() if self.as_text else s.traj,
                 **self.config.constants,
             }
-            for param, source in plan.items():
-                found, value = lookup(s.sources, source)
-                if not found:
-                    raise MissingArgumentError(
-                        f"sample #{i} has no {source!r} for {param!r} of {self.spec.name} (the first sample "
-                        f"had it); it has: {_shown(s.sources)}"
-                    )
-                payload[param] = plain(value)
+            for param, sources in plan.items():
+                for source in sources:
+                    found, value = lookup(s.sources, source)
+                    if found:
+                        payload[param] = plain(value)
+                        break
+                else:
+                    if param in required:
+                        raise MissingArgumentError(
+                            f"sample #{i} has no {' or '.join(map(repr, sources))} for {param!r} of "
+                            f"{self.spec.name} (a required parameter; the first sample had it); it has: "
+                            f"{_shown(s.sources)}"
+                        )
             out.append(payload)
         return out
 

@@ -29,6 +29,7 @@ from fabric.integrations import verl as verl_mod
 from fabric.integrations.openrlhf import OpenRLHFReward, RewardServer
 from fabric.integrations.trl import TRL_EXTRAS, trl_async_reward, trl_reward
 from fabric.integrations.verl import VerlReward
+from fabric.protocol import Trajectory
 from fabric.registry import Registry
 from fabric.testing import FakeBackend
 
@@ -319,6 +320,33 @@ def test_verl_extra_info_feeds_parameters_and_failures_raise_or_score(fake):
         assert r["score"] == 0.0 and r["fabric_failed"] == 1.0 and r["hit"] != r["hit"]  # NaN, same keys
     finally:
         v.close()
+
+
+def test_an_optional_parameter_follows_each_sample_not_the_first(fake):
+    # a mixed dataset: the plan was made from the first sample, so an optional parameter it
+    # lacked was never sent (a cpp sample graded as python) and one it had was required after
+    v = VerlReward("with_tests", registry=REG, backend_instance=fake)
+    try:
+        py, cpp = {"tests": ["a"]}, {"tests": ["a"], "language": "cpp"}
+        v.compute_score_batch(["d"] * 3, ["a 0", "a 1", "a 2"], [None] * 3, [py, cpp, py])
+        v.compute_score("d", "a 3", None, cpp)
+        sent = {
+            Trajectory.model_validate(i.payload["traj"]).final_text(): i.payload.get("language")
+            for i in fake.invocations
+        }
+        assert sent == {"a 0": None, "a 1": "cpp", "a 2": None, "a 3": "cpp"}
+    finally:
+        v.close()
+    v = VerlReward("with_tests", registry=REG, backend_instance=FakeBackend(REG))
+    try:
+        assert v.compute_score("d", "a", None, cpp)["score"] == 1.0
+        assert v.compute_score("d", "a", None, py)["score"] == 1.0  # raised MissingArgumentError
+    finally:
+        v.close()
+    # OpenRLHF: ground_truth from a JSON label's key where it has one, else the label itself
+    with OpenRLHFReward("explode", registry=REG, backend_instance=(fb := FakeBackend(REG))) as reward_func:
+        reward_func(["p x", "p y"], ["p", "p"], [json.dumps({"ground_truth": "7"}), "8"])
+        assert sorted(inv.payload["ground_truth"] for inv in fb.invocations) == ["7", "8"]
 
 
 def test_verl_settings_from_the_environment_and_typos(verl_rewards, monkeypatch):
