@@ -7,7 +7,7 @@
   reads each ``Result`` back as a ``Score``. A failed call is a failed ``Score``, never 0.
 * ``SyncBridge``: trainers call reward functions synchronously, from their own threads.
   The bridge owns one event loop on a daemon thread, started on the first call, where the
-  adapter's ``Client`` lives; ``close()`` ends it (and an ``atexit`` backstop, for a trainer
+  adapter's ``Client`` lives; ``close()`` ends it (and an exit backstop, for a trainer
   that never closes). Any thread may call it; so may a coroutine on another loop (``arun``).
 * ``build_trajectory``: a framework's prompt and completion (text or chat messages) as a
   fabric ``Trajectory``.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
+import concurrent.futures.thread  # registers its exit hook on import: ours, later, runs before it
 import logging
 import math
 import os
@@ -416,10 +416,41 @@ def _shown(sources: Mapping[str, Any]) -> str:
 # ----------------------------------------------------------------------------- the bridge
 
 
+#: Bridges started and not closed yet: closed at exit (``_close_open_bridges``).
+_OPEN: set[SyncBridge] = set()
+_OPEN_LOCK = threading.Lock()
+
+
+def _close_open_bridges() -> None:
+    """The exit backstop for a trainer that never closed its reward. It runs among the
+    ``threading`` exit hooks, before ``concurrent.futures`` refuses new work: a plain
+    ``atexit`` hook runs after that, when closing the local pools' workers (which waits for
+    them on the loop's executor) fails with "cannot schedule new futures after interpreter
+    shutdown". A non-daemon thread still scoring then sees its batch cancelled."""
+    with _OPEN_LOCK:
+        bridges = list(_OPEN)
+    for bridge in bridges:
+        bridge.close()
+
+
+def _after_fork_in_child() -> None:
+    # a lock held by another thread of the parent at the fork (starting or closing a
+    # bridge) would never be released in the child, whose first call would wait forever
+    global _OPEN_LOCK
+    _OPEN_LOCK = threading.Lock()
+    for bridge in _OPEN:
+        bridge._lock = threading.Lock()
+
+
+_register_exit_hook: Any = getattr(threading, "_register_atexit", atexit.register)
+_register_exit_hook(_close_open_bridges)
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class SyncBridge:
     """Runs an adapter's coroutines on a loop of its own (a daemon thread), for callers that
     are synchronous or on another loop. Thread-safe; started on first use; ``close()``
-    ends it, and an ``atexit`` backstop closes a bridge left open (its workers too). A
+    ends it, and an exit backstop closes a bridge left open (its workers too). A
     forked child starts a bridge of its own: the parent's thread does not exist there."""
 
     def __init__(self, adapter: RewardAdapter, *, name: str = "fabric-bridge"):
@@ -452,7 +483,8 @@ class SyncBridge:
                 loop.close()
                 raise
             self._loop, self._thread = loop, thread
-            atexit.register(self.close)
+            with _OPEN_LOCK:
+                _OPEN.add(self)
             return loop
 
     def _submit(self, coro: Callable[[], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
@@ -489,7 +521,8 @@ class SyncBridge:
         with self._lock:
             loop, thread = self._loop, self._thread
             self._loop = self._thread = None
-            atexit.unregister(self.close)
+            with _OPEN_LOCK:
+                _OPEN.discard(self)
             if loop is None or self._pid != os.getpid():
                 return
             try:

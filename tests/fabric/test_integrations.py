@@ -494,6 +494,68 @@ def test_bridge_starts_lazily_closes_workers_and_restarts():
     reward.close()
 
 
+EXIT_WITHOUT_CLOSE = """
+import json, sys
+sys.path.insert(0, "tests/fabric")
+import integ_fns
+from fabric.integrations.trl import trl_reward
+backend = {"type": "local", "max_workers": 1, "warm": 1}
+reward = trl_reward("contains", registry=integ_fns.REG, backend=backend)
+assert reward(prompts=["p"], completions=["1"], answer=["1"]) == [1.0]
+print(json.dumps(reward.adapter._client.backend.stats()["contains"]["pids"]), flush=True)
+# no close(): the exit backstop ends the bridge and its workers
+"""
+
+
+def test_the_exit_backstop_closes_a_bridge_left_open(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_WITHOUT_CLOSE], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    # an atexit hook ran after concurrent.futures' own: "cannot schedule new futures after
+    # interpreter shutdown" from the pool's close, with a traceback, at every such exit
+    assert "Traceback" not in done.stderr and "closing the fabric client failed" not in done.stderr, (
+        done.stderr
+    )
+    pids = json.loads(done.stdout)
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pids and not any(alive(p) for p in pids)
+
+
+def test_a_fork_while_another_thread_holds_the_bridge_lock_does_not_hang_the_child():
+    import multiprocessing as mp
+    import queue
+
+    reward = trl_reward("contains", registry=REG, backend="inproc")
+    try:
+        assert call_trl(reward, ["p"], ["1"], **trl_kwargs(1, answer=["1"]))[0] == [1.0]
+        ctx = mp.get_context("fork")
+        answers = ctx.Queue()
+
+        def child() -> None:
+            answers.put(call_trl(reward, ["p"], ["2"], **trl_kwargs(1, answer=["2"]))[0])
+
+        with reward._bridge._lock:  # as when another thread is starting or closing the bridge
+            proc = ctx.Process(target=child, daemon=True)
+            proc.start()
+        try:
+            assert answers.get(timeout=60) == [1.0]  # the child's lock was never released
+        except queue.Empty:
+            pytest.fail("the forked child waited forever on a lock the parent held at the fork")
+        finally:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+    finally:
+        reward.close()
+
+
 def test_trajectories_from_prompts_and_completions():
     t = build_trajectory(msgs("hi"), [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
     assert [m.role for m in t.messages] == ["system", "user", "assistant"] and t.final_text() == "hi"
