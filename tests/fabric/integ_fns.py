@@ -61,3 +61,18 @@ def huge(traj: Trajectory) -> float | RewardResult:
     if text == "big component":
         return RewardResult(score=1.0, components={"n": 10**400})  # type: ignore[dict-item]
     return 1.0
+
+
+#: What became of each ``waits`` call (inproc: this process): "done" or "cancelled".
+OUTCOMES: dict[str, str] = {}
+
+
+@REG.reward(warm=0, timeout_s=30, retry={"max_attempts": 1})
+async def waits(traj: Trajectory, *, label: str, delay_s: float = 5.0) -> float:
+    try:
+        await asyncio.sleep(delay_s)
+    except asyncio.CancelledError:
+        OUTCOMES[label] = "cancelled"
+        raise
+    OUTCOMES[label] = "done"
+    return 1.0

@@ -422,6 +422,29 @@ async def test_openrlhf_http_form_over_a_socket():
                 assert (await resp.json())["function"] == "explode"
 
 
+async def test_openrlhf_http_a_request_whose_client_hung_up_is_cancelled():
+    # OpenRLHF gives up on a request after 180 s and posts it again, 5 times: the calls of a
+    # request nobody waits for any more ran on, one more copy in the pool at each retry
+    import aiohttp
+
+    cfg = IntegrationConfig(function="waits", backend="inproc", builtins=False)
+    async with RewardServer(cfg, port=0, registry=REG) as server:
+        async with aiohttp.ClientSession() as http:
+            body = {"query": ["q"], "prompts": [""], "labels": ["hung-up"]}
+            with pytest.raises(asyncio.TimeoutError):
+                async with http.post(server.url, json=body, timeout=aiohttp.ClientTimeout(total=0.5)):
+                    pass
+        for _ in range(400):  # the function would finish at 5 s; wait up to 20
+            if "hung-up" in integ_fns.OUTCOMES:
+                break
+            await asyncio.sleep(0.05)
+        assert integ_fns.OUTCOMES.get("hung-up") == "cancelled"
+    # and the command's deadline comes before OpenRLHF's 180 s (aiohttp ClientTimeout(total=180))
+    from fabric.cli import openrlhf_serve
+
+    assert inspect.signature(openrlhf_serve).parameters["deadline_s"].default < 180
+
+
 def test_cli_openrlhf_serve_serves_until_interrupted(tmp_path):
     import signal
     import subprocess
