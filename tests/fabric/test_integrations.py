@@ -362,6 +362,26 @@ def test_verl_settings_from_the_environment_and_typos(verl_rewards, monkeypatch)
         IntegrationConfig.parse()
 
 
+def test_a_misspelt_environment_variable_is_refused_not_ignored():
+    # OpenRLHF's file form reads its settings from the environment only: a typo left the
+    # default in silence (failures raised instead of scoring; the deadline stayed 300 s)
+    base = {"FABRIC_FUNCTION": "exact_match", "FABRIC_WORKER_FD": "3", "OTHER": "x"}
+    for typo, meant in [
+        ("FABRIC_FAILURE_SCROE", "FABRIC_FAILURE_SCORE"),
+        ("FABRIC_DEADLINE", "FABRIC_DEADLINE_S"),
+        ("FABRIC_ENDPOINT", "FABRIC_ENDPOINT_URL"),
+        ("FABRIC_TOKEN", "RL_FABRIC_TOKEN"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"\${typo} is not .* did you mean \${meant}\?"):
+            IntegrationConfig.parse(env={**base, typo: "1"})
+    assert IntegrationConfig.parse(env={**base, "FABRIC_UNRELATED_TOOL": "1"}).function == "exact_match"
+    # the backend may be a config mapping there too, as docs/integrations.md says it may
+    cfg = IntegrationConfig.parse(env={**base, "FABRIC_BACKEND": '{"type": "local", "max_workers": 4}'})
+    assert cfg.backend_config().type == "local" and cfg.backend_config().max_workers == 4  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match="FABRIC_BACKEND must be a backend name or a JSON object"):
+        IntegrationConfig.parse(env={**base, "FABRIC_BACKEND": "{local"})
+
+
 # ----------------------------------------------------------------------------- OpenRLHF
 
 PROMPT = "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
