@@ -590,7 +590,13 @@ def openrlhf_serve(
         float | None,
         typer.Option(help="Score failed calls with this (default: answer 502, which OpenRLHF retries)."),
     ] = None,
-    deadline_s: Annotated[float, typer.Option(help="Seconds a request's calls may take.")] = 300.0,
+    deadline_s: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a request's calls may take; below OpenRLHF's 180 s request timeout, so a slow "
+            "request is answered 502 with the calls past it named instead of hung up on."
+        ),
+    ] = 150.0,
     workers: Annotated[int | None, typer.Option(help="Worker processes per function (local).")] = None,
     modules: ModulesOpt = None,
 ) -> None:

@@ -7,7 +7,7 @@
   reads each ``Result`` back as a ``Score``. A failed call is a failed ``Score``, never 0.
 * ``SyncBridge``: trainers call reward functions synchronously, from their own threads.
   The bridge owns one event loop on a daemon thread, started on the first call, where the
-  adapter's ``Client`` lives; ``close()`` ends it (and an ``atexit`` backstop, for a trainer
+  adapter's ``Client`` lives; ``close()`` ends it (and an exit backstop, for a trainer
   that never closes). Any thread may call it; so may a coroutine on another loop (``arun``).
 * ``build_trajectory``: a framework's prompt and completion (text or chat messages) as a
   fabric ``Trajectory``.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
+import concurrent.futures.thread  # registers its exit hook on import: ours, later, runs before it
 import logging
 import math
 import os
@@ -210,7 +210,7 @@ class RewardAdapter:
                     f"{where} names {', '.join(map(repr, stray))}, which {self._signature()} does not take"
                 )
         self.as_text = self._annotation(self.traj_param) in ("str", "builtins.str")
-        self._plan: dict[str, str] | None = None
+        self._plan: dict[str, tuple[str, ...]] | None = None
         self._client: Any = None
         self._keys: list[str] = list(config.components or ())
         self.stats = {"batches": 0, "samples": 0, "failed": 0, "failure_scored": 0}
@@ -257,30 +257,32 @@ class RewardAdapter:
             + ")"
         )
 
-    def plan(self, first: Mapping[str, Any]) -> dict[str, str]:
-        """Parameter -> source, decided once from the first batch's sample against the
-        function's spec: a required parameter with no source is an error naming them all."""
+    def plan(self, first: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+        """Parameter -> its sources, in the order they are tried for each sample (``args``'s, else
+        the parameter's own name, then the framework's alias), decided once from the first
+        batch's sample against the function's spec: a required parameter with no source there
+        is an error naming them all. An optional parameter is planned whether or not the first
+        sample has it: each sample passes the value it has, or leaves the default."""
         if self._plan is not None:
             return self._plan
-        plan: dict[str, str] = {}
+        plan: dict[str, tuple[str, ...]] = {}
         missing: list[str] = []
         for p in self.spec.params:
             if p.name == self.traj_param or p.name in self.config.constants:
                 continue
             given = self.config.args.get(p.name)
             if given is not None:
-                if not lookup(first, given)[0]:
+                if p.required and not lookup(first, given)[0]:
                     raise MissingArgumentError(
                         f"args maps {p.name!r} of {self._signature()} to {given!r}, which the batch does "
                         f"not have; it has: {_shown(first)}"
                     )
-                plan[p.name] = given
-            elif lookup(first, p.name)[0]:
-                plan[p.name] = p.name
-            elif p.name in self.aliases and lookup(first, self.aliases[p.name])[0]:
-                plan[p.name] = self.aliases[p.name]
-            elif p.required:
+                plan[p.name] = (given,)
+                continue
+            sources = (p.name, *((self.aliases[p.name],) if p.name in self.aliases else ()))
+            if p.required and not any(lookup(first, src)[0] for src in sources):
                 missing.append(p.name)
+            plan[p.name] = sources
         if missing:
             raise MissingArgumentError(
                 f"{self._signature()} needs {', '.join(map(repr, missing))}, which the batch does not "
@@ -294,20 +296,26 @@ class RewardAdapter:
         if not samples:
             return []
         plan = self.plan(samples[0].sources)
+        required = {p.name for p in self.spec.params if p.required}
         out = []
         for i, s in enumerate(samples):
             payload: dict[str, Any] = {
                 self.traj_param: s.traj.final_text() if self.as_text else s.traj,
                 **self.config.constants,
             }
-            for param, source in plan.items():
-                found, value = lookup(s.sources, source)
-                if not found:
-                    raise MissingArgumentError(
-                        f"sample #{i} has no {source!r} for {param!r} of {self.spec.name} (the first sample "
-                        f"had it); it has: {_shown(s.sources)}"
-                    )
-                payload[param] = plain(value)
+            for param, sources in plan.items():
+                for source in sources:
+                    found, value = lookup(s.sources, source)
+                    if found:
+                        payload[param] = plain(value)
+                        break
+                else:
+                    if param in required:
+                        raise MissingArgumentError(
+                            f"sample #{i} has no {' or '.join(map(repr, sources))} for {param!r} of "
+                            f"{self.spec.name} (a required parameter; the first sample had it); it has: "
+                            f"{_shown(s.sources)}"
+                        )
             out.append(payload)
         return out
 
@@ -384,15 +392,18 @@ class RewardAdapter:
 def _reward_of(value: Any) -> tuple[float | None, dict[str, float], str | None]:
     """A function's answer as ``(score, components, problem)``: a number, or a
     ``RewardResult`` (a mapping with ``score``, as it arrives over the wire)."""
-    if isinstance(value, bool | int | float):
-        score = float(value)
-        comps: dict[str, float] = {}
-    elif isinstance(value, Mapping) and isinstance(value.get("score"), bool | int | float):
-        score = float(value["score"])
-        raw = value.get("components") or {}
-        comps = {str(k): float(v) for k, v in raw.items() if isinstance(v, bool | int | float)}
-    else:
-        return None, {}, f"{type(value).__name__} {value!r:.100}, not a number or a RewardResult"
+    try:  # an int past float's range (10**400) is an OverflowError: this sample's failure only
+        if isinstance(value, bool | int | float):
+            score = float(value)
+            comps: dict[str, float] = {}
+        elif isinstance(value, Mapping) and isinstance(value.get("score"), bool | int | float):
+            score = float(value["score"])
+            raw = value.get("components") or {}
+            comps = {str(k): float(v) for k, v in raw.items() if isinstance(v, bool | int | float)}
+        else:
+            return None, {}, f"{type(value).__name__} {value!r:.100}, not a number or a RewardResult"
+    except OverflowError:
+        return None, {}, "a number too large for a float"
     if not math.isfinite(score):
         return None, {}, f"a score of {score}, not a finite number"
     return score, comps, None
@@ -405,10 +416,41 @@ def _shown(sources: Mapping[str, Any]) -> str:
 # ----------------------------------------------------------------------------- the bridge
 
 
+#: Bridges started and not closed yet: closed at exit (``_close_open_bridges``).
+_OPEN: set[SyncBridge] = set()
+_OPEN_LOCK = threading.Lock()
+
+
+def _close_open_bridges() -> None:
+    """The exit backstop for a trainer that never closed its reward. It runs among the
+    ``threading`` exit hooks, before ``concurrent.futures`` refuses new work: a plain
+    ``atexit`` hook runs after that, when closing the local pools' workers (which waits for
+    them on the loop's executor) fails with "cannot schedule new futures after interpreter
+    shutdown". A non-daemon thread still scoring then sees its batch cancelled."""
+    with _OPEN_LOCK:
+        bridges = list(_OPEN)
+    for bridge in bridges:
+        bridge.close()
+
+
+def _after_fork_in_child() -> None:
+    # a lock held by another thread of the parent at the fork (starting or closing a
+    # bridge) would never be released in the child, whose first call would wait forever
+    global _OPEN_LOCK
+    _OPEN_LOCK = threading.Lock()
+    for bridge in _OPEN:
+        bridge._lock = threading.Lock()
+
+
+_register_exit_hook: Any = getattr(threading, "_register_atexit", atexit.register)
+_register_exit_hook(_close_open_bridges)
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class SyncBridge:
     """Runs an adapter's coroutines on a loop of its own (a daemon thread), for callers that
     are synchronous or on another loop. Thread-safe; started on first use; ``close()``
-    ends it, and an ``atexit`` backstop closes a bridge left open (its workers too). A
+    ends it, and an exit backstop closes a bridge left open (its workers too). A
     forked child starts a bridge of its own: the parent's thread does not exist there."""
 
     def __init__(self, adapter: RewardAdapter, *, name: str = "fabric-bridge"):
@@ -441,7 +483,8 @@ class SyncBridge:
                 loop.close()
                 raise
             self._loop, self._thread = loop, thread
-            atexit.register(self.close)
+            with _OPEN_LOCK:
+                _OPEN.add(self)
             return loop
 
     def _submit(self, coro: Callable[[], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
@@ -478,7 +521,8 @@ class SyncBridge:
         with self._lock:
             loop, thread = self._loop, self._thread
             self._loop = self._thread = None
-            atexit.unregister(self.close)
+            with _OPEN_LOCK:
+                _OPEN.discard(self)
             if loop is None or self._pid != os.getpid():
                 return
             try:

@@ -39,6 +39,10 @@ ENV_VARS: dict[str, str] = {
     "components": "FABRIC_COMPONENTS",
 }
 _JSON_VARS = frozenset({"args", "constants"})
+#: ``FABRIC_*`` variables of the project's own worker processes: not settings, not typos.
+_OTHER_VARS = frozenset({"FABRIC_WORKER_FD", "FABRIC_WORKER_SHM", "FABRIC_PARENT_PID"})
+#: Variables people reach for that are named otherwise.
+_MEANT = {"FABRIC_TOKEN": "RL_FABRIC_TOKEN"}
 _LIST_VARS = frozenset({"modules", "components"})
 
 
@@ -129,13 +133,37 @@ class IntegrationConfig(BaseModel):
         return parse_backend_config(body)
 
 
+def _check_names(env: Mapping[str, str]) -> None:
+    """A ``FABRIC_*`` variable that is all but the name of a setting is a typo: refused, as
+    a misspelt ``reward_kwargs`` key is, rather than silently leaving the default (a
+    ``FABRIC_FAILURE_SCROE`` made failures raise; a ``FABRIC_DEADLINE`` left 300 s)."""
+    import difflib
+
+    known = sorted(ENV_VARS.values())
+    for var in env:
+        if not var.startswith("FABRIC_") or var in known or var in _OTHER_VARS:
+            continue
+        meant = _MEANT.get(var) or next(iter(difflib.get_close_matches(var, known, n=1, cutoff=0.85)), None)
+        if meant is not None:
+            raise ConfigError(
+                f"${var} is not a fabric integration setting: did you mean ${meant}? "
+                f"(the settings: {', '.join('$' + k for k in known)})"
+            )
+
+
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    _check_names(env)
     out: dict[str, Any] = {}
     for field, var in ENV_VARS.items():
         raw = env.get(var)
         if raw is None or not raw.strip():
             continue
-        if field in _JSON_VARS:
+        if field == "backend" and raw.strip().startswith("{"):  # a backend config mapping
+            try:
+                out[field] = json.loads(raw)
+            except ValueError as e:
+                raise ConfigError(f"${var} must be a backend name or a JSON object: {e}") from None
+        elif field in _JSON_VARS:
             try:
                 out[field] = json.loads(raw)
             except ValueError as e:

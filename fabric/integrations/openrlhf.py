@@ -219,7 +219,11 @@ class RewardServer:
             app = web.Application(client_max_size=self.max_body_bytes)
             app.router.add_get("/healthz", self._healthz)
             app.router.add_post("/{tail:.*}", self._score)
-            self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+            # handler_cancellation: a request whose client hung up (OpenRLHF's 180 s timeout, after
+            # which it posts the same request again) cancels its calls instead of running them on
+            self._runner = web.AppRunner(
+                app, access_log=None, handle_signals=False, handler_cancellation=True
+            )
             await self._runner.setup()
             site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
             await site.start()

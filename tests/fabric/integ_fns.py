@@ -50,3 +50,29 @@ def with_tests(traj: Trajectory, *, tests: list[str], language: str = "python") 
 @REG.reward(warm=0)
 def not_a_reward(traj: Trajectory) -> str:
     return "high"
+
+
+@REG.reward(warm=0)
+def huge(traj: Trajectory) -> float | RewardResult:
+    """An int past float's range, as a score or as a component, for the samples that ask."""
+    text = traj.final_text()
+    if text == "big":
+        return 10**400  # type: ignore[return-value]
+    if text == "big component":
+        return RewardResult(score=1.0, components={"n": 10**400})  # type: ignore[dict-item]
+    return 1.0
+
+
+#: What became of each ``waits`` call (inproc: this process): "done" or "cancelled".
+OUTCOMES: dict[str, str] = {}
+
+
+@REG.reward(warm=0, timeout_s=30, retry={"max_attempts": 1})
+async def waits(traj: Trajectory, *, label: str, delay_s: float = 5.0) -> float:
+    try:
+        await asyncio.sleep(delay_s)
+    except asyncio.CancelledError:
+        OUTCOMES[label] = "cancelled"
+        raise
+    OUTCOMES[label] = "done"
+    return 1.0

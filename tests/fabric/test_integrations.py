@@ -29,6 +29,7 @@ from fabric.integrations import verl as verl_mod
 from fabric.integrations.openrlhf import OpenRLHFReward, RewardServer
 from fabric.integrations.trl import TRL_EXTRAS, trl_async_reward, trl_reward
 from fabric.integrations.verl import VerlReward
+from fabric.protocol import Trajectory
 from fabric.registry import Registry
 from fabric.testing import FakeBackend
 
@@ -214,6 +215,14 @@ def test_a_non_reward_answer_is_a_failure_not_a_score(fake):
         assert out == [None]
 
 
+def test_a_score_too_large_for_a_float_fails_its_sample_only(fake):
+    # float(10**400) raises OverflowError: it took the whole batch down, the others unscored
+    with trl_reward("huge", registry=REG, backend_instance=fake) as reward:
+        out, _ = call_trl(reward, ["p"] * 3, ["ok", "big", "big component"], **trl_kwargs(3))
+        assert out == [1.0, None, None]
+        assert reward.adapter.stats["failed"] == 2
+
+
 # ----------------------------------------------------------------------------- veRL
 
 
@@ -313,6 +322,33 @@ def test_verl_extra_info_feeds_parameters_and_failures_raise_or_score(fake):
         v.close()
 
 
+def test_an_optional_parameter_follows_each_sample_not_the_first(fake):
+    # a mixed dataset: the plan was made from the first sample, so an optional parameter it
+    # lacked was never sent (a cpp sample graded as python) and one it had was required after
+    v = VerlReward("with_tests", registry=REG, backend_instance=fake)
+    try:
+        py, cpp = {"tests": ["a"]}, {"tests": ["a"], "language": "cpp"}
+        v.compute_score_batch(["d"] * 3, ["a 0", "a 1", "a 2"], [None] * 3, [py, cpp, py])
+        v.compute_score("d", "a 3", None, cpp)
+        sent = {
+            Trajectory.model_validate(i.payload["traj"]).final_text(): i.payload.get("language")
+            for i in fake.invocations
+        }
+        assert sent == {"a 0": None, "a 1": "cpp", "a 2": None, "a 3": "cpp"}
+    finally:
+        v.close()
+    v = VerlReward("with_tests", registry=REG, backend_instance=FakeBackend(REG))
+    try:
+        assert v.compute_score("d", "a", None, cpp)["score"] == 1.0
+        assert v.compute_score("d", "a", None, py)["score"] == 1.0  # raised MissingArgumentError
+    finally:
+        v.close()
+    # OpenRLHF: ground_truth from a JSON label's key where it has one, else the label itself
+    with OpenRLHFReward("explode", registry=REG, backend_instance=(fb := FakeBackend(REG))) as reward_func:
+        reward_func(["p x", "p y"], ["p", "p"], [json.dumps({"ground_truth": "7"}), "8"])
+        assert sorted(inv.payload["ground_truth"] for inv in fb.invocations) == ["7", "8"]
+
+
 def test_verl_settings_from_the_environment_and_typos(verl_rewards, monkeypatch):
     monkeypatch.setenv("FABRIC_FUNCTION", "exact_match")
     monkeypatch.setenv("FABRIC_BACKEND", "inproc")
@@ -324,6 +360,26 @@ def test_verl_settings_from_the_environment_and_typos(verl_rewards, monkeypatch)
     monkeypatch.setenv("FABRIC_ARGS", "not json")
     with pytest.raises(ConfigError, match="FABRIC_ARGS must be a JSON object"):
         IntegrationConfig.parse()
+
+
+def test_a_misspelt_environment_variable_is_refused_not_ignored():
+    # OpenRLHF's file form reads its settings from the environment only: a typo left the
+    # default in silence (failures raised instead of scoring; the deadline stayed 300 s)
+    base = {"FABRIC_FUNCTION": "exact_match", "FABRIC_WORKER_FD": "3", "OTHER": "x"}
+    for typo, meant in [
+        ("FABRIC_FAILURE_SCROE", "FABRIC_FAILURE_SCORE"),
+        ("FABRIC_DEADLINE", "FABRIC_DEADLINE_S"),
+        ("FABRIC_ENDPOINT", "FABRIC_ENDPOINT_URL"),
+        ("FABRIC_TOKEN", "RL_FABRIC_TOKEN"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"\${typo} is not .* did you mean \${meant}\?"):
+            IntegrationConfig.parse(env={**base, typo: "1"})
+    assert IntegrationConfig.parse(env={**base, "FABRIC_UNRELATED_TOOL": "1"}).function == "exact_match"
+    # the backend may be a config mapping there too, as docs/integrations.md says it may
+    cfg = IntegrationConfig.parse(env={**base, "FABRIC_BACKEND": '{"type": "local", "max_workers": 4}'})
+    assert cfg.backend_config().type == "local" and cfg.backend_config().max_workers == 4  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match="FABRIC_BACKEND must be a backend name or a JSON object"):
+        IntegrationConfig.parse(env={**base, "FABRIC_BACKEND": "{local"})
 
 
 # ----------------------------------------------------------------------------- OpenRLHF
@@ -384,6 +440,29 @@ async def test_openrlhf_http_form_over_a_socket():
                 assert resp.status == 413
             async with http.get(server.url.replace("/get_reward", "/healthz")) as resp:
                 assert (await resp.json())["function"] == "explode"
+
+
+async def test_openrlhf_http_a_request_whose_client_hung_up_is_cancelled():
+    # OpenRLHF gives up on a request after 180 s and posts it again, 5 times: the calls of a
+    # request nobody waits for any more ran on, one more copy in the pool at each retry
+    import aiohttp
+
+    cfg = IntegrationConfig(function="waits", backend="inproc", builtins=False)
+    async with RewardServer(cfg, port=0, registry=REG) as server:
+        async with aiohttp.ClientSession() as http:
+            body = {"query": ["q"], "prompts": [""], "labels": ["hung-up"]}
+            with pytest.raises(asyncio.TimeoutError):
+                async with http.post(server.url, json=body, timeout=aiohttp.ClientTimeout(total=0.5)):
+                    pass
+        for _ in range(400):  # the function would finish at 5 s; wait up to 20
+            if "hung-up" in integ_fns.OUTCOMES:
+                break
+            await asyncio.sleep(0.05)
+        assert integ_fns.OUTCOMES.get("hung-up") == "cancelled"
+    # and the command's deadline comes before OpenRLHF's 180 s (aiohttp ClientTimeout(total=180))
+    from fabric.cli import openrlhf_serve
+
+    assert inspect.signature(openrlhf_serve).parameters["deadline_s"].default < 180
 
 
 def test_cli_openrlhf_serve_serves_until_interrupted(tmp_path):
@@ -456,6 +535,68 @@ def test_bridge_starts_lazily_closes_workers_and_restarts():
     out, _ = call_trl(reward, ["p"], ["2"], **trl_kwargs(1, answer=["1"]))  # starts again
     assert out == [0.0]
     reward.close()
+
+
+EXIT_WITHOUT_CLOSE = """
+import json, sys
+sys.path.insert(0, "tests/fabric")
+import integ_fns
+from fabric.integrations.trl import trl_reward
+backend = {"type": "local", "max_workers": 1, "warm": 1}
+reward = trl_reward("contains", registry=integ_fns.REG, backend=backend)
+assert reward(prompts=["p"], completions=["1"], answer=["1"]) == [1.0]
+print(json.dumps(reward.adapter._client.backend.stats()["contains"]["pids"]), flush=True)
+# no close(): the exit backstop ends the bridge and its workers
+"""
+
+
+def test_the_exit_backstop_closes_a_bridge_left_open(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_WITHOUT_CLOSE], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    # an atexit hook ran after concurrent.futures' own: "cannot schedule new futures after
+    # interpreter shutdown" from the pool's close, with a traceback, at every such exit
+    assert "Traceback" not in done.stderr and "closing the fabric client failed" not in done.stderr, (
+        done.stderr
+    )
+    pids = json.loads(done.stdout)
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pids and not any(alive(p) for p in pids)
+
+
+def test_a_fork_while_another_thread_holds_the_bridge_lock_does_not_hang_the_child():
+    import multiprocessing as mp
+    import queue
+
+    reward = trl_reward("contains", registry=REG, backend="inproc")
+    try:
+        assert call_trl(reward, ["p"], ["1"], **trl_kwargs(1, answer=["1"]))[0] == [1.0]
+        ctx = mp.get_context("fork")
+        answers = ctx.Queue()
+
+        def child() -> None:
+            answers.put(call_trl(reward, ["p"], ["2"], **trl_kwargs(1, answer=["2"]))[0])
+
+        with reward._bridge._lock:  # as when another thread is starting or closing the bridge
+            proc = ctx.Process(target=child, daemon=True)
+            proc.start()
+        try:
+            assert answers.get(timeout=60) == [1.0]  # the child's lock was never released
+        except queue.Empty:
+            pytest.fail("the forked child waited forever on a lock the parent held at the fork")
+        finally:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+    finally:
+        reward.close()
 
 
 def test_trajectories_from_prompts_and_completions():
