@@ -311,6 +311,10 @@ class FabricConfig(ConfigModel):
         return {"type": self.backend}
 
 
+#: The name of the job's own disk tier in its image cache (``core.env_images.open_cache``).
+JOB_DISK = "job-disk"
+
+
 class ImagesConfig(ConfigModel):
     """Where the job keeps the images of its environments (``envs[].image``)."""
 
@@ -324,6 +328,15 @@ class ImagesConfig(ConfigModel):
     """More places to find a published image reference, searched after ``dir``: ``s3``,
     ``mirror``, ``origin`` tiers (``envpool.images.tiers``), e.g.
     ``[{type: origin, url: "http://registry:8080"}]``."""
+
+    @model_validator(mode="after")
+    def _tier_names(self) -> ImagesConfig:
+        # they key the cache's metrics; the job's own disk tier comes first
+        names = [JOB_DISK, *(t.name or t.type for t in self.tiers)]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"tier names must be unique (give each a name): {', '.join(twice)} twice")
+        return self
 
     def cache_dir(self, run_dir: Path) -> Path:
         return self.dir if self.dir is not None else run_dir / "images"

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config_messages import hint, listing
-from core.config_sections import ImagesConfig, is_image_ref
+from core.config_sections import JOB_DISK, ImagesConfig, is_image_ref
 from core.errors import ConfigError
 
 __all__ = ["ImageInfo", "JobImages", "image_problems", "inspect_image", "open_cache"]
@@ -61,7 +61,7 @@ def open_cache(images: ImagesConfig, run_dir: Path) -> Any:
     from envpool.images import DiskTier, DiskTierConfig, TieredCache, make_tier
 
     root = images.cache_dir(run_dir).absolute()  # containers and the corpus child chdir into bundles
-    tiers = [DiskTier(DiskTierConfig(path=root / "blobs", name="job-disk")), *map(make_tier, images.tiers)]
+    tiers = [DiskTier(DiskTierConfig(path=root / "blobs", name=JOB_DISK)), *map(make_tier, images.tiers)]
     return TieredCache(tiers, unpack_dir=root / "unpacked")
 
 

@@ -269,3 +269,9 @@ async def test_the_corpus_and_the_pool_play_the_users_environment_from_its_image
     with pytest.raises(ConfigError) as e:  # an image entry is never played from the built-ins
         env_corpus(cfg, 3)
     assert e.value.problems[0][0] == "envs[0].image"
+
+
+def test_the_image_tiers_are_checked_with_the_config(tmp_path):
+    tiers = [{"type": "origin", "url": "http://127.0.0.1:9"}, {"type": "origin", "url": "http://127.0.0.1:8"}]
+    [(key, msg)] = problems(config(tmp_path, images={"tiers": tiers}))
+    assert key == "images" and "tier names must be unique (give each a name): origin twice" in msg
