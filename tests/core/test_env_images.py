@@ -106,6 +106,7 @@ def test_an_image_directory_that_is_missing_is_one_error(tmp_path):
     assert key == "envs[0].image"
     assert f"{tmp_path / 'coin'} does not exist: an image is a directory holding" in msg
     assert "relative path is taken from the working directory" in msg and "name@sha256:" in msg
+    assert not (tmp_path / "run").exists()  # nothing made on the way to the error
 
 
 def test_an_image_directory_without_a_manifest_says_what_to_add(tmp_path):
@@ -129,6 +130,13 @@ def test_an_image_whose_module_does_not_import_is_one_error(tmp_path):
     [(key, msg)] = problems(config(tmp_path))
     assert key == "envs[0].image"
     assert "modules[0] 'user_coin' does not import: ModuleNotFoundError: No module named 'numpyy'" in msg
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    data = config(tmp_path)
+    data["rewards"]["coin"] = [{"function": "env_retrun"}]
+    assert [k for k, _ in problems(data)] == ["envs[0].image", "rewards.coin[0].function"]
 
 
 def test_an_entry_point_typo_is_one_error(tmp_path):
