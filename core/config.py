@@ -8,10 +8,13 @@ belongs to (``envs[1].id``, ``rewards.frozenlake[0].function``, ``alpha``):
 1. **Schema** (pydantic, ``extra="forbid"`` everywhere): types, bounds, unknown keys, unknown
    engine/trainer/fabric backends, and the cross-field rules (every environment tag has
    rewards, every reward tag is used by an environment, weights are not all zero, ...).
-2. **References** (``validate_references``): every environment id is registered with
-   envpool, every reward is a registered fabric *reward*, and its ``args``/``task_args``
-   fit the function's signature. ``from_yaml`` runs it against the registries found by
-   discovery (``fabric.discover`` modules and envpool's built-ins); tests pass their own.
+2. **References** (``validate_references``): every environment id is a built-in or
+   registered by its entry's ``image`` (a directory with an ``envpool.json``, or a published
+   reference: ``core.env_images``), every reward is a registered fabric *reward*, and its
+   ``args``/``task_args`` fit the function's signature. ``from_yaml`` runs it against the
+   registries found by discovery (``fabric.discover`` modules and envpool's built-ins); tests
+   pass their own. An environment registered only by a ``fabric.discover`` module is refused
+   with the ``image`` line that makes it work: no container or corpus child imports those.
 
 Nothing downstream re-validates: the job passes these typed objects inward.
 
@@ -40,6 +43,7 @@ from core.config_sections import (
     EnvConfig,
     EnvPoolConfig,
     FabricConfig,
+    ImagesConfig,
     PretrainConfig,
     PromptConfig,
     RewardConfig,
@@ -58,12 +62,14 @@ __all__ = [
     "EnvConfig",
     "EnvPoolConfig",
     "FabricConfig",
+    "ImagesConfig",
     "JobConfig",
     "PretrainConfig",
     "PromptConfig",
     "RewardConfig",
     "RolloutConfig",
     "TrainerConfig",
+    "builtin_env_ids",
     "registered_env_ids",
 ]
 
@@ -91,6 +97,7 @@ class JobConfig(ConfigModel):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     fabric: FabricConfig = Field(default_factory=FabricConfig)
     envpool: EnvPoolConfig = Field(default_factory=EnvPoolConfig)
+    images: ImagesConfig = Field(default_factory=ImagesConfig)
     run_dir: Path = Path("runs/job")
     """Where metrics, plots and the summary go (relative paths: to the working directory)."""
     seed: int = 0
@@ -206,14 +213,15 @@ class JobConfig(ConfigModel):
             raise ConfigError(problems)
 
     def reference_problems(self, registry: Registry, env_ids: Iterable[str]) -> list[tuple[str, str]]:
-        known_envs = sorted(env_ids)
+        """``env_ids``: the environments every container knows without an image (the
+        built-ins); an entry's ``image`` adds what it registers (``core.env_images``: its
+        directory or reference checked, its modules loaded in a child process)."""
+        from core.env_images import image_problems
+
         rewards = sorted(s.name for s in registry.specs() if s.kind == "reward")
-        problems: list[tuple[str, str]] = []
-        for i, env in enumerate(self.envs):
-            if env.id not in known_envs:
-                close = hint(env.id, known_envs)
-                msg = f"unknown environment {env.id!r}{close}; registered: {listing(known_envs)}"
-                problems.append((f"envs[{i}].id", msg))
+        builtin = set(env_ids)
+        in_driver = set(registered_env_ids()) - builtin_env_ids()
+        problems = image_problems(self.envs, self.images, self.run_dir, builtin, in_driver=in_driver)
         for tag, specs in self.rewards.items():
             for j, spec in enumerate(specs):
                 key = f"rewards.{tag}[{j}]"
@@ -263,7 +271,7 @@ class JobConfig(ConfigModel):
             if registry is None:
                 registry = cfg.discover_functions(source)
             if env_ids is None:
-                env_ids = registered_env_ids()
+                env_ids = builtin_env_ids()
             problems = cfg.reference_problems(registry, env_ids)
             if problems:
                 raise ConfigError(problems, source)
@@ -301,8 +309,16 @@ class JobConfig(ConfigModel):
 
 
 def registered_env_ids() -> list[str]:
-    """Ids in envpool's default registry, the built-ins included."""
+    """Ids in envpool's default registry: the built-ins, and what this process registered
+    (a ``fabric.discover`` module that calls ``envpool.register``)."""
     import envpool
     import envpool.envs  # registers the built-in environments
 
     return envpool.default_registry.ids()
+
+
+def builtin_env_ids() -> set[str]:
+    """The environments every container knows without an image."""
+    from envpool.envs import BUILTIN_IDS
+
+    return set(BUILTIN_IDS)

@@ -8,10 +8,12 @@ model here forbids unknown keys, and each field's docstring is its reference.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from envpool.images.tiers import TierConfig
 from envpool.pool import PoolConfig
 from fabric.client import ClientConfig
 
@@ -128,14 +130,39 @@ class EnvConfig(ConfigModel):
     """Policy turns before the trajectory is truncated."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Constructor arguments of the environment (override the registered ones)."""
-    image: str | None = None
-    """Image reference of a custom environment bundle (None: the built-ins)."""
+    image: str | None = Field(None, min_length=1)
+    """Where the environment comes from when it is not a built-in: a directory holding its
+    files and an ``envpool.json`` (``{"modules": [...]}`` or ``{"register": [...]}``; a
+    relative path is taken from the working directory, as ``run_dir`` is), which the job
+    builds into an image at start, or a published image reference ``name@sha256:<hex>``
+    (found in ``images.dir`` or ``images.tiers``). None: the built-ins."""
     prompt: PromptConfig = Field(default_factory=PromptConfig)
     actions: list[str] | None = Field(None, min_length=1)
     """Constrain every reply to one of these words (one token each, the engine's
     ``allowed_token_ids``): a closed action space the policy cannot step outside. ``None``:
     free text, parsed by the environment (an unparseable reply is an invalid action, which
     the environment penalises)."""
+
+    @field_validator("image")
+    @classmethod
+    def _image_dir_absolute(cls, v: str | None) -> str | None:
+        # a directory is resolved once, here, against the working directory of the load:
+        # the job that builds it later (and the run directory's config.yaml) means the same one
+        if v is None or is_image_ref(v):
+            return v
+        return str(Path(v).expanduser().absolute())
+
+
+def is_image_ref(image: str) -> bool:
+    """``name@sha256:<64 hex>`` or ``sha256:<64 hex>`` (anything else names a directory)."""
+    from envpool.images.bundle import ImageRef
+    from envpool.images.errors import InvalidImageRef
+
+    try:
+        ImageRef.parse(image)
+    except InvalidImageRef:
+        return False
+    return True
 
 
 class RewardConfig(ConfigModel):
@@ -282,6 +309,37 @@ class FabricConfig(ConfigModel):
         if self.backend == "local" and self.workers is not None:
             return {"type": "local", "max_workers": self.workers}
         return {"type": self.backend}
+
+
+#: The name of the job's own disk tier in its image cache (``core.env_images.open_cache``).
+JOB_DISK = "job-disk"
+
+
+class ImagesConfig(ConfigModel):
+    """Where the job keeps the images of its environments (``envs[].image``)."""
+
+    dir: Path | None = None
+    """The job's image cache: a disk tier of bundles (``<dir>/blobs``) and the bundles
+    unpacked for the containers and the tokenizer's corpus (``<dir>/unpacked``). Default:
+    ``<run_dir>/images``; share one between runs (``~/.cache/rl-fabric/images``) to build
+    and unpack an unchanged directory once for all of them. Relative: to the working
+    directory."""
+    tiers: list[TierConfig] = Field(default_factory=list)
+    """More places to find a published image reference, searched after ``dir``: ``s3``,
+    ``mirror``, ``origin`` tiers (``envpool.images.tiers``), e.g.
+    ``[{type: origin, url: "http://registry:8080"}]``."""
+
+    @model_validator(mode="after")
+    def _tier_names(self) -> ImagesConfig:
+        # they key the cache's metrics; the job's own disk tier comes first
+        names = [JOB_DISK, *(t.name or t.type for t in self.tiers)]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"tier names must be unique (give each a name): {', '.join(twice)} twice")
+        return self
+
+    def cache_dir(self, run_dir: Path) -> Path:
+        return self.dir if self.dir is not None else run_dir / "images"
 
 
 class EnvPoolConfig(PoolConfig):

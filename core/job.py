@@ -40,7 +40,8 @@ from typing import Any, TypeVar
 
 from core.buffer import SampleBuffer
 from core.cluster import Cluster, turn_scheduler
-from core.config import EnvConfig, JobConfig, registered_env_ids
+from core.config import EnvConfig, JobConfig, builtin_env_ids
+from core.env_images import JobImages
 from core.errors import ConfigError, CoreError, RolloutError
 from core.evaluation import EVAL_SEED_BASE, Evaluator
 from core.policy.build import PolicyBundle, action_ids, build_policy
@@ -116,7 +117,7 @@ class Job:
         registry = self.registry if self.registry is not None else cfg.discover_functions()
         # the config was checked against what discovery found; a job given its own registry
         # checks against that one, or an unknown reward would fail every trajectory
-        problems = cfg.reference_problems(registry, registered_env_ids())
+        problems = cfg.reference_problems(registry, builtin_env_ids())
         # before the policy build (minutes of pretraining), not at the RunDir made after it
         bad_dir = RunDir.problem(Path(cfg.run_dir))
         if bad_dir is not None:
@@ -125,44 +126,61 @@ class Job:
             raise ConfigError(problems)
         self._fatal = asyncio.get_running_loop().create_future()
         with JobProgress(cfg.steps, enabled=self.progress_enabled) as progress:
-            bundle = await self._build_policy(progress) if cfg.engine.backend == "torch" else None
-            actions = self._action_ids(bundle)
-            try:
-                run_dir = self.run_dir = RunDir(Path(cfg.run_dir))
-            except OSError as e:  # changed since the check above
-                raise ConfigError(
-                    [("run_dir", f"cannot use {str(cfg.run_dir)!r}: {e.strerror or e}")]
-                ) from None
-            run_dir.write_config(cfg.to_yaml())
-            progress.note(f"run directory: {run_dir.path}")
-            init = str(bundle.save(run_dir.path.resolve() / "policy-init")) if bundle is not None else None
-            async with self.cluster.start(init) as proxy, self._fabric(registry) as (client, pool):
-                term.reinstall()  # ray.init put its own handler in place of ours
-                self.pool = pool
-                buffer = self.buffer = SampleBuffer(cfg.group_size, cfg.alpha, on_abort=self._on_abort)
-                stream = self.stream = RewardStream(client, cfg.rewards, self._deliver)
-                manager = EnvManager(cfg, pool, proxy, actions=actions)
-                runner = self.runner = GroupRunner(
-                    cfg,
-                    manager,
-                    proxy,
-                    submit=stream.submit,
-                    on_finished=self.tally.finished,
-                    on_given_up=self._given_up,
-                )
-                async with stream:
-                    setup_s = time.perf_counter() - t_start
-                    progress.note(f"ready in {setup_s:.1f}s; training {cfg.steps} steps ({cfg.rollout.mode})")
-                    try:
-                        summary = await self._train(manager, runner, buffer, stream, run_dir, progress)
-                        summary["setup_s"] = round(setup_s, 1)
-                        # routing, recoveries and the turn scheduler's counts, for the record
-                        summary["proxy"] = await self.proxy_handle.stats.remote()
-                    finally:
-                        # a failed run too stops its rollouts before the cluster goes away
-                        await runner.aclose()
+            async with JobImages(cfg.envs, cfg.images, cfg.run_dir) as images:
+                if images.refs:
+                    built = f", {images.published} built" if images.published else ""
+                    progress.note(f"images: {', '.join(images.refs.values())}{built}")
+                summary = await self._run_with(images, registry, term, progress, t_start)
         summary["wall_s"] = round(time.perf_counter() - t_start, 1)
-        run_dir.finish(summary)
+        assert self.run_dir is not None
+        self.run_dir.finish(summary)
+        return summary
+
+    async def _run_with(
+        self,
+        images: JobImages,
+        registry: Registry,
+        term: _TermAsInterrupt,
+        progress: JobProgress,
+        t_start: float,
+    ) -> dict[str, Any]:
+        cfg = self.cfg
+        bundle = await self._build_policy(progress, images) if cfg.engine.backend == "torch" else None
+        actions = self._action_ids(bundle)
+        try:
+            run_dir = self.run_dir = RunDir(Path(cfg.run_dir))
+        except OSError as e:  # changed since the check above
+            raise ConfigError([("run_dir", f"cannot use {str(cfg.run_dir)!r}: {e.strerror or e}")]) from None
+        run_dir.write_config(cfg.to_yaml())
+        progress.note(f"run directory: {run_dir.path}")
+        init = str(bundle.save(run_dir.path.resolve() / "policy-init")) if bundle is not None else None
+        async with self.cluster.start(init) as proxy, self._fabric(registry, images) as (client, pool):
+            term.reinstall()  # ray.init put its own handler in place of ours
+            self.pool = pool
+            buffer = self.buffer = SampleBuffer(cfg.group_size, cfg.alpha, on_abort=self._on_abort)
+            stream = self.stream = RewardStream(client, cfg.rewards, self._deliver)
+            manager = EnvManager(cfg, pool, proxy, actions=actions, images=images.refs)
+            runner = self.runner = GroupRunner(
+                cfg,
+                manager,
+                proxy,
+                submit=stream.submit,
+                on_finished=self.tally.finished,
+                on_given_up=self._given_up,
+            )
+            async with stream:
+                setup_s = time.perf_counter() - t_start
+                progress.note(f"ready in {setup_s:.1f}s; training {cfg.steps} steps ({cfg.rollout.mode})")
+                try:
+                    summary = await self._train(manager, runner, buffer, stream, run_dir, progress)
+                    summary["setup_s"] = round(setup_s, 1)
+                    if images.refs:
+                        summary["images"] = dict(images.refs)
+                    # routing, recoveries and the turn scheduler's counts, for the record
+                    summary["proxy"] = await self.proxy_handle.stats.remote()
+                finally:
+                    # a failed run too stops its rollouts before the cluster goes away
+                    await runner.aclose()
         return summary
 
     async def _train(
@@ -361,7 +379,7 @@ class Job:
         }
 
     # ------------------------------------------------------------------ setup
-    async def _build_policy(self, progress: JobProgress) -> PolicyBundle:
+    async def _build_policy(self, progress: JobProgress, images: JobImages) -> PolicyBundle:
         if self.cfg.engine.pretrain.steps:
             progress.note(f"pretraining the policy on random play ({self.cfg.engine.pretrain.steps} steps)")
         # in a worker thread: run here, the build (corpus play, pretraining: minutes) held the
@@ -372,7 +390,13 @@ class Job:
         # else runs yet, so the thread shares nothing with the loop but the progress display.
         stop = threading.Event()
         build = asyncio.ensure_future(
-            asyncio.to_thread(build_policy, self.cfg, on_pretrain_step=progress.pretrain_step, stop=stop)
+            asyncio.to_thread(
+                build_policy,
+                self.cfg,
+                on_pretrain_step=progress.pretrain_step,
+                stop=stop,
+                bundles=images.bundles,
+            )
         )
         try:
             bundle = await asyncio.shield(build)
@@ -402,7 +426,7 @@ class Job:
         return out
 
     @contextlib.asynccontextmanager
-    async def _fabric(self, registry: Registry) -> AsyncIterator[tuple[Any, Any]]:
+    async def _fabric(self, registry: Registry, images: JobImages) -> AsyncIterator[tuple[Any, Any]]:
         from envpool.pool import EnvPool
         from fabric.client import Client
 
@@ -418,8 +442,10 @@ class Job:
                     return str(r.value)
                 return f"error: {r.error.message if r.error else 'the tool failed'}"
 
-            async with EnvPool(cfg.envpool, tool_caller=call_tool) as pool:
-                await pool.prewarm()
+            async with EnvPool(cfg.envpool, images=images.cache, tool_caller=call_tool) as pool:
+                # the images the entries play (None: the built-ins), warm before the first group
+                for image in dict.fromkeys(images.refs.get(e.image) if e.image else None for e in cfg.envs):
+                    await pool.prewarm(image)
                 yield client, pool
 
 
@@ -502,14 +528,15 @@ def load(path: str, *, steps: int | None = None, run_dir: str | None = None) -> 
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.append(cwd)
-    cfg = JobConfig.from_yaml(path)
     overrides: dict[str, Any] = {}
     if steps is not None:
         overrides["steps"] = steps
     if run_dir is not None:
         overrides["run_dir"] = run_dir
     if not overrides:
-        return cfg
+        return JobConfig.from_yaml(path)
+    # the references (rewards, environments, their images) once, with the overrides applied
+    cfg = JobConfig.from_yaml(path, check_references=False)
     data = yaml.safe_load(cfg.to_yaml())
     data.update(overrides)
     return JobConfig.from_dict(data, source=path)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import importlib
 import json
 import os
 import random
@@ -33,6 +32,7 @@ from typing import Any
 
 import pydantic_core
 
+from envpool.manifest import MANIFEST, load_manifest, read_manifest
 from envpool.protocol import EXIT_IMAGE_NOT_FOUND, MAX_FRAME, FrameError, encode, error_payload, recv_frame
 
 _REPLY_CACHE = 64
@@ -93,13 +93,8 @@ def load_bundle(bundle: Path | None) -> Any:
 
     if bundle is not None:
         sys.path.insert(0, str(bundle))
-        manifest = bundle / "envpool.json"
-        if manifest.exists():
-            spec = json.loads(manifest.read_text())
-            for module in spec.get("modules", []):  # modules that call envpool.register themselves
-                importlib.import_module(module)
-            for reg in spec.get("register", []):
-                default_registry.register(**reg)
+        if (bundle / MANIFEST).exists():  # (a bundle without one serves the built-ins)
+            load_manifest(bundle, read_manifest(bundle), default_registry)
     return default_registry
 
 

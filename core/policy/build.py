@@ -76,10 +76,16 @@ class PolicyBundle:
 
 
 def build_policy(
-    cfg: JobConfig, *, on_pretrain_step: OnStep | None = None, stop: threading.Event | None = None
+    cfg: JobConfig,
+    *,
+    on_pretrain_step: OnStep | None = None,
+    stop: threading.Event | None = None,
+    bundles: dict[str, Path] | None = None,
 ) -> PolicyBundle:
     """The job's policy. Blocking (corpus play, pretraining: minutes); ``stop`` set from
-    another thread makes it raise ``StoppedError`` soon after, nothing left running."""
+    another thread makes it raise ``StoppedError`` soon after, nothing left running.
+    ``bundles``: ``envs[].image`` -> its unpacked image (``core.env_images.JobImages``), which
+    the corpus child loads as a container does."""
     if cfg.engine.backend != "torch":
         raise ConfigError([("engine.backend", "build_policy builds the torch engine's policy only")])
     shape = {k: v for k, v in cfg.engine.kwargs.items() if k in MODEL_KEYS}
@@ -88,7 +94,10 @@ def build_policy(
     tasks: frozenset[str] = frozenset()
     if cfg.engine.model == TINY_LM:
         played = play_envs(
-            cfg, max(CORPUS_EPISODES, pre.episodes) if pre.steps else CORPUS_EPISODES, stop=stop
+            cfg,
+            max(CORPUS_EPISODES, pre.episodes) if pre.steps else CORPUS_EPISODES,
+            stop=stop,
+            bundles=bundles,
         )
         tok = WordTokenizer.train(played.texts)
         try:

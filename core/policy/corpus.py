@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from core.config import JobConfig
@@ -72,21 +73,37 @@ class Played:
     episodes: list[Episode] = field(default_factory=list)
 
 
-def env_corpus(cfg: JobConfig, episodes: int = CORPUS_EPISODES) -> list[str]:
+def env_corpus(
+    cfg: JobConfig, episodes: int = CORPUS_EPISODES, *, bundles: dict[str, Path] | None = None
+) -> list[str]:
     """Text of seeded random episodes of every configured environment: the action words,
     the system prompt, observations and invalid-action messages."""
-    return play_envs(cfg, episodes).texts
+    return play_envs(cfg, episodes, bundles=bundles).texts
 
 
 def play_envs(
-    cfg: JobConfig, episodes: int = CORPUS_EPISODES, *, stop: threading.Event | None = None
+    cfg: JobConfig,
+    episodes: int = CORPUS_EPISODES,
+    *,
+    stop: threading.Event | None = None,
+    bundles: dict[str, Path] | None = None,
 ) -> Played:
     """``episodes`` seeded random episodes of every configured environment, in seed order.
-    Raises ``StoppedError`` soon after ``stop`` is set (the children killed)."""
+    Raises ``StoppedError`` soon after ``stop`` is set (the children killed). An entry with
+    an ``image`` is played from its unpacked bundle (``bundles[env.image]``, what the job's
+    ``JobImages`` unpacked), loaded as a container loads it."""
     played = Played()
     for i, env_cfg in enumerate(cfg.envs):
+        bundle = None
+        if env_cfg.image is not None:
+            bundle = (bundles or {}).get(env_cfg.image)
+            if bundle is None:
+                raise ConfigError(
+                    [(f"envs[{i}].image", f"no unpacked bundle of {env_cfg.image} given to play it from")]
+                )
         spec = {
             "id": env_cfg.id,
+            "bundle": str(bundle) if bundle is not None else None,
             "kwargs": env_cfg.kwargs,
             "actions": env_cfg.actions,
             "salt": f"{cfg.seed}-{i}",
@@ -177,12 +194,15 @@ def _last_line(text: str) -> str:
 def _child(spec: dict[str, Any]) -> None:
     """Build the environment, then play each episode in a forked process of its own, up to
     ``parallel`` at once (an environment's steps often wait: a tool, a simulator, a sleep)."""
-    import envpool
-    import envpool.envs
+    from envpool.server import load_bundle
 
     out = os.dup(1)
     os.dup2(2, 1)  # whatever the environment prints goes to stderr, not into the protocol
-    env = envpool.make(spec["id"], tool_caller=_no_tools, **spec["kwargs"])
+    bundle = Path(spec["bundle"]).absolute() if spec.get("bundle") else None
+    if bundle is not None:
+        os.chdir(bundle)  # as in a container: the image's directory is the working directory
+    registry = load_bundle(bundle)  # the built-ins and what the image registers
+    env = registry.make(spec["id"], tool_caller=_no_tools, **spec["kwargs"])
     actions = list(spec["actions"] or env.env.example_actions or ("noop",))
     _write(out, {"actions": actions})
     n = spec["episodes"]

@@ -135,13 +135,17 @@ class EnvManager:
         proxy: ProxyLike,
         *,
         actions: dict[str, list[int]] | None = None,
+        images: dict[str, str] | None = None,
     ):
         self.cfg = cfg
         self.pool = pool
         self.proxy = proxy
         self.actions = actions or {}
-        self._releasing: set[asyncio.Task[None]] = set()
         """Tag -> allowed token ids (constrained replies), from ``EnvConfig.actions``."""
+        self.images = images or {}
+        """``EnvConfig.image`` (a directory) -> the reference of the image the job built from
+        it (``core.env_images.JobImages``); a reference stands for itself."""
+        self._releasing: set[asyncio.Task[None]] = set()
 
     async def run(
         self, task: Task, *, version: int, traj_id: str | None = None, barrier: TurnBarrier | None = None
@@ -200,7 +204,8 @@ class EnvManager:
 
     async def _play(self, task: Task, traj: Trajectory, barrier: TurnBarrier | None) -> None:
         env, info = task.env, traj.info
-        async with self.pool.session(env.id, image=env.image, env_kwargs=env.kwargs) as session:
+        image = self.images.get(env.image, env.image) if env.image is not None else None
+        async with self.pool.session(env.id, image=image, env_kwargs=env.kwargs) as session:
             te = time.perf_counter()
             obs, reset_info = await session.reset(seed=task.seed)
             info["env_s"] += time.perf_counter() - te

@@ -323,12 +323,13 @@ def test_a_module_that_cannot_be_discovered_names_the_key():
 
 
 def test_shipped_examples_exist():
-    assert {p.parent.name for p in EXAMPLES} >= {"frozenlake", "math_tools"}
+    assert {p.parent.name for p in EXAMPLES} >= {"frozenlake", "math_tools", "own_env"}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.parent.name)
-def test_shipped_examples_load_against_the_real_registries(path):
-    cfg = JobConfig.from_yaml(path)  # discovers `functions` and envpool's built-ins
+def test_shipped_examples_load_against_the_real_registries(path, monkeypatch):
+    monkeypatch.chdir(REPO)  # they are run from the repository root: their paths start there
+    cfg = JobConfig.from_yaml(path)  # discovers `functions`, envpool's built-ins, their images
     assert cfg.engine.backend == "torch" and cfg.fabric.backend == "local"
     assert cfg.envpool.runtime.type == "process"
     for env in cfg.envs:

@@ -494,6 +494,63 @@ async def test_the_job_trains_end_to_end_and_leaves_its_run_directory(tmp_path, 
     assert summary["final_unseen_episodes"] == final["episodes_unseen"]
 
 
+USER_ENV = """
+import envpool
+
+
+class Coin(envpool.Env):
+    example_actions = ("heads", "tails")
+
+    def reset(self, *, seed=None, options=None):
+        return "Call the coin: heads or tails.", {}
+
+    def step(self, action):
+        won = action.strip() == "heads"
+        text = "Heads: you win." if won else "Tails: you lose."
+        return envpool.StepResult(obs=envpool.Observation(text=text), reward=float(won), terminated=True)
+
+
+envpool.register("job-coin-v0", entry_point="job_coin:Coin", max_episode_steps=2)
+"""
+
+
+@pytest.mark.ray
+async def test_the_job_trains_on_a_users_environment_from_an_image_directory(tmp_path, ray_cluster):
+    # the env was registered by a fabric.discover module: accepted, then "unknown environment
+    # 'coin-v0'" in the corpus child, and no image could be used (the pool had no image cache)
+    image = tmp_path / "coin"
+    image.mkdir()
+    (image / "job_coin.py").write_text(USER_ENV)
+    (image / "envpool.json").write_text('{"modules": ["job_coin"]}')
+    env = {
+        "id": "job-coin-v0",
+        "tag": "coin",
+        "max_turns": 1,
+        "actions": ["heads", "tails"],
+        "image": str(image),
+    }
+    cfg = job_config(tmp_path, env=env, steps=2, rollout={"eval_every": 2, "eval_episodes": 2})
+    job = Job(cfg, progress=False, registry=faults.REG)
+    finished: list[Any] = []
+    record = job.tally.finished
+    job.tally.finished = lambda traj: (finished.append(traj), record(traj))[1]  # type: ignore[method-assign]
+    summary = await job.run()
+    check_invariants(summary, cfg)
+    [ref] = summary["images"].values()
+    assert summary["images"] == {str(image): ref} and ref.startswith("coin@sha256:")
+    # the corpus child played it: the tokenizer knows its words
+    vocab = json.loads((tmp_path / "run" / "policy-init" / "tokenizer.json").read_text())
+    assert {"heads", "tails", "coin", "win", "lose"} <= set(vocab["vocab"]), vocab["vocab"]
+    # the pool played it: every trajectory is the user's environment, and those were trained
+    assert finished and {t.task["env_id"] for t in finished} == {"job-coin-v0"}
+    assert {t.messages[0].content for t in finished} == {"Call the coin: heads or tails."}
+    assert task_key("Call the coin: heads or tails.") in job.evaluator.trained_tasks
+    assert all(r["trajectories"] == 4 for r in train_rows(tmp_path / "run"))
+    # and so did the evaluation (through the pool too)
+    assert [e["step"] for e in summary["evals"]] == [0, 2] and job.evals[-1]["episodes"] == 2
+    assert "job-coin-v0" not in __import__("envpool").default_registry  # nothing of it ran here
+
+
 @pytest.mark.ray
 async def test_sync_mode_runs_too(tmp_path, ray_cluster):
     cfg = job_config(tmp_path, rollout={"mode": "sync"})

@@ -1,0 +1,162 @@
+"""An image's ``envpool.json``: what environments a bundle registers, read and checked.
+
+    {"modules": ["coin_env"]}                                       # modules that call envpool.register
+    {"register": [{"id": "coin-v0", "entry_point": "coin_env:Coin", "max_episode_steps": 2}]}
+
+A container loads it (``envpool.server.load_bundle``) with the bundle directory first on
+``sys.path`` and as its working directory. ``registered_by(root)`` does the same in a child
+process and says which environments the bundle adds to the built-ins, each entry point
+loaded once: a manifest that is not JSON, a module that does not import, or an entry point
+with a typo is a ``ManifestError`` naming the entry, found before a job starts rather than
+in every container it would start. In a child, because the image's modules would otherwise
+be imported into the caller (its registry, ``sys.modules``), where environment code never
+runs: two images may hold modules of the same name.
+
+``python -m envpool.manifest DIR`` is the child: one JSON line, ``{"envs": {id: spec}}``
+or ``{"error": "..."}`` (exit code 1).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from envpool.errors import EnvRegistryError
+
+MANIFEST = "envpool.json"
+#: The child's wall-clock limit: an image whose modules take longer to import is refused.
+INSPECT_TIMEOUT_S = 120.0
+
+
+class ManifestError(EnvRegistryError):
+    """An image's ``envpool.json`` is missing, not JSON, or registers something that does not load."""
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    modules: list[str] = []
+    """Modules of the bundle to import; they call ``envpool.register`` themselves."""
+    entries: list[dict[str, Any]] = Field([], alias="register")
+    """(``register``) ``envpool.register`` keyword arguments: ``id``, ``entry_point``, options."""
+
+
+def read_manifest(root: Path) -> Manifest:
+    """The manifest of the bundle directory ``root``; ``ManifestError`` saying what to fix."""
+    path = Path(root) / MANIFEST
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ManifestError(
+            f"{root} has no {MANIFEST}: add one naming what the image registers, "
+            '{"modules": ["my_env"]} (modules that call envpool.register) or '
+            '{"register": [{"id": "my-env-v0", "entry_point": "my_env:MyEnv"}]}'
+        ) from None
+    except OSError as e:
+        raise ManifestError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{path} is not valid JSON: {e}") from None
+    try:
+        manifest = Manifest.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the document"
+        raise ManifestError(
+            f'{path}: {where}: {first["msg"]} (expected {{"modules": [names]}} and/or '
+            '{"register": [{"id": ..., "entry_point": "module:Class"}]})'
+        ) from None
+    return manifest
+
+
+def load_manifest(root: Path, manifest: Manifest, registry: Any) -> None:
+    """Import the manifest's modules and register its entries into ``registry`` (the
+    process's default registry: the modules register there). ``root`` must already be
+    first on ``sys.path``. A failure is a ``ManifestError`` naming the entry."""
+    for i, module in enumerate(manifest.modules):
+        try:
+            importlib.import_module(module)
+        except Exception as e:
+            raise ManifestError(
+                f"{root / MANIFEST}: modules[{i}] {module!r} does not import: {type(e).__name__}: {e}"
+            ) from e
+    for i, reg in enumerate(manifest.entries):
+        try:
+            registry.register(**reg)
+        except Exception as e:
+            raise ManifestError(f"{root / MANIFEST}: register[{i}]: {type(e).__name__}: {e}") from e
+
+
+def registered_by(root: str | os.PathLike[str], *, timeout_s: float = INSPECT_TIMEOUT_S) -> dict[str, Any]:
+    """The environments the bundle directory ``root`` registers beyond the built-ins (id ->
+    its spec as a dict), loaded in a child process as a container loads them, with every
+    entry point imported once. ``ManifestError`` if the manifest or any of it fails."""
+    root = Path(root).absolute()
+    read_manifest(root)  # the common mistakes, without a process
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "envpool.manifest", str(root)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            cwd=root,
+            # as a container's: the caller's import path, the bundle put first by the child
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+        )
+    except subprocess.TimeoutExpired:
+        raise ManifestError(f"{root / MANIFEST}: loading it took over {timeout_s:.0f} s") from None
+    lines = proc.stdout.strip().splitlines()
+    try:
+        row = json.loads(lines[-1]) if lines else {}
+    except json.JSONDecodeError:
+        row = {}
+    if "envs" in row and proc.returncode == 0:
+        envs: dict[str, Any] = row["envs"]
+        return envs
+    why = row.get("error") or (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+    raise ManifestError(why)
+
+
+def _inspect(root: Path) -> dict[str, Any]:
+    import envpool.envs  # noqa: F401 - the built-ins, as in every container
+    from envpool.api import default_registry, load_class
+
+    builtins = {i: default_registry.spec(i) for i in default_registry.ids()}
+    sys.path.insert(0, str(root))
+    load_manifest(root, read_manifest(root), default_registry)
+    out: dict[str, Any] = {}
+    for env_id in default_registry.ids():
+        spec = default_registry.spec(env_id)
+        if builtins.get(env_id) == spec:
+            continue
+        try:
+            load_class(spec.entry_point)
+        except Exception as e:
+            raise ManifestError(
+                f"{root / MANIFEST}: {env_id!r} has the entry point {spec.entry_point!r}, "
+                f"which does not load: {e}"
+            ) from None
+        out[env_id] = spec.model_dump(mode="json")
+    return out
+
+
+def _main(argv: list[str]) -> int:
+    out = os.dup(1)
+    os.dup2(2, 1)  # what the image's modules print goes to stderr, not into the answer
+    try:
+        row: dict[str, Any] = {"envs": _inspect(Path(argv[0]))}
+    except ManifestError as e:
+        row = {"error": str(e)}
+    os.write(out, (json.dumps(row) + "\n").encode())
+    return 0 if "envs" in row else 1
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,117 @@
+"""An image's envpool.json: what a bundle registers, found in a child process as a container
+loads it; every way a manifest can be wrong is one ManifestError saying what to fix."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import envpool
+from envpool.manifest import ManifestError, read_manifest, registered_by
+from envpool.server import load_bundle
+
+COIN = """
+import envpool
+
+
+class Coin(envpool.Env):
+    example_actions = ("heads", "tails")
+
+    def reset(self, *, seed=None, options=None):
+        print("a module that prints to stdout")  # must not garble the child's answer
+        return "Call the coin: heads or tails.", {}
+
+    def step(self, action):
+        reward = float(action.strip() == "heads")
+        return envpool.StepResult(obs=envpool.Observation(text="done"), reward=reward, terminated=True)
+"""
+
+
+def image(tmp_path: Path, manifest: object, *, register: bool = True, name: str = "img") -> Path:
+    root = tmp_path / name
+    root.mkdir()
+    (root / "manifest_coin.py").write_text(
+        COIN
+        + ('\nenvpool.register("manifest-coin-v0", entry_point="manifest_coin:Coin", max_episode_steps=2)\n')
+        if register
+        else COIN
+    )
+    if manifest is not None:
+        text = manifest if isinstance(manifest, str) else json.dumps(manifest)
+        (root / "envpool.json").write_text(text)
+    return root
+
+
+def test_the_modules_an_image_names_register_its_environments_in_a_child(tmp_path):
+    root = image(tmp_path, {"modules": ["manifest_coin"]})
+    envs = registered_by(root)
+    assert list(envs) == ["manifest-coin-v0"]  # the built-ins are not the image's
+    assert envs["manifest-coin-v0"]["entry_point"] == "manifest_coin:Coin"
+    assert envs["manifest-coin-v0"]["max_episode_steps"] == 2
+    # nothing of the image ran here
+    assert "manifest-coin-v0" not in envpool.default_registry and "manifest_coin" not in sys.modules
+
+
+def test_register_entries_are_checked_too(tmp_path):
+    root = image(
+        tmp_path,
+        {"register": [{"id": "listed-coin-v0", "entry_point": "manifest_coin:Coin", "deterministic": False}]},
+        register=False,
+    )
+    envs = registered_by(root)
+    assert list(envs) == ["listed-coin-v0"] and envs["listed-coin-v0"]["deterministic"] is False
+
+
+@pytest.mark.parametrize(
+    ("manifest", "register", "says"),
+    [
+        (None, True, "has no envpool.json: add one naming what the image registers"),
+        ('{"modules": ["manifest_coin"]', True, "envpool.json is not valid JSON"),
+        ({"module": ["manifest_coin"]}, True, "envpool.json: module: Extra inputs are not permitted"),
+        ({"modules": "manifest_coin"}, True, "envpool.json: modules: Input should be a valid list"),
+        (
+            {"modules": ["manifest_coin", "no_such_module_abc"]},
+            True,
+            "modules[1] 'no_such_module_abc' does not import: ModuleNotFoundError",
+        ),
+        (
+            {"register": [{"id": "typo-coin-v0", "entry_point": "manifest_coin:Coinn"}]},
+            False,
+            "'typo-coin-v0' has the entry point 'manifest_coin:Coinn', which does not load",
+        ),
+        (
+            {"register": [{"id": "bad id", "entry_point": "manifest_coin:Coin"}]},
+            False,
+            "register[0]: EnvRegistryError: bad registration of 'bad id'",
+        ),
+    ],
+    ids=["missing", "not-json", "unknown-key", "not-a-list", "import-error", "entry-point-typo", "bad-id"],
+)
+def test_a_bad_manifest_is_one_error_saying_what_to_fix(tmp_path, manifest, register, says):
+    root = image(tmp_path, manifest, register=register)
+    with pytest.raises(ManifestError) as e:
+        registered_by(root)
+    assert says in str(e.value)
+    assert "Traceback" not in str(e.value)
+
+
+def test_an_image_that_redefines_a_built_in_is_refused(tmp_path):
+    root = image(tmp_path, {"register": [{"id": "frozenlake-v1", "entry_point": "manifest_coin:Coin"}]})
+    with pytest.raises(ManifestError, match=r"already registered to envpool\.envs\.frozenlake:FrozenLakeEnv"):
+        registered_by(root)
+
+
+def test_a_container_names_the_manifest_entry_that_fails(tmp_path):
+    # the server loads an image with the same code: the entry is named there too
+    root = image(tmp_path, {"modules": ["no_such_module_abc"]})
+    with pytest.raises(ManifestError, match=r"modules\[0\] 'no_such_module_abc' does not import"):
+        load_bundle(root)
+    sys.path.remove(str(root))
+
+
+def test_read_manifest_takes_both_forms(tmp_path):
+    m = read_manifest(image(tmp_path, {"modules": ["a"], "register": [{"id": "x-v0", "entry_point": "a:X"}]}))
+    assert m.modules == ["a"] and m.entries == [{"id": "x-v0", "entry_point": "a:X"}]
