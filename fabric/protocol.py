@@ -258,7 +258,8 @@ class Message(BaseModel):
     """An OpenAI-style chat message, stamped with the policy version that produced it."""
 
     model_config = ConfigDict(extra="allow", ser_json_inf_nan="constants")
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    """``developer``: the system turn of newer OpenAI-style models (gpt-oss, o-series)."""
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None

@@ -295,3 +295,19 @@ def test_a_function_raising_unavailable_fails_retryably_others_finally():
     assert (code, message, tb) == (ErrorCode.UNAVAILABLE, "judge endpoint overloaded", None)
     assert Result.failure(code, message).retryable
     assert _user_error(ValueError("bad"))[0] == ErrorCode.USER_ERROR
+
+
+def test_a_developer_turn_is_a_message():
+    """The system turn of newer OpenAI-style chat templates (gpt-oss) was refused as an unknown
+    role, so a trainer's conversational prompt with one could not become a Trajectory."""
+    from fabric.protocol import Trajectory
+
+    t = Trajectory(
+        messages=[
+            {"role": "developer", "content": "Answer in one word."},
+            {"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": "Paris"},
+        ]
+    )
+    assert [m.role for m in t.messages] == ["developer", "user", "assistant"]
+    assert t.final_text() == "Paris"
