@@ -64,6 +64,20 @@ class _TRLReward:
         # TRL names the reward in its logs (rewards/<name>/mean) by __name__
         self.__name__ = name
         self.__qualname__ = name
+        # what pickling rebuilds from: a trainer that sends its reward functions to a spawned
+        # process (TRL's experimental AsyncGRPOTrainer) pickles them, and the bridge's lock,
+        # loop thread and client cannot travel; the copy starts its own on first use
+        self._recipe = None if registry is not None or backend_instance is not None else (function, options)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self._recipe is None:
+            raise TypeError(
+                f"{type(self).__name__}({self.__name__!r}) was built with registry= or backend_instance=, "
+                "which cannot be sent to another process; build it from a function name or a decorated "
+                "function (and modules=... for your own)"
+            )
+        function, options = self._recipe
+        return (_rebuild, (type(self), function, options))
 
     def samples(
         self, prompts: Sequence[Any], completions: Sequence[Any], kwargs: dict[str, Any]
@@ -117,6 +131,12 @@ class _TRLReward:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.__name__!r}, backend={self.adapter._backend!r})"
+
+
+def _rebuild(
+    cls: type[_TRLReward], function: str | Callable[..., Any], options: dict[str, Any]
+) -> _TRLReward:
+    return cls(function, **options)
 
 
 class TRLReward(_TRLReward):

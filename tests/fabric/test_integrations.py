@@ -628,3 +628,25 @@ def test_the_trl_example_trains_two_steps():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "'batches': 2" in done.stdout
+
+
+def test_a_trl_reward_can_be_sent_to_another_process():
+    """TRL's experimental AsyncGRPOTrainer pickles its reward functions into a spawned child:
+    the bridge's lock, loop thread and client made a TRLReward unpicklable. A copy is rebuilt
+    from the function and options, and starts its own bridge on first use."""
+    import pickle
+
+    prompts, completions = ["Capital of France?"], ["Paris"]
+    for make in (trl_reward, trl_async_reward):
+        original = make("exact_match", backend=LOCAL1)
+        copy = pickle.loads(pickle.dumps(original))
+        assert type(copy) is type(original) and copy.__name__ == "exact_match"
+        try:
+            call = copy(prompts, completions, ground_truth=["paris"])
+            out = asyncio.run(call) if inspect.iscoroutine(call) else call
+            assert out == [1.0]
+        finally:
+            copy.close()
+            original.close()
+    with pytest.raises(TypeError, match="registry= or backend_instance="):
+        pickle.dumps(trl_reward("exact_match", registry=Registry(), backend=LOCAL1))
