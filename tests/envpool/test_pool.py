@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from echo_bundle import IMAGE
+from echo_bundle import IMAGE, DirImages
 from pool_util import alive, pool
 
 import envpool
@@ -339,6 +339,38 @@ async def test_a_non_deterministic_session_is_lost_not_faked(images):
         with pytest.raises(SessionLost, match="not deterministic"):
             await s.step("b")
         assert s.status == "infra_failed" and p.stats()["sessions_infra_failed"] == 1
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+async def test_an_image_modules_own_registration_decides_whether_a_lost_session_is_replayed(
+    tmp_path, deterministic
+):
+    # the driver's registry never sees what an image's module registers: the session learns
+    # the spec from the container's hello (an image env was once feared replayed regardless)
+    root = tmp_path / "bundle"
+    root.mkdir()
+    (root / "coin_env.py").write_text(
+        "import envpool\n"
+        "class Coin(envpool.Env):\n"
+        "    def reset(self, *, seed=None, options=None):\n"
+        "        return f'seed {seed}', {}\n"
+        "    def step(self, action):\n"
+        "        return envpool.StepResult(obs=envpool.Observation(text=action))\n"
+        f"envpool.register('mod-coin-v0', entry_point='coin_env:Coin', deterministic={deterministic})\n"
+    )
+    (root / "envpool.json").write_text(json.dumps({"modules": ["coin_env"]}))
+    async with pool(DirImages(root)) as p, p.session("mod-coin-v0", image=IMAGE) as s:
+        await s.reset(seed=3)
+        await s.step("a")
+        assert s.deterministic is deterministic
+        os.killpg(s.container.pid, signal.SIGKILL)
+        if deterministic:
+            assert (await s.step("b")).obs.text == "b" and s.status == "ok"
+            assert p.stats()["replays"] == 1
+        else:
+            with pytest.raises(SessionLost, match="mod-coin-v0 is not deterministic"):
+                await s.step("b")
+            assert s.status == "infra_failed" and "replays" not in p.stats()
 
 
 async def test_reset_retries_through_container_crashes(images):
