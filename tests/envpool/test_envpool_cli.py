@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
 import json
-import re
-from typing import Any
 
 import pytest
 import typer
+from help_pages import command_paths, early_breaks
 from typer.testing import CliRunner
 
 from envpool.cli import app
@@ -54,44 +52,13 @@ def test_bench_cold_image_compares_both_ways():
     assert out["tiered"]["origin_gets"] == 1 and out["own_fetch"]["origin_gets"] == 4
 
 
-def _early_breaks(page: str, columns: int) -> list[str]:
-    """Lines of a help page's intro and command list that end before they had to (as in
-    tests/fabric/test_cli.py): rich fills lines greedily, so one whose next line's first word
-    would still have fit broke at a line break of the help text, mid-sentence."""
-    lines = page.splitlines()
-    start = next(i for i, line in enumerate(lines) if "Usage:" in line) + 1
-    end = next(i for i, line in enumerate(lines) if line.startswith("╭"))
-    intro = [line.rstrip() for line in lines[start:end] if line.strip()]
-    found = [a for a, b in itertools.pairwise(intro) if len(a) + 1 + len(b.split()[0]) < columns - 1]
-    in_commands, col, prev = False, 0, ""
-    for line in lines:
-        if line.startswith("╭"):
-            in_commands = "Commands" in line
-            continue
-        if not (in_commands and line.startswith("│")):
-            continue
-        row = line[1:-1]
-        first = re.match(r" \S+ +", row)
-        if first:  # a command's first line: its description starts after the name
-            col = first.end()
-        elif row.strip() and len(prev.rstrip()) + 1 + len(row[col:].split()[0]) < len(row):
-            found.append(prev.strip())
-        prev = row
-    return found
-
-
-def _command_paths(command: Any) -> list[list[str]]:
-    subs = getattr(command, "commands", {})
-    return [[], *([name, *path] for name, sub in subs.items() for path in _command_paths(sub))]
-
-
 @pytest.mark.parametrize("columns", [80, 120])
 def test_help_reads_as_whole_sentences(columns):
     """typer's command list kept a docstring's line breaks: `envpool bench --help` broke the
     cold-image row off at "every container" and went on on a line of its own."""
-    paths = _command_paths(typer.main.get_command(app))
+    paths = command_paths(typer.main.get_command(app))
     assert ["bench", "cold-image"] in paths
     for path in paths:
         r = runner.invoke(app, [*path, "--help"], env={"COLUMNS": str(columns)})
         assert r.exit_code == 0, r.output
-        assert _early_breaks(r.stdout, columns) == [], (path, r.stdout)
+        assert early_breaks(r.stdout, columns) == [], (path, r.stdout)

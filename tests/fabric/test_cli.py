@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import cli_fns
 import pytest
 import typer
 from aws_fakes import free_port
+from help_pages import command_paths, early_breaks
 from typer.testing import CliRunner
 
 import fabric
@@ -333,48 +331,16 @@ def test_bench_ray_baseline_runs_side_by_side():
     )
 
 
-def _early_breaks(page: str, columns: int) -> list[str]:
-    """Lines of a help page's intro and command list that end before they had to: rich fills
-    lines greedily, so one whose next line's first word would still have fit broke at a line
-    break of the help text, mid-sentence."""
-    lines = page.splitlines()
-    start = next(i for i, line in enumerate(lines) if "Usage:" in line) + 1
-    end = next(i for i, line in enumerate(lines) if line.startswith("╭"))
-    intro = [line.rstrip() for line in lines[start:end] if line.strip()]
-    found = [a for a, b in itertools.pairwise(intro) if len(a) + 1 + len(b.split()[0]) < columns - 1]
-    in_commands, col, prev = False, 0, ""
-    for line in lines:
-        if line.startswith("╭"):
-            in_commands = "Commands" in line
-            continue
-        if not (in_commands and line.startswith("│")):
-            continue
-        row = line[1:-1]
-        first = re.match(r" \S+ +", row)
-        if first:  # a command's first line: its description starts after the name
-            col = first.end()
-        elif row.strip() and len(prev.rstrip()) + 1 + len(row[col:].split()[0]) < len(row):
-            found.append(prev.strip())
-        prev = row
-    return found
-
-
-def _command_paths(command: Any) -> list[list[str]]:
-    """[] for the command itself, then every subcommand's path, depth first."""
-    subs = getattr(command, "commands", {})
-    return [[], *([name, *path] for name, sub in subs.items() for path in _command_paths(sub))]
-
-
 @pytest.mark.parametrize("columns", [80, 120])
 def test_help_reads_as_whole_sentences(columns):
     """typer's command list kept a docstring's line breaks: `fabric --help` broke the invoke
     row off at "2 if" and went on with "it was refused" on a line of its own."""
-    paths = _command_paths(typer.main.get_command(app))
+    paths = command_paths(typer.main.get_command(app))
     assert ["integrate", "openrlhf-serve"] in paths
     for path in paths:
         r = runner.invoke(app, [*path, "--help"], env={"COLUMNS": str(columns)})
         assert r.exit_code == 0, r.output
-        assert _early_breaks(r.stdout, columns) == [], (path, r.stdout)
+        assert early_breaks(r.stdout, columns) == [], (path, r.stdout)
 
 
 # -- the benchmark scripts' command lines (argparse, as the fabric command's options)
