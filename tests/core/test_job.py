@@ -22,6 +22,7 @@ from typing import Any
 import job_faults_fns as faults
 import pytest
 import yaml
+from test_env_images import COIN
 
 from core.config import JobConfig
 from core.errors import ConfigError, RolloutError
@@ -494,33 +495,13 @@ async def test_the_job_trains_end_to_end_and_leaves_its_run_directory(tmp_path, 
     assert summary["final_unseen_episodes"] == final["episodes_unseen"]
 
 
-USER_ENV = """
-import envpool
-
-
-class Coin(envpool.Env):
-    example_actions = ("heads", "tails")
-
-    def reset(self, *, seed=None, options=None):
-        return "Call the coin: heads or tails.", {}
-
-    def step(self, action):
-        won = action.strip() == "heads"
-        text = "Heads: you win." if won else "Tails: you lose."
-        return envpool.StepResult(obs=envpool.Observation(text=text), reward=float(won), terminated=True)
-
-
-envpool.register("job-coin-v0", entry_point="job_coin:Coin", max_episode_steps=2)
-"""
-
-
 @pytest.mark.ray
 async def test_the_job_trains_on_a_users_environment_from_an_image_directory(tmp_path, ray_cluster):
     # the env was registered by a fabric.discover module: accepted, then "unknown environment
     # 'coin-v0'" in the corpus child, and no image could be used (the pool had no image cache)
     image = tmp_path / "coin"
     image.mkdir()
-    (image / "job_coin.py").write_text(USER_ENV)
+    (image / "job_coin.py").write_text(COIN.replace("{id}", "job-coin-v0").replace("{module}", "job_coin"))
     (image / "envpool.json").write_text('{"modules": ["job_coin"]}')
     env = {
         "id": "job-coin-v0",
