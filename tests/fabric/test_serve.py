@@ -35,7 +35,8 @@ def config(**kw) -> ServeConfig:
         },
     )
     kw.setdefault("warm", False)
-    return ServeConfig(port=0, tenants=tenants, backend=LocalConfig(max_workers=2), **kw)
+    kw.setdefault("backend", LocalConfig(max_workers=2))
+    return ServeConfig(port=0, tenants=tenants, **kw)
 
 
 def auth(token: str = TOKEN_A) -> dict[str, str]:

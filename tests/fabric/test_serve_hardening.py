@@ -12,32 +12,12 @@ import re
 import httpx
 import pytest
 from sample_fns import REG
+from test_serve import PATH, TOKEN_A, TOKEN_B, auth, config
 
 from fabric.backends.base import LocalConfig
 from fabric.protocol import Invocation
-from fabric.serve import Gateway, ServeConfig, TenantConfig
+from fabric.serve import Gateway, TenantConfig
 from fabric.testing import FakeBackend
-
-TOKEN_A = "token-a-0123456789abcdef"
-TOKEN_B = "token-b-0123456789abcdef"
-PATH = "/2015-03-31/functions/{}/invocations"
-
-
-def config(**kw) -> ServeConfig:
-    tenants = kw.pop(
-        "tenants",
-        {
-            "job-a": TenantConfig(token=TOKEN_A, max_concurrency=kw.pop("quota_a", 64)),
-            "job-b": TenantConfig(token=TOKEN_B, max_concurrency=64),
-        },
-    )
-    kw.setdefault("warm", False)
-    kw.setdefault("backend", LocalConfig(max_workers=2))
-    return ServeConfig(port=0, tenants=tenants, **kw)
-
-
-def auth(token: str = TOKEN_A) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
 
 
 @pytest.fixture
