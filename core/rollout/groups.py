@@ -84,7 +84,8 @@ class GroupRunner:
         """Set whenever a group fills or closes (the launcher waits on it)."""
         self.metrics: Counter[str] = Counter()
         self.aborted_ids: set[str] = set()
-        """Every trajectory this runner aborted (the job checks none of them is trained on)."""
+        """Every trajectory this runner aborted or asked to stop (the job checks none of them
+        is trained on)."""
         self._aborting: set[asyncio.Task[None]] = set()
         self._closing = False  # set by aclose: a shutdown launches nothing new
 
@@ -144,7 +145,9 @@ class GroupRunner:
         if self.on_finished is not None:
             self.on_finished(traj)
         self.metrics[traj.status] += 1
-        if traj.status == "aborted":
+        if traj.status == "aborted" or dropped:
+            # one asked to stop that finished in the race is no member either: the job's
+            # check that nothing aborted is trained covers it too
             self.aborted_ids.add(traj_id)
         if traj.status in ("ok", "truncated"):
             if g.closed is not None or dropped:

@@ -23,6 +23,10 @@ from functions.verifiers.verify import CaseResult, CodeTests, Verifier, VerifyRe
 pytestmark = pytest.mark.skipif(_linux.supported() is not None, reason=str(_linux.supported()))
 
 LIMITS = Limits(cpu_s=1, wall_s=3, memory_mb=256)
+# an interpreter or compiled binary started from scratch (node, a fresh exec) can take seconds
+# of wall on a loaded 2-core machine: the tests that check a language works give it room,
+# the tests that check a limit use LIMITS
+ROOMY = LIMITS.model_copy(update={"cpu_s": 5, "wall_s": 20})
 ADD_CASES = [{"stdin": "1 2\n", "expected_stdout": "3\n"}, {"stdin": "20 22\n", "expected_stdout": "42"}]
 
 
@@ -118,8 +122,8 @@ def test_each_case_is_a_fresh_process(verifier):
 @needs("gcc")
 def test_c(verifier):
     code = '#include <stdio.h>\nint main(){int a,b;scanf("%d %d",&a,&b);printf("%d\\n",a+b);return 0;}'
-    result = verifier.verify(code, CodeTests(cases=ADD_CASES), "c")
-    assert (result.status, result.passed) == ("Finished", 2)
+    result = verifier.verify(code, CodeTests(cases=ADD_CASES), "c", limits=ROOMY)
+    assert (result.status, result.passed) == ("Finished", 2), result.cases
     assert result.compile is not None and result.compile.status == "Finished"
     broken = verifier.verify("int main(){ return nope; }", CodeTests(cases=ADD_CASES), "c")
     assert broken.status == "RuntimeError" and broken.compile is not None
@@ -131,7 +135,8 @@ def test_c(verifier):
 @needs("g++")
 def test_cpp(verifier):
     code = "#include <iostream>\nint main(){long a,b;std::cin>>a>>b;std::cout<<a+b<<std::endl;}"
-    assert verifier.verify(code, CodeTests(cases=ADD_CASES), "c++").status == "Finished"
+    result = verifier.verify(code, CodeTests(cases=ADD_CASES), "c++", limits=ROOMY)
+    assert result.status == "Finished", result.cases
     oom = "#include <vector>\nint main(){std::vector<char> v(1L<<34); return v[5];}"
     assert verifier.verify(oom, CodeTests(cases=ADD_CASES[:1]), "cpp").status == "MemoryLimitExceeded"
 
@@ -142,13 +147,15 @@ def test_javascript(verifier):
         "const [a, b] = require('fs').readFileSync(0, 'utf8').trim().split(/\\s+/).map(Number);\n"
         "console.log(a + b);\n"
     )
-    assert verifier.verify(code, CodeTests(cases=ADD_CASES), "js").status == "Finished"
+    result = verifier.verify(code, CodeTests(cases=ADD_CASES), "js", limits=ROOMY)
+    assert result.status == "Finished", result.cases
     asserted = verifier.verify(
         "function sq(x) { return x * x; }",
         CodeTests(test_code="require('assert').strictEqual(sq(3), 10);"),
         "javascript",
+        limits=ROOMY,
     )
-    assert asserted.status == "Failed"
+    assert asserted.status == "Failed", asserted.cases
     hog = "const a = []; while (true) a.push(new Array(1e6).fill(1));"
     assert verifier.verify(hog, CodeTests(cases=ADD_CASES[:1]), "js").status in (
         "MemoryLimitExceeded",

@@ -48,6 +48,10 @@ from functions.verifiers.errors import SandboxError
 from functions.verifiers.sandbox import Limits, RunOutcome, Sandbox, SandboxConfig, _package_root
 from functions.verifiers.verify import CodeTests, Verifier
 
+# node, and a fresh gcc binary, can take seconds of wall to start on a loaded 2-core machine:
+# an attack test must fail the program on its attack, not on the clock
+ROOMY = FAST.model_copy(update={"wall_s": 20, "cpu_s": 5})
+
 pytestmark = [
     pytest.mark.skipif(_linux.supported() is not None, reason=str(_linux.supported())),
     pytest.mark.skipif(platform.machine() != "x86_64", reason="the attacks use x86_64 syscall numbers"),
@@ -493,7 +497,7 @@ def test_exiting_early_does_not_pass_assert_style_tests(sb, tail):
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
 def test_exiting_early_does_not_pass_javascript_asserts(sb):
-    verifier = Verifier(sb, FAST.model_copy(update={"wall_s": 5, "cpu_s": 3}))
+    verifier = Verifier(sb, ROOMY)
     code = "function add(a, b) { return 0; }\nprocess.exit(0);\n"
     tests = CodeTests(test_code="require('assert').strictEqual(add(2, 3), 5);")
     assert verifier.verify(code, tests, "javascript").status != "Finished"
@@ -501,7 +505,7 @@ def test_exiting_early_does_not_pass_javascript_asserts(sb):
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc is not installed")
 def test_exiting_early_does_not_pass_c_asserts(sb):
-    verifier = Verifier(sb, FAST.model_copy(update={"wall_s": 5, "cpu_s": 3}))
+    verifier = Verifier(sb, ROOMY)
     code = (
         "#include <stdlib.h>\nint add(int a, int b) { return 0; }\n"
         "__attribute__((constructor)) static void early(void) { exit(0); }\n"
@@ -594,7 +598,7 @@ def test_python_asserts_still_pass_honest_programs(sb):
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
 def test_javascript_asserts_cannot_be_passed_by_reading_the_marker(sb):
-    verifier = Verifier(sb, FAST.model_copy(update={"wall_s": 5, "cpu_s": 3}))
+    verifier = Verifier(sb, ROOMY)
     code = (
         "function add(a, b) { return 0; }\n"
         "const src = require('fs').readFileSync(__filename, 'utf8')"
@@ -632,7 +636,7 @@ __attribute__((constructor)) static void early(void) {
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc is not installed")
 def test_c_asserts_cannot_be_passed_by_reading_the_marker(sb):
-    verifier = Verifier(sb, FAST.model_copy(update={"wall_s": 5, "cpu_s": 3}))
+    verifier = Verifier(sb, ROOMY)
     tests = CodeTests(test_code="#include <assert.h>\nint main(void) { assert(add(2, 3) == 5); return 0; }")
     result = verifier.verify(C_READS_MARKER, tests, "c")
     assert result.status != "Finished", result.cases[0]
