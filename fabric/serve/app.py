@@ -19,7 +19,8 @@ The caller's tenant comes from its token, never from the body. Errors are Lambda
 ``InvalidRequestContentException``/``InvalidParameterValueException``, 401/403 (missing or
 wrong token), 404 ``ResourceNotFoundException``, 413 ``RequestTooLargeException``,
 429 ``TooManyRequestsException``, with the code in ``x-amzn-ErrorType`` where botocore looks.
-``GET /healthz`` needs no token and says only ``ok``; ``GET /metrics`` (Prometheus) needs one.
+``GET /healthz`` needs no token and says only ``ok``; ``GET /metrics`` (Prometheus) needs one
+and shows a tenant only its own tenant-labelled series (``metrics: all``: every tenant's).
 """
 
 from __future__ import annotations
@@ -209,10 +210,11 @@ class Gateway:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         try:
-            self._tenant(request)
+            tenant = self._tenant(request)
         except _Reply as e:
             return _error_response(e.status, e.code, e.message, new_request_id())
-        body, content_type = self.metrics.render()
+        sees_all = self.config.tenants[tenant].metrics == "all"
+        body, content_type = self.metrics.render(None if sees_all else tenant)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def _invoke(self, request: web.Request) -> web.StreamResponse:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -53,6 +53,11 @@ class TenantConfig(_Model):
     right after the token check and before the body is read. A delayed request costs the
     server nothing while it waits, so a client that ignores 429 and re-sends at once cannot
     fill the server's CPU with refusals. ``None``: no rate limit."""
+    metrics: Literal["own", "all"] = "own"
+    """What ``GET /metrics`` shows this tenant: ``own``, the series labelled with its own
+    tenant name plus the shared per-function and pool series (jobs sharing a server do not
+    see each other's names or traffic); ``all``, every tenant's (give it to the token your
+    Prometheus scrapes with)."""
 
     @model_validator(mode="after")
     def _one_source(self) -> TenantConfig:

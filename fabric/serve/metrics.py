@@ -93,5 +93,23 @@ class ServeMetrics:
             hist = self._hist[function] = self.latency.labels(function)
         hist.observe(seconds)
 
-    def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def render(self, tenant: str | None = None) -> tuple[bytes, str]:
+        """Prometheus text; with ``tenant``, the series of other tenants are left out."""
+        if tenant is None:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(_OneTenant(self.registry, tenant)), CONTENT_TYPE_LATEST  # type: ignore[arg-type]
+
+
+class _OneTenant:
+    """A view of a registry with only one tenant's tenant-labelled samples (series without a
+    tenant label, per function or per pool, are shared and stay)."""
+
+    def __init__(self, registry: CollectorRegistry, tenant: str):
+        self.registry = registry
+        self.tenant = tenant
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            # collect() builds fresh families on each scrape: filtering in place is safe
+            family.samples = [s for s in family.samples if s.labels.get("tenant", self.tenant) == self.tenant]
+            yield family

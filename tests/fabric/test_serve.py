@@ -255,6 +255,30 @@ async def test_healthz_is_open_and_metrics_need_a_token(http):
     assert 'fabric_pool_calls{function="add"}' in text
 
 
+async def test_a_tenant_sees_only_its_own_series_unless_it_may_see_all():
+    ops = "token-ops-0123456789abcdef"
+    tenants = {
+        "job-a": TenantConfig(token=TOKEN_A),
+        "job-b": TenantConfig(token=TOKEN_B),
+        "ops": TenantConfig(token=ops, metrics="all"),
+    }
+    async with Gateway(config(tenants=tenants), REG) as g, httpx.AsyncClient(base_url=g.url) as c:
+        for token in (TOKEN_A, TOKEN_B):
+            assert (await c.post(PATH.format("add"), json={"a": 1}, headers=auth(token))).status_code == 200
+        seen = {t: (await c.get("/metrics", headers=auth(t))).text for t in (TOKEN_A, TOKEN_B, ops)}
+    mine = 'fabric_serve_requests_total{function="add",status="200",tenant="job-b"} 1.0'
+    theirs = 'tenant="job-a"'
+    assert mine in seen[TOKEN_B] and theirs not in seen[TOKEN_B]  # not even its gauges
+    assert 'fabric_serve_tenant_limit{tenant="job-b"}' in seen[TOKEN_B]
+    assert 'tenant="job-b"' not in seen[TOKEN_A] and 'tenant="ops"' not in seen[TOKEN_A]
+    # the shared series (per function, per pool) are everyone's
+    for text in seen.values():
+        assert 'fabric_serve_request_seconds_count{function="add"} 2.0' in text
+        assert 'fabric_pool_calls{function="add"}' in text
+    assert mine in seen[ops] and theirs in seen[ops]
+    assert 'fabric_serve_tenant_limit{tenant="ops"}' in seen[ops]
+
+
 async def test_a_thousand_malformed_requests_leave_the_server_serving(gw, http):
     rng = random.Random(7)
     host, port = "127.0.0.1", gw.port
@@ -375,6 +399,9 @@ def test_tenants_file(tmp_path: Path):
     f.write_text("tenants: {job-a: {token: x, quota: 3}}\n")
     with pytest.raises(ConfigError, match="tenant 'job-a': quota: Extra inputs"):
         load_tenants(f)
+    f.write_text(f"tenants: {{ops: {{token: {TOKEN_A}, metrics: everything}}}}\n")
+    with pytest.raises(ConfigError, match="tenant 'ops': metrics: Input should be 'own' or 'all'"):
+        load_tenants(f)
     f.write_text("- just a list\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):
         load_tenants(f)
@@ -490,5 +517,5 @@ async def test_max_rps_delays_instead_of_refusing():
         assert [r.json() for r in rs] == list(range(10))  # all served, none refused
         assert took >= 0.1  # 10 requests at 50/s after a 50 ms burst
         assert g.rates.delayed["job-a"] >= 5
-        text = (await c.get("/metrics", headers=auth(TOKEN_B))).text
+        text = (await c.get("/metrics", headers=auth())).text
         assert 'fabric_serve_tenant_delayed{tenant="job-a"}' in text
