@@ -99,16 +99,21 @@ def _error_response(status: int, code: str, message: str, request_id: str) -> we
 
 
 def _split_name(raw: str, query_qualifier: str | None) -> tuple[str, str | None]:
-    """``name``, ``name:qualifier`` or ``arn:aws:lambda:region:account:function:name[:q]``."""
+    """``name``, ``name:qualifier``, ``arn:aws:lambda:region:account:function:name[:q]`` or
+    the partial ARN ``account:function:name[:q]``: the forms Lambda's Invoke accepts."""
     name = unquote(raw)
     qualifier = query_qualifier
+    parts = name.split(":")
     if name.startswith("arn:"):
-        parts = name.split(":")
         if len(parts) not in (7, 8) or parts[5] != "function":
             raise _Reply(400, "InvalidParameterValueException", f"not a Lambda function ARN: {name!r}")
         name = parts[6]
         if len(parts) == 8:
             qualifier = qualifier or parts[7]
+    elif len(parts) in (3, 4) and parts[1] == "function":
+        name = parts[2]
+        if len(parts) == 4:
+            qualifier = qualifier or parts[3]
     elif ":" in name:
         name, _, q = name.partition(":")
         qualifier = qualifier or q

@@ -70,7 +70,15 @@ async def test_envelope_returns_a_result_and_the_tenant_comes_from_the_token(htt
 
 
 @pytest.mark.parametrize(
-    "name", ["add:live", "add:$LATEST", "arn:aws:lambda:us-east-1:123456789012:function:add"]
+    "name",
+    [
+        "add:live",
+        "add:$LATEST",
+        "arn:aws:lambda:us-east-1:123456789012:function:add",
+        "arn:aws:lambda:us-east-1:123456789012:function:add:live",
+        "123456789012:function:add",  # a partial ARN, as Lambda's Invoke takes
+        "123456789012:function:add:live",
+    ],
 )
 async def test_qualified_names_and_arns_are_served(http, name):
     r = await http.post(PATH.format(name), json={"a": 4}, headers=auth())
