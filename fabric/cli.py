@@ -89,6 +89,10 @@ def _payload_arg(text: str) -> dict[str, Any]:
     return args
 
 
+def _calls(n: int) -> str:
+    return f"{n} call" if n == 1 else f"{n} calls"
+
+
 def _fail(message: str, code: int = 2) -> NoReturn:
     # escaped (keys such as envs[0].id are not markup) and unwrapped (easy to grep and paste)
     err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
@@ -294,6 +298,10 @@ def serve(
         float,
         typer.Option(help="Seconds a request's body may take to arrive after its headers (then 408)."),
     ] = 60.0,
+    drain_s: Annotated[
+        float,
+        typer.Option(help="On Ctrl-C, seconds the calls in flight get to finish (a second Ctrl-C: none)."),
+    ] = 30.0,
     modules: ModulesOpt = None,
 ) -> None:
     from fabric.backends.base import TOKEN_ENV
@@ -324,6 +332,7 @@ def serve(
             functions=functions,
             function_prefix=prefix,
             body_timeout_s=body_timeout_s,
+            drain_s=drain_s,
             backend={"type": "local", "max_workers": workers},
         )
         gateway = Gateway(cfg, reg)
@@ -339,7 +348,8 @@ def serve(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        async with gateway:
+        await gateway.start()
+        try:
             err.print(
                 f"[bold]fabric serve[/] {len(gateway.served)} functions at {gateway.url} "
                 f"(tenants: {', '.join(sorted(cfg.tenants))}); Ctrl-C stops",
@@ -353,6 +363,23 @@ def serve(
             # a machine-readable line for scripts that start the server
             print(json.dumps({"url": gateway.url, "port": gateway.port}), flush=True)
             await stop.wait()
+            stop.clear()
+            if gateway.inflight:
+                err.print(
+                    f"stopping: waiting up to {cfg.drain_s:g} s for {_calls(gateway.inflight)} in "
+                    "flight (Ctrl-C again: stop now)",
+                    soft_wrap=True,
+                )
+        finally:
+            # a second signal while the calls drain cancels them: the close then ends at once
+            closing = asyncio.create_task(gateway.aclose())
+            again = asyncio.create_task(stop.wait())
+            await asyncio.wait({closing, again}, return_when=asyncio.FIRST_COMPLETED)
+            if not closing.done():
+                err.print(f"stopping now: {_calls(gateway.inflight)} cancelled", soft_wrap=True)
+                gateway.stop_now()
+            again.cancel()
+            await closing
 
     try:
         asyncio.run(main())

@@ -137,6 +137,7 @@ class Gateway:
         self.rates = RateLimiter({name: t.max_rps for name, t in config.tenants.items()})
         self._gates: dict[str, FairGate] = {}
         self._events: set[asyncio.Task[None]] = set()
+        self._handlers: set[asyncio.Task[Any]] = set()  # requests being answered (for stop_now)
         self.metrics = ServeMetrics(self)
         self._runner: web.AppRunner | None = None
         self.port: int = config.port
@@ -174,7 +175,13 @@ class Gateway:
         # cancels its call: one still queued never runs and gives its quota slot back at once.
         # (aiohttp's default ran it when a worker came free, side effects included, holding
         # the tenant's quota until then; a call already on a worker still finishes there.)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+        self._runner = web.AppRunner(
+            app,
+            access_log=None,
+            handle_signals=False,
+            handler_cancellation=True,
+            shutdown_timeout=self.config.drain_s,
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
         await site.start()
@@ -200,13 +207,31 @@ class Gateway:
             elif isinstance(outcome, BaseException):
                 raise outcome
 
-    async def aclose(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-        for task in list(self._events):
+    @property
+    def inflight(self) -> int:
+        """Requests being answered plus ``Event`` calls still running."""
+        return len(self._handlers) + len(self._events)
+
+    def stop_now(self) -> None:
+        """Cancel every call in flight (a second Ctrl-C): a closing server then stops at
+        once instead of draining for up to ``drain_s``."""
+        for task in (*self._handlers, *self._events):
             task.cancel()
-        await asyncio.gather(*self._events, return_exceptions=True)
+
+    async def aclose(self) -> None:
+        """Stop accepting, give the calls in flight up to ``drain_s`` to finish, cancel the
+        rest, then stop the pools."""
+        t0 = time.monotonic()
+        if self._runner is not None:
+            await self._runner.cleanup()  # waits for the requests in flight (drain_s)
+            self._runner = None
+        events = list(self._events)  # asynchronous calls have what is left of the window
+        left = self.config.drain_s - (time.monotonic() - t0)
+        if events and left > 0:
+            await asyncio.wait(events, timeout=left)
+        for task in events:
+            task.cancel()
+        await asyncio.gather(*events, return_exceptions=True)
         await self.backend.aclose()
 
     # -- routes
@@ -223,6 +248,15 @@ class Gateway:
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def _invoke(self, request: web.Request) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            return await self._answer(request)
+        finally:
+            self._handlers.discard(task)
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
         request_id = new_request_id()
         tenant = function = "-"

@@ -106,6 +106,10 @@ class ServeConfig(_Model):
     Mbit/s.)"""
     warm: bool = True
     """Start the warm workers of the served functions before accepting calls."""
+    drain_s: float = Field(30.0, ge=0)
+    """On shutdown the server stops accepting at once; calls in flight get this long to
+    finish, then they are cancelled (their callers see a dropped connection, which the
+    fabric client retries)."""
 
     def token_index(self) -> dict[bytes, str]:
         """sha256(token) -> tenant. Looking up a digest, not the token, keeps the lookup's

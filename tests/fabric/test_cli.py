@@ -171,6 +171,70 @@ def test_serve_body_timeout_s_reaches_the_server(tmp_path):
     assert b"within 0.5 s" in reply and waited < 20
 
 
+def test_serve_drains_on_ctrl_c_and_a_second_one_stops_it_now(tmp_path):
+    """Ctrl-C waited silently for aiohttp's 60 s shutdown timeout while a call ran; a
+    second one did nothing."""
+    import signal
+    import socket
+
+    import httpx
+
+    token = "t" * 20
+    root = str(Path(fabric.__file__).resolve().parent.parent)
+    args = ["serve", "-m", "sample_fns", "-f", "sleepy", "--workers", "1", "--port", "0", "--token", token]
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fabric.cli", *args, "--drain-s", "60"],
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([root, str(HERE)])},
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+    try:
+        assert proc.stdout is not None
+        port = json.loads(proc.stdout.readline())["port"]
+        body = b'{"seconds": 30}'
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(
+                b"POST /2015-03-31/functions/sleepy/invocations HTTP/1.1\r\nHost: x\r\n"
+                b"Authorization: Bearer "
+                + token.encode()
+                + b"\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
+            gauge = 'fabric_serve_tenant_inflight{tenant="default"} 1.0'
+            metrics = ""
+            for _ in range(300):  # the call holds its quota slot: it is in flight
+                metrics = httpx.get(
+                    f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {token}"}
+                ).text
+                if gauge in metrics:
+                    break
+                time.sleep(0.05)
+            assert gauge in metrics
+            proc.send_signal(signal.SIGINT)
+            for _ in range(300):
+                if "stopping:" in log.read_text():
+                    break
+                time.sleep(0.05)
+            assert "stopping: waiting up to 60 s for 1 call in flight" in log.read_text()
+            assert proc.poll() is None  # draining: the call has 60 s
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(30) == 0
+            assert time.monotonic() - t0 < 20
+            assert s.recv(4096) == b""  # no answer: the connection dropped (the client retries)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert "stopping now: 1 call cancelled" in log.read_text()
+
+
 def test_invoke_inproc_ends_once_the_call_timed_out(tmp_path):
     """The FunctionTimeout result was ready after timeout_s, but asyncio.run (and then the
     interpreter's exit) waited for the hung handler's thread: the command never ended."""

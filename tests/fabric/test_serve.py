@@ -511,6 +511,47 @@ def test_rate_limiter_paces_a_tenant_and_leaves_others_alone():
     assert rl.delay("slow", 20.0) is None  # over 5 s of backlog: refused
 
 
+async def test_close_lets_the_calls_in_flight_finish():
+    g = Gateway(config(drain_s=30), REG)
+    await g.start()
+    async with httpx.AsyncClient(base_url=g.url, timeout=30) as c:
+        call = asyncio.create_task(c.post(PATH.format("sleepy"), json={"seconds": 1.0}, headers=auth()))
+        for _ in range(3000):  # until the server has the request
+            if g.inflight:
+                break
+            await asyncio.sleep(0.01)
+        assert g.inflight == 1
+        await g.aclose()  # stops accepting, waits for the call
+        r = await call
+    assert r.status_code == 200 and isinstance(r.json(), int)
+    assert g.inflight == 0
+
+
+@pytest.mark.parametrize("how", ["drain_s", "stop_now"])
+async def test_a_call_that_outlives_the_drain_is_cancelled(how):
+    g = Gateway(config(drain_s=0.3 if how == "drain_s" else 60), REG)
+    await g.start()
+    async with httpx.AsyncClient(base_url=g.url, timeout=30) as c:
+        call = asyncio.create_task(c.post(PATH.format("sleepy"), json={"seconds": 20}, headers=auth()))
+        for _ in range(3000):  # until the server has the request
+            if g.inflight:
+                break
+            await asyncio.sleep(0.01)
+        assert g.inflight == 1
+        t0 = time.monotonic()
+        closing = asyncio.create_task(g.aclose())
+        if how == "stop_now":  # a second Ctrl-C
+            await asyncio.sleep(0.3)
+            assert not closing.done()  # still draining: the call has 60 s
+            g.stop_now()
+        await closing
+        took = time.monotonic() - t0
+        with pytest.raises(httpx.TransportError):  # the connection dropped: the client retries
+            await call
+    assert took < 10, took  # not the call's 20 s, nor the 60 s drain
+    assert g.inflight == 0
+
+
 async def test_max_rps_delays_instead_of_refusing():
     tenants = {
         "job-a": TenantConfig(token=TOKEN_A, max_rps=50.0),
