@@ -48,7 +48,7 @@ def test_ls_lists_builtins_and_user_modules():
 
 
 def test_ls_stays_readable_on_a_narrow_terminal(monkeypatch):
-    from fabric import cli
+    from fabric.cli import _app as cli
 
     monkeypatch.setattr(cli.out, "width", 80)
     r = runner.invoke(app, ["ls"])

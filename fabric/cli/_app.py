@@ -1,0 +1,92 @@
+"""The ``fabric`` app, its consoles and what every command shares."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from fabric.errors import ErrorCode
+from fabric.registry import Registry
+
+# A command's help is its docstring when that is one line, else help= as one string: typer's
+# rich markup mode keeps a docstring's line breaks in the command list (`fabric --help` broke
+# off at "2 if"); markdown mode reflows them but drops the `quotes` of plain-text help and puts
+# each [default: ...] on a line of its own.
+app = typer.Typer(
+    help="rl-fabric: reward and tool functions as warm, resilient FaaS.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+err = Console(stderr=True)
+out = Console()
+
+ModulesOpt = Annotated[
+    list[str] | None,
+    typer.Option("--module", "-m", help="Module, package, module:attr or file.py to discover functions in."),
+]
+BackendOpt = Annotated[str, typer.Option(help="Backend: local (warm worker processes) or inproc.")]
+
+
+def load_registry(modules: list[str] | None) -> Registry:
+    # `python -m fabric.cli` searches the current directory, the installed `fabric` script
+    # does not: `-m my_rewards` next to my_rewards.py must work with both. Last, so a file
+    # here cannot shadow an installed package (the built-in `functions` above all); worker
+    # processes get this sys.path, so they import the module too
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+    reg = Registry()
+    targets = ["functions", *(modules or [])]
+    targets += [m for m in os.environ.get("FABRIC_MODULES", "").split(",") if m.strip()]
+    reg.discover(*targets)
+    return reg
+
+
+#: Failed calls that are the caller's mistake: ``invoke`` exits 2 for these, as for bad options
+BAD_INPUT = frozenset(
+    {
+        ErrorCode.UNKNOWN_FUNCTION,
+        ErrorCode.INVALID_ARGUMENTS,
+        ErrorCode.PAYLOAD_TOO_LARGE,
+        ErrorCode.PAYLOAD_NOT_SERIALIZABLE,
+    }
+)
+
+
+#: How a function of the user's own gets registered, for errors about an unknown one
+LOAD_YOURS = (
+    "a function of your own registers when its module is loaded: "
+    "-m MODULE (a module, module:attr or file.py) or $FABRIC_MODULES"
+)
+
+
+def no_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not JSON (payloads are strict JSON)")
+
+
+def payload_arg(text: str) -> dict[str, Any]:
+    """``--payload``: a JSON object of keyword arguments; an error names the option."""
+    try:
+        args = json.loads(text, parse_constant=no_constant)
+    except ValueError as e:  # JSONDecodeError, or NaN/Infinity
+        fail(f"--payload is not valid JSON: {e}")
+    if not isinstance(args, dict):
+        fail('--payload must be a JSON object of keyword arguments, e.g. \'{"traj": "..."}\'')
+    return args
+
+
+def plural_calls(n: int) -> str:
+    return f"{n} call" if n == 1 else f"{n} calls"
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    # escaped (keys such as envs[0].id are not markup) and unwrapped (easy to grep and paste)
+    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+    raise typer.Exit(code)

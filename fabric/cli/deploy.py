@@ -1,0 +1,152 @@
+"""``fabric deploy``: AWS Lambda (terraform or boto3) or a Modal app."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from fabric.cli._app import (
+    ModulesOpt,
+    app,
+    err,
+    fail,
+    load_registry,
+    out,
+)
+from fabric.errors import FabricError
+
+
+@app.command(
+    help="Deploy the registered functions: AWS Lambda (terraform or boto3) with a `live` alias and "
+    "provisioned concurrency for warm functions, or a Modal app."
+)
+def deploy(
+    backend: Annotated[
+        str, typer.Option(help="lambda (terraform, or boto3 with --direct) or modal.")
+    ] = "lambda",
+    direct: Annotated[bool, typer.Option(help="Deploy with boto3 instead of terraform.")] = False,
+    plan_only: Annotated[bool, typer.Option(help="terraform: init and plan, no apply.")] = False,
+    prefix: Annotated[str, typer.Option(help="Deployed names are PREFIX + function name.")] = "rl-fabric-",
+    region: Annotated[str | None, typer.Option(help="AWS region (default $AWS_REGION or us-east-1).")] = None,
+    endpoint_url: Annotated[
+        str | None, typer.Option(help="--direct against an AWS-compatible endpoint (moto, LocalStack).")
+    ] = None,
+    role_arn: Annotated[
+        str | None, typer.Option(help="--direct: execution role (default: create PREFIXlambda).")
+    ] = None,
+    functions: Annotated[
+        list[str] | None, typer.Option("--function", "-f", help="Deploy only these (repeatable).")
+    ] = None,
+    warm: Annotated[
+        int | None,
+        typer.Option(help="Provisioned concurrency for every function (default: each one's warm)."),
+    ] = None,
+    reserved: Annotated[bool, typer.Option(help="Cap each function at its max_concurrency.")] = False,
+    terraform_dir: Annotated[str, typer.Option(help="Where fabric.auto.tfvars.json goes.")] = "terraform",
+    out_dir: Annotated[str, typer.Option("--out", help="Where the package is built.")] = "build",
+    deps: Annotated[
+        bool, typer.Option("--deps/--no-deps", help="Put the dependencies in the zip (or use a layer).")
+    ] = True,
+    image: Annotated[
+        str | None,
+        typer.Option(help="Deploy this container image URI; its build context is written to OUT/image."),
+    ] = None,
+    architecture: Annotated[str, typer.Option(help="x86_64 or arm64.")] = "x86_64",
+    modules: ModulesOpt = None,
+) -> None:
+    from pathlib import Path
+
+    from fabric.deploy import DeployError, plan_functions
+
+    if backend not in ("lambda", "modal"):
+        fail(f"--backend must be lambda or modal, got {backend!r}")
+    if architecture not in ("x86_64", "arm64"):
+        fail(f"--architecture must be x86_64 or arm64, got {architecture!r}")
+    try:
+        reg = load_registry(modules)
+        plan = plan_functions(reg, functions, prefix=prefix, warm=warm, reserved=reserved)
+        if backend == "modal":
+            from fabric.deploy.modal_ import deploy_modal
+
+            deploy_modal(reg, plan, echo=lambda m: err.print(escape(m), soft_wrap=True))
+            return
+        _deploy_lambda(
+            plan,
+            direct=direct,
+            plan_only=plan_only,
+            prefix=prefix,
+            region=region
+            or os.environ.get("AWS_REGION")
+            or os.environ.get("AWS_DEFAULT_REGION")
+            or "us-east-1",
+            endpoint_url=endpoint_url,
+            role_arn=role_arn,
+            terraform_dir=Path(terraform_dir),
+            out=Path(out_dir),
+            deps=deps,
+            image=image,
+            architecture=architecture,
+        )
+    except (DeployError, FabricError) as e:
+        fail(str(e))
+
+
+def _deploy_lambda(plan: Any, **o: Any) -> None:
+    from fabric.deploy import DeployError
+    from fabric.deploy.package import build_zip, image_context
+    from fabric.deploy.terraform import run_terraform, terraform_binary
+    from fabric.deploy.tfvars import tfvars, write_tfvars
+
+    say = lambda m: err.print(escape(m), soft_wrap=True)  # noqa: E731
+    if o["image"] is not None:
+        if o["direct"]:
+            raise DeployError("--direct deploys zip packages; deploy an --image with terraform")
+        ctx = image_context(plan, o["out"] / "image", architecture=o["architecture"])
+        say(f"image build context: {ctx} (build and push it as {o['image']})")
+        values = tfvars(plan, region=o["region"], prefix=o["prefix"], image_uri=o["image"])
+    else:
+        if o["direct"] and o["endpoint_url"] is None:
+            from fabric.deploy.direct import check_credentials
+
+            check_credentials(o["region"])  # before packaging, which takes a while
+        say(f"packaging {len(plan)} functions" + (" with dependencies (pip)" if o["deps"] else ""))
+        zip_path = build_zip(
+            plan, o["out"] / "fabric-lambda.zip", deps=o["deps"], architecture=o["architecture"]
+        )
+        say(f"package: {zip_path} ({zip_path.stat().st_size / 2**20:.1f} MiB)")
+        if o["direct"]:
+            from fabric.deploy.direct import DirectConfig, deploy_direct
+
+            cfg = DirectConfig(
+                region=o["region"],
+                endpoint_url=o["endpoint_url"],
+                role_arn=o["role_arn"],
+                prefix=o["prefix"],
+                architecture=o["architecture"],
+            )
+            done = deploy_direct(plan, zip_path, cfg, on_step=say)
+            table = Table("function", "deployed as", "version", "warm", "alias ARN", title="deployed")
+            for d in done:
+                table.add_row(d.name, d.deployed_name, d.version, str(d.provisioned), d.alias_arn)
+            out.print(table)
+            print(json.dumps([d.model_dump() for d in done]))
+            return
+        values = tfvars(
+            plan,
+            region=o["region"],
+            prefix=o["prefix"],
+            zip_path=str(zip_path.resolve()),
+            architecture=o["architecture"],
+        )
+    path = write_tfvars(values, o["terraform_dir"])
+    say(f"wrote {path}")
+    if terraform_binary() is None:
+        last = "terraform plan" if o["plan_only"] else "terraform plan && terraform apply"
+        say(f"terraform is not on PATH; run: cd {o['terraform_dir']} && terraform init && {last}")
+        return
+    run_terraform(o["terraform_dir"], plan_only=o["plan_only"], echo=say)

@@ -1,0 +1,124 @@
+"""``fabric integrate``: fabric rewards for trainers with a reward hook of their own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from fabric.cli._app import (
+    ModulesOpt,
+    app,
+    err,
+    fail,
+    no_constant,
+)
+from fabric.errors import FabricError
+
+integrate_app = typer.Typer(
+    help="Serve fabric rewards to trainers that already have a reward hook (TRL, veRL, OpenRLHF); "
+    "see docs/integrations.md.",
+    no_args_is_help=True,
+)
+app.add_typer(integrate_app, name="integrate")
+
+
+def _pairs(items: list[str] | None, option: str, *, as_json: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            fail(f"{option} takes PARAM=VALUE, got {item!r}")
+        if as_json:
+            try:
+                out[key] = json.loads(value, parse_constant=no_constant)
+            except ValueError as e:
+                fail(f"{option} {key}: the value is not JSON ({e}); quote text as JSON: '{key}=\"text\"'")
+        else:
+            out[key] = value
+    return out
+
+
+@integrate_app.command(
+    "openrlhf-serve",
+    help="Serve a reward function as OpenRLHF's remote reward model: POST /get_reward takes "
+    '{"query", "prompts", "labels"} and answers {"rewards", "scores", "extra_logs"}. Train with '
+    "--reward.remote_url http://HOST:PORT/get_reward.",
+)
+def openrlhf_serve(
+    function: Annotated[str, typer.Option("--function", "-f", help="The reward function to serve.")],
+    host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port (0 picks a free one).")] = 8000,
+    backend: Annotated[
+        str | None, typer.Option(help="local (warm worker processes, default), inproc, or lambda.")
+    ] = None,
+    endpoint_url: Annotated[
+        str | None, typer.Option(help="Call a fabric serve at this URL instead (backend lambda).")
+    ] = None,
+    arg: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--arg",
+            help="PARAM=SOURCE: where a parameter's value comes from (label, prompt, query, label.KEY "
+            "for a JSON label). Default: the source of the same name; ground_truth <- label.",
+        ),
+    ] = None,
+    constant: Annotated[
+        list[str] | None, typer.Option("--constant", help="PARAM=JSON: the same value for every call.")
+    ] = None,
+    failure_score: Annotated[
+        float | None,
+        typer.Option(help="Score failed calls with this (default: answer 502, which OpenRLHF retries)."),
+    ] = None,
+    deadline_s: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a request's calls may take; below OpenRLHF's 180 s request timeout, so a slow "
+            "request is answered 502 with the calls past it named instead of hung up on."
+        ),
+    ] = 150.0,
+    workers: Annotated[int | None, typer.Option(help="Worker processes per function (local).")] = None,
+    modules: ModulesOpt = None,
+) -> None:
+    from fabric.integrations.config import IntegrationConfig
+    from fabric.integrations.openrlhf import serve as serve_openrlhf
+
+    options: dict[str, Any] = {
+        "function": function,
+        "endpoint_url": endpoint_url,
+        "modules": tuple(modules or ()),
+        "args": _pairs(arg, "--arg", as_json=False),
+        "constants": _pairs(constant, "--constant", as_json=True),
+        "failure_score": failure_score,
+        "deadline_s": deadline_s,
+    }
+    if workers is not None:
+        if backend not in (None, "local"):
+            fail("--workers is for the local backend")
+        options["backend"] = {"type": "local", "max_workers": workers}
+    elif backend is not None:
+        options["backend"] = backend
+    cwd = os.getcwd()  # -m my_rewards next to my_rewards.py, as for the other commands
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+    try:
+        config = IntegrationConfig.parse(options, env={})
+    except FabricError as e:
+        fail(str(e))
+
+    def ready(url: str) -> None:
+        err.print(
+            f"[bold]fabric integrate openrlhf-serve[/] {function} at {url}; Ctrl-C stops", soft_wrap=True
+        )
+        print(json.dumps({"url": url}), flush=True)
+
+    try:
+        asyncio.run(serve_openrlhf(config, host=host, port=port, ready=ready))
+    except OSError as e:
+        fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
+    except FabricError as e:  # an unknown function (with the known names), a bad module
+        fail(str(e))

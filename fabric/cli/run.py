@@ -1,0 +1,58 @@
+"""``fabric run``: an RL job."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from fabric.cli._app import (
+    app,
+    err,
+    fail,
+)
+
+
+@app.command()
+def run(
+    config: Annotated[str, typer.Argument(help="A job config (YAML), e.g. examples/frozenlake/config.yaml.")],
+    steps: Annotated[int | None, typer.Option(help="Override the config's training steps.")] = None,
+    run_dir: Annotated[str | None, typer.Option(help="Override the config's run directory.")] = None,
+    quiet: Annotated[bool, typer.Option(help="No progress display; print only the summary JSON.")] = False,
+) -> None:
+    """Run an RL job: a local Ray cluster, local fabric pools, process containers."""
+    try:
+        from core.errors import CoreError
+        from core.job import Job, load
+    except ImportError as e:  # the job needs the ray and train extras
+        fail(f"the RL job needs its extras: pip install -e '.[ray,train,rewards]' ({e})")
+    try:
+        cfg = load(config, steps=steps, run_dir=run_dir)
+        summary = asyncio.run(Job(cfg, progress=not quiet).run())
+    except CoreError as e:  # a bad config, or a rollout where every group fails
+        fail(str(e))
+    if not quiet:
+        _print_summary(summary)
+    print(json.dumps(summary))
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    table = Table("figure", "value", title="job summary")
+    for k in (
+        "mode",
+        "steps",
+        "train_wall_s",
+        "step_s_mean",
+        "untrained_success",
+        "final_success",
+        "final_success_sampled",
+        "best_eval_success",
+        "final_train_reward",
+        "aborted_trained",
+        "run_dir",
+    ):
+        table.add_row(k, str(summary.get(k)))
+    err.print(table)

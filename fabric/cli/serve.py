@@ -1,0 +1,142 @@
+"""``fabric serve``: the Lambda Invoke API over the local pools."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Annotated, Any
+
+import typer
+
+from fabric.cli._app import (
+    LOAD_YOURS,
+    ModulesOpt,
+    app,
+    err,
+    fail,
+    load_registry,
+    plural_calls,
+)
+from fabric.errors import FabricError, UnknownFunctionError
+
+
+@app.command(
+    help="Serve the registered functions over the AWS Lambda Invoke API (for the lambda backend, "
+    "boto3, the AWS CLI), with tokens and per-tenant quotas."
+)
+def serve(
+    host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port (0 picks a free one).")] = 9000,
+    token: Annotated[
+        str | None, typer.Option(help="Bearer token of the one tenant 'default' (or $RL_FABRIC_TOKEN).")
+    ] = None,
+    token_file: Annotated[str | None, typer.Option(help="File holding the 'default' tenant's token.")] = None,
+    tenants: Annotated[
+        str | None, typer.Option(help="Key file: tenants with tokens and quotas (see docs/serve.md).")
+    ] = None,
+    max_concurrency: Annotated[
+        int, typer.Option(help="Calls the 'default' tenant may hold at once (with --token/--token-file).")
+    ] = 64,
+    functions: Annotated[
+        list[str] | None, typer.Option("--function", "-f", help="Serve only these functions (repeatable).")
+    ] = None,
+    workers: Annotated[
+        int | None, typer.Option(help="Worker processes per function (default: CPUs).")
+    ] = None,
+    prefix: Annotated[
+        str, typer.Option(help="Requests name functions PREFIX + name, as `fabric deploy --prefix` does.")
+    ] = "",
+    body_timeout_s: Annotated[
+        float,
+        typer.Option(help="Seconds a request's body may take to arrive after its headers (then 408)."),
+    ] = 60.0,
+    drain_s: Annotated[
+        float,
+        typer.Option(help="On Ctrl-C, seconds the calls in flight get to finish (a second Ctrl-C: none)."),
+    ] = 30.0,
+    modules: ModulesOpt = None,
+) -> None:
+    from fabric.backends.base import TOKEN_ENV
+    from fabric.serve import Gateway, ServeConfig, TenantConfig, load_tenants, new_token
+
+    generated = None
+    try:
+        reg = load_registry(modules)
+        for name in functions or ():
+            try:
+                reg.get(name)
+            except UnknownFunctionError as e:  # names what is registered
+                fail(f"--function: {e}; {LOAD_YOURS}")
+        if tenants is not None:
+            if token or token_file:
+                fail("give --tenants or --token/--token-file, not both")
+            tenant_map = load_tenants(tenants)
+        else:
+            secret = token or os.environ.get(TOKEN_ENV)
+            if token_file is None and not secret:
+                secret = generated = new_token()
+            source: dict[str, Any] = {"token_file": token_file} if token_file else {"token": secret}
+            tenant_map = {"default": TenantConfig(max_concurrency=max_concurrency, **source)}
+        cfg = ServeConfig(
+            host=host,
+            port=port,
+            tenants=tenant_map,
+            functions=functions,
+            function_prefix=prefix,
+            body_timeout_s=body_timeout_s,
+            drain_s=drain_s,
+            backend={"type": "local", "max_workers": workers},
+        )
+        gateway = Gateway(cfg, reg)
+    except FabricError as e:
+        fail(str(e))
+    except ValueError as e:  # pydantic's, for a bad option value
+        fail(str(e))
+
+    async def main() -> None:
+        import signal
+
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await gateway.start()
+        try:
+            err.print(
+                f"[bold]fabric serve[/] {len(gateway.served)} functions at {gateway.url} "
+                f"(tenants: {', '.join(sorted(cfg.tenants))}); Ctrl-C stops",
+                soft_wrap=True,
+            )
+            for name, why in sorted(gateway.not_ready.items()):
+                first = why.splitlines()[0] if why else name
+                err.print(f"[yellow]not ready:[/] {first} (its calls answer SetupFailed)", soft_wrap=True)
+            if generated:
+                err.print(f"token (tenant 'default'): {generated}", soft_wrap=True)
+            # a machine-readable line for scripts that start the server
+            print(json.dumps({"url": gateway.url, "port": gateway.port}), flush=True)
+            await stop.wait()
+            stop.clear()
+            if gateway.inflight:
+                err.print(
+                    f"stopping: waiting up to {cfg.drain_s:g} s for {plural_calls(gateway.inflight)} in "
+                    "flight (Ctrl-C again: stop now)",
+                    soft_wrap=True,
+                )
+        finally:
+            # a second signal while the calls drain cancels them: the close then ends at once
+            closing = asyncio.create_task(gateway.aclose())
+            again = asyncio.create_task(stop.wait())
+            await asyncio.wait({closing, again}, return_when=asyncio.FIRST_COMPLETED)
+            if not closing.done():
+                err.print(f"stopping now: {plural_calls(gateway.inflight)} cancelled", soft_wrap=True)
+                gateway.stop_now()
+            again.cancel()
+            await closing
+
+    try:
+        asyncio.run(main())
+    except OSError as e:  # the port is taken, the address is not ours
+        fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
+    except FabricError as e:  # a function named with -f cannot start (SetupFailedError)
+        fail(str(e))
