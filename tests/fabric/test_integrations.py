@@ -23,6 +23,7 @@ from fabric.integrations import (
     IntegrationConfig,
     MissingArgumentError,
     RewardCallError,
+    _verl,
     build_trajectory,
 )
 from fabric.integrations import verl as verl_mod
@@ -251,7 +252,43 @@ def test_verl_compute_score_as_the_naive_manager_calls_it(verl_rewards):
     )
     assert a == {"score": 1.0, "correct": 1.0, "extracted": 1.0}
     assert b == {"score": 0.0, "correct": 0.0, "extracted": 0.0}  # same keys: veRL stacks them by key
-    assert len(verl_mod._REWARDS) == 1  # one adapter per distinct reward_kwargs
+    assert len(_verl._REWARDS) == 1  # one adapter per distinct reward_kwargs
+
+
+def test_the_verl_file_loaded_by_path_pickles_to_another_process(verl_rewards, tmp_path):
+    """veRL loads verl.py by file path, as a module of another name, and its remote reward
+    manager pickles the function for a Ray actor: defined in that file, the function was
+    pickled by value with the module's pools and failed ("cannot pickle '_asyncio.Future'")."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    cloudpickle = pytest.importorskip("ray.cloudpickle")  # what Ray pickles a task's function with
+    spec = importlib.util.spec_from_file_location("custom_module_123", verl_mod.__file__)
+    assert spec is not None and spec.loader is not None
+    loaded = importlib.util.module_from_spec(spec)  # not in sys.modules: nobody imports it by name
+    spec.loader.exec_module(loaded)
+    raw = loaded.compute_score
+    kwargs = {"function": "exact_match", "backend": LOCAL1}
+
+    def wrapped(*args, **kw):  # veRL's get_custom_reward_fn merges reward_kwargs the same way
+        return raw(*args, **kw, **kwargs)
+
+    assert wrapped("d", "Answer: 4", "4") == {"score": 1.0}  # used (a pool started) before pickling
+    blob = cloudpickle.dumps(wrapped)
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import pickle, sys; f = pickle.loads(sys.stdin.buffer.read()); print(f('d', 'Answer: 4', '4'))",
+        ],
+        input=blob,
+        capture_output=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert child.returncode == 0, child.stderr.decode()[-2000:]
+    assert child.stdout.decode().strip() == "{'score': 1.0}"
 
 
 def test_verl_async_and_batch_forms(verl_rewards):
