@@ -82,6 +82,12 @@ def openrlhf_serve(
         ),
     ] = 150.0,
     workers: Annotated[int | None, typer.Option(help="Worker processes per function (local).")] = None,
+    drain_s: Annotated[
+        float,
+        typer.Option(
+            min=0, help="On Ctrl-C, seconds the requests in flight get to finish (a second Ctrl-C: none)."
+        ),
+    ] = 30.0,
     modules: ModulesOpt = None,
 ) -> None:
     from fabric.integrations.config import IntegrationConfig
@@ -117,7 +123,16 @@ def openrlhf_serve(
         print(json.dumps({"url": url}), flush=True)
 
     try:
-        asyncio.run(serve_openrlhf(config, host=host, port=port, ready=ready))
+        asyncio.run(
+            serve_openrlhf(
+                config,
+                host=host,
+                port=port,
+                ready=ready,
+                drain_s=drain_s,
+                say=lambda text: err.print(text, soft_wrap=True),
+            )
+        )
     except OSError as e:
         fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
     except FabricError as e:  # an unknown function (with the known names), a bad module

@@ -53,12 +53,15 @@ def serve(
     ] = 60.0,
     drain_s: Annotated[
         float,
-        typer.Option(help="On Ctrl-C, seconds the calls in flight get to finish (a second Ctrl-C: none)."),
+        typer.Option(
+            min=0, help="On Ctrl-C, seconds the calls in flight get to finish (a second Ctrl-C: none)."
+        ),
     ] = 30.0,
     modules: ModulesOpt = None,
 ) -> None:
     from fabric.backends.base import TOKEN_ENV
     from fabric.serve import Gateway, ServeConfig, TenantConfig, load_tenants, new_token
+    from fabric.serve.drain import close_in_two_steps
 
     generated = None
     try:
@@ -125,14 +128,10 @@ def serve(
                 )
         finally:
             # a second signal while the calls drain cancels them: the close then ends at once
-            closing = asyncio.create_task(gateway.aclose())
-            again = asyncio.create_task(stop.wait())
-            await asyncio.wait({closing, again}, return_when=asyncio.FIRST_COMPLETED)
-            if not closing.done():
+            def say_stop_now() -> None:
                 err.print(f"stopping now: {plural_calls(gateway.inflight)} cancelled", soft_wrap=True)
-                gateway.stop_now()
-            again.cancel()
-            await closing
+
+            await close_in_two_steps(gateway.aclose(), stop, gateway.stop_now, say_stop_now)
 
     try:
         asyncio.run(main())

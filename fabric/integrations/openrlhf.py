@@ -194,10 +194,16 @@ class RewardServer:
         registry: Registry | None = None,
         backend_instance: Backend | None = None,
         max_body_bytes: int = MAX_PAYLOAD_BYTES,
+        drain_s: float = 30.0,
     ):
+        from fabric.serve.drain import InFlight  # aiohttp's side: only a server needs it
+
         self.reward = OpenRLHFReward(config, registry=registry, backend_instance=backend_instance)
         self.host, self.port = host, port
         self.max_body_bytes = max_body_bytes
+        self.drain_s = drain_s
+        """On close, requests in flight get this long to finish; then they are cancelled."""
+        self.requests = InFlight()
         self._runner: Any = None
 
     @property
@@ -216,13 +222,17 @@ class RewardServer:
 
         await self.reward.adapter.start()
         try:
-            app = web.Application(client_max_size=self.max_body_bytes)
+            app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self.requests.middleware])
             app.router.add_get("/healthz", self._healthz)
             app.router.add_post("/{tail:.*}", self._score)
             # handler_cancellation: a request whose client hung up (OpenRLHF's 180 s timeout, after
             # which it posts the same request again) cancels its calls instead of running them on
             self._runner = web.AppRunner(
-                app, access_log=None, handle_signals=False, handler_cancellation=True
+                app,
+                access_log=None,
+                handle_signals=False,
+                handler_cancellation=True,
+                shutdown_timeout=self.drain_s,
             )
             await self._runner.setup()
             site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
@@ -278,16 +288,41 @@ def _error(status: int, message: str, **extra: Any) -> Any:
 
 
 async def serve(
-    config: IntegrationConfig, *, host: str, port: int, ready: Callable[[str], None] | None = None
+    config: IntegrationConfig,
+    *,
+    host: str,
+    port: int,
+    ready: Callable[[str], None] | None = None,
+    drain_s: float = 30.0,
+    say: Callable[[str], None] | None = None,
 ) -> None:
-    """Serve until SIGINT/SIGTERM (``fabric integrate openrlhf-serve``)."""
+    """Serve until SIGINT/SIGTERM (``fabric integrate openrlhf-serve``); then the requests in
+    flight get ``drain_s`` to finish, and a second signal cancels them at once. ``say`` gets
+    what to tell the user about it."""
     import signal
+
+    from fabric.serve.drain import close_in_two_steps
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with RewardServer(config, host=host, port=port) as server:
+    server = RewardServer(config, host=host, port=port, drain_s=drain_s)
+    await server.start()
+    try:
         if ready is not None:
             ready(server.url)
         await stop.wait()
+        stop.clear()
+        if server.requests and say is not None:
+            say(
+                f"stopping: waiting up to {drain_s:g} s for {len(server.requests)} requests in flight "
+                "(Ctrl-C again: stop now)"
+            )
+    finally:
+
+        def stopping_now() -> None:
+            if say is not None:
+                say(f"stopping now: {len(server.requests)} requests cancelled")
+
+        await close_in_two_steps(server.aclose(), stop, server.requests.cancel, stopping_now)

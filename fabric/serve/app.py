@@ -44,6 +44,7 @@ from fabric.errors import ConfigError, SetupFailedError
 from fabric.protocol import Invocation, Result, decode_payload, new_request_id, to_strict_json
 from fabric.registry import Registry, default_registry
 from fabric.serve.config import ServeConfig
+from fabric.serve.drain import InFlight
 from fabric.serve.gate import FairGate, QuotaExceeded, Quotas, RateLimiter
 from fabric.serve.metrics import ServeMetrics
 
@@ -137,7 +138,7 @@ class Gateway:
         self.rates = RateLimiter({name: t.max_rps for name, t in config.tenants.items()})
         self._gates: dict[str, FairGate] = {}
         self._events: set[asyncio.Task[None]] = set()
-        self._handlers: set[asyncio.Task[Any]] = set()  # requests being answered (for stop_now)
+        self._requests = InFlight()  # the requests being answered (stop_now cancels them)
         self.metrics = ServeMetrics(self)
         self._runner: web.AppRunner | None = None
         self.port: int = config.port
@@ -165,7 +166,8 @@ class Gateway:
             await self.backend.aclose()  # no pool outlives a server that did not start
             raise
         app = web.Application(
-            client_max_size=max(self.config.max_body_bytes, self.config.max_event_bytes) + 1
+            client_max_size=max(self.config.max_body_bytes, self.config.max_event_bytes) + 1,
+            middlewares=[self._requests.middleware],
         )
         app.router.add_post(INVOKE_ROUTE, self._invoke)
         app.router.add_get("/healthz", self._healthz)
@@ -210,12 +212,13 @@ class Gateway:
     @property
     def inflight(self) -> int:
         """Requests being answered plus ``Event`` calls still running."""
-        return len(self._handlers) + len(self._events)
+        return len(self._requests) + len(self._events)
 
     def stop_now(self) -> None:
         """Cancel every call in flight (a second Ctrl-C): a closing server then stops at
         once instead of draining for up to ``drain_s``."""
-        for task in (*self._handlers, *self._events):
+        self._requests.cancel()
+        for task in list(self._events):
             task.cancel()
 
     async def aclose(self) -> None:
@@ -248,15 +251,6 @@ class Gateway:
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def _invoke(self, request: web.Request) -> web.StreamResponse:
-        task = asyncio.current_task()
-        assert task is not None
-        self._handlers.add(task)
-        try:
-            return await self._answer(request)
-        finally:
-            self._handlers.discard(task)
-
-    async def _answer(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
         request_id = new_request_id()
         tenant = function = "-"

@@ -502,6 +502,50 @@ async def test_openrlhf_http_a_request_whose_client_hung_up_is_cancelled():
     assert inspect.signature(openrlhf_serve).parameters["deadline_s"].default < 180
 
 
+async def test_openrlhf_http_close_drains_then_a_second_signal_cancels():
+    """Ctrl-C waited silently for aiohttp's 60 s shutdown timeout; a second one did nothing."""
+    import aiohttp
+
+    from fabric.serve.drain import close_in_two_steps
+
+    async def until_in_flight(server: RewardServer) -> None:
+        for _ in range(3000):
+            if server.requests:
+                return
+            await asyncio.sleep(0.01)
+        pytest.fail("the request never reached the server")
+
+    def body(label: str) -> dict:
+        return {"query": ["q"], "prompts": [""], "labels": [label]}
+
+    quick = IntegrationConfig(function="waits", backend="inproc", builtins=False, constants={"delay_s": 0.5})
+    server = RewardServer(quick, port=0, registry=REG, drain_s=60)
+    await server.start()
+    async with aiohttp.ClientSession() as http:
+        finishing = asyncio.create_task(http.post(server.url, json=body("drained")))
+        await until_in_flight(server)
+        await close_in_two_steps(server.aclose(), asyncio.Event(), server.requests.cancel)
+        assert (await finishing).status == 200 and integ_fns.OUTCOMES["drained"] == "done"  # it had 60 s
+
+    slow = IntegrationConfig(function="waits", backend="inproc", builtins=False)  # 5 s a call
+    server = RewardServer(slow, port=0, registry=REG, drain_s=60)
+    await server.start()
+    async with aiohttp.ClientSession() as http:
+        hanging = asyncio.create_task(http.post(server.url, json=body("cut-short")))
+        await until_in_flight(server)
+        t0 = time.monotonic()
+        again = asyncio.Event()
+        closing = asyncio.create_task(close_in_two_steps(server.aclose(), again, server.requests.cancel))
+        await asyncio.sleep(0.2)
+        assert not closing.done()  # draining: the call has 60 s
+        again.set()  # Ctrl-C again
+        await closing
+        assert time.monotonic() - t0 < 4  # not the call's 5 s, nor the 60 s drain
+        with pytest.raises(aiohttp.ClientError):
+            await hanging
+    assert integ_fns.OUTCOMES["cut-short"] == "cancelled"
+
+
 def test_cli_openrlhf_serve_serves_until_interrupted(tmp_path):
     import signal
     import subprocess

@@ -1,0 +1,59 @@
+"""Stopping an aiohttp server in two steps: drain the requests in flight, and at a second
+signal (Ctrl-C again) cancel them. aiohttp alone waits up to its shutdown timeout (60 s by
+default) and gives no way to cut the wait short."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+
+class InFlight:
+    """The requests an aiohttp app is answering: add ``middleware`` to the app's
+    middlewares, and ``cancel()`` ends them (their clients see a dropped connection)."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[Any]] = set()
+
+    async def middleware(self, request: Any, handler: Callable[[Any], Awaitable[Any]]) -> Any:
+        task = asyncio.current_task()  # the request's own task (aiohttp makes one per request)
+        assert task is not None
+        self.tasks.add(task)
+        try:
+            return await handler(request)
+        finally:
+            self.tasks.discard(task)
+
+    # what aiohttp's @web.middleware sets (without it, a middleware is taken for an old-style
+    # factory and called with the app); set here so this module needs no aiohttp
+    middleware.__middleware_version__ = 1  # type: ignore[attr-defined]
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def cancel(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+
+
+async def close_in_two_steps(
+    close: Awaitable[None],
+    again: asyncio.Event,
+    stop_now: Callable[[], None],
+    on_stop_now: Callable[[], None] | None = None,
+) -> None:
+    """Await ``close`` (a server's drain and shutdown); if ``again`` is set first (a second
+    signal), call ``on_stop_now`` then ``stop_now`` (which cancels what is in flight) and
+    finish closing."""
+    closing = asyncio.ensure_future(close)
+    waiting = asyncio.ensure_future(again.wait())
+    try:
+        await asyncio.wait({closing, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        if not closing.done():
+            if on_stop_now is not None:
+                on_stop_now()
+            stop_now()
+    finally:
+        waiting.cancel()
+    await closing
