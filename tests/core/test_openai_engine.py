@@ -168,7 +168,7 @@ async def test_abort_cancels_the_http_request(srv):
         t0 = time.monotonic()
         assert await engine.abort(req.request_id)
         c = await task
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 10  # the abort ended it, not the 30 s hang
         assert (c.finish_reason, c.text, c.token_ids) == ("abort", "", [])
         assert not await engine.abort(req.request_id)  # already over: idempotent
         assert engine.stats["aborts"] == 1

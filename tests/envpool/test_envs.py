@@ -99,7 +99,7 @@ def test_calculator_refuses_huge_numbers_fast(expression):
     t0 = time.perf_counter()
     with pytest.raises(ValueError, match="too large"):
         calculator(expression)
-    assert time.perf_counter() - t0 < 0.5
+    assert time.perf_counter() - t0 < 5  # refused before computing: 9**9**9 would not end
 
 
 def test_calculator_allows_numbers_up_to_the_bound():

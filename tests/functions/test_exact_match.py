@@ -219,7 +219,7 @@ def test_extraction_is_linear_in_a_megabyte_of_blank_lines(text: str) -> None:
     # "is\s*:?\s*(.+)" retried ".+" at every split of the run: 40 KB took 5 s, 1 MB would take hours
     t0 = time.monotonic()
     exact_match(text, ground_truth="42")
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 10.0  # ~0.2-0.8 s linear (more when loaded); hours quadratic
 
 
 def test_a_too_long_answer_matches_nothing() -> None:

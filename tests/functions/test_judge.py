@@ -356,7 +356,7 @@ def test_a_long_run_after_a_score_label_is_parsed_in_linear_time(run):
     reply = "The score" + run * (1_000_000 // len(run)) + "x\nScore: 7/10"
     t = time.perf_counter()
     assert parse_score(reply, 0, 10) == 7
-    assert time.perf_counter() - t < 1.0
+    assert time.perf_counter() - t < 5.0  # quadratic on these 1 MB would take hours
 
 
 async def test_the_response_sits_between_tags_it_cannot_close(make_judge, monkeypatch):
@@ -455,7 +455,7 @@ async def test_a_hung_endpoint_times_out_within_the_configured_timeout(srv, make
     t0 = time.monotonic()
     with pytest.raises(Unavailable, match=r"failed 2 attempts; last: no answer within timeout_s=0.3 s"):
         await make_judge(srv, timeout_s=0.3, max_retries=1).score("x")
-    assert 0.6 <= time.monotonic() - t0 < 1.5
+    assert 0.6 <= time.monotonic() - t0 < 3.0  # two timeouts of 0.3 s, not the 60 s hang
     srv.hang_next()  # one slow answer, then a good one
     r = await make_judge(srv, timeout_s=0.3, max_retries=1).score("x")
     assert r.score == 0.8 and r.info["attempts"] == 2

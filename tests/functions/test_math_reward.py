@@ -615,7 +615,7 @@ def test_extraction_is_linear_in_a_megabyte_of_blank_lines(text):
     # (the worker is killed at the function's timeout_s and the trajectory masked, not scored)
     t0 = time.monotonic()
     res = math_answer(text, ground_truth="42")
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 10.0  # ~0.2-0.8 s linear (more when loaded); hours quadratic
     assert res.score == (1.0 if text.endswith("42") else 0.0), res.info
     assert _elapsed(extract_final, text) < 2.0
 

@@ -232,10 +232,12 @@ SURVIVORS = {
 
 @pytest.mark.parametrize("code", SURVIVORS.values(), ids=SURVIVORS.keys())
 def test_no_process_survives_its_run(sb, code):
+    # a wall limit far above the program's own time, so that the bound below tells "ended
+    # with the program" from "ended at the wall limit" on a loaded machine too
     t0 = time.monotonic()
-    out = py(sb, code + "\nprint('parent done')\n")
+    out = py(sb, code + "\nprint('parent done')\n", limits=FAST.model_copy(update={"wall_s": 20}))
     assert out.status == "exited" and out.stdout.endswith(b"parent done\n"), out
-    assert time.monotonic() - t0 < 1.5  # the run ended with the program, not at its wall limit
+    assert time.monotonic() - t0 < 10  # the run ended with the program, not at its wall limit
     # the sb fixture checks that nothing of the run is left on the host
 
 
@@ -417,8 +419,10 @@ def test_the_wall_limit_holds_and_is_accounted(sb):
     out = py(sb, code, limits=limits)
     took = time.monotonic() - t0
     assert out.status == "timeout", out
-    assert 1000 <= out.wall_ms < 1500, out.wall_ms
-    assert took < 2.0
+    # killed at the wall limit, not at the client's give-up (wall_s + grace_s = 6 s) nor at the
+    # program's own end (60 s); the slack above 1 s is for a loaded machine
+    assert 1000 <= out.wall_ms < 3500, out.wall_ms
+    assert took < 3.5, took
 
 
 def test_a_userfaultfd_stall_still_dies_at_the_wall_limit(sb):
@@ -441,7 +445,7 @@ def test_a_userfaultfd_stall_still_dies_at_the_wall_limit(sb):
     t0 = time.monotonic()
     out = py(sb, code, limits=limits)
     assert out.status == "timeout" or out.stdout == b"no uffd\n", out
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 3.5  # the wall limit (1 s), not wall_s + grace_s (6 s)
 
 
 # -- verdicts ----------------------------------------------------------------------------------
@@ -669,7 +673,7 @@ def test_a_tracer_holding_the_programs_zombie_cannot_stall_the_wall_limit():
         t0 = time.monotonic()
         out = py(box, code, limits=limits)  # today: SandboxError after wall_s + grace_s
         assert out.status in ("exited", "timeout"), out
-        assert time.monotonic() - t0 < 1.8
+        assert time.monotonic() - t0 < 3.5  # the wall limit (1 s), not wall_s + grace_s (6 s)
         assert wait_clean(box.config.base_uid, 2.0) == []
 
 
@@ -720,7 +724,7 @@ def test_collecting_a_fifo_does_not_hang_the_supervisor():
             limits=FAST.model_copy(update={"wall_s": 1.0}),
             collect=("main",),
         )
-        assert time.monotonic() - t0 < 1.8
+        assert time.monotonic() - t0 < 3.5  # not a hang until wall_s + grace_s (6 s) or forever
         assert out.status == "exited" and not out.files.get("main")
         assert box._zygote is not None and settled_runs(box._zygote.pid, 1) == 1
 
