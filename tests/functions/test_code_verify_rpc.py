@@ -92,11 +92,14 @@ FORGERIES = {
 
 @pytest.mark.parametrize("code", FORGERIES.values(), ids=FORGERIES.keys())
 def test_forgeries_of_the_old_harness_fail(verifier, code):
-    for tests in (
+    tests_tried = (
         TWO_ASSERTS,
         "assert abs(add(0.5, 0.25) - 0.75) < 1e-9\n",
         "assert all(map(lambda p: add(*p) == sum(p), [(1, 2), (3, 4)]))\n",
-    ):
+    )
+    if "os.read(3" in code:  # it takes the tests' channel and both sides wait to the wall limit:
+        tests_tried = tests_tried[:1]  # the same 3 s whatever the tests (9 s for three)
+    for tests in tests_tried:
         case = judge(verifier, code, tests)
         assert case.status != "Finished", (tests, case)
 
