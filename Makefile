@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 setup: $(STAMP)
 
 # the main job: GRPO on FrozenLake with a tiny torch policy, a local Ray cluster, local
-# fabric pools and process containers (~5 minutes on 2 cores; runs/frozenlake/ holds the
+# fabric pools and process containers (5-8 minutes on 2 cores; runs/frozenlake/ holds the
 # metrics, plots and summary)
 demo: setup
 	$(BIN)/fabric run examples/frozenlake/config.yaml
