@@ -220,6 +220,8 @@ class RewardServer:
     async def start(self) -> None:
         from aiohttp import web
 
+        from fabric.serve.drain import drain_timeout
+
         await self.reward.adapter.start()
         try:
             app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self.requests.middleware])
@@ -232,7 +234,7 @@ class RewardServer:
                 access_log=None,
                 handle_signals=False,
                 handler_cancellation=True,
-                shutdown_timeout=self.drain_s,
+                shutdown_timeout=drain_timeout(self.drain_s),
             )
             await self._runner.setup()
             site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)

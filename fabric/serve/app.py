@@ -44,7 +44,7 @@ from fabric.errors import ConfigError, SetupFailedError
 from fabric.protocol import Invocation, Result, decode_payload, new_request_id, to_strict_json
 from fabric.registry import Registry, default_registry
 from fabric.serve.config import ServeConfig
-from fabric.serve.drain import InFlight
+from fabric.serve.drain import InFlight, drain_timeout
 from fabric.serve.gate import FairGate, QuotaExceeded, Quotas, RateLimiter
 from fabric.serve.metrics import ServeMetrics
 
@@ -182,7 +182,7 @@ class Gateway:
             access_log=None,
             handle_signals=False,
             handler_cancellation=True,
-            shutdown_timeout=self.config.drain_s,
+            shutdown_timeout=drain_timeout(self.config.drain_s),
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)

@@ -9,6 +9,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 
+def drain_timeout(drain_s: float) -> float:
+    """aiohttp's ``shutdown_timeout`` for a drain of ``drain_s``: aiohttp reads 0 as no
+    timeout at all (wait forever), so no drain is the shortest one instead."""
+    return max(drain_s, 1e-3)
+
+
 class InFlight:
     """The requests an aiohttp app is answering: add ``middleware`` to the app's
     middlewares, and ``cancel()`` ends them (their clients see a dropped connection)."""

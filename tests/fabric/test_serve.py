@@ -527,9 +527,10 @@ async def test_close_lets_the_calls_in_flight_finish():
     assert g.inflight == 0
 
 
-@pytest.mark.parametrize("how", ["drain_s", "stop_now"])
+@pytest.mark.parametrize("how", ["drain_s", "no_drain", "stop_now"])
 async def test_a_call_that_outlives_the_drain_is_cancelled(how):
-    g = Gateway(config(drain_s=0.3 if how == "drain_s" else 60), REG)
+    # no_drain: drain_s=0, which aiohttp's shutdown_timeout would read as "wait forever"
+    g = Gateway(config(drain_s={"drain_s": 0.3, "no_drain": 0, "stop_now": 60}[how]), REG)
     await g.start()
     async with httpx.AsyncClient(base_url=g.url, timeout=30) as c:
         call = asyncio.create_task(c.post(PATH.format("sleepy"), json={"seconds": 20}, headers=auth()))
