@@ -31,6 +31,10 @@ ModulesOpt = Annotated[
     list[str] | None,
     typer.Option("--module", "-m", help="Module, package, module:attr or file.py to discover functions in."),
 ]
+DrainOpt = Annotated[
+    float,
+    typer.Option(min=0, help="On Ctrl-C, seconds the calls in flight get to finish (a second Ctrl-C: none)."),
+]
 BackendOpt = Annotated[str, typer.Option(help="Backend: local (warm worker processes) or inproc.")]
 
 

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import typer
 
 from fabric.cli._app import (
+    DrainOpt,
     ModulesOpt,
     app,
     err,
@@ -82,12 +83,7 @@ def openrlhf_serve(
         ),
     ] = 150.0,
     workers: Annotated[int | None, typer.Option(help="Worker processes per function (local).")] = None,
-    drain_s: Annotated[
-        float,
-        typer.Option(
-            min=0, help="On Ctrl-C, seconds the requests in flight get to finish (a second Ctrl-C: none)."
-        ),
-    ] = 30.0,
+    drain_s: DrainOpt = 30.0,
     modules: ModulesOpt = None,
 ) -> None:
     from fabric.integrations.config import IntegrationConfig

@@ -11,6 +11,7 @@ import typer
 
 from fabric.cli._app import (
     LOAD_YOURS,
+    DrainOpt,
     ModulesOpt,
     app,
     err,
@@ -51,12 +52,7 @@ def serve(
         float,
         typer.Option(help="Seconds a request's body may take to arrive after its headers (then 408)."),
     ] = 60.0,
-    drain_s: Annotated[
-        float,
-        typer.Option(
-            min=0, help="On Ctrl-C, seconds the calls in flight get to finish (a second Ctrl-C: none)."
-        ),
-    ] = 30.0,
+    drain_s: DrainOpt = 30.0,
     modules: ModulesOpt = None,
 ) -> None:
     from fabric.backends.base import TOKEN_ENV

@@ -511,16 +511,20 @@ def test_rate_limiter_paces_a_tenant_and_leaves_others_alone():
     assert rl.delay("slow", 20.0) is None  # over 5 s of backlog: refused
 
 
+async def until_in_flight(g: Gateway) -> None:
+    for _ in range(3000):  # until the server has the request
+        if g.inflight:
+            break
+        await asyncio.sleep(0.01)
+    assert g.inflight == 1
+
+
 async def test_close_lets_the_calls_in_flight_finish():
     g = Gateway(config(drain_s=30), REG)
     await g.start()
     async with httpx.AsyncClient(base_url=g.url, timeout=30) as c:
         call = asyncio.create_task(c.post(PATH.format("sleepy"), json={"seconds": 1.0}, headers=auth()))
-        for _ in range(3000):  # until the server has the request
-            if g.inflight:
-                break
-            await asyncio.sleep(0.01)
-        assert g.inflight == 1
+        await until_in_flight(g)
         await g.aclose()  # stops accepting, waits for the call
         r = await call
     assert r.status_code == 200 and isinstance(r.json(), int)
@@ -534,11 +538,7 @@ async def test_a_call_that_outlives_the_drain_is_cancelled(how):
     await g.start()
     async with httpx.AsyncClient(base_url=g.url, timeout=30) as c:
         call = asyncio.create_task(c.post(PATH.format("sleepy"), json={"seconds": 20}, headers=auth()))
-        for _ in range(3000):  # until the server has the request
-            if g.inflight:
-                break
-            await asyncio.sleep(0.01)
-        assert g.inflight == 1
+        await until_in_flight(g)
         t0 = time.monotonic()
         closing = asyncio.create_task(g.aclose())
         if how == "stop_now":  # a second Ctrl-C
