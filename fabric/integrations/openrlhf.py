@@ -245,9 +245,11 @@ class RewardServer:
         self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
 
     async def aclose(self) -> None:
+        from fabric.serve.drain import cleanup_within
+
         runner, self._runner = self._runner, None
         if runner is not None:
-            await runner.cleanup()
+            await cleanup_within(runner, self.drain_s, self.requests.cancel)
         await self.reward.adapter.aclose()
 
     async def _healthz(self, request: Any) -> Any:

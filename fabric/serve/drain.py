@@ -37,6 +37,19 @@ class InFlight:
             task.cancel()
 
 
+async def cleanup_within(runner: Any, drain_s: float, stop_now: Callable[[], None]) -> None:
+    """``runner.cleanup()`` (an aiohttp ``AppRunner``: stop accepting, wait for the requests
+    in flight) with the wait cut at ``drain_s``, when ``stop_now`` cancels what is left.
+
+    aiohttp's ``shutdown_timeout`` alone is no such bound: it waits that long for a handler,
+    then as long again after cancelling only the handler's body read, and 0 means no limit."""
+    timer = asyncio.get_running_loop().call_later(drain_s, stop_now)
+    try:
+        await runner.cleanup()
+    finally:
+        timer.cancel()
+
+
 async def close_in_two_steps(
     close: Awaitable[None],
     again: asyncio.Event,
