@@ -5,6 +5,7 @@ default) and gives no way to cut the wait short."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -48,6 +49,25 @@ async def cleanup_within(runner: Any, drain_s: float, stop_now: Callable[[], Non
         await runner.cleanup()
     finally:
         timer.cancel()
+
+
+async def start_unless_stopped(start: Awaitable[None], stop: asyncio.Event) -> bool:
+    """Await ``start`` (a server's start-up: warm pools can take minutes) unless ``stop`` is
+    set first (Ctrl-C during start-up), which cancels it: then False, and ``stop`` is left
+    set. The caller closes whatever the start had begun."""
+    starting = asyncio.ensure_future(start)
+    waiting = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({starting, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+    if not starting.done():
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        return False
+    starting.result()
+    return True
 
 
 async def close_in_two_steps(
