@@ -57,7 +57,7 @@ def serve(
 ) -> None:
     from fabric.backends.base import TOKEN_ENV
     from fabric.serve import Gateway, ServeConfig, TenantConfig, load_tenants, new_token
-    from fabric.serve.drain import close_in_two_steps
+    from fabric.serve.drain import close_in_two_steps, start_unless_stopped
 
     generated = None
     try:
@@ -100,7 +100,10 @@ def serve(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await gateway.start()
+        if not await start_unless_stopped(gateway.start(), stop):  # Ctrl-C during the warm-up
+            await gateway.aclose()  # what the start had begun: its pools, its listener
+            err.print("stopped during start-up", soft_wrap=True)
+            return
         try:
             err.print(
                 f"[bold]fabric serve[/] {len(gateway.served)} functions at {gateway.url} "

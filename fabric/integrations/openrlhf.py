@@ -247,9 +247,11 @@ class RewardServer:
         self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
 
     async def aclose(self) -> None:
+        from fabric.serve.drain import cleanup_within
+
         runner, self._runner = self._runner, None
         if runner is not None:
-            await runner.cleanup()
+            await cleanup_within(runner, self.drain_s, self.requests.cancel)
         await self.reward.adapter.aclose()
 
     async def _healthz(self, request: Any) -> Any:
@@ -303,14 +305,16 @@ async def serve(
     what to tell the user about it."""
     import signal
 
-    from fabric.serve.drain import close_in_two_steps
+    from fabric.serve.drain import close_in_two_steps, start_unless_stopped
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     server = RewardServer(config, host=host, port=port, drain_s=drain_s)
-    await server.start()
+    if not await start_unless_stopped(server.start(), stop):  # a signal during start-up
+        await server.aclose()
+        return
     try:
         if ready is not None:
             ready(server.url)

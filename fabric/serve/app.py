@@ -44,7 +44,7 @@ from fabric.errors import ConfigError, SetupFailedError
 from fabric.protocol import Invocation, Result, decode_payload, new_request_id, to_strict_json
 from fabric.registry import Registry, default_registry
 from fabric.serve.config import ServeConfig
-from fabric.serve.drain import InFlight, drain_timeout
+from fabric.serve.drain import InFlight, cleanup_within, drain_timeout
 from fabric.serve.gate import FairGate, QuotaExceeded, Quotas, RateLimiter
 from fabric.serve.metrics import ServeMetrics
 
@@ -226,7 +226,8 @@ class Gateway:
         rest, then stop the pools."""
         t0 = time.monotonic()
         if self._runner is not None:
-            await self._runner.cleanup()  # waits for the requests in flight (drain_s)
+            # waits for the requests in flight; at drain_s, stop_now cancels them (and the events)
+            await cleanup_within(self._runner, self.config.drain_s, self.stop_now)
             self._runner = None
         events = list(self._events)  # asynchronous calls have what is left of the window
         left = self.config.drain_s - (time.monotonic() - t0)

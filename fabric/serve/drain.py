@@ -5,6 +5,7 @@ default) and gives no way to cut the wait short."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -41,6 +42,38 @@ class InFlight:
     def cancel(self) -> None:
         for task in list(self.tasks):
             task.cancel()
+
+
+async def cleanup_within(runner: Any, drain_s: float, stop_now: Callable[[], None]) -> None:
+    """``runner.cleanup()`` (an aiohttp ``AppRunner``: stop accepting, wait for the requests
+    in flight) with the wait cut at ``drain_s``, when ``stop_now`` cancels what is left.
+
+    aiohttp's ``shutdown_timeout`` alone is no such bound: it waits that long for a handler,
+    then as long again after cancelling only the handler's body read, and 0 means no limit."""
+    timer = asyncio.get_running_loop().call_later(drain_s, stop_now)
+    try:
+        await runner.cleanup()
+    finally:
+        timer.cancel()
+
+
+async def start_unless_stopped(start: Awaitable[None], stop: asyncio.Event) -> bool:
+    """Await ``start`` (a server's start-up: warm pools can take minutes) unless ``stop`` is
+    set first (Ctrl-C during start-up), which cancels it: then False, and ``stop`` is left
+    set. The caller closes whatever the start had begun."""
+    starting = asyncio.ensure_future(start)
+    waiting = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({starting, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+    if not starting.done():
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        return False
+    starting.result()
+    return True
 
 
 async def close_in_two_steps(

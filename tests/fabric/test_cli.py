@@ -235,6 +235,51 @@ def test_serve_drains_on_ctrl_c_and_a_second_one_stops_it_now(tmp_path):
     assert "stopping now: 1 call cancelled" in log.read_text()
 
 
+def test_serve_ctrl_c_during_the_warm_up_stops_it(tmp_path):
+    """Ctrl-C (once or twice) during the start-up was ignored until the warm pools had
+    started (a slow setup: minutes); then the server announced itself and stopped."""
+    import signal
+
+    (tmp_path / "slow_setup_fns.py").write_text(
+        "import pathlib, time\n"
+        "import fabric\n\n"
+        "def _setup():\n"
+        "    pathlib.Path('setup-started').touch()\n"
+        "    time.sleep(30)\n"
+        "    return {}\n\n"
+        "@fabric.function(warm=1, setup=_setup)\n"
+        "def slow_start(x: int, ctx: dict) -> int:\n"
+        "    return x\n"
+    )
+    root = str(Path(fabric.__file__).resolve().parent.parent)
+    args = ["serve", "-m", "slow_setup_fns", "-f", "slow_start", "--workers", "1", "--port", "0"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fabric.cli", *args, "--token", "t" * 20],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": root},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for _ in range(600):  # until the warm-up runs the setup
+            if (tmp_path / "setup-started").exists() or proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert (tmp_path / "setup-started").exists()
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, errors = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 0, errors
+    assert took < 10, took  # not the setup's 30 s
+    assert "stopped during start-up" in errors and out == ""  # it never served
+
+
 def test_invoke_inproc_ends_once_the_call_timed_out(tmp_path):
     """The FunctionTimeout result was ready after timeout_s, but asyncio.run (and then the
     interpreter's exit) waited for the hung handler's thread: the command never ended."""

@@ -546,6 +546,29 @@ async def test_openrlhf_http_close_drains_then_a_second_signal_cancels():
     assert integ_fns.OUTCOMES["cut-short"] == "cancelled"
 
 
+async def test_openrlhf_http_a_zero_drain_cancels_at_once():
+    """drain_s 0 went to aiohttp's shutdown_timeout, where 0 is no limit: the close waited
+    for the call to end."""
+    import aiohttp
+
+    slow = IntegrationConfig(function="waits", backend="inproc", builtins=False, constants={"delay_s": 20})
+    server = RewardServer(slow, port=0, registry=REG, drain_s=0)
+    await server.start()
+    async with aiohttp.ClientSession() as http:
+        hanging = asyncio.create_task(http.post(server.url, json={"query": ["q"], "labels": ["zero-drain"]}))
+        for _ in range(3000):
+            if server.requests:
+                break
+            await asyncio.sleep(0.01)
+        assert server.requests
+        t0 = time.monotonic()
+        await server.aclose()
+        assert time.monotonic() - t0 < 10  # not the call's 20 s
+        with pytest.raises(aiohttp.ClientError):
+            await hanging
+    assert integ_fns.OUTCOMES["zero-drain"] == "cancelled"
+
+
 def test_cli_openrlhf_serve_serves_until_interrupted(tmp_path):
     import signal
     import subprocess

@@ -553,6 +553,31 @@ async def test_a_call_that_outlives_the_drain_is_cancelled(how):
     assert g.inflight == 0
 
 
+@pytest.mark.parametrize("drain_s", [0, 3])
+async def test_the_drain_lasts_drain_s_and_zero_means_none(drain_s):
+    """aiohttp's shutdown_timeout was the drain: it waits that long for a handler, then as
+    long again after cancelling only its body read (a 30 s drain was 60 s), and 0 is no limit
+    at all (drain_s 0 waited for the call to end)."""
+    g = Gateway(config(drain_s=drain_s), REG)
+    await g.start()
+    async with httpx.AsyncClient(base_url=g.url, timeout=30) as c:
+        call = asyncio.create_task(c.post(PATH.format("sleepy"), json={"seconds": 9}, headers=auth()))
+        for _ in range(3000):  # until the server has the request
+            if g.inflight:
+                break
+            await asyncio.sleep(0.01)
+        assert g.inflight == 1
+        t0 = time.monotonic()
+        closing = asyncio.create_task(g.aclose())
+        with pytest.raises(httpx.TransportError):  # the connection dropped at the drain's end
+            await call
+        dropped = time.monotonic() - t0
+        await closing
+    # the slow paths: the call's 9 s (drain_s 0), twice the drain (6 s)
+    assert dropped < drain_s + 2, dropped
+    assert g.inflight == 0
+
+
 async def test_max_rps_delays_instead_of_refusing():
     tenants = {
         "job-a": TenantConfig(token=TOKEN_A, max_rps=50.0),
