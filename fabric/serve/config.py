@@ -54,9 +54,10 @@ class TenantConfig(_Model):
     server nothing while it waits, so a client that ignores 429 and re-sends at once cannot
     fill the server's CPU with refusals. ``None``: no rate limit."""
     metrics: Literal["own", "all"] = "own"
-    """What ``GET /metrics`` shows this tenant: ``own``, the series labelled with its own
-    tenant name plus the shared per-function and pool series (jobs sharing a server do not
-    see each other's names or traffic); ``all``, every tenant's (give it to the token your
+    """What ``GET /metrics`` shows this tenant: ``own``, its own requests (the series
+    labelled with its tenant name: counts, latency, quota) plus the pools' series, which are
+    shared and count every tenant's calls together (a job sees neither another's name nor its
+    requests, only the pools' totals); ``all``, every tenant's (give it to the token your
     Prometheus scrapes with)."""
 
     @model_validator(mode="after")

@@ -74,13 +74,13 @@ class ServeMetrics:
         self.latency = Histogram(
             "fabric_serve_request_seconds",
             "Invoke request latency inside the server",
-            ["function"],
+            ["tenant", "function"],  # per tenant: its count is that tenant's traffic
             buckets=_BUCKETS_S,
             registry=self.registry,
         )
         self.registry.register(_Live(gateway))  # type: ignore[arg-type]
         self._children: dict[tuple[str, str, int], Any] = {}
-        self._hist: dict[str, Any] = {}
+        self._hist: dict[tuple[str, str], Any] = {}
 
     def observe(self, tenant: str, function: str, status: int, seconds: float) -> None:
         key = (tenant, function, status)
@@ -88,9 +88,9 @@ class ServeMetrics:
         if child is None:
             child = self._children[key] = self.requests.labels(tenant, function, str(status))
         child.inc()
-        hist = self._hist.get(function)
+        hist = self._hist.get((tenant, function))
         if hist is None:
-            hist = self._hist[function] = self.latency.labels(function)
+            hist = self._hist[tenant, function] = self.latency.labels(tenant, function)
         hist.observe(seconds)
 
     def render(self, tenant: str | None = None) -> tuple[bytes, str]:
@@ -101,8 +101,9 @@ class ServeMetrics:
 
 
 class _OneTenant:
-    """A view of a registry with only one tenant's tenant-labelled samples (series without a
-    tenant label, per function or per pool, are shared and stay)."""
+    """A view of a registry with only one tenant's tenant-labelled samples. The series
+    without a tenant label stay: the pools' (``fabric_pool_*``, ``fabric_serve_waiting``)
+    are shared by every tenant, and their counts are totals over all of them."""
 
     def __init__(self, registry: CollectorRegistry, tenant: str):
         self.registry = registry
