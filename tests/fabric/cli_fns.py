@@ -86,3 +86,11 @@ def cli_fails_every_other_call_in_workers(traj: str) -> float:
         if _WORKER_CALLS % 2 == 0:
             raise RuntimeError("even call")
     return 1.0
+
+
+@REG.reward(examples=_EXAMPLE)
+def cli_slower_in_the_bench(traj: str) -> float:
+    """Slower in the benchmark's own process (its direct calls) than in a worker: a negative
+    overhead, as a heavy function's noise gives."""
+    time.sleep(0.02 if threading.current_thread().name == "fabric-bench-direct" else 0.002)
+    return 1.0

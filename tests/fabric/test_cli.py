@@ -300,6 +300,19 @@ def test_bench_json_has_the_figures():
     for key in ("throughput_per_s", "p50_ms", "p99_ms", "overhead_p50_ms", "cold_start_ms"):
         assert out[key] > 0, key
     assert out["errors"] == 0 and out["n"] == 400
+    assert "overhead_note" not in out
+
+
+def test_a_negative_overhead_is_flagged_as_noise():
+    # code_verify with an assert-style test measured -0.6 ms: a bare negative figure reads as
+    # "the fabric is faster than calling the function"
+    r = runner.invoke(
+        app,
+        ["bench", "cli_slower_in_the_bench", "-m", "cli_fns", "--n", "40", "--concurrency", "1", "--json"],
+    )
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["overhead_p50_ms"] < 0 and out["overhead_note"].startswith("negative: the call itself")
 
 
 def test_bench_compare_hedge_with_stragglers():
