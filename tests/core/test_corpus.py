@@ -104,8 +104,9 @@ def test_a_stop_kills_the_child_and_its_episodes_and_removes_their_directory(mon
 
     monkeypatch.setattr(corpus.subprocess, "Popen", Recorded)
     monkeypatch.setattr(corpus.tempfile, "TemporaryDirectory", Tmp)
-    # every step sleeps 2 s: 64 episodes at once, each of them for several seconds
-    cfg = _cfg({"id": "latency-v0", "kwargs": {"mu_s": 0.02, "slow_prob": 1.0, "slow_factor": 100.0}})
+    # every step sleeps 10 s: 64 episodes at once, each of them for tens of seconds (a stop
+    # that waited for one step would take 10 s: the bound below has room for a loaded machine)
+    cfg = _cfg({"id": "latency-v0", "kwargs": {"mu_s": 0.02, "slow_prob": 1.0, "slow_factor": 500.0}})
     stop = threading.Event()
     failed: list[BaseException] = []
 
@@ -123,8 +124,8 @@ def test_a_stop_kills_the_child_and_its_episodes_and_removes_their_directory(mon
         time.sleep(0.02)
     t0 = time.monotonic()
     stop.set()
-    worker.join(10)
-    assert not worker.is_alive() and time.monotonic() - t0 < 2
+    worker.join(20)
+    assert not worker.is_alive() and time.monotonic() - t0 < 5
     assert len(failed) == 1 and isinstance(failed[0], StoppedError), failed
     assert children[0].returncode is not None
     while _session_alive(children[0].pid):  # SIGKILL is delivered at once; dying takes a moment

@@ -508,8 +508,9 @@ async def test_a_claim_waiting_for_capacity_wakes_when_it_frees(images):
         assert not waiter.done()
         t0 = time.monotonic()
         await holder.__aexit__(None, None, None)
-        assert await asyncio.wait_for(waiter, 5) == "ready 1"
-        assert time.monotonic() - t0 < 1.0
+        assert await asyncio.wait_for(waiter, 10) == "ready 1"
+        # the release wakes it, then a fresh container starts: seconds on a loaded machine
+        assert time.monotonic() - t0 < 3.0
 
 
 async def test_claimers_cancelled_while_waiting_for_capacity_do_not_break_the_others(images):
