@@ -143,7 +143,9 @@ def policy_loss(
     if clip_high is None:
         clip_high = clip_low
     adv = advantages[:, None] if advantages.ndim == 1 else advantages
-    log_ratio = logprobs - old_logprobs
+    # zero outside the mask before exp: a padded or prompt position can hold -1e9 (a restricted
+    # vocabulary) against an old logprob of 0, and exp(1e9) * 0 would be NaN in the stats
+    log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, torch.zeros_like(logprobs))
     ratio = torch.exp(log_ratio)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv

@@ -102,6 +102,20 @@ def test_policy_loss_negative_advantage_by_hand():
     assert new.grad[0].tolist() == pytest.approx([1 / 3, 1.5 / 3, 0.0])
 
 
+def test_masked_positions_with_a_restricted_vocabulary_leave_the_stats_and_gradients_finite():
+    # a padded or prompt position under a restricted vocabulary: logprob -1e9 against an old
+    # logprob of 0; exp(1e9) there once made approx_kl NaN (inf * a mask of 0)
+    old = torch.tensor([[-0.5, 0.0, 0.0]])
+    new = torch.tensor([[-0.4, -1e9, -1e9]]).requires_grad_(True)
+    mask = torch.tensor([[1.0, 0.0, 0.0]])
+    loss, stats = policy_loss(new, old, torch.tensor([1.0]), mask, clip_low=0.2)
+    r = math.exp(0.1)
+    assert float(stats["approx_kl"]) == pytest.approx(math.exp(-0.1) + 0.1 - 1, rel=1e-4)  # float32
+    assert float(stats["ratio_mean"]) == pytest.approx(r) and loss.item() == pytest.approx(-r)
+    loss.backward()
+    assert new.grad is not None and new.grad[0].tolist() == pytest.approx([-r, 0.0, 0.0])
+
+
 def test_clip_high_widens_the_upper_bound_only():
     old, new, mask = ratios_case()
     loss, stats = policy_loss(new, old, torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.6)
