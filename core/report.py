@@ -20,6 +20,7 @@ per trajectory, the mean time in generation, environment and reward.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -30,6 +31,22 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 
 #: Outputs written at the end of a run (or only with some settings): an earlier run's are removed.
 STALE_OUTPUTS = ("summary.json", "reward.png", "time.png", "trace.jsonl")
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def strict_json(obj: Any, indent: int | None = None) -> str:
+    """JSON that every reader takes: a NaN or infinite figure (a diverged loss) is ``null``,
+    where Python's default writes ``NaN``, which jq, pandas' strict mode and browsers refuse."""
+    return json.dumps(_finite(obj), indent=indent, allow_nan=False)
 
 
 class RunDir:
@@ -64,12 +81,12 @@ class RunDir:
 
     def log(self, row: dict[str, Any]) -> None:
         (self.evals if row.get("kind") == "eval" else self.rows).append(row)
-        self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.write(strict_json(row) + "\n")
         self._metrics.flush()
 
     def finish(self, summary: dict[str, Any]) -> None:
         self._metrics.close()
-        (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (self.path / "summary.json").write_text(strict_json(summary, indent=2) + "\n")
         self.plot()
 
     def plot(self) -> None:

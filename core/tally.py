@@ -76,6 +76,9 @@ class Tally:
             "loss": metrics.get("loss"),
             "entropy": metrics.get("entropy"),
             "lr": metrics.get("lr"),
+            # the drift gauges: approx_kl between the engine's logprobs and the trainer's at the
+            # first update is ~0 when the engines serve the weights the trainer published
+            **{k: metrics.get(k) for k in ("approx_kl", "clip_frac", "ratio_mean", "grad_norm")},
             "finished": {k: w[k] for k in ("ok", "truncated", "aborted", "infra_failed", "reward_failed")},
             "stale_groups": w["stale_groups"],
             "given_up_groups": w["given_up_groups"],

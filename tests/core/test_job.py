@@ -48,6 +48,7 @@ FROZENLAKE = {
     "prompt": {"history": 0, "drop_lines": ["Legend:"]},
 }
 TRAIN_KEYS = {"step", "version", "reward_mean", "success", "staleness_mean", "time"}
+DRIFT_KEYS = {"approx_kl", "clip_frac", "ratio_mean", "grad_norm"}
 TIME_KEYS = {"wait_s", "train_s", "publish_s", "gen_s", "env_s", "reward_s"}
 
 
@@ -471,6 +472,7 @@ async def test_the_job_trains_end_to_end_and_leaves_its_run_directory(tmp_path, 
     assert [r["version"] for r in rows] == [1, 2, 3, 4]  # one new version per step
     for r in rows:
         assert TRAIN_KEYS <= r.keys() and TIME_KEYS <= r["time"].keys()
+        assert all(r[k] is not None and r[k] >= 0 for k in DRIFT_KEYS), r
         assert 0 <= r["staleness_mean"] <= cfg.alpha
         assert 0.0 <= r["success"] <= 1.0 and r["trajectories"] == 4
     assert job.version == 4 and summary["buffer"]["version"] == 4
@@ -541,7 +543,11 @@ async def test_sync_mode_runs_too(tmp_path, ray_cluster):
     # a step's groups start together under the version being trained: never stale
     assert set(summary["buffer"]["staleness"]) == {0}
     assert summary["groups"]["groups_started"] == cfg.steps * cfg.batch_size
-    assert [r["version"] for r in train_rows(tmp_path / "run")] == [1, 2, 3]
+    rows = train_rows(tmp_path / "run")
+    assert [r["version"] for r in rows] == [1, 2, 3]
+    # never stale, so the trainer's first logprobs are the engine's own (same weights): the
+    # drift gauge reads numerical noise only. A replica serving older weights reads far more
+    assert all(r["approx_kl"] < 1e-4 for r in rows), [r["approx_kl"] for r in rows]
 
 
 @pytest.mark.ray

@@ -48,6 +48,17 @@ def test_run_dir_writes_config_metrics_summary_and_plots(tmp_path):
         assert data.startswith(PNG) and len(data) > 1000
 
 
+def test_non_finite_figures_are_written_as_null_so_any_json_reader_takes_them(tmp_path):
+    run = RunDir(tmp_path)
+    run.log({"kind": "eval", "step": 0, "loss": float("nan"), "x": [float("inf"), 1.5]})
+    run.finish({"steps": 0, "best": {"loss": float("-inf")}})
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in line and "Infinity" not in line
+    assert json.loads(line) == {"kind": "eval", "step": 0, "loss": None, "x": [None, 1.5]}
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"steps": 0, "best": {"loss": None}}
+    assert run.evals[0]["x"] == [float("inf"), 1.5]  # what the plots read is left as it was
+
+
 def test_run_dir_without_training_rows_writes_no_plots(tmp_path):
     run = RunDir(tmp_path)
     run.log({"kind": "eval", "step": 0, "success": 0.0})
