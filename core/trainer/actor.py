@@ -11,6 +11,7 @@ pass further backend options through (``weight_decay``, ``loss_agg``, ``num_thre
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import torch
@@ -55,6 +56,24 @@ class TrainerActor:
         return metrics, self.trainer.state()
 
     def version(self) -> int:
+        return self.trainer.version
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The current weights, for the engines (a resumed job publishes them first)."""
+        return self.trainer.state()
+
+    def save(self, path: str) -> None:
+        """The training state and the schedule's position, to ``path`` (written whole or
+        not at all: a crash mid-write leaves the previous checkpoint as the latest)."""
+        tmp = f"{path}.part"
+        torch.save({"state": self.trainer.training_state(), "steps": self.steps}, tmp)
+        os.replace(tmp, path)
+
+    def load(self, path: str) -> int:
+        """Back to what ``save`` wrote; the version it was at."""
+        data = torch.load(path, map_location="cpu", weights_only=False)
+        self.trainer.load_training_state(data["state"])
+        self.steps = int(data["steps"])
         return self.trainer.version
 
 

@@ -216,6 +216,68 @@ class Trainer(ABC):
     @abstractmethod
     def _step(self, batch: Sequence[TrainSample], advantages: list[float]) -> dict[str, float]: ...
 
+    # -- checkpoints (a job resumed after a crash or a preemption) ---------------------------
+    def training_state(self) -> dict[str, Any]:
+        """What a resumed run needs to go on as this one would have: the weights, the
+        optimizer's moments, the KL anchor, the shuffle generator and the version.
+        ``torch.save``-able; backend-specific inside (resume with the same backend)."""
+        return {"trainer": self.name, "version": self._version, **self._training_state()}
+
+    def load_training_state(self, state: Mapping[str, Any]) -> None:
+        if state.get("trainer") != self.name:
+            raise TrainerError(
+                f"the checkpoint is of the {state.get('trainer')!r} trainer, not {self.name!r}: "
+                "resume with the trainer.backend it was written with"
+            )
+        self._load_training_state(state)
+        self._version = int(state["version"])
+
+    def _training_state(self) -> dict[str, Any]:
+        raise TrainerError(f"the {self.name!r} trainer cannot write checkpoints")
+
+    def _load_training_state(self, state: Mapping[str, Any]) -> None:
+        raise TrainerError(f"the {self.name!r} trainer cannot read checkpoints")
+
+
+def module_training_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    reference: torch.nn.Module | None,
+    shuffle: torch.Generator,
+) -> dict[str, Any]:
+    """``Trainer.training_state`` for a backend holding one ``torch.nn.Module`` and one
+    optimizer (both trainers here). The reference is kept apart: it is the frozen *initial*
+    policy, which a resumed run cannot rebuild from the trained weights."""
+    return {
+        # megatron's modules also hold non-tensor ``_extra_state`` entries: kept as they are
+        "model": {
+            k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+            for k, v in model.state_dict().items()
+        },
+        "optimizer": optimizer.state_dict(),
+        "reference": reference.state_dict() if reference is not None else None,
+        "shuffle": shuffle.get_state(),
+    }
+
+
+def load_module_training_state(
+    state: Mapping[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    reference: torch.nn.Module | None,
+    shuffle: torch.Generator,
+) -> None:
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if reference is not None:
+            if state.get("reference") is None:
+                raise TrainerError("the checkpoint has no KL reference (it was written with kl_coef 0)")
+            reference.load_state_dict(state["reference"])
+    except (KeyError, RuntimeError, ValueError) as e:  # shapes, names, optimizer groups
+        raise TrainerError(f"the checkpoint does not fit this trainer's model: {e}") from None
+    shuffle.set_state(state["shuffle"])
+
 
 class TrainerRegistry:
     """Trainer name -> ``module:Class``, imported on first use (megatron is heavy)."""

@@ -63,7 +63,13 @@ from torch import Tensor
 from core.config_megatron import GPTShape as GPTShape
 from core.config_megatron import MegatronTrainerConfig as MegatronTrainerConfig
 from core.config_megatron import check_parallel_shape as check_parallel_shape
-from core.trainer.base import Trainer, TrainerError, TrainSample
+from core.trainer.base import (
+    Trainer,
+    TrainerError,
+    TrainSample,
+    load_module_training_state,
+    module_training_state,
+)
 from core.trainer.grpo import aggregate, entropy, kl_k3, policy_loss, token_logprobs
 from core.trainer.hf_gpt import HFArch, hf_to_megatron, megatron_to_hf, read_hf_state
 
@@ -292,6 +298,12 @@ class MegatronTrainer(Trainer):
         finally:
             self.model.train()
         return [float(x) for x in logp[0, : len(completion_ids)].cpu()]
+
+    def _training_state(self) -> dict[str, Any]:
+        return module_training_state(self.model, self.optimizer, self.reference, self._shuffle)
+
+    def _load_training_state(self, state: Mapping[str, Any]) -> None:
+        load_module_training_state(state, self.model, self.optimizer, self.reference, self._shuffle)
 
     def save_checkpoint(self, path: str | Path) -> None:
         """Shape, weights and version in one file, loadable with ``checkpoint=path``."""

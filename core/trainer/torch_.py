@@ -14,14 +14,21 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from core.config_backends import TorchTrainerConfig as TorchTrainerConfig  # torch-free, for the job config
 from core.policy.tiny_lm import TinyLM
-from core.trainer.base import Trainer, TrainerError, TrainSample
+from core.trainer.base import (
+    Trainer,
+    TrainerError,
+    TrainSample,
+    load_module_training_state,
+    module_training_state,
+)
 from core.trainer.grpo import aggregate, entropy, kl_k3, policy_loss, token_logprobs
 
 
@@ -63,6 +70,12 @@ class TorchTrainer(Trainer):
 
     def state(self) -> dict[str, Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def _training_state(self) -> dict[str, Any]:
+        return module_training_state(self.model, self.optimizer, self.reference, self._shuffle)
+
+    def _load_training_state(self, state: Mapping[str, Any]) -> None:
+        load_module_training_state(state, self.model, self.optimizer, self.reference, self._shuffle)
 
     def _step(self, batch: Sequence[TrainSample], advantages: list[float]) -> dict[str, float]:
         cfg = self.config

@@ -209,6 +209,31 @@ def test_restriction_masking_kl_and_mini_batches():
 
 @pytest.mark.gpu
 @needs_gpu
+def test_a_resumed_trainer_goes_on_as_the_uninterrupted_one(tmp_path):
+    # what `fabric run --resume` restores: weights, AdamW moments, KL anchor, shuffle, version
+    def fresh() -> MegatronTrainer:
+        return MegatronTrainer(config(lr=1e-2, seed=3, kl_coef=0.1, mini_batch_size=1))
+
+    def batch(t: MegatronTrainer) -> list[TrainSample]:
+        return [sample(t, [GOOD], 1.0), sample(t, [BAD], -1.0), sample(t, [GOOD, 7], 0.5)]
+
+    a = fresh()
+    for _ in range(2):
+        a.step(batch(a))
+    torch.save(a.training_state(), tmp_path / "t.pt")
+    b = fresh()
+    b.load_training_state(torch.load(tmp_path / "t.pt", map_location="cpu", weights_only=False))
+    assert b.version == 2
+    for _ in range(2):
+        same = batch(a)
+        ma, mb = a.step(same), b.step(same)
+        assert ma["kl"] > 0 and ma["kl"] == pytest.approx(mb["kl"], rel=1e-4, abs=1e-7)
+    for (k, va), vb in zip(a.state().items(), b.state().values(), strict=True):
+        assert torch.allclose(va, vb, atol=1e-5), k
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_checkpoint_round_trip_and_bad_samples(tmp_path):
     t = MegatronTrainer(config(lr=1e-2))
     t.step([sample(t, [GOOD], 1.0)])
