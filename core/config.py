@@ -38,6 +38,7 @@ from core.config_sections import (
     ENGINES,
     FABRIC_BACKENDS,
     TRAINERS,
+    CheckpointConfig,
     ConfigModel,
     EngineConfig,
     EnvConfig,
@@ -58,6 +59,7 @@ __all__ = [
     "ENGINES",
     "FABRIC_BACKENDS",
     "TRAINERS",
+    "CheckpointConfig",
     "EngineConfig",
     "EnvConfig",
     "EnvPoolConfig",
@@ -98,6 +100,7 @@ class JobConfig(ConfigModel):
     fabric: FabricConfig = Field(default_factory=FabricConfig)
     envpool: EnvPoolConfig = Field(default_factory=EnvPoolConfig)
     images: ImagesConfig = Field(default_factory=ImagesConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     run_dir: Path = Path("runs/job")
     """Where metrics, plots and the summary go (relative paths: to the working directory)."""
     seed: int = 0

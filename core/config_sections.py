@@ -311,6 +311,16 @@ class FabricConfig(ConfigModel):
         return {"type": self.backend}
 
 
+class CheckpointConfig(ConfigModel):
+    """How often the job saves what ``fabric run --resume`` continues from (``<run_dir>/checkpoints``)."""
+
+    every: int = Field(0, ge=0)
+    """Steps between checkpoints (and one after the last step); 0: none. Each holds the
+    trainer's weights, optimizer moments and KL anchor (a few times the model's size)."""
+    keep: int = Field(1, ge=1)
+    """The newest checkpoints kept; older ones are removed once a newer one is complete."""
+
+
 #: The name of the job's own disk tier in its image cache (``core.env_images.open_cache``).
 JOB_DISK = "job-disk"
 

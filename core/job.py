@@ -38,7 +38,10 @@ from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
+
 from core.buffer import SampleBuffer
+from core.checkpoint import TRAINER_FILE, Checkpoints, config_changes
 from core.cluster import Cluster, turn_scheduler
 from core.config import EnvConfig, JobConfig, builtin_env_ids
 from core.env_images import JobImages
@@ -60,8 +63,21 @@ T = TypeVar("T")
 
 
 class Job:
-    def __init__(self, cfg: JobConfig, *, progress: bool = True, registry: Registry | None = None):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        *,
+        progress: bool = True,
+        registry: Registry | None = None,
+        resume: bool = False,
+    ):
+        """``resume``: continue from the newest checkpoint in ``cfg.run_dir`` (refused, naming
+        the key, when there is none, the config changed, or ``steps`` is not above it)."""
         self.cfg = cfg
+        self.resume = resume
+        self.checkpoints = Checkpoints(cfg.run_dir, cfg.checkpoint.keep)
+        self._resume_from: tuple[Path, dict[str, Any]] | None = None
+        self._checkpoint_s: list[float] = []
         self.registry = registry
         self.progress_enabled = progress
         self.rng = random.Random(cfg.seed)
@@ -122,6 +138,8 @@ class Job:
         bad_dir = RunDir.problem(Path(cfg.run_dir))
         if bad_dir is not None:
             problems.append(("run_dir", f"{bad_dir}; choose another (run_dir, or --run-dir)"))
+        else:
+            problems += self._checkpoint_problems()
         if problems:
             raise ConfigError(problems)
         self._fatal = asyncio.get_running_loop().create_future()
@@ -145,19 +163,31 @@ class Job:
         t_start: float,
     ) -> dict[str, Any]:
         cfg = self.cfg
-        bundle = await self._build_policy(progress, images) if cfg.engine.backend == "torch" else None
+        resume = self._resume_from
+        bundle: PolicyBundle | None = None
+        if cfg.engine.backend == "torch":
+            bundle = self._resumed_policy() if resume else await self._build_policy(progress, images)
         actions = self._action_ids(bundle)
         try:
-            run_dir = self.run_dir = RunDir(Path(cfg.run_dir))
+            run_dir = self.run_dir = RunDir(
+                Path(cfg.run_dir), resume_step=resume[1]["step"] if resume else None
+            )
         except OSError as e:  # changed since the check above
             raise ConfigError([("run_dir", f"cannot use {str(cfg.run_dir)!r}: {e.strerror or e}")]) from None
         run_dir.write_config(cfg.to_yaml())
         progress.note(f"run directory: {run_dir.path}")
-        init = str(bundle.save(run_dir.path.resolve() / "policy-init")) if bundle is not None else None
+        init = None
+        if bundle is not None:
+            init_dir = run_dir.path.resolve() / "policy-init"
+            init = str(init_dir if resume else bundle.save(init_dir))
         async with self.cluster.start(init) as proxy, self._fabric(registry, images) as (client, pool):
             term.reinstall()  # ray.init put its own handler in place of ours
             self.pool = pool
-            buffer = self.buffer = SampleBuffer(cfg.group_size, cfg.alpha, on_abort=self._on_abort)
+            if resume:
+                await self._restore(*resume, run_dir, progress)
+            buffer = self.buffer = SampleBuffer(
+                cfg.group_size, cfg.alpha, on_abort=self._on_abort, version=self.version
+            )
             stream = self.stream = RewardStream(client, cfg.rewards, self._deliver)
             manager = EnvManager(cfg, pool, proxy, actions=actions, images=images.refs)
             runner = self.runner = GroupRunner(
@@ -170,7 +200,8 @@ class Job:
             )
             async with stream:
                 setup_s = time.perf_counter() - t_start
-                progress.note(f"ready in {setup_s:.1f}s; training {cfg.steps} steps ({cfg.rollout.mode})")
+                todo = f"steps {self.step + 1}-{cfg.steps}" if resume else f"{cfg.steps} steps"
+                progress.note(f"ready in {setup_s:.1f}s; training {todo} ({cfg.rollout.mode})")
                 try:
                     summary = await self._train(manager, runner, buffer, stream, run_dir, progress)
                     summary["setup_s"] = round(setup_s, 1)
@@ -196,12 +227,17 @@ class Job:
         t0 = self._t0 = time.perf_counter()
         launcher = asyncio.create_task(self._launch_loop(runner)) if cfg.rollout.mode == "async" else None
         eval_task: asyncio.Task[dict[str, Any]] | None = None
-        first_eval = await self._evaluate(manager, 0) if cfg.rollout.eval_every else None
-        if first_eval:
-            run_dir.log(first_eval)
+        start = self.step  # 0, or the step of the checkpoint a resumed run continues from
+        first_eval: dict[str, Any] | None
+        if start:  # the untrained policy's evaluation is the earlier run's
+            first_eval = next((e for e in self.evals if e["step"] == 0), None)
+        else:
+            first_eval = await self._evaluate(manager, 0) if cfg.rollout.eval_every else None
+            if first_eval:
+                run_dir.log(first_eval)
         tokens_last, t_last = 0, time.perf_counter()
         try:
-            for step in range(1, cfg.steps + 1):
+            for step in range(start + 1, cfg.steps + 1):
                 self.step = step
                 tw = time.perf_counter()
                 if cfg.rollout.mode == "sync":
@@ -234,6 +270,9 @@ class Job:
                 row["tokens_per_s"] = (tokens - tokens_last) / max(now - t_last, 1e-9)
                 tokens_last, t_last = tokens, now
                 run_dir.log(row)
+                every = cfg.checkpoint.every
+                if every and (step % every == 0 or step == cfg.steps):
+                    await self._save_checkpoint(step)
                 if eval_task is not None and eval_task.done():
                     run_dir.log(eval_task.result())
                     eval_task = None
@@ -376,7 +415,113 @@ class Job:
             "groups": dict(runner.metrics),
             "run_dir": str(run_dir.path),
             **({"pretrain": self._pretrained} if self._pretrained else {}),
+            **({"resumed_from_step": self._resume_from[1]["step"]} if self._resume_from else {}),
+            **(
+                {
+                    "checkpoints": {
+                        "written": len(self._checkpoint_s),
+                        "seconds": round(sum(self._checkpoint_s), 2),
+                    }
+                }
+                if self._checkpoint_s
+                else {}
+            ),
         }
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_figures(self) -> dict[str, Any]:
+        return {"written": len(self._checkpoint_s), "seconds": round(sum(self._checkpoint_s), 2)}
+
+    def _checkpoint_problems(self) -> list[tuple[str, str]]:
+        """Whether this run may start: a resume needs a checkpoint of the same run with steps
+        left to train; a fresh start must not bury an earlier run's checkpoint."""
+        cfg = self.cfg
+        try:
+            latest = self.checkpoints.latest()
+            saved = Checkpoints.read(latest) if latest is not None else None
+        except ConfigError as e:
+            return list(e.problems)
+        except (OSError, ValueError) as e:  # an unreadable or corrupt job.json
+            return [("run_dir", f"cannot read the checkpoint in {str(self.checkpoints.root)!r}: {e}")]
+        if latest is None or saved is None:
+            if not self.resume:
+                return []
+            return [
+                (
+                    "run_dir",
+                    f"nothing to resume: {str(cfg.run_dir)!r} has no checkpoint "
+                    "(a run with checkpoint.every > 0 writes them); run without --resume",
+                )
+            ]
+        step = int(saved["step"])
+        if not self.resume:
+            return [
+                (
+                    "run_dir",
+                    f"{str(cfg.run_dir)!r} holds the checkpoint of an earlier run at step {step}: "
+                    f"--resume continues it; to start over, remove {str(self.checkpoints.root)!r} "
+                    "or choose another run_dir",
+                )
+            ]
+        problems = [
+            (key, f"{msg}; a resumed run must be the same run (a new run_dir starts another)")
+            for key, msg in config_changes(yaml.safe_load(saved["config"]), yaml.safe_load(cfg.to_yaml()))
+        ]
+        if cfg.steps <= step:
+            problems.append(
+                ("steps", f"is {cfg.steps}, the checkpoint is at step {step}: raise it to go on (--steps N)")
+            )
+        init = Path(cfg.run_dir) / "policy-init"
+        if cfg.engine.backend == "torch" and not init.is_dir():
+            problems.append(
+                ("run_dir", f"the checkpoint needs {str(init)!r} (the initial policy), which is gone")
+            )
+        self._resume_from = (latest, saved)
+        return problems
+
+    def _resumed_policy(self) -> PolicyBundle:
+        """The torch engine's policy as the earlier run built it (tokenizer, initial weights):
+        never pretrained again; the trained weights come from the checkpoint."""
+        assert self._resume_from is not None
+        saved = self._resume_from[1]
+        self._pretrained = saved.get("pretrained") or {}
+        return PolicyBundle.load(Path(self.cfg.run_dir) / "policy-init")
+
+    async def _restore(
+        self, path: Path, saved: dict[str, Any], run_dir: RunDir, progress: JobProgress
+    ) -> None:
+        """The trainer back to the checkpoint, its weights on every engine replica before the
+        first rollout, and the job's own state (step, random state, counts, tasks seen)."""
+        version = await self.trainer_handle.load.remote(str(path / TRAINER_FILE))
+        await self.proxy_handle.update_weights.remote(version, [self.trainer_handle.weights.remote()])
+        self.version = version
+        self.step = int(saved["step"])
+        v, state, gauss = saved["rng"]
+        self.rng.setstate((v, tuple(state), gauss))
+        self.tally.counts.update(saved["counts"])
+        self.evaluator.trained_on(saved["trained_tasks"])
+        self.evaluator.rows.extend(run_dir.evals)
+        progress.note(f"resumed from {path} (step {self.step}, policy version {version})")
+
+    async def _save_checkpoint(self, step: int) -> None:
+        t = time.perf_counter()
+        part = self.checkpoints.prepare(step)
+        await self.trainer_handle.save.remote(str(part / TRAINER_FILE))
+        v, state, gauss = self.rng.getstate()
+        self.checkpoints.commit(
+            part,
+            step,
+            {
+                "step": step,
+                "version": self.version,
+                "config": self.cfg.to_yaml(),
+                "rng": [v, list(state), gauss],
+                "counts": dict(self.tally.counts),
+                "trained_tasks": sorted(self.evaluator.trained_tasks),
+                "pretrained": self._pretrained,
+            },
+        )
+        self._checkpoint_s.append(time.perf_counter() - t)
 
     # ------------------------------------------------------------------ setup
     async def _build_policy(self, progress: JobProgress, images: JobImages) -> PolicyBundle:
@@ -488,7 +633,7 @@ class _TermAsInterrupt:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m core.job CONFIG [--steps N] [--run-dir DIR] [--quiet]``."""
+    """``python -m core.job CONFIG [--steps N] [--run-dir DIR] [--resume] [--quiet]``."""
     import argparse
     import json
 
@@ -496,6 +641,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--run-dir")
+    ap.add_argument(
+        "--resume", action="store_true", help="continue from the run directory's newest checkpoint"
+    )
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     try:
@@ -504,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     try:
-        summary = asyncio.run(Job(cfg, progress=not args.quiet).run())
+        summary = asyncio.run(Job(cfg, progress=not args.quiet, resume=args.resume).run())
     except CoreError as e:
         print(e, file=sys.stderr)
         return 2

@@ -50,14 +50,34 @@ def strict_json(obj: Any, indent: int | None = None) -> str:
 
 
 class RunDir:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, resume_step: int | None = None):
+        """``resume_step``: a run resumed from the checkpoint of that step keeps the rows
+        logged up to it (those after it were of steps it trains again) and appends."""
         self.path = path
         path.mkdir(parents=True, exist_ok=True)
         for name in STALE_OUTPUTS:
             (path / name).unlink(missing_ok=True)
-        self._metrics = (path / "metrics.jsonl").open("w")
         self.rows: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
+        kept = self._rows_until(resume_step) if resume_step is not None else []
+        self._metrics = (path / "metrics.jsonl").open("w")
+        for row in kept:
+            self.log(row)
+
+    def _rows_until(self, step: int) -> list[dict[str, Any]]:
+        try:
+            lines = (self.path / "metrics.jsonl").read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        rows = []
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # the last line of a run killed mid-write
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+                rows.append(row)
+        return rows
 
     @staticmethod
     def problem(path: Path) -> str | None:

@@ -22,6 +22,13 @@ def run(
     steps: Annotated[int | None, typer.Option(help="Override the config's training steps.")] = None,
     run_dir: Annotated[str | None, typer.Option(help="Override the config's run directory.")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress display; print only the summary JSON.")] = False,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            help="Continue from the newest checkpoint in the run directory (checkpoint.every writes "
+            "them); --steps N to train on past the config's steps."
+        ),
+    ] = False,
 ) -> None:
     """Run an RL job: a local Ray cluster, local fabric pools, process containers."""
     try:
@@ -31,7 +38,7 @@ def run(
         fail(f"the RL job needs its extras: pip install -e '.[ray,train,rewards]' ({e})")
     try:
         cfg = load(config, steps=steps, run_dir=run_dir)
-        summary = asyncio.run(Job(cfg, progress=not quiet).run())
+        summary = asyncio.run(Job(cfg, progress=not quiet, resume=resume).run())
     except CoreError as e:  # a bad config, or a rollout where every group fails
         fail(str(e))
     if not quiet:

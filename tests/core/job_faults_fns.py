@@ -73,3 +73,12 @@ def slow_no_retry(traj: Trajectory, *, state_dir: str, n: int) -> float:
         time.sleep(SLOW_TIMEOUT_S * 20)
     Path(state_dir, f"scored-{traj.id}").touch()
     return _score(traj)
+
+
+@REG.reward(warm=1)
+def said_go(traj: Trajectory) -> float:
+    """1.0 when the policy's first reply is ``go``: an untrained policy says it about half the
+    time, so groups have advantages and every step moves the weights (``env_return`` of an
+    untrained policy is mostly 0 everywhere, and a step on zero advantages changes nothing)."""
+    replies = [m.content or "" for m in traj.messages if m.role == "assistant"]
+    return 1.0 if replies and replies[0].strip().startswith("go") else 0.0

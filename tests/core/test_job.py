@@ -109,19 +109,6 @@ def train_rows(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in rows if r.get("kind") == "train"]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 # ----------------------------------------------------------------------------- bad configs
 # test_config.py covers each of these at JobConfig.from_dict; here: the job's own edges (the
 # CLI entry, overrides, what only the job can check) refuse them before anything starts.

@@ -1,0 +1,246 @@
+"""Checkpoints and ``--resume``: the directory's bookkeeping, the trainers' training state (a
+resumed trainer goes on exactly as the uninterrupted one), the job resumed after a crash, and
+every resume the job refuses before anything starts."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import job_faults_fns as faults
+import pytest
+import torch
+import yaml
+from test_job import FROZENLAKE, check_invariants, job_config, run_job, train_rows
+from test_torch_trainer import TOK, model, sample
+
+from core.checkpoint import JOB_FILE, TRAINER_FILE, Checkpoints, config_changes
+from core.errors import ConfigError
+from core.job import Job, main
+from core.trainer.actor import TrainerActor
+from core.trainer.base import TrainerError
+from core.trainer.torch_ import TorchTrainer, TorchTrainerConfig
+
+# ----------------------------------------------------------------------------- the directory
+
+
+def _write(ckpts: Checkpoints, step: int, **state) -> Path:
+    part = ckpts.prepare(step)
+    (part / TRAINER_FILE).write_bytes(b"weights")
+    return ckpts.commit(part, step, {"step": step, **state})
+
+
+def test_latest_names_the_newest_complete_checkpoint_and_old_ones_are_pruned(tmp_path):
+    ckpts = Checkpoints(tmp_path, keep=2)
+    assert ckpts.latest() is None
+    for step in (2, 4, 6):
+        _write(ckpts, step)
+    assert ckpts.latest() == tmp_path.absolute() / "checkpoints" / "step-000006"
+    assert sorted(p.name for p in ckpts.root.iterdir()) == ["latest", "step-000004", "step-000006"]
+    assert Checkpoints.read(ckpts.latest())["step"] == 6
+    # a crash mid-write leaves a .part directory behind: never the latest, cleared next time
+    part = ckpts.prepare(8)
+    (part / TRAINER_FILE).write_bytes(b"half")
+    assert ckpts.latest().name == "step-000006"
+    assert ckpts.prepare(8) == part and not any(part.iterdir())
+
+
+def test_a_latest_that_names_a_missing_or_foreign_checkpoint_is_an_error(tmp_path):
+    ckpts = Checkpoints(tmp_path)
+    path = _write(ckpts, 2)
+    (path / TRAINER_FILE).unlink()
+    with pytest.raises(ConfigError, match=r"step-000002.*incomplete or gone"):
+        ckpts.latest()
+    path = _write(ckpts, 3)
+    (path / JOB_FILE).write_text(json.dumps({"format": 99, "step": 3}))
+    with pytest.raises(ConfigError, match="format 99, not 1"):
+        Checkpoints.read(ckpts.latest())
+
+
+def test_config_changes_name_what_a_resumed_run_may_not_change():
+    saved = {
+        "steps": 4,
+        "trainer": {"lr": 1e-3, "num_gpus": 0},
+        "engine": {"replicas": 1, "kwargs": {"d_model": 16}},
+        "envs": [{"id": "a", "kwargs": {}}],
+        "fabric": {"workers": 1},
+    }
+    now = json.loads(json.dumps(saved))
+    now |= {"steps": 9, "fabric": {"workers": 4}}
+    now["engine"]["replicas"] = 2
+    now["trainer"]["num_gpus"] = 1
+    assert config_changes(saved, now) == []  # length, infrastructure: may change
+    now["trainer"]["lr"] = 2e-3
+    now["engine"]["kwargs"]["d_model"] = 32
+    now["envs"].append({"id": "b"})
+    assert [k for k, _ in config_changes(saved, now)] == ["engine.kwargs.d_model", "envs[1].id", "trainer.lr"]
+    assert (
+        dict(config_changes(saved, now))["trainer.lr"]
+        == "was 0.001 when the checkpoint was written, now 0.002"
+    )
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+def _trainer(kl: float = 0.1) -> TorchTrainer:
+    torch.manual_seed(0)
+    return TorchTrainer(model(), TorchTrainerConfig(lr=1e-2, kl_coef=kl, mini_batch_size=1, seed=3))
+
+
+def _batch(t: TorchTrainer) -> list:
+    right, left = TOK.token_to_id("right"), TOK.token_to_id("left")
+    return [sample(t.model, [1, 2], [right], 1.0), sample(t.model, [1, 2], [left], -1.0)]
+
+
+def test_a_resumed_trainer_goes_on_exactly_as_the_uninterrupted_one(tmp_path):
+    a = _trainer()
+    for _ in range(3):
+        a.step(_batch(a))
+    state = a.training_state()
+    torch.save(state, tmp_path / "t.pt")
+    b = _trainer()  # fresh: initial weights, no optimizer moments, shuffle at its seed
+    b.load_training_state(torch.load(tmp_path / "t.pt", weights_only=False))
+    assert b.version == 3
+    for _ in range(2):  # the same batches: Adam's moments, the shuffle and the KL anchor matter
+        batch = _batch(a)
+        ma, mb = a.step(batch), b.step(batch)
+        assert ma["kl"] == pytest.approx(mb["kl"], abs=0) and ma["kl"] > 0
+    for (k, va), vb in zip(a.state().items(), b.state().values(), strict=True):
+        assert torch.equal(va, vb), k
+    # without the optimizer's moments the next update differs: the check above can fail
+    c = _trainer()
+    c.model.load_state_dict(state["model"])
+    c.step(_batch(c))
+    assert not all(torch.equal(x, y) for x, y in zip(c.state().values(), b.state().values(), strict=True))
+
+
+def test_a_checkpoint_that_does_not_fit_the_trainer_is_refused_by_name():
+    state = _trainer().training_state()
+    with pytest.raises(TrainerError, match="checkpoint is of the 'megatron' trainer, not 'torch'"):
+        _trainer().load_training_state({**state, "trainer": "megatron"})
+    with pytest.raises(TrainerError, match="no KL reference"):
+        _trainer(kl=0.1).load_training_state(_trainer(kl=0.0).training_state())
+    wide = TorchTrainer(
+        model().__class__(model().config.model_copy(update={"d_model": 64}), seed=0), TorchTrainerConfig()
+    )
+    with pytest.raises(TrainerError, match="does not fit this trainer's model"):
+        _trainer(kl=0.0).load_training_state(wide.training_state())
+
+
+def test_the_trainer_actor_saves_whole_files_and_restores_the_schedule(tmp_path):
+    from core.config import TrainerConfig
+    from core.policy.build import PolicyBundle
+
+    m = model()
+    bundle = PolicyBundle(tokenizer=TOK.to_dict(), model_config=m.config.model_dump(), state=m.state_dict())
+    cfg = TrainerConfig(lr=1e-2, lr_end=1e-3)
+    actor = TrainerActor(cfg, bundle, total_steps=4, temperature=1.0, seed=0)
+    actor.step(_batch(actor.trainer))
+    path = str(tmp_path / "trainer.pt")
+    actor.save(path)
+    assert os.listdir(tmp_path) == ["trainer.pt"]  # no .part left
+    again = TrainerActor(cfg, bundle, total_steps=4, temperature=1.0, seed=0)
+    assert again.load(path) == 1 and again.steps == 1
+    actor.step(_batch(actor.trainer))
+    again.step(_batch(again.trainer))
+    assert again.trainer.lr == actor.trainer.lr == pytest.approx(1e-2 + (1e-3 - 1e-2) / 3)
+    assert all(
+        torch.equal(x, y) for x, y in zip(actor.weights().values(), again.weights().values(), strict=True)
+    )
+
+
+# ----------------------------------------------------------------------------- the job
+
+
+def _earlier_run(tmp_path: Path, step: int = 2, **over) -> Path:
+    """A run directory holding a checkpoint at ``step`` (written by hand: no Ray needed)."""
+    cfg = job_config(tmp_path, checkpoint={"every": 2}, **over)
+    ckpts = Checkpoints(cfg.run_dir)
+    _write(ckpts, step, config=cfg.to_yaml())
+    (Path(cfg.run_dir) / "policy-init").mkdir()
+    return Path(cfg.run_dir)
+
+
+@pytest.mark.parametrize(
+    ("resume", "over", "key", "text"),
+    [
+        (True, {}, "run_dir", "nothing to resume"),
+        (False, {"earlier": True}, "run_dir", "holds the checkpoint of an earlier run at step 2: --resume"),
+        (True, {"earlier": True, "steps": 2}, "steps", "the checkpoint is at step 2: raise it"),
+        (True, {"earlier": True, "trainer": {"lr": 5e-3}}, "trainer.lr", "was 0.001 when the checkpoint"),
+        (
+            True,
+            {"earlier": True, "no_init": True},
+            "run_dir",
+            "(the initial policy), which is gone",
+        ),
+    ],
+)
+async def test_a_resume_that_cannot_go_on_is_refused_before_anything_starts(
+    tmp_path, resume, over, key, text
+):
+    over = dict(over)
+    if over.pop("earlier", False):
+        run_dir = _earlier_run(tmp_path)
+        if over.pop("no_init", False):
+            (run_dir / "policy-init").rmdir()
+    cfg = job_config(tmp_path, checkpoint={"every": 2}, **over)
+    with pytest.raises(ConfigError) as e:
+        await Job(cfg, progress=False, registry=faults.REG, resume=resume).run()
+    assert [k for k, _ in e.value.problems] == [key] and text in str(e.value)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing written, nothing lost
+
+
+def test_the_cli_says_why_a_resume_is_refused(tmp_path, capsys):
+    path = tmp_path / "job.yaml"
+    data = {
+        "envs": [FROZENLAKE],
+        "rewards": {"frozenlake": [{"function": "env_return"}]},
+        "run_dir": str(tmp_path / "run"),
+    }
+    path.write_text(yaml.safe_dump(data))
+    assert main([str(path), "--quiet", "--resume"]) == 2
+    assert "run_dir: nothing to resume" in capsys.readouterr().err
+
+
+@pytest.mark.ray
+async def test_a_run_resumed_after_a_crash_trains_on_from_its_checkpoint(tmp_path, ray_cluster):
+    # sync mode: nothing stale, so approx_kl reads the engine against the trainer exactly;
+    # with a reward that moves the weights every step, a replica that served the initial
+    # weights after the resume reads far more than noise
+    over = {
+        "rewards": [{"function": "said_go"}],
+        "trainer": {"lr": 3e-2},
+        "rollout": {"mode": "sync", "eval_every": 2, "eval_episodes": 4},
+    }
+    cfg = job_config(tmp_path, steps=4, checkpoint={"every": 2, "keep": 2}, **over)
+    _, first = await run_job(cfg)
+    check_invariants(first, cfg)
+    run_dir = tmp_path / "run"
+    ckpts = Checkpoints(run_dir)
+    assert ckpts.latest().name == "step-000004" and first["checkpoints"]["written"] == 2
+    assert sorted(p.name for p in ckpts.root.iterdir()) == ["latest", "step-000002", "step-000004"]
+    # as if the run had died after step 3: its last complete checkpoint is step 2's
+    (ckpts.root / "latest").write_text("step-000002\n")
+    at_2 = Checkpoints.read(ckpts.root / "step-000002")["counts"]
+    resumed_cfg = job_config(tmp_path, steps=6, checkpoint={"every": 2, "keep": 2}, **over)
+    job = Job(resumed_cfg, progress=False, registry=faults.REG, resume=True)
+    summary = await job.run()
+    assert summary["resumed_from_step"] == 2 and summary["steps"] == 6 and job.version == 6
+    rows = train_rows(run_dir)
+    # the rows of steps 3-4 the crashed run logged are replaced by the resumed run's
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["version"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(r["approx_kl"] < 1e-4 for r in rows), [r["approx_kl"] for r in rows]
+    evals = [e["step"] for e in summary["evals"]]
+    assert evals == [0, 2, 4, 6]  # step 0's evaluation is the first run's, not repeated
+    assert summary["untrained_success"] == first["untrained_success"]
+    assert ckpts.latest().name == "step-000006"
+    assert sorted(p.name for p in ckpts.root.iterdir()) == ["latest", "step-000004", "step-000006"]
+    # the counts go on from the checkpoint's; the buffer is the resumed process's own
+    done = summary["trajectories"]
+    finished = done.get("ok", 0) + done.get("truncated", 0)
+    assert finished >= at_2.get("ok", 0) + at_2.get("truncated", 0) + 4 * 4
+    assert summary["buffer"]["served_groups"] == 4 * resumed_cfg.batch_size
