@@ -26,18 +26,18 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from core.policy.tiny_lm import TinyLM, TinyLMConfig
-from core.policy.tokenizer import WordTokenizer
 from core.rollout.engines.base import GenerateRequest
-from core.rollout.engines.torch_ import TorchEngine, TorchEngineConfig
 from core.rollout.llm_proxy import LLMProxy, LocalReplica
 from core.rollout.scheduling import TurnScheduler
 from core.sim import Simulator
 from core.sim.calibrate import profile_engine, scaled
 from core.sim.engine import EngineProfile
 from core.sim.trace import TraceTurn, load_trace, trace_workload
+
+if TYPE_CHECKING:  # torch comes with these: imported when a run starts, so --help is instant
+    from core.rollout.engines.torch_ import TorchEngine
 
 WORDS = "left right up down you are at row column the lake is frozen hole goal start".split()
 SLOTS = 8
@@ -47,6 +47,10 @@ _ids = itertools.count()
 
 def engine() -> TorchEngine:
     import torch
+
+    from core.policy.tiny_lm import TinyLM, TinyLMConfig
+    from core.policy.tokenizer import WordTokenizer
+    from core.rollout.engines.torch_ import TorchEngine, TorchEngineConfig
 
     tok = WordTokenizer(WORDS)
     cfg = TinyLMConfig(vocab_size=tok.vocab_size, d_model=128, n_layers=2, n_heads=4, max_len=1024)
