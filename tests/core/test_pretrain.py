@@ -222,11 +222,25 @@ def test_the_pretrained_policy_does_not_depend_on_the_hash_seed():
     from one would change with PYTHONHASHSEED, i.e. from one run of the job to the next."""
     cfg = _cfg(pretrain={"steps": 5, "episodes": 20, "batch_size": 16})
     spec = json.dumps(cfg.model_dump(mode="json", exclude_unset=True))
+    procs = [  # side by side: each is seconds of imports and corpus play
+        subprocess.Popen(
+            [sys.executable, "-c", _FINGERPRINT],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": hash_seed},
+        )
+        for hash_seed in ("1", "2")
+    ]
     outs = []
-    for hash_seed in ("1", "2"):
-        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
-        cmd = [sys.executable, "-c", _FINGERPRINT]
-        proc = subprocess.run(cmd, input=spec, capture_output=True, text=True, env=env, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        outs.append(proc.stdout.split())
+    try:
+        for proc in procs:
+            out, err = proc.communicate(spec, timeout=300)
+            assert proc.returncode == 0, err[-2000:]
+            outs.append(out.split())
+    finally:
+        for proc in procs:  # nothing left running when one fails
+            proc.kill()
+            proc.wait()
     assert outs[0] == outs[1]
