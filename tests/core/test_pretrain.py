@@ -235,8 +235,12 @@ def test_the_pretrained_policy_does_not_depend_on_the_hash_seed():
     ]
     outs = []
     try:
+        for proc in procs:  # both read their spec now (a few hundred bytes: never blocks)
+            assert proc.stdin is not None
+            proc.stdin.write(spec)
+            proc.stdin.close()
         for proc in procs:
-            out, err = proc.communicate(spec, timeout=300)
+            out, err = proc.communicate(timeout=300)
             assert proc.returncode == 0, err[-2000:]
             outs.append(out.split())
     finally:
