@@ -217,28 +217,28 @@ print(h.hexdigest(), json.dumps(b.pretrained["held_out_loss_after"]))
 """
 
 
-def test_the_pretrained_policy_does_not_depend_on_the_hash_seed():
+def test_the_pretrained_policy_does_not_depend_on_the_hash_seed(tmp_path):
     """Sets and dicts of strings iterate in hash order: a corpus, vocabulary or split built
     from one would change with PYTHONHASHSEED, i.e. from one run of the job to the next."""
     cfg = _cfg(pretrain={"steps": 5, "episodes": 20, "batch_size": 16})
     spec = json.dumps(cfg.model_dump(mode="json", exclude_unset=True))
-    procs = [  # side by side: each is seconds of imports and corpus play
-        subprocess.Popen(
-            [sys.executable, "-c", _FINGERPRINT],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONHASHSEED": hash_seed},
-        )
-        for hash_seed in ("1", "2")
-    ]
-    outs = []
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(spec)
+    procs = []
     try:
-        for proc in procs:  # both read their spec now (a few hundred bytes: never blocks)
-            assert proc.stdin is not None
-            proc.stdin.write(spec)
-            proc.stdin.close()
+        for hash_seed in ("1", "2"):  # side by side: each is seconds of imports and corpus play
+            with spec_file.open() as stdin:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", _FINGERPRINT],
+                        stdin=stdin,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        env={**os.environ, "PYTHONHASHSEED": hash_seed},
+                    )
+                )
+        outs = []
         for proc in procs:
             out, err = proc.communicate(timeout=300)
             assert proc.returncode == 0, err[-2000:]
