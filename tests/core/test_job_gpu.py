@@ -117,6 +117,9 @@ async def test_vllm_rollout_and_megatron_training_share_one_gpu(tmp_path, hf_mod
     assert summary["aborted_trained"] == 0 and summary["masked_trained"] == 0
     assert set(summary["buffer"]["staleness"]) == {0}
     assert [r["version"] for r in rows] == [1, 2, 3]
+    # turns that reach the replica while vLLM still starts wait for it (they once failed on
+    # its tokenizer, None until then, and their group was given up)
+    assert rows[-1]["given_up_groups"] == 0 and summary["trajectories"].get("infra_failed", 0) == 0
     # every step updated the weights (the reward varies within each group) ...
     assert all(r["grad_norm"] > 0 and r["entropy"] > 0 for r in rows), rows
     # ... and vLLM sampled every step's trajectories from the weights megatron had published

@@ -143,17 +143,28 @@ class Engine(ABC):
         self._version = version
         self._running = asyncio.Event()
         self._running.set()
-        self._started = False
+        self._starting: asyncio.Future[None] | None = None
         self._closed = False
         self._inflight: dict[str, asyncio.Event] = {}  # request id -> its abort flag
 
     # -- lifecycle (template methods)
     async def start(self) -> None:
+        """Start the backend once; every caller waits until it has started. (A flag set
+        before ``_start`` let a second caller through at once: turns that arrived while vLLM
+        loaded its tokenizer failed on ``None``.) A failed start is raised to every waiter
+        and tried again by the next call."""
         if self._closed:
             raise EngineClosedError(f"{self.name} engine is closed")
-        if not self._started:
-            self._started = True
-            await self._start()
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._start())
+        starting = self._starting
+        try:
+            # shielded: one waiter cancelled (an aborted turn) must not cancel the others' start
+            await asyncio.shield(starting)
+        except Exception:
+            if starting.done() and self._starting is starting:
+                self._starting = None
+            raise
 
     async def aclose(self) -> None:
         """Abort what is in flight and release the backend; idempotent."""
@@ -163,6 +174,10 @@ class Engine(ABC):
         for rid in list(self._inflight):
             await self.abort(rid)
         self._running.set()  # release waiters at the gate so they see the engine closed
+        starting = self._starting
+        if starting is not None and not starting.done():  # closed while it starts: no start left behind
+            starting.cancel()
+            await asyncio.wait([starting])  # its outcome is moot; a cancel of ours still propagates
         await self._close()
 
     async def __aenter__(self) -> Self:

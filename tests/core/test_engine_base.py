@@ -1,0 +1,105 @@
+"""The engine contract's start: one start however many callers, each of them waiting for it.
+
+Found on an H100: turns that reached a vLLM replica while it was still loading its tokenizer
+went through ``start()`` at once (a flag was set before the start ran) and failed on
+``None.apply_chat_template``; the job gave their group up."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from core.rollout.engines.base import Completion, Engine, EngineClosedError, GenerateRequest
+
+
+class SlowStart(Engine):
+    name = "slow-start"
+
+    def __init__(self, fail_first: bool = False) -> None:
+        super().__init__()
+        self.fail_first = fail_first
+        self.starts = 0
+        self.ready = False
+        self.gate = asyncio.Event()
+
+    async def _start(self) -> None:
+        self.starts += 1
+        await self.gate.wait()  # a tokenizer loading in a thread, an engine process starting
+        if self.fail_first and self.starts == 1:
+            raise RuntimeError("the model is not there yet")
+        self.ready = True
+
+    async def _close(self) -> None: ...
+
+    async def _pause(self) -> None: ...
+
+    async def _abort(self, request_id: str) -> None: ...
+
+    async def _load_weights(self, state: Any, version: int) -> None: ...
+
+    async def _generate(self, request: GenerateRequest) -> Completion:
+        assert self.ready, "generated before the engine had started"
+        return Completion(
+            request_id=request.request_id,
+            text="go",
+            token_ids=[1],
+            logprobs=[-0.1],
+            prompt_ids=[],
+            policy_version=self.version,
+            finish_reason="stop",
+        )
+
+
+def req() -> GenerateRequest:
+    return GenerateRequest(prompt_ids=[1, 2], max_new_tokens=1)
+
+
+async def test_every_caller_waits_for_the_one_start():
+    e = SlowStart()
+    turns = [asyncio.ensure_future(e.generate(req())) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    assert not any(t.done() for t in turns) and e.starts == 1
+    e.gate.set()
+    done = await asyncio.gather(*turns)
+    assert [c.text for c in done] == ["go"] * 3 and e.starts == 1
+    await e.start()  # started: returns at once
+    assert e.starts == 1
+    await e.aclose()
+
+
+async def test_a_failed_start_reaches_every_waiter_and_the_next_call_tries_again():
+    e = SlowStart(fail_first=True)
+    turns = [asyncio.ensure_future(e.generate(req())) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    e.gate.set()
+    results = await asyncio.gather(*turns, return_exceptions=True)
+    assert [str(r) for r in results] == ["the model is not there yet"] * 2
+    assert (await e.generate(req())).text == "go" and e.starts == 2
+    await e.aclose()
+
+
+async def test_a_cancelled_waiter_does_not_cancel_the_start_for_the_others():
+    e = SlowStart()
+    first, second = (asyncio.ensure_future(e.generate(req())) for _ in range(2))
+    await asyncio.sleep(0.01)
+    first.cancel()
+    await asyncio.sleep(0.01)
+    e.gate.set()
+    assert (await second).text == "go"
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    await e.aclose()
+
+
+async def test_closing_while_it_starts_leaves_no_start_behind():
+    e = SlowStart()
+    turn = asyncio.ensure_future(e.generate(req()))
+    await asyncio.sleep(0.01)
+    await e.aclose()
+    assert e._starting is not None and e._starting.cancelled()
+    with pytest.raises((asyncio.CancelledError, EngineClosedError)):
+        await turn
+    with pytest.raises(EngineClosedError):
+        await e.start()
