@@ -91,6 +91,7 @@ def test_run_arguments_for_a_bundle_image():
 @pytest.mark.parametrize(
     "base_url",
     [f"tcp://127.0.0.1:{_closed_port()}", "unix:///nonexistent/envpool-test/docker.sock"],
+    ids=["tcp", "unix"],  # the port differs per process: pytest-xdist's workers must agree
 )
 async def test_an_unreachable_engine_is_a_clear_error(base_url):
     rt = DockerRuntime(DockerRuntimeConfig(base_url=base_url))

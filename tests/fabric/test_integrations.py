@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 
 import integ_fns
 import pytest
@@ -576,7 +577,8 @@ def test_cli_openrlhf_serve_serves_until_interrupted(tmp_path):
     import urllib.request
 
     SERVE = [sys.executable, "-m", "fabric.cli", "integrate", "openrlhf-serve"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["tests/fabric", os.environ.get("PYTHONPATH", "")])}
+    here = str(Path(__file__).parent)  # not relative: the working directory may be anywhere
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(
         [
             *SERVE,
@@ -643,7 +645,7 @@ def test_bridge_starts_lazily_closes_workers_and_restarts():
 
 EXIT_WITHOUT_CLOSE = """
 import json, sys
-sys.path.insert(0, "tests/fabric")
+sys.path.insert(0, {here!r})
 import integ_fns
 from fabric.integrations.trl import trl_reward
 backend = {"type": "local", "max_workers": 1, "warm": 1}
@@ -659,7 +661,10 @@ def test_the_exit_backstop_closes_a_bridge_left_open(tmp_path):
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-c", EXIT_WITHOUT_CLOSE], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", EXIT_WITHOUT_CLOSE.replace("{here!r}", repr(str(Path(__file__).parent)))],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     # an atexit hook ran after concurrent.futures' own: "cannot schedule new futures after

