@@ -33,6 +33,7 @@ def _back_to_our_directory():
     yield
     os.chdir(before)
 
+
 TERRAFORM_DIR = Path(__file__).resolve().parents[2] / "terraform"
 MODULE_DIRS = sorted(p for p in (TERRAFORM_DIR / "modules").iterdir() if p.is_dir())
 CONFIG_DIRS = [TERRAFORM_DIR, *MODULE_DIRS]
