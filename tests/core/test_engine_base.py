@@ -93,13 +93,42 @@ async def test_a_cancelled_waiter_does_not_cancel_the_start_for_the_others():
     await e.aclose()
 
 
-async def test_closing_while_it_starts_leaves_no_start_behind():
+async def test_closing_while_it_starts_aborts_the_turns_and_leaves_no_start_behind():
     e = SlowStart()
     turn = asyncio.ensure_future(e.generate(req()))
+    starter = asyncio.ensure_future(e.start())
     await asyncio.sleep(0.01)
     await e.aclose()
     assert e._starting is not None and e._starting.cancelled()
-    with pytest.raises((asyncio.CancelledError, EngineClosedError)):
-        await turn
+    assert (await turn).finish_reason == "abort"  # as any aborted turn: not a stray CancelledError
+    with pytest.raises(EngineClosedError, match="closed while it started"):
+        await starter
     with pytest.raises(EngineClosedError):
         await e.start()
+
+
+async def test_an_abort_does_not_wait_for_the_model_to_load():
+    e = SlowStart()
+    r = req()
+    turn = asyncio.ensure_future(e.generate(r))
+    other = asyncio.ensure_future(e.generate(req()))
+    await asyncio.sleep(0.01)
+    assert await e.abort(r.request_id)
+    c = await asyncio.wait_for(turn, 1)
+    assert c.finish_reason == "abort" and c.token_ids == [] and not other.done()
+    e.gate.set()  # the start went on for the others
+    assert (await other).text == "go" and e.starts == 1
+    await e.aclose()
+
+
+async def test_a_start_that_failed_with_no_one_waiting_is_tried_again():
+    e = SlowStart(fail_first=True)
+    waiter = asyncio.ensure_future(e.start())
+    await asyncio.sleep(0.01)
+    waiter.cancel()
+    await asyncio.sleep(0.01)
+    e.gate.set()
+    await asyncio.sleep(0.01)  # the start fails with no one left to tell
+    await e.start()
+    assert e.starts == 2 and e.ready
+    await e.aclose()

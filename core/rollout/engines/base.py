@@ -155,15 +155,17 @@ class Engine(ABC):
         and tried again by the next call."""
         if self._closed:
             raise EngineClosedError(f"{self.name} engine is closed")
-        if self._starting is None:
-            self._starting = asyncio.ensure_future(self._start())
         starting = self._starting
+        if starting is None or (starting.done() and not starting.cancelled() and starting.exception()):
+            starting = self._starting = asyncio.ensure_future(self._start())
         try:
             # shielded: one waiter cancelled (an aborted turn) must not cancel the others' start
             await asyncio.shield(starting)
-        except Exception:
-            if starting.done() and self._starting is starting:
-                self._starting = None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._closed and starting.cancelled() and (task is None or not task.cancelling()):
+                # aclose() stopped the start, not a cancel of ours: say so, not CancelledError
+                raise EngineClosedError(f"{self.name} engine was closed while it started") from None
             raise
 
     async def aclose(self) -> None:
@@ -211,7 +213,9 @@ class Engine(ABC):
         aborted = asyncio.Event()
         self._inflight[rid] = aborted  # before any await: a duplicate id cannot slip in
         try:
-            await self.start()
+            await self._start_unless_aborted(aborted)
+            if aborted.is_set():
+                return self._aborted_before_start(request)
             if not self._running.is_set():
                 # new work waits at the gate, where an abort still finds it
                 await _first_of(self._running.wait(), aborted.wait())
@@ -222,6 +226,23 @@ class Engine(ABC):
             return await self._generate(request)
         finally:
             self._inflight.pop(rid, None)
+
+    async def _start_unless_aborted(self, aborted: asyncio.Event) -> None:
+        """``start()``, or return as soon as the turn is aborted (an abort must not wait
+        for a model to load); a failed start is raised unless the turn was aborted."""
+        starting = asyncio.ensure_future(self.start())
+        flag = asyncio.ensure_future(aborted.wait())
+        try:
+            await asyncio.wait({starting, flag}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            flag.cancel()
+            if not starting.done():
+                starting.cancel()  # this waiter only: the start itself is shielded
+        if aborted.is_set():
+            if starting.done() and not starting.cancelled():
+                starting.exception()  # retrieved: an aborted turn does not report it
+            return
+        starting.result()
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is (at the gate, queued or generating); its
