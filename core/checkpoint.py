@@ -20,6 +20,7 @@ naming the key.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -30,6 +31,9 @@ from core.errors import ConfigError
 
 FORMAT = 1
 ROOT = "checkpoints"
+REMEDY = "point checkpoints/latest at an older step-* directory, or remove checkpoints/ to start over"
+#: What ``job.json`` must hold (the job writes each of them).
+JOB_KEYS = ("step", "version", "config", "rng", "counts", "trained_tasks")
 TRAINER_FILE = "trainer.pt"
 JOB_FILE = "job.json"
 
@@ -64,7 +68,12 @@ class Checkpoints:
         path = self.root / name
         if not (path / JOB_FILE).is_file() or not (path / TRAINER_FILE).is_file():
             raise ConfigError(
-                [("run_dir", f"{str(self.root / 'latest')!r} names {name!r}, which is incomplete or gone")]
+                [
+                    (
+                        "run_dir",
+                        f"{str(self.root / 'latest')!r} names {name!r}, incomplete or gone: {REMEDY}",
+                    )
+                ]
             )
         return path
 
@@ -76,29 +85,66 @@ class Checkpoints:
         return part
 
     def commit(self, part: Path, step: int, job_state: dict[str, Any]) -> Path:
-        """Complete the checkpoint ``prepare`` gave (its trainer file written): the job's
-        state beside it, renamed into place, named by ``latest``; older ones pruned."""
-        (part / JOB_FILE).write_text(json.dumps({"format": FORMAT, **job_state}, indent=1) + "\n")
+        """Complete the checkpoint ``prepare`` gave (its trainer file written and synced):
+        the job's state beside it, renamed into place, named by ``latest``, each step on disk
+        before the next (a power cut must not leave ``latest`` naming empty files); then
+        older ones pruned."""
+        _write_synced(part / JOB_FILE, json.dumps({"format": FORMAT, **job_state}, indent=1) + "\n")
+        _sync_dir(part)
         final = self.root / _name(step)
         shutil.rmtree(final, ignore_errors=True)  # a run resumed before this step wrote it once
         os.replace(part, final)
-        tmp = self.root / "latest.part"
-        tmp.write_text(final.name + "\n")
-        os.replace(tmp, self.root / "latest")
-        done = sorted(p for p in self.root.glob("step-*") if p.is_dir() and not p.name.endswith(".part"))
-        for old in done[: -self.keep]:
-            if old != final:
+        _sync_dir(self.root)
+        _write_synced(self.root / "latest.part", final.name + "\n")
+        os.replace(self.root / "latest.part", self.root / "latest")
+        _sync_dir(self.root)
+        for old_step, old in self._done():
+            # beyond this step: a line of checkpoints a resume from an earlier one replaced
+            if old != final and (old_step > step or old_step <= self._keep_from(step)):
                 shutil.rmtree(old, ignore_errors=True)
         return final
+
+    def _done(self) -> list[tuple[int, Path]]:
+        out = []
+        for p in self.root.glob("step-*"):
+            if p.is_dir() and not p.name.endswith(".part"):
+                with contextlib.suppress(ValueError):
+                    out.append((int(p.name.removeprefix("step-")), p))
+        return sorted(out)
+
+    def _keep_from(self, step: int) -> int:
+        """The newest step to remove: the ``keep`` newest at or below ``step`` stay."""
+        steps = [s for s, _ in self._done() if s <= step]
+        return steps[-self.keep - 1] if len(steps) > self.keep else -1
 
     @staticmethod
     def read(path: Path) -> dict[str, Any]:
         state: dict[str, Any] = json.loads((path / JOB_FILE).read_text())
-        if state.get("format") != FORMAT:
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            got = state.get("format") if isinstance(state, dict) else None
             raise ConfigError(
-                [("run_dir", f"{str(path)!r} is a checkpoint of format {state.get('format')}, not {FORMAT}")]
+                [("run_dir", f"{str(path)!r} is a checkpoint of format {got}, not {FORMAT}: {REMEDY}")]
             )
+        missing = [k for k in JOB_KEYS if k not in state]
+        if missing:
+            raise ConfigError([("run_dir", f"{str(path / JOB_FILE)!r} lacks {', '.join(missing)}: {REMEDY}")])
         return state
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with path.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync_dir(path: Path) -> None:
+    """A rename is durable once its directory is synced."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _name(step: int) -> str:
@@ -110,17 +156,31 @@ def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str
     config problems."""
     a, b = _flat(saved), _flat(now)
     out = []
-    for key in sorted(a.keys() | b.keys()):
+    # a key only one side has is a field another release added or removed (every dump has
+    # every field), not a change of the user's; list entries added or removed differ in
+    # their siblings' indices or in the list's own length, which are compared
+    for key in sorted(a.keys() & b.keys()):
         if any(key == r or key.startswith(r + ".") or key.startswith(r + "[") for r in RESUMABLE):
             continue
-        if a.get(key, _MISSING) != b.get(key, _MISSING):
-            was = "unset" if key not in a else repr(a[key])
-            is_ = "unset" if key not in b else repr(b[key])
-            out.append((key, f"was {was} when the checkpoint was written, now {is_}"))
+        if a[key] != b[key]:
+            was, now_ = a[key], b[key]
+            if isinstance(was, _Entries) and isinstance(now_, _Entries):
+                out.append((key, f"had {was.n} entries when the checkpoint was written, now {now_.n}"))
+            else:
+                out.append((key, f"was {was!r} when the checkpoint was written, now {now_!r}"))
     return out
 
 
-_MISSING = object()
+class _Entries:
+    """A list's length, flattened beside its entries (an entry added is a change too)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Entries) and other.n == self.n
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -130,8 +190,8 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
             out |= _flat(v, f"{prefix}.{k}" if prefix else str(k))
         return out or {prefix: {}}
     if isinstance(d, list):
-        out = {}
+        out = {prefix: _Entries(len(d))}
         for i, v in enumerate(d):
             out |= _flat(v, f"{prefix}[{i}]")
-        return out or {prefix: []}
+        return out
     return {prefix: d}

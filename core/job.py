@@ -78,6 +78,7 @@ class Job:
         self.checkpoints = Checkpoints(cfg.run_dir, cfg.checkpoint.keep)
         self._resume_from: tuple[Path, dict[str, Any]] | None = None
         self._checkpoint_s: list[float] = []
+        self._wall_before = 0.0  # training time of the run a resume continues
         self.registry = registry
         self.progress_enabled = progress
         self.rng = random.Random(cfg.seed)
@@ -224,7 +225,8 @@ class Job:
         progress: JobProgress,
     ) -> dict[str, Any]:
         cfg = self.cfg
-        t0 = self._t0 = time.perf_counter()
+        # a resumed run goes on with the earlier run's training time (rows' wall_s, step_s_mean)
+        t0 = self._t0 = time.perf_counter() - self._wall_before
         launcher = asyncio.create_task(self._launch_loop(runner)) if cfg.rollout.mode == "async" else None
         eval_task: asyncio.Task[dict[str, Any]] | None = None
         start = self.step  # 0, or the step of the checkpoint a resumed run continues from
@@ -235,7 +237,7 @@ class Job:
             first_eval = await self._evaluate(manager, 0) if cfg.rollout.eval_every else None
             if first_eval:
                 run_dir.log(first_eval)
-        tokens_last, t_last = 0, time.perf_counter()
+        tokens_last, t_last = self.tally.counts["tokens"], time.perf_counter()  # restored on resume
         try:
             for step in range(start + 1, cfg.steps + 1):
                 self.step = step
@@ -416,16 +418,7 @@ class Job:
             "run_dir": str(run_dir.path),
             **({"pretrain": self._pretrained} if self._pretrained else {}),
             **({"resumed_from_step": self._resume_from[1]["step"]} if self._resume_from else {}),
-            **(
-                {
-                    "checkpoints": {
-                        "written": len(self._checkpoint_s),
-                        "seconds": round(sum(self._checkpoint_s), 2),
-                    }
-                }
-                if self._checkpoint_s
-                else {}
-            ),
+            **({"checkpoints": self._checkpoint_figures()} if self._checkpoint_s else {}),
         }
 
     # ------------------------------------------------------------------ checkpoints
@@ -441,7 +434,7 @@ class Job:
             saved = Checkpoints.read(latest) if latest is not None else None
         except ConfigError as e:
             return list(e.problems)
-        except (OSError, ValueError) as e:  # an unreadable or corrupt job.json
+        except (OSError, ValueError, KeyError, yaml.YAMLError) as e:  # an unreadable or corrupt job.json
             return [("run_dir", f"cannot read the checkpoint in {str(self.checkpoints.root)!r}: {e}")]
         if latest is None or saved is None:
             if not self.resume:
@@ -492,10 +485,26 @@ class Job:
     ) -> None:
         """The trainer back to the checkpoint, its weights on every engine replica before the
         first rollout, and the job's own state (step, random state, counts, tasks seen)."""
-        version = await self.trainer_handle.load.remote(str(path / TRAINER_FILE))
+        try:
+            version = await self.trainer_handle.load.remote(str(path / TRAINER_FILE))
+        except Exception as e:  # Ray's task error wraps the trainer's (a truncated or foreign file)
+            cause = getattr(e, "cause", None) or e
+            raise ConfigError(
+                [
+                    (
+                        "run_dir",
+                        f"cannot load {str(path / TRAINER_FILE)!r} ({type(cause).__name__}: {cause}); "
+                        "point checkpoints/latest at an older step-* directory, or start a new run_dir",
+                    )
+                ]
+            ) from None
         await self.proxy_handle.update_weights.remote(version, [self.trainer_handle.weights.remote()])
         self.version = version
         self.step = int(saved["step"])
+        # the trained groups count against the launch budget, as they did in the earlier run:
+        # without them the launcher started step x batch_size groups at once, all to go stale
+        self._groups_live = self.version * self.cfg.batch_size
+        self._wall_before = float(saved.get("train_wall_s", 0.0))
         v, state, gauss = saved["rng"]
         self.rng.setstate((v, tuple(state), gauss))
         self.tally.counts.update(saved["counts"])
@@ -519,6 +528,7 @@ class Job:
                 "counts": dict(self.tally.counts),
                 "trained_tasks": sorted(self.evaluator.trained_tasks),
                 "pretrained": self._pretrained,
+                "train_wall_s": round(time.perf_counter() - self._t0, 3),
             },
         )
         self._checkpoint_s.append(time.perf_counter() - t)

@@ -59,10 +59,19 @@ class RunDir:
             (path / name).unlink(missing_ok=True)
         self.rows: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
-        kept = self._rows_until(resume_step) if resume_step is not None else []
-        self._metrics = (path / "metrics.jsonl").open("w")
+        metrics = path / "metrics.jsonl"
+        if resume_step is None:
+            self._metrics = metrics.open("w")
+            return
+        kept = self._rows_until(resume_step)
+        # the kept rows go to a new file that replaces the old one whole: a kill meanwhile
+        # leaves the earlier run's rows as they were
+        part = path / "metrics.jsonl.part"
+        part.write_text("".join(strict_json(row) + "\n" for row in kept))
+        os.replace(part, metrics)
         for row in kept:
-            self.log(row)
+            (self.evals if row.get("kind") == "eval" else self.rows).append(row)
+        self._metrics = metrics.open("a")
 
     def _rows_until(self, step: int) -> list[dict[str, Any]]:
         try:

@@ -20,7 +20,7 @@ from core.config import TrainerConfig
 from core.config_backends import backend_config
 from core.errors import ConfigError
 from core.policy.build import PolicyBundle
-from core.trainer.base import Trainer, TrainSample
+from core.trainer.base import Trainer, TrainerError, TrainSample
 
 
 class TrainerActor:
@@ -63,17 +63,29 @@ class TrainerActor:
         return self.trainer.state()
 
     def save(self, path: str) -> None:
-        """The training state and the schedule's position, to ``path`` (written whole or
-        not at all: a crash mid-write leaves the previous checkpoint as the latest)."""
+        """The training state and the schedule's position, to ``path``, on disk when this
+        returns (written whole or not at all: a crash mid-write leaves the previous
+        checkpoint as the latest)."""
         tmp = f"{path}.part"
-        torch.save({"state": self.trainer.training_state(), "steps": self.steps}, tmp)
+        data = {"state": self.trainer.training_state(), "steps": self.steps, "total_steps": self.total_steps}
+        with open(tmp, "wb") as f:
+            torch.save(data, f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
 
     def load(self, path: str) -> int:
-        """Back to what ``save`` wrote; the version it was at."""
-        data = torch.load(path, map_location="cpu", weights_only=False)
-        self.trainer.load_training_state(data["state"])
-        self.steps = int(data["steps"])
+        """Back to what ``save`` wrote; the version it was at. The learning-rate schedule
+        keeps the length it had: a run extended past it (``--resume --steps``) goes on at
+        ``lr_end``, not back up a schedule stretched over the new length."""
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=False)
+            state, steps = data["state"], int(data["steps"])
+        except Exception as e:  # truncated, not ours: say which file
+            raise TrainerError(f"cannot read the checkpoint {path!r}: {type(e).__name__}: {e}") from None
+        self.trainer.load_training_state(state)
+        self.steps = steps
+        self.total_steps = int(data.get("total_steps", self.total_steps))
         return self.trainer.version
 
 

@@ -28,7 +28,8 @@ from core.trainer.torch_ import TorchTrainer, TorchTrainerConfig
 def _write(ckpts: Checkpoints, step: int, **state) -> Path:
     part = ckpts.prepare(step)
     (part / TRAINER_FILE).write_bytes(b"weights")
-    return ckpts.commit(part, step, {"step": step, **state})
+    job = {"step": step, "version": step, "config": "{}", "rng": None, "counts": {}, "trained_tasks": []}
+    return ckpts.commit(part, step, job | state)
 
 
 def test_latest_names_the_newest_complete_checkpoint_and_old_ones_are_pruned(tmp_path):
@@ -54,8 +55,26 @@ def test_a_latest_that_names_a_missing_or_foreign_checkpoint_is_an_error(tmp_pat
         ckpts.latest()
     path = _write(ckpts, 3)
     (path / JOB_FILE).write_text(json.dumps({"format": 99, "step": 3}))
-    with pytest.raises(ConfigError, match="format 99, not 1"):
+    with pytest.raises(ConfigError, match="format 99, not 1: point checkpoints/latest at an older"):
         Checkpoints.read(ckpts.latest())
+    (path / JOB_FILE).write_text(json.dumps({"format": 1, "step": 3}))
+    with pytest.raises(ConfigError, match="lacks version, config, rng, counts, trained_tasks: point"):
+        Checkpoints.read(ckpts.latest())
+
+
+def test_a_resume_from_an_earlier_step_replaces_the_line_of_checkpoints_after_it(tmp_path):
+    for step in (2, 4, 6):
+        _write(Checkpoints(tmp_path, keep=3), step)
+    ckpts = Checkpoints(tmp_path, keep=2)
+    (ckpts.root / "latest").write_text("step-000002\n")  # resumed from step 2
+    _write(ckpts, 3)
+    # step 6 is of the abandoned line (it would count towards keep and outlive the new
+    # line's checkpoints), step 2 the one kept beside the new latest
+    assert sorted(p.name for p in ckpts.root.iterdir()) == ["latest", "step-000002", "step-000003"]
+    ckpts = Checkpoints(tmp_path, keep=1)
+    for step in (999_999, 1_000_000):  # by number, not by name
+        _write(ckpts, step)
+    assert sorted(p.name for p in ckpts.root.iterdir()) == ["latest", "step-1000000"]
 
 
 def test_config_changes_name_what_a_resumed_run_may_not_change():
@@ -74,11 +93,14 @@ def test_config_changes_name_what_a_resumed_run_may_not_change():
     now["trainer"]["lr"] = 2e-3
     now["engine"]["kwargs"]["d_model"] = 32
     now["envs"].append({"id": "b"})
-    assert [k for k, _ in config_changes(saved, now)] == ["engine.kwargs.d_model", "envs[1].id", "trainer.lr"]
-    assert (
-        dict(config_changes(saved, now))["trainer.lr"]
-        == "was 0.001 when the checkpoint was written, now 0.002"
-    )
+    assert [k for k, _ in config_changes(saved, now)] == ["engine.kwargs.d_model", "envs", "trainer.lr"]
+    said = dict(config_changes(saved, now))
+    assert said["trainer.lr"] == "was 0.001 when the checkpoint was written, now 0.002"
+    assert said["envs"] == "had 1 entries when the checkpoint was written, now 2"
+    # a field only one side has is another release's, not the user's change
+    newer = json.loads(json.dumps(saved))
+    newer["trainer"]["step_adv"] = 0.0
+    assert config_changes(saved, newer) == [] and config_changes(newer, saved) == []
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -207,13 +229,14 @@ def test_the_cli_says_why_a_resume_is_refused(tmp_path, capsys):
 
 @pytest.mark.ray
 async def test_a_run_resumed_after_a_crash_trains_on_from_its_checkpoint(tmp_path, ray_cluster):
-    # sync mode: nothing stale, so approx_kl reads the engine against the trainer exactly;
+    # alpha 0: nothing stale, so approx_kl reads the engine against the trainer exactly;
     # with a reward that moves the weights every step, a replica that served the initial
-    # weights after the resume reads far more than noise
+    # weights after the resume reads far more than noise. Async: the launcher's budget too
     over = {
+        "alpha": 0,
         "rewards": [{"function": "said_go"}],
         "trainer": {"lr": 3e-2},
-        "rollout": {"mode": "sync", "eval_every": 2, "eval_episodes": 4},
+        "rollout": {"eval_every": 2, "eval_episodes": 4},
     }
     cfg = job_config(tmp_path, steps=4, checkpoint={"every": 2, "keep": 2}, **over)
     _, first = await run_job(cfg)
@@ -244,3 +267,9 @@ async def test_a_run_resumed_after_a_crash_trains_on_from_its_checkpoint(tmp_pat
     finished = done.get("ok", 0) + done.get("truncated", 0)
     assert finished >= at_2.get("ok", 0) + at_2.get("truncated", 0) + 4 * 4
     assert summary["buffer"]["served_groups"] == 4 * resumed_cfg.batch_size
+    # the launcher counts the trained groups as before: one batch per version ahead, not the
+    # 2 x batch_size more it started (all to go stale) when its budget began at 0
+    assert summary["groups"]["groups_started"] <= (4 + 1) * resumed_cfg.batch_size, summary["groups"]
+    # the rows' clock goes on from the earlier run's
+    walls = [r["wall_s"] for r in rows]
+    assert walls == sorted(walls), walls
