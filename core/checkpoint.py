@@ -27,6 +27,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from core.config import JobConfig
 from core.errors import ConfigError
 
 FORMAT = 1
@@ -195,3 +198,51 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
             out |= _flat(v, f"{prefix}[{i}]")
         return out
     return {prefix: d}
+
+
+def start_problems(
+    cfg: JobConfig, checkpoints: Checkpoints, *, resume: bool
+) -> tuple[list[tuple[str, str]], tuple[Path, dict[str, Any]] | None]:
+    """Whether a job may start in ``cfg.run_dir``: a resume needs a checkpoint of the same
+    run with steps left to train; a fresh start must not bury an earlier run's checkpoint.
+    The problems, and the checkpoint a resume goes on from (its path and ``job.json``)."""
+    try:
+        latest = checkpoints.latest()
+        saved = Checkpoints.read(latest) if latest is not None else None
+        earlier = yaml.safe_load(saved["config"]) if saved is not None else None
+    except ConfigError as e:
+        return list(e.problems), None
+    except (OSError, ValueError, yaml.YAMLError) as e:  # an unreadable or corrupt job.json
+        return [("run_dir", f"cannot read the checkpoint in {str(checkpoints.root)!r}: {e}; {REMEDY}")], None
+    if latest is None or saved is None:
+        if not resume:
+            return [], None
+        nothing = (
+            f"nothing to resume: {str(cfg.run_dir)!r} has no checkpoint "
+            "(a run with checkpoint.every > 0 writes them); run without --resume"
+        )
+        return [("run_dir", nothing)], None
+    step = int(saved["step"])
+    if not resume:
+        buried = (
+            f"{str(cfg.run_dir)!r} holds the checkpoint of an earlier run at step {step}: "
+            f"--resume continues it; to start over, remove {str(checkpoints.root)!r} "
+            "or choose another run_dir"
+        )
+        return [("run_dir", buried)], None
+    problems = [
+        (key, f"{msg}; a resumed run must be the same run (a new run_dir starts another)")
+        for key, msg in config_changes(
+            earlier if isinstance(earlier, dict) else {}, yaml.safe_load(cfg.to_yaml())
+        )
+    ]
+    if cfg.steps <= step:
+        problems.append(
+            ("steps", f"is {cfg.steps}, the checkpoint is at step {step}: raise it to go on (--steps N)")
+        )
+    init = Path(cfg.run_dir) / "policy-init"
+    if cfg.engine.backend == "torch" and not init.is_dir():
+        problems.append(
+            ("run_dir", f"the checkpoint needs {str(init)!r} (the initial policy), which is gone")
+        )
+    return problems, (latest, saved)

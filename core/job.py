@@ -38,10 +38,8 @@ from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import yaml
-
 from core.buffer import SampleBuffer
-from core.checkpoint import TRAINER_FILE, Checkpoints, config_changes
+from core.checkpoint import TRAINER_FILE, Checkpoints, start_problems
 from core.cluster import Cluster, turn_scheduler
 from core.config import EnvConfig, JobConfig, builtin_env_ids
 from core.env_images import JobImages
@@ -140,7 +138,8 @@ class Job:
         if bad_dir is not None:
             problems.append(("run_dir", f"{bad_dir}; choose another (run_dir, or --run-dir)"))
         else:
-            problems += self._checkpoint_problems()
+            more, self._resume_from = start_problems(cfg, self.checkpoints, resume=self.resume)
+            problems += more
         if problems:
             raise ConfigError(problems)
         self._fatal = asyncio.get_running_loop().create_future()
@@ -424,53 +423,6 @@ class Job:
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_figures(self) -> dict[str, Any]:
         return {"written": len(self._checkpoint_s), "seconds": round(sum(self._checkpoint_s), 2)}
-
-    def _checkpoint_problems(self) -> list[tuple[str, str]]:
-        """Whether this run may start: a resume needs a checkpoint of the same run with steps
-        left to train; a fresh start must not bury an earlier run's checkpoint."""
-        cfg = self.cfg
-        try:
-            latest = self.checkpoints.latest()
-            saved = Checkpoints.read(latest) if latest is not None else None
-        except ConfigError as e:
-            return list(e.problems)
-        except (OSError, ValueError, KeyError, yaml.YAMLError) as e:  # an unreadable or corrupt job.json
-            return [("run_dir", f"cannot read the checkpoint in {str(self.checkpoints.root)!r}: {e}")]
-        if latest is None or saved is None:
-            if not self.resume:
-                return []
-            return [
-                (
-                    "run_dir",
-                    f"nothing to resume: {str(cfg.run_dir)!r} has no checkpoint "
-                    "(a run with checkpoint.every > 0 writes them); run without --resume",
-                )
-            ]
-        step = int(saved["step"])
-        if not self.resume:
-            return [
-                (
-                    "run_dir",
-                    f"{str(cfg.run_dir)!r} holds the checkpoint of an earlier run at step {step}: "
-                    f"--resume continues it; to start over, remove {str(self.checkpoints.root)!r} "
-                    "or choose another run_dir",
-                )
-            ]
-        problems = [
-            (key, f"{msg}; a resumed run must be the same run (a new run_dir starts another)")
-            for key, msg in config_changes(yaml.safe_load(saved["config"]), yaml.safe_load(cfg.to_yaml()))
-        ]
-        if cfg.steps <= step:
-            problems.append(
-                ("steps", f"is {cfg.steps}, the checkpoint is at step {step}: raise it to go on (--steps N)")
-            )
-        init = Path(cfg.run_dir) / "policy-init"
-        if cfg.engine.backend == "torch" and not init.is_dir():
-            problems.append(
-                ("run_dir", f"the checkpoint needs {str(init)!r} (the initial policy), which is gone")
-            )
-        self._resume_from = (latest, saved)
-        return problems
 
     def _resumed_policy(self) -> PolicyBundle:
         """The torch engine's policy as the earlier run built it (tokenizer, initial weights):
