@@ -323,14 +323,16 @@ def test_a_module_that_cannot_be_discovered_names_the_key():
 
 
 def test_shipped_examples_exist():
-    assert {p.parent.name for p in EXAMPLES} >= {"frozenlake", "math_tools", "own_env"}
+    assert {p.parent.name for p in EXAMPLES} >= {"frozenlake", "math_tools", "own_env", "gpu"}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.parent.name)
 def test_shipped_examples_load_against_the_real_registries(path, monkeypatch):
     monkeypatch.chdir(REPO)  # they are run from the repository root: their paths start there
     cfg = JobConfig.from_yaml(path)  # discovers `functions`, envpool's built-ins, their images
-    assert cfg.engine.backend == "torch" and cfg.fabric.backend == "local"
+    gpu = path.parent.name == "gpu"  # vLLM and megatron; the others run on the CPU default
+    assert cfg.engine.backend == ("vllm" if gpu else "torch") and cfg.fabric.backend == "local"
+    assert cfg.trainer.backend == ("megatron" if gpu else "torch")
     assert cfg.envpool.runtime.type == "process"
     for env in cfg.envs:
         assert cfg.rewards[env.tag]
