@@ -26,9 +26,8 @@ def alive(pid: int) -> bool:
         return f.read().split(") ")[1][0] != "Z"
 
 
-async def wait_for(check: Callable[[], bool], timeout_s: float = 15.0) -> None:
-    """Poll until ``check()`` holds. The cap only bounds a failure: on a loaded machine (two
-    test workers on two cores) a container's stop and restart took over 5 s."""
+async def wait_for(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Poll until ``check()`` holds (the cap only bounds a failure)."""
     deadline = time.monotonic() + timeout_s
     while not check():
         assert time.monotonic() < deadline, "condition not met in time"

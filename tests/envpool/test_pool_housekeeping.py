@@ -217,7 +217,10 @@ class _DeletedImages(DirImages):
 async def test_an_image_that_is_gone_for_good_is_no_longer_kept_warm(images):
     # it was retried in the background, backing off to every 30 s, for as long as the pool ran
     images = _DeletedImages(images.root)
-    async with pool(images, min_warm=1, max_episodes=1) as p:
+    # max_containers 1: no replacement is warmed while the session holds the one slot. With
+    # two, one could start (and fetch the image) before the deletion below when the reset
+    # was slow, and the image stayed warm without ever failing (seen under pytest-xdist)
+    async with pool(images, min_warm=1, max_episodes=1, max_containers=1) as p:
         async with p.session("bundle-echo-v0", image=IMAGE) as s:
             await s.reset(seed=1)
             images.deleted = True  # its container is recycled at the end: a new one is wanted
