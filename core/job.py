@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from core.buffer import SampleBuffer
-from core.checkpoint import TRAINER_FILE, Checkpoints, start_problems
+from core.checkpoint import REMEDY, TRAINER_FILE, Checkpoints, start_problems
 from core.cluster import Cluster, turn_scheduler
 from core.config import EnvConfig, JobConfig, builtin_env_ids
 from core.env_images import JobImages
@@ -445,8 +445,8 @@ class Job:
                 [
                     (
                         "run_dir",
-                        f"cannot load {str(path / TRAINER_FILE)!r} ({type(cause).__name__}: {cause}); "
-                        "point checkpoints/latest at an older step-* directory, or start a new run_dir",
+                        f"cannot load {str(path / TRAINER_FILE)!r} "
+                        f"({type(cause).__name__}: {cause}); {REMEDY}",
                     )
                 ]
             ) from None
