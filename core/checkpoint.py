@@ -15,15 +15,19 @@ and the reward functions' caches.
 
 A resumed run must be the same run: every key of the config but those that only say how
 long, where and on what it runs (``RESUMABLE``) must be as it was, or the resume is refused
-naming the key.
+naming the key. ``--allow-change KEY`` lets a key (or a section) change all the same (a
+learning rate lowered after a spike, a KL weight added); the change is said and recorded.
+Never those the checkpoint's weights depend on (``FIXED``): a resumed run loads them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +59,11 @@ RESUMABLE = (
     "engine.hw_affinity",
     "trainer.num_gpus",
 )
+
+#: Config keys no ``--allow-change`` lets change: the checkpoint's weights are of that policy,
+#: built that way, in that trainer's format (a resumed torch engine loads ``policy-init/``
+#: whatever the config says, so a change there would be silently ignored).
+FIXED = ("engine.backend", "engine.model", "engine.pretrain", "trainer.backend")
 
 
 class Checkpoints:
@@ -154,16 +163,23 @@ def _name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, str]]:
-    """The keys (outside ``RESUMABLE``) whose values differ between two config dumps, as
-    config problems."""
+def _under(key: str, roots: Sequence[str]) -> bool:
+    """Whether ``key`` is one of ``roots`` or inside one (``trainer.lr`` is under ``trainer``)."""
+    return any(key == r or key.startswith(r + ".") or key.startswith(r + "[") for r in roots)
+
+
+def config_changes(
+    saved: dict[str, Any], now: dict[str, Any], allowed: Sequence[str] = ()
+) -> list[tuple[str, str]]:
+    """The keys (outside ``RESUMABLE`` and ``allowed``) whose values differ between two
+    config dumps, as config problems."""
     a, b = _flat(saved), _flat(now)
     out = []
     # a key only one side has is a field another release added or removed (every dump has
     # every field), not a change of the user's; list entries added or removed differ in
     # their siblings' indices or in the list's own length, which are compared
     for key in sorted(a.keys() & b.keys()):
-        if any(key == r or key.startswith(r + ".") or key.startswith(r + "[") for r in RESUMABLE):
+        if _under(key, RESUMABLE) or (_under(key, allowed) and not _under(key, FIXED)):
             continue
         if a[key] != b[key]:
             was, now_ = a[key], b[key]
@@ -200,28 +216,71 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: d}
 
 
+def allow_problems(allowed: Sequence[str], now: dict[str, Any], *, resume: bool) -> list[tuple[str, str]]:
+    """What is wrong with the keys of ``--allow-change`` (checked before anything starts)."""
+    if not allowed:
+        return []
+    if not resume:
+        return [("--allow-change", "is for --resume: only a resumed run is compared with a checkpoint")]
+    keys = list(_flat(now))
+    # a section is a key too: `trainer` allows every trainer.* key
+    known = set(keys) | {k.split(".")[0].split("[")[0] for k in keys}
+    out = []
+    for key in allowed:
+        if _under(key, FIXED):
+            out.append(
+                (
+                    "--allow-change",
+                    f"{key!r} cannot change on resume: the checkpoint's weights depend on it "
+                    "(a new run_dir starts another run)",
+                )
+            )
+        elif not any(_under(k, [key]) for k in keys):
+            near = difflib.get_close_matches(key, sorted(known), n=3)
+            hint = (
+                f"; did you mean {', '.join(near)}?"
+                if near
+                else " (keys as in the config: trainer.lr, envs[0].weight)"
+            )
+            out.append(("--allow-change", f"{key!r} is no key of the config{hint}"))
+    return out
+
+
+def _way_out(key: str) -> str:
+    return "" if _under(key, FIXED) else f"--allow-change {key} lets it change; "
+
+
 def start_problems(
-    cfg: JobConfig, checkpoints: Checkpoints, *, resume: bool
-) -> tuple[list[tuple[str, str]], tuple[Path, dict[str, Any]] | None]:
+    cfg: JobConfig, checkpoints: Checkpoints, *, resume: bool, allow: Sequence[str] = ()
+) -> tuple[list[tuple[str, str]], tuple[Path, dict[str, Any]] | None, list[tuple[str, str]]]:
     """Whether a job may start in ``cfg.run_dir``: a resume needs a checkpoint of the same
-    run with steps left to train; a fresh start must not bury an earlier run's checkpoint.
-    The problems, and the checkpoint a resume goes on from (its path and ``job.json``)."""
+    run (but for the keys ``allow`` names) with steps left to train; a fresh start must not
+    bury an earlier run's checkpoint. The problems, the checkpoint a resume goes on from (its
+    path and ``job.json``), and the changes ``allow`` let through (key, what changed)."""
+    now = yaml.safe_load(cfg.to_yaml())
+    bad_allow = allow_problems(allow, now, resume=resume)
+    if bad_allow:
+        return bad_allow, None, []
     try:
         latest = checkpoints.latest()
         saved = Checkpoints.read(latest) if latest is not None else None
         earlier = yaml.safe_load(saved["config"]) if saved is not None else None
     except ConfigError as e:
-        return list(e.problems), None
+        return list(e.problems), None, []
     except (OSError, ValueError, yaml.YAMLError) as e:  # an unreadable or corrupt job.json
-        return [("run_dir", f"cannot read the checkpoint in {str(checkpoints.root)!r}: {e}; {REMEDY}")], None
+        return (
+            [("run_dir", f"cannot read the checkpoint in {str(checkpoints.root)!r}: {e}; {REMEDY}")],
+            None,
+            [],
+        )
     if latest is None or saved is None:
         if not resume:
-            return [], None
+            return [], None, []
         nothing = (
             f"nothing to resume: {str(cfg.run_dir)!r} has no checkpoint "
             "(a run with checkpoint.every > 0 writes them); run without --resume"
         )
-        return [("run_dir", nothing)], None
+        return [("run_dir", nothing)], None, []
     step = int(saved["step"])
     if not resume:
         buried = (
@@ -229,13 +288,13 @@ def start_problems(
             f"--resume continues it; to start over, remove {str(checkpoints.root)!r} "
             "or choose another run_dir"
         )
-        return [("run_dir", buried)], None
+        return [("run_dir", buried)], None, []
+    earlier = earlier if isinstance(earlier, dict) else {}
     problems = [
-        (key, f"{msg}; a resumed run must be the same run (a new run_dir starts another)")
-        for key, msg in config_changes(
-            earlier if isinstance(earlier, dict) else {}, yaml.safe_load(cfg.to_yaml())
-        )
+        (key, f"{msg}; a resumed run must be the same run ({_way_out(key)}a new run_dir starts another)")
+        for key, msg in config_changes(earlier, now, allow)
     ]
+    allowed = [c for c in config_changes(earlier, now) if _under(c[0], allow)]
     if cfg.steps <= step:
         problems.append(
             ("steps", f"is {cfg.steps}, the checkpoint is at step {step}: raise it to go on (--steps N)")
@@ -245,4 +304,4 @@ def start_problems(
         problems.append(
             ("run_dir", f"the checkpoint needs {str(init)!r} (the initial policy), which is gone")
         )
-    return problems, (latest, saved)
+    return problems, (latest, saved), allowed

@@ -34,7 +34,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -68,11 +68,15 @@ class Job:
         progress: bool = True,
         registry: Registry | None = None,
         resume: bool = False,
+        allow_changes: Sequence[str] = (),
     ):
         """``resume``: continue from the newest checkpoint in ``cfg.run_dir`` (refused, naming
-        the key, when there is none, the config changed, or ``steps`` is not above it)."""
+        the key, when there is none, the config changed, or ``steps`` is not above it);
+        ``allow_changes``: config keys (or sections) a resumed run may change all the same."""
         self.cfg = cfg
         self.resume = resume
+        self.allow_changes = tuple(allow_changes)
+        self._changes: list[tuple[str, str]] = []  # what allow_changes let through
         self.checkpoints = Checkpoints(cfg.run_dir, cfg.checkpoint.keep)
         self._resume_from: tuple[Path, dict[str, Any]] | None = None
         self._checkpoint_s: list[float] = []
@@ -138,7 +142,9 @@ class Job:
         if bad_dir is not None:
             problems.append(("run_dir", f"{bad_dir}; choose another (run_dir, or --run-dir)"))
         else:
-            more, self._resume_from = start_problems(cfg, self.checkpoints, resume=self.resume)
+            more, self._resume_from, self._changes = start_problems(
+                cfg, self.checkpoints, resume=self.resume, allow=self.allow_changes
+            )
             problems += more
         if problems:
             raise ConfigError(problems)
@@ -417,6 +423,7 @@ class Job:
             "run_dir": str(run_dir.path),
             **({"pretrain": self._pretrained} if self._pretrained else {}),
             **({"resumed_from_step": self._resume_from[1]["step"]} if self._resume_from else {}),
+            **({"changed_on_resume": dict(self._changes)} if self._changes else {}),
             **({"checkpoints": self._checkpoint_figures()} if self._checkpoint_s else {}),
         }
 
@@ -463,6 +470,8 @@ class Job:
         self.evaluator.trained_on(saved["trained_tasks"])
         self.evaluator.rows.extend(run_dir.evals)
         progress.note(f"resumed from {path} (step {self.step}, policy version {version})")
+        for key, what in self._changes:
+            progress.note(f"changed on resume (--allow-change): {key} {what}")
 
     async def _save_checkpoint(self, step: int) -> None:
         t = time.perf_counter()
@@ -595,7 +604,8 @@ class _TermAsInterrupt:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m core.job CONFIG [--steps N] [--run-dir DIR] [--resume] [--quiet]``."""
+    """``python -m core.job CONFIG [--steps N] [--run-dir DIR] [--resume] [--allow-change KEY]
+    [--quiet]``."""
     import argparse
     import json
 
@@ -606,6 +616,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--resume", action="store_true", help="continue from the run directory's newest checkpoint"
     )
+    ap.add_argument(
+        "--allow-change",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="with --resume: a config key (or section) that may differ from the checkpoint's",
+    )
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     try:
@@ -614,7 +631,8 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     try:
-        summary = asyncio.run(Job(cfg, progress=not args.quiet, resume=args.resume).run())
+        job = Job(cfg, progress=not args.quiet, resume=args.resume, allow_changes=args.allow_change)
+        summary = asyncio.run(job.run())
     except CoreError as e:
         print(e, file=sys.stderr)
         return 2

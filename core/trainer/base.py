@@ -266,16 +266,24 @@ def load_module_training_state(
     optimizer: torch.optim.Optimizer,
     reference: torch.nn.Module | None,
     shuffle: torch.Generator,
+    *,
+    config: Any,
 ) -> None:
+    """Back to ``module_training_state``. The optimizer's ``lr``, ``betas`` and
+    ``weight_decay`` stay ``config``'s (the trainer's own): its saved groups carry the values
+    it was written with, and a resume that changed one (``--allow-change trainer.lr``) must
+    train with the new."""
     try:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        if reference is not None:
-            if state.get("reference") is None:
-                raise TrainerError("the checkpoint has no KL reference (it was written with kl_coef 0)")
+        # a checkpoint written with kl_coef 0 has no reference: this trainer's was built from
+        # the same initial policy (the frozen anchor is never trained), so it stands as it is
+        if reference is not None and state.get("reference") is not None:
             reference.load_state_dict(state["reference"])
     except (KeyError, RuntimeError, ValueError) as e:  # shapes, names, optimizer groups
         raise TrainerError(f"the checkpoint does not fit this trainer's model: {e}") from None
+    for group in optimizer.param_groups:
+        group.update(lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
     shuffle.set_state(state["shuffle"])
 
 

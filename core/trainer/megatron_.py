@@ -303,7 +303,9 @@ class MegatronTrainer(Trainer):
         return module_training_state(self.model, self.optimizer, self.reference, self._shuffle)
 
     def _load_training_state(self, state: Mapping[str, Any]) -> None:
-        load_module_training_state(state, self.model, self.optimizer, self.reference, self._shuffle)
+        load_module_training_state(
+            state, self.model, self.optimizer, self.reference, self._shuffle, config=self.config
+        )
 
     def save_checkpoint(self, path: str | Path) -> None:
         """Shape, weights and version in one file, loadable with ``checkpoint=path``."""

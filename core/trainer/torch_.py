@@ -75,7 +75,9 @@ class TorchTrainer(Trainer):
         return module_training_state(self.model, self.optimizer, self.reference, self._shuffle)
 
     def _load_training_state(self, state: Mapping[str, Any]) -> None:
-        load_module_training_state(state, self.model, self.optimizer, self.reference, self._shuffle)
+        load_module_training_state(
+            state, self.model, self.optimizer, self.reference, self._shuffle, config=self.config
+        )
 
     def _step(self, batch: Sequence[TrainSample], advantages: list[float]) -> dict[str, float]:
         cfg = self.config

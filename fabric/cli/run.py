@@ -29,6 +29,15 @@ def run(
             "them); --steps N to train on past the config's steps."
         ),
     ] = False,
+    allow_change: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-change",
+            metavar="KEY",
+            help="With --resume: a config key (trainer.lr) or section (trainer) that may differ from "
+            "the checkpoint's; repeatable. The change is said and kept in the summary.",
+        ),
+    ] = None,
 ) -> None:
     """Run an RL job: a local Ray cluster, local fabric pools, process containers."""
     try:
@@ -38,7 +47,8 @@ def run(
         fail(f"the RL job needs its extras: pip install -e '.[ray,train,rewards]' ({e})")
     try:
         cfg = load(config, steps=steps, run_dir=run_dir)
-        summary = asyncio.run(Job(cfg, progress=not quiet, resume=resume).run())
+        job = Job(cfg, progress=not quiet, resume=resume, allow_changes=allow_change or ())
+        summary = asyncio.run(job.run())
     except CoreError as e:  # a bad config, or a rollout where every group fails
         fail(str(e))
     if not quiet:

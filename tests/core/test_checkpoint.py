@@ -15,7 +15,7 @@ import yaml
 from test_job import FROZENLAKE, check_invariants, job_config, run_job, train_rows
 from test_torch_trainer import TOK, model, sample
 
-from core.checkpoint import JOB_FILE, TRAINER_FILE, Checkpoints, config_changes
+from core.checkpoint import JOB_FILE, TRAINER_FILE, Checkpoints, config_changes, start_problems
 from core.errors import ConfigError
 from core.job import Job, main
 from core.trainer.actor import TrainerActor
@@ -142,13 +142,42 @@ def test_a_checkpoint_that_does_not_fit_the_trainer_is_refused_by_name():
     state = _trainer().training_state()
     with pytest.raises(TrainerError, match="checkpoint is of the 'megatron' trainer, not 'torch'"):
         _trainer().load_training_state({**state, "trainer": "megatron"})
-    with pytest.raises(TrainerError, match="no KL reference"):
-        _trainer(kl=0.1).load_training_state(_trainer(kl=0.0).training_state())
     wide = TorchTrainer(
         model().__class__(model().config.model_copy(update={"d_model": 64}), seed=0), TorchTrainerConfig()
     )
     with pytest.raises(TrainerError, match="does not fit this trainer's model"):
         _trainer(kl=0.0).load_training_state(wide.training_state())
+
+
+def test_a_kl_weight_added_on_resume_anchors_at_the_initial_policy():
+    # a checkpoint written with kl_coef 0 has no reference; the resuming trainer's own is the
+    # initial policy it was built from, which is what the anchor must be
+    a = _trainer(kl=0.0)
+    a.step(_batch(a))
+    b = _trainer(kl=0.1)
+    initial = {k: v.clone() for k, v in b.reference.state_dict().items()}
+    b.load_training_state(a.training_state())
+    assert all(torch.equal(initial[k], v) for k, v in b.reference.state_dict().items())
+    assert not all(torch.equal(initial[k], v) for k, v in b.model.state_dict().items())
+    assert b.step(_batch(b))["kl"] > 0
+
+
+def test_a_resumed_trainer_trains_with_its_own_hyperparameters_not_the_saved_ones():
+    # the optimizer's saved groups hold the lr and weight decay they were written with; a
+    # resume that changed them (--allow-change trainer.lr) must not train on with the old
+    a = _trainer()
+    a.step(_batch(a))
+    torch.manual_seed(0)
+    changed = TorchTrainerConfig(
+        lr=2e-3, kl_coef=0.1, mini_batch_size=1, seed=3, weight_decay=0.5, betas=(0.8, 0.9)
+    )
+    b = TorchTrainer(model(), changed)
+    b.load_training_state(a.training_state())
+    group = b.optimizer.param_groups[0]
+    assert (b.lr, group["weight_decay"], tuple(group["betas"])) == (2e-3, 0.5, (0.8, 0.9))
+    moments = zip(a.optimizer.state.values(), b.optimizer.state.values(), strict=True)
+    assert all(torch.equal(x["exp_avg"], y["exp_avg"]) for x, y in moments)  # these came along
+    assert a.lr == 1e-2 and b.step(_batch(b))["lr"] == 2e-3
 
 
 def test_the_trainer_actor_saves_whole_files_and_restores_the_schedule(tmp_path):
@@ -215,6 +244,41 @@ async def test_a_resume_that_cannot_go_on_is_refused_before_anything_starts(
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing written, nothing lost
 
 
+@pytest.mark.parametrize(
+    ("resume", "allow", "over", "text"),
+    [
+        (False, ["trainer.lr"], {}, "is for --resume"),
+        (True, ["trainer.lrr"], {}, "'trainer.lrr' is no key of the config; did you mean trainer.lr"),
+        (True, ["trainer.backend"], {}, "'trainer.backend' cannot change on resume"),
+        (True, ["engine"], {"engine": {"model": "other"}}, "engine.model: was 'tiny-lm'"),
+        (True, ["trainer.clip_eps"], {"trainer": {"lr": 5e-3}}, "--allow-change trainer.lr lets it change"),
+    ],
+)
+async def test_allow_change_lets_only_the_keys_it_names_change(tmp_path, resume, allow, over, text):
+    _earlier_run(tmp_path)
+    cfg = job_config(tmp_path, checkpoint={"every": 2}, **over)
+    job = Job(cfg, progress=False, registry=faults.REG, resume=resume, allow_changes=allow)
+    with pytest.raises(ConfigError) as e:
+        await job.run()
+    assert text in str(e.value)
+    if "engine.model" in text:  # a section allowed does not open the keys the weights depend on
+        assert "--allow-change engine.model" not in str(e.value)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_allowed_changes_are_let_through_and_said(tmp_path):
+    _earlier_run(tmp_path)
+    over = {"trainer": {"lr": 5e-3, "kl_coef": 0.1}, "batch_size": 3}
+    cfg = job_config(tmp_path, checkpoint={"every": 2}, steps=4, **over)
+    ckpts = Checkpoints(cfg.run_dir)
+    problems, resume, changes = start_problems(cfg, ckpts, resume=True, allow=["trainer", "batch_size"])
+    assert problems == [] and resume is not None and resume[1]["step"] == 2
+    assert [k for k, _ in changes] == ["batch_size", "trainer.kl_coef", "trainer.lr"]
+    assert dict(changes)["trainer.lr"] == "was 0.001 when the checkpoint was written, now 0.005"
+    problems, _, _ = start_problems(cfg, ckpts, resume=True, allow=["trainer.lr"])
+    assert [k for k, _ in problems] == ["batch_size", "trainer.kl_coef"]
+
+
 def test_the_cli_says_why_a_resume_is_refused(tmp_path, capsys):
     path = tmp_path / "job.yaml"
     data = {
@@ -225,6 +289,8 @@ def test_the_cli_says_why_a_resume_is_refused(tmp_path, capsys):
     path.write_text(yaml.safe_dump(data))
     assert main([str(path), "--quiet", "--resume"]) == 2
     assert "run_dir: nothing to resume" in capsys.readouterr().err
+    assert main([str(path), "--quiet", "--resume", "--allow-change", "trainer.lrr"]) == 2
+    assert "--allow-change: 'trainer.lrr' is no key of the config" in capsys.readouterr().err
 
 
 @pytest.mark.ray
@@ -248,14 +314,20 @@ async def test_a_run_resumed_after_a_crash_trains_on_from_its_checkpoint(tmp_pat
     # as if the run had died after step 3: its last complete checkpoint is step 2's
     (ckpts.root / "latest").write_text("step-000002\n")
     at_2 = Checkpoints.read(ckpts.root / "step-000002")["counts"]
-    resumed_cfg = job_config(tmp_path, steps=6, checkpoint={"every": 2, "keep": 2}, **over)
-    job = Job(resumed_cfg, progress=False, registry=faults.REG, resume=True)
+    # and with a lower learning rate (--allow-change trainer.lr), which the trainer must use
+    lower = {**over, "trainer": {"lr": 1e-2}}
+    resumed_cfg = job_config(tmp_path, steps=6, checkpoint={"every": 2, "keep": 2}, **lower)
+    job = Job(resumed_cfg, progress=False, registry=faults.REG, resume=True, allow_changes=["trainer.lr"])
     summary = await job.run()
     assert summary["resumed_from_step"] == 2 and summary["steps"] == 6 and job.version == 6
+    assert summary["changed_on_resume"] == {
+        "trainer.lr": "was 0.03 when the checkpoint was written, now 0.01"
+    }
     rows = train_rows(run_dir)
     # the rows of steps 3-4 the crashed run logged are replaced by the resumed run's
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert [r["version"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["lr"] for r in rows] == [3e-2] * 2 + [1e-2] * 4
     assert all(r["approx_kl"] < 1e-4 for r in rows), [r["approx_kl"] for r in rows]
     evals = [e["step"] for e in summary["evals"]]
     assert evals == [0, 2, 4, 6]  # step 0's evaluation is the first run's, not repeated
