@@ -267,6 +267,7 @@ class Job:
                 await self.proxy_handle.update_weights.remote(version, [state_ref])
                 self.version = version
                 buffer.advance(version)
+                runner.forget_aborted_before(buffer.bound)
                 runner.changed.set()
                 publish_s = time.perf_counter() - tp
                 now = time.perf_counter()

@@ -84,8 +84,10 @@ class GroupRunner:
         """Set whenever a group fills or closes (the launcher waits on it)."""
         self.metrics: Counter[str] = Counter()
         self.aborted_ids: set[str] = set()
-        """Every trajectory this runner aborted or asked to stop (the job checks none of them
-        is trained on)."""
+        """The trajectories this runner aborted or asked to stop (the job checks none of them
+        is trained on), until their version falls out of the asynchronous bound
+        (``forget_aborted_before``)."""
+        self._aborted_by_version: dict[int, list[str]] = {}
         self._aborting: set[asyncio.Task[None]] = set()
         self._closing = False  # set by aclose: a shutdown launches nothing new
 
@@ -128,7 +130,7 @@ class GroupRunner:
         g.aborting.discard(traj_id)
         if task.cancelled():
             self.metrics["aborted"] += 1
-            self.aborted_ids.add(traj_id)
+            self._aborted(g, traj_id)
             # an open group that loses a member (cancelled from outside the runner) needs
             # another, or it waits forever for a trajectory nobody runs
             self._maybe_rerun(g)
@@ -148,7 +150,7 @@ class GroupRunner:
         if traj.status == "aborted" or dropped:
             # one asked to stop that finished in the race is no member either: the job's
             # check that nothing aborted is trained covers it too
-            self.aborted_ids.add(traj_id)
+            self._aborted(g, traj_id)
         if traj.status in ("ok", "truncated"):
             if g.closed is not None or dropped:
                 # finished in the race after the group filled (its abort came too late); a
@@ -167,6 +169,18 @@ class GroupRunner:
             # replaced it already; an open group that lost it otherwise needs another
             self._maybe_rerun(g)
         self._after(g)
+
+    def _aborted(self, g: GroupState, traj_id: str) -> None:
+        self.aborted_ids.add(traj_id)
+        self._aborted_by_version.setdefault(g.version, []).append(traj_id)
+
+    def forget_aborted_before(self, version: int) -> None:
+        """Drop the aborted ids of groups started under an older version than ``version``
+        (the buffer's bound after an advance): the buffer never serves such a group, so the
+        job's check needs them no more. A long job's set stays as small as the bound's
+        window (about ``alpha + 1`` steps' redundant aborts), not every abort since it began."""
+        for v in [v for v in self._aborted_by_version if v < version]:
+            self.aborted_ids.difference_update(self._aborted_by_version.pop(v))
 
     def reward_failed(self, sample: Sample) -> None:
         """A member's reward failed for good (masked): the group needs another trajectory."""

@@ -174,6 +174,24 @@ async def test_an_extra_that_finishes_in_the_race_is_dropped_not_submitted():
     assert third in h.runner.aborted_ids
 
 
+async def test_aborted_ids_are_kept_only_while_their_version_can_still_be_trained():
+    # a long job aborts redundant members every step: the ids the job checks batches against
+    # stay within the asynchronous bound's window instead of growing for the whole run
+    h = Harness(job(group_size=2, redundancy=1), FakeManager(default=(0.01, "ok")))
+    by_version: dict[int, set[str]] = {}
+    for version in (2, 3, 4):
+        before = set(h.manager.ids())
+        h.start(seed=version, version=version)
+        await h.settle()
+        by_version[version] = (set(h.manager.ids()) - before) - set(h.submitted_ids())
+        assert len(by_version[version]) == 1
+    assert h.runner.aborted_ids == set().union(*by_version.values())
+    h.runner.forget_aborted_before(3)  # versions 3 and 4 may still be served
+    assert h.runner.aborted_ids == by_version[3] | by_version[4]
+    h.runner.forget_aborted_before(5)
+    assert h.runner.aborted_ids == set() and not h.runner._aborted_by_version
+
+
 # ----------------------------------------------------------------------------- re-runs
 
 
