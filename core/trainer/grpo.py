@@ -162,8 +162,15 @@ def policy_loss(
     return loss, stats
 
 
-def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None = None) -> Tensor:
     """Per-token k3 estimate of KL(policy || reference) on tokens sampled from the policy:
-    ``exp(ref - logp) - (ref - logp) - 1``; unbiased, always >= 0, low variance."""
+    ``exp(ref - logp) - (ref - logp) - 1``; unbiased, always >= 0, low variance.
+
+    ``mask``: 0 where the estimate is not wanted, which is then 0. Under a restricted
+    vocabulary a prompt or padded position holds about -1e9 on both sides, where float32
+    steps by 64 or 128: a drifted policy can read ``exp(128)`` = inf there, and inf times a
+    mask of 0 is a NaN loss and NaN gradients (as ``policy_loss`` guards its ratio)."""
     d = ref_logprobs - logprobs
+    if mask is not None:
+        d = torch.where(mask.bool(), d, torch.zeros_like(d))
     return torch.exp(d) - d - 1.0

@@ -400,7 +400,7 @@ class MegatronTrainer(Trainer):
                     ref = token_logprobs(
                         self._completion_logits(self.reference, packed), packed.targets, cfg.temperature
                     )
-                kl = aggregate(kl_k3(logp, ref), packed.mask, cfg.loss_agg)
+                kl = aggregate(kl_k3(logp, ref, packed.mask), packed.mask, cfg.loss_agg)
                 loss = loss + cfg.kl_coef * kl
             (loss * weight).backward()  # type: ignore[no-untyped-call]
             out["loss"] += weight * loss.item()

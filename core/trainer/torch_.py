@@ -126,7 +126,7 @@ class TorchTrainer(Trainer):
                 if restrict is not None:
                     ref_logits = ref_logits + restrict[:, None, :]
                 ref = token_logprobs(ref_logits, targets, cfg.temperature)
-            kl = aggregate(kl_k3(logp, ref), mask, cfg.loss_agg)
+            kl = aggregate(kl_k3(logp, ref, mask), mask, cfg.loss_agg)
             loss = loss + cfg.kl_coef * kl
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]

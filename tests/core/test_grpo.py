@@ -140,6 +140,21 @@ def test_kl_k3_by_hand():
     assert (k3 >= 0).all()
 
 
+def test_kl_k3_outside_the_mask_is_zero_and_keeps_the_loss_finite():
+    # a prompt position under a restricted vocabulary: about -1e9 on both sides, 128 apart
+    # after float32 rounding; exp(128) is inf, and inf times a mask of 0 was a NaN loss
+    logp = torch.tensor([[-0.7, -1e9]]).requires_grad_(True)
+    ref = torch.tensor([[-0.6, -1e9 + 128.0]])
+    mask = torch.tensor([[1.0, 0.0]])
+    assert torch.isnan(aggregate(kl_k3(logp, ref), mask))  # unguarded
+    kl = aggregate(kl_k3(logp, ref, mask), mask)
+    assert kl.item() == pytest.approx(math.exp(0.1) - 0.1 - 1, rel=1e-4)
+    kl.backward()
+    assert logp.grad is not None and logp.grad[0].tolist() == pytest.approx(
+        [1 - math.exp(0.1), 0.0], rel=1e-4
+    )
+
+
 def test_aggregations_and_masked_mean():
     per_token = torch.tensor([[1.0, 1.0, 1.0], [4.0, 100.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
