@@ -8,10 +8,11 @@
       latest                   the name of the newest complete checkpoint
 
 A checkpoint is written under ``step-000040.part`` and renamed once whole; ``latest`` is
-replaced (atomically) after that. A crash at any point leaves the previous checkpoint as the
-latest, never a half-written one. What is not saved: trajectories in flight (a resumed run
-starts its rollouts afresh from the saved weights, as the asynchronous bound allows anyway)
-and the reward functions' caches.
+replaced (atomically) after that. The trainer writes its file from a thread while training
+goes on (``TrainerActor.snapshot``); the job commits once it is there. A crash at any point
+leaves the previous checkpoint as the latest, never a half-written one. What is not saved:
+trajectories in flight (a resumed run starts its rollouts afresh from the saved weights, as
+the asynchronous bound allows anyway) and the reward functions' caches.
 
 A resumed run must be the same run: every key of the config but those that only say how
 long, where and on what it runs (``RESUMABLE``) must be as it was, or the resume is refused

@@ -93,7 +93,9 @@ class Cluster:
             )
             actors.append(proxy)
             trainer = (
-                ray.remote(TrainerActor)
+                # "io": a checkpoint's write is waited for there, beside the steps (which
+                # keep the default group's one thread: never two at once)
+                ray.remote(concurrency_groups={"io": 1})(TrainerActor)
                 .options(num_cpus=0, num_gpus=cfg.trainer.gpus)
                 .remote(
                     cfg.trainer,

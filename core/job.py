@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import signal
 import sys
@@ -58,6 +59,7 @@ from fabric.registry import Registry
 __all__ = ["EVAL_SEED_BASE", "Job", "load", "main", "turn_scheduler"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Job:
@@ -79,7 +81,9 @@ class Job:
         self._changes: list[tuple[str, str]] = []  # what allow_changes let through
         self.checkpoints = Checkpoints(cfg.run_dir, cfg.checkpoint.keep)
         self._resume_from: tuple[Path, dict[str, Any]] | None = None
-        self._checkpoint_s: list[float] = []
+        self._checkpoint_s: list[float] = []  # from the start of each to its commit
+        self._checkpoint_blocked_s: list[float] = []  # of which the step loop waited
+        self._checkpoint_task: asyncio.Task[None] | None = None  # one being written
         self._wall_before = 0.0  # training time of the run a resume continues
         self.registry = registry
         self.progress_enabled = progress
@@ -291,6 +295,16 @@ class Job:
                             run_dir.log(await eval_task)
                             eval_task = None
                 progress.step(row, self.evals[-1]["success"] if self.evals else None)
+            await self._checkpoint_done()  # the last one is on disk before the run ends
+        except BaseException as e:
+            # a failed run keeps the checkpoint it was writing (a consistent copy of a step);
+            # a stopped one (Ctrl-C) does not wait for the disk
+            stopped = isinstance(e, (asyncio.CancelledError, KeyboardInterrupt))
+            try:
+                await self._checkpoint_done(cancel=stopped)
+            except Exception:
+                log.exception("the checkpoint being written when the run failed was not kept")
+            raise
         finally:
             if launcher is not None:
                 launcher.cancel()
@@ -430,7 +444,11 @@ class Job:
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_figures(self) -> dict[str, Any]:
-        return {"written": len(self._checkpoint_s), "seconds": round(sum(self._checkpoint_s), 2)}
+        return {
+            "written": len(self._checkpoint_s),
+            "seconds": round(sum(self._checkpoint_s), 2),
+            "blocked_s": round(sum(self._checkpoint_blocked_s), 2),
+        }
 
     def _resumed_policy(self) -> PolicyBundle:
         """The torch engine's policy as the earlier run built it (tokenizer, initial weights):
@@ -475,25 +493,48 @@ class Job:
             progress.note(f"changed on resume (--allow-change): {key} {what}")
 
     async def _save_checkpoint(self, step: int) -> None:
+        """Start the checkpoint of ``step``: the step loop waits only while the trainer copies
+        its state; the copy goes to disk in the trainer's thread while training goes on,
+        and the checkpoint is committed (named ``latest``) once it is there. One at a time:
+        an earlier one still being written is finished first."""
+        await self._checkpoint_done()
         t = time.perf_counter()
         part = self.checkpoints.prepare(step)
-        await self.trainer_handle.save.remote(str(part / TRAINER_FILE))
+        path = str(part / TRAINER_FILE)
+        await self.trainer_handle.snapshot.remote(path)
         v, state, gauss = self.rng.getstate()
-        self.checkpoints.commit(
-            part,
-            step,
-            {
-                "step": step,
-                "version": self.version,
-                "config": self.cfg.to_yaml(),
-                "rng": [v, list(state), gauss],
-                "counts": dict(self.tally.counts),
-                "trained_tasks": sorted(self.evaluator.trained_tasks),
-                "pretrained": self._pretrained,
-                "train_wall_s": round(time.perf_counter() - self._t0, 3),
-            },
-        )
+        job_state = {  # the job's side as of this step (copies: the loop goes on)
+            "step": step,
+            "version": self.version,
+            "config": self.cfg.to_yaml(),
+            "rng": [v, list(state), gauss],
+            "counts": dict(self.tally.counts),
+            "trained_tasks": sorted(self.evaluator.trained_tasks),
+            "pretrained": self._pretrained,
+            "train_wall_s": round(time.perf_counter() - self._t0, 3),
+        }
+        self._checkpoint_blocked_s.append(time.perf_counter() - t)
+        self._checkpoint_task = asyncio.create_task(self._commit_checkpoint(part, step, path, job_state, t))
+
+    async def _commit_checkpoint(
+        self, part: Path, step: int, path: str, job_state: dict[str, Any], t: float
+    ) -> None:
+        await self.trainer_handle.written.options(concurrency_group="io").remote(path)
+        self.checkpoints.commit(part, step, job_state)
         self._checkpoint_s.append(time.perf_counter() - t)
+
+    async def _checkpoint_done(self, *, cancel: bool = False) -> None:
+        """The checkpoint being written, committed (its error raised), or with ``cancel``
+        dropped (Ctrl-C: the previous one stays the latest)."""
+        task, self._checkpoint_task = self._checkpoint_task, None
+        if task is None:
+            return
+        if cancel:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            return
+        await task
 
     # ------------------------------------------------------------------ setup
     async def _build_policy(self, progress: JobProgress, images: JobImages) -> PolicyBundle:

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+import time
 from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -39,6 +43,7 @@ class TrainerActor:
             bundle = PolicyBundle.load(bundle)
         self.trainer = make_trainer(cfg, bundle, temperature=temperature, seed=seed)
         self.steps = 0
+        self._writes: dict[str, Future[None]] = {}  # snapshots being written, by path
 
     def step(self, batch: Sequence[TrainSample]) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """One update; returns its metrics and the new weights (``num_returns=2``: the
@@ -66,13 +71,47 @@ class TrainerActor:
         """The training state and the schedule's position, to ``path``, on disk when this
         returns (written whole or not at all: a crash mid-write leaves the previous
         checkpoint as the latest)."""
-        tmp = f"{path}.part"
-        data = {"state": self.trainer.training_state(), "steps": self.steps, "total_steps": self.total_steps}
-        with open(tmp, "wb") as f:
-            torch.save(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        self.snapshot(path)
+        self.written(path)
+
+    def snapshot(self, path: str) -> float:
+        """Copy the training state now (between steps, so it is one step's) and write it to
+        ``path`` in a thread: the next ``step`` need not wait for the disk. ``written(path)``
+        (in the ``io`` concurrency group, beside a running step) says when it is there. The
+        seconds the copy took: what the step loop waits for a checkpoint."""
+        t = time.perf_counter()
+        if path in self._writes:
+            raise TrainerError(f"{path!r} is being written already")
+        data = {
+            # the optimizer's state_dict holds its live moments, which the next step updates
+            # in place: copied here, like the weights (to the CPU: the file is read there)
+            "state": _copied(self.trainer.training_state()),
+            "steps": self.steps,
+            "total_steps": self.total_steps,
+        }
+        done: Future[None] = Future()
+        self._writes[path] = done
+
+        def write() -> None:
+            try:
+                _write_file(data, path)
+            except BaseException as e:  # the waiter re-raises it
+                done.set_exception(e)
+            else:
+                done.set_result(None)
+
+        threading.Thread(target=write, name="checkpoint-writer", daemon=True).start()
+        return time.perf_counter() - t
+
+    def written(self, path: str) -> None:
+        """Wait until ``snapshot(path)``'s file is whole and synced; its error, if it failed."""
+        done = self._writes.get(path)
+        if done is None:
+            raise TrainerError(f"no snapshot of {path!r} is being written")
+        try:
+            done.result()
+        finally:
+            self._writes.pop(path, None)
 
     def load(self, path: str) -> int:
         """Back to what ``save`` wrote; the version it was at. The learning-rate schedule
@@ -87,6 +126,27 @@ class TrainerActor:
         self.steps = steps
         self.total_steps = int(data.get("total_steps", self.total_steps))
         return self.trainer.version
+
+
+def _write_file(data: dict[str, Any], path: str) -> None:
+    """``data`` to ``path`` whole and synced, or not at all (a ``.part`` beside it)."""
+    tmp = f"{path}.part"
+    with open(tmp, "wb") as f:
+        torch.save(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _copied(obj: Any) -> Any:
+    """``obj`` with every tensor copied to the CPU (dicts, lists and tuples walked)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _copied(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copied(v) for v in obj)
+    return obj
 
 
 def make_trainer(

@@ -202,6 +202,65 @@ def test_the_trainer_actor_saves_whole_files_and_restores_the_schedule(tmp_path)
     )
 
 
+def _actor(lr: float = 1e-2) -> TrainerActor:
+    from core.config import TrainerConfig
+    from core.policy.build import PolicyBundle
+
+    torch.manual_seed(0)
+    m = model()
+    bundle = PolicyBundle(tokenizer=TOK.to_dict(), model_config=m.config.model_dump(), state=m.state_dict())
+    return TrainerActor(TrainerConfig(lr=lr), bundle, total_steps=4, temperature=1.0, seed=0)
+
+
+def test_a_snapshot_is_written_while_training_goes_on_and_holds_its_own_step(tmp_path, monkeypatch):
+    import threading
+
+    import core.trainer.actor as actor_mod
+
+    gate, writing = threading.Event(), threading.Event()
+    real = actor_mod._write_file
+
+    def slow_disk(data, path):
+        writing.set()
+        assert gate.wait(10)
+        real(data, path)
+
+    monkeypatch.setattr(actor_mod, "_write_file", slow_disk)
+    actor = _actor()
+    actor.step(_batch(actor.trainer))
+    weights = {k: v.clone() for k, v in actor.trainer.model.state_dict().items()}
+    moments = [v["exp_avg"].clone() for v in actor.trainer.optimizer.state.values()]
+    path = str(tmp_path / "trainer.pt")
+    actor.snapshot(path)
+    assert writing.wait(10)
+    actor.step(_batch(actor.trainer))  # the disk has not taken it yet: training goes on
+    assert not os.path.exists(path)
+    with pytest.raises(TrainerError, match="being written already"):
+        actor.snapshot(path)
+    gate.set()
+    actor.written(path)
+    saved = torch.load(path, weights_only=False)
+    assert saved["steps"] == 1 and saved["state"]["version"] == 1
+    # the step taken meanwhile is not in it: weights and Adam's moments (updated in place by
+    # that step) are the snapshot's
+    assert all(torch.equal(saved["state"]["model"][k], v) for k, v in weights.items())
+    saved_moments = [v["exp_avg"] for v in saved["state"]["optimizer"]["state"].values()]
+    assert all(torch.equal(a, b) for a, b in zip(saved_moments, moments, strict=True))
+    now = [v["exp_avg"] for v in actor.trainer.optimizer.state.values()]
+    assert not all(torch.equal(a, b) for a, b in zip(saved_moments, now, strict=True))
+    with pytest.raises(TrainerError, match="no snapshot of"):
+        actor.written(path)  # waited for once
+
+
+def test_a_snapshot_that_cannot_be_written_says_why_when_waited_for(tmp_path):
+    actor = _actor()
+    path = str(tmp_path / "gone" / "trainer.pt")  # no such directory
+    actor.snapshot(path)
+    with pytest.raises(FileNotFoundError):
+        actor.written(path)
+    assert not os.listdir(tmp_path)
+
+
 # ----------------------------------------------------------------------------- the job
 
 
@@ -310,6 +369,7 @@ async def test_a_run_resumed_after_a_crash_trains_on_from_its_checkpoint(tmp_pat
     run_dir = tmp_path / "run"
     ckpts = Checkpoints(run_dir)
     assert ckpts.latest().name == "step-000004" and first["checkpoints"]["written"] == 2
+    assert 0 < first["checkpoints"]["blocked_s"] <= first["checkpoints"]["seconds"]
     assert sorted(p.name for p in ckpts.root.iterdir()) == ["latest", "step-000002", "step-000004"]
     # as if the run had died after step 3: its last complete checkpoint is step 2's
     (ckpts.root / "latest").write_text("step-000002\n")

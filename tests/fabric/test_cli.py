@@ -469,7 +469,8 @@ def test_help_reads_as_whole_sentences(columns):
 
 
 @pytest.mark.parametrize(
-    "script", ["code_verify_bench.py", "sim_vs_real.py", "sim_repro.py", "length_predictor.py"]
+    "script",
+    ["code_verify_bench.py", "sim_vs_real.py", "sim_repro.py", "length_predictor.py", "checkpoint_save.py"],
 )
 def test_a_benchmark_script_prints_its_usage_on_help(script):
     """They took no arguments: `--help` ran the whole benchmark (minutes for some) and
