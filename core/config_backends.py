@@ -134,7 +134,10 @@ def backend_config(cfg: TrainerConfig, *, temperature: float, seed: int) -> dict
     then ``trainer.kwargs`` on top (backend-only options: model shape, parallelism)."""
     return {
         **{field: getattr(cfg, key) for field, key in SHARED_TRAINER_FIELDS.items()},
-        "temperature": max(temperature, 1e-3),  # a greedy rollout still trains at T=1-ish
+        # a greedy rollout's logprobs are the untempered ones (GenerateRequest.temperature):
+        # the trainer recomputes them at T=1 too (at 1e-3 the first, exactly on-policy
+        # update read a ratio of 9 with every token clipped: no gradient at all)
+        "temperature": temperature if temperature > 0 else 1.0,
         "seed": seed,
         **cfg.kwargs,
     }

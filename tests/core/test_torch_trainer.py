@@ -185,6 +185,35 @@ def test_restricted_sampling_is_trained_under_the_same_restriction():
     assert metrics["entropy"] <= float(torch.log(torch.tensor(2.0))) + 1e-5
 
 
+def test_greedy_rollouts_train_at_the_temperature_their_logprobs_were_taken():
+    # engine.temperature 0: the engine reports untempered logprobs, and the trainer the job
+    # makes recomputes them at T=1 too (it once used 1e-3: ratio 9, every token clipped)
+    from core.config import TrainerConfig
+    from core.config_backends import backend_config
+
+    m = model()
+
+    async def gen():
+        async with TorchEngine(m, TOK, TorchEngineConfig(num_threads=1)) as eng:
+            return await eng.generate(GenerateRequest(prompt_ids=[2, 5], max_new_tokens=3, temperature=0.0))
+
+    c = asyncio.run(gen())
+    options = backend_config(TrainerConfig(lr=1e-3), temperature=0.0, seed=0)
+    assert options["temperature"] == 1.0
+    batch = [
+        TrainSample(
+            prompt_ids=c.prompt_ids,
+            completion_ids=c.token_ids,
+            old_logprobs=c.logprobs,
+            advantage=1.0,
+            group_id="g",
+            policy_version=0,
+        )
+    ]
+    metrics = TorchTrainer(m, TorchTrainerConfig(**options)).step(batch)
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and metrics["clip_frac"] == 0.0
+
+
 def test_published_weights_are_a_versioned_copy():
     m = model()
     t = TorchTrainer(m, TorchTrainerConfig(lr=1e-2))
