@@ -18,7 +18,7 @@ A resumed run must be the same run: every key of the config but those that only 
 long, where and on what it runs (``RESUMABLE``) must be as it was, or the resume is refused
 naming the key. ``--allow-change KEY`` lets a key (or a section) change all the same (a
 learning rate lowered after a spike, a KL weight added); the change is said and recorded.
-Never those the checkpoint's weights depend on (``FIXED``): a resumed run loads them.
+Never those the checkpoint's weights depend on (``fixed_keys``): a resumed run loads them.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import Any
 import yaml
 
 from core.config import JobConfig
+from core.config_backends import MODEL_KEYS
 from core.errors import ConfigError
 
 FORMAT = 1
@@ -65,6 +66,14 @@ RESUMABLE = (
 #: built that way, in that trainer's format (a resumed torch engine loads ``policy-init/``
 #: whatever the config says, so a change there would be silently ignored).
 FIXED = ("engine.backend", "engine.model", "engine.pretrain", "trainer.backend")
+
+
+def fixed_keys(cfg: JobConfig) -> tuple[str, ...]:
+    """``FIXED``, and for the torch engine the policy's shape in ``engine.kwargs``: a resumed
+    run builds that policy from ``policy-init/``, whatever the kwargs say now."""
+    if cfg.engine.backend != "torch":
+        return FIXED
+    return FIXED + tuple(f"engine.kwargs.{k}" for k in MODEL_KEYS)
 
 
 class Checkpoints:
@@ -170,7 +179,7 @@ def _under(key: str, roots: Sequence[str]) -> bool:
 
 
 def config_changes(
-    saved: dict[str, Any], now: dict[str, Any], allowed: Sequence[str] = ()
+    saved: dict[str, Any], now: dict[str, Any], allowed: Sequence[str] = (), fixed: Sequence[str] = FIXED
 ) -> list[tuple[str, str]]:
     """The keys (outside ``RESUMABLE`` and ``allowed``) whose values differ between two
     config dumps, as config problems."""
@@ -180,7 +189,7 @@ def config_changes(
     # every field), not a change of the user's; list entries added or removed differ in
     # their siblings' indices or in the list's own length, which are compared
     for key in sorted(a.keys() & b.keys()):
-        if _under(key, RESUMABLE) or (_under(key, allowed) and not _under(key, FIXED)):
+        if _under(key, RESUMABLE) or (_under(key, allowed) and not _under(key, fixed)):
             continue
         if a[key] != b[key]:
             was, now_ = a[key], b[key]
@@ -217,7 +226,9 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: d}
 
 
-def allow_problems(allowed: Sequence[str], now: dict[str, Any], *, resume: bool) -> list[tuple[str, str]]:
+def allow_problems(
+    allowed: Sequence[str], now: dict[str, Any], *, resume: bool, fixed: Sequence[str] = FIXED
+) -> list[tuple[str, str]]:
     """What is wrong with the keys of ``--allow-change`` (checked before anything starts)."""
     if not allowed:
         return []
@@ -228,7 +239,7 @@ def allow_problems(allowed: Sequence[str], now: dict[str, Any], *, resume: bool)
     known = set(keys) | {k.split(".")[0].split("[")[0] for k in keys}
     out = []
     for key in allowed:
-        if _under(key, FIXED):
+        if _under(key, fixed):
             out.append(
                 (
                     "--allow-change",
@@ -247,8 +258,8 @@ def allow_problems(allowed: Sequence[str], now: dict[str, Any], *, resume: bool)
     return out
 
 
-def _way_out(key: str) -> str:
-    return "" if _under(key, FIXED) else f"--allow-change {key} lets it change; "
+def _way_out(key: str, fixed: Sequence[str]) -> str:
+    return "" if _under(key, fixed) else f"--allow-change {key} lets it change; "
 
 
 def start_problems(
@@ -259,7 +270,8 @@ def start_problems(
     bury an earlier run's checkpoint. The problems, the checkpoint a resume goes on from (its
     path and ``job.json``), and the changes ``allow`` let through (key, what changed)."""
     now = yaml.safe_load(cfg.to_yaml())
-    bad_allow = allow_problems(allow, now, resume=resume)
+    fixed = fixed_keys(cfg)
+    bad_allow = allow_problems(allow, now, resume=resume, fixed=fixed)
     if bad_allow:
         return bad_allow, None, []
     try:
@@ -292,10 +304,13 @@ def start_problems(
         return [("run_dir", buried)], None, []
     earlier = earlier if isinstance(earlier, dict) else {}
     problems = [
-        (key, f"{msg}; a resumed run must be the same run ({_way_out(key)}a new run_dir starts another)")
-        for key, msg in config_changes(earlier, now, allow)
+        (
+            key,
+            f"{msg}; a resumed run must be the same run ({_way_out(key, fixed)}a new run_dir starts another)",
+        )
+        for key, msg in config_changes(earlier, now, allow, fixed)
     ]
-    allowed = [c for c in config_changes(earlier, now) if _under(c[0], allow)]
+    allowed = [c for c in config_changes(earlier, now) if _under(c[0], allow) and not _under(c[0], fixed)]
     if cfg.steps <= step:
         problems.append(
             ("steps", f"is {cfg.steps}, the checkpoint is at step {step}: raise it to go on (--steps N)")

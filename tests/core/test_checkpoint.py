@@ -311,6 +311,9 @@ async def test_a_resume_that_cannot_go_on_is_refused_before_anything_starts(
         (True, ["trainer.backend"], {}, "'trainer.backend' cannot change on resume"),
         (True, ["engine"], {"engine": {"model": "other"}}, "engine.model: was 'tiny-lm'"),
         (True, ["trainer.clip_eps"], {"trainer": {"lr": 5e-3}}, "--allow-change trainer.lr lets it change"),
+        # the torch engine's policy comes from policy-init/: a new shape would be ignored
+        (True, ["engine.kwargs"], {"engine": {"kwargs": {"d_model": 32}}}, "engine.kwargs.d_model: was 16"),
+        (True, ["engine.kwargs.n_layers"], {}, "'engine.kwargs.n_layers' cannot change on resume"),
     ],
 )
 async def test_allow_change_lets_only_the_keys_it_names_change(tmp_path, resume, allow, over, text):
