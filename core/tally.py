@@ -14,26 +14,33 @@ generation, environment and reward times are means over what finished since the 
 from __future__ import annotations
 
 import statistics
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any
 
 from core.buffer import Group
 from core.rewards import RewardStream
 from fabric.protocol import Trajectory
 
+#: Finished trajectory ids the double-count check remembers (the newest).
+SEEN_WINDOW = 200_000
+
 
 class Tally:
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()  # accounting of finished trajectories (and more)
         self._times: dict[str, list[float]] = {"gen_s": [], "env_s": []}
-        self._seen: set[str] = set()
+        # the trajectories finished lately, for the double-count check: a window, not every
+        # id of the run (a long job finishes millions)
+        self._seen: OrderedDict[str, None] = OrderedDict()
         self._reward_mark = (0.0, 0)  # the reward stream's (total ms, scored) at the last row
         self.last_error = ""  # the last trajectory error seen
 
     def finished(self, traj: Trajectory) -> None:
         if traj.id in self._seen:  # cannot happen by construction; counted if it does
             self.counts["double_count"] += 1
-        self._seen.add(traj.id)
+        self._seen[traj.id] = None
+        if len(self._seen) > SEEN_WINDOW:
+            self._seen.popitem(last=False)
         self.counts[traj.status] += 1
         if traj.status == "infra_failed":
             self.last_error = str(traj.info.get("error", ""))

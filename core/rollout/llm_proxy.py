@@ -33,7 +33,7 @@ import logging
 import random
 import time
 from abc import ABC, abstractmethod
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
@@ -129,6 +129,10 @@ class LLMProxy:
         self._load: Counter[int] = Counter()  # id(replica) -> turns in flight
         self._inflight: dict[str, dict[str, Replica]] = {}  # traj id -> {request id: replica}
         self._aborted: set[str] = set()  # trajectories aborted (until released)
+        # trajectories released lately: an abort that arrives after the release (a group
+        # filled while its member was finishing) has nothing to stop and must not stay in
+        # _aborted for the rest of the job, which nothing would release again
+        self._released: OrderedDict[str, None] = OrderedDict()
         self._latest: tuple[int, Any] | None = None  # (version, state or [ObjectRef])
         self._recovering: dict[int, asyncio.Task[None]] = {}
         self.version = 0
@@ -180,6 +184,7 @@ class LLMProxy:
     # ------------------------------------------------------------------ requests
     async def generate(self, traj_id: str, tag: str, request: GenerateRequest) -> Completion:
         """One turn of trajectory ``traj_id``. An aborted trajectory gets ``abort`` at once."""
+        self._released.pop(traj_id, None)  # an id used again is live again
         sched = self.scheduler
         sreq = None
         if sched is not None:
@@ -250,6 +255,8 @@ class LLMProxy:
     async def abort(self, traj_id: str) -> int:
         """Abort the trajectory's turn in flight (and any it starts later, until
         ``release``). Returns how many requests were stopped."""
+        if traj_id in self._released:  # it ended already
+            return 0
         self._aborted.add(traj_id)
         if self.scheduler is not None:
             self.scheduler.cancel(traj_id)
@@ -276,6 +283,9 @@ class LLMProxy:
         self._sticky.pop(traj_id, None)
         aborted = left or traj_id in self._aborted
         self._aborted.discard(traj_id)
+        self._released[traj_id] = None
+        if len(self._released) > RELEASED_WINDOW:
+            self._released.popitem(last=False)
         self._inflight.pop(traj_id, None)
         if self.scheduler is not None:
             # an aborted (or cut-off) trajectory's length says nothing about how long it would
@@ -373,6 +383,10 @@ def _unwrap(state: Any) -> Any:
     if isinstance(state, list) and len(state) == 1:
         return state[0]
     return state
+
+
+#: Released trajectory ids the proxy remembers (the newest), so a late abort is not kept.
+RELEASED_WINDOW = 65_536
 
 
 def _aborted(request: GenerateRequest, version: int) -> Completion:

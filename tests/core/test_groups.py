@@ -6,15 +6,19 @@ every race here is decided by the script's timings, a few milliseconds apart."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any
 
 from core.config import JobConfig
-from core.rollout.engines.base import Completion, GenerateRequest
-from core.rollout.env_manager import Task, TurnBarrier
+from core.rollout.engines.base import Completion, Engine, GenerateRequest
+from core.rollout.env_manager import EnvManager, Task, TurnBarrier
 from core.rollout.groups import GroupRunner, GroupState
+from core.rollout.llm_proxy import LLMProxy, LocalReplica
 from core.sample import Sample
+from envpool.api import Observation, StepResult
 from fabric.protocol import Trajectory
 
 Plan = tuple[float, str]  # (seconds, status); status "raise" makes run raise
@@ -422,3 +426,66 @@ async def test_many_groups_never_submit_a_trajectory_twice_nor_more_than_group_s
         if g.closed == "full":
             assert g.finished == 3
     assert h.runner.running() == 0
+
+
+# ----------------------------------------------------------------------------- with the real proxy
+
+
+class _OneTokenEngine(Engine):
+    name = "fake"
+
+    async def _generate(self, request: GenerateRequest) -> Completion:
+        await asyncio.sleep(0.01)  # a group's members get their turn in one batch
+        return Completion(
+            request_id=request.request_id,
+            text="go",
+            prompt_ids=[1],
+            token_ids=[2],
+            logprobs=[-0.1],
+            policy_version=self.version,
+            finish_reason="stop",
+        )
+
+    async def _abort(self, request_id: str) -> None: ...
+
+    async def _load_weights(self, state: Any, version: int) -> None: ...
+
+
+class _OneStepSession:
+    async def reset(self, *, seed: int | None = None) -> tuple[Observation, dict[str, Any]]:
+        return Observation(text="start"), {}
+
+    async def step(self, action: Any) -> StepResult:
+        await asyncio.sleep(0.001)
+        return StepResult(obs=Observation(text="end"), reward=1.0, terminated=True)
+
+
+class _Pool:
+    @contextlib.asynccontextmanager
+    async def session(self, env_id: str, **kw: Any) -> AsyncIterator[_OneStepSession]:
+        yield _OneStepSession()
+
+
+async def test_the_proxy_forgets_every_trajectory_of_a_redundant_group():
+    # members finishing as their group fills release before the runner's abort arrives: the
+    # proxy once kept those ids for the rest of the job (every redundant member leaked)
+    cfg = JobConfig.from_dict(
+        {
+            "envs": [{"id": "latency-v0", "tag": "lat", "max_turns": 1}],
+            "rewards": {"lat": [{"function": "unused"}]},
+            "group_size": 2,
+            "redundancy": 2,
+        },
+        check_references=False,
+    )
+    proxy = LLMProxy({"default": [LocalReplica(_OneTokenEngine())]})
+    manager = EnvManager(cfg, _Pool(), proxy)  # type: ignore[arg-type]
+    runner = GroupRunner(cfg, manager, proxy, submit=lambda t: None)
+    for i in range(20):
+        runner.start(cfg.envs[0], i, 0)
+    async with asyncio.timeout(10):
+        while runner.running() or runner._aborting or manager._releasing:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    assert runner.metrics["redundant_aborted"] + runner.metrics["extra"] > 0
+    assert proxy._aborted == set(), f"{len(proxy._aborted)} ids left"
+    assert proxy.stats()["trajectories"] == 0

@@ -264,6 +264,23 @@ async def test_release_aborts_a_turn_its_trajectory_left_running():
     assert r.aborted == ["t/0"]
 
 
+async def test_an_abort_after_the_release_is_not_kept():
+    # a group fills while a member is finishing: the member's release reaches the proxy
+    # before the runner's abort. The abort stops nothing and is not kept for the rest of the
+    # job (nothing would release the id again); an id used again is live again
+    r = Fake("r")
+    proxy = LLMProxy({"default": [r]})
+    assert (await proxy.generate("t", "x", req())).text == "r"
+    await proxy.release("t")
+    assert await proxy.abort("t") == 0
+    assert proxy._aborted == set()
+    assert (await proxy.generate("t", "x", req())).text == "r"
+    assert await proxy.abort("t") == 0  # now it counts: later turns are aborted until released
+    assert (await proxy.generate("t", "x", req())).finish_reason == "abort"
+    await proxy.release("t")
+    assert proxy._aborted == set()
+
+
 # ----------------------------------------------------------------------------- aborts
 
 

@@ -62,3 +62,15 @@ def test_a_trajectory_counted_twice_is_recorded():
     tally.finished(t)
     tally.finished(t)
     assert tally.counts["double_count"] == 1
+
+
+def test_the_double_count_check_remembers_a_window_not_the_whole_run(monkeypatch):
+    import core.tally
+
+    monkeypatch.setattr(core.tally, "SEEN_WINDOW", 3)
+    tally = Tally()
+    for i in range(5):
+        tally.finished(Trajectory(id=str(i), status="ok"))
+    assert list(tally._seen) == ["2", "3", "4"]  # bounded in a long job
+    tally.finished(Trajectory(id="4", status="ok"))  # within the window: still caught
+    assert tally.counts["double_count"] == 1
