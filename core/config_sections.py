@@ -264,6 +264,11 @@ class RolloutConfig(ConfigModel):
     """Greedy evaluation on held-out tasks every this many steps (0: never)."""
     eval_episodes: int = Field(64, ge=1)
     """Held-out tasks per evaluation (seeds the training draw never uses)."""
+    eval_exact: bool = False
+    """Async mode: hold the next weight update until a running evaluation ends, so every
+    turn of the row for step ``k`` is played by version ``k`` (costs up to the evaluation's
+    time once every ``eval_every`` steps). Off: training publishes on while it runs, and the
+    row's ``versions`` says which versions played it."""
     scheduler: Literal["fcfs", "rr", "sjf", "pps", "cmlfq"] = "fcfs"
     """Which waiting turn a replica runs next (``core.sched.queueing``): arrival order,
     step-centric round robin, shortest predicted first, longest predicted first

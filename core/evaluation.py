@@ -52,8 +52,17 @@ class Evaluator:
             for greedy in (True, False):
                 tasks.append(Task(env, EVAL_SEED_BASE + i, f"eval-{step}", greedy=greedy))
         te = time.perf_counter()
+        trained = set(self.trained_tasks)  # as of this version: training goes on meanwhile
         trajs = await asyncio.gather(*(manager.run(t, version=version) for t in tasks))
-        row: dict[str, Any] = {"kind": "eval", "step": step, "version": version}
+        played = [v for t in trajs for v in t.policy_versions()]
+        # the weights that played it: in async mode the trainer publishes while an
+        # evaluation runs (unless rollout.eval_exact), so later versions can take turns
+        row: dict[str, Any] = {
+            "kind": "eval",
+            "step": step,
+            "version": version,
+            "versions": [min(played), max(played)] if played else [version, version],
+        }
         for greedy, suffix in ((True, ""), (False, "_sampled")):
             mine = [tr for t, tr in zip(tasks, trajs, strict=True) if t.greedy is greedy]
             scored = [t for t in mine if t.status in ("ok", "truncated") and t.env_reward is not None]
@@ -62,7 +71,7 @@ class Evaluator:
                 statistics.fmean([t.env_reward or 0.0 for t in scored]) if scored else 0.0
             )
             row[f"episodes{suffix}"] = len(scored)
-            unseen = [t for t in scored if _task_key_of(t) not in self.trained_tasks]
+            unseen = [t for t in scored if _task_key_of(t) not in trained]
             row[f"success_unseen{suffix}"] = _success(unseen) if unseen else None
             row[f"episodes_unseen{suffix}"] = len(unseen)
         row["infra_failed"] = sum(1 for t in trajs if t.status == "infra_failed")

@@ -266,6 +266,9 @@ class Job:
                 metrics_ref, state_ref = self.trainer_handle.step.options(num_returns=2).remote(batch)
                 metrics = await metrics_ref
                 train_s = time.perf_counter() - tt
+                if eval_task is not None and cfg.rollout.eval_exact:
+                    run_dir.log(await eval_task)  # its turns all on the version it measures
+                    eval_task = None
                 tp = time.perf_counter()
                 version = int(metrics["version"])
                 await self.proxy_handle.update_weights.remote(version, [state_ref])

@@ -443,7 +443,8 @@ async def test_the_job_trains_end_to_end_and_leaves_its_run_directory(tmp_path, 
         steps=4,
         # the map prompt is ~66 tokens; a few pretraining steps: the wiring, not the learning
         engine={"kwargs": {"max_len": 128}, "pretrain": {"steps": 3, "episodes": 10}},
-        rollout={"eval_every": 2, "eval_episodes": 8},
+        # async: the step-2 evaluation holds version 3 back until it ends
+        rollout={"eval_every": 2, "eval_episodes": 8, "eval_exact": True},
     )
     job, summary = await run_job(cfg)
     check_invariants(summary, cfg)
@@ -467,6 +468,7 @@ async def test_the_job_trains_end_to_end_and_leaves_its_run_directory(tmp_path, 
     assert [e["step"] for e in summary["evals"]] == [0, 2, 4]
     evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert sorted(e["step"] for e in evals if e.get("kind") == "eval") == [0, 2, 4]
+    assert all(e["versions"] == [e["version"]] * 2 for e in evals if e.get("kind") == "eval"), evals
     assert summary["untrained_success"] is not None and summary["final_success"] is not None
     # the unseen split: the evaluation tasks (maps) no pretraining or training episode had,
     # worked out here from the environment itself

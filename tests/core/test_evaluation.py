@@ -1,0 +1,78 @@
+"""The evaluation row: the versions that played it, and the unseen split as of its start.
+
+The manager is a fake that plays each task as a one-turn episode; training goes on while it
+plays (a new version published, a task trained on), as it does in async mode."""
+
+from __future__ import annotations
+
+import asyncio
+
+from core.config import JobConfig
+from core.evaluation import EVAL_SEED_BASE, Evaluator
+from core.rollout.env_manager import Task, task_key
+from fabric.protocol import Message, Trajectory
+
+
+def _cfg(episodes: int = 4) -> JobConfig:
+    return JobConfig.from_dict(
+        {
+            "envs": [{"id": "latency-v0", "tag": "lat"}],
+            "rewards": {"lat": [{"function": "unused"}]},
+            "rollout": {"eval_episodes": episodes},
+        },
+        check_references=False,
+    )
+
+
+class TrainingMeanwhile:
+    """Plays half the episodes on the version asked, then 'publishes' version + 1 and trains
+    on the first evaluation task, then plays the rest on the new version."""
+
+    def __init__(self, evaluator: Evaluator) -> None:
+        self.evaluator = evaluator
+        self.current: int | None = None
+        self.played = 0
+        self.published = asyncio.Event()
+
+    async def run(self, task: Task, *, version: int) -> Trajectory:
+        if self.current is None:
+            self.current = version
+        self.played += 1
+        if self.played > 4:  # the later half waits for the new weights
+            await self.published.wait()
+        elif self.played == 4:
+            self.current = version + 1
+            self.evaluator.trained_on([task_key(f"map {EVAL_SEED_BASE}")])
+            self.published.set()
+        v = self.current if self.played > 4 else version
+        return Trajectory(
+            id=f"{task.seed}-{task.greedy}",
+            status="ok",
+            env_reward=1.0,
+            messages=[
+                Message(role="user", content=f"map {task.seed}"),
+                Message(role="assistant", content="go", policy_version=v),
+            ],
+        )
+
+
+async def test_the_row_says_which_versions_played_it_and_judges_unseen_as_of_its_start():
+    ev = Evaluator(_cfg(episodes=4))  # 8 episodes: greedy and sampled per seed
+    row = await ev.run(TrainingMeanwhile(ev), step=3, version=3)  # type: ignore[arg-type]
+    assert row["version"] == 3 and row["versions"] == [3, 4]
+    # the task trained on while it ran still counts as unseen: the row measures version 3
+    assert row["episodes_unseen"] == row["episodes"] == 4
+    assert ev.trained_tasks == {task_key(f"map {EVAL_SEED_BASE}")}
+
+
+async def test_a_row_played_by_its_own_version_only_says_so():
+    class Still:
+        async def run(self, task: Task, *, version: int) -> Trajectory:
+            msgs = [
+                Message(role="user", content="m"),
+                Message(role="assistant", content="a", policy_version=version),
+            ]
+            return Trajectory(id=str(task.seed), status="ok", env_reward=0.0, messages=msgs)
+
+    row = await Evaluator(_cfg(episodes=2)).run(Still(), step=0, version=0)  # type: ignore[arg-type]
+    assert row["versions"] == [0, 0] and row["success"] == 0.0
