@@ -21,12 +21,17 @@ import socket
 import sys
 import time
 import traceback
+from collections import deque
 from typing import Any
 
 from fabric.backends._wire import SLOT, SLOT_SIZE, FrameReader, pack
 from fabric.errors import ErrorCode
 
 IMPORTING_ENV = "_FABRIC_WORKER_IMPORTING"
+
+
+def _late() -> tuple[str, str, None]:
+    return (ErrorCode.DEADLINE_EXCEEDED, "deadline passed before the call started", None)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -62,6 +67,11 @@ class _Serve(asyncio.Protocol):
         # a deadline moved before its call's task made its timer (the extend came in the chunk
         # that brought the call): applied when the timer is made
         self.pending: dict[int, int] = {}
+        # synchronous calls not started yet, run one at a time by one task (_run_sync)
+        self.queue: deque[tuple[int, bytes, int, float]] = deque()
+        self.sync_task: asyncio.Task[None] | None = None
+        self.flushed = asyncio.Event()  # set while no reply waits in the transport's buffer
+        self.flushed.set()
         self.fault_rate = float(fault["straggler_rate"]) if fault else 0.0
         self.fault_s = float(fault["straggler_ms"]) / 1000 if fault else 0.0
         self.rng = random.Random(fault.get("seed", 0) * 1_000_003 + os.getpid() if fault else 0)
@@ -69,10 +79,19 @@ class _Serve(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if not self.runner.is_async:
+            # pause_writing as soon as a reply does not go into the socket whole (see _run_sync)
+            self.transport.set_write_buffer_limits(high=0)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.done.done():
             self.done.set_result(None)
+
+    def pause_writing(self) -> None:
+        self.flushed.clear()
+
+    def resume_writing(self) -> None:
+        self.flushed.set()
 
     def data_received(self, data: bytes) -> None:
         for msg in self.reader.feed(data):
@@ -104,21 +123,49 @@ class _Serve(asyncio.Protocol):
             self.transport.write(pack(("results", [item])))
 
     def _calls(self, calls: list[tuple[int, bytes, int, float]]) -> None:
-        runner, slot = self.runner, self.slot
+        if not self.runner.is_async:
+            self.queue.extend(calls)
+            if self.sync_task is None:
+                self.sync_task = self.loop.create_task(self._run_sync())
+            return
         for cid, raw, deadline_ns, timeout_s in calls:
             start = time.monotonic_ns()
             if deadline_ns and start > deadline_ns:
-                late = (ErrorCode.DEADLINE_EXCEEDED, "deadline passed before the call started", None)
-                self._reply((cid, False, late, start, 0.0))
+                self._reply((cid, False, _late(), start, 0.0))
                 continue
-            if runner.is_async:
-                self.tasks[cid] = self.loop.create_task(self._run_async(cid, raw, timeout_s, start))
-                continue
-            SLOT.pack_into(slot, 0, cid, start)
-            ok, res = runner.run(raw)
-            self._reply((cid, ok, res, start, (time.monotonic_ns() - start) / 1e6))
-            # cleared only after the reply is written: a death in between reads as "was running"
-            SLOT.pack_into(slot, 0, 0, 0)
+            self.tasks[cid] = self.loop.create_task(self._run_async(cid, raw, timeout_s, start))
+
+    async def _run_sync(self) -> None:
+        """Run the synchronous calls one after another, in the order they came (their cids'),
+        each in the slot while it runs. A call's reply is wholly in the socket (the parent
+        reads it even if this process dies next) before the slot is cleared and the next call
+        starts: were it still in the transport's buffer, a death in the next call would lose
+        it, and the parent would take the finished call for one that never started and run it
+        again (twice, for a side effect). So the parent reads a death as: the call in the slot
+        was running, the ones it holds before it ran, the ones after never started
+        (``FunctionPool._on_lost``). A reply that goes out whole at once (the usual case)
+        costs no wait: the batch runs in one go."""
+        runner, slot, queue = self.runner, self.slot, self.queue
+        try:
+            while queue:
+                cid, raw, deadline_ns, _ = queue.popleft()
+                start = time.monotonic_ns()
+                if deadline_ns and start > deadline_ns:
+                    self._reply((cid, False, _late(), start, 0.0))
+                else:
+                    SLOT.pack_into(slot, 0, cid, start)
+                    ok, res = runner.run(raw)
+                    self._reply((cid, ok, res, start, (time.monotonic_ns() - start) / 1e6))
+                await self.flushed.wait()
+                SLOT.pack_into(slot, 0, 0, 0)
+        except Exception:  # a bug of ours, not the function's (its raises are outcomes)
+            # end the worker, as an exception out of data_received did: the parent sees it
+            # die (WorkerLost for the call in the slot) instead of waiting for its timeout
+            traceback.print_exc()
+            if self.transport is not None:
+                self.transport.abort()
+        finally:
+            self.sync_task = None
 
     async def _run_async(self, cid: int, raw: bytes, timeout_s: float, start: int) -> None:
         def keep(timer: asyncio.Timeout) -> None:

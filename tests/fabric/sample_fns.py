@@ -246,3 +246,16 @@ def append_then_sleep(path: str, line: str, seconds: float = 0.0) -> int:
         f.write(line + "\n")
     time.sleep(seconds)
     return len(Path(path).read_text().splitlines())
+
+
+@REG.tool(warm=0, side_effects=True, timeout_s=1)
+def effect_then(path: str, tag: int, then: str = "", size: int = 0) -> str:
+    """Records ``tag`` in ``path`` (a side effect), then answers ``size`` bytes; ``then``
+    "crash" or "hang" kills its worker or hangs, before recording anything."""
+    if then == "crash":
+        os._exit(7)
+    if then == "hang":
+        time.sleep(60)
+    with open(path, "a") as f:
+        f.write(f"{tag}\n")
+    return "x" * size

@@ -381,6 +381,44 @@ async def test_a_finished_call_survives_a_hang_after_it_and_queued_calls_did_not
         assert path.read_text() == "xxx"
 
 
+async def _batch_of_two(c: Client, tmp_path, then: str, size: int) -> tuple:
+    """A finished side effect (with a ``size``-byte answer), then a call that kills the worker
+    (``then``), both under a key and sent to the one worker in one batch."""
+    for i in range(3):  # cheap calls: the pool learns calls are fast and batches them
+        assert (await c.call("effect_then", {"path": str(tmp_path / "warm"), "tag": i})).ok
+    batches = c.backend.stats()["effect_then"]["batches"]
+    path = tmp_path / "effects"
+    a, b = await asyncio.gather(
+        c.call("effect_then", {"path": str(path), "tag": 1, "size": size}, idempotency_key="pay-1"),
+        c.call("effect_then", {"path": str(path), "tag": 2, "then": then}, idempotency_key="pay-2"),
+    )
+    assert c.backend.stats()["effect_then"]["batches"] == batches + 1  # one batch, nothing re-sent
+    assert path.read_text().split() == ["1"]  # the first ran once; the second never got to its effect
+    return a, b
+
+
+@pytest.mark.parametrize("then", ["crash", "hang"])
+async def test_a_finished_call_keeps_its_answer_when_a_later_call_in_its_batch_kills_the_worker(
+    tmp_path, then
+):
+    # the 2 MB answer does not go into the socket at once: the worker sends it whole before it
+    # starts the next call, so the death of the next call cannot lose it (and the pool took
+    # the call for one that never started and ran its side effect again)
+    async with local(max_workers=1) as c:
+        a, b = await _batch_of_two(c, tmp_path, then, size=2_000_000)
+        assert a.ok and len(a.value) == 2_000_000, a.error
+        assert b.error.type == (ErrorCode.WORKER_LOST if then == "crash" else ErrorCode.TIMEOUT)
+
+
+async def test_a_call_that_ran_before_the_one_that_killed_its_worker_is_not_run_again(tmp_path):
+    # its answer is held back in the worker (a straggling reply, injected) when the next call
+    # kills the worker: the worker runs calls in order, so it ran; its answer is lost
+    async with local(max_workers=1, fault={"straggler_rate": 1.0, "straggler_ms": 200}) as c:
+        a, b = await _batch_of_two(c, tmp_path, "crash", size=0)
+        assert a.error.type == ErrorCode.WORKER_LOST and "after running the call" in a.error.message
+        assert b.error.type == ErrorCode.WORKER_LOST and "running the call" in b.error.message
+
+
 async def test_deadline_while_queued_answers_on_time_without_killing_the_worker():
     async with local(max_workers=1) as c:
         await c.backend.warmup(["sleepy"])
