@@ -30,7 +30,7 @@ from collections import deque
 from typing import Any
 
 from fabric.backends._wire import SLOT_SIZE, read_slot
-from fabric.backends._worker_handle import LIVE_PIDS, PoolCall, WorkerHandle, exit_status
+from fabric.backends._worker_handle import LIVE_PIDS, PoolCall, WorkerHandle, exit_status, exited
 from fabric.backends.base import LocalConfig
 from fabric.errors import BackendError, ErrorCode, SetupFailedError
 from fabric.protocol import Invocation, Result
@@ -42,6 +42,7 @@ _ASYNC_GRACE_S = 1.0  # an async call is enforced in the worker; the parent step
 _MAX_START_FAILURES = 3
 _QUEUED_WORK_MS = 2.0  # work a synchronous worker may have queued (see FunctionPool.per_worker)
 _MAX_REQUEUES = 3  # a call queued on workers that died before running it: re-dispatched this often
+_DEAD_OPEN_S = 0.5  # a dead worker's socket still open this long: closed by the pool (_dead_but_open)
 
 
 class FunctionPool:
@@ -392,7 +393,8 @@ class FunctionPool:
                     FABRIC_PARENT_PID=str(os.getpid()),
                     PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
                 )
-                # a new session: the terminal's Ctrl-C goes to the parent, which shuts us down in order.
+                # a new session: the terminal's Ctrl-C goes to the parent, which shuts us down in order,
+                # and the worker's process group holds what it starts (WorkerHandle.kill kills it all).
                 # fork+exec takes a few ms; doing it on the loop keeps spawns ordered and simple
                 w.proc = subprocess.Popen(  # noqa: ASYNC220
                     [sys.executable, "-m", "fabric.worker"],
@@ -524,6 +526,9 @@ class FunctionPool:
         now = time.monotonic()
         limit = self.spec.timeout_s
         for w in list(self._workers):
+            if w.proc is not None and w.transport is not None and exited(w.proc):
+                self._dead_but_open(w, now)
+                continue
             if not w.inflight or w.slot is None or w.kill_reason:
                 continue
             if self.spec.is_async:
@@ -537,6 +542,20 @@ class FunctionPool:
             if call is not None and start and (now_ns - start) / 1e9 > limit:
                 msg = f"{self.spec.name} ran past its {limit:.3g} s limit; its worker was killed and replaced"
                 self._kill_for_timeout(w, call, msg)
+
+    def _dead_but_open(self, w: WorkerHandle, now: float) -> None:
+        """A worker's process ended and its socket has not closed: its EOF is on its way, or a
+        process it started (a forked helper) holds a copy of the socket, and no EOF comes while
+        that one lives. The worker's calls would wait for good, and it would never be replaced
+        (a worker killed for a timeout included). Its process group is killed at once (the
+        helper with it: no orphan); if the socket is still open a while later (a helper that
+        left the group), the pool closes its end, by then having read all the worker sent
+        before it died, and the worker counts as lost (``_on_lost``)."""
+        if w.dead_since is None:
+            w.dead_since = now
+            w.kill()
+        elif now - w.dead_since >= _DEAD_OPEN_S and w.transport is not None:
+            w.transport.abort()
 
     def _kill_for_timeout(self, w: WorkerHandle, call: PoolCall, message: str) -> None:
         self.metrics["timeouts"] += 1

@@ -28,9 +28,20 @@ LIVE_PIDS: set[int] = set()
 
 @atexit.register
 def _kill_leftovers() -> None:
-    for pid in list(LIVE_PIDS):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    for pid in list(LIVE_PIDS):  # each leads its own process group: see WorkerHandle.kill
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def exited(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether a worker's process ended, without reaping it: until it is reaped its pid, its
+    process group's id, stays ours (``WorkerHandle.kill`` may still kill the group)."""
+    if proc.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped meanwhile, by a wait on another thread
+        return True
 
 
 def exit_status(proc: subprocess.Popen[bytes]) -> str:
@@ -83,6 +94,7 @@ class WorkerHandle(asyncio.Protocol):
         self.lost = False
         self.fatal = False
         self.kill_reason: tuple[int, str] | None = None
+        self.dead_since: float | None = None  # its process ended while its socket stayed open
 
     @property
     def usable(self) -> bool:
@@ -124,6 +136,12 @@ class WorkerHandle(asyncio.Protocol):
             self.transport.write(pack(msg))
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
+        """SIGKILL the worker and whatever it started. It leads a session of its own
+        (``FunctionPool._launch``), so its process group holds the processes the function
+        started (a forked helper) unless they left it: they would outlive it as orphans and,
+        holding a copy of its socket, keep the pool from seeing it die. Only until the worker
+        is reaped: after that its pid, the group's id, may be another process's."""
+        proc = self.proc
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)

@@ -259,3 +259,26 @@ def effect_then(path: str, tag: int, then: str = "", size: int = 0) -> str:
     with open(path, "a") as f:
         f.write(f"{tag}\n")
     return "x" * size
+
+
+@REG.function(warm=0, timeout_s=1, retry={"max_attempts": 1})
+def leaves_a_child(pid_path: str = "", then: str = "", escape: bool = False) -> int:
+    """With ``then``: starts a helper process (forked: it holds a copy of the worker's
+    socket), writes its pid to ``pid_path``, then hangs past timeout_s ("hang") or ends the
+    worker ("crash"). ``escape``: the helper leaves the worker's process group first."""
+    if not then:
+        return os.getpid()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        if escape:
+            os.setsid()
+        os.write(w, b"x")
+        time.sleep(30)
+        os._exit(0)
+    os.read(r, 1)  # the helper is where it will be (in a session of its own, with escape)
+    Path(pid_path).write_text(str(pid))
+    if then == "crash":
+        os._exit(7)
+    time.sleep(60)
+    return 0

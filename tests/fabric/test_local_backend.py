@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -417,6 +418,34 @@ async def test_a_call_that_ran_before_the_one_that_killed_its_worker_is_not_run_
         a, b = await _batch_of_two(c, tmp_path, "crash", size=0)
         assert a.error.type == ErrorCode.WORKER_LOST and "after running the call" in a.error.message
         assert b.error.type == ErrorCode.WORKER_LOST and "running the call" in b.error.message
+
+
+@pytest.mark.parametrize(
+    ("then", "escape"), [("hang", False), ("crash", False), ("crash", True)], ids=["hang", "crash", "setsid"]
+)
+async def test_a_worker_whose_child_holds_its_socket_is_still_replaced(tmp_path, then, escape):
+    # the helper's copy of the worker's socket kept the pool from seeing the worker die (no
+    # EOF): its call hung and, on a one-worker pool, so did every later one
+    pid_path = tmp_path / "helper"
+    async with local(max_workers=1) as c:
+        try:
+            t0 = time.monotonic()
+            call = c.call("leaves_a_child", {"pid_path": str(pid_path), "then": then})
+            r = await asyncio.wait_for(call, 10)
+            assert r.error.type == (ErrorCode.TIMEOUT if then == "hang" else ErrorCode.WORKER_LOST), r.error
+            assert time.monotonic() - t0 < 3  # timeout_s=1
+            pid = int(pid_path.read_text())
+            if not escape:  # killed with the worker's process group: no orphan
+                deadline = time.monotonic() + 2  # (it may take a moment to be a zombie)
+                while alive(pid) and time.monotonic() < deadline:  # noqa: ASYNC110 - no event for it
+                    await asyncio.sleep(0.02)
+                assert not alive(pid)
+            assert (await asyncio.wait_for(c.call("leaves_a_child", {}), 10)).ok  # a new worker serves
+            assert c.backend.stats()["leaves_a_child"]["lost"] == 1
+        finally:
+            if pid_path.exists():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid_path.read_text()), signal.SIGKILL)
 
 
 async def test_deadline_while_queued_answers_on_time_without_killing_the_worker():
