@@ -172,10 +172,21 @@ class Client(KeyedCalls):
             raw=raw,
         )
         try:
-            async with fn.sem:
-                result = await self._attempt(fn, inv, hedge)
-                if not result.ok and self._should_retry(spec, result):
-                    result = await self._retry(fn, inv, result, hedge, lambda: deadline)
+            if await self._acquire_slot(fn, deadline):
+                try:
+                    result = await self._attempt(fn, inv, hedge)
+                    if not result.ok and self._should_retry(spec, result):
+                        result = await self._retry(fn, inv, result, hedge, lambda: deadline)
+                finally:
+                    fn.sem.release()
+            else:
+                result = Result.failure(
+                    ErrorCode.DEADLINE_EXCEEDED,
+                    f"{name}: deadline passed while the call waited for a concurrency slot "
+                    f"(max_concurrency={spec.max_concurrency} calls in flight); nothing was sent",
+                    function=name,
+                    request_id=request_id,
+                )
         finally:
             if probe:
                 fn.probing = False

@@ -64,6 +64,20 @@ class Attempts:
         ), False
 
     @staticmethod
+    async def _acquire_slot(fn: FnState, deadline: float | None) -> bool:
+        """Take one of the function's concurrency slots (release it with ``fn.sem.release()``),
+        waiting no later than ``deadline``: False, holding none, when it passed first."""
+        if deadline is None:
+            await fn.sem.acquire()
+            return True
+        try:
+            async with asyncio.timeout(max(deadline - time.time(), 0.0)):
+                await fn.sem.acquire()  # a slot granted as the timeout fires is given back
+        except TimeoutError:
+            return False
+        return True
+
+    @staticmethod
     def _refuse(m: FunctionMetrics, code: ErrorCode, message: str, name: str, request_id: str) -> Result:
         m.errors[str(code)] += 1
         return Result.failure(code, message, function=name, request_id=request_id)

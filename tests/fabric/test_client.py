@@ -216,6 +216,24 @@ async def test_a_keyed_execution_that_sent_nothing_counts_once_as_a_give_up():
     assert len(fake.invocations) == 1
 
 
+@pytest.mark.parametrize("backend", ["fake", "inproc"])
+async def test_a_call_waiting_for_a_concurrency_slot_ends_at_its_deadline(backend):
+    fake = FakeBackend(REG)
+    async with Client(backend=fake if backend == "fake" else "inproc", registry=REG) as c:
+        busy = asyncio.create_task(c.call("one_at_a_time", {"seconds": 1.0}))  # holds the only slot
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        r = await c.call("one_at_a_time", {"seconds": 0.0}, deadline_s=0.1)
+        assert time.monotonic() - t0 < 0.5  # at its deadline, not when the slot frees (1 s)
+        assert r.error.type == ErrorCode.DEADLINE_EXCEEDED
+        assert "waited for a concurrency slot" in r.error.message and "nothing was sent" in r.error.message
+        assert (await busy).ok
+        assert (await c.call("one_at_a_time", {"seconds": 0.0}, deadline_s=0.5)).ok  # no slot leaked
+        assert c.metrics()["one_at_a_time"]["errors"] == {"DeadlineExceeded": 1}
+    if backend == "fake":
+        assert [i.payload["seconds"] for i in fake.invocations] == [1.0, 0.0]  # not the one that gave up
+
+
 async def test_closing_the_client_ends_the_keyed_executions_nobody_waits_for():
     c, _ = make()
     t0 = time.monotonic()
