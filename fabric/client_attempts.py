@@ -91,24 +91,48 @@ class Attempts:
     ) -> Result:
         """One attempt, hedged after the observed p95 when allowed. With ``deadline`` (a
         keyed execution's, which grows as callers join), each copy sent carries its value
-        at the time it is sent."""
+        at the time it is sent.
+
+        A call with a deadline is answered ``DeadlineExceeded`` at the deadline if the backend
+        has not answered by then, and its copies are cancelled: a remote backend (Lambda,
+        Modal) does not stop at a caller's deadline, and would hold the caller until its read
+        timeout. Not a keyed execution's call (``wait_for_run``): its answer is awaited."""
         if deadline is not None and (d := deadline()) != inv.deadline:
             inv = inv.model_copy(update={"deadline": d})
         backend = self.backend
         t0 = time.perf_counter()
         primary = backend.submit(inv)
+        # how long to wait for an answer (None: until it comes)
+        wait_s = None if inv.deadline is None or inv.wait_for_run else max(inv.deadline - time.time(), 0.0)
         hcfg = self.config.hedge
         delay_ms = None
         if (hedge if hedge is not None else hcfg.enabled) and fn.spec.hedgeable:
             delay_ms = fn.metrics.window.quantile(hcfg.min_samples)
+        result: Result | None
         if delay_ms is None:
             try:
-                result = await primary
+                if wait_s is None:
+                    result = await primary
+                else:
+                    # asyncio.wait, not a timeout around the await: an answer that comes as the
+                    # deadline passes (the backend's own DeadlineExceeded) is the one returned
+                    await asyncio.wait((primary,), timeout=wait_s)
+                    result = primary.result() if primary.done() else None
             except asyncio.CancelledError:
                 primary.cancel()
                 raise
         else:
-            result = await self._hedged(fn, inv, primary, max(delay_ms, hcfg.min_delay_ms) / 1e3, deadline)
+            delay_s = max(delay_ms, hcfg.min_delay_ms) / 1e3
+            result = await self._hedged(fn, inv, primary, delay_s, deadline, wait_s)
+        if result is None:
+            primary.cancel()  # a queued call never runs; a remote one may run on, its answer unread
+            result = Result.failure(
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"{fn.spec.name}: deadline passed before the backend answered; the call was abandoned "
+                "(a remote function may still run to its end)",
+                function=inv.function,
+                request_id=inv.request_id,
+            )
         if result.ok:  # the hedge delay follows the latency of answers, not of fast failures
             fn.metrics.window.add((time.perf_counter() - t0) * 1e3)
         if result.ok or not result.retryable:
@@ -126,7 +150,10 @@ class Attempts:
         primary: asyncio.Future[Result],
         delay_s: float,
         deadline: Callable[[], float | None] | None,
-    ) -> Result:
+        wait_s: float | None,
+    ) -> Result | None:
+        """The first answer of the primary and its hedge; None when none came within
+        ``wait_s`` (both copies are cancelled)."""
         loop = asyncio.get_running_loop()
         winner: asyncio.Future[Result] = loop.create_future()
         futs = [primary]
@@ -164,7 +191,13 @@ class Attempts:
         primary.add_done_callback(done)
         fn.hedge_clock.at(loop.time() + delay_s, fire)
         try:
-            result = await winner
+            if wait_s is None:
+                result = await winner
+            else:
+                await asyncio.wait((winner,), timeout=wait_s)
+                if not winner.done():
+                    return None
+                result = winner.result()
         finally:
             for f in futs:
                 if not f.done():

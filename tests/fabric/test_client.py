@@ -234,6 +234,21 @@ async def test_a_call_waiting_for_a_concurrency_slot_ends_at_its_deadline(backen
         assert [i.payload["seconds"] for i in fake.invocations] == [1.0, 0.0]  # not the one that gave up
 
 
+@pytest.mark.parametrize("hedged", [False, True])
+async def test_a_backend_that_does_not_answer_by_the_deadline_is_left_at_the_deadline(hedged):
+    # the fake, like Lambda or Modal, does not stop a call at its caller's deadline
+    c, fake = make(hedge={"enabled": hedged, "min_samples": 1})
+    async with c:
+        assert (await c.call("nap", {"seconds": 0})).ok  # the hedge delay's first sample
+        fake.inject("nap", Fault(delay_s=5), Fault(delay_s=5))  # the call, and its hedge
+        t0 = time.monotonic()
+        r = await c.call("nap", {"seconds": 0}, deadline_s=0.2)
+        assert r.error.type == ErrorCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 1
+        assert len(fake.invocations) == (3 if hedged else 2)
+        await asyncio.sleep(0)  # the copies were cancelled, not left to run
+        assert not [t for t in asyncio.all_tasks() if "_invoke" in repr(t.get_coro())]
+
+
 async def test_closing_the_client_ends_the_keyed_executions_nobody_waits_for():
     c, _ = make()
     t0 = time.monotonic()

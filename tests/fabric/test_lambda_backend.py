@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import time
 
 import pytest
 from aws_fakes import create_function, free_port
@@ -190,6 +192,34 @@ async def test_a_connection_cut_after_the_request_is_a_transport_fault(transport
     assert received.is_set()
     assert r.error.type == ErrorCode.TRANSPORT and r.retryable, r.error
     assert "token" not in r.error.message
+
+
+async def test_a_call_to_an_endpoint_that_does_not_answer_ends_at_its_deadline(transport):
+    """The endpoint took the call and does not answer (a slow function, a hung connection):
+    the backend waits up to read_timeout_s (910 s); the caller gets DeadlineExceeded at its
+    deadline."""
+    release = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(release.wait(), 10)
+        writer.close()  # ends the boto3 transport's thread, which nothing can cancel
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    cfg = LambdaConfig(endpoint_url=f"http://127.0.0.1:{port}", token=TOKEN, transport=transport)
+    try:
+        async with Client(backend=cfg, registry=REG, config={"hedge": {"enabled": False}}) as c:
+            t0 = time.monotonic()
+            r = await asyncio.wait_for(c.call("add", {"a": 1}, deadline_s=0.5), 5)
+            took = time.monotonic() - t0
+    finally:
+        release.set()
+        server.close()
+        await server.wait_closed()
+    assert r.error.type == ErrorCode.DEADLINE_EXCEEDED and "backend answered" in r.error.message, r.error
+    assert 0.4 < took < 1.5
 
 
 @pytest.mark.parametrize(
