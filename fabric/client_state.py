@@ -37,18 +37,24 @@ class StopAtDeadline(stop_base):
 class HedgeClock:
     """When to hedge, for one function: a FIFO of (time, callback) under one timer.
 
-    Every call of a function gets the same delay (its current p95), so the times arrive in
-    order and one timer for the head replaces a heap entry per call (the hot path). A call
-    that finished meanwhile makes its callback a no-op."""
+    Every call of a function gets the same delay (its current p95), so the times mostly
+    arrive in order and one timer for the head replaces a heap entry per call (the hot path).
+    When the p95 drops, a new call's time comes before the times of calls made earlier with
+    the longer delay: it gets a timer of its own (the loop's heap), instead of waiting behind
+    them in the FIFO and hedging late. A call that finished meanwhile makes its callback a
+    no-op."""
 
     __slots__ = ("_loop", "_q", "_timer")
 
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._q: deque[tuple[float, Callable[[], None]]] = deque()
+        self._q: deque[tuple[float, Callable[[], None]]] = deque()  # in time order
         self._timer: asyncio.TimerHandle | None = None
 
     def at(self, when: float, callback: Callable[[], None]) -> None:
+        if self._q and when < self._q[-1][0]:
+            self._loop.call_at(when, callback)  # due before the FIFO's last: out of its order
+            return
         self._q.append((when, callback))
         if self._timer is None:
             self._timer = self._loop.call_at(when, self._fire)

@@ -526,6 +526,23 @@ async def test_hedge_fires_after_p95_and_first_answer_wins():
     )
 
 
+async def test_a_hedge_fires_after_the_current_p95_when_the_p95_dropped():
+    c, fake = make(hedge={"min_samples": 5})
+    async with c:
+        fake.inject("nap", *(Fault(delay_s=0.5) for _ in range(5)))
+        await c.map("nap", [{"seconds": 0}] * 5)  # the first p95: 0.5 s
+        fake.inject("nap", Fault(delay_s=3.0))
+        x = asyncio.create_task(c.call("nap", {"seconds": 0}))  # its hedge is due in 0.5 s
+        await asyncio.sleep(0.01)
+        for _ in range(123):  # the 128th latency recomputes the p95: under a millisecond now
+            await c.call("nap", {"seconds": 0})
+        fake.inject("nap", Fault(delay_s=3.0))
+        t0 = time.monotonic()
+        y = await c.call("nap", {"seconds": 0})  # its hedge is due in min_delay_ms, not after x's
+        assert y.ok and y.hedged and time.monotonic() - t0 < 0.2
+        assert (await x).hedged
+
+
 async def test_a_keyed_call_is_hedged_under_its_key_and_its_answer_cached():
     c, fake = make(hedge={"min_samples": 20, "max_share": 0.5})
     async with c:
