@@ -22,7 +22,7 @@ from tenacity import (
 from fabric.backends.base import Backend
 from fabric.client_config import ClientConfig
 from fabric.client_state import FnState, StopAtDeadline
-from fabric.errors import SAFE_TO_RETRY, ErrorCode
+from fabric.errors import FINAL_ERRORS, SAFE_TO_RETRY, ErrorCode
 from fabric.metrics import FunctionMetrics
 from fabric.protocol import Invocation, Result
 from fabric.spec import FunctionSpec
@@ -45,7 +45,8 @@ class Attempts:
 
     def _breaker_admits(self, fn: FnState) -> tuple[str | None, bool]:
         """``(None, is_probe)`` when the call may go, else ``(why not, False)``. After the
-        cooldown one probe goes through; its outcome closes the circuit or opens it again.
+        cooldown one probe goes through; its outcome closes the circuit or opens it again,
+        or (a deadline, a cancellation: nothing said of the infrastructure) leaves it half-open.
         The probe's caller ends the probe (``fn.probing = False``) however its call ends,
         even cancelled while it waits for a concurrency slot: else the circuit would stay
         half-open, refusing every call, for good."""
@@ -135,12 +136,16 @@ class Attempts:
             )
         if result.ok:  # the hedge delay follows the latency of answers, not of fast failures
             fn.metrics.window.add((time.perf_counter() - t0) * 1e3)
-        if result.ok or not result.retryable:
+        if result.ok or (result.error is not None and result.error.type in FINAL_ERRORS):
             fn.consecutive_failures = 0  # the function answered: the infrastructure works
-        else:
+        elif result.retryable:
             fn.consecutive_failures += 1
             if fn.consecutive_failures >= self.config.breaker.failure_threshold:
                 fn.breaker_open_until = time.monotonic() + self.config.breaker.cooldown_s
+        # else the outcome says nothing of the infrastructure (the caller's deadline passed,
+        # it was cancelled, the backend closed): neither counted nor a reset. A probe that
+        # ends so leaves the circuit half-open (the next call is the next probe); reset, a
+        # probe cut off by its own short deadline closed the circuit on a backend still down
         return result
 
     async def _hedged(

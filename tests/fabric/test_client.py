@@ -627,6 +627,25 @@ async def test_circuit_opens_after_consecutive_infra_failures_and_recovers():
     assert (await c.call("double", {"x": 1})).ok
 
 
+async def test_a_probe_cut_off_by_its_own_deadline_leaves_the_circuit_half_open():
+    c, fake = make(breaker={"failure_threshold": 3, "cooldown_s": 0.05}, hedge={"enabled": False})
+    fake.fail_next("double", ErrorCode.TRANSPORT, times=3)
+    assert not (await c.call("double", {"x": 1})).ok  # three attempts: the circuit opens
+    await asyncio.sleep(0.06)
+    fake.inject("double", Fault(delay_s=1.0))  # the backend still does not answer
+    probe = await c.call("double", {"x": 1}, deadline_s=0.05)
+    assert probe.error.type == ErrorCode.DEADLINE_EXCEEDED
+    assert c._fns["double"].consecutive_failures == 3  # says nothing of the backend: not a reset
+    # not closed: the next call is the next probe, and only it goes
+    fake.inject("double", Fault(delay_s=0.1))
+    nxt = asyncio.create_task(c.call("double", {"x": 1}))
+    await asyncio.sleep(0.02)
+    r = await c.call("double", {"x": 2})
+    assert r.error.type == ErrorCode.CIRCUIT_OPEN and "probe" in r.error.message
+    assert (await nxt).ok  # an answer: the circuit closes
+    assert (await c.call("double", {"x": 3})).ok
+
+
 async def test_a_probe_cancelled_while_it_waits_for_a_slot_does_not_jam_the_circuit():
     c, fake = make(breaker={"failure_threshold": 3, "cooldown_s": 0.05})
     fake.fail_next("double", ErrorCode.WORKER_LOST, times=3)
