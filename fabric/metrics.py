@@ -1,5 +1,6 @@
-"""Per-function call metrics: counters, a latency histogram and a recent-latency window
-(the window gives the p95 the client hedges after)."""
+"""Per-function call metrics: counters, a latency histogram, the latencies of recent calls
+(the snapshot's p50/p95/p99) and a window of recent answered attempts (the p95 the client
+hedges after)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,7 @@ class FunctionMetrics:
         "hedges",
         "latency_sum_ms",
         "ok",
+        "recent",
         "retries",
         "window",
     )
@@ -102,14 +104,20 @@ class FunctionMetrics:
         self.gave_up = 0
         self.buckets = [0] * (len(BUCKETS_MS) + 1)
         self.latency_sum_ms = 0.0
+        self.recent: deque[float] = deque(maxlen=2048)
+        """Latencies of the recent calls' outcomes, as the histogram counts them (retries and
+        backoffs included, failures too): the snapshot's quantiles."""
         self.window = LatencyWindow(q=hedge_quantile)
+        """Latencies of recent successful attempts, one copy each: the hedge delay. Not the
+        calls' (a call that failed and was retried is not one sample of it)."""
 
     def observe(self, ms: float) -> None:
         self.buckets[bisect.bisect_left(BUCKETS_MS, ms)] += 1
         self.latency_sum_ms += ms
+        self.recent.append(ms)
 
     def snapshot(self) -> dict[str, Any]:
-        recent = sorted(self.window.samples)
+        recent = sorted(self.recent)
         return {
             "calls": self.calls,
             "ok": self.ok,

@@ -747,3 +747,13 @@ async def test_metrics_snapshot():
     assert m["double"]["calls"] == 10 and m["double"]["ok"] == 10 and m["double"]["retries"] == 1
     assert m["fail_user"]["errors"] == {"UserError": 1}
     assert sum(m["double"]["latency_ms"]["buckets"].values()) == 10
+
+
+async def test_metrics_quantiles_are_of_the_calls_like_the_histogram():
+    c, fake = make(hedge={"enabled": False})
+    # each call's first attempt fails after 0.3 s (a lost worker); its retry answers at once
+    fake.inject("double", *(Fault(code=ErrorCode.WORKER_LOST, delay_s=0.3) for _ in range(20)))
+    await c.map("double", [{"x": i} for i in range(20)])
+    lat = c.metrics()["double"]["latency_ms"]
+    assert sum(lat["buckets"].values()) == 20 and lat["sum"] / 20 >= 300
+    assert 300 <= lat["p50"] <= lat["p95"] <= lat["p99"] <= 2000  # not the retries' own latency
