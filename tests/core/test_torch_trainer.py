@@ -5,7 +5,7 @@ import torch
 
 from core.policy.tiny_lm import TinyLM, TinyLMConfig
 from core.policy.tokenizer import WordTokenizer
-from core.rollout.engines.base import GenerateRequest
+from core.rollout.engines.base import Completion, GenerateRequest
 from core.rollout.engines.torch_ import TorchEngine, TorchEngineConfig
 from core.trainer.base import (
     TrainerError,
@@ -40,6 +40,19 @@ def sample(m: TinyLM, prompt: list[int], completion: list[int], advantage: float
         group_id="g",
         policy_version=0,
         **kw,
+    )
+
+
+def on_policy(c: Completion) -> TrainSample:
+    """A completion as the engine gave it, rewarded: its logprobs are the old ones."""
+    return TrainSample(
+        prompt_ids=c.prompt_ids,
+        completion_ids=c.token_ids,
+        old_logprobs=c.logprobs,
+        advantage=1.0,
+        group_id="g",
+        policy_version=0,
+        allowed_token_ids=c.allowed_token_ids,
     )
 
 
@@ -168,19 +181,7 @@ def test_restricted_sampling_is_trained_under_the_same_restriction():
     restricted = torch.log_softmax(logits[allowed], -1)
     for c in cs:
         assert c.logprobs[0] == pytest.approx(float(restricted[allowed.index(c.token_ids[0])]), abs=1e-5)
-    batch = [
-        TrainSample(
-            prompt_ids=c.prompt_ids,
-            completion_ids=c.token_ids,
-            old_logprobs=c.logprobs,
-            advantage=1.0,
-            group_id="g",
-            policy_version=0,
-            allowed_token_ids=c.allowed_token_ids,
-        )
-        for c in cs
-    ]
-    metrics = TorchTrainer(m, TorchTrainerConfig(lr=1e-3)).step(batch)
+    metrics = TorchTrainer(m, TorchTrainerConfig(lr=1e-3)).step([on_policy(c) for c in cs])
     assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # the same distribution
     assert metrics["entropy"] <= float(torch.log(torch.tensor(2.0))) + 1e-5
 
@@ -200,17 +201,7 @@ def test_greedy_rollouts_train_at_the_temperature_their_logprobs_were_taken():
     c = asyncio.run(gen())
     options = backend_config(TrainerConfig(lr=1e-3), temperature=0.0, seed=0)
     assert options["temperature"] == 1.0
-    batch = [
-        TrainSample(
-            prompt_ids=c.prompt_ids,
-            completion_ids=c.token_ids,
-            old_logprobs=c.logprobs,
-            advantage=1.0,
-            group_id="g",
-            policy_version=0,
-        )
-    ]
-    metrics = TorchTrainer(m, TorchTrainerConfig(**options)).step(batch)
+    metrics = TorchTrainer(m, TorchTrainerConfig(**options)).step([on_policy(c)])
     assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and metrics["clip_frac"] == 0.0
 
 
