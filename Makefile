@@ -33,7 +33,8 @@ lint: setup
 	$(BIN)/mypy
 
 # two workers, a test module on one (its module-scoped fixtures, such as a Ray cluster, start
-# once): ~6 minutes on 2 cores where one worker took ~10; JOBS=0 runs it in this process
+# once): ~5.5 minutes on 2 cores where one worker took ~10 (make test: ~7.5 with set-up and
+# lint); JOBS=0 runs it in this process
 JOBS ?= 2
 unit: setup
 	$(BIN)/python -m pytest -q $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)

@@ -31,6 +31,7 @@ ENV_VARS: dict[str, str] = {
     "backend": "FABRIC_BACKEND",
     "endpoint_url": "FABRIC_ENDPOINT_URL",
     "modules": "FABRIC_MODULES",
+    "builtins": "FABRIC_BUILTINS",
     "args": "FABRIC_ARGS",
     "constants": "FABRIC_CONSTANTS",
     "traj_param": "FABRIC_TRAJ_PARAM",

@@ -418,6 +418,10 @@ def test_a_misspelt_environment_variable_is_refused_not_ignored():
     assert cfg.backend_config().type == "local" and cfg.backend_config().max_workers == 4  # type: ignore[union-attr]
     with pytest.raises(ConfigError, match="FABRIC_BACKEND must be a backend name or a JSON object"):
         IntegrationConfig.parse(env={**base, "FABRIC_BACKEND": "{local"})
+    # every setting has its variable, builtins too (OpenRLHF's file form has no other way)
+    assert IntegrationConfig.parse(env={**base, "FABRIC_BUILTINS": "false"}).builtins is False
+    with pytest.raises(ConfigError, match=r"\$FABRIC_BUILTIN is not .* did you mean \$FABRIC_BUILTINS\?"):
+        IntegrationConfig.parse(env={**base, "FABRIC_BUILTIN": "0"})
 
 
 # ----------------------------------------------------------------------------- OpenRLHF
