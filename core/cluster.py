@@ -95,7 +95,8 @@ class Cluster:
             trainer = (
                 # "io": a checkpoint's write is waited for there, beside the steps (which
                 # keep the default group's one thread: never two at once)
-                ray.remote(concurrency_groups={"io": 1})(TrainerActor)
+                # (Ray's stubs do not list concurrency_groups among ray.remote's keywords)
+                ray.remote(concurrency_groups={"io": 1})(TrainerActor)  # type: ignore[call-overload]
                 .options(num_cpus=0, num_gpus=cfg.trainer.gpus)
                 .remote(
                     cfg.trainer,

@@ -429,7 +429,18 @@ class Job:
             "final_success_unseen": final["success_unseen"] if final else None,
             "final_unseen_episodes": final["episodes_unseen"] if final else None,
             "evals": [
-                {k: e[k] for k in ("step", "success", "success_sampled", "success_unseen", "episodes_unseen")}
+                # versions: the weights that played it (None in a row an earlier release wrote)
+                {
+                    k: e.get(k)
+                    for k in (
+                        "step",
+                        "success",
+                        "success_sampled",
+                        "success_unseen",
+                        "episodes_unseen",
+                        "versions",
+                    )
+                }
                 for e in self.evals
             ],
             "trajectories": dict(self.tally.counts),

@@ -78,10 +78,11 @@ class _Serve(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
         self.transport = transport  # type: ignore[assignment]
         if not self.runner.is_async:
             # pause_writing as soon as a reply does not go into the socket whole (see _run_sync)
-            self.transport.set_write_buffer_limits(high=0)
+            transport.set_write_buffer_limits(high=0)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.done.done():

@@ -469,6 +469,7 @@ async def test_the_job_trains_end_to_end_and_leaves_its_run_directory(tmp_path, 
     evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert sorted(e["step"] for e in evals if e.get("kind") == "eval") == [0, 2, 4]
     assert all(e["versions"] == [e["version"]] * 2 for e in evals if e.get("kind") == "eval"), evals
+    assert [e["versions"] for e in summary["evals"]] == [[0, 0], [2, 2], [4, 4]]
     assert summary["untrained_success"] is not None and summary["final_success"] is not None
     # the unseen split: the evaluation tasks (maps) no pretraining or training episode had,
     # worked out here from the environment itself
