@@ -86,7 +86,10 @@ Rules worth knowing:
 * **Symbols.** ``e`` is Euler's number, ``i`` the imaginary unit; words that are not math
   functions are text, never multiplied-out symbols, and two answers made of letters only
   compare as text however short (``on`` is not ``no``, ``ba`` is not ``ab``): a product is
-  written with an operator or a coefficient (``a \cdot b``, ``2ab``).
+  written with an operator or a coefficient (``a \cdot b``, ``2ab``). A function command
+  applies to what follows it, braced or not (``\ln 2`` is ``\ln{2}``, ``3\ln 2`` is
+  ``\ln 8``); trigonometric functions take radians, as sympy does (``\sin 30`` is not
+  ``\frac{1}{2}``).
 """
 
 from __future__ import annotations

@@ -70,15 +70,17 @@ _LATEX_CMDS = {
     "\\cdot": "*",
     "\\times": "*",
     "\\div": "/",
-    "\\ln": " log",
-    "\\log": " log",
-    "\\exp": " exp",
-    "\\sin": " sin",
-    "\\cos": " cos",
-    "\\tan": " tan",
-    "\\cot": " cot",
-    "\\sec": " sec",
-    "\\csc": " csc",
+    # a function name ends with a space: the parser skips the one after the command, and
+    # "\\ln 2" written "log2" was a product of the symbols l, o, g and 2
+    "\\ln": " log ",
+    "\\log": " log ",
+    "\\exp": " exp ",
+    "\\sin": " sin ",
+    "\\cos": " cos ",
+    "\\tan": " tan ",
+    "\\cot": " cot ",
+    "\\sec": " sec ",
+    "\\csc": " csc ",
 }
 _CMD = re.compile(r"\\[A-Za-z]+")
 _GLUED_NUMBERS = re.compile(r"[\d.]\s+[\d.]")

@@ -544,6 +544,31 @@ def test_short_words_are_text_not_products_of_symbols(pred, gt, equal):
 
 
 @pytest.mark.parametrize(
+    ("pred", "gt", "equal"),
+    [
+        # "\ln 2" was written "log2", the product 2*g*l*o: wrong answers matched, right ones not
+        ("4 \\log 2", "\\log 8", False),
+        ("2 \\ln 4", "\\ln 8", False),
+        ("\\ln 16", "2\\ln 2", False),
+        ("2\\sin 30", "\\sin 60", False),
+        ("\\sin 60", "\\sin 30", False),
+        ("3\\ln 2", "\\ln 8", True),
+        ("\\ln{2}", "\\ln 2", True),
+        ("\\ln 2", "\\log(2)", True),
+        ("\\cos 0", "1", True),
+        ("\\ln 2", "0.693147180559945", True),
+        ("\\sin 30", "\\sin 30", True),
+        ("\\sin 30", "\\frac{1}{2}", False),  # radians, as sympy reads it: no degrees invented
+        ("\\ln x + 1", "1 + \\log x", True),
+        ("\\log_2 16", "4", True),
+        ("2\\log_2 3", "\\log_2 9", True),
+    ],
+)
+def test_a_function_is_applied_to_the_argument_after_a_space(pred, gt, equal):
+    assert is_equivalent(pred, gt)[0] is equal, is_equivalent(pred, gt)
+
+
+@pytest.mark.parametrize(
     ("pred", "gt"),
     [
         # vanishes at the three public points of the identity test: it matched x^2
