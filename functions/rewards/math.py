@@ -21,7 +21,10 @@ Equivalence, cheapest first:
 1. **Fast path, in-process, no sympy.** Both answers are canonicalised (``$``, ``\[ \]``,
    ``\left``/``\right``, spacing commands, unit words and a ``\text{}`` that holds only unit words
    (any other ``\text{}`` says what it says: ``\text{not } 3`` is not 3, ``\text{ and }`` is
-   a comma), degrees, ``\dfrac`` and ``\cfrac``, a leading ``x =``, ``x \approx`` or ``f(x) =``,
+   a comma; unit words go only after a number with no variable beside it, so
+   ``\frac{1}{2} b h`` keeps its ``h``, and the one-letter units ``m``, ``s``, ``h``, ``g``,
+   ``l`` only inside ``\text{}``/``\mathrm{}``: ``4 s`` is ``4s``, ``4 \text{ s}`` is 4),
+   degrees, ``\dfrac`` and ``\cfrac``, a leading ``x =``, ``x \approx`` or ``f(x) =``,
    a leading "approximately" / "about" / "around" / "roughly" / ``\approx`` / ``~`` before a
    number (not "at least" or "nearly", which change it), thousands
    separators and zero-width characters removed; ``\varnothing`` and ``\{\}`` are

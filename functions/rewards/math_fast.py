@@ -35,11 +35,11 @@ def _small_cache(fn: Callable[[str], _T]) -> Callable[[str], _T]:
 # ----------------------------------------------------------------------------- canonical form
 
 _UNITS = (
-    "mm cm m km meter meters metre metres centimeter centimeters millimeter millimeters kilometer "
+    "mm cm km meter meters metre metres centimeter centimeters millimeter millimeters kilometer "
     "kilometers in inch inches ft foot feet yd yard yards mi mile miles mph kph kmh "
-    "g kg mg gram grams kilogram kilograms lb lbs pound pounds oz ounce ounces ton tons "
-    "l ml liter liters litre litres gallon gallons cup cups quart quarts "
-    "s sec second seconds min minute minutes h hr hrs hour hours day days week weeks month months "
+    "kg mg gram grams kilogram kilograms lb lbs pound pounds oz ounce ounces ton tons "
+    "ml liter liters litre litres gallon gallons cup cups quart quarts "
+    "sec second seconds min minute minutes hr hrs hour hours day days week weeks month months "
     "year years dollar dollars cent cents euro euros "
     "deg degree degrees radian radians unit units sq square cubic "
     "people persons students apples cookies marbles pages points ways times "
@@ -47,13 +47,23 @@ _UNITS = (
     "boys girls children adults men women friends members players teams games books cards coins "
     "balls boxes bags eggs trees dogs cats cars rows seats handshakes hats tickets toys"
 ).split()
-# one unit token (``cm``, ``m^2``, ``km²``, ``sec.``); units are stripped token by token from
-# the right (_strip_units), never with a pattern anchored at ``$`` that is retried from every
-# start, which is quadratic in a long run of spaces or units
-_UNIT_TOKEN = re.compile(
-    r"(?:" + "|".join(sorted(_UNITS, key=len, reverse=True)) + r")\.?(?:\^\{?[23]\}?|²|³)?",
-    re.IGNORECASE,
-)
+# one-letter units are units only inside ``\text{}``/``\mathrm{}``: bare, they are variables
+# (``\frac{1}{2} b h``, ``4 s``, ``2 \pi r h``)
+_LETTER_UNITS = "m s h g l".split()
+
+
+def _unit_token(units: list[str]) -> re.Pattern[str]:
+    """One unit token (``cm``, ``m^2``, ``km²``, ``sec.``). Units are stripped token by token
+    from the right (``_strip_units``), never with a pattern anchored at ``$`` that is retried
+    from every start, which is quadratic in a long run of spaces or units."""
+    return re.compile(
+        r"(?:" + "|".join(sorted(units, key=len, reverse=True)) + r")\.?(?:\^\{?[23]\}?|²|³)?",
+        re.IGNORECASE,
+    )
+
+
+_UNIT_TOKEN = _unit_token(_UNITS)
+_TEXT_UNIT_TOKEN = _unit_token(_UNITS + _LETTER_UNITS)
 _PERCENT_WORD = re.compile(r"(?<!\s)\s*\bpercent\b", re.IGNORECASE)  # starts once per space run
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|mbox|mathrm|mathbf|operatorname)\s*\{([^{}]*)\}")
 _TEXT_UNIT = re.compile(_TEXT_CMD.pattern + r"(?:\s*\^\s*\{?[23]\}?)?")
@@ -84,7 +94,7 @@ _FRAC_SHORT2 = re.compile(r"\\frac\s*\{([^{}]*)\}\s*(\d)")
 _SQRT_SHORT = re.compile(r"\\sqrt\s*(\d+|[a-zA-Z])")
 
 
-def _strip_units(s: str) -> str:
+def _strip_units(s: str, unit: re.Pattern[str] = _UNIT_TOKEN) -> str:
     """``s`` without its trailing whitespace-separated unit words, in one right-to-left pass."""
     end = len(s)
     while True:
@@ -94,25 +104,32 @@ def _strip_units(s: str) -> str:
         i = j
         while i > 0 and not s[i - 1].isspace():
             i -= 1
-        if i == 0 or i == j or not _UNIT_TOKEN.fullmatch(s, i, j):
+        if i == 0 or i == j or not unit.fullmatch(s, i, j):
             return s[:end]  # the first token is the number itself, never a unit
         end = i
 
 
 def _is_units(text: str) -> bool:
-    """Whether ``text`` is only unit words (``cm``, ``square meters``, ``m/s``)."""
+    """Whether ``text`` (inside ``\\text{}``) is only unit words (``cm``, ``square meters``,
+    ``m/s``, ``s``)."""
     words = text.split()
-    return bool(words) and all(_UNIT_TOKEN.fullmatch(w) for w in words)
+    return bool(words) and all(_TEXT_UNIT_TOKEN.fullmatch(w) for w in words)
 
 
 def _strip_text(s: str) -> str:
-    r"""``\text{cm}`` after a number is a unit (dropped); any other ``\text{}`` says what it
-    says: ``\text{Paris}`` is Paris, ``\text{not } 3`` is "not 3" and ``3 \text{ (or 5)}`` is
-    "3 (or 5)" (both used to be 3), ``\text{ and }`` is a comma (``x=1 \text{ and } y=2``)."""
+    r"""``\text{cm}`` after a number is a unit (dropped), and so are the units of a number
+    inside one (``\text{4 s}`` is 4; ``s``, ``m``, ``h``, ``g`` and ``l`` are units only in
+    there); any other ``\text{}`` says what it says: ``\text{Paris}`` is Paris, ``\text{not }
+    3`` is "not 3" and ``3 \text{ (or 5)}`` is "3 (or 5)" (both used to be 3), ``\text{ and }``
+    is a comma (``x=1 \text{ and } y=2``)."""
 
     def unit_or_text(m: re.Match[str]) -> str:
         if _is_units(m[1]):
             return ""
+        inner = m[1].strip()
+        number = _strip_units(inner, _TEXT_UNIT_TOKEN)
+        if number != inner and not _VARIABLE.search(_COMMAND.sub("", number)):
+            return number
         rest = m.group()[m.end(1) - m.start() + 1 :]  # an exponent that followed the braces
         return ", " if m[1].strip() == "and" else m[1] + rest
 
@@ -127,6 +144,8 @@ _MINUS_SIGNS = str.maketrans(
     # zero-width characters are not there (3\u200b is 3)
     | dict.fromkeys("\u200b\u200c\u200d\u2060\ufeff", "")
 )
+_COMMAND = re.compile(r"\\[A-Za-z]+")
+_VARIABLE = re.compile(r"[A-Za-z]")
 _EMPTY_SET = re.compile(r"\\varnothing\b|^\\\{\s*\\\}$")
 
 
@@ -150,7 +169,11 @@ def canonical(answer: str) -> str:
     s = s.strip().rstrip(".").strip()
     s = _HEDGE.sub("", s)
     if any(c.isdigit() for c in s):
-        s = _strip_units(s).strip()
+        stripped = _strip_units(s).strip()
+        # a unit follows a number: what is left must be one (``x =`` aside), not an expression
+        # with a variable in it (``\frac{1}{2} b hours``)
+        if not _VARIABLE.search(_COMMAND.sub("", _LHS.sub("", stripped))):
+            s = stripped
     listed = _assignments(s)
     # a single leading ``x =`` goes; an assignment list keeps its variables (``_named``)
     s = _LHS.sub("", s) if listed is None else listed

@@ -529,6 +529,40 @@ def test_text_next_to_a_number_is_dropped_only_when_it_is_a_unit(pred, gt, equal
 @pytest.mark.parametrize(
     ("pred", "gt", "equal"),
     [
+        # the bare units m s h g l were stripped: variables went with them
+        ("\\frac{b}{2}", "\\frac{1}{2} b h", False),
+        ("2\\pi r", "2 \\pi r h", False),
+        ("2 \\pi r h", "2\\pi r", False),
+        ("4", "4 s", False),
+        ("4 s", "4", False),
+        ("3 m", "3", False),
+        ("3 cm", "3 m", False),
+        ("x^2 + 1 h", "x^2+1", False),
+        ("\\frac{1}{2} m", "\\frac{1}{2}", False),
+        ("\\frac{1}{2}", "\\frac{1}{2} m", False),
+        ("\\frac{1}{2} b hours", "\\frac{b}{2}", False),  # a unit word after a variable stays
+        # ... and an honest formula with them scored 0
+        ("\\frac{1}{3} \\pi r^2 h", "\\frac{\\pi r^2 h}{3}", True),
+        ("2 \\pi r h", "2\\pi rh", True),
+        ("\\frac{1}{2} b h", "\\frac{1}{2}bh", True),
+        ("4 s", "4s", True),
+        # units after a number still go; one letter only inside \\text{} / \\mathrm{}
+        ("3 cm", "3", True),
+        ("x = 5 cm", "5", True),
+        ("4\\text{ m}", "4", True),
+        ("4 \\mathrm{s}", "4", True),
+        ("\\text{4 s}", "4", True),
+        ("2\\sqrt{3} cm", "\\sqrt{12}", True),
+        ("12 m/s", "12", True),
+    ],
+)
+def test_a_bare_unit_word_is_stripped_only_after_a_number_with_no_variable(pred, gt, equal):
+    assert is_equivalent(pred, gt)[0] is equal, is_equivalent(pred, gt)
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt", "equal"),
+    [
         ("on", "no", False),  # sympy read short words as products of symbols: o*n == n*o
         ("act", "cat", False),
         ("god", "dog", False),
