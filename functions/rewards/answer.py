@@ -21,7 +21,9 @@ _ANSWER_MARK = re.compile(
     r"|^[ \t]*####[ \t]*(?=[-+]?\$?[\d.,]+[ \t]*$)",  # GSM8K's "#### 42" (a number: not a heading)
     re.IGNORECASE | re.MULTILINE,
 )
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
+# an article as the first word, before a word: not before a lone letter or punctuation ("A C",
+# "A, C" and "the A" name choices)
+_ARTICLE = re.compile(r"(?:a|an|the)\s+(?=\w\w)")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
 _NUMBER = re.compile(r"^[-+]?(\d+(?:\.\d*)?|\.\d+)(e[-+]?\d+)?$")  # \d+\.?\d* backtracks: O(n^2)
 # sentence punctuation only: math symbols (/ ^ + - * = ( ) [ ] < > %) change the meaning.
@@ -30,6 +32,7 @@ _NUMBER = re.compile(r"^[-+]?(\d+(?:\.\d*)?|\.\d+)(e[-+]?\d+)?$")  # \d+\.?\d* b
 _QUOTES = str.maketrans("", "", "\"'`")
 _ZERO_WIDTH = str.maketrans("", "", "\u200b\u200c\u200d\u2060\ufeff")
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mbox|emph|operatorname)\s*\{")
+_COMMAND_OR_ESCAPE = re.compile(r"\\(?:[A-Za-z]+|.)", re.DOTALL)
 _DISPLAY = re.compile(r"^\\[\[(]|\\[\])]$")  # \[ 42 \] and \( 42 \) around the answer
 _CHOICE = re.compile(r"\(?([a-z])\)")
 _PUNCT = str.maketrans(dict.fromkeys("!?;:,_~@#&|", " "))
@@ -206,19 +209,66 @@ def _canonical_number(s: str) -> str:
 
 def normalize(answer: str) -> str:
     """Lower-case, strip math delimiters (``$``, ``\\[ \\]``, ``\\( \\)``), text commands
-    (``\\textbf{}``...), escapes (``\\$``, ``\\%``), zero-width characters, punctuation,
-    articles and thousands separators; a parenthesised choice letter is the letter (``(A)``,
-    ``A)``); canonical numbers ('42.0' == '42'), compared exactly."""
+    (``\\textbf{}``...), escapes (``\\$``, ``\\%``), zero-width characters, punctuation, a
+    leading article before a word ("the Eiffel Tower"; "A C", "A, C" and "the A" keep theirs)
+    and thousands separators; other braces stay unless they hold one character (see
+    ``_unbrace``: ``\\frac{12}{3}`` is not ``\\frac{1}{23}``); a parenthesised choice letter is
+    the letter (``(A)``, ``A)``); canonical numbers ('42.0' == '42'), compared exactly."""
     s = _DISPLAY.sub("", answer.translate(_ZERO_WIDTH).strip()).strip().strip("$").strip()
     s = s.replace("\\$", "").replace("\\%", "%")
-    s = _TEXT_CMD.sub("", s).replace("}", "").replace("{", "")
-    s = s.lower().rstrip(".").strip()
+    s = _unbrace(s).lower().rstrip(".").strip()
     if m := _CHOICE.fullmatch(s):
         return m[1]
     s = _THOUSANDS.sub("", s)
     if _NUMBER.match(s):
         return _canonical_number(s)
-    s = s.translate(_QUOTES).translate(_PUNCT)
-    if " " in s:  # a lone "a" is a multiple-choice answer, not an article
-        s = _ARTICLES.sub(" ", s)
-    return " ".join(s.split())
+    s = s.translate(_QUOTES)
+    if article := _ARTICLE.match(s):
+        s = s[article.end() :]
+    return " ".join(s.translate(_PUNCT).split())
+
+
+def _unbrace(s: str) -> str:
+    """``s`` with its text commands unwrapped (``\\text{Paris}`` is Paris) and a group of one
+    character written as that character, as TeX reads it (``\\frac{1}{2}`` is ``\\frac12``,
+    ``x^{2}`` is ``x^2``, ``\\sqrt{a}`` is ``\\sqrt a``); any other braces stay, so
+    ``\\frac{12}{3}`` is not ``\\frac{1}{23}`` and ``\\sqrt{2}3`` is not ``\\sqrt{23}``.
+    One pass with a stack of where each open group started."""
+    if "{" not in s and "}" not in s:
+        return s
+    out: list[str] = []
+    opened: list[int | None] = []  # per open brace: its index in out, None for a text command's
+    after_command = -1  # the index in out right after the last control word
+    i = 0
+    n = len(s)
+    while i < n:
+        c = s[i]
+        if c == "\\":
+            if m := _TEXT_CMD.match(s, i):
+                opened.append(None)
+                i = m.end()
+                continue
+            m = _COMMAND_OR_ESCAPE.match(s, i)  # \frac, or \{ (a brace that is a character)
+            token = m.group() if m else c
+            out.append(token)
+            if token[1:].isalpha():
+                after_command = len(out)
+            i += len(token)
+            continue
+        if c == "{":
+            opened.append(len(out))
+            out.append(c)
+        elif c == "}" and opened:
+            start = opened.pop()
+            if start is None:  # the end of a text command's argument
+                pass
+            elif len(out) == start + 2 and len(out[-1]) == 1:  # one character: {2} is 2
+                inner = out.pop()
+                out[start] = " " if start == after_command and inner.isalpha() else ""
+                out.append(inner)
+            else:
+                out.append(c)
+        else:
+            out.append(c)
+        i += 1
+    return "".join(out)

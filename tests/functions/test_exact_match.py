@@ -108,11 +108,11 @@ def test_unbalanced_boxed_falls_back() -> None:
         (".5", "0.5"),
         ("1e3", "1000"),
         ("The Eiffel Tower", "eiffel tower"),
-        ("an apple a day", "apple day"),
+        ("an apple a day", "apple a day"),  # an article goes only as the first word
         ("Paris!", "paris"),
         ("hello, world.", "hello world"),
         ("well-known", "well-known"),
-        ("a   b\tc", "b c"),
+        ("a   b\tc", "a b c"),  # before a lone letter, "a" is a choice
         ("\\textbf{Paris}", "paris"),  # every text command, not only \text and \mathrm
         ("\\emph{Paris}", "paris"),
         ("\\$5", "5"),  # an escaped dollar is a currency sign
@@ -143,6 +143,61 @@ def test_normalize_keeps_choice_letters() -> None:
 
 def test_normalize_keeps_fractions_apart() -> None:
     assert normalize("1/2") != normalize("12")
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt"),
+    [
+        # every brace was deleted: both sides became \frac123 and \sqrt23
+        ("\\frac{12}{3}", "\\frac{1}{23}"),
+        ("\\sqrt{2}3", "\\sqrt{23}"),
+        ("x^{23}", "x^{2}3"),
+        ("\\{1, 2\\}", "12"),
+    ],
+)
+def test_normalize_keeps_the_braces_that_group(pred: str, gt: str) -> None:
+    assert normalize(pred) != normalize(gt)
+    assert exact_match(f"\\boxed{{{pred}}}", ground_truth=gt) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt"),
+    [
+        ("\\frac{1}{2}", "\\frac12"),  # a group of one character is that character, as in TeX
+        ("x^{2}", "x^2"),
+        ("\\sqrt{a}", "\\sqrt a"),
+        ("\\text{Paris}", "Paris"),  # a text command's braces go
+        ("\\textbf{\\text{(C)}}", "C"),
+    ],
+)
+def test_normalize_still_unwraps_text_and_one_character_groups(pred: str, gt: str) -> None:
+    assert normalize(pred) == normalize(gt)
+
+
+@pytest.mark.parametrize(
+    ("text", "gt", "score"),
+    [
+        # "a" was dropped as an article from every token: "A, C" was "c"
+        ("The answer is A, C.", "C", 0.0),
+        ("\\boxed{A, C}", "C", 0.0),
+        ("The answer is A C", "C", 0.0),
+        ("\\boxed{A; C}", "C", 0.0),
+        ("The answer is A and C.", "C", 0.0),
+        ("The answer is A, C.", "A, C", 1.0),
+        ("The answer is A.", "A", 1.0),
+        # an article as the first word still goes
+        ("The answer is the Eiffel Tower.", "Eiffel Tower", 1.0),
+        ("The answer is an apple.", "apple", 1.0),
+    ],
+)
+def test_multiple_choice_answers_stay_distinct(text: str, gt: str, score: float) -> None:
+    assert exact_match(text, ground_truth=gt) == score
+
+
+def test_articles_alone_are_answers_now() -> None:
+    # only a leading article before a word goes: "the a" names the choice a
+    assert normalize("the a") == "the a"
+    assert normalize("an  the") == "the"
 
 
 # ----------------------------------------------------------------------------- exact_match
@@ -252,7 +307,7 @@ def test_normalize_numbers_exactly() -> None:
     assert normalize("1e999999999") != normalize("1e999999998")  # no float overflow to inf
 
 
-@pytest.mark.parametrize("gt", ["", "   ", "the a", "an  the", "$$", "\\text{}"])
+@pytest.mark.parametrize("gt", ["", "   ", "$$", "\\text{}", "\\textbf{ }", "\\(\\)"])
 def test_an_empty_ground_truth_is_a_clear_error(gt: str) -> None:
     # it normalised to "", which an empty completion or \boxed{} matched: 1.0 for nothing
     with pytest.raises(ValueError, match=r"ground_truth .* is empty once normalised"):

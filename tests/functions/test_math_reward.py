@@ -568,6 +568,8 @@ def test_a_bare_unit_word_is_stripped_only_after_a_number_with_no_variable(pred,
         ("god", "dog", False),
         ("sey", "yes", False),
         ("ab", "ba", False),  # two words; a product is written as one: a \cdot b, 2ab
+        ("a b", "b", False),  # "a" was an article wherever it stood
+        ("the cat", "cat", True),  # a leading one before a word still goes
         ("Yes", "yes", True),
         ("ab", "b \\cdot a", True),
         ("2ab", "2ba", True),
