@@ -38,8 +38,26 @@ _CHOICE = re.compile(r"\(?([a-z])\)")
 _PUNCT = str.maketrans(dict.fromkeys("!?;:,_~@#&|", " "))
 
 
+THINK_END = "</think>"
+"""Where a reasoning model's thinking ends: the answer is what follows the last one."""
+
+
+def after_thinking(text: str) -> str:
+    """What follows the last ``</think>`` in ``text`` (all of it when there is none): an answer
+    the model weighed while thinking ("Maybe \\boxed{41}?") is not the one it gives. A text that
+    ends its thinking and says nothing after it has no answer (``""``)."""
+    end = text.rfind(THINK_END)
+    return text if end < 0 else text[end + len(THINK_END) :]
+
+
 def last_boxed(text: str) -> str | None:
     r"""Content of the last ``\boxed{...}`` (or ``\fbox{...}``), braces balanced."""
+    found = _last_boxed(text)
+    return None if found is None else found[0]
+
+
+def _last_boxed(text: str) -> tuple[str, int] | None:
+    """``(content, end)`` of the last box, ``end`` just past its closing brace."""
     start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
     if start < 0:
         return None
@@ -52,8 +70,21 @@ def last_boxed(text: str) -> str | None:
         elif c == "}":
             depth -= 1
             if depth == 0:
-                return text[i:j]
+                return text[i:j], j + 1
     return None  # unbalanced: no reliable answer
+
+
+def boxed_or_stated(text: str) -> tuple[str, str] | None:
+    """``(answer, rule)`` from the last box (rule ``boxed``) or the last stated answer (rule
+    ``answer_is``, see ``stated_answer``), whichever comes later: "First guess \\boxed{41}.
+    Wait, recomputing, the final answer is 42." states 42, "The answer is \\boxed{42}." boxes it
+    (a marker inside the box, or before it, leaves the box the answer). None when there is
+    neither."""
+    boxed = _last_boxed(text)
+    stated = _stated_answer(text)
+    if stated is not None and (boxed is None or stated[1] >= boxed[1]):
+        return stated[0], "answer_is"
+    return None if boxed is None else (boxed[0], "boxed")
 
 
 def stated_answer(text: str) -> str | None:
@@ -64,6 +95,12 @@ def stated_answer(text: str) -> str | None:
     markdown emphasis around it goes (``**42**``, see ``unemphasize``). "the answer is correct"
     (or reasonable, right, wrong...) judges an answer rather than states one: the marker
     before it counts ("The answer is 42. Let me check that the answer is correct." states 42)."""
+    found = _stated_answer(text)
+    return None if found is None else found[0]
+
+
+def _stated_answer(text: str) -> tuple[str, int] | None:
+    """``(answer, start)`` of the stated answer, ``start`` where its marker starts."""
     n = len(text)
     last_two: list[re.Match[str]] = []  # only the last marker can be followed by nothing
     for m in _ANSWER_MARK.finditer(text):
@@ -75,11 +112,11 @@ def stated_answer(text: str) -> str | None:
         if (close := _DISPLAY_OPEN.get(text[i : i + 2])) is not None:
             j = text.find(close, i + 2)  # display math: the whole block, over its lines
             if j >= 0:
-                return " ".join(text[i : j + 2].split())
+                return " ".join(text[i : j + 2].split()), m.start()
         end = text.find("\n", i)
         line = text[i : n if end < 0 else end].strip()
         if line and not (m[0][-1:].isalpha() and _VERDICT.match(line)):
-            return unemphasize(first_sentence(line))
+            return unemphasize(first_sentence(line)), m.start()
     return None
 
 
@@ -182,14 +219,13 @@ def _abbreviation(word: str, s: str, after: int) -> bool:
 
 
 def extract_answer(text: str) -> str:
-    r"""The final answer of a completion: ``\boxed{}``, else the stated answer (see
-    ``stated_answer``), else the last non-empty line."""
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed
-    stated = stated_answer(text)
-    if stated is not None:
-        return stated
+    r"""The final answer of a completion, read after its thinking (``after_thinking``): the
+    last ``\boxed{}`` or stated answer, whichever comes later (``boxed_or_stated``), else the
+    last non-empty line; ``""`` when there is none."""
+    text = after_thinking(text)
+    found = boxed_or_stated(text)
+    if found is not None:
+        return found[0]
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     return lines[-1] if lines else ""
 

@@ -1,13 +1,17 @@
 r"""``math_answer``: 1.0 when the final answer of a completion is mathematically equivalent
 to the ground truth.
 
-Extraction (first that applies): the last ``\boxed{}``/``\fbox{}``; else the stated answer
-after the last "the answer is" ("the correct answer is") / "final answer:" / a line starting
-"Answer:" / GSM8K's "#### 42" line (the last one in the text, whichever its form), up to the
-end of its first sentence ("The final answer is $\frac{1}{2}$. I hope it is correct." states
-``\frac{1}{2}``; markdown emphasis around it, ``**42**``, goes; a display block, ``\[...\]`` or
-``$$...$$``, right after the marker is read whole, over its lines; a chain of arithmetic, "6
-\times 7 = 42", states its last side); else the last math span (``$...$``, ``\(...\)``,
+Extraction reads what follows the last ``</think>`` when the text has one (a reasoning model's
+thinking is not its answer, "Maybe \boxed{41}?" in it included; nothing after it is no
+answer). There, first that applies: the last ``\boxed{}``/``\fbox{}`` or the stated answer,
+whichever comes later ("First guess \boxed{41}. ... the final answer is 42." states 42; "The
+answer is \boxed{42}" boxes it); the stated answer follows the last "the answer is" ("the
+correct answer is") / "final answer:" / a line starting "Answer:" / GSM8K's "#### 42" line
+(the last one in the text, whichever its form), up to the end of its first sentence ("The
+final answer is $\frac{1}{2}$. I hope it is correct." states ``\frac{1}{2}``; markdown emphasis
+around it, ``**42**``, goes; a display block, ``\[...\]`` or ``$$...$$``, right after the
+marker is read whole, over its lines; a chain of arithmetic, "6 \times 7 = 42", states its
+last side); else the last math span (``$...$``, ``\(...\)``,
 ``\[...\]``) that no number of the prose follows, read as its last side (``$x = \frac{3}{4}$``:
 ``\frac{3}{4}``): an inequality is a condition, and the span before it is read (``$f(n) = 3$
 for all $n \ge 1$``: ``3``), and a span with no number in it (a digit, ``\frac``, ``\sqrt``,
@@ -103,7 +107,7 @@ from typing import Any
 
 import fabric
 from fabric.protocol import RewardResult, Trajectory
-from functions.rewards.answer import MAX_ANSWER_CHARS, last_boxed, stated_answer
+from functions.rewards.answer import MAX_ANSWER_CHARS, after_thinking, boxed_or_stated
 from functions.rewards.math_fast import (
     Shape,
     Verdict,
@@ -243,13 +247,12 @@ def _chain_end(stated: str) -> str:
 
 def extract_final(text: str) -> tuple[str | None, str]:
     """``(answer, rule)``: rule is ``boxed``, ``answer_is``, ``last_math``, ``last_number`` or
-    ``none``."""
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed, "boxed"
-    stated = stated_answer(text)
-    if stated is not None:
-        return _chain_end(stated), "answer_is"
+    ``none`` (also when nothing follows the last ``</think>``)."""
+    text = after_thinking(text)
+    found = boxed_or_stated(text)
+    if found is not None:
+        answer, rule = found
+        return (_chain_end(answer) if rule == "answer_is" else answer), rule
     numbers = list(_LAST_NUMBER.finditer(text))
     value = _last_math(text, numbers)
     if value is not None:

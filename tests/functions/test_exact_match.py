@@ -221,6 +221,25 @@ def test_exact_match_with_str() -> None:
     assert exact_match("The answer is London.", ground_truth="Paris") == 0.0
 
 
+@pytest.mark.parametrize(
+    ("text", "gt", "score"),
+    [
+        # the answer weighed while thinking was read before the one given after </think>
+        ("<think>Maybe \\boxed{Lyon}? No, it is Paris.</think>\nThe answer is Paris.", "Paris", 1.0),
+        ("<think>Maybe \\boxed{Lyon}? No, it is Paris.</think>\nThe answer is Paris.", "Lyon", 0.0),
+        ("<think>So the answer is 41. Hmm, no.</think>\n42", "42", 1.0),
+        ("<think>So the answer is 41. Hmm, no.</think>\n42", "41", 0.0),
+        ("<think>the answer is 42</think>", "42", 0.0),  # nothing after the thinking: no answer
+        # the later of the last box and the last stated answer (a box always won)
+        ("First guess \\boxed{Lyon}. Wait, that is wrong: the final answer is Paris.", "Paris", 1.0),
+        ("First guess \\boxed{Lyon}. Wait, that is wrong: the final answer is Paris.", "Lyon", 0.0),
+        ("The answer is \\boxed{Paris}.", "Paris", 1.0),
+    ],
+)
+def test_the_answer_is_read_after_the_thinking(text: str, gt: str, score: float) -> None:
+    assert exact_match(text, ground_truth=gt) == score
+
+
 def test_answer_is_colon_number() -> None:
     assert extract_answer("The answer is: 42.0") == "42.0"
     assert exact_match("The answer is: 42.0", ground_truth="42") == 1.0

@@ -204,6 +204,39 @@ def test_stated_answers_in_common_formats(text, gt, score):
     assert math_answer(text, ground_truth=gt).score == score
 
 
+THOUGHT_41 = "<think>Maybe \\boxed{41}? Let me recheck: 6*7 = 42.</think>\nThe answer is 42."
+STATED_41 = "<think>So the answer is 41. Hmm, no, 6*7=42.</think>\n42"
+
+
+@pytest.mark.parametrize(
+    ("text", "gt", "score"),
+    [
+        # an answer weighed while thinking was read before the one given after </think>
+        (THOUGHT_41, "42", 1.0),
+        (THOUGHT_41, "41", 0.0),
+        (STATED_41, "42", 1.0),
+        (STATED_41, "41", 0.0),
+        ("<think>\\boxed{1}</think><think>\\boxed{2}</think> so \\boxed{3}", "3", 1.0),  # the last one
+        # the last box or stated answer, whichever is later (a box always won)
+        ("First guess \\boxed{41}. Wait, that is wrong; recomputing, the final answer is 42.", "41", 0.0),
+        ("First guess \\boxed{41}. Wait, that is wrong; recomputing, the final answer is 42.", "42", 1.0),
+        ("Answer: 41? No: \\boxed{42}", "42", 1.0),
+        ("The answer is \\boxed{42}.", "42", 1.0),
+        ("\\boxed{\\text{the answer is 42}}", "42", 0.0),  # a marker inside the box is the box's
+        ("\\boxed{42}. Let me check that the answer is correct.", "42", 1.0),  # a verdict, not an answer
+    ],
+)
+def test_the_answer_is_read_after_the_thinking_and_the_later_of_box_and_marker(text, gt, score):
+    assert math_answer(text, ground_truth=gt).score == score
+
+
+@pytest.mark.parametrize("text", ["<think>so \\boxed{42}</think>", "<think>The answer is 42.</think>\n \n"])
+def test_nothing_after_the_thinking_is_no_answer(text):
+    assert extract_final(text) == (None, "none")
+    res = math_answer(text, ground_truth="42")
+    assert res.score == 0.0 and res.info["decided_by"] == "no_answer"
+
+
 # ----------------------------------------------------------------------------- documented rules
 
 
