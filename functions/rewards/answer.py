@@ -91,10 +91,12 @@ def stated_answer(text: str) -> str | None:
     """The answer after the last "the answer is" / "final answer:" / "Answer:" / "####" in ``text``
     (the last one in the text wins, whichever its kind): the rest of its line (the next
     non-blank line when the marker ends its own), up to the end of its first sentence, so that
-    "The final answer is $\\frac{1}{2}$. I hope it is correct." states ``$\\frac{1}{2}$``;
-    markdown emphasis around it goes (``**42**``, see ``unemphasize``). "the answer is correct"
-    (or reasonable, right, wrong...) judges an answer rather than states one: the marker
-    before it counts ("The answer is 42. Let me check that the answer is correct." states 42)."""
+    "The final answer is $\\frac{1}{2}$. I hope it is correct." states ``$\\frac{1}{2}$``, and
+    up to a clause or an aside after it ("42, because ...", "42 (six times seven)", see
+    ``without_aside``); markdown emphasis around it goes (``**42**``, see ``unemphasize``).
+    "the answer is correct" (or reasonable, right, wrong...) judges an answer rather than
+    states one: the marker before it counts ("The answer is 42. Let me check that the answer
+    is correct." states 42)."""
     found = _stated_answer(text)
     return None if found is None else found[0]
 
@@ -116,7 +118,7 @@ def _stated_answer(text: str) -> tuple[str, int] | None:
         end = text.find("\n", i)
         line = text[i : n if end < 0 else end].strip()
         if line and not (m[0][-1:].isalpha() and _VERDICT.match(line)):
-            return unemphasize(first_sentence(line)), m.start()
+            return unemphasize(without_aside(first_sentence(line))), m.start()
     return None
 
 
@@ -149,6 +151,53 @@ def unemphasize(s: str) -> str:
         return s
     s = _BOLD.sub(r"\2", s)
     return _EMPHASIS_CLOSE.sub("", _EMPHASIS_OPEN.sub("", s))
+
+
+# where a clause or an aside starts after the stated answer: "42, because ...", "42; this
+# ...", "42 (six times seven)", "42 since ...". Not at a comma before anything else ("1, 2, 3",
+# "Washington, D.C") and not at "or"/"and" ("42 (or 43)" is two answers)
+_COMMA_ASIDE = re.compile(
+    r",[ \t]*(?:because|since|which|who|whose|where|when|while|as|so|thus|hence|therefore|after|"
+    r"before|the|an?|this|that|these|those|it|its|not|given|using|including|meaning|namely)[ \t]+\S"
+    r"|,[ \t]*(?:i\.e|e\.g)\.",
+    re.IGNORECASE,
+)
+_SEMICOLON_ASIDE = re.compile(r";[ \t]*[A-Za-z]{2}")
+# one space, not a run: tried at every space, [ \t]+ would rescan a long run from each of them
+_SPACE_ASIDE = re.compile(
+    r"[ \t](?:\((?!(?:or|and)\b)[A-Za-z]{2}|(?:because|since|which|as|so|where)[ \t]+\S)", re.IGNORECASE
+)
+
+_ASIDE_AT = {",": _COMMA_ASIDE, ";": _SEMICOLON_ASIDE, " ": _SPACE_ASIDE, "\t": _SPACE_ASIDE}
+
+
+def without_aside(s: str) -> str:
+    """``s`` up to where a clause or an aside starts after the answer, outside math (``$...$``)
+    and brackets: a ``,`` before a word that starts one (because, since, which, as, so, where,
+    the, this, after...), a ``;`` before a word, `` (`` before a word ("42 (six times seven)"),
+    or one of the connectives because, since, which, as, so, where: "42, because 6 times 7 is
+    42" states 42, "Paris, the capital" Paris. Number lists (``1, 2, 3``), points (``(1, 2)``)
+    and "42 (or 43)" stay whole. Only the first ``MAX_ANSWER_CHARS`` characters are looked at:
+    a cut later would leave an answer too long to match anything."""
+    in_math = False
+    depth = 0
+    i = 0
+    n = min(len(s), MAX_ANSWER_CHARS + 1)
+    while i < n:
+        c = s[i]
+        if c == "\\":  # an escaped character (\$, \{, \() or a command: skip its first letter
+            i += 2
+            continue
+        if c == "$":
+            in_math = not in_math
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth = max(0, depth - 1)
+        elif (aside := _ASIDE_AT.get(c)) and i and not in_math and not depth and aside.match(s, i):
+            return s[:i].rstrip() or s
+        i += 1
+    return s
 
 
 def first_sentence(s: str) -> str:

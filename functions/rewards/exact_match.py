@@ -26,7 +26,8 @@ _EXAMPLE_TRAJ = {
 def exact_match(traj: Trajectory | str, *, ground_truth: str) -> float:
     """Normalised string match of the final answer, read after the last ``</think>`` (nothing
     there: no answer): the last box or the first sentence after the last "the answer is" /
-    "Answer:", whichever comes later, else the last line; an answer over ``MAX_ANSWER_CHARS``
+    "Answer:" up to a clause after it ("Paris, the capital."), whichever comes later, else the
+    last line; an answer over ``MAX_ANSWER_CHARS``
     characters matches nothing. A ground truth that normalises to nothing ("", "the a") is a
     ``ValueError``: an empty answer would match it."""
     expected = normalize(ground_truth)

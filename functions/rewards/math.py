@@ -7,18 +7,20 @@ answer). There, first that applies: the last ``\boxed{}``/``\fbox{}`` or the sta
 whichever comes later ("First guess \boxed{41}. ... the final answer is 42." states 42; "The
 answer is \boxed{42}" boxes it); the stated answer follows the last "the answer is" ("the
 correct answer is") / "final answer:" / a line starting "Answer:" / GSM8K's "#### 42" line
-(the last one in the text, whichever its form), up to the end of its first sentence ("The
-final answer is $\frac{1}{2}$. I hope it is correct." states ``\frac{1}{2}``; markdown emphasis
-around it, ``**42**``, goes; a display block, ``\[...\]`` or ``$$...$$``, right after the
-marker is read whole, over its lines; a chain of arithmetic, "6 \times 7 = 42", states its
-last side); else the last math span (``$...$``, ``\(...\)``,
-``\[...\]``) that no number of the prose follows, read as its last side (``$x = \frac{3}{4}$``:
-``\frac{3}{4}``): an inequality is a condition, and the span before it is read (``$f(n) = 3$
-for all $n \ge 1$``: ``3``), and a span with no number in it (a digit, ``\frac``, ``\sqrt``,
-``\pi``...) is read only when it ends the text and is more than a lone variable (in "42 ways,
-one for each value of $n$." the answer is 42); else the last number (``\frac{3}{4}`` counts as
-one). ``info["extracted_by"]`` says which: ``boxed``, ``answer_is``, ``last_math``,
-``last_number``.
+(the last one in the text, whichever its form), up to the end of its first sentence and to a
+clause or an aside after the answer, outside math and brackets ("The final answer is
+$\frac{1}{2}$. I hope it is correct." states ``\frac{1}{2}``; "42, because ...", "42, which
+...", "42; this ...", "42 (six times seven)", "42 since ...", "42 dollars, after tax" state 42;
+a list "1, 2, 3", a point "(1, 2)" and "42 (or 43)" stay whole; markdown emphasis around it,
+``**42**``, goes; a display block, ``\[...\]`` or ``$$...$$``, right after the marker is read
+whole, over its lines; a chain of arithmetic, "6 \times 7 = 42", states its last side); else
+the last math span (``$...$``, ``\(...\)``, ``\[...\]``) that no number of the prose follows,
+read as its last side (``$x = \frac{3}{4}$``: ``\frac{3}{4}``): an inequality is a condition,
+and the span before it is read (``$f(n) = 3$ for all $n \ge 1$``: ``3``), and a span with no
+number in it (a digit, ``\frac``, ``\sqrt``, ``\pi``...) is read only when it ends the text and
+is more than a lone variable (in "42 ways, one for each value of $n$." the answer is 42); else
+the last number (``\frac{3}{4}`` counts as one). ``info["extracted_by"]`` says which:
+``boxed``, ``answer_is``, ``last_math``, ``last_number``.
 
 Equivalence, cheapest first:
 

@@ -71,6 +71,16 @@ def traj_saying(*replies: str) -> Trajectory:
         ("The answer is 42.\nI verified that the answer is indeed correct because 6*7=42.", "42."),
         ("The answer is 12. So the answer is reasonable, since 12 < 20.", "12"),
         ("The final answer is right triangle.", "right triangle."),  # an answer, not a verdict
+        # a clause or an aside after the stated answer is not part of it
+        ("The answer is Paris, the capital.", "Paris"),
+        ("The answer is 42, because 6 times 7 is 42.", "42"),
+        ("The answer is 42; this matches.", "42"),
+        ("The answer is 42 (six times seven).", "42"),
+        ("The answer is 42 since 6 * 7 = 42.", "42"),
+        ("The answer is 1, 2, 3.", "1, 2, 3."),  # a list stays whole
+        ("The answer is red, green and blue.", "red, green and blue."),
+        ("The answer is (1, 2), since x = 1.", "(1, 2)"),
+        ("The answer is 42 (or 43).", "42 (or 43)."),
         ("", ""),
         ("  \n \n", ""),
     ],
@@ -238,6 +248,13 @@ def test_exact_match_with_str() -> None:
 )
 def test_the_answer_is_read_after_the_thinking(text: str, gt: str, score: float) -> None:
     assert exact_match(text, ground_truth=gt) == score
+
+
+def test_a_clause_after_the_stated_answer_is_not_part_of_it() -> None:
+    assert exact_match("The answer is Paris, the capital.", ground_truth="Paris") == 1.0
+    assert exact_match("The answer is Paris, which is in France.", ground_truth="Paris") == 1.0
+    assert exact_match("The answer is Lyon, not Paris.", ground_truth="Paris") == 0.0
+    assert exact_match("The answer is A, C.", ground_truth="C") == 0.0
 
 
 def test_answer_is_colon_number() -> None:

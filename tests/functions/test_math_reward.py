@@ -204,6 +204,32 @@ def test_stated_answers_in_common_formats(text, gt, score):
     assert math_answer(text, ground_truth=gt).score == score
 
 
+@pytest.mark.parametrize(
+    ("text", "gt", "score"),
+    [
+        # the whole first sentence was the answer: a reason after it made it unparsable
+        ("The answer is 42, because 6 times 7 is 42.", "42", 1.0),
+        ("The answer is 42, which is the product.", "42", 1.0),
+        ("So the answer is 42; this matches the check.", "42", 1.0),
+        ("Therefore, the final answer is 42 (six times seven).", "42", 1.0),
+        ("The answer is 42 since 6 \\times 7 = 42.", "42", 1.0),
+        ("The answer is $42$, since $6 \\times 7 = 42$.", "42", 1.0),
+        ("Answer: 42 dollars, after tax", "42", 1.0),
+        ("The answer is 41, because 6 times 7 is 42.", "42", 0.0),
+        ("The answer is 41 since 6 \\times 7 = 42.", "42", 0.0),
+        # lists, points and a second answer stay whole
+        ("The answer is 1, 2, 3.", "\\{1,2,3\\}", 1.0),
+        ("The answer is 1, 2, which are the roots.", "\\{1,2\\}", 1.0),
+        ("The answer is (1, 2), since the line passes there.", "(1,2)", 1.0),
+        ("The answer is $x = 1, y = 2$, so the point is found.", "(1,2)", 1.0),
+        ("The answer is 42 (or 43).", "42", 0.0),
+        ("The answer is 42, or 43.", "42", 0.0),
+    ],
+)
+def test_a_stated_answer_ends_where_a_clause_or_an_aside_starts(text, gt, score):
+    assert math_answer(text, ground_truth=gt).score == score, math_answer(text, ground_truth=gt).info
+
+
 THOUGHT_41 = "<think>Maybe \\boxed{41}? Let me recheck: 6*7 = 42.</think>\nThe answer is 42."
 STATED_41 = "<think>So the answer is 41. Hmm, no, 6*7=42.</think>\n42"
 
