@@ -77,7 +77,9 @@ Rules worth knowing:
   ``e^{1000}``) is compared as any other number.
 * **Percentages.** When exactly one side has a ``%`` (or ``\%``, "percent"), its number
   ``X`` is read as ``X/100`` if the other side is written as a fraction or decimal
-  (``50% == 0.5 == 1/2``) and as ``X`` if the other side is an integer (``50% == 50``).
+  (``50% == 0.5 == 1/2``) and as ``X`` if the other side is an integer (``50% == 50``); against
+  a fraction or decimal above 1 in magnitude, as either (``37.5% == 37.5``, ``150% == 1.5``;
+  ``0.5%`` is not ``0.5``).
 * **Multiple choice.** Against a ground truth that is a letter A-E (``C``, ``(C)``), an
   answer that starts with a choice, as AMC solutions do (``\textbf{(C) }12``), is that
   choice, unless it names another one or says "or".

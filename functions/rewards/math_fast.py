@@ -430,22 +430,27 @@ Verdict = tuple[bool | None, str]
 """``(equivalent, rule)``; ``None`` means the fast path cannot tell."""
 
 
-def _percent(pred: str, gt: str) -> tuple[str, str]:
-    """Apply the percentage rule: drop the ``%`` signs, scaling by 1/100 where it applies."""
+def _percent(pred: str, gt: str) -> list[tuple[str, str]]:
+    """Apply the percentage rule: drop the ``%`` signs, scaling by 1/100 where it applies. The
+    readings to compare, either of which may match: ``X%`` against an integer is ``X``, against
+    a fraction or decimal ``X/100``, and also ``X`` when that number is above 1 in magnitude
+    (``37.5%`` is ``37.5`` as ``50%`` is ``50``; ``0.5`` against ``50%`` is still ``0.5``)."""
     pp, gp = pred.endswith("%"), gt.endswith("%")
     if pp == gp:
-        return pred.rstrip("%").strip(), gt.rstrip("%").strip()
+        return [(pred.rstrip("%").strip(), gt.rstrip("%").strip())]
 
-    def scaled(x: str, other: str) -> str:
+    def readings(x: str, other: str) -> list[str]:
         x = x.rstrip("%").strip()
         if _is_integer_form(other):
-            return x
+            return [x]
         v = as_fraction(x)
-        return str(v / 100) if v is not None else f"({x})/100"
+        hundredths = str(v / 100) if v is not None else f"({x})/100"
+        o = as_fraction(other)
+        return [hundredths, x] if o is not None and abs(o) > 1 else [hundredths]
 
     if pp:
-        return scaled(pred, gt), gt
-    return pred, scaled(gt, pred)
+        return [(p, gt) for p in readings(pred, gt)]
+    return [(pred, g) for g in readings(gt, pred)]
 
 
 _DROPPABLE_SPACE = re.compile(r" (?!\d)|(?<!\d) ")
@@ -473,8 +478,20 @@ def _fast_scalar(p: str, g: str) -> Verdict:
 
 
 def compare(pred: str, gt: str, scalar: Callable[[str, str], Verdict]) -> Verdict:
-    """Compare canonical answers structure-first, scalars with ``scalar``."""
-    pred, gt = _percent(pred, gt)
+    """Compare canonical answers structure-first, scalars with ``scalar``; with a percentage on
+    one side, equal when either of its readings is (``_percent``)."""
+    undecided: Verdict | None = None
+    for p, g in _percent(pred, gt):
+        verdict = _compare_read(p, g, scalar)
+        if verdict[0]:
+            return verdict
+        if verdict[0] is None:
+            undecided = verdict
+    return undecided or verdict
+
+
+def _compare_read(pred: str, gt: str, scalar: Callable[[str, str], Verdict]) -> Verdict:
+    """``compare`` once the percentage rule has been applied."""
     pn, gn = _named(pred), _named(gt)
     if pn or gn:
         return _compare_named(pred, gt, pn, gn, scalar)

@@ -285,6 +285,35 @@ def test_documented_rules(pred, gt, equal):
     assert is_equivalent(pred, gt)[0] is equal
 
 
+@pytest.mark.parametrize(
+    ("pred", "gt", "equal"),
+    [
+        # X% with a decimal was only X/100 unless the other side was an integer: 50% was 50 but
+        # 37.5% was not 37.5
+        ("37.5\\%", "37.5", True),
+        ("37.5", "37.5\\%", True),
+        ("12.5 \\text{ percent}", "12.5", True),
+        ("\\frac{25}{2}\\%", "12.5", True),
+        ("33\\frac{1}{3}\\%", "33\\frac{1}{3}", True),
+        ("150\\%", "1.5", True),  # X/100 still, above 1 too
+        ("37.6\\%", "37.5", False),
+        ("37.5\\%", "3.75", False),
+        # at most 1 in magnitude the other side is a fraction of the whole: X/100 only
+        ("0.375", "37.5\\%", True),
+        ("0.5", "50\\%", True),
+        ("0.5\\%", "0.5", False),
+        ("50\\%", "\\frac{1}{2}", True),
+        ("\\frac{1}{2}\\%", "\\frac{1}{2}", False),
+        # an integer: X only, as before
+        ("50\\%", "50", True),
+        ("5000\\%", "50", False),
+        ("100\\%", "1", False),
+    ],
+)
+def test_a_percentage_is_its_number_against_a_number_above_one(pred, gt, equal):
+    assert is_equivalent(pred, gt)[0] is equal, is_equivalent(pred, gt)
+
+
 def test_fast_path_needs_no_child(monkeypatch):
     def no_fork(*a, **k):
         raise AssertionError("the fast path forked")
