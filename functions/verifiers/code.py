@@ -7,6 +7,7 @@ from typing import Any
 import fabric
 from fabric.protocol import RewardResult, Trajectory
 from functions.verifiers.errors import SandboxError
+from functions.verifiers.languages import LANGUAGES
 from functions.verifiers.verify import CodeTests, StdioCase, Verifier, default_verifier
 
 _EXAMPLE_TRAJ = {
@@ -17,15 +18,35 @@ _EXAMPLE_TRAJ = {
 }
 
 
-def extract_code(text: str) -> str:
-    """The last fenced code block of ``text`` (a model's answer), or all of it if none.
+# the tags a fence may carry for each language: its name and aliases, and a few more that
+# Markdown writers use
+_EXTRA_TAGS = {"python": ("py3",), "cpp": ("cc", "hpp"), "javascript": ("nodejs", "mjs", "cjs")}
+_FENCE_TAGS = {
+    alias: lang.name
+    for lang in LANGUAGES.values()
+    for alias in (lang.name, *lang.aliases, *_EXTRA_TAGS.get(lang.name, ()))
+}
+
+
+def _language_of(tag: str) -> str | None:
+    """The language a fence tag or a ``language`` argument names (``py``: python), or None."""
+    return _FENCE_TAGS.get(tag.strip().lower())
+
+
+def extract_code(text: str, language: str | None = None) -> str:
+    """The program in ``text`` (a model's answer): the last fenced code block tagged with
+    ``language`` (any of its names: ``py``, ``python3``; ``c++``; ``js``...), else the last
+    fenced block, else all of the text. An answer often shows its program in a ```python
+    block and then what it prints in a plain ``` block after it: the output is not the
+    program.
 
     A block opens at a fence (```, then an optional language tag, then the rest of that
     line) and its body runs to the next fence. One pass over the text: once a fence has no
     newline or no closing fence after it, no later one has either (a regex tried at every
     fence scanned to the end each time, quadratic in a run of unclosed fences).
     """
-    last = None
+    wanted = _language_of(language) if language else None
+    last = tagged = None
     at = text.find("```")
     while at >= 0:
         newline = text.find("\n", at + 3)
@@ -35,7 +56,12 @@ def extract_code(text: str) -> str:
         if close < 0:
             break
         last = text[newline + 1 : close]
+        tag = text[at + 3 : newline].strip().lstrip("`").split(maxsplit=1)
+        if wanted is not None and tag and _language_of(tag[0]) == wanted:
+            tagged = last
         at = text.find("```", close + 3)
+    if tagged is not None:
+        return tagged
     return text if last is None else last
 
 
@@ -62,11 +88,13 @@ def code_verify(
     extract: bool = True,
     ctx: Any = None,
 ) -> RewardResult:
-    """Pass fraction of the program in the final answer on ``tests`` (stdin/stdout cases) or
-    ``test_code`` (asserts run against it). ``entry_point`` (Python ``test_code``): the
-    program's function that a HumanEval ``check(candidate)`` checks, when the tests define
-    ``check`` and do not call it. The per-case verdicts are in ``info``. Tests that cannot
-    judge any program (they run nothing) fail the call (``InvalidTests``), not a score."""
+    """Pass fraction of the program in the final answer (its last fenced block tagged with
+    ``language``, else its last fenced block: ``extract_code``; ``extract=False``: the whole
+    text) on ``tests`` (stdin/stdout cases) or ``test_code`` (asserts run against it).
+    ``entry_point`` (Python ``test_code``): the program's function that a HumanEval
+    ``check(candidate)`` checks, when the tests define ``check`` and do not call it. The
+    per-case verdicts are in ``info``. Tests that cannot judge any program (they run nothing)
+    fail the call (``InvalidTests``), not a score."""
     return judge(
         traj,
         tests=tests,
@@ -89,7 +117,7 @@ def judge(
     entry_point: str | None = None,
 ) -> RewardResult:
     text = traj if isinstance(traj, str) else traj.final_text()
-    code = extract_code(text) if extract else text
+    code = extract_code(text, language) if extract else text
     result = (verifier or default_verifier()).verify(
         code, CodeTests(cases=tests, test_code=test_code, entry_point=entry_point), language
     )

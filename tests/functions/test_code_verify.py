@@ -194,6 +194,51 @@ def test_extract_code_takes_the_last_fenced_block():
     assert extract_code("print(3)") == "print(3)"
 
 
+FENCE = "`" * 3
+PROGRAM_THEN_OUTPUT = f"The program:\n{FENCE}python\nprint(6 * 7)\n{FENCE}\nIt prints:\n{FENCE}\n42\n{FENCE}"
+
+
+@pytest.mark.parametrize(
+    ("text", "language", "expected"),
+    [
+        # the plain block after the program (its output) was taken for the program
+        (PROGRAM_THEN_OUTPUT, "python", "print(6 * 7)\n"),
+        (PROGRAM_THEN_OUTPUT, "py", "print(6 * 7)\n"),
+        (PROGRAM_THEN_OUTPUT.replace("python", "py3"), "python", "print(6 * 7)\n"),
+        (f"{FENCE}cpp\nint main() {{}}\n{FENCE}\n{FENCE}text\n0\n{FENCE}", "c++", "int main() {}\n"),
+        (f"{FENCE}js\nconsole.log(1)\n{FENCE}\n{FENCE}\n1\n{FENCE}", "javascript", "console.log(1)\n"),
+        (f"{FENCE}Python title=a.py\nprint(1)\n{FENCE}\n{FENCE}\n1\n{FENCE}", "python", "print(1)\n"),
+        # the last block in the language, not the first
+        (
+            f"{FENCE}py\nprint(1)\n{FENCE}{FENCE}python\nprint(2)\n{FENCE}{FENCE}\n2\n{FENCE}",
+            "py",
+            "print(2)\n",
+        ),
+        # no block in the language: the last block, as before (a C block is not a C++ one)
+        (f"{FENCE}\nprint(1)\n{FENCE}\n{FENCE}\nprint(2)\n{FENCE}", "python", "print(2)\n"),
+        (f"{FENCE}cpp\nint main() {{}}\n{FENCE}\n{FENCE}\n0\n{FENCE}", "c", "0\n"),
+        (PROGRAM_THEN_OUTPUT, None, "42\n"),
+        ("print(3)", "python", "print(3)"),
+    ],
+)
+def test_extract_code_prefers_the_last_block_in_the_requested_language(text, language, expected):
+    assert extract_code(text, language) == expected
+
+
+def test_code_verify_runs_the_program_not_the_output_shown_after_it():
+    class Recorder:
+        def verify(self, code, tests, language):
+            seen.append(code)
+            done = {"status": "Finished", "passed": 1, "total": 1, "pass_fraction": 1.0}
+            return VerifyResult(**done, language=language, cases=[], total_ms=1)
+
+    seen: list[str] = []
+    code_verify(PROGRAM_THEN_OUTPUT, tests=[{"stdin": "", "expected_stdout": "42"}], ctx=Recorder())
+    as_py = PROGRAM_THEN_OUTPUT.replace("python", "py")
+    code_verify(as_py, test_code="assert True", language="py", ctx=Recorder())
+    assert seen == ["print(6 * 7)\n", "print(6 * 7)\n"]
+
+
 def test_extract_code_is_linear_in_unclosed_fences():
     # a regex tried at every fence scanned to the end each time: ~4 s at 120 KB, so minutes
     # at these 2 MB; one pass takes milliseconds (the bound only catches the quadratic)
