@@ -165,7 +165,7 @@ _COMMA_ASIDE = re.compile(
 _SEMICOLON_ASIDE = re.compile(r";[ \t]*[A-Za-z]{2}")
 # one space, not a run: tried at every space, [ \t]+ would rescan a long run from each of them
 _SPACE_ASIDE = re.compile(
-    r"[ \t](?:\((?!(?:or|and)\b)[A-Za-z]{2}|(?:because|since|which|as|so|where)[ \t]+\S)", re.IGNORECASE
+    r"[ \t](?:\((?!(?:or|and)\b)[A-Za-z]{2}|(?:because|since|which|where)[ \t]+\S)", re.IGNORECASE
 )
 
 _ASIDE_AT = {",": _COMMA_ASIDE, ";": _SEMICOLON_ASIDE, " ": _SPACE_ASIDE, "\t": _SPACE_ASIDE}
@@ -175,7 +175,8 @@ def without_aside(s: str) -> str:
     """``s`` up to where a clause or an aside starts after the answer, outside math (``$...$``)
     and brackets: a ``,`` before a word that starts one (because, since, which, as, so, where,
     the, this, after...), a ``;`` before a word, `` (`` before a word ("42 (six times seven)"),
-    or one of the connectives because, since, which, as, so, where: "42, because 6 times 7 is
+    or one of the connectives because, since, which, where (not a bare "as" or "so", which
+    text answers hold: "the same as before", "so-called"): "42, because 6 times 7 is
     42" states 42, "Paris, the capital" Paris. Number lists (``1, 2, 3``), points (``(1, 2)``)
     and "42 (or 43)" stay whole. Only the first ``MAX_ANSWER_CHARS`` characters are looked at:
     a cut later would leave an answer too long to match anything."""

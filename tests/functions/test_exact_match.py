@@ -351,3 +351,10 @@ def test_an_empty_ground_truth_is_a_clear_error(gt: str) -> None:
     runner = FunctionRunner.from_entry(ENTRY)
     ok, (code, message, _) = runner.run(encode_payload({"traj": "", "ground_truth": gt}))
     assert not ok and code == "UserError" and "is empty once normalised" in message
+
+
+def test_a_bare_as_or_so_inside_a_text_answer_is_part_of_it():
+    # only a comma before them starts an aside; without one they are the answer's own words
+    assert exact_match("The answer is the same as before.", ground_truth="the same as before") == 1.0
+    assert exact_match("The answer is so far so good.", ground_truth="so far so good") == 1.0
+    assert exact_match("The answer is 42, as 6 times 7 is 42.", ground_truth="42") == 1.0
