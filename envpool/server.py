@@ -335,8 +335,15 @@ def main() -> None:
     }
     from envpool.images.errors import ImageNotFound
 
+    def ready(info: dict[str, Any]) -> None:
+        print(json.dumps(info), flush=True)
+        # the runtime reads this one line from stdout (a pipe it does not drain afterwards):
+        # what the environment prints from now on goes to stderr, as in a zygote's container,
+        # never into a pipe that fills and blocks the environment's next print
+        os.dup2(2, 1)
+
     try:
-        run(opts, lambda info: print(json.dumps(info), flush=True))
+        run(opts, ready)
     except ImageNotFound as e:
         # a wrong reference, not a crash: the exit code tells the runtime not to retry it
         print(f"envpool.server: {e}", file=sys.stderr, flush=True)
