@@ -7,12 +7,22 @@ group), dies with the zygote, and runs ``envpool.server.run``; it answers on std
 the child is listening, and reports children that exit. It stays single-threaded so
 forking it is safe.
 
+The zygote is the only one that kills its children, and only while they are its unreaped
+children: until a child is reaped its pid, which is its process group's id, cannot be
+given to another process. The pool names a container by the request that forked it (a
+pid it holds may be another process's by then); a child that exits on its own has its
+group killed before it is reaped (what it left running goes with it), then is reported.
+
     stdin   {"req": N, "opts": {...server options...}, "cwd": DIR, "env": {...}}
-    stdout  {"req": N, "pid": P, "isolation": ...} | {"req": N, "error": "..."} | {"exit": P, "code": C}
+            {"req": N, "kill": R}       kill the group of request R's container, if still ours
+    stdout  {"req": N, "pid": P, "isolation": ...} | {"req": N, "error": "..."}
+            {"req": N, "killed": true|false}
+            {"exit": P, "code": C, "of": R}
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -51,6 +61,17 @@ def _child(req: dict[str, Any], ready_w: int, inherited: list[int]) -> None:
     os._exit(0)
 
 
+def _kill(pid: int | None) -> bool:
+    """SIGKILL a child's process group (and the child, should it not lead one yet). Only
+    for a child not reaped yet: its pid, the group's id, is still its own."""
+    if pid is None:
+        return False
+    for kill in (os.killpg, os.kill):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(pid, signal.SIGKILL)
+    return True
+
+
 def _say(msg: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(msg) + "\n")
     sys.stdout.flush()
@@ -62,6 +83,8 @@ def main() -> None:
     sel = selectors.DefaultSelector()
     sel.register(sys.stdin.fileno(), selectors.EVENT_READ, None)
     pending: dict[int, tuple[int, bytearray]] = {}  # ready pipe -> (req, bytes so far)
+    children: dict[int, int] = {}  # req -> pid, of the children not reaped yet
+    reqs: dict[int, int] = {}  # the same, pid -> req
     buf = b""
     while True:
         for key, _ in sel.select(timeout=0.05):
@@ -74,6 +97,9 @@ def main() -> None:
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
                     req = json.loads(line)
+                    if "kill" in req:  # a container the pool stops
+                        _say({"req": req["req"], "killed": _kill(children.get(int(req["kill"])))})
+                        continue
                     r, w = os.pipe()
                     pid = os.fork()
                     if pid == 0:
@@ -81,6 +107,7 @@ def main() -> None:
                         sel.close()
                         _child(req, w, list(pending))
                     os.close(w)
+                    children[req["req"]], reqs[pid] = pid, req["req"]
                     pending[r] = (req["req"], bytearray())
                     sel.register(r, selectors.EVENT_READ, pid)
             else:
@@ -103,12 +130,19 @@ def main() -> None:
                 _say({"req": req_id, "pid": key.data, **info})
         while True:  # reap, and tell the pool which containers are gone
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                # WNOWAIT: found, not reaped yet (what it left in its group dies first)
+                found = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:
                 break
-            if pid == 0:
+            if found is None:
                 break
-            _say({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+            pid = found.si_pid
+            _kill(pid)
+            _, status = os.waitpid(pid, 0)
+            of = reqs.pop(pid, None)
+            if of is not None:
+                del children[of]
+            _say({"exit": pid, "code": os.waitstatus_to_exitcode(status), "of": of})
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +44,51 @@ def _child_env(cdir: Path) -> dict[str, str]:
     return env
 
 
+@dataclass(eq=False)
+class _Forked:
+    """A container the zygote forked (its ``Container.handle``). The pool names it to the
+    zygote by the request that forked it, never by pid: once the zygote has reaped it, its
+    pid may be another process's (another session's container, after a pid wrap)."""
+
+    req: int
+    pid: int = 0
+    exited: bool = False
+    """The zygote reported it reaped (after killing what was left of its group), or the
+    zygote itself died (its children die with it)."""
+
+
+def _exited(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether a fresh interpreter's container ended, without reaping it: until it is reaped
+    its pid, its process group's id, stays ours (``_stop`` may still kill the group)."""
+    if proc.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+async def _read_line(pipe: Any) -> bytes:
+    """The first line of ``pipe``, read on the loop; the pipe is closed after it."""
+    reader = asyncio.StreamReader()
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
+    try:
+        return await reader.readline()
+    finally:
+        # the server sends its stdout to stderr after this line: nothing more comes here
+        transport.close()
+
+
 class _Zygote:
     """The pool's handle on ``python -m envpool.zygote``."""
 
     def __init__(self) -> None:
         self.proc: asyncio.subprocess.Process | None = None
         self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self.exited: set[int] = set()
+        self.children: dict[int, _Forked] = {}
+        """Request id -> the container forked for it, while the zygote has not reported it
+        gone: the current zygote's children (each zygote's reader holds its own)."""
         self.ids = itertools.count(1)
         self.reader: asyncio.Task[None] | None = None
         self.lock = asyncio.Lock()
@@ -69,47 +108,81 @@ class _Zygote:
             start_new_session=True,
         )
         _LIVE_GROUPS.add(self.proc.pid)
-        self.reader = asyncio.get_running_loop().create_task(self._read(self.proc))
+        self.children = {}
+        self.reader = asyncio.get_running_loop().create_task(self._read(self.proc, self.children))
 
-    async def _read(self, proc: asyncio.subprocess.Process) -> None:
+    async def _read(self, proc: asyncio.subprocess.Process, children: dict[int, _Forked]) -> None:
         assert proc.stdout is not None
         while line := await proc.stdout.readline():
             msg = json.loads(line)
-            if "exit" in msg:
-                self.exited.add(int(msg["exit"]))
-                _LIVE_GROUPS.discard(int(msg["exit"]))
+            if "exit" in msg:  # the zygote killed what was left of its group and reaped it
+                child = children.pop(int(msg["of"]), None) if msg.get("of") is not None else None
+                if child is not None and not child.exited:
+                    child.exited = True
+                    _LIVE_GROUPS.discard(child.pid)
                 continue
             req = int(msg["req"])
             cwd = self.cwds.pop(req, None)
             fut = self.waiting.pop(req, None)
+            if "pid" in msg and (child := children.get(req)) is not None:
+                # (absent: it was reported gone already, its exit read before its answer)
+                child.pid = int(msg["pid"])
+                _LIVE_GROUPS.add(child.pid)
             if fut is None or fut.done():
                 # its claim was cancelled (an aborted rollout) or timed out: nobody will own
                 # this container, so it must not outlive the moment it reports in
                 if "pid" in msg:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(int(msg["pid"]), signal.SIGKILL)
+                    self._send({"req": next(self.ids), "kill": req})
                 if cwd is not None:
                     shutil.rmtree(cwd, ignore_errors=True)
                 continue
             fut.set_result(msg)
-        for fut in self.waiting.values():  # the zygote died: its children died with it
+        for child in children.values():  # the zygote died: its children died with it
+            child.exited = True
+            _LIVE_GROUPS.discard(child.pid)
+        children.clear()
+        for fut in self.waiting.values():
             if not fut.done():
                 fut.set_exception(ContainerStartError("the zygote exited; it will be restarted"))
         self.waiting.clear()
 
-    async def fork(self, opts: dict[str, Any], cwd: Path) -> dict[str, Any]:
+    def _send(self, msg: dict[str, Any]) -> bool:
+        if self.proc is None or self.proc.stdin is None or self.proc.stdin.is_closing():
+            return False
+        self.proc.stdin.write(json.dumps(msg).encode() + b"\n")
+        return True
+
+    async def fork(self, opts: dict[str, Any], cwd: Path) -> tuple[dict[str, Any], _Forked]:
         await self.ensure()
         assert self.proc is not None and self.proc.stdin is not None
         req = next(self.ids)
+        child = self.children[req] = _Forked(req)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.waiting[req] = fut
         self.cwds[req] = cwd
-        line = json.dumps(
-            {"req": req, "opts": opts, "cwd": str(cwd), "env": {"TMPDIR": str(cwd), "HOME": str(cwd)}}
+        env = {"TMPDIR": str(cwd), "HOME": str(cwd)}
+        self.proc.stdin.write(
+            json.dumps({"req": req, "opts": opts, "cwd": str(cwd), "env": env}).encode() + b"\n"
         )
-        self.proc.stdin.write(line.encode() + b"\n")
         await self.proc.stdin.drain()
-        return await fut
+        return await fut, child
+
+    async def kill(self, child: _Forked) -> None:
+        """Have the zygote kill ``child``'s process group, and wait until it has. It does so
+        only while ``child`` is its unreaped child: the group cannot be another's. Its record
+        goes when the zygote reports it reaped."""
+        if child.exited or self.reader is None or self.reader.done():
+            return  # reported gone, or its zygote is (its children died with it)
+        req = next(self.ids)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.waiting[req] = fut
+        try:
+            if self._send({"req": req, "kill": child.req}):
+                await fut
+        except (ContainerStartError, ConnectionError):
+            pass  # the zygote died meanwhile: its children died with it
+        finally:
+            self.waiting.pop(req, None)
 
     async def aclose(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
@@ -150,10 +223,9 @@ class ProcessRuntime(Runtime):
         sock = cdir / "s"  # short: Unix socket paths are limited to 108 bytes
         opts = self._opts(sock, bundle)
         if self._zygote is not None:
-            info = await self._zygote.fork(opts, cdir)
+            info, child = await self._zygote.fork(opts, cdir)
             pid = int(info["pid"])
-            _LIVE_GROUPS.add(pid)
-            c = Container(id=cid, endpoint=str(sock), image=image, runtime=self.kind, pid=pid)
+            c = Container(id=cid, endpoint=str(sock), image=image, runtime=self.kind, pid=pid, handle=child)
             if "error" in info:
                 await self._stop(c)
                 raise ContainerStartError(f"container {cid} failed to start: {info['error']}")
@@ -180,8 +252,12 @@ class ProcessRuntime(Runtime):
             cmd += ["--bundle", opts["bundle"]]
         if not opts["netns"]:
             cmd.append("--no-netns")
-        proc = await asyncio.create_subprocess_exec(
-            *cmd,
+        # a Popen, not an asyncio subprocess: asyncio reaps its children as they exit, and a
+        # reaped container's pid may be another process's by the time it is stopped; this
+        # one stays unreaped until _stop has killed its group. (fork+exec takes a few ms on
+        # the loop, as asyncio's own spawn did.)
+        proc = subprocess.Popen(  # noqa: ASYNC220
+            cmd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             env=_child_env(cdir),
@@ -192,9 +268,8 @@ class ProcessRuntime(Runtime):
         c = Container(
             id=cid, endpoint=opts["sock"], image=image, runtime=self.kind, pid=proc.pid, handle=proc
         )
-        assert proc.stdout is not None
         try:
-            line = await proc.stdout.readline()
+            line = await _read_line(proc.stdout)
             info = json.loads(line) if line else {}
         except (ValueError, asyncio.CancelledError):
             await self._stop(c)
@@ -208,16 +283,25 @@ class ProcessRuntime(Runtime):
         return c
 
     async def _stop(self, c: Container) -> None:
-        if c.pid is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(c.pid, signal.SIGKILL)
-            _LIVE_GROUPS.discard(c.pid)
-        if c.handle is not None:
-            await c.handle.wait()
+        # never os.killpg(c.pid) for a container that may have been reaped: its pid may be
+        # another process's by now (a pid wrap hands it to the next container to start)
+        if isinstance(c.handle, _Forked):
+            assert self._zygote is not None
+            await self._zygote.kill(c.handle)
+        elif isinstance(c.handle, subprocess.Popen):
+            proc = c.handle
+            if proc.returncode is None:  # not reaped: its pid is still its group's id
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            # reaped here, on the loop, with the record dropped in the same step (a process
+            # exit has no awaitable without a child watcher: it dies within moments of SIGKILL)
+            while proc.poll() is None:  # noqa: ASYNC110
+                await asyncio.sleep(0.005)
+            _LIVE_GROUPS.discard(proc.pid)
         shutil.rmtree(Path(c.endpoint).parent, ignore_errors=True)
 
     def cpu_seconds(self, c: Container) -> float | None:
-        if c.pid is None:
+        if c.pid is None or not self._alive_now(c):
             return None
         try:
             with open(f"/proc/{c.pid}/stat", "rb") as f:
@@ -230,9 +314,14 @@ class ProcessRuntime(Runtime):
         return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
     async def _alive(self, c: Container) -> bool:
-        if c.handle is not None:
-            return c.handle.returncode is None
-        return self._zygote is not None and c.pid not in self._zygote.exited
+        return self._alive_now(c)
+
+    def _alive_now(self, c: Container) -> bool:
+        if isinstance(c.handle, _Forked):
+            return not c.handle.exited
+        if isinstance(c.handle, subprocess.Popen):
+            return not _exited(c.handle)
+        return False
 
     async def aclose(self) -> None:
         await super().aclose()

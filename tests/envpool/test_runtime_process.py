@@ -5,13 +5,121 @@ a container's output once it is ready (zygote or not)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import pytest
 from echo_bundle import IMAGE, DirImages
-from pool_util import alive
+from pool_util import alive, pool, wait_for
 
+import envpool
 from envpool.pool import EnvPool
+
+# -- a dead container's pid, reused by the kernel ---------------------------------------------
+
+# Runs in a pid namespace of its own (``unshare -p -f --mount-proc``), where the next pid can
+# be set (ns_last_pid) without touching the host: an idle container dies, the kernel gives its
+# pid to another session's container at once (a pid wrap, made to land), and a claim that
+# finds the dead one stops it.
+_PID_REUSE = r"""
+import asyncio, json, os, signal, sys, tempfile
+from pathlib import Path
+from echo_bundle import IMAGE, DirImages, write_bundle
+from pool_util import alive
+from envpool.pool import EnvPool
+
+
+async def main(zygote):
+    images = DirImages(write_bundle(Path(tempfile.mkdtemp()) / "b"))
+    cfg = {"min_warm": 0, "runtime": {"heartbeat_s": 0.1, "zygote": zygote}}
+    async with EnvPool(cfg, images=images) as p:
+        await p.prewarm(IMAGE, 1)
+        (dead,) = p._idle[IMAGE]
+        os.kill(dead.pid, signal.SIGKILL)  # the idle container dies (OOM, a crash)
+        while await p.runtime.alive(dead):
+            await asyncio.sleep(0.01)
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(dead.pid - 1))
+        async with p.session("echo-v0") as s1:  # another image's container: gets the pid if free
+            await s1.reset(seed=1)
+            other = s1.container
+            async with p.session("bundle-echo-v0", image=IMAGE) as s2:  # finds the dead one first
+                await s2.reset(seed=2)
+            survived = alive(other.pid)
+            text = (await s1.step("x")).obs.text
+            out = {"reused": other.pid == dead.pid, "survived": survived, "text": text,
+                   "same_container": s1.container is other, "replays": p.stats().get("replays", 0)}
+    print(json.dumps(out), flush=True)
+
+
+asyncio.run(main(sys.argv[1] == "zygote"))
+"""
+
+
+def _unshare_or_skip() -> list[str]:
+    if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) (util-linux) for a pid namespace of its own")
+    cmd = ["unshare", "-p", "-f", "--mount-proc"]
+    probe = subprocess.run([*cmd, "true"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a pid namespace here (needs root): {probe.stderr.strip()}")
+    return cmd
+
+
+@pytest.mark.parametrize("mode", ["zygote", "exec"])
+def test_stopping_a_dead_container_never_kills_the_process_that_got_its_pid(tmp_path, mode):
+    cmd = _unshare_or_skip()
+    script = tmp_path / "pid_reuse.py"
+    script.write_text(_PID_REUSE)
+    root = Path(envpool.__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(Path(__file__).parent)])}
+    out = subprocess.run(
+        [*cmd, sys.executable, str(script), mode], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if mode == "zygote" and not got["reused"]:
+        pytest.skip(f"the kernel did not hand the dead container's pid over: {got}")
+    # the other session's container lives on: no replay, the same container, its own count
+    assert got["survived"] and got["same_container"] and got["replays"] == 0, got
+    assert got["text"] == "x", got
+
+
+async def test_the_zygote_keeps_records_of_live_containers_only(images):
+    async with pool(images, min_warm=0, max_episodes=1) as p:
+        z = p.runtime._zygote
+        for seed in range(3):  # recycled after each episode (max_episodes=1)
+            async with p.session("bundle-echo-v0", image=IMAGE) as s:
+                await s.reset(seed=seed)
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=9)
+            os.kill(s.container.pid, signal.SIGKILL)  # one dies on its own
+            await wait_for(lambda: s.container.handle.exited)
+        # each record goes once the zygote has reaped its container
+        await wait_for(lambda: not p.runtime.live and not z.children)
+
+
+_SPAWNER = '''
+import subprocess
+import envpool
+
+
+class SpawnEnv(envpool.Env):
+    """Starts a helper process (in the container's process group) and names its pid."""
+
+    example_actions = ("spawn",)
+
+    def reset(self, *, seed=None, options=None):
+        return "ready", {}
+
+    def step(self, action):
+        p = subprocess.Popen(["sleep", "60"])
+        return envpool.StepResult(obs=envpool.Observation(text=str(p.pid)))
+'''
 
 
 def _bundle(root: Path, source: str, module: str, env_id: str, entry: str) -> DirImages:
@@ -20,6 +128,18 @@ def _bundle(root: Path, source: str, module: str, env_id: str, entry: str) -> Di
     manifest = {"register": [{"id": env_id, "entry_point": f"{module}:{entry}"}]}
     (root / "envpool.json").write_text(json.dumps(manifest))
     return DirImages(root)
+
+
+async def test_a_container_whose_leader_died_loses_its_whole_group_at_once(tmp_path):
+    # the pool never kills the group of a leader reported dead (its pid may be another's by
+    # then); the zygote kills it before it reaps the leader, while the group's id is still its own
+    images = _bundle(tmp_path / "b", _SPAWNER, "spawn_env", "spawn-v0", "SpawnEnv")
+    async with pool(images, min_warm=0) as p, p.session("spawn-v0", image=IMAGE) as s:
+        await s.reset(seed=0)
+        helper = int((await s.step("spawn")).obs.text)
+        assert alive(helper)
+        os.kill(s.container.pid, signal.SIGKILL)
+        await wait_for(lambda: not alive(helper))
 
 
 # -- what a container prints ------------------------------------------------------------------
