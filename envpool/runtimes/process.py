@@ -164,8 +164,18 @@ class _Zygote:
         self.proc.stdin.write(
             json.dumps({"req": req, "opts": opts, "cwd": str(cwd), "env": env}).encode() + b"\n"
         )
-        await self.proc.stdin.drain()
-        return await fut, child
+        try:
+            await self.proc.stdin.drain()
+            return await fut, child
+        except asyncio.CancelledError:
+            if not fut.done():
+                fut.cancel()  # the reader kills the container when it reports in
+            elif not fut.cancelled() and fut.exception() is None and "pid" in fut.result():
+                # its answer was read in the loop turn that cancelled us: the reader handed the
+                # container over and nobody will own it (not live, not counted, no pinned image)
+                self._send({"req": next(self.ids), "kill": req})
+                shutil.rmtree(cwd, ignore_errors=True)
+            raise
 
     async def kill(self, child: _Forked) -> None:
         """Have the zygote kill ``child``'s process group, and wait until it has. It does so

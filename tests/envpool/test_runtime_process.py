@@ -4,6 +4,8 @@ a container's output once it is ready (zygote or not)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -140,6 +142,45 @@ async def test_a_container_whose_leader_died_loses_its_whole_group_at_once(tmp_p
         assert alive(helper)
         os.kill(s.container.pid, signal.SIGKILL)
         await wait_for(lambda: not alive(helper))
+
+
+# -- a start cancelled as its container reports ready -----------------------------------------
+
+
+async def test_a_claim_cancelled_as_its_container_reports_ready_leaves_no_container(images):
+    async with pool(images, min_warm=0, max_episodes=1) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:  # the zygote is up
+            await s.reset(seed=0)
+        z = p.runtime._zygote
+        zpid = z.proc.pid
+        claimer: asyncio.Task[None] | None = None
+
+        class Waiting(dict):
+            def pop(self, key, default=None):
+                # the reader is about to hand the ready message to the start's future: the
+                # trajectory is aborted in this same loop iteration
+                if claimer is not None and not claimer.done():
+                    claimer.cancel()
+                return super().pop(key, default)
+
+        z.waiting = Waiting(z.waiting)
+
+        async def one() -> None:
+            async with p.session("bundle-echo-v0", image=IMAGE) as s:
+                await s.reset(seed=1)
+
+        claimer = asyncio.create_task(one())
+        with contextlib.suppress(asyncio.CancelledError):
+            await claimer
+        assert claimer.cancelled()
+
+        def children() -> list[int]:
+            return [int(x) for x in Path(f"/proc/{zpid}/task/{zpid}/children").read_text().split()]
+
+        # nothing runs that the runtime does not track, and its directory is gone
+        await wait_for(lambda: not [c for c in children() if alive(c)])
+        assert not p.runtime.live
+        assert not [d for d in p.runtime.root.iterdir() if d.is_dir()]
 
 
 # -- what a container prints ------------------------------------------------------------------
