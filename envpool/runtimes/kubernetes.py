@@ -33,7 +33,7 @@ from typing import Any
 
 from envpool.errors import ContainerStartError, EnvPoolError, InfraError
 from envpool.protocol import EXIT_IMAGE_NOT_FOUND
-from envpool.runtimes._remote import image_not_found, owner_id, pid_alive, server_command
+from envpool.runtimes._remote import create_or_clean, image_not_found, owner_id, pid_alive, server_command
 from envpool.runtimes.base import Container, KubernetesRuntimeConfig, Runtime
 
 MANAGED_BY = ("app.kubernetes.io/managed-by", "envpool")
@@ -93,6 +93,8 @@ class KubernetesRuntime(Runtime):
         self.owner = owner_id(self._instance)
         self._pods: set[str] = set()
         """Pods this runtime created and has not deleted (starting ones included)."""
+        self._creating: dict[str, asyncio.Future[Any]] = {}
+        """Pod name -> its create call, while it is in flight (a thread no cancellation stops)."""
         _RUNTIMES.add(self)
 
     def _client_configuration(self, k8s: Any) -> Any:
@@ -187,9 +189,16 @@ class KubernetesRuntime(Runtime):
         manifest = self._manifest(name, image)
         self._pods.add(name)
         try:
-            await self._api(
-                self._core.create_namespaced_pod, ns, manifest, what=f"create pod {name}", start=True
+            create = asyncio.ensure_future(
+                self._api(
+                    self._core.create_namespaced_pod, ns, manifest, what=f"create pod {name}", start=True
+                )
             )
+            self._creating[name] = create
+            create.add_done_callback(lambda t: self._created(name, t))
+            # cancelled meanwhile (a start timeout, an aborted claim, a closing pool): the
+            # create lands all the same, and the pod is deleted then, as docker and modal do
+            await create_or_clean(create, lambda _: self._delete(name))
             host, port = await self._wait_running(name)
             await self._wait_listening(name, host, port)
         except BaseException:
@@ -205,6 +214,11 @@ class KubernetesRuntime(Runtime):
             isolation="pod",
             handle=name,
         )
+
+    def _created(self, name: str, create: asyncio.Future[Any]) -> None:
+        self._creating.pop(name, None)
+        if not create.cancelled():
+            create.exception()  # read: a start cut off by a second cancellation never awaits it
 
     async def _wait_running(self, name: str) -> tuple[str, int]:
         delay = 0.02
@@ -284,6 +298,12 @@ class KubernetesRuntime(Runtime):
             return
 
     async def _delete(self, name: str) -> None:
+        if name not in self._pods:
+            return  # deleted already (a start given up deletes its pod once it exists)
+        if (create := self._creating.get(name)) is not None:
+            # a DELETE sent before the create lands answers 404 and the pod appears afterwards:
+            # wait for the create (in flight in its thread), the name still tracked meanwhile
+            await asyncio.wait([create])
         try:
             await self._api(
                 self._core.delete_namespaced_pod,

@@ -4,18 +4,22 @@ each pod a real ``envpool.server`` process on 127.0.0.1 reached over TCP."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from echo_bundle import write_bundle
-from pool_util import alive
+from pool_util import alive, wait_for
 
+from envpool.errors import ContainerStartError
 from envpool.images.bundle import build_bundle
 from envpool.images.errors import ImageNotFound
 from envpool.images.fake_origin import FakeOrigin
 from envpool.pool import EnvPool, SessionLost
+from envpool.runtimes.base import KubernetesRuntimeConfig
 from envpool.runtimes.k8s_fake import FakeKubernetesAPI
 from envpool.runtimes.kubernetes import KubernetesRuntime
 
@@ -169,4 +173,66 @@ async def test_reap_orphans_deletes_pods_of_dead_owners(api):
         assert sorted(api.pod_names()) == sorted([c.handle, "envpool-other0"])
         api.delete("default", "envpool-other0")
         assert await rt.alive(c)
+    assert api.pod_names() == []
+
+
+class _SlowCreates:
+    """An API server under load: each pod create takes ``delay_s`` to land."""
+
+    def __init__(self, api: FakeKubernetesAPI, delay_s: float = 0.5):
+        self.inflight = 0
+        real_create = api.create
+
+        def slow_create(ns: str, body: dict) -> tuple[int, dict]:
+            self.inflight += 1
+            try:
+                time.sleep(delay_s)
+                return real_create(ns, body)
+            finally:
+                self.inflight -= 1
+
+        api.create = slow_create  # type: ignore[method-assign]
+
+    async def landed(self) -> None:
+        """Every create sent so far has landed (a pod given up on is there now, or never)."""
+        await wait_for(lambda: self.inflight == 0)
+
+
+async def test_a_start_given_up_while_its_pod_is_created_leaves_no_pod(api):
+    # the start timed out with the create in flight (a thread): its DELETE went first (404),
+    # the name was forgotten, and the create then landed: a running pod nobody tracked
+    creates = _SlowCreates(api)
+    rt = KubernetesRuntime(KubernetesRuntimeConfig(host=api.url, image=IMAGE, heartbeat_s=0.2))
+    with pytest.raises(ContainerStartError):
+        await rt.start(None, None, timeout_s=0.2)
+    await creates.landed()
+    assert api.pod_names() == [] and not rt._pods
+    await rt.aclose()
+
+
+async def test_a_start_cancelled_twice_while_its_pod_is_created_leaves_no_pod(api):
+    # a second cancellation (the pool closing after the claim was aborted) cut short the wait
+    # for the create: the pod must still be deleted once it exists, and stay tracked until then
+    creates = _SlowCreates(api)
+    rt = KubernetesRuntime(KubernetesRuntimeConfig(host=api.url, image=IMAGE, heartbeat_s=0.2))
+    start = asyncio.create_task(rt.start(None, None, timeout_s=15))
+    await asyncio.sleep(0.1)
+    start.cancel()
+    await asyncio.sleep(0.05)
+    start.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await start
+    await rt.aclose()
+    await creates.landed()
+    assert api.pod_names() == []
+
+
+async def test_a_pool_closed_while_a_prestart_creates_its_pod_leaves_no_pod(api):
+    creates = _SlowCreates(api)
+    p = pool(api, start_timeout_s=15)
+    async with p:
+        p._keep_warm(None, 2)  # as after a first session: keep 2 warm
+        await asyncio.sleep(0.3)  # the maintenance loop's prestarts are creating their pods
+        assert creates.inflight
+    await creates.landed()
     assert api.pod_names() == []
