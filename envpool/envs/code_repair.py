@@ -19,8 +19,10 @@ One action per turn:
     blocks apply in order, all or none. An empty REPLACE deletes the text.
 ``run_tests``
     runs every ``test_*`` function of the test files in a subprocess (``python -I -B``,
-    cwd the work dir, scrubbed environment, killed after ``test_timeout_s``) and shows a
-    pass/fail summary with the (truncated) output.
+    cwd the work dir, scrubbed environment, killed after ``test_timeout_s`` with whatever it
+    started) and shows a pass/fail summary with the (truncated) output. The subprocess stays
+    in the caller's process group, so killing a container kills its test run; it also dies
+    with the process that started it and has a CPU limit of about ``test_timeout_s``.
 ``submit``
     ends the episode: reward 1.0 when every test of the task passes, else 0.0.
 
@@ -32,9 +34,12 @@ changed; this is not a sandbox for adversarial code (that is the container's job
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import random
 import re
+import resource
 import secrets
 import shutil
 import signal
@@ -225,10 +230,18 @@ def test_empty():
 )
 TASKS_BY_NAME = {t.name: t for t in TASKS}
 
-# Runs as `python -I -B -c RUNNER` in the work dir. The result line carries a nonce read
-# from stdin, so a stray print in the module cannot pass for it by accident.
+# Runs as `python -I -B -c RUNNER PARENT_PID` in the work dir. The result line carries a
+# nonce read from stdin, so a stray print in the module cannot pass for it by accident. It
+# dies with the process that started it (PR_SET_PDEATHSIG, set here rather than in a
+# preexec_fn, which is not safe in a process with threads, as a container's server is).
 RUNNER = r"""
-import importlib, os, sys, traceback
+import ctypes, importlib, os, sys, traceback
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+except Exception:
+    pass  # not Linux: the timeout and the CPU limit still apply
+if os.getppid() != int(sys.argv[1]):  # its parent died before prctl took effect
+    os._exit(1)
 root = os.getcwd()
 sys.path.insert(0, root)
 nonce = sys.stdin.readline().strip()
@@ -410,21 +423,27 @@ class CodeRepairEnv(Env):
         nonce = secrets.token_hex(8)
         env = {"PATH": os.defpath, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": str(root)}
         with tempfile.TemporaryFile() as out:
+            # in this process's group, not a session of its own: a container is killed as a
+            # whole (its process group), and a test run must go with it
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-B", "-c", RUNNER],
+                [sys.executable, "-I", "-B", "-c", RUNNER, str(os.getpid())],
                 cwd=root,
                 env=env,
                 stdin=subprocess.PIPE,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,  # a timeout kills the whole group
             )
             timed_out = False
             try:
+                # a backstop should the timeout below never come (this process stopped):
+                # SIGKILL past about test_timeout_s of CPU (soft = hard: no SIGXCPU core dump)
+                cpu_s = math.ceil(self.test_timeout_s) + 1
+                with contextlib.suppress(OSError, ValueError):
+                    resource.prlimit(proc.pid, resource.RLIMIT_CPU, (cpu_s, cpu_s))
                 proc.communicate(f"{nonce}\n".encode(), timeout=self.test_timeout_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_tree(proc.pid)
                 proc.wait()
             out.seek(0)
             raw = out.read(1_000_000).decode("utf-8", errors="replace")
@@ -438,6 +457,54 @@ class CodeRepairEnv(Env):
             why = f"timed out after {self.test_timeout_s:g} s" if timed_out else "did not finish"
             return 0, self.task.n_tests, f"The test run {why}.\n{shown}".strip()
         return int(found[-1].group(2)), int(found[-1].group(3)), shown
+
+
+def _children_by_parent() -> dict[int, list[int]]:
+    found: dict[int, list[int]] = {}
+    try:
+        entries = list(os.scandir("/proc"))
+    except OSError:  # no /proc (not Linux): only the runner itself is killed
+        return found
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        # past the command name (which may hold spaces or parentheses): state, then ppid
+        ppid = int(stat.rpartition(b")")[2].split()[1])
+        found.setdefault(ppid, []).append(int(entry.name))
+    return found
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL ``root`` (a child of this process) and every process it started. They share
+    their caller's process group (a group of their own would escape a container's kill), so
+    they are found by parent; each is stopped first so that none forks behind the walk, and
+    a stopped parent reaps nothing, so no pid found can pass to another process before the
+    kill. (One that left the tree, reparented when its parent exited, is not found: the
+    container's own kill takes it.)"""
+    stopped: set[int] = set()
+    todo = [root]
+    while todo:
+        for pid in todo:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        stopped.update(todo)
+        tree = _children_by_parent()
+        found: set[int] = set()
+        frontier = [root]
+        while frontier:
+            for child in tree.get(frontier.pop(), ()):
+                if child not in found:
+                    found.add(child)
+                    frontier.append(child)
+        todo = sorted(found - stopped)
+    for pid in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def parse_blocks(text: str) -> list[tuple[str, str]] | str:

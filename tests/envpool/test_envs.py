@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+from pool_util import wait_for
 
 import envpool
 import envpool.envs  # registers the built-ins
@@ -20,6 +24,7 @@ from envpool.api import EnvRegistry, Observation, StepResult, as_observation
 from envpool.envs.code_repair import TASKS, parse_blocks
 from envpool.envs.frozenlake import FrozenLakeEnv
 from envpool.errors import EnvOrderError
+from envpool.pool import EnvPool
 from envpool.testing import EnvConformanceError, check_env
 from fabric.registry import Registry
 from functions.tools.calculator import MAX_INT_BITS, OPENAI_SCHEMA, calculator
@@ -454,6 +459,87 @@ def test_code_repair_test_timeout():
         assert env.step("submit").reward == 0.0
     finally:
         env.close()
+
+
+def _running_in(root: Path) -> list[int]:
+    """Processes whose working directory is under ``root`` (a test run in a work dir)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cwd = Path(os.readlink(entry / "cwd"))
+            except OSError:  # gone, or a zombie
+                continue
+            if cwd.is_relative_to(root):
+                found.append(int(entry.name))
+    return found
+
+
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+LOOP = "    while True:\n        pass"
+# a test run that starts a helper process of its own, then loops
+SPAWN_AND_LOOP = '    import subprocess\n    subprocess.Popen(["sleep", "60"])\n' + LOOP
+
+
+def test_code_repair_test_timeout_kills_what_the_run_started(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    env = envpool.make("code-repair-v1", test_timeout_s=0.5, workdir_root=str(work))
+    try:
+        env.reset(options={"task": "mathutils"})
+        env.step(edit_action("mathutils.py", "    return a - b", SPAWN_AND_LOOP))
+        res = env.step("run_tests")
+        assert "The test run timed out after 0.5 s" in res.obs.text
+        deadline = time.monotonic() + 2
+        while _running_in(work) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _running_in(work)  # the runner and the helper it started
+    finally:
+        _kill_all(_running_in(work))
+        env.close()
+
+
+@pytest.mark.parametrize("how", ["aborted", "leader_killed"])
+async def test_a_test_run_dies_with_its_container(tmp_path, how):
+    # the runner had a session of its own: killing the container's process group (an aborted
+    # trajectory, EnvHung, a recycle) missed it, and a policy's infinite loop ran on outside
+    # every container until test_timeout_s, or forever once its env was gone
+    work = tmp_path / "work"
+    work.mkdir()
+    kwargs = {"workdir_root": str(work), "test_timeout_s": 30}
+    runtime = {"heartbeat_s": 0.1, "zygote": how == "aborted"}
+    try:
+        async with EnvPool({"min_warm": 0, "runtime": runtime}) as p:
+            started = asyncio.Event()
+            pids: list[int] = []
+
+            async def rollout() -> None:
+                async with p.session("code-repair-v1", env_kwargs=kwargs) as s:
+                    await s.reset(seed=0, options={"task": "mathutils"})
+                    await s.step(edit_action("mathutils.py", "    return a - b", LOOP))
+                    pids.append(s.container.pid)
+                    started.set()
+                    await s.step("run_tests")
+
+            t = asyncio.create_task(rollout())
+            await started.wait()
+            await wait_for(lambda: bool(_running_in(work)))  # the test run is going
+            if how == "aborted":
+                t.cancel()  # the trajectory is aborted: its container is killed
+            else:
+                # the server alone is killed (the OOM killer): its test run goes with it
+                os.kill(pids[0], signal.SIGKILL)
+            await wait_for(lambda: not _running_in(work), 3.0)
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+    finally:
+        _kill_all(_running_in(work))
 
 
 def test_code_repair_dirs_are_removed(repair):
