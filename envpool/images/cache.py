@@ -151,8 +151,10 @@ class TieredCache:
                     await self._evict()
                     await asyncio.gather(*(t.start() for t in self.tiers))
                 except BaseException:
-                    # `async with` calls no __aexit__ when __aenter__ fails: release what started
-                    await asyncio.gather(*(t.aclose() for t in self.tiers), return_exceptions=True)
+                    # `async with` calls no __aexit__ when __aenter__ fails: release what started,
+                    # but only stop the tiers: a later get tries the start again (a closed tier
+                    # never starts again, and the cache would be broken for good by one failure)
+                    await asyncio.gather(*(t.stop() for t in self.tiers), return_exceptions=True)
                     raise
                 self._started = True
 
@@ -383,8 +385,12 @@ class TieredCache:
         self.unpack_root.mkdir(parents=True, exist_ok=True)
         for entry in self.unpack_root.glob(".tmp-*"):
             # left by a process that died mid-unpack (or mid-eviction); young ones may belong
-            # to a live neighbour
-            if time.time() - entry.lstat().st_mtime > STALE_TEMP_S:
+            # to a live neighbour, and may be renamed away as we look
+            try:
+                stale = time.time() - entry.lstat().st_mtime > STALE_TEMP_S
+            except FileNotFoundError:
+                continue
+            if stale:
                 shutil.rmtree(entry, ignore_errors=True)
         return self.unpacked.scan()
 

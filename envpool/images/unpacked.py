@@ -70,7 +70,10 @@ class UnpackedStore:
         found = []
         for entry in os.scandir(self.root):
             if _HEX_RE.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
-                found.append((entry.stat(follow_symlinks=False).st_mtime, entry.name))
+                try:
+                    found.append((entry.stat(follow_symlinks=False).st_mtime, entry.name))
+                except FileNotFoundError:  # evicted since the listing (by a neighbour)
+                    continue
         return [(name, tree_bytes(self.root / name)) for _, name in sorted(found)]
 
     def sized(self, hex_: str) -> int:

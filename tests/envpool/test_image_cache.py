@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -370,6 +371,88 @@ async def test_a_dead_tier_is_skipped(tmp_path: Path, bundle: Bundle) -> None:
             m = cache.metrics()
         assert m["tiers"]["peer"]["errors"] == 1 and m["tiers"]["origin"]["hits"] == 1
         assert "retries" not in m["outcomes"]
+
+
+class _Vanishing:
+    """What ``os.scandir`` lists under ``root``, with the entries ``gone`` picks renamed away
+    by a neighbour process right after the listing (an atomic write, an unpack, an eviction
+    of a process sharing the directories): each is listed once more, then missing."""
+
+    def __init__(self, root: Path, gone: Callable[[str], bool]):
+        self.root, self.gone, self.vanished = str(root), gone, []
+        self._scandir = os.scandir
+
+    def __call__(self, path: Any = ".") -> Any:
+        with self._scandir(path) as it:
+            entries = list(it)
+        if os.fspath(path).startswith(self.root):
+            for e in entries:
+                if self.gone(e.name):
+                    os.rename(e.path, os.path.join(os.path.dirname(e.path), "moved-" + e.name))
+                    self.vanished.append(e.name)
+        return _Listing(entries)
+
+
+class _Listing(list[Any]):
+    """A listing that, like ``os.scandir``'s, is also a context manager."""
+
+    def __enter__(self) -> _Listing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+async def test_entries_renamed_away_during_the_starts_scans_do_not_fail_it(
+    tmp_path: Path, bundle: Bundle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a neighbour's temp file renamed between the start's listing and its stat failed the
+    # start with FileNotFoundError (and the failed start closed every tier for good)
+    l1 = tmp_path / "a" / "l1" / "sha256"
+    unpacked = tmp_path / "a" / "unpacked" / "sha256"
+    l1.mkdir(parents=True)
+    (l1 / ".tmp-neighbour-write").write_bytes(b"half")
+    (unpacked / ".tmp-neighbour-unpack").mkdir(parents=True)
+    (unpacked / ("f" * 64)).mkdir()  # a neighbour's bundle, evicted by it as we start
+    vanishing = _Vanishing(tmp_path, lambda name: name.startswith(".tmp-") or name == "f" * 64)
+    monkeypatch.setattr(os, "scandir", vanishing)
+    with FakeOrigin({bundle.digest: bundle.data}) as origin:
+        async with cache_with(tmp_path, origin.url) as cache:
+            monkeypatch.undo()
+            path = await cache.get(bundle.digest)
+            assert (path / "pkg" / "__init__.py").read_text() == "VALUE = 42\n"
+    assert sorted(vanishing.vanished) == sorted([".tmp-neighbour-write", ".tmp-neighbour-unpack", "f" * 64])
+
+
+class _LateOrigin(HttpTier):
+    """An origin whose first start fails (its endpoint not up yet)."""
+
+    starts = 0
+
+    async def _start(self) -> None:
+        self.starts += 1
+        if self.starts == 1:
+            raise ImageFetchError("not reachable yet", tier=self.name)
+        await super()._start()
+
+
+async def test_a_failed_start_does_not_close_the_cache_for_good(tmp_path: Path, bundle: Bundle) -> None:
+    # a start that failed closed every tier, and a closed tier never starts again: every
+    # later get failed with "tier 'disk' is closed" though nothing was wrong any more
+    async with DiskTier(DiskTierConfig(path=tmp_path / "l1")) as seed:
+        await seed.put(bundle.digest, bundle.data)  # a blob already in L1, found by its scan
+    with FakeOrigin({bundle.digest: bundle.data}) as origin:
+        disk = DiskTier(DiskTierConfig(path=tmp_path / "l1"))
+        late = _LateOrigin(OriginTierConfig(url=origin.url))
+        cache = TieredCache([disk, late], unpack_dir=tmp_path / "u", retry=FAST_RETRY)
+        with pytest.raises(ImageFetchError, match="not reachable yet"):
+            await cache.get(bundle.digest)
+        path = await cache.get(bundle.digest)  # the start is tried again, and works
+        assert (path / "pkg" / "__init__.py").read_text() == "VALUE = 42\n"
+        assert disk.total_bytes == bundle.size  # scanned again, not counted twice
+        await cache.aclose()
+        with pytest.raises(ImageError, match="closed"):  # the cache's own close is for good
+            await cache.get(bundle.digest)
 
 
 async def test_unsafe_bundle_with_a_valid_digest_is_refused(tmp_path: Path) -> None:

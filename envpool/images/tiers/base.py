@@ -69,7 +69,8 @@ class TierMetrics:
 
 class Tier(ABC):
     """One cache level. Use as ``async with tier:`` (or let ``TieredCache`` own it);
-    ``start`` and ``aclose`` are idempotent, and ``get``/``put`` start a tier on first use."""
+    ``start``, ``stop`` and ``aclose`` are idempotent, and ``get``/``put`` start a tier on
+    first use (again after a ``stop``)."""
 
     kind: ClassVar[str]
     writable: ClassVar[bool] = True
@@ -101,6 +102,14 @@ class Tier(ABC):
             if not self._started:
                 await self._start()
                 self._started = True
+
+    async def stop(self) -> None:
+        """Close what ``start`` opened, leaving the tier able to start again: a cache whose
+        own start failed releases its tiers this way. ``aclose`` closes it for good."""
+        async with self._start_lock:
+            if self._started and not self._closed:
+                self._started = False
+                await asyncio.shield(self._close())
 
     async def aclose(self) -> None:
         if self._closed:

@@ -58,6 +58,8 @@ class DiskTier(Tier):
 
     async def _start(self) -> None:
         entries = await asyncio.to_thread(self._scan)
+        self._lru.clear()  # a tier started again (after a cache's failed start) scans anew
+        self._total = 0
         for digest, size in entries:
             self._lru[digest] = size
             self._total += size
@@ -68,7 +70,10 @@ class DiskTier(Tier):
         found: list[tuple[float, str, int]] = []
         now = time.time()
         for entry in os.scandir(self.root):
-            st = entry.stat(follow_symlinks=False)
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:  # renamed away since the listing (a neighbour's write)
+                continue
             if entry.name.startswith(".tmp-"):
                 # left by a writer that died mid-write (a young one may be a live neighbour's)
                 if now - st.st_mtime > STALE_TEMP_S:
