@@ -42,6 +42,12 @@ def _digest(result: dict[str, Any]) -> str:
     return hashlib.sha256(pydantic_core.to_json({k: result.get(k) for k in _SEEN})).hexdigest()
 
 
+def _raised(e: EnvLogicError) -> str:
+    """What the policy saw of a request the environment raised on: the exception's type (its
+    message may carry addresses or timings)."""
+    return f"raised {e.remote_type or type(e).__name__}"
+
+
 def _retryable(e: BaseException) -> bool:
     return isinstance(e, InfraError | OSError) and not isinstance(e, SessionLost)
 
@@ -66,9 +72,12 @@ class EnvSession:
         self.conn: Connection | None = None
         self.status: Literal["ok", "infra_failed"] = "ok"
         self.failures: list[str] = []
-        self._reset_args: dict[str, Any] | None = None
-        self._actions: list[str] = []
+        self._log: list[tuple[str, dict[str, Any]]] = []
+        """The episode so far, as a replay rebuilds it: its reset, then every request the
+        environment ran, those that raised (``EnvLogicError``) included: the environment
+        ran them and may have changed its state before it raised."""
         self._trace: list[str] = []
+        """What each request of ``_log`` gave: its digest, or the error type it raised."""
         self._done = True
         self._closed = False
         self._interrupted = False
@@ -85,10 +94,16 @@ class EnvSession:
         if seed is None:  # a random episode all the same, but one a replay can rebuild
             seed = secrets.randbits(31)
         args = {"seed": seed, "options": options}
-        result = await self._with_recovery(
-            "reset", lambda: self._call("reset", args, self._cfg.reset_timeout_s)
-        )
-        self._reset_args, self._actions, self._done, self._hung = args, [], False, None
+        try:
+            result = await self._with_recovery(
+                "reset", lambda: self._call("reset", args, self._cfg.reset_timeout_s)
+            )
+        except EnvLogicError as e:
+            # an episode under way goes on from whatever state the failed reset left
+            if not self._done:
+                self._ran_and_raised("reset", args, e)
+            raise
+        self._log, self._done, self._hung = [("reset", args)], False, None
         self._trace = [_digest(result)]
         if self.container is not None:
             self.container.episodes += 1
@@ -104,17 +119,31 @@ class EnvSession:
             raise EnvOrderError(
                 f"{self.env_id}: step() before reset() (or after the episode ended); call reset()"
             )
-        result = await self._with_recovery(
-            "step", lambda: self._call("step", {"action": text}, self._cfg.step_timeout_s), replay=True
-        )
+        args = {"action": text}
+        try:
+            result = await self._with_recovery(
+                "step", lambda: self._call("step", args, self._cfg.step_timeout_s), replay=True
+            )
+        except EnvLogicError as e:
+            self._ran_and_raised("step", args, e)
+            raise
         res = StepResult.model_validate(result)
-        self._actions.append(text)
+        self._log.append(("step", args))
         self._trace.append(_digest(result))
         self._done = res.done
         self.pool.metrics["steps"] += 1
         return res
 
     # -- internals
+    def _ran_and_raised(self, op: str, args: dict[str, Any], e: EnvLogicError) -> None:
+        """Record a request the environment raised on as part of the episode: a replay runs
+        it again and expects the same error type (else the episode differs and the session
+        is lost). Not one that hung (``EnvHung`` ends the episode), nor one the environment
+        never ran (its container failed to make it: no container is attached any more)."""
+        if not isinstance(e, EnvHung) and self.conn is not None and self._log:
+            self._log.append((op, args))
+            self._trace.append(_raised(e))
+
     @property
     def _cfg(self) -> PoolConfig:
         return self.pool.config
@@ -261,17 +290,25 @@ class EnvSession:
 
     async def _replay(self) -> None:
         """Rebuild the episode on a fresh container: same reset, same actions, and the same
-        observations, rewards and episode ends, checked step by step (``info`` may differ).
-        Anything else loses the session: a rebuilt episode that differs from the one the
-        policy saw would be wrong training data."""
+        observations, rewards and episode ends, checked step by step (``info`` may differ);
+        a request that raised (an environment bug) runs again and must raise the same error
+        type. Anything else loses the session: a rebuilt episode that differs from the one
+        the policy saw would be wrong training data."""
         self.pool.metrics["replays"] += 1
-        if self._reset_args is None:
+        if not self._log:
             return
+        timeouts = {"reset": self._cfg.reset_timeout_s, "step": self._cfg.step_timeout_s}
+        seen = []
         try:
-            result = await self._call("reset", self._reset_args, self._cfg.reset_timeout_s)
-            seen = [_digest(result)]
-            for a in self._actions:
-                seen.append(_digest(await self._call("step", {"action": a}, self._cfg.step_timeout_s)))
+            if self.conn is None:  # (its constructor raising is no request of the episode)
+                await self._attach()
+            for op, args in self._log:
+                try:
+                    seen.append(_digest(await self._call(op, args, timeouts[op])))
+                except EnvHung:
+                    raise
+                except EnvLogicError as e:
+                    seen.append(_raised(e))
         except (EnvLogicError, EnvUsageError) as e:
             raise SessionLost(f"replaying the episode on a new container failed: {e}") from e
         if seen != self._trace:

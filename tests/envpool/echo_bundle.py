@@ -107,6 +107,16 @@ def write_bundle(root: Path) -> Path:
     return root
 
 
+def write_env_bundle(root: Path, module: str, source: str, envs: dict[str, str]) -> DirImages:
+    """A one-off bundle: ``source`` as ``<module>.py``, registering ``envs`` (id -> class
+    name), served as ``IMAGE``."""
+    root.mkdir(parents=True)
+    (root / f"{module}.py").write_text(source)
+    entries = [{"id": env_id, "entry_point": f"{module}:{cls}"} for env_id, cls in envs.items()]
+    (root / "envpool.json").write_text(json.dumps({"register": entries}))
+    return DirImages(root)
+
+
 class DirImages:
     """An image resolver over one local bundle directory (the pool's ImageResolver)."""
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from echo_bundle import IMAGE, DirImages
+from echo_bundle import IMAGE, DirImages, write_env_bundle
 from pool_util import alive, pool
 
 import envpool
@@ -491,6 +491,75 @@ async def test_a_replay_that_diverges_loses_the_session(images):
         with pytest.raises(SessionLost, match="differs from the original"):
             await s.step("x")
         assert s.status == "infra_failed"
+
+
+async def test_a_replay_repeats_a_step_that_raised(images):
+    # the step ran (the env counted it) before it raised: a replay that left it out rebuilt
+    # another episode, and the session went on with a result the policy would not have got
+    async with pool(images) as p, p.session("bundle-echo-v0", image=IMAGE) as s:
+        await s.reset(seed=1)
+        assert (await s.step("a")).obs.text == "a #1"
+        with pytest.raises(EnvLogicError, match="ZeroDivisionError"):
+            await s.step("boom")  # the env's counter is 2 now
+        os.killpg(s.container.pid, signal.SIGKILL)  # the container is lost
+        assert (await s.step("c")).obs.text == "c #3"  # as on the container that was lost
+        assert s.status == "ok" and p.metrics["replays"] == 1
+
+
+_HALFWAY = """
+import os
+import envpool
+
+
+class HalfwayEnv(envpool.Env):
+    \"\"\"A reset that fails half way (the episode goes on from where it left the state), and a
+    step that raises only the first time it runs anywhere (a marker file): not the
+    deterministic environment it claims to be.\"\"\"
+
+    example_actions = ("a",)
+
+    def __init__(self, marker=""):
+        self.marker = marker
+
+    def reset(self, *, seed=None, options=None):
+        self.n = 100
+        if (options or {}).get("fail"):
+            raise RuntimeError("reset failed half way")
+        self.n = 0
+        return "ready", {}
+
+    def step(self, action):
+        self.n += 1
+        if action == "once" and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            raise ValueError("raised the first time only")
+        return envpool.StepResult(obs=envpool.Observation(text=f"{action} #{self.n}"))
+"""
+
+
+async def test_a_replay_repeats_a_reset_that_raised_mid_episode(tmp_path):
+    images = write_env_bundle(tmp_path / "b", "halfway_env", _HALFWAY, {"halfway-v0": "HalfwayEnv"})
+    async with pool(images, min_warm=0) as p, p.session("halfway-v0", image=IMAGE) as s:
+        await s.reset(seed=1)
+        assert (await s.step("a")).obs.text == "a #1"
+        with pytest.raises(EnvLogicError, match="half way"):
+            await s.reset(seed=2, options={"fail": True})
+        assert (await s.step("b")).obs.text == "b #101"  # the episode goes on from there
+        os.killpg(s.container.pid, signal.SIGKILL)
+        assert (await s.step("c")).obs.text == "c #102"
+        assert s.status == "ok" and p.metrics["replays"] == 1
+
+
+async def test_a_replayed_step_that_no_longer_raises_loses_the_session(tmp_path):
+    images = write_env_bundle(tmp_path / "b", "halfway_env", _HALFWAY, {"halfway-v0": "HalfwayEnv"})
+    kwargs = {"marker": str(tmp_path / "raised")}
+    async with pool(images, min_warm=0) as p, p.session("halfway-v0", image=IMAGE, env_kwargs=kwargs) as s:
+        await s.reset(seed=1)
+        with pytest.raises(EnvLogicError, match="first time only"):
+            await s.step("once")
+        os.killpg(s.container.pid, signal.SIGKILL)
+        with pytest.raises(SessionLost, match="differs from the original"):
+            await s.step("c")  # the replayed "once" answered instead of raising
 
 
 async def test_a_slow_constructor_keeps_heartbeating(images):

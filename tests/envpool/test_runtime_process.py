@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from echo_bundle import IMAGE, DirImages
+from echo_bundle import IMAGE, write_env_bundle
 from pool_util import alive, pool, wait_for
 
 import envpool
@@ -124,18 +124,10 @@ class SpawnEnv(envpool.Env):
 '''
 
 
-def _bundle(root: Path, source: str, module: str, env_id: str, entry: str) -> DirImages:
-    root.mkdir(parents=True)
-    (root / f"{module}.py").write_text(source)
-    manifest = {"register": [{"id": env_id, "entry_point": f"{module}:{entry}"}]}
-    (root / "envpool.json").write_text(json.dumps(manifest))
-    return DirImages(root)
-
-
 async def test_a_container_whose_leader_died_loses_its_whole_group_at_once(tmp_path):
     # the pool never kills the group of a leader reported dead (its pid may be another's by
     # then); the zygote kills it before it reaps the leader, while the group's id is still its own
-    images = _bundle(tmp_path / "b", _SPAWNER, "spawn_env", "spawn-v0", "SpawnEnv")
+    images = write_env_bundle(tmp_path / "b", "spawn_env", _SPAWNER, {"spawn-v0": "SpawnEnv"})
     async with pool(images, min_warm=0) as p, p.session("spawn-v0", image=IMAGE) as s:
         await s.reset(seed=0)
         helper = int((await s.step("spawn")).obs.text)
@@ -209,7 +201,7 @@ async def test_an_environment_that_prints_runs_on_without_the_zygote(tmp_path):
     # a fresh interpreter's stdout was the pipe its ready line came through, never read
     # again: ~200 kB of prints filled it and the step hung (EnvHung), then stopping the
     # container waited on that pipe for stop_timeout_s
-    images = _bundle(tmp_path / "b", _PRINTER, "print_env", "print-v0", "PrintEnv")
+    images = write_env_bundle(tmp_path / "b", "print_env", _PRINTER, {"print-v0": "PrintEnv"})
     runtime = {"heartbeat_s": 0.1, "zygote": False}
     cfg = {"min_warm": 0, "step_timeout_s": 3.0, "stop_timeout_s": 3.0, "runtime": runtime}
     p = EnvPool(cfg, images=images)
