@@ -309,6 +309,32 @@ async def test_corrupt_l1_blob_is_dropped_and_refetched(tmp_path: Path, bundle: 
         assert origin.blob_requests[bundle.digest] == 1
 
 
+class _UndeletableDisk(DiskTier):
+    """A disk tier this process cannot delete from (a read-only or shared L1 directory; a
+    chmod is no test here, where the tests may run as root)."""
+
+    async def _delete(self, digest: str) -> None:
+        raise PermissionError(13, "Permission denied", str(self.path_of(digest)))
+
+
+async def test_a_corrupt_blob_that_cannot_be_dropped_does_not_stop_the_walk(
+    tmp_path: Path, bundle: Bundle
+) -> None:
+    # the PermissionError of the delete escaped the walk: the origin, which had a good copy,
+    # was never asked
+    blob = tmp_path / "l1" / "sha256" / bundle.digest.removeprefix("sha256:")
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(b"bit rot" + bundle.data[7:])
+    with FakeOrigin({bundle.digest: bundle.data}) as origin:
+        disk = _UndeletableDisk(DiskTierConfig(path=tmp_path / "l1"))
+        tiers = [disk, HttpTier(OriginTierConfig(url=origin.url))]
+        async with TieredCache(tiers, unpack_dir=tmp_path / "u", retry=FAST_RETRY) as cache:
+            path = await cache.get(bundle.digest)
+            assert (path / "pkg" / "__init__.py").read_text() == "VALUE = 42\n"
+            m = cache.metrics()
+        assert m["tiers"]["disk"]["corrupt"] == 1 and m["tiers"]["origin"]["hits"] == 1
+
+
 async def test_corrupt_download_is_refetched(tmp_path: Path, bundle: Bundle) -> None:
     with FakeOrigin({bundle.digest: bundle.data}, faults=Faults(script=["corrupt"])) as origin:
         async with cache_with(tmp_path, origin.url) as cache:

@@ -166,11 +166,19 @@ class Tier(ABC):
         self.metrics.bytes_written += len(data)
 
     async def delete(self, digest: str) -> None:
-        """Drop a blob (the cache calls this on a corrupt one); a no-op on read-only tiers."""
+        """Drop a blob (the cache calls this on a corrupt one); a no-op on read-only tiers.
+        Raises ``ImageFetchError``: a blob that cannot be dropped (a read-only or shared
+        directory) is the tier's fault, never a crash of the cache's walk."""
         parse_digest(digest)
-        if self.writable:
-            await self.start()
+        if not self.writable:
+            return
+        await self.start()
+        try:
             await self._delete(digest)
+        except ImageError:
+            raise
+        except Exception as e:
+            raise ImageFetchError(f"delete failed: {type(e).__name__}: {e}", tier=self.name) from e
 
     # -- hooks
     async def _start(self) -> None:  # noqa: B027 - optional hook
