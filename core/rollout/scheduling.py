@@ -79,6 +79,11 @@ class TurnScheduler:
         self.scheduler, self.slots = scheduler, slots
         self._options = dict(scheduler_options or {})
         make_queue_policy(scheduler, **self._options)  # fail here, not at the first turn
+        # C-MLFQ's levels in one store for every replica's queue: a trajectory that moves
+        # replica (cache_affinity, presorted_dp) keeps its level instead of starting at 0
+        self._queue_options = dict(self._options)
+        if scheduler == "cmlfq":
+            self._queue_options["level_store"] = {}
         self.placement: Placement | None = None if placement == "affinity" else make_placement(placement)
         self.predictor = predictor if predictor is not None else LengthPredictor(refit_every=8)
         self._replicas: dict[int, _Slots] = {}
@@ -156,11 +161,13 @@ class TurnScheduler:
         """Wait for a slot on ``replica``. False: the turn was cancelled while waiting."""
         s = self._replicas.get(replica)
         if s is None:
-            s = self._replicas[replica] = _Slots(make_queue_policy(self.scheduler, **self._options))
+            s = self._replicas[replica] = _Slots(make_queue_policy(self.scheduler, **self._queue_options))
         t = self._trajs.get(req.trajectory)
         if t is not None:  # None: released meanwhile (its turn ends aborted); not re-created
             t.replica = replica
         if s.running < self.slots and not len(s.queue):
+            if isinstance(s.queue, CMLFQ):
+                s.queue.observe(req)  # its outcome moves its level though it never queued
             s.running += 1
             self.admitted += 1
             return True
@@ -223,7 +230,7 @@ class TurnScheduler:
         t = self._trajs.pop(traj_id, None)
         for s in self._replicas.values():
             if isinstance(s.queue, CMLFQ):
-                s.queue.forget(traj_id)
+                s.queue.forget(traj_id)  # (one store: the first forgets it for all)
         if learn and t is not None and t.turns and t.prompt_tokens >= 0:
             self.predictor.observe(t.prompt_tokens, t.turns)
 

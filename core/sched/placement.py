@@ -4,17 +4,22 @@
 * ``cache_affinity``: stay on the worker holding the trajectory's prefix cache unless it is
   much busier than the least-loaded one (what the LLM proxy does by default).
 * ``presorted_dp`` (Heddle): sort by predicted length; trajectories batched together on
-  a worker finish when their longest does, and every extra one slows the batch, so the
-  best split into ``M`` groups is *contiguous* in that order. The group cost is the batch's
-  decode time under continuous batching with a linear interference factor ``a``::
+  a worker finish when their longest does, and every extra one slows the batch, so long
+  ones are grouped with long ones: Heddle's presorting restricts the split into ``M``
+  groups to *contiguous* runs of that order. The group cost is the batch's decode time
+  under continuous batching with a linear interference factor ``a``::
 
       cost(i, j) = c * (L[i] + a * (L[i+1] + ... + L[j-1]))    (L sorted, longest first)
 
-  and the split minimises the largest group cost (the step's makespan). ``dp_partition``
-  is the textbook O(N^2 M) dynamic program (the reference). ``fast_partition`` solves the
-  same problem exactly in O(M log N log(1/eps)): the cost is monotone under interval
-  containment, so "can it be done in M groups of cost <= T?" is answered by greedily taking
-  the longest feasible group, and bisection finds the least T. Tests check they agree.
+  and the split minimises the largest group cost (the step's makespan) among contiguous
+  splits. That is a heuristic, not the optimum over all splits: at ``a = 1`` a group costs
+  its sum, and the problem is multiway number partitioning (NP-hard); ``[10, 10, 9, 9]``
+  into 2 costs 20 contiguously and 19 as ``[10, 9], [10, 9]`` (a test pins the gap).
+  ``dp_partition`` is the textbook O(N^2 M) dynamic program over contiguous splits (the
+  reference). ``fast_partition`` finds the same contiguous optimum in O(M log N
+  log(1/eps)): the cost is monotone under interval containment, so "can it be done in M
+  groups of cost <= T?" is answered by greedily taking the longest feasible group, and
+  bisection finds the least T. Tests check they agree.
 """
 
 from __future__ import annotations

@@ -97,7 +97,9 @@ class ProgressivePriority(_HeapPolicy):
             return []
         victims: list[Request] = []
         for r in sorted(running, key=self._size):
-            if len(victims) == len(waiting):
+            if len(victims) == len(waiting) or self._size(r) == float("inf"):
+                # an unknown-length turn is never "much longer" than another unknown one
+                # (inf >= 2 * inf): preempting it only re-admitted it at once
                 break
             if waiting[len(victims)] >= self.preempt_ratio * self._size(r):
                 victims.append(r)
@@ -137,7 +139,10 @@ class CMLFQ(QueuePolicy):
         quantum_tokens: tuple[int, ...] = (2048, 8192, 32768),
         aging_s: float = 30.0,
         buckets: int | None = None,
+        level_store: dict[str, int] | None = None,
     ) -> None:
+        """``level_store``: where trajectories' levels are kept; queues that share one (the
+        real path's per-replica queues) keep a trajectory's level when it moves replica."""
         if levels < 1:
             raise ValueError(f"levels must be >= 1, got {levels}")
         if len(quantum_tokens) < levels - 1:
@@ -146,7 +151,7 @@ class CMLFQ(QueuePolicy):
         self.quantum = tuple(quantum_tokens[: levels - 1])
         self.aging_s = aging_s
         self.buckets = buckets or levels
-        self._level: dict[str, int] = {}
+        self._level: dict[str, int] = level_store if level_store is not None else {}
         self._queues: list[list[tuple[float, int, Request]]] = [[] for _ in range(levels)]
 
     def level_of(self, trajectory: str) -> int:
@@ -157,6 +162,8 @@ class CMLFQ(QueuePolicy):
         return min(level * self.buckets // self.levels, self.buckets - 1)
 
     def _classify(self, req: Request) -> int:
+        if req.last_outcome == "success":
+            return 0  # nearly done, whatever it generated so far: the quantum does not apply
         level = self._level.get(req.trajectory, 0)
         if req.last_outcome is not None:
             level += self.MOVES[req.last_outcome]
@@ -165,6 +172,11 @@ class CMLFQ(QueuePolicy):
             if req.tokens_so_far > q:
                 level = max(level, i + 1)
         return min(max(level, 0), self.levels - 1)
+
+    def observe(self, req: Request) -> None:
+        """A turn admitted without queueing (a free slot): its outcome moves the trajectory's
+        level all the same, as every turn's does in the simulator."""
+        self._level[req.trajectory] = self._classify(req)
 
     def push(self, req: Request, now: float) -> None:
         level = self._classify(req)

@@ -88,10 +88,21 @@ class Worker:
         self.last_ms = now_ms
 
     def admit(
-        self, now_ms: float, item: Any, seq: int, decode_tokens: float, prompt_tokens: int, trajectory: str
+        self,
+        now_ms: float,
+        item: Any,
+        seq: int,
+        decode_tokens: float,
+        prompt_tokens: int,
+        trajectory: str,
+        *,
+        resume: bool = False,
     ) -> None:
+        """``resume``: a preempted turn coming back for its remaining tokens; it prefills
+        nothing and leaves the prefix cache's entry (its whole history) as it is."""
         self.advance(now_ms)
-        caching = self.profile.cache_tokens > 0  # without a prefix cache every turn re-reads its prompt
+        # without a prefix cache every turn re-reads its prompt
+        caching = self.profile.cache_tokens > 0 and not resume
         held = self.cached.pop(trajectory, 0) if caching else 0
         to_prefill = max(prompt_tokens - held, 0)
         prefill = to_prefill * self.profile.prefill_ratio  # in decode tokens

@@ -227,7 +227,8 @@ class Simulator:
         live = self._live[req.trajectory]
         left = req.remaining_tokens
         tokens = live.spec.turns[live.turn].gen_tokens if left is None else left
-        w.admit(now, req, req.seq, tokens, req.prompt_tokens if left is None else 0, req.trajectory)
+        resume = left is not None  # preempted: its prompt is in the KV cache it kept
+        w.admit(now, req, req.seq, tokens, 0 if resume else req.prompt_tokens, req.trajectory, resume=resume)
 
     def _generated(self, req: Request, now: float) -> None:
         live = self._live[req.trajectory]

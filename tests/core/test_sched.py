@@ -311,3 +311,39 @@ def test_stable_relabel_keeps_the_split_and_moves_the_fewest():
     # groups whose homes clash still get distinct workers
     out = stable_relabel({"a": "w0", "b": "w1", "c": "w2"}, {"a": "w5", "b": "w5", "c": "w5"})
     assert len(set(out.values())) == 3 and list(out.values()).count("w5") == 1
+
+
+# ----------------------------------------------------------------------------- review fixes
+
+
+def test_presorted_dp_is_exact_among_contiguous_splits_only():
+    # Heddle's presorting is a heuristic: at a = 1 a group costs its sum (multiway number
+    # partitioning); [10, 10, 9, 9] into 2 costs 20 contiguously and 19 interleaved
+    import itertools
+
+    lengths = [10.0, 10.0, 9.0, 9.0]
+
+    def cost(group: list[float]) -> float:
+        return group_cost(sorted(group, reverse=True), 0, len(group), a=1.0)
+
+    best = min(
+        max(cost([lengths[i] for i in range(4) if s[i] == k]) for k in range(2))
+        for s in itertools.product(range(2), repeat=4)
+    )
+    assert dp_partition(lengths, 2, a=1.0)[0] == 20.0 and best == 19.0
+
+
+def test_pps_never_preempts_an_unknown_length_turn_for_another():
+    pps = ProgressivePriority()
+    running = [Request("r", 0.0)]  # no prediction: size inf
+    pps.push(Request("w", 1.0), 1.0)
+    assert pps.preempt(running, 1.0) == []  # inf >= 2 * inf made it a victim
+
+
+def test_cmlfq_success_returns_to_level_0_past_the_token_quantum():
+    c = CMLFQ()
+    c.push(Request("x", 0.0, turn=1, tokens_so_far=9000, last_outcome="timeout"), 0)
+    c.pop(0)
+    assert c.level_of("x") == 2
+    c.push(Request("x", 1.0, turn=2, tokens_so_far=9500, last_outcome="success"), 1)
+    assert c.level_of("x") == 0

@@ -113,3 +113,22 @@ def test_bad_simulator_settings():
         Simulator(t, workers=2, speeds=[1.0])
     with pytest.raises(ValueError, match="unknown scheduler"):
         Simulator(t, scheduler="lifo")
+
+
+def test_a_preempted_turn_resumes_with_its_prefix_cache_whole():
+    # it came back with prompt_tokens 0, and the cache entry became its remaining decode
+    # tokens: the trajectory's next turn re-prefilled its whole 10k-token prompt (~2.4 s)
+    w = Worker("w", EngineProfile(max_batch=4, cache_tokens=1_000_000))
+    w.admit(0.0, "t", 1, 100.0, 10_000, "a")
+    assert w.cached == {"a": 10_100}
+    w.admit(5.0, "t", 2, 40.0, 0, "a", resume=True)
+    assert w.cached == {"a": 10_100} and w.cached_total == 10_100
+    trajs = [TrajSpec("short", 10_000, (Turn(100, 50.0), Turn(100))), TrajSpec("long", 100, (Turn(5000),))]
+    r = Simulator(
+        trajs,
+        scheduler="pps",
+        predictor=oracle,
+        profile=EngineProfile(max_batch=1),
+        starts_ms={"long": 100.0},
+    ).run()
+    assert r.preemptions == 1 and r.finish_ms["short"] < 66_000  # 67,244 ms with the re-prefill

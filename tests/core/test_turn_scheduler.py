@@ -427,3 +427,23 @@ async def test_with_the_learned_predictor_pps_finds_the_long_trajectory_after_on
     assert None not in longs and None not in shorts and len(longs) == 8 and len(shorts) == 24
     assert min(x for x in longs if x is not None) > 2 * max(x for x in shorts if x is not None)
     assert rounds[1].index("long") < rounds[0].index("long")
+
+
+# ----------------------------------------------------------------------------- C-MLFQ's levels
+
+
+async def test_cmlfq_levels_move_on_turns_admitted_at_once_and_follow_a_migration():
+    # a turn that found a free slot never went through the queue, so its outcome did not
+    # move its trajectory's level (the simulator pushes every turn); and each replica kept
+    # its own levels, so a trajectory that moved replica started again at 0
+    s = TurnScheduler("cmlfq", slots=1)
+    for k, meta in ((0, {}), (1, {"outcome": "tool_error"})):
+        assert await s.admit(7, s.request("x", k, 100, meta))  # free slot: admitted at once
+        s.finished_turn("x", 300)
+        s.done(7)
+    assert s._replicas[7].queue.level_of("x") == 1
+    assert await s.admit(8, s.request("x", 2, 100, {"outcome": "timeout"}))
+    s.done(8)
+    assert s._replicas[8].queue.level_of("x") == 3 == s._replicas[7].queue.level_of("x")
+    s.release("x")
+    assert s._replicas[7].queue.level_of("x") == 0
