@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -126,6 +127,13 @@ class Cluster:
         engine, trainer = self.cfg.engine, self.cfg.trainer
         want = engine.gpus * engine.replicas * groups + trainer.gpus
         have = ray.cluster_resources().get("GPU", 0.0)
+        if want <= have + 1e-9:
+            shares = [engine.gpus] * (engine.replicas * groups) + [trainer.gpus]
+            cards = [int(n.get("Resources", {}).get("GPU", 0)) for n in ray.nodes() if n.get("Alive")]
+            unplaceable = gpu_packing_problem(shares, cards)
+            if unplaceable:
+                key = "engine.num_gpus" if engine.gpus else "trainer.num_gpus"
+                raise ConfigError([(key, f"{unplaceable}; lower engine.replicas or the num_gpus fractions")])
         if want > have + 1e-9:
             raise ConfigError(
                 [
@@ -180,3 +188,23 @@ def turn_scheduler(cfg: JobConfig) -> TurnScheduler | None:
         scheduler_options=r.scheduler_options,
         trace=Path(cfg.run_dir).resolve() / "trace.jsonl" if r.trace else None,
     )
+
+
+def gpu_packing_problem(shares: list[float], cards: list[int]) -> str | None:
+    """Why GPU reservations that fit the cluster's total cannot be placed card by card, or
+    None. Ray puts a fraction on one card and a whole number on whole cards of one node, so
+    two shares above one half never share a card: 3 x 0.6 on 2 GPUs fit the total (1.8) and
+    left an actor pending for ever. Only what no placement can meet is refused (a
+    necessary condition, never a false alarm)."""
+    big = [s for s in shares if s > 0.5]
+    whole_cards = sum(math.ceil(s) for s in big)
+    if whole_cards > sum(cards):
+        listed = ", ".join(f"{s:g}" for s in sorted(big, reverse=True))
+        return (
+            f"the reservations above half a card ({listed}) need {whole_cards} cards of their own "
+            f"and the Ray cluster has {sum(cards)} GPU(s): two of them never share a card"
+        )
+    widest, largest = max((s for s in shares if s >= 1), default=0.0), max(cards, default=0)
+    if widest > largest:
+        return f"a reservation of {widest:g} GPUs needs one node with that many; the largest has {largest}"
+    return None

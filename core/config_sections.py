@@ -84,8 +84,9 @@ class EngineConfig(ConfigModel):
     into it and re-runs the turns it lost."""
     num_gpus: float | None = Field(None, ge=0, allow_inf_nan=False)
     """GPUs each replica reserves from Ray (Ray then sets its ``CUDA_VISIBLE_DEVICES``);
-    ``None``: 1 for ``vllm``, 0 otherwise. A fraction shares a card, e.g. 0.5 with the
-    trainer's 0.5 on a one-GPU machine."""
+    ``None``: for ``vllm`` its ``tensor_parallel_size x pipeline_parallel_size`` (1 by
+    default), 0 otherwise. A fraction shares a card, e.g. 0.5 with the trainer's 0.5 on a
+    one-GPU machine."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Backend-specific options: for ``torch`` the ``TinyLM`` shape (``d_model``,
     ``n_layers``, ``n_heads``, ``max_len``, ...) and ``TorchEngineConfig`` fields
@@ -100,7 +101,29 @@ class EngineConfig(ConfigModel):
         """GPUs per replica (``num_gpus`` or the backend's default)."""
         if self.num_gpus is not None:
             return self.num_gpus
-        return 1.0 if self.backend == "vllm" else 0.0
+        return float(self.vllm_world_size) if self.backend == "vllm" else 0.0
+
+    @property
+    def vllm_world_size(self) -> int:
+        """The GPUs one vLLM replica spreads its model over (tensor x pipeline parallel)."""
+        size = 1
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = self.kwargs.get(key, 1)
+            size *= value if isinstance(value, int) and value > 0 else 1
+        return size
+
+    @model_validator(mode="after")
+    def _enough_gpus_for_vllm(self) -> EngineConfig:
+        # Ray shows the replica only the GPUs it reserved: vLLM then failed at the first
+        # turn ("World size (2) is larger than the number of available GPUs (1)"), and
+        # again at every turn, until the job gave up on a streak of failed groups
+        world = self.vllm_world_size
+        if self.backend == "vllm" and world > 1 and self.num_gpus is not None and self.num_gpus < world:
+            raise ValueError(
+                f"num_gpus {self.num_gpus:g} is below the {world} GPUs a replica's "
+                "tensor_parallel_size x pipeline_parallel_size needs (leave num_gpus unset: it follows them)"
+            )
+        return self
 
 
 class PromptConfig(ConfigModel):

@@ -98,11 +98,7 @@ class LocalReplica(Replica):
 
 
 async def swap_weights(engine: Engine, version: int, state: Mapping[str, Any]) -> None:
-    await engine.suspend()
-    try:
-        await engine.load_weights(state, version)
-    finally:
-        await engine.resume()
+    await engine.swap(state, version)
 
 
 class LLMProxy:

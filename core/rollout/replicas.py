@@ -39,6 +39,10 @@ def make_engine(
         return TorchEngine(bundle.model(), bundle.tok(), TorchEngineConfig(seed=seed, **serving))
     if "model" in kwargs:
         raise ValueError("give the model as engine.model, not in engine.kwargs")
+    if backend == "vllm":
+        # the job's seed, one per replica (engine.kwargs.seed overrides it): every replica
+        # sampled unseeded requests from the same stream at vLLM's seed 0
+        kwargs = {"seed": seed, **kwargs}
     return engine_registry.create(backend, model=model, **kwargs)
 
 

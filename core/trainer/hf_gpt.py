@@ -116,8 +116,15 @@ class HFArch(BaseModel):
             raise TrainerError(f"{source}: hidden_act {act!r} is not supported (SwiGLU, silu, only)")
         if c.get("mlp_bias"):
             raise TrainerError(f"{source}: mlp_bias is not supported")
-        if c.get("sliding_window") and c.get("use_sliding_window"):
-            raise TrainerError(f"{source}: sliding-window attention is not supported")
+        window = c.get("sliding_window")
+        # Qwen2 says whether its window is on (use_sliding_window); Mistral's is on whenever
+        # it is set, and one at least as long as the positions changes nothing
+        positions = c.get("max_position_embeddings", (window or 0) + 1)
+        if window and c.get("use_sliding_window", True) and window < positions:
+            raise TrainerError(
+                f"{source}: sliding-window attention ({window} tokens) is not supported: the trainer "
+                "would attend to the whole sequence where the engine attends to the window"
+            )
         if kind != "qwen2" and c.get("attention_bias"):
             # Llama's attention_bias puts a bias on o_proj too, which megatron adds only
             # together with biases on every linear layer

@@ -92,6 +92,17 @@ def _require_runtime() -> None:
         )
 
 
+def launched_by_torchrun(env: Mapping[str, str]) -> bool:
+    """Whether this process is one rank of a world a launcher set up. WORLD_SIZE and
+    MASTER_ADDR alone are not enough: a Kubeflow PyTorchJob or a SLURM script exports them
+    for the whole pod, and a trainer actor Ray starts there inherits them; taken as
+    torchrun's, it waited in init_process_group for ranks that never come. torchrun sets
+    TORCHELASTIC_RUN_ID, and every launcher a LOCAL_RANK and a RANK per process."""
+    if "TORCHELASTIC_RUN_ID" in env:
+        return True
+    return all(k in env for k in ("WORLD_SIZE", "MASTER_ADDR", "RANK", "LOCAL_RANK"))
+
+
 def _init_distributed(tp: int, pp: int) -> None:
     """One process on one GPU unless a launcher (torchrun) set up a bigger world; then
     megatron-core's model-parallel groups, unless someone already made them."""
@@ -99,7 +110,7 @@ def _init_distributed(tp: int, pp: int) -> None:
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:  # torchrun
+        if launched_by_torchrun(os.environ):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group("nccl")
         else:

@@ -6,6 +6,7 @@ numerical check against a Hugging Face model runs in test_megatron_trainer.py on
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -100,12 +101,24 @@ def test_rope_base_is_read_where_each_transformers_version_writes_it():
         ({"mlp_bias": True}, "mlp_bias is not supported"),
         ({"num_key_value_heads": 3}, "num_attention_heads=4 is not divisible by num_key_value_heads=3"),
         ({"intermediate_size": None}, "intermediate_size"),
+        # Mistral-7B-v0.1's window is on without use_sliding_window (a Qwen2-only field)
+        (
+            {"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768},
+            "sliding-window attention (4096 tokens) is not supported",
+        ),
+        ({"sliding_window": 16, "use_sliding_window": True}, "sliding-window attention (16 tokens)"),
     ],
 )
 def test_configs_it_cannot_map_are_refused_by_field(change, message):
     config = {k: v for k, v in {**QWEN2, **change}.items() if v is not None}
-    with pytest.raises(TrainerError, match=message.replace("(", r"\(").replace("[", r"\[")):
+    with pytest.raises(TrainerError, match=re.escape(message)):
         HFArch.from_config(config, source="m/config.json")
+
+
+def test_a_sliding_window_that_is_off_or_covers_every_position_is_no_window():
+    assert HFArch.from_config({**QWEN2, "sliding_window": 16, "use_sliding_window": False})
+    mistral = {**QWEN2, "model_type": "mistral", "sliding_window": 32768, "max_position_embeddings": 32768}
+    assert HFArch.from_config(mistral).max_sequence_length == 32768
 
 
 @pytest.mark.parametrize("config", [QWEN2, LLAMA], ids=["qwen2-gqa-tied-bias", "llama-mha-untied"])

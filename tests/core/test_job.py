@@ -741,3 +741,40 @@ def test_gpu_reservations_default_by_backend():
     assert EngineConfig(backend="vllm", num_gpus=0.5).gpus == 0.5
     assert TrainerConfig().gpus == 0 and TrainerConfig(backend="megatron").gpus == 1
     assert TrainerConfig(backend="megatron", num_gpus=0.5).gpus == 0.5
+    # a vLLM replica spread over GPUs reserves them all (it saw one and failed at each turn)
+    tp2 = EngineConfig(backend="vllm", kwargs={"tensor_parallel_size": 2, "pipeline_parallel_size": 2})
+    assert tp2.gpus == 4
+    with pytest.raises(ValueError, match="num_gpus 1 is below the 2 GPUs a replica's tensor_parallel_size"):
+        EngineConfig(backend="vllm", num_gpus=1, kwargs={"tensor_parallel_size": 2})
+
+
+def test_each_vllm_replica_gets_the_jobs_seed(monkeypatch):
+    # every replica sampled from vLLM's seed 0; the engine itself needs vllm (not here), so
+    # what make_engine hands the registry is checked
+    import core.rollout.replicas as replicas
+
+    given: list[dict] = []
+    monkeypatch.setattr(replicas.engine_registry, "create", lambda name, **kw: given.append(kw))
+    replicas.make_engine("vllm", None, {}, seed=8, model="m")
+    replicas.make_engine("vllm", None, {"seed": 3}, seed=8, model="m")
+    replicas.make_engine("openai", None, {"base_url": "http://127.0.0.1:1"}, seed=8, model="m")
+    assert [kw.get("seed") for kw in given] == [8, 3, None]
+
+
+@pytest.mark.parametrize(
+    ("shares", "cards", "text"),
+    [
+        ([0.6, 0.6, 0.6], [2], "above half a card (0.6, 0.6, 0.6) need 3 cards of their own"),
+        ([2, 0.6], [2], "need 3 cards"),
+        ([4, 0.2], [2, 2, 2], "a reservation of 4 GPUs needs one node with that many; the largest has 2"),
+        ([0.5, 0.5, 0.5, 0.5], [2], None),  # two per card
+        ([0.6, 0.4, 0.6, 0.4], [2], None),
+        ([1, 1, 0.3], [1, 2], None),
+        ([0, 0, 1], [1], None),
+    ],
+)
+def test_gpu_reservations_no_card_by_card_placement_can_meet_are_refused(shares, cards, text):
+    from core.cluster import gpu_packing_problem
+
+    got = gpu_packing_problem(shares, cards)
+    assert (got is None) if text is None else (got is not None and text in got), got

@@ -92,6 +92,24 @@ def test_no_cuda_device_is_a_clear_error(monkeypatch):
         MegatronTrainer(config())
 
 
+@pytest.mark.parametrize(
+    ("env", "torchrun"),
+    [
+        ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2"}, True),
+        ({"WORLD_SIZE": "2", "MASTER_ADDR": "h", "RANK": "1", "LOCAL_RANK": "1"}, True),
+        # what a Kubeflow PyTorchJob or a SLURM script exports pod-wide: a trainer actor Ray
+        # starts there is alone, and waited for ranks that never came
+        ({"WORLD_SIZE": "8", "MASTER_ADDR": "h", "MASTER_PORT": "23456"}, False),
+        ({"WORLD_SIZE": "8", "MASTER_ADDR": "h", "RANK": "0"}, False),
+        ({}, False),
+    ],
+)
+def test_only_a_launchers_process_joins_its_world(env, torchrun):
+    from core.trainer.megatron_ import launched_by_torchrun
+
+    assert launched_by_torchrun(env) is torchrun
+
+
 def test_registered_and_imports_without_megatron():
     assert trainer_registry.get("megatron") is MegatronTrainer
     code = "import sys, core.trainer.megatron_; assert 'megatron' not in sys.modules, 'eager import'"

@@ -143,6 +143,8 @@ class Engine(ABC):
         self._version = version
         self._running = asyncio.Event()
         self._running.set()
+        self._swap_lock = asyncio.Lock()
+        self._loaded_any = False  # a version-0 load (a first publish) is not skipped
         self._starting: asyncio.Future[None] | None = None
         self._closed = False
         self._inflight: dict[str, asyncio.Event] = {}  # request id -> its abort flag
@@ -216,8 +218,10 @@ class Engine(ABC):
             await self._start_unless_aborted(aborted)
             if aborted.is_set():
                 return self._aborted_before_start(request)
-            if not self._running.is_set():
-                # new work waits at the gate, where an abort still finds it
+            # new work waits at the gate, where an abort still finds it; again after waking:
+            # a resume wakes every waiter, and the next swap may have closed the gate before
+            # this one runs
+            while not self._running.is_set() and not aborted.is_set() and not self._closed:
                 await _first_of(self._running.wait(), aborted.wait())
             if aborted.is_set():
                 return self._aborted_before_start(request)
@@ -277,6 +281,23 @@ class Engine(ABC):
     async def resume(self) -> None:
         self._running.set()
 
+    async def swap(self, state: Mapping[str, Any], version: int) -> bool:
+        """Suspend, load ``version``, resume: what the proxy does to publish. One swap at a
+        time: a replica reloading the latest weights after a restart (its load waits for
+        vLLM to start, a minute) and the trainer's next publish could otherwise load at
+        once, the first to finish reopening the gate while the other still wrote its
+        chunks (a mix of two versions, stamped one). A version at or below the engine's is
+        skipped (a later one got there first). True when it was loaded."""
+        async with self._swap_lock:
+            if version <= self._version and self._loaded_any:
+                return False
+            await self.suspend()
+            try:
+                await self.load_weights(state, version)
+            finally:
+                await self.resume()
+            return True
+
     async def load_weights(self, state: Mapping[str, Any], version: int) -> None:
         """Install new weights stamped ``version`` (never lower than the current one).
 
@@ -286,6 +307,7 @@ class Engine(ABC):
             raise EngineError(f"weights version {version} is older than the engine's {self._version}")
         await self._load_weights(state, version)
         self._version = version
+        self._loaded_any = True
 
     # -- hooks
     async def _start(self) -> None:  # noqa: B027 - optional hook

@@ -41,11 +41,15 @@ Weight updates (``suspend`` / ``load_weights`` / ``resume``), two modes:
 * default (drain): ``suspend`` holds new requests at the gate and returns once every turn in
   vLLM has finished; the weights then change under no running request, so each turn is
   entirely under one version. A long turn delays the update.
-* ``inflight_weight_updates=True``: ``suspend`` returns at once; vLLM runs the load between
-  two engine steps, and turns in flight continue under the new weights (their KV cache was
-  computed under the old ones). A completion's ``policy_version`` is then the version its
-  turn started under (the oldest that produced a token), so staleness is never understated;
-  its later tokens' logprobs are under the newer weights.
+* ``inflight_weight_updates=True``: ``suspend`` returns at once; vLLM runs each chunk's load
+  between two engine steps, and turns in flight continue under the new weights (their KV
+  cache was computed under the old ones). A completion's ``policy_version`` is then the
+  version its turn started under (the oldest that produced a token), so staleness is never
+  understated; its later tokens' logprobs are under the newer weights. With more than one
+  chunk (``weight_chunk_mb``, 512 MB: a 0.5B model in fp32 is ~4 chunks, a 7B one ~56),
+  vLLM takes engine steps between the chunks, so tokens in between come from a model part
+  old, part new (not checked on a GPU; found by review). Where that matters, keep the
+  default drain mode, or raise ``weight_chunk_mb`` above the model's size (one chunk).
 """
 
 from __future__ import annotations
