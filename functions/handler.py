@@ -7,8 +7,10 @@
 * ``sqs_handler(event, context)``: an SQS event source mapping with
   ``FunctionResponseTypes=["ReportBatchItemFailures"]``. Each record's body is an
   ``Invocation``. A retryable failure leaves its record on the queue (it is listed in
-  ``batchItemFailures``) until the function's ``retry.max_attempts`` receives are used up;
-  every other outcome, errors included, is final: the record is deleted and the ``Result``
+  ``batchItemFailures``) until the function's ``retry.max_attempts`` receives are used up,
+  except for a side effect that may have run (a retryable failure not in ``SAFE_TO_RETRY``):
+  that one ends at once as ``OutcomeUnknown``, as the client concludes it. Every other
+  outcome, errors included, is final: the record is deleted and the ``Result``
   goes to the reply queue (the record's ``reply_to`` message attribute, else
   ``RL_FABRIC_REPLY_QUEUE_URL``), or only to the log when there is none.
 
@@ -36,7 +38,7 @@ import time
 import uuid
 from typing import IO, TYPE_CHECKING, Any, cast
 
-from fabric.errors import FINAL_ERRORS, ErrorCode, PayloadError, UnknownFunctionError
+from fabric.errors import FINAL_ERRORS, SAFE_TO_RETRY, ErrorCode, PayloadError, UnknownFunctionError
 from fabric.protocol import Invocation, Result, Timings, decode_payload, encode_payload
 from fabric.registry import Registry
 from fabric.runner import FunctionRunner, outcome_to_result
@@ -49,6 +51,8 @@ if TYPE_CHECKING:
     from aws_lambda_powertools import Logger, Metrics
     from aws_lambda_powertools.metrics import EphemeralMetrics
     from aws_lambda_powertools.utilities.data_classes.sqs_event import SQSRecord
+
+    from fabric.spec import FunctionSpec
 
 SERVICE = "rl-fabric"
 MODULES_ENV = "RL_FABRIC_MODULES"
@@ -71,6 +75,9 @@ MAX_REPLY_BYTES = 1024 * 1024
 #: Time kept back from an async function's timeout so the reply (and the idempotency
 #: record) is written before Lambda's own timeout kills the invocation.
 LAMBDA_MARGIN_S = 0.5
+#: What the idempotency store keeps under a key: the function's own answers, and the
+#: ``OutcomeUnknown`` an SQS-triggered side effect that may have run concludes with.
+_KEPT_ERRORS = FINAL_ERRORS | {ErrorCode.OUTCOME_UNKNOWN}
 
 
 class _Stdout:
@@ -100,10 +107,11 @@ class _RetryLater(Exception):
 def _run_recorded(*, key: dict[str, Any], run: Callable[[], Result]) -> Result:
     """The function powertools makes idempotent (``key`` is what it hashes). Only a final
     answer is returned, and so stored: a success or one of ``FINAL_ERRORS``, the same rule
-    as the client's own cache. A retryable failure or a passed deadline must let the next
-    call with the key run again, and a result too large for a DynamoDB item cannot be kept."""
+    as the client's own cache (or an ``OutcomeUnknown`` the SQS path concludes with). A
+    retryable failure or a passed deadline must let the next call with the key run again,
+    and a result too large for a DynamoDB item cannot be kept."""
     result = run()
-    final = result.ok or (result.error is not None and result.error.type in FINAL_ERRORS)
+    final = result.ok or (result.error is not None and result.error.type in _KEPT_ERRORS)
     if not final or len(result.model_dump_json()) > MAX_CACHED_RESULT_BYTES:
         raise _NotCached(result)
     return result
@@ -355,6 +363,16 @@ class _Container:
         exec_ms = (time.perf_counter() - t0) * 1e3
         return outcome_to_result(inv, ok, out, exec_ms=exec_ms, worker=self.worker, queue_ms=queue_ms)
 
+    def _key(self, inv: Invocation, spec: FunctionSpec) -> dict[str, Any]:
+        """What powertools hashes (and validates) for an invocation's idempotency key."""
+        return {
+            "tenant": inv.tenant,
+            "function": inv.function,
+            "version": spec.version,
+            "idempotency_key": inv.idempotency_key,
+            "payload_hash": _payload_hash(inv.payload),
+        }
+
     def _run_once(
         self, inv: Invocation, runner: FunctionRunner, run: Callable[[], Result], context: Any
     ) -> Result:
@@ -370,15 +388,15 @@ class _Container:
         if callable(getattr(context, "get_remaining_time_in_millis", None)):
             # an in-progress record left by a timed-out invocation expires with it
             self.idem_config.register_lambda_context(context)
-        key = {
-            "tenant": inv.tenant,
-            "function": inv.function,
-            "version": runner.spec.version,
-            "idempotency_key": inv.idempotency_key,
-            "payload_hash": _payload_hash(inv.payload),
-        }
+        started = False
+
+        def run_started() -> Result:
+            nonlocal started
+            started = True
+            return run()
+
         try:
-            return self._idempotent(key=key, run=run)
+            return self._idempotent(key=self._key(inv, runner.spec), run=run_started)
         except _NotCached as e:
             return e.result
         except IdempotencyAlreadyInProgressError:
@@ -388,9 +406,45 @@ class _Container:
         except IdempotencyValidationError:
             message = f"idempotency key {inv.idempotency_key!r} was already used with another payload"
             return self._failure(inv, ErrorCode.INVALID_ARGUMENTS, message)
-        except BaseError as e:  # the store failed: the function may or may not have run
+        except BaseError as e:
             self.logger.exception("idempotency store failed", extra={"function": inv.function})
-            return self._failure(inv, ErrorCode.TRANSPORT, f"idempotency store ({self.table}): {e}")
+            message = f"idempotency store ({self.table}): {e}"
+            if not started:  # its in-progress record could not be written: nothing ran
+                return self._failure(inv, ErrorCode.NOT_STARTED, message)
+            # it ran, and its outcome could not be recorded (or its record dropped)
+            return self._failure(inv, ErrorCode.TRANSPORT, message)
+
+    def conclude_unknown(self, inv: Invocation, spec: FunctionSpec, result: Result) -> Result:
+        """The final ``OutcomeUnknown`` of a side effect that may have run (``result`` is a
+        retryable failure not in ``SAFE_TO_RETRY``), kept under the invocation's key as the
+        client keeps it: running it again on a redelivery could apply the effect twice, and
+        its own idempotency record was dropped (or never completed) with the failure."""
+        err = result.error
+        assert err is not None
+        unknown = self._failure(
+            inv,
+            ErrorCode.OUTCOME_UNKNOWN,
+            f"{spec.name}: the call ended with {err.type} ({err.message}) and may have run; "
+            f"{spec.name} has side effects, so it is not run again"
+            + (
+                f" under idempotency key {inv.idempotency_key!r}. Check whether its effect happened; "
+                "to run it again, send it with a new idempotency key"
+                if inv.idempotency_key is not None
+                else ". Check whether its effect happened"
+            ),
+        )
+        unknown.timings, unknown.cold_start, unknown.worker = result.timings, result.cold_start, result.worker
+        if self._idempotent is None or inv.idempotency_key is None:
+            return unknown
+        from aws_lambda_powertools.utilities.idempotency.exceptions import BaseError
+
+        try:
+            self._idempotent(key=self._key(inv, spec), run=lambda: unknown)
+        except BaseError:  # still in progress (its success could not be written) or the store is down
+            self.logger.exception(
+                "could not keep OutcomeUnknown under the key", extra={"function": spec.name}
+            )
+        return unknown
 
     # ------------------------------------------------------------------ observability
     def observe(
@@ -470,12 +524,17 @@ class _Container:
             result = parsed
         else:
             result = self.invoke(parsed, cold=cold, queue_ms=queue_ms, context=context)
+        spec = self.registry.get(result.function) if result.function in self.served else None
+        err = result.error
+        if err is not None and err.retryable and err.type not in SAFE_TO_RETRY and spec and spec.side_effects:
+            # it may have run: a redelivery would apply the effect again
+            assert isinstance(parsed, Invocation)  # a refused event is never retryable
+            result = self.conclude_unknown(parsed, spec, result)
         sink = EphemeralMetrics(namespace=self.namespace, service=SERVICE)
         self.observe(result, sink, queue_ms=queue_ms)
         sink.flush_metrics()
         if result.retryable:
             receives = int(attributes.get("ApproximateReceiveCount") or 1)
-            spec = self.registry.get(result.function) if result.function in self.served else None
             attempts = spec.retry.max_attempts if spec is not None else 1
             if receives < attempts:
                 # left on the queue: SQS delivers it again after the visibility timeout

@@ -144,7 +144,7 @@ def send(sqs: Any, url: str, body: Any, reply_to: str | None = None) -> str:
     return message_id
 
 
-def deliver(sqs: Any, url: str) -> tuple[dict[str, Any], list[str]]:
+def deliver(sqs: Any, url: str, ctx: LambdaContext | None = None) -> tuple[dict[str, Any], list[str]]:
     """One poll of the event source mapping: receive a batch, run ``sqs_handler``, delete the
     records it did not report as failed. Returns the response and the batch's message ids."""
     arn = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
@@ -183,7 +183,7 @@ def deliver(sqs: Any, url: str) -> tuple[dict[str, Any], list[str]]:
             for m in messages
         ]
     }
-    response = handler.sqs_handler(event, LambdaContext())
+    response = handler.sqs_handler(event, ctx or LambdaContext())
     failed = {f["itemIdentifier"] for f in response["batchItemFailures"]}
     for m in messages:
         if m["MessageId"] not in failed:
@@ -515,10 +515,11 @@ def test_a_bad_idempotency_ttl_names_its_variable_and_does_not_matter_without_a_
     assert invoke("exact_match", {"traj": "42", "ground_truth": "42"}).ok
 
 
-def test_store_failure_is_a_retryable_transport_error(aws: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_store_failure_before_the_call_is_not_started(aws: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(handler.TABLE_ENV, "table-that-does-not-exist")
     r = invoke("counted", {"key": "t"}, idempotency_key="kt")
-    assert r.error is not None and r.error.type == ErrorCode.TRANSPORT and r.error.retryable
+    assert r.error is not None and r.error.type == ErrorCode.NOT_STARTED and r.error.retryable
+    assert "idempotency store" in r.error.message
     assert CALLS["counted:t"] == 0
 
 
@@ -589,6 +590,46 @@ def test_retryable_failure_gives_up_after_max_attempts(sqs: Any, replies: str) -
     assert reply.error is not None and reply.error.type == ErrorCode.UNAVAILABLE and reply.error.retryable
     assert CALLS["flaky:h"] == attempts
     assert deliver(sqs, inbox)[1] == []
+
+
+def test_a_side_effect_that_may_have_run_is_final_not_redelivered(sqs: Any, replies: str, table: Any) -> None:
+    """A side effect cut at the Lambda's timeout (FunctionTimeout: it may have run) was left on
+    the queue and run again on each redelivery, up to retry.max_attempts times, since the cut
+    run's idempotency record is deleted. It is answered OutcomeUnknown at once, as the client
+    concludes such a call, and that answer is kept under the key."""
+    inbox = sqs.create_queue(QueueName="rl-fabric-calls")["QueueUrl"]
+    body = {
+        "function": "async_effect",
+        "payload": {"key": "charge-7", "seconds": 1.0},
+        "request_id": "c7",
+        "idempotency_key": "order-7",
+    }
+    send(sqs, inbox, body)
+    # 0.7 s left in the Lambda: the call is cut 0.2 s in, after its effect
+    assert deliver(sqs, inbox, LambdaContext(remaining_ms=700))[0] == {"batchItemFailures": []}
+    (reply,) = drain(sqs, replies)
+    assert reply.error is not None and reply.error.type == ErrorCode.OUTCOME_UNKNOWN, reply.error
+    assert not reply.retryable and ErrorCode.TIMEOUT in reply.error.message and not reply.cached
+    assert deliver(sqs, inbox)[1] == []  # nothing left to redeliver
+    # the same message again (SQS delivers at least once): answered from the key, not run
+    send(sqs, inbox, body)
+    deliver(sqs, inbox)
+    (again,) = drain(sqs, replies)
+    assert again.error is not None and again.error.type == ErrorCode.OUTCOME_UNKNOWN and again.cached
+    assert CALLS["async_effect:charge-7"] == 1
+
+
+def test_a_side_effect_whose_store_failed_before_it_ran_is_retried(
+    sqs: Any, replies: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The idempotency store failing before the call ran (its in-progress record could not be
+    written) is NotStarted: safe to run again, even for a side effect."""
+    monkeypatch.setenv(handler.TABLE_ENV, "table-that-does-not-exist")
+    inbox = sqs.create_queue(QueueName="rl-fabric-calls")["QueueUrl"]
+    body = {"function": "async_effect", "payload": {"key": "e", "seconds": 0}, "idempotency_key": "ke"}
+    msg = send(sqs, inbox, body)
+    assert deliver(sqs, inbox)[0] == {"batchItemFailures": [{"itemIdentifier": msg}]}
+    assert drain(sqs, replies) == [] and CALLS["async_effect:e"] == 0
 
 
 def test_whole_batch_failing_is_reported_not_raised(sqs: Any, replies: str) -> None:
