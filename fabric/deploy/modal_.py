@@ -2,9 +2,11 @@
 
 The options follow the ``FunctionSpec``: ``warm`` -> ``min_containers`` (plus one
 ``buffer_containers`` so a burst finds a container ready), ``max_concurrency`` ->
-``max_containers``, ``timeout_s`` -> ``timeout``, ``retry`` -> ``modal.Retries`` (they
-cover a lost container: a function's own error comes back as a ``Result``, never raised),
-``resources`` -> ``cpu``/``gpu``, ``memory_mb`` -> ``memory``. The image installs rl-fabric's
+``max_containers``, ``timeout_s`` -> ``timeout``, ``resources`` -> ``cpu``/``gpu``,
+``memory_mb`` -> ``memory``. ``retry`` is not Modal's: Modal retries nothing (``retries=0``).
+Its retries would cover a lost or timed-out container, after which the call may have run,
+side effects included, and the client retries each such call again (3 x 3 runs); the client
+alone applies ``retry``, with its idempotency and side-effect rules. The image installs rl-fabric's
 runtime requirements and adds the code (``fabric``, ``functions`` and your modules).
 
 ``deploy_modal`` needs a Modal token (``modal token new``, or ``MODAL_TOKEN_ID`` and
@@ -36,7 +38,6 @@ def _modal() -> Any:
 def modal_options(registry: Registry, fn: DeployedFunction) -> dict[str, Any]:
     """The keyword arguments of ``app.function`` for one function, as plain data."""
     spec = registry.get(fn.name)
-    retry = spec.retry
     options: dict[str, Any] = {
         "name": fn.deployed_name,
         "min_containers": fn.warm,
@@ -44,13 +45,8 @@ def modal_options(registry: Registry, fn: DeployedFunction) -> dict[str, Any]:
         "max_containers": spec.max_concurrency,
         "scaledown_window": SCALEDOWN_WINDOW_S,
         "timeout": fn.timeout_s,
-        "retries": {
-            "max_retries": min(retry.max_attempts - 1, 10),
-            "backoff_coefficient": 2.0,
-            # Modal's bounds: initial delay 0-60 s, max delay 1-60 s
-            "initial_delay": min(max(retry.initial_backoff_s, 0.0), 60.0),
-            "max_delay": min(max(retry.max_backoff_s, 1.0), 60.0),
-        },
+        # the client retries (the module's docstring says why Modal does not)
+        "retries": 0,
         "cpu": spec.resources.cpu,
         "memory": fn.memory_mb,
     }
@@ -84,9 +80,7 @@ def build_app(
     app = modal.App(app_name, image=image)
     functions = {}
     for fn in plan:
-        opts = modal_options(registry, fn)
-        retries = modal.Retries(**opts.pop("retries"))
-        functions[fn.name] = app.function(serialized=True, retries=retries, **opts)(
+        functions[fn.name] = app.function(serialized=True, **modal_options(registry, fn))(
             _entry(fn.name, fn.module)
         )
     return app, functions

@@ -328,7 +328,7 @@ def test_modal_app_definitions_and_local_run():
         "max_containers": 64,
         "scaledown_window": 60,
         "timeout": 30,
-        "retries": {"max_retries": 2, "backoff_coefficient": 2.0, "initial_delay": 0.05, "max_delay": 2.0},
+        "retries": 0,
         "cpu": 1.0,
         "memory": 512,
     }
@@ -348,6 +348,30 @@ def test_modal_app_definitions_and_local_run():
     assert wrong["error"]["type"] == "UnknownFunction"
     bad = functions["add"].local({"function": "add", "payload": {"a": "x"}})
     assert bad["error"]["type"] == "InvalidArguments"
+
+
+def test_modal_functions_leave_retries_to_the_client(monkeypatch):
+    """Modal retried a lost or timed-out container max_attempts - 1 times, side effects
+    included (a call that may have run, run again), and the client retried each of those
+    again: up to 3 x 3 runs. Modal retries nothing now; the client applies the retry policy
+    with its idempotency and side-effect rules."""
+    import modal
+
+    from fabric.deploy.modal_ import build_app, modal_options
+
+    plan = plan_functions(REG, ["add", "append_line"], prefix="rl-")
+    assert REG.get("append_line").side_effects and REG.get("add").retry.max_attempts > 1
+    assert [modal_options(REG, fn)["retries"] for fn in plan] == [0, 0]
+    seen = []
+    real = modal.App.function
+
+    def recording(self, *args, **kwargs):
+        seen.append(kwargs.get("retries"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(modal.App, "function", recording)
+    build_app(REG, plan)
+    assert seen == [0, 0]
 
 
 @pytest.fixture
