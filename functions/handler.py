@@ -67,8 +67,9 @@ REPLY_QUEUE_ENV = "RL_FABRIC_REPLY_QUEUE_URL"
 REPLY_TO_ATTRIBUTE = "reply_to"
 """SQS message attribute (String) naming the reply queue of one message; overrides the env."""
 
-#: Results larger than this are returned but not stored for idempotency: a DynamoDB item
-#: holds at most 400 KB, key and bookkeeping attributes included.
+#: Results larger than this, as powertools stores them (``_stored_bytes``), are returned but
+#: not stored for idempotency: a DynamoDB item holds at most 400 KB, and the rest is headroom
+#: for the key, the payload hash, the status and expiry attributes and their names.
 MAX_CACHED_RESULT_BYTES = 350_000
 #: SQS's message size limit (1 MiB since 2025; a queue may be configured lower).
 MAX_REPLY_BYTES = 1024 * 1024
@@ -112,9 +113,17 @@ def _run_recorded(*, key: dict[str, Any], run: Callable[[], Result]) -> Result:
     and a result too large for a DynamoDB item cannot be kept."""
     result = run()
     final = result.ok or (result.error is not None and result.error.type in _KEPT_ERRORS)
-    if not final or len(result.model_dump_json()) > MAX_CACHED_RESULT_BYTES:
+    if not final or _stored_bytes(result) > MAX_CACHED_RESULT_BYTES:
         raise _NotCached(result)
     return result
+
+
+def _stored_bytes(result: Result) -> int:
+    """The size of the item attribute powertools writes for ``result``: its persistence layer
+    stores ``json.dumps(..., sort_keys=True)`` of the serializer's dict, ASCII-escaped, so a
+    CJK character takes 6 bytes (``\\uXXXX``), not the 1 character or 3 UTF-8 bytes of
+    ``model_dump_json``."""
+    return len(json.dumps(result.model_dump(mode="json"), sort_keys=True).encode())
 
 
 def _mark_cached(response: Any, idempotent_data: Any) -> Any:

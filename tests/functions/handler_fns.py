@@ -68,10 +68,10 @@ async def loop_id() -> int:
 
 
 @REG.function
-def big(key: str, n: int) -> str:
+def big(key: str, n: int, char: str = "x") -> str:
     """A result of ``n`` characters (over 350 KB it cannot be stored for idempotency)."""
     CALLS[f"big:{key}"] += 1
-    return "x" * n
+    return char * n
 
 
 def _failing_setup() -> Any:

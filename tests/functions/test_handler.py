@@ -494,6 +494,23 @@ def test_result_too_large_to_store_is_returned_not_cached(table: Any) -> None:
     assert table.scan(TableName=TABLE)["Count"] == 0
 
 
+def test_a_result_measured_as_powertools_stores_it(table: Any) -> None:
+    """100,000 CJK characters are 100 KB by character count, which the size check measured, but
+    600 KB as powertools stores them (json.dumps escapes each as \\uXXXX): the DynamoDB item was
+    refused, the answer discarded for a TransportError and the key left in progress."""
+    n = 100_000
+    assert n < handler.MAX_CACHED_RESULT_BYTES < len(json.dumps("中" * n))
+    for _ in range(2):
+        r = invoke("big", {"key": "cjk", "n": n, "char": "中"}, idempotency_key="kc")
+        assert r.ok and r.value == "中" * n and not r.cached, r.error
+    assert CALLS["big:cjk"] == 2
+    assert table.scan(TableName=TABLE)["Count"] == 0
+    # one that fits is kept, measured the same way
+    small = {"key": "cjk2", "n": 1_000, "char": "中"}
+    assert invoke("big", small, idempotency_key="kc2").ok
+    assert invoke("big", small, idempotency_key="kc2").cached
+
+
 def test_without_a_table_keys_are_ignored(aws: None) -> None:
     # inside mock_aws with no table: any DynamoDB call would fail the invocation
     for _ in range(2):
