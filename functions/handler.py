@@ -71,6 +71,12 @@ REPLY_TO_ATTRIBUTE = "reply_to"
 #: not stored for idempotency: a DynamoDB item holds at most 400 KB, and the rest is headroom
 #: for the key, the payload hash, the status and expiry attributes and their names.
 MAX_CACHED_RESULT_BYTES = 350_000
+#: Lambda's limit on a synchronous invoke's response, in bytes as the runtime encodes the
+#: reply: the python3.11 runtime uses ``json.dumps`` with ASCII escapes, so a non-ASCII
+#: character can take 6 bytes. Over it, Lambda answers ``Function.ResponseSizeTooLarge``.
+MAX_LAMBDA_RESPONSE_BYTES = 6_291_556
+#: Kept back from that limit for the ``ResultNotSerializable`` that replaces a reply too large.
+RESPONSE_MARGIN_BYTES = 16 * 1024
 #: SQS's message size limit (1 MiB since 2025; a queue may be configured lower).
 MAX_REPLY_BYTES = 1024 * 1024
 #: Time kept back from an async function's timeout so the reply (and the idempotency
@@ -497,8 +503,24 @@ class _Container:
             result = parsed
         else:
             result = self.invoke(parsed, cold=cold, queue_ms=0.0, context=context)
+        reply = result.model_dump(mode="json")
+        size = len(json.dumps(reply))  # what the runtime sends (ASCII-escaped)
+        if size > MAX_LAMBDA_RESPONSE_BYTES - RESPONSE_MARGIN_BYTES:
+            # the runner's 6 MiB check counts UTF-8 bytes; escaped, the reply can be larger
+            # still, and Lambda would replace it with its own Function.ResponseSizeTooLarge
+            too_big = Result.failure(
+                ErrorCode.RESULT_NOT_SERIALIZABLE,
+                f"{result.function} returned a reply of {size:,} bytes as the Lambda runtime encodes it "
+                f"(JSON, non-ASCII characters escaped), over the {MAX_LAMBDA_RESPONSE_BYTES:,}-byte "
+                "response limit; return a reference (an S3 key) instead",
+                function=result.function,
+                request_id=result.request_id,
+                worker=self.worker,
+            )
+            too_big.cold_start, too_big.timings = result.cold_start, result.timings
+            result, reply = too_big, too_big.model_dump(mode="json")
         self.observe(result, self.metrics)
-        return result.model_dump(mode="json")
+        return reply
 
     def sqs(self, event: Any, context: Any) -> dict[str, Any]:
         from aws_lambda_powertools.metrics import MetricUnit

@@ -15,8 +15,9 @@ a reward service wants thousands. ``auto`` picks ``http`` when a token is set.
 
 Failures are translated here, once: throttling (429), 5xx service faults, connection
 faults and read timeouts are retryable; a ``FunctionError`` whose body is not a ``Result``
-is Lambda's own error object (a timeout or a crashed runtime is retryable, anything else is
-the function's ``UserError``); a missing function, a refused token, a bad request are final.
+is Lambda's own error object (a timeout or a crashed runtime is retryable, a response over
+the size limit is ``ResultNotSerializable``, anything else is the function's ``UserError``);
+a missing function, a refused token, a bad request are final.
 """
 
 from __future__ import annotations
@@ -318,6 +319,14 @@ class LambdaBackend(Backend):
                 return self._fail(inv, ErrorCode.TIMEOUT, emsg)
             if etype in _RUNTIME_CRASHES:
                 return self._fail(inv, ErrorCode.WORKER_LOST, f"{etype}: {emsg}")
+            if etype == "Function.ResponseSizeTooLarge":
+                # the function's answer, too large to send back (the handler refuses it first
+                # when it can): final, as the runner's own ResultNotSerializable
+                return self._fail(
+                    inv,
+                    ErrorCode.RESULT_NOT_SERIALIZABLE,
+                    f"{etype}: {emsg.rstrip('.')}; return a reference (an S3 key) instead",
+                )
             return self._fail(inv, ErrorCode.USER_ERROR, f"{etype}: {emsg}")
         # a plain function (not the fabric handler) answered with its bare value
         return Result.built(

@@ -238,6 +238,15 @@ async def test_a_call_to_an_endpoint_that_does_not_answer_ends_at_its_deadline(t
         ({"errorType": "Runtime.ExitError", "errorMessage": "signal: killed"}, "Unhandled", "WorkerLost"),
         ({"errorType": "Runtime.OutOfMemory", "errorMessage": "out of memory"}, "Unhandled", "WorkerLost"),
         ({"errorType": "KeyError", "errorMessage": "'x'"}, "Unhandled", "UserError"),
+        # a reply over Lambda's response limit: the function's answer is too large, final
+        (
+            {
+                "errorType": "Function.ResponseSizeTooLarge",
+                "errorMessage": "Response payload size exceeded maximum allowed payload size (6291556 bytes)",
+            },
+            "Unhandled",
+            "ResultNotSerializable",
+        ),
     ],
 )
 def test_lambda_error_objects_are_mapped(body, function_error, code):

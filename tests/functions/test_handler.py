@@ -273,6 +273,23 @@ def test_payload_over_the_lambda_limit() -> None:
     assert "over the 6 MiB" in r.error.message and r.function == "exact_match" and r.request_id == "req-big"
 
 
+def test_a_reply_over_the_lambda_response_limit_as_the_runtime_encodes_it() -> None:
+    """1.2 million CJK characters are 3.6 MB of UTF-8, under the runner's 6 MiB check, but the
+    python3.11 runtime writes the reply with json.dumps (\\uXXXX escapes): 7.2 MB, over Lambda's
+    6,291,556-byte limit, so Lambda answered Function.ResponseSizeTooLarge instead. The handler
+    answers ResultNotSerializable, which says to return a reference."""
+    inv = Invocation(function="big", payload={"key": "r", "n": 1_200_000, "char": "中"})
+    out = handler.handler(inv.model_dump(mode="json"), LambdaContext())
+    assert len(json.dumps(out)) <= 6_291_556
+    r = Result.model_validate(out)
+    assert r.error is not None and r.error.type == ErrorCode.RESULT_NOT_SERIALIZABLE, r.error
+    assert "reference" in r.error.message and not r.retryable
+    assert r.request_id and r.function == "big" and r.worker
+    # one just under the limit goes as it is
+    n = (6_291_556 - 64 * 1024) // 6
+    assert invoke("big", {"key": "r", "n": n, "char": "中"}).ok
+
+
 def test_async_functions_run_and_time_out() -> None:
     assert invoke("async_double", {"x": 21}).value == 42
     # the deadline bounds an async function; the timeout is retryable and not the function's answer
