@@ -3,9 +3,13 @@
 Each call is ``Function.from_name(app, prefix + name).remote.aio(envelope)``: the fabric
 ``Invocation`` goes in, the ``Result`` the container built comes back (see
 ``fabric.deploy.modal_runtime``). Lookups are lazy and cached per function. Modal's
-exceptions are translated here: a missing token or a refused one is ``Unauthorized`` and
-final (the message says how to log in); a function that is not deployed is
-``UnknownFunction``; Modal's timeout is ``FunctionTimeout``; anything else on the way is a
+exceptions are translated here (``_ERRORS``): a missing token (``AuthError``) or one without
+access to the workspace (``PermissionDeniedError``) is ``Unauthorized`` and final (the
+message says how to log in); a function that is not deployed is ``UnknownFunction``; Modal's
+timeout is ``FunctionTimeout``; its rate limit (``ResourceExhaustedError``) is ``Throttled``,
+retryable and safe to retry for a side effect (nothing ran); a request Modal refuses as
+invalid or too large is ``InvalidArguments`` / ``PayloadTooLarge``, final; anything else on
+the way (``ConnectionError``, ``InternalFailure``, ``ServiceError``, a lost container) is a
 retryable ``TransportError``.
 """
 
@@ -18,6 +22,18 @@ from fabric.backends.base import Backend, ModalConfig
 from fabric.errors import ConfigError, ErrorCode
 from fabric.protocol import Invocation, Result
 from fabric.registry import Registry
+
+#: Modal's exception class names -> fabric codes, first match wins (the classes are looked
+#: up in ``modal.exception`` so that the SDK is imported only when the backend starts).
+_ERRORS: tuple[tuple[str, ErrorCode], ...] = (
+    ("AuthError", ErrorCode.UNAUTHORIZED),
+    ("PermissionDeniedError", ErrorCode.UNAUTHORIZED),
+    ("NotFoundError", ErrorCode.UNKNOWN_FUNCTION),
+    ("FunctionTimeoutError", ErrorCode.TIMEOUT),
+    ("ResourceExhaustedError", ErrorCode.THROTTLED),
+    ("InvalidError", ErrorCode.INVALID_ARGUMENTS),
+    ("RequestSizeError", ErrorCode.PAYLOAD_TOO_LARGE),
+)
 
 
 class ModalBackend(Backend):
@@ -61,30 +77,32 @@ class ModalBackend(Backend):
             envelope["deadline"] = None
         try:
             data = await self._function(inv.function).remote.aio(envelope)
-        except exc.AuthError as e:
-            return self._fail(
-                inv,
-                ErrorCode.UNAUTHORIZED,
-                f"Modal: {e} (run `modal token new`, or set MODAL_TOKEN_ID and MODAL_TOKEN_SECRET)",
-            )
-        except exc.NotFoundError as e:
-            name = self.config.function_prefix + inv.function
-            return self._fail(
-                inv,
-                ErrorCode.UNKNOWN_FUNCTION,
-                f"Modal: {e} ({name!r} in app {self.config.app_name!r}; "
-                "run `fabric deploy --backend modal`?)",
-            )
-        except exc.FunctionTimeoutError as e:
-            return self._fail(inv, ErrorCode.TIMEOUT, f"Modal: {e}")
-        except Exception as e:  # connection faults, lost containers: Modal's own retries are spent
-            return self._fail(inv, ErrorCode.TRANSPORT, f"Modal: {type(e).__name__}: {e}")
+        except Exception as e:
+            return self._translate(inv, exc, e)
         try:
             result = Result.model_validate(data)
         except ValueError as e:
             return self._fail(inv, ErrorCode.TRANSPORT, f"Modal returned something that is not a Result: {e}")
         result.timings.total_ms = (time.perf_counter() - t0) * 1e3
         return result
+
+    def _translate(self, inv: Invocation, exc: Any, e: Exception) -> Result:
+        """The failed ``Result`` of a Modal exception (``_ERRORS``; else a transport fault:
+        a connection fault, a lost container, Modal's internal failure)."""
+        code = next(
+            (c for name, c in _ERRORS if isinstance(e, getattr(exc, name, ()))),
+            ErrorCode.TRANSPORT,
+        )
+        message = f"Modal: {type(e).__name__}: {e}"
+        if code == ErrorCode.UNAUTHORIZED:
+            message += (
+                " (run `modal token new`, or set MODAL_TOKEN_ID and MODAL_TOKEN_SECRET for a "
+                "workspace that can call the app)"
+            )
+        elif code == ErrorCode.UNKNOWN_FUNCTION:
+            name = self.config.function_prefix + inv.function
+            message += f" ({name!r} in app {self.config.app_name!r}; run `fabric deploy --backend modal`?)"
+        return self._fail(inv, code, message)
 
     def _fail(self, inv: Invocation, code: ErrorCode, message: str) -> Result:
         return Result.failure(code, message, function=inv.function, request_id=inv.request_id, worker="modal")

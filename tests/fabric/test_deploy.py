@@ -394,6 +394,50 @@ async def test_modal_backend_without_a_token_fails_at_once(no_modal_token):
     assert "modal token new" in r.error.message and time.monotonic() - t0 < 10
 
 
+@pytest.mark.parametrize(
+    ("name", "code"),
+    [
+        ("ResourceExhaustedError", ErrorCode.THROTTLED),  # Modal's rate limit: nothing ran
+        ("PermissionDeniedError", ErrorCode.UNAUTHORIZED),
+        ("InvalidError", ErrorCode.INVALID_ARGUMENTS),
+        ("RequestSizeError", ErrorCode.PAYLOAD_TOO_LARGE),
+        ("AuthError", ErrorCode.UNAUTHORIZED),
+        ("NotFoundError", ErrorCode.UNKNOWN_FUNCTION),
+        ("FunctionTimeoutError", ErrorCode.TIMEOUT),
+        ("ConnectionError", ErrorCode.TRANSPORT),
+        ("InternalFailure", ErrorCode.TRANSPORT),
+        ("ServiceError", ErrorCode.TRANSPORT),
+    ],
+)
+async def test_modal_errors_are_translated(name, code):
+    """Everything but AuthError, NotFoundError and the timeout was a retryable TransportError:
+    a rate limit was not retried for a side effect (TransportError may have run), and a
+    refused permission, an invalid or too large request were retried to no end."""
+    import modal.exception
+
+    from fabric.backends.modal_ import ModalBackend
+    from fabric.errors import RETRYABLE
+
+    class Raising:
+        """A deployed function whose ``.remote.aio`` raises what Modal's client raised."""
+
+        @property
+        def remote(self):
+            return self
+
+        async def aio(self, envelope):
+            raise getattr(modal.exception, name)("refused")
+
+    class FakeModal(ModalBackend):
+        def _function(self, name):  # the lookup hook: no Modal account here
+            return Raising()
+
+    async with FakeModal(REG, ModalConfig()) as b:
+        r = await b.invoke(Invocation(function="add", payload={"a": 1}))
+    assert r.error.type == code and r.retryable == (code in RETRYABLE), r.error
+    assert name in r.error.message and r.worker == "modal"
+
+
 def test_modal_deploy_without_a_token_is_a_clear_error(no_modal_token, tmp_path, monkeypatch):
     from fabric.cli import app
 
