@@ -1,9 +1,11 @@
 """What runs inside a Modal container: a fabric ``Invocation`` in, a ``Result`` out.
 
 One ``FunctionRunner`` per function per container, built on first use (the setup hook runs
-once, as in a local warm worker). A failure is data, as with the Lambda handler: the Modal
-function itself raises only if this module is broken, so Modal's own retries cover
-infrastructure (a lost container), never a function's error.
+once, as in a local warm worker), and one event loop per container for the async ones, as the
+Lambda handler keeps: a client a setup hook (or a first call) made, an ``httpx.AsyncClient``,
+stays bound to the loop it first ran on, and ``asyncio.run`` per call would close that loop
+under it. A failure is data, as with the Lambda handler: the Modal function itself raises
+only if this module is broken.
 """
 
 from __future__ import annotations
@@ -19,10 +21,14 @@ from fabric.runner import FunctionRunner, outcome_to_result
 
 _runners: dict[str, FunctionRunner] = {}
 _cold = True
+_loop: asyncio.AbstractEventLoop | None = None
+"""The container's event loop, made on the first async call. The functions are deployed
+without ``@modal.concurrent``: a container runs one input at a time, so one loop is never
+entered twice at once."""
 
 
 def run(name: str, module: str, envelope: dict[str, Any]) -> dict[str, Any]:
-    global _cold
+    global _cold, _loop
     cold, _cold = _cold, False
     try:
         inv = Invocation.model_validate(envelope)
@@ -58,7 +64,9 @@ def run(name: str, module: str, envelope: dict[str, Any]) -> dict[str, Any]:
         _runners[name] = runner
     t0 = time.perf_counter()
     if runner.is_async:
-        ok, out = asyncio.run(runner.run_async(inv.raw_payload, runner.spec.timeout_s))
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+        ok, out = _loop.run_until_complete(runner.run_async(inv.raw_payload, runner.spec.timeout_s))
     else:
         ok, out = runner.run(inv.raw_payload)
     result = outcome_to_result(inv, ok, out, exec_ms=(time.perf_counter() - t0) * 1e3, worker=f"modal:{name}")
@@ -68,3 +76,14 @@ def run(name: str, module: str, envelope: dict[str, Any]) -> dict[str, Any]:
 
 def _dump(result: Result) -> dict[str, Any]:
     return result.model_dump(mode="json")
+
+
+def reset() -> None:
+    """Forget this container (its runners and its loop): the next call starts, cold, again.
+    For tests; Modal never needs it."""
+    global _cold, _loop
+    _runners.clear()
+    _cold = True
+    if _loop is not None:
+        _loop.close()
+        _loop = None

@@ -282,3 +282,24 @@ def leaves_a_child(pid_path: str = "", then: str = "", escape: bool = False) -> 
         os._exit(7)
     time.sleep(60)
     return 0
+
+
+def _connections() -> dict:
+    return {}
+
+
+@REG.function(warm=0, setup=_connections)
+async def echo_pooled(port: int, text: str, ctx: dict) -> str:
+    """Echoes ``text`` over one connection kept for the container's life, as a pooled async
+    client made once (an ``httpx.AsyncClient`` in a setup hook) does; "" closes it."""
+    if "conn" not in ctx:
+        ctx["conn"] = await asyncio.open_connection("127.0.0.1", port)
+    reader, writer = ctx["conn"]
+    if not text:
+        del ctx["conn"]
+        writer.close()
+        await writer.wait_closed()
+        return ""
+    writer.write(text.encode() + b"\n")
+    await writer.drain()
+    return (await reader.readline()).decode().strip()

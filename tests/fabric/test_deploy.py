@@ -375,6 +375,48 @@ def test_modal_functions_leave_retries_to_the_client(monkeypatch):
 
 
 @pytest.fixture
+def echo_port():
+    """A line echo server on 127.0.0.1, in a thread (the Modal runtime's calls are blocking)."""
+    import socketserver
+    import threading
+
+    class Echo(socketserver.StreamRequestHandler):
+        def handle(self):
+            for line in self.rfile:
+                self.wfile.write(line)
+
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), Echo) as server:
+        server.daemon_threads = True
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield server.server_address[1]
+        finally:
+            server.shutdown()
+            thread.join(5)
+
+
+def test_modal_runtime_keeps_one_event_loop_per_container(echo_port):
+    """Each async call ran under its own asyncio.run, which closes its loop: a connection or
+    client made on the first call (or in a setup hook) was bound to a closed loop on the
+    second, which failed with UserError "Event loop is closed". One loop serves the
+    container's calls, as in the Lambda handler."""
+    from fabric.deploy import modal_runtime
+
+    def call(text):
+        inv = Invocation(function="echo_pooled", payload={"port": echo_port, "text": text})
+        return modal_runtime.run("echo_pooled", "sample_fns", inv.model_dump(mode="json"))
+
+    try:
+        outs = [call(t) for t in ("a", "b", "c", "")]
+        assert [(o["ok"], o["value"]) for o in outs] == [(True, "a"), (True, "b"), (True, "c"), (True, "")], [
+            o["error"] for o in outs
+        ]
+    finally:
+        modal_runtime.reset()
+
+
+@pytest.fixture
 def no_modal_token(monkeypatch, tmp_path):
     monkeypatch.delenv("MODAL_TOKEN_ID", raising=False)
     monkeypatch.delenv("MODAL_TOKEN_SECRET", raising=False)
