@@ -3,10 +3,13 @@
 Per function: create it (or update its code and configuration), wait until it is ready,
 publish a version, point the ``live`` alias at it, set reserved concurrency, and put
 provisioned concurrency (the warm pool) on the alias. Every step is idempotent, so a
-deploy that stopped half way is finished by running it again.
+deploy that stopped half way is finished by running it again. A redeploy converges on what
+it asks for: without ``--reserved`` the reserved cap an earlier deploy set is deleted, and
+with ``--warm 0`` the alias's provisioned concurrency is deleted (it is billed while it
+exists, used or not).
 
 Provisioned concurrency fails soft: a warning names the function and the reason, and the
-function works without a warm pool (moto, for one, does not implement the call).
+function works without a warm pool (moto, for one, does not implement the calls).
 """
 
 from __future__ import annotations
@@ -192,6 +195,9 @@ def _one(
         alias = lam.create_alias(FunctionName=name, Name=ALIAS, FunctionVersion=version)
     if fn.reserved_concurrency >= 0:
         lam.put_function_concurrency(FunctionName=name, ReservedConcurrentExecutions=fn.reserved_concurrency)
+    elif not created:
+        # a cap an earlier deploy set (--reserved) would stay, and keep limiting the function
+        lam.delete_function_concurrency(FunctionName=name)
     provisioned, warning = 0, None
     if fn.warm > 0:
         try:
@@ -200,14 +206,24 @@ def _one(
             )
             provisioned = fn.warm
         except ClientError as e:
-            err = e.response.get("Error", {})
-            # an endpoint without the API (moto) answers with an HTML page: keep its words
-            text = " ".join(re.sub(r"<[^>]+>", " ", str(err.get("Message") or "")).split())[:160]
             warning = (
-                f"{name}: provisioned concurrency ({fn.warm} warm) not set: {err.get('Code')}: "
-                f"{text}; the function works, with cold starts"
+                f"{name}: provisioned concurrency ({fn.warm} warm) not set: {_reason(e)}; "
+                "the function works, with cold starts"
             )
-            say(f"warning: {warning}")
+    elif not created:
+        # --warm 0: a warm pool an earlier deploy put on the alias would stay, and be billed
+        try:
+            lam.delete_provisioned_concurrency_config(FunctionName=name, Qualifier=ALIAS)
+            say(f"{name}: provisioned concurrency removed")
+        except lam.exceptions.ResourceNotFoundException:
+            pass  # there was none
+        except ClientError as e:
+            warning = (
+                f"{name}: provisioned concurrency on {ALIAS!r} not removed: {_reason(e)}; it is billed "
+                "while it exists: delete it with `aws lambda delete-provisioned-concurrency-config`"
+            )
+    if warning is not None:
+        say(f"warning: {warning}")
     say(f"{name}: version {version}, alias {ALIAS}" + (f", {provisioned} warm" if provisioned else ""))
     return Deployed(
         name=fn.name,
@@ -218,3 +234,11 @@ def _one(
         provisioned=provisioned,
         warning=warning,
     )
+
+
+def _reason(e: Any) -> str:
+    """``Code: message`` of a ``ClientError``; an endpoint without the API (moto) answers
+    with an HTML page: its words are kept."""
+    err = e.response.get("Error", {})
+    text = " ".join(re.sub(r"<[^>]+>", " ", str(err.get("Message") or "")).split())[:160]
+    return f"{err.get('Code')}: {text}"

@@ -186,6 +186,72 @@ def test_provisioned_concurrency_call_on_the_alias():
     assert done.provisioned == 3 and done.warning is None and done.alias_arn.endswith(":live")
 
 
+def test_a_redeploy_without_reserved_removes_the_cap(moto_url, tmp_path):
+    """A deploy with --reserved capped the function; a later one without it left the cap
+    (nothing deleted it), so the function stayed limited."""
+    import boto3
+
+    lam = boto3.client("lambda", endpoint_url=moto_url, region_name="us-east-1")
+    cfg = DirectConfig(region="us-east-1", endpoint_url=moto_url, prefix="rl-")
+    package = build_zip(plan_functions(REG, ["boom"], prefix="rl-"), tmp_path / "f.zip", deps=False)
+    deploy_direct(plan_functions(REG, ["boom"], prefix="rl-", reserved=True), package, cfg)
+    cap = REG.get("boom").max_concurrency
+    assert lam.get_function_concurrency(FunctionName="rl-boom").get("ReservedConcurrentExecutions") == cap
+    deploy_direct(plan_functions(REG, ["boom"], prefix="rl-", reserved=False), package, cfg)
+    assert "ReservedConcurrentExecutions" not in lam.get_function_concurrency(FunctionName="rl-boom")
+
+
+def _redeploy_stubbed(stub, name: str) -> None:
+    """The calls of redeploying an existing function, up to its concurrency settings."""
+    ready = {"Configuration": {"State": "Active", "LastUpdateStatus": "Successful"}}
+    arn = f"arn:aws:lambda:us-east-1:123456789012:function:{name}"
+    stub.add_response("get_function", {"Configuration": {"FunctionName": name}})
+    stub.add_response("update_function_code", {"FunctionName": name})
+    stub.add_response("get_function", ready)
+    stub.add_response("update_function_configuration", {"FunctionName": name})
+    stub.add_response("get_function", ready)
+    stub.add_response("publish_version", {"Version": "2"})
+    stub.add_response("update_alias", {"AliasArn": arn + ":live"})
+    stub.add_response("delete_function_concurrency", {}, {"FunctionName": name})
+
+
+def test_a_redeploy_with_warm_0_removes_provisioned_concurrency():
+    """`fabric deploy --direct --warm 0` left the alias's provisioned concurrency in place
+    (billed, used or not). moto lacks the call: botocore's Stubber checks it against the API
+    model. A function that has none (ResourceNotFoundException) is no warning."""
+    import boto3
+    from botocore.stub import Stubber
+
+    from fabric.deploy.direct import _one
+
+    lam = boto3.client("lambda", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    fn = plan_functions(REG, ["add"], prefix="rl-", warm=0)[0]
+    role = "arn:aws:iam::123456789012:role/r"
+    steps: list[str] = []
+    with Stubber(lam) as stub:
+        _redeploy_stubbed(stub, "rl-add")
+        stub.add_response(
+            "delete_provisioned_concurrency_config", {}, {"FunctionName": "rl-add", "Qualifier": "live"}
+        )
+        done = _one(lam, fn, b"zip", role, DirectConfig(region="us-east-1"), steps.append)
+        stub.assert_no_pending_responses()
+    assert done.provisioned == 0 and done.warning is None and not done.created
+    assert "rl-add: provisioned concurrency removed" in steps
+    with Stubber(lam) as stub:
+        _redeploy_stubbed(stub, "rl-add")
+        stub.add_client_error(
+            "delete_provisioned_concurrency_config", "ResourceNotFoundException", http_status_code=404
+        )
+        done = _one(lam, fn, b"zip", role, DirectConfig(region="us-east-1"), steps.append)
+        stub.assert_no_pending_responses()
+    assert done.warning is None
+    with Stubber(lam) as stub:  # any other refusal: a warning that says it is still billed
+        _redeploy_stubbed(stub, "rl-add")
+        stub.add_client_error("delete_provisioned_concurrency_config", "AccessDeniedException", "no")
+        done = _one(lam, fn, b"zip", role, DirectConfig(region="us-east-1"), steps.append)
+    assert "not removed: AccessDeniedException" in (done.warning or "") and "billed" in done.warning
+
+
 def test_oversize_zip_is_refused_before_any_call(tmp_path):
     big = tmp_path / "big.zip"
     with big.open("wb") as f:
