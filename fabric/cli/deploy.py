@@ -108,7 +108,9 @@ def _deploy_lambda(plan: Any, **o: Any) -> None:
             raise DeployError("--direct deploys zip packages; deploy an --image with terraform")
         ctx = image_context(plan, o["out"] / "image", architecture=o["architecture"])
         say(f"image build context: {ctx} (build and push it as {o['image']})")
-        values = tfvars(plan, region=o["region"], prefix=o["prefix"], image_uri=o["image"])
+        values = tfvars(
+            plan, region=o["region"], prefix=o["prefix"], image_uri=o["image"], architecture=o["architecture"]
+        )
     else:
         if o["direct"] and o["endpoint_url"] is None:
             from fabric.deploy.direct import check_credentials

@@ -309,6 +309,25 @@ def test_cli_terraform_path_writes_tfvars(tmp_path, monkeypatch):
     assert "terraform is not on PATH" in r.output
 
 
+@pytest.mark.parametrize("image", [None, "123456789012.dkr.ecr.us-east-1.amazonaws.com/rl-fabric:1"])
+def test_cli_terraform_path_keeps_the_architecture(tmp_path, monkeypatch, image):
+    """--image with --architecture arm64 wrote x86_64 to the tfvars (an arm64 image on an
+    x86_64 function fails at its first call); the zip path passed it on."""
+    from fabric.cli import app
+
+    tf = tmp_path / "terraform"
+    tf.mkdir()
+    for name in ("region", "name_prefix", "package", "functions", "tags"):
+        (tf / f"{name}.tf").write_text(f'variable "{name}" {{}}\n')
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no terraform on PATH
+    args = ["deploy", "--no-deps", "-m", "sample_fns", "-f", "add", "--architecture", "arm64"]
+    args += ["--terraform-dir", str(tf), "--out", str(tmp_path / "b")]
+    r = CliRunner().invoke(app, args + (["--image", image] if image else []))
+    assert r.exit_code == 0, r.output
+    package = json.loads((tf / TFVARS_FILE).read_text())["package"]
+    assert package["architecture"] == "arm64" and package["type"] == ("image" if image else "zip")
+
+
 @pytest.fixture
 def no_aws_credentials(monkeypatch, tmp_path):
     """No AWS variables, empty credentials and config files, no instance metadata."""
