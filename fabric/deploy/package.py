@@ -1,11 +1,11 @@
 """The Lambda deployment package: a zip, or a container image build context.
 
 The zip holds the ``fabric`` and ``functions`` packages, the modules the deployed functions
-live in, and (unless ``deps=False``) the dependencies, installed by pip for Lambda's
-platform (manylinux x86_64 or aarch64, CPython 3.11, wheels only) rather than for this
-machine. boto3 is left out: the Lambda Python runtime has it. The zip is deterministic
-(sorted entries, fixed timestamps), so an unchanged package keeps its hash and terraform
-does not redeploy it.
+live in (without dotfiles and dot-directories: ``.env``, ``.git``, ``.venv``), and (unless
+``deps=False``) the dependencies, installed by pip for Lambda's platform (manylinux x86_64
+or aarch64, CPython 3.11, wheels only) rather than for this machine. boto3 is left out: the
+Lambda Python runtime has it. The zip is deterministic (sorted entries, fixed timestamps), so
+an unchanged package keeps its hash and terraform does not redeploy it.
 
 Heavy functions (an LLM judge with a model, native toolchains for the code verifier) go
 as a container image instead: ``image_context`` writes a Dockerfile on the AWS Lambda
@@ -68,14 +68,17 @@ def code_roots(functions: Iterable[DeployedFunction]) -> dict[str, Path]:
     return roots
 
 
-def _files(root: Path, arcname: str) -> Iterator[tuple[Path, str]]:
+def _files(root: Path, arcname: str, *, hidden: bool = False) -> Iterator[tuple[Path, str]]:
+    """The files under ``root`` and their archive names. ``hidden=False`` (code roots: your
+    package's tree) leaves out dotfiles and dot-directories: a ``.env`` with secrets, ``.git``,
+    a ``.venv`` inside the package. The installed dependencies keep theirs."""
     if root.is_file():
         yield root, arcname
         return
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and (hidden or not d.startswith(".")))
         for f in sorted(filenames):
-            if f.endswith((".pyc", ".pyo")):
+            if f.endswith((".pyc", ".pyo")) or (not hidden and f.startswith(".")):
                 continue
             path = Path(dirpath) / f
             yield path, str(Path(arcname) / path.relative_to(root))
@@ -133,7 +136,7 @@ def build_zip(
             install_deps(site, architecture=architecture)
             entries += [
                 (p, a)
-                for p, a in _files(site, "")
+                for p, a in _files(site, "", hidden=True)
                 if not a.startswith(("bin/", "fabric/", "functions/")) and ".dist-info/RECORD" not in a
             ]
         for arc, path in sorted(roots.items()):
@@ -174,7 +177,8 @@ def image_context(
         if path.is_file():
             shutil.copy2(path, code / arc)
         else:
-            shutil.copytree(path, code / arc, ignore=shutil.ignore_patterns(*_SKIP_DIRS, "*.pyc"))
+            # as in the zip: no dotfiles or dot-directories (.env, .git, .venv) from your tree
+            shutil.copytree(path, code / arc, ignore=shutil.ignore_patterns(*_SKIP_DIRS, "*.pyc", ".*"))
     (out / "requirements.txt").write_text("\n".join(requirements()) + "\n")
     arch = "amd64" if architecture == "x86_64" else "arm64"
     (out / "Dockerfile").write_text(DOCKERFILE.format(python=python, handler=HANDLER, arch=arch))

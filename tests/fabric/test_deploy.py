@@ -65,6 +65,41 @@ def test_zip_holds_the_code_and_is_deterministic(tmp_path):
     assert not (tmp_path / "a.zip.partial").exists()
 
 
+def test_a_user_package_goes_without_its_dotfiles(tmp_path, monkeypatch):
+    """The package's whole tree was zipped: .env (secrets), .git, a .venv inside it. Hidden
+    files and directories stay out, of the zip and of an image's build context."""
+    from fabric.registry import Registry
+
+    pkg = tmp_path / "src" / "dotted_rewards"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "from fabric.registry import Registry\n"
+        "REG = Registry()\n"
+        "@REG.function\n"
+        "def secretless(x: int) -> int:\n"
+        "    return x\n"
+    )
+    (pkg / "sub" / "helpers.py").write_text("X = 1\n")
+    (pkg / ".env").write_text("OPENAI_API_KEY=sk-secret\n")
+    (pkg / "sub" / ".hidden.py").write_text("")
+    for d in (".git", ".venv/lib/python3.11/site-packages/big", "sub/.cache"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "f.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    reg = Registry()
+    reg.discover("dotted_rewards")
+    plan = plan_functions(reg, ["secretless"])
+    names = {n for n in zipfile.ZipFile(build_zip(plan, tmp_path / "f.zip", deps=False)).namelist()}
+    mine = sorted(n for n in names if n.startswith("dotted_rewards/"))
+    assert mine == ["dotted_rewards/__init__.py", "dotted_rewards/sub/helpers.py"], mine
+    code = image_context(plan, tmp_path / "image") / "code" / "dotted_rewards"
+    assert sorted(str(p.relative_to(code)) for p in code.rglob("*")) == [
+        "__init__.py",
+        "sub",
+        "sub/helpers.py",
+    ]
+
+
 def test_requirements_leave_out_what_lambda_has():
     reqs = requirements()
     assert any(r.startswith("pydantic") for r in reqs) and any(
