@@ -14,7 +14,9 @@ about 2 ms of CPU per call, which caps one process at a few hundred calls per se
 a reward service wants thousands. ``auto`` picks ``http`` when a token is set.
 
 Failures are translated here, once: throttling (429), 5xx service faults, connection
-faults and read timeouts are retryable; a ``FunctionError`` whose body is not a ``Result``
+faults and read timeouts are retryable (a connection that was never made, refused or past
+``connect_timeout_s``, is ``NotStarted``: the request was not sent, so even a side effect is
+retried); a ``FunctionError`` whose body is not a ``Result``
 is Lambda's own error object (a timeout or a crashed runtime is retryable, a response over
 the size limit is ``ResultNotSerializable``, anything else is the function's ``UserError``);
 a missing function, a refused token, a bad request are final.
@@ -205,6 +207,8 @@ class LambdaBackend(Backend):
             BotoCoreError,
             ClientError,
             ConnectionError,
+            ConnectTimeoutError,
+            EndpointConnectionError,
             HTTPClientError,
             IncompleteReadError,
             ReadTimeoutError,
@@ -223,6 +227,8 @@ class LambdaBackend(Backend):
             return self._refused(inv, str(error.get("Code", "")), status, str(error.get("Message", "")))
         except ReadTimeoutError as e:
             return self._fail(inv, ErrorCode.TIMEOUT, f"no reply from Lambda in time: {e}")
+        except (ConnectTimeoutError, EndpointConnectionError) as e:
+            return self._not_connected(inv, e)
         except ConnectionError as e:
             return self._fail(inv, ErrorCode.TRANSPORT, f"cannot reach {self._where()}: {e}")
         except (HTTPClientError, IncompleteReadError) as e:
@@ -258,6 +264,9 @@ class LambdaBackend(Backend):
                 reply = await response.read()
                 status = response.status
                 headers = response.headers
+        except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as e:
+            # before the read timeout below: ConnectionTimeoutError is a ServerTimeoutError
+            return self._not_connected(inv, e)
         except (aiohttp.ServerTimeoutError, TimeoutError) as e:
             return self._fail(inv, ErrorCode.TIMEOUT, f"no reply from {self._where()} in time: {e}")
         except aiohttp.ClientError as e:
@@ -281,6 +290,14 @@ class LambdaBackend(Backend):
     def _fail(self, inv: Invocation, code: ErrorCode, message: str) -> Result:
         return Result.failure(
             code, message, function=inv.function, request_id=inv.request_id, worker="lambda"
+        )
+
+    def _not_connected(self, inv: Invocation, e: Exception) -> Result:
+        """No connection was made (refused, unresolvable, or the handshake ran past
+        connect_timeout_s): the request never went out, so the call did not start, and a
+        retry is safe even for a side effect."""
+        return self._fail(
+            inv, ErrorCode.NOT_STARTED, f"cannot connect to {self._where()} (the call was not sent): {e}"
         )
 
     def _refused(self, inv: Invocation, code_name: str, status: int, text: str) -> Result:

@@ -14,7 +14,7 @@ from sample_fns import REG
 from fabric.backends.base import LambdaConfig, LocalConfig, make_backend
 from fabric.backends.lambda_ import LambdaBackend
 from fabric.client import Client
-from fabric.errors import ErrorCode
+from fabric.errors import SAFE_TO_RETRY, ErrorCode
 from fabric.protocol import Invocation
 from fabric.serve import Gateway, ServeConfig, TenantConfig
 
@@ -155,14 +155,50 @@ async def test_boto3_raises_lambdas_own_exception_for_a_request_too_large():
             client.close()
 
 
-async def test_unreachable_endpoint_is_a_retryable_transport_error(transport):
+async def test_unreachable_endpoint_is_not_started(transport):
+    """The connection was refused: the request never went out, so the call is NotStarted,
+    safe to retry even for a side effect (it was a TransportError, which may have run)."""
     port = free_port()  # nothing listens there
     cfg = LambdaConfig(
         endpoint_url=f"http://127.0.0.1:{port}", token=TOKEN, connect_timeout_s=1, transport=transport
     )
     async with LambdaBackend(REG, cfg) as b:
         r = await b.invoke(Invocation(function="add", payload={"a": 1}))
-    assert r.error.type == ErrorCode.TRANSPORT and r.retryable and f"127.0.0.1:{port}" in r.error.message
+    assert r.error.type == ErrorCode.NOT_STARTED and r.retryable and f"127.0.0.1:{port}" in r.error.message
+    assert r.error.type in SAFE_TO_RETRY and "not sent" in r.error.message
+
+
+async def test_a_connect_timeout_is_not_started(transport):
+    """A TCP handshake that never completes (a listener whose accept queue is full) ends at
+    connect_timeout_s. It was FunctionTimeout (aiohttp's ConnectionTimeoutError is a
+    ServerTimeoutError) or TransportError (botocore's ConnectTimeoutError): both mean the call
+    may have run, so a side effect was not retried, though the request was never sent."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(8):  # fill the accept queue: later SYNs are dropped, connect() hangs
+        s = socket.socket()
+        s.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            s.connect(("127.0.0.1", port))
+        fillers.append(s)
+    cfg = LambdaConfig(
+        endpoint_url=f"http://127.0.0.1:{port}", token=TOKEN, connect_timeout_s=0.3, transport=transport
+    )
+    try:
+        async with LambdaBackend(REG, cfg) as b:
+            t0 = time.monotonic()
+            r = await b.invoke(Invocation(function="add", payload={"a": 1}))
+            took = time.monotonic() - t0
+    finally:
+        for s in [*fillers, listener]:
+            s.close()
+    assert r.error.type == ErrorCode.NOT_STARTED and r.retryable, r.error
+    assert "not sent" in r.error.message and took < 5
 
 
 @pytest.mark.parametrize("cut", ["before the reply", "in the reply"])
