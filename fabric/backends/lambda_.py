@@ -8,23 +8,30 @@ is the ``Result`` it builds.
 
 Two transports speak the Invoke API. ``boto3`` (AWS: SigV4 with the usual credential
 chain; also ``fabric serve``, unsigned with ``Authorization: Bearer``) is synchronous, so
-its calls run on a thread pool as wide as its connection pool and the event loop never
-blocks. ``http`` (aiohttp, on the event loop) is for ``fabric serve`` only: botocore spends
+its calls run on threads and the event loop never blocks. Nothing can stop a boto3 call
+once sent: one its caller abandons (a deadline, a losing hedge) holds its thread and
+connection until Lambda answers, up to 15 minutes. So ``max_connections`` bounds the calls
+whose callers still wait, and the abandoned ones run beside them on up to as many spare
+threads and connections; past that, an abandoned call keeps its slot until it ends. A call
+whose deadline passes while it waits for a slot was never sent, and says so.
+
+``http`` (aiohttp, on the event loop) is for ``fabric serve`` only: botocore spends
 about 2 ms of CPU per call, which caps one process at a few hundred calls per second, while
 a reward service wants thousands. ``auto`` picks ``http`` when a token is set.
 
 Failures are translated here, once: throttling (429), 5xx service faults, connection
 faults and read timeouts are retryable (a connection that was never made, refused or past
 ``connect_timeout_s``, is ``NotStarted``: the request was not sent, so even a side effect is
-retried); a ``FunctionError`` whose body is not a ``Result``
-is Lambda's own error object (a timeout or a crashed runtime is retryable, a response over
-the size limit is ``ResultNotSerializable``, anything else is the function's ``UserError``);
-a missing function, a refused token, a bad request are final.
+retried); a ``FunctionError`` whose body is not a ``Result`` is Lambda's own error object
+(a timeout or a crashed runtime is retryable, a response over the size limit is
+``ResultNotSerializable``, anything else is the function's ``UserError``); a missing
+function, a refused token, a bad request are final.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -59,6 +66,9 @@ _CLIENT_ERRORS: dict[str, ErrorCode] = {
 #: Room for the envelope's other fields (ids, key, deadline, tenant) beside the payload.
 _ENVELOPE_HEAD_BYTES = 4096
 _RUNTIME_CRASHES = ("Runtime.ExitError", "Runtime.OutOfMemory", "Runtime.Unknown")
+#: A call waiting for a boto3 slot gives up this long before its deadline, so that its own
+#: "not sent" answer reaches the client before the client's timer at the deadline fires.
+_UNSENT_MARGIN_S = 0.01
 
 
 class LambdaBackend(Backend):
@@ -69,6 +79,10 @@ class LambdaBackend(Backend):
         self.config = config or LambdaConfig()
         self._client: Any = None
         self._executor: ThreadPoolExecutor | None = None
+        self._slots: asyncio.Semaphore | None = None
+        """boto3: the calls whose callers still wait (``max_connections``)."""
+        self._abandoned = 0
+        """boto3: calls abandoned while running whose slot went back to the live calls."""
         self._session: Any = None
         self._urls: dict[str, Any] = {}
         self._calls = 0
@@ -118,7 +132,8 @@ class LambdaBackend(Backend):
             raise ConfigError(f"the lambda backend needs boto3: pip install 'rl-fabric[aws]' ({e})") from None
         cfg = self.config
         options: dict[str, Any] = {
-            "max_pool_connections": cfg.max_connections,
+            # the live calls' connections, and as many for abandoned calls that run on
+            "max_pool_connections": 2 * cfg.max_connections,
             "connect_timeout": cfg.connect_timeout_s,
             "read_timeout": cfg.read_timeout_s,
             # retries are the fabric client's (with its budget and idempotency), not botocore's
@@ -138,7 +153,9 @@ class LambdaBackend(Backend):
                 request.headers["Authorization"] = header
 
             self._client.meta.events.register("before-send.lambda.Invoke", add_token)
-        self._executor = ThreadPoolExecutor(cfg.max_connections, thread_name_prefix="fabric-lambda")
+        # a thread for every call that may run at once (live or abandoned): none waits for one
+        self._executor = ThreadPoolExecutor(2 * cfg.max_connections, thread_name_prefix="fabric-lambda")
+        self._slots = asyncio.Semaphore(cfg.max_connections)
 
     async def _start_http(self) -> None:
         try:
@@ -178,13 +195,64 @@ class LambdaBackend(Backend):
         if self.transport == "http":
             result = await self._invoke_http(inv, body)
         else:
-            result = await loop.run_in_executor(self._executor, self._invoke_sync, inv, body)
+            result = await self._invoke_boto3(inv, body)
         self._calls += 1
         if not result.ok and result.error is not None:
             self._errors[result.error.type] = self._errors.get(result.error.type, 0) + 1
         if result.timings.total_ms == 0.0:
             result.timings.total_ms = (time.perf_counter() - t0) * 1e3
         return result
+
+    # -- boto3: a slot, then the blocking part on a thread
+    async def _invoke_boto3(self, inv: Invocation, body: bytes) -> Result:
+        slots, executor = self._slots, self._executor
+        assert slots is not None and executor is not None
+        if slots.locked():
+            # every connection is busy with a call whose caller waits: wait for one, until
+            # just before the deadline (a keyed execution's call waits for its run, as sent)
+            wait = None
+            if inv.deadline is not None and not inv.wait_for_run:
+                wait = inv.deadline - time.time() - _UNSENT_MARGIN_S
+            try:
+                await asyncio.wait_for(slots.acquire(), wait)
+            except TimeoutError:
+                return self._fail(
+                    inv,
+                    ErrorCode.DEADLINE_EXCEEDED,
+                    f"{inv.function}: the call was not sent: its deadline passed while all "
+                    f"{self.config.max_connections} connections (max_connections) were busy with other calls",
+                )
+        else:
+            await slots.acquire()  # free: returns at once
+        try:
+            call = executor.submit(self._invoke_sync, inv, body)
+        except BaseException:  # the executor was shut down (the backend closed)
+            slots.release()
+            raise
+        try:
+            result = await asyncio.wrap_future(call)
+        except asyncio.CancelledError:
+            # abandoned (a deadline, a losing hedge): boto3 cannot stop it, and its thread
+            # runs on until Lambda answers. Its slot goes back to the live calls while spare
+            # threads remain; past that, it keeps its slot until it ends
+            loop = asyncio.get_running_loop()
+            if call.done():
+                slots.release()
+            elif self._abandoned < self.config.max_connections:
+                self._abandoned += 1
+                slots.release()
+                call.add_done_callback(lambda _: _call_soon(loop, self._abandoned_ended))
+            else:
+                call.add_done_callback(lambda _: _call_soon(loop, slots.release))
+            raise
+        except BaseException:
+            slots.release()
+            raise
+        slots.release()
+        return result
+
+    def _abandoned_ended(self) -> None:
+        self._abandoned -= 1
 
     # -- boto3: the blocking part, on a worker thread
     def _spill(self, inv: Invocation) -> bytes | Result:
@@ -352,7 +420,10 @@ class LambdaBackend(Backend):
 
     def stats(self) -> dict[str, Any]:
         errors = {f"errors_{k}": v for k, v in self._errors.items()}
-        return {"lambda": {"calls": self._calls, "spilled": self._spilled, **errors}}
+        out = {"calls": self._calls, "spilled": self._spilled, **errors}
+        if self.transport == "boto3":  # abandoned calls still running on their threads
+            out["abandoned_running"] = self._abandoned
+        return {"lambda": out}
 
 
 #: Fields every Result a fabric handler or ``fabric serve`` sends carries.
@@ -379,6 +450,12 @@ def _as_result(data: Any) -> Result | None:
             return None
     result.attempts = 1
     return result
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Any) -> None:
+    """``callback`` on ``loop`` from a boto3 thread; nothing once the loop is closed."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback)
 
 
 def envelope(inv: Invocation, payload: bytes | None = None) -> bytes:

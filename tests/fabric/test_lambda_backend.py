@@ -258,6 +258,88 @@ async def test_a_call_to_an_endpoint_that_does_not_answer_ends_at_its_deadline(t
     assert 0.4 < took < 1.5
 
 
+@contextlib.asynccontextmanager
+async def holding_endpoint():
+    """A Lambda Invoke endpoint on 127.0.0.1 that answers ``add`` at once and holds every
+    ``sleepy`` call until it closes (a judge that takes minutes). Yields its URL."""
+    from fabric.protocol import Result
+
+    closing = asyncio.Event()
+    writers: set[asyncio.StreamWriter] = set()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.add(writer)
+        try:
+            while True:  # keep-alive: one request after another
+                head = (await reader.readuntil(b"\r\n\r\n")).decode()
+                length = int(
+                    next(h for h in head.split("\r\n") if h.lower().startswith("content-length:"))[15:]
+                )
+                inv = json.loads(await reader.readexactly(length))
+                if "/sleepy/" in head.split("\r\n")[0]:
+                    await closing.wait()
+                    return
+                body = Result.built(
+                    True, function=inv["function"], request_id=inv["request_id"], value=1, worker="fake"
+                ).model_dump_json()
+                head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+                writer.write(f"{head}\r\n\r\n{body}".encode())
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writers.discard(writer)
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        closing.set()  # the held calls' threads end now, not at read_timeout_s
+        for w in list(writers):
+            w.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_abandoned_boto3_calls_do_not_starve_live_ones():
+    """boto3 calls run on a thread pool as wide as the connection pool. Calls abandoned at
+    their callers' deadline kept their threads until Lambda answered (up to 900 s), so every
+    other function's calls queued behind them and ended DeadlineExceeded, never sent. An
+    abandoned call's thread no longer counts against the live calls."""
+    config = {"hedge": {"enabled": False}}
+    async with holding_endpoint() as url:
+        cfg = LambdaConfig(endpoint_url=url, token=TOKEN, transport="boto3", max_connections=2)
+        async with Client(backend=cfg, registry=REG, config=config) as c:
+            assert (await c.call("add", {"a": 1})).ok  # boto3 loads its service model once
+            gave_up = await asyncio.gather(
+                *(c.call("sleepy", {"seconds": 600}, deadline_s=0.3) for _ in range(2))
+            )
+            assert [r.error.type for r in gave_up] == [ErrorCode.DEADLINE_EXCEEDED] * 2
+            t0 = time.monotonic()
+            r = await c.call("add", {"a": 1}, deadline_s=1.5)
+            assert r.ok, r.error
+            assert time.monotonic() - t0 < 1.0
+
+
+async def test_a_boto3_call_that_never_got_a_connection_says_it_was_not_sent():
+    """All connections busy with calls whose callers still wait: a call whose deadline passes
+    while it waits for one was never sent, and says so (it said the call was abandoned and
+    that the remote function may still run)."""
+    config = {"hedge": {"enabled": False}}
+    async with holding_endpoint() as url:
+        cfg = LambdaConfig(endpoint_url=url, token=TOKEN, transport="boto3", max_connections=1)
+        async with Client(backend=cfg, registry=REG, config=config) as c:
+            assert (await c.call("add", {"a": 1})).ok
+            busy = asyncio.ensure_future(c.call("sleepy", {"seconds": 600}, deadline_s=30))
+            await asyncio.sleep(0.2)
+            r = await c.call("add", {"a": 1}, deadline_s=0.4)
+            assert r.error.type == ErrorCode.DEADLINE_EXCEEDED and "not sent" in r.error.message, r.error
+            busy.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await busy
+
+
 @pytest.mark.parametrize(
     ("body", "function_error", "code"),
     [
