@@ -135,6 +135,7 @@ class FunctionPool:
             if w.transport is not None:
                 w.transport.close()
             for call in list(w.inflight.values()):
+                self._settle(call)
                 self._fail(call, ErrorCode.BACKEND_CLOSED, "backend closed")
             w.inflight.clear()
 
@@ -189,6 +190,24 @@ class FunctionPool:
             # a synchronous worker runs a batch in one go: a later message cannot reach its calls
             if call.worker is not None and self.spec.is_async:
                 call.worker.send(("extend", call.cid, deadline_ns))
+
+    def settled(self, fut: asyncio.Future[Result]) -> asyncio.Future[None] | None:
+        """``None`` when the call behind ``fut`` (a ``submit`` future, done: answered,
+        expired or cancelled) is on no worker any more; else a future done when its worker is
+        done with it (a synchronous handler runs to its end whatever its caller does). A scan:
+        asked only for calls that ended before their worker answered."""
+        for w in self._workers:
+            for call in w.inflight.values():
+                if call.fut is fut:
+                    if call.settled is None:
+                        call.settled = self._loop.create_future()
+                    return call.settled
+        return None
+
+    @staticmethod
+    def _settle(call: PoolCall) -> None:
+        if call.settled is not None and not call.settled.done():
+            call.settled.set_result(None)
 
     def _expire(self, call: PoolCall) -> None:
         if call.worker is not None and call.inv.wait_for_run:
@@ -285,6 +304,7 @@ class FunctionPool:
             call = w.inflight.pop(cid, None)
             if call is None:
                 continue
+            self._settle(call)
             if not ok and out[0] == ErrorCode.DEADLINE_EXCEEDED and self._requeue_moved(call):
                 continue
             served += 1
@@ -482,6 +502,7 @@ class FunctionPool:
         running = read_slot(w.slot)[0] if w.slot is not None and not self.spec.is_async else -1
         requeue: list[PoolCall] = []
         for cid, call in list(w.inflight.items()):
+            self._settle(call)
             if cid == timed_out and w.kill_reason:
                 self._fail(call, ErrorCode.TIMEOUT, w.kill_reason[1])
             elif running == -1 or cid == running:

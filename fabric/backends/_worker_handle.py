@@ -60,7 +60,18 @@ def exit_status(proc: subprocess.Popen[bytes]) -> str:
 
 
 class PoolCall:
-    __slots__ = ("avoid", "cid", "deadline_ns", "fut", "inv", "requeues", "t_submit_ns", "timer", "worker")
+    __slots__ = (
+        "avoid",
+        "cid",
+        "deadline_ns",
+        "fut",
+        "inv",
+        "requeues",
+        "settled",
+        "t_submit_ns",
+        "timer",
+        "worker",
+    )
 
     def __init__(self, inv: Invocation, fut: asyncio.Future[Result], deadline_ns: int):
         self.inv = inv
@@ -72,6 +83,9 @@ class PoolCall:
         self.avoid: WorkerHandle | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.requeues = 0
+        self.settled: asyncio.Future[None] | None = None
+        """Made by ``FunctionPool.settled`` for a call answered or abandoned while its worker
+        still runs it; done when the worker is done with it."""
 
 
 class WorkerHandle(asyncio.Protocol):

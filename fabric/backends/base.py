@@ -184,6 +184,14 @@ class Backend(ABC):
     async def invoke(self, inv: Invocation) -> Result:
         return await self.submit(inv)
 
+    def settled(self, function: str, fut: asyncio.Future[Result]) -> asyncio.Future[None] | None:
+        """For ``fut``, a done ``submit`` future of ``function`` (answered early, expired or
+        cancelled): ``None`` when nothing of its call runs here any more, else a future done
+        when its run ends. A call on a worker may outlive its future (a synchronous handler
+        runs to its end): what admits calls by what the backend can hold (``fabric serve``'s
+        quotas) counts it until then. Here: ``None``, nothing is known to run on."""
+        return None
+
     def extend_deadline(self, function: str, idempotency_key: str, deadline: float | None) -> bool:
         """Move the deadline of the calls under ``idempotency_key`` that are queued or running
         to ``deadline``, a later one (``None``: none, the function's ``timeout_s`` only): a

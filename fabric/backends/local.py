@@ -65,6 +65,10 @@ class LocalBackend(Backend):
     async def _invoke(self, inv: Invocation) -> Result:
         return await self._submit(inv)
 
+    def settled(self, function: str, fut: asyncio.Future[Result]) -> asyncio.Future[None] | None:
+        pool = self._pools.get(function)
+        return None if pool is None else pool.settled(fut)
+
     def extend_deadline(self, function: str, idempotency_key: str, deadline: float | None) -> bool:
         pool = self._pools.get(function)
         if pool is not None:  # no pool: nothing was sent yet, and what will be carries the new one

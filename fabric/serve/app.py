@@ -40,7 +40,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from pydantic import ValidationError
 
 from fabric.backends.base import Backend, make_backend
-from fabric.errors import ConfigError, SetupFailedError
+from fabric.errors import ConfigError, ErrorCode, SetupFailedError
 from fabric.protocol import Invocation, Result, decode_payload, new_request_id, to_strict_json
 from fabric.registry import Registry, default_registry
 from fabric.serve.config import ServeConfig
@@ -176,7 +176,8 @@ class Gateway:
         # handler_cancellation: a client that hangs up (its timeout, a hedge that lost, Ctrl-C)
         # cancels its call: one still queued never runs and gives its quota slot back at once.
         # (aiohttp's default ran it when a worker came free, side effects included, holding
-        # the tenant's quota until then; a call already on a worker still finishes there.)
+        # the tenant's quota until then.) A call already on a worker may run on there, and
+        # keeps its slots until it ends (_call)
         self._runner = web.AppRunner(
             app,
             access_log=None,
@@ -318,6 +319,7 @@ class Gateway:
                     task.add_done_callback(self._events.discard)
                     response = web.Response(status=202, headers={"x-amzn-RequestId": request_id})
                 else:
+                    handed_off = True  # _call gives the quota back when the call no longer runs
                     result = await self._call(inv, tenant)
                     response = self._result_response(result, envelope, request_id)
             finally:
@@ -472,18 +474,63 @@ class Gateway:
         return lambda: max(1, pool.max_workers * pool.per_worker)
 
     async def _call(self, inv: Invocation, tenant: str) -> Result:
+        """Run ``inv`` through the function's gate; the tenant's quota slot (taken by the
+        caller) and the gate slot are given back when the call no longer runs. A call still
+        waiting for the gate, or queued in the pool, is dropped when its client hangs up (it
+        never runs). One already on a worker may run on past its answer (a deadline) or its
+        client (a hang-up): a synchronous handler runs to its end, and both slots stay held
+        until the backend says its run ended, or a tenant could fill every worker with calls it
+        gave up on while holding none of its quota."""
         gate = self._gate(inv.function)
-        await gate.acquire(tenant)
         try:
-            return await self.backend.submit(inv)
-        finally:
-            gate.release()
+            await gate.acquire(tenant)
+        except BaseException:
+            self.quotas.give(tenant)
+            raise
+        try:
+            fut = self.backend.submit(inv)
+        except BaseException:
+            self._release(tenant, gate)
+            raise
+        try:
+            result = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.cancel()  # a queued call never runs; an async handler is cancelled where it runs
+            self._release_when_settled(inv.function, fut, tenant, gate)
+            raise
+        except BaseException:  # the backend's future failed (a bug of a backend)
+            self._release(tenant, gate)
+            raise
+        if result.ok or result.error is None or result.error.type != ErrorCode.DEADLINE_EXCEEDED:
+            self._release(tenant, gate)  # the worker answered: it is done with the call
+        else:
+            self._release_when_settled(inv.function, fut, tenant, gate)
+        return result
+
+    def _release(self, tenant: str, gate: FairGate) -> None:
+        gate.release()
+        self.quotas.give(tenant)
+
+    def _release_when_settled(
+        self, function: str, fut: asyncio.Future[Result], tenant: str, gate: FairGate
+    ) -> None:
+        settled = self.backend.settled(function, fut)
+        if settled is None:
+            self._release(tenant, gate)
+            return
+        self.metrics.running_on += 1
+        log.debug(
+            "a call of %s runs on without its caller; %s's slots are held until it ends", function, tenant
+        )
+
+        def ended(_: object) -> None:
+            self.metrics.running_on -= 1
+            self._release(tenant, gate)
+
+        settled.add_done_callback(ended)
 
     async def _run_event(self, inv: Invocation, tenant: str) -> None:
-        try:
-            result = await self._call(inv, tenant)
-        finally:
-            self.quotas.give(tenant)
+        result = await self._call(inv, tenant)  # gives the quota back
         if not result.ok and result.error is not None:
             log.warning(
                 "event %s %s failed: %s: %s",

@@ -19,8 +19,9 @@ _BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 class _Live:
     """Gauges read off the gateway when scraped."""
 
-    def __init__(self, gateway: Gateway):
+    def __init__(self, gateway: Gateway, metrics: ServeMetrics):
         self.gateway = gateway
+        self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
         gw = self.gateway
@@ -47,6 +48,11 @@ class _Live:
         for name, gate in gw._gates.items():
             waiting.add_metric([name], gate.waiting)
         yield waiting
+        yield GaugeMetricFamily(
+            "fabric_serve_running_on",
+            "Calls given up on (a hang-up, a deadline) that still run on a worker, holding their slots",
+            value=self.metrics.running_on,
+        )
         stats: dict[str, Any] = gw.backend.stats()
         families: dict[str, GaugeMetricFamily] = {}
         for function, values in sorted(stats.items()):
@@ -78,7 +84,9 @@ class ServeMetrics:
             buckets=_BUCKETS_S,
             registry=self.registry,
         )
-        self.registry.register(_Live(gateway))  # type: ignore[arg-type]
+        self.running_on = 0
+        """Calls given up on that still run on a worker (their quota and gate slots held)."""
+        self.registry.register(_Live(gateway, self))  # type: ignore[arg-type]
         self._children: dict[tuple[str, str, int], Any] = {}
         self._hist: dict[tuple[str, str], Any] = {}
 

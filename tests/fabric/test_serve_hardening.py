@@ -235,3 +235,57 @@ async def test_a_queued_call_whose_client_hung_up_never_runs(tmp_path):
         await _until(lambda: g.quotas.held["job-a"] == 0, "every slot back")
         await asyncio.sleep(0.3)  # a worker free: an abandoned call still queued would run now
         assert out.read_text().split() == ["first"]
+
+
+async def _post_and_hang_up(port: int, url: str, body: bytes, token: str, when) -> None:
+    """A client that sends a call and gives up on it (its timeout) once ``when()`` holds."""
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        f"POST {url} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    await writer.drain()
+    await _until(when, "the call to reach a worker")
+    writer.close()
+    await writer.wait_closed()
+
+
+@pytest.mark.parametrize("how", ["hang-up", "deadline"])
+async def test_a_call_given_up_on_a_worker_keeps_its_quota_until_it_ends(how):
+    """A synchronous call already on a worker runs to its end when its client hangs up (or its
+    envelope's deadline passes, answered DeadlineExceeded): the server gave the tenant's quota
+    slot and the pool's gate slot back at once, so a tenant with max_concurrency=1 could fill
+    every worker (0 of its quota held) and other tenants waited behind it. Both are now held
+    until the worker is done with the call."""
+    cfg = config(
+        backend=LocalConfig(max_workers=2, warm=2),
+        tenants={
+            "job-a": TenantConfig(token=TOKEN_A, max_concurrency=1),
+            "job-b": TenantConfig(token=TOKEN_B, max_concurrency=64),
+        },
+    )
+    url = PATH.format("sleepy")
+    async with Gateway(cfg, REG) as g, httpx.AsyncClient(base_url=g.url, timeout=30) as c:
+        await asyncio.gather(*(c.post(url, json={"seconds": 0.2}, headers=auth(TOKEN_B)) for _ in range(2)))
+        running = lambda: g.backend.stats()["sleepy"]["inflight"] == 1  # noqa: E731
+        if how == "hang-up":
+            await _post_and_hang_up(g.port, url, json.dumps({"seconds": 3}).encode(), TOKEN_A, running)
+        else:
+            import time
+
+            env = Invocation(function="sleepy", payload={"seconds": 3}, deadline=time.time() + 1.0)
+            r = await c.post(url, content=env.model_dump_json().encode(), headers=auth())
+            assert r.json()["error"]["type"] == "DeadlineExceeded"
+        await asyncio.sleep(0.1)
+        assert running()
+        assert g.quotas.held["job-a"] == 1 and g._gates["sleepy"].running == 1  # its worker is busy
+        r = await c.post(url, json={"seconds": 3}, headers=auth())
+        assert r.status_code == 429  # its quota is in use: it cannot take the other worker
+        t0 = asyncio.get_running_loop().time()
+        r = await c.post(url, json={"seconds": 0.01}, headers=auth(TOKEN_B))
+        assert r.status_code == 200 and asyncio.get_running_loop().time() - t0 < 1.5
+        await _until(lambda: g.quotas.held["job-a"] == 0, "the slot back when the call ended")
+        assert g._gates["sleepy"].running == 0
+        assert (await c.post(url, json={"seconds": 0.01}, headers=auth())).status_code == 200
+
