@@ -26,6 +26,7 @@ and shows a tenant only its own tenant-labelled series (``metrics: all``: every 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -138,6 +139,8 @@ class Gateway:
         self.rates = RateLimiter({name: t.max_rps for name, t in config.tenants.items()})
         self._gates: dict[str, FairGate] = {}
         self._events: set[asyncio.Task[None]] = set()
+        self._draining = False
+        """Set when ``aclose`` begins: no ``Event`` is accepted any more."""
         self._requests = InFlight()  # the requests being answered (stop_now cancels them)
         self.metrics = ServeMetrics(self)
         self._runner: web.AppRunner | None = None
@@ -224,7 +227,10 @@ class Gateway:
 
     async def aclose(self) -> None:
         """Stop accepting, give the calls in flight up to ``drain_s`` to finish, cancel the
-        rest, then stop the pools."""
+        rest, then stop the pools. An ``Event`` call accepted (202) and not finished by then
+        is cut: each is logged at WARNING with its request id and counted in
+        ``fabric_serve_events_dropped``; no new one is accepted once the drain begins."""
+        self._draining = True
         t0 = time.monotonic()
         if self._runner is not None:
             # waits for the requests in flight; at drain_s, stop_now cancels them (and the events)
@@ -313,10 +319,19 @@ class Gateway:
                         status=204, headers={"x-amzn-RequestId": request_id}
                     )
                 elif kind == "Event":
+                    if self._draining:
+                        # accepted now, it would be cut when the drain ends, unseen by the caller
+                        raise _Reply(
+                            429,
+                            "TooManyRequestsException",
+                            "the server is draining (shutting down) and takes no new Event "
+                            "invocations; nothing ran: retry with backoff",
+                        )
                     task = asyncio.get_running_loop().create_task(self._run_event(inv, tenant))
                     handed_off = True  # the task gives the quota back when the call ends
                     self._events.add(task)
                     task.add_done_callback(self._events.discard)
+                    task.add_done_callback(functools.partial(self._event_ended, inv, tenant))
                     response = web.Response(status=202, headers={"x-amzn-RequestId": request_id})
                 else:
                     handed_off = True  # _call gives the quota back when the call no longer runs
@@ -539,6 +554,21 @@ class Gateway:
                 result.error.type,
                 result.error.message,
             )
+
+    def _event_ended(self, inv: Invocation, tenant: str, task: asyncio.Task[None]) -> None:
+        if not task.cancelled():
+            return
+        # cancelled: the server stopped (the drain ran out, or a second Ctrl-C) before the call
+        # ended; its caller got 202 long ago and hears of it nowhere else
+        self.metrics.event_dropped(tenant, inv.function)
+        log.warning(
+            "event %s %s (tenant %s) dropped: the server stopped before it ended (drain_s=%g); "
+            "it was queued or cut while running, so it may not have run, or run in part",
+            inv.request_id,
+            inv.function,
+            tenant,
+            self.config.drain_s,
+        )
 
     def _result_response(self, result: Result, envelope: bool, request_id: str) -> web.Response:
         headers = {"x-amzn-RequestId": request_id, "X-Amz-Executed-Version": "$LATEST"}

@@ -84,6 +84,12 @@ class ServeMetrics:
             buckets=_BUCKETS_S,
             registry=self.registry,
         )
+        self.events_dropped = Counter(
+            "fabric_serve_events_dropped",
+            "Event calls accepted (202) and cut when the server stopped before they ended",
+            ["tenant", "function"],
+            registry=self.registry,
+        )
         self.running_on = 0
         """Calls given up on that still run on a worker (their quota and gate slots held)."""
         self.registry.register(_Live(gateway, self))  # type: ignore[arg-type]
@@ -100,6 +106,9 @@ class ServeMetrics:
         if hist is None:
             hist = self._hist[tenant, function] = self.latency.labels(tenant, function)
         hist.observe(seconds)
+
+    def event_dropped(self, tenant: str, function: str) -> None:
+        self.events_dropped.labels(tenant, function).inc()
 
     def render(self, tenant: str | None = None) -> tuple[bytes, str]:
         """Prometheus text; with ``tenant``, the series of other tenants are left out."""

@@ -289,3 +289,62 @@ async def test_a_call_given_up_on_a_worker_keeps_its_quota_until_it_ends(how):
         assert g._gates["sleepy"].running == 0
         assert (await c.post(url, json={"seconds": 0.01}, headers=auth())).status_code == 200
 
+
+async def test_events_the_drain_cuts_off_are_logged_and_counted(tmp_path, caplog):
+    """Event calls answered 202 and not finished when drain_s ran out were cancelled without
+    a trace (/tmp/slrepro/event_drain.py: 3 accepted, 1 ran). Each is logged at WARNING with
+    its request id and counted in fabric_serve_events_dropped."""
+    out = tmp_path / "ran.txt"
+    cfg = config(backend=LocalConfig(max_workers=1), drain_s=1.0)  # one worker: the rest queue
+    g = Gateway(cfg, REG)
+    await g.start()
+    ids = []
+    try:
+        async with httpx.AsyncClient(base_url=g.url, timeout=30) as c:
+            for i, seconds in enumerate((0.2, 3, 3)):  # the first ends in the drain; then one cut, one queued
+                body = {"path": str(out), "line": f"event-{i}", "seconds": seconds}
+                r = await c.post(
+                    PATH.format("append_then_sleep"),
+                    json=body,
+                    headers={**auth(), "X-Amz-Invocation-Type": "Event"},
+                )
+                assert r.status_code == 202
+                ids.append(r.headers["x-amzn-RequestId"])
+        await _until(lambda: out.exists(), "the first event to run")
+        with caplog.at_level(logging.WARNING, logger="fabric.serve"):
+            await g.aclose()
+    finally:
+        await g.aclose()
+    dropped = [rec.getMessage() for rec in caplog.records if "dropped" in rec.getMessage()]
+    assert len(dropped) == 2 and all(any(i in m for m in dropped) for i in ids[1:]), dropped
+    assert not any(ids[0] in m for m in dropped)
+    metrics = g.metrics.render()[0].decode()
+    assert 'fabric_serve_events_dropped_total{function="append_then_sleep",tenant="job-a"} 2.0' in metrics
+    assert out.read_text().split() == ["event-0", "event-1"]
+
+
+async def test_no_event_is_accepted_once_the_server_drains(tmp_path):
+    """An Event still on its way in when the drain began (paced by its tenant's max_rps) was
+    answered 202, then dropped when the drain ended. Once draining, Events are refused with
+    429 (nothing ran: the lambda backend's Throttled, retried even for a side effect)."""
+    out = tmp_path / "ran.txt"
+    tenants = {"job-a": TenantConfig(token=TOKEN_A, max_rps=2)}  # one request per 0.5 s
+    g = Gateway(config(drain_s=5, tenants=tenants), REG)
+    await g.start()
+    try:
+        async with httpx.AsyncClient(base_url=g.url, timeout=30) as c:
+            headers = {**auth(), "X-Amz-Invocation-Type": "Event"}
+            url = PATH.format("append_line")
+            r = await c.post(url, json={"path": str(out), "line": "first"}, headers=headers)
+            assert r.status_code == 202
+            await _until(lambda: out.exists() and g.quotas.held["job-a"] == 0, "the first event to end")
+            paced = asyncio.create_task(c.post(url, json={"path": str(out), "line": "late"}, headers=headers))
+            await _until(lambda: g.rates.delayed["job-a"] == 1, "the second request to be paced")
+            closing = asyncio.create_task(g.aclose())
+            r = await paced
+            assert r.status_code == 429 and r.headers["x-amzn-ErrorType"] == "TooManyRequestsException"
+            assert "draining" in r.json()["message"]
+            await closing
+    finally:
+        await g.aclose()
+    assert out.read_text().split() == ["first"]
