@@ -80,7 +80,9 @@ class LambdaConfig(_Config):
     ``fabric serve`` (botocore spends ~2 ms of CPU per call, which caps one process at a few
     hundred calls per second). ``auto``: ``http`` when there is a token, else ``boto3``."""
     max_connections: int = Field(64, ge=1)
-    """Calls in flight (the connection pool, and for boto3 the thread pool that drives it)."""
+    """Calls in flight whose callers still wait (the connection pool). With boto3 as many
+    calls given up on may run on beside them, each on a spare thread and connection, until
+    Lambda answers (a blocking invoke cannot be stopped)."""
     connect_timeout_s: float = Field(5.0, gt=0)
     read_timeout_s: float = Field(910.0, gt=0)
     """Longer than Lambda's 900 s maximum: a slow function is the function's timeout's
