@@ -81,7 +81,9 @@ def boxed_or_stated(text: str) -> tuple[str, str] | None:
     (a marker inside the box, or before it, leaves the box the answer). None when there is
     neither."""
     boxed = _last_boxed(text)
-    stated = _stated_answer(text)
+    # only a marker after the box can beat it: the scan starts there (the usual "... so the
+    # answer is \boxed{42}." scans nothing)
+    stated = _stated_answer(text, 0 if boxed is None else boxed[1])
     if stated is not None and (boxed is None or stated[1] >= boxed[1]):
         return stated[0], "answer_is"
     return None if boxed is None else (boxed[0], "boxed")
@@ -101,11 +103,12 @@ def stated_answer(text: str) -> str | None:
     return None if found is None else found[0]
 
 
-def _stated_answer(text: str) -> tuple[str, int] | None:
-    """``(answer, start)`` of the stated answer, ``start`` where its marker starts."""
+def _stated_answer(text: str, pos: int = 0) -> tuple[str, int] | None:
+    """``(answer, start)`` of the stated answer, ``start`` where its marker starts; markers
+    before ``pos`` are not looked at."""
     n = len(text)
     last_two: list[re.Match[str]] = []  # only the last marker can be followed by nothing
-    for m in _ANSWER_MARK.finditer(text):
+    for m in _ANSWER_MARK.finditer(text, pos):
         last_two = [last_two[-1], m] if last_two else [m]
     for m in reversed(last_two):
         i = m.end()
@@ -283,6 +286,8 @@ def extract_answer(text: str) -> str:
 def _canonical_number(s: str) -> str:
     """One spelling per exact value ('42.0', '42.', '4.2e1' -> '42'): decimal arithmetic with
     enough precision for every digit, never float (which merged 2**53 + 1 with 2**53)."""
+    if s.isascii() and s.isdigit():  # the usual answer, a plain integer: no Decimal needed
+        return s.lstrip("0") or "0"
     ctx = decimal.Context(prec=len(s) + 2, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN)
     try:
         d = decimal.Decimal(s).normalize(ctx)
