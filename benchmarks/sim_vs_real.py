@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import random
 import statistics
 import tempfile
@@ -117,6 +118,8 @@ def replay(trace: list[TraceTurn], profile: EngineProfile, scheduler: str) -> tu
         w.trajectories,
         profile=profile,
         scheduler=scheduler,
+        # the proxy's turn scheduler never preempts a running turn: neither does the replay
+        scheduler_options={"preempt_ratio": math.inf} if scheduler == "pps" else None,
         predictor=lambda spec, turn: float(spec.total_tokens),
         starts_ms=w.starts_ms,
     ).run()
