@@ -15,8 +15,9 @@ engine's stop token). Message text is tokenized by the same regex as everything 
 message that literally contains ``<|end|>`` yields the pieces ``<``, ``|``, ``end``, ...:
 no text can forge a special token.
 
-``decode`` joins words with single spaces and glues punctuation to its neighbour, so
-``decode(encode(t))`` equals ``t`` up to whitespace around punctuation. The vocabulary is
+``decode`` joins words with single spaces and glues punctuation to its neighbour, a number's
+digits, a snake_case name and a quoted string's quotes, so ``decode(encode(t))`` equals ``t``
+up to whitespace around punctuation (``12*7`` comes back as ``12 * 7``). The vocabulary is
 built deterministically (by count, then alphabetically) and saved as JSON.
 """
 
@@ -96,8 +97,8 @@ class WordTokenizer:
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
         out: list[str] = []
-        for i in ids:
-            tok = self.id_to_token(int(i))
+        for i in map(int, ids):  # a tensor's 0-d elements are never "in" a set of ints
+            tok = self.id_to_token(i)
             if skip_special and i in self.special_ids and i != self.unk_id:
                 continue
             out.append(tok)
@@ -158,12 +159,33 @@ def tokenize(text: str) -> list[str]:
 
 
 def detokenize(pieces: Sequence[str]) -> str:
+    """The text of ``pieces``: words with single spaces between them, punctuation glued to
+    its neighbour, and what the policy must be able to write exactly: a number's digits
+    together ("37", "3.5"), a snake_case name ("run_tests"), and a quoted string with its
+    quotes against it ('{"tool": "calculator"}' parses as JSON). Digits used to decode
+    apart ("Answer: 3 7"), so the tiny policy could not answer with any number above 9."""
     out: list[str] = []
-    prev = ""
+    prev = before = ""
+    quoted = False  # inside a "..." opened by the last unmatched quote
     for p in pieces:
-        glue = not out or prev == "\n" or p == "\n" or p in _CLOSE or prev in _OPEN
+        opening = p == '"' and not quoted
+        glue = (
+            not out
+            or prev == "\n"
+            or p == "\n"
+            or p in _CLOSE
+            or prev in _OPEN
+            or (p.isdigit() and prev.isdigit())
+            or (p.isdigit() and prev == "." and before.isdigit())
+            or p == "_"
+            or prev == "_"
+            or (p == '"' and quoted)  # a closing quote
+            or (prev == '"' and quoted)  # the first piece inside the quotes
+        )
         out.append(p if glue else " " + p)
-        prev = p
+        if p == '"':
+            quoted = opening
+        before, prev = prev, p
     return "".join(out)
 
 

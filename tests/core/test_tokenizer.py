@@ -152,3 +152,31 @@ def test_save_load(tmp_path, lake_text):
 def test_detokenize_glues_punctuation():
     assert detokenize(["row", "0", ",", "column", "1", "."]) == "row 0, column 1."
     assert detokenize(["(", "safe", ")", "\n", "S", "F"]) == "(safe)\nS F"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Answer: 37",
+        "x is 3.5 now",
+        "run_tests",
+        '{"tool": "calculator", "arguments": {"expression": "12"}}',
+        'He said "hi there" ok.',
+        "row 0, column 1.",
+        "1, 2, 3",
+    ],
+)
+def test_what_the_policy_writes_decodes_exactly(text):
+    # digits decoded apart ("Answer: 3 7"): the tiny policy could not state any number above
+    # 9, nor a JSON tool call or run_tests (found by review)
+    assert detokenize(tokenize(text)) == text
+
+
+def test_a_tool_call_decodes_to_json_and_a_tensor_decodes_without_specials():
+    import torch
+
+    call = detokenize(tokenize('{"tool": "calculator", "arguments": {"expression": "12*7"}}'))
+    assert json.loads(call) == {"tool": "calculator", "arguments": {"expression": "12 * 7"}}
+    tok = WordTokenizer(["right"])
+    ids = torch.tensor([tok.bos_id, tok.token_to_id("right"), tok.end_id])
+    assert tok.decode(ids) == "right"
