@@ -241,7 +241,8 @@ class EnvManager:
                 state = _state(res.info, self.shown(res.obs.text, env))
                 outcome = _outcome(res)
                 if res.done:
-                    traj.status = "ok"
+                    # cut off by the environment's own step limit: truncated, as at max_turns
+                    traj.status = "ok" if res.terminated else "truncated"
                     break
             traj.env_reward = float(sum(info["turn_rewards"]))
 

@@ -184,6 +184,16 @@ async def test_max_turns_truncates(pool):
 
 
 @module_loop
+async def test_the_environments_own_step_limit_truncates_too(pool):
+    # math-tools stops an episode at 10 steps (truncated, not terminated): the trajectory
+    # was "ok" past its limit and "truncated" at max_turns (found by review)
+    cfg = job(env(MATH, max_turns=12))
+    proxy = ScriptedProxy(lambda tid, turn: "hmm")
+    traj = await EnvManager(cfg, pool, proxy).run(Task(cfg.envs[0], 1, "g"), version=0)
+    assert traj.status == "truncated" and assistant_turns(traj) == 10
+
+
+@module_loop
 async def test_an_aborted_turn_ends_the_trajectory_as_aborted(pool):
     cfg = job(LAKE)
     proxy = ScriptedProxy(["right", ABORT, "down"])
