@@ -375,18 +375,27 @@ class CodeRepairEnv(Env):
         if p.is_absolute() or ".." in p.parts or "\\" in name or "\x00" in name:
             return f"Refused {name!r}: paths are relative to the task dir, without '..'."
         root = self.workdir.resolve()
-        full = (root / p).resolve()
-        if not full.is_relative_to(root):
-            return f"Refused {name!r}: it points outside the task dir."
-        if not full.is_file():
-            return f"No such file {name!r}. Files: {', '.join(self._files())}"
+        try:
+            full = (root / p).resolve()
+            if not full.is_relative_to(root):
+                return f"Refused {name!r}: it points outside the task dir."
+            is_file = full.is_file()
+        except OSError:  # a name the file system refuses (too long, a symlink loop): the
+            # policy's mistake, answered like any other bad name; the error would show the
+            # work dir, and raised it would mask the episode as an infra failure
+            is_file = False
+        if not is_file:
+            return f"No such file {name[:100]!r}. Files: {', '.join(self._files())}"
         return full
 
     def _view(self, name: str) -> str:
         path = self._resolve(name)
         if isinstance(path, str):
             return path
-        content = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            content = path.read_text(encoding="utf-8", errors="replace")
+        except OSError as e:  # the policy's code may have chmod-ed it
+            return f"Refused {name[:100]!r}: it cannot be read ({e.strerror})."
         cut = len(content) > MAX_VIEW_CHARS
         lines = content[:MAX_VIEW_CHARS].splitlines()
         body = "\n".join(f"{i:4d} | {line}" for i, line in enumerate(lines, 1))
@@ -401,7 +410,11 @@ class CodeRepairEnv(Env):
         blocks = parse_blocks(blocks_text)
         if isinstance(blocks, str):
             return f"Edit not applied: {blocks}"
-        content = path.read_text(encoding="utf-8")
+        try:
+            content = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:  # the policy's code may have changed it
+            why = e.strerror if isinstance(e, OSError) else "it is not UTF-8 text"
+            return f"Refused {path.name}: it cannot be read ({why})."
         for i, (search, replace) in enumerate(blocks, 1):
             count = content.count(search)
             if count != 1:
@@ -411,7 +424,10 @@ class CodeRepairEnv(Env):
                     "(it must match exactly, indentation included). The file is unchanged."
                 )
             content = content.replace(search, replace, 1)
-        path.write_text(content, encoding="utf-8")
+        try:
+            path.write_text(content, encoding="utf-8")
+        except OSError as e:
+            return f"Refused {path.name}: it cannot be written ({e.strerror})."
         return f"Edited {path.name}: {len(blocks)} block(s) applied."
 
     def _run_tests(self) -> tuple[int, int, str]:

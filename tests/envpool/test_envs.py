@@ -401,6 +401,36 @@ def test_code_repair_refuses_a_symlink_out(repair, tmp_path):
     assert secret.read_text() == "secret\n"
 
 
+@pytest.mark.parametrize(
+    "action",
+    [
+        "view " + "a" * 300,
+        "view " + "a/" * 3000,
+        edit_action("b" * 300, "x", "y"),
+    ],
+)
+def test_code_repair_answers_a_name_the_file_system_refuses(repair, action):
+    # over NAME_MAX / PATH_MAX: an OSError raised from step would mask the episode as an
+    # infra failure (and its message shows the work dir); it is the policy's bad name
+    repair.reset(options={"task": "mathutils"})
+    res = repair.step(action)
+    assert res.obs.text.startswith("No such file") and (res.reward, res.terminated) == (0.0, False)
+    assert str(repair.env.workdir) not in res.obs.text
+
+
+def test_code_repair_answers_a_file_it_cannot_read(repair):
+    repair.reset(options={"task": "mathutils"})
+    module = repair.env.workdir / "mathutils.py"
+    module.chmod(0)
+    try:
+        if os.access(module, os.R_OK):
+            pytest.skip("running as root: a mode-0 file is still readable")
+        assert "cannot be read" in repair.step("view mathutils.py").obs.text
+        assert "cannot be read" in repair.step(edit_action("mathutils.py", "a - b", "a + b")).obs.text
+    finally:
+        module.chmod(0o644)
+
+
 def test_code_repair_tests_are_read_only(repair):
     repair.reset(options={"task": "mathutils"})
     res = repair.step(edit_action("test_mathutils.py", "assert got == 5", "assert True"))
