@@ -219,12 +219,18 @@ def _child(spec: dict[str, Any]) -> None:
         def start(seed: int) -> None:
             pid = os.fork()
             if pid == 0:
+                # what the episode puts in the temp dir (code-repair's work dir) goes with
+                # ours, even when the alarm or a stop kills it before its close
+                tempfile.tempdir = tmp
                 signal.alarm(spec["episode_timeout_s"])
                 try:
                     texts, taken = _episode(env, actions, seed, spec["salt"])
                     row = {"seed": seed, "texts": texts, "taken": taken}
                 except Exception as e:  # the environment's own bug: reported, not fatal
                     row = {"seed": seed, "died": f"{type(e).__name__}: {e}"}
+                finally:
+                    with contextlib.suppress(Exception):  # os._exit runs no cleanup of its own
+                        env.close()
                 with open(os.path.join(tmp, f"{seed}.json"), "w") as f:
                     json.dump(row, f)
                 os._exit(0)

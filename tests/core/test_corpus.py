@@ -71,6 +71,16 @@ def test_an_environment_that_cannot_be_built_is_a_config_error():
     assert key == "envs[0].id" and "ValueError: need mu_s >= 0" in msg
 
 
+def test_episodes_leave_no_work_dirs_behind(monkeypatch, tmp_path):
+    # each episode is a forked process that ends in os._exit: code-repair's work dir (made
+    # in the temp dir at reset) stayed there, one per episode
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the corpus child's temp dir
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the driver's
+    played = corpus.play_envs(_cfg({"id": "code-repair-v1"}), 8)
+    assert len(played.episodes) == 8
+    assert list(tmp_path.iterdir()) == []
+
+
 def _session_alive(sid: int) -> list[int]:
     """Processes of session ``sid`` that still run (zombies are dead: an orphan's wait is
     init's business)."""
