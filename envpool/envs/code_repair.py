@@ -26,6 +26,10 @@ One action per turn:
 ``submit``
     ends the episode: reward 1.0 when every test of the task passes, else 0.0.
 
+For the schedulers, ``info["valid"]`` is False on an unknown, refused or failed action, and
+``run_tests``/``submit`` set ``info["outcome"]``: ``"success"`` when every test passes,
+``"timeout"`` when the run was killed at ``test_timeout_s``, else ``"test_failure"``.
+
 Paths are relative to the work dir; absolute paths and ``..`` are refused. Observations
 never show the work dir's location, so a seed and a list of actions replay the same
 episode. The tests are restored from the task before every run, so only the module can be
@@ -339,13 +343,15 @@ class CodeRepairEnv(Env):
         cmd, _, arg = first.strip().partition(" ")
         cmd = cmd.lower()
         if cmd == "view" and not rest.strip():
-            return self._reply(self._view(arg.strip()))
+            return self._reply(*self._view(arg.strip()))
         if cmd == "edit":
-            return self._reply(self._edit(arg.strip(), rest))
+            return self._reply(*self._edit(arg.strip(), rest))
         if cmd in ("run_tests", "submit") and not arg.strip() and not rest.strip():
-            passed, failed, output = self._run_tests()
+            passed, failed, output, timed_out = self._run_tests()
             solved = failed == 0 and passed == self.task.n_tests
-            info = {"passed": passed, "failed": failed, "all_passed": solved}
+            # the schedulers' signal (info["outcome"]): a failing run is not a tool error
+            outcome = "success" if solved else "timeout" if timed_out else "test_failure"
+            info = {"passed": passed, "failed": failed, "all_passed": solved, "outcome": outcome}
             summary = f"Tests: {passed} passed, {failed} failed."
             if cmd == "run_tests":
                 return StepResult(obs=Observation(text=f"{summary}\n{output}"), info=info)
@@ -356,10 +362,12 @@ class CodeRepairEnv(Env):
                 terminated=True,
                 info=info,
             )
-        return self._reply(f"Unknown action {first.strip()[:60]!r}.\n{HELP}")
+        return self._reply(f"Unknown action {first.strip()[:60]!r}.\n{HELP}", False)
 
-    def _reply(self, text: str) -> StepResult:
-        return StepResult(obs=Observation(text=text))
+    def _reply(self, text: str, valid: bool) -> StepResult:
+        """A view or edit's answer; ``valid`` False (a refused, failed or unknown action)
+        is the schedulers' tool error."""
+        return StepResult(obs=Observation(text=text), info={"valid": valid})
 
     def _files(self) -> list[str]:
         assert self.workdir is not None
@@ -388,33 +396,33 @@ class CodeRepairEnv(Env):
             return f"No such file {name[:100]!r}. Files: {', '.join(self._files())}"
         return full
 
-    def _view(self, name: str) -> str:
+    def _view(self, name: str) -> tuple[str, bool]:
         path = self._resolve(name)
         if isinstance(path, str):
-            return path
+            return path, False
         try:
             content = path.read_text(encoding="utf-8", errors="replace")
         except OSError as e:  # the policy's code may have chmod-ed it
-            return f"Refused {name[:100]!r}: it cannot be read ({e.strerror})."
+            return f"Refused {name[:100]!r}: it cannot be read ({e.strerror}).", False
         cut = len(content) > MAX_VIEW_CHARS
         lines = content[:MAX_VIEW_CHARS].splitlines()
         body = "\n".join(f"{i:4d} | {line}" for i, line in enumerate(lines, 1))
-        return f"{name}:\n{body}" + ("\n[... truncated]" if cut else "")
+        return f"{name}:\n{body}" + ("\n[... truncated]" if cut else ""), True
 
-    def _edit(self, name: str, blocks_text: str) -> str:
+    def _edit(self, name: str, blocks_text: str) -> tuple[str, bool]:
         path = self._resolve(name)
         if isinstance(path, str):
-            return path
+            return path, False
         if path.name.startswith("test_"):
-            return f"Refused: {path.name} is a test file, and test files are read-only."
+            return f"Refused: {path.name} is a test file, and test files are read-only.", False
         blocks = parse_blocks(blocks_text)
         if isinstance(blocks, str):
-            return f"Edit not applied: {blocks}"
+            return f"Edit not applied: {blocks}", False
         try:
             content = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:  # the policy's code may have changed it
             why = e.strerror if isinstance(e, OSError) else "it is not UTF-8 text"
-            return f"Refused {path.name}: it cannot be read ({why})."
+            return f"Refused {path.name}: it cannot be read ({why}).", False
         for i, (search, replace) in enumerate(blocks, 1):
             count = content.count(search)
             if count != 1:
@@ -422,15 +430,16 @@ class CodeRepairEnv(Env):
                 return (
                     f"Edit not applied: block {i}'s SEARCH text was {why} in {path.name} "
                     "(it must match exactly, indentation included). The file is unchanged."
-                )
+                ), False
             content = content.replace(search, replace, 1)
         try:
             path.write_text(content, encoding="utf-8")
         except OSError as e:
-            return f"Refused {path.name}: it cannot be written ({e.strerror})."
-        return f"Edited {path.name}: {len(blocks)} block(s) applied."
+            return f"Refused {path.name}: it cannot be written ({e.strerror}).", False
+        return f"Edited {path.name}: {len(blocks)} block(s) applied.", True
 
-    def _run_tests(self) -> tuple[int, int, str]:
+    def _run_tests(self) -> tuple[int, int, str, bool]:
+        """``(passed, failed, output, timed out)``."""
         assert self.workdir is not None and self.task is not None
         root = self.workdir
         for fname, content in self.task.files.items():  # only the module is the policy's
@@ -471,8 +480,8 @@ class CodeRepairEnv(Env):
             shown = f"[... {len(shown) - MAX_OUTPUT_CHARS} characters cut]\n" + shown[-MAX_OUTPUT_CHARS:]
         if not found:
             why = f"timed out after {self.test_timeout_s:g} s" if timed_out else "did not finish"
-            return 0, self.task.n_tests, f"The test run {why}.\n{shown}".strip()
-        return int(found[-1].group(2)), int(found[-1].group(3)), shown
+            return 0, self.task.n_tests, f"The test run {why}.\n{shown}".strip(), timed_out
+        return int(found[-1].group(2)), int(found[-1].group(3)), shown, False
 
 
 def _children_by_parent() -> dict[int, list[int]]:

@@ -10,6 +10,10 @@ Each reset poses one problem generated from the seed (or ``options={"question": 
   matches (after ``functions.rewards.answer.normalize``), else 0.0.
 
 Anything else gets a reminder of the two forms, reward 0.
+
+For the schedulers, ``info["valid"]`` is False and ``info["outcome"]`` ``"tool_error"`` on a
+bad tool call, a tool that answers ``error: ...`` and a reply that is neither form; a
+correct answer is ``"success"``.
 """
 
 from __future__ import annotations
@@ -133,23 +137,37 @@ class MathToolsEnv(Env):
             given = extract_answer(text)
             correct = normalize(given) == normalize(self.answer)
             verdict = "Correct." if correct else "Incorrect."
+            info = {"answer": given, "correct": correct, "tool_calls": self.tool_calls}
+            if correct:
+                info["outcome"] = "success"
             return StepResult(
                 obs=Observation(text=f"{verdict} Episode over."),
                 reward=1.0 if correct else 0.0,
                 terminated=True,
-                info={"answer": given, "correct": correct, "tool_calls": self.tool_calls},
+                info=info,
             )
-        return StepResult(obs=Observation(text=f"No tool call or final answer found. {_HOW}", tools=TOOLS))
+        return StepResult(
+            obs=Observation(text=f"No tool call or final answer found. {_HOW}", tools=TOOLS),
+            info=dict(_TOOL_ERROR),
+        )
 
     def _tool_step(self, call: dict[str, Any] | str) -> StepResult:
         if isinstance(call, str):  # what was wrong with the JSON
-            return StepResult(obs=Observation(text=f"Bad tool call: {call}. {_HOW}", tools=TOOLS))
+            return StepResult(
+                obs=Observation(text=f"Bad tool call: {call}. {_HOW}", tools=TOOLS), info=dict(_TOOL_ERROR)
+            )
         self.tool_calls += 1
         output = self.call_tool(call["tool"], call["arguments"])
-        return StepResult(
-            obs=Observation(text=output, tools=TOOLS),
-            info={"tool": call["tool"], "tool_calls": self.tool_calls},
-        )
+        # the bridge answers a tool's exception (a calculator's refusal) as "error: ..."
+        failed = output.startswith("error:")
+        info: dict[str, Any] = {"tool": call["tool"], "tool_calls": self.tool_calls, "valid": not failed}
+        if failed:
+            info["outcome"] = "tool_error"
+        return StepResult(obs=Observation(text=output, tools=TOOLS), info=info)
+
+
+# the schedulers' signal (info["outcome"]) for a reply that neither calls a tool nor answers
+_TOOL_ERROR: dict[str, Any] = {"valid": False, "outcome": "tool_error"}
 
 
 def _parse_tool_call(text: str) -> dict[str, Any] | str | None:

@@ -275,9 +275,10 @@ def test_math_tool_call_through_the_inprocess_caller():
     # OpenAI's shape: "name", and arguments as a JSON string; a fenced block is fine too
     res = env.step('```json\n{"name": "calculator", "arguments": "{\\"expression\\": \\"2 ** 10\\"}"}\n```')
     assert res.obs.text == "1024"
-    assert res.info == {"tool": "calculator", "tool_calls": 2}
+    assert res.info == {"tool": "calculator", "tool_calls": 2, "valid": True}
     res = env.step('{"tool": "calculator", "arguments": {"expression": "1 / 0"}}')
     assert res.obs.text == "error: ValueError: division by zero" and not res.terminated
+    assert res.info["valid"] is False and res.info["outcome"] == "tool_error"
 
 
 def test_math_tool_calls_go_through_the_bridge():
@@ -302,6 +303,7 @@ def test_math_final_answer(action, reward):
     env.reset(options={"question": "What is 6 * 7?", "answer": "42"})
     res = env.step(action)
     assert (res.reward, res.terminated) == (reward, True)
+    assert res.info.get("outcome") == ("success" if reward else None)
 
 
 @pytest.mark.parametrize(
@@ -320,6 +322,8 @@ def test_math_other_actions_get_a_reminder(action, says):
     res = env.step(action)
     assert says in res.obs.text
     assert (res.reward, res.terminated) == (0.0, False)
+    # the schedulers' signal: neither a tool call nor an answer is a tool error
+    assert res.info == {"valid": False, "outcome": "tool_error"}
 
 
 def test_math_problems_have_positive_integer_answers():
@@ -348,8 +352,9 @@ def test_code_repair_view(repair):
     assert "view <file>" in obs.text and "mathutils.py" in obs.text
     res = repair.step("view mathutils.py")
     assert "   6 |     return a - b" in res.obs.text
-    assert (res.reward, res.terminated) == (0.0, False)
-    assert "No such file 'nope.py'" in repair.step("view nope.py").obs.text
+    assert (res.reward, res.terminated, res.info) == (0.0, False, {"valid": True})
+    res = repair.step("view nope.py")
+    assert "No such file 'nope.py'" in res.obs.text and res.info == {"valid": False}
 
 
 @pytest.mark.parametrize("task", TASKS, ids=lambda t: t.name)
@@ -357,10 +362,12 @@ def test_code_repair_fix_run_tests_and_submit(repair, task):
     repair.reset(options={"task": task.name})
     res = repair.step("run_tests")
     assert res.info["failed"] > 0 and not res.info["all_passed"]
+    assert res.info["outcome"] == "test_failure"  # the schedulers' signal
     for file, search, replace in task.fix:
-        assert "block(s) applied" in repair.step(edit_action(file, search, replace)).obs.text
+        res = repair.step(edit_action(file, search, replace))
+        assert "block(s) applied" in res.obs.text and res.info == {"valid": True}
     res = repair.step("run_tests")
-    assert res.info == {"passed": task.n_tests, "failed": 0, "all_passed": True}
+    assert res.info == {"passed": task.n_tests, "failed": 0, "all_passed": True, "outcome": "success"}
     assert res.obs.text.startswith(f"Tests: {task.n_tests} passed, 0 failed.")
     res = repair.step("submit")
     assert (res.reward, res.terminated) == (1.0, True)
@@ -370,7 +377,7 @@ def test_code_repair_submit_unfixed_scores_zero(repair):
     repair.reset(options={"task": "stats"})
     res = repair.step("submit")
     assert (res.reward, res.terminated) == (0.0, True)
-    assert res.info == {"passed": 2, "failed": 2, "all_passed": False}
+    assert res.info == {"passed": 2, "failed": 2, "all_passed": False, "outcome": "test_failure"}
 
 
 @pytest.mark.parametrize(
@@ -387,7 +394,7 @@ def test_code_repair_refuses_paths_outside_the_work_dir(repair, action):
     repair.reset(options={"task": "mathutils"})
     outside = repair.env.workdir.parent / "outside.txt"
     res = repair.step(action)
-    assert res.obs.text.startswith("Refused")
+    assert res.obs.text.startswith("Refused") and res.info == {"valid": False}
     assert not outside.exists() or "changed" not in outside.read_text()
 
 
@@ -415,6 +422,7 @@ def test_code_repair_answers_a_name_the_file_system_refuses(repair, action):
     repair.reset(options={"task": "mathutils"})
     res = repair.step(action)
     assert res.obs.text.startswith("No such file") and (res.reward, res.terminated) == (0.0, False)
+    assert res.info == {"valid": False}
     assert str(repair.env.workdir) not in res.obs.text
 
 
@@ -456,7 +464,7 @@ def test_code_repair_bad_edits_leave_the_file_alone(repair, blocks, says):
     repair.reset(options={"task": "mathutils"})
     before = (repair.env.workdir / "mathutils.py").read_text()
     res = repair.step(f"edit mathutils.py\n{blocks}")
-    assert says in res.obs.text and "not applied" in res.obs.text
+    assert says in res.obs.text and "not applied" in res.obs.text and res.info == {"valid": False}
     assert (repair.env.workdir / "mathutils.py").read_text() == before
 
 
@@ -485,7 +493,7 @@ def test_code_repair_test_timeout():
         env.step(edit_action("mathutils.py", "    return a - b", "    while True:\n        pass"))
         res = env.step("run_tests")
         assert "The test run timed out after 0.5 s" in res.obs.text
-        assert res.info == {"passed": 0, "failed": 3, "all_passed": False}
+        assert res.info == {"passed": 0, "failed": 3, "all_passed": False, "outcome": "timeout"}
         assert env.step("submit").reward == 0.0
     finally:
         env.close()
@@ -600,6 +608,7 @@ def test_code_repair_unknown_action(repair):
     repair.reset(seed=0)
     res = repair.step("rm -rf /")
     assert "Unknown action 'rm -rf /'" in res.obs.text and "run_tests" in res.obs.text
+    assert res.info == {"valid": False}
 
 
 # ----------------------------------------------------------------------------- check_env
