@@ -6,8 +6,16 @@ Each reset poses one problem generated from the seed (or ``options={"question": 
 * a tool call, as JSON: ``{"tool": "calculator", "arguments": {"expression": "17 * 23"}}``
   (``"name"`` for ``"tool"`` and OpenAI's JSON-string ``"arguments"`` are accepted too):
   the environment calls the tool through its bridge and shows the output, reward 0; or
-* a final answer, ``Answer: 42`` or ``\\boxed{42}``: the episode ends with reward 1.0 when it
-  matches (after ``functions.rewards.answer.normalize``), else 0.0.
+* a final answer: the episode ends with reward 1.0 when it equals the problem's answer, else
+  0.0. The answer is read and judged as the ``math_answer`` reward does
+  (``functions.rewards.math.extract_final`` and ``is_equivalent``: "Answer: 37 trees",
+  "My final answer: 37" and "The answer is 37.0" all state 37), so the env's reward (a
+  run's success) and the reward function agree on it. A reply states a final answer, and
+  ends the episode, when that extraction finds a box or an answer marker ("Answer:",
+  "final answer:", "the answer is", "####"), or when the whole reply is one number (a bare
+  "37"). The reward's last-resort rule, the last number anywhere in a reply, does not end
+  the episode: "17 * 23 is 391; next I add 5" is a step, not an answer (the reward would
+  judge 5 if the episode ended there).
 
 Anything else gets a reminder of the two forms, reward 0.
 
@@ -25,11 +33,11 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from envpool.api import Env, Observation, StepResult
-from functions.rewards.answer import extract_answer, normalize
+from functions.rewards.math import extract_final, is_equivalent
 from functions.tools.calculator import OPENAI_SCHEMA
 
 TOOLS = [OPENAI_SCHEMA]
-_FINAL = re.compile(r"\\boxed\{|^\s*(?:final\s+)?answer\s*:|the answer is", re.IGNORECASE | re.MULTILINE)
+_STATED = frozenset({"boxed", "answer_is"})  # extract_final's rules for a stated final answer
 _FENCE = re.compile(r"^```(?:json)?\s*|\s*```$")
 _HOW = (
     'Call the calculator with JSON, e.g. {"tool": "calculator", "arguments": {"expression": "12 * 7"}}, '
@@ -133,9 +141,9 @@ class MathToolsEnv(Env):
         call = _parse_tool_call(text)
         if call is not None:
             return self._tool_step(call)
-        if _FINAL.search(text):
-            given = extract_answer(text)
-            correct = normalize(given) == normalize(self.answer)
+        given, rule = extract_final(text)
+        if given is not None and (rule in _STATED or (rule == "last_number" and given == text)):
+            correct, _ = is_equivalent(given, self.answer)
             verdict = "Correct." if correct else "Incorrect."
             info = {"answer": given, "correct": correct, "tool_calls": self.tool_calls}
             if correct:

@@ -296,7 +296,17 @@ def test_math_tool_calls_go_through_the_bridge():
 
 @pytest.mark.parametrize(
     ("action", "reward"),
-    [("\\boxed{42}", 1.0), ("The answer is 42.", 1.0), ("Answer: 42.0", 1.0), ("Answer: 41", 0.0)],
+    [
+        ("\\boxed{42}", 1.0),
+        ("The answer is 42.", 1.0),
+        ("Answer: 42.0", 1.0),
+        ("Answer: 41", 0.0),
+        # as the math_answer reward reads them (the env said 0, and ran on after the last two)
+        ("Answer: 42 trees", 1.0),
+        ("My final answer: 42", 1.0),
+        ("42", 1.0),
+        ("  43 ", 0.0),
+    ],
 )
 def test_math_final_answer(action, reward):
     env = envpool.make("math-tools-v1")
@@ -314,6 +324,8 @@ def test_math_final_answer(action, reward):
         ('{"tool": "python", "arguments": {"code": "1"}}', "unknown tool 'python'"),
         ('{"tool": "calculator", "arguments": {"expr": "1"}}', 'takes {"expression"'),
         ("[1, 2]", "No tool call or final answer"),
+        # a number in a step is not a stated answer (the reward's last-number rule would read 5)
+        ("6 * 7 is 42; next I add 5", "No tool call or final answer"),
     ],
 )
 def test_math_other_actions_get_a_reminder(action, says):
@@ -324,6 +336,21 @@ def test_math_other_actions_get_a_reminder(action, says):
     assert (res.reward, res.terminated) == (0.0, False)
     # the schedulers' signal: neither a tool call nor an answer is a tool error
     assert res.info == {"valid": False, "outcome": "tool_error"}
+
+
+@pytest.mark.parametrize("template", ["Answer: {} trees", "My final answer: {}", "{}", "so \\boxed{{{}}}."])
+def test_math_env_reward_agrees_with_the_math_answer_reward(template):
+    from functions.rewards.math import math_answer
+
+    env = envpool.make("math-tools-v1")
+    for seed in range(5):
+        _, info = env.reset(seed=seed)
+        answer = info["task"]["answer"]
+        for given in (answer, str(int(answer) + 1)):
+            reply = template.format(given)
+            env.reset(seed=seed)
+            res = env.step(reply)
+            assert res.terminated and res.reward == math_answer(reply, ground_truth=answer).score, reply
 
 
 def test_math_problems_have_positive_integer_answers():
