@@ -107,8 +107,13 @@ def registered_by(root: str | os.PathLike[str], *, timeout_s: float = INSPECT_TI
             text=True,
             timeout=timeout_s,
             cwd=root,
-            # as a container's: the caller's import path, the bundle put first by the child
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+            # as a container's: the caller's import path, the bundle put first by the child;
+            # no __pycache__ written into the bundle (it would change the bundle's digest)
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+                "PYTHONDONTWRITEBYTECODE": "1",
+            },
         )
     except subprocess.TimeoutExpired:
         raise ManifestError(f"{root / MANIFEST}: loading it took over {timeout_s:.0f} s") from None

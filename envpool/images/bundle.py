@@ -96,11 +96,13 @@ def build_bundle(src: str | os.PathLike[str], *, compresslevel: int = 6) -> Bund
 
 
 def _walk_sorted(root: Path) -> list[str]:
+    """The bundle's paths, sorted, without Python's bytecode caches (an import in the
+    directory writes them: the digest would depend on whether anything ran there)."""
     out: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()  # os.walk descends in this order
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")  # os.walk descends in this order
         base = os.path.relpath(dirpath, root)
-        for name in dirnames + filenames:
+        for name in dirnames + [f for f in filenames if not f.endswith(".pyc")]:
             out.append(name if base == "." else posixpath.join(Path(base).as_posix(), name))
     return sorted(out)
 

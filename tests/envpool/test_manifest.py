@@ -55,6 +55,30 @@ def test_the_modules_an_image_names_register_its_environments_in_a_child(tmp_pat
     assert "manifest-coin-v0" not in envpool.default_registry and "manifest_coin" not in sys.modules
 
 
+def test_inspecting_an_image_leaves_its_directory_and_digest_unchanged(tmp_path, monkeypatch):
+    from envpool.images import build_bundle
+
+    # the child's import wrote __pycache__/*.pyc into the image, which the bundle then packed
+    # (this sandbox sets PYTHONDONTWRITEBYTECODE, which hid it)
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
+    root = image(tmp_path, {"modules": ["manifest_coin"]})
+    before = build_bundle(root).digest
+    registered_by(root)
+    assert sorted(p.name for p in root.rglob("*")) == ["envpool.json", "manifest_coin.py"]
+    assert build_bundle(root).digest == before
+
+
+def test_a_bundle_leaves_out_bytecode_caches(tmp_path):
+    from envpool.images import build_bundle
+
+    root = image(tmp_path, {"modules": ["manifest_coin"]})
+    before = build_bundle(root).digest
+    (root / "__pycache__").mkdir()
+    (root / "__pycache__" / "manifest_coin.cpython-312.pyc").write_bytes(b"\0")
+    (root / "stray.pyc").write_bytes(b"\0")
+    assert build_bundle(root).digest == before
+
+
 def test_register_entries_are_checked_too(tmp_path):
     root = image(
         tmp_path,
