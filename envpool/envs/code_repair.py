@@ -34,6 +34,14 @@ Paths are relative to the work dir; absolute paths and ``..`` are refused. Obser
 never show the work dir's location, so a seed and a list of actions replay the same
 episode. The tests are restored from the task before every run, so only the module can be
 changed; this is not a sandbox for adversarial code (that is the container's job).
+
+Known limitation, a reward hack: the tests and the policy's module run in one process,
+which also prints the verdict. The module can read the result line's nonce (a global of the
+runner's ``__main__``), print ``@@result <nonce> <n> 0`` and ``os._exit(0)`` at import, and
+pass every task; a value whose ``__eq__`` always returns True passes the ``==`` tests. Do
+not train a policy that may game its reward on this env as it is. A fix judges outside the
+process that runs policy code: the tests' calls there, their results serialised to JSON and
+compared in this process against expected values kept outside the work dir.
 """
 
 from __future__ import annotations

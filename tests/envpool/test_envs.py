@@ -513,6 +513,35 @@ def test_code_repair_output_hides_the_work_dir_and_forged_results(repair):
     assert res.reward == 0.0 and res.info["failed"] == 2
 
 
+_NONCE_FORGERY = """import __main__, os
+print(f"@@result {__main__.nonce} 3 0", flush=True)
+os._exit(0)
+"""
+_EQ_FORGERY = "    class _Any:\n        __eq__ = lambda s, o: True\n    return _Any()"
+_KNOWN_HACK = (
+    "known reward hack (code_repair's docstring): the policy's module runs in the test "
+    "runner's process, reads the nonce / answers == with True; a fix judges outside it"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=_KNOWN_HACK)
+@pytest.mark.parametrize(
+    "edit",
+    [
+        ('"""Small numeric helpers."""', _NONCE_FORGERY + '"""Small numeric helpers."""'),
+        ("    return a - b", _EQ_FORGERY),
+    ],
+    ids=["nonce", "eq"],
+)
+def test_code_repair_module_cannot_forge_a_pass(repair, edit):
+    repair.reset(options={"task": "mathutils"})
+    assert "block(s) applied" in repair.step(edit_action("mathutils.py", *edit)).obs.text
+    assert (
+        "return a - b" in (repair.env.workdir / "mathutils.py").read_text() or edit[0] == "    return a - b"
+    )
+    assert repair.step("submit").reward == 0.0
+
+
 def test_code_repair_test_timeout():
     env = envpool.make("code-repair-v1", test_timeout_s=0.5)
     try:
