@@ -282,10 +282,13 @@ class Trajectory(BaseModel):
     info: dict[str, Any] = Field(default_factory=dict)
 
     def final_text(self) -> str:
-        """Content of the last assistant message ('' if there is none)."""
+        """Content of the last assistant message ('' if there is none, or if it is empty:
+        an empty reply, or one that is only a tool call). Never an earlier one: the turns
+        before the last can be the prompt's (a few-shot example in a TRL chat prompt), and
+        an empty completion scored as that example's answer (found by review)."""
         for m in reversed(self.messages):
-            if m.role == "assistant" and m.content:
-                return m.content
+            if m.role == "assistant":
+                return m.content or ""
         return ""
 
     def policy_versions(self) -> list[int]:

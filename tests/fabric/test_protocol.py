@@ -231,6 +231,17 @@ def test_final_text_and_policy_versions() -> None:
     assert Trajectory().final_text() == "" and Trajectory().policy_versions() == []
     empty_reply = Trajectory(messages=[Message(role="assistant", content="", policy_version=4)])
     assert empty_reply.final_text() == "" and empty_reply.policy_versions() == [4]
+    # an empty last reply is the answer, never an earlier turn (a TRL chat prompt's few-shot
+    # example scored for a completion that said nothing)
+    shot = Trajectory(
+        messages=[
+            Message(role="user", content="2+2?"),
+            Message(role="assistant", content="\\boxed{4}"),
+            Message(role="user", content="1+3?"),
+            Message(role="assistant", content=""),
+        ]
+    )
+    assert shot.final_text() == ""
 
 
 def test_trajectory_defaults() -> None:
