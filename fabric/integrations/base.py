@@ -32,12 +32,14 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from fabric.backends.base import Backend
+from fabric.errors import ErrorCode
 from fabric.integrations.config import IntegrationConfig, plain
 from fabric.integrations.errors import (
     BadBatchError,
     BatchDeadlineError,
     MissingArgumentError,
     RewardCallError,
+    _first_line,
 )
 from fabric.protocol import ErrorInfo, Message, Result, Trajectory
 from fabric.registry import Registry, default_registry
@@ -354,10 +356,21 @@ class RewardAdapter:
 
     def check(self, scores: Sequence[Score], *, none_ok: bool) -> None:
         """Log the batch's failures (once, a summary); raise ``RewardCallError`` for them when
-        the framework has no "no reward" value (``none_ok`` False) and no ``failure_score``."""
+        the framework has no "no reward" value (``none_ok`` False) and no ``failure_score``.
+        Arguments the function refused (``InvalidArguments``) raise ``BadBatchError`` whatever
+        the settings: the batch is wrong, not the calls, and no score may stand in for it."""
         failures = [(i, s.error) for i, s in enumerate(scores) if s.error is not None]
         if not failures:
             return
+        invalid = [(i, e) for i, e in failures if e.type == ErrorCode.INVALID_ARGUMENTS]
+        if invalid:
+            # the batch's values do not fit the signature (a dataset column of the wrong type):
+            # every such sample fails the same way, so neither None nor failure_score may stand in
+            i, e = invalid[0]
+            raise BadBatchError(
+                f"{self._signature()} refused the arguments of {len(invalid)} of {len(scores)} samples "
+                f"(a column of the wrong type?); first: #{i} {e.type}: {_first_line(e.message)}"
+            )
         scored = self.config.failure_score is not None
         outcome = (
             f"scored {self.config.failure_score:g} (failure_score)"

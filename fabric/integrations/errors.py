@@ -4,7 +4,8 @@ The tree, under ``fabric.errors.FabricError``::
 
     IntegrationError
     ├── BadBatchError          the trainer's batch is not what its framework sends
-    │                          (lengths disagree, a completion that is not text or messages)
+    │                          (lengths disagree, a completion that is not text or messages),
+    │                          or the function refused its values (a column of the wrong type)
     ├── MissingArgumentError   a required parameter of the function has no source in the batch
     ├── RewardCallError        calls failed and no ``failure_score`` is set: carries the failures
     └── BatchDeadlineError     the batch did not finish within its deadline
@@ -24,7 +25,8 @@ class IntegrationError(FabricError):
 
 
 class BadBatchError(IntegrationError, ValueError):
-    """The batch handed to the adapter cannot be scored as given: nothing was sent."""
+    """The batch handed to the adapter cannot be scored as given: nothing was sent, or the
+    function refused the arguments (``InvalidArguments``), which no retry or score mends."""
 
 
 class MissingArgumentError(IntegrationError, ValueError):

@@ -182,8 +182,9 @@ class RewardServer:
     (any path but ``/healthz``). ``async with RewardServer(config) as s:`` serves at ``s.url``.
 
     Answers: 200 with ``{"rewards", "scores", "extra_logs"}``; 400 for a body that is not the
-    OpenRLHF shape; 413 over ``max_body_bytes``; 502 when calls failed and there is no
-    ``failure_score`` (with the failures listed), which OpenRLHF retries and then gives up on."""
+    OpenRLHF shape or values the function refuses (a label of the wrong type); 413 over
+    ``max_body_bytes``; 502 when calls failed and there is no ``failure_score`` (with the
+    failures listed), which OpenRLHF retries and then gives up on."""
 
     def __init__(
         self,

@@ -138,6 +138,38 @@ def test_trl_failures_are_none_never_zero(fake, caplog):
         assert reward.adapter.stats["failure_scored"] == 1
 
 
+def test_a_column_of_the_wrong_type_is_a_bad_batch_not_a_failed_call(fake):
+    # GSM8K answers parsed as ints: every sample fails InvalidArguments; as None (TRL) or
+    # failure_score the trainer learned nothing and only one WARNING said so
+    for options in ({}, {"failure_score": -1.0}):
+        with trl_reward("contains", registry=REG, backend_instance=fake, **options) as reward:
+            with pytest.raises(BadBatchError) as e:
+                call_trl(reward, ["p", "p"], ["4", "6"], **trl_kwargs(2, answer=[4, 6]))
+            text = str(e.value)
+            assert "contains(traj, answer)" in text and "2 of 2 samples" in text
+            assert "#0 InvalidArguments" in text and "answer" in text
+    v = VerlReward("contains", registry=REG, backend_instance=fake, args={"answer": "ground_truth"})
+    try:
+        with pytest.raises(BadBatchError, match="1 of 1 samples"):
+            v.compute_score("d", "has 5", 5, {})
+    finally:
+        v.close()
+    with OpenRLHFReward("explode", registry=REG, backend_instance=fake, failure_score=0.0) as reward_func:
+        with pytest.raises(BadBatchError, match=r"explode\(traj, ground_truth\) refused .* 1 of 2 samples"):
+            reward_func(["p a", "p b"], ["p", "p"], ["g", 7])  # ground_truth <- label
+
+
+async def test_openrlhf_http_a_label_of_the_wrong_type_is_400_not_502():
+    import aiohttp
+
+    cfg = IntegrationConfig(function="explode", backend="inproc", builtins=False)
+    async with RewardServer(cfg, port=0, registry=REG) as server, aiohttp.ClientSession() as http:
+        body = {"query": ["p a", "p b"], "prompts": ["p", "p"], "labels": [4, 6]}
+        async with http.post(server.url, json=body) as resp:
+            assert resp.status == 400  # a 502 is retried 5 times, then the samples go unrewarded
+            assert "InvalidArguments" in (await resp.json())["error"]
+
+
 def test_trl_batch_goes_out_concurrently_within_its_deadline(fake):
     with trl_reward("slow_length", registry=REG, backend_instance=fake) as reward:
         t0 = time.monotonic()
