@@ -11,6 +11,7 @@ side; and the file loaded by path shares this module's pools with any other impo
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -126,6 +127,16 @@ class VerlReward:
 
 _REWARDS: dict[str, VerlReward] = {}
 _LOCK = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    # held by another thread of the parent at the fork (building the first reward), it would
+    # never be released in the child: its first call would wait forever
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def reward_for(kwargs: Mapping[str, Any]) -> VerlReward:

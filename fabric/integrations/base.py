@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import threading
+import weakref
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -446,12 +447,17 @@ def _close_open_bridges() -> None:
         bridge.close()
 
 
+#: Every bridge alive, open or not: a fork may catch one between states (a thread inside
+#: ``_ensure`` before it joins ``_OPEN``, or inside ``close`` after it left), lock held.
+_ALL: weakref.WeakSet[SyncBridge] = weakref.WeakSet()
+
+
 def _after_fork_in_child() -> None:
     # a lock held by another thread of the parent at the fork (starting or closing a
     # bridge) would never be released in the child, whose first call would wait forever
     global _OPEN_LOCK
     _OPEN_LOCK = threading.Lock()
-    for bridge in _OPEN:
+    for bridge in list(_ALL):
         bridge._lock = threading.Lock()
 
 
@@ -473,6 +479,7 @@ class SyncBridge:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
+        _ALL.add(self)
 
     @property
     def started(self) -> bool:

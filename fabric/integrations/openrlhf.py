@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -162,6 +163,16 @@ class OpenRLHFReward:
 
 _DEFAULT: OpenRLHFReward | None = None
 _LOCK = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    # held by another thread of the parent at the fork (building the first reward), it would
+    # never be released in the child: its first call would wait forever
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def reward_func(queries: Any, prompts: Any, labels: Any) -> dict[str, Any]:

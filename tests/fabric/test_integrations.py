@@ -744,6 +744,63 @@ def test_a_fork_while_another_thread_holds_the_bridge_lock_does_not_hang_the_chi
         reward.close()
 
 
+def test_a_fork_while_a_bridge_is_starting_or_closing_does_not_hang_the_child():
+    # starting (first call) or closing, the bridge is not in _OPEN while its lock is held
+    import multiprocessing as mp
+    import queue
+
+    ctx = mp.get_context("fork")
+    for started in (False, True):
+        reward = trl_reward("contains", registry=REG, backend="inproc")
+        try:
+            if started:
+                assert call_trl(reward, ["p"], ["1"], **trl_kwargs(1, answer=["1"]))[0] == [1.0]
+                reward.close()  # closed: out of _OPEN, as while close() waits for the workers
+            answers = ctx.Queue()
+
+            def child(reward=reward, answers=answers) -> None:
+                answers.put(call_trl(reward, ["p"], ["2"], **trl_kwargs(1, answer=["2"]))[0])
+
+            with reward._bridge._lock:  # as when another thread is inside _ensure or close
+                proc = ctx.Process(target=child, daemon=True)
+                proc.start()
+            try:
+                assert answers.get(timeout=20) == [1.0]
+            except queue.Empty:
+                pytest.fail(f"the forked child waited forever on the bridge's lock (started={started})")
+            finally:
+                proc.join(10)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(10)
+        finally:
+            reward.close()
+
+
+def test_a_fork_while_the_module_level_rewards_are_being_built_does_not_hang_the_child():
+    # veRL's reward_for and OpenRLHF's reward_func hold a module lock while building the first
+    # reward (registry discovery, imports): a child forked then must not inherit it held
+    import multiprocessing as mp
+
+    from fabric.integrations import _verl
+    from fabric.integrations import openrlhf as openrlhf_mod
+
+    ctx = mp.get_context("fork")
+    for module in (_verl, openrlhf_mod):
+        answers = ctx.Queue()
+
+        def child(module=module, answers=answers) -> None:
+            answers.put(module._LOCK.acquire(timeout=5))
+
+        with module._LOCK:
+            proc = ctx.Process(target=child, daemon=True)
+            proc.start()
+        try:
+            assert answers.get(timeout=20) is True, f"{module.__name__}._LOCK was still held in the child"
+        finally:
+            proc.join(10)
+
+
 def test_trajectories_from_prompts_and_completions():
     t = build_trajectory(msgs("hi"), [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
     assert [m.role for m in t.messages] == ["system", "user", "assistant"] and t.final_text() == "hi"
