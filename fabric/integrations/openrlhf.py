@@ -111,12 +111,18 @@ class OpenRLHFReward:
 
     def response(self, query: str, prompt: str) -> str:
         """The response in ``query`` (prompt + response, as decoded): after the prompt when the
-        query repeats it, without a trailing end-of-sequence marker."""
+        query repeats it, or after the prompt's end when OpenRLHF cut a long prompt from the
+        left; without a trailing end-of-sequence marker."""
         if query.startswith(prompt):
             text = query[len(prompt) :]
         else:
             at = query.find(prompt) if prompt else -1
-            text = query[at + len(prompt) :] if at >= 0 else query
+            if at >= 0:
+                text = query[at + len(prompt) :]
+            else:
+                # scoring the whole query would score the prompt too (an answer in a few-shot
+                # example): drop the longest end of the prompt the query starts with
+                text = query[_kept_prompt(query, prompt) :]
         stripped = True
         while stripped:
             stripped = False
@@ -157,6 +163,34 @@ class OpenRLHFReward:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: How much of the query's start is looked up in the prompt to find where a left-truncated
+#: prompt resumes: the candidates are its occurrences, each then checked to the prompt's end.
+_HEAD_CHARS = 64
+
+
+def _kept_prompt(query: str, prompt: str) -> int:
+    """The length of the longest end of ``prompt`` that ``query`` starts with (0: none), as
+    when OpenRLHF kept only a long prompt's last tokens. Only the offsets where the query's
+    first characters occur in the prompt are checked (``str.find``), not every suffix."""
+    head = query[:_HEAD_CHARS]
+    if not head:
+        return 0
+    tail = prompt[-_HEAD_CHARS:]
+    at = prompt.find(head)
+    while at >= 0:  # the first fit is the longest
+        kept = len(prompt) - at
+        # cheap refusals first (too long for the query, the prompt's end not where it would
+        # be), so a repetitive prompt does not compare its whole rest at every occurrence
+        if kept <= len(query) and query.startswith(tail, kept - len(tail)) and query.startswith(prompt[at:]):
+            return kept
+        at = prompt.find(head, at + 1)
+    # a kept end shorter than the head (the head ran into the response)
+    for kept in range(min(len(head), len(prompt)) - 1, 0, -1):
+        if query.startswith(prompt[-kept:]):
+            return kept
+    return 0
 
 
 # ----------------------------------------------------------------------------- the file form

@@ -475,6 +475,25 @@ def test_openrlhf_reward_func_as_the_single_turn_executor_calls_it():
             reward_func(["a", "b"], [PROMPT], ["5"])
 
 
+def test_openrlhf_a_left_truncated_prompt_is_not_scored_as_the_response(fake):
+    # OpenRLHF keeps a long prompt's last tokens: the query no longer holds the whole prompt,
+    # and the whole query (a few-shot answer included) was scored as the response
+    prompt = (
+        "<|im_start|>user\nExample: 3+4? Answer: 7\n" + "filler " * 50 + "\nNow: 2+5?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    response = "I don't know.<|im_end|>"
+    with OpenRLHFReward("contains", registry=REG, backend_instance=fake, args={"answer": "label"}) as r:
+        for cut in (20, 45, 200, len(prompt) - 30, len(prompt) - 3):  # in the filler too; a short end
+            assert r.response(prompt[cut:] + response, prompt) == "I don't know.", cut
+        assert r([prompt[20:] + response], [prompt], ["7"])["rewards"] == [0.0]
+        assert r([prompt + "7<|im_end|>"], [prompt], ["7"])["rewards"] == [1.0]
+        # nothing of the prompt in the query: all of it is the response, as before
+        assert r.response("7 it is", prompt) == "7 it is"
+        long = "ab" * 50_000  # repetitive: every offset is a candidate
+        assert r.response(long[1001:] + "zz", long) == "zz"
+
+
 def test_openrlhf_json_labels_and_failures(fake):
     label = json.dumps({"tests": ["a", "c"], "difficulty": 3})
     with OpenRLHFReward("with_tests", registry=REG, backend_instance=fake) as reward_func:
