@@ -84,6 +84,14 @@ def openrlhf_serve(
     ] = 150.0,
     workers: Annotated[int | None, typer.Option(help="Worker processes per function (local).")] = None,
     drain_s: DrainOpt = 30.0,
+    max_body_mb: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Largest request body, in MiB (a micro-batch of samples; each sample's call is still "
+            "limited to 6 MiB).",
+        ),
+    ] = 256,
     modules: ModulesOpt = None,
 ) -> None:
     from fabric.integrations.config import IntegrationConfig
@@ -127,6 +135,7 @@ def openrlhf_serve(
                 ready=ready,
                 drain_s=drain_s,
                 say=lambda text: err.print(text, soft_wrap=True),
+                max_body_bytes=max_body_mb * 1024 * 1024,
             )
         )
     except OSError as e:

@@ -42,10 +42,14 @@ from fabric.integrations.base import (
 )
 from fabric.integrations.config import IntegrationConfig, plain
 from fabric.integrations.errors import BadBatchError, IntegrationError, MissingArgumentError, RewardCallError
-from fabric.protocol import MAX_PAYLOAD_BYTES
 from fabric.registry import Registry
 
 log = logging.getLogger("fabric.integrations.openrlhf")
+
+#: The HTTP form's limit on a request body (``--max-body-mb``). A body carries a whole
+#: micro-batch (older OpenRLHF posts it to one server), so it is not the 6 MiB limit of one
+#: call, which each sample's payload still meets (a sample over it fails alone).
+DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
 
 _ALIASES = {"ground_truth": "label"}
 
@@ -227,9 +231,10 @@ class RewardServer:
     (any path but ``/healthz``). ``async with RewardServer(config) as s:`` serves at ``s.url``.
 
     Answers: 200 with ``{"rewards", "scores", "extra_logs"}``; 400 for a body that is not the
-    OpenRLHF shape or values the function refuses (a label of the wrong type); 413 over
-    ``max_body_bytes``; 502 when calls failed and there is no ``failure_score`` (with the
-    failures listed), which OpenRLHF retries and then gives up on."""
+    OpenRLHF shape or values the function refuses (a label of the wrong type); 413 for a body
+    over ``max_body_bytes`` (a sample over the 6 MiB call limit fails alone); 502 when calls
+    failed and there is no ``failure_score`` (with the failures listed), which OpenRLHF
+    retries and then gives up on."""
 
     def __init__(
         self,
@@ -239,7 +244,7 @@ class RewardServer:
         port: int = 8000,
         registry: Registry | None = None,
         backend_instance: Backend | None = None,
-        max_body_bytes: int = MAX_PAYLOAD_BYTES,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         drain_s: float = 30.0,
     ):
         from fabric.serve.drain import InFlight  # aiohttp's side: only a server needs it
@@ -345,6 +350,7 @@ async def serve(
     ready: Callable[[str], None] | None = None,
     drain_s: float = 30.0,
     say: Callable[[str], None] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> None:
     """Serve until SIGINT/SIGTERM (``fabric integrate openrlhf-serve``); then the requests in
     flight get ``drain_s`` to finish, and a second signal cancels them at once. ``say`` gets
@@ -357,7 +363,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    server = RewardServer(config, host=host, port=port, drain_s=drain_s)
+    server = RewardServer(config, host=host, port=port, drain_s=drain_s, max_body_bytes=max_body_bytes)
     if not await start_unless_stopped(server.start(), stop):  # a signal during start-up
         await server.aclose()
         return

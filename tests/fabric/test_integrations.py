@@ -535,6 +535,24 @@ async def test_openrlhf_http_form_over_a_socket():
                 assert (await resp.json())["function"] == "explode"
 
 
+async def test_openrlhf_http_a_micro_batch_over_6_mib_is_scored_not_413():
+    # older OpenRLHF posts a whole micro-batch to one server: 100 samples of 70 KB are 7 MB
+    # together, each far under the 6 MiB call limit, and were refused whole with 413
+    import aiohttp
+
+    cfg = IntegrationConfig(function="length", backend="inproc", builtins=False)
+    async with RewardServer(cfg, port=0, registry=REG) as server, aiohttp.ClientSession() as http:
+        n, size = 100, 70_000
+        body = {"query": ["p" + "x" * size] * n, "prompts": ["p"] * n, "labels": [""] * n}
+        async with http.post(server.url, json=body) as resp:
+            assert resp.status == 200 and (await resp.json())["rewards"] == [float(size)] * n
+        # the per-call limit still holds for one sample: it fails (502: no failure_score)
+        body = {"query": ["p" + "x" * (7 * 1024 * 1024), "p"], "prompts": ["p", "p"], "labels": ["", ""]}
+        async with http.post(server.url, json=body) as resp:
+            assert resp.status == 502
+            assert [f["type"] for f in (await resp.json())["failures"]] == ["PayloadTooLarge"]
+
+
 async def test_openrlhf_http_a_request_whose_client_hung_up_is_cancelled():
     # OpenRLHF gives up on a request after 180 s and posts it again, 5 times: the calls of a
     # request nobody waits for any more ran on, one more copy in the pool at each retry
@@ -629,6 +647,7 @@ def test_cli_openrlhf_serve_serves_until_interrupted(tmp_path):
     import signal
     import subprocess
     import sys
+    import urllib.error
     import urllib.request
 
     SERVE = [sys.executable, "-m", "fabric.cli", "integrate", "openrlhf-serve"]
@@ -647,6 +666,8 @@ def test_cli_openrlhf_serve_serves_until_interrupted(tmp_path):
             "inproc",
             "--arg",
             "answer=label",
+            "--max-body-mb",
+            "1",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -663,6 +684,11 @@ def test_cli_openrlhf_serve_serves_until_interrupted(tmp_path):
         )
         with urllib.request.urlopen(req, timeout=30) as resp:
             assert json.loads(resp.read())["rewards"] == [1.0]
+        big = {"query": ["p " + "x" * 600_000] * 2, "prompts": ["p"] * 2, "labels": ["5"] * 2}
+        req = urllib.request.Request(url, data=json.dumps(big).encode(), method="POST")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 413  # --max-body-mb 1
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
