@@ -373,6 +373,15 @@ async def run_bench(cfg: BenchConfig, registry: Registry, progress: Progress | N
             f"unknown baseline {cfg.baseline!r}: use 'ray' (the same function on Ray actors) or "
             "'fn:NAME' (another registered function under the same load, e.g. fn:code_verify_subprocess)"
         )
+    if cfg.straggler_rate > 0 and (cfg.backend != "local" or cfg.baseline == "ray"):
+        # stragglers are injected into the local backend's workers only: a Ray baseline or a
+        # lambda run (and its local comparison) would be compared as if under the same load
+        where = "--baseline ray" if cfg.baseline == "ray" else f"--backend {cfg.backend}"
+        raise ConfigError(
+            f"--straggler-rate is injected into the local backend only, not with {where}: the figures "
+            "compared would not run under the same load; bench stragglers on the local backend "
+            "(--compare-hedge) and the baseline without them"
+        )
     if cfg.baseline and cfg.baseline.startswith("fn:"):
         registry.get(cfg.baseline[3:])  # unknown: UnknownFunctionError lists the registered ones
     payload = cfg.payload if cfg.payload is not None else (spec.examples[0] if spec.examples else None)

@@ -350,6 +350,16 @@ def test_bench_rejects_bad_options():
     assert r.exit_code == 2 and "--payload must be a JSON object" in r.output
 
 
+def test_bench_refuses_stragglers_where_only_one_side_would_get_them():
+    # stragglers reached only the local backend's run: a Ray baseline or a lambda run was
+    # compared (ratio_vs_baseline, straggler_rate in the JSON) as if under the same load
+    straggle = ["--straggler-rate", "0.01", "--straggler-ms", "200", "--n", "10", "--json"]
+    for extra in (["--baseline", "ray"], ["--backend", "lambda", "--endpoint-url", "http://127.0.0.1:9"]):
+        r = runner.invoke(app, ["bench", "exact_match", *straggle, *extra])
+        assert r.exit_code == 2, r.output
+        assert "--straggler-rate" in r.output and extra[0] in r.output
+
+
 def _bench(name: str, *extra: str) -> object:
     return runner.invoke(
         app, ["bench", name, "-m", "cli_fns", "--n", "20", "--concurrency", "2", "--json", *extra]
