@@ -409,13 +409,22 @@ async def run_bench(cfg: BenchConfig, registry: Registry, progress: Progress | N
         "overhead_p50_ms": main["p50_ms"] - direct_p50,
         "cold_start_ms": cold,
     }
+    notes = []
     if out["overhead_p50_ms"] < 0:
         # a slow call's own time varies by more than the fabric adds (here the direct call ran
         # on a thread beside the benchmark's event loop): the figure is only noise
-        out["overhead_note"] = (
+        notes.append(
             f"negative: the call itself ({direct_p50:.2f} ms direct) varies by more than the "
             "fabric adds; the overhead is measurable on a cheap function (exact_match)"
         )
+    if cfg.concurrency > 1:
+        # a closed loop's p50 with callers waiting for workers is mostly queueing
+        notes.append(
+            f"measured at --concurrency {cfg.concurrency}: mostly queueing for a worker, not the "
+            "fabric's own cost; the per-call overhead is meaningful at --concurrency 1"
+        )
+    if notes:
+        out["overhead_note"] = "; ".join(notes)
     if cfg.backend == "lambda":
         out.update(await _vs_local(cfg, registry, payload, workers, main, progress))
     if cfg.compare_hedge:

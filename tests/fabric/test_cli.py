@@ -300,7 +300,15 @@ def test_bench_json_has_the_figures():
     for key in ("throughput_per_s", "p50_ms", "p99_ms", "overhead_p50_ms", "cold_start_ms"):
         assert out[key] > 0, key
     assert out["errors"] == 0 and out["n"] == 400
-    assert "overhead_note" not in out
+    # at 8 callers the p50 is mostly queueing for a worker: the overhead says so
+    assert "--concurrency 8: mostly queueing" in out["overhead_note"]
+
+
+def test_bench_overhead_is_unqualified_only_one_call_at_a_time():
+    r = runner.invoke(app, ["bench", "exact_match", "--n", "200", "--concurrency", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["overhead_p50_ms"] > 0 and "overhead_note" not in out
 
 
 def test_a_negative_overhead_is_flagged_as_noise():
