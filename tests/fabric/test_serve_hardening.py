@@ -328,7 +328,9 @@ async def test_no_event_is_accepted_once_the_server_drains(tmp_path):
     answered 202, then dropped when the drain ended. Once draining, Events are refused with
     429 (nothing ran: the lambda backend's Throttled, retried even for a side effect)."""
     out = tmp_path / "ran.txt"
-    tenants = {"job-a": TenantConfig(token=TOKEN_A, max_rps=2)}  # one request per 0.5 s
+    # one request per 4 s: the second is still held back however long the first took (at
+    # one per 0.5 s, a loaded make test ran the first for longer and the second went at once)
+    tenants = {"job-a": TenantConfig(token=TOKEN_A, max_rps=0.25)}
     g = Gateway(config(drain_s=5, tenants=tenants), REG)
     await g.start()
     try:
