@@ -466,6 +466,14 @@ def test_code_repair_answers_a_file_it_cannot_read(repair):
         module.chmod(0o644)
 
 
+def test_code_repair_refuses_to_edit_a_module_that_is_not_text(repair):
+    # runs as root too (unlike the mode-0 case above): the policy's code can write any bytes
+    repair.reset(options={"task": "mathutils"})
+    (repair.env.workdir / "mathutils.py").write_bytes(b"\xff\xfe def add(a, b): return a - b\n")
+    res = repair.step(edit_action("mathutils.py", "a - b", "a + b"))
+    assert "cannot be read (it is not UTF-8 text)" in res.obs.text and res.info["valid"] is False
+
+
 def test_code_repair_tests_are_read_only(repair):
     repair.reset(options={"task": "mathutils"})
     res = repair.step(edit_action("test_mathutils.py", "assert got == 5", "assert True"))
