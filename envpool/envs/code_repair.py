@@ -18,11 +18,8 @@ One action per turn:
     Each SEARCH text must occur exactly once in the file (indentation included); the
     blocks apply in order, all or none. An empty REPLACE deletes the text.
 ``run_tests``
-    runs every ``test_*`` function of the test files in a subprocess (``python -I -B``,
-    cwd the work dir, scrubbed environment, killed after ``test_timeout_s`` with whatever it
-    started) and shows a pass/fail summary with the (truncated) output. The subprocess stays
-    in the caller's process group, so killing a container kills its test run; it also dies
-    with the process that started it and has a CPU limit of about ``test_timeout_s``.
+    runs the tests and shows a pass/fail line per test, with the output of the run
+    (truncated).
 ``submit``
     ends the episode: reward 1.0 when every test of the task passes, else 0.0.
 
@@ -32,27 +29,35 @@ For the schedulers, ``info["valid"]`` is False on an unknown, refused or failed 
 
 Paths are relative to the work dir; absolute paths and ``..`` are refused. Observations
 never show the work dir's location, so a seed and a list of actions replay the same
-episode. The tests are restored from the task before every run, so only the module can be
-changed; this is not a sandbox for adversarial code (that is the container's job).
+episode.
 
-Known limitation, a reward hack: the tests and the policy's module run in one process,
-which also prints the verdict. The module can read the result line's nonce (a global of the
-runner's ``__main__``), print ``@@result <nonce> <n> 0`` and ``os._exit(0)`` at import, and
-pass every task; a value whose ``__eq__`` always returns True passes the ``==`` tests. Do
-not train a policy that may game its reward on this env as it is. A fix judges outside the
-process that runs policy code: the tests' calls there, their results serialised to JSON and
-compared in this process against expected values kept outside the work dir.
+How a run is judged, and why so: the policy's module is code the policy wrote, and the
+process that imports it is the policy's to control (it can read that process's memory,
+print anything, exit early, or return a value whose ``__eq__`` is always true). So that
+process only *computes*: a subprocess (``python -I -B``, cwd the work dir, scrubbed
+environment, killed after ``test_timeout_s`` with whatever it started, CPU and file-size
+limits, dies with the process that started it) imports the module, evaluates each check's
+call (``add(2, 3)``) and writes the value as plain JSON (numbers, strings, booleans, None,
+lists, string-keyed dicts; anything else is a failure) or the exception it raised to a file
+of its own. This process compares those values with the expected ones, which never enter
+the subprocess. A module can still write that file itself, but a check passes only with
+the right value, which is what a correct module returns: the worst it can do is what any
+test-judged task allows, answers fitted to the visible tests. The ``test_*.py`` files are
+the checks written out for the policy to read; they are restored before every run and
+never executed. The subprocess runs as this process's user: what it may touch besides the
+work dir (this process included, with ``ptrace``) is bounded by the container, which is the
+sandbox for adversarial code, not this env.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import random
 import re
 import resource
-import secrets
 import shutil
 import signal
 import subprocess
@@ -66,25 +71,94 @@ from envpool.api import Env, Observation, StepResult
 
 MAX_VIEW_CHARS = 20_000
 MAX_OUTPUT_CHARS = 4_000
+MAX_RESULTS_BYTES = 2_000_000
+"""What is read of the subprocess's results file (each value is capped at 100 kB)."""
+MAX_FILE_BYTES = 16 * 2**20
+"""RLIMIT_FSIZE of a test run: a module writing without end is killed, not the disk filled."""
+
+
+@dataclass(frozen=True)
+class Raises:
+    """A check's expectation that the call raises this built-in exception (or a subclass)."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class Check:
+    call: str
+    """A Python expression over the test file's imports, e.g. ``add(2, 3)``."""
+    expect: Any
+    """A plain JSON value (tuples compare as lists), or :class:`Raises`."""
+
+
+@dataclass(frozen=True)
+class Test:
+    name: str
+    checks: tuple[Check, ...]
+    """In order; the test fails at the first that does not hold."""
 
 
 @dataclass(frozen=True)
 class Task:
     name: str
     description: str
-    files: dict[str, str]
-    """File name -> content; ``test_*.py`` files are the (read-only) tests."""
-    n_tests: int
+    module: str
+    """The module's file name, e.g. ``mathutils.py``: the one file the policy may edit."""
+    source: str
+    """The module's (buggy) content."""
+    imports: tuple[str, ...]
+    """The names the tests import from the module."""
+    tests: tuple[Test, ...]
     fix: tuple[tuple[str, str, str], ...]
     """``(file, search, replace)`` edits that solve the task (for the test suite)."""
+
+    @property
+    def n_tests(self) -> int:
+        return len(self.tests)
+
+    @property
+    def test_file(self) -> str:
+        return f"test_{self.module}"
+
+    @property
+    def files(self) -> dict[str, str]:
+        """File name -> content: the module and its tests (``test_*.py``, read-only)."""
+        return {self.module: self.source, self.test_file: render_tests(self)}
+
+    def checks(self) -> list[tuple[int, Check]]:
+        """Every check, flattened in order, with the index of its test."""
+        return [(t, c) for t, test in enumerate(self.tests) for c in test.checks]
+
+
+def render_tests(task: Task) -> str:
+    """The checks as a test file a person (or the policy) reads; it is never executed."""
+    stem = task.module.removesuffix(".py")
+    parts = [f"from {stem} import {', '.join(task.imports)}\n"]
+    for test in task.tests:
+        body = []
+        for check in test.checks:
+            if isinstance(check.expect, Raises):
+                body += [
+                    "    try:",
+                    f"        {check.call}",
+                    f"    except {check.expect.error}:",
+                    "        pass",
+                    "    else:",
+                    f"        raise AssertionError({f'{check.call} did not raise {check.expect.error}'!r})",
+                ]
+            else:
+                body.append(f"    assert {check.call} == {check.expect!r}")
+        parts.append(f"\ndef {test.name}():\n" + "\n".join(body) + "\n")
+    return "\n".join(parts)
 
 
 TASKS: tuple[Task, ...] = (
     Task(
         name="mathutils",
         description="add() returns the wrong value.",
-        files={
-            "mathutils.py": '''"""Small numeric helpers."""
+        module="mathutils.py",
+        source='''"""Small numeric helpers."""
 
 
 def add(a, b):
@@ -96,31 +170,22 @@ def clamp(x, lo, hi):
     """x limited to the range [lo, hi]."""
     return max(lo, min(x, hi))
 ''',
-            "test_mathutils.py": """from mathutils import add, clamp
-
-
-def test_add():
-    got = add(2, 3)
-    assert got == 5, f"add(2, 3) returned {got!r}, expected 5"
-
-
-def test_add_negative():
-    got = add(-4, 1)
-    assert got == -3, f"add(-4, 1) returned {got!r}, expected -3"
-
-
-def test_clamp():
-    assert clamp(5, 0, 3) == 3 and clamp(-1, 0, 3) == 0 and clamp(2, 0, 3) == 2
-""",
-        },
-        n_tests=3,
+        imports=("add", "clamp"),
+        tests=(
+            Test("test_add", (Check("add(2, 3)", 5),)),
+            Test("test_add_negative", (Check("add(-4, 1)", -3),)),
+            Test(
+                "test_clamp",
+                (Check("clamp(5, 0, 3)", 3), Check("clamp(-1, 0, 3)", 0), Check("clamp(2, 0, 3)", 2)),
+            ),
+        ),
         fix=(("mathutils.py", "    return a - b", "    return a + b"),),
     ),
     Task(
         name="stats",
         description="mean() gives wrong results.",
-        files={
-            "stats.py": '''"""Descriptive statistics."""
+        module="stats.py",
+        source='''"""Descriptive statistics."""
 
 
 def mean(xs):
@@ -138,39 +203,20 @@ def median(xs):
         return s[mid]
     return (s[mid - 1] + s[mid]) / 2
 ''',
-            "test_stats.py": """from stats import mean, median
-
-
-def test_mean():
-    got = mean([2, 4, 9])
-    assert got == 5, f"mean([2, 4, 9]) returned {got!r}, expected 5"
-
-
-def test_mean_of_one():
-    got = mean([7])
-    assert got == 7, f"mean([7]) returned {got!r}, expected 7"
-
-
-def test_mean_empty():
-    try:
-        mean([])
-    except ValueError:
-        return
-    raise AssertionError("mean([]) did not raise ValueError")
-
-
-def test_median():
-    assert median([3, 1, 2]) == 2 and median([4, 1, 3, 2]) == 2.5
-""",
-        },
-        n_tests=4,
+        imports=("mean", "median"),
+        tests=(
+            Test("test_mean", (Check("mean([2, 4, 9])", 5),)),
+            Test("test_mean_of_one", (Check("mean([7])", 7),)),
+            Test("test_mean_empty", (Check("mean([])", Raises("ValueError")),)),
+            Test("test_median", (Check("median([3, 1, 2])", 2), Check("median([4, 1, 3, 2])", 2.5))),
+        ),
         fix=(("stats.py", "sum(xs) / (len(xs) - 1)", "sum(xs) / len(xs)"),),
     ),
     Task(
         name="fizzbuzz",
         description="fizzbuzz() never says FizzBuzz.",
-        files={
-            "fizzbuzz.py": '''"""The counting game."""
+        module="fizzbuzz.py",
+        source='''"""The counting game."""
 
 
 def fizzbuzz(n):
@@ -183,23 +229,12 @@ def fizzbuzz(n):
         return "FizzBuzz"
     return str(n)
 ''',
-            "test_fizzbuzz.py": """from fizzbuzz import fizzbuzz
-
-
-def test_plain():
-    assert fizzbuzz(7) == "7", fizzbuzz(7)
-
-
-def test_fizz_and_buzz():
-    assert (fizzbuzz(9), fizzbuzz(10)) == ("Fizz", "Buzz"), (fizzbuzz(9), fizzbuzz(10))
-
-
-def test_fizzbuzz():
-    got = fizzbuzz(30)
-    assert got == "FizzBuzz", f"fizzbuzz(30) returned {got!r}, expected 'FizzBuzz'"
-""",
-        },
-        n_tests=3,
+        imports=("fizzbuzz",),
+        tests=(
+            Test("test_plain", (Check("fizzbuzz(7)", "7"),)),
+            Test("test_fizz_and_buzz", (Check("fizzbuzz(9)", "Fizz"), Check("fizzbuzz(10)", "Buzz"))),
+            Test("test_fizzbuzz", (Check("fizzbuzz(30)", "FizzBuzz"),)),
+        ),
         fix=(
             (
                 "fizzbuzz.py",
@@ -211,76 +246,103 @@ def test_fizzbuzz():
     Task(
         name="words",
         description="word_count() miscounts text with irregular spacing.",
-        files={
-            "words.py": '''"""Text helpers."""
+        module="words.py",
+        source='''"""Text helpers."""
 
 
 def word_count(text):
     """How many whitespace-separated words ``text`` has."""
     return len(text.split(" "))
 ''',
-            "test_words.py": """from words import word_count
-
-
-def test_simple():
-    assert word_count("hello world") == 2, word_count("hello world")
-
-
-def test_irregular_spacing():
-    got = word_count("  many   spaces\\there ")
-    assert got == 3, f"word_count returned {got!r}, expected 3"
-
-
-def test_empty():
-    got = word_count("")
-    assert got == 0, f"word_count('') returned {got!r}, expected 0"
-""",
-        },
-        n_tests=3,
+        imports=("word_count",),
+        tests=(
+            Test("test_simple", (Check("word_count('hello world')", 2),)),
+            Test("test_irregular_spacing", (Check("word_count('  many   spaces\\there ')", 3),)),
+            Test("test_empty", (Check("word_count('')", 0),)),
+        ),
         fix=(("words.py", 'text.split(" ")', "text.split()"),),
     ),
 )
 TASKS_BY_NAME = {t.name: t for t in TASKS}
 
-# Runs as `python -I -B -c RUNNER PARENT_PID` in the work dir. The result line carries a
-# nonce read from stdin, so a stray print in the module cannot pass for it by accident. It
-# dies with the process that started it (PR_SET_PDEATHSIG, set here rather than in a
-# preexec_fn, which is not safe in a process with threads, as a container's server is).
+# Runs as `python -I -B -c RUNNER PARENT_PID RESULTS_FD` in the work dir, with the module's name, the
+# test file's imports and the checks' calls as one JSON line on stdin (never the expected
+# values). It writes one JSON line per check to RESULTS_FD, a file of its own: {"i", "value"}, or
+# {"i", "raised": [the exception's class names, its MRO], "message", "at"}, or {"i",
+# "not_plain": type, "repr"}; an import failure is {"import_error", "at"}. It dies with the
+# process that started it (PR_SET_PDEATHSIG, set here rather than in a preexec_fn, which is
+# not safe in a process with threads, as a container's server is).
 RUNNER = r"""
-import ctypes, importlib, os, sys, traceback
+import ctypes, importlib, json, os, sys, traceback
 try:
     ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
 except Exception:
     pass  # not Linux: the timeout and the CPU limit still apply
 if os.getppid() != int(sys.argv[1]):  # its parent died before prctl took effect
     os._exit(1)
-root = os.getcwd()
-sys.path.insert(0, root)
-nonce = sys.stdin.readline().strip()
-passed = failed = 0
-for fname in sorted(f for f in os.listdir(root) if f.startswith("test_") and f.endswith(".py")):
+spec = json.loads(sys.stdin.readline())
+results = os.fdopen(int(sys.argv[2]), "w", encoding="utf-8")
+
+def send(obj):
+    line = json.dumps(obj)
+    if len(line) > 100_000:
+        line = json.dumps({"i": obj.get("i"), "too_large": len(line)})
+    results.write(line + "\n")
+    results.flush()
+
+def text(f):
     try:
-        mod = importlib.import_module(fname[:-3])
-    except BaseException as e:
-        failed += 1
-        print(f"ERROR {fname}: {type(e).__name__}: {e}", flush=True)
-        continue
-    for name, fn in list(vars(mod).items()):
-        if not (name.startswith("test_") and callable(fn) and getattr(fn, "__module__", "") == mod.__name__):
+        return str(f())[:500]
+    except BaseException:
+        return "?"
+
+def where(e):
+    try:
+        tb = traceback.extract_tb(e.__traceback__)
+        return f"{os.path.basename(tb[-1].filename)}:{tb[-1].lineno}: {tb[-1].line}" if tb else ""
+    except BaseException:
+        return ""
+
+def mro(e):
+    try:
+        return [str(c.__name__) for c in type(e).__mro__]
+    except BaseException:
+        return ["?"]
+
+def plain(x):
+    t = type(x)
+    if x is None or t in (bool, int, float, str):
+        return x
+    if t in (list, tuple):
+        return [plain(v) for v in x]
+    if t is dict and all(type(k) is str for k in x):
+        return {k: plain(v) for k, v in x.items()}
+    raise TypeError(t.__name__)
+
+sys.path.insert(0, os.getcwd())
+try:
+    module = importlib.import_module(spec["module"])
+    names = {}
+    for name in spec["imports"]:
+        if not hasattr(module, name):
+            raise ImportError(f"cannot import name {name!r} from {spec['module']!r}")
+        names[name] = getattr(module, name)
+except BaseException as e:
+    send({"import_error": f"{mro(e)[0]}: {text(lambda: e)}", "at": where(e)})
+else:
+    for i, call in enumerate(spec["calls"]):
+        try:
+            value = eval(call, dict(names))
+        except BaseException as e:
+            send({"i": i, "raised": mro(e), "message": text(lambda: e), "at": where(e)})
             continue
         try:
-            fn()
-        except BaseException as e:
-            failed += 1
-            frame = traceback.extract_tb(e.__traceback__)[-1]
-            print(f"FAIL {fname}::{name}: {type(e).__name__}: {e}", flush=True)
-            print(f"    at {os.path.basename(frame.filename)}:{frame.lineno}: {frame.line}", flush=True)
+            out = plain(value)
+        except BaseException:  # not a plain value, or nested too deep
+            send({"i": i, "not_plain": type(value).__name__, "repr": text(lambda: repr(value))[:200]})
         else:
-            passed += 1
-            print(f"PASS {fname}::{name}", flush=True)
-print(f"@@result {nonce} {passed} {failed}", flush=True)
+            send({"i": i, "value": out})
 """
-_RESULT = re.compile(r"^@@result (\S+) (\d+) (\d+)$", re.MULTILINE)
 
 HELP = """Actions (one per reply):
   view <file>      show a file with line numbers
@@ -323,7 +385,7 @@ class CodeRepairEnv(Env):
         self._remove_workdir()
         self.workdir = Path(tempfile.mkdtemp(prefix="envpool-code-repair-", dir=self.workdir_root))
         self.task = task
-        module = next(f for f in task.files if not f.startswith("test_"))
+        module = task.module
         readme = f"# {task.name}\n\n{task.description} Fix {module} so that the tests pass.\n"
         for fname, content in {"README.md": readme, **task.files}.items():
             (self.workdir / fname).write_text(content, encoding="utf-8")
@@ -447,24 +509,29 @@ class CodeRepairEnv(Env):
         return f"Edited {path.name}: {len(blocks)} block(s) applied.", True
 
     def _run_tests(self) -> tuple[int, int, str, bool]:
-        """``(passed, failed, output, timed out)``."""
+        """``(passed, failed, output, timed out)``: the checks run in a subprocess, judged here."""
         assert self.workdir is not None and self.task is not None
-        root = self.workdir
-        for fname, content in self.task.files.items():  # only the module is the policy's
-            if fname.startswith("test_"):
-                (root / fname).write_text(content, encoding="utf-8")
-        nonce = secrets.token_hex(8)
+        task, root = self.task, self.workdir
+        # only the module is the policy's; the test files are restored so a view shows them
+        (root / task.test_file).write_text(task.files[task.test_file], encoding="utf-8")
+        checks = task.checks()
+        spec = {
+            "module": task.module.removesuffix(".py"),
+            "imports": list(task.imports),
+            "calls": [c.call for _, c in checks],
+        }
         env = {"PATH": os.defpath, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": str(root)}
-        with tempfile.TemporaryFile() as out:
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as results:
             # in this process's group, not a session of its own: a container is killed as a
             # whole (its process group), and a test run must go with it
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-B", "-c", RUNNER, str(os.getpid())],
+                [sys.executable, "-I", "-B", "-c", RUNNER, str(os.getpid()), str(results.fileno())],
                 cwd=root,
                 env=env,
                 stdin=subprocess.PIPE,
                 stdout=out,
                 stderr=subprocess.STDOUT,
+                pass_fds=(results.fileno(),),
             )
             timed_out = False
             try:
@@ -473,23 +540,115 @@ class CodeRepairEnv(Env):
                 cpu_s = math.ceil(self.test_timeout_s) + 1
                 with contextlib.suppress(OSError, ValueError):
                     resource.prlimit(proc.pid, resource.RLIMIT_CPU, (cpu_s, cpu_s))
-                proc.communicate(f"{nonce}\n".encode(), timeout=self.test_timeout_s)
+                    resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (MAX_FILE_BYTES, MAX_FILE_BYTES))
+                proc.communicate(json.dumps(spec).encode() + b"\n", timeout=self.test_timeout_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
                 kill_tree(proc.pid)
                 proc.wait()
             out.seek(0)
             raw = out.read(1_000_000).decode("utf-8", errors="replace")
-        for prefix in {str(root), str(root.resolve())}:
-            raw = raw.replace(prefix + os.sep, "").replace(prefix, ".")
-        found = [m for m in _RESULT.finditer(raw) if m.group(1) == nonce]
-        shown = _RESULT.sub("", raw).strip()
+            results.seek(0)
+            reported = results.read(MAX_RESULTS_BYTES).decode("utf-8", errors="replace")
+        hide = [str(root), str(root.resolve())]
+        passed, lines = judge(task, checks, parse_results(reported, len(checks)), timed_out)
+        shown = _hide(raw, hide).strip()
         if len(shown) > MAX_OUTPUT_CHARS:
             shown = f"[... {len(shown) - MAX_OUTPUT_CHARS} characters cut]\n" + shown[-MAX_OUTPUT_CHARS:]
-        if not found:
-            why = f"timed out after {self.test_timeout_s:g} s" if timed_out else "did not finish"
-            return 0, self.task.n_tests, f"The test run {why}.\n{shown}".strip(), timed_out
-        return int(found[-1].group(2)), int(found[-1].group(3)), shown, False
+        if timed_out:
+            lines.append(f"The test run timed out after {self.test_timeout_s:g} s.")
+        report = _hide("\n".join(lines), hide)
+        if shown:
+            report += f"\nOutput of the run:\n{shown}"
+        return passed, task.n_tests - passed, report, timed_out
+
+
+def _hide(text: str, prefixes: list[str]) -> str:
+    """``text`` without the work dir's location (so that episodes replay alike)."""
+    for prefix in prefixes:
+        text = text.replace(prefix + os.sep, "").replace(prefix, ".")
+    return text
+
+
+def parse_results(text: str, n: int) -> dict[Any, dict[str, Any]]:
+    """The subprocess's JSON lines by check index (the first line for an index counts), and
+    under ``"import"`` its import failure. Lines that are not such objects are ignored."""
+    found: dict[Any, dict[str, Any]] = {}
+    for line in text.splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(obj, dict):
+            continue
+        if "import_error" in obj:
+            found.setdefault("import", obj)
+        elif type(obj.get("i")) is int and 0 <= obj["i"] < n:
+            found.setdefault(obj["i"], obj)
+    return found
+
+
+def _plain(value: Any) -> Any:
+    """An expected value as JSON gives it back (tuples as lists)."""
+    return json.loads(json.dumps(value))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def verdict(check: Check, got: dict[str, Any] | None) -> str | None:
+    """None when the reported result meets the check, else why not (for the policy)."""
+    if got is None:
+        return f"{check.call} did not finish"
+    expect = check.expect
+    if "raised" in got:
+        names = got["raised"] if isinstance(got["raised"], list) else []
+        if isinstance(expect, Raises) and expect.error in names:
+            return None
+        kind = str(names[0]) if names else "an exception"
+        why = f"{check.call} raised {kind}: {got.get('message', '')}"
+        return why + (f"\n    at {got['at']}" if got.get("at") else "")
+    if "value" in got:
+        if isinstance(expect, Raises):
+            return f"{check.call} did not raise {expect.error} (it returned {_short(got['value'])})"
+        if got["value"] == _plain(expect):  # plain JSON values on both sides: == is theirs
+            return None
+        return f"{check.call} returned {_short(got['value'])}, expected {expect!r}"
+    if "not_plain" in got:
+        return (
+            f"{check.call} returned {str(got.get('repr', '?'))[:200]} (a {str(got['not_plain'])[:60]}; "
+            "the tests compare plain values: numbers, strings, booleans, None, lists, dicts)"
+        )
+    if "too_large" in got:
+        return f"{check.call} returned a value too large to compare"
+    return f"{check.call} did not finish"
+
+
+def judge(
+    task: Task, checks: list[tuple[int, Check]], results: dict[Any, dict[str, Any]], timed_out: bool
+) -> tuple[int, list[str]]:
+    """``(tests passed, a line per test)``: a test passes when each of its checks does."""
+    test_file = task.test_file
+    if "import" in results:
+        err = results["import"]
+        line = f"ERROR {test_file}: {str(err.get('import_error', '?'))[:500]}"
+        if err.get("at"):
+            line += f"\n    at {str(err['at'])[:300]}"
+        return 0, [line]
+    failures: dict[int, str] = {}
+    for i, (t, check) in enumerate(checks):
+        if t in failures:
+            continue  # a test stops at its first failing check
+        why = verdict(check, results.get(i))
+        if why is not None:
+            failures[t] = why
+    lines = []
+    for t, test in enumerate(task.tests):
+        where = f"{test_file}::{test.name}"
+        lines.append(f"FAIL {where}: {failures[t]}" if t in failures else f"PASS {where}")
+    return task.n_tests - len(failures), lines
 
 
 def _children_by_parent() -> dict[int, list[int]]:
