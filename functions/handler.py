@@ -9,7 +9,8 @@
   ``Invocation``. A retryable failure leaves its record on the queue (it is listed in
   ``batchItemFailures``) until the function's ``retry.max_attempts`` receives are used up,
   except for a side effect that may have run (a retryable failure not in ``SAFE_TO_RETRY``):
-  that one ends at once as ``OutcomeUnknown``, as the client concludes it. Every other
+  that one ends at once as ``OutcomeUnknown``, as the client concludes it (a direct invoke
+  concludes so too, and both keep it under the idempotency key). Every other
   outcome, errors included, is final: the record is deleted and the ``Result``
   goes to the reply queue (the record's ``reply_to`` message attribute, else
   ``RL_FABRIC_REPLY_QUEUE_URL``), or only to the log when there is none.
@@ -429,6 +430,17 @@ class _Container:
             # it ran, and its outcome could not be recorded (or its record dropped)
             return self._failure(inv, ErrorCode.TRANSPORT, message)
 
+    def conclude(self, inv: Invocation, result: Result) -> Result:
+        """``result``, or the final ``OutcomeUnknown`` of a side effect that may have run.
+        Both entry points conclude so: on SQS a redelivery would apply the effect again, and
+        on a direct invoke another client (or a retry from outside the fabric client) with
+        the same key would run it again, the cut run's idempotency record being dropped."""
+        err = result.error
+        if err is None or not err.retryable or err.type in SAFE_TO_RETRY or inv.function not in self.served:
+            return result
+        spec = self.registry.get(inv.function)
+        return self.conclude_unknown(inv, spec, result) if spec.side_effects else result
+
     def conclude_unknown(self, inv: Invocation, spec: FunctionSpec, result: Result) -> Result:
         """The final ``OutcomeUnknown`` of a side effect that may have run (``result`` is a
         retryable failure not in ``SAFE_TO_RETRY``), kept under the invocation's key as the
@@ -502,7 +514,7 @@ class _Container:
             parsed.cold_start, parsed.worker = cold, self.worker
             result = parsed
         else:
-            result = self.invoke(parsed, cold=cold, queue_ms=0.0, context=context)
+            result = self.conclude(parsed, self.invoke(parsed, cold=cold, queue_ms=0.0, context=context))
         reply = result.model_dump(mode="json")
         size = len(json.dumps(reply))  # what the runtime sends (ASCII-escaped)
         if size > MAX_LAMBDA_RESPONSE_BYTES - RESPONSE_MARGIN_BYTES:
@@ -554,13 +566,8 @@ class _Container:
             parsed.cold_start, parsed.worker = cold, self.worker
             result = parsed
         else:
-            result = self.invoke(parsed, cold=cold, queue_ms=queue_ms, context=context)
+            result = self.conclude(parsed, self.invoke(parsed, cold=cold, queue_ms=queue_ms, context=context))
         spec = self.registry.get(result.function) if result.function in self.served else None
-        err = result.error
-        if err is not None and err.retryable and err.type not in SAFE_TO_RETRY and spec and spec.side_effects:
-            # it may have run: a redelivery would apply the effect again
-            assert isinstance(parsed, Invocation)  # a refused event is never retryable
-            result = self.conclude_unknown(parsed, spec, result)
         sink = EphemeralMetrics(namespace=self.namespace, service=SERVICE)
         self.observe(result, sink, queue_ms=queue_ms)
         sink.flush_metrics()

@@ -475,6 +475,23 @@ def test_a_keyed_side_effect_sent_by_the_lambda_backend_runs_once(table: Any) ->
     assert CALLS["async_effect:o7"] == 1
 
 
+def test_a_direct_side_effect_that_may_have_run_is_final_and_kept_under_its_key(table: Any) -> None:
+    """A keyed side effect cut at the Lambda's timeout came back as a retryable Timeout on a
+    direct invoke, and its idempotency record was dropped: another client (or a retry from
+    outside the fabric client) with the same key ran the effect again. It is OutcomeUnknown,
+    kept under the key, as on the SQS path."""
+    payload = {"key": "d7", "seconds": 1.0}
+    first = invoke("async_effect", payload, idempotency_key="order-d7", ctx=LambdaContext(remaining_ms=700))
+    assert first.error is not None and first.error.type == ErrorCode.OUTCOME_UNKNOWN, first.error
+    assert not first.retryable and ErrorCode.TIMEOUT in first.error.message
+    again = invoke("async_effect", payload, idempotency_key="order-d7")
+    assert again.error is not None and again.error.type == ErrorCode.OUTCOME_UNKNOWN and again.cached
+    assert CALLS["async_effect:d7"] == 1
+    # a function without side effects cut the same way stays a retryable timeout, not kept
+    cut = invoke("async_sleepy", {"seconds": 5}, idempotency_key="ks2", ctx=LambdaContext(remaining_ms=600))
+    assert cut.error is not None and cut.error.type == ErrorCode.TIMEOUT and cut.retryable
+
+
 def test_final_error_is_cached(table: Any) -> None:
     first = invoke("broken", {"key": "x"}, idempotency_key="kb")
     second = invoke("broken", {"key": "x"}, idempotency_key="kb")
