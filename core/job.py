@@ -242,6 +242,16 @@ class Job:
         first_eval: dict[str, Any] | None
         if start:  # the untrained policy's evaluation is the earlier run's
             first_eval = next((e for e in self.evals if e["step"] == 0), None)
+            every = cfg.rollout.eval_every
+            if (
+                every
+                and start % every == 0
+                and start < cfg.steps
+                and all(e["step"] != start for e in self.evals)
+            ):
+                # the earlier run died before it logged its evaluation of the checkpoint's
+                # step (it starts after the checkpoint); the weights are that step's, so run it
+                run_dir.log(await self._evaluate(manager, start))
         else:
             first_eval = await self._evaluate(manager, 0) if cfg.rollout.eval_every else None
             if first_eval:

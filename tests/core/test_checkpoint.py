@@ -374,8 +374,14 @@ async def test_a_run_resumed_after_a_crash_trains_on_from_its_checkpoint(tmp_pat
     assert ckpts.latest().name == "step-000004" and first["checkpoints"]["written"] == 2
     assert 0 < first["checkpoints"]["blocked_s"] <= first["checkpoints"]["seconds"]
     assert sorted(p.name for p in ckpts.root.iterdir()) == ["latest", "step-000002", "step-000004"]
-    # as if the run had died after step 3: its last complete checkpoint is step 2's
+    # as if the run had died after step 3: its last complete checkpoint is step 2's, and the
+    # evaluation of step 2 (which starts after the checkpoint) was never logged
     (ckpts.root / "latest").write_text("step-000002\n")
+    metrics = run_dir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    kept = [x for x in lines if not (json.loads(x).get("kind") == "eval" and json.loads(x)["step"] == 2)]
+    assert len(kept) == len(lines) - 1
+    metrics.write_text("\n".join(kept) + "\n")
     at_2 = Checkpoints.read(ckpts.root / "step-000002")["counts"]
     # and with a lower learning rate (--allow-change trainer.lr), which the trainer must use
     lower = {**over, "trainer": {"lr": 1e-2}}
@@ -393,7 +399,9 @@ async def test_a_run_resumed_after_a_crash_trains_on_from_its_checkpoint(tmp_pat
     assert [r["lr"] for r in rows] == [3e-2] * 2 + [1e-2] * 4
     assert all(r["approx_kl"] < 1e-4 for r in rows), [r["approx_kl"] for r in rows]
     evals = [e["step"] for e in summary["evals"]]
-    assert evals == [0, 2, 4, 6]  # step 0's evaluation is the first run's, not repeated
+    # step 0's evaluation is the first run's, not repeated; step 2's lost one is run again
+    assert evals == [0, 2, 4, 6]
+    assert summary["evals"][1]["versions"] == [2, 2]  # played by the checkpoint's weights
     assert summary["untrained_success"] == first["untrained_success"]
     assert ckpts.latest().name == "step-000006"
     assert sorted(p.name for p in ckpts.root.iterdir()) == ["latest", "step-000004", "step-000006"]
