@@ -51,17 +51,36 @@ def after_thinking(text: str) -> str:
 
 
 def last_boxed(text: str) -> str | None:
-    r"""Content of the last ``\boxed{...}`` (or ``\fbox{...}``), braces balanced."""
+    r"""Content of the last ``\boxed{...}`` (or ``\fbox{...}``), braces balanced; also the
+    brace-less ``\boxed 5`` (MATH's convention: up to ``$``, a line's end or ``\]``)."""
     found = _last_boxed(text)
     return None if found is None else found[0]
 
 
+_BOX_BRACED = re.compile(r"\\(?:boxed|fbox)[ \t]*\{")
+_BOX_BARE = re.compile(r"\\boxed[ \t]+(?=[^\s{])")
+_BARE_END = re.compile(r"\$|\n|\\\]|\\\)")
+
+
+def _last(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
+    last = None
+    for last in pattern.finditer(text):  # noqa: B007 (the last match is what is wanted)
+        pass
+    return last
+
+
 def _last_boxed(text: str) -> tuple[str, int] | None:
-    """``(content, end)`` of the last box, ``end`` just past its closing brace."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
+    """``(content, end)`` of the last box, ``end`` just past its closing brace (or its
+    content, for a brace-less box)."""
+    braced, bare = _last(_BOX_BRACED, text), _last(_BOX_BARE, text)
+    if bare is not None and (braced is None or bare.start() > braced.start()):
+        stop = _BARE_END.search(text, bare.end())
+        end = len(text) if stop is None else stop.start()
+        content = text[bare.end() : end].rstrip().rstrip(".,;").rstrip()
+        return (content, end) if content else None
+    if braced is None:
         return None
-    i = text.index("{", start) + 1
+    i = braced.end()
     depth = 1
     for j in range(i, len(text)):
         c = text[j]

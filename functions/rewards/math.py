@@ -3,7 +3,8 @@ to the ground truth.
 
 Extraction reads what follows the last ``</think>`` when the text has one (a reasoning model's
 thinking is not its answer, "Maybe \boxed{41}?" in it included; nothing after it is no
-answer). There, first that applies: the last ``\boxed{}``/``\fbox{}`` or the stated answer,
+answer). There, first that applies: the last ``\boxed{}``/``\fbox{}`` (or MATH's brace-less
+``\boxed 5``, up to ``$`` or the line's end) or the stated answer,
 whichever comes later ("First guess \boxed{41}. ... the final answer is 42." states 42; "The
 answer is \boxed{42}" boxes it); the stated answer follows the last "the answer is" ("the
 correct answer is") / "final answer:" / a line starting "Answer:" / GSM8K's "#### 42" line
@@ -27,10 +28,13 @@ Equivalence, cheapest first:
 1. **Fast path, in-process, no sympy.** Both answers are canonicalised (``$``, ``\[ \]``,
    ``\left``/``\right``, spacing commands, unit words and a ``\text{}`` that holds only unit words
    (any other ``\text{}`` says what it says: ``\text{not } 3`` is not 3, ``\text{ and }`` is
-   a comma; unit words go only after a number with no variable beside it, so
+   a comma, and so is ``\text{ or }`` between values of one unknown: ``x = 2 \text{ or } x = 3``
+   is the set ``2, 3``; unit words go only after a number with no variable beside it, so
    ``\frac{1}{2} b h`` keeps its ``h``, and the one-letter units ``m``, ``s``, ``h``, ``g``,
    ``l`` only inside ``\text{}``/``\mathrm{}``: ``4 s`` is ``4s``, ``4 \text{ s}`` is 4),
-   degrees, ``\dfrac`` and ``\cfrac``, a leading ``x =``, ``x \approx`` or ``f(x) =``,
+   degrees (except in a trigonometric expression, where they are radians to sympy:
+   ``\tan 45^\circ`` is 1), ``\dfrac`` and ``\cfrac``, a leading ``x =``, ``x \approx`` or
+   ``f(x) =``,
    a leading "approximately" / "about" / "around" / "roughly" / ``\approx`` / ``~`` before a
    number (not "at least" or "nearly", which change it), thousands
    separators and zero-width characters removed; ``\varnothing`` and ``\{\}`` are
@@ -46,8 +50,9 @@ Equivalence, cheapest first:
    to a sympy expression and compares: ``a - b == 0`` exactly; for numbers, numerically at
    30 digits; with free symbols, at three fixed points and two drawn at random for each call
    (an identity test no answer can be fitted to: a polynomial vanishing at the public points
-   is not ``0``); a point where one side is finite and the other is not is a difference, and
-   fewer than two finite points leave it to ``simplify``. A timeout, a crash or an
+   is not ``0``), exact rationals, so that two exact expressions are compared exactly there
+   (``x^2 + 10^{-12}`` is not ``x^2``); a point where one side is finite and the other is
+   not is a difference, and fewer than two finite points leave it to ``simplify``. A timeout, a crash or an
    unparsable answer counts as *not equivalent*, and ``info`` says which. The limit works in
    any thread or worker process: it uses no signals, only ``os.fork``, a pipe and
    ``SIGKILL``, and the child is always reaped. Nor can the child outlive its parent or its

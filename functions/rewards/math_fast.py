@@ -72,6 +72,7 @@ _SPACING = re.compile(r"(?<!\\)\\[,;:! ]|\\(?:quad|qquad|displaystyle|textstyle)
 _DISPLAY = re.compile(r"^\\\[|\\\]$")  # display math around the answer: \[ 42 \]
 _LEFT_RIGHT = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big)\b\.?")
 _DEGREES = re.compile(r"\^\s*\{?\\circ\}?|°|\\degree\b")
+_TRIG_CMD = re.compile(r"\\(?:sin|cos|tan|cot|sec|csc)(?![A-Za-z])")
 # ``x =``, ``x_1 =``, ``f(x) =``, ``(x, y) =``, ``x \in``
 _LHS = re.compile(
     r"^(?:[a-zA-Z](?:_(?:\{\w+(?:\s*,\s*\w+)+\}|\{?\w+\}?))?(?:\(\s*[a-zA-Z]\s*\))?|\(\s*[a-zA-Z](?:\s*,\s*[a-zA-Z])*\s*\))"
@@ -116,12 +117,18 @@ def _is_units(text: str) -> bool:
     return bool(words) and all(_TEXT_UNIT_TOKEN.fullmatch(w) for w in words)
 
 
+_ASSIGNED = re.compile(r"([A-Za-z](?:_\{?\w+\}?)?)\s*=")
+
+
 def _strip_text(s: str) -> str:
     r"""``\text{cm}`` after a number is a unit (dropped), and so are the units of a number
     inside one (``\text{4 s}`` is 4; ``s``, ``m``, ``h``, ``g`` and ``l`` are units only in
     there); any other ``\text{}`` says what it says: ``\text{Paris}`` is Paris, ``\text{not }
     3`` is "not 3" and ``3 \text{ (or 5)}`` is "3 (or 5)" (both used to be 3), ``\text{ and }``
-    is a comma (``x=1 \text{ and } y=2``)."""
+    is a comma (``x=1 \text{ and } y=2``), and so is ``\text{ or }`` between the values of
+    one unknown (``x = 2 \text{ or } x = 3`` is the set 2, 3; ``x=1 \text{ or } y=2`` is not
+    the point (1, 2))."""
+    one_unknown = len(set(_ASSIGNED.findall(s))) <= 1
 
     def unit_or_text(m: re.Match[str]) -> str:
         if _is_units(m[1]):
@@ -131,7 +138,10 @@ def _strip_text(s: str) -> str:
         if number != inner and not _VARIABLE.search(_COMMAND.sub("", number)):
             return number
         rest = m.group()[m.end(1) - m.start() + 1 :]  # an exponent that followed the braces
-        return ", " if m[1].strip() == "and" else m[1] + rest
+        word = m[1].strip()
+        if word == "and" or (word == "or" and one_unknown):
+            return ", "
+        return m[1] + rest
 
     without = _TEXT_UNIT.sub(unit_or_text, s).strip()
     if without and any(c.isdigit() for c in without):
@@ -162,7 +172,9 @@ def canonical(answer: str) -> str:
     s = _SPACING.sub(" ", s)
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\cfrac", "\\frac")
     s = s.replace("{,}", "")
-    s = _DEGREES.sub("", s)
+    # a degree sign is dropped (45^\circ is 45), except in a trigonometric expression, where
+    # sympy reads it as pi/180 (\tan 45^\circ is 1, not tan(45))
+    s = _DEGREES.sub(r"^\\circ" if _TRIG_CMD.search(s) else "", s)
     s = s.replace("\\%", "%").replace("\\percent", "%")
     s = _PERCENT_WORD.sub("%", s)
     s = _strip_text(s)

@@ -86,9 +86,16 @@ _CMD = re.compile(r"\\[A-Za-z]+")
 _GLUED_NUMBERS = re.compile(r"[\d.]\s+[\d.]")
 
 
+_TRIG = re.compile(r"\\(?:sin|cos|tan|cot|sec|csc)(?![A-Za-z])")
+_DEGREES = re.compile(r"(\d+(?:\.\d+)?)\s*\^\s*(?:\{\s*\\circ\s*\}|\\circ)")
+
+
 def latex_to_python(s: str) -> str | None:
     r"""A sympy-parsable string for LaTeX-ish ``s``, or None. Iterative (an explicit brace
-    stack), so deep nesting costs no recursion."""
+    stack), so deep nesting costs no recursion. Degrees in a trigonometric expression are
+    radians (``\tan 45^\circ`` is 1); elsewhere a degree sign is the fast path's to drop."""
+    if _TRIG.search(s):
+        s = _DEGREES.sub(r"{\1 \\cdot \\frac{\\pi}{180}}", s)
     out: list[str] = []
     stack: list[str] = []
     i = 0
@@ -194,7 +201,20 @@ def latex_to_python(s: str) -> str | None:
         if word not in _FUNCS and len(word) > 3:
             return None
     text = re.sub(r"(?<![A-Za-z])([a-z]{2,3})(?![A-Za-z(])", _split_word, text)
-    return text
+    return _BARE_ARGUMENT.sub(_call, text)
+
+
+# a function written without parentheses, whose argument is followed by another function:
+# "\sin x \cos x" is sin(x)*cos(x), where sympy's implicit application read sin(x*cos(x))
+_APPLIED = r"(?:sin|cos|tan|cot|sec|csc|log|exp)"
+_BARE_ARGUMENT = re.compile(
+    rf"\b({_APPLIED})(\s*\*\*\s*\d+)?\s+((?:[A-Za-z0-9.]|\*\*)+)(?=\s*\*?\s*(?:{_APPLIED}|sqrt|Abs)\b)"
+)
+
+
+def _call(m: re.Match[str]) -> str:
+    name, power, arg = m.group(1), m.group(2) or "", m.group(3)
+    return f"{name}({arg}){power.strip()} "
 
 
 def _split_word(m: re.Match[str]) -> str:
@@ -231,14 +251,25 @@ _SECRET_POINTS = 2
 _random = random.SystemRandom()
 
 
-def _identity_points(syms: list[Any]) -> list[dict[Any, float]]:
+def _identity_points(syms: list[Any]) -> list[dict[Any, Any]]:
     """Where the identity test evaluates both sides: three fixed points (both signs, so that
     ``|x|`` is not ``x``) and two drawn at random for each call from the OS's generator. The
     fixed points are public (this file): ``x^2 + (x-0.5381)(x-1.9127)(x+1.3163)`` vanishes at
     them and matched ``x^2``; no answer can vanish at points it cannot know. An honest identity
-    holds everywhere, so the random points never change its verdict."""
-    points = [{s: x0 + j * dx / (k + 2) for j, s in enumerate(syms)} for k, (x0, dx) in enumerate(_POINTS)]
-    points += [{s: _random.uniform(-2.5, 2.5) for s in syms} for _ in range(_SECRET_POINTS)]
+    holds everywhere, so the random points never change its verdict.
+
+    The points are exact rationals (six decimals), not Floats: an exact expression evaluated
+    there stays exact, so it is compared at the exact tolerance, and ``x^2 + 10^{-12}`` is not
+    ``x^2`` (at Float points both sides were rounded values, within 1e-9 of each other)."""
+    sympy, _ = _load_sympy()
+
+    def exact(v: float) -> Any:
+        return sympy.Rational(f"{v:.6f}")
+
+    points = [
+        {s: exact(x0 + j * dx / (k + 2)) for j, s in enumerate(syms)} for k, (x0, dx) in enumerate(_POINTS)
+    ]
+    points += [{s: exact(_random.uniform(-2.5, 2.5)) for s in syms} for _ in range(_SECRET_POINTS)]
     return points
 
 

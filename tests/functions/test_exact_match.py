@@ -89,6 +89,23 @@ def test_extract_answer(text: str, expected: str) -> None:
     assert extract_answer(text) == expected
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Thus $\\boxed 5$.", "5"),  # MATH's brace-less box: up to $, a line's end or \\]
+        ("so \\boxed 42.\nDone", "42"),
+        ("\\[\\boxed 9\\]", "9"),
+        ("\\boxed {7}", "7"),  # a space before the brace is still the braced form
+        ("\\boxed{1} then \\boxed 3", "3"),  # the last box, whichever its form
+        ("\\boxed 3 then \\boxed{4}", "4"),
+        ("\\boxed \\frac{1}{2}$", "\\frac{1}{2}"),
+        ("\\boxed   ", None),
+    ],
+)
+def test_brace_less_boxed(text: str, expected: str | None) -> None:
+    assert last_boxed(text) == expected
+
+
 def test_unbalanced_boxed_falls_back() -> None:
     assert last_boxed("so \\boxed{42") is None
     assert last_boxed("\\boxed{1} and \\boxed{2") is None  # the last one decides: no reliable answer
