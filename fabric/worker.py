@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import mmap
 import os
 import random
@@ -134,7 +135,23 @@ class _Serve(asyncio.Protocol):
             if deadline_ns and start > deadline_ns:
                 self._reply((cid, False, _late(), start, 0.0))
                 continue
-            self.tasks[cid] = self.loop.create_task(self._run_async(cid, raw, timeout_s, start))
+            task = self.loop.create_task(self._run_async(cid, raw, timeout_s, start))
+            task.add_done_callback(functools.partial(self._cancelled_unstarted, cid, start))
+            self.tasks[cid] = task
+
+    def _cancelled_unstarted(self, cid: int, start: int, task: asyncio.Task[None]) -> None:
+        """Answer a call whose task was cancelled before it first ran: its ("cancel") came in
+        the chunk that brought it (a hedge that lost as it was dispatched). Such a task never
+        enters ``_run_async``, so neither its clean-up nor its reply would happen: the parent
+        would hold the call for good, taking one of the worker's places. A task that ran
+        replies itself (it catches the cancellation), so it never ends cancelled."""
+        if not task.cancelled():
+            return
+        self.tasks.pop(cid, None)
+        self.pending.pop(cid, None)
+        self._reply(
+            (cid, False, (ErrorCode.CANCELLED, "cancelled by the caller before it started", None), start, 0.0)
+        )
 
     async def _run_sync(self) -> None:
         """Run the synchronous calls one after another, in the order they came (their cids'),

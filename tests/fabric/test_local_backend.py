@@ -519,46 +519,74 @@ async def test_cancelling_an_async_call_cancels_it_in_the_worker(tmp_path):
         assert (await c.call("slow_write", {"path": str(path), "seconds": 0})).ok
 
 
-async def test_a_worker_keeps_an_extend_that_comes_before_its_async_call_s_timer():
-    """The worker reads ("calls") and ("extend") in one chunk: the extend comes before the
-    call's task has run and made its timer; the moved deadline must still apply."""
+class _Transport(asyncio.Transport):
+    """What a worker's ``_Serve`` writes, kept: a worker run in the test's own process."""
+
+    def __init__(self):
+        super().__init__()
+        self.out: list[bytes] = []
+
+    def write(self, data):
+        self.out.append(data)
+
+    def is_closing(self):
+        return False
+
+
+def _serve_in_process(entry: str):
     import mmap
 
-    from fabric.backends._wire import SLOT_SIZE, FrameReader, pack
-    from fabric.protocol import encode_payload
+    from fabric.backends._wire import SLOT_SIZE
     from fabric.runner import FunctionRunner
     from fabric.worker import _Serve
 
-    class Transport(asyncio.Transport):
-        def __init__(self):
-            super().__init__()
-            self.out: list[bytes] = []
-
-        def write(self, data):
-            self.out.append(data)
-
-        def is_closing(self):
-            return False
-
     loop = asyncio.get_running_loop()
-    serve = _Serve(
-        FunctionRunner.from_entry("sample_fns:async_sleepy"),
-        mmap.mmap(-1, SLOT_SIZE),
-        None,
-        loop.create_future(),
-    )
-    transport = Transport()
+    serve = _Serve(FunctionRunner.from_entry(entry), mmap.mmap(-1, SLOT_SIZE), None, loop.create_future())
+    transport = _Transport()
     serve.connection_made(transport)
+    return serve, transport
+
+
+async def _replies(transport: _Transport) -> list:
+    """The results the worker sent, once it sent some (polled: at most 3 s)."""
+    from fabric.backends._wire import FrameReader
+
+    for _ in range(300):
+        if transport.out:
+            break
+        await asyncio.sleep(0.01)
+    return [item for _, items in FrameReader().feed(b"".join(transport.out)) for item in items]
+
+
+async def test_a_worker_keeps_an_extend_that_comes_before_its_async_call_s_timer():
+    """The worker reads ("calls") and ("extend") in one chunk: the extend comes before the
+    call's task has run and made its timer; the moved deadline must still apply."""
+    from fabric.backends._wire import pack
+    from fabric.protocol import encode_payload
+
+    serve, transport = _serve_in_process("sample_fns:async_sleepy")
     now = time.monotonic_ns()
     raw = encode_payload({"seconds": 0.6})
     # sent with a 0.2 s deadline, then (the same chunk) moved to 10 s
     serve.data_received(
         pack(("calls", [(1, raw, now + int(0.2e9), 0.2)])) + pack(("extend", 1, now + int(10e9)))
     )
-    for _ in range(300):
-        if transport.out:
-            break
-        await asyncio.sleep(0.01)
-    ((_, [(cid, ok, res, *_)]),) = FrameReader().feed(b"".join(transport.out))
+    ((cid, ok, res, *_),) = await _replies(transport)
     assert cid == 1 and ok, res
+    assert not serve.tasks and not serve.timers and not serve.pending
+
+
+async def test_a_worker_answers_an_async_call_cancelled_in_the_chunk_that_brought_it():
+    """("calls") and ("cancel") in one chunk (a hedge cancelled as it was dispatched): the
+    call's task is cancelled before it first runs, so its own code never replied. The parent
+    held the call for good, one of the worker's places gone (at max_concurrency=1, every
+    later call of the function hung)."""
+    from fabric.backends._wire import pack
+    from fabric.protocol import encode_payload
+
+    serve, transport = _serve_in_process("sample_fns:async_sleepy")
+    raw = encode_payload({"seconds": 0.6})
+    serve.data_received(pack(("calls", [(1, raw, 0, 10.0)])) + pack(("cancel", 1)))
+    ((cid, ok, res, *_),) = await _replies(transport)
+    assert cid == 1 and not ok and res[0] == ErrorCode.CANCELLED
     assert not serve.tasks and not serve.timers and not serve.pending
