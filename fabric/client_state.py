@@ -69,6 +69,19 @@ class HedgeClock:
             self._timer = self._loop.call_at(q[0][0], self._fire)
 
 
+class Slots(asyncio.Semaphore):
+    """A function's ``max_concurrency`` slots: a semaphore whose slot can also be taken
+    without waiting (asyncio's has no ``acquire_nowait``), as a hedge is."""
+
+    def take_now(self) -> bool:
+        """Take a slot if one is free now, ahead of no waiting caller; False, holding none,
+        when none is. Release it with ``release()``."""
+        if self.locked():  # no slot left, or callers already wait for one
+            return False
+        self._value -= 1  # what ``acquire`` does, without suspending, when a slot is free
+        return True
+
+
 class FnState:
     """Client-side state of one function."""
 
@@ -84,7 +97,7 @@ class FnState:
 
     def __init__(self, spec: FunctionSpec, quantile: float):
         self.spec = spec
-        self.sem = asyncio.Semaphore(spec.max_concurrency)
+        self.sem = Slots(spec.max_concurrency)
         self.metrics = FunctionMetrics(quantile)
         self.consecutive_failures = 0
         self.breaker_open_until = 0.0

@@ -75,3 +75,10 @@ async def one_at_a_time(seconds: float) -> float:
     """Holds the client's only concurrency slot for ``seconds``."""
     await asyncio.sleep(seconds)
     return seconds
+
+
+@REG.function(max_concurrency=2)
+async def two_at_a_time(seconds: float) -> float:
+    """Two calls in flight at most (hedges included)."""
+    await asyncio.sleep(seconds)
+    return seconds

@@ -599,6 +599,27 @@ async def test_a_function_declared_hedge_false_is_never_hedged_not_even_when_ask
     assert (await c.call("nap", {"seconds": 0.001})).hedged
 
 
+async def test_a_hedge_takes_a_concurrency_slot_or_is_not_sent():
+    """max_concurrency bounds the calls in flight, hedges included: a hedge sent while its
+    caller held the only slot made two in flight (a limit a paid or rate-limited dependency
+    relies on)."""
+    c, fake = make(hedge={"min_samples": 5, "max_share": 1.0})
+    await c.map("one_at_a_time", [{"seconds": 0}] * 10)
+    fake.inject("one_at_a_time", Fault(delay_s=0.3))  # a straggler, due a hedge; no slot is free
+    r = await c.call("one_at_a_time", {"seconds": 0})
+    assert r.ok and not r.hedged
+    assert not any(i.hedge for i in fake.invocations) and c.metrics()["one_at_a_time"]["hedges"] == 0
+    # with a slot free the hedge takes it, and gives it back when it ends (here: it won)
+    await c.map("two_at_a_time", [{"seconds": 0}] * 10)
+    fake.inject("two_at_a_time", Fault(delay_s=5.0))
+    r = await c.call("two_at_a_time", {"seconds": 0})
+    assert r.ok and r.hedged and c.metrics()["two_at_a_time"]["hedge_wins"] == 1
+    sem = c._fns["two_at_a_time"].sem
+    assert sem.take_now() and sem.take_now() and not sem.take_now()  # both slots free again
+    sem.release()
+    sem.release()
+
+
 async def test_hedges_are_capped():
     c, fake = make(hedge={"min_samples": 20, "max_share": 0.0})
     await _warm_latency(c)
