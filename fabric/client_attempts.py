@@ -138,12 +138,13 @@ class Attempts:
             fn.metrics.window.add((time.perf_counter() - t0) * 1e3)
         if result.ok or (result.error is not None and result.error.type in FINAL_ERRORS):
             fn.consecutive_failures = 0  # the function answered: the infrastructure works
-        elif result.retryable:
+        elif result.retryable and not result.cut_at_deadline:
             fn.consecutive_failures += 1
             if fn.consecutive_failures >= self.config.breaker.failure_threshold:
                 fn.breaker_open_until = time.monotonic() + self.config.breaker.cooldown_s
         # else the outcome says nothing of the infrastructure (the caller's deadline passed,
-        # it was cancelled, the backend closed): neither counted nor a reset. A probe that
+        # a keyed run was cut at it, it was cancelled, the backend closed): neither counted
+        # nor a reset. A probe that
         # ends so leaves the circuit half-open (the next call is the next probe); reset, a
         # probe cut off by its own short deadline closed the circuit on a backend still down
         return result

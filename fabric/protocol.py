@@ -184,6 +184,11 @@ class Result(_Model):
     """True when the result came from the idempotency cache (no new execution)."""
     index: int | None = None
     """Position of the payload in the input of ``Client.map``/``Client.stream``."""
+    cut_at_deadline: bool = Field(False, exclude=True, repr=False)
+    """A keyed execution's ``FunctionTimeout`` that the backend cut at the call's deadline
+    (the latest of its callers'), before the function's ``timeout_s``: the callers' doing,
+    not the infrastructure's, so the circuit breaker does not count it. Set by the local
+    backends (the only ones that send such a call its deadline); never on the wire."""
 
     @property
     def retryable(self) -> bool:
@@ -221,6 +226,7 @@ class Result(_Model):
             hedged=False,
             cached=False,
             index=None,
+            cut_at_deadline=False,
         )
 
     @classmethod

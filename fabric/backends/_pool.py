@@ -321,6 +321,8 @@ class FunctionPool:
             res = outcome_to_result(
                 call.inv, ok, out, exec_ms=exec_ms, worker=w.id, cold=cold, queue_ms=queue_ms
             )
+            if not ok and out[0] == ErrorCode.TIMEOUT and self._cut_at_deadline(call, start_ns):
+                res.cut_at_deadline = True  # the callers' deadline, not the infrastructure
             call.fut.set_result(res)
         self._exec_ewma_ms = ewma
         w.served += served
@@ -328,6 +330,14 @@ class FunctionPool:
         if self._pending and not self._scheduled:
             self._scheduled = True
             self._loop.call_soon(self._dispatch)
+
+    def _cut_at_deadline(self, call: PoolCall, start_ns: int) -> bool:
+        """Whether a ``FunctionTimeout`` from the worker was its cut at the call's deadline
+        (as it is now: moved or not), not at the function's ``timeout_s``: an async handler
+        is cut at whichever comes first from its start (a synchronous one only at
+        ``timeout_s``, by the pool)."""
+        limit_ns = start_ns + int(self.spec.timeout_s * 1e9)
+        return self.spec.is_async and 0 < call.deadline_ns < limit_ns
 
     def _requeue_moved(self, call: PoolCall) -> bool:
         """A worker answers DeadlineExceeded only for a call it found past the deadline it was

@@ -175,7 +175,9 @@ class InprocBackend(Backend):
             )
         timeout = runner.spec.timeout_s
         deadline = inv.deadline if keyed is None else keyed.deadline
-        remaining = None if deadline is None else deadline - time.time()
+        started = time.time()
+        remaining = None if deadline is None else deadline - started
+        cut_by_deadline = False  # whether the deadline, not only timeout_s, may cut the run
         if remaining is not None:
             if remaining <= 0:
                 return Result.failure(
@@ -188,6 +190,7 @@ class InprocBackend(Backend):
                 # a thread cannot be stopped: a wait cut at the deadline would free a keyed
                 # execution's key while its handler still runs (see Invocation.wait_for_run)
                 timeout = min(timeout, remaining)
+                cut_by_deadline = True
         t0 = time.perf_counter()
         try:
             if runner.is_async:
@@ -203,7 +206,13 @@ class InprocBackend(Backend):
                 keyed.timer = None  # left: a later move has nothing to move (and would raise)
         exec_ms = (time.perf_counter() - t0) * 1e3
         self._calls += 1
-        return outcome_to_result(inv, ok, out, exec_ms=exec_ms, worker="inproc")
+        result = outcome_to_result(inv, ok, out, exec_ms=exec_ms, worker="inproc")
+        if not ok and out[0] == ErrorCode.TIMEOUT and cut_by_deadline:
+            # the deadline as it is now (a keyed call's may have moved): cut there, or at timeout_s
+            deadline = inv.deadline if keyed is None else keyed.deadline
+            if deadline is not None and deadline < started + runner.spec.timeout_s:
+                result.cut_at_deadline = True  # the callers' deadline, not the infrastructure
+        return result
 
     def stats(self) -> dict[str, Any]:
         return {"calls": self._calls}

@@ -667,6 +667,25 @@ async def test_a_probe_cut_off_by_its_own_deadline_leaves_the_circuit_half_open(
     assert (await c.call("double", {"x": 3})).ok
 
 
+@pytest.mark.parametrize("config", [LocalConfig(max_workers=1), InprocConfig()], ids=["local", "inproc"])
+async def test_keyed_runs_cut_at_their_callers_deadline_do_not_open_the_circuit(config):
+    """A keyed async run cut at its deadline is a FunctionTimeout (it may have run part way),
+    which is retryable: the breaker counted it as an infrastructure failure, and three
+    callers with short deadlines opened the circuit on a healthy backend."""
+    cfg = ClientConfig.model_validate({"breaker": {"failure_threshold": 3, "cooldown_s": 30}})
+    async with Client(backend=config, registry=REG, config=cfg) as c:
+        await c.warmup(["nap"])
+        for i in range(3):
+            r = await c.call("nap", {"seconds": 5.0}, idempotency_key=f"k{i}", deadline_s=0.5)
+            assert r.error.type in (ErrorCode.DEADLINE_EXCEEDED, ErrorCode.TIMEOUT)
+            await asyncio.wait_for(asyncio.gather(*c._executions), 5)  # the run was cut
+        # each execution's outcome: cut at the deadline, in its worker (not "never started")
+        assert c.metrics()["nap"]["errors"] == {ErrorCode.TIMEOUT: 3}
+        assert c._fns["nap"].consecutive_failures == 0
+        r = await c.call("nap", {"seconds": 0, "tag": 7})
+        assert r.ok and r.value == 7, r.error
+
+
 async def test_a_probe_cancelled_while_it_waits_for_a_slot_does_not_jam_the_circuit():
     c, fake = make(breaker={"failure_threshold": 3, "cooldown_s": 0.05})
     fake.fail_next("double", ErrorCode.WORKER_LOST, times=3)
