@@ -318,10 +318,19 @@ class FunctionPool:
             if cold:
                 self.metrics["cold_starts"] += 1
             queue_ms = (start_ns - call.t_submit_ns) / 1e6
+            at_deadline = not ok and out[0] == ErrorCode.TIMEOUT and self._cut_at_deadline(call, start_ns)
+            if at_deadline and not call.inv.wait_for_run:
+                # the worker's cut came in before the call's own timer (the loop was busy past
+                # the deadline and reads sockets before timers): answered as _expire answers it
+                out = (
+                    ErrorCode.DEADLINE_EXCEEDED,
+                    "deadline passed while running; the call was cancelled",
+                    None,
+                )
             res = outcome_to_result(
                 call.inv, ok, out, exec_ms=exec_ms, worker=w.id, cold=cold, queue_ms=queue_ms
             )
-            if not ok and out[0] == ErrorCode.TIMEOUT and self._cut_at_deadline(call, start_ns):
+            if at_deadline and call.inv.wait_for_run:
                 res.cut_at_deadline = True  # the callers' deadline, not the infrastructure
             call.fut.set_result(res)
         self._exec_ewma_ms = ewma

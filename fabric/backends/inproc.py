@@ -206,12 +206,23 @@ class InprocBackend(Backend):
                 keyed.timer = None  # left: a later move has nothing to move (and would raise)
         exec_ms = (time.perf_counter() - t0) * 1e3
         self._calls += 1
-        result = outcome_to_result(inv, ok, out, exec_ms=exec_ms, worker="inproc")
+        at_deadline = False
         if not ok and out[0] == ErrorCode.TIMEOUT and cut_by_deadline:
             # the deadline as it is now (a keyed call's may have moved): cut there, or at timeout_s
             deadline = inv.deadline if keyed is None else keyed.deadline
-            if deadline is not None and deadline < started + runner.spec.timeout_s:
-                result.cut_at_deadline = True  # the callers' deadline, not the infrastructure
+            at_deadline = deadline is not None and deadline < started + runner.spec.timeout_s
+            if at_deadline and keyed is None:
+                # a plain call is answered DeadlineExceeded at its deadline, as the local pool's
+                # is (not a FunctionTimeout of a made-up limit, which the breaker would count)
+                what = (
+                    "the call was cancelled"
+                    if runner.is_async
+                    else "its thread runs on, its result discarded"
+                )
+                ok, out = False, (ErrorCode.DEADLINE_EXCEEDED, f"deadline passed while running; {what}", None)
+        result = outcome_to_result(inv, ok, out, exec_ms=exec_ms, worker="inproc")
+        if at_deadline and keyed is not None:
+            result.cut_at_deadline = True  # the callers' deadline, not the infrastructure
         return result
 
     def stats(self) -> dict[str, Any]:

@@ -686,6 +686,19 @@ async def test_keyed_runs_cut_at_their_callers_deadline_do_not_open_the_circuit(
         assert r.ok and r.value == 7, r.error
 
 
+async def test_a_plain_inproc_call_past_its_deadline_is_deadline_exceeded():
+    """inproc cut a running plain call at min(timeout_s, deadline) and answered FunctionTimeout
+    ("ran past its 0.043 s limit", a limit the function does not have), which also counted
+    toward the circuit breaker: a burst of short deadlines opened it on a healthy backend."""
+    cfg = ClientConfig.model_validate({"breaker": {"failure_threshold": 3, "cooldown_s": 30}})
+    async with Client(backend=InprocConfig(), registry=REG, config=cfg) as c:
+        rs = await asyncio.gather(*(c.call("nap", {"seconds": 5.0}, deadline_s=0.1) for _ in range(5)))
+        assert [r.error.type for r in rs] == [ErrorCode.DEADLINE_EXCEEDED] * 5, [r.error for r in rs]
+        assert c._fns["nap"].consecutive_failures == 0
+        r = await c.call("nap", {"seconds": 0, "tag": 7})
+        assert r.ok and r.value == 7, r.error
+
+
 async def test_a_probe_cancelled_while_it_waits_for_a_slot_does_not_jam_the_circuit():
     c, fake = make(breaker={"failure_threshold": 3, "cooldown_s": 0.05})
     fake.fail_next("double", ErrorCode.WORKER_LOST, times=3)

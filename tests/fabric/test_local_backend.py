@@ -464,6 +464,21 @@ async def test_deadline_while_queued_answers_on_time_without_killing_the_worker(
         assert c.backend.stats()["sleepy"]["timeouts"] == 0 and c.backend.stats()["sleepy"]["lost"] == 0
 
 
+async def test_a_plain_call_cut_in_its_worker_at_the_deadline_is_deadline_exceeded():
+    """An async handler is cut at its call's deadline in the worker too. When that reply came
+    in before the call's own timer fired (the loop was busy past the deadline: it handles
+    sockets before timers), the caller got a FunctionTimeout, which the breaker counts."""
+    async with local(max_workers=1, warm=1) as c:
+        await c.warmup(["async_sleepy"])
+        call = asyncio.create_task(c.call("async_sleepy", {"seconds": 5.0}, deadline_s=0.4))
+        await asyncio.sleep(0.1)  # sent: running in its worker
+        time.sleep(1.5)  # noqa: ASYNC251 - the loop busy past the deadline, as under load
+        r = await call
+        assert r.error.type == ErrorCode.DEADLINE_EXCEEDED, r.error
+        assert c._fns["async_sleepy"].consecutive_failures == 0
+        assert c.backend.stats()["async_sleepy"]["lost"] == 0  # cancelled in the worker, not killed
+
+
 async def test_a_failing_scale_up_worker_does_not_break_a_healthy_pool(tmp_path, monkeypatch):
     monkeypatch.setenv("FABRIC_TEST_MARKER", str(tmp_path / "marker"))
     async with local(max_workers=2, setup_failure_cooldown_s=30) as c:
