@@ -156,26 +156,29 @@ class _Serve(asyncio.Protocol):
     async def _run_sync(self) -> None:
         """Run the synchronous calls one after another, in the order they came (their cids'),
         each in the slot while it runs. A call's reply is wholly in the socket (the parent
-        reads it even if this process dies next) before the slot is cleared and the next call
-        starts: were it still in the transport's buffer, a death in the next call would lose
-        it, and the parent would take the finished call for one that never started and run it
-        again (twice, for a side effect). So the parent reads a death as: the call in the slot
-        was running, the ones it holds before it ran, the ones after never started
-        (``FunctionPool._on_lost``). A reply that goes out whole at once (the usual case)
-        costs no wait: the batch runs in one go."""
+        reads it even if this process dies next) before the next call starts: were it still
+        in the transport's buffer, a death in the next call would lose it, and the parent
+        would take the finished call for one that never started and run it again (twice, for
+        a side effect). Once it has run, the slot keeps its cid, with no start: a reply held
+        back (an injected straggler) is in no buffer, and a worker that dies idle before
+        sending it must still show the call ran. So the parent reads a death as: the call in
+        the slot with a start was running, the ones up to the slot's cid ran, the ones after
+        never started (``FunctionPool._on_lost``). A reply that goes out whole at once (the
+        usual case) costs no wait: the batch runs in one go."""
         runner, slot, queue = self.runner, self.slot, self.queue
         try:
             while queue:
                 cid, raw, deadline_ns, _ = queue.popleft()
                 start = time.monotonic_ns()
                 if deadline_ns and start > deadline_ns:
-                    self._reply((cid, False, _late(), start, 0.0))
-                else:
-                    SLOT.pack_into(slot, 0, cid, start)
-                    ok, res = runner.run(raw)
-                    self._reply((cid, ok, res, start, (time.monotonic_ns() - start) / 1e6))
+                    self._reply((cid, False, _late(), start, 0.0))  # it never ran: the slot stays
+                    await self.flushed.wait()
+                    continue
+                SLOT.pack_into(slot, 0, cid, start)
+                ok, res = runner.run(raw)
+                self._reply((cid, ok, res, start, (time.monotonic_ns() - start) / 1e6))
                 await self.flushed.wait()
-                SLOT.pack_into(slot, 0, 0, 0)
+                SLOT.pack_into(slot, 0, cid, 0)  # ran, not running: no timeout applies
         except Exception:  # a bug of ours, not the function's (its raises are outcomes)
             # end the worker, as an exception out of data_received did: the parent sees it
             # die (WorkerLost for the call in the slot) instead of waiting for its timeout

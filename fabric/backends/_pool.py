@@ -513,20 +513,23 @@ class FunctionPool:
         else:
             code = exit_status(w.proc) if w.proc is not None else "never started"
         timed_out = w.kill_reason[0] if w.kill_reason else 0
-        # a synchronous worker runs its calls one at a time in cid order, the one in its slot
-        # running. Those before it ran: their answers are lost with the worker (a worker sends
-        # each before its next call starts, but a straggling one may be held back), and running
-        # them again could apply a side effect twice. Those after it never started, so they are
-        # safe to retry even for functions with side effects
-        running = read_slot(w.slot)[0] if w.slot is not None and not self.spec.is_async else -1
+        # a synchronous worker runs its calls one at a time in cid order; its slot holds the
+        # last one it started, with a start while it runs. That one, if still running, died
+        # with it. Those up to it ran: their answers are lost with the worker (a worker sends
+        # each before its next call starts, but a straggling one may be held back, even while
+        # the worker is idle), and running them again could apply a side effect twice. Those
+        # after it never started, so they are safe to retry even for functions with side effects
+        running, started = (-1, 0)
+        if w.slot is not None and not self.spec.is_async:
+            running, started = read_slot(w.slot)
         requeue: list[PoolCall] = []
         for cid, call in list(w.inflight.items()):
             self._settle(call)
             if cid == timed_out and w.kill_reason:
                 self._fail(call, ErrorCode.TIMEOUT, w.kill_reason[1])
-            elif running == -1 or cid == running:
+            elif running == -1 or (cid == running and started):
                 self._fail(call, ErrorCode.WORKER_LOST, f"worker {w.id} died ({code}) running the call")
-            elif cid < running:
+            elif cid <= running:
                 msg = f"worker {w.id} died ({code}) after running the call, before its answer arrived"
                 self._fail(call, ErrorCode.WORKER_LOST, msg)
             elif call.requeues < _MAX_REQUEUES and not call.fut.done():

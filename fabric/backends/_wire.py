@@ -10,7 +10,8 @@ worker -> parent: ("ready", dict) ("fatal", code, message, traceback)
 
 The worker also publishes ``(cid, start_ns)`` of the synchronous call it is running in a
 16-byte shared-memory slot, so the parent can tell a hung call from a busy queue without
-any message from a process that may be stuck in C code.
+any message from a process that may be stuck in C code, and which calls a dead worker had
+started.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import struct
 from typing import Any
 
 HEADER = struct.Struct("!I")
-SLOT = struct.Struct("qq")  # cid, start (time.monotonic_ns, shared across processes); 0 = idle
+# cid, start (time.monotonic_ns, shared across processes) of the running call; while idle
+# (cid of the last call started, 0), so a death shows which calls ran; (0, 0) before any
+SLOT = struct.Struct("qq")
 SLOT_SIZE = 4096
 
 
@@ -55,7 +58,8 @@ class FrameReader:
 
 
 def read_slot(mem: Any) -> tuple[int, int]:
-    """(cid, start_ns) of the running synchronous call, or (0, 0); torn reads are retried."""
+    """(cid, start_ns) of the running synchronous call, or (cid of the last one started, 0)
+    while none runs; (0, 0) before any (or after torn reads, which are retried)."""
     for _ in range(3):
         cid, start = SLOT.unpack_from(mem, 0)
         cid2, _ = SLOT.unpack_from(mem, 0)

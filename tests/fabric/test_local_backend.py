@@ -38,6 +38,14 @@ def local(**kw) -> Client:
     return Client(backend=LocalConfig(**kw), registry=REG)
 
 
+async def _until(predicate, what: str, within_s: float = 10.0) -> None:
+    """Poll ``predicate`` until it holds (a loaded machine may take a while)."""
+    deadline = time.monotonic() + within_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
 async def test_call_returns_value_timings_and_worker():
     async with local() as c:
         r = await c.call("add", {"a": 2, "b": 3})
@@ -421,6 +429,29 @@ async def test_a_call_that_ran_before_the_one_that_killed_its_worker_is_not_run_
         a, b = await _batch_of_two(c, tmp_path, "crash", size=0)
         assert a.error.type == ErrorCode.WORKER_LOST and "after running the call" in a.error.message
         assert b.error.type == ErrorCode.WORKER_LOST and "running the call" in b.error.message
+
+
+async def test_a_call_whose_answer_is_held_back_is_not_run_again_when_its_idle_worker_dies(tmp_path):
+    """The worker ran the call and went idle with its answer held back (an injected
+    straggler), then died: it had cleared its slot once the call ended, so the pool took the
+    call for one that never started and ran it again on a new worker (the effect twice)."""
+    from fabric.backends._wire import read_slot
+
+    path = tmp_path / "effects"
+    async with local(max_workers=1, warm=1, fault={"straggler_rate": 1.0, "straggler_ms": 3000}) as c:
+        await c.warmup(["effect_then"])
+        (w,) = c.backend.pool("effect_then")._workers
+        call = asyncio.create_task(
+            c.call("effect_then", {"path": str(path), "tag": 1}, idempotency_key="pay-1")
+        )
+        # it ran, and its worker is idle (no call in the slot has a start): the answer is held back
+        await _until(lambda: path.exists() and read_slot(w.slot)[1] == 0, "the call to run")
+        os.kill(w.proc.pid, signal.SIGKILL)
+        r = await asyncio.wait_for(call, 10)
+        assert not r.ok and r.error.type == ErrorCode.WORKER_LOST, r  # not run again: it ran
+        assert "after running the call" in r.error.message
+        assert path.read_text().split() == ["1"]
+        assert c.backend.stats()["effect_then"]["requeued"] == 0
 
 
 @pytest.mark.parametrize(
