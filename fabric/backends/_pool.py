@@ -32,7 +32,7 @@ from typing import Any
 from fabric.backends._wire import SLOT_SIZE, read_slot
 from fabric.backends._worker_handle import LIVE_PIDS, PoolCall, WorkerHandle, exit_status, exited
 from fabric.backends.base import LocalConfig
-from fabric.errors import BackendError, ErrorCode, SetupFailedError
+from fabric.errors import BackendClosedError, BackendError, ErrorCode, SetupFailedError
 from fabric.protocol import Invocation, Result
 from fabric.runner import outcome_to_result
 from fabric.spec import FunctionSpec
@@ -99,6 +99,8 @@ class FunctionPool:
         deadline = time.monotonic() + limit
         failures = self.metrics["start_failures"]
         while True:
+            if self._closed:  # no worker will start any more: waiting would end in a false timeout
+                raise BackendClosedError(f"{self.spec.name}: backend closed")
             ready = sum(w.usable for w in self._workers)
             if ready >= self.warm or (ready and self.metrics["start_failures"] > failures):
                 return

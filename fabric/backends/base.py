@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, ValidationError
 
-from fabric.errors import ConfigError, ErrorCode
+from fabric.errors import BackendClosedError, ConfigError, ErrorCode
 from fabric.protocol import MAX_PAYLOAD_BYTES, Invocation, Result
 from fabric.registry import Registry, default_registry
 
@@ -204,8 +204,13 @@ class Backend(ABC):
         execution's calls with no deadline (see ``Invocation.wait_for_run``)."""
         return False
 
-    async def warmup(self, names: list[str] | None = None) -> None:  # noqa: B027 - optional
-        """Start warm instances of ``names`` (all registered functions by default) and wait."""
+    async def warmup(self, names: list[str] | None = None) -> None:
+        """Start warm instances of ``names`` (all registered functions by default) and wait.
+        Raises ``BackendClosedError`` once the backend is closed: nothing would stop what it
+        started (a closed local backend's new workers lived until the interpreter exited)."""
+        if self._closed:
+            raise BackendClosedError(f"{self.kind} backend is closed")
+        await self._warmup(names)
 
     def stats(self) -> dict[str, Any]:
         return {}
@@ -215,6 +220,9 @@ class Backend(ABC):
         pass
 
     async def _close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    async def _warmup(self, names: list[str] | None) -> None:  # noqa: B027 - optional hook
         pass
 
     def _submit(self, inv: Invocation) -> asyncio.Future[Result]:

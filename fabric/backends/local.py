@@ -7,7 +7,13 @@ from typing import Any
 
 from fabric.backends._pool import FunctionPool
 from fabric.backends.base import Backend, LocalConfig, cpu_count
-from fabric.errors import EntryPointError, ErrorCode, SetupFailedError, UnknownFunctionError
+from fabric.errors import (
+    BackendClosedError,
+    EntryPointError,
+    ErrorCode,
+    SetupFailedError,
+    UnknownFunctionError,
+)
 from fabric.protocol import Invocation, Result
 from fabric.registry import Registry
 
@@ -22,7 +28,9 @@ class LocalBackend(Backend):
         self._cpu = cpu_count()
 
     def pool(self, name: str) -> FunctionPool:
-        """The pool of ``name``, started on first use."""
+        """The pool of ``name``, started on first use; ``BackendClosedError`` once closed."""
+        if self._closed:  # a pool started now would never be closed: its workers would linger
+            raise BackendClosedError(f"{self.kind} backend is closed")
         pool = self._pools.get(name)
         if pool is None:
             spec = self.registry.get(name)
@@ -75,7 +83,7 @@ class LocalBackend(Backend):
             pool.extend_deadline(idempotency_key, deadline)
         return True
 
-    async def warmup(self, names: list[str] | None = None) -> None:
+    async def _warmup(self, names: list[str] | None) -> None:
         """Start the pools of ``names`` and wait for their warm workers. Raises
         ``SetupFailedError`` for a function whose workers cannot start (its setup hook or
         import raised), after every pool has settled."""

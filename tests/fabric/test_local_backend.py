@@ -18,7 +18,7 @@ from sample_fns import REG
 import fabric
 from fabric.backends.base import LocalConfig
 from fabric.client import Client
-from fabric.errors import ErrorCode, SetupFailedError
+from fabric.errors import BackendClosedError, ErrorCode, SetupFailedError
 
 
 def alive(pid: int) -> bool:
@@ -300,6 +300,25 @@ async def test_close_leaves_no_process():
         pids |= set(c.backend.stats()["add"]["pids"]) if "add" in c.backend.stats() else set()
         assert pids
     assert not any(alive(p) for p in pids)
+
+
+async def test_warmup_once_the_backend_is_closed_raises_at_once_and_starts_nothing():
+    """After the close, warmup started pools that nothing closed any more (their workers lived
+    until the interpreter exited), or waited 4 x start_timeout_s on a closed pool for a
+    misleading BackendError; so did a warmup that was waiting when the close came."""
+    c = local(warm=1, start_timeout_s=2)
+    async with c:
+        assert (await c.call("add", {"a": 1})).ok
+        waiting = asyncio.create_task(c.warmup(["slow_to_start"]))  # its setup takes 60 s
+        await _until(lambda: "slow_to_start" in c.backend.stats(), "its pool to start")
+    t0 = time.monotonic()
+    with pytest.raises(BackendClosedError):
+        await waiting
+    for names in (["add"], ["pid"]):  # a pool closed with the backend, and none yet
+        with pytest.raises(BackendClosedError):
+            await c.warmup(names)
+    assert time.monotonic() - t0 < 1.5  # not start_timeout_s (2 s) or 4 x it
+    assert "pid" not in c.backend.stats()  # no pool, so no worker was started
 
 
 async def test_calls_in_flight_at_close_get_an_answer():
