@@ -187,16 +187,17 @@ class Attempts:
             if m.hedges >= self.config.hedge.max_share * m.calls + _BURST:
                 return
             # a hedge is one more call in flight: it takes one of the function's max_concurrency
-            # slots (a limit a paid or rate-limited dependency relies on), or is not sent. It
-            # never waits for one: a hedge that waited would be late, and would hold callers up
-            if not fn.sem.take_now():
+            # slots (a limit a paid or rate-limited dependency relies on), or, all being held,
+            # one of the hedges' small allowance past it; else it is not sent
+            give_back = fn.take_hedge_slot(self.config.hedge.over_limit_share)
+            if give_back is None:
                 return
             m.hedges += 1
             update: dict[str, Any] = {"hedge": True, "request_id": inv.request_id + "-h"}
             if deadline is not None:
                 update["deadline"] = deadline()
             h = self.backend.submit(inv.model_copy(update=update))
-            h.add_done_callback(lambda _: fn.sem.release())  # answered, or cancelled (the loser)
+            h.add_done_callback(lambda _: give_back())  # answered, or cancelled (the loser)
             futs.append(h)
             h.add_done_callback(done)
 

@@ -16,6 +16,12 @@ class HedgeConfig(BaseModel):
     min_samples: int = Field(100, ge=1)
     """No hedging until this many latencies were observed."""
     min_delay_ms: float = Field(1.0, ge=0)
+    over_limit_share: float = Field(0.1, ge=0, le=1)
+    """A hedge takes a free ``max_concurrency`` slot; when every slot is held (the callers of
+    a saturated function each hold one while they wait: exactly when a straggler needs a
+    hedge), hedges may run past the limit, at most this share of it at once, rounded down.
+    With 0.1: 6 over a limit of 64, none under a limit of 10 (``max_concurrency: 1`` stays
+    strict). 0 makes the limit strict for hedges too."""
 
 
 class BreakerConfig(BaseModel):

@@ -89,6 +89,7 @@ class FnState:
         "breaker_open_until",
         "consecutive_failures",
         "hedge_clock",
+        "hedges_over_limit",
         "metrics",
         "probing",
         "sem",
@@ -103,6 +104,23 @@ class FnState:
         self.breaker_open_until = 0.0
         self.probing = False
         self.hedge_clock = HedgeClock()
+        self.hedges_over_limit = 0
+
+    def take_hedge_slot(self, over_limit_share: float) -> Callable[[], None] | None:
+        """Room for one hedge, and how to give it back when the hedge ends; None when there
+        is none (the hedge is not sent: it never waits, or it would be late and hold callers
+        up). A free ``max_concurrency`` slot first, else one of the hedges' own allowance past
+        the limit (``HedgeConfig.over_limit_share``)."""
+        if self.sem.take_now():
+            return self.sem.release
+        if self.hedges_over_limit >= int(over_limit_share * self.spec.max_concurrency):
+            return None
+        self.hedges_over_limit += 1
+
+        def give_back() -> None:
+            self.hedges_over_limit -= 1
+
+        return give_back
 
 
 class Execution:

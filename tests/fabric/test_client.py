@@ -620,6 +620,21 @@ async def test_a_hedge_takes_a_concurrency_slot_or_is_not_sent():
     sem.release()
 
 
+async def test_a_saturated_function_is_hedged_within_its_allowance_past_the_limit():
+    """Every slot held by a waiting caller (a saturated function) is exactly when a straggler
+    needs a hedge: hedges may go past max_concurrency by over_limit_share of it, no more."""
+    c, fake = make(hedge={"min_samples": 5, "max_share": 1.0, "over_limit_share": 0.5})
+    await c.map("two_at_a_time", [{"seconds": 0}] * 10)
+    fake.inject("two_at_a_time", Fault(delay_s=1.0))  # both callers' calls straggle
+    a, b = await asyncio.gather(*(c.call("two_at_a_time", {"seconds": 0}) for _ in range(2)))
+    # an allowance of int(0.5 * 2) = 1: one of the two stragglers is hedged, and wins
+    assert a.ok and b.ok and [a.hedged, b.hedged].count(True) == 1
+    fn = c._fns["two_at_a_time"]
+    assert fn.hedges_over_limit == 0 and fn.sem.take_now() and fn.sem.take_now()  # all given back
+    fn.sem.release()
+    fn.sem.release()
+
+
 async def test_hedges_are_capped():
     c, fake = make(hedge={"min_samples": 20, "max_share": 0.0})
     await _warm_latency(c)
