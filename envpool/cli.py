@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from envpool.errors import EnvPoolError
+from fabric.usercode import prints_to_stderr
 
 app = typer.Typer(
     help="envpool: stateful environments in session-affine container pools.",
@@ -50,7 +51,8 @@ def ls_cmd(modules: ModulesOpt = None, as_json: JsonOpt = False) -> None:
 
     for m in modules or []:
         try:
-            importlib.import_module(m)
+            with prints_to_stderr():  # an import-time print would come before --json's answer
+                importlib.import_module(m)
         except ImportError as e:
             err.print(f"[bold red]error:[/] cannot import {m!r}: {e}")
             raise typer.Exit(2) from None

@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from fabric.errors import ErrorCode
 from fabric.registry import Registry
+from fabric.usercode import prints_to_stderr
 
 # A command's help is its docstring when that is one line, else help= as one string: typer's
 # rich markup mode keeps a docstring's line breaks in the command list (`fabric --help` broke
@@ -49,7 +50,8 @@ def load_registry(modules: list[str] | None) -> Registry:
     reg = Registry()
     targets = ["functions", *(modules or [])]
     targets += [m for m in os.environ.get("FABRIC_MODULES", "").split(",") if m.strip()]
-    reg.discover(*targets)
+    with prints_to_stderr():  # a module's import-time print would come before --json's answer
+        reg.discover(*targets)
     return reg
 
 

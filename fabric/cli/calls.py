@@ -21,6 +21,7 @@ from fabric.cli._app import (
     payload_arg,
 )
 from fabric.errors import FabricError
+from fabric.usercode import prints_to_stderr
 
 
 @app.command("ls")
@@ -83,7 +84,8 @@ def invoke(
             return await c.call(name, args)
 
     try:
-        result = asyncio.run(run())
+        with prints_to_stderr():  # --backend inproc runs the setup hook and the call here
+            result = asyncio.run(run())
     except FabricError as e:
         fail(str(e))
     print(result.model_dump_json(indent=2, exclude={"index"}))
@@ -160,7 +162,8 @@ def bench(
         fail(str(e))
     if as_json:
         try:
-            result = asyncio.run(run_bench(cfg, reg))
+            with prints_to_stderr():  # Ray relays its actors' prints to our sys.stdout
+                result = asyncio.run(run_bench(cfg, reg))
         except FabricError as e:
             fail(str(e))
         print(json.dumps(result))
@@ -183,7 +186,8 @@ def bench(
             prog.update(tasks[label], completed=done)
 
         try:
-            result = asyncio.run(run_bench(cfg, reg, progress))
+            with prints_to_stderr():
+                result = asyncio.run(run_bench(cfg, reg, progress))
         except FabricError as e:
             fail(str(e))
     table = Table("metric", "value", title=f"fabric bench {name}")

@@ -19,6 +19,7 @@ from fabric.cli._app import (
     no_constant,
 )
 from fabric.errors import FabricError
+from fabric.usercode import prints_to_stderr
 
 integrate_app = typer.Typer(
     help="Serve fabric rewards to trainers that already have a reward hook (TRL, veRL, OpenRLHF); "
@@ -120,24 +121,27 @@ def openrlhf_serve(
     except FabricError as e:
         fail(str(e))
 
+    stdout = sys.stdout  # the URL line's; the user's prints (its modules, inproc calls): stderr
+
     def ready(url: str) -> None:
         err.print(
             f"[bold]fabric integrate openrlhf-serve[/] {function} at {url}; Ctrl-C stops", soft_wrap=True
         )
-        print(json.dumps({"url": url}), flush=True)
+        print(json.dumps({"url": url}), file=stdout, flush=True)
 
     try:
-        asyncio.run(
-            serve_openrlhf(
-                config,
-                host=host,
-                port=port,
-                ready=ready,
-                drain_s=drain_s,
-                say=lambda text: err.print(text, soft_wrap=True),
-                max_body_bytes=max_body_mb * 1024 * 1024,
+        with prints_to_stderr():
+            asyncio.run(
+                serve_openrlhf(
+                    config,
+                    host=host,
+                    port=port,
+                    ready=ready,
+                    drain_s=drain_s,
+                    say=lambda text: err.print(text, soft_wrap=True),
+                    max_body_bytes=max_body_mb * 1024 * 1024,
+                )
             )
-        )
     except OSError as e:
         fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
     except FabricError as e:  # an unknown function (with the known names), a bad module

@@ -14,6 +14,7 @@ from fabric.cli._app import (
     err,
     fail,
 )
+from fabric.usercode import prints_to_stderr
 
 
 @app.command()
@@ -46,9 +47,12 @@ def run(
     except ImportError as e:  # the job needs the ray and train extras
         fail(f"the RL job needs its extras: pip install -e '.[ray,train,rewards]' ({e})")
     try:
-        cfg = load(config, steps=steps, run_dir=run_dir)
-        job = Job(cfg, progress=not quiet, resume=resume, allow_changes=allow_change or ())
-        summary = asyncio.run(job.run())
+        # the config's fabric.discover modules are imported here, and Ray relays its actors'
+        # prints to our sys.stdout: --quiet's stdout is the summary alone
+        with prints_to_stderr():
+            cfg = load(config, steps=steps, run_dir=run_dir)
+            job = Job(cfg, progress=not quiet, resume=resume, allow_changes=allow_change or ())
+            summary = asyncio.run(job.run())
     except CoreError as e:  # a bad config, or a rollout where every group fails
         fail(str(e))
     if not quiet:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import typer
@@ -26,6 +27,17 @@ def test_ls_lists_the_builtins():
 def test_ls_with_a_bad_module_is_a_clear_error():
     r = runner.invoke(app, ["ls", "-m", "no_such_module_xyz"])
     assert r.exit_code == 2 and "no_such_module_xyz" in r.output
+
+
+def test_ls_json_stays_parseable_when_a_module_prints(tmp_path, monkeypatch):
+    """A module's import-time print came out on stdout before the JSON."""
+    (tmp_path / "chatty_envs.py").write_text('print("chatty_envs: imported")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "chatty_envs", raising=False)
+    r = runner.invoke(app, ["ls", "--json", "-m", "chatty_envs"])
+    assert r.exit_code == 0, r.output
+    assert "echo-v0" in {s["id"] for s in json.loads(r.stdout)}
+    assert "chatty_envs: imported" in r.stderr
 
 
 def test_bench_resets_accounts_for_every_reset():

@@ -91,6 +91,69 @@ def test_a_module_in_the_current_directory_is_found(tmp_path, monkeypatch):
         sys.modules.pop("cli_cwd_rewards", None)
 
 
+CHATTY = """
+import fabric
+from fabric.registry import Registry
+
+REG = Registry()
+print("chatty: imported")
+
+
+def _setup():
+    print("chatty: setup")
+
+
+@REG.reward(setup=_setup, examples=({"traj": "a"},))
+def chatty(traj: str, *, ctx) -> float:
+    print("chatty: called")
+    return 1.0
+"""
+
+
+def test_user_code_prints_stay_off_stdout(tmp_path):
+    """What the user's code printed in the CLI's own process (a module's import, and with
+    --backend inproc its setup hook and call) came out on stdout before the JSON: `ls
+    --json`, `invoke` and `bench --json` answers scripts could not parse."""
+    mod = tmp_path / "chatty_fns.py"
+    mod.write_text(CHATTY)
+    r = runner.invoke(app, ["ls", "--json", "-m", str(mod)])
+    assert r.exit_code == 0, r.output
+    assert "chatty" in {s["name"] for s in json.loads(r.stdout)}
+    assert "chatty: imported" in r.stderr
+    r = runner.invoke(
+        app, ["invoke", "chatty", "-m", str(mod), "--backend", "inproc", "--payload", '{"traj": "a"}']
+    )
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["value"] == 1.0
+    assert "chatty: setup" in r.stderr and "chatty: called" in r.stderr
+    # a fresh module: its import-time print again (the file above is imported once)
+    mod = tmp_path / "chatty_bench_fns.py"
+    mod.write_text(CHATTY)
+    r = runner.invoke(
+        app,
+        ["bench", "chatty", "-m", str(mod), "--n", "10", "--concurrency", "1", "--workers", "1", "--json"],
+    )
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["errors"] == 0
+    assert "chatty: imported" in r.stderr
+
+
+def test_run_quiet_keeps_stdout_for_its_summary(tmp_path):
+    """`fabric run --quiet` prints only the summary JSON on stdout; the config's
+    fabric.discover module printed there first."""
+    (tmp_path / "chatty_run_fns.py").write_text(CHATTY)
+    (tmp_path / "job.yaml").write_text(
+        "envs: [{id: latency-v0, tag: latency}]\n"
+        "rewards: {latency: [{function: chatyy}]}\n"  # refused once discovery has run
+        f"fabric: {{discover: [{tmp_path / 'chatty_run_fns.py'}]}}\n"
+        f"run_dir: {tmp_path / 'run'}\n"
+    )
+    r = runner.invoke(app, ["run", str(tmp_path / "job.yaml"), "--quiet"])
+    assert r.exit_code == 2, r.output
+    assert "did you mean 'chatty'" in r.stderr and "chatty: imported" in r.stderr
+    assert r.stdout == ""
+
+
 def test_invoke_prints_the_result():
     r = runner.invoke(
         app, ["invoke", "exact_match", "--payload", '{"traj": "The answer is 42.", "ground_truth": "42"}']
