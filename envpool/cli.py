@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from envpool.errors import EnvPoolError
-from fabric.usercode import prints_to_stderr
+from fabric.registry import import_module_or_file
+from fabric.usercode import prints_to_stderr, search_cwd
 
 app = typer.Typer(
     help="envpool: stateful environments in session-affine container pools.",
@@ -27,7 +28,7 @@ app.add_typer(bench_app, name="bench")
 out = Console()
 err = Console(stderr=True)
 ModulesOpt = Annotated[
-    list[str] | None, typer.Option("--module", "-m", help="Module that registers environments.")
+    list[str] | None, typer.Option("--module", "-m", help="Module or file.py that registers environments.")
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 
@@ -49,12 +50,15 @@ def ls_cmd(modules: ModulesOpt = None, as_json: JsonOpt = False) -> None:
     import envpool.envs  # noqa: F401
     from envpool.api import default_registry
 
+    # found in the current directory, and as a file.py, as `fabric ls -m` finds them
+    search_cwd()
     for m in modules or []:
         try:
             with prints_to_stderr():  # an import-time print would come before --json's answer
-                importlib.import_module(m)
-        except ImportError as e:
-            err.print(f"[bold red]error:[/] cannot import {m!r}: {e}")
+                import_module_or_file(m)
+        except Exception as e:  # the user's module may raise anything at import
+            why = f"cannot import {m!r}: {type(e).__name__}: {e}"
+            err.print(f"[bold red]error:[/] {escape(why)}", soft_wrap=True)
             raise typer.Exit(2) from None
     specs = [default_registry.spec(i) for i in default_registry.ids()]
     if as_json:

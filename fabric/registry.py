@@ -84,6 +84,11 @@ def load_entry_point(entry: str) -> Any:
     return obj
 
 
+def import_module_or_file(target: str) -> ModuleType:
+    """The module named ``target``, or the file ``target`` when it ends in ``.py``."""
+    return _import_file(Path(target)) if target.endswith(".py") else importlib.import_module(target)
+
+
 def _import_file(path: Path) -> ModuleType:
     # a script run as __main__ is imported under another name so its main guard stays off
     name = _FILE_MODULE_PREFIX + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
@@ -274,9 +279,7 @@ class Registry:
                 found.append(self.add(obj))
                 continue
             try:
-                module = (
-                    _import_file(Path(target)) if target.endswith(".py") else importlib.import_module(target)
-                )
+                module = import_module_or_file(target)
             except Exception as e:  # the user's module may raise anything at import
                 raise EntryPointError(
                     f"cannot import {target!r} for discovery: {type(e).__name__}: {e}"

@@ -4,8 +4,20 @@ own process: importing their modules, calling a function in-process."""
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Iterator
+
+
+def search_cwd() -> None:
+    """Let ``-m my_module`` find my_module.py in the current directory."""
+    # `python -m fabric.cli` searches the current directory, an installed console script
+    # (`fabric`, `envpool`) does not: `-m my_rewards` next to my_rewards.py must work with
+    # both. Last, so a file here cannot shadow an installed package (the built-in
+    # `functions` above all); worker processes get this sys.path, so they import it too
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
 
 
 @contextlib.contextmanager

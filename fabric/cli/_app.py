@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Annotated, Any, NoReturn
 
 import typer
@@ -13,7 +12,7 @@ from rich.markup import escape
 
 from fabric.errors import ErrorCode
 from fabric.registry import Registry
-from fabric.usercode import prints_to_stderr
+from fabric.usercode import prints_to_stderr, search_cwd
 
 # A command's help is its docstring when that is one line, else help= as one string: typer's
 # rich markup mode keeps a docstring's line breaks in the command list (`fabric --help` broke
@@ -40,13 +39,7 @@ BackendOpt = Annotated[str, typer.Option(help="Backend: local (warm worker proce
 
 
 def load_registry(modules: list[str] | None) -> Registry:
-    # `python -m fabric.cli` searches the current directory, the installed `fabric` script
-    # does not: `-m my_rewards` next to my_rewards.py must work with both. Last, so a file
-    # here cannot shadow an installed package (the built-in `functions` above all); worker
-    # processes get this sys.path, so they import the module too
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.append(cwd)
+    search_cwd()
     reg = Registry()
     targets = ["functions", *(modules or [])]
     targets += [m for m in os.environ.get("FABRIC_MODULES", "").split(",") if m.strip()]

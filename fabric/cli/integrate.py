@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 from typing import Annotated, Any
 
@@ -19,7 +18,7 @@ from fabric.cli._app import (
     no_constant,
 )
 from fabric.errors import FabricError
-from fabric.usercode import prints_to_stderr
+from fabric.usercode import prints_to_stderr, search_cwd
 
 integrate_app = typer.Typer(
     help="Serve fabric rewards to trainers that already have a reward hook (TRL, veRL, OpenRLHF); "
@@ -113,9 +112,7 @@ def openrlhf_serve(
         options["backend"] = {"type": "local", "max_workers": workers}
     elif backend is not None:
         options["backend"] = backend
-    cwd = os.getcwd()  # -m my_rewards next to my_rewards.py, as for the other commands
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.append(cwd)
+    search_cwd()  # -m my_rewards next to my_rewards.py, as for the other commands
     try:
         config = IntegrationConfig.parse(options, env={})
     except FabricError as e:

@@ -29,6 +29,26 @@ def test_ls_with_a_bad_module_is_a_clear_error():
     assert r.exit_code == 2 and "no_such_module_xyz" in r.output
 
 
+def test_ls_finds_a_module_in_the_current_directory_and_a_file(tmp_path, monkeypatch):
+    """`envpool ls -m guess_env` next to guess_env.py: the installed `envpool` script has
+    no current directory on sys.path (`python -m envpool.cli` has), and the import failed
+    where `fabric ls -m` found the module. A file.py is taken too, as fabric's -m takes it."""
+    from envpool.api import default_registry
+
+    for stem in ("cwd_envs", "file_envs"):
+        env_id = f"{stem.replace('_', '-')}-v0"
+        (tmp_path / f"{stem}.py").write_text(
+            f"import envpool\n\nenvpool.register({env_id!r}, entry_point='{stem}:Nothing')\n"
+        )
+        monkeypatch.delitem(default_registry._specs, env_id, raising=False)  # gone after the test
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "cwd_envs", raising=False)
+    r = runner.invoke(app, ["ls", "--json", "-m", "cwd_envs", "-m", str(tmp_path / "file_envs.py")])
+    assert r.exit_code == 0, r.output
+    assert {"cwd-envs-v0", "file-envs-v0"} <= {s["id"] for s in json.loads(r.stdout)}
+
+
 def test_ls_json_stays_parseable_when_a_module_prints(tmp_path, monkeypatch):
     """A module's import-time print came out on stdout before the JSON."""
     (tmp_path / "chatty_envs.py").write_text('print("chatty_envs: imported")\n')
