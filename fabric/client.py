@@ -33,13 +33,13 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from fabric.backends.base import Backend, make_backend
 from fabric.client_config import BreakerConfig, ClientConfig, HedgeConfig
 from fabric.client_keyed import KeyedCalls
 from fabric.client_state import Execution, FnState
-from fabric.errors import ErrorCode, FabricError, PayloadError
+from fabric.errors import ConfigError, ErrorCode, FabricError, PayloadError, validation_problems
 from fabric.protocol import Invocation, Result, encode_payload
 from fabric.registry import Registry, default_registry
 from fabric.spec import FunctionSpec
@@ -66,12 +66,15 @@ class Client(KeyedCalls):
                 "import started a fabric.Client. Put the script's entry point under "
                 '`if __name__ == "__main__":` so importing the file only defines functions.'
             )
+        try:
+            self.config = (
+                config if isinstance(config, ClientConfig) else ClientConfig.model_validate(config or {})
+            )
+        except ValidationError as e:  # the SDK raises FabricErrors; pydantic's named no key
+            raise ConfigError(f"bad client config: {validation_problems(e, ClientConfig)}") from None
         self.registry = registry if registry is not None else default_registry
         self._owns_backend = not isinstance(backend, Backend)
         self.backend = make_backend(backend, self.registry)
-        self.config = (
-            config if isinstance(config, ClientConfig) else ClientConfig.model_validate(config or {})
-        )
         self._fns: dict[str, FnState] = {}
         self._cache: dict[str, Result] = {}
         self._inflight: dict[str, Execution] = {}

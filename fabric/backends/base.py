@@ -9,13 +9,14 @@ backends override the narrow hooks ``_start``, ``_close`` and ``_submit``/``_inv
 from __future__ import annotations
 
 import asyncio
+import difflib
 import os
 from abc import ABC, abstractmethod
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
-from fabric.errors import BackendClosedError, ConfigError, ErrorCode
+from fabric.errors import BackendClosedError, ConfigError, ErrorCode, validation_problems
 from fabric.protocol import MAX_PAYLOAD_BYTES, Invocation, Result
 from fabric.registry import Registry, default_registry
 
@@ -110,7 +111,12 @@ class ModalConfig(_Config):
 BackendConfig = Annotated[
     InprocConfig | LocalConfig | LambdaConfig | ModalConfig, Field(discriminator="type")
 ]
-_config_adapter: TypeAdapter[Any] = TypeAdapter(BackendConfig)
+_BY_TYPE: dict[str, type[InprocConfig] | type[LocalConfig] | type[LambdaConfig] | type[ModalConfig]] = {
+    "inproc": InprocConfig,
+    "local": LocalConfig,
+    "lambda": LambdaConfig,
+    "modal": ModalConfig,
+}
 
 
 def parse_backend_config(obj: Any) -> InprocConfig | LocalConfig | LambdaConfig | ModalConfig:
@@ -119,12 +125,24 @@ def parse_backend_config(obj: Any) -> InprocConfig | LocalConfig | LambdaConfig 
         return obj
     if isinstance(obj, str):
         obj = {"type": obj}
+    # the type first, then the keys of that type's config, each error worded by what failed:
+    # "known types: ..." for {'type': 'local', 'max_worker': 2} sent the caller looking for
+    # a type that was right, the key it mistyped deep in pydantic's text
+    kind = obj.get("type") if isinstance(obj, dict) else None
+    model = _BY_TYPE.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        if not isinstance(obj, dict):
+            what = "expected a backend name or a mapping with a 'type'"
+        elif kind is None:
+            what = "no 'type'"
+        else:
+            close = difflib.get_close_matches(str(kind), _BY_TYPE, n=1)
+            what = f"unknown type {kind!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+        raise ConfigError(f"bad backend config {obj!r}: {what}; known types: {', '.join(_BY_TYPE)}")
     try:
-        return _config_adapter.validate_python(obj)
+        return model.model_validate(obj)
     except ValidationError as e:
-        raise ConfigError(
-            f"bad backend config {obj!r}; known types: inproc, local, lambda, modal\n{e}"
-        ) from None
+        raise ConfigError(f"bad {kind} backend config: {validation_problems(e, model)}") from None
 
 
 class Backend(ABC):

@@ -11,7 +11,7 @@ from client_fns import REG
 
 from fabric.backends.base import InprocConfig, LocalConfig, make_backend
 from fabric.client import Client, ClientConfig
-from fabric.errors import ErrorCode
+from fabric.errors import ConfigError, ErrorCode
 from fabric.protocol import Invocation
 from fabric.testing import FakeBackend, Fault
 
@@ -19,6 +19,38 @@ from fabric.testing import FakeBackend, Fault
 def make(**cfg) -> tuple[Client, FakeBackend]:
     fake = FakeBackend(REG)
     return Client(backend=fake, registry=REG, config=ClientConfig.model_validate(cfg)), fake
+
+
+def test_a_bad_client_config_is_a_config_error_naming_the_key():
+    """A typo in config= raised pydantic's ValidationError: not a FabricError, which the
+    SDK's exceptions derive from (docs/fabric.md), and it named the model, not the key."""
+    with pytest.raises(ConfigError) as e:
+        Client(backend="inproc", registry=REG, config={"hedge": {"enabeld": False}})
+    assert "hedge.enabeld: unknown key (did you mean 'enabled'?)" in str(e.value)
+    with pytest.raises(ConfigError, match=r"breaker\.cooldown_s: Input should be greater than 0 \(got -1\)"):
+        Client(backend="inproc", registry=REG, config={"breaker": {"cooldown_s": -1}})
+
+
+@pytest.mark.parametrize(
+    ("backend", "text"),
+    [
+        # the type is right: the key is what failed ("known types: ..." sent you looking)
+        (
+            {"type": "local", "max_worker": 2},
+            "local backend config: max_worker: unknown key (did you mean 'max_workers'?)",
+        ),
+        (
+            {"type": "lambada"},
+            "unknown type 'lambada' (did you mean 'lambda'?); known types: inproc, local, lambda, modal",
+        ),
+        ({"max_workers": 2}, "no 'type'; known types: inproc, local"),
+    ],
+)
+def test_a_bad_backend_config_says_what_failed(backend, text):
+    with pytest.raises(ConfigError) as e:
+        Client(backend=backend, registry=REG)
+    assert text in str(e.value)
+    assert ("known types" in str(e.value)) == (backend.get("type") != "local")
 
 
 async def test_retryable_failures_are_retried_with_backoff():
