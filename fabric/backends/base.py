@@ -138,7 +138,11 @@ def parse_backend_config(obj: Any) -> InprocConfig | LocalConfig | LambdaConfig 
         else:
             close = difflib.get_close_matches(str(kind), _BY_TYPE, n=1)
             what = f"unknown type {kind!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-        raise ConfigError(f"bad backend config {obj!r}: {what}; known types: {', '.join(_BY_TYPE)}")
+        # the config's keys, never its values: a lambda config carries a token
+        shown = (
+            f"with keys {sorted(map(str, obj))}" if isinstance(obj, dict) else f"of type {type(obj).__name__}"
+        )
+        raise ConfigError(f"bad backend config ({shown}): {what}; known types: {', '.join(_BY_TYPE)}")
     try:
         return model.model_validate(obj)
     except ValidationError as e:

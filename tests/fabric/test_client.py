@@ -53,6 +53,13 @@ def test_a_bad_backend_config_says_what_failed(backend, text):
     assert ("known types" in str(e.value)) == (backend.get("type") != "local")
 
 
+def test_a_bad_backend_config_never_shows_its_values():
+    """A lambda config carries a token: the error names the keys, not what they hold."""
+    with pytest.raises(ConfigError) as e:
+        Client(backend={"type": "lambada", "token": "s3cret-token"}, registry=REG)
+    assert "s3cret-token" not in str(e.value) and "'token'" in str(e.value) and "'lambda'" in str(e.value)
+
+
 async def test_retryable_failures_are_retried_with_backoff():
     c, fake = make()
     fake.fail_next("double", ErrorCode.WORKER_LOST, times=2)
