@@ -144,9 +144,9 @@ class Attempts:
                 fn.breaker_open_until = time.monotonic() + self.config.breaker.cooldown_s
         # else the outcome says nothing of the infrastructure (the caller's deadline passed,
         # a keyed run was cut at it, it was cancelled, the backend closed): neither counted
-        # nor a reset. A probe that
-        # ends so leaves the circuit half-open (the next call is the next probe); reset, a
-        # probe cut off by its own short deadline closed the circuit on a backend still down
+        # nor a reset. A probe that ends so leaves the circuit half-open (the next call is
+        # the next probe); reset, a probe cut off by its own short deadline closed the
+        # circuit on a backend still down
         return result
 
     async def _hedged(
