@@ -374,7 +374,7 @@ class Job:
         assert self.buffer is not None and self.runner is not None
         self.buffer.put(sample)
         if sample.status == "reward_failed":
-            self.tally.counts["reward_failed"] += 1
+            self.tally.reward_failed(sample)
             self.runner.reward_failed(sample)
 
     def _on_abort(self, gid: str, reason: str) -> None:
@@ -400,12 +400,24 @@ class Job:
                 RolloutError(
                     f"{self._give_up_streak} groups in a row were given up (each after "
                     f"{self.cfg.rollout.max_reruns} re-runs) and none completed; the last "
-                    f"trajectory error: {self.tally.last_error or 'none recorded'}"
+                    f"trajectory error: {self.tally.last_error or 'none recorded'}; "
+                    f"{self._failure_counts()}"
                 )
             )
             return
         if self.cfg.rollout.mode == "sync" and self.runner is not None:
             self._start_group(self.runner)  # the step waits for batch_size groups: replace it
+
+    def _failure_counts(self) -> str:
+        """What failed so far, for the ``RolloutError``: a reward that fails on every
+        trajectory and an environment that does look alike in the groups given up."""
+        counts = self.tally.counts
+        out = f"so far {counts['infra_failed']} infra_failed, {counts['reward_failed']} reward_failed"
+        failures = self.stream.metrics()["failures"] if self.stream is not None else {}
+        if failures:
+            by_function = ", ".join(f"{k} {n}" for k, n in failures.items())
+            out += f" (reward failures by function: {by_function})"
+        return out
 
     # ------------------------------------------------------------------ evaluation
     async def _evaluate(self, manager: EnvManager, step: int) -> dict[str, Any]:
@@ -616,6 +628,7 @@ class Job:
         async with Client(
             backend=cfg.fabric.backend_config(), registry=registry, config=cfg.fabric.client
         ) as client:
+            await self._warm_rewards(client)
 
             async def call_tool(name: str, arguments: dict[str, Any]) -> str:
                 # a tool's failure is shown to the policy as text, like any tool output
@@ -629,6 +642,43 @@ class Job:
                 for image in dict.fromkeys(images.refs.get(e.image) if e.image else None for e in cfg.envs):
                     await pool.prewarm(image)
                 yield client, pool
+
+    async def _warm_rewards(self, client: Any) -> None:
+        """Start the configured reward functions' warm workers before the first group. A setup
+        hook (or an import) that raises is a config error naming the reward: found by the
+        calls instead, it masked every trajectory and the job stopped only after
+        ``max(8, 2 x batch_size)`` groups of ``max_reruns`` re-runs, with a ``RolloutError``."""
+        from fabric.errors import SetupFailedError
+
+        keys: dict[str, list[str]] = {}  # function -> the config keys that name it
+        for tag, specs in self.cfg.rewards.items():
+            for j, spec in enumerate(specs):
+                keys.setdefault(spec.function, []).append(f"rewards.{tag}[{j}].function")
+        # one warmup per function: each failure is mapped to its keys (a warmup of several
+        # raises for the first and only names the others)
+        outcomes = await asyncio.gather(*(client.warmup([f]) for f in keys), return_exceptions=True)
+        problems: list[tuple[str, str]] = []
+        for function, outcome in zip(keys, outcomes, strict=True):
+            if isinstance(outcome, SetupFailedError):
+                where = _last_frame(outcome.traceback)
+                why = f"its workers cannot start: {outcome.message}{f' ({where})' if where else ''}"
+                problems += [(key, why) for key in keys[function]]
+            elif isinstance(outcome, Exception):
+                # the machinery, not the function (a slow start): the calls retry; nothing lost
+                log.warning("warming up reward %s failed: %s", function, outcome)
+            elif isinstance(outcome, BaseException):
+                raise outcome
+        if problems:
+            raise ConfigError(problems)
+
+
+def _last_frame(traceback: str | None) -> str:
+    """``file.py, line 4, in load_model``: where a worker's traceback ends (the user's code)."""
+    frames = [ln.strip() for ln in (traceback or "").splitlines() if ln.strip().startswith('File "')]
+    if not frames:
+        return ""
+    path, _, rest = frames[-1].removeprefix('File "').partition('"')
+    return f"{Path(path).name}{rest}"
 
 
 class _TermAsInterrupt:

@@ -243,7 +243,7 @@ class RewardStream:
             if missing:
                 self._fail(
                     sample,
-                    f"{spec.component}: task lacks {', '.join(map(repr, missing))} (task_args)",
+                    f"{_label(spec)}: task lacks {', '.join(map(repr, missing))} (task_args)",
                     f"{spec.function}:MissingTaskKey",
                 )
                 return
@@ -265,7 +265,7 @@ class RewardStream:
                     why = {"failed": (problem or "")[:500]}
                     components[spec.component] = RewardResult(score=spec.failure_score, info=why)
                     continue
-                errors.append(f"{spec.component}: {problem}")
+                errors.append(f"{_label(spec)}: {problem}")
             else:
                 assert value is not None
                 components[spec.component] = value
@@ -316,6 +316,12 @@ class RewardStream:
         self._scored[traj_id] = None
         if len(self._scored) > self._memory:
             self._scored.popitem(last=False)
+
+
+def _label(spec: RewardConfig) -> str:
+    """A component in an error: its function too when it has a name of its own (the error
+    reaches the user, who looks the function up)."""
+    return spec.function if spec.name is None else f"{spec.name} ({spec.function})"
 
 
 def _value_of(r: Result) -> tuple[RewardResult | float | None, str | None]:

@@ -19,6 +19,7 @@ from typing import Any
 
 from core.buffer import Group
 from core.rewards import RewardStream
+from core.sample import Sample
 from fabric.protocol import Trajectory
 
 #: Finished trajectory ids the double-count check remembers (the newest).
@@ -50,6 +51,14 @@ class Tally:
         if traj.status in ("ok", "truncated"):
             for k in ("gen_s", "env_s"):
                 self._times[k].append(float(traj.info.get(k, 0.0)))
+
+    def reward_failed(self, sample: Sample) -> None:
+        """A sample whose reward failed for good (masked; the group re-runs that member)."""
+        self.counts["reward_failed"] += 1
+        # the reason is on the sample, not on its trajectory (which finished ``ok``): without
+        # it a run whose reward always raised stopped with "the last trajectory error: none
+        # recorded", the one error a user needed to see
+        self.last_error = f"reward_failed, rewards.{sample.tag}: {sample.error}"
 
     def train_row(
         self,

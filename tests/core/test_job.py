@@ -394,6 +394,82 @@ async def test_a_given_up_group_is_counted_out_of_the_launch_budget_once():
     await j.runner.aclose()
 
 
+async def test_a_rollout_stopped_by_a_failing_reward_says_the_rewards_error():
+    # a reward that always raises gives up every group; the RolloutError said "the last
+    # trajectory error: none recorded" (the reason was on the sample, never copied)
+    from test_groups import FakeManager, FakeProxy
+    from test_groups import job as group_job
+
+    from core.buffer import SampleBuffer
+    from core.rollout.groups import GroupRunner
+    from core.sample import Sample
+    from fabric.protocol import Trajectory
+
+    cfg = group_job(group_size=2, max_reruns=0)
+    j = Job(cfg, progress=False)
+    j._fatal = asyncio.get_running_loop().create_future()
+    j.runner = GroupRunner(cfg, FakeManager(), FakeProxy(), submit=lambda t: None, on_given_up=j._given_up)  # type: ignore[arg-type]
+    j.buffer = SampleBuffer(cfg.group_size, cfg.alpha, on_abort=j._on_abort)
+    n = max(8, 2 * cfg.batch_size)  # the groups given up in a row that stop the job
+    groups = [j.runner.start(cfg.envs[0], i, 0) for i in range(n)]
+    async with asyncio.timeout(5):
+        while j.runner.running():  # noqa: ASYNC110 - no event for "idle"
+            await asyncio.sleep(0.005)
+    for g in groups:  # each full, then losing a member to its reward with no re-run left
+        j.buffer.open_group(g.id, 0)
+        traj = Trajectory(id=f"t-{g.id}", status="ok", task={"tag": "lat", "group_id": g.id})
+        s = Sample(traj=traj, tag="lat", group_id=g.id, version=0, status="reward_failed")
+        s.error = "always_raises: UserError: ValueError: my reward is broken"
+        j._deliver(s)
+    assert j._fatal.done()
+    text = str(j._fatal.exception())
+    assert "rewards.lat: always_raises: UserError: ValueError: my reward is broken" in text
+    assert f"{n} reward_failed" in text
+    await j.runner.aclose()
+
+
+class _WarmClient:
+    """What ``_warm_rewards`` uses of a fabric client: ``warmup``, failing as scripted."""
+
+    def __init__(self, fail: dict[str, BaseException]):
+        self.fail = fail
+        self.warmed: list[str] = []
+
+    async def warmup(self, names: list[str] | None = None) -> None:
+        assert names is not None and len(names) == 1
+        self.warmed += names
+        if names[0] in self.fail:
+            raise self.fail[names[0]]
+
+
+async def test_a_reward_whose_setup_raises_is_a_config_error_at_start(caplog):
+    # found by the calls instead, it masked every trajectory and the job stopped only after
+    # 8 groups x max_reruns with a RolloutError that did not say why
+    from fabric.errors import BackendError, SetupFailedError
+
+    tb = (
+        "Traceback (most recent call last):\n"
+        '  File "/w/fabric/worker.py", line 231, in main\n    runner.setup()\n'
+        '  File "/home/u/setup_rewards.py", line 4, in load_model\n    raise FileNotFoundError(...)\n'
+        "FileNotFoundError: /models/rm.bin not found\n"
+    )
+    rewards = [{"function": "rm_reward"}, {"function": "env_return"}, {"function": "slow", "name": "s"}]
+    cfg = JobConfig.from_dict({"envs": [LATENCY], "rewards": {"latency": rewards}}, check_references=False)
+    client = _WarmClient(
+        {
+            "rm_reward": SetupFailedError("rm_reward: worker setup failed: FileNotFoundError: nope", tb),
+            "slow": BackendError("slow: 0 of 1 warm workers ready after 30 s"),  # infra: the calls retry
+        }
+    )
+    with pytest.raises(ConfigError) as e:
+        await Job(cfg, progress=False)._warm_rewards(client)
+    assert sorted(client.warmed) == ["env_return", "rm_reward", "slow"]
+    assert [k for k, _ in e.value.problems] == ["rewards.latency[0].function"]
+    assert "FileNotFoundError: nope (setup_rewards.py, line 4, in load_model)" in str(e.value)
+    assert "warming up reward slow failed" in caplog.text
+    await Job(cfg, progress=False)._warm_rewards(_WarmClient({}))  # all start: nothing raised
+
+
 @pytest.mark.ray
 async def test_a_reward_missing_from_the_jobs_registry_is_refused_before_anything_starts(
     tmp_path, ray_cluster

@@ -197,6 +197,16 @@ async def test_a_retried_call_executes_once_under_one_key():
     assert len(fake.invocations) == 2 and stream.metrics()["outage_retries"] == 0
 
 
+async def test_a_named_components_failure_names_its_function_too():
+    # the error reaches the user (the job's RolloutError), who looks the function up
+    sink = Sink()
+    async with Client("inproc", registry=REG) as client:
+        async with RewardStream(client, {"t": [spec("boom", name="verifier")]}, sink) as stream:
+            stream.submit(traj())
+    [s] = sink.samples
+    assert (s.error or "").startswith("verifier (boom): UserError: RuntimeError")
+
+
 async def test_a_reward_that_raises_masks_the_trajectory_not_zero():
     rewards = {"t": [spec("const", args={"value": 1.0}), spec("boom")]}
     sink = Sink()

@@ -74,3 +74,18 @@ def test_the_double_count_check_remembers_a_window_not_the_whole_run(monkeypatch
     assert list(tally._seen) == ["2", "3", "4"]  # bounded in a long job
     tally.finished(Trajectory(id="4", status="ok"))  # within the window: still caught
     assert tally.counts["double_count"] == 1
+
+
+def test_a_failed_reward_is_the_last_error_with_its_function():
+    # the reason is on the sample (its trajectory finished ok): a run whose reward always
+    # raised stopped with "the last trajectory error: none recorded"
+    tally = Tally()
+    tally.finished(Trajectory(id="x", status="infra_failed", info={"error": "ContainerDied: gone"}))
+    assert tally.last_error == "ContainerDied: gone"
+    ok = Trajectory(id="y", status="ok")
+    s = Sample(traj=ok, tag="coin", group_id="g", version=0, status="reward_failed")
+    s.error = "always_raises: UserError: ValueError: my reward is broken"
+    tally.reward_failed(s)
+    assert tally.counts["reward_failed"] == 1
+    assert "rewards.coin" in tally.last_error and "always_raises" in tally.last_error
+    assert "my reward is broken" in tally.last_error
