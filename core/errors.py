@@ -19,6 +19,8 @@ fails (a deterministic fault such as a prompt longer than the model's context) r
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fabric.errors import ConfigError as FabricConfigError
 
 
@@ -53,3 +55,14 @@ class RolloutError(CoreError):
 
 class StoppedError(CoreError):
     """A blocking step stopped early because its caller set its stop flag."""
+
+
+def where_raised(traceback: str | None) -> str:
+    """``my_env.py, line 30, in step``: the last frame of a traceback that came from another
+    process (a reward worker's, an environment container's), where the user's code raised;
+    "" when there is none."""
+    frames = [ln.strip() for ln in (traceback or "").splitlines() if ln.strip().startswith('File "')]
+    if not frames:
+        return ""
+    path, _, rest = frames[-1].removeprefix('File "').partition('"')
+    return f"{Path(path).name}{rest}"

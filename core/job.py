@@ -44,7 +44,7 @@ from core.checkpoint import REMEDY, TRAINER_FILE, Checkpoints, start_problems
 from core.cluster import Cluster, turn_scheduler
 from core.config import EnvConfig, JobConfig, builtin_env_ids
 from core.env_images import JobImages
-from core.errors import ConfigError, CoreError, RolloutError
+from core.errors import ConfigError, CoreError, RolloutError, where_raised
 from core.evaluation import EVAL_SEED_BASE, Evaluator
 from core.policy.build import PolicyBundle, action_ids, build_policy
 from core.report import JobProgress, RunDir
@@ -465,7 +465,7 @@ class Job:
                 }
                 for e in self.evals
             ],
-            "trajectories": dict(self.tally.counts),
+            "trajectories": {**self.tally.counts, "errors": dict(self.tally.errors)},
             "aborted_trained": self.tally.counts["aborted_trained"],
             "masked_trained": self.tally.counts["masked_trained"],
             "buffer": {k: v for k, v in buffer.metrics().items() if k not in ("trainer_wait_s",)},
@@ -522,6 +522,7 @@ class Job:
         v, state, gauss = saved["rng"]
         self.rng.setstate((v, tuple(state), gauss))
         self.tally.counts.update(saved["counts"])
+        self.tally.errors.update(saved.get("errors", {}))  # absent in an earlier release's
         self.evaluator.trained_on(saved["trained_tasks"])
         self.evaluator.rows.extend(run_dir.evals)
         progress.note(f"resumed from {path} (step {self.step}, policy version {version})")
@@ -545,6 +546,7 @@ class Job:
             "config": self.cfg.to_yaml(),
             "rng": [v, list(state), gauss],
             "counts": dict(self.tally.counts),
+            "errors": dict(self.tally.errors),
             "trained_tasks": sorted(self.evaluator.trained_tasks),
             "pretrained": self._pretrained,
             "train_wall_s": round(time.perf_counter() - self._t0, 3),
@@ -660,7 +662,7 @@ class Job:
         problems: list[tuple[str, str]] = []
         for function, outcome in zip(keys, outcomes, strict=True):
             if isinstance(outcome, SetupFailedError):
-                where = _last_frame(outcome.traceback)
+                where = where_raised(outcome.traceback)
                 why = f"its workers cannot start: {outcome.message}{f' ({where})' if where else ''}"
                 problems += [(key, why) for key in keys[function]]
             elif isinstance(outcome, Exception):
@@ -670,15 +672,6 @@ class Job:
                 raise outcome
         if problems:
             raise ConfigError(problems)
-
-
-def _last_frame(traceback: str | None) -> str:
-    """``file.py, line 4, in load_model``: where a worker's traceback ends (the user's code)."""
-    frames = [ln.strip() for ln in (traceback or "").splitlines() if ln.strip().startswith('File "')]
-    if not frames:
-        return ""
-    path, _, rest = frames[-1].removeprefix('File "').partition('"')
-    return f"{Path(path).name}{rest}"
 
 
 class _TermAsInterrupt:

@@ -7,7 +7,8 @@
     row = tally.train_row(step, version, groups, metrics, wall, wait_s, train_s, publish_s, stream)
 
 ``counts`` run over the whole job (finished trajectories by status, generated tokens, groups
-dropped as stale or given up, aborted or masked trajectories that were trained); the
+dropped as stale or given up, aborted or masked trajectories that were trained), and so do
+``errors`` (``infra_failed`` trajectories by the type of error that ended them); the
 generation, environment and reward times are means over what finished since the last row.
 """
 
@@ -35,6 +36,10 @@ class Tally:
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._reward_mark = (0.0, 0)  # the reward stream's (total ms, scored) at the last row
         self.last_error = ""  # the last trajectory error seen
+        # infra_failed trajectories by the error that ended them (EnvLogicError:KeyError,
+        # SessionLost, TrajectoryTimeout, ...): summary.json's trajectories.errors. Without it
+        # an environment that raised on some seeds showed only as an infra_failed count
+        self.errors: Counter[str] = Counter()
 
     def finished(self, traj: Trajectory) -> None:
         if traj.id in self._seen:  # cannot happen by construction; counted if it does
@@ -45,6 +50,7 @@ class Tally:
         self.counts[traj.status] += 1
         if traj.status == "infra_failed":
             self.last_error = str(traj.info.get("error", ""))
+            self.errors[str(traj.info.get("error_type") or "unknown")] += 1
         self.counts["tokens"] += sum(
             len((m.model_extra or {}).get("token_ids", [])) for m in traj.messages if m.role == "assistant"
         )

@@ -44,12 +44,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from core.config import EnvConfig, JobConfig
+from core.errors import where_raised
 from core.rollout.engines.base import Completion, EngineError, GenerateRequest
 from core.rollout.scheduling import OUTCOMES
 from core.sample import GROUP_KEY, TAG_KEY, VERSION_KEY
 from core.trainer.base import assistant_message
 from envpool.api import Observation, StepResult
-from envpool.errors import ActionError, EnvPoolError
+from envpool.errors import ActionError, EnvLogicError, EnvPoolError
 from envpool.pool import EnvPool
 from fabric.protocol import Message, Trajectory
 
@@ -146,6 +147,7 @@ class EnvManager:
         """``EnvConfig.image`` (a directory) -> the reference of the image the job built from
         it (``core.env_images.JobImages``); a reference stands for itself."""
         self._releasing: set[asyncio.Task[None]] = set()
+        self._warned: set[str] = set()  # the environment errors said already (once per type)
 
     async def run(
         self, task: Task, *, version: int, traj_id: str | None = None, barrier: TurnBarrier | None = None
@@ -171,11 +173,17 @@ class EnvManager:
             _fail(
                 traj,
                 f"trajectory ran over rollout.trajectory_timeout_s={self.cfg.rollout.trajectory_timeout_s}",
+                "TrajectoryTimeout",
             )
         except (EnvPoolError, EngineError) as e:
             # EnvLogicError (the environment's own bug, EnvHung: it hangs on an action) lands
             # here too: masked like a lost container, since no reward for it would be true
-            _fail(traj, f"{type(e).__name__}: {e}")
+            kind = type(e).__name__
+            if isinstance(e, EnvLogicError) and e.remote_type and e.remote_type != kind:
+                kind = f"{kind}:{e.remote_type}"  # EnvLogicError:KeyError
+            _fail(traj, f"{type(e).__name__}: {e}", kind)
+            if isinstance(e, EnvLogicError):
+                self._warn_once(env, kind, e)
         finally:
             traj.info["wall_s"] = time.perf_counter() - t0
             if barrier is not None:
@@ -187,6 +195,23 @@ class EnvManager:
             release.add_done_callback(self._releasing.discard)
             await asyncio.shield(release)
         return traj
+
+    def _warn_once(self, env: EnvConfig, kind: str, e: EnvLogicError) -> None:
+        """Say an environment's own error, once per type: a bug of the user's environment is
+        the user's to fix, and logged at INFO like a lost container it was nowhere to be seen
+        (its trajectories masked and re-run, a group given up now and then). Once, since an
+        environment that raises on one seed in three would flood the log."""
+        if kind in self._warned:
+            return
+        self._warned.add(kind)
+        where = where_raised(e.traceback)
+        log.warning(
+            "environment %s raised: %s%s; its trajectories are infra_failed (masked, re-run); "
+            "said once per error type, counted in summary.json's trajectories.errors",
+            env.id,
+            e,
+            f" ({where})" if where else "",
+        )
 
     async def _end(self, traj_id: str, *, abort: bool) -> None:
         if abort:
@@ -308,7 +333,8 @@ def _state(info: dict[str, Any], shown: str) -> str:
     return shown
 
 
-def _fail(traj: Trajectory, error: str) -> None:
+def _fail(traj: Trajectory, error: str, kind: str) -> None:
     traj.status = "infra_failed"
     traj.info["error"] = error
+    traj.info["error_type"] = kind  # what the job's summary counts errors by
     log.info("trajectory %s infra_failed: %s", traj.id, error)

@@ -58,6 +58,9 @@ class GroupState:
     reruns: int = 0
     closed: str | None = None
     """Why no more trajectories of this group are wanted: ``full``, ``stale``, ``given_up``."""
+    last_error: str | None = None
+    """Why its last member failed (infra_failed, reward_failed, a manager bug): said when the
+    group is given up."""
 
 
 class GroupRunner:
@@ -140,6 +143,7 @@ class GroupRunner:
         if exc is not None:  # a bug in the manager: keep the job going, count it loudly
             log.error("trajectory %s raised", traj_id, exc_info=exc)
             self.metrics["errors"] += 1
+            g.last_error = f"{type(exc).__name__}: {exc}"
             self._maybe_rerun(g)
             self._after(g)
             return
@@ -162,6 +166,7 @@ class GroupRunner:
                 if g.finished >= self.cfg.group_size:
                     self._close(g, "full")
         elif traj.status == "infra_failed":
+            g.last_error = str(traj.info.get("error") or "infra_failed")
             self.submit(traj)  # masked: the buffer counts it, never scores it
             self._maybe_rerun(g)
         else:
@@ -188,6 +193,7 @@ class GroupRunner:
         if g is None or g.closed in ("stale", "given_up"):
             return
         g.finished -= 1
+        g.last_error = f"reward_failed: {sample.error}"
         if g.closed == "full":
             g.closed = None
         self._maybe_rerun(g)
@@ -199,7 +205,11 @@ class GroupRunner:
         if self._closing or g.closed is not None or g.finished + live >= self.cfg.group_size:
             return
         if g.reruns >= self.cfg.rollout.max_reruns:
-            log.warning("group %s given up after %d re-runs", g.id, g.reruns)
+            # with its last error: "given up" alone sent the user looking for a cause that
+            # was logged nowhere (an environment that raised on some seeds)
+            log.warning(
+                "group %s given up after %d re-runs; the last error: %s", g.id, g.reruns, g.last_error
+            )
             self.metrics["given_up"] += 1
             self._close(g, "given_up")
             if self.on_given_up is not None:

@@ -16,8 +16,9 @@ from core.config import EnvConfig, JobConfig
 from core.rollout.engines.base import Completion, EngineError, GenerateRequest
 from core.rollout.env_manager import EnvManager, Task, TurnBarrier
 from core.rollout.llm_proxy import NoReplicaError
-from envpool.api import MAX_ACTION_BYTES
+from envpool.api import MAX_ACTION_BYTES, Observation
 from envpool.envs.math_tools import MathToolsEnv
+from envpool.errors import EnvLogicError
 from envpool.pool import EnvPool
 from fabric.protocol import Message
 
@@ -250,6 +251,48 @@ async def test_an_environment_that_hangs_is_infra_failed_at_once_not_retried():
     assert traj.info["wall_s"] < 2.5
     assert stats["env_hung"] == 1 and stats.get("step_retries", 0) == 0
     assert proxy.released == [traj.id] and stats["claimed"] == 0 and not p.runtime.live
+
+
+class _RaisingSession:
+    """An environment whose step raises (the error as the pool hands it over)."""
+
+    def __init__(self, error: EnvLogicError):
+        self.error = error
+
+    async def reset(self, *, seed: int | None = None) -> tuple[Observation, dict[str, Any]]:
+        return Observation(text="start"), {}
+
+    async def step(self, action: Any) -> Any:
+        raise self.error
+
+
+class _RaisingPool:
+    def __init__(self, *errors: EnvLogicError):
+        self.errors = list(errors)
+
+    @contextlib.asynccontextmanager
+    async def session(self, env_id: str, **kw: Any) -> AsyncIterator[_RaisingSession]:
+        yield _RaisingSession(self.errors.pop(0))
+
+
+async def test_an_environments_own_error_is_said_once_per_type_and_typed(caplog):
+    # it was logged at INFO only: a user's environment raising on some seeds showed up as
+    # "group given up" and an infra_failed count, its exception nowhere
+    tb = 'Traceback (most recent call last):\n  File "/b/buggy_env.py", line 28, in step\nKeyError: 1\n'
+    key = EnvLogicError("KeyError: 'oops in step'", remote_type="KeyError", traceback=tb)
+    value = EnvLogicError("ValueError: bad", remote_type="ValueError")
+    cfg = job(LAKE)
+    manager = EnvManager(cfg, _RaisingPool(key, key, value), ScriptedProxy(lambda tid, turn: "right"))  # type: ignore[arg-type]
+    with caplog.at_level("WARNING", logger="core.rollout.env_manager"):
+        trajs = [await manager.run(Task(cfg.envs[0], i, "g"), version=0) for i in range(3)]
+    assert [t.status for t in trajs] == ["infra_failed"] * 3
+    assert [t.info["error_type"] for t in trajs] == ["EnvLogicError:KeyError"] * 2 + [
+        "EnvLogicError:ValueError"
+    ]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 2  # once per error type, not once per trajectory
+    assert "frozenlake-v1 raised: KeyError: 'oops in step' (buggy_env.py, line 28, in step)" in warned[0]
+    assert "ValueError: bad" in warned[1]
 
 
 @module_loop

@@ -65,11 +65,14 @@ class FakeManager:
         if status == "raise":
             raise RuntimeError("a bug in the manager")
         self.finished.append(traj_id)
+        info: dict[str, Any] = {"start_version": version}
+        if status == "infra_failed":
+            info["error"] = "EnvLogicError: KeyError: 'oops'"
         return Trajectory(
             id=traj_id,
             status=status,  # type: ignore[arg-type]
             task={"tag": task.env.tag, "group_id": task.group_id},
-            info={"start_version": version},
+            info=info,
         )
 
     def ids(self) -> list[str]:
@@ -300,6 +303,16 @@ async def test_a_group_out_of_reruns_is_given_up():
     assert h.submitted_ids() == ids[:2] and h.by_status() == {"infra_failed": 2}
     assert h.manager.cancelled == [ids[2]] and h.proxy.aborted == [ids[2]]  # its last member stopped
     assert "g" not in h.runner.groups and h.runner.rolling_groups() == 0
+
+
+async def test_a_given_up_group_says_its_last_error(caplog):
+    # "given up after 3 re-runs" alone: the cause (an environment that raised) was nowhere
+    h = Harness(job(group_size=2, max_reruns=0), FakeManager([(0.001, "infra_failed")], default=(5.0, "ok")))
+    with caplog.at_level("WARNING", logger="core.rollout.groups"):
+        g = h.start(group_id="g")
+        await h.settle()
+    assert h.given_up == [g]
+    assert "group g given up after 0 re-runs; the last error: EnvLogicError: KeyError: 'oops'" in caplog.text
 
 
 async def test_reward_failures_count_against_the_reruns_too():

@@ -89,3 +89,13 @@ def test_a_failed_reward_is_the_last_error_with_its_function():
     assert tally.counts["reward_failed"] == 1
     assert "rewards.coin" in tally.last_error and "always_raises" in tally.last_error
     assert "my reward is broken" in tally.last_error
+
+
+def test_infra_failed_trajectories_are_counted_by_their_error_type():
+    # an environment that raised on some seeds showed only as an infra_failed count
+    tally = Tally()
+    for i, kind in enumerate(["EnvLogicError:KeyError", "EnvLogicError:KeyError", "SessionLost"]):
+        tally.finished(Trajectory(id=str(i), status="infra_failed", info={"error": "x", "error_type": kind}))
+    tally.finished(Trajectory(id="old", status="infra_failed", info={"error": "x"}))  # no type recorded
+    tally.finished(Trajectory(id="ok", status="ok"))
+    assert tally.errors == {"EnvLogicError:KeyError": 2, "SessionLost": 1, "unknown": 1}
