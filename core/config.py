@@ -50,6 +50,7 @@ from core.config_sections import (
     RewardConfig,
     RolloutConfig,
     TrainerConfig,
+    UserPath,
 )
 from core.errors import ConfigError
 from fabric.registry import Registry
@@ -101,7 +102,7 @@ class JobConfig(ConfigModel):
     envpool: EnvPoolConfig = Field(default_factory=EnvPoolConfig)
     images: ImagesConfig = Field(default_factory=ImagesConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    run_dir: Path = Path("runs/job")
+    run_dir: UserPath = Path("runs/job")
     """Where metrics, plots and the summary go (relative paths: to the working directory)."""
     seed: int = 0
 

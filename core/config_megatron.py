@@ -8,12 +8,12 @@ after the engine started. ``core.trainer.megatron_`` re-exports both.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.config_backends import LossAgg
+from core.config_sections import UserPath
 
 if TYPE_CHECKING:
     from core.trainer.hf_gpt import HFArch
@@ -56,9 +56,9 @@ class MegatronTrainerConfig(BaseModel):
     type: Literal["megatron"] = "megatron"
     model: GPTShape | None = None
     """Build a freshly initialised model of this shape (seeded by ``seed``)."""
-    checkpoint: Path | None = None
+    checkpoint: UserPath | None = None
     """Or load one written by ``MegatronTrainer.save_checkpoint`` (shape, weights, version)."""
-    hf_model: Path | None = None
+    hf_model: UserPath | None = None
     """Or start from a Hugging Face checkpoint directory (Llama, Qwen2 or Mistral family:
     RMSNorm, SwiGLU, RoPE, grouped-query attention): its ``config.json`` and weights. The
     trainer's ``state()`` then uses Hugging Face names, which an engine serving the same

@@ -11,7 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from envpool.images.tiers import TierConfig
 from envpool.pool import PoolConfig
@@ -34,6 +42,12 @@ def _known(what: str, known: tuple[str, ...]) -> BeforeValidator:
         return v
 
     return BeforeValidator(check)
+
+
+#: A path field of the config, ``~`` expanded. Taken as written, ``run_dir: ~/runs/x`` (or the
+#: ``images: {dir: ~/.cache/rl-fabric/images}`` the docs recommend) made a directory named
+#: ``~`` in the working directory; ``envs[].image`` expanded it already.
+UserPath = Annotated[Path, AfterValidator(lambda p: p.expanduser())]
 
 
 class ConfigModel(BaseModel):
@@ -356,7 +370,7 @@ JOB_DISK = "job-disk"
 class ImagesConfig(ConfigModel):
     """Where the job keeps the images of its environments (``envs[].image``)."""
 
-    dir: Path | None = None
+    dir: UserPath | None = None
     """The job's image cache: a disk tier of bundles (``<dir>/blobs``) and the bundles
     unpacked for the containers and the tokenizer's corpus (``<dir>/unpacked``). Default:
     ``<run_dir>/images``; share one between runs (``~/.cache/rl-fabric/images``) to build

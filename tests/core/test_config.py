@@ -339,3 +339,17 @@ def test_shipped_examples_load_against_the_real_registries(path, monkeypatch):
     # the run directory records the full config: it must load back to the same thing
     again = JobConfig.from_dict(yaml.safe_load(cfg.to_yaml()), check_references=False)
     assert again == cfg
+
+
+def test_a_tilde_in_a_path_field_is_the_home_directory(monkeypatch, tmp_path):
+    # taken as written, run_dir: ~/runs/x (and the images.dir the docs recommend) made a
+    # directory named "~" in the working directory
+    from core.config_megatron import MegatronTrainerConfig
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load(base(run_dir="~/runs/x", images={"dir": "~/.cache/rl-fabric/images"}))
+    assert cfg.run_dir == tmp_path / "runs/x"
+    assert cfg.images.dir == tmp_path / ".cache/rl-fabric/images"
+    assert load(base()).run_dir == Path("runs/job")  # a relative path stays relative
+    assert MegatronTrainerConfig(hf_model="~/models/q").hf_model == tmp_path / "models/q"  # type: ignore[arg-type]
+    assert MegatronTrainerConfig(checkpoint="~/ck.pt").checkpoint == tmp_path / "ck.pt"  # type: ignore[arg-type]
