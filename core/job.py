@@ -71,11 +71,14 @@ class Job:
         registry: Registry | None = None,
         resume: bool = False,
         allow_changes: Sequence[str] = (),
+        source: str | None = None,
     ):
         """``resume``: continue from the newest checkpoint in ``cfg.run_dir`` (refused, naming
         the key, when there is none, the config changed, or ``steps`` is not above it);
-        ``allow_changes``: config keys (or sections) a resumed run may change all the same."""
+        ``allow_changes``: config keys (or sections) a resumed run may change all the same;
+        ``source``: the config's file, named by the config errors the job finds."""
         self.cfg = cfg
+        self.source = source
         self.resume = resume
         self.allow_changes = tuple(allow_changes)
         self._changes: list[tuple[str, str]] = []  # what allow_changes let through
@@ -133,6 +136,12 @@ class Job:
                 if term.received:
                     raise KeyboardInterrupt("SIGTERM") from None
                 raise
+            except ConfigError as e:
+                if e.source is not None or self.source is None:
+                    raise
+                # found after the load (the policy build, the cluster, the warm-up), where only
+                # the key is known: "invalid job config (1 problem)" did not say which file
+                raise ConfigError(e.problems, self.source).with_traceback(e.__traceback__) from None
 
     async def _run(self, term: _TermAsInterrupt) -> dict[str, Any]:
         cfg = self.cfg
@@ -740,7 +749,13 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     try:
-        job = Job(cfg, progress=not args.quiet, resume=args.resume, allow_changes=args.allow_change)
+        job = Job(
+            cfg,
+            progress=not args.quiet,
+            resume=args.resume,
+            allow_changes=args.allow_change,
+            source=args.config,
+        )
         summary = asyncio.run(job.run())
     except CoreError as e:
         print(e, file=sys.stderr)

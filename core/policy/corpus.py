@@ -113,21 +113,27 @@ def play_envs(
         }
         if env_cfg.prompt.system:
             played.texts.append(env_cfg.prompt.system)
-        _play(spec, where=f"envs[{i}].id", env=i, into=played, stop=stop)
+        _play(spec, where=f"envs[{i}]", env=i, into=played, stop=stop)
     return played
 
 
 def _play(
     spec: dict[str, Any], *, where: str, env: int, into: Played, stop: threading.Event | None = None
 ) -> None:
-    def refuse(why: str) -> ConfigError:
-        return ConfigError([(where, f"cannot play {spec['id']} to build the tokenizer: {why}")])
+    """``where``: the entry's key (``envs[0]``); a problem names its ``.id``, or ``.kwargs``
+    when the environment would not take them."""
+
+    def refuse(why: str, key: str = "id") -> ConfigError:
+        return ConfigError([(f"{where}.{key}", f"cannot play {spec['id']} to build the tokenizer: {why}")])
 
     try:
         returncode, stdout, stderr = _run_child(spec, stop)
     except subprocess.TimeoutExpired:
         raise refuse(f"{spec['episodes']} episodes took over {CHILD_TIMEOUT_S:.0f} s") from None
     if returncode != 0:
+        refused = _kwargs_refused(stdout)
+        if refused is not None:
+            raise refuse(f"it does not take kwargs {spec['kwargs']}: {refused}", "kwargs")
         raise refuse(_last_line(stderr) or f"exit code {returncode}")
     texts = into.texts
     played, died = 0, []
@@ -186,6 +192,16 @@ def _run_child(spec: dict[str, Any], stop: threading.Event | None) -> tuple[int,
                 proc.communicate()  # reaps it and closes the pipes
 
 
+def _kwargs_refused(stdout: str) -> str | None:
+    """The child's ``kwargs_refused`` line, if it wrote one before it failed."""
+    for line in stdout.splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            row = json.loads(line)
+            if isinstance(row, dict) and "kwargs_refused" in row:
+                return str(row["kwargs_refused"])
+    return None
+
+
 def _last_line(text: str) -> str:
     lines = text.strip().splitlines()
     return lines[-1] if lines else ""
@@ -202,7 +218,15 @@ def _child(spec: dict[str, Any]) -> None:
     if bundle is not None:
         os.chdir(bundle)  # as in a container: the image's directory is the working directory
     registry = load_bundle(bundle)  # the built-ins and what the image registers
-    env = registry.make(spec["id"], tool_caller=_no_tools, **spec["kwargs"])
+    try:
+        env = registry.make(spec["id"], tool_caller=_no_tools, **spec["kwargs"])
+    except TypeError as e:
+        if not spec["kwargs"]:
+            raise
+        # the constructor would not take the entry's kwargs (a typo, a key it never had):
+        # said as such, the problem names envs[i].kwargs, not the id that is right
+        _write(out, {"kwargs_refused": f"{type(e).__name__}: {e}"})
+        raise
     actions = list(spec["actions"] or env.env.example_actions or ("noop",))
     _write(out, {"actions": actions})
     n = spec["episodes"]

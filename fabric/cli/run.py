@@ -51,7 +51,7 @@ def run(
         # prints to our sys.stdout: --quiet's stdout is the summary alone
         with prints_to_stderr():
             cfg = load(config, steps=steps, run_dir=run_dir)
-            job = Job(cfg, progress=not quiet, resume=resume, allow_changes=allow_change or ())
+            job = Job(cfg, progress=not quiet, resume=resume, allow_changes=allow_change or (), source=config)
             summary = asyncio.run(job.run())
     except CoreError as e:  # a bad config, or a rollout where every group fails
         fail(str(e))

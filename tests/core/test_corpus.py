@@ -71,6 +71,16 @@ def test_an_environment_that_cannot_be_built_is_a_config_error():
     assert key == "envs[0].id" and "ValueError: need mu_s >= 0" in msg
 
 
+def test_kwargs_the_environment_does_not_take_are_a_config_error_naming_them():
+    # the TypeError blamed envs[0].id (the id was right; the kwargs had a typo)
+    cfg = _cfg({"id": "frozenlake-v1", "kwargs": {"sizee": 4}})
+    with pytest.raises(ConfigError) as e:
+        env_corpus(cfg, episodes=5)
+    [(key, msg)] = e.value.problems
+    assert key == "envs[0].kwargs"
+    assert "does not take kwargs {'sizee': 4}: TypeError: " in msg and "'sizee'" in msg
+
+
 def test_episodes_leave_no_work_dirs_behind(monkeypatch, tmp_path):
     # each episode is a forked process that ends in os._exit: code-repair's work dir (made
     # in the temp dir at reset) stayed there, one per episode

@@ -207,6 +207,7 @@ def test_a_run_dir_that_cannot_be_a_directory_is_refused_before_the_policy_is_bu
     assert main([str(path), "--run-dir", str(run_dir), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert f"run_dir: {str(taken)!r} is a file, not a directory; choose another" in err
+    assert f"invalid job config in {path} (1 problem)" in err  # found after the load: the file named too
     assert "Traceback" not in err and taken.read_text() == "a file"
 
 
@@ -218,8 +219,9 @@ async def test_constrained_actions_without_the_torch_engine_fail_before_the_run_
         trainer={"backend": "megatron", "kwargs": {"hf_model": str(tmp_path)}},
     )
     with pytest.raises(ConfigError) as e:
-        await Job(cfg, progress=False, registry=faults.REG).run()
+        await Job(cfg, progress=False, registry=faults.REG, source="job.yaml").run()
     assert [k for k, _ in e.value.problems] == ["envs[0].actions"]
+    assert e.value.source == "job.yaml" and str(e.value).startswith("invalid job config in job.yaml")
     assert not (tmp_path / "run").exists()
 
 
