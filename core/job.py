@@ -743,20 +743,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
+    from fabric.usercode import prints_to_stderr
+
     try:
-        cfg = load(args.config, steps=args.steps, run_dir=args.run_dir)
-    except CoreError as e:
-        print(e, file=sys.stderr)
-        return 2
-    try:
-        job = Job(
-            cfg,
-            progress=not args.quiet,
-            resume=args.resume,
-            allow_changes=args.allow_change,
-            source=args.config,
-        )
-        summary = asyncio.run(job.run())
+        # the config's fabric.discover modules are imported here, and Ray relays its actors'
+        # prints to our sys.stdout: --quiet's stdout is the summary alone, as fabric run's
+        with prints_to_stderr():
+            cfg = load(args.config, steps=args.steps, run_dir=args.run_dir)
+            job = Job(
+                cfg,
+                progress=not args.quiet,
+                resume=args.resume,
+                allow_changes=args.allow_change,
+                source=args.config,
+            )
+            summary = asyncio.run(job.run())
     except CoreError as e:
         print(e, file=sys.stderr)
         return 2
@@ -769,17 +770,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def load(path: str, *, steps: int | None = None, run_dir: str | None = None) -> JobConfig:
     """The config at ``path`` with command-line overrides, validated once."""
-    import os
-
     import yaml
 
+    from fabric.usercode import search_cwd
+
     # `python -m core.job` finds a `fabric.discover` module in the working directory (beside
-    # the config: my_rewards.py), the installed `fabric run` did not (ModuleNotFoundError):
-    # searched last, as the other `fabric` commands do, so a file here cannot shadow an
-    # installed package; the local backend's worker processes inherit sys.path
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.append(cwd)
+    # the config: my_rewards.py), the installed `fabric run` did not (ModuleNotFoundError)
+    search_cwd()
     overrides: dict[str, Any] = {}
     if steps is not None:
         overrides["steps"] = steps
