@@ -55,6 +55,8 @@ from envpool.pool import EnvPool
 from fabric.protocol import Message, Trajectory
 
 log = logging.getLogger(__name__)
+_JOB_TASK_KEYS = frozenset({"env_id", "seed", TAG_KEY, GROUP_KEY})
+"""What the job writes into every trajectory's ``task``; an environment's may not override them."""
 
 
 def task_key(reset_text: str) -> str:
@@ -227,6 +229,22 @@ class EnvManager:
         while self._releasing:
             await asyncio.gather(*self._releasing, return_exceptions=True)
 
+    def _take_task(self, env_id: str, traj: Trajectory, given: dict[str, Any]) -> None:
+        """The environment's task metadata (ground truth for the rewards) into ``traj.task``,
+        but never over the job's own keys: a ``tag`` there sent the trajectory to another
+        reward, a ``group_id`` mixed it into another group's advantages. Said once per env."""
+        clash = sorted(_JOB_TASK_KEYS & given.keys())
+        if clash and f"task-keys:{env_id}" not in self._warned:
+            self._warned.add(f"task-keys:{env_id}")
+            log.warning(
+                "environment %s returned task key(s) %s in reset's info['task']: the job's own keys "
+                "(%s) are kept; rename them in the environment",
+                env_id,
+                ", ".join(clash),
+                ", ".join(sorted(_JOB_TASK_KEYS)),
+            )
+        traj.task.update({k: v for k, v in given.items() if k not in _JOB_TASK_KEYS})
+
     async def _play(self, task: Task, traj: Trajectory, barrier: TurnBarrier | None) -> None:
         env, info = task.env, traj.info
         image = self.images.get(env.image, env.image) if env.image is not None else None
@@ -235,7 +253,7 @@ class EnvManager:
             obs, reset_info = await session.reset(seed=task.seed)
             info["env_s"] += time.perf_counter() - te
             if isinstance(reset_info.get("task"), dict):
-                traj.task.update(reset_info["task"])
+                self._take_task(env.id, traj, reset_info["task"])
             if env.prompt.system:
                 traj.messages.append(Message(role="system", content=env.prompt.system))
             traj.messages.append(Message(role="user", content=obs.text))

@@ -275,6 +275,35 @@ class _RaisingPool:
         yield _RaisingSession(self.errors.pop(0))
 
 
+class _TaskSession(_RaisingSession):
+    """An environment whose reset hands over task metadata that names the job's own keys."""
+
+    async def reset(self, *, seed: int | None = None) -> tuple[Observation, dict[str, Any]]:
+        return Observation(text="start"), {
+            "task": {"answer": "7", "tag": "other", "group_id": "x", "seed": 99}
+        }
+
+
+class _TaskPool:
+    @contextlib.asynccontextmanager
+    async def session(self, env_id: str, **kw: Any) -> AsyncIterator[_TaskSession]:
+        yield _TaskSession(EnvLogicError("KeyError: x", remote_type="KeyError"))
+
+
+async def test_an_environment_cannot_override_the_jobs_own_task_keys(caplog):
+    # a `tag` in reset's info["task"] sent the trajectory to another reward, a `group_id`
+    # mixed it into another group's advantages: the job's keys win, and it is said once
+    cfg = job(LAKE)
+    manager = EnvManager(cfg, _TaskPool(), ScriptedProxy(lambda tid, turn: "right"))  # type: ignore[arg-type]
+    with caplog.at_level("WARNING", logger="core.rollout.env_manager"):
+        trajs = [await manager.run(Task(cfg.envs[0], i, "g1"), version=0) for i in range(2)]
+    for i, t in enumerate(trajs):
+        assert t.task["answer"] == "7"  # the environment's own key is taken
+        assert (t.task["tag"], t.task["group_id"], t.task["seed"]) == (cfg.envs[0].tag, "g1", i)
+    warned = [r.getMessage() for r in caplog.records if "task key" in r.getMessage()]
+    assert len(warned) == 1 and "group_id, seed, tag" in warned[0]
+
+
 async def test_an_environments_own_error_is_said_once_per_type_and_typed(caplog):
     # it was logged at INFO only: a user's environment raising on some seeds showed up as
     # "group given up" and an infra_failed count, its exception nowhere
