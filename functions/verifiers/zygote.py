@@ -327,7 +327,12 @@ def main() -> None:
                 with contextlib.suppress(BlockingIOError):
                     os.read(child_r, 4096)
                 continue
-            msg = chan.recv(64)
+            try:
+                msg = chan.recv(64)
+            except OSError:
+                # ECONNRESET: a client that died with spares unread in its queue (killed, not
+                # closed) is gone all the same; it must not cost the runs' cgroups a traceback
+                msg = b""
             if not msg:
                 pool.shutdown()  # the client went away
             elif msg.startswith(b"f"):  # b"f<slot>": a run's supervisor is done with its slot

@@ -6,9 +6,11 @@ checks from outside that nothing is left running.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -115,6 +117,37 @@ def test_start_and_close_leave_no_jail_dirs_or_mounts():
             assert py(box, "print(5)").stdout == b"5\n"
     assert stale_jail_dirs(before) == []
     assert Path("/proc/self/mountinfo").read_text() == mounts
+
+
+def test_a_client_gone_with_spares_unread_ends_the_zygote_cleanly():
+    """A client killed (not closed) with a spare unread in its queue makes the zygote's next
+    read fail with ECONNRESET rather than return EOF: gone all the same, so the zygote still
+    ends its runs and removes its cgroups, and prints no traceback."""
+    base = next(OWN_BASES)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    cmd = [sys.executable, "-m", "functions.verifiers.zygote", str(base), "1", "1"]  # one spare
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": _package_root()}
+    zygote = subprocess.Popen(
+        cmd, stdin=theirs.fileno(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd="/"
+    )
+    theirs.close()
+    try:
+        ours.settimeout(30)
+        hello = json.loads(ours.recv(65536))
+        assert hello["ready"], hello
+        # the spare arrived, stays unread, and the zygote made all it will: it waits to read
+        assert ours.recv(4096, socket.MSG_PEEK)
+        ours.close()
+        _, err = zygote.communicate(timeout=10)
+    finally:
+        ours.close()
+        if zygote.poll() is None:
+            zygote.kill()
+            zygote.wait()
+        kill_orphaned_inits(base)
+    assert (zygote.returncode, err.decode()) == (0, "")
+    assert [p for p in hello["cgroups"].values() if os.path.exists(p)] == []
+    assert wait_no_live(base, 3.0), live_in_range(base)
 
 
 # -- a race made deterministic: PR_SET_PDEATHSIG is set after fork ---------------------------
