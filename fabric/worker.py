@@ -11,6 +11,7 @@ Orphans are impossible by construction: the kernel kills us when the parent dies
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import ctypes
 import functools
@@ -266,7 +267,12 @@ def main() -> None:
         await done
 
     asyncio.run(serve())
-    os._exit(0)  # skip interpreter teardown: nothing to flush, and it is the slow part
+    # told to stop, or the parent's socket closed: the function's exit handlers run (the code
+    # verifier's closes its sandbox, whose zygote ends its runs and removes its cgroups), the
+    # rest of interpreter teardown is skipped: nothing to flush, and it is the slow part. The
+    # pool kills a worker that takes too long at it
+    atexit._run_exitfuncs()
+    os._exit(0)
 
 
 if __name__ == "__main__":

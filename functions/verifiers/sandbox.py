@@ -134,8 +134,18 @@ class Sandbox:
             cmd += [str(self.config.base_uid), str(self.config.spares), "1" if self.config.cgroups else "0"]
             # an empty environment: nothing of the worker's (keys, tokens) reaches a run
             env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": _package_root()}
+            # a session of its own: a kill of the worker's process group (the local pool kills
+            # it to end the helpers a function forked) must not cut short the zygote's own
+            # shutdown, which ends its runs and removes its cgroups. It still dies with the
+            # worker: the worker's end of the channel closes with it (no exec'd child inherits
+            # it), and the zygote shuts down on that EOF
             self._zygote = subprocess.Popen(
-                cmd, stdin=theirs.fileno(), stdout=subprocess.DEVNULL, env=env, cwd="/"
+                cmd,
+                stdin=theirs.fileno(),
+                stdout=subprocess.DEVNULL,
+                env=env,
+                cwd="/",
+                start_new_session=True,
             )
             theirs.close()
             ours.settimeout(self.config.start_timeout_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import signal
 import time
@@ -146,6 +147,18 @@ def _second_worker_fails() -> None:
 @REG.function(warm=1, setup=_second_worker_fails)
 def picky(seconds: float) -> int:
     time.sleep(seconds)
+    return os.getpid()
+
+
+def _cleans_up_at_exit() -> None:
+    # what a library holding a process or a file does (the code verifier's sandbox): an exit
+    # handler that ends it
+    marker = Path(os.environ["FABRIC_TEST_MARKER"])
+    atexit.register(marker.write_text, str(os.getpid()))
+
+
+@REG.function(warm=1, setup=_cleans_up_at_exit)
+def exit_handler(x: int) -> int:
     return os.getpid()
 
 

@@ -137,6 +137,17 @@ async def test_setup_hook_runs_once_per_worker():
         assert by_pid and all(calls == {1} for calls in by_pid.values())
 
 
+async def test_a_stopped_worker_runs_the_exit_handlers_its_function_registered(tmp_path, monkeypatch):
+    # the code verifier's closes its sandbox: skipped, the zygote was killed with the
+    # worker's process group and left its cgroups behind
+    marker = tmp_path / "exited"
+    monkeypatch.setenv("FABRIC_TEST_MARKER", str(marker))
+    async with local() as c:
+        pid = (await c.call("exit_handler", {"x": 1})).value
+        assert not marker.exists()
+    assert marker.read_text() == str(pid)  # before the close returned
+
+
 async def test_setup_failure_fails_fast_with_the_cause():
     async with local(setup_failure_cooldown_s=30) as c:
         r = await c.call("bad_setup", {"x": 1})

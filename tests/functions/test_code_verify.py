@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -292,6 +294,56 @@ def test_sandbox_errors_surface_as_retryable_failures_not_zero_rewards():
 
     with pytest.raises(SandboxError):
         code_verify("print(1)", tests=[{"stdin": "", "expected_stdout": "1"}], extract=False, ctx=Broken())
+
+
+async def test_closing_a_local_pool_that_ran_it_leaves_no_zygote_or_cgroups():
+    # the pool killed its stopped worker's process group, the zygote in it, before the
+    # zygote's own shutdown (end the runs, remove the cgroups) and the worker's exit handler
+    # (Sandbox.close) ran: every clean close left rlfabric-<pid> cgroup dirs behind
+    reg = Registry()
+    reg.discover("functions.verifiers.code")
+    async with Client(backend=LocalConfig(), registry=reg) as client:
+        payload = {
+            "traj": "print(input()[::-1])",
+            "extract": False,
+            "tests": [{"stdin": "ab", "expected_stdout": "ba"}],
+        }
+        r = await client.call("code_verify", payload)
+        assert r.ok and r.value["score"] == 1.0, r
+        zygotes = [z for w in client.backend.stats()["code_verify"]["pids"] for z in _zygotes_of(w)]
+        assert zygotes
+    deadline = time.monotonic() + 5  # a loaded machine may have killed the worker mid-exit
+    while time.monotonic() < deadline and (_cgroup_dirs(zygotes) or any(map(_alive, zygotes))):  # noqa: ASYNC110
+        await asyncio.sleep(0.02)
+    assert [z for z in zygotes if _alive(z)] == []
+    assert _cgroup_dirs(zygotes) == []
+
+
+def _zygotes_of(worker: int) -> list[int]:
+    with open(f"/proc/{worker}/task/{worker}/children") as f:
+        children = [int(pid) for pid in f.read().split()]
+    return [pid for pid in children if b"functions.verifiers.zygote" in _cmdline(pid)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _cgroup_dirs(zygotes: list[int]) -> list[str]:
+    roots = [Path("/sys/fs/cgroup", ctl) for ctl in ("cpuacct", "memory")]
+    return [str(p) for root in roots for z in zygotes for p in root.glob(f"**/rlfabric-{z}")]
 
 
 async def test_through_the_fabric_local_backend_bad_input_leaves_the_pool_healthy():

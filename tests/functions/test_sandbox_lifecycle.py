@@ -109,6 +109,52 @@ def test_a_killed_client_leaves_nothing_running():
     assert not is_zygote_family(str(zygote)), "the zygote outlived its client"
 
 
+RUN_ONCE = """
+import sys
+from functions.verifiers.sandbox import Sandbox, SandboxConfig
+box = Sandbox(SandboxConfig(base_uid=int(sys.argv[1]), spares=2))
+box.start()
+assert box.run_python("print(1)").stdout == b"1\\n"
+print(box._zygote.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_killed_process_group_of_the_client_leaves_the_zygote_its_cleanup():
+    """The local pool kills a worker's whole process group (to end what its function forked).
+    The zygote leads a session of its own, so that kill does not reach it: it sees its
+    client gone, ends the runs and removes its cgroups (the worker's group once held it too,
+    and each close of a pool that ran the code verifier left the cgroup dirs behind)."""
+    base = next(OWN_BASES)
+    env = {**os.environ, "PYTHONPATH": _package_root()}
+    client = subprocess.Popen(
+        [sys.executable, "-c", RUN_ONCE, str(base)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd=_package_root(),
+        start_new_session=True,
+    )
+    try:
+        assert client.stdout is not None
+        zygote = int(client.stdout.readline())
+    finally:
+        os.killpg(client.pid, signal.SIGKILL)
+        client.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (is_zygote_family(str(zygote)) or _cgroups_of(zygote)):
+        time.sleep(0.02)
+    kill_orphaned_inits(base)
+    assert not is_zygote_family(str(zygote)), "the zygote outlived its client"
+    assert _cgroups_of(zygote) == []
+    assert wait_no_live(base, 3.0), live_in_range(base)
+
+
+def _cgroups_of(zygote: int) -> list[str]:
+    roots = [Path("/sys/fs/cgroup", ctl) for ctl in ("cpuacct", "memory")]
+    return [str(p) for root in roots for p in root.glob(f"**/rlfabric-{zygote}")]
+
+
 def test_start_and_close_leave_no_jail_dirs_or_mounts():
     before = jail_dirs()
     mounts = Path("/proc/self/mountinfo").read_text()
