@@ -18,11 +18,15 @@ or ``{"error": "..."}`` (exit code 1).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,12 +104,16 @@ def registered_by(root: str | os.PathLike[str], *, timeout_s: float = INSPECT_TI
     entry point imported once. ``ManifestError`` if the manifest or any of it fails."""
     root = Path(root).absolute()
     read_manifest(root)  # the common mistakes, without a process
-    try:
-        proc = subprocess.run(
+    # a module may start a helper process at import (a simulator, a game server), which
+    # inherits the child's output: waiting for EOF on pipes would wait for the helper (then
+    # blame a slow import), so the output goes to files and the child's own exit ends the
+    # wait. The child leads a process group of its own, killed then: no helper outlives it
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(
             [sys.executable, "-m", "envpool.manifest", str(root)],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
             cwd=root,
             # as a container's: the caller's import path, the bundle put first by the child;
             # no __pycache__ written into the bundle (it would change the bundle's digest)
@@ -114,10 +122,22 @@ def registered_by(root: str | os.PathLike[str], *, timeout_s: float = INSPECT_TI
                 "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
                 "PYTHONDONTWRITEBYTECODE": "1",
             },
+            start_new_session=True,
         )
-    except subprocess.TimeoutExpired:
-        raise ManifestError(f"{root / MANIFEST}: loading it took over {timeout_s:.0f} s") from None
-    lines = proc.stdout.strip().splitlines()
+        try:
+            exited = _wait_unreaped(proc.pid, timeout_s)
+        finally:
+            # before the child is reaped: until then its pid, the group's id, is nobody else's
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if not exited:
+            raise ManifestError(f"{root / MANIFEST}: loading it took over {timeout_s:.0f} s")
+        out.seek(0)
+        err.seek(0)
+        stdout = out.read().decode(errors="replace")
+        stderr = err.read().decode(errors="replace")
+    lines = stdout.strip().splitlines()
     try:
         row = json.loads(lines[-1]) if lines else {}
     except json.JSONDecodeError:
@@ -125,8 +145,18 @@ def registered_by(root: str | os.PathLike[str], *, timeout_s: float = INSPECT_TI
     if "envs" in row and proc.returncode == 0:
         envs: dict[str, Any] = row["envs"]
         return envs
-    why = row.get("error") or (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+    why = row.get("error") or (stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
     raise ManifestError(why)
+
+
+def _wait_unreaped(pid: int, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for the child ``pid`` to exit, leaving it unreaped."""
+    deadline = time.monotonic() + timeout_s
+    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def _inspect(root: Path) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,39 @@ def test_the_modules_an_image_names_register_its_environments_in_a_child(tmp_pat
     assert envs["manifest-coin-v0"]["max_episode_steps"] == 2
     # nothing of the image ran here
     assert "manifest-coin-v0" not in envpool.default_registry and "manifest_coin" not in sys.modules
+
+
+HELPER = """
+import os, subprocess, sys
+# a simulator the module starts at import; it inherits the child's stdout and stderr
+helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+with open(os.environ["HELPER_PID_FILE"], "w") as f:
+    f.write(str(helper.pid))
+"""
+
+
+def test_a_helper_an_image_starts_at_import_neither_holds_up_the_check_nor_outlives_it(tmp_path, monkeypatch):
+    # the check waited for EOF on pipes the helper held: the full timeout, then "loading it
+    # took over 120 s", and the helper left running
+    root = image(tmp_path, {"modules": ["manifest_coin", "helper"]})
+    (root / "helper.py").write_text(HELPER)
+    pid_file = tmp_path / "helper.pid"
+    monkeypatch.setenv("HELPER_PID_FILE", str(pid_file))
+    t0 = time.monotonic()
+    assert list(registered_by(root, timeout_s=20)) == ["manifest-coin-v0"]
+    assert time.monotonic() - t0 < 15
+    helper = int(pid_file.read_text())
+    deadline = time.monotonic() + 5  # killed at once; a zombie until its new parent reaps it
+    while _alive(helper) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _alive(helper), "the image's helper outlived the check"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_inspecting_an_image_leaves_its_directory_and_digest_unchanged(tmp_path, monkeypatch):
