@@ -14,15 +14,16 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from envpool.api import make
 from envpool.errors import InfraError
 from envpool.pool import EnvPool, SessionLost
 
 Progress = Callable[[str, int, int], None]
+T = TypeVar("T")
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -30,7 +31,19 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q / 100 * len(xs)))] if xs else 0.0
 
 
+async def _term_as_interrupt(run: Callable[[], Awaitable[T]]) -> T:
+    """SIGTERM stops a bench as Ctrl-C does: its pool closes and its temp dirs go (left
+    alone, the signal ended the process on the spot, leaving containers' dirs behind)."""
+    from fabric._sigterm import term_as_interrupt
+
+    return await term_as_interrupt(lambda _: run())
+
+
 async def latency(n_claims: int = 200, n_steps: int = 2000) -> dict[str, Any]:
+    return await _term_as_interrupt(lambda: _latency(n_claims, n_steps))
+
+
+async def _latency(n_claims: int, n_steps: int) -> dict[str, Any]:
     import envpool.envs  # noqa: F401
 
     env = make("echo-v0")
@@ -92,6 +105,15 @@ async def resets(
 ) -> dict[str, Any]:
     """``n`` resets (claim, reset, one step, release) with faults injected."""
     images = FlakyImages(fetch_error_rate)
+    try:
+        return await _term_as_interrupt(lambda: _resets(images, n, concurrency, crash_rate, progress))
+    finally:  # Ctrl-C or SIGTERM included
+        shutil.rmtree(images.root, ignore_errors=True)
+
+
+async def _resets(
+    images: FlakyImages, n: int, concurrency: int, crash_rate: float, progress: Progress | None
+) -> dict[str, Any]:
     image = "builtin@sha256:" + "0" * 64
     cfg = {
         "min_warm": concurrency,
@@ -126,7 +148,6 @@ async def resets(
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - t0
         stats = pool.stats()
-    shutil.rmtree(images.root, ignore_errors=True)
     return {
         "resets": n,
         "ok": ok,
@@ -193,6 +214,10 @@ async def cold_image(
 ) -> dict[str, Any]:
     """``sessions`` sessions claim a container and reset at once, on an image no node has:
     through one tiered cache with single-flight, vs every container fetching on its own."""
+    return await _term_as_interrupt(lambda: _cold_image(sessions, size_mb, bandwidth_mbps))
+
+
+async def _cold_image(sessions: int, size_mb: float, bandwidth_mbps: float) -> dict[str, Any]:
     from envpool.images import DiskTier, DiskTierConfig, HttpTier, OriginTierConfig, TieredCache, build_bundle
     from envpool.images.fake_origin import FakeOrigin
 

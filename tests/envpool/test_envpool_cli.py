@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import typer
 from help_pages import command_paths, early_breaks
 from typer.testing import CliRunner
 
+import envpool
 from envpool.cli import app
 
 runner = CliRunner()
@@ -82,6 +88,36 @@ def test_bench_cold_image_compares_both_ways():
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["tiered"]["origin_gets"] == 1 and out["own_fetch"]["origin_gets"] == 4
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_bench_stopped_by_a_signal_removes_its_temp_dirs(tmp_path, sig):
+    # Ctrl-C skipped the bundle dir's removal; SIGTERM killed the process on the spot (exit
+    # -15), leaving it and the runtime's container dirs
+    root = Path(envpool.__file__).resolve().parents[1]
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(root)}
+    args = ["bench", "resets", "--n", "1000000", "--concurrency", "2", "--json"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "envpool.cli", *args],
+        env=env,
+        cwd=root,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        # running: its bundle dir and a container's dir (p<pid>-N in the runtime's root) exist
+        while not (list(tmp_path.glob("envpool-bench-*")) and list(tmp_path.glob("envpool-*/p*"))):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stderr.decode()[-2000:]  # as Ctrl-C: stopped, not killed
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("columns", [80, 120])
