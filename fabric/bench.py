@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from fabric._sigterm import TermAsInterrupt, term_as_interrupt
 from fabric.backends.base import FaultInjection, LambdaConfig, LocalConfig, cpu_count
 from fabric.client import Client, ClientConfig
 from fabric.errors import ConfigError
@@ -274,7 +275,12 @@ async def _cold_start_ms(cfg: BenchConfig, registry: Registry, payload: dict[str
 
 
 async def _run_ray(
-    cfg: BenchConfig, registry: Registry, payload: dict[str, Any], workers: int, progress: Progress | None
+    cfg: BenchConfig,
+    registry: Registry,
+    payload: dict[str, Any],
+    workers: int,
+    progress: Progress | None,
+    term: TermAsInterrupt,
 ) -> dict[str, Any]:
     try:
         import ray
@@ -303,6 +309,7 @@ async def _run_ray(
         ray.init(
             num_cpus=cpu_count(), include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR
         )
+        term.reinstall()  # ray.init put its own SIGTERM handler in place of ours
     try:
         actors = [RewardWorker.remote(entry) for _ in range(workers)]  # type: ignore[attr-defined]
         await asyncio.gather(*(a.__ray_ready__.remote() for a in actors))
@@ -363,6 +370,14 @@ async def _vs_local(
 
 
 async def run_bench(cfg: BenchConfig, registry: Registry, progress: Progress | None = None) -> dict[str, Any]:
+    # SIGTERM stops the bench as Ctrl-C does: pools, workers and Ray are shut down on the
+    # way out (left alone, it killed the process, or met Ray's handler: a C stack trace)
+    return await term_as_interrupt(lambda term: _run_bench(cfg, registry, progress, term))
+
+
+async def _run_bench(
+    cfg: BenchConfig, registry: Registry, progress: Progress | None, term: TermAsInterrupt
+) -> dict[str, Any]:
     spec = registry.get(cfg.function)
     if cfg.backend not in ("local", "lambda"):
         raise ConfigError(f"fabric bench drives the local or the lambda backend; got backend={cfg.backend!r}")
@@ -447,7 +462,7 @@ async def run_bench(cfg: BenchConfig, registry: Registry, progress: Progress | N
             out["hedge_off_slow_share"] = off["slow_share"]
         out["p99_ratio_off_vs_on"] = off["p99_ms"] / on["p99_ms"] if on["p99_ms"] else None
     if cfg.baseline == "ray":
-        base = await _run_ray(cfg, registry, payload, workers, progress)
+        base = await _run_ray(cfg, registry, payload, workers, progress, term)
         out["baseline"] = "ray"
         out["baseline_throughput_per_s"] = base["throughput_per_s"]
         out["baseline_p50_ms"] = base["p50_ms"]

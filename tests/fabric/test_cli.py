@@ -367,6 +367,49 @@ def test_bench_json_has_the_figures():
     assert "--concurrency 8: mostly queueing" in out["overhead_note"]
 
 
+def test_bench_stopped_by_sigterm_shuts_down_as_on_ctrl_c(tmp_path):
+    # SIGTERM killed it on the spot (exit -15); with --baseline ray it met Ray's handler
+    root = str(Path(fabric.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, str(HERE)])}
+    args = ["bench", "exact_match", "--n", "10000000", "--concurrency", "2", "--workers", "1", "--json"]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "fabric.cli", *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (workers := _workers_of(p.pid)):  # the bench's pool is up
+            assert p.poll() is None and time.monotonic() < deadline, p.returncode
+            time.sleep(0.02)
+        p.terminate()
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130, err[-1500:]
+    assert not [w for w in workers if Path(f"/proc/{w}").exists()]
+
+
+def _workers_of(pid: int) -> list[int]:
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+    found = []
+    for child in children:
+        try:
+            if b"fabric.worker" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(int(child))
+        except OSError:
+            pass
+    return found
+
+
 def test_bench_overhead_is_unqualified_only_one_call_at_a_time():
     r = runner.invoke(app, ["bench", "exact_match", "--n", "200", "--concurrency", "1", "--json"])
     assert r.exit_code == 0, r.output
