@@ -46,6 +46,8 @@ def run(
         from core.job import Job, load
     except ImportError as e:  # the job needs the ray and train extras
         fail(f"the RL job needs its extras: pip install -e '.[ray,train,rewards]' ({e})")
+    from envpool.errors import ContainerStartError
+
     try:
         # the config's fabric.discover modules are imported here, and Ray relays its actors'
         # prints to our sys.stdout: --quiet's stdout is the summary alone
@@ -55,6 +57,12 @@ def run(
             summary = asyncio.run(job.run())
     except CoreError as e:  # a bad config, or a rollout where every group fails
         fail(str(e))
+    except ContainerStartError as e:
+        # an image that passed the start-up check but starts in no container (a device or a
+        # licence server it needs is missing): the user's to fix, as a bad config is, not a
+        # traceback. The error does not say whose container it was: the job's envs are named
+        ids = ", ".join(dict.fromkeys(env.id for env in cfg.envs))
+        fail(f"the environments' containers do not start ({ids}): {e}")
     if not quiet:
         _print_summary(summary)
     print(json.dumps(summary))

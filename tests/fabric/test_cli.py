@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import cli_fns
 import pytest
@@ -354,6 +355,29 @@ def test_invoke_inproc_ends_once_the_call_timed_out(tmp_path):
         pytest.fail("fabric invoke --backend inproc did not end after the handler's 0.3 s timeout")
     assert p.returncode == 1, p.stderr[-1500:]
     assert json.loads(p.stdout)["error"]["type"] == ErrorCode.TIMEOUT
+
+
+def test_run_with_an_image_that_starts_in_no_container_is_a_clean_error(monkeypatch):
+    # an image that passed the job's start-up check but fails in every container: the
+    # ContainerStartError out of the pool's prewarm was a raw traceback, exit 1
+    pytest.importorskip("core.job")
+    import core.job
+    from envpool.errors import ContainerStartError
+
+    class Job:
+        def __init__(self, cfg, **kw):
+            pass
+
+        async def run(self):
+            raise ContainerStartError("container p1-1 failed to start: RuntimeError: no licence server")
+
+    envs = [SimpleNamespace(id="coin-v0"), SimpleNamespace(id="frozenlake-v1")]
+    monkeypatch.setattr(core.job, "load", lambda *a, **kw: SimpleNamespace(envs=envs))
+    monkeypatch.setattr(core.job, "Job", Job)
+    r = runner.invoke(app, ["run", "job.yaml"])
+    assert r.exit_code == 2, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+    assert "coin-v0, frozenlake-v1" in r.output and "RuntimeError: no licence server" in r.output
 
 
 def test_bench_json_has_the_figures():
