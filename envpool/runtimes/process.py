@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -35,6 +36,35 @@ def _kill_leftovers() -> None:
     for pgid in list(_LIVE_GROUPS):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
+
+
+_ROOT_PREFIX = "envpool-p"  # + the owner's pid + "-" + mkdtemp's random part
+_ROOT_NAME = re.compile(r"envpool-p([0-9]+)-[A-Za-z0-9_]+")
+
+
+def _reap_dead_roots(tmp: Path) -> list[str]:
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(tmp):
+            m = _ROOT_NAME.fullmatch(entry.name)
+            if m is None or not entry.is_dir(follow_symlinks=False):
+                continue
+            pid = int(m.group(1))
+            if pid == os.getpid() or _pid_exists(pid):
+                continue
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 def _child_env(cdir: Path) -> dict[str, str]:
@@ -211,9 +241,25 @@ class ProcessRuntime(Runtime):
         super().__init__()
         self.config = config or ProcessRuntimeConfig()
         self._own_root = self.config.root is None
-        self.root = Path(self.config.root or tempfile.mkdtemp(prefix="envpool-"))
+        self._root = Path(self.config.root) if self.config.root else None
         self._ids = itertools.count(1)
         self._zygote = _Zygote() if self.config.zygote else None
+
+    @property
+    def root(self) -> Path:
+        """The containers' directories' parent. Our own is made on the first start, not
+        here: a pool made and never entered (and a runtime a test replaces) left an empty
+        one in /tmp for good. Its name carries our pid, for ``reap_orphans``."""
+        if self._root is None:
+            self._root = Path(tempfile.mkdtemp(prefix=f"{_ROOT_PREFIX}{os.getpid()}-"))
+        return self._root
+
+    async def reap_orphans(self) -> list[str]:
+        """Remove the directories our kind of runtime made for owners that are gone (a driver
+        SIGKILLed: nothing of its close ran; its containers died with it, their directories
+        stayed). Only ``envpool-p<pid>-*`` in the temp dir whose ``pid`` is no live process:
+        never another live process's, never a directory someone else named."""
+        return await asyncio.to_thread(_reap_dead_roots, Path(tempfile.gettempdir()))
 
     def _opts(self, sock: Path, bundle: Path | None) -> dict[str, Any]:
         cfg = self.config
@@ -337,5 +383,5 @@ class ProcessRuntime(Runtime):
         await super().aclose()
         if self._zygote is not None:
             await self._zygote.aclose()
-        if self._own_root:
-            shutil.rmtree(self.root, ignore_errors=True)
+        if self._own_root and self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)

@@ -6,14 +6,25 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from envpool.pool import EnvPool
+from envpool.runtimes.base import Runtime
+
+R = TypeVar("R", bound=Runtime)
 
 
 def pool(images, **cfg) -> EnvPool:
     cfg.setdefault("min_warm", 1)
     cfg.setdefault("runtime", {"heartbeat_s": 0.1})
     return EnvPool(cfg, images=images)
+
+
+async def swap_runtime(p: EnvPool, runtime: R) -> R:
+    """Give ``p`` another runtime (the pool only asks its runtime), closing the one it made."""
+    await p.runtime.aclose()
+    p.runtime = runtime
+    return runtime
 
 
 def alive(pid: int) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from echo_bundle import IMAGE, DirImages, write_env_bundle
-from pool_util import alive, pool, wait_for
+from pool_util import alive, pool, swap_runtime, wait_for
 
 import envpool
 import envpool.envs  # the built-ins register on import
@@ -274,7 +274,7 @@ class _CountingCpuRuntime(ProcessRuntime):
 async def test_the_cpu_is_read_only_late_in_a_silence_not_per_step(images):
     # a read per request cost ~12 us, 5% of a step's round trip
     p = pool(images)
-    p.runtime = rt = _CountingCpuRuntime(p.config.runtime)
+    rt = await swap_runtime(p, _CountingCpuRuntime(p.config.runtime))
     async with p, p.session("bundle-echo-v0", image=IMAGE) as s:
         await s.reset(seed=1)
         for _ in range(50):

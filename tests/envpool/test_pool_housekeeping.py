@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from echo_bundle import IMAGE, DirImages, write_bundle
-from pool_util import alive, pool, wait_for
+from pool_util import alive, pool, swap_runtime, wait_for
 
 from envpool.errors import InfraError
 from envpool.images import DiskTier, DiskTierConfig, TieredCache, build_bundle
@@ -35,7 +35,7 @@ async def test_a_failing_liveness_probe_does_not_lose_the_idle_container(images)
     # the claim had already taken the idle container when the probe raised: it was then
     # neither idle nor claimed, and held the only slot (max_containers=1) until the pool closed
     p = pool(images, min_warm=1, max_containers=1, claim_timeout_s=2)
-    p.runtime = _FlakyProbeRuntime(p.config.runtime)  # the pool only asks its runtime
+    await swap_runtime(p, _FlakyProbeRuntime(p.config.runtime))
     async with p:
         await p.prewarm(IMAGE, 1)
         async with p.session("bundle-echo-v0", image=IMAGE) as s:
@@ -60,7 +60,7 @@ async def test_a_failed_stop_neither_fails_the_session_nor_forgets_the_container
     # the stop once raised out of the finished session's block, and the runtime had already
     # forgotten the container: nothing ever tried to stop it again
     p = pool(images, min_warm=0, max_episodes=1)  # recycled (stopped) when released
-    p.runtime = _FlakyStopRuntime(p.config.runtime)
+    await swap_runtime(p, _FlakyStopRuntime(p.config.runtime))
     async with p:
         async with p.session("bundle-echo-v0", image=IMAGE) as s:
             await s.reset(seed=1)
@@ -87,7 +87,7 @@ async def test_a_container_whose_stop_keeps_failing_gives_its_slot_back(images, 
     # every later claim waited claim_timeout_s and failed, for the rest of the run
     stop_retry = {"attempts": 3, "initial_backoff_s": 0.01, "max_backoff_s": 0.05}
     p = pool(images, min_warm=0, max_containers=1, max_episodes=1, claim_timeout_s=5, stop_retry=stop_retry)
-    p.runtime = rt = _StuckStopRuntime(p.config.runtime)
+    rt = await swap_runtime(p, _StuckStopRuntime(p.config.runtime))
     async with p:
         async with p.session("bundle-echo-v0", image=IMAGE) as s:
             await s.reset(seed=1)
@@ -111,7 +111,7 @@ async def test_a_leaked_container_is_stopped_once_the_engine_recovers(images):
     # node (a CPU, a GPU) for the rest of a long run
     stop_retry = {"attempts": 2, "initial_backoff_s": 0.01, "max_backoff_s": 0.02}
     p = pool(images, min_warm=0, max_episodes=1, stop_retry=stop_retry, leaked_retry_s=0.3)
-    p.runtime = rt = _StuckStopRuntime(p.config.runtime)
+    rt = await swap_runtime(p, _StuckStopRuntime(p.config.runtime))
     async with p:
         async with p.session("bundle-echo-v0", image=IMAGE) as s:
             await s.reset(seed=1)
@@ -153,7 +153,7 @@ async def test_a_container_whose_stop_hangs_gives_its_slot_back(images):
         stop_retry=stop_retry,
         stop_timeout_s=0.2,
     )
-    p.runtime = rt = _HungStopRuntime(p.config.runtime)
+    rt = await swap_runtime(p, _HungStopRuntime(p.config.runtime))
     async with p:
         async with p.session("bundle-echo-v0", image=IMAGE) as s:
             await s.reset(seed=1)
@@ -172,7 +172,7 @@ async def test_a_container_whose_stop_hangs_gives_its_slot_back(images):
 
 async def test_a_stop_that_hangs_does_not_hang_the_close(images, caplog):
     p = pool(images, min_warm=1, stop_timeout_s=0.3)
-    p.runtime = rt = _HungStopRuntime(p.config.runtime)
+    rt = await swap_runtime(p, _HungStopRuntime(p.config.runtime))
     async with p:
         async with p.session("bundle-echo-v0", image=IMAGE) as s:
             await s.reset(seed=1)
@@ -292,7 +292,7 @@ async def test_a_claim_never_gets_a_container_its_image_was_let_go_with(images):
     # whose stop was already under way
     image_a, image_b = "other@sha256:" + "e" * 64, "echo@sha256:" + "e" * 64
     p = pool(images, min_warm=2, max_containers=3, warm_idle_s=3600)
-    p.runtime = rt = _SlowProbeRuntime(p.config.runtime)
+    rt = await swap_runtime(p, _SlowProbeRuntime(p.config.runtime))
     async with p:
         await p.prewarm(image_a)
         a1, a2 = list(p._idle[image_a])

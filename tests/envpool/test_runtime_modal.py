@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
+from pool_util import swap_runtime
 
 from envpool.connection import Connection
 from envpool.errors import ContainerDied, EnvUsageError
@@ -27,13 +29,15 @@ def fake():
     f.close()
 
 
-def modal_pool(fake: FakeModal, **cfg) -> EnvPool:
+@contextlib.asynccontextmanager
+async def modal_pool(fake: FakeModal, **cfg) -> AsyncIterator[EnvPool]:
     cfg.setdefault("min_warm", 0)
     cfg.setdefault("runtime", {"type": "modal", "heartbeat_s": 0.2})
     p = EnvPool(cfg)
     assert isinstance(p.config.runtime, ModalRuntimeConfig)
-    p.runtime = ModalRuntime(p.config.runtime, modal_module=fake)  # the pool only asks its runtime
-    return p
+    await swap_runtime(p, ModalRuntime(p.config.runtime, modal_module=fake))
+    async with p:
+        yield p
 
 
 async def test_a_session_runs_over_a_sandbox_tunnel(fake):
@@ -148,7 +152,7 @@ async def test_the_real_modal_without_a_token_is_a_clear_error_at_once():
 
 async def test_a_missing_token_ends_a_session_without_retries():
     p = EnvPool({"min_warm": 0, "runtime": {"type": "modal"}})
-    p.runtime = ModalRuntime(p.config.runtime, modal_module=FakeModal(authenticated=False))  # type: ignore[arg-type]
+    await swap_runtime(p, ModalRuntime(p.config.runtime, modal_module=FakeModal(authenticated=False)))  # type: ignore[arg-type]
     async with p:
         with pytest.raises(EnvUsageError, match="not authenticated"):
             async with p.session("echo-v0"):

@@ -214,3 +214,44 @@ async def test_an_environment_that_prints_runs_on_without_the_zygote(tmp_path):
         t0 = time.monotonic()
     assert time.monotonic() - t0 < 2.0  # the close did not wait on the pipe
     assert not p.runtime.live and not alive(pid)
+
+
+# -- the runtime's directory ----------------------------------------------------------------
+
+
+async def test_the_runtime_makes_its_directory_at_its_first_start_and_removes_it(tmp_path, monkeypatch):
+    # made in the constructor, it stayed in /tmp for every pool made and never entered
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    EnvPool({"min_warm": 0})
+    p = EnvPool({"min_warm": 0, "runtime": {"heartbeat_s": 0.2}})
+    assert list(tmp_path.iterdir()) == []
+    async with p, p.session("echo-v0") as s:
+        await s.reset()
+        assert [d.name for d in tmp_path.iterdir()] == [p.runtime.root.name]
+        assert p.runtime.root.name.startswith(f"envpool-p{os.getpid()}-")
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_entering_a_pool_removes_the_directories_of_dead_owners_only(tmp_path, monkeypatch):
+    # a driver SIGKILLed leaves its containers' directories for good: nothing of its close ran
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    gone = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
+    await gone.wait()
+    live = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(60)")
+    try:
+        (tmp_path / f"envpool-p{gone.pid}-abc_123" / f"p{gone.pid}-1").mkdir(parents=True)
+        keep = [
+            f"envpool-p{live.pid}-abc_123",  # a live owner's
+            f"envpool-p{os.getpid()}-abc_123",  # ours
+            "envpool-bench-abc_123",  # another kind of directory
+            "envpool-x7f3k2a9",  # no owner to tell (the old naming)
+            f"envpool-p{gone.pid}",  # not quite the runtime's name
+        ]
+        for name in keep:
+            (tmp_path / name).mkdir()
+        async with EnvPool({"min_warm": 0}) as p:
+            assert p.metrics["orphans_reaped"] == 1
+        assert sorted(d.name for d in tmp_path.iterdir()) == sorted(keep)
+    finally:
+        live.kill()
+        await live.wait()
