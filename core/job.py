@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import signal
 import sys
 import threading
 import time
@@ -54,6 +53,7 @@ from core.rollout.groups import GroupRunner
 from core.sample import Sample
 from core.tally import Tally
 from core.trainer.batch import build_batch
+from fabric._sigterm import TermAsInterrupt, term_as_interrupt
 from fabric.registry import Registry
 
 __all__ = ["EVAL_SEED_BASE", "Job", "load", "main", "turn_scheduler"]
@@ -129,21 +129,18 @@ class Job:
     async def run(self) -> dict[str, Any]:
         """Run the job; its summary. SIGTERM stops it as Ctrl-C does (``KeyboardInterrupt``
         once everything it started is stopped)."""
-        with _TermAsInterrupt() as term:
-            try:
-                return await self._run(term)
-            except asyncio.CancelledError:
-                if term.received:
-                    raise KeyboardInterrupt("SIGTERM") from None
+        # Left alone, SIGTERM met the handler Ray's core worker installs, which printed a C
+        # stack trace and killed the driver on the spot: nothing of the job's shutdown ran
+        try:
+            return await term_as_interrupt(self._run)
+        except ConfigError as e:
+            if e.source is not None or self.source is None:
                 raise
-            except ConfigError as e:
-                if e.source is not None or self.source is None:
-                    raise
-                # found after the load (the policy build, the cluster, the warm-up), where only
-                # the key is known: "invalid job config (1 problem)" did not say which file
-                raise ConfigError(e.problems, self.source).with_traceback(e.__traceback__) from None
+            # found after the load (the policy build, the cluster, the warm-up), where only
+            # the key is known: "invalid job config (1 problem)" did not say which file
+            raise ConfigError(e.problems, self.source).with_traceback(e.__traceback__) from None
 
-    async def _run(self, term: _TermAsInterrupt) -> dict[str, Any]:
+    async def _run(self, term: TermAsInterrupt) -> dict[str, Any]:
         cfg = self.cfg
         t_start = time.perf_counter()
         registry = self.registry if self.registry is not None else cfg.discover_functions()
@@ -177,7 +174,7 @@ class Job:
         self,
         images: JobImages,
         registry: Registry,
-        term: _TermAsInterrupt,
+        term: TermAsInterrupt,
         progress: JobProgress,
         t_start: float,
     ) -> dict[str, Any]:
@@ -681,44 +678,6 @@ class Job:
                 raise outcome
         if problems:
             raise ConfigError(problems)
-
-
-class _TermAsInterrupt:
-    """While the job runs, SIGTERM (``kill``, a scheduler's stop, a pod's deletion) cancels
-    it as Ctrl-C does, so every rollout, container, worker pool and Ray actor is stopped on
-    the way out. Left alone, the signal met the handler Ray's core worker installs, which
-    printed a C stack trace and killed the driver on the spot (exit 143 or 134): nothing
-    of the job's shutdown ran.
-
-    Installed only from the main thread over the default disposition (an application that
-    handles SIGTERM itself keeps its handler); put back as it was on the way out. A second
-    SIGTERM while the job stops is ignored: SIGKILL is the way to skip the shutdown."""
-
-    def __init__(self) -> None:
-        self.received = False
-        self._installed = False
-        self._task: asyncio.Task[Any] | None = None
-
-    def __enter__(self) -> _TermAsInterrupt:
-        main = threading.current_thread() is threading.main_thread()
-        if main and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-            self._task = asyncio.current_task()
-            self._installed = True
-            self.reinstall()
-        return self
-
-    def reinstall(self) -> None:
-        if self._installed:
-            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._on_term)
-
-    def _on_term(self) -> None:
-        if not self.received and self._task is not None:
-            self.received = True
-            self._task.cancel()
-
-    def __exit__(self, *exc: object) -> None:
-        if self._installed:
-            asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)  # back to SIG_DFL
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,7 @@ spot: no ``finally`` and no ``async with`` exit runs, and temp dirs, containers 
 are left behind; under Ray it meets the handler Ray's core worker installs, which prints a
 C stack trace and kills the process. For the commands' main coroutines: ``fabric bench``,
 ``envpool bench`` (which imports it only as a bench starts: envpool does not otherwise
-depend on fabric) and ``fabric run``'s job (``core.job`` keeps a copy for now).
+depend on fabric) and ``fabric run``'s job (``core.job``).
 """
 
 from __future__ import annotations
