@@ -125,7 +125,7 @@ def registered_by(root: str | os.PathLike[str], *, timeout_s: float = INSPECT_TI
             start_new_session=True,
         )
         try:
-            exited = _wait_unreaped(proc.pid, timeout_s)
+            exited = wait_unreaped(proc.pid, timeout_s)
         finally:
             # before the child is reaped: until then its pid, the group's id, is nobody else's
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -149,8 +149,9 @@ def registered_by(root: str | os.PathLike[str], *, timeout_s: float = INSPECT_TI
     raise ManifestError(why)
 
 
-def _wait_unreaped(pid: int, timeout_s: float) -> bool:
-    """Wait up to ``timeout_s`` for the child ``pid`` to exit, leaving it unreaped."""
+def wait_unreaped(pid: int, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for the child ``pid`` to exit, leaving it unreaped (its pid,
+    and its process group's id, stay its own until it is: a ``killpg`` then is safe)."""
     deadline = time.monotonic() + timeout_s
     while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
         if time.monotonic() > deadline:

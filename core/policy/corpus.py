@@ -161,35 +161,47 @@ def _run_child(spec: dict[str, Any], stop: threading.Event | None) -> tuple[int,
     """The child's (exit code, stdout, stderr). Raises ``TimeoutExpired`` after
     ``CHILD_TIMEOUT_S`` and ``StoppedError`` once ``stop`` is set, with the child's whole
     session killed either way (its episodes' processes too: killing the child alone left
-    them playing on) and the episodes' directory removed."""
-    with tempfile.TemporaryDirectory(prefix="rl-fabric-corpus-", ignore_cleanup_errors=True) as tmp:
+    them playing on) and the episodes' directory removed. The child's output goes to files
+    and its own exit ends the wait: an environment that starts a helper process (a
+    simulator, a game server) hands it the child's output, and waiting for EOF on pipes
+    waited for the helper, up to the whole timeout."""
+    from envpool.manifest import wait_unreaped
+
+    with (
+        tempfile.TemporaryDirectory(prefix="rl-fabric-corpus-", ignore_cleanup_errors=True) as tmp,
+        tempfile.TemporaryFile() as out,
+        tempfile.TemporaryFile() as err,
+        tempfile.TemporaryFile() as inp,
+    ):
+        inp.write(json.dumps({**spec, "tmp": tmp}).encode())
+        inp.seek(0)
         proc = subprocess.Popen(
             [sys.executable, "-m", "core.policy.corpus"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            stdin=inp,
+            stdout=out,
+            stderr=err,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
             start_new_session=True,  # its own process group: one killpg stops all of it
         )
         deadline = time.monotonic() + CHILD_TIMEOUT_S
-        data: str | None = json.dumps({**spec, "tmp": tmp})
         try:
-            while True:
-                try:
-                    stdout, stderr = proc.communicate(data, timeout=POLL_S)
-                    return proc.returncode, stdout, stderr
-                except subprocess.TimeoutExpired:
-                    data = None  # sent already; communicate goes on where it was
+            while not wait_unreaped(proc.pid, POLL_S):
                 if stop is not None and stop.is_set():
                     raise StoppedError(f"stopped while playing {spec['id']} for the tokenizer corpus")
                 if time.monotonic() > deadline:
                     raise subprocess.TimeoutExpired(proc.args, CHILD_TIMEOUT_S)
         finally:
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()  # reaps it and closes the pipes
+            # exited or not, before it is reaped: its group's id is nobody else's until then
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        return (
+            proc.returncode,
+            out.read().decode("utf-8", errors="replace"),
+            err.read().decode("utf-8", errors="replace"),
+        )
 
 
 def _kwargs_refused(stdout: str) -> str | None:

@@ -161,3 +161,64 @@ def test_an_episode_that_hangs_is_cut_off_and_skipped(monkeypatch):
     with pytest.raises(ConfigError) as e:
         env_corpus(cfg, episodes=2)
     assert "killed by signal 14" in str(e.value)  # SIGALRM
+
+
+_HELPER_COIN = """
+import os, subprocess, sys
+import envpool
+
+# a simulator the module starts at import: it inherits the corpus child's stdout and stderr
+helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+with open(os.environ["HELPER_PID_FILE"], "w") as f:
+    f.write(str(helper.pid))
+
+
+class Coin(envpool.Env):
+    example_actions = ("heads", "tails")
+
+    def reset(self, *, seed=None, options=None):
+        return "Call the coin: heads or tails.", {}
+
+    def step(self, action):
+        return envpool.StepResult(obs=envpool.Observation(text="done"), reward=1.0, terminated=True)
+
+
+envpool.register("helper-coin-v0", entry_point="helper_coin:Coin", max_episode_steps=2)
+"""
+
+
+def test_an_environment_that_starts_a_helper_neither_holds_up_the_corpus_nor_leaves_it(monkeypatch, tmp_path):
+    # the child's output was read to EOF, which the helper (holding the pipes) never gave:
+    # the whole CHILD_TIMEOUT_S (300 s), then a refusal, and the helper left running
+    bundle = tmp_path / "img"
+    bundle.mkdir()
+    (bundle / "helper_coin.py").write_text(_HELPER_COIN)
+    (bundle / "envpool.json").write_text('{"modules": ["helper_coin"]}')
+    pid_file = tmp_path / "helper.pid"
+    monkeypatch.setenv("HELPER_PID_FILE", str(pid_file))
+    monkeypatch.setattr(corpus, "CHILD_TIMEOUT_S", 30.0)
+    spec = {
+        "id": "helper-coin-v0",
+        "bundle": str(bundle),
+        "kwargs": {},
+        "actions": None,
+        "salt": "3-0",
+        "episodes": 3,
+        "episode_timeout_s": 10,
+        "parallel": 2,
+    }
+    t0 = time.monotonic()
+    code, stdout, _ = corpus._run_child(spec, None)
+    assert code == 0 and "Call the coin" in stdout and time.monotonic() - t0 < 20
+    helper = int(pid_file.read_text())
+    deadline = time.monotonic() + 5  # killed with the child's group; a zombie until reaped
+    while time.monotonic() < deadline and _alive(helper):
+        time.sleep(0.01)
+    assert not _alive(helper), "the environment's helper outlived the corpus child"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
