@@ -256,10 +256,11 @@ class Connection(asyncio.Protocol):
             self.cpu_mark = (now, cpu)
 
     def _computing(self, now: float) -> bool:
-        """Whether the container's process spent at least half a core on the CPU since the
-        last look: alive and working, only too busy to heartbeat (its code holds the
+        """Whether the container's process spent at least a tenth of a core on the CPU since
+        the last look: alive and working, only too busy to heartbeat (its code holds the
         interpreter lock). A frozen or stopped process, or one blocked in the kernel, uses
-        none: that stays a hung container, replaced and replayed."""
+        none: that stays a hung container, replaced and replayed. (Half a core was asked
+        before: on a loaded host, a spinning process given a third of a core read as frozen.)"""
         if self.cpu_probe is None or self.cpu_mark is None:
             return False
         t0, cpu0 = self.cpu_mark
@@ -269,7 +270,7 @@ class Connection(asyncio.Protocol):
         if cpu is None:
             return False
         self.cpu_mark = (now, cpu)
-        if cpu - cpu0 < 0.5 * (now - t0):
+        if cpu - cpu0 < 0.1 * (now - t0):
             return False
         self.last_busy = now
         return True
