@@ -5,6 +5,7 @@ the error message of a refusal, and a short excerpt of a body that is not what w
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from email.utils import parsedate_to_datetime
@@ -15,21 +16,33 @@ import httpx
 def retry_after_s(headers: httpx.Headers, now: Callable[[], float] = time.time) -> float | None:
     """Seconds the server asked us to wait: ``retry-after-ms`` (OpenAI), else ``Retry-After``
     as seconds or as an HTTP date; ``None`` when absent or unreadable (our own backoff
-    decides then)."""
-    ms = headers.get("retry-after-ms")
-    if ms:
-        with contextlib.suppress(ValueError):
-            return max(float(ms) / 1000, 0.0)
-        # not milliseconds: try the standard header
+    decides then). ``nan`` counts as unreadable; ``inf`` is kept (it is over any cap)."""
+    ms = _seconds(headers.get("retry-after-ms"))
+    if ms is not None:
+        return max(ms / 1000, 0.0)
+    # absent or not milliseconds: try the standard header
     value = headers.get("retry-after")
     if not value:
         return None
-    with contextlib.suppress(ValueError):
-        return max(float(value), 0.0)
+    seconds = _seconds(value)
+    if seconds is not None:
+        return max(seconds, 0.0)
     try:  # not seconds: an HTTP date
         return max(parsedate_to_datetime(value).timestamp() - now(), 0.0)
     except (TypeError, ValueError):
         return None
+
+
+def _seconds(value: str | None) -> float | None:
+    """``value`` as a number, or ``None``. float() also reads "nan", which every comparison
+    with a cap lets through and asyncio.sleep(nan) never returns from: a hang, so refuse it."""
+    if not value:
+        return None
+    try:
+        v = float(value)
+    except ValueError:
+        return None
+    return None if math.isnan(v) else v
 
 
 def error_message(resp: httpx.Response) -> str:

@@ -188,6 +188,13 @@ async def test_close_aborts_what_is_in_flight(srv):
         await engine.generate(chat())
 
 
+async def test_a_nan_retry_after_is_ignored_not_slept_forever(srv):
+    srv.fail_next(429, retry_after=float("nan"))  # asyncio.sleep(nan) never returns
+    async with make(srv) as engine:
+        c = await asyncio.wait_for(engine.generate(chat()), 5)
+    assert c.text == REPLY and len(srv.chat_requests) == 2
+
+
 async def test_retries_429_and_5xx_then_succeeds(srv):
     srv.fail_next(429, retry_after=30)  # capped at max_backoff_s
     srv.fail_next(500)

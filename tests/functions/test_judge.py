@@ -433,6 +433,13 @@ async def test_a_retry_after_over_the_cap_fails_at_once(srv, make_judge):
     assert len(srv.chat_requests) == 1
 
 
+async def test_a_nan_retry_after_falls_back_to_the_backoff(srv, make_judge):
+    t = FakeTime()  # a nan would be passed to sleep as is, and asyncio.sleep(nan) never returns
+    srv.fail_next(429, retry_after=float("nan"))
+    r = await make_judge(srv, t, backoff_s=1.0).score("x")
+    assert r.score == 0.8 and len(t.sleeps) == 1 and 0 <= t.sleeps[0] <= 1.0
+
+
 async def test_5xx_until_retries_run_out_is_a_retryable_error(srv, make_judge):
     t = FakeTime()
     srv.fail_next(500, times=5)

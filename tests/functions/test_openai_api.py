@@ -19,6 +19,10 @@ from functions.openai_api import error_message, excerpt, retry_after_s
         ({"retry-after": "7"}, 7.0),
         ({"retry-after": "-3"}, 0.0),
         ({"retry-after": "tomorrow"}, None),
+        # nan slips past every cap (comparisons are False) and asyncio.sleep(nan) never returns
+        ({"retry-after": "nan"}, None),
+        ({"retry-after-ms": "NaN", "retry-after": "2"}, 2.0),
+        ({"retry-after": "inf"}, float("inf")),  # kept: over any cap, so refused or capped
         ({}, None),
     ],
 )
