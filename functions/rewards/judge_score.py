@@ -54,7 +54,10 @@ _TAG = re.compile(rf"<score>\s*({_NUM})(?:{_OF})?\s*</score>", re.IGNORECASE)
 _LABEL = re.compile(
     # the separators before the number must not overlap ("score" then a long run of spaces
     # was quadratic): "is"/"of" is optional and a whole word
-    rf"\b(?:score|rating|grade)\b[\s*_:=]*(?:(?:is|of)\b[\s*:=]*)?({_NUM})(\s*%)?\**(?:{_OF})?",
+    rf"\b(?:score|rating|grade)\b[\s*_:=]*(?:(?:is|of)\b[\s*:=]*)?({_NUM})(\s*%)?(?:\**{_OF})?",
+    # the bold after the number ("**Score: 10**") is part of the span only before a scale
+    # ("Score: **10**/10"): a span ending in "**" is no longer text the response carries
+    # verbatim, so a bold quote of its "Score: 10" passed for the judge's own score
     re.IGNORECASE,
 )
 _BOLD = re.compile(rf"\*\*\s*({_NUM})(?:{_OF})?\s*\*\*")
