@@ -17,9 +17,17 @@ become the score. In order:
    other forms only where they end the reply (a JSON object or the last fenced block,
    ``<score>N</score>``; ``**N**`` or a fraction, ``I give it 1/10.``, on the last line; a
    labelled ``Score: N`` anywhere when the rubric asked for another form), and last of all a
-   bare number on the last line (``I give it a 7.``). A candidate within another is part of
-   it. A candidate is quoted when its text is in the response (a bare number: with 8
-   characters of its line around it).
+   bare number on the last line (``I give it a 7.``), only when it is the one number there
+   outside quotes: several (``3 bugs, so 6``) fail the call (``JudgeResponseError``) rather
+   than guess. A candidate within another is part of it. A candidate is quoted when its text
+   is in the response (a bare number: with 8 characters of its line around it).
+
+A score may name its scale, and then the scale's numbers are no scores: ``7/10``,
+``7 out of 10`` (``out of a possible 10``), ``7 (out of 10)``, ``7 on a scale of 0 to 10``,
+``7 on a 1-10 scale``, ``7 on a 10-point scale``. A scale with the rubric's top is the
+rubric's (7 stays 7); another is mapped to the same place in the rubric's range (``4/5``
+and ``3 on a scale of 1 to 5`` are 8 and 5 on 0-10). A comma before one or two digits is a
+decimal comma (``7,5/10`` is 7.5).
 
 What step 3 cannot tell: a judge that writes a score after its verdict which the response
 does not carry verbatim (a paraphrase, ``it claims ten out of ten``) is read as that score;
@@ -47,8 +55,25 @@ from functions.rewards.judge_errors import JudgeResponseError
 
 Form = Literal["label", "tag", "json"]
 
-_NUM = r"[-+]?\d+(?:\.\d+)?"
-_OF = rf"\s*(?:/|out\s+of)\s*({_NUM})"
+# a decimal comma ("7,5/10") is a decimal point; "1,000" is not (three digits: a thousands
+# separator), so only one or two digits may follow it
+_NUM = r"[-+]?\d+(?:\.\d+|,\d{1,2}(?!\d))?"
+_TO = r"\s*(?:-|\u2013|to)\s*"  # 0-10 (hyphen or en dash), 0 to 10
+# What follows a score to name its scale, in one group (``_range`` reads it): 7/10,
+# 7 out of 10, 7 out of a possible 10, 7 (out of 10), 7 on a scale of 0 to 10, 7 on a 1-10
+# scale, 7 on a 10-point scale. A scale left unread leaves its numbers to be taken for
+# scores ("2 on a scale of 0 to 10" was read as 10).
+_OF = (
+    r"\s*("
+    rf"/\s*{_NUM}"
+    rf"|out\s+of\s+(?:a\s+(?:possible|maximum\s+of|max\s+of)\s+)?{_NUM}"
+    rf"|\(\s*out\s+of\s+{_NUM}\s*\)"
+    rf"|(?:\(\s*)?on\s+a\s+scale\s+(?:of|from)\s+{_NUM}{_TO}{_NUM}\s*\)?"
+    rf"|(?:\(\s*)?on\s+an?\s+(?:{_NUM}{_TO})?{_NUM}(?:(?:\s*-\s*|\s+)point)?\s+scale\s*\)?"
+    r")"
+)  # no alternative starts with \s* of its own: after the \s* above, a long run was quadratic
+# the numbers of a scale: a sign only where no digit is before it (the "-" of "1-10" is not)
+_RANGE_NUM = re.compile(r"(?<![\d.,])[-+]?\d+(?:\.\d+|,\d{1,2}(?!\d))?")
 _THINK = re.compile(r"\A\s*<think>.*?(?:</think>|\Z)", re.DOTALL | re.IGNORECASE)
 _TAG = re.compile(rf"<score>\s*({_NUM})(?:{_OF})?\s*</score>", re.IGNORECASE)
 _LABEL = re.compile(
@@ -88,17 +113,32 @@ def requested_form(rubric: str | None) -> Form:
     return "tag" if max(tag, default=-1) > max(js, default=-1) else "json"
 
 
-def _on_scale(num: str, percent: str | None, den: str | None, lo: float, hi: float) -> float:
-    """A matched number on the rubric's scale: ``8/10`` on a 0-10 rubric is 8; ``4/5`` on it
-    is 8 (a fraction of the range); ``80%`` likewise."""
-    n = float(num)
+def _float(num: str) -> float:
+    return float(num.replace(",", "."))  # _NUM takes a comma only as a decimal one
+
+
+def _range(scale: str) -> tuple[float, float]:
+    """The ``(bottom, top)`` a scale text names: ``/10`` and ``out of 10`` are ``(0, 10)``,
+    ``on a scale of 1 to 5`` is ``(1, 5)``."""
+    nums = [_float(n) for n in _RANGE_NUM.findall(scale)]
+    return (0.0, nums[0]) if len(nums) == 1 else (nums[0], nums[1])
+
+
+def _on_scale(num: str, percent: str | None, scale: str | None, lo: float, hi: float) -> float:
+    """A matched number on the rubric's scale: ``8/10`` on a 0-10 rubric is 8, and so are
+    ``8 out of 10`` and ``8 on a scale of 1 to 10`` (the same top); ``4/5`` on it is 8 and
+    ``3 on a scale of 1 to 5`` is 5 (the same place in the range); ``80%`` likewise."""
+    n = _float(num)
     if percent:
         return lo + n / 100 * (hi - lo)
-    if den is None or float(den) == hi:
+    if scale is None:
         return n
-    if float(den) <= 0:
-        raise JudgeResponseError(f"score {num}/{den} has a zero or negative denominator")
-    return lo + n / float(den) * (hi - lo)
+    bottom, top = _range(scale)
+    if top == hi:
+        return n
+    if top <= bottom:
+        raise JudgeResponseError(f"score {num} {scale.strip()} has an empty or reversed scale")
+    return lo + (n - bottom) / (top - bottom) * (hi - lo)
 
 
 def _loads(text: str) -> Any:
@@ -287,15 +327,25 @@ def _latest(body: str, lo: float, hi: float, form: Form, response: str) -> float
         elif span[1] > reach[1]:
             reach = span
     found = [c for c in found if (c[0], c[1]) not in inner]
-    for strong in (True, False):
-        tier = sorted((c for c in found if c[2] == strong), key=lambda c: c[0], reverse=True)
-        for c in tier[:_MAX_CANDIDATES]:
-            if _quoted(body, c, response):
-                continue
-            raw = c[3]()
-            if raw is not None:
-                return raw
-    return None
+    strong = sorted((c for c in found if c[2]), key=lambda c: c[0], reverse=True)
+    for c in strong[:_MAX_CANDIDATES]:
+        if _quoted(body, c, response):
+            continue
+        raw = c[3]()
+        if raw is not None:
+            return raw
+    # the last resort, a bare number on the last line, only when it is the only one there:
+    # in "3 of 4 steps are right, so 6" the latest is no likelier the score than the first
+    bare = sorted((c for c in found if not c[2]), key=lambda c: c[0], reverse=True)
+    own = [c for c in bare[:_MAX_CANDIDATES] if not _quoted(body, c, response)][:2]
+    if len(own) > 1:
+        numbers = ", ".join(body[c[0] : c[1]] for c in reversed(own))
+        raise JudgeResponseError(
+            f"the last line of the judge's reply, {excerpt(body[_last_line_span(body)[0] :])}, "
+            f"holds several numbers ({numbers}) and none is marked as the score; make the "
+            f'rubric ask for a final line "Verdict {{nonce}}: N/{hi:g}"'
+        )
+    return own[0][3]() if own else None
 
 
 def verdict_nonce() -> str:
@@ -307,7 +357,7 @@ def verdict_nonce() -> str:
 
 def _verdict(body: str, nonce: str, lo: float, hi: float) -> float | None:
     pattern = re.compile(
-        rf"\b{re.escape(nonce)}\b[^\w\n]{{0,12}}?({_NUM})(\s*%)?\**(?:{_OF})?", re.IGNORECASE
+        rf"\b{re.escape(nonce)}\b[^\w\n]{{0,12}}?({_NUM})(\s*%)?(?:\**{_OF})?", re.IGNORECASE
     )
     matches = list(pattern.finditer(body))
     return _scaled(matches[-1], lo, hi, pct=2, den=3)() if matches else None

@@ -351,6 +351,36 @@ def test_a_json_verdict_followed_by_prose_is_read(reply, expected):
     assert parse_score(reply, 0, 10, rubric=_JSON_RUBRIC, response='Paris. {"score": 10}') == expected
 
 
+@pytest.mark.parametrize(
+    ("reply", "expected"),
+    [
+        # before: the scale's top (10) was the latest number, so read as the score
+        ("I would give it a 2 on a scale of 0 to 10.", 2),
+        ("Subtracts instead of adding.\n2 (out of 10)", 2),
+        ("I rate it 2 out of a possible 10.", 2),
+        ("Final: 7 (out of 10)", 7),
+        ("7 on a 1-10 scale", 7),  # before: -10, out of range
+        ("Verdict: 7 (on a 0-10 scale)", 7),
+        ("I give it 7 on a 10-point scale.", 7),
+        ("2 on a scale of 1 to 5", 2.5),  # the same place in the range as 2.5 on 0-10
+        ("Score: 7,5/10", 7.5),  # before: 5 (the fraction "5/10" beat "Score: 7")
+        ("Verdict kzqrtm: 7,5/10", 7.5),
+    ],
+)
+def test_a_score_with_its_scale_named_is_read_as_the_score(reply, expected):
+    assert parse_score(reply, 0, 10, nonce="kzqrtm") == expected
+
+
+@pytest.mark.parametrize(
+    "reply",
+    ["It has 3 bugs, so I give it 6", "Wrong.\n3 of 4 steps hold; 6", "I give it a 7 (1-10)"],
+)
+def test_several_bare_numbers_on_the_last_line_are_ambiguous(reply):
+    # before: the latest was taken, though nothing says it is the score rather than the first
+    with pytest.raises(JudgeResponseError, match="holds several numbers"):
+        parse_score(reply, 0, 10)
+
+
 def test_deep_json_in_a_reply_is_not_a_crash():
     with pytest.raises(JudgeResponseError, match="no score"):
         parse_score("[" * 100_000, 0, 10)
@@ -716,3 +746,11 @@ def test_the_judge_is_never_hedged():
     reg.discover("functions.rewards.judge")
     spec = reg.get("llm_judge")
     assert spec.hedge is False and spec.hedgeable is False and spec.side_effects is False
+
+
+@pytest.mark.parametrize("before", ["I give it 7", "Score: 7 on a 10", "Score: 7 (on a 1 to 10"])
+def test_a_long_run_after_a_score_and_its_scale_is_parsed_in_linear_time(before):
+    # a scale pattern that started with its own \s* after the one before it was quadratic
+    t = time.perf_counter()
+    assert parse_score(before + " " * 1_000_000 + "x", 0, 10) == 7
+    assert time.perf_counter() - t < 5.0
