@@ -4,6 +4,10 @@ The expression is parsed with ``ast`` and only numbers, ``+ - * / // % **``, una
 and parentheses are evaluated: no names, calls, attributes or subscripts, so nothing the
 policy writes can reach Python. Sizes are bounded before the work is done (``9**9**9`` is
 refused at once instead of computing a number with 370 million digits).
+
+The result is printed as text: an integer in full, a float to 15 significant digits
+(``0.1 + 0.2`` is ``0.3``, ``0.5 + 123456789012`` is ``123456789012.5``), a whole float below
+2**53 as an integer (``6 / 3`` is ``2``).
 """
 
 from __future__ import annotations
@@ -107,10 +111,16 @@ def _eval(node: ast.AST) -> Any:
 
 
 def _format(value: int | float) -> str:
+    """An int in full; a float to 15 significant digits, all a double holds reliably, so the
+    noise of binary fractions is not shown (0.1 + 0.2 reads 0.3, not 0.30000000000000004)
+    while every digit the value has is (12 digits showed 100000000001.5 as 100000000002)."""
     if isinstance(value, float):
-        if value.is_integer() and abs(value) < 1e15:
+        if value.is_integer() and abs(value) < 2**53:  # every integer below 2**53 is exact
             return str(int(value))
-        return f"{value:.12g}"  # 0.1 + 0.2 reads 0.3, not 0.30000000000000004
+        text = f"{value:.15g}"
+        # a fraction past the 15th digit would round away and leave what looks like an
+        # integer (123456789012345.6 as 123456789012346): show the shortest exact form then
+        return text if "." in text or "e" in text else repr(value)
     return str(value)
 
 
