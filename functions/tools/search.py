@@ -27,7 +27,8 @@ large corpus down; ``load_documents(path, strict=True)`` refuses them instead.
 Scoring is Okapi BM25 (``k1=1.5``, ``b=0.75``) with the non-negative idf
 ``ln(1 + (N - n + 0.5) / (n + 0.5))`` (Lucene's), so a document that contains a query term
 always scores above zero. Each distinct query term counts once. Terms are lowercase runs of
-Unicode word characters, English stopwords dropped, plural endings stripped (``stem``).
+Unicode word characters, English stopwords dropped, plural endings stripped (``stem``: a
+singular and its plural meet, ``cookie``/``cookies``, ``prize``/``prizes``).
 
 The corpus path is deliberately not an argument of the tool: the policy picks the words,
 never which files the worker reads. To search another corpus from Python, use
@@ -107,9 +108,20 @@ class CorpusWarning(UserWarning):
 def stem(word: str) -> str:
     """Strip an English plural ending from a lowercase word (a deliberately light stemmer:
     ``planets -> planet``, ``countries -> country``, ``boxes -> box``; ``glass``, ``virus``,
-    ``analysis`` stay)."""
-    if len(word) <= 3 or not word.endswith("s"):
-        return word
+    ``analysis`` stay). A plural's ``-ies`` and ``-es`` can be a singular's ``-ie`` or
+    ``-e`` (``cookies``, ``prizes``, ``caches``): such a singular ends the way its plural is
+    stripped (``cookie -> cooky``, ``prize -> priz``, ``cache -> cach``), so both meet."""
+    if len(word) > 3 and word.endswith("s"):
+        word = _singular(word)
+    # only the endings whose plurals lose "es" or "ies" above: "plane" must not become "plan"
+    if len(word) > 2 and word.endswith("ie"):
+        return word[:-2] + "y"
+    if word.endswith(("sse", "xe", "ze", "che", "she")):
+        return word[:-1]
+    return word
+
+
+def _singular(word: str) -> str:
     if word.endswith("ies") and len(word) > 4:
         return word[:-3] + "y"
     if word.endswith(("sses", "xes", "zes", "ches", "shes")):
