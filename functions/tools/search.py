@@ -26,9 +26,14 @@ large corpus down; ``load_documents(path, strict=True)`` refuses them instead.
 
 Scoring is Okapi BM25 (``k1=1.5``, ``b=0.75``) with the non-negative idf
 ``ln(1 + (N - n + 0.5) / (n + 0.5))`` (Lucene's), so a document that contains a query term
-always scores above zero. Each distinct query term counts once. Terms are lowercase runs of
-Unicode word characters, English stopwords dropped, plural endings stripped (``stem``: a
-singular and its plural meet, ``cookie``/``cookies``, ``prize``/``prizes``).
+always scores above zero. Each distinct query term counts once. Terms (``tokenize``) are
+words of the NFKC-normalised, case-folded text: runs of Unicode word characters and the
+combining marks within them (``café`` composed or not, Devanagari ``भाषा``), English
+stopwords dropped, plural endings stripped (``stem``: a singular and its plural meet,
+``cookie``/``cookies``, ``prize``/``prizes``); Chinese, Japanese and Korean runs, written
+without spaces, are indexed as overlapping character pairs (``東京は`` as ``東京``, ``京は``),
+so a query of two or more such characters finds them inside a run, and a single character
+only where it stands alone.
 
 The corpus path is deliberately not an argument of the tool: the policy picks the words,
 never which files the worker reads. To search another corpus from Python, use
@@ -38,14 +43,16 @@ never which files the worker reads. To search another corpus from Python, use
 from __future__ import annotations
 
 import heapq
+import itertools
 import json
 import math
 import os
 import re
 import threading
+import unicodedata
 import warnings
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,7 +98,31 @@ STOPWORDS = frozenset(
     """.split()
 )
 
-_WORD = re.compile(r"\w+")
+
+def _marks() -> str:
+    """A regex class body of every combining mark (Unicode categories Mn, Mc, Me)."""
+    ranges: list[tuple[int, int]] = []
+    # marks lie in planes 0-1 and in the variation selectors of plane 14; Python's re has no \p{M}
+    for cp in itertools.chain(range(0x20000), range(0xE0000, 0xE1000)):
+        if unicodedata.category(chr(cp))[0] == "M":
+            if ranges and ranges[-1][1] == cp - 1:
+                ranges[-1] = (ranges[-1][0], cp)
+            else:
+                ranges.append((cp, cp))
+    return "".join(f"{chr(a)}-{chr(b)}" if a < b else chr(a) for a, b in ranges)
+
+
+# \w leaves out combining marks, the vowel signs of Devanagari and other scripts (भाषा fell
+# apart into भ and ष), and the accents of decomposed (NFD) text: a word goes on over them
+_WORD = re.compile(rf"\w[\w{_marks()}]*")
+# Han (with the iteration mark and ideographic zero), Hiragana, Katakana (with ー), Hangul:
+# written without spaces between words, so a run of them is indexed as its overlapping
+# character pairs (a single character alone), on documents and queries alike: 東京 is found
+# in 東京は日本の首都です
+_CJK = re.compile(
+    "([\u1100-\u11ff\u3005\u3007\u3041-\u30ff\u3130-\u318f\u31f0-\u31ff\u3400-\u4dbf"
+    "\u4e00-\u9fff\ua960-\ua97f\uac00-\ud7ff\uf900-\ufaff\U00020000-\U0003ffff]+)"
+)
 
 
 class CorpusError(ValueError):
@@ -131,14 +162,33 @@ def _singular(word: str) -> str:
     return word[:-1]
 
 
-def _term(word: str) -> str | None:
-    w = word.lower()
-    return None if w in STOPWORDS else stem(w)
+def _cjk_terms(word: str) -> Iterator[str]:
+    """The terms of a normalised word that holds CJK: its CJK runs as character pairs (a
+    single character alone), the rest as words."""
+    for i, piece in enumerate(_CJK.split(word)):
+        if i % 2:  # a CJK run (split's captured separators are the odd items)
+            if len(piece) == 1:
+                yield piece
+            else:
+                yield from (piece[j : j + 2] for j in range(len(piece) - 1))
+        elif piece and piece not in STOPWORDS:
+            yield stem(piece)
 
 
 def tokenize(text: str) -> list[str]:
-    """The index terms of ``text``, in order (stopwords dropped, plurals stemmed)."""
-    return [t for t in map(_term, _WORD.findall(text)) if t is not None]
+    """The index terms of ``text``, in order (stopwords dropped, plurals stemmed). The text is
+    NFKC-normalised and case-folded first, so the composed and decomposed forms of a word
+    (``café`` typed, ``cafe`` + U+0301 from a macOS file), full-width and ordinary letters,
+    ``Straße`` and ``STRASSE`` meet."""
+    text = unicodedata.normalize("NFKC", text).casefold()
+    cjk = _CJK.search(text) is not None  # most texts have none: no need to look in each word
+    terms: list[str] = []
+    for word in _WORD.findall(text):
+        if cjk and _CJK.search(word):
+            terms.extend(_cjk_terms(word))
+        elif word not in STOPWORDS:
+            terms.append(stem(word))
+    return terms
 
 
 # ----------------------------------------------------------------------------- corpus
@@ -396,12 +446,17 @@ class BM25Index:
         if not words:
             return text[:SNIPPET_CHARS]
         weight = {t: self.idf.get(t, 0.0) for t in terms}
-        found = [_term(m.group()) for m in words]
-        hits = [j for j, t in enumerate(found) if t in weight]
+        # the query terms in each word of the text as written (a CJK run holds several)
+        seen: dict[str, set[str]] = {}
+        found = [
+            seen[w] if (w := m.group()) in seen else seen.setdefault(w, weight.keys() & tokenize(w))
+            for m in words
+        ]
+        hits = [j for j, ts in enumerate(found) if ts]
         best_start, best = 0, -1.0
         for j in hits[:_SNIPPET_CANDIDATES]:
             start = max(0, j - _SNIPPET_LEAD)
-            present = {t for t in found[start : start + SNIPPET_WORDS] if t in weight}
+            present = set().union(*found[start : start + SNIPPET_WORDS])
             value = sum(weight[t] for t in present)
             if value > best:  # the earliest of equally good windows
                 best_start, best = start, value

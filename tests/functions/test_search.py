@@ -9,6 +9,7 @@ import json
 import math
 import os
 import random
+import unicodedata
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -194,6 +195,31 @@ def test_a_singular_and_its_plural_meet(words):
     singular, plural = tokenize(words)
     assert singular == plural
     assert stem("plane") != stem("plan")  # only plural-stripped endings lose their e
+
+
+def test_words_hold_their_combining_marks_and_are_normalised():
+    # before: \w split Devanagari at its vowel signs, and NFC and NFD forms never met
+    assert tokenize("भाषा भारत") == ["भाषा", "भारत"]
+    nfd = unicodedata.normalize("NFD", "Le café, un élève")
+    assert tokenize(nfd) == tokenize("le CAFÉ, un Élève") == ["le", "café", "un", "élève"]
+    full_width = "\uff21\uff22\uff23"  # ABC in full-width letters
+    assert tokenize(f"Straße {full_width}") == tokenize("STRASSE abc")  # case-folded, NFKC
+    index = BM25Index(docs("हिंदी एक भाषा है", "भारत भविष्य विशेष", nfd))
+    assert [h.id for h in index.search("भाषा").hits] == ["d0"]
+    assert [h.id for h in index.search(unicodedata.normalize("NFC", "élève")).hits] == ["d2"]
+
+
+def test_cjk_is_indexed_as_character_pairs():
+    # before: a whole unspaced run was one term, so no word inside it was ever found
+    pairs = ["東京", "京は", "は日", "日本", "本の", "の首", "首都", "都で", "です"]
+    assert tokenize("東京は日本の首都です。") == pairs
+    assert tokenize("水 Python3で書く") == ["水", "python3", "で書", "書く"]
+    index = BM25Index(docs("東京は日本の首都です。", "Paris est la capitale.", "서울은 한국의 수도이다"))
+    assert [h.id for h in index.search("東京").hits] == ["d0"]
+    assert [h.id for h in index.search("首都 東京").hits] == ["d0"]
+    assert [h.id for h in index.search("한국").hits] == ["d2"]
+    hit = index.search("日本", k=1).hits[0]
+    assert hit.snippet == "東京は日本の首都です。"
 
 
 def test_a_singular_query_finds_the_plural_in_a_document():
