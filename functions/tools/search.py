@@ -55,7 +55,9 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Strict
 
 import fabric
 
@@ -571,7 +573,13 @@ def check_arguments(query: str, k: int) -> str:
         {"query": "binary search sorted array", "k": 5},
     ),
 )
-def search(query: str, k: int = DEFAULT_K, ctx: BM25Index | None = None) -> str:
+def search(
+    query: str,
+    # strict: the fabric validates arguments in pydantic's lax mode, which turned k=True into
+    # 1 and k="3" into 3, both of which check_arguments refuses from a direct call
+    k: Annotated[int, Strict()] = DEFAULT_K,
+    ctx: BM25Index | None = None,
+) -> str:
     """Search the local corpus (BM25) and return the ``k`` best documents as text."""
     text = check_arguments(query, k)
     index = ctx if ctx is not None else get_index()

@@ -547,6 +547,16 @@ async def test_calls_through_an_inprocess_client():
             assert not r.ok and r.error.type == ErrorCode.INVALID_ARGUMENTS, payload
 
 
+@pytest.mark.parametrize("k", [True, False, "3", 3.0])
+async def test_a_k_the_tool_refuses_is_refused_through_the_fabric_too(k):
+    # before: pydantic's lax mode made True 1 and "3" 3, though search(k=True) is refused
+    with pytest.raises(ValueError, match="k must be an integer"):
+        search("moon", k=k)
+    async with Client(backend="inproc", registry=registry()) as c:
+        r = await c.call("search", {"query": "moon", "k": k})
+    assert not r.ok and r.error.type == ErrorCode.INVALID_ARGUMENTS and "k:" in r.error.message
+
+
 async def test_setup_builds_the_index_once_per_worker(tmp_path, monkeypatch):
     write(tmp_path, "a.txt", "Tides\n\nThe Moon's gravity raises tides.")
     monkeypatch.setenv(CORPUS_ENV, str(tmp_path))
