@@ -125,6 +125,7 @@ class FakeOpenAI:
     def start(self) -> FakeOpenAI:
         if self._server is not None:
             return self
+        self._stopping.clear()  # set by the last close(): held requests would be dropped at once
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.fake = self
         self._thread = threading.Thread(

@@ -692,6 +692,23 @@ def test_fake_server_lists_models_and_leaves_nothing_running():
         c.connect(("127.0.0.1", port))
 
 
+def test_the_fake_server_holds_requests_again_after_a_restart():
+    # before: close() set the stop flag and start() left it set, so a held request was
+    # dropped at once
+    s = FakeOpenAI()
+    for _ in range(2):
+        with s:
+            s.hang_next(seconds=0.3)
+            t0 = time.monotonic()
+            r = httpx.post(
+                s.base_url + "/chat/completions",
+                json={"model": "m", "messages": []},
+                headers={"Authorization": "Bearer sk-fake"},
+                timeout=10,
+            )
+            assert r.status_code == 200 and time.monotonic() - t0 >= 0.3
+
+
 def _post_held(s: FakeOpenAI, seen: list[BaseException]) -> None:
     try:
         httpx.post(
