@@ -29,6 +29,11 @@ extra fields are honoured as vLLM does: ``return_token_ids`` adds ``prompt_token
 
 Leaving the ``with`` block (or ``close()``) releases held requests, closes every open
 connection and joins every thread: nothing keeps running.
+
+An exception in a ``reply`` callable (a test's own assertion, a bug) is not swallowed: the
+request gets a 500 whose error message holds the traceback, the exception is kept in
+``srv.errors``, and ``close()`` raises the first one, so the test fails with it rather than
+with a client's "server disconnected".
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import json
 import socket
 import threading
 import time
+import traceback
 import zlib
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -120,12 +126,15 @@ class FakeOpenAI:
         """The most chat requests held at once (being answered or hanging)."""
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+        self.errors: list[Exception] = []
+        """Exceptions the ``reply`` callable raised since ``start()`` (each answered 500)."""
 
     # -- lifecycle
     def start(self) -> FakeOpenAI:
         if self._server is not None:
             return self
         self._stopping.clear()  # set by the last close(): held requests would be dropped at once
+        self.errors = []  # the last run's were raised by its close()
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.fake = self
         self._thread = threading.Thread(
@@ -150,6 +159,8 @@ class FakeOpenAI:
         server.server_close()  # joins the handler threads
         assert self._thread is not None
         self._thread.join()
+        if self.errors:  # nothing else reports them: the client only saw a 500
+            raise self.errors[0]
 
     def __enter__(self) -> FakeOpenAI:
         return self.start()
@@ -263,6 +274,10 @@ class FakeOpenAI:
             body["prompt_token_ids"] = [i for c in contents for i, _, _ in self.tokenize(c)]
         return json.dumps(body).encode()
 
+    def _failed(self, e: Exception) -> None:
+        with self._lock:
+            self.errors.append(e)
+
     def _enter(self) -> None:
         with self._lock:
             self._inflight += 1
@@ -373,7 +388,14 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             if step.body is not None:
                 self._send(step.status, step.body, step.headers)
-            else:
-                self._send(step.status, fake._completion(body, step.text, step.finish_reason), step.headers)
+                return
+            try:
+                answer = fake._completion(body, step.text, step.finish_reason)
+            except Exception as e:  # the reply callable's: left to handle_error it was lost
+                fake._failed(e)
+                msg = f"the fake server's reply raised:\n{traceback.format_exc()}"
+                self._send(500, _error(msg, "server_error", "fake_reply_raised"))
+                return
+            self._send(step.status, answer, step.headers)
         finally:
             fake._leave()

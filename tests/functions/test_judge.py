@@ -709,6 +709,26 @@ def test_the_fake_server_holds_requests_again_after_a_restart():
             assert r.status_code == 200 and time.monotonic() - t0 >= 0.3
 
 
+def test_an_exception_in_the_fakes_reply_is_reported_not_swallowed():
+    # before: handle_error dropped it; the client saw a disconnect, the test a wrong error
+    def reply(request: dict[str, Any]) -> str:
+        raise AssertionError("the prompt lacks X")
+
+    s = FakeOpenAI(reply=reply)
+    with pytest.raises(AssertionError, match="the prompt lacks X"):  # raised by close()
+        with s:
+            r = httpx.post(
+                s.base_url + "/chat/completions",
+                json={"model": "m", "messages": []},
+                headers={"Authorization": "Bearer sk-fake"},
+                timeout=10,
+            )
+            assert r.status_code == 500
+            message = r.json()["error"]["message"]
+            assert "Traceback" in message and "AssertionError: the prompt lacks X" in message
+            assert [str(e) for e in s.errors] == ["the prompt lacks X"]
+
+
 def _post_held(s: FakeOpenAI, seen: list[BaseException]) -> None:
     try:
         httpx.post(
