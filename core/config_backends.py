@@ -177,6 +177,7 @@ def trainer_problems(trainer: TrainerConfig, *, temperature: float, seed: int) -
         return []
     allowed = [k for k in model.model_fields if k != "type"] + list(extra)
     problems = _unknown("trainer.kwargs", trainer.kwargs, allowed, what)
+    problems += _set_by_the_job(trainer.kwargs)
     options = {
         k: v for k, v in backend_config(trainer, temperature=temperature, seed=seed).items() if k in allowed
     }
@@ -193,6 +194,29 @@ def trainer_problems(trainer: TrainerConfig, *, temperature: float, seed: int) -
             field = key.split(".", 1)[0].split("[", 1)[0]
             where = origin.get(field, "trainer.kwargs")
             problems.append((where + key[len(field) :] if field else where, f"{what}: {msg}"))
+    return problems
+
+
+def _set_by_the_job(kwargs: dict[str, Any]) -> list[tuple[str, str]]:
+    """``trainer.kwargs`` keys the job sets itself, or that do nothing in a job: a backend
+    field took them silently (``scale_advantages: false`` under kwargs still trained on
+    std-normalised advantages, which the job computes in ``build_batch`` from
+    ``trainer.scale_advantages``; ``clip_low`` there overrode ``trainer.clip_eps``)."""
+    owner = {field: f"trainer.{key}" for field, key in SHARED_TRAINER_FIELDS.items()}
+    owner |= {"temperature": "engine.temperature", "seed": "seed"}
+    problems = [
+        (f"trainer.kwargs.{key}", f"set by the job from {owner[key]}: set it there")
+        for key in kwargs
+        if key in owner
+    ]
+    if "adv_eps" in kwargs:
+        problems.append(
+            (
+                "trainer.kwargs.adv_eps",
+                "has no effect in a job: the job computes the advantages (build_batch, "
+                "eps 1e-6; trainer.scale_advantages: false for centred rewards only)",
+            )
+        )
     return problems
 
 

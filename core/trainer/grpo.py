@@ -138,7 +138,8 @@ def policy_loss(
     ``advantages`` is ``[B]`` (one per sample, broadcast over its tokens) or ``[B, T]``.
     ``clip_high`` defaults to ``clip_low`` (DAPO's clip-higher sets it larger). Stats:
     ``clip_frac`` (share of tokens where the clipped branch is the one taken, i.e. the
-    gradient is zero), ``ratio_mean``, ``approx_kl`` (k3 of old vs new, a drift gauge).
+    gradient is zero), ``ratio_mean``, ``approx_kl`` (KL(old || new) by k3 on the old
+    policy's samples, a drift gauge).
     """
     if clip_high is None:
         clip_high = clip_low
@@ -157,7 +158,10 @@ def policy_loss(
         stats = {
             "clip_frac": masked_mean(took_clip, m),
             "ratio_mean": masked_mean(ratio, m),
-            "approx_kl": masked_mean(torch.exp(-log_ratio) + log_ratio - 1.0, m),
+            # KL(behaviour || current) by k3 on the tokens the behaviour policy sampled:
+            # (r - 1) - log r with r = current / behaviour. The form for samples of the
+            # current policy, exp(-log r) + log r - 1, read 1.27 for a true 0.51
+            "approx_kl": masked_mean(ratio - 1.0 - log_ratio, m),
         }
     return loss, stats
 

@@ -248,6 +248,20 @@ def test_the_torch_trainers_kwargs_are_checked_with_the_config():
     assert cfg.trainer.kwargs["weight_decay"] == 0.01
 
 
+def test_trainer_kwargs_the_job_sets_itself_are_refused_naming_the_key_to_use():
+    # taken silently: scale_advantages: false under kwargs still trained on std-normalised
+    # advantages (the job computes them in build_batch from trainer.scale_advantages), and
+    # clip_low there overrode trainer.clip_eps
+    kwargs = {"scale_advantages": False, "clip_low": 0.1, "adv_eps": 1.0, "temperature": 0.5}
+    got = dict(problems(base(trainer={"kwargs": kwargs})))
+    assert (
+        got["trainer.kwargs.scale_advantages"] == "set by the job from trainer.scale_advantages: set it there"
+    )
+    assert got["trainer.kwargs.clip_low"] == "set by the job from trainer.clip_eps: set it there"
+    assert got["trainer.kwargs.temperature"] == "set by the job from engine.temperature: set it there"
+    assert got["trainer.kwargs.adv_eps"].startswith("has no effect in a job")
+
+
 def test_the_megatron_trainers_kwargs_are_checked_with_the_config():
     # checked only in the trainer actor: on a GPU machine, after the vLLM engine had started
     vllm = {"backend": "vllm", "model": "/m", "pretrain": {"steps": 0}}

@@ -76,6 +76,17 @@ def ratios_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return old, new, torch.ones(1, 3)
 
 
+def test_approx_kl_is_kl_of_the_behaviour_policy_to_the_current_one():
+    # tokens sampled by the behaviour policy [0.5, 0.5] (one of each: its exact expectation),
+    # scored by a current policy [0.9, 0.1]: KL(old || new) = 0.5108. The k3 form for samples
+    # of the current policy read 1.267 (chi-squared minus KL)
+    old = torch.log(torch.tensor([[0.5, 0.5]]))
+    new = torch.log(torch.tensor([[0.9, 0.1]]))
+    _, stats = policy_loss(new, old, torch.tensor([0.0]), torch.ones(1, 2))
+    expected = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
+    assert stats["approx_kl"].item() == pytest.approx(expected, rel=1e-5)
+
+
 def test_policy_loss_positive_advantage_by_hand():
     old, new, _ = ratios_case()
     mask = torch.tensor([[1.0, 1.0, 0.0]])
@@ -110,7 +121,7 @@ def test_masked_positions_with_a_restricted_vocabulary_leave_the_stats_and_gradi
     mask = torch.tensor([[1.0, 0.0, 0.0]])
     loss, stats = policy_loss(new, old, torch.tensor([1.0]), mask, clip_low=0.2)
     r = math.exp(0.1)
-    assert float(stats["approx_kl"]) == pytest.approx(math.exp(-0.1) + 0.1 - 1, rel=1e-4)  # float32
+    assert float(stats["approx_kl"]) == pytest.approx(math.exp(0.1) - 1 - 0.1, rel=1e-4)  # float32
     assert float(stats["ratio_mean"]) == pytest.approx(r) and loss.item() == pytest.approx(-r)
     loss.backward()
     assert new.grad is not None and new.grad[0].tolist() == pytest.approx([-r, 0.0, 0.0])
