@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import fcntl
 import itertools
 import json
 import os
@@ -19,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,12 @@ _ROOT_PREFIX = "envpool-p"  # + the owner's pid + "-" + mkdtemp's random part
 _ROOT_NAME = re.compile(r"envpool-p([0-9]+)-[A-Za-z0-9_]+")
 
 
+_OWNER_LOCK = ".owner"
+"""A file in each root its owner holds an exclusive ``flock`` on while it lives: released by
+the kernel when the owner dies, whatever pid namespace it (or the reaper) runs in."""
+_UNLOCKED_GRACE_S = 60.0
+
+
 def _reap_dead_roots(tmp: Path) -> list[str]:
     removed = []
     with contextlib.suppress(OSError):
@@ -50,11 +58,35 @@ def _reap_dead_roots(tmp: Path) -> list[str]:
             if m is None or not entry.is_dir(follow_symlinks=False):
                 continue
             pid = int(m.group(1))
-            if pid == os.getpid() or _pid_exists(pid):
+            if pid == os.getpid() or not _owner_gone(Path(entry.path), pid):
                 continue
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.path)
     return removed
+
+
+def _owner_gone(root: Path, pid: int) -> bool:
+    """Whether the runtime that made ``root`` is gone: its lock is free. A pid alone is not
+    proof: a driver in another pid namespace sharing this temp dir is no process we can see.
+    A root without its lock file yet (just made) or from before the lock: its pid is not a
+    live process and it is over a minute old."""
+    try:
+        fd = os.open(root / _OWNER_LOCK, os.O_RDWR)
+    except FileNotFoundError:
+        try:
+            old = time.time() - root.stat().st_mtime > _UNLOCKED_GRACE_S
+        except OSError:
+            return False
+        return old and not _pid_exists(pid)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: its owner lives
+        return False
+    finally:
+        os.close(fd)  # (a lock we took goes with it)
+    return True
 
 
 def _pid_exists(pid: int) -> bool:
@@ -242,6 +274,7 @@ class ProcessRuntime(Runtime):
         self.config = config or ProcessRuntimeConfig()
         self._own_root = self.config.root is None
         self._root = Path(self.config.root) if self.config.root else None
+        self._owner_fd: int | None = None
         self._ids = itertools.count(1)
         self._zygote = _Zygote() if self.config.zygote else None
 
@@ -251,7 +284,11 @@ class ProcessRuntime(Runtime):
         here: a pool made and never entered (and a runtime a test replaces) left an empty
         one in /tmp for good. Its name carries our pid, for ``reap_orphans``."""
         if self._root is None:
-            self._root = Path(tempfile.mkdtemp(prefix=f"{_ROOT_PREFIX}{os.getpid()}-"))
+            root = Path(tempfile.mkdtemp(prefix=f"{_ROOT_PREFIX}{os.getpid()}-"))
+            # held while we live (close-on-exec: no container or zygote inherits it)
+            self._owner_fd = os.open(root / _OWNER_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(self._owner_fd, fcntl.LOCK_EX)
+            self._root = root
         return self._root
 
     async def reap_orphans(self) -> list[str]:
@@ -385,3 +422,6 @@ class ProcessRuntime(Runtime):
             await self._zygote.aclose()
         if self._own_root and self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
+        if self._owner_fd is not None:
+            os.close(self._owner_fd)
+            self._owner_fd = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -240,7 +241,24 @@ async def test_entering_a_pool_removes_the_directories_of_dead_owners_only(tmp_p
     live = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(60)")
     try:
         (tmp_path / f"envpool-p{gone.pid}-abc_123" / f"p{gone.pid}-1").mkdir(parents=True)
+        # a root from before the owner's lock: reaped by its pid, once over a minute old
+        old = time.time() - 120
+        os.utime(tmp_path / f"envpool-p{gone.pid}-abc_123", (old, old))
+        # a root whose owner's lock is free (its owner died): reaped whatever its age
+        unlocked = tmp_path / f"envpool-p{gone.pid}-unlocked"
+        unlocked.mkdir()
+        (unlocked / ".owner").touch()
+        # a root whose lock is held: its owner lives, though its pid is none we can see (a
+        # driver in another pid namespace sharing the temp dir)
+        held = tmp_path / f"envpool-p{gone.pid}-held"
+        held.mkdir()
+        lock = os.open(held / ".owner", os.O_CREAT | os.O_RDWR)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        # a root just made, its lock file not yet there: too young to tell
+        (tmp_path / f"envpool-p{gone.pid}-young").mkdir()
         keep = [
+            held.name,
+            f"envpool-p{gone.pid}-young",
             f"envpool-p{live.pid}-abc_123",  # a live owner's
             f"envpool-p{os.getpid()}-abc_123",  # ours
             "envpool-bench-abc_123",  # another kind of directory
@@ -248,10 +266,12 @@ async def test_entering_a_pool_removes_the_directories_of_dead_owners_only(tmp_p
             f"envpool-p{gone.pid}",  # not quite the runtime's name
         ]
         for name in keep:
-            (tmp_path / name).mkdir()
+            (tmp_path / name).mkdir(exist_ok=True)
         async with EnvPool({"min_warm": 0}) as p:
-            assert p.metrics["orphans_reaped"] == 1
+            assert p.metrics["orphans_reaped"] == 2
         assert sorted(d.name for d in tmp_path.iterdir()) == sorted(keep)
     finally:
+        with contextlib.suppress(NameError):
+            os.close(lock)
         live.kill()
         await live.wait()
