@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -30,11 +29,11 @@ async def swap_runtime(p: EnvPool, runtime: R) -> R:
 def alive(pid: int) -> bool:
     """The process exists and is not a zombie (a stopped container's reaped or not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:  # gone, or reaped between the open and the read (ESRCH): not alive
         return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ")[1][0] != "Z"
+    return stat.rpartition(") ")[2][:1] != "Z"
 
 
 async def wait_for(check: Callable[[], bool], timeout_s: float = 5.0) -> None:

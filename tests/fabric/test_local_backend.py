@@ -30,7 +30,7 @@ def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
+    except OSError:  # gone, or reaped between the open and the read (ESRCH)
         return False
 
 
