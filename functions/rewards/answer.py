@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import decimal
 import re
+from collections import deque
 
 MAX_ANSWER_CHARS = 1000
 """An extracted final answer longer than this matches nothing: no real final answer is that
@@ -63,10 +64,8 @@ _BARE_END = re.compile(r"\$|\n|\\\]|\\\)")
 
 
 def _last(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
-    last = None
-    for last in pattern.finditer(text):  # noqa: B007 (the last match is what is wanted)
-        pass
-    return last
+    found = deque(pattern.finditer(text), maxlen=1)  # the last match, holding no others
+    return found[0] if found else None
 
 
 def _last_boxed(text: str) -> tuple[str, int] | None:
