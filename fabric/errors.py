@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import sys
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pydantic import BaseModel, ValidationError
@@ -169,42 +169,10 @@ class ConfigError(FabricError):
 def validation_problems(e: ValidationError, model: type[BaseModel]) -> str:
     """pydantic's errors from validating ``model``, for a ``ConfigError``: each key as the
     caller wrote it (``hedge.enabled``) and what is wrong with it; an unknown key names the
-    closest known one, as a job config's errors do (pydantic's own text names the model,
-    and says only "Extra inputs are not permitted")."""
-    import difflib
+    closest known one, worded as a job config's errors are (``fabric.config_messages``)."""
+    from fabric.config_messages import one_line
 
-    problems = []
-    for err in e.errors(include_url=False):
-        loc = tuple(err["loc"])
-        key = ".".join(map(str, loc))
-        if err["type"] == "extra_forbidden":
-            known = _fields_at(model, loc[:-1])
-            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-            msg = "unknown key" + (f" (did you mean {close[0]!r}?)" if close else "")
-            msg += f"; allowed: {', '.join(known)}" if known else ""
-        else:
-            got = err.get("input")
-            msg = err["msg"] + ("" if isinstance(got, dict | list) else f" (got {got!r})")
-        problems.append(f"{key}: {msg}" if loc else msg)
-    return "; ".join(problems)
-
-
-def _fields_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
-    """The field names of the model nested at ``loc`` ([] where there is none)."""
-    from typing import get_args
-
-    from pydantic import BaseModel
-
-    def as_model(ann: Any) -> type[BaseModel] | None:
-        inner = [a for a in get_args(ann) if a is not type(None)]  # ``M | None``
-        ann = inner[0] if len(inner) == 1 else ann
-        return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
-
-    found: type[BaseModel] | None = model
-    for part in loc:
-        field = found.model_fields.get(str(part)) if found is not None else None
-        found = as_model(field.annotation) if field is not None else None
-    return list(found.model_fields) if found is not None else []
+    return one_line(e, model)
 
 
 class InvocationError(FabricError):

@@ -27,7 +27,7 @@ def test_a_bad_client_config_is_a_config_error_naming_the_key():
     with pytest.raises(ConfigError) as e:
         Client(backend="inproc", registry=REG, config={"hedge": {"enabeld": False}})
     assert "hedge.enabeld: unknown key (did you mean 'enabled'?)" in str(e.value)
-    with pytest.raises(ConfigError, match=r"breaker\.cooldown_s: Input should be greater than 0 \(got -1\)"):
+    with pytest.raises(ConfigError, match=r"breaker\.cooldown_s: must be > 0.0 \(got -1\)"):
         Client(backend="inproc", registry=REG, config={"breaker": {"cooldown_s": -1}})
 
 

@@ -1,0 +1,102 @@
+"""How a config's problems are worded, for the fabric's configs and the job's alike: each
+error of pydantic's ``ValidationError`` as ``(key, message)``, the key written the way the
+YAML or the dict reads (``hedge.enabled``, ``envs[1].id``), an unknown key naming the
+allowed ones and the closest match (pydantic's own text names the model and says only
+"Extra inputs are not permitted")."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
+
+from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
+
+
+def listing(names: Iterable[str]) -> str:
+    names = sorted(names)
+    return ", ".join(names) if names else "(none)"
+
+
+def hint(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def config_key(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def allowed_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
+    """Field names of the model at ``loc`` (for "unknown key" messages); [] if unknown."""
+    ann: Any = model
+    for part in loc:
+        ann = _unwrap(ann)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            field = ann.model_fields.get(part) if isinstance(part, str) else None
+            if field is None:
+                return []
+            ann = field.annotation
+        elif get_origin(ann) is list:
+            ann = get_args(ann)[0]
+        elif get_origin(ann) is dict:
+            ann = get_args(ann)[1]
+        else:
+            return []
+    ann = _unwrap(ann)
+    return list(ann.model_fields) if isinstance(ann, type) and issubclass(ann, BaseModel) else []
+
+
+def _unwrap(ann: Any) -> Any:
+    """``M`` for ``Annotated[M, ...]`` and ``M | None``."""
+    if get_origin(ann) is Annotated:
+        return _unwrap(get_args(ann)[0])
+    if get_origin(ann) in (Union, UnionType):
+        models = [a for a in get_args(ann) if a is not type(None)]
+        return _unwrap(models[0]) if len(models) == 1 else ann
+    return ann
+
+
+_BOUNDS = {
+    "greater_than_equal": (">=", "ge"),
+    "greater_than": (">", "gt"),
+    "less_than_equal": ("<=", "le"),
+    "less_than": ("<", "lt"),
+}
+
+
+def describe(err: ErrorDetails, model: type[BaseModel]) -> tuple[str, str]:
+    """One error of validating ``model`` as ``(key, message)``."""
+    loc, kind, ctx = tuple(err["loc"]), err["type"], err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        allowed = allowed_keys(model, loc[:-1])
+        msg = "unknown key" + (
+            f"{hint(str(loc[-1]), allowed)}; allowed: {', '.join(allowed)}" if allowed else ""
+        )
+    elif kind == "missing":
+        msg = "required key is missing"
+    elif kind in _BOUNDS:
+        op, name = _BOUNDS[kind]
+        msg = f"must be {op} {ctx[name]} (got {err['input']!r})"
+    elif kind == "value_error":
+        msg = str(ctx.get("error", err["msg"]))
+    else:
+        shown = err["input"]
+        got = "" if isinstance(shown, dict | list) else f" (got {shown!r})"
+        msg = f"{err['msg']}{got}"
+    return config_key(loc), msg
+
+
+def problems(e: ValidationError, model: type[BaseModel]) -> list[tuple[str, str]]:
+    """Every error of ``e`` (raised validating ``model``) as ``(key, message)``."""
+    return [describe(err, model) for err in e.errors(include_url=False)]
+
+
+def one_line(e: ValidationError, model: type[BaseModel]) -> str:
+    """``problems`` as one line, for a ``ConfigError`` message."""
+    return "; ".join(f"{key}: {msg}" if key else msg for key, msg in problems(e, model))
