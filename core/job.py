@@ -646,10 +646,29 @@ class Job:
                 return f"error: {r.error.message if r.error else 'the tool failed'}"
 
             async with EnvPool(cfg.envpool, images=images.cache, tool_caller=call_tool) as pool:
-                # the images the entries play (None: the built-ins), warm before the first group
-                for image in dict.fromkeys(images.refs.get(e.image) if e.image else None for e in cfg.envs):
-                    await pool.prewarm(image)
+                await self._prewarm(pool, images)
                 yield client, pool
+
+    async def _prewarm(self, pool: Any, images: JobImages) -> None:
+        """Warm containers of every image the entries play (None: the built-ins) before the
+        first group. An image that passed the start-up check but starts in no container (a
+        device, a licence server it needs is missing) is a config error named under the
+        entries that play it, as any other problem of theirs is; it was a raw traceback."""
+        from envpool.errors import ContainerStartError
+
+        cfg = self.cfg
+        for image in dict.fromkeys(images.refs.get(e.image) if e.image else None for e in cfg.envs):
+            try:
+                await pool.prewarm(image)
+            except ContainerStartError as e:
+                if image is None:  # the built-ins: the host's trouble, not the config's
+                    raise
+                where = [
+                    i for i, env in enumerate(cfg.envs) if env.image and images.refs.get(env.image) == image
+                ]
+                raise ConfigError(
+                    [(f"envs[{i}].image", f"its containers do not start: {e}") for i in where]
+                ) from None
 
     async def _warm_rewards(self, client: Any) -> None:
         """Start the configured reward functions' warm workers before the first group. A setup

@@ -472,6 +472,48 @@ async def test_a_reward_whose_setup_raises_is_a_config_error_at_start(caplog):
     await Job(cfg, progress=False)._warm_rewards(_WarmClient({}))  # all start: nothing raised
 
 
+class _NoStartPool:
+    """A pool whose containers of one image never start (its module raises in them)."""
+
+    def __init__(self, bad: str | None):
+        self.bad, self.warmed = bad, []
+
+    async def prewarm(self, image: str | None) -> None:
+        from envpool.errors import ContainerStartError
+
+        self.warmed.append(image)
+        if image == self.bad:
+            raise ContainerStartError("container p1-1 failed to start: RuntimeError: no licence server")
+
+
+async def test_an_image_whose_containers_do_not_start_is_a_config_error_naming_its_entries(tmp_path):
+    # it passed the start-up check (its module imports in a child) but fails in every
+    # container: a raw ContainerStartError traceback out of the job, naming no entry
+    envs = [
+        {**LATENCY, "tag": "latency"},
+        {"id": "coin-v0", "tag": "latency", "image": "img_a"},
+        {"id": "coin-v0", "tag": "latency", "image": "img_b"},
+        {"id": "coin-v0", "tag": "latency", "image": "img_a"},
+    ]
+    cfg = JobConfig.from_dict(
+        {"envs": envs, "rewards": {"latency": [{"function": "env_return"}]}}, check_references=False
+    )
+    refs = {cfg.envs[1].image: "a@sha256:1", cfg.envs[2].image: "b@sha256:2"}  # paths made absolute
+    images = type("Images", (), {"refs": refs})()
+    pool = _NoStartPool("a@sha256:1")
+    with pytest.raises(ConfigError) as e:
+        await Job(cfg, progress=False)._prewarm(pool, images)  # type: ignore[arg-type]
+    assert [k for k, _ in e.value.problems] == ["envs[1].image", "envs[3].image"]
+    assert "its containers do not start: container p1-1 failed to start" in str(e.value)
+    assert pool.warmed == [None, "a@sha256:1"]  # each image once, in the entries' order
+    await Job(cfg, progress=False)._prewarm(_NoStartPool("c@sha256:3"), images)  # type: ignore[arg-type]
+    # a built-in's start failure is the host's trouble: not a config error
+    from envpool.errors import ContainerStartError
+
+    with pytest.raises(ContainerStartError):
+        await Job(cfg, progress=False)._prewarm(_NoStartPool(None), images)  # type: ignore[arg-type]
+
+
 @pytest.mark.ray
 async def test_a_reward_missing_from_the_jobs_registry_is_refused_before_anything_starts(
     tmp_path, ray_cluster
