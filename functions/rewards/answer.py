@@ -61,6 +61,7 @@ def last_boxed(text: str) -> str | None:
 _BOX_BRACED = re.compile(r"\\(?:boxed|fbox)[ \t]*\{")
 _BOX_BARE = re.compile(r"\\boxed[ \t]+(?=[^\s{])")
 _BARE_END = re.compile(r"\$|\n|\\\]|\\\)")
+_BARE_ANSWER = re.compile(r"[-+(.\\\d]|[A-Za-z]{1,3}$")
 
 
 def _last(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
@@ -76,7 +77,12 @@ def _last_boxed(text: str) -> tuple[str, int] | None:
         stop = _BARE_END.search(text, bare.end())
         end = len(text) if stop is None else stop.start()
         content = text[bare.end() : end].rstrip().rstrip(".,;").rstrip()
-        return (content, end) if content else None
+        # an answer (5, -3, \frac12, (1, 2), x), not prose that names the command ("written
+        # in \boxed form as asked" after the real box read "form as asked)")
+        if _BARE_ANSWER.match(content):
+            return content, end
+        if braced is None:
+            return None
     if braced is None:
         return None
     i = braced.end()

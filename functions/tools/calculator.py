@@ -119,8 +119,12 @@ def _format(value: int | float) -> str:
             return str(int(value))
         text = f"{value:.15g}"
         # a fraction past the 15th digit would round away and leave what looks like an
-        # integer (123456789012345.6 as 123456789012346): show the shortest exact form then
-        return text if "." in text or "e" in text else repr(value)
+        # integer (123456789012345.6 as 123456789012346): show the shortest exact form then.
+        # Below 1e14 an integer-looking text is the noise-free value (4.35 * 100 is 435,
+        # not 434.99999999999994): a fraction there has a digit within the 15
+        if "." in text or "e" in text or abs(value) < 1e14:
+            return text
+        return repr(value)
     return str(value)
 
 

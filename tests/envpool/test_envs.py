@@ -63,6 +63,9 @@ def edit_action(file: str, search: str, replace: str) -> str:
         ("(-1) ** -(10 ** 3000 + 1)", "-1"),
         # every digit the float has (12 significant digits rounded or dropped these)
         ("100000000001.5", "100000000001.5"),
+        ("4.35 * 100", "435"),  # binary noise just below a whole number is not shown
+        ("0.57 * 100", "57"),
+        ("1.005 * 1000", "1005"),
         ("0.5 + 123456789012", "123456789012.5"),
         ("99999999999.99", "99999999999.99"),
         ("1e15 + 1", "1000000000000001"),

@@ -100,6 +100,11 @@ def test_extract_answer(text: str, expected: str) -> None:
         ("\\boxed 3 then \\boxed{4}", "4"),
         ("\\boxed \\frac{1}{2}$", "\\frac{1}{2}"),
         ("\\boxed   ", None),
+        # prose that names the command after the real box is not a box
+        ("so $\\boxed{42}$ (written in \\boxed form as asked).", "42"),
+        ("I wrote it in \\boxed form as asked", None),
+        ("\\boxed x", "x"),
+        ("\\boxed (1, 2)$", "(1, 2)"),
     ],
 )
 def test_brace_less_boxed(text: str, expected: str | None) -> None:
