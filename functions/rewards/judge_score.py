@@ -27,7 +27,10 @@ A score may name its scale, and then the scale's numbers are no scores: ``7/10``
 ``7 on a 1-10 scale``, ``7 on a 10-point scale``. A scale with the rubric's top is the
 rubric's (7 stays 7); another is mapped to the same place in the rubric's range (``4/5``
 and ``3 on a scale of 1 to 5`` are 8 and 5 on 0-10). A comma before one or two digits is a
-decimal comma (``7,5/10`` is 7.5).
+decimal comma (``7,5/10`` is 7.5). On the last line, a scale named before the number
+(``Score (1-10): 8``, ``Rating [0-10]: 7``, ``Score out of 10: 8``, ``On a scale of 1 to
+10, I'd give it an 8``) and a number the judge says it gives (``I give it 10``, ``I rate it
+7``) are read as labelled scores.
 
 What step 3 cannot tell: a judge that writes a score after its verdict which the response
 does not carry verbatim (a paraphrase, ``it claims ten out of ten``) is read as that score;
@@ -280,11 +283,51 @@ def _number_at_end(body: str, lo: float, hi: float) -> list[_Candidate]:
     ]
 
 
+# A verdict on the last line that names its scale first ("Score (1-10): 8", "Rating [0-10]:
+# 7", "Score out of 10: 8", "On a scale of 1 to 10, I'd give it an 8"), or says it gives a
+# number ("I give it 10"): read as labelled. Left to the bare numbers, the scale's own
+# numbers made the line ambiguous and the call failed.
+_SCALE = rf"{_NUM}{_TO}{_NUM}"
+_SCALE_FIRST = re.compile(
+    rf"\b(?:score|rating|grade)\b\s*(?:[(\[]\s*(?P<scale>{_SCALE})\s*[)\]]|(?P<outof>out\s+of\s+{_NUM}))"
+    rf"[\s*_:=]*(?P<num>{_NUM})"  # one class: \s* then [\s*_]* split a run of spaces n^2 ways
+    rf"|\bon\s+a\s+scale\s+(?:of|from)\s+(?P<scale2>{_SCALE})\s*[,:]?[^\n\d]{{0,40}}?(?<![\d.])(?P<num2>{_NUM})",
+    re.IGNORECASE,
+)
+_GIVES = re.compile(
+    # each optional word takes its own trailing space: adjacent \s+ and \s* were quadratic
+    rf"\b(?:give|rate|award|assign)s?\s+(?:(?:it|this|the\s+\w+)\s+)?(?:an?\s+)?(?<![\d.])(?P<num>{_NUM})(?P<pct>\s*%)?(?:{_OF})?",
+    re.IGNORECASE,
+)
+
+
+def _phrased_at_end(body: str, lo: float, hi: float) -> list[_Candidate]:
+    at = _last_line_span(body)[0]
+    found: list[_Candidate] = []
+    for m in _tail(_SCALE_FIRST.finditer(body, at)):
+        num = m.group("num") or m.group("num2")
+        scale = m.group("scale") or m.group("outof") or m.group("scale2")
+        found.append((m.start(), m.end(), True, partial(_on_scale, num, None, scale, lo, hi)))
+    for m in _tail(_GIVES.finditer(body, at)):
+        scale = m.group(m.re.groups)  # _OF's group, the last
+        pct = (m.group("pct") or "").strip() or None
+        found.append((m.start(), m.end(), True, partial(_on_scale, m.group("num"), pct, scale, lo, hi)))
+    return found
+
+
 _Finder = Callable[[str, float, float], list[_Candidate]]
 _FINDERS: dict[Form, tuple[_Finder, ...]] = {
-    "label": (_labels, _json_ending, _tag_at_end, _bold_at_end, _number_at_end),
-    "tag": (_tags, _json_ending, _labels, _bold_at_end, _number_at_end),
-    "json": (_json_objects, _json_ending, _labels, _tag_at_end, _bold_at_end, _number_at_end),
+    "label": (_labels, _json_ending, _tag_at_end, _bold_at_end, _phrased_at_end, _number_at_end),
+    "tag": (_tags, _json_ending, _labels, _bold_at_end, _phrased_at_end, _number_at_end),
+    "json": (
+        _json_objects,
+        _json_ending,
+        _labels,
+        _tag_at_end,
+        _bold_at_end,
+        _phrased_at_end,
+        _number_at_end,
+    ),
 }
 #: Bare-number candidates count as copied from the response only with this much of the text
 #: around them copied too ("7" alone is in many responses).

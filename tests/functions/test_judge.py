@@ -365,6 +365,16 @@ def test_a_json_verdict_followed_by_prose_is_read(reply, expected):
         ("2 on a scale of 1 to 5", 2.5),  # the same place in the range as 2.5 on 0-10
         ("Score: 7,5/10", 7.5),  # before: 5 (the fraction "5/10" beat "Score: 7")
         ("Verdict kzqrtm: 7,5/10", 7.5),
+        # the scale named before the number, or a number the judge says it gives: the scale's
+        # numbers (or the reasoning's) were rivals, and the call failed as ambiguous
+        ("Score (1-10): 8", 8),
+        ("Rating [0-10]: 7", 7),
+        ("Score out of 10: 8", 8),
+        ("On a scale of 1 to 10, I'd give it an 8.", 8),
+        ("On a scale of 1-10: 8", 8),
+        ("The answer is 42, which is correct. I give it 10", 10),
+        ("It has 3 bugs, so I give it 6", 6),
+        ("I give it a 7 (1-10)", 7),
     ],
 )
 def test_a_score_with_its_scale_named_is_read_as_the_score(reply, expected):
@@ -373,7 +383,7 @@ def test_a_score_with_its_scale_named_is_read_as_the_score(reply, expected):
 
 @pytest.mark.parametrize(
     "reply",
-    ["It has 3 bugs, so I give it 6", "Wrong.\n3 of 4 steps hold; 6", "I give it a 7 (1-10)"],
+    ["Wrong.\n3 of 4 steps hold; 6", "3 steps hold, 1 fails: 6"],
 )
 def test_several_bare_numbers_on_the_last_line_are_ambiguous(reply):
     # before: the latest was taken, though nothing says it is the score rather than the first
@@ -790,4 +800,14 @@ def test_a_long_run_after_a_score_and_its_scale_is_parsed_in_linear_time(before)
     # a scale pattern that started with its own \s* after the one before it was quadratic
     t = time.perf_counter()
     assert parse_score(before + " " * 1_000_000 + "x", 0, 10) == 7
+    assert time.perf_counter() - t < 5.0
+
+
+@pytest.mark.parametrize("phrase", ["I rate", "I give it", "Score (1-10)", "On a scale of 1 to 10,"])
+def test_a_long_run_after_a_verdict_phrase_is_parsed_in_linear_time(phrase):
+    # "give"/"rate" then optional words each with its own \s: adjacent \s+ and \s* took 16 s
+    # for 20,000 spaces
+    t = time.perf_counter()
+    with pytest.raises(JudgeResponseError):
+        parse_score(phrase + " " * 200_000 + "x", 0, 10)
     assert time.perf_counter() - t < 5.0
