@@ -7,6 +7,7 @@ allowed ones and the closest match (pydantic's own text names the model and says
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable
 from types import UnionType
 from typing import Annotated, Any, Union, get_args, get_origin
@@ -82,14 +83,21 @@ def describe(err: ErrorDetails, model: type[BaseModel]) -> tuple[str, str]:
         msg = "required key is missing"
     elif kind in _BOUNDS:
         op, name = _BOUNDS[kind]
-        msg = f"must be {op} {ctx[name]} (got {err['input']!r})"
+        secret = bool(loc) and _SECRET.search(str(loc[-1])) is not None
+        msg = f"must be {op} {ctx[name]}" + ("" if secret else f" (got {err['input']!r})")
     elif kind == "value_error":
         msg = str(ctx.get("error", err["msg"]))
     else:
         shown = err["input"]
-        got = "" if isinstance(shown, dict | list) else f" (got {shown!r})"
+        secret = bool(loc) and _SECRET.search(str(loc[-1])) is not None
+        got = "" if secret or isinstance(shown, dict | list) else f" (got {shown!r})"
         msg = f"{err['msg']}{got}"
     return config_key(loc), msg
+
+
+# a key whose value is not shown back (a token typed unquoted in YAML is an int, refused
+# with its value: into logs and terminals)
+_SECRET = re.compile(r"token|secret|password|passwd|credential|api_?key|access_key", re.IGNORECASE)
 
 
 def problems(e: ValidationError, model: type[BaseModel]) -> list[tuple[str, str]]:

@@ -12,6 +12,7 @@ import asyncio
 import difflib
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
@@ -125,6 +126,8 @@ def parse_backend_config(obj: Any) -> InprocConfig | LocalConfig | LambdaConfig 
         return obj
     if isinstance(obj, str):
         obj = {"type": obj}
+    elif isinstance(obj, Mapping):  # any mapping, as pydantic took it (a MappingProxyType)
+        obj = dict(obj)
     # the type first, then the keys of that type's config, each error worded by what failed:
     # "known types: ..." for {'type': 'local', 'max_worker': 2} sent the caller looking for
     # a type that was right, the key it mistyped deep in pydantic's text

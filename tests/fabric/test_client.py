@@ -53,6 +53,19 @@ def test_a_bad_backend_config_says_what_failed(backend, text):
     assert ("known types" in str(e.value)) == (backend.get("type") != "local")
 
 
+def test_a_backend_config_may_be_any_mapping_and_a_bad_token_is_not_shown():
+    from types import MappingProxyType
+
+    from fabric.backends.base import parse_backend_config
+
+    # the type check took only a dict: any other mapping, which pydantic took, was refused
+    assert parse_backend_config(MappingProxyType({"type": "local", "max_workers": 2})).max_workers == 2
+    # a token typed unquoted in YAML is an int: refused, without its value
+    with pytest.raises(ConfigError) as e:
+        parse_backend_config({"type": "lambda", "token": 123456789012, "endpoint_url": "http://x"})
+    assert "token: Input should be a valid string" in str(e.value) and "123456789012" not in str(e.value)
+
+
 def test_a_bad_backend_config_never_shows_its_values():
     """A lambda config carries a token: the error names the keys, not what they hold."""
     with pytest.raises(ConfigError) as e:
