@@ -670,20 +670,44 @@ class Job:
                     [(f"envs[{i}].image", f"its containers do not start: {e}") for i in where]
                 ) from None
 
+    #: seconds between warm-up tries of a reward whose workers did not start: the local
+    #: pool's ``setup_failure_cooldown_s``, before which it starts none again
+    warm_retry_s = 5.0
+
     async def _warm_rewards(self, client: Any) -> None:
         """Start the configured reward functions' warm workers before the first group. A setup
-        hook (or an import) that raises is a config error naming the reward: found by the
-        calls instead, it masked every trajectory and the job stopped only after
-        ``max(8, 2 x batch_size)`` groups of ``max_reruns`` re-runs, with a ``RolloutError``."""
+        hook that raises in each of ``WARM_ATTEMPTS`` tries (or an import that fails) is a
+        config error naming the reward: found by the calls instead, it masked every
+        trajectory and the job stopped only after ``max(8, 2 x batch_size)`` groups of
+        ``max_reruns`` re-runs, with a ``RolloutError``."""
         from fabric.errors import SetupFailedError
 
         keys: dict[str, list[str]] = {}  # function -> the config keys that name it
         for tag, specs in self.cfg.rewards.items():
             for j, spec in enumerate(specs):
                 keys.setdefault(spec.function, []).append(f"rewards.{tag}[{j}].function")
+
+        async def warm(function: str) -> None:
+            # a setup that fails once (a model download cut off) is not a config error: the
+            # pool starts workers again after its cooldown, and so does this, a few times; an
+            # import that fails is the code's, and fails the same way every time
+            for attempt in range(1, WARM_ATTEMPTS + 1):
+                try:
+                    return await client.warmup([function])
+                except SetupFailedError as e:
+                    if attempt == WARM_ATTEMPTS or _import_failed(e):
+                        raise
+                    log.warning(
+                        "reward %s: its workers did not start (%s); trying again in %g s",
+                        function,
+                        e.message,
+                        self.warm_retry_s,
+                    )
+                    await asyncio.sleep(self.warm_retry_s)
+
         # one warmup per function: each failure is mapped to its keys (a warmup of several
         # raises for the first and only names the others)
-        outcomes = await asyncio.gather(*(client.warmup([f]) for f in keys), return_exceptions=True)
+        outcomes = await asyncio.gather(*(warm(f) for f in keys), return_exceptions=True)
         problems: list[tuple[str, str]] = []
         for function, outcome in zip(keys, outcomes, strict=True):
             if isinstance(outcome, SetupFailedError):
@@ -697,6 +721,16 @@ class Job:
                 raise outcome
         if problems:
             raise ConfigError(problems)
+
+
+WARM_ATTEMPTS = 3
+"""Warm-up tries of a reward whose setup hook raises before it is a config error."""
+
+
+def _import_failed(e: Any) -> bool:
+    """Whether a worker's setup failed importing the function's module (no retry mends it)."""
+    last = (e.traceback or e.message or "").strip().splitlines()[-1:] or [""]
+    return last[0].startswith(("ModuleNotFoundError", "ImportError", "SyntaxError", "IndentationError"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -433,18 +433,20 @@ async def test_a_rollout_stopped_by_a_failing_reward_says_the_rewards_error():
 class _WarmClient:
     """What ``_warm_rewards`` uses of a fabric client: ``warmup``, failing as scripted."""
 
-    def __init__(self, fail: dict[str, BaseException]):
+    def __init__(self, fail: dict[str, BaseException], *, times: dict[str, int] | None = None):
         self.fail = fail
+        self.times = times or {}  # how many warmups of a function fail (default: all)
         self.warmed: list[str] = []
 
     async def warmup(self, names: list[str] | None = None) -> None:
         assert names is not None and len(names) == 1
         self.warmed += names
-        if names[0] in self.fail:
-            raise self.fail[names[0]]
+        name = names[0]
+        if name in self.fail and self.warmed.count(name) <= self.times.get(name, 1_000):
+            raise self.fail[name]
 
 
-async def test_a_reward_whose_setup_raises_is_a_config_error_at_start(caplog):
+async def test_a_reward_whose_setup_raises_is_a_config_error_at_start(caplog, monkeypatch):
     # found by the calls instead, it masked every trajectory and the job stopped only after
     # 8 groups x max_reruns with a RolloutError that did not say why
     from fabric.errors import BackendError, SetupFailedError
@@ -463,13 +465,29 @@ async def test_a_reward_whose_setup_raises_is_a_config_error_at_start(caplog):
             "slow": BackendError("slow: 0 of 1 warm workers ready after 30 s"),  # infra: the calls retry
         }
     )
+    monkeypatch.setattr(Job, "warm_retry_s", 0.01)
     with pytest.raises(ConfigError) as e:
         await Job(cfg, progress=False)._warm_rewards(client)
-    assert sorted(client.warmed) == ["env_return", "rm_reward", "slow"]
+    # a setup failure is tried WARM_ATTEMPTS (3) times before it is the config's; a slow
+    # start (the machinery) is left to the calls
+    assert sorted(client.warmed) == ["env_return"] + ["rm_reward"] * 3 + ["slow"]
     assert [k for k, _ in e.value.problems] == ["rewards.latency[0].function"]
     assert "FileNotFoundError: nope (setup_rewards.py, line 4, in load_model)" in str(e.value)
     assert "warming up reward slow failed" in caplog.text
     await Job(cfg, progress=False)._warm_rewards(_WarmClient({}))  # all start: nothing raised
+    # a setup that fails once (a download cut off) is no config error: tried again, it starts
+    once = _WarmClient(
+        {"rm_reward": SetupFailedError("rm_reward: worker setup failed: ConnectionError", tb)},
+        times={"rm_reward": 1},
+    )
+    await Job(cfg, progress=False)._warm_rewards(once)
+    assert once.warmed.count("rm_reward") == 2 and "trying again" in caplog.text
+    # an import that fails is the code's: not tried again
+    imp = "Traceback (most recent call last):\nModuleNotFoundError: No module named 'rm_deps'\n"
+    broken = _WarmClient({"rm_reward": SetupFailedError("rm_reward: cannot import", imp)})
+    with pytest.raises(ConfigError):
+        await Job(cfg, progress=False)._warm_rewards(broken)
+    assert broken.warmed.count("rm_reward") == 1
 
 
 class _NoStartPool:
