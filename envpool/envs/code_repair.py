@@ -109,7 +109,10 @@ spec = json.loads(sys.stdin.readline())
 results = os.fdopen(int(sys.argv[2]), "w", encoding="utf-8")
 
 def send(obj):
-    line = json.dumps(obj)
+    try:
+        line = json.dumps(obj)
+    except ValueError:  # an int past 4300 digits (Python's limit on int to str)
+        line = json.dumps({"i": obj.get("i"), "too_large": -1})
     if len(line) > 100_000:
         line = json.dumps({"i": obj.get("i"), "too_large": len(line)})
     results.write(line + "\n")

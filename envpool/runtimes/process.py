@@ -284,10 +284,15 @@ class ProcessRuntime(Runtime):
         here: a pool made and never entered (and a runtime a test replaces) left an empty
         one in /tmp for good. Its name carries our pid, for ``reap_orphans``."""
         if self._root is None:
-            root = Path(tempfile.mkdtemp(prefix=f"{_ROOT_PREFIX}{os.getpid()}-"))
+            # made under a name the reaper does not look at, locked, then renamed to ours (the
+            # lock goes with the file): a reaper never sees it unlocked (between the open and
+            # the flock, one took the free lock for a dead owner's and removed the directory)
+            tmp = Path(tempfile.mkdtemp(prefix=f"envpool-new-{os.getpid()}-"))
             # held while we live (close-on-exec: no container or zygote inherits it)
-            self._owner_fd = os.open(root / _OWNER_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+            self._owner_fd = os.open(tmp / _OWNER_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
             fcntl.flock(self._owner_fd, fcntl.LOCK_EX)
+            root = tmp.with_name(f"{_ROOT_PREFIX}{os.getpid()}-{tmp.name.rsplit('-', 1)[1]}")
+            os.rename(tmp, root)
             self._root = root
         return self._root
 

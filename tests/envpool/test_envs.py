@@ -606,6 +606,18 @@ def test_code_repair_expected_exceptions_match_by_class_and_subclass(repair):
     assert "FAIL test_stats.py::test_mean_empty: mean([]) did not raise ValueError (it returned 0)" in text
 
 
+def test_code_repair_a_huge_int_is_too_large_and_the_other_tests_still_run(repair):
+    # json.dumps refuses an int past 4300 digits: the runner died there, and the correct
+    # clamp tests after it read "did not finish"
+    repair.reset(options={"task": "mathutils"})
+    repair.step(edit_action("mathutils.py", "    return a - b", "    return 10**5000 if a < 0 else a + b"))
+    text = repair.step("run_tests").obs.text
+    assert (
+        "FAIL test_mathutils.py::test_add_negative: add(-4, 1) returned a value too large to compare" in text
+    )
+    assert "PASS test_mathutils.py::test_clamp" in text and "PASS test_mathutils.py::test_add" in text
+
+
 def test_code_repair_missing_name_fails_every_test(repair):
     repair.reset(options={"task": "mathutils"})
     repair.step(edit_action("mathutils.py", "def add(a, b):", "def plus(a, b):"))

@@ -233,6 +233,33 @@ async def test_the_runtime_makes_its_directory_at_its_first_start_and_removes_it
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_runtimes_root_is_locked_before_it_bears_a_name_the_reaper_reads(tmp_path, monkeypatch):
+    # made as envpool-p<pid>-* and locked a moment later: a reaper in another process took
+    # the free lock in between for a dead owner's and removed the live directory
+    from envpool.runtimes.process import _ROOT_NAME, ProcessRuntime
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    seen: list[str] = []
+    real_rename = os.rename
+
+    def rename(src, dst):  # what a reaper would find just before the name is ours
+        seen.extend(p.name for p in tmp_path.iterdir() if _ROOT_NAME.fullmatch(p.name))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    rt = ProcessRuntime()
+    root = rt.root
+    assert seen == [] and _ROOT_NAME.fullmatch(root.name)
+    fd = os.open(root / ".owner", os.O_RDWR)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by the runtime
+    finally:
+        os.close(fd)
+        asyncio.run(rt.aclose())
+    assert not root.exists()
+
+
 async def test_entering_a_pool_removes_the_directories_of_dead_owners_only(tmp_path, monkeypatch):
     # a driver SIGKILLed leaves its containers' directories for good: nothing of its close ran
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
