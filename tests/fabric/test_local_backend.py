@@ -410,6 +410,10 @@ async def test_a_finished_call_survives_a_hang_after_it_and_queued_calls_did_not
     path = tmp_path / "effects"
     async with local(max_workers=1) as c:
         await c.backend.warmup(["maybe_hang"])  # warm=0: starts nothing, but the pool exists
+        # the three go to the worker in one batch, so the third waits behind the hang in the
+        # worker: a pool that judged calls slow (a loaded machine) sent one at a time, the
+        # third stayed in the pool's queue and was never re-queued (requeued 0, 1 run in ~10)
+        c.backend.pool("maybe_hang")._exec_ewma_ms = 0.01
         rs = await c.map("maybe_hang", [{"path": str(path), "hang": h} for h in (False, True, False)])
         assert rs[0].ok and rs[0].value == "done"  # answered before the next call hung
         assert rs[1].error.type == ErrorCode.TIMEOUT and rs[1].attempts == 1  # side effects: not retried
