@@ -713,8 +713,12 @@ async def test_redundant_rollouts_are_aborted_and_never_trained(tmp_path, ray_cl
     groups = summary["groups"]
     assert groups["redundant_aborted"] > 0
     assert groups["trajectories_started"] >= groups["groups_started"] * (cfg.group_size + cfg.redundancy)
+    # a member asked to stop either stops ("aborted") or, on a loaded machine, finishes in
+    # the race first ("extra"): which of the two is timing, that it is one of them is not.
+    # tests/core/test_groups.py pins the abort itself with controlled timing
+    assert groups.get("aborted", 0) + groups.get("extra", 0) > 0
     # every batch was checked against their ids (check_invariants: aborted_trained is 0)
-    assert groups["aborted"] > 0 and summary["aborted_trained"] == 0
+    assert summary["aborted_trained"] == 0
 
 
 # ----------------------------------------------------------------------------- faults
