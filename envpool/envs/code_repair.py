@@ -35,8 +35,8 @@ How a run is judged, and why so: the policy's module is code the policy wrote, a
 process that imports it is the policy's to control (it can read that process's memory,
 print anything, exit early, or return a value whose ``__eq__`` is always true). So that
 process only *computes*: a subprocess (``python -I -B``, cwd the work dir, scrubbed
-environment, killed after ``test_timeout_s`` with whatever it started, CPU and file-size
-limits, dies with the process that started it) imports the module, evaluates each check's
+environment, killed with whatever it started when its results are in or at ``test_timeout_s``,
+CPU and file-size limits, dies with the process that started it) imports the module, evaluates each check's
 call (``add(2, 3)``) and writes the value as plain JSON (numbers, strings, booleans, None,
 lists, string-keyed dicts; anything else is a failure) or the exception it raised to a file
 of its own. This process compares those values with the expected ones, which never enter
@@ -58,11 +58,14 @@ import os
 import random
 import re
 import resource
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar
 
@@ -90,22 +93,31 @@ __all__ = [
 ]
 
 
-# Runs as `python -I -B -c RUNNER PARENT_PID RESULTS_FD` in the work dir, with the module's name, the
+# Runs as `python -I -B -c RUNNER PARENT_PID RESULTS_FD DONE_FD` in the work dir, with the module's name, the
 # test file's imports and the checks' calls as one JSON line on stdin (never the expected
 # values). It writes one JSON line per check to RESULTS_FD, a file of its own: {"i", "value"}, or
 # {"i", "raised": [the exception's class names, its MRO], "message", "at"}, or {"i",
 # "not_plain": type, "repr"}; an import failure is {"import_error", "at"}. It dies with the
 # process that started it (PR_SET_PDEATHSIG, set here rather than in a preexec_fn, which is
-# not safe in a process with threads, as a container's server is).
+# not safe in a process with threads, as a container's server is). It is also a child subreaper:
+# what the module's processes start stays in its tree when they exit (not reparented to pid
+# 1). When done it writes one byte to DONE_FD and waits on stdin, alive, so that its parent
+# kills the whole tree (kill_tree) after every run, not only on a timeout: a forked helper
+# that sleeps no longer outlives the run. A module that writes DONE_FD early only cuts its
+# own results short.
 RUNNER = r"""
 import ctypes, importlib, json, os, sys, traceback
 try:
-    ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    libc.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
 except Exception:
     pass  # not Linux: the timeout and the CPU limit still apply
 if os.getppid() != int(sys.argv[1]):  # its parent died before prctl took effect
     os._exit(1)
 spec = json.loads(sys.stdin.readline())
+# bound before the module runs: what it patches in os or sys cannot stop the end below
+_write, _read, _exit, done_fd, stdin_fd = os.write, os.read, os._exit, int(sys.argv[3]), sys.stdin.fileno()
 results = os.fdopen(int(sys.argv[2]), "w", encoding="utf-8")
 
 def send(obj):
@@ -170,6 +182,13 @@ else:
             send({"i": i, "not_plain": type(value).__name__, "repr": text(lambda: repr(value))[:200]})
         else:
             send({"i": i, "value": out})
+try:
+    results.close()
+    _write(done_fd, b"D")
+    _read(stdin_fd, 1)  # the parent kills this process and its tree, or closes stdin
+except BaseException:
+    pass
+_exit(0)
 """
 
 HELP = """Actions (one per reply):
@@ -349,31 +368,27 @@ class CodeRepairEnv(Env):
             "calls": [c.call for _, c in checks],
         }
         env = {"PATH": os.defpath, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": str(root)}
+        done_r, done_w = os.pipe()
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as results:
             # in this process's group, not a session of its own: a container is killed as a
             # whole (its process group), and a test run must go with it
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-B", "-c", RUNNER, str(os.getpid()), str(results.fileno())],
-                cwd=root,
-                env=env,
-                stdin=subprocess.PIPE,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                pass_fds=(results.fileno(),),
-            )
-            timed_out = False
+            argv = [sys.executable, "-I", "-B", "-c", RUNNER, str(os.getpid()), str(results.fileno())]
             try:
-                # a backstop should the timeout below never come (this process stopped):
-                # SIGKILL past about test_timeout_s of CPU (soft = hard: no SIGXCPU core dump)
-                cpu_s = math.ceil(self.test_timeout_s) + 1
-                with contextlib.suppress(OSError, ValueError):
-                    resource.prlimit(proc.pid, resource.RLIMIT_CPU, (cpu_s, cpu_s))
-                    resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (MAX_FILE_BYTES, MAX_FILE_BYTES))
-                proc.communicate(json.dumps(spec).encode() + b"\n", timeout=self.test_timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                kill_tree(proc.pid)
-                proc.wait()
+                proc = subprocess.Popen(
+                    [*argv, str(done_w)],
+                    cwd=root,
+                    env=env,
+                    stdin=subprocess.PIPE,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    pass_fds=(results.fileno(), done_w),
+                )
+            finally:
+                os.close(done_w)
+            try:
+                timed_out = self._await_runner(proc, done_r, json.dumps(spec).encode() + b"\n", root)
+            finally:
+                os.close(done_r)
             out.seek(0)
             raw = out.read(1_000_000).decode("utf-8", errors="replace")
             results.seek(0)
@@ -389,6 +404,61 @@ class CodeRepairEnv(Env):
         if shown:
             report += f"\nOutput of the run:\n{shown}"
         return passed, task.n_tests - passed, report, timed_out
+
+    def _await_runner(self, proc: subprocess.Popen[bytes], done_r: int, spec: bytes, root: Path) -> bool:
+        """Feed the runner its spec and wait for its done byte, its exit or the timeout; then
+        kill it with everything it started. Whether it timed out."""
+        # a backstop should the timeout below never come (this process stopped): SIGKILL
+        # past about test_timeout_s of CPU (soft = hard: no SIGXCPU core dump)
+        cpu_s = math.ceil(self.test_timeout_s) + 1
+        with contextlib.suppress(OSError, ValueError):
+            resource.prlimit(proc.pid, resource.RLIMIT_CPU, (cpu_s, cpu_s))
+            resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (MAX_FILE_BYTES, MAX_FILE_BYTES))
+        assert proc.stdin is not None
+        with contextlib.suppress(OSError):  # it died at once: its exit tells
+            proc.stdin.write(spec)
+            proc.stdin.flush()
+        deadline = time.monotonic() + self.test_timeout_s
+        timed_out, done = True, False
+        # the done byte, or the runner's exit (it died, or the module ended the interpreter:
+        # the done pipe stays open in whatever it forked, so its EOF cannot tell)
+        watch = [done_r]
+        with _exit_watch(proc.pid) as exited:
+            while (left := deadline - time.monotonic()) > 0:
+                ready, _, _ = select.select(watch + exited, [], [], left if exited else min(left, 0.05))
+                if done_r in ready:
+                    if os.read(done_r, 1):
+                        timed_out, done = False, True
+                        break
+                    watch = []  # closed by the module: its exit, or the timeout, tells
+                if (exited and exited[0] in ready) or (not exited and proc.poll() is not None):
+                    timed_out = False
+                    break
+        if proc.returncode is None:  # not reaped (a zombie at worst): its pid is still its own
+            kill_tree(proc.pid)  # it and all it started (a subreaper, it kept them in its tree)
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        proc.wait()
+        if not done and not timed_out:
+            # it ended by itself (the module ended the interpreter, or it crashed): what it
+            # started left its tree then, but not this process group nor the work dir
+            kill_left_in(root)
+        return timed_out
+
+
+@contextlib.contextmanager
+def _exit_watch(pid: int) -> Iterator[list[int]]:
+    """``[a pidfd]`` that turns readable when ``pid`` exits, or ``[]`` where there is none
+    (then the caller polls)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        yield []
+        return
+    try:
+        yield [fd]
+    finally:
+        os.close(fd)
 
 
 def _hide(text: str, prefixes: list[str]) -> str:
@@ -477,6 +547,34 @@ def judge(
         where = f"{test_file}::{test.name}"
         lines.append(f"FAIL {where}: {failures[t]}" if t in failures else f"PASS {where}")
     return task.n_tests - len(failures), lines
+
+
+def kill_left_in(root: Path) -> None:
+    """SIGKILL every process of this process group whose working directory is under ``root``
+    (an episode's work dir, this process's own never), each stopped first so none forks past
+    the scan."""
+    me, group, stopped, root = os.getpid(), os.getpgid(0), set[int](), root.resolve()
+    for _ in range(100):  # a fork bomb outruns no scan for long: each pass stops what it saw
+        found = []
+        with contextlib.suppress(OSError):
+            for entry in os.scandir("/proc"):
+                if not entry.name.isdigit() or (pid := int(entry.name)) == me or pid in stopped:
+                    continue
+                try:
+                    if os.getpgid(pid) != group or not Path(os.readlink(f"/proc/{pid}/cwd")).is_relative_to(
+                        root
+                    ):
+                        continue
+                    os.kill(pid, signal.SIGSTOP)
+                except OSError:  # gone meanwhile, or not ours to read
+                    continue
+                found.append(pid)
+        if not found:
+            break
+        stopped.update(found)
+    for pid in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _children_by_parent() -> dict[int, list[int]]:

@@ -715,6 +715,52 @@ def test_code_repair_test_timeout_kills_what_the_run_started(tmp_path):
         env.close()
 
 
+# the fix, plus helpers the module starts at import and leaves behind: a child that sleeps, and
+# a daemon (a child that forks a sleeper and exits, so the sleeper's parent is gone)
+FIX_AND_FORKS = (
+    "    return a + b\n"
+    "import os, time\n"
+    "if os.fork() == 0:\n"
+    "    time.sleep(60)\n"
+    "    os._exit(0)\n"
+    "if os.fork() == 0:\n"
+    "    if os.fork() == 0:\n"
+    "        time.sleep(60)\n"
+    "    os._exit(0)"
+)
+
+
+@pytest.mark.parametrize("early_exit", [False, True])
+def test_code_repair_a_run_that_ends_takes_what_it_started_with_it(tmp_path, early_exit):
+    # the runner returned normally and its module's forked helpers, reparented to pid 1, ran
+    # on for good: only a timeout killed the tree. Now the runner stays alive past its
+    # results, a subreaper, and its parent kills it with all it started
+    work = tmp_path / "work"
+    work.mkdir()
+    env = envpool.make("code-repair-v1", test_timeout_s=10, workdir_root=str(work))
+    try:
+        env.reset(options={"task": "mathutils"})
+        body = FIX_AND_FORKS + ("\nos.close(int(sys.argv[3]))" if early_exit else "")
+        if early_exit:  # the module closes the done pipe: the runner's end must still be seen
+            body = "import sys\n" + body.replace("    return a + b\n", "", 1)
+            env.step(edit_action("mathutils.py", "    return a - b", "    return a + b"))
+            env.step(edit_action("mathutils.py", "def add", body + "\ndef add"))
+        else:
+            env.step(edit_action("mathutils.py", "    return a - b", FIX_AND_FORKS))
+        t0 = time.monotonic()
+        res = env.step("run_tests")
+        assert time.monotonic() - t0 < 8  # ended by the runner, not at the timeout
+        assert res.info["all_passed"] and res.info["failed"] == 0, res.obs.text
+        assert "timed out" not in res.obs.text
+        deadline = time.monotonic() + 3  # SIGKILL lands when each is next scheduled
+        while _running_in(work) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _running_in(work)  # the sleeper and the daemon's child too (they sleep 60 s)
+    finally:
+        _kill_all(_running_in(work))
+        env.close()
+
+
 @pytest.mark.parametrize("how", ["aborted", "leader_killed"])
 async def test_a_test_run_dies_with_its_container(tmp_path, how):
     # the runner had a session of its own: killing the container's process group (an aborted
@@ -795,11 +841,18 @@ def test_builtins_are_registered():
 def test_make_finds_the_builtins_without_importing_envpool_envs_first():
     # a fresh interpreter, where nothing imported envpool.envs: make once answered
     # "unknown environment 'frozenlake-v1'; registered: (none)"
-    code = "import envpool; print(envpool.make('frozenlake-v1').spec.id, len(envpool.default_registry.ids()))"
+    code = "import envpool; print(envpool.make('frozenlake-v1').spec.id, *envpool.default_registry.ids())"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout == f"frozenlake-v1 {len(envpool.default_registry.ids())}\n"
+    made, *ids = out.stdout.split()
+    # every built-in (this process's registry may hold more: other tests' user modules)
+    builtins = [
+        i
+        for i in envpool.default_registry.ids()
+        if envpool.default_registry.spec(i).entry_point.startswith("envpool.envs.")
+    ]
+    assert made == "frozenlake-v1" and sorted(ids) == sorted(builtins) and len(builtins) >= 5
     # a registry of one's own stays as registered: nothing is added behind its back
     assert EnvRegistry().ids() == []
 
