@@ -226,10 +226,40 @@ class Job:
                         summary["images"] = dict(images.refs)
                     # routing, recoveries and the turn scheduler's counts, for the record
                     summary["proxy"] = await self.proxy_handle.stats.remote()
+                except Exception as e:
+                    # a rollout that cannot go on (RolloutError), an actor that died: its
+                    # counts were only in the error's text. (Ctrl-C writes none: resume.)
+                    await runner.aclose()
+                    try:
+                        run_dir.fail(self._failure(e, t_start, run_dir, buffer, stream, runner))
+                    except Exception as write_error:  # the run's own error is the one to see
+                        log.warning("could not write failure.json: %s", write_error)
+                    raise
                 finally:
                     # a failed run too stops its rollouts before the cluster goes away
                     await runner.aclose()
         return summary
+
+    def _failure(
+        self,
+        error: BaseException,
+        t_start: float,
+        run_dir: RunDir,
+        buffer: SampleBuffer,
+        stream: RewardStream,
+        runner: GroupRunner,
+    ) -> dict[str, Any]:
+        """``failure.json``: why the run stopped, and the counts a summary would have had."""
+        return {
+            "error": f"{type(error).__name__}: {error}",
+            "steps": len(run_dir.rows),  # trained, as in summary.json
+            "wall_s": round(time.perf_counter() - t_start, 1),
+            "trajectories": {**self.tally.counts, "errors": dict(self.tally.errors)},
+            "buffer": {k: v for k, v in buffer.metrics().items() if k not in ("trainer_wait_s",)},
+            "rewards": stream.metrics(),
+            "groups": dict(runner.metrics),
+            "run_dir": str(run_dir.path),
+        }
 
     async def _train(
         self,
@@ -685,6 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from fabric.usercode import prints_to_stderr
 
+    job: Job | None = None
     try:
         # the config's fabric.discover modules are imported here, and Ray relays its actors'
         # prints to our sys.stdout: --quiet's stdout is the summary alone, as fabric run's
@@ -700,6 +731,9 @@ def main(argv: list[str] | None = None) -> int:
             summary = asyncio.run(job.run())
     except CoreError as e:
         print(e, file=sys.stderr)
+        failure = job.run_dir.path / "failure.json" if job is not None and job.run_dir else None
+        if failure is not None and failure.exists():
+            print(f"(the counts: {failure})", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: the job stopped what it had started; no traceback
         print("interrupted", file=sys.stderr)

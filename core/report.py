@@ -6,6 +6,7 @@
       reward.png       reward and success rate per step (evaluation on held-out tasks too)
       time.png         where each step's time went
       summary.json     the final figures (also printed)
+      failure.json     instead, a run the rollout stopped (RolloutError): why, and its counts
       trace.jsonl      one line per turn (``rollout.trace``)
 
 A directory is reused as it is: what an earlier run left there that this one may not write
@@ -30,7 +31,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 #: Outputs written at the end of a run (or only with some settings): an earlier run's are removed.
-STALE_OUTPUTS = ("summary.json", "reward.png", "time.png", "trace.jsonl")
+STALE_OUTPUTS = ("summary.json", "failure.json", "reward.png", "time.png", "trace.jsonl")
 
 
 def _finite(obj: Any) -> Any:
@@ -116,6 +117,13 @@ class RunDir:
     def finish(self, summary: dict[str, Any]) -> None:
         self._metrics.close()
         (self.path / "summary.json").write_text(strict_json(summary, indent=2) + "\n")
+        self.plot()
+
+    def fail(self, failure: dict[str, Any]) -> None:
+        """A run that stopped on an error: ``failure.json`` (never ``summary.json``, which
+        tools read as a finished run), and the plots of the steps it trained."""
+        self._metrics.close()
+        (self.path / "failure.json").write_text(strict_json(failure, indent=2) + "\n")
         self.plot()
 
     def plot(self) -> None:

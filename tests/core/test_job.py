@@ -568,6 +568,14 @@ async def test_a_rollout_where_every_group_fails_stops_with_the_cause(tmp_path, 
         await run_job(cfg)
     assert "groups in a row were given up" in str(e.value)
     assert "PromptTooLongError" in str(e.value) and "context is 64" in str(e.value)
+    # the run directory says so too, with the counts: never a summary.json (a finished run)
+    run = tmp_path / "run"
+    assert not (run / "summary.json").exists()
+    failure = json.loads((run / "failure.json").read_text())
+    assert failure["error"].startswith("RolloutError: ") and "PromptTooLongError" in failure["error"]
+    assert failure["steps"] == 0 and failure["groups"]["given_up"] >= 8
+    assert failure["trajectories"]["infra_failed"] > 0
+    assert any("PromptTooLongError" in k for k in failure["trajectories"]["errors"])
 
 
 # ----------------------------------------------------------------------------- the happy path
