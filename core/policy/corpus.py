@@ -133,7 +133,8 @@ def _play(
     if returncode != 0:
         refused = _kwargs_refused(stdout)
         if refused is not None:
-            raise refuse(f"it does not take kwargs {spec['kwargs']}: {refused}", "kwargs")
+            how = "does not take" if refused.startswith("TypeError") else "refused"
+            raise refuse(f"it {how} kwargs {spec['kwargs']}: {refused}", "kwargs")
         raise refuse(_last_line(stderr) or f"exit code {returncode}")
     texts = into.texts
     played, died = 0, []
@@ -232,11 +233,12 @@ def _child(spec: dict[str, Any]) -> None:
     registry = load_bundle(bundle)  # the built-ins and what the image registers
     try:
         env = registry.make(spec["id"], tool_caller=_no_tools, **spec["kwargs"])
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         if not spec["kwargs"]:
             raise
-        # the constructor would not take the entry's kwargs (a typo, a key it never had):
-        # said as such, the problem names envs[i].kwargs, not the id that is right
+        # the constructor would not take the entry's kwargs (a typo, a key it never had, a
+        # value out of range): said as such, the problem names envs[i].kwargs, not the id
+        # that is right
         _write(out, {"kwargs_refused": f"{type(e).__name__}: {e}"})
         raise
     actions = list(spec["actions"] or env.env.example_actions or ("noop",))

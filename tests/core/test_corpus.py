@@ -63,12 +63,14 @@ def test_an_environment_whose_every_episode_dies_is_a_config_error():
     assert "every episode failed (seed 0: exit code 17)" in msg
 
 
-def test_an_environment_that_cannot_be_built_is_a_config_error():
+def test_a_kwarg_value_the_environment_refuses_is_a_config_error_naming_the_kwargs():
+    # the ValueError blamed envs[0].id, which was right: the value was not
     cfg = _cfg({"id": "latency-v0", "kwargs": {"turns": 0}})
     with pytest.raises(ConfigError) as e:
         env_corpus(cfg, episodes=5)
     [(key, msg)] = e.value.problems
-    assert key == "envs[0].id" and "ValueError: need mu_s >= 0" in msg
+    assert key == "envs[0].kwargs"
+    assert "refused kwargs {'turns': 0}: ValueError: need mu_s >= 0" in msg
 
 
 def test_kwargs_the_environment_does_not_take_are_a_config_error_naming_them():
