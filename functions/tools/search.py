@@ -164,30 +164,34 @@ def _singular(word: str) -> str:
     return word[:-1]
 
 
-def _cjk_terms(word: str) -> Iterator[str]:
+def _cjk_terms(word: str, characters: bool) -> Iterator[str]:
     """The terms of a normalised word that holds CJK: its CJK runs as character pairs (a
-    single character alone), the rest as words."""
+    single character alone; with ``characters``, each character too), the rest as words."""
     for i, piece in enumerate(_CJK.split(word)):
         if i % 2:  # a CJK run (split's captured separators are the odd items)
             if len(piece) == 1:
                 yield piece
-            else:
-                yield from (piece[j : j + 2] for j in range(len(piece) - 1))
+                continue
+            yield from (piece[j : j + 2] for j in range(len(piece) - 1))
+            if characters:
+                yield from piece
         elif piece and piece not in STOPWORDS:
             yield stem(piece)
 
 
-def tokenize(text: str) -> list[str]:
+def tokenize(text: str, *, document: bool = False) -> list[str]:
     """The index terms of ``text``, in order (stopwords dropped, plurals stemmed). The text is
     NFKC-normalised and case-folded first, so the composed and decomposed forms of a word
     (``café`` typed, ``cafe`` + U+0301 from a macOS file), full-width and ordinary letters,
-    ``Straße`` and ``STRASSE`` meet."""
+    ``Straße`` and ``STRASSE`` meet. A ``document``'s CJK runs give their single characters
+    too, so that a query of one character (猫) finds 小猫; a query's runs of two or more
+    give pairs only, and score as before."""
     text = unicodedata.normalize("NFKC", text).casefold()
     cjk = _CJK.search(text) is not None  # most texts have none: no need to look in each word
     terms: list[str] = []
     for word in _WORD.findall(text):
         if cjk and _CJK.search(word):
-            terms.extend(_cjk_terms(word))
+            terms.extend(_cjk_terms(word, document))
         elif word not in STOPWORDS:
             terms.append(stem(word))
     return terms
@@ -390,7 +394,7 @@ class BM25Index:
         postings: dict[str, list[tuple[int, int]]] = {}
         lengths: list[int] = []
         for i, doc in enumerate(self.documents):
-            counts = Counter(tokenize(f"{doc.title}\n{doc.text}"))
+            counts = Counter(tokenize(f"{doc.title}\n{doc.text}", document=True))
             lengths.append(sum(counts.values()))
             for term, tf in counts.items():
                 postings.setdefault(term, []).append((i, tf))
@@ -450,10 +454,11 @@ class BM25Index:
         weight = {t: self.idf.get(t, 0.0) for t in terms}
         # the query terms in each word of the text as written (a CJK run holds several)
         seen: dict[str, set[str]] = {}
-        found = [
-            seen[w] if (w := m.group()) in seen else seen.setdefault(w, weight.keys() & tokenize(w))
-            for m in words
-        ]
+
+        def terms_in(w: str) -> set[str]:
+            return seen[w] if w in seen else seen.setdefault(w, weight.keys() & tokenize(w, document=True))
+
+        found = [terms_in(m.group()) for m in words]
         hits = [j for j, ts in enumerate(found) if ts]
         best_start, best = 0, -1.0
         for j in hits[:_SNIPPET_CANDIDATES]:

@@ -222,6 +222,17 @@ def test_cjk_is_indexed_as_character_pairs():
     assert hit.snippet == "東京は日本の首都です。"
 
 
+def test_a_one_character_cjk_query_finds_the_character_inside_a_run():
+    # a document's run was indexed as pairs only: 猫 matched where it stood alone, never in 小猫
+    assert tokenize("小猫", document=True) == ["小猫", "小", "猫"]
+    assert tokenize("小猫") == ["小猫"]  # a query's run: pairs, scored as before
+    index = BM25Index(docs("我家的小猫很可爱。", "东京是日本的首都。", "猫"))
+    assert {h.id for h in index.search("猫").hits} == {"d0", "d2"}
+    assert [h.id for h in index.search("首都").hits] == ["d1"]
+    assert index.search("猫", k=2).hits[0].id == "d2"  # the shorter document first, as BM25 ranks
+    assert "小猫" in index.search("猫").hits[-1].snippet
+
+
 def test_a_singular_query_finds_the_plural_in_a_document():
     assert get_index().search("cookie").hits[0].id == "http.txt"  # it says "cookies"
 
