@@ -298,7 +298,11 @@ class FakeKubernetesAPI:
         cmd = [re.sub(r"^0\.0\.0\.0:\d+$", "127.0.0.1:0", a) for a in cmd]
         if "envpool.server" in cmd:
             cmd += ["--parent-pid", str(os.getpid())]  # never outlive the test run
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        # a pod's /tmp is its own and goes with it: here a dir of the fake's, removed at close
+        # (the server's image fetch unpacked into the host's /tmp and left it there)
+        tmp = self._tmp / f"{pod.obj['metadata']['name']}.tmp"
+        tmp.mkdir(exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "TMPDIR": str(tmp)}
         env.update({e["name"]: str(e.get("value", "")) for e in container.get("env") or []})
         pod.stderr = self._tmp / f"{pod.obj['metadata']['name']}.stderr"
         with open(pod.stderr, "wb") as err:

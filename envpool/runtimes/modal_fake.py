@@ -20,9 +20,11 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -76,6 +78,7 @@ class _State:
     kwargs: dict[str, Any]
     app: Any
     image: Any
+    tmp: str = ""
     endpoint: tuple[str, int] | None = None
 
 
@@ -173,13 +176,21 @@ class FakeModal:
         args = [re.sub(r"^0\.0\.0\.0:\d+$", "127.0.0.1:0", a) for a in args]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MODAL_"))}
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        # a sandbox's /tmp is its own and goes with it: here a dir removed when it is killed
+        # (the server's image fetch unpacked into the host's /tmp and left it there)
+        tmp = tempfile.mkdtemp(prefix="envpool-modal-fake-")
+        env["TMPDIR"] = tmp
         env.update(kw.get("env") or {})
-        proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env, start_new_session=True
-        )
+        try:
+            proc = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env, start_new_session=True
+            )
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         _LIVE_GROUPS.add(proc.pid)
         ports = [*kw.get("unencrypted_ports", []), *kw.get("encrypted_ports", [])]
-        state = _State(f"sb-fake{next(self._ids)}", proc, ports, kw, app, image)
+        state = _State(f"sb-fake{next(self._ids)}", proc, ports, kw, app, image, tmp=tmp)
         self.sandboxes[state.object_id] = state
         return state
 
@@ -209,3 +220,5 @@ class FakeModal:
         _LIVE_GROUPS.discard(s.proc.pid)
         if s.proc.stdout is not None:
             s.proc.stdout.close()
+        if s.tmp:
+            shutil.rmtree(s.tmp, ignore_errors=True)
