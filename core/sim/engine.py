@@ -79,7 +79,11 @@ class Worker:
 
     def advance(self, now_ms: float) -> None:
         b = len(self.running)
-        if b and now_ms > self.last_ms:
+        if not b:
+            # an idle worker stalls nothing: a prefill still ahead belonged to requests that
+            # were evicted (aborted), and must not hold up whatever is admitted next
+            self.stall_ms = 0.0
+        elif now_ms > self.last_ms:
             dt = now_ms - self.last_ms
             self.busy_ms += dt
             stalled = min(self.stall_ms, dt)
