@@ -85,8 +85,10 @@ def _parse(line: str, where: str) -> TraceTurn:
         )
     except (TypeError, ValueError) as e:
         raise TraceError(f"{where}: {e}") from None
-    if not turn.ready <= turn.start <= turn.end or turn.gen_tokens < 0 or turn.turn < 0:
-        raise TraceError(f"{where}: needs ready <= start <= end, gen_tokens >= 0 and turn >= 0")
+    if not turn.ready <= turn.start <= turn.end or min(turn.gen_tokens, turn.prompt_tokens, turn.turn) < 0:
+        raise TraceError(
+            f"{where}: needs ready <= start <= end, gen_tokens >= 0, prompt_tokens >= 0 and turn >= 0"
+        )
     return turn
 
 

@@ -8,6 +8,7 @@ preset is seeded. ``env_latency_normal`` gives ROLLART's environment latency N(m
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,14 @@ class Turn:
     tool_tokens: int = 64
     """The tool's output, added to the context for the next turn."""
 
+    def __post_init__(self) -> None:
+        # a negative or nan length or latency runs the simulator's clock backwards (or makes
+        # every time nan) without an error: refused here, where the workload is built
+        if self.gen_tokens < 0 or self.tool_tokens < 0:
+            raise ValueError(f"a turn's gen_tokens and tool_tokens must be >= 0, got {self}")
+        if not 0.0 <= self.tool_ms < math.inf:
+            raise ValueError(f"a turn's tool_ms must be finite and >= 0, got {self.tool_ms}")
+
 
 @dataclass(frozen=True)
 class TrajSpec:
@@ -31,6 +40,12 @@ class TrajSpec:
     prompt_tokens: int
     turns: tuple[Turn, ...]
     group: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.turns:
+            raise ValueError(f"trajectory {self.id!r} has no turns")
+        if self.prompt_tokens < 0:
+            raise ValueError(f"trajectory {self.id!r}: prompt_tokens must be >= 0, got {self.prompt_tokens}")
 
     @property
     def total_tokens(self) -> int:

@@ -3,9 +3,12 @@ a failure that was demonstrated before its fix."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from core.sim import EngineProfile, Worker
+from core.sim import EngineProfile, TrajSpec, Turn, Worker
+from core.sim.trace import TraceError, load_trace
 
 
 def test_a_blocking_prefill_of_an_evicted_request_does_not_stall_a_later_one():
@@ -21,3 +24,36 @@ def test_a_blocking_prefill_of_an_evicted_request_does_not_stall_a_later_one():
     # it was 101,040: the 990 ms of the evicted request's prefill were still charged
     assert w.next_completion_ms() == pytest.approx(100_050.0)
     assert w.busy_ms == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: Turn(-500),  # finished 6 s before the step began
+        lambda: Turn(10, -5000.0),  # the next turn ready before this one ended: time ran backwards
+        lambda: Turn(10, float("nan")),  # every finish time and the makespan came out nan
+        lambda: Turn(10, float("inf")),
+        lambda: Turn(10, 0.0, "ok", -64),
+        lambda: TrajSpec("a", -100_000, (Turn(10),)),  # a negative context cut the prefill cost
+        lambda: TrajSpec("a", 10, ()),  # IndexError deep in the simulator
+    ],
+)
+def test_a_workload_that_would_run_time_backwards_is_refused(bad):
+    with pytest.raises(ValueError):
+        bad()
+
+
+def test_a_trace_with_a_negative_prompt_is_refused_with_its_line(tmp_path):
+    row = {
+        "trajectory": "a",
+        "turn": 0,
+        "ready": 0,
+        "start": 0,
+        "end": 1,
+        "gen_tokens": 3,
+        "prompt_tokens": -5,
+    }
+    p = tmp_path / "trace.jsonl"
+    p.write_text(json.dumps(row) + "\n")
+    with pytest.raises(TraceError, match=r"trace\.jsonl:1: .*prompt_tokens >= 0"):
+        load_trace(p)
