@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -108,6 +109,10 @@ class Simulator:
         speeds = speeds or [1.0] * workers
         if len(speeds) != workers:
             raise ValueError("one speed per worker")
+        ids = [t.id for t in trajectories]
+        if len(set(ids)) != len(ids):
+            twins = sorted({i for i in ids if ids.count(i) > 1})
+            raise ValueError(f"trajectory ids must be unique; repeated: {', '.join(map(repr, twins))}")
         self.trajs = trajectories
         self.workers = {f"w{k}": Worker(f"w{k}", profile, speed=speeds[k]) for k in range(workers)}
         self.queues: dict[str, QueuePolicy] = {
@@ -136,8 +141,10 @@ class Simulator:
         self._aborted: set[str] = set()
         self.starts = dict(starts_ms or {})
         """When each trajectory's first turn is ready (a replayed trace); absent: at 0."""
-        if any(v < 0 for v in self.starts.values()):
-            raise ValueError("starts_ms must be >= 0")
+        if not all(0 <= v < math.inf for v in self.starts.values()):
+            raise ValueError("starts_ms must be finite and >= 0")
+        if unknown := sorted(set(self.starts) - set(ids)):
+            raise ValueError(f"starts_ms names trajectories not in the workload: {unknown[:5]}")
 
     # -- events
     def _at(self, t: float, kind: str, payload: Any) -> None:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from core.sim import EngineProfile, TrajSpec, Turn, Worker
+from core.sim import EngineProfile, Simulator, TrajSpec, Turn, Worker
 from core.sim.trace import TraceError, load_trace
 
 
@@ -57,3 +57,17 @@ def test_a_trace_with_a_negative_prompt_is_refused_with_its_line(tmp_path):
     p.write_text(json.dumps(row) + "\n")
     with pytest.raises(TraceError, match=r"trace\.jsonl:1: .*prompt_tokens >= 0"):
         load_trace(p)
+
+
+def test_two_trajectories_with_one_id_are_refused():
+    # they were merged: one finish time, the second's turns run on the first's state
+    twins = [TrajSpec("a", 10, (Turn(10),)), TrajSpec("a", 10, (Turn(1000),))]
+    with pytest.raises(ValueError, match="'a'"):
+        Simulator(twins)
+
+
+@pytest.mark.parametrize("starts", [{"b": 5.0}, {"a": float("nan")}, {"a": float("inf")}])
+def test_start_times_must_name_a_trajectory_and_be_finite(starts):
+    # an unknown id was ignored, a nan start ran the trajectory at 0
+    with pytest.raises(ValueError, match="starts_ms"):
+        Simulator([TrajSpec("a", 10, (Turn(10),))], starts_ms=starts)
