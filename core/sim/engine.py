@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,13 @@ class EngineProfile:
             raise ValueError("batch_sizes and step_ms_table must be non-empty and of equal length")
         if list(self.batch_sizes) != sorted(self.batch_sizes):
             raise ValueError("batch_sizes must be increasing")
+        # a zero, negative or nan rate runs the clock backwards or admits nothing, silently
+        if self.batch_sizes[0] < 1 or not all(0 < y < math.inf for y in self.step_ms_table):
+            raise ValueError("batch sizes must be >= 1 and step times finite and > 0")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if not 0 <= self.prefill_ratio < math.inf or self.cache_tokens < 0:
+            raise ValueError("prefill_ratio must be finite and >= 0, cache_tokens >= 0")
 
     def step_ms(self, b: int) -> float:
         xs, ys = self.batch_sizes, self.step_ms_table

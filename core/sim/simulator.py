@@ -109,6 +109,8 @@ class Simulator:
         speeds = speeds or [1.0] * workers
         if len(speeds) != workers:
             raise ValueError("one speed per worker")
+        if not all(0 < v < math.inf for v in speeds):
+            raise ValueError(f"worker speeds must be finite and > 0, got {speeds}")
         ids = [t.id for t in trajectories]
         if len(set(ids)) != len(ids):
             twins = sorted({i for i in ids if ids.count(i) > 1})
@@ -176,6 +178,10 @@ class Simulator:
                 self._ready(payload, now)
             elif kind == "finish":
                 self._finished(payload, now)
+        # every trajectory ends finished or aborted: one missing lost a completion, and the
+        # makespan of the others is not the step's
+        if lost := [t.id for t in self.trajs if t.id not in self._finish and t.id not in self._aborted]:
+            raise RuntimeError(f"the run ended with {len(lost)} trajectories unfinished: {lost[:5]}")
         makespan = max(self._finish.values(), default=0.0)
         util = (
             sum(w.busy_ms for w in self.workers.values()) / (len(self.workers) * makespan)

@@ -71,3 +71,35 @@ def test_start_times_must_name_a_trajectory_and_be_finite(starts):
     # an unknown id was ignored, a nan start ran the trajectory at 0
     with pytest.raises(ValueError, match="starts_ms"):
         Simulator([TrajSpec("a", 10, (Turn(10),))], starts_ms=starts)
+
+
+@pytest.mark.parametrize(
+    "profile",
+    [
+        {"max_batch": 0},  # nothing was ever admitted: makespan 0 and no trajectory finished
+        {"step_ms_table": (0.0,) * 6},  # every turn took no time
+        {"step_ms_table": (-1.0,) * 6},  # finished before it started
+        {"step_ms_table": (float("nan"),) * 6},
+        {"prefill_ratio": -1.0},  # a long prompt made its turn finish at -11,880 ms
+        {"cache_tokens": -1},
+    ],
+)
+def test_an_engine_profile_that_cannot_run_is_refused(profile):
+    with pytest.raises(ValueError):
+        EngineProfile(**profile)
+
+
+@pytest.mark.parametrize("speed", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_worker_speed_must_be_positive_and_finite(speed):
+    # 0 raised ZeroDivisionError mid-run; -1 finished the step at -122 ms
+    with pytest.raises(ValueError, match="speed"):
+        Simulator([TrajSpec("a", 10, (Turn(10),))], speeds=[speed])
+
+
+def test_a_run_that_leaves_a_trajectory_unfinished_says_so(monkeypatch):
+    # a run whose events ran out with trajectories still waiting returned a makespan of
+    # those that finished as if it were the step's
+    sim = Simulator([TrajSpec("a", 10, (Turn(10),)), TrajSpec("b", 10, (Turn(10),))], workers=2)
+    monkeypatch.setattr(sim, "_dispatch", lambda w, now: None)  # a lost completion
+    with pytest.raises(RuntimeError, match="'a', 'b'"):
+        sim.run()
