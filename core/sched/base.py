@@ -46,6 +46,12 @@ class Request:
     seq: int = field(default_factory=lambda: next(_seq))
     """Tie-breaker: first come, first served among equals."""
 
+    def __post_init__(self) -> None:
+        # a nan key breaks a policy's heap order silently, for every request queued with it
+        p = self.predicted_total
+        if p is not None and not p >= 0:
+            raise ValueError(f"{self.trajectory}: predicted_total must be >= 0 (or None), got {p}")
+
     @property
     def predicted_remaining(self) -> float:
         if self.predicted_total is None:

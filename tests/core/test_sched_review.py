@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from core.sched import Request
 from core.sim import EngineProfile, Simulator, TrajSpec, Turn, Worker
 from core.sim.trace import TraceError, load_trace
 
@@ -103,3 +104,18 @@ def test_a_run_that_leaves_a_trajectory_unfinished_says_so(monkeypatch):
     monkeypatch.setattr(sim, "_dispatch", lambda w, now: None)  # a lost completion
     with pytest.raises(RuntimeError, match="'a', 'b'"):
         sim.run()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -5.0])
+def test_a_prediction_that_is_nan_or_negative_is_refused(bad):
+    with pytest.raises(ValueError, match="predicted_total"):
+        Request("t", arrival=0.0, predicted_total=bad)
+
+
+@pytest.mark.parametrize("policy", ["sjf", "pps"])
+def test_one_nan_prediction_cannot_scramble_the_order_of_the_others(policy):
+    # a nan key breaks the heap's order silently: sjf popped 10, 30, 20, 40, nan, 50 and
+    # pps 50, 30, 20, 40, nan, 10. A predictor that returns nan now fails the run at once
+    w = [TrajSpec(f"t{i}", 10, (Turn(10),)) for i in range(3)]
+    with pytest.raises(ValueError, match="predicted_total"):
+        Simulator(w, scheduler=policy, predictor=lambda spec, turn: float("nan")).run()
