@@ -13,6 +13,7 @@ raises every ratio.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -25,6 +26,14 @@ class Task:
     setup_s: float
     """Time to swap this job's model onto a worker that holds another one."""
     name: str = ""
+
+    def __post_init__(self) -> None:
+        # the response ratio divides by service + setup (0 when the model is loaded and the
+        # task takes no time), and a negative time runs the worker's clock backwards
+        if not 0 < self.service_s < math.inf or not 0 <= self.setup_s < math.inf:
+            raise ValueError(f"a task needs 0 < service_s and 0 <= setup_s, both finite: {self}")
+        if not math.isfinite(self.arrival):
+            raise ValueError(f"a task's arrival must be finite: {self}")
 
 
 def response_ratio(task: Task, now: float, loaded_job: str | None) -> float:
@@ -48,7 +57,10 @@ def fcfs_pick(tasks: list[Task], now: float, loaded_job: str | None) -> Task | N
 def run_worker(tasks: list[Task], policy: str = "hrrs", loaded_job: str | None = None) -> dict[str, float]:
     """Serve ``tasks`` on one worker (non-preemptive), as they arrive. Returns the total
     time, time spent swapping models, and the mean response time (finish - arrival)."""
-    chooser = pick if policy == "hrrs" else fcfs_pick
+    choosers = {"hrrs": pick, "fcfs": fcfs_pick}
+    if policy not in choosers:
+        raise ValueError(f"unknown policy {policy!r}; known: {', '.join(choosers)}")
+    chooser = choosers[policy]
     pending = sorted(tasks, key=lambda t: t.arrival)
     now, setup_total, responses = 0.0, 0.0, []
     ready: list[Task] = []

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from core.sched import Request
+from core.sched.multiplex import Task, run_worker
 from core.sim import EngineProfile, Simulator, TrajSpec, Turn, Worker
 from core.sim.trace import TraceError, load_trace
 
@@ -119,3 +120,23 @@ def test_one_nan_prediction_cannot_scramble_the_order_of_the_others(policy):
     w = [TrajSpec(f"t{i}", 10, (Turn(10),)) for i in range(3)]
     with pytest.raises(ValueError, match="predicted_total"):
         Simulator(w, scheduler=policy, predictor=lambda spec, turn: float("nan")).run()
+
+
+def test_hrrs_refuses_an_unknown_policy_instead_of_running_fcfs():
+    tasks = [Task("a", 0.0, 1.0, 5.0)]
+    with pytest.raises(ValueError, match="HRRS"):
+        run_worker(tasks, policy="HRRS")  # ran FCFS, and the benchmark would report it as HRRS
+
+
+@pytest.mark.parametrize(
+    "task",
+    [
+        lambda: Task("a", 0.0, 0.0, 0.0),  # ZeroDivisionError in the response ratio
+        lambda: Task("a", 0.0, -10.0, 0.0),  # a makespan of -10 s
+        lambda: Task("a", 0.0, 1.0, -15.0),
+        lambda: Task("a", float("nan"), 1.0, 0.0),
+    ],
+)
+def test_a_task_that_takes_no_or_negative_time_is_refused(task):
+    with pytest.raises(ValueError):
+        task()
