@@ -135,6 +135,7 @@ class Simulator:
             for k in range(max((len(t.turns) for t in trajectories), default=0))
         ]
         self.preemptions = 0
+        self._ran = False
         self.keep = keep_per_group
         self._groups: dict[int, list[str]] = {}
         for t in trajectories:
@@ -153,6 +154,11 @@ class Simulator:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
 
     def run(self) -> SimResult:
+        # the workers, queues and trajectories hold the run's state: a second run would go
+        # on from where the first ended (time, busy time and turns counted twice)
+        if self._ran:
+            raise RuntimeError("a Simulator runs once: make a new one for another run")
+        self._ran = True
         reqs = [self._request(self._live[t.id], self.starts.get(t.id, 0.0)) for t in self.trajs]
         self._where = self.placement.place(reqs, {w: 0.0 for w in self.workers})
         for r in reqs:
