@@ -184,13 +184,16 @@ class CMLFQ(QueuePolicy):
         heapq.heappush(self._queues[level], (req.arrival, req.seq, req))
 
     def _age(self, now: float) -> None:
-        for level in range(1, self.levels):
+        # bottom level first, so a request that waited several aging periods climbs as many
+        # levels, whenever the queue is polled
+        for level in range(self.levels - 1, 0, -1):
             queue = self._queues[level]
             while queue and now - queue[0][0] > self.aging_s:
-                _, seq, req = heapq.heappop(queue)
+                stamp, seq, req = heapq.heappop(queue)
                 self._level[req.trajectory] = level - 1
-                # re-stamped so it ages again from its new level
-                heapq.heappush(self._queues[level - 1], (now, seq, req))
+                # re-stamped with when it went up (not ``now``: that would lose the time it
+                # waited since, and make its level depend on how often pop is called)
+                heapq.heappush(self._queues[level - 1], (stamp + self.aging_s, seq, req))
 
     def pop(self, now: float) -> Request | None:
         self._age(now)

@@ -9,6 +9,7 @@ import pytest
 
 from core.sched import Request
 from core.sched.multiplex import Task, run_worker
+from core.sched.queueing import CMLFQ
 from core.sim import EngineProfile, Simulator, TrajSpec, Turn, Worker, preset
 from core.sim.trace import TraceError, load_trace
 
@@ -150,3 +151,21 @@ def test_a_simulator_runs_once():
     assert first.utilisation <= 1.0
     with pytest.raises(RuntimeError, match="once"):
         sim.run()
+
+
+def test_cmlfq_aging_does_not_depend_on_how_often_the_queue_is_polled():
+    # "x" is at the bottom (level 3) from t=0; aging_s = 30 lifts it a level per 30 s of
+    # waiting, so it is at level 0 from t=90, before "y" arrives at level 0 (t=95). The queue
+    # was first polled at t=100: x went up one level only (re-stamped at 100) and y ran first;
+    # polled at 31, 62 and 93 s, x ran first. A policy's order must not depend on the poll times
+    def order(polls: list[float]) -> list[str]:
+        q = CMLFQ(levels=4, quantum_tokens=(1, 2, 3), aging_s=30.0)
+        q.push(Request("x", arrival=0.0, tokens_so_far=5), 0.0)
+        q._age(0.0)
+        for t in polls:
+            q._age(t)  # what a pop does before it picks
+        q.push(Request("y", arrival=95.0), 95.0)
+        return [r.trajectory for r in q.drain(100.0)]
+
+    assert order([31.0, 62.0, 93.0]) == ["x", "y"]
+    assert order([]) == ["x", "y"]
