@@ -191,7 +191,10 @@ class PresortedDP(Placement):
         """After predictions changed: re-partition the remaining trajectories and move only
         those waiting on a tool call (a move then costs nothing on the critical path: the
         prefix is re-read at the next turn anyway). ``trajectory -> new worker``."""
-        target = stable_relabel(self.place(reqs, workers), current)
+        # a worker that left is no home to keep: matched to a group by overlap, it would
+        # receive that group's trajectories
+        live = {t: w for t, w in current.items() if w in workers}
+        target = stable_relabel(self.place(reqs, workers), live)
         return {t: w for t, w in target.items() if t in in_tool_call and current.get(t) not in (None, w)}
 
 
@@ -201,7 +204,8 @@ def stable_relabel(target: dict[str, str], current: dict[str, str]) -> dict[str,
     (the costliest group onto the least-loaded worker), and a relabelled split is as good.
     Greedy matching by overlap, largest first, smaller groups first among equals (they have
     fewer homes to choose from); not an optimal assignment (that is O(M^3) per turn), but
-    exact when each group mostly sits on one worker, the common case between turns."""
+    exact when each group mostly sits on one worker, the common case between turns.
+    ``current`` must name only workers that are still there: its workers become labels."""
     groups: dict[str, list[str]] = {}
     for t, w in target.items():
         groups.setdefault(w, []).append(t)

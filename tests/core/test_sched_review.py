@@ -9,6 +9,7 @@ import pytest
 
 from core.sched import Request
 from core.sched.multiplex import Task, run_worker
+from core.sched.placement import PresortedDP
 from core.sched.queueing import CMLFQ
 from core.sim import EngineProfile, Simulator, TrajSpec, Turn, Worker, preset
 from core.sim.trace import TraceError, load_trace
@@ -169,3 +170,14 @@ def test_cmlfq_aging_does_not_depend_on_how_often_the_queue_is_polled():
 
     assert order([31.0, 62.0, 93.0]) == ["x", "y"]
     assert order([]) == ["x", "y"]
+
+
+def test_presorted_dp_never_migrates_onto_a_worker_that_is_gone():
+    # t0 and t1 were on a worker that left; relabelling matched a group to it by overlap
+    # and moved t2 there: {"t2": "gone"}
+    reqs = [Request(f"t{i}", 0.0, predicted_total=100.0 * (i + 1)) for i in range(4)]
+    current = {"t0": "gone", "t1": "gone", "t2": "w0", "t3": "w1"}
+    workers = {"w0": 0.0, "w1": 0.0}
+    moves = PresortedDP().migrations(current, reqs, workers, {"t0", "t1", "t2", "t3"})
+    assert set(moves.values()) <= set(workers)
+    assert {"t0", "t1"} <= set(moves)  # the gone worker's trajectories do move
