@@ -24,7 +24,8 @@ faults and read timeouts are retryable (a connection that was never made, refuse
 ``connect_timeout_s``, is ``NotStarted``: the request was not sent, so even a side effect is
 retried); a ``FunctionError`` whose body is not a ``Result`` is Lambda's own error object
 (a timeout or a crashed runtime is retryable, a response over the size limit is
-``ResultNotSerializable``, anything else is the function's ``UserError``); a missing
+``ResultNotSerializable``, a handler that cannot be loaded is ``SetupFailed``, anything
+else is the function's ``UserError``); a missing
 function, a refused token, a bad request are final.
 """
 
@@ -66,6 +67,16 @@ _CLIENT_ERRORS: dict[str, ErrorCode] = {
 #: Room for the envelope's other fields (ids, key, deadline, tenant) beside the payload.
 _ENVELOPE_HEAD_BYTES = 4096
 _RUNTIME_CRASHES = ("Runtime.ExitError", "Runtime.OutOfMemory", "Runtime.Unknown")
+#: Lambda's errors for a package whose handler cannot be loaded: a deployment fault (a zip
+#: built ``--no-deps`` without a layer, a wheel for the other architecture, a wrong handler),
+#: never the function's answer to this payload.
+_RUNTIME_INIT_FAILURES = (
+    "Runtime.ImportModuleError",
+    "Runtime.HandlerNotFound",
+    "Runtime.UserCodeSyntaxError",
+    "Runtime.MalformedHandlerName",
+    "Runtime.InvalidEntrypoint",
+)
 #: A call waiting for a boto3 slot gives up this long before its deadline, so that its own
 #: "not sent" answer reaches the client before the client's timer at the deadline fires.
 _UNSENT_MARGIN_S = 0.01
@@ -404,6 +415,16 @@ class LambdaBackend(Backend):
                 return self._fail(inv, ErrorCode.TIMEOUT, emsg)
             if etype in _RUNTIME_CRASHES:
                 return self._fail(inv, ErrorCode.WORKER_LOST, f"{etype}: {emsg}")
+            if etype in _RUNTIME_INIT_FAILURES:
+                # as the handler's own start-up failure: SetupFailed, not a UserError that
+                # the client keeps under the key and a reward's failure_score scores
+                name = self.config.function_prefix + inv.function
+                return self._fail(
+                    inv,
+                    ErrorCode.SETUP_FAILED,
+                    f"{etype}: {emsg} (the deployment package of {name!r} cannot start: rebuild "
+                    "it for Lambda's platform and run `fabric deploy` again)",
+                )
             if etype == "Function.ResponseSizeTooLarge":
                 # the function's answer, too large to send back (the handler refuses it first
                 # when it can): final, as the runner's own ResultNotSerializable

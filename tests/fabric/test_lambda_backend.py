@@ -467,3 +467,33 @@ def test_a_newer_handlers_result_with_an_unknown_field_is_still_its_result():
     assert got.error.message == "boom"
     # a user's value that only looks like a Result (no field of ours beside ok/value) stays a value
     assert _as_result({"ok": "yes", "value": 3, "mine": True}) is None
+
+
+@pytest.mark.parametrize(
+    ("etype", "message"),
+    [
+        (
+            "Runtime.ImportModuleError",
+            "Unable to import module 'functions.handler': No module named 'pydantic'",
+        ),
+        ("Runtime.HandlerNotFound", "Handler 'handler' missing on module 'functions.handler'"),
+        ("Runtime.UserCodeSyntaxError", "Syntax error in module 'functions.handler': invalid syntax"),
+        ("Runtime.InvalidEntrypoint", "RequestId: x Error: exec: no such file or directory"),
+    ],
+)
+def test_a_broken_deployment_is_setup_failed_not_the_functions_answer(etype, message):
+    """A package that cannot be imported (a zip built --no-deps without a layer, a wheel for
+    the other architecture, a wrong handler) makes Lambda answer every call with its own error
+    object. It was read as the function's UserError: final, kept under the idempotency key as
+    the function's answer, and scored by RewardConfig.failure_score as if the trajectory had
+    crashed the reward (a deployment fault trained into the policy as a zero). The handler
+    reports its own start-up failures as SetupFailed; Lambda's are the same kind."""
+    from fabric.errors import FINAL_ERRORS
+
+    b = LambdaBackend(REG, LambdaConfig())
+    body = json.dumps({"errorMessage": message, "errorType": etype, "requestId": "", "stackTrace": []})
+    r = b._reply(Invocation(function="add"), body.encode(), "Unhandled")
+    assert r.error.type == ErrorCode.SETUP_FAILED, r.error
+    assert r.error.type not in FINAL_ERRORS and not r.retryable
+    assert etype in r.error.message and message in r.error.message
+    assert "fabric deploy" in r.error.message  # what to do
