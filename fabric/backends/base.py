@@ -25,6 +25,14 @@ TOKEN_ENV = "RL_FABRIC_TOKEN"
 """The bearer token of ``fabric serve``, for the server and for the lambda backend."""
 
 
+def default_region() -> str:
+    """The AWS region when none is given: ``$AWS_REGION`` (Lambda's own, the SDKs'), else
+    ``$AWS_DEFAULT_REGION`` (the AWS CLI's and boto3's), else ``us-east-1``; an empty value
+    counts as unset. ``fabric deploy`` and the lambda backend both use it, so a client calls
+    the region its functions were deployed to."""
+    return os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+
+
 class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -68,7 +76,9 @@ class LambdaConfig(_Config):
     type: Literal["lambda"] = "lambda"
     endpoint_url: str | None = None
     """``None``: AWS. ``http://127.0.0.1:9000``: a ``fabric serve``."""
-    region: str = Field(default_factory=lambda: os.environ.get("AWS_REGION", "us-east-1"))
+    region: str = Field(default_factory=default_region)
+    """Default: ``$AWS_REGION``, else ``$AWS_DEFAULT_REGION``, else ``us-east-1``, as ``fabric
+    deploy`` chooses it."""
     function_prefix: str = ""
     """Deployed names are ``prefix + name`` (``fabric deploy --prefix``)."""
     qualifier: str | None = "live"

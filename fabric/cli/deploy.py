@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Annotated, Any
 
 import typer
@@ -32,7 +31,9 @@ def deploy(
     direct: Annotated[bool, typer.Option(help="Deploy with boto3 instead of terraform.")] = False,
     plan_only: Annotated[bool, typer.Option(help="terraform: init and plan, no apply.")] = False,
     prefix: Annotated[str, typer.Option(help="Deployed names are PREFIX + function name.")] = "rl-fabric-",
-    region: Annotated[str | None, typer.Option(help="AWS region (default $AWS_REGION or us-east-1).")] = None,
+    region: Annotated[
+        str | None, typer.Option(help="AWS region (default $AWS_REGION, $AWS_DEFAULT_REGION or us-east-1).")
+    ] = None,
     endpoint_url: Annotated[
         str | None, typer.Option(help="--direct against an AWS-compatible endpoint (moto, LocalStack).")
     ] = None,
@@ -61,6 +62,7 @@ def deploy(
 ) -> None:
     from pathlib import Path
 
+    from fabric.backends.base import default_region
     from fabric.deploy import DeployError, plan_functions
 
     if backend not in ("lambda", "modal"):
@@ -80,10 +82,7 @@ def deploy(
             direct=direct,
             plan_only=plan_only,
             prefix=prefix,
-            region=region
-            or os.environ.get("AWS_REGION")
-            or os.environ.get("AWS_DEFAULT_REGION")
-            or "us-east-1",
+            region=region or default_region(),
             endpoint_url=endpoint_url,
             role_arn=role_arn,
             terraform_dir=Path(terraform_dir),

@@ -314,6 +314,42 @@ def test_cli_direct_deploy(moto_url, tmp_path, monkeypatch):
     assert [d["deployed_name"] for d in done] == ["cli-add", "cli-pid"]
 
 
+@pytest.mark.parametrize("aws_region", [None, ""])
+async def test_the_client_calls_the_region_the_cli_deployed_to(moto_url, tmp_path, monkeypatch, aws_region):
+    """With the region in AWS_DEFAULT_REGION (what `aws configure` users and most CI set),
+    `fabric deploy` deployed there, but LambdaConfig read only AWS_REGION and called
+    us-east-1: every call was UnknownFunction "run `fabric deploy`?" for a function that was
+    deployed. An empty AWS_REGION made the region "" and the first call raised botocore's
+    ValueError "Invalid endpoint: https://lambda..amazonaws.com" out of client.call."""
+    from fabric.cli import app
+
+    if aws_region is None:
+        monkeypatch.delenv("AWS_REGION", raising=False)
+    else:
+        monkeypatch.setenv("AWS_REGION", aws_region)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-1")
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(
+        app,
+        [
+            *("deploy", "--direct", "--no-deps", "--endpoint-url", moto_url, "--prefix", "reg-"),
+            *("-m", "sample_fns", "-f", "add", "--out", str(tmp_path / "build")),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    assert ":eu-west-1:" in json.loads(r.stdout.strip().splitlines()[-1])[0]["alias_arn"]
+    import boto3
+
+    cfg = LambdaConfig(endpoint_url=moto_url, function_prefix="reg-")
+    # the region the client calls holds the function (moto's invoke echoes the envelope
+    # without looking the function up, so ask its control plane)
+    assert cfg.region == "eu-west-1"
+    boto3.client("lambda", endpoint_url=moto_url, region_name=cfg.region).get_function(FunctionName="reg-add")
+    async with Client(backend=cfg, registry=REG) as c:
+        got = await c.call("add", {"a": 1})
+    assert got.ok and got.value["function"] == "add", got.error
+
+
 def test_cli_terraform_path_writes_tfvars(tmp_path, monkeypatch):
     from fabric.cli import app
 
