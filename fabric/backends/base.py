@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import difflib
 import os
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from fabric.errors import BackendClosedError, ConfigError, ErrorCode, validation_problems
 from fabric.protocol import MAX_PAYLOAD_BYTES, Invocation, Result
@@ -31,6 +32,19 @@ def default_region() -> str:
     counts as unset. ``fabric deploy`` and the lambda backend both use it, so a client calls
     the region its functions were deployed to."""
     return os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+
+
+#: An AWS region's shape (us-east-1, us-gov-west-1, us-isob-east-1, eusc-de-east-1): checked
+#: at the edge, since botocore refuses some malformed names with its own exception at the
+#: first call and sends the rest to a host that does not exist.
+_REGION = re.compile(r"[a-z]{2,}(-[a-z]+)+-[0-9]+")
+
+
+def region_problem(region: str) -> str | None:
+    """Why ``region`` is not an AWS region name, or ``None`` when it looks like one."""
+    if _REGION.fullmatch(region):
+        return None
+    return f"{region!r} is not an AWS region name (like us-east-1 or eu-west-1)"
 
 
 class _Config(BaseModel):
@@ -76,7 +90,7 @@ class LambdaConfig(_Config):
     type: Literal["lambda"] = "lambda"
     endpoint_url: str | None = None
     """``None``: AWS. ``http://127.0.0.1:9000``: a ``fabric serve``."""
-    region: str = Field(default_factory=default_region)
+    region: str = Field(default_factory=default_region, validate_default=True)
     """Default: ``$AWS_REGION``, else ``$AWS_DEFAULT_REGION``, else ``us-east-1``, as ``fabric
     deploy`` chooses it."""
     function_prefix: str = ""
@@ -106,6 +120,14 @@ class LambdaConfig(_Config):
     max_spill_bytes: int = Field(256 * 1024 * 1024, ge=1)
     s3_endpoint_url: str | None = None
     """S3 for spilled payloads (``None``: AWS)."""
+
+    @field_validator("region")
+    @classmethod
+    def _aws_region(cls, v: str) -> str:
+        problem = region_problem(v)
+        if problem is not None:
+            raise ValueError(problem)
+        return v
 
 
 class ModalConfig(_Config):

@@ -62,13 +62,20 @@ def deploy(
 ) -> None:
     from pathlib import Path
 
-    from fabric.backends.base import default_region
+    from fabric.backends.base import default_region, region_problem
     from fabric.deploy import DeployError, plan_functions
 
     if backend not in ("lambda", "modal"):
         fail(f"--backend must be lambda or modal, got {backend!r}")
     if architecture not in ("x86_64", "arm64"):
         fail(f"--architecture must be x86_64 or arm64, got {architecture!r}")
+    if backend == "lambda":
+        given = region is not None
+        region = region or default_region()
+        problem = region_problem(region)
+        if problem is not None:
+            where = "--region" if given else "the region from $AWS_REGION / $AWS_DEFAULT_REGION"
+            fail(f"{where} {problem}")
     try:
         reg = load_registry(modules)
         plan = plan_functions(reg, functions, prefix=prefix, warm=warm, reserved=reserved)
@@ -82,7 +89,7 @@ def deploy(
             direct=direct,
             plan_only=plan_only,
             prefix=prefix,
-            region=region or default_region(),
+            region=region or default_region(),  # set above
             endpoint_url=endpoint_url,
             role_arn=role_arn,
             terraform_dir=Path(terraform_dir),

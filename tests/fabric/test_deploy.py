@@ -459,6 +459,10 @@ def test_cli_direct_deploy_to_an_endpoint_without_credentials_says_what_to_do(
             ["-m", "sample_fns", "-f", "add", "--no-deps", "--terraform-dir", "/nonexistent"],
             "no terraform directory",
         ),
+        # a traceback of botocore's InvalidRegionError (--direct), or a tfvars file terraform
+        # refuses later: said at once, with what a region looks like
+        (["-m", "sample_fns", "-f", "add", "--direct", "--region", "us east 1"], "--region 'us east 1'"),
+        (["-m", "sample_fns", "-f", "add", "--no-deps", "--region", "eu_west_1"], "like us-east-1"),
     ],
 )
 def test_cli_deploy_bad_input(tmp_path, monkeypatch, args, message):

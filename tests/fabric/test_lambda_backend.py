@@ -497,3 +497,22 @@ def test_a_broken_deployment_is_setup_failed_not_the_functions_answer(etype, mes
     assert r.error.type not in FINAL_ERRORS and not r.retryable
     assert etype in r.error.message and message in r.error.message
     assert "fabric deploy" in r.error.message  # what to do
+
+
+@pytest.mark.parametrize("region", ["us east 1", "eu_west_1", "-us-east-1"])
+async def test_a_malformed_region_is_a_config_error_at_the_edge(region):
+    """It was taken, and the first call raised botocore's InvalidRegionError out of
+    client.call (a backend never raises for a call): said when the config is made, naming
+    the key and what a region looks like."""
+    from fabric.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"region: .*like us-east-1"):
+        make_backend({"type": "lambda", "region": region}, REG)
+
+
+def test_a_malformed_region_from_the_environment_is_a_config_error(monkeypatch):
+    from fabric.errors import ConfigError
+
+    monkeypatch.setenv("AWS_REGION", "us east 1")
+    with pytest.raises(ConfigError, match=r"region: 'us east 1' is not an AWS region"):
+        make_backend("lambda", REG)
