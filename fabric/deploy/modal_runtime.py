@@ -62,11 +62,27 @@ def run(name: str, module: str, envelope: dict[str, Any]) -> dict[str, Any]:
                 )
             )
         _runners[name] = runner
+    # the deadline, as the Lambda handler and the local workers honour it: a call that arrives
+    # after it (queued behind a cold start) is not run, and an async one is cut at it
+    timeout = runner.spec.timeout_s
+    remaining = inv.remaining_s()
+    if remaining is not None:
+        if remaining <= 0:
+            late = Result.failure(
+                ErrorCode.DEADLINE_EXCEEDED,
+                "deadline passed before the call started",
+                function=name,
+                request_id=inv.request_id,
+                worker=f"modal:{name}",
+            )
+            late.cold_start = cold
+            return _dump(late)
+        timeout = min(timeout, remaining)
     t0 = time.perf_counter()
     if runner.is_async:
         if _loop is None:
             _loop = asyncio.new_event_loop()
-        ok, out = _loop.run_until_complete(runner.run_async(inv.raw_payload, runner.spec.timeout_s))
+        ok, out = _loop.run_until_complete(runner.run_async(inv.raw_payload, timeout))
     else:
         ok, out = runner.run(inv.raw_payload)
     result = outcome_to_result(inv, ok, out, exec_ms=(time.perf_counter() - t0) * 1e3, worker=f"modal:{name}")

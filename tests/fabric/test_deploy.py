@@ -576,6 +576,37 @@ def test_modal_runtime_keeps_one_event_loop_per_container(echo_port):
         modal_runtime.reset()
 
 
+def test_modal_runtime_honours_the_invocations_deadline(tmp_path):
+    """A call that reached its container after its deadline (queued behind a cold start, a
+    burst past max_containers) still ran: a side effect happened after the client had given
+    the call up. And an async call ran for the function's whole timeout_s past the deadline.
+    The Lambda handler and the local workers refuse a late call (DeadlineExceeded) and bound
+    an async one by the deadline; the Modal runtime now does too."""
+    import time
+
+    from fabric.deploy import modal_runtime
+
+    path = tmp_path / "effects.txt"
+    late = Invocation(
+        function="append_line", payload={"path": str(path), "line": "x"}, deadline=time.time() - 1
+    )
+    try:
+        out = modal_runtime.run("append_line", "sample_fns", late.model_dump(mode="json"))
+        assert out["error"]["type"] == ErrorCode.DEADLINE_EXCEEDED, out
+        assert not path.exists()  # the effect never happened
+        soon = Invocation(function="async_sleepy", payload={"seconds": 5}, deadline=time.time() + 0.3)
+        t0 = time.monotonic()
+        out = modal_runtime.run("async_sleepy", "sample_fns", soon.model_dump(mode="json"))
+        assert time.monotonic() - t0 < 3 and not out["ok"], out  # not the function's 30 s timeout
+        # a call with no deadline (a keyed execution's, as the backend sends it) runs
+        out = modal_runtime.run(
+            "append_line", "sample_fns", late.model_copy(update={"deadline": None}).model_dump(mode="json")
+        )
+        assert out["ok"] and path.read_text() == "x\n", out
+    finally:
+        modal_runtime.reset()
+
+
 @pytest.fixture
 def no_modal_token(monkeypatch, tmp_path):
     monkeypatch.delenv("MODAL_TOKEN_ID", raising=False)
