@@ -8,14 +8,19 @@ it asks for: without ``--reserved`` the reserved cap an earlier deploy set is de
 with ``--warm 0`` the alias's provisioned concurrency is deleted (it is billed while it
 exists, used or not).
 
+A role this deploy creates takes some seconds to reach Lambda (IAM is eventually
+consistent): creating a function is tried again while Lambda cannot assume it yet.
+
 Provisioned concurrency fails soft: a warning names the function and the reason, and the
 function works without a warm pool (moto, for one, does not implement the calls).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,6 +48,14 @@ _LOGS = {
         }
     ],
 }
+
+
+#: How long a first deploy waits for a role it just created to reach Lambda (IAM is
+#: eventually consistent: usually under 10 s), and the waits between tries.
+ROLE_PROPAGATION_S = 60.0
+_ROLE_RETRY_WAITS = (1.0, 2.0, 4.0, 8.0)
+#: Lambda's refusal of a role it cannot assume (yet): the message is the only mark.
+_ROLE_NOT_ASSUMABLE = "cannot be assumed by Lambda"
 
 
 class DirectConfig(BaseModel):
@@ -175,7 +188,9 @@ def _one(
     except lam.exceptions.ResourceNotFoundException:
         created = True
     if created:
-        lam.create_function(
+        _create_function(
+            lam,
+            say,
             FunctionName=name,
             Code={"ZipFile": code},
             Architectures=[cfg.architecture],
@@ -234,6 +249,36 @@ def _one(
         provisioned=provisioned,
         warning=warning,
     )
+
+
+def _create_function(lam: Any, say: Callable[[str], None], **kwargs: Any) -> None:
+    """``create_function``, tried again while Lambda cannot assume the role yet: a role made
+    by this deploy (``ensure_role``) takes some seconds to reach Lambda, and the first deploy
+    of a prefix failed on it. Any other refusal raises at once."""
+    from botocore.exceptions import ClientError
+
+    waited = 0.0
+    for attempt in itertools.count():
+        try:
+            lam.create_function(**kwargs)
+            return
+        except ClientError as e:
+            err = e.response.get("Error", {})
+            if err.get("Code") != "InvalidParameterValueException" or _ROLE_NOT_ASSUMABLE not in str(
+                err.get("Message", "")
+            ):
+                raise
+            if waited >= ROLE_PROPAGATION_S:
+                raise DeployError(
+                    f"{kwargs['FunctionName']}: Lambda still cannot assume the role {kwargs['Role']} after "
+                    f"{waited:.0f} s: check that its trust policy allows lambda.amazonaws.com "
+                    "(sts:AssumeRole), or pass another with --role-arn"
+                ) from None
+            wait = _ROLE_RETRY_WAITS[min(attempt, len(_ROLE_RETRY_WAITS) - 1)]
+            name = kwargs["FunctionName"]
+            say(f"{name}: waiting for the role to reach Lambda (IAM propagation), {wait:.0f} s")
+            time.sleep(wait)
+            waited += wait
 
 
 def _reason(e: Any) -> str:

@@ -236,6 +236,60 @@ def test_a_redeploy_without_reserved_removes_the_cap(moto_url, tmp_path):
     assert "ReservedConcurrentExecutions" not in lam.get_function_concurrency(FunctionName="rl-boom")
 
 
+def test_a_first_deploy_waits_for_its_new_role(monkeypatch):
+    """IAM is eventually consistent: for some seconds after `fabric deploy --direct` creates
+    <prefix>lambda, Lambda refuses the function with InvalidParameterValueException "The
+    role defined for the function cannot be assumed by Lambda." The first deploy of every
+    prefix failed with "deploy failed: ..." (moto has no such delay: botocore's Stubber
+    plays AWS's answer). It is retried while the role propagates; any other refusal is not."""
+    import boto3
+    from botocore.exceptions import ClientError
+    from botocore.stub import Stubber
+
+    from fabric.deploy import direct
+    from fabric.deploy.direct import _one
+
+    slept: list[float] = []
+    monkeypatch.setattr(direct.time, "sleep", slept.append)
+    not_yet = "The role defined for the function cannot be assumed by Lambda."
+    lam = boto3.client("lambda", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    fn = plan_functions(REG, ["add"], prefix="rl-", warm=0)[0]
+    arn = "arn:aws:lambda:us-east-1:123456789012:function:rl-add"
+    role = "arn:aws:iam::123456789012:role/rl-lambda"
+    steps: list[str] = []
+    with Stubber(lam) as stub:
+        stub.add_client_error("get_function", "ResourceNotFoundException", http_status_code=404)
+        for _ in range(2):
+            stub.add_client_error("create_function", "InvalidParameterValueException", not_yet)
+        stub.add_response("create_function", {"FunctionName": "rl-add"})
+        stub.add_response(
+            "get_function", {"Configuration": {"State": "Active", "LastUpdateStatus": "Successful"}}
+        )
+        stub.add_response("publish_version", {"Version": "1"})
+        stub.add_client_error("update_alias", "ResourceNotFoundException", http_status_code=404)
+        stub.add_response("create_alias", {"AliasArn": arn + ":live"})
+        done = _one(lam, fn, b"zip", role, DirectConfig(region="us-east-1"), steps.append)
+        stub.assert_no_pending_responses()
+    assert done.created and done.version == "1" and len(slept) == 2
+    assert any("waiting for the role" in s for s in steps), steps
+    # another invalid parameter is the deploy's own mistake: not retried
+    with Stubber(lam) as stub:
+        stub.add_client_error("get_function", "ResourceNotFoundException", http_status_code=404)
+        stub.add_client_error("create_function", "InvalidParameterValueException", "Unsupported runtime")
+        with pytest.raises(ClientError, match="Unsupported runtime"):
+            _one(lam, fn, b"zip", role, DirectConfig(region="us-east-1"), steps.append)
+    assert len(slept) == 2
+    # a role that never becomes usable: a DeployError that says what to check
+    monkeypatch.setattr(direct, "ROLE_PROPAGATION_S", 3.0)
+    with Stubber(lam) as stub:
+        stub.add_client_error("get_function", "ResourceNotFoundException", http_status_code=404)
+        for _ in range(3):
+            stub.add_client_error("create_function", "InvalidParameterValueException", not_yet)
+        with pytest.raises(DeployError, match=r"trust policy allows lambda\.amazonaws\.com"):
+            _one(lam, fn, b"zip", role, DirectConfig(region="us-east-1"), steps.append)
+    assert slept[2:] == [1.0, 2.0]
+
+
 def _redeploy_stubbed(stub, name: str) -> None:
     """The calls of redeploying an existing function, up to its concurrency settings."""
     ready = {"Configuration": {"State": "Active", "LastUpdateStatus": "Successful"}}
