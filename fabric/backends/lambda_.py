@@ -64,6 +64,8 @@ _CLIENT_ERRORS: dict[str, ErrorCode] = {
     "InvalidSignatureException": ErrorCode.UNAUTHORIZED,
     "ExpiredTokenException": ErrorCode.UNAUTHORIZED,
 }
+#: ``fabric deploy``'s default ``--prefix``, named when a call without a prefix finds nothing.
+_DEPLOY_PREFIX = "rl-fabric-"
 #: Room for the envelope's other fields (ids, key, deadline, tenant) beside the payload.
 _ENVELOPE_HEAD_BYTES = 4096
 _RUNTIME_CRASHES = ("Runtime.ExitError", "Runtime.OutOfMemory", "Runtime.Unknown")
@@ -396,7 +398,15 @@ class LambdaBackend(Backend):
                 "check the credentials and the lambda:InvokeFunction permission)"
             )
         elif code == ErrorCode.UNKNOWN_FUNCTION:
-            message += f" (deployed as {self.config.function_prefix + inv.function!r}; run `fabric deploy`?)"
+            name = self.config.function_prefix + inv.function
+            if self.config.function_prefix:
+                message += f" (called as {name!r}; run `fabric deploy`?)"
+            else:  # the commonest miss: a deploy with its default --prefix
+                message += (
+                    f" (called as {name!r}, with no function_prefix; `fabric deploy` names it "
+                    f"'{_DEPLOY_PREFIX}{inv.function}' unless given --prefix: "
+                    f"LambdaConfig(function_prefix='{_DEPLOY_PREFIX}'), or run `fabric deploy`)"
+                )
         return self._fail(inv, code, message)
 
     def _reply(self, inv: Invocation, body: bytes, function_error: str | None) -> Result:

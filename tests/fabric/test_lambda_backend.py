@@ -67,6 +67,24 @@ async def test_unknown_function_says_how_it_is_deployed(gw, transport):
     assert "fabric deploy" in r.error.message and not r.retryable
 
 
+async def test_unknown_function_without_a_prefix_names_deploys_default_prefix(transport):
+    """`fabric deploy` names functions rl-fabric-NAME by default, while LambdaConfig's
+    function_prefix defaults to "": the first call after a deploy with the defaults was
+    UnknownFunction "(deployed as 'add'; run `fabric deploy`?)", pointing at a deploy that
+    had been run. The message names the prefix the deploy used by default."""
+    cfg = ServeConfig(
+        port=0,
+        tenants={"job": TenantConfig(token=TOKEN)},
+        function_prefix="rl-fabric-",  # as `fabric deploy` names them
+        backend=LocalConfig(max_workers=1),
+        warm=False,
+    )
+    async with Gateway(cfg, REG) as g, LambdaBackend(REG, lam(g, transport)) as b:
+        r = await b.invoke(Invocation(function="add", payload={"a": 1}))
+    assert r.error.type == ErrorCode.UNKNOWN_FUNCTION, r.error
+    assert "function_prefix='rl-fabric-'" in r.error.message, r.error.message
+
+
 async def test_wrong_or_missing_token_is_unauthorized_and_final(gw, transport, monkeypatch):
     monkeypatch.delenv("RL_FABRIC_TOKEN", raising=False)
     async with LambdaBackend(REG, lam(gw, transport, token="not-the-token-0123456789")) as b:
