@@ -1,0 +1,204 @@
+"""The idempotency of the Lambda handler: an invocation with an ``idempotency_key`` runs
+once under it (aws-lambda-powertools' idempotency, in DynamoDB), and what the store keeps
+under a key (a final answer, or the ``OutcomeUnknown`` of a side effect that may have run)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+from fabric.errors import FINAL_ERRORS, SAFE_TO_RETRY, ErrorCode
+from fabric.protocol import Invocation, Result
+from functions._handler_base import SERVICE, TABLE_ENV, TTL_ENV, _ContainerBase
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from fabric.runner import FunctionRunner
+    from fabric.spec import FunctionSpec
+
+#: Results larger than this, as powertools stores them (``_stored_bytes``), are returned but
+#: not stored for idempotency: a DynamoDB item holds at most 400 KB, and the rest is headroom
+#: for the key, the payload hash, the status and expiry attributes and their names.
+MAX_CACHED_RESULT_BYTES = 350_000
+#: What the idempotency store keeps under a key: the function's own answers, and the
+#: ``OutcomeUnknown`` an SQS-triggered side effect that may have run concludes with.
+_KEPT_ERRORS = FINAL_ERRORS | {ErrorCode.OUTCOME_UNKNOWN}
+
+
+class _NotCached(Exception):
+    """Raised out of the idempotent region so that powertools deletes the in-progress record
+    instead of storing the outcome (powertools stores whatever the function *returns*)."""
+
+    def __init__(self, result: Result):
+        super().__init__(result.error.type if result.error else "not cached")
+        self.result = result
+
+
+def _run_recorded(*, key: dict[str, Any], run: Callable[[], Result]) -> Result:
+    """The function powertools makes idempotent (``key`` is what it hashes). Only a final
+    answer is returned, and so stored: a success or one of ``FINAL_ERRORS``, the same rule
+    as the client's own cache (or an ``OutcomeUnknown`` the SQS path concludes with). A
+    retryable failure or a passed deadline must let the next call with the key run again,
+    and a result too large for a DynamoDB item cannot be kept."""
+    result = run()
+    final = result.ok or (result.error is not None and result.error.type in _KEPT_ERRORS)
+    if not final or _stored_bytes(result) > MAX_CACHED_RESULT_BYTES:
+        raise _NotCached(result)
+    return result
+
+
+def _stored_bytes(result: Result) -> int:
+    """The size of the item attribute powertools writes for ``result``: its persistence layer
+    stores ``json.dumps(..., sort_keys=True)`` of the serializer's dict, ASCII-escaped, so a
+    CJK character takes 6 bytes (``\\uXXXX``), not the 1 character or 3 UTF-8 bytes of
+    ``model_dump_json``."""
+    return len(json.dumps(result.model_dump(mode="json"), sort_keys=True).encode())
+
+
+def _mark_cached(response: Any, idempotent_data: Any) -> Any:
+    # powertools calls this only for a response read back from the store
+    return response.model_copy(update={"cached": True}) if isinstance(response, Result) else response
+
+
+def _payload_hash(payload: dict[str, Any]) -> str:
+    # key order must not matter: a retry may rebuild the same payload in another order
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+class _Idempotency(_ContainerBase):
+    """The container's idempotency store: set up at cold start, used per invocation."""
+
+    def _init_idempotency(self) -> None:
+        self.table = os.environ.get(TABLE_ENV) or None
+        if self.table is None:
+            return  # idempotency off: its TTL does not matter, a bad one included
+        raw_ttl = os.environ.get(TTL_ENV, "3600")
+        try:
+            ttl_s = int(raw_ttl)
+        except ValueError:
+            ttl_s = 0
+        if ttl_s <= 0:
+            raise ValueError(f"{TTL_ENV}={raw_ttl!r}: give the TTL as a whole number of seconds > 0")
+        from aws_lambda_powertools.utilities.idempotency import (
+            DynamoDBPersistenceLayer,
+            IdempotencyConfig,
+            idempotent_function,
+        )
+        from aws_lambda_powertools.utilities.idempotency.serialization.pydantic import PydanticSerializer
+
+        self.idem_config = IdempotencyConfig(
+            # the tenant, function and version scope the caller's key: two training jobs that
+            # both say "traj-7" do not share results, nor do two versions of a function
+            event_key_jmespath="[tenant, function, version, idempotency_key]",
+            # the same key with another payload is refused instead of answered from the store
+            payload_validation_jmespath="payload_hash",
+            expires_after_seconds=ttl_s,
+            response_hook=_mark_cached,
+        )
+        self._idempotent = idempotent_function(
+            _run_recorded,
+            data_keyword_argument="key",
+            persistence_store=DynamoDBPersistenceLayer(table_name=self.table),
+            config=self.idem_config,
+            output_serializer=PydanticSerializer(Result),
+            # not the Lambda's name: the key already names the function, so every Lambda
+            # serving it (aliases, a redeploy under another name) shares the records
+            key_prefix=SERVICE,
+        )
+
+    def _key(self, inv: Invocation, spec: FunctionSpec) -> dict[str, Any]:
+        """What powertools hashes (and validates) for an invocation's idempotency key."""
+        return {
+            "tenant": inv.tenant,
+            "function": inv.function,
+            "version": spec.version,
+            "idempotency_key": inv.idempotency_key,
+            "payload_hash": _payload_hash(inv.payload),
+        }
+
+    def _run_once(
+        self, inv: Invocation, runner: FunctionRunner, run: Callable[[], Result], context: Any
+    ) -> Result:
+        """``run`` under the invocation's idempotency key (or plainly, with no table)."""
+        if self._idempotent is None:
+            return run()
+        from aws_lambda_powertools.utilities.idempotency.exceptions import (
+            BaseError,
+            IdempotencyAlreadyInProgressError,
+            IdempotencyValidationError,
+        )
+
+        if callable(getattr(context, "get_remaining_time_in_millis", None)):
+            # an in-progress record left by a timed-out invocation expires with it
+            self.idem_config.register_lambda_context(context)
+        started = False
+
+        def run_started() -> Result:
+            nonlocal started
+            started = True
+            return run()
+
+        try:
+            return self._idempotent(key=self._key(inv, runner.spec), run=run_started)
+        except _NotCached as e:
+            return e.result
+        except IdempotencyAlreadyInProgressError:
+            # this call did not run; the one in progress will answer
+            message = f"a call with idempotency key {inv.idempotency_key!r} is in progress; retry later"
+            return self._failure(inv, ErrorCode.NOT_STARTED, message)
+        except IdempotencyValidationError:
+            message = f"idempotency key {inv.idempotency_key!r} was already used with another payload"
+            return self._failure(inv, ErrorCode.INVALID_ARGUMENTS, message)
+        except BaseError as e:
+            self.logger.exception("idempotency store failed", extra={"function": inv.function})
+            message = f"idempotency store ({self.table}): {e}"
+            if not started:  # its in-progress record could not be written: nothing ran
+                return self._failure(inv, ErrorCode.NOT_STARTED, message)
+            # it ran, and its outcome could not be recorded (or its record dropped)
+            return self._failure(inv, ErrorCode.TRANSPORT, message)
+
+    def conclude(self, inv: Invocation, result: Result) -> Result:
+        """``result``, or the final ``OutcomeUnknown`` of a side effect that may have run.
+        Both entry points conclude so: on SQS a redelivery would apply the effect again, and
+        on a direct invoke another client (or a retry from outside the fabric client) with
+        the same key would run it again, the cut run's idempotency record being dropped."""
+        err = result.error
+        if err is None or not err.retryable or err.type in SAFE_TO_RETRY or inv.function not in self.served:
+            return result
+        spec = self.registry.get(inv.function)
+        return self.conclude_unknown(inv, spec, result) if spec.side_effects else result
+
+    def conclude_unknown(self, inv: Invocation, spec: FunctionSpec, result: Result) -> Result:
+        """The final ``OutcomeUnknown`` of a side effect that may have run (``result`` is a
+        retryable failure not in ``SAFE_TO_RETRY``), kept under the invocation's key as the
+        client keeps it: running it again on a redelivery could apply the effect twice, and
+        its own idempotency record was dropped (or never completed) with the failure."""
+        err = result.error
+        assert err is not None
+        unknown = self._failure(
+            inv,
+            ErrorCode.OUTCOME_UNKNOWN,
+            f"{spec.name}: the call ended with {err.type} ({err.message}) and may have run; "
+            f"{spec.name} has side effects, so it is not run again"
+            + (
+                f" under idempotency key {inv.idempotency_key!r}. Check whether its effect happened; "
+                "to run it again, send it with a new idempotency key"
+                if inv.idempotency_key is not None
+                else ". Check whether its effect happened"
+            ),
+        )
+        unknown.timings, unknown.cold_start, unknown.worker = result.timings, result.cold_start, result.worker
+        if self._idempotent is None or inv.idempotency_key is None:
+            return unknown
+        from aws_lambda_powertools.utilities.idempotency.exceptions import BaseError
+
+        try:
+            self._idempotent(key=self._key(inv, spec), run=lambda: unknown)
+        except BaseError:  # still in progress (its success could not be written) or the store is down
+            self.logger.exception(
+                "could not keep OutcomeUnknown under the key", extra={"function": spec.name}
+            )
+        return unknown

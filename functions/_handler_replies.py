@@ -1,0 +1,185 @@
+"""The Lambda handler's entry points and the replies they shape: a direct invoke's reply
+kept under Lambda's response limit, an SQS record left on the queue for a retry or answered
+on its reply queue, and one log line and the metrics of every invocation."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import TYPE_CHECKING, Any, cast
+
+from fabric.errors import ErrorCode
+from fabric.protocol import Result
+from functions._handler_base import REPLY_TO_ATTRIBUTE, SERVICE
+from functions._handler_requests import _Requests
+
+if TYPE_CHECKING:
+    from aws_lambda_powertools import Metrics
+    from aws_lambda_powertools.metrics import EphemeralMetrics
+    from aws_lambda_powertools.utilities.data_classes.sqs_event import SQSRecord
+
+#: Lambda's limit on a synchronous invoke's response, in bytes as the runtime encodes the
+#: reply: the python3.11 runtime uses ``json.dumps`` with ASCII escapes, so a non-ASCII
+#: character can take 6 bytes. Over it, Lambda answers ``Function.ResponseSizeTooLarge``.
+MAX_LAMBDA_RESPONSE_BYTES = 6_291_556
+#: Kept back from that limit for the ``ResultNotSerializable`` that replaces a reply too large.
+RESPONSE_MARGIN_BYTES = 16 * 1024
+#: SQS's message size limit (1 MiB since 2025; a queue may be configured lower).
+MAX_REPLY_BYTES = 1024 * 1024
+
+
+class _RetryLater(Exception):
+    """Raised from an SQS record handler: the record is reported in ``batchItemFailures``."""
+
+
+class _Replies(_Requests):
+    """The entry points of one invocation (direct, SQS) and the replies they send."""
+
+    # ------------------------------------------------------------------ observability
+    def observe(
+        self, result: Result, sink: Metrics | EphemeralMetrics, queue_ms: float | None = None
+    ) -> None:
+        """One log line and the per-function metrics of a finished invocation."""
+        from aws_lambda_powertools.metrics import MetricUnit
+
+        known = result.function in self.served
+        sink.add_dimension(name="function", value=result.function if known else "unknown")
+        sink.add_metric(name="Invocations", unit=MetricUnit.Count, value=1)
+        sink.add_metric(name="Errors", unit=MetricUnit.Count, value=0 if result.ok else 1)
+        if result.cached:
+            sink.add_metric(name="CacheHits", unit=MetricUnit.Count, value=1)
+        elif result.timings.exec_ms > 0:
+            sink.add_metric(name="Latency", unit=MetricUnit.Milliseconds, value=result.timings.exec_ms)
+        if queue_ms is not None:
+            sink.add_metric(name="QueueLatency", unit=MetricUnit.Milliseconds, value=queue_ms)
+        fields: dict[str, Any] = {
+            "function": result.function,
+            "ok": result.ok,
+            "cached": result.cached,
+            "cold_start": result.cold_start,
+            "exec_ms": round(result.timings.exec_ms, 3),
+        }
+        if result.error is None:
+            self.logger.info("invocation ok", extra=fields)
+        else:
+            sink.add_metadata(key="error_type", value=result.error.type)
+            fields.update(error_type=result.error.type, error=result.error.message[:2000])
+            fields["retryable"] = result.error.retryable
+            self.logger.warning("invocation failed", extra=fields)
+
+    # ------------------------------------------------------------------ entry points
+    def direct(self, event: Any, context: Any) -> dict[str, Any]:
+        cold = self.take_cold()
+        parsed = self.parse(event)
+        self.logger.set_correlation_id(parsed.request_id or None)
+        if isinstance(parsed, Result):
+            parsed.cold_start, parsed.worker = cold, self.worker
+            result = parsed
+        else:
+            result = self.conclude(parsed, self.invoke(parsed, cold=cold, queue_ms=0.0, context=context))
+        reply = result.model_dump(mode="json")
+        size = len(json.dumps(reply))  # what the runtime sends (ASCII-escaped)
+        if size > MAX_LAMBDA_RESPONSE_BYTES - RESPONSE_MARGIN_BYTES:
+            # the runner's 6 MiB check counts UTF-8 bytes; escaped, the reply can be larger
+            # still, and Lambda would replace it with its own Function.ResponseSizeTooLarge
+            too_big = Result.failure(
+                ErrorCode.RESULT_NOT_SERIALIZABLE,
+                f"{result.function} returned a reply of {size:,} bytes as the Lambda runtime encodes it "
+                f"(JSON, non-ASCII characters escaped), over the {MAX_LAMBDA_RESPONSE_BYTES:,}-byte "
+                "response limit; return a reference (an S3 key) instead",
+                function=result.function,
+                request_id=result.request_id,
+                worker=self.worker,
+            )
+            too_big.cold_start, too_big.timings = result.cold_start, result.timings
+            result, reply = too_big, too_big.model_dump(mode="json")
+        self.observe(result, self.metrics)
+        return reply
+
+    def sqs(self, event: Any, context: Any) -> dict[str, Any]:
+        from aws_lambda_powertools.metrics import MetricUnit
+        from aws_lambda_powertools.utilities.batch import process_partial_response
+
+        cold = [self.take_cold()]  # the first record of the batch paid for it
+
+        def record_handler(record: SQSRecord) -> None:
+            self.on_record(record, cold=cold.pop() if cold else False, context=context)
+
+        try:
+            response = process_partial_response(
+                event=event, record_handler=record_handler, processor=self.processor, context=context
+            )
+        finally:
+            self.logger.set_correlation_id(None)
+        failed = len(response.get("batchItemFailures", []))
+        self.metrics.add_metric(name="SqsRecords", unit=MetricUnit.Count, value=len(self.processor.records))
+        self.metrics.add_metric(name="SqsRecordsRetried", unit=MetricUnit.Count, value=failed)
+        return cast(dict[str, Any], response)
+
+    def on_record(self, record: SQSRecord, *, cold: bool, context: Any) -> None:
+        from aws_lambda_powertools.metrics import EphemeralMetrics
+
+        attributes = record.get("attributes") or {}
+        sent = attributes.get("SentTimestamp")
+        queue_ms = max(0.0, time.time() * 1e3 - int(sent)) if sent else 0.0
+        parsed = self.parse(record.body, fallback_request_id=record.message_id)
+        self.logger.set_correlation_id(parsed.request_id or record.message_id)
+        if isinstance(parsed, Result):
+            parsed.cold_start, parsed.worker = cold, self.worker
+            result = parsed
+        else:
+            result = self.conclude(parsed, self.invoke(parsed, cold=cold, queue_ms=queue_ms, context=context))
+        spec = self.registry.get(result.function) if result.function in self.served else None
+        sink = EphemeralMetrics(namespace=self.namespace, service=SERVICE)
+        self.observe(result, sink, queue_ms=queue_ms)
+        sink.flush_metrics()
+        if result.retryable:
+            receives = int(attributes.get("ApproximateReceiveCount") or 1)
+            attempts = spec.retry.max_attempts if spec is not None else 1
+            if receives < attempts:
+                # left on the queue: SQS delivers it again after the visibility timeout
+                raise _RetryLater(f"{result.function}: {result.error.type if result.error else ''}")
+            self.logger.error(
+                "giving up on a retryable failure",
+                extra={"function": result.function, "receives": receives, "max_attempts": attempts},
+            )
+        self.reply(record, result)
+
+    def reply(self, record: SQSRecord, result: Result) -> None:
+        """Send a final ``Result`` to the record's reply queue, if it has one. A send that
+        fails raises, so the record is retried (and answered from the idempotency store,
+        when the invocation has a key)."""
+        attr = (record.get("messageAttributes") or {}).get(REPLY_TO_ATTRIBUTE) or {}
+        url = attr.get("stringValue") or self.reply_queue_url
+        if not url:
+            return
+        body = result.model_dump_json()
+        if len(body.encode()) > MAX_REPLY_BYTES:
+            too_big = Result.failure(
+                ErrorCode.RESULT_NOT_SERIALIZABLE,
+                f"{result.function} returned a result of {len(body.encode()):,} bytes, over the "
+                f"{MAX_REPLY_BYTES:,}-byte SQS message limit; return a reference (an S3 key) instead",
+                function=result.function,
+                request_id=result.request_id,
+                worker=self.worker,
+            )
+            body = too_big.model_dump_json()
+        params: dict[str, Any] = {
+            "QueueUrl": url,
+            "MessageBody": body,
+            "MessageAttributes": {
+                "request_id": {"DataType": "String", "StringValue": result.request_id or record.message_id},
+                "function": {"DataType": "String", "StringValue": result.function or "-"},
+                "ok": {"DataType": "String", "StringValue": "true" if result.ok else "false"},
+            },
+        }
+        if url.endswith(".fifo"):
+            # a FIFO reply queue drops a duplicate reply (a redelivered record) for 5 minutes
+            digest = hashlib.sha256((result.request_id or record.message_id).encode()).hexdigest()
+            params.update(MessageGroupId=digest, MessageDeduplicationId=digest)
+        if self._sqs is None:
+            import boto3
+
+            self._sqs = boto3.client("sqs")
+        self._sqs.send_message(**params)
