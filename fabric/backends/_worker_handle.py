@@ -18,7 +18,7 @@ from fabric.backends._wire import FrameReader, pack
 from fabric.protocol import Invocation, Result
 
 if TYPE_CHECKING:
-    from fabric.backends._pool import FunctionPool
+    from fabric.backends._pool_workers import PoolWorkers
 
 _REAP_WAIT_S = 0.2  # a worker whose socket closed is exiting: how long to wait for its exit status
 
@@ -91,7 +91,7 @@ class PoolCall:
 class WorkerHandle(asyncio.Protocol):
     """Parent-side handle of one worker process."""
 
-    def __init__(self, pool: FunctionPool, wid: str):
+    def __init__(self, pool: PoolWorkers, wid: str):
         self.pool = pool
         self.id = wid
         self.proc: subprocess.Popen[bytes] | None = None

@@ -568,9 +568,9 @@ async def test_the_pool_recovers_after_a_transient_setup_failure(tmp_path, monke
 
 
 async def test_a_failed_spawn_does_not_wedge_the_pool(monkeypatch):
-    from fabric.backends import _pool
+    from fabric.backends import _pool_workers
 
-    real = _pool.subprocess.Popen
+    real = _pool_workers.subprocess.Popen
     calls = {"n": 0}
 
     def flaky_popen(*a, **kw):
@@ -579,7 +579,7 @@ async def test_a_failed_spawn_does_not_wedge_the_pool(monkeypatch):
             raise OSError(11, "Resource temporarily unavailable")
         return real(*a, **kw)
 
-    monkeypatch.setattr(_pool.subprocess, "Popen", flaky_popen)
+    monkeypatch.setattr(_pool_workers.subprocess, "Popen", flaky_popen)
     async with local(setup_failure_cooldown_s=0.1) as c:
         r = await asyncio.wait_for(c.call("pid", {}), 10)
         if not r.ok:  # the first spawn failed with the call queued: it is answered, then retried
