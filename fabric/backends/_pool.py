@@ -77,12 +77,16 @@ class FunctionPool(PoolWorkers):
         self._maint = self._loop.create_task(self._maintain())
 
     async def wait_ready(self, within_s: float | None = None) -> None:
-        """Wait until ``warm`` workers are ready.
+        """Wait until ``warm`` workers are ready, and at least one: a ``warm=0`` function gets
+        one started now (it goes again after ``idle_window_s`` unused, as any worker beyond
+        ``warm``), so that its first call is warm and a setup hook that raises is found here,
+        not by the first call (a job's start-up check passed, then every reward failed).
 
         Raises ``SetupFailedError`` when none can be: the setup hook or the import raised, or
         starts failed or timed out until the pool gave up. A pool that serves with fewer
         workers because one of them failed to start counts as ready: calls are answered.
         """
+        need = max(self.warm, 1)
         # each start is bounded by start_timeout_s and the pool gives up after a few failed
         # ones in a row, so this deadline is only a backstop
         limit = within_s or self.config.start_timeout_s * (_MAX_START_FAILURES + 1)
@@ -94,15 +98,17 @@ class FunctionPool(PoolWorkers):
             if self._closed:  # no worker will start any more: waiting would end in a false timeout
                 raise BackendClosedError(f"{self.spec.name}: backend closed")
             ready = sum(w.usable for w in self._workers)
-            if ready >= self.warm or (ready and self.metrics["start_failures"] > failures):
+            if ready >= need or (ready and self.metrics["start_failures"] > failures):
                 return
+            if not self._workers and not self._starting and self._can_spawn():
+                self._spawn()  # warm=0 (or all lost): the one that answers for the setup
             if self._broken is not None:
                 _, message, tb = self._broken
                 raise SetupFailedError(message, tb)
             if time.monotonic() > deadline:
                 last = self._last_start_failure
                 raise BackendError(
-                    f"{self.spec.name}: {ready} of {self.warm} warm workers ready after {limit:.3g} s"
+                    f"{self.spec.name}: {ready} of {need} warm workers ready after {limit:.3g} s"
                     + (f"; the last failed start: {last[0]}" if last else "")
                 )
             await asyncio.sleep(0.01)

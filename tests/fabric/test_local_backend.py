@@ -174,6 +174,21 @@ async def test_warmup_reports_a_setup_failure():
         assert c.backend.stats()["add"]["ready"] == 1  # the healthy function warmed up all the same
 
 
+async def test_warmup_of_a_warm_0_function_starts_one_worker_that_answers_for_its_setup():
+    # warm=0 made warmup a no-op: a job's start-up check passed, then every call failed
+    # SetupFailed and masked every reward; and the first call paid the cold start
+    async with local(setup_failure_cooldown_s=30, idle_window_s=0.3) as c:
+        with pytest.raises(SetupFailedError, match="model weights not found"):
+            await c.warmup(["bad_setup"])  # sample_fns: warm=0
+        await c.warmup(["sleepy"])  # warm=0 too
+        assert c.backend.stats()["sleepy"]["ready"] == 1
+        r = await c.call("sleepy", {"seconds": 0})
+        assert r.ok and not r.cold_start
+        # beyond warm=0: it goes when unused, as a worker grown for a burst does
+        await _until(lambda: c.backend.stats()["sleepy"]["workers"] == 0, "the idle worker to go")
+        await _until(lambda: not alive(r.value), "its process to end")
+
+
 async def test_one_failed_setup_does_not_fail_calls_a_ready_sibling_can_serve(tmp_path, monkeypatch):
     # warm=2: the first worker's setup fails while its sibling is still starting; the pool
     # must wait for the sibling, not fail every call fast for setup_failure_cooldown_s
