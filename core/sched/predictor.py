@@ -41,6 +41,11 @@ class LengthPredictor:
     def __init__(self, ridge: float = 1.0, forget: float = 0.9999, refit_every: int = 32) -> None:
         if not 0 < forget <= 1:
             raise ValueError(f"forget must be in (0, 1], got {forget}")
+        # ridge 0 made the first refit a singular solve (numpy's "Singular matrix", mid-run)
+        if not (math.isfinite(ridge) and ridge > 0):
+            raise ValueError(f"ridge must be a finite number > 0, got {ridge}")
+        if refit_every < 1:
+            raise ValueError(f"refit_every must be >= 1, got {refit_every}")
         self.ridge = ridge
         self.forget = forget
         self.refit_every = refit_every

@@ -181,3 +181,19 @@ def test_presorted_dp_never_migrates_onto_a_worker_that_is_gone():
     moves = PresortedDP().migrations(current, reqs, workers, {"t0", "t1", "t2", "t3"})
     assert set(moves.values()) <= set(workers)
     assert {"t0", "t1"} <= set(moves)  # the gone worker's trajectories do move
+
+
+@pytest.mark.parametrize(
+    ("kw", "says"),
+    [
+        ({"ridge": 0}, "ridge must be"),
+        ({"ridge": float("nan")}, "ridge must be"),
+        ({"refit_every": 0}, "refit_every must be"),
+    ],
+)
+def test_a_length_predictor_that_cannot_fit_is_refused_at_once(kw, says):
+    # ridge=0 was taken and the first refit failed with numpy's "Singular matrix", mid-run
+    from core.sched.predictor import LengthPredictor
+
+    with pytest.raises(ValueError, match=says):
+        LengthPredictor(**kw)
