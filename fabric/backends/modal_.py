@@ -8,7 +8,8 @@ access to the workspace (``PermissionDeniedError``) is ``Unauthorized`` and fina
 message says how to log in); a function that is not deployed is ``UnknownFunction``; Modal's
 timeout is ``FunctionTimeout``; its rate limit (``ResourceExhaustedError``) is ``Throttled``,
 retryable and safe to retry for a side effect (nothing ran); a request Modal refuses as
-invalid or too large is ``InvalidArguments`` / ``PayloadTooLarge``, final; anything else on
+invalid is ``SetupFailed`` (the deployment's or the config's, not the payload's), one too
+large ``PayloadTooLarge``, both final; anything else on
 the way (``ConnectionError``, ``InternalFailure``, ``ServiceError``, a lost container) is a
 retryable ``TransportError``.
 """
@@ -31,7 +32,11 @@ _ERRORS: tuple[tuple[str, ErrorCode], ...] = (
     ("NotFoundError", ErrorCode.UNKNOWN_FUNCTION),
     ("FunctionTimeoutError", ErrorCode.TIMEOUT),
     ("ResourceExhaustedError", ErrorCode.THROTTLED),
-    ("InvalidError", ErrorCode.INVALID_ARGUMENTS),
+    # Modal's "you did something invalid": the app's deployment or this backend's config, the
+    # same for every call, never the payload's (a fabric envelope is plain JSON). Final, and
+    # not the function's answer: InvalidArguments was kept under the idempotency key and
+    # scored by a reward's failure_score as if the trajectory had earned it
+    ("InvalidError", ErrorCode.SETUP_FAILED),
     ("RequestSizeError", ErrorCode.PAYLOAD_TOO_LARGE),
 )
 
@@ -98,6 +103,11 @@ class ModalBackend(Backend):
             message += (
                 " (run `modal token new`, or set MODAL_TOKEN_ID and MODAL_TOKEN_SECRET for a "
                 "workspace that can call the app)"
+            )
+        elif code == ErrorCode.SETUP_FAILED:
+            message += (
+                " (the deployment or ModalConfig, not the payload: redeploy with "
+                "`fabric deploy --backend modal`?)"
             )
         elif code == ErrorCode.UNKNOWN_FUNCTION:
             name = self.config.function_prefix + inv.function

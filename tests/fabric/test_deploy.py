@@ -686,7 +686,7 @@ async def test_modal_backend_without_a_token_fails_at_once(no_modal_token):
     [
         ("ResourceExhaustedError", ErrorCode.THROTTLED),  # Modal's rate limit: nothing ran
         ("PermissionDeniedError", ErrorCode.UNAUTHORIZED),
-        ("InvalidError", ErrorCode.INVALID_ARGUMENTS),
+        ("InvalidError", ErrorCode.SETUP_FAILED),  # the deployment's, not the function's answer
         ("RequestSizeError", ErrorCode.PAYLOAD_TOO_LARGE),
         ("AuthError", ErrorCode.UNAUTHORIZED),
         ("NotFoundError", ErrorCode.UNKNOWN_FUNCTION),
