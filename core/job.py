@@ -691,6 +691,12 @@ class Job:
         await warm_rewards(self.cfg, client, retry_s=self.warm_retry_s)
 
 
+def failure_note(job: Job | None) -> str:
+    """`` (the counts: RUN_DIR/failure.json)`` for a job that wrote one, else ``""``."""
+    failure = job.run_dir.path / "failure.json" if job is not None and job.run_dir else None
+    return f" (the counts: {failure})" if failure is not None and failure.exists() else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m core.job CONFIG [--steps N] [--run-dir DIR] [--resume] [--allow-change KEY]
     [--quiet]``."""
@@ -730,10 +736,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             summary = asyncio.run(job.run())
     except CoreError as e:
-        print(e, file=sys.stderr)
-        failure = job.run_dir.path / "failure.json" if job is not None and job.run_dir else None
-        if failure is not None and failure.exists():
-            print(f"(the counts: {failure})", file=sys.stderr)
+        print(f"{e}{failure_note(job)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: the job stopped what it had started; no traceback
         print("interrupted", file=sys.stderr)

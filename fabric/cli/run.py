@@ -43,11 +43,12 @@ def run(
     """Run an RL job: a local Ray cluster, local fabric pools, process containers."""
     try:
         from core.errors import CoreError
-        from core.job import Job, load
+        from core.job import Job, failure_note, load
     except ImportError as e:  # the job needs the ray and train extras
         fail(f"the RL job needs its extras: pip install -e '.[ray,train,rewards]' ({e})")
     from envpool.errors import ContainerStartError
 
+    job: Job | None = None
     try:
         # the config's fabric.discover modules are imported here, and Ray relays its actors'
         # prints to our sys.stdout: --quiet's stdout is the summary alone
@@ -56,7 +57,7 @@ def run(
             job = Job(cfg, progress=not quiet, resume=resume, allow_changes=allow_change or (), source=config)
             summary = asyncio.run(job.run())
     except CoreError as e:  # a bad config, or a rollout where every group fails
-        fail(str(e))
+        fail(f"{e}{failure_note(job)}")
     except ContainerStartError as e:
         # an image that passed the start-up check but starts in no container (a device or a
         # licence server it needs is missing): the user's to fix, as a bad config is, not a

@@ -929,3 +929,17 @@ def test_gpu_reservations_no_card_by_card_placement_can_meet_are_refused(shares,
 
     got = gpu_packing_problem(shares, cards)
     assert (got is None) if text is None else (got is not None and text in got), got
+
+
+def test_the_cli_error_of_a_failed_run_points_to_its_failure_json(tmp_path):
+    from core.job import failure_note
+    from core.report import RunDir
+
+    assert failure_note(None) == ""  # the config did not load: no run directory
+    j = Job(job_config(tmp_path), progress=False)
+    assert failure_note(j) == ""  # stopped before its run directory
+    j.run_dir = RunDir(tmp_path / "run")
+    assert failure_note(j) == ""  # a run directory, and no failure written
+    j.run_dir.fail({"error": "RolloutError: ..."})
+    assert failure_note(j) == f" (the counts: {tmp_path / 'run' / 'failure.json'})"
+    assert not (tmp_path / "run" / "summary.json").exists()
