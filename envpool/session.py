@@ -309,6 +309,10 @@ class EnvSession:
                     raise
                 except EnvLogicError as e:
                     seen.append(_raised(e))
+                if op == "reset" and self.container is not None:
+                    # an episode this container ran: it counts toward its recycling (else
+                    # max_episodes=1 handed it to the next trajectory in this one's state)
+                    self.container.episodes += 1
         except (EnvLogicError, EnvUsageError) as e:
             raise SessionLost(f"replaying the episode on a new container failed: {e}") from e
         if seen != self._trace:
