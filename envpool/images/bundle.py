@@ -9,6 +9,7 @@ extraction filter checks again against the real paths on disk.
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import io
@@ -23,6 +24,7 @@ from pathlib import Path
 from envpool.images.errors import DigestMismatch, InvalidImageRef, UnsafeBundle
 
 _DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
+_MALFORMED_ERRNOS = frozenset({errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.ELOOP})
 _REF_RE = re.compile(r"(?:(?P<name>[^\s@]+)@)?(?P<digest>sha256:[0-9a-f]{64})")
 
 
@@ -161,12 +163,19 @@ def unpack(data: bytes, dest: str | os.PathLike[str], *, max_bytes: int | None =
         except (tarfile.TarError, OSError, EOFError) as e:
             raise UnsafeBundle(f"truncated or corrupt bundle: {e}") from None
         total = 0
+        seen: set[str] = set()
         for m in members:
             _check_name(m.name)
             if m.issym() or m.islnk():
                 _check_link(m.name, m.linkname, symlink=m.issym())
             elif not (m.isreg() or m.isdir()):
                 raise UnsafeBundle(f"bundle member {m.name!r} is a device, fifo or other special file")
+            if m.islnk() and posixpath.normpath(m.linkname) not in seen:
+                # tarfile links to an earlier member only; else a bare KeyError mid-extraction
+                raise UnsafeBundle(
+                    f"bundle member {m.name!r} hard-links to {m.linkname!r}, which is no earlier member"
+                )
+            seen.add(posixpath.normpath(m.name))
             total += m.size
         if max_bytes is not None and total > max_bytes:
             raise UnsafeBundle(f"bundle unpacks to {total} bytes, over the {max_bytes}-byte limit")
@@ -179,3 +188,11 @@ def unpack(data: bytes, dest: str | os.PathLike[str], *, max_bytes: int | None =
             tar.extractall(dest, members=members, filter="data")
         except tarfile.FilterError as e:
             raise UnsafeBundle(f"refused bundle member: {e}") from None
+        except (tarfile.TarError, KeyError) as e:
+            raise UnsafeBundle(f"malformed bundle: {e}") from None
+        except OSError as e:
+            # members that clash (a file under a file, a file over a directory, a link loop):
+            # the archive's fault, the same on every try; not a fault of the disk to retry
+            if e.errno not in _MALFORMED_ERRNOS:
+                raise
+            raise UnsafeBundle(f"malformed bundle: its members clash: {e}") from None

@@ -3,11 +3,43 @@ that was demonstrated, then fixed."""
 
 from __future__ import annotations
 
+import io
 import os
 import signal
+import tarfile
+from pathlib import Path
 
+import pytest
 from echo_bundle import IMAGE
 from pool_util import pool
+
+from envpool.images import Bundle, DiskTier, DiskTierConfig, TieredCache, UnsafeBundle, digest_of, unpack
+
+
+def _tar_gz(*members: tuple[str, bytes, str, bytes | None]) -> bytes:
+    """(name, type, linkname, data) members, as a tar.gz."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, type_, linkname, data in members:
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname, info.mode = type_, linkname, 0o644
+            if data is not None:
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return buf.getvalue()
+
+
+REG, DIR, SYM, LNK = tarfile.REGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE
+MALFORMED = {
+    # a file, then a member under it: NotADirectoryError (an OSError: retried as infra)
+    "under-a-file": [("a", REG, "", b"x"), ("a/b", REG, "", b"y")],
+    # a directory, then a file of the same name: IsADirectoryError
+    "file-over-dir": [("a", DIR, "", None), ("a", REG, "", b"x")],
+    # a hard link to a member the archive does not have: a bare KeyError
+    "dangling-hardlink": [("h", LNK, "nothere", None)],
+    # a symlink to itself, then a member through it: FileExistsError
+    "self-link": [("l", SYM, "l", None), ("l/x", REG, "", b"x")],
+}
 
 
 async def test_an_episode_replayed_on_a_fresh_container_counts_toward_its_recycling(images):
@@ -26,3 +58,25 @@ async def test_an_episode_replayed_on_a_fresh_container_counts_toward_its_recycl
             await s2.reset(seed=2)
             assert s2.container.id != replayed.id
         assert p.stats()["recycled"] == 2
+
+
+@pytest.mark.parametrize("members", list(MALFORMED.values()), ids=list(MALFORMED))
+def test_a_malformed_bundle_is_refused_as_unsafe_not_a_raw_os_error(tmp_path: Path, members: list) -> None:
+    # these raised NotADirectoryError, IsADirectoryError, FileExistsError (OSErrors, which a
+    # session retries as infrastructure faults: five fetches and unpacks of a bundle that can
+    # never unpack, then "infra_failed") or a bare KeyError naming no bundle
+    with pytest.raises(UnsafeBundle, match="bundle"):
+        unpack(_tar_gz(*members), tmp_path / "dest")
+
+
+async def test_the_cache_refuses_a_malformed_bundle_once_and_leaves_nothing_unpacked(tmp_path: Path) -> None:
+    data = _tar_gz(*MALFORMED["under-a-file"])
+    digest = digest_of(data)
+    async with TieredCache(
+        [DiskTier(DiskTierConfig(path=tmp_path / "l1"))], unpack_dir=tmp_path / "unpacked"
+    ) as cache:
+        await cache.publish(Bundle(digest=digest, data=data))
+        with pytest.raises(UnsafeBundle):
+            await cache.get(digest)
+        assert cache.metrics()["outcomes"].get("retries", 0) == 0
+    assert list((tmp_path / "unpacked" / "sha256").iterdir()) == []
