@@ -441,7 +441,12 @@ class EnvPool:
             await self._stop(c)  # a session that outlived its pool still cleans up
             return
         try:
-            if not healthy or c.failed or c.episodes >= self.config.max_episodes:
+            if c.reaped:
+                # the reaper let it go and is stopping it (its stop may have failed and be
+                # retried): a slow session's clean goodbye must not make it idle for another
+                self.metrics["released_reaped"] += 1
+                await self._stop(c)
+            elif not healthy or c.failed or c.episodes >= self.config.max_episodes:
                 self.metrics["recycled" if healthy and not c.failed else "discarded"] += 1
                 await self._stop(c)
             elif c.image not in self._wanted:  # no longer kept warm (pruned): nobody wants it idle

@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pytest
 from echo_bundle import IMAGE
-from pool_util import pool
+from pool_util import pool, swap_runtime, wait_for
 
+from envpool.errors import InfraError
 from envpool.images import Bundle, DiskTier, DiskTierConfig, TieredCache, UnsafeBundle, digest_of, unpack
+from envpool.runtimes.base import Container
+from envpool.runtimes.process import ProcessRuntime
 
 
 def _tar_gz(*members: tuple[str, bytes, str, bytes | None]) -> bytes:
@@ -80,3 +83,34 @@ async def test_the_cache_refuses_a_malformed_bundle_once_and_leaves_nothing_unpa
             await cache.get(digest)
         assert cache.metrics()["outcomes"].get("retries", 0) == 0
     assert list((tmp_path / "unpacked" / "sha256").iterdir()) == []
+
+
+class _RefusingStopRuntime(ProcessRuntime):
+    """Stops fail until told otherwise (an engine or API refusing removals for a while)."""
+
+    refuse = True
+
+    async def _stop(self, c: Container) -> None:
+        if self.refuse:
+            raise InfraError("docker: the engine refused to remove a container: 500")
+        await super()._stop(c)
+
+
+async def test_a_reaped_container_is_never_handed_to_another_session(images):
+    # the reaper took the container of a slow (not leaked) session and its stop failed: the
+    # container still ran, and when the session ended with a clean goodbye it went back to
+    # the idle pool, where the next session claimed a container the pool was still stopping
+    stop_retry = {"attempts": 100, "initial_backoff_s": 0.05, "max_backoff_s": 0.1}
+    p = pool(images, min_warm=0, session_ttl_s=0.3, stop_retry=stop_retry)
+    rt = await swap_runtime(p, _RefusingStopRuntime(p.config.runtime))
+    async with p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            reaped = s.container
+            await wait_for(lambda: reaped.reaped, timeout_s=10)
+        assert all(c.id != reaped.id for q in p._idle.values() for c in q)
+        async with p.session("bundle-echo-v0", image=IMAGE) as s2:
+            await s2.reset(seed=2)
+            assert s2.container.id != reaped.id
+        rt.refuse = False
+        await wait_for(lambda: reaped.id not in rt.live, timeout_s=10)
