@@ -475,7 +475,7 @@ class EnvPool:
                     for _ in range(max(missing, 0)):
                         self._spawn_bg(self._start_idle(image))
                 for c in list(self._claimed.values()):
-                    if now - c.last_active > self.config.session_ttl_s:
+                    if not c.in_flight and now - c.last_active > self.config.session_ttl_s:
                         # a session idle this long was leaked (its owner forgot it): reclaim
                         self.metrics["reaped"] += 1
                         c.reaped = True

@@ -165,7 +165,9 @@ class EnvSession:
             self._check_alive()
             await self._attach()
         assert self.conn is not None and self.container is not None
-        self.container.last_active = time.monotonic()
+        c = self.container
+        c.last_active = time.monotonic()
+        c.in_flight += 1
         try:
             return await self.conn.request({"op": op, "token": self.token, "args": args}, timeout_s)
         except EnvHung as e:
@@ -181,8 +183,8 @@ class EnvSession:
                 self._interrupted = True
             raise
         finally:
-            if self.container is not None:
-                self.container.last_active = time.monotonic()
+            c.in_flight -= 1
+            c.last_active = time.monotonic()
 
     async def _attach(self) -> None:
         """Claim a container and open the session connection (the handshake makes the env)."""
@@ -202,7 +204,12 @@ class EnvSession:
             )
             self.conn = conn
             hello = {"op": "open", "id": 0, "token": self.token, "env_id": self.env_id, "kwargs": self.kwargs}
-            info = await conn.request(hello, self._cfg.reset_timeout_s)
+            c.in_flight += 1  # a slow constructor is no leak either
+            try:
+                info = await conn.request(hello, self._cfg.reset_timeout_s)
+            finally:
+                c.in_flight -= 1
+                c.last_active = time.monotonic()
             # the container knows its environments (an image registers its own)
             self.deterministic = bool(info.get("deterministic", self.deterministic))
             self.max_action_bytes = int(info.get("max_action_bytes", self.max_action_bytes))

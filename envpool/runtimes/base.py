@@ -136,6 +136,9 @@ class Container:
     reaped: bool = False
     last_active: float = field(default_factory=time.monotonic)
     """Last request of the session holding it: the reaper's clock."""
+    in_flight: int = 0
+    """Requests of the session holding it under way: the reaper leaves it alone meanwhile
+    (a request ends by its own timeout; one slower than ``session_ttl_s`` is no leak)."""
     handle: Any = None
     """Runtime-private (a Popen, a pod name, a sandbox id)."""
 

@@ -114,3 +114,15 @@ async def test_a_reaped_container_is_never_handed_to_another_session(images):
             assert s2.container.id != reaped.id
         rt.refuse = False
         await wait_for(lambda: reaped.id not in rt.live, timeout_s=10)
+
+
+async def test_the_reaper_does_not_take_a_container_in_the_middle_of_a_slow_step(images):
+    # the reaper measured the time since the last request *started*: a step that ran longer
+    # than session_ttl_s (a test suite in a code environment, with a generous step_timeout_s)
+    # had its container stopped under it, and the session ended infra_failed, "reaped"
+    async with pool(images, min_warm=0, session_ttl_s=0.5, step_timeout_s=30) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            r = await s.step("sleep 1.5")
+            assert r.obs.text == "sleep 1.5 #1" and s.status == "ok"
+        assert p.stats().get("reaped", 0) == 0
