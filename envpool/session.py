@@ -94,6 +94,12 @@ class EnvSession:
         if seed is None:  # a random episode all the same, but one a replay can rebuild
             seed = secrets.randbits(31)
         args = {"seed": seed, "options": options}
+        c = self.container
+        if c is not None and c.episodes >= self._cfg.max_episodes:
+            # its episodes are spent: a new one starts on a fresh container, as the next
+            # session's would (the reset below claims it)
+            self._log, self._trace, self._done = [], [], True
+            await self._drop_container(healthy=True)
         try:
             result = await self._with_recovery(
                 "reset", lambda: self._call("reset", args, self._cfg.reset_timeout_s)

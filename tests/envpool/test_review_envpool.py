@@ -126,3 +126,20 @@ async def test_the_reaper_does_not_take_a_container_in_the_middle_of_a_slow_step
             r = await s.step("sleep 1.5")
             assert r.obs.text == "sleep 1.5 #1" and s.status == "ok"
         assert p.stats().get("reaped", 0) == 0
+
+
+async def test_a_session_that_runs_many_episodes_still_recycles_its_container(images):
+    # max_episodes was only looked at when a session gave its container back: a session that
+    # reset its container over and over (an evaluation loop, a multi-episode trajectory) ran
+    # every episode on it, however many, with max_episodes=1 included
+    async with pool(images, min_warm=0, max_episodes=2) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            ids = []
+            for seed in range(5):
+                obs, _ = await s.reset(seed=seed)
+                assert obs.text == f"ready {seed}"
+                assert (await s.step("a")).obs.text == "a #1"
+                ids.append(s.container.id)
+            assert ids[0] == ids[1] != ids[2] == ids[3] != ids[4]
+            assert s.container.episodes == 1
+        assert p.stats()["recycled"] == 2  # during the session (the last one has an episode left)
