@@ -28,11 +28,14 @@ class _Config(BaseModel):
 
 
 class Limits(_Config):
-    as_bytes: int = 4 * 1024**3
+    """Resource limits of a container's server process; 0 means no limit. (A negative one
+    is refused: setrlimit read it as no limit, silently.)"""
+
+    as_bytes: int = Field(4 * 1024**3, ge=0)
     """Address space of the container's server process."""
-    nofile: int = 1024
-    fsize_bytes: int = 1024**3
-    cpu_s: int = 0
+    nofile: int = Field(1024, ge=0)
+    fsize_bytes: int = Field(1024**3, ge=0)
+    cpu_s: int = Field(0, ge=0)
     """CPU seconds (0: no limit; a long-lived container would hit any fixed one)."""
 
 

@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 from echo_bundle import IMAGE
 from pool_util import pool, swap_runtime, wait_for
+from pydantic import ValidationError
 
 from envpool.errors import InfraError
 from envpool.images import Bundle, DiskTier, DiskTierConfig, TieredCache, UnsafeBundle, digest_of, unpack
+from envpool.pool_config import PoolConfig
 from envpool.runtimes.base import Container
 from envpool.runtimes.process import ProcessRuntime
 
@@ -143,3 +145,10 @@ async def test_a_session_that_runs_many_episodes_still_recycles_its_container(im
             assert ids[0] == ids[1] != ids[2] == ids[3] != ids[4]
             assert s.container.episodes == 1
         assert p.stats()["recycled"] == 2  # during the session (the last one has an episode left)
+
+
+@pytest.mark.parametrize("key", ["as_bytes", "nofile", "fsize_bytes", "cpu_s"])
+def test_a_negative_resource_limit_is_refused_by_the_config(key):
+    # setrlimit took -5 as RLIM_INFINITY: the container ran with no limit at all, silently
+    with pytest.raises(ValidationError, match=key):
+        PoolConfig.model_validate({"runtime": {"limits": {key: -5}}})
