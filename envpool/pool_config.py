@@ -48,9 +48,10 @@ class PoolConfig(BaseModel):
     """A container is recycled after this many episodes."""
     reset_timeout_s: float = Field(60.0, gt=0)
     step_timeout_s: float = Field(30.0, gt=0)
-    heartbeat_misses: int = Field(4, ge=1)
+    heartbeat_misses: int = Field(4, ge=2)
     """A request whose container sends neither reply nor heartbeat for this many heartbeat
-    periods is declared hung: the container is killed and replaced."""
+    periods is declared hung: the container is killed and replaced. At least 2: heartbeats
+    come a period apart at best, so with 1 any jitter reads as a frozen container."""
     claim_timeout_s: float = Field(120.0, gt=0)
     session_ttl_s: float = Field(3600.0, gt=0)
     """The reaper reclaims a container whose session made no request for this long (leaked);

@@ -152,3 +152,12 @@ def test_a_negative_resource_limit_is_refused_by_the_config(key):
     # setrlimit took -5 as RLIM_INFINITY: the container ran with no limit at all, silently
     with pytest.raises(ValidationError, match=key):
         PoolConfig.model_validate({"runtime": {"limits": {key: -5}}})
+
+
+def test_one_heartbeat_miss_is_refused_by_the_config():
+    # with heartbeat_misses=1 the pool waited exactly one heartbeat period: any jitter in the
+    # container's heartbeat thread read as a frozen container, so every step slower than a
+    # period (a 1.5 s sleep at heartbeat_s=0.1) was replayed 5 times and the session lost
+    with pytest.raises(ValidationError, match="heartbeat_misses"):
+        PoolConfig.model_validate({"heartbeat_misses": 1})
+    assert PoolConfig.model_validate({"heartbeat_misses": 2}).heartbeat_misses == 2
