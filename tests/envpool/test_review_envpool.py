@@ -3,6 +3,7 @@ that was demonstrated, then fixed."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import signal
@@ -161,3 +162,37 @@ def test_one_heartbeat_miss_is_refused_by_the_config():
     with pytest.raises(ValidationError, match="heartbeat_misses"):
         PoolConfig.model_validate({"heartbeat_misses": 1})
     assert PoolConfig.model_validate({"heartbeat_misses": 2}).heartbeat_misses == 2
+
+
+async def test_a_blob_evicted_while_it_is_read_is_not_counted_again(tmp_path: Path, monkeypatch):
+    # the read found the blob gone from the LRU when it came back and took it for one another
+    # process wrote: it was counted again (its file deleted), which evicted a good blob to
+    # make room for one that was not there
+    import threading
+
+    from envpool.images.tiers import disk
+
+    blobs = [bytes([i]) * 100 for i in range(3)]
+    a, b, c = (digest_of(x) for x in blobs)
+    read, go = threading.Event(), threading.Event()
+    real = disk._read_and_touch
+
+    def slow_read(path: Path) -> bytes:
+        data = real(path)
+        if path.name == a[7:]:
+            read.set()
+            assert go.wait(30)
+        return data
+
+    monkeypatch.setattr(disk, "_read_and_touch", slow_read)
+    async with DiskTier(DiskTierConfig(path=tmp_path / "l1", max_bytes=250)) as l1:
+        await l1.put(a, blobs[0])
+        await l1.put(b, blobs[1])
+        reading = asyncio.ensure_future(l1.get(a))
+        await asyncio.to_thread(read.wait, 30)
+        await l1.put(c, blobs[2])  # evicts a, the least recently used, mid-read
+        go.set()
+        assert await reading == blobs[0]  # what was read is good all the same
+        on_disk = {p.name for p in (tmp_path / "l1" / "sha256").iterdir()}
+        assert on_disk == {b[7:], c[7:]}  # b, the good blob, is still there
+        assert l1.total_bytes == 200 and a not in l1

@@ -87,6 +87,7 @@ class DiskTier(Tier):
 
     async def _get(self, digest: str) -> bytes | None:
         path = self.path_of(digest)
+        known = digest in self._lru
         try:
             data = await asyncio.to_thread(_read_and_touch, path)
         except FileNotFoundError:
@@ -95,6 +96,8 @@ class DiskTier(Tier):
             return None
         if digest in self._lru:
             self._lru.move_to_end(digest)
+        elif known:
+            pass  # evicted (or dropped) by us while it was read: its file is gone, or going
         else:  # written by another process sharing the directory
             self._lru[digest] = len(data)
             self._total += len(data)
