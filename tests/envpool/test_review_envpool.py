@@ -16,7 +16,16 @@ from pool_util import pool, swap_runtime, wait_for
 from pydantic import ValidationError
 
 from envpool.errors import InfraError
-from envpool.images import Bundle, DiskTier, DiskTierConfig, TieredCache, UnsafeBundle, digest_of, unpack
+from envpool.images import (
+    Bundle,
+    DiskTier,
+    DiskTierConfig,
+    TieredCache,
+    UnsafeBundle,
+    digest_of,
+    make_tier,
+    unpack,
+)
 from envpool.pool_config import PoolConfig
 from envpool.runtimes.base import Container
 from envpool.runtimes.process import ProcessRuntime
@@ -196,3 +205,12 @@ async def test_a_blob_evicted_while_it_is_read_is_not_counted_again(tmp_path: Pa
         on_disk = {p.name for p in (tmp_path / "l1" / "sha256").iterdir()}
         assert on_disk == {b[7:], c[7:]}  # b, the good blob, is still there
         assert l1.total_bytes == 200 and a not in l1
+
+
+@pytest.mark.parametrize("url", ["localhost:8000", "127.0.0.1:9000", "ftp://mirror/blobs", "", "http://"])
+def test_an_http_tier_url_that_is_not_http_is_refused_by_the_config(url):
+    # it was accepted, and every fetch failed with httpx's UnsupportedProtocol, which the
+    # cache took for a transport fault: retried with backoff on every get of every session
+    with pytest.raises(ValidationError, match="url"):
+        make_tier({"type": "origin", "url": url})
+    assert make_tier({"type": "mirror", "url": "https://mirror.example:8443/v2/"}).name == "mirror"

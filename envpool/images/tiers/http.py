@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import httpx
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from envpool.images.errors import ImageFetchError
 from envpool.images.tiers.base import Tier, TierConfigBase
@@ -19,6 +19,20 @@ from envpool.images.tiers.base import Tier, TierConfigBase
 class HttpTierConfig(TierConfigBase):
     url: str
     """Base URL; blobs are fetched from ``{url}/blobs/sha256:<hex>``."""
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        # refused here: httpx fails such a URL on every request with an error the cache
+        # takes for a transport fault, retried with backoff on every get
+        try:
+            url = httpx.URL(v)
+        except httpx.InvalidURL as e:
+            raise ValueError(f"url {v!r} is not a valid URL: {e}") from None
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError(f"url {v!r} must be http:// or https:// with a host, e.g. http://mirror:5000")
+        return v
+
     timeout_s: float = Field(120.0, gt=0)
     """Read timeout: the longest silence tolerated mid-download."""
     connect_timeout_s: float = Field(5.0, gt=0)
