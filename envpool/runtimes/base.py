@@ -15,8 +15,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 from envpool.errors import ContainerStartError
 
@@ -78,6 +79,22 @@ class _RemoteCommon(_RuntimeCommon):
     """Port the server listens on inside the container."""
     image_source: str | None = None
     """Base URL (``GET {url}/blobs/sha256:<hex>``) the container fetches bundles from."""
+
+    @field_validator("image_source")
+    @classmethod
+    def _http_source(cls, v: str | None) -> str | None:
+        # checked here, once: each container's server would fail to fetch from it and exit,
+        # a start failure retried on every claim
+        if v is not None:
+            try:
+                url = urlsplit(v)
+                ok = url.scheme in ("http", "https") and bool(url.hostname)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"image_source {v!r} must be an http:// or https:// URL with a host")
+        return v
+
     cpu: float = Field(1.0, gt=0)
     memory_mb: int = Field(1024, ge=64)
     env: dict[str, str] = Field(default_factory=dict)

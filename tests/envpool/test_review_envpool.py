@@ -214,3 +214,13 @@ def test_an_http_tier_url_that_is_not_http_is_refused_by_the_config(url):
     with pytest.raises(ValidationError, match="url"):
         make_tier({"type": "origin", "url": url})
     assert make_tier({"type": "mirror", "url": "https://mirror.example:8443/v2/"}).name == "mirror"
+
+
+@pytest.mark.parametrize("kind", ["docker", "kubernetes", "modal"])
+def test_a_remote_runtimes_image_source_that_is_not_http_is_refused_by_the_config(kind):
+    # checked nowhere on the driver: each container's server failed to fetch its bundle from
+    # it and exited, a start failure the pool retried on every claim of every session
+    with pytest.raises(ValidationError, match="image_source"):
+        PoolConfig.model_validate({"runtime": {"type": kind, "image_source": "mirror:5000"}})
+    cfg = PoolConfig.model_validate({"runtime": {"type": kind, "image_source": "http://mirror:5000"}})
+    assert cfg.runtime.image_source == "http://mirror:5000"
