@@ -211,11 +211,12 @@ class Connection(asyncio.Protocol):
                         self.last_seen = now  # silent but running, not frozen: on to the deadline
                         continue
                     raise StepTimeout(f"the container missed its heartbeats for {self.silence_s:g} s (hung)")
-                try:
-                    reply = await asyncio.wait_for(asyncio.shield(fut), wait)
+                # not wait_for: on Python 3.11 it returns a reply that landed in the loop turn
+                # this task was cancelled, and the cancellation (an aborted trajectory) is lost
+                await asyncio.wait((fut,), timeout=wait)
+                if fut.done():
+                    reply = fut.result()
                     break
-                except TimeoutError:
-                    continue
         finally:
             self.waiting.pop(rid, None)
         if reply.get("ok"):

@@ -7,6 +7,7 @@ import asyncio
 import io
 import os
 import signal
+import struct
 import tarfile
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from echo_bundle import IMAGE
 from pool_util import pool, swap_runtime, wait_for
 from pydantic import ValidationError
 
+from envpool.connection import Connection
 from envpool.errors import InfraError
 from envpool.images import (
     Bundle,
@@ -27,6 +29,7 @@ from envpool.images import (
     unpack,
 )
 from envpool.pool_config import PoolConfig
+from envpool.protocol import encode
 from envpool.runtimes.base import Container
 from envpool.runtimes.process import ProcessRuntime
 
@@ -224,3 +227,29 @@ def test_a_remote_runtimes_image_source_that_is_not_http_is_refused_by_the_confi
         PoolConfig.model_validate({"runtime": {"type": kind, "image_source": "mirror:5000"}})
     cfg = PoolConfig.model_validate({"runtime": {"type": kind, "image_source": "http://mirror:5000"}})
     assert cfg.runtime.image_source == "http://mirror:5000"
+
+
+async def test_a_cancellation_that_lands_with_the_reply_is_not_lost(tmp_path: Path):
+    # asyncio.wait_for (Python 3.11) returns the result of an inner future that completed in
+    # the loop turn its caller was cancelled, and swallows the cancellation: an aborted
+    # trajectory whose step reply arrived just then went on running as if never aborted
+    got, gone = asyncio.Event(), asyncio.Event()
+
+    async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readexactly(struct.unpack("!I", await r.readexactly(4))[0])
+        got.set()
+        await r.read()  # never answers; returns once the pool hangs up
+        w.close()
+        gone.set()
+
+    server = await asyncio.start_unix_server(silent, str(tmp_path / "s"))
+    async with server:
+        conn = await Connection.open(str(tmp_path / "s"), heartbeat_s=5, misses=4, tool_caller=None)
+        task = asyncio.ensure_future(conn.request({"op": "step", "token": "t", "id": 7}, 30))
+        await asyncio.wait_for(got.wait(), 30)
+        conn.data_received(encode({"id": 7, "ok": True, "result": {"obs": "late"}}))
+        task.cancel()  # in the same loop turn as the reply
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        conn.close()
+        await asyncio.wait_for(gone.wait(), 30)
