@@ -185,7 +185,7 @@ class Runtime(ABC):
     async def start(self, image: str | None, bundle: Path | None, *, timeout_s: float) -> Container:
         t0 = time.monotonic()
         try:
-            c = await asyncio.wait_for(self._start(image, bundle), timeout_s)
+            c = await self._start_within(image, bundle, timeout_s)
         except TimeoutError:
             self.metrics["start_timeouts"] += 1
             raise ContainerStartError(
@@ -198,6 +198,35 @@ class Runtime(ABC):
         self.metrics["started"] += 1
         self.metrics["start_ms_total"] += int((time.monotonic() - t0) * 1e3)
         return c
+
+    async def _start_within(self, image: str | None, bundle: Path | None, timeout_s: float) -> Container:
+        """``_start`` bounded by ``timeout_s``, in a task of its own: a second cancellation
+        (an aborted claim, then a closing pool) cannot cut short the cleanup of what it was
+        creating. Not ``wait_for``: on Python 3.11 it returns a start that ended in the loop
+        turn its caller was cancelled, and the cancellation is lost (the claim runs on)."""
+        task = asyncio.ensure_future(self._start(image, bundle))
+        try:
+            done, _ = await asyncio.wait((task,), timeout=timeout_s)
+        except asyncio.CancelledError:
+            if not task.done():
+                task.cancel()  # it cleans up what it made; waited for unless cancelled again
+                await asyncio.wait((task,))
+            if task.done() and not task.cancelled() and task.exception() is None:
+                # it ended just as we were cancelled: nobody will own it, stop it (shielded)
+                c = task.result()
+                self.live[c.id] = c
+                await self.stop(c)
+            raise
+        if not done:
+            task.cancel()
+            await asyncio.wait((task,))
+            if task.cancelled() or task.exception() is not None:
+                raise TimeoutError
+            c = task.result()  # ended as the timeout fired: stopped, as a start too late
+            self.live[c.id] = c
+            await self.stop(c)
+            raise TimeoutError
+        return task.result()
 
     async def stop(self, c: Container) -> None:
         """Stop ``c``: idempotent, concurrent calls share one stop, and a cancelled caller

@@ -253,3 +253,33 @@ async def test_a_cancellation_that_lands_with_the_reply_is_not_lost(tmp_path: Pa
             await task
         conn.close()
         await asyncio.wait_for(gone.wait(), 30)
+
+
+class _GatedRuntime(ProcessRuntime):
+    """Starts a (fake) container when told to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.waiting = asyncio.Event()
+
+    async def _start(self, image: str | None, bundle: Path | None) -> Container:
+        self.waiting.set()
+        await self.gate.wait()
+        return Container(id="fake-1", endpoint="/nonexistent", image=image, runtime=self.kind)
+
+    async def _stop(self, c: Container) -> None:
+        pass
+
+
+async def test_a_start_cancelled_in_the_loop_turn_it_finished_is_cancelled():
+    # as in a session request: asyncio.wait_for (Python 3.11) returned the container and
+    # swallowed the cancellation, so an aborted claim went on to run its trajectory
+    rt = _GatedRuntime()
+    task = asyncio.ensure_future(rt.start(None, None, timeout_s=30))
+    await asyncio.wait_for(rt.waiting.wait(), 30)
+    rt.gate.set()
+    task.cancel()  # in the same loop turn as the start's end
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await rt.aclose()
