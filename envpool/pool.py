@@ -419,9 +419,10 @@ class EnvPool:
                         f"no container free in {self.config.claim_timeout_s:g} s (max_containers)"
                     )
                 # notified when capacity frees up; the short timeout is a backstop for any path
-                # that frees it silently (a container found dead, a failed start)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(changed), min(remaining, 0.05))
+                # that frees it silently (a container found dead, a failed start). Not wait_for:
+                # on Python 3.11 it swallows a cancellation (an aborted claim) that lands with
+                # the wake-up, and the claim would go on
+                await asyncio.wait((changed,), timeout=min(remaining, 0.05))
 
     def _kick(self) -> None:
         """Wake claimers waiting for capacity (from sync code too)."""

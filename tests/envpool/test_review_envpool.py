@@ -283,3 +283,19 @@ async def test_a_start_cancelled_in_the_loop_turn_it_finished_is_cancelled():
     with pytest.raises(asyncio.CancelledError):
         await task
     await rt.aclose()
+
+
+async def test_a_claim_cancelled_in_the_loop_turn_capacity_frees_up_is_cancelled(images):
+    # as in a session request: the claim's wait for capacity (asyncio.wait_for on Python
+    # 3.11) swallowed a cancellation that landed with a wake-up, and the aborted claim went
+    # on waiting for a container (and took one, or failed as "no container free")
+    async with pool(images, min_warm=0, max_containers=1, claim_timeout_s=3) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            claim = asyncio.ensure_future(p._claim(IMAGE))
+            await wait_for(lambda: p._changed is not None)  # waiting for capacity
+            await asyncio.sleep(0.01)
+            p._notify_changed()
+            claim.cancel()  # in the same loop turn as the wake-up
+            with pytest.raises(asyncio.CancelledError):
+                await claim
