@@ -273,12 +273,21 @@ class EnvPool:
     async def _stop_once(self, c: Container) -> None:
         """One stop attempt, bounded by ``stop_timeout_s``: ``Runtime.stop`` shields the stop
         it shares, so giving up here does not interrupt it; a later attempt joins it."""
+        # not wait_for: on Python 3.11 it swallows a cancellation that lands as the stop
+        # returns, and the cancelled caller (an aborted trajectory) would go on
+        stop = asyncio.ensure_future(self.runtime.stop(c))
         try:
-            await asyncio.wait_for(self.runtime.stop(c), self.config.stop_timeout_s)
-        except TimeoutError:
-            raise InfraError(
-                f"stopping container {c.id} did not return in {self.config.stop_timeout_s:g} s"
-            ) from None
+            await asyncio.wait((stop,), timeout=self.config.stop_timeout_s)
+        except BaseException:
+            if not stop.done():
+                stop.cancel()  # only this wait on it: the stop itself goes on, shielded
+            elif not stop.cancelled():
+                stop.exception()  # retrieved: its caller is gone
+            raise
+        if not stop.done():
+            stop.cancel()
+            raise InfraError(f"stopping container {c.id} did not return in {self.config.stop_timeout_s:g} s")
+        stop.result()
 
     async def _stop_again(self, c: Container, error: Exception) -> None:
         """Retry a failed stop with backoff and full jitter. Until it succeeds the container

@@ -299,3 +299,38 @@ async def test_a_claim_cancelled_in_the_loop_turn_capacity_frees_up_is_cancelled
             claim.cancel()  # in the same loop turn as the wake-up
             with pytest.raises(asyncio.CancelledError):
                 await claim
+
+
+class _GatedStopRuntime(ProcessRuntime):
+    """Stops return when told to (once done)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.gate = asyncio.Event()
+        self.waiting = asyncio.Event()
+
+    async def stop(self, c: Container) -> None:
+        await super().stop(c)
+        self.waiting.set()
+        await self.gate.wait()
+
+
+async def test_a_release_cancelled_in_the_loop_turn_its_stop_ends_is_cancelled(images):
+    # as in a session request: the pool's bounded stop (asyncio.wait_for on Python 3.11)
+    # swallowed a cancellation that landed as the stop ended, and the cancelled task (an
+    # aborted trajectory leaving its session block) went on as if never cancelled
+    p = pool(images, min_warm=0, max_episodes=1)  # released = stopped
+    rt = await swap_runtime(p, _GatedStopRuntime(p.config.runtime))
+    async with p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            c = s.container
+            s.container = s.conn = None  # the test releases it instead (its goodbye was said)
+        release = asyncio.ensure_future(p._release(c, healthy=True))
+        await asyncio.wait_for(rt.waiting.wait(), 30)
+        rt.gate.set()
+        await asyncio.sleep(0)  # the gated stop returns in this turn, its caller not woken yet
+        release.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await release
+        await wait_for(lambda: c.id not in rt.live, timeout_s=10)
