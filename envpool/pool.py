@@ -217,6 +217,11 @@ class EnvPool:
                 raise
             if pinned is not None:
                 self._pinned[c.id] = pinned
+            if self._closed:
+                # it started after the runtime's close stopped everything it knew: nothing
+                # else will (a remote container would run on, idle in a closed pool)
+                await self._stop(c)
+                raise PoolClosed("the pool was closed while a container started")
             return c
         finally:
             self._starting[image] -= 1

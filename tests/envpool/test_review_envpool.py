@@ -17,7 +17,7 @@ from pool_util import pool, swap_runtime, wait_for
 from pydantic import ValidationError
 
 from envpool.connection import Connection
-from envpool.errors import InfraError
+from envpool.errors import InfraError, PoolClosed
 from envpool.images import (
     Bundle,
     DiskTier,
@@ -28,6 +28,7 @@ from envpool.images import (
     make_tier,
     unpack,
 )
+from envpool.pool import EnvPool
 from envpool.pool_config import PoolConfig
 from envpool.protocol import encode
 from envpool.runtimes.base import Container
@@ -334,3 +335,18 @@ async def test_a_release_cancelled_in_the_loop_turn_its_stop_ends_is_cancelled(i
         with pytest.raises(asyncio.CancelledError):
             await release
         await wait_for(lambda: c.id not in rt.live, timeout_s=10)
+
+
+async def test_a_container_that_finishes_starting_after_the_pool_closed_is_stopped():
+    # a prewarm (or a claim) whose start was under way when the pool closed: the runtime's
+    # close had stopped everything it knew, then the start landed and the container went
+    # idle in a closed pool; a remote one (a pod, a sandbox) ran on with nothing to stop it
+    p = EnvPool({"min_warm": 0})
+    rt = await swap_runtime(p, _GatedRuntime())
+    async with p:
+        warming = asyncio.ensure_future(p.prewarm(None, 1))
+        await asyncio.wait_for(rt.waiting.wait(), 30)
+    rt.gate.set()
+    with pytest.raises(PoolClosed):
+        await warming
+    assert not rt.live and not any(p._idle.values())
