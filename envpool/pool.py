@@ -342,6 +342,12 @@ class EnvPool:
             self._stopping_again.discard(c.id)
             self._kick()  # a slot may have freed up either way
 
+    async def _stop_and_kick(self, c: Container) -> None:
+        try:
+            await self._stop(c)
+        finally:
+            self._kick()  # its slot is free: claimers waiting for capacity hear of it
+
     def _retry_leaked(self, now: float) -> None:
         """Try the leaked containers' stops again, each every ``leaked_retry_s``: the engine
         or API that refused them may have recovered, and a remote container left running
@@ -495,8 +501,9 @@ class EnvPool:
                         self.metrics["reaped"] += 1
                         c.reaped = True
                         self._claimed.pop(c.id, None)
-                        await self._stop(c)
-                        self._kick()
+                        # in the background: a stop that hangs (up to stop_timeout_s) must not
+                        # stall the warm containers' replenishment and the rest of housekeeping
+                        self._spawn_bg(self._stop_and_kick(c))
             except Exception as e:  # housekeeping must not die silently
                 self.metrics[f"maintenance_error:{type(e).__name__}"] += 1
 

@@ -350,3 +350,41 @@ async def test_a_container_that_finishes_starting_after_the_pool_closed_is_stopp
     with pytest.raises(PoolClosed):
         await warming
     assert not rt.live and not any(p._idle.values())
+
+
+class _HangingStopRuntime(ProcessRuntime):
+    """The stop of the containers named in ``hang`` hangs until ``gate`` is set."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.hang: set[str] = set()
+        self.gate = asyncio.Event()
+
+    async def _stop(self, c: Container) -> None:
+        if c.id in self.hang:
+            await self.gate.wait()
+        await super()._stop(c)
+
+
+async def test_a_reaped_container_whose_stop_hangs_does_not_stall_the_pools_housekeeping(images):
+    # the reaper awaited each stop inside the maintenance loop: a stop that hangs (an engine
+    # or API that does not answer; up to stop_timeout_s, 120 s by default) stopped the warm
+    # containers' replenishment (and all other housekeeping) for that long
+    p = pool(images, min_warm=1, session_ttl_s=0.3, stop_timeout_s=30)
+    rt = await swap_runtime(p, _HangingStopRuntime(p.config.runtime))
+    async with p:
+        await p.prewarm(IMAGE, 1)
+        block = p.session("bundle-echo-v0", image=IMAGE)  # (held: its exit waits for the gate)
+        s = await block.__aenter__()
+        try:
+            await s.reset(seed=1)
+            reaped = s.container
+            rt.hang.add(reaped.id)
+            await wait_for(lambda: reaped.reaped, timeout_s=10)
+            async with p.session("bundle-echo-v0", image=IMAGE) as s2:  # takes the idle one
+                await s2.reset(seed=2)
+                # the pool warms a replacement while the reaped container's stop hangs
+                await wait_for(lambda: len(p._idle[IMAGE]) >= 1, timeout_s=10)
+        finally:
+            rt.gate.set()
+            await block.__aexit__(None, None, None)
