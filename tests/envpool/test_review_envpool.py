@@ -22,6 +22,9 @@ from envpool.images import (
     Bundle,
     DiskTier,
     DiskTierConfig,
+    ImageFetchError,
+    S3Tier,
+    S3TierConfig,
     TieredCache,
     UnsafeBundle,
     digest_of,
@@ -388,3 +391,16 @@ async def test_a_reaped_container_whose_stop_hangs_does_not_stall_the_pools_hous
         finally:
             rt.gate.set()
             await block.__aexit__(None, None, None)
+
+
+@pytest.mark.parametrize("bucket", ["", "Bad_Bucket!"])
+async def test_an_invalid_s3_bucket_name_is_a_config_error_not_a_retried_transport_fault(bucket, monkeypatch):
+    # botocore refuses the request before sending it (ParamValidationError, a BotoCoreError):
+    # it was reported as "S3 transport error" and retried with backoff on every get
+    pytest.importorskip("boto3")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    async with S3Tier(S3TierConfig(bucket=bucket, endpoint_url="http://127.0.0.1:9")) as tier:
+        with pytest.raises(ImageFetchError, match="bucket") as e:
+            await tier.get("sha256:" + "a" * 64)
+    assert not e.value.retryable and "transport" not in str(e.value)

@@ -102,9 +102,15 @@ class S3Tier(Tier):
 
     def _translate(self, e: Exception) -> ImageFetchError:
         """The one place botocore's errors become ours."""
-        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, ParamValidationError
 
         bucket = self.config.bucket
+        if isinstance(e, ParamValidationError):  # refused before it was sent: nothing to retry
+            return ImageFetchError(
+                f"botocore refused the request: {e}; check S3TierConfig.bucket ({bucket!r}) and prefix",
+                tier=self.name,
+                retryable=False,
+            )
         if isinstance(e, NoCredentialsError):
             return ImageFetchError(
                 "no AWS credentials: set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY",
