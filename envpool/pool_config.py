@@ -8,7 +8,7 @@ import asyncio
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from envpool.api import inprocess_tool_caller
 from envpool.runtimes.base import ProcessRuntimeConfig, RuntimeConfig
@@ -73,6 +73,19 @@ class PoolConfig(BaseModel):
     """A stop that has not returned after this long (an engine or API that hangs rather
     than fails) counts as a failed attempt of ``stop_retry``, so a hung stop cannot hold a
     slot for the rest of a run; the stop itself goes on in the background."""
+
+    @model_validator(mode="after")
+    def _warm_fits(self) -> PoolConfig:
+        # more warm containers than the pool may hold: the maintenance loop tried to start
+        # the missing ones every tick, forever, each refused for capacity
+        if self.min_warm > self.max_containers:
+            if "min_warm" in self.model_fields_set:
+                raise ValueError(
+                    f"min_warm ({self.min_warm}) is more than max_containers ({self.max_containers}): "
+                    "lower min_warm or raise max_containers"
+                )
+            self.min_warm = self.max_containers  # the default 2 under max_containers: 1
+        return self
 
 
 class ImageResolver(Protocol):

@@ -404,3 +404,13 @@ async def test_an_invalid_s3_bucket_name_is_a_config_error_not_a_retried_transpo
         with pytest.raises(ImageFetchError, match="bucket") as e:
             await tier.get("sha256:" + "a" * 64)
     assert not e.value.retryable and "transport" not in str(e.value)
+
+
+def test_min_warm_above_max_containers_is_refused_or_fitted():
+    # the maintenance loop tried to start the missing warm containers every tick, forever
+    from envpool.pool_config import PoolConfig
+
+    assert PoolConfig(max_containers=1).min_warm == 1  # the default 2 fitted under the cap
+    with pytest.raises(ValueError, match=r"min_warm \(3\) is more than max_containers \(2\)"):
+        PoolConfig(min_warm=3, max_containers=2)
+    assert PoolConfig(min_warm=2, max_containers=2).min_warm == 2
