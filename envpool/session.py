@@ -3,11 +3,13 @@ it replays a deterministic episode on a fresh container when its own is lost."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import secrets
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 import pydantic_core
@@ -85,11 +87,35 @@ class EnvSession:
         running it, so its state is unknown and it is not reused."""
         self._hung: str | None = None
         """Why the episode ended without an end: its last request hung (``EnvHung``)."""
+        self._busy: str | None = None
+        """The ``reset``/``step`` under way: a second one at once is refused (an episode is
+        one sequence: two at once ran in either order, and a replay could not rebuild it)."""
 
     # -- public
     async def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[Observation, dict]:
+        with self._one_at_a_time("reset"):
+            return await self._reset(seed, options)
+
+    async def step(self, action: str | bytes) -> StepResult:
+        with self._one_at_a_time("step"):
+            return await self._step(action)
+
+    @contextlib.contextmanager
+    def _one_at_a_time(self, op: str) -> Iterator[None]:
+        if self._busy is not None:
+            raise EnvOrderError(
+                f"{self.env_id}: {op}() while this session's {self._busy}() is under way; "
+                "await it first (a session is one episode's calls, one after another)"
+            )
+        self._busy = op
+        try:
+            yield
+        finally:
+            self._busy = None
+
+    async def _reset(self, seed: int | None, options: dict[str, Any] | None) -> tuple[Observation, dict]:
         self._check_alive()
         if seed is None:  # a random episode all the same, but one a replay can rebuild
             seed = secrets.randbits(31)
@@ -116,7 +142,7 @@ class EnvSession:
         self.pool.metrics["resets"] += 1
         return Observation.model_validate(result["obs"]), result.get("info") or {}
 
-    async def step(self, action: str | bytes) -> StepResult:
+    async def _step(self, action: str | bytes) -> StepResult:
         self._check_alive()
         text = check_action(action, self.max_action_bytes)
         if self._done:

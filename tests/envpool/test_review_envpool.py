@@ -414,3 +414,25 @@ def test_min_warm_above_max_containers_is_refused_or_fitted():
     with pytest.raises(ValueError, match=r"min_warm \(3\) is more than max_containers \(2\)"):
         PoolConfig(min_warm=3, max_containers=2)
     assert PoolConfig(min_warm=2, max_containers=2).min_warm == 2
+
+
+async def test_a_second_call_of_a_session_while_one_is_under_way_is_refused():
+    # two steps at once ran in either order on the container, and a replay could not rebuild
+    # the episode; the first one still completes
+    from envpool import EnvPool
+    from envpool.errors import EnvOrderError
+
+    async with (
+        EnvPool({"min_warm": 0}) as p,
+        p.session("latency-v0", env_kwargs={"mu_s": 0.3, "turns": 10}) as s,
+    ):
+        await s.reset(seed=0)
+        first = asyncio.ensure_future(s.step("go"))
+        await asyncio.sleep(0)  # the first is under way
+        with pytest.raises(EnvOrderError, match=r"step\(\) while this session's step\(\) is under way"):
+            await s.step("go")
+        with pytest.raises(EnvOrderError, match=r"reset\(\) while"):
+            await s.reset(seed=1)
+        res = await first
+        assert res.obs is not None
+        await s.step("go")  # one after another, as before
