@@ -498,7 +498,18 @@ class Gateway:
         gave up on while holding none of its quota."""
         gate = self._gate(inv.function)
         try:
-            await gate.acquire(tenant)
+            # the envelope's deadline bounds the wait for room too: a call still waiting at it
+            # is answered then (nothing ran), not when a worker comes free, seconds later
+            async with asyncio.timeout(None if inv.deadline is None else inv.deadline - time.time()):
+                await gate.acquire(tenant)
+        except TimeoutError:
+            self.quotas.give(tenant)
+            return Result.failure(
+                ErrorCode.DEADLINE_EXCEEDED,
+                "deadline passed while waiting for room in the pool (it did not run)",
+                function=inv.function,
+                request_id=inv.request_id,
+            )
         except BaseException:
             self.quotas.give(tenant)
             raise

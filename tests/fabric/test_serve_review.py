@@ -1,0 +1,44 @@
+"""``fabric serve`` as the engineer who runs it for several jobs judges it: deadlines,
+slots and gauges on the paths a busy server takes. Real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+from sample_fns import REG
+from test_serve import PATH, TOKEN_B, auth, config
+
+from fabric.backends.base import LocalConfig
+from fabric.protocol import Invocation
+from fabric.serve import Gateway
+
+
+async def _until(predicate, what: str, timeout_s: float = 30.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def test_a_deadline_passing_while_the_call_waits_for_the_pool_is_answered_at_once():
+    """A call waiting for room in a full pool (the fair gate) waited past its envelope's
+    deadline: it was answered DeadlineExceeded only when a worker came free (seconds later),
+    holding its tenant's quota slot all that time. Now the wait ends at the deadline."""
+    cfg = config(backend=LocalConfig(max_workers=1), drain_s=0)  # one worker: the gate holds 1
+    url = PATH.format("sleepy")
+    async with Gateway(cfg, REG) as g, httpx.AsyncClient(base_url=g.url, timeout=60) as c:
+        blocker = asyncio.create_task(c.post(url, json={"seconds": 8}, headers=auth(TOKEN_B)))
+        await _until(lambda: g.backend.stats().get("sleepy", {}).get("inflight") == 1, "the worker busy")
+        env = Invocation(function="sleepy", payload={"seconds": 0.01}, deadline=time.time() + 0.5)
+        t0 = time.monotonic()
+        r = await c.post(url, content=env.model_dump_json().encode(), headers=auth())
+        took = time.monotonic() - t0
+        assert r.status_code == 200 and r.json()["error"]["type"] == "DeadlineExceeded", r.text
+        assert took < 4.0, f"answered {took:.1f} s after sending, past its 0.5 s deadline"
+        assert not blocker.done()
+        await _until(lambda: g.quotas.held["job-a"] == 0, "its slot back")
+        blocker.cancel()
+        await asyncio.gather(blocker, return_exceptions=True)
