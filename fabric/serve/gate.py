@@ -96,7 +96,24 @@ class FairGate:
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
                 self.release()  # the slot was granted as the waiter was cancelled: pass it on
+            else:
+                self._drop(tenant, fut)
             raise
+
+    def _drop(self, tenant: str, fut: asyncio.Future[None]) -> None:
+        """Take a waiter that gave up (its client hung up, its deadline) out of the line at
+        once: left there until a slot came free, it counted in ``waiting`` and stayed in
+        memory, and a tenant re-sending and giving up grew both without bound."""
+        queue = self._waiting.get(tenant)
+        if queue is None:
+            return
+        try:
+            queue.remove(fut)
+        except ValueError:
+            return
+        if not queue:
+            del self._waiting[tenant]
+            self._turns.remove(tenant)
 
     def release(self) -> None:
         self._running -= 1
@@ -111,7 +128,7 @@ class FairGate:
                 self._turns.append(tenant)  # its next call goes to the back of the line
             else:
                 del self._waiting[tenant]
-            if fut.done():  # cancelled while waiting
+            if fut.done():  # cancelled while waiting (and not yet dropped)
                 continue
             self._running += 1
             fut.set_result(None)

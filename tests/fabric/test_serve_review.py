@@ -8,7 +8,7 @@ import time
 
 import httpx
 from sample_fns import REG
-from test_serve import PATH, TOKEN_B, auth, config
+from test_serve import PATH, TOKEN_A, TOKEN_B, auth, config
 
 from fabric.backends.base import LocalConfig
 from fabric.protocol import Invocation
@@ -40,5 +40,43 @@ async def test_a_deadline_passing_while_the_call_waits_for_the_pool_is_answered_
         assert took < 4.0, f"answered {took:.1f} s after sending, past its 0.5 s deadline"
         assert not blocker.done()
         await _until(lambda: g.quotas.held["job-a"] == 0, "its slot back")
+        blocker.cancel()
+        await asyncio.gather(blocker, return_exceptions=True)
+
+
+async def _hang_up_once_waiting(port: int, url: str, body: bytes, token: str, waiting) -> None:
+    """A client that sends a call and gives up on it (its timeout) once ``waiting()`` holds."""
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        f"POST {url} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    await writer.drain()
+    await _until(waiting, "the call to wait for room")
+    writer.close()
+    await writer.wait_closed()
+
+
+async def test_calls_given_up_while_waiting_for_room_leave_the_waiting_gauge():
+    """A call whose client hung up while it waited for room in a full pool stayed in the
+    gate's queue until a slot came free: fabric_serve_waiting counted it (and the queue held
+    it) although its quota slot was back, so a tenant with max_concurrency=1 that kept
+    re-sending and giving up grew both without bound while the pool was busy."""
+    cfg = config(backend=LocalConfig(max_workers=1), drain_s=0, quota_a=1)
+    url = PATH.format("sleepy")
+    async with Gateway(cfg, REG) as g, httpx.AsyncClient(base_url=g.url, timeout=60) as c:
+        blocker = asyncio.create_task(c.post(url, json={"seconds": 8}, headers=auth(TOKEN_B)))
+        await _until(lambda: g.backend.stats().get("sleepy", {}).get("inflight") == 1, "the worker busy")
+        gate = g._gates["sleepy"]
+        live = lambda: sum(not f.done() for q in gate._waiting.values() for f in q)  # noqa: E731
+        for _ in range(5):
+            await _hang_up_once_waiting(g.port, url, b'{"seconds": 0.01}', TOKEN_A, lambda: live() == 1)
+            await _until(lambda: g.quotas.held["job-a"] == 0, "the hung-up call's slot back")
+        assert not blocker.done()
+        metrics = (await c.get("/metrics", headers=auth())).text
+        assert 'fabric_serve_waiting{function="sleepy"} 0.0' in metrics, [
+            line for line in metrics.splitlines() if line.startswith("fabric_serve_waiting")
+        ]
         blocker.cancel()
         await asyncio.gather(blocker, return_exceptions=True)
