@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from fabric.backends.base import TOKEN_ENV, InprocConfig, LocalConfig
 from fabric.errors import ConfigError
@@ -87,7 +95,8 @@ class ServeConfig(_Model):
     """A Lambda-Invoke-compatible gateway over the local warm pools."""
 
     host: str = "127.0.0.1"
-    """Loopback by default: binding another address is a deliberate choice."""
+    """Loopback by default: binding another address is a deliberate choice (an empty one is
+    refused: aiohttp binds it to every interface)."""
     port: int = Field(9000, ge=0, le=65535)
     """0 picks a free port (tests)."""
     tenants: dict[str, TenantConfig] = Field(min_length=1)
@@ -111,6 +120,17 @@ class ServeConfig(_Model):
     """On shutdown the server stops accepting at once; calls in flight get this long to
     finish, then they are cancelled (their callers see a dropped connection, which the
     fabric client retries)."""
+
+    @field_validator("host")
+    @classmethod
+    def _host_given(cls, host: str) -> str:
+        # an empty host (a script's unset $HOST) is every interface to aiohttp, IPv4 and IPv6
+        if not host.strip():
+            raise ValueError(
+                "host is empty: give an address, 127.0.0.1 for this machine only (the default) "
+                "or 0.0.0.0 for every interface"
+            )
+        return host.strip()
 
     def token_index(self) -> dict[bytes, str]:
         """sha256(token) -> tenant. Looking up a digest, not the token, keeps the lookup's

@@ -7,6 +7,8 @@ import asyncio
 import time
 
 import httpx
+import pytest
+from pydantic import ValidationError
 from sample_fns import REG
 from test_serve import PATH, TOKEN_A, TOKEN_B, auth, config
 
@@ -80,3 +82,12 @@ async def test_calls_given_up_while_waiting_for_room_leave_the_waiting_gauge():
         ]
         blocker.cancel()
         await asyncio.gather(blocker, return_exceptions=True)
+
+
+@pytest.mark.parametrize("host", ["", "  "])
+def test_an_empty_host_is_refused_not_every_interface(host):
+    """``--host ""`` (a script's unset variable: ``--host "$HOST"``) bound 0.0.0.0 and ::,
+    every interface of the machine, for a server documented as loopback unless an address is
+    chosen, and printed its URL as ``http://:PORT``."""
+    with pytest.raises(ValidationError, match=r"0\.0\.0\.0"):
+        config(host=host)
