@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import math
+import socket
 import time
 from typing import Any
 from urllib.parse import unquote
@@ -122,6 +123,22 @@ def _split_name(raw: str, query_qualifier: str | None) -> tuple[str, str | None]
     return name, qualifier
 
 
+async def _check_bindable(host: str, port: int) -> None:
+    """Raise the ``OSError`` that binding ``host:port`` would (the port in use, an address
+    not this machine's, a name that does not resolve), as aiohttp's listener binds it: every
+    address the host resolves to, with ``SO_REUSEADDR``. Probe sockets, closed at once: the
+    listener itself is bound after the warm-up, so a call is refused, not queued, till then."""
+    infos = await asyncio.get_running_loop().getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio binds
+            probe.bind(address)
+
+
 class Gateway:
     """``async with Gateway(config, registry) as gw:`` serves at ``gw.url`` until closed."""
 
@@ -161,6 +178,9 @@ class Gateway:
         return f"http://{self.config.host}:{self.port}"
 
     async def start(self) -> None:
+        # before the warm-up (a judge model loads for minutes): a port that is taken or an
+        # address that is not this machine's fails now, not once every worker is up
+        await _check_bindable(self.config.host, self.config.port)
         await self.backend.start()
         try:
             if self.config.warm:

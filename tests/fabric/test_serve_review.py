@@ -4,12 +4,13 @@ slots and gauges on the paths a busy server takes. Real HTTP on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import httpx
 import pytest
 from pydantic import ValidationError
-from sample_fns import REG
+from sample_fns import REG, SERVE_REG
 from test_serve import PATH, TOKEN_A, TOKEN_B, auth, config
 
 from fabric.backends.base import LocalConfig
@@ -91,3 +92,44 @@ def test_an_empty_host_is_refused_not_every_interface(host):
     chosen, and printed its URL as ``http://:PORT``."""
     with pytest.raises(ValidationError, match=r"0\.0\.0\.0"):
         config(host=host)
+
+
+@pytest.mark.parametrize("taken", ["port", "address"])
+async def test_a_port_in_use_or_a_bad_address_fails_before_the_warm_up(taken):
+    """The warm-up ran before the listener was bound: a server whose port was taken (an old
+    one still running) or whose address was not the machine's started every warm worker
+    first (a judge model loads for minutes), then failed to listen."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    try:
+        if taken == "port":
+            cfg = config(warm=True, functions=["serve_add"]).model_copy(update={"port": s.getsockname()[1]})
+        else:  # TEST-NET-1: never an address of this machine
+            cfg = config(warm=True, functions=["serve_add"], host="192.0.2.1")
+        g = Gateway(cfg, SERVE_REG)
+        with pytest.raises(OSError):
+            await g.start()
+        assert g.backend.stats() == {}, "the warm-up ran before the bind failed"
+        await g.aclose()
+    finally:
+        s.close()
+
+
+def test_the_cli_says_what_to_do_about_a_port_in_use():
+    from typer.testing import CliRunner
+
+    from fabric.cli import app
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    try:
+        port = str(s.getsockname()[1])
+        args = ["serve", "-f", "exact_match", "--workers", "1", "--port", port, "--token", TOKEN_A]
+        r = CliRunner().invoke(app, args)
+    finally:
+        s.close()
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2, r.output
+    assert "Address already in use" in text and "pick another --port" in text, text
