@@ -476,8 +476,17 @@ class Gateway:
                     f"not a valid fabric Invocation: deadline {inv.deadline!r} is not a wall-clock "
                     "time in seconds (time.time() + timeout)",
                 )
+            # encoded here, once, for the worker: a payload JSON cannot carry (NaN, Infinity:
+            # 1e999 parses as one) failed in the pool's dispatch, where nothing answered the
+            # call, and it held its quota and pool slots for good
+            try:
+                raw = to_strict_json(inv.payload)
+            except ValueError as e:
+                raise _Reply(
+                    400, "InvalidRequestContentException", f"not a valid fabric Invocation: payload: {e}"
+                ) from None
             # the tenant is who the token says, whatever the body claims
-            return inv.model_copy(update={"tenant": tenant}), True
+            return inv.model_copy(update={"tenant": tenant, "raw": raw}), True
         inv = Invocation.fast(
             function=function,
             payload=data,

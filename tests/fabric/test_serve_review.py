@@ -133,3 +133,26 @@ def test_the_cli_says_what_to_do_about_a_port_in_use():
     text = " ".join(r.output.split())
     assert r.exit_code == 2, r.output
     assert "Address already in use" in text and "pick another --port" in text, text
+
+
+async def test_an_envelope_whose_payload_json_cannot_carry_is_400_and_wedges_nothing():
+    """An envelope's payload holding NaN or Infinity (``1e999``, which the JSON parser takes)
+    passed validation, and the pool could not encode it for its worker: the call was never
+    answered, and its quota slot and its place in the pool were held for good. Two such
+    requests from one tenant filled the pool's gate (capacity 2): every tenant's calls of that
+    function then waited forever."""
+    cfg = config(backend=LocalConfig(max_workers=1), drain_s=0)
+    url = PATH.format("add")
+    async with Gateway(cfg, REG) as g, httpx.AsyncClient(base_url=g.url, timeout=10) as c:
+        for number in (b"1e999", b"-1e999", b"NaN", b"Infinity"):
+            body = b'{"function": "add", "payload": {"a": ' + number + b"}}"
+            r = await c.post(url, content=body, headers=auth())
+            assert r.status_code == 400, r.text
+            assert r.headers["x-amzn-ErrorType"] == "InvalidRequestContentException"
+            assert "NaN or Infinity" in r.json()["message"]
+        assert g.quotas.held["job-a"] == 0
+        r = await c.post(url, json={"a": 1}, headers=auth(TOKEN_B))
+        assert r.status_code == 200 and r.json() == 1
+        env = Invocation(function="add", payload={"a": 2, "b": 3})  # a good envelope still runs
+        r = await c.post(url, content=env.model_dump_json().encode(), headers=auth())
+        assert r.json()["value"] == 5
