@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
-from fabric.errors import BackendClosedError, ConfigError, ErrorCode, validation_problems
+from fabric.errors import BackendClosedError, ConfigError, ErrorCode, PayloadError, validation_problems
 from fabric.protocol import MAX_PAYLOAD_BYTES, Invocation, Result
 from fabric.registry import Registry, default_registry
 
@@ -228,16 +228,14 @@ class Backend(ABC):
         """Start ``inv`` and return a future of its ``Result``; cancelling the future
         abandons the call (a queued call is never run)."""
         if self._closed:
-            fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-            fut.set_result(
-                Result.failure(
-                    ErrorCode.BACKEND_CLOSED,
-                    f"{self.kind} backend is closed",
-                    function=inv.function,
-                    request_id=inv.request_id,
-                )
-            )
-            return fut
+            return _answered(inv, ErrorCode.BACKEND_CLOSED, f"{self.kind} backend is closed")
+        try:
+            inv.raw_payload  # noqa: B018 - encoded once here (the client did it already: cached)
+        except PayloadError as e:
+            # raised later, inside a backend's dispatch (the local pool's loop callback), it
+            # left the call unanswered for good: NaN or Infinity in a payload sent without
+            # the client (fabric serve's envelopes, a backend used directly)
+            return _answered(inv, e.code, str(e))
         return self._submit(inv)
 
     async def invoke(self, inv: Invocation) -> Result:
@@ -287,6 +285,13 @@ class Backend(ABC):
 
     @abstractmethod
     async def _invoke(self, inv: Invocation) -> Result: ...
+
+
+def _answered(inv: Invocation, code: ErrorCode, message: str) -> asyncio.Future[Result]:
+    """A future already holding ``inv``'s failed ``Result``."""
+    fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+    fut.set_result(Result.failure(code, message, function=inv.function, request_id=inv.request_id))
+    return fut
 
 
 def make_backend(

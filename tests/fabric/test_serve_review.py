@@ -14,6 +14,7 @@ from sample_fns import REG, SERVE_REG
 from test_serve import PATH, TOKEN_A, TOKEN_B, auth, config
 
 from fabric.backends.base import LocalConfig
+from fabric.errors import ErrorCode
 from fabric.protocol import Invocation
 from fabric.serve import Gateway
 
@@ -158,19 +159,18 @@ async def test_an_envelope_whose_payload_json_cannot_carry_is_400_and_wedges_not
         assert r.json()["value"] == 5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the local pool raises PayloadNotSerializableError inside its dispatch (a loop "
-    "callback) and never answers the call: fix in fabric/backends/_pool_dispatch.py / "
-    "_pool_workers.py (encode at submit, or fail the call where encoding raises)",
-)
 async def test_the_local_pool_answers_a_call_whose_payload_it_cannot_encode():
     """Found through fabric serve (fixed there by encoding an envelope's payload itself): a
-    call the pool cannot encode for its worker is never answered; its future waits forever."""
+    call the pool could not encode for its worker (it raised in the dispatch, a loop
+    callback) was never answered; its future waited forever. Backend.submit encodes first."""
     from fabric.backends.local import LocalBackend
 
     async with LocalBackend(REG, LocalConfig(max_workers=1)) as backend:
         fut = backend.submit(Invocation(function="add", payload={"a": float("inf")}))
         done, _ = await asyncio.wait({fut}, timeout=10)
         assert done, "the call was never answered"
-        assert not fut.result().ok
+        r = fut.result()
+        assert not r.ok and r.error.type == ErrorCode.PAYLOAD_NOT_SERIALIZABLE
+        assert "not JSON-serialisable" in r.error.message
+        ok = await backend.invoke(Invocation(function="add", payload={"a": 1, "b": 2}))
+        assert ok.ok  # the pool goes on
