@@ -19,7 +19,9 @@ load; resume) and remembers the latest version, so that a replica Ray restarted 
 crash gets it back before it serves again. Every completion carries the version that
 produced it.
 
-Replica loss. A call that fails because the replica's process died (``ReplicaLost``) is
+Replica loss. A call that fails because the replica's process died (``ReplicaLost``), or a
+turn answered with weights older than the proxy published before it was sent (the process
+died while idle and Ray restarted it on its initial weights, which no error said), is
 recovered here: wait for Ray to restart the actor (``max_restarts``), reload the latest
 weights, run the turn again (a turn has no side effects: it is only tokens). A replica out
 of restarts leaves the group; a group with none left fails the turn with
@@ -202,8 +204,19 @@ class LLMProxy:
             rid = request.request_id
             self._inflight.setdefault(traj_id, {})[rid] = replica
             self._load[id(replica)] += 1
+            # every replica holds this version (update_weights returned; a replica it missed
+            # is being recovered): a turn dispatched now comes from it or a newer one
+            expected = self.version
             try:
                 c = await replica.generate(request)
+                if c.policy_version < expected and c.finish_reason != "abort":
+                    # the process died while idle and Ray restarted it before this call, which
+                    # no error told: it serves its initial weights. Reloaded like a lost one
+                    self.metrics["stale_weights_turns"] += 1
+                    raise ReplicaLost(
+                        f"{replica.name} answered with weights version {c.policy_version}, below the "
+                        f"{expected} it was given: it restarted"
+                    )
             except ReplicaLost as e:
                 self.metrics["replica_lost"] += 1
                 log.warning("replica %s lost during a turn of %s: %s", replica.name, traj_id, e)

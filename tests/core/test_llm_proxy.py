@@ -432,6 +432,36 @@ async def test_turns_lost_together_reload_the_weights_once():
     assert r.swaps == [(3, "W3"), (3, "W3")]  # the update, then one reload
 
 
+async def test_a_replica_restarted_between_turns_does_not_serve_its_initial_weights():
+    # the process died while idle (OOM-killed between turns) and Ray restarted it before the
+    # next call: that call succeeds, on the initial weights. No ReplicaLost ever reached the
+    # proxy, which served version-0 turns after publishing 3 (past any asynchronous bound)
+    r = Fake("r")
+    proxy = LLMProxy({"default": [r]})
+    await proxy.update_weights(3, ["W3"])
+    r.version = 0
+    c = await proxy.generate("t", "x", req(request_id="turn"))
+    assert c.policy_version == 3 and r.generated == ["turn", "turn"]
+    assert r.swaps == [(3, "W3"), (3, "W3")] and proxy.metrics["weights_reloaded"] == 1
+    assert proxy.metrics["stale_weights_turns"] == 1 and proxy.metrics["turns_rerun"] == 1
+
+
+async def test_a_turn_that_straddles_a_weight_update_keeps_its_older_version():
+    # dispatched under version 1, finished after 2 was published: honest, not a restart
+    gate = asyncio.Event()
+    r = Fake("r", gate=gate)
+    proxy = LLMProxy({"default": [r]})
+    await proxy.update_weights(1, ["W1"])
+    turn = asyncio.create_task(proxy.generate("t", "x", req(request_id="turn")))
+    await until(lambda: r.generated == ["turn"])
+    await proxy.update_weights(2, ["W2"])
+    r.version = 1  # as the engine stamps a turn whose tokens began under version 1
+    gate.set()
+    c = await turn
+    assert c.policy_version == 1 and r.generated == ["turn"]
+    assert proxy.metrics["stale_weights_turns"] == 0
+
+
 async def test_a_gone_replica_leaves_its_group_and_the_turn_moves_on():
     gone, ok = Fake("gone", fail=[ReplicaGone("out of restarts")]), Fake("ok")
     proxy = LLMProxy({"default": [gone, ok]})
