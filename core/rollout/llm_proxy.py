@@ -112,6 +112,7 @@ class LLMProxy:
         recover_timeout_s: float = 120.0,
         max_turn_retries: int = 3,
         scheduler: TurnScheduler | None = None,
+        abort_timeout_s: float = 30.0,
     ):
         if not groups or not any(groups.values()):
             raise ValueError("the proxy needs at least one replica")
@@ -122,6 +123,8 @@ class LLMProxy:
             raise ValueError(f"hw_affinity names groups without replicas: {unknown}")
         self.recover_timeout_s = recover_timeout_s
         self.max_turn_retries = max_turn_retries
+        self.abort_timeout_s = abort_timeout_s
+        """How long an abort waits for a replica's answer (it is given up after, counted)."""
         self._sticky: dict[str, Replica] = {}  # trajectory id -> its replica
         self._placement_logged: set[str] = set()  # kinds of placement-policy fault logged so far
         self._load: Counter[int] = Counter()  # id(replica) -> turns in flight
@@ -269,14 +272,29 @@ class LLMProxy:
         self._aborted.add(traj_id)
         if self.scheduler is not None:
             self.scheduler.cancel(traj_id)
-        stopped = 0
-        for rid, replica in list(self._inflight.get(traj_id, {}).items()):
-            try:
-                stopped += bool(await replica.abort(rid))
-            except ReplicaLost:
-                pass  # the turn fails on its own; nothing to stop
+        inflight = list(self._inflight.get(traj_id, {}).items())
+        stopped = sum(await asyncio.gather(*(self._abort_one(replica, rid) for rid, replica in inflight)))
         self.metrics["aborts"] += stopped
         return stopped
+
+    async def _abort_one(self, replica: Replica, request_id: str) -> bool:
+        """One request's abort, bounded: a replica alive but stuck (a hung GPU call holding
+        its loop) answers neither its turn nor the abort, and the trajectory timeout, a
+        group's redundant aborts and the job's shutdown all end in this call."""
+        try:
+            async with asyncio.timeout(self.abort_timeout_s):
+                return bool(await replica.abort(request_id))
+        except ReplicaLost:
+            return False  # the turn fails on its own; nothing to stop
+        except TimeoutError:
+            self.metrics["abort_timeouts"] += 1
+            log.warning(
+                "replica %s did not answer the abort of %s within %.0f s; given up",
+                replica.name,
+                request_id,
+                self.abort_timeout_s,
+            )
+            return False
 
     async def release(self, traj_id: str) -> None:
         """The trajectory ended: forget its affinity and abort flag. A turn of it still

@@ -15,7 +15,7 @@ import pytest_asyncio
 from core.config import EnvConfig, JobConfig
 from core.rollout.engines.base import Completion, EngineError, GenerateRequest
 from core.rollout.env_manager import EnvManager, Task, TurnBarrier
-from core.rollout.llm_proxy import NoReplicaError
+from core.rollout.llm_proxy import LLMProxy, NoReplicaError, Replica
 from envpool.api import MAX_ACTION_BYTES, Observation
 from envpool.envs.math_tools import MathToolsEnv
 from envpool.errors import EnvLogicError
@@ -336,6 +336,60 @@ async def test_a_trajectory_over_its_timeout_is_infra_failed(pool):
     # the hung turn is stopped on the engine too: under Ray the proxy's side of the call runs
     # on without its caller, holding the replica's batch slot
     assert proxy.aborted == [traj.id]
+
+
+@module_loop
+async def test_the_trajectory_timeout_fires_when_the_replica_is_wedged(pool):
+    # the usual reason for the timeout, a hung turn, is a replica that answers nothing, not
+    # even the abort the timeout sends: the trajectory ended only when that abort did (never)
+    class Wedged(Replica):
+        name = "wedged"
+
+        async def generate(self, request: GenerateRequest) -> Completion:
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+        async def abort(self, request_id: str) -> bool:
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+        async def swap(self, version: int, state: Any) -> None:
+            pass
+
+        async def ping(self) -> int:
+            return 0
+
+    class Detached:
+        """The proxy as its actor is to the env manager: a call's proxy side runs on when its
+        caller stops waiting (Ray does not cancel it)."""
+
+        def __init__(self, proxy: LLMProxy):
+            self.proxy = proxy
+            self.turns: list[asyncio.Task[Completion]] = []
+
+        async def generate(self, traj_id: str, tag: str, request: GenerateRequest) -> Completion:
+            self.turns.append(asyncio.ensure_future(self.proxy.generate(traj_id, tag, request)))
+            return await asyncio.shield(self.turns[-1])
+
+        async def abort(self, traj_id: str) -> int:
+            return await self.proxy.abort(traj_id)
+
+        async def release(self, traj_id: str) -> None:
+            await self.proxy.release(traj_id)
+
+    cfg = job(LAKE, timeout_s=0.3)
+    proxy = LLMProxy({"default": [Wedged()]})
+    proxy.abort_timeout_s = 0.2
+    remote = Detached(proxy)
+    try:
+        run = EnvManager(cfg, pool, remote).run(Task(cfg.envs[0], 1, "g"), version=0)
+        traj = await asyncio.wait_for(run, 10)
+        assert traj.status == "infra_failed" and "trajectory_timeout_s=0.3" in traj.info["error"]
+        assert proxy.metrics["abort_timeouts"] == 1 and not proxy._sticky
+    finally:
+        for t in remote.turns:
+            t.cancel()
+        await asyncio.gather(*remote.turns, return_exceptions=True)
 
 
 @module_loop

@@ -6,6 +6,7 @@ The happy path runs real ``TorchEngine`` replicas (a one-layer TinyLM); failures
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from typing import Any
 
@@ -337,6 +338,36 @@ async def test_abort_ignores_a_replica_that_is_down():
     assert await proxy.abort("t") == 0
     gate.set()
     await turn
+
+
+class Wedged(Fake):
+    """A replica whose process is alive but stuck (a hung GPU call holds its event loop):
+    its turns never end and neither does an abort sent to it."""
+
+    async def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def test_an_abort_a_wedged_replica_never_answers_is_given_up_after_abort_timeout_s():
+    # the trajectory timeout and a group's redundant aborts end in proxy.abort: one replica
+    # that never answers it held the trajectory's end (and the job's shutdown) for ever
+    r, ok = Wedged("r", gate=asyncio.Event()), Fake("ok", gate=asyncio.Event())
+    proxy = LLMProxy({"default": [r, ok]})
+    proxy.abort_timeout_s = 0.2
+    hung = asyncio.create_task(proxy.generate("t", "x", req(request_id="t/0")))
+    other = asyncio.create_task(proxy.generate("u", "x", req(request_id="u/0")))
+    await until(lambda: r.generated and ok.generated)
+    assert await asyncio.wait_for(proxy.abort("t"), 5) == 0
+    assert proxy.metrics["abort_timeouts"] == 1 and r.aborted == ["t/0"]
+    await asyncio.wait_for(proxy.release("t"), 5)  # released though its turn could not be stopped
+    assert "t" not in proxy._sticky
+    assert await asyncio.wait_for(proxy.abort("u"), 5) == 1  # a healthy replica's abort still counts
+    assert (await other).finish_reason == "abort"
+    hung.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await hung
 
 
 # ----------------------------------------------------------------------------- weights
