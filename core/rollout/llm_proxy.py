@@ -24,7 +24,8 @@ turn answered with weights older than the proxy published before it was sent (th
 died while idle and Ray restarted it on its initial weights, which no error said), is
 recovered here: wait for Ray to restart the actor (``max_restarts``), reload the latest
 weights, run the turn again (a turn has no side effects: it is only tokens). A replica out
-of restarts leaves the group; a group with none left fails the turn with
+of restarts, or not back within ``recover_timeout_s`` (a ping it never answers included),
+leaves the group; a group with none left fails the turn with
 ``NoReplicaError``, which the env manager records as an ``infra_failed`` trajectory.
 """
 
@@ -356,7 +357,15 @@ class LLMProxy:
         delay = 0.05
         while not gone:
             try:
-                version = await replica.ping()
+                try:
+                    # bounded: a replica wedged (or on a node cut off) never answers, and the
+                    # deadline below is only looked at when a ping fails
+                    async with asyncio.timeout(max(deadline - time.monotonic(), MIN_PING_S)):
+                        version = await replica.ping()
+                except TimeoutError:
+                    self.metrics["ping_timeouts"] += 1
+                    log.warning("replica %s did not answer a ping by the recover timeout", replica.name)
+                    break
                 if self._latest is not None and version < self._latest[0]:
                     await replica.swap(self._latest[0], _unwrap(self._latest[1]))
                     self.metrics["weights_reloaded"] += 1
@@ -411,6 +420,9 @@ def _unwrap(state: Any) -> Any:
         return state[0]
     return state
 
+
+#: The least time a recovery's ping is given, even at its deadline (one last chance).
+MIN_PING_S = 1.0
 
 #: Released trajectory ids the proxy remembers (the newest), so a late abort is not kept.
 RELEASED_WINDOW = 65_536

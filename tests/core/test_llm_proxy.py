@@ -523,6 +523,23 @@ async def test_a_replica_that_never_comes_back_is_removed_after_the_recover_time
     assert never.pings >= 2 and proxy.metrics["replicas_removed"] == 1
 
 
+async def test_a_replica_whose_ping_never_answers_is_removed_after_the_recover_timeout():
+    # lost mid-turn, then wedged (or on a node cut off): the recovery's ping hangs, and the
+    # recover timeout, checked only when a ping failed, never fired. The turn, every turn
+    # routed to the replica after it, and the replica's place in its group waited for ever
+    class Silent(Fake):
+        async def ping(self) -> int:
+            self.pings += 1
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+    r, ok = Silent("silent", fail=[ReplicaLost("died")]), Fake("ok")
+    proxy = LLMProxy({"default": [r, ok]}, recover_timeout_s=0.2)
+    c = await asyncio.wait_for(proxy.generate("t", "x", req(request_id="turn")), 5)
+    assert c.text == "ok" and r.pings == 1  # moved on to the survivor
+    assert proxy.groups["default"] == [ok] and proxy.metrics["replicas_removed"] == 1
+
+
 async def test_a_turn_that_keeps_losing_its_replica_fails_after_max_turn_retries():
     r = Fake("r", fail=[ReplicaLost(f"died {i}") for i in range(10)])
     proxy = LLMProxy({"default": [r]}, max_turn_retries=2)
