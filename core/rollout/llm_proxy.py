@@ -194,6 +194,7 @@ class LLMProxy:
                 traj_id, int(request.metadata.get("turn", 0)), _prompt_size(request), request.metadata
             )
         ready = sched.now() if sched is not None else 0.0
+        rid = request.request_id
         for attempt in range(self.max_turn_retries + 1):
             if traj_id in self._aborted:
                 return _aborted(request, self.version)
@@ -205,14 +206,14 @@ class LLMProxy:
                     sched.done(id(replica))
                     return _aborted(request, self.version)
             start = sched.now() if sched is not None else 0.0
-            rid = request.request_id
+            sent = request if rid == request.request_id else request.model_copy(update={"request_id": rid})
             self._inflight.setdefault(traj_id, {})[rid] = replica
             self._load[id(replica)] += 1
             # every replica holds this version (update_weights returned; a replica it missed
             # is being recovered): a turn dispatched now comes from it or a newer one
             expected = self.version
             try:
-                c = await replica.generate(request)
+                c = await replica.generate(sent)
                 if c.policy_version < expected and c.finish_reason != "abort":
                     # the process died while idle and Ray restarted it before this call, which
                     # no error told: it serves its initial weights. Reloaded like a lost one
@@ -228,11 +229,19 @@ class LLMProxy:
                 if attempt == self.max_turn_retries:
                     raise
                 await self._recover(replica, gone=isinstance(e, ReplicaGone))
+                if any(replica in group for group in self.groups.values()) and await self._abort_one(
+                    replica, rid
+                ):
+                    # unreachable is not dead (Ray's ActorUnavailableError): the first run went
+                    # on in the engine, holding a batch slot to its end; it is stopped, and the
+                    # rerun goes under an id of its own (the engine refuses an id in flight,
+                    # and the stopped run leaves it only at its next step)
+                    rid = f"{request.request_id}#rerun{attempt + 1}"
                 self.metrics["turns_rerun"] += 1
                 continue
             finally:
                 self._load[id(replica)] -= 1
-                self._inflight.get(traj_id, {}).pop(rid, None)
+                self._inflight.get(traj_id, {}).pop(sent.request_id, None)
                 if sched is not None:
                     sched.done(id(replica))
             self.metrics["turns"] += 1
@@ -253,6 +262,8 @@ class LLMProxy:
                     replica=replica.name,
                     finish=c.finish_reason,
                 )
+            if rid != request.request_id:
+                c = c.model_copy(update={"request_id": request.request_id})
             return c
         raise AssertionError("unreachable")
 

@@ -540,6 +540,34 @@ async def test_a_replica_whose_ping_never_answers_is_removed_after_the_recover_t
     assert proxy.groups["default"] == [ok] and proxy.metrics["replicas_removed"] == 1
 
 
+async def test_a_turn_rerun_after_a_blip_does_not_meet_its_first_run_still_on_the_engine(tok):
+    # Ray's ActorUnavailableError (a RayActorError: ReplicaLost) says the actor could not be
+    # reached, not that it died: the first run of the turn goes on in the engine. The rerun,
+    # same request id on the same replica, was refused ("already in flight") and the
+    # trajectory failed, while the orphan held a batch slot to its end
+    class Blip(LocalReplica):
+        def __init__(self, engine: TorchEngine):
+            super().__init__(engine, "blip")
+            self.orphans: list[asyncio.Task[Completion]] = []
+
+        async def generate(self, request: GenerateRequest) -> Completion:
+            if not self.orphans:  # sent, then the answer is lost on the way back
+                self.orphans.append(asyncio.create_task(self.engine.generate(request)))
+                await until(lambda: self.engine.num_inflight == 1)
+                raise ReplicaLost("blip: ActorUnavailableError")
+            return await super().generate(request)
+
+    async with engine(stopless(tiny(tok), tok), tok) as eng:
+        r = Blip(eng)
+        proxy = LLMProxy({"default": [r]})
+        c = await asyncio.wait_for(proxy.generate("t", "x", req(max_new_tokens=40, request_id="turn")), 20)
+        assert c.finish_reason == "length" and len(c.token_ids) == 40
+        [orphan] = r.orphans
+        assert (await orphan).finish_reason == "abort"  # stopped before the rerun, not run to its end
+        assert c.request_id == "turn" and proxy.metrics["turns_rerun"] == 1
+        assert eng.num_inflight == 0 and proxy._inflight == {"t": {}}
+
+
 async def test_a_turn_that_keeps_losing_its_replica_fails_after_max_turn_retries():
     r = Fake("r", fail=[ReplicaLost(f"died {i}") for i in range(10)])
     proxy = LLMProxy({"default": [r]}, max_turn_retries=2)
