@@ -58,6 +58,7 @@ RESUMABLE = (
     "engine.replicas",
     "engine.num_gpus",
     "engine.max_restarts",
+    "engine.recover_timeout_s",
     "engine.hw_affinity",
     "trainer.num_gpus",
 )

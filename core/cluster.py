@@ -90,7 +90,12 @@ class Cluster:
             proxy = (
                 ray.remote(LLMProxy)
                 .options(max_concurrency=100_000, num_cpus=0)
-                .remote(by_group, affinity=affinity, scheduler=turn_scheduler(cfg))
+                .remote(
+                    by_group,
+                    affinity=affinity,
+                    scheduler=turn_scheduler(cfg),
+                    recover_timeout_s=cfg.engine.recover_timeout_s,
+                )
             )
             actors.append(proxy)
             trainer = (

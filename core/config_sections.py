@@ -96,6 +96,10 @@ class EngineConfig(ConfigModel):
     max_restarts: int = Field(3, ge=0)
     """Times Ray restarts a crashed engine replica; the proxy reloads the latest weights
     into it and re-runs the turns it lost."""
+    recover_timeout_s: float = Field(120.0, gt=0, allow_inf_nan=False)
+    """How long the proxy waits for a crashed replica to come back (Ray's restart, the
+    model's load, the latest weights) before it leaves the group for good. Raise it for a
+    large model whose load takes minutes (vLLM)."""
     num_gpus: float | None = Field(None, ge=0, allow_inf_nan=False)
     """GPUs each replica reserves from Ray (Ray then sets its ``CUDA_VISIBLE_DEVICES``);
     ``None``: for ``vllm`` its ``tensor_parallel_size x pipeline_parallel_size`` (1 by
