@@ -32,26 +32,24 @@ import contextlib
 import logging
 import random
 import sys
-import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
+from core._job_setup import JobSetup
 from core.buffer import SampleBuffer
-from core.checkpoint import REMEDY, TRAINER_FILE, Checkpoints, start_problems
+from core.checkpoint import Checkpoints, start_problems
 from core.cluster import Cluster, turn_scheduler
-from core.config import EnvConfig, JobConfig, builtin_env_ids
+from core.config import JobConfig, builtin_env_ids
 from core.env_images import JobImages
-from core.errors import ConfigError, CoreError, RolloutError
+from core.errors import ConfigError, CoreError
 from core.evaluation import EVAL_SEED_BASE, Evaluator
-from core.policy.build import PolicyBundle, action_ids, build_policy
+from core.policy.build import PolicyBundle
 from core.report import JobProgress, RunDir
 from core.rewards import RewardStream
 from core.rollout.env_manager import EnvManager, TurnBarrier
 from core.rollout.groups import GroupRunner
-from core.sample import Sample
-from core.startup import prewarm_images, warm_rewards
 from core.tally import Tally
 from core.trainer.batch import build_batch
 from fabric._sigterm import TermAsInterrupt, term_as_interrupt
@@ -59,11 +57,13 @@ from fabric.registry import Registry
 
 __all__ = ["EVAL_SEED_BASE", "Job", "load", "main", "turn_scheduler"]
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
-class Job:
+class Job(JobSetup):
+    """The run, from the config's checks to the summary; the layers below hold the rest
+    (see ``core._job_state``)."""
+
     def __init__(
         self,
         cfg: JobConfig,
@@ -82,49 +82,32 @@ class Job:
         self.source = source
         self.resume = resume
         self.allow_changes = tuple(allow_changes)
-        self._changes: list[tuple[str, str]] = []  # what allow_changes let through
+        self._changes = []  # what allow_changes let through
         self.checkpoints = Checkpoints(cfg.run_dir, cfg.checkpoint.keep)
-        self._resume_from: tuple[Path, dict[str, Any]] | None = None
-        self._checkpoint_s: list[float] = []  # from the start of each to its commit
-        self._checkpoint_blocked_s: list[float] = []  # of which the step loop waited
-        self._checkpoint_task: asyncio.Task[None] | None = None  # one being written
+        self._resume_from = None
+        self._checkpoint_s = []  # from the start of each to its commit
+        self._checkpoint_blocked_s = []  # of which the step loop waited
+        self._checkpoint_task = None  # one being written
         self._wall_before = 0.0  # training time of the run a resume continues
         self.registry = registry
         self.progress_enabled = progress
         self.rng = random.Random(cfg.seed)
         self.cluster = Cluster(cfg)  # the Ray actors
-        self.pool: Any = None
-        self.runner: GroupRunner | None = None
-        self.buffer: SampleBuffer | None = None
-        self.stream: RewardStream | None = None
+        self.pool = None
+        self.runner = None
+        self.buffer = None
+        self.stream = None
         self.step = 0
         self.version = 0
         self.tally = Tally()  # accounting of finished trajectories, the train rows
         self._groups_live = 0  # started minus dropped (stale, given up): the launch budget
         self.evaluator = Evaluator(cfg)
-        self.run_dir: RunDir | None = None
+        self.run_dir = None
         # consecutive groups given up with none completed (the error names tally.last_error)
         self._give_up_streak = 0
-        self._fatal: asyncio.Future[None] | None = None
+        self._fatal = None
         self._t0 = time.perf_counter()
-        self._pretrained: dict[str, float] = {}
-
-    @property
-    def evals(self) -> list[dict[str, Any]]:
-        return self.evaluator.rows
-
-    # live handles, for tests and fault injection while the job runs
-    @property
-    def replicas(self) -> list[Any]:
-        return self.cluster.replicas
-
-    @property
-    def proxy_handle(self) -> Any:
-        return self.cluster.proxy
-
-    @property
-    def trainer_handle(self) -> Any:
-        return self.cluster.trainer
+        self._pretrained = {}
 
     # ------------------------------------------------------------------ the run
     async def run(self) -> dict[str, Any]:
@@ -240,27 +223,6 @@ class Job:
                     await runner.aclose()
         return summary
 
-    def _failure(
-        self,
-        error: BaseException,
-        t_start: float,
-        run_dir: RunDir,
-        buffer: SampleBuffer,
-        stream: RewardStream,
-        runner: GroupRunner,
-    ) -> dict[str, Any]:
-        """``failure.json``: why the run stopped, and the counts a summary would have had."""
-        return {
-            "error": f"{type(error).__name__}: {error}",
-            "steps": len(run_dir.rows),  # trained, as in summary.json
-            "wall_s": round(time.perf_counter() - t_start, 1),
-            "trajectories": {**self.tally.counts, "errors": dict(self.tally.errors)},
-            "buffer": {k: v for k, v in buffer.metrics().items() if k not in ("trainer_wait_s",)},
-            "rewards": stream.metrics(),
-            "groups": dict(runner.metrics),
-            "run_dir": str(run_dir.path),
-        }
-
     async def _train(
         self,
         manager: EnvManager,
@@ -368,327 +330,11 @@ class Job:
             run_dir.log(final)
         return self._summary(run_dir, train_wall, first_eval, final, buffer, stream, runner)
 
-    async def _unless_fatal(self, aw: Awaitable[T]) -> T:
-        """``aw``'s result, or the rollout's fatal error if that comes first."""
-        assert self._fatal is not None
-        task: asyncio.Future[Any] = asyncio.ensure_future(aw)
-        await asyncio.wait({task, self._fatal}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            self._fatal.result()  # raises RolloutError
-        return task.result()
-
-    # ------------------------------------------------------------------ launching
-    async def _launch_loop(self, runner: GroupRunner) -> None:
-        """Keep groups starting: at most ``alpha`` versions ahead of the trainer (groups that
-        would only go stale are never started) and ``max_groups_in_flight`` at a time."""
-        cfg = self.cfg
-        cap = cfg.rollout.max_groups_in_flight or cfg.batch_size * (cfg.alpha + 1)
-        while True:
-            runner.changed.clear()
-            budget = (self.version + cfg.alpha + 1) * cfg.batch_size
-            while self._groups_live < budget and runner.rolling_groups() < cap:
-                self._start_group(runner)
-            await runner.changed.wait()
-
-    def _start_group(self, runner: GroupRunner, barrier: TurnBarrier | None = None) -> None:
-        env = self._draw_env()
-        seed = self.rng.randrange(EVAL_SEED_BASE)
-        g = runner.start(env, seed, self.version, barrier=barrier)
-        assert self.buffer is not None
-        self.buffer.open_group(g.id, self.version)
-        self._groups_live += 1
-
-    def _draw_env(self) -> EnvConfig:
-        envs = self.cfg.envs
-        return envs[0] if len(envs) == 1 else self.rng.choices(envs, weights=[e.weight for e in envs])[0]
-
-    # ------------------------------------------------------------------ callbacks
-    def _deliver(self, sample: Sample) -> None:
-        """The reward stream's output: into the buffer; a failed reward re-runs a member."""
-        assert self.buffer is not None and self.runner is not None
-        self.buffer.put(sample)
-        if sample.status == "reward_failed":
-            self.tally.reward_failed(sample)
-            self.runner.reward_failed(sample)
-
-    def _on_abort(self, gid: str, reason: str) -> None:
-        assert self.runner is not None
-        if reason == "complete":
-            self._give_up_streak = 0
-        if reason == "stale":
-            self._groups_live -= 1
-            self.tally.counts["stale_groups"] += 1
-        self.runner.abort_group(gid, reason)  # type: ignore[arg-type]
-
-    def _given_up(self, g: Any) -> None:
-        if self.buffer is not None:
-            # closed in the buffer too, or its bound drops it later as stale and _on_abort
-            # counts it out of the launch budget (and into stale_groups) a second time
-            self.buffer.drop(g.id)
-        self._groups_live -= 1
-        self.tally.counts["given_up_groups"] += 1
-        self._give_up_streak += 1
-        limit = max(8, 2 * self.cfg.batch_size)
-        if self._give_up_streak >= limit and self._fatal is not None and not self._fatal.done():
-            self._fatal.set_exception(
-                RolloutError(
-                    f"{self._give_up_streak} groups in a row were given up (each after "
-                    f"{self.cfg.rollout.max_reruns} re-runs) and none completed; the last "
-                    f"trajectory error: {self.tally.last_error or 'none recorded'}; "
-                    f"{self._failure_counts()}"
-                )
-            )
-            return
-        if self.cfg.rollout.mode == "sync" and self.runner is not None:
-            self._start_group(self.runner)  # the step waits for batch_size groups: replace it
-
-    def _failure_counts(self) -> str:
-        """What failed so far, for the ``RolloutError``: a reward that fails on every
-        trajectory and an environment that does look alike in the groups given up."""
-        counts = self.tally.counts
-        out = f"so far {counts['infra_failed']} infra_failed, {counts['reward_failed']} reward_failed"
-        failures = self.stream.metrics()["failures"] if self.stream is not None else {}
-        if failures:
-            by_function = ", ".join(f"{k} {n}" for k, n in failures.items())
-            out += f" (reward failures by function: {by_function})"
-        return out
-
     # ------------------------------------------------------------------ evaluation
     async def _evaluate(self, manager: EnvManager, step: int) -> dict[str, Any]:
         row = await self.evaluator.run(manager, step, self.version)
         row["wall_s"] = round(time.perf_counter() - self._t0, 1)  # since training began, as train rows
         return row
-
-    # ------------------------------------------------------------------ summary
-    def _summary(
-        self,
-        run_dir: RunDir,
-        train_wall: float,
-        first: dict[str, Any] | None,
-        final: dict[str, Any] | None,
-        buffer: SampleBuffer,
-        stream: RewardStream,
-        runner: GroupRunner,
-    ) -> dict[str, Any]:
-        rows = run_dir.rows
-        return {
-            "config": str(self.cfg.run_dir / "config.yaml"),
-            "mode": self.cfg.rollout.mode,
-            "steps": len(rows),
-            "train_wall_s": round(train_wall, 1),
-            "step_s_mean": round(train_wall / max(len(rows), 1), 3),
-            "untrained_success": first["success"] if first else None,
-            "final_success": final["success"] if final else None,
-            "best_eval_success": max((e["success"] for e in self.evals), default=None),
-            "final_train_reward": rows[-1]["reward_mean"] if rows else None,
-            "final_success_sampled": final["success_sampled"] if final else None,
-            "final_success_unseen": final["success_unseen"] if final else None,
-            "final_unseen_episodes": final["episodes_unseen"] if final else None,
-            "evals": [
-                # versions: the weights that played it (None in a row an earlier release wrote)
-                {
-                    k: e.get(k)
-                    for k in (
-                        "step",
-                        "success",
-                        "success_sampled",
-                        "success_unseen",
-                        "episodes_unseen",
-                        "versions",
-                    )
-                }
-                for e in self.evals
-            ],
-            "trajectories": {**self.tally.counts, "errors": dict(self.tally.errors)},
-            "aborted_trained": self.tally.counts["aborted_trained"],
-            "masked_trained": self.tally.counts["masked_trained"],
-            "buffer": {k: v for k, v in buffer.metrics().items() if k not in ("trainer_wait_s",)},
-            "rewards": stream.metrics(),
-            "groups": dict(runner.metrics),
-            "run_dir": str(run_dir.path),
-            **({"pretrain": self._pretrained} if self._pretrained else {}),
-            **({"resumed_from_step": self._resume_from[1]["step"]} if self._resume_from else {}),
-            **({"changed_on_resume": dict(self._changes)} if self._changes else {}),
-            **({"checkpoints": self._checkpoint_figures()} if self._checkpoint_s else {}),
-        }
-
-    # ------------------------------------------------------------------ checkpoints
-    def _checkpoint_figures(self) -> dict[str, Any]:
-        return {
-            "written": len(self._checkpoint_s),
-            "seconds": round(sum(self._checkpoint_s), 2),
-            "blocked_s": round(sum(self._checkpoint_blocked_s), 2),
-        }
-
-    def _resumed_policy(self) -> PolicyBundle:
-        """The torch engine's policy as the earlier run built it (tokenizer, initial weights):
-        never pretrained again; the trained weights come from the checkpoint."""
-        assert self._resume_from is not None
-        saved = self._resume_from[1]
-        self._pretrained = saved.get("pretrained") or {}
-        return PolicyBundle.load(Path(self.cfg.run_dir) / "policy-init")
-
-    async def _restore(
-        self, path: Path, saved: dict[str, Any], run_dir: RunDir, progress: JobProgress
-    ) -> None:
-        """The trainer back to the checkpoint, its weights on every engine replica before the
-        first rollout, and the job's own state (step, random state, counts, tasks seen)."""
-        try:
-            version = await self.trainer_handle.load.remote(str(path / TRAINER_FILE))
-        except Exception as e:  # Ray's task error wraps the trainer's (a truncated or foreign file)
-            cause = getattr(e, "cause", None) or e
-            raise ConfigError(
-                [
-                    (
-                        "run_dir",
-                        f"cannot load {str(path / TRAINER_FILE)!r} "
-                        f"({type(cause).__name__}: {cause}); {REMEDY}",
-                    )
-                ]
-            ) from None
-        await self.proxy_handle.update_weights.remote(version, [self.trainer_handle.weights.remote()])
-        self.version = version
-        self.step = int(saved["step"])
-        # the trained groups count against the launch budget, as they did in the earlier run:
-        # without them the launcher started step x batch_size groups at once, all to go stale
-        self._groups_live = self.version * self.cfg.batch_size
-        self._wall_before = float(saved.get("train_wall_s", 0.0))
-        v, state, gauss = saved["rng"]
-        self.rng.setstate((v, tuple(state), gauss))
-        self.tally.counts.update(saved["counts"])
-        self.tally.errors.update(saved.get("errors", {}))  # absent in an earlier release's
-        self.evaluator.trained_on(saved["trained_tasks"])
-        self.evaluator.rows.extend(run_dir.evals)
-        progress.note(f"resumed from {path} (step {self.step}, policy version {version})")
-        for key, what in self._changes:
-            progress.note(f"changed on resume (--allow-change): {key} {what}")
-
-    async def _save_checkpoint(self, step: int) -> None:
-        """Start the checkpoint of ``step``: the step loop waits only while the trainer copies
-        its state; the copy goes to disk in the trainer's thread while training goes on,
-        and the checkpoint is committed (named ``latest``) once it is there. One at a time:
-        an earlier one still being written is finished first."""
-        await self._checkpoint_done()
-        t = time.perf_counter()
-        part = self.checkpoints.prepare(step)
-        path = str(part / TRAINER_FILE)
-        await self.trainer_handle.snapshot.remote(path)
-        v, state, gauss = self.rng.getstate()
-        job_state = {  # the job's side as of this step (copies: the loop goes on)
-            "step": step,
-            "version": self.version,
-            "config": self.cfg.to_yaml(),
-            "rng": [v, list(state), gauss],
-            "counts": dict(self.tally.counts),
-            "errors": dict(self.tally.errors),
-            "trained_tasks": sorted(self.evaluator.trained_tasks),
-            "pretrained": self._pretrained,
-            "train_wall_s": round(time.perf_counter() - self._t0, 3),
-        }
-        self._checkpoint_blocked_s.append(time.perf_counter() - t)
-        self._checkpoint_task = asyncio.create_task(self._commit_checkpoint(part, step, path, job_state, t))
-
-    async def _commit_checkpoint(
-        self, part: Path, step: int, path: str, job_state: dict[str, Any], t: float
-    ) -> None:
-        await self.trainer_handle.written.options(concurrency_group="io").remote(path)
-        self.checkpoints.commit(part, step, job_state)
-        self._checkpoint_s.append(time.perf_counter() - t)
-
-    async def _checkpoint_done(self, *, cancel: bool = False) -> None:
-        """The checkpoint being written, committed (its error raised), or with ``cancel``
-        dropped (Ctrl-C: the previous one stays the latest)."""
-        task, self._checkpoint_task = self._checkpoint_task, None
-        if task is None:
-            return
-        if cancel:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-            return
-        await task
-
-    # ------------------------------------------------------------------ setup
-    async def _build_policy(self, progress: JobProgress, images: JobImages) -> PolicyBundle:
-        if self.cfg.engine.pretrain.steps:
-            progress.note(f"pretraining the policy on random play ({self.cfg.engine.pretrain.steps} steps)")
-        # in a worker thread: run here, the build (corpus play, pretraining: minutes) held the
-        # event loop, and the first Ctrl-C (asyncio.run cancels the main task) took effect
-        # only at the next await, after it. A thread cannot be cancelled: told to stop, the
-        # build ends at its next check (a pretraining step, a poll of the corpus child, whose
-        # processes it kills), and this waits for that, so nothing outlives the job. Nothing
-        # else runs yet, so the thread shares nothing with the loop but the progress display.
-        stop = threading.Event()
-        build = asyncio.ensure_future(
-            asyncio.to_thread(
-                build_policy,
-                self.cfg,
-                on_pretrain_step=progress.pretrain_step,
-                stop=stop,
-                bundles=images.bundles,
-            )
-        )
-        try:
-            bundle = await asyncio.shield(build)
-        except asyncio.CancelledError:
-            stop.set()
-            with contextlib.suppress(Exception):  # StoppedError, or what it failed with meanwhile
-                await build
-            raise
-        self.evaluator.trained_on(bundle.tasks)
-        if bundle.pretrained:
-            self._pretrained = bundle.pretrained
-            p = bundle.pretrained
-            progress.note(
-                f"pretrained in {p['seconds']:.0f}s: held-out next-token loss "
-                f"{p['held_out_loss_before']:.2f} -> {p['held_out_loss_after']:.2f}"
-            )
-        return bundle
-
-    def _action_ids(self, bundle: PolicyBundle | None) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = {}
-        for i, env in enumerate(self.cfg.envs):
-            if env.actions is None:
-                continue
-            if bundle is None:
-                raise ConfigError([(f"envs[{i}].actions", "constrained actions need the torch engine")])
-            out[env.tag] = action_ids(bundle.tok(), env.actions)
-        return out
-
-    @contextlib.asynccontextmanager
-    async def _fabric(self, registry: Registry, images: JobImages) -> AsyncIterator[tuple[Any, Any]]:
-        from envpool.pool import EnvPool
-        from fabric.client import Client
-
-        cfg = self.cfg
-        async with Client(
-            backend=cfg.fabric.backend_config(), registry=registry, config=cfg.fabric.client
-        ) as client:
-            await self._warm_rewards(client)
-
-            async def call_tool(name: str, arguments: dict[str, Any]) -> str:
-                # a tool's failure is shown to the policy as text, like any tool output
-                r = await client.call(name, arguments)
-                if r.ok:
-                    return str(r.value)
-                return f"error: {r.error.message if r.error else 'the tool failed'}"
-
-            async with EnvPool(cfg.envpool, images=images.cache, tool_caller=call_tool) as pool:
-                await self._prewarm(pool, images)
-                yield client, pool
-
-    async def _prewarm(self, pool: Any, images: JobImages) -> None:
-        await prewarm_images(self.cfg, pool, images)
-
-    #: seconds between warm-up tries of a reward whose workers did not start: the local
-    #: pool's ``setup_failure_cooldown_s``, before which it starts none again
-    warm_retry_s = 5.0
-
-    async def _warm_rewards(self, client: Any) -> None:
-        await warm_rewards(self.cfg, client, retry_s=self.warm_retry_s)
 
 
 def failure_note(job: Job | None) -> str:

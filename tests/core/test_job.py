@@ -187,12 +187,12 @@ def test_a_run_dir_that_cannot_be_a_directory_is_refused_before_the_policy_is_bu
 ):
     # mkdir's FileExistsError / NotADirectoryError escaped as a traceback (exit 1), after the
     # policy build (with engine.pretrain, a minute of pretraining lost)
-    import core.job
+    import core._job_setup
 
     def no_build(*a: Any, **kw: Any) -> None:
         raise AssertionError("the policy was built before the run directory was checked")
 
-    monkeypatch.setattr(core.job, "build_policy", no_build)
+    monkeypatch.setattr(core._job_setup, "build_policy", no_build)  # where Job._build_policy finds it
     taken = tmp_path / "taken"
     taken.write_text("a file")
     data = {

@@ -1,0 +1,118 @@
+"""A job's checkpoints: one started every ``checkpoint.every`` steps (the step loop waits
+only while the trainer copies its state), written while training goes on and committed once
+it is on disk; and a resumed run put back where its checkpoint left off (the policy the
+earlier run built, the trainer's state, the job's own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+from core._job_state import JobState
+from core.checkpoint import REMEDY, TRAINER_FILE
+from core.errors import ConfigError
+from core.policy.build import PolicyBundle
+from core.report import JobProgress, RunDir
+
+
+class JobCheckpoints(JobState):
+    """Checkpoints written, and read back on resume (see the module docstring)."""
+
+    def _checkpoint_figures(self) -> dict[str, Any]:
+        return {
+            "written": len(self._checkpoint_s),
+            "seconds": round(sum(self._checkpoint_s), 2),
+            "blocked_s": round(sum(self._checkpoint_blocked_s), 2),
+        }
+
+    def _resumed_policy(self) -> PolicyBundle:
+        """The torch engine's policy as the earlier run built it (tokenizer, initial weights):
+        never pretrained again; the trained weights come from the checkpoint."""
+        assert self._resume_from is not None
+        saved = self._resume_from[1]
+        self._pretrained = saved.get("pretrained") or {}
+        return PolicyBundle.load(Path(self.cfg.run_dir) / "policy-init")
+
+    async def _restore(
+        self, path: Path, saved: dict[str, Any], run_dir: RunDir, progress: JobProgress
+    ) -> None:
+        """The trainer back to the checkpoint, its weights on every engine replica before the
+        first rollout, and the job's own state (step, random state, counts, tasks seen)."""
+        try:
+            version = await self.trainer_handle.load.remote(str(path / TRAINER_FILE))
+        except Exception as e:  # Ray's task error wraps the trainer's (a truncated or foreign file)
+            cause = getattr(e, "cause", None) or e
+            raise ConfigError(
+                [
+                    (
+                        "run_dir",
+                        f"cannot load {str(path / TRAINER_FILE)!r} "
+                        f"({type(cause).__name__}: {cause}); {REMEDY}",
+                    )
+                ]
+            ) from None
+        await self.proxy_handle.update_weights.remote(version, [self.trainer_handle.weights.remote()])
+        self.version = version
+        self.step = int(saved["step"])
+        # the trained groups count against the launch budget, as they did in the earlier run:
+        # without them the launcher started step x batch_size groups at once, all to go stale
+        self._groups_live = self.version * self.cfg.batch_size
+        self._wall_before = float(saved.get("train_wall_s", 0.0))
+        v, state, gauss = saved["rng"]
+        self.rng.setstate((v, tuple(state), gauss))
+        self.tally.counts.update(saved["counts"])
+        self.tally.errors.update(saved.get("errors", {}))  # absent in an earlier release's
+        self.evaluator.trained_on(saved["trained_tasks"])
+        self.evaluator.rows.extend(run_dir.evals)
+        progress.note(f"resumed from {path} (step {self.step}, policy version {version})")
+        for key, what in self._changes:
+            progress.note(f"changed on resume (--allow-change): {key} {what}")
+
+    async def _save_checkpoint(self, step: int) -> None:
+        """Start the checkpoint of ``step``: the step loop waits only while the trainer copies
+        its state; the copy goes to disk in the trainer's thread while training goes on,
+        and the checkpoint is committed (named ``latest``) once it is there. One at a time:
+        an earlier one still being written is finished first."""
+        await self._checkpoint_done()
+        t = time.perf_counter()
+        part = self.checkpoints.prepare(step)
+        path = str(part / TRAINER_FILE)
+        await self.trainer_handle.snapshot.remote(path)
+        v, state, gauss = self.rng.getstate()
+        job_state = {  # the job's side as of this step (copies: the loop goes on)
+            "step": step,
+            "version": self.version,
+            "config": self.cfg.to_yaml(),
+            "rng": [v, list(state), gauss],
+            "counts": dict(self.tally.counts),
+            "errors": dict(self.tally.errors),
+            "trained_tasks": sorted(self.evaluator.trained_tasks),
+            "pretrained": self._pretrained,
+            "train_wall_s": round(time.perf_counter() - self._t0, 3),
+        }
+        self._checkpoint_blocked_s.append(time.perf_counter() - t)
+        self._checkpoint_task = asyncio.create_task(self._commit_checkpoint(part, step, path, job_state, t))
+
+    async def _commit_checkpoint(
+        self, part: Path, step: int, path: str, job_state: dict[str, Any], t: float
+    ) -> None:
+        await self.trainer_handle.written.options(concurrency_group="io").remote(path)
+        self.checkpoints.commit(part, step, job_state)
+        self._checkpoint_s.append(time.perf_counter() - t)
+
+    async def _checkpoint_done(self, *, cancel: bool = False) -> None:
+        """The checkpoint being written, committed (its error raised), or with ``cancel``
+        dropped (Ctrl-C: the previous one stays the latest)."""
+        task, self._checkpoint_task = self._checkpoint_task, None
+        if task is None:
+            return
+        if cancel:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            return
+        await task
