@@ -190,6 +190,16 @@ async def test_direct_deploy_then_invoke_through_fabric_serve(moto_url, tmp_path
                 assert boom.error.type == ErrorCode.USER_ERROR
 
 
+def _created_up_to_its_alias(stub, arn: str) -> None:
+    """What Lambda answers a new function's create, its wait, its version and its alias."""
+    stub.add_response("create_function", {"FunctionName": "rl-add"})
+    active = {"Configuration": {"State": "Active", "LastUpdateStatus": "Successful"}}
+    stub.add_response("get_function", active)
+    stub.add_response("publish_version", {"Version": "1"})
+    stub.add_client_error("update_alias", "ResourceNotFoundException", http_status_code=404)
+    stub.add_response("create_alias", {"AliasArn": arn + ":live"})
+
+
 def test_provisioned_concurrency_call_on_the_alias():
     # the call moto lacks, against botocore's Stubber: parameters checked against the API model
     import boto3
@@ -202,13 +212,7 @@ def test_provisioned_concurrency_call_on_the_alias():
     arn = "arn:aws:lambda:us-east-1:123456789012:function:rl-add"
     with Stubber(lam) as stub:
         stub.add_client_error("get_function", "ResourceNotFoundException", http_status_code=404)
-        stub.add_response("create_function", {"FunctionName": "rl-add"})
-        stub.add_response(
-            "get_function", {"Configuration": {"State": "Active", "LastUpdateStatus": "Successful"}}
-        )
-        stub.add_response("publish_version", {"Version": "1"})
-        stub.add_client_error("update_alias", "ResourceNotFoundException", http_status_code=404)
-        stub.add_response("create_alias", {"AliasArn": arn + ":live"})
+        _created_up_to_its_alias(stub, arn)
         stub.add_response(
             "put_provisioned_concurrency_config",
             {"RequestedProvisionedConcurrentExecutions": 3, "Status": "IN_PROGRESS"},
@@ -261,13 +265,7 @@ def test_a_first_deploy_waits_for_its_new_role(monkeypatch):
         stub.add_client_error("get_function", "ResourceNotFoundException", http_status_code=404)
         for _ in range(2):
             stub.add_client_error("create_function", "InvalidParameterValueException", not_yet)
-        stub.add_response("create_function", {"FunctionName": "rl-add"})
-        stub.add_response(
-            "get_function", {"Configuration": {"State": "Active", "LastUpdateStatus": "Successful"}}
-        )
-        stub.add_response("publish_version", {"Version": "1"})
-        stub.add_client_error("update_alias", "ResourceNotFoundException", http_status_code=404)
-        stub.add_response("create_alias", {"AliasArn": arn + ":live"})
+        _created_up_to_its_alias(stub, arn)
         done = _one(lam, fn, b"zip", role, DirectConfig(region="us-east-1"), steps.append)
         stub.assert_no_pending_responses()
     assert done.created and done.version == "1" and len(slept) == 2

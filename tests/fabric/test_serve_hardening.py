@@ -238,7 +238,8 @@ async def test_a_queued_call_whose_client_hung_up_never_runs(tmp_path):
 
 
 async def _post_and_hang_up(port: int, url: str, body: bytes, token: str, when) -> None:
-    """A client that sends a call and gives up on it (its timeout) once ``when()`` holds."""
+    """A client that sends a call and gives up on it (its timeout) once ``when()`` holds (it
+    reached a worker, or waits for room)."""
     _, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(
         f"POST {url} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
@@ -246,7 +247,7 @@ async def _post_and_hang_up(port: int, url: str, body: bytes, token: str, when) 
         + body
     )
     await writer.drain()
-    await _until(when, "the call to reach a worker")
+    await _until(when, "the call to get where the test hangs up")
     writer.close()
     await writer.wait_closed()
 

@@ -12,6 +12,7 @@ import pytest
 from pydantic import ValidationError
 from sample_fns import REG, SERVE_REG
 from test_serve import PATH, TOKEN_A, TOKEN_B, auth, config
+from test_serve_hardening import _post_and_hang_up
 
 from fabric.backends.base import LocalConfig
 from fabric.errors import ErrorCode
@@ -48,20 +49,6 @@ async def test_a_deadline_passing_while_the_call_waits_for_the_pool_is_answered_
         await asyncio.gather(blocker, return_exceptions=True)
 
 
-async def _hang_up_once_waiting(port: int, url: str, body: bytes, token: str, waiting) -> None:
-    """A client that sends a call and gives up on it (its timeout) once ``waiting()`` holds."""
-    _, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(
-        f"POST {url} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
-    await writer.drain()
-    await _until(waiting, "the call to wait for room")
-    writer.close()
-    await writer.wait_closed()
-
-
 async def test_calls_given_up_while_waiting_for_room_leave_the_waiting_gauge():
     """A call whose client hung up while it waited for room in a full pool stayed in the
     gate's queue until a slot came free: fabric_serve_waiting counted it (and the queue held
@@ -75,7 +62,7 @@ async def test_calls_given_up_while_waiting_for_room_leave_the_waiting_gauge():
         gate = g._gates["sleepy"]
         live = lambda: sum(not f.done() for q in gate._waiting.values() for f in q)  # noqa: E731
         for _ in range(5):
-            await _hang_up_once_waiting(g.port, url, b'{"seconds": 0.01}', TOKEN_A, lambda: live() == 1)
+            await _post_and_hang_up(g.port, url, b'{"seconds": 0.01}', TOKEN_A, lambda: live() == 1)
             await _until(lambda: g.quotas.held["job-a"] == 0, "the hung-up call's slot back")
         assert not blocker.done()
         metrics = (await c.get("/metrics", headers=auth())).text
