@@ -101,9 +101,10 @@ __all__ = [
 # process that started it (PR_SET_PDEATHSIG, set here rather than in a preexec_fn, which is
 # not safe in a process with threads, as a container's server is). It is also a child subreaper:
 # what the module's processes start stays in its tree when they exit (not reparented to pid
-# 1). When done it writes one byte to DONE_FD and waits on stdin, alive, so that its parent
-# kills the whole tree (kill_tree) after every run, not only on a timeout: a forked helper
-# that sleeps no longer outlives the run. A module that writes DONE_FD early only cuts its
+# 1). When done it writes one byte to DONE_FD and waits on the spec's pipe (moved off fd 0,
+# which reads /dev/null for the module), alive, so that its parent kills the whole tree
+# (kill_tree) after every run, not only on a timeout: a forked helper that sleeps no longer
+# outlives the run. A module that writes DONE_FD early only cuts its
 # own results short.
 RUNNER = r"""
 import ctypes, importlib, json, os, sys, traceback
@@ -116,8 +117,14 @@ except Exception:
 if os.getppid() != int(sys.argv[1]):  # its parent died before prctl took effect
     os._exit(1)
 spec = json.loads(sys.stdin.readline())
+# the wait below holds the spec's pipe on an fd of its own (not inherited by what the module
+# runs); the module's stdin is empty, as the pipe was once its parent closed it after the spec
+stdin_fd = os.dup(0)
+_null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(_null, 0)
+os.close(_null)
 # bound before the module runs: what it patches in os or sys cannot stop the end below
-_write, _read, _exit, done_fd, stdin_fd = os.write, os.read, os._exit, int(sys.argv[3]), sys.stdin.fileno()
+_write, _read, _exit, done_fd = os.write, os.read, os._exit, int(sys.argv[3])
 results = os.fdopen(int(sys.argv[2]), "w", encoding="utf-8")
 
 def send(obj):

@@ -761,6 +761,31 @@ def test_code_repair_a_run_that_ends_takes_what_it_started_with_it(tmp_path, ear
         env.close()
 
 
+@pytest.mark.parametrize("reader", ["module", "helper"])
+def test_code_repair_a_module_that_reads_stdin_reads_nothing(tmp_path, reader):
+    # the runner kept its stdin (the pipe its parent fed the spec on) open past the spec, to
+    # wait on it once done: a module (or a helper it ran) that read stdin, which found it at
+    # its end when the parent closed it after the spec, then blocked until test_timeout_s
+    # and the run read "timed out"
+    work = tmp_path / "work"
+    work.mkdir()
+    env = envpool.make("code-repair-v1", test_timeout_s=5, workdir_root=str(work))
+    try:
+        env.reset(options={"task": "mathutils"})
+        if reader == "module":
+            read = "import sys\n_ = sys.stdin.read()"
+        else:
+            read = 'import subprocess\nsubprocess.run(["cat"], stdout=subprocess.DEVNULL)'
+        env.step(edit_action("mathutils.py", "    return a - b", "    return a + b\n" + read))
+        t0 = time.monotonic()
+        res = env.step("run_tests")
+        assert time.monotonic() - t0 < 4
+        assert res.info["all_passed"], res.obs.text
+    finally:
+        _kill_all(_running_in(work))
+        env.close()
+
+
 @pytest.mark.parametrize("how", ["aborted", "leader_killed"])
 async def test_a_test_run_dies_with_its_container(tmp_path, how):
     # the runner had a session of its own: killing the container's process group (an aborted
