@@ -426,7 +426,7 @@ class CodeRepairEnv(Env):
             proc.stdin.write(spec)
             proc.stdin.flush()
         deadline = time.monotonic() + self.test_timeout_s
-        timed_out, done = True, False
+        timed_out = True
         # the done byte, or the runner's exit (it died, or the module ended the interpreter:
         # the done pipe stays open in whatever it forked, so its EOF cannot tell)
         watch = [done_r]
@@ -435,7 +435,7 @@ class CodeRepairEnv(Env):
                 ready, _, _ = select.select(watch + exited, [], [], left if exited else min(left, 0.05))
                 if done_r in ready:
                     if os.read(done_r, 1):
-                        timed_out, done = False, True
+                        timed_out = False
                         break
                     watch = []  # closed by the module: its exit, or the timeout, tells
                 if (exited and exited[0] in ready) or (not exited and proc.poll() is not None):
@@ -446,10 +446,11 @@ class CodeRepairEnv(Env):
         with contextlib.suppress(OSError):
             proc.stdin.close()
         proc.wait()
-        if not done and not timed_out:
-            # it ended by itself (the module ended the interpreter, or it crashed): what it
-            # started left its tree then, but not this process group nor the work dir
-            kill_left_in(root)
+        # whether it ended by itself (the module ended the interpreter, or it crashed, or it
+        # cut the runner's wait short after the done byte) before the kill cannot be told
+        # apart from a kill: what it started left its tree then, but not this process group
+        # nor the work dir. One scan of /proc, after every run
+        kill_left_in(root)
         return timed_out
 
 

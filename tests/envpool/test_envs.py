@@ -761,6 +761,38 @@ def test_code_repair_a_run_that_ends_takes_what_it_started_with_it(tmp_path, ear
         env.close()
 
 
+def test_code_repair_a_runner_that_ends_after_its_done_byte_is_swept(tmp_path, monkeypatch):
+    # the runner's wait on its parent can be cut short by the module (it puts /dev/null where
+    # the runner waits): the runner wrote its done byte, then ended by itself; its parent,
+    # scheduled after that end (slowed here), took the run for one that waited, killed the
+    # runner's tree (empty: its daemon had left it) and never swept the work dir
+    from envpool.envs import code_repair
+
+    kill_tree = code_repair.kill_tree
+
+    def late_kill_tree(pid: int) -> None:
+        time.sleep(0.5)
+        kill_tree(pid)
+
+    monkeypatch.setattr(code_repair, "kill_tree", late_kill_tree)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = envpool.make("code-repair-v1", test_timeout_s=10, workdir_root=str(work))
+    try:
+        env.reset(options={"task": "mathutils"})
+        cut = "import __main__\nos.dup2(os.open(os.devnull, os.O_RDONLY), __main__.stdin_fd)"
+        env.step(edit_action("mathutils.py", "    return a - b", FIX_AND_FORKS + "\n" + cut))
+        res = env.step("run_tests")
+        assert res.info["all_passed"], res.obs.text
+        deadline = time.monotonic() + 3
+        while _running_in(work) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _running_in(work)
+    finally:
+        _kill_all(_running_in(work))
+        env.close()
+
+
 @pytest.mark.parametrize("reader", ["module", "helper"])
 def test_code_repair_a_module_that_reads_stdin_reads_nothing(tmp_path, reader):
     # the runner kept its stdin (the pipe its parent fed the spec on) open past the spec, to
