@@ -8,6 +8,7 @@ runtime starts, the pool talks to it over the session protocol at ``Container.en
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -212,10 +213,13 @@ class Runtime(ABC):
                 task.cancel()  # it cleans up what it made; waited for unless cancelled again
                 await asyncio.wait((task,))
             if task.done() and not task.cancelled() and task.exception() is None:
-                # it ended just as we were cancelled: nobody will own it, stop it (shielded)
+                # it ended just as we were cancelled: nobody will own it, stop it (shielded).
+                # A stop that fails must not take the cancellation's place (a session's
+                # recovery would retry it as an infra fault); it stays live, tried again at close
                 c = task.result()
                 self.live[c.id] = c
-                await self.stop(c)
+                with contextlib.suppress(Exception):
+                    await self.stop(c)
             raise
         if not done:
             task.cancel()
@@ -224,7 +228,8 @@ class Runtime(ABC):
                 raise TimeoutError
             c = task.result()  # ended as the timeout fired: stopped, as a start too late
             self.live[c.id] = c
-            await self.stop(c)
+            with contextlib.suppress(Exception):  # (a failed stop: live, tried again at close)
+                await self.stop(c)
             raise TimeoutError
         return task.result()
 

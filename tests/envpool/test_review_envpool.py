@@ -436,3 +436,30 @@ async def test_a_second_call_of_a_session_while_one_is_under_way_is_refused():
         res = await first
         assert res.obs is not None
         await s.step("go")  # one after another, as before
+
+
+class _GatedRuntimeStopFailsOnce(_GatedRuntime):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stops = 0
+
+    async def _stop(self, c: Container) -> None:
+        self.stops += 1
+        if self.stops == 1:
+            raise OSError("the engine refused the stop")
+
+
+async def test_a_start_cancelled_as_it_finished_stays_cancelled_when_its_stop_fails():
+    # the container that ended just as its start was cancelled is stopped; a stop that
+    # failed raised its OSError in place of the cancellation, which a session's recovery
+    # takes for an infra fault and retries: the aborted claim went on
+    rt = _GatedRuntimeStopFailsOnce()
+    task = asyncio.ensure_future(rt.start(None, None, timeout_s=30))
+    await asyncio.wait_for(rt.waiting.wait(), 30)
+    rt.gate.set()
+    task.cancel()  # in the same loop turn as the start's end
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert rt.stops == 1
+    await rt.aclose()  # the failed stop is tried again there
+    assert rt.stops == 2 and not rt.live
