@@ -19,7 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from fabric.errors import BackendClosedError, ConfigError, ErrorCode, PayloadError, validation_problems
-from fabric.protocol import MAX_PAYLOAD_BYTES, Invocation, Result
+from fabric.protocol import MAX_PAYLOAD_BYTES, Invocation, Result, encode_payload
 from fabric.registry import Registry, default_registry
 
 TOKEN_ENV = "RL_FABRIC_TOKEN"
@@ -230,7 +230,10 @@ class Backend(ABC):
         if self._closed:
             return _answered(inv, ErrorCode.BACKEND_CLOSED, f"{self.kind} backend is closed")
         try:
-            inv.raw_payload  # noqa: B018 - encoded once here (the client did it already: cached)
+            if inv.raw is None:  # encoded once here (the client did it already)
+                # under this backend's own limit, as the client encodes: a lambda backend
+                # with a spill bucket takes more than Lambda's 6 MB (it goes through S3)
+                inv.raw = encode_payload(inv.payload, limit=self.max_payload_bytes)
         except PayloadError as e:
             # raised later, inside a backend's dispatch (the local pool's loop callback), it
             # left the call unanswered for good: NaN or Infinity in a payload sent without

@@ -471,6 +471,35 @@ async def test_payloads_over_6_mb_spill_to_s3(moto_url):
     assert small.value["payload"] == {"a": 1}  # small payloads go inline
 
 
+async def test_a_backend_used_directly_spills_what_its_client_would(moto_url):
+    """Backend.submit encodes an Invocation's payload itself when no client did (fabric
+    serve, a backend used directly), but under Lambda's 6 MB limit, not the backend's own:
+    a lambda backend with a spill bucket refused a 7 MB payload PayloadTooLarge that the
+    client, encoding under max_payload_bytes, sends through S3."""
+    import boto3
+
+    from fabric.spill import SPILL_KEY
+
+    create_function(moto_url, "rl-add")
+    boto3.client("s3", endpoint_url=moto_url, region_name="us-east-1").create_bucket(Bucket="spill")
+    big = {"a": 1, "blob": "x" * (7 * 1024 * 1024)}
+    cfg = LambdaConfig(
+        endpoint_url=moto_url,
+        function_prefix="rl-",
+        spill_bucket="spill",
+        s3_endpoint_url=moto_url,
+        max_spill_bytes=8 * 1024 * 1024,
+    )
+    async with LambdaBackend(REG, cfg) as b:
+        r = await b.invoke(Invocation(function="add", payload=big))
+        assert r.ok, r.error
+        assert r.value["payload"][SPILL_KEY]["bytes"] > 7e6
+        # past the backend's own limit it is still refused, with the limit it has
+        over = Invocation(function="add", payload={"blob": "x" * (cfg.max_spill_bytes + 1)})
+        refused = await b.invoke(over)
+        assert refused.error is not None and refused.error.type == ErrorCode.PAYLOAD_TOO_LARGE
+
+
 def test_a_newer_handlers_result_with_an_unknown_field_is_still_its_result():
     """A Result carrying a field this client does not know (a newer handler or fabric serve)
     failed validation and was read as a plain function's value: a failure became ok=True
