@@ -126,13 +126,19 @@ def _split_name(raw: str, query_qualifier: str | None) -> tuple[str, str | None]
 async def _check_bindable(host: str, port: int) -> None:
     """Raise the ``OSError`` that binding ``host:port`` would (the port in use, an address
     not this machine's, a name that does not resolve), as aiohttp's listener binds it: every
-    address the host resolves to, with ``SO_REUSEADDR``. Probe sockets, closed at once: the
-    listener itself is bound after the warm-up, so a call is refused, not queued, till then."""
+    address the host resolves to, with ``SO_REUSEADDR``, skipping a family of which no
+    socket can be made (as asyncio does: ``localhost`` is ``::1`` too on a machine without
+    IPv6). Probe sockets, closed at once: the listener itself is bound after the warm-up, so
+    a call is refused, not queued, till then."""
     infos = await asyncio.get_running_loop().getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )
     for family, kind, proto, _, address in infos:
-        with socket.socket(family, kind, proto) as probe:
+        try:
+            probe = socket.socket(family, kind, proto)
+        except OSError:  # a family this machine lacks (IPv6 off): the listener skips it too
+            continue
+        with probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio binds

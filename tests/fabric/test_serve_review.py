@@ -4,6 +4,7 @@ slots and gauges on the paths a busy server takes. Real HTTP on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 import time
 
@@ -102,6 +103,34 @@ async def test_a_port_in_use_or_a_bad_address_fails_before_the_warm_up(taken):
         await g.aclose()
     finally:
         s.close()
+
+
+async def test_an_address_family_the_machine_lacks_is_skipped_as_the_listener_skips_it(monkeypatch):
+    """The probe bind before the warm-up raised where the listener binds: a host that also
+    resolves to an IPv6 address on a machine without IPv6 (``::1 localhost`` in /etc/hosts, a
+    kernel booted with ipv6.disable=1: no AF_INET6 socket can be made) failed to start with
+    EAFNOSUPPORT, while asyncio's listener skips a family it cannot make a socket of and
+    serves on 127.0.0.1. Simulated: AF_INET6 sockets refused, localhost resolving to both."""
+    real_getaddrinfo = socket.getaddrinfo
+
+    class NoIPv6(socket.socket):
+        def __init__(self, family=-1, type=-1, proto=-1, fileno=None):
+            if family == socket.AF_INET6:
+                raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+            super().__init__(family, type, proto, fileno)
+
+    def getaddrinfo(host, port, family=0, type=0, proto=0, flags=0):
+        infos = real_getaddrinfo(host, port, family, type, proto, flags)
+        if host == "localhost" and family in (0, socket.AF_UNSPEC):
+            v6 = (socket.AF_INET6, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("::1", int(port or 0), 0, 0))
+            infos = [v6, *(i for i in infos if i[0] != socket.AF_INET6)]
+        return infos
+
+    monkeypatch.setattr(socket, "socket", NoIPv6)
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    async with Gateway(config(host="localhost"), SERVE_REG) as g:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{g.port}", timeout=30) as c:
+            assert (await c.get("/healthz")).status_code == 200
 
 
 def test_the_cli_says_what_to_do_about_a_port_in_use():
