@@ -731,6 +731,25 @@ def test_modal_deploy_without_a_token_is_a_clear_error(no_modal_token, tmp_path,
     assert r.exit_code == 2 and "modal token new" in r.output, r.output
 
 
+def test_deploy_docs_say_how_modal_errors_are_translated():
+    """docs/deploy.md's list of Modal's errors and the fabric codes they become is the
+    backend's table: it still said InvalidError is InvalidArguments after the backend made it
+    SetupFailed (a user reading it would expect such a failure kept under the key and
+    scored by failure_score)."""
+    import re
+
+    from fabric.backends.modal_ import _ERRORS
+
+    text = " ".join((ROOT / "docs" / "deploy.md").read_text().split())
+    start = text.index("Modal's errors become fabric's")
+    paragraph = text[start : text.index("Offline,", start)]
+    codes = {str(c) for c in ErrorCode}
+    for name, code in _ERRORS:
+        after = paragraph[paragraph.index(f"`{name}`") + len(name) + 2 :]
+        said = next(t for t in re.findall(r"`([A-Za-z]+)`", after) if t in codes)
+        assert said == str(code), f"docs/deploy.md says {name} is {said}; the backend makes it {code}"
+
+
 def test_deploy_docs_commands_exist():
     # the deploy guide's commands use options the CLI has
     text = (ROOT / "docs" / "deploy.md").read_text()
