@@ -394,8 +394,14 @@ class BM25Index:
         postings: dict[str, list[tuple[int, int]]] = {}
         lengths: list[int] = []
         for i, doc in enumerate(self.documents):
-            counts = Counter(tokenize(f"{doc.title}\n{doc.text}", document=True))
-            lengths.append(sum(counts.values()))
+            text = f"{doc.title}\n{doc.text}"
+            terms = tokenize(text)
+            counts = Counter(terms)
+            if any(_CJK.search(t) for t in counts):
+                # a CJK run's single characters are postings too (a one-character query finds
+                # them), not length: a pair query scores as it did before they were indexed
+                counts = Counter(tokenize(text, document=True))
+            lengths.append(len(terms))
             for term, tf in counts.items():
                 postings.setdefault(term, []).append((i, tf))
         n_docs = len(self.documents)

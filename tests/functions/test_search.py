@@ -233,6 +233,25 @@ def test_a_one_character_cjk_query_finds_the_character_inside_a_run():
     assert "小猫" in index.search("猫").hits[-1].snippet
 
 
+def test_a_query_of_cjk_pairs_scores_as_before_the_characters_were_indexed():
+    """The single characters a document's CJK runs now give are extra postings, not extra
+    length: counted in its length (and the average), a CJK passage weighed about twice its
+    pairs, so a pair query's scores moved and its ranking flipped (here: the document of 2
+    CJK characters and 20 English words went above the one of 22 CJK characters), where the
+    change meant pair queries to score as before."""
+    english = " ".join(f"word{i}" for i in range(20))
+    index = BM25Index(docs(f"猫咪 {english}", "猫咪。" + "今天天气很好我们一起去公园散步吧朋友们", "东京"))
+    texts = [f"{d.title}\n{d.text}" for d in index.documents]
+    lengths = [len(tokenize(t)) for t in texts]  # a query's terms: pairs and words, as before
+    avgdl = sum(lengths) / len(lengths)
+    idf = math.log(1 + (3 - 2 + 0.5) / (2 + 0.5))
+    k1, b = index.k1, index.b
+    expected = {i: idf * (k1 + 1) / (1 + k1 * (1 - b + b * lengths[i] / avgdl)) for i in (0, 1)}
+    assert index.scores("猫咪") == pytest.approx(expected)
+    assert [h.id for h in index.search("猫咪").hits] == ["d1", "d0"]
+    assert {h.id for h in index.search("猫").hits} == {"d0", "d1"}  # and a character finds both
+
+
 def test_a_singular_query_finds_the_plural_in_a_document():
     assert get_index().search("cookie").hits[0].id == "http.txt"  # it says "cookies"
 
