@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from fabric.errors import BackendClosedError, ConfigError, ErrorCode, PayloadError, validation_problems
 from fabric.protocol import MAX_PAYLOAD_BYTES, Invocation, Result, encode_payload
@@ -38,6 +38,10 @@ def default_region() -> str:
 #: at the edge, since botocore refuses some malformed names with its own exception at the
 #: first call and sends the rest to a host that does not exist.
 _REGION = re.compile(r"[a-z]{2,}(-[a-z]+)+-[0-9]+")
+
+
+#: What botocore takes as a region with an endpoint of one's own: a host name label.
+_REGION_LABEL = re.compile(r"[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?")
 
 
 def region_problem(region: str) -> str | None:
@@ -121,13 +125,19 @@ class LambdaConfig(_Config):
     s3_endpoint_url: str | None = None
     """S3 for spilled payloads (``None``: AWS)."""
 
-    @field_validator("region")
-    @classmethod
-    def _aws_region(cls, v: str) -> str:
-        problem = region_problem(v)
+    @model_validator(mode="after")
+    def _aws_region(self) -> LambdaConfig:
+        # an endpoint of one's own (fabric serve, LocalStack, MinIO for the spill) may use a
+        # region name that is no AWS one ("local"): only what botocore itself refuses there
+        if self.endpoint_url is None:
+            problem = region_problem(self.region)
+        elif not _REGION_LABEL.fullmatch(self.region):
+            problem = f"{self.region!r} is not a region name (letters, digits and '-', like us-east-1)"
+        else:
+            problem = None
         if problem is not None:
-            raise ValueError(problem)
-        return v
+            raise ValueError(f"region: {problem}")
+        return self
 
 
 class ModalConfig(_Config):

@@ -557,6 +557,19 @@ async def test_a_malformed_region_is_a_config_error_at_the_edge(region):
         make_backend({"type": "lambda", "region": region}, REG)
 
 
+def test_an_endpoint_of_ones_own_takes_a_region_name_aws_has_not():
+    # fabric serve, LocalStack or MinIO may call their region "local": the AWS shape check
+    # refused it, though nothing on that path needs an AWS region (botocore signs with it)
+    from fabric.errors import ConfigError
+
+    b = make_backend({"type": "lambda", "region": "local", "endpoint_url": "http://127.0.0.1:9"}, REG)
+    assert b.config.region == "local"
+    with pytest.raises(ConfigError, match=r"region: 'loc al' is not a region name"):
+        make_backend({"type": "lambda", "region": "loc al", "endpoint_url": "http://127.0.0.1:9"}, REG)
+    with pytest.raises(ConfigError, match=r"region: 'local' is not an AWS region"):
+        make_backend({"type": "lambda", "region": "local"}, REG)  # AWS itself: its shape
+
+
 def test_a_malformed_region_from_the_environment_is_a_config_error(monkeypatch):
     from fabric.errors import ConfigError
 
