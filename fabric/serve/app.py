@@ -222,15 +222,17 @@ class Gateway:
         self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
 
     async def _warm(self) -> None:
-        """Start the warm workers. A function named with ``functions`` (``-f``) must start,
-        or the server does not; of all the registered ones (no ``-f``), one that cannot start
-        (the LLM judge without its model set, a missing toolchain) is left out of the warm-up
-        and recorded in ``not_ready``: its calls answer ``SetupFailed`` with the cause, and the
-        rest are served."""
-        warm = [n for n in sorted(self.served) if self.registry.get(n).warm > 0]
+        """Start the warm workers. A function named with ``functions`` (``-f``) must start
+        (one worker at least, a ``warm=0`` one's too), or the server does not; of all the
+        registered ones (no ``-f``), one that cannot start (the LLM judge without its model
+        set, a missing toolchain) is left out of the warm-up and recorded in ``not_ready``:
+        its calls answer ``SetupFailed`` with the cause, and the rest are served."""
         if self.config.functions is not None:
-            await self.backend.warmup(warm)
+            # each one named, warm=0 ones too (a worker each, gone when idle): "must start"
+            # is checked now, not by the first call of some job
+            await self.backend.warmup(sorted(self.served))
             return
+        warm = [n for n in sorted(self.served) if self.registry.get(n).warm > 0]
         outcomes = await asyncio.gather(*(self.backend.warmup([n]) for n in warm), return_exceptions=True)
         for name, outcome in zip(warm, outcomes, strict=True):
             if isinstance(outcome, SetupFailedError):

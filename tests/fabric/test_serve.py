@@ -160,6 +160,14 @@ async def test_a_named_function_that_cannot_start_stops_the_server_and_its_pools
     assert [pid for pid in pids if _alive(pid)] == []  # ...and stopped with the rest
 
 
+async def test_a_named_warm_0_function_that_cannot_start_stops_the_server_too():
+    # -f checked only the functions with warm > 0: a warm=0 one's broken setup was found by
+    # the first call of some job, after the server said it was up
+    gw = Gateway(config(warm=True, functions=["add", "bad_setup"]), REG)  # bad_setup: warm=0
+    with pytest.raises(SetupFailedError, match="model weights not found"):
+        await gw.start()
+
+
 async def test_oversize_payload_is_413_and_runs_nothing(http, tmp_path):
     out = tmp_path / "ran.txt"
     big = {"path": str(out), "line": "x" * (6 * 1024 * 1024)}
