@@ -181,7 +181,8 @@ class Gateway:
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.host}:{self.port}"
+        host = self.config.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"  # an IPv6 address in brackets
 
     async def start(self) -> None:
         # before the warm-up (a judge model loads for minutes): a port that is taken or an

@@ -190,3 +190,15 @@ async def test_the_local_pool_answers_a_call_whose_payload_it_cannot_encode():
         assert "not JSON-serialisable" in r.error.message
         ok = await backend.invoke(Invocation(function="add", payload={"a": 1, "b": 2}))
         assert ok.ok  # the pool goes on
+
+
+def test_the_url_of_an_ipv6_host_has_it_in_brackets():
+    # http://::1:PORT is no URL: an IPv6 address goes in brackets
+    from fabric.serve import Gateway
+
+    g = Gateway(config(host="::1"), REG)
+    g.port = 9000
+    assert g.url == "http://[::1]:9000"
+    g = Gateway(config(host="127.0.0.1"), REG)
+    g.port = 9000
+    assert g.url == "http://127.0.0.1:9000"
