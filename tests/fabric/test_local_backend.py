@@ -566,6 +566,12 @@ async def test_a_failing_scale_up_worker_does_not_break_a_healthy_pool(tmp_path,
     async with local(max_workers=2, setup_failure_cooldown_s=30) as c:
         await c.backend.warmup(["picky"])
         rs = await c.map("picky", [{"seconds": 0.02}] * 30)  # enough to ask for a second worker
+        # a loaded machine may still be starting that worker when the 30 are done (0.6 s of
+        # work): calls keep coming until its setup has failed, so some are queued when it does
+        deadline = time.monotonic() + 30
+        while not c.backend.stats()["picky"]["start_failures"]:
+            assert time.monotonic() < deadline, "the scale-up worker's setup never failed"
+            rs += await c.map("picky", [{"seconds": 0.02}] * 5)
         assert all(r.ok for r in rs), [r.error for r in rs if not r.ok]
         stats = c.backend.stats()["picky"]
         assert stats["start_failures"] >= 1 and stats["ready"] == 1
