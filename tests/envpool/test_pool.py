@@ -65,7 +65,11 @@ async def test_warm_claims_reuse_containers_across_episodes(images):
                 seen.add(s.container.id)
         stats = p.stats()
         assert stats["claims_warm"] == 4 and stats.get("claims_cold", 0) == 0
-        assert len(seen) <= 2
+        # the four episodes ran on fewer containers than that: released containers went back
+        # to the idle queue and were claimed again. Not "on the two prewarmed ones": while a
+        # session holds one, a maintenance tick (every 0.1 s) starts a third to keep two idle,
+        # and a loaded machine, its sessions slower, has a tick fall inside one (3 seen)
+        assert len(seen) < 4, seen
 
 
 async def test_prewarm_of_an_image_that_cannot_start_says_so(images):
