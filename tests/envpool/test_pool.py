@@ -341,6 +341,55 @@ async def test_a_step_whose_time_went_to_a_tool_that_finished_is_an_infra_failur
     assert "tool calls ran during it" in str(err)
 
 
+class _Sink(asyncio.Transport):
+    def write(self, data):
+        pass
+
+    def is_closing(self):
+        return False
+
+
+async def test_a_request_cancelled_in_the_turn_its_reply_came_stays_cancelled():
+    # asyncio.wait_for (Python 3.11) returned the reply when the cancel and the reply met in
+    # one loop turn: the cancel was lost, and a Ctrl-C of `envpool bench resets` (one cancel
+    # of the main task) left its loop of resets running for good (seen under load)
+    conn = Connection(heartbeat_s=5.0, misses=4, tool_caller=None)
+    conn.transport = _Sink()
+    task = asyncio.create_task(conn.request({"op": "step"}, 30.0))
+    for _ in range(3):  # into its wait for the reply
+        await asyncio.sleep(0)
+    [fut] = conn.waiting.values()
+    fut.set_result({"ok": True, "result": "late"})  # the reply, read in this turn...
+    task.cancel()  # ...and the cancel, in the same one
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not conn.waiting
+
+
+async def test_a_claim_cancelled_in_the_turn_capacity_frees_stays_cancelled(images):
+    # the claimer's wait for capacity lost the cancel the same way (wait_for, Python 3.11):
+    # it claimed on, or waited out its claim_timeout_s, for a trajectory already aborted
+    async with (
+        pool(images, min_warm=0, max_containers=1, claim_timeout_s=30) as p,
+        p.session("bundle-echo-v0", image=IMAGE) as s,
+    ):
+        await s.reset()  # the one container is held: a claim waits for capacity
+        asked = asyncio.Event()
+        changed_future = p._changed_future
+
+        def spy() -> asyncio.Future[None]:
+            asked.set()
+            return changed_future()
+
+        p._changed_future = spy  # type: ignore[method-assign]
+        claim = asyncio.create_task(p._claim(IMAGE))
+        await asked.wait()  # the claim found no room and waits
+        p._notify_changed()  # capacity may have freed up...
+        claim.cancel()  # ...and the claimer is cancelled, in the same turn
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(claim, 10)
+
+
 async def test_a_non_deterministic_session_is_lost_not_faked(images):
     async with pool(images) as p, p.session("bundle-random-v0", image=IMAGE) as s:
         await s.reset()
