@@ -273,10 +273,13 @@ def test_ctrl_c_during_pretraining_stops_the_job_promptly(tmp_path, sig):
                 break
         assert seen and seen[-1].startswith("pretrain 1/"), "".join(seen)
         p.send_signal(getattr(signal, sig))
+        # promptly: the stop (the build's next check, its threads and children ended, the
+        # interpreter's exit) took 5-14 s on a loaded 2-core machine, and went past 15 s in a
+        # full run; a job that went on with its 1,000,000 pretraining steps never stops
         try:
-            rest, _ = p.communicate(timeout=15)
+            rest, _ = p.communicate(timeout=45)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{sig} during pretraining did not stop the job within 15 s") from None
+            raise AssertionError(f"{sig} during pretraining did not stop the job within 45 s") from None
         assert p.returncode == 130 and rest.strip().endswith("interrupted"), rest
         assert "Traceback" not in rest, rest
     finally:
