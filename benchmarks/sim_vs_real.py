@@ -9,8 +9,10 @@
    (an ``asyncio.sleep`` of 5 to 60 ms) between turns, the conversation growing each turn.
    The proxy writes its trace.
 3. Replay the trace in the simulator with the calibrated profile and the same scheduler;
-   compare makespans (medians of 3 runs, a held-out workload). Both for fcfs and pps
-   (with the true length as the hint), so the scheduler's effect is compared too.
+   compare makespans (a held-out workload). Both for fcfs and pps (with the true length as
+   the hint), so the scheduler's effect is compared too. The factor of step 1 and steps 2-3 run in
+   rounds (3 by default): each round's held-out runs are replayed with that round's own
+   factor, and the error is the median of the rounds' errors.
 
     .venv/bin/python benchmarks/sim_vs_real.py            # one JSON object
 """
@@ -149,41 +151,48 @@ async def main_async(repeats: int = 3) -> dict[str, Any]:
             long_prompt=context + 384,
             repeats=5,
         )
-        # 2. one calibration run (its own workload) fits the overheads the micro-profile
-        #    misses: a single factor on every step time
-        ratios = []
+        # 2.-3. rounds: a calibration run (its own workload) fits one factor on every step
+        #    time (the overheads the micro-profile misses), then a held-out run per scheduler
+        #    is replayed with that round's factor. Paired by round: the machine's drift (the
+        #    factors of one run's rounds differed by up to 1.2x here) moves a round's
+        #    calibration and its held-out runs alike; one factor from the runs at the start
+        #    missed it (errors -33% to +25% over four runs, against -14% to +14% paired)
+        ratios: list[float] = []
+        pairs: dict[str, list[tuple[float, float, float]]] = {"fcfs": [], "pps": []}
         for k in range(repeats):
             await real_run(eng, "fcfs", tmp / f"calib-{k}.jsonl", calib_work)
             real, sim = replay(load_trace(tmp / f"calib-{k}.jsonl"), micro, "fcfs")
             ratios.append(real / sim)
+            profile = scaled(micro, ratios[-1])
+            # the order alternates by round: neither scheduler always runs right after the calibration
+            for scheduler in ("fcfs", "pps") if k % 2 == 0 else ("pps", "fcfs"):
+                path = tmp / f"{scheduler}-{k}.jsonl"
+                await real_run(eng, scheduler, path, test_work)
+                r, sim_ms = replay(load_trace(path), profile, scheduler)
+                pairs[scheduler].append((r, sim_ms, ratios[-1]))
         factor = statistics.median(ratios)
-        profile = scaled(micro, factor)
         out["profile"] = {
             "context_tokens": context,
             "micro_step_ms": dict(
                 zip(micro.batch_sizes, (round(x, 2) for x in micro.step_ms_table), strict=True)
             ),
             "prefill_ratio": round(micro.prefill_ratio, 4),
+            "calibration_factors": [round(x, 3) for x in ratios],
             "calibration_factor": round(factor, 3),
             "seconds": round(time.perf_counter() - t0, 1),
         }
-        # 3. held-out runs: another workload, two schedulers, medians of ``repeats`` runs
         rows: list[dict[str, Any]] = []
         for scheduler in ("fcfs", "pps"):
-            pairs = []
-            for k in range(repeats):
-                path = tmp / f"{scheduler}-{k}.jsonl"
-                await real_run(eng, scheduler, path, test_work)
-                pairs.append(replay(load_trace(path), profile, scheduler))
-            real_ms = statistics.median(r for r, _ in pairs)
-            sim_ms = statistics.median(s for _, s in pairs)
+            runs = pairs[scheduler]
             rows.append(
                 {
                     "scheduler": scheduler,
-                    "real_ms": [round(r) for r, _ in pairs],
-                    "sim_ms": [round(s) for _, s in pairs],
-                    "error": round(sim_ms / real_ms - 1, 3),
-                    "uncalibrated_error": round(sim_ms / factor / real_ms - 1, 3),
+                    "real_ms": [round(r) for r, _, _ in runs],
+                    "sim_ms": [round(s) for _, s, _ in runs],
+                    # the median of the rounds' errors, each against its own calibration
+                    "error": round(statistics.median(s / r - 1 for r, s, _ in runs), 3),
+                    "round_errors": [round(s / r - 1, 3) for r, s, _ in runs],
+                    "uncalibrated_error": round(statistics.median(s / f / r - 1 for r, s, f in runs), 3),
                 }
             )
         out["runs"] = rows
