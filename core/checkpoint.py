@@ -59,6 +59,7 @@ RESUMABLE = (
     "engine.num_gpus",
     "engine.max_restarts",
     "engine.recover_timeout_s",
+    "engine.swap_timeout_s",
     "engine.hw_affinity",
     "trainer.num_gpus",
 )

@@ -95,6 +95,7 @@ class Cluster:
                     affinity=affinity,
                     scheduler=turn_scheduler(cfg),
                     recover_timeout_s=cfg.engine.recover_timeout_s,
+                    swap_timeout_s=cfg.engine.swap_timeout_s,
                 )
             )
             actors.append(proxy)

@@ -100,6 +100,11 @@ class EngineConfig(ConfigModel):
     """How long the proxy waits for a crashed replica to come back (Ray's restart, the
     model's load, the latest weights) before it leaves the group for good. Raise it for a
     large model whose load takes minutes (vLLM)."""
+    swap_timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False)
+    """How long a weight update waits for one replica's swap before that replica counts as
+    lost (it is recovered in the background, or dropped at ``recover_timeout_s``) and the
+    update goes on without it. A swap waits for the turns in flight (vLLM's drain), so keep
+    it above the longest turn."""
     num_gpus: float | None = Field(None, ge=0, allow_inf_nan=False)
     """GPUs each replica reserves from Ray (Ray then sets its ``CUDA_VISIBLE_DEVICES``);
     ``None``: for ``vllm`` its ``tensor_parallel_size x pipeline_parallel_size`` (1 by

@@ -114,6 +114,7 @@ class LLMProxy:
         max_turn_retries: int = 3,
         scheduler: TurnScheduler | None = None,
         abort_timeout_s: float = 30.0,
+        swap_timeout_s: float = 600.0,
     ):
         if not groups or not any(groups.values()):
             raise ValueError("the proxy needs at least one replica")
@@ -126,6 +127,11 @@ class LLMProxy:
         self.max_turn_retries = max_turn_retries
         self.abort_timeout_s = abort_timeout_s
         """How long an abort waits for a replica's answer (it is given up after, counted)."""
+        self.swap_timeout_s = swap_timeout_s
+        """How long a weight update waits for one replica's swap (a long turn delays it:
+        the engine drains first) before the replica counts as lost and is recovered in the
+        background: one stuck replica held ``update_weights``, so the job's step loop, for
+        good."""
         self._sticky: dict[str, Replica] = {}  # trajectory id -> its replica
         self._placement_logged: set[str] = set()  # kinds of placement-policy fault logged so far
         self._load: Counter[int] = Counter()  # id(replica) -> turns in flight
@@ -341,7 +347,7 @@ class LLMProxy:
         t0 = time.perf_counter()
         replicas = [r for rs in self.groups.values() for r in rs]
         results = await asyncio.gather(
-            *(r.swap(version, _unwrap(state)) for r in replicas), return_exceptions=True
+            *(self._swap_within(r, version, _unwrap(state)) for r in replicas), return_exceptions=True
         )
         for r, res in zip(replicas, results, strict=True):
             if isinstance(res, ReplicaLost):
@@ -351,6 +357,21 @@ class LLMProxy:
         self.version = version
         self.metrics["weight_updates"] += 1
         self.metrics["weight_update_ms"] += round((time.perf_counter() - t0) * 1000)
+
+    async def _swap_within(self, replica: Replica, version: int, state: Any) -> None:
+        try:
+            async with asyncio.timeout(self.swap_timeout_s):
+                await replica.swap(version, state)
+        except TimeoutError:
+            self.metrics["swap_timeouts"] += 1
+            log.warning(
+                "replica %s did not swap in weights version %d within %g s; recovering it",
+                replica.name,
+                version,
+                self.swap_timeout_s,
+            )
+            took = f"the weights swap took over {self.swap_timeout_s:g} s"
+            raise ReplicaLost(f"{replica.name}: {took}") from None
 
     # ------------------------------------------------------------------ recovery
     def _spawn_recover(self, replica: Replica, *, gone: bool) -> asyncio.Task[None]:
@@ -370,16 +391,20 @@ class LLMProxy:
             try:
                 try:
                     # bounded: a replica wedged (or on a node cut off) never answers, and the
-                    # deadline below is only looked at when a ping fails
+                    # deadline below is only looked at when a ping fails; the reload too (one
+                    # that answers pings but hangs in its swap held the recovery for good)
                     async with asyncio.timeout(max(deadline - time.monotonic(), MIN_PING_S)):
                         version = await replica.ping()
+                        if self._latest is not None and version < self._latest[0]:
+                            await replica.swap(self._latest[0], _unwrap(self._latest[1]))
+                            self.metrics["weights_reloaded"] += 1
                 except TimeoutError:
                     self.metrics["ping_timeouts"] += 1
-                    log.warning("replica %s did not answer a ping by the recover timeout", replica.name)
+                    log.warning(
+                        "replica %s did not answer (a ping, or the weights' reload) by the recover timeout",
+                        replica.name,
+                    )
                     break
-                if self._latest is not None and version < self._latest[0]:
-                    await replica.swap(self._latest[0], _unwrap(self._latest[1]))
-                    self.metrics["weights_reloaded"] += 1
             except ReplicaGone:
                 break
             except ReplicaLost:

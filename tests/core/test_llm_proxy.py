@@ -415,6 +415,29 @@ async def test_a_replica_down_during_update_weights_gets_them_when_back():
     assert proxy.num_replicas == 2
 
 
+class HangingSwap(Fake):
+    """Alive, answers pings, but its swaps never return (a wedged load)."""
+
+    async def swap(self, version: int, state: Any) -> None:
+        await asyncio.Event().wait()
+
+
+async def test_a_replica_whose_swap_hangs_does_not_hold_the_weight_update():
+    # update_weights gathered every replica's swap with no limit: one stuck replica held it,
+    # and with it the job's step loop, for good. Past swap_timeout_s it counts as lost, the
+    # update goes on, and its recovery (whose reload hangs too) drops it at recover_timeout_s
+    up, stuck = Fake("up"), HangingSwap("stuck")
+    proxy = LLMProxy({"default": [up, stuck]}, swap_timeout_s=0.2, recover_timeout_s=0.5)
+    async with asyncio.timeout(10):
+        await proxy.update_weights(1, ["W1"])
+    assert proxy.version == 1 and up.swaps == [(1, "W1")]
+    assert proxy.metrics["swap_timeouts"] == 1
+    await until(lambda: proxy.metrics["replicas_removed"] == 1)  # the reload is bounded too
+    assert proxy.num_replicas == 1 and proxy.metrics["ping_timeouts"] == 1
+    c = await proxy.generate("t", "default", req())
+    assert c.text == "up" and c.policy_version == 1
+
+
 # ----------------------------------------------------------------------------- recovery
 
 
