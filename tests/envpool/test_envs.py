@@ -692,27 +692,41 @@ def _kill_all(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def _repair_in(tmp_path: Path, test_timeout_s: float):
+    """A code-repair env on the mathutils task whose work dirs are under ``tmp_path/work``
+    (what runs there is found by its cwd), and every process left there killed at the end."""
+    work = tmp_path / "work"
+    work.mkdir()
+    env = envpool.make("code-repair-v1", test_timeout_s=test_timeout_s, workdir_root=str(work))
+    try:
+        env.reset(options={"task": "mathutils"})
+        yield env, work
+    finally:
+        _kill_all(_running_in(work))
+        env.close()
+
+
+def _none_left_in(work: Path, within_s: float) -> bool:
+    """Whether no process runs in ``work`` within ``within_s`` (a SIGKILL lands when each
+    is next scheduled)."""
+    deadline = time.monotonic() + within_s
+    while _running_in(work) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not _running_in(work)
+
+
 LOOP = "    while True:\n        pass"
 # a test run that starts a helper process of its own, then loops
 SPAWN_AND_LOOP = '    import subprocess\n    subprocess.Popen(["sleep", "60"])\n' + LOOP
 
 
 def test_code_repair_test_timeout_kills_what_the_run_started(tmp_path):
-    work = tmp_path / "work"
-    work.mkdir()
-    env = envpool.make("code-repair-v1", test_timeout_s=0.5, workdir_root=str(work))
-    try:
-        env.reset(options={"task": "mathutils"})
+    with _repair_in(tmp_path, 0.5) as (env, work):
         env.step(edit_action("mathutils.py", "    return a - b", SPAWN_AND_LOOP))
         res = env.step("run_tests")
         assert "The test run timed out after 0.5 s" in res.obs.text
-        deadline = time.monotonic() + 2
-        while _running_in(work) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not _running_in(work)  # the runner and the helper it started
-    finally:
-        _kill_all(_running_in(work))
-        env.close()
+        assert _none_left_in(work, 2)  # the runner and the helper it started
 
 
 # the fix, plus helpers the module starts at import and leaves behind: a child that sleeps, and
@@ -735,11 +749,7 @@ def test_code_repair_a_run_that_ends_takes_what_it_started_with_it(tmp_path, ear
     # the runner returned normally and its module's forked helpers, reparented to pid 1, ran
     # on for good: only a timeout killed the tree. Now the runner stays alive past its
     # results, a subreaper, and its parent kills it with all it started
-    work = tmp_path / "work"
-    work.mkdir()
-    env = envpool.make("code-repair-v1", test_timeout_s=10, workdir_root=str(work))
-    try:
-        env.reset(options={"task": "mathutils"})
+    with _repair_in(tmp_path, 10) as (env, work):
         body = FIX_AND_FORKS + ("\nos.close(int(sys.argv[3]))" if early_exit else "")
         if early_exit:  # the module closes the done pipe: the runner's end must still be seen
             body = "import sys\n" + body.replace("    return a + b\n", "", 1)
@@ -752,13 +762,7 @@ def test_code_repair_a_run_that_ends_takes_what_it_started_with_it(tmp_path, ear
         assert time.monotonic() - t0 < 8  # ended by the runner, not at the timeout
         assert res.info["all_passed"] and res.info["failed"] == 0, res.obs.text
         assert "timed out" not in res.obs.text
-        deadline = time.monotonic() + 3  # SIGKILL lands when each is next scheduled
-        while _running_in(work) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not _running_in(work)  # the sleeper and the daemon's child too (they sleep 60 s)
-    finally:
-        _kill_all(_running_in(work))
-        env.close()
+        assert _none_left_in(work, 3)  # the sleeper and the daemon's child too (they sleep 60 s)
 
 
 def test_code_repair_a_runner_that_ends_after_its_done_byte_is_swept(tmp_path, monkeypatch):
@@ -775,22 +779,12 @@ def test_code_repair_a_runner_that_ends_after_its_done_byte_is_swept(tmp_path, m
         kill_tree(pid)
 
     monkeypatch.setattr(code_repair, "kill_tree", late_kill_tree)
-    work = tmp_path / "work"
-    work.mkdir()
-    env = envpool.make("code-repair-v1", test_timeout_s=10, workdir_root=str(work))
-    try:
-        env.reset(options={"task": "mathutils"})
+    with _repair_in(tmp_path, 10) as (env, work):
         cut = "import __main__\nos.dup2(os.open(os.devnull, os.O_RDONLY), __main__.stdin_fd)"
         env.step(edit_action("mathutils.py", "    return a - b", FIX_AND_FORKS + "\n" + cut))
         res = env.step("run_tests")
         assert res.info["all_passed"], res.obs.text
-        deadline = time.monotonic() + 3
-        while _running_in(work) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not _running_in(work)
-    finally:
-        _kill_all(_running_in(work))
-        env.close()
+        assert _none_left_in(work, 3)
 
 
 @pytest.mark.parametrize("reader", ["module", "helper"])
@@ -799,11 +793,7 @@ def test_code_repair_a_module_that_reads_stdin_reads_nothing(tmp_path, reader):
     # wait on it once done: a module (or a helper it ran) that read stdin, which found it at
     # its end when the parent closed it after the spec, then blocked until test_timeout_s
     # and the run read "timed out"
-    work = tmp_path / "work"
-    work.mkdir()
-    env = envpool.make("code-repair-v1", test_timeout_s=5, workdir_root=str(work))
-    try:
-        env.reset(options={"task": "mathutils"})
+    with _repair_in(tmp_path, 5) as (env, _):
         if reader == "module":
             read = "import sys\n_ = sys.stdin.read()"
         else:
@@ -813,9 +803,6 @@ def test_code_repair_a_module_that_reads_stdin_reads_nothing(tmp_path, reader):
         res = env.step("run_tests")
         assert time.monotonic() - t0 < 4
         assert res.info["all_passed"], res.obs.text
-    finally:
-        _kill_all(_running_in(work))
-        env.close()
 
 
 @pytest.mark.parametrize("how", ["aborted", "leader_killed"])

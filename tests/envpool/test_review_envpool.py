@@ -280,13 +280,18 @@ async def test_a_start_cancelled_in_the_loop_turn_it_finished_is_cancelled():
     # as in a session request: asyncio.wait_for (Python 3.11) returned the container and
     # swallowed the cancellation, so an aborted claim went on to run its trajectory
     rt = _GatedRuntime()
+    await _cancel_as_it_finishes(rt)
+    await rt.aclose()
+
+
+async def _cancel_as_it_finishes(rt: _GatedRuntime) -> None:
+    """Cancel a start of ``rt`` in the loop turn it finishes; the cancellation must stand."""
     task = asyncio.ensure_future(rt.start(None, None, timeout_s=30))
     await asyncio.wait_for(rt.waiting.wait(), 30)
     rt.gate.set()
     task.cancel()  # in the same loop turn as the start's end
     with pytest.raises(asyncio.CancelledError):
         await task
-    await rt.aclose()
 
 
 async def test_a_claim_cancelled_in_the_loop_turn_capacity_frees_up_is_cancelled(images):
@@ -454,12 +459,7 @@ async def test_a_start_cancelled_as_it_finished_stays_cancelled_when_its_stop_fa
     # failed raised its OSError in place of the cancellation, which a session's recovery
     # takes for an infra fault and retries: the aborted claim went on
     rt = _GatedRuntimeStopFailsOnce()
-    task = asyncio.ensure_future(rt.start(None, None, timeout_s=30))
-    await asyncio.wait_for(rt.waiting.wait(), 30)
-    rt.gate.set()
-    task.cancel()  # in the same loop turn as the start's end
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await _cancel_as_it_finishes(rt)
     assert rt.stops == 1
     await rt.aclose()  # the failed stop is tried again there
     assert rt.stops == 2 and not rt.live
