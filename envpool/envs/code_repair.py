@@ -194,7 +194,7 @@ try:
     _write(done_fd, b"D")
     _read(stdin_fd, 1)  # the parent kills this process and its tree, or closes stdin
 except BaseException:
-    pass
+    pass  # the module broke these fds: the parent sees the exit, and sweeps the work dir
 _exit(0)
 """
 

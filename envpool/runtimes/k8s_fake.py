@@ -369,7 +369,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def log_message(self, format: str, *args: Any) -> None:
-        pass
+        pass  # no access log: a line per request on stderr is noise in every test
 
     def _reply(self, code: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()

@@ -354,7 +354,7 @@ async def test_the_trajectory_timeout_fires_when_the_replica_is_wedged(pool):
             raise AssertionError("unreachable")
 
         async def swap(self, version: int, state: Any) -> None:
-            pass
+            pass  # weights are not what this replica is for: it is wedged in generate
 
         async def ping(self) -> int:
             return 0

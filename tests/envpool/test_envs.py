@@ -465,21 +465,27 @@ def test_code_repair_answers_a_name_the_file_system_refuses(repair, action):
     assert str(repair.env.workdir) not in res.obs.text
 
 
-def test_code_repair_answers_a_file_it_cannot_read(repair):
+def test_code_repair_answers_a_file_it_cannot_read(repair, monkeypatch):
+    # the policy's code may chmod its module to 0; the OS's refusal is played here (it was a
+    # chmod, skipped as root, which reads a mode-0 file all the same: always skipped in CI)
     repair.reset(options={"task": "mathutils"})
     module = repair.env.workdir / "mathutils.py"
-    module.chmod(0)
-    try:
-        if os.access(module, os.R_OK):
-            pytest.skip("running as root: a mode-0 file is still readable")
-        assert "cannot be read" in repair.step("view mathutils.py").obs.text
-        assert "cannot be read" in repair.step(edit_action("mathutils.py", "a - b", "a + b")).obs.text
-    finally:
-        module.chmod(0o644)
+    read_text = Path.read_text
+
+    def refused(self: Path, *args, **kwargs) -> str:
+        if self == module:
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", refused)
+    res = repair.step("view mathutils.py")
+    assert "cannot be read (Permission denied)" in res.obs.text and res.info["valid"] is False
+    res = repair.step(edit_action("mathutils.py", "a - b", "a + b"))
+    assert "cannot be read (Permission denied)" in res.obs.text and res.info["valid"] is False
 
 
 def test_code_repair_refuses_to_edit_a_module_that_is_not_text(repair):
-    # runs as root too (unlike the mode-0 case above): the policy's code can write any bytes
+    # the policy's code can write any bytes
     repair.reset(options={"task": "mathutils"})
     (repair.env.workdir / "mathutils.py").write_bytes(b"\xff\xfe def add(a, b): return a - b\n")
     res = repair.step(edit_action("mathutils.py", "a - b", "a + b"))

@@ -342,6 +342,8 @@ async def test_a_step_whose_time_went_to_a_tool_that_finished_is_an_infra_failur
 
 
 class _Sink(asyncio.Transport):
+    """A transport that takes every frame and sends nothing: the test plays the replies."""
+
     def write(self, data):
         pass
 
@@ -441,7 +443,7 @@ async def test_reset_retries_through_container_crashes(images):
                     await s.reset(seed=seed)
                     ok += 1
                 except SessionLost:
-                    pass
+                    pass  # its retries ran out: counted as sessions_infra_failed, checked below
         stats = p.stats()
         assert stats.get("reset_retries", 0) > 0
         assert ok + stats.get("sessions_infra_failed", 0) == 20  # every reset accounted for
