@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -92,6 +92,10 @@ class Placement(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def place(self, reqs: list[Request], workers: dict[str, float]) -> dict[str, str]:
+    def place(
+        self, reqs: list[Request], workers: dict[str, float], speeds: Mapping[str, float] | None = None
+    ) -> dict[str, str]:
         """``trajectory -> worker`` for ``reqs``; ``workers`` maps each worker to its current
-        load (tokens it still has to generate)."""
+        load (tokens it still has to generate). ``speeds`` (decode speed relative to the
+        profile, by worker; absent: all 1) is passed only when the workers differ, so a
+        placement of one's own written for equal workers keeps working."""

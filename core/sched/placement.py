@@ -27,7 +27,9 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from collections.abc import Sequence
+import math
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,19 +44,56 @@ def predicted_work(req: Request) -> float:
     return max(p, 1.0) if p != float("inf") else 1.0
 
 
+def worker_order(name: str) -> tuple[str | int, ...]:
+    """The tie-break among equal workers: ``w2`` before ``w10`` (digit runs compared as
+    numbers), so the sixteenth worker is not the third one picked."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+def worker_speeds(
+    workers: Mapping[str, float], speeds: Mapping[str, float] | None
+) -> dict[str, float] | None:
+    """``speeds`` checked against ``workers``; ``None`` when every worker is as fast (the
+    placements then take their equal-worker path, whose results do not depend on speed)."""
+    if speeds is None:
+        return None
+    if missing := sorted(set(workers) - set(speeds), key=worker_order):
+        raise ValueError(f"no speed for workers {missing}")
+    out = {w: float(speeds[w]) for w in workers}
+    if bad := {w: v for w, v in out.items() if not 0 < v < math.inf}:
+        raise ValueError(f"worker speeds must be finite and > 0, got {bad}")
+    return None if len(set(out.values())) <= 1 else out
+
+
 class LeastLoad(Placement):
+    """Longest first onto the worker that would finish it first: the least loaded one when
+    the workers are equal (LPT), ``(load + work) / speed`` when they are not."""
+
     name = "least_load"
 
-    def place(self, reqs: list[Request], workers: dict[str, float]) -> dict[str, str]:
+    def place(
+        self, reqs: list[Request], workers: dict[str, float], speeds: Mapping[str, float] | None = None
+    ) -> dict[str, str]:
         if not workers:
             raise ValueError("no workers to place on")
-        heap = [(load, name) for name, load in sorted(workers.items())]
-        heapq.heapify(heap)
+        speed = worker_speeds(workers, speeds)
+        order = sorted(reqs, key=lambda r: (-predicted_work(r), r.seq))
         out = {}
-        for req in sorted(reqs, key=lambda r: (-predicted_work(r), r.seq)):
-            load, name = heapq.heappop(heap)
-            out[req.trajectory] = name
-            heapq.heappush(heap, (load + predicted_work(req), name))
+        if speed is None:
+            heap = [(load, worker_order(name), name) for name, load in workers.items()]
+            heapq.heapify(heap)
+            for req in order:
+                load, key, name = heapq.heappop(heap)
+                out[req.trajectory] = name
+                heapq.heappush(heap, (load + predicted_work(req), key, name))
+            return out
+        # O(M) per trajectory: the best worker depends on the trajectory's own work
+        backlog = dict(workers)
+        for req in order:
+            work = predicted_work(req)
+            w = min(backlog, key=lambda w: ((backlog[w] + work) / speed[w], -speed[w], worker_order(w)))
+            out[req.trajectory] = w
+            backlog[w] += work
         return out
 
 
@@ -64,18 +103,24 @@ class CacheAffinity(Placement):
     def __init__(self, slack: float = 0.25) -> None:
         self.slack = slack
 
-    def place(self, reqs: list[Request], workers: dict[str, float]) -> dict[str, str]:
+    def place(
+        self, reqs: list[Request], workers: dict[str, float], speeds: Mapping[str, float] | None = None
+    ) -> dict[str, str]:
         if not workers:
             raise ValueError("no workers to place on")
+        speed = worker_speeds(workers, speeds) or dict.fromkeys(workers, 1.0)
         load = dict(workers)
         out = {}
         for req in sorted(reqs, key=lambda r: (-predicted_work(r), r.seq)):
-            least = min(load, key=lambda w: (load[w], w))
+            work = predicted_work(req)
+            least = min(load, key=lambda w: ((load[w] + work) / speed[w], worker_order(w)))
             home = req.worker
-            busiest_ok = (1 + self.slack) * load[least] + predicted_work(req)
-            target = home if home in load and load[home] <= busiest_ok else least
+            # in time, not tokens: the home's backlog against the least one's plus this
+            # trajectory's work there (with equal workers: tokens, as before)
+            busiest_ok = ((1 + self.slack) * load[least] + work) / speed[least]
+            target = home if home in load and load[home] / speed[home] <= busiest_ok else least
             out[req.trajectory] = target
-            load[target] += predicted_work(req)
+            load[target] += work
         return out
 
 
@@ -122,11 +167,22 @@ def fast_partition(
     lengths: Sequence[float], m: int, c: float = 1.0, a: float = 0.1, rel_eps: float = 1e-9
 ) -> tuple[float, list[int]]:
     """The same optimum as ``dp_partition``, exactly up to ``rel_eps``, in microseconds."""
+    return speed_partition(lengths, [1.0] * m, c, a, rel_eps)
+
+
+def speed_partition(
+    lengths: Sequence[float], speeds: Sequence[float], c: float = 1.0, a: float = 0.1, rel_eps: float = 1e-9
+) -> tuple[float, list[int]]:
+    """Contiguous groups of ``lengths`` (longest first) onto workers of these ``speeds``
+    (fastest first): group ``k`` costs ``group_cost / speeds[k]``, and the split minimises
+    the largest. ``(makespan, cuts)``; with equal speeds, ``fast_partition``."""
     n = len(lengths)
     if n == 0:
         return 0.0, [0]
     if a <= 0:
         raise ValueError("the interference factor must be > 0")
+    if not speeds:
+        raise ValueError("no workers to place on")
     prefix = list(itertools.accumulate(lengths, initial=0.0))
     # the rounding of the room arithmetic below: without it, a budget equal to a group's
     # exact cost can come out a hair short (one group too many, e.g. none fits on m = 1)
@@ -134,20 +190,20 @@ def fast_partition(
 
     def greedy(t: float) -> list[int] | None:
         cuts, i = [0], 0
-        while i < n:
-            if len(cuts) > m:
-                return None
-            # largest j with c * (L[i] + a * (prefix[j] - prefix[i+1])) <= t
-            room = (t / c - lengths[i]) / a
+        for s in speeds:
+            if i == n:
+                break
+            # largest j with c * (L[i] + a * (prefix[j] - prefix[i+1])) <= t * s
+            room = (t * s / c - lengths[i]) / a
             if room < -tol:
                 return None
             j = bisect.bisect_right(prefix, prefix[i + 1] + room + tol, lo=i + 1) - 1
             i = max(j, i + 1)
             cuts.append(i)
-        return cuts if len(cuts) - 1 <= m else None
+        return cuts if i == n else None
 
-    lo = c * max(lengths)  # a group holds at least one trajectory
-    hi = group_cost(lengths, 0, n, c, a)  # everything in one group
+    lo = c * max(lengths) / speeds[0]  # a group holds at least one trajectory
+    hi = group_cost(lengths, 0, n, c, a) / speeds[0]  # everything in one group
     if greedy(lo) is not None:
         hi = lo
     while hi - lo > rel_eps * hi:
@@ -158,7 +214,8 @@ def fast_partition(
             hi = mid
     cuts = greedy(hi)
     assert cuts is not None
-    return max(group_cost(lengths, cuts[k], cuts[k + 1], c, a) for k in range(len(cuts) - 1)), cuts
+    costs = (group_cost(lengths, cuts[k], cuts[k + 1], c, a) / speeds[k] for k in range(len(cuts) - 1))
+    return max(costs), cuts
 
 
 class PresortedDP(Placement):
@@ -169,24 +226,41 @@ class PresortedDP(Placement):
         self.a = interference
         self.last_makespan = 0.0
 
-    def place(self, reqs: list[Request], workers: dict[str, float]) -> dict[str, str]:
+    def place(
+        self, reqs: list[Request], workers: dict[str, float], speeds: Mapping[str, float] | None = None
+    ) -> dict[str, str]:
         if not workers:
             raise ValueError("no workers to place on")
+        speed = worker_speeds(workers, speeds)
         order = sorted(reqs, key=lambda r: (-predicted_work(r), r.seq))
         lengths = [predicted_work(r) for r in order]
+        out: dict[str, str] = {}
+        if speed is not None:
+            # the longest group onto the fastest worker (Heddle's pairing of long
+            # trajectories with high-MP workers); equal speeds: the least loaded first
+            fast = sorted(workers, key=lambda w: (-speed[w], workers[w], worker_order(w)))
+            self.last_makespan, cuts = speed_partition(lengths, [speed[w] for w in fast], self.c, self.a)
+            for k in range(len(cuts) - 1):
+                for req in order[cuts[k] : cuts[k + 1]]:
+                    out[req.trajectory] = fast[k]
+            return out
         self.last_makespan, cuts = fast_partition(lengths, len(workers), self.c, self.a)
         groups = [order[cuts[k] : cuts[k + 1]] for k in range(len(cuts) - 1)]
         # the costliest group onto the least-loaded worker
         costs = [group_cost(lengths, cuts[k], cuts[k + 1], self.c, self.a) for k in range(len(groups))]
-        free = sorted(workers, key=lambda w: (workers[w], w))
-        out: dict[str, str] = {}
+        free = sorted(workers, key=lambda w: (workers[w], worker_order(w)))
         for g, w in zip(sorted(range(len(groups)), key=lambda k: -costs[k]), free, strict=False):
             for req in groups[g]:
                 out[req.trajectory] = w
         return out
 
     def migrations(
-        self, current: dict[str, str], reqs: list[Request], workers: dict[str, float], in_tool_call: set[str]
+        self,
+        current: dict[str, str],
+        reqs: list[Request],
+        workers: dict[str, float],
+        in_tool_call: set[str],
+        speeds: Mapping[str, float] | None = None,
     ) -> dict[str, str]:
         """After predictions changed: re-partition the remaining trajectories and move only
         those waiting on a tool call (a move then costs nothing on the critical path: the
@@ -194,7 +268,11 @@ class PresortedDP(Placement):
         # a worker that left is no home to keep: matched to a group by overlap, it would
         # receive that group's trajectories
         live = {t: w for t, w in current.items() if w in workers}
-        target = stable_relabel(self.place(reqs, workers), live)
+        target = self.place(reqs, workers, speeds)
+        if worker_speeds(workers, speeds) is None:
+            # equal workers: a group's label is arbitrary, so keep as many where they are;
+            # with speeds the label is the pairing of a group with a worker's speed
+            target = stable_relabel(target, live)
         return {t: w for t, w in target.items() if t in in_tool_call and current.get(t) not in (None, w)}
 
 

@@ -11,10 +11,11 @@ same plan.
 
 from __future__ import annotations
 
-import bisect
 import math
 import random
 from collections.abc import Sequence
+
+from core.sched.placement import speed_partition
 
 #: Decode speed relative to one GPU, by model-parallel degree (a profile table; the
 #: simulator and benchmarks pass measured ones).
@@ -32,35 +33,8 @@ def makespan(
     if not degrees:
         return math.inf
     order = sorted(lengths, reverse=True)
-    n = len(order)
-    if n == 0:
-        return 0.0
     speeds = sorted((speedup[d] for d in degrees), reverse=True)
-    prefix = [0.0]
-    for x in order:
-        prefix.append(prefix[-1] + x)
-
-    def fits(t: float) -> bool:
-        i = 0
-        for s in speeds:
-            if i == n:
-                return True
-            room = (t * s - order[i]) / a
-            if room < 0:
-                return False
-            i = max(bisect.bisect_right(prefix, prefix[i + 1] + room, lo=i + 1) - 1, i + 1)
-        return i == n
-
-    lo, hi = order[0] / speeds[0], (order[0] + a * (prefix[n] - order[0])) / speeds[0]
-    if fits(lo):
-        return lo
-    while hi - lo > 1e-9 * hi:
-        mid = (lo + hi) / 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    return speed_partition(order, speeds, 1.0, a)[0]
 
 
 def sort_initialised(lengths: Sequence[float], budget: int, speedup: dict[int, float]) -> list[int]:

@@ -23,6 +23,7 @@ and prefix cache freed, as a real job cancels its requests (trajectory mode only
 from __future__ import annotations
 
 import heapq
+import inspect
 import itertools
 import math
 from collections.abc import Callable
@@ -160,7 +161,15 @@ class Simulator:
             raise RuntimeError("a Simulator runs once: make a new one for another run")
         self._ran = True
         reqs = [self._request(self._live[t.id], self.starts.get(t.id, 0.0)) for t in self.trajs]
-        self._where = self.placement.place(reqs, {w: 0.0 for w in self.workers})
+        loads = {w: 0.0 for w in self.workers}
+        speeds = {w: worker.speed for w, worker in self.workers.items()}
+        # speeds only when they differ, and only to a placement that takes them (one of
+        # one's own written for equal workers places as if they were)
+        takes_speeds = "speeds" in inspect.signature(self.placement.place).parameters
+        if takes_speeds and len(set(speeds.values())) > 1:
+            self._where = self.placement.place(reqs, loads, speeds)
+        else:
+            self._where = self.placement.place(reqs, loads)
         for r in reqs:
             if r.arrival > 0:
                 self._at(r.arrival, "ready", r)
