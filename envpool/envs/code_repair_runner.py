@@ -1,0 +1,323 @@
+"""The sandboxed test runner of ``code-repair-v1``: a subprocess that imports the policy's
+module in its work dir, evaluates each check's call and reports the values, never the
+verdict (that is :mod:`envpool.envs.code_repair_judge`'s), and is killed with everything it
+started after every run."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import resource
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "MAX_FILE_BYTES",
+    "MAX_RESULTS_BYTES",
+    "RUNNER",
+    "RunOutput",
+    "kill_left_in",
+    "kill_tree",
+    "run_checks",
+]
+
+MAX_RESULTS_BYTES = 2_000_000
+"""What is read of the subprocess's results file (each value is capped at 100 kB)."""
+MAX_RAW_OUTPUT_BYTES = 1_000_000
+"""What is read of the run's stdout and stderr (the env shows the tail of it)."""
+MAX_FILE_BYTES = 16 * 2**20
+"""RLIMIT_FSIZE of a test run: a module writing without end is killed, not the disk filled."""
+
+
+# Runs as `python -I -B -c RUNNER PARENT_PID RESULTS_FD DONE_FD` in the work dir, with the module's name, the
+# test file's imports and the checks' calls as one JSON line on stdin (never the expected
+# values). It writes one JSON line per check to RESULTS_FD, a file of its own: {"i", "value"}, or
+# {"i", "raised": [the exception's class names, its MRO], "message", "at"}, or {"i",
+# "not_plain": type, "repr"}; an import failure is {"import_error", "at"}. It dies with the
+# process that started it (PR_SET_PDEATHSIG, set here rather than in a preexec_fn, which is
+# not safe in a process with threads, as a container's server is). It is also a child subreaper:
+# what the module's processes start stays in its tree when they exit (not reparented to pid
+# 1). When done it writes one byte to DONE_FD and waits on the spec's pipe (moved off fd 0,
+# which reads /dev/null for the module), alive, so that its parent kills the whole tree
+# (kill_tree) after every run, not only on a timeout: a forked helper that sleeps no longer
+# outlives the run. A module that writes DONE_FD early only cuts its
+# own results short.
+RUNNER = r"""
+import ctypes, importlib, json, os, sys, traceback
+try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    libc.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+except Exception:
+    pass  # not Linux: the timeout and the CPU limit still apply
+if os.getppid() != int(sys.argv[1]):  # its parent died before prctl took effect
+    os._exit(1)
+spec = json.loads(sys.stdin.readline())
+# the wait below holds the spec's pipe on an fd of its own (not inherited by what the module
+# runs); the module's stdin is empty, as the pipe was once its parent closed it after the spec
+stdin_fd = os.dup(0)
+_null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(_null, 0)
+os.close(_null)
+# bound before the module runs: what it patches in os or sys cannot stop the end below
+_write, _read, _exit, done_fd = os.write, os.read, os._exit, int(sys.argv[3])
+results = os.fdopen(int(sys.argv[2]), "w", encoding="utf-8")
+
+def send(obj):
+    try:
+        line = json.dumps(obj)
+    except ValueError:  # an int past 4300 digits (Python's limit on int to str)
+        line = json.dumps({"i": obj.get("i"), "too_large": -1})
+    if len(line) > 100_000:
+        line = json.dumps({"i": obj.get("i"), "too_large": len(line)})
+    results.write(line + "\n")
+    results.flush()
+
+def text(f):
+    try:
+        return str(f())[:500]
+    except BaseException:
+        return "?"
+
+def where(e):
+    try:
+        tb = traceback.extract_tb(e.__traceback__)
+        return f"{os.path.basename(tb[-1].filename)}:{tb[-1].lineno}: {tb[-1].line}" if tb else ""
+    except BaseException:
+        return ""
+
+def mro(e):
+    try:
+        return [str(c.__name__) for c in type(e).__mro__]
+    except BaseException:
+        return ["?"]
+
+def plain(x):
+    t = type(x)
+    if x is None or t in (bool, int, float, str):
+        return x
+    if t in (list, tuple):
+        return [plain(v) for v in x]
+    if t is dict and all(type(k) is str for k in x):
+        return {k: plain(v) for k, v in x.items()}
+    raise TypeError(t.__name__)
+
+sys.path.insert(0, os.getcwd())
+try:
+    module = importlib.import_module(spec["module"])
+    names = {}
+    for name in spec["imports"]:
+        if not hasattr(module, name):
+            raise ImportError(f"cannot import name {name!r} from {spec['module']!r}")
+        names[name] = getattr(module, name)
+except BaseException as e:
+    send({"import_error": f"{mro(e)[0]}: {text(lambda: e)}", "at": where(e)})
+else:
+    for i, call in enumerate(spec["calls"]):
+        try:
+            value = eval(call, dict(names))
+        except BaseException as e:
+            send({"i": i, "raised": mro(e), "message": text(lambda: e), "at": where(e)})
+            continue
+        try:
+            out = plain(value)
+        except BaseException:  # not a plain value, or nested too deep
+            send({"i": i, "not_plain": type(value).__name__, "repr": text(lambda: repr(value))[:200]})
+        else:
+            send({"i": i, "value": out})
+try:
+    results.close()
+    _write(done_fd, b"D")
+    _read(stdin_fd, 1)  # the parent kills this process and its tree, or closes stdin
+except BaseException:
+    pass  # the module broke these fds: the parent sees the exit, and sweeps the work dir
+_exit(0)
+"""
+
+
+@dataclass(frozen=True)
+class RunOutput:
+    output: str
+    """The run's stdout and stderr (the module's prints), decoded, at most
+    ``MAX_RAW_OUTPUT_BYTES``."""
+    results: str
+    """The runner's JSON lines (see ``RUNNER``), at most ``MAX_RESULTS_BYTES``."""
+    timed_out: bool
+
+
+def run_checks(root: Path, spec: dict[str, Any], timeout_s: float) -> RunOutput:
+    """Run ``RUNNER`` in ``root`` on ``spec`` (the module's name, the names the tests import
+    and the checks' calls; never the expected values) for at most ``timeout_s``; then kill
+    it with everything it started."""
+    env = {"PATH": os.defpath, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": str(root)}
+    done_r, done_w = os.pipe()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as results:
+        # in this process's group, not a session of its own: a container is killed as a
+        # whole (its process group), and a test run must go with it
+        argv = [sys.executable, "-I", "-B", "-c", RUNNER, str(os.getpid()), str(results.fileno())]
+        try:
+            proc = subprocess.Popen(
+                [*argv, str(done_w)],
+                cwd=root,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                pass_fds=(results.fileno(), done_w),
+            )
+        finally:
+            os.close(done_w)
+        try:
+            timed_out = _await_runner(proc, done_r, json.dumps(spec).encode() + b"\n", root, timeout_s)
+        finally:
+            os.close(done_r)
+        out.seek(0)
+        raw = out.read(MAX_RAW_OUTPUT_BYTES).decode("utf-8", errors="replace")
+        results.seek(0)
+        reported = results.read(MAX_RESULTS_BYTES).decode("utf-8", errors="replace")
+    return RunOutput(output=raw, results=reported, timed_out=timed_out)
+
+
+def _await_runner(
+    proc: subprocess.Popen[bytes], done_r: int, spec: bytes, root: Path, timeout_s: float
+) -> bool:
+    """Feed the runner its spec and wait for its done byte, its exit or the timeout; then
+    kill it with everything it started. Whether it timed out."""
+    # a backstop should the timeout below never come (this process stopped): SIGKILL
+    # past about test_timeout_s of CPU (soft = hard: no SIGXCPU core dump)
+    cpu_s = math.ceil(timeout_s) + 1
+    with contextlib.suppress(OSError, ValueError):
+        resource.prlimit(proc.pid, resource.RLIMIT_CPU, (cpu_s, cpu_s))
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (MAX_FILE_BYTES, MAX_FILE_BYTES))
+    assert proc.stdin is not None
+    with contextlib.suppress(OSError):  # it died at once: its exit tells
+        proc.stdin.write(spec)
+        proc.stdin.flush()
+    deadline = time.monotonic() + timeout_s
+    timed_out = True
+    # the done byte, or the runner's exit (it died, or the module ended the interpreter:
+    # the done pipe stays open in whatever it forked, so its EOF cannot tell)
+    watch = [done_r]
+    with _exit_watch(proc.pid) as exited:
+        while (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select(watch + exited, [], [], left if exited else min(left, 0.05))
+            if done_r in ready:
+                if os.read(done_r, 1):
+                    timed_out = False
+                    break
+                watch = []  # closed by the module: its exit, or the timeout, tells
+            if (exited and exited[0] in ready) or (not exited and proc.poll() is not None):
+                timed_out = False
+                break
+    if proc.returncode is None:  # not reaped (a zombie at worst): its pid is still its own
+        kill_tree(proc.pid)  # it and all it started (a subreaper, it kept them in its tree)
+    with contextlib.suppress(OSError):
+        proc.stdin.close()
+    proc.wait()
+    # whether it ended by itself (the module ended the interpreter, or it crashed, or it
+    # cut the runner's wait short after the done byte) before the kill cannot be told
+    # apart from a kill: what it started left its tree then, but not this process group
+    # nor the work dir. One scan of /proc, after every run
+    kill_left_in(root)
+    return timed_out
+
+
+@contextlib.contextmanager
+def _exit_watch(pid: int) -> Iterator[list[int]]:
+    """``[a pidfd]`` that turns readable when ``pid`` exits, or ``[]`` where there is none
+    (then the caller polls)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        yield []
+        return
+    try:
+        yield [fd]
+    finally:
+        os.close(fd)
+
+
+def kill_left_in(root: Path) -> None:
+    """SIGKILL every process of this process group whose working directory is under ``root``
+    (an episode's work dir, this process's own never), each stopped first so none forks past
+    the scan."""
+    me, group, stopped, root = os.getpid(), os.getpgid(0), set[int](), root.resolve()
+    for _ in range(100):  # a fork bomb outruns no scan for long: each pass stops what it saw
+        found = []
+        with contextlib.suppress(OSError):
+            for entry in os.scandir("/proc"):
+                if not entry.name.isdigit() or (pid := int(entry.name)) == me or pid in stopped:
+                    continue
+                try:
+                    if os.getpgid(pid) != group or not Path(os.readlink(f"/proc/{pid}/cwd")).is_relative_to(
+                        root
+                    ):
+                        continue
+                    os.kill(pid, signal.SIGSTOP)
+                except OSError:  # gone meanwhile, or not ours to read
+                    continue
+                found.append(pid)
+        if not found:
+            break
+        stopped.update(found)
+    for pid in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _children_by_parent() -> dict[int, list[int]]:
+    found: dict[int, list[int]] = {}
+    try:
+        entries = list(os.scandir("/proc"))
+    except OSError:  # no /proc (not Linux): only the runner itself is killed
+        return found
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        # past the command name (which may hold spaces or parentheses): state, then ppid
+        ppid = int(stat.rpartition(b")")[2].split()[1])
+        found.setdefault(ppid, []).append(int(entry.name))
+    return found
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL ``root`` (a child of this process) and every process it started. They share
+    their caller's process group (a group of their own would escape a container's kill), so
+    they are found by parent; each is stopped first so that none forks behind the walk, and
+    a stopped parent reaps nothing, so no pid found can pass to another process before the
+    kill. (One that left the tree, reparented when its parent exited, is not found: the
+    container's own kill takes it.)"""
+    stopped: set[int] = set()
+    todo = [root]
+    while todo:
+        for pid in todo:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        stopped.update(todo)
+        tree = _children_by_parent()
+        found: set[int] = set()
+        frontier = [root]
+        while frontier:
+            for child in tree.get(frontier.pop(), ()):
+                if child not in found:
+                    found.add(child)
+                    frontier.append(child)
+        todo = sorted(found - stopped)
+    for pid in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
