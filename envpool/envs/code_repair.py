@@ -32,21 +32,22 @@ never show the work dir's location, so a seed and a list of actions replay the s
 episode.
 
 How a run is judged, and why so: the policy's module is code the policy wrote, and the
-process that imports it is the policy's to control (it can read that process's memory,
-print anything, exit early, or return a value whose ``__eq__`` is always true). So that
-process only *computes*: a subprocess (``python -I -B``, cwd the work dir, scrubbed
-environment, killed with whatever it started when its results are in or at ``test_timeout_s``,
-CPU and file-size limits, dies with the process that started it) imports the module, evaluates each check's
-call (``add(2, 3)``) and writes the value as plain JSON (numbers, strings, booleans, None,
-lists, string-keyed dicts; anything else is a failure) or the exception it raised to a file
-of its own. This process compares those values with the expected ones, which never enter
-the subprocess. A module can still write that file itself, but a check passes only with
-the right value, which is what a correct module returns: the worst it can do is what any
-test-judged task allows, answers fitted to the visible tests. The ``test_*.py`` files are
-the checks written out for the policy to read; they are restored before every run and
+process that imports it is the policy's to control (it can read that process's memory, print
+anything, exit early, or return a value whose ``__eq__`` is always true). So that process
+only *computes*: a subprocess (``python -I -B``, cwd the work dir, scrubbed environment, in
+a PID namespace of its own where the kernel allows one, killed with whatever it started when
+its results are in or at ``test_timeout_s``, CPU and file-size limits, dies with the process
+that started it; :mod:`envpool.envs.code_repair_runner`) imports the module, evaluates each
+check's call (``add(2, 3)``) and writes the value as plain JSON (numbers, strings, booleans,
+None, lists, string-keyed dicts; anything else is a failure) or the exception it raised to a
+file of its own. This process compares those values with the expected ones, which never
+enter the subprocess. A module can still write that file itself, but a check passes only
+with the right value, which is what a correct module returns: the worst it can do is what
+any test-judged task allows, answers fitted to the visible tests. The ``test_*.py`` files
+are the checks written out for the policy to read; they are restored before every run and
 never executed. The subprocess runs as this process's user: what it may touch besides the
-work dir (this process included, with ``ptrace``) is bounded by the container, which is the
-sandbox for adversarial code, not this env.
+work dir (this process included, with ``ptrace``, where it has no PID namespace) is bounded
+by the container, which is the sandbox for adversarial code, not this env.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from typing import Any
 __all__ = [
     "MAX_FILE_BYTES",
     "MAX_RESULTS_BYTES",
+    "PID_NAMESPACE",
     "RUNNER",
     "RunOutput",
     "kill_left_in",
@@ -39,36 +40,123 @@ MAX_FILE_BYTES = 16 * 2**20
 """RLIMIT_FSIZE of a test run: a module writing without end is killed, not the disk filled."""
 
 
-# Runs as `python -I -B -c RUNNER PARENT_PID RESULTS_FD DONE_FD` in the work dir, with the module's name, the
-# test file's imports and the checks' calls as one JSON line on stdin (never the expected
-# values). It writes one JSON line per check to RESULTS_FD, a file of its own: {"i", "value"}, or
-# {"i", "raised": [the exception's class names, its MRO], "message", "at"}, or {"i",
-# "not_plain": type, "repr"}; an import failure is {"import_error", "at"}. It dies with the
-# process that started it (PR_SET_PDEATHSIG, set here rather than in a preexec_fn, which is
-# not safe in a process with threads, as a container's server is). It is also a child subreaper:
-# what the module's processes start stays in its tree when they exit (not reparented to pid
-# 1). When done it writes one byte to DONE_FD and waits on the spec's pipe (moved off fd 0,
-# which reads /dev/null for the module), alive, so that its parent kills the whole tree
-# (kill_tree) after every run, not only on a timeout: a forked helper that sleeps no longer
-# outlives the run. A module that writes DONE_FD early only cuts its
-# own results short.
+PID_NAMESPACE = True
+"""Run each test run in a PID namespace of its own where the kernel allows it (see
+``RUNNER``); False runs the fallback everywhere (for the tests)."""
+
+
+# Runs as `python -I -B -c RUNNER PARENT_PID RESULTS_FD DONE_FD ISOLATE` in the work dir, with
+# the module's name, the test file's imports and the checks' calls as one JSON line on stdin
+# (never the expected values). It writes one JSON line per check to RESULTS_FD, a file of its
+# own: {"i", "value"}, or {"i", "raised": [the exception's class names, its MRO], "message",
+# "at"}, or {"i", "not_plain": type, "repr"}; an import failure is {"import_error", "at"}.
+#
+# Three roles, so that nothing the module starts outlives the run, however it ends:
+# * the keeper (the process started here) never runs the module's code, so the module cannot
+#   end it by ending the interpreter or crashing. It dies with the process that started it
+#   (PR_SET_PDEATHSIG, set here rather than in a preexec_fn, which is not safe in a process
+#   with threads, as a container's server is), reads the spec (after its parent set its
+#   limits, which its children inherit), and forks;
+# * with ISOLATE, where unshare(CLONE_NEWPID) works (with CAP_SYS_ADMIN, as root has; else in
+#   a user namespace of its own that maps only its own uid and gid, where the kernel and the
+#   seccomp filter let it make one: not under Docker's default profile), its child is pid 1
+#   of a fresh PID namespace: an init that only reaps. When it ends (the runner ended, or it
+#   was killed) the kernel kills every process of the namespace, whatever its session,
+#   process group or working directory. Nothing in the namespace can signal it (it has no
+#   handler), nor any process outside (kill(-1) included), since none has a pid there;
+# * the runner, under that init (or the keeper's child where there is no namespace), imports
+#   the module and evaluates the checks. When done it writes one byte to DONE_FD and waits
+#   on the spec's pipe (moved off fd 0, which reads /dev/null for the module), alive, so that
+#   its parent kills the whole tree (kill_tree) after every run, not only on a timeout.
+#
+# When the runner ends, the keeper writes the done byte too (the run is over) and, without a
+# namespace, stays alive until killed: it is a child subreaper, so what the module started
+# stays in its tree even when the runner is gone. What that fallback cannot stop: a module
+# that kills the keeper (same user, its pid is the runner's parent) and leaves a daemon with
+# a session and a working directory of its own; the container's kill takes that one. A
+# module that writes DONE_FD early only cuts its own results short.
 RUNNER = r"""
-import ctypes, importlib, json, os, sys, traceback
+import ctypes, os, select, signal, sys
+parent, done_fd, isolate = int(sys.argv[1]), int(sys.argv[3]), sys.argv[4] == "1"
 try:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    libc.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
 except Exception:
-    pass  # not Linux: the timeout and the CPU limit still apply
-if os.getppid() != int(sys.argv[1]):  # its parent died before prctl took effect
+    libc = None  # not Linux: the timeout and the CPU limit still apply
+if os.getppid() != parent:  # its parent died before prctl took effect
     os._exit(1)
-spec = json.loads(sys.stdin.readline())
-# the wait below holds the spec's pipe on an fd of its own (not inherited by what the module
-# runs); the module's stdin is empty, as the pipe was once its parent closed it after the spec
+spec_line = sys.stdin.readline()
+# the waits below hold the spec's pipe on an fd of their own; the module's stdin is empty, as
+# the pipe was once its parent closed it after the spec
 stdin_fd = os.dup(0)
 _null = os.open(os.devnull, os.O_RDONLY)
 os.dup2(_null, 0)
 os.close(_null)
+
+def unshare_pid():
+    if libc is None or not isolate:
+        return False
+    if libc.unshare(0x20000000) == 0:  # CLONE_NEWPID
+        return True
+    uid, gid = os.getuid(), os.getgid()  # the new user namespace maps only these, to themselves
+    if libc.unshare(0x10000000 | 0x20000000) != 0:  # and CLONE_NEWUSER, which needs no capability
+        return False
+    for name, text in (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1")):
+        try:
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+        except OSError:
+            pass  # unmapped, the ids read as the overflow id inside; files are still its own
+    return True
+
+isolated = unshare_pid()
+if libc is not None:
+    libc.prctl(1, 9)  # again: a change of credentials may clear it
+    libc.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans of the run stay in its tree
+if os.getppid() != parent:
+    os._exit(1)
+alive_r, alive_w = os.pipe()
+child = os.fork()
+if child:  # the keeper
+    os.close(alive_r)
+    while True:
+        try:
+            os.waitpid(child, 0)
+        except ChildProcessError:
+            break
+        except OSError:
+            continue
+        break
+    try:
+        os.write(done_fd, b"D")
+        if not isolated:  # what the run started is in the keeper's tree until its parent kills it
+            os.read(stdin_fd, 1)
+    except OSError:
+        pass
+    os._exit(0)
+os.close(alive_w)
+if libc is not None:
+    libc.prctl(1, 9)  # with the keeper (a fork clears it)
+if select.select([alive_r], [], [], 0)[0]:  # the keeper died before prctl took effect
+    os._exit(1)
+os.close(alive_r)
+if isolated:
+    runner = os.fork()
+    if runner:  # pid 1 of the namespace: it reaps until the runner ends, then ends it all
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # no handler: nothing inside can signal it
+        while True:
+            try:
+                if os.wait()[0] == runner:
+                    break
+            except ChildProcessError:
+                break
+            except OSError:
+                pass
+        os._exit(0)
+    if libc is not None:
+        libc.prctl(1, 9)  # with the init
+import importlib, json, traceback
+spec = json.loads(spec_line)
 # bound before the module runs: what it patches in os or sys cannot stop the end below
 _write, _read, _exit, done_fd = os.write, os.read, os._exit, int(sys.argv[3])
 results = os.fdopen(int(sys.argv[2]), "w", encoding="utf-8")
@@ -167,7 +255,7 @@ def run_checks(root: Path, spec: dict[str, Any], timeout_s: float) -> RunOutput:
         argv = [sys.executable, "-I", "-B", "-c", RUNNER, str(os.getpid()), str(results.fileno())]
         try:
             proc = subprocess.Popen(
-                [*argv, str(done_w)],
+                [*argv, str(done_w), "1" if PID_NAMESPACE else "0"],
                 cwd=root,
                 env=env,
                 stdin=subprocess.PIPE,
@@ -220,14 +308,14 @@ def _await_runner(
                 timed_out = False
                 break
     if proc.returncode is None:  # not reaped (a zombie at worst): its pid is still its own
-        kill_tree(proc.pid)  # it and all it started (a subreaper, it kept them in its tree)
+        kill_tree(proc.pid)  # the keeper and all below it (a subreaper, or a namespace's init)
     with contextlib.suppress(OSError):
         proc.stdin.close()
     proc.wait()
-    # whether it ended by itself (the module ended the interpreter, or it crashed, or it
-    # cut the runner's wait short after the done byte) before the kill cannot be told
-    # apart from a kill: what it started left its tree then, but not this process group
-    # nor the work dir. One scan of /proc, after every run
+    # a keeper that ended by itself (its namespace's init ended, which took the namespace
+    # with it; or, without a namespace, the module killed it) cannot be told apart from a
+    # kill: in the second case what the run started left its tree, but maybe not this
+    # process group nor the work dir. One scan of /proc, after every run
     kill_left_in(root)
     return timed_out
 

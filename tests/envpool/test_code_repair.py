@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from pool_util import wait_for
 
 import envpool
 import envpool.envs  # registers the built-ins
+from envpool.envs import code_repair_runner
 from envpool.envs.code_repair import TASKS, parse_blocks
 from envpool.pool import EnvPool
 
@@ -369,12 +372,20 @@ def _none_left_in(work: Path, within_s: float) -> bool:
     return not _running_in(work)
 
 
+@pytest.fixture(params=[True, False], ids=["pid_namespace", "fallback"])
+def pid_namespace(request, monkeypatch):
+    """Each test run in a PID namespace of its own where the kernel allows it, and in the
+    fallback (the keeper, a child subreaper) everywhere."""
+    monkeypatch.setattr(code_repair_runner, "PID_NAMESPACE", request.param)
+    return request.param
+
+
 LOOP = "    while True:\n        pass"
 # a test run that starts a helper process of its own, then loops
 SPAWN_AND_LOOP = '    import subprocess\n    subprocess.Popen(["sleep", "60"])\n' + LOOP
 
 
-def test_code_repair_test_timeout_kills_what_the_run_started(tmp_path):
+def test_code_repair_test_timeout_kills_what_the_run_started(tmp_path, pid_namespace):
     with _repair_in(tmp_path, 0.5) as (env, work):
         env.step(edit_action("mathutils.py", "    return a - b", SPAWN_AND_LOOP))
         res = env.step("run_tests")
@@ -398,7 +409,7 @@ FIX_AND_FORKS = (
 
 
 @pytest.mark.parametrize("early_exit", [False, True])
-def test_code_repair_a_run_that_ends_takes_what_it_started_with_it(tmp_path, early_exit):
+def test_code_repair_a_run_that_ends_takes_what_it_started_with_it(tmp_path, pid_namespace, early_exit):
     # the runner returned normally and its module's forked helpers, reparented to pid 1, ran
     # on for good: only a timeout killed the tree. Now the runner stays alive past its
     # results, a subreaper, and its parent kills it with all it started
@@ -418,13 +429,11 @@ def test_code_repair_a_run_that_ends_takes_what_it_started_with_it(tmp_path, ear
         assert _none_left_in(work, 3)  # the sleeper and the daemon's child too (they sleep 60 s)
 
 
-def test_code_repair_a_runner_that_ends_after_its_done_byte_is_swept(tmp_path, monkeypatch):
+def test_code_repair_a_runner_that_ends_after_its_done_byte_is_swept(tmp_path, pid_namespace, monkeypatch):
     # the runner's wait on its parent can be cut short by the module (it puts /dev/null where
     # the runner waits): the runner wrote its done byte, then ended by itself; its parent,
     # scheduled after that end (slowed here), took the run for one that waited, killed the
     # runner's tree (empty: its daemon had left it) and never swept the work dir
-    from envpool.envs import code_repair_runner
-
     kill_tree = code_repair_runner.kill_tree
 
     def late_kill_tree(pid: int) -> None:
@@ -440,8 +449,105 @@ def test_code_repair_a_runner_that_ends_after_its_done_byte_is_swept(tmp_path, m
         assert _none_left_in(work, 3)
 
 
+def _daemon(pidfile: Path, chdir: bool, end: str) -> str:
+    """The fix, then a daemon started at import: a child that calls setsid() (a session and
+    process group of its own), maybe moves to /, and forks a grandchild that writes its pid
+    to ``pidfile`` and sleeps; then the runner goes on (``end="returns"``), ends the
+    interpreter (``"exits"``) or kills its parent and the parent's parent it finds in /proc
+    (``"kills_ancestors"``)."""
+    ends = {
+        "returns": "",
+        "exits": "os._exit(0)\n",
+        "kills_ancestors": (
+            "pid = os.readlink('/proc/self')\n"
+            "for _ in range(2):  # the runner's parent and grandparent (never the test's process)\n"
+            "    pid = open(f'/proc/{pid}/stat').read().rpartition(')')[2].split()[1]\n"
+            f"    for target in {{int(pid), os.getppid()}} - {{{os.getpid()}}}:\n"
+            "        try:\n"
+            "            os.kill(target, signal.SIGKILL)\n"
+            "        except OSError:\n"
+            "            pass\n"
+            "time.sleep(0.5)\n"
+        ),
+    }
+    return (
+        "    return a + b\n"
+        "import os, signal, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n" + ("    os.chdir('/')\n" if chdir else "") + "    if os.fork() == 0:\n"
+        f"        with open({str(pidfile)!r} + '.tmp', 'w') as f:\n"
+        "            f.write(os.readlink('/proc/self'))  # its pid outside any PID namespace\n"
+        f"        os.rename({str(pidfile)!r} + '.tmp', {str(pidfile)!r})\n"
+        "        time.sleep(60)\n"
+        "    os._exit(0)\n"
+        "for _ in range(500):  # until the daemon is up\n"
+        f"    if os.path.exists({str(pidfile)!r}):\n"
+        "        break\n"
+        "    time.sleep(0.01)\n" + ends[end]
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def _run_and_await_the_daemon(tmp_path: Path, chdir: bool, end: str) -> None:
+    pidfile = tmp_path / "daemon.pid"
+    with _repair_in(tmp_path, 10) as (env, _):
+        env.step(edit_action("mathutils.py", "    return a - b", _daemon(pidfile, chdir, end)))
+        res = env.step("run_tests")
+        pid = int(pidfile.read_text())
+        try:
+            if end != "exits":
+                assert res.info["all_passed"], res.obs.text
+            deadline = time.monotonic() + 3
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert not _alive(pid), f"the daemon {pid} outlived its run"
+        finally:
+            _kill_all([pid])
+
+
+@pytest.mark.parametrize("chdir", [False, True], ids=["setsid", "setsid_chdir"])
+@pytest.mark.parametrize("end", ["returns", "exits"])
+def test_code_repair_a_daemon_in_a_session_of_its_own_goes_with_the_run(tmp_path, pid_namespace, chdir, end):
+    # a daemon (setsid, maybe chdir away) left the runner's process group, and the work dir:
+    # when the runner ended by itself, the daemon, reparented out of its tree, escaped both
+    # the tree's kill and the sweep of the group's processes in the work dir, for good
+    _run_and_await_the_daemon(tmp_path, chdir, end)
+
+
+@functools.cache
+def _pid_namespaces_here() -> bool:
+    """Whether a test run gets a PID namespace of its own here (its runner is pid 2 there)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = envpool.make("code-repair-v1", workdir_root=tmp)
+        try:
+            env.reset(options={"task": "mathutils"})
+            out = Path(tmp) / "pid"
+            code = f"import os\nopen({str(out)!r}, 'w').write(str(os.getpid()))\n"
+            env.step(edit_action("mathutils.py", "def add", code + "def add"))
+            env.step("run_tests")
+            return out.read_text() == "2"
+        finally:
+            env.close()
+
+
+def test_code_repair_a_daemon_whose_run_kills_its_ancestors_goes_with_the_run(tmp_path):
+    # the fallback's limit (the runner's parent, the keeper, is the module's to kill): in a
+    # PID namespace the runner's parent is the namespace's init, which ignores what comes from
+    # inside, and nothing outside has a pid there
+    if not _pid_namespaces_here():
+        pytest.skip("no PID namespace for a test run here (no CAP_SYS_ADMIN, no user namespaces)")
+    _run_and_await_the_daemon(tmp_path, chdir=True, end="kills_ancestors")
+
+
 @pytest.mark.parametrize("reader", ["module", "helper"])
-def test_code_repair_a_module_that_reads_stdin_reads_nothing(tmp_path, reader):
+def test_code_repair_a_module_that_reads_stdin_reads_nothing(tmp_path, pid_namespace, reader):
     # the runner kept its stdin (the pipe its parent fed the spec on) open past the spec, to
     # wait on it once done: a module (or a helper it ran) that read stdin, which found it at
     # its end when the parent closed it after the spec, then blocked until test_timeout_s
