@@ -34,7 +34,7 @@ episode.
 How a run is judged, and why so: the policy's module is code the policy wrote, and the
 process that imports it is the policy's to control (it can read that process's memory, print
 anything, exit early, or return a value whose ``__eq__`` is always true). So that process
-only *computes*: a subprocess (``python -I -B``, cwd the work dir, scrubbed environment, in
+only *computes*: a subprocess (``python -I -B -u``, cwd the work dir, scrubbed environment, in
 a PID namespace of its own where the kernel allows one, killed with whatever it started when
 its results are in or at ``test_timeout_s``, CPU and file-size limits, dies with the process
 that started it; :mod:`envpool.envs.code_repair_runner`) imports the module, evaluates each
@@ -64,6 +64,7 @@ from envpool.api import Env, Observation, StepResult
 from envpool.envs.code_repair_judge import judge, parse_results, verdict
 from envpool.envs.code_repair_runner import (
     MAX_FILE_BYTES,
+    MAX_RAW_OUTPUT_BYTES,
     MAX_RESULTS_BYTES,
     RUNNER,
     kill_left_in,
@@ -275,11 +276,14 @@ class CodeRepairEnv(Env):
             "calls": [c.call for _, c in checks],
         }
         run = run_checks(root, spec, self.test_timeout_s)
-        raw, reported, timed_out = run.output, run.results, run.timed_out
+        timed_out = run.timed_out
         hide = [str(root), str(root.resolve())]
-        passed, lines = judge(task, checks, parse_results(reported, len(checks)), timed_out)
-        shown = _hide(raw, hide).strip()
-        if len(shown) > MAX_OUTPUT_CHARS:
+        passed, lines = judge(task, checks, parse_results(run.results, len(checks)), timed_out)
+        shown = _hide(run.output, hide).strip()
+        if run.output_bytes > MAX_RAW_OUTPUT_BYTES:  # only its end was read
+            cut = f"[... output cut: the run wrote {run.output_bytes:,} bytes; its end follows]"
+            shown = f"{cut}\n{shown[-MAX_OUTPUT_CHARS:]}"
+        elif len(shown) > MAX_OUTPUT_CHARS:
             shown = f"[... {len(shown) - MAX_OUTPUT_CHARS} characters cut]\n" + shown[-MAX_OUTPUT_CHARS:]
         if timed_out:
             lines.append(f"The test run timed out after {self.test_timeout_s:g} s.")

@@ -35,7 +35,7 @@ __all__ = [
 MAX_RESULTS_BYTES = 2_000_000
 """What is read of the subprocess's results file (each value is capped at 100 kB)."""
 MAX_RAW_OUTPUT_BYTES = 1_000_000
-"""What is read of the run's stdout and stderr (the env shows the tail of it)."""
+"""What is read of the end of the run's stdout and stderr (the env shows the end of that)."""
 MAX_FILE_BYTES = 16 * 2**20
 """RLIMIT_FSIZE of a test run: a module writing without end is killed, not the disk filled."""
 
@@ -45,11 +45,13 @@ PID_NAMESPACE = True
 ``RUNNER``); False runs the fallback everywhere (for the tests)."""
 
 
-# Runs as `python -I -B -c RUNNER PARENT_PID RESULTS_FD DONE_FD ISOLATE` in the work dir, with
+# Runs as `python -I -B -u -c RUNNER PARENT_PID RESULTS_FD DONE_FD ISOLATE` in the work dir, with
 # the module's name, the test file's imports and the checks' calls as one JSON line on stdin
 # (never the expected values). It writes one JSON line per check to RESULTS_FD, a file of its
 # own: {"i", "value"}, or {"i", "raised": [the exception's class names, its MRO], "message",
 # "at"}, or {"i", "not_plain": type, "repr"}; an import failure is {"import_error", "at"}.
+# Unbuffered (-u): the module's prints reach the output as they are made, since the runner is
+# killed after its results (or at the timeout), never left to flush a buffer.
 #
 # Three roles, so that nothing the module starts outlives the run, however it ends:
 # * the keeper (the process started here) never runs the module's code, so the module cannot
@@ -236,8 +238,10 @@ _exit(0)
 @dataclass(frozen=True)
 class RunOutput:
     output: str
-    """The run's stdout and stderr (the module's prints), decoded, at most
+    """The end of the run's stdout and stderr (the module's prints), decoded: its last
     ``MAX_RAW_OUTPUT_BYTES``."""
+    output_bytes: int
+    """How many bytes the run wrote there in all."""
     results: str
     """The runner's JSON lines (see ``RUNNER``), at most ``MAX_RESULTS_BYTES``."""
     timed_out: bool
@@ -252,7 +256,7 @@ def run_checks(root: Path, spec: dict[str, Any], timeout_s: float) -> RunOutput:
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as results:
         # in this process's group, not a session of its own: a container is killed as a
         # whole (its process group), and a test run must go with it
-        argv = [sys.executable, "-I", "-B", "-c", RUNNER, str(os.getpid()), str(results.fileno())]
+        argv = [sys.executable, "-I", "-B", "-u", "-c", RUNNER, str(os.getpid()), str(results.fileno())]
         try:
             proc = subprocess.Popen(
                 [*argv, str(done_w), "1" if PID_NAMESPACE else "0"],
@@ -269,11 +273,12 @@ def run_checks(root: Path, spec: dict[str, Any], timeout_s: float) -> RunOutput:
             timed_out = _await_runner(proc, done_r, json.dumps(spec).encode() + b"\n", root, timeout_s)
         finally:
             os.close(done_r)
-        out.seek(0)
+        size = out.seek(0, os.SEEK_END)
+        out.seek(max(0, size - MAX_RAW_OUTPUT_BYTES))  # the end is what is shown
         raw = out.read(MAX_RAW_OUTPUT_BYTES).decode("utf-8", errors="replace")
         results.seek(0)
         reported = results.read(MAX_RESULTS_BYTES).decode("utf-8", errors="replace")
-    return RunOutput(output=raw, results=reported, timed_out=timed_out)
+    return RunOutput(output=raw, output_bytes=size, results=reported, timed_out=timed_out)
 
 
 def _await_runner(

@@ -631,3 +631,29 @@ def test_code_repair_unknown_action(repair):
     res = repair.step("rm -rf /")
     assert "Unknown action 'rm -rf /'" in res.obs.text and "run_tests" in res.obs.text
     assert res.info == {"valid": False}
+
+
+@pytest.mark.parametrize("then", ["returns", "loops"])
+def test_code_repair_shows_what_the_module_printed(tmp_path, then):
+    # the runner waits to be killed once its results are in (or loops until the timeout):
+    # what the module printed without a flush sat in the buffer of its stdout, and was lost
+    with _repair_in(tmp_path, 1) as (env, _):
+        body = "    print('debug', a, b)\n" + ("    return a - b" if then == "returns" else LOOP)
+        env.step(edit_action("mathutils.py", "    return a - b", body))
+        text = env.step("run_tests").obs.text
+        assert text.endswith(
+            "Output of the run:\ndebug 2 3" + ("\ndebug -4 1" if then == "returns" else "")
+        ), text
+
+
+def test_code_repair_shows_the_end_of_a_long_output(repair):
+    # past 1 MB the first megabyte was read, and the "end" shown was its end: the last line
+    # (a traceback, say) was lost, and the count of characters cut was that of the megabyte
+    repair.reset(options={"task": "mathutils"})
+    body = "print('x' * 1_500_000)\nprint('the last line')\ndef add"
+    repair.step(edit_action("mathutils.py", "def add", body))
+    text = repair.step("run_tests").obs.text
+    output = text.partition("Output of the run:\n")[2]
+    assert output.endswith("the last line"), output[-200:]
+    assert output.startswith("[... output cut: the run wrote 1,500,015 bytes; its end follows]\n")
+    assert len(output) < 4_100
