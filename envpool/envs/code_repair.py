@@ -52,10 +52,13 @@ by the container, which is the sandbox for adversarial code, not this env.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import random
 import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar
@@ -75,6 +78,8 @@ from envpool.envs.code_repair_tasks import TASKS, TASKS_BY_NAME, Check, Raises, 
 
 MAX_VIEW_CHARS = 20_000
 MAX_OUTPUT_CHARS = 4_000
+MAX_LISTED_CHARS = 1_000
+"""Of the names of files the policy's code made, listed in an answer."""
 
 
 # the runner's and the judge's names are re-exported: they lived here before the split
@@ -123,6 +128,8 @@ class CodeRepairEnv(Env):
     )
 
     def __init__(self, test_timeout_s: float = 10.0, workdir_root: str | None = None):
+        if not 0 < test_timeout_s < math.inf:  # NaN too
+            raise ValueError(f"test_timeout_s must be a positive number of seconds, got {test_timeout_s!r}")
         self.test_timeout_s = test_timeout_s
         self.workdir_root = workdir_root
         self._rng: random.Random | None = None
@@ -156,13 +163,38 @@ class CodeRepairEnv(Env):
 
     def _remove_workdir(self) -> None:
         if self.workdir is not None:
+            if self.workdir.is_symlink():  # the policy's code put it there (see _repair_workdir)
+                with contextlib.suppress(OSError):
+                    self.workdir.unlink()
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
+
+    def _repair_workdir(self) -> None:
+        """The work dir as a directory of this process's again, should the policy's code (it
+        runs there, as this process's user) have removed it or put something else in its
+        place: a step answers, on what is left, rather than raise (an infra failure, the work
+        dir in its message) or follow a symlink out."""
+        assert self.workdir is not None
+        try:
+            mode: int | None = self.workdir.lstat().st_mode
+        except FileNotFoundError:
+            mode = None
+        except OSError:
+            return
+        with contextlib.suppress(OSError):
+            if mode is not None and stat.S_ISDIR(mode):
+                if mode & 0o700 != 0o700:  # chmod-ed (this process's user is not always root)
+                    os.chmod(self.workdir, 0o700)
+                return
+            if mode is not None:
+                self.workdir.unlink()
+            self.workdir.mkdir(mode=0o700)
 
     # -- actions
     def step(self, action: str) -> StepResult:
         if self.workdir is None or self.task is None:
             raise RuntimeError("the environment was closed; call reset()")
+        self._repair_workdir()
         text = action.replace("\r\n", "\n").strip()
         first, _, rest = text.partition("\n")
         cmd, _, arg = first.strip().partition(" ")
@@ -196,14 +228,35 @@ class CodeRepairEnv(Env):
 
     def _files(self) -> list[str]:
         assert self.workdir is not None
-        return sorted(p.name for p in self.workdir.iterdir() if p.is_file())
+        try:
+            with os.scandir(self.workdir) as entries:
+                return sorted(e.name for e in entries if e.is_file())
+        except OSError:  # the policy's code made it unreadable
+            return []
+
+    def _listing(self) -> str:
+        """The work dir's files for an answer: the task's first, then others up to
+        ``MAX_LISTED_CHARS`` (the policy's code may have made thousands)."""
+        assert self.task is not None
+        files = self._files()
+        own = {"README.md", *self.task.files}
+        shown = [f for f in files if f in own]
+        budget = MAX_LISTED_CHARS
+        for f in files:
+            if f not in own:
+                if len(f) + 2 > budget:
+                    break
+                shown.append(f)
+                budget -= len(f) + 2
+        more = len(files) - len(shown)
+        return ", ".join(shown) + (f" and {more:,} more" if more else "")
 
     def _resolve(self, name: str) -> Path | str:
         """The file's path inside the work dir, or a message saying why not."""
         assert self.workdir is not None
         name = name.strip().strip("'\"`")
         if not name:
-            return f"Name a file. Files: {', '.join(self._files())}"
+            return f"Name a file. Files: {self._listing()}"
         p = PurePosixPath(name)
         if p.is_absolute() or ".." in p.parts or "\\" in name or "\x00" in name:
             return f"Refused {name!r}: paths are relative to the task dir, without '..'."
@@ -218,7 +271,7 @@ class CodeRepairEnv(Env):
             # work dir, and raised it would mask the episode as an infra failure
             is_file = False
         if not is_file:
-            return f"No such file {name[:100]!r}. Files: {', '.join(self._files())}"
+            return f"No such file {name[:100]!r}. Files: {self._listing()}"
         return full
 
     def _view(self, name: str) -> tuple[str, bool]:
@@ -268,7 +321,16 @@ class CodeRepairEnv(Env):
         assert self.workdir is not None and self.task is not None
         task, root = self.task, self.workdir
         # only the module is the policy's; the test files are restored so a view shows them
-        (root / task.test_file).write_text(task.files[task.test_file], encoding="utf-8")
+        # (written anew, never through what the policy's code put in their place: a
+        # directory, a symlink or a hard link out)
+        test_file = root / task.test_file
+        with contextlib.suppress(OSError):  # they are never run: a view says what is wrong
+            if test_file.is_dir() and not test_file.is_symlink():
+                shutil.rmtree(test_file)
+            else:
+                test_file.unlink(missing_ok=True)
+            with open(test_file, "x", encoding="utf-8") as f:
+                f.write(task.files[task.test_file])
         checks = task.checks()
         spec = {
             "module": task.module.removesuffix(".py"),

@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -657,3 +660,53 @@ def test_code_repair_shows_the_end_of_a_long_output(repair):
     assert output.endswith("the last line"), output[-200:]
     assert output.startswith("[... output cut: the run wrote 1,500,015 bytes; its end follows]\n")
     assert len(output) < 4_100
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "shutil.rmtree(os.getcwd())",
+        "os.remove('test_mathutils.py')\nos.mkdir('test_mathutils.py')\nopen('test_mathutils.py/x', 'w')",
+        "os.remove('test_mathutils.py')\nos.symlink(OUTSIDE, 'test_mathutils.py')",
+        "root = os.getcwd()\nos.rename(root, root + '.moved')\nos.symlink(os.path.dirname(OUTSIDE), root)",
+    ],
+    ids=["work_dir_removed", "test_file_a_dir", "test_file_a_symlink_out", "work_dir_a_symlink_out"],
+)
+def test_code_repair_a_module_that_damages_its_work_dir_gets_answers(tmp_path, damage):
+    # the module runs in its work dir as this process's user: it can remove the dir, or put
+    # a directory or a symlink where the env writes the tests back. The next step raised
+    # (FileNotFoundError, IsADirectoryError: an infra failure, the work dir in its message),
+    # or wrote the tests through the symlink, outside the work dir, or viewed files there
+    outside = tmp_path / "outside.txt"
+    outside.write_text("SECRET\n")
+    with _repair_in(tmp_path, 10) as (env, work):
+        code = f"import os, shutil\nOUTSIDE = {str(outside)!r}\n{damage}\ndef add"
+        env.step(edit_action("mathutils.py", "def add", code))
+        env.step("run_tests")  # the damage is done
+        for action in ("run_tests", "view mathutils.py", "view outside.txt", "view nope.py"):
+            res = env.step(action)
+            assert str(work) not in res.obs.text
+            assert "SECRET" not in res.obs.text, (action, res.obs.text)
+        assert outside.read_text() == "SECRET\n"
+        res = env.step("submit")
+        assert res.terminated and res.reward == 0.0
+    for moved in work.glob("*.moved"):
+        shutil.rmtree(moved)
+
+
+def test_code_repair_lists_at_most_a_few_files(repair):
+    # a module that made 3,000 files: each "No such file" answer listed them all
+    repair.reset(options={"task": "mathutils"})
+    body = "for i in range(3000):\n    open(f'file_{i:05d}_' + 'n' * 100, 'w').close()\ndef add"
+    repair.step(edit_action("mathutils.py", "def add", body))
+    repair.step("run_tests")
+    text = repair.step("view nope.py").obs.text
+    assert len(text) < 2_000 and "README.md" in text and re.search(r"and [0-9,]+ more$", text), text[-300:]
+
+
+@pytest.mark.parametrize("timeout", [0, -1, math.inf, math.nan])
+def test_code_repair_refuses_a_test_timeout_that_is_not_a_positive_number(timeout):
+    # an infinite or NaN timeout was taken, and failed at the first run (math.ceil), or waited
+    # for good
+    with pytest.raises(ValueError, match="test_timeout_s"):
+        envpool.make("code-repair-v1", test_timeout_s=timeout)
