@@ -518,6 +518,54 @@ def test_exiting_early_does_not_pass_c_asserts(sb):
     assert verifier.verify(code, tests, "c").status != "Finished"
 
 
+# A program that reads fd 3 itself, before its tests run, takes the marker, prints it and exits
+# 0: a pass without one assert. Closing fd 3 before the program's code runs would take the
+# marker from the harness too, which reads it in the same process after the tests; any proof
+# made in that process can be forged by the code it runs (docs/code-verifier.md, "What it
+# does not stop"). The fix is the tests in a process of their own, as Python's are.
+FD3_FORGERIES = {
+    "c": (
+        "gcc",
+        "#include <unistd.h>\nint add(int a, int b) { return 0; }\n"
+        "__attribute__((constructor)) static void forge(void) {\n"
+        "    char m[81]; int n = read(3, m, 80);\n"
+        '    if (n > 0) { write(1, "\\n", 1); write(1, m, n); }\n'
+        "    _exit(0);\n}\n",
+        "#include <assert.h>\nint main(void) { assert(add(2, 3) == 5); return 0; }",
+    ),
+    "cpp": (
+        "g++",
+        "#include <unistd.h>\nint add(int a, int b) { return 0; }\n"
+        "__attribute__((constructor)) static void forge(void) {\n"
+        "    char m[81]; int n = read(3, m, 80);\n"
+        '    if (n > 0) { write(1, "\\n", 1); write(1, m, n); }\n'
+        "    _exit(0);\n}\n",
+        "#include <cassert>\nint main() { assert(add(2, 3) == 5); return 0; }",
+    ),
+    "javascript": (
+        "node",
+        "function add(a, b) { return 0; }\n"
+        "const fs = require('fs'), b = Buffer.alloc(80), n = fs.readSync(3, b, 0, 80, null);\n"
+        "process.stdout.write('\\n' + b.toString('latin1', 0, n));\nprocess.exit(0);\n",
+        "require('assert').strictEqual(add(2, 3), 5);",
+    ),
+}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="HOLE: C, C++ and JavaScript tests share the program's process and fd 3",
+)
+@pytest.mark.parametrize("lang", sorted(FD3_FORGERIES))
+def test_reading_fd_3_does_not_pass_c_cpp_or_javascript_asserts(sb, lang):
+    tool, code, test_code = FD3_FORGERIES[lang]
+    if shutil.which(tool) is None:
+        pytest.skip(f"{tool} is not installed")
+    verifier = Verifier(sb, ROOMY)
+    assert verifier.verify(code, CodeTests(test_code=test_code), lang).status != "Finished"
+
+
 # The marker of assert-style tests (C, C++, JavaScript) sits on the program's fd 3 until its
 # harness reads it after the tests: it is in no frame, source, binary, argv or environment
 # of the run. Python's tests run in a sandbox of their own and need no marker: the old ways
