@@ -298,17 +298,21 @@ def _await_runner(
         proc.stdin.flush()
     deadline = time.monotonic() + timeout_s
     timed_out = True
-    # the done byte, or the runner's exit (it died, or the module ended the interpreter:
-    # the done pipe stays open in whatever it forked, so its EOF cannot tell)
-    watch = [done_r]
+    # the done byte, or the keeper's exit (it died: the done pipe stays open in whatever the
+    # module forked, so its EOF cannot tell). poll, not select: select takes no fd past 1023
+    poller = select.poll()
+    poller.register(done_r, select.POLLIN)
     with _exit_watch(proc.pid) as exited:
+        for fd in exited:
+            poller.register(fd, select.POLLIN)
         while (left := deadline - time.monotonic()) > 0:
-            ready, _, _ = select.select(watch + exited, [], [], left if exited else min(left, 0.05))
+            wait_s = left if exited else min(left, 0.05)
+            ready = {fd for fd, _ in poller.poll(math.ceil(wait_s * 1000))}
             if done_r in ready:
                 if os.read(done_r, 1):
                     timed_out = False
                     break
-                watch = []  # closed by the module: its exit, or the timeout, tells
+                poller.unregister(done_r)  # closed by the module: its exit, or the timeout, tells
             if (exited and exited[0] in ready) or (not exited and proc.poll() is not None):
                 timed_out = False
                 break

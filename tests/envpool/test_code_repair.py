@@ -710,3 +710,23 @@ def test_code_repair_refuses_a_test_timeout_that_is_not_a_positive_number(timeou
     # for good
     with pytest.raises(ValueError, match="test_timeout_s"):
         envpool.make("code-repair-v1", test_timeout_s=timeout)
+
+
+def test_code_repair_runs_in_a_process_with_many_files_open(repair):
+    # select() takes no fd past 1023: in a process with that many open (a server, many envs
+    # in one process), the wait for the runner raised ValueError, and every run_tests failed
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"at most {hard} open files here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        repair.reset(options={"task": "mathutils"})
+        res = repair.step("run_tests")
+        assert res.info["failed"] == 2 and not res.info["all_passed"], res.obs.text
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
