@@ -27,7 +27,48 @@ from fabric.protocol import Invocation, Result
 from fabric.registry import Registry
 from fabric.runner import FunctionRunner, outcome_to_result
 
-_Job = tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[[], Any]]
+_QUEUED, _RUNNING, _DROPPED = range(3)  # a _ThreadJob's states
+
+
+class _ThreadJob:
+    """One call handed to the daemon threads. ``fut`` is its value for whoever awaits it;
+    ``ended`` is done once no thread runs it any more (it ran, or was skipped as given up on
+    before it began). Which of those a call given up on gets is decided under a lock, so a
+    thread starting it and its caller asking (``drop``) cannot both win."""
+
+    __slots__ = ("_lock", "_state", "call", "ended", "fut", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, call: Callable[[], Any]):
+        self.loop = loop
+        self.call = call
+        self.fut: asyncio.Future[Any] = loop.create_future()
+        self.ended: asyncio.Future[None] = loop.create_future()
+        self._lock = threading.Lock()
+        self._state = _QUEUED
+
+    def begin(self) -> bool:
+        """On the thread: whether to run the call (not given up on while it was queued)."""
+        with self._lock:
+            # fut.cancelled(): its wait timed out or was cancelled while it was queued
+            self._state = _DROPPED if self._state == _DROPPED or self.fut.cancelled() else _RUNNING
+            return self._state == _RUNNING
+
+    def drop(self) -> bool:
+        """On the loop, for a call given up on: True when it has not begun and now never will."""
+        with self._lock:
+            if self._state == _QUEUED:
+                self._state = _DROPPED
+            return self._state == _DROPPED
+
+    def finish(self, ran: bool, value: Any, error: BaseException | None) -> None:
+        """On the loop, once the thread is through with the call."""
+        if ran and not self.fut.done():  # else the caller stopped waiting (timeout, cancellation)
+            if error is not None:
+                self.fut.set_exception(error)
+            else:
+                self.fut.set_result(value)
+        if not self.ended.done():
+            self.ended.set_result(None)
 
 
 class _DaemonThreads:
@@ -37,19 +78,18 @@ class _DaemonThreads:
 
     def __init__(self, max_threads: int = 32):
         self._max = max_threads
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_ThreadJob | None] = queue.SimpleQueue()
         self._idle = threading.Semaphore(0)
         self._threads = 0
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
+    def run(self, fn: Callable[..., Any], *args: Any) -> _ThreadJob:
         ctx = contextvars.copy_context()  # as asyncio.to_thread does
-        self._jobs.put((loop, fut, lambda: ctx.run(fn, *args)))
+        job = _ThreadJob(asyncio.get_running_loop(), lambda: ctx.run(fn, *args))
+        self._jobs.put(job)
         if not self._idle.acquire(blocking=False) and self._threads < self._max:
             self._threads += 1
             threading.Thread(target=self._serve, name="fabric-inproc", daemon=True).start()
-        return fut
+        return job
 
     def shutdown(self) -> None:
         """Idle threads end now, busy ones after their call; none is waited for."""
@@ -59,16 +99,18 @@ class _DaemonThreads:
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
-            loop, fut, call = job
-            if not fut.cancelled():  # timed out while queued: do not run it late
+            value: Any = None
+            error: BaseException | None = None
+            ran = job.begin()
+            if ran:
                 try:
-                    value, error = call(), None
+                    value = job.call()
                 except BaseException as e:  # handed to the awaiting task, like to_thread
-                    value, error = None, e
-                try:
-                    loop.call_soon_threadsafe(_settle, fut, value, error)
-                except RuntimeError:
-                    pass  # the loop is closed: nobody waits for this call any more
+                    error = e
+            try:
+                job.loop.call_soon_threadsafe(job.finish, ran, value, error)
+            except RuntimeError:
+                pass  # the loop is closed: nobody waits for this call any more
             self._idle.release()
 
 
@@ -88,15 +130,6 @@ class _KeyedCall:
         self.started = asyncio.get_running_loop().time()
 
 
-def _settle(fut: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
-    if fut.done():  # the caller stopped waiting (timeout, cancellation)
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(value)
-
-
 class InprocBackend(Backend):
     kind = "inproc"
 
@@ -108,6 +141,8 @@ class InprocBackend(Backend):
         self._threads = _DaemonThreads()
         self._keyed: dict[str, set[_KeyedCall]] = {}
         """The keyed executions' calls under way, by idempotency key (an attempt and its hedge)."""
+        self._on_threads: dict[asyncio.Future[Result], _ThreadJob] = {}
+        """The calls a thread has or may still take, by their ``submit`` future (``settled``)."""
 
     async def _close(self) -> None:
         self._threads.shutdown()
@@ -198,7 +233,9 @@ class InprocBackend(Backend):
                     inv.raw_payload, timeout, None if keyed is None else keyed.keep
                 )
             else:
-                ok, out = await asyncio.wait_for(self._threads.run(runner.run, inv.raw_payload), timeout)
+                job = self._threads.run(runner.run, inv.raw_payload)
+                self._track(job)
+                ok, out = await asyncio.wait_for(job.fut, timeout)
         except TimeoutError:
             ok, out = False, (ErrorCode.TIMEOUT, f"{inv.function} ran past its {timeout:.3g} s limit", None)
         finally:
@@ -224,6 +261,22 @@ class InprocBackend(Backend):
         if at_deadline and keyed is not None:
             result.cut_at_deadline = True  # the callers' deadline, not the infrastructure
         return result
+
+    def _track(self, job: _ThreadJob) -> None:
+        """Keep ``job`` under the ``submit`` future running this (``_submit`` made it the task
+        of ``_run``) until its thread is through with it: a thread cannot be stopped, so a call
+        answered early (its deadline, timeout_s) or cancelled runs on there (``settled``)."""
+        task = asyncio.current_task()
+        if task is None:
+            return
+        self._on_threads[task] = job
+        job.ended.add_done_callback(lambda _: self._on_threads.pop(task, None))
+
+    def settled(self, function: str, fut: asyncio.Future[Result]) -> asyncio.Future[None] | None:
+        job = self._on_threads.get(fut)
+        if job is None or job.ended.done() or job.drop():  # none taken, done, or never to begin
+            return None
+        return job.ended
 
     def stats(self) -> dict[str, Any]:
         return {"calls": self._calls}

@@ -57,6 +57,9 @@ _TYPES = ("RequestResponse", "Event", "DryRun")
 _JSON = "application/json"
 #: The status a request whose client hung up before its answer is counted under (nginx's).
 CLIENT_CLOSED = 499
+#: Answers a backend may give while the call still runs: at the caller's deadline, and at
+#: timeout_s where the run cannot be stopped (an inproc thread; the local pool kills the worker)
+_MAY_RUN_ON = frozenset({ErrorCode.DEADLINE_EXCEEDED, ErrorCode.TIMEOUT})
 #: An envelope's ``deadline`` is wall-clock seconds; past this it is not a deadline anyone
 #: meant (the year 33658), and the pool's arithmetic on it would overflow.
 _MAX_DEADLINE = 1e12
@@ -530,10 +533,10 @@ class Gateway:
         """Run ``inv`` through the function's gate; the tenant's quota slot (taken by the
         caller) and the gate slot are given back when the call no longer runs. A call still
         waiting for the gate, or queued in the pool, is dropped when its client hangs up (it
-        never runs). One already on a worker may run on past its answer (a deadline) or its
-        client (a hang-up): a synchronous handler runs to its end, and both slots stay held
-        until the backend says its run ended, or a tenant could fill every worker with calls it
-        gave up on while holding none of its quota."""
+        never runs). One already on a worker may run on past its answer (a deadline; timeout_s
+        on an inproc thread) or its client (a hang-up): a synchronous handler runs to its end,
+        and both slots stay held until the backend says its run ended, or a tenant could fill
+        every worker with calls it gave up on while holding none of its quota."""
         gate = self._gate(inv.function)
         try:
             # the envelope's deadline bounds the wait for room too: a call still waiting at it
@@ -565,7 +568,7 @@ class Gateway:
         except BaseException:  # the backend's future failed (a bug of a backend)
             self._release(tenant, gate)
             raise
-        if result.ok or result.error is None or result.error.type != ErrorCode.DEADLINE_EXCEEDED:
+        if result.ok or result.error is None or result.error.type not in _MAY_RUN_ON:
             self._release(tenant, gate)  # the worker answered: it is done with the call
         else:
             self._release_when_settled(inv.function, fut, tenant, gate)
