@@ -27,6 +27,7 @@ import functools
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from fabric.backends._pool_workers import _MAX_START_FAILURES, PoolWorkers
@@ -59,6 +60,7 @@ class FunctionPool(PoolWorkers):
         self._start_failures = 0
         self._exec_ewma_ms = None
         self._maint = None
+        self._capacity_watchers = []
         self.metrics = {
             "spawned": 0,
             "lost": 0,
@@ -190,6 +192,16 @@ class FunctionPool(PoolWorkers):
             # a synchronous worker runs a batch in one go: a later message cannot reach its calls
             if call.worker is not None and self.spec.is_async:
                 call.worker.send(("extend", call.cid, deadline_ns))
+
+    @property
+    def capacity(self) -> int:
+        """Calls the pool holds without queueing any: its workers (at the cap) x the calls
+        each may hold (``per_worker``, which grows once calls turn out short)."""
+        return self.max_workers * self.per_worker
+
+    def watch_capacity(self, grew: Callable[[], None]) -> None:
+        """Call ``grew()`` whenever ``capacity`` grows (see ``_on_results``)."""
+        self._capacity_watchers.append(grew)
 
     def settled(self, fut: asyncio.Future[Result]) -> asyncio.Future[None] | None:
         """``None`` when the call behind ``fut`` (a ``submit`` future, done: answered,

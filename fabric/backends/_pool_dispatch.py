@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fabric.backends._worker_handle import PoolCall, WorkerHandle
@@ -49,6 +50,7 @@ class PoolDispatch:
     _start_failures: int
     _exec_ewma_ms: float | None
     _maint: asyncio.Task[None] | None
+    _capacity_watchers: list[Callable[[], None]]
     metrics: dict[str, int]
 
     if TYPE_CHECKING:
@@ -134,6 +136,7 @@ class PoolDispatch:
         now = time.monotonic()
         w.last_progress = w.last_active = now
         served = 0
+        room = self.per_worker
         ewma = self._exec_ewma_ms
         for cid, ok, out, start_ns, exec_ms in results:
             ewma = exec_ms if ewma is None else 0.9 * ewma + 0.1 * exec_ms
@@ -175,6 +178,9 @@ class PoolDispatch:
         if self._pending and not self._scheduled:
             self._scheduled = True
             self._loop.call_soon(self._dispatch)
+        if self.per_worker > room:  # calls turned out short: each worker holds more of them
+            for grew in self._capacity_watchers:
+                grew()
 
     def _cut_at_deadline(self, call: PoolCall, start_ns: int) -> bool:
         """Whether a ``FunctionTimeout`` from the worker was its cut at the call's deadline

@@ -13,7 +13,7 @@ import difflib
 import os
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -261,6 +261,17 @@ class Backend(ABC):
         runs to its end): what admits calls by what the backend can hold (``fabric serve``'s
         quotas) counts it until then. Here: ``None``, nothing is known to run on."""
         return None
+
+    def capacity(self, function: str) -> int | None:
+        """Calls of ``function`` this backend runs at once without queueing any, as it stands
+        now: what ``fabric serve`` admits to it, holding the rest in its fair gate. ``None``: no
+        bound of the backend's own (the function's ``max_concurrency`` applies)."""
+        return None
+
+    def watch_capacity(self, function: str, grew: Callable[[], None]) -> None:  # noqa: B027
+        """Have ``grew()`` called (on the loop) whenever ``capacity(function)`` grows, so that
+        calls waiting for room take it at once instead of at the next call's end. Here: never
+        (no bound of its own)."""
 
     def extend_deadline(self, function: str, idempotency_key: str, deadline: float | None) -> bool:
         """Move the deadline of the calls under ``idempotency_key`` that are queued or running

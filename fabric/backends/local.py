@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from fabric.backends._pool import FunctionPool
@@ -72,6 +73,19 @@ class LocalBackend(Backend):
 
     async def _invoke(self, inv: Invocation) -> Result:
         return await self._submit(inv)
+
+    def capacity(self, function: str) -> int | None:
+        pool = self._pools.get(function)
+        if pool is None:
+            try:
+                pool = self.pool(function)
+            except (UnknownFunctionError, EntryPointError, BackendClosedError):
+                return None  # no pool can hold its calls: submit answers each (SetupFailed, ...)
+        return pool.capacity
+
+    def watch_capacity(self, function: str, grew: Callable[[], None]) -> None:
+        if self.capacity(function) is not None:  # the pool, started
+            self._pools[function].watch_capacity(grew)
 
     def settled(self, function: str, fut: asyncio.Future[Result]) -> asyncio.Future[None] | None:
         pool = self._pools.get(function)

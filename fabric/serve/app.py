@@ -33,7 +33,6 @@ import logging
 import math
 import socket
 import time
-from typing import Any
 from urllib.parse import unquote
 
 from aiohttp import web
@@ -516,18 +515,17 @@ class Gateway:
     def _gate(self, function: str) -> FairGate:
         gate = self._gates.get(function)
         if gate is None:
-            gate = self._gates[function] = FairGate(self._capacity(function))
-        return gate
+            backend = self.backend
+            # inproc has no bound of its own: the function's concurrency bound
+            fallback = self.registry.get(function).max_concurrency
 
-    def _capacity(self, function: str) -> Any:
-        backend = self.backend
-        pool_of = getattr(backend, "pool", None)
-        spec = self.registry.get(function)
-        if pool_of is None:  # inproc: the function's own concurrency bound
-            return lambda: spec.max_concurrency
-        pool = pool_of(function)
-        # what the pool can hold without queueing: workers x calls each may hold
-        return lambda: max(1, pool.max_workers * pool.per_worker)
+            def capacity() -> int:
+                room = backend.capacity(function)
+                return fallback if room is None else max(1, room)
+
+            gate = self._gates[function] = FairGate(capacity)
+            backend.watch_capacity(function, gate.admit)  # room gained is taken at once
+        return gate
 
     async def _call(self, inv: Invocation, tenant: str) -> Result:
         """Run ``inv`` through the function's gate; the tenant's quota slot (taken by the
@@ -537,8 +535,8 @@ class Gateway:
         on an inproc thread) or its client (a hang-up): a synchronous handler runs to its end,
         and both slots stay held until the backend says its run ended, or a tenant could fill
         every worker with calls it gave up on while holding none of its quota."""
-        gate = self._gate(inv.function)
         try:
+            gate = self._gate(inv.function)
             # the envelope's deadline bounds the wait for room too: a call still waiting at it
             # is answered then (nothing ran), not when a worker comes free, seconds later
             async with asyncio.timeout(None if inv.deadline is None else inv.deadline - time.time()):

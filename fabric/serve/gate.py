@@ -117,9 +117,11 @@ class FairGate:
 
     def release(self) -> None:
         self._running -= 1
-        self._admit()
+        self.admit()
 
-    def _admit(self) -> None:
+    def admit(self) -> None:
+        """Admit waiting calls while there is room: at each release, and when ``capacity()``
+        grows (the backend says so), or room gained meanwhile stood empty till a call ended."""
         while self._turns and self._running < self._capacity():
             tenant = self._turns.popleft()
             queue = self._waiting[tenant]

@@ -12,13 +12,14 @@ from collections.abc import Callable
 
 import httpx
 import pytest
-from test_serve import PATH, TOKEN_A, auth, config
+from test_serve import PATH, TOKEN_A, TOKEN_B, auth, config
 from test_serve_hardening import _post_and_hang_up
 
 from fabric.backends.base import InprocConfig
 from fabric.protocol import Invocation
 from fabric.registry import Registry
 from fabric.serve import Gateway
+from fabric.testing import FakeBackend
 
 
 async def _until(predicate: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
@@ -76,3 +77,98 @@ async def test_an_inproc_call_given_up_keeps_its_slots_until_its_thread_ends(how
             fn.release.set()
         await _until(lambda: g.quotas.held["job-a"] == 0, "the slot back when the thread ended")
         assert g._gates["held"].running == 0 and g.metrics.running_on == 0
+
+
+class _Growing(FakeBackend):
+    """A backend whose room for a function grows while calls wait for it (a pool scaled up,
+    or one that learned its calls are short)."""
+
+    def __init__(self, registry: Registry):
+        super().__init__(registry)
+        self.room = 1
+        self._watchers: list[Callable[[], None]] = []
+
+    def capacity(self, function: str) -> int | None:
+        return self.room
+
+    def watch_capacity(self, function: str, grew: Callable[[], None]) -> None:
+        self._watchers.append(grew)
+
+    def grow(self, room: int) -> None:
+        self.room = room
+        for grew in self._watchers:
+            grew()
+
+
+async def test_calls_waiting_for_room_are_admitted_as_soon_as_the_pool_grows():
+    """The fair gate admitted waiting calls only when a call ended (its release): room that
+    the pool gained meanwhile (a scale-up, or the local pool's per-worker batch growing once it
+    knew its calls were short) stood empty while calls waited for it."""
+    reg = Registry()
+    started: list[int] = []
+    release = asyncio.Event()
+
+    @reg.function(warm=0, timeout_s=30)
+    async def waits(n: int) -> int:
+        started.append(n)
+        await release.wait()
+        return n
+
+    backend = _Growing(reg)
+    async with (
+        Gateway(config(), reg, backend=backend) as g,
+        httpx.AsyncClient(base_url=g.url, timeout=30) as c,
+    ):
+        url = PATH.format("waits")
+        first = asyncio.create_task(c.post(url, json={"n": 1}, headers=auth()))
+        await _until(lambda: started == [1], "the first call to run")
+        second = asyncio.create_task(c.post(url, json={"n": 2}, headers=auth(TOKEN_B)))
+        await _until(lambda: g._gates["waits"].waiting == 1, "the second call to wait for room")
+        try:
+            backend.grow(2)
+            await _until(lambda: started == [1, 2], "the second call to be admitted", timeout_s=5)
+            assert not first.done()
+        finally:
+            release.set()
+        assert [(await t).json() for t in (first, second)] == [1, 2]
+        assert g.quotas.held == {"job-a": 0, "job-b": 0} and g._gates["waits"].running == 0
+
+
+async def test_the_local_pool_says_when_its_room_grows():
+    """What the gate above listens to, in the local pool: a synchronous pool holds one call
+    per worker until it knows how long a call takes; once it learns they are short, each
+    worker holds a batch, and the watchers hear of it."""
+    from sample_fns import REG
+
+    from fabric.backends.base import LocalConfig
+    from fabric.backends.local import LocalBackend
+
+    async with LocalBackend(REG, LocalConfig(max_workers=1, warm=1)) as backend:
+        assert backend.capacity("add") == 1
+        grew: list[int | None] = []
+        backend.watch_capacity("add", lambda: grew.append(backend.capacity("add")))
+        for i in range(50):  # one answer tells; more only if a loaded machine made one slow
+            assert (await backend.invoke(Invocation(function="add", payload={"a": i}))).ok
+            if grew:
+                break
+        assert grew and grew[0] is not None and grew[0] > 1, grew
+        assert backend.capacity("inproc_only_no_such_function") is None
+
+
+async def test_a_function_no_worker_can_import_is_answered_and_gives_its_slot_back():
+    """Sizing its gate started the function's local pool, and for a function no worker can
+    import (a nested one: a test's, a notebook's) that raised before anything held the call's
+    quota slot: every call was a 500, and each kept its slot for good (two calls and the
+    tenant was locked out). It is answered as the backend answers it, and the slot is back."""
+    reg = Registry()
+
+    @reg.function(warm=0)
+    def nested(x: int) -> int:
+        return x
+
+    async with Gateway(config(quota_a=2), reg) as g, httpx.AsyncClient(base_url=g.url, timeout=30) as c:
+        for _ in range(3):
+            r = await c.post(PATH.format("nested"), json={"x": 1}, headers=auth())
+            assert r.status_code == 200 and r.headers["X-Amz-Function-Error"] == "Unhandled", r.text
+            assert r.json()["errorType"] == "SetupFailed" and "nested" in r.json()["errorMessage"]
+        assert g.quotas.held["job-a"] == 0
