@@ -26,7 +26,6 @@ and shows a tenant only its own tenant-labelled series (``metrics: all``: every 
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import json
 import logging
@@ -358,11 +357,8 @@ class Gateway:
                             "the server is draining (shutting down) and takes no new Event "
                             "invocations; nothing ran: retry with backoff",
                         )
-                    task = asyncio.get_running_loop().create_task(self._run_event(inv, tenant))
-                    handed_off = True  # the task gives the quota back when the call ends
-                    self._events.add(task)
-                    task.add_done_callback(self._events.discard)
-                    task.add_done_callback(functools.partial(self._event_ended, inv, tenant))
+                    self._start_event(inv, tenant)
+                    handed_off = True  # the event gives the quota back when the call ends
                     response = web.Response(status=202, headers={"x-amzn-RequestId": request_id})
                 else:
                     handed_off = True  # _call gives the quota back when the call no longer runs
@@ -593,6 +589,28 @@ class Gateway:
             self._release(tenant, gate)
 
         settled.add_done_callback(ended)
+
+    def _start_event(self, inv: Invocation, tenant: str) -> None:
+        """Run an accepted ``Event`` call on its own task, which takes over its quota slot.
+        A task cancelled before its first step (the server stopping in the loop turn that
+        accepted it) never runs its coroutine, so ``_call`` never has the slot to give back:
+        then the task's end gives it back."""
+        begun = False
+
+        async def run() -> None:
+            nonlocal begun
+            begun = True
+            await self._run_event(inv, tenant)
+
+        def ended(task: asyncio.Task[None]) -> None:
+            self._events.discard(task)
+            if not begun:
+                self.quotas.give(tenant)
+            self._event_ended(inv, tenant, task)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._events.add(task)
+        task.add_done_callback(ended)
 
     async def _run_event(self, inv: Invocation, tenant: str) -> None:
         result = await self._call(inv, tenant)  # gives the quota back

@@ -6,6 +6,8 @@ holds a call where it wants it with an event instead of a sleep."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -172,3 +174,49 @@ async def test_a_function_no_worker_can_import_is_answered_and_gives_its_slot_ba
             assert r.status_code == 200 and r.headers["X-Amz-Function-Error"] == "Unhandled", r.text
             assert r.json()["errorType"] == "SetupFailed" and "nested" in r.json()["errorMessage"]
         assert g.quotas.held["job-a"] == 0
+
+
+_SERVE_DIR = os.path.join("fabric", "serve", "")
+
+
+async def test_an_event_cancelled_before_it_first_runs_gives_its_slot_back(tmp_path, caplog):
+    """An Event call's task took over its quota slot only once it ran: one cancelled before
+    its first step (the server stopping in the loop turn that accepted it: a drain with no
+    time left, a second Ctrl-C) never gave the slot back. Played here by cancelling the
+    event's task as the server creates it (the only task fabric.serve makes per request)."""
+    loop = asyncio.get_running_loop()
+    cancelled: list[asyncio.Task] = []
+
+    def cancel_events(loop, coro, **kw):
+        task = asyncio.Task(coro, loop=loop, **kw)
+        code = getattr(coro, "cr_code", None)
+        if code is not None and _SERVE_DIR in code.co_filename:
+            task.cancel()
+            cancelled.append(task)
+        return task
+
+    out = tmp_path / "ran.txt"
+    cfg = config(backend=InprocConfig())
+    reg = Registry()
+
+    @reg.function(warm=0)
+    def append(path: str) -> int:
+        with open(path, "a") as f:
+            f.write("ran\n")
+        return 1
+
+    async with Gateway(cfg, reg) as g, httpx.AsyncClient(base_url=g.url, timeout=30) as c:
+        loop.set_task_factory(cancel_events)
+        try:
+            headers = {**auth(), "X-Amz-Invocation-Type": "Event"}
+            with caplog.at_level(logging.WARNING, logger="fabric.serve"):
+                r = await c.post(PATH.format("append"), json={"path": str(out)}, headers=headers)
+                assert r.status_code == 202
+                await _until(lambda: bool(cancelled) and cancelled[0].done(), "the event's task to end")
+        finally:
+            loop.set_task_factory(None)
+        await _until(lambda: g.quotas.held["job-a"] == 0, "the slot back", timeout_s=5)
+        assert g.inflight == 0 and not out.exists()
+        assert any("dropped" in rec.getMessage() for rec in caplog.records), caplog.text
+        r = await c.post(PATH.format("append"), json={"path": str(out)}, headers=auth())
+        assert r.json() == 1
