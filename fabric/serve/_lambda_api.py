@@ -1,0 +1,232 @@
+"""The AWS Lambda Invoke API, as ``fabric serve`` speaks it: the route, how a request names its
+function, carries its token and body, and how answers and errors look.
+
+``POST /2015-03-31/functions/{name}/invocations`` is what boto3's ``lambda.invoke`` sends,
+so the Lambda backend (and the AWS CLI, and any Lambda SDK) talks to this server or to AWS
+with the same code. The function name may carry a qualifier (``name:live``, an ARN, or
+``?Qualifier=``); ``$LATEST``, ``live`` and the function's version hash are served.
+
+Two body shapes, told apart by the body itself:
+
+* **envelope**: a fabric ``Invocation`` whose ``function`` is the name in the path (what
+  the Lambda backend sends, and what the Lambda handler takes in AWS). The reply is the
+  fabric ``Result``, a failure included: a failure is data, as with the handler in AWS.
+* **raw**: any other JSON object is the function's keyword arguments (``aws lambda invoke
+  --payload '{"prediction": "4", "reference": "4"}'``). The reply is the bare value; a
+  failed call answers ``X-Amz-Function-Error: Unhandled`` with Lambda's error object
+  (``errorType``, ``errorMessage``, ``stackTrace``).
+
+The caller's tenant comes from its token, never from the body. Errors are Lambda's: 400
+``InvalidRequestContentException``/``InvalidParameterValueException``, 401/403 (missing or
+wrong token), 404 ``ResourceNotFoundException``, 413 ``RequestTooLargeException``,
+429 ``TooManyRequestsException``, with the code in ``x-amzn-ErrorType`` where botocore looks.
+``GET /healthz`` needs no token and says only ``ok``; ``GET /metrics`` (Prometheus) needs one
+and shows a tenant only its own tenant-labelled series (``metrics: all``: every tenant's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import math
+from urllib.parse import unquote
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
+from pydantic import ValidationError
+
+from fabric.protocol import Invocation, Result, decode_payload, to_strict_json
+from fabric.serve.config import ServeConfig
+
+log = logging.getLogger("fabric.serve")
+
+INVOKE_ROUTE = "/2015-03-31/functions/{name}/invocations"
+INVOCATION_TYPES = ("RequestResponse", "Event", "DryRun")
+JSON = "application/json"
+#: The status a request whose client hung up before its answer is counted under (nginx's).
+CLIENT_CLOSED = 499
+#: An envelope's ``deadline`` is wall-clock seconds; past this it is not a deadline anyone
+#: meant (the year 33658), and the pool's arithmetic on it would overflow.
+_MAX_DEADLINE = 1e12
+
+
+class Reply(Exception):
+    """An early answer (an error before the function runs)."""
+
+    def __init__(self, status: int, code: str, message: str, *, close: bool = False):
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+        self.close = close
+        """End the connection after the answer: the rest of the request is not coming."""
+
+
+def error_response(status: int, code: str, message: str, request_id: str) -> web.Response:
+    # botocore's rest-json parser reads the code from x-amzn-ErrorType, the text from "message"
+    body = json.dumps({"__type": code, "Type": "User", "message": message})
+    return web.Response(
+        status=status,
+        body=body.encode(),
+        content_type=JSON,
+        headers={"x-amzn-ErrorType": code, "x-amzn-RequestId": request_id},
+    )
+
+
+def split_name(raw: str, query_qualifier: str | None) -> tuple[str, str | None]:
+    """``name``, ``name:qualifier``, ``arn:aws:lambda:region:account:function:name[:q]`` or
+    the partial ARN ``account:function:name[:q]``: the forms Lambda's Invoke accepts."""
+    name = unquote(raw)
+    qualifier = query_qualifier
+    parts = name.split(":")
+    if name.startswith("arn:"):
+        if len(parts) not in (7, 8) or parts[5] != "function":
+            raise Reply(400, "InvalidParameterValueException", f"not a Lambda function ARN: {name!r}")
+        name = parts[6]
+        if len(parts) == 8:
+            qualifier = qualifier or parts[7]
+    elif len(parts) in (3, 4) and parts[1] == "function":
+        name = parts[2]
+        if len(parts) == 4:
+            qualifier = qualifier or parts[3]
+    elif ":" in name:
+        name, _, q = name.partition(":")
+        qualifier = qualifier or q
+    return name, qualifier
+
+
+def tenant_of(request: web.Request, tokens: dict[bytes, str]) -> str:
+    """The tenant whose token the request carries (``Authorization: Bearer``); 401 or 403."""
+    auth = request.headers.get("Authorization")
+    if not auth:
+        raise Reply(
+            401, "MissingAuthenticationTokenException", "missing 'Authorization: Bearer <token>' header"
+        )
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Reply(
+            401,
+            "MissingAuthenticationTokenException",
+            "the Authorization header must be 'Bearer <token>'",
+        )
+    # aiohttp hands over a header's bytes that are not UTF-8 as surrogates: encoded back
+    # as they came (a strict encode raised, a 500 and a traceback per unauthenticated request)
+    secret = token.strip().encode("utf-8", "surrogateescape")
+    tenant = tokens.get(hashlib.sha256(secret).digest())
+    if tenant is None:
+        raise Reply(
+            403, "UnrecognizedClientException", "The security token included in the request is invalid"
+        )
+    return tenant
+
+
+async def read_body(request: web.Request, kind: str, config: ServeConfig) -> bytes:
+    """The request's body, within ``kind``'s size limit and ``body_timeout_s``; 413, 408 or 400."""
+    limit = config.max_event_bytes if kind == "Event" else config.max_body_bytes
+    too_large = Reply(
+        413,
+        "RequestTooLargeException",  # Lambda's code: boto3 raises its modeled exception
+        f"Request must be smaller than {limit} bytes for the {kind} invocation type",
+    )
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
+    try:
+        # a body that stalls (a client that vanished without a FIN, or one that trickles
+        # bytes) would hold its quota slot for as long as TCP keeps the connection
+        async with asyncio.timeout(config.body_timeout_s):
+            body = await request.read()
+    except TimeoutError:
+        raise Reply(
+            408,
+            "RequestTimeoutException",
+            f"the body did not arrive within {config.body_timeout_s:g} s (body_timeout_s)",
+            close=True,  # as HTTP says for a 408: the connection is in no state to reuse
+        ) from None
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large from None
+    except RequestPayloadError as e:  # a body aiohttp cannot decode (a bad Content-Encoding)
+        reason = " ".join(str(e).split())
+        raise Reply(400, "InvalidRequestContentException", f"cannot read the body: {reason}") from None
+    except ConnectionError:
+        # the client hung up before its whole body came (a timeout, a crash): nobody reads
+        # the answer, and it is not our error to log with a traceback
+        log.debug("client hung up while sending the body of a %s request", kind)
+        raise Reply(
+            400, "InvalidRequestContentException", "the connection closed before the whole body arrived"
+        ) from None
+    if len(body) > limit:
+        raise too_large
+    return body
+
+
+def parse_invocation(body: bytes, function: str, tenant: str, request_id: str) -> tuple[Invocation, bool]:
+    """The ``Invocation`` a body asks for, and whether it came as an envelope (else raw
+    keyword arguments); 400 for a body that is neither."""
+    if not body.strip():
+        body = b"{}"  # the AWS CLI sends no payload as an empty body
+    try:
+        data = decode_payload(body)
+    except ValueError as e:
+        raise Reply(
+            400, "InvalidRequestContentException", f"Could not parse request body into json: {e}"
+        ) from None
+    if not isinstance(data, dict):
+        raise Reply(
+            400,
+            "InvalidRequestContentException",
+            f"the payload must be a JSON object of keyword arguments, not {type(data).__name__}",
+        )
+    if data.get("function") == function and "payload" in data:
+        try:
+            inv = Invocation.model_validate(data)
+        except ValidationError as e:
+            raise Reply(
+                400, "InvalidRequestContentException", f"not a valid fabric Invocation: {e}"
+            ) from None
+        if inv.deadline is not None and not (
+            math.isfinite(inv.deadline) and abs(inv.deadline) < _MAX_DEADLINE
+        ):
+            raise Reply(
+                400,
+                "InvalidRequestContentException",
+                f"not a valid fabric Invocation: deadline {inv.deadline!r} is not a wall-clock "
+                "time in seconds (time.time() + timeout)",
+            )
+        # encoded here, once, for the worker: a payload JSON cannot carry (NaN, Infinity:
+        # 1e999 parses as one) failed in the pool's dispatch, where nothing answered the
+        # call, and it held its quota and pool slots for good
+        try:
+            raw = to_strict_json(inv.payload)
+        except ValueError as e:
+            raise Reply(
+                400, "InvalidRequestContentException", f"not a valid fabric Invocation: payload: {e}"
+            ) from None
+        # the tenant is who the token says, whatever the body claims
+        return inv.model_copy(update={"tenant": tenant, "raw": raw}), True
+    inv = Invocation.fast(
+        function=function,
+        payload=data,
+        request_id=request_id,
+        idempotency_key=None,
+        deadline=None,
+        tenant=tenant,
+        attempt=1,
+        hedge=False,
+        wait_for_run=False,
+        raw=body,  # already the payload's JSON: not encoded again on the way to the worker
+    )
+    return inv, False
+
+
+def result_response(result: Result, envelope: bool, request_id: str) -> web.Response:
+    """The answer to a call that ran: the fabric ``Result`` (envelope) or Lambda's shape (raw)."""
+    headers = {"x-amzn-RequestId": request_id, "X-Amz-Executed-Version": "$LATEST"}
+    if envelope:
+        return web.Response(body=result.model_dump_json().encode(), content_type=JSON, headers=headers)
+    if result.ok:
+        return web.Response(body=to_strict_json(result.value), content_type=JSON, headers=headers)
+    assert result.error is not None
+    headers["X-Amz-Function-Error"] = "Unhandled"
+    trace = (result.error.traceback or "").splitlines()
+    body = {"errorType": result.error.type, "errorMessage": result.error.message, "stackTrace": trace}
+    return web.Response(body=json.dumps(body).encode(), content_type=JSON, headers=headers)

@@ -1,0 +1,151 @@
+"""The gateway's HTTP routes: ``POST`` invocations (the Lambda Invoke API, see
+``_lambda_api``), ``GET /healthz`` and ``GET /metrics``. An invocation is checked (token, rate,
+name, qualifier, type), takes its tenant's quota slot before its body is read, and is handed
+to the call layer below (``_calls``); its answer or error is counted in the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiohttp import web
+
+from fabric.protocol import new_request_id
+from fabric.serve._calls import GatewayCalls
+from fabric.serve._lambda_api import (
+    CLIENT_CLOSED,
+    INVOCATION_TYPES,
+    Reply,
+    error_response,
+    parse_invocation,
+    read_body,
+    result_response,
+    split_name,
+    tenant_of,
+)
+from fabric.serve.gate import QuotaExceeded, RateLimiter
+
+log = logging.getLogger("fabric.serve")
+
+
+class GatewayRoutes(GatewayCalls):
+    """The request handlers (see the module docstring)."""
+
+    _tokens: dict[bytes, str]
+    served: frozenset[str]
+    rates: RateLimiter
+    _draining: bool
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        try:
+            tenant = tenant_of(request, self._tokens)
+        except Reply as e:
+            return error_response(e.status, e.code, e.message, new_request_id())
+        sees_all = self.config.tenants[tenant].metrics == "all"
+        body, content_type = self.metrics.render(None if sees_all else tenant)
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def _invoke(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        request_id = new_request_id()
+        tenant = function = "-"
+        try:
+            tenant = tenant_of(request, self._tokens)
+            wait = self.rates.delay(tenant, time.monotonic())
+            if wait is None:
+                raise Reply(
+                    429,
+                    "TooManyRequestsException",
+                    f"Rate Exceeded: tenant {tenant!r} is more than "
+                    f"{RateLimiter.MAX_DELAY_S:g} s of requests over its max_rps; retry with backoff",
+                )
+            if wait:
+                await asyncio.sleep(wait)
+            function, qualifier = split_name(request.match_info["name"], request.query.get("Qualifier"))
+            prefix = self.config.function_prefix
+            if prefix and function.startswith(prefix):
+                function = function[len(prefix) :]
+            elif prefix:
+                raise Reply(404, "ResourceNotFoundException", f"Function not found: {function}")
+            if function not in self.served:
+                raise Reply(404, "ResourceNotFoundException", f"Function not found: {function}")
+            spec = self.registry.get(function)
+            if qualifier not in (None, "$LATEST", "live", spec.version):
+                raise Reply(
+                    404,
+                    "ResourceNotFoundException",
+                    f"Function not found: {function}:{qualifier} (served qualifiers: $LATEST, live, "
+                    f"{spec.version})",
+                )
+            kind = request.headers.get("X-Amz-Invocation-Type", "RequestResponse")
+            if kind not in INVOCATION_TYPES:
+                raise Reply(
+                    400,
+                    "InvalidParameterValueException",
+                    f"X-Amz-Invocation-Type must be one of {', '.join(INVOCATION_TYPES)}; got {kind[:40]!r}",
+                )
+            # the quota is taken before the body is read: a request holds its body in memory
+            # (up to 6 MB) from here on, so a tenant holds at most max_concurrency bodies, and
+            # one that opens requests and sends their bodies slowly spends its own quota only
+            try:
+                self.quotas.take(tenant)
+            except QuotaExceeded:
+                limit = self.quotas.limits[tenant]
+                raise Reply(
+                    429,
+                    "TooManyRequestsException",
+                    f"Rate Exceeded: tenant {tenant!r} already has {limit} calls in flight "
+                    "(its max_concurrency); retry with backoff",
+                ) from None
+            handed_off = False
+            try:
+                body = await read_body(request, kind, self.config)
+                inv, envelope = parse_invocation(body, function, tenant, request_id)
+                if kind == "DryRun":
+                    response: web.StreamResponse = web.Response(
+                        status=204, headers={"x-amzn-RequestId": request_id}
+                    )
+                elif kind == "Event":
+                    if self._draining:
+                        # accepted now, it would be cut when the drain ends, unseen by the caller
+                        raise Reply(
+                            429,
+                            "TooManyRequestsException",
+                            "the server is draining (shutting down) and takes no new Event "
+                            "invocations; nothing ran: retry with backoff",
+                        )
+                    self._start_event(inv, tenant)
+                    handed_off = True  # the event gives the quota back when the call ends
+                    response = web.Response(status=202, headers={"x-amzn-RequestId": request_id})
+                else:
+                    handed_off = True  # _call gives the quota back when the call no longer runs
+                    result = await self._call(inv, tenant)
+                    response = result_response(result, envelope, request_id)
+            finally:
+                if not handed_off:
+                    self.quotas.give(tenant)
+        except Reply as e:
+            response = error_response(e.status, e.code, e.message, request_id)
+            if e.close:
+                response.force_close()
+        except asyncio.CancelledError:
+            # the client hung up (handler_cancellation): nobody reads an answer; counted as
+            # nginx counts it, 499 "client closed request", so a metric shows abandoned calls
+            label = function if function in self.served else "-"
+            self.metrics.observe(tenant, label, CLIENT_CLOSED, time.perf_counter() - t0)
+            raise
+        except Exception:
+            # a bug of ours: Lambda's own 500, in JSON, so boto3 raises ServiceException and
+            # the lambda backend reads a retryable service fault, not aiohttp's text page
+            log.exception("request %s to %s failed inside the server", request_id, function)
+            response = error_response(
+                500, "ServiceException", f"internal error in fabric serve (request {request_id})", request_id
+            )
+        # unknown names are one label: a scan of made-up names must not grow the metrics
+        label = function if function in self.served else "-"
+        self.metrics.observe(tenant, label, response.status, time.perf_counter() - t0)
+        return response
