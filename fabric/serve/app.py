@@ -120,9 +120,18 @@ class Gateway(GatewayRoutes):
         try:
             if self.config.warm:
                 await self._warm()
+            await self._listen()
         except BaseException:
-            await self.backend.aclose()  # no pool outlives a server that did not start
+            # no pool outlives a server that did not start: a warm-up that failed, a listener
+            # that could not bind (the port taken during the warm-up), a cancelled start; and
+            # `async with` never reaches __aexit__ when __aenter__ raised
+            if self._runner is not None:
+                await self._runner.cleanup()
+                self._runner = None
+            await self.backend.aclose()
             raise
+
+    async def _listen(self) -> None:
         app = web.Application(
             client_max_size=max(self.config.max_body_bytes, self.config.max_event_bytes) + 1,
             middlewares=[self._requests.middleware],

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+from aws_fakes import free_port
 from pydantic import ValidationError
 from sample_fns import REG, SERVE_REG
 from test_serve import PATH, TOKEN_A, TOKEN_B, auth, config
@@ -19,6 +20,7 @@ from fabric.backends.base import LocalConfig
 from fabric.errors import ErrorCode
 from fabric.protocol import Invocation
 from fabric.serve import Gateway
+from fabric.testing import FakeBackend
 
 
 async def _until(predicate, what: str, timeout_s: float = 30.0) -> None:
@@ -202,3 +204,37 @@ def test_the_url_of_an_ipv6_host_has_it_in_brackets():
     g = Gateway(config(host="127.0.0.1"), REG)
     g.port = 9000
     assert g.url == "http://127.0.0.1:9000"
+
+
+class _PortTakenInTheWarmUp(FakeBackend):
+    """A warm-up during which another process takes the server's port: the probe before the
+    warm-up found it free (a judge model loads for minutes; a second server started meanwhile)."""
+
+    def __init__(self, registry, port: int):
+        super().__init__(registry)
+        self.port = port
+        self.taker: socket.socket | None = None
+
+    async def _warmup(self, names):
+        self.taker = socket.socket()
+        self.taker.bind(("127.0.0.1", self.port))
+        self.taker.listen()
+
+
+async def test_a_listener_that_cannot_bind_after_the_warm_up_leaves_no_pool_running():
+    """Only a failed warm-up closed the pools: a listener that then failed to bind (or a
+    cancelled start) left them running, and ``async with Gateway(...)`` never reaches
+    ``__aexit__`` when ``__aenter__`` raises, so the warm workers outlived the server till
+    the interpreter exited."""
+    port = free_port()
+    backend = _PortTakenInTheWarmUp(SERVE_REG, port)
+    cfg = config(warm=True, functions=["serve_add"]).model_copy(update={"port": port})
+    try:
+        with pytest.raises(OSError):
+            async with Gateway(cfg, SERVE_REG, backend=backend):
+                pytest.fail("the server started on a port another process listens on")
+        assert backend.taker is not None, "the warm-up did not run"
+        assert backend.closed, "the backend's pools outlived a server that did not start"
+    finally:
+        if backend.taker is not None:
+            backend.taker.close()
