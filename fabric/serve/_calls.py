@@ -144,7 +144,15 @@ class GatewayCalls:
         task.add_done_callback(ended)
 
     async def _run_event(self, inv: Invocation, tenant: str) -> None:
-        result = await self._call(inv, tenant)  # gives the quota back
+        try:
+            result = await self._call(inv, tenant)  # gives the quota back
+        except Exception:
+            # a bug of ours (as a RequestResponse call's 500): its caller had its 202 and hears
+            # of it nowhere else; left on the task, it showed only when the task was collected
+            log.exception(
+                "event %s %s (tenant %s) failed inside the server", inv.request_id, inv.function, tenant
+            )
+            return
         if not result.ok and result.error is not None:
             log.warning(
                 "event %s %s failed: %s: %s",

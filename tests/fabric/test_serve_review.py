@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import socket
 import time
 
@@ -14,7 +15,7 @@ from aws_fakes import free_port
 from pydantic import ValidationError
 from sample_fns import REG, SERVE_REG
 from test_serve import PATH, TOKEN_A, TOKEN_B, auth, config
-from test_serve_hardening import _post_and_hang_up
+from test_serve_hardening import _Broken, _post_and_hang_up
 
 from fabric.backends.base import LocalConfig
 from fabric.errors import ErrorCode
@@ -238,3 +239,28 @@ async def test_a_listener_that_cannot_bind_after_the_warm_up_leaves_no_pool_runn
     finally:
         if backend.taker is not None:
             backend.taker.close()
+
+
+async def test_an_event_that_fails_inside_the_server_is_logged_with_its_request_id(caplog):
+    """A bug under an Event call (here a backend that raises) ended its task with an exception
+    nobody read: the caller had its 202, and all that showed was asyncio's "Task exception was
+    never retrieved" when the task was collected, with no request id. It is logged at once,
+    as a RequestResponse call's 500 is."""
+    async with (
+        Gateway(config(), REG, backend=_Broken(REG)) as g,
+        httpx.AsyncClient(base_url=g.url, timeout=30) as c,
+    ):
+        with caplog.at_level(logging.ERROR, logger="fabric.serve"):
+            headers = {**auth(), "X-Amz-Invocation-Type": "Event"}
+            r = await c.post(PATH.format("add"), json={"a": 1}, headers=headers)
+            assert r.status_code == 202
+            await _until(lambda: g.inflight == 0, "the event to end")
+        request_id = r.headers["x-amzn-RequestId"]
+        errors = [
+            rec.getMessage()
+            for rec in caplog.records
+            if rec.name == "fabric.serve" and rec.levelno >= logging.ERROR
+        ]
+        assert any(request_id in message for message in errors), caplog.text
+        assert "a bug in a backend" in caplog.text
+        assert g.quotas.held["job-a"] == 0
