@@ -274,9 +274,20 @@ class InprocBackend(Backend):
 
     def settled(self, function: str, fut: asyncio.Future[Result]) -> asyncio.Future[None] | None:
         job = self._on_threads.get(fut)
-        if job is None or job.ended.done() or job.drop():  # none taken, done, or never to begin
+        if job is not None and not job.ended.done() and not job.drop():
+            return job.ended  # a thread runs it, or has begun to: it runs to its end
+        if fut.done():
             return None
-        return job.ended
+        # a task asked to cancel and still unwinding: an async handler's clean-up may take a
+        # while (the local pool holds it until its worker answers the cancel, as this does)
+        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def unwound(_: object) -> None:
+            if not ended.done():
+                ended.set_result(None)
+
+        fut.add_done_callback(unwound)
+        return ended
 
     def stats(self) -> dict[str, Any]:
         return {"calls": self._calls}

@@ -81,6 +81,35 @@ async def test_an_inproc_call_given_up_keeps_its_slots_until_its_thread_ends(how
         assert g._gates["held"].running == 0 and g.metrics.running_on == 0
 
 
+async def test_an_inproc_async_call_cancelled_keeps_its_slots_while_it_unwinds():
+    """An async handler whose client hung up is cancelled where it runs, and may take a while
+    to end (its clean-up: closing a session, a sandbox). The inproc backend's settled() said
+    nothing ran on, so its slots came back while it still ran; the local pool holds them
+    until its worker answers the cancel. Now so does inproc, until the task has ended."""
+    reg = Registry()
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    @reg.function(warm=0, timeout_s=30)
+    async def unwinds() -> int:
+        entered.set()
+        try:
+            await asyncio.sleep(60)
+        finally:
+            await release.wait()  # its clean-up
+        return 1
+
+    async with Gateway(config(backend=InprocConfig(), drain_s=0), reg) as g:
+        try:
+            await _post_and_hang_up(g.port, PATH.format("unwinds"), b"{}", TOKEN_A, entered.is_set)
+            await _until(lambda: g.metrics.running_on == 1 or g.quotas.held["job-a"] == 0, "the hang-up seen")
+            assert g.quotas.held["job-a"] == 1, "the slot came back while the handler still ran"
+            assert g._gates["unwinds"].running == 1
+        finally:
+            release.set()
+        await _until(lambda: g.quotas.held["job-a"] == 0, "the slot back when the handler ended")
+        assert g._gates["unwinds"].running == 0 and g.metrics.running_on == 0
+
+
 class _Growing(FakeBackend):
     """A backend whose room for a function grows while calls wait for it (a pool scaled up,
     or one that learned its calls are short)."""
