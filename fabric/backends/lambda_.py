@@ -227,7 +227,11 @@ class LambdaBackend(Backend):
             if inv.deadline is not None and not inv.wait_for_run:
                 wait = inv.deadline - time.time() - _UNSENT_MARGIN_S
             try:
-                await asyncio.wait_for(slots.acquire(), wait)
+                # not wait_for: on Python 3.11 a slot that frees up in the loop turn this call
+                # is cancelled (a losing hedge, the client's deadline) wins over the cancel,
+                # and the call would be sent with no one waiting for it
+                async with asyncio.timeout(wait):
+                    await slots.acquire()
             except TimeoutError:
                 return self._fail(
                     inv,

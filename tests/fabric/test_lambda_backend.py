@@ -576,3 +576,30 @@ def test_a_malformed_region_from_the_environment_is_a_config_error(monkeypatch):
     monkeypatch.setenv("AWS_REGION", "us east 1")
     with pytest.raises(ConfigError, match=r"region: 'us east 1' is not an AWS region"):
         make_backend("lambda", REG)
+
+
+async def test_a_call_cancelled_in_the_loop_turn_it_gets_a_connection_is_not_sent():
+    """asyncio.wait_for (Python 3.11) returns the inner result that lands in the loop turn
+    its caller is cancelled, and drops the cancellation: a boto3 call waiting for a free
+    connection that got one just as its caller gave up (a losing hedge, a deadline) was sent
+    to Lambda all the same, its caller gone."""
+    sent: list[str] = []
+
+    class Recording(LambdaBackend):
+        def _invoke_sync(self, inv, body):
+            sent.append(inv.request_id)
+            return self._fail(inv, ErrorCode.TRANSPORT, "not sent here")
+
+    cfg = LambdaConfig(endpoint_url="http://127.0.0.1:9", token=TOKEN, transport="boto3", max_connections=1)
+    async with Recording(REG, cfg) as b:
+        await b._slots.acquire()  # the one connection is busy with a call whose caller waits
+        inv = Invocation(function="add", payload={"a": 1}, deadline=time.time() + 30)
+        call = asyncio.ensure_future(b.invoke(inv))
+        while not b._slots._waiters:  # noqa: ASYNC110 - until it waits for the connection
+            await asyncio.sleep(0)
+        b._slots.release()
+        call.cancel()  # in the same loop turn as the connection frees up
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert sent == []
+        assert not b._slots.locked()  # nor did it keep the connection
