@@ -529,7 +529,10 @@ class SyncBridge:
         fut = self._submit(lambda: self.adapter.score_payloads(payloads))
         timeout = self.adapter.config.deadline_s + DEADLINE_GRACE_S
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+            # not wait_for: on Python 3.11 scores that arrive in the loop turn the caller is
+            # cancelled win over the cancel, and the cancelled trainer task goes on
+            async with asyncio.timeout(timeout):
+                return await asyncio.wrap_future(fut)
         except TimeoutError:
             raise BatchDeadlineError(
                 f"{self.adapter.spec.name}: a batch of {len(samples)} did not finish within {timeout:g} s"

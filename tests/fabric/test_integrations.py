@@ -870,3 +870,23 @@ def test_a_trl_reward_can_be_sent_to_another_process():
             original.close()
     with pytest.raises(TypeError, match="registry= or backend_instance="):
         pickle.dumps(trl_reward("exact_match", registry=Registry(), backend=LOCAL1))
+
+
+async def test_arun_cancelled_in_the_loop_turn_its_scores_arrive_is_cancelled(fake, monkeypatch):
+    # asyncio.wait_for (Python 3.11) returns a result that lands in the loop turn its caller
+    # is cancelled and drops the cancellation: a trainer's task cancelled (a step aborted, a
+    # shutdown) just as its batch's scores came back went on as if never cancelled
+    import concurrent.futures
+
+    reward = trl_async_reward("contains", registry=REG, backend_instance=fake)
+    try:
+        scores: concurrent.futures.Future[list] = concurrent.futures.Future()
+        monkeypatch.setattr(reward._bridge, "_submit", lambda coro: scores)  # the bridge's loop, played
+        task = asyncio.ensure_future(reward._bridge.arun([]))
+        await asyncio.sleep(0)  # it waits for the scores
+        scores.set_result([])  # handed to this loop in its next turn
+        task.cancel()  # in that same turn
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        reward.close()
