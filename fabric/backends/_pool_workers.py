@@ -56,7 +56,10 @@ class PoolWorkers(PoolDispatch):
     async def _start_worker(self, w: WorkerHandle) -> None:
         try:
             await self._launch(w)
-            await asyncio.wait_for(asyncio.shield(w.ready_fut), self.config.start_timeout_s)
+            # not wait_for: on Python 3.11 a start that settles in the loop turn this task is
+            # cancelled drops the cancel, and the worker it launched is not killed below
+            async with asyncio.timeout(self.config.start_timeout_s):
+                await asyncio.shield(w.ready_fut)
         except TimeoutError:
             # counted now, before a replacement can start: a worker that is still starting
             # keeps the pool from failing fast (see _start_failed)

@@ -697,3 +697,24 @@ async def test_a_worker_answers_an_async_call_cancelled_in_the_chunk_that_brough
     ((cid, ok, res, *_),) = await _replies(transport)
     assert cid == 1 and not ok and res[0] == ErrorCode.CANCELLED
     assert not serve.tasks and not serve.timers and not serve.pending
+
+
+async def test_a_worker_start_cancelled_in_the_loop_turn_it_settles_kills_the_worker():
+    """A start cancelled (the loop shutting down, the pool's task cancelled) kills the worker it
+    launched. Its bounded wait for the worker (asyncio.wait_for on Python 3.11) returned when
+    the start settled in the loop turn the cancel came, and dropped the cancel: the worker
+    lived on, unowned, until the interpreter exited."""
+    from fabric.backends.local import LocalBackend
+
+    async with LocalBackend(REG, LocalConfig(warm=0, max_workers=1)) as b:
+        pool = b.pool("add")
+        pool._spawn()
+        (w,) = pool._workers
+        (start,) = [t for t in asyncio.all_tasks() if t.get_coro().__name__ == "_start_worker"]
+        await _until(lambda: w.proc is not None and w.transport is not None, "the worker to launch")
+        assert not w.ready_fut.done()
+        w.settle_start()  # as a start that ends (its ready, its death) would
+        start.cancel()  # in the same loop turn
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        assert w.proc.wait(timeout=10) == -signal.SIGKILL
