@@ -75,7 +75,8 @@ class _Requests(_Idempotency):
             raw = fetch(self._s3, inv.payload, only_bucket=os.environ.get(SPILL_BUCKET_ENV) or None)
             payload = decode_payload(raw)
         except SpillError as e:
-            code = ErrorCode.TRANSPORT if e.retryable else ErrorCode.INVALID_ARGUMENTS
+            # before the function: a retry (which spills the payload anew) is safe for any
+            code = ErrorCode.NOT_STARTED if e.retryable else ErrorCode.INVALID_ARGUMENTS
             return self._failure(inv, code, str(e))
         except ValueError as e:
             return self._failure(inv, ErrorCode.INVALID_ARGUMENTS, f"the spilled payload is not JSON: {e}")

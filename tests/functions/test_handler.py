@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -772,6 +773,18 @@ def test_a_spill_pointer_that_does_not_resolve_is_a_clear_error(aws: None) -> No
     assert r.error.type == ErrorCode.INVALID_ARGUMENTS and "not found" in r.error.message
     r = invoke("exact_match", {"__fabric_spill__": {"bucket": 3}})
     assert r.error.type == ErrorCode.INVALID_ARGUMENTS and "needs a bucket and a key" in r.error.message
+
+
+def test_an_expired_spilled_payload_did_not_start_and_says_to_send_it_again(aws: None) -> None:
+    # the bucket's lifecycle rule deleted it (a call that waited days, an SQS backlog): the
+    # function never ran, so the client's retry, which spills the payload anew, is safe even
+    # for a side effect; it was a final InvalidArguments, kept under the idempotency key
+    p = _spill({"traj": TRAJ, "ground_truth": "42"})
+    p["__fabric_spill__"]["key"] = "spill/t/gone.json"
+    p["__fabric_spill__"]["spilled_at"] = time.time() - 8 * 86400
+    r = invoke("exact_match", p)
+    assert r.error.type == ErrorCode.NOT_STARTED and r.retryable, r.error
+    assert "expired" in r.error.message and "send the call again" in r.error.message
 
 
 def test_a_spill_pointer_outside_the_deployment_bucket_is_refused(
