@@ -8,8 +8,9 @@ access to the workspace (``PermissionDeniedError``) is ``Unauthorized`` and fina
 message says how to log in); a function that is not deployed is ``UnknownFunction``; Modal's
 timeout is ``FunctionTimeout``; its rate limit (``ResourceExhaustedError``) is ``Throttled``,
 retryable and safe to retry for a side effect (nothing ran); a request Modal refuses as
-invalid is ``SetupFailed`` (the deployment's or the config's, not the payload's), one too
-large ``PayloadTooLarge``, both final; anything else on
+invalid is ``SetupFailed`` (the deployment's or the config's, not the payload's), and so is
+an ``ImportError`` from the container (its image cannot import fabric's runtime), one too
+large ``PayloadTooLarge``, all final; anything else on
 the way (``ConnectionError``, ``InternalFailure``, ``ServiceError``, a lost container) is a
 retryable ``TransportError``.
 """
@@ -99,7 +100,16 @@ class ModalBackend(Backend):
             ErrorCode.TRANSPORT,
         )
         message = f"Modal: {type(e).__name__}: {e}"
-        if code == ErrorCode.UNAUTHORIZED:
+        if isinstance(e, ImportError):
+            # raised in the container and re-raised here by Modal: its entry cannot import
+            # fabric's runtime (the function's own import failures come back as a Result), so
+            # no call can run until the image is fixed: not a transport fault to retry
+            code = ErrorCode.SETUP_FAILED
+            message += (
+                " (the Modal container cannot import fabric's runtime: its image lacks a package; "
+                "redeploy with `fabric deploy --backend modal` from an environment with rl-fabric installed)"
+            )
+        elif code == ErrorCode.UNAUTHORIZED:
             message += (
                 " (run `modal token new`, or set MODAL_TOKEN_ID and MODAL_TOKEN_SECRET for a "
                 "workspace that can call the app)"

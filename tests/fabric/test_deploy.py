@@ -723,6 +723,34 @@ async def test_modal_errors_are_translated(name, code):
     assert name in r.error.message and r.worker == "modal"
 
 
+async def test_a_modal_container_that_cannot_import_the_runtime_is_setup_failed():
+    """The container's entry imports fabric's runtime; an image without it (or without one of
+    its dependencies) raises ImportError there, which Modal re-raises here. It was a retryable
+    TransportError: every call was retried to its attempts, and a side effect's ended
+    OutcomeUnknown, though the function never ran and never will until the app is redeployed."""
+    from fabric.backends.modal_ import ModalBackend
+    from fabric.errors import FINAL_ERRORS
+
+    class Raising:
+        @property
+        def remote(self):
+            return self
+
+        async def aio(self, envelope):
+            raise ModuleNotFoundError("No module named 'pydantic'", name="pydantic")
+
+    class FakeModal(ModalBackend):
+        def _function(self, name):
+            return Raising()
+
+    async with FakeModal(REG, ModalConfig()) as b:
+        r = await b.invoke(Invocation(function="add", payload={"a": 1}))
+    assert r.error.type == ErrorCode.SETUP_FAILED and not r.retryable, r.error
+    assert r.error.type not in FINAL_ERRORS  # not the function's answer, kept under a key
+    assert "No module named 'pydantic'" in r.error.message
+    assert "fabric deploy --backend modal" in r.error.message  # what to do
+
+
 def test_modal_deploy_without_a_token_is_a_clear_error(no_modal_token, tmp_path, monkeypatch):
     from fabric.cli import app
 
