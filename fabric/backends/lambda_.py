@@ -26,13 +26,16 @@ retried); a ``FunctionError`` whose body is not a ``Result`` is Lambda's own err
 (a timeout or a crashed runtime is retryable, a response over the size limit is
 ``ResultNotSerializable``, a handler that cannot be loaded is ``SetupFailed``, anything
 else is the function's ``UserError``); a missing
-function, a refused token, a bad request are final.
+function (its message names the region it was looked for in), a region AWS Lambda does not
+have (its endpoint never resolves: not a connection fault to retry), a refused token, a bad
+request are final.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import time
@@ -380,7 +383,18 @@ class LambdaBackend(Backend):
     def _not_connected(self, inv: Invocation, e: Exception) -> Result:
         """No connection was made (refused, unresolvable, or the handshake ran past
         connect_timeout_s): the request never went out, so the call did not start, and a
-        retry is safe even for a side effect."""
+        retry is safe even for a side effect. Unless the region is one AWS Lambda does not
+        have (well formed, but made up or mistyped): its endpoint will never resolve, and
+        retrying only spends the call's attempts and deadline."""
+        region = self.config.region
+        if self.config.endpoint_url is None and not _lambda_has(region):
+            return self._fail(
+                inv,
+                ErrorCode.UNKNOWN_FUNCTION,
+                f"{inv.function}: AWS Lambda has no region {region!r} (botocore knows none by that "
+                f"name, and its endpoint does not answer: {e}); set LambdaConfig(region=...) or "
+                "$AWS_REGION to the region `fabric deploy` deployed to",
+            )
         return self._fail(
             inv, ErrorCode.NOT_STARTED, f"cannot connect to {self._where()} (the call was not sent): {e}"
         )
@@ -396,21 +410,33 @@ class LambdaBackend(Backend):
         message = f"{code_name or status}: {text}"
         if code is None:  # another 4xx: our request is wrong, retrying will not fix it
             code = ErrorCode.INVALID_ARGUMENTS
+        aws = self.config.endpoint_url is None
         if code == ErrorCode.UNAUTHORIZED:
             message += (
                 " (for fabric serve: set the token with LambdaConfig.token or $RL_FABRIC_TOKEN; for AWS: "
-                "check the credentials and the lambda:InvokeFunction permission)"
+                "check the credentials and the lambda:InvokeFunction permission"
             )
+            if aws and code_name == "UnrecognizedClientException":
+                # what Lambda answers in an opt-in region the account has not enabled
+                message += f", and that region {self.config.region!r} is enabled for the account"
+            message += ")"
         elif code == ErrorCode.UNKNOWN_FUNCTION:
             name = self.config.function_prefix + inv.function
+            where = f" in {self.config.region}" if aws else ""
             if self.config.function_prefix:
-                message += f" (called as {name!r}; run `fabric deploy`?)"
+                message += f" (called as {name!r}{where}; run `fabric deploy`?"
             else:  # the commonest miss: a deploy with its default --prefix
                 message += (
-                    f" (called as {name!r}, with no function_prefix; `fabric deploy` names it "
+                    f" (called as {name!r}{where}, with no function_prefix; `fabric deploy` names it "
                     f"'{_DEPLOY_PREFIX}{inv.function}' unless given --prefix: "
-                    f"LambdaConfig(function_prefix='{_DEPLOY_PREFIX}'), or run `fabric deploy`)"
+                    f"LambdaConfig(function_prefix='{_DEPLOY_PREFIX}'), or run `fabric deploy`"
                 )
+            if aws:  # deployed, but to another region than the one called
+                message += (
+                    "; deployed to another region? LambdaConfig(region=...) or $AWS_REGION must name "
+                    "the region `fabric deploy` used"
+                )
+            message += ")"
         return self._fail(inv, code, message)
 
     def _reply(self, inv: Invocation, body: bytes, function_error: str | None) -> Result:
@@ -485,6 +511,20 @@ def _as_result(data: Any) -> Result | None:
             return None
     result.attempts = 1
     return result
+
+
+@functools.cache
+def _lambda_has(region: str) -> bool:
+    """Whether botocore knows AWS Lambda in ``region``, in any partition (asked only when a
+    connection to AWS failed: a botocore older than a new region says no, and that region's
+    failures are then final, where its endpoint did not answer either)."""
+    import botocore.session
+
+    session = botocore.session.get_session()
+    return any(
+        region in session.get_available_regions("lambda", partition_name=partition)
+        for partition in session.get_available_partitions()
+    )
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Any) -> None:

@@ -603,3 +603,48 @@ async def test_a_call_cancelled_in_the_loop_turn_it_gets_a_connection_is_not_sen
             await call
         assert sent == []
         assert not b._slots.locked()  # nor did it keep the connection
+
+
+class _Unreachable:
+    """A boto3 Lambda client whose host does not resolve (the region's endpoint is made up)."""
+
+    def __init__(self, region: str):
+        self.region = region
+
+    def invoke(self, **_):
+        from botocore.exceptions import EndpointConnectionError
+
+        url = f"https://lambda.{self.region}.amazonaws.com/2015-03-31/functions/x/invocations"
+        raise EndpointConnectionError(endpoint_url=url, error=OSError("Name or service not known"))
+
+
+def test_a_region_without_lambda_fails_fast_with_what_to_set(monkeypatch):
+    """A well-formed region that AWS has not (us-east-9, a typo of a real one): its endpoint's
+    host does not resolve, which read as a connection that was not made, NotStarted, retried
+    to the call's attempts and deadline. The region is the fault, and it says so, final."""
+    monkeypatch.delenv("RL_FABRIC_TOKEN", raising=False)
+    b = LambdaBackend(REG, LambdaConfig(region="us-east-9", function_prefix="rl-fabric-"))
+    b._client = _Unreachable("us-east-9")
+    r = b._invoke_sync(Invocation(function="add"), b"{}")
+    assert r.error.type == ErrorCode.UNKNOWN_FUNCTION and not r.retryable, r.error
+    assert "us-east-9" in r.error.message and "region" in r.error.message
+    assert "$AWS_REGION" in r.error.message and "fabric deploy" in r.error.message
+    # a region AWS has: a connection that was not made is still NotStarted (DNS or network down)
+    b = LambdaBackend(REG, LambdaConfig(region="eu-west-1"))
+    b._client = _Unreachable("eu-west-1")
+    assert b._invoke_sync(Invocation(function="add"), b"{}").error.type == ErrorCode.NOT_STARTED
+
+
+def test_a_function_not_found_on_aws_names_the_region_it_was_looked_for_in():
+    # deployed to eu-west-1, called in us-east-1 (the default when $AWS_REGION is unset)
+    b = LambdaBackend(REG, LambdaConfig(region="us-east-1", function_prefix="rl-fabric-"))
+    message = "Function not found: arn:aws:lambda:us-east-1:123456789012:function:rl-fabric-add:live"
+    r = b._refused(Invocation(function="add"), "ResourceNotFoundException", 404, message)
+    assert r.error.type == ErrorCode.UNKNOWN_FUNCTION and not r.retryable
+    assert "in us-east-1" in r.error.message and "$AWS_REGION" in r.error.message
+    # an opt-in region not enabled for the account: Lambda refuses the credentials there
+    b = LambdaBackend(REG, LambdaConfig(region="me-south-1"))
+    r = b._refused(
+        Invocation(function="add"), "UnrecognizedClientException", 403, "The security token is invalid"
+    )
+    assert r.error.type == ErrorCode.UNAUTHORIZED and "me-south-1" in r.error.message
