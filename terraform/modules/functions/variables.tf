@@ -49,6 +49,13 @@ variable "functions" {
   }
 }
 
+variable "function_environment" {
+  description = "Secret environment variables by fabric name (as the root's): sensitive, never printed by plan."
+  type        = map(map(string))
+  default     = {}
+  sensitive   = true
+}
+
 variable "log_retention_days" {
   description = "Retention of each function's log group."
   type        = number
