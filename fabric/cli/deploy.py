@@ -21,8 +21,8 @@ from fabric.errors import FabricError
 
 
 @app.command(
-    help="Deploy the registered functions: AWS Lambda (terraform or boto3) with a `live` alias and "
-    "provisioned concurrency for warm functions, or a Modal app."
+    help="Deploy the registered functions: AWS Lambda (terraform or boto3) with a `live` alias "
+    "(provisioned concurrency with --provisioned or --warm N), or a Modal app."
 )
 def deploy(
     backend: Annotated[
@@ -45,8 +45,18 @@ def deploy(
     ] = None,
     warm: Annotated[
         int | None,
-        typer.Option(help="Provisioned concurrency for every function (default: each one's warm)."),
+        typer.Option(
+            help="Warm instances of every function: Lambda provisioned concurrency, Modal min_containers "
+            "(default: Lambda none, see --provisioned; Modal each function's warm)."
+        ),
     ] = None,
+    provisioned: Annotated[
+        bool,
+        typer.Option(
+            help="lambda: provisioned concurrency from each function's warm. Off by default: it is billed "
+            "while idle, and a new AWS account's concurrency limit (10) refuses any."
+        ),
+    ] = False,
     reserved: Annotated[bool, typer.Option(help="Cap each function at its max_concurrency.")] = False,
     terraform_dir: Annotated[str, typer.Option(help="Where fabric.auto.tfvars.json goes.")] = "terraform",
     out_dir: Annotated[str, typer.Option("--out", help="Where the package is built.")] = "build",
@@ -69,7 +79,13 @@ def deploy(
         fail(f"--backend must be lambda or modal, got {backend!r}")
     if architecture not in ("x86_64", "arm64"):
         fail(f"--architecture must be x86_64 or arm64, got {architecture!r}")
+    if provisioned and backend != "lambda":
+        fail("--provisioned is for --backend lambda: Modal's min_containers follow each function's warm")
     if backend == "lambda":
+        if warm is None and not provisioned:
+            # no provisioned concurrency unless asked: billed while idle, and refused outright
+            # by a new account's concurrency limit (terraform apply failed on every warm function)
+            warm = 0
         given = region is not None
         region = region or default_region()
         problem = region_problem(region)

@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from fabric.deploy.package import MAX_DIRECT_ZIP_BYTES
-from fabric.deploy.plan import ALIAS, HANDLER, DeployedFunction, DeployError
+from fabric.deploy.plan import ALIAS, HANDLER, DeployedFunction, DeployError, concurrency_limit_hint
 
 _TRUST = {
     "Version": "2012-10-17",
@@ -162,7 +162,8 @@ def deploy_direct(
             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (any values do for moto)"
         ) from None
     except (ClientError, BotoCoreError) as e:
-        raise DeployError(f"deploy failed: {e}") from None
+        hint = concurrency_limit_hint(str(e))  # --reserved on an account with a low limit
+        raise DeployError(f"deploy failed: {e}" + (f"; {hint}" if hint else "")) from None
 
 
 def _one(
@@ -221,9 +222,10 @@ def _one(
             )
             provisioned = fn.warm
         except ClientError as e:
+            hint = concurrency_limit_hint(str(e))
             warning = (
                 f"{name}: provisioned concurrency ({fn.warm} warm) not set: {_reason(e)}; "
-                "the function works, with cold starts"
+                "the function works, with cold starts" + (f"; {hint}" if hint else "")
             )
     elif not created:
         # --warm 0: a warm pool an earlier deploy put on the alias would stay, and be billed

@@ -20,6 +20,24 @@ class DeployError(FabricError):
     """A deploy that cannot go on (bad options, a failed packaging or cloud step)."""
 
 
+#: Lambda's refusal of provisioned or reserved concurrency the account's limit cannot spare.
+_CONCURRENCY_LIMIT = "UnreservedConcurrentExecution"
+
+
+def concurrency_limit_hint(text: str) -> str | None:
+    """What to do when ``text`` (an AWS error, terraform's output) is Lambda refusing
+    provisioned or reserved concurrency for the account's concurrency limit; else ``None``.
+    A new account's limit is 10 and Lambda keeps 10 unreserved, so it refuses any."""
+    if _CONCURRENCY_LIMIT not in text:
+        return None
+    return (
+        "this account's Lambda concurrency limit cannot spare it (new accounts start at 10, and Lambda "
+        "keeps 10 unreserved, so it refuses any provisioned or reserved concurrency; `aws lambda "
+        "get-account-settings` shows the limit): ask for more 'Concurrent executions' in Service Quotas "
+        "(AWS Lambda), and meanwhile deploy with --warm 0 (the default) and without --reserved"
+    )
+
+
 class DeployedFunction(BaseModel):
     """One registered function as a cloud function."""
 

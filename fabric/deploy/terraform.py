@@ -7,7 +7,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from fabric.deploy.plan import DeployError
+from fabric.deploy.plan import DeployError, concurrency_limit_hint
 
 PLAN_FILE = "fabric.tfplan"
 
@@ -38,4 +38,7 @@ def run_terraform(terraform_dir: Path, *, plan_only: bool, echo: Callable[[str],
                     " (terraform init downloads the AWS provider from registry.terraform.io: it needs "
                     "that network, or a provider mirror in your terraform CLI config)"
                 )
+            limit = concurrency_limit_hint(done.stdout + done.stderr)
+            if limit is not None:  # warm functions' provisioned concurrency on a new account
+                hint = f": {limit}"
             raise DeployError(f"terraform {args[0]} failed with exit code {done.returncode}{hint}")

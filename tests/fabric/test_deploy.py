@@ -432,6 +432,76 @@ def test_cli_terraform_path_writes_tfvars(tmp_path, monkeypatch):
     assert "terraform is not on PATH" in r.output
 
 
+def test_cli_lambda_deploy_provisions_no_concurrency_unless_asked(tmp_path, monkeypatch):
+    """Every built-in has warm=1, and a deploy put provisioned concurrency on each: on a new
+    AWS account (a concurrency limit of 10, of which Lambda keeps 10 unreserved) terraform
+    apply failed with "decreases account's UnreservedConcurrentExecution below its minimum
+    value of [10]". A Lambda deploy provisions none unless asked (--provisioned: each
+    function's warm; --warm N: N for every function)."""
+    from fabric.cli import app
+
+    tf = tmp_path / "terraform"
+    tf.mkdir()
+    for name in ("region", "name_prefix", "package", "functions", "tags"):
+        (tf / f"{name}.tf").write_text(f'variable "{name}" {{}}\n')
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no terraform on PATH
+    base = ["deploy", "--no-deps", "-m", "sample_fns", "-f", "add", "--terraform-dir", str(tf)]
+    base += ["--out", str(tmp_path / "b")]
+    for extra, warm in (([], 0), (["--provisioned"], REG.get("add").warm), (["--warm", "2"], 2)):
+        r = CliRunner().invoke(app, base + extra)
+        assert r.exit_code == 0, r.output
+        assert json.loads((tf / TFVARS_FILE).read_text())["functions"]["add"]["warm"] == warm, extra
+    assert REG.get("add").warm == 1  # so the default's 0 is the deploy's, not the function's
+    r = CliRunner().invoke(app, ["deploy", "--backend", "modal", "--provisioned", "-m", "sample_fns"])
+    assert r.exit_code == 2 and "--provisioned" in r.output  # Modal's warm pool is min_containers
+
+
+def test_a_concurrency_limit_too_low_for_provisioned_concurrency_says_what_to_do():
+    import boto3
+    from botocore.stub import Stubber
+
+    from fabric.deploy.direct import _one
+
+    lam = boto3.client("lambda", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    fn = plan_functions(REG, ["add"], prefix="rl-", warm=1)[0]
+    arn = "arn:aws:lambda:us-east-1:123456789012:function:rl-add"
+    refused = (
+        "Specified ConcurrentExecutions for function decreases account's UnreservedConcurrentExecution "
+        "below its minimum value of [10]."
+    )
+    with Stubber(lam) as stub:
+        stub.add_client_error("get_function", "ResourceNotFoundException", http_status_code=404)
+        _created_up_to_its_alias(stub, arn)
+        stub.add_client_error("put_provisioned_concurrency_config", "InvalidParameterValueException", refused)
+        done = _one(
+            lam, fn, b"zip", "arn:aws:iam::123456789012:role/r", DirectConfig(region="us-east-1"), print
+        )
+    assert done.provisioned == 0 and done.warning is not None
+    assert "Service Quotas" in done.warning and "--warm 0" in done.warning
+
+
+def test_a_terraform_apply_refused_for_the_concurrency_limit_says_what_to_do(tmp_path, monkeypatch):
+    from fabric.deploy.terraform import run_terraform
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "terraform"
+    script.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = apply ]; then\n'
+        "  echo 'Error: putting Lambda Provisioned Concurrency Config (rl-fabric-add,live): "
+        "InvalidParameterValueException: Specified ConcurrentExecutions for function decreases "
+        "account'\\''s UnreservedConcurrentExecution below its minimum value of [10].' >&2\n"
+        "  exit 1\n"
+        "fi\n"
+    )
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    with pytest.raises(DeployError) as e:
+        run_terraform(tmp_path, plan_only=False, echo=lambda _: None)
+    assert "apply failed" in str(e.value) and "Service Quotas" in str(e.value) and "--warm 0" in str(e.value)
+
+
 @pytest.mark.parametrize("image", [None, "123456789012.dkr.ecr.us-east-1.amazonaws.com/rl-fabric:1"])
 def test_cli_terraform_path_keeps_the_architecture(tmp_path, monkeypatch, image):
     """--image with --architecture arm64 wrote x86_64 to the tfvars (an arm64 image on an
@@ -784,5 +854,14 @@ def test_deploy_docs_commands_exist():
     from fabric.cli import app
 
     help_text = CliRunner().invoke(app, ["deploy", "--help"], terminal_width=200).output
-    for opt in ("--direct", "--plan-only", "--prefix", "--endpoint-url", "--no-deps", "--image", "--warm"):
+    for opt in (
+        "--direct",
+        "--plan-only",
+        "--prefix",
+        "--endpoint-url",
+        "--no-deps",
+        "--image",
+        "--warm",
+        "--provisioned",
+    ):
         assert opt in text and opt in help_text, opt
