@@ -283,9 +283,30 @@ class LambdaBackend(Backend):
         raw = inv.raw_payload
         try:
             self._s3.put_object(Bucket=cfg.spill_bucket, Key=key, Body=raw, ContentType="application/json")
-        except Exception as e:  # botocore's errors: a refused upload may work on a retry
+        except Exception as e:  # botocore's errors
+            # Lambda was not called: never a fault after which the call may have run (a side
+            # effect's key would be kept OutcomeUnknown); a missing bucket or permission is
+            # final, anything else may pass and is safe to retry
+            where = f"s3://{cfg.spill_bucket}/{key}"
+            code = str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
+            if code == "NoSuchBucket":
+                return self._fail(
+                    inv,
+                    ErrorCode.SETUP_FAILED,
+                    f"cannot spill the payload to {where}: LambdaConfig.spill_bucket names a bucket that "
+                    "does not exist (terraform's output `bucket` is the deployment's)",
+                )
+            if code in ("AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+                return self._fail(
+                    inv,
+                    ErrorCode.UNAUTHORIZED,
+                    f"cannot spill the payload to {where}: {e} (the caller's credentials need s3:PutObject "
+                    f"on {cfg.spill_prefix.rstrip('/')}/* of the bucket)",
+                )
             return self._fail(
-                inv, ErrorCode.TRANSPORT, f"cannot spill the payload to s3://{cfg.spill_bucket}/{key}: {e}"
+                inv,
+                ErrorCode.NOT_STARTED,
+                f"cannot spill the payload to {where} (the call was not sent): {e}",
             )
         self._spilled += 1
         return envelope(inv, encode_payload(pointer(cfg.spill_bucket, key, raw)))

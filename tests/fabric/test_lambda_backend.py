@@ -648,3 +648,36 @@ def test_a_function_not_found_on_aws_names_the_region_it_was_looked_for_in():
         Invocation(function="add"), "UnrecognizedClientException", 403, "The security token is invalid"
     )
     assert r.error.type == ErrorCode.UNAUTHORIZED and "me-south-1" in r.error.message
+
+
+class _RefusingS3:
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def put_object(self, **_):
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "expected", "says"),
+    [
+        ("NoSuchBucket", 404, ErrorCode.SETUP_FAILED, "spill_bucket"),
+        ("AccessDenied", 403, ErrorCode.UNAUTHORIZED, "s3:PutObject"),
+        ("SlowDown", 503, ErrorCode.NOT_STARTED, "not sent"),
+    ],
+)
+def test_a_payload_that_cannot_be_spilled_was_not_sent(code, status, expected, says):
+    """The upload failed, so Lambda was never called. It was a TransportError, after which a
+    call may have run: a side effect's key was kept as OutcomeUnknown (never run again under
+    it) though nothing ran, and a bucket that does not exist was retried as if it might."""
+    from botocore.exceptions import ClientError
+
+    from fabric.errors import SAFE_TO_RETRY
+
+    b = LambdaBackend(REG, LambdaConfig(spill_bucket="spill", function_prefix="rl-"))
+    error = {"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+    b._s3 = _RefusingS3(ClientError(error, "PutObject"))
+    r = b._spill(Invocation(function="add", payload={"a": 1}))
+    assert r.error.type == expected and says in r.error.message, r.error
+    assert r.retryable == (expected == ErrorCode.NOT_STARTED)
+    assert r.error.type in SAFE_TO_RETRY or not r.retryable  # never "may have run"
