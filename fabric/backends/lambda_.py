@@ -67,6 +67,13 @@ _CLIENT_ERRORS: dict[str, ErrorCode] = {
     "InvalidSignatureException": ErrorCode.UNAUTHORIZED,
     "ExpiredTokenException": ErrorCode.UNAUTHORIZED,
 }
+#: A refusal with no Lambda error code (a proxy's), by its HTTP status.
+_BARE_STATUSES: dict[int, ErrorCode] = {
+    401: ErrorCode.UNAUTHORIZED,
+    403: ErrorCode.UNAUTHORIZED,
+    404: ErrorCode.UNKNOWN_FUNCTION,
+    413: ErrorCode.PAYLOAD_TOO_LARGE,
+}
 #: ``fabric deploy``'s default ``--prefix``, named when a call without a prefix finds nothing.
 _DEPLOY_PREFIX = "rl-fabric-"
 #: Room for the envelope's other fields (ids, key, deadline, tenant) beside the payload.
@@ -422,13 +429,24 @@ class LambdaBackend(Backend):
 
     def _refused(self, inv: Invocation, code_name: str, status: int, text: str) -> Result:
         """A service error (the call was refused before or instead of running)."""
+        if code_name == str(status):  # botocore's stand-in when the reply names no code
+            code_name = ""
         code = _CLIENT_ERRORS.get(code_name)
+        if code is None and not code_name:
+            # no Lambda error code: a proxy's answer (an auth gateway, nginx's body limit) or
+            # an endpoint_url that is not the Invoke API; read as its status says, never as the
+            # function refusing the payload (InvalidArguments is kept under the key)
+            code = _BARE_STATUSES.get(status)
         if code is None:
             # 408: the request did not arrive in time (fabric serve's body_timeout_s, a proxy),
             # a transport fault like a 5xx, not a request that is wrong whenever it is sent
             transport = status >= 500 or status == 408
             code = ErrorCode.THROTTLED if status == 429 else ErrorCode.TRANSPORT if transport else None
         message = f"{code_name or status}: {text}"
+        if not code_name and status == 404:
+            message += (
+                f" (no Lambda error code: is endpoint_url {self._where()!r} the Invoke API's base URL?)"
+            )
         if code is None:  # another 4xx: our request is wrong, retrying will not fix it
             code = ErrorCode.INVALID_ARGUMENTS
         aws = self.config.endpoint_url is None

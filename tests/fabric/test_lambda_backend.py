@@ -681,3 +681,29 @@ def test_a_payload_that_cannot_be_spilled_was_not_sent(code, status, expected, s
     assert r.error.type == expected and says in r.error.message, r.error
     assert r.retryable == (expected == ErrorCode.NOT_STARTED)
     assert r.error.type in SAFE_TO_RETRY or not r.retryable  # never "may have run"
+
+
+@pytest.mark.parametrize(
+    ("status", "expected"),
+    [
+        (401, ErrorCode.UNAUTHORIZED),
+        (403, ErrorCode.UNAUTHORIZED),
+        (404, ErrorCode.UNKNOWN_FUNCTION),
+        (413, ErrorCode.PAYLOAD_TOO_LARGE),
+    ],
+)
+def test_a_refusal_without_a_lambda_error_code_is_read_by_its_status(status, expected):
+    """A proxy in front of fabric serve (nginx's client_max_body_size, an auth gateway) or an
+    endpoint_url with a wrong path answers with a bare status, no x-amzn-ErrorType. Any 4xx
+    was InvalidArguments: final and kept under the idempotency key as the function's own
+    answer (a reward's failure_score scored it), for a refusal that is no fault of the payload."""
+    from fabric.errors import FINAL_ERRORS
+
+    b = LambdaBackend(REG, LambdaConfig(endpoint_url="http://127.0.0.1:9", token=TOKEN))
+    # the http transport finds no code; botocore puts the status in its place
+    for code_name in ("", str(status)):
+        r = b._refused(Invocation(function="add"), code_name, status, "<html><body>refused</body></html>")
+        assert r.error.type == expected and r.error.type not in FINAL_ERRORS, r.error
+        assert str(status) in r.error.message
+        if status == 404:
+            assert "endpoint_url" in r.error.message
