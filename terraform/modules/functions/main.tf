@@ -39,6 +39,17 @@ locals {
   # the functions with secret variables: their names are no secret (for_each and the plan
   # show them), their values stay sensitive
   secret_env_names = toset(nonsensitive(keys(var.function_environment)))
+
+  # the worker runs the functions whose modules it discovers, each needing its variables
+  # (a judge's model, its API key); a name two of them set differently gets the later
+  # function's value (by name)
+  worker_functions = sort([
+    for name, f in var.functions : name if f.image_uri == null || length(local.shared_modules) == 0
+  ])
+  worker_env = merge({}, [for name in local.worker_functions : var.functions[name].environment]...)
+  worker_secret_env = merge({}, [
+    for name in local.worker_functions : var.function_environment[name] if contains(local.secret_env_names, name)
+  ]...)
 }
 
 # Created before the functions so Lambda does not create them without a retention.
@@ -238,8 +249,11 @@ resource "aws_lambda_function" "sqs_worker" {
   }
 
   environment {
+    # sensitive as a whole when one of its functions has secrets (function_environment)
     variables = merge(
       local.common_env,
+      local.worker_env,
+      length([for name in local.worker_functions : name if contains(local.secret_env_names, name)]) > 0 ? local.worker_secret_env : {},
       { RL_FABRIC_MODULES = local.worker_modules },
       var.reply_queue == null ? {} : { RL_FABRIC_REPLY_QUEUE_URL = var.reply_queue.url },
     )
