@@ -13,8 +13,9 @@ of a cold image cost one download. A walk that ends in a transport fault is retr
 exponential backoff and full jitter; one that ends in "no tier has it" is not.
 
 Unpacked bundles are evicted least recently used first to stay under
-``unpacked_budget_bytes`` (``envpool.images.unpacked``); one pinned with ``acquire`` (a
-container runs from it) is never evicted until ``release``.
+``unpacked_budget_bytes`` (``envpool.images.unpacked``) after each unpack and at each
+``release``; one pinned with ``acquire`` (a container runs from it) is never evicted until
+then.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class CacheConfig(BaseModel):
     """Disk the unpacked bundles of ``unpack_dir`` may take (20 GiB by default; None: no
     limit). Past it, the least recently used bundles are deleted after each unpack, never
     one pinned by a live container (``acquire``: here or in another process sharing the
-    directory), so it may be exceeded while everything left is in use. Enforced per process."""
+    directory), so it may be exceeded while everything left is in use; what was over is
+    evicted as soon as this process releases a pin. Enforced per process."""
 
 
 def _retryable(e: BaseException) -> bool:
@@ -114,6 +116,8 @@ class TieredCache:
         self.unpacked = UnpackedStore(self.unpack_root, unpacked_budget_bytes)
         self._fetch_slots = asyncio.Semaphore(max_concurrent_fetches)
         self._inflight: dict[str, asyncio.Task[Path]] = {}
+        self._removals: set[asyncio.Future[None]] = set()
+        """Deletions of evicted directories under way (``release`` is sync): the close awaits them."""
         self._outcomes: Counter[str] = Counter()
         self._started = False
         self._closed = False
@@ -170,6 +174,7 @@ class TieredCache:
 
     async def _close(self, flights: list[asyncio.Task[Path]]) -> None:
         await asyncio.gather(*flights, return_exceptions=True)
+        await asyncio.gather(*self._removals, return_exceptions=True)
         await asyncio.gather(*(t.aclose() for t in self.tiers), return_exceptions=True)
         self.unpacked.unpin_all()
 
@@ -213,8 +218,21 @@ class TieredCache:
         raise ImageError(f"image {image}: its unpacked bundle kept being evicted before it could be pinned")
 
     def release(self, image: str) -> None:
-        """Undo one ``acquire``: the bundle may be evicted again."""
+        """Undo one ``acquire``: the bundle may be evicted again, at once if the bundles are
+        over the budget (they went over while it was pinned: an unpack had to keep it)."""
         self.unpacked.unpin(self.path_of(image).name)
+        victims = [] if self._closed else self.unpacked.evict()
+        if not victims:
+            return
+        # renamed away already; deleting them (a big tree) is off the loop, as in _evict
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # called outside a loop: nothing to stall
+            remove_all(victims)
+            return
+        removal = asyncio.ensure_future(asyncio.to_thread(remove_all, victims), loop=loop)
+        self._removals.add(removal)
+        removal.add_done_callback(self._removals.discard)
 
     async def publish(self, bundle: Bundle, name: str = "image") -> str:
         """Put a bundle into every writable tier (a local image, or a push to the shared

@@ -590,6 +590,23 @@ async def test_a_pinned_bundle_is_never_evicted(tmp_path: Path) -> None:
             assert cache.metrics()["unpacked"]["pinned"] == 0
 
 
+async def test_a_released_bundle_over_the_budget_is_evicted_at_its_release(tmp_path: Path) -> None:
+    # the budget was enforced only after an unpack: a run that unpacked nothing new after its
+    # containers stopped kept the node over the budget (by whatever they had pinned) for good
+    a, b = (payload_bundle(tmp_path, x, 10_000) for x in "ab")
+    with FakeOrigin({x.digest: x.data for x in (a, b)}) as origin:
+        async with origin_cache(tmp_path, origin.url, 15_000) as cache:
+            pa = await cache.acquire(a.digest)
+            pb = await cache.get(b.digest)  # over the budget: a is pinned
+            assert cache.metrics()["unpacked"]["bytes"] == 20_000
+            cache.release(a.digest)
+            assert not pa.exists() and pb.is_dir()
+            assert cache.metrics()["unpacked"]["bytes"] == 10_000
+            assert cache.metrics()["unpacked"]["evictions"] == 1
+        leftovers = [p.name for p in (tmp_path / "u" / "sha256").iterdir() if p.name.startswith(".")]
+        assert leftovers == []  # the evicted directory is deleted by the close at the latest
+
+
 async def test_peer_tier_serves_another_nodes_l1(tmp_path: Path, bundle: Bundle) -> None:
     with FakeOrigin({bundle.digest: bundle.data}) as origin:
         async with cache_with(tmp_path, origin.url, node="a") as node_a:
