@@ -91,6 +91,10 @@ def _retryable(e: BaseException) -> bool:
     return isinstance(e, ImageFetchError) and e.retryable
 
 
+_ACQUIRE_ATTEMPTS = 3
+"""Fetches of one ``acquire`` whose bundle another process evicts before the pin each time."""
+
+
 class TieredCache:
     """Owns its tiers: they start with the cache and close with it."""
 
@@ -210,12 +214,25 @@ class TieredCache:
         """``get``, and pin the bundle: it is not evicted (by this process, or another sharing
         ``unpack_dir``) until ``release(image)``. One release per acquire; an ``EnvPool``
         pins the bundle of each container it starts until the container has stopped."""
-        for _ in range(3):
-            path = await self.get(image)
-            if self.unpacked.pin(path.name):
-                return path
-            # evicted between the get and the pin (another process's unpack): fetch it again
-        raise ImageError(f"image {image}: its unpacked bundle kept being evicted before it could be pinned")
+        hex_ = self.path_of(image).name
+        # reserved from the fetch to the pin: this process's evictions (an unpack of another
+        # image, a release) would otherwise take it in the loop turns between the two
+        self.unpacked.reserve(hex_)
+        try:
+            for _ in range(_ACQUIRE_ATTEMPTS):
+                path = await self.get(image)
+                if self.unpacked.pin(path.name):
+                    return path
+                # another process sharing unpack_dir evicted it between the get and the pin
+        finally:
+            self.unpacked.unreserve(hex_)
+        budget = self.unpacked.budget_bytes
+        raise ImageError(
+            f"image {image}: its unpacked bundle was evicted {_ACQUIRE_ATTEMPTS} times in a row "
+            f"before it could be pinned, by another process sharing {self.unpack_root.parent}: "
+            f"the bundles in use on this node need more than unpacked_budget_bytes ({budget} "
+            "bytes, enforced per process); raise it, or give each process its own unpack_dir"
+        )
 
     def release(self, image: str) -> None:
         """Undo one ``acquire``: the bundle may be evicted again, at once if the bundles are

@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,9 @@ class UnpackedStore:
         self._lru: OrderedDict[str, int] = OrderedDict()  # hex -> bytes, least recent first
         self._total = 0
         self._pins: dict[str, list[int]] = {}  # hex -> locked directory fds, one per pin
+        self._reserved: Counter[str] = Counter()
+        """Bundles being acquired here (fetched, not pinned yet): not evicted by this process
+        in the loop turns between the fetch and the pin."""
         self.evictions = 0
         self.over_budget = 0
         """Times the budget could not be met because what was left was pinned."""
@@ -122,6 +125,16 @@ class UnpackedStore:
         if not fds:
             del self._pins[hex_]
 
+    def reserve(self, hex_: str) -> None:
+        """Keep this process from evicting the bundle until ``unreserve`` (no lock: another
+        process may still evict it before ``pin``)."""
+        self._reserved[hex_] += 1
+
+    def unreserve(self, hex_: str) -> None:
+        self._reserved[hex_] -= 1
+        if self._reserved[hex_] <= 0:
+            del self._reserved[hex_]
+
     def unpin_all(self) -> None:
         for fds in self._pins.values():
             for fd in fds:
@@ -160,7 +173,7 @@ class UnpackedStore:
         """Rename the bundle's directory out of place under its exclusive lock: (taken, where
         it went). Not taken if it is pinned; taken with nowhere if it was gone already
         (another process sharing the directory evicted it)."""
-        if self._pins.get(hex_):
+        if self._pins.get(hex_) or self._reserved.get(hex_):
             return False, None
         path = self.root / hex_
         try:

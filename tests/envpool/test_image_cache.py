@@ -607,6 +607,61 @@ async def test_a_released_bundle_over_the_budget_is_evicted_at_its_release(tmp_p
         assert leftovers == []  # the evicted directory is deleted by the close at the latest
 
 
+class _BetweenGetAndPin(TieredCache):
+    """Runs ``then`` once, right after a get returns: what else the loop runs in the turns
+    before ``acquire`` resumes to pin (a container's stop releasing its bundle, an unpack)."""
+
+    then: Callable[[], None] | None = None
+
+    async def get(self, image: str) -> Path:
+        path = await super().get(image)
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
+        return path
+
+
+def _between_cache(tmp_path: Path, url: str) -> _BetweenGetAndPin:
+    tiers = [HttpTier(OriginTierConfig(url=url))]
+    return _BetweenGetAndPin(tiers, unpack_dir=tmp_path / "u", retry=FAST_RETRY, unpacked_budget_bytes=15_000)
+
+
+async def test_a_bundle_being_acquired_is_not_evicted_by_this_process_before_its_pin(tmp_path: Path) -> None:
+    # the fetch of b lands over the budget (a and d are pinned) and is kept; a release in the
+    # turns before acquire pinned it evicted it (d is still pinned, so a's bytes were not
+    # enough): acquire fetched it again, and after three times in a row gave up
+    a, b, d = (payload_bundle(tmp_path, x, 10_000) for x in "abd")
+    with FakeOrigin({x.digest: x.data for x in (a, b, d)}) as origin:
+        async with _between_cache(tmp_path, origin.url) as cache:
+            pa, _ = await cache.acquire(a.digest), await cache.acquire(d.digest)
+            cache.then = lambda: cache.release(a.digest)
+            pb = await cache.acquire(b.digest)
+            assert pb.is_dir() and not pa.exists()
+            assert origin.blob_requests[b.digest] == 1  # fetched once, pinned at once
+            cache.release(b.digest)
+            cache.release(d.digest)
+            assert cache.metrics()["unpacked"]["pinned"] == 0
+
+
+async def test_an_acquire_that_keeps_losing_its_bundle_says_which_budget_to_raise(tmp_path: Path) -> None:
+    # another process sharing unpack_dir evicts it each time before the pin: the error said
+    # only that it "kept being evicted"
+    a = payload_bundle(tmp_path, "a", 10_000)
+    with FakeOrigin({a.digest: a.data}) as origin:
+        cache = _between_cache(tmp_path, origin.url)
+
+        def neighbour_evicts() -> None:
+            shutil.rmtree(cache.path_of(a.digest))
+            cache.then = neighbour_evicts  # every time
+
+        cache.then = neighbour_evicts
+        async with cache:
+            with pytest.raises(ImageError, match=r"unpacked_budget_bytes \(15000 bytes.*unpack_dir"):
+                await cache.acquire(a.digest)
+            cache.then = None
+            assert cache.metrics()["unpacked"]["pinned"] == 0
+
+
 async def test_peer_tier_serves_another_nodes_l1(tmp_path: Path, bundle: Bundle) -> None:
     with FakeOrigin({bundle.digest: bundle.data}) as origin:
         async with cache_with(tmp_path, origin.url, node="a") as node_a:
