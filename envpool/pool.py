@@ -401,6 +401,10 @@ class EnvPool:
         if image in self._wanted:  # (a bad reference is not remembered: it never started)
             self._asked[image] = time.monotonic()
         deadline = time.monotonic() + self.config.claim_timeout_s
+        # the stop of the idle container this claim evicted to make room: not waited for
+        # (a stop may take up to stop_timeout_s, and one of ours may come back idle
+        # meanwhile); its end wakes the claim. One at a time: a claim needs one slot
+        evicting: asyncio.Task[None] | None = None
         while True:
             changed = self._changed_future()  # taken before looking: no wake-up can slip by
             if self._closed:
@@ -424,7 +428,9 @@ class EnvPool:
                     self.metrics["claims_warm"] += 1
                     return c
                 self.metrics["idle_died"] += 1
-                await self._stop(c)
+                if not self._closed:  # (else the runtime's close stops it)
+                    # in the background: the next idle container must not wait for this stop
+                    self._spawn_bg(self._stop_and_kick(c))
             if len(self.runtime.live) + sum(self._starting.values()) < self.config.max_containers:
                 self.metrics["claims_cold"] += 1
                 c = await self._new_container(image)
@@ -432,29 +438,30 @@ class EnvPool:
                 if image not in self._wanted:
                     self._keep_warm(image, self.config.min_warm)
                 return c
-            if not await self._evict_idle_other_than(image):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise SessionLost(
-                        f"no container free in {self.config.claim_timeout_s:g} s (max_containers)"
-                    )
-                # notified when capacity frees up; the short timeout is a backstop for any path
-                # that frees it silently (a container found dead, a failed start). Not wait_for:
-                # on Python 3.11 it swallows a cancellation (an aborted claim) that lands with
-                # the wake-up, and the claim would go on
-                await asyncio.wait((changed,), timeout=min(remaining, 0.05))
+            if evicting is None or evicting.done():
+                evicting = self._evict_idle_other_than(image)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise SessionLost(f"no container free in {self.config.claim_timeout_s:g} s (max_containers)")
+            # notified when capacity frees up; the short timeout is a backstop for any path
+            # that frees it silently (a container found dead, a failed start). Not wait_for:
+            # on Python 3.11 it swallows a cancellation (an aborted claim) that lands with
+            # the wake-up, and the claim would go on
+            await asyncio.wait((changed,), timeout=min(remaining, 0.05))
 
     def _kick(self) -> None:
         """Wake claimers waiting for capacity (from sync code too)."""
         if not self._closed:
             self._notify_changed()
 
-    async def _evict_idle_other_than(self, image: str | None) -> bool:
+    def _evict_idle_other_than(self, image: str | None) -> asyncio.Task[None] | None:
+        """Stop an idle container of another image to make room, in the background (its end
+        wakes the claimers): its task, or None if there is none to evict."""
         for other, q in self._idle.items():
             if other != image and q:
-                await self._stop(q.popleft())
-                return True
-        return False
+                self.metrics["evicted_idle"] += 1
+                return self._spawn_bg(self._stop_and_kick(q.popleft()))
+        return None
 
     async def _release(self, c: Container, *, healthy: bool) -> None:
         self._claimed.pop(c.id, None)
@@ -545,7 +552,8 @@ class EnvPool:
         self.metrics[f"warm_dropped:{why}"] += 1
         self._kick()
 
-    def _spawn_bg(self, coro: Any) -> None:
+    def _spawn_bg(self, coro: Any) -> asyncio.Task[Any]:
         t = asyncio.get_running_loop().create_task(coro)
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
+        return t

@@ -317,3 +317,75 @@ async def test_the_reaper_takes_only_idle_sessions(images):
         await asyncio.sleep(1.0)
         with pytest.raises(SessionLost, match="reaper"):
             await s.step("x")
+
+
+class _DeadAndStuckRuntime(ProcessRuntime):
+    """Containers named in ``dead`` probe dead, and their stops hang until ``gate`` is set
+    (a remote engine slow to remove what died)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.dead: set[str] = set()
+        self.gate = asyncio.Event()
+
+    async def _alive(self, c: Container) -> bool:
+        return c.id not in self.dead and await super()._alive(c)
+
+    async def _stop(self, c: Container) -> None:
+        if c.id in self.dead:
+            await self.gate.wait()
+        await super()._stop(c)
+
+
+async def test_a_claim_does_not_wait_for_the_stop_of_an_idle_container_found_dead(images):
+    # the claim stopped the dead one inline before it probed the next idle container: a stop
+    # that hangs (up to stop_timeout_s) held a claim that had a live container to take
+    p = pool(images, min_warm=2, stop_timeout_s=60)
+    rt = await swap_runtime(p, _DeadAndStuckRuntime(p.config.runtime))
+    async with p:
+        await p.prewarm(IMAGE, 2)
+        dead, live = list(p._idle[IMAGE])
+        rt.dead.add(dead.id)
+        claim = asyncio.ensure_future(p._claim(IMAGE))
+        try:
+            await asyncio.wait({claim}, timeout=10)
+            assert claim.done(), "the claim waited for the dead container's stop"
+            assert claim.result() is live and rt.stopping(dead)
+            await p._release(live, healthy=True)
+        finally:
+            claim.cancel()
+            rt.gate.set()
+        await wait_for(lambda: dead.id not in rt.live)
+
+
+async def test_a_claim_does_not_wait_for_the_stop_of_the_container_it_evicted(images):
+    # at max_containers a claim evicts another image's idle container and waited for its stop
+    # inline: when a container of its own image came back idle meanwhile, it still waited
+    # for that stop (up to stop_timeout_s) before it looked again
+    p = pool(images, min_warm=0, max_containers=2, stop_timeout_s=60, claim_timeout_s=30)
+    rt = await swap_runtime(p, _DeadAndStuckRuntime(p.config.runtime))
+    async with p:
+        await p.prewarm(None, 1)  # the built-ins: another image's idle container
+        [other] = p._idle[None]
+        rt.dead.add(other.id)  # (alive: only its stop hangs, as it is evicted)
+        held = p.session("bundle-echo-v0", image=IMAGE)
+        s = await held.__aenter__()
+        claim = None
+        try:
+            await s.reset(seed=1)
+            mine = s.container
+            claim = asyncio.ensure_future(p._claim(IMAGE))  # no room: evicts the other image's
+            await wait_for(lambda: rt.stopping(other), timeout_s=10)
+            await held.__aexit__(None, None, None)  # its own image's container comes back idle
+            held = None
+            await asyncio.wait({claim}, timeout=10)
+            assert claim.done(), "the claim waited for the evicted container's stop"
+            assert claim.result() is mine
+            await p._release(mine, healthy=True)
+        finally:
+            if held is not None:
+                await held.__aexit__(None, None, None)
+            if claim is not None:
+                claim.cancel()
+            rt.gate.set()
+        await wait_for(lambda: other.id not in rt.live)
