@@ -22,6 +22,7 @@ from envpool.errors import (
     EnvHung,
     EnvLogicError,
     EnvOrderError,
+    EnvRegistryError,
     EnvUsageError,
     InfraError,
     SessionLost,
@@ -249,6 +250,19 @@ class EnvSession:
             self.pool.metrics["env_hung"] += 1
             await self._drop_container(healthy=False)
             raise EnvHung(f"{self.env_id}: {e}", op=e.op, timeout_s=e.timeout_s) from None
+        except (EnvLogicError, EnvUsageError, EnvRegistryError) as e:
+            # the environment could not be made (a bad env kwarg, an id the image does not
+            # have, a constructor that raises): the server answered, hung up and waits for
+            # the next session, so the container goes back to the pool; the session fails
+            self.pool.metrics["open_failed"] += 1
+            await self._drop_container(healthy=True)
+            if type(e) is EnvLogicError:
+                raise EnvLogicError(
+                    f"{self.env_id}: making the environment with env_kwargs {self.kwargs!r} raised {e}",
+                    remote_type=e.remote_type,
+                    traceback=e.traceback,
+                ) from None
+            raise
         except BaseException:
             await self._drop_container(healthy=False)
             raise

@@ -167,6 +167,22 @@ async def test_unknown_environment_is_a_clear_error(images):
             await s.reset()
 
 
+async def test_a_constructor_that_raises_fails_the_session_and_keeps_the_container(images):
+    # a bad env kwarg: the container's server answered the error and waits for the next
+    # session, but the pool discarded it (a cold start for the next claim, per bad session)
+    async with pool(images, min_warm=0) as p:
+        with pytest.raises(EnvLogicError, match=r"bundle-echo-v0: making the environment.*'nope'") as err:
+            async with p.session("bundle-echo-v0", image=IMAGE, env_kwargs={"nope": 1}):
+                pass
+        assert err.value.remote_type == "TypeError"
+        stats = p.stats()
+        assert stats.get("discarded", 0) == 0 and stats["idle"] == 1 and stats["containers"] == 1
+        [kept] = p._idle[IMAGE]
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            assert (await s.reset(seed=1))[0].text == "ready 1" and s.container is kept
+        assert p.stats()["claims_warm"] == 1 and p.stats()["claims_cold"] == 1
+
+
 async def test_a_session_used_after_its_block_is_a_clear_error_and_claims_nothing(images):
     # it once claimed a fresh container on the spot, which nothing would ever release
     async with pool(images, min_warm=0) as p:
