@@ -78,6 +78,22 @@ def _import_kubernetes() -> Any:
     return kubernetes
 
 
+async def _accepts(host: str, port: int, timeout_s: float) -> bool:
+    """Whether a server at ``host:port`` accepts a connection within ``timeout_s`` (closed
+    at once). Not ``wait_for``: on Python 3.11 it returns the attempt's outcome (or raises
+    its OSError) in place of a cancellation that comes in the same loop turn, and a start
+    cancelled then (timed out, aborted) polled on until the server listened."""
+    attempt = asyncio.ensure_future(asyncio.open_connection(host, port))
+    try:
+        await asyncio.wait((attempt,), timeout=timeout_s)
+    finally:
+        if not attempt.done():
+            attempt.cancel()  # timed out, or we were cancelled: it closes its socket
+        elif not attempt.cancelled() and attempt.exception() is None:
+            attempt.result()[1].close()
+    return attempt.done() and not attempt.cancelled() and attempt.exception() is None
+
+
 class KubernetesRuntime(Runtime):
     kind = "kubernetes"
     uses_local_bundle = False  # the pod fetches its bundle from config.image_source
@@ -202,7 +218,7 @@ class KubernetesRuntime(Runtime):
             host, port = await self._wait_running(name)
             await self._wait_listening(name, host, port)
         except BaseException:
-            # failed, timed out (cancelled by the base's wait_for) or aborted: no pod left behind
+            # failed, timed out (cancelled by the base's timeout) or aborted: no pod left behind
             with contextlib.suppress(InfraError):  # still tracked: aclose and the exit hook retry
                 await asyncio.shield(self._delete(name))
             raise
@@ -278,9 +294,7 @@ class KubernetesRuntime(Runtime):
         """Running is not ready: the server may still be fetching its image or importing."""
         delay = 0.02
         while True:
-            try:
-                _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 2.0)
-            except (OSError, TimeoutError):
+            if not await _accepts(host, port, 2.0):
                 pod = await self._api(
                     self._core.read_namespaced_pod,
                     name,
@@ -292,9 +306,6 @@ class KubernetesRuntime(Runtime):
                 await asyncio.sleep(delay)
                 delay = min(delay * 1.5, 0.5)
                 continue
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
             return
 
     async def _delete(self, name: str) -> None:

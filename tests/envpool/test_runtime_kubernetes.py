@@ -236,3 +236,31 @@ async def test_a_pool_closed_while_a_prestart_creates_its_pod_leaves_no_pod(api)
         assert creates.inflight
     await creates.landed()
     assert api.pod_names() == []
+
+
+async def test_a_start_cancelled_as_a_connect_attempt_fails_stays_cancelled(api, monkeypatch):
+    # the wait for the pod's server bounded each connect with asyncio.wait_for, which on
+    # Python 3.11 raises the attempt's OSError in place of a cancellation that comes in the
+    # same loop turn: the start (a timeout or an aborted claim cancels it) polled on until
+    # the server listened, with no deadline of its own, and the base's wait for it with it
+    attempts: list[asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = []
+
+    def connect(host: str, port: int) -> asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+        attempts.append(asyncio.get_running_loop().create_future())
+        return attempts[-1]
+
+    monkeypatch.setattr(asyncio, "open_connection", connect)
+    rt = KubernetesRuntime(KubernetesRuntimeConfig(host=api.url, image=IMAGE, heartbeat_s=0.2))
+    start = asyncio.ensure_future(rt._start(None, None))
+    try:
+        await wait_for(lambda: bool(attempts), timeout_s=15)  # the pod runs: its server is tried
+        attempts[0].set_exception(ConnectionRefusedError("not listening yet"))
+        start.cancel()  # in the same loop turn
+        await asyncio.wait({start}, timeout=10)
+        assert start.done() and start.cancelled()
+    finally:
+        start.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await start
+        await rt.aclose()
+    assert api.pod_names() == []
