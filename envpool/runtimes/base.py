@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 from envpool.errors import ContainerStartError
 
 log = logging.getLogger(__name__)
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class _Config(BaseModel):
@@ -305,9 +307,11 @@ class Runtime(ABC):
 
     def cpu_seconds(self, c: Container) -> float | None:
         """CPU time ``c``'s process has used, where this runtime can read it cheaply (a local
-        process); ``None`` where it cannot. The session's connection reads it when heartbeats
-        stop: a process still on the CPU is busy in code that holds the interpreter lock (the
-        environment hangs), one that is not is frozen (the infrastructure)."""
+        process, a container of a docker engine on this host); ``None`` where it cannot (a
+        pod, a sandbox: only metrics APIs far coarser than a heartbeat period have it). The
+        session's connection reads it when heartbeats stop: a process still on the CPU is
+        busy in code that holds the interpreter lock (the environment hangs), one that is
+        not is frozen (the infrastructure)."""
         return None
 
     async def reap_orphans(self) -> list[str]:
@@ -324,6 +328,20 @@ class Runtime(ABC):
 
     @abstractmethod
     async def _alive(self, c: Container) -> bool: ...
+
+
+def proc_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds process ``pid`` of this machine has used (its threads summed), from
+    ``/proc``; None if it cannot be read (gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # past the command name (which may hold spaces or parentheses): state is field 3,
+    # utime and stime fields 14 and 15, in clock ticks
+    fields = stat.rpartition(b")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
 def make_runtime(config: Any) -> Runtime:

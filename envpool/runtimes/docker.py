@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from envpool.errors import ContainerStartError, EnvPoolError, EnvUsageError
 from envpool.protocol import EXIT_IMAGE_NOT_FOUND
 from envpool.runtimes._remote import create_or_clean, image_not_found, owner_gone, owner_id, server_command
-from envpool.runtimes.base import Container, DockerRuntimeConfig, Runtime
+from envpool.runtimes.base import Container, DockerRuntimeConfig, Runtime, proc_cpu_seconds
 
 T = TypeVar("T")
 
@@ -72,6 +72,17 @@ def run_kwargs(config: DockerRuntimeConfig, image: str | None, *, owner: str) ->
     }
 
 
+def _in_container(pid: int, container_id: str) -> bool:
+    """Whether process ``pid`` of this machine is in the cgroup of the container (docker
+    names it after the full id: ``docker-<id>.scope``, ``/docker/<id>``). Read each time:
+    once the container is gone, its pid may be another process's."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            return container_id in f.read()
+    except OSError:
+        return False
+
+
 def _translate(docker: Any, e: Exception, config: DockerRuntimeConfig, what: str) -> EnvPoolError:
     """A docker SDK error as an envpool error: a setup mistake is never retried, an engine
     hiccup is an ``InfraError`` the pool retries."""
@@ -104,6 +115,8 @@ class DockerRuntime(Runtime):
         self._docker = _import_docker()
         self._client: Any = client
         self.owner = owner_id(secrets.token_hex(4))
+        self._pids: dict[str, int] = {}
+        """Container id -> the host pid of its server, as the engine reported it."""
         _RUNTIMES.add(self)
 
     async def _sdk(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
@@ -147,6 +160,9 @@ class DockerRuntime(Runtime):
             await asyncio.shield(self._stop(c))
             raise
         c.isolation = "docker"
+        pid = int((ctr.attrs.get("State") or {}).get("Pid") or 0)
+        if pid > 0:
+            self._pids[c.id] = pid
         return c
 
     async def _wait_listening(self, c: Container, ctr: Any) -> None:
@@ -188,6 +204,18 @@ class DockerRuntime(Runtime):
         ctr = await self._get(c)
         if ctr is not None:
             await self._remove(ctr)
+        self._pids.pop(c.id, None)
+
+    def cpu_seconds(self, c: Container) -> float | None:
+        """The CPU time of the container's server, read from ``/proc`` by the host pid the
+        engine reported, where this process sees that pid as the container's: its cgroup
+        names the container. An engine on another host, or a pool in another pid namespace
+        (a container with the engine's socket), sees pids that are not the container's
+        (another process, or none): those are never read, and the probe is off (None)."""
+        pid = self._pids.get(c.id)
+        if pid is None or not _in_container(pid, str(c.handle)):
+            return None
+        return proc_cpu_seconds(pid)
 
     async def _remove(self, ctr: Any) -> None:
         try:

@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from envpool.errors import ContainerStartError
-from envpool.runtimes.base import Container, ProcessRuntimeConfig, Runtime
+from envpool.runtimes.base import Container, ProcessRuntimeConfig, Runtime, proc_cpu_seconds
 
 _LIVE_GROUPS: set[int] = set()
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @atexit.register
@@ -401,15 +400,7 @@ class ProcessRuntime(Runtime):
     def cpu_seconds(self, c: Container) -> float | None:
         if c.pid is None or not self._alive_now(c):
             return None
-        try:
-            with open(f"/proc/{c.pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            return None
-        # past the command name (which may hold spaces or parentheses): state is field 3,
-        # utime and stime fields 14 and 15, in clock ticks; the process's threads summed
-        fields = stat.rpartition(b")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+        return proc_cpu_seconds(c.pid)
 
     async def _alive(self, c: Container) -> bool:
         return self._alive_now(c)

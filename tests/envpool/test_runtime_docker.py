@@ -4,8 +4,13 @@ the arguments it builds and its errors without an engine are tested everywhere."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -113,12 +118,14 @@ def test_a_missing_image_is_the_callers_to_fix():
 class FakeContainer:
     """What the runtime uses of the SDK's ``Container``."""
 
-    def __init__(self, client: FakeClient, labels: dict[str, str], *, port: int, exit_code: int | None):
+    def __init__(
+        self, client: FakeClient, labels: dict[str, str], *, port: int, exit_code: int | None, pid: int = 0
+    ):
         self.client = client
         self.id = f"{len(client.made) + 1:064x}"
         self.labels = labels
         self.status = "exited" if exit_code is not None else "running"
-        state = {"ExitCode": exit_code} if exit_code is not None else {}
+        state = {"ExitCode": exit_code} if exit_code is not None else {"Pid": pid}
         self.attrs = {"State": state, "NetworkSettings": {"Ports": {"7000/tcp": [{"HostPort": str(port)}]}}}
 
     def reload(self) -> None:
@@ -139,11 +146,13 @@ class FakeClient:
     def __init__(self, *, port: int = 0, exit_code: int | None = None) -> None:
         self.made: dict[str, FakeContainer] = {}
         self.port, self.exit_code = port, exit_code
+        self.pid = 0
+        """The host pid the engine reports for the next container (its main process)."""
         self.remove_failures = 0
         self.containers = self
 
     def run(self, *, labels: dict[str, str], **kw: object) -> FakeContainer:
-        ctr = FakeContainer(self, labels, port=self.port, exit_code=self.exit_code)
+        ctr = FakeContainer(self, labels, port=self.port, exit_code=self.exit_code, pid=self.pid)
         self.made[ctr.id] = ctr
         return ctr
 
@@ -224,6 +233,61 @@ async def test_reap_orphans_removes_containers_of_owners_that_are_gone():
         made[n].id for n in ("mine", "alive", "elsewhere", "unlabelled")
     )
     await rt.aclose()
+
+
+@pytest.fixture
+def cgroup_of() -> Iterator[Callable[[str, int], None]]:
+    """Put a process in a cgroup named after a container id, as a local engine places a
+    container's processes (``docker-<id>.scope``). Skipped where cgroups cannot be made."""
+    made: list[Path] = []
+
+    def put(cid: str, pid: int) -> None:
+        group = Path("/sys/fs/cgroup/cpu") / f"docker-{cid}.scope"
+        try:
+            group.mkdir()
+            made.append(group)
+            (group / "cgroup.procs").write_text(str(pid))
+        except OSError as e:
+            pytest.skip(f"cannot make a cgroup here: {e}")
+
+    yield put
+    for group in made:
+        with contextlib.suppress(OSError):
+            group.rmdir()
+
+
+async def test_the_cpu_of_a_container_on_this_engines_host_is_read_and_no_other_process(
+    listening_port, cgroup_of
+):
+    # the remote runtimes had no CPU probe: an environment holding the interpreter lock (no
+    # heartbeats) in a docker container read as a frozen container, retried and replayed on
+    # fresh ones until the session was lost, where the process runtime fails it as EnvHung
+    burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\n"
+    server = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", burn + "print('burnt', flush=True)\ntime.sleep(60)", stdout=subprocess.PIPE
+    )
+    client = FakeClient(port=listening_port)
+    rt = DockerRuntime(DockerRuntimeConfig(), client=client)
+    try:
+        client.pid = server.pid  # the engine's host pid of the container's server
+        cgroup_of(f"{len(client.made) + 1:064x}", server.pid)  # the id run() gives it
+        assert server.stdout is not None and await server.stdout.readline() == b"burnt\n"
+        c = await rt.start(None, None, timeout_s=10)
+        cpu = rt.cpu_seconds(c)
+        assert cpu is not None and cpu >= 0.3
+        # a pid that is not the container's (an engine on another host, or in another pid
+        # namespace, reports pids of its own) is never read
+        client.pid = os.getpid()
+        other = await rt.start(None, None, timeout_s=10)
+        assert rt.cpu_seconds(other) is None
+        server.kill()
+        await server.wait()
+        assert rt.cpu_seconds(c) is None  # gone: its pid may be another process's next
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            server.kill()
+        await server.wait()
+        await rt.aclose()
 
 
 def test_make_runtime_builds_it_from_a_dict():
