@@ -1,3 +1,7 @@
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 from echo_bundle import DirImages, write_bundle
 
@@ -6,3 +10,16 @@ from echo_bundle import DirImages, write_bundle
 def images(tmp_path):
     """The echo bundle in a directory, served as an image resolver."""
     return DirImages(write_bundle(tmp_path / "bundle"))
+
+
+@pytest.fixture
+def host_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The host's temp dir for the test (ask for it before the fake API or Modal): empty
+    again at its end. A pod's or sandbox's /tmp is its own; the fakes' once unpacked their
+    fetched images into the host's and left an envpool-image-* dir there per test."""
+    host = tmp_path / "host-tmp"
+    host.mkdir()
+    monkeypatch.setenv("TMPDIR", str(host))
+    monkeypatch.setattr(tempfile, "tempdir", str(host))
+    yield host
+    assert sorted(p.name for p in host.iterdir()) == []

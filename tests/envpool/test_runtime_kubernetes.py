@@ -117,7 +117,7 @@ async def test_api_500_on_create_is_retried(api):
     assert api.pod_names() == []
 
 
-async def test_custom_image_is_fetched_by_the_pod_from_the_image_source(api, tmp_path: Path):
+async def test_custom_image_is_fetched_by_the_pod_from_the_image_source(host_tmp, api, tmp_path: Path):
     bundle = build_bundle(write_bundle(tmp_path / "src"))
     with FakeOrigin({bundle.digest: bundle.data}) as origin:
         # no local image cache at all: the pod fetches the bundle itself
@@ -133,7 +133,7 @@ async def test_custom_image_is_fetched_by_the_pod_from_the_image_source(api, tmp
     assert api.pod_names() == []
 
 
-async def test_an_unknown_image_is_image_not_found_at_once_not_a_retried_start(api):
+async def test_an_unknown_image_is_image_not_found_at_once_not_a_retried_start(host_tmp, api):
     # the pod's server fetches its bundle itself; an unknown digest once ended the pod as a
     # generic failure: retried with a new pod per attempt, then masked as infra_failed
     with FakeOrigin({}) as origin:

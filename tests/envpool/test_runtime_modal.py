@@ -104,7 +104,7 @@ async def test_a_sandbox_that_dies_is_replaced_and_the_episode_replayed(fake):
         assert fake.running() == [s.container.handle]
 
 
-async def test_an_unknown_image_is_image_not_found_at_once_not_a_retried_start(fake):
+async def test_an_unknown_image_is_image_not_found_at_once_not_a_retried_start(host_tmp, fake):
     # the sandbox's server fetches its bundle itself and exits with EXIT_IMAGE_NOT_FOUND
     rt = {"type": "modal", "heartbeat_s": 0.2}
     with FakeOrigin({}) as origin:
