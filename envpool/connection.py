@@ -164,7 +164,10 @@ class Connection(asyncio.Protocol):
                 result = f"error: {type(e).__name__}: {e}"
             finally:
                 self.tool_seen = time.monotonic()
-        self.send({"op": "tool_result", "tool_id": msg.get("tool_id"), "result": result})
+        try:
+            self.send({"op": "tool_result", "tool_id": msg.get("tool_id"), "result": result})
+        except ConnectionLost:
+            pass  # the container went while the tool ran: nobody is left to take the result
 
     # -- requests
     def send(self, msg: dict[str, Any]) -> None:

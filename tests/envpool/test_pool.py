@@ -367,6 +367,30 @@ class _Sink(asyncio.Transport):
         return False
 
 
+async def test_a_tool_call_that_ends_after_its_container_is_gone_raises_nothing_unread(caplog):
+    # its result had no connection left to go back on: the send raised ConnectionLost in the
+    # tool's task, which nobody awaits ("Task exception was never retrieved")
+    done = asyncio.Event()
+
+    async def tool(name: str, arguments: dict) -> str:
+        await done.wait()
+        return "42"
+
+    conn = Connection(heartbeat_s=5.0, misses=4, tool_caller=tool)
+    sink = _Sink()
+    conn.transport = sink
+    conn.data_received(encode({"op": "tool", "tool_id": 1, "name": "calculator", "arguments": {}}))
+    [task] = conn.tasks
+    sink.is_closing = lambda: True  # type: ignore[method-assign]
+    conn.connection_lost(None)  # the container died meanwhile
+    done.set()
+    await asyncio.wait({task}, timeout=10)
+    assert task.done() and not task.cancelled() and task.exception() is None
+    del task
+    gc.collect()
+    assert "never retrieved" not in caplog.text
+
+
 async def test_a_request_cancelled_in_the_turn_its_reply_came_stays_cancelled():
     # asyncio.wait_for (Python 3.11) returned the reply when the cancel and the reply met in
     # one loop turn: the cancel was lost, and a Ctrl-C of `envpool bench resets` (one cancel
