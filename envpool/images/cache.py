@@ -237,8 +237,11 @@ class TieredCache:
     def release(self, image: str) -> None:
         """Undo one ``acquire``: the bundle may be evicted again, at once if the bundles are
         over the budget (they went over while it was pinned: an unpack had to keep it)."""
-        self.unpacked.unpin(self.path_of(image).name)
-        victims = [] if self._closed else self.unpacked.evict()
+        hex_ = self.path_of(image).name
+        self.unpacked.unpin(hex_)
+        if self._closed or self.unpacked.pinned(hex_):
+            return  # still in use here: nothing more may go than before (and no warning again)
+        victims = self.unpacked.evict()
         if not victims:
             return
         # renamed away already; deleting them (a big tree) is off the loop, as in _evict

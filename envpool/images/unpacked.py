@@ -125,6 +125,10 @@ class UnpackedStore:
         if not fds:
             del self._pins[hex_]
 
+    def pinned(self, hex_: str) -> bool:
+        """Whether this process holds a pin on the bundle."""
+        return bool(self._pins.get(hex_))
+
     def reserve(self, hex_: str) -> None:
         """Keep this process from evicting the bundle until ``unreserve`` (no lock: another
         process may still evict it before ``pin``)."""

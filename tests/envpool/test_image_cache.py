@@ -597,8 +597,11 @@ async def test_a_released_bundle_over_the_budget_is_evicted_at_its_release(tmp_p
     with FakeOrigin({x.digest: x.data for x in (a, b)}) as origin:
         async with origin_cache(tmp_path, origin.url, 15_000) as cache:
             pa = await cache.acquire(a.digest)
+            await cache.acquire(a.digest)  # two containers run from a
             pb = await cache.get(b.digest)  # over the budget: a is pinned
             assert cache.metrics()["unpacked"]["bytes"] == 20_000
+            cache.release(a.digest)  # one of them stops: a is still in use
+            assert pa.is_dir() and cache.metrics()["unpacked"]["over_budget"] == 1  # not warned again
             cache.release(a.digest)
             assert not pa.exists() and pb.is_dir()
             assert cache.metrics()["unpacked"]["bytes"] == 10_000
