@@ -313,6 +313,12 @@ class LLMProxy:
                 self.abort_timeout_s,
             )
             return False
+        except Exception as e:
+            # the engine's own error (a RayTaskError): raised on, it stopped a release half-way
+            # (the trajectory's affinity, abort flag and scheduler state kept for good)
+            self.metrics["abort_errors"] += 1
+            log.warning("replica %s failed the abort of %s: %r", replica.name, request_id, e)
+            return False
 
     async def release(self, traj_id: str) -> None:
         """The trajectory ended: forget its affinity and abort flag. A turn of it still

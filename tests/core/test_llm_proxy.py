@@ -370,6 +370,27 @@ async def test_an_abort_a_wedged_replica_never_answers_is_given_up_after_abort_t
         await hung
 
 
+async def test_an_abort_the_replica_fails_still_lets_the_release_finish():
+    # the engine's abort raised (a RayTaskError): the error left proxy.abort, and release,
+    # which aborts a turn left running first, stopped half-way, keeping the trajectory's
+    # affinity, abort flag and scheduler state for the rest of the job
+    class BadAbort(Fake):
+        async def abort(self, request_id: str) -> bool:
+            self.aborted.append(request_id)
+            raise EngineError("the engine is closed")
+
+    r = BadAbort("r", gate=asyncio.Event())
+    proxy = LLMProxy({"default": [r]})
+    turn = asyncio.create_task(proxy.generate("t", "x", req(request_id="t/0")))
+    await until(lambda: r.generated == ["t/0"])
+    await proxy.release("t")
+    assert r.aborted == ["t/0"] and proxy.metrics["abort_errors"] == 1
+    assert "t" not in proxy._sticky and "t" not in proxy._aborted and "t" not in proxy._inflight
+    turn.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await turn
+
+
 # ----------------------------------------------------------------------------- weights
 
 
