@@ -23,10 +23,18 @@ Replica loss. A call that fails because the replica's process died (``ReplicaLos
 turn answered with weights older than the proxy published before it was sent (the process
 died while idle and Ray restarted it on its initial weights, which no error said), is
 recovered here: wait for Ray to restart the actor (``max_restarts``), reload the latest
-weights, run the turn again (a turn has no side effects: it is only tokens). A replica out
-of restarts, or not back within ``recover_timeout_s`` (a ping it never answers included),
-leaves the group; a group with none left fails the turn with
-``NoReplicaError``, which the env manager records as an ``infra_failed`` trajectory.
+weights, run the turn again (a turn has no side effects: it is only tokens). While a
+replica recovers (after a lost call or a weight swap past ``swap_timeout_s``) its group's
+turns go to the others, the lost turn included, when one is healthy, and weight updates
+skip it (its recovery loads the latest); only a group with none healthy waits for a
+recovery. A replica not back within ``recover_timeout_s`` (a ping or a reload it never
+answers included), or whose reload fails, leaves the group, and the turns still running
+on it move to another replica; a group with none left fails the turn with
+``NoReplicaError``, which the env manager records as an ``infra_failed`` trajectory. A
+replica that left is tried again in the background (after ``rejoin_first_s``, backing off
+to ``rejoin_max_s``): once it answers, what it was running is aborted, it gets the latest
+weights and rejoins its group. Only one gone for good (``ReplicaGone``: Ray cannot place
+it) is never tried again.
 """
 
 from __future__ import annotations
@@ -47,6 +55,11 @@ from core.rollout.scheduling import TurnScheduler
 from core.sched import Request
 
 log = logging.getLogger(__name__)
+
+#: Seconds after a replica left its group before it is first tried again, and the most
+#: between two tries (each failed try doubles the wait).
+REJOIN_FIRST_S = 30.0
+REJOIN_MAX_S = 600.0
 
 
 class ReplicaLost(EngineError):
@@ -115,6 +128,8 @@ class LLMProxy:
         scheduler: TurnScheduler | None = None,
         abort_timeout_s: float = 30.0,
         swap_timeout_s: float = 600.0,
+        rejoin_first_s: float | None = REJOIN_FIRST_S,
+        rejoin_max_s: float = REJOIN_MAX_S,
     ):
         if not groups or not any(groups.values()):
             raise ValueError("the proxy needs at least one replica")
@@ -132,6 +147,10 @@ class LLMProxy:
         the engine drains first) before the replica counts as lost and is recovered in the
         background: one stuck replica held ``update_weights``, so the job's step loop, for
         good."""
+        self.rejoin_first_s = rejoin_first_s
+        """How long after a replica left its group it is first tried again (None: never);
+        each failed try doubles the wait, up to ``rejoin_max_s``."""
+        self.rejoin_max_s = rejoin_max_s
         self._sticky: dict[str, Replica] = {}  # trajectory id -> its replica
         self._placement_logged: set[str] = set()  # kinds of placement-policy fault logged so far
         self._load: Counter[int] = Counter()  # id(replica) -> turns in flight
@@ -143,6 +162,13 @@ class LLMProxy:
         self._released: OrderedDict[str, None] = OrderedDict()
         self._latest: tuple[int, Any] | None = None  # (version, state or [ObjectRef])
         self._recovering: dict[int, asyncio.Task[None]] = {}
+        self._rejoining: dict[int, asyncio.Task[None]] = {}  # replicas out of their group
+        self._background: set[asyncio.Task[Any]] = set()  # aborts of turns that moved on
+        # id(replica) -> cancel scopes of the calls running on it (a drop ends them)
+        self._calls_on: dict[int, set[asyncio.Timeout]] = {}
+        # id(replica) -> request ids that may still run in its engine, though nothing waits
+        # for them (it left its group meanwhile): aborted before it rejoins
+        self._orphans: dict[int, set[str]] = {}
         self.version = 0
         self.metrics: Counter[str] = Counter()
         self.scheduler = scheduler
@@ -153,10 +179,32 @@ class LLMProxy:
     def group_of(self, tag: str) -> str:
         return self.affinity.get(tag, self.affinity.get(DEFAULT_AFFINITY, _first(self.groups)))
 
-    def _route(self, traj_id: str, tag: str, sreq: Request | None = None) -> Replica:
-        replicas = self.groups.get(self.group_of(tag)) or []
+    def _healthy(self, replica: Replica) -> bool:
+        """Not being recovered (a recovery in progress: it may hang, or serve old weights)."""
+        task = self._recovering.get(id(replica))
+        return task is None or task.done()
+
+    def _in_group(self, replica: Replica) -> bool:
+        return any(replica in group for group in self.groups.values())
+
+    async def _pick(self, traj_id: str, tag: str, sreq: Request | None) -> Replica | None:
+        """The replica for the trajectory's turn among the healthy ones of its group; with
+        none healthy, wait for a recovery to end and return None (the caller looks again)."""
+        group = self.group_of(tag)
+        replicas = self.groups.get(group) or []
         if not replicas:
-            raise NoReplicaError(f"no engine replica left for tag {tag!r} (group {self.group_of(tag)!r})")
+            raise NoReplicaError(f"no engine replica left for tag {tag!r} (group {group!r})")
+        healthy = [r for r in replicas if self._healthy(r)]
+        if healthy:
+            sticky = self._sticky.get(traj_id)
+            if sticky is not None and sticky in replicas and sticky not in healthy:
+                self.metrics["turns_rerouted"] += 1  # its replica is being recovered
+            return self._route(traj_id, healthy, sreq)
+        # asyncio.wait leaves the recoveries running when this caller goes away
+        await asyncio.wait([self._recovering[id(r)] for r in replicas], return_when=asyncio.FIRST_COMPLETED)
+        return None
+
+    def _route(self, traj_id: str, replicas: list[Replica], sreq: Request | None = None) -> Replica:
         r = self._sticky.get(traj_id)
         if self.scheduler is not None and sreq is not None:
             by_id = {id(x): x for x in replicas}
@@ -201,16 +249,24 @@ class LLMProxy:
             )
         ready = sched.now() if sched is not None else 0.0
         rid = request.request_id
-        for attempt in range(self.max_turn_retries + 1):
-            if traj_id in self._aborted:
+        lost = 0  # calls lost to a replica so far (rerun up to max_turn_retries times)
+        while True:
+            # released: its caller went away (timed out, cancelled) while this waited for a
+            # recovery or a slot; rerun for nobody, the turn took a slot and left its affinity
+            if traj_id in self._aborted or traj_id in self._released:
                 return _aborted(request, self.version)
-            replica = self._route(traj_id, tag, sreq)
+            replica = await self._pick(traj_id, tag, sreq)
+            if replica is None:  # waited for a recovery
+                continue
             if sched is not None and sreq is not None:
                 if not await sched.admit(id(replica), sreq):
                     return _aborted(request, self.version)
-                if traj_id in self._aborted:  # aborted while it waited for its slot
+                if traj_id in self._aborted or traj_id in self._released:  # meanwhile
                     sched.done(id(replica))
                     return _aborted(request, self.version)
+                if not self._healthy(replica) or not self._in_group(replica):
+                    sched.done(id(replica))  # it broke while the turn waited for its slot
+                    continue
             start = sched.now() if sched is not None else 0.0
             sent = request if rid == request.request_id else request.model_copy(update={"request_id": rid})
             self._inflight.setdefault(traj_id, {})[rid] = replica
@@ -219,7 +275,7 @@ class LLMProxy:
             # is being recovered): a turn dispatched now comes from it or a newer one
             expected = self.version
             try:
-                c = await replica.generate(sent)
+                c = await self._on(replica, replica.generate(sent))
                 if c.policy_version < expected and c.finish_reason != "abort":
                     # the process died while idle and Ray restarted it before this call, which
                     # no error told: it serves its initial weights. Reloaded like a lost one
@@ -232,17 +288,10 @@ class LLMProxy:
                 self.metrics["replica_lost"] += 1
                 log.warning("replica %s lost during a turn of %s: %s", replica.name, traj_id, e)
                 self._sticky.pop(traj_id, None)
-                if attempt == self.max_turn_retries:
+                if lost == self.max_turn_retries:
                     raise
-                await self._recover(replica, gone=isinstance(e, ReplicaGone))
-                if any(replica in group for group in self.groups.values()) and await self._abort_one(
-                    replica, rid
-                ):
-                    # unreachable is not dead (Ray's ActorUnavailableError): the first run went
-                    # on in the engine, holding a batch slot to its end; it is stopped, and the
-                    # rerun goes under an id of its own (the engine refuses an id in flight,
-                    # and the stopped run leaves it only at its next step)
-                    rid = f"{request.request_id}#rerun{attempt + 1}"
+                lost += 1
+                rid = await self._after_lost(replica, tag, rid, f"{request.request_id}#rerun{lost}", e)
                 self.metrics["turns_rerun"] += 1
                 continue
             finally:
@@ -271,7 +320,56 @@ class LLMProxy:
             if rid != request.request_id:
                 c = c.model_copy(update={"request_id": request.request_id})
             return c
-        raise AssertionError("unreachable")
+
+    async def _after_lost(self, replica: Replica, tag: str, rid: str, rerun_id: str, e: ReplicaLost) -> str:
+        """A turn's call on ``replica`` was lost: start its recovery and say the request id
+        the turn runs again under. Another healthy replica of the group runs it at once;
+        without one it waits for this one's recovery."""
+        gone = isinstance(e, ReplicaGone)
+        recovery = self._spawn_recover(replica, gone=gone)
+        group = self.groups.get(self.group_of(tag)) or []
+        if not gone and any(self._healthy(r) for r in group):
+            # unreachable is not dead (Ray's ActorUnavailableError): its first run may go on
+            # in the engine, so the rerun gets an id of its own, and the first run is
+            # stopped once the replica answers again (or before it rejoins its group)
+            task = asyncio.ensure_future(self._abort_when_back(recovery, replica, rid))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            return rerun_id
+        await asyncio.shield(recovery)
+        if not self._in_group(replica):
+            if not gone:
+                self._orphans.setdefault(id(replica), set()).add(rid)
+            return rid
+        if await self._abort_one(replica, rid):
+            # the first run went on in the engine, holding a batch slot to its end; it is
+            # stopped, and the rerun goes under an id of its own (the engine refuses an id
+            # in flight, and the stopped run leaves it only at its next step)
+            return rerun_id
+        return rid
+
+    async def _abort_when_back(self, recovery: asyncio.Task[None], replica: Replica, rid: str) -> None:
+        await asyncio.shield(recovery)
+        if self._in_group(replica):
+            await self._abort_one(replica, rid)
+        else:
+            self._orphans.setdefault(id(replica), set()).add(rid)
+
+    async def _on(self, replica: Replica, call: Any) -> Any:
+        """Await a call on ``replica``; ``ReplicaGone`` if the replica leaves its group first
+        (a replica dropped while stuck: the calls running on it would never end)."""
+        scope = asyncio.timeout(None)
+        scopes = self._calls_on.setdefault(id(replica), set())
+        scopes.add(scope)
+        try:
+            async with scope:
+                return await call
+        except TimeoutError:
+            if scope.expired():
+                raise ReplicaGone(f"{replica.name} left its group while the call ran") from None
+            raise
+        finally:
+            scopes.discard(scope)
 
     async def generate_many(
         self, items: list[tuple[str, str, GenerateRequest]]
@@ -351,7 +449,9 @@ class LLMProxy:
             raise EngineError(f"weights version {version} is older than the proxy's {self.version}")
         self._latest = (version, state)
         t0 = time.perf_counter()
-        replicas = [r for rs in self.groups.values() for r in rs]
+        # a replica being recovered is skipped: its recovery loads the latest weights before
+        # it serves, and a stuck one held every update for swap_timeout_s again
+        replicas = [r for rs in self.groups.values() for r in rs if self._healthy(r)]
         results = await asyncio.gather(
             *(self._swap_within(r, version, _unwrap(state)) for r in replicas), return_exceptions=True
         )
@@ -367,7 +467,7 @@ class LLMProxy:
     async def _swap_within(self, replica: Replica, version: int, state: Any) -> None:
         try:
             async with asyncio.timeout(self.swap_timeout_s):
-                await replica.swap(version, state)
+                await self._on(replica, replica.swap(version, state))
         except TimeoutError:
             self.metrics["swap_timeouts"] += 1
             log.warning(
@@ -391,42 +491,122 @@ class LLMProxy:
         await asyncio.shield(self._spawn_recover(replica, gone=gone))
 
     async def _do_recover(self, replica: Replica, *, gone: bool) -> None:
-        deadline = time.monotonic() + self.recover_timeout_s
+        if not self._in_group(replica):
+            return  # it left its group already (its rejoin, if any, is under way)
+        if gone:
+            self._drop(replica, "gone for good", rejoin=False)
+            return
+        try:
+            why = await self._revive(replica, time.monotonic() + self.recover_timeout_s)
+        except ReplicaGone as e:
+            self._drop(replica, f"gone for good ({e})", rejoin=False)
+            return
+        if why is None:
+            self.metrics["replicas_recovered"] += 1
+        else:
+            self._drop(replica, why, rejoin=True)
+
+    async def _revive(self, replica: Replica, deadline: float, *, retry: bool = True) -> str | None:
+        """Ping the replica and load it the latest weights, a lost ping or swap tried again
+        with backoff until ``deadline`` (with ``retry``): None once it is back with them, else
+        why not. ``ReplicaGone`` (for good) is raised."""
         delay = 0.05
-        while not gone:
+        while True:
             try:
-                try:
-                    # bounded: a replica wedged (or on a node cut off) never answers, and the
-                    # deadline below is only looked at when a ping fails; the reload too (one
-                    # that answers pings but hangs in its swap held the recovery for good)
-                    async with asyncio.timeout(max(deadline - time.monotonic(), MIN_PING_S)):
-                        version = await replica.ping()
-                        if self._latest is not None and version < self._latest[0]:
-                            await replica.swap(self._latest[0], _unwrap(self._latest[1]))
-                            self.metrics["weights_reloaded"] += 1
-                except TimeoutError:
-                    self.metrics["ping_timeouts"] += 1
-                    log.warning(
-                        "replica %s did not answer (a ping, or the weights' reload) by the recover timeout",
-                        replica.name,
-                    )
-                    break
+                # bounded: a replica wedged (or on a node cut off) never answers, and the
+                # deadline below is only looked at when a ping fails; the reload too (one
+                # that answers pings but hangs in its swap held the recovery for good)
+                async with asyncio.timeout(max(deadline - time.monotonic(), MIN_PING_S)):
+                    version = await replica.ping()
+                    # again after each reload: a newer version published meanwhile skipped
+                    # this replica (it was being recovered, or out of its group)
+                    while self._latest is not None and version < self._latest[0]:
+                        version, state = self._latest
+                        await replica.swap(version, _unwrap(state))
+                        self.metrics["weights_reloaded"] += 1
+                return None
+            except TimeoutError:
+                self.metrics["ping_timeouts"] += 1
+                return "it did not answer (a ping, or the weights' reload) by the recover timeout"
             except ReplicaGone:
-                break
-            except ReplicaLost:
+                raise
+            except ReplicaLost as e:
                 # a lost ping or a lost swap alike: back off and try again until the deadline
-                if time.monotonic() > deadline:
-                    break
+                if not retry or time.monotonic() > deadline:
+                    return f"not back by the recover timeout ({e})"
                 await asyncio.sleep(random.uniform(0, delay))  # full jitter
                 delay = min(delay * 2, 2.0)
-                continue
-            self.metrics["replicas_recovered"] += 1
+            except Exception as e:
+                # the engine's own error (a RayTaskError: out of memory while loading): it
+                # cannot serve the weights; left in its group it failed every turn sent to it
+                self.metrics["recover_errors"] += 1
+                return f"its reload failed: {type(e).__name__}: {e}"
+
+    def _drop(self, replica: Replica, why: str, *, rejoin: bool) -> None:
+        """Take the replica out of its group(s); the calls running on it end with
+        ``ReplicaGone`` (their turns move on), and with ``rejoin`` it is tried again later."""
+        homes = [g for g, rs in self.groups.items() if replica in rs]
+        if not homes:
             return
-        for group in self.groups.values():
-            if replica in group:
-                group.remove(replica)
+        for g in homes:
+            self.groups[g].remove(replica)
         self.metrics["replicas_removed"] += 1
-        log.error("engine replica %s is gone; %d replicas left", replica.name, self.num_replicas)
+        orphans = self._orphans.setdefault(id(replica), set())
+        orphans.update(rid for calls in self._inflight.values() for rid, r in calls.items() if r is replica)
+        now = asyncio.get_running_loop().time()
+        for scope in self._calls_on.pop(id(replica), ()):
+            scope.reschedule(now)
+        again = rejoin and self.rejoin_first_s is not None
+        log.error(
+            "engine replica %s left its group: %s; %d replicas left%s",
+            replica.name,
+            why,
+            self.num_replicas,
+            "; it is tried again in the background" if again else "",
+        )
+        if again:
+            self._rejoining[id(replica)] = asyncio.ensure_future(self._rejoin(replica, homes))
+
+    async def _rejoin(self, replica: Replica, homes: list[str]) -> None:
+        """Try the dropped replica again now and then: once it answers, stop what it was
+        running when it left, load it the latest weights and put it back in its groups."""
+        assert self.rejoin_first_s is not None
+        delay = self.rejoin_first_s
+        try:
+            while True:
+                await asyncio.sleep(random.uniform(delay / 2, delay))
+                delay = min(delay * 2, self.rejoin_max_s)
+                # one try each time (a replica out of restarts answers every ping at once with
+                # ReplicaLost), bounded by the recover timeout (a wedged one never answers)
+                deadline = time.monotonic() + self.recover_timeout_s
+                try:
+                    if await self._revive(replica, deadline, retry=False) is not None:
+                        continue
+                    orphans = self._orphans.pop(id(replica), set())
+                    await asyncio.gather(*(self._abort_one(replica, rid) for rid in orphans))
+                    # the aborts took a while: weights published meanwhile are loaded too
+                    if await self._revive(replica, deadline, retry=False) is not None:
+                        continue
+                except ReplicaGone as e:
+                    log.error("engine replica %s is gone for good: %s", replica.name, e)
+                    return
+                # no await since the last check of its weights: it joins with the latest
+                for g in homes:
+                    self.groups.setdefault(g, []).append(replica)
+                self.metrics["replicas_rejoined"] += 1
+                log.warning("engine replica %s is back; %d replicas", replica.name, self.num_replicas)
+                return
+        finally:
+            self._rejoining.pop(id(replica), None)
+
+    async def aclose(self) -> None:
+        """Stop the background work: recoveries, rejoins, aborts of turns that moved on."""
+        tasks = [*self._recovering.values(), *self._rejoining.values(), *self._background]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.scheduler is not None:
+            self.scheduler.close()
 
     # ------------------------------------------------------------------ introspection
     @property
