@@ -14,7 +14,7 @@ from typing import Any
 
 from core._job_state import JobState
 from core.checkpoint import REMEDY, TRAINER_FILE
-from core.errors import ConfigError
+from core.errors import ConfigError, TrainerTimeout
 from core.policy.build import PolicyBundle
 from core.report import JobProgress, RunDir
 
@@ -43,7 +43,11 @@ class JobCheckpoints(JobState):
         """The trainer back to the checkpoint, its weights on every engine replica before the
         first rollout, and the job's own state (step, random state, counts, tasks seen)."""
         try:
-            version = await self.trainer_handle.load.remote(str(path / TRAINER_FILE))
+            version = await self._from_trainer(
+                self.trainer_handle.load.remote(str(path / TRAINER_FILE)), "load of the checkpoint"
+            )
+        except TrainerTimeout:
+            raise
         except Exception as e:  # Ray's task error wraps the trainer's (a truncated or foreign file)
             cause = getattr(e, "cause", None) or e
             raise ConfigError(
@@ -81,7 +85,7 @@ class JobCheckpoints(JobState):
         t = time.perf_counter()
         part = self.checkpoints.prepare(step)
         path = str(part / TRAINER_FILE)
-        await self.trainer_handle.snapshot.remote(path)
+        await self._from_trainer(self.trainer_handle.snapshot.remote(path), f"checkpoint copy of step {step}")
         v, state, gauss = self.rng.getstate()
         job_state = {  # the job's side as of this step (copies: the loop goes on)
             "step": step,
@@ -100,7 +104,8 @@ class JobCheckpoints(JobState):
     async def _commit_checkpoint(
         self, part: Path, step: int, path: str, job_state: dict[str, Any], t: float
     ) -> None:
-        await self.trainer_handle.written.options(concurrency_group="io").remote(path)
+        written = self.trainer_handle.written.options(concurrency_group="io").remote(path)
+        await self._from_trainer(written, f"checkpoint write of step {step}")
         self.checkpoints.commit(part, step, job_state)
         self._checkpoint_s.append(time.perf_counter() - t)
 

@@ -12,19 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from core.buffer import SampleBuffer
 from core.checkpoint import Checkpoints
 from core.cluster import Cluster
 from core.config import JobConfig
+from core.errors import TrainerTimeout
 from core.evaluation import Evaluator
 from core.report import RunDir
 from core.rewards import RewardStream
 from core.rollout.groups import GroupRunner
 from core.tally import Tally
 from fabric.registry import Registry
+
+T = TypeVar("T")
 
 
 class JobState:
@@ -76,3 +80,20 @@ class JobState:
     @property
     def trainer_handle(self) -> Any:
         return self.cluster.trainer
+
+    async def _from_trainer(self, call: Awaitable[T], what: str) -> T:
+        """A trainer actor call's result (``what`` it is, for the error), or
+        ``TrainerTimeout`` past ``trainer.call_timeout_s``: a trainer stuck in a call (a hung
+        collective, a deadlocked loader) held the job's step loop for ever."""
+        limit = self.cfg.trainer.call_timeout_s
+        scope = asyncio.timeout(limit)
+        try:
+            async with scope:
+                return await call
+        except TimeoutError:
+            if not scope.expired():
+                raise
+            raise TrainerTimeout(
+                f"the trainer's {what} did not return within trainer.call_timeout_s={limit:g} s: "
+                "the trainer actor is stuck, or slower than that (then raise trainer.call_timeout_s)"
+            ) from None

@@ -62,6 +62,7 @@ RESUMABLE = (
     "engine.swap_timeout_s",
     "engine.hw_affinity",
     "trainer.num_gpus",
+    "trainer.call_timeout_s",
 )
 
 #: Config keys no ``--allow-change`` lets change: the checkpoint's weights are of that policy,

@@ -284,6 +284,11 @@ class TrainerConfig(ConfigModel):
     ``hf_model``, ...)."""
     num_gpus: float | None = Field(None, ge=0, allow_inf_nan=False)
     """GPUs the trainer actor reserves from Ray; ``None``: 1 for ``megatron``, 0 for ``torch``."""
+    call_timeout_s: float = Field(3600.0, gt=0, allow_inf_nan=False)
+    """How long the job waits for one call of the trainer actor (a step, a checkpoint's copy
+    or its write to disk, a resume's load) before it stops with ``TrainerTimeout``: a trainer
+    stuck in a step (a hung collective, a deadlocked data loader) held the job for ever.
+    Keep it above the slowest step (a large model's first step compiles kernels)."""
 
     @property
     def gpus(self) -> float:

@@ -9,6 +9,7 @@ The tree (every class derives from ``CoreError``)::
     ├── StreamClosedError    ``RewardStream.submit`` after the stream was closed
     ├── RolloutError         the rollout cannot make progress: every group fails (the job stops
     │                        with the trajectories' last error instead of spinning)
+    ├── TrainerTimeout       a call of the trainer actor ran past ``trainer.call_timeout_s``
     └── StoppedError         a blocking step run in a worker thread (the policy build: corpus
                              play, pretraining) stopped because its caller asked (Ctrl-C)
 
@@ -51,6 +52,10 @@ class StreamClosedError(CoreError):
 
 class RolloutError(CoreError):
     """Group after group was given up with no group completing: the fault is not transient."""
+
+
+class TrainerTimeout(CoreError):
+    """The trainer actor did not answer a call within ``trainer.call_timeout_s``."""
 
 
 class StoppedError(CoreError):

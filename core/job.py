@@ -273,7 +273,7 @@ class Job(JobSetup):
                 self.tally.counts["masked_trained"] += sum(s.masked for g in groups for s in g.samples)
                 batch = build_batch(groups, cfg.trainer)
                 metrics_ref, state_ref = self.trainer_handle.step.options(num_returns=2).remote(batch)
-                metrics = await metrics_ref
+                metrics = await self._from_trainer(metrics_ref, f"step {step}")
                 train_s = time.perf_counter() - tt
                 if eval_task is not None and cfg.rollout.eval_exact:
                     run_dir.log(await eval_task)  # its turns all on the version it measures

@@ -25,7 +25,7 @@ import yaml
 from test_env_images import COIN
 
 from core.config import JobConfig
-from core.errors import ConfigError, RolloutError
+from core.errors import ConfigError, RolloutError, TrainerTimeout
 from core.job import EVAL_SEED_BASE, Job, load, main
 from core.rollout.env_manager import task_key
 from envpool.envs.frozenlake import FrozenLakeEnv
@@ -857,6 +857,31 @@ async def test_a_killed_engine_replica_restarts_and_gets_the_latest_weights(tmp_
     if seen:
         assert seen["version"] >= killed_at and seen["pid"] != pid
     assert summary["trajectories"].get("infra_failed", 0) == 0  # the lost turns were re-run
+
+
+@pytest.mark.ray
+async def test_a_trainer_that_hangs_stops_the_job_with_an_error_naming_its_deadline(tmp_path, ray_cluster):
+    # the step loop awaited the trainer's step with no limit: a trainer actor stuck in a
+    # step (a hung collective) held the job, and its run directory said nothing, for ever
+    import threading
+
+    cfg = job_config(tmp_path, steps=40, trainer={"lr": 1e-3, "call_timeout_s": 3})
+    job = Job(cfg, progress=False, registry=faults.REG)
+    task = asyncio.ensure_future(job.run())
+    while job.version < 1 and not task.done():  # noqa: ASYNC110 - polls another task's progress
+        await asyncio.sleep(0.02)
+    assert not task.done()
+
+    def wedge(actor: Any) -> None:  # holds the actor's one thread: the next step waits for ever
+        threading.Event().wait()
+
+    job.trainer_handle.__ray_call__.remote(wedge)
+    with pytest.raises(TrainerTimeout) as e:
+        await asyncio.wait_for(task, 60)
+    assert "trainer.call_timeout_s=3" in str(e.value) and "step" in str(e.value)
+    failure = json.loads((tmp_path / "run" / "failure.json").read_text())
+    assert failure["error"].startswith("TrainerTimeout: ") and "trainer.call_timeout_s" in failure["error"]
+    assert failure["steps"] >= 1 and not (tmp_path / "run" / "summary.json").exists()
 
 
 @pytest.mark.ray
