@@ -59,7 +59,8 @@ class JobCheckpoints(JobState):
                     )
                 ]
             ) from None
-        await self.proxy_handle.update_weights.remote(version, [self.trainer_handle.weights.remote()])
+        weights = [self.trainer_handle.weights.remote()]
+        await self.proxy.call(self.proxy_handle.update_weights.remote(version, weights))
         self.version = version
         self.step = int(saved["step"])
         # the trained groups count against the launch budget, as they did in the earlier run:

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from core._job_summary import JobSummary
 from core.config import EnvConfig
-from core.errors import RolloutError
+from core.errors import ProxyDiedError, RolloutError
 from core.evaluation import EVAL_SEED_BASE
 from core.rollout.env_manager import TurnBarrier
 from core.rollout.groups import GroupRunner
@@ -43,7 +43,9 @@ class JobGroups(JobSummary):
         would only go stale are never started) and ``max_groups_in_flight`` at a time."""
         cfg = self.cfg
         cap = cfg.rollout.max_groups_in_flight or cfg.batch_size * (cfg.alpha + 1)
-        while True:
+        # until the job stops on a fatal error: groups started then fail at once, and the
+        # step loop may notice only after a trainer step (minutes)
+        while self._fatal is None or not self._fatal.done():
             runner.changed.clear()
             budget = (self.version + cfg.alpha + 1) * cfg.batch_size
             while self._groups_live < budget and runner.rolling_groups() < cap:
@@ -79,6 +81,11 @@ class JobGroups(JobSummary):
             self._groups_live -= 1
             self.tally.counts["stale_groups"] += 1
         self.runner.abort_group(gid, reason)  # type: ignore[arg-type]
+
+    def _proxy_died(self, error: ProxyDiedError) -> None:
+        """The proxy actor died (``RemoteProxy.on_died``): the job stops on it."""
+        if self._fatal is not None and not self._fatal.done():
+            self._fatal.set_exception(error)
 
     def _given_up(self, g: Any) -> None:
         if self.buffer is not None:

@@ -25,6 +25,7 @@ from core.evaluation import Evaluator
 from core.report import RunDir
 from core.rewards import RewardStream
 from core.rollout.groups import GroupRunner
+from core.rollout.replicas import RemoteProxy
 from core.tally import Tally
 from fabric.registry import Registry
 
@@ -80,6 +81,13 @@ class JobState:
     @property
     def trainer_handle(self) -> Any:
         return self.cluster.trainer
+
+    @property
+    def proxy(self) -> RemoteProxy:
+        """The proxy actor's methods as coroutines (``proxy.call`` for any other): its death
+        raised as ``ProxyDiedError``."""
+        assert self.cluster.remote_proxy is not None, "the cluster is not started"
+        return self.cluster.remote_proxy
 
     async def _from_trainer(self, call: Awaitable[T], what: str) -> T:
         """A trainer actor call's result (``what`` it is, for the error), or

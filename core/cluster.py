@@ -37,6 +37,7 @@ class Cluster:
         # live handles, for tests and fault injection while the job runs
         self.replicas: list[Any] = []
         self.proxy: Any = None
+        self.remote_proxy: RemoteProxy | None = None  # the proxy's methods as coroutines
         self.trainer: Any = None
 
     @contextlib.asynccontextmanager
@@ -89,7 +90,10 @@ class Cluster:
             affinity = {tag: tag_group for tag, tag_group in cfg.engine.hw_affinity.items()}
             proxy = (
                 ray.remote(LLMProxy)
-                .options(max_concurrency=100_000, num_cpus=0)
+                # never restarted: a new proxy would not know the published weights, the
+                # trajectories' replicas or the turns in flight (core.rollout.llm_proxy); its
+                # death stops the job with ProxyDiedError (RemoteProxy), to be resumed
+                .options(max_concurrency=100_000, num_cpus=0, max_restarts=0)
                 .remote(
                     by_group,
                     affinity=affinity,
@@ -117,7 +121,8 @@ class Cluster:
             self.proxy, self.trainer = proxy, trainer
             # surface a replica or trainer that cannot start (bad kwargs) now, not mid-run
             await asyncio.gather(*(a.__ray_ready__.remote() for a in actors))
-            yield RemoteProxy(proxy)
+            self.remote_proxy = RemoteProxy(proxy)
+            yield self.remote_proxy
         finally:
             for a in actors:
                 with contextlib.suppress(Exception):

@@ -10,12 +10,14 @@ The tree (every class derives from ``CoreError``)::
     ├── RolloutError         the rollout cannot make progress: every group fails (the job stops
     │                        with the trajectories' last error instead of spinning)
     ├── TrainerTimeout       a call of the trainer actor ran past ``trainer.call_timeout_s``
+    ├── ProxyDiedError       the LLM proxy actor died: the job cannot go on without it (resume)
     └── StoppedError         a blocking step run in a worker thread (the policy build: corpus
                              play, pretraining) stopped because its caller asked (Ctrl-C)
 
 A trajectory whose reward failed or whose environment broke is *data* (a masked ``Sample``),
-never an exception: only misuse of the API, bad configs and a rollout where *every* group
-fails (a deterministic fault such as a prompt longer than the model's context) raise.
+never an exception: only misuse of the API, bad configs, a rollout where *every* group
+fails (a deterministic fault such as a prompt longer than the model's context), a trainer
+that stops answering and a proxy that died raise.
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ class RolloutError(CoreError):
 
 class TrainerTimeout(CoreError):
     """The trainer actor did not answer a call within ``trainer.call_timeout_s``."""
+
+
+class ProxyDiedError(CoreError):
+    """The LLM proxy actor died. It is not restarted (``core.rollout.llm_proxy`` says why):
+    the job stops, and ``--resume`` goes on from its latest checkpoint."""
 
 
 class StoppedError(CoreError):

@@ -142,13 +142,17 @@ class Job(JobSetup):
             problems += more
         if problems:
             raise ConfigError(problems)
-        self._fatal = asyncio.get_running_loop().create_future()
-        with JobProgress(cfg.steps, enabled=self.progress_enabled) as progress:
-            async with JobImages(cfg.envs, cfg.images, cfg.run_dir) as images:
-                if images.refs:
-                    built = f", {images.published} built" if images.published else ""
-                    progress.note(f"images: {', '.join(images.refs.values())}{built}")
-                summary = await self._run_with(images, registry, term, progress, t_start)
+        fatal = self._fatal = asyncio.get_running_loop().create_future()
+        try:
+            with JobProgress(cfg.steps, enabled=self.progress_enabled) as progress:
+                async with JobImages(cfg.envs, cfg.images, cfg.run_dir) as images:
+                    if images.refs:
+                        built = f", {images.published} built" if images.published else ""
+                        progress.note(f"images: {', '.join(images.refs.values())}{built}")
+                    summary = await self._run_with(images, registry, term, progress, t_start)
+        finally:
+            if fatal.done() and not fatal.cancelled():
+                fatal.exception()  # the run may have stopped on it by another way (the same cause)
         summary["wall_s"] = round(time.perf_counter() - t_start, 1)
         assert self.run_dir is not None
         self.run_dir.finish(summary)
@@ -182,6 +186,7 @@ class Job(JobSetup):
             init = str(init_dir if resume else bundle.save(init_dir))
         async with self.cluster.start(init) as proxy, self._fabric(registry, images) as (client, pool):
             term.reinstall()  # ray.init put its own handler in place of ours
+            proxy.on_died = self._proxy_died
             self.pool = pool
             if resume:
                 await self._restore(*resume, run_dir, progress)
@@ -208,7 +213,7 @@ class Job(JobSetup):
                     if images.refs:
                         summary["images"] = dict(images.refs)
                     # routing, recoveries and the turn scheduler's counts, for the record
-                    summary["proxy"] = await self.proxy_handle.stats.remote()
+                    summary["proxy"] = await self.proxy.call(self.proxy_handle.stats.remote())
                 except Exception as e:
                     # a rollout that cannot go on (RolloutError), an actor that died: its
                     # counts were only in the error's text. (Ctrl-C writes none: resume.)
@@ -280,7 +285,7 @@ class Job(JobSetup):
                     eval_task = None
                 tp = time.perf_counter()
                 version = int(metrics["version"])
-                await self.proxy_handle.update_weights.remote(version, [state_ref])
+                await self.proxy.call(self.proxy_handle.update_weights.remote(version, [state_ref]))
                 self.version = version
                 buffer.advance(version)
                 runner.forget_aborted_before(buffer.bound)

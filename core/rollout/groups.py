@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from core.buffer import AbortReason
 from core.config import EnvConfig, JobConfig
+from core.errors import ProxyDiedError
 from core.rollout.env_manager import EnvManager, ProxyLike, Task, TurnBarrier
 from core.sample import Sample
 from fabric.protocol import Trajectory
@@ -140,6 +141,13 @@ class GroupRunner:
             self._after(g)
             return
         exc = task.exception()
+        if isinstance(exc, ProxyDiedError):
+            # the job stops on it (RemoteProxy.on_died); a re-run would fail the same way, and
+            # a traceback logged for every trajectory in flight said nothing more
+            self.metrics["proxy_died"] += 1
+            g.last_error = f"{type(exc).__name__}: {exc}"
+            self._after(g)
+            return
         if exc is not None:  # a bug in the manager: keep the job going, count it loudly
             log.error("trajectory %s raised", traj_id, exc_info=exc)
             self.metrics["errors"] += 1

@@ -35,6 +35,15 @@ replica that left is tried again in the background (after ``rejoin_first_s``, ba
 to ``rejoin_max_s``): once it answers, what it was running is aborted, it gets the latest
 weights and rejoins its group. Only one gone for good (``ReplicaGone``: Ray cannot place
 it) is never tried again.
+
+The proxy actor itself is made without ``max_restarts`` (``core.cluster``): a restarted
+proxy would come back from its constructor's arguments, at weights version 0 with no
+record of the latest weights (a replica restarted after that is never reloaded, and its
+stale turns are not even noticed), with every trajectory's affinity and abort flag and
+every turn's request id gone (turns left running on the engines could not be stopped),
+and with the turn scheduler's trace truncated. Its death stops the job with
+``ProxyDiedError`` instead (``core.rollout.replicas.RemoteProxy``); resume from a
+checkpoint.
 """
 
 from __future__ import annotations

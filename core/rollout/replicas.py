@@ -6,16 +6,19 @@
 ``EngineReplicaActor`` owns one ``Engine`` (built in its own process from the job's policy
 bundle, so a restarted actor rebuilds it and the proxy reloads the latest weights).
 ``RayReplica`` turns Ray's actor failures into ``ReplicaLost`` for the proxy.
-``RemoteProxy`` is what an env manager holds: the proxy actor's methods as coroutines.
+``RemoteProxy`` is what an env manager holds: the proxy actor's methods as coroutines, its
+death turned into ``ProxyDiedError`` (and told to ``on_died`` once).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from core.config_backends import TORCH_ENGINE_KEYS
+from core.errors import ProxyDiedError
 from core.policy.build import PolicyBundle
 from core.rollout.coalesce import Answer, Coalescer, answer_all
 from core.rollout.engines.base import Completion, Engine, GenerateRequest, engine_registry
@@ -136,24 +139,81 @@ class RayReplica(Replica):
         return int(await self._call("ping"))
 
 
-class RemoteProxy:
-    """An ``LLMProxy`` actor's methods as coroutines (what env managers hold)."""
+T = TypeVar("T")
 
-    def __init__(self, handle: Any):
+
+class RemoteProxy:
+    """An ``LLMProxy`` actor's methods as coroutines (what env managers hold). Once the actor
+    died, every call raises ``ProxyDiedError`` (without a Ray call) and ``on_died`` is
+    told, once: the job stops on it."""
+
+    def __init__(self, handle: Any, on_died: Callable[[ProxyDiedError], None] | None = None):
         self.handle = handle
+        self.on_died = on_died
+        self.died: str | None = None
+        """Why the actor is dead (Ray's word), once a call found it so."""
         self._coalescer: Coalescer | None = None
 
+    def _translated(self, e: BaseException) -> BaseException:
+        cause = proxy_died(e)
+        if cause is None:
+            return e
+        first = self.died is None
+        self.died = self.died or cause
+        err = ProxyDiedError(self.died)
+        if first and self.on_died is not None:
+            self.on_died(ProxyDiedError(self.died))
+        return err
+
+    def _check(self) -> None:
+        if self.died is not None:
+            raise ProxyDiedError(self.died)
+
+    async def call(self, aw: Awaitable[T]) -> T:
+        """``aw`` (a call of the proxy actor), its death raised as ``ProxyDiedError``."""
+        if self.died is not None:
+            if asyncio.iscoroutine(aw):
+                aw.close()
+            raise ProxyDiedError(self.died)
+        try:
+            return await aw
+        except Exception as e:
+            err = self._translated(e)
+            if err is e:
+                raise
+            raise err from None
+
     async def generate(self, traj_id: str, tag: str, request: GenerateRequest) -> Completion:
+        self._check()
         if self._coalescer is None:
-            self._coalescer = Coalescer(self.handle.generate_many.options(num_returns="streaming").remote)
-        result: Completion = await self._coalescer.call(request.request_id, (traj_id, tag, request))
+            send = self.handle.generate_many.options(num_returns="streaming").remote
+            self._coalescer = Coalescer(send, on_error=self._translated)
+        turn = self._coalescer.call(request.request_id, (traj_id, tag, request))
+        result: Completion = await self.call(turn)
         return result
 
     async def abort(self, traj_id: str) -> int:
-        return int(await self.handle.abort.remote(traj_id))
+        self._check()  # before .remote(), which sends the call
+        return int(await self.call(self.handle.abort.remote(traj_id)))
 
     async def release(self, traj_id: str) -> None:
-        await self.handle.release.remote(traj_id)
+        self._check()
+        await self.call(self.handle.release.remote(traj_id))
+
+
+def proxy_died(e: BaseException) -> str | None:
+    """The message of ``ProxyDiedError`` when ``e`` says the proxy actor died, else None.
+    (Ray's ActorUnavailableError, a node unreachable for a while, is not death.)"""
+    import ray.exceptions as rex
+
+    if not isinstance(e, rex.ActorDiedError):
+        return None
+    return (
+        f"the LLM proxy actor died ({_first_line(e)}); the job cannot go on without it: a "
+        "restarted proxy would not know the published weights, the trajectories' replicas "
+        "or the turns in flight. Resume from the latest checkpoint (--resume; set "
+        "checkpoint.every to have one)"
+    )
 
 
 def _first_line(e: BaseException) -> str:

@@ -25,7 +25,7 @@ import yaml
 from test_env_images import COIN
 
 from core.config import JobConfig
-from core.errors import ConfigError, RolloutError, TrainerTimeout
+from core.errors import ConfigError, ProxyDiedError, RolloutError, TrainerTimeout
 from core.job import EVAL_SEED_BASE, Job, load, main
 from core.rollout.env_manager import task_key
 from envpool.envs.frozenlake import FrozenLakeEnv
@@ -882,6 +882,30 @@ async def test_a_trainer_that_hangs_stops_the_job_with_an_error_naming_its_deadl
     failure = json.loads((tmp_path / "run" / "failure.json").read_text())
     assert failure["error"].startswith("TrainerTimeout: ") and "trainer.call_timeout_s" in failure["error"]
     assert failure["steps"] >= 1 and not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.ray
+async def test_a_dead_proxy_stops_the_job_at_once_with_an_error_that_says_so(tmp_path, ray_cluster, caplog):
+    # the proxy actor is not restarted (a new one would not know the published weights, the
+    # trajectories' affinities or the turns in flight): its death stops the job. It showed
+    # as Ray's ActorDiedError in every trajectory (a traceback logged for each, re-run, given
+    # up), and the job stopped only when a streak of groups was given up or the step loop
+    # met it, with an error that did not say what to do
+    ray = ray_cluster
+    cfg = job_config(tmp_path, steps=40)
+    job = Job(cfg, progress=False, registry=faults.REG)
+    task = asyncio.ensure_future(job.run())
+    while job.version < 1 and not task.done():  # noqa: ASYNC110 - polls another task's progress
+        await asyncio.sleep(0.02)
+    assert not task.done()
+    ray.kill(job.proxy_handle, no_restart=True)
+    with pytest.raises(ProxyDiedError) as e:
+        await asyncio.wait_for(task, 60)
+    assert "the LLM proxy actor died" in str(e.value) and "--resume" in str(e.value)
+    failure = json.loads((tmp_path / "run" / "failure.json").read_text())
+    assert failure["error"].startswith("ProxyDiedError: ")
+    assert failure["groups"].get("given_up", 0) == 0  # stopped at once, not after a streak
+    assert not [r for r in caplog.records if r.name == "core.rollout.groups" and r.levelname == "ERROR"]
 
 
 @pytest.mark.ray

@@ -880,6 +880,43 @@ async def test_generate_many_answers_every_request_errors_included():
     assert isinstance(answers["q3"].error, NoReplicaError) and answers["q3"].value is None
 
 
+async def test_a_dead_proxy_actor_is_a_proxy_died_error_told_once():
+    import ray.exceptions as rex
+
+    from core.errors import ProxyDiedError
+    from core.rollout.replicas import RemoteProxy
+
+    calls: list[str] = []
+
+    class Method:
+        def __init__(self, name: str, error: BaseException):
+            self.name, self.error = name, error
+
+        def remote(self, *args: Any) -> Any:
+            calls.append(self.name)
+
+            async def fail() -> Any:
+                raise self.error
+
+            return fail()
+
+    class Handle:
+        abort = Method("abort", rex.ActorUnavailableError("unreachable for a while", None))
+        release = Method("release", rex.ActorDiedError())
+
+    told: list[ProxyDiedError] = []
+    proxy = RemoteProxy(Handle(), on_died=told.append)
+    with pytest.raises(rex.ActorUnavailableError):  # not death: left as it is
+        await proxy.abort("t")
+    for _ in range(2):
+        with pytest.raises(ProxyDiedError, match=r"the LLM proxy actor died .*--resume"):
+            await proxy.release("t")
+    with pytest.raises(ProxyDiedError):
+        await proxy.abort("t")
+    assert calls == ["abort", "release"]  # once dead, no call goes out
+    assert len(told) == 1
+
+
 # ----------------------------------------------------------------------------- coalescer
 
 
