@@ -496,9 +496,6 @@ class LLMProxy:
             self._recovering[id(replica)] = task
         return task
 
-    async def _recover(self, replica: Replica, *, gone: bool) -> None:
-        await asyncio.shield(self._spawn_recover(replica, gone=gone))
-
     async def _do_recover(self, replica: Replica, *, gone: bool) -> None:
         if not self._in_group(replica):
             return  # it left its group already (its rejoin, if any, is under way)
