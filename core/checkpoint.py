@@ -60,6 +60,7 @@ RESUMABLE = (
     "engine.max_restarts",
     "engine.recover_timeout_s",
     "engine.swap_timeout_s",
+    "engine.start_timeout_s",
     "engine.hw_affinity",
     "trainer.num_gpus",
     "trainer.call_timeout_s",

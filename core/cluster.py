@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import DEFAULT_AFFINITY, JobConfig
-from core.errors import ConfigError
+from core.errors import ConfigError, StartupTimeout
 from core.rollout.llm_proxy import LLMProxy
 from core.rollout.replicas import EngineReplicaActor, RayReplica, RemoteProxy
 from core.rollout.scheduling import TurnScheduler
@@ -120,7 +120,9 @@ class Cluster:
             actors.append(trainer)
             self.proxy, self.trainer = proxy, trainer
             # surface a replica or trainer that cannot start (bad kwargs) now, not mid-run
-            await asyncio.gather(*(a.__ray_ready__.remote() for a in actors))
+            names = [r.name for rs in by_group.values() for r in rs] + ["proxy", "trainer"]
+            # (actors holds the replicas in by_group's order, then the proxy and the trainer)
+            await wait_ready(dict(zip(names, actors, strict=True)), cfg.engine.start_timeout_s)
             self.remote_proxy = RemoteProxy(proxy)
             yield self.remote_proxy
         finally:
@@ -219,3 +221,24 @@ def gpu_packing_problem(shares: list[float], cards: list[int]) -> str | None:
     if widest > largest:
         return f"a reservation of {widest:g} GPUs needs one node with that many; the largest has {largest}"
     return None
+
+
+async def wait_ready(actors: dict[str, Any], timeout_s: float) -> None:
+    """Wait until every actor (by name) is made; its constructor's error at once, and
+    ``StartupTimeout`` naming the ones still not ready after ``timeout_s``."""
+    waits = {asyncio.ensure_future(a.__ray_ready__.remote()): name for name, a in actors.items()}
+    try:
+        done, pending = await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
+        for w in done:
+            if (e := w.exception()) is not None:
+                raise e
+        if pending:
+            late = ", ".join(sorted(waits[w] for w in pending))
+            raise StartupTimeout(
+                f"not ready after {timeout_s:g} s: {late} (a constructor still running, such as a "
+                "large model's load, or an actor Ray cannot place: `ray status` lists pending "
+                "demands); raise engine.start_timeout_s if it is only slow"
+            )
+    finally:
+        for w in waits:
+            w.cancel()

@@ -105,6 +105,11 @@ class EngineConfig(ConfigModel):
     lost (it is recovered in the background, or dropped at ``recover_timeout_s``) and the
     update goes on without it. A swap waits for the turns in flight (vLLM's drain), so keep
     it above the longest turn."""
+    start_timeout_s: float = Field(1800.0, gt=0, allow_inf_nan=False)
+    """How long the job waits at its start for its actors to be made (every engine
+    replica's model load, the proxy, the trainer's) before it stops with
+    ``StartupTimeout`` naming the ones not ready: a constructor that hung, or an actor Ray
+    cannot place (resources another job holds), held the start for ever."""
     num_gpus: float | None = Field(None, ge=0, allow_inf_nan=False)
     """GPUs each replica reserves from Ray (Ray then sets its ``CUDA_VISIBLE_DEVICES``);
     ``None``: for ``vllm`` its ``tensor_parallel_size x pipeline_parallel_size`` (1 by

@@ -11,6 +11,7 @@ The tree (every class derives from ``CoreError``)::
     │                        with the trajectories' last error instead of spinning)
     ├── TrainerTimeout       a call of the trainer actor ran past ``trainer.call_timeout_s``
     ├── ProxyDiedError       the LLM proxy actor died: the job cannot go on without it (resume)
+    ├── StartupTimeout       the job's actors were not all made within ``engine.start_timeout_s``
     └── StoppedError         a blocking step run in a worker thread (the policy build: corpus
                              play, pretraining) stopped because its caller asked (Ctrl-C)
 
@@ -58,6 +59,11 @@ class RolloutError(CoreError):
 
 class TrainerTimeout(CoreError):
     """The trainer actor did not answer a call within ``trainer.call_timeout_s``."""
+
+
+class StartupTimeout(CoreError):
+    """An engine replica, the proxy or the trainer was not ready within
+    ``engine.start_timeout_s``: its constructor still ran, or Ray could not place it."""
 
 
 class ProxyDiedError(CoreError):

@@ -133,6 +133,8 @@ def test_negative_alpha():
         ({"engine": {"temperature": "hot"}}, "engine.temperature", "valid number"),
         ({"engine": {"recover_timeout_s": 0}}, "engine.recover_timeout_s", "must be > 0"),
         ({"engine": {"swap_timeout_s": -1}}, "engine.swap_timeout_s", "must be > 0"),
+        ({"engine": {"start_timeout_s": 0}}, "engine.start_timeout_s", "must be > 0"),
+        ({"engine": {"start_timeout_s": float("inf")}}, "engine.start_timeout_s", "finite"),
         ({"trainer": {"call_timeout_s": 0}}, "trainer.call_timeout_s", "must be > 0"),
     ],
 )
