@@ -74,13 +74,23 @@ class _ThreadJob:
 class _DaemonThreads:
     """A thread pool of daemon threads that nobody joins (the stdlib's executors are
     joined at loop shutdown and at exit). Idle threads are reused, as in
-    ``ThreadPoolExecutor``; a hung call keeps its thread and the next call gets another."""
+    ``ThreadPoolExecutor``; a hung call keeps its thread and the next call gets another.
 
-    def __init__(self, max_threads: int = 32):
-        self._max = max_threads
+    Its cap is the sum of the ``max_concurrency`` of the synchronous functions it runs
+    (``reserve``): what admits calls here (the client's slots, ``fabric serve``'s gate) admits
+    that many of each, and a fixed cap (32 threads for every function together) left the rest
+    waiting unseen in the queue, their wait counted against their timeout_s. Threads start
+    only when calls need them."""
+
+    def __init__(self) -> None:
+        self._max = 0
         self._jobs: queue.SimpleQueue[_ThreadJob | None] = queue.SimpleQueue()
         self._idle = threading.Semaphore(0)
         self._threads = 0
+
+    def reserve(self, threads: int) -> None:
+        """Raise the cap by ``threads``: a synchronous function's ``max_concurrency``."""
+        self._max += threads
 
     def run(self, fn: Callable[..., Any], *args: Any) -> _ThreadJob:
         ctx = contextvars.copy_context()  # as asyncio.to_thread does
@@ -154,6 +164,8 @@ class InprocBackend(Backend):
             runner = FunctionRunner(self.registry.callable(name), spec)
             runner.setup()
             self._runners[name] = runner
+            if not runner.is_async:  # a thread for each call of it that may be admitted
+                self._threads.reserve(spec.max_concurrency)
         return runner
 
     def _submit(self, inv: Invocation) -> asyncio.Future[Result]:
