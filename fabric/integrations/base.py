@@ -8,7 +8,9 @@
 * ``SyncBridge``: trainers call reward functions synchronously, from their own threads.
   The bridge owns one event loop on a daemon thread, started on the first call, where the
   adapter's ``Client`` lives; ``close()`` ends it (and an exit backstop, for a trainer
-  that never closes). Any thread may call it; so may a coroutine on another loop (``arun``).
+  that never closes). Any thread may call it; so may a coroutine on another loop (``arun``,
+  which starts the bridge off that loop). A caller that stops waiting (Ctrl-C in ``run``, a
+  cancelled ``arun``) cancels its batch on the bridge's loop.
 * ``build_trajectory``: a framework's prompt and completion (text or chat messages) as a
   fabric ``Trajectory``.
 
@@ -466,6 +468,23 @@ _register_exit_hook(_close_open_bridges)
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _in_a_thread(fn: Callable[[], T], name: str) -> concurrent.futures.Future[T]:
+    """``fn()`` on a daemon thread of its own: not the caller loop's default executor, which
+    ``asyncio.run`` joins at its end (a start that hangs would hold the trainer's exit)."""
+    fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # handed to the awaiting caller
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
+
+
 class SyncBridge:
     """Runs an adapter's coroutines on a loop of its own (a daemon thread), for callers that
     are synchronous or on another loop. Thread-safe; started on first use; ``close()``
@@ -522,10 +541,16 @@ class SyncBridge:
             raise BatchDeadlineError(
                 f"{self.adapter.spec.name}: a batch of {len(samples)} did not finish within {timeout:g} s"
             ) from None
+        except BaseException:
+            fut.cancel()  # Ctrl-C (KeyboardInterrupt) in the caller: the batch stops on the bridge too
+            raise
 
     async def arun(self, samples: Sequence[Sample]) -> list[Score]:
         """Score ``samples`` from a coroutine on any event loop (the trainer's own)."""
         payloads = self.adapter.payloads(samples)
+        if not self.started:
+            # starting waits for the client (a local backend's pools): not on the caller's loop
+            await asyncio.wrap_future(_in_a_thread(self._ensure, f"{self.name}-start"))
         fut = self._submit(lambda: self.adapter.score_payloads(payloads))
         timeout = self.adapter.config.deadline_s + DEADLINE_GRACE_S
         try:

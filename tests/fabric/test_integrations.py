@@ -890,3 +890,77 @@ async def test_arun_cancelled_in_the_loop_turn_its_scores_arrive_is_cancelled(fa
             await task
     finally:
         reward.close()
+
+
+def _held_reward() -> tuple[Registry, threading.Event, threading.Event]:
+    """A reward that runs until cancelled: (its registry, entered, cancelled)."""
+    reg = Registry()
+    entered, cancelled = threading.Event(), threading.Event()
+
+    @reg.reward(name="held", warm=0, timeout_s=60, retry={"max_attempts": 1})
+    async def held(traj: Trajectory) -> float:
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return 1.0
+
+    return reg, entered, cancelled
+
+
+def test_ctrl_c_during_a_synchronous_batch_cancels_it_on_the_bridge():
+    """A KeyboardInterrupt in ``SyncBridge.run`` (Ctrl-C while the trainer waits for its
+    rewards) left the batch running on the bridge's loop: its calls held their workers until
+    they ended by themselves. It is cancelled there now."""
+    import signal
+
+    from fabric.integrations import RewardAdapter, Sample, SyncBridge
+
+    reg, entered, cancelled = _held_reward()
+    cfg = IntegrationConfig(function="held", builtins=False)
+    bridge = SyncBridge(RewardAdapter(cfg, registry=reg, backend=FakeBackend(reg)))
+
+    def ctrl_c() -> None:
+        if entered.wait(30):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupter = threading.Thread(target=ctrl_c)
+    interrupter.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            bridge.run([Sample(build_trajectory("hi"))])
+        assert cancelled.wait(10), "the batch ran on after Ctrl-C"
+    finally:
+        interrupter.join()
+        signal.signal(signal.SIGINT, previous)
+        bridge.close()
+
+
+async def test_arun_starts_the_bridge_without_blocking_the_callers_loop():
+    """The first ``arun`` started the bridge (its loop, the client, a local backend's pools)
+    synchronously, on the caller's event loop: the trainer's loop stood still until the
+    client was up. It starts off that loop now."""
+    from fabric.integrations import RewardAdapter, Sample, SyncBridge
+
+    entered, go = threading.Event(), threading.Event()
+    waited: list[bool] = []
+
+    class SlowStart(FakeBackend):
+        async def _start(self) -> None:
+            entered.set()
+            waited.append(await asyncio.get_running_loop().run_in_executor(None, go.wait, 10))
+
+    cfg = IntegrationConfig(function="length", builtins=False)
+    bridge = SyncBridge(RewardAdapter(cfg, registry=REG, backend=SlowStart(REG)))
+    try:
+        task = asyncio.ensure_future(bridge.arun([Sample(build_trajectory("four"))]))
+        await asyncio.to_thread(entered.wait, 10)  # this loop runs on while the bridge starts
+        go.set()
+        scores = await task
+        assert waited == [True], "the caller's loop stood still while the bridge started"
+        assert [s.value for s in scores] == [4.0]
+    finally:
+        await asyncio.to_thread(bridge.close)
