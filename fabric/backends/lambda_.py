@@ -110,6 +110,7 @@ class LambdaBackend(Backend):
         self._urls: dict[str, Any] = {}
         self._calls = 0
         self._spilled = 0
+        self._spill_failed = 0
         self._errors: dict[str, int] = {}
         token = self.config.token.get_secret_value() if self.config.token else None
         if token is None and self.config.endpoint_url is not None:
@@ -200,6 +201,8 @@ class LambdaBackend(Backend):
             self._executor.shutdown(wait=False, cancel_futures=True)
         if self._client is not None:
             self._client.close()
+        if self._s3 is not None:
+            self._s3.close()
         if self._session is not None:
             await self._session.close()
 
@@ -208,14 +211,16 @@ class LambdaBackend(Backend):
             await self.start()
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
+        body: bytes | Result
         if self._s3 is not None and len(inv.raw_payload) + _ENVELOPE_HEAD_BYTES > MAX_PAYLOAD_BYTES:
-            spilled = await loop.run_in_executor(None, self._spill, inv)
-            if isinstance(spilled, Result):
-                return spilled
-            body = spilled
+            body = await loop.run_in_executor(None, self._spill, inv)
+            if isinstance(body, Result):  # not sent: counted with the calls and their errors
+                self._spill_failed += 1
         else:
             body = envelope(inv)
-        if self.transport == "http":
+        if isinstance(body, Result):
+            result = body
+        elif self.transport == "http":
             result = await self._invoke_http(inv, body)
         else:
             result = await self._invoke_boto3(inv, body)
@@ -520,7 +525,7 @@ class LambdaBackend(Backend):
 
     def stats(self) -> dict[str, Any]:
         errors = {f"errors_{k}": v for k, v in self._errors.items()}
-        out = {"calls": self._calls, "spilled": self._spilled, **errors}
+        out = {"calls": self._calls, "spilled": self._spilled, "spill_failed": self._spill_failed, **errors}
         if self.transport == "boto3":  # abandoned calls still running on their threads
             out["abandoned_running"] = self._abandoned
         return {"lambda": out}

@@ -707,3 +707,35 @@ def test_a_refusal_without_a_lambda_error_code_is_read_by_its_status(status, exp
         assert str(status) in r.error.message
         if status == 404:
             assert "endpoint_url" in r.error.message
+
+
+class _CountedS3(_RefusingS3):
+    """Refuses every upload; says whether it was closed."""
+
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_failed_spill_counts_in_stats_and_the_s3_client_closes():
+    """A payload that could not be spilled was answered before the backend counted its calls
+    and errors: stats() showed nothing of the spill failures. And the S3 client was never
+    closed (its connection pool stayed open after aclose)."""
+    from botocore.exceptions import ClientError
+
+    cfg = LambdaConfig(endpoint_url="http://127.0.0.1:1", token="t", spill_bucket="spill", region="us-east-1")
+    b = LambdaBackend(REG, cfg)
+    await b.start()
+    b._s3.close()  # the real one, replaced by one that says whether it was closed
+    error = {"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}}
+    b._s3 = s3 = _CountedS3(ClientError(error, "PutObject"))
+    try:
+        r = await b.submit(Invocation(function="add", payload={"blob": "x" * (7 * 1024 * 1024)}))
+        assert not r.ok and r.error.type == ErrorCode.NOT_STARTED, r.error
+        stats = b.stats()["lambda"]
+        assert stats["spill_failed"] == 1 and stats["spilled"] == 0, stats
+        assert stats["calls"] == 1 and stats[f"errors_{ErrorCode.NOT_STARTED}"] == 1, stats
+    finally:
+        await b.aclose()
+    assert s3.closed
