@@ -60,6 +60,7 @@ class FunctionPool(PoolWorkers):
         self._start_failures = 0
         self._exec_ewma_ms = None
         self._maint = None
+        self._reaping = set()  # the workers stopped for idleness, until they are waited for
         self._capacity_watchers = []
         self.metrics = {
             "spawned": 0,
@@ -140,6 +141,8 @@ class FunctionPool(PoolWorkers):
                 self._settle(call)
                 self._fail(call, ErrorCode.BACKEND_CLOSED, "backend closed")
             w.inflight.clear()
+        # the workers stopped for idleness (_shrink): each is waited for within its grace
+        await asyncio.gather(*self._reaping, return_exceptions=True)
 
     # -- submission
     def submit(self, inv: Invocation) -> asyncio.Future[Result]:

@@ -50,6 +50,7 @@ class PoolDispatch:
     _start_failures: int
     _exec_ewma_ms: float | None
     _maint: asyncio.Task[None] | None
+    _reaping: set[asyncio.Task[None]]
     _capacity_watchers: list[Callable[[], None]]
     metrics: dict[str, int]
 

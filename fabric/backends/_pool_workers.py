@@ -281,13 +281,19 @@ class PoolWorkers(PoolDispatch):
                 self._workers.remove(w)
                 w.lost = True
                 w.send(("stop",))
-                self._loop.create_task(self._reap(w))
+                # kept (the loop holds tasks weakly) and awaited by close: a backend closed
+                # meanwhile waits for this worker too, as for those still in the pool
+                reap = self._loop.create_task(self._reap(w))
+                self._reaping.add(reap)
+                reap.add_done_callback(self._reaping.discard)
 
     async def _reap(self, w: WorkerHandle) -> None:
-        await asyncio.sleep(0.5)
-        w.kill()
-        if w.proc is not None:
-            await self._loop.run_in_executor(None, w.proc.wait)
-            LIVE_PIDS.discard(w.proc.pid)
-        if w.transport is not None:
-            w.transport.close()
+        try:
+            await asyncio.sleep(0.5)  # its grace to stop by itself
+        finally:  # cancelled too (the loop ending): the worker is killed, not left behind
+            w.kill()
+            if w.proc is not None:
+                await self._loop.run_in_executor(None, w.proc.wait)
+                LIVE_PIDS.discard(w.proc.pid)
+            if w.transport is not None:
+                w.transport.close()

@@ -718,3 +718,18 @@ async def test_a_worker_start_cancelled_in_the_loop_turn_it_settles_kills_the_wo
         with pytest.raises(asyncio.CancelledError):
             await start
         assert w.proc.wait(timeout=10) == -signal.SIGKILL
+
+
+async def test_close_waits_for_the_workers_stopped_for_idleness():
+    """A worker stopped for idleness was reaped by a task nobody kept or awaited: a backend
+    closed meanwhile returned with that worker unwaited for (its pid still counted live, its
+    exit status unread), and the task was cut off pending when the loop ended."""
+    from fabric.backends._worker_handle import LIVE_PIDS
+
+    async with local(warm=0, max_workers=1, idle_window_s=0.05) as c:
+        assert (await c.call("sleepy", {"seconds": 0})).ok
+        pool = c.backend._pools["sleepy"]
+        (w,) = pool._workers
+        await _until(lambda: not pool._workers, "the pool to shrink")
+    assert w.proc is not None and w.proc.returncode is not None, "close left the stopped worker unwaited"
+    assert w.proc.pid not in LIVE_PIDS
