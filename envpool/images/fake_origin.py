@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from envpool.images.bundle import _DIGEST_RE, digest_of
 
-Fault = Literal["ok", "error", "reset", "corrupt"]
+Fault = Literal["ok", "error", "reset", "corrupt", "garble"]
 
 
 class Faults(BaseModel):
@@ -43,6 +43,9 @@ class Faults(BaseModel):
     """Probability of a TCP reset halfway through the body."""
     corrupt_rate: float = Field(0.0, ge=0, le=1)
     """Probability of flipping bytes in the body (the length stays right)."""
+    garble_rate: float = Field(0.0, ge=0, le=1)
+    """Probability of a body that says ``Content-Encoding: gzip`` and is not gzip (a proxy
+    that mangled a compressed reply): the client fails to decode it."""
     script: list[Fault] = Field(default_factory=list)
     """Faults for the first blob requests, in order, before the random draws start."""
     seed: int = 0
@@ -175,6 +178,7 @@ class FakeOrigin:
                     ("error", f.error_rate),
                     ("reset", f.reset_rate),
                     ("corrupt", f.corrupt_rate),
+                    ("garble", f.garble_rate),
                 ):
                     if x < rate:
                         fault = name  # type: ignore[assignment]
@@ -260,6 +264,8 @@ class _Handler(BaseHTTPRequestHandler):
         if fault == "error":
             self._reply(500, b"injected fault\n")
             return
+        if fault == "garble":
+            data = b"not gzip: " + data  # whatever the blob is (a bundle is gzip), this is not
         if fault == "corrupt":
             body = bytearray(data)
             for i in range(0, len(body), max(1, len(body) // 8)):
@@ -267,6 +273,8 @@ class _Handler(BaseHTTPRequestHandler):
             data = bytes(body)
         self.send_response(200)
         self.send_header("Content-Type", "application/octet-stream")
+        if fault == "garble":
+            self.send_header("Content-Encoding", "gzip")  # and the body is not gzip
         self.send_header("Content-Length", str(len(data)))
         self.send_header("Docker-Content-Digest", digest)
         self.end_headers()

@@ -375,6 +375,30 @@ async def test_gives_up_after_the_attempts(tmp_path: Path, bundle: Bundle) -> No
         assert origin.blob_requests[bundle.digest] == FAST_RETRY.attempts
 
 
+async def test_a_garbled_compressed_reply_is_retried(tmp_path: Path, bundle: Bundle) -> None:
+    """A reply that says gzip and is not (a proxy that mangled it) raised httpx.DecodingError,
+    which is no TransportError: the tier called it "unexpected", not retryable, and the image
+    failed at the first such reply. It is retried as a transport fault now."""
+    with FakeOrigin({bundle.digest: bundle.data}, faults=Faults(script=["garble", "garble"])) as origin:
+        async with cache_with(tmp_path, origin.url) as cache:
+            assert (await cache.get(bundle.digest)).is_dir()
+            m = cache.metrics()
+        assert origin.faults_injected == {"garble": 2}
+        assert m["outcomes"]["retries"] == 2 and m["tiers"]["origin"]["errors"] == 2
+
+
+async def test_replies_garbled_every_time_fail_after_the_attempts_saying_so(
+    tmp_path: Path, bundle: Bundle
+) -> None:
+    with FakeOrigin({bundle.digest: bundle.data}, faults=Faults(garble_rate=1.0)) as origin:
+        async with cache_with(tmp_path, origin.url) as cache:
+            with pytest.raises(ImageFetchError, match="could not be decoded") as e:
+                await cache.get(bundle.digest)
+        assert e.value.retryable and e.value.tier == "origin"
+        assert "Content-Encoding" in str(e.value) and "unexpected" not in str(e.value)
+        assert origin.blob_requests[bundle.digest] == FAST_RETRY.attempts
+
+
 async def test_missing_image_is_not_retried(tmp_path: Path, bundle: Bundle) -> None:
     with FakeOrigin({}) as origin:
         async with cache_with(tmp_path, origin.url, retry=RetryPolicy(backoff_s=5)) as cache:

@@ -1,8 +1,9 @@
 """Tiers reached over HTTP: a peer node (L2), a registry mirror (L3), the origin (L4).
 
 All three answer ``GET {url}/blobs/sha256:<hex>`` with the blob, or 404. They are read-only
-to the cache. httpx's transport errors (refused, reset, timeout, a body cut short) and 5xx/429
-answers are retryable; any other status is a configuration problem and is not.
+to the cache. httpx's transport errors (refused, reset, timeout, a body cut short), a body
+that does not decode (a garbled compressed reply) and 5xx/429 answers are retryable; any
+other status is a configuration problem and is not.
 """
 
 from __future__ import annotations
@@ -87,6 +88,14 @@ class HttpTier(Tier):
             resp = await self._client.get(f"/blobs/{digest}")
         except httpx.TransportError as e:
             raise ImageFetchError(f"{type(e).__name__} fetching {digest}: {e}", tier=self.name) from e
+        except httpx.DecodingError as e:
+            # not a TransportError in httpx, but a fault on the way all the same (a proxy that
+            # mangled a compressed reply, a body cut inside its compression): retried
+            raise ImageFetchError(
+                f"the reply fetching {digest} could not be decoded (its body does not match its "
+                f"Content-Encoding): {e}",
+                tier=self.name,
+            ) from e
         if resp.status_code == 404:
             return None
         if resp.status_code == 200:
