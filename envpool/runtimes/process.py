@@ -154,10 +154,16 @@ class _Zygote:
         self.reader: asyncio.Task[None] | None = None
         self.lock = asyncio.Lock()
         self.cwds: dict[int, Path] = {}
+        self.sent: set[int] = set()
+        """The current zygote's requests not answered yet: failed when it dies (each zygote's
+        reader holds its own; a start sent to the next one is not the dead one's to fail)."""
+        self.ended = False
+        """The current zygote's output ended: it is dead, whether or not asyncio has reaped
+        it (set its exit code) yet."""
 
     async def ensure(self) -> None:
         async with self.lock:  # concurrent first starts must share one zygote
-            if self.proc is None or self.proc.returncode is not None:
+            if self.proc is None or self.proc.returncode is not None or self.ended:
                 await self._spawn()
 
     async def _spawn(self) -> None:
@@ -169,10 +175,12 @@ class _Zygote:
             start_new_session=True,
         )
         _LIVE_GROUPS.add(self.proc.pid)
-        self.children = {}
-        self.reader = asyncio.get_running_loop().create_task(self._read(self.proc, self.children))
+        self.children, self.sent, self.ended = {}, set(), False
+        self.reader = asyncio.get_running_loop().create_task(self._read(self.proc, self.children, self.sent))
 
-    async def _read(self, proc: asyncio.subprocess.Process, children: dict[int, _Forked]) -> None:
+    async def _read(
+        self, proc: asyncio.subprocess.Process, children: dict[int, _Forked], sent: set[int]
+    ) -> None:
         assert proc.stdout is not None
         while line := await proc.stdout.readline():
             msg = json.loads(line)
@@ -183,6 +191,7 @@ class _Zygote:
                     _LIVE_GROUPS.discard(child.pid)
                 continue
             req = int(msg["req"])
+            sent.discard(req)
             cwd = self.cwds.pop(req, None)
             fut = self.waiting.pop(req, None)
             if "pid" in msg and (child := children.get(req)) is not None:
@@ -198,18 +207,32 @@ class _Zygote:
                     shutil.rmtree(cwd, ignore_errors=True)
                 continue
             fut.set_result(msg)
-        for child in children.values():  # the zygote died: its children died with it
+        # the end of its output is its death (nothing else holds the pipe): a start from now on
+        # gets a new zygote at once, not one that waits start_timeout_s for the dead one to
+        # answer, as before asyncio had reaped it and set its exit code
+        if self.proc is proc:
+            self.ended = True
+        # reaped: its children were sent SIGKILL as it exited (PR_SET_PDEATHSIG), so what they
+        # were starting in their directories has stopped before those go
+        await proc.wait()
+        _LIVE_GROUPS.discard(proc.pid)
+        for child in children.values():  # its children died with it
             child.exited = True
             _LIVE_GROUPS.discard(child.pid)
         children.clear()
-        for fut in self.waiting.values():
-            if not fut.done():
+        for req in sorted(sent):  # what it never answered: each start fails without its directory
+            cwd = self.cwds.pop(req, None)
+            if cwd is not None:
+                shutil.rmtree(cwd, ignore_errors=True)
+            fut = self.waiting.pop(req, None)
+            if fut is not None and not fut.done():
                 fut.set_exception(ContainerStartError("the zygote exited; it will be restarted"))
-        self.waiting.clear()
+        sent.clear()
 
     def _send(self, msg: dict[str, Any]) -> bool:
         if self.proc is None or self.proc.stdin is None or self.proc.stdin.is_closing():
             return False
+        self.sent.add(int(msg["req"]))
         self.proc.stdin.write(json.dumps(msg).encode() + b"\n")
         return True
 
@@ -222,11 +245,14 @@ class _Zygote:
         self.waiting[req] = fut
         self.cwds[req] = cwd
         env = {"TMPDIR": str(cwd), "HOME": str(cwd)}
+        self.sent.add(req)
         self.proc.stdin.write(
             json.dumps({"req": req, "opts": opts, "cwd": str(cwd), "env": env}).encode() + b"\n"
         )
         try:
-            await self.proc.stdin.drain()
+            with contextlib.suppress(ConnectionError):
+                # the zygote died (a broken pipe): its reader fails this start at its output's end
+                await self.proc.stdin.drain()
             return await fut, child
         except asyncio.CancelledError:
             if not fut.done():

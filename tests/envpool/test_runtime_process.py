@@ -302,3 +302,75 @@ async def test_entering_a_pool_removes_the_directories_of_dead_owners_only(tmp_p
             os.close(lock)
         live.kill()
         await live.wait()
+
+
+# -- the zygote dying -------------------------------------------------------------------------
+
+_BLOCKER = """
+import os
+import time
+
+open(os.path.join(os.environ["HOME"], "importing"), "w").close()  # HOME: its directory
+time.sleep(120)  # a slow import: the container is still starting when the zygote dies
+"""
+
+
+async def test_a_start_the_zygote_dies_in_fails_and_leaves_no_directory(tmp_path):
+    """The zygote died while it forked a container: the start failed, and the container's
+    directory stayed until the runtime closed (a pool runs for days). It goes before the
+    start fails now."""
+    from envpool.errors import ContainerStartError
+    from envpool.runtimes.base import ProcessRuntimeConfig
+    from envpool.runtimes.process import ProcessRuntime
+
+    bundle = tmp_path / "b"
+    bundle.mkdir()
+    (bundle / "blocker.py").write_text(_BLOCKER)
+    (bundle / "envpool.json").write_text(json.dumps({"modules": ["blocker"]}))
+    rt = ProcessRuntime(ProcessRuntimeConfig(heartbeat_s=0.1))
+    try:
+        start = asyncio.ensure_future(rt.start(IMAGE, bundle, timeout_s=60))
+        await wait_for(lambda: any((d / "importing").exists() for d in rt.root.iterdir() if d.is_dir()))
+        assert rt._zygote is not None and rt._zygote.proc is not None
+        os.kill(rt._zygote.proc.pid, signal.SIGKILL)
+        with pytest.raises(ContainerStartError, match="zygote"):
+            await start
+        assert not [d for d in rt.root.iterdir() if d.is_dir()], "the failed start's directory stayed"
+    finally:
+        await rt.aclose()
+
+
+class _NotReapedYet:
+    """A zygote's process as the loop may still see it after its output closed: no exit
+    code yet (asyncio sets it when it has reaped the process, in a later turn)."""
+
+    returncode = None
+
+    def __init__(self, proc):
+        self._proc = proc
+
+    def __getattr__(self, name):
+        return getattr(self._proc, name)
+
+
+async def test_a_start_after_the_zygote_output_closed_gets_a_new_zygote_at_once(images):
+    """The zygote was restarted only once asyncio had set its exit code: a start between its
+    output closing and then wrote to the dead one and waited for an answer that never came,
+    start_timeout_s long. The end of its output is its death now."""
+    from envpool.runtimes.base import ProcessRuntimeConfig
+    from envpool.runtimes.process import ProcessRuntime
+
+    rt = ProcessRuntime(ProcessRuntimeConfig(heartbeat_s=0.1))
+    try:
+        await rt.stop(await rt.start(IMAGE, images.root, timeout_s=30))  # the zygote is up
+        z = rt._zygote
+        assert z is not None and z.proc is not None and z.reader is not None
+        dead = z.proc
+        os.kill(dead.pid, signal.SIGKILL)
+        await wait_for(z.reader.done)  # its output is read to its end
+        z.proc = _NotReapedYet(dead)
+        c = await rt.start(IMAGE, images.root, timeout_s=10)  # the old code: 10 s, then failed
+        assert z.proc.pid != dead.pid
+        await rt.stop(c)
+    finally:
+        await rt.aclose()
