@@ -34,7 +34,7 @@ import envpool.envs  # noqa: F401 - imported once here, inherited by every conta
 import envpool.server as server
 
 
-def _child(req: dict[str, Any], ready_w: int, inherited: list[int]) -> None:
+def _child(req: dict[str, Any], ready_w: int, inherited: list[int], zygote: int) -> None:
     try:
         for fd in inherited:  # other containers' ready pipes
             os.close(fd)
@@ -44,7 +44,9 @@ def _child(req: dict[str, Any], ready_w: int, inherited: list[int]) -> None:
         os.dup2(2, 1)
         os.close(devnull)
         os.setsid()  # its own process group: the pool kills a container as a whole
-        server.die_with_parent(os.getppid())
+        # the zygote's pid, known before the fork: os.getppid() here is the reaper's already
+        # when the zygote died first, and the container would live on, owned by nobody
+        server.die_with_parent(zygote)
         os.environ.update(req.get("env") or {})
         os.chdir(req["cwd"])
 
@@ -79,6 +81,7 @@ def _say(msg: dict[str, Any]) -> None:
 
 def main() -> None:
     server.die_with_parent(int(sys.argv[1]))
+    me = os.getpid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sel = selectors.DefaultSelector()
     sel.register(sys.stdin.fileno(), selectors.EVENT_READ, None)
@@ -105,7 +108,7 @@ def main() -> None:
                     if pid == 0:
                         os.close(r)
                         sel.close()
-                        _child(req, w, list(pending))
+                        _child(req, w, list(pending), me)
                     os.close(w)
                     children[req["req"]], reqs[pid] = pid, req["req"]
                     pending[r] = (req["req"], bytearray())
