@@ -19,7 +19,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from fabric.backends.base import Backend, make_backend
-from fabric.errors import ConfigError, SetupFailedError
+from fabric.errors import BackendClosedError, BackendError, ConfigError, EntryPointError, SetupFailedError
 from fabric.registry import Registry, default_registry
 from fabric.serve._lambda_api import CLIENT_CLOSED, INVOKE_ROUTE
 from fabric.serve._routes import GatewayRoutes
@@ -163,8 +163,9 @@ class Gateway(GatewayRoutes):
         """Start the warm workers. A function named with ``functions`` (``-f``) must start
         (one worker at least, a ``warm=0`` one's too), or the server does not; of all the
         registered ones (no ``-f``), one that cannot start (the LLM judge without its model
-        set, a missing toolchain) is left out of the warm-up and recorded in ``not_ready``:
-        its calls answer ``SetupFailed`` with the cause, and the rest are served."""
+        set, a missing toolchain, an entry point that does not import, workers not ready in
+        time) is recorded in ``not_ready`` with the cause, and the rest are served: its calls
+        answer ``SetupFailed``, or wait for a worker where they were only slow to start."""
         if self.config.functions is not None:
             # each one named, warm=0 ones too (a worker each, gone when idle): "must start"
             # is checked now, not by the first call of some job
@@ -176,6 +177,14 @@ class Gateway(GatewayRoutes):
             if isinstance(outcome, SetupFailedError):
                 self.not_ready[name] = outcome.message
                 log.info("%s cannot start; its calls answer SetupFailed: %s", name, outcome.message)
+            elif isinstance(outcome, EntryPointError | BackendError) and not isinstance(
+                outcome, BackendClosedError
+            ):
+                # one function's fault, as a failed setup hook is: an entry point the workers
+                # cannot import (its calls answer SetupFailed), warm workers not ready in time
+                # (its pool keeps trying). The rest are served; only a closed backend stops all
+                self.not_ready[name] = str(outcome)
+                log.info("%s is not ready: %s", name, outcome)
             elif isinstance(outcome, BaseException):
                 raise outcome
 

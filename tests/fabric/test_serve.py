@@ -16,10 +16,12 @@ import pytest
 from sample_fns import REG, SERVE_REG
 
 from fabric.backends.base import LocalConfig
-from fabric.errors import ConfigError, SetupFailedError
+from fabric.errors import BackendError, ConfigError, SetupFailedError
 from fabric.protocol import Invocation
+from fabric.registry import Registry
 from fabric.serve import Gateway, ServeConfig, TenantConfig, load_tenants
 from fabric.serve.gate import FairGate
+from fabric.testing import FakeBackend
 
 TOKEN_A = "token-a-0123456789abcdef"
 TOKEN_B = "token-b-0123456789abcdef"
@@ -141,6 +143,52 @@ async def test_a_function_that_cannot_start_is_reported_and_the_rest_are_served(
         assert (await http.post(PATH.format("serve_add"), json={"a": 1}, headers=auth())).json() == 2
         r = await http.post(PATH.format("serve_broken"), json={"x": 1}, headers=auth())
         assert "model weights not found" in r.text
+
+
+async def test_a_function_that_cannot_be_imported_is_reported_and_the_rest_are_served():
+    """Without ``-f`` only a failed setup hook was listed in ``not_ready``: an entry point the
+    workers cannot import (EntryPointError) stopped the whole server at its warm-up, every
+    good function with it. It is listed with its reason now, and its calls answer
+    SetupFailed."""
+    import sample_fns
+
+    reg = Registry()
+    reg.add(sample_fns.serve_add)
+
+    @reg.function(name="nested", warm=1)
+    def nested(x: int) -> int:
+        return x
+
+    async with Gateway(config(warm=True), reg) as g, httpx.AsyncClient(base_url=g.url, timeout=30) as http:
+        assert list(g.not_ready) == ["nested"] and "nested function" in g.not_ready["nested"]
+        assert (await http.post(PATH.format("serve_add"), json={"a": 1}, headers=auth())).json() == 2
+        r = await http.post(PATH.format("nested"), json={"x": 1}, headers=auth())
+        assert r.headers.get("x-amz-function-error") and "nested function" in r.text, r.text
+
+
+class _SlowToWarm(FakeBackend):
+    """The warm workers of ``serve_broken`` are not ready in time (the local pool's wait gives
+    up: BackendError); every other function warms."""
+
+    async def _warmup(self, names: list[str] | None) -> None:
+        if names and "serve_broken" in names:
+            raise BackendError("serve_broken: 0 of 1 warm workers ready after 240 s")
+
+
+async def test_a_warm_up_that_times_out_is_reported_and_the_rest_are_served():
+    """A function whose warm workers were not ready in time stopped the whole server (the
+    warm-up's BackendError), without ``-f``; it is listed in ``not_ready`` now. With ``-f``
+    naming it, the server still does not start."""
+    async with (
+        Gateway(config(warm=True), SERVE_REG, backend=_SlowToWarm(SERVE_REG)) as g,
+        httpx.AsyncClient(base_url=g.url, timeout=30) as http,
+    ):
+        assert list(g.not_ready) == ["serve_broken"]
+        assert "warm workers ready after 240 s" in g.not_ready["serve_broken"]
+        assert (await http.post(PATH.format("serve_add"), json={"a": 1}, headers=auth())).json() == 2
+    strict = Gateway(config(warm=True, functions=["serve_broken"]), SERVE_REG, backend=_SlowToWarm(SERVE_REG))
+    with pytest.raises(BackendError, match="240 s"):
+        await strict.start()
 
 
 def _alive(pid: int) -> bool:
