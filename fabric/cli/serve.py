@@ -120,8 +120,9 @@ def serve(
                 soft_wrap=True,
             )
             for name, why in sorted(gateway.not_ready.items()):
-                first = why.splitlines()[0] if why else name
-                err.print(f"[yellow]not ready:[/] {first} (its calls answer SetupFailed)", soft_wrap=True)
+                first = why.splitlines()[0] if why else "no cause given"
+                calls = "wait for a worker" if name in gateway.slow_to_start else "answer SetupFailed"
+                err.print(f"[yellow]not ready:[/] {name}: {first} (its calls {calls})", soft_wrap=True)
             if generated:
                 err.print(f"token (tenant 'default'): {generated}", soft_wrap=True)
             # a machine-readable line for scripts that start the server

@@ -97,6 +97,9 @@ class Gateway(GatewayRoutes):
         self._runner: web.AppRunner | None = None
         self.port: int = config.port
         self.not_ready: dict[str, str] = {}
+        self.slow_to_start: set[str] = set()
+        """Of ``not_ready``, those whose warm workers were only late (their calls wait for
+        one); the others cannot start (their calls answer ``SetupFailed``)."""
         """Functions that could not start at warm-up (no ``-f``), with why."""
 
     # -- lifecycle
@@ -184,6 +187,8 @@ class Gateway(GatewayRoutes):
                 # cannot import (its calls answer SetupFailed), warm workers not ready in time
                 # (its pool keeps trying). The rest are served; only a closed backend stops all
                 self.not_ready[name] = str(outcome)
+                if not isinstance(outcome, EntryPointError):
+                    self.slow_to_start.add(name)
                 log.info("%s is not ready: %s", name, outcome)
             elif isinstance(outcome, BaseException):
                 raise outcome

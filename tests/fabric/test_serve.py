@@ -161,6 +161,7 @@ async def test_a_function_that_cannot_be_imported_is_reported_and_the_rest_are_s
 
     async with Gateway(config(warm=True), reg) as g, httpx.AsyncClient(base_url=g.url, timeout=30) as http:
         assert list(g.not_ready) == ["nested"] and "nested function" in g.not_ready["nested"]
+        assert not g.slow_to_start  # it cannot start: its calls answer SetupFailed
         assert (await http.post(PATH.format("serve_add"), json={"a": 1}, headers=auth())).json() == 2
         r = await http.post(PATH.format("nested"), json={"x": 1}, headers=auth())
         assert r.headers.get("x-amz-function-error") and "nested function" in r.text, r.text
@@ -185,6 +186,7 @@ async def test_a_warm_up_that_times_out_is_reported_and_the_rest_are_served():
     ):
         assert list(g.not_ready) == ["serve_broken"]
         assert "warm workers ready after 240 s" in g.not_ready["serve_broken"]
+        assert g.slow_to_start == {"serve_broken"}  # only late: its calls wait for a worker
         assert (await http.post(PATH.format("serve_add"), json={"a": 1}, headers=auth())).json() == 2
     strict = Gateway(config(warm=True, functions=["serve_broken"]), SERVE_REG, backend=_SlowToWarm(SERVE_REG))
     with pytest.raises(BackendError, match="240 s"):
