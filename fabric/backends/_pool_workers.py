@@ -8,6 +8,7 @@ its shared-memory slot); idle extras stopped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import mmap
 import os
 import socket
@@ -154,10 +155,7 @@ class PoolWorkers(PoolDispatch):
         w.settle_start()
         if w.proc is not None:
             w.kill()
-            proc = w.proc
-            self._loop.run_in_executor(None, proc.wait).add_done_callback(
-                lambda _: LIVE_PIDS.discard(proc.pid)
-            )
+            self._reap_soon(w.proc)
         if w.lost:  # stopped on purpose, or already handled
             return
         if self._closed:
@@ -267,6 +265,20 @@ class PoolWorkers(PoolDispatch):
         self.metrics["timeouts"] += 1
         w.kill_reason = (call.cid, message)
         w.kill()
+
+    def _reap_soon(self, proc: subprocess.Popen[bytes]) -> None:
+        """Reap a killed worker on the loop's executor, then forget its pid."""
+        try:
+            waited = self._loop.run_in_executor(None, proc.wait)
+        except RuntimeError:
+            # the executor is shut down: asyncio.run is ending, and this worker's socket closed
+            # after its pool did (one killed when its start failed is not among the workers a
+            # close waits for). Killed, it is gone within moments: reap it here
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=1.0)
+                LIVE_PIDS.discard(proc.pid)
+            return
+        waited.add_done_callback(lambda _: LIVE_PIDS.discard(proc.pid))
 
     def _shrink(self) -> None:
         if self._pending:  # calls are waiting: a worker without any is about to get some

@@ -733,3 +733,24 @@ async def test_close_waits_for_the_workers_stopped_for_idleness():
         await _until(lambda: not pool._workers, "the pool to shrink")
     assert w.proc is not None and w.proc.returncode is not None, "close left the stopped worker unwaited"
     assert w.proc.pid not in LIVE_PIDS
+
+
+async def test_a_worker_whose_start_failed_is_reaped_when_its_death_comes_after_the_executor_is_gone():
+    """asyncio.run shuts the loop's default executor down once main() returns, then runs the
+    callbacks still due. A worker killed because its setup failed is no longer among the
+    workers a close waits for, and its socket may close only then: the pool then asked the
+    executor to reap it, and asyncio logged 'Exception in callback ... RuntimeError: Executor
+    shutdown has been called' under the setup error (`fabric serve -f llm_judge` without
+    RL_FABRIC_JUDGE_MODEL, a warmup that failed, about one run in three)."""
+    from fabric.backends._worker_handle import LIVE_PIDS
+
+    loop = asyncio.get_running_loop()
+    errors: list[dict] = []
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    before = set(LIVE_PIDS)
+    async with local(setup_failure_cooldown_s=30) as c:
+        await loop.shutdown_default_executor()  # as asyncio.run does at its end
+        with pytest.raises(SetupFailedError, match="model weights not found"):
+            await c.warmup(["bad_setup"])
+        await _until(lambda: LIVE_PIDS <= before or bool(errors), "the failed worker to be reaped")
+    assert not errors, [str(e.get("exception") or e.get("message")) for e in errors]
