@@ -880,10 +880,20 @@ async def test_arun_cancelled_in_the_loop_turn_its_scores_arrive_is_cancelled(fa
 
     reward = trl_async_reward("contains", registry=REG, backend_instance=fake)
     try:
+        # started first: arun starts a bridge on a thread of its own, and a cancel landing in
+        # that wait (not the one for the scores) passed with wait_for too
+        await asyncio.to_thread(reward._bridge._ensure)
         scores: concurrent.futures.Future[list] = concurrent.futures.Future()
-        monkeypatch.setattr(reward._bridge, "_submit", lambda coro: scores)  # the bridge's loop, played
+        submitted: list[bool] = []
+
+        def submit(coro: object) -> concurrent.futures.Future[list]:
+            submitted.append(True)
+            return scores
+
+        monkeypatch.setattr(reward._bridge, "_submit", submit)  # the bridge's loop, played
         task = asyncio.ensure_future(reward._bridge.arun([]))
         await asyncio.sleep(0)  # it waits for the scores
+        assert submitted, "arun is not waiting for the scores yet"
         scores.set_result([])  # handed to this loop in its next turn
         task.cancel()  # in that same turn
         with pytest.raises(asyncio.CancelledError):
