@@ -731,6 +731,8 @@ async def test_close_waits_for_the_workers_stopped_for_idleness():
         pool = c.backend._pools["sleepy"]
         (w,) = pool._workers
         await _until(lambda: not pool._workers, "the pool to shrink")
+    # (the worker's socket closing may read its exit status first: only this says close waited)
+    assert not pool._reaping, "close returned with the stopped worker's reap still pending"
     assert w.proc is not None and w.proc.returncode is not None, "close left the stopped worker unwaited"
     assert w.proc.pid not in LIVE_PIDS
 
