@@ -203,9 +203,11 @@ class Server:
     def open_env(self, env_id: str, kwargs: dict[str, Any]) -> None:
         key = (env_id, json.dumps(kwargs, sort_keys=True))
         if self.env_key != key:
-            if self.env is not None:
-                self.env.close()
-                self.env, self.env_key = None, None
+            # forgotten before its close: one that raises fails this open, and the container
+            # goes back to the pool, where the next session with its kwargs would get it closed
+            env, self.env, self.env_key = self.env, None, None
+            if env is not None:
+                env.close()
             self.env = self.registry.make(env_id, tool_caller=self.call_tool, **kwargs)
             self.env_key = key
 

@@ -183,6 +183,45 @@ async def test_a_constructor_that_raises_fails_the_session_and_keeps_the_contain
         assert p.stats()["claims_warm"] == 1 and p.stats()["claims_cold"] == 1
 
 
+_CLOSE_FAILS = """
+import envpool
+
+
+class CloseFailsEnv(envpool.Env):
+    def __init__(self, k=0):
+        self.k, self.closed = k, False
+
+    def reset(self, *, seed=None, options=None):
+        if self.closed:
+            raise RuntimeError("reset after close")
+        return f"ready {self.k}", {}
+
+    def step(self, action):
+        return envpool.StepResult(obs=envpool.Observation(text=action))
+
+    def close(self):
+        self.closed = True
+        raise RuntimeError("close failed")
+"""
+
+
+async def test_an_open_whose_previous_environment_fails_to_close_leaves_no_closed_one_behind(tmp_path):
+    # a failed open now keeps its container: the previous environment's close that raised left
+    # it, closed, under its kwargs, and the next session with those kwargs was handed it
+    images = write_env_bundle(
+        tmp_path / "b", "close_fails_env", _CLOSE_FAILS, {"close-fails-v0": "CloseFailsEnv"}
+    )
+    async with pool(images, min_warm=0, max_containers=1) as p:
+        async with p.session("close-fails-v0", image=IMAGE, env_kwargs={"k": 1}) as s:
+            assert (await s.reset(seed=1))[0].text == "ready 1"
+        with pytest.raises(EnvLogicError, match="close failed"):
+            async with p.session("close-fails-v0", image=IMAGE, env_kwargs={"k": 2}):
+                pass
+        async with p.session("close-fails-v0", image=IMAGE, env_kwargs={"k": 1}) as s:
+            assert (await s.reset(seed=1))[0].text == "ready 1"
+        assert p.stats()["claims_cold"] == 1  # one container served all three
+
+
 async def test_a_session_used_after_its_block_is_a_clear_error_and_claims_nothing(images):
     # it once claimed a fresh container on the spot, which nothing would ever release
     async with pool(images, min_warm=0) as p:
