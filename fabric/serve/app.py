@@ -97,10 +97,10 @@ class Gateway(GatewayRoutes):
         self._runner: web.AppRunner | None = None
         self.port: int = config.port
         self.not_ready: dict[str, str] = {}
+        """Functions that could not start at warm-up (no ``-f``), with why."""
         self.slow_to_start: set[str] = set()
         """Of ``not_ready``, those whose warm workers were only late (their calls wait for
         one); the others cannot start (their calls answer ``SetupFailed``)."""
-        """Functions that could not start at warm-up (no ``-f``), with why."""
 
     # -- lifecycle
     async def __aenter__(self) -> Gateway:
