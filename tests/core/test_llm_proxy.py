@@ -836,6 +836,36 @@ async def test_a_turn_released_while_its_replica_recovers_is_not_run_again():
     assert "t" not in proxy._sticky and proxy.metrics["turns"] == 0
 
 
+async def test_weights_published_while_a_recovery_reloads_older_ones_are_loaded_too():
+    # update_weights skips a replica being recovered, since its recovery loads the latest:
+    # a version published while that reload was loading an older one must be loaded after
+    # it, or the replica rejoins its group a version behind (found stale at its next turn)
+    class SlowReload(Fake):
+        def __init__(self, name: str, **kw: Any):
+            super().__init__(name, **kw)
+            self.loading, self.go = asyncio.Event(), asyncio.Event()
+
+        async def swap(self, version: int, state: Any) -> None:
+            if version == 1:
+                self.loading.set()
+                await self.go.wait()
+            await super().swap(version, state)
+
+    r, ok = SlowReload("r", fail=[ReplicaLost("died")]), Fake("ok")
+    proxy = LLMProxy({"default": [r, ok]}, rejoin_first_s=None)
+    proxy._latest = (1, "W1")  # weights were published: the recovery must reload them
+    try:
+        assert (await asyncio.wait_for(proxy.generate("t", "x", req()), 5)).text == "ok"
+        await asyncio.wait_for(r.loading.wait(), 5)  # its recovery loads version 1
+        await proxy.update_weights(2, ["W2"])  # skips r: it is being recovered
+        assert ok.swaps == [(2, "W2")] and r.swaps == []
+        r.go.set()
+        await until(lambda: proxy.metrics["replicas_recovered"] == 1)
+        assert r.swaps == [(1, "W1"), (2, "W2")] and r.version == 2
+    finally:
+        await proxy.aclose()
+
+
 async def test_a_replica_whose_reload_raises_leaves_its_group():
     # a reload that fails with the engine's own error (a RayTaskError: out of memory while
     # loading) escaped the recovery: the replica stayed in its group on its old weights,
