@@ -33,6 +33,9 @@ async def test_an_actor_that_never_starts_is_named_after_the_deadline(ray_cluste
     hangs_cls, _, fine_cls = _actors(ray)
     hangs, fine = hangs_cls.remote(), fine_cls.remote()
     try:
+        # made before the 2 s start: a worker process that takes longer to start on a loaded
+        # machine would be named too
+        await fine.__ray_ready__.remote()
         with pytest.raises(StartupTimeout, match=r"after 2 s: default-0 \(.*engine\.start_timeout_s") as e:
             await wait_ready({"default-0": hangs, "trainer": fine}, 2.0)
         assert "trainer" not in str(e.value)
