@@ -31,11 +31,14 @@ _SEND_AGAIN = (
 
 
 class SpillError(Exception):
-    """A pointer that cannot be resolved: ``retryable`` says whether trying again may help."""
+    """A pointer that cannot be resolved: ``retryable`` says whether trying again may help;
+    ``resend`` that only a new call does (the payload expired: the caller uploads it anew),
+    not another read of the same pointer (an SQS record delivered again)."""
 
-    def __init__(self, message: str, *, retryable: bool):
+    def __init__(self, message: str, *, retryable: bool, resend: bool = False):
         super().__init__(message)
         self.retryable = retryable
+        self.resend = resend
 
 
 def pointer(bucket: str, key: str, raw: bytes) -> dict[str, Any]:
@@ -80,7 +83,7 @@ def fetch(s3: Any, payload: dict[str, Any], *, only_bucket: str | None = None) -
         if code in ("NoSuchKey", "NoSuchBucket", "404"):
             if age is not None and age >= _MIN_EXPIRY_S:
                 raise SpillError(
-                    f"{_expired(where)}, spilled {_ago(age)}; {_SEND_AGAIN}", retryable=True
+                    f"{_expired(where)}, spilled {_ago(age)}; {_SEND_AGAIN}", retryable=True, resend=True
                 ) from None
             raise SpillError(
                 f"spilled payload {where} not found (expired by the bucket's lifecycle rule?)",
@@ -114,6 +117,7 @@ def _refused(where: str, message: str, age: float | None) -> SpillError:
         return SpillError(
             f"the request to read the spilled payload {where} expired ({message}); {_SEND_AGAIN}",
             retryable=True,
+            resend=True,
         )
     missing = (
         "S3 answers 403 AccessDenied, not 404, for a missing object to a reader that may not list the bucket"
@@ -129,10 +133,11 @@ def _refused(where: str, message: str, age: float | None) -> SpillError:
             f"bucket's lifecycle rule deleted it; {missing}): {_SEND_AGAIN}. "
             f"If fresh calls fail too, {denied}",
             retryable=True,
+            resend=True,
         )
     if age >= _MIN_EXPIRY_S:
         return SpillError(
-            f"{_expired(where)} ({missing}), spilled {_ago(age)}; {_SEND_AGAIN}", retryable=True
+            f"{_expired(where)} ({missing}), spilled {_ago(age)}; {_SEND_AGAIN}", retryable=True, resend=True
         )
     return SpillError(
         f"{denied}; it was spilled {_ago(age)}, too recently for the lifecycle rule to have deleted it",

@@ -50,6 +50,7 @@ class _ContainerBase:
     reply_queue_url: str | None
     _sqs: Any
     _s3: Any
+    _resend: set[str]
     _runners: dict[str, FunctionRunner]
     _loop: asyncio.AbstractEventLoop | None
     _first_call: bool

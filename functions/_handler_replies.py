@@ -78,6 +78,7 @@ class _Replies(_Requests):
             result = parsed
         else:
             result = self.conclude(parsed, self.invoke(parsed, cold=cold, queue_ms=0.0, context=context))
+        self._resend.discard(result.request_id)  # the caller's own retry sends anew
         reply = result.model_dump(mode="json")
         size = len(json.dumps(reply))  # what the runtime sends (ASCII-escaped)
         if size > MAX_LAMBDA_RESPONSE_BYTES - RESPONSE_MARGIN_BYTES:
@@ -134,7 +135,11 @@ class _Replies(_Requests):
         sink = EphemeralMetrics(namespace=self.namespace, service=SERVICE)
         self.observe(result, sink, queue_ms=queue_ms)
         sink.flush_metrics()
-        if result.retryable:
+        # a payload that expired needs a new call (its caller spills it anew): the same
+        # record delivered again fails the same way, so it is answered now
+        resend = result.request_id in self._resend
+        self._resend.discard(result.request_id)
+        if result.retryable and not resend:
             receives = int(attributes.get("ApproximateReceiveCount") or 1)
             attempts = spec.retry.max_attempts if spec is not None else 1
             if receives < attempts:

@@ -77,6 +77,8 @@ class _Requests(_Idempotency):
         except SpillError as e:
             # before the function: a retry (which spills the payload anew) is safe for any
             code = ErrorCode.NOT_STARTED if e.retryable else ErrorCode.INVALID_ARGUMENTS
+            if e.resend:  # an SQS record delivered again reads the same expired pointer
+                self._resend.add(inv.request_id)
             return self._failure(inv, code, str(e))
         except ValueError as e:
             return self._failure(inv, ErrorCode.INVALID_ARGUMENTS, f"the spilled payload is not JSON: {e}")

@@ -116,6 +116,7 @@ class _Container(_Replies):
         self.reply_queue_url = os.environ.get(REPLY_QUEUE_ENV) or None
         self._sqs = None
         self._s3 = None
+        self._resend = set()
         self._runners = {}
         self._loop = None
         self._first_call = os.environ.get("AWS_LAMBDA_INITIALIZATION_TYPE") != "provisioned-concurrency"

@@ -787,6 +787,25 @@ def test_an_expired_spilled_payload_did_not_start_and_says_to_send_it_again(aws:
     assert "expired" in r.error.message and "send the call again" in r.error.message
 
 
+def test_an_expired_spilled_payload_on_sqs_is_answered_at_once_not_delivered_again(
+    sqs: Any, replies: str
+) -> None:
+    # retryable for its caller (who spills the payload anew), but the record holds the same
+    # expired pointer: SQS delivered it again and again (max_attempts), each failing alike,
+    # before the caller heard anything
+    p = _spill({"traj": TRAJ, "ground_truth": "42"})
+    p["__fabric_spill__"]["key"] = "spill/t/gone.json"
+    p["__fabric_spill__"]["spilled_at"] = time.time() - 8 * 86400
+    inbox = sqs.create_queue(QueueName="rl-fabric-calls")["QueueUrl"]
+    send(sqs, inbox, {"function": "exact_match", "payload": p, "request_id": "x"})
+    assert deliver(sqs, inbox)[0] == {"batchItemFailures": []}
+    (reply,) = drain(sqs, replies)
+    assert reply.error is not None and reply.error.type == ErrorCode.NOT_STARTED and reply.retryable
+    assert "expired" in reply.error.message
+    assert deliver(sqs, inbox)[1] == []
+    assert not handler._container()._resend  # nothing kept per request once answered
+
+
 def test_a_spill_pointer_outside_the_deployment_bucket_is_refused(
     aws: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
