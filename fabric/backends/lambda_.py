@@ -308,6 +308,14 @@ class LambdaBackend(Backend):
                     f"cannot spill the payload to {where}: LambdaConfig.spill_bucket names a bucket that "
                     "does not exist (terraform's output `bucket` is the deployment's)",
                 )
+            if type(e).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+                # as on the call itself (final Unauthorized): no retry brings credentials
+                return self._fail(
+                    inv,
+                    ErrorCode.UNAUTHORIZED,
+                    f"cannot spill the payload to {where}: {type(e).__name__}: {e}; run `aws configure`, "
+                    "set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY",
+                )
             if code in ("AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
                 return self._fail(
                     inv,

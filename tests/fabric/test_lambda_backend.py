@@ -683,6 +683,18 @@ def test_a_payload_that_cannot_be_spilled_was_not_sent(code, status, expected, s
     assert r.error.type in SAFE_TO_RETRY or not r.retryable  # never "may have run"
 
 
+def test_a_spill_without_credentials_is_final_as_the_call_itself_would_be():
+    """NoCredentialsError is no ClientError: it fell through to NotStarted and was retried
+    until the attempts ran out, where the same error on the Lambda call is Unauthorized."""
+    from botocore.exceptions import NoCredentialsError
+
+    b = LambdaBackend(REG, LambdaConfig(spill_bucket="spill", function_prefix="rl-"))
+    b._s3 = _RefusingS3(NoCredentialsError())
+    r = b._spill(Invocation(function="add", payload={"a": 1}))
+    assert r.error.type == ErrorCode.UNAUTHORIZED and not r.retryable, r.error
+    assert "aws configure" in r.error.message
+
+
 @pytest.mark.parametrize(
     ("status", "expected"),
     [
