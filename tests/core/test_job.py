@@ -865,12 +865,15 @@ async def test_a_trainer_that_hangs_stops_the_job_with_an_error_naming_its_deadl
     # step (a hung collective) held the job, and its run directory said nothing, for ever
     import threading
 
-    cfg = job_config(tmp_path, steps=40, trainer={"lr": 1e-3, "call_timeout_s": 3})
+    cfg = job_config(tmp_path, steps=40, trainer={"lr": 1e-3, "call_timeout_s": 600})
     job = Job(cfg, progress=False, registry=faults.REG)
     task = asyncio.ensure_future(job.run())
     while job.version < 1 and not task.done():  # noqa: ASYNC110 - polls another task's progress
         await asyncio.sleep(0.02)
     assert not task.done()
+    # the deadline is read at each call: lowered only now, a first step slowed by a loaded
+    # machine cannot be what times out
+    job.cfg.trainer.call_timeout_s = 3
 
     def wedge(actor: Any) -> None:  # holds the actor's one thread: the next step waits for ever
         threading.Event().wait()
