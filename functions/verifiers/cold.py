@@ -111,9 +111,12 @@ class SubprocessRunner:
         test_files: dict[str, bytes],
         test_entry: str,
         limits: Limits | None = None,
+        argv: list[str] | None = None,
+        test_argv: list[str] | None = None,
     ) -> PairOutcome:
-        """``Sandbox.run_pair`` done the naive way: two ``python`` subprocesses whose stdouts
-        are each other's fd 3 (no supervisor in between, no limit on the channel)."""
+        """``Sandbox.run_pair`` done the naive way: two ``python`` subprocesses (or ``argv``
+        and ``test_argv``) whose stdouts are each other's fd 3 (no supervisor in between, no
+        limit on the channel)."""
         limits = limits or Limits()
         with tempfile.TemporaryDirectory(prefix="rlfabric-cold-") as work:
             for name, blob in {**files, **test_files}.items():
@@ -124,20 +127,20 @@ class SubprocessRunner:
             env = {**BASE_ENV, "HOME": work, "TMPDIR": work, "PYTHONPATH": _package_root()}
             procs = []
             t0 = time.monotonic()
-            for role, file, out, chan in (
-                ("serve", entry, to_tests_w, to_program_r),
-                ("test", test_entry, to_program_w, to_tests_r),
+            for role, file, out, chan, cmd in (
+                ("serve", entry, to_tests_w, to_program_r, argv),
+                ("test", test_entry, to_program_w, to_tests_r, test_argv),
             ):
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "functions.verifiers.program", role, file],
+                        cmd or [sys.executable, "-m", "functions.verifiers.program", role, file],
                         cwd=work,
                         env=env,
                         stdin=subprocess.DEVNULL,
                         stdout=out,
                         stderr=subprocess.PIPE,
                         start_new_session=True,
-                        preexec_fn=functools.partial(_limit, limits, chan),
+                        preexec_fn=functools.partial(_limit, limits, chan, cmd is not None),
                         close_fds=False,  # its end of the channel becomes fd 3
                     )
                 )
@@ -183,10 +186,13 @@ class SubprocessRunner:
         return PairOutcome(program=outcomes[0], tests=outcomes[1])
 
 
-def _limit(limits: Limits, marker_fd: int | None = None) -> None:
+def _limit(limits: Limits, marker_fd: int | None = None, frames_on_4: bool = False) -> None:
     if marker_fd is not None:
         os.dup2(marker_fd, 3)
         os.set_inheritable(3, True)  # dup2 onto itself keeps the pipe's close-on-exec flag
+    if frames_on_4:  # an exec'd run of a pair: frames out on fd 4, fd 1 is its stderr
+        os.dup2(1, 4)
+        os.dup2(2, 1)
     mb = 1024 * 1024
     cpu = max(1, int(limits.cpu_s + 0.999))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))

@@ -268,7 +268,7 @@ def program(
         # run of a pair (``rpc``), follow it in the pipe
         run = json.loads(_read_exactly(3, int(_read_exactly(3, 8), 16)))
         marker_fd = 3 if run.pop("marker", False) else None
-        role = run.get("rpc") if run["mode"] == "python" else None
+        role = run.get("rpc")
         if marker_fd is None and role is None:
             os.close(3)
         _rlimits(run["limits"])
@@ -285,9 +285,14 @@ def program(
         with open(run["entry"], encoding="utf-8", errors="replace") as f:
             source = f.read()
         os._exit(_run_python(source, run["entry"], marker_fd=marker_fd, role=role))
-    # an exec'd test harness (verify.with_tests) reads the marker from fd 3 itself
+    # an exec'd test harness (verify.with_tests) reads the marker from fd 3 itself. An
+    # exec'd run of a pair (JavaScript's program or tests) reads requests from fd 3 and
+    # writes frames to fd 4, the run's stdout; its fd 1 is its stderr, as in Python's
     argv = run["argv"]
     try:
+        if role is not None:
+            os.dup2(1, 4)
+            os.dup2(2, 1)
         os.execve(argv[0], argv, env)
     except OSError as e:
         os.write(2, f"cannot execute {argv[0]}: {e.strerror}\n".encode())

@@ -37,6 +37,9 @@ the new values of list/dict/set/bytearray arguments the call mutated, by positio
 or ``["err", type name, message, traceback]``. The first frame from A is
 ``["hello", {name: value}]``: the program's global names once its top-level code ran.
 
+JavaScript's pair uses the same framing and exit codes with values of its own
+(``functions/verifiers/js/rpc_wire.js``).
+
 Stdlib only: the zygote imports it, and both runs are forks of the zygote.
 """
 
@@ -77,6 +80,9 @@ PROGRAM_GONE = 13
 #: The tests cannot judge any program (they ran nothing, a test needs pytest fixtures, a
 #: ``check(candidate)`` has no candidate): the caller's error, not the program's.
 TESTS_INVALID = 14
+#: JavaScript: the tests ended with a promise of theirs unsettled and nothing left to run
+#: (code after an ``await`` on it never ran): they did not run to their end.
+UNFINISHED = 15
 #: The last line of the tests' stderr when a test the harness ran itself (one the tests
 #: defined but never called) failed: this prefix, then the test's name.
 IN_COLLECTED = "rlfabric: in the tests' "

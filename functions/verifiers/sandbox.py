@@ -8,8 +8,8 @@ One ``Sandbox`` per worker process (the code verifier starts it in its setup hoo
 thread-safe; each ``run`` takes one warm sandbox the zygote prepared ahead of time and
 supervises it from the calling thread (``functions.verifiers.supervisor``), and gets back
 exactly what happened (``RunOutcome``); judging the output is the verifier's business.
-``run_pair`` runs a Python program and its assert-style tests as two such runs that talk
-only through the supervisor (``PairOutcome``). If
+``run_pair`` runs a Python or JavaScript program and its assert-style tests as two such runs
+that talk only through the supervisor (``PairOutcome``). If
 the zygote dies, runs in flight end in ``SandboxError`` and the next run starts a fresh
 zygote.
 """
@@ -291,13 +291,20 @@ class Sandbox:
         test_files: dict[str, bytes],
         test_entry: str,
         limits: Limits | None = None,
+        argv: list[str] | None = None,
+        test_argv: list[str] | None = None,
     ) -> PairOutcome:
-        """Run a Python program and its assert-style tests as two sandboxed runs that talk
-        only through the supervisor (``functions.verifiers.rpc``): the program (``files``,
+        """Run a program and its assert-style tests as two sandboxed runs that talk only
+        through the supervisor (``functions.verifiers.rpc``): the program (``files``,
         ``entry``; empty stdin) runs its top-level code, then answers the tests' requests;
         the tests (``test_files``, ``test_entry``) run with its names bound to proxies. Each
         run has its own namespaces, uid and cgroups and ``limits``; the wall limit covers
         both. The pair ends when the tests end; then the program is ``stopped``.
+
+        Python runs in the zygote's interpreter (``functions.verifiers.rpc_server`` and
+        ``rpc_harness``); with ``argv`` and ``test_argv`` each run execs its command instead
+        (JavaScript: ``functions/verifiers/js``), reading requests from fd 3 and writing
+        frames to fd 4, with its fd 1 pointed at its stderr.
 
         What the program prints goes to its stderr (its stdout is the channel), whose cap is
         ``stdout_bytes + stderr_bytes``; the channel carries at most ``channel_bytes`` each
@@ -307,9 +314,12 @@ class Sandbox:
             if not _plain_name(name):
                 raise ValueError(f"file name {name!r}: use a plain name inside the work dir (no '/', '..')")
         program_limits = limits.model_copy(update={"stderr_bytes": limits.stdout_bytes + limits.stderr_bytes})
+        if (argv is None) != (test_argv is None):
+            raise ValueError("give both argv and test_argv, or neither (Python)")
+        mode = "python" if argv is None else "exec"
         reqs = [
-            self._request("python", files, entry, program_limits, rpc="serve"),
-            self._request("python", test_files, test_entry, limits, rpc="test"),
+            self._request(mode, files, entry, program_limits, rpc="serve", argv=argv),
+            self._request(mode, test_files, test_entry, limits, rpc="test", argv=test_argv),
         ]
         # both spares under one lock: two pairs that each took one spare and wait for a
         # second would otherwise hold two slots while waiting for replacements

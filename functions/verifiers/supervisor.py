@@ -14,7 +14,7 @@ namespace, waits for the status and for the namespace to be gone, and collects t
 the caller asked for. It reports exactly what happened;
 judging the output is ``functions.verifiers.verify``'s.
 
-``supervise_pair`` does the same for two runs at once, a Python program and its
+``supervise_pair`` does the same for two runs at once, a program and its
 assert-style tests (``Sandbox.run_pair``), in one select loop: each run's stdout is relayed
 to the other's fd 3, which stays open after the start message (``functions.verifiers.rpc``
 is what travels there; the supervisor only moves bytes, bounded each way).

@@ -2,10 +2,11 @@
 
 Two kinds of tests: stdin/stdout cases (each case is a fresh run; the output is compared
 line by line, trailing whitespace ignored) and assert-style test code (run once; it passes
-when it runs to its end). Python's assert-style tests run in a sandbox of their own, next
-to the program's, and see the program only through values (``Sandbox.run_pair``,
-``functions.verifiers.rpc``); C, C++ and JavaScript tests are appended to the submission
-and prove they ran to their end with a marker line. Every case gets one status:
+when it runs to its end). Python's and JavaScript's assert-style tests run in a sandbox of
+their own, next to the program's, and see the program only through values
+(``Sandbox.run_pair``, ``functions.verifiers.rpc``, ``functions/verifiers/js``); C and C++
+tests are appended to the submission and prove they ran to their end with a marker line
+(which a program can forge: docs/code-verifier.md). Every case gets one status:
 
     Finished              ran and produced the expected output (or its asserts held)
     Failed                ran and produced something else (or an assertion failed)
@@ -16,19 +17,22 @@ and prove they ran to their end with a marker line. Every case gets one status:
     SandboxError          the sandbox failed, not the program: the only retryable status
 
 A case that hits a ``SandboxError`` is retried once on a fresh sandbox before it is reported.
-Python tests that cannot judge any program (they ran nothing, see
-``functions.verifiers.rpc_collect``) get no status: ``verify`` raises ``InvalidTests``.
+Python or JavaScript tests that cannot judge any program (they ran nothing, see
+``functions.verifiers.rpc_collect``; JavaScript's do not compile, or never used the
+program) get no status: ``verify`` raises ``InvalidTests``.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import secrets
 import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -53,6 +57,8 @@ SEVERITY: tuple[Status, ...] = (
 MAX_CODE_BYTES = 256 * 1024
 MAX_CASES = 512
 EXCERPT = 1024
+#: The languages whose assert-style tests run in a sandbox of their own (``Sandbox.run_pair``).
+PAIRED = frozenset(("python", "javascript"))
 
 
 class StdioCase(BaseModel):
@@ -233,6 +239,8 @@ def classify_pair(pair: PairOutcome, lang: Language, limits: Limits) -> CaseResu
         return verdict("Finished", "")
     if code == rpc.ASSERTION_FAILED:
         return verdict("Failed", f"an assertion failed{where}")
+    if code == rpc.UNFINISHED:
+        return verdict("Failed", last[:200])
     if code == rpc.TESTS_RAISED and last.startswith("MemoryError"):
         return verdict("MemoryLimitExceeded", f"ran out of memory under the {limits.memory_mb} MB limit")
     if code == rpc.TESTS_RAISED:
@@ -272,6 +280,8 @@ class Runner(Protocol):
         test_files: dict[str, bytes],
         test_entry: str,
         limits: Limits | None = None,
+        argv: list[str] | None = None,
+        test_argv: list[str] | None = None,
     ) -> PairOutcome: ...
 
 
@@ -305,27 +315,28 @@ int main() {
     return rc;
 }
 """
-_JS_TAIL = """
-;{
-  const fs = require("fs"), buf = Buffer.alloc(80);
-  let line = "";
-  while (!line.endsWith("\\n")) {
-    const n = fs.readSync(3, buf, 0, buf.length, null);
-    if (n <= 0) break;
-    line += buf.toString("latin1", 0, n);
-  }
-  if (line.endsWith("\\n")) process.stdout.write("\\n" + line);
-}
-"""
+#: Appended to a JavaScript program whose tests run apart: once its top-level code ran, it
+#: answers their requests; the function evaluates a name in the program's module scope,
+#: where its const, let, class and function declarations live (``js/rpc_server.js``).
+JS_SERVE = (
+    '\n;require("./rpc_server.js").serve((__rlfabric_n, __rlfabric_v, __rlfabric_set) =>'
+    ' __rlfabric_set ? eval(__rlfabric_n + " = __rlfabric_v") : eval(__rlfabric_n));\n'
+)
+
+
+@functools.cache
+def js_files() -> dict[str, bytes]:
+    """The JavaScript side of the pair (``functions/verifiers/js``): wire, server, harness."""
+    here = Path(__file__).with_name("js")
+    return {name: (here / name).read_bytes() for name in ("rpc_wire.js", "rpc_server.js", "rpc_harness.js")}
 
 
 def with_tests(lang: Language, code: str, test_code: str) -> str:
     """The program with its assert-style tests appended and, after them, what prints the
-    run's marker (C, C++ and JavaScript; Python's tests run apart, see ``Sandbox.run_pair``)."""
-    if lang.name == "python":
-        raise ValueError("Python's assert-style tests run in a sandbox of their own (Sandbox.run_pair)")
-    if lang.name == "javascript":
-        return f"{code}\n;\n{test_code}\n{_JS_TAIL}"
+    run's marker (C and C++; Python's and JavaScript's tests run apart, see
+    ``Sandbox.run_pair``)."""
+    if lang.name in PAIRED:
+        raise ValueError(f"{lang.name}'s assert-style tests run in a sandbox of their own (Sandbox.run_pair)")
     wrapper = _CPP_WRAPPER if lang.name == "cpp" else _C_WRAPPER
     return f"{code}\n#define main __rlfabric_tests_main\n{test_code}\n{wrapper}"
 
@@ -342,7 +353,7 @@ class Verifier:
         self, code: str, tests: CodeTests, language: str = "python", limits: Limits | None = None
     ) -> VerifyResult:
         """Judge ``code``. Bad input from the caller (an unknown language) raises
-        ``ValueError``, and so do Python tests that cannot judge any program
+        ``ValueError``, and so do Python or JavaScript tests that cannot judge any program
         (``InvalidTests``: they ran nothing); a program too long to run is the program's
         fault, judged 0."""
         t0 = time.monotonic()
@@ -357,12 +368,12 @@ class Verifier:
             )
             return self._result(lang, None, [too_long] * len(tests.cases or [None]), t0)
         limits = limits or self.limits
-        if tests.test_code is not None and lang.name == "python":
-            case = self._python_tests(lang, code, tests.test_code, tests.entry_point, limits)
+        if tests.test_code is not None and lang.name in PAIRED:
+            case = self._pair_tests(lang, code, tests.test_code, tests.entry_point, limits)
             return self._result(lang, None, [case], t0)
-        # assert-style in C, C++, JavaScript: the tests passed only if the program also ran
-        # past them, which a random line printed after them proves (an early exit(0) would
-        # skip the asserts)
+        # assert-style in C and C++: the tests passed only if the program also ran past them,
+        # which a random line printed after them proves (an early exit(0) would skip the
+        # asserts; a program that reads fd 3 forges it: docs/code-verifier.md)
         marker = None if tests.test_code is None else f"rlfabric-tests-done-{secrets.token_hex(8)}"
         source = code if tests.test_code is None else with_tests(lang, code, tests.test_code)
         files = {lang.source_file: source.encode()}
@@ -405,22 +416,42 @@ class Verifier:
             )
         return verdict, {lang.artifact: out.files.get(lang.artifact, b"")}
 
-    def _python_tests(
+    def _pair_tests(
         self, lang: Language, code: str, test_code: str, entry_point: str | None, limits: Limits
     ) -> CaseResult:
-        """Python's assert-style tests, in a sandbox of their own next to the program's."""
-        test_files = {"tests.py": test_code.encode()}
-        if entry_point is not None:  # the harness's options, beside the tests
-            test_files[rpc.TEST_OPTIONS] = json.dumps({"entry_point": entry_point}).encode()
+        """Python's or JavaScript's assert-style tests, in a sandbox of their own next to the
+        program's (``Sandbox.run_pair``)."""
+        argv = test_argv = None
+        run_limits = limits
+        if lang.name == "javascript":
+            js = js_files()
+            files = {
+                lang.source_file: (code + JS_SERVE).encode(),
+                "rpc_wire.js": js["rpc_wire.js"],
+                "rpc_server.js": js["rpc_server.js"],
+            }
+            entry, test_entry = lang.source_file, "tests.js"
+            test_files = {"tests.js": test_code.encode(), "rpc_wire.js": js["rpc_wire.js"]}
+            test_files["rpc_harness.js"] = js["rpc_harness.js"]
+            run_limits, node = _runtime(lang, limits)
+            argv = lang.resolved((*node, entry))
+            test_argv = lang.resolved((*node, "rpc_harness.js", test_entry))
+        else:
+            files, entry = {"solution.py": code.encode()}, "solution.py"
+            test_files, test_entry = {"tests.py": test_code.encode()}, "tests.py"
+            if entry_point is not None:  # the harness's options, beside the tests
+                test_files[rpc.TEST_OPTIONS] = json.dumps({"entry_point": entry_point}).encode()
         last = None
         for _ in range(2):
             try:
                 pair = self.sandbox.run_pair(
-                    files={"solution.py": code.encode()},
-                    entry="solution.py",
+                    files=files,
+                    entry=entry,
                     test_files=test_files,
-                    test_entry="tests.py",
-                    limits=limits,
+                    test_entry=test_entry,
+                    limits=run_limits,
+                    argv=argv,
+                    test_argv=test_argv,
                 )
             except SandboxError as e:
                 last = CaseResult(status="SandboxError", message=str(e))
@@ -438,18 +469,8 @@ class Verifier:
         limits: Limits,
         marker: str | None = None,
     ) -> CaseResult:
-        run_limits = limits
-        argv = list(lang.run_argv)
-        if lang.run_memory_floor_mb or lang.run_nproc_floor:
-            # V8 reserves gigabytes of address space up front: its RLIMIT_AS is raised, and the
-            # run's memory cgroup (plus the heap flag, for a clear message) bounds what it uses
-            run_limits = limits.model_copy(
-                update={
-                    "address_space_mb": max(limits.memory_mb, lang.run_memory_floor_mb),
-                    "nproc": max(limits.nproc, lang.run_nproc_floor),
-                }
-            )
-            argv = [argv[0], f"--max-old-space-size={limits.memory_mb}", *argv[1:]]
+        run_limits, runtime = _runtime(lang, limits)
+        argv = [*runtime, *lang.run_argv[1:]]
         last = None
         for _ in range(2):
             try:
@@ -515,6 +536,21 @@ class Verifier:
             cases=cases,
             total_ms=round((time.monotonic() - t0) * 1000, 3),
         )
+
+
+def _runtime(lang: Language, limits: Limits) -> tuple[Limits, list[str]]:
+    """A run's limits and the start of its command (``run_argv[0]`` and its flags)."""
+    if not (lang.run_memory_floor_mb or lang.run_nproc_floor):
+        return limits, list(lang.run_argv[:1])
+    # V8 reserves gigabytes of address space up front: its RLIMIT_AS is raised, and the run's
+    # memory cgroup (plus the heap flag, for a clear message) bounds what it uses
+    raised = limits.model_copy(
+        update={
+            "address_space_mb": max(limits.memory_mb, lang.run_memory_floor_mb),
+            "nproc": max(limits.nproc, lang.run_nproc_floor),
+        }
+    )
+    return raised, [lang.run_argv[0], f"--max-old-space-size={limits.memory_mb}"]
 
 
 _default: Verifier | None = None
