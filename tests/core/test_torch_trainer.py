@@ -1,4 +1,6 @@
 import asyncio
+import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -130,6 +132,79 @@ def test_masked_tokens_do_not_train():
         assert torch.allclose(pa, pb, atol=1e-6), k
     nothing = a.step([sample(m, [2, 5], [right], 1.0, mask=[0])])
     assert nothing["skipped"] == 1.0 and nothing["tokens"] == 0
+
+
+class Bigram(torch.nn.Module):
+    """A policy whose logits at a position are the table row of the token there: every
+    logprob, ratio and gradient of a step can be worked out by hand."""
+
+    def __init__(self, probs: list[list[float]], temperature: float):
+        super().__init__()
+        # logits / T = log p: the trainer's tempered softmax gives back the rows
+        self.table = torch.nn.Parameter(temperature * torch.tensor(probs).log())
+        self.config = SimpleNamespace(max_len=8, vocab_size=len(probs))
+
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.table[ids]
+
+
+P = [
+    [0.5, 0.25, 0.125, 0.125],  # after token 0
+    [0.25, 0.5, 0.125, 0.125],  # after token 1
+    [0.125, 0.125, 0.5, 0.25],  # after token 2
+    [0.125, 0.5, 0.25, 0.125],  # after token 3
+]
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+def test_a_step_by_hand_alignment_padding_masking_clipping_and_aggregation(agg):
+    ln = math.log
+    # A: [3, 0 | 1, 2], advantage +1, padded by one (B is longer)
+    #   token 1 after 0: p .25, old .25 -> r 1, -1;  token 2 after 1: p .125, old 1/16 -> r 2,
+    #   clipped to 1.2 (no gradient)
+    a = TrainSample(
+        prompt_ids=[3, 0],
+        completion_ids=[1, 2],
+        old_logprobs=[ln(0.25), ln(1 / 16)],
+        advantage=1.0,
+        group_id="g",
+        policy_version=0,
+    )
+    # B: [2 | 3, 0, 1, 2], advantage -1, last token masked (its old logprob is junk)
+    #   3 after 2: p .25, old .5 -> r .5, clipped: -min(-.5, -.8) = .8;  0 after 3: p .125,
+    #   r 1 -> 1;  1 after 0: p .25, r 1 -> 1
+    b = TrainSample(
+        prompt_ids=[2],
+        completion_ids=[3, 0, 1, 2],
+        old_logprobs=[ln(0.5), ln(0.125), ln(0.25), 0.0],
+        mask=[1, 1, 1, 0],
+        advantage=-1.0,
+        group_id="g",
+        policy_version=0,
+    )
+    m = Bigram(P, temperature=2.0)
+    cfg = TorchTrainerConfig(lr=1e-3, temperature=2.0, grad_clip=None, loss_agg=agg)
+    metrics = TorchTrainer(m, cfg).step([a, b])  # type: ignore[arg-type]
+    if agg == "token_mean":  # every trained token weighs 1/5
+        loss, w_a, w_b = (-1 - 1.2 + 0.8 + 1 + 1) / 5, 1 / 5, 1 / 5
+    else:  # each sample's mean, then the mean of the two: A's tokens 1/4, B's 1/6
+        loss, w_a, w_b = ((-1 - 1.2) / 2 + (0.8 + 1 + 1) / 3) / 2, 1 / 4, 1 / 6
+    assert metrics["loss"] == pytest.approx(loss, abs=1e-6)
+    assert metrics["clip_frac"] == pytest.approx(2 / 5)
+    assert metrics["ratio_mean"] == pytest.approx((1 + 2 + 0.5 + 1 + 1) / 5)
+    assert metrics["approx_kl"] == pytest.approx(((2 - 1 - ln(2)) + (0.5 - 1 + ln(2))) / 5)
+    assert metrics["entropy"] == pytest.approx(1.75 * ln(2))  # every row's entropy at T=2
+    # d(-A r)/d row = -A r (onehot(target) - p) / T for the unclipped tokens only: A's token 1
+    # and B's token 1 (both after 0), B's token 0 (after 3). Rows 1 and 2 score only clipped,
+    # masked, prompt or padded positions: no gradient
+    e = torch.eye(4)
+    p = torch.tensor(P)
+    want = torch.zeros(4, 4)
+    want[0] = -(e[1] - p[0]) / 2 * w_a + (e[1] - p[0]) / 2 * w_b
+    want[3] = (e[0] - p[3]) / 2 * w_b
+    assert m.table.grad is not None
+    assert torch.allclose(m.table.grad, want, atol=1e-6), m.table.grad
+    assert metrics["grad_norm"] == pytest.approx(float(want.norm()), rel=1e-5)
 
 
 def test_mini_batches_epochs_and_kl():
