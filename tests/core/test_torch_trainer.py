@@ -207,6 +207,36 @@ def test_a_step_by_hand_alignment_padding_masking_clipping_and_aggregation(agg):
     assert metrics["grad_norm"] == pytest.approx(float(want.norm()), rel=1e-5)
 
 
+def test_the_kl_penalty_and_the_entropy_bonus_by_hand():
+    ln = math.log
+    # one token, 0 after 3: p .125 under the policy, .25 under the reference; on-policy, A = 0
+    s = TrainSample(
+        prompt_ids=[3],
+        completion_ids=[0],
+        old_logprobs=[ln(0.125)],
+        advantage=0.0,
+        group_id="g",
+        policy_version=0,
+    )
+    ref_probs = [row[:] for row in P]
+    ref_probs[3] = [0.25, 0.25, 0.25, 0.25]
+    m = Bigram(P, temperature=2.0)
+    cfg = TorchTrainerConfig(lr=1e-3, temperature=2.0, grad_clip=None, kl_coef=0.5, entropy_coef=0.1)
+    metrics = TorchTrainer(m, cfg, reference=Bigram(ref_probs, temperature=2.0)).step([s])  # type: ignore[arg-type]
+    # k3 with d = ref - logp = ln 2: e^d - d - 1 = 1 - ln 2; the row's entropy is 1.75 ln 2
+    kl, ent = 1 - ln(2), 1.75 * ln(2)
+    assert metrics["kl"] == pytest.approx(kl) and metrics["entropy"] == pytest.approx(ent)
+    assert metrics["loss"] == pytest.approx(0.5 * kl - 0.1 * ent)  # a penalty, and a bonus
+    # the KL's gradient: (1 - e^d) dlogp = -(onehot(0) - p) / T, weighted by kl_coef; the
+    # entropy's: -(p * (log p + H)) / T per logit, and the bonus subtracts it
+    e0, p3 = torch.eye(4)[0], torch.tensor(P[3])
+    grad_h = -(p3 * (p3.log() + ent)) / 2
+    want = 0.5 * -(e0 - p3) / 2 - 0.1 * grad_h
+    assert m.table.grad is not None
+    assert torch.allclose(m.table.grad[3], want, atol=1e-6), m.table.grad[3]
+    assert m.table.grad[:3].abs().max().item() == 0.0
+
+
 def test_mini_batches_epochs_and_kl():
     m = model()
     right = TOK.token_to_id("right")
