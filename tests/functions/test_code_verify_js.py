@@ -8,7 +8,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from sandbox_probe import checked_verifier, pair_sandbox
 
 from functions.verifiers.errors import InvalidTests
 from functions.verifiers.sandbox import Limits
@@ -30,14 +29,9 @@ FRAME = (
 )
 
 
-@pytest.fixture(scope="module")
-def sandbox():
-    yield from pair_sandbox(BASE_UID)
-
-
 @pytest.fixture
-def verifier(sandbox):
-    yield from checked_verifier(sandbox, BASE_UID, LIMITS)
+def verifier(pair_verifier):  # tests/functions/conftest.py: this module's BASE_UID and LIMITS
+    return pair_verifier
 
 
 def judge(verifier: Verifier, code: str, tests: str, limits: Limits | None = None):

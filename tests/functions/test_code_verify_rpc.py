@@ -7,7 +7,6 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from sandbox_probe import checked_verifier, pair_sandbox
 
 from functions.verifiers.errors import InvalidTests
 from functions.verifiers.sandbox import Limits
@@ -33,14 +32,9 @@ TWO_ASSERTS = "assert add(2, 3) == 5\nassert add(1, 1) == 2\n"
 BASE_UID = 380_000
 
 
-@pytest.fixture(scope="module")
-def sandbox():
-    yield from pair_sandbox(BASE_UID)
-
-
 @pytest.fixture
-def verifier(sandbox):
-    yield from checked_verifier(sandbox, BASE_UID, LIMITS)
+def verifier(pair_verifier):  # tests/functions/conftest.py: this module's BASE_UID and LIMITS
+    return pair_verifier
 
 
 def judge(verifier: Verifier, code: str, tests: str, limits: Limits | None = None):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
-from sandbox_probe import checked_verifier, pair_sandbox
 
 from functions.verifiers import rpc_collect
 from functions.verifiers.cold import SubprocessRunner
@@ -24,14 +23,9 @@ ONLY_2_3 = "def add(a, b):\n    return 5 if (a, b) == (2, 3) else 0\n"
 EXITS = "import os\ndef add(a, b):\n    os._exit(0)\n"
 
 
-@pytest.fixture(scope="module")
-def sandbox():
-    yield from pair_sandbox(BASE_UID)
-
-
 @pytest.fixture
-def verifier(sandbox):
-    yield from checked_verifier(sandbox, BASE_UID, LIMITS)
+def verifier(pair_verifier):  # tests/functions/conftest.py: this module's BASE_UID and LIMITS
+    return pair_verifier
 
 
 def judge(verifier: Verifier, code: str, tests: str, entry_point: str | None = None) -> CaseResult:
