@@ -139,12 +139,21 @@ class RewardStream:
         (for at most ``drain_timeout`` seconds). Whatever is left is dropped and counted as
         ``cancelled``."""
         self._closed = True
-        if drain and self._workers:
-            try:
-                async with asyncio.timeout(drain_timeout):
-                    await self._queue.join()
-            except TimeoutError:
-                log.warning("reward stream: drain timed out with %d trajectories left", len(self._inflight))
+        try:
+            if drain and self._workers:
+                try:
+                    async with asyncio.timeout(drain_timeout):
+                        await self._queue.join()
+                except TimeoutError:
+                    log.warning(
+                        "reward stream: drain timed out with %d trajectories left", len(self._inflight)
+                    )
+        finally:
+            # also when the drain itself is cancelled (Ctrl-C at the job's end): workers left
+            # running went on calling reward functions on a client being closed
+            await self._stop_workers()
+
+    async def _stop_workers(self) -> None:
         for t in self._workers:
             t.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)

@@ -438,3 +438,25 @@ async def test_a_combined_score_that_overflows_masks():
     assert s.status == "reward_failed" and s.reward is None
     assert "non-finite" in (s.error or "")
     assert stream.metrics()["reward_failed"] == 1 and stream.metrics()["scored"] == 0
+
+
+async def test_a_drain_cancelled_midway_still_stops_the_workers():
+    # Ctrl-C while a clean close drains (the job's normal end) cancelled aclose before it
+    # cancelled the workers: they went on calling reward functions on a client being closed
+    async def deliver(s: Sample) -> None:
+        pass
+
+    async with Client("inproc", registry=REG) as client:
+        stream = RewardStream(client, {"t": [spec("gated")]}, deliver, concurrency=2)
+        stream.start()
+        workers = list(stream._workers)
+        stream.submit(traj())
+        closing = asyncio.create_task(stream.aclose())
+        # until the close waits on the drain, with the trajectory in a worker
+        while not stream._closed or stream.metrics()["queued"]:  # noqa: ASYNC110
+            await asyncio.sleep(0)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        assert all(w.done() for w in workers) and stream.metrics()["in_flight"] == 0
+        assert stream.metrics()["cancelled"] == 1
