@@ -29,11 +29,16 @@ class JobGroups(JobSummary):
         """``aw``'s result, or the rollout's fatal error if that comes first."""
         assert self._fatal is not None
         task: asyncio.Future[Any] = asyncio.ensure_future(aw)
-        await asyncio.wait({task, self._fatal}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        try:
+            await asyncio.wait({task, self._fatal}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # cancelled (Ctrl-C, SIGTERM) or stopped by the fatal error: ``wait`` leaves its
+            # tasks running, and the batch's wait stayed a waiter of the buffer past the job
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if task.cancelled() and self._fatal.done():
             self._fatal.result()  # raises RolloutError
         return task.result()
 

@@ -433,6 +433,25 @@ async def test_a_rollout_stopped_by_a_failing_reward_says_the_rewards_error():
     await j.runner.aclose()
 
 
+async def test_a_step_stopped_while_it_waits_for_a_batch_takes_its_wait_along():
+    # Ctrl-C (or SIGTERM) while the step loop waited for a batch cancelled only the wait for
+    # "the batch or the fatal error": the batch's own wait stayed a waiter of the buffer,
+    # pending past the job, to be handed the next complete groups
+    from core.buffer import SampleBuffer
+
+    cfg = job_config(Path("unused"))
+    j = Job(cfg, progress=False)
+    j._fatal = asyncio.get_running_loop().create_future()
+    buffer = SampleBuffer(cfg.group_size, cfg.alpha)
+    step = asyncio.create_task(j._unless_fatal(buffer.get_batch(cfg.batch_size)))
+    while not buffer.metrics()["waiters"]:  # noqa: ASYNC110 - the wait began
+        await asyncio.sleep(0)
+    step.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await step
+    assert buffer.metrics()["waiters"] == 0
+
+
 class _WarmClient:
     """What ``_warm_rewards`` uses of a fabric client: ``warmup``, failing as scripted."""
 
