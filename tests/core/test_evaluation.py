@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from core.config import JobConfig
 from core.evaluation import EVAL_SEED_BASE, Evaluator
 from core.rollout.env_manager import Task, task_key
@@ -76,3 +78,33 @@ async def test_a_row_played_by_its_own_version_only_says_so():
 
     row = await Evaluator(_cfg(episodes=2)).run(Still(), step=0, version=0)  # type: ignore[arg-type]
     assert row["versions"] == [0, 0] and row["success"] == 0.0
+
+
+async def test_an_episode_that_raises_stops_the_others():
+    # the proxy died under one episode (ProxyDiedError: the job stops on it): gather raised it
+    # and left the other episodes playing, their sessions open while the job shut down
+    from core.errors import ProxyDiedError
+
+    class OneRaises:
+        def __init__(self) -> None:
+            self.waiting: list[asyncio.Future[None]] = []
+            self.cancelled = 0
+
+        async def run(self, task: Task, *, version: int) -> Trajectory:
+            if task.seed == EVAL_SEED_BASE and task.greedy:
+                while len(self.waiting) < 3:  # noqa: ASYNC110 - the others are playing
+                    await asyncio.sleep(0)
+                raise ProxyDiedError("the LLM proxy actor died")
+            fut = asyncio.get_running_loop().create_future()
+            self.waiting.append(fut)
+            try:
+                await fut
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+            raise AssertionError("never resolved")
+
+    manager = OneRaises()
+    with pytest.raises(ProxyDiedError):
+        await Evaluator(_cfg(episodes=2)).run(manager, step=1, version=1)  # type: ignore[arg-type]
+    assert manager.cancelled == 3 and all(f.done() for f in manager.waiting)
