@@ -317,6 +317,12 @@ class Job(JobSetup):
             # a failed run keeps the checkpoint it was writing (a consistent copy of a step);
             # a stopped one (Ctrl-C) does not wait for the disk
             stopped = isinstance(e, (asyncio.CancelledError, KeyboardInterrupt))
+            if eval_task is not None:
+                # an evaluation playing meanwhile (async mode) is stopped with the run: left
+                # running, its episodes held sessions while the pool and the cluster closed
+                eval_task.cancel()
+                with contextlib.suppress(BaseException):
+                    await eval_task
             try:
                 await self._checkpoint_done(cancel=stopped)
             except Exception:

@@ -452,6 +452,89 @@ async def test_a_step_stopped_while_it_waits_for_a_batch_takes_its_wait_along():
     assert buffer.metrics()["waiters"] == 0
 
 
+async def test_a_run_that_fails_stops_the_evaluation_it_was_running(tmp_path, monkeypatch):
+    # async mode: the step-1 evaluation plays while training goes on; the run failing
+    # meanwhile (every group given up: RolloutError) left it playing, its sessions open while
+    # the job wrote failure.json and closed the pool and the cluster under it
+    from types import SimpleNamespace
+
+    import core.job
+    from core.buffer import SampleBuffer
+    from core.report import JobProgress, RunDir
+    from core.sample import Sample
+    from fabric.protocol import Message, RewardResult, Trajectory
+
+    cfg = job_config(tmp_path, steps=3, rollout={"eval_every": 1, "eval_episodes": 1})
+    j = Job(cfg, progress=False)
+    fatal = j._fatal = asyncio.get_running_loop().create_future()
+
+    class Manager:  # the step-0 evaluation ends; the step-1 one plays until stopped
+        playing: list[asyncio.Future[None]] = []
+
+        async def run(self, task: Any, *, version: int) -> Trajectory:
+            if task.group_id == "eval-0":
+                msgs = [Message(role="user", content="m")]
+                return Trajectory(status="ok", env_reward=0.0, messages=msgs)
+            if not fatal.done():
+                fatal.set_exception(RolloutError("every group given up"))
+            fut = asyncio.get_running_loop().create_future()
+            self.playing.append(fut)
+            await fut
+            raise AssertionError("never resolved")
+
+    class Runner:  # what the step loop and the launcher use of a GroupRunner: nothing runs
+        changed = asyncio.Event()
+        aborted_ids: set[str] = set()
+
+        def rolling_groups(self) -> int:
+            return 1 << 30
+
+        def forget_aborted_before(self, version: int) -> None:
+            pass
+
+    class Stream:
+        def metrics(self) -> dict[str, Any]:
+            return {"scored": 0, "reward_ms": {"total": 0.0}}
+
+    def done(value: Any) -> asyncio.Future[Any]:
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(value)
+        return fut
+
+    class Trainer:
+        class step:  # the Ray handle's method
+            @staticmethod
+            def options(num_returns: int) -> Any:
+                return SimpleNamespace(remote=lambda batch: (done({"version": 1}), None))
+
+    async def call(aw: Any) -> None:
+        pass
+
+    update = SimpleNamespace(remote=lambda version, refs: None)
+    j.cluster = SimpleNamespace(  # type: ignore[assignment]
+        trainer=Trainer, proxy=SimpleNamespace(update_weights=update), remote_proxy=SimpleNamespace(call=call)
+    )
+    monkeypatch.setattr(core.job, "build_batch", lambda groups, cfg: [])
+    buffer = j.buffer = SampleBuffer(cfg.group_size, cfg.alpha)
+    for g in range(cfg.batch_size):  # one batch: step 1 trains, step 2 waits and fails
+        for i in range(cfg.group_size):
+            t = Trajectory(id=f"{g}-{i}", status="ok", env_reward=1.0)
+            buffer.put(
+                Sample(traj=t, tag="latency", group_id=f"g{g}", version=0, reward=RewardResult(score=1.0))
+            )
+    manager = Manager()
+    with pytest.raises(RolloutError):
+        await j._train(
+            manager,  # type: ignore[arg-type]
+            Runner(),  # type: ignore[arg-type]
+            buffer,
+            Stream(),  # type: ignore[arg-type]
+            RunDir(tmp_path / "run"),
+            JobProgress(cfg.steps, enabled=False),
+        )
+    assert manager.playing and all(f.cancelled() for f in manager.playing)
+
+
 class _WarmClient:
     """What ``_warm_rewards`` uses of a fabric client: ``warmup``, failing as scripted."""
 
