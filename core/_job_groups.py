@@ -112,4 +112,6 @@ class JobGroups(JobSummary):
             )
             return
         if self.cfg.rollout.mode == "sync" and self.runner is not None:
-            self._start_group(self.runner)  # the step waits for batch_size groups: replace it
+            # the step waits for batch_size groups: replace it, in the step's lockstep (its
+            # barrier), or the replacement ran on its own outside the batch-level baseline
+            self._start_group(self.runner, g.barrier)

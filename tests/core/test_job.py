@@ -399,6 +399,36 @@ async def test_a_given_up_group_is_counted_out_of_the_launch_budget_once():
     await j.runner.aclose()
 
 
+async def test_a_sync_mode_group_given_up_is_replaced_in_the_steps_lockstep():
+    # sync mode: a step's groups move turn by turn together (one TurnBarrier); the group
+    # started in place of one given up ran on its own, outside the batch-level baseline
+    from test_groups import FakeManager, FakeProxy
+    from test_groups import job as group_job
+
+    from core.buffer import SampleBuffer
+    from core.rollout.env_manager import TurnBarrier
+    from core.rollout.groups import GroupRunner
+
+    cfg = group_job(group_size=2, max_reruns=0).model_copy(deep=True)
+    cfg.rollout.mode = "sync"
+    j = Job(cfg, progress=False)
+    j._fatal = asyncio.get_running_loop().create_future()
+    manager = FakeManager(script=[(0.001, "infra_failed")] * 2, default=(60.0, "ok"))
+    j.runner = GroupRunner(cfg, manager, FakeProxy(), submit=lambda t: None, on_given_up=j._given_up)  # type: ignore[arg-type]
+    j.buffer = SampleBuffer(cfg.group_size, cfg.alpha, on_abort=j._on_abort)
+    barrier = TurnBarrier()
+    j._start_group(j.runner, barrier)
+    try:
+        async with asyncio.timeout(5):
+            while len(manager.launched) < 4:  # noqa: ASYNC110 - no event for "replaced"
+                await asyncio.sleep(0.001)
+        assert j.tally.counts["given_up_groups"] == 1
+        assert [b for _, _, _, b in manager.launched[2:]] == [barrier, barrier]
+        assert barrier._members == 2  # the replacement's members; the given-up ones left
+    finally:
+        await j.runner.aclose()
+
+
 async def test_a_rollout_stopped_by_a_failing_reward_says_the_rewards_error():
     # a reward that always raises gives up every group; the RolloutError said "the last
     # trajectory error: none recorded" (the reason was on the sample, never copied)
