@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from core.config import EnvConfig, JobConfig
-from core.errors import where_raised
+from core.errors import ProxyDiedError, where_raised
 from core.rollout.engines.base import Completion, EngineError, GenerateRequest
 from core.rollout.scheduling import OUTCOMES
 from core.sample import GROUP_KEY, TAG_KEY, VERSION_KEY
@@ -195,7 +195,17 @@ class EnvManager:
             release = asyncio.ensure_future(self._end(traj.id, abort=timed_out))
             self._releasing.add(release)
             release.add_done_callback(self._releasing.discard)
-            await asyncio.shield(release)
+            try:
+                await asyncio.shield(release)
+            except ProxyDiedError:
+                raise  # the job stops on it
+            except Exception as e:
+                # the trajectory is played: a release the proxy could not take (a Ray node
+                # briefly unreachable) replaced it with its error, and the group runner threw
+                # the finished work away as a manager bug and played it again
+                log.warning(
+                    "trajectory %s: the proxy's release failed (%s: %s)", traj.id, type(e).__name__, e
+                )
         return traj
 
     def _warn_once(self, env: EnvConfig, kind: str, e: EnvLogicError) -> None:

@@ -13,6 +13,7 @@ import pytest
 import pytest_asyncio
 
 from core.config import EnvConfig, JobConfig
+from core.errors import ProxyDiedError
 from core.rollout.engines.base import Completion, EngineError, GenerateRequest
 from core.rollout.env_manager import EnvManager, Task, TurnBarrier
 from core.rollout.llm_proxy import LLMProxy, NoReplicaError, Replica
@@ -407,6 +408,32 @@ async def test_a_cancelled_trajectory_still_releases_its_affinity_and_container(
         await run
     assert proxy.released == ["c"]
     await asyncio.sleep(0.05)
+    assert pool.stats()["claimed"] == 0
+
+
+@module_loop
+async def test_a_release_that_fails_does_not_throw_away_a_played_trajectory(pool, caplog):
+    # an error of proxy.release (not its death) came out of run() in place of the finished
+    # trajectory: the group runner logged it as a manager bug and played it again
+    class FailingRelease(ScriptedProxy):
+        async def release(self, traj_id: str) -> None:
+            await super().release(traj_id)
+            raise RuntimeError("node unreachable")
+
+    cfg = job(LAKE)
+    proxy = FailingRelease(["right", "down"])
+    traj = await asyncio.wait_for(EnvManager(cfg, pool, proxy).run(Task(cfg.envs[0], 1, "g"), version=0), 10)
+    assert traj.status != "infra_failed" and len(proxy.calls) == 2
+    assert "release failed (RuntimeError: node unreachable)" in caplog.text
+    # the proxy's death still stops the trajectory (and the job) as it did
+    died = FailingRelease(["right", "down"])
+
+    async def dead(traj_id: str) -> None:
+        raise ProxyDiedError("the LLM proxy actor died")
+
+    died.release = dead  # type: ignore[method-assign]
+    with pytest.raises(ProxyDiedError):
+        await asyncio.wait_for(EnvManager(cfg, pool, died).run(Task(cfg.envs[0], 1, "g"), version=0), 10)
     assert pool.stats()["claimed"] == 0
 
 
