@@ -216,7 +216,13 @@ class RewardStream:
         while True:
             sample = await self._queue.get()
             try:
-                await self._score(sample)
+                try:
+                    await self._score(sample)
+                except Exception as e:  # a bug here must not end the worker
+                    # the worker died with it: the sample never came back (its group waited
+                    # for ever) and, once every worker had, no reward was scored again
+                    log.exception("reward stream: scoring %s raised", sample.id)
+                    self._fail(sample, f"scoring raised {type(e).__name__}: {e}", "stream_error")
                 await self._deliver(sample)
             except asyncio.CancelledError:  # closed without drain: lost, but counted
                 self._counts["cancelled"] += 1

@@ -147,6 +147,25 @@ async def test_structured_results_and_task_args():
     assert got["t1"].reward is not None and got["t1"].reward.info["structured"]["info"] == {"why": "half"}
 
 
+async def test_a_client_that_raises_masks_the_sample_and_keeps_the_worker():
+    """The fabric client never raises, but a client of one's own (or a bug in scoring) did,
+    and the worker task died with it: the sample never came back, and once all of the
+    stream's workers had died, nothing was scored again and the job waited for ever."""
+
+    class Raising:
+        async def call(self, *args, **kwargs):
+            raise RuntimeError("client bug")
+
+    sink = Sink()
+    rewards = {"t": [spec("const", args={"value": 1.0})]}
+    async with RewardStream(Raising(), rewards, sink, concurrency=1) as stream:  # type: ignore[arg-type]
+        assert stream.submit(traj("a")) and stream.submit(traj("b"))
+    got = sink.by_id()
+    assert {k: s.status for k, s in got.items()} == {"a": "reward_failed", "b": "reward_failed"}
+    assert "RuntimeError: client bug" in (got["b"].error or "")
+    assert stream.metrics()["failures"] == {"stream_error": 2}
+
+
 async def test_a_missing_task_key_masks_without_calling():
     rewards = {"t": [spec("answer_is", task_args={"ground_truth": "answer"})]}
     sink = Sink()
