@@ -22,6 +22,7 @@ from fabric.integrations.errors import (
     IntegrationError,
     MissingArgumentError,
     RewardCallError,
+    RewardClosedError,
 )
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "MissingArgumentError",
     "RewardAdapter",
     "RewardCallError",
+    "RewardClosedError",
     "Sample",
     "Score",
     "SyncBridge",

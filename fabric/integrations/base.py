@@ -42,6 +42,7 @@ from fabric.integrations.errors import (
     BatchDeadlineError,
     MissingArgumentError,
     RewardCallError,
+    RewardClosedError,
     _first_line,
 )
 from fabric.protocol import ErrorInfo, Message, Result, Trajectory
@@ -498,6 +499,10 @@ class SyncBridge:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
+        self._batches: set[asyncio.Task[Any]] = set()
+        """Batches running on the loop (touched on the loop's thread only)."""
+        self._closed_under: set[asyncio.Task[Any]] = set()
+        """Those that ``close()`` cancelled: their callers hear ``RewardClosedError``."""
         _ALL.add(self)
 
     @property
@@ -506,28 +511,63 @@ class SyncBridge:
 
     def _ensure(self) -> asyncio.AbstractEventLoop:
         with self._lock:
-            if self._pid != os.getpid():  # forked: the loop's thread stayed in the parent
-                self._loop, self._thread, self._pid = None, None, os.getpid()
-                self.adapter._client = None
-            if self._loop is not None:
-                return self._loop
-            loop = asyncio.new_event_loop()
-            thread = threading.Thread(target=loop.run_forever, name=self.name, daemon=True)
-            thread.start()
-            try:
-                asyncio.run_coroutine_threadsafe(self.adapter.start(), loop).result()
-            except BaseException:
-                loop.call_soon_threadsafe(loop.stop)
-                thread.join(timeout=5)
-                loop.close()
-                raise
-            self._loop, self._thread = loop, thread
-            with _OPEN_LOCK:
-                _OPEN.add(self)
-            return loop
+            return self._ensure_locked()
+
+    def _ensure_locked(self) -> asyncio.AbstractEventLoop:
+        if self._pid != os.getpid():  # forked: the loop's thread stayed in the parent
+            self._loop, self._thread, self._pid = None, None, os.getpid()
+            self._batches, self._closed_under = set(), set()
+            self.adapter._client = None
+        if self._loop is not None:
+            return self._loop
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name=self.name, daemon=True)
+        thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(self.adapter.start(), loop).result()
+        except BaseException:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=5)
+            loop.close()
+            raise
+        self._loop, self._thread = loop, thread
+        with _OPEN_LOCK:
+            _OPEN.add(self)
+        return loop
 
     def _submit(self, coro: Callable[[], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro(), self._ensure())
+        # scheduled under the lock: a close() in another thread cannot stop the loop between
+        # the two, and its shutdown, scheduled after, finds the batch (the loop runs its
+        # callbacks in the order they came)
+        with self._lock:
+            loop = self._ensure_locked()
+            return asyncio.run_coroutine_threadsafe(self._batch(coro), loop)
+
+    async def _batch(self, coro: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        task = asyncio.current_task()
+        assert task is not None
+        self._batches.add(task)
+        try:
+            return await coro()
+        except asyncio.CancelledError:
+            if task not in self._closed_under:
+                raise  # its caller stopped waiting (Ctrl-C, a cancelled arun)
+            raise RewardClosedError(
+                f"{self.adapter.spec.name}: the reward was closed while this batch was being scored; "
+                "its calls were cancelled"
+            ) from None
+        finally:
+            self._batches.discard(task)
+            self._closed_under.discard(task)
+
+    async def _shutdown(self) -> None:
+        """Cancel the batches under way (their callers hear at once), then close the client."""
+        batches = list(self._batches)
+        self._closed_under.update(batches)
+        for t in batches:
+            t.cancel()
+        await asyncio.gather(*batches, return_exceptions=True)
+        await self.adapter.aclose()
 
     def run(self, samples: Sequence[Sample]) -> list[Score]:
         """Score ``samples`` from a synchronous caller; waits at most the batch deadline."""
@@ -564,8 +604,9 @@ class SyncBridge:
             ) from None
 
     def close(self) -> None:
-        """Close the client (and its worker pools) and stop the loop. Idempotent; a later call
-        starts a new one."""
+        """Cancel the batches under way (their callers get ``RewardClosedError``), close the
+        client (and its worker pools) and stop the loop. Idempotent; a later call starts a
+        new one."""
         with self._lock:
             loop, thread = self._loop, self._thread
             self._loop = self._thread = None
@@ -574,7 +615,7 @@ class SyncBridge:
             if loop is None or self._pid != os.getpid():
                 return
             try:
-                asyncio.run_coroutine_threadsafe(self.adapter.aclose(), loop).result(timeout=60)
+                asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(timeout=60)
             except Exception as e:  # closing must not mask why the caller is closing
                 log.warning("%s: closing the fabric client failed: %s: %s", self.name, type(e).__name__, e)
             finally:

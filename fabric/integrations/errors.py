@@ -8,7 +8,9 @@ The tree, under ``fabric.errors.FabricError``::
     │                          or the function refused its values (a column of the wrong type)
     ├── MissingArgumentError   a required parameter of the function has no source in the batch
     ├── RewardCallError        calls failed and no ``failure_score`` is set: carries the failures
-    └── BatchDeadlineError     the batch did not finish within its deadline
+    ├── BatchDeadlineError     the batch did not finish within its deadline
+    └── RewardClosedError      the adapter was closed (``close()``, the exit backstop) while
+                               the batch was being scored: its calls were cancelled
 
 A misconfigured adapter (an unknown function, a bad option) raises the SDK's own errors:
 ``UnknownFunctionError`` (lists the known names) and ``ConfigError``.
@@ -35,6 +37,11 @@ class MissingArgumentError(IntegrationError, ValueError):
 
 class BatchDeadlineError(IntegrationError, TimeoutError):
     """A batch did not come back within the adapter's ``deadline_s`` (and its grace)."""
+
+
+class RewardClosedError(IntegrationError):
+    """The adapter was closed while this batch was being scored: its calls were cancelled
+    and nothing was scored."""
 
 
 class RewardCallError(IntegrationError):

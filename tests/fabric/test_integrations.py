@@ -974,3 +974,36 @@ async def test_arun_starts_the_bridge_without_blocking_the_callers_loop():
         assert [s.value for s in scores] == [4.0]
     finally:
         await asyncio.to_thread(bridge.close)
+
+
+def test_closing_a_reward_while_a_batch_runs_cancels_it_and_the_caller_hears_at_once():
+    """``close()`` (or the exit backstop) while another thread waited for a batch stopped the
+    bridge's loop under the batch: its calls ran on, never finished, and the caller waited
+    for the whole deadline and its grace (330 s by default; at exit, a non-daemon thread
+    still scoring held the interpreter that long). The batch is cancelled now, and its
+    caller gets ``RewardClosedError``."""
+    from fabric.integrations import RewardAdapter, RewardClosedError, Sample, SyncBridge
+
+    reg, entered, cancelled = _held_reward()
+    cfg = IntegrationConfig(function="held", builtins=False)
+    bridge = SyncBridge(RewardAdapter(cfg, registry=reg, backend=FakeBackend(reg)))
+    outcome: list[BaseException | list] = []
+
+    def score() -> None:
+        try:
+            outcome.append(bridge.run([Sample(build_trajectory("hi"))]))
+        except BaseException as e:
+            outcome.append(e)
+
+    caller = threading.Thread(target=score, daemon=True)
+    caller.start()
+    try:
+        assert entered.wait(30)
+        bridge.close()
+        assert cancelled.is_set(), "the batch ran on after close()"
+        caller.join(30)
+        assert not caller.is_alive(), "the caller still waits for a batch of a closed reward"
+        [err] = outcome
+        assert isinstance(err, RewardClosedError) and "held" in str(err), err
+    finally:
+        bridge.close()
