@@ -416,6 +416,12 @@ def _reward_of(value: Any) -> tuple[float | None, dict[str, float], str | None]:
         elif isinstance(value, Mapping) and isinstance(value.get("score"), bool | int | float):
             score = float(value["score"])
             raw = value.get("components") or {}
+            if not isinstance(raw, Mapping):
+                return (
+                    None,
+                    {},
+                    f"components of {type(raw).__name__} {raw!r:.100}, not a mapping of names to numbers",
+                )
             comps = {str(k): float(v) for k, v in raw.items() if isinstance(v, bool | int | float)}
         else:
             return None, {}, f"{type(value).__name__} {value!r:.100}, not a number or a RewardResult"

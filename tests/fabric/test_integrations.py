@@ -257,6 +257,23 @@ def test_a_score_too_large_for_a_float_fails_its_sample_only(fake):
         assert reward.adapter.stats["failed"] == 2
 
 
+def test_an_answer_whose_components_are_not_a_mapping_fails_its_sample_only():
+    # {"score": 1.0, "components": [...]} (a plain dict, which nothing checks on the way)
+    # raised AttributeError in the adapter: the whole batch was lost, the others unscored
+    reg = Registry()
+
+    @reg.reward(warm=0)
+    def listed(traj: Trajectory) -> dict:
+        if traj.final_text() == "list":
+            return {"score": 1.0, "components": [1.0, 2.0]}
+        return {"score": 0.5, "components": {"x": 1.0}}
+
+    with trl_reward("listed", registry=reg, backend_instance=FakeBackend(reg), builtins=False) as reward:
+        out, _ = call_trl(reward, ["p"] * 3, ["ok", "list", "ok"], **trl_kwargs(3))
+        assert out == [0.5, None, 0.5]
+        assert reward.adapter.stats["failed"] == 1
+
+
 # ----------------------------------------------------------------------------- veRL
 
 
