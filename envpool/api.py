@@ -240,6 +240,11 @@ class GuardedEnv:
             self._needs_reset = True
         return res
 
+    def require_reset(self) -> None:
+        """The next ``step`` needs a ``reset`` first: the episode under way is not the next
+        caller's (a container's server reuses its environment across sessions)."""
+        self._needs_reset = True
+
     def close(self) -> None:
         """Close the environment; idempotent. A closed environment takes no more steps."""
         self._needs_reset = True

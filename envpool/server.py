@@ -210,6 +210,9 @@ class Server:
                 env.close()
             self.env = self.registry.make(env_id, tool_caller=self.call_tool, **kwargs)
             self.env_key = key
+        else:
+            # reused: the last session's episode (half played, maybe) is not this one's
+            self.env.require_reset()
 
     def handle(self, rid: int, op: Any, args: dict[str, Any]) -> dict[str, Any]:
         from envpool.errors import EnvUsageError

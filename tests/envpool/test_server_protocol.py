@@ -1,0 +1,96 @@
+"""The container's server (``envpool.server.Server``) driven over the wire protocol in this
+process: its sessions on socket pairs, each accepted by ``serve`` as from a listener."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from envpool.api import EnvRegistry
+from envpool.errors import EnvOrderError
+from envpool.protocol import encode, recv_frame
+from envpool.server import Server
+
+
+class _Listener:
+    """What ``Server.serve`` accepts from: socket pairs handed over by the test; ``None``
+    ends it (``accept`` raises, as a closed listener's would)."""
+
+    def __init__(self) -> None:
+        self.pending: queue.Queue[socket.socket | None] = queue.Queue()
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        conn = self.pending.get()
+        if conn is None:
+            raise OSError("listener closed")
+        return conn, None
+
+
+class _Wire:
+    def __init__(self, listener: _Listener) -> None:
+        self.listener = listener
+        self.clients: list[socket.socket] = []
+
+    def connect(self) -> socket.socket:
+        ours, theirs = socket.socketpair()
+        ours.settimeout(30)  # only bounds a failure: every reply comes at once
+        self.clients.append(ours)
+        self.listener.pending.put(theirs)
+        return ours
+
+    @staticmethod
+    def ask(sock: socket.socket, msg: dict[str, Any]) -> dict[str, Any]:
+        sock.sendall(encode(msg))
+        return recv_frame(sock)
+
+    def open(self, token: str, env_id: str = "echo-v0", **kwargs: Any) -> socket.socket:
+        sock = self.connect()
+        hello = self.ask(sock, {"op": "open", "id": 0, "token": token, "env_id": env_id, "kwargs": kwargs})
+        assert hello["ok"], hello
+        return sock
+
+
+@pytest.fixture
+def wire() -> Iterator[_Wire]:
+    registry = EnvRegistry()
+    registry.register("echo-v0", entry_point="envpool.envs.echo:EchoEnv")
+    server = Server(registry, {})
+    listener = _Listener()
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            server.serve(listener)  # type: ignore[arg-type]
+
+    thread = threading.Thread(target=serve, name="envpool-test-server", daemon=True)
+    thread.start()
+    w = _Wire(listener)
+    try:
+        yield w
+    finally:
+        for sock in w.clients:
+            sock.close()  # the session in progress ends (EOF), then the listener
+        listener.pending.put(None)
+        thread.join(30)
+        assert not thread.is_alive()
+
+
+def test_a_new_session_on_the_reused_environment_cannot_step_the_last_sessions_episode(wire):
+    # the server keeps one environment across sessions (same id and kwargs): a session that
+    # stepped first went on with the episode another trajectory left half-played
+    first = wire.open("a")
+    assert wire.ask(first, {"op": "reset", "id": 1, "token": "a", "args": {"seed": 1}})["ok"]
+    assert wire.ask(first, {"op": "step", "id": 2, "token": "a", "args": {"action": "x"}})["ok"]
+    assert wire.ask(first, {"op": "close", "id": 3, "token": "a"})["ok"]
+
+    second = wire.open("b")
+    reply = wire.ask(second, {"op": "step", "id": 1, "token": "b", "args": {"action": "y"}})
+    assert not reply["ok"] and reply["error"]["type"] == EnvOrderError.__name__, reply
+    assert wire.ask(second, {"op": "reset", "id": 2, "token": "b", "args": {"seed": 2}})["ok"]
+    step = wire.ask(second, {"op": "step", "id": 3, "token": "b", "args": {"action": "y"}})
+    assert step["ok"] and step["result"]["info"] == {"steps": 1}, step
