@@ -161,9 +161,15 @@ class Server:
     def session(self, conn: socket.socket) -> None:
         hello = recv_frame(conn)
         token = hello.get("token")
+        kwargs = hello.get("kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            # the client's mistake, not the constructor's: said as the protocol's
+            message = f"open: kwargs must be a JSON object, not {type(kwargs).__name__}"
+            self.send({"id": 0, "ok": False, "error": {"type": "ProtocolError", "message": message}})
+            return
         self.busy.set()  # a slow constructor still heartbeats
         try:
-            self.open_env(str(hello.get("env_id")), hello.get("kwargs") or {})
+            self.open_env(str(hello.get("env_id")), kwargs or {})
         except Exception as e:
             self.send({"id": 0, "ok": False, "error": error_payload(e)})
             return
@@ -194,7 +200,7 @@ class Server:
             if op == "close":
                 self.send({"id": rid, "ok": True, "result": None})
                 return
-            reply = self.handle(rid, op, msg.get("args") or {})
+            reply = self.handle(rid, op, msg.get("args"))
             self.replies[rid] = reply
             while len(self.replies) > _REPLY_CACHE:
                 self.replies.popitem(last=False)
@@ -214,9 +220,14 @@ class Server:
             # reused: the last session's episode (half played, maybe) is not this one's
             self.env.require_reset()
 
-    def handle(self, rid: int, op: Any, args: dict[str, Any]) -> dict[str, Any]:
+    def handle(self, rid: int, op: Any, args: Any) -> dict[str, Any]:
         from envpool.errors import EnvUsageError
 
+        if args is None:
+            args = {}
+        elif not isinstance(args, dict):  # a bug of the client's, not the environment's
+            message = f"{op}: args must be a JSON object, not {type(args).__name__}"
+            return {"id": rid, "ok": False, "error": {"type": "ProtocolError", "message": message}}
         self.busy.set()
         try:
             self.maybe_crash()

@@ -94,3 +94,25 @@ def test_a_new_session_on_the_reused_environment_cannot_step_the_last_sessions_e
     assert wire.ask(second, {"op": "reset", "id": 2, "token": "b", "args": {"seed": 2}})["ok"]
     step = wire.ask(second, {"op": "step", "id": 3, "token": "b", "args": {"action": "y"}})
     assert step["ok"] and step["result"]["info"] == {"steps": 1}, step
+
+
+@pytest.mark.parametrize("args", [["y"], "y", 5])
+def test_request_args_that_are_not_an_object_are_a_protocol_error_not_the_environments(wire, args):
+    # they reached the request's handler, whose AttributeError was reported as the
+    # environment's own bug (an EnvLogicError with its traceback, "logic": true)
+    sock = wire.open("a")
+    assert wire.ask(sock, {"op": "reset", "id": 1, "token": "a", "args": {"seed": 1}})["ok"]
+    reply = wire.ask(sock, {"op": "step", "id": 2, "token": "a", "args": args})
+    assert not reply["ok"] and reply["error"]["type"] == "ProtocolError", reply
+    assert "args" in reply["error"]["message"] and not reply["error"].get("logic")
+    step = wire.ask(sock, {"op": "step", "id": 3, "token": "a", "args": {"action": "y"}})
+    assert step["ok"], step  # the session goes on
+
+
+def test_open_kwargs_that_are_not_an_object_are_a_protocol_error_not_the_constructors(wire):
+    sock = wire.connect()
+    hello = {"op": "open", "id": 0, "token": "a", "env_id": "echo-v0", "kwargs": "seed=1"}
+    reply = wire.ask(sock, hello)
+    assert not reply["ok"] and reply["error"]["type"] == "ProtocolError", reply
+    assert "kwargs" in reply["error"]["message"]
+    wire.open("b")  # the server waits for the next session
