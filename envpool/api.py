@@ -216,6 +216,8 @@ class GuardedEnv:
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[Observation, dict]:
+        if self._closed:
+            raise EnvOrderError(f"{self.spec.id}: reset() of a closed environment; make a new one")
         obs, info = self.env.reset(seed=seed, options=options)
         self._needs_reset = False
         self._steps = 0
@@ -246,7 +248,7 @@ class GuardedEnv:
         self._needs_reset = True
 
     def close(self) -> None:
-        """Close the environment; idempotent. A closed environment takes no more steps."""
+        """Close the environment; idempotent. A closed environment takes no more resets or steps."""
         self._needs_reset = True
         if not self._closed:
             self._closed = True

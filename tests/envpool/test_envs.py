@@ -550,3 +550,16 @@ def test_docs_pool_example_runs_the_same_episode_in_a_container(tmp_path):
 def test_check_env_catches_a_second_close_that_raises_when_nothing_guards_it():
     report = problems_of(broken_registry(NoisyEnv, LaxRegistry(), max_episode_steps=5))
     assert "close() call 2 raised RuntimeError" in report
+
+
+def test_a_closed_environment_refuses_a_reset_too():
+    # close() promised "a closed environment takes no more steps", but a reset() went to the
+    # user's closed environment (its files and subprocesses gone) and reopened the episode
+    env = envpool.make("echo-v0")
+    env.reset(seed=1)
+    env.close()
+    with pytest.raises(EnvOrderError, match="closed"):
+        env.reset(seed=2)
+    with pytest.raises(EnvOrderError):
+        env.step("hello")
+    env.close()  # still idempotent
