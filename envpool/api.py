@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -218,7 +218,14 @@ class GuardedEnv:
     ) -> tuple[Observation, dict]:
         if self._closed:
             raise EnvOrderError(f"{self.spec.id}: reset() of a closed environment; make a new one")
-        obs, info = self.env.reset(seed=seed, options=options)
+        out = self.env.reset(seed=seed, options=options)
+        if not (isinstance(out, tuple | list) and len(out) == 2 and isinstance(out[1], Mapping)):
+            # unpacked as it came, a two-letter string was obs "h" and info "i"
+            raise TypeError(
+                f"{self.spec.id}: reset() must return (observation, info dict), got {type(out).__name__} "
+                f"{out!r:.100}"
+            )
+        obs, info = out
         self._needs_reset = False
         self._steps = 0
         return as_observation(obs), dict(info)

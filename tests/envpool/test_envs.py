@@ -563,3 +563,20 @@ def test_a_closed_environment_refuses_a_reset_too():
     with pytest.raises(EnvOrderError):
         env.step("hello")
     env.close()  # still idempotent
+
+
+class PairlessResetEnv(EndlessEnv):
+    def __init__(self, shape: Any = "hi") -> None:
+        self.shape = shape
+
+    def reset(self, *, seed=None, options=None):
+        return self.shape
+
+
+@pytest.mark.parametrize("shape", ["hi", "ready", ("ready", None), ("ready", ["seed", 1])])
+def test_a_reset_that_is_not_an_observation_and_an_info_dict_says_so(shape):
+    # a bare two-letter string unpacked into obs "h" and info "i", then dict("i") raised
+    # "dictionary update sequence element #0 has length 1"; (obs, None): "NoneType is not iterable"
+    env = broken_registry(PairlessResetEnv).make("broken-v0", shape=shape)
+    with pytest.raises(TypeError, match=r"broken-v0: reset\(\) must return \(observation, info dict\)"):
+        env.reset(seed=1)
