@@ -23,7 +23,7 @@ from envpool.errors import (
     SessionTokenError,
     StepTimeout,
 )
-from envpool.protocol import FrameDecoder, FrameError, encode
+from envpool.protocol import HEADER, MAX_FRAME, FrameDecoder, FrameError, encode
 
 AsyncToolCaller = Callable[[str, dict[str, Any]], Awaitable[str]]
 
@@ -180,6 +180,13 @@ class Connection(asyncio.Protocol):
                 f"cannot send {msg.get('op', 'a message')!r} to the container: {e}; its arguments "
                 "(env_kwargs, reset options) must be JSON-safe"
             ) from None
+        if len(data) - HEADER.size > MAX_FRAME:
+            # the server would refuse it and hang up: the caller's mistake, said here, and the
+            # container kept (not a ProtocolError, nor a reset connection read as a fault)
+            raise EnvUsageError(
+                f"cannot send {msg.get('op', 'a message')!r} to the container: {len(data):,} bytes, over "
+                f"the {MAX_FRAME:,}-byte frame limit; keep its arguments (env_kwargs, reset options) smaller"
+            )
         self.transport.write(data)
 
     async def request(self, msg: dict[str, Any], timeout_s: float) -> Any:

@@ -11,10 +11,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from echo_bundle import IMAGE
+from pool_util import pool
 
 from envpool.api import EnvRegistry
-from envpool.errors import EnvOrderError
-from envpool.protocol import encode, recv_frame
+from envpool.errors import EnvOrderError, EnvUsageError
+from envpool.protocol import MAX_FRAME, encode, recv_frame
 from envpool.server import Server
 
 
@@ -116,3 +118,16 @@ def test_open_kwargs_that_are_not_an_object_are_a_protocol_error_not_the_constru
     assert not reply["ok"] and reply["error"]["type"] == "ProtocolError", reply
     assert "kwargs" in reply["error"]["message"]
     wire.open("b")  # the server waits for the next session
+
+
+async def test_a_request_over_the_frame_limit_is_refused_before_it_is_sent(images):
+    # sent, the server refused the frame and hung up: a ProtocolError, and the session's
+    # container discarded for the caller's own mistake (over TCP, a reset connection could
+    # even read as an infrastructure fault, retried on fresh containers)
+    async with pool(images, min_warm=0) as p, p.session("bundle-echo-v0", image=IMAGE) as s:
+        held = s.container
+        with pytest.raises(EnvUsageError, match="frame limit"):
+            await s.reset(seed=1, options={"x": "a" * MAX_FRAME})
+        assert (await s.reset(seed=1))[0].text == "ready 1"
+        assert s.container is held  # the session and its container go on
+    assert p.stats().get("discarded", 0) == 0
