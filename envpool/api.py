@@ -87,8 +87,8 @@ class Env(ABC):
 
 
 def as_observation(obs: Any) -> Observation:
-    if isinstance(obs, Observation):
-        return obs
+    if isinstance(obs, Observation):  # validated again: its fields may have been set after it was built
+        return Observation.model_validate(obs.model_dump(warnings=False))
     if isinstance(obs, str):
         return Observation(text=obs)
     if isinstance(obs, dict):
@@ -236,9 +236,13 @@ class GuardedEnv:
                 f"{self.spec.id}: step() before reset() (or after the episode ended); call reset()"
             )
         text = check_action(action, self.spec.max_action_bytes)
-        res = self.env.step(text)
-        if not isinstance(res, StepResult):
-            res = StepResult.model_validate(res)
+        out: Any = self.env.step(text)
+        # validated as the pool will read it: pydantic never validates an instance again, and
+        # its fields may have been set to anything after it was built (obs="text",
+        # terminated="no": a truthy string here, False on the pool's side)
+        if isinstance(out, StepResult):
+            out = out.model_dump(warnings=False)
+        res = StepResult.model_validate(out)
         if not math.isfinite(res.reward):
             raise ValueError(f"{self.spec.id} returned a non-finite reward {res.reward}")
         self._steps += 1

@@ -580,3 +580,51 @@ def test_a_reset_that_is_not_an_observation_and_an_info_dict_says_so(shape):
     env = broken_registry(PairlessResetEnv).make("broken-v0", shape=shape)
     with pytest.raises(TypeError, match=r"broken-v0: reset\(\) must return \(observation, info dict\)"):
         env.reset(seed=1)
+
+
+class MutatedResultEnv(EndlessEnv):
+    """Builds a valid result, then sets a field of the wrong type (no validation on assignment)."""
+
+    def step(self, action: str) -> StepResult:
+        res = StepResult(obs=Observation(text="ok"))
+        if action == "obs":
+            res.obs = "plain text"  # type: ignore[assignment]
+        elif action == "text":
+            res.obs.text = 7  # type: ignore[assignment]
+        elif action == "flag":
+            res.terminated = "no"  # type: ignore[assignment]
+        return res
+
+
+@pytest.mark.parametrize("action", ["obs", "text"])
+def test_a_result_of_the_wrong_types_is_the_environments_error_where_it_ran(action):
+    # it passed make()'s checks (an instance was never validated again) and failed on the
+    # pool's side as a raw ValidationError, after the container had run the step
+    env = broken_registry(MutatedResultEnv).make("broken-v0")
+    env.reset(seed=1)
+    with pytest.raises(ValueError, match="obs"):
+        env.step(action)
+
+
+def test_a_result_flag_of_the_wrong_type_reads_the_same_on_both_sides():
+    # terminated="no": the server's done was the truthy string (the episode over, the next
+    # step refused), the pool's the parsed False (the episode going on)
+    env = broken_registry(MutatedResultEnv).make("broken-v0")
+    env.reset(seed=1)
+    res = env.step("flag")
+    assert res.terminated is False and res.done is False
+    assert StepResult.model_validate(res.model_dump()).done is res.done
+    assert env.step("again").obs.text == "ok"  # not "step() after the episode ended"
+
+
+class MutatedObservationEnv(EndlessEnv):
+    def reset(self, *, seed=None, options=None):
+        obs = Observation(text="ready")
+        obs.text = 7  # type: ignore[assignment]
+        return obs, {}
+
+
+def test_a_reset_observation_of_the_wrong_types_is_the_environments_error_where_it_ran():
+    env = broken_registry(MutatedObservationEnv).make("broken-v0")
+    with pytest.raises(ValueError, match="text"):
+        env.reset(seed=1)
