@@ -258,7 +258,10 @@ class Server:
         if self.fault.get("crash_rate") and self.rng.random() < self.fault["crash_rate"]:
             os._exit(17)
         if self.fault.get("hang_rate") and self.rng.random() < self.fault["hang_rate"]:
-            time.sleep(3600)
+            # or freezes: every thread stops, the heartbeat's too, as in a frozen container (a
+            # sleep here heartbeated on, and read as the environment hanging: EnvHung)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(3600)  # (should it be continued)
 
 
 def fetch_image(digest: str, source: str) -> Path:

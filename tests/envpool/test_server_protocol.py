@@ -131,3 +131,19 @@ async def test_a_request_over_the_frame_limit_is_refused_before_it_is_sent(image
         assert (await s.reset(seed=1))[0].text == "ready 1"
         assert s.container is held  # the session and its container go on
     assert p.stats().get("discarded", 0) == 0
+
+
+async def test_an_injected_hang_freezes_the_container_an_infrastructure_fault_not_the_environments(images):
+    # the hang fault slept with the heartbeat thread still beating: since a request that times
+    # out while its container heartbeats is the environment hanging (EnvHung, never retried),
+    # the chaos meant to exercise the frozen-container path exercised nothing of it
+    from envpool.errors import EnvHung, SessionLost
+
+    faults = {"heartbeat_s": 0.1, "faults": {"hang_rate": 1.0}}
+    async with pool(images, min_warm=0, runtime=faults, reset_timeout_s=5, retry={"attempts": 2}) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            with pytest.raises(SessionLost) as lost:
+                await s.reset(seed=1)
+        assert not isinstance(lost.value.__cause__, EnvHung)
+        stats = p.stats()
+        assert stats.get("env_hung", 0) == 0 and stats.get("infra:hung_or_timeout", 0) == 2, stats
