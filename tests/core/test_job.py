@@ -916,6 +916,17 @@ async def test_a_final_reward_timeout_masks_the_trajectory_and_replaces_it(tmp_p
     assert summary["groups"]["reruns"] >= 1
 
 
+async def _past_its_first_step(cfg: JobConfig) -> tuple[Job, asyncio.Future[Any]]:
+    """The job started, and polled until it trained one step (still running): the faults
+    of the tests below strike a job in its stride."""
+    job = Job(cfg, progress=False, registry=faults.REG)
+    task = asyncio.ensure_future(job.run())
+    while job.version < 1 and not task.done():  # noqa: ASYNC110 - polls another task's progress
+        await asyncio.sleep(0.02)
+    assert not task.done()
+    return job, task
+
+
 def _latency_fails(seed: int, fail_prob: float) -> bool:
     rng = random.Random(seed)  # LatencyEnv.reset: the slow draw, then the fail draw
     rng.random()
@@ -958,12 +969,7 @@ async def test_a_container_that_dies_mid_episode_is_masked_not_scored(tmp_path, 
 async def test_a_killed_engine_replica_restarts_and_gets_the_latest_weights(tmp_path, ray_cluster):
     ray = ray_cluster
     # enough steps that the job outlives the restart (a new worker process loading torch)
-    cfg = job_config(tmp_path, steps=40)
-    job = Job(cfg, progress=False, registry=faults.REG)
-    task = asyncio.ensure_future(job.run())
-    while job.version < 1 and not task.done():  # noqa: ASYNC110 - polls another task's progress
-        await asyncio.sleep(0.02)
-    assert not task.done()
+    job, task = await _past_its_first_step(job_config(tmp_path, steps=40))
     [replica] = job.replicas
     pid = await replica.pid.remote()
     killed_at = job.version
@@ -978,8 +984,8 @@ async def test_a_killed_engine_replica_restarts_and_gets_the_latest_weights(tmp_
                 break
         await asyncio.sleep(0.05)
     summary = await task
-    check_invariants(summary, cfg)
-    assert [r["version"] for r in train_rows(tmp_path / "run")] == list(range(1, cfg.steps + 1))
+    check_invariants(summary, job.cfg)
+    assert [r["version"] for r in train_rows(tmp_path / "run")] == list(range(1, job.cfg.steps + 1))
     # the restarted process was given the weights it lost (it starts from the initial ones):
     # the proxy's record says so; the poll above may miss the moment on a loaded machine (a
     # reply slower than its 5 s wait), so what it saw, if anything, is checked on top
@@ -997,12 +1003,9 @@ async def test_a_trainer_that_hangs_stops_the_job_with_an_error_naming_its_deadl
     # step (a hung collective) held the job, and its run directory said nothing, for ever
     import threading
 
-    cfg = job_config(tmp_path, steps=40, trainer={"lr": 1e-3, "call_timeout_s": 600})
-    job = Job(cfg, progress=False, registry=faults.REG)
-    task = asyncio.ensure_future(job.run())
-    while job.version < 1 and not task.done():  # noqa: ASYNC110 - polls another task's progress
-        await asyncio.sleep(0.02)
-    assert not task.done()
+    job, task = await _past_its_first_step(
+        job_config(tmp_path, steps=40, trainer={"lr": 1e-3, "call_timeout_s": 600})
+    )
     # the deadline is read at each call: lowered only now, a first step slowed by a loaded
     # machine cannot be what times out
     job.cfg.trainer.call_timeout_s = 3
@@ -1027,12 +1030,7 @@ async def test_a_dead_proxy_stops_the_job_at_once_with_an_error_that_says_so(tmp
     # up), and the job stopped only when a streak of groups was given up or the step loop
     # met it, with an error that did not say what to do
     ray = ray_cluster
-    cfg = job_config(tmp_path, steps=40)
-    job = Job(cfg, progress=False, registry=faults.REG)
-    task = asyncio.ensure_future(job.run())
-    while job.version < 1 and not task.done():  # noqa: ASYNC110 - polls another task's progress
-        await asyncio.sleep(0.02)
-    assert not task.done()
+    job, task = await _past_its_first_step(job_config(tmp_path, steps=40))
     ray.kill(job.proxy_handle, no_restart=True)
     with pytest.raises(ProxyDiedError) as e:
         await asyncio.wait_for(task, 60)
