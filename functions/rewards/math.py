@@ -164,7 +164,7 @@ _LAST_NUMBER = re.compile(
 )
 # one math span: $...$, $$...$$ (an escaped \$ is a dollar sign), \(...\), \[...\]
 _DOLLAR = re.compile(r"(?<!\\)\$\$?")
-_INEQUALITY = re.compile(r"[<>]|\\(?:le|ge|lt|gt|leq|geq|neq|ne)\b")
+_INEQUALITY = re.compile(r"[<>]|\\(?:le|ge|lt|gt|leq|geq|neq|ne)(?![A-Za-z])")  # \ge1 too
 # a value that is a number, or is built from numbers: a digit or a LaTeX number form
 _NUMERIC = re.compile(r"\d|\\(?:[dtc]?frac|sqrt|pi|infty|emptyset|varnothing|binom)(?![A-Za-z])")
 # a lone variable (n, X, \alpha, c_{\text{total}}, x'): what the prose talks about, not an answer

@@ -238,7 +238,8 @@ def _expand_pm(s: str) -> str:
     return f"{_PLUS_MINUS.sub(first, s)}, {_PLUS_MINUS.sub(second, s)}"
 
 
-_PLUS_MINUS = re.compile(r"\\(?:pm|mp)\b\s*")
+# a control word ends at the first non-letter: \pm5 is \pm 5 (\b saw no end between m and 5)
+_PLUS_MINUS = re.compile(r"\\(?:pm|mp)(?![A-Za-z])\s*")
 
 
 def _name_order(name: str) -> tuple[str, int]:

@@ -126,6 +126,7 @@ def test_extract_final(text, expected):
         ("so $x = \\sqrt{2}$ for each $n$", ("\\sqrt{2}", "last_math")),
         # an inequality after the answer is a condition: the span before it states the answer
         ("We get $f(n) = 3$ for all $n \\ge 1$.", ("3", "last_math")),
+        ("We get $f(n) = 3$ for all $n \\ge1$.", ("3", "last_math")),  # \ge ends before the digit
         ("Thus $x=\\frac34$, since $4 > 3$.", ("\\frac34", "last_math")),
         ("Thus $x = 2$, then 5 more, since $4 > 3$.", ("3", "last_number")),  # prose number after it
         # "!" before an operator is a factorial (the sentence goes on); at the end, excitement
@@ -546,6 +547,11 @@ def test_a_rounded_decimal_does_not_match_an_exact_integer(pred, gt, equal):
         ("\\frac{1 \\pm \\sqrt{5}}{2}", "\\frac{1+\\sqrt{5}}{2}, \\frac{1-\\sqrt{5}}{2}", True),
         ("\\pm 2", "2", False),  # two answers for one
         ("\\pm 2", "-2", False),
+        # a control word ends before a digit: \pm5 is \pm 5
+        ("\\pm5", "5, -5", True),
+        ("x = \\pm5", "\\{-5, 5\\}", True),
+        ("\\mp3", "\\pm 3", True),
+        ("\\pm5", "5", False),
         # ... in a list, each element on its own; a subscript with a comma names both roots
         ("x_{1,2} = 1 \\pm \\sqrt{2}", "1+\\sqrt{2}, 1-\\sqrt{2}", True),
         ("\\pm 2, \\pm 3", "2,-2,3,-3", True),
