@@ -10,6 +10,10 @@ Two ways to compose, with the same arithmetic (``combine``):
   result encoded exactly as on a worker). Handy for small, cheap rewards (format, exact
   match, tool use); async components (an LLM judge) belong on the ``combine`` path.
 
+A component that fails fails the composite: with ``Unavailable`` (retryable) when its own
+failure was retryable (an ``llm_judge`` whose endpoint is down, an async component past its
+``timeout_s``), else with a final error naming the component.
+
 Score: with ``normalize`` (the default) the weighted mean ``sum(w * s) / sum(w)``, which
 stays in the components' range; without it the plain weighted sum ``sum(w * s)``. Every
 component's score is kept in ``RewardResult.components`` under its name and its own
@@ -26,6 +30,7 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import fabric
+from fabric.errors import RETRYABLE, Unavailable
 from fabric.protocol import RewardResult, Trajectory, encode_payload
 from fabric.registry import default_registry
 from fabric.runner import FunctionRunner
@@ -132,7 +137,11 @@ def _run(runner: FunctionRunner, payload: dict[str, Any]) -> Any:
         ok, out = runner.run(raw)
     if not ok:
         code, message, _ = out
-        raise RuntimeError(f"{runner.spec.name} failed: {code}: {message}")
+        text = f"{runner.spec.name} failed: {code}: {message}"
+        # a component's transient failure (its endpoint down, its timeout) is the composite's:
+        # retryable, not a final UserError, which the fabric neither retries nor lets a later
+        # call under the same idempotency key run again
+        raise Unavailable(text) if code in RETRYABLE else RuntimeError(text)
     value = pydantic_core.from_json(out)
     return RewardResult.model_validate(value) if isinstance(value, dict) else value
 
@@ -169,6 +178,6 @@ def composite(traj: Trajectory, *, spec: CompositeSpec) -> RewardResult:
     for c in spec.components:
         try:
             results[c.name] = _run(runners[c.name], {"traj": traj, **c.kwargs})
-        except RuntimeError as e:
-            raise RuntimeError(f"component {c.name!r}: {e}") from None
+        except (RuntimeError, Unavailable) as e:
+            raise type(e)(f"component {c.name!r}: {e}") from None
     return combine(results, {c.name: c.weight for c in spec.components}, normalize=spec.normalize)

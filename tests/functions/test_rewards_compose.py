@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import math
 import re
+import socket
 import time
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
-from fabric.errors import UnknownFunctionError
+from fabric.errors import Unavailable, UnknownFunctionError
 from fabric.protocol import Message, RewardResult, ToolCall, Trajectory, encode_payload
 from fabric.registry import Registry
 from fabric.runner import FunctionRunner
@@ -413,6 +414,31 @@ def test_composite_errors() -> None:
         RuntimeError, match=r"component 'c': exact_match failed: InvalidArguments: .*unexpected 'x'"
     ):
         composite(t, spec=CompositeSpec.model_validate(bad_kwargs))
+
+
+def test_a_transient_component_failure_stays_retryable(monkeypatch: pytest.MonkeyPatch) -> None:
+    # an llm_judge component whose endpoint is down raises Unavailable (retryable); the
+    # composite turned it into a RuntimeError, a final UserError, which the fabric does not
+    # retry and caches under the call's idempotency key
+    from functions.rewards import compose
+
+    monkeypatch.setattr(compose, "_runners", {})  # the judge below reads this environment
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("RL_FABRIC_JUDGE_MODEL", "m")
+    monkeypatch.setenv("RL_FABRIC_JUDGE_BASE_URL", f"http://127.0.0.1:{port}/v1")
+    monkeypatch.setenv("RL_FABRIC_JUDGE_MAX_RETRIES", "0")
+    spec = {
+        "components": [
+            {"name": "correct", "function": "exact_match", "kwargs": {"ground_truth": "42"}},
+            {"name": "judge", "function": "llm_judge", "kwargs": {"question": "q"}},
+        ]
+    }
+    with pytest.raises(Unavailable, match=r"component 'judge': llm_judge failed: Unavailable: "):
+        composite(reply(GOOD), spec=CompositeSpec.model_validate(spec))
+    ok, (code, message, _) = run("functions.rewards.compose:composite", {"traj": reply(GOOD), "spec": spec})
+    assert not ok and code == "Unavailable" and "component 'judge'" in message
 
 
 @pytest.mark.parametrize(
