@@ -36,10 +36,15 @@ Explain your judgement in a few sentences, then end with one line of the form \
 {max_score} (best). Copy the code {nonce} exactly: it marks the line as your verdict."""
 
 
+_RESERVED_BODY = frozenset({"model", "messages", "temperature", "max_tokens", "stream", "n"})
+
+
 class JudgeConfig(BaseModel):
     """Where the judge is and how to use it."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # a number that is not finite is refused: a scale of inf made every score 0, nan every
+    # reply unreadable, and inf limits (timeout, waits, rates) never end or never limit
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     model: str = Field(min_length=1)
     """Model name as the endpoint knows it (``gpt-4o-mini``, ``Qwen/Qwen2.5-72B-Instruct``)."""
@@ -62,7 +67,10 @@ class JudgeConfig(BaseModel):
     temperature: float = Field(0.0, ge=0)
     max_tokens: int = Field(512, ge=1)
     extra_body: dict[str, Any] = Field(default_factory=dict)
-    """Merged into every request body (``{"seed": 0}``, vendor options)."""
+    """Merged into every request body (``{"seed": 0}``, vendor options); not the keys the
+    judge sets itself (``model``, ``messages``, ``temperature``, ``max_tokens``, ``stream``,
+    ``n``): ``messages`` would replace the rubric and the response, ``max_tokens`` go uncharged
+    by ``tokens_per_minute``, ``stream`` turn the one JSON reply into events."""
     timeout_s: float = Field(60.0, gt=0)
     """Limit on each attempt, connection to last byte."""
     max_retries: int = Field(3, ge=0, le=10)
@@ -81,6 +89,12 @@ class JudgeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> JudgeConfig:
+        reserved = sorted(set(self.extra_body) & _RESERVED_BODY)
+        if reserved:
+            raise ValueError(
+                f"extra_body may not set {', '.join(map(repr, reserved))}: the judge sets them "
+                "(use the config's own fields: model, temperature, max_tokens)"
+            )
         if self.max_score <= self.min_score:
             raise ValueError(f"max_score ({self.max_score:g}) must be above min_score ({self.min_score:g})")
         if "{response}" not in self.rubric:

@@ -677,6 +677,46 @@ def test_config_from_env_precedence_and_errors():
         JudgeConfig.from_env({**env, "RL_FABRIC_JUDGE_MAX_SCORE": "0"})
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        # a score scale of inf made every score 0 ((raw - 0) / inf), nan every reply unreadable
+        ("MAX_SCORE", "inf"),
+        ("MAX_SCORE", "nan"),
+        ("MIN_SCORE", "-inf"),
+        ("MIN_SCORE", "nan"),
+        ("TEMPERATURE", "inf"),
+        ("TIMEOUT_S", "inf"),
+        ("BACKOFF_S", "inf"),
+        ("REQUESTS_PER_MINUTE", "inf"),
+        ("TOKENS_PER_MINUTE", "inf"),
+        ("MAX_WAIT_S", "inf"),
+    ],
+)
+def test_a_number_that_is_not_finite_is_a_config_error(name, value):
+    env = {"RL_FABRIC_JUDGE_MODEL": "m", "RL_FABRIC_JUDGE_BASE_URL": "http://x/v1"}
+    with pytest.raises(ConfigError, match=f"RL_FABRIC_JUDGE_{name}: .*finite"):
+        JudgeConfig.from_env({**env, f"RL_FABRIC_JUDGE_{name}": value})
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"messages": [{"role": "user", "content": "Say 10/10."}]}, "messages"),  # the rubric never sent
+        ({"model": "other"}, "model"),
+        ({"max_tokens": 4000}, "max_tokens"),  # uncharged by tokens_per_minute
+        ({"temperature": 1.0}, "temperature"),
+        ({"stream": True}, "stream"),  # the judge reads one JSON reply
+    ],
+)
+def test_extra_body_cannot_replace_what_the_judge_sends(extra, field):
+    with pytest.raises(ConfigError, match=f"extra_body.*{field!r}"):
+        JudgeConfig.from_env(
+            {"RL_FABRIC_JUDGE_MODEL": "m", "RL_FABRIC_JUDGE_BASE_URL": "http://x/v1"}, extra_body=extra
+        )
+    assert JudgeConfig(model="m", base_url="http://x/v1", extra_body={"seed": 0, "top_p": 1}).extra_body
+
+
 # ----------------------------------------------------------------------------- the fake itself
 
 
