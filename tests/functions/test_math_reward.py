@@ -86,6 +86,10 @@ def test_accuracy_on_labelled_table():
         ("Answer: 2\\sqrt{2}", ("2\\sqrt{2}", "answer_is")),
         ("5 red and 7 blue, 1,200 in total", ("1,200", "last_number")),
         ("ratio 3/4 overall", ("3/4", "last_number")),
+        # a power is one number: its exponent alone is not the answer (2^{10} was read as 10)
+        ("The value is 2^{10}.", ("2^{10}", "last_number")),
+        ("so it comes to 10^3", ("10^3", "last_number")),
+        ("a rate of 2^{-3} per step", ("2^{-3}", "last_number")),
         ("no digits here", (None, "none")),
     ],
 )
