@@ -33,8 +33,9 @@ Equivalence, cheapest first:
    ``\frac{1}{2} b h`` keeps its ``h``, and the one-letter units ``m``, ``s``, ``h``, ``g``,
    ``l`` only inside ``\text{}``/``\mathrm{}``: ``4 s`` is ``4s``, ``4 \text{ s}`` is 4),
    degrees (except in a trigonometric expression, where they are radians to sympy:
-   ``\tan 45^\circ`` is 1), ``\dfrac`` and ``\cfrac``, a leading ``x =``, ``x \approx`` or
-   ``f(x) =``,
+   ``\tan 45^\circ`` is 1), ``\dfrac`` and ``\cfrac``, ``\dbinom``, ``\tbinom`` and
+   ``{n \choose k}`` (``\binom``), ``\lbrace``/``\rbrace`` (``\{``/``\}``), a leading ``x =``,
+   ``x \approx`` or ``f(x) =``,
    a leading "approximately" / "about" / "around" / "roughly" / ``\approx`` / ``~`` before a
    number (not "at least" or "nearly", which change it), thousands
    separators and zero-width characters removed; ``\varnothing`` and ``\{\}`` are

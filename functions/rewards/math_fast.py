@@ -156,6 +156,10 @@ _MINUS_SIGNS = str.maketrans(
 )
 _COMMAND = re.compile(r"\\[A-Za-z]+")
 _VARIABLE = re.compile(r"[A-Za-z]")
+# \dbinom and \tbinom are \binom; {n \choose k} (plain TeX) too; \lbrace \rbrace are \{ \}
+_BINOM_STYLE = re.compile(r"\\[dt]binom(?![A-Za-z])")
+_CHOOSE = re.compile(r"\{([^{}]*?)\\choose(?![A-Za-z])([^{}]*)\}")
+_SET_BRACE = re.compile(r"\\([lr])brace(?![A-Za-z])\s*")
 _EMPTY_SET = re.compile(r"\\varnothing\b|^\\\{\s*\\\}$")
 
 
@@ -171,6 +175,9 @@ def canonical(answer: str) -> str:
     s = _THIN_THOUSANDS.sub("", s)
     s = _SPACING.sub(" ", s)
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\cfrac", "\\frac")
+    s = _BINOM_STYLE.sub(r"\\binom", s)
+    s = _CHOOSE.sub(r"\\binom{\1}{\2}", s)
+    s = _SET_BRACE.sub(lambda m: "\\{" if m[1] == "l" else "\\}", s)
     s = s.replace("{,}", "")
     # a degree sign is dropped (45^\circ is 45), except in a trigonometric expression, where
     # sympy reads it as pi/180 (\tan 45^\circ is 1, not tan(45))
