@@ -100,7 +100,10 @@ Rules worth knowing:
   error, which scoring every answer 0 would hide.
 * **Length.** A predicted final answer over ``MAX_ANSWER_CHARS`` (1000) characters is not
   equivalent (``decided_by: too_long``); every in-process step is linear in the answer.
-* **Symbols.** ``e`` is Euler's number, ``i`` the imaginary unit; words that are not math
+* **Symbols.** ``e`` is Euler's number, ``i`` the imaginary unit; a Greek letter
+  (``\theta``, ``\varepsilon`` is ``\epsilon``) and a name with a subscript (``x_1``,
+  ``a_n``, ``x_{12}``; ``x_12`` too) are symbols (``2\theta`` is ``\theta + \theta``,
+  ``x_1x_2`` is ``x_1 \cdot x_2``); words that are not math
   functions are text, never multiplied-out symbols, and two answers made of letters only
   compare as text however short (``on`` is not ``no``, ``ba`` is not ``ab``): a product is
   written with an operator or a coefficient (``a \cdot b``, ``2ab``). A function command

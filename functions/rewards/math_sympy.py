@@ -86,6 +86,22 @@ _CMD = re.compile(r"\\[A-Za-z]+")
 _GLUED_NUMBERS = re.compile(r"[\d.]\s+[\d.]")
 
 
+_GREEK = {
+    name: name
+    for name in (
+        "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi rho sigma tau "
+        "upsilon phi chi psi omega Gamma Delta Theta Lambda Xi Sigma Upsilon Phi Psi Omega"
+    ).split()
+} | {"varepsilon": "epsilon", "vartheta": "theta", "varphi": "phi", "varrho": "rho", "varsigma": "sigma"}
+"""Greek letters (``\\pi`` aside, a number) by command name, variants as their letter."""
+# a subscript: one letter, a run of digits (x_10, as answers mean it), or letters and digits in braces
+_SUBSCRIPT = re.compile(r"_\s*(?:\{\s*([A-Za-z0-9]+)\s*\}|(\d+|[A-Za-z]))")
+
+
+def _subscript(m: re.Match[str] | None) -> str:
+    return "" if m is None else "_" + (m[1] or m[2])
+
+
 _TRIG = re.compile(r"\\(?:sin|cos|tan|cot|sec|csc)(?![A-Za-z])")
 _DEGREES = re.compile(r"(\d+(?:\.\d+)?)\s*\^\s*(?:\{\s*\\circ\s*\}|\\circ)")
 
@@ -146,8 +162,22 @@ def latex_to_python(s: str) -> str | None:
                     return None
             elif cmd in _LATEX_CMDS:
                 out.append(_LATEX_CMDS[cmd])
+            elif (letter := _GREEK.get(cmd[1:])) is not None:
+                # a symbol named _theta: no input spells a name with "_" in front, sympy does
+                # not split it into letters, and it is not the word "eta" or "nu"
+                sub = _SUBSCRIPT.match(s, i)
+                if sub is not None:
+                    i = sub.end()
+                out.append(f" _{letter}{_subscript(sub)} ")
             else:
                 return None
+            continue
+        if c == "_":  # x_1, a_n, x_{12}: the symbol named so, after a letter only
+            sub = _SUBSCRIPT.match(s, i)
+            if sub is None or not out or not out[-1][-1:].isalpha() or not out[-1].isascii():
+                return None
+            out.append(_subscript(sub) + " ")  # x_1x_2 is x_1 * x_2
+            i = sub.end()
             continue
         if c == "{":
             stack.append("group")
@@ -197,10 +227,11 @@ def latex_to_python(s: str) -> str | None:
     if _GLUED_NUMBERS.search(text):  # "5 6" is two numbers (5 \text{ or } 6), not 30
         return None
     # words: known functions stay, short letter runs are products of symbols, others are text
-    for word in set(re.findall(r"[A-Za-z]+", text)):
+    # (a name's subscript, x_ab, and a Greek letter's name, _theta, are not words)
+    for word in set(re.findall(r"(?<![A-Za-z_])[A-Za-z]+", text)):
         if word not in _FUNCS and len(word) > 3:
             return None
-    text = re.sub(r"(?<![A-Za-z])([a-z]{2,3})(?![A-Za-z(])", _split_word, text)
+    text = re.sub(r"(?<![A-Za-z_])([a-z]{2,3})(?![A-Za-z(])", _split_word, text)
     return _BARE_ARGUMENT.sub(_call, text)
 
 
@@ -208,7 +239,7 @@ def latex_to_python(s: str) -> str | None:
 # "\sin x \cos x" is sin(x)*cos(x), where sympy's implicit application read sin(x*cos(x))
 _APPLIED = r"(?:sin|cos|tan|cot|sec|csc|log|exp)"
 _BARE_ARGUMENT = re.compile(
-    rf"\b({_APPLIED})(\s*\*\*\s*\d+)?\s+((?:[A-Za-z0-9.]|\*\*)+)(?=\s*\*?\s*(?:{_APPLIED}|sqrt|Abs)\b)"
+    rf"\b({_APPLIED})(\s*\*\*\s*\d+)?\s+((?:[A-Za-z0-9._]|\*\*)+)(?=\s*\*?\s*(?:{_APPLIED}|sqrt|Abs)\b)"
 )
 
 

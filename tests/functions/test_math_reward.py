@@ -711,6 +711,37 @@ def test_a_function_is_applied_to_the_argument_after_a_space(pred, gt, equal):
 
 
 @pytest.mark.parametrize(
+    ("pred", "gt", "equal"),
+    [
+        # Greek letters and subscripts are symbols: any expression with one was unparsable, so
+        # every right answer written another way scored 0
+        ("2\\theta", "\\theta + \\theta", True),
+        ("\\theta/2", "\\frac{\\theta}{2}", True),
+        ("\\alpha + \\beta", "\\beta + \\alpha", True),
+        ("\\sin\\theta\\cos\\theta", "\\frac{\\sin(2\\theta)}{2}", True),
+        ("2\\lambda", "\\lambda \\cdot 2", True),
+        ("\\varepsilon^2", "\\epsilon \\cdot \\epsilon", True),
+        ("\\eta\\mu", "\\mu \\cdot \\eta", True),
+        ("x_1 + x_2", "x_2 + x_1", True),
+        ("2a_{12}", "a_{12} \\cdot 2", True),
+        ("x_1x_2", "x_2 \\cdot x_1", True),
+        ("\\theta_1 + \\theta_2", "\\theta_2 + \\theta_1", True),
+        ("\\alpha", "\\beta", False),
+        ("2\\theta", "\\theta", False),
+        ("\\theta", "\\Theta", False),
+        ("\\theta2", "2\\theta", True),  # TeX: a control word ends at the digit
+        ("\\eta", "e \\cdot t \\cdot a", False),  # not the word "eta"
+        ("x_1 + x_2", "x_1 + x_3", False),
+        ("x_{12}", "x_1 \\cdot 2", False),
+        ("x_12", "x_{12}", True),  # a run of digits, as in x_10 = 3 (not TeX's x_1 2)
+        ("a_n", "a \\cdot n", False),
+    ],
+)
+def test_greek_letters_and_subscripts_are_symbols(pred, gt, equal):
+    assert is_equivalent(pred, gt)[0] is equal, is_equivalent(pred, gt)
+
+
+@pytest.mark.parametrize(
     ("pred", "gt"),
     [
         # vanishes at the three public points of the identity test: it matched x^2
