@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 import fabric
 from fabric.protocol import RewardResult, Trajectory
 
-_BOXED = re.compile(r"\\boxed\{")
+_BOXED = re.compile(r"\\boxed[ \t]*\{")  # \boxed {42} too, as TeX and the answer rewards read it
 _TAG_NAME = re.compile(r"^[A-Za-z][\w:-]*$")
 _CLOSING_TAG = re.compile(r"</[A-Za-z][\w:-]*>")
 # what may follow the final answer under nothing_after_answer: closing math/punctuation

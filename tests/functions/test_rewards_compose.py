@@ -118,6 +118,16 @@ def test_format_boxed_spans() -> None:
     assert boxed_spans("{ \\boxed{x} }} \\boxed{") == [(2, 11), None]
 
 
+def test_format_a_box_with_a_space_before_its_brace_is_a_box() -> None:
+    # TeX reads \boxed {42} as \boxed{42}, and so do the answer rewards (math_answer,
+    # exact_match): the format reward saw no box at all
+    r = format_reward("<think>6 * 7</think> so \\boxed {42}.")
+    assert r.components == dict.fromkeys(
+        ["tags", "answer_after_tag", "boxed_once", "nothing_after_answer"], 1.0
+    )
+    assert boxed_spans("\\boxed {1} \\boxed\t{2}") == [(0, 10), (11, 21)]
+
+
 def test_format_reward_is_linear_in_unbalanced_boxes() -> None:
     # boxed_spans scanned to the end once per unbalanced \boxed{ (O(n * k)): 28,000 took 6.6 s,
     # these 200,000 would take minutes; one pass takes well under a second (the bound is loose)
