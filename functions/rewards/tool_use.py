@@ -8,7 +8,7 @@ Components, each in [0, 1]:
 * ``answered_calls``: share of calls followed by a ``role: "tool"`` message with the same
   ``tool_call_id`` (each result answers one call: the oldest unanswered one with its id);
 * ``no_errors``: share of tool results whose content does not start with ``error_prefix``
-  (``"error:"``, case-insensitive);
+  (``"error:"``, case-insensitive, leading spaces of either ignored; a blank one is an error);
 * ``within_budget``: 1.0 when ``min_calls <= calls <= max_calls`` (both counts >= 0,
   ``min_calls`` not above ``max_calls``: a budget no trajectory can meet is an error).
 
@@ -113,7 +113,13 @@ def tool_use_reward(
     check_weights(w, COMPONENTS)
     check_budget(min_calls, max_calls)
     allowed = set(allowed_tools) if allowed_tools is not None else None
-    prefix = error_prefix.lower()
+    prefix = error_prefix.lstrip().lower()  # compared with the result's content, lstripped too
+    if not prefix:
+        raise ValueError(
+            f"error_prefix {error_prefix!r} is blank: every tool result would start with it, or "
+            "none could; give the text an error result starts with (such as 'error:'), or weight "
+            "no_errors 0 to ignore errors"
+        )
 
     # counted per call, not per id: a policy may repeat an id, and one result answers one call
     calls: list[ToolCall] = []

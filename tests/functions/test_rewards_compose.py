@@ -239,6 +239,18 @@ def test_tool_use_unanswered_and_errors() -> None:
     assert tool_use_reward(early).components["answered_calls"] == 0.0
 
 
+@pytest.mark.parametrize("prefix", ["", "  ", "\t"])
+def test_tool_use_a_blank_error_prefix_is_refused(prefix: str) -> None:
+    # every result starts with "": no_errors was 0 for every trajectory with a tool result
+    # (and a blank one, compared after the result's leading space is stripped, matched none)
+    t = tool_traj([call("a", "calculator")], {"a": "42"})
+    with pytest.raises(ValueError, match=r"error_prefix .* is blank"):
+        tool_use_reward(t, error_prefix=prefix)
+    # leading space in a prefix is not required of the result either
+    bad = tool_traj([call("a", "calculator")], {"a": "  Error: no"})
+    assert tool_use_reward(bad, error_prefix=" error:").components["no_errors"] == 0.0
+
+
 def test_tool_use_counts_every_call_even_with_repeated_ids() -> None:
     bad = {"id": "c1", "function": {"name": "calculator", "arguments": "{not json"}}
     traj = Trajectory.model_validate(
