@@ -95,6 +95,12 @@ Rules worth knowing:
   (in any order) is ``(1, 2)`` and ``1, 2``, its values ordered by variable (``x_2`` before
   ``x_10``), and another assignment list must name the same variables; ``x = 1, x = 2`` (the
   solutions of one unknown) is the set ``1, 2``.
+* **Equations.** Against a value (a ground truth with no ``=``), an answer written with
+  ``=`` states its last side when every side before it is arithmetic or names a value: ``2+1=3``,
+  ``x = 2 \cdot 3 = 6``, ``AB = 5``, ``f(2) = 5``, ``m\angle A = 30^\circ`` (and a ground
+  truth so written, against an answer with no ``=``). One with an expression in a variable
+  stays an equation, equal only to the same equation: ``2x = 10`` is not 10, ``x + y = 5``
+  not 5.
 * **Empty ground truth.** One that is empty once canonicalised (``""``, ``"$ $"``) is a
   ``ValueError`` (the call fails as a ``UserError``, not retried): it is a data or config
   error, which scoring every answer 0 would hide.
@@ -299,6 +305,31 @@ def _choice(pred: str, gt: str) -> Verdict | None:
     return m[1] == g[1], "choice"
 
 
+# what a side that names a value is made of besides its letters: subscripts (S_{10}),
+# arguments (f(2), P(A)), commands (m\angle A), braces, spaces and primes
+_NAME_PARTS = re.compile(r"_(?:\{[^{}]*\}|\w)|\([^()]*\)|\\[A-Za-z]+|[{}\s']")
+
+
+def _last_side(s: str) -> str:
+    """The value a canonical answer states with ``=``: the last side of a chain of arithmetic
+    (``2+1=3``, ``5! = 120``) or of names and arithmetic (``AB = 5``, ``x = 2 \\cdot 3 = 6``,
+    ``f(2) = 5``, ``m\\angle A = 30``); ``s`` itself when a side before it is an expression in
+    a variable (``2x = 10`` says x is 5, ``x + y = 5`` is an equation), when it is a list
+    (``x = 1, y = 2``) or a relation (``x \\le 3``, ``==``)."""
+    if "=" not in s or "," in s or "==" in s or "!=" in s or _INEQUALITY.search(s):
+        return s
+    *before, value = s.split("=")
+    if not value.strip():
+        return s
+    for side in before:
+        if not side.strip():
+            return s
+        has_variable = any(c.isalpha() for c in _COMMAND.sub("", side))
+        if has_variable and not _NAME_PARTS.sub("", side).isalpha():
+            return s
+    return value.strip()
+
+
 def is_equivalent(pred: str, gt: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Verdict:
     """``(equivalent, rule)`` for two raw answers (not whole completions)."""
     if len(pred) > MAX_ANSWER_CHARS:  # see answer.MAX_ANSWER_CHARS
@@ -308,6 +339,10 @@ def is_equivalent(pred: str, gt: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -
     p, g = canonical(pred), canonical(gt)
     if not p or not g:
         return False, "empty"
+    if "=" not in g:  # a value against a chain or a named value: its last side
+        p = _last_side(p)
+    elif "=" not in p:
+        g = _last_side(g)
     verdict, rule = fast_equivalent(p, g)
     if verdict is not None:
         return verdict, rule

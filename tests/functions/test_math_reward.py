@@ -920,6 +920,42 @@ def test_a_list_of_assignments_is_the_point_it_names(pred, gt, same):
         assert is_equivalent(gt, pred)[0] is same
 
 
+@pytest.mark.parametrize(
+    ("pred", "gt", "same"),
+    [
+        # a boxed chain or a named value states its last side, as a stated chain already did;
+        # each was unparsable, so a right answer written so scored 0
+        ("2+1=3", "3", True),
+        ("(2+3) \\cdot 2 = 10", "10", True),
+        ("\\sqrt{4} = 2", "2", True),
+        ("x = 2 \\cdot 3 = 6", "6", True),
+        ("AB = 5", "5", True),
+        ("\\text{Area} = 12 \\text{ cm}^2", "12", True),
+        ("f(2) = 5", "5", True),
+        ("P(A) = \\frac{1}{2}", "0.5", True),
+        ("m\\angle A = 30^\\circ", "30", True),
+        ("S_{10} = 55", "55", True),
+        ("AB = 5", "6", False),
+        ("2+1=3", "4", False),
+        # the ground truth's side too, when the prediction names no value
+        ("5", "AB = 5", True),
+        # an equation with an expression of a variable on the left stays whole: 2x = 10 says
+        # x is 5, and x + y = 5 is not the value 5
+        ("2x = 10", "10", False),
+        ("2(x+1) = 10", "10", False),
+        ("\\pi r^2 = 10", "10", False),
+        ("x + y = 5", "5", False),
+        ("x^2 + y^2 = 25", "25", False),
+        ("5 = x", "5", False),
+        ("x = 1, y = 2", "2", False),
+        ("x \\le 3 = y", "3", False),
+        ("x = 5", "x = 5", True),
+    ],
+)
+def test_a_chain_or_a_named_value_states_its_last_side(pred, gt, same):
+    assert is_equivalent(pred, gt)[0] is same, is_equivalent(pred, gt)
+
+
 def test_assignment_lists_are_read_in_linear_time():
     # \s*=\s*[^=]+$ backtracked quadratically over a run of spaces before a second "="
     assert _elapsed(canonical, "x=" + " " * 200_000 + "1 = 2, y=3") < 5.0
