@@ -94,7 +94,9 @@ Rules worth knowing:
   sets (order and repeats ignored). A list of assignments names a point: ``x = 1, y = 2``
   (in any order) is ``(1, 2)`` and ``1, 2``, its values ordered by variable (``x_2`` before
   ``x_10``), and another assignment list must name the same variables; ``x = 1, x = 2`` (the
-  solutions of one unknown) is the set ``1, 2``.
+  solutions of one unknown) is the set ``1, 2``. An inequality in one variable with bounds
+  free of letters is its interval: ``x \le 3`` is ``(-\infty, 3]``, ``1 < x \le 3`` is
+  ``(1, 3]``, ``3 > x`` is ``(-\infty, 3)``.
 * **Equations.** Against a value (a ground truth with no ``=``), an answer written with
   ``=`` states its last side when every side before it is arithmetic or names a value: ``2+1=3``,
   ``x = 2 \cdot 3 = 6``, ``AB = 5``, ``f(2) = 5``, ``m\angle A = 30^\circ`` (and a ground

@@ -203,7 +203,45 @@ def canonical(answer: str) -> str:
     if _THOUSANDS.match(s) or _SPACED_THOUSANDS.match(s):
         s = s.replace(",", "").replace(" ", "")
     s = _EMPTY_SET.sub(r"\\emptyset", s)
-    return _plus_minus(s)
+    return _plus_minus(_as_interval(s))
+
+
+# a relation of an inequality: "less" (<, \le...) or "greater", and whether it is strict
+_RELATION = re.compile(r"(<|>|≤|≥|\\(?:lt|le|leq|leqslant|gt|ge|geq|geqslant)(?![A-Za-z]))")
+_LESS = frozenset(["<", "≤", "\\lt", "\\le", "\\leq", "\\leqslant"])
+_STRICT = frozenset(["<", ">", "\\lt", "\\gt"])
+
+
+def _as_interval(s: str) -> str:
+    """An inequality in one variable as the interval it describes: ``x \\le 3`` is
+    ``(-\\infty, 3]``, ``1 < x \\le 3`` is ``(1, 3]``, ``3 > x`` is ``(-\\infty, 3)``; ``s``
+    itself for anything else (a bound with a letter in it, two relations that do not bound one
+    interval, a comparison without a lone variable)."""
+    parts = [p.strip() for p in _RELATION.split(s)]
+    if len(parts) not in (3, 5):
+        return s
+    sides, ops = parts[::2], parts[1::2]
+    lone = [i for i, side in enumerate(sides) if len(side) == 1 and side.isalpha()]
+    if len(lone) != 1 or any(
+        not side or _VARIABLE.search(_COMMAND.sub("", side)) for i, side in enumerate(sides) if i != lone[0]
+    ):
+        return s
+    less = [op in _LESS for op in ops]
+    if len(sides) == 3 and lone == [1] and less[0] == less[1]:  # a < x < b, b > x > a
+        lo, hi, lo_op, hi_op = (
+            (sides[0], sides[2], ops[0], ops[1]) if less[0] else (sides[2], sides[0], ops[1], ops[0])
+        )
+    elif len(sides) == 2 and lone == [0]:  # x < b, x > a
+        lo, hi, lo_op, hi_op = (
+            ("-\\infty", sides[1], "<", ops[0]) if less[0] else (sides[1], "\\infty", ops[0], "<")
+        )
+    elif len(sides) == 2 and lone == [1]:  # a < x, b > x
+        lo, hi, lo_op, hi_op = (
+            (sides[0], "\\infty", ops[0], "<") if less[0] else ("-\\infty", sides[0], "<", ops[0])
+        )
+    else:
+        return s
+    return f"{'(' if lo_op in _STRICT else '['}{lo}, {hi}{')' if hi_op in _STRICT else ']'}"
 
 
 def _plus_minus(s: str) -> str:

@@ -956,6 +956,34 @@ def test_a_chain_or_a_named_value_states_its_last_side(pred, gt, same):
     assert is_equivalent(pred, gt)[0] is same, is_equivalent(pred, gt)
 
 
+@pytest.mark.parametrize(
+    ("pred", "gt", "same"),
+    [
+        # an inequality in one variable is the interval it describes: against an interval the
+        # right answer scored 0 (a structure mismatch, or unparsable)
+        ("x \\le 3", "(-\\infty, 3]", True),
+        ("x < 3", "(-\\infty,3)", True),
+        ("x > -2", "(-2, \\infty)", True),
+        ("x \\geq \\frac{1}{2}", "[0.5, \\infty)", True),
+        ("1 \\le x \\le 3", "[1, 3]", True),
+        ("1 < x \\leq 3", "(1, 3]", True),
+        ("3 \\ge x", "x \\le 3", True),
+        ("3 > x > 1", "(1, 3)", True),
+        ("x \\ge 2", "[2,\\infty)", True),
+        ("t \\ge 2", "x \\ge 2", True),  # the interval, whatever the variable is called
+        ("x \\le 3", "(-\\infty, 3)", False),  # closed is not open
+        ("x < 3", "(3, \\infty)", False),
+        ("1 < x < 3", "[1, 3]", False),
+        ("x < 3", "3", False),
+        ("x > y", "(y, \\infty)", False),  # a bound in a variable: left as written
+        ("1 < x > 0", "(1, \\infty)", False),  # not one interval
+        ("x \\le 3", "x \\le 3", True),
+    ],
+)
+def test_an_inequality_in_one_variable_is_an_interval(pred, gt, same):
+    assert is_equivalent(pred, gt)[0] is same, (is_equivalent(pred, gt), canonical(pred))
+
+
 def test_assignment_lists_are_read_in_linear_time():
     # \s*=\s*[^=]+$ backtracked quadratically over a run of spaces before a second "="
     assert _elapsed(canonical, "x=" + " " * 200_000 + "1 = 2, y=3") < 5.0
