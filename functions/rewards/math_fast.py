@@ -90,9 +90,25 @@ _ASSIGN = re.compile(r"^([a-zA-Z](?:_\{?\w+\}?)?)\s*=\s*(\S[^=]*)$")  # linear: 
 _THIN_THOUSANDS = re.compile(r"(?<=\d)\\[,!: ](?=\d{3}\b)")
 _THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _SPACED_THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?: \d{3})+(?:\.\d+)?$")
-_FRAC_SHORT = re.compile(r"\\frac\s*(\d)\s*(\d)")
-_FRAC_SHORT2 = re.compile(r"\\frac\s*\{([^{}]*)\}\s*(\d)")
-_SQRT_SHORT = re.compile(r"\\sqrt\s*(\d+|[a-zA-Z])")
+GREEK = {
+    name: name
+    for name in (
+        "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi rho sigma tau "
+        "upsilon phi chi psi omega Gamma Delta Theta Lambda Xi Sigma Upsilon Phi Psi Omega"
+    ).split()
+} | {"varepsilon": "epsilon", "vartheta": "theta", "varphi": "phi", "varrho": "rho", "varsigma": "sigma"}
+"""Greek letters (``\\pi`` aside, a number) by command name, variants as their letter."""
+# a one-token argument of \frac or \sqrt, as TeX reads it (\frac12, \frac\pi2, \frac a b,
+# \sqrt\pi): a braced group with no braces inside, a symbol command, a letter or a digit
+_SYMBOL = r"\\(?:pi|infty|" + "|".join(sorted(GREEK, key=len, reverse=True)) + r")(?![A-Za-z])"
+_ARG = rf"\{{[^{{}}]*\}}|{_SYMBOL}|[0-9A-Za-z]"
+_FRAC_SHORT = re.compile(rf"\\frac(?![A-Za-z])\s*({_ARG})\s*({_ARG})")
+_SQRT_SHORT = re.compile(rf"\\sqrt(?![A-Za-z])\s*(\d+|[a-zA-Z]|{_SYMBOL})")
+
+
+def _braced_frac(m: re.Match[str]) -> str:
+    num, den = (a[1:-1] if a.startswith("{") else a for a in (m[1], m[2]))
+    return f"\\frac{{{num}}}{{{den}}}"
 
 
 def _strip_units(s: str, unit: re.Pattern[str] = _UNIT_TOKEN) -> str:
@@ -196,8 +212,7 @@ def canonical(answer: str) -> str:
     listed = _assignments(s)
     # a single leading ``x =`` goes; an assignment list keeps its variables (``_named``)
     s = _LHS.sub("", s) if listed is None else listed
-    s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
-    s = _FRAC_SHORT2.sub(r"\\frac{\1}{\2}", s)
+    s = _FRAC_SHORT.sub(_braced_frac, s)
     s = _SQRT_SHORT.sub(r"\\sqrt{\1}", s)
     s = " ".join(s.split())
     if _THOUSANDS.match(s) or _SPACED_THOUSANDS.match(s):

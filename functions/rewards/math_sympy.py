@@ -18,7 +18,7 @@ import time
 from fractions import Fraction
 from typing import Any
 
-from functions.rewards.math_fast import Verdict, _close, _fast_scalar, _ulp, as_fraction, compare
+from functions.rewards.math_fast import GREEK, Verdict, _close, _fast_scalar, _ulp, as_fraction, compare
 
 DEFAULT_TIMEOUT_S = 2.0
 """Wall-clock limit of the sympy child, in seconds."""
@@ -86,14 +86,6 @@ _CMD = re.compile(r"\\[A-Za-z]+")
 _GLUED_NUMBERS = re.compile(r"[\d.]\s+[\d.]")
 
 
-_GREEK = {
-    name: name
-    for name in (
-        "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi rho sigma tau "
-        "upsilon phi chi psi omega Gamma Delta Theta Lambda Xi Sigma Upsilon Phi Psi Omega"
-    ).split()
-} | {"varepsilon": "epsilon", "vartheta": "theta", "varphi": "phi", "varrho": "rho", "varsigma": "sigma"}
-"""Greek letters (``\\pi`` aside, a number) by command name, variants as their letter."""
 # a subscript: one letter, a run of digits (x_10, as answers mean it), or letters and digits in braces
 _SUBSCRIPT = re.compile(r"_\s*(?:\{\s*([A-Za-z0-9]+)\s*\}|(\d+|[A-Za-z]))")
 
@@ -162,7 +154,7 @@ def latex_to_python(s: str) -> str | None:
                     return None
             elif cmd in _LATEX_CMDS:
                 out.append(_LATEX_CMDS[cmd])
-            elif (letter := _GREEK.get(cmd[1:])) is not None:
+            elif (letter := GREEK.get(cmd[1:])) is not None:
                 # a symbol named _theta: no input spells a name with "_" in front, sympy does
                 # not split it into letters, and it is not the word "eta" or "nu"
                 sub = _SUBSCRIPT.match(s, i)

@@ -584,6 +584,14 @@ def test_a_rounded_decimal_does_not_match_an_exact_integer(pred, gt, equal):
         ("\\binom{5}{2}", "10", True),
         ("\\binom{5}{2}", "20", False),
         # \dbinom, \tbinom and {n \choose k} are \binom, \lbrace \rbrace are set braces
+        # a one-token argument, as TeX reads it: \frac\pi2 is \frac{\pi}{2}
+        ("\\frac\\pi2", "\\pi/2", True),
+        ("\\dfrac\\pi 4", "\\frac{\\pi}{4}", True),
+        ("\\frac{\\pi}3", "\\frac{\\pi}{3}", True),
+        ("\\frac a b", "a/b", True),
+        ("\\sqrt\\pi", "\\pi^{1/2}", True),
+        ("\\frac\\theta2", "\\theta/2", True),
+        ("\\frac\\pi2", "\\pi/3", False),
         ("\\dbinom{5}{2}", "10", True),
         ("\\tbinom{5}{2}", "10", True),
         ("{5 \\choose 2}", "10", True),
