@@ -71,11 +71,18 @@ def _check_size(value: Any) -> Any:
     return value
 
 
+def _brief(n: int) -> str:
+    """``n`` for a message the policy reads: in full when short, else its size (an operand may
+    have 3,000 digits)."""
+    text = str(n)
+    return text if len(text) <= 20 else f"({'-' if n < 0 else ''}a {len(text.lstrip('-')):,}-digit number)"
+
+
 def _power(base: Any, exp: Any) -> Any:
     # bound the result before computing it: log2|base| * exp is its size in bits
     if isinstance(base, int) and isinstance(exp, int) and exp > 0 and abs(base) > 1:
         if math.log2(abs(base)) * exp > MAX_INT_BITS:
-            raise ValueError(f"{base} ** {exp} is too large (over {MAX_INT_BITS:,} bits)")
+            raise ValueError(f"{_brief(base)} ** {_brief(exp)} is too large (over {MAX_INT_BITS:,} bits)")
     try:
         return base**exp
     except OverflowError:
