@@ -542,7 +542,8 @@ def _fast_scalar(p: str, g: str) -> Verdict:
     a, b = as_fraction(p), as_fraction(g)
     if a is not None and b is not None:
         return _close(a, b, _ulp(p), _ulp(g)), "number"
-    pw, gw = bool(_WORD.match(p)), bool(_WORD.match(g))
+    # e alone is Euler's number (sympy's E), not the word "e"; a capital E alone is a choice
+    pw, gw = p != "e" and bool(_WORD.match(p)), g != "e" and bool(_WORD.match(g))
     if pw and gw:  # two words are text, however short: sympy read "on" as o*n, which is "no"
         return normalize(p) == normalize(g), "text"
     if (pw and b is not None) or (gw and a is not None):

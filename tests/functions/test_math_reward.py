@@ -686,6 +686,12 @@ def test_a_bare_unit_word_is_stripped_only_after_a_number_with_no_variable(pred,
         ("the cat", "cat", True),  # a leading one before a word still goes
         ("Yes", "yes", True),
         ("ab", "b \\cdot a", True),
+        # but e alone is Euler's number, as everywhere else: it never matched a decimal
+        ("2.718281828459", "e", True),
+        ("e", "2.718281828459", True),
+        ("e", "3", False),
+        ("2.72", "e", False),  # a rounded decimal, as against \pi
+        ("E", "2.718281828459", False),  # a capital E alone is a choice
         ("2ab", "2ba", True),
     ],
 )
