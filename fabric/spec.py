@@ -23,9 +23,10 @@ class RetryPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid")
     max_attempts: int = Field(3, ge=1, le=20)
     """Attempts in all, the first one included."""
-    initial_backoff_s: float = Field(0.05, gt=0)
+    # finite: an infinite backoff slept for good before a retry of a call with no deadline
+    initial_backoff_s: float = Field(0.05, gt=0, allow_inf_nan=False)
     """Scale of the exponential backoff; each wait is drawn uniformly (full jitter)."""
-    max_backoff_s: float = Field(2.0, gt=0)
+    max_backoff_s: float = Field(2.0, gt=0, allow_inf_nan=False)
 
 
 class Resources(BaseModel):

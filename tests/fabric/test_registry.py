@@ -245,6 +245,23 @@ def test_bad_options(options: dict[str, Any], match: str) -> None:
     assert len(reg) == 0
 
 
+@pytest.mark.parametrize(
+    "retry",
+    [
+        {"max_backoff_s": float("inf"), "initial_backoff_s": float("inf")},
+        {"max_backoff_s": float("inf")},
+        {"initial_backoff_s": float("inf")},
+    ],
+)
+def test_a_backoff_of_no_end_is_refused(retry: dict[str, Any]) -> None:
+    """An infinite backoff was accepted: with both ends infinite, a call with no deadline that
+    failed retryably slept for good before its second attempt (asyncio.sleep(inf))."""
+    reg = Registry()
+    with pytest.raises(RegistryError, match="backoff_s"):
+        reg.function(retry=retry)(add_one)
+    assert len(reg) == 0
+
+
 def test_unknown_function_lists_known_names() -> None:
     reg = Registry()
     reg.function(add_two)
