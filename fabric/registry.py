@@ -154,6 +154,10 @@ def _params_of(fn: Callable[..., Any], kind: Kind) -> tuple[tuple[ParamSpec, ...
     return tuple(params), accepts_extra
 
 
+#: FunctionSpec fields that ``make_spec`` derives from the function: never decorator options.
+_DERIVED = frozenset({"version", "entry", "params", "is_async", "accepts_extra"})
+
+
 def make_spec(
     fn: Callable[..., Any],
     *,
@@ -166,18 +170,41 @@ def make_spec(
 ) -> FunctionSpec:
     if not callable(fn) or inspect.isclass(fn):
         raise SignatureError(f"@{kind} decorates a function, got {fn!r}")
+    derived = sorted(_DERIVED & options.keys())
+    if derived:
+        # read from the function itself; passed, they raised a bare TypeError (given twice)
+        raise RegistryError(
+            f"bad options for function {name or getattr(fn, '__name__', fn)!r}: "
+            f"{', '.join(derived)} cannot be set, the decorator reads them from the function"
+        )
+    if not isinstance(getattr(fn, "__name__", None), str) or not hasattr(fn, "__qualname__"):
+        # a functools.partial, a callable object: no name to register or to import it by
+        raise SignatureError(
+            f"@{kind} decorates a function defined with def; {fn!r} has no __name__ (a partial or a "
+            "callable object): wrap it in a function"
+        )
     if setup is not None and not callable(setup):
         raise SignatureError(f"setup= must be a callable, got {setup!r}")
-    if setup is not None and inspect.signature(setup).parameters:
-        raise SignatureError("the setup hook takes no arguments; it runs once per worker")
+    if setup is not None and not hasattr(setup, "__qualname__"):
+        raise SignatureError(f"setup= must be a function defined with def (workers import it), got {setup!r}")
+    if setup is not None:
+        try:
+            setup_params = inspect.signature(setup).parameters
+        except (TypeError, ValueError) as e:
+            raise SignatureError(f"cannot read the signature of the setup hook {setup!r}: {e}") from None
+        if setup_params:
+            raise SignatureError("the setup hook takes no arguments; it runs once per worker")
     params, accepts_extra = _params_of(fn, kind)
-    fn_name = name or fn.__name__
+    fn_name = name if name is not None else fn.__name__  # name="" is refused, not ignored
+    description = options.pop("description", None)
+    if description is None:
+        description = inspect.cleandoc(fn.__doc__ or "").split("\n\n")[0]
     try:
         return FunctionSpec(
             name=fn_name,
             kind=kind,
             entry=entry_point_of(fn),
-            description=inspect.cleandoc(fn.__doc__ or "").split("\n\n")[0],
+            description=description,
             version=source_version(fn, setup),
             is_async=inspect.iscoroutinefunction(fn),
             setup=entry_point_of(setup) if setup is not None else None,

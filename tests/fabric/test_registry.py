@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -259,6 +260,55 @@ def test_a_backoff_of_no_end_is_refused(retry: dict[str, Any]) -> None:
     reg = Registry()
     with pytest.raises(RegistryError, match="backoff_s"):
         reg.function(retry=retry)(add_one)
+    assert len(reg) == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"version": "abc"}, "version"),
+        ({"entry": "mod:fn"}, "entry"),
+        ({"params": ()}, "params"),
+        ({"is_async": True}, "is_async"),
+        ({"accepts_extra": True}, "accepts_extra"),
+        ({"name": ""}, "name"),
+    ],
+)
+def test_options_the_decorator_derives_or_an_empty_name_are_refused(
+    options: dict[str, Any], match: str
+) -> None:
+    """``version=`` (and the other fields read from the function) raised a bare TypeError
+    ("got multiple values for keyword argument"), no FabricError; ``name=""`` was dropped
+    silently and the function registered under its own name."""
+    reg = Registry()
+    with pytest.raises(RegistryError, match=match):
+        reg.function(**options)(add_one)
+    assert len(reg) == 0
+    # the description, read from the docstring too, may be given (it raised the same TypeError)
+    assert spec_of(add_one, description="Plus one.").description == "Plus one."
+
+
+class _CallableObject:
+    def __call__(self, x: int) -> int:
+        return x
+
+
+@pytest.mark.parametrize(
+    ("fn", "options", "match"),
+    [
+        (functools.partial(add_one, x=1), {}, "has no __name__"),
+        (_CallableObject(), {}, "has no __name__"),
+        (add_one, {"setup": dict}, "signature of the setup hook"),
+    ],
+)
+def test_callables_the_decorator_cannot_read_are_signature_errors(
+    fn: Any, options: dict[str, Any], match: str
+) -> None:
+    """A functools.partial or a callable object raised AttributeError ('__name__'), a setup
+    hook with no readable signature ValueError: not FabricErrors, as the SDK's are."""
+    reg = Registry()
+    with pytest.raises(SignatureError, match=match):
+        reg.function(**options)(fn)
     assert len(reg) == 0
 
 
