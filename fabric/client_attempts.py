@@ -30,6 +30,11 @@ from fabric.spec import FunctionSpec
 _BURST = 5  # hedges allowed beyond the share, so a short run can still hedge
 
 
+def _answered(f: asyncio.Future[Result]) -> bool:
+    """A done future that holds a ``Result`` (not cancelled, no exception)."""
+    return f.done() and not f.cancelled() and f.exception() is None
+
+
 class Attempts:
     """The attempts part of a ``Client``; its state is the client's (set in its ``__init__``)."""
 
@@ -165,20 +170,27 @@ class Attempts:
         futs = [primary]
         m = fn.metrics
 
+        def waits(r: Result) -> bool:
+            # a retryable failure of one copy waits for the other copy, if there is one; so
+            # does a keyed execution's copy answered DeadlineExceeded: it did not start (its
+            # backend does not answer such a call early once it runs), and the other may run
+            return not r.ok and (
+                r.retryable
+                or (inv.wait_for_run and r.error is not None and r.error.type == ErrorCode.DEADLINE_EXCEEDED)
+            )
+
         def done(f: asyncio.Future[Result]) -> None:
             if winner.done() or f.cancelled():
                 return
             r = f.result()
-            # a retryable failure of one copy waits for the other copy, if there is one; so
-            # does a keyed execution's copy answered DeadlineExceeded: it did not start (its
-            # backend does not answer such a call early once it runs), and the other may run
-            waits = r.retryable or (
-                inv.wait_for_run and r.error is not None and r.error.type == ErrorCode.DEADLINE_EXCEEDED
-            )
-            if not r.ok and waits and any(not g.done() for g in futs):
+            if waits(r) and any(
+                not g.done() or (_answered(g) and not waits(g.result())) for g in futs if g is not f
+            ):
+                # another copy is still out, or has answered already (in this same loop turn,
+                # its callback not run yet): that one decides, not this failure
                 return
-            if f is not primary:
-                m.hedge_wins += 1
+            if f is not primary and not waits(r):
+                m.hedge_wins += 1  # the hedge's answer is the call's (not: every copy failed)
             winner.set_result(r)
 
         def fire() -> None:

@@ -877,3 +877,101 @@ async def test_metrics_quantiles_are_of_the_calls_like_the_histogram():
     lat = c.metrics()["double"]["latency_ms"]
     assert sum(lat["buckets"].values()) == 20 and lat["sum"] / 20 >= 300
     assert 300 <= lat["p50"] <= lat["p95"] <= lat["p99"] <= 2000  # not the retries' own latency
+
+
+class _ManualBackend(FakeBackend):
+    """Answers each invocation when the test says so: no timing decides who answers first."""
+
+    def __init__(self) -> None:
+        super().__init__(REG)
+        self.futures: list[asyncio.Future] = []
+        self.submitted = asyncio.Event()
+
+    def _submit(self, inv: Invocation) -> asyncio.Future:
+        self.invocations.append(inv)
+        fut = asyncio.get_running_loop().create_future()
+        self.futures.append(fut)
+        self.submitted.set()
+        return fut
+
+    async def next(self) -> tuple[Invocation, asyncio.Future]:
+        """The next invocation sent, once it is."""
+        while len(self.futures) <= self._taken:
+            self.submitted.clear()
+            await self.submitted.wait()
+        self._taken += 1
+        return self.invocations[self._taken - 1], self.futures[self._taken - 1]
+
+    _taken = 0
+
+    @staticmethod
+    def answer(inv: Invocation, fut: asyncio.Future, code: ErrorCode | None = None) -> None:
+        from fabric.protocol import Result
+
+        fut.set_result(
+            Result.built(True, function=inv.function, request_id=inv.request_id, value=0)
+            if code is None
+            else Result.failure(code, "injected", function=inv.function, request_id=inv.request_id)
+        )
+
+
+async def _manual_with_p95(**cfg) -> tuple[Client, _ManualBackend]:
+    """A client whose ``nap`` has a p95 to hedge after (five quick answers)."""
+    manual = _ManualBackend()
+    c = Client(backend=manual, registry=REG, config=ClientConfig.model_validate(cfg))
+    calls = [asyncio.create_task(c.call("nap", {"seconds": 0})) for _ in range(5)]
+    for _ in range(5):
+        manual.answer(*await manual.next())
+    assert all(r.ok for r in await asyncio.gather(*calls))
+    return c, manual
+
+
+async def test_a_hedge_that_failed_too_is_no_win():
+    """A primary failed retryably while its hedge ran on; the hedge failed as well. Both copies
+    failed, the call was retried and answered: hedge_wins counted the failed hedge as a win."""
+    c, manual = await _manual_with_p95(hedge={"min_samples": 5, "max_share": 1.0})
+    call = asyncio.create_task(c.call("nap", {"seconds": 0}))
+    primary, p = await manual.next()
+    hedge, h = await manual.next()  # sent after the p95
+    assert hedge.hedge and not primary.hedge
+    manual.answer(primary, p, ErrorCode.WORKER_LOST)
+    await asyncio.sleep(0)  # one loop turn: the primary's answer is seen (it waits for the hedge)
+    manual.answer(hedge, h, ErrorCode.WORKER_LOST)
+    retry, f = await manual.next()
+    assert retry.attempt == 2
+    manual.answer(retry, f)
+    assert (await call).ok
+    m = c.metrics()["nap"]
+    assert m["hedges"] == 1 and m["hedge_wins"] == 0
+    # a hedge whose answer is the call's, after its primary failed, is a win
+    call = asyncio.create_task(c.call("nap", {"seconds": 0}))
+    primary, p = await manual.next()
+    hedge, h = await manual.next()
+    manual.answer(primary, p, ErrorCode.WORKER_LOST)
+    await asyncio.sleep(0)
+    manual.answer(hedge, h)
+    assert (await call).ok and c.metrics()["nap"]["hedge_wins"] == 1
+
+
+async def test_a_failed_copy_never_wins_over_an_answer_that_came_in_the_same_loop_turn():
+    """The primary's retryable failure and its hedge's answer came in one loop turn (two
+    workers' replies read in one select): the failure's callback, run first, saw no copy
+    still out and ended the call with it, so the call was retried though it had its answer."""
+    c, manual = await _manual_with_p95(hedge={"min_samples": 5, "max_share": 1.0})
+    call = asyncio.create_task(c.call("nap", {"seconds": 0}))
+    primary, p = await manual.next()
+    hedge, h = await manual.next()
+    manual.answer(primary, p, ErrorCode.WORKER_LOST)
+    manual.answer(hedge, h)  # before the primary's callback ran
+    r = await call
+    assert r.ok and r.attempts == 1 and r.hedged, r.error
+    m = c.metrics()["nap"]
+    assert m["retries"] == 0 and m["hedge_wins"] == 1 and len(manual.invocations) == 7
+    # the other way round: the hedge failed, the primary answered, in one turn
+    call = asyncio.create_task(c.call("nap", {"seconds": 0}))
+    primary, p = await manual.next()
+    hedge, h = await manual.next()
+    manual.answer(hedge, h, ErrorCode.NOT_STARTED)
+    manual.answer(primary, p)
+    r = await call
+    assert r.ok and r.attempts == 1 and c.metrics()["nap"]["hedge_wins"] == 1
