@@ -250,10 +250,11 @@ class Attempts:
         pending_first = [first]  # tenacity's first attempt is the one the fast path made
         sent = 1
         last = prev = first
+        hedged = first.hedged  # any attempt's: a hedge was sent for this call
         at_deadline = StopAtDeadline(deadline)
 
         async def attempt() -> Result:
-            nonlocal sent, last, prev
+            nonlocal sent, last, prev, hedged
             if pending_first:
                 return pending_first.pop()
             d = deadline()
@@ -264,6 +265,7 @@ class Attempts:
             fn.metrics.retries += 1
             again = inv.model_copy(update={"attempt": sent})
             prev, last = last, await self._attempt(fn, again, hedge, deadline)
+            hedged = hedged or last.hedged
             return last
 
         retrying = AsyncRetrying(
@@ -275,6 +277,7 @@ class Attempts:
         )
         result: Result = await retrying(attempt)
         result.attempts = sent
+        result.hedged = hedged
         err = result.error
         note = None
         if err is not None and at_deadline.hit and sent < policy.max_attempts:

@@ -975,3 +975,20 @@ async def test_a_failed_copy_never_wins_over_an_answer_that_came_in_the_same_loo
     manual.answer(primary, p)
     r = await call
     assert r.ok and r.attempts == 1 and c.metrics()["nap"]["hedge_wins"] == 1
+
+
+async def test_a_call_hedged_then_retried_is_marked_hedged():
+    """Result.hedged is "True when a hedge was sent for this call": a call whose first attempt
+    was hedged (both copies failed) and whose retry answered came back hedged=False."""
+    c, manual = await _manual_with_p95(hedge={"min_samples": 5, "max_share": 1.0})
+    call = asyncio.create_task(c.call("nap", {"seconds": 0}))
+    primary, p = await manual.next()
+    hedge, h = await manual.next()
+    manual.answer(primary, p, ErrorCode.WORKER_LOST)
+    manual.answer(hedge, h, ErrorCode.WORKER_LOST)
+    retry, f = await manual.next()
+    # the retry is answered before its own hedge could be sent
+    manual.answer(retry, f)
+    r = await call
+    assert r.ok and r.attempts == 2 and r.hedged
+    assert [i.hedge for i in manual.invocations[5:]] == [False, True, False]
