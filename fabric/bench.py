@@ -239,14 +239,16 @@ async def _run_fabric(
         lat, elapsed = await _closed_loop(cfg.n, cfg.concurrency, one, progress, label)
         m1 = client.metrics()[name]
     _all_failed(errors, len(lat), label)
-    out: dict[str, Any] = _summary([ms for ms in lat if not math.isnan(ms)], elapsed)
+    answered = [ms for ms in lat if not math.isnan(ms)]
+    out: dict[str, Any] = _summary(answered, elapsed)
     out["errors"] = len(errors)
     if errors:
         out["error_types"] = dict(Counter(t for t, _ in errors))
         out["first_error"] = f"{errors[0][0]}: {errors[0][1]}"[:500]
     if cfg.straggler_rate:
-        # the share of calls that felt a straggler: p99 only shows them when this exceeds 1%
-        out["slow_share"] = sum(ms >= cfg.straggler_ms / 2 for ms in lat) / len(lat)
+        # the share of calls that felt a straggler: p99 only shows them when this exceeds 1%.
+        # Of the answered calls, as every other figure (a failed call has no latency)
+        out["slow_share"] = sum(ms >= cfg.straggler_ms / 2 for ms in answered) / len(answered)
     for k in ("hedges", "hedge_wins", "retries"):
         out[k] = m1[k] - m0.get(k, 0)
     return out

@@ -541,6 +541,16 @@ def test_bench_reports_failed_calls_and_leaves_them_out_of_the_figures():
     assert out["throughput_per_s"] == pytest.approx((20 - out["errors"]) / out["elapsed_s"])
 
 
+def test_bench_slow_share_is_of_the_answered_calls_like_the_other_figures():
+    """Every reply held back 20 ms: every answered call is slow. slow_share divided by all the
+    calls, failed ones (left out of every other figure) included, and read about 0.5."""
+    r = _bench("cli_fails_every_other_call_in_workers", "--straggler-rate", "1", "--straggler-ms", "20")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert 0 < out["errors"] < 20 and out["p50_ms"] >= 10
+    assert out["slow_share"] == 1.0
+
+
 @pytest.mark.parametrize("transport", ["http", "boto3"])
 def test_bench_where_every_call_fails_is_an_error_not_a_figure(transport, monkeypatch):
     """A load whose every call failed (nothing listening at --endpoint-url, no credentials)
