@@ -21,7 +21,7 @@ from tenacity import (
 
 from fabric.backends.base import Backend
 from fabric.client_config import ClientConfig
-from fabric.client_state import FnState, StopAtDeadline
+from fabric.client_state import FnState, StopAtDeadline, StopWhenOpen
 from fabric.errors import FINAL_ERRORS, SAFE_TO_RETRY, ErrorCode
 from fabric.metrics import FunctionMetrics
 from fabric.protocol import Invocation, Result
@@ -252,6 +252,7 @@ class Attempts:
         last = prev = first
         hedged = first.hedged  # any attempt's: a hedge was sent for this call
         at_deadline = StopAtDeadline(deadline)
+        when_open = StopWhenOpen(lambda: fn.consecutive_failures, self.config.breaker.failure_threshold)
 
         async def attempt() -> Result:
             nonlocal sent, last, prev, hedged
@@ -261,6 +262,8 @@ class Attempts:
             if d is not None and time.time() >= d:
                 at_deadline.hit = True  # the backoff overran the deadline a little: send nothing
                 return last
+            if when_open():  # other calls' failures opened the circuit during the backoff
+                return last
             sent += 1
             fn.metrics.retries += 1
             again = inv.model_copy(update={"attempt": sent})
@@ -269,7 +272,7 @@ class Attempts:
             return last
 
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(policy.max_attempts) | at_deadline,
+            stop=stop_after_attempt(policy.max_attempts) | when_open | at_deadline,
             wait=wait_random_exponential(multiplier=policy.initial_backoff_s, max=policy.max_backoff_s),
             retry=retry_if_result(lambda r: not r.ok and self._should_retry(fn.spec, r)),
             retry_error_callback=lambda state: state.outcome.result() if state.outcome else last,
@@ -280,7 +283,12 @@ class Attempts:
         result.hedged = hedged
         err = result.error
         note = None
-        if err is not None and at_deadline.hit and sent < policy.max_attempts:
+        if err is not None and when_open.hit and sent < policy.max_attempts:
+            note = (
+                f" (not retried: the circuit opened after {fn.consecutive_failures} infrastructure "
+                "failures in a row)"
+            )
+        elif err is not None and at_deadline.hit and sent < policy.max_attempts:
             note = (
                 f" (not retried: the deadline left no time for attempt {sent + 1} of {policy.max_attempts})"
             )

@@ -34,6 +34,23 @@ class StopAtDeadline(stop_base):
         return self.hit
 
 
+class StopWhenOpen(stop_base):
+    """Stop retrying once the function's circuit is open (or half-open): calls fail fast then,
+    and a retry is no exception, nor the one probe. A retry follows a counted failure, which
+    opens the circuit when it is the ``threshold``-th in a row."""
+
+    def __init__(self, consecutive_failures: Callable[[], int], threshold: int):
+        self.failures = consecutive_failures
+        self.threshold = threshold
+        self.hit = False
+        """True once the open circuit, not the attempts or the deadline, ended the retries."""
+
+    def __call__(self, retry_state: RetryCallState | None = None) -> bool:
+        if self.failures() >= self.threshold:
+            self.hit = True
+        return self.hit
+
+
 class HedgeClock:
     """When to hedge, for one function: a FIFO of (time, callback) under one timer.
 

@@ -992,3 +992,15 @@ async def test_a_call_hedged_then_retried_is_marked_hedged():
     r = await call
     assert r.ok and r.attempts == 2 and r.hedged
     assert [i.hedge for i in manual.invocations[5:]] == [False, True, False]
+
+
+async def test_retries_stop_once_the_circuit_opens():
+    """The circuit opened after the second failure in a row, but the call that failed went on
+    retrying against the backend it had just declared down, all 20 of its attempts: calls
+    fail fast while the circuit is open, and a retry is no exception (nor, half-open, is it
+    the one probe)."""
+    c, fake = make(breaker={"failure_threshold": 2, "cooldown_s": 30}, hedge={"enabled": False})
+    fake.fail_next("slow_retry", ErrorCode.TRANSPORT, times=20)
+    r = await c.call("slow_retry", {"x": 1})
+    assert r.error.type == ErrorCode.TRANSPORT and r.attempts == 2, r
+    assert "circuit" in r.error.message and len(fake.invocations) == 2
