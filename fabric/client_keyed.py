@@ -54,7 +54,10 @@ class KeyedCalls(Attempts):
             m.cache_hits += 1
             # its own timings: the kept ones are the execution's, and a shallow copy would share them
             timings = hit.timings.model_copy(update={"total_ms": (time.perf_counter() - t0) * 1e3})
-            return hit.model_copy(update={"cached": True, "request_id": request_id, "timings": timings})
+            # no cold start either: it ran nowhere (the kept answer's flag is its execution's)
+            return hit.model_copy(
+                update={"cached": True, "cold_start": False, "request_id": request_id, "timings": timings}
+            )
         ex = self._inflight.get(key)
         joined = ex is not None
         if ex is None:

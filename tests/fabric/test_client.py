@@ -1004,3 +1004,23 @@ async def test_retries_stop_once_the_circuit_opens():
     r = await c.call("slow_retry", {"x": 1})
     assert r.error.type == ErrorCode.TRANSPORT and r.attempts == 2, r
     assert "circuit" in r.error.message and len(fake.invocations) == 2
+
+
+async def test_a_cached_answer_is_no_cold_start():
+    """A call answered from its key's cache ran nowhere, but it carried the cold_start=True of
+    the execution that made the answer (a caller that joined the execution got False)."""
+    from fabric.protocol import Result
+
+    manual = _ManualBackend()
+    c = Client(
+        backend=manual, registry=REG, config=ClientConfig.model_validate({"hedge": {"enabled": False}})
+    )
+    first = asyncio.create_task(c.call("nap", {"seconds": 0}, idempotency_key="k"))
+    inv, fut = await manual.next()
+    joined = asyncio.create_task(c.call("nap", {"seconds": 0}, idempotency_key="k"))
+    fut.set_result(Result.built(True, function="nap", request_id=inv.request_id, value=1, cold_start=True))
+    assert (await first).cold_start  # the one that ran on a cold worker
+    assert (await joined).cached and not (await joined).cold_start
+    hit = await c.call("nap", {"seconds": 0}, idempotency_key="k")
+    assert hit.cached and hit.value == 1 and not hit.cold_start
+    assert c.metrics()["nap"]["cold_starts"] == 1
