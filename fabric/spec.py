@@ -31,7 +31,7 @@ class RetryPolicy(BaseModel):
 
 class Resources(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    cpu: float = Field(1.0, gt=0)
+    cpu: float = Field(1.0, gt=0, allow_inf_nan=False)  # JSON has no inf: the spec would not load
     gpu: int = Field(0, ge=0)
     gpu_type: str | None = None
 

@@ -236,6 +236,8 @@ def test_signatures_that_are_allowed() -> None:
         ({"memory_mb": 64}, "memory_mb"),
         ({"wram": 1}, "wram"),
         ({"retry": {"max_attempts": 0}}, "max_attempts"),
+        # a spec is JSON (deploys read it): inf was written as null and the spec did not load
+        ({"resources": {"cpu": float("inf")}}, "cpu"),
     ],
 )
 def test_bad_options(options: dict[str, Any], match: str) -> None:
