@@ -176,12 +176,14 @@ class Client(KeyedCalls):
         )
         try:
             if await self._acquire_slot(fn, deadline):
+                copies: list[asyncio.Future[Result]] = []
                 try:
-                    result = await self._attempt(fn, inv, hedge)
+                    result = await self._attempt(fn, inv, hedge, None, copies)
                     if not result.ok and self._should_retry(spec, result):
-                        result = await self._retry(fn, inv, result, hedge, lambda: deadline)
+                        result = await self._retry(fn, inv, result, hedge, lambda: deadline, copies)
                 finally:
-                    fn.sem.release()
+                    # held while a copy it let go still runs (a synchronous handler past the deadline)
+                    self._release_when_settled(fn, copies, fn.sem.release)
             else:
                 result = Result.failure(
                     ErrorCode.DEADLINE_EXCEEDED,

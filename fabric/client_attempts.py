@@ -83,6 +83,47 @@ class Attempts:
             return False
         return True
 
+    def _release_when_settled(
+        self, fn: FnState, copies: list[asyncio.Future[Result]], release: Callable[[], None]
+    ) -> None:
+        """Call ``release`` (a concurrency slot's) once every one of ``copies`` (futures from
+        ``submit``) is done and its run has ended: a copy let go while it runs (cancelled, a
+        hedge that lost or a call abandoned at its deadline, or answered DeadlineExceeded as it
+        ran) may run on in its worker (a synchronous handler runs to its end), and
+        ``max_concurrency`` bounds the calls running, not the callers waiting. At once when
+        every copy answered, as is usual."""
+        left = len(copies) + 1
+
+        def one_ended(_: object = None) -> None:
+            nonlocal left
+            left -= 1
+            if left == 0:
+                release()
+
+        def one_done(f: asyncio.Future[Result]) -> None:
+            # only a copy let go may still run: the backend is asked of those alone (a scan)
+            let_go = (
+                not f.done()  # a task told to cancel (FakeBackend, inproc): it ends at its next step
+                or f.cancelled()
+                or (
+                    f.exception() is None
+                    and (err := f.result().error) is not None
+                    and err.type == ErrorCode.DEADLINE_EXCEEDED
+                )
+            )
+            runs = self.backend.settled(fn.spec.name, f) if let_go else None
+            if runs is None:
+                one_ended()
+            else:
+                runs.add_done_callback(one_ended)
+
+        for f in copies:
+            if f.done() or (isinstance(f, asyncio.Task) and f.cancelling()):
+                one_done(f)
+            else:
+                f.add_done_callback(one_done)
+        one_ended()
+
     @staticmethod
     def _refuse(m: FunctionMetrics, code: ErrorCode, message: str, name: str, request_id: str) -> Result:
         m.errors[str(code)] += 1
@@ -94,10 +135,13 @@ class Attempts:
         inv: Invocation,
         hedge: bool | None,
         deadline: Callable[[], float | None] | None = None,
+        copies: list[asyncio.Future[Result]] | None = None,
     ) -> Result:
         """One attempt, hedged after the observed p95 when allowed. With ``deadline`` (a
         keyed execution's, which grows as callers join), each copy sent carries its value
-        at the time it is sent.
+        at the time it is sent. The primary copy goes into ``copies``: the caller's slot is
+        given back once those have ended (``_release_when_settled``); a hedge gives back its
+        own.
 
         A call with a deadline is answered ``DeadlineExceeded`` at the deadline if the backend
         has not answered by then, and its copies are cancelled: a remote backend (Lambda,
@@ -108,6 +152,8 @@ class Attempts:
         backend = self.backend
         t0 = time.perf_counter()
         primary = backend.submit(inv)
+        if copies is not None:
+            copies.append(primary)
         # how long to wait for an answer (None: until it comes)
         wait_s = None if inv.deadline is None or inv.wait_for_run else max(inv.deadline - time.time(), 0.0)
         hcfg = self.config.hedge
@@ -209,7 +255,7 @@ class Attempts:
             if deadline is not None:
                 update["deadline"] = deadline()
             h = self.backend.submit(inv.model_copy(update=update))
-            h.add_done_callback(lambda _: give_back())  # answered, or cancelled (the loser)
+            self._release_when_settled(fn, [h], give_back)  # answered, or the loser's run ended
             futs.append(h)
             h.add_done_callback(done)
 
@@ -238,6 +284,7 @@ class Attempts:
         first: Result,
         hedge: bool | None,
         deadline: Callable[[], float | None],
+        copies: list[asyncio.Future[Result]] | None = None,
     ) -> Result:
         """Retry a retryable failure: exponential backoff with full jitter, bounded by the
         function's attempts and by ``deadline()`` (read at each step: a keyed execution's
@@ -267,7 +314,7 @@ class Attempts:
             sent += 1
             fn.metrics.retries += 1
             again = inv.model_copy(update={"attempt": sent})
-            prev, last = last, await self._attempt(fn, again, hedge, deadline)
+            prev, last = last, await self._attempt(fn, again, hedge, deadline, copies)
             hedged = hedged or last.hedged
             return last
 

@@ -157,7 +157,9 @@ class KeyedCalls(Attempts):
         key = inv.idempotency_key
         assert key is not None
         try:
-            async with fn.sem:
+            await fn.sem.acquire()
+            copies: list[asyncio.Future[Result]] = []
+            try:
                 if ex.deadline is not None and ex.deadline <= time.time():
                     # every caller gave up while it waited for a slot: nothing was sent, and
                     # there is no outcome to count (each caller counts in gave_up, the ones
@@ -170,9 +172,12 @@ class KeyedCalls(Attempts):
                         request_id=inv.request_id,
                     )
                 else:
-                    result = await self._attempt(fn, inv, hedge, lambda: ex.deadline)
+                    result = await self._attempt(fn, inv, hedge, lambda: ex.deadline, copies)
                     if not result.ok and self._should_retry(fn.spec, result):
-                        result = await self._retry(fn, inv, result, hedge, lambda: ex.deadline)
+                        result = await self._retry(fn, inv, result, hedge, lambda: ex.deadline, copies)
+            finally:
+                # held while a copy it let go still runs (a primary that lost to its hedge)
+                self._release_when_settled(fn, copies, fn.sem.release)
             ex.kept = self._conclude(fn, key, user_key, result)
             if not ex.unsent:
                 self._settle(fn, result, t0)

@@ -1024,3 +1024,77 @@ async def test_a_cached_answer_is_no_cold_start():
     hit = await c.call("nap", {"seconds": 0}, idempotency_key="k")
     assert hit.cached and hit.value == 1 and not hit.cold_start
     assert c.metrics()["nap"]["cold_starts"] == 1
+
+
+class _RunsOnBackend(_ManualBackend):
+    """A backend whose copies run on after their caller let them go (a synchronous handler in
+    a local worker), until the test ends the run: ``settled`` says so, as the local pool's does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs: dict[asyncio.Future, asyncio.Future] = {}
+
+    def settled(self, function: str, fut: asyncio.Future) -> asyncio.Future | None:
+        if not fut.cancelled():
+            return None  # answered: its run is over
+        return self.runs.setdefault(fut, asyncio.get_running_loop().create_future())
+
+    def end_run(self, fut: asyncio.Future) -> None:
+        self.runs.setdefault(fut, asyncio.get_running_loop().create_future()).set_result(None)
+
+
+async def _sent_or_waiting(backend: _ManualBackend, n: int) -> int:
+    """How many invocations were sent after the calls made so far took their turn."""
+    for _ in range(n):
+        await asyncio.sleep(0)  # each call runs up to its send or to its wait for a slot
+    return len(backend.invocations)
+
+
+async def test_a_slot_is_held_while_an_abandoned_call_still_runs_on_the_backend():
+    """max_concurrency counts calls running, not callers waiting: a call abandoned at its
+    deadline (the worker is not killed for it, a synchronous handler runs to its end) gave
+    its slot back at once, and the next call ran beside it (two runs of a function limited
+    to one, against the paid or rate-limited dependency the limit protects)."""
+    backend = _RunsOnBackend()
+    c = Client(
+        backend=backend, registry=REG, config=ClientConfig.model_validate({"hedge": {"enabled": False}})
+    )
+    r = await c.call("one_at_a_time", {"seconds": 0}, deadline_s=0.05)
+    assert r.error.type == ErrorCode.DEADLINE_EXCEEDED
+    abandoned = backend.futures[0]
+    assert abandoned.cancelled()
+    nxt = asyncio.create_task(c.call("one_at_a_time", {"seconds": 0}))
+    assert await _sent_or_waiting(backend, 5) == 1  # waits: the abandoned run holds the slot
+    backend.end_run(abandoned)
+    inv, fut = await backend.next()
+    inv, fut = await backend.next()
+    backend.answer(inv, fut)
+    assert (await nxt).ok
+
+
+async def test_a_hedge_loser_holds_its_slot_until_its_run_ends():
+    """A hedge "takes one of the function's max_concurrency slots until it ends": the loser
+    that a synchronous worker runs on after it was cancelled gave its slot back at once."""
+    backend = _RunsOnBackend()
+    c = Client(
+        backend=backend,
+        registry=REG,
+        config=ClientConfig.model_validate({"hedge": {"min_samples": 5, "max_share": 1.0}}),
+    )
+    warm = [asyncio.create_task(c.call("two_at_a_time", {"seconds": 0})) for _ in range(5)]
+    for _ in range(5):
+        backend.answer(*await backend.next())
+    await asyncio.gather(*warm)
+    call = asyncio.create_task(c.call("two_at_a_time", {"seconds": 0}))
+    primary, p = await backend.next()
+    hedge, h = await backend.next()
+    assert hedge.hedge
+    backend.answer(primary, p)  # the primary wins; the hedge is cancelled, and runs on
+    assert (await call).ok and h.cancelled()
+    others = [asyncio.create_task(c.call("two_at_a_time", {"seconds": 0})) for _ in range(2)]
+    assert await _sent_or_waiting(backend, 5) == 8  # one slot is free, the hedge's run holds the other
+    backend.end_run(h)
+    assert await _sent_or_waiting(backend, 5) == 9
+    for _ in range(2):
+        backend.answer(*await backend.next())
+    assert all(r.ok for r in await asyncio.gather(*others))
