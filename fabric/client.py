@@ -220,6 +220,11 @@ class Client(KeyedCalls):
     ) -> AsyncIterator[Result]:
         """Yield results as they complete (``Result.index`` is the payload's position).
         ``payloads`` may be an async iterable that is still being produced."""
+        if max_inflight is not None and max_inflight < 1:
+            # 0 read as "the default" (the `or` below) and a negative one as a bare ValueError
+            raise ConfigError(
+                f"stream: max_inflight must be >= 1 (or None: twice max_concurrency), got {max_inflight}"
+            )
         limit = max_inflight or max(1, 2 * self._spec_or_default(name).max_concurrency)
         # a slot is held from launch until the consumer takes the result: at most ``limit``
         # calls are running or waiting to be consumed, and a lazy input is read only as fast

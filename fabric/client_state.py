@@ -130,7 +130,8 @@ class FnState:
         the limit (``HedgeConfig.over_limit_share``)."""
         if self.sem.take_now():
             return self.sem.release
-        if self.hedges_over_limit >= int(over_limit_share * self.spec.max_concurrency):
+        # (the nudge: 0.29 * 100 is 28.999..., whose int() let one hedge fewer over)
+        if self.hedges_over_limit >= int(over_limit_share * self.spec.max_concurrency + 1e-9):
             return None
         self.hedges_over_limit += 1
 

@@ -687,6 +687,26 @@ async def test_a_saturated_function_is_hedged_within_its_allowance_past_the_limi
     fn.sem.release()
 
 
+async def test_the_over_limit_allowance_is_not_cut_by_float_rounding():
+    """int(0.29 * 100) is 28 (0.29 * 100 == 28.999...): one hedge fewer than the documented
+    share of the limit went over it."""
+    from fabric.client_state import FnState
+
+    fn = FnState(REG.get("double").model_copy(update={"max_concurrency": 100}), 0.95)
+    while fn.sem.take_now():
+        pass
+    taken = [fn.take_hedge_slot(0.29) for _ in range(30)]
+    assert sum(t is not None for t in taken) == 29
+
+
+async def test_stream_refuses_a_max_inflight_below_one():
+    c, _ = make()
+    for bad in (0, -3):
+        with pytest.raises(ConfigError, match="max_inflight must be >= 1"):
+            async for _ in c.stream("double", [{"x": 1}], max_inflight=bad):
+                pass
+
+
 async def test_hedges_are_capped():
     c, fake = make(hedge={"min_samples": 20, "max_share": 0.0})
     await _warm_latency(c)
