@@ -166,6 +166,33 @@ async def test_a_client_that_raises_masks_the_sample_and_keeps_the_worker():
     assert stream.metrics()["failures"] == {"stream_error": 2}
 
 
+async def test_a_component_call_that_raises_stops_the_others_of_its_sample():
+    # the sample is masked at once, and the other components' calls stop with it: they ran
+    # on as orphans of the gather (a call of the client's holding its slot), past the close
+    started, stopped = asyncio.Event(), asyncio.Event()
+
+    class HalfRaising:
+        async def call(self, function, *args, **kwargs):
+            if function == "const":
+                await started.wait()  # the other call is under way
+                raise RuntimeError("client bug")
+            started.set()
+            try:
+                await asyncio.Event().wait()
+            finally:
+                stopped.set()
+
+    sink = Sink()
+    rewards = {"t": [spec("const", args={"value": 1.0}), spec("counted")]}
+    stream = RewardStream(HalfRaising(), rewards, sink, concurrency=1)  # type: ignore[arg-type]
+    stream.start()
+    assert stream.submit(traj("a"))
+    await stream.join()
+    assert [s.status for s in sink.samples] == ["reward_failed"]
+    assert stopped.is_set(), "the sibling call is still running"
+    await stream.aclose()
+
+
 async def test_a_missing_task_key_masks_without_calling():
     rewards = {"t": [spec("answer_is", task_args={"ground_truth": "answer"})]}
     sink = Sink()
