@@ -26,6 +26,7 @@ to raise (``Result.unwrap()``).
 
 from __future__ import annotations
 
+import difflib
 import sys
 from enum import StrEnum
 from typing import TYPE_CHECKING
@@ -119,7 +120,11 @@ class UnknownFunctionError(RegistryError):
                 "; the built-in functions register when their package is discovered: "
                 "fabric.default_registry.discover('functions')"
             )
-        super().__init__(f"unknown function {name!r}; known functions: {shown}{hint}")
+        # a near miss (math_answr) is named first: a list of a dozen names hides it; the
+        # default cutoff (0.6) offered tool_use_reward for no_such_reward
+        close = difflib.get_close_matches(name, self.known, n=1, cutoff=0.75)
+        meant = f" (did you mean {close[0]!r}?)" if close else ""
+        super().__init__(f"unknown function {name!r}{meant}; known functions: {shown}{hint}")
 
 
 class EntryPointError(RegistryError):

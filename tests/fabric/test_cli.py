@@ -169,6 +169,7 @@ def test_invoke_prints_the_result():
     [
         # bad input exits 2, whether the CLI or the client refuses it; a failed call exits 1
         (["invoke", "exact_matc", "--payload", "{}"], 2, "env_return, exact_match, format_reward"),
+        (["invoke", "exact_matc", "--payload", "{}"], 2, "did you mean 'exact_match'?"),
         (["invoke", "exact_match", "--payload", "{not json"], 2, "--payload is not valid JSON"),
         (["invoke", "exact_match", "--payload", '{"traj": NaN}'], 2, "NaN is not JSON"),
         (["invoke", "exact_match", "--payload", "[1]"], 2, "JSON object"),

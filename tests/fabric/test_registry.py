@@ -322,6 +322,10 @@ def test_unknown_function_lists_known_names() -> None:
         reg.get("gamma")
     assert str(ei.value) == "unknown function 'gamma'; known functions: add_one, add_two"
     assert ei.value.known == ["add_one", "add_two"] and ei.value.name == "gamma"
+    # a near miss names the function meant before the list, where it is easy to miss
+    with pytest.raises(UnknownFunctionError) as ei:
+        reg.get("add_tow")
+    assert str(ei.value).startswith("unknown function 'add_tow' (did you mean 'add_two'?); known functions:")
     with pytest.raises(UnknownFunctionError, match=r"\(none registered\)"):
         Registry().callable("gamma")
     with pytest.raises(RegistryError, match="not a fabric function"):
