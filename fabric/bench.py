@@ -59,8 +59,9 @@ class BenchConfig(BaseModel):
     baseline: str | None = None
     hedge: bool = True
     compare_hedge: bool = False
-    straggler_rate: float = Field(0.0, ge=0, le=1)
-    straggler_ms: float = Field(200.0, ge=0)
+    straggler_rate: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
+    straggler_ms: float = Field(200.0, ge=0, allow_inf_nan=False)
+    """Finite: an infinite hold kept a straggling call, and the bench, waiting for ever."""
     warmup: int | None = Field(None, ge=0)
     """Calls before timing starts (default: n/10, at most 2,000) so hedging has a p95."""
     seed: int = 0

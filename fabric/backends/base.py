@@ -64,9 +64,9 @@ class InprocConfig(_Config):
 class FaultInjection(_Config):
     """Chaos for benchmarks and tests: hold back some replies without blocking the worker."""
 
-    straggler_rate: float = Field(0.0, ge=0.0, le=1.0)
+    straggler_rate: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     """Probability that a call's reply is delayed."""
-    straggler_ms: float = Field(0.0, ge=0.0)
+    straggler_ms: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     seed: int = 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -13,6 +13,9 @@ from rich.markup import escape
 from fabric.errors import ErrorCode
 from fabric.registry import Registry
 from fabric.usercode import prints_to_stderr, search_cwd
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 # A command's help is its docstring when that is one line, else help= as one string: typer's
 # rich markup mode keeps a docstring's line breaks in the command list (`fabric --help` broke
@@ -89,3 +92,19 @@ def fail(message: str, code: int = 2) -> NoReturn:
     # escaped (keys such as envs[0].id are not markup) and unwrapped (easy to grep and paste)
     err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     raise typer.Exit(code)
+
+
+def bad_options(e: ValidationError, renamed: dict[str, str] | None = None) -> NoReturn:
+    """Exit 2 on pydantic's errors for a config built from options, each on one line and
+    named as the option it came from (``--n must be >= 1 (got 0)``): pydantic's own text
+    named the config model, the field and a documentation URL, over four lines.
+    ``renamed`` maps a config key to its option where the two differ."""
+    from pydantic import BaseModel
+
+    from fabric.config_messages import problems
+
+    said = []
+    for key, msg in problems(e, BaseModel):  # options make no unknown keys: no model to list
+        option = (renamed or {}).get(key) or "--" + key.split(".")[-1].replace("_", "-")
+        said.append(f"{option} {msg.removeprefix('Input ')}")  # "--x should be a finite number"
+    fail("; ".join(said))

@@ -14,6 +14,7 @@ from fabric.cli._app import (
     BackendOpt,
     ModulesOpt,
     app,
+    bad_options,
     err,
     fail,
     load_registry,
@@ -136,6 +137,8 @@ def bench(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Closed-loop benchmark of one function, with same-run baselines."""
+    from pydantic import ValidationError
+
     from fabric.bench import BenchConfig, run_bench
 
     args = payload_arg(payload) if payload is not None else None
@@ -158,6 +161,8 @@ def bench(
             straggler_rate=straggler_rate,
             straggler_ms=straggler_ms,
         )
+    except ValidationError as e:
+        bad_options(e, {"function_prefix": "--prefix"})
     except (FabricError, ValueError) as e:
         fail(str(e))
     if as_json:

@@ -15,6 +15,7 @@ from fabric.cli._app import (
     DrainOpt,
     ModulesOpt,
     app,
+    bad_options,
     err,
     fail,
     load_registry,
@@ -64,6 +65,8 @@ def serve(
     drain_s: DrainOpt = 30.0,
     modules: ModulesOpt = None,
 ) -> None:
+    from pydantic import ValidationError
+
     from fabric.backends.base import TOKEN_ENV
     from fabric.serve import Gateway, ServeConfig, TenantConfig, load_tenants, new_token
     from fabric.serve.drain import close_in_two_steps, start_unless_stopped
@@ -99,8 +102,8 @@ def serve(
         gateway = Gateway(cfg, reg)
     except FabricError as e:
         fail(str(e))
-    except ValueError as e:  # pydantic's, for a bad option value
-        fail(str(e))
+    except ValidationError as e:  # a bad option value
+        bad_options(e, {"function_prefix": "--prefix", "backend.local.max_workers": "--workers"})
 
     async def main() -> None:
         import signal

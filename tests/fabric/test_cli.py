@@ -489,6 +489,29 @@ def test_bench_rejects_bad_options():
     assert r.exit_code == 2 and "--payload must be a JSON object" in r.output
 
 
+@pytest.mark.parametrize(
+    ("args", "text"),
+    [
+        (["bench", "exact_match", "--n", "0"], "error: --n must be >= 1 (got 0)"),
+        (
+            ["bench", "exact_match", "--concurrency", "0", "--workers", "-1"],
+            "error: --concurrency must be >= 1 (got 0); --workers must be >= 1 (got -1)",
+        ),
+        # an infinite hold kept the bench waiting for ever
+        (["bench", "exact_match", "--straggler-ms", "inf"], "--straggler-ms should be a finite number"),
+        (["bench", "exact_match", "--straggler-rate", "nan"], "--straggler-rate should be a finite number"),
+        (["serve", "--port", "70000"], "error: --port must be <= 65535 (got 70000)"),
+        (["serve", "--workers", "0"], "error: --workers must be >= 1 (got 0)"),
+        (["serve", "--max-concurrency", "0"], "error: --max-concurrency must be >= 1 (got 0)"),
+    ],
+)
+def test_a_bad_option_value_is_one_line_naming_the_option(args, text):
+    """pydantic's own text named the config model and the field, with a URL, over four lines."""
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2, r.output
+    assert text in r.output and "pydantic" not in r.output and "validation error" not in r.output
+
+
 def test_bench_refuses_stragglers_where_only_one_side_would_get_them():
     # stragglers reached only the local backend's run: a Ray baseline or a lambda run was
     # compared (ratio_vs_baseline, straggler_rate in the JSON) as if under the same load
