@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import socket
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
@@ -108,3 +110,28 @@ def bad_options(e: ValidationError, renamed: dict[str, str] | None = None) -> No
         option = (renamed or {}).get(key) or "--" + key.split(".")[-1].replace("_", "-")
         said.append(f"{option} {msg.removeprefix('Input ')}")  # "--x should be a finite number"
     fail("; ".join(said))
+
+
+_LISTEN_HINTS = {
+    errno.EADDRINUSE: "; another process listens there (a fabric serve still running?): stop it, "
+    "or pick another --port (--port 0 picks a free one)",
+    errno.EADDRNOTAVAIL: "; it is not an address of this machine: --host 127.0.0.1 (this machine "
+    "only) or 0.0.0.0 (every interface)",
+    errno.EACCES: "; ports below 1024 need privileges: pick a --port above 1023",
+}
+
+
+def listen_failed(host: str, port: int, e: OSError) -> NoReturn:
+    """Exit 2 on a server's ``OSError``: the port is taken, the address is not ours. A
+    closed stdout (``fabric serve | head -0``) is raised on, for click to end quietly on:
+    it was reported as "cannot listen on ...: Broken pipe"."""
+    if e.errno == errno.EPIPE:
+        raise e
+    if isinstance(e, socket.gaierror):  # a --host that does not resolve (999.1.1.1, a typo)
+        hint = (
+            "; --host is neither an IP address nor a name that resolves: 127.0.0.1 (this machine "
+            "only) or 0.0.0.0 (every interface)"
+        )
+    else:
+        hint = _LISTEN_HINTS.get(e.errno or 0, "")
+    fail(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}")

@@ -15,6 +15,7 @@ from fabric.cli._app import (
     app,
     err,
     fail,
+    listen_failed,
     no_constant,
 )
 from fabric.errors import FabricError
@@ -53,7 +54,7 @@ def _pairs(items: list[str] | None, option: str, *, as_json: bool) -> dict[str, 
 def openrlhf_serve(
     function: Annotated[str, typer.Option("--function", "-f", help="The reward function to serve.")],
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port (0 picks a free one).")] = 8000,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0 picks a free one).")] = 8000,
     backend: Annotated[
         str | None, typer.Option(help="local (warm worker processes, default), inproc, or lambda.")
     ] = None,
@@ -140,6 +141,6 @@ def openrlhf_serve(
                 )
             )
     except OSError as e:
-        fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
+        listen_failed(host, port, e)
     except FabricError as e:  # an unknown function (with the known names), a bad module
         fail(str(e))

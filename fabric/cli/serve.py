@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import os
 from typing import Annotated, Any
@@ -18,18 +17,11 @@ from fabric.cli._app import (
     bad_options,
     err,
     fail,
+    listen_failed,
     load_registry,
     plural_calls,
 )
 from fabric.errors import FabricError, UnknownFunctionError
-
-_LISTEN_HINTS = {
-    errno.EADDRINUSE: "; another process listens there (a fabric serve still running?): stop it, "
-    "or pick another --port (--port 0 picks a free one)",
-    errno.EADDRNOTAVAIL: "; it is not an address of this machine: --host 127.0.0.1 (this machine "
-    "only) or 0.0.0.0 (every interface)",
-    errno.EACCES: "; ports below 1024 need privileges: pick a --port above 1023",
-}
 
 
 @app.command(
@@ -148,6 +140,6 @@ def serve(
     try:
         asyncio.run(main())
     except OSError as e:  # the port is taken, the address is not ours
-        fail(f"cannot listen on {host}:{port}: {e.strerror or e}{_LISTEN_HINTS.get(e.errno or 0, '')}")
+        listen_failed(host, port, e)
     except FabricError as e:  # a function named with -f cannot start (SetupFailedError)
         fail(str(e))

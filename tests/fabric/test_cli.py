@@ -300,6 +300,45 @@ def test_serve_drains_on_ctrl_c_and_a_second_one_stops_it_now(tmp_path):
     assert "stopping now: 1 call cancelled" in log.read_text()
 
 
+@pytest.mark.parametrize("command", [["serve"], ["integrate", "openrlhf-serve"]])
+def test_a_closed_stdout_is_no_listen_failure(tmp_path, command):
+    """`fabric serve | head -0`: the URL line's BrokenPipeError was reported as
+    "cannot listen on 127.0.0.1:0: Broken pipe" (exit 2). It ends as click ends on a closed
+    pipe: exit 1, no traceback, nothing left running."""
+    root = str(Path(fabric.__file__).resolve().parent.parent)
+    args = [*command, "-f", "exact_match", "--port", "0", "--workers", "1"]
+    r_fd, w_fd = os.pipe()
+    os.close(r_fd)  # the reader is gone before the server announces itself
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "fabric.cli", *args],
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": root},
+            stdout=w_fd,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(w_fd)
+    assert done.returncode == 1, done.stderr
+    assert "cannot listen" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_host_that_does_not_resolve_says_what_to_give(capsys):
+    import socket
+
+    from fabric.cli._app import listen_failed
+
+    with pytest.raises(typer.Exit) as ei:
+        listen_failed("999.1.1.1", 0, socket.gaierror(-2, "Name or service not known"))
+    assert ei.value.exit_code == 2
+    said = " ".join(capsys.readouterr().err.split())
+    assert "cannot listen on 999.1.1.1:0: Name or service not known; --host is neither" in said
+    r = runner.invoke(app, ["integrate", "openrlhf-serve", "-f", "exact_match", "--port", "70000"])
+    assert r.exit_code == 2 and "--port" in r.output and "Traceback" not in r.output, r.output
+
+
 def test_serve_ctrl_c_during_the_warm_up_stops_it(tmp_path):
     """Ctrl-C (once or twice) during the start-up was ignored until the warm pools had
     started (a slow setup: minutes); then the server announced itself and stopped."""
