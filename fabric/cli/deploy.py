@@ -46,8 +46,9 @@ def deploy(
     warm: Annotated[
         int | None,
         typer.Option(
+            min=0,
             help="Warm instances of every function: Lambda provisioned concurrency, Modal min_containers "
-            "(default: Lambda none, see --provisioned; Modal each function's warm)."
+            "(default: Lambda none, see --provisioned; Modal each function's warm).",
         ),
     ] = None,
     provisioned: Annotated[
@@ -79,6 +80,8 @@ def deploy(
         fail(f"--backend must be lambda or modal, got {backend!r}")
     if architecture not in ("x86_64", "arm64"):
         fail(f"--architecture must be x86_64 or arm64, got {architecture!r}")
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():  # a traceback of mkdir's
+        fail(f"--out {out_dir!r} is a file: the package goes into a directory; pick another --out")
     if provisioned and backend != "lambda":
         fail("--provisioned is for --backend lambda: Modal's min_containers follow each function's warm")
     if backend == "lambda":
@@ -95,6 +98,11 @@ def deploy(
     try:
         reg = load_registry(modules)
         plan = plan_functions(reg, functions, prefix=prefix, warm=warm, reserved=reserved)
+        if backend == "lambda" and not direct and not Path(terraform_dir).is_dir():
+            # said before packaging (pip can take half a minute), which left a package behind
+            fail(
+                f"no terraform directory at {terraform_dir!r} (--terraform-dir): the repository's terraform/"
+            )
         if backend == "modal":
             from fabric.deploy.modal_ import deploy_modal
 

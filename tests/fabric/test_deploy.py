@@ -581,6 +581,8 @@ def test_cli_direct_deploy_to_an_endpoint_without_credentials_says_what_to_do(
             ["-m", "sample_fns", "-f", "add", "--no-deps", "--terraform-dir", "/nonexistent"],
             "no terraform directory",
         ),
+        (["-m", "sample_fns", "-f", "add", "--warm", "-1"], "Invalid value for '--warm'"),
+        (["-m", "sample_fns", "-f", "add", "--no-deps", "--out", "a-file"], "--out 'a-file' is a file"),
         # a traceback of botocore's InvalidRegionError (--direct), or a tfvars file terraform
         # refuses later: said at once, with what a region looks like
         (["-m", "sample_fns", "-f", "add", "--direct", "--region", "us east 1"], "--region 'us east 1'"),
@@ -591,8 +593,11 @@ def test_cli_deploy_bad_input(tmp_path, monkeypatch, args, message):
     from fabric.cli import app
 
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
     r = CliRunner().invoke(app, ["deploy", *args])
     assert r.exit_code == 2 and message in r.output, r.output
+    # said before packaging: no package is left behind
+    assert "packaging" not in r.output and not (tmp_path / "build").exists()
 
 
 # -- Modal
