@@ -128,7 +128,8 @@ def bench_resets(
 )
 def bench_cold_image(
     sessions: Annotated[int, typer.Option(min=1)] = 64,
-    size_mb: Annotated[float, typer.Option(min=0.01)] = 8.0,
+    # at most 1 GiB: the bundle is made in memory (inf or 1e12 was an OverflowError traceback)
+    size_mb: Annotated[float, typer.Option(min=0.01, max=1024, help="Image data in MiB.")] = 8.0,
     bandwidth_mbps: Annotated[float, typer.Option(min=0.1, help="Origin link in MB/s.")] = 40.0,
     as_json: JsonOpt = False,
 ) -> None:

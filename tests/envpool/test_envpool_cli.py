@@ -95,6 +95,14 @@ def test_bench_cold_image_compares_both_ways():
     assert out["tiered"]["origin_gets"] == 1 and out["own_fetch"]["origin_gets"] == 4
 
 
+@pytest.mark.parametrize("size", ["inf", "1e12", "nan"])
+def test_bench_cold_image_refuses_a_size_it_cannot_build(size):
+    """--size-mb inf or 1e12 was an OverflowError traceback (exit 1)."""
+    r = runner.invoke(app, ["bench", "cold-image", "--sessions", "1", "--size-mb", size])
+    assert r.exit_code == 2 and "--size-mb" in r.output and r.exception is not None, r.output
+    assert not isinstance(r.exception, OverflowError)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_bench_stopped_by_a_signal_removes_its_temp_dirs(tmp_path, sig):
     # Ctrl-C skipped the bundle dir's removal; SIGTERM killed the process on the spot (exit
