@@ -15,12 +15,12 @@ over ``episodes_unseen``).
 
 from __future__ import annotations
 
-import asyncio
 import statistics
 import time
-from collections.abc import Coroutine, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
+from core.aio import gather_or_stop
 from core.config import JobConfig
 from core.rollout.env_manager import EnvManager, Task, first_observation, task_key
 from fabric.protocol import Trajectory
@@ -53,7 +53,7 @@ class Evaluator:
                 tasks.append(Task(env, EVAL_SEED_BASE + i, f"eval-{step}", greedy=greedy))
         te = time.perf_counter()
         trained = set(self.trained_tasks)  # as of this version: training goes on meanwhile
-        trajs = await _all(manager.run(t, version=version) for t in tasks)
+        trajs = await gather_or_stop(manager.run(t, version=version) for t in tasks)
         played = [v for t in trajs for v in t.policy_versions()]
         # the weights that played it: in async mode the trainer publishes while an
         # evaluation runs (unless rollout.eval_exact), so later versions can take turns
@@ -78,19 +78,6 @@ class Evaluator:
         row["eval_s"] = round(time.perf_counter() - te, 2)
         self.rows.append(row)
         return row
-
-
-async def _all(runs: Iterable[Coroutine[Any, Any, Trajectory]]) -> list[Trajectory]:
-    """Every episode's trajectory; when one raises (the proxy died) or the evaluation is
-    cancelled, the others are stopped first: ``gather`` left them playing, their sessions
-    open while the job shut down."""
-    tasks = [asyncio.ensure_future(r) for r in runs]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _success(trajs: list[Trajectory]) -> float:

@@ -42,11 +42,12 @@ import math
 import random
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from core.aio import gather_or_stop
 from core.config import JobConfig, RewardConfig
 from core.errors import StreamClosedError
 from core.sample import Sample
@@ -264,7 +265,8 @@ class RewardStream:
                 return
             task_args = {param: sample.traj.task[key] for param, key in spec.task_args.items()}
             payloads.append({"traj": sample.traj, **spec.args, **task_args})
-        results = await _all(self._call(spec, p, sample.id) for spec, p in zip(specs, payloads, strict=True))
+        calls = (self._call(spec, p, sample.id) for spec, p in zip(specs, payloads, strict=True))
+        results = await gather_or_stop(calls)
         components: dict[str, RewardResult | float] = {}
         errors: list[str] = []
         for spec, r in zip(specs, results, strict=True):
@@ -329,19 +331,6 @@ class RewardStream:
         self._scored[traj_id] = None
         if len(self._scored) > self._memory:
             self._scored.popitem(last=False)
-
-
-async def _all(calls: Iterable[Coroutine[Any, Any, Result]]) -> list[Result]:
-    """Every call's result; when one raises (a client of one's own, a bug), the others are
-    stopped first: ``gather`` left them running as orphans, past the sample's failure and the
-    stream's close."""
-    tasks = [asyncio.ensure_future(c) for c in calls]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _label(spec: RewardConfig) -> str:
