@@ -134,7 +134,7 @@ if child:  # the keeper
         if not isolated:  # what the run started is in the keeper's tree until its parent kills it
             os.read(stdin_fd, 1)
     except OSError:
-        pass
+        pass  # the parent gone or the pipe closed: exit all the same
     os._exit(0)
 os.close(alive_w)
 if libc is not None:
@@ -153,7 +153,7 @@ if isolated:
             except ChildProcessError:
                 break
             except OSError:
-                pass
+                pass  # EINTR and the like: wait again
         os._exit(0)
     if libc is not None:
         libc.prctl(1, 9)  # with the init

@@ -520,7 +520,7 @@ async def test_a_run_that_fails_stops_the_evaluation_it_was_running(tmp_path, mo
             return 1 << 30
 
         def forget_aborted_before(self, version: int) -> None:
-            pass
+            pass  # the stand-in buffer keeps no aborted ones
 
     class Stream:
         def metrics(self) -> dict[str, Any]:
@@ -538,7 +538,7 @@ async def test_a_run_that_fails_stops_the_evaluation_it_was_running(tmp_path, mo
                 return SimpleNamespace(remote=lambda batch: (done({"version": 1}), None))
 
     async def call(aw: Any) -> None:
-        pass
+        pass  # the step loop's trainer calls need no answer here
 
     update = SimpleNamespace(remote=lambda version, refs: None)
     j.cluster = SimpleNamespace(  # type: ignore[assignment]

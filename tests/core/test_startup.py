@@ -23,7 +23,7 @@ def _actors(ray):
             raise ValueError("bad engine kwarg")
 
     class Fine:
-        pass
+        pass  # an actor whose constructor returns at once
 
     return [ray.remote(c).options(num_cpus=0) for c in (Hangs, Fails, Fine)]
 

@@ -450,7 +450,7 @@ class _Listing(list[Any]):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        pass
+        pass  # nothing to release
 
 
 async def test_entries_renamed_away_during_the_starts_scans_do_not_fail_it(

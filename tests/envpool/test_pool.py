@@ -144,7 +144,7 @@ async def test_arguments_that_cannot_be_sent_are_a_clear_error_with_no_stray_fut
     async with pool(images, min_warm=0) as p:
         with pytest.raises(EnvUsageError, match="env_kwargs must be JSON-safe"):
             async with p.session("bundle-echo-v0", image=IMAGE, env_kwargs={"rng": object()}):
-                pass
+                pass  # the session's entry raises: its body never runs
         assert p.stats().get("claims_cold", 0) == 0  # refused before a container was claimed
         async with p.session("bundle-echo-v0", image=IMAGE) as s:
             with pytest.raises(EnvUsageError, match=r"'reset' to the container.*must be JSON-safe"):
