@@ -18,6 +18,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -277,6 +278,17 @@ async def _cold_start_ms(cfg: BenchConfig, registry: Registry, payload: dict[str
     return ms
 
 
+def _import_root(entry: str) -> list[str]:
+    """The sys.path entry the function's module was imported from (``[]``: not known)."""
+    name = entry.partition(":")[0]
+    module = sys.modules.get(name)
+    if module is None or not module.__file__:
+        return []
+    file = Path(module.__file__).resolve()
+    depth = name.count(".") + (file.name == "__init__.py")  # a.b.c -> a/b/c.py -> 3 levels up
+    return [str(file.parents[depth])]
+
+
 async def _run_ray(
     cfg: BenchConfig,
     registry: Registry,
@@ -314,26 +326,39 @@ async def _run_ray(
         )
         term.reinstall()  # ray.init put its own SIGTERM handler in place of ours
     try:
-        actors = [RewardWorker.remote(entry) for _ in range(workers)]  # type: ignore[attr-defined]
+        # the function's module from -m may sit where a Ray worker does not look (its
+        # directory is on this process's sys.path only): the actors died importing it
+        where = _import_root(entry)
+        path = os.pathsep.join([*where, *filter(None, [os.environ.get("PYTHONPATH")])])
+        opts = {"runtime_env": {"env_vars": {"PYTHONPATH": path}}} if where else {}
+        actors = [RewardWorker.options(**opts).remote(entry) for _ in range(workers)]  # type: ignore[attr-defined]
         await asyncio.gather(*(a.__ray_ready__.remote() for a in actors))
         counter = iter(range(1 << 62))
+
+        errors: list[tuple[str, str]] = []
 
         async def one() -> float:
             t0 = time.perf_counter()
             raw = encode_payload(payload)
-            await actors[next(counter) % workers].run.remote(raw)
+            ok, value = await actors[next(counter) % workers].run.remote(raw)
+            if not ok:  # as in the fabric's figures: a failed call is no latency
+                errors.append(("UserError", str(value)[:500]))
+                return math.nan
             return (time.perf_counter() - t0) * 1e3
 
         warm = cfg.warmup if cfg.warmup is not None else min(2000, max(cfg.n // 10, 100))
         if warm:
             await _closed_loop(warm, cfg.concurrency, one, None, "ray")
+            _all_failed(errors, warm, "ray baseline")
+        errors.clear()
         lat, elapsed = await _closed_loop(cfg.n, cfg.concurrency, one, progress, "ray baseline")
         for a in actors:
             ray.kill(a)
     finally:
         if started_here:
             ray.shutdown()
-    return _summary(lat, elapsed)
+    _all_failed(errors, len(lat), "ray baseline")
+    return {**_summary([ms for ms in lat if not math.isnan(ms)], elapsed), "errors": len(errors)}
 
 
 async def _vs_local(
@@ -470,6 +495,7 @@ async def _run_bench(
         out["baseline_throughput_per_s"] = base["throughput_per_s"]
         out["baseline_p50_ms"] = base["p50_ms"]
         out["baseline_p99_ms"] = base["p99_ms"]
+        out["baseline_errors"] = base["errors"]
         out["ratio_vs_baseline"] = main["throughput_per_s"] / base["throughput_per_s"]
     elif cfg.baseline:
         label = "baseline " + cfg.baseline[3:]

@@ -88,6 +88,22 @@ def cli_fails_every_other_call_in_workers(traj: str) -> float:
     return 1.0
 
 
+_CALLS_HERE = 0
+
+
+@REG.reward(examples=_EXAMPLE, retry={"max_attempts": 1}, hedge=False)
+def cli_fails_every_other_call(traj: str) -> float:
+    """Every second call in each process fails, wherever it runs (a Ray actor too); the
+    bench's own direct calls answer."""
+    global _CALLS_HERE
+    if threading.current_thread().name == "fabric-bench-direct":
+        return 1.0
+    _CALLS_HERE += 1
+    if _CALLS_HERE % 2 == 0:
+        raise RuntimeError("even call")
+    return 1.0
+
+
 @REG.reward(examples=_EXAMPLE)
 def cli_slower_in_the_bench(traj: str) -> float:
     """Slower in the benchmark's own process (its direct calls) than in a worker: a negative

@@ -672,6 +672,17 @@ def test_bench_ray_baseline_runs_side_by_side():
     assert out["ratio_vs_baseline"] == pytest.approx(
         out["throughput_per_s"] / out["baseline_throughput_per_s"]
     )
+    assert out["baseline_errors"] == 0
+
+
+@pytest.mark.ray
+def test_the_ray_baseline_leaves_failed_calls_out_of_its_figures_as_the_fabric_does():
+    # its failed calls counted as latencies (and in its throughput), the fabric's did not
+    r = _bench("cli_fails_every_other_call", "--n", "400", "--concurrency", "4", "--baseline", "ray")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert 150 <= out["baseline_errors"] <= 250, out  # every second call in each actor
+    assert 150 <= out["errors"] <= 250, out
 
 
 @pytest.mark.parametrize("columns", [80, 120])
