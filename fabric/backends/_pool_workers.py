@@ -136,7 +136,7 @@ class PoolWorkers(PoolDispatch):
         elif any(x.starting for x in self._workers):
             # a sibling is still starting: a transient failure (a flaky download, an OOM) says
             # nothing about it, so the queue waits for it; if it fails too, its failure decides
-            pass
+            pass  # wait for the sibling's start to decide
         elif w.fatal or self._start_failures >= _MAX_START_FAILURES:
             self._broken = (cooldown, msg, tb)  # nothing can serve: fail fast until the cooldown ends
             self._fail_pending(ErrorCode.SETUP_FAILED, msg, tb)

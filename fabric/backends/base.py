@@ -296,13 +296,13 @@ class Backend(ABC):
 
     # -- hooks
     async def _start(self) -> None:  # noqa: B027 - optional hook
-        pass
+        pass  # a backend without this step has nothing to do here
 
     async def _close(self) -> None:  # noqa: B027 - optional hook
-        pass
+        pass  # a backend without this step has nothing to do here
 
     async def _warmup(self, names: list[str] | None) -> None:  # noqa: B027 - optional hook
-        pass
+        pass  # a backend without this step has nothing to do here
 
     def _submit(self, inv: Invocation) -> asyncio.Future[Result]:
         return asyncio.ensure_future(self._invoke(inv))
