@@ -131,31 +131,59 @@ def _stated_answer(text: str, pos: int = 0) -> tuple[str, int] | None:
     """``(answer, start)`` of the stated answer, ``start`` where its marker starts; markers
     before ``pos`` are not looked at."""
     n = len(text)
-    last_two: list[re.Match[str]] = []  # only the last marker can be followed by nothing
-    for m in _ANSWER_MARK.finditer(text, pos):
-        last_two = [last_two[-1], m] if last_two else [m]
-    for m in reversed(last_two):
-        i = m.end()
+    # a marker that judges or denies an answer ("the answer is probably wrong", "the answer is
+    # not 5") leaves the one before it the answer: walked from the last. Only ends are kept,
+    # and each rejection is an anchored match at the marker's end, so the walk is linear
+    markers = [(m.start(), m.end(), m[0][-1:].isalpha()) for m in _ANSWER_MARK.finditer(text, pos)]
+    for start, i, ends_in_is in reversed(markers):
         while i < n and text[i].isspace():
             i += 1
+        if i == n:
+            continue  # a marker with nothing after it
+        if ends_in_is and (_VERDICT.match(text, i) or _DENIAL.match(text, i)):
+            continue
         if (close := _DISPLAY_OPEN.get(text[i : i + 2])) is not None:
             j = text.find(close, i + 2)  # display math: the whole block, over its lines
             if j >= 0:
-                return " ".join(text[i : j + 2].split()), m.start()
+                return " ".join(text[i : j + 2].split()), start
         end = text.find("\n", i)
         line = text[i : n if end < 0 else end].strip()
-        if line and not (m[0][-1:].isalpha() and _VERDICT.match(line)):
-            return unemphasize(without_aside(first_sentence(line))), m.start()
+        if hedge := _HEDGE.match(line):  # "probably 5", "therefore 42": the answer is 5, 42
+            line = line[hedge.end() :]
+        return unemphasize(without_aside(first_sentence(line))), start
     return None
 
 
-# after "the answer is" (a marker ending in "is"): words that judge the answer, not state it
+# after "the answer is" (a marker ending in "is"), words that hedge or qualify what follows:
+# "probably wrong" is a verdict, "probably 5" states 5. Not "about"/"nearly"/"at least", which
+# change a number (the math reward reads those), nor "still"/"now"/"just", which text answers
+# start with ("still water")
+_HEDGE_WORDS = (
+    r"(?:(?:very|most|quite|almost|highly|pretty)[ \t]+)?"
+    r"(?:probably|likely|possibly|perhaps|maybe|surely|certainly|clearly|obviously|definitely|"
+    r"indeed|actually|therefore|thus|hence|also|simply|then|undoubtedly|presumably)"
+)
+_HEDGE = re.compile(_HEDGE_WORDS + r"[ \t]*,?[ \t]+(?=\S)", re.IGNORECASE)
+# words that judge the answer, not state it: up to two hedges ("indeed", "very likely",
+# "still"), "not", the verdict, then nothing but the sentence's end or a word that cannot
+# start a noun phrase ("wrong though", "correct in this case", "right, I think"): "right
+# triangle" and "valid argument" are answers. "off by one" judges whatever follows it
 _VERDICT = re.compile(
-    r"(?:indeed |also |still |now |definitely |probably )?(?:not )?"
-    r"(?:correct|right|wrong|incorrect|reasonable|plausible|consistent|valid|sound|accurate|"
-    r"confirmed|verified|checked)"
-    # and nothing after it but the sentence's end or a reason ("right triangle" is an answer)
-    r"(?=[ \t]*(?:[.,;:!?)]|$)|[ \t]+(?:because|since|as|and|so|but|for|if|when|given|here)\b)",
+    r"(?:(?:" + _HEDGE_WORDS + r"|still|now|just|not)[ \t]+){0,3}"
+    r"(?:(?:correct|right|wrong|incorrect|reasonable|plausible|consistent|valid|sound|accurate|"
+    r"confirmed|verified|checked|ok|okay|fine|mistaken)"
+    r"(?=[ \t]*(?:[.,;:!?)]|\r?\n|\Z)|[ \t]+(?:because|since|as|and|so|but|for|if|when|given|here|"
+    r"though|although|too|either|then|anyway|again|after|actually|i|we|in|to|there|now|"
+    r"overall|at|by|with|according|based|on|upon|indeed|this|that)\b)"
+    r"|off[ \t]+by\b)",
+    re.IGNORECASE,
+)
+# "the answer is not 5" (or "not $x = 3$", "not (B)", "definitely not B"): a candidate the
+# text rejects, not the answer. "not possible" and "not defined" are answers: only a number,
+# math or a lone choice letter after "not" denies
+_DENIAL = re.compile(
+    r"(?:" + _HEDGE_WORDS + r"[ \t]+){0,2}not[ \t]+[*_]*"
+    r"(?:[-+]?\$?[\d.]|\$|\\|\(|(?-i:[A-Z])(?![\w'-]))",
     re.IGNORECASE,
 )
 
@@ -186,13 +214,21 @@ def unemphasize(s: str) -> str:
 _COMMA_ASIDE = re.compile(
     r",[ \t]*(?:because|since|which|who|whose|where|when|while|as|so|thus|hence|therefore|after|"
     r"before|the|an?|this|that|these|those|it|its|not|given|using|including|meaning|namely)[ \t]+\S"
-    r"|,[ \t]*(?:i\.e|e\.g)\.",
+    r"|,[ \t]*(?:i\.e|e\.g)\."
+    # the writer's doubt or a next step: "42, but let me check", "42, though.", "42, I think"
+    r"|,[ \t]*(?:but|though|although|however|unless|if|hopefully|maybe|perhaps|probably)\b"
+    r"|,[ \t]*(?:i|we)[ \t]+(?:think|believe|guess|hope|suppose|assume|am|are|should|need|can)\b",
     re.IGNORECASE,
 )
 _SEMICOLON_ASIDE = re.compile(r";[ \t]*[A-Za-z]{2}")
 # one space, not a run: tried at every space, [ \t]+ would rescan a long run from each of them
 _SPACE_ASIDE = re.compile(
-    r"[ \t](?:\((?!(?:or|and)\b)[A-Za-z]{2}|(?:because|since|which|where)[ \t]+\S)", re.IGNORECASE
+    r"[ \t](?:\((?!(?:or|and)\b)[A-Za-z]{2}|(?:because|since|which|where)[ \t]+\S"
+    # the writer, not the answer: "5 but I'm not sure", "5 I think", "5 (I think)", "5 though."
+    r"|\(?i[ \t]+(?:think|believe|guess|hope|suppose)\b"
+    r"|(?:but|and|so|if|unless)[ \t]+(?:i|i'm|we|we're|let|let's|that's|this|it's)(?![\w'])"
+    r"|though(?=[ \t]*(?:[.!,;]|$)))",
+    re.IGNORECASE,
 )
 
 _ASIDE_AT = {",": _COMMA_ASIDE, ";": _SEMICOLON_ASIDE, " ": _SPACE_ASIDE, "\t": _SPACE_ASIDE}

@@ -89,6 +89,56 @@ def test_extract_answer(text: str, expected: str) -> None:
     assert extract_answer(text) == expected
 
 
+# prose after "the answer is" that judges, hedges or denies an answer, and a clause after the
+# answer about the writer: each was read as (part of) the answer
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # a verdict, hedged or followed by more words, judges the answer before it
+        ("The answer is 42.\nThe answer is probably wrong though.", "42."),
+        ("The answer is 42. The answer is very likely correct.", "42"),
+        ("The answer is 42. The answer is almost certainly correct.", "42"),
+        ("The answer is 42. Clearly the answer is correct in this case.", "42"),
+        ("The answer is 42. The answer is correct I think.", "42"),
+        ("The answer is 42. The answer is obviously right as 6*7=42.", "42"),
+        ("The answer is 42. Maybe the answer is off by one.", "42"),
+        ("The answer is: 5. I think the answer is likely correct.", "5"),
+        # however many verdicts follow it (only the last two markers were looked at)
+        ("The answer is 42. The answer is not 5. The answer is surely right.", "42"),
+        # a verdict with no answer before it states nothing: the last line stands
+        ("The answer is probably wrong though.", "The answer is probably wrong though."),
+        # "not" before a number, math or a choice letter rejects a candidate
+        ("The answer is 42. Hmm, the answer is not 5.", "42"),
+        ("The answer is (C). The answer is definitely not $B$.", "(C)"),
+        ("The answer is (C). The answer is not B.", "(C)"),
+        # ... but "not" before a word is an answer
+        ("The answer is not possible.", "not possible."),
+        ("The answer is not a real number.", "not a real number."),
+        # a hedge or a connective before the answer is not part of it
+        ("The answer is probably 5.", "5."),
+        ("The answer is therefore 42.", "42."),
+        ("The answer is clearly $\\frac{1}{2}$.", "$\\frac{1}{2}$."),
+        ("The answer is still water.", "still water."),  # "still" starts text answers
+        ("The answer is: 5.", "5."),
+        # a clause about the writer after the answer is not part of it
+        ("I think the answer is 5 but I'm not sure.", "5"),
+        ("The answer is 5, but let me verify.", "5"),
+        ("The answer is 5, I think.", "5"),
+        ("The answer is 5 I think.", "5"),
+        ("The answer is 5 though.", "5"),
+        ("The answer is probably 5, though.", "5"),
+        ("Answer: 5 (I think)", "5"),
+        ("The answer is 5 if I am not mistaken.", "5"),
+        ("The answer is 5 and I am confident.", "5"),
+        # ... but "and"/"but" between answers stay
+        ("The answer is red, green and blue.", "red, green and blue."),
+        ("The answer is black and white.", "black and white."),
+    ],
+)
+def test_prose_after_the_marker_is_not_the_answer(text: str, expected: str) -> None:
+    assert extract_answer(text) == expected
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
