@@ -8,6 +8,7 @@ An outcome is a plain tuple, cheap to pickle across the worker pipe:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import signal
 import threading
@@ -47,6 +48,21 @@ def _args_adapter(fn: Callable[..., Any], spec: FunctionSpec) -> TypeAdapter[Any
         extra="allow" if spec.accepts_extra else "forbid", arbitrary_types_allowed=True
     )
     return TypeAdapter(td)
+
+
+# the timer of the async run in progress (in its task's context): a function that retries
+# on its own (an LLM judge) reads what it has left, to fail with its own error before the
+# run's limit cuts it off with a bare timeout
+_RUN_TIMER: contextvars.ContextVar[asyncio.Timeout | None] = contextvars.ContextVar("run_timer", default=None)
+
+
+def time_left_s() -> float | None:
+    """Seconds left before the limit of the async function run in progress cuts it off (its
+    ``timeout_s``, or the call's deadline if sooner; moved when the deadline moves); ``None``
+    outside a run or in a run without a limit."""
+    timer = _RUN_TIMER.get()
+    when = None if timer is None else timer.when()
+    return None if when is None else when - asyncio.get_running_loop().time()
 
 
 def format_validation_error(spec: FunctionSpec, e: ValidationError) -> str:
@@ -225,7 +241,11 @@ class FunctionRunner:
             async with timer:
                 if on_timer is not None:
                     on_timer(timer)
-                ok, value = await self._guarded(kwargs)
+                token = _RUN_TIMER.set(timer)
+                try:
+                    ok, value = await self._guarded(kwargs)
+                finally:
+                    _RUN_TIMER.reset(token)
         except TimeoutError:
             limit = (timer.when() or started) - started  # what it had, moved or not
             return (

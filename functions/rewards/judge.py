@@ -18,7 +18,10 @@ How a call goes:
   ``tokens_per_minute`` (a request is charged ``chars / 4 + max_tokens`` up front, the
   ``usage`` of the reply settles the difference);
 * 408, 429, 5xx, timeouts and network errors are retried with exponential backoff and
-  jitter, or after the server's ``Retry-After``; other 4xx fail at once;
+  jitter, or after the server's ``Retry-After``; other 4xx fail at once. Retries, waits and
+  each attempt's timeout stay within the time the reward's run has left (its ``timeout_s``,
+  or the call's deadline if sooner), so an endpoint that stays down ends in the judge's own
+  ``Unavailable``, saying how long it tried, not in the run's bare timeout;
 * the score is the judge's verdict line, ``Verdict NONCE: N/10`` as the default rubric asks
   (the response cannot know the nonce, so cannot forge the line); failing that, a reply that
   is one JSON object, else the latest score in the reply in the form the rubric asks for
@@ -36,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import re
 import threading
 import time
@@ -45,12 +49,11 @@ from secrets import token_hex
 from typing import Any
 
 import httpx
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
-from tenacity.wait import wait_random_exponential
 
 import fabric
 from fabric.errors import Unavailable
 from fabric.protocol import RewardResult, Trajectory
+from fabric.runner import time_left_s
 from functions.openai_api import error_message, excerpt, retry_after_s
 from functions.rewards.judge_config import DEFAULT_RUBRIC, ENV_PREFIX, OPENAI_URL, JudgeConfig
 from functions.rewards.judge_errors import (
@@ -131,6 +134,7 @@ class Judge:
     ):
         self.config = config
         self.limiter = RateLimiter(config.requests_per_minute, config.tokens_per_minute, clock)
+        self._clock = clock
         self._sleep = sleep
         self._clients: weakref.WeakKeyDictionary[
             asyncio.AbstractEventLoop, tuple[httpx.AsyncClient, AsyncGenerator[None, None]]
@@ -169,10 +173,19 @@ class Judge:
             await entry[1].aclose()
 
     async def score(
-        self, response: str, *, question: str = "", reference: str | None = None, rubric: str | None = None
+        self,
+        response: str,
+        *,
+        question: str = "",
+        reference: str | None = None,
+        rubric: str | None = None,
+        time_limit_s: float | None = None,
     ) -> RewardResult:
-        """Grade ``response``; the score is normalised to [0, 1]."""
+        """Grade ``response``; the score is normalised to [0, 1]. ``time_limit_s`` bounds the
+        whole call, retries and waits included (``llm_judge`` passes what its run has left):
+        the judge gives up with ``Unavailable`` a little before it."""
         cfg = self.config
+        deadline = None if time_limit_s is None else self._clock() + time_limit_s
         template = cfg.rubric if rubric is None else rubric
         if "{response}" not in template:
             raise ValueError("the rubric must contain {response}, or the judge never sees the answer")
@@ -199,7 +212,7 @@ class Judge:
             "max_tokens": cfg.max_tokens,
             **cfg.extra_body,
         }
-        data, attempts = await self._complete(body, estimate_tokens(prompt, cfg.max_tokens))
+        data, attempts = await self._complete(body, estimate_tokens(prompt, cfg.max_tokens), deadline)
         text = self._text(data)
         raw = parse_score(
             text,
@@ -220,47 +233,80 @@ class Judge:
             },
         )
 
-    async def _complete(self, body: dict[str, Any], tokens: int) -> tuple[dict[str, Any], int]:
+    async def _complete(
+        self, body: dict[str, Any], tokens: int, deadline: float | None
+    ) -> tuple[dict[str, Any], int]:
         cfg = self.config
-        # full jitter, as the fabric client's own retries: spread retries of many calls apart
-        backoff = wait_random_exponential(multiplier=cfg.backoff_s, max=cfg.max_backoff_s)
+        started = self._clock()
+        # kept back from the deadline: the time to return the judge's own error before the
+        # run's limit cuts it off (a twentieth of the time, from 0.25 s up to a second, at most a
+        # quarter of a short limit); a retry is only made with at least as long again for its
+        # attempt
+        budget = 0.0 if deadline is None else deadline - started
+        reserve = min(1.0, max(0.25, 0.05 * budget), 0.25 * budget)
+        attempt = 0
+        last: _Transient | None = None
+        while True:
+            attempt += 1
+            left = None if deadline is None else deadline - reserve - self._clock()
+            if left is not None and left <= 0:
+                raise self._unavailable(
+                    started, attempt - 1, last, "; no time was left before the call's time limit"
+                )
+            try:
+                return await self._attempt(body, tokens, left), attempt
+            except _Transient as e:
+                last = e
+            if attempt > cfg.max_retries:
+                raise self._unavailable(started, attempt, last, "")
+            if last.retry_after is not None:
+                pause = last.retry_after  # the server knows when it will have room
+            else:  # full jitter, as the fabric client's own retries: spread many calls' retries
+                pause = random.uniform(0, min(cfg.max_backoff_s, cfg.backoff_s * 2 ** (attempt - 1)))
+            if deadline is not None and self._clock() + pause + reserve >= deadline - reserve:
+                left_now = max(0.0, deadline - self._clock())
+                wait = f"its retry after {pause:g} s" if last.retry_after is not None else "a retry"
+                raise self._unavailable(
+                    started,
+                    attempt,
+                    last,
+                    f"; {wait} would pass the call's time limit ({left_now:.1f} s left)",
+                )
+            await self._sleep(pause)
 
-        def wait(state: RetryCallState) -> float:
-            exc = state.outcome.exception() if state.outcome else None
-            if isinstance(exc, _Transient) and exc.retry_after is not None:
-                return exc.retry_after  # the server knows when it will have room
-            return float(backoff(state))
-
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(cfg.max_retries + 1),
-            wait=wait,
-            retry=retry_if_exception_type(_Transient),
-            sleep=self._sleep,
-            reraise=True,
+    def _unavailable(self, started: float, attempts: int, last: _Transient | None, why: str) -> Unavailable:
+        took = self._clock() - started
+        tried = f"{self.url} failed {attempts} attempt{'s' if attempts != 1 else ''}{why}"
+        if last is None:
+            return Unavailable(f"llm_judge: the judge was unavailable for {took:.1f} s: {tried}")
+        return Unavailable(
+            f"llm_judge: the judge was unavailable for {took:.1f} s: {tried}; last: {last}. {last.hint}"
         )
-        try:
-            data: dict[str, Any] = await retrying(self._attempt, body, tokens)
-        except _Transient as e:
-            n = cfg.max_retries + 1
-            raise Unavailable(
-                f"llm_judge: {self.url} failed {n} attempt{'s' if n > 1 else ''}; last: {e}. {e.hint}"
-            ) from None
-        return data, int(retrying.statistics.get("attempt_number", 1))
 
-    async def _attempt(self, body: dict[str, Any], tokens: int) -> dict[str, Any]:
+    async def _attempt(self, body: dict[str, Any], tokens: int, left: float | None) -> dict[str, Any]:
+        """One request; ``left``: the seconds the call has left (``None``: no limit), which
+        bound the rate limiter's wait and the request's own timeout."""
         cfg = self.config
-        wait = self.limiter.reserve(tokens, cfg.max_wait_s)
+        max_wait = cfg.max_wait_s if left is None else min(cfg.max_wait_s, left)
+        wait = self.limiter.reserve(tokens, max_wait)
         if wait > 0:
             await self._sleep(wait)
+            left = None if left is None else left - wait
+        limit = cfg.timeout_s if left is None else max(0.0, min(cfg.timeout_s, left))
         client = await self._client()
         try:
             # httpx's timeout is per read; this one bounds the whole attempt (a trickling server)
-            async with asyncio.timeout(cfg.timeout_s):
+            async with asyncio.timeout(limit):
                 resp = await client.post(self.url, json=body)
         except (TimeoutError, httpx.TimeoutException):
             self.limiter.settle(tokens, 0)  # no completion: the request counts, its tokens do not
+            within = (
+                f"timeout_s={cfg.timeout_s:g} s"
+                if limit == cfg.timeout_s
+                else f"{limit:.2g} s (what the call's time limit left)"
+            )
             raise _Transient(
-                f"no answer within timeout_s={cfg.timeout_s:g} s",
+                f"no answer within {within}",
                 f"Raise {ENV_PREFIX}TIMEOUT_S if the model is slow, or check the server.",
             ) from None
         except httpx.UnsupportedProtocol as e:
@@ -403,4 +449,6 @@ async def llm_judge(
         q = question if question is not None else _first_user_text(traj)
         task_ref = traj.task.get("reference", traj.task.get("ground_truth"))
         ref = reference if reference is not None else (None if task_ref is None else str(task_ref))
-    return await judge.score(response, question=q, reference=ref, rubric=rubric)
+    # what the run has left (its timeout_s, or the call's deadline): the judge's retries stop
+    # within it, so a dead endpoint is the judge's Unavailable, not the run's bare timeout
+    return await judge.score(response, question=q, reference=ref, rubric=rubric, time_limit_s=time_left_s())

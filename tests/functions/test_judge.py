@@ -516,6 +516,44 @@ async def test_a_hung_endpoint_times_out_within_the_configured_timeout(srv, make
     assert r.score == 0.8 and r.info["attempts"] == 2
 
 
+@pytest.mark.parametrize("failure", ["retry_after", "hang"])
+async def test_retries_stop_within_the_runs_limit_with_the_judges_own_error(srv, make_judge, failure):
+    # the judge's retries (and the Retry-After it honours, and each attempt's own timeout_s)
+    # ran past the reward's limit: the caller got a bare FunctionTimeout instead of the
+    # judge's Unavailable saying what happened
+    if failure == "retry_after":
+        srv.fail_next(503, times=20, retry_after=0.6)
+    else:
+        srv.hang_next(times=20, seconds=30)
+    runner = FunctionRunner.from_entry(ENTRY)
+    runner.ctx = make_judge(srv, max_retries=10, timeout_s=60)
+    t0 = time.monotonic()
+    ok, (code, message, _) = await runner.run_async(encode_payload({"traj": "x"}), 2.0)
+    took = time.monotonic() - t0
+    assert not ok and code == ErrorCode.UNAVAILABLE, message
+    assert took < 2.0  # its own error, before the run's limit
+    assert re.search(
+        r"llm_judge: the judge was unavailable for (\d+\.\d) s: \S+ failed \d+ attempts?", message
+    )
+    said = float(re.search(r"unavailable for (\d+\.\d) s", message)[1])  # type: ignore[index]
+    assert 0.5 <= said <= took + 0.1
+    assert "the call's time limit" in message
+    if failure == "retry_after":
+        assert len(srv.chat_requests) >= 2 and "HTTP 503" in message
+    else:
+        assert "no answer within" in message
+
+
+async def test_a_retry_after_past_the_runs_limit_is_not_waited(srv, make_judge):
+    srv.fail_next(429, times=3, retry_after=30)
+    runner = FunctionRunner.from_entry(ENTRY)
+    runner.ctx = make_judge(srv)
+    ok, (code, message, _) = await runner.run_async(encode_payload({"traj": "x"}), 5.0)
+    assert not ok and code == ErrorCode.UNAVAILABLE, message
+    assert "its retry after 30 s would pass the call's time limit" in message, message
+    assert len(srv.chat_requests) == 1
+
+
 async def test_an_unreachable_endpoint_says_where_it_looked():
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
