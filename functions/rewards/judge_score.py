@@ -26,7 +26,10 @@ A score may name its scale, and then the scale's numbers are no scores: ``7/10``
 ``7 out of 10`` (``out of a possible 10``), ``7 (out of 10)``, ``7 on a scale of 0 to 10``,
 ``7 on a 1-10 scale``, ``7 on a 10-point scale``. A scale with the rubric's top is the
 rubric's (7 stays 7); another is mapped to the same place in the rubric's range (``4/5``
-and ``3 on a scale of 1 to 5`` are 8 and 5 on 0-10). A comma before one or two digits is a
+and ``3 on a scale of 1 to 5`` are 8 and 5 on 0-10). A percentage is that fraction of the
+way from the rubric's bottom to its top (``85%`` is 8.5 on 0-10), refused
+(``JudgeResponseError``) when its number is also a score on the rubric's scale that reads
+otherwise (``10%`` on 0-10: 10, or 1?). A comma before one or two digits is a
 decimal comma (``7,5/10`` is 7.5). On the last line, a scale named before the number
 (``Score (1-10): 8``, ``Rating [0-10]: 7``, ``Score out of 10: 8``, ``On a scale of 1 to
 10, I'd give it an 8``) and a number the judge says it gives (``I give it 10``, ``I rate it
@@ -130,10 +133,21 @@ def _range(scale: str) -> tuple[float, float]:
 def _on_scale(num: str, percent: str | None, scale: str | None, lo: float, hi: float) -> float:
     """A matched number on the rubric's scale: ``8/10`` on a 0-10 rubric is 8, and so are
     ``8 out of 10`` and ``8 on a scale of 1 to 10`` (the same top); ``4/5`` on it is 8 and
-    ``3 on a scale of 1 to 5`` is 5 (the same place in the range); ``80%`` likewise."""
+    ``3 on a scale of 1 to 5`` is 5 (the same place in the range); ``80%`` likewise: a
+    percentage is that fraction of the way from the rubric's bottom to its top (on 0-10,
+    ``85%`` is 8.5; on 1-5, ``50%`` is 3). A percentage whose number is itself a score on the
+    rubric's scale, read otherwise (``10%`` on 0-10: a 10 with a stray sign, or 1?), is
+    refused rather than guessed: it read a judge's 10 as 1."""
     n = _float(num)
     if percent:
-        return lo + n / 100 * (hi - lo)
+        as_percent = lo + n / 100 * (hi - lo)
+        if lo <= n <= hi and abs(as_percent - n) > 1e-9 * max(1.0, abs(hi)):
+            raise JudgeResponseError(
+                f"the judge's score {num}% is ambiguous on the rubric's [{lo:g}, {hi:g}] scale: "
+                f"{num} as a score, or {as_percent:g} as a percentage of the range? Make the "
+                f'rubric ask for "N/{hi:g}" (the default verdict line does)'
+            )
+        return as_percent
     if scale is None:
         return n
     bottom, top = _range(scale)

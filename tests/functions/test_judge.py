@@ -125,6 +125,36 @@ def test_unreadable_scores_are_clear_errors(reply, error):
         parse_score(reply, 0, 10)
 
 
+@pytest.mark.parametrize(
+    ("reply", "lo", "hi", "expected"),
+    [
+        # a percentage is that fraction of the way from the rubric's bottom to its top
+        ("Overall grade: 85%", 0, 10, 8.5),
+        ("Score: 100%", 0, 10, 10.0),
+        ("Score: 0%", 0, 10, 0.0),
+        ("I give it 90%", 0, 10, 9.0),
+        ("Score: 50%", 1, 5, 3.0),
+        ("Score: 10%", 0, 1, 0.1),
+        ("Score: 10%", 0, 100, 10.0),  # the same either way
+        # ... but a number that is itself a score on the rubric's scale is ambiguous: "10%" on
+        # 0-10 was read as 1, when the judge most likely meant its top mark
+        ("Score: 10%", 0, 10, None),
+        ("Score: 7 %", 0, 10, None),
+        ("Score: 5%", 1, 5, None),
+        ("Verdict kzqrtm: 10%", 0, 10, None),
+        ("Score: 110%", 0, 10, "outside the rubric's range"),
+    ],
+)
+def test_a_percentage_is_a_fraction_of_the_rubrics_range_or_refused(reply, lo, hi, expected):
+    nonce = "kzqrtm" if "Verdict" in reply else None
+    if isinstance(expected, float):
+        assert parse_score(reply, lo, hi, nonce=nonce) == pytest.approx(expected)
+        return
+    error = "is ambiguous on the rubric's" if expected is None else expected
+    with pytest.raises(JudgeResponseError, match=re.escape(error)):
+        parse_score(reply, lo, hi, nonce=nonce)
+
+
 # ----------------------------------------------------------------------------- quoted scores
 # A judge quotes the response it grades, and the response is the policy's: a score-like text
 # in it must not become the score. The verdict is read in the rubric's form, from the end.
