@@ -8,7 +8,16 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from fabric.errors import ConfigError
 
@@ -80,12 +89,27 @@ class JudgeConfig(BaseModel):
     max_backoff_s: float = Field(30.0, gt=0)
     max_retry_after_s: float = Field(60.0, gt=0)
     """A ``Retry-After`` longer than this is not waited out: the call fails (retryable) now."""
-    requests_per_minute: float | None = Field(None, gt=0)
-    """Cap on requests sent by one worker (``None``: no cap). Set it below the provider's limit."""
-    tokens_per_minute: float | None = Field(None, gt=0)
+    requests_per_minute: float | None = None
+    """Cap on requests sent by one worker (``None``: no cap). Set it below the provider's limit.
+    A fraction is a request every ``60 / requests_per_minute`` seconds (0.5: one every two
+    minutes), the first at once."""
+    tokens_per_minute: float | None = None
     """Cap on tokens (prompt + completion) by one worker (``None``: no cap)."""
     max_wait_s: float = Field(120.0, ge=0)
     """Longest a call waits for the rate limiter before failing (retryable)."""
+
+    @field_validator("requests_per_minute", "tokens_per_minute")
+    @classmethod
+    def _positive_rate(cls, value: float | None, info: ValidationInfo) -> float | None:
+        # a zero rate would send nothing, ever (and 0 read as "no cap" elsewhere): refused
+        if value is not None and value <= 0:
+            raise ValueError(
+                f"{info.field_name} must be above 0, got {value:g}; leave it unset for no cap "
+                "(0.5 is one request every two minutes)"
+                if info.field_name == "requests_per_minute"
+                else f"{info.field_name} must be above 0, got {value:g}; leave it unset for no cap"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> JudgeConfig:

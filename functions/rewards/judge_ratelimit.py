@@ -12,13 +12,18 @@ from fabric.errors import Unavailable
 
 
 class TokenBucket:
-    """``per_minute`` units a minute, bursting up to one minute's worth. Reservations may take
-    the level below zero: each caller learns how long to wait, so waiters queue in order."""
+    """``per_minute`` units a minute, bursting up to one minute's worth, or ``burst`` if more.
+    Reservations may take the level below zero: each caller learns how long to wait, so
+    waiters queue in order."""
 
-    def __init__(self, per_minute: float, now: float):
-        self.capacity = per_minute
+    def __init__(self, per_minute: float, now: float, burst: float = 0.0):
+        if not per_minute > 0:
+            raise ValueError(f"a rate must be above 0 a minute, got {per_minute:g}")
+        # a bucket smaller than one unit (0.5 requests a minute) never covered a request at
+        # once: even the first waited. ``burst`` lets one whole unit go
+        self.capacity = max(per_minute, burst)
         self.rate = per_minute / 60.0
-        self.level = per_minute
+        self.level = self.capacity
         self.last = now
 
     def reserve(self, cost: float, now: float) -> float:
@@ -43,10 +48,19 @@ class RateLimiter:
         tokens_per_minute: float | None,
         clock: Callable[[], float] = time.monotonic,
     ):
+        for name, rate in (
+            ("requests_per_minute", requests_per_minute),
+            ("tokens_per_minute", tokens_per_minute),
+        ):
+            if rate is not None and not rate > 0:  # 0 read as "no cap"; a negative rate never fills
+                raise ValueError(f"{name} must be above 0, got {rate:g} (None: no cap)")
         self.clock = clock
         now = clock()
-        self.requests = TokenBucket(requests_per_minute, now) if requests_per_minute else None
-        self.tokens = TokenBucket(tokens_per_minute, now) if tokens_per_minute else None
+        # one request always fits the request bucket: the first goes at once, at any rate
+        self.requests = (
+            None if requests_per_minute is None else TokenBucket(requests_per_minute, now, burst=1)
+        )
+        self.tokens = None if tokens_per_minute is None else TokenBucket(tokens_per_minute, now)
         self._lock = threading.Lock()
 
     def reserve(self, tokens: int, max_wait_s: float = float("inf")) -> float:

@@ -676,6 +676,42 @@ def test_token_bucket_refuses_long_waits_and_impossible_requests():
         lim.reserve(5000)
 
 
+def test_a_fractional_request_rate_sends_the_first_request_at_once():
+    # a bucket of under one request (0.5 a minute: 0.5) made even the first request wait
+    t = FakeTime()
+    lim = RateLimiter(requests_per_minute=0.5, tokens_per_minute=None, clock=t.clock)
+    assert lim.reserve(1) == 0.0
+    assert lim.reserve(1) == pytest.approx(120.0)  # one request every two minutes
+    t.now += 240
+    assert lim.reserve(1) == 0.0  # the queued one went at +120; a whole slot has passed since
+    assert lim.reserve(1) == pytest.approx(120.0)  # no burst past one request
+    lim = RateLimiter(requests_per_minute=1.5, tokens_per_minute=None, clock=t.clock)
+    assert [lim.reserve(1), lim.reserve(1)] == [0.0, pytest.approx(20.0)]  # 1.5 burst, 40 s apart
+
+
+async def test_the_judges_first_request_under_a_fractional_rate_goes_at_once(srv, make_judge):
+    t = FakeTime(advance=False)
+    judge = make_judge(srv, t, requests_per_minute=0.5, max_wait_s=300)
+    await judge.score("x")
+    assert t.sleeps == []
+    await judge.score("x")
+    assert t.sleeps == [pytest.approx(120.0)]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "-0.5"])
+def test_a_request_rate_of_zero_or_less_is_a_config_error(value):
+    env = {"RL_FABRIC_JUDGE_MODEL": "m", "RL_FABRIC_JUDGE_BASE_URL": "http://x/v1"}
+    with pytest.raises(ConfigError, match=r"REQUESTS_PER_MINUTE: .*must be above 0.*leave it unset"):
+        JudgeConfig.from_env({**env, "RL_FABRIC_JUDGE_REQUESTS_PER_MINUTE": value})
+    with pytest.raises(ConfigError, match=r"TOKENS_PER_MINUTE: .*must be above 0.*leave it unset"):
+        JudgeConfig.from_env({**env, "RL_FABRIC_JUDGE_TOKENS_PER_MINUTE": value})
+    # the limiter itself: 0 silently meant no cap, a negative rate a bucket that never fills
+    with pytest.raises(ValueError, match="requests_per_minute must be above 0"):
+        RateLimiter(requests_per_minute=float(value), tokens_per_minute=None)
+    with pytest.raises(ValueError, match="tokens_per_minute must be above 0"):
+        RateLimiter(requests_per_minute=None, tokens_per_minute=float(value))
+
+
 async def test_the_judge_is_throttled_by_requests_per_minute(srv, make_judge):
     t = FakeTime(advance=False)  # all calls reserve at the same instant
     judge = make_judge(srv, t, requests_per_minute=1)
