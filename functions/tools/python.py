@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 import fabric
-from functions.verifiers.sandbox import Limits
+from functions.verifiers.sandbox import Limits, RunOutcome
 from functions.verifiers.verify import MAX_CODE_BYTES, Verifier, default_verifier
 
 #: What the policy sees of a run's output, in characters.
@@ -17,8 +18,10 @@ OPENAI_SCHEMA: dict[str, Any] = {
     "function": {
         "name": "python",
         "description": (
-            "Run a Python 3 program in an isolated sandbox (no network, no files kept between calls, "
-            f"{TOOL_LIMITS.cpu_s:g} CPU seconds). Print what you want to see."
+            "Run a Python 3 program in an isolated sandbox (no network, no files kept between calls; "
+            f"limits: {TOOL_LIMITS.cpu_s:g} CPU seconds, {TOOL_LIMITS.wall_s:g} s wall time, "
+            f"{TOOL_LIMITS.memory_mb} MB memory, {TOOL_LIMITS.stdout_bytes >> 10} KiB of output). "
+            "Print what you want to see."
         ),
         "parameters": {
             "type": "object",
@@ -52,24 +55,78 @@ def _shown(text: str, tail: bool = False) -> str:
 )
 def python(code: str, stdin: str = "", ctx: Any = None) -> str:
     """Run ``code`` and return what it printed (stdout, then stderr, then how it ended)."""
+    return run_python(ctx or default_verifier(), code, stdin)
+
+
+def run_python(verifier: Verifier, code: str, stdin: str = "", limits: Limits = TOOL_LIMITS) -> str:
+    """The ``python`` tool's run under ``limits``: what it printed, then how it ended when that
+    was not a clean exit (``[exit code 2]``, or the limit that ended it and its value)."""
     if len(code.encode()) > MAX_CODE_BYTES:
         raise ValueError(f"code is {len(code.encode())} bytes; the limit is {MAX_CODE_BYTES}")
-    verifier: Verifier = ctx or default_verifier()
     files = {"solution.py": code.encode()}
     out = verifier.sandbox.run(
-        mode="python", entry="solution.py", files=files, stdin=stdin.encode(), limits=TOOL_LIMITS
+        mode="python", entry="solution.py", files=files, stdin=stdin.encode(), limits=limits
     )
     parts = []
     if out.stdout:
         parts.append(_shown(out.stdout.decode("utf-8", errors="replace")))
     if out.stderr:
         parts.append("[stderr]\n" + _shown(out.stderr.decode("utf-8", errors="replace"), tail=True))
-    if out.status == "timeout":
-        parts.append(f"[killed: ran past {TOOL_LIMITS.wall_s:g} s]")
-    elif out.status == "output_limit":
-        parts.append("[killed: printed too much]")
-    elif out.signal is not None:
-        parts.append(f"[killed by signal {out.signal}: CPU or memory limit?]")
-    elif out.exit_code:
-        parts.append(f"[exit code {out.exit_code}]")
+    if (ending := _ending(out, limits)) is not None:
+        parts.append(f"[{ending}]")
     return "\n".join(parts) if parts else "[no output]"
+
+
+# what Python prints when it runs into a limit it can survive to report: the address-space
+# rlimit (MemoryError), the file size rlimit (Python ignores SIGXFSZ, so the write fails with
+# EFBIG) and the process/thread rlimit (fork's EAGAIN, a thread that cannot start)
+_MEMORY_MARKS = (b"MemoryError",)
+_FSIZE_MARKS = (b"File too large",)
+_NPROC_MARKS = (
+    b"can't start new thread",
+    b"BlockingIOError: [Errno 11]",
+    b"Resource temporarily unavailable",
+)
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} bytes"
+
+
+def _ending(out: RunOutcome, limits: Limits) -> str | None:
+    """How a run ended, naming the limit and its value when one ended it ("killed: wall time
+    limit 10 s exceeded"), so the policy can tell a slow program from a hungry one; ``None``
+    for a clean exit. The rules follow the code verifier's verdicts (``classify``)."""
+    if out.status == "timeout":
+        return f"killed: wall time limit {limits.wall_s:g} s exceeded"
+    if out.status == "cpu_limit":
+        return f"killed: CPU time limit {limits.cpu_s:g} s exceeded"
+    if out.status == "output_limit":
+        if out.stdout_total > limits.stdout_bytes:
+            return f"killed: stdout limit {_size(limits.stdout_bytes)} exceeded"
+        return f"killed: stderr limit {_size(limits.stderr_bytes)} exceeded"
+    if out.oom_killed:
+        return f"killed: memory limit {limits.memory_mb} MB exceeded"
+    # RLIMIT_CPU's kill: the CPU time read afterwards falls short of the limit, so half of
+    # it already tells it from a crash (as the verifier's classify does)
+    cpu_limit_ms = max(1, int(limits.cpu_s + 0.999)) * 1000
+    if out.signal in (signal.SIGKILL, signal.SIGXCPU) and out.cpu_ms >= 0.5 * cpu_limit_ms:
+        return f"killed: CPU time limit {limits.cpu_s:g} s exceeded"
+    if out.signal == signal.SIGXFSZ:
+        return f"killed: file size limit {limits.fsize_mb} MB exceeded"
+    if out.signal is not None:
+        known = out.signal in signal.Signals._value2member_map_
+        return f"killed by {signal.Signals(out.signal).name if known else f'signal {out.signal}'}"
+    if not out.exit_code:
+        return None
+    ended = f"exit code {out.exit_code}"
+    if any(m in out.stderr for m in _MEMORY_MARKS):
+        return f"{ended}: memory limit {limits.address_space_mb or limits.memory_mb} MB reached (MemoryError)"
+    if any(m in out.stderr for m in _FSIZE_MARKS):
+        return f"{ended}: file size limit {limits.fsize_mb} MB reached (File too large)"
+    if any(m in out.stderr for m in _NPROC_MARKS):
+        return f"{ended}: process limit {limits.nproc} processes and threads reached"
+    return ended

@@ -1,0 +1,62 @@
+"""The ``python`` tool: what a run printed, and which limit ended it (with the limit's value),
+in a real sandbox with small limits."""
+
+from __future__ import annotations
+
+import pytest
+
+from functions.tools.python import TOOL_LIMITS, run_python
+from functions.verifiers import _linux
+from functions.verifiers.sandbox import Limits, Sandbox, SandboxConfig
+from functions.verifiers.verify import Verifier
+
+pytestmark = pytest.mark.skipif(_linux.supported() is not None, reason=str(_linux.supported()))
+
+LIMITS = Limits(cpu_s=1, wall_s=3, memory_mb=128, stdout_bytes=1024, stderr_bytes=4096, fsize_mb=1, nproc=8)
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    with Sandbox(SandboxConfig(base_uid=450_000, spares=1)) as sb:
+        yield Verifier(sb, LIMITS)
+
+
+@pytest.mark.parametrize(
+    ("code", "ending"),
+    [
+        # each limit is named with its value (it said "killed by signal 9: CPU or memory limit?")
+        ("import time\ntime.sleep(30)", "[killed: wall time limit 3 s exceeded]"),
+        ("while True:\n    pass", "[killed: CPU time limit 1 s exceeded]"),
+        ("x = bytearray(10**10)", "[exit code 1: memory limit 128 MB reached (MemoryError)]"),
+        ("print('x' * 100_000)", "[killed: stdout limit 1 KiB exceeded]"),
+        ("import sys\nsys.stderr.write('e' * 100_000)", "[killed: stderr limit 4 KiB exceeded]"),
+        (
+            "open('/tmp/big', 'wb').write(b'x' * (4 << 20))",
+            "[exit code 1: file size limit 1 MB reached (File too large)]",
+        ),
+        (
+            "import threading, time\n"
+            "ts = [threading.Thread(target=time.sleep, args=(2,)) for _ in range(64)]\n"
+            "[t.start() for t in ts]",
+            "[exit code 1: process limit 8 processes and threads reached]",
+        ),
+        # not a limit: what ended it, as before
+        ("import os\nos.kill(os.getpid(), 11)", "[killed by SIGSEGV]"),
+        ("import sys\nprint(6 * 7)\nsys.exit(3)", "[exit code 3]"),
+    ],
+)
+def test_the_result_names_the_limit_that_ended_the_run(verifier, code, ending):
+    out = run_python(verifier, code, limits=LIMITS)
+    assert out.endswith(ending), out
+
+
+def test_a_clean_run_shows_its_output_only(verifier):
+    assert run_python(verifier, "print(input().upper())", "hi", limits=LIMITS) == "HI\n"
+    assert run_python(verifier, "pass", limits=LIMITS) == "[no output]"
+
+
+def test_the_tools_description_states_its_limits():
+    from functions.tools.python import OPENAI_SCHEMA
+
+    text = OPENAI_SCHEMA["function"]["description"]
+    assert f"{TOOL_LIMITS.wall_s:g} s" in text and f"{TOOL_LIMITS.memory_mb} MB" in text
