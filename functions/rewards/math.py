@@ -147,8 +147,8 @@ from functions.rewards.math_sympy import (
     sympy_scalar,
 )
 
-# the fast path and the sympy path live in math_fast and math_sympy; their public names stay
-# importable from here
+# the canonical form, the fast path and the sympy path live in math_canonical, math_fast and
+# math_sympy; their public names stay importable from here
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "MAX_ANSWER_CHARS",
