@@ -226,7 +226,8 @@ _SPACE_ASIDE = re.compile(
     r"[ \t](?:\((?!(?:or|and)\b)[A-Za-z]{2}|(?:because|since|which|where)[ \t]+\S"
     # the writer, not the answer: "5 but I'm not sure", "5 I think", "5 (I think)", "5 though."
     r"|\(?i[ \t]+(?:think|believe|guess|hope|suppose)\b"
-    r"|(?:but|and|so|if|unless)[ \t]+(?:i|i'm|we|we're|let|let's|that's|this|it's)(?![\w'])"
+    # ("I" only before a word: "1 and i" are two roots)
+    r"|(?:but|and|so|if|unless)[ \t]+(?:i(?=[ \t]+[a-z])|i'm|we|we're|let|let's|that's|this|it's)(?![\w'])"
     r"|though(?=[ \t]*(?:[.!,;]|$)))",
     re.IGNORECASE,
 )

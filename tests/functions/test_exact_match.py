@@ -133,6 +133,7 @@ def test_extract_answer(text: str, expected: str) -> None:
         # ... but "and"/"but" between answers stay
         ("The answer is red, green and blue.", "red, green and blue."),
         ("The answer is black and white.", "black and white."),
+        ("The answer is -i and i.", "-i and i."),
     ],
 )
 def test_prose_after_the_marker_is_not_the_answer(text: str, expected: str) -> None:
