@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import re
 import threading
 import time
@@ -49,6 +48,8 @@ from secrets import token_hex
 from typing import Any
 
 import httpx
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
+from tenacity.wait import wait_random_exponential
 
 import fabric
 from fabric.errors import Unavailable
@@ -244,35 +245,50 @@ class Judge:
         # attempt
         budget = 0.0 if deadline is None else deadline - started
         reserve = min(1.0, max(0.25, 0.05 * budget), 0.25 * budget)
-        attempt = 0
-        last: _Transient | None = None
-        while True:
-            attempt += 1
+        # full jitter, as the fabric client's own retries: spread retries of many calls apart
+        backoff = wait_random_exponential(multiplier=cfg.backoff_s, max=cfg.max_backoff_s)
+        why_stopped = [""]  # what the stop below decided, for the error
+
+        def wait(state: RetryCallState) -> float:
+            exc = state.outcome.exception() if state.outcome else None
+            if isinstance(exc, _Transient) and exc.retry_after is not None:
+                return exc.retry_after  # the server knows when it will have room
+            return float(backoff(state))
+
+        def past_deadline(state: RetryCallState) -> bool:
+            # tenacity computes the wait before it asks to stop: a retry whose pause would
+            # pass the call's time limit is not waited out
+            if deadline is None:
+                return False
+            pause = state.upcoming_sleep
+            if self._clock() + pause + reserve < deadline - reserve:
+                return False
+            exc = state.outcome.exception() if state.outcome else None
+            asked = isinstance(exc, _Transient) and exc.retry_after is not None
+            what = f"its retry after {pause:g} s" if asked else "a retry"
+            left_now = max(0.0, deadline - self._clock())
+            why_stopped[0] = f"; {what} would pass the call's time limit ({left_now:.1f} s left)"
+            return True
+
+        async def attempt() -> dict[str, Any]:
             left = None if deadline is None else deadline - reserve - self._clock()
-            if left is not None and left <= 0:
-                raise self._unavailable(
-                    started, attempt - 1, last, "; no time was left before the call's time limit"
-                )
-            try:
-                return await self._attempt(body, tokens, left), attempt
-            except _Transient as e:
-                last = e
-            if attempt > cfg.max_retries:
-                raise self._unavailable(started, attempt, last, "")
-            if last.retry_after is not None:
-                pause = last.retry_after  # the server knows when it will have room
-            else:  # full jitter, as the fabric client's own retries: spread many calls' retries
-                pause = random.uniform(0, min(cfg.max_backoff_s, cfg.backoff_s * 2 ** (attempt - 1)))
-            if deadline is not None and self._clock() + pause + reserve >= deadline - reserve:
-                left_now = max(0.0, deadline - self._clock())
-                wait = f"its retry after {pause:g} s" if last.retry_after is not None else "a retry"
-                raise self._unavailable(
-                    started,
-                    attempt,
-                    last,
-                    f"; {wait} would pass the call's time limit ({left_now:.1f} s left)",
-                )
-            await self._sleep(pause)
+            return await self._attempt(body, tokens, left)
+
+        if deadline is not None and deadline - reserve - started <= 0:
+            raise self._unavailable(started, 0, None, "; no time was left before the call's time limit")
+        retrying = AsyncRetrying(
+            stop=lambda state: state.attempt_number > cfg.max_retries or past_deadline(state),
+            wait=wait,
+            retry=retry_if_exception_type(_Transient),
+            sleep=self._sleep,
+            reraise=True,
+        )
+        try:
+            data: dict[str, Any] = await retrying(attempt)
+        except _Transient as e:
+            n = int(retrying.statistics.get("attempt_number", 1))
+            raise self._unavailable(started, n, e, why_stopped[0]) from None
+        return data, int(retrying.statistics.get("attempt_number", 1))
 
     def _unavailable(self, started: float, attempts: int, last: _Transient | None, why: str) -> Unavailable:
         took = self._clock() - started
