@@ -12,8 +12,11 @@ and a JSON object (any language can implement the server side):
                        {"op": "heartbeat"}           while a request runs
                        {"op": "tool", "tool_id": K, "name": ..., "arguments": {...}}
 
-Request ids make a retried request (resent after a reconnect) answered once: the server
-keeps its recent replies and answers a repeated id from them without running it again.
+Request ids pair each reply with its request; the server runs every request it reads and
+keeps no replies. The pool never resends a request: one whose container fails (no reply, a
+lost connection) has that container discarded, and a deterministic episode is replayed on a
+fresh one and checked against what the policy saw, so a step never runs twice on one
+environment and a server has no replies to remember.
 A token other than the session's is refused, so one session can never drive another's
 environment.
 """

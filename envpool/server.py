@@ -26,7 +26,6 @@ import sys
 import threading
 import time
 import traceback
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,6 @@ import pydantic_core
 from envpool.manifest import MANIFEST, load_manifest, read_manifest
 from envpool.protocol import EXIT_IMAGE_NOT_FOUND, MAX_FRAME, FrameError, encode, error_payload, recv_frame
 
-_REPLY_CACHE = 64
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
 
@@ -108,7 +106,6 @@ class Server:
         self.busy = threading.Event()
         self.fault = fault
         self.rng = random.Random()
-        self.replies: OrderedDict[int, dict[str, Any]] = OrderedDict()
 
     # -- io
     def send(self, msg: dict[str, Any]) -> None:
@@ -175,7 +172,6 @@ class Server:
             return
         finally:
             self.busy.clear()
-        self.replies.clear()
         spec = self.env.spec
         info = {
             "pid": os.getpid(),
@@ -192,19 +188,11 @@ class Server:
                 err = SessionTokenError("this request carries another session's token; it was refused")
                 self.send({"id": rid, "ok": False, "error": error_payload(err)})
                 continue
-            cached = self.replies.get(rid)
-            if cached is not None:  # a retried request: answered once, from what it got the first time
-                self.send(cached)
-                continue
             op = msg.get("op")
             if op == "close":
                 self.send({"id": rid, "ok": True, "result": None})
                 return
-            reply = self.handle(rid, op, msg.get("args"))
-            self.replies[rid] = reply
-            while len(self.replies) > _REPLY_CACHE:
-                self.replies.popitem(last=False)
-            self.send(reply)
+            self.send(self.handle(rid, op, msg.get("args")))
 
     def open_env(self, env_id: str, kwargs: dict[str, Any]) -> None:
         key = (env_id, json.dumps(kwargs, sort_keys=True))

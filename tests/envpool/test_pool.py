@@ -242,16 +242,6 @@ async def test_a_request_with_another_sessions_token_is_refused(images):
         assert (await s.step("mine")).obs.text.startswith("mine")
 
 
-async def test_a_retried_request_id_is_answered_once(images):
-    async with pool(images) as p, p.session("bundle-echo-v0", image=IMAGE) as s:
-        await s.reset()
-        msg = {"op": "step", "id": 99, "token": s.token, "args": {"action": "once"}}
-        first = await s.conn.request(dict(msg), 5)
-        again = await s.conn.request(dict(msg), 5)
-        assert first == again and first["reward"] == 1.0
-        assert (await s.step("next")).reward == 2.0  # the repeat did not run the env again
-
-
 async def test_a_dead_container_is_replaced_and_the_episode_replayed(images):
     async with pool(images) as p, p.session("bundle-echo-v0", image=IMAGE) as s:
         await s.reset(seed=1)

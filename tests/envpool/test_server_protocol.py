@@ -111,6 +111,19 @@ def test_request_args_that_are_not_an_object_are_a_protocol_error_not_the_enviro
     assert step["ok"], step  # the session goes on
 
 
+def test_a_request_is_run_as_sent_the_server_keeps_no_replies(wire):
+    # the server kept its last 64 replies (up to 16 MiB each, in every container) to answer a
+    # repeated id from them, for a resend the pool never makes: a failed request's container is
+    # discarded and its episode replayed on a fresh one. A repeated id only came back stale
+    sock = wire.open("a")
+    assert wire.ask(sock, {"op": "reset", "id": 1, "token": "a", "args": {"seed": 1}})["ok"]
+    first = wire.ask(sock, {"op": "step", "id": 2, "token": "a", "args": {"action": "x"}})
+    again = wire.ask(sock, {"op": "step", "id": 2, "token": "a", "args": {"action": "y"}})
+    assert first["result"]["obs"]["text"] == "x" and first["result"]["info"] == {"steps": 1}, first
+    assert again["id"] == 2 and again["result"]["obs"]["text"] == "y", again
+    assert again["result"]["info"] == {"steps": 2}, again
+
+
 def test_open_kwargs_that_are_not_an_object_are_a_protocol_error_not_the_constructors(wire):
     sock = wire.connect()
     hello = {"op": "open", "id": 0, "token": "a", "env_id": "echo-v0", "kwargs": "seed=1"}
