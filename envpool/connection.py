@@ -23,7 +23,7 @@ from envpool.errors import (
     SessionTokenError,
     StepTimeout,
 )
-from envpool.protocol import HEADER, MAX_FRAME, FrameDecoder, FrameError, encode
+from envpool.protocol import HEADER, MAX_FRAME, FrameDecoder, FrameError, encode, reply_problem
 
 AsyncToolCaller = Callable[[str, dict[str, Any]], Awaitable[str]]
 
@@ -71,6 +71,10 @@ class Connection(asyncio.Protocol):
         self.decoder = FrameDecoder()
         self.transport: asyncio.Transport | None = None
         self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.outstanding: set[int] = set()
+        """Ids sent and not answered yet, those nobody waits for any more (a cancelled
+        request's) included: a late reply to one is dropped, a reply to any other id is the
+        server's error (``reply_problem``)."""
         self.last_seen = time.monotonic()
         self.last_frame = float("-inf")
         """When the container last sent anything (a reply, a heartbeat): proof it is alive."""
@@ -133,10 +137,17 @@ class Connection(asyncio.Protocol):
             if not isinstance(rid, int) or isinstance(rid, bool):
                 # the server answers a request it could not read with a null id, then hangs up:
                 # an error of the protocol (a bug on one side), which no retry fixes
-                self._fail_all(_protocol_error(msg))
-                if self.transport is not None:
-                    self.transport.close()
+                self._broken(_protocol_error(msg))
                 return
+            problem = reply_problem(msg, self.outstanding)
+            if problem is not None:
+                self._broken(
+                    ProtocolError(
+                        f"the container's reply to request {problem}; the session connection was closed"
+                    )
+                )
+                return
+            self.outstanding.discard(rid)
             fut = self.waiting.pop(rid, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
@@ -145,6 +156,13 @@ class Connection(asyncio.Protocol):
         self._fail_all(ConnectionLost("the container closed the session connection (it died?)"))
         if not self.closed.done():
             self.closed.set_result(None)
+
+    def _broken(self, exc: ProtocolError) -> None:
+        """The server broke the protocol: what waits fails with ``exc``, and the connection
+        ends (nothing it sends after is to be trusted; the session discards the container)."""
+        self._fail_all(exc)
+        if self.transport is not None:
+            self.transport.close()
 
     def _fail_all(self, exc: Exception) -> None:
         for fut in self.waiting.values():
@@ -198,6 +216,7 @@ class Connection(asyncio.Protocol):
         # sent before anything waits for a reply: a message that cannot be sent leaves no
         # future behind (no reply can arrive in between: there is no await)
         self.send(msg)
+        self.outstanding.add(rid)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.waiting[rid] = fut
         sent = self.last_seen = time.monotonic()

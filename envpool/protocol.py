@@ -17,6 +17,16 @@ keeps no replies. The pool never resends a request: one whose container fails (n
 lost connection) has that container discarded, and a deterministic episode is replayed on a
 fresh one and checked against what the policy saw, so a step never runs twice on one
 environment and a server has no replies to remember.
+Results: an open's is an object (``deterministic``: bool and ``max_action_bytes``: int > 0,
+each optional, may be in it), a reset's ``{"obs": {"text": ..., "tools": [...] | null},
+"info": {...} | null}``, a step's ``{"obs": ..., "reward": number, "terminated": bool,
+"truncated": bool, "info": {...}}``; an error is ``{"type": str, "message": str,
+"traceback": str | null}``. The pool checks every reply against this (``reply_problem``,
+and the session the results' shapes): one that breaks it (no ``ok`` bool, a missing
+result, an id it never sent, a result of the wrong shape) is a ``ProtocolError`` that names
+what is wrong, never retried; the connection ends, the container is discarded and the
+episode is over.
+
 A token other than the session's is refused, so one session can never drive another's
 environment.
 """
@@ -91,6 +101,38 @@ class FrameDecoder:
         if pos:
             del buf[:pos]
         return out
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def reply_problem(msg: dict[str, Any], outstanding: set[int]) -> str | None:
+    """What is wrong with a reply to a request, said as the end of "the reply to request
+    N ...", or None if it keeps the protocol. ``outstanding``: the ids this connection sent
+    and has no reply to yet. Checked on every reply: a server in another language has no
+    envpool code to keep it to the format, and a reply read on faith failed later as an
+    AttributeError, a KeyError or a raw ValidationError, or (a wrong id) waited out its
+    timeout as if the container had hung, then was retried on fresh containers."""
+    rid = msg.get("id")
+    if rid not in outstanding:
+        return f"{rid}, which this connection never sent (or had its reply to already)"
+    ok = msg.get("ok")
+    if not isinstance(ok, bool):
+        return f"{rid} has 'ok': {_short(ok)}, not true or false"
+    if ok:
+        return None if "result" in msg else f"{rid} says ok but has no 'result'"
+    err = msg.get("error")
+    if not isinstance(err, dict):
+        return f"{rid} has 'error': {_short(err)}, not an object"
+    for key in ("type", "message"):
+        if not isinstance(err.get(key), str):
+            return f"{rid} has error.{key} {_short(err.get(key))}, not a string"
+    tb = err.get("traceback")
+    if tb is not None and not isinstance(tb, str):
+        return f"{rid} has error.traceback {_short(tb)}, not a string or null"
+    return None
 
 
 def error_payload(exc: BaseException, *, traceback: str | None = None) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 import pydantic_core
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from envpool.api import MAX_ACTION_BYTES, Observation, StepResult, check_action
@@ -25,6 +26,7 @@ from envpool.errors import (
     EnvRegistryError,
     EnvUsageError,
     InfraError,
+    ProtocolError,
     SessionLost,
     StepTimeout,
 )
@@ -49,6 +51,46 @@ def _raised(e: EnvLogicError) -> str:
     """What the policy saw of a request the environment raised on: the exception's type (its
     message may carry addresses or timings)."""
     return f"raised {e.remote_type or type(e).__name__}"
+
+
+class _ResetResult(BaseModel):
+    obs: Observation
+    info: dict[str, Any] | None = None
+
+
+class _OpenResult(BaseModel):
+    """What the pool reads of an open's result (a server may say more: its pid, say)."""
+
+    model_config = ConfigDict(strict=True)
+    deterministic: bool = True
+    max_action_bytes: int = Field(MAX_ACTION_BYTES, gt=0)
+
+
+_RESULTS: dict[str, type[BaseModel]] = {"open": _OpenResult, "reset": _ResetResult, "step": StepResult}
+
+
+def _checked(op: str, result: Any) -> Any:
+    """``result`` if it has the shape ``op`` returns; else a ``ProtocolError`` naming what is
+    wrong (a server in another language has no envpool code to keep it to the shape). An
+    open's result comes back with only the fields the pool reads, those it gave."""
+    model = _RESULTS.get(op)
+    if model is None:
+        return result
+    try:
+        checked = model.model_validate(result)
+    except ValidationError as e:
+        where = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or '(the result)'}: {err['msg']}" for err in e.errors()[:3]
+        )
+        raise ProtocolError(
+            f"the result of {op} is not what {op} returns: {where} (got {_short(result)})"
+        ) from None
+    return checked.model_dump(exclude_unset=True) if op == "open" else result
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _retryable(e: BaseException) -> bool:
@@ -86,8 +128,9 @@ class EnvSession:
         self._interrupted = False
         """A request was cut off before its reply (cancelled): the container may still be
         running it, so its state is unknown and it is not reused."""
-        self._hung: str | None = None
-        """Why the episode ended without an end: its last request hung (``EnvHung``)."""
+        self._cut_short: str | None = None
+        """Why the episode ended without an end: its last request hung (``EnvHung``), or its
+        reply broke the protocol (``ProtocolError``)."""
         self._busy: str | None = None
         """The ``reset``/``step`` under way: a second one at once is refused (an episode is
         one sequence: two at once ran in either order, and a replay could not rebuild it)."""
@@ -136,7 +179,7 @@ class EnvSession:
             if not self._done:
                 self._ran_and_raised("reset", args, e)
             raise
-        self._log, self._done, self._hung = [("reset", args)], False, None
+        self._log, self._done, self._cut_short = [("reset", args)], False, None
         self._trace = [_digest(result)]
         if self.container is not None:
             self.container.episodes += 1
@@ -147,8 +190,8 @@ class EnvSession:
         self._check_alive()
         text = check_action(action, self.max_action_bytes)
         if self._done:
-            if self._hung:
-                raise EnvOrderError(f"{self.env_id}: the episode ended when {self._hung}; call reset()")
+            if self._cut_short:
+                raise EnvOrderError(f"{self.env_id}: the episode ended when {self._cut_short}; call reset()")
             raise EnvOrderError(
                 f"{self.env_id}: step() before reset() (or after the episode ended); call reset()"
             )
@@ -202,13 +245,22 @@ class EnvSession:
         c.last_active = time.monotonic()
         c.in_flight += 1
         try:
-            return await self.conn.request({"op": op, "token": self.token, "args": args}, timeout_s)
+            result = await self.conn.request({"op": op, "token": self.token, "args": args}, timeout_s)
+            return _checked(op, result)
+        except ProtocolError as e:
+            # a bug of the server's (or of the pool's): no retry, no replay (it would break the
+            # same way). Nothing more the container sends is to be trusted: discarded, and the
+            # episode is over; a reset() starts a new one on a fresh container
+            self.pool.metrics["protocol_errors"] += 1
+            self._cut_short, self._done = f"{op}() got a reply that broke the session protocol", True
+            await self._drop_container(healthy=False)
+            raise ProtocolError(f"{self.env_id}: {e}") from None
         except EnvHung as e:
             # the environment's bug, not the container's: no retry, no replay (it would hang
             # again). The container is still running the request: discard it; the episode is
             # over, and a reset() starts a new one on a fresh container.
             self.pool.metrics["env_hung"] += 1
-            self._hung, self._done = f"{op}() hung", True
+            self._cut_short, self._done = f"{op}() hung", True
             await self._drop_container(healthy=False)
             raise EnvHung(f"{self.env_id}: {e}", op=e.op, timeout_s=e.timeout_s) from None
         except BaseException as e:
@@ -239,17 +291,21 @@ class EnvSession:
             hello = {"op": "open", "id": 0, "token": self.token, "env_id": self.env_id, "kwargs": self.kwargs}
             c.in_flight += 1  # a slow constructor is no leak either
             try:
-                info = await conn.request(hello, self._cfg.reset_timeout_s)
+                info = _checked("open", await conn.request(hello, self._cfg.reset_timeout_s))
             finally:
                 c.in_flight -= 1
                 c.last_active = time.monotonic()
             # the container knows its environments (an image registers its own)
-            self.deterministic = bool(info.get("deterministic", self.deterministic))
-            self.max_action_bytes = int(info.get("max_action_bytes", self.max_action_bytes))
+            self.deterministic = info.get("deterministic", self.deterministic)
+            self.max_action_bytes = info.get("max_action_bytes", self.max_action_bytes)
         except EnvHung as e:  # its constructor hangs: as a hung step, not retried
             self.pool.metrics["env_hung"] += 1
             await self._drop_container(healthy=False)
             raise EnvHung(f"{self.env_id}: {e}", op=e.op, timeout_s=e.timeout_s) from None
+        except ProtocolError as e:  # (the connection is closed: the server broke the protocol)
+            self.pool.metrics["protocol_errors"] += 1
+            await self._drop_container(healthy=False)
+            raise ProtocolError(f"{self.env_id}: {e}") from None
         except (EnvLogicError, EnvUsageError, EnvRegistryError) as e:
             # the environment could not be made (a bad env kwarg, an id the image does not
             # have, a constructor that raises): the server answered, hung up and waits for

@@ -1,0 +1,90 @@
+"""A session-protocol server written without envpool, as one in another language would be:
+length-prefixed JSON frames by hand. It plays a one-step echo episode and breaks the
+protocol in one way, named on its command line (``python foreign_server.py SOCK MODE``):
+
+    good            nothing wrong
+    open-info       the open's result is a string, not an object
+    ok-not-bool     the reset's reply says ``"ok": 1``
+    wrong-id        the reset is answered under another request's id
+    error-shape     the reset fails with ``"error": "boom"`` (not an object)
+    no-result       the reset's reply is ok but carries no result
+    reset-shape     the reset's result has no ``obs``
+    step-shape      the step's reward is ``"lots"``
+"""
+
+import json
+import os
+import socket
+import struct
+import sys
+
+
+def send(conn: socket.socket, msg: dict) -> None:
+    body = json.dumps(msg).encode()
+    conn.sendall(struct.pack("!I", len(body)) + body)
+
+
+def recv(conn: socket.socket) -> dict:
+    def exact(n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            chunk = conn.recv(n - len(buf))
+            if not chunk:
+                raise EOFError
+            buf += chunk
+        return buf
+
+    (size,) = struct.unpack("!I", exact(4))
+    return json.loads(exact(size))
+
+
+def reply(mode: str, msg: dict, steps: int) -> dict:
+    rid, op = msg.get("id"), msg.get("op")
+    if op == "reset":
+        result = {"obs": {"text": "ready"}, "info": {}}
+        if mode == "ok-not-bool":
+            return {"id": rid, "ok": 1, "result": result}
+        if mode == "wrong-id":
+            return {"id": rid + 1000, "ok": True, "result": result}
+        if mode == "error-shape":
+            return {"id": rid, "ok": False, "error": "boom"}
+        if mode == "no-result":
+            return {"id": rid, "ok": True}
+        if mode == "reset-shape":
+            return {"id": rid, "ok": True, "result": {"observation": "ready"}}
+        return {"id": rid, "ok": True, "result": result}
+    if op == "step":
+        reward = "lots" if mode == "step-shape" else 1.0
+        action = (msg.get("args") or {}).get("action")
+        result = {"obs": {"text": f"{action} #{steps}"}, "reward": reward, "terminated": False}
+        return {"id": rid, "ok": True, "result": result}
+    return {"id": rid, "ok": True, "result": None}  # ping, close
+
+
+def main() -> None:
+    path, mode = sys.argv[1], sys.argv[2]
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(4)
+    print("ready", flush=True)
+    while True:
+        conn, _ = listener.accept()
+        try:
+            msg = recv(conn)
+            info = "hello" if mode == "open-info" else {"pid": os.getpid(), "deterministic": True}
+            send(conn, {"id": 0, "ok": True, "result": info})
+            steps = 0
+            while True:
+                msg = recv(conn)
+                steps += msg.get("op") == "step"
+                send(conn, reply(mode, msg, steps))
+                if msg.get("op") == "close":
+                    break
+        except (EOFError, OSError):
+            pass
+        finally:
+            conn.close()
+
+
+if __name__ == "__main__":
+    main()

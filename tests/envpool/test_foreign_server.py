@@ -1,0 +1,127 @@
+"""A pool driving a session-protocol server that is not envpool's (``foreign_server.py``,
+the wire format by hand, as a server in another language speaks it): every reply it breaks
+the protocol with is a ``ProtocolError`` that names what is wrong, never retried, and its
+container is discarded."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from pool_util import alive, pool, swap_runtime, wait_for
+
+from envpool.errors import EnvOrderError, ProtocolError
+from envpool.runtimes.base import Container, Runtime
+
+SERVER = Path(__file__).with_name("foreign_server.py")
+
+
+class _ForeignRuntime(Runtime):
+    """Each container is ``foreign_server.py`` in a process group of its own, in ``mode``."""
+
+    kind = "foreign"
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.dir = Path(tempfile.mkdtemp(prefix="envpool-foreign-"))
+        self.ids = itertools.count(1)
+
+    async def _start(self, image: str | None, bundle: Path | None) -> Container:
+        cid = f"f{next(self.ids)}"
+        sock = self.dir / cid
+        # a Popen, as the process runtime's: unreaped (its pid its group's) until _stop kills it
+        proc = subprocess.Popen(  # noqa: ASYNC220
+            [sys.executable, str(SERVER), str(sock), self.mode],
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
+        c = Container(id=cid, endpoint=str(sock), image=image, runtime=self.kind, pid=proc.pid, handle=proc)
+        assert proc.stdout is not None
+        line = await asyncio.to_thread(proc.stdout.readline)
+        if line.strip() != b"ready":
+            await self._stop(c)
+            raise AssertionError(f"the foreign server did not start: {line!r}")
+        return c
+
+    async def _stop(self, c: Container) -> None:
+        proc: subprocess.Popen[bytes] = c.handle
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await asyncio.to_thread(proc.wait)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+    async def _alive(self, c: Container) -> bool:
+        return c.handle.poll() is None
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        with contextlib.suppress(OSError):
+            for p in self.dir.iterdir():
+                p.unlink()
+            self.dir.rmdir()
+
+
+async def _foreign_pool(mode: str):
+    p = pool(None, min_warm=0, runtime={"heartbeat_s": 0.5}, reset_timeout_s=10, step_timeout_s=10)
+    await swap_runtime(p, _ForeignRuntime(mode))
+    return p
+
+
+async def test_a_foreign_server_that_keeps_the_protocol_plays_an_episode():
+    async with await _foreign_pool("good") as p:
+        async with p.session("echo-v0") as s:
+            assert (await s.reset(seed=1))[0].text == "ready"
+            assert (await s.step("a")).obs.text == "a #1"
+        assert p.stats()["idle"] == 1 and p.stats().get("discarded", 0) == 0
+
+
+@pytest.mark.parametrize(
+    ("mode", "what"),
+    [
+        ("ok-not-bool", r"reply to request 2 has 'ok': 1, not true or false"),
+        ("wrong-id", r"reply to request 1002, which this connection never sent"),
+        ("error-shape", r"reply to request 2 has 'error': 'boom', not an object"),
+        ("no-result", r"reply to request 2 says ok but has no 'result'"),
+        ("reset-shape", r"result of reset is not what reset returns: obs: Field required"),
+    ],
+)
+async def test_a_malformed_reply_to_a_reset_is_a_protocol_error_naming_the_fault(mode, what):
+    async with await _foreign_pool(mode) as p:
+        async with p.session("echo-v0") as s:
+            pid = s.container.pid
+            with pytest.raises(ProtocolError, match=what):
+                await s.reset(seed=1)
+            assert s.container is None  # discarded at once, not handed to the next session
+        stats = p.stats()
+        assert stats["discarded"] == 1 and stats["idle"] == 0 and stats["protocol_errors"] == 1, stats
+        assert stats.get("reset_retries", 0) == 0  # a bug of one side: never retried
+        await wait_for(lambda: not alive(pid))
+
+
+async def test_a_malformed_step_result_is_a_protocol_error_and_ends_the_episode():
+    async with await _foreign_pool("step-shape") as p:
+        async with p.session("echo-v0") as s:
+            await s.reset(seed=1)
+            with pytest.raises(ProtocolError, match=r"result of step is not what step returns: reward"):
+                await s.step("a")
+            with pytest.raises(EnvOrderError, match=r"broke the session protocol; call reset"):
+                await s.step("b")
+        assert p.stats()["discarded"] == 1 and p.stats().get("step_retries", 0) == 0
+
+
+async def test_an_open_whose_info_is_not_an_object_is_a_protocol_error():
+    async with await _foreign_pool("open-info") as p:
+        with pytest.raises(ProtocolError, match=r"result of open is not what open returns: .*'hello'"):
+            async with p.session("echo-v0"):
+                pass  # the session's entry raises: the body is not the test
+        assert p.stats()["discarded"] == 1 and p.stats()["idle"] == 0
