@@ -210,8 +210,16 @@ class Connection(asyncio.Protocol):
     async def request(self, msg: dict[str, Any], timeout_s: float) -> Any:
         """Send ``msg`` (its ``id`` set here unless given) and return the result; raises the
         remote error, ``EnvHung`` (too slow while the container heartbeats), ``StepTimeout``
-        (silent past the heartbeat misses, or too slow with no sign of life) or
-        ``ConnectionLost``."""
+        (silent past the heartbeat misses, or too slow with no sign of life),
+        ``ProtocolError`` or ``ConnectionLost``."""
+        reply = await self.exchange(msg, timeout_s)
+        if reply["ok"]:
+            return reply["result"]
+        raise remote_error(reply["error"])
+
+    async def exchange(self, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """``request``, but a reply that says the request failed is returned, not raised:
+        for the caller that reads more of it (a failed open's ``reusable``)."""
         rid = msg.setdefault("id", next(self.ids))
         # sent before anything waits for a reply: a message that cannot be sent leaves no
         # future behind (no reply can arrive in between: there is no await)
@@ -248,9 +256,7 @@ class Connection(asyncio.Protocol):
                     break
         finally:
             self.waiting.pop(rid, None)
-        if reply.get("ok"):
-            return reply.get("result")
-        raise remote_error(reply.get("error") or {})
+        return reply  # (checked by reply_problem as it was read)
 
     def _timeout(self, op: str, timeout_s: float, sent: float) -> EnvPoolError:
         """Whose fault a request past its deadline is. Heartbeats heard during it (the server

@@ -21,11 +21,15 @@ Results: an open's is an object (``deterministic``: bool and ``max_action_bytes`
 each optional, may be in it), a reset's ``{"obs": {"text": ..., "tools": [...] | null},
 "info": {...} | null}``, a step's ``{"obs": ..., "reward": number, "terminated": bool,
 "truncated": bool, "info": {...}}``; an error is ``{"type": str, "message": str,
-"traceback": str | null}``. The pool checks every reply against this (``reply_problem``,
-and the session the results' shapes): one that breaks it (no ``ok`` bool, a missing
-result, an id it never sent, a result of the wrong shape) is a ``ProtocolError`` that names
-what is wrong, never retried; the connection ends, the container is discarded and the
-episode is over.
+"traceback": str | null}``; a failed open's error may add ``"reusable": true``: the server
+is sound after it (a clean error of the environment's constructor or of its lookup), and
+its container is given to the next session; without it the container is replaced (envpool's
+server leaves it off after a MemoryError or an OSError).
+
+The pool checks every reply against this (``reply_problem``, and the session the results'
+shapes): one that breaks it (no ``ok`` bool, a missing result, an id it never sent, a
+result of the wrong shape) is a ``ProtocolError`` that names what is wrong, never retried;
+the connection ends, the container is discarded and the episode is over.
 
 A token other than the session's is refused, so one session can never drive another's
 environment.

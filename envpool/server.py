@@ -168,7 +168,14 @@ class Server:
         try:
             self.open_env(str(hello.get("env_id")), kwargs or {})
         except Exception as e:
-            self.send({"id": 0, "ok": False, "error": error_payload(e)})
+            err = error_payload(e)
+            if not isinstance(e, MemoryError | OSError):
+                # a clean error of the environment's code (or an id this image lacks): this
+                # process is as sound as before, and its container may serve the next session.
+                # Not after a MemoryError or an OSError: the constructor may have run it short
+                # of memory, file descriptors or disk, or left them held; the pool replaces it
+                err["reusable"] = True
+            self.send({"id": 0, "ok": False, "error": err})
             return
         finally:
             self.busy.clear()
@@ -185,8 +192,8 @@ class Server:
             if msg.get("token") != token:
                 from envpool.errors import SessionTokenError
 
-                err = SessionTokenError("this request carries another session's token; it was refused")
-                self.send({"id": rid, "ok": False, "error": error_payload(err)})
+                refused = SessionTokenError("this request carries another session's token; it was refused")
+                self.send({"id": rid, "ok": False, "error": error_payload(refused)})
                 continue
             op = msg.get("op")
             if op == "close":

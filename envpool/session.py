@@ -10,20 +10,19 @@ import os
 import secrets
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from envpool.api import MAX_ACTION_BYTES, Observation, StepResult, check_action
-from envpool.connection import Connection
+from envpool.connection import Connection, remote_error
 from envpool.errors import (
     ContainerDied,
     EnvHung,
     EnvLogicError,
     EnvOrderError,
-    EnvRegistryError,
     EnvUsageError,
     InfraError,
     ProtocolError,
@@ -291,13 +290,11 @@ class EnvSession:
             hello = {"op": "open", "id": 0, "token": self.token, "env_id": self.env_id, "kwargs": self.kwargs}
             c.in_flight += 1  # a slow constructor is no leak either
             try:
-                info = _checked("open", await conn.request(hello, self._cfg.reset_timeout_s))
+                reply = await conn.exchange(hello, self._cfg.reset_timeout_s)
             finally:
                 c.in_flight -= 1
                 c.last_active = time.monotonic()
-            # the container knows its environments (an image registers its own)
-            self.deterministic = info.get("deterministic", self.deterministic)
-            self.max_action_bytes = info.get("max_action_bytes", self.max_action_bytes)
+            info = _checked("open", reply["result"]) if reply["ok"] else {}
         except EnvHung as e:  # its constructor hangs: as a hung step, not retried
             self.pool.metrics["env_hung"] += 1
             await self._drop_container(healthy=False)
@@ -306,23 +303,39 @@ class EnvSession:
             self.pool.metrics["protocol_errors"] += 1
             await self._drop_container(healthy=False)
             raise ProtocolError(f"{self.env_id}: {e}") from None
-        except (EnvLogicError, EnvUsageError, EnvRegistryError) as e:
-            # the environment could not be made (a bad env kwarg, an id the image does not
-            # have, a constructor that raises): the server answered, hung up and waits for
-            # the next session, so the container goes back to the pool; the session fails
-            self.pool.metrics["open_failed"] += 1
-            await self._drop_container(healthy=True)
-            if type(e) is EnvLogicError:
-                raise EnvLogicError(
-                    f"{self.env_id}: making the environment with env_kwargs {self.kwargs!r} raised {e}",
-                    remote_type=e.remote_type,
-                    traceback=e.traceback,
-                ) from None
-            raise
         except BaseException:
             await self._drop_container(healthy=False)
             raise
+        if not reply["ok"]:
+            await self._open_failed(reply["error"])
+        # the container knows its environments (an image registers its own)
+        self.deterministic = info.get("deterministic", self.deterministic)
+        self.max_action_bytes = info.get("max_action_bytes", self.max_action_bytes)
         self.pool.claim_ms.append((time.perf_counter() - t0) * 1e3)
+
+    async def _open_failed(self, err: dict[str, Any]) -> NoReturn:
+        """The environment could not be made (a bad env kwarg, an id the image does not have,
+        a constructor that raises): the session fails, not retried. The server answered and
+        waits for the next session; its container goes back to the pool only if the server
+        says it is sound (``"reusable": true``: envpool's server says so of any error but a
+        MemoryError or an OSError, which may have left the process short of memory, file
+        descriptors or disk). Without that word (a server of another language that does not
+        say it) the container is replaced: a cold start, rather than the next session on a
+        broken container."""
+        e = remote_error(err)
+        if isinstance(e, ProtocolError):  # (kwargs the server could not read): a bug of one side
+            self.pool.metrics["protocol_errors"] += 1
+            await self._drop_container(healthy=False)
+            raise ProtocolError(f"{self.env_id}: {e}")
+        self.pool.metrics["open_failed"] += 1
+        await self._drop_container(healthy=err.get("reusable") is True)
+        if type(e) is EnvLogicError:
+            raise EnvLogicError(
+                f"{self.env_id}: making the environment with env_kwargs {self.kwargs!r} raised {e}",
+                remote_type=e.remote_type,
+                traceback=e.traceback,
+            )
+        raise e
 
     async def _detach(self) -> None:
         """Give the container back: reused after a clean goodbye, else discarded. A request

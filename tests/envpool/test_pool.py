@@ -183,6 +183,55 @@ async def test_a_constructor_that_raises_fails_the_session_and_keeps_the_contain
         assert p.stats()["claims_warm"] == 1 and p.stats()["claims_cold"] == 1
 
 
+_FAILING_INIT = """
+import errno
+
+import envpool
+
+
+class FailingInitEnv(envpool.Env):
+    def __init__(self, fail=None):
+        if fail == "memory":
+            raise MemoryError("cannot allocate the level")
+        if fail == "fds":
+            raise OSError(errno.EMFILE, "Too many open files")
+        if fail == "value":
+            raise ValueError("no such level")
+
+    def reset(self, *, seed=None, options=None):
+        return f"ready {seed}", {}
+
+    def step(self, action):
+        return envpool.StepResult(obs=envpool.Observation(text=action))
+"""
+
+
+@pytest.mark.parametrize(
+    ("fail", "kept"),
+    [("value", True), ("memory", False), ("fds", False)],
+    ids=["ValueError", "MemoryError", "OSError"],
+)
+async def test_a_constructor_that_runs_out_of_a_resource_does_not_keep_its_container(tmp_path, fail, kept):
+    # every failed open kept its container, a MemoryError or an OSError (no file descriptors
+    # left, a full disk) included, which may leave its server broken: the next session got it
+    images = write_env_bundle(
+        tmp_path / "b", "failing_init_env", _FAILING_INIT, {"failing-v0": "FailingInitEnv"}
+    )
+    async with pool(images, min_warm=0) as p:
+        with pytest.raises(EnvLogicError, match=r"failing-v0: making the environment with env_kwargs") as err:
+            async with p.session("failing-v0", image=IMAGE, env_kwargs={"fail": fail}):
+                pass  # the session's entry (or exit) raises: the body is not the test
+        assert (
+            err.value.remote_type == {"value": "ValueError", "memory": "MemoryError", "fds": "OSError"}[fail]
+        )
+        stats = p.stats()
+        assert stats["open_failed"] == 1 and stats["idle"] == int(kept), stats
+        assert stats.get("discarded", 0) == int(not kept), stats
+        async with p.session("failing-v0", image=IMAGE) as s:
+            assert (await s.reset(seed=1))[0].text == "ready 1"
+        assert p.stats()["claims_cold"] == 1 + int(not kept)
+
+
 _CLOSE_FAILS = """
 import envpool
 
