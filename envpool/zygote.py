@@ -65,7 +65,8 @@ def _child(req: dict[str, Any], ready_w: int, inherited: list[int], zygote: int)
 
 def _kill(pid: int | None) -> bool:
     """SIGKILL a child's process group (and the child, should it not lead one yet). Only
-    for a child not reaped yet: its pid, the group's id, is still its own."""
+    for a child not reaped yet: its pid, the group's id, is still its own. No SIGTERM first:
+    a child frozen by SIGSTOP runs no handler, and its stop would wait out a grace."""
     if pid is None:
         return False
     for kill in (os.killpg, os.kill):

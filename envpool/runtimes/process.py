@@ -414,6 +414,8 @@ class ProcessRuntime(Runtime):
         elif isinstance(c.handle, subprocess.Popen):
             proc = c.handle
             if proc.returncode is None:  # not reaped: its pid is still its group's id
+                # SIGKILL at once, no SIGTERM first: a container frozen by SIGSTOP (the hang
+                # fault) runs no handler, and a polite stop would wait out its whole grace
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
             # reaped here, on the loop, with the record dropped in the same step (a process

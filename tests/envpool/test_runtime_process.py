@@ -374,3 +374,28 @@ async def test_a_start_after_the_zygote_output_closed_gets_a_new_zygote_at_once(
         await rt.stop(c)
     finally:
         await rt.aclose()
+
+
+# -- a frozen container ----------------------------------------------------------------------
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(") ")[2][:1]
+
+
+@pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "fresh-interpreter"])
+async def test_a_stopped_container_is_stopped_at_once(images, zygote):
+    # a container frozen by SIGSTOP (the hang fault, a frozen host process) runs no SIGTERM
+    # handler: a stop that asked politely first would wait out its whole grace before the
+    # SIGKILL. The runtime sends SIGKILL straight away, which a stopped process obeys
+    cfg = {"heartbeat_s": 0.1, "zygote": zygote}
+    async with pool(images, min_warm=0, runtime=cfg) as p:
+        await p.prewarm(IMAGE, 1)
+        (c,) = p._idle[IMAGE]
+        os.kill(c.pid, signal.SIGSTOP)
+        await wait_for(lambda: _state(c.pid) == "T")
+        t0 = time.monotonic()
+        await p.runtime.stop(c)
+        assert time.monotonic() - t0 < 1.0
+        assert not alive(c.pid) and c.id not in p.runtime.live
