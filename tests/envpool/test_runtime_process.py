@@ -399,3 +399,64 @@ async def test_a_stopped_container_is_stopped_at_once(images, zygote):
         await p.runtime.stop(c)
         assert time.monotonic() - t0 < 1.0
         assert not alive(c.pid) and c.id not in p.runtime.live
+
+
+# -- a zygote that dies as it forks ----------------------------------------------------------
+
+# A stand-in zygote forks a container and exits at once; the container reaches
+# ``zygote._child`` (its setsid and PR_SET_PDEATHSIG) only once its zygote is gone: the
+# window between the fork and the prctl, made to land. This script is a child subreaper, so
+# the orphan comes to it (not to init) and it can tell whether the container died with its
+# zygote (exit code) or lived on to serve (its ready message).
+_ORPHANED_AT_FORK = r"""
+import ctypes, json, os, select, signal, sys, time
+import envpool.zygote as zygote
+
+ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+sock, cwd = sys.argv[1], sys.argv[2]
+r, w = os.pipe()
+stand_in = os.fork()
+if stand_in == 0:
+    me = os.getpid()
+    if os.fork() == 0:
+        os.close(r)
+        deadline = time.monotonic() + 10
+        while os.getppid() == me:  # until the zygote has died (bounded)
+            if time.monotonic() > deadline:
+                os._exit(5)
+            time.sleep(0.005)
+        req = {"opts": {"sock": sock, "netns": False, "heartbeat_s": 1.0}, "cwd": cwd, "env": {}}
+        zygote._child(req, w, [], me)
+    os._exit(0)
+os.close(w)
+os.waitpid(stand_in, 0)
+deadline, got = time.monotonic() + 20, b""
+while time.monotonic() < deadline:
+    pid, status = os.waitpid(-1, os.WNOHANG)
+    if pid:
+        print(json.dumps({"exit": os.waitstatus_to_exitcode(status)}), flush=True)
+        break
+    if select.select([r], [], [], 0.05)[0]:
+        got += os.read(r, 65536)
+        if got.endswith(b"}"):
+            info = json.loads(got)
+            os.killpg(info["pid"], signal.SIGKILL)
+            os.waitpid(info["pid"], 0)
+            print(json.dumps({"served": info}), flush=True)
+            break
+else:
+    print(json.dumps({"neither": True}), flush=True)
+"""
+
+
+def test_a_container_whose_zygote_died_before_its_prctl_dies_too(tmp_path):
+    # it checked it still had its zygote with os.getppid() read in the child, the reaper's pid
+    # already when the zygote had died first: the orphan lived on, owned by nobody
+    script = tmp_path / "orphan.py"
+    script.write_text(_ORPHANED_AT_FORK)
+    root = Path(envpool.__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    cmd = [sys.executable, str(script), str(tmp_path / "s"), str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"exit": 1}, out.stdout
