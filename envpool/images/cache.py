@@ -15,7 +15,8 @@ exponential backoff and full jitter; one that ends in "no tier has it" is not.
 Unpacked bundles are evicted least recently used first to stay under
 ``unpacked_budget_bytes`` (``envpool.images.unpacked``) after each unpack and at each
 ``release``; one pinned with ``acquire`` (a container runs from it) is never evicted until
-then.
+then. One pinned by another process sharing ``unpack_dir`` is tried again every second while
+it keeps the bundles over the budget (no unpack or release here may come soon).
 """
 
 from __future__ import annotations
@@ -84,12 +85,17 @@ class CacheConfig(BaseModel):
     limit). Past it, the least recently used bundles are deleted after each unpack, never
     one pinned by a live container (``acquire``: here or in another process sharing the
     directory), so it may be exceeded while everything left is in use; what was over is
-    evicted as soon as this process releases a pin. Enforced per process."""
+    evicted as soon as this process releases a pin, or within a second of another process
+    releasing its pin. Enforced per process."""
 
 
 def _retryable(e: BaseException) -> bool:
     return isinstance(e, ImageFetchError) and e.retryable
 
+
+_OVER_BUDGET_RETRY_S = 1.0
+"""How soon an eviction that another process's pin blocked is tried again: a node stays over
+the budget about this long after that pin drops (a retry costs a few system calls a bundle)."""
 
 _ACQUIRE_ATTEMPTS = 3
 """Fetches of one ``acquire`` whose bundle another process evicts before the pin each time."""
@@ -122,6 +128,8 @@ class TieredCache:
         self._inflight: dict[str, asyncio.Task[Path]] = {}
         self._removals: set[asyncio.Future[None]] = set()
         """Deletions of evicted directories under way (``release`` is sync): the close awaits them."""
+        self._budget_retry: asyncio.TimerHandle | None = None
+        """The next try of an eviction another process's pin blocked (``_watch_budget``)."""
         self._outcomes: Counter[str] = Counter()
         self._started = False
         self._closed = False
@@ -170,6 +178,9 @@ class TieredCache:
         if self._closed:
             return
         self._closed = True
+        if self._budget_retry is not None:
+            self._budget_retry.cancel()
+            self._budget_retry = None
         flights = list(self._inflight.values())
         for task in flights:
             task.cancel()
@@ -241,10 +252,14 @@ class TieredCache:
         self.unpacked.unpin(hex_)
         if self._closed or self.unpacked.pinned(hex_):
             return  # still in use here: nothing more may go than before (and no warning again)
-        victims = self.unpacked.evict()
+        self._remove_soon(self.unpacked.evict())
+        self._watch_budget()
+
+    def _remove_soon(self, victims: list[Path]) -> None:
+        """Delete evicted directories (renamed away already) off the loop, as ``_evict`` does:
+        a big tree must not stall it."""
         if not victims:
             return
-        # renamed away already; deleting them (a big tree) is off the loop, as in _evict
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # called outside a loop: nothing to stall
@@ -253,6 +268,27 @@ class TieredCache:
         removal = asyncio.ensure_future(asyncio.to_thread(remove_all, victims), loop=loop)
         self._removals.add(removal)
         removal.add_done_callback(self._removals.discard)
+
+    def _watch_budget(self) -> None:
+        """After an eviction that another process's pin kept over the budget, try again in
+        ``_OVER_BUDGET_RETRY_S`` (and so on until under it, or nothing but our own pins is
+        left): this process hears nothing when that pin drops, and its next unpack or last
+        release of an image may be far off (a busy pool holds its own pins, and fetches
+        nothing new), while the node stayed over the budget all along."""
+        if not self.unpacked.blocked_elsewhere or self._budget_retry is not None or self._closed:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # outside a loop (a sync release): the next eviction watches
+            return
+        self._budget_retry = loop.call_later(_OVER_BUDGET_RETRY_S, self._retry_budget)
+
+    def _retry_budget(self) -> None:
+        self._budget_retry = None
+        if self._closed:
+            return
+        self._remove_soon(self.unpacked.evict())
+        self._watch_budget()
 
     async def publish(self, bundle: Bundle, name: str = "image") -> str:
         """Put a bundle into every writable tier (a local image, or a push to the shared
@@ -350,6 +386,7 @@ class TieredCache:
 
     async def _evict(self, keep: str | None = None) -> None:
         victims = self.unpacked.evict(keep)
+        self._watch_budget()
         if victims:  # renamed away already: deleting them off the loop races with nothing
             await asyncio.to_thread(remove_all, victims)
 

@@ -51,7 +51,14 @@ class UnpackedStore:
         in the loop turns between the fetch and the pin."""
         self.evictions = 0
         self.over_budget = 0
-        """Times the budget could not be met because what was left was pinned."""
+        """Times the bundles went over the budget and could not be brought under it because
+        what was left was in use: once per such spell (as the warning), however often its
+        evictions are tried again."""
+        self._over = False
+        self.blocked_elsewhere = False
+        """The last eviction left the bundles over the budget and skipped one that another
+        process holds (its pin, or its eviction under way): nothing here tells when that ends,
+        so the cache tries again on a timer."""
 
     @property
     def total_bytes(self) -> int:
@@ -149,28 +156,35 @@ class UnpackedStore:
         """Take least recently used bundles out of place until the total is under the
         budget, skipping ``keep`` and pinned ones; return the renamed directories for the
         caller to delete off the event loop."""
+        self.blocked_elsewhere = False
         if self.budget_bytes is None or self._total <= self.budget_bytes:
+            self._over = False
             return []
         victims: list[Path] = []
+        elsewhere = False
         for hex_ in list(self._lru):
             if self._total <= self.budget_bytes:
                 break
             if hex_ == keep:
                 continue
             taken, moved = self._take_out(hex_)
-            if not taken:
-                continue  # pinned here or by another process
+            if not taken:  # pinned here or by another process
+                elsewhere = elsewhere or not (self._pins.get(hex_) or self._reserved.get(hex_))
+                continue
             self._forget(hex_)
             self.evictions += 1
             if moved is not None:
                 victims.append(moved)
-        if self._total > self.budget_bytes:
+        over = self._total > self.budget_bytes
+        self.blocked_elsewhere = over and elsewhere
+        if over and not self._over:
             self.over_budget += 1
             log.warning(
                 "unpacked bundles hold %d bytes, over the %d-byte budget: the rest are in use",
                 self._total,
                 self.budget_bytes,
             )
+        self._over = over
         return victims
 
     def _take_out(self, hex_: str) -> tuple[bool, Path | None]:

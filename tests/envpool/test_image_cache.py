@@ -614,6 +614,40 @@ async def test_a_pinned_bundle_is_never_evicted(tmp_path: Path) -> None:
             assert cache.metrics()["unpacked"]["pinned"] == 0
 
 
+async def test_a_bundle_another_process_stops_pinning_is_evicted_without_a_call_here(tmp_path: Path) -> None:
+    # an eviction skipped a bundle another process sharing unpack_dir had pinned, and was not
+    # tried again before this process's next unpack or release: one that held its own pins
+    # and fetched nothing new (a busy pool on its images) kept the node over for good
+    c, d = (payload_bundle(tmp_path, x, 10_000) for x in "cd")
+    with FakeOrigin({x.digest: x.data for x in (c, d)}) as origin:
+        async with origin_cache(tmp_path, origin.url, 15_000) as cache:
+            pc = await cache.get(c.digest)
+            holder = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-c",
+                "import fcntl, os, sys\n"
+                "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
+                "fcntl.flock(fd, fcntl.LOCK_SH)\n"
+                "print('pinned', flush=True)\n"
+                "sys.stdin.read()\n",
+                str(pc),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+            )
+            try:
+                assert await asyncio.wait_for(holder.stdout.readline(), 30) == b"pinned\n"
+                pd = await cache.acquire(d.digest)  # over the budget: c is pinned over there
+                assert pc.is_dir() and cache.metrics()["unpacked"]["over_budget"] == 1
+            finally:
+                holder.stdin.close()
+                await holder.wait()
+            await until(lambda: not pc.exists(), timeout_s=10)  # no get, no release meanwhile
+            m = cache.metrics()["unpacked"]
+            assert pd.is_dir() and m["bytes"] == 10_000 and m["evictions"] == 1, m
+            assert m["over_budget"] == 1  # warned once, not at every try
+            cache.release(d.digest)
+
+
 async def test_a_released_bundle_over_the_budget_is_evicted_at_its_release(tmp_path: Path) -> None:
     # the budget was enforced only after an unpack: a run that unpacked nothing new after its
     # containers stopped kept the node over the budget (by whatever they had pinned) for good
