@@ -456,7 +456,7 @@ class LLMProxy:
         replica. A replica that is down gets it when it comes back."""
         if version < self.version:
             raise EngineError(f"weights version {version} is older than the proxy's {self.version}")
-        self._latest = (version, state)
+        previous, self._latest = self._latest, (version, state)
         t0 = time.perf_counter()
         # a replica being recovered is skipped: its recovery loads the latest weights before
         # it serves, and a stuck one held every update for swap_timeout_s again
@@ -464,11 +464,32 @@ class LLMProxy:
         results = await asyncio.gather(
             *(self._swap_within(r, version, _unwrap(state)) for r in replicas), return_exceptions=True
         )
-        for r, res in zip(replicas, results, strict=True):
-            if isinstance(res, ReplicaLost):
-                self._spawn_recover(r, gone=isinstance(res, ReplicaGone))
-            elif isinstance(res, BaseException):
+        for res in results:
+            if isinstance(res, BaseException) and not isinstance(res, Exception):
                 raise res
+        lost = [(r, res) for r, res in zip(replicas, results, strict=True) if isinstance(res, ReplicaLost)]
+        failed = [
+            (r, res)
+            for r, res in zip(replicas, results, strict=True)
+            if isinstance(res, Exception) and not isinstance(res, ReplicaLost)
+        ]
+        for r, err in failed:
+            self.metrics["swap_errors"] += 1
+            log.error("replica %s failed to load weights version %d: %r", r.name, version, err)
+        if failed and not any(res is None for res in results):
+            # no replica took them: the weights are at fault (a shape no engine accepts), not
+            # a replica; each keeps the weights it holds, and the job stops on the error
+            self._latest = previous
+            for r, err in lost:
+                self._spawn_recover(r, gone=isinstance(err, ReplicaGone))
+            raise failed[0][1]
+        for r, err in lost:
+            self._spawn_recover(r, gone=isinstance(err, ReplicaGone))
+        # the engine's own error (out of memory while loading): left in service it would
+        # serve the old weights (every turn found stale); its recovery routes around it,
+        # reloads the latest, and drops it if the reload fails too
+        for r, _ in failed:
+            self._spawn_recover(r, gone=False)
         self.version = version
         self.metrics["weight_updates"] += 1
         self.metrics["weight_update_ms"] += round((time.perf_counter() - t0) * 1000)

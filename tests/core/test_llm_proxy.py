@@ -459,6 +459,73 @@ async def test_a_replica_whose_swap_hangs_does_not_hold_the_weight_update():
     assert c.text == "up" and c.policy_version == 1
 
 
+class BadSwap(Fake):
+    """Its engine fails its next ``bad`` swaps with its own error (a RayTaskError: out of
+    memory while loading); ``back``, when given, holds its pings until it is set."""
+
+    def __init__(self, name: str, *, bad: float = 1, back: asyncio.Event | None = None, **kw: Any):
+        super().__init__(name, **kw)
+        self.bad, self.back = bad, back
+
+    async def swap(self, version: int, state: Any) -> None:
+        if self.bad > 0:
+            self.bad -= 1
+            raise EngineError("CUDA out of memory while loading")
+        await super().swap(version, state)
+
+    async def ping(self) -> int:
+        if self.back is not None:
+            await self.back.wait()
+        return await super().ping()
+
+
+async def test_a_replica_whose_swap_raises_is_recovered_while_the_update_goes_on():
+    # one replica's engine failed its swap with its own error: update_weights raised it and
+    # failed the job, though the other replica held the new weights
+    back = asyncio.Event()
+    bad, ok = BadSwap("bad", back=back), Fake("ok")
+    proxy = LLMProxy({"default": [bad, ok]}, rejoin_first_s=None)
+    try:
+        assert (await proxy.generate("t", "x", req())).text == "bad"  # a tie: the first
+        await asyncio.wait_for(proxy.update_weights(1, ["W1"]), 5)
+        assert proxy.version == 1 and ok.swaps == [(1, "W1")] and proxy.metrics["swap_errors"] == 1
+        # routed around until its recovery has loaded the new weights into it
+        c = await asyncio.wait_for(proxy.generate("t", "x", req()), 5)
+        assert (c.text, c.policy_version) == ("ok", 1) and proxy.metrics["turns_rerouted"] == 1
+        back.set()
+        await until(lambda: proxy.metrics["replicas_recovered"] == 1)
+        assert bad.swaps == [(1, "W1")] and proxy.metrics["weights_reloaded"] == 1
+        assert proxy.groups["default"] == [bad, ok]
+        c = await proxy.generate("u", "x", req())  # it serves again (a tie: the first)
+        assert (c.text, c.policy_version) == ("bad", 1)
+    finally:
+        await proxy.aclose()
+
+
+async def test_a_replica_whose_swap_keeps_failing_leaves_its_group():
+    bad, ok = BadSwap("bad", bad=float("inf")), Fake("ok")
+    proxy = LLMProxy({"default": [bad, ok]}, rejoin_first_s=None)
+    try:
+        await asyncio.wait_for(proxy.update_weights(1, ["W1"]), 5)
+        assert proxy.version == 1 and proxy.metrics["swap_errors"] == 1
+        await until(lambda: proxy.metrics["replicas_removed"] == 1)  # its reload failed too
+        assert proxy.groups["default"] == [ok] and proxy.metrics["recover_errors"] == 1
+    finally:
+        await proxy.aclose()
+
+
+async def test_an_update_no_replica_could_load_fails():
+    # weights every engine refuses (a shape that does not fit) are the job's error, not the
+    # replicas': they are left as they were, on the weights they hold
+    a, b = BadSwap("a", bad=float("inf")), BadSwap("b", bad=float("inf"))
+    proxy = LLMProxy({"default": [a, b]})
+    with pytest.raises(EngineError, match="CUDA out of memory"):
+        await asyncio.wait_for(proxy.update_weights(1, ["W1"]), 5)
+    assert proxy.version == 0 and proxy.metrics["swap_errors"] == 2 and proxy.metrics["weight_updates"] == 0
+    assert proxy._recovering == {} and proxy.num_replicas == 2
+    assert (await proxy.generate("t", "x", req())).policy_version == 0
+
+
 # ----------------------------------------------------------------------------- recovery
 
 
