@@ -54,16 +54,19 @@ import random
 import time
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from typing import Any, TypeVar
 
 from core.config import DEFAULT_AFFINITY
 from core.rollout.coalesce import Answer, answer_all
 from core.rollout.engines.base import Completion, Engine, EngineError, GenerateRequest
 from core.rollout.scheduling import TurnScheduler
+from core.rollout.wakes import Wakes, Woken
 from core.sched import Request
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Seconds after a replica left its group before it is first tried again, and the most
 #: between two tries (each failed try doubles the wait).
@@ -173,8 +176,11 @@ class LLMProxy:
         self._recovering: dict[int, asyncio.Task[None]] = {}
         self._rejoining: dict[int, asyncio.Task[None]] = {}  # replicas out of their group
         self._background: set[asyncio.Task[Any]] = set()  # aborts of turns that moved on
-        # id(replica) -> cancel scopes of the calls running on it (a drop ends them)
-        self._calls_on: dict[int, set[asyncio.Timeout]] = {}
+        # waits ended early: ("calls", id(replica)) the calls running on a replica (its drop
+        # ends them), ("slot", id(replica)) the turns waiting for a slot on it (its recovery
+        # or drop sends them elsewhere), ("traj", traj id) the turns of a trajectory waiting
+        # for a recovery (its abort ends them)
+        self._wakes = Wakes()
         # id(replica) -> request ids that may still run in its engine, though nothing waits
         # for them (it left its group meanwhile): aborted before it rejoins
         self._orphans: dict[int, set[str]] = {}
@@ -364,21 +370,18 @@ class LLMProxy:
         else:
             self._orphans.setdefault(id(replica), set()).add(rid)
 
-    async def _on(self, replica: Replica, call: Any) -> Any:
+    async def _on(self, replica: Replica, call: Coroutine[Any, Any, T]) -> T:
         """Await a call on ``replica``; ``ReplicaGone`` if the replica leaves its group first
-        (a replica dropped while stuck: the calls running on it would never end)."""
-        scope = asyncio.timeout(None)
-        scopes = self._calls_on.setdefault(id(replica), set())
-        scopes.add(scope)
+        (a replica dropped while stuck: the calls running on it would never end), or had
+        left it before the call (an update listed it, then its recovery dropped it before
+        its swap began: no drop would end that call any more)."""
+        if not self._in_group(replica):
+            call.close()
+            raise ReplicaGone(f"{replica.name} left its group before the call")
         try:
-            async with scope:
-                return await call
-        except TimeoutError:
-            if scope.expired():
-                raise ReplicaGone(f"{replica.name} left its group while the call ran") from None
-            raise
-        finally:
-            scopes.discard(scope)
+            return await self._wakes.wait([("calls", id(replica))], call)
+        except Woken:
+            raise ReplicaGone(f"{replica.name} left its group while the call ran") from None
 
     async def generate_many(
         self, items: list[tuple[str, str, GenerateRequest]]
@@ -580,9 +583,7 @@ class LLMProxy:
         self.metrics["replicas_removed"] += 1
         orphans = self._orphans.setdefault(id(replica), set())
         orphans.update(rid for calls in self._inflight.values() for rid, r in calls.items() if r is replica)
-        now = asyncio.get_running_loop().time()
-        for scope in self._calls_on.pop(id(replica), ()):
-            scope.reschedule(now)
+        self._wakes.wake(("calls", id(replica)))
         again = rejoin and self.rejoin_first_s is not None
         log.error(
             "engine replica %s left its group: %s; %d replicas left%s",

@@ -526,6 +526,28 @@ async def test_an_update_no_replica_could_load_fails():
     assert (await proxy.generate("t", "x", req())).policy_version == 0
 
 
+async def test_a_replica_dropped_before_its_swap_starts_does_not_hold_the_update():
+    # an update lists the healthy replicas, then swaps each: one dropped in between (its
+    # recovery gave up on it) was swapped all the same, outside its group, where no drop
+    # could end the call any more, and the update waited swap_timeout_s on it
+    stuck = HangingSwap("stuck")
+
+    class DropsTheOther(Fake):
+        async def swap(self, version: int, state: Any) -> None:
+            # its swap starts first: the other's drop lands before that one's swap starts
+            proxy._drop(stuck, "not back by the recover timeout", rejoin=False)
+            await super().swap(version, state)
+
+    first = DropsTheOther("first")
+    proxy = LLMProxy({"default": [first, stuck]}, swap_timeout_s=60)
+    try:
+        await asyncio.wait_for(proxy.update_weights(1, ["W1"]), 5)
+        assert proxy.version == 1 and first.swaps == [(1, "W1")] and proxy.groups["default"] == [first]
+        assert proxy.metrics["swap_timeouts"] == 0
+    finally:
+        await proxy.aclose()
+
+
 # ----------------------------------------------------------------------------- recovery
 
 
