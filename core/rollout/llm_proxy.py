@@ -274,7 +274,13 @@ class LLMProxy:
             if replica is None:  # waited for a recovery
                 continue
             if sched is not None and sreq is not None:
-                if not await sched.admit(id(replica), sreq):
+                try:
+                    # a replica that breaks meanwhile (its recovery begins, or it leaves its
+                    # group) sends the turn back to pick a healthy one, as a new turn would
+                    admitted = await self._wakes.wait([("slot", id(replica))], sched.admit(id(replica), sreq))
+                except Woken:
+                    continue
+                if not admitted:
                     return _aborted(request, self.version)
                 if traj_id in self._aborted or traj_id in self._released:  # meanwhile
                     sched.done(id(replica))
@@ -518,6 +524,7 @@ class LLMProxy:
         if task is None or task.done():
             task = asyncio.ensure_future(self._do_recover(replica, gone=gone))
             self._recovering[id(replica)] = task
+            self._wakes.wake(("slot", id(replica)))  # its waiting turns go to a healthy one
         return task
 
     async def _do_recover(self, replica: Replica, *, gone: bool) -> None:
@@ -584,6 +591,7 @@ class LLMProxy:
         orphans = self._orphans.setdefault(id(replica), set())
         orphans.update(rid for calls in self._inflight.values() for rid, r in calls.items() if r is replica)
         self._wakes.wake(("calls", id(replica)))
+        self._wakes.wake(("slot", id(replica)))
         again = rejoin and self.rejoin_first_s is not None
         log.error(
             "engine replica %s left its group: %s; %d replicas left%s",

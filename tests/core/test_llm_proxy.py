@@ -974,6 +974,37 @@ async def test_a_replica_whose_reload_raises_leaves_its_group():
         await proxy.aclose()
 
 
+async def test_a_turn_waiting_for_a_slot_on_a_recovering_replica_is_rerouted():
+    # new turns already went around a replica being recovered, but one waiting in its
+    # turn scheduler's line stayed there until the replica was dropped (recover_timeout_s)
+    from core.rollout.scheduling import TurnScheduler
+
+    stuck, up = Stuck("stuck"), Fake("up")
+    proxy = LLMProxy(
+        {"default": [stuck, up]},
+        swap_timeout_s=0.2,
+        recover_timeout_s=60,
+        scheduler=TurnScheduler("fcfs", slots=1),
+    )
+    t1: asyncio.Task[Completion] | None = None
+    try:
+        for traj in ("t", "u"):  # both stick to "stuck" (one at a time: a tie each)
+            assert (await proxy.generate(traj, "x", req(metadata={"turn": 0}))).text == "stuck"
+        stuck.wedged = True
+        t1 = asyncio.create_task(proxy.generate("t", "x", req(request_id="t/1", metadata={"turn": 1})))
+        await until(lambda: "t/1" in stuck.generated)
+        u1 = asyncio.create_task(proxy.generate("u", "x", req(request_id="u/1", metadata={"turn": 1})))
+        await until(lambda: proxy.scheduler is not None and proxy.scheduler.waiting_of("u") == 1)
+        await asyncio.wait_for(proxy.update_weights(1, ["W1"]), 5)  # its swap hangs: recovered
+        c = await asyncio.wait_for(u1, 5)
+        assert (c.text, c.policy_version) == ("up", 1) and "u/1" not in stuck.generated
+        assert proxy.metrics["turns_rerouted"] == 1 and proxy.metrics["replicas_removed"] == 0
+    finally:
+        if t1 is not None:
+            t1.cancel()
+        await proxy.aclose()
+
+
 # ----------------------------------------------------------------------------- generate_many
 
 
