@@ -23,18 +23,20 @@ Replica loss. A call that fails because the replica's process died (``ReplicaLos
 turn answered with weights older than the proxy published before it was sent (the process
 died while idle and Ray restarted it on its initial weights, which no error said), is
 recovered here: wait for Ray to restart the actor (``max_restarts``), reload the latest
-weights, run the turn again (a turn has no side effects: it is only tokens). While a
-replica recovers (after a lost call or a weight swap past ``swap_timeout_s``) its group's
-turns go to the others, the lost turn included, when one is healthy, and weight updates
-skip it (its recovery loads the latest); only a group with none healthy waits for a
-recovery. A replica not back within ``recover_timeout_s`` (a ping or a reload it never
-answers included), or whose reload fails, leaves the group, and the turns still running
-on it move to another replica; a group with none left fails the turn with
-``NoReplicaError``, which the env manager records as an ``infra_failed`` trajectory. A
-replica that left is tried again in the background (after ``rejoin_first_s``, backing off
-to ``rejoin_max_s``): once it answers, what it was running is aborted, it gets the latest
-weights and rejoins its group. Only one gone for good (``ReplicaGone``: Ray cannot place
-it) is never tried again.
+weights, run the turn again (a turn has no side effects: it is only tokens). A replica
+whose weight swap fails (the engine's own error) or takes past ``swap_timeout_s`` is
+recovered too; an update fails only when no replica loaded its weights. While a replica
+recovers its group's turns go to the others (the lost turn, new turns and those waiting
+for a slot on it) when one is healthy, and weight updates skip it (its recovery loads the
+latest); only a group with none healthy waits for a recovery, and a trajectory aborted or
+released meanwhile stops waiting at once. A replica not back within ``recover_timeout_s``
+(a ping or a reload it never answers included), or whose reload fails, leaves the group,
+and the turns still running on it move to another replica; a group with none left fails
+the turn with ``NoReplicaError``, which the env manager records as an ``infra_failed``
+trajectory. A replica that left is tried again in the background (after
+``rejoin_first_s``, backing off to ``rejoin_max_s``): once it answers, what it was running
+is aborted, it gets the latest weights and rejoins its group. Only one gone for good
+(``ReplicaGone``: Ray cannot place it) is never tried again.
 
 The proxy actor itself is made without ``max_restarts`` (``core.cluster``): a restarted
 proxy would come back from its constructor's arguments, at weights version 0 with no
@@ -216,7 +218,13 @@ class LLMProxy:
                 self.metrics["turns_rerouted"] += 1  # its replica is being recovered
             return self._route(traj_id, healthy, sreq)
         # asyncio.wait leaves the recoveries running when this caller goes away
-        await asyncio.wait([self._recovering[id(r)] for r in replicas], return_when=asyncio.FIRST_COMPLETED)
+        recoveries = [self._recovering[id(r)] for r in replicas]
+        try:
+            await self._wakes.wait(
+                [("traj", traj_id)], asyncio.wait(recoveries, return_when=asyncio.FIRST_COMPLETED)
+            )
+        except Woken:
+            pass  # its trajectory was aborted (the caller finds it so) or released
         return None
 
     def _route(self, traj_id: str, replicas: list[Replica], sreq: Request | None = None) -> Replica:
@@ -312,8 +320,10 @@ class LLMProxy:
                 if lost == self.max_turn_retries:
                     raise
                 lost += 1
-                rid = await self._after_lost(replica, tag, rid, f"{request.request_id}#rerun{lost}", e)
-                self.metrics["turns_rerun"] += 1
+                rerun_id = f"{request.request_id}#rerun{lost}"
+                rid = await self._after_lost(replica, traj_id, tag, rid, rerun_id, e)
+                if traj_id not in self._aborted and traj_id not in self._released:
+                    self.metrics["turns_rerun"] += 1  # (else it ends aborted, next)
                 continue
             finally:
                 self._load[id(replica)] -= 1
@@ -342,10 +352,12 @@ class LLMProxy:
                 c = c.model_copy(update={"request_id": request.request_id})
             return c
 
-    async def _after_lost(self, replica: Replica, tag: str, rid: str, rerun_id: str, e: ReplicaLost) -> str:
+    async def _after_lost(
+        self, replica: Replica, traj_id: str, tag: str, rid: str, rerun_id: str, e: ReplicaLost
+    ) -> str:
         """A turn's call on ``replica`` was lost: start its recovery and say the request id
         the turn runs again under. Another healthy replica of the group runs it at once;
-        without one it waits for this one's recovery."""
+        without one it waits for this one's recovery (or its trajectory's abort)."""
         gone = isinstance(e, ReplicaGone)
         recovery = self._spawn_recover(replica, gone=gone)
         group = self.groups.get(self.group_of(tag)) or []
@@ -353,11 +365,16 @@ class LLMProxy:
             # unreachable is not dead (Ray's ActorUnavailableError): its first run may go on
             # in the engine, so the rerun gets an id of its own, and the first run is
             # stopped once the replica answers again (or before it rejoins its group)
-            task = asyncio.ensure_future(self._abort_when_back(recovery, replica, rid))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._in_background(self._abort_when_back(recovery, replica, rid))
             return rerun_id
-        await asyncio.shield(recovery)
+        try:
+            await self._wakes.wait([("traj", traj_id)], asyncio.shield(recovery))
+        except Woken:
+            # aborted: the turn ends now (its caller finds it so), and its first run, which
+            # may go on in the engine, is stopped once the replica is back
+            if not gone:
+                self._in_background(self._abort_when_back(recovery, replica, rid))
+            return rid
         if not self._in_group(replica):
             if not gone:
                 self._orphans.setdefault(id(replica), set()).add(rid)
@@ -368,6 +385,11 @@ class LLMProxy:
             # in flight, and the stopped run leaves it only at its next step)
             return rerun_id
         return rid
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _abort_when_back(self, recovery: asyncio.Task[None], replica: Replica, rid: str) -> None:
         await asyncio.shield(recovery)
@@ -404,6 +426,7 @@ class LLMProxy:
         if traj_id in self._released:  # it ended already
             return 0
         self._aborted.add(traj_id)
+        self._wakes.wake(("traj", traj_id))  # its turns waiting for a recovery end now
         if self.scheduler is not None:
             self.scheduler.cancel(traj_id)
         inflight = list(self._inflight.get(traj_id, {}).items())
@@ -442,8 +465,10 @@ class LLMProxy:
         remote side outlives its caller) is aborted first: it would hold its replica's batch
         slot and its scheduler slot to its end, and this is the last moment anything knows
         its request ids."""
-        left = bool(self._inflight.get(traj_id)) or (
-            self.scheduler is not None and self.scheduler.waiting_of(traj_id) > 0
+        left = (
+            bool(self._inflight.get(traj_id))
+            or self._wakes.waiting(("traj", traj_id))
+            or (self.scheduler is not None and self.scheduler.waiting_of(traj_id) > 0)
         )
         if left and traj_id not in self._aborted:  # abort() stopped them already otherwise
             await self.abort(traj_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 from typing import Any
 
@@ -900,20 +901,23 @@ async def test_a_replica_gone_for_good_is_not_tried_again():
         await proxy.aclose()
 
 
+class SlowPing(Fake):
+    """A replica whose pings wait until ``back`` is set (its restart takes a while)."""
+
+    def __init__(self, name: str, **kw: Any):
+        super().__init__(name, **kw)
+        self.back = asyncio.Event()
+
+    async def ping(self) -> int:
+        self.pings += 1
+        await self.back.wait()
+        return self.version
+
+
 async def test_a_turn_released_while_its_replica_recovers_is_not_run_again():
     # the caller went away (its trajectory timed out) while the turn waited for its
     # replica's recovery; the release found nothing in flight to abort, and the turn, rerun
     # after the recovery for nobody, took the replica's slot and left its affinity behind
-    class SlowPing(Fake):
-        def __init__(self, name: str, **kw: Any):
-            super().__init__(name, **kw)
-            self.back = asyncio.Event()
-
-        async def ping(self) -> int:
-            self.pings += 1
-            await self.back.wait()
-            return self.version
-
     r = SlowPing("r", fail=[ReplicaLost("died")])
     proxy = LLMProxy({"default": [r]})
     turn = asyncio.create_task(proxy.generate("t", "x", req(request_id="t/0")))
@@ -1002,6 +1006,34 @@ async def test_a_turn_waiting_for_a_slot_on_a_recovering_replica_is_rerouted():
     finally:
         if t1 is not None:
             t1.cancel()
+        await proxy.aclose()
+
+
+async def test_abort_ends_the_wait_of_a_turn_whose_group_is_all_recovering():
+    # a turn that lost its replica, and a new one, both wait for the group's only replica
+    # to come back; an abort of their trajectory left them waiting up to recover_timeout_s
+    r = SlowPing("r", fail=[ReplicaLost("died")])
+    proxy = LLMProxy({"default": [r]}, rejoin_first_s=None)
+    try:
+        lost = asyncio.create_task(proxy.generate("t", "x", req(request_id="t/0")))
+        await until(lambda: r.pings == 1)  # lost its replica; waits for the recovery
+        new = asyncio.create_task(proxy.generate("u", "x", req(request_id="u/0")))
+        gone = asyncio.create_task(proxy.generate("v", "x", req(request_id="v/0")))
+        for waiting in (new, gone):
+            await until(lambda w=waiting: inspect.getcoroutinestate(w.get_coro()) == inspect.CORO_SUSPENDED)
+        for traj, turn in (("t", lost), ("u", new)):
+            assert await proxy.abort(traj) == 0  # nothing of it runs on a replica
+            c = await asyncio.wait_for(turn, 5)
+            assert c.finish_reason == "abort" and c.token_ids == []
+        await proxy.release("v")  # its caller went away: nobody waits for the turn any more
+        assert (await asyncio.wait_for(gone, 5)).finish_reason == "abort"
+        assert r.generated == ["t/0"]
+        # the first run of t's turn may go on in the engine: the abort tried to stop it at
+        # once (the replica was down), and it is stopped again once the replica is back
+        r.back.set()
+        await until(lambda: proxy.metrics["replicas_recovered"] == 1 and r.aborted == ["t/0", "t/0"])
+        assert r.generated == ["t/0"] and proxy.metrics["turns"] == 0 and proxy.metrics["turns_rerun"] == 0
+    finally:
         await proxy.aclose()
 
 
