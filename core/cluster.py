@@ -23,7 +23,7 @@ from typing import Any
 
 from core.config import DEFAULT_AFFINITY, JobConfig
 from core.errors import ConfigError, StartupTimeout
-from core.rollout.llm_proxy import LLMProxy
+from core.rollout.llm_proxy import LLMProxy, proxy_options
 from core.rollout.replicas import EngineReplicaActor, RayReplica, RemoteProxy
 from core.rollout.scheduling import TurnScheduler
 from core.trainer.actor import TrainerActor
@@ -98,8 +98,7 @@ class Cluster:
                     by_group,
                     affinity=affinity,
                     scheduler=turn_scheduler(cfg),
-                    recover_timeout_s=cfg.engine.recover_timeout_s,
-                    swap_timeout_s=cfg.engine.swap_timeout_s,
+                    **proxy_options(cfg.engine),
                 )
             )
             actors.append(proxy)

@@ -105,6 +105,14 @@ class EngineConfig(ConfigModel):
     lost (it is recovered in the background, or dropped at ``recover_timeout_s``) and the
     update goes on without it. A swap waits for the turns in flight (vLLM's drain), so keep
     it above the longest turn."""
+    rejoin_first_s: float | None = Field(30.0, gt=0, allow_inf_nan=False)
+    """How long after a replica left its group (not back within ``recover_timeout_s``, or
+    its reload failed) the proxy first tries it again; the try comes between half of it and
+    all of it (jittered: replicas dropped together are not tried together). Each failed try
+    doubles the wait, up to ``rejoin_max_s``. ``null``: a dropped replica is never tried
+    again (the job runs on with the ones left)."""
+    rejoin_max_s: float = Field(600.0, gt=0, allow_inf_nan=False)
+    """The longest wait between two tries of a dropped replica."""
     start_timeout_s: float = Field(1800.0, gt=0, allow_inf_nan=False)
     """How long the job waits at its start for its actors to be made (every engine
     replica's model load, the proxy, the trainer's) before it stops with
@@ -139,6 +147,19 @@ class EngineConfig(ConfigModel):
             value = self.kwargs.get(key, 1)
             size *= value if isinstance(value, int) and value > 0 else 1
         return size
+
+    @model_validator(mode="after")
+    def _rejoin_backoff_grows(self) -> EngineConfig:
+        # the waits double from rejoin_first_s and stop at rejoin_max_s: a cap below the first
+        # wait would make every later try come sooner than the first, surely not what was meant
+        first, most = self.rejoin_first_s, self.rejoin_max_s
+        if first is not None and most < first:
+            raise ValueError(
+                f"rejoin_max_s {most:g} is below rejoin_first_s {first:g}: a dropped replica's "
+                "tries start rejoin_first_s apart and back off up to rejoin_max_s; raise "
+                "rejoin_max_s or lower rejoin_first_s"
+            )
+        return self
 
     @model_validator(mode="after")
     def _enough_gpus_for_vllm(self) -> EngineConfig:

@@ -60,6 +60,7 @@ from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from core.config import DEFAULT_AFFINITY
+from core.config_sections import EngineConfig
 from core.rollout.coalesce import Answer, answer_all
 from core.rollout.engines.base import Completion, Engine, EngineError, GenerateRequest
 from core.rollout.scheduling import TurnScheduler
@@ -70,10 +71,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Seconds after a replica left its group before it is first tried again, and the most
-#: between two tries (each failed try doubles the wait).
-REJOIN_FIRST_S = 30.0
-REJOIN_MAX_S = 600.0
+#: The proxy's settings default to the job config's (``engine``: one place says them).
+_DEFAULTS = EngineConfig()
 
 
 class ReplicaLost(EngineError):
@@ -127,6 +126,16 @@ class LocalReplica(Replica):
         return self.engine.version
 
 
+def proxy_options(engine: EngineConfig) -> dict[str, Any]:
+    """The ``LLMProxy`` keyword arguments the job config's ``engine`` section sets."""
+    return {
+        "recover_timeout_s": engine.recover_timeout_s,
+        "swap_timeout_s": engine.swap_timeout_s,
+        "rejoin_first_s": engine.rejoin_first_s,
+        "rejoin_max_s": engine.rejoin_max_s,
+    }
+
+
 async def swap_weights(engine: Engine, version: int, state: Mapping[str, Any]) -> None:
     await engine.swap(state, version)
 
@@ -137,13 +146,13 @@ class LLMProxy:
         groups: Mapping[str, Sequence[Replica]],
         *,
         affinity: Mapping[str, str] | None = None,
-        recover_timeout_s: float = 120.0,
+        recover_timeout_s: float = _DEFAULTS.recover_timeout_s,
         max_turn_retries: int = 3,
         scheduler: TurnScheduler | None = None,
         abort_timeout_s: float = 30.0,
-        swap_timeout_s: float = 600.0,
-        rejoin_first_s: float | None = REJOIN_FIRST_S,
-        rejoin_max_s: float = REJOIN_MAX_S,
+        swap_timeout_s: float = _DEFAULTS.swap_timeout_s,
+        rejoin_first_s: float | None = _DEFAULTS.rejoin_first_s,
+        rejoin_max_s: float = _DEFAULTS.rejoin_max_s,
     ):
         if not groups or not any(groups.values()):
             raise ValueError("the proxy needs at least one replica")
@@ -163,7 +172,7 @@ class LLMProxy:
         good."""
         self.rejoin_first_s = rejoin_first_s
         """How long after a replica left its group it is first tried again (None: never);
-        each failed try doubles the wait, up to ``rejoin_max_s``."""
+        each failed try doubles the wait, up to ``rejoin_max_s`` (``engine.rejoin_*_s``)."""
         self.rejoin_max_s = rejoin_max_s
         self._sticky: dict[str, Replica] = {}  # trajectory id -> its replica
         self._placement_logged: set[str] = set()  # kinds of placement-policy fault logged so far

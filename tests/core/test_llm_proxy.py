@@ -15,6 +15,9 @@ import pytest
 import torch
 from tiny_models import stopless
 
+from core.config import JobConfig
+from core.config_sections import EngineConfig
+from core.errors import ConfigError
 from core.policy.tiny_lm import TinyLM, TinyLMConfig
 from core.policy.tokenizer import WordTokenizer
 from core.rollout.coalesce import Answer, Coalescer, answer_all
@@ -27,8 +30,11 @@ from core.rollout.llm_proxy import (
     Replica,
     ReplicaGone,
     ReplicaLost,
+    proxy_options,
     swap_weights,
 )
+from fabric.protocol import Trajectory
+from fabric.registry import Registry
 
 WORDS = "left right up down you are at row column the lake is frozen hole goal start".split()
 _ids = itertools.count()
@@ -1035,6 +1041,62 @@ async def test_abort_ends_the_wait_of_a_turn_whose_group_is_all_recovering():
         assert r.generated == ["t/0"] and proxy.metrics["turns"] == 0 and proxy.metrics["turns_rerun"] == 0
     finally:
         await proxy.aclose()
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+def test_the_rejoin_timings_are_engine_settings_the_proxy_takes():
+    # they were module constants: a job could not wait less (a node back in seconds) or more
+    cfg = EngineConfig(rejoin_first_s=5, rejoin_max_s=40, recover_timeout_s=9, swap_timeout_s=7)
+    proxy = LLMProxy({"default": [Fake("r")]}, **proxy_options(cfg))
+    assert (proxy.rejoin_first_s, proxy.rejoin_max_s) == (5, 40)
+    assert (proxy.recover_timeout_s, proxy.swap_timeout_s) == (9, 7)
+    off = LLMProxy({"default": [Fake("r")]}, **proxy_options(EngineConfig(rejoin_first_s=None)))
+    assert off.rejoin_first_s is None  # never tried again
+    plain = LLMProxy({"default": [Fake("r")]})  # the proxy's defaults are the config's
+    defaults = EngineConfig()
+    assert (plain.rejoin_first_s, plain.rejoin_max_s) == (defaults.rejoin_first_s, defaults.rejoin_max_s)
+    assert (plain.rejoin_first_s, plain.rejoin_max_s) == (30.0, 600.0)
+
+
+def _problems(engine: dict[str, Any]) -> list[tuple[str, str]]:
+    reg = Registry()
+
+    @reg.reward
+    def env_return(traj: Trajectory) -> float:
+        return traj.env_reward or 0.0
+
+    data = {
+        "envs": [{"id": "frozenlake-v1", "tag": "frozenlake"}],
+        "rewards": {"frozenlake": [{"function": "env_return"}]},
+        "engine": engine,
+    }
+    with pytest.raises(ConfigError) as e:
+        JobConfig.from_dict(data, registry=reg, env_ids=["frozenlake-v1"])
+    return e.value.problems
+
+
+@pytest.mark.parametrize(
+    ("engine", "key", "text"),
+    [
+        ({"rejoin_first_s": 0}, "engine.rejoin_first_s", "must be > 0"),
+        ({"rejoin_first_s": "soon"}, "engine.rejoin_first_s", "valid number"),
+        ({"rejoin_max_s": -1}, "engine.rejoin_max_s", "must be > 0"),
+        ({"rejoin_max_s": float("inf")}, "engine.rejoin_max_s", "finite"),
+        ({"rejoin_max_s": None}, "engine.rejoin_max_s", "valid number"),
+        (
+            {"rejoin_first_s": 60, "rejoin_max_s": 30},
+            "engine",
+            "rejoin_max_s 30 is below rejoin_first_s 60: a dropped replica's tries start "
+            "rejoin_first_s apart and back off up to rejoin_max_s; raise rejoin_max_s or lower "
+            "rejoin_first_s",
+        ),
+    ],
+)
+def test_bad_rejoin_timings_are_refused_with_what_to_do(engine, key, text):
+    [(k, msg)] = _problems(engine)
+    assert k == key and text in msg
 
 
 # ----------------------------------------------------------------------------- generate_many
