@@ -1,0 +1,186 @@
+"""The LLM proxy's recovery of lost replicas: wait for Ray's restart, reload the latest
+weights, drop a replica that does not come back, and let it rejoin once it answers (see
+``core.rollout.llm_proxy``, "Replica loss")."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+from core.rollout.proxy_state import MIN_PING_S, ProxyState, _unwrap
+from core.rollout.replica_base import Replica, ReplicaGone, ReplicaLost
+from core.rollout.wakes import Woken
+
+# one logger for the proxy, whichever of its modules speaks
+log = logging.getLogger("core.rollout.llm_proxy")
+
+
+class ProxyRecovery(ProxyState):
+    """Replica loss: a lost turn moves on or waits, the replica is recovered (pinged,
+    reloaded) or dropped, and a dropped one rejoins when it answers again."""
+
+    async def _after_lost(
+        self, replica: Replica, traj_id: str, tag: str, rid: str, rerun_id: str, e: ReplicaLost
+    ) -> str:
+        """A turn's call on ``replica`` was lost: start its recovery and say the request id
+        the turn runs again under. Another healthy replica of the group runs it at once;
+        without one it waits for this one's recovery (or its trajectory's abort)."""
+        gone = isinstance(e, ReplicaGone)
+        recovery = self._spawn_recover(replica, gone=gone)
+        group = self.groups.get(self.group_of(tag)) or []
+        if not gone and any(self._healthy(r) for r in group):
+            # unreachable is not dead (Ray's ActorUnavailableError): its first run may go on
+            # in the engine, so the rerun gets an id of its own, and the first run is
+            # stopped once the replica answers again (or before it rejoins its group)
+            self._in_background(self._abort_when_back(recovery, replica, rid))
+            return rerun_id
+        try:
+            await self._wakes.wait([("traj", traj_id)], asyncio.shield(recovery))
+        except Woken:
+            # aborted: the turn ends now (its caller finds it so), and its first run, which
+            # may go on in the engine, is stopped once the replica is back
+            if not gone:
+                self._in_background(self._abort_when_back(recovery, replica, rid))
+            return rid
+        if not self._in_group(replica):
+            if not gone:
+                self._orphans.setdefault(id(replica), set()).add(rid)
+            return rid
+        if await self._abort_one(replica, rid):
+            # the first run went on in the engine, holding a batch slot to its end; it is
+            # stopped, and the rerun goes under an id of its own (the engine refuses an id
+            # in flight, and the stopped run leaves it only at its next step)
+            return rerun_id
+        return rid
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort_when_back(self, recovery: asyncio.Task[None], replica: Replica, rid: str) -> None:
+        await asyncio.shield(recovery)
+        if self._in_group(replica):
+            await self._abort_one(replica, rid)
+        else:
+            self._orphans.setdefault(id(replica), set()).add(rid)
+
+    def _spawn_recover(self, replica: Replica, *, gone: bool) -> asyncio.Task[None]:
+        task = self._recovering.get(id(replica))
+        if task is None or task.done():
+            task = asyncio.ensure_future(self._do_recover(replica, gone=gone))
+            self._recovering[id(replica)] = task
+            self._wakes.wake(("slot", id(replica)))  # its waiting turns go to a healthy one
+        return task
+
+    async def _do_recover(self, replica: Replica, *, gone: bool) -> None:
+        if not self._in_group(replica):
+            return  # it left its group already (its rejoin, if any, is under way)
+        if gone:
+            self._drop(replica, "gone for good", rejoin=False)
+            return
+        try:
+            why = await self._revive(replica, time.monotonic() + self.recover_timeout_s)
+        except ReplicaGone as e:
+            self._drop(replica, f"gone for good ({e})", rejoin=False)
+            return
+        if why is None:
+            self.metrics["replicas_recovered"] += 1
+        else:
+            self._drop(replica, why, rejoin=True)
+
+    async def _revive(self, replica: Replica, deadline: float, *, retry: bool = True) -> str | None:
+        """Ping the replica and load it the latest weights, a lost ping or swap tried again
+        with backoff until ``deadline`` (with ``retry``): None once it is back with them, else
+        why not. ``ReplicaGone`` (for good) is raised."""
+        delay = 0.05
+        while True:
+            try:
+                # bounded: a replica wedged (or on a node cut off) never answers, and the
+                # deadline below is only looked at when a ping fails; the reload too (one
+                # that answers pings but hangs in its swap held the recovery for good)
+                async with asyncio.timeout(max(deadline - time.monotonic(), MIN_PING_S)):
+                    version = await replica.ping()
+                    # again after each reload: a newer version published meanwhile skipped
+                    # this replica (it was being recovered, or out of its group)
+                    while self._latest is not None and version < self._latest[0]:
+                        version, state = self._latest
+                        await replica.swap(version, _unwrap(state))
+                        self.metrics["weights_reloaded"] += 1
+                return None
+            except TimeoutError:
+                self.metrics["ping_timeouts"] += 1
+                return "it did not answer (a ping, or the weights' reload) by the recover timeout"
+            except ReplicaGone:
+                raise
+            except ReplicaLost as e:
+                # a lost ping or a lost swap alike: back off and try again until the deadline
+                if not retry or time.monotonic() > deadline:
+                    return f"not back by the recover timeout ({e})"
+                await asyncio.sleep(random.uniform(0, delay))  # full jitter
+                delay = min(delay * 2, 2.0)
+            except Exception as e:
+                # the engine's own error (a RayTaskError: out of memory while loading): it
+                # cannot serve the weights; left in its group it failed every turn sent to it
+                self.metrics["recover_errors"] += 1
+                return f"its reload failed: {type(e).__name__}: {e}"
+
+    def _drop(self, replica: Replica, why: str, *, rejoin: bool) -> None:
+        """Take the replica out of its group(s); the calls running on it end with
+        ``ReplicaGone`` (their turns move on), and with ``rejoin`` it is tried again later."""
+        homes = [g for g, rs in self.groups.items() if replica in rs]
+        if not homes:
+            return
+        for g in homes:
+            self.groups[g].remove(replica)
+        self.metrics["replicas_removed"] += 1
+        orphans = self._orphans.setdefault(id(replica), set())
+        orphans.update(rid for calls in self._inflight.values() for rid, r in calls.items() if r is replica)
+        self._wakes.wake(("calls", id(replica)))
+        self._wakes.wake(("slot", id(replica)))
+        again = rejoin and self.rejoin_first_s is not None
+        log.error(
+            "engine replica %s left its group: %s; %d replicas left%s",
+            replica.name,
+            why,
+            self.num_replicas,
+            "; it is tried again in the background" if again else "",
+        )
+        if again:
+            self._rejoining[id(replica)] = asyncio.ensure_future(self._rejoin(replica, homes))
+
+    async def _rejoin(self, replica: Replica, homes: list[str]) -> None:
+        """Try the dropped replica again now and then: once it answers, stop what it was
+        running when it left, load it the latest weights and put it back in its groups."""
+        assert self.rejoin_first_s is not None
+        delay = self.rejoin_first_s
+        try:
+            while True:
+                await asyncio.sleep(random.uniform(delay / 2, delay))
+                delay = min(delay * 2, self.rejoin_max_s)
+                # one try each time (a replica out of restarts answers every ping at once with
+                # ReplicaLost), bounded by the recover timeout (a wedged one never answers)
+                deadline = time.monotonic() + self.recover_timeout_s
+                try:
+                    if await self._revive(replica, deadline, retry=False) is not None:
+                        continue
+                    orphans = self._orphans.pop(id(replica), set())
+                    await asyncio.gather(*(self._abort_one(replica, rid) for rid in orphans))
+                    # the aborts took a while: weights published meanwhile are loaded too
+                    if await self._revive(replica, deadline, retry=False) is not None:
+                        continue
+                except ReplicaGone as e:
+                    log.error("engine replica %s is gone for good: %s", replica.name, e)
+                    return
+                # no await since the last check of its weights: it joins with the latest
+                for g in homes:
+                    self.groups.setdefault(g, []).append(replica)
+                self.metrics["replicas_rejoined"] += 1
+                log.warning("engine replica %s is back; %d replicas", replica.name, self.num_replicas)
+                return
+        finally:
+            self._rejoining.pop(id(replica), None)
