@@ -1099,6 +1099,39 @@ def test_bad_rejoin_timings_are_refused_with_what_to_do(engine, key, text):
     assert k == key and text in msg
 
 
+async def test_wakes_end_the_waits_filed_under_a_key_and_only_those():
+    from core.rollout.wakes import Wakes, Woken
+
+    wakes = Wakes()
+    never = asyncio.Event()
+    a = asyncio.create_task(wakes.wait(["a", "both"], never.wait()))
+    b = asyncio.create_task(wakes.wait(["b", "both"], never.wait()))
+    await until(lambda: wakes.waiting("a") and wakes.waiting("b"))
+    assert wakes.wake("a") == 1
+    await asyncio.sleep(0)  # a's expiry runs, its task not yet: a wake of "both" finds it expiring
+    assert wakes.wake("both") == 2  # (rescheduling an expiring scope raised RuntimeError)
+    with pytest.raises(Woken):
+        await a
+    with pytest.raises(Woken):
+        await b
+    assert not any(wakes.waiting(k) for k in ("a", "b", "both"))  # nothing left filed
+    assert await wakes.wait(["c"], asyncio.sleep(0, "done")) == "done" and not wakes.waiting("c")
+    assert wakes.wake("nobody") == 0
+
+    async def times_out() -> None:
+        async with asyncio.timeout(0):
+            await never.wait()
+
+    with pytest.raises(TimeoutError):  # the awaited call's own timeout is not a wake
+        await wakes.wait(["d"], times_out())
+    c = asyncio.create_task(wakes.wait(["e"], never.wait()))
+    await until(lambda: wakes.waiting("e"))
+    c.cancel()  # the waiter's own cancellation stays a cancellation
+    with pytest.raises(asyncio.CancelledError):
+        await c
+    assert not wakes.waiting("e")
+
+
 # ----------------------------------------------------------------------------- generate_many
 
 
