@@ -60,6 +60,8 @@ RESUMABLE = (
     "engine.max_restarts",
     "engine.recover_timeout_s",
     "engine.swap_timeout_s",
+    "engine.rejoin_first_s",
+    "engine.rejoin_max_s",
     "engine.start_timeout_s",
     "engine.hw_affinity",
     "trainer.num_gpus",

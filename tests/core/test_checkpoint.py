@@ -89,6 +89,7 @@ def test_config_changes_name_what_a_resumed_run_may_not_change():
     now |= {"steps": 9, "fabric": {"workers": 4}}
     now["engine"]["replicas"] = 2
     now["trainer"]["num_gpus"] = 1
+    now["engine"] |= {"rejoin_first_s": None, "rejoin_max_s": 60.0}  # how long: may change
     assert config_changes(saved, now) == []  # length, infrastructure: may change
     now["trainer"]["lr"] = 2e-3
     now["engine"]["kwargs"]["d_model"] = 32
