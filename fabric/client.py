@@ -117,19 +117,24 @@ class Client(KeyedCalls):
         t0 = time.perf_counter()
         request_id = f"{self._prefix}-{next(self._ids)}"
         payload = {} if payload is None else payload
+        spec = self.registry.find(name)
+        if spec is None:
+            from fabric.errors import UnknownFunctionError
+
+            return Result.failure(
+                ErrorCode.UNKNOWN_FUNCTION,
+                str(UnknownFunctionError(name, self.registry.names())),
+                function=name,
+                request_id=request_id,
+            )
         fn = self._fns.get(name)
         if fn is None:
-            if name not in self.registry:
-                from fabric.errors import UnknownFunctionError
-
-                return Result.failure(
-                    ErrorCode.UNKNOWN_FUNCTION,
-                    str(UnknownFunctionError(name, self.registry.names())),
-                    function=name,
-                    request_id=request_id,
-                )
-            fn = self._fns[name] = FnState(self.registry.get(name), self.config.hedge.quantile)
-        spec = fn.spec
+            fn = self._fns[name] = FnState(spec, self.config.hedge.quantile)
+        elif fn.spec is not spec:
+            # registered again (a notebook cell run again, a module reloaded): its version
+            # keys the idempotency cache, so the old code's answers are not served for the
+            # new code's, and its limits (concurrency, timeout, retries) apply from now on
+            fn.respec(spec)
         m = fn.metrics
         m.calls += 1
         # refuse bad input before anything is sent

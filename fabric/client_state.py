@@ -88,7 +88,37 @@ class HedgeClock:
 
 class Slots(asyncio.Semaphore):
     """A function's ``max_concurrency`` slots: a semaphore whose slot can also be taken
-    without waiting (asyncio's has no ``acquire_nowait``), as a hedge is."""
+    without waiting (asyncio's has no ``acquire_nowait``), as a hedge is, and whose number
+    of slots can change (``resize``: the function registered again with another limit)."""
+
+    def __init__(self, value: int):
+        super().__init__(value)
+        self._owed = 0
+        """Slots given back that are kept, not freed: held when the number shrank by more
+        than was free then."""
+
+    def resize(self, by: int) -> None:
+        """Change the number of slots by ``by``. Fewer: free ones go first; slots held now
+        are not taken back from their callers, but as many as are still missing are kept
+        when given back (``release``), so no more than the new number are held once those
+        callers end. More: what is still owed is forgiven first, and the rest freed (waiting
+        callers take them at once). A semaphore's count must not go below 0: asyncio's
+        admits a caller whenever it is not 0."""
+        if by < 0:
+            take = min(self._value, -by)
+            self._value -= take
+            self._owed += -by - take
+            return
+        forgiven = min(self._owed, by)
+        self._owed -= forgiven
+        for _ in range(by - forgiven):
+            super().release()
+
+    def release(self) -> None:
+        if self._owed:
+            self._owed -= 1
+            return
+        super().release()
 
     def take_now(self) -> bool:
         """Take a slot if one is free now, ahead of no waiting caller; False, holding none,
@@ -122,6 +152,13 @@ class FnState:
         self.probing = False
         self.hedge_clock = HedgeClock()
         self.hedges_over_limit = 0
+
+    def respec(self, spec: FunctionSpec) -> None:
+        """Take the spec of the function registered again under its name (new code: a new
+        ``version``, which keys the idempotency cache; maybe new limits, used from the next
+        call on). Its metrics and its circuit stay: they are the function's by name."""
+        self.sem.resize(spec.max_concurrency - self.spec.max_concurrency)
+        self.spec = spec
 
     def take_hedge_slot(self, over_limit_share: float) -> Callable[[], None] | None:
         """Room for one hedge, and how to give it back when the hedge ends; None when there

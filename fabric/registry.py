@@ -276,6 +276,11 @@ class Registry:
         except KeyError:
             raise UnknownFunctionError(name, list(self._specs)) from None
 
+    def find(self, name: str) -> FunctionSpec | None:
+        """The spec registered under ``name`` now, or None (``get`` without the error: a
+        client asks at every call, to notice a function registered again with new code)."""
+        return self._specs.get(name)
+
     def callable(self, name: str) -> Callable[..., Any]:
         self.get(name)
         return self._fns[name]

@@ -89,7 +89,8 @@ class _DaemonThreads:
         self._threads = 0
 
     def reserve(self, threads: int) -> None:
-        """Raise the cap by ``threads``: a synchronous function's ``max_concurrency``."""
+        """Raise the cap by ``threads``: a synchronous function's ``max_concurrency`` (lower
+        it by as many when the function is replaced)."""
         self._max += threads
 
     def run(self, fn: Callable[..., Any], *args: Any) -> _ThreadJob:
@@ -159,13 +160,19 @@ class InprocBackend(Backend):
 
     def _runner(self, name: str) -> FunctionRunner:
         runner = self._runners.get(name)
-        if runner is None:
-            spec = self.registry.get(name)
-            runner = FunctionRunner(self.registry.callable(name), spec)
-            runner.setup()
-            self._runners[name] = runner
-            if not runner.is_async:  # a thread for each call of it that may be admitted
+        spec = self.registry.get(name)
+        if runner is None or runner.spec is not spec:
+            # new, or registered again with new code (a notebook cell run again, a module
+            # reloaded): the new code runs, under its own limits, set up anew; the old
+            # runner's calls under way end as they are
+            new = FunctionRunner(self.registry.callable(name), spec)
+            new.setup()
+            self._runners[name] = new
+            if runner is not None and not runner.is_async:
+                self._threads.reserve(-runner.spec.max_concurrency)
+            if not new.is_async:  # a thread for each call of it that may be admitted
                 self._threads.reserve(spec.max_concurrency)
+            runner = new
         return runner
 
     def _submit(self, inv: Invocation) -> asyncio.Future[Result]:
