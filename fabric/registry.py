@@ -29,6 +29,7 @@ from fabric.errors import (
     RegistryError,
     SignatureError,
     UnknownFunctionError,
+    validation_problems,
 )
 from fabric.spec import CTX_PARAM, FunctionSpec, Kind, ParamSpec, Resources, RetryPolicy
 
@@ -210,12 +211,15 @@ def make_spec(
             setup=entry_point_of(setup) if setup is not None else None,
             params=params,
             accepts_extra=accepts_extra,
-            retry=RetryPolicy.model_validate(retry or {}),
-            resources=Resources.model_validate(resources or {}),
+            # validated as part of the spec: an error names retry.max_attempts, not max_attempts
+            retry=retry if retry is not None else RetryPolicy(),
+            resources=resources if resources is not None else Resources(),
             **options,
         )
     except ValidationError as e:
-        raise RegistryError(f"bad options for function {fn_name!r}:\n{e}") from None
+        raise RegistryError(
+            f"bad options for function {fn_name!r}: {validation_problems(e, FunctionSpec)}"
+        ) from None
 
 
 # ----------------------------------------------------------------------------- registry

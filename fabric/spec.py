@@ -2,6 +2,10 @@
 
 A spec is JSON-safe on purpose: the same object drives the local worker pool, the
 terraform variables of the Lambda deployment and the Modal app definition.
+
+Its numbers and flags are strict (``strict=True``): pydantic's lax mode took ``warm=True``
+as 1, ``max_concurrency="8"`` as 8 and ``side_effects="yes"`` as True, so a typo or a value
+read from the environment and never converted passed unseen. An int is still a float.
 """
 
 from __future__ import annotations
@@ -21,18 +25,20 @@ class RetryPolicy(BaseModel):
     """How the client retries retryable failures (never user errors)."""
 
     model_config = ConfigDict(extra="forbid")
-    max_attempts: int = Field(3, ge=1, le=20)
+    max_attempts: int = Field(3, ge=1, le=20, strict=True)
     """Attempts in all, the first one included."""
     # finite: an infinite backoff slept for good before a retry of a call with no deadline
-    initial_backoff_s: float = Field(0.05, gt=0, allow_inf_nan=False)
+    initial_backoff_s: float = Field(0.05, gt=0, allow_inf_nan=False, strict=True)
     """Scale of the exponential backoff; each wait is drawn uniformly (full jitter)."""
-    max_backoff_s: float = Field(2.0, gt=0, allow_inf_nan=False)
+    max_backoff_s: float = Field(2.0, gt=0, allow_inf_nan=False, strict=True)
 
 
 class Resources(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    cpu: float = Field(1.0, gt=0, allow_inf_nan=False)  # JSON has no inf: the spec would not load
-    gpu: int = Field(0, ge=0)
+    cpu: float = Field(
+        1.0, gt=0, allow_inf_nan=False, strict=True
+    )  # JSON has no inf: the spec would not load
+    gpu: int = Field(0, ge=0, strict=True)
     gpu_type: str | None = None
 
 
@@ -53,22 +59,22 @@ class FunctionSpec(BaseModel):
     entry: str
     """``module:attr`` (or ``path/to/file.py:attr``) the worker imports."""
     description: str = ""
-    timeout_s: float = Field(30.0, gt=0, le=900)
+    timeout_s: float = Field(30.0, gt=0, le=900, strict=True)
     """Per-call limit; a call past it has its worker killed and replaced (Lambda caps at 900 s)."""
-    memory_mb: int = Field(512, ge=128, le=10240)
-    warm: int = Field(1, ge=0)
+    memory_mb: int = Field(512, ge=128, le=10240, strict=True)
+    warm: int = Field(1, ge=0, strict=True)
     """Instances kept ready (local workers, Lambda provisioned concurrency, Modal min_containers)."""
-    max_concurrency: int = Field(64, ge=1)
+    max_concurrency: int = Field(64, ge=1, strict=True)
     """Calls in flight at once for this function, across all its instances."""
-    max_batch: int = Field(32, ge=1)
+    max_batch: int = Field(32, ge=1, strict=True)
     """Most calls coalesced into one message to a worker."""
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
     version: str
     """Hash of the function's (and its setup hook's) source: part of every idempotency key."""
     resources: Resources = Field(default_factory=Resources)
-    side_effects: bool = False
+    side_effects: bool = Field(False, strict=True)
     """True for tools that change the world: never hedged, retries deduplicated by key."""
-    hedge: bool = True
+    hedge: bool = Field(True, strict=True)
     """False for calls that cost money each time (an LLM judge behind a paid API): a hedge
     would pay for the same answer twice, and slow calls are where hedges fire."""
     is_async: bool = False

@@ -249,6 +249,38 @@ def test_bad_options(options: dict[str, Any], match: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("options", "key"),
+    [
+        ({"warm": True}, "warm"),
+        ({"warm": "2"}, "warm"),
+        ({"max_concurrency": "8"}, "max_concurrency"),
+        ({"memory_mb": 1024.0}, "memory_mb"),
+        ({"max_batch": False}, "max_batch"),
+        ({"timeout_s": "10"}, "timeout_s"),
+        ({"timeout_s": True}, "timeout_s"),
+        ({"side_effects": "yes"}, "side_effects"),
+        ({"hedge": 0}, "hedge"),
+        ({"retry": {"max_attempts": "3"}}, "retry.max_attempts"),
+        ({"retry": {"initial_backoff_s": "0.1"}}, "retry.initial_backoff_s"),
+        ({"resources": {"gpu": True}}, "resources.gpu"),
+        ({"resources": {"cpu": "2"}}, "resources.cpu"),
+    ],
+)
+def test_numbers_and_flags_are_not_coerced(options: dict[str, Any], key: str) -> None:
+    """``warm=True`` registered one warm worker and ``max_concurrency="8"`` eight: pydantic's
+    lax mode turned bools and strings into numbers (and "yes" into True), so a typo or a value
+    read from the environment unconverted passed unseen. Each is refused, naming the key."""
+    reg = Registry()
+    with pytest.raises(RegistryError) as ei:
+        reg.function(**options)(add_one)
+    assert f"{key}: " in str(ei.value), str(ei.value)
+    assert len(reg) == 0
+    # the right types still pass: an int where a float is wanted too
+    reg.function(warm=2, timeout_s=10, retry={"initial_backoff_s": 1}, resources={"cpu": 2})(add_one)
+    assert reg.get("add_one").warm == 2 and reg.get("add_one").timeout_s == 10.0
+
+
+@pytest.mark.parametrize(
     "retry",
     [
         {"max_backoff_s": float("inf"), "initial_backoff_s": float("inf")},
