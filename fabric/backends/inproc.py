@@ -254,7 +254,10 @@ class InprocBackend(Backend):
             else:
                 job = self._threads.run(runner.run, inv.raw_payload)
                 self._track(job)
-                ok, out = await asyncio.wait_for(job.fut, timeout)
+                # not wait_for: on Python 3.11 an answer that lands in the loop turn this call
+                # is cancelled (a losing hedge, a caller that gave up) wins over the cancel
+                async with asyncio.timeout(timeout):
+                    ok, out = await job.fut
         except TimeoutError:
             ok, out = False, (ErrorCode.TIMEOUT, f"{inv.function} ran past its {timeout:.3g} s limit", None)
         finally:
