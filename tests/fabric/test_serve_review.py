@@ -53,6 +53,32 @@ async def test_a_deadline_passing_while_the_call_waits_for_the_pool_is_answered_
         await asyncio.gather(blocker, return_exceptions=True)
 
 
+async def test_calls_giving_up_on_a_full_pool_leave_no_capacity_watcher_behind():
+    """A review feared each call that waited for room and gave up left a capacity watcher
+    on the pool (a callback per waiter, never removed). The gate registers one per function,
+    when it is made, whatever its waiters do: after many waits given up (deadlines passing,
+    clients hanging up) the pool still has that one, and the gate no waiter."""
+    cfg = config(backend=LocalConfig(max_workers=1), drain_s=0)
+    url = PATH.format("sleepy")
+    async with Gateway(cfg, REG) as g, httpx.AsyncClient(base_url=g.url, timeout=60) as c:
+        blocker = asyncio.create_task(c.post(url, json={"seconds": 8}, headers=auth(TOKEN_B)))
+        await _until(lambda: g.backend.stats().get("sleepy", {}).get("inflight") == 1, "the worker busy")
+        pool = g.backend._pools["sleepy"]
+        assert len(pool._capacity_watchers) == 1  # the gate's
+        env = Invocation(function="sleepy", payload={"seconds": 0.01}, deadline=time.time() + 0.3)
+        body = env.model_dump_json().encode()
+        rs = await asyncio.gather(*(c.post(url, content=body, headers=auth()) for _ in range(20)))
+        assert all(r.json()["error"]["type"] == "DeadlineExceeded" for r in rs), rs[0].text
+        gate = g._gates["sleepy"]
+        for _ in range(5):
+            await _post_and_hang_up(g.port, url, b'{"seconds": 0.01}', TOKEN_A, lambda: gate.waiting == 1)
+            await _until(lambda: gate.waiting == 0, "the hung-up call out of the line")
+        assert not blocker.done()
+        assert len(pool._capacity_watchers) == 1 and gate.waiting == 0 and g.quotas.held["job-a"] == 0
+        blocker.cancel()
+        await asyncio.gather(blocker, return_exceptions=True)
+
+
 async def test_calls_given_up_while_waiting_for_room_leave_the_waiting_gauge():
     """A call whose client hung up while it waited for room in a full pool stayed in the
     gate's queue until a slot came free: fabric_serve_waiting counted it (and the queue held
