@@ -38,6 +38,9 @@ class GatewayCalls:
     metrics: ServeMetrics
     _gates: dict[str, FairGate]
     _events: set[asyncio.Task[None]]
+    _running_on: set[asyncio.Future[None]]
+    """When each call given up on that still runs (a hang-up, a deadline) ends its run: the
+    gateway's ``inflight`` counts them, and its drain waits for them."""
 
     def _gate(self, function: str) -> FairGate:
         gate = self._gates.get(function)
@@ -111,12 +114,14 @@ class GatewayCalls:
             self._release(tenant, gate)
             return
         self.metrics.running_on += 1
+        self._running_on.add(settled)
         log.debug(
             "a call of %s runs on without its caller; %s's slots are held until it ends", function, tenant
         )
 
         def ended(_: object) -> None:
             self.metrics.running_on -= 1
+            self._running_on.discard(settled)
             self._release(tenant, gate)
 
         settled.add_done_callback(ended)

@@ -90,6 +90,9 @@ class Gateway(GatewayRoutes):
         self.rates = RateLimiter({name: t.max_rps for name, t in config.tenants.items()})
         self._gates: dict[str, FairGate] = {}
         self._events: set[asyncio.Task[None]] = set()
+        self._running_on: set[asyncio.Future[None]] = set()
+        self._stopped_now = asyncio.Event()
+        """Set by ``stop_now``: the drain waits no longer for the runs given up on."""
         self._draining = False
         """Set when ``aclose`` begins: no ``Event`` is accepted any more."""
         self._requests = InFlight()  # the requests being answered (stop_now cancels them)
@@ -195,12 +198,14 @@ class Gateway(GatewayRoutes):
 
     @property
     def inflight(self) -> int:
-        """Requests being answered plus ``Event`` calls still running."""
-        return len(self._requests) + len(self._events)
+        """Requests being answered, ``Event`` calls still running, and runs still going on
+        whose caller gave up (a hang-up, a deadline: a synchronous handler runs to its end)."""
+        return len(self._requests) + len(self._events) + len(self._running_on)
 
     def stop_now(self) -> None:
         """Cancel every call in flight (a second Ctrl-C): a closing server then stops at
         once instead of draining for up to ``drain_s``."""
+        self._stopped_now.set()
         self._requests.cancel()
         for task in list(self._events):
             task.cancel()
@@ -209,7 +214,9 @@ class Gateway(GatewayRoutes):
         """Stop accepting, give the calls in flight up to ``drain_s`` to finish, cancel the
         rest, then stop the pools. An ``Event`` call accepted (202) and not finished by then
         is cut: each is logged at WARNING with its request id and counted in
-        ``fabric_serve_events_dropped``; no new one is accepted once the drain begins."""
+        ``fabric_serve_events_dropped``; no new one is accepted once the drain begins. Runs
+        whose caller gave up are waited for within the same window (``stop_now`` ends the
+        wait): stopping the pools then kills their workers (an inproc thread runs on)."""
         self._draining = True
         t0 = time.monotonic()
         if self._runner is not None:
@@ -223,4 +230,21 @@ class Gateway(GatewayRoutes):
         for task in events:
             task.cancel()
         await asyncio.gather(*events, return_exceptions=True)
+        await self._wait_for_running_on(self.config.drain_s - (time.monotonic() - t0))
         await self.backend.aclose()
+
+    async def _wait_for_running_on(self, left: float) -> None:
+        """Wait up to ``left`` seconds (or until ``stop_now``) for the runs given up on to end."""
+        running_on = list(self._running_on)
+        if not running_on or left <= 0 or self._stopped_now.is_set():
+            return
+        log.info("stopping: waiting up to %.3g s for %d runs whose callers gave up", left, len(running_on))
+        # asyncio.wait cancels none of them (they are the backend's)
+        ended = asyncio.ensure_future(asyncio.wait(running_on))
+        stopped = asyncio.ensure_future(self._stopped_now.wait())
+        try:
+            await asyncio.wait({ended, stopped}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+            stopped.cancel()
+            await asyncio.gather(ended, stopped, return_exceptions=True)

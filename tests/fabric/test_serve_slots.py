@@ -249,3 +249,39 @@ async def test_an_event_cancelled_before_it_first_runs_gives_its_slot_back(tmp_p
         assert any("dropped" in rec.getMessage() for rec in caplog.records), caplog.text
         r = await c.post(PATH.format("append"), json={"path": str(out)}, headers=auth())
         assert r.json() == 1
+
+
+@pytest.mark.parametrize("how", ["drained", "stop_now"])
+async def test_a_run_given_up_on_is_in_flight_and_the_drain_waits_for_it(how):
+    """``Gateway.inflight`` counted requests being answered and Event calls only: a
+    synchronous call answered at its deadline while its thread ran on was in no count, so
+    `fabric serve` stopping said it waited for 0 calls, and the drain closed the backend
+    under it at once. It counts until its run ends, and the drain waits for it (within
+    drain_s; a second Ctrl-C, ``stop_now``, ends that wait)."""
+    fn = _Held(timeout_s=30)
+    g = Gateway(config(backend=InprocConfig(), drain_s=30), fn.registry)
+    await g.start()
+    closing: asyncio.Task[None] | None = None
+    try:
+        async with httpx.AsyncClient(base_url=g.url, timeout=30) as c:
+            env = Invocation(function="held", payload={}, deadline=time.time() + 0.3)
+            r = await c.post(PATH.format("held"), content=env.model_dump_json().encode(), headers=auth())
+            assert r.json()["error"]["type"] == "DeadlineExceeded", r.text
+        assert fn.entered.is_set() and not fn.release.is_set()  # its thread runs on
+        assert g.inflight == 1, "a run given up on is not in flight"
+        closing = asyncio.create_task(g.aclose())
+        done, _ = await asyncio.wait({closing}, timeout=0.5)
+        assert not done, "the drain did not wait for the run given up on"
+        if how == "stop_now":
+            g.stop_now()
+            await asyncio.wait_for(asyncio.shield(closing), 10)
+            assert g.inflight == 1  # closed; the thread still runs (it cannot be stopped)
+        fn.release.set()
+        await asyncio.wait_for(asyncio.shield(closing), 30)
+        await _until(lambda: g.inflight == 0, "the run to end")
+    finally:
+        fn.release.set()
+        if closing is None:
+            await g.aclose()
+        else:
+            await asyncio.gather(closing, return_exceptions=True)
