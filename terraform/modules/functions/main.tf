@@ -41,8 +41,7 @@ locals {
   secret_env_names = toset(nonsensitive(keys(var.function_environment)))
 
   # the worker runs the functions whose modules it discovers, each needing its variables
-  # (a judge's model, its API key); a name two of them set differently gets the later
-  # function's value (by name)
+  # (a judge's model, its API key)
   worker_functions = sort([
     for name, f in var.functions : name if f.image_uri == null || length(local.shared_modules) == 0
   ])
@@ -50,6 +49,33 @@ locals {
   worker_secret_env = merge({}, [
     for name in local.worker_functions : var.function_environment[name] if contains(local.secret_env_names, name)
   ]...)
+
+  # One Lambda has one environment: a variable two of the worker's functions set to different
+  # values would reach one of them with the other's value (a judge with another's model or
+  # API key; merge() let the later name win, silently). Not isolated per function: a
+  # function reads its settings at import or in its setup hook, once per process, and the
+  # worker serves them all in one process. The plan fails instead, naming the variables and
+  # functions (the sqs_worker's precondition). Every value is sensitive here, so that the
+  # one fact taken out of them, whether they differ, is unmarked the same way whether or not a
+  # secret is among them; names are no secret (as secret_env_names), values never leave.
+  worker_env_entries = concat(
+    flatten([
+      for name in local.worker_functions : [
+        for k, v in var.functions[name].environment : { function = name, variable = k, value = sensitive(v) }
+      ]
+    ]),
+    flatten([
+      for name in local.worker_functions : [
+        for k in nonsensitive(keys(var.function_environment[name])) :
+        { function = name, variable = k, value = var.function_environment[name][k] }
+      ] if contains(local.secret_env_names, name)
+    ]),
+  )
+  worker_env_conflicts = [
+    for k in distinct([for e in local.worker_env_entries : e.variable]) :
+    "${k} (set by ${join(" and ", distinct([for e in local.worker_env_entries : e.function if e.variable == k]))})"
+    if nonsensitive(length(distinct([for e in local.worker_env_entries : e.value if e.variable == k])) > 1)
+  ]
 }
 
 # Created before the functions so Lambda does not create them without a retention.
@@ -257,6 +283,13 @@ resource "aws_lambda_function" "sqs_worker" {
       { RL_FABRIC_MODULES = local.worker_modules },
       var.reply_queue == null ? {} : { RL_FABRIC_REPLY_QUEUE_URL = var.reply_queue.url },
     )
+  }
+
+  lifecycle {
+    precondition {
+      condition     = length(local.worker_env_conflicts) == 0
+      error_message = "the SQS worker serves ${join(", ", local.worker_functions)} in one Lambda, with one value per environment variable, and these are set to different values: ${join("; ", local.worker_env_conflicts)}. Give each one value, or give one of those functions its own image (functions[*].image_uri: the worker leaves it out), or turn the queue off (enable_queue = false)."
+    }
   }
 
   depends_on = [aws_cloudwatch_log_group.sqs_worker, aws_iam_role_policy.this]
