@@ -1,0 +1,217 @@
+"""How the Lambda backend reads what comes back, for both transports (``LambdaReplies``, the
+layer under ``LambdaBackend``): a service's refusal by its error code or HTTP status, a
+connection never made, Lambda's own error objects (a timeout, a crashed runtime, a package
+that cannot start, a reply too large), the fabric ``Result`` a handler sent, or a plain
+function's bare value. Each becomes a ``Result``; the messages say what to do."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from fabric.backends.base import LambdaConfig
+from fabric.errors import ErrorCode
+from fabric.protocol import Invocation, Result, decode_payload
+
+#: Lambda/service error codes -> fabric codes. Anything else: 5xx retryable, 4xx final.
+_CLIENT_ERRORS: dict[str, ErrorCode] = {
+    "TooManyRequestsException": ErrorCode.THROTTLED,
+    "ThrottlingException": ErrorCode.THROTTLED,
+    "EC2ThrottledException": ErrorCode.THROTTLED,
+    "ResourceConflictException": ErrorCode.THROTTLED,  # the function is being updated: wait
+    "ResourceNotReadyException": ErrorCode.THROTTLED,
+    "ResourceNotFoundException": ErrorCode.UNKNOWN_FUNCTION,
+    "RequestTooLargeException": ErrorCode.PAYLOAD_TOO_LARGE,  # Lambda's (and fabric serve's) 413
+    "RequestEntityTooLargeException": ErrorCode.PAYLOAD_TOO_LARGE,  # fabric serve before it said so
+    "InvalidRequestContentException": ErrorCode.INVALID_ARGUMENTS,
+    "InvalidParameterValueException": ErrorCode.INVALID_ARGUMENTS,
+    "UnrecognizedClientException": ErrorCode.UNAUTHORIZED,
+    "MissingAuthenticationTokenException": ErrorCode.UNAUTHORIZED,
+    "AccessDeniedException": ErrorCode.UNAUTHORIZED,
+    "InvalidSignatureException": ErrorCode.UNAUTHORIZED,
+    "ExpiredTokenException": ErrorCode.UNAUTHORIZED,
+}
+#: A refusal with no Lambda error code (a proxy's), by its HTTP status.
+_BARE_STATUSES: dict[int, ErrorCode] = {
+    401: ErrorCode.UNAUTHORIZED,
+    403: ErrorCode.UNAUTHORIZED,
+    404: ErrorCode.UNKNOWN_FUNCTION,
+    413: ErrorCode.PAYLOAD_TOO_LARGE,
+}
+#: ``fabric deploy``'s default ``--prefix``, named when a call without a prefix finds nothing.
+_DEPLOY_PREFIX = "rl-fabric-"
+_RUNTIME_CRASHES = ("Runtime.ExitError", "Runtime.OutOfMemory", "Runtime.Unknown")
+#: Lambda's errors for a package whose handler cannot be loaded: a deployment fault (a zip
+#: built ``--no-deps`` without a layer, a wheel for the other architecture, a wrong handler),
+#: never the function's answer to this payload.
+_RUNTIME_INIT_FAILURES = (
+    "Runtime.ImportModuleError",
+    "Runtime.HandlerNotFound",
+    "Runtime.UserCodeSyntaxError",
+    "Runtime.MalformedHandlerName",
+    "Runtime.InvalidEntrypoint",
+)
+
+
+class LambdaReplies:
+    """The translation part of a ``LambdaBackend``; its ``config`` is the backend's."""
+
+    config: LambdaConfig
+
+    def _where(self) -> str:
+        return self.config.endpoint_url or f"AWS Lambda in {self.config.region}"
+
+    def _fail(self, inv: Invocation, code: ErrorCode, message: str) -> Result:
+        return Result.failure(
+            code, message, function=inv.function, request_id=inv.request_id, worker="lambda"
+        )
+
+    def _not_connected(self, inv: Invocation, e: Exception) -> Result:
+        """No connection was made (refused, unresolvable, or the handshake ran past
+        connect_timeout_s): the request never went out, so the call did not start, and a
+        retry is safe even for a side effect. Unless the region is one AWS Lambda does not
+        have (well formed, but made up or mistyped): its endpoint will never resolve, and
+        retrying only spends the call's attempts and deadline."""
+        region = self.config.region
+        if self.config.endpoint_url is None and not _lambda_has(region):
+            return self._fail(
+                inv,
+                ErrorCode.UNKNOWN_FUNCTION,
+                f"{inv.function}: AWS Lambda has no region {region!r} (botocore knows none by that "
+                f"name, and its endpoint does not answer: {e}); set LambdaConfig(region=...) or "
+                "$AWS_REGION to the region `fabric deploy` deployed to",
+            )
+        return self._fail(
+            inv, ErrorCode.NOT_STARTED, f"cannot connect to {self._where()} (the call was not sent): {e}"
+        )
+
+    def _refused(self, inv: Invocation, code_name: str, status: int, text: str) -> Result:
+        """A service error (the call was refused before or instead of running)."""
+        if code_name == str(status):  # botocore's stand-in when the reply names no code
+            code_name = ""
+        code = _CLIENT_ERRORS.get(code_name)
+        if code is None and not code_name:
+            # no Lambda error code: a proxy's answer (an auth gateway, nginx's body limit) or
+            # an endpoint_url that is not the Invoke API; read as its status says, never as the
+            # function refusing the payload (InvalidArguments is kept under the key)
+            code = _BARE_STATUSES.get(status)
+        if code is None:
+            # 408: the request did not arrive in time (fabric serve's body_timeout_s, a proxy),
+            # a transport fault like a 5xx, not a request that is wrong whenever it is sent
+            transport = status >= 500 or status == 408
+            code = ErrorCode.THROTTLED if status == 429 else ErrorCode.TRANSPORT if transport else None
+        message = f"{code_name or status}: {text}"
+        if not code_name and status == 404:
+            message += (
+                f" (no Lambda error code: is endpoint_url {self._where()!r} the Invoke API's base URL?)"
+            )
+        if code is None:  # another 4xx: our request is wrong, retrying will not fix it
+            code = ErrorCode.INVALID_ARGUMENTS
+        aws = self.config.endpoint_url is None
+        if code == ErrorCode.UNAUTHORIZED:
+            message += (
+                " (for fabric serve: set the token with LambdaConfig.token or $RL_FABRIC_TOKEN; for AWS: "
+                "check the credentials and the lambda:InvokeFunction permission"
+            )
+            if aws and code_name == "UnrecognizedClientException":
+                # what Lambda answers in an opt-in region the account has not enabled
+                message += f", and that region {self.config.region!r} is enabled for the account"
+            message += ")"
+        elif code == ErrorCode.UNKNOWN_FUNCTION:
+            name = self.config.function_prefix + inv.function
+            where = f" in {self.config.region}" if aws else ""
+            if self.config.function_prefix:
+                message += f" (called as {name!r}{where}; run `fabric deploy`?"
+            else:  # the commonest miss: a deploy with its default --prefix
+                message += (
+                    f" (called as {name!r}{where}, with no function_prefix; `fabric deploy` names it "
+                    f"'{_DEPLOY_PREFIX}{inv.function}' unless given --prefix: "
+                    f"LambdaConfig(function_prefix='{_DEPLOY_PREFIX}'), or run `fabric deploy`"
+                )
+            if aws:  # deployed, but to another region than the one called
+                message += (
+                    "; deployed to another region? LambdaConfig(region=...) or $AWS_REGION must name "
+                    "the region `fabric deploy` used"
+                )
+            message += ")"
+        return self._fail(inv, code, message)
+
+    def _reply(self, inv: Invocation, body: bytes, function_error: str | None) -> Result:
+        try:
+            data = decode_payload(body) if body else None
+        except ValueError:
+            return self._fail(inv, ErrorCode.TRANSPORT, f"reply is not JSON: {body[:200]!r}")
+        result = _as_result(data)
+        if result is not None:
+            return result
+        if function_error:  # Lambda's own error object: the handler never returned
+            info = data if isinstance(data, dict) else {}
+            etype = str(info.get("errorType", function_error))
+            emsg = str(info.get("errorMessage", body[:500].decode(errors="replace")))
+            if etype == "Sandbox.Timedout" or "Task timed out" in emsg:
+                return self._fail(inv, ErrorCode.TIMEOUT, emsg)
+            if etype in _RUNTIME_CRASHES:
+                return self._fail(inv, ErrorCode.WORKER_LOST, f"{etype}: {emsg}")
+            if etype in _RUNTIME_INIT_FAILURES:
+                # as the handler's own start-up failure: SetupFailed, not a UserError that
+                # the client keeps under the key and a reward's failure_score scores
+                name = self.config.function_prefix + inv.function
+                return self._fail(
+                    inv,
+                    ErrorCode.SETUP_FAILED,
+                    f"{etype}: {emsg} (the deployment package of {name!r} cannot start: rebuild "
+                    "it for Lambda's platform and run `fabric deploy` again)",
+                )
+            if etype == "Function.ResponseSizeTooLarge":
+                # the function's answer, too large to send back (the handler refuses it first
+                # when it can): final, as the runner's own ResultNotSerializable
+                return self._fail(
+                    inv,
+                    ErrorCode.RESULT_NOT_SERIALIZABLE,
+                    f"{etype}: {emsg.rstrip('.')}; return a reference (an S3 key) instead",
+                )
+            return self._fail(inv, ErrorCode.USER_ERROR, f"{etype}: {emsg}")
+        # a plain function (not the fabric handler) answered with its bare value
+        return Result.built(
+            True, function=inv.function, request_id=inv.request_id, value=data, worker="lambda"
+        )
+
+
+#: Fields every Result a fabric handler or ``fabric serve`` sends carries.
+_RESULT_MARKS = frozenset({"ok", "function", "request_id", "timings", "worker"})
+
+
+def _as_result(data: Any) -> Result | None:
+    """The fabric ``Result`` the handler (or ``fabric serve``) sent, or ``None`` when the
+    reply is something else: Lambda's own error object, or a plain function's value."""
+    if not (isinstance(data, dict) and "ok" in data and ("value" in data or "error" in data)):
+        return None
+    try:
+        result = Result.model_validate(data)
+    except ValueError:
+        # a newer handler's Result with a field this client does not know yet is still that
+        # Result (read as ok=True with the whole object, a failure would have become a value);
+        # what still does not validate is a user value that only looks like a Result
+        known = {k: v for k, v in data.items() if k in Result.model_fields}
+        if len(known) == len(data) or not _RESULT_MARKS <= known.keys():
+            return None
+        try:
+            result = Result.model_validate(known)
+        except ValueError:
+            return None
+    result.attempts = 1
+    return result
+
+
+@functools.cache
+def _lambda_has(region: str) -> bool:
+    """Whether botocore knows AWS Lambda in ``region``, in any partition (asked only when a
+    connection to AWS failed: a botocore older than a new region says no, and that region's
+    failures are then final, where its endpoint did not answer either)."""
+    import botocore.session
+
+    session = botocore.session.get_session()
+    return any(
+        region in session.get_available_regions("lambda", partition_name=partition)
+        for partition in session.get_available_partitions()
+    )
