@@ -50,14 +50,23 @@ class JobGroups(JobSummary):
         cap = cfg.rollout.max_groups_in_flight or cfg.batch_size * (cfg.alpha + 1)
         # until the job stops on a fatal error: groups started then fail at once, and the
         # step loop may notice only after a trainer step (minutes)
-        while self._fatal is None or not self._fatal.done():
+        while not self._failing():
             runner.changed.clear()
             budget = (self.version + cfg.alpha + 1) * cfg.batch_size
-            while self._groups_live < budget and runner.rolling_groups() < cap:
+            while self._groups_live < budget and runner.rolling_groups() < cap and not self._failing():
                 self._start_group(runner)
             await runner.changed.wait()
 
+    def _failing(self) -> bool:
+        """The job has its fatal error (a ``RolloutError``, a dead proxy): it is stopping."""
+        return self._fatal is not None and self._fatal.done()
+
     def _start_group(self, runner: GroupRunner, barrier: TurnBarrier | None = None) -> None:
+        """Start a group, unless the job is failing: the step loop or the shutdown meets the
+        fatal error next, and a group started now (sync mode's replacement of one given up,
+        a step's groups) only opened environment sessions for the shutdown to cancel."""
+        if self._failing():
+            return
         env = self._draw_env()
         seed = self.rng.randrange(EVAL_SEED_BASE)
         g = runner.start(env, seed, self.version, barrier=barrier)
@@ -101,7 +110,7 @@ class JobGroups(JobSummary):
         self.tally.counts["given_up_groups"] += 1
         self._give_up_streak += 1
         limit = max(8, 2 * self.cfg.batch_size)
-        if self._give_up_streak >= limit and self._fatal is not None and not self._fatal.done():
+        if self._give_up_streak >= limit and self._fatal is not None and not self._failing():
             self._fatal.set_exception(
                 RolloutError(
                     f"{self._give_up_streak} groups in a row were given up (each after "

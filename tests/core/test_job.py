@@ -429,6 +429,43 @@ async def test_a_sync_mode_group_given_up_is_replaced_in_the_steps_lockstep():
         await j.runner.aclose()
 
 
+async def test_a_sync_mode_group_given_up_once_the_job_is_failing_is_not_replaced():
+    # the group that sets the fatal RolloutError was not replaced, but every later one given
+    # up (its streak already past the limit) was: new groups started while the job stopped,
+    # each holding an environment session the shutdown then had to cancel
+    from test_groups import FakeManager, FakeProxy
+    from test_groups import job as group_job
+
+    from core.buffer import SampleBuffer
+    from core.rollout.env_manager import TurnBarrier
+    from core.rollout.groups import GroupRunner
+
+    cfg = group_job(group_size=2, max_reruns=0).model_copy(deep=True)
+    cfg.rollout.mode = "sync"
+    j = Job(cfg, progress=False)
+    j._fatal = asyncio.get_running_loop().create_future()
+    manager = FakeManager(script=[(0.001, "infra_failed")] * 2, default=(60.0, "ok"))
+    j.runner = GroupRunner(cfg, manager, FakeProxy(), submit=lambda t: None, on_given_up=j._given_up)  # type: ignore[arg-type]
+    j.buffer = SampleBuffer(cfg.group_size, cfg.alpha, on_abort=j._on_abort)
+    barrier = TurnBarrier()
+    try:
+        j._start_group(j.runner, barrier)  # started before the job was failing
+        assert j._groups_live == 1
+        j._fatal.set_exception(RolloutError("8 groups in a row were given up"))
+        async with asyncio.timeout(5):
+            while not j.tally.counts["given_up_groups"]:  # noqa: ASYNC110 - no event for "given up"
+                await asyncio.sleep(0.001)
+        # a replacement starts within _given_up, before it returns
+        assert j.runner.metrics["groups_started"] == 1, "a group started after the job's fatal error"
+        assert j.runner.metrics["trajectories_started"] == 2 and j._groups_live == 0
+        # nor does the step loop's own start (sync mode: a step's groups) add any
+        j._start_group(j.runner, barrier)
+        assert j.runner.metrics["groups_started"] == 1 and j._groups_live == 0
+    finally:
+        await j.runner.aclose()
+        j._fatal.exception()
+
+
 async def test_a_rollout_stopped_by_a_failing_reward_says_the_rewards_error():
     # a reward that always raises gives up every group; the RolloutError said "the last
     # trajectory error: none recorded" (the reason was on the sample, never copied)
