@@ -281,12 +281,23 @@ class GroupRunner:
         return sum(len(g.running) for g in self.groups.values())
 
     async def aclose(self) -> None:
+        """Stop every rollout, each by one path. A running trajectory is cancelled, which
+        ends its environment step and session; its release then aborts the turn it left in
+        flight (the proxy's ``release`` does, as for any cancelled trajectory). One whose abort
+        is in flight already (a redundant member, a stale group's) is left to that abort,
+        which cancels it next. Closing the groups the usual way (``_close``) added an abort
+        of its own to every cancelled one: two aborts of each turn in flight, both reaching
+        the engine under Ray (an async actor runs a caller's calls in no guaranteed order,
+        so the release's came before the abort could mark the trajectory aborted)."""
         self._closing = True
+        tasks: list[asyncio.Task[Trajectory]] = []
         for g in list(self.groups.values()):
-            self._close(g, "given_up")
-        tasks = [t for g in self.groups.values() for t in g.running.values()]
-        for t in tasks:
-            t.cancel()
+            g.closed = "given_up"
+            for traj_id, task in g.running.items():
+                tasks.append(task)
+                if traj_id not in g.aborting:
+                    task.cancel()
+        self.changed.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         # aborts started meanwhile (a trajectory's end can close its group) are awaited
         # too: one left unstarted when the loop closes is a coroutine never awaited

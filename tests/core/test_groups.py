@@ -502,3 +502,105 @@ async def test_the_proxy_forgets_every_trajectory_of_a_redundant_group():
     assert runner.metrics["redundant_aborted"] + runner.metrics["extra"] > 0
     assert proxy._aborted == set(), f"{len(proxy._aborted)} ids left"
     assert proxy.stats()["trajectories"] == 0
+
+
+class _HeldEngine(Engine):
+    """A turn runs until it is aborted; each abort is counted and takes a replica's round trip."""
+
+    name = "held"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aborts: Counter[str] = Counter()
+        self._stop: dict[str, asyncio.Event] = {}
+
+    async def _generate(self, request: GenerateRequest) -> Completion:
+        await self._stop.setdefault(request.request_id, asyncio.Event()).wait()
+        return Completion(
+            request_id=request.request_id,
+            text="",
+            prompt_ids=[1],
+            token_ids=[],
+            logprobs=[],
+            policy_version=self.version,
+            finish_reason="abort",
+        )
+
+    async def _abort(self, request_id: str) -> None:
+        self.aborts[request_id] += 1
+        await asyncio.sleep(0.02)  # the replica's answer
+        self._stop.setdefault(request_id, asyncio.Event()).set()
+
+    async def _load_weights(self, state: Any, version: int) -> None: ...
+
+
+class _AsRayActor:
+    """The proxy as env managers and the runner reach it under Ray. Each call runs in the
+    actor on its own: a caller that stops waiting (a cancelled trajectory) does not stop it.
+    And Ray runs an async actor's calls in no guaranteed order (docs: "Actor Task Execution
+    Order"): here a trajectory's abort reaches the actor just after its release, when one is
+    sent (within a bound: a redundant member's abort has no release to follow)."""
+
+    def __init__(self, proxy: LLMProxy) -> None:
+        self.proxy = proxy
+        self._released: dict[str, asyncio.Event] = {}
+        self.calls: set[asyncio.Task[Any]] = set()
+
+    async def _in_actor(self, coro: Any) -> Any:
+        t = asyncio.ensure_future(coro)
+        self.calls.add(t)
+        t.add_done_callback(self.calls.discard)
+        return await asyncio.shield(t)
+
+    async def generate(self, traj_id: str, tag: str, request: GenerateRequest) -> Completion:
+        c: Completion = await self._in_actor(self.proxy.generate(traj_id, tag, request))
+        return c
+
+    async def abort(self, traj_id: str) -> int:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.5):
+                await self._released.setdefault(traj_id, asyncio.Event()).wait()
+        n: int = await self._in_actor(self.proxy.abort(traj_id))
+        return n
+
+    async def release(self, traj_id: str) -> None:
+        call = self._in_actor(self.proxy.release(traj_id))
+        done = asyncio.ensure_future(call)
+        await asyncio.sleep(0)  # the release is in the actor first
+        self._released.setdefault(traj_id, asyncio.Event()).set()
+        await done
+
+
+async def test_a_shutdown_stops_each_running_trajectory_once():
+    # aclose asked the proxy to abort every running trajectory and cancelled it too: the
+    # cancelled trajectory's release aborts the turn it left running, so each turn had two
+    # aborts in flight, and under Ray (calls to an async actor run in any order) both
+    # reached the engine replica. Each is stopped once now: cancelled, its turn aborted by
+    # its release
+    cfg = JobConfig.from_dict(
+        {
+            "envs": [{"id": "latency-v0", "tag": "lat", "max_turns": 1}],
+            "rewards": {"lat": [{"function": "unused"}]},
+            "group_size": 2,
+        },
+        check_references=False,
+    )
+    engine = _HeldEngine()
+    proxy = LLMProxy({"default": [LocalReplica(engine)]})
+    remote = _AsRayActor(proxy)
+    manager = EnvManager(cfg, _Pool(), remote)  # type: ignore[arg-type]
+    runner = GroupRunner(cfg, manager, remote, submit=lambda t: None)
+    for i in range(2):
+        runner.start(cfg.envs[0], i, 0)
+    async with asyncio.timeout(5):
+        while engine.num_inflight < 4:  # noqa: ASYNC110 - every turn reached the engine
+            await asyncio.sleep(0.002)
+    turns = set(engine._inflight)
+    await runner.aclose()
+    async with asyncio.timeout(5):
+        while remote.calls:  # the actor's side of the calls ends too
+            await asyncio.gather(*remote.calls, return_exceptions=True)
+    assert dict(engine.aborts) == dict.fromkeys(turns, 1)
+    assert engine.num_inflight == 0 and proxy.stats()["trajectories"] == 0 and proxy._aborted == set()
+    assert runner.running() == 0 and runner.metrics["aborted"] == 4
+    await proxy.aclose()
