@@ -175,6 +175,17 @@ class JobConfig(ConfigModel):
             )
         return problems
 
+    @property
+    def env_scored_tags(self) -> frozenset[str]:
+        """The tags scored by ``env_return`` alone: their score is the sum of the
+        environment's turn rewards (the reward stream normalises a lone component's weight
+        away), which GiGPO's step returns may then use turn by turn (``build_batch``)."""
+        return frozenset(
+            tag
+            for tag, specs in self.rewards.items()
+            if len(specs) == 1 and specs[0].function == "env_return"
+        )
+
     def _trainer_engine_problems(self) -> list[tuple[str, str]]:
         """The trainer must train the policy the engine serves, under names it can load."""
         trainer, engine = self.trainer.backend, self.engine.backend

@@ -6,11 +6,20 @@ episode-level group advantage (GRPO: its reward against the group's) plus, with
 same state (``traj.info["turn_states"]``, recorded by the env manager) compared by their
 discounted return (``traj.info["turn_rewards"]``, ``trainer.gamma``). The advantages are
 computed here, on the whole batch, so the trainer (a Ray actor) receives finished samples.
+
+Both levels compare the same signal: the score the reward functions gave. For a tag scored
+by ``env_return`` alone (``env_scored``) that score is the sum of the environment's turn
+rewards, so the step returns use them (the credit of each turn); for any other tag (a judge,
+a verifier, a mix) the environment's turn rewards are not what the episode level compares,
+and the step returns credit the score at the trajectory's last turn (zero before it), the
+reward of an episode scored as a whole. Comparing the environment's signal turn by turn and
+the judge's per episode pulled the same turns in opposite directions when the two disagreed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from typing import Any
 
 from core.buffer import Group
 from core.config import TrainerConfig
@@ -19,7 +28,11 @@ from core.trainer.grpo import discounted_returns, group_advantages, step_advanta
 from fabric.protocol import Trajectory
 
 
-def build_batch(groups: Sequence[Group], cfg: TrainerConfig) -> list[TrainSample]:
+def build_batch(
+    groups: Sequence[Group], cfg: TrainerConfig, *, env_scored: Collection[str] = ()
+) -> list[TrainSample]:
+    """``env_scored``: the tags whose score is the environment's return
+    (``JobConfig.env_scored_tags``): their step returns use the turn rewards."""
     samples = [s for g in groups for s in g.samples]
     if not samples:
         raise TrainerError("build_batch needs at least one sample")
@@ -32,7 +45,7 @@ def build_batch(groups: Sequence[Group], cfg: TrainerConfig) -> list[TrainSample
         keys: list[str] = []
         states: list[str] = []
         for s in samples:
-            rewards = list(s.traj.info.get("turn_rewards", []))
+            rewards = _step_rewards(s.traj.info, s.score, env=s.tag in env_scored)
             returns += discounted_returns(rewards, cfg.gamma)
             keys += [s.group_id] * len(rewards)
             states += [str(x) for x in s.traj.info.get("turn_states", [])][: len(rewards)]
@@ -50,6 +63,15 @@ def build_batch(groups: Sequence[Group], cfg: TrainerConfig) -> list[TrainSample
             extra = cfg.step_adv * steps[turn] if turn < len(steps) else 0.0
             out.append(t.model_copy(update={"advantage": ep + extra}))
     return out
+
+
+def _step_rewards(info: dict[str, Any], score: float, *, env: bool) -> list[float]:
+    """The per-turn rewards the step returns are computed from: the environment's when the
+    score is their sum (``env``), else the score at the last turn."""
+    rewards = [float(r) for r in info.get("turn_rewards", [])]
+    if env or not rewards:
+        return rewards
+    return [0.0] * (len(rewards) - 1) + [score]
 
 
 def _turns_with_tokens(traj: Trajectory) -> list[int]:

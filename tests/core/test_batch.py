@@ -161,7 +161,48 @@ def test_a_turn_without_tokens_does_not_shift_the_step_advantages():
     b = traj("B", [1.0, 0.0], ["s0", "s1"])
     groups = [Group("g", 0, [sample(a, "g", 1.0), sample(b, "g", 0.0)])]
     # gamma 1: returns A (1, 1), B (1, 0); (g, s0): 0 / 0, (g, s1): +0.5 / -0.5; episode +-0.5
-    out = build_batch(groups, TrainerConfig(scale_advantages=False, step_adv=1.0, gamma=1.0))
+    cfg = TrainerConfig(scale_advantages=False, step_adv=1.0, gamma=1.0)
+    out = build_batch(groups, cfg, env_scored={"lake"})  # the turn rewards are the signal
     got = advantages(out)
     assert got["B"] == pytest.approx([-0.5, -1.0])
     assert got["A"] == pytest.approx([1.0])  # its one sample is the s1 turn (0.5 + 0.5)
+
+
+def test_step_returns_compare_the_score_the_episode_level_does():
+    # a reward function other than env_return (a judge) scores A 0 and B 1, while the
+    # environment's own turn rewards say the opposite: the step level compared the env's
+    # signal and the episode level the judge's, pulling the same turns both ways. Without
+    # env_return the score is the episode's return, credited at its last turn
+    a = traj("A", [0.0, 1.0], ["s0", "s1"])
+    b = traj("B", [0.0, 0.0], ["s0", "s1"])
+    groups = [Group("g", 0, [sample(a, "g", 0.0), sample(b, "g", 1.0)])]
+    cfg = TrainerConfig(scale_advantages=False, step_adv=1.0, gamma=0.5)
+    # returns from the scores: A (0, 0), B (0.5, 1); (g, s0): -0.25 / +0.25, (g, s1): -0.5 / +0.5
+    got = advantages(build_batch(groups, cfg))
+    close(got, {"A": [-0.5 - 0.25, -0.5 - 0.5], "B": [0.5 + 0.25, 0.5 + 0.5]})
+    # scored by env_return, a tag's score is the sum of its turn rewards: they are used
+    # (A: returns (0.5, 1), B: (0, 0)), the same signal with its credit per turn
+    groups = [Group("g", 0, [sample(a, "g", 1.0), sample(b, "g", 0.0)])]
+    got = advantages(build_batch(groups, cfg, env_scored={"lake"}))
+    close(got, {"A": [0.5 + 0.25, 0.5 + 0.5], "B": [-0.5 - 0.25, -0.5 - 0.5]})
+
+
+def test_the_tags_scored_by_the_environments_return():
+    from core.config import JobConfig
+
+    cfg = JobConfig.from_dict(
+        {
+            "envs": [
+                {"id": "frozenlake-v1", "tag": "lake"},
+                {"id": "latency-v0", "tag": "judged"},
+                {"id": "latency-v0", "tag": "mixed"},
+            ],
+            "rewards": {
+                "lake": [{"function": "env_return", "weight": 2.0}],
+                "judged": [{"function": "llm_judge"}],
+                "mixed": [{"function": "env_return"}, {"function": "llm_judge"}],
+            },
+        },
+        check_references=False,
+    )
+    assert cfg.env_scored_tags == frozenset({"lake"})

@@ -581,7 +581,7 @@ async def test_a_run_that_fails_stops_the_evaluation_it_was_running(tmp_path, mo
     j.cluster = SimpleNamespace(  # type: ignore[assignment]
         trainer=Trainer, proxy=SimpleNamespace(update_weights=update), remote_proxy=SimpleNamespace(call=call)
     )
-    monkeypatch.setattr(core.job, "build_batch", lambda groups, cfg: [])
+    monkeypatch.setattr(core.job, "build_batch", lambda groups, cfg, **kw: [])
     buffer = j.buffer = SampleBuffer(cfg.group_size, cfg.alpha)
     for g in range(cfg.batch_size):  # one batch: step 1 trains, step 2 waits and fails
         for i in range(cfg.group_size):
