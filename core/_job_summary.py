@@ -5,6 +5,7 @@ of a rollout that cannot go on names.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -13,6 +14,8 @@ from core.buffer import SampleBuffer
 from core.report import RunDir
 from core.rewards import RewardStream
 from core.rollout.groups import GroupRunner
+
+log = logging.getLogger(__name__)
 
 
 class JobSummary(JobCheckpoints):
@@ -90,6 +93,21 @@ class JobSummary(JobCheckpoints):
             "groups": dict(runner.metrics),
             "run_dir": str(run_dir.path),
         }
+
+    def _write_failure(
+        self,
+        error: BaseException,
+        t_start: float,
+        run_dir: RunDir,
+        buffer: SampleBuffer,
+        stream: RewardStream,
+        runner: GroupRunner,
+    ) -> None:
+        """``failure.json`` of a run that stops on ``error`` (which the caller raises on)."""
+        try:
+            run_dir.fail(self._failure(error, t_start, run_dir, buffer, stream, runner))
+        except Exception as write_error:  # the run's own error is the one to see
+            log.warning("could not write failure.json: %s", write_error)
 
     def _failure_counts(self) -> str:
         """What failed so far, for the ``RolloutError``: a reward that fails on every

@@ -203,30 +203,49 @@ class Job(JobSetup):
                 on_finished=self.tally.finished,
                 on_given_up=self._given_up,
             )
-            async with stream:
-                setup_s = time.perf_counter() - t_start
-                todo = f"steps {self.step + 1}-{cfg.steps}" if resume else f"{cfg.steps} steps"
-                progress.note(f"ready in {setup_s:.1f}s; training {todo} ({cfg.rollout.mode})")
-                try:
-                    summary = await self._train(manager, runner, buffer, stream, run_dir, progress)
-                    summary["setup_s"] = round(setup_s, 1)
-                    if images.refs:
-                        summary["images"] = dict(images.refs)
-                    # routing, recoveries and the turn scheduler's counts, for the record
-                    summary["proxy"] = await self.proxy.call(self.proxy_handle.stats.remote())
-                except Exception as e:
-                    # a rollout that cannot go on (RolloutError), an actor that died: its
-                    # counts were only in the error's text. (Ctrl-C writes none: resume.)
-                    await runner.aclose()
-                    try:
-                        run_dir.fail(self._failure(e, t_start, run_dir, buffer, stream, runner))
-                    except Exception as write_error:  # the run's own error is the one to see
-                        log.warning("could not write failure.json: %s", write_error)
-                    raise
-                finally:
-                    # a failed run too stops its rollouts before the cluster goes away
-                    await runner.aclose()
+            setup_s = time.perf_counter() - t_start
+            todo = f"steps {self.step + 1}-{cfg.steps}" if resume else f"{cfg.steps} steps"
+            progress.note(f"ready in {setup_s:.1f}s; training {todo} ({cfg.rollout.mode})")
+            summary = await self._rollout(manager, runner, buffer, stream, run_dir, progress, t_start)
+            summary["setup_s"] = round(setup_s, 1)
+            if images.refs:
+                summary["images"] = dict(images.refs)
+            try:
+                # routing, recoveries and the turn scheduler's counts, for the record
+                summary["proxy"] = await self.proxy.call(self.proxy_handle.stats.remote())
+            except Exception as e:
+                self._write_failure(e, t_start, run_dir, buffer, stream, runner)
+                raise
         return summary
+
+    async def _rollout(
+        self,
+        manager: EnvManager,
+        runner: GroupRunner,
+        buffer: SampleBuffer,
+        stream: RewardStream,
+        run_dir: RunDir,
+        progress: JobProgress,
+        t_start: float,
+    ) -> dict[str, Any]:
+        """Train with the rollout going on, then stop it and drain the reward stream; the
+        summary of the run (``failure.json`` of one that failed)."""
+        async with stream:
+            try:
+                ended = await self._train(manager, runner, buffer, stream, run_dir, progress)
+            except Exception as e:
+                # a rollout that cannot go on (RolloutError), an actor that died: its
+                # counts were only in the error's text. (Ctrl-C writes none: resume.)
+                await runner.aclose()
+                self._write_failure(e, t_start, run_dir, buffer, stream, runner)
+                raise
+            finally:
+                # a failed run too stops its rollouts before the cluster goes away
+                await runner.aclose()
+        # counted once the stream has drained (a clean exit scores and delivers every
+        # trajectory in flight): taken at the last step, the counts left out what the drain
+        # scored, and summary.json disagreed with the stream it reported on
+        return self._summary(run_dir, *ended, buffer, stream, runner)
 
     async def _train(
         self,
@@ -236,7 +255,9 @@ class Job(JobSetup):
         stream: RewardStream,
         run_dir: RunDir,
         progress: JobProgress,
-    ) -> dict[str, Any]:
+    ) -> tuple[float, dict[str, Any] | None, dict[str, Any] | None]:
+        """The steps, then the final evaluation; the training time and the first and final
+        evaluations (the summary's)."""
         cfg = self.cfg
         # a resumed run goes on with the earlier run's training time (rows' wall_s, step_s_mean)
         t0 = self._t0 = time.perf_counter() - self._wall_before
@@ -339,7 +360,7 @@ class Job(JobSetup):
         final = await self._evaluate(manager, cfg.steps) if cfg.rollout.eval_every else None
         if final:
             run_dir.log(final)
-        return self._summary(run_dir, train_wall, first_eval, final, buffer, stream, runner)
+        return train_wall, first_eval, final
 
     # ------------------------------------------------------------------ evaluation
     async def _evaluate(self, manager: EnvManager, step: int) -> dict[str, Any]:

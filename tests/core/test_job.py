@@ -523,13 +523,9 @@ async def test_a_run_that_fails_stops_the_evaluation_it_was_running(tmp_path, mo
     # async mode: the step-1 evaluation plays while training goes on; the run failing
     # meanwhile (every group given up: RolloutError) left it playing, its sessions open while
     # the job wrote failure.json and closed the pool and the cluster under it
-    from types import SimpleNamespace
 
-    import core.job
-    from core.buffer import SampleBuffer
     from core.report import JobProgress, RunDir
-    from core.sample import Sample
-    from fabric.protocol import Message, RewardResult, Trajectory
+    from fabric.protocol import Message, Trajectory
 
     cfg = job_config(tmp_path, steps=3, rollout={"eval_every": 1, "eval_episodes": 1})
     j = Job(cfg, progress=False)
@@ -563,6 +559,28 @@ async def test_a_run_that_fails_stops_the_evaluation_it_was_running(tmp_path, mo
         def metrics(self) -> dict[str, Any]:
             return {"scored": 0, "reward_ms": {"total": 0.0}}
 
+    _stand_in_cluster(j, monkeypatch)
+    buffer = j.buffer = _one_batch(cfg)  # step 1 trains, step 2 waits and fails
+    manager = Manager()
+    with pytest.raises(RolloutError):
+        await j._train(
+            manager,  # type: ignore[arg-type]
+            Runner(),  # type: ignore[arg-type]
+            buffer,
+            Stream(),  # type: ignore[arg-type]
+            RunDir(tmp_path / "run"),
+            JobProgress(cfg.steps, enabled=False),
+        )
+    assert manager.playing and all(f.cancelled() for f in manager.playing)
+
+
+def _stand_in_cluster(j: Job, monkeypatch: Any) -> None:
+    """What the step loop uses of the job's Ray actors: a trainer whose steps publish
+    version 1, a proxy that takes the weights; and no batch to build."""
+    from types import SimpleNamespace
+
+    import core.job
+
     def done(value: Any) -> asyncio.Future[Any]:
         fut = asyncio.get_running_loop().create_future()
         fut.set_result(value)
@@ -582,24 +600,80 @@ async def test_a_run_that_fails_stops_the_evaluation_it_was_running(tmp_path, mo
         trainer=Trainer, proxy=SimpleNamespace(update_weights=update), remote_proxy=SimpleNamespace(call=call)
     )
     monkeypatch.setattr(core.job, "build_batch", lambda groups, cfg, **kw: [])
-    buffer = j.buffer = SampleBuffer(cfg.group_size, cfg.alpha)
-    for g in range(cfg.batch_size):  # one batch: step 1 trains, step 2 waits and fails
+
+
+def _one_batch(cfg: JobConfig) -> Any:
+    """A buffer holding one batch of complete groups (one step's worth)."""
+    from core.buffer import SampleBuffer
+    from core.sample import Sample
+    from fabric.protocol import RewardResult, Trajectory
+
+    buffer = SampleBuffer(cfg.group_size, cfg.alpha)
+    for g in range(cfg.batch_size):
         for i in range(cfg.group_size):
             t = Trajectory(id=f"{g}-{i}", status="ok", env_reward=1.0)
             buffer.put(
                 Sample(traj=t, tag="latency", group_id=f"g{g}", version=0, reward=RewardResult(score=1.0))
             )
-    manager = Manager()
-    with pytest.raises(RolloutError):
-        await j._train(
-            manager,  # type: ignore[arg-type]
-            Runner(),  # type: ignore[arg-type]
-            buffer,
-            Stream(),  # type: ignore[arg-type]
-            RunDir(tmp_path / "run"),
-            JobProgress(cfg.steps, enabled=False),
-        )
-    assert manager.playing and all(f.cancelled() for f in manager.playing)
+    return buffer
+
+
+async def test_the_summary_counts_what_the_reward_stream_scored_while_it_drained(tmp_path, monkeypatch):
+    # a run that finishes drains its reward stream (every trajectory in flight is scored
+    # and delivered), but the summary's counts were taken before: what was scored in the
+    # drain was missing from summary.json (rewards.scored, the buffer's accepted samples)
+    from core.report import JobProgress, RunDir
+    from core.rewards import RewardStream
+    from fabric.protocol import Result, Trajectory
+
+    cfg = job_config(tmp_path, steps=1)
+    j = Job(cfg, progress=False)
+    j._fatal = asyncio.get_running_loop().create_future()
+    _stand_in_cluster(j, monkeypatch)
+    buffer = j.buffer = _one_batch(cfg)
+    accepted_before = buffer.metrics()["accepted"]
+    closing = asyncio.Event()
+
+    class Client:  # a reward that answers only once the stream drains
+        async def call(self, function: str, payload: Any, **kw: Any) -> Result:
+            await closing.wait()
+            return Result(ok=True, function=function, value=1.0)
+
+    class Stream(RewardStream):
+        async def aclose(self, **kw: Any) -> None:
+            closing.set()
+            await super().aclose(**kw)
+
+    class Runner:  # nothing runs: the late trajectory below is the rollout's last
+        changed = asyncio.Event()
+        aborted_ids: set[str] = set()
+        metrics: dict[str, int] = {}
+
+        def rolling_groups(self) -> int:
+            return 1 << 30
+
+        def forget_aborted_before(self, version: int) -> None:
+            pass
+
+        async def aclose(self) -> None:
+            pass
+
+    runner = j.runner = Runner()  # type: ignore[assignment]
+    stream = j.stream = Stream(Client(), cfg.rewards, j._deliver)  # type: ignore[arg-type]
+    late = Trajectory(id="late", status="ok", env_reward=1.0, task={"tag": "latency", "group_id": "late"})
+    stream.submit(late, version=1)
+    summary = await j._rollout(
+        None,  # type: ignore[arg-type]
+        runner,  # type: ignore[arg-type]
+        buffer,
+        stream,
+        RunDir(tmp_path / "run"),
+        JobProgress(cfg.steps, enabled=False),
+        0.0,
+    )
+    assert stream.metrics()["scored"] == 1  # the drain scored it
+    assert summary["rewards"]["scored"] == 1 and summary["rewards"]["in_flight"] == 0
+    assert summary["buffer"]["accepted"] == accepted_before + 1
 
 
 class _WarmClient:
