@@ -78,30 +78,36 @@ class JobSummary(JobCheckpoints):
         error: BaseException,
         t_start: float,
         run_dir: RunDir,
-        buffer: SampleBuffer,
-        stream: RewardStream,
-        runner: GroupRunner,
+        buffer: SampleBuffer | None,
+        stream: RewardStream | None,
+        runner: GroupRunner | None,
     ) -> dict[str, Any]:
-        """``failure.json``: why the run stopped, and the counts a summary would have had."""
-        return {
+        """``failure.json``: why the run stopped, and the counts a summary would have had
+        (of the parts that exist: a resume that fails to load its checkpoint stops before
+        the rollout starts)."""
+        out: dict[str, Any] = {
             "error": f"{type(error).__name__}: {error}",
             "steps": len(run_dir.rows),  # trained, as in summary.json
             "wall_s": round(time.perf_counter() - t_start, 1),
             "trajectories": {**self.tally.counts, "errors": dict(self.tally.errors)},
-            "buffer": {k: v for k, v in buffer.metrics().items() if k not in ("trainer_wait_s",)},
-            "rewards": stream.metrics(),
-            "groups": dict(runner.metrics),
-            "run_dir": str(run_dir.path),
         }
+        if buffer is not None:
+            out["buffer"] = {k: v for k, v in buffer.metrics().items() if k not in ("trainer_wait_s",)}
+        if stream is not None:
+            out["rewards"] = stream.metrics()
+        if runner is not None:
+            out["groups"] = dict(runner.metrics)
+        out["run_dir"] = str(run_dir.path)
+        return out
 
     def _write_failure(
         self,
         error: BaseException,
         t_start: float,
         run_dir: RunDir,
-        buffer: SampleBuffer,
-        stream: RewardStream,
-        runner: GroupRunner,
+        buffer: SampleBuffer | None = None,
+        stream: RewardStream | None = None,
+        runner: GroupRunner | None = None,
     ) -> None:
         """``failure.json`` of a run that stops on ``error`` (which the caller raises on)."""
         try:

@@ -189,7 +189,15 @@ class Job(JobSetup):
             proxy.on_died = self._proxy_died
             self.pool = pool
             if resume:
-                await self._restore(*resume, run_dir, progress)
+                try:
+                    await self._restore(*resume, run_dir, progress)
+                except ConfigError:
+                    raise  # a checkpoint that does not load: refused, as before the start
+                except Exception as e:
+                    # a load past trainer.call_timeout_s (TrainerTimeout), a proxy that died
+                    # taking the weights: failure.json says so, as for the same errors later
+                    self._write_failure(e, t_start, run_dir)
+                    raise
             buffer = self.buffer = SampleBuffer(
                 cfg.group_size, cfg.alpha, on_abort=self._on_abort, version=self.version
             )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import job_faults_fns as faults
 import pytest
@@ -16,7 +17,7 @@ from test_job import FROZENLAKE, check_invariants, job_config, run_job, train_ro
 from test_torch_trainer import TOK, model, sample
 
 from core.checkpoint import JOB_FILE, TRAINER_FILE, Checkpoints, config_changes, start_problems
-from core.errors import ConfigError
+from core.errors import ConfigError, TrainerTimeout
 from core.job import Job, main
 from core.trainer.actor import TrainerActor
 from core.trainer.base import TrainerError
@@ -417,3 +418,35 @@ async def test_a_run_resumed_after_a_crash_trains_on_from_its_checkpoint(tmp_pat
     # the rows' clock goes on from the earlier run's
     walls = [r["wall_s"] for r in rows]
     assert walls == sorted(walls), walls
+
+
+@pytest.mark.ray
+async def test_a_resume_whose_trainer_load_times_out_writes_failure_json(tmp_path, ray_cluster, monkeypatch):
+    # every other fatal trainer edge (a step, a checkpoint's copy or write past
+    # trainer.call_timeout_s) wrote failure.json; a resume whose load of the checkpoint
+    # timed out stopped with TrainerTimeout and left the run directory without a word
+    import threading
+
+    from core.policy.build import build_policy
+
+    cfg = job_config(tmp_path, checkpoint={"every": 2}, trainer={"lr": 1e-3, "call_timeout_s": 2})
+    run_dir = Path(cfg.run_dir)
+    build_policy(cfg).save(run_dir / "policy-init")  # the earlier run's policy, as built
+    _write(Checkpoints(run_dir), 2, config=cfg.to_yaml())  # its trainer file is never read
+
+    def wedge(actor: Any) -> None:  # holds the trainer's one thread: the load waits for ever
+        threading.Event().wait()
+
+    restore = Job._restore
+
+    async def wedged(self: Job, *a: Any) -> None:
+        self.trainer_handle.__ray_call__.remote(wedge)
+        await restore(self, *a)
+
+    monkeypatch.setattr(Job, "_restore", wedged)
+    with pytest.raises(TrainerTimeout) as e:
+        await Job(cfg, progress=False, registry=faults.REG, resume=True).run()
+    assert "load of the checkpoint" in str(e.value) and "trainer.call_timeout_s=2" in str(e.value)
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert failure["error"].startswith("TrainerTimeout: ") and "trainer.call_timeout_s=2" in failure["error"]
+    assert not (run_dir / "summary.json").exists()
