@@ -363,6 +363,10 @@ class Job(JobSetup):
                 with contextlib.suppress(asyncio.CancelledError):
                     await launcher
         train_wall = time.perf_counter() - t0
+        # nothing the rollouts play from here on can be trained: left running through the
+        # evaluations, they shared the engines with them, re-ran their failures and sent
+        # what finished to be scored (the stream's drain then waited for it)
+        await runner.aclose()
         if eval_task is not None:
             run_dir.log(await eval_task)
         final = await self._evaluate(manager, cfg.steps) if cfg.rollout.eval_every else None

@@ -523,7 +523,6 @@ async def test_a_run_that_fails_stops_the_evaluation_it_was_running(tmp_path, mo
     # async mode: the step-1 evaluation plays while training goes on; the run failing
     # meanwhile (every group given up: RolloutError) left it playing, its sessions open while
     # the job wrote failure.json and closed the pool and the cluster under it
-
     from core.report import JobProgress, RunDir
     from fabric.protocol import Message, Trajectory
 
@@ -616,6 +615,58 @@ def _one_batch(cfg: JobConfig) -> Any:
                 Sample(traj=t, tag="latency", group_id=f"g{g}", version=0, reward=RewardResult(score=1.0))
             )
     return buffer
+
+
+async def test_the_final_evaluation_plays_with_the_rollouts_stopped(tmp_path, monkeypatch):
+    # async mode: once the last step is trained nothing the rollouts play can be trained,
+    # yet they ran on through the final evaluation (sharing the engines with it, re-running
+    # their failures, sending what finished to be scored and waiting for it in the drain)
+    # and were stopped only after it
+    from core.report import JobProgress, RunDir
+    from core.rewards import RewardStream
+    from fabric.protocol import Message, Trajectory
+
+    cfg = job_config(tmp_path, steps=1, rollout={"eval_every": 1, "eval_episodes": 1})
+    j = Job(cfg, progress=False)
+    j._fatal = asyncio.get_running_loop().create_future()
+    _stand_in_cluster(j, monkeypatch)
+    buffer = j.buffer = _one_batch(cfg)
+
+    class Runner:  # what the job uses of a GroupRunner; "rolling" until it is closed
+        changed = asyncio.Event()
+        aborted_ids: set[str] = set()
+        metrics: dict[str, int] = {}
+        closed = False
+
+        def rolling_groups(self) -> int:
+            return 1 << 30
+
+        def forget_aborted_before(self, version: int) -> None:
+            pass
+
+        async def aclose(self) -> None:
+            self.closed = True
+
+    runner = j.runner = Runner()  # type: ignore[assignment]
+    rolling_at: dict[str, bool] = {}
+
+    class Manager:
+        async def run(self, task: Any, *, version: int) -> Trajectory:
+            rolling_at[task.group_id] = not runner.closed
+            return Trajectory(status="ok", env_reward=0.0, messages=[Message(role="user", content="m")])
+
+    stream = j.stream = RewardStream(None, cfg.rewards, j._deliver)  # type: ignore[arg-type]
+    summary = await j._rollout(
+        Manager(),  # type: ignore[arg-type]
+        runner,  # type: ignore[arg-type]
+        buffer,
+        stream,
+        RunDir(tmp_path / "run"),
+        JobProgress(cfg.steps, enabled=False),
+        0.0,
+    )
+    assert summary["steps"] == 1 and [e["step"] for e in summary["evals"]] == [0, 1]
+    assert rolling_at == {"eval-0": True, "eval-1": False}
 
 
 async def test_the_summary_counts_what_the_reward_stream_scored_while_it_drained(tmp_path, monkeypatch):
