@@ -341,17 +341,29 @@ class Job(JobSetup):
                             run_dir.log(await eval_task)
                             eval_task = None
                 progress.step(row, self.evals[-1]["success"] if self.evals else None)
+            # the last step is trained, and nothing the rollouts play from here on can be:
+            # left running through the last checkpoint's write and the evaluations, they
+            # shared the engines with them, re-ran their failures and sent what finished to
+            # be scored (the stream's drain then waited for it)
+            if launcher is not None:
+                launcher.cancel()
+            await runner.aclose()
             await self._checkpoint_done()  # the last one is on disk before the run ends
         except BaseException as e:
             # a failed run keeps the checkpoint it was writing (a consistent copy of a step);
             # a stopped one (Ctrl-C) does not wait for the disk
             stopped = isinstance(e, (asyncio.CancelledError, KeyboardInterrupt))
+            if launcher is not None:
+                launcher.cancel()  # no group starts while the run stops (awaited below)
             if eval_task is not None:
                 # an evaluation playing meanwhile (async mode) is stopped with the run: left
                 # running, its episodes held sessions while the pool and the cluster closed
                 eval_task.cancel()
                 with contextlib.suppress(BaseException):
                     await eval_task
+            # the rollouts too, before the wait for the checkpoint (up to
+            # trainer.call_timeout_s): they played on meanwhile, for nothing to train on
+            await runner.aclose()
             try:
                 await self._checkpoint_done(cancel=stopped)
             except Exception:
@@ -363,10 +375,6 @@ class Job(JobSetup):
                 with contextlib.suppress(asyncio.CancelledError):
                     await launcher
         train_wall = time.perf_counter() - t0
-        # nothing the rollouts play from here on can be trained: left running through the
-        # evaluations, they shared the engines with them, re-ran their failures and sent
-        # what finished to be scored (the stream's drain then waited for it)
-        await runner.aclose()
         if eval_task is not None:
             run_dir.log(await eval_task)
         final = await self._evaluate(manager, cfg.steps) if cfg.rollout.eval_every else None

@@ -554,6 +554,9 @@ async def test_a_run_that_fails_stops_the_evaluation_it_was_running(tmp_path, mo
         def forget_aborted_before(self, version: int) -> None:
             pass  # the stand-in buffer keeps no aborted ones
 
+        async def aclose(self) -> None:
+            pass
+
     class Stream:
         def metrics(self) -> dict[str, Any]:
             return {"scored": 0, "reward_ms": {"total": 0.0}}
@@ -667,6 +670,66 @@ async def test_the_final_evaluation_plays_with_the_rollouts_stopped(tmp_path, mo
     )
     assert summary["steps"] == 1 and [e["step"] for e in summary["evals"]] == [0, 1]
     assert rolling_at == {"eval-0": True, "eval-1": False}
+
+
+@pytest.mark.parametrize("fails", [True, False])
+async def test_a_run_stops_its_rollouts_before_it_waits_for_its_last_checkpoint(tmp_path, monkeypatch, fails):
+    # a run that ends (its last step trained, or failed) waits for the checkpoint being
+    # written (up to trainer.call_timeout_s, an hour by default), and its rollouts ran on
+    # all that while: groups played, re-run and scored that nothing would ever train on
+    from core.buffer import SampleBuffer
+    from core.report import JobProgress, RunDir
+
+    cfg = job_config(tmp_path, steps=1)
+    j = Job(cfg, progress=False)
+    j._fatal = asyncio.get_running_loop().create_future()
+    _stand_in_cluster(j, monkeypatch)
+    # failing: no batch, step 1 waits and meets the fatal error; else step 1 trains
+    buffer = j.buffer = SampleBuffer(cfg.group_size, cfg.alpha) if fails else _one_batch(cfg)
+    closed = asyncio.Event()
+
+    class Runner:  # what the step loop uses of a GroupRunner; "rolling" until closed
+        changed = asyncio.Event()
+        aborted_ids: set[str] = set()
+
+        def rolling_groups(self) -> int:
+            return 1 << 30
+
+        def forget_aborted_before(self, version: int) -> None:
+            pass
+
+        async def aclose(self) -> None:
+            closed.set()
+
+    class Stream:
+        def metrics(self) -> dict[str, Any]:
+            return {"scored": 0, "reward_ms": {"total": 0.0}}
+
+    rolling_while_written: list[bool] = []
+
+    async def written() -> None:  # the checkpoint's write, as long as the rollouts go on
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(2):
+                await closed.wait()
+        rolling_while_written.append(not closed.is_set())
+
+    j._checkpoint_task = asyncio.create_task(written())
+    train = j._train(
+        None,  # type: ignore[arg-type]
+        Runner(),  # type: ignore[arg-type]
+        buffer,
+        Stream(),  # type: ignore[arg-type]
+        RunDir(tmp_path / "run"),
+        JobProgress(cfg.steps, enabled=False),
+    )
+    if fails:
+        j._fatal.set_exception(RolloutError("every group given up"))
+        with pytest.raises(RolloutError):
+            await train
+    else:
+        await train
+        assert j.step == 1
+    assert rolling_while_written == [False]
 
 
 async def test_the_summary_counts_what_the_reward_stream_scored_while_it_drained(tmp_path, monkeypatch):
