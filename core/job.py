@@ -272,25 +272,27 @@ class Job(JobSetup):
         launcher = asyncio.create_task(self._launch_loop(runner)) if cfg.rollout.mode == "async" else None
         eval_task: asyncio.Task[dict[str, Any]] | None = None
         start = self.step  # 0, or the step of the checkpoint a resumed run continues from
-        first_eval: dict[str, Any] | None
-        if start:  # the untrained policy's evaluation is the earlier run's
-            first_eval = next((e for e in self.evals if e["step"] == 0), None)
-            every = cfg.rollout.eval_every
-            if (
-                every
-                and start % every == 0
-                and start < cfg.steps
-                and all(e["step"] != start for e in self.evals)
-            ):
-                # the earlier run died before it logged its evaluation of the checkpoint's
-                # step (it starts after the checkpoint); the weights are that step's, so run it
-                run_dir.log(await self._evaluate(manager, start))
-        else:
-            first_eval = await self._evaluate(manager, 0) if cfg.rollout.eval_every else None
-            if first_eval:
-                run_dir.log(first_eval)
-        tokens_last, t_last = self.tally.counts["tokens"], time.perf_counter()  # restored on resume
+        first_eval: dict[str, Any] | None = None
+        # from here on inside the cleanup below: a first evaluation that failed (or Ctrl-C
+        # during it) left the launcher, started above, pending and starting groups
         try:
+            if start:  # the untrained policy's evaluation is the earlier run's
+                first_eval = next((e for e in self.evals if e["step"] == 0), None)
+                every = cfg.rollout.eval_every
+                if (
+                    every
+                    and start % every == 0
+                    and start < cfg.steps
+                    and all(e["step"] != start for e in self.evals)
+                ):
+                    # the earlier run died before it logged its evaluation of the checkpoint's
+                    # step (it starts after the checkpoint); the weights are that step's: run it
+                    run_dir.log(await self._evaluate(manager, start))
+            else:
+                first_eval = await self._evaluate(manager, 0) if cfg.rollout.eval_every else None
+                if first_eval:
+                    run_dir.log(first_eval)
+            tokens_last, t_last = self.tally.counts["tokens"], time.perf_counter()  # restored on resume
             for step in range(start + 1, cfg.steps + 1):
                 self.step = step
                 tw = time.perf_counter()

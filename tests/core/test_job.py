@@ -732,6 +732,44 @@ async def test_a_run_stops_its_rollouts_before_it_waits_for_its_last_checkpoint(
     assert rolling_while_written == [False]
 
 
+async def test_a_run_that_fails_in_its_first_evaluation_leaves_no_launcher_running(tmp_path):
+    # async mode: the launcher starts before the untrained policy's evaluation, which ran
+    # outside the step loop's cleanup: an evaluation that failed (a dead proxy) or a Ctrl-C
+    # during it left the launcher task pending, starting groups on a closed runner
+    from core.buffer import SampleBuffer
+    from core.report import JobProgress, RunDir
+
+    cfg = job_config(tmp_path, steps=1, rollout={"eval_every": 1, "eval_episodes": 1})
+    j = Job(cfg, progress=False)
+    j._fatal = asyncio.get_running_loop().create_future()
+    j.buffer = SampleBuffer(cfg.group_size, cfg.alpha)
+
+    class Runner:
+        changed = asyncio.Event()
+
+        def rolling_groups(self) -> int:
+            return 1 << 30
+
+        async def aclose(self) -> None:
+            pass
+
+    class Manager:
+        async def run(self, task: Any, *, version: int) -> Any:
+            raise ProxyDiedError("the LLM proxy actor died")
+
+    with pytest.raises(ProxyDiedError):
+        await j._train(
+            Manager(),  # type: ignore[arg-type]
+            Runner(),  # type: ignore[arg-type]
+            j.buffer,
+            None,  # type: ignore[arg-type]
+            RunDir(tmp_path / "run"),
+            JobProgress(cfg.steps, enabled=False),
+        )
+    leftover = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
+    assert leftover == []
+
+
 async def test_the_summary_counts_what_the_reward_stream_scored_while_it_drained(tmp_path, monkeypatch):
     # a run that finishes drains its reward stream (every trajectory in flight is scored
     # and delivered), but the summary's counts were taken before: what was scored in the
