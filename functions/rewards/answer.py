@@ -108,7 +108,12 @@ def boxed_or_stated(text: str) -> tuple[str, str] | None:
     # only a marker after the box can beat it: the scan starts there (the usual "... so the
     # answer is \boxed{42}." scans nothing)
     stated = _stated_answer(text, 0 if boxed is None else boxed[1])
-    if stated is not None and (boxed is None or stated[1] >= boxed[1]):
+    if stated is not None and boxed is not None and stated[2] is not None:
+        # only a denial follows the box: "the answer is not 5" withdraws \boxed{5}, while a
+        # note that it is not 3 leaves it standing
+        if normalize(stated[2].rstrip(" .,;:!?")) != normalize(boxed[0]):
+            return boxed[0], "boxed"
+    if stated is not None:
         return stated[0], "answer_is"
     return None if boxed is None else (boxed[0], "boxed")
 
@@ -122,15 +127,21 @@ def stated_answer(text: str) -> str | None:
     ``without_aside``); markdown emphasis around it goes (``**42**``, see ``unemphasize``).
     "the answer is correct" (or reasonable, right, wrong...) judges an answer rather than
     states one: the marker before it counts ("The answer is 42. Let me check that the answer
-    is correct." states 42)."""
+    is correct." states 42), and so does it before one that denies a candidate ("the answer is
+    not 5"); with no marker before it the denial is what the text states (``not 5``, which
+    matches nothing)."""
     found = _stated_answer(text)
     return None if found is None else found[0]
 
 
-def _stated_answer(text: str, pos: int = 0) -> tuple[str, int] | None:
-    """``(answer, start)`` of the stated answer, ``start`` where its marker starts; markers
-    before ``pos`` are not looked at."""
+def _stated_answer(text: str, pos: int = 0) -> tuple[str, int, str | None] | None:
+    """``(answer, start, denied)`` of the stated answer, ``start`` where its marker starts;
+    markers before ``pos`` are not looked at. ``denied`` is None, or, when the text states no
+    answer but denies one ("the answer is not 5"), the candidate it denies (``5``) with the
+    denial (``not 5``) as the answer: a denial is not an answer, but neither may the number it
+    rejects be read as one by a fallback (the last number, or a box before it)."""
     n = len(text)
+    denial: tuple[int, int, int] | None = None  # the last marker that denies a candidate
     # a marker that judges or denies an answer ("the answer is probably wrong", "the answer is
     # not 5") leaves the one before it the answer: walked from the last. Only ends are kept,
     # and each rejection is an anchored match at the marker's end, so the walk is linear
@@ -140,18 +151,31 @@ def _stated_answer(text: str, pos: int = 0) -> tuple[str, int] | None:
             i += 1
         if i == n:
             continue  # a marker with nothing after it
-        if ends_in_is and (_VERDICT.match(text, i) or _DENIAL.match(text, i)):
+        if ends_in_is and _VERDICT.match(text, i):
             continue
-        if (close := _DISPLAY_OPEN.get(text[i : i + 2])) is not None:
-            j = text.find(close, i + 2)  # display math: the whole block, over its lines
-            if j >= 0:
-                return " ".join(text[i : j + 2].split()), start
-        end = text.find("\n", i)
-        line = text[i : n if end < 0 else end].strip()
-        if hedge := _HEDGE.match(line):  # "probably 5", "therefore 42": the answer is 5, 42
-            line = line[hedge.end() :]
-        return unemphasize(without_aside(first_sentence(line))), start
-    return None
+        if ends_in_is and (denied := _DENIAL.match(text, i)):
+            if denial is None:
+                denial = (start, i, denied.end())
+            continue
+        return _answer_at(text, i), start, None
+    if denial is None:
+        return None
+    start, i, candidate = denial
+    return _answer_at(text, i), start, _answer_at(text, candidate)
+
+
+def _answer_at(text: str, i: int) -> str:
+    """The answer that starts at ``text[i]`` (not a space): a display math block, or the rest
+    of the line up to its first sentence's end or an aside, without a hedge before it."""
+    if (close := _DISPLAY_OPEN.get(text[i : i + 2])) is not None:
+        j = text.find(close, i + 2)  # display math: the whole block, over its lines
+        if j >= 0:
+            return " ".join(text[i : j + 2].split())
+    end = text.find("\n", i)
+    line = text[i : len(text) if end < 0 else end].strip()
+    if hedge := _HEDGE.match(line):  # "probably 5", "therefore 42": the answer is 5, 42
+        line = line[hedge.end() :]
+    return unemphasize(without_aside(first_sentence(line)))
 
 
 # after "the answer is" (a marker ending in "is"), words that hedge or qualify what follows:
@@ -183,7 +207,7 @@ _VERDICT = re.compile(
 # math or a lone choice letter after "not" denies
 _DENIAL = re.compile(
     r"(?:" + _HEDGE_WORDS + r"[ \t]+){0,2}not[ \t]+[*_]*"
-    r"(?:[-+]?\$?[\d.]|\$|\\|\(|(?-i:[A-Z])(?![\w'-]))",
+    r"(?=[-+]?\$?[\d.]|\$|\\|\(|(?-i:[A-Z])(?![\w'-]))",  # ends where the candidate starts
     re.IGNORECASE,
 )
 

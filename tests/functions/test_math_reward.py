@@ -261,6 +261,26 @@ def test_the_answer_is_read_after_the_thinking_and_the_later_of_box_and_marker(t
     assert math_answer(text, ground_truth=gt).score == score
 
 
+@pytest.mark.parametrize(
+    ("text", "gt", "score"),
+    [
+        # a denied candidate with no answer stated before it: the denial was skipped and the
+        # last number (or math) read, which is the very candidate the text rejects
+        ("The answer is not 7.", "7", 0.0),
+        ("The final answer is not $\\frac{1}{2}$.", "\\frac{1}{2}", 0.0),
+        ("The answer is definitely not 7.", "7", 0.0),
+        # ... and a box the text then rejects is not its answer either
+        ("At first \\boxed{5}. Checking again, the answer is not 5.", "5", 0.0),
+        ("At first \\boxed{5}. Checking again, the answer is not $5$.", "5", 0.0),
+        # a denial of another candidate leaves the box, or the answer stated before it
+        ("So \\boxed{7}. Note that the answer is not 5.", "7", 1.0),
+        ("The answer is 7. Note that the answer is not 5.", "7", 1.0),
+    ],
+)
+def test_a_rejected_candidate_is_not_the_answer(text, gt, score):
+    assert math_answer(text, ground_truth=gt).score == score, math_answer(text, ground_truth=gt).info
+
+
 @pytest.mark.parametrize("text", ["<think>so \\boxed{42}</think>", "<think>The answer is 42.</think>\n \n"])
 def test_nothing_after_the_thinking_is_no_answer(text):
     assert extract_final(text) == (None, "none")
