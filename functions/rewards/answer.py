@@ -284,7 +284,8 @@ def without_aside(s: str) -> str:
         elif c in ")]}":
             depth = max(0, depth - 1)
         elif (aside := _ASIDE_AT.get(c)) and i and not in_math and not depth and aside.match(s, i):
-            return s[:i].rstrip() or s
+            # a comma before a clause that starts at a space ("18, and that's ...") is the clause's
+            return s[:i].rstrip(" \t,") or s
         i += 1
     return s
 

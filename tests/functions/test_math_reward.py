@@ -222,6 +222,9 @@ def test_stated_answers_in_common_formats(text, gt, score):
         ("Answer: 42 dollars, after tax", "42", 1.0),
         ("The answer is 41, because 6 times 7 is 42.", "42", 0.0),
         ("The answer is 41 since 6 \\times 7 = 42.", "42", 0.0),
+        # a clause about the writer after a comma: the cut left the comma ("18,": unparsable)
+        ("The answer is 18, and that's the number of apples.", "18", 1.0),
+        ("The answer is 18, and I am confident.", "18", 1.0),
         # lists, points and a second answer stay whole
         ("The answer is 1, 2, 3.", "\\{1,2,3\\}", 1.0),
         ("The answer is 1, 2, which are the roots.", "\\{1,2\\}", 1.0),
