@@ -173,7 +173,10 @@ def _answer_at(text: str, i: int) -> str:
             return " ".join(text[i : j + 2].split())
     end = text.find("\n", i)
     line = text[i : len(text) if end < 0 else end].strip()
-    if hedge := _HEDGE.match(line):  # "probably 5", "therefore 42": the answer is 5, 42
+    # "probably 5", "therefore 42": the answer is 5, 42. A capitalised hedge before a word
+    # (no comma) starts a name: "Simply Red", "Also sprach Zarathustra"
+    hedge = _HEDGE.match(line)
+    if hedge and (line[0].islower() or "," in hedge[0] or not line[hedge.end()].isalpha()):
         line = line[hedge.end() :]
     return unemphasize(without_aside(first_sentence(line)))
 

@@ -119,6 +119,12 @@ def test_extract_answer(text: str, expected: str) -> None:
         ("The answer is therefore 42.", "42."),
         ("The answer is clearly $\\frac{1}{2}$.", "$\\frac{1}{2}$."),
         ("The answer is still water.", "still water."),  # "still" starts text answers
+        # ... but a capitalised one before a word starts a name
+        ("The answer is Simply Red.", "Simply Red."),
+        ("The answer is Also sprach Zarathustra.", "Also sprach Zarathustra."),
+        ("Answer: Perhaps Love", "Perhaps Love"),
+        ("Answer: Probably 5", "5"),
+        ("Final answer: Therefore, Paris.", "Paris."),
         ("The answer is: 5.", "5."),
         # a clause about the writer after the answer is not part of it
         ("I think the answer is 5 but I'm not sure.", "5"),
