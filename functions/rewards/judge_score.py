@@ -137,11 +137,14 @@ def _on_scale(num: str, percent: str | None, scale: str | None, lo: float, hi: f
     percentage is that fraction of the way from the rubric's bottom to its top (on 0-10,
     ``85%`` is 8.5; on 1-5, ``50%`` is 3). A percentage whose number is itself a score on the
     rubric's scale, read otherwise (``10%`` on 0-10: a 10 with a stray sign, or 1?), is
-    refused rather than guessed: it read a judge's 10 as 1."""
+    refused rather than guessed: it read a judge's 10 as 1. Readings within a hundredth of the
+    range of each other are one grade (``85%`` on 1-100 is 85.15)."""
     n = _float(num)
     if percent:
         as_percent = lo + n / 100 * (hi - lo)
-        if lo <= n <= hi and abs(as_percent - n) > 1e-9 * max(1.0, abs(hi)):
+        # ambiguous only where the readings differ by over a point of the range's hundred:
+        # on 1-100, 85% (85.15) and 85 are the same grade
+        if lo <= n <= hi and abs(as_percent - n) > 0.01 * (hi - lo) * (1 + 1e-9):
             raise JudgeResponseError(
                 f"the judge's score {num}% is ambiguous on the rubric's [{lo:g}, {hi:g}] scale: "
                 f"{num} as a score, or {as_percent:g} as a percentage of the range? Make the "

@@ -136,6 +136,9 @@ def test_unreadable_scores_are_clear_errors(reply, error):
         ("Score: 50%", 1, 5, 3.0),
         ("Score: 10%", 0, 1, 0.1),
         ("Score: 10%", 0, 100, 10.0),  # the same either way
+        # ... or nearly: on 1-100, 85 and 85% (85.15) are within a point of each other
+        ("Score: 85%", 1, 100, 85.15),
+        ("Score: 50%", 1, 100, 50.5),
         # ... but a number that is itself a score on the rubric's scale is ambiguous: "10%" on
         # 0-10 was read as 1, when the judge most likely meant its top mark
         ("Score: 10%", 0, 10, None),
