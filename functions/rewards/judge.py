@@ -303,8 +303,10 @@ class Judge:
         """One request; ``left``: the seconds the call has left (``None``: no limit), which
         bound the rate limiter's wait and the request's own timeout."""
         cfg = self.config
-        max_wait = cfg.max_wait_s if left is None else min(cfg.max_wait_s, left)
-        wait = self.limiter.reserve(tokens, max_wait)
+        if left is None or cfg.max_wait_s <= left:
+            wait = self.limiter.reserve(tokens, cfg.max_wait_s)
+        else:  # the call's time limit is the nearer bound: the error names it, not max_wait_s
+            wait = self.limiter.reserve(tokens, left, f"the {left:.1f} s the call's time limit leaves")
         if wait > 0:
             await self._sleep(wait)
             left = None if left is None else left - wait

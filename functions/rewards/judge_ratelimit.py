@@ -63,9 +63,10 @@ class RateLimiter:
         self.tokens = None if tokens_per_minute is None else TokenBucket(tokens_per_minute, now)
         self._lock = threading.Lock()
 
-    def reserve(self, tokens: int, max_wait_s: float = float("inf")) -> float:
+    def reserve(self, tokens: int, max_wait_s: float = float("inf"), bound: str | None = None) -> float:
         """Reserve one request of ``tokens`` and return how long to wait before sending it;
-        ``Unavailable`` (nothing reserved) when that is over ``max_wait_s``."""
+        ``Unavailable`` (nothing reserved) when that is over ``max_wait_s``, which ``bound``
+        names in the error if it is not the ``max_wait_s`` setting."""
         if self.tokens is not None and tokens > self.tokens.capacity:
             raise ValueError(
                 f"one request needs ~{tokens} tokens, more than tokens_per_minute="
@@ -82,9 +83,10 @@ class RateLimiter:
                 if self.tokens:
                     self.tokens.give_back(tokens)
         if wait > max_wait_s:
+            over = bound or f"max_wait_s={max_wait_s:g}"
             raise Unavailable(
                 f"llm_judge is rate limited: the next request slot is {wait:.1f} s away, over "
-                f"max_wait_s={max_wait_s:g} (requests_per_minute, tokens_per_minute bound one worker); "
+                f"{over} (requests_per_minute, tokens_per_minute bound one worker); "
                 "send fewer concurrent calls or raise the limits if the provider allows"
             )
         return wait

@@ -587,6 +587,19 @@ async def test_a_retry_after_past_the_runs_limit_is_not_waited(srv, make_judge):
     assert len(srv.chat_requests) == 1
 
 
+async def test_a_rate_limit_wait_past_the_runs_limit_says_so(srv, make_judge):
+    # the rate limiter's wait is bounded by what the run has left, and its refusal blamed
+    # max_wait_s with that bound as its value ("over max_wait_s=1.7"), a setting nobody made
+    runner = FunctionRunner.from_entry(ENTRY)
+    runner.ctx = make_judge(srv, requests_per_minute=1, max_wait_s=600)
+    ok, _ = await runner.run_async(encode_payload({"traj": "x"}), 5.0)
+    assert ok  # the first request goes at once
+    ok, (code, message, _) = await runner.run_async(encode_payload({"traj": "x"}), 2.0)
+    assert not ok and code == ErrorCode.UNAVAILABLE, message
+    assert "max_wait_s" not in message and "the call's time limit" in message, message
+    assert len(srv.chat_requests) == 1
+
+
 async def test_an_unreachable_endpoint_says_where_it_looked():
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
