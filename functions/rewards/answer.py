@@ -103,19 +103,25 @@ def boxed_or_stated(text: str) -> tuple[str, str] | None:
     ``answer_is``, see ``stated_answer``), whichever comes later: "First guess \\boxed{41}.
     Wait, recomputing, the final answer is 42." states 42, "The answer is \\boxed{42}." boxes it
     (a marker inside the box, or before it, leaves the box the answer). None when there is
-    neither."""
+    neither. Rule ``denied``: the text states no answer after the box (if any) but rejects a
+    candidate ("the answer is not 5", or not the box's content); the answer is then the text
+    after that candidate, where a fallback may still find one ("not 5, it is 6"), never the
+    rejected one."""
     boxed = _last_boxed(text)
     # only a marker after the box can beat it: the scan starts there (the usual "... so the
     # answer is \boxed{42}." scans nothing)
     stated = _stated_answer(text, 0 if boxed is None else boxed[1])
-    if stated is not None and boxed is not None and stated[2] is not None:
-        # only a denial follows the box: "the answer is not 5" withdraws \boxed{5}, while a
-        # note that it is not 3 leaves it standing
-        if normalize(stated[2].rstrip(" .,;:!?")) != normalize(boxed[0]):
-            return boxed[0], "boxed"
-    if stated is not None:
-        return stated[0], "answer_is"
-    return None if boxed is None else (boxed[0], "boxed")
+    if stated is None:
+        return None if boxed is None else (boxed[0], "boxed")
+    answer, _, denied = stated
+    if denied is None:
+        return answer, "answer_is"
+    candidate, after = denied
+    # a denial after the box withdraws it if it names it ("\boxed{5} ... the answer is not
+    # 5"); a note that the answer is not 3 leaves \boxed{7} standing
+    if boxed is not None and normalize(candidate.rstrip(" .,;:!?")) != normalize(boxed[0]):
+        return boxed[0], "boxed"
+    return text[after:], "denied"
 
 
 def stated_answer(text: str) -> str | None:
@@ -134,12 +140,13 @@ def stated_answer(text: str) -> str | None:
     return None if found is None else found[0]
 
 
-def _stated_answer(text: str, pos: int = 0) -> tuple[str, int, str | None] | None:
+def _stated_answer(text: str, pos: int = 0) -> tuple[str, int, tuple[str, int] | None] | None:
     """``(answer, start, denied)`` of the stated answer, ``start`` where its marker starts;
     markers before ``pos`` are not looked at. ``denied`` is None, or, when the text states no
-    answer but denies one ("the answer is not 5"), the candidate it denies (``5``) with the
-    denial (``not 5``) as the answer: a denial is not an answer, but neither may the number it
-    rejects be read as one by a fallback (the last number, or a box before it)."""
+    answer but denies one ("the answer is not 5"), ``(candidate, end)``: the candidate it
+    denies (``5``) and where it ends in ``text``, with the denial (``not 5``) as the answer. A
+    denial is not an answer, but neither may the candidate it rejects be read as one by a
+    fallback (the last number, or a box before it)."""
     n = len(text)
     denial: tuple[int, int, int] | None = None  # the last marker that denies a candidate
     # a marker that judges or denies an answer ("the answer is probably wrong", "the answer is
@@ -157,28 +164,31 @@ def _stated_answer(text: str, pos: int = 0) -> tuple[str, int, str | None] | Non
             if denial is None:
                 denial = (start, i, denied.end())
             continue
-        return _answer_at(text, i), start, None
+        return _answer_at(text, i)[0], start, None
     if denial is None:
         return None
     start, i, candidate = denial
-    return _answer_at(text, i), start, _answer_at(text, candidate)
+    return _answer_at(text, i)[0], start, _answer_at(text, candidate)
 
 
-def _answer_at(text: str, i: int) -> str:
-    """The answer that starts at ``text[i]`` (not a space): a display math block, or the rest
-    of the line up to its first sentence's end or an aside, without a hedge before it."""
+def _answer_at(text: str, i: int) -> tuple[str, int]:
+    """The answer that starts at ``text[i]`` (not a space), and where it ends in ``text``: a
+    display math block, or the rest of the line up to its first sentence's end or an aside,
+    without a hedge before it."""
     if (close := _DISPLAY_OPEN.get(text[i : i + 2])) is not None:
         j = text.find(close, i + 2)  # display math: the whole block, over its lines
         if j >= 0:
-            return " ".join(text[i : j + 2].split())
+            return " ".join(text[i : j + 2].split()), j + 2
     end = text.find("\n", i)
-    line = text[i : len(text) if end < 0 else end].strip()
+    line = text[i : len(text) if end < 0 else end].rstrip()
     # "probably 5", "therefore 42": the answer is 5, 42. A capitalised hedge before a word
     # (no comma) starts a name: "Simply Red", "Also sprach Zarathustra"
     hedge = _HEDGE.match(line)
+    skip = 0
     if hedge and (line[0].islower() or "," in hedge[0] or not line[hedge.end()].isalpha()):
-        line = line[hedge.end() :]
-    return unemphasize(without_aside(first_sentence(line)))
+        skip = hedge.end()
+    answer = without_aside(first_sentence(line[skip:]))  # a prefix of the rest of the line
+    return unemphasize(answer), i + skip + len(answer)
 
 
 # after "the answer is" (a marker ending in "is"), words that hedge or qualify what follows:
@@ -363,11 +373,14 @@ def _abbreviation(word: str, s: str, after: int) -> bool:
 def extract_answer(text: str) -> str:
     r"""The final answer of a completion, read after its thinking (``after_thinking``): the
     last ``\boxed{}`` or stated answer, whichever comes later (``boxed_or_stated``), else the
-    last non-empty line; ``""`` when there is none."""
+    last non-empty line (after a rejected candidate, if the text rejects one: "the answer is
+    not 5"); ``""`` when there is none."""
     text = after_thinking(text)
     found = boxed_or_stated(text)
     if found is not None:
-        return found[0]
+        if found[1] != "denied":
+            return found[0]
+        text = found[0]
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     return lines[-1] if lines else ""
 

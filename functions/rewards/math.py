@@ -275,7 +275,9 @@ def extract_final(text: str) -> tuple[str | None, str]:
     found = boxed_or_stated(text)
     if found is not None:
         answer, rule = found
-        return (_chain_end(answer) if rule == "answer_is" else answer), rule
+        if rule != "denied":
+            return (_chain_end(answer) if rule == "answer_is" else answer), rule
+        text = answer  # what follows a rejected candidate ("not 5, it is 6"): never the candidate
     numbers = list(_LAST_NUMBER.finditer(text))
     value = _last_math(text, numbers)
     if value is not None:

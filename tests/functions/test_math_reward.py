@@ -275,6 +275,12 @@ def test_the_answer_is_read_after_the_thinking_and_the_later_of_box_and_marker(t
         # ... and a box the text then rejects is not its answer either
         ("At first \\boxed{5}. Checking again, the answer is not 5.", "5", 0.0),
         ("At first \\boxed{5}. Checking again, the answer is not $5$.", "5", 0.0),
+        # ... but an answer after the rejected candidate is read as before (the fallback, from
+        # there on): a self-correction need not say "the answer is" again
+        ("The answer is not 5, it is 6.", "6", 1.0),
+        ("Wait, the answer is not 5. Recomputing: 2 \\times 3 = 6.", "6", 1.0),
+        ("At first \\boxed{5}. Hmm, the answer is not 5. Redoing it gives 6.", "6", 1.0),
+        ("At first \\boxed{5}. Hmm, the answer is not 5. Redoing it gives 6.", "5", 0.0),
         # a denial of another candidate leaves the box, or the answer stated before it
         ("So \\boxed{7}. Note that the answer is not 5.", "7", 1.0),
         ("The answer is 7. Note that the answer is not 5.", "7", 1.0),
