@@ -321,7 +321,7 @@ class Judge:
             within = (
                 f"timeout_s={cfg.timeout_s:g} s"
                 if limit == cfg.timeout_s
-                else f"{limit:.2g} s (what the call's time limit left)"
+                else f"{limit:.1f} s (what the call's time limit left)"
             )
             raise _Transient(
                 f"no answer within {within}",
