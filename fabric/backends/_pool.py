@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from fabric.backends._pool_workers import _MAX_START_FAILURES, PoolWorkers
+from fabric.backends._pool_workers import _MAX_START_FAILURES, _TICK_S, PoolWorkers
 from fabric.backends._worker_handle import LIVE_PIDS, PoolCall
 from fabric.backends.base import LocalConfig
 from fabric.errors import BackendClosedError, BackendError, ErrorCode, SetupFailedError
@@ -53,6 +53,7 @@ class FunctionPool(PoolWorkers):
         self._wids = itertools.count(1)
         self._by_key = {}
         self._closed = False
+        self._closing: asyncio.Task[None] | None = None
         # nothing can serve (set only while no worker is usable or starting): calls fail fast
         self._broken = None  # until, message, traceback
         self._last_start_failure = None  # message, traceback
@@ -116,8 +117,29 @@ class FunctionPool(PoolWorkers):
                 )
             await asyncio.sleep(0.01)
 
+    async def retire(self) -> None:
+        """Close once the calls this pool holds have ended: it was replaced by a pool of the
+        function registered again (``LocalBackend.pool``), which takes every call from now
+        on. Its runs under way finish on the code they started with, and its queue is served
+        by it too, as submitted (a call runs the code registered when it was made); it keeps
+        no worker ready for later (``warm`` 0). Every call here is bounded (the function's
+        ``timeout_s``, a start that fails), so the wait is."""
+        self.warm = 0
+        # no event marks "held nothing": the pool's own maintenance period is the poll's
+        while not self._closed and (self._pending or any(w.inflight for w in self._workers)):  # noqa: ASYNC110
+            await asyncio.sleep(_TICK_S)
+        await self.close()
+
     async def close(self) -> None:
+        """Stop the workers; the calls still held are answered ``BackendClosed``. Idempotent:
+        a second close (the backend's, of a pool whose retirement is closing it) waits for
+        the first."""
         self._closed = True
+        if self._closing is None:
+            self._closing = self._loop.create_task(self._close_now())
+        await asyncio.shield(self._closing)
+
+    async def _close_now(self) -> None:
         if self._maint is not None:
             self._maint.cancel()
         while self._pending:

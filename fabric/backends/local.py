@@ -1,4 +1,10 @@
-"""The embedded default: per-function warm pools of worker processes on this machine."""
+"""The embedded default: per-function warm pools of worker processes on this machine.
+
+A pool's workers import the function once, when they start. A function registered again
+under its name (a module edited and reloaded, a notebook cell run again: a new spec in the
+registry) gets a new pool at its next call, whose workers import the code as it is now; the
+old pool is retired: what it holds runs to its end there, then its workers stop.
+"""
 
 from __future__ import annotations
 
@@ -26,15 +32,23 @@ class LocalBackend(Backend):
         super().__init__(registry)
         self.config = config or LocalConfig()
         self._pools: dict[str, FunctionPool] = {}
+        # pools replaced by a function's new registration, until their calls have ended
+        self._retiring: dict[FunctionPool, asyncio.Task[None]] = {}
+        # kept by function, not by pool: a pool replaced hands them to the next one
+        self._watchers: dict[str, list[Callable[[], None]]] = {}
         self._cpu = cpu_count()
 
     def pool(self, name: str) -> FunctionPool:
-        """The pool of ``name``, started on first use; ``BackendClosedError`` once closed."""
+        """The pool of ``name`` as registered now: started on first use, and replaced when
+        the function was registered again since (see the module docstring);
+        ``BackendClosedError`` once closed."""
         if self._closed:  # a pool started now would never be closed: its workers would linger
             raise BackendClosedError(f"{self.kind} backend is closed")
         pool = self._pools.get(name)
-        if pool is None:
-            spec = self.registry.get(name)
+        spec = self.registry.get(name)
+        # by identity, as the client tells a new registration: a module reloaded with only a
+        # helper of the function changed registers an equal spec, and its code is new too
+        if pool is None or pool.spec is not spec:
             if "<locals>" in spec.entry or "<lambda>" in spec.entry:
                 raise EntryPointError(
                     f"{name}: {spec.entry} is a nested function or lambda; the local backend imports "
@@ -50,14 +64,32 @@ class LocalBackend(Backend):
                     "cell or the REPL): the local backend imports functions in worker processes, "
                     "so define it in a module or a .py file (or use backend='inproc')"
                 )
-            pool = FunctionPool(spec, self.config, cpu=self._cpu)
+            old, pool = pool, FunctionPool(spec, self.config, cpu=self._cpu)
             self._pools[name] = pool
             pool.start()
+            watchers = self._watchers.get(name, [])
+            for grew in watchers:
+                pool.watch_capacity(grew)
+            if old is not None:
+                self._retire(old)
+                for grew in watchers:  # the new pool's room may be more: whoever waits, look
+                    grew()
         return pool
+
+    def _retire(self, pool: FunctionPool) -> None:
+        task = asyncio.get_running_loop().create_task(pool.retire())
+        self._retiring[pool] = task
+        task.add_done_callback(lambda _: self._retiring.pop(pool, None))
+
+    def _all_pools(self, name: str) -> list[FunctionPool]:
+        """The pool of ``name`` and those it replaced that still hold calls."""
+        pools = [p for p in self._retiring if p.spec.name == name]
+        current = self._pools.get(name)
+        return pools if current is None else [current, *pools]
 
     def _submit(self, inv: Invocation) -> asyncio.Future[Result]:
         pool = self._pools.get(inv.function)
-        if pool is None:
+        if pool is None or pool.spec is not self.registry.find(inv.function):
             try:
                 pool = self.pool(inv.function)
             except (UnknownFunctionError, EntryPointError) as e:
@@ -76,7 +108,7 @@ class LocalBackend(Backend):
 
     def capacity(self, function: str) -> int | None:
         pool = self._pools.get(function)
-        if pool is None:
+        if pool is None or pool.spec is not self.registry.find(function):
             try:
                 pool = self.pool(function)
             except (UnknownFunctionError, EntryPointError, BackendClosedError):
@@ -85,15 +117,20 @@ class LocalBackend(Backend):
 
     def watch_capacity(self, function: str, grew: Callable[[], None]) -> None:
         if self.capacity(function) is not None:  # the pool, started
+            self._watchers.setdefault(function, []).append(grew)
             self._pools[function].watch_capacity(grew)
 
     def settled(self, function: str, fut: asyncio.Future[Result]) -> asyncio.Future[None] | None:
-        pool = self._pools.get(function)
-        return None if pool is None else pool.settled(fut)
+        # a pool replaced meanwhile still runs the calls it had
+        for pool in self._all_pools(function):
+            settled = pool.settled(fut)
+            if settled is not None:
+                return settled
+        return None
 
     def extend_deadline(self, function: str, idempotency_key: str, deadline: float | None) -> bool:
-        pool = self._pools.get(function)
-        if pool is not None:  # no pool: nothing was sent yet, and what will be carries the new one
+        # no pool: nothing was sent yet, and what will be carries the new one
+        for pool in self._all_pools(function):
             pool.extend_deadline(idempotency_key, deadline)
         return True
 
@@ -116,7 +153,9 @@ class LocalBackend(Backend):
         raise first
 
     async def _close(self) -> None:
-        await asyncio.gather(*(p.close() for p in self._pools.values()))
+        # the retiring pools too: their calls are answered BackendClosed and their workers stop
+        await asyncio.gather(*(p.close() for p in [*self._pools.values(), *self._retiring]))
+        await asyncio.gather(*self._retiring.values(), return_exceptions=True)
 
     def stats(self) -> dict[str, Any]:
         return {name: p.stats() for name, p in self._pools.items()}

@@ -1,0 +1,176 @@
+"""A function registered again under its name with new code (a module edited and reloaded, a
+notebook cell run again) through the local backend: its pool of worker processes, which
+imported the function when they started, is replaced by one whose workers import the new
+code; the runs under way on the old workers finish there, and the old workers are gone once
+they have. The re-registration is a real one: a module file rewritten and reloaded."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import itertools
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from fabric.backends.local import LocalBackend
+from fabric.client import Client
+from fabric.protocol import Invocation
+from fabric.registry import Registry
+
+_V1 = """
+import os
+import time
+import fabric
+
+@fabric.function(name="{name}", timeout_s=30, max_concurrency=4, warm=1)
+def answer(started: str = "", release: str = "") -> dict:
+    if started:
+        open(started, "w").close()
+    t_end = time.monotonic() + 20
+    while release and not os.path.exists(release) and time.monotonic() < t_end:
+        time.sleep(0.01)  # a run under way until the test lets it end
+    return {{"code": "v1", "pid": os.getpid()}}
+"""
+_V2 = _V1.replace('"v1"', '"v2, rewritten"')
+_NAMES = itertools.count(1)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+async def _until(predicate, what: str, within_s: float = 15.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def reloadable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
+    """A module of one function in a file of its own, and a function that rewrites and
+    reloads it (the workers import it from the same directory: sys.path travels to them)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")  # the workers' imports too
+    mod_name = f"local_reloaded_{request.node.name}"
+    # a name of its own: the decorator registers it in the default registry too, by entry
+    fn_name = f"local_reloaded_{next(_NAMES)}"
+    path = tmp_path / f"{mod_name}.py"
+    path.write_text(textwrap.dedent(_V1.format(name=fn_name)))
+    importlib.invalidate_caches()
+    module = importlib.import_module(mod_name)
+
+    def reload() -> ModuleType:
+        path.write_text(textwrap.dedent(_V2.format(name=fn_name)))
+        importlib.invalidate_caches()
+        return importlib.reload(module)
+
+    try:
+        yield fn_name, mod_name, reload
+    finally:
+        sys.modules.pop(mod_name, None)
+
+
+async def test_a_reregistered_function_runs_its_new_code_in_new_workers(reloadable, tmp_path):
+    """The local pool kept the workers that imported the first code: after the function was
+    registered again, every call still ran the old code, silently (the client's spec and
+    idempotency key were the new version's)."""
+    name, mod_name, reload = reloadable
+    started, release = tmp_path / "started", tmp_path / "release"
+    reg = Registry()
+    reg.discover(mod_name)
+    async with Client(backend="local", registry=reg) as c:
+        first = await c.call(name, {})
+        assert first.ok and first.value["code"] == "v1", first.error
+        old_pids = set(c.backend.stats()[name]["pids"])
+        assert first.value["pid"] in old_pids
+        # a run under way on an old worker when the function is registered again
+        under_way = asyncio.ensure_future(c.call(name, {"started": str(started), "release": str(release)}))
+        await _until(started.exists, "the run to start on an old worker")
+
+        reload()
+        reg.discover(mod_name)
+        new = await c.call(name, {})
+        assert new.ok and new.value["code"] == "v2, rewritten", (new.value, new.error)
+        assert new.value["pid"] not in old_pids
+        again = await c.call(name, {})
+        assert again.ok and again.value["code"] == "v2, rewritten"
+
+        assert not under_way.done()  # the old worker was not stopped under it
+        release.touch()
+        finished = await under_way
+        assert finished.ok and finished.value == {"code": "v1", "pid": first.value["pid"]}, finished.error
+        # the old workers are retired once their runs ended: no process left behind
+        await _until(lambda: not any(alive(p) for p in old_pids), "the old workers to be gone")
+        new_pids = set(c.backend.stats()[name]["pids"])
+        assert new.value["pid"] in new_pids and not new_pids & old_pids
+    assert not any(alive(p) for p in old_pids | new_pids)
+
+
+async def test_a_run_on_a_replaced_pool_is_still_known_to_the_backend(reloadable, tmp_path):
+    """What the client and fabric serve ask of a call's run (has it settled? its keyed
+    deadline moved) reaches the run on a pool replaced meanwhile: asked of the new pool only,
+    a run still going on an old worker read as settled, and its slot was given back under it."""
+    name, mod_name, reload = reloadable
+    started, release = tmp_path / "started", tmp_path / "release"
+    reg = Registry()
+    reg.discover(mod_name)
+    grew: list[int] = []
+    async with LocalBackend(reg) as b:
+        b.watch_capacity(name, lambda: grew.append(1))
+        payload = {"started": str(started), "release": str(release)}
+        under_way = b.submit(Invocation(function=name, payload=payload, idempotency_key="k"))
+        await _until(started.exists, "the run to start on an old worker")
+
+        reload()
+        reg.discover(mod_name)
+        new = await b.submit(Invocation(function=name, payload={}))
+        assert new.ok and new.value["code"] == "v2, rewritten", new.error
+        assert grew, "the capacity watchers were not told of the new pool"
+
+        assert b.extend_deadline(name, "k", time.time() + 60)
+        settled = b.settled(name, under_way)
+        assert settled is not None and not settled.done(), "a run on the replaced pool read as settled"
+        release.touch()
+        finished = await under_way
+        assert finished.ok and finished.value["code"] == "v1", finished.error
+        await asyncio.wait_for(settled, 10)
+
+
+async def test_calls_at_close_with_a_pool_being_replaced_are_answered_and_leave_no_process(
+    reloadable, tmp_path
+):
+    """A backend closed while a replaced pool still runs a call: the call is answered and
+    the old worker is killed with the rest."""
+    name, mod_name, reload = reloadable
+    started = tmp_path / "started"
+    reg = Registry()
+    reg.discover(mod_name)
+    b = LocalBackend(reg)
+    async with b:
+        payload = {"started": str(started), "release": str(tmp_path / "never")}
+        under_way = b.submit(Invocation(function=name, payload=payload))
+        await _until(started.exists, "the run to start on an old worker")
+        old_pids = set(b.stats()[name]["pids"])
+        reload()
+        reg.discover(mod_name)
+        assert (await b.submit(Invocation(function=name, payload={}))).ok
+        new_pids = set(b.stats()[name]["pids"])
+    answer = await asyncio.wait_for(under_way, 10)
+    assert not answer.ok and answer.error is not None, answer
+    assert not any(alive(p) for p in old_pids | new_pids)
