@@ -16,6 +16,7 @@ module "functions" {
   name_prefix            = var.name_prefix
   package                = var.package
   functions              = var.functions
+  function_settings      = var.function_settings
   function_environment   = var.function_environment
   log_retention_days     = var.log_retention_days
   idempotency_table_name = module.storage.table_name

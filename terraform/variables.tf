@@ -1,5 +1,8 @@
 # `fabric deploy --backend lambda` writes region, name_prefix, package, functions and tags
-# into fabric.auto.tfvars.json; the rest keep their defaults unless set by hand.
+# into fabric.auto.tfvars.json; the rest keep their defaults unless set by hand. A variable
+# set in two files takes the value of the last one Terraform reads, whole (*.auto.tfvars
+# after terraform.tfvars): set those five only through deploy, and a function's environment
+# in function_settings and function_environment, which deploy never writes.
 
 variable "region" {
   description = "AWS region of every resource."
@@ -86,6 +89,12 @@ variable "functions" {
     condition     = alltrue([for f in values(var.functions) : f.ephemeral_storage_mb >= 512 && f.ephemeral_storage_mb <= 10240])
     error_message = "functions[*].ephemeral_storage_mb must be between 512 and 10240."
   }
+}
+
+variable "function_settings" {
+  description = "Environment variables that are no secret (a judge's model, a log level), keyed by fabric name, merged over functions[*].environment. fabric deploy never writes it: set it in a tfvars file of your own (deploy's fabric.auto.tfvars.json replaces a functions value set elsewhere whole). Printed by terraform plan."
+  type        = map(map(string))
+  default     = {}
 }
 
 variable "function_environment" {

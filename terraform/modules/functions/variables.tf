@@ -49,6 +49,12 @@ variable "functions" {
   }
 }
 
+variable "function_settings" {
+  description = "Environment variables that are no secret by fabric name (as the root's), merged over functions[*].environment."
+  type        = map(map(string))
+  default     = {}
+}
+
 variable "function_environment" {
   description = "Secret environment variables by fabric name (as the root's): sensitive, never printed by plan."
   type        = map(map(string))
