@@ -1,6 +1,9 @@
 locals {
   # records per sqs-worker invocation: sizes the worker's timeout and the event source mapping
   sqs_batch_size = 10
+  # the user's tags, with the one that says who manages these: fabric deploy writes no tags
+  # (a variable set in its fabric.auto.tfvars.json replaces the user's, whole)
+  default_tags = merge(var.tags, { "managed-by" = "rl-fabric" })
 }
 
 module "storage" {

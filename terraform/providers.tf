@@ -2,6 +2,6 @@ provider "aws" {
   region = var.region
 
   default_tags {
-    tags = var.tags
+    tags = local.default_tags
   }
 }

@@ -1,8 +1,8 @@
-# `fabric deploy --backend lambda` writes region, name_prefix, package, functions and tags
-# into fabric.auto.tfvars.json; the rest keep their defaults unless set by hand. A variable
-# set in two files takes the value of the last one Terraform reads, whole (*.auto.tfvars
-# after terraform.tfvars): set those five only through deploy, and a function's environment
-# in function_settings and function_environment, which deploy never writes.
+# `fabric deploy --backend lambda` writes region, name_prefix, package and functions into
+# fabric.auto.tfvars.json; the rest keep their defaults unless set by hand. A variable set in
+# two files takes the value of the last one Terraform reads, whole (*.auto.tfvars after
+# terraform.tfvars): set those four only through deploy, and a function's environment in
+# function_settings and function_environment, which deploy never writes.
 
 variable "region" {
   description = "AWS region of every resource."
@@ -105,7 +105,7 @@ variable "function_environment" {
 }
 
 variable "tags" {
-  description = "Tags on every resource (the provider's default_tags)."
+  description = "Tags on every resource (the provider's default_tags), with managed-by = rl-fabric added. fabric deploy does not write it."
   type        = map(string)
   default     = {}
 }

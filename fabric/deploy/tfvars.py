@@ -29,7 +29,7 @@ def tfvars(
         package["zip_path"] = zip_path
     else:
         package["image_uri"] = image_uri
-    return {
+    values: dict[str, Any] = {
         "region": region,
         "name_prefix": prefix,
         "package": package,
@@ -45,8 +45,12 @@ def tfvars(
             }
             for f in functions
         },
-        "tags": {"managed-by": "rl-fabric", **(tags or {})},
     }
+    # only when given: a value here replaces the user's own tags (terraform takes a variable
+    # whole from the last file that sets it); terraform/ adds managed-by = rl-fabric itself
+    if tags is not None:
+        values["tags"] = tags
+    return values
 
 
 def write_tfvars(values: dict[str, Any], terraform_dir: Path) -> Path:

