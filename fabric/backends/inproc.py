@@ -127,13 +127,16 @@ class _DaemonThreads:
 
 class _KeyedCall:
     """A keyed execution's call (``wait_for_run``), as ``extend_deadline`` finds it: its
-    deadline, and once an async handler runs, the timer that cuts it and when it started."""
+    deadline, and once an async handler runs, the timer that cuts it, when it started and
+    the ``timeout_s`` of the code it runs."""
 
-    __slots__ = ("deadline", "started", "timer")
+    __slots__ = ("deadline", "started", "timeout_s", "timer")
 
     def __init__(self, deadline: float | None):
         self.deadline = deadline
         self.started = 0.0  # the loop's clock
+        # its own runner's: the function registered again since may have another
+        self.timeout_s = 0.0
         self.timer: asyncio.Timeout | None = None
 
     def keep(self, timer: asyncio.Timeout) -> None:
@@ -203,8 +206,7 @@ class InprocBackend(Backend):
             timer = call.timer
             if timer is None or timer.expired():  # not started (it reads the new one), or cut already
                 continue
-            timeout_s = self._runners[function].spec.timeout_s
-            end = call.started + timeout_s
+            end = call.started + call.timeout_s
             if deadline is not None:
                 end = min(end, loop.time() + deadline - time.time())
             timer.reschedule(end)
@@ -228,6 +230,8 @@ class InprocBackend(Backend):
                 request_id=inv.request_id,
             )
         timeout = runner.spec.timeout_s
+        if keyed is not None:
+            keyed.timeout_s = timeout
         deadline = inv.deadline if keyed is None else keyed.deadline
         started = time.time()
         remaining = None if deadline is None else deadline - started

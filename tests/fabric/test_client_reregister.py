@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import itertools
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -44,6 +46,9 @@ _V2 = _V1.replace('"v1"', '"v2, rewritten"').replace("timeout_s=30", "timeout_s=
 _V2 = _V2.replace("max_concurrency=8", "max_concurrency=1").replace('"max_attempts": 3', '"max_attempts": 1')
 
 
+_NAMES = itertools.count(1)
+
+
 def _write(path: Path, source: str, name: str) -> None:
     path.write_text(textwrap.dedent(source.format(name=name)))
 
@@ -54,7 +59,8 @@ def reloadable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(sys, "dont_write_bytecode", True)  # no stale .pyc of the same second
     mod_name = f"reloaded_{request.node.name.replace('[', '_').replace(']', '_').replace('-', '_')}"
-    fn_name = "reloaded_fn"
+    # a name of its own: the decorator registers it in the default registry too, by entry
+    fn_name = f"reloaded_fn_{next(_NAMES)}"
     path = tmp_path / f"{mod_name}.py"
     _write(path, _V1, fn_name)
     module = importlib.import_module(mod_name)
@@ -124,3 +130,32 @@ async def test_slots_shrunk_while_held_admit_no_more_than_the_new_number():
     waiter = asyncio.ensure_future(slots.acquire())
     await asyncio.sleep(0)
     assert waiter.done() and slots.take_now() and not slots.take_now()
+
+
+async def test_inproc_moves_a_run_of_the_replaced_code_within_its_own_timeout(reloadable):
+    """A keyed run of the old code, under way when the function was registered again with a
+    shorter timeout_s: moving its deadline later cut it at the new code's limit from its
+    start (inproc read the timeout of the runner registered now, not of the run's own)."""
+    from fabric.backends.inproc import InprocBackend
+    from fabric.protocol import Invocation
+
+    name, mod_name, module, reload = reloadable
+    reg = Registry()
+    reg.discover(mod_name)
+    async with InprocBackend(reg) as b:
+        deadline = time.time() + 10
+        inv = Invocation(
+            function=name, payload={"nap": 1.0}, idempotency_key="k", deadline=deadline, wait_for_run=True
+        )
+        run = b.submit(inv)
+        limit = time.monotonic() + 5
+        while module.RUNNING[0] == 0:  # the old code's run is under way
+            assert time.monotonic() < limit, "the run did not start"
+            await asyncio.sleep(0.01)
+        reload()  # timeout_s 30 -> 0.5
+        reg.discover(mod_name)
+        new = await b.submit(Invocation(function=name, payload={}))
+        assert new.ok and new.value == "v2, rewritten", new.error
+        assert b.extend_deadline(name, "k", deadline + 10)
+        done = await run
+        assert done.ok and done.value == "v1", done.error
