@@ -256,7 +256,18 @@ def main() -> None:
         os._exit(3)
     t2 = time.perf_counter()
     sock.sendall(
-        pack(("ready", {"pid": os.getpid(), "import_ms": (t1 - t0) * 1e3, "setup_ms": (t2 - t1) * 1e3}))
+        pack(
+            (
+                "ready",
+                {
+                    "pid": os.getpid(),
+                    "import_ms": (t1 - t0) * 1e3,
+                    "setup_ms": (t2 - t1) * 1e3,
+                    # of the code imported now: the pool checks it is the code registered
+                    "version": runner.spec.version,
+                },
+            )
+        )
     )
 
     async def serve() -> None:

@@ -151,6 +151,23 @@ class PoolWorkers(PoolDispatch):
         w.settle_start()
         self._start_failed(w, f"worker setup failed: {message}", tb)
 
+    def _on_stale(self, w: WorkerHandle, version: str) -> None:
+        """A worker imported other code than the code registered: the module file changed
+        on disk since (edited, not reloaded). Serving it would run another function under
+        this name (and its version, which keys the calls), beside the older workers' code,
+        silently: it is refused as a failed setup is, so its calls fail when no other worker
+        serves them, saying what to do."""
+        w.fatal = True
+        w.settle_start()
+        entry = self.spec.entry.rpartition(":")[0]
+        self._start_failed(
+            w,
+            f"{entry} changed since it was registered: a new worker imported other code "
+            f"(version {version}, registered {self.spec.version}) and was stopped; register it "
+            "again to run the new code (importlib.reload the module, then registry.discover "
+            "it, or restart the process), or undo the edit",
+        )
+
     def _on_lost(self, w: WorkerHandle) -> None:
         w.settle_start()
         if w.proc is not None:

@@ -128,6 +128,10 @@ class WorkerHandle(asyncio.Protocol):
             if kind == "results":
                 self.pool._on_results(self, msg[1])
             elif kind == "ready":
+                version = msg[1].get("version")
+                if version is not None and version != self.pool.spec.version:
+                    self.pool._on_stale(self, version)
+                    continue
                 self.ready = True
                 self.ready_ns = time.monotonic_ns()
                 # idle counts from readiness, not from the spawn: a slow cold start is not idleness

@@ -18,8 +18,10 @@ from types import ModuleType
 
 import pytest
 
+from fabric.backends.base import LocalConfig
 from fabric.backends.local import LocalBackend
 from fabric.client import Client
+from fabric.errors import ErrorCode
 from fabric.protocol import Invocation
 from fabric.registry import Registry
 
@@ -75,13 +77,16 @@ def reloadable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.
     importlib.invalidate_caches()
     module = importlib.import_module(mod_name)
 
-    def reload() -> ModuleType:
+    def edit() -> None:
         path.write_text(textwrap.dedent(_V2.format(name=fn_name)))
         importlib.invalidate_caches()
+
+    def reload() -> ModuleType:
+        edit()
         return importlib.reload(module)
 
     try:
-        yield fn_name, mod_name, reload
+        yield fn_name, mod_name, reload, edit
     finally:
         sys.modules.pop(mod_name, None)
 
@@ -90,7 +95,7 @@ async def test_a_reregistered_function_runs_its_new_code_in_new_workers(reloadab
     """The local pool kept the workers that imported the first code: after the function was
     registered again, every call still ran the old code, silently (the client's spec and
     idempotency key were the new version's)."""
-    name, mod_name, reload = reloadable
+    name, mod_name, reload, _ = reloadable
     started, release = tmp_path / "started", tmp_path / "release"
     reg = Registry()
     reg.discover(mod_name)
@@ -126,7 +131,7 @@ async def test_a_run_on_a_replaced_pool_is_still_known_to_the_backend(reloadable
     """What the client and fabric serve ask of a call's run (has it settled? its keyed
     deadline moved) reaches the run on a pool replaced meanwhile: asked of the new pool only,
     a run still going on an old worker read as settled, and its slot was given back under it."""
-    name, mod_name, reload = reloadable
+    name, mod_name, reload, _ = reloadable
     started, release = tmp_path / "started", tmp_path / "release"
     reg = Registry()
     reg.discover(mod_name)
@@ -157,7 +162,7 @@ async def test_calls_at_close_with_a_pool_being_replaced_are_answered_and_leave_
 ):
     """A backend closed while a replaced pool still runs a call: the call is answered and
     the old worker is killed with the rest."""
-    name, mod_name, reload = reloadable
+    name, mod_name, reload, _ = reloadable
     started = tmp_path / "started"
     reg = Registry()
     reg.discover(mod_name)
@@ -174,3 +179,23 @@ async def test_calls_at_close_with_a_pool_being_replaced_are_answered_and_leave_
     answer = await asyncio.wait_for(under_way, 10)
     assert not answer.ok and answer.error is not None, answer
     assert not any(alive(p) for p in old_pids | new_pids)
+
+
+async def test_a_worker_importing_the_module_edited_since_it_was_registered_is_refused(reloadable):
+    """The module file edited on disk and not registered again: a worker started after that
+    (the first call's, a scale-up, a replacement) imported the edited code, so the pool ran
+    another function than the one registered (whose version keys the calls), beside its older
+    workers' code, silently. Such a worker is refused, and with no other to serve, the calls
+    fail saying what to do."""
+    name, mod_name, _, edit = reloadable
+    reg = Registry()
+    reg.discover(mod_name)
+    edit()  # and not reloaded
+    async with Client(backend=LocalConfig(setup_failure_cooldown_s=60), registry=reg) as c:
+        r = await c.call(name, {})
+        assert not r.ok and r.error is not None, r.value
+        assert r.error.type == ErrorCode.SETUP_FAILED, r.error
+        assert "changed since it was registered" in r.error.message, r.error.message
+        assert "register it again" in r.error.message, r.error.message
+        pids = c.backend.stats()[name]["pids"]
+    assert not any(alive(p) for p in pids)
