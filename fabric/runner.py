@@ -50,19 +50,27 @@ def _args_adapter(fn: Callable[..., Any], spec: FunctionSpec) -> TypeAdapter[Any
     return TypeAdapter(td)
 
 
-# the timer of the async run in progress (in its task's context): a function that retries
-# on its own (an LLM judge) reads what it has left, to fail with its own error before the
-# run's limit cuts it off with a bare timeout
-_RUN_TIMER: contextvars.ContextVar[asyncio.Timeout | None] = contextvars.ContextVar("run_timer", default=None)
+# the timer of the async run in progress and its loop (in its task's context): a function
+# that retries on its own (an LLM judge) reads what it has left, to fail with its own error
+# before the run's limit cuts it off with a bare timeout. The loop is kept, not looked up: the
+# context reaches threads the run starts (asyncio.to_thread), which have no running loop
+_RUN_TIMER: contextvars.ContextVar[tuple[asyncio.Timeout, asyncio.AbstractEventLoop] | None] = (
+    contextvars.ContextVar("run_timer", default=None)
+)
 
 
 def time_left_s() -> float | None:
     """Seconds left before the limit of the async function run in progress cuts it off (its
     ``timeout_s``, or the call's deadline if sooner; moved when the deadline moves); ``None``
-    outside a run or in a run without a limit."""
-    timer = _RUN_TIMER.get()
-    when = None if timer is None else timer.when()
-    return None if when is None else when - asyncio.get_running_loop().time()
+    outside a run or in a run without a limit. Also on a thread the run started
+    (``asyncio.to_thread``: it carries the run's context)."""
+    run = _RUN_TIMER.get()
+    if run is None:
+        return None
+    timer, loop = run
+    when = timer.when()
+    # loop.time() is a plain clock read (time.monotonic on asyncio's loops): safe from a thread
+    return None if when is None else when - loop.time()
 
 
 def format_validation_error(spec: FunctionSpec, e: ValidationError) -> str:
@@ -241,7 +249,7 @@ class FunctionRunner:
             async with timer:
                 if on_timer is not None:
                     on_timer(timer)
-                token = _RUN_TIMER.set(timer)
+                token = _RUN_TIMER.set((timer, loop))
                 try:
                     ok, value = await self._guarded(kwargs)
                 finally:

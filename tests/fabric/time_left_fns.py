@@ -35,3 +35,9 @@ async def time_left_moving(started: str) -> list[float | None]:
     while (time_left_s() or 0.0) < before + 2.0:  # noqa: ASYNC110
         await asyncio.sleep(0.01)
     return [before, time_left_s()]
+
+
+@REG.function(warm=0, timeout_s=5)
+async def time_left_in_a_thread() -> float | None:
+    """What a blocking helper the handler runs on a thread (asyncio.to_thread) reads."""
+    return await asyncio.to_thread(time_left_s)
