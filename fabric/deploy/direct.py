@@ -184,10 +184,16 @@ def _one(
         },
     }
     try:
-        lam.get_function(FunctionName=name)
+        current = lam.get_function(FunctionName=name)["Configuration"]
         created = False
     except lam.exceptions.ResourceNotFoundException:
         created = True
+    else:
+        # deploy has no way to give a function the user's variables (a judge's model and API
+        # key), so they are set on the function itself: an update keeps those, where it
+        # replaced the whole environment with its own and wiped them. Its own win
+        kept = (current.get("Environment") or {}).get("Variables") or {}
+        settings["Environment"] = {"Variables": {**kept, **settings["Environment"]["Variables"]}}
     if created:
         _create_function(
             lam,

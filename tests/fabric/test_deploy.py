@@ -240,6 +240,29 @@ def test_a_redeploy_without_reserved_removes_the_cap(moto_url, tmp_path):
     assert "ReservedConcurrentExecutions" not in lam.get_function_concurrency(FunctionName="rl-boom")
 
 
+def test_a_redeploy_keeps_the_variables_set_on_the_function(moto_url, tmp_path):
+    """`fabric deploy --direct` gives a function no variables of the user's, so they are set
+    on the function itself (the console, `aws lambda update-function-configuration`: a
+    judge's model and API key). A redeploy replaced the function's whole environment with
+    deploy's own variables, wiping them silently, and the judge failed every call after it.
+    It keeps the variables it does not set; its own are as it sets them."""
+    import boto3
+
+    lam = boto3.client("lambda", endpoint_url=moto_url, region_name="us-east-1")
+    cfg = DirectConfig(region="us-east-1", endpoint_url=moto_url, prefix="rl-")
+    plan = plan_functions(REG, ["boom"], prefix="rl-")
+    package = build_zip(plan, tmp_path / "f.zip", deps=False)
+    deploy_direct(plan, package, cfg)
+    own = {"RL_FABRIC_MODULES": "sample_fns", "RL_FABRIC_FUNCTIONS": "boom"}
+    user = {"OPENAI_API_KEY": "sk-1", "RL_FABRIC_JUDGE_MODEL": "m1"}
+    lam.update_function_configuration(
+        FunctionName="rl-boom", Environment={"Variables": {**own, **user, "RL_FABRIC_FUNCTIONS": "changed"}}
+    )
+    deploy_direct(plan, package, cfg)
+    conf = lam.get_function(FunctionName="rl-boom")["Configuration"]
+    assert conf["Environment"]["Variables"] == {**own, **user}
+
+
 def test_a_first_deploy_waits_for_its_new_role(monkeypatch):
     """IAM is eventually consistent: for some seconds after `fabric deploy --direct` creates
     <prefix>lambda, Lambda refuses the function with InvalidParameterValueException "The
