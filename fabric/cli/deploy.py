@@ -69,6 +69,14 @@ def deploy(
         typer.Option(help="Deploy this container image URI; its build context is written to OUT/image."),
     ] = None,
     architecture: Annotated[str, typer.Option(help="x86_64 or arm64.")] = "x86_64",
+    modal_secrets: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--modal-secret",
+            help="modal: attach this Modal secret (`modal secret create NAME KEY=VALUE ...`) to every "
+            "function; its keys become their environment (repeatable).",
+        ),
+    ] = None,
     modules: ModulesOpt = None,
 ) -> None:
     from pathlib import Path
@@ -82,6 +90,11 @@ def deploy(
         fail(f"--architecture must be x86_64 or arm64, got {architecture!r}")
     if Path(out_dir).exists() and not Path(out_dir).is_dir():  # a traceback of mkdir's
         fail(f"--out {out_dir!r} is a file: the package goes into a directory; pick another --out")
+    if modal_secrets and backend != "modal":
+        fail(
+            "--modal-secret is for --backend modal: with terraform, set function_settings and "
+            "function_environment (docs/deploy.md); with --direct, set the variables on the function"
+        )
     if provisioned and backend != "lambda":
         fail("--provisioned is for --backend lambda: Modal's min_containers follow each function's warm")
     if backend == "lambda":
@@ -106,7 +119,9 @@ def deploy(
         if backend == "modal":
             from fabric.deploy.modal_ import deploy_modal
 
-            deploy_modal(reg, plan, echo=lambda m: err.print(escape(m), soft_wrap=True))
+            deploy_modal(
+                reg, plan, secrets=modal_secrets or (), echo=lambda m: err.print(escape(m), soft_wrap=True)
+            )
             return
         _deploy_lambda(
             plan,

@@ -8,6 +8,7 @@ Its retries would cover a lost or timed-out container, after which the call may 
 side effects included, and the client retries each such call again (3 x 3 runs); the client
 alone applies ``retry``, with its idempotency and side-effect rules. The image installs rl-fabric's
 runtime requirements and adds the code (``fabric``, ``functions`` and your modules).
+Variables reach the functions through Modal secrets named at deploy (``--modal-secret``).
 
 ``deploy_modal`` needs a Modal token (``modal token new``, or ``MODAL_TOKEN_ID`` and
 ``MODAL_TOKEN_SECRET``); without one it stops at once and says so.
@@ -15,7 +16,7 @@ runtime requirements and adds the code (``fabric``, ``functions`` and your modul
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fabric.deploy.package import code_roots, requirements
@@ -67,10 +68,18 @@ def _entry(name: str, module: str) -> Callable[[dict[str, Any]], dict[str, Any]]
 
 
 def build_app(
-    registry: Registry, plan: list[DeployedFunction], app_name: str = APP_NAME
+    registry: Registry,
+    plan: list[DeployedFunction],
+    app_name: str = APP_NAME,
+    *,
+    secrets: Sequence[str] = (),
 ) -> tuple[Any, dict[str, Any]]:
-    """``(app, functions)``: the app and its Modal functions by fabric name."""
+    """``(app, functions)``: the app and its Modal functions by fabric name. ``secrets``:
+    names of Modal secrets attached to every function, whose keys become their environment
+    (a judge's model and API key: the functions get no other variables of the user's)."""
     modal = _modal()
+    # looked up when the app deploys: a name Modal does not know fails the deploy, saying so
+    attached = [modal.Secret.from_name(name) for name in secrets]
     roots = code_roots(plan)
     image = (
         modal.Image.debian_slim(python_version="3.11")
@@ -80,17 +89,22 @@ def build_app(
     app = modal.App(app_name, image=image)
     functions = {}
     for fn in plan:
-        functions[fn.name] = app.function(serialized=True, **modal_options(registry, fn))(
+        functions[fn.name] = app.function(serialized=True, secrets=attached, **modal_options(registry, fn))(
             _entry(fn.name, fn.module)
         )
     return app, functions
 
 
 def deploy_modal(
-    registry: Registry, plan: list[DeployedFunction], *, app_name: str = APP_NAME, echo: Callable[[str], None]
+    registry: Registry,
+    plan: list[DeployedFunction],
+    *,
+    app_name: str = APP_NAME,
+    secrets: Sequence[str] = (),
+    echo: Callable[[str], None],
 ) -> None:
     modal = _modal()
-    app, _ = build_app(registry, plan, app_name)
+    app, _ = build_app(registry, plan, app_name, secrets=secrets)
     echo(f"deploying Modal app {app_name!r}: {', '.join(f.deployed_name for f in plan)}")
     try:
         with modal.enable_output():

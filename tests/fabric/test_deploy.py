@@ -684,6 +684,34 @@ def test_modal_functions_leave_retries_to_the_client(monkeypatch):
     assert seen == [0, 0]
 
 
+def test_modal_functions_get_the_secrets_named_at_deploy(monkeypatch):
+    """`fabric deploy --backend modal` gave its functions no way to receive variables (a
+    judge's model and API key): every such function failed its setup on Modal. Each Modal
+    secret named with --modal-secret is attached to every function (its keys become their
+    environment); the option is Modal's only."""
+    import modal
+
+    from fabric.cli import app
+    from fabric.deploy.modal_ import build_app
+
+    plan = plan_functions(REG, ["add", "boom"], prefix="rl-")
+    seen = []
+    real = modal.App.function
+
+    def recording(self, *args, **kwargs):
+        seen.append(sorted(s.name for s in kwargs.get("secrets", [])))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(modal.App, "function", recording)
+    build_app(REG, plan, secrets=["judge-keys", "hf"])
+    assert seen == [["hf", "judge-keys"], ["hf", "judge-keys"]]
+    seen.clear()
+    build_app(REG, plan)
+    assert seen == [[], []]
+    r = CliRunner().invoke(app, ["deploy", "--modal-secret", "judge-keys", "-m", "sample_fns", "-f", "add"])
+    assert r.exit_code == 2 and "--modal-secret" in r.output and "modal" in r.output
+
+
 @pytest.fixture
 def echo_port():
     """A line echo server on 127.0.0.1, in a thread (the Modal runtime's calls are blocking)."""
