@@ -178,12 +178,16 @@ class JobConfig(ConfigModel):
     @property
     def env_scored_tags(self) -> frozenset[str]:
         """The tags scored by ``env_return`` alone: their score is the sum of the
-        environment's turn rewards (the reward stream normalises a lone component's weight
-        away), which GiGPO's step returns may then use turn by turn (``build_batch``)."""
+        environment's turn rewards, which GiGPO's step returns may then use turn by turn
+        (``build_batch``). Alone among the components that count: the reward stream's score
+        is the weighted mean of a tag's components, so env_return's own weight cancels out and
+        a component of weight 0 (a check kept for its metric) adds nothing; such a tag was
+        left out, and its step returns lost their per-turn credit."""
         return frozenset(
             tag
             for tag, specs in self.rewards.items()
-            if len(specs) == 1 and specs[0].function == "env_return"
+            if all(s.function == "env_return" for s in specs if s.weight > 0)
+            and any(s.weight > 0 for s in specs)
         )
 
     def _trainer_engine_problems(self) -> list[tuple[str, str]]:

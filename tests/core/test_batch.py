@@ -206,3 +206,30 @@ def test_the_tags_scored_by_the_environments_return():
         check_references=False,
     )
     assert cfg.env_scored_tags == frozenset({"lake"})
+
+
+def test_a_tag_whose_other_components_weigh_nothing_is_scored_by_the_environments_return():
+    # a component of weight 0 (a format check kept for its metric) or env_return twice under
+    # two names leaves the score the environment's return all the same (the weighted mean of
+    # the components that count); such a tag lost the per-turn credit of its turn rewards
+    from core.config import JobConfig
+
+    cfg = JobConfig.from_dict(
+        {
+            "envs": [
+                {"id": "frozenlake-v1", "tag": "watched"},
+                {"id": "latency-v0", "tag": "twice"},
+                {"id": "latency-v0", "tag": "mixed"},
+            ],
+            "rewards": {
+                "watched": [{"function": "env_return"}, {"function": "format_reward", "weight": 0.0}],
+                "twice": [
+                    {"function": "env_return", "name": "a", "weight": 1.0},
+                    {"function": "env_return", "name": "b", "weight": 3.0},
+                ],
+                "mixed": [{"function": "env_return"}, {"function": "format_reward", "weight": 0.5}],
+            },
+        },
+        check_references=False,
+    )
+    assert cfg.env_scored_tags == frozenset({"watched", "twice"})

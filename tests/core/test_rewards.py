@@ -506,3 +506,42 @@ async def test_a_drain_cancelled_midway_still_stops_the_workers():
             await closing
         assert all(w.done() for w in workers) and stream.metrics()["in_flight"] == 0
         assert stream.metrics()["cancelled"] == 1
+
+
+async def test_the_env_scored_tags_are_scored_the_sum_of_their_turn_rewards():
+    # GiGPO's step returns use the turn rewards of JobConfig.env_scored_tags as the score's
+    # own signal (build_batch): that holds only if the stream, as the job builds it, scores
+    # such a tag exactly the environment's return, whatever env_return's weight
+    from core.config import JobConfig
+    from functions.rewards.env_return import env_return
+
+    reg = Registry()
+    for fn in (env_return, const):
+        reg.add(fn)
+    cfg = JobConfig.from_dict(
+        {
+            "envs": [{"id": "latency-v0", "tag": t} for t in ("lone", "watched", "twice")],
+            "rewards": {
+                "lone": [{"function": "env_return", "weight": 2.5}],
+                "watched": [
+                    {"function": "env_return", "weight": 0.3},
+                    {"function": "const", "weight": 0.0, "args": {"value": 7.0}},
+                ],
+                "twice": [
+                    {"function": "env_return", "name": "a", "weight": 1.0},
+                    {"function": "env_return", "name": "b", "weight": 3.0},
+                ],
+            },
+        },
+        check_references=False,
+    )
+    assert cfg.env_scored_tags == {"lone", "watched", "twice"}
+    turns = [0.1, -0.05, 0.7]
+    sink = Sink()
+    async with Client("inproc", registry=reg) as client:
+        async with RewardStream.from_config(client, cfg, sink) as stream:
+            for tag in cfg.env_scored_tags:
+                t = traj(tag, tag=tag, env_reward=sum(turns))
+                t.info["turn_rewards"] = turns
+                stream.submit(t)
+    assert {s.id: s.score for s in sink.samples} == pytest.approx(dict.fromkeys(cfg.env_scored_tags, 0.75))
