@@ -233,3 +233,58 @@ def test_a_tag_whose_other_components_weigh_nothing_is_scored_by_the_environment
         check_references=False,
     )
     assert cfg.env_scored_tags == frozenset({"watched", "twice"})
+
+
+def test_a_terminal_score_is_discounted_back_from_the_last_turn():
+    # GiGPO (Feng et al., 2025): R_t = sum_k gamma^k r_{t+k}; with the whole score on the
+    # last turn (a judged tag), R_t = gamma^(T-1-t) * score. A (3 turns, score 1) passes s0,
+    # s1, s2; B (2 turns, score 0.5) passes s1, s2: it meets s1 one turn nearer its end.
+    # gamma 0.9: A's returns (0.81, 0.9, 1), B's (0.45, 0.5)
+    # (g, s0): A alone -> 0; (g, s1): 0.9 vs 0.45 -> +-0.225; (g, s2): 1 vs 0.5 -> +-0.25
+    # episode (scores 1, 0.5): +-0.25
+    a = traj("A", [0.0, 0.0, 0.0], ["s0", "s1", "s2"])
+    b = traj("B", [0.0, 0.0], ["s1", "s2"])
+    groups = [Group("g", 0, [sample(a, "g", 1.0), sample(b, "g", 0.5)])]
+    cfg = TrainerConfig(scale_advantages=False, step_adv=1.0, gamma=0.9)
+    close(
+        advantages(build_batch(groups, cfg)),
+        {"A": [0.25, 0.25 + 0.225, 0.25 + 0.25], "B": [-0.25 - 0.225, -0.25 - 0.25]},
+    )
+
+
+def test_a_batch_mixing_an_env_scored_tag_and_a_judged_one():
+    # one batch, two tags: group g (tag lake, scored by env_return: its turn rewards) and
+    # group h (tag judged: the judge's score on the last turn, the env's turn rewards unused)
+    def tagged(t: Trajectory, gid: str, score: float, tag: str) -> Sample:
+        return Sample(traj=t, tag=tag, group_id=gid, version=0, reward=RewardResult(score=score))
+
+    groups = [
+        Group(
+            "g",
+            0,
+            [
+                tagged(traj("A", [0.5, 0.5], ["s0", "s1"]), "g", 1.0, "lake"),
+                tagged(traj("B", [0.0, 0.0], ["s0", "s1"]), "g", 0.0, "lake"),
+            ],
+        ),
+        Group(
+            "h",
+            0,
+            [
+                tagged(traj("C", [1.0, 0.0], ["s0", "s1"]), "h", 0.0, "judged"),
+                tagged(traj("D", [0.0, 0.0], ["s0", "s1"]), "h", 1.0, "judged"),
+            ],
+        ),
+    ]
+    cfg = TrainerConfig(scale_advantages=False, step_adv=1.0, gamma=0.5)
+    # g: returns A (0.75, 0.5), B (0, 0): (g, s0) +-0.375, (g, s1) +-0.25; episode +-0.5
+    # h: returns C (0, 0), D (0.5, 1): (h, s0) -+0.25, (h, s1) -+0.5; episode -+0.5
+    close(
+        advantages(build_batch(groups, cfg, env_scored={"lake"})),
+        {
+            "A": [0.5 + 0.375, 0.5 + 0.25],
+            "B": [-0.5 - 0.375, -0.5 - 0.25],
+            "C": [-0.5 - 0.25, -0.5 - 0.5],
+            "D": [0.5 + 0.25, 0.5 + 0.5],
+        },
+    )
