@@ -238,18 +238,20 @@ class Job(JobSetup):
     ) -> dict[str, Any]:
         """Train with the rollout going on, then stop it and drain the reward stream; the
         summary of the run (``failure.json`` of one that failed)."""
-        async with stream:
-            try:
-                ended = await self._train(manager, runner, buffer, stream, run_dir, progress)
-            except Exception as e:
-                # a rollout that cannot go on (RolloutError), an actor that died: its
-                # counts were only in the error's text. (Ctrl-C writes none: resume.)
-                await runner.aclose()
-                self._write_failure(e, t_start, run_dir, buffer, stream, runner)
-                raise
-            finally:
-                # a failed run too stops its rollouts before the cluster goes away
-                await runner.aclose()
+        try:
+            async with stream:
+                try:
+                    ended = await self._train(manager, runner, buffer, stream, run_dir, progress)
+                finally:
+                    # a failed run too stops its rollouts before the cluster goes away
+                    await runner.aclose()
+        except Exception as e:
+            # a rollout that cannot go on (RolloutError), an actor that died: its counts
+            # were only in the error's text. (Ctrl-C writes none: resume.) Counted once the
+            # stream has stopped, as a summary is: inside its block, failure.json had what it
+            # was scoring still in flight, never among the cancelled
+            self._write_failure(e, t_start, run_dir, buffer, stream, runner)
+            raise
         # counted once the stream has drained (a clean exit scores and delivers every
         # trajectory in flight): taken at the last step, the counts left out what the drain
         # scored, and summary.json disagreed with the stream it reported on

@@ -828,6 +828,70 @@ async def test_the_summary_counts_what_the_reward_stream_scored_while_it_drained
     assert summary["buffer"]["accepted"] == accepted_before + 1
 
 
+async def test_failure_json_counts_what_the_reward_stream_had_in_flight_as_cancelled(tmp_path, monkeypatch):
+    # a run that fails stops its reward stream without a drain: what it was scoring is
+    # cancelled (and counted so). failure.json was written before, inside the stream's
+    # block: it said the trajectory was still in flight and left it out of the cancelled,
+    # so its counts did not add up as a summary's do (submitted = scored + reward_failed +
+    # cancelled + passed_masked, nothing in flight)
+    from core.buffer import SampleBuffer
+    from core.report import JobProgress, RunDir
+    from core.rewards import RewardStream
+    from fabric.protocol import Result, Trajectory
+
+    cfg = job_config(tmp_path, steps=1)
+    j = Job(cfg, progress=False)
+    j._fatal = asyncio.get_running_loop().create_future()
+    _stand_in_cluster(j, monkeypatch)
+    buffer = j.buffer = SampleBuffer(cfg.group_size, cfg.alpha)  # no batch: step 1 waits
+    calling = asyncio.Event()
+
+    class Client:  # a reward that is being scored when the run fails
+        async def call(self, function: str, payload: Any, **kw: Any) -> Result:
+            calling.set()
+            await asyncio.Event().wait()
+            raise AssertionError("never answered")
+
+    class Runner:
+        changed = asyncio.Event()
+        aborted_ids: set[str] = set()
+        metrics: dict[str, int] = {}
+
+        def rolling_groups(self) -> int:
+            return 1 << 30
+
+        async def aclose(self) -> None:
+            pass
+
+    runner = j.runner = Runner()  # type: ignore[assignment]
+    stream = j.stream = RewardStream(Client(), cfg.rewards, j._deliver)  # type: ignore[arg-type]
+
+    async def fail_while_scoring() -> None:
+        await calling.wait()
+        assert j._fatal is not None
+        j._fatal.set_exception(RolloutError("every group given up"))
+
+    stream.submit(
+        Trajectory(id="t", status="ok", env_reward=1.0, task={"tag": "latency", "group_id": "g"}), version=0
+    )
+    failing = asyncio.create_task(fail_while_scoring())
+    run_dir = RunDir(tmp_path / "run")
+    with pytest.raises(RolloutError):
+        await j._rollout(
+            None,  # type: ignore[arg-type]
+            runner,  # type: ignore[arg-type]
+            buffer,
+            stream,
+            run_dir,
+            JobProgress(cfg.steps, enabled=False),
+            0.0,
+        )
+    await failing
+    rewards = json.loads((run_dir.path / "failure.json").read_text())["rewards"]
+    assert rewards == json.loads(json.dumps(stream.metrics()))  # what the stream counted in the end
+    assert rewards["in_flight"] == 0 and rewards["cancelled"] == 1
+
+
 class _WarmClient:
     """What ``_warm_rewards`` uses of a fabric client: ``warmup``, failing as scripted."""
 
