@@ -604,3 +604,87 @@ async def test_a_shutdown_stops_each_running_trajectory_once():
     assert engine.num_inflight == 0 and proxy.stats()["trajectories"] == 0 and proxy._aborted == set()
     assert runner.running() == 0 and runner.metrics["aborted"] == 4
     await proxy.aclose()
+
+
+class _HeldUnlessStepping(_HeldEngine):
+    """Holds the turns of tag ``held`` until aborted; answers the others at once."""
+
+    async def _generate(self, request: GenerateRequest) -> Completion:
+        if request.metadata.get("tag") == "held":
+            return await super()._generate(request)
+        return Completion(
+            request_id=request.request_id,
+            text="go",
+            prompt_ids=[1],
+            token_ids=[2],
+            logprobs=[-0.1],
+            policy_version=self.version,
+            finish_reason="stop",
+        )
+
+
+class _StepHangs:
+    """A session whose step never returns (an environment step in progress)."""
+
+    def __init__(self, stepping: list[int]) -> None:
+        self.stepping = stepping
+
+    async def reset(self, *, seed: int | None = None) -> tuple[Observation, dict[str, Any]]:
+        return Observation(text="start"), {}
+
+    async def step(self, action: Any) -> StepResult:
+        self.stepping.append(1)
+        await asyncio.Event().wait()
+        raise AssertionError("never answered")
+
+
+class _PoolByEnv:
+    def __init__(self) -> None:
+        self.stepping: list[int] = []
+
+    @contextlib.asynccontextmanager
+    async def session(self, env_id: str, **kw: Any) -> AsyncIterator[Any]:
+        hangs = (kw.get("env_kwargs") or {}).get("turns") == 9
+        yield _StepHangs(self.stepping) if hangs else _OneStepSession()
+
+
+async def test_a_shutdown_aborts_each_turn_once_whatever_each_member_was_doing():
+    # at aclose: group a's members are being aborted already (a stale group: the runner's
+    # abort in flight), group b's are in a turn, group c's in an environment step. Each
+    # turn in flight is aborted once (a's by the runner's abort, b's by the release of the
+    # cancelled trajectory), a member in a step has no turn to abort, and the proxy forgets
+    # every one of them
+    cfg = JobConfig.from_dict(
+        {
+            "envs": [
+                {"id": "latency-v0", "tag": "held", "max_turns": 1},
+                {"id": "latency-v0", "tag": "stepping", "max_turns": 1, "kwargs": {"turns": 9}},
+            ],
+            "rewards": {"held": [{"function": "unused"}], "stepping": [{"function": "unused"}]},
+            "group_size": 2,
+        },
+        check_references=False,
+    )
+    engine = _HeldUnlessStepping()
+    proxy = LLMProxy({"default": [LocalReplica(engine)]})
+    remote = _AsRayActor(proxy)
+    pool = _PoolByEnv()
+    manager = EnvManager(cfg, pool, remote)  # type: ignore[arg-type]
+    runner = GroupRunner(cfg, manager, remote, submit=lambda t: None)
+    a = runner.start(cfg.envs[0], 0, 0)
+    runner.start(cfg.envs[0], 1, 0)
+    runner.start(cfg.envs[1], 2, 0)
+    async with asyncio.timeout(5):
+        while engine.num_inflight < 4 or len(pool.stepping) < 2:  # noqa: ASYNC110
+            await asyncio.sleep(0.002)
+    turns = set(engine._inflight)
+    runner.abort_group(a.id, "stale")
+    assert a.aborting == set(a.running)
+    await runner.aclose()
+    async with asyncio.timeout(5):
+        while remote.calls:
+            await asyncio.gather(*remote.calls, return_exceptions=True)
+    assert dict(engine.aborts) == dict.fromkeys(turns, 1)
+    assert engine.num_inflight == 0 and proxy.stats()["trajectories"] == 0 and proxy._aborted == set()
+    assert runner.running() == 0 and runner.metrics["aborted"] == 6
+    await proxy.aclose()
