@@ -113,6 +113,8 @@ class SubprocessRunner:
         limits: Limits | None = None,
         argv: list[str] | None = None,
         test_argv: list[str] | None = None,
+        executable: tuple[str, ...] = (),
+        test_executable: tuple[str, ...] = (),
     ) -> PairOutcome:
         """``Sandbox.run_pair`` done the naive way: two ``python`` subprocesses (or ``argv``
         and ``test_argv``) whose stdouts are each other's fd 3 (no supervisor in between, no
@@ -122,6 +124,9 @@ class SubprocessRunner:
             for name, blob in {**files, **test_files}.items():
                 with open(os.path.join(work, name), "wb") as f:
                     f.write(blob)
+                os.chmod(
+                    os.path.join(work, name), 0o755 if name in (*executable, *test_executable) else 0o644
+                )
             to_tests_r, to_tests_w = os.pipe()
             to_program_r, to_program_w = os.pipe()
             env = {**BASE_ENV, "HOME": work, "TMPDIR": work, "PYTHONPATH": _package_root()}

@@ -293,6 +293,8 @@ class Sandbox:
         limits: Limits | None = None,
         argv: list[str] | None = None,
         test_argv: list[str] | None = None,
+        executable: tuple[str, ...] = (),
+        test_executable: tuple[str, ...] = (),
     ) -> PairOutcome:
         """Run a program and its assert-style tests as two sandboxed runs that talk only
         through the supervisor (``functions.verifiers.rpc``): the program (``files``,
@@ -303,8 +305,10 @@ class Sandbox:
 
         Python runs in the zygote's interpreter (``functions.verifiers.rpc_server`` and
         ``rpc_harness``); with ``argv`` and ``test_argv`` each run execs its command instead
-        (JavaScript: ``functions/verifiers/js``), reading requests from fd 3 and writing
-        frames to fd 4, with its fd 1 pointed at its stderr.
+        (JavaScript: ``functions/verifiers/js``; C and C++: ``functions.verifiers.native``),
+        reading requests from fd 3 and writing frames to fd 4, with its fd 1 pointed at its
+        stderr; ``executable`` and ``test_executable`` name the files of each run that get
+        the execute bit (a compiled binary).
 
         What the program prints goes to its stderr (its stdout is the channel), whose cap is
         ``stdout_bytes + stderr_bytes``; the channel carries at most ``channel_bytes`` each
@@ -318,8 +322,18 @@ class Sandbox:
             raise ValueError("give both argv and test_argv, or neither (Python)")
         mode = "python" if argv is None else "exec"
         reqs = [
-            self._request(mode, files, entry, program_limits, rpc="serve", argv=argv),
-            self._request(mode, test_files, test_entry, limits, rpc="test", argv=test_argv),
+            self._request(
+                mode, files, entry, program_limits, rpc="serve", argv=argv, executable=list(executable)
+            ),
+            self._request(
+                mode,
+                test_files,
+                test_entry,
+                limits,
+                rpc="test",
+                argv=test_argv,
+                executable=list(test_executable),
+            ),
         ]
         # both spares under one lock: two pairs that each took one spare and wait for a
         # second would otherwise hold two slots while waiting for replacements

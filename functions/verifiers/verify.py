@@ -4,9 +4,11 @@ Two kinds of tests: stdin/stdout cases (each case is a fresh run; the output is 
 line by line, trailing whitespace ignored) and assert-style test code (run once; it passes
 when it runs to its end). Python's and JavaScript's assert-style tests run in a sandbox of
 their own, next to the program's, and see the program only through values
-(``Sandbox.run_pair``, ``functions.verifiers.rpc``, ``functions/verifiers/js``); C and C++
-tests are appended to the submission and prove they ran to their end with a marker line
-(which a program can forge: docs/code-verifier.md). Every case gets one status:
+(``Sandbox.run_pair``, ``functions.verifiers.rpc``, ``functions/verifiers/js``), and so do
+C and C++ tests: they call the program's functions through stubs (``functions.verifiers.native``).
+Only with ``c_asserts="in_process"`` are C and C++ tests appended to the submission, proving
+they ran to their end with a marker line (which a program can forge: docs/code-verifier.md).
+Every case gets one status:
 
     Finished              ran and produced the expected output (or its asserts held)
     Failed                ran and produced something else (or an assertion failed)
@@ -31,17 +33,19 @@ import secrets
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from functions.verifiers import rpc
+from functions.verifiers import native, rpc
 from functions.verifiers.errors import InvalidTests, SandboxError
 from functions.verifiers.languages import Language, get_language
 from functions.verifiers.sandbox import Limits, PairOutcome, RunOutcome, Sandbox
 
+T = TypeVar("T")
 Status = Literal[
     "Finished", "Failed", "TimeLimitExceeded", "MemoryLimitExceeded", "RuntimeError", "SandboxError"
 ]
@@ -77,6 +81,12 @@ class CodeTests(BaseModel):
     """Python ``test_code`` only: the program's function that HumanEval-style tests check.
     If they define ``check(candidate)`` and never call it, the verifier calls
     ``check(<entry_point>)`` (the program's, never a function of the tests of that name)."""
+    c_asserts: Literal["apart", "in_process"] = "apart"
+    """C and C++ ``test_code``: ``"apart"`` runs the tests in a sandbox of their own, calling
+    the program's functions through stubs (tests that use a declaration the channel cannot
+    carry are not run: the case says which); ``"in_process"`` appends the tests to the
+    program, as before, where a program can forge a pass (docs/code-verifier.md): only for
+    tests that need more, and never against a policy that may learn to forge."""
 
     @model_validator(mode="after")
     def _one_kind(self) -> CodeTests:
@@ -91,6 +101,8 @@ class CodeTests(BaseModel):
                 raise ValueError("entry_point goes with test_code (the function its check(candidate) checks)")
             if not self.entry_point.isidentifier():
                 raise ValueError(f"entry_point {self.entry_point!r:.60} is not a Python name")
+        if self.c_asserts != "apart" and self.test_code is None:
+            raise ValueError("c_asserts goes with test_code (C and C++ assert-style tests)")
         return self
 
 
@@ -226,6 +238,8 @@ def classify_pair(pair: PairOutcome, lang: Language, limits: Limits) -> CaseResu
     if tests.status == "output_limit":
         which = "channel" if tests.stdout_total > limits.channel_bytes else "stderr"
         return verdict("RuntimeError", f"the tests wrote more than the {which} cap")
+    if tests.signal == signal.SIGABRT and any(m in tests.stderr for m in lang.assert_markers):
+        return verdict("Failed", "an assertion failed")  # C's and C++'s assert() aborts
     if tests.status != "exited":  # killed for a limit (the wall limit covers both runs) or a signal
         alone = classify(tests, lang, limits, None)
         return verdict(alone.status, alone.message)
@@ -282,6 +296,8 @@ class Runner(Protocol):
         limits: Limits | None = None,
         argv: list[str] | None = None,
         test_argv: list[str] | None = None,
+        executable: tuple[str, ...] = (),
+        test_executable: tuple[str, ...] = (),
     ) -> PairOutcome: ...
 
 
@@ -371,7 +387,10 @@ class Verifier:
         if tests.test_code is not None and lang.name in PAIRED:
             case = self._pair_tests(lang, code, tests.test_code, tests.entry_point, limits)
             return self._result(lang, None, [case], t0)
-        # assert-style in C and C++: the tests passed only if the program also ran past them,
+        if tests.test_code is not None and tests.c_asserts == "apart":
+            compiled_case, case = self._native_tests(lang, code, tests.test_code, limits)
+            return self._result(lang, compiled_case, [case], t0)
+        # c_asserts="in_process": the tests passed only if the program also ran past them,
         # which a random line printed after them proves (an early exit(0) would skip the
         # asserts; a program that reads fd 3 forges it: docs/code-verifier.md)
         marker = None if tests.test_code is None else f"rlfabric-tests-done-{secrets.token_hex(8)}"
@@ -397,16 +416,21 @@ class Verifier:
         )
         return self._result(lang, compiled[0] if compiled else None, results, t0)
 
-    def _compile(self, lang: Language, files: dict[str, bytes]) -> tuple[CaseResult, dict[str, bytes]]:
-        assert lang.compile_argv is not None and lang.artifact is not None
+    def _compile(
+        self,
+        lang: Language,
+        files: dict[str, bytes],
+        argv: tuple[str, ...] | None = None,
+        artifact: str | None = None,
+    ) -> tuple[CaseResult, dict[str, bytes]]:
+        argv, artifact = argv or lang.compile_argv, artifact or lang.artifact
+        assert argv is not None and artifact is not None
         try:
-            out = self._run(
-                lang.resolved(lang.compile_argv), files, b"", lang.compile_limits, collect=(lang.artifact,)
-            )
+            out = self._run(lang.resolved(argv), files, b"", lang.compile_limits, collect=(artifact,))
         except SandboxError as e:
             return CaseResult(status="SandboxError", message=str(e)), {}
         verdict = classify(out, lang, lang.compile_limits, None)
-        if verdict.status == "Finished" and lang.artifact not in out.files:
+        if verdict.status == "Finished" and artifact not in out.files:
             verdict = verdict.model_copy(
                 update={"status": "RuntimeError", "message": "the compiler produced nothing"}
             )
@@ -414,7 +438,103 @@ class Verifier:
             verdict = verdict.model_copy(
                 update={"status": "RuntimeError", "message": "compile error: " + verdict.message}
             )
-        return verdict, {lang.artifact: out.files.get(lang.artifact, b"")}
+        return verdict, {artifact: out.files.get(artifact, b"")}
+
+    def _native_tests(
+        self, lang: Language, code: str, test_code: str, limits: Limits
+    ) -> tuple[CaseResult | None, CaseResult]:
+        """C's or C++'s assert-style tests in a sandbox of their own, calling the program's
+        functions through stubs (``functions.verifiers.native``): the compile's verdict and
+        the case's."""
+        if not native.available():
+            raise ValueError(
+                "C and C++ assert-style tests need libclang to read the program's declarations:"
+                " pip install 'rl-fabric[verifiers]' (or CodeTests(c_asserts='in_process'), which a"
+                " program can forge)"
+            )
+        parsed = self._attempt(
+            lambda: self.sandbox.run(
+                mode="python",
+                entry="cdecls.py",
+                files=native.parse_files(lang.name, code),
+                limits=lang.compile_limits,
+            )
+        )
+        if isinstance(parsed, CaseResult):
+            return None, parsed
+        try:
+            if parsed.status != "exited" or parsed.exit_code != 0:
+                why = classify(parsed, lang, lang.compile_limits, None).message
+                raise native.BadDeclarations(why or "it printed nothing")
+            plan = native.plan(json.loads(parsed.stdout), lang.name, test_code)
+        except native.Unsupported as e:
+            instead = (
+                "judge this task with stdin/stdout cases (or c_asserts='in_process', which a"
+                " program can forge)"
+            )
+            return None, CaseResult(status="RuntimeError", message=f"not run: {e}; {instead}")
+        except (native.BadDeclarations, ValueError) as e:  # the program's text, not ours
+            msg = f"not run: the program's declarations could not be read: {str(e)[:300]}"
+            return None, CaseResult(status="RuntimeError", message=msg)
+        ext = "cpp" if lang.name == "cpp" else "c"
+        head = dict([native.header(lang.name)])
+        tests_src = native.tests_source(lang.name, test_code, plan).encode()
+        tests_argv = native.tests_compile_argv(lang)
+        tests_job = self._cases.submit(
+            self._compile, lang, {**head, f"tests.{ext}": tests_src}, tests_argv, "tests"
+        )
+        if not plan.functions:
+            tests_compiled, _ = tests_job.result()
+            # they compile without any function of the program: they cannot judge it
+            if tests_compiled.status == "Finished":
+                raise InvalidTests("the tests call none of the program's functions: they cannot judge it")
+            return tests_compiled, CaseResult(
+                status=tests_compiled.status, message="not run: the tests did not compile"
+            )
+        program_src = native.program_source(lang.name, code, plan).encode()
+        compiled, program = self._compile(lang, {**head, lang.source_file: program_src})
+        tests_compiled, tests = tests_job.result()
+        if compiled.status != "Finished":
+            return compiled, CaseResult(
+                status=compiled.status, message="not run: the program did not compile"
+            )
+        if tests_compiled.status != "Finished":
+            failed = tests_compiled.model_copy(
+                update={
+                    "message": "the tests did not compile with the program's functions: "
+                    + tests_compiled.message
+                }
+            )
+            return failed, CaseResult(
+                status=tests_compiled.status, message="not run: the tests did not compile"
+            )
+        pair = self._attempt(
+            lambda: self.sandbox.run_pair(
+                files=program,
+                entry="main",
+                test_files=tests,
+                test_entry="tests",
+                limits=limits,
+                argv=["./main"],
+                test_argv=["./tests"],
+                executable=("main",),
+                test_executable=("tests",),
+            )
+        )
+        return compiled, pair if isinstance(pair, CaseResult) else classify_pair(pair, lang, limits)
+
+    @staticmethod
+    def _attempt(run: Callable[[], T]) -> T | CaseResult:
+        """``run()``, once more on a fresh sandbox if the sandbox failed; a ``SandboxError``
+        case if it failed twice."""
+        try:
+            return run()
+        except SandboxError:
+            pass
+        try:
+            return run()
+        except SandboxError as e:
+            return CaseResult(status="SandboxError", message=str(e))
 
     def _pair_tests(
         self, lang: Language, code: str, test_code: str, entry_point: str | None, limits: Limits

@@ -518,12 +518,11 @@ def test_exiting_early_does_not_pass_c_asserts(sb):
     assert verifier.verify(code, tests, "c").status != "Finished"
 
 
-# A program that reads fd 3 itself, before its tests run, takes the marker, prints it and exits
-# 0: a pass without one assert. Closing fd 3 before the program's code runs would take the
-# marker from the harness too, which reads it in the same process after the tests; any proof
-# made in that process can be forged by the code it runs (docs/code-verifier.md, "C and C++:
-# a marker after the tests"). JavaScript's tests now run in a process of their own, as
-# Python's do; C's and C++'s still share the program's.
+# A program that reads fd 3 itself, before its tests run, used to take the marker, print it
+# and exit 0: a pass without one assert (any proof made in the tests' process can be forged
+# by the code it runs: docs/code-verifier.md). The tests of every language now run in a
+# process of their own: fd 3 carries their requests, and what the program prints or how it
+# exits proves nothing to them.
 FD3_FORGERIES = {
     "c": (
         "gcc",
@@ -561,14 +560,22 @@ def _forge_by_reading_fd_3(sb, lang, limits=ROOMY):
     return verifier.verify(code, CodeTests(test_code=test_code), lang)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="HOLE: C and C++ tests share the program's process and fd 3",
-)
 @pytest.mark.parametrize("lang", ["c", "cpp"])
 def test_reading_fd_3_does_not_pass_c_or_cpp_asserts(sb, lang):
-    assert _forge_by_reading_fd_3(sb, lang).status != "Finished"
+    result = _forge_by_reading_fd_3(sb, lang)
+    assert result.status != "Finished", result.cases[0]
+    honest = FD3_FORGERIES[lang][1].split("__attribute__")[0].replace("return 0;", "return a + b;")
+    tests = CodeTests(test_code=FD3_FORGERIES[lang][2])
+    assert Verifier(sb, ROOMY).verify(honest, tests, lang).status == "Finished"
+
+
+@pytest.mark.parametrize("lang", ["c", "cpp"])
+def test_the_in_process_c_harness_is_still_forgeable_when_asked_for(sb, lang):
+    # c_asserts="in_process" keeps the old harness for tests that need more than calls of
+    # functions; it is documented as forgeable, and this pins that it is
+    _tool, code, test_code = FD3_FORGERIES[lang]
+    tests = CodeTests(test_code=test_code, c_asserts="in_process")
+    assert Verifier(sb, ROOMY).verify(code, tests, lang).status == "Finished"
 
 
 def test_reading_fd_3_does_not_pass_javascript_asserts(sb):

@@ -1,0 +1,176 @@
+"""The top-level declarations of a C or C++ program, read by libclang inside the sandbox.
+
+``functions.verifiers.native`` runs this file as a sandboxed run (Python mode, the
+compiler's limits) with the program beside it, and reads one JSON object from its stdout:
+
+    {"using_std": bool,                       a top-level ``using namespace std;``
+     "functions": [{"name", "ret", "params": [{"t", "ref"}], "sig", "variadic", "defaults",
+                    "why"}],                   every top-level function declaration
+     "others": [[name, kind], ...]}            every other top-level name (types, variables,
+                                               namespaces, templates, macros)
+
+A type is ``{"k": kind, "a": [type, ...]}``: ``int`` and the other scalars by their C name,
+``cstr`` (``char *``; ``"const": true`` for ``const char *``), ``string``, ``vector``,
+``set``, ``map``, ``unordered_set``, ``unordered_map``, ``pair``, ``tuple``, ``optional``,
+``void``; anything else is ``{"k": "?", "s": its spelling}``. ``ref`` is ``val``, ``cref``,
+``mref`` (a non-const lvalue reference) or ``rref``.
+
+Why libclang, not the DWARF of a ``-g`` object (pyelftools) or text processing: the stubs
+need each declaration as the compiler sees it after macros and typedefs (``#define int long
+long``, ``using ll = long long``), with template arguments as types; a C/C++ front end is the
+only thing that has them, and libclang's canonical types give them directly. DWARF would
+only describe functions that were emitted (not inline or unused ones), and spells template
+types as strings to parse again. The source is untrusted: this runs in the sandbox (no
+network, the read-only jail, CPU, memory and wall limits), and the host takes its output as
+untrusted too (``native.plan`` validates every field and renders the types itself).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import clang.cindex as ci
+
+SCALARS = {
+    ci.TypeKind.BOOL: "bool",
+    ci.TypeKind.CHAR_S: "char",
+    ci.TypeKind.CHAR_U: "char",
+    ci.TypeKind.SCHAR: "signed char",
+    ci.TypeKind.UCHAR: "unsigned char",
+    ci.TypeKind.SHORT: "short",
+    ci.TypeKind.USHORT: "unsigned short",
+    ci.TypeKind.INT: "int",
+    ci.TypeKind.UINT: "unsigned int",
+    ci.TypeKind.LONG: "long",
+    ci.TypeKind.ULONG: "unsigned long",
+    ci.TypeKind.LONGLONG: "long long",
+    ci.TypeKind.ULONGLONG: "unsigned long long",
+    ci.TypeKind.FLOAT: "float",
+    ci.TypeKind.DOUBLE: "double",
+    ci.TypeKind.VOID: "void",
+}
+#: std templates and how many of their leading template arguments are the value's types
+#: (the rest are allocators, comparators, hashers: the defaults, checked below)
+STD = {
+    "vector": 1,
+    "set": 1,
+    "unordered_set": 1,
+    "map": 2,
+    "unordered_map": 2,
+    "pair": 2,
+    "optional": 1,
+    "tuple": -1,
+}
+DEFAULTS = {"allocator", "less", "hash", "equal_to", "char_traits"}
+
+
+def std_name(decl: ci.Cursor) -> str | None:
+    """``vector`` for ``std::vector`` (inline namespaces such as ``__cxx11`` skipped)."""
+    parent = decl.semantic_parent
+    # the library's own inline namespaces (``std::__cxx11::basic_string``): reserved names
+    while parent is not None and parent.kind == ci.CursorKind.NAMESPACE and parent.spelling.startswith("__"):
+        parent = parent.semantic_parent
+    if parent is None or parent.kind != ci.CursorKind.NAMESPACE or parent.spelling != "std":
+        return None
+    grand = parent.semantic_parent
+    while grand is not None and grand.kind == ci.CursorKind.LINKAGE_SPEC:  # libstdc++'s extern "C++"
+        grand = grand.semantic_parent
+    if grand is None or grand.kind != ci.CursorKind.TRANSLATION_UNIT:
+        return None
+    return str(decl.spelling)
+
+
+def describe(t: ci.Type) -> dict:
+    t = t.get_canonical()
+    if t.kind in SCALARS:
+        return {"k": SCALARS[t.kind]}
+    if t.kind == ci.TypeKind.POINTER:
+        p = t.get_pointee()
+        if p.get_canonical().kind in (ci.TypeKind.CHAR_S, ci.TypeKind.CHAR_U):
+            return {"k": "cstr", "const": p.is_const_qualified()}
+    if t.kind in (ci.TypeKind.RECORD, ci.TypeKind.ELABORATED):
+        name = std_name(t.get_declaration())
+        n = t.get_num_template_arguments()
+        args = [t.get_template_argument_type(i) for i in range(max(n, 0))]
+        if name == "basic_string" and args and args[0].get_canonical().kind == ci.TypeKind.CHAR_S:
+            return {"k": "string"}
+        if name in STD and n >= 0:
+            keep = len(args) if STD[name] < 0 else STD[name]
+            if len(args) >= keep and all(
+                std_name(a.get_canonical().get_declaration()) in DEFAULTS for a in args[keep:]
+            ):
+                return {"k": name, "a": [describe(a) for a in args[:keep]]}
+    return {"k": "?", "s": t.spelling}
+
+
+def param(t: ci.Type) -> dict:
+    t = t.get_canonical()
+    if t.kind == ci.TypeKind.LVALUEREFERENCE:
+        p = t.get_pointee()
+        return {"t": describe(p), "ref": "cref" if p.is_const_qualified() else "mref"}
+    if t.kind == ci.TypeKind.RVALUEREFERENCE:
+        return {"t": describe(t.get_pointee()), "ref": "rref"}
+    return {"t": describe(t), "ref": "val"}
+
+
+def function(c: ci.Cursor) -> dict:
+    ft = c.type
+    ret = ft.get_result().get_canonical()
+    out = {
+        "name": c.spelling,
+        "sig": ft.get_canonical().spelling,
+        "ret": {"k": "&", "s": ret.spelling}
+        if ret.kind in (ci.TypeKind.LVALUEREFERENCE, ci.TypeKind.RVALUEREFERENCE)
+        else describe(ret),
+        "params": [param(a.type) for a in c.get_arguments()],
+        "variadic": ft.kind == ci.TypeKind.FUNCTIONPROTO and ft.is_function_variadic(),
+        # a default argument would have to be copied into the tests (and run there)
+        "defaults": any(any(ch.kind.is_expression() for ch in a.get_children()) for a in c.get_arguments()),
+        "noproto": ft.kind == ci.TypeKind.FUNCTIONNOPROTO,
+    }
+    return out
+
+
+def main() -> None:
+    with open("cdecls.json", encoding="utf-8") as f:
+        opts = json.load(f)
+    source = opts["source"]
+    index = ci.Index.create()
+    tu = index.parse(
+        source,
+        args=opts["args"],
+        options=ci.TranslationUnit.PARSE_SKIP_FUNCTION_BODIES
+        | ci.TranslationUnit.PARSE_DETAILED_PROCESSING_RECORD,
+    )
+    result: dict = {"using_std": False, "functions": [], "others": []}
+
+    def walk(cursor: ci.Cursor) -> None:
+        for c in cursor.get_children():
+            if c.location.file is None or c.location.file.name != source:
+                continue
+            kind = c.kind
+            if kind == ci.CursorKind.LINKAGE_SPEC:  # extern "C" { ... }
+                walk(c)
+            elif kind == ci.CursorKind.FUNCTION_DECL:
+                result["functions"].append(function(c))
+            elif kind == ci.CursorKind.USING_DIRECTIVE:
+                ns = [r for r in c.get_children() if r.kind == ci.CursorKind.NAMESPACE_REF]
+                if ns and ns[0].spelling == "std":
+                    result["using_std"] = True
+            elif (
+                c.spelling
+                and kind != ci.CursorKind.MACRO_INSTANTIATION
+                and kind != ci.CursorKind.INCLUSION_DIRECTIVE
+            ):
+                result["others"].append([c.spelling, kind.name.lower()])
+                if kind == ci.CursorKind.ENUM_DECL:
+                    for e in c.get_children():
+                        result["others"].append([e.spelling, "enum_constant_decl"])
+
+    walk(tu.cursor)
+    sys.stdout.write(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,408 @@
+"""C and C++ assert-style tests in a sandbox of their own (docs/code-verifier.md).
+
+The program and its tests are two binaries that share no text and no process:
+
+1. ``cdecls.py`` reads the program's top-level declarations with libclang, inside the
+   sandbox (the source is untrusted); ``plan`` validates what it printed (untrusted too)
+   and picks the functions the tests call.
+2. The tests' binary: ``rlfabric_rpc.hpp`` (or ``.h``), the standard headers, a stub for
+   each of those functions with the declared signature (rendered here from the validated
+   types, never copied from the program's text), then the test code. A stub sends its
+   arguments over the channel and returns what comes back.
+3. The program's binary: the same header, the program's text with its ``main`` renamed
+   (it never runs), then a ``main`` that answers calls (``rlfabric::serve``).
+
+``Sandbox.run_pair`` runs both; the tests' exit status is the verdict. The program only
+ever answers calls: it cannot reach the tests' memory, descriptors or exit status, and
+what it answers is a value of the declared type (or a protocol error).
+
+A declaration the channel cannot carry soundly (a raw pointer other than a C string, a
+struct of the program, a function pointer, an overloaded name, a default argument) that
+the tests use, or any other name of the program they use (a variable, a type, a macro),
+makes the case a ``RuntimeError`` that says which, not run: a refusal the program's own
+signature can cause must score like a failure, or a program could dodge a 0 with it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+NATIVE = HERE / "native"
+#: what the program's ``main`` becomes (it must not run: only the server's does)
+PROGRAM_MAIN = "__rlfabric_program_main"
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SCALARS = {
+    "bool",
+    "char",
+    "signed char",
+    "unsigned char",
+    "short",
+    "unsigned short",
+    "int",
+    "unsigned int",
+    "long",
+    "unsigned long",
+    "long long",
+    "unsigned long long",
+    "float",
+    "double",
+}
+_ONE = {
+    "vector": "std::vector",
+    "set": "std::set",
+    "unordered_set": "std::unordered_set",
+    "optional": "std::optional",
+}
+_TWO = {"map": "std::map", "unordered_map": "std::unordered_map", "pair": "std::pair"}
+_MAX_DEPTH = 16
+_OTHER_KINDS = {
+    "var_decl": "a variable",
+    "struct_decl": "a type",
+    "class_decl": "a type",
+    "union_decl": "a type",
+    "enum_decl": "an enum",
+    "enum_constant_decl": "an enum constant",
+    "typedef_decl": "a type alias",
+    "type_alias_decl": "a type alias",
+    "type_alias_template_decl": "a type alias",
+    "namespace": "a namespace",
+    "namespace_alias": "a namespace",
+    "class_template": "a class template",
+    "function_template": "a function template",
+    "macro_definition": "a macro",
+}
+
+
+class Unsupported(Exception):
+    """The tests use a declaration of the program that the channel cannot carry."""
+
+
+class BadDeclarations(Exception):
+    """What the sandboxed parse printed is not what ``cdecls.py`` prints (the program
+    interfered with it, or it failed)."""
+
+
+@dataclass(frozen=True)
+class Param:
+    type: str  # as the stub declares it
+    wire: Any  # the validated type tree
+    ref: str
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str
+    ret: str
+    ret_wire: Any
+    params: tuple[Param, ...]
+
+
+@dataclass
+class Plan:
+    functions: list[Function] = field(default_factory=list)
+    using_std: bool = False
+
+
+def available() -> bool:
+    """Whether libclang's Python package is installed (``pip install 'rl-fabric[verifiers]'``)."""
+    return importlib.util.find_spec("clang") is not None
+
+
+def tests_compile_argv(lang: Any) -> tuple[str, ...]:
+    """How the tests' binary is built: as the program is, but ``-O1`` (tests are mostly
+    calls: less to compile, and their speed is not what is judged)."""
+    ext = "cpp" if lang.name == "cpp" else "c"
+    argv = [a for a in lang.compile_argv if a not in ("-O2", "-o", "main", lang.source_file)]
+    flags, libs = [a for a in argv[1:] if not a.startswith("-l")], [a for a in argv[1:] if a.startswith("-l")]
+    return (argv[0], "-O1", *flags, "-o", "tests", f"tests.{ext}", *libs)
+
+
+@functools.cache
+def include_dirs(lang: str) -> tuple[str, ...]:
+    """The compiler's own system include directories (``<vector>``, ``<stddef.h>``): the
+    libclang wheel has no headers of its own, and these are what ``g++`` compiles with."""
+    cc, x = ("g++", "c++") if lang == "cpp" else ("gcc", "c")
+    out = subprocess.run(
+        [cc, "-E", "-v", "-x", x, "/dev/null"], capture_output=True, text=True, timeout=30, check=False
+    ).stderr
+    lines = out.splitlines()
+    try:
+        start = lines.index("#include <...> search starts here:") + 1
+        end = lines.index("End of search list.")
+    except ValueError:
+        return ()
+    return tuple(line.strip() for line in lines[start:end])
+
+
+def parse_files(lang: str, code: str) -> dict[str, bytes]:
+    """The files of the sandboxed run that prints the program's declarations."""
+    source = "main.cpp" if lang == "cpp" else "main.c"
+    std = (
+        ["-x", "c++", "-std=gnu++17", "-nostdinc", "-nostdinc++"]
+        if lang == "cpp"
+        else ["-x", "c", "-std=gnu17", "-nostdinc"]
+    )
+    args = [*std, *(a for d in include_dirs(lang) for a in ("-isystem", d))]
+    return {
+        "cdecls.py": (HERE / "cdecls.py").read_bytes(),
+        "cdecls.json": json.dumps({"source": source, "args": args}).encode(),
+        source: code.encode(),
+    }
+
+
+def _name(v: Any) -> str:
+    if not isinstance(v, str) or len(v) > 200 or not _IDENT.fullmatch(v):
+        raise BadDeclarations(f"not a name: {str(v)[:60]!r}")
+    return v
+
+
+def _spelling(t: Any) -> str:
+    s = t.get("s") if isinstance(t, dict) else None
+    return str(s)[:120] if isinstance(s, str) else "?"
+
+
+def render(t: Any, lang: str, top: bool = True, depth: int = 0) -> str:
+    """The type as the stub declares it; ``Unsupported`` names a type the channel cannot
+    carry, ``BadDeclarations`` a tree ``cdecls.py`` would not print."""
+    if depth > _MAX_DEPTH or not isinstance(t, dict):
+        raise BadDeclarations("a malformed type")
+    k = t.get("k")
+    if k in _SCALARS:
+        return "_Bool" if (k == "bool" and lang == "c") else str(k)
+    if k == "cstr":
+        if not top:
+            raise Unsupported("a C string inside a container (who would own it?)")
+        if t.get("const") is True:
+            return "const char *"
+        if lang == "cpp":
+            raise Unsupported("char * in C++ (take const char * or std::string)")
+        return "char *"
+    if k == "?" or k == "&":
+        raise Unsupported(f"type {_spelling(t)!r}")
+    if lang != "cpp":
+        raise BadDeclarations(f"a C++ type in C: {str(k)[:40]}")
+    args = t.get("a", [])
+    if not isinstance(args, list) or len(args) > 64:
+        raise BadDeclarations("a malformed type")
+    inner = [render(a, lang, False, depth + 1) for a in args]
+    if k == "string" and not inner:
+        return "std::string"
+    if k in _ONE and len(inner) == 1:
+        return f"{_ONE[k]}<{inner[0]}>"
+    if k in _TWO and len(inner) == 2:
+        return f"{_TWO[k]}<{inner[0]}, {inner[1]}>"
+    if k == "tuple":
+        return f"std::tuple<{', '.join(inner)}>"
+    raise BadDeclarations(f"a malformed type: {str(k)[:40]}")
+
+
+def _function(f: dict[str, Any], lang: str) -> Function:
+    """One validated declaration; ``Unsupported`` says why it cannot be called apart."""
+    if f.get("variadic"):
+        raise Unsupported("it takes a variable number of arguments")
+    if f.get("defaults"):
+        raise Unsupported("it has default arguments (their expressions would run in the tests)")
+    params = f.get("params")
+    if not isinstance(params, list) or len(params) > 64:
+        raise BadDeclarations("malformed parameters")
+    ret_t = f.get("ret")
+    if isinstance(ret_t, dict) and ret_t.get("k") == "&":
+        raise Unsupported(f"it returns a reference ({_spelling(ret_t)!r})")
+    ret = "void" if isinstance(ret_t, dict) and ret_t.get("k") == "void" else None
+    if ret is None:
+        try:
+            ret = render(ret_t, lang)
+        except Unsupported as e:
+            raise Unsupported(f"its return type: {e}") from None
+    out = []
+    for n, p in enumerate(params, 1):
+        if not isinstance(p, dict) or p.get("ref") not in ("val", "cref", "mref", "rref"):
+            raise BadDeclarations("a malformed parameter")
+        ref = p["ref"]
+        if lang == "c" and ref != "val":
+            raise BadDeclarations("a reference in C")
+        t = p.get("t")
+        if isinstance(t, dict) and t.get("k") == "cstr" and ref != "val":
+            raise Unsupported(f"parameter {n}: a reference to a C string")
+        try:
+            spelled = render(t, lang)
+        except Unsupported as e:
+            raise Unsupported(f"parameter {n}: {e}") from None
+        if ref == "cref":
+            spelled = f"const {spelled} &"
+        elif ref == "mref":
+            spelled = f"{spelled} &"
+        elif ref == "rref":
+            spelled = f"{spelled} &&"
+        out.append(Param(spelled, t, ref))
+    return Function(_name(f.get("name")), ret, ret_t, tuple(out))
+
+
+def plan(decls: Any, lang: str, test_code: str) -> Plan:
+    """The functions of the program the tests call, from what ``cdecls.py`` printed.
+    ``Unsupported``: the tests use a name of the program that cannot be run apart."""
+    if not isinstance(decls, dict):
+        raise BadDeclarations("not an object")
+    functions, others = decls.get("functions"), decls.get("others")
+    if not isinstance(functions, list) or not isinstance(others, list):
+        raise BadDeclarations("no functions or others")
+    used = set(_IDENT.findall(test_code))
+    for item in others:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[1], str)):
+            raise BadDeclarations("a malformed name")
+        if isinstance(item[0], str) and item[0] in used:
+            what = _OTHER_KINDS.get(item[1], "a declaration")
+            raise Unsupported(
+                f"the tests use {item[0]!r}, {what} of the program; only calls of its functions"
+                " can be made from a separate process"
+            )
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for f in functions:
+        if not isinstance(f, dict):
+            raise BadDeclarations("a malformed function")
+        name = _name(f.get("name"))
+        if name != "main" and name in used:
+            by_name.setdefault(name, []).append(f)
+    result = Plan(using_std=decls.get("using_std") is True)
+    for name, decls_of in by_name.items():
+        if len({json.dumps(d.get("sig")) for d in decls_of}) > 1:
+            raise Unsupported(f"the tests call {name!r}, which the program overloads")
+        try:
+            result.functions.append(_function(decls_of[-1], lang))
+        except Unsupported as e:
+            raise Unsupported(f"the tests call {name!r}: {e}") from None
+    return result
+
+
+# -- the two sources ---------------------------------------------------------------------
+_CPP_TESTS_PRELUDE = "#include <bits/stdc++.h>\n"
+_C_TESTS_PRELUDE = "".join(
+    f"#include <{h}>\n"
+    for h in (
+        "assert.h",
+        "ctype.h",
+        "limits.h",
+        "math.h",
+        "stdbool.h",
+        "stddef.h",
+        "stdint.h",
+        "stdio.h",
+        "stdlib.h",
+        "string.h",
+    )
+)
+
+
+def header(lang: str) -> tuple[str, bytes]:
+    name = "rlfabric_rpc.hpp" if lang == "cpp" else "rlfabric_rpc.h"
+    return name, (NATIVE / name).read_bytes()
+
+
+def _cpp_stub(i: int, f: Function) -> str:
+    params = ", ".join(f"{p.type} a{n}" for n, p in enumerate(f.params))
+    types = "".join(f", {p.type}" for p in f.params)
+    args = "".join(f", std::forward<{p.type}>(a{n})" for n, p in enumerate(f.params))
+    return (
+        f"{f.ret} {f.name}({params}) {{\n"
+        f'    return ::rlfabric::call<{f.ret}{types}>({i}, "{f.name}"{args});\n}}\n'
+    )
+
+
+def _c_kind(t: Any) -> str:
+    k = t["k"]
+    if k == "cstr":
+        return "s"
+    if k in ("float", "double"):
+        return "f" if k == "float" else "d"
+    return "u" if k.startswith("unsigned") or k == "bool" else "i"
+
+
+def _c_stub(i: int, f: Function) -> str:
+    params = ", ".join(f"{p.type} a{n}" for n, p in enumerate(f.params)) or "void"
+    lines = [f"{f.ret} {f.name}({params}) {{", f"    rlf_out o = rlf_begin({i});"]
+    for n, p in enumerate(f.params):
+        lines.append(f"    rlf_put_{_c_kind(p.wire)}(&o, a{n});")
+    lines.append(f'    rlf_in in = rlf_call(&o, "{f.name}");')
+    if f.ret != "void":
+        lines.append(f"    {f.ret} r = ({f.ret})rlf_get_{_c_kind(f.ret_wire)}(&in);")
+    for n, p in enumerate(f.params):
+        if p.type == "char *":  # the program may have written into it: copied back, same length
+            lines.append(f"    rlf_back_s(&in, a{n});")
+    lines.append("    rlf_end(&in);")
+    lines.append("    return r;" if f.ret != "void" else "    return;")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def tests_source(lang: str, test_code: str, p: Plan) -> str:
+    """The tests' translation unit: the wire, the standard headers, a stub per function,
+    then the test code (which has the file, and its line numbers, to itself)."""
+    name = header(lang)[0]
+    if lang == "cpp":
+        parts = [f'#include "{name}"\n', _CPP_TESTS_PRELUDE]
+        if p.using_std:
+            parts.append("using namespace std;\n")
+        parts += [_cpp_stub(i, f) for i, f in enumerate(p.functions)]
+        parts.append('#line 1 "tests.cpp"\n')
+    else:
+        parts = [f'#include "{name}"\n', _C_TESTS_PRELUDE]
+        parts += [_c_stub(i, f) for i, f in enumerate(p.functions)]
+        parts.append('#line 1 "tests.c"\n')
+    parts.append(test_code)
+    parts.append("\n")
+    return "".join(parts)
+
+
+def _c_handler(i: int, f: Function) -> str:
+    lines = [f"static void rlf_h{i}(rlf_in *in, rlf_out *o) {{"]
+    for n, p in enumerate(f.params):
+        if p.type in ("char *", "const char *"):
+            lines.append(f"    size_t rlf_n{n} = 0; char *rlf_a{n} = rlf_get_sn(in, &rlf_n{n});")
+        else:
+            lines.append(f"    {p.type} rlf_a{n} = ({p.type})rlf_get_{_c_kind(p.wire)}(in);")
+    lines.append("    rlf_request_end(in);")
+    call = f"{f.name}({', '.join(f'rlf_a{n}' for n in range(len(f.params)))})"
+    if f.ret == "void":
+        lines += [f"    {call};", "    rlf_put_byte(o, 0);"]
+    else:
+        lines += [f"    {f.ret} rlf_r = {call};", "    rlf_put_byte(o, 0);"]
+        lines.append(f"    rlf_put_{_c_kind(f.ret_wire)}(o, rlf_r);")
+    for n, p in enumerate(f.params):
+        if p.type == "char *":
+            lines.append(f"    rlf_put_back_s(o, rlf_a{n}, rlf_n{n});")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def program_source(lang: str, code: str, p: Plan) -> str:
+    """The program's translation unit: the wire first (no macro of the program reaches
+    it), the program with its ``main`` renamed, then the server's ``main``."""
+    name = header(lang)[0]
+    head = (
+        f'#include "{name}"\n#define main {PROGRAM_MAIN}\n#line 1 "main.{"cpp" if lang == "cpp" else "c"}"\n'
+    )
+    if lang == "cpp":
+        table = ", ".join(f"::rlfabric::fn(&::{f.name})" for f in p.functions)
+        tail = (
+            "\n#undef main\nsigned main(void) {\n"
+            f"    static const ::rlfabric::Served table[] = {{{table}}};\n"
+            f"    return ::rlfabric::serve(table, {len(p.functions)});\n}}\n"
+        )
+    else:
+        handlers = "".join(_c_handler(i, f) for i, f in enumerate(p.functions))
+        table = ", ".join(f"rlf_h{i}" for i in range(len(p.functions)))
+        tail = (
+            f"\n#undef main\n{handlers}"
+            f"signed main(void) {{\n    static rlf_handler table[] = {{{table}}};\n"
+            f"    return rlf_serve(table, {len(p.functions)});\n}}\n"
+        )
+    return head + code + tail
