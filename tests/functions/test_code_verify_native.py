@@ -1,0 +1,397 @@
+"""C and C++ assert-style tests in a sandbox of their own (``functions.verifiers.native``):
+honest MultiPL-E-style C++ and HumanEval-style C programs pass, wrong ones fail, forgeries
+that used to pass in one process fail next to an honest program that passes the same tests,
+and declarations the channel cannot carry are refused with a message that says which."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from functions.verifiers import native
+from functions.verifiers.errors import InvalidTests
+from functions.verifiers.sandbox import Limits, Sandbox
+from functions.verifiers.verify import CodeTests, Verifier
+
+BASE_UID = 430_000
+# compiled binaries start fast, but two compiles and a parse share a loaded 2-core machine
+LIMITS = Limits(cpu_s=5, wall_s=20, memory_mb=256)
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("g++") is None or shutil.which("gcc") is None, reason="no gcc/g++"),
+    pytest.mark.skipif(not native.available(), reason="libclang is not installed (pip install libclang)"),
+]
+
+
+def run(v: Verifier, code: str, test_code: str, lang: str = "cpp"):
+    return v.verify(code, CodeTests(test_code=test_code), lang)
+
+
+def passes(v: Verifier, code: str, test_code: str, lang: str = "cpp") -> None:
+    r = run(v, code, test_code, lang)
+    assert r.status == "Finished", (r.compile, r.cases[0])
+
+
+# -- honest programs, MultiPL-E's C++ -----------------------------------------------------
+MULTIPL_E = r"""
+#include<assert.h>
+#include<bits/stdc++.h>
+std::vector<long> incr_list(std::vector<long> l) {
+    for (auto& x : l) x += 1;
+    return l;
+}
+std::string flip_case(std::string s) {
+    for (auto& c : s) c = isupper(c) ? tolower(c) : toupper(c);
+    return s;
+}
+std::map<std::string,long> histogram(std::string test) {
+    std::map<std::string,long> m; std::string w; std::stringstream ss(test);
+    while (ss >> w) m[w]++;
+    return m;
+}
+std::optional<std::string> longest(std::vector<std::string> strings) {
+    if (strings.empty()) return std::nullopt;
+    std::string best = strings[0];
+    for (auto& s : strings) if (s.size() > best.size()) best = s;
+    return best;
+}
+std::tuple<long, long> sum_product(std::vector<long> numbers) {
+    long s = 0, p = 1;
+    for (long x : numbers) { s += x; p *= x; }
+    return std::make_tuple(s, p);
+}
+float truncate_number(float number) { return number - (long)number; }
+std::vector<std::vector<long>> pairs(const std::vector<std::pair<long, bool>>& xs) {
+    std::vector<std::vector<long>> out;
+    for (auto& [x, keep] : xs) if (keep) out.push_back({x, x * x});
+    return out;
+}
+std::set<char> letters(const char* s) { return std::set<char>(s, s + strlen(s)); }
+bool below_zero(std::vector<long> ops) {
+    long b = 0;
+    for (long o : ops) if ((b += o) < 0) return true;
+    return false;
+}
+void sort_in_place(std::vector<long>& v) { std::sort(v.begin(), v.end()); }
+int main() { abort(); }
+"""
+MULTIPL_E_TESTS = r"""
+int main() {
+    auto candidate = incr_list;
+    assert(candidate((std::vector<long>())) == (std::vector<long>()));
+    assert(candidate((std::vector<long>({(long)3, (long)2, (long)1})))
+           == (std::vector<long>({(long)4, (long)3, (long)2})));
+    assert(flip_case(("Hello!")) == ("hELLO!"));
+    assert(histogram(("a b b a")) == (std::map<std::string,long>({{"a", 2}, {"b", 2}})));
+    assert(longest((std::vector<std::string>())) == std::nullopt);
+    assert(longest((std::vector<std::string>({"x", "yyy", "zz"}))) == "yyy");
+    assert(sum_product((std::vector<long>({(long)1, (long)2, (long)3, (long)4})))
+           == (std::make_tuple(10, 24)));
+    assert(std::abs(truncate_number((3.5f)) - (0.5f)) < 1e-6);
+    assert(pairs({{2, true}, {3, false}}) == (std::vector<std::vector<long>>({{2, 4}})));
+    assert(letters("abca") == (std::set<char>({'a', 'b', 'c'})));
+    assert(!below_zero({1, 2}) && below_zero({1, -2}));
+    std::vector<long> v = {3, 1, 2};
+    sort_in_place(v);
+    assert(v == (std::vector<long>({1, 2, 3})));
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def box():
+    from sandbox_probe import pair_sandbox
+
+    yield from pair_sandbox(BASE_UID)
+
+
+@pytest.fixture
+def v(box: Sandbox):
+    from sandbox_probe import checked_verifier
+
+    yield from checked_verifier(box, BASE_UID, LIMITS)
+
+
+def test_multipl_e_style_cpp_programs_pass_and_wrong_ones_fail(v):
+    passes(v, MULTIPL_E, MULTIPL_E_TESTS)
+    wrong = run(v, MULTIPL_E.replace("p *= x", "p += x"), MULTIPL_E_TESTS)
+    assert wrong.status == "Failed" and wrong.cases[0].message == "an assertion failed", wrong.cases[0]
+    # a copy-back that did not happen would fail the last assert
+    unsorted = run(v, MULTIPL_E.replace("std::sort(v.begin(), v.end());", ""), MULTIPL_E_TESTS)
+    assert unsorted.status == "Failed", unsorted.cases[0]
+
+
+def test_humaneval_x_style_cpp_with_using_namespace_std(v):
+    code = (
+        "#include<stdio.h>\n#include<math.h>\n#include<vector>\nusing namespace std;\n"
+        "vector<float> rescale_to_unit(vector<float> numbers){\n"
+        "    float mn = 1e9, mx = -1e9;\n"
+        "    for (float x : numbers) { mn = min(mn, x); mx = max(mx, x); }\n"
+        "    for (float& x : numbers) x = (x - mn) / (mx - mn);\n"
+        "    return numbers;\n}\n"
+    )
+    tests = (
+        "#undef NDEBUG\n#include<assert.h>\n"
+        "bool issame(vector<float> a, vector<float> b){\n"
+        "    if (a.size() != b.size()) return false;\n"
+        "    for (int i = 0; i < a.size(); i++) if (abs(a[i] - b[i]) > 1e-4) return false;\n"
+        "    return true;\n}\n"
+        "int main(){\n"
+        "    assert(issame(rescale_to_unit({2.0, 49.9}), {0.0, 1.0}));\n"
+        "    assert(issame(rescale_to_unit({1.0, 2.0, 3.0, 4.0, 5.0}), {0.0, 0.25, 0.5, 0.75, 1.0}));\n}\n"
+    )
+    passes(v, code, tests)
+    assert run(v, code.replace("(x - mn)", "(x + mn)"), tests).status == "Failed"
+
+
+def test_exceptions_of_the_program_reach_the_tests(v):
+    code = (
+        "#include <stdexcept>\n"
+        'long checked(long x) { if (x < 0) throw std::invalid_argument("negative"); return x * 2; }\n'
+    )
+    caught = (
+        "#include <cassert>\n#include <string>\n"
+        "int main() {\n    assert(checked(2) == 4);\n"
+        "    try { checked(-1); assert(false); }\n"
+        "    catch (const std::exception& e) {\n"
+        '        assert(std::string(e.what()).find("negative") != std::string::npos);\n    }\n}\n'
+    )
+    passes(v, code, caught)
+    uncaught = run(v, code, "#include <cassert>\nint main() { assert(checked(-1) == 0); }")
+    assert uncaught.status == "RuntimeError" and "SIGABRT" in uncaught.cases[0].message, uncaught.cases[0]
+
+
+# -- honest programs, HumanEval-style C ---------------------------------------------------
+C_PROGRAM = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <ctype.h>
+#include <stdbool.h>
+static int add(int x, int y) { return x + y; }
+double triangle_area(double a, double h) { return a * h / 2.0; }
+char *flip_case(const char *s) {
+    char *out = malloc(strlen(s) + 1);
+    for (size_t i = 0; s[i]; i++) out[i] = isupper(s[i]) ? tolower(s[i]) : toupper(s[i]);
+    out[strlen(s)] = 0;
+    return out;
+}
+bool is_palindrome(const char *text) {
+    size_t n = strlen(text);
+    for (size_t i = 0; i < n / 2; i++) if (text[i] != text[n - 1 - i]) return false;
+    return true;
+}
+void reverse(char *s) {
+    size_t n = strlen(s);
+    for (size_t i = 0; i < n / 2; i++) { char t = s[i]; s[i] = s[n - 1 - i]; s[n - 1 - i] = t; }
+}
+long long fib(int n) { return n < 2 ? n : fib(n - 1) + fib(n - 2); }
+int main(void) { puts("the program's main must not run"); return 1; }
+"""
+C_TESTS = r"""
+#include <assert.h>
+#include <math.h>
+#include <string.h>
+int main(void) {
+    assert(add(2, 3) == 5);
+    assert(fabs(triangle_area(5, 3) - 7.5) < 1e-6);
+    char *f = flip_case("Hello");
+    assert(strcmp(f, "hELLO") == 0);
+    free(f);
+    assert(is_palindrome("aba") && !is_palindrome("ab"));
+    char buf[] = "abc";
+    reverse(buf);
+    assert(strcmp(buf, "cba") == 0);
+    assert(fib(30) == 832040);
+    return 0;
+}
+"""
+
+
+def test_humaneval_style_c_programs_pass_and_wrong_ones_fail(v):
+    passes(v, C_PROGRAM, C_TESTS, "c")
+    wrong = run(v, C_PROGRAM.replace("a * h / 2.0", "a * h / 2.5"), C_TESTS, "c")
+    assert wrong.status == "Failed", wrong.cases[0]
+    # the in-place reverse is copied back: without it the tests see "abc"
+    lazy = run(v, C_PROGRAM.replace("char t = s[i];", "break; char t = s[i];"), C_TESTS, "c")
+    assert lazy.status == "Failed", lazy.cases[0]
+
+
+# -- forgeries: each used to pass, or could, with the tests in the program's process ------
+ADD_TESTS = {
+    "cpp": "#include <cassert>\nint main() { assert(add(2, 3) == 5); assert(add(1, 1) == 2); return 0; }",
+    "c": "#include <assert.h>\nint main(void) { assert(add(2, 3) == 5); assert(add(1, 1) == 2); return 0; }",
+}
+HONEST_ADD = "int add(int a, int b) { return a + b; }\n"
+WRONG_ADD = "int add(int a, int b) { return 0; }\n"
+FORGERIES = {
+    "constructor_exit_0": (
+        "#include <stdlib.h>\n__attribute__((constructor)) static void early(void) { exit(0); }\n"
+    ),
+    "override_exit_abort_assert_fail": (
+        "#include <unistd.h>\n"
+        '#ifdef __cplusplus\nextern "C" {\n'
+        "#define NOEXCEPT noexcept\n#else\n#define NOEXCEPT\n#endif\n"
+        "void exit(int c) NOEXCEPT { _exit(0); }\nvoid abort(void) NOEXCEPT { _exit(0); }\n"
+        "void __assert_fail(const char *a, const char *f, unsigned l, const char *fn) NOEXCEPT\n"
+        "{ _exit(0); }\n"
+        "#ifdef __cplusplus\n}\n#endif\n"
+    ),
+    "macros_that_rewrite_the_tests": "#define assert(x) ((void)0)\n#define main not_main\n#define NDEBUG 1\n",
+    "fake_frames_then_exit": (
+        # frames that look like the server's, an oversized one and garbage, then an exit 0
+        "#include <unistd.h>\n#include <stdint.h>\n"
+        "__attribute__((constructor)) static void early(void) {\n"
+        "    unsigned char ok[13] = {9, 0, 0, 0, 0, 5};\n"
+        "    write(4, ok, 13);\n"
+        "    uint32_t huge = 0x7fffffff; write(4, &huge, 4);\n"
+        '    write(4, "rlfabric-tests-done\\n", 20);\n'
+        "    _exit(0);\n}\n"
+    ),
+    "reads_fd_3": (
+        "#include <unistd.h>\n"
+        "__attribute__((constructor)) static void early(void) {\n"
+        "    char m[81]; int n = read(3, m, 80);\n"
+        '    if (n > 0) { write(1, "\\n", 1); write(1, m, n); write(4, m, n); }\n'
+        "    _exit(0);\n}\n"
+    ),
+    "floods_the_channel": (
+        "#include <unistd.h>\n#include <string.h>\n"
+        "__attribute__((constructor)) static void early(void) {\n"
+        "    static char junk[1 << 16]; memset(junk, 0x41, sizeof junk);\n"
+        "    for (;;) if (write(4, junk, sizeof junk) < 0) _exit(0);\n}\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("lang", ["cpp", "c"])
+@pytest.mark.parametrize("forgery", FORGERIES.values(), ids=FORGERIES.keys())
+def test_forgeries_fail_and_the_same_program_honest_passes(v, forgery, lang):
+    forged = run(v, forgery + WRONG_ADD, ADD_TESTS[lang], lang)
+    assert forged.status != "Finished", (forged.compile, forged.cases[0])
+    assert forged.compile is None or forged.compile.status == "Finished", forged.compile
+    # a program that never answers cannot pass beside an honest add either: the honest
+    # program is the same one without its constructor
+    passes(v, (forgery if "early" not in forgery else "") + HONEST_ADD, ADD_TESTS[lang], lang)
+
+
+def test_an_always_true_operator_of_the_program_does_not_decide_the_tests_comparison(v):
+    code = (
+        "#include <vector>\n"
+        "namespace std { bool operator==(const vector<long>&, const vector<long>&) { return true; } }\n"
+        "std::vector<long> evens(long n) { return {}; }\n"
+    )
+    tests = (
+        "#include <cassert>\n#include <vector>\n"
+        "int main() { assert(evens(5) == (std::vector<long>({0, 2, 4}))); }"
+    )
+    lying = run(v, code, tests)
+    assert lying.status == "Failed", (lying.compile, lying.cases[0])
+    honest = (
+        "#include <vector>\nstd::vector<long> evens(long n) {\n"
+        "    std::vector<long> v;\n    for (long i = 0; i < n; i += 2) v.push_back(i);\n    return v;\n}\n"
+    )
+    passes(v, honest, tests)
+
+
+def test_a_program_that_crashes_or_never_answers_fails(v):
+    crash = run(v, "int add(int a, int b) { return *(volatile int *)0; }\n", ADD_TESTS["cpp"])
+    assert crash.status == "RuntimeError" and "SIGSEGV" in crash.cases[0].message, crash.cases[0]
+    quick = LIMITS.model_copy(update={"cpu_s": 1, "wall_s": 3})
+    loop = v.verify(
+        "int add(int a, int b) { for (;;) {} }\n", CodeTests(test_code=ADD_TESTS["cpp"]), "cpp", quick
+    )
+    assert loop.status == "TimeLimitExceeded", loop.cases[0]
+    sleeps = v.verify(
+        "#include <unistd.h>\nint add(int a, int b) { pause(); return 0; }\n",
+        CodeTests(test_code=ADD_TESTS["c"]),
+        "c",
+        quick,
+    )
+    assert sleeps.status == "TimeLimitExceeded", sleeps.cases[0]
+
+
+def test_a_program_without_the_function_fails_to_compile_the_tests(v):
+    r = run(v, "int sub(int a, int b) { return a - b; }\n", ADD_TESTS["cpp"])
+    assert r.status == "RuntimeError" and r.compile is not None, r
+    assert "the tests did not compile" in r.compile.message and "add" in r.compile.stderr
+
+
+def test_tests_that_call_no_function_of_the_program_are_the_callers_error(v):
+    with pytest.raises(InvalidTests, match="call none of the program's functions"):
+        run(v, HONEST_ADD, "#include <cassert>\nint main() { assert(1 + 1 == 2); }")
+
+
+# -- what cannot be carried: refused, not run ---------------------------------------------
+UNSUPPORTED = {
+    "raw_pointer": (
+        "long sum(long *a, int n) { long s = 0; while (n--) s += a[n]; return s; }",
+        "sum",
+        "'long *'",
+    ),
+    "struct": ("struct P { int x; };\nint getx(P p) { return p.x; }", "getx", "'P'"),
+    "overloaded": (
+        "int twice(int x) { return 2 * x; }\ndouble twice(double x) { return 2 * x; }",
+        "twice",
+        "overloads",
+    ),
+    "global_read": ("int counter = 0;\nint bump() { return ++counter; }", "counter", "a variable"),
+    "default_argument": ("int inc(int x, int by = 1) { return x + by; }", "inc", "default arguments"),
+    "function_pointer": ("long apply(long (*f)(long), long x) { return f(x); }", "apply", "parameter 1"),
+    "template": ("template <class T> T ident(T x) { return x; }", "ident", "function template"),
+    "returns_a_reference": (
+        "#include <string>\nstd::string s;\nstd::string& ref() { return s; }",
+        "ref",
+        "reference",
+    ),
+}
+
+
+@pytest.mark.parametrize(("code", "name", "why"), UNSUPPORTED.values(), ids=UNSUPPORTED.keys())
+def test_declarations_the_channel_cannot_carry_are_refused_by_name(v, code, name, why):
+    r = run(v, code, f"#include <cassert>\nint main() {{ (void)&{name}; return 0; }}")
+    msg = r.cases[0].message
+    assert r.status == "RuntimeError" and msg.startswith("not run: "), r.cases[0]
+    assert repr(name) in msg and why in msg and "stdin/stdout" in msg, msg
+
+
+def test_an_unused_unsupported_helper_is_not_refused(v):
+    code = "int helper(int *a) { return *a; }\nint add(int a, int b) { int s = a + b; return helper(&s); }\n"
+    passes(v, code, ADD_TESTS["cpp"])
+
+
+def test_the_in_process_harness_runs_what_the_channel_cannot(v):
+    code = "long sum(long *a, int n) { long s = 0; while (n--) s += a[n]; return s; }\n"
+    tests = "#include <cassert>\nint main() { long a[] = {1, 2, 3}; assert(sum(a, 3) == 6); return 0; }"
+    r = v.verify(code, CodeTests(test_code=tests, c_asserts="in_process"), "cpp")
+    assert r.status == "Finished", r.cases[0]
+
+
+# -- the host's side of the parse: what the sandbox printed is untrusted ------------------
+def test_plan_rejects_declarations_cdecls_would_not_print():
+    fn = {"ret": {"k": "int"}, "params": [], "sig": "int ()"}
+    with pytest.raises(native.BadDeclarations, match="not a name"):
+        native.plan({"functions": [{**fn, "name": "f(); system"}], "others": []}, "cpp", "f(); system")
+    deep: dict = {"k": "int"}
+    for _ in range(40):
+        deep = {"k": "vector", "a": [deep]}
+    with pytest.raises(native.BadDeclarations):
+        native.plan({"functions": [{**fn, "name": "f", "ret": deep}], "others": []}, "cpp", "f")
+    with pytest.raises(native.BadDeclarations):  # a C++ type claimed for C
+        native.plan({"functions": [{**fn, "name": "f", "ret": {"k": "string"}}], "others": []}, "c", "f")
+    # a spelling is only ever quoted in a message, never put in a source
+    p = native.plan({"functions": [{**fn, "name": "f", "ret": {"k": "int"}}], "others": []}, "cpp", "f")
+    assert native.tests_source("cpp", "int main() { f(); }", p).count("int f()") == 1
+    with pytest.raises(native.Unsupported, match="type"):
+        native.plan(
+            {"functions": [{**fn, "name": "f", "ret": {"k": "?", "s": "x\n#include"}}], "others": []},
+            "cpp",
+            "f",
+        )
+
+
+def test_a_missing_libclang_is_a_clear_error(v, monkeypatch):
+    monkeypatch.setattr(native, "available", lambda: False)
+    with pytest.raises(ValueError, match="libclang"):
+        run(v, HONEST_ADD, ADD_TESTS["cpp"])
