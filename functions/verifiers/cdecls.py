@@ -6,9 +6,10 @@ compiler's limits) with the program beside it, and reads one JSON object from it
     {"using_std": bool,                       a top-level ``using namespace std;``
      "functions": [{"name", "ret", "params": [{"t", "ref"}], "sig", "variadic", "defaults",
                     "why"}],                   every top-level function declaration
-     "others": [[name, kind], ...]}            every other top-level name (types, variables,
+     "others": [[name, kind], ...],            every other top-level name (types, variables,
                                                namespaces, templates; not macros: they never
                                                reach the tests, whose own names they are)
+     "includes": [name, ...]}                  the system headers it includes (``<vector>``)
 
 A type is ``{"k": kind, "a": [type, ...]}``: ``int`` and the other scalars by their C name,
 ``cstr`` (``char *``; ``"const": true`` for ``const char *``), ``string``, ``vector``,
@@ -141,9 +142,12 @@ def main() -> None:
     tu = index.parse(
         source,
         args=opts["args"],
-        options=ci.TranslationUnit.PARSE_SKIP_FUNCTION_BODIES,
+        options=ci.TranslationUnit.PARSE_SKIP_FUNCTION_BODIES
+        | ci.TranslationUnit.PARSE_DETAILED_PROCESSING_RECORD,
     )
-    result: dict = {"using_std": False, "functions": [], "others": []}
+    result: dict = {"using_std": False, "functions": [], "others": [], "includes": []}
+
+    system = tuple(d.rstrip("/") + "/" for d in opts["system"])
 
     def walk(cursor: ci.Cursor) -> None:
         for c in cursor.get_children():
@@ -158,10 +162,13 @@ def main() -> None:
                 ns = [r for r in c.get_children() if r.kind == ci.CursorKind.NAMESPACE_REF]
                 if ns and ns[0].spelling == "std":
                     result["using_std"] = True
-            elif (
-                c.spelling
-                and kind != ci.CursorKind.MACRO_INSTANTIATION
-                and kind != ci.CursorKind.INCLUSION_DIRECTIVE
+            elif kind == ci.CursorKind.INCLUSION_DIRECTIVE:
+                included = c.get_included_file()
+                if included is not None and included.name.startswith(system):
+                    result["includes"].append(c.spelling)
+            elif c.spelling and kind not in (
+                ci.CursorKind.MACRO_INSTANTIATION,
+                ci.CursorKind.MACRO_DEFINITION,
             ):
                 result["others"].append([c.spelling, kind.name.lower()])
                 if kind == ci.CursorKind.ENUM_DECL:
