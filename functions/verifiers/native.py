@@ -298,12 +298,14 @@ def plan(decls: Any, lang: str, test_code: str) -> Plan:
 
 
 # -- the two sources ---------------------------------------------------------------------
-#: what the tests get beyond the program's own system headers: the containers the stubs
-#: take and the common rest of the library (MultiPL-E's and HumanEval-X's tests use
-#: assert, abs, fabs and these containers). A program's <bits/stdc++.h> is not passed on:
-#: it doubles the tests' compile (1.35 s of CPU against 0.68 s here); tests that need a
-#: header beyond these include it themselves.
-_CPP_TESTS_PRELUDE = "".join(
+#: The tests see the system headers the program includes, as in one process, and these
+#: (assert, abs, fabs: what HumanEval-X's tests use unincluded) ...
+_CPP_TESTS_BASE = "".join(f"#include <{h}>\n" for h in ("cassert", "cmath", "cstdlib", "cstring"))
+#: ... but a program's <bits/stdc++.h> becomes this list (MultiPL-E's programs all include
+#: it; their tests use these containers): the whole library would double the tests'
+#: compile (1.35 s of CPU against 0.68 s here). Tests that need a header beyond it include
+#: it themselves.
+_CPP_STDCXX = "".join(
     f"#include <{h}>\n"
     for h in (
         "algorithm",
@@ -338,7 +340,6 @@ _CPP_TESTS_PRELUDE = "".join(
         "vector",
     )
 )
-_NOT_PASSED_ON = {"bits/stdc++.h"}
 _C_TESTS_PRELUDE = "".join(
     f"#include <{h}>\n"
     for h in (
@@ -354,6 +355,24 @@ _C_TESTS_PRELUDE = "".join(
         "string.h",
     )
 )
+
+
+def _kinds(t: Any) -> set[str]:
+    if not isinstance(t, dict):
+        return set()
+    return {str(t.get("k"))}.union(*(_kinds(a) for a in t.get("a", [])))
+
+
+def _uses(p: Plan) -> str:
+    """The containers the plan's types use, for ``rlfabric_rpc.hpp`` (``RLFABRIC_USES_*``:
+    the headers of all of them would double a small program's compile)."""
+    kinds: set[str] = set()
+    for f in p.functions:
+        kinds |= _kinds(f.ret_wire)
+        for param in f.params:
+            kinds |= _kinds(param.wire)
+    containers = sorted((kinds & {*_ONE, *_TWO}) - {"pair"})
+    return "".join(f"#define RLFABRIC_USES_{k.upper()} 1\n" for k in containers)
 
 
 def header(lang: str) -> tuple[str, bytes]:
@@ -402,8 +421,8 @@ def tests_source(lang: str, test_code: str, p: Plan) -> str:
     then the test code (which has the file, and its line numbers, to itself)."""
     name = header(lang)[0]
     if lang == "cpp":
-        own = (f"#include <{h}>\n" for h in p.includes if h not in _NOT_PASSED_ON)
-        parts = [f'#include "{name}"\n', _CPP_TESTS_PRELUDE, *own]
+        own = (f"#include <{h}>\n" if h != "bits/stdc++.h" else _CPP_STDCXX for h in p.includes)
+        parts = [_uses(p), f'#include "{name}"\n', _CPP_TESTS_BASE, *own]
         if p.using_std:
             parts.append("using namespace std;\n")
         parts += [_cpp_stub(i, f) for i, f in enumerate(p.functions)]
@@ -442,7 +461,7 @@ def program_source(lang: str, code: str, p: Plan) -> str:
     """The program's translation unit: the wire first (no macro of the program reaches
     it), the program with its ``main`` renamed, then the server's ``main``."""
     name = header(lang)[0]
-    head = (
+    head = _uses(p) + (
         f'#include "{name}"\n#define main {PROGRAM_MAIN}\n#line 1 "main.{"cpp" if lang == "cpp" else "c"}"\n'
     )
     if lang == "cpp":

@@ -19,6 +19,10 @@
 // items than bytes left, frames up to 16 MiB): what arrives is a value the function could
 // have returned, or a protocol error that fails the case. The program's process is
 // untrusted; nothing it does to its own copy of this header reaches the tests.
+//
+// A container's overloads (and its header) are there only where the includer defined
+// RLFABRIC_USES_<CONTAINER> first: the generated sources define those their types use, and
+// the headers of all of them would double a small program's compile.
 #pragma once
 #include <cerrno>
 #include <cstdint>
@@ -26,18 +30,30 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
-#include <map>
-#include <optional>
-#include <set>
 #include <stdexcept>
 #include <string>
 #include <tuple>
 #include <type_traits>
-#include <unordered_map>
-#include <unordered_set>
 #include <utility>
-#include <vector>
 #include <unistd.h>
+#ifdef RLFABRIC_USES_VECTOR
+#include <vector>
+#endif
+#ifdef RLFABRIC_USES_MAP
+#include <map>
+#endif
+#ifdef RLFABRIC_USES_SET
+#include <set>
+#endif
+#ifdef RLFABRIC_USES_UNORDERED_MAP
+#include <unordered_map>
+#endif
+#ifdef RLFABRIC_USES_UNORDERED_SET
+#include <unordered_set>
+#endif
+#ifdef RLFABRIC_USES_OPTIONAL
+#include <optional>
+#endif
 
 namespace rlfabric {
 
@@ -144,29 +160,43 @@ inline char* get_cstr(In& i) {
 inline void get(In& i, const char*& v) { v = get_cstr(i); }
 inline void get(In& i, char*& v) { v = get_cstr(i); }
 
+// declared before any is defined: a vector of maps of optionals finds each of them
+#ifdef RLFABRIC_USES_VECTOR
 template <class T, class A> void put(Out& o, const std::vector<T, A>& v);
 template <class T, class A> void get(In& i, std::vector<T, A>& v);
+#endif
+#ifdef RLFABRIC_USES_MAP
 template <class K, class V, class C, class A> void put(Out& o, const std::map<K, V, C, A>& v);
 template <class K, class V, class C, class A> void get(In& i, std::map<K, V, C, A>& v);
+#endif
+#ifdef RLFABRIC_USES_SET
 template <class T, class C, class A> void put(Out& o, const std::set<T, C, A>& v);
 template <class T, class C, class A> void get(In& i, std::set<T, C, A>& v);
+#endif
+#ifdef RLFABRIC_USES_UNORDERED_MAP
 template <class K, class V, class H, class E, class A>
 void put(Out& o, const std::unordered_map<K, V, H, E, A>& v);
 template <class K, class V, class H, class E, class A> void get(In& i, std::unordered_map<K, V, H, E, A>& v);
+#endif
+#ifdef RLFABRIC_USES_UNORDERED_SET
 template <class T, class H, class E, class A> void put(Out& o, const std::unordered_set<T, H, E, A>& v);
 template <class T, class H, class E, class A> void get(In& i, std::unordered_set<T, H, E, A>& v);
+#endif
 template <class A, class B> void put(Out& o, const std::pair<A, B>& v);
 template <class A, class B> void get(In& i, std::pair<A, B>& v);
 template <class... T> void put(Out& o, const std::tuple<T...>& v);
 template <class... T> void get(In& i, std::tuple<T...>& v);
+#ifdef RLFABRIC_USES_OPTIONAL
 template <class T> void put(Out& o, const std::optional<T>& v);
 template <class T> void get(In& i, std::optional<T>& v);
+#endif
 
 template <class C> void put_items(Out& o, const C& v) {
     std::uint64_t c = v.size();
     o.raw(&c, 8);
     for (const auto& x : v) put(o, x);
 }
+#ifdef RLFABRIC_USES_VECTOR
 template <class T, class A> void put(Out& o, const std::vector<T, A>& v) {
     std::uint64_t c = v.size();
     o.raw(&c, 8);
@@ -182,6 +212,7 @@ template <class T, class A> void get(In& i, std::vector<T, A>& v) {
         v.push_back(std::move(x));
     }
 }
+#endif
 template <class M> void get_map(In& i, M& v) {
     std::uint64_t c = i.count();
     v.clear();
@@ -202,10 +233,15 @@ template <class S> void get_set(In& i, S& v) {
         v.insert(std::move(key));
     }
 }
+#ifdef RLFABRIC_USES_MAP
 template <class K, class V, class C, class A> void put(Out& o, const std::map<K, V, C, A>& v) { put_items(o, v); }
 template <class K, class V, class C, class A> void get(In& i, std::map<K, V, C, A>& v) { get_map(i, v); }
+#endif
+#ifdef RLFABRIC_USES_SET
 template <class T, class C, class A> void put(Out& o, const std::set<T, C, A>& v) { put_items(o, v); }
 template <class T, class C, class A> void get(In& i, std::set<T, C, A>& v) { get_set(i, v); }
+#endif
+#ifdef RLFABRIC_USES_UNORDERED_MAP
 template <class K, class V, class H, class E, class A>
 void put(Out& o, const std::unordered_map<K, V, H, E, A>& v) {
     put_items(o, v);
@@ -213,10 +249,13 @@ void put(Out& o, const std::unordered_map<K, V, H, E, A>& v) {
 template <class K, class V, class H, class E, class A> void get(In& i, std::unordered_map<K, V, H, E, A>& v) {
     get_map(i, v);
 }
+#endif
+#ifdef RLFABRIC_USES_UNORDERED_SET
 template <class T, class H, class E, class A> void put(Out& o, const std::unordered_set<T, H, E, A>& v) {
     put_items(o, v);
 }
 template <class T, class H, class E, class A> void get(In& i, std::unordered_set<T, H, E, A>& v) { get_set(i, v); }
+#endif
 template <class A, class B> void put(Out& o, const std::pair<A, B>& v) {
     put(o, v.first);
     put(o, v.second);
@@ -231,6 +270,7 @@ template <class... T> void put(Out& o, const std::tuple<T...>& v) {
 template <class... T> void get(In& i, std::tuple<T...>& v) {
     std::apply([&](auto&... x) { (get(i, x), ...); }, v);
 }
+#ifdef RLFABRIC_USES_OPTIONAL
 template <class T> void put(Out& o, const std::optional<T>& v) {
     std::uint8_t f = v.has_value();
     o.raw(&f, 1);
@@ -248,6 +288,7 @@ template <class T> void get(In& i, std::optional<T>& v) {
     v = std::move(x);
 }
 
+#endif
 // -- frames ------------------------------------------------------------------------------
 // false: the other end is gone (EOF or an error)
 inline bool write_all(const char* p, std::size_t n) {
