@@ -154,8 +154,8 @@ def main() -> None:
             if c.location.file is None or c.location.file.name != source:
                 continue
             kind = c.kind
-            if kind == ci.CursorKind.LINKAGE_SPEC:  # extern "C" { ... }
-                walk(c)
+            if kind == ci.CursorKind.LINKAGE_SPEC or (kind == ci.CursorKind.NAMESPACE and not c.spelling):
+                walk(c)  # extern "C" { ... } and namespace { ... }: their names are the file's
             elif kind == ci.CursorKind.FUNCTION_DECL:
                 result["functions"].append(function(c))
             elif kind == ci.CursorKind.USING_DIRECTIVE:

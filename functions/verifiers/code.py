@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import fabric
 from fabric.protocol import RewardResult, Trajectory
@@ -86,6 +86,7 @@ def code_verify(
     entry_point: str | None = None,
     language: str = "python",
     extract: bool = True,
+    c_asserts: Literal["apart", "in_process"] = "apart",
     ctx: Any = None,
 ) -> RewardResult:
     """Pass fraction of the program in the final answer (its last fenced block tagged with
@@ -94,7 +95,9 @@ def code_verify(
     ``entry_point`` (Python ``test_code``): the program's function that a HumanEval
     ``check(candidate)`` checks, when the tests define ``check`` and do not call it. The
     per-case verdicts are in ``info``. Tests that cannot judge any program (they run nothing)
-    fail the call (``InvalidTests``), not a score."""
+    fail the call (``InvalidTests``), not a score. ``c_asserts`` (C and C++ ``test_code``):
+    ``"in_process"`` appends the tests to the program, which a program can forge
+    (docs/code-verifier.md); the default runs them apart."""
     return judge(
         traj,
         tests=tests,
@@ -103,6 +106,7 @@ def code_verify(
         language=language,
         extract=extract,
         verifier=ctx,
+        c_asserts=c_asserts,
     )
 
 
@@ -115,11 +119,14 @@ def judge(
     extract: bool,
     verifier: Verifier | None,
     entry_point: str | None = None,
+    c_asserts: Literal["apart", "in_process"] = "apart",
 ) -> RewardResult:
     text = traj if isinstance(traj, str) else traj.final_text()
     code = extract_code(text, language) if extract else text
     result = (verifier or default_verifier()).verify(
-        code, CodeTests(cases=tests, test_code=test_code, entry_point=entry_point), language
+        code,
+        CodeTests(cases=tests, test_code=test_code, entry_point=entry_point, c_asserts=c_asserts),
+        language,
     )
     if result.retryable:
         # a 0 here would punish the policy for our failure: fail the call so it is retried

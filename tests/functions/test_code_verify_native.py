@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from functions.verifiers import native
+from functions.verifiers.code import code_verify
 from functions.verifiers.errors import InvalidTests
 from functions.verifiers.sandbox import Limits, Sandbox
 from functions.verifiers.verify import CodeTests, Verifier
@@ -156,6 +157,24 @@ def test_the_tests_see_the_programs_headers_and_its_types_after_its_macros(v):
     passes(v, code, tests)
 
 
+def test_code_verify_runs_cpp_tests_apart_and_in_process_on_request(v):
+    # functions in an anonymous namespace and in extern "C" are the file's own
+    answer = (
+        "Here it is:\n```cpp\n#include <string>\nnamespace { long twice(long x) { return 2 * x; } }\n"
+        'extern "C" int add(int a, int b) { return a + b; }\n'
+        'std::string hi() { return "hi"; }\n```'
+    )
+    tests = '#include <cassert>\nint main() { assert(twice(add(1, 2)) == 6 && hi() == "hi"); return 0; }'
+    apart = code_verify(answer, test_code=tests, language="cpp", ctx=v)
+    assert apart.score == 1.0, apart.info["cases"]
+    forged = FD3_FORGERY + "int add(int a, int b) { return 0; }\n"
+    tests = "#include <cassert>\nint main() { assert(add(2, 3) == 5); return 0; }"
+    assert code_verify(forged, test_code=tests, language="cpp", extract=False, ctx=v).score == 0.0
+    # the old harness, asked for by name, is forgeable (docs/code-verifier.md)
+    opted = code_verify(forged, test_code=tests, language="cpp", extract=False, c_asserts="in_process", ctx=v)
+    assert opted.score == 1.0, opted.info["cases"]
+
+
 def test_exceptions_of_the_program_reach_the_tests(v):
     code = (
         "#include <stdexcept>\n"
@@ -230,6 +249,13 @@ def test_humaneval_style_c_programs_pass_and_wrong_ones_fail(v):
 
 
 # -- forgeries: each used to pass, or could, with the tests in the program's process ------
+FD3_FORGERY = (  # the marker of the in-process harness waits on fd 3: print it, exit 0
+    "#include <unistd.h>\n"
+    "__attribute__((constructor)) static void forge(void) {\n"
+    "    char m[81]; int n = read(3, m, 80);\n"
+    '    if (n > 0) { write(1, "\\n", 1); write(1, m, n); }\n'
+    "    _exit(0);\n}\n"
+)
 ADD_TESTS = {
     "cpp": "#include <cassert>\nint main() { assert(add(2, 3) == 5); assert(add(1, 1) == 2); return 0; }",
     "c": "#include <assert.h>\nint main(void) { assert(add(2, 3) == 5); assert(add(1, 1) == 2); return 0; }",
