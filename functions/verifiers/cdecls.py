@@ -116,7 +116,11 @@ def param(t: ci.Type) -> dict:
     return {"t": describe(t), "ref": "val"}
 
 
-def function(c: ci.Cursor) -> dict:
+def function(c: ci.Cursor, errors: list[int] | None) -> dict:
+    """``errors``: the lines of the file with an error (None: the system headers had one).
+    clang reads a type it could not resolve as ``int``: such a declaration is ``invalid``."""
+    first, last = c.extent.start.line, c.extent.end.line
+    bad = errors is None or any(first <= line <= last for line in errors)
     ft = c.type
     ret = ft.get_result().get_canonical()
     out = {
@@ -130,6 +134,7 @@ def function(c: ci.Cursor) -> dict:
         # a default argument would have to be copied into the tests (and run there)
         "defaults": any(any(ch.kind.is_expression() for ch in a.get_children()) for a in c.get_arguments()),
         "noproto": ft.kind == ci.TypeKind.FUNCTIONNOPROTO,
+        "invalid": bad,
     }
     return out
 
@@ -148,6 +153,15 @@ def main() -> None:
     result: dict = {"using_std": False, "functions": [], "others": [], "includes": []}
 
     system = tuple(d.rstrip("/") + "/" for d in opts["system"])
+    errors: list[int] | None = []
+    for d in tu.diagnostics:
+        if d.severity < ci.Diagnostic.Error:
+            continue
+        where = d.location.file
+        if where is not None and where.name == source and errors is not None:
+            errors.append(d.location.line)
+        else:  # in a header, or nowhere: any type may have been misread
+            errors = None
 
     def walk(cursor: ci.Cursor) -> None:
         for c in cursor.get_children():
@@ -157,7 +171,7 @@ def main() -> None:
             if kind == ci.CursorKind.LINKAGE_SPEC or (kind == ci.CursorKind.NAMESPACE and not c.spelling):
                 walk(c)  # extern "C" { ... } and namespace { ... }: their names are the file's
             elif kind == ci.CursorKind.FUNCTION_DECL:
-                result["functions"].append(function(c))
+                result["functions"].append(function(c, errors))
             elif kind == ci.CursorKind.USING_DIRECTIVE:
                 ns = [r for r in c.get_children() if r.kind == ci.CursorKind.NAMESPACE_REF]
                 if ns and ns[0].spelling == "std":

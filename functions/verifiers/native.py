@@ -212,6 +212,8 @@ def render(t: Any, lang: str, top: bool = True, depth: int = 0) -> str:
 
 def _function(f: dict[str, Any], lang: str) -> Function:
     """One validated declaration; ``Unsupported`` says why it cannot be called apart."""
+    if f.get("invalid"):
+        raise Unsupported("libclang could not read its declaration (an error in or before it)")
     if f.get("variadic"):
         raise Unsupported("it takes a variable number of arguments")
     if f.get("defaults"):
@@ -457,6 +459,16 @@ def _c_handler(i: int, f: Function) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _same_signature(lang: str, f: Function) -> str:
+    types = ", ".join(p.type for p in f.params)
+    why = f'"rlfabric: the compiler reads the declaration of {f.name} otherwise than libclang did"'
+    if lang == "cpp":
+        fn = f"decltype(&::{f.name}), {f.ret} (*)({types})"
+        return f"static_assert(::rlfabric::same_signature_v<{fn}>, {why});\n"
+    proto = f"{f.ret} (*)({types or 'void'})"
+    return f"_Static_assert(__builtin_types_compatible_p(__typeof__(&{f.name}), {proto}), {why});\n"
+
+
 def program_source(lang: str, code: str, p: Plan) -> str:
     """The program's translation unit: the wire first (no macro of the program reaches
     it), the program with its ``main`` renamed, then the server's ``main``."""
@@ -464,10 +476,14 @@ def program_source(lang: str, code: str, p: Plan) -> str:
     head = _uses(p) + (
         f'#include "{name}"\n#define main {PROGRAM_MAIN}\n#line 1 "main.{"cpp" if lang == "cpp" else "c"}"\n'
     )
+    # the stubs were made from libclang's reading; where the compiler reads a declaration
+    # differently (a gcc extension, a header clang misreads), the program does not compile,
+    # rather than the two ends taking different types
+    checks = "".join(_same_signature(lang, f) for f in p.functions)
     if lang == "cpp":
         table = ", ".join(f"::rlfabric::fn(&::{f.name})" for f in p.functions)
         tail = (
-            "\n#undef main\nsigned main(void) {\n"
+            f"\n#undef main\n{checks}signed main(void) {{\n"
             f"    static const ::rlfabric::Served table[] = {{{table}}};\n"
             f"    return ::rlfabric::serve(table, {len(p.functions)});\n}}\n"
         )
@@ -475,7 +491,7 @@ def program_source(lang: str, code: str, p: Plan) -> str:
         handlers = "".join(_c_handler(i, f) for i, f in enumerate(p.functions))
         table = ", ".join(f"rlf_h{i}" for i in range(len(p.functions)))
         tail = (
-            f"\n#undef main\n{handlers}"
+            f"\n#undef main\n{checks}{handlers}"
             f"signed main(void) {{\n    static rlf_handler table[] = {{{table}}};\n"
             f"    return rlf_serve(table, {len(p.functions)});\n}}\n"
         )

@@ -393,6 +393,21 @@ def test_declarations_the_channel_cannot_carry_are_refused_by_name(v, code, name
     assert repr(name) in msg and why in msg and "stdin/stdout" in msg, msg
 
 
+def test_a_declaration_libclang_misread_is_never_called_with_the_wrong_types(v):
+    # clang reads an unknown type as int: refused, not called as add(int, long)
+    unknown = run(v, "long add(Foo a, long b) { return b; }\n", ADD_TESTS["cpp"])
+    assert unknown.status == "RuntimeError" and "could not read its declaration" in unknown.cases[0].message
+    # what the compiler reads otherwise than libclang (its own macros) does not compile
+    two_faced = (
+        "#ifdef __clang__\ntypedef long num;\n#else\ntypedef int num;\n#endif\n"
+        "num add(num a, num b) { return a + b; }\n"
+    )
+    for lang in ("cpp", "c"):
+        r = run(v, two_faced, ADD_TESTS[lang], lang)
+        assert r.status == "RuntimeError" and r.compile is not None, r
+        assert "reads the declaration of add otherwise than libclang" in r.compile.stderr, r.compile
+
+
 def test_an_unused_unsupported_helper_is_not_refused(v):
     code = "int helper(int *a) { return *a; }\nint add(int a, int b) { int s = a + b; return helper(&s); }\n"
     passes(v, code, ADD_TESTS["cpp"])

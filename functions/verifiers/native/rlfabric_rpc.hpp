@@ -371,6 +371,15 @@ template <class R, class... A> R call(std::uint32_t fn, const char* name, A&&...
 }
 
 // -- the program's side: the server ------------------------------------------------------
+// a function's type as the stubs declare it (they drop `noexcept`)
+template <class F> struct plain {
+    using type = F;
+};
+template <class R, class... A> struct plain<R (*)(A...) noexcept> {
+    using type = R (*)(A...);
+};
+template <class F, class G> constexpr bool same_signature_v = std::is_same_v<typename plain<F>::type, G>;
+
 using Handler = void (*)(void* fn, In& i, Out& o);
 
 template <class P, class T> decltype(auto) pass(T& a) {
