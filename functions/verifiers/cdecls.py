@@ -134,6 +134,8 @@ def function(c: ci.Cursor, errors: list[int] | None) -> dict:
         # a default argument would have to be copied into the tests (and run there)
         "defaults": any(any(ch.kind.is_expression() for ch in a.get_children()) for a in c.get_arguments()),
         "noproto": ft.kind == ci.TypeKind.FUNCTIONNOPROTO,
+        # `const std::string f()`: part of the function's type in C++
+        "cret": ret.is_const_qualified(),
         "invalid": bad,
     }
     return out

@@ -230,6 +230,8 @@ def _function(f: dict[str, Any], lang: str) -> Function:
             ret = render(ret_t, lang)
         except Unsupported as e:
             raise Unsupported(f"its return type: {e}") from None
+        if lang == "cpp" and f.get("cret") is True:
+            ret = f"const {ret}"
     out = []
     for n, p in enumerate(params, 1):
         if not isinstance(p, dict) or p.get("ref") not in ("val", "cref", "mref", "rref"):

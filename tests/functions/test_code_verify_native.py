@@ -149,10 +149,15 @@ def test_humaneval_x_style_cpp_with_using_namespace_std(v):
 def test_the_tests_see_the_programs_headers_and_its_types_after_its_macros(v):
     # <complex> is none of the tests' own headers: they get it because the program included
     # it, as in one process; `#define int long long` is the program's, and so is the type
-    code = "#include <complex>\n#define int long long\nint add(int a, int b) { return a + b; }\n"
+    code = (
+        "#include <complex>\n#include <string>\n#include <vector>\n#define int long long\n"
+        "int add(int a, int b) { return a + b; }\n"
+        'const std::string name() { return "n"; }\nauto ones(int n) { return std::vector<int>(n, 1); }\n'
+    )
     tests = (
         "#include <cassert>\nint main() {\n    std::complex<double> z(3, 4);\n    assert(std::abs(z) == 5);\n"
-        "    assert(add(1LL << 40, 1) == (1LL << 40) + 1);\n    return 0;\n}\n"
+        '    assert(add(1LL << 40, 1) == (1LL << 40) + 1 && name() == "n" && ones(2).size() == 2);\n'
+        "    return 0;\n}\n"
     )
     passes(v, code, tests)
 
