@@ -6,7 +6,7 @@ The program and its tests are two binaries that share no text and no process:
    sandbox (the source is untrusted); ``plan`` validates what it printed (untrusted too)
    and picks the functions the tests call.
 2. The tests' binary: ``rlfabric_rpc.hpp`` (or ``.h``), the standard headers (and the
-   system headers the program includes, as the tests saw them in one process), a stub for
+   standard headers the program includes, as the tests saw them in one process), a stub for
    each of those functions with the declared signature (rendered here from the validated
    types, never copied from the program's text), then the test code. A stub sends its
    arguments over the channel and returns what comes back.
@@ -93,6 +93,31 @@ class BadDeclarations(Exception):
     interfered with it, or it failed)."""
 
 
+#: The program's includes the tests get too: the C and C++ standard library's only. Any
+#: other header would let the program choose text that runs in the tests' translation unit
+#: (a system header that defines NDEBUG and includes <assert.h> disables their asserts).
+STANDARD_HEADERS = frozenset(
+    (
+        *"""algorithm any array atomic bit bitset cassert ccomplex cctype cerrno cfenv cfloat
+        charconv chrono cinttypes ciso646 climits clocale cmath codecvt complex
+        condition_variable csetjmp csignal cstdarg cstdbool cstddef cstdint cstdio cstdlib
+        cstring ctgmath ctime cuchar cwchar cwctype deque exception execution filesystem
+        forward_list fstream functional future initializer_list iomanip ios iosfwd iostream
+        istream iterator limits list locale map memory memory_resource mutex new numeric
+        optional ostream queue random ratio regex scoped_allocator set shared_mutex sstream
+        stack stdexcept streambuf string string_view system_error thread tuple type_traits
+        typeindex typeinfo unordered_map unordered_set utility valarray variant vector
+        bits/stdc++.h""".split(),
+        *(
+            f"{h}.h"
+            for h in """assert complex ctype errno fenv float inttypes iso646 limits locale math
+            setjmp signal stdalign stdarg stdatomic stdbool stddef stdint stdio stdlib stdnoreturn
+            string tgmath threads time uchar wchar wctype""".split()
+        ),
+    )
+)
+
+
 @dataclass(frozen=True)
 class Param:
     type: str  # as the stub declares it
@@ -112,7 +137,7 @@ class Function:
 class Plan:
     functions: list[Function] = field(default_factory=list)
     using_std: bool = False
-    #: the system headers the program includes: in one process the tests saw them too
+    #: the standard headers the program includes: in one process the tests saw them too
     includes: list[str] = field(default_factory=list)
 
 
@@ -289,7 +314,7 @@ def plan(decls: Any, lang: str, test_code: str) -> Plan:
     for h in includes:
         if not isinstance(h, str) or not _HEADER.fullmatch(h) or ".." in h:
             raise BadDeclarations(f"not a header name: {str(h)[:60]!r}")
-        if h not in result.includes:
+        if h in STANDARD_HEADERS and h not in result.includes:
             result.includes.append(h)
     for name, decls_of in by_name.items():
         if len({json.dumps(d.get("sig")) for d in decls_of}) > 1:

@@ -448,6 +448,22 @@ def test_plan_rejects_declarations_cdecls_would_not_print():
         )
 
 
+def test_only_the_standard_library_of_the_programs_includes_reaches_the_tests():
+    # a system header may define NDEBUG and include <assert.h>: the program's choice of
+    # header must not be text in the tests' translation unit
+    fn = {"name": "f", "ret": {"k": "int"}, "params": [], "sig": "int ()"}
+    decls = {
+        "functions": [fn],
+        "others": [],
+        "includes": ["vector", "tcl8.6/tcl-private/generic/regguts.h", "math.h"],
+    }
+    p = native.plan(decls, "cpp", "f")
+    assert p.includes == ["vector", "math.h"]
+    assert "regguts" not in native.tests_source("cpp", "int main() { f(); }", p)
+    with pytest.raises(native.BadDeclarations, match="header"):
+        native.plan({**decls, "includes": ["../../etc/passwd"]}, "cpp", "f")
+
+
 def test_a_missing_libclang_is_a_clear_error(v, monkeypatch):
     monkeypatch.setattr(native, "available", lambda: False)
     with pytest.raises(ValueError, match="libclang"):
