@@ -327,9 +327,14 @@ def plan(decls: Any, lang: str, test_code: str) -> Plan:
 
 
 # -- the two sources ---------------------------------------------------------------------
-#: The tests see the system headers the program includes, as in one process, and these
-#: (assert, abs, fabs: what HumanEval-X's tests use unincluded) ...
-_CPP_TESTS_BASE = "".join(f"#include <{h}>\n" for h in ("cassert", "cmath", "cstdlib", "cstring"))
+#: The tests see the standard headers the program includes, as in one process, and these
+#: (assert, abs, fabs: what HumanEval-X's tests use unincluded). `abs` is always std's
+#: overloads: without them, and without the program's `using namespace std;`, the tests'
+#: `abs(f(x) - 0.5) < 1e-6` is C's int abs, true for any answer within 1 of the right one,
+#: and which abs the tests get must not be the program's choice ...
+_CPP_TESTS_BASE = "".join(f"#include <{h}>\n" for h in ("cassert", "cmath", "cstdlib", "cstring")) + (
+    "using std::abs;\n"
+)
 #: ... but a program's <bits/stdc++.h> becomes this list (MultiPL-E's programs all include
 #: it; their tests use these containers): the whole library would double the tests'
 #: compile (1.35 s of CPU against 0.68 s here). Tests that need a header beyond it include

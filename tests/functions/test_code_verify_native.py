@@ -180,6 +180,15 @@ def test_code_verify_runs_cpp_tests_apart_and_in_process_on_request(v):
     assert opted.score == 1.0, opted.info["cases"]
 
 
+def test_abs_in_the_tests_is_never_cs_int_abs_whatever_the_program_says(v):
+    # without `using namespace std;` (the program's choice) abs(double) was C's abs(int):
+    # abs(0.9 - 0.5) < 1e-6 held for a wrong answer
+    wrong = "#include <cmath>\nfloat truncate_number(float x) { return x - std::floor(x) + 0.4f; }\n"
+    tests = "#include <assert.h>\nint main() { assert(abs(truncate_number(3.5) - 0.5) < 1e-4); return 0; }"
+    assert run(v, wrong, tests).status == "Failed"
+    passes(v, wrong.replace(" + 0.4f", ""), tests)
+
+
 def test_exceptions_of_the_program_reach_the_tests(v):
     code = (
         "#include <stdexcept>\n"
