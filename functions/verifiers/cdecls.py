@@ -32,7 +32,16 @@ from __future__ import annotations
 import json
 import sys
 
-import clang.cindex as ci
+#: The exit status when libclang cannot be imported: the worker's setup, not the program
+#: (``native.NO_LIBCLANG``; nothing in the program's text can make libclang exit with it
+#: and print the line below, which only this file writes).
+NO_LIBCLANG = 87
+
+try:
+    import clang.cindex as ci
+except ImportError as e:  # pragma: no cover - only where the sandbox's Python lacks it
+    sys.stderr.write(f"rlfabric: libclang cannot be imported: {e}\n")
+    sys.exit(NO_LIBCLANG)
 
 SCALARS = {
     ci.TypeKind.BOOL: "bool",

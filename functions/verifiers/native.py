@@ -141,6 +141,11 @@ class Plan:
     includes: list[str] = field(default_factory=list)
 
 
+#: ``cdecls.py``'s exit status (with its own line on stderr) when libclang cannot be imported
+NO_LIBCLANG = 87
+NO_LIBCLANG_LINE = b"rlfabric: libclang cannot be imported: "
+
+
 def available() -> bool:
     """Whether libclang's Python package is installed (``pip install 'rl-fabric[verifiers]'``)."""
     return importlib.util.find_spec("clang") is not None

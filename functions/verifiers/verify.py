@@ -302,6 +302,10 @@ class Verifier:
         )
         if isinstance(parsed, CaseResult):
             return None, parsed
+        if parsed.exit_code == native.NO_LIBCLANG and native.NO_LIBCLANG_LINE in parsed.stderr:
+            # the worker's setup, not the program's fault: no score
+            why = parsed.stderr[-300:].decode(errors="replace")
+            raise ValueError(f"the sandbox's Python cannot import libclang: {why}")
         try:
             if parsed.status != "exited" or parsed.exit_code != 0:
                 why = classify(parsed, lang, lang.compile_limits, None).message

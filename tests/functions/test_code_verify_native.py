@@ -477,3 +477,19 @@ def test_a_missing_libclang_is_a_clear_error(v, monkeypatch):
     monkeypatch.setattr(native, "available", lambda: False)
     with pytest.raises(ValueError, match="libclang"):
         run(v, HONEST_ADD, ADD_TESTS["cpp"])
+
+
+def test_libclang_missing_in_the_sandbox_is_no_score_for_the_program(v, monkeypatch):
+    # the worker has it, the sandbox's interpreter does not: the setup's fault, not a 0
+    real = native.parse_files
+
+    def without_clang(lang: str, code: str) -> dict[str, bytes]:
+        files = real(lang, code)
+        files["cdecls.py"] = files["cdecls.py"].replace(
+            b"import clang.cindex as ci", b"import clang_gone.cindex as ci"
+        )
+        return files
+
+    monkeypatch.setattr(native, "parse_files", without_clang)
+    with pytest.raises(ValueError, match="cannot import libclang"):
+        run(v, HONEST_ADD, ADD_TESTS["cpp"])
