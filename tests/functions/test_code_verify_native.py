@@ -123,6 +123,53 @@ def test_multipl_e_style_cpp_programs_pass_and_wrong_ones_fail(v):
     assert unsorted.status == "Failed", unsorted.cases[0]
 
 
+WIDE = r"""
+#include <bits/stdc++.h>
+std::vector<bool> flags(const std::vector<long>& xs) {
+    std::vector<bool> out;
+    for (long x : xs) out.push_back(x % 2);
+    return out;
+}
+std::unordered_map<std::string, long> counts(std::unordered_set<long> s, char c) {
+    return {{std::string(1, c), (long)s.size()}};
+}
+std::tuple<long, double, std::string, bool> mixed(unsigned long long u) {
+    return {(long)u, u / 2.0, std::to_string(u), u > 1};
+}
+std::optional<std::vector<long>> maybe(bool yes) {
+    if (!yes) return std::nullopt;
+    return std::vector<long>{1, 2};
+}
+std::map<long, std::vector<std::string>> groups(std::vector<std::vector<std::string>> vs) {
+    std::map<long, std::vector<std::string>> m;
+    for (auto& v : vs) for (auto& s : v) m[(long)s.size()].push_back(s);
+    return m;
+}
+std::pair<std::string, char> first(std::string s) { return {s.substr(1), s[0]}; }
+void bump(int& x, std::string& log) { x += 1; log += "+"; }
+"""
+WIDE_TESTS = r"""
+int main() {
+    assert(flags({1, 2, 3}) == (std::vector<bool>{true, false, true}));
+    assert(counts({1, 2, 3}, 'k') == (std::unordered_map<std::string, long>{{"k", 3}}));
+    assert(mixed(5) == std::make_tuple(5L, 2.5, std::string("5"), true));
+    assert(!maybe(false).has_value() && *maybe(true) == (std::vector<long>{1, 2}));
+    auto g = groups({{"ab", "c"}, {"de"}});
+    assert(g.size() == 2 && g[2] == (std::vector<std::string>{"ab", "de"}) && g[1][0] == "c");
+    assert(first("xyz") == std::make_pair(std::string("yz"), 'x'));
+    int n = 1; std::string log;
+    bump(n, log); bump(n, log);
+    assert(n == 3 && log == "++");
+    return 0;
+}
+"""
+
+
+def test_the_wider_types_travel_both_ways(v):
+    passes(v, WIDE, WIDE_TESTS)
+    assert run(v, WIDE.replace('log += "+";', ""), WIDE_TESTS).status == "Failed"
+
+
 def test_humaneval_x_style_cpp_with_using_namespace_std(v):
     code = (
         "#include<stdio.h>\n#include<math.h>\n#include<vector>\nusing namespace std;\n"
