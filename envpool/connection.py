@@ -94,6 +94,11 @@ class Connection(asyncio.Protocol):
         """When the process was last seen on the CPU through a silence."""
         self.ids = itertools.count(1)
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.broken: ProtocolError | None = None
+        """How the server broke the protocol, once it has: every later request raises it.
+        A malformed reply may come while nothing waits (a stray one between requests); the
+        closed connection alone read as a container that died (``ConnectionLost``), and the
+        next request was retried on fresh containers."""
         self.tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -159,7 +164,10 @@ class Connection(asyncio.Protocol):
 
     def _broken(self, exc: ProtocolError) -> None:
         """The server broke the protocol: what waits fails with ``exc``, and the connection
-        ends (nothing it sends after is to be trusted; the session discards the container)."""
+        ends (nothing it sends after is to be trusted; the session discards the container).
+        Kept for the requests still to come: one may be sent after it, nobody waiting now."""
+        if self.broken is None:
+            self.broken = exc
         self._fail_all(exc)
         if self.transport is not None:
             self.transport.close()
@@ -184,11 +192,13 @@ class Connection(asyncio.Protocol):
                 self.tool_seen = time.monotonic()
         try:
             self.send({"op": "tool_result", "tool_id": msg.get("tool_id"), "result": result})
-        except ConnectionLost:
-            pass  # the container went while the tool ran: nobody is left to take the result
+        except (ConnectionLost, ProtocolError):
+            pass  # the container went (or broke the protocol) while the tool ran: nobody takes it
 
     # -- requests
     def send(self, msg: dict[str, Any]) -> None:
+        if self.broken is not None:
+            raise ProtocolError(str(self.broken))
         if self.transport is None or self.transport.is_closing():
             raise ConnectionLost("the session connection is closed")
         try:

@@ -28,8 +28,9 @@ server leaves it off after a MemoryError or an OSError).
 
 The pool checks every reply against this (``reply_problem``, and the session the results'
 shapes): one that breaks it (no ``ok`` bool, a missing result, an id it never sent, a
-result of the wrong shape) is a ``ProtocolError`` that names what is wrong, never retried;
-the connection ends, the container is discarded and the episode is over.
+result of the wrong shape), whether a request waits for it or not (a stray reply between
+requests fails the next one), is a ``ProtocolError`` that names what is wrong, never
+retried; the connection ends, the container is discarded and the episode is over.
 
 A token other than the session's is refused, so one session can never drive another's
 environment.

@@ -10,6 +10,8 @@ protocol in one way, named on its command line (``python foreign_server.py SOCK 
     no-result       the reset's reply is ok but carries no result
     reset-shape     the reset's result has no ``obs``
     step-shape      the step's reward is ``"lots"``
+    stray-reply     the reset is answered, then (in the same write) a reply to an id never
+                    sent arrives while nothing waits
 """
 
 import json
@@ -77,7 +79,13 @@ def main() -> None:
             while True:
                 msg = recv(conn)
                 steps += msg.get("op") == "step"
-                send(conn, reply(mode, msg, steps))
+                out = reply(mode, msg, steps)
+                if mode == "stray-reply" and msg.get("op") == "reset":
+                    stray = json.dumps({"id": 999_999, "ok": True, "result": None}).encode()
+                    body = json.dumps(out).encode()
+                    conn.sendall(struct.pack("!I", len(body)) + body + struct.pack("!I", len(stray)) + stray)
+                    continue
+                send(conn, out)
                 if msg.get("op") == "close":
                     break
         except (EOFError, OSError):

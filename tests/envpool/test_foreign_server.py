@@ -125,3 +125,23 @@ async def test_an_open_whose_info_is_not_an_object_is_a_protocol_error():
             async with p.session("echo-v0"):
                 pass  # the session's entry raises: the body is not the test
         assert p.stats()["discarded"] == 1 and p.stats()["idle"] == 0
+
+
+async def test_a_malformed_reply_while_nothing_waits_is_a_protocol_error_not_a_lost_connection():
+    # it broke the connection with nobody to tell: the next step found it closed, read that
+    # as a container that died (ConnectionLost), and was retried on fresh containers
+    async with await _foreign_pool("stray-reply") as p:
+        async with p.session("echo-v0") as s:
+            await s.reset(seed=1)
+            conn = s.conn
+            await wait_for(lambda: conn.transport.is_closing())  # the stray reply was read
+            with pytest.raises(
+                ProtocolError, match=r"reply to request 999999, which this connection never sent"
+            ):
+                await s.step("a")
+            assert s.container is None and s.status == "ok"
+            with pytest.raises(EnvOrderError, match=r"broke the session protocol; call reset"):
+                await s.step("b")
+        stats = p.stats()
+        assert stats["protocol_errors"] == 1 and stats["discarded"] == 1, stats
+        assert stats.get("step_retries", 0) == 0 and stats.get("replays", 0) == 0, stats
