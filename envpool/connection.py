@@ -37,9 +37,15 @@ _USAGE = {
 
 
 def remote_error(err: dict[str, Any]) -> EnvPoolError:
-    """The exception a server-side error stands for, in this process's hierarchy."""
+    """The exception a server-side error stands for, in this process's hierarchy: by its
+    type's name, unless the server marks it the environment's own (``"logic": true``)."""
     kind = str(err.get("type", ""))
     msg = str(err.get("message", ""))
+    if err.get("logic") is True:
+        # the environment's own exception, whatever its class is called: one named like an
+        # error of envpool's (xmlrpc.client.ProtocolError, an ActionError of its own) is no
+        # protocol bug nor the caller's mistake, but part of the episode (a replay repeats it)
+        return EnvLogicError(f"{kind}: {msg}", remote_type=kind, traceback=err.get("traceback"))
     if kind in _USAGE:
         return _USAGE[kind](msg)
     if kind == "ProtocolError":

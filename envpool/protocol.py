@@ -21,7 +21,11 @@ Results: an open's is an object (``deterministic``: bool and ``max_action_bytes`
 each optional, may be in it), a reset's ``{"obs": {"text": ..., "tools": [...] | null},
 "info": {...} | null}``, a step's ``{"obs": ..., "reward": number, "terminated": bool,
 "truncated": bool, "info": {...}}``; an error is ``{"type": str, "message": str,
-"traceback": str | null}``; a failed open's error may add ``"reusable": true``: the server
+"traceback": str | null}``, read by its type's name (``ProtocolError``, ``ActionError``,
+``EnvOrderError``, ... are the pool's own) unless it adds ``"logic": true``: an exception the
+environment's code raised, whatever its class is called (envpool's server marks every one;
+the environment's own ``ProtocolError`` is no protocol bug, and is part of the episode). A
+failed open's error may add ``"reusable": true``: the server
 is sound after it (a clean error of the environment's constructor or of its lookup), and
 its container is given to the next session; without it the container is replaced (envpool's
 server leaves it off after a MemoryError or an OSError).

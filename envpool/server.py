@@ -168,7 +168,11 @@ class Server:
         try:
             self.open_env(str(hello.get("env_id")), kwargs or {})
         except Exception as e:
+            from envpool.errors import EnvPoolError
+
             err = error_payload(e)
+            if not isinstance(e, EnvPoolError):  # (an unknown id is the registry's, by its name)
+                err["logic"] = True  # the constructor's own, whatever its class is called
             if not isinstance(e, MemoryError | OSError):
                 # a clean error of the environment's code (or an id this image lacks): this
                 # process is as sound as before, and its container may serve the next session.

@@ -1,0 +1,75 @@
+"""What the pool makes of an error a reset or step of the environment raises: the
+environment's own exception whatever its class is called, part of the episode (a replay
+repeats it), and a container that may be broken by it (out of memory, file descriptors or
+disk) not given to another episode."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from echo_bundle import IMAGE, write_env_bundle
+from pool_util import pool
+
+from envpool.errors import EnvLogicError
+
+_RAISING = """
+import errno
+
+import envpool
+
+
+class ProtocolError(Exception):
+    \"\"\"The environment's own, named as one of envpool's (xmlrpc.client and urllib3 have one).\"\"\"
+
+
+class ActionError(Exception):
+    \"\"\"Likewise.\"\"\"
+
+
+class RaisingEnv(envpool.Env):
+    example_actions = ("a",)
+
+    def reset(self, *, seed=None, options=None):
+        self.n = 0
+        return f"ready {seed}", {}
+
+    def step(self, action):
+        self.n += 1
+        if action == "protocol":
+            raise ProtocolError("its own protocol broke")
+        if action == "action":
+            raise ActionError("its own action check")
+        if action == "value":
+            raise ValueError("no such move")
+        if action == "memory":
+            raise MemoryError("cannot allocate the board")
+        if action == "disk":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return envpool.StepResult(obs=envpool.Observation(text=f"{action} #{self.n}"))
+"""
+
+
+@pytest.fixture
+def raising(tmp_path):
+    return write_env_bundle(tmp_path / "b", "raising_env", _RAISING, {"raising-v0": "RaisingEnv"})
+
+
+@pytest.mark.parametrize(("action", "name"), [("protocol", "ProtocolError"), ("action", "ActionError")])
+async def test_an_environment_exception_named_like_an_envpool_error_is_the_environments(
+    raising, action, name
+):
+    # the pool read the error's class name only: the environment's own ProtocolError ended the
+    # episode and discarded the container (a protocol bug), its own ActionError was the
+    # caller's mistake and left out of the episode, so a replay rebuilt another one
+    async with pool(raising, min_warm=0) as p, p.session("raising-v0", image=IMAGE) as s:
+        await s.reset(seed=1)
+        pid = s.container.pid
+        with pytest.raises(EnvLogicError, match=f"{name}: its own") as err:
+            await s.step(action)
+        assert err.value.remote_type == name
+        assert (await s.step("a")).obs.text == "a #2" and s.container.pid == pid  # the episode goes on
+        os.killpg(pid, signal.SIGKILL)
+        assert (await s.step("b")).obs.text == "b #3"  # the replay repeated the raising step
+        assert s.status == "ok" and p.metrics["replays"] == 1 and p.metrics.get("protocol_errors", 0) == 0
