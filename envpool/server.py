@@ -112,7 +112,7 @@ class Server:
         data = encode(msg)
         if len(data) > MAX_FRAME:  # the environment's answer is too big: its bug, not the pool's
             message = f"reply of {len(data):,} bytes is over the {MAX_FRAME:,}-byte frame limit"
-            err = {"type": "ObservationTooLarge", "message": message, "logic": True}
+            err = {"type": "ObservationTooLarge", "message": message, "logic": True, "reusable": True}
             data = encode({"id": msg.get("id"), "ok": False, "error": err})
         with self.write_lock:
             if self.conn is not None:
@@ -245,10 +245,16 @@ class Server:
                 }
             return {"id": rid, "ok": True, "result": result}
         except EnvUsageError as e:
-            return {"id": rid, "ok": False, "error": error_payload(e)}
+            return {"id": rid, "ok": False, "error": {**error_payload(e), "reusable": True}}
         except Exception as e:  # the environment's own bug: data for the caller, the server lives on
             tb = "".join(traceback.format_exception(type(e), e, e.__traceback__, limit=-6))[-4000:]
-            return {"id": rid, "ok": False, "error": {**error_payload(e, traceback=tb), "logic": True}}
+            err = {**error_payload(e, traceback=tb), "logic": True}
+            if not isinstance(e, MemoryError | OSError):
+                # as for a failed open: after a MemoryError or an OSError this process may be
+                # short of memory, file descriptors or disk (or hold them still), so the pool
+                # plays this episode out on it and then retires it, never giving it another
+                err["reusable"] = True
+            return {"id": rid, "ok": False, "error": err}
         finally:
             self.busy.clear()
 

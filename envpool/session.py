@@ -164,11 +164,12 @@ class EnvSession:
             seed = secrets.randbits(31)
         args = {"seed": seed, "options": options}
         c = self.container
-        if c is not None and c.episodes >= self._cfg.max_episodes:
-            # its episodes are spent: a new one starts on a fresh container, as the next
-            # session's would (the reset below claims it)
+        if c is not None and (c.episodes >= self._cfg.max_episodes or c.failed):
+            # its episodes are spent, or an error may have left its server broken (``_retire``):
+            # a new one starts on a fresh container, as the next session's would (the reset
+            # below claims it)
             self._log, self._trace, self._done = [], [], True
-            await self._drop_container(healthy=True)
+            await self._drop_container(healthy=not c.failed)
         try:
             result = await self._with_recovery(
                 "reset", lambda: self._call("reset", args, self._cfg.reset_timeout_s)
@@ -244,8 +245,14 @@ class EnvSession:
         c.last_active = time.monotonic()
         c.in_flight += 1
         try:
-            result = await self.conn.request({"op": op, "token": self.token, "args": args}, timeout_s)
-            return _checked(op, result)
+            reply = await self.conn.exchange({"op": op, "token": self.token, "args": args}, timeout_s)
+            if reply["ok"]:
+                return _checked(op, reply["result"])
+            err = reply["error"]
+            e = remote_error(err)
+            if isinstance(e, EnvLogicError) and err.get("reusable") is not True:
+                self._retire(c, e)
+            raise e
         except ProtocolError as e:
             # a bug of the server's (or of the pool's): no retry, no replay (it would break the
             # same way). Nothing more the container sends is to be trusted: discarded, and the
@@ -269,6 +276,17 @@ class EnvSession:
         finally:
             c.in_flight -= 1
             c.last_active = time.monotonic()
+
+    def _retire(self, c: Container, e: EnvLogicError) -> None:
+        """The environment raised and its server did not say it is sound after it (envpool's
+        says so of anything but a MemoryError or an OSError, which may have left the process
+        short of memory, file descriptors or disk; a server of another language that does not
+        say it is taken at its silence). The error is part of the episode, which goes on on
+        this container as the policy saw it (and a replay repeats it); but no other episode
+        runs on it: the next reset claims a fresh one, and its release discards it."""
+        if not c.failed:
+            c.failed = True
+            self.pool.metrics["retired_unsound"] += 1
 
     async def _attach(self) -> None:
         """Claim a container and open the session connection (the handshake makes the env)."""

@@ -10,6 +10,7 @@ protocol in one way, named on its command line (``python foreign_server.py SOCK 
     no-result       the reset's reply is ok but carries no result
     reset-shape     the reset's result has no ``obs``
     step-shape      the step's reward is ``"lots"``
+    step-error      the step fails with a ValueError and says nothing of its soundness
     stray-reply     the reset is answered, then (in the same write) a reply to an id never
                     sent arrives while nothing waits
 """
@@ -56,6 +57,8 @@ def reply(mode: str, msg: dict, steps: int) -> dict:
             return {"id": rid, "ok": True, "result": {"observation": "ready"}}
         return {"id": rid, "ok": True, "result": result}
     if op == "step":
+        if mode == "step-error":
+            return {"id": rid, "ok": False, "error": {"type": "ValueError", "message": "no such move"}}
         reward = "lots" if mode == "step-shape" else 1.0
         action = (msg.get("args") or {}).get("action")
         result = {"obs": {"text": f"{action} #{steps}"}, "reward": reward, "terminated": False}

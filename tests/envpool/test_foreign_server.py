@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from pool_util import alive, pool, swap_runtime, wait_for
 
-from envpool.errors import EnvOrderError, ProtocolError
+from envpool.errors import EnvLogicError, EnvOrderError, ProtocolError
 from envpool.runtimes.base import Container, Runtime
 
 SERVER = Path(__file__).with_name("foreign_server.py")
@@ -145,3 +145,17 @@ async def test_a_malformed_reply_while_nothing_waits_is_a_protocol_error_not_a_l
         stats = p.stats()
         assert stats["protocol_errors"] == 1 and stats["discarded"] == 1, stats
         assert stats.get("step_retries", 0) == 0 and stats.get("replays", 0) == 0, stats
+
+
+async def test_a_foreign_servers_step_error_that_does_not_say_it_is_sound_retires_its_container():
+    # envpool's server says "reusable": true of any error but a MemoryError or an OSError; one
+    # that says nothing is taken at its silence: the episode goes on, no other runs there
+    async with await _foreign_pool("step-error") as p:
+        async with p.session("echo-v0") as s:
+            await s.reset(seed=1)
+            first = s.container
+            with pytest.raises(EnvLogicError, match="ValueError: no such move"):
+                await s.step("a")
+            assert s.container is first and first.failed
+        stats = p.stats()
+        assert stats["retired_unsound"] == 1 and stats["discarded"] == 1 and stats["idle"] == 0, stats

@@ -73,3 +73,43 @@ async def test_an_environment_exception_named_like_an_envpool_error_is_the_envir
         os.killpg(pid, signal.SIGKILL)
         assert (await s.step("b")).obs.text == "b #3"  # the replay repeated the raising step
         assert s.status == "ok" and p.metrics["replays"] == 1 and p.metrics.get("protocol_errors", 0) == 0
+
+
+@pytest.mark.parametrize(
+    ("action", "kept"),
+    [("value", True), ("memory", False), ("disk", False)],
+    ids=["ValueError", "MemoryError", "OSError"],
+)
+async def test_a_step_that_runs_out_of_a_resource_ends_its_containers_service_at_release(
+    raising, action, kept
+):
+    # the container of a step that raised MemoryError or OSError (no memory, file descriptors
+    # or disk left) went back to the pool, and the next episode, maybe another trajectory's,
+    # ran in a server the error may have left broken
+    async with pool(raising, min_warm=0) as p:
+        async with p.session("raising-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            first = s.container
+            with pytest.raises(EnvLogicError):
+                await s.step(action)
+            # the error is part of this episode: it goes on where it raised, on that container
+            assert (await s.step("a")).obs.text == "a #2" and s.container is first
+            await s.reset(seed=2)  # another episode: on a fresh container unless it was sound
+            assert (s.container is first) == kept
+            second = s.container
+        stats = p.stats()
+        assert stats["idle"] == 1 and p._idle[IMAGE][0] is second, stats
+        assert stats.get("discarded", 0) == int(not kept) and stats["claims_cold"] == 1 + int(not kept), stats
+        assert stats.get("retired_unsound", 0) == int(not kept), stats
+
+
+async def test_a_replay_of_a_step_out_of_memory_retires_the_replays_container_too(raising):
+    async with pool(raising, min_warm=0) as p:
+        async with p.session("raising-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            with pytest.raises(EnvLogicError, match="MemoryError"):
+                await s.step("memory")
+            os.killpg(s.container.pid, signal.SIGKILL)
+            assert (await s.step("a")).obs.text == "a #2"  # replayed: the MemoryError again
+            assert s.status == "ok" and p.metrics["replays"] == 1
+        assert p.stats()["idle"] == 0 and p.stats()["retired_unsound"] == 2
