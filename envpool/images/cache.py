@@ -261,11 +261,14 @@ class TieredCache:
         if not victims:
             return
         try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # called outside a loop: nothing to stall
+            # a future of the executor's, not a task: one a loop closes unfinished says nothing
+            removal = asyncio.get_running_loop().run_in_executor(None, remove_all, victims)
+        except RuntimeError:
+            # outside a loop (nothing to stall), or in asyncio.run's shutdown of a cache never
+            # closed (the retry timer fired while the loop waited for its executor, which takes
+            # no more work): removed here, not left renamed away with an error logged
             remove_all(victims)
             return
-        removal = asyncio.ensure_future(asyncio.to_thread(remove_all, victims), loop=loop)
         self._removals.add(removal)
         removal.add_done_callback(self._removals.discard)
 

@@ -6,7 +6,10 @@ Everything is real: HTTP on 127.0.0.1 (FakeOrigin), S3 through moto, files in tm
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import gc
 import io
+import logging
 import os
 import shutil
 import sys
@@ -21,6 +24,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+import envpool.images.cache as cache_module
 from envpool.errors import InfraError
 from envpool.images import (
     Bundle,
@@ -666,6 +670,44 @@ async def test_a_released_bundle_over_the_budget_is_evicted_at_its_release(tmp_p
             assert cache.metrics()["unpacked"]["evictions"] == 1
         leftovers = [p.name for p in (tmp_path / "u" / "sha256").iterdir() if p.name.startswith(".")]
         assert leftovers == []  # the evicted directory is deleted by the close at the latest
+
+
+def _until_gone(path: Path, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_an_eviction_retried_in_asyncio_runs_shutdown_is_quiet_and_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the retry timer of a cache never closed fired while asyncio.run shut the loop down:
+    # its deletion went to the default executor, shut down by then, and the loop logged
+    # "Task exception was never retrieved" (RuntimeError), the bundle left renamed away
+    monkeypatch.setattr(cache_module, "_OVER_BUDGET_RETRY_S", 0.05)
+    c, d = (payload_bundle(tmp_path, x, 10_000) for x in "cd")
+    with FakeOrigin({x.digest: x.data for x in (c, d)}) as origin:
+
+        async def main() -> tuple[TieredCache, Path]:
+            cache = origin_cache(tmp_path, origin.url, 15_000)
+            pc = await cache.get(c.digest)
+            fd = os.open(pc, os.O_RDONLY | os.O_DIRECTORY)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # a pin as another process's (a lock of its own)
+            await cache.acquire(d.digest)  # over the budget: c is pinned over there
+            assert cache.metrics()["unpacked"]["over_budget"] == 1
+            os.close(fd)  # that pin drops: the next try takes c
+            # asyncio.run's shutdown waits for the default executor, held until that try
+            asyncio.get_running_loop().run_in_executor(None, _until_gone, pc)
+            return cache, pc  # never closed
+
+        with caplog.at_level(logging.WARNING, logger="asyncio"):
+            cache, pc = asyncio.run(main())
+            gc.collect()
+        cache.unpacked.unpin_all()
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+    assert not pc.exists()
+    leftovers = [p.name for p in (tmp_path / "u" / "sha256").iterdir() if p.name.startswith(".")]
+    assert leftovers == []  # deleted, not left renamed away
 
 
 class _BetweenGetAndPin(TieredCache):
