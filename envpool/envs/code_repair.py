@@ -36,8 +36,11 @@ process that imports it is the policy's to control (it can read that process's m
 anything, exit early, or return a value whose ``__eq__`` is always true). So that process
 only *computes*: a subprocess (``python -I -B -u``, cwd the work dir, scrubbed environment, in
 a PID namespace of its own where the kernel allows one, killed with whatever it started when
-its results are in or at ``test_timeout_s``, CPU and file-size limits, dies with the process
-that started it; :mod:`envpool.envs.code_repair_runner`) imports the module, evaluates each
+its results are in or at ``test_timeout_s``, CPU and file-size limits, ``memory_limit_bytes``
+of address space per process and, where a pids cgroup can be made, at most ``max_processes``
+processes and threads (:mod:`envpool.envs.code_repair_limits`: a memory hog or a fork bomb
+fails its run, saying which limit, rather than take the container down), dies with the
+process that started it; :mod:`envpool.envs.code_repair_runner`) imports the module, evaluates each
 check's call (``add(2, 3)``) and writes the value as plain JSON (numbers, strings, booleans,
 None, lists, string-keyed dicts; anything else is a failure) or the exception it raised to a
 file of its own. This process compares those values with the expected ones, which never
@@ -65,6 +68,13 @@ from typing import Any, ClassVar
 
 from envpool.api import Env, Observation, StepResult
 from envpool.envs.code_repair_judge import judge, parse_results, verdict
+from envpool.envs.code_repair_limits import (
+    DEFAULT_MAX_PROCESSES,
+    DEFAULT_MEMORY_BYTES,
+    MIN_MAX_PROCESSES,
+    MIN_MEMORY_BYTES,
+    describe_bytes,
+)
 from envpool.envs.code_repair_runner import (
     MAX_FILE_BYTES,
     MAX_RAW_OUTPUT_BYTES,
@@ -127,10 +137,30 @@ class CodeRepairEnv(Env):
         "submit",
     )
 
-    def __init__(self, test_timeout_s: float = 10.0, workdir_root: str | None = None):
+    def __init__(
+        self,
+        test_timeout_s: float = 10.0,
+        workdir_root: str | None = None,
+        memory_limit_bytes: int = DEFAULT_MEMORY_BYTES,
+        max_processes: int = DEFAULT_MAX_PROCESSES,
+    ):
         if not 0 < test_timeout_s < math.inf:  # NaN too
             raise ValueError(f"test_timeout_s must be a positive number of seconds, got {test_timeout_s!r}")
+        if type(memory_limit_bytes) is not int or memory_limit_bytes < MIN_MEMORY_BYTES:
+            raise ValueError(
+                f"memory_limit_bytes must be an int of at least {MIN_MEMORY_BYTES} (32 MiB: the "
+                f"interpreter itself needs about 15), got {memory_limit_bytes!r}"
+            )
+        if type(max_processes) is not int or max_processes < MIN_MAX_PROCESSES:
+            raise ValueError(
+                f"max_processes must be an int of at least {MIN_MAX_PROCESSES} (a run has up to 3 "
+                f"processes of its own), got {max_processes!r}"
+            )
         self.test_timeout_s = test_timeout_s
+        self.memory_limit_bytes = memory_limit_bytes
+        """Address space of each process of a test run (``RLIMIT_AS``)."""
+        self.max_processes = max_processes
+        """Processes and threads of a test run at once, where a pids cgroup can be made."""
         self.workdir_root = workdir_root
         self._rng: random.Random | None = None
         self.task: Task | None = None
@@ -337,7 +367,13 @@ class CodeRepairEnv(Env):
             "imports": list(task.imports),
             "calls": [c.call for _, c in checks],
         }
-        run = run_checks(root, spec, self.test_timeout_s)
+        run = run_checks(
+            root,
+            spec,
+            self.test_timeout_s,
+            memory_bytes=self.memory_limit_bytes,
+            max_processes=self.max_processes,
+        )
         timed_out = run.timed_out
         hide = [str(root), str(root.resolve())]
         passed, lines = judge(task, checks, parse_results(run.results, len(checks)), timed_out)
@@ -349,6 +385,16 @@ class CodeRepairEnv(Env):
             shown = f"[... {len(shown) - MAX_OUTPUT_CHARS} characters cut]\n" + shown[-MAX_OUTPUT_CHARS:]
         if timed_out:
             lines.append(f"The test run timed out after {self.test_timeout_s:g} s.")
+        if run.out_of_memory:
+            lines.append(
+                f"The test run ran out of memory: at most {describe_bytes(self.memory_limit_bytes)} "
+                "of address space per process (memory_limit_bytes)."
+            )
+        if run.process_limit_hit:
+            lines.append(
+                f"The test run hit its process limit: at most {self.max_processes} processes and "
+                "threads at once (max_processes); a fork or a thread start failed."
+            )
         report = _hide("\n".join(lines), hide)
         if shown:
             report += f"\nOutput of the run:\n{shown}"

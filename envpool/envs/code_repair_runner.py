@@ -21,6 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from envpool.envs.code_repair_limits import (
+    DEFAULT_MAX_PROCESSES,
+    DEFAULT_MEMORY_BYTES,
+    PidsCgroup,
+    set_memory_limit,
+)
+
 __all__ = [
     "MAX_FILE_BYTES",
     "MAX_RESULTS_BYTES",
@@ -245,12 +252,36 @@ class RunOutput:
     results: str
     """The runner's JSON lines (see ``RUNNER``), at most ``MAX_RESULTS_BYTES``."""
     timed_out: bool
+    out_of_memory: bool = False
+    """A ``MemoryError`` was raised in the run (its address-space limit, most likely)."""
+    process_limit_hit: bool = False
+    """A fork or a thread start was refused for the run's process cap."""
 
 
-def run_checks(root: Path, spec: dict[str, Any], timeout_s: float) -> RunOutput:
+def run_checks(
+    root: Path,
+    spec: dict[str, Any],
+    timeout_s: float,
+    *,
+    memory_bytes: int = DEFAULT_MEMORY_BYTES,
+    max_processes: int = DEFAULT_MAX_PROCESSES,
+) -> RunOutput:
     """Run ``RUNNER`` in ``root`` on ``spec`` (the module's name, the names the tests import
-    and the checks' calls; never the expected values) for at most ``timeout_s``; then kill
-    it with everything it started."""
+    and the checks' calls; never the expected values) for at most ``timeout_s``, each of its
+    processes in ``memory_bytes`` of address space and, where a pids cgroup can be made
+    (``code_repair_limits``), at most ``max_processes`` processes and threads at once; then
+    kill it with everything it started."""
+    cgroup = PidsCgroup.make(max_processes)
+    try:
+        return _run(root, spec, timeout_s, memory_bytes, cgroup)
+    finally:
+        if cgroup is not None:
+            cgroup.remove()
+
+
+def _run(
+    root: Path, spec: dict[str, Any], timeout_s: float, memory_bytes: int, cgroup: PidsCgroup | None
+) -> RunOutput:
     env = {"PATH": os.defpath, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": str(root)}
     done_r, done_w = os.pipe()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as results:
@@ -270,7 +301,8 @@ def run_checks(root: Path, spec: dict[str, Any], timeout_s: float) -> RunOutput:
         finally:
             os.close(done_w)
         try:
-            timed_out = _await_runner(proc, done_r, json.dumps(spec).encode() + b"\n", root, timeout_s)
+            limits = _Limits(timeout_s, memory_bytes, cgroup)
+            timed_out = _await_runner(proc, done_r, json.dumps(spec).encode() + b"\n", root, limits)
         finally:
             os.close(done_r)
         size = out.seek(0, os.SEEK_END)
@@ -278,20 +310,43 @@ def run_checks(root: Path, spec: dict[str, Any], timeout_s: float) -> RunOutput:
         raw = out.read(MAX_RAW_OUTPUT_BYTES).decode("utf-8", errors="replace")
         results.seek(0)
         reported = results.read(MAX_RESULTS_BYTES).decode("utf-8", errors="replace")
-    return RunOutput(output=raw, output_bytes=size, results=reported, timed_out=timed_out)
+    return RunOutput(
+        output=raw,
+        output_bytes=size,
+        results=reported,
+        timed_out=timed_out,
+        # the runner reports the exception by its class names; an allocation that failed in
+        # the interpreter's own code (a fatal error) is in the output
+        out_of_memory="MemoryError" in reported or "MemoryError" in raw,
+        process_limit_hit=cgroup is not None and cgroup.hit_limit(),
+    )
+
+
+@dataclass(frozen=True)
+class _Limits:
+    timeout_s: float
+    memory_bytes: int
+    cgroup: PidsCgroup | None
 
 
 def _await_runner(
-    proc: subprocess.Popen[bytes], done_r: int, spec: bytes, root: Path, timeout_s: float
+    proc: subprocess.Popen[bytes], done_r: int, spec: bytes, root: Path, limits: _Limits
 ) -> bool:
-    """Feed the runner its spec and wait for its done byte, its exit or the timeout; then
-    kill it with everything it started. Whether it timed out."""
+    """Set the runner's limits, feed it its spec and wait for its done byte, its exit or the
+    timeout; then kill it with everything it started. Whether it timed out. (The limits are
+    set before the spec is written: the keeper reads it before it forks or runs anything.)"""
+    timeout_s = limits.timeout_s
     # a backstop should the timeout below never come (this process stopped): SIGKILL
     # past about test_timeout_s of CPU (soft = hard: no SIGXCPU core dump)
     cpu_s = math.ceil(timeout_s) + 1
     with contextlib.suppress(OSError, ValueError):
         resource.prlimit(proc.pid, resource.RLIMIT_CPU, (cpu_s, cpu_s))
+    with contextlib.suppress(OSError, ValueError):
         resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (MAX_FILE_BYTES, MAX_FILE_BYTES))
+    with contextlib.suppress(OSError, ValueError):
+        set_memory_limit(proc.pid, limits.memory_bytes)
+    if limits.cgroup is not None:
+        limits.cgroup.add(proc.pid)
     assert proc.stdin is not None
     with contextlib.suppress(OSError):  # it died at once: its exit tells
         proc.stdin.write(spec)
@@ -321,6 +376,8 @@ def _await_runner(
     with contextlib.suppress(OSError):
         proc.stdin.close()
     proc.wait()
+    if limits.cgroup is not None:  # its members: what the run started, wherever it went
+        limits.cgroup.kill_all()
     # a keeper that ended by itself (its namespace's init ended, which took the namespace
     # with it; or, without a namespace, the module killed it) cannot be told apart from a
     # kill: in the second case what the run started left its tree, but maybe not this
