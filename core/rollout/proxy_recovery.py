@@ -99,6 +99,14 @@ class ProxyRecovery(ProxyState):
         why not. ``ReplicaGone`` (for good) is raised."""
         delay = 0.05
         while True:
+            if self._updates:
+                # an update under way publishes its weights only if a replica takes them:
+                # loaded now, they might be refused and this replica serve weights never
+                # published. Its end is awaited (bounded by swap_timeout_s), off the deadline:
+                # the wait is the update's, not this replica's
+                waited = time.monotonic()
+                await self._updated.wait()
+                deadline += time.monotonic() - waited
             try:
                 # bounded: a replica wedged (or on a node cut off) never answers, and the
                 # deadline below is only looked at when a ping fails; the reload too (one
@@ -111,7 +119,6 @@ class ProxyRecovery(ProxyState):
                         version, state = self._latest
                         await replica.swap(version, _unwrap(state))
                         self.metrics["weights_reloaded"] += 1
-                return None
             except TimeoutError:
                 self.metrics["ping_timeouts"] += 1
                 return "it did not answer (a ping, or the weights' reload) by the recover timeout"
@@ -123,11 +130,20 @@ class ProxyRecovery(ProxyState):
                     return f"not back by the recover timeout ({e})"
                 await asyncio.sleep(random.uniform(0, delay))  # full jitter
                 delay = min(delay * 2, 2.0)
+                continue
             except Exception as e:
                 # the engine's own error (a RayTaskError: out of memory while loading): it
                 # cannot serve the weights; left in its group it failed every turn sent to it
                 self.metrics["recover_errors"] += 1
                 return f"its reload failed: {type(e).__name__}: {e}"
+            if self._updates:
+                continue  # one began meanwhile (it skipped this replica): its end decides
+            if version > self.version:
+                # the swap of an update every other replica refused was lost on its way back,
+                # yet loaded: an engine never goes back to older weights, so it serves none
+                # until a newer version is published (its rejoin loads that)
+                return f"it holds weights version {version}, which were refused (never published)"
+            return None  # no await since the last check: it holds the published weights
 
     def _drop(self, replica: Replica, why: str, *, rejoin: bool) -> None:
         """Take the replica out of its group(s); the calls running on it end with

@@ -82,7 +82,10 @@ class ProxyState:
         # filled while its member was finishing) has nothing to stop and must not stay in
         # _aborted for the rest of the job, which nothing would release again
         self._released: OrderedDict[str, None] = OrderedDict()
-        self._latest: tuple[int, Any] | None = None  # (version, state or [ObjectRef])
+        self._latest: tuple[int, Any] | None = None  # (version, state or [ObjectRef]) published
+        self._updates = 0  # weight updates under way
+        self._updated = asyncio.Event()  # set while none is under way
+        self._updated.set()
         self._recovering: dict[int, asyncio.Task[None]] = {}
         self._rejoining: dict[int, asyncio.Task[None]] = {}  # replicas out of their group
         self._background: set[asyncio.Task[Any]] = set()  # aborts of turns that moved on

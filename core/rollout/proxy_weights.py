@@ -24,8 +24,22 @@ class ProxyWeights(ProxyRecovery):
         replica. A replica that is down gets it when it comes back."""
         if version < self.version:
             raise EngineError(f"weights version {version} is older than the proxy's {self.version}")
-        previous, self._latest = self._latest, (version, state)
         t0 = time.perf_counter()
+        # the weights become the latest (what a recovery loads) only once a replica took
+        # them: an update no replica could load publishes nothing, and a recovery waits for
+        # the update's end to know what it published (``_revive``)
+        self._updates += 1
+        self._updated.clear()
+        try:
+            await self._update(version, state)
+        finally:
+            self._updates -= 1
+            if not self._updates:
+                self._updated.set()
+        self.metrics["weight_updates"] += 1
+        self.metrics["weight_update_ms"] += round((time.perf_counter() - t0) * 1000)
+
+    async def _update(self, version: int, state: Any) -> None:
         # a replica being recovered is skipped: its recovery loads the latest weights before
         # it serves, and a stuck one held every update for swap_timeout_s again
         replicas = [r for rs in self.groups.values() for r in rs if self._healthy(r)]
@@ -47,10 +61,12 @@ class ProxyWeights(ProxyRecovery):
         if failed and not any(res is None for res in results):
             # no replica took them: the weights are at fault (a shape no engine accepts), not
             # a replica; each keeps the weights it holds, and the job stops on the error
-            self._latest = previous
             for r, err in lost:
                 self._spawn_recover(r, gone=isinstance(err, ReplicaGone))
             raise failed[0][1]
+        # published: a recovery from now on loads them (no await until the recoveries below
+        # start, which read them)
+        self._latest, self.version = (version, state), version
         for r, err in lost:
             self._spawn_recover(r, gone=isinstance(err, ReplicaGone))
         # the engine's own error (out of memory while loading): left in service it would
@@ -58,9 +74,6 @@ class ProxyWeights(ProxyRecovery):
         # reloads the latest, and drops it if the reload fails too
         for r, _ in failed:
             self._spawn_recover(r, gone=False)
-        self.version = version
-        self.metrics["weight_updates"] += 1
-        self.metrics["weight_update_ms"] += round((time.perf_counter() - t0) * 1000)
 
     async def _swap_within(self, replica: Replica, version: int, state: Any) -> None:
         try:

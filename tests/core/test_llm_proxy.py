@@ -533,6 +533,66 @@ async def test_an_update_no_replica_could_load_fails():
     assert (await proxy.generate("t", "x", req())).policy_version == 0
 
 
+async def test_a_recovery_during_an_update_every_replica_refuses_does_not_load_its_weights():
+    # the update published its weights as the latest before it swapped: a recovery running
+    # meanwhile loaded them into its replica, then the update was refused (every replica it
+    # swapped failed) and rolled the latest back, so that replica served weights version 1,
+    # which the trainer was told were never published
+    r = SlowPing("r", fail=[ReplicaLost("died")])
+
+    class Refuses(Fake):
+        async def swap(self, version: int, state: Any) -> None:
+            r.back.set()  # r answers its recovery's ping while this swap is under way
+            with contextlib.suppress(TimeoutError):  # (the bound is only for the fixed code)
+                await asyncio.wait_for(r_loading.wait(), 1.0)
+            raise EngineError("the weights do not fit")
+
+    r_loading = asyncio.Event()
+    real_swap = r.swap
+
+    async def swap(version: int, state: Any) -> None:
+        r_loading.set()
+        await real_swap(version, state)
+
+    r.swap = swap  # type: ignore[method-assign]
+    a = Refuses("a")
+    proxy = LLMProxy({"default": [r, a]}, rejoin_first_s=None)
+    try:
+        c = await asyncio.wait_for(proxy.generate("t", "x", req(request_id="t/0")), 5)
+        assert c.text == "a" and r.pings == 1  # lost on r (a tie: the first); r is recovering
+        with pytest.raises(EngineError, match="do not fit"):
+            await asyncio.wait_for(proxy.update_weights(1, ["W1"]), 5)
+        await until(lambda: proxy.metrics["replicas_recovered"] == 1)
+        assert r.swaps == [] and r.version == 0 and proxy.version == 0
+        assert proxy.groups["default"] == [r, a]
+        c = await proxy.generate("u", "x", req())  # a tie: the first
+        assert (c.text, c.policy_version) == ("r", 0)
+    finally:
+        await proxy.aclose()
+
+
+async def test_a_replica_that_loaded_the_weights_of_a_refused_update_leaves_its_group():
+    # its swap loaded them, but the answer was lost (ReplicaLost); every other replica
+    # refused them, so the update failed and published nothing. Its recovery found it
+    # answering, at version 1, and put it back: it served weights never published (an
+    # engine does not go back to older weights, so it cannot be reloaded either)
+    class LoadsThenLost(Fake):
+        async def swap(self, version: int, state: Any) -> None:
+            await super().swap(version, state)
+            raise ReplicaLost("the answer was lost on its way back")
+
+    r, a = LoadsThenLost("r"), BadSwap("a", bad=float("inf"))
+    proxy = LLMProxy({"default": [r, a]}, rejoin_first_s=None)
+    try:
+        with pytest.raises(EngineError, match="CUDA out of memory"):
+            await asyncio.wait_for(proxy.update_weights(1, ["W1"]), 5)
+        await until(lambda: proxy.metrics["replicas_removed"] == 1)
+        assert proxy.groups["default"] == [a] and proxy.version == 0
+        assert (await proxy.generate("t", "x", req())).policy_version == 0
+    finally:
+        await proxy.aclose()
+
+
 async def test_a_replica_dropped_before_its_swap_starts_does_not_hold_the_update():
     # an update lists the healthy replicas, then swaps each: one dropped in between (its
     # recovery gave up on it) was swapped all the same, outside its group, where no drop
