@@ -147,6 +147,7 @@ class ProxyRouting(ProxyRecovery):
             finally:
                 self._load[id(replica)] -= 1
                 self._inflight.get(traj_id, {}).pop(sent.request_id, None)
+                self._stopping.discard(sent.request_id)
                 if sched is not None:
                     sched.done(id(replica))
             self.metrics["turns"] += 1
@@ -189,9 +190,25 @@ class ProxyRouting(ProxyRecovery):
         self._wakes.wake(("traj", traj_id))  # its turns waiting for a recovery end now
         if self.scheduler is not None:
             self.scheduler.cancel(traj_id)
-        inflight = list(self._inflight.get(traj_id, {}).items())
-        stopped = sum(await asyncio.gather(*(self._abort_one(replica, rid) for rid, replica in inflight)))
+        calls = self._inflight.get(traj_id, {})
+        inflight = [(rid, r) for rid, r in calls.items() if rid not in self._stopping]
+        stopped = sum(await asyncio.gather(*(self._stop(traj_id, r, rid) for rid, r in inflight)))
         self.metrics["aborts"] += stopped
+        return stopped
+
+    async def _stop(self, traj_id: str, replica: Replica, rid: str) -> bool:
+        """Abort a turn's request once: another abort of it is skipped while this one is on
+        its way, and after it if it stopped the request, until the turn's call ends (one
+        that did not, found no such request or was not answered, leaves a later abort free
+        to try again)."""
+        self._stopping.add(rid)
+        stopped = False
+        try:
+            stopped = await self._abort_one(replica, rid)
+        finally:
+            # (the turn's answer may have come back before the abort's)
+            if not stopped or rid not in self._inflight.get(traj_id, {}):
+                self._stopping.discard(rid)
         return stopped
 
     async def release(self, traj_id: str) -> None:

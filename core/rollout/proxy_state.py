@@ -78,6 +78,10 @@ class ProxyState:
         self._load: Counter[int] = Counter()  # id(replica) -> turns in flight
         self._inflight: dict[str, dict[str, Replica]] = {}  # traj id -> {request id: replica}
         self._aborted: set[str] = set()  # trajectories aborted (until released)
+        # request ids whose abort is on its way, or stopped them (until their call ends): a
+        # release and an abort that overlap (Ray runs an actor's calls in any order) both
+        # found the turn in flight, and both aborts reached the engine
+        self._stopping: set[str] = set()
         # trajectories released lately: an abort that arrives after the release (a group
         # filled while its member was finishing) has nothing to stop and must not stay in
         # _aborted for the rest of the job, which nothing would release again

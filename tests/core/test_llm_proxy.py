@@ -398,6 +398,42 @@ async def test_an_abort_the_replica_fails_still_lets_the_release_finish():
         await turn
 
 
+class SlowAbort(Fake):
+    """Its aborts take a round trip: ``asked`` lists them as they arrive, and each is
+    answered once ``answer`` is set."""
+
+    def __init__(self, name: str, **kw: Any):
+        super().__init__(name, **kw)
+        self.asked: list[str] = []
+        self.answer = asyncio.Event()
+
+    async def abort(self, request_id: str) -> bool:
+        self.asked.append(request_id)
+        await self.answer.wait()
+        return await super().abort(request_id)
+
+
+@pytest.mark.parametrize("first", ["release", "abort"])
+async def test_a_release_or_abort_and_an_abort_that_overlap_stop_the_turn_once(first):
+    # under Ray a trajectory's release (which aborts the turn it left running) and its abort
+    # (a full group, its timeout) run in the actor in any order and overlap: each found the
+    # turn in flight and both aborts reached the engine
+    r = SlowAbort("r", gate=asyncio.Event())
+    proxy = LLMProxy({"default": [r]})
+    turn = asyncio.create_task(proxy.generate("t", "x", req(request_id="t/0")))
+    await until(lambda: r.generated == ["t/0"])
+    one = asyncio.create_task(proxy.release("t") if first == "release" else proxy.abort("t"))
+    await until(lambda: r.asked == ["t/0"])  # its abort is on its way to the engine
+    two = asyncio.create_task(proxy.abort("t"))
+    await until(lambda: two.done() or len(r.asked) == 2)
+    r.answer.set()
+    await asyncio.wait_for(asyncio.gather(one, two), 5)
+    assert r.asked == ["t/0"] and two.result() == 0 and proxy.metrics["aborts"] == 1
+    assert (await asyncio.wait_for(turn, 5)).finish_reason == "abort"
+    await proxy.release("t")
+    assert proxy.stats()["trajectories"] == 0 and proxy._aborted == set()
+
+
 # ----------------------------------------------------------------------------- weights
 
 
