@@ -146,13 +146,12 @@ class ProxyRecovery(ProxyState):
             return None  # no await since the last check: it holds the published weights
 
     def _drop(self, replica: Replica, why: str, *, rejoin: bool) -> None:
-        """Take the replica out of its group(s); the calls running on it end with
+        """Take the replica out of its group; the calls running on it end with
         ``ReplicaGone`` (their turns move on), and with ``rejoin`` it is tried again later."""
-        homes = [g for g, rs in self.groups.items() if replica in rs]
-        if not homes:
+        home = next((g for g, rs in self.groups.items() if replica in rs), None)
+        if home is None:
             return
-        for g in homes:
-            self.groups[g].remove(replica)
+        self.groups[home].remove(replica)
         self.metrics["replicas_removed"] += 1
         orphans = self._orphans.setdefault(id(replica), set())
         orphans.update(rid for calls in self._inflight.values() for rid, r in calls.items() if r is replica)
@@ -167,11 +166,11 @@ class ProxyRecovery(ProxyState):
             "; it is tried again in the background" if again else "",
         )
         if again:
-            self._rejoining[id(replica)] = asyncio.ensure_future(self._rejoin(replica, homes))
+            self._rejoining[id(replica)] = asyncio.ensure_future(self._rejoin(replica, home))
 
-    async def _rejoin(self, replica: Replica, homes: list[str]) -> None:
+    async def _rejoin(self, replica: Replica, home: str) -> None:
         """Try the dropped replica again now and then: once it answers, stop what it was
-        running when it left, load it the latest weights and put it back in its groups."""
+        running when it left, load it the latest weights and put it back in its group."""
         assert self.rejoin_first_s is not None
         delay = self.rejoin_first_s
         try:
@@ -193,8 +192,7 @@ class ProxyRecovery(ProxyState):
                     log.error("engine replica %s is gone for good: %s", replica.name, e)
                     return
                 # no await since the last check of its weights: it joins with the latest
-                for g in homes:
-                    self.groups.setdefault(g, []).append(replica)
+                self.groups[home].append(replica)
                 self.metrics["replicas_rejoined"] += 1
                 log.warning("engine replica %s is back; %d replicas", replica.name, self.num_replicas)
                 return

@@ -56,6 +56,17 @@ class ProxyState:
         if not groups or not any(groups.values()):
             raise ValueError("the proxy needs at least one replica")
         self.groups: dict[str, list[Replica]] = {g: list(rs) for g, rs in groups.items()}
+        # a group is a hardware kind, so a replica belongs to one: listed twice, each weight
+        # update swapped it twice and num_replicas counted it twice
+        home: dict[int, str] = {}
+        for g, rs in self.groups.items():
+            for r in rs:
+                if id(r) in home:
+                    raise ValueError(
+                        f"replica {r.name} is listed twice (groups {home[id(r)]!r} and {g!r}): "
+                        "give each group replicas of its own"
+                    )
+                home[id(r)] = g
         self.affinity = dict(affinity or {})
         unknown = sorted(set(self.affinity.values()) - set(self.groups))
         if unknown:

@@ -239,6 +239,20 @@ def test_construction_refuses_no_replicas_and_unknown_groups():
         LLMProxy({"default": [Fake("d")]}, affinity={"frozenlake": "H800"})
 
 
+async def test_construction_refuses_a_replica_listed_twice():
+    # a replica in two groups (or twice in one) was swapped twice by each weight update,
+    # counted twice in num_replicas, and its drop took it out of both; groups are hardware
+    # kinds, so one replica belongs to one
+    r, other = Fake("r"), Fake("other")
+    with pytest.raises(ValueError, match=r"replica r is listed twice \(groups 'default' and 'H800'\)"):
+        LLMProxy({"default": [r], "H800": [other, r]})
+    with pytest.raises(ValueError, match=r"replica r is listed twice \(groups 'default' and 'default'\)"):
+        LLMProxy({"default": [r, r]})
+    proxy = LLMProxy({"default": [r], "H800": [other]})
+    await proxy.update_weights(1, ["W1"])
+    assert r.swaps == [(1, "W1")] and proxy.num_replicas == 2
+
+
 async def test_release_forgets_the_trajectory():
     hold = asyncio.Event()
     r0, r1 = Fake("r0", gate=hold, only={"c0"}), Fake("r1")
