@@ -140,6 +140,10 @@ class ProxyRouting(ProxyRecovery):
                     raise
                 lost += 1
                 rerun_id = f"{request.request_id}#rerun{lost}"
+                # its first run is no longer the trajectory's to abort: _after_lost stops it
+                # once the replica is back (an abort now reached a replica down, then it was
+                # stopped again)
+                self._inflight.get(traj_id, {}).pop(rid, None)
                 rid = await self._after_lost(replica, traj_id, tag, rid, rerun_id, e)
                 if traj_id not in self._aborted and traj_id not in self._released:
                     self.metrics["turns_rerun"] += 1  # (else it ends aborted, next)
