@@ -11,12 +11,15 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from core.rollout.proxy_state import MIN_PING_S, ProxyState, _unwrap
+from core.rollout.proxy_state import ProxyState, _unwrap
 from core.rollout.replica_base import Replica, ReplicaGone, ReplicaLost
 from core.rollout.wakes import Woken
 
 # one logger for the proxy, whichever of its modules speaks
 log = logging.getLogger("core.rollout.llm_proxy")
+
+#: The least time a recovery's ping is given, even at its deadline (one last chance).
+MIN_PING_S = 1.0
 
 
 class ProxyRecovery(ProxyState):

@@ -10,13 +10,15 @@ from collections.abc import AsyncIterator
 from core.rollout.coalesce import Answer, answer_all
 from core.rollout.engines.base import Completion, GenerateRequest
 from core.rollout.proxy_recovery import ProxyRecovery
-from core.rollout.proxy_state import RELEASED_WINDOW, _aborted
 from core.rollout.replica_base import NoReplicaError, Replica, ReplicaLost
 from core.rollout.wakes import Woken
 from core.sched import Request
 
 # one logger for the proxy, whichever of its modules speaks
 log = logging.getLogger("core.rollout.llm_proxy")
+
+#: Released trajectory ids the proxy remembers (the newest), so a late abort is not kept.
+RELEASED_WINDOW = 65_536
 
 
 class ProxyRouting(ProxyRecovery):
@@ -247,3 +249,18 @@ def _prompt_size(request: GenerateRequest) -> int:
     if request.prompt_ids is not None:
         return len(request.prompt_ids)
     return sum(len(m.content or "") for m in request.messages or [])
+
+
+def _aborted(request: GenerateRequest, version: int) -> Completion:
+    """The answer of a turn its trajectory's abort (or release) ended before it ran."""
+    return Completion(
+        request_id=request.request_id,
+        text="",
+        prompt_ids=list(request.prompt_ids or []),
+        token_ids=[],
+        logprobs=[],
+        policy_version=version,
+        finish_reason="abort",
+        allowed_token_ids=request.allowed_token_ids,
+        metadata=request.metadata,
+    )

@@ -12,7 +12,6 @@ from typing import Any, TypeVar
 
 from core.config import DEFAULT_AFFINITY
 from core.config_sections import EngineConfig
-from core.rollout.engines.base import Completion, GenerateRequest
 from core.rollout.replica_base import Replica, ReplicaGone, ReplicaLost
 from core.rollout.scheduling import TurnScheduler
 from core.rollout.wakes import Wakes, Woken
@@ -182,25 +181,3 @@ def _unwrap(state: Any) -> Any:
     if isinstance(state, list) and len(state) == 1:
         return state[0]
     return state
-
-
-#: The least time a recovery's ping is given, even at its deadline (one last chance).
-MIN_PING_S = 1.0
-
-
-#: Released trajectory ids the proxy remembers (the newest), so a late abort is not kept.
-RELEASED_WINDOW = 65_536
-
-
-def _aborted(request: GenerateRequest, version: int) -> Completion:
-    return Completion(
-        request_id=request.request_id,
-        text="",
-        prompt_ids=list(request.prompt_ids or []),
-        token_ids=[],
-        logprobs=[],
-        policy_version=version,
-        finish_reason="abort",
-        allowed_token_ids=request.allowed_token_ids,
-        metadata=request.metadata,
-    )
