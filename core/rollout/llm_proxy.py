@@ -17,7 +17,7 @@ side of a call runs on without its caller, and after ``release`` nothing could s
 Weights. ``update_weights`` swaps every replica (suspend: the step in flight finishes;
 load; resume) and remembers the latest version, so that a replica Ray restarted after a
 crash gets it back before it serves again. The weights are published (the latest) only
-once a replica took them: a recovery during an update waits for its end. Every completion
+once a replica took them: a recovery during an update waits for that (or the refusal). Every completion
 carries the version that produced it.
 
 Replica loss. A call that fails because the replica's process died (``ReplicaLost``), or a

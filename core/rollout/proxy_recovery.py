@@ -102,13 +102,13 @@ class ProxyRecovery(ProxyState):
         why not. ``ReplicaGone`` (for good) is raised."""
         delay = 0.05
         while True:
-            if self._updates:
-                # an update under way publishes its weights only if a replica takes them:
-                # loaded now, they might be refused and this replica serve weights never
-                # published. Its end is awaited (bounded by swap_timeout_s), off the deadline:
-                # the wait is the update's, not this replica's
+            if self._undecided:
+                # an update under way publishes its weights once a replica takes them, and
+                # none if every one refuses them: this replica would otherwise load weights
+                # that may never be published. Awaited (a swap's time, swap_timeout_s at
+                # most) off the deadline: the wait is the update's, not this replica's
                 waited = time.monotonic()
-                await self._updated.wait()
+                await self._decided.wait()
                 deadline += time.monotonic() - waited
             try:
                 # bounded: a replica wedged (or on a node cut off) never answers, and the
@@ -139,9 +139,9 @@ class ProxyRecovery(ProxyState):
                 # cannot serve the weights; left in its group it failed every turn sent to it
                 self.metrics["recover_errors"] += 1
                 return f"its reload failed: {type(e).__name__}: {e}"
-            if self._updates:
-                continue  # one began meanwhile (it skipped this replica): its end decides
-            if version > self.version:
+            if self._undecided:
+                continue  # one began meanwhile (it skipped this replica): wait for it
+            if version > (self._latest[0] if self._latest is not None else self.version):
                 # the swap of an update every other replica refused was lost on its way back,
                 # yet loaded: an engine never goes back to older weights, so it serves none
                 # until a newer version is published (its rejoin loads that)

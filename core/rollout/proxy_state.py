@@ -97,9 +97,10 @@ class ProxyState:
         # _aborted for the rest of the job, which nothing would release again
         self._released: OrderedDict[str, None] = OrderedDict()
         self._latest: tuple[int, Any] | None = None  # (version, state or [ObjectRef]) published
-        self._updates = 0  # weight updates under way
-        self._updated = asyncio.Event()  # set while none is under way
-        self._updated.set()
+        # weight updates under way whose weights no replica took yet (they may be refused)
+        self._undecided = 0
+        self._decided = asyncio.Event()  # set while there is none
+        self._decided.set()
         self._recovering: dict[int, asyncio.Task[None]] = {}
         self._rejoining: dict[int, asyncio.Task[None]] = {}  # replicas out of their group
         self._background: set[asyncio.Task[Any]] = set()  # aborts of turns that moved on

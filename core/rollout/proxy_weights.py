@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from core.rollout.engines.base import EngineError
@@ -25,27 +26,43 @@ class ProxyWeights(ProxyRecovery):
         if version < self.version:
             raise EngineError(f"weights version {version} is older than the proxy's {self.version}")
         t0 = time.perf_counter()
-        # the weights become the latest (what a recovery loads) only once a replica took
-        # them: an update no replica could load publishes nothing, and a recovery waits for
-        # the update's end to know what it published (``_revive``)
-        self._updates += 1
-        self._updated.clear()
+        # the weights become the latest (what a recovery loads) once a replica took them,
+        # and an update no replica could load publishes nothing: a recovery meanwhile waits
+        # for the update to be decided (``_revive``), not for its slowest replica
+        decided = False
+
+        def decide() -> None:
+            nonlocal decided
+            if not decided:
+                decided = True
+                self._undecided -= 1
+                if not self._undecided:
+                    self._decided.set()
+
+        self._undecided += 1
+        self._decided.clear()
         try:
-            await self._update(version, state)
+            await self._update(version, state, decide)
         finally:
-            self._updates -= 1
-            if not self._updates:
-                self._updated.set()
+            decide()
         self.metrics["weight_updates"] += 1
         self.metrics["weight_update_ms"] += round((time.perf_counter() - t0) * 1000)
 
-    async def _update(self, version: int, state: Any) -> None:
+    async def _update(self, version: int, state: Any, decide: Callable[[], None]) -> None:
+        def publish() -> None:
+            # the latest is set before the recoveries waiting for the decision are woken
+            if self._latest is None or self._latest[0] <= version:
+                self._latest = (version, state)
+            decide()
+
+        async def swap(replica: Replica) -> None:
+            await self._swap_within(replica, version, _unwrap(state))
+            publish()  # one replica took them: the update can no longer be refused
+
         # a replica being recovered is skipped: its recovery loads the latest weights before
         # it serves, and a stuck one held every update for swap_timeout_s again
         replicas = [r for rs in self.groups.values() for r in rs if self._healthy(r)]
-        results = await asyncio.gather(
-            *(self._swap_within(r, version, _unwrap(state)) for r in replicas), return_exceptions=True
-        )
+        results = await asyncio.gather(*(swap(r) for r in replicas), return_exceptions=True)
         for res in results:
             if isinstance(res, BaseException) and not isinstance(res, Exception):
                 raise res
@@ -64,9 +81,8 @@ class ProxyWeights(ProxyRecovery):
             for r, err in lost:
                 self._spawn_recover(r, gone=isinstance(err, ReplicaGone))
             raise failed[0][1]
-        # published: a recovery from now on loads them (no await until the recoveries below
-        # start, which read them)
-        self._latest, self.version = (version, state), version
+        publish()  # (no replica took them, none refused them: those lost are reloaded)
+        self.version = version
         for r, err in lost:
             self._spawn_recover(r, gone=isinstance(err, ReplicaGone))
         # the engine's own error (out of memory while loading): left in service it would

@@ -621,6 +621,30 @@ async def test_a_recovery_during_an_update_every_replica_refuses_does_not_load_i
         await proxy.aclose()
 
 
+async def test_a_recovery_during_an_update_loads_its_weights_once_a_replica_took_them():
+    # a recovery waits to know whether the update's weights are published; one replica that
+    # took them decides it (only an update no replica could load is refused): a replica
+    # whose swap hangs must not hold the recovery for swap_timeout_s
+    r = SlowPing("r", fail=[ReplicaLost("died")])
+    ok, stuck = Fake("ok"), HangingSwap("stuck")
+    proxy = LLMProxy({"default": [r, ok, stuck]}, swap_timeout_s=60, rejoin_first_s=None)
+    update: asyncio.Task[None] | None = None
+    try:
+        c = await asyncio.wait_for(proxy.generate("t", "x", req(request_id="t/0")), 5)
+        assert c.text == "ok" and r.pings == 1  # lost on r (a tie: the first); r is recovering
+        update = asyncio.create_task(proxy.update_weights(1, ["W1"]))
+        await until(lambda: ok.swaps == [(1, "W1")])
+        r.back.set()
+        await until(lambda: proxy.metrics["replicas_recovered"] == 1)
+        assert r.swaps == [(1, "W1")] and not update.done()  # still waiting for "stuck"
+    finally:
+        if update is not None:
+            update.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await update
+        await proxy.aclose()
+
+
 async def test_a_replica_that_loaded_the_weights_of_a_refused_update_leaves_its_group():
     # its swap loaded them, but the answer was lost (ReplicaLost); every other replica
     # refused them, so the update failed and published nothing. Its recovery found it
