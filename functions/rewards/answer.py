@@ -200,7 +200,9 @@ _HEDGE_WORDS = (
     r"(?:probably|likely|possibly|perhaps|maybe|surely|certainly|clearly|obviously|definitely|"
     r"indeed|actually|therefore|thus|hence|also|simply|then|undoubtedly|presumably)"
 )
-_HEDGE = re.compile(_HEDGE_WORDS + r"[ \t]*,?[ \t]+(?=\S)", re.IGNORECASE)
+# ... except where the hedge word is the first word of a term: "simply connected" (a space)
+_TERM_AFTER_HEDGE = r"(?!simply[ \t]+(?:connected|supported|typed|laced|ordered)\b)"
+_HEDGE = re.compile(_TERM_AFTER_HEDGE + _HEDGE_WORDS + r"[ \t]*,?[ \t]+(?=\S)", re.IGNORECASE)
 # words that judge the answer, not state it: up to two hedges ("indeed", "very likely",
 # "still"), "not", the verdict, then nothing but the sentence's end or a word that cannot
 # start a noun phrase ("wrong though", "correct in this case", "right, I think"): "right
@@ -245,6 +247,13 @@ def unemphasize(s: str) -> str:
     return _EMPHASIS_CLOSE.sub("", _EMPHASIS_OPEN.sub("", s))
 
 
+# what the writer does, after "I"/"we": "5 and I am sure", "5, I think". Named, not any word:
+# "II and I only" names choices ("I" before "only"), "1 and i" two roots
+_WRITER_DOES = (
+    r"(?:think|believe|guess|hope|suppose|assume|reckon|feel|expect|trust|bet|know|am|are|was|"
+    r"were|have|had|will|would|should|could|can|may|might|must|need|want|did|do|double|just|"
+    r"also|really|still|checked|verified|confirmed|found|got|computed|calculated|tested)\b"
+)
 # where a clause or an aside starts after the stated answer: "42, because ...", "42; this
 # ...", "42 (six times seven)", "42 since ...". Not at a comma before anything else ("1, 2, 3",
 # "Washington, D.C") and not at "or"/"and" ("42 (or 43)" is two answers)
@@ -254,7 +263,7 @@ _COMMA_ASIDE = re.compile(
     r"|,[ \t]*(?:i\.e|e\.g)\."
     # the writer's doubt or a next step: "42, but let me check", "42, though.", "42, I think"
     r"|,[ \t]*(?:but|though|although|however|unless|if|hopefully|maybe|perhaps|probably)\b"
-    r"|,[ \t]*(?:i|we)[ \t]+(?:think|believe|guess|hope|suppose|assume|am|are|should|need|can)\b",
+    r"|,[ \t]*(?:i|we)(?:['\u2019](?:m|re|d|ve|ll)\b|[ \t]+" + _WRITER_DOES + ")",
     re.IGNORECASE,
 )
 _SEMICOLON_ASIDE = re.compile(r";[ \t]*[A-Za-z]{2}")
@@ -263,8 +272,11 @@ _SPACE_ASIDE = re.compile(
     r"[ \t](?:\((?!(?:or|and)\b)[A-Za-z]{2}|(?:because|since|which|where)[ \t]+\S"
     # the writer, not the answer: "5 but I'm not sure", "5 I think", "5 (I think)", "5 though."
     r"|\(?i[ \t]+(?:think|believe|guess|hope|suppose)\b"
-    # ("I" only before a word: "1 and i" are two roots)
-    r"|(?:but|and|so|if|unless)[ \t]+(?:i(?=[ \t]+[a-z])|i'm|we|we're|let|let's|that's|this|it's)(?![\w'])"
+    # ("I" only before what the writer does: "1 and i" are two roots, "II and I only" choices;
+    # "it" before a word: "12 and it checks out"; "that" before what it does)
+    r"|(?:but|and|so|if|unless)[ \t]+(?:i(?=[ \t]+" + _WRITER_DOES + r")|i'm|we|we're|let|let's|"
+    r"that's|this|it's|it(?=[ \t]+[a-z])|that(?=[ \t]+(?:is|was|matches|checks|works|agrees|fits|"
+    r"holds|seems|looks|makes|gives|satisfies)\b))(?![\w'])"
     r"|though(?=[ \t]*(?:[.!,;]|$)))",
     re.IGNORECASE,
 )

@@ -437,3 +437,29 @@ def test_a_bare_as_or_so_inside_a_text_answer_is_part_of_it():
     assert exact_match("The answer is the same as before.", ground_truth="the same as before") == 1.0
     assert exact_match("The answer is so far so good.", ground_truth="so far so good") == 1.0
     assert exact_match("The answer is 42, as 6 times 7 is 42.", ground_truth="42") == 1.0
+
+
+# misses a review found: a rule for one case read another wrongly
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # "I" after "and" is the writer only before what the writer does ("and I am sure"):
+        # "and I only" names choice I (the rule cut "II and I only" to "II")
+        ("The answer is II and I only.", "II and I only."),
+        ("The answer is I and II only.", "I and II only."),
+        ("The answer is 5 and I am confident.", "5"),
+        ("The answer is 5 and I checked it twice.", "5"),
+        # "simply connected" is a term, not a hedge before "connected" (capitalised it was kept)
+        ("The answer is simply connected.", "simply connected."),
+        ("Answer: simply connected", "simply connected"),
+        ("The answer is simply 5.", "5."),
+        # the writer's certainty after a comma, contracted, and "and it ..." after the answer
+        ("The answer is 12, I'm fairly sure.", "12"),
+        ("The answer is 12, we're done.", "12"),
+        ("The answer is 12 and it checks out.", "12"),
+        ("The answer is 12 and that matches the table.", "12"),
+        ("The answer is salt and pepper.", "salt and pepper."),
+    ],
+)
+def test_review_misses_in_the_aside_and_hedge_rules(text: str, expected: str) -> None:
+    assert extract_answer(text) == expected
