@@ -135,7 +135,9 @@ def stated_answer(text: str) -> str | None:
     states one: the marker before it counts ("The answer is 42. Let me check that the answer
     is correct." states 42), and so does it before one that denies a candidate ("the answer is
     not 5"); with no marker before it the denial is what the text states (``not 5``, which
-    matches nothing)."""
+    matches nothing), unless a correction follows the candidate ("not 5 but 6", "not 5. It is
+    6": the correction is the answer). An answer that refers back ("the answer is the same as
+    before", "unchanged") states nothing either: the marker before it counts."""
     found = _stated_answer(text)
     return None if found is None else found[0]
 
@@ -158,9 +160,11 @@ def _stated_answer(text: str, pos: int = 0) -> tuple[str, int, tuple[str, int] |
             i += 1
         if i == n:
             continue  # a marker with nothing after it
-        if ends_in_is and _VERDICT.match(text, i):
+        if (ends_in_is and _VERDICT.match(text, i)) or _BACK_REFERENCE.match(text, i):
             continue
         if ends_in_is and (denied := _DENIAL.match(text, i)):
+            if (corrected := _correction(text, denied.end())) is not None:
+                return _answer_at(text, corrected)[0], start, None
             if denial is None:
                 denial = (start, i, denied.end())
             continue
@@ -169,6 +173,14 @@ def _stated_answer(text: str, pos: int = 0) -> tuple[str, int, tuple[str, int] |
         return None
     start, i, candidate = denial
     return _answer_at(text, i)[0], start, _answer_at(text, candidate)
+
+
+def _correction(text: str, candidate: int) -> int | None:
+    """Where the answer that corrects the candidate denied at ``text[candidate]`` starts ("not 5
+    but 6", "not 5, but rather 6", "not 5. It is 6"); None when no number, math or choice
+    letter follows a correction right after the candidate."""
+    m = _CORRECTION.match(text, candidate)
+    return None if m is None else m.end()
 
 
 def _answer_at(text: str, i: int) -> tuple[str, int]:
@@ -223,6 +235,31 @@ _VERDICT = re.compile(
 _DENIAL = re.compile(
     r"(?:" + _HEDGE_WORDS + r"[ \t]+){0,2}not[ \t]+[*_]*"
     r"(?=[-+]?\$?[\d.]|\$|\\|\(|(?-i:[A-Z])(?![\w'-]))",  # ends where the candidate starts
+    re.IGNORECASE,
+)
+
+
+# what corrects a denied candidate, before the answer that does: "but 6", ", but rather 6",
+# ". It is 6", "; it's 6". Only a number, math or a choice letter after it is read ("not 5 but
+# it is close" corrects nothing)
+_CORRECTION = re.compile(
+    # the candidate: math, or a short run without a space (bounded: a long line of denials is
+    # looked at once per denial, so each look is short)
+    r"(?:\$[^$\n]{1,300}\$|\\\(.{0,300}?\\\)|[^\s,;$]{1,100}?)[*_]*"
+    r"[ \t]*[,;.]?[ \t]*(?<![\w'])(?:but|rather|instead|it(?:'s|[ \t]+is)|that(?:'s|[ \t]+is))"
+    r"(?:[ \t]+(?:rather|instead|actually|it(?:'s|[ \t]+is)))*[ \t]*,?[ \t]+[*_]*"
+    r"(?=[-+]?\$?[\d.]|\$|\\|\(|(?-i:[A-Z])(?![\w'-]))",
+    re.IGNORECASE,
+)
+# an answer that refers back to an earlier one states nothing itself ("So the answer is the
+# same as before."): the marker before it counts, or, with none, the fallback (the last
+# number, the last line). "the same as the radius" names something: an answer
+_BACK_REFERENCE = re.compile(
+    r"(?:(?:still|again|just|then|therefore|thus|so)[ \t]+)?"
+    r"(?:(?:the[ \t]+)?same[ \t]+(?:as[ \t]+)?(?:before|above|earlier|previously|"
+    r"(?:the[ \t]+)?(?:previous|last|first|earlier|above)(?:[ \t]+(?:one|answer|result|value))?)"
+    r"|unchanged|as[ \t]+(?:before|above)|(?:the[ \t]+)?one[ \t]+(?:above|before))"
+    r"(?=[ \t]*(?:[.,;:!?)]|\r?\n|\Z))",
     re.IGNORECASE,
 )
 
@@ -289,7 +326,7 @@ def without_aside(s: str) -> str:
     and brackets: a ``,`` before a word that starts one (because, since, which, as, so, where,
     the, this, after...), a ``;`` before a word, `` (`` before a word ("42 (six times seven)"),
     or one of the connectives because, since, which, where (not a bare "as" or "so", which
-    text answers hold: "the same as before", "so-called"): "42, because 6 times 7 is
+    text answers hold: "as good as new", "so-called"): "42, because 6 times 7 is
     42" states 42, "Paris, the capital" Paris. Number lists (``1, 2, 3``), points (``(1, 2)``)
     and "42 (or 43)" stay whole. Only the first ``MAX_ANSWER_CHARS`` characters are looked at:
     a cut later would leave an answer too long to match anything."""

@@ -284,6 +284,13 @@ def test_the_answer_is_read_after_the_thinking_and_the_later_of_box_and_marker(t
         # a denial of another candidate leaves the box, or the answer stated before it
         ("So \\boxed{7}. Note that the answer is not 5.", "7", 1.0),
         ("The answer is 7. Note that the answer is not 5.", "7", 1.0),
+        # a correction in the denial's sentence is its answer (the candidate ran to the
+        # sentence's end, "5 but 6", and nothing was read after it)
+        ("The answer is not 5 but 6.", "6", 1.0),
+        ("The answer is not $\\frac{1}{2}$ but rather $\\frac{1}{3}$.", "\\frac{1}{3}", 1.0),
+        # an answer that refers back states nothing: the earlier one, or the last number
+        ("The answer is 42. Checking: 6 * 7 = 42, so the answer is the same as before.", "42", 1.0),
+        ("x = 6 * 7 = 42.\nThe answer is the same as above.", "42", 1.0),
     ],
 )
 def test_a_rejected_candidate_is_not_the_answer(text, gt, score):
