@@ -12,6 +12,7 @@ import contextvars
 import inspect
 import signal
 import threading
+import time
 import traceback as tb_mod
 from collections.abc import Callable
 from typing import Any, NotRequired, Required, get_type_hints
@@ -50,27 +51,34 @@ def _args_adapter(fn: Callable[..., Any], spec: FunctionSpec) -> TypeAdapter[Any
     return TypeAdapter(td)
 
 
-# the timer of the async run in progress and its loop (in its task's context): a function
-# that retries on its own (an LLM judge) reads what it has left, to fail with its own error
-# before the run's limit cuts it off with a bare timeout. The loop is kept, not looked up: the
-# context reaches threads the run starts (asyncio.to_thread), which have no running loop
-_RUN_TIMER: contextvars.ContextVar[tuple[asyncio.Timeout, asyncio.AbstractEventLoop] | None] = (
-    contextvars.ContextVar("run_timer", default=None)
+# what the run in progress has left (in its task's context, or its thread's): a function that
+# retries on its own (an LLM judge) reads it, to fail with its own error before the run's limit
+# cuts it off with a bare timeout. An async run's reads its timer (moved when the deadline
+# moves) and keeps its loop, not looking it up: the context reaches threads the run starts
+# (asyncio.to_thread), which have no running loop. A synchronous run is cut from outside (its
+# worker killed, its wait given up) and has no timer: it reads the instant its limit ends
+_RUN_TIMER: contextvars.ContextVar[Callable[[], float | None] | None] = contextvars.ContextVar(
+    "run_timer", default=None
 )
 
 
+def _timer_left(timer: asyncio.Timeout, loop: asyncio.AbstractEventLoop) -> Callable[[], float | None]:
+    def left() -> float | None:
+        when = timer.when()
+        # loop.time() is a plain clock read (time.monotonic on asyncio's loops): safe from a thread
+        return None if when is None else when - loop.time()
+
+    return left
+
+
 def time_left_s() -> float | None:
-    """Seconds left before the limit of the async function run in progress cuts it off (its
-    ``timeout_s``, or the call's deadline if sooner; moved when the deadline moves); ``None``
-    outside a run or in a run without a limit. Also on a thread the run started
+    """Seconds left before the limit of the function run in progress cuts it off (its
+    ``timeout_s``, or the call's deadline if sooner); ``None`` outside a run or in a run without
+    a limit. An async run's follows its deadline when it moves; a synchronous run's is the
+    limit as it stood when the run started. Also on a thread the run started
     (``asyncio.to_thread``: it carries the run's context)."""
-    run = _RUN_TIMER.get()
-    if run is None:
-        return None
-    timer, loop = run
-    when = timer.when()
-    # loop.time() is a plain clock read (time.monotonic on asyncio's loops): safe from a thread
-    return None if when is None else when - loop.time()
+    left = _RUN_TIMER.get()
+    return None if left is None else left()
 
 
 def format_validation_error(spec: FunctionSpec, e: ValidationError) -> str:
@@ -197,18 +205,22 @@ class FunctionRunner:
             )
         return (True, out)
 
-    def run(self, raw: bytes) -> Outcome:
-        """Run a synchronous function on an encoded payload."""
+    def run(self, raw: bytes, ends_at: float | None = None) -> Outcome:
+        """Run a synchronous function on an encoded payload. ``ends_at`` (``time.monotonic()``)
+        is when its caller cuts the run: the function reads what is left (``time_left_s``)."""
         try:
             kwargs = self._kwargs(raw)
         except ValidationError as e:
             return (False, (ErrorCode.INVALID_ARGUMENTS, format_validation_error(self.spec, e), None))
+        token = _RUN_TIMER.set(None if ends_at is None else lambda: ends_at - time.monotonic())
         try:
             value = self.fn(**kwargs)
         except BaseException as e:  # a user error is data, and must not end the worker
             if _may_be_ctrl_c(e):
                 raise
             return (False, _user_error(e))
+        finally:
+            _RUN_TIMER.reset(token)
         return self._encode(value)
 
     async def _guarded(self, kwargs: dict[str, Any]) -> Outcome:
@@ -237,7 +249,7 @@ class FunctionRunner:
         ``on_timer`` gets the timer of an async run, which its caller may move later
         (``reschedule``): a worker does when the call's deadline moves."""
         if not self.is_async:
-            return self.run(raw)
+            return self.run(raw, None if timeout_s is None else time.monotonic() + timeout_s)
         try:
             kwargs = self._kwargs(raw)
         except ValidationError as e:
@@ -249,7 +261,7 @@ class FunctionRunner:
             async with timer:
                 if on_timer is not None:
                     on_timer(timer)
-                token = _RUN_TIMER.set((timer, loop))
+                token = _RUN_TIMER.set(_timer_left(timer, loop))
                 try:
                     ok, value = await self._guarded(kwargs)
                 finally:

@@ -141,7 +141,7 @@ class _Requests(_Idempotency):
                 # hook made (an httpx.AsyncClient) stay bound to the loop they first ran on
                 self._loop = asyncio.new_event_loop()
             ok, out = self._loop.run_until_complete(runner.run_async(inv.raw_payload, timeout))
-        else:
-            ok, out = runner.run(inv.raw_payload)
+        else:  # it reads what it has left (time_left_s), and should stop in time on its own
+            ok, out = runner.run(inv.raw_payload, time.monotonic() + timeout)
         exec_ms = (time.perf_counter() - t0) * 1e3
         return outcome_to_result(inv, ok, out, exec_ms=exec_ms, worker=self.worker, queue_ms=queue_ms)

@@ -256,7 +256,9 @@ class InprocBackend(Backend):
                     inv.raw_payload, timeout, None if keyed is None else keyed.keep
                 )
             else:
-                job = self._threads.run(runner.run, inv.raw_payload)
+                # what the handler reads as left: its timeout_s, or the deadline if sooner
+                limit = runner.spec.timeout_s if remaining is None else min(runner.spec.timeout_s, remaining)
+                job = self._threads.run(runner.run, inv.raw_payload, time.monotonic() + limit)
                 self._track(job)
                 # not wait_for: on Python 3.11 an answer that lands in the loop turn this call
                 # is cancelled (a losing hedge, a caller that gave up) wins over the cancel

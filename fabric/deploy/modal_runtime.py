@@ -83,8 +83,8 @@ def run(name: str, module: str, envelope: dict[str, Any]) -> dict[str, Any]:
         if _loop is None:
             _loop = asyncio.new_event_loop()
         ok, out = _loop.run_until_complete(runner.run_async(inv.raw_payload, timeout))
-    else:
-        ok, out = runner.run(inv.raw_payload)
+    else:  # it reads what it has left (time_left_s)
+        ok, out = runner.run(inv.raw_payload, time.monotonic() + timeout)
     result = outcome_to_result(inv, ok, out, exec_ms=(time.perf_counter() - t0) * 1e3, worker=f"modal:{name}")
     result.cold_start = cold
     return _dump(result)

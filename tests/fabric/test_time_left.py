@@ -54,14 +54,26 @@ async def test_a_keyed_run_whose_deadline_moves_later_reads_the_moved_limit(back
         await first  # its caller gave up at its deadline; the run was the joined caller's
 
 
-async def test_outside_a_run_and_in_a_synchronous_handler_it_is_none():
+def test_outside_a_run_it_is_none():
     from fabric.runner import time_left_s
 
     assert time_left_s() is None
-    for backend in BACKENDS:
-        async with Client(backend=backend, registry=REG) as c:
-            r = await c.call("time_left_sync", {})
-            assert r.ok and r.value is None, (backend, r.value, r.error)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_synchronous_handler_reads_what_its_timeout_leaves(backend):
+    """A synchronous run is cut from outside (its worker killed; in-process, its wait given
+    up), with no timer in its context: time_left_s() was None there, so a sync judge could not
+    stop in time. It reads the limit its run started with."""
+    async with Client(backend=backend, registry=REG) as c:
+        r = await c.call("time_left_sync", {"nap": 0.2})
+        assert r.ok, r.error
+        before, after = r.value
+        assert before is not None and 4.0 < before <= 5.0, before  # timeout_s=5, from the run's start
+        assert after is not None and 0.15 < before - after < 2.0, (before, after)
+        r = await c.call("time_left_sync", {}, deadline_s=2.0)  # a sooner deadline is the limit
+        assert r.ok, r.error
+        assert 0.0 < r.value[0] <= 2.0, r.value
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

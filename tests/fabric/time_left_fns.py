@@ -4,6 +4,7 @@ the local backend's workers by this module's name)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 from fabric.registry import Registry
@@ -21,8 +22,11 @@ async def time_left(nap: float = 0.0) -> list[float | None]:
 
 
 @REG.function(warm=0, timeout_s=5)
-def time_left_sync() -> float | None:
-    return time_left_s()
+def time_left_sync(nap: float = 0.0) -> list[float | None]:
+    """What a synchronous run has left at its start and after ``nap`` seconds."""
+    before = time_left_s()
+    time.sleep(nap)
+    return [before, time_left_s()]
 
 
 @REG.function(warm=0, timeout_s=20)

@@ -12,6 +12,7 @@ from typing import Any
 
 from fabric.errors import Unavailable
 from fabric.registry import Registry
+from fabric.runner import time_left_s
 
 REG = Registry()
 CALLS: Counter[str] = Counter()
@@ -65,6 +66,11 @@ async def async_effect(key: str, seconds: float) -> str:
 async def loop_id() -> int:
     """Which event loop ran the call: the handler keeps one per container."""
     return id(asyncio.get_running_loop())
+
+
+@REG.function
+def sync_time_left() -> float | None:
+    return time_left_s()
 
 
 @REG.function

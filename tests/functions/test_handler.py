@@ -26,6 +26,7 @@ from handler_fns import CALLS, LambdaContext  # noqa: E402
 
 from fabric.errors import ErrorCode  # noqa: E402
 from fabric.protocol import MAX_PAYLOAD_BYTES, Invocation, Result  # noqa: E402
+from functions import _handler_requests as handler_requests  # noqa: E402
 from functions import handler  # noqa: E402
 
 TABLE = "rl-fabric-idempotency"
@@ -299,6 +300,13 @@ def test_async_functions_run_and_time_out() -> None:
     # so does the time the Lambda invocation has left (minus a margin to write the reply)
     r = invoke("async_sleepy", {"seconds": 5}, ctx=LambdaContext(remaining_ms=600))
     assert r.error is not None and r.error.type == ErrorCode.TIMEOUT
+
+
+def test_a_synchronous_function_reads_its_time_left() -> None:
+    # the time the invocation has left, less the margin to write the reply, bounds it (a sync
+    # function read None: only async runs had a timer in their context)
+    r = invoke("sync_time_left", ctx=LambdaContext(remaining_ms=3000))
+    assert r.ok and r.value is not None and 2.0 < r.value <= 3.0 - handler_requests.LAMBDA_MARGIN_S, r
 
 
 def test_async_functions_share_the_container_loop() -> None:
