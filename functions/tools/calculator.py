@@ -3,7 +3,10 @@
 The expression is parsed with ``ast`` and only numbers, ``+ - * / // % **``, unary signs
 and parentheses are evaluated: no names, calls, attributes or subscripts, so nothing the
 policy writes can reach Python. Sizes are bounded before the work is done (``9**9**9`` is
-refused at once instead of computing a number with 370 million digits).
+refused at once instead of computing a number with 370 million digits). The signs a model
+types for them (the minus sign, times, divide, full-width forms, no-break spaces) read as the
+ASCII operators; a superscript, or the tool's JSON arguments passed as the expression, is
+refused saying what to write instead.
 
 The result is printed as text: an integer in full, a float to 15 significant digits
 (``0.1 + 0.2`` is ``0.3``, ``0.5 + 123456789012`` is ``123456789012.5``), a whole float below
@@ -19,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import fabric
+from functions.tools._args import holds_json_arguments
 
 #: Longest expression accepted, in characters.
 MAX_EXPRESSION_CHARS = 500
@@ -35,6 +39,14 @@ _BINOPS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
     ast.Pow: operator.pow,
 }
 _UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+# one meaning each, as a model types them: the minus sign, times and divide, the operator
+# forms of * and /, full-width ASCII (U+FF01-FF5E), and the spaces Python does not take
+_UNICODE = str.maketrans(
+    {"\u2212": "-", "\u00d7": "*", "\u00f7": "/", "\u2217": "*", "\u22c5": "*", "\u2215": "/"}
+    | {chr(c): chr(c - 0xFEE0) for c in range(0xFF01, 0xFF5F)}
+    | dict.fromkeys(["\u00a0", *map(chr, range(0x2000, 0x200B)), "\u202f", "\u205f", "\u3000"], " ")
+)
+_SUPERSCRIPTS = frozenset("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079")
 _HINTS: dict[type[ast.AST], str] = {
     ast.BitXor: "'^' is not a power; use '**'",
     ast.Name: "names are not allowed",
@@ -142,6 +154,14 @@ def evaluate(expression: str) -> int | float:
         raise ValueError("empty expression")
     if len(text) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"expression is {len(text)} characters, over the {MAX_EXPRESSION_CHARS} limit")
+    text = text.translate(_UNICODE)
+    if holds_json_arguments(text, "expression"):
+        raise ValueError(
+            'expression holds the JSON arguments ({"expression": ...}): pass the expression itself '
+            "as the string, e.g. (17 + 25) * 3"
+        )
+    if sup := next((c for c in text if c in _SUPERSCRIPTS), None):
+        raise ValueError(f"superscript {sup!r} is not allowed: write a power with ** (3**2, not 3\u00b2)")
     try:
         tree = ast.parse(text, mode="eval")
     except SyntaxError as e:

@@ -6,6 +6,7 @@ import signal
 from typing import Any
 
 import fabric
+from functions.tools._args import holds_json_arguments, utf8
 from functions.verifiers.sandbox import Limits, RunOutcome
 from functions.verifiers.verify import MAX_CODE_BYTES, Verifier, default_verifier
 
@@ -61,11 +62,20 @@ def python(code: str, stdin: str = "", ctx: Any = None) -> str:
 def run_python(verifier: Verifier, code: str, stdin: str = "", limits: Limits = TOOL_LIMITS) -> str:
     """The ``python`` tool's run under ``limits``: what it printed, then how it ended when that
     was not a clean exit (``[exit code 2]``, or the limit that ended it and its value)."""
-    if len(code.encode()) > MAX_CODE_BYTES:
-        raise ValueError(f"code is {len(code.encode())} bytes; the limit is {MAX_CODE_BYTES}")
-    files = {"solution.py": code.encode()}
+    source = utf8(code, "code")
+    if len(source) > MAX_CODE_BYTES:
+        raise ValueError(f"code is {len(source)} bytes; the limit is {MAX_CODE_BYTES}")
+    # both ran and answered "[no output]", which told the policy nothing of its mistake
+    if not code.strip():
+        raise ValueError("code is empty: pass a complete program that prints, e.g. print(6 * 7)")
+    if holds_json_arguments(code, "code"):
+        raise ValueError(
+            'code holds the JSON arguments ({"code": ...}): pass the program itself as the string, '
+            "e.g. print(6 * 7)"
+        )
+    files = {"solution.py": source}
     out = verifier.sandbox.run(
-        mode="python", entry="solution.py", files=files, stdin=stdin.encode(), limits=limits
+        mode="python", entry="solution.py", files=files, stdin=utf8(stdin, "stdin"), limits=limits
     )
     parts = []
     if out.stdout:

@@ -60,6 +60,7 @@ from typing import Annotated, Any
 from pydantic import Strict
 
 import fabric
+from functions.tools._args import holds_json_arguments
 
 #: Environment variable naming the corpus (a directory or a ``.jsonl`` file).
 CORPUS_ENV = "RL_FABRIC_SEARCH_CORPUS"
@@ -560,6 +561,11 @@ def check_arguments(query: str, k: int) -> str:
     text = query.strip()
     if not text:
         raise ValueError("empty query: pass the words to look for, e.g. 'speed of light'")
+    if holds_json_arguments(text, "query"):
+        raise ValueError(
+            'query holds the JSON arguments ({"query": ...}): pass the words themselves as the '
+            "string (and k as its own argument), e.g. speed of light"
+        )
     if len(text) > MAX_QUERY_CHARS:
         raise ValueError(
             f"query is {len(text)} characters, over the {MAX_QUERY_CHARS} limit; use a few keywords"

@@ -60,3 +60,21 @@ def test_the_tools_description_states_its_limits():
 
     text = OPENAI_SCHEMA["function"]["description"]
     assert f"{TOOL_LIMITS.wall_s:g} s" in text and f"{TOOL_LIMITS.memory_mb} MB" in text
+
+
+@pytest.mark.parametrize(
+    ("code", "stdin", "message"),
+    [
+        # an empty program, or the tool's JSON arguments as the program, ran and answered
+        # "[no output]": the policy could not tell what it did wrong
+        ("", "", "code is empty"),
+        ("  \n", "", "code is empty"),
+        ('{"code": "print(1)"}', "", "pass the program itself"),
+        # text no UTF-8 encodes (a lone surrogate from a direct call) raised the codec's error
+        ("print(1)\ud800", "", "code is not valid Unicode text"),
+        ("print(input())", "\ud800", "stdin is not valid Unicode text"),
+    ],
+)
+def test_bad_inputs_say_what_to_fix(verifier, code, stdin, message):
+    with pytest.raises(ValueError, match=message):
+        run_python(verifier, code, stdin, limits=LIMITS)

@@ -623,3 +623,11 @@ async def test_worker_processes_read_the_corpus_named_by_the_environment(tmp_pat
         assert r.ok and r.value.startswith('1 matching document for "brown algae":\n\n[1] Kelp forests')
         r = await c.call("search", {"query": "speed of light"})
         assert r.ok and r.value.startswith("No documents match")
+
+
+def test_a_query_that_holds_the_json_arguments_says_to_pass_the_words():
+    # the policy put its whole call in the string: it was searched for the words "query",
+    # "speed", "light", "k" and "2", and the policy never learnt why k did not apply
+    with pytest.raises(ValueError, match="pass the words themselves"):
+        search('{"query": "speed of light", "k": 2}')
+    assert "Speed of light" in search('{"speed of light"}')  # braces alone are punctuation
