@@ -137,7 +137,7 @@ def stated_answer(text: str) -> str | None:
     not 5"); with no marker before it the denial is what the text states (``not 5``, which
     matches nothing), unless a correction follows the candidate ("not 5 but 6", "not 5. It is
     6": the correction is the answer). An answer that refers back ("the answer is the same as
-    before", "unchanged") states nothing either: the marker before it counts."""
+    before", "as above") states nothing either: the marker before it counts."""
     found = _stated_answer(text)
     return None if found is None else found[0]
 
@@ -253,12 +253,13 @@ _CORRECTION = re.compile(
 )
 # an answer that refers back to an earlier one states nothing itself ("So the answer is the
 # same as before."): the marker before it counts, or, with none, the fallback (the last
-# number, the last line). "the same as the radius" names something: an answer
+# number, the last line). "the same as the radius" names something, and "unchanged" answers
+# whether something changed: answers
 _BACK_REFERENCE = re.compile(
     r"(?:(?:still|again|just|then|therefore|thus|so)[ \t]+)?"
     r"(?:(?:the[ \t]+)?same[ \t]+(?:as[ \t]+)?(?:before|above|earlier|previously|"
     r"(?:the[ \t]+)?(?:previous|last|first|earlier|above)(?:[ \t]+(?:one|answer|result|value))?)"
-    r"|unchanged|as[ \t]+(?:before|above)|(?:the[ \t]+)?one[ \t]+(?:above|before))"
+    r"|as[ \t]+(?:before|above)|(?:the[ \t]+)?one[ \t]+(?:above|before))"
     r"(?=[ \t]*(?:[.,;:!?)]|\r?\n|\Z))",
     re.IGNORECASE,
 )

@@ -487,9 +487,10 @@ def test_review_misses_in_the_aside_and_hedge_rules(text: str, expected: str) ->
         ("The answer is 42.\nSo the answer is the same as before.", "42."),
         ("Answer: 7\nChecking again, the answer is the same as above.", "7"),
         ("The answer is the same as before.\n6", "6"),
-        ("the answer is unchanged.\n6", "6"),
-        # ... but "the same as" naming something else is an answer
+        ("the answer is as above.\n6", "6"),
+        # ... but "the same as" naming something else is an answer, and so is "unchanged"
         ("The answer is the same as the radius.", "the same as the radius."),
+        ("The answer is unchanged.", "unchanged."),
     ],
 )
 def test_a_denial_with_its_correction_and_a_reference_back(text: str, expected: str) -> None:
