@@ -54,6 +54,7 @@ class FunctionPool(PoolWorkers):
         self._by_key = {}
         self._closed = False
         self._closing: asyncio.Task[None] | None = None
+        self._successor = None  # set once retired: the function's pool now (see retire)
         # nothing can serve (set only while no worker is usable or starting): calls fail fast
         self._broken = None  # until, message, traceback
         self._last_start_failure = None  # message, traceback
@@ -117,18 +118,41 @@ class FunctionPool(PoolWorkers):
                 )
             await asyncio.sleep(0.01)
 
-    async def retire(self) -> None:
+    async def retire(self, successor: Callable[[], FunctionPool | None]) -> None:
         """Close once the calls this pool holds have ended: it was replaced by a pool of the
         function registered again (``LocalBackend.pool``), which takes every call from now
         on. Its runs under way finish on the code they started with, and its queue is served
-        by it too, as submitted (a call runs the code registered when it was made); it keeps
-        no worker ready for later (``warm`` 0). Every call here is bounded (the function's
+        by its workers too, as submitted (a call runs the code registered when it was made);
+        it keeps no worker ready for later (``warm`` 0) and starts none: a worker started now
+        would import the module as it is now, the new code, and be refused as stale. The
+        calls it can no longer serve (its last worker died or failed its start) go to
+        ``successor()``, the function's pool now (the old code is gone from disk), not failed
+        for a registration that did happen. Every call here is bounded (the function's
         ``timeout_s``, a start that fails), so the wait is."""
         self.warm = 0
+        self._successor = successor
+        self._hand_over_if_stranded()
         # no event marks "held nothing": the pool's own maintenance period is the poll's
-        while not self._closed and (self._pending or any(w.inflight for w in self._workers)):  # noqa: ASYNC110
+        while not self._closed and (self._pending or any(w.inflight for w in self._workers)):
             await asyncio.sleep(_TICK_S)
+            self._hand_over_if_stranded()
         await self.close()
+
+    def _hand_over(self) -> None:
+        assert self._successor is not None
+        pool = self._successor()
+        while self._pending:
+            call = self._pending.popleft()
+            self._forget(call)
+            if call.timer is not None:  # the pool that takes it times it
+                call.timer.cancel()
+                call.timer = None
+            if call.fut.done():  # cancelled by the caller (a hedge loser), expired or failed
+                continue
+            if pool is None or pool is self:
+                self._fail(call, ErrorCode.BACKEND_CLOSED, "backend closed")
+            else:
+                pool.adopt(call)
 
     async def close(self) -> None:
         """Stop the workers; the calls still held are answered ``BackendClosed``. Idempotent:
@@ -171,14 +195,30 @@ class FunctionPool(PoolWorkers):
         fut: asyncio.Future[Result] = self._loop.create_future()
         call = PoolCall(inv, fut, 0)
         if inv.deadline is not None:
-            remaining = inv.deadline - time.time()
-            call.deadline_ns = time.monotonic_ns() + int(remaining * 1e9)
+            call.deadline_ns = time.monotonic_ns() + int((inv.deadline - time.time()) * 1e9)
+        self._enqueue(call)
+        return fut
+
+    def adopt(self, call: PoolCall) -> None:
+        """Take a call that a pool this one replaced held and never started (``retire``):
+        queued here as if submitted now, under its deadline as it is (maybe moved), answered
+        through its own future."""
+        if self._closed:
+            self._fail(call, ErrorCode.BACKEND_CLOSED, "backend closed")
+            return
+        call.worker, call.cid, call.avoid = None, 0, None
+        self._enqueue(call)
+
+    def _enqueue(self, call: PoolCall) -> None:
+        inv, fut = call.inv, call.fut
+        if call.deadline_ns:
+            remaining = (call.deadline_ns - time.monotonic_ns()) / 1e9
             call.timer = self._loop.call_later(max(remaining, 0.0), self._expire, call)
         if self._broken is not None:
             until, message, tb = self._broken
             if time.monotonic() < until and not any(w.usable for w in self._workers):
                 self._fail(call, ErrorCode.SETUP_FAILED, message, tb)
-                return fut
+                return
             self._broken = None
         if self.spec.is_async:  # an async call can really be cancelled inside the worker
             fut.add_done_callback(functools.partial(self._on_done, call))
@@ -194,7 +234,6 @@ class FunctionPool(PoolWorkers):
         if not self._scheduled:
             self._scheduled = True
             self._loop.call_soon(self._dispatch)
-        return fut
 
     def extend_deadline(self, key: str, deadline: float | None) -> None:
         """Move the deadline of the calls under ``key`` (a keyed execution's attempt and its

@@ -52,11 +52,22 @@ class PoolDispatch:
     _maint: asyncio.Task[None] | None
     _reaping: set[asyncio.Task[None]]
     _capacity_watchers: list[Callable[[], None]]
+    _successor: Callable[[], Any] | None
     metrics: dict[str, int]
 
     if TYPE_CHECKING:
         # in the layer above (PoolWorkers): a queue left after a dispatch may start a worker
         def _grow(self) -> None: ...
+
+        # in the top layer (FunctionPool): a retired pool's queue, to the function's pool now
+        def _hand_over(self) -> None: ...
+
+    def _hand_over_if_stranded(self) -> None:
+        """A retired pool (``FunctionPool.retire``) starts no worker: calls still queued
+        when none of its workers can serve them any more go to the pool that replaced it."""
+        if self._successor is not None and self._pending and not self._closed:
+            if not any(w.usable or w.starting for w in self._workers):
+                self._hand_over()
 
     @staticmethod
     def _settle(call: PoolCall) -> None:

@@ -35,6 +35,8 @@ class PoolWorkers(PoolDispatch):
     def _can_spawn(self) -> bool:
         return (
             not self._closed
+            # retired (FunctionPool.retire): a worker would import the module as it is now
+            and self._successor is None
             and self._broken is None
             and len(self._workers) < self.max_workers
             and time.monotonic() >= self._no_spawn_until
@@ -137,6 +139,8 @@ class PoolWorkers(PoolDispatch):
             # a sibling is still starting: a transient failure (a flaky download, an OOM) says
             # nothing about it, so the queue waits for it; if it fails too, its failure decides
             pass  # wait for the sibling's start to decide
+        elif self._successor is not None:
+            self._hand_over_if_stranded()  # retired: the pool that replaced it serves them
         elif w.fatal or self._start_failures >= _MAX_START_FAILURES:
             self._broken = (cooldown, msg, tb)  # nothing can serve: fail fast until the cooldown ends
             self._fail_pending(ErrorCode.SETUP_FAILED, msg, tb)
@@ -228,6 +232,7 @@ class PoolWorkers(PoolDispatch):
                 self._loop.call_soon(self._dispatch)
         if self._can_spawn() and (len(self._workers) < self.warm or self._pending):
             self._spawn()
+        self._hand_over_if_stranded()
 
     async def _maintain(self) -> None:
         while not self._closed:

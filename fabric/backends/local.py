@@ -77,7 +77,8 @@ class LocalBackend(Backend):
         return pool
 
     def _retire(self, pool: FunctionPool) -> None:
-        task = asyncio.get_running_loop().create_task(pool.retire())
+        name = pool.spec.name
+        task = asyncio.get_running_loop().create_task(pool.retire(lambda: self._pools.get(name)))
         self._retiring[pool] = task
         task.add_done_callback(lambda _: self._retiring.pop(pool, None))
 

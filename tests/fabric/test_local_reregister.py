@@ -199,3 +199,55 @@ async def test_a_worker_importing_the_module_edited_since_it_was_registered_is_r
         assert "register it again" in r.error.message, r.error.message
         pids = c.backend.stats()[name]["pids"]
     assert not any(alive(p) for p in pids)
+
+
+_DIES = """
+import os
+import time
+import fabric
+
+@fabric.function(name="{name}", timeout_s=30, max_concurrency=4, warm=1)
+def answer(started: str = "", release: str = "") -> dict:
+    if started:
+        open(started, "w").close()
+    t_end = time.monotonic() + 20
+    while release and not os.path.exists(release) and time.monotonic() < t_end:
+        time.sleep(0.01)
+    if release:
+        os._exit(7)  # the worker dies under this run: the calls queued behind it never ran
+    return {{"code": "v1", "pid": os.getpid()}}
+"""
+
+
+async def test_calls_queued_on_a_replaced_pool_that_loses_its_workers_are_still_served(reloadable, tmp_path):
+    """A replaced pool whose last worker died with calls still queued there (never started)
+    started a worker for them, which imported the module as it is now, the new code, and was
+    refused as stale: the queued calls failed SetupFailed saying to register the function
+    again, which had been done, while the new pool stood ready. They go to the function's
+    current pool instead: the old code they were made with is no longer on disk."""
+    name, mod_name, reload, _ = reloadable
+    started, release = tmp_path / "started", tmp_path / "release"
+    (tmp_path / f"{mod_name}.py").write_text(textwrap.dedent(_DIES.format(name=name)))
+    importlib.invalidate_caches()
+    importlib.reload(sys.modules[mod_name])
+    reg = Registry()
+    reg.discover(mod_name)
+    async with LocalBackend(reg, LocalConfig(max_workers=1)) as b:
+        assert (await b.submit(Invocation(function=name, payload={}))).ok  # warm, and timed
+        dying = b.submit(
+            Invocation(function=name, payload={"started": str(started), "release": str(release)})
+        )
+        await _until(started.exists, "the run to start on the old worker")
+        queued = [b.submit(Invocation(function=name, payload={})) for _ in range(3)]
+
+        reload()
+        reg.discover(mod_name)
+        new = await b.submit(Invocation(function=name, payload={}))
+        assert new.ok and new.value["code"] == "v2, rewritten", new.error
+
+        release.touch()  # the old pool's only worker dies
+        lost = await asyncio.wait_for(dying, 15)
+        assert not lost.ok and lost.error is not None and lost.error.type == ErrorCode.WORKER_LOST, lost
+        for r in await asyncio.wait_for(asyncio.gather(*queued), 15):
+            assert r.ok, r.error
+            assert r.value["code"] == "v2, rewritten", r.value
