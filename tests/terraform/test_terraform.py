@@ -612,6 +612,35 @@ def test_a_variable_two_worker_functions_set_differently_fails_the_plan(tmp_path
     assert _worker_plan_errors(own_image, tmp_path / "c") == []
 
 
+def test_a_function_whose_secret_replaces_its_own_setting_is_no_worker_conflict(tmp_path: Path):
+    """A function that sets a variable both in its settings (functions[*].environment or
+    function_settings: a placeholder) and in function_environment (the secret) runs with the
+    secret, in its own Lambda as in the SQS worker (the secrets are merged over the
+    settings in both): one value. The worker's conflict check compared the two entries of
+    that one function and failed the plan, saying the variable was "set by judge" alone.
+    Another worker function setting it to another value is still a conflict."""
+    tfvars = {
+        "name_prefix": "rl-",
+        "package": {"type": "zip", "zip_path": "f.zip"},
+        "idempotency_table_name": "t",
+        "idempotency_table_arn": "arn:t",
+        "spill_bucket_name": "b",
+        "spill_bucket_arn": "arn:b",
+        "functions": {
+            "judge": {"modules": "functions", "environment": {"OPENAI_API_KEY": "set-in-secrets"}},
+            "exact_match": {"modules": "functions"},
+        },
+        "function_settings": {"judge": {"JUDGE_MODEL": "placeholder"}},
+        "function_environment": {"judge": {"OPENAI_API_KEY": "sk-1", "JUDGE_MODEL": "m1"}},
+    }
+    assert _worker_plan_errors(tfvars, tmp_path / "a") == []
+    other = copy.deepcopy(tfvars)
+    other["functions"]["exact_match"]["environment"] = {"OPENAI_API_KEY": "sk-2"}
+    errors = _worker_plan_errors(other, tmp_path / "b")
+    assert len(errors) == 1 and "OPENAI_API_KEY (set by exact_match and judge)" in errors[0], errors
+    assert "JUDGE_MODEL" not in errors[0] and "sk-" not in errors[0], errors
+
+
 def test_a_users_settings_reach_the_functions_beside_what_fabric_deploy_writes(tmp_path: Path):
     """`fabric deploy` writes `functions` into fabric.auto.tfvars.json, and Terraform takes a
     variable's value whole from the last file that sets it (an *.auto.tfvars file after

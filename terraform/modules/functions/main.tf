@@ -64,19 +64,25 @@ locals {
   # functions (the sqs_worker's precondition). Every value is sensitive here, so that the
   # one fact taken out of them, whether they differ, is unmarked the same way whether or not a
   # secret is among them; names are no secret (as secret_env_names), values never leave.
-  worker_env_entries = concat(
-    flatten([
-      for name in local.worker_functions : [
-        for k, v in local.function_env[name] : { function = name, variable = k, value = sensitive(v) }
-      ]
-    ]),
-    flatten([
-      for name in local.worker_functions : [
-        for k in nonsensitive(keys(var.function_environment[name])) :
-        { function = name, variable = k, value = var.function_environment[name][k] }
-      ] if contains(local.secret_env_names, name)
-    ]),
-  )
+  # each worker function's variables as its environment has them: a secret over a setting of
+  # the same name (as in its own Lambda and the worker's merge), one entry per name
+  worker_secret_keys = {
+    for name in local.worker_functions :
+    name => contains(local.secret_env_names, name) ? nonsensitive(keys(var.function_environment[name])) : []
+  }
+  worker_env_entries = flatten([
+    for name in local.worker_functions : [
+      for k in setunion(keys(local.function_env[name]), local.worker_secret_keys[name]) : {
+        function = name
+        variable = k
+        value = (
+          contains(local.worker_secret_keys[name], k)
+          ? var.function_environment[name][k]
+          : sensitive(local.function_env[name][k])
+        )
+      }
+    ]
+  ])
   worker_env_conflicts = [
     for k in distinct([for e in local.worker_env_entries : e.variable]) :
     "${k} (set by ${join(" and ", distinct([for e in local.worker_env_entries : e.function if e.variable == k]))})"
