@@ -306,11 +306,14 @@ class PoolWorkers(PoolDispatch):
         if self._pending:  # calls are waiting: a worker without any is about to get some
             return
         now = time.monotonic()
+        # a retired pool's idle workers serve nothing more (new calls go to the pool that
+        # replaced it), and each holds what its setup hook loaded (a model, GPU memory)
+        window = 0.0 if self._successor is not None else self.config.idle_window_s
         extra = len(self._workers) - self.warm
         for w in list(self._workers):
             if extra <= 0:
                 break
-            if w.usable and not w.inflight and now - w.last_active > self.config.idle_window_s:
+            if w.usable and not w.inflight and now - w.last_active >= window:
                 extra -= 1
                 self._workers.remove(w)
                 w.lost = True

@@ -251,3 +251,32 @@ async def test_calls_queued_on_a_replaced_pool_that_loses_its_workers_are_still_
         for r in await asyncio.wait_for(asyncio.gather(*queued), 15):
             assert r.ok, r.error
             assert r.value["code"] == "v2, rewritten", r.value
+
+
+async def test_a_replaced_pools_idle_workers_stop_without_waiting_for_its_last_run(reloadable, tmp_path):
+    """A replaced pool kept its idle workers (each holding what its setup hook loaded: a
+    reward model, GPU memory) beside the new pool's, until its last run ended or for
+    idle_window_s (60 s): twice the workers while a long run finished. They serve nothing
+    more (new calls go to the new pool), so they stop at once; the one running stays."""
+    name, mod_name, reload, _ = reloadable
+    started, release = tmp_path / "started", tmp_path / "release"
+    reg = Registry()
+    reg.discover(mod_name)
+    async with LocalBackend(reg, LocalConfig(warm=2, max_workers=2)) as b:
+        await b.warmup([name])
+        old_pids = set(b.stats()[name]["pids"])
+        assert len(old_pids) == 2
+        payload = {"started": str(started), "release": str(release)}
+        under_way = b.submit(Invocation(function=name, payload=payload))
+        await _until(started.exists, "the run to start on an old worker")
+
+        reload()
+        reg.discover(mod_name)
+        new = await b.submit(Invocation(function=name, payload={}))
+        assert new.ok and new.value["code"] == "v2, rewritten", new.error
+        await _until(lambda: sum(alive(p) for p in old_pids) == 1, "the idle old worker to stop", 5.0)
+        assert not under_way.done()
+        release.touch()
+        finished = await asyncio.wait_for(under_way, 15)
+        assert finished.ok and finished.value["code"] == "v1", finished.error
+        await _until(lambda: not any(alive(p) for p in old_pids), "the old workers to be gone")
