@@ -159,4 +159,15 @@ class LocalBackend(Backend):
         await asyncio.gather(*self._retiring.values(), return_exceptions=True)
 
     def stats(self) -> dict[str, Any]:
-        return {name: p.stats() for name, p in self._pools.items()}
+        """Each function's pool; the workers of the pools it replaced that still run calls
+        are counted apart (``retiring_workers``, ``retiring_pids``): processes that are
+        there, holding what their setup hook loaded, until their calls end."""
+        out = {}
+        for name, pool in self._pools.items():
+            retiring = [w for p in self._retiring if p.spec.name == name for w in p._workers]
+            out[name] = {
+                **pool.stats(),
+                "retiring_workers": len(retiring),
+                "retiring_pids": [w.proc.pid for w in retiring if w.proc is not None],
+            }
+        return out

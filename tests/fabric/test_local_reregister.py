@@ -280,3 +280,31 @@ async def test_a_replaced_pools_idle_workers_stop_without_waiting_for_its_last_r
         finished = await asyncio.wait_for(under_way, 15)
         assert finished.ok and finished.value["code"] == "v1", finished.error
         await _until(lambda: not any(alive(p) for p in old_pids), "the old workers to be gone")
+
+
+async def test_stats_count_the_workers_of_a_replaced_pool_until_they_stop(reloadable, tmp_path):
+    """stats() (and fabric serve's fabric_pool_* metrics, read from it) showed the new pool
+    only: the old workers still running calls after the function was registered again were
+    processes nobody saw. They are counted apart (retiring_workers, retiring_pids) until
+    they stop."""
+    name, mod_name, reload, _ = reloadable
+    started, release = tmp_path / "started", tmp_path / "release"
+    reg = Registry()
+    reg.discover(mod_name)
+    async with LocalBackend(reg) as b:
+        under_way = b.submit(
+            Invocation(function=name, payload={"started": str(started), "release": str(release)})
+        )
+        await _until(started.exists, "the run to start on an old worker")
+        old_pids = set(b.stats()[name]["pids"])
+        assert b.stats()[name]["retiring_workers"] == 0
+        reload()
+        reg.discover(mod_name)
+        assert (await b.submit(Invocation(function=name, payload={}))).ok
+        stats = b.stats()[name]
+        assert stats["retiring_workers"] >= 1 and set(stats["retiring_pids"]) <= old_pids, stats
+        assert not set(stats["pids"]) & old_pids, stats
+        release.touch()
+        assert (await asyncio.wait_for(under_way, 15)).ok
+        await _until(lambda: b.stats()[name]["retiring_workers"] == 0, "the old workers to be gone")
+        assert b.stats()[name]["retiring_pids"] == []
