@@ -176,19 +176,24 @@ class JobConfig(ConfigModel):
         return problems
 
     @property
-    def env_scored_tags(self) -> frozenset[str]:
-        """The tags scored by ``env_return`` alone: their score is the sum of the
-        environment's turn rewards, which GiGPO's step returns may then use turn by turn
-        (``build_batch``). Alone among the components that count: the reward stream's score
-        is the weighted mean of a tag's components, so env_return's own weight cancels out and
-        a component of weight 0 (a check kept for its metric) adds nothing; such a tag was
-        left out, and its step returns lost their per-turn credit."""
-        return frozenset(
-            tag
-            for tag, specs in self.rewards.items()
-            if all(s.function == "env_return" for s in specs if s.weight > 0)
-            and any(s.weight > 0 for s in specs)
-        )
+    def env_return_shares(self) -> dict[str, float]:
+        """Tag -> ``env_return``'s share of the tag's score: the weight of its ``env_return``
+        components over the weight of all of them. The reward stream of the job scores a
+        trajectory the weighted mean of its components (``combine``, normalised, nothing
+        clipped), so the score is exactly ``share * env_return + the rest``; GiGPO's step
+        rewards keep the per-turn credit of that share (``build_batch``). 1 for a tag scored
+        by ``env_return`` alone (components of weight 0 aside: they add nothing), 0 without
+        it. A ``composite`` reward holding ``env_return`` counts as another component: its
+        part of the score is credited at the last turn. (``RewardStream(normalize=False)``,
+        a weighted sum, would make the share env_return's weight itself; the job does not
+        build one.)"""
+        shares: dict[str, float] = {}
+        for tag, specs in self.rewards.items():
+            total = sum(s.weight for s in specs)
+            env = sum(s.weight for s in specs if s.function == "env_return")
+            # env == total exactly when the others weigh 0 (adding 0.0 is exact): share 1.0
+            shares[tag] = env / total if total > 0 else 0.0
+        return shares
 
     def _trainer_engine_problems(self) -> list[tuple[str, str]]:
         """The trainer must train the policy the engine serves, under names it can load."""

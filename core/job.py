@@ -309,7 +309,7 @@ class Job(JobSetup):
                 self.evaluator.trained_on_trajectories(s.traj for g in groups for s in g.samples)
                 self.tally.counts["aborted_trained"] += len(trained & runner.aborted_ids)
                 self.tally.counts["masked_trained"] += sum(s.masked for g in groups for s in g.samples)
-                batch = build_batch(groups, cfg.trainer, env_scored=cfg.env_scored_tags)
+                batch = build_batch(groups, cfg.trainer, env_shares=cfg.env_return_shares)
                 metrics_ref, state_ref = self.trainer_handle.step.options(num_returns=2).remote(batch)
                 metrics = await self._from_trainer(metrics_ref, f"step {step}")
                 train_s = time.perf_counter() - tt

@@ -7,19 +7,22 @@ same state (``traj.info["turn_states"]``, recorded by the env manager) compared 
 discounted return (``traj.info["turn_rewards"]``, ``trainer.gamma``). The advantages are
 computed here, on the whole batch, so the trainer (a Ray actor) receives finished samples.
 
-Both levels compare the same signal: the score the reward functions gave. For a tag scored
-by ``env_return`` alone (``env_scored``) that score is the sum of the environment's turn
-rewards, so the step returns use them (the credit of each turn); for any other tag (a judge,
-a verifier, a mix) the environment's turn rewards are not what the episode level compares,
-and the step returns credit the score at the trajectory's last turn (zero before it), the
-reward of an episode scored as a whole. Comparing the environment's signal turn by turn and
-the judge's per episode pulled the same turns in opposite directions when the two disagreed.
+Both levels compare the same signal: the score the reward functions gave. The step returns
+are computed from per-turn rewards that sum to that score (``step_rewards``): a tag's score
+is ``f * env_return + the rest``, ``f`` being ``env_return``'s share of the weights
+(``JobConfig.env_return_shares``), and ``env_return`` is the sum of the environment's turn
+rewards, so each turn gets ``f`` times its turn reward (the credit of each turn, where the
+score has it) and the last turn also the rest of the score. Scored by ``env_return`` alone
+(``f = 1``) the turn rewards are used as they are; under a judge or a verifier alone
+(``f = 0``) the score is credited at the last turn, the reward of an episode scored as a
+whole. Comparing the environment's signal turn by turn and the judge's per episode pulled
+the same turns in opposite directions when the two disagreed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from typing import Any
+import math
+from collections.abc import Mapping, Sequence
 
 from core.buffer import Group
 from core.config import TrainerConfig
@@ -29,10 +32,12 @@ from fabric.protocol import Trajectory
 
 
 def build_batch(
-    groups: Sequence[Group], cfg: TrainerConfig, *, env_scored: Collection[str] = ()
+    groups: Sequence[Group], cfg: TrainerConfig, *, env_shares: Mapping[str, float] | None = None
 ) -> list[TrainSample]:
-    """``env_scored``: the tags whose score is the environment's return
-    (``JobConfig.env_scored_tags``): their step returns use the turn rewards."""
+    """``env_shares``: tag -> ``env_return``'s share of its score
+    (``JobConfig.env_return_shares``; a tag left out has none): the part of its step
+    rewards given turn by turn (``step_rewards``)."""
+    shares = env_shares or {}
     samples = [s for g in groups for s in g.samples]
     if not samples:
         raise TrainerError("build_batch needs at least one sample")
@@ -45,7 +50,8 @@ def build_batch(
         keys: list[str] = []
         states: list[str] = []
         for s in samples:
-            rewards = _step_rewards(s.traj.info, s.score, env=s.tag in env_scored)
+            turn_rewards = [float(r) for r in s.traj.info.get("turn_rewards", [])]
+            rewards = step_rewards(turn_rewards, s.score, shares.get(s.tag, 0.0))
             returns += discounted_returns(rewards, cfg.gamma)
             keys += [s.group_id] * len(rewards)
             states += [str(x) for x in s.traj.info.get("turn_states", [])][: len(rewards)]
@@ -65,13 +71,25 @@ def build_batch(
     return out
 
 
-def _step_rewards(info: dict[str, Any], score: float, *, env: bool) -> list[float]:
-    """The per-turn rewards the step returns are computed from: the environment's when the
-    score is their sum (``env``), else the score at the last turn."""
-    rewards = [float(r) for r in info.get("turn_rewards", [])]
-    if env or not rewards:
-        return rewards
-    return [0.0] * (len(rewards) - 1) + [score]
+def step_rewards(turn_rewards: Sequence[float], score: float, share: float) -> list[float]:
+    """The per-turn rewards the step returns are computed from: ``share`` times the
+    environment's turn rewards, and at the last turn also the rest of the score, ``score -
+    share * sum(turn_rewards)`` (the other components' part, or what a ``failure_score`` put
+    in place of ``env_return``); they sum to the score. ``share`` 1: the turn rewards; 0: the
+    score at the last turn."""
+    n = len(turn_rewards)
+    if not n:
+        return []
+    if share <= 0:  # exactly the last-turn credit (0 * a negative reward is -0.0)
+        return [0.0] * (n - 1) + [score]
+    out = [share * r for r in turn_rewards]
+    env = share * float(sum(turn_rewards))
+    # a rest within rounding of nothing is not credited: the stream's weighted mean rounds
+    # (w * x / w is x only to an ulp), and an ulp put on the last turn would move a tag
+    # scored by env_return alone off its turn rewards, which its step returns were before
+    if not math.isclose(score, env, rel_tol=1e-9, abs_tol=1e-12):
+        out[-1] += score - env
+    return out
 
 
 def _turns_with_tokens(traj: Trajectory) -> list[int]:

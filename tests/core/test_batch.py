@@ -12,8 +12,10 @@ from core.config import TrainerConfig
 from core.rollout.engines.base import Completion
 from core.sample import Sample
 from core.trainer.base import TrainerError, assistant_message
-from core.trainer.batch import build_batch
+from core.trainer.batch import build_batch, step_rewards
+from core.trainer.grpo import discounted_returns, group_advantages, step_advantages
 from fabric.protocol import Message, RewardResult, Trajectory
+from functions.rewards.compose import combine
 
 
 def turn(tokens: list[int], version: int = 0) -> Message:
@@ -159,13 +161,14 @@ def test_a_turn_without_tokens_does_not_shift_the_step_advantages():
     # A's first turn has no tokens; its second turn (in s1) must get s1's step advantage
     a = traj("A", [0.0, 1.0], ["s0", "s1"], tokens=[[], [6]])
     b = traj("B", [1.0, 0.0], ["s0", "s1"])
-    groups = [Group("g", 0, [sample(a, "g", 1.0), sample(b, "g", 0.0)])]
-    # gamma 1: returns A (1, 1), B (1, 0); (g, s0): 0 / 0, (g, s1): +0.5 / -0.5; episode +-0.5
+    # scored by env_return: each score is the sum of its turn rewards (1 and 1)
+    groups = [Group("g", 0, [sample(a, "g", 1.0), sample(b, "g", 1.0)])]
+    # gamma 1: returns A (1, 1), B (1, 0); (g, s0): 0 / 0, (g, s1): +0.5 / -0.5; episode 0
     cfg = TrainerConfig(scale_advantages=False, step_adv=1.0, gamma=1.0)
-    out = build_batch(groups, cfg, env_scored={"lake"})  # the turn rewards are the signal
+    out = build_batch(groups, cfg, env_shares={"lake": 1.0})  # the turn rewards are the signal
     got = advantages(out)
-    assert got["B"] == pytest.approx([-0.5, -1.0])
-    assert got["A"] == pytest.approx([1.0])  # its one sample is the s1 turn (0.5 + 0.5)
+    assert got["B"] == pytest.approx([0.0, -0.5])
+    assert got["A"] == pytest.approx([0.5])  # its one sample is the s1 turn
 
 
 def test_step_returns_compare_the_score_the_episode_level_does():
@@ -183,7 +186,7 @@ def test_step_returns_compare_the_score_the_episode_level_does():
     # scored by env_return, a tag's score is the sum of its turn rewards: they are used
     # (A: returns (0.5, 1), B: (0, 0)), the same signal with its credit per turn
     groups = [Group("g", 0, [sample(a, "g", 1.0), sample(b, "g", 0.0)])]
-    got = advantages(build_batch(groups, cfg, env_scored={"lake"}))
+    got = advantages(build_batch(groups, cfg, env_shares={"lake": 1.0}))
     close(got, {"A": [0.5 + 0.25, 0.5 + 0.5], "B": [-0.5 - 0.25, -0.5 - 0.5]})
 
 
@@ -205,13 +208,14 @@ def test_the_tags_scored_by_the_environments_return():
         },
         check_references=False,
     )
-    assert cfg.env_scored_tags == frozenset({"lake"})
+    assert cfg.env_return_shares == {"lake": 1.0, "judged": 0.0, "mixed": 0.5}
 
 
-def test_a_tag_whose_other_components_weigh_nothing_is_scored_by_the_environments_return():
-    # a component of weight 0 (a format check kept for its metric) or env_return twice under
-    # two names leaves the score the environment's return all the same (the weighted mean of
-    # the components that count); such a tag lost the per-turn credit of its turn rewards
+def test_env_returns_share_of_a_tags_score():
+    # the stream's score is the weighted mean of a tag's components: env_return's share is
+    # its weight over all of them. A component of weight 0 (a format check kept for its
+    # metric) or env_return twice under two names leaves the score the environment's return
+    # all the same: share 1
     from core.config import JobConfig
 
     cfg = JobConfig.from_dict(
@@ -220,6 +224,7 @@ def test_a_tag_whose_other_components_weigh_nothing_is_scored_by_the_environment
                 {"id": "frozenlake-v1", "tag": "watched"},
                 {"id": "latency-v0", "tag": "twice"},
                 {"id": "latency-v0", "tag": "mixed"},
+                {"id": "latency-v0", "tag": "three"},
             ],
             "rewards": {
                 "watched": [{"function": "env_return"}, {"function": "format_reward", "weight": 0.0}],
@@ -228,11 +233,18 @@ def test_a_tag_whose_other_components_weigh_nothing_is_scored_by_the_environment
                     {"function": "env_return", "name": "b", "weight": 3.0},
                 ],
                 "mixed": [{"function": "env_return"}, {"function": "format_reward", "weight": 0.5}],
+                "three": [
+                    {"function": "env_return", "weight": 0.3},
+                    {"function": "format_reward", "weight": 0.5},
+                    {"function": "llm_judge", "weight": 0.2},
+                ],
             },
         },
         check_references=False,
     )
-    assert cfg.env_scored_tags == frozenset({"watched", "twice"})
+    shares = cfg.env_return_shares
+    assert shares == pytest.approx({"watched": 1.0, "twice": 1.0, "mixed": 2 / 3, "three": 0.3})
+    assert shares["watched"] == shares["twice"] == 1.0  # exactly: the env-scored rule applies
 
 
 def test_a_terminal_score_is_discounted_back_from_the_last_turn():
@@ -280,7 +292,7 @@ def test_a_batch_mixing_an_env_scored_tag_and_a_judged_one():
     # g: returns A (0.75, 0.5), B (0, 0): (g, s0) +-0.375, (g, s1) +-0.25; episode +-0.5
     # h: returns C (0, 0), D (0.5, 1): (h, s0) -+0.25, (h, s1) -+0.5; episode -+0.5
     close(
-        advantages(build_batch(groups, cfg, env_scored={"lake"})),
+        advantages(build_batch(groups, cfg, env_shares={"lake": 1.0})),
         {
             "A": [0.5 + 0.375, 0.5 + 0.25],
             "B": [-0.5 - 0.375, -0.5 - 0.25],
@@ -288,3 +300,125 @@ def test_a_batch_mixing_an_env_scored_tag_and_a_judged_one():
             "D": [0.5 + 0.25, 0.5 + 0.5],
         },
     )
+
+
+# ----------------------------------------------------------------------------- env_return's share
+# A tag whose score mixes env_return (share f of the weights) with other components: each turn
+# gets f * its turn reward, and the last turn also the rest of the score, score - f * sum; the
+# step rewards sum to the score. f = 1 is the env-scored rule, f = 0 the last-turn credit.
+
+
+def test_a_mix_with_env_return_keeps_its_share_of_the_turn_credit():
+    # env_return 0.5 + judge 0.5 (f = 0.5), gamma 0.9, three turns in s0, s1, s2.
+    # A: turn rewards (0, 0.2, 1.0), judge 0 -> score 0.6; step rewards (0, 0.1, 0.5 + 0)
+    #    returns (0.9 * 0.55, 0.1 + 0.9 * 0.5, 0.5) = (0.495, 0.55, 0.5)
+    # B: turn rewards (0, 0, 0), judge 1 -> score 0.5; step rewards (0, 0, 0.5)
+    #    returns (0.405, 0.45, 0.5)
+    # (g, s0): +-0.045, (g, s1): +-0.05, (g, s2): 0; episode (0.6, 0.5): +-0.05
+    # (the last-turn credit gave A returns (0.486, 0.54, 0.6): s2 +-0.05, blaming B's last turn
+    # for the env reward A's middle turn earned)
+    assert step_rewards([0.0, 0.2, 1.0], 0.6, 0.5) == pytest.approx([0.0, 0.1, 0.5])
+    a = traj("A", [0.0, 0.2, 1.0], ["s0", "s1", "s2"])
+    b = traj("B", [0.0, 0.0, 0.0], ["s0", "s1", "s2"])
+    groups = [Group("g", 0, [sample(a, "g", 0.6), sample(b, "g", 0.5)])]
+    cfg = TrainerConfig(scale_advantages=False, step_adv=1.0, gamma=0.9)
+    close(
+        advantages(build_batch(groups, cfg, env_shares={"lake": 0.5})),
+        {"A": [0.05 + 0.045, 0.05 + 0.05, 0.05], "B": [-0.05 - 0.045, -0.05 - 0.05, -0.05]},
+    )
+    # judge 1 for A too (score 1.1): the judge's half lands on the last turn
+    assert step_rewards([0.0, 0.2, 1.0], 1.1, 0.5) == pytest.approx([0.0, 0.1, 1.0])
+
+
+def test_a_score_that_is_not_the_sum_of_the_turn_rewards_puts_the_rest_on_the_last_turn():
+    # env_return failed on the trajectory and was given its failure_score: the score and the
+    # turn rewards disagree, and the difference is the last turn's. Alone (f = 1) with
+    # failure_score -1: (0, 0.2, 1.0 + (-1 - 1.2)) = (0, 0.2, -1.2)
+    assert step_rewards([0.0, 0.2, 1.0], -1.0, 1.0) == pytest.approx([0.0, 0.2, -1.2])
+    # beside a judge (f = 0.5), failure_score 0 and judge 1: score 0.5;
+    # (0, 0.1, 0.5 + (0.5 - 0.6)) = (0, 0.1, 0.4)
+    assert step_rewards([0.0, 0.2, 1.0], 0.5, 0.5) == pytest.approx([0.0, 0.1, 0.4])
+    # through the batch, gamma 0.9: A's returns (0.9 * -0.88, 0.2 - 1.08, -1.2) =
+    # (-0.792, -0.88, -1.2) against B's (0, 0, 0): (g, s_k): -+half of each; episode (-1, 0)
+    a = traj("A", [0.0, 0.2, 1.0], ["s0", "s1", "s2"])
+    b = traj("B", [0.0, 0.0, 0.0], ["s0", "s1", "s2"])
+    groups = [Group("g", 0, [sample(a, "g", -1.0), sample(b, "g", 0.0)])]
+    cfg = TrainerConfig(scale_advantages=False, step_adv=1.0, gamma=0.9)
+    close(
+        advantages(build_batch(groups, cfg, env_shares={"lake": 1.0})),
+        {"A": [-0.5 - 0.396, -0.5 - 0.44, -0.5 - 0.6], "B": [0.5 + 0.396, 0.5 + 0.44, 0.5 + 0.6]},
+    )
+
+
+@pytest.mark.parametrize("weight", [1.0, 0.3, 2.5, 0.7])
+def test_the_limits_are_the_two_rules_exactly(weight):
+    # f = 1: the turn rewards as they are, bit for bit, though the stream's score is the
+    # weighted mean (weight * x / weight rounds off x for most weights); f = 0: the score at
+    # the last turn, zero before it
+    turns_list = [[0.0, 0.0, 1.0], [0.1, -0.05, 0.7], [0.3, 0.3, 0.3, 0.1], [1e-3, 2.0 / 3.0], [0.0]]
+    for turns in turns_list:
+        x = float(sum(turns))  # the env manager's env_reward
+        score = combine({"env_return": x}, {"env_return": weight}).score
+        got = step_rewards(turns, score, 1.0)
+        assert got == turns and [math.copysign(1, g) for g in got] == [math.copysign(1, t) for t in turns]
+        last = step_rewards(turns, 0.37, 0.0)
+        assert last == [0.0] * (len(turns) - 1) + [0.37]
+        assert all(math.copysign(1, v) == 1 for v in last)  # no -0.0 from 0 * a negative reward
+    assert step_rewards([], 1.0, 0.5) == []
+
+
+def test_the_frozenlake_demos_batches_do_not_change():
+    # the demo scores its tag by a lone env_return (share 1): its batches are what the
+    # env-scored rule made, computed here the way build_batch did before the shares. The
+    # lake rewards only the step onto the goal, so the last-turn credit would agree too; the
+    # turn rewards of share 1 in general are pinned bit for bit above
+    import pathlib
+
+    import yaml
+
+    from core.config import JobConfig
+
+    raw = yaml.safe_load(pathlib.Path("examples/frozenlake/config.yaml").read_text())
+    cfg = JobConfig.from_dict(raw, check_references=False)
+    assert cfg.env_return_shares == {"frozenlake": 1.0}
+    weights = {s.component: s.weight for s in cfg.rewards["frozenlake"]}
+    episodes = {  # turn rewards and states (position on the lake) of two groups' rollouts
+        "A": ([0.0, 0.0, 1.0], ["p0", "p1", "p5"]),
+        "B": ([0.0, 0.0], ["p0", "p4"]),
+        "C": ([0.0, 0.0, 0.0, 1.0], ["p0", "p1", "p2", "p6"]),
+        "D": ([0.0, 1.0], ["p3", "p7"]),
+        "E": ([0.0, 0.0, 0.0], ["p3", "p2", "p6"]),
+    }
+    members = {"g": ["A", "B", "C"], "h": ["D", "E"]}
+    groups = [
+        Group(
+            gid,
+            0,
+            [
+                Sample(
+                    traj=traj(t, *episodes[t]),
+                    tag="frozenlake",
+                    group_id=gid,
+                    version=0,
+                    reward=combine({"env_return": float(sum(episodes[t][0]))}, weights),
+                )
+                for t in ts
+            ],
+        )
+        for gid, ts in members.items()
+    ]
+    order = [t for ts in members.values() for t in ts]
+    gids = [g for g, ts in members.items() for _ in ts]
+    for scale in (False, True):
+        tc = cfg.trainer.model_copy(update={"scale_advantages": scale})
+        assert tc.step_adv > 0 and tc.gamma < 1  # the demo's GiGPO
+        # before: the step returns from the turn rewards themselves
+        ep = group_advantages([float(sum(episodes[t][0])) for t in order], gids, scale=scale).tolist()
+        returns = [r for t in order for r in discounted_returns(episodes[t][0], tc.gamma)]
+        keys = [g for t, g in zip(order, gids, strict=True) for _ in episodes[t][0]]
+        states = [s for t in order for s in episodes[t][1]]
+        flat = iter(step_advantages(returns, keys, states, scale=scale).tolist())
+        want = {
+            t: [e + tc.step_adv * next(flat) for _ in episodes[t][0]] for t, e in zip(order, ep, strict=True)
+        }
+        assert advantages(build_batch(groups, tc, env_shares=cfg.env_return_shares)) == want

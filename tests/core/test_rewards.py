@@ -508,40 +508,58 @@ async def test_a_drain_cancelled_midway_still_stops_the_workers():
         assert stream.metrics()["cancelled"] == 1
 
 
-async def test_the_env_scored_tags_are_scored_the_sum_of_their_turn_rewards():
-    # GiGPO's step returns use the turn rewards of JobConfig.env_scored_tags as the score's
-    # own signal (build_batch): that holds only if the stream, as the job builds it, scores
-    # such a tag exactly the environment's return, whatever env_return's weight
+async def test_env_returns_share_is_its_share_of_the_score_the_stream_computes():
+    # GiGPO's step rewards give each turn share * its turn reward and the rest of the score to
+    # the last turn (build_batch): that holds only if the stream, as the job builds it, scores
+    # a tag share * the environment's return + what its other components add, whatever the
+    # weights; a tag of share 1 is scored exactly the sum of its turn rewards
     from core.config import JobConfig
     from functions.rewards.env_return import env_return
 
     reg = Registry()
     for fn in (env_return, const):
         reg.add(fn)
+    rewards = {
+        "lone": [{"function": "env_return", "weight": 2.5}],
+        "watched": [
+            {"function": "env_return", "weight": 0.3},
+            {"function": "const", "weight": 0.0, "args": {"value": 7.0}},
+        ],
+        "twice": [
+            {"function": "env_return", "name": "a", "weight": 1.0},
+            {"function": "env_return", "name": "b", "weight": 3.0},
+        ],
+        "mixed": [
+            {"function": "env_return", "weight": 1.0},
+            {"function": "const", "weight": 3.0, "args": {"value": 0.4}},
+        ],
+        "three": [
+            {"function": "env_return", "weight": 0.3},
+            {"function": "const", "name": "c1", "weight": 0.5, "args": {"value": 1.0}},
+            {"function": "const", "name": "c2", "weight": 0.2, "args": {"value": -0.5}},
+        ],
+        "judged": [{"function": "const", "args": {"value": 0.9}}],
+    }
+    # what the components other than env_return add to the score (their weighted mean part)
+    rest = {"lone": 0.0, "watched": 0.0, "twice": 0.0, "mixed": 0.3, "three": 0.4, "judged": 0.9}
     cfg = JobConfig.from_dict(
-        {
-            "envs": [{"id": "latency-v0", "tag": t} for t in ("lone", "watched", "twice")],
-            "rewards": {
-                "lone": [{"function": "env_return", "weight": 2.5}],
-                "watched": [
-                    {"function": "env_return", "weight": 0.3},
-                    {"function": "const", "weight": 0.0, "args": {"value": 7.0}},
-                ],
-                "twice": [
-                    {"function": "env_return", "name": "a", "weight": 1.0},
-                    {"function": "env_return", "name": "b", "weight": 3.0},
-                ],
-            },
-        },
+        {"envs": [{"id": "latency-v0", "tag": t} for t in rewards], "rewards": rewards},
         check_references=False,
     )
-    assert cfg.env_scored_tags == {"lone", "watched", "twice"}
+    shares = cfg.env_return_shares
+    assert shares == pytest.approx(
+        {"lone": 1, "watched": 1, "twice": 1, "mixed": 0.25, "three": 0.3, "judged": 0}
+    )
     turns = [0.1, -0.05, 0.7]
     sink = Sink()
     async with Client("inproc", registry=reg) as client:
         async with RewardStream.from_config(client, cfg, sink) as stream:
-            for tag in cfg.env_scored_tags:
+            for tag in rewards:
                 t = traj(tag, tag=tag, env_reward=sum(turns))
                 t.info["turn_rewards"] = turns
                 stream.submit(t)
-    assert {s.id: s.score for s in sink.samples} == pytest.approx(dict.fromkeys(cfg.env_scored_tags, 0.75))
+    want = {tag: shares[tag] * sum(turns) + rest[tag] for tag in rewards}
+    assert {s.id: s.score for s in sink.samples} == pytest.approx(want)
+    assert {s.id: s.score for s in sink.samples if shares[s.id] == 1} == pytest.approx(
+        dict.fromkeys(["lone", "watched", "twice"], 0.75)
+    )
