@@ -12,7 +12,9 @@ the group a trajectory sticks to the replica that served its first turn (**traje
 affinity**: that replica's prefix cache holds the conversation so far); a new trajectory
 goes to the least loaded one. ``release`` ends a trajectory's affinity, and aborts a turn
 it left running or waiting (its caller timed out or was cancelled: under Ray the proxy's
-side of a call runs on without its caller, and after ``release`` nothing could stop it).
+side of a call runs on without its caller, and after ``release`` nothing could stop it); a
+turn sent before the release that reaches the proxy after it (Ray does not order an
+actor's calls) is answered ``abort`` without running (``turns_after_release``).
 
 Weights. ``update_weights`` swaps every replica (suspend: the step in flight finishes;
 load; resume) and remembers the latest version, so that a replica Ray restarted after a

@@ -17,7 +17,8 @@ from core.sched import Request
 # one logger for the proxy, whichever of its modules speaks
 log = logging.getLogger("core.rollout.llm_proxy")
 
-#: Released trajectory ids the proxy remembers (the newest), so a late abort is not kept.
+#: Released trajectory ids the proxy remembers (the newest), so a late abort is not kept
+#: and a late turn is not run.
 RELEASED_WINDOW = 65_536
 
 
@@ -83,14 +84,28 @@ class ProxyRouting(ProxyRecovery):
         return r
 
     async def generate(self, traj_id: str, tag: str, request: GenerateRequest) -> Completion:
-        """One turn of trajectory ``traj_id``. An aborted trajectory gets ``abort`` at once."""
-        self._released.pop(traj_id, None)  # an id used again is live again
+        """One turn of trajectory ``traj_id``. An aborted trajectory gets ``abort`` at once,
+        and so does a turn sent before its trajectory's release that arrives after it."""
+        turn = int(request.metadata.get("turn", 0))
+        released = self._released.get(traj_id)
+        if released is not None:
+            # Ray runs an actor's calls in any order: a caller that went away (timed out,
+            # cancelled) as it sent this turn released the trajectory, and the release ran
+            # first. The env manager numbers a trajectory's turns 0, 1, ... and sends one
+            # only once the previous one was answered, from here: every turn but the last
+            # reached the proxy before the release, so one numbered above the last seen was
+            # sent before it. Run, it held a slot for nobody and left the affinity, the
+            # scheduler's state and the load the release had cleared. An id used again (the
+            # job never does: one uuid per trajectory, re-runs included) starts over at 0.
+            if turn > released:
+                self.metrics["turns_after_release"] += 1
+                return _aborted(request, self.version)
+            del self._released[traj_id]  # an id used again is live again
+        self._turns[traj_id] = max(turn, self._turns.get(traj_id, -1))
         sched = self.scheduler
         sreq = None
         if sched is not None:
-            sreq = sched.request(
-                traj_id, int(request.metadata.get("turn", 0)), _prompt_size(request), request.metadata
-            )
+            sreq = sched.request(traj_id, turn, _prompt_size(request), request.metadata)
         ready = sched.now() if sched is not None else 0.0
         rid = request.request_id
         lost = 0  # calls lost to a replica so far (rerun up to max_turn_retries times)
@@ -222,7 +237,7 @@ class ProxyRouting(ProxyRecovery):
         running or waiting for a slot (its caller timed out or was cancelled; a Ray call's
         remote side outlives its caller) is aborted first: it would hold its replica's batch
         slot and its scheduler slot to its end, and this is the last moment anything knows
-        its request ids."""
+        its request ids. A turn it sent that arrives after this is not run (``generate``)."""
         left = (
             bool(self._inflight.get(traj_id))
             or self._wakes.waiting(("traj", traj_id))
@@ -233,7 +248,8 @@ class ProxyRouting(ProxyRecovery):
         self._sticky.pop(traj_id, None)
         aborted = left or traj_id in self._aborted
         self._aborted.discard(traj_id)
-        self._released[traj_id] = None
+        # (released twice, the mark keeps the turns the first saw)
+        self._released[traj_id] = max(self._turns.pop(traj_id, -1), self._released.get(traj_id, -1))
         if len(self._released) > RELEASED_WINDOW:
             self._released.popitem(last=False)
         self._inflight.pop(traj_id, None)

@@ -92,10 +92,14 @@ class ProxyState:
         # release and an abort that overlap (Ray runs an actor's calls in any order) both
         # found the turn in flight, and both aborts reached the engine
         self._stopping: set[str] = set()
-        # trajectories released lately: an abort that arrives after the release (a group
-        # filled while its member was finishing) has nothing to stop and must not stay in
-        # _aborted for the rest of the job, which nothing would release again
-        self._released: OrderedDict[str, None] = OrderedDict()
+        # trajectories released lately, with the last turn number they had sent here (-1:
+        # none). Ray runs an actor's calls in any order: an abort that arrives after the
+        # release (a group filled while its member was finishing) has nothing to stop and
+        # must not stay in _aborted for the rest of the job, which nothing would release
+        # again; a turn that arrives after it (its caller timed out or was cancelled as it
+        # sent it) must not run for nobody (see ProxyRouting.generate)
+        self._released: OrderedDict[str, int] = OrderedDict()
+        self._turns: dict[str, int] = {}  # traj id -> the last turn number it sent (until released)
         self._latest: tuple[int, Any] | None = None  # (version, state or [ObjectRef]) published
         # weight updates under way whose weights no replica took yet (they may be refused)
         self._undecided = 0

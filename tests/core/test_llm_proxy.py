@@ -303,6 +303,77 @@ async def test_an_abort_after_the_release_is_not_kept():
     assert proxy._aborted == set()
 
 
+def turn_of(traj_id: str, n: int) -> GenerateRequest:
+    """Turn ``n`` of a trajectory as the env manager sends it (its number in the metadata)."""
+    return req(request_id=f"{traj_id}/{n}", metadata={"trajectory_id": traj_id, "turn": n})
+
+
+def assert_forgotten(proxy: LLMProxy, traj_id: str) -> None:
+    """Nothing of the trajectory is left in the proxy (nor its turn scheduler)."""
+    assert traj_id not in proxy._sticky and traj_id not in proxy._inflight
+    assert traj_id not in proxy._aborted and sum(proxy._load.values()) == 0
+    if proxy.scheduler is not None:
+        assert traj_id not in proxy.scheduler._trajs
+        assert proxy.scheduler.stats()["waiting"] == 0
+
+
+# what the caller sends once it went away (a timeout: abort, then release; a cancelled
+# caller: release), delivered before its last turn: Ray runs an async actor's calls in any
+# order (and a coalesced turn waits up to a window before it is sent)
+OVERTAKEN = [["release"], ["abort", "release"], ["release", "abort"]]
+
+
+@pytest.mark.parametrize("seen", [0, 2])  # turns of the trajectory that reached the proxy first
+@pytest.mark.parametrize("calls", OVERTAKEN, ids="+".join)
+async def test_a_turn_that_reaches_the_proxy_after_its_trajectorys_release_is_not_run(seen, calls):
+    # the turn began with "an id used again is live again": it cleared the release's mark
+    # and ran to its end for nobody, holding an engine slot, and left its affinity, its
+    # scheduler state and its replica's load behind for the rest of the job
+    from core.rollout.scheduling import TurnScheduler
+
+    r = Fake("r")
+    proxy = LLMProxy({"default": [r]}, scheduler=TurnScheduler("fcfs", slots=1))
+    for n in range(seen):
+        assert (await proxy.generate("t", "x", turn_of("t", n))).text == "r"
+    for call in calls:
+        await getattr(proxy, call)("t")
+    late = turn_of("t", seen)
+    c = await asyncio.wait_for(proxy.generate("t", "x", late), 5)
+    assert (c.finish_reason, c.token_ids, c.request_id) == ("abort", [], late.request_id)
+    assert r.generated == [f"t/{n}" for n in range(seen)]  # it never reached the engine
+    assert_forgotten(proxy, "t")
+    assert proxy.metrics["turns_after_release"] == 1
+
+
+async def test_an_id_used_again_after_its_release_is_live_again():
+    # the job never uses a trajectory id twice (uuid4 per trajectory, re-runs included), but
+    # a caller that does starts its turns over: not a turn sent before the release
+    r = Fake("r")
+    proxy = LLMProxy({"default": [r]})
+    for n in range(2):
+        await proxy.generate("t", "x", turn_of("t", n))
+    await proxy.release("t")
+    again = turn_of("t", 0)
+    assert (await proxy.generate("t", "x", again)).text == "r" and r.generated[-1] == again.request_id
+    await proxy.release("t")
+    assert_forgotten(proxy, "t")
+
+
+async def test_an_abort_that_reaches_the_proxy_before_its_turn_still_aborts_it():
+    # a group filled (or the trajectory timed out) as its member sent a turn; the abort is
+    # delivered first. It is kept until the release, so the turn is answered aborted then
+    from core.rollout.scheduling import TurnScheduler
+
+    r = Fake("r")
+    proxy = LLMProxy({"default": [r]}, scheduler=TurnScheduler("fcfs", slots=1))
+    await proxy.generate("t", "x", turn_of("t", 0))
+    assert await proxy.abort("t") == 0  # nothing in flight yet
+    c = await asyncio.wait_for(proxy.generate("t", "x", turn_of("t", 1)), 5)
+    assert c.finish_reason == "abort" and r.generated == ["t/0"]
+    await proxy.release("t")
+    assert_forgotten(proxy, "t")
+
+
 # ----------------------------------------------------------------------------- aborts
 
 
