@@ -53,12 +53,13 @@ class ProxyRecovery(ProxyState):
             if not gone:
                 self._orphans.setdefault(id(replica), set()).add(rid)
             return rid
-        if await self._abort_one(replica, rid):
-            # the first run went on in the engine, holding a batch slot to its end; it is
-            # stopped, and the rerun goes under an id of its own (the engine refuses an id
-            # in flight, and the stopped run leaves it only at its next step)
-            return rerun_id
-        return rid
+        # the first run may have gone on in the engine, holding a batch slot to its end: it
+        # is stopped, and the rerun goes under an id of its own whether or not the abort
+        # found it (the engine refuses an id in flight, and a stopped run leaves it only at
+        # its next step; a replica actor answers an id it was asked to abort and did not
+        # know as aborted, since the abort may have overtaken its turn)
+        await self._abort_one(replica, rid)
+        return rerun_id
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(work)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -49,6 +50,10 @@ def make_engine(
     return engine_registry.create(backend, model=model, **kwargs)
 
 
+#: Request ids an engine replica actor remembers (the newest) that an abort found nowhere.
+OVERTAKEN_WINDOW = 65_536
+
+
 class EngineReplicaActor:
     """One engine replica in its own process (wrap with ``ray.remote``)."""
 
@@ -64,17 +69,32 @@ class EngineReplicaActor:
     ):
         self.name = name
         self.engine = make_engine(backend, bundle, kwargs, seed=seed, model=model)
+        # request ids an abort found nowhere: the proxy's turn waits up to the coalescing
+        # window before it is sent here while its abort goes at once, and Ray runs an async
+        # actor's calls in any order, so an abort can arrive before its turn, which then ran
+        # to its end for nobody, holding a batch slot. Such a turn is answered aborted. A
+        # blind abort of a finished turn is remembered too (the window bounds them): the
+        # proxy never sends an id again once it asked to abort it (a rerun has its own)
+        self._overtaken: OrderedDict[str, None] = OrderedDict()
 
     async def generate(self, request: GenerateRequest) -> Completion:
+        if request.request_id in self._overtaken:
+            del self._overtaken[request.request_id]
+            return _aborted_before_sent(request, self.engine.version)
         return await self.engine.generate(request)
 
     async def generate_many(self, requests: list[GenerateRequest]) -> AsyncIterator[list[Answer]]:
         """Coalesced turns (see ``core.rollout.coalesce``), answered as each finishes."""
-        async for answers in answer_all((r.request_id, self.engine.generate(r)) for r in requests):
+        async for answers in answer_all((r.request_id, self.generate(r)) for r in requests):
             yield answers
 
     async def abort(self, request_id: str) -> bool:
-        return await self.engine.abort(request_id)
+        stopped = await self.engine.abort(request_id)
+        if not stopped:
+            self._overtaken[request_id] = None
+            if len(self._overtaken) > OVERTAKEN_WINDOW:
+                self._overtaken.popitem(last=False)
+        return stopped
 
     async def swap(self, version: int, state: Any) -> None:
         await swap_weights(self.engine, version, state)
@@ -199,6 +219,21 @@ class RemoteProxy:
     async def release(self, traj_id: str) -> None:
         self._check()
         await self.call(self.handle.release.remote(traj_id))
+
+
+def _aborted_before_sent(request: GenerateRequest, version: int) -> Completion:
+    """The answer of a turn whose abort reached the replica before it did."""
+    return Completion(
+        request_id=request.request_id,
+        text="",
+        prompt_ids=list(request.prompt_ids or []),
+        token_ids=[],
+        logprobs=[],
+        policy_version=version,
+        finish_reason="abort",
+        allowed_token_ids=request.allowed_token_ids,
+        metadata=request.metadata,
+    )
 
 
 def proxy_died(e: BaseException) -> str | None:

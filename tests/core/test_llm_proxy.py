@@ -773,7 +773,9 @@ async def test_a_lost_replica_is_pinged_reloaded_and_the_turn_rerun_on_it():
     r.version = 0
     c = await proxy.generate("t", "x", req(request_id="turn"))
     assert c.policy_version == 2 and c.text == "r"
-    assert r.generated == ["turn", "turn"]  # the same turn, run again on the same replica
+    # the same turn, run again on the same replica, under an id of its own (the replica
+    # answers an id it was asked to abort as aborted: test_proxy_replica_order)
+    assert r.generated == ["turn", "turn#rerun1"] and r.aborted == ["turn"] and c.request_id == "turn"
     assert r.pings == 3 and r.swaps == [(2, "W2"), (2, "W2")]
     m = proxy.metrics
     assert (m["replica_lost"], m["turns_rerun"], m["weights_reloaded"], m["replicas_recovered"]) == (
@@ -817,7 +819,7 @@ async def test_a_replica_restarted_between_turns_does_not_serve_its_initial_weig
     await proxy.update_weights(3, ["W3"])
     r.version = 0
     c = await proxy.generate("t", "x", req(request_id="turn"))
-    assert c.policy_version == 3 and r.generated == ["turn", "turn"]
+    assert c.policy_version == 3 and r.generated == ["turn", "turn#rerun1"] and c.request_id == "turn"
     assert r.swaps == [(3, "W3"), (3, "W3")] and proxy.metrics["weights_reloaded"] == 1
     assert proxy.metrics["stale_weights_turns"] == 1 and proxy.metrics["turns_rerun"] == 1
 

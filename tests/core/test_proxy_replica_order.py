@@ -1,0 +1,86 @@
+"""The engine replica actor's side of the proxy's aborts: an abort that reaches the actor
+before the turn it was meant for (no Ray here: the actor is a plain object, and the order
+Ray may deliver its calls in is modelled by calling them in that order)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from core.policy.build import PolicyBundle
+from core.policy.tiny_lm import TinyLM, TinyLMConfig
+from core.policy.tokenizer import WordTokenizer
+from core.rollout.engines.base import Completion, GenerateRequest
+from core.rollout.llm_proxy import LLMProxy, Replica, ReplicaLost, swap_weights
+from core.rollout.replicas import EngineReplicaActor
+
+WORDS = "left right up down you are at row column the lake is frozen hole goal start".split()
+
+
+def actor() -> EngineReplicaActor:
+    tok = WordTokenizer(WORDS)
+    m = TinyLM(TinyLMConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=1, n_heads=2, max_len=64), seed=0)
+    bundle = PolicyBundle(tokenizer=tok.to_dict(), model_config=m.config.model_dump(), state=m.state_dict())
+    kwargs: dict[str, Any] = {"num_threads": 1, "batch_wait_ms": 0.0}
+    return EngineReplicaActor("torch", bundle, kwargs, seed=0, name="r", model="tiny-lm")
+
+
+def req(rid: str) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, prompt_ids=[2, 5, 9], max_new_tokens=4)
+
+
+async def test_a_turn_whose_abort_reached_the_replica_first_is_not_run():
+    # the proxy's turn waits in the coalescing window (1 ms) before it is sent to the
+    # replica actor, while its abort (a full group, a timeout, a release) goes at once, and
+    # Ray runs an async actor's calls in any order: the engine found no such request, and
+    # the turn then ran to its end for nobody, holding a batch slot
+    a = actor()
+    try:
+        assert await a.abort("t/0") is False  # nothing to stop yet
+        answers = [x async for batch in a.generate_many([req("t/0"), req("u/0")]) for x in batch]
+        by_id = {x.request_id: x.value for x in answers}
+        late = by_id["t/0"]
+        assert (late.finish_reason, late.token_ids, late.request_id) == ("abort", [], "t/0")
+        assert by_id["u/0"].finish_reason in ("stop", "length")  # the others run
+        assert a.engine.stats["tokens"] == len(by_id["u/0"].token_ids)  # t/0 made none
+        assert (await a.generate(req("t/1"))).finish_reason in ("stop", "length")
+    finally:
+        await a.engine.aclose()
+
+
+class ActorReplica(Replica):
+    """The proxy's handle on an in-process ``EngineReplicaActor`` whose first ``lost``
+    turns are lost (its process died, and Ray restarted it: they never reached it)."""
+
+    def __init__(self, a: EngineReplicaActor, lost: int = 0):
+        self.a, self.name, self.lost = a, "r", lost
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        if self.lost:
+            self.lost -= 1
+            raise ReplicaLost("the actor died")
+        return await self.a.generate(request)
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.a.abort(request_id)
+
+    async def swap(self, version: int, state: Any) -> None:
+        await swap_weights(self.a.engine, version, state)
+
+    async def ping(self) -> int:
+        return self.a.engine.version
+
+
+async def test_a_turn_rerun_after_its_replica_came_back_is_not_taken_for_an_aborted_one():
+    # after a recovery the proxy aborts the lost turn's first run on the replica (it may go
+    # on there); the replica did not know it, and the rerun went under the same id, which
+    # the replica now takes for a turn its abort overtook: the turn ended aborted, for no one
+    a = actor()
+    try:
+        proxy = LLMProxy({"default": [ActorReplica(a, lost=1)]})
+        c = await asyncio.wait_for(proxy.generate("t", "x", req("t/0")), 10)
+        assert c.finish_reason in ("stop", "length") and c.request_id == "t/0"
+        assert proxy.metrics["turns_rerun"] == 1
+        await proxy.aclose()
+    finally:
+        await a.engine.aclose()
