@@ -86,7 +86,7 @@ class ProxyRouting(ProxyRecovery):
     async def generate(self, traj_id: str, tag: str, request: GenerateRequest) -> Completion:
         """One turn of trajectory ``traj_id``. An aborted trajectory gets ``abort`` at once,
         and so does a turn sent before its trajectory's release that arrives after it."""
-        turn = int(request.metadata.get("turn", 0))
+        turn = _turn_of(request)
         released = self._released.get(traj_id)
         if released is not None:
             # Ray runs an actor's calls in any order: a caller that went away (timed out,
@@ -257,6 +257,15 @@ class ProxyRouting(ProxyRecovery):
             # an aborted (or cut-off) trajectory's length says nothing about how long it would
             # have run
             self.scheduler.release(traj_id, learn=not aborted)
+
+
+def _turn_of(request: GenerateRequest) -> int:
+    """The turn's number in its trajectory, as the env manager sends it (0 when a caller
+    gives none, or none that reads as a number: a turn must not fail on its metadata)."""
+    try:
+        return int(request.metadata.get("turn", 0))
+    except (TypeError, ValueError):
+        return 0
 
 
 def _prompt_size(request: GenerateRequest) -> int:

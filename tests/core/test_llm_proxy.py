@@ -359,6 +359,14 @@ async def test_an_id_used_again_after_its_release_is_live_again():
     assert_forgotten(proxy, "t")
 
 
+async def test_a_turn_whose_number_is_not_a_number_is_still_served():
+    # the release's check reads the turn's number for every turn, with or without a turn
+    # scheduler: a caller's odd metadata must not fail its turn
+    r = Fake("r")
+    proxy = LLMProxy({"default": [r]})
+    assert (await proxy.generate("t", "x", req(metadata={"turn": "first"}))).text == "r"
+
+
 async def test_an_abort_that_reaches_the_proxy_before_its_turn_still_aborts_it():
     # a group filled (or the trajectory timed out) as its member sent a turn; the abort is
     # delivered first. It is kept until the release, so the turn is answered aborted then
