@@ -99,7 +99,7 @@ class ProxyRouting(ProxyRecovery):
             # job never does: one uuid per trajectory, re-runs included) starts over at 0.
             if turn > released:
                 self.metrics["turns_after_release"] += 1
-                return _aborted(request, self.version)
+                return Completion.not_run(request, self.version)
             del self._released[traj_id]  # an id used again is live again
         self._turns[traj_id] = max(turn, self._turns.get(traj_id, -1))
         sched = self.scheduler
@@ -113,7 +113,7 @@ class ProxyRouting(ProxyRecovery):
             # released: its caller went away (timed out, cancelled) while this waited for a
             # recovery or a slot; rerun for nobody, the turn took a slot and left its affinity
             if traj_id in self._aborted or traj_id in self._released:
-                return _aborted(request, self.version)
+                return Completion.not_run(request, self.version)
             replica = await self._pick(traj_id, tag, sreq)
             if replica is None:  # waited for a recovery
                 continue
@@ -125,10 +125,10 @@ class ProxyRouting(ProxyRecovery):
                 except Woken:
                     continue
                 if not admitted:
-                    return _aborted(request, self.version)
+                    return Completion.not_run(request, self.version)
                 if traj_id in self._aborted or traj_id in self._released:  # meanwhile
                     sched.done(id(replica))
-                    return _aborted(request, self.version)
+                    return Completion.not_run(request, self.version)
                 if not self._healthy(replica) or not self._in_group(replica):
                     sched.done(id(replica))  # it broke while the turn waited for its slot
                     continue
@@ -274,18 +274,3 @@ def _prompt_size(request: GenerateRequest) -> int:
     if request.prompt_ids is not None:
         return len(request.prompt_ids)
     return sum(len(m.content or "") for m in request.messages or [])
-
-
-def _aborted(request: GenerateRequest, version: int) -> Completion:
-    """The answer of a turn its trajectory's abort (or release) ended before it ran."""
-    return Completion(
-        request_id=request.request_id,
-        text="",
-        prompt_ids=list(request.prompt_ids or []),
-        token_ids=[],
-        logprobs=[],
-        policy_version=version,
-        finish_reason="abort",
-        allowed_token_ids=request.allowed_token_ids,
-        metadata=request.metadata,
-    )

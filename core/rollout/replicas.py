@@ -80,7 +80,7 @@ class EngineReplicaActor:
     async def generate(self, request: GenerateRequest) -> Completion:
         if request.request_id in self._overtaken:
             del self._overtaken[request.request_id]
-            return _aborted_before_sent(request, self.engine.version)
+            return Completion.not_run(request, self.engine.version)
         return await self.engine.generate(request)
 
     async def generate_many(self, requests: list[GenerateRequest]) -> AsyncIterator[list[Answer]]:
@@ -219,21 +219,6 @@ class RemoteProxy:
     async def release(self, traj_id: str) -> None:
         self._check()
         await self.call(self.handle.release.remote(traj_id))
-
-
-def _aborted_before_sent(request: GenerateRequest, version: int) -> Completion:
-    """The answer of a turn whose abort reached the replica before it did."""
-    return Completion(
-        request_id=request.request_id,
-        text="",
-        prompt_ids=list(request.prompt_ids or []),
-        token_ids=[],
-        logprobs=[],
-        policy_version=version,
-        finish_reason="abort",
-        allowed_token_ids=request.allowed_token_ids,
-        metadata=request.metadata,
-    )
 
 
 def proxy_died(e: BaseException) -> str | None:

@@ -126,6 +126,22 @@ class Completion(BaseModel):
     """The request's restriction, if any (the logprobs are under it)."""
     metadata: dict[str, Any] = Field(default_factory=dict)
 
+    @classmethod
+    def not_run(cls, request: GenerateRequest, version: int) -> Completion:
+        """The answer of a turn aborted before it ran (the engine, a replica or the proxy
+        saw its abort first): no tokens, ``finish_reason="abort"``."""
+        return cls(
+            request_id=request.request_id,
+            text="",
+            prompt_ids=list(request.prompt_ids or []),
+            token_ids=[],
+            logprobs=[],
+            policy_version=version,
+            finish_reason="abort",
+            allowed_token_ids=request.allowed_token_ids,
+            metadata=request.metadata,
+        )
+
     @model_validator(mode="after")
     def _aligned(self) -> Completion:
         if len(self.token_ids) != len(self.logprobs):
@@ -217,14 +233,14 @@ class Engine(ABC):
         try:
             await self._start_unless_aborted(aborted)
             if aborted.is_set():
-                return self._aborted_before_start(request)
+                return Completion.not_run(request, self._version)
             # new work waits at the gate, where an abort still finds it; again after waking:
             # a resume wakes every waiter, and the next swap may have closed the gate before
             # this one runs
             while not self._running.is_set() and not aborted.is_set() and not self._closed:
                 await _first_of(self._running.wait(), aborted.wait())
             if aborted.is_set():
-                return self._aborted_before_start(request)
+                return Completion.not_run(request, self._version)
             if self._closed:
                 raise EngineClosedError(f"{self.name} engine is closed")
             return await self._generate(request)
@@ -258,19 +274,6 @@ class Engine(ABC):
         aborted.set()
         await self._abort(request_id)
         return True
-
-    def _aborted_before_start(self, request: GenerateRequest) -> Completion:
-        return Completion(
-            request_id=request.request_id,
-            text="",
-            prompt_ids=list(request.prompt_ids or []),
-            token_ids=[],
-            logprobs=[],
-            policy_version=self._version,
-            finish_reason="abort",
-            allowed_token_ids=request.allowed_token_ids,
-            metadata=request.metadata,
-        )
 
     async def suspend(self) -> None:
         """Take no new step until ``resume``; returns once the step in flight is done, so

@@ -219,7 +219,7 @@ class OpenAIEngine(Engine):
             self._tasks.pop(rid, None)
         if task.cancelled():
             self.stats["aborts"] += 1
-            return self._aborted_before_start(request)  # not streamed: nothing came back
+            return Completion.not_run(request, self._version)  # not streamed: nothing came back
         return self._completion(request, task.result(), version)
 
     # -- request and answer
