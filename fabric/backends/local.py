@@ -34,6 +34,10 @@ class LocalBackend(Backend):
         self._pools: dict[str, FunctionPool] = {}
         # pools replaced by a function's new registration, until their calls have ended
         self._retiring: dict[FunctionPool, asyncio.Task[None]] = {}
+        # the final counts (calls, spawned, ...) of a function's pools that have stopped:
+        # stats() adds them in, so a function's counters never go down when it is
+        # registered again (Prometheus reads a drop as a restart, and rate() over it lies)
+        self._retired_counts: dict[str, dict[str, int]] = {}
         # kept by function, not by pool: a pool replaced hands them to the next one
         self._watchers: dict[str, list[Callable[[], None]]] = {}
         self._cpu = cpu_count()
@@ -80,7 +84,16 @@ class LocalBackend(Backend):
         name = pool.spec.name
         task = asyncio.get_running_loop().create_task(pool.retire(lambda: self._pools.get(name)))
         self._retiring[pool] = task
-        task.add_done_callback(lambda _: self._retiring.pop(pool, None))
+
+        def stopped(_: asyncio.Task[None]) -> None:
+            # in one step, so no stats() sees the counts in neither place; a closed pool
+            # counts nothing more (its workers' ends are not losses), so they are final
+            if self._retiring.pop(pool, None) is not None:
+                totals = self._retired_counts.setdefault(name, {})
+                for key, n in pool.metrics.items():
+                    totals[key] = totals.get(key, 0) + n
+
+        task.add_done_callback(stopped)
 
     def _all_pools(self, name: str) -> list[FunctionPool]:
         """The pool of ``name`` and those it replaced that still hold calls."""
@@ -159,14 +172,23 @@ class LocalBackend(Backend):
         await asyncio.gather(*self._retiring.values(), return_exceptions=True)
 
     def stats(self) -> dict[str, Any]:
-        """Each function's pool; the workers of the pools it replaced that still run calls
-        are counted apart (``retiring_workers``, ``retiring_pids``): processes that are
-        there, holding what their setup hook loaded, until their calls end."""
+        """Each function's pool. Its counters (``calls``, ``spawned``, ``lost``, ...) are
+        the function's, over every pool it has had in this process: those of the pools it
+        replaced are added in, so they never go down when it is registered again. The
+        gauges are the live pool's; the workers of the pools it replaced that still run
+        calls are counted apart (``retiring_workers``, ``retiring_pids``): processes that
+        are there, holding what their setup hook loaded, until their calls end."""
         out = {}
         for name, pool in self._pools.items():
-            retiring = [w for p in self._retiring if p.spec.name == name for w in p._workers]
+            retiring_pools = [p for p in self._retiring if p.spec.name == name]
+            retiring = [w for p in retiring_pools for w in p._workers]
+            counts = dict(pool.metrics)
+            for old in [self._retired_counts.get(name, {}), *(p.metrics for p in retiring_pools)]:
+                for key, n in old.items():
+                    counts[key] = counts.get(key, 0) + n
             out[name] = {
                 **pool.stats(),
+                **counts,
                 "retiring_workers": len(retiring),
                 "retiring_pids": [w.proc.pid for w in retiring if w.proc is not None],
             }

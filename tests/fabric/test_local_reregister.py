@@ -308,3 +308,82 @@ async def test_stats_count_the_workers_of_a_replaced_pool_until_they_stop(reload
         assert (await asyncio.wait_for(under_way, 15)).ok
         await _until(lambda: b.stats()[name]["retiring_workers"] == 0, "the old workers to be gone")
         assert b.stats()[name]["retiring_pids"] == []
+
+
+_COUNTERS = ("calls", "spawned", "cold_starts", "batches")
+
+
+async def test_pool_counters_carry_on_across_a_reregistration(reloadable, tmp_path):
+    """A function registered again got a new pool whose counters (calls, spawned, ...)
+    started from 0: stats() and fabric serve's fabric_pool_* series went down within one
+    process, which Prometheus reads as a restart (rate() over it is wrong). The counts of
+    the pools it replaced carry on, while they run their last calls and after they stop."""
+    name, mod_name, reload, _ = reloadable
+    started, release = tmp_path / "started", tmp_path / "release"
+    reg = Registry()
+    reg.discover(mod_name)
+    seen: list[dict] = []
+
+    def look(b: LocalBackend) -> dict:
+        stats = b.stats()[name]
+        if seen:
+            for key in _COUNTERS:
+                assert stats[key] >= seen[-1][key], (key, seen[-1], stats)
+        seen.append(stats)
+        return stats
+
+    async with LocalBackend(reg) as b:
+        for _ in range(3):
+            assert (await b.submit(Invocation(function=name, payload={}))).ok
+        under_way = b.submit(
+            Invocation(function=name, payload={"started": str(started), "release": str(release)})
+        )
+        await _until(started.exists, "the run to start on an old worker")
+        assert look(b)["calls"] >= 3
+        reload()
+        reg.discover(mod_name)
+        new = await b.submit(Invocation(function=name, payload={}))
+        assert new.ok and new.value["code"] == "v2, rewritten", new.error
+        stats = look(b)
+        assert stats["calls"] >= 4 and stats["spawned"] >= 2, stats
+        release.touch()
+        assert (await asyncio.wait_for(under_way, 15)).ok
+        await _until(lambda: look(b)["retiring_workers"] == 0, "the old workers to be gone")
+        stats = look(b)
+        # every call counted once: the three, the one that ran on the old pool, the new one
+        assert stats["calls"] == 5, stats
+        # the gauges are the live pool's own
+        assert set(stats["pids"]) == {new.value["pid"]} and stats["workers"] == 1, stats
+
+
+async def test_fabric_serve_pool_counters_do_not_go_down_on_a_reregistration(reloadable):
+    """The same through fabric serve's /metrics: fabric_pool_calls fell to the new pool's
+    count when the function was registered again."""
+    import httpx
+
+    from fabric.serve import Gateway, ServeConfig, TenantConfig
+
+    name, mod_name, reload, _ = reloadable
+    token = "token-reregister-0123456789"
+    reg = Registry()
+    reg.discover(mod_name)
+    cfg = ServeConfig(port=0, tenants={"ops": TenantConfig(token=token, metrics="all")}, warm=False)
+    headers = {"Authorization": f"Bearer {token}"}
+    path = f"/2015-03-31/functions/{name}/invocations"
+
+    async def pool_calls(http: httpx.AsyncClient) -> float:
+        text = (await http.get("/metrics", headers=headers)).text
+        line = f'fabric_pool_calls{{function="{name}"}} '
+        return float(next(x for x in text.splitlines() if x.startswith(line)).split()[-1])
+
+    async with Gateway(cfg, reg) as g, httpx.AsyncClient(base_url=g.url, timeout=30) as http:
+        for _ in range(3):
+            r = await http.post(path, json={}, headers=headers)
+            assert r.status_code == 200 and r.json()["code"] == "v1", r.text
+        before = await pool_calls(http)
+        assert before == 3
+        reload()
+        reg.discover(mod_name)
+        r = await http.post(path, json={}, headers=headers)
+        assert r.status_code == 200 and r.json()["code"] == "v2, rewritten", r.text
+        assert await pool_calls(http) == before + 1
