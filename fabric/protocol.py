@@ -51,11 +51,67 @@ def _refuse_constant(token: str) -> Any:
     raise ValueError(token)
 
 
+def lone_surrogate_problem(value: Any, what: str = "the payload") -> str | None:
+    """What to tell the sender of ``value`` (parsed JSON, or what is to be encoded as JSON)
+    when one of its strings or keys holds a lone surrogate (half of a UTF-16 pair, e.g.
+    ``"\\ud800"``), naming where; ``None`` when none does. JSON text is UTF-8, which cannot
+    carry one, so every JSON layer refuses it, in its own words ("unexpected end of hex
+    escape", a codec error) that name neither the cause nor the place. Only called once a
+    layer has refused, so the walk costs nothing on the way of a good payload."""
+    stack: list[tuple[Any, str]] = [(value, "$")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, str):
+            bad = _lone_surrogate(node)
+            if bad is not None:
+                return _surrogate_message(what, path, bad)
+        elif isinstance(node, dict):
+            items = list(node.items())
+            for key, child in reversed(items):  # reversed: the first one found is the first in order
+                stack.append((child, path + _step(key)))
+            for key, _ in items:
+                bad = _lone_surrogate(key) if isinstance(key, str) else None
+                if bad is not None:
+                    return _surrogate_message(what, f"a key of {path} ({key!r})", bad)
+        elif isinstance(node, list | tuple):
+            stack.extend((child, f"{path}[{i}]") for i, child in reversed(list(enumerate(node))))
+        elif isinstance(node, BaseModel):
+            stack.append((node.__dict__, path))
+    return None
+
+
+def _lone_surrogate(text: str) -> str | None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return text[e.start]
+    return None
+
+
+def _step(key: Any) -> str:
+    if isinstance(key, str) and key.isidentifier():
+        return f".{key}"
+    return f"[{json.dumps(key)}]"  # ASCII-escaped: the message itself must be valid UTF-8
+
+
+def _surrogate_message(what: str, where: str, char: str) -> str:
+    return (
+        f"{what} has a lone surrogate at {where}: {char!r} is half of a UTF-16 surrogate pair, "
+        "not valid UTF-8, which JSON text must be. It usually comes from bytes decoded with "
+        "errors='surrogateescape' (command-line arguments, environment variables, file names) "
+        "or text cut between the two halves of a pair; repair the string (for example "
+        "text.encode('utf-8', 'replace').decode() puts '?' in its place)"
+    )
+
+
 def encode_payload(payload: Any, *, limit: int = MAX_PAYLOAD_BYTES, what: str = "payload") -> bytes:
     """Encode ``payload`` as JSON bytes or raise a ``PayloadError`` that says what to do."""
     try:
         raw = to_strict_json(payload)
     except (pydantic_core.PydanticSerializationError, TypeError, ValueError) as e:
+        problem = lone_surrogate_problem(payload, what)
+        if problem is not None:
+            raise PayloadNotSerializableError(problem) from None
         raise PayloadNotSerializableError(
             f"{what} is not JSON-serialisable: {e}. Pass plain JSON types (dict, list, str, numbers, "
             "bool, None) or pydantic models."
@@ -69,8 +125,25 @@ def encode_payload(payload: Any, *, limit: int = MAX_PAYLOAD_BYTES, what: str = 
     return raw
 
 
-def decode_payload(raw: bytes) -> Any:
-    return pydantic_core.from_json(raw)
+def decode_payload(raw: bytes, what: str = "the payload") -> Any:
+    """The value of JSON text ``raw``; ``ValueError`` for text that is not JSON, which
+    says where a lone surrogate is when that is why (see ``lone_surrogate_problem``)."""
+    try:
+        return pydantic_core.from_json(raw)
+    except ValueError as e:
+        problem = lone_surrogate_in_json(raw, what)
+        raise ValueError(problem or str(e)) from None
+
+
+def lone_surrogate_in_json(raw: bytes, what: str = "the payload") -> str | None:
+    """``lone_surrogate_problem`` of JSON text that a strict parser refused: Python's own
+    parser takes a lone surrogate (escaped, or as the 3 bytes UTF-8 forbids), so it can
+    say where one is. ``None`` for text refused for another reason."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return lone_surrogate_problem(value, what)
 
 
 class _Model(BaseModel):

@@ -22,7 +22,15 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError
 from typing_extensions import TypedDict
 
 from fabric.errors import ErrorCode, Unavailable
-from fabric.protocol import MAX_PAYLOAD_BYTES, ErrorInfo, Invocation, Result, Timings, to_strict_json
+from fabric.protocol import (
+    MAX_PAYLOAD_BYTES,
+    ErrorInfo,
+    Invocation,
+    Result,
+    Timings,
+    lone_surrogate_in_json,
+    to_strict_json,
+)
 from fabric.registry import SETUP_ATTR, SPEC_ATTR, load_entry_point
 from fabric.spec import CTX_PARAM, FunctionSpec
 
@@ -182,6 +190,15 @@ class FunctionRunner:
             kwargs[CTX_PARAM] = self.ctx
         return kwargs
 
+    def _bad_arguments(self, raw: bytes, e: ValidationError) -> str:
+        # text that is not JSON: a lone surrogate was refused as "unexpected end of hex
+        # escape", which names neither the cause nor where it is
+        if any(err["type"] == "json_invalid" for err in e.errors()):
+            problem = lone_surrogate_in_json(raw, f"the payload of {self.spec.name}")
+            if problem is not None:
+                return problem
+        return format_validation_error(self.spec, e)
+
     def _encode(self, value: Any) -> Outcome:
         try:
             out = to_strict_json(value)
@@ -211,7 +228,7 @@ class FunctionRunner:
         try:
             kwargs = self._kwargs(raw)
         except ValidationError as e:
-            return (False, (ErrorCode.INVALID_ARGUMENTS, format_validation_error(self.spec, e), None))
+            return (False, (ErrorCode.INVALID_ARGUMENTS, self._bad_arguments(raw, e), None))
         token = _RUN_TIMER.set(None if ends_at is None else lambda: ends_at - time.monotonic())
         try:
             value = self.fn(**kwargs)
@@ -253,7 +270,7 @@ class FunctionRunner:
         try:
             kwargs = self._kwargs(raw)
         except ValidationError as e:
-            return (False, (ErrorCode.INVALID_ARGUMENTS, format_validation_error(self.spec, e), None))
+            return (False, (ErrorCode.INVALID_ARGUMENTS, self._bad_arguments(raw, e), None))
         loop = asyncio.get_running_loop()
         started = loop.time()
         timer = asyncio.timeout(timeout_s)

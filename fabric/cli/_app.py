@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from fabric.errors import ErrorCode
+from fabric.protocol import lone_surrogate_problem
 from fabric.registry import Registry
 from fabric.usercode import prints_to_stderr, search_cwd
 
@@ -81,6 +82,11 @@ def payload_arg(text: str) -> dict[str, Any]:
         args = json.loads(text, parse_constant=no_constant)
     except ValueError as e:  # JSONDecodeError, or NaN/Infinity
         fail(f"--payload is not valid JSON: {e}")
+    # Python's parser takes a lone surrogate ("\\ud800", or an argument's undecodable
+    # bytes): refused here, by name, not later as a codec error of the payload's encoding
+    problem = lone_surrogate_problem(args, "--payload")
+    if problem is not None:
+        fail(problem)
     if not isinstance(args, dict):
         fail('--payload must be a JSON object of keyword arguments, e.g. \'{"traj": "..."}\'')
     return args

@@ -165,7 +165,7 @@ def parse_invocation(body: bytes, function: str, tenant: str, request_id: str) -
     if not body.strip():
         body = b"{}"  # the AWS CLI sends no payload as an empty body
     try:
-        data = decode_payload(body)
+        data = decode_payload(body, "the request body")
     except ValueError as e:
         raise Reply(
             400, "InvalidRequestContentException", f"Could not parse request body into json: {e}"
