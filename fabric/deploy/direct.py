@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from fabric.deploy.package import MAX_DIRECT_ZIP_BYTES
 from fabric.deploy.plan import ALIAS, HANDLER, DeployedFunction, DeployError, concurrency_limit_hint
@@ -54,6 +54,9 @@ _LOGS = {
 #: eventually consistent: usually under 10 s), and the waits between tries.
 ROLE_PROPAGATION_S = 60.0
 _ROLE_RETRY_WAITS = (1.0, 2.0, 4.0, 8.0)
+#: The variable in which a deploy records the names of ``DirectConfig.environment`` it set,
+#: comma-separated: the next deploy removes those it no longer sets, and only those.
+MANAGED_ENV = "RL_FABRIC_MANAGED_ENV"
 #: Lambda's refusal of a role it cannot assume (yet): the message is the only mark.
 _ROLE_NOT_ASSUMABLE = "cannot be assumed by Lambda"
 
@@ -70,7 +73,16 @@ class DirectConfig(BaseModel):
     runtime: str = "python3.11"
     architecture: str = "x86_64"
     environment: dict[str, str] = {}
-    """Extra variables for every function (e.g. ``RL_FABRIC_IDEMPOTENCY_TABLE``)."""
+    """Extra variables for every function (e.g. ``RL_FABRIC_IDEMPOTENCY_TABLE``). Their names
+    are recorded on the function (``RL_FABRIC_MANAGED_ENV``): one dropped from here is
+    removed by the next deploy, while variables set on the function by hand are kept."""
+
+    @field_validator("environment")
+    @classmethod
+    def _not_the_record(cls, environment: dict[str, str]) -> dict[str, str]:
+        if MANAGED_ENV in environment:
+            raise ValueError(f"{MANAGED_ENV} is deploy's record of the variables it sets; leave it out")
+        return environment
 
 
 class Deployed(BaseModel):
@@ -166,6 +178,21 @@ def deploy_direct(
         raise DeployError(f"deploy failed: {e}" + (f"; {hint}" if hint else "")) from None
 
 
+def _variables(fn: DeployedFunction, cfg: DirectConfig) -> dict[str, str]:
+    variables = {"RL_FABRIC_MODULES": fn.module, "RL_FABRIC_FUNCTIONS": fn.name, **cfg.environment}
+    if cfg.environment:  # none: no record (a function deployed without any looks as before)
+        variables[MANAGED_ENV] = ",".join(sorted(cfg.environment))
+    return variables
+
+
+def _updated(found: dict[str, str], own: dict[str, str]) -> dict[str, str]:
+    """The variables of a function that has ``found``, deployed now with ``own``: the
+    names the last deploy recorded and this one does not set are dropped, the rest kept."""
+    dropped = {n for n in found.get(MANAGED_ENV, "").split(",") if n} - own.keys()
+    kept = {n: v for n, v in found.items() if n not in dropped and n != MANAGED_ENV}
+    return {**kept, **own}
+
+
 def _one(
     lam: Any, fn: DeployedFunction, code: bytes, role: str, cfg: DirectConfig, say: Callable[[str], None]
 ) -> Deployed:
@@ -179,9 +206,7 @@ def _one(
         "Timeout": fn.timeout_s,
         "MemorySize": fn.memory_mb,
         "Description": fn.description,
-        "Environment": {
-            "Variables": {"RL_FABRIC_MODULES": fn.module, "RL_FABRIC_FUNCTIONS": fn.name, **cfg.environment}
-        },
+        "Environment": {"Variables": _variables(fn, cfg)},
     }
     try:
         current = lam.get_function(FunctionName=name)["Configuration"]
@@ -189,11 +214,12 @@ def _one(
     except lam.exceptions.ResourceNotFoundException:
         created = True
     else:
-        # deploy has no way to give a function the user's variables (a judge's model and API
-        # key), so they are set on the function itself: an update keeps those, where it
-        # replaced the whole environment with its own and wiped them. Its own win
-        kept = (current.get("Environment") or {}).get("Variables") or {}
-        settings["Environment"] = {"Variables": {**kept, **settings["Environment"]["Variables"]}}
+        # variables set on the function itself (a judge's model and API key: deploy has no
+        # way to give them) are kept, where an update replaced the whole environment and
+        # wiped them; those an earlier deploy set from cfg.environment and this one does
+        # not are removed, or they stayed on the function for good. Its own win
+        found = (current.get("Environment") or {}).get("Variables") or {}
+        settings["Environment"] = {"Variables": _updated(found, settings["Environment"]["Variables"])}
     if created:
         _create_function(
             lam,

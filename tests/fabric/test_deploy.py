@@ -9,6 +9,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 from sample_fns import REG
 from typer.testing import CliRunner
 
@@ -22,6 +23,9 @@ from fabric.deploy.tfvars import TFVARS_FILE, tfvars, write_tfvars
 from fabric.errors import ErrorCode
 from fabric.protocol import Invocation
 from fabric.serve import Gateway, ServeConfig, TenantConfig
+
+#: the variable in which deploy --direct records the names it sets (docs/deploy.md)
+MANAGED_ENV = "RL_FABRIC_MANAGED_ENV"
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "deploy-test-token-0123456789"
@@ -261,6 +265,45 @@ def test_a_redeploy_keeps_the_variables_set_on_the_function(moto_url, tmp_path):
     deploy_direct(plan, package, cfg)
     conf = lam.get_function(FunctionName="rl-boom")["Configuration"]
     assert conf["Environment"]["Variables"] == {**own, **user}
+
+
+def test_a_variable_dropped_from_the_config_leaves_the_function(moto_url, tmp_path):
+    """DirectConfig.environment: a variable a deploy set and a later deploy no longer sets
+    stayed on the function for good, since an update keeps the variables it finds (those set
+    by hand). Deploy records the names it sets (RL_FABRIC_MANAGED_ENV) and removes those it
+    set before and sets no more; a variable set by hand is kept."""
+    import boto3
+
+    lam = boto3.client("lambda", endpoint_url=moto_url, region_name="us-east-1")
+    plan = plan_functions(REG, ["boom"], prefix="rl-")
+    package = build_zip(plan, tmp_path / "f.zip", deps=False)
+
+    def deploy(**environment: str) -> dict[str, str]:
+        cfg = DirectConfig(region="us-east-1", endpoint_url=moto_url, prefix="rl-", environment=environment)
+        deploy_direct(plan, package, cfg)
+        return lam.get_function(FunctionName="rl-boom")["Configuration"]["Environment"]["Variables"]
+
+    own = {"RL_FABRIC_MODULES": "sample_fns", "RL_FABRIC_FUNCTIONS": "boom"}
+    env = deploy(RL_FABRIC_IDEMPOTENCY_TABLE="t1", JUDGE_MODEL="m1")
+    set_first = {"RL_FABRIC_IDEMPOTENCY_TABLE": "t1", "JUDGE_MODEL": "m1"}
+    assert {**own, **set_first}.items() <= env.items(), env
+    by_hand = {**env, "OPENAI_API_KEY": "sk-1"}
+    lam.update_function_configuration(FunctionName="rl-boom", Environment={"Variables": by_hand})
+    env = deploy(RL_FABRIC_IDEMPOTENCY_TABLE="t2")
+    assert "JUDGE_MODEL" not in env, f"a variable dropped from the config stayed: {env}"
+    assert env == {
+        **own,
+        "RL_FABRIC_IDEMPOTENCY_TABLE": "t2",
+        "OPENAI_API_KEY": "sk-1",
+        MANAGED_ENV: "RL_FABRIC_IDEMPOTENCY_TABLE",
+    }, env
+    # none left: the record goes too, and what was set by hand stays
+    assert deploy() == {**own, "OPENAI_API_KEY": "sk-1"}
+
+
+def test_the_managed_names_variable_is_deploys_own():
+    with pytest.raises(ValidationError, match=MANAGED_ENV):
+        DirectConfig(region="us-east-1", environment={MANAGED_ENV: "X"})
 
 
 def test_a_first_deploy_waits_for_its_new_role(monkeypatch):
