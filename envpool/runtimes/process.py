@@ -39,6 +39,7 @@ def _kill_leftovers() -> None:
             os.killpg(pgid, signal.SIGKILL)
 
 
+_MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with its terminating NUL
 _ROOT_PREFIX = "envpool-p"  # + the owner's pid + "-" + mkdtemp's random part
 _ROOT_NAME = re.compile(r"envpool-p([0-9]+)-[A-Za-z0-9_]+")
 
@@ -340,10 +341,19 @@ class ProcessRuntime(Runtime):
         }
 
     async def _start(self, image: str | None, bundle: Path | None) -> Container:
-        cid = f"p{os.getpid()}-{next(self._ids)}"
-        cdir = self.root / cid
+        n = next(self._ids)
+        cid = f"p{os.getpid()}-{n}"
+        # named by its number alone (the root's name has the pid already), and the socket
+        # "s": a Unix socket's path is at most 107 bytes, and a deep TMPDIR took the rest
+        cdir = self.root / str(n)
+        sock = cdir / "s"
+        if len(os.fsencode(sock)) > _MAX_SOCKET_PATH:
+            raise ContainerStartError(
+                f"container {cid} cannot start: its socket path {str(sock)!r} is "
+                f"{len(os.fsencode(sock))} bytes, over the {_MAX_SOCKET_PATH} a Unix socket allows; "
+                "give runtime.root (or TMPDIR) a shorter directory"
+            )
         cdir.mkdir(parents=True)
-        sock = cdir / "s"  # short: Unix socket paths are limited to 108 bytes
         opts = self._opts(sock, bundle)
         if self._zygote is not None:
             info, child = await self._zygote.fork(opts, cdir)

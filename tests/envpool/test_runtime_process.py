@@ -460,3 +460,32 @@ def test_a_container_whose_zygote_died_before_its_prctl_dies_too(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"exit": 1}, out.stdout
+
+
+async def test_a_deep_temp_dir_leaves_room_for_the_containers_socket(tmp_path, monkeypatch):
+    # the container's directory repeated the root's pid (p<pid>-<n>/s): under a deep TMPDIR
+    # (pytest's own, under xdist in CI) the socket path passed 107 bytes and every start
+    # failed with "AF_UNIX path too long". A TMPDIR that leaves the socket 104 bytes:
+    root_name = len(f"/envpool-p{os.getpid()}-") + 8  # mkdtemp's random part
+    deep = tmp_path / ("d" * (104 - len("/1/s") - root_name - len(str(tmp_path)) - 1))
+    deep.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(deep))
+    p = EnvPool({"min_warm": 0, "runtime": {"heartbeat_s": 0.2}})
+    async with p, p.session("echo-v0") as s:
+        await s.reset()
+        assert len(os.fsencode(p.runtime.root / "1" / "s")) == 104
+
+
+async def test_a_socket_path_over_the_unix_limit_is_refused_saying_what_to_change(tmp_path):
+    from envpool.errors import ContainerStartError
+    from envpool.runtimes.process import ProcessRuntime, ProcessRuntimeConfig
+
+    root = tmp_path / ("d" * 120)
+    rt = ProcessRuntime(ProcessRuntimeConfig(root=root))
+    try:
+        too_long = r"over the 107 a Unix socket allows; give runtime.root"
+        with pytest.raises(ContainerStartError, match=too_long):
+            await rt.start(None, None, timeout_s=10)
+        assert not root.exists() or list(root.iterdir()) == []  # nothing made for it
+    finally:
+        await rt.aclose()
