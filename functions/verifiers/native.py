@@ -419,12 +419,18 @@ def header(lang: str) -> tuple[str, bytes]:
     return name, (NATIVE / name).read_bytes()
 
 
+#: Stubs are ``static``: a program function named like one the tests' headers declare
+#: (``strcmp``, ``fabs``, ``read``) would otherwise define it for the whole tests' binary, and
+#: the program would answer the very comparison that judges it (``strcmp(greet(x), "...")``);
+#: a static definition after the header's extern declaration does not compile, in C and C++.
+
+
 def _cpp_stub(i: int, f: Function) -> str:
     params = ", ".join(f"{p.type} a{n}" for n, p in enumerate(f.params))
     types = "".join(f", {p.type}" for p in f.params)
     args = "".join(f", std::forward<{p.type}>(a{n})" for n, p in enumerate(f.params))
     return (
-        f"{f.ret} {f.name}({params}) {{\n"
+        f"static {f.ret} {f.name}({params}) {{\n"
         f'    return ::rlfabric::call<{f.ret}{types}>({i}, "{f.name}"{args});\n}}\n'
     )
 
@@ -440,7 +446,7 @@ def _c_kind(t: Any) -> str:
 
 def _c_stub(i: int, f: Function) -> str:
     params = ", ".join(f"{p.type} a{n}" for n, p in enumerate(f.params)) or "void"
-    lines = [f"{f.ret} {f.name}({params}) {{", f"    rlf_out o = rlf_begin({i});"]
+    lines = [f"static {f.ret} {f.name}({params}) {{", f"    rlf_out o = rlf_begin({i});"]
     for n, p in enumerate(f.params):
         lines.append(f"    rlf_put_{_c_kind(p.wire)}(&o, a{n});")
     lines.append(f'    rlf_in in = rlf_call(&o, "{f.name}");')

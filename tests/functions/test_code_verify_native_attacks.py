@@ -1,0 +1,103 @@
+"""Attacks on C and C++ tests run apart (``functions.verifiers.native``), as a policy that
+wants reward for a wrong program would make them: each forgery fails next to an honest
+program that passes the same tests."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from functions.verifiers import native
+from functions.verifiers.sandbox import Limits, Sandbox
+from functions.verifiers.verify import CodeTests, Verifier
+
+BASE_UID = 445_000
+LIMITS = Limits(cpu_s=5, wall_s=20, memory_mb=256)
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("g++") is None or shutil.which("gcc") is None, reason="no gcc/g++"),
+    pytest.mark.skipif(not native.available(), reason="libclang is not installed (pip install libclang)"),
+]
+
+
+@pytest.fixture(scope="module")
+def box():
+    from sandbox_probe import pair_sandbox
+
+    yield from pair_sandbox(BASE_UID)
+
+
+@pytest.fixture
+def v(box: Sandbox):
+    from sandbox_probe import checked_verifier
+
+    yield from checked_verifier(box, BASE_UID, LIMITS)
+
+
+def run(v: Verifier, code: str, test_code: str, lang: str):
+    return v.verify(code, CodeTests(test_code=test_code), lang)
+
+
+def forged_fails_honest_passes(v: Verifier, forged: str, honest: str, tests: str, lang: str) -> None:
+    r = run(v, forged, tests, lang)
+    assert r.status != "Finished", (r.compile, r.cases[0])
+    h = run(v, honest, tests, lang)
+    assert h.status == "Finished", (h.compile, h.cases[0])
+
+
+GREET_C = (
+    "#include <stdio.h>\n#include <stdlib.h>\n#include <string.h>\n"
+    "char *greet(const char *name) {\n"
+    "    char *s = malloc(strlen(name) + 64);\n"
+    '    sprintf(s, "Hello, %s!", name);\n'
+    "    return s;\n}\n"
+)
+GREET_C_TESTS = (
+    "#include <assert.h>\n#include <string.h>\n"
+    'int main(void) { assert(strcmp(greet("Bob"), "Hello, Bob! How are you today?") == 0); return 0; }\n'
+)
+
+
+ROOT_CPP = "#include <cmath>\ndouble root(double x) { return std::sqrt(x); }\n"
+ROOT_CPP_TESTS = (
+    "#include <cassert>\n#include <cmath>\nint main() { assert(fabs(root(16.0) - 5.0) < 1e-6); }\n"
+)
+LIBRARY_NAMES = {
+    "c_strcmp": ("int strcmp(const char *a, const char *b) { return 0; }\n" + GREET_C, "c"),
+    "c_strstr": (
+        "#include <string.h>\nchar *strstr(const char *h, const char *n) { return (char *)h; }\n" + GREET_C,
+        "c",
+    ),
+    "cpp_fabs_noexcept": (
+        "#include <cmath>\ndouble fabs(double x) noexcept { return 0; }\n" + ROOT_CPP,
+        "cpp",
+    ),
+    "cpp_strcmp_extern_c": (
+        '#include <cstring>\nextern "C" int strcmp(const char *a, const char *b) noexcept { return 0; }\n'
+        "#include <string>\nconst char *greet(const char *n) { return n; }\n",
+        "cpp",
+    ),
+}
+CPP_GREET_TESTS = (
+    "#include <cassert>\n#include <cstring>\n"
+    'int main() { assert(strcmp(greet("Bob"), "Hello, Bob!") == 0); }\n'
+)
+
+
+# the tests call strcmp (fabs, strstr); a program that defines it must not answer that call
+@pytest.mark.parametrize(("forged", "lang"), LIBRARY_NAMES.values(), ids=LIBRARY_NAMES.keys())
+def test_library_names_of_the_program_never_answer_the_tests_checks(v, forged, lang):
+    if "strstr" in forged:
+        tests = "#include <assert.h>\n#include <string.h>\n" + (
+            'int main(void) { assert(strstr(greet("A"), "Bye")); }\n'
+        )
+        honest = GREET_C.replace('"Hello, %s!"', '"Hello, %s! Bye"')
+    elif "greet" in forged and lang == "cpp":
+        tests = CPP_GREET_TESTS
+        honest = '#include <string>\nconst char *greet(const char *n) { return "Hello, Bob!"; }\n'
+    elif lang == "cpp":
+        tests, honest = ROOT_CPP_TESTS, ROOT_CPP.replace("std::sqrt(x)", "std::sqrt(x) + 1")
+    else:
+        tests, honest = GREET_C_TESTS, GREET_C.replace('"Hello, %s!"', '"Hello, %s! How are you today?"')
+    forged_fails_honest_passes(v, forged, honest, tests, lang)
