@@ -101,3 +101,22 @@ def test_library_names_of_the_program_never_answer_the_tests_checks(v, forged, l
     else:
         tests, honest = GREET_C_TESTS, GREET_C.replace('"Hello, %s!"', '"Hello, %s! How are you today?"')
     forged_fails_honest_passes(v, forged, honest, tests, lang)
+
+
+def test_an_operator_the_program_defines_is_not_a_name_it_serves_and_does_not_refuse_it(v):
+    # an operator is not called by name: the tests never see the program's (a lying
+    # operator== on std types decides nothing), and the program's others are still served
+    code = (
+        "#include <iostream>\n#include <vector>\n"
+        "std::ostream &operator<<(std::ostream &o, const std::vector<long> &v) { return o << v.size(); }\n"
+        "bool operator==(const std::vector<long> &, const std::vector<long> &) { return true; }\n"
+        "std::vector<long> evens(long n) {\n"
+        "    std::vector<long> v;\n    for (long i = 0; i < n; i += 2) v.push_back(i);\n    return v;\n}\n"
+    )
+    tests = "#include <cassert>\n#include <vector>\n" + (
+        "int main() { assert(evens(5) == (std::vector<long>({0, 2, 4}))); }"
+    )
+    r = run(v, code, tests, "cpp")
+    assert r.status == "Finished", (r.compile, r.cases[0])
+    wrong = run(v, code.replace("i += 2", "i += 1"), tests, "cpp")
+    assert wrong.status == "Failed", (wrong.compile, wrong.cases[0])
