@@ -467,19 +467,29 @@ def _c_stub(i: int, f: Function) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: the test code's own ``#include <...>`` lines
+_TESTS_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*<[A-Za-z0-9_./+-]{1,200}>", re.MULTILINE)
+
+
 def tests_source(lang: str, test_code: str, p: Plan) -> str:
     """The tests' translation unit: the wire, the standard headers, a stub per function,
-    then the test code (which has the file, and its line numbers, to itself)."""
+    then the test code (which has the file, and its line numbers, to itself).
+
+    The headers the test code includes come before the stubs too (again: they have
+    guards): a stub is ``static`` so that it cannot define a function a header declares,
+    but C takes a later ``extern`` declaration of a static function as naming it, so a
+    program's ``fnmatch`` would answer the tests' own ``fnmatch`` from ``<fnmatch.h>``."""
     name = header(lang)[0]
+    theirs = "".join(m.group(0).strip() + "\n" for m in _TESTS_INCLUDE.finditer(test_code))
     if lang == "cpp":
         own = (f"#include <{h}>\n" if h != "bits/stdc++.h" else _CPP_STDCXX for h in p.includes)
-        parts = [_uses(p), f'#include "{name}"\n', _CPP_TESTS_BASE, *own]
+        parts = [_uses(p), f'#include "{name}"\n', _CPP_TESTS_BASE, *own, theirs]
         if p.using_std:
             parts.append("using namespace std;\n")
         parts += [_cpp_stub(i, f) for i, f in enumerate(p.functions)]
         parts.append('#line 1 "tests.cpp"\n')
     else:
-        parts = [f'#include "{name}"\n', _C_TESTS_PRELUDE, *(f"#include <{h}>\n" for h in p.includes)]
+        parts = [f'#include "{name}"\n', _C_TESTS_PRELUDE, *(f"#include <{h}>\n" for h in p.includes), theirs]
         parts += [_c_stub(i, f) for i, f in enumerate(p.functions)]
         parts.append('#line 1 "tests.c"\n')
     parts.append(test_code)

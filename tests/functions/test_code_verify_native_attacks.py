@@ -120,3 +120,22 @@ def test_an_operator_the_program_defines_is_not_a_name_it_serves_and_does_not_re
     assert r.status == "Finished", (r.compile, r.cases[0])
     wrong = run(v, code.replace("i += 2", "i += 1"), tests, "cpp")
     assert wrong.status == "Failed", (wrong.compile, wrong.cases[0])
+
+
+def test_library_names_of_headers_the_tests_include_themselves_are_not_the_programs(v):
+    # a library function of a header the test code includes itself (not in the prelude):
+    # the stubs come before the test code, and C lets a later extern declaration name a
+    # static function defined before it
+    forged = (
+        "int fnmatch(const char *p, const char *s, int f) { return 0; }\n"
+        'const char *name_of(int k) { return "x.bin"; }\n'
+    )
+    tests = (
+        "#include <assert.h>\n#include <fnmatch.h>\n"
+        'int main(void) { assert(fnmatch("*.txt", name_of(1), 0) == 0); return 0; }\n'
+    )
+    honest = 'const char *name_of(int k) { return "x.txt"; }\n'
+    forged_fails_honest_passes(v, forged, honest, tests, "c")
+    # in C++ too (a static stub, then the header's extern "C" declaration)
+    cpp_tests = tests.replace("assert.h", "cassert").replace("(void)", "()")
+    forged_fails_honest_passes(v, forged, honest, cpp_tests, "cpp")
