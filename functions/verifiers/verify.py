@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import atexit
 import functools
+import hashlib
 import json
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -200,10 +202,19 @@ def with_tests(lang: Language, code: str, test_code: str) -> str:
 class Verifier:
     """Runs submissions in a ``Sandbox``. Thread-safe; one per worker."""
 
-    def __init__(self, sandbox: Runner, limits: Limits | None = None, parallel: int = 4) -> None:
+    def __init__(
+        self, sandbox: Runner, limits: Limits | None = None, parallel: int = 4, tests_binaries: int = 128
+    ) -> None:
+        """``tests_binaries``: how many compiled C/C++ tests' binaries to keep (0: none).
+        The tests' source is the test code and stubs rendered from the program's validated
+        signature, with none of its text: in RL, every sample of a prompt that declares
+        the function alike gets the same source, and compiles it once."""
         self.sandbox = sandbox
         self.limits = limits or Limits()
         self._cases = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="verify-case")
+        self._tests_binaries = tests_binaries
+        self._tests_cache: OrderedDict[bytes, dict[str, bytes]] = OrderedDict()
+        self._tests_lock = threading.Lock()
 
     def verify(
         self, code: str, tests: CodeTests, language: str = "python", limits: Limits | None = None
@@ -325,7 +336,7 @@ class Verifier:
         tests_src = native.tests_source(lang.name, test_code, plan).encode()
         tests_argv = native.tests_compile_argv(lang)
         tests_job = self._cases.submit(
-            self._compile, lang, {**head, f"tests.{ext}": tests_src}, tests_argv, "tests"
+            self._compile_tests, lang, {**head, f"tests.{ext}": tests_src}, tests_argv
         )
         if plan.functions:
             program_src = native.program_source(lang.name, code, plan).encode()
@@ -364,6 +375,28 @@ class Verifier:
             )
         )
         return compiled, pair if isinstance(pair, CaseResult) else classify_pair(pair, lang, limits)
+
+    def _compile_tests(
+        self, lang: Language, files: dict[str, bytes], argv: tuple[str, ...]
+    ) -> tuple[CaseResult, dict[str, bytes]]:
+        """The tests' compile, or the binary an earlier one made of the same files and
+        argv (only a success is kept: a compile the machine's load timed out is not the
+        source's verdict)."""
+        key = hashlib.sha256(
+            json.dumps([argv, sorted((k, v.hex()) for k, v in files.items())]).encode()
+        ).digest()
+        with self._tests_lock:
+            hit = self._tests_cache.get(key)
+            if hit is not None:
+                self._tests_cache.move_to_end(key)
+                return CaseResult(status="Finished"), hit
+        compiled, binary = self._compile(lang, files, argv, "tests")
+        if compiled.status == "Finished" and self._tests_binaries > 0:
+            with self._tests_lock:
+                self._tests_cache[key] = binary
+                while len(self._tests_cache) > self._tests_binaries:
+                    self._tests_cache.popitem(last=False)
+        return compiled, binary
 
     @staticmethod
     def _attempt(run: Callable[[], T]) -> T | CaseResult:

@@ -139,3 +139,44 @@ def test_library_names_of_headers_the_tests_include_themselves_are_not_the_progr
     # in C++ too (a static stub, then the header's extern "C" declaration)
     cpp_tests = tests.replace("assert.h", "cassert").replace("(void)", "()")
     forged_fails_honest_passes(v, forged, honest, cpp_tests, "cpp")
+
+
+# -- what it costs: the tests' binary of a signature is compiled once ---------------------
+class CountingRunner:
+    """The sandbox, counting the compiles of the tests' binary it ran."""
+
+    def __init__(self, box: Sandbox) -> None:
+        self.box, self.tests_compiles = box, 0
+
+    def run(self, **kw):
+        if "tests.cpp" in kw.get("argv", ()) or "tests.c" in kw.get("argv", ()):
+            self.tests_compiles += 1
+        return self.box.run(**kw)
+
+    def run_pair(self, **kw):
+        return self.box.run_pair(**kw)
+
+
+ADD_CPP_TESTS = "#include <cassert>\nint main() { assert(add(2, 3) == 5); }\n"
+
+
+def test_the_tests_binary_of_a_signature_is_compiled_once_and_judges_each_program(box, v):
+    counting = CountingRunner(box)
+    cached = Verifier(counting, LIMITS)
+    honest = "int add(int a, int b) { return a + b; }\n"
+    assert run(cached, honest, ADD_CPP_TESTS, "cpp").status == "Finished"
+    # (the same standard includes too: the tests see those of the program, as in one process)
+    wrong = run(cached, "int add(int x, int y) { return x * y; }\n", ADD_CPP_TESTS, "cpp")
+    assert wrong.status == "Failed", wrong.cases[0]
+    assert counting.tests_compiles == 1
+    # another signature is another source: compiled again, and judged with its own types
+    wider = run(cached, "long add(long a, long b) { return a + b; }\n", ADD_CPP_TESTS, "cpp")
+    assert wider.status == "Finished" and counting.tests_compiles == 2, wider.cases[0]
+    # a failed compile is not kept (a load-timed-out one is not the source's verdict)
+    assert run(cached, "int sub(int a, int b) { return a - b; }\n", ADD_CPP_TESTS, "cpp").status != "Finished"
+    assert run(cached, "int sub(int a, int b) { return a - b; }\n", ADD_CPP_TESTS, "cpp").status != "Finished"
+    assert counting.tests_compiles == 4
+    uncached = Verifier(counting, LIMITS, tests_binaries=0)
+    for _ in range(2):
+        assert run(uncached, honest, ADD_CPP_TESTS, "cpp").status == "Finished"
+    assert counting.tests_compiles == 6
