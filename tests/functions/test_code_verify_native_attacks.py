@@ -180,3 +180,15 @@ def test_the_tests_binary_of_a_signature_is_compiled_once_and_judges_each_progra
     for _ in range(2):
         assert run(uncached, honest, ADD_CPP_TESTS, "cpp").status == "Finished"
     assert counting.tests_compiles == 6
+
+
+@pytest.mark.parametrize("lang", ["c", "cpp"])
+def test_tests_that_declare_the_programs_function_themselves_still_call_it(v, lang):
+    # the stubs are static: a prototype in the test code (extern or not) names the stub
+    tests = (
+        "#include <assert.h>\nint add(int a, int b);\nextern int add(int, int);\n"
+        "int main(void) { assert(add(2, 3) == 5); return 0; }\n"
+    )
+    assert run(v, "int add(int a, int b) { return a + b; }\n", tests, lang).status == "Finished"
+    wrong = run(v, "int add(int a, int b) { return a - b; }\n", tests, lang)
+    assert wrong.status == "Failed", (wrong.compile, wrong.cases[0])
