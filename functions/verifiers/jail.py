@@ -61,6 +61,22 @@ def restore_relocated() -> None:
         lx.mount("none", real, None, RO_FLAGS)
 
 
+#: Precompiled headers for the C++ compiles (``native_pch``): built on the host, read-only in
+#: every run; the same path on both sides.
+PCH_DIR = "/var/cache/rlfabric-pch"
+
+
+def prepare_pch_dir() -> tuple[str, ...]:
+    """``(PCH_DIR,)``, made if missing; ``()`` where it is not root's alone (another user
+    could write what the compiles read), which keeps it out of the jail."""
+    try:
+        os.makedirs(PCH_DIR, mode=0o755, exist_ok=True)
+        st = os.stat(PCH_DIR)
+    except OSError:
+        return ()
+    return () if st.st_uid != os.getuid() or st.st_mode & 0o022 else (PCH_DIR,)
+
+
 #: Where the runs' init is, in the jail, when there is one for this machine (``init.py``).
 INIT = "/.rlfabric-init"
 

@@ -555,3 +555,18 @@ def program_source(lang: str, code: str, p: Plan) -> str:
             f"    return rlf_serve(table, {len(p.functions)});\n}}\n"
         )
     return head + code + tail
+
+
+# -- precompiled headers (``native_pch``) ------------------------------------------------
+_ALL_USES = "".join(f"#define RLFABRIC_USES_{k.upper()} 1\n" for k in sorted({*_ONE, *_TWO} - {"pair"}))
+
+
+def pch_text(side: str) -> str:
+    """What a precompiled header of a ``<bits/stdc++.h>`` program's compile holds: fixed
+    text only. The tests': the wire and their headers, as ``tests_source`` includes them
+    (every container's overloads: the list has them all); the program's: the wire and
+    ``<bits/stdc++.h>`` (its own include of it then costs nothing)."""
+    wire = header("cpp")[1].decode()
+    if side == "tests":
+        return _ALL_USES + wire + _CPP_TESTS_BASE + _CPP_STDCXX
+    return _ALL_USES + wire + "#include <bits/stdc++.h>\n"

@@ -41,7 +41,7 @@ from typing import Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from functions.verifiers import native, rpc
+from functions.verifiers import native, native_pch, rpc
 from functions.verifiers.errors import InvalidTests, SandboxError
 from functions.verifiers.languages import Language, get_language
 from functions.verifiers.sandbox import Limits, PairOutcome, RunOutcome, Sandbox
@@ -335,12 +335,16 @@ class Verifier:
         head = dict([native.header(lang.name)])
         tests_src = native.tests_source(lang.name, test_code, plan).encode()
         tests_argv = native.tests_compile_argv(lang)
+        program_argv = lang.compile_argv
+        if lang.name == "cpp" and "bits/stdc++.h" in plan.includes and self._pch_shared():
+            tests_argv = self._with_pch(tests_argv, "tests") or tests_argv
+            program_argv = self._with_pch(program_argv, "program")
         tests_job = self._cases.submit(
             self._compile_tests, lang, {**head, f"tests.{ext}": tests_src}, tests_argv
         )
         if plan.functions:
             program_src = native.program_source(lang.name, code, plan).encode()
-            compiled, program = self._compile(lang, {**head, lang.source_file: program_src})
+            compiled, program = self._compile(lang, {**head, lang.source_file: program_src}, program_argv)
         else:  # a function the tests call is missing (their compile says which), or none is
             compiled, program = CaseResult(status="Finished"), {}
         tests_compiled, tests = tests_job.result()
@@ -375,6 +379,19 @@ class Verifier:
             )
         )
         return compiled, pair if isinstance(pair, CaseResult) else classify_pair(pair, lang, limits)
+
+    def _pch_shared(self) -> bool:
+        """Whether every run of the sandbox sees ``native_pch.PCH_DIR`` (read-only)."""
+        return native_pch.PCH_DIR in str(getattr(self.sandbox, "shared", "")).split(",")
+
+    @staticmethod
+    def _with_pch(argv: tuple[str, ...] | None, side: str) -> tuple[str, ...] | None:
+        """``argv`` with the precompiled header of its side first, where it can be built."""
+        if argv is None or "-o" not in argv:
+            return argv
+        flags = argv[1 : argv.index("-o")]
+        path = native_pch.header(native.pch_text(side), argv[0], flags)
+        return argv if path is None else (argv[0], "-include", path, *argv[1:])
 
     def _compile_tests(
         self, lang: Language, files: dict[str, bytes], argv: tuple[str, ...]

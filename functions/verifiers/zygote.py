@@ -293,7 +293,7 @@ def main() -> None:
     if soft != resource.RLIM_INFINITY and soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     try:
-        shared = jail.enter(init=init_image())
+        shared = jail.enter(extra_ro=jail.prepare_pch_dir(), init=init_image())
     except OSError as e:
         chan.send(json.dumps({"ready": False, "error": f"cannot build the sandbox jail: {e}"}).encode())
         os._exit(2)

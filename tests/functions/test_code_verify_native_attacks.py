@@ -5,10 +5,11 @@ program that passes the same tests."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
-from functions.verifiers import native
+from functions.verifiers import native, native_pch
 from functions.verifiers.sandbox import Limits, Sandbox
 from functions.verifiers.verify import CodeTests, Verifier
 
@@ -192,3 +193,39 @@ def test_tests_that_declare_the_programs_function_themselves_still_call_it(v, la
     assert run(v, "int add(int a, int b) { return a + b; }\n", tests, lang).status == "Finished"
     wrong = run(v, "int add(int a, int b) { return a - b; }\n", tests, lang)
     assert wrong.status == "Failed", (wrong.compile, wrong.cases[0])
+
+
+# -- precompiled headers: built on the host from fixed text, read-only in the runs -------
+STDCXX_PROGRAM = (
+    "#include<assert.h>\n#include<bits/stdc++.h>\n"
+    "std::vector<long> incr_list(std::vector<long> l) {\n    for (auto& x : l) x += 1;\n    return l;\n}\n"
+)
+STDCXX_TESTS = (
+    "}\nint main() {\n    auto candidate = incr_list;\n"
+    "    assert(candidate((std::vector<long>({(long)3, (long)1})))\n"
+    "           == (std::vector<long>({(long)4, (long)2})));\n}\n"
+)[2:]
+
+
+def test_a_bits_stdcxx_program_compiles_against_the_shared_precompiled_headers(box, v):
+    assert native_pch.PCH_DIR in box.shared.split(",")
+    assert run(v, STDCXX_PROGRAM, STDCXX_TESTS, "cpp").status == "Finished"
+    wrong = run(v, STDCXX_PROGRAM.replace("x += 1", "x += 2"), STDCXX_TESTS, "cpp")
+    assert wrong.status == "Failed", (wrong.compile, wrong.cases[0])
+    # one for the tests' flags, one for the program's
+    assert len(list(Path(native_pch.PCH_DIR).glob("*.hpp.gch"))) >= 2
+
+
+def test_a_program_cannot_write_the_precompiled_headers(v):
+    # it runs where the compiles read them: each write must fail, or add answers wrong
+    gch = sorted(Path(native_pch.PCH_DIR).glob("*.gch"))
+    target = str(gch[0]) if gch else native_pch.PCH_DIR + "/x.gch"
+    code = (
+        "#include <bits/stdc++.h>\n#include <fcntl.h>\n#include <unistd.h>\n"
+        "long add(long a, long b) {\n"
+        f'    int w = open("{target}", O_WRONLY | O_TRUNC);\n'
+        f'    int c = open("{native_pch.PCH_DIR}/new.hpp.gch", O_WRONLY | O_CREAT, 0644);\n'
+        "    return (w < 0 && c < 0) ? a + b : 0;\n}\n"
+    )
+    r = run(v, code, "}\nint main() { assert(add(2, 3) == 5); }\n"[2:], "cpp")
+    assert r.status == "Finished", (r.compile, r.cases[0])

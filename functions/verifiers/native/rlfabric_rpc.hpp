@@ -23,7 +23,9 @@
 // A container's overloads (and its header) are there only where the includer defined
 // RLFABRIC_USES_<CONTAINER> first: the generated sources define those their types use, and
 // the headers of all of them would double a small program's compile.
-#pragma once
+// a guard, not #pragma once: a precompiled header carries a copy of this text (native_pch.py)
+#ifndef RLFABRIC_RPC_HPP
+#define RLFABRIC_RPC_HPP
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -448,3 +450,4 @@ inline int serve(const Served* table, std::size_t n) {
 }
 
 }  // namespace rlfabric
+#endif
