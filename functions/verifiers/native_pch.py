@@ -42,15 +42,19 @@ def header(text: str, compiler: str, flags: tuple[str, ...]) -> str | None:
         tmp = f"{path}.{os.getpid()}.tmp"
         Path(tmp).write_text(text)
         os.replace(tmp, path)
-        built = subprocess.run(
-            [compiler, *flags, "-x", "c++-header", path, "-o", tmp + ".gch"],
-            capture_output=True,
-            timeout=300,
-            check=False,
-        )
-        if built.returncode != 0:
+        try:
+            built = subprocess.run(
+                [compiler, *flags, "-x", "c++-header", path, "-o", tmp + ".gch"],
+                capture_output=True,
+                timeout=300,
+                check=False,
+            ).returncode
+        except (OSError, subprocess.TimeoutExpired):  # no such compiler here, or it hung
+            built = -1
+        if built != 0:
             _failed.add(key)
             Path(tmp + ".gch").unlink(missing_ok=True)
+            Path(path).unlink(missing_ok=True)  # its name has this compiler and these flags
             return None
         os.replace(tmp + ".gch", path + ".gch")
         return path

@@ -229,3 +229,9 @@ def test_a_program_cannot_write_the_precompiled_headers(v):
     )
     r = run(v, code, "}\nint main() { assert(add(2, 3) == 5); }\n"[2:], "cpp")
     assert r.status == "Finished", (r.compile, r.cases[0])
+
+
+def test_a_precompiled_header_that_cannot_be_built_is_compiled_without():
+    # a compiler missing on the host, or one that fails: the compile reads the headers
+    assert native_pch.header("int x;\n", "/nonexistent/g++", ("-O1",)) is None
+    assert native_pch.header("#error no\n", "g++", ("-O1",)) is None
