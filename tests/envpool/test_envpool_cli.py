@@ -119,8 +119,8 @@ def test_a_bench_stopped_by_a_signal_removes_its_temp_dirs(tmp_path, sig):
     )
     try:
         deadline = time.monotonic() + 60
-        # running: its bundle dir and a container's dir (p<pid>-N in the runtime's root) exist
-        while not (list(tmp_path.glob("envpool-bench-*")) and list(tmp_path.glob("envpool-*/p*"))):
+        # running: its bundle dir and a container's dir (N, in the runtime's root) exist
+        while not (list(tmp_path.glob("envpool-bench-*")) and list(tmp_path.glob("envpool-p*/[0-9]*"))):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
             time.sleep(0.02)
         proc.send_signal(sig)

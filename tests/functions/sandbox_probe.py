@@ -292,6 +292,7 @@ def checked_verifier(sandbox: Sandbox, base: int, limits: Limits) -> Iterator[Ve
     """A verifier for one test; after it, nothing of either run survives, and every uid slot
     came back (only the two warm spares' namespaces are alive)."""
     yield Verifier(sandbox, limits)
-    assert wait_clean(base) == [], "processes of a finished pair survived"
+    left = wait_clean(base)
+    assert left == [], f"processes of a finished pair survived: {left}"
     assert sandbox._zygote is not None
     assert settled_runs(sandbox._zygote.pid, 2) == 2, "a run's namespace is stuck (uid slot leaked)"
