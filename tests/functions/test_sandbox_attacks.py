@@ -812,33 +812,45 @@ def test_collect_never_returns_more_than_collect_bytes(sb):
 MEMORY = Limits(cpu_s=2, wall_s=3, memory_mb=64, nproc=16, disk_mb=8, fsize_mb=4, nofile=32)
 
 
+#: RLIMIT_AS out of the way, so the run's memory cgroup is what stops it
+UNCAPPED = MEMORY.model_copy(update={"address_space_mb": 1024})
+#: six children, each touching 40 MB (resident, then) and holding it for 2 s; a child
+#: refused its block exits at once, so only the ones holding theirs are counted
+FORK_HOG = (
+    "import os, time\n"
+    "kids = []\n"
+    "for i in range(6):\n"
+    "    pid = os.fork()\n"
+    "    if pid == 0:\n"
+    "        try:\n"
+    "            block = bytearray(40 << 20)\n"
+    "            block[:: 4096] = b'x' * len(range(0, 40 << 20, 4096))\n"
+    "        except MemoryError:\n"
+    "            os._exit(1)\n"
+    "        time.sleep(2)\n"
+    "        os._exit(0)\n"
+    "    kids.append(pid)\n"
+    "time.sleep(1.0)\n"
+    "alive = [pid for pid in kids if os.waitpid(pid, os.WNOHANG) == (0, 0)]\n"
+    "print('resident', 40 * len(alive), flush=True)\n"
+)
+
+
 def test_forked_children_share_one_memory_limit(sb):
     """RLIMIT_AS is per process; the run's memory cgroup bounds all of them together: six
-    children touching 40 MB each cannot all be resident under 64 MB (+8 MB of disk)."""
-    code = (
-        "import os, time\n"
-        "r, w = os.pipe()\n"
-        "kids = []\n"
-        "for i in range(6):\n"
-        "    pid = os.fork()\n"
-        "    if pid == 0:\n"
-        "        try:\n"
-        "            block = bytearray(40 << 20)\n"
-        "            block[:: 4096] = b'x' * len(range(0, 40 << 20, 4096))\n"  # touched: resident
-        "            os.write(w, b'1')\n"
-        "        except MemoryError:\n"
-        "            os.write(w, b'0')\n"
-        "        time.sleep(2)\n"
-        "        os._exit(0)\n"
-        "    kids.append(pid)\n"
-        "time.sleep(1.0)\n"
-        "alive = [pid for pid in kids if os.waitpid(pid, os.WNOHANG) == (0, 0)]\n"
-        "print('resident', 40 * len(alive), flush=True)\n"
-    )
-    out = py(sb, code, limits=MEMORY)
+    children touching 40 MB each cannot all be resident under 64 MB (+8 MB of disk).
+
+    Each child must be able to get its 40 MB but for the cgroup (RLIMIT_AS lifted), and
+    only children that hold theirs count: the test used to count every live child as
+    40 MB, and to leave RLIMIT_AS at 64 MB. A zygote that imports more (``subprocess``,
+    ``pydantic``: 41 MB of address space where it had 22) then had every child refused
+    its block by RLIMIT_AS, catch the MemoryError and sleep on: "240 MB resident under a
+    72 MB budget" with nothing resident at all, while the cgroup was never reached."""
+    out = py(sb, FORK_HOG, limits=UNCAPPED)
     held = max([int(line.split()[1]) for line in lines(out) if line.startswith("resident")] or [0])
-    budget = MEMORY.memory_mb + MEMORY.disk_mb
+    budget = UNCAPPED.memory_mb + UNCAPPED.disk_mb
     assert held <= budget, f"the run held {held} MB resident under a {budget} MB budget"
+    assert out.oom_killed, "the run's memory cgroup stopped none of its children"
 
 
 def test_memfd_memory_counts_against_the_limit(sb):
