@@ -71,7 +71,12 @@ class RunCgroups:
             parent = os.path.join(mounts[ctl], own[ctl].lstrip("/"))
             _remove_stale(parent)
             try:
-                os.mkdir(os.path.join(parent, self._name))
+                # taken already: only by a process with our pid, so a dead one (pids come
+                # round again, often within 32768), that could not remove it (SIGKILL, runs
+                # still dying at its shutdown). Ours now: giving up here turned the memory
+                # limit of every run off, with nothing but ``Sandbox.cgroups`` to say so
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(os.path.join(parent, self._name))
                 self._parents[ctl] = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
                 self.dirs[ctl] = os.open(self._name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=self._parents[ctl])
                 self.paths[ctl] = os.path.join(parent, self._name)

@@ -44,6 +44,7 @@ from sandbox_probe import (
 )
 
 from functions.verifiers import _linux
+from functions.verifiers.cgroups import RunCgroups
 from functions.verifiers.errors import SandboxError
 from functions.verifiers.sandbox import Limits, RunOutcome, Sandbox, SandboxConfig, _package_root
 from functions.verifiers.verify import CodeTests, Verifier
@@ -851,6 +852,48 @@ def test_forked_children_share_one_memory_limit(sb):
     budget = UNCAPPED.memory_mb + UNCAPPED.disk_mb
     assert held <= budget, f"the run held {held} MB resident under a {budget} MB budget"
     assert out.oom_killed, "the run's memory cgroup stopped none of its children"
+
+
+def _memory_cgroup(pid: int) -> Path:
+    """Where ``pid``'s memory cgroup is, on the host (cgroup v1)."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, names, path = line.split(":", 2)
+        if "memory" in names.split(","):
+            return Path("/sys/fs/cgroup/memory", path.lstrip("/"))
+    pytest.skip("no cgroup v1 memory controller here")
+
+
+def test_a_stale_cgroup_of_a_dead_process_with_our_pid_does_not_turn_the_cgroups_off():
+    """The zygote's cgroups are named after its pid; a zygote killed before it could remove
+    them (SIGKILL, or runs still dying at its shutdown) leaves them behind, and pids come
+    round again (pid_max is often 32768). A zygote with the same pid found its name taken
+    and quietly fell back to rlimits alone: no memory limit for the whole run."""
+    memory = _memory_cgroup(os.getpid())
+    if not os.access(memory, os.W_OK):
+        pytest.skip("no writable cgroup v1 memory controller here")
+    probe = RunCgroups()  # where a zygote of this process would put its cgroups
+    try:
+        if "memory" not in probe.paths:
+            pytest.skip("no writable cgroup v1 memory controller here")
+        stale = dict(probe.paths)
+    finally:
+        assert probe.remove()
+    found = None
+    try:
+        for path in stale.values():  # as a dead process with our pid left them, with a slot
+            os.makedirs(os.path.join(path, "s3"))
+        found = RunCgroups()
+        assert set(found.paths) == set(stale), (
+            f"cgroups {sorted(found.paths)} where {sorted(stale)} were free"
+        )
+        assert found.procs(3)  # the stale slot is usable
+    finally:
+        if found is not None:
+            found.remove()
+        for path in stale.values():
+            for left in (os.path.join(path, "s3"), path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.rmdir(left)
 
 
 def test_memfd_memory_counts_against_the_limit(sb):
