@@ -128,6 +128,17 @@ def drop_all_capabilities() -> None:
     _check(_libc.syscall(_SYS_CAPSET, ctypes.byref(header), ctypes.byref(data)), "capset")
 
 
+def pidfd_pid(pidfd: int) -> int:
+    """The pid (in our PID namespace) of the process ``pidfd`` refers to; -1 once it has
+    been reaped (``/proc/self/fdinfo`` says so since Linux 5.4)."""
+    with open(f"/proc/self/fdinfo/{pidfd}") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key == "Pid":
+                return int(value)
+    raise OSError(f"/proc/self/fdinfo/{pidfd} names no process (not a pidfd?)")
+
+
 def supported() -> str | None:
     """``None`` when this machine can run the sandbox, else the reason it cannot."""
     if platform.system() != "Linux":

@@ -12,6 +12,9 @@ The zygote opens the controllers' directories before it enters the jail (which s
 supervisors, in the client outside the jail, open the same directories by path
 (``SlotCgroups``) to set a run's limit and read what it used. Where a controller is missing
 or read-only the sandbox falls back to rlimits alone and says so in ``Sandbox.cgroups``.
+Where the zygote made one, no run goes without it: before any user code, each run checks
+that its program is in the slot's memory cgroup and that the limit reads back as written
+(``Slot.check``), and is refused (a ``sandbox_error``) if not.
 
 Stdlib only (the zygote imports it).
 """
@@ -144,20 +147,28 @@ class SlotCgroups:
     ``Slot`` per uid slot, kept for the slot's next runs."""
 
     def __init__(self, paths: dict[str, str]) -> None:
+        #: what the zygote made: every run must be limited by each of them, or not run
+        self.expected = frozenset(paths)
         self.parents: dict[str, int] = {}
         for ctl, path in paths.items():
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # missed by every run's check (``Slot.check``)
                 self.parents[ctl] = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         self._slots: dict[int, Slot] = {}
         self._lock = threading.Lock()  # no Slot is made from a parent descriptor being closed
+        self._closed = False
 
     def slot(self, slot: int) -> Slot | None:
+        """The slot's cgroups; None only where the sandbox has none (rlimits alone)."""
         with self._lock:
-            if not self.parents:
+            if self._closed and self.expected:  # not None: its run would have no memory limit
+                raise OSError(
+                    f"the cgroups of uid slot {slot} are closed (the sandbox was closed or restarted)"
+                )
+            if not self.expected:
                 return None
             found = self._slots.get(slot)
             if found is None:
-                found = self._slots[slot] = Slot(self.parents, f"s{slot}")
+                found = self._slots[slot] = Slot(self.parents, f"s{slot}", self.expected)
             return found
 
     def close(self) -> None:
@@ -168,6 +179,7 @@ class SlotCgroups:
             for fd in self.parents.values():
                 os.close(fd)
             self._slots, self.parents = {}, {}
+            self._closed = True
 
 
 class Slot:
@@ -175,7 +187,8 @@ class Slot:
     another: creating and removing a memory cgroup per run costs more CPU than the run
     itself. Each run starts from zeroed counters (and the OOM-kill count it found)."""
 
-    def __init__(self, parents: dict[str, int], name: str) -> None:
+    def __init__(self, parents: dict[str, int], name: str, expected: frozenset[str]) -> None:
+        self.expected = expected  # the controllers the zygote made: each run must have them all
         self.fds: dict[str, int] = {}
         for ctl, parent in parents.items():
             with contextlib.suppress(FileExistsError):
@@ -194,11 +207,10 @@ class Slot:
         self._finalizer = weakref.finalize(self, _close_all, [fd for fd in fds if fd >= 0])
 
     def _open(self, ctl: str, key: str) -> int:
-        return (
-            os.open(key, os.O_RDWR if key != "memory.oom_control" else os.O_RDONLY, dir_fd=self.fds[ctl])
-            if ctl in self.fds
-            else -1
-        )
+        if ctl not in self.fds:
+            return -1
+        mode = os.O_RDONLY if key == "memory.oom_control" else os.O_RDWR
+        return os.open(key, mode, dir_fd=self.fds[ctl])
 
     def begin_run(self) -> None:
         """Zero the counters for the run about to start (before its program runs user code)."""
@@ -209,6 +221,36 @@ class Slot:
     def limit(self, memory_bytes: int) -> None:
         if self._limit >= 0:
             os.pwrite(self._limit, str(memory_bytes).encode(), 0)
+
+    def check(self, pid: int, memory_bytes: int) -> str | None:
+        """Why the run of program ``pid`` would not be held to ``memory_bytes`` (None: it
+        would). Asked before the program runs any user code, as the limit does not follow
+        from anything else: the program joins the slot's cgroups by itself, in the zygote's
+        fork, writing into descriptors the zygote opened, while this process writes the
+        limit into the cgroup it opened by path. A program that ended up in some other
+        cgroup (an attach that failed or went elsewhere, a slot's directory made again
+        under it), or a slot whose memory controller could not be opened here, ran with
+        no memory limit but the per-process RLIMIT_AS, and no error: six children held
+        240 MB under a 72 MB budget. (Its children inherit its cgroup, and it can no longer
+        leave it: it is unprivileged from here on, in a jail with no ``/sys``.)"""
+        missing = sorted(self.expected - set(self.fds))
+        if missing:
+            return f"its {', '.join(missing)} cgroup could not be opened"
+        if self._limit < 0:
+            return None  # no memory controller on this machine: rlimits alone, said at start
+        limit = int(os.pread(self._limit, 64, 0))
+        if limit > memory_bytes:  # the kernel rounds down to a page
+            return f"memory.limit_in_bytes is {limit}, not {memory_bytes}"
+        # opened afresh: cgroup v1 keeps a descriptor's pid list for a second after each
+        # read, and one kept open read a run's program as its predecessor's list
+        fd = os.open("cgroup.procs", os.O_RDONLY, dir_fd=self.fds["memory"])
+        try:
+            members = os.read(fd, 1 << 20).split()
+        finally:
+            os.close(fd)
+        if str(pid).encode() not in members:
+            return f"its program (pid {pid}) is not in its memory cgroup"
+        return None
 
     def cpu_ns(self) -> int | None:
         return int(os.pread(self._usage, 64, 0)) if self._usage >= 0 else None

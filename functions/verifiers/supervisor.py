@@ -226,7 +226,17 @@ def _prepare(spare: Spare, req: dict[str, Any], slot: Slot | None, timeout: floa
         if slot is not None:
             slot.begin_run()
             # pages in its tmpfs and memfds are the run's memory too
-            slot.limit((limits["memory_mb"] + limits["disk_mb"]) << 20)
+            memory = (limits["memory_mb"] + limits["disk_mb"]) << 20
+            slot.limit(memory)
+            # checked, not assumed: the program joined its cgroups by itself, elsewhere
+            # (see ``Slot.check``); a run that would not be held to its limit is not run
+            pid = lx.pidfd_pid(spare.pidfd)  # -1: it died in its set-up, as its status says
+            problem = slot.check(pid, memory) if pid > 0 else None
+            if problem is not None:
+                raise _SetupFailed(
+                    f"the run's memory limit is not in force ({problem}): refusing to run it; "
+                    "this is a sandbox fault, not the program's (restart the sandbox)"
+                )
     except OSError as e:
         raise _SetupFailed(f"starting the run: {type(e).__name__}: {e}") from e
     return work

@@ -44,7 +44,7 @@ from sandbox_probe import (
 )
 
 from functions.verifiers import _linux
-from functions.verifiers.cgroups import RunCgroups
+from functions.verifiers.cgroups import RunCgroups, SlotCgroups
 from functions.verifiers.errors import SandboxError
 from functions.verifiers.sandbox import Limits, RunOutcome, Sandbox, SandboxConfig, _package_root
 from functions.verifiers.verify import CodeTests, Verifier
@@ -861,6 +861,60 @@ def _memory_cgroup(pid: int) -> Path:
         if "memory" in names.split(","):
             return Path("/sys/fs/cgroup/memory", path.lstrip("/"))
     pytest.skip("no cgroup v1 memory controller here")
+
+
+def test_a_run_outside_its_memory_cgroup_is_refused_not_run_unbounded():
+    """The memory limit is written into the uid slot's cgroup by the supervisor, while the
+    program joined it by itself, earlier, in the zygote's fork: nothing checked the two
+    meet. A program that is not in the cgroup that has its limit (moved out here, as a
+    failed or misdirected attach would leave it) ran with no memory limit at all but
+    RLIMIT_AS per process: six children held 240 MB under a 72 MB budget. The run must
+    refuse to start, saying why."""
+    with own_sandbox(spares=1) as box:
+        if "memory" not in box.cgroups:
+            pytest.skip("no writable cgroup v1 memory controller here")
+        assert box._zygote is not None
+        ours = _memory_cgroup(box._zygote.pid) / f"rlfabric-{box._zygote.pid}"
+        deadline = time.monotonic() + 10
+        while True:  # until the spare's program has joined its slot's cgroup
+            waiting = [p for d in ours.glob("s*") for p in (d / "cgroup.procs").read_text().split()]
+            if waiting or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        assert waiting, "the spare's program never joined its slot's memory cgroup"
+        for pid in waiting:  # out of the slot's cgroup, into the (unlimited) zygote's
+            (ours / "cgroup.procs").write_text(pid)
+        try:
+            out = py(box, FORK_HOG, limits=UNCAPPED)
+        except SandboxError as e:
+            assert "memory limit is not in force" in str(e), e
+            assert "not in its memory cgroup" in str(e), e
+        else:
+            held = max([int(line.split()[1]) for line in lines(out) if line.startswith("resident")] or [0])
+            budget = UNCAPPED.memory_mb + UNCAPPED.disk_mb
+            pytest.fail(f"it ran, outside its memory cgroup, and held {held} MB under a {budget} MB budget")
+        # the next spare is in its cgroup: runs are judged as before
+        assert py(box, GOOD, stdin=b"1 2\n").stdout == b"3\n"
+
+
+def test_a_slot_without_its_memory_cgroup_is_not_a_slot_without_a_limit(tmp_path):
+    """Where the zygote made a memory cgroup, a run's slot that cannot open it (gone, or
+    closed with its sandbox) must say so, not hand back a slot with no memory limit (or
+    none at all, which means "rlimits alone"): both used to run the program unbounded."""
+    gone = SlotCgroups({"memory": str(tmp_path / "gone")})
+    slot = gone.slot(0)
+    assert slot is not None
+    assert slot.check(os.getpid(), 64 * MB) == "its memory cgroup could not be opened"
+    run = RunCgroups()
+    try:
+        if "memory" not in run.paths:
+            pytest.skip("no writable cgroup v1 memory controller here")
+        closed = SlotCgroups(run.paths)
+        closed.close()
+        with pytest.raises(OSError, match="closed"):
+            closed.slot(0)
+    finally:
+        run.remove()
 
 
 def test_a_stale_cgroup_of_a_dead_process_with_our_pid_does_not_turn_the_cgroups_off():
