@@ -21,6 +21,12 @@ program, its init and its supervisor are all done with it.
 from __future__ import annotations
 
 # What model-written programs commonly import, loaded once here and inherited by every run.
+# Every import here is address space of every run's processes too, which their RLIMIT_AS
+# (``memory_mb`` unless ``address_space_mb``) counts: 22 MB of a 64 MB limit as it is,
+# 41 MB with ``functions.verifiers.sandbox`` (pydantic, subprocess) imported. That leaves a
+# run less room but never turns its memory cgroup off (each run checks it is in force,
+# ``cgroups.Slot.check``); it did make a test that counted sleeping MemoryError children
+# as resident read "240 MB under a 72 MB budget".
 import bisect  # noqa: F401
 import collections  # noqa: F401
 import contextlib
