@@ -17,11 +17,12 @@ The program and its tests are two binaries that share no text and no process:
 ever answers calls: it cannot reach the tests' memory, descriptors or exit status, and
 what it answers is a value of the declared type (or a protocol error).
 
-A declaration the channel cannot carry soundly (a raw pointer other than a C string, a
+A function the channel cannot carry soundly (a raw pointer other than a C string, a
 struct of the program, a function pointer, an overloaded name, a default argument) that
-the tests use, or any other name of the program they use (a variable, a type, a template)
-(not a macro: the program's macros never reach the tests' text, so a name of theirs is
-their own) makes the case a ``RuntimeError`` that says which, not run: a refusal the program's own
+the tests' code names (outside comments and literals), or any other name of the program
+(a variable, a type, a template) without which the tests do not compile (their own local
+``n`` is theirs; so is a name of the program's macros, which never reach the tests' text)
+makes the case a ``RuntimeError`` that says which, not run: a refusal the program's own
 signature can cause must score like a failure, or a program could dodge a 0 with it.
 """
 
@@ -141,6 +142,42 @@ class Plan:
     using_std: bool = False
     #: the standard headers the program includes: in one process the tests saw them too
     includes: list[str] = field(default_factory=list)
+    #: the program's other top-level names the tests' code mentions (a variable, a type), with
+    #: what each is: never in the tests' translation unit, so tests that need one do not
+    #: compile, and ``refusal`` then says which (a local of the tests' own compiles)
+    others: dict[str, str] = field(default_factory=dict)
+
+
+def refusal(p: Plan, compiler_stderr: str) -> str | None:
+    """Why tests that did not compile are refused rather than failed: they need a name of
+    the program that only a call can reach (``None``: they name none of the program's others)."""
+    if not p.others:
+        return None
+    # gcc quotes the name it could not find: "'n' was not declared", "unknown type name 'P'"
+    quoted = set(_IDENT.findall(" ".join(_QUOTED.findall(compiler_stderr))))
+    named = [n for n in p.others if n in quoted] or list(p.others)
+    which = ", ".join(f"{n!r}, {p.others[n]} of the program" for n in named)
+    return (
+        f"the tests use {which} (they do not compile without it); only calls of its functions"
+        " can be made from a separate process"
+    )
+
+
+#: what gcc quotes in a diagnostic (U+2018 n U+2019 in a UTF-8 locale, 'n' in C's)
+_QUOTED = re.compile(r"[\u2018'](.{1,200}?)[\u2019']")
+#: what can hide a name from the tests' code: comments and string and character literals
+#: (raw strings included); a ``'`` after a digit or letter is C++14's digit separator
+_NOT_CODE = re.compile(
+    r"""//(?:[^\n\\]|\\.)*|/\*.*?(?:\*/|$)|R"([^ ()\\\t\n]{0,16})\(.*?(?:\)\1"|$)"""
+    r"""|"(?:[^"\\\n]|\\.)*"?|(?<![A-Za-z0-9_])'(?:[^'\\\n]|\\.)*'?""",
+    re.DOTALL,
+)
+
+
+def code_names(test_code: str) -> set[str]:
+    """The identifiers of the tests' code outside comments and literals: a name in a comment
+    (``// candidate is add``) or a message (``"n too big"``) is no use of the program's."""
+    return set(_IDENT.findall(_NOT_CODE.sub(" ", test_code)))
 
 
 #: ``cdecls.py``'s exit status (with its own line on stderr) when libclang cannot be imported
@@ -296,17 +333,14 @@ def plan(decls: Any, lang: str, test_code: str) -> Plan:
     functions, others = decls.get("functions"), decls.get("others")
     if not isinstance(functions, list) or not isinstance(others, list):
         raise BadDeclarations("no functions or others")
-    used = set(_IDENT.findall(test_code))
+    used = code_names(test_code)
+    result = Plan(using_std=decls.get("using_std") is True)
     for item in others:
         if not (isinstance(item, list) and len(item) == 2 and isinstance(item[1], str)):
             raise BadDeclarations("a malformed name")
         # ``namespace std { ... }`` reopens the library's namespace: ``std`` is not the program's
         if isinstance(item[0], str) and item[0] in used and item[0] != "std":
-            what = _OTHER_KINDS.get(item[1], "a declaration")
-            raise Unsupported(
-                f"the tests use {item[0]!r}, {what} of the program; only calls of its functions"
-                " can be made from a separate process"
-            )
+            result.others.setdefault(item[0], _OTHER_KINDS.get(item[1], "a declaration"))
     by_name: dict[str, list[dict[str, Any]]] = {}
     for f in functions:
         if not isinstance(f, dict):
@@ -321,7 +355,6 @@ def plan(decls: Any, lang: str, test_code: str) -> Plan:
     includes = decls.get("includes", [])
     if not isinstance(includes, list) or len(includes) > 1000:
         raise BadDeclarations("malformed includes")
-    result = Plan(using_std=decls.get("using_std") is True)
     for h in includes:
         if not isinstance(h, str) or not _HEADER.fullmatch(h) or ".." in h:
             raise BadDeclarations(f"not a header name: {str(h)[:60]!r}")

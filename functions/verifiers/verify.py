@@ -317,16 +317,15 @@ class Verifier:
             # the worker's setup, not the program's fault: no score
             why = parsed.stderr[-300:].decode(errors="replace")
             raise ValueError(f"the sandbox's Python cannot import libclang: {why}")
+        instead = (
+            "judge this task with stdin/stdout cases (or c_asserts='in_process', which a program can forge)"
+        )
         try:
             if parsed.status != "exited" or parsed.exit_code != 0:
                 why = classify(parsed, lang, lang.compile_limits, None).message
                 raise native.BadDeclarations(why or "it printed nothing")
             plan = native.plan(json.loads(parsed.stdout), lang.name, test_code)
         except native.Unsupported as e:
-            instead = (
-                "judge this task with stdin/stdout cases (or c_asserts='in_process', which a"
-                " program can forge)"
-            )
             return None, CaseResult(status="RuntimeError", message=f"not run: {e}; {instead}")
         except (native.BadDeclarations, ValueError) as e:  # the program's text, not ours
             msg = f"not run: the program's declarations could not be read: {str(e)[:300]}"
@@ -351,6 +350,11 @@ class Verifier:
         if not plan.functions and tests_compiled.status == "Finished":
             # they compile without any function of the program: they cannot judge it
             raise InvalidTests("the tests call none of the program's functions: they cannot judge it")
+        refused = (
+            native.refusal(plan, tests_compiled.stderr) if tests_compiled.status == "RuntimeError" else None
+        )
+        if refused is not None:  # they need a variable or type of the program's: as above
+            return None, CaseResult(status="RuntimeError", message=f"not run: {refused}; {instead}")
         if compiled.status != "Finished":
             return compiled, CaseResult(
                 status=compiled.status, message="not run: the program did not compile"

@@ -474,6 +474,77 @@ def test_an_unused_unsupported_helper_is_not_refused(v):
     passes(v, code, ADD_TESTS["cpp"])
 
 
+# a program's name the tests mention but do not use: their own local, a comment, a string
+NOT_THE_PROGRAMS = {
+    "a_local_of_the_tests": (
+        "int n;\nstruct a { int x; };\nint add(int a, int b) { n = a; return n + b; }\n",
+        "#include <cassert>\nint main() { int n = 2; assert(add(n, 3) == 5); return 0; }",
+        "cpp",
+    ),
+    "a_comment_and_a_string": (
+        "#include <string.h>\nint n;\nstruct a { int x; };\nint add(int a, int b) { return a + b; }\n",
+        "#include <assert.h>\n#include <string.h>\n/* n: add's struct a */\nint main(void) {\n"
+        '    assert(add(2, 3) == 5); // n and a\n    assert(strcmp("n a", "n a") == 0);\n    return 0;\n}',
+        "c",
+    ),
+    "an_unsupported_function_in_a_comment": (
+        "int twice(int x) { return 2 * x; }\ndouble twice(double x) { return 2 * x; }\n"
+        "long sum(long *a, int n) { return n; }\nint add(int a, int b) { return a + b; }\n",
+        "#include <cassert>\n// like twice() and sum(), add is\nint main() {\n"
+        '    assert(add(2, 3) == 5); /* twice */ const char *s = R"(sum(a, 1))"; (void)s;\n    return 0;\n}',
+        "cpp",
+    ),
+}
+
+
+@pytest.mark.parametrize(("code", "tests", "lang"), NOT_THE_PROGRAMS.values(), ids=NOT_THE_PROGRAMS.keys())
+def test_a_name_the_tests_do_not_use_as_the_programs_is_not_refused(v, code, tests, lang):
+    passes(v, code, tests, lang)
+    wrong = run(v, code.replace("return a + b", "return a - b").replace("n + b", "n - b"), tests, lang)
+    assert wrong.status == "Failed", (wrong.compile, wrong.cases[0])
+
+
+USES_THE_PROGRAMS = {
+    "a_c_struct": (
+        "struct P { int x; };\nint getx(int x) { return x; }",
+        "struct P p = {1}; getx(p.x);",
+        "c",
+        "P",
+    ),
+    "an_enum_constant": ("enum { RED = 1 };\nint getx(int x) { return x; }", "getx(RED);", "cpp", "RED"),
+    "a_variable_in_c": (
+        "int n, counter;\nint getx(int x) { return x; }",
+        "int n = 1; getx(counter + n);",
+        "c",
+        "counter",
+    ),
+    "a_variable_in_cpp": (
+        "int n, counter;\nint getx(int x) { return x; }",
+        "int n = 1; getx(counter + n);",
+        "cpp",
+        "counter",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("code", "body", "lang", "name"), USES_THE_PROGRAMS.values(), ids=USES_THE_PROGRAMS.keys()
+)
+def test_tests_that_need_a_variable_or_type_of_the_program_are_refused_by_name(v, code, body, lang, name):
+    r = run(v, code, f"int main(void) {{ {body} return 0; }}", lang)
+    msg = r.cases[0].message
+    assert r.status == "RuntimeError" and msg.startswith("not run: "), r.cases[0]
+    assert repr(name) in msg and "of the program" in msg and "stdin/stdout" in msg, msg
+    assert "'n'" not in msg, msg  # the tests' own n: the compiler said which name it lacked
+
+
+def test_code_names_skips_comments_and_literals_only():
+    code = '// a \\\n b\n/* c */ d "e \\" f" g \'h\' i R"x(j)" k)x" l 1\'000 m u8\'n\' /* o'
+    names = native.code_names(code)
+    assert {"d", "g", "i", "l", "m"} <= names
+    assert not names & {"a", "b", "c", "e", "f", "h", "j", "k", "o"}
+
+
 def test_the_in_process_harness_runs_what_the_channel_cannot(v):
     code = "long sum(long *a, int n) { long s = 0; while (n--) s += a[n]; return s; }\n"
     tests = "#include <cassert>\nint main() { long a[] = {1, 2, 3}; assert(sum(a, 3) == 6); return 0; }"
