@@ -27,6 +27,7 @@ program) get no status: ``verify`` raises ``InvalidTests``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import hashlib
 import json
@@ -335,18 +336,19 @@ class Verifier:
         tests_src = native.tests_source(lang.name, test_code, plan).encode()
         tests_argv = native.tests_compile_argv(lang)
         program_argv = lang.compile_argv
-        if lang.name == "cpp" and "bits/stdc++.h" in plan.includes and self._pch_shared():
-            tests_argv = self._with_pch(tests_argv, "tests") or tests_argv
-            program_argv = self._with_pch(program_argv, "program")
-        tests_job = self._cases.submit(
-            self._compile_tests, lang, {**head, f"tests.{ext}": tests_src}, tests_argv
-        )
-        if plan.functions:
-            program_src = native.program_source(lang.name, code, plan).encode()
-            compiled, program = self._compile(lang, {**head, lang.source_file: program_src}, program_argv)
-        else:  # a function the tests call is missing (their compile says which), or none is
-            compiled, program = CaseResult(status="Finished"), {}
-        tests_compiled, tests = tests_job.result()
+        with contextlib.ExitStack() as held:  # the precompiled headers, until both compiles end
+            if lang.name == "cpp" and "bits/stdc++.h" in plan.includes and self._pch_shared():
+                tests_argv = self._with_pch(tests_argv, "tests", held) or tests_argv
+                program_argv = self._with_pch(program_argv, "program", held)
+            tests_job = self._cases.submit(
+                self._compile_tests, lang, {**head, f"tests.{ext}": tests_src}, tests_argv
+            )
+            if plan.functions:
+                program_src = native.program_source(lang.name, code, plan).encode()
+                compiled, program = self._compile(lang, {**head, lang.source_file: program_src}, program_argv)
+            else:  # a function the tests call is missing (their compile says which), or none is
+                compiled, program = CaseResult(status="Finished"), {}
+            tests_compiled, tests = tests_job.result()
         if not plan.functions and tests_compiled.status == "Finished":
             # they compile without any function of the program: they cannot judge it
             raise InvalidTests("the tests call none of the program's functions: they cannot judge it")
@@ -389,13 +391,18 @@ class Verifier:
         return native_pch.PCH_DIR in str(getattr(self.sandbox, "shared", "")).split(",")
 
     @staticmethod
-    def _with_pch(argv: tuple[str, ...] | None, side: str) -> tuple[str, ...] | None:
-        """``argv`` with the precompiled header of its side first, where it can be built."""
+    def _with_pch(
+        argv: tuple[str, ...] | None, side: str, held: contextlib.ExitStack
+    ) -> tuple[str, ...] | None:
+        """``argv`` with the precompiled header of its side first, where it can be built
+        (held until ``held`` closes: no cleanup removes it under the compile)."""
         if argv is None or "-o" not in argv:
             return argv
         flags = argv[1 : argv.index("-o")]
         path = native_pch.header(native.pch_text(side), argv[0], flags)
-        return argv if path is None else (argv[0], "-include", path, *argv[1:])
+        if path is None or not native_pch.hold(path, held):
+            return argv
+        return (argv[0], "-include", path, *argv[1:])
 
     def _compile_tests(
         self, lang: Language, files: dict[str, bytes], argv: tuple[str, ...]

@@ -4,7 +4,11 @@ program that passes the same tests."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -235,3 +239,49 @@ def test_a_precompiled_header_that_cannot_be_built_is_compiled_without():
     # a compiler missing on the host, or one that fails: the compile reads the headers
     assert native_pch.header("int x;\n", "/nonexistent/g++", ("-O1",)) is None
     assert native_pch.header("#error no\n", "g++", ("-O1",)) is None
+
+
+def test_a_new_precompiled_header_removes_the_stale_ones_no_compile_holds(tmp_path, monkeypatch):
+    monkeypatch.setattr(native_pch, "PCH_DIR", str(tmp_path))
+    monkeypatch.setattr(native_pch, "prepare_pch_dir", lambda: (str(tmp_path),))
+    day_ago = time.time() - native_pch.STALE_S - 60
+
+    def made(name: str, old: bool = True) -> Path:
+        p = tmp_path / name
+        p.write_text("x")
+        if old:
+            os.utime(p, (day_ago, day_ago))
+        return p
+
+    key = "rlfabric-{}.hpp".format
+    stale = [made(key("a" * 20)), made(key("a" * 20) + ".gch")]
+    stale += [made(key("b" * 20) + ".123.tmp.gch"), made(key("c" * 20) + ".gch")]  # a dead build's
+    fresh = [made(key("e" * 20), old=False), made(key("e" * 20) + ".gch", old=False)]
+    held = [made(key("d" * 20)), made(key("d" * 20) + ".gch")]
+    other = made("README")
+    # another verifier's compile is reading d's header: its shared lock keeps it
+    fd = os.open(held[0], os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        path = native_pch.header("int x;\n", "g++", ("-O1",))
+        assert path is not None and Path(path + ".gch").is_file()
+        assert [p.name for p in stale if p.exists()] == []
+        assert all(p.exists() for p in [*fresh, *held, other])
+    finally:
+        os.close(fd)
+    # unheld, it goes at the next build; a compile that held it first keeps it meanwhile
+    with contextlib.ExitStack() as mine:
+        assert native_pch.hold(path, mine)
+        assert native_pch.remove_stale(keep="") == [str(p) for p in held]
+        assert Path(path).exists()  # this process uses it (and it is held)
+    assert not native_pch.hold(str(held[0]), contextlib.ExitStack())  # gone: compile without
+
+
+def test_a_new_compiler_version_names_a_new_precompiled_header(tmp_path, monkeypatch):
+    monkeypatch.setattr(native_pch, "PCH_DIR", str(tmp_path))
+    monkeypatch.setattr(native_pch, "prepare_pch_dir", lambda: (str(tmp_path),))
+    paths = set()
+    for version in ("g++ 99.1", "g++ 99.2"):
+        monkeypatch.setattr(native_pch, "_version", lambda compiler, v=version: v)
+        paths.add(native_pch.header("int v99;\n", "g++", ("-O1",)))
+    assert None not in paths and len(paths) == 2
