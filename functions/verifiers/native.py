@@ -150,12 +150,15 @@ class Plan:
 
 def refusal(p: Plan, compiler_stderr: str) -> str | None:
     """Why tests that did not compile are refused rather than failed: they need a name of
-    the program that only a call can reach (``None``: they name none of the program's others)."""
+    the program that only a call can reach (``None``: gcc named none of the program's others
+    it lacked, so they lack something else, and fail as tests that do not compile)."""
     if not p.others:
         return None
     # gcc quotes the name it could not find: "'n' was not declared", "unknown type name 'P'"
     quoted = set(_IDENT.findall(" ".join(_QUOTED.findall(compiler_stderr))))
-    named = [n for n in p.others if n in quoted] or list(p.others)
+    named = [n for n in p.others if n in quoted]
+    if not named:  # they lack something else (the program's function): they did not compile
+        return None
     which = ", ".join(f"{n!r}, {p.others[n]} of the program" for n in named)
     return (
         f"the tests use {which} (they do not compile without it); only calls of its functions"

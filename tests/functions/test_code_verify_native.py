@@ -505,12 +505,19 @@ def test_a_name_the_tests_do_not_use_as_the_programs_is_not_refused(v, code, tes
 
 
 USES_THE_PROGRAMS = {
-    "a_c_struct": (
-        "struct P { int x; };\nint getx(int x) { return x; }",
-        "struct P p = {1}; getx(p.x);",
+    "a_c_type": (
+        "typedef struct P { int x; } P;\nint getx(int x) { return x; }",
+        "P p = {1}; getx(p.x);",
         "c",
         "P",
     ),
+    "a_c_struct": (
+        "struct P { int x; };\nint getx(int x) { return x; }",
+        "struct P *p = 0; getx(p->x);",
+        "c",
+        "P",
+    ),
+    "a_cpp_struct": ("struct P { int x; };\nint getx(int x) { return x; }", "P p{1}; getx(p.x);", "cpp", "P"),
     "an_enum_constant": ("enum { RED = 1 };\nint getx(int x) { return x; }", "getx(RED);", "cpp", "RED"),
     "a_variable_in_c": (
         "int n, counter;\nint getx(int x) { return x; }",
@@ -536,6 +543,15 @@ def test_tests_that_need_a_variable_or_type_of_the_program_are_refused_by_name(v
     assert r.status == "RuntimeError" and msg.startswith("not run: "), r.cases[0]
     assert repr(name) in msg and "of the program" in msg and "stdin/stdout" in msg, msg
     assert "'n'" not in msg, msg  # the tests' own n: the compiler said which name it lacked
+
+
+def test_tests_that_lack_something_else_are_not_refused_for_a_name_they_mention(v):
+    # their own n, the program's global n, and no add: gcc names add, the program fails
+    r = run(
+        v, "int n;\nint sub(int a, int b) { return a - b; }\n", "int main() { int n = add(1, 2); return n; }"
+    )
+    assert r.status == "RuntimeError" and r.compile is not None, r
+    assert "the tests did not compile" in r.compile.message and "add" in r.compile.stderr, r.compile
 
 
 def test_code_names_skips_comments_and_literals_only():
