@@ -111,7 +111,7 @@ def _sweep(parent: Path) -> None:
                 os.kill(int(owner), 0)
                 continue  # its server is alive (or the pid was reused: swept later)
             except ProcessLookupError:
-                pass
+                pass  # its server is gone: the cgroup is a leftover, swept below
             except OSError:
                 continue
             with contextlib.suppress(OSError):
@@ -161,7 +161,7 @@ class PidsCgroup:
                 if key == "max" and int(count) > 0:
                     return True
         except (OSError, ValueError):
-            pass
+            pass  # the cgroup is gone or unreadable: no refused fork is on record
         return False
 
     def _members(self) -> list[int]:

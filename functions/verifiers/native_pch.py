@@ -151,7 +151,7 @@ def remove_stale(keep: str) -> list[str]:
                         os.unlink(victim)
                         removed.append(victim)
         except OSError:
-            pass
+            pass  # locked by a compile, or gone meanwhile: it stays (a later sweep tries again)
         finally:
             os.close(fd)
     return removed

@@ -433,7 +433,7 @@ class Verifier:
         try:
             return run()
         except SandboxError:
-            pass
+            pass  # once more, below, on a fresh sandbox
         try:
             return run()
         except SandboxError as e:

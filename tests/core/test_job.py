@@ -555,7 +555,7 @@ async def test_a_run_that_fails_stops_the_evaluation_it_was_running(tmp_path, mo
             pass  # the stand-in buffer keeps no aborted ones
 
         async def aclose(self) -> None:
-            pass
+            pass  # the stand-in holds nothing to close
 
     class Stream:
         def metrics(self) -> dict[str, Any]:
@@ -645,7 +645,7 @@ async def test_the_final_evaluation_plays_with_the_rollouts_stopped(tmp_path, mo
             return 1 << 30
 
         def forget_aborted_before(self, version: int) -> None:
-            pass
+            pass  # the stand-in buffer keeps no aborted ones
 
         async def aclose(self) -> None:
             self.closed = True
@@ -696,7 +696,7 @@ async def test_a_run_stops_its_rollouts_before_it_waits_for_its_last_checkpoint(
             return 1 << 30
 
         def forget_aborted_before(self, version: int) -> None:
-            pass
+            pass  # the stand-in buffer keeps no aborted ones
 
         async def aclose(self) -> None:
             closed.set()
@@ -751,7 +751,7 @@ async def test_a_run_that_fails_in_its_first_evaluation_leaves_no_launcher_runni
             return 1 << 30
 
         async def aclose(self) -> None:
-            pass
+            pass  # the stand-in holds nothing to close
 
     class Manager:
         async def run(self, task: Any, *, version: int) -> Any:
@@ -805,10 +805,10 @@ async def test_the_summary_counts_what_the_reward_stream_scored_while_it_drained
             return 1 << 30
 
         def forget_aborted_before(self, version: int) -> None:
-            pass
+            pass  # the stand-in buffer keeps no aborted ones
 
         async def aclose(self) -> None:
-            pass
+            pass  # the stand-in holds nothing to close
 
     runner = j.runner = Runner()  # type: ignore[assignment]
     stream = j.stream = Stream(Client(), cfg.rewards, j._deliver)  # type: ignore[arg-type]
@@ -861,7 +861,7 @@ async def test_failure_json_counts_what_the_reward_stream_had_in_flight_as_cance
             return 1 << 30
 
         async def aclose(self) -> None:
-            pass
+            pass  # the stand-in holds nothing to close
 
     runner = j.runner = Runner()  # type: ignore[assignment]
     stream = j.stream = RewardStream(Client(), cfg.rewards, j._deliver)  # type: ignore[arg-type]

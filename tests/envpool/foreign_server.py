@@ -92,7 +92,7 @@ def main() -> None:
                 if msg.get("op") == "close":
                     break
         except (EOFError, OSError):
-            pass
+            pass  # the pool hung up: this connection is done
         finally:
             conn.close()
 
