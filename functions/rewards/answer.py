@@ -504,7 +504,7 @@ def _unbrace(s: str) -> str:
         elif c == "}" and opened:
             start = opened.pop()
             if start is None:  # the end of a text command's argument
-                pass  # dropped, as its \\text{ was: the argument stays as plain text
+                pass  # dropped, as its \text{ was: the argument stays as plain text
             elif len(out) == start + 2 and len(out[-1]) == 1:  # one character: {2} is 2
                 inner = out.pop()
                 out[start] = " " if start == after_command and inner.isalpha() else ""
