@@ -12,7 +12,7 @@ import pytest
 from functions.verifiers import native
 from functions.verifiers.code import code_verify
 from functions.verifiers.errors import InvalidTests
-from functions.verifiers.sandbox import Limits, Sandbox
+from functions.verifiers.sandbox import Limits
 from functions.verifiers.verify import CodeTests, Verifier
 
 BASE_UID = 430_000
@@ -100,18 +100,14 @@ int main() {
 """
 
 
-@pytest.fixture(scope="module")
-def box():
-    from sandbox_probe import pair_sandbox
-
-    yield from pair_sandbox(BASE_UID)
+@pytest.fixture
+def box(pair_box):  # tests/functions/conftest.py: this module's BASE_UID
+    return pair_box
 
 
 @pytest.fixture
-def v(box: Sandbox):
-    from sandbox_probe import checked_verifier
-
-    yield from checked_verifier(box, BASE_UID, LIMITS)
+def v(pair_verifier):  # tests/functions/conftest.py: this module's BASE_UID and LIMITS
+    return pair_verifier
 
 
 def test_multipl_e_style_cpp_programs_pass_and_wrong_ones_fail(v):

@@ -26,18 +26,14 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def box():
-    from sandbox_probe import pair_sandbox
-
-    yield from pair_sandbox(BASE_UID)
+@pytest.fixture
+def box(pair_box):  # tests/functions/conftest.py: this module's BASE_UID
+    return pair_box
 
 
 @pytest.fixture
-def v(box: Sandbox):
-    from sandbox_probe import checked_verifier
-
-    yield from checked_verifier(box, BASE_UID, LIMITS)
+def v(pair_verifier):  # tests/functions/conftest.py: this module's BASE_UID and LIMITS
+    return pair_verifier
 
 
 def run(v: Verifier, code: str, test_code: str, lang: str):
