@@ -51,8 +51,11 @@ class ProxyRecovery(ProxyState):
             return rid
         if not self._in_group(replica):
             if not gone:
-                self._orphans.setdefault(id(replica), set()).add(rid)
-            return rid
+                self._orphan(replica, rid)
+            # a replica that will rejoin aborts ``rid`` first, and its actor remembers an id
+            # its abort found nowhere (answering it aborted when it comes): the turn moves
+            # on under an id of its own, which a later loss can send back to that replica
+            return rerun_id if id(replica) in self._rejoining else rid
         # the first run may have gone on in the engine, holding a batch slot to its end: it
         # is stopped, and the rerun goes under an id of its own whether or not the abort
         # found it (the engine refuses an id in flight, and a stopped run leaves it only at
@@ -61,7 +64,7 @@ class ProxyRecovery(ProxyState):
         await self._abort_one(replica, rid)
         return rerun_id
 
-    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+    def _in_background(self, work: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -71,6 +74,12 @@ class ProxyRecovery(ProxyState):
         if self._in_group(replica):
             await self._abort_one(replica, rid)
         else:
+            self._orphan(replica, rid)
+
+    def _orphan(self, replica: Replica, rid: str) -> None:
+        """Remember ``rid`` to abort before the replica, out of its group, rejoins; one that
+        never will (gone, or no rejoin) keeps nothing: its ids were kept for the job's life."""
+        if id(replica) in self._rejoining:
             self._orphans.setdefault(id(replica), set()).add(rid)
 
     def _spawn_recover(self, replica: Replica, *, gone: bool) -> asyncio.Task[None]:
@@ -157,11 +166,14 @@ class ProxyRecovery(ProxyState):
             return
         self.groups[home].remove(replica)
         self.metrics["replicas_removed"] += 1
-        orphans = self._orphans.setdefault(id(replica), set())
-        orphans.update(rid for calls in self._inflight.values() for rid, r in calls.items() if r is replica)
+        again = rejoin and self.rejoin_first_s is not None
+        if again:
+            orphans = self._orphans.setdefault(id(replica), set())
+            orphans.update(
+                rid for calls in self._inflight.values() for rid, r in calls.items() if r is replica
+            )
         self._wakes.wake(("calls", id(replica)))
         self._wakes.wake(("slot", id(replica)))
-        again = rejoin and self.rejoin_first_s is not None
         log.error(
             "engine replica %s left its group: %s; %d replicas left%s",
             replica.name,
@@ -202,3 +214,9 @@ class ProxyRecovery(ProxyState):
                 return
         finally:
             self._rejoining.pop(id(replica), None)
+            left = self._orphans.pop(id(replica), set())
+            if self._in_group(replica):
+                # recorded while the aborts above ran (a recovery that ended meanwhile)
+                for rid in left:
+                    self._in_background(self._abort_one(replica, rid))
+            # else gone for good (or the proxy closes): they are never aborted

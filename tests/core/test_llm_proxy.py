@@ -1122,6 +1122,37 @@ async def test_a_replica_gone_for_good_is_not_tried_again():
         await proxy.aclose()
 
 
+class GoneWhenWedged(Stuck):
+    """A ``Stuck`` replica whose pings, once wedged, say it is gone for good."""
+
+    async def ping(self) -> int:
+        if self.wedged:
+            raise ReplicaGone("out of restarts")
+        return await super().ping()
+
+
+@pytest.mark.parametrize("kind", ["gone", "never rejoined"])
+async def test_a_replica_dropped_for_good_leaves_no_request_ids_behind(kind):
+    # the request ids running on a dropped replica were kept to abort before its rejoin;
+    # for one never tried again (gone, or engine.rejoin_first_s null) they were kept for the
+    # job's life, a few strings per lost turn
+    stuck = GoneWhenWedged("stuck") if kind == "gone" else Stuck("stuck")
+    up = Fake("up")
+    proxy = LLMProxy({"default": [stuck, up]}, swap_timeout_s=0.2, recover_timeout_s=0.3, rejoin_first_s=None)
+    try:
+        for traj in ("t", "u"):  # both stick to "stuck" (one at a time: a tie each)
+            assert (await proxy.generate(traj, "x", req(request_id=f"{traj}/0"))).text == "stuck"
+        stuck.wedged = True
+        turns = [asyncio.create_task(proxy.generate(t, "x", req(request_id=f"{t}/1"))) for t in ("t", "u")]
+        await until(lambda: {"t/1", "u/1"} <= set(stuck.generated))
+        await asyncio.wait_for(proxy.update_weights(1, ["W1"]), 5)
+        assert [c.text for c in await asyncio.wait_for(asyncio.gather(*turns), 5)] == ["up", "up"]
+        assert proxy.groups["default"] == [up] and proxy._rejoining == {}
+        assert proxy._orphans == {}
+    finally:
+        await proxy.aclose()
+
+
 class SlowPing(Fake):
     """A replica whose pings wait until ``back`` is set (its restart takes a while)."""
 

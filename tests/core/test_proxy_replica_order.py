@@ -52,10 +52,14 @@ class ActorReplica(Replica):
     """The proxy's handle on an in-process ``EngineReplicaActor`` whose first ``lost``
     turns are lost (its process died, and Ray restarted it: they never reached it)."""
 
-    def __init__(self, a: EngineReplicaActor, lost: int = 0):
-        self.a, self.name, self.lost = a, "r", lost
+    def __init__(self, a: EngineReplicaActor, lost: int = 0, hold: asyncio.Event | None = None):
+        self.a, self.name, self.lost, self.hold = a, "r", lost, hold
+        self.sent: list[str] = []  # request ids, in call order
 
     async def generate(self, request: GenerateRequest) -> Completion:
+        self.sent.append(request.request_id)
+        if self.hold is not None:
+            await self.hold.wait()  # (in flight: the node is cut off, say)
         if self.lost:
             self.lost -= 1
             raise ReplicaLost("the actor died")
@@ -84,3 +88,35 @@ async def test_a_turn_rerun_after_its_replica_came_back_is_not_taken_for_an_abor
         await proxy.aclose()
     finally:
         await a.engine.aclose()
+
+
+async def test_a_turn_moved_off_a_dropped_replica_never_comes_back_under_an_id_it_aborted():
+    # a replica dropped with a turn in flight rejoins once it answers, and first aborts that
+    # turn's id, which its actor, not knowing it (the run ended, or never reached it),
+    # remembers (up to OVERTAKEN_WINDOW ids). The turn had moved on under the same id: lost
+    # again, it came back to the rejoined replica under that id and was answered aborted
+    hold = asyncio.Event()
+    a, b = actor(), actor()
+    first, other = ActorReplica(a, hold=hold), ActorReplica(b, hold=hold)
+    first.name, other.name = "first", "other"
+    proxy = LLMProxy({"default": [first, other]}, rejoin_first_s=0.01, rejoin_max_s=0.02)
+    try:
+        turn = asyncio.create_task(proxy.generate("t", "x", req("t/0")))
+        await asyncio.wait_for(_until(lambda: first.sent == ["t/0"]), 5)
+        proxy._drop(first, "its recovery gave up", rejoin=True)  # (the moment a recovery drops it)
+        await asyncio.wait_for(_until(lambda: len(other.sent) == 1), 5)
+        first.hold = None
+        await asyncio.wait_for(_until(lambda: proxy.metrics["replicas_rejoined"] == 1), 5)
+        proxy._drop(other, "gone for good", rejoin=False)  # the turn is lost again
+        c = await asyncio.wait_for(turn, 10)
+        assert (c.finish_reason, c.request_id) in {("stop", "t/0"), ("length", "t/0")}
+        assert "t/0" not in first.sent[1:]  # the id its rejoin aborted is never sent to it again
+        await proxy.aclose()
+    finally:
+        await a.engine.aclose()
+        await b.engine.aclose()
+
+
+async def _until(cond: Any) -> None:
+    while not cond():  # noqa: ASYNC110 - polling state the code under test moves
+        await asyncio.sleep(0.001)
