@@ -212,7 +212,10 @@ class ProxyRouting(ProxyRecovery):
         if self.scheduler is not None:
             self.scheduler.cancel(traj_id)
         calls = self._inflight.get(traj_id, {})
-        inflight = [(rid, r) for rid, r in calls.items() if rid not in self._stopping]
+        # a replica dropped an instant ago still has the turns it ran listed here, until they
+        # wake and clean up: they end without it (aborted, the trajectory finds), and its run
+        # is stopped before the replica rejoins (a stuck one held this abort, too)
+        inflight = [(rid, r) for rid, r in calls.items() if rid not in self._stopping and self._in_group(r)]
         stopped = sum(await asyncio.gather(*(self._stop(traj_id, r, rid) for rid, r in inflight)))
         self.metrics["aborts"] += stopped
         return stopped

@@ -1153,6 +1153,26 @@ async def test_a_replica_dropped_for_good_leaves_no_request_ids_behind(kind):
         await proxy.aclose()
 
 
+async def test_an_abort_just_after_a_drop_does_not_reach_the_dropped_replica():
+    # dropped, a replica's turns in flight wake and clean up at their next step; an abort in
+    # between still sent them to the replica that left (a stuck one held the abort up to
+    # abort_timeout_s), and its rejoin stopped them a second time
+    hold = asyncio.Event()
+    r = Fake("r", gate=hold)
+    proxy = LLMProxy({"default": [r]}, rejoin_first_s=0.01, rejoin_max_s=0.02)
+    try:
+        turn = asyncio.create_task(proxy.generate("t", "x", req(request_id="t/0")))
+        await until(lambda: r.generated == ["t/0"])
+        proxy._drop(r, "its recovery gave up", rejoin=True)  # (the moment a recovery drops it)
+        stopped = await proxy.abort("t")
+        assert r.aborted == [] and stopped == 0  # its turn ends without it: the rejoin stops the run
+        assert (await asyncio.wait_for(turn, 5)).finish_reason == "abort"
+        await until(lambda: proxy.metrics["replicas_rejoined"] == 1)
+        assert r.aborted == ["t/0"]  # once, before it rejoined
+    finally:
+        await proxy.aclose()
+
+
 class SlowPing(Fake):
     """A replica whose pings wait until ``back`` is set (its restart takes a while)."""
 
