@@ -10,6 +10,7 @@ from typing import Any
 from core.policy.build import PolicyBundle
 from core.policy.tiny_lm import TinyLM, TinyLMConfig
 from core.policy.tokenizer import WordTokenizer
+from core.rollout import replicas
 from core.rollout.engines.base import Completion, GenerateRequest
 from core.rollout.llm_proxy import LLMProxy, Replica, ReplicaLost, swap_weights
 from core.rollout.replicas import EngineReplicaActor
@@ -115,6 +116,25 @@ async def test_a_turn_moved_off_a_dropped_replica_never_comes_back_under_an_id_i
     finally:
         await a.engine.aclose()
         await b.engine.aclose()
+
+
+async def test_the_ids_an_abort_found_nowhere_are_bounded_and_each_answers_aborted_once(monkeypatch):
+    # the actor remembers the ids an abort found nowhere, the newest OVERTAKEN_WINDOW: an old
+    # one forgotten runs (for nobody: the proxy never sends an id again once it aborted it),
+    # and one met once is forgotten, so its memory neither grows for the job's life nor
+    # answers a later turn aborted
+    monkeypatch.setattr(replicas, "OVERTAKEN_WINDOW", 2)
+    a = actor()
+    try:
+        for rid in ("t/0", "t/1", "t/2"):
+            assert await a.abort(rid) is False
+        assert list(a._overtaken) == ["t/1", "t/2"]
+        assert (await a.generate(req("t/0"))).finish_reason in ("stop", "length")  # forgotten
+        assert (await a.generate(req("t/2"))).finish_reason == "abort"
+        assert list(a._overtaken) == ["t/1"]
+        assert (await a.generate(req("t/2#rerun1"))).finish_reason in ("stop", "length")
+    finally:
+        await a.engine.aclose()
 
 
 async def _until(cond: Any) -> None:
