@@ -23,7 +23,8 @@ the tests' code names (outside comments and literals), or any other name of the 
 (a variable, a type, a template) without which the tests do not compile (their own local
 ``n`` is theirs; so is a name of the program's macros, which never reach the tests' text)
 makes the case a ``RuntimeError`` that says which, not run: a refusal the program's own
-signature can cause must score like a failure, or a program could dodge a 0 with it.
+signature can cause must score like a failure, or a program could dodge a 0 with it. So
+does a function the tests call that a library of their binary defines too (``native_link``).
 """
 
 from __future__ import annotations

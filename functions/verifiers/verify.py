@@ -42,7 +42,7 @@ from typing import Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from functions.verifiers import native, native_pch, rpc
+from functions.verifiers import native, native_link, native_pch, rpc
 from functions.verifiers.errors import InvalidTests, SandboxError
 from functions.verifiers.languages import Language, get_language
 from functions.verifiers.sandbox import Limits, PairOutcome, RunOutcome, Sandbox
@@ -331,10 +331,21 @@ class Verifier:
         except (native.BadDeclarations, ValueError) as e:  # the program's text, not ours
             msg = f"not run: the program's declarations could not be read: {str(e)[:300]}"
             return None, CaseResult(status="RuntimeError", message=msg)
+        tests_argv = native.tests_compile_argv(lang)
+        # a function the tests call that a library of their binary defines too: their own
+        # prototype of the library's would name the program's stub (native_link)
+        link = (tests_argv[0], *(a for a in tests_argv if a.startswith("-l")))
+        shared = native_link.library_names(link, [f.name for f in plan.functions])
+        if shared:
+            which = ", ".join(repr(n) for n in shared)
+            msg = (
+                f"not run: the tests call {which}, which the program defines and a library the tests"
+                f" link defines too (which of the two they mean cannot be told apart); {instead}"
+            )
+            return None, CaseResult(status="RuntimeError", message=msg)
         ext = "cpp" if lang.name == "cpp" else "c"
         head = dict([native.header(lang.name)])
         tests_src = native.tests_source(lang.name, test_code, plan).encode()
-        tests_argv = native.tests_compile_argv(lang)
         program_argv = lang.compile_argv
         with contextlib.ExitStack() as held:  # the precompiled headers, until both compiles end
             if lang.name == "cpp" and "bits/stdc++.h" in plan.includes and self._pch_shared():

@@ -281,3 +281,32 @@ def test_a_new_compiler_version_names_a_new_precompiled_header(tmp_path, monkeyp
         monkeypatch.setattr(native_pch, "_version", lambda compiler, v=version: v)
         paths.add(native_pch.header("int v99;\n", "g++", ("-O1",)))
     assert None not in paths and len(paths) == 2
+
+
+@pytest.mark.parametrize(
+    ("lib", "proto", "call"),
+    [
+        # in the C prelude's <string.h>: a static stub after its extern declaration
+        ("strcmp", "int strcmp(const char *, const char *);", 'strcmp(name_of(1), "x.txt")'),
+        # in no header the tests include: only the tests' own prototype declares it
+        ("fnmatch", "int fnmatch(const char *, const char *, int);", 'fnmatch("*.txt", name_of(1), 0)'),
+        ("strverscmp", "int strverscmp(const char *, const char *);", 'strverscmp(name_of(1), "x.txt")'),
+    ],
+)
+def test_a_library_function_the_tests_prototype_themselves_is_the_librarys(v, lib, proto, call):
+    # the tests declare a library function without its header and check with it; a program
+    # defining that name would answer (through its stub) the very check that judges it
+    params = ", ".join(f"{t} a{i}" for i, t in enumerate(proto[proto.index("(") + 1 : -2].split(", ")))
+    forged = f"int {lib}({params}) {{ return 0; }}\n" + 'const char *name_of(int k) { return "x.bin"; }\n'
+    honest = 'const char *name_of(int k) { return "x.txt"; }\n'
+    tests = f"#include <assert.h>\n{proto}\nint main(void) {{ assert({call} == 0); return 0; }}\n"
+    forged_fails_honest_passes(v, forged, honest, tests, "c")
+    cpp_tests = (
+        tests.replace("assert.h", "cassert").replace("(void)", "()").replace(proto, f'extern "C" {proto}')
+    )
+    forged_fails_honest_passes(v, forged, honest, cpp_tests, "cpp")
+    # the program's own function of a library's name that the tests call: refused, by name
+    r = run(v, forged, tests, "c")
+    assert (
+        r.status == "RuntimeError" and f"{lib!r}" in r.cases[0].message and "library" in r.cases[0].message
+    ), r

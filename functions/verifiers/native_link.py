@@ -1,0 +1,68 @@
+"""Which of the program's function names the tests' link reaches in a library too.
+
+A stub is ``static``, so it cannot define a function that a header before it declares
+(``strcmp`` after ``<string.h>``: that does not compile). But test code may declare a library
+function itself, without its header (``int fnmatch(const char *, const char *, int);``), and
+C (and C++, for ``extern "C"``) takes that later declaration as naming the static stub before
+it: a program that defined ``fnmatch`` would answer the very check that judges it. Which one
+the tests mean cannot be read from their text, so a function of the program that the tests
+call and that the libraries of the tests' binary define too is refused (docs/code-verifier.md).
+
+The probe is a link, on the host, of fixed text that refers to each name (validated
+identifiers only) with the tests' driver and libraries: what the linker does not report as
+undefined is a library's (libc, libm, libstdc++, the dynamic loader), exactly what the tests'
+own link would reach; a name the probe's text cannot refer to counts as the library's (a
+refusal, never a stub). Each answer is cached per driver and libraries.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+_LOCK = threading.Lock()
+_KNOWN: dict[tuple[tuple[str, ...], str], bool] = {}
+_UNDEFINED = re.compile(r"undefined reference to [`'\u2018]([A-Za-z_][A-Za-z0-9_]*)['\u2019]")
+
+
+def _probe(link: tuple[str, ...], names: list[str]) -> set[str]:
+    """The names among ``names`` that ``link`` (a driver, then ``-l`` flags) resolves."""
+    cpp = link[0].endswith("++")
+    # the names as the C library spells them (``extern "C"``: unmangled), in the tests'
+    # language, so that the driver adds the libraries it adds to theirs; no builtins
+    # (``strcmp`` declared as char[] is only a warning then, and -w hides it)
+    linkage = 'extern "C"' if cpp else "extern"
+    decls = "".join(f"{linkage} char {n}[];\n" for n in names)
+    refs = ", ".join(names)
+    text = f"{decls}void *volatile rlfabric_refs[] = {{{refs}}};\nint main(void) {{ return 0; }}\n"
+    with tempfile.TemporaryDirectory(prefix="rlfabric-link-") as d:
+        src, out = Path(d) / ("probe.cpp" if cpp else "probe.c"), Path(d) / "probe"
+        src.write_text(text)
+        done = subprocess.run(
+            [link[0], "-w", "-fno-builtin", str(src), "-o", str(out), *link[1:]],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    missing = set(_UNDEFINED.findall(done.stderr))
+    if done.returncode != 0 and not missing:
+        if len(names) > 1:  # one name broke the text (a C++ program's ``std``): one at a time
+            return set().union(*(_probe(link, [n]) for n in names))
+        # a name the probe cannot refer to is counted as the library's: refused, never stubbed
+        return set(names)
+    return {n for n in names if n not in missing}
+
+
+def library_names(link: tuple[str, ...], names: list[str]) -> list[str]:
+    """The names (in order) that a library of the tests' binary defines."""
+    with _LOCK:
+        todo = sorted({n for n in names if (link, n) not in _KNOWN})
+    if todo:
+        found = _probe(link, todo)
+        with _LOCK:
+            _KNOWN.update(((link, n), n in found) for n in todo)
+    return [n for n in names if _KNOWN[(link, n)]]
