@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from functions.verifiers import native
+from functions.verifiers import native, native_link
 from functions.verifiers.code import code_verify
 from functions.verifiers.errors import InvalidTests
 from functions.verifiers.sandbox import Limits
@@ -623,3 +623,13 @@ def test_libclang_missing_in_the_sandbox_is_no_score_for_the_program(v, monkeypa
     monkeypatch.setattr(native, "parse_files", without_clang)
     with pytest.raises(ValueError, match="cannot import libclang"):
         run(v, HONEST_ADD, ADD_TESTS["cpp"])
+
+
+def test_the_library_names_are_what_the_tests_link_reaches():
+    # asked of the linker with the tests' driver and libraries: libc's (declared in a header
+    # of the prelude or not), libm's with -lm, never a name no library defines
+    names = ["strcmp", "fnmatch", "sqrt", "truncate", "add_two", "sort_array"]
+    assert native_link.library_names(("gcc", "-lm"), names) == ["strcmp", "fnmatch", "sqrt", "truncate"]
+    # a name the probe's text cannot refer to (g++ declares namespace std itself) counts as
+    # the library's: refused, never stubbed; the others are still told apart
+    assert native_link.library_names(("g++",), ["std", "fnmatch", "add_two"]) == ["std", "fnmatch"]
