@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import itertools
 import json
+import logging
 import os
 import re
 import shutil
@@ -39,6 +40,8 @@ def _kill_leftovers() -> None:
             os.killpg(pgid, signal.SIGKILL)
 
 
+log = logging.getLogger(__name__)
+_KILL_REPORT_S = 10.0  # how long a stop waits for a killed container's exit report
 _MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with its terminating NUL
 _ROOT_PREFIX = "envpool-p"  # + the owner's pid + "-" + mkdtemp's random part
 _ROOT_NAME = re.compile(r"envpool-p([0-9]+)-[A-Za-z0-9_]+")
@@ -281,6 +284,18 @@ class _Zygote:
             pass  # the zygote died meanwhile: its children died with it
         finally:
             self.waiting.pop(req, None)
+        # its answer says SIGKILL was sent, not that the group is gone: a container (one frozen
+        # by SIGSTOP too) dies moments later, and its exit report follows. Stopped means gone,
+        # as for a container of its own process, which stop() reaps; the bound only guards a
+        # zygote that hangs (its children die with it when it is killed)
+        deadline = asyncio.get_running_loop().time() + _KILL_REPORT_S
+        while not child.exited and not self.reader.done():
+            if asyncio.get_running_loop().time() > deadline:
+                log.warning(
+                    "zygote: no exit report for container %s %.0f s after its kill", child.pid, _KILL_REPORT_S
+                )
+                break
+            await asyncio.sleep(0.005)
 
     async def aclose(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
