@@ -848,7 +848,7 @@ async def test_a_closed_pool_refuses_new_sessions(images):
         pass  # only the pool's start and close are under test
     with pytest.raises(PoolClosed):
         async with p.session("bundle-echo-v0", image=IMAGE):
-            pass
+            pass  # never reached: the closed pool refuses the session
 
 
 async def test_a_garbled_frame_ends_that_connection_not_the_container(images):

@@ -406,7 +406,7 @@ def test_run_with_an_image_that_starts_in_no_container_is_a_clean_error(monkeypa
 
     class Job:
         def __init__(self, cfg, **kw):
-            pass
+            pass  # a stand-in: only its run is under test
 
         async def run(self):
             raise ContainerStartError("container p1-1 failed to start: RuntimeError: no licence server")
@@ -470,7 +470,7 @@ def _workers_of(pid: int) -> list[int]:
             if b"fabric.worker" in Path(f"/proc/{child}/cmdline").read_bytes():
                 found.append(int(child))
         except OSError:
-            pass
+            pass  # gone while we looked: not a live worker
     return found
 
 

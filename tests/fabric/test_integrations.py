@@ -581,7 +581,7 @@ async def test_openrlhf_http_a_request_whose_client_hung_up_is_cancelled():
             body = {"query": ["q"], "prompts": [""], "labels": ["hung-up"]}
             with pytest.raises(asyncio.TimeoutError):
                 async with http.post(server.url, json=body, timeout=aiohttp.ClientTimeout(total=0.5)):
-                    pass
+                    pass  # never reached: the client gives up on the hung reward first
         for _ in range(400):  # the function would finish at 5 s; wait up to 20
             if "hung-up" in integ_fns.OUTCOMES:
                 break
