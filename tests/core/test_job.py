@@ -399,9 +399,9 @@ async def test_a_given_up_group_is_counted_out_of_the_launch_budget_once():
     await j.runner.aclose()
 
 
-async def test_a_sync_mode_group_given_up_is_replaced_in_the_steps_lockstep():
-    # sync mode: a step's groups move turn by turn together (one TurnBarrier); the group
-    # started in place of one given up ran on its own, outside the batch-level baseline
+def _sync_job_whose_first_group_fails() -> tuple[Job, Any, Any]:
+    """A sync-mode job (group_size 2, no reruns) whose first group's members fail on infra
+    at once and every later member plays 60 s: the job, its fake manager, a turn barrier."""
     from test_groups import FakeManager, FakeProxy
     from test_groups import job as group_job
 
@@ -417,6 +417,13 @@ async def test_a_sync_mode_group_given_up_is_replaced_in_the_steps_lockstep():
     j.runner = GroupRunner(cfg, manager, FakeProxy(), submit=lambda t: None, on_given_up=j._given_up)  # type: ignore[arg-type]
     j.buffer = SampleBuffer(cfg.group_size, cfg.alpha, on_abort=j._on_abort)
     barrier = TurnBarrier()
+    return j, manager, barrier
+
+
+async def test_a_sync_mode_group_given_up_is_replaced_in_the_steps_lockstep():
+    # sync mode: a step's groups move turn by turn together (one TurnBarrier); the group
+    # started in place of one given up ran on its own, outside the batch-level baseline
+    j, manager, barrier = _sync_job_whose_first_group_fails()
     j._start_group(j.runner, barrier)
     try:
         async with asyncio.timeout(5):
@@ -433,21 +440,7 @@ async def test_a_sync_mode_group_given_up_once_the_job_is_failing_is_not_replace
     # the group that sets the fatal RolloutError was not replaced, but every later one given
     # up (its streak already past the limit) was: new groups started while the job stopped,
     # each holding an environment session the shutdown then had to cancel
-    from test_groups import FakeManager, FakeProxy
-    from test_groups import job as group_job
-
-    from core.buffer import SampleBuffer
-    from core.rollout.env_manager import TurnBarrier
-    from core.rollout.groups import GroupRunner
-
-    cfg = group_job(group_size=2, max_reruns=0).model_copy(deep=True)
-    cfg.rollout.mode = "sync"
-    j = Job(cfg, progress=False)
-    j._fatal = asyncio.get_running_loop().create_future()
-    manager = FakeManager(script=[(0.001, "infra_failed")] * 2, default=(60.0, "ok"))
-    j.runner = GroupRunner(cfg, manager, FakeProxy(), submit=lambda t: None, on_given_up=j._given_up)  # type: ignore[arg-type]
-    j.buffer = SampleBuffer(cfg.group_size, cfg.alpha, on_abort=j._on_abort)
-    barrier = TurnBarrier()
+    j, _, barrier = _sync_job_whose_first_group_fails()
     try:
         j._start_group(j.runner, barrier)  # started before the job was failing
         assert j._groups_live == 1

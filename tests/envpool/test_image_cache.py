@@ -6,6 +6,7 @@ Everything is real: HTTP on 127.0.0.1 (FakeOrigin), S3 through moto, files in tm
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import gc
 import io
@@ -16,7 +17,7 @@ import sys
 import tarfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -585,6 +586,31 @@ async def test_unpacked_bundles_are_evicted_least_recently_used_to_the_budget(tm
         assert leftovers == []  # evicted directories are deleted, not left renamed
 
 
+@contextlib.asynccontextmanager
+async def pinned_by_another_process(bundle: Path) -> AsyncIterator[None]:
+    """``bundle`` pinned (its shared flock held) by another process sharing the directory,
+    as another pool on the node pins it, until the block ends."""
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        "import fcntl, os, sys\n"
+        "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
+        "fcntl.flock(fd, fcntl.LOCK_SH)\n"
+        "print('pinned', flush=True)\n"
+        "sys.stdin.read()\n",
+        str(bundle),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert await asyncio.wait_for(holder.stdout.readline(), 30) == b"pinned\n"
+        yield
+    finally:
+        holder.stdin.close()
+        await holder.wait()
+
+
 async def test_a_pinned_bundle_is_never_evicted(tmp_path: Path) -> None:
     a, b, c, d = (payload_bundle(tmp_path, x, 10_000) for x in "abcd")
     with FakeOrigin({x.digest: x.data for x in (a, b, c, d)}) as origin:
@@ -596,25 +622,9 @@ async def test_a_pinned_bundle_is_never_evicted(tmp_path: Path) -> None:
             pc = await cache.get(c.digest)
             assert not pa.exists() and not pb.exists() and pc.is_dir()
             # pinned by another process sharing the directory (another pool on this node)
-            holder = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-c",
-                "import fcntl, os, sys\n"
-                "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
-                "fcntl.flock(fd, fcntl.LOCK_SH)\n"
-                "print('pinned', flush=True)\n"
-                "sys.stdin.read()\n",
-                str(pc),
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-            )
-            try:
-                assert await asyncio.wait_for(holder.stdout.readline(), 30) == b"pinned\n"
+            async with pinned_by_another_process(pc):
                 pd = await cache.get(d.digest)
                 assert pc.is_dir() and pd.is_dir()
-            finally:
-                holder.stdin.close()
-                await holder.wait()
             assert cache.metrics()["unpacked"]["pinned"] == 0
 
 
@@ -626,25 +636,9 @@ async def test_a_bundle_another_process_stops_pinning_is_evicted_without_a_call_
     with FakeOrigin({x.digest: x.data for x in (c, d)}) as origin:
         async with origin_cache(tmp_path, origin.url, 15_000) as cache:
             pc = await cache.get(c.digest)
-            holder = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-c",
-                "import fcntl, os, sys\n"
-                "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
-                "fcntl.flock(fd, fcntl.LOCK_SH)\n"
-                "print('pinned', flush=True)\n"
-                "sys.stdin.read()\n",
-                str(pc),
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-            )
-            try:
-                assert await asyncio.wait_for(holder.stdout.readline(), 30) == b"pinned\n"
+            async with pinned_by_another_process(pc):
                 pd = await cache.acquire(d.digest)  # over the budget: c is pinned over there
                 assert pc.is_dir() and cache.metrics()["unpacked"]["over_budget"] == 1
-            finally:
-                holder.stdin.close()
-                await holder.wait()
             await until(lambda: not pc.exists(), timeout_s=10)  # no get, no release meanwhile
             m = cache.metrics()["unpacked"]
             assert pd.is_dir() and m["bytes"] == 10_000 and m["evictions"] == 1, m
