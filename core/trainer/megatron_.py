@@ -70,8 +70,9 @@ from core.trainer.base import (
     load_module_training_state,
     module_training_state,
 )
-from core.trainer.grpo import aggregate, entropy, kl_k3, policy_loss, token_logprobs
+from core.trainer.grpo import aggregate, kl_k3, policy_loss
 from core.trainer.hf_gpt import HFArch, hf_to_megatron, megatron_to_hf, read_hf_state
+from core.trainer.lean_logprobs import logprobs_and_entropy
 
 #: The ``format`` field of a checkpoint written by ``save_checkpoint``.
 CHECKPOINT_FORMAT = "rl-fabric/megatron-gpt/1"
@@ -304,8 +305,7 @@ class MegatronTrainer(Trainer):
         self.model.eval()
         try:
             packed = self._pack([probe])
-            logits = self._completion_logits(self.model, packed)
-            logp = token_logprobs(logits, packed.targets, self.config.temperature)
+            logp, _ = self._logprobs_and_entropy(self.model, packed)
         finally:
             self.model.train()
         return [float(x) for x in logp[0, : len(completion_ids)].cpu()]
@@ -391,8 +391,7 @@ class MegatronTrainer(Trainer):
                 weight = sum(1 for s in part if any(s.token_mask)) / seq_total
             tok_weight = n_tok / token_total
             adv = torch.tensor(advantages[start : start + micro], dtype=torch.float32, device=self.device)
-            logits = self._completion_logits(self.model, packed)
-            logp = token_logprobs(logits, packed.targets, cfg.temperature)
+            logp, ent_tok = self._logprobs_and_entropy(self.model, packed)
             pg, stats = policy_loss(
                 logp,
                 packed.old,
@@ -402,15 +401,14 @@ class MegatronTrainer(Trainer):
                 clip_high=cfg.clip_high,
                 agg=cfg.loss_agg,
             )
-            with torch.set_grad_enabled(cfg.entropy_coef > 0):
-                ent = aggregate(entropy(logits, cfg.temperature), packed.mask, cfg.loss_agg)
+            # entropy at the trained positions; a gradient only when it is rewarded (a detached
+            # output adds nothing to the backward pass)
+            ent = aggregate(ent_tok if cfg.entropy_coef > 0 else ent_tok.detach(), packed.mask, cfg.loss_agg)
             loss = pg - cfg.entropy_coef * ent
             kl = torch.zeros((), device=self.device)
             if self.reference is not None:
                 with torch.no_grad():
-                    ref = token_logprobs(
-                        self._completion_logits(self.reference, packed), packed.targets, cfg.temperature
-                    )
+                    ref, _ = self._logprobs_and_entropy(self.reference, packed)
                 kl = aggregate(kl_k3(logp, ref, packed.mask), packed.mask, cfg.loss_agg)
                 loss = loss + cfg.kl_coef * kl
             (loss * weight).backward()  # type: ignore[no-untyped-call]
@@ -429,9 +427,17 @@ class MegatronTrainer(Trainer):
         out["grad_norm"] = norm
         return out
 
+    def _logprobs_and_entropy(self, model: torch.nn.Module, packed: _Packed) -> tuple[Tensor, Tensor]:
+        """Per completion token, its logprob and the entropy at its position (``[B, C]``
+        fp32), under the sampler's restriction and temperature."""
+        return logprobs_and_entropy(
+            self._completion_logits(model, packed), packed.targets, self.config.temperature, packed.restrict
+        )
+
     def _completion_logits(self, model: torch.nn.Module, packed: _Packed) -> Tensor:
-        """fp32 logits at the positions that score completion tokens, ``[B, C, V]``, with
-        the sampler's restriction applied (after the cast: -1e9 is not exact in bf16)."""
+        """The logits at the positions that score completion tokens, ``[B, C, V]``, in the
+        model's dtype (bf16 under autocast): ``lean_logprobs`` takes fp32 a chunk at a time
+        and adds the restriction after that cast (-1e9 is not exact in bf16)."""
         autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16) if self.config.bf16 else contextlib.nullcontext()
         )
@@ -440,9 +446,8 @@ class MegatronTrainer(Trainer):
             # sequences are right-padded, so no real position sees a pad
             logits = model(packed.ids, packed.position_ids, None)
         rows = torch.arange(packed.ids.shape[0], device=self.device)[:, None]
-        out = logits[rows, packed.positions].float()
-        if packed.restrict is not None:
-            out = out + packed.restrict[:, None, :]
+        # a copy of the [B, C] rows only: the full [B, T, V] output is freed on return
+        out: Tensor = logits[rows, packed.positions]
         return out
 
     def _clip_gradients(self, max_norm: float | None) -> float:

@@ -29,7 +29,8 @@ from core.trainer.base import (
     load_module_training_state,
     module_training_state,
 )
-from core.trainer.grpo import aggregate, entropy, kl_k3, policy_loss, token_logprobs
+from core.trainer.grpo import aggregate, kl_k3, policy_loss
+from core.trainer.lean_logprobs import logprobs_and_entropy
 
 
 class TorchTrainer(Trainer):
@@ -108,24 +109,17 @@ class TorchTrainer(Trainer):
             return None
         adv = torch.tensor(advantages, dtype=torch.float32)
         restrict = _restriction(samples, self.model.config.vocab_size)
-        logits = self.model(ids, attn)
-        if restrict is not None:
-            logits = logits + restrict[:, None, :]
-        logp = token_logprobs(logits, targets, cfg.temperature)
+        logp, ent_tok = logprobs_and_entropy(self.model(ids, attn), targets, cfg.temperature, restrict)
         pg, stats = policy_loss(
             logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.loss_agg
         )
         # entropy at the trained positions only (with a gradient when it is rewarded)
-        with torch.set_grad_enabled(cfg.entropy_coef > 0):
-            ent = aggregate(entropy(logits, cfg.temperature), mask, cfg.loss_agg)
+        ent = aggregate(ent_tok if cfg.entropy_coef > 0 else ent_tok.detach(), mask, cfg.loss_agg)
         loss = pg - cfg.entropy_coef * ent
         kl = torch.zeros(())
         if self.reference is not None:
             with torch.no_grad():
-                ref_logits = self.reference(ids, attn)
-                if restrict is not None:
-                    ref_logits = ref_logits + restrict[:, None, :]
-                ref = token_logprobs(ref_logits, targets, cfg.temperature)
+                ref, _ = logprobs_and_entropy(self.reference(ids, attn), targets, cfg.temperature, restrict)
             kl = aggregate(kl_k3(logp, ref, mask), mask, cfg.loss_agg)
             loss = loss + cfg.kl_coef * kl
         self.optimizer.zero_grad(set_to_none=True)
