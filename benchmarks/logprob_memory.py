@@ -49,7 +49,7 @@ def _step(
         logp, ent = logprobs_and_entropy(logits, targets, t, restrict)
     loss = -logp.mean() - 0.01 * ent.mean()  # an entropy bonus: both outputs carry gradients
     loss.backward()  # type: ignore[no-untyped-call]
-    return float(loss)
+    return float(loss.detach())
 
 
 def _cuda_round(variant: str, a: argparse.Namespace) -> dict[str, float]:
