@@ -3,12 +3,13 @@ tensor.
 
 Why: with a real vocabulary (Qwen2's 151,936 ids) the plain path (cast the logits to fp32,
 add the sampler's restriction, divide by the temperature, ``log_softmax`` kept for the
-backward pass, then the entropy's own ``log_softmax`` and ``exp``) holds four to six fp32
-copies of ``[B, C, V]`` at its peak: at 4 x 1,024 completion tokens that is 2.5 GB each,
-more than the model. Here the softmax is taken a chunk of rows at a time, in fp32, and the
-backward pass takes it again from the saved input logits and each row's logsumexp, so what
-lives across the step is the logits in their own dtype (bf16 under autocast), two floats a
-row, and one chunk's temporaries.
+backward pass, then the entropy's own ``log_softmax`` and ``exp``) peaked at 16.6 GB over
+the bf16 logits at 4 x 1,024 completion tokens on an H200, about seven fp32 copies of
+``[B, C, V]`` (2.5 GB each), more than the model. Here the softmax is taken a chunk of rows
+at a time, in fp32, and the backward pass takes it again from the saved input logits and
+each row's logsumexp, so what lives across the step is the logits in their own dtype (bf16
+under autocast), two floats a row, and two chunk-sized buffers: 2.2 GB there, in the same
+time (``benchmarks/logprob_memory.py``).
 
 The numbers are those of ``grpo.token_logprobs`` and ``grpo.entropy`` on
 ``(logits.float() + restrict) / T`` (the tests hold the two paths together, values and
