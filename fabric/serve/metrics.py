@@ -4,10 +4,10 @@ and the pools behind it (read at scrape time, so serving a call costs two dict l
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, UnknownMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
@@ -15,9 +15,54 @@ if TYPE_CHECKING:
 
 _BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
+#: The backends' statistics that count events since the server started (a re-registered
+#: function's carry on from its old pool's, see ``LocalBackend.stats``): Prometheus counters,
+#: ``fabric_pool_<key>_total``. Typed as gauges (as they were), a scraper's metadata said they
+#: were levels, and Prometheus flags ``rate()`` over a name not ending in ``_total``.
+_POOL_COUNTERS = frozenset(
+    {
+        # the local pools'
+        "calls",
+        "spawned",
+        "lost",
+        "timeouts",
+        "cold_starts",
+        "batches",
+        "start_failures",
+        "requeued",
+        # the lambda backend's (its ``errors_<code>`` too)
+        "spilled",
+        "spill_failed",
+    }
+)
+_POOL_COUNTER_PREFIXES = ("errors_",)
+#: Levels read at scrape time (they go down as well as up): gauges, ``fabric_pool_<key>``.
+_POOL_GAUGES = frozenset(
+    {
+        "workers",
+        "ready",
+        "pending",
+        "inflight",
+        "max_workers",
+        "warm",
+        "retiring_workers",
+        "abandoned_running",
+        "functions",
+    }
+)
+
+
+def pool_metric_type(key: str) -> Literal["counter", "gauge"] | None:
+    """``"counter"`` or ``"gauge"``: the Prometheus type of a backend statistic; ``None`` for
+    one not classified here (exported untyped, so no count passes for a level or the other
+    way round; tests/fabric/test_serve_metric_types.py asks every backend's to be classified)."""
+    if key in _POOL_COUNTERS or key.startswith(_POOL_COUNTER_PREFIXES):
+        return "counter"
+    return "gauge" if key in _POOL_GAUGES else None
+
 
 class _Live:
-    """Gauges read off the gateway when scraped."""
+    """Series read off the gateway when scraped: gauges of levels, counters of counts."""
 
     def __init__(self, gateway: Gateway, metrics: ServeMetrics):
         self.gateway = gateway
@@ -29,15 +74,15 @@ class _Live:
         limit = GaugeMetricFamily(
             "fabric_serve_tenant_limit", "A tenant's max_concurrency", labels=["tenant"]
         )
-        throttled = GaugeMetricFamily(
-            "fabric_serve_tenant_throttled", "Calls refused with 429 so far", labels=["tenant"]
+        throttled = CounterMetricFamily(
+            "fabric_serve_tenant_throttled", "Calls refused with 429", labels=["tenant"]
         )
         for tenant, n in gw.quotas.held.items():
             held.add_metric([tenant], n)
             limit.add_metric([tenant], gw.quotas.limits[tenant])
             throttled.add_metric([tenant], gw.quotas.throttled[tenant])
-        delayed = GaugeMetricFamily(
-            "fabric_serve_tenant_delayed", "Requests held back by max_rps so far", labels=["tenant"]
+        delayed = CounterMetricFamily(
+            "fabric_serve_tenant_delayed", "Requests held back by max_rps", labels=["tenant"]
         )
         for tenant, n in gw.rates.delayed.items():
             delayed.add_metric([tenant], n)
@@ -54,14 +99,19 @@ class _Live:
             value=self.metrics.running_on,
         )
         stats: dict[str, Any] = gw.backend.stats()
-        families: dict[str, GaugeMetricFamily] = {}
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily | UnknownMetricFamily] = {}
         for function, values in sorted(stats.items()):
             for key, value in sorted(values.items()) if isinstance(values, dict) else ():
                 if isinstance(value, bool) or not isinstance(value, int | float):
                     continue
                 fam = families.get(key)
                 if fam is None:
-                    fam = families[key] = GaugeMetricFamily(
+                    kind = pool_metric_type(key)
+                    family = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}.get(
+                        kind or "", UnknownMetricFamily
+                    )
+                    # a counter's samples are named fabric_pool_<key>_total
+                    fam = families[key] = family(
                         f"fabric_pool_{key}", f"pool statistic {key!r}", labels=["function"]
                     )
                 fam.add_metric([function], value)

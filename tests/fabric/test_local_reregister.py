@@ -357,7 +357,7 @@ async def test_pool_counters_carry_on_across_a_reregistration(reloadable, tmp_pa
 
 
 async def test_fabric_serve_pool_counters_do_not_go_down_on_a_reregistration(reloadable):
-    """The same through fabric serve's /metrics: fabric_pool_calls fell to the new pool's
+    """The same through fabric serve's /metrics: fabric_pool_calls_total fell to the new pool's
     count when the function was registered again."""
     import httpx
 
@@ -373,7 +373,7 @@ async def test_fabric_serve_pool_counters_do_not_go_down_on_a_reregistration(rel
 
     async def pool_calls(http: httpx.AsyncClient) -> float:
         text = (await http.get("/metrics", headers=headers)).text
-        line = f'fabric_pool_calls{{function="{name}"}} '
+        line = f'fabric_pool_calls_total{{function="{name}"}} '
         return float(next(x for x in text.splitlines() if x.startswith(line)).split()[-1])
 
     async with Gateway(cfg, reg) as g, httpx.AsyncClient(base_url=g.url, timeout=30) as http:

@@ -318,7 +318,7 @@ async def test_healthz_is_open_and_metrics_need_a_token(http):
     assert 'fabric_serve_requests_total{function="add",status="200",tenant="job-a"} 1.0' in text
     assert 'function="-",status="404"' in text  # made-up names share one label
     assert 'fabric_serve_tenant_limit{tenant="job-a"} 64.0' in text
-    assert 'fabric_pool_calls{function="add"}' in text
+    assert 'fabric_pool_calls_total{function="add"}' in text
 
 
 async def test_a_tenant_sees_only_its_own_series_unless_it_may_see_all():
@@ -342,7 +342,7 @@ async def test_a_tenant_sees_only_its_own_series_unless_it_may_see_all():
     assert 'fabric_serve_request_seconds_count{function="add",tenant="job-a"} 1.0' in seen[ops]
     # the pools' series are shared: totals over every tenant
     for text in seen.values():
-        assert 'fabric_pool_calls{function="add"}' in text
+        assert 'fabric_pool_calls_total{function="add"}' in text
     assert mine in seen[ops] and theirs in seen[ops]
     assert 'fabric_serve_tenant_limit{tenant="ops"}' in seen[ops]
 
@@ -653,4 +653,4 @@ async def test_max_rps_delays_instead_of_refusing():
         assert took >= 0.1  # 10 requests at 50/s after a 50 ms burst
         assert g.rates.delayed["job-a"] >= 5
         text = (await c.get("/metrics", headers=auth())).text
-        assert 'fabric_serve_tenant_delayed{tenant="job-a"}' in text
+        assert 'fabric_serve_tenant_delayed_total{tenant="job-a"}' in text
