@@ -149,6 +149,7 @@ class Attempts:
         timeout. Not a keyed execution's call (``wait_for_run``): its answer is awaited."""
         if deadline is not None and (d := deadline()) != inv.deadline:
             inv = inv.model_copy(update={"deadline": d})
+        version = fn.spec.version  # the code it is sent to, as the client knows it now
         backend = self.backend
         t0 = time.perf_counter()
         primary = backend.submit(inv)
@@ -187,6 +188,10 @@ class Attempts:
             )
         if result.ok:  # the hedge delay follows the latency of answers, not of fast failures
             fn.metrics.window.add((time.perf_counter() - t0) * 1e3)
+        if fn.spec.version != version:
+            # registered again while it ran: the circuit is the new code's (FnState.respec),
+            # and how the old code's attempt ended says nothing of it
+            return result
         if result.ok or (result.error is not None and result.error.type in FINAL_ERRORS):
             fn.consecutive_failures = 0  # the function answered: the infrastructure works
         elif result.retryable and not result.cut_at_deadline:

@@ -156,7 +156,13 @@ class FnState:
     def respec(self, spec: FunctionSpec) -> None:
         """Take the spec of the function registered again under its name (new code: a new
         ``version``, which keys the idempotency cache; maybe new limits, used from the next
-        call on). Its metrics and its circuit stay: they are the function's by name."""
+        call on). Its metrics stay: they are the function's by name. Its circuit is the
+        code's: new code starts closed (the old code's failures say nothing of it: an open
+        circuit refused the fix for a whole cooldown), the same code (new limits only) keeps
+        it. A probe of the old code still under way stays the probe until it ends."""
+        if spec.version != self.spec.version:
+            self.consecutive_failures = 0
+            self.breaker_open_until = 0.0
         self.sem.resize(spec.max_concurrency - self.spec.max_concurrency)
         self.spec = spec
 
