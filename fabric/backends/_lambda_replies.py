@@ -7,11 +7,14 @@ function's bare value. Each becomes a ``Result``; the messages say what to do.""
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
+
+import pydantic_core
 
 from fabric.backends.base import LambdaConfig
 from fabric.errors import ErrorCode
-from fabric.protocol import Invocation, Result, decode_payload
+from fabric.protocol import Invocation, Result, lone_surrogate_problem
 
 #: Lambda/service error codes -> fabric codes. Anything else: 5xx retryable, 4xx final.
 _CLIENT_ERRORS: dict[str, ErrorCode] = {
@@ -138,9 +141,37 @@ class LambdaReplies:
 
     def _reply(self, inv: Invocation, body: bytes, function_error: str | None) -> Result:
         try:
-            data = decode_payload(body) if body else None
-        except ValueError:
-            return self._fail(inv, ErrorCode.TRANSPORT, f"reply is not JSON: {body[:200]!r}")
+            data = pydantic_core.from_json(body) if body else None
+        except ValueError as e:
+            return self._strict_json_refused(inv, body, function_error, e)
+        return self._read(inv, data, body, function_error)
+
+    def _strict_json_refused(
+        self, inv: Invocation, body: bytes, function_error: str | None, e: ValueError
+    ) -> Result:
+        """A reply the strict parser refused. Lambda's Python runtime writes a string holding
+        a lone surrogate (half of a UTF-16 pair, e.g. ``"\\ud800"``: text cut between the
+        halves, bytes decoded with ``surrogateescape``) as JSON's escape, which the strict
+        parser refuses as "unexpected end of hex escape". Python's parser takes it and says
+        where it is. A value holding one is the function's answer that JSON cannot carry:
+        ``ResultNotSerializable``, final, as the local backend's runner answers for the same
+        value (retrying a ``TransportError`` got the same answer again; for a side effect the
+        key kept ``OutcomeUnknown``). An error object or a failed ``Result`` holding one (a
+        message quoting the text) is still that failure, its half pairs written as escapes."""
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError):
+            data = problem = None
+        else:
+            problem = lone_surrogate_problem(data, f"the reply of {inv.function}")
+        if problem is None:  # not JSON at all (or refused for another reason): as before
+            return self._fail(inv, ErrorCode.TRANSPORT, f"reply is not JSON ({e}): {body[:200]!r}")
+        result = _as_result(data)
+        if function_error or (result is not None and not result.ok):
+            return self._read(inv, _escaped(data), body, function_error)
+        return self._fail(inv, ErrorCode.RESULT_NOT_SERIALIZABLE, problem)
+
+    def _read(self, inv: Invocation, data: Any, body: bytes, function_error: str | None) -> Result:
         result = _as_result(data)
         if result is not None:
             return result
@@ -175,6 +206,18 @@ class LambdaReplies:
         return Result.built(
             True, function=inv.function, request_id=inv.request_id, value=data, worker="lambda"
         )
+
+
+def _escaped(node: Any) -> Any:
+    """``node`` (parsed JSON) with each lone surrogate in its strings and keys written as
+    its escape (``"\\ud800"``, six characters): valid text, and what the sender wrote."""
+    if isinstance(node, str):
+        return node.encode("utf-8", "backslashreplace").decode()
+    if isinstance(node, dict):
+        return {_escaped(k): _escaped(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_escaped(v) for v in node]
+    return node
 
 
 #: Fields every Result a fabric handler or ``fabric serve`` sends carries.

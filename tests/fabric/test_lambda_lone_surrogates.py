@@ -1,0 +1,135 @@
+"""A lone surrogate (half of a UTF-16 pair, ``"\\ud800"``) in what a Lambda function sent
+back. Lambda's Python runtime writes a returned string with one as JSON's escape (as
+``json.dumps`` does), which the backend's strict parser refused: the reply read as "not
+JSON", a retryable TransportError. As on the local backend, a value with one is the
+function's answer that JSON cannot carry (``ResultNotSerializable``, final, saying where it
+is); an error object whose message holds one is still that error."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+from aws_fakes import create_function
+from sample_fns import REG
+
+from fabric.backends.base import LambdaConfig
+from fabric.backends.lambda_ import LambdaBackend
+from fabric.errors import ErrorCode
+from fabric.protocol import Invocation, Result
+
+TOKEN = "lambda-surrogate-token-0123456789"
+
+
+@contextlib.asynccontextmanager
+async def endpoint(body: bytes, function_error: str | None) -> AsyncIterator[str]:
+    """An Invoke API endpoint on 127.0.0.1 whose every call answers 200 with ``body`` (and
+    ``X-Amz-Function-Error``, as Lambda sends with its own error objects)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:  # keep-alive: one connection may carry several calls
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                await reader.readexactly(length)
+                extra = f"X-Amz-Function-Error: {function_error}\r\n" if function_error else ""
+                writer.write(
+                    (
+                        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                        f"{extra}Content-Length: {len(body)}\r\n\r\n"
+                    ).encode()
+                    + body
+                )
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.fixture(params=["http", "boto3"])
+def transport(request) -> str:
+    return request.param
+
+
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [
+        (b'"ok \\ud800"', "$"),  # a plain function's bare value, as Lambda's runtime writes it
+        (b'{"texts": ["fine", "cut \\udbff"]}', "$.texts[1]"),
+        (b'"ok \xed\xa0\x80"', "$"),  # the half pair as (invalid) UTF-8 bytes
+    ],
+)
+async def test_a_returned_lone_surrogate_is_a_result_not_serializable_saying_where(transport, body, where):
+    async with endpoint(body, None) as url:
+        cfg = LambdaConfig(endpoint_url=url, token=TOKEN, transport=transport)
+        async with LambdaBackend(REG, cfg) as b:
+            r = await b.invoke(Invocation(function="add", payload={"a": 1}))
+    assert r.error is not None and r.error.type == ErrorCode.RESULT_NOT_SERIALIZABLE, r.error
+    assert not r.retryable
+    assert f"the reply of add has a lone surrogate at {where}" in r.error.message, r.error.message
+    assert "not JSON" not in r.error.message and "hex escape" not in r.error.message
+    r.error.message.encode()  # the message itself is valid text
+
+
+async def test_an_error_object_whose_message_holds_a_lone_surrogate_is_still_that_error(transport):
+    """A handler that raised with such a message: Lambda's error object is read as it would
+    be otherwise (a UserError here), the half pair shown as its escape."""
+    body = b'{"errorType": "ValueError", "errorMessage": "bad text \\ud800", "stackTrace": []}'
+    async with endpoint(body, "Unhandled") as url:
+        cfg = LambdaConfig(endpoint_url=url, token=TOKEN, transport=transport)
+        async with LambdaBackend(REG, cfg) as b:
+            r = await b.invoke(Invocation(function="add", payload={"a": 1}))
+    assert r.error is not None and r.error.type == ErrorCode.USER_ERROR, r.error
+    assert r.error.message == "ValueError: bad text \\ud800", r.error.message
+
+
+async def test_a_timeout_error_object_with_one_is_still_a_timeout(transport):
+    body = b'{"errorType": "Sandbox.Timedout", "errorMessage": "Task timed out \\udfff"}'
+    async with endpoint(body, "Unhandled") as url:
+        cfg = LambdaConfig(endpoint_url=url, token=TOKEN, transport=transport)
+        async with LambdaBackend(REG, cfg) as b:
+            r = await b.invoke(Invocation(function="add", payload={"a": 1}))
+    assert r.error is not None and r.error.type == ErrorCode.TIMEOUT and r.retryable, r.error
+
+
+def test_a_failed_result_whose_message_holds_one_is_still_that_failure():
+    """A fabric handler's failed Result quoting such text (its runner escapes it; another
+    handler may not): still its UserError, not the reply's ResultNotSerializable."""
+    failed = Result.failure(ErrorCode.USER_ERROR, "ValueError: PLACE", function="add", request_id="r1")
+    body = failed.model_dump_json().replace("PLACE", "\\udc80").encode()
+    b = LambdaBackend(REG, LambdaConfig())
+    r = b._reply(Invocation(function="add"), body, None)
+    assert r.error is not None and r.error.type == ErrorCode.USER_ERROR, r.error
+    assert r.error.message == "ValueError: \\udc80" and r.request_id == "r1"
+
+
+async def test_a_reply_that_is_not_json_is_still_a_transport_fault():
+    async with endpoint(b'{"ok": tru', None) as url:
+        cfg = LambdaConfig(endpoint_url=url, token=TOKEN, transport="http")
+        async with LambdaBackend(REG, cfg) as b:
+            r = await b.invoke(Invocation(function="add", payload={"a": 1}))
+    assert r.error is not None and r.error.type == ErrorCode.TRANSPORT and r.retryable, r.error
+    assert "reply is not JSON" in r.error.message and "surrogate" not in r.error.message
+
+
+async def test_through_moto_signed_a_reply_with_one_names_where(moto_url):
+    """boto3 signing with SigV4 to moto's Lambda, whose invoke (without Docker) sends the
+    request back: an envelope whose payload, encoded elsewhere, holds an escaped half pair."""
+    create_function(moto_url, "rl-add")
+    async with LambdaBackend(REG, LambdaConfig(endpoint_url=moto_url, function_prefix="rl-")) as b:
+        inv = Invocation(function="add", payload={})
+        inv.raw = b'{"tag": "\\ud800"}'
+        r = await b.invoke(inv)
+    assert r.error is not None and r.error.type == ErrorCode.RESULT_NOT_SERIALIZABLE, r.error
+    assert "the reply of add has a lone surrogate at $.payload.tag" in r.error.message, r.error.message
