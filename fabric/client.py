@@ -38,7 +38,7 @@ from pydantic import BaseModel, ValidationError
 from fabric.backends.base import Backend, make_backend
 from fabric.client_config import BreakerConfig, ClientConfig, HedgeConfig
 from fabric.client_keyed import KeyedCalls
-from fabric.client_state import Execution, FnState
+from fabric.client_state import Execution, FnState, Sent
 from fabric.errors import ConfigError, ErrorCode, FabricError, PayloadError, validation_problems
 from fabric.protocol import Invocation, Result, encode_payload
 from fabric.registry import Registry, default_registry
@@ -181,14 +181,14 @@ class Client(KeyedCalls):
         )
         try:
             if await self._acquire_slot(fn, deadline):
-                copies: list[asyncio.Future[Result]] = []
+                sent = Sent()
                 try:
-                    result = await self._attempt(fn, inv, hedge, None, copies)
-                    if not result.ok and self._should_retry(spec, result):
-                        result = await self._retry(fn, inv, result, hedge, lambda: deadline, copies)
+                    result = await self._attempt(fn, inv, hedge, None, sent)
+                    if not result.ok and self._should_retry(sent.side_effects, result):
+                        result = await self._retry(fn, inv, result, hedge, lambda: deadline, sent)
                 finally:
                     # held while a copy it let go still runs (a synchronous handler past the deadline)
-                    self._release_when_settled(fn, copies, fn.sem.release)
+                    self._release_when_settled(fn, sent.copies, fn.sem.release)
             else:
                 result = Result.failure(
                     ErrorCode.DEADLINE_EXCEEDED,

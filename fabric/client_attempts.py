@@ -21,10 +21,11 @@ from tenacity import (
 
 from fabric.backends.base import Backend
 from fabric.client_config import ClientConfig
-from fabric.client_state import FnState, StopAtDeadline, StopWhenOpen
+from fabric.client_state import FnState, Sent, StopAtDeadline, StopWhenOpen
 from fabric.errors import FINAL_ERRORS, SAFE_TO_RETRY, ErrorCode
 from fabric.metrics import FunctionMetrics
 from fabric.protocol import Invocation, Result
+from fabric.registry import Registry
 from fabric.spec import FunctionSpec
 
 _BURST = 5  # hedges allowed beyond the share, so a short run can still hedge
@@ -40,13 +41,25 @@ class Attempts:
 
     backend: Backend
     config: ClientConfig
+    registry: Registry
 
     @staticmethod
-    def _should_retry(spec: FunctionSpec, r: Result) -> bool:
+    def _should_retry(side_effects: bool, r: Result) -> bool:
+        """Whether failure ``r`` is retried; ``side_effects``: whether any attempt of the call
+        was sent under a spec with side effects (``Sent.side_effects``)."""
         if not r.retryable:
             return False
         # a function with side effects is retried only when the call provably did not run
-        return not spec.side_effects or (r.error is not None and r.error.type in SAFE_TO_RETRY)
+        return not side_effects or (r.error is not None and r.error.type in SAFE_TO_RETRY)
+
+    def _spec_now(self, fn: FnState) -> FunctionSpec:
+        """The function's spec as registered now, taken into ``fn`` (``FnState.respec``) when
+        it was registered again since the call began: the backend runs an attempt with the
+        code registered when it is sent, so that is the spec it is sent under."""
+        spec = self.registry.find(fn.spec.name)
+        if spec is not None and spec is not fn.spec:
+            fn.respec(spec)
+        return fn.spec
 
     def _breaker_admits(self, fn: FnState) -> tuple[str | None, bool]:
         """``(None, is_probe)`` when the call may go, else ``(why not, False)``. After the
@@ -134,14 +147,15 @@ class Attempts:
         fn: FnState,
         inv: Invocation,
         hedge: bool | None,
-        deadline: Callable[[], float | None] | None = None,
-        copies: list[asyncio.Future[Result]] | None = None,
+        deadline: Callable[[], float | None] | None,
+        sent: Sent,
     ) -> Result:
-        """One attempt, hedged after the observed p95 when allowed. With ``deadline`` (a
-        keyed execution's, which grows as callers join), each copy sent carries its value
-        at the time it is sent. The primary copy goes into ``copies``: the caller's slot is
-        given back once those have ended (``_release_when_settled``); a hedge gives back its
-        own.
+        """One attempt, under the spec registered now (``_spec_now``), hedged after the
+        observed p95 when allowed: never once an attempt of the call was sent under a spec
+        with side effects (``sent.side_effects``). With ``deadline`` (a keyed execution's,
+        which grows as callers join), each copy sent carries its value at the time it is
+        sent. The primary copy goes into ``sent.copies``: the caller's slot is given back once
+        those have ended (``_release_when_settled``); a hedge gives back its own.
 
         A call with a deadline is answered ``DeadlineExceeded`` at the deadline if the backend
         has not answered by then, and its copies are cancelled: a remote backend (Lambda,
@@ -149,17 +163,18 @@ class Attempts:
         timeout. Not a keyed execution's call (``wait_for_run``): its answer is awaited."""
         if deadline is not None and (d := deadline()) != inv.deadline:
             inv = inv.model_copy(update={"deadline": d})
-        version = fn.spec.version  # the code it is sent to, as the client knows it now
+        spec = self._spec_now(fn)
+        version = spec.version  # the code it is sent to
+        sent.side_effects = sent.side_effects or spec.side_effects
         backend = self.backend
         t0 = time.perf_counter()
         primary = backend.submit(inv)
-        if copies is not None:
-            copies.append(primary)
+        sent.copies.append(primary)
         # how long to wait for an answer (None: until it comes)
         wait_s = None if inv.deadline is None or inv.wait_for_run else max(inv.deadline - time.time(), 0.0)
         hcfg = self.config.hedge
         delay_ms = None
-        if (hedge if hedge is not None else hcfg.enabled) and fn.spec.hedgeable:
+        if (hedge if hedge is not None else hcfg.enabled) and spec.hedgeable and not sent.side_effects:
             delay_ms = fn.metrics.window.quantile(hcfg.min_samples)
         result: Result | None
         if delay_ms is None:
@@ -176,7 +191,7 @@ class Attempts:
                 raise
         else:
             delay_s = max(delay_ms, hcfg.min_delay_ms) / 1e3
-            result = await self._hedged(fn, inv, primary, delay_s, deadline, wait_s)
+            result = await self._hedged(fn, inv, primary, delay_s, deadline, wait_s, version)
         if result is None:
             primary.cancel()  # a queued call never runs; a remote one may run on, its answer unread
             result = Result.failure(
@@ -213,9 +228,12 @@ class Attempts:
         delay_s: float,
         deadline: Callable[[], float | None] | None,
         wait_s: float | None,
+        version: str,
     ) -> Result | None:
         """The first answer of the primary and its hedge; None when none came within
-        ``wait_s`` (both copies are cancelled)."""
+        ``wait_s`` (both copies are cancelled). No hedge goes once the function was registered
+        again after the primary (``version``) was sent: it would run other code than the
+        primary, maybe with side effects its spec did not say."""
         loop = asyncio.get_running_loop()
         winner: asyncio.Future[Result] = loop.create_future()
         futs = [primary]
@@ -248,6 +266,9 @@ class Attempts:
             if winner.done() or primary.done():
                 return
             if m.hedges >= self.config.hedge.max_share * m.calls + _BURST:
+                return
+            now = self.registry.find(fn.spec.name)
+            if now is None or now.version != version:
                 return
             # a hedge is one more call in flight: it takes one of the function's max_concurrency
             # slots (a limit a paid or rate-limited dependency relies on), or, all being held,
@@ -289,25 +310,27 @@ class Attempts:
         first: Result,
         hedge: bool | None,
         deadline: Callable[[], float | None],
-        copies: list[asyncio.Future[Result]] | None = None,
+        sent: Sent,
     ) -> Result:
         """Retry a retryable failure: exponential backoff with full jitter, bounded by the
         function's attempts and by ``deadline()`` (read at each step: a keyed execution's
-        grows as callers join). Runs only after a failure.
+        grows as callers join). Runs only after a failure. Whether a failure is retried
+        follows every spec an attempt was sent under (``sent.side_effects``), not only the
+        one registered now.
 
         Never sleeps past the deadline: when the next backoff would end after it, the retries
         stop and the answer is the last real failure (its type and message, with a note that
         the deadline left no time for another attempt), not a made-up deadline error."""
         policy = fn.spec.retry
         pending_first = [first]  # tenacity's first attempt is the one the fast path made
-        sent = 1
+        tries = 1
         last = prev = first
         hedged = first.hedged  # any attempt's: a hedge was sent for this call
         at_deadline = StopAtDeadline(deadline)
         when_open = StopWhenOpen(lambda: fn.consecutive_failures, self.config.breaker.failure_threshold)
 
         async def attempt() -> Result:
-            nonlocal sent, last, prev, hedged
+            nonlocal tries, last, prev, hedged
             if pending_first:
                 return pending_first.pop()
             d = deadline()
@@ -316,42 +339,42 @@ class Attempts:
                 return last
             if when_open():  # other calls' failures opened the circuit during the backoff
                 return last
-            sent += 1
+            tries += 1
             fn.metrics.retries += 1
-            again = inv.model_copy(update={"attempt": sent})
-            prev, last = last, await self._attempt(fn, again, hedge, deadline, copies)
+            again = inv.model_copy(update={"attempt": tries})
+            prev, last = last, await self._attempt(fn, again, hedge, deadline, sent)
             hedged = hedged or last.hedged
             return last
 
         retrying = AsyncRetrying(
             stop=stop_after_attempt(policy.max_attempts) | when_open | at_deadline,
             wait=wait_random_exponential(multiplier=policy.initial_backoff_s, max=policy.max_backoff_s),
-            retry=retry_if_result(lambda r: not r.ok and self._should_retry(fn.spec, r)),
+            retry=retry_if_result(lambda r: not r.ok and self._should_retry(sent.side_effects, r)),
             retry_error_callback=lambda state: state.outcome.result() if state.outcome else last,
             sleep=asyncio.sleep,
         )
         result: Result = await retrying(attempt)
-        result.attempts = sent
+        result.attempts = tries
         result.hedged = hedged
         err = result.error
         note = None
-        if err is not None and when_open.hit and sent < policy.max_attempts:
+        if err is not None and when_open.hit and tries < policy.max_attempts:
             note = (
                 f" (not retried: the circuit opened after {fn.consecutive_failures} infrastructure "
                 "failures in a row)"
             )
-        elif err is not None and at_deadline.hit and sent < policy.max_attempts:
+        elif err is not None and at_deadline.hit and tries < policy.max_attempts:
             note = (
-                f" (not retried: the deadline left no time for attempt {sent + 1} of {policy.max_attempts})"
+                f" (not retried: the deadline left no time for attempt {tries + 1} of {policy.max_attempts})"
             )
         elif (
             err is not None
             and err.type == ErrorCode.DEADLINE_EXCEEDED
             and prev.error is not None
-            and sent > 1
+            and tries > 1
         ):
             # the deadline passed during the last attempt: keep the cause of the retries
-            note = f"; attempt {sent - 1} had failed with {prev.error.type}: {prev.error.message}"
+            note = f"; attempt {tries - 1} had failed with {prev.error.type}: {prev.error.message}"
         if note is not None:
             assert err is not None
             result = result.model_copy(

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from fabric.client_attempts import Attempts
-from fabric.client_state import Execution, FnState
+from fabric.client_state import Execution, FnState, Sent
 from fabric.errors import FINAL_ERRORS, RETRYABLE, SAFE_TO_RETRY, ErrorCode
 from fabric.protocol import Invocation, Result
 
@@ -158,7 +158,7 @@ class KeyedCalls(Attempts):
         assert key is not None
         try:
             await fn.sem.acquire()
-            copies: list[asyncio.Future[Result]] = []
+            sent = Sent()
             try:
                 if ex.deadline is not None and ex.deadline <= time.time():
                     # every caller gave up while it waited for a slot: nothing was sent, and
@@ -172,13 +172,13 @@ class KeyedCalls(Attempts):
                         request_id=inv.request_id,
                     )
                 else:
-                    result = await self._attempt(fn, inv, hedge, lambda: ex.deadline, copies)
-                    if not result.ok and self._should_retry(fn.spec, result):
-                        result = await self._retry(fn, inv, result, hedge, lambda: ex.deadline, copies)
+                    result = await self._attempt(fn, inv, hedge, lambda: ex.deadline, sent)
+                    if not result.ok and self._should_retry(sent.side_effects, result):
+                        result = await self._retry(fn, inv, result, hedge, lambda: ex.deadline, sent)
             finally:
                 # held while a copy it let go still runs (a primary that lost to its hedge)
-                self._release_when_settled(fn, copies, fn.sem.release)
-            ex.kept = self._conclude(fn, key, user_key, result)
+                self._release_when_settled(fn, sent.copies, fn.sem.release)
+            ex.kept = self._conclude(fn, key, user_key, result, sent.side_effects)
             if not ex.unsent:
                 self._settle(fn, result, t0)
             return result
@@ -188,7 +188,9 @@ class KeyedCalls(Attempts):
             if self._inflight.get(key) is ex:
                 del self._inflight[key]
 
-    def _conclude(self, fn: FnState, key: str, user_key: str, result: Result) -> Result | None:
+    def _conclude(
+        self, fn: FnState, key: str, user_key: str, result: Result, side_effects: bool
+    ) -> Result | None:
         """Remember what a later caller with the key gets instead of a new execution: the
         function's own answer; or, for a function with side effects whose call may have run
         (WorkerLost, FunctionTimeout, ...), a final ``OutcomeUnknown``, since running it
@@ -198,7 +200,7 @@ class KeyedCalls(Attempts):
         err = result.error
         if err is None or err.type in FINAL_ERRORS:
             return self._remember(key, result)
-        if fn.spec.side_effects and err.type in _MAY_HAVE_RUN:
+        if side_effects and err.type in _MAY_HAVE_RUN:
             name = fn.spec.name
             return self._remember(
                 key,

@@ -184,6 +184,24 @@ class FnState:
         return give_back
 
 
+class Sent:
+    """What one call (a plain call, or the execution under a key) has sent so far, over its
+    attempts."""
+
+    __slots__ = ("copies", "side_effects")
+
+    def __init__(self) -> None:
+        self.copies: list[asyncio.Future[Result]] = []
+        """Each attempt's primary copy (futures from ``submit``): the call's concurrency slot
+        is given back once they have ended (``Attempts._release_when_settled``)."""
+        self.side_effects = False
+        """True once an attempt was sent under a spec with side effects. Whether the call may
+        be sent again (a retry, a hedge; what its key keeps) follows what may have run, not
+        the spec registered now: the function registered again between two attempts with
+        ``side_effects`` turned off had the old code's effect run again, and turned on, the
+        new code's ran twice, once the client read the new spec and once it had not yet."""
+
+
 class Execution:
     """The one execution under an idempotency key, shared by every caller with the key.
 

@@ -120,3 +120,82 @@ async def test_the_old_codes_failures_after_a_reregistration_do_not_open_the_new
         assert r.error is not None and r.error.type == ErrorCode.UNAVAILABLE, r.error
         after = await c.call(name, {})
         assert after.ok and after.value == "v2", after.error
+
+
+async def test_a_keyed_call_of_a_side_effect_is_not_retried_once_the_function_is_registered_pure(loader):
+    """The first attempt ran the old code, which has side effects, and failed in a way after
+    which it may have run (Unavailable); meanwhile the function was registered again without
+    side effects. The retry decision read the spec registered now and sent the call again,
+    and the key kept no OutcomeUnknown. What may have run decides: the old code's effect."""
+    name, mod_name, load = loader
+    module = load("v1", side_effects=True)
+    reg = Registry()
+    reg.discover(mod_name)
+    async with Client(backend="inproc", registry=reg, config={"hedge": {"enabled": False}}) as c:
+        gate = module.GATES["k"] = asyncio.Event()
+        payload = {"fail": True, "gate": "k"}
+        first = asyncio.create_task(c.call(name, payload, idempotency_key="k", deadline_s=30))
+        await _until(lambda: module.RUNS == ["v1"], "the old code's call did not start")
+        joined = asyncio.create_task(c.call(name, payload, idempotency_key="k", deadline_s=30))
+        # one loop turn: the joining caller runs up to its wait on the execution (no I/O before it)
+        await asyncio.sleep(0)
+
+        load("v2", side_effects=False)
+        reg.discover(mod_name)
+        assert (await c.call(name, {})).value == "v2"  # the client takes the new spec
+        gate.set()
+        r = await first
+        assert r.error is not None and r.error.type == ErrorCode.UNAVAILABLE, r.error
+        assert r.attempts == 1 and module.RUNS == ["v1"], (r.attempts, module.RUNS)
+        kept = await joined  # what the key keeps: the effect may have happened
+        assert kept.error is not None and kept.error.type == ErrorCode.OUTCOME_UNKNOWN, kept.error
+
+
+@pytest.mark.parametrize("key", ["k", None])
+async def test_a_retry_that_ran_new_code_with_side_effects_is_not_run_again(loader, key):
+    """The other way round: the old code is pure, so its failure is retried, and the retry
+    runs the new code, which has side effects (registered again while the first attempt ran;
+    the client had not been called since). That attempt failed too, and the client, still
+    holding the old spec, retried it again: the new code's effect ran twice. Keyed or not."""
+    name, mod_name, load = loader
+    module = load("v1", side_effects=False)
+    reg = Registry()
+    reg.discover(mod_name)
+    async with Client(backend="inproc", registry=reg, config={"hedge": {"enabled": False}}) as c:
+        module.GATES["k"] = gate = asyncio.Event()
+        first = asyncio.create_task(
+            c.call(name, {"fail": True, "gate": "k"}, idempotency_key=key, deadline_s=30)
+        )
+        await _until(lambda: module.RUNS == ["v1"], "the old code's call did not start")
+        load("v2", side_effects=True)
+        reg.discover(mod_name)  # no call since: only the retries see it
+        gate.set()
+        r = await first
+    assert r.error is not None and r.error.type == ErrorCode.UNAVAILABLE, r.error
+    assert module.RUNS == ["v1", "v2"], module.RUNS  # the new code's effect ran once
+    assert r.attempts == 2
+
+
+async def test_no_hedge_is_sent_once_the_function_is_registered_again(loader):
+    """A hedge fires a while after its primary was sent; the function registered again in
+    between (new code, with side effects) had the hedge run the new code beside the old:
+    the new code's effect, which its spec says must never be hedged."""
+    name, mod_name, load = loader
+    module = load("v1", side_effects=False)
+    reg = Registry()
+    reg.discover(mod_name)
+    cfg = {"hedge": {"min_samples": 1, "min_delay_ms": 1000, "max_share": 1.0}}
+    async with Client(backend="inproc", registry=reg, config=cfg) as c:
+        assert (await c.call(name, {})).value == "v1"  # a latency to hedge after
+        module.GATES["h"] = gate = asyncio.Event()
+        primary = asyncio.create_task(c.call(name, {"gate": "h"}, deadline_s=30))
+        await _until(lambda: module.RUNS == ["v1"], "the old code's call did not start")
+        load("v2", side_effects=True)
+        reg.discover(mod_name)
+        clock = c._fns[name].hedge_clock
+        # the hedge's time came (its callback ran) and went
+        await _until(lambda: not clock._q and clock._timer is None, "the hedge's time did not come")
+        gate.set()
+        r = await primary
+    assert r.ok and r.value == "v1", r.error
+    assert module.RUNS == ["v1"] and c.metrics()[name]["hedges"] == 0, module.RUNS
