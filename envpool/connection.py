@@ -19,11 +19,12 @@ from envpool.errors import (
     EnvPoolError,
     EnvRegistryError,
     EnvUsageError,
+    GarbledFrame,
     ProtocolError,
     SessionTokenError,
     StepTimeout,
 )
-from envpool.protocol import HEADER, MAX_FRAME, FrameDecoder, FrameError, encode, reply_problem
+from envpool.protocol import HEADER, MAX_FRAME, SHOWN, FrameDecoder, FrameError, encode, reply_problem
 
 AsyncToolCaller = Callable[[str, dict[str, Any]], Awaitable[str]]
 
@@ -59,6 +60,17 @@ def _protocol_error(msg: dict[str, Any]) -> ProtocolError:
     return ProtocolError(
         f"the container answered with a reply that has no valid request id ({msg.get('id')!r}) "
         f"and the session connection was closed{detail}"
+    )
+
+
+def _garbled(e: FrameError) -> GarbledFrame:
+    shown = repr(e.data) + (f" (its first {SHOWN} bytes)" if len(e.data) >= SHOWN else "")
+    return GarbledFrame(
+        f"the container sent a garbled frame ({e}): {shown}. Check that the server "
+        "writes nothing but frames to the session socket (a 4-byte big-endian length, then that "
+        "many bytes of a UTF-8 JSON object), nothing printed or logged to it, and that one "
+        "thread at a time writes a frame whole. Not retried (the request may have run); the "
+        "session connection was closed"
     )
 
 
@@ -130,10 +142,10 @@ class Connection(asyncio.Protocol):
         self.cpu_mark = None  # alive: a later silence is measured afresh
         try:
             frames = self.decoder.feed(data)
-        except (FrameError, ValueError) as e:
-            self._fail_all(ConnectionLost(f"garbled frame from the container: {e}"))
-            if self.transport is not None:
-                self.transport.close()
+        except FrameError as e:
+            # not a lost connection (retried): the server read the request and may have run
+            # it, so a retry could run a step twice; and nothing after it can be framed
+            self._broken(_garbled(e))
             return
         for msg in frames:
             op = msg.get("op")
@@ -169,8 +181,9 @@ class Connection(asyncio.Protocol):
             self.closed.set_result(None)
 
     def _broken(self, exc: ProtocolError) -> None:
-        """The server broke the protocol: what waits fails with ``exc``, and the connection
-        ends (nothing it sends after is to be trusted; the session discards the container).
+        """The server broke the protocol (a malformed reply, a garbled frame): what waits
+        fails with ``exc``, and the connection ends (nothing it sends after is to be trusted;
+        the session discards the container).
         Kept for the requests still to come: one may be sent after it, nobody waiting now."""
         if self.broken is None:
             self.broken = exc
@@ -204,7 +217,7 @@ class Connection(asyncio.Protocol):
     # -- requests
     def send(self, msg: dict[str, Any]) -> None:
         if self.broken is not None:
-            raise ProtocolError(str(self.broken))
+            raise type(self.broken)(str(self.broken))
         if self.transport is None or self.transport.is_closing():
             raise ConnectionLost("the session connection is closed")
         try:

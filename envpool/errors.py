@@ -9,6 +9,7 @@
     ├── EnvLogicError           the environment's own code raised: data, never retried
     │   └── EnvHung             it ran past its timeout while its container was alive
     ├── ProtocolError           a message the session protocol does not allow: never retried
+    │   └── GarbledFrame        bytes that are no frame (a bad length prefix, a body not JSON)
     ├── EnvConformanceError     check_env found problems (envpool.testing)
     ├── ImageError              envpool.images: bad reference, not found, unsafe bundle
     ├── PoolClosed              the pool was closed: no new claims
@@ -85,6 +86,14 @@ class EnvHung(EnvLogicError):
 class ProtocolError(EnvPoolError):
     """A message the session protocol does not allow (a reply without a request id, an
     unknown op): a bug of the server or of the pool, which no retry fixes."""
+
+
+class GarbledFrame(ProtocolError):
+    """The container sent bytes that are no frame: a length prefix over the limit (often the
+    start of text written to the socket: a print, a log line) or a body that is not a JSON
+    object. Not a lost connection: the server read the request and may have run it, so a
+    retry could run a step twice; and the stream is out of step, so the connection ends and
+    the container is discarded."""
 
 
 class InfraError(EnvPoolError):

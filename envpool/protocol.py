@@ -37,7 +37,10 @@ The pool checks every reply against this (``reply_problem``, and the session the
 shapes): one that breaks it (no ``ok`` bool, a missing result, an id it never sent, a
 result of the wrong shape), whether a request waits for it or not (a stray reply between
 requests fails the next one), is a ``ProtocolError`` that names what is wrong, never
-retried; the connection ends, the container is discarded and the episode is over.
+retried; the connection ends, the container is discarded and the episode is over. So is a
+frame that is no frame (``GarbledFrame``: a length prefix over ``MAX_FRAME``, often text a
+server printed to the socket, or a body that is not a JSON object): not a lost connection,
+since the server read the request and may have run it, and a retry could run a step twice.
 
 A token other than the session's is refused, so one session can never drive another's
 environment.
@@ -65,7 +68,35 @@ def encode(msg: dict[str, Any]) -> bytes:
 
 
 class FrameError(Exception):
-    """A frame that is not valid protocol (bad length, not JSON): the connection ends."""
+    """A frame that is not valid protocol (bad length, not JSON): the connection ends.
+    ``data``: the first bytes received of it, its length prefix included (what was sent
+    instead of a frame is the first thing to look at)."""
+
+    def __init__(self, message: str, data: bytes = b""):
+        super().__init__(message)
+        self.data = data
+
+
+SHOWN = 120
+"""How many bytes of a garbled frame an error shows: enough to recognise a print or a log
+line, not a 16 MiB body."""
+
+
+def _oversize(size: int, data: bytes) -> FrameError:
+    return FrameError(f"a length prefix of {size:,} bytes, over the {MAX_FRAME:,}-byte limit", data[:SHOWN])
+
+
+def _decode(header: bytes, body: bytes) -> dict[str, Any]:
+    """The object a frame's ``body`` holds, or a ``FrameError`` showing the frame's start."""
+    try:
+        msg = pydantic_core.from_json(body)
+    except ValueError as e:
+        problem = f"a {len(body):,}-byte body that is not JSON ({e})"
+    else:
+        if isinstance(msg, dict):
+            return msg
+        problem = f"a {len(body):,}-byte body that is a JSON {type(msg).__name__}, not an object"
+    raise FrameError(problem, header + body[: SHOWN - len(header)])
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -79,13 +110,11 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def recv_frame(sock: socket.socket) -> dict[str, Any]:
-    (size,) = HEADER.unpack(recv_exact(sock, 4))
+    header = recv_exact(sock, HEADER.size)
+    (size,) = HEADER.unpack(header)
     if size > MAX_FRAME:
-        raise FrameError(f"frame of {size} bytes is over the {MAX_FRAME}-byte limit")
-    msg = pydantic_core.from_json(recv_exact(sock, size))
-    if not isinstance(msg, dict):
-        raise FrameError("a frame must be a JSON object")
-    return msg
+        raise _oversize(size, header)
+    return _decode(header, recv_exact(sock, size))
 
 
 class FrameDecoder:
@@ -99,17 +128,15 @@ class FrameDecoder:
         buf += data
         out = []
         pos = 0
-        while len(buf) - pos >= 4:
+        while len(buf) - pos >= HEADER.size:
             (size,) = HEADER.unpack_from(buf, pos)
             if size > MAX_FRAME:
-                raise FrameError(f"frame of {size} bytes is over the {MAX_FRAME}-byte limit")
-            if len(buf) - pos - 4 < size:
+                raise _oversize(size, bytes(buf[pos : pos + SHOWN]))
+            start = pos + HEADER.size
+            if len(buf) < start + size:
                 break
-            msg = pydantic_core.from_json(bytes(buf[pos + 4 : pos + 4 + size]))
-            if not isinstance(msg, dict):
-                raise FrameError("a frame must be a JSON object")
-            out.append(msg)
-            pos += 4 + size
+            out.append(_decode(bytes(buf[pos:start]), bytes(buf[start : start + size])))
+            pos = start + size
         if pos:
             del buf[:pos]
         return out

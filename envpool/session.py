@@ -260,7 +260,7 @@ class EnvSession:
             self.pool.metrics["protocol_errors"] += 1
             self._cut_short, self._done = f"{op}() got a reply that broke the session protocol", True
             await self._drop_container(healthy=False)
-            raise ProtocolError(f"{self.env_id}: {e}") from None
+            raise type(e)(f"{self.env_id}: {e}") from None  # (a GarbledFrame stays one)
         except EnvHung as e:
             # the environment's bug, not the container's: no retry, no replay (it would hang
             # again). The container is still running the request: discard it; the episode is
@@ -320,7 +320,7 @@ class EnvSession:
         except ProtocolError as e:  # (the connection is closed: the server broke the protocol)
             self.pool.metrics["protocol_errors"] += 1
             await self._drop_container(healthy=False)
-            raise ProtocolError(f"{self.env_id}: {e}") from None
+            raise type(e)(f"{self.env_id}: {e}") from None  # (a GarbledFrame stays one)
         except BaseException:
             await self._drop_container(healthy=False)
             raise

@@ -13,6 +13,9 @@ protocol in one way, named on its command line (``python foreign_server.py SOCK 
     step-error      the step fails with a ValueError and says nothing of its soundness
     stray-reply     the reset is answered, then (in the same write) a reply to an id never
                     sent arrives while nothing waits
+    step-print      the step writes a debug line to the session socket before its reply: the
+                    line's first 4 bytes read as a length far over the frame limit
+    step-not-json   the step's reply is a frame whose body is Python's repr of a dict, not JSON
 """
 
 import json
@@ -83,6 +86,12 @@ def main() -> None:
                 msg = recv(conn)
                 steps += msg.get("op") == "step"
                 out = reply(mode, msg, steps)
+                if mode == "step-print" and msg.get("op") == "step":
+                    conn.sendall(b"DEBUG stepping with " + repr(msg.get("args")).encode() + b"\n")
+                if mode == "step-not-json" and msg.get("op") == "step":
+                    body = repr(out).encode()
+                    conn.sendall(struct.pack("!I", len(body)) + body)
+                    continue
                 if mode == "stray-reply" and msg.get("op") == "reset":
                     stray = json.dumps({"id": 999_999, "ok": True, "result": None}).encode()
                     body = json.dumps(out).encode()

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from pool_util import alive, pool, swap_runtime, wait_for
 
-from envpool.errors import EnvLogicError, EnvOrderError, ProtocolError
+from envpool.errors import EnvLogicError, EnvOrderError, GarbledFrame, ProtocolError
 from envpool.runtimes.base import Container, Runtime
 
 SERVER = Path(__file__).with_name("foreign_server.py")
@@ -145,6 +145,39 @@ async def test_a_malformed_reply_while_nothing_waits_is_a_protocol_error_not_a_l
         stats = p.stats()
         assert stats["protocol_errors"] == 1 and stats["discarded"] == 1, stats
         assert stats.get("step_retries", 0) == 0 and stats.get("replays", 0) == 0, stats
+
+
+@pytest.mark.parametrize(
+    ("mode", "what"),
+    [
+        ("step-print", r"a length prefix of 1,145,389,653 bytes.*b.DEBUG stepping with \{"),
+        (
+            "step-not-json",
+            r"a \d+-byte body that is not JSON.*b.\\x00\\x00\\x00.{1,4}\{'id': \d+, 'ok': True",
+        ),
+    ],
+)
+async def test_a_garbled_frame_is_a_protocol_error_never_retried(mode, what):
+    # it was read as a lost connection (ConnectionLost) and the step was retried: replayed on
+    # a fresh container, though the server may well have run the step (it answered, garbled)
+    async with await _foreign_pool(mode) as p:
+        async with p.session("echo-v0") as s:
+            await s.reset(seed=1)
+            pid = s.container.pid
+            with pytest.raises(GarbledFrame, match=what) as err:
+                await s.step("a")
+            assert isinstance(err.value, ProtocolError)  # caught as any protocol bug
+            message = str(err.value)
+            assert message.startswith("echo-v0: the container sent a garbled frame")
+            assert "Check that the server writes nothing but frames" in message and "Not retried" in message
+            assert len(message) < 800  # what was received is cut short, not the whole stream
+            assert s.container is None and s.status == "ok"  # discarded; the session lives on
+            with pytest.raises(EnvOrderError, match=r"broke the session protocol; call reset"):
+                await s.step("b")
+        stats = p.stats()
+        assert stats["protocol_errors"] == 1 and stats["discarded"] == 1, stats
+        assert stats.get("step_retries", 0) == 0 and stats.get("replays", 0) == 0, stats
+        await wait_for(lambda: not alive(pid))
 
 
 async def test_a_foreign_servers_step_error_that_does_not_say_it_is_sound_retires_its_container():
