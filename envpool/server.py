@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import errno
 import json
 import os
 import random
@@ -64,6 +65,27 @@ def apply_limits(limits: dict[str, int]) -> None:
     for key, value in limits.items():
         if value:
             resource.setrlimit(names[key], (value, value))
+
+
+_PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError)
+_PATH_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.ELOOP})  # (no subclass of their own)
+
+
+def sound_after(e: BaseException) -> bool:
+    """Whether this process is as sound after ``e`` as before it, so its container may serve
+    the next session or episode (a failed open's or request's ``"reusable": true``). Not
+    after a MemoryError, nor after an OSError that may say the process or its container is
+    short of something (memory, file descriptors, disk, processes) or holds it still. But an
+    OSError that only says a path is wrong (not there, not a directory, a directory, there
+    already, too long, a loop of links: most often a path in the caller's env_kwargs or
+    action) is a lookup that failed, as a KeyError is: replacing the container for it cost a
+    cold start per bad argument and fixed nothing. (No EACCES or EPERM: a sandbox's or a
+    resource limit's refusal says those too.)"""
+    if isinstance(e, MemoryError):
+        return False
+    if isinstance(e, OSError):
+        return isinstance(e, _PATH_ERRORS) or e.errno in _PATH_ERRNOS
+    return True
 
 
 class NotJSONSafe(TypeError):
@@ -173,11 +195,12 @@ class Server:
             err = error_payload(e)
             if not isinstance(e, EnvPoolError):  # (an unknown id is the registry's, by its name)
                 err["logic"] = True  # the constructor's own, whatever its class is called
-            if not isinstance(e, MemoryError | OSError):
-                # a clean error of the environment's code (or an id this image lacks): this
-                # process is as sound as before, and its container may serve the next session.
-                # Not after a MemoryError or an OSError: the constructor may have run it short
-                # of memory, file descriptors or disk, or left them held; the pool replaces it
+            if sound_after(e):
+                # a clean error of the environment's code (or an id this image lacks, or a
+                # path that is not there): this process is as sound as before, and its
+                # container may serve the next session. Not after a MemoryError or an OSError
+                # of resources: the constructor may have run it short of memory, file
+                # descriptors or disk, or left them held; the pool replaces it
                 err["reusable"] = True
             self.send({"id": 0, "ok": False, "error": err})
             return
@@ -249,10 +272,10 @@ class Server:
         except Exception as e:  # the environment's own bug: data for the caller, the server lives on
             tb = "".join(traceback.format_exception(type(e), e, e.__traceback__, limit=-6))[-4000:]
             err = {**error_payload(e, traceback=tb), "logic": True}
-            if not isinstance(e, MemoryError | OSError):
-                # as for a failed open: after a MemoryError or an OSError this process may be
-                # short of memory, file descriptors or disk (or hold them still), so the pool
-                # plays this episode out on it and then retires it, never giving it another
+            if sound_after(e):
+                # as for a failed open: after a MemoryError or an OSError of resources this
+                # process may be short of memory, file descriptors or disk (or hold them
+                # still), so the pool plays this episode out on it and then retires it
                 err["reusable"] = True
             return {"id": rid, "ok": False, "error": err}
         finally:

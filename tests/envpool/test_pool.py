@@ -197,6 +197,8 @@ class FailingInitEnv(envpool.Env):
             raise OSError(errno.EMFILE, "Too many open files")
         if fail == "value":
             raise ValueError("no such level")
+        if fail == "path":  # a path the caller named that is not there
+            open("levels/no-such-level.txt").close()
 
     def reset(self, *, seed=None, options=None):
         return f"ready {seed}", {}
@@ -208,12 +210,14 @@ class FailingInitEnv(envpool.Env):
 
 @pytest.mark.parametrize(
     ("fail", "kept"),
-    [("value", True), ("memory", False), ("fds", False)],
-    ids=["ValueError", "MemoryError", "OSError"],
+    [("value", True), ("memory", False), ("fds", False), ("path", True)],
+    ids=["ValueError", "MemoryError", "OSError", "FileNotFoundError"],
 )
 async def test_a_constructor_that_runs_out_of_a_resource_does_not_keep_its_container(tmp_path, fail, kept):
     # every failed open kept its container, a MemoryError or an OSError (no file descriptors
-    # left, a full disk) included, which may leave its server broken: the next session got it
+    # left, a full disk) included, which may leave its server broken: the next session got it.
+    # Then every OSError replaced it, a path the caller got wrong (FileNotFoundError) too: a
+    # cold start per bad env_kwargs, for a process as sound as after a ValueError
     images = write_env_bundle(
         tmp_path / "b", "failing_init_env", _FAILING_INIT, {"failing-v0": "FailingInitEnv"}
     )
@@ -222,7 +226,13 @@ async def test_a_constructor_that_runs_out_of_a_resource_does_not_keep_its_conta
             async with p.session("failing-v0", image=IMAGE, env_kwargs={"fail": fail}):
                 pass  # the session's entry (or exit) raises: the body is not the test
         assert (
-            err.value.remote_type == {"value": "ValueError", "memory": "MemoryError", "fds": "OSError"}[fail]
+            err.value.remote_type
+            == {
+                "value": "ValueError",
+                "memory": "MemoryError",
+                "fds": "OSError",
+                "path": "FileNotFoundError",
+            }[fail]
         )
         stats = p.stats()
         assert stats["open_failed"] == 1 and stats["idle"] == int(kept), stats

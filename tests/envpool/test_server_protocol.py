@@ -4,6 +4,7 @@ process: its sessions on socket pairs, each accepted by ``serve`` as from a list
 from __future__ import annotations
 
 import contextlib
+import errno
 import queue
 import socket
 import threading
@@ -17,7 +18,7 @@ from pool_util import pool
 from envpool.api import EnvRegistry
 from envpool.errors import EnvOrderError, EnvUsageError
 from envpool.protocol import MAX_FRAME, encode, recv_frame
-from envpool.server import Server
+from envpool.server import Server, sound_after
 
 
 class _Listener:
@@ -131,6 +132,31 @@ def test_open_kwargs_that_are_not_an_object_are_a_protocol_error_not_the_constru
     assert not reply["ok"] and reply["error"]["type"] == "ProtocolError", reply
     assert "kwargs" in reply["error"]["message"]
     wire.open("b")  # the server waits for the next session
+
+
+@pytest.mark.parametrize(
+    ("exc", "sound"),
+    [
+        (ValueError("no such level"), True),
+        (MemoryError(), False),
+        (OSError(errno.ENOENT, "No such file or directory"), True),  # (a FileNotFoundError)
+        (OSError(errno.ENOTDIR, "Not a directory"), True),
+        (OSError(errno.EISDIR, "Is a directory"), True),
+        (OSError(errno.EEXIST, "File exists"), True),
+        (OSError(errno.ENAMETOOLONG, "File name too long"), True),
+        (OSError(errno.EMFILE, "Too many open files"), False),
+        (OSError(errno.ENOSPC, "No space left on device"), False),
+        (OSError(errno.EAGAIN, "Resource temporarily unavailable"), False),
+        (OSError(errno.EACCES, "Permission denied"), False),  # a sandbox's refusal too
+        (OSError("no errno to tell"), False),
+        (ConnectionResetError(), False),
+    ],
+    ids=repr,
+)
+def test_an_oserror_that_only_says_a_path_is_wrong_leaves_the_server_sound(exc, sound):
+    # every OSError read as a container short of a resource: a bad path in env_kwargs cost
+    # a cold start per session
+    assert sound_after(exc) is sound
 
 
 async def test_a_request_over_the_frame_limit_is_refused_before_it_is_sent(images):
