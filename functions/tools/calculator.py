@@ -10,7 +10,9 @@ refused saying what to write instead.
 
 The result is printed as text: an integer in full, a float to 15 significant digits
 (``0.1 + 0.2`` is ``0.3``, ``0.5 + 123456789012`` is ``123456789012.5``), a whole float below
-2**53 as an integer (``6 / 3`` is ``2``).
+2**53 as an integer (``6 / 3`` is ``2``). A float result over about 1.8e308 is refused as too
+large; one under about 5e-324 reads 0, but an expression that divides by it or scales it back
+up (``1 / 3 ** -1000``) is refused as out of range, never answered "division by zero" or 0.
 """
 
 from __future__ import annotations
@@ -73,11 +75,92 @@ OPENAI_SCHEMA: dict[str, Any] = {
 }
 
 
+TOO_LARGE_FOR_A_FLOAT = "the result is too large for a float (over about 1.8e308)"
+
+
+class _Tiny(float):
+    """A zero that stands for a nonzero number too small for a float (``2 ** -2000``,
+    ``1e-200 * 1e-200``: under about 5e-324 it reads 0.0, its sign kept). As the result it
+    prints 0, as a float gives it; but the operations that would read it as 0 are refused as
+    out of range: a division by it (``1 / 3 ** -1000`` is ``3 ** 1000``, and was answered
+    "division by zero") or a product that scales it up (``3 ** -1000 * 1e300`` is 7.6e-178,
+    not 0). Arithmetic on it gives a plain float: ``_with_tiny`` and ``_underflowed`` say
+    which results are tiny again."""
+
+
+def _negative(x: float) -> bool:
+    return math.copysign(1.0, x) < 0  # (a tiny keeps its sign in its zero's: -0.0)
+
+
+def _out_of_range(how: str) -> ValueError:
+    return ValueError(
+        f"the result is out of range: it {how} a number too small for a float to tell from 0 "
+        "(it underflowed, under about 5e-324); write it without so small an intermediate "
+        "result (1 / 3 ** -1000 is 3 ** 1000)"
+    )
+
+
+def _with_tiny(op: ast.operator, left: Any, right: Any) -> Any:
+    """``left op right``, one of them (or both) a ``_Tiny``: the value where a float can say
+    it (a sum, a product or power that keeps it tiny, a floor or remainder, whose sign is
+    what counts), else an out-of-range error; never what reading the tiny as 0 gives."""
+    if isinstance(op, ast.Add | ast.Sub):
+        # x + tiny is x to a float's precision; a tiny sum (tiny + 0, tiny - tiny) stays one
+        value = _BINOPS[type(op)](left, right)
+        return _Tiny(value) if value == 0 else value
+    if isinstance(right, _Tiny) and not isinstance(op, ast.Mult | ast.Pow):
+        raise _out_of_range("divides by")
+    if isinstance(op, ast.Pow):
+        if not isinstance(left, _Tiny):  # x ** tiny: x ** 0 to a float's precision
+            if left <= 0:
+                raise _out_of_range("raises 0 or a negative number to the power of")
+            return 1.0
+        if right == 0 and not isinstance(right, _Tiny):
+            return 1.0
+        if isinstance(right, _Tiny) or right < 1:
+            raise _out_of_range("takes a power under 1 of")
+        if _negative(left) and isinstance(right, float) and not right.is_integer():
+            raise ValueError("the result is not a real number")
+        odd = right % 2 == 1  # (not float(right): an int exponent may be too large for one)
+        return _Tiny(-0.0 if _negative(left) and odd else 0.0)  # |tiny| ** y <= |tiny|
+    if isinstance(op, ast.Mult):
+        other = right if isinstance(left, _Tiny) else left
+        if other == 0 and not isinstance(other, _Tiny):
+            return left * right  # 0, exactly
+        if abs(other) > 1:
+            raise _out_of_range("scales up")
+        return _Tiny(left * right)
+    if right == 0:
+        raise ZeroDivisionError
+    # signs, not left / right: an int divisor may be too large for a float
+    same_sign = _negative(left) == (right < 0)
+    if isinstance(op, ast.Div):
+        if abs(right) < 1:
+            raise _out_of_range("scales up")
+        return _Tiny(0.0 if same_sign else -0.0)
+    if isinstance(op, ast.FloorDiv):  # the floor of a tiny quotient: 0 or -1
+        return 0.0 if same_sign else -1.0
+    return _Tiny(left) if same_sign else float(right)  # a remainder: tiny, or right + tiny
+
+
+def _underflowed(op: ast.operator, left: Any, right: Any, value: Any) -> bool:
+    """Whether ``value``, ``left op right`` of numbers a float holds, is 0 standing for a
+    number too small for one: a product, quotient or power of nonzero numbers, none of
+    which is ever 0 exactly (``1e-200 * 1e-200``, ``3 ** -1000``, ``1 / 10 ** 400``)."""
+    return (
+        isinstance(value, float)
+        and value == 0
+        and isinstance(op, ast.Mult | ast.Div | ast.Pow)
+        and left != 0
+        and right != 0
+    )
+
+
 def _check_size(value: Any) -> Any:
     if isinstance(value, complex):  # (-8) ** 0.5
         raise ValueError("the result is not a real number")
     if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError("the result is too large")
+        raise ValueError(TOO_LARGE_FOR_A_FLOAT)
     if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
         raise ValueError(f"the result is too large (over {MAX_INT_BITS:,} bits)")
     return value
@@ -106,7 +189,8 @@ def _power(base: Any, exp: Any) -> Any:
             return float(base) ** (abs(exp) % 2)
         if (abs(base) > 1) == (exp > 0):
             raise
-        return 0.0  # tiny: what a float power that underflows gives (2 ** -2000)
+        # tiny: what a float power that underflows gives (2 ** -2000), its sign kept
+        return -0.0 if base < 0 and isinstance(exp, int) and exp % 2 else 0.0
 
 
 def _eval(node: ast.AST) -> Any:
@@ -119,11 +203,24 @@ def _eval(node: ast.AST) -> Any:
             raise ValueError("a number is too large for a float (over about 1.8e308)")
         return node.value
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        return _UNARY[type(node.op)](_eval(node.operand))
+        operand = _eval(node.operand)
+        value = _UNARY[type(node.op)](operand)
+        return _Tiny(value) if isinstance(operand, _Tiny) else value
     if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
         left, right = _eval(node.left), _eval(node.right)
+        if isinstance(left, _Tiny) or isinstance(right, _Tiny):
+            return _with_tiny(node.op, left, right)
         op = _power if isinstance(node.op, ast.Pow) else _BINOPS[type(node.op)]
-        return _check_size(op(left, right))
+        try:
+            value = _check_size(op(left, right))
+        except OverflowError:
+            if isinstance(node.op, ast.Div) and isinstance(left, int) and isinstance(right, int):
+                # an int quotient over a float's range (10 ** 400 / 3): // gives it exactly
+                raise ValueError(
+                    f"{TOO_LARGE_FOR_A_FLOAT}: / gives a float; use // for a quotient in whole numbers"
+                ) from None
+            raise
+        return _Tiny(value) if _underflowed(node.op, left, right, value) else value
     what = getattr(node, "op", node)
     hint = _HINTS.get(type(what), f"{type(what).__name__} is not allowed")
     raise ValueError(f"unsupported expression: {hint} (only numbers, + - * / // % ** and parentheses)")
@@ -169,13 +266,14 @@ def evaluate(expression: str) -> int | float:
     except (RecursionError, MemoryError):
         raise ValueError("expression is nested too deeply") from None
     try:
-        return _eval(tree)
+        value = _eval(tree)
     except ZeroDivisionError:
         raise ValueError("division by zero") from None
-    except OverflowError:
-        raise ValueError("the result is too large") from None
+    except OverflowError:  # a float power, an int too large to convert (10 ** 400 * 1.0)
+        raise ValueError(TOO_LARGE_FOR_A_FLOAT) from None
     except RecursionError:
         raise ValueError("expression is nested too deeply") from None
+    return float(value) if isinstance(value, _Tiny) else value
 
 
 @fabric.tool(
