@@ -119,7 +119,7 @@ def boxed_or_stated(text: str) -> tuple[str, str] | None:
     candidate, after = denied
     # a denial after the box withdraws it if it names it ("\boxed{5} ... the answer is not
     # 5"); a note that the answer is not 3 leaves \boxed{7} standing
-    if boxed is not None and normalize(candidate.rstrip(" .,;:!?")) != normalize(boxed[0]):
+    if boxed is not None and _same(candidate) != normalize(boxed[0]):
         return boxed[0], "boxed"
     return text[after:], "denied"
 
@@ -134,7 +134,8 @@ def stated_answer(text: str) -> str | None:
     "the answer is correct" (or reasonable, right, wrong...) judges an answer rather than
     states one: the marker before it counts ("The answer is 42. Let me check that the answer
     is correct." states 42), and so does it before one that denies a candidate ("the answer is
-    not 5"); with no marker before it the denial is what the text states (``not 5``, which
+    not 5"), unless it states that candidate ("The answer is 5. Wait, the answer is not 5":
+    withdrawn); with no marker before it the denial is what the text states (``not 5``, which
     matches nothing), unless a correction follows the candidate ("not 5 but 6", "not 5. It is
     6": the correction is the answer). An answer that refers back ("the answer is the same as
     before", "as above") states nothing either: the marker before it counts."""
@@ -151,6 +152,10 @@ def _stated_answer(text: str, pos: int = 0) -> tuple[str, int, tuple[str, int] |
     fallback (the last number, or a box before it)."""
     n = len(text)
     denial: tuple[int, int, int] | None = None  # the last marker that denies a candidate
+    # what the denials after the marker at hand reject, read once a marker states an answer
+    # (only then compared: a text of denials alone reads none of them)
+    pending: list[int] = []
+    denied: set[str] = set()
     # a marker that judges or denies an answer ("the answer is probably wrong", "the answer is
     # not 5") leaves the one before it the answer: walked from the last. Only ends are kept,
     # and each rejection is an anchored match at the marker's end, so the walk is linear
@@ -162,17 +167,37 @@ def _stated_answer(text: str, pos: int = 0) -> tuple[str, int, tuple[str, int] |
             continue  # a marker with nothing after it
         if (ends_in_is and _VERDICT.match(text, i)) or _BACK_REFERENCE.match(text, i):
             continue
-        if ends_in_is and (denied := _DENIAL.match(text, i)):
-            if (corrected := _correction(text, denied.end())) is not None:
+        if ends_in_is and (denying := _DENIAL.match(text, i)):
+            if (corrected := _correction(text, denying.end())) is not None:
                 return _answer_at(text, corrected)[0], start, None
             if denial is None:
-                denial = (start, i, denied.end())
+                denial = (start, i, denying.end())
+            pending.append(denying.end())
+            continue
+        # each candidate read once, by a bounded match: linear however many denials
+        denied.update(_same(c[0]) for j in pending if (c := _CANDIDATE.match(text, j)))
+        pending.clear()
+        if denied and _same(_answer_at(text[i : i + _BOUNDED], 0)[0]) in denied:
+            # a later denial names it ("The answer is 5. Wait, the answer is not 5"): withdrawn,
+            # as a box is; one of another value leaves it ("... the answer is not 6"). Read
+            # from a bounded slice (a candidate is short): a line of withdrawn answers stays linear
             continue
         return _answer_at(text, i)[0], start, None
     if denial is None:
         return None
     start, i, candidate = denial
     return _answer_at(text, i)[0], start, _answer_at(text, candidate)
+
+
+# the candidate a denial rejects, as a stated answer before it is compared with: math, or a
+# short run without a space ("5", "(B)", "\frac{1}{2}"); bounded, as _CORRECTION's
+_CANDIDATE = re.compile(r"\$[^$\n]{1,300}\$|\\\(.{0,300}?\\\)|[^\s,;]{1,100}")
+_BOUNDED = 400  # how much of a stated answer is read to compare it with the candidates
+
+
+def _same(answer: str) -> str:
+    """What a stated answer and a denied candidate are compared by (``**$5$**.`` is ``5``)."""
+    return normalize(unemphasize(answer.rstrip(" .,;:!?")).rstrip(" .,;:!?"))
 
 
 def _correction(text: str, candidate: int) -> int | None:

@@ -20,7 +20,10 @@ read as its last side (``$x = \frac{3}{4}$``: ``\frac{3}{4}``): an inequality is
 and the span before it is read (``$f(n) = 3$ for all $n \ge 1$``: ``3``), and a span with no
 number in it (a digit, ``\frac``, ``\sqrt``, ``\pi``...) is read only when it ends the text and
 is more than a lone variable (in "42 ways, one for each value of $n$." the answer is 42); else
-the last number (``\frac{3}{4}`` and a power, ``2^{10}``, count as one). ``info["extracted_by"]`` says which:
+the last number (``\frac{3}{4}`` and a power, ``2^{10}``, count as one). Neither fallback reads
+a value the prose negates right before it ("isn't 5", "cannot be 5", "x is not $5$": the text
+rejects it; "x = 3, and not 5" reads 3); a stated answer that a later "the answer is not ..."
+names is withdrawn ("The answer is 5. Wait, the answer is not 5"). ``info["extracted_by"]`` says which:
 ``boxed``, ``answer_is``, ``last_math``, ``last_number``.
 
 Equivalence, cheapest first:
@@ -185,6 +188,25 @@ _NUMERIC = re.compile(r"\d|\\(?:[dtc]?frac|sqrt|pi|infty|emptyset|varnothing|bin
 _LONE_VARIABLE = re.compile(r"\\?[A-Za-z]+(?:_(?:\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}|\w))?'*")
 # what may follow a final math span: closing punctuation, emphasis, space
 _TRAILING = re.compile(r"[\s.,;:!?)\]*_]*")
+# a negation right before a number or math span ("not 5", "isn't 5", "cannot be 5", "not equal
+# to $5$"): the value the text rejects, never the fallback's answer (the text states none;
+# "x = 3, and not 5" still reads 3). Group 1: the math delimiter after it, if any
+_NEGATION = re.compile(
+    r"(?:\bnot|n['\u2019]t|\bnever|\bcannot)"
+    r"(?:[ \t]+(?:be|equal(?:[ \t]+to)?|exactly|quite|just|simply))?[ \t]*[*_]*(\$|\\\()?[ \t]*",
+    re.IGNORECASE,
+)
+
+
+def _negated_starts(text: str) -> set[int]:
+    """Where a value that a negation rejects would start: right after each negation, and at
+    the math delimiter after one (``not $5$``: at the ``$`` and at the ``5``). One pass."""
+    starts: set[int] = set()
+    for m in _NEGATION.finditer(text):
+        starts.add(m.end())
+        if m.start(1) >= 0:
+            starts.add(m.start(1))
+    return starts
 
 
 def _math_spans(text: str) -> list[tuple[int, int, str]]:
@@ -223,7 +245,7 @@ def _value_of(span: str) -> str | None:
     return value.strip() or None
 
 
-def _last_math(text: str, numbers: list[re.Match[str]]) -> str | None:
+def _last_math(text: str, numbers: list[re.Match[str]], negated: set[int]) -> str | None:
     """The value of the last math span that states an answer (see ``extract_final``), or None."""
     spans = _math_spans(text)
     # the end of the last number of the prose (outside every span): a span before it is not
@@ -241,9 +263,11 @@ def _last_math(text: str, numbers: list[re.Match[str]]) -> str | None:
         if k < 0 or merged[k][1] < number.end():
             prose_end = number.end()
             break
-    for _, end, content in reversed(spans):
+    for start, end, content in reversed(spans):
         if end < prose_end:
             return None
+        if start in negated:  # "x is not $5$": a value the text rejects, look further back
+            continue
         value = _value_of(content)
         if value is None:  # an inequality ("for all $n \ge 1$") is a condition: look further back
             continue
@@ -278,8 +302,9 @@ def extract_final(text: str) -> tuple[str | None, str]:
         if rule != "denied":
             return (_chain_end(answer) if rule == "answer_is" else answer), rule
         text = answer  # what follows a rejected candidate ("not 5, it is 6"): never the candidate
-    numbers = list(_LAST_NUMBER.finditer(text))
-    value = _last_math(text, numbers)
+    negated = _negated_starts(text)
+    numbers = [m for m in _LAST_NUMBER.finditer(text) if m.start() not in negated]
+    value = _last_math(text, numbers, negated)
     if value is not None:
         return value, "last_math"
     number = numbers[-1] if numbers else None
@@ -314,16 +339,20 @@ def _choice(pred: str, gt: str) -> Verdict | None:
 _NAME_PARTS = re.compile(r"_(?:\{[^{}]*\}|\w)|\([^()]*\)|\\[A-Za-z]+|[{}\s']")
 
 
+# a side that starts by negating ("not x = 5", "never x = 5") denies the value: no name of one
+_DENIED_NAME = re.compile(r"\s*(?:not|never)\b", re.IGNORECASE)
+
+
 def _last_side(s: str) -> str:
     """The value a canonical answer states with ``=``: the last side of a chain of arithmetic
     (``2+1=3``, ``5! = 120``) or of names and arithmetic (``AB = 5``, ``x = 2 \\cdot 3 = 6``,
     ``f(2) = 5``, ``m\\angle A = 30``); ``s`` itself when a side before it is an expression in
     a variable (``2x = 10`` says x is 5, ``x + y = 5`` is an equation), when it is a list
-    (``x = 1, y = 2``) or a relation (``x \\le 3``, ``==``)."""
+    (``x = 1, y = 2``) or a relation (``x \\le 3``, ``==``), or a denial (``not x = 5``)."""
     if "=" not in s or "," in s or "==" in s or "!=" in s or _INEQUALITY.search(s):
         return s
     *before, value = s.split("=")
-    if not value.strip():
+    if not value.strip() or _DENIED_NAME.match(before[0]):
         return s
     for side in before:
         if not side.strip():

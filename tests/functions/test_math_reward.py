@@ -297,6 +297,52 @@ def test_a_rejected_candidate_is_not_the_answer(text, gt, score):
     assert math_answer(text, ground_truth=gt).score == score, math_answer(text, ground_truth=gt).info
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "the answer is not 5 but it is close",  # a denial: no answer (so it was already)
+        # a denial the marker does not read ("isn't", "cannot be") or a text with no marker:
+        # the fallback read the last number, the very one the text negates
+        "The answer isn't 5 but it is close.",
+        "The answer isn\u2019t 5 but it is close.",
+        "The answer cannot be 5, but it is close.",
+        "The answer can't be 5 but it is close.",
+        "The answer would not be 5 but it is close.",
+        "It is not 5 but it is close.",
+        "x is not $5$, but it is close.",
+        "#### not 5 but it is close",
+        # "not x" was read as a name, and "not x = 5" as its value 5
+        "The answer is not x = 5 but it is close.",
+        # a later denial of the answer stated before it withdraws it (as it does a box)
+        "The answer is 5. Wait, the answer is not 5 but it is close.",
+        "The answer is $5$. Hmm, the answer is not 5, but it is close.",
+        "\\boxed{5}. Hmm, the answer is not 5 but it is close.",
+    ],
+)
+def test_a_negated_statement_is_not_read_as_the_answer_it_negates(text):
+    res = math_answer(text, ground_truth="5")
+    assert res.score == 0.0, res.info
+
+
+@pytest.mark.parametrize(
+    ("text", "gt"),
+    [
+        # the number negated is passed over, not every number: the one before it is read
+        ("So x = 3, and not 5.", "3"),
+        ("It is not 5; it is 6.", "6"),
+        ("Since $n$ is not 0, there are 12 ways.", "12"),
+        ("The answer can't be 5, so it is 6.", "6"),
+        # a denial of another value leaves the answer stated before it
+        ("The answer is 5. Wait, the answer is not 6.", "5"),
+        ("The answer is 5. Note that it is not 6.", "5"),
+        ("The answer is not 5 but 6.", "6"),
+    ],
+)
+def test_a_negation_of_another_value_leaves_the_answer(text, gt):
+    res = math_answer(text, ground_truth=gt)
+    assert res.score == 1.0, res.info
+
+
 @pytest.mark.parametrize("text", ["<think>so \\boxed{42}</think>", "<think>The answer is 42.</think>\n \n"])
 def test_nothing_after_the_thinking_is_no_answer(text):
     assert extract_final(text) == (None, "none")
