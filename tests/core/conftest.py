@@ -1,8 +1,9 @@
-"""Fixtures the job's test modules share."""
+"""Fixtures the test modules of ``tests/core`` share."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -19,3 +20,14 @@ def ray_cluster():
     yield ray
     if started:
         ray.shutdown()
+
+
+@pytest.fixture
+def tok() -> Any:
+    """The proxy tests' word tokenizer (a module may define its own ``tok``); imported here,
+    not at the top, so that a module that needs no torch loads none through this file."""
+    from proxy_fakes import WORDS
+
+    from core.policy.tokenizer import WordTokenizer
+
+    return WordTokenizer(WORDS)

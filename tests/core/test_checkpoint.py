@@ -13,7 +13,7 @@ import job_faults_fns as faults
 import pytest
 import torch
 import yaml
-from test_job import FROZENLAKE, check_invariants, job_config, run_job, train_rows
+from job_helpers import FROZENLAKE, check_invariants, job_config, run_job, train_rows
 from test_torch_trainer import TOK, model, sample
 
 from core.checkpoint import JOB_FILE, TRAINER_FILE, Checkpoints, config_changes, start_problems
