@@ -39,7 +39,10 @@ the turn with ``NoReplicaError``, which the env manager records as an ``infra_fa
 trajectory. A replica that left is tried again in the background (after
 ``rejoin_first_s``, backing off to ``rejoin_max_s``): once it answers, what it was running
 is aborted, it gets the latest weights and rejoins its group. Only one gone for good
-(``ReplicaGone``: Ray cannot place it) is never tried again.
+(``ReplicaGone``: Ray cannot place it) is never tried again. With no rejoin
+(``rejoin_first_s`` None) what a dropped replica was running is aborted at once instead,
+best effort (one round bounded by ``abort_timeout_s``): alive, it ran those turns, rerun
+elsewhere, to their end for nobody.
 
 The proxy actor itself is made without ``max_restarts`` (``core.cluster``): a restarted
 proxy would come back from its constructor's arguments, at weights version 0 with no

@@ -78,9 +78,70 @@ class ProxyRecovery(ProxyState):
 
     def _orphan(self, replica: Replica, rid: str) -> None:
         """Remember ``rid`` to abort before the replica, out of its group, rejoins; one that
-        never will (gone, or no rejoin) keeps nothing: its ids were kept for the job's life."""
+        never will is sent the abort now if it may be alive (no rejoin), and keeps nothing
+        (its ids were kept for the job's life)."""
         if id(replica) in self._rejoining:
             self._orphans.setdefault(id(replica), set()).add(rid)
+        elif id(replica) in self._never_back:
+            self._stop_left(replica, {rid})
+
+    def _stop_left(self, replica: Replica, rids: set[str]) -> None:
+        """Abort what a replica dropped for good was left running, in the background: its
+        turns moved to other replicas, and, alive, it ran them on to ``max_new_tokens`` for
+        nobody, on a card it may share with the trainer or another replica. The ids that
+        turn up while an abort is under way go in the next round (``_stop_rounds``)."""
+        if not rids:
+            return
+        pending = self._to_stop.get(id(replica))
+        if pending is not None:
+            pending.update(rids)
+            return
+        self._to_stop[id(replica)] = set(rids)
+        self._in_background(self._stop_rounds(replica))
+
+    async def _stop_rounds(self, replica: Replica) -> None:
+        """Best effort and bounded: each round sends every abort at once, within one
+        ``abort_timeout_s`` (a replica dropped for not answering answers no abort either:
+        one warning, not one per turn), and a replica that does not answer, or is down, is
+        sent none again."""
+        key = id(replica)
+        try:
+            while rids := self._to_stop.get(key):
+                self._to_stop[key] = set()
+                try:
+                    async with asyncio.timeout(self.abort_timeout_s):
+                        results = await asyncio.gather(
+                            *(replica.abort(rid) for rid in rids), return_exceptions=True
+                        )
+                except TimeoutError:
+                    self.metrics["abort_timeouts"] += 1
+                    self._never_back.pop(key, None)
+                    log.warning(
+                        "engine replica %s, dropped, did not answer the aborts of the %d turns it "
+                        "was left running within %g s; given up (they run on to their end there)",
+                        replica.name,
+                        len(rids),
+                        self.abort_timeout_s,
+                    )
+                    return
+                for res in results:
+                    if isinstance(res, BaseException) and not isinstance(res, Exception):
+                        raise res
+                self.metrics["left_running_aborted"] += sum(res is True for res in results)
+                errors = [res for res in results if isinstance(res, Exception)]
+                if any(isinstance(res, ReplicaLost) for res in errors):
+                    self._never_back.pop(key, None)  # down or cut off: none is sent again
+                    return
+                if errors:
+                    self.metrics["abort_errors"] += len(errors)
+                    log.warning(
+                        "engine replica %s, dropped, failed %d aborts: %r",
+                        replica.name,
+                        len(errors),
+                        errors[0],
+                    )
+        finally:
+            self._to_stop.pop(key, None)
 
     def _spawn_recover(self, replica: Replica, *, gone: bool) -> asyncio.Task[None]:
         task = self._recovering.get(id(replica))
@@ -167,11 +228,15 @@ class ProxyRecovery(ProxyState):
         self.groups[home].remove(replica)
         self.metrics["replicas_removed"] += 1
         again = rejoin and self.rejoin_first_s is not None
+        running = {rid for calls in self._inflight.values() for rid, r in calls.items() if r is replica}
         if again:
-            orphans = self._orphans.setdefault(id(replica), set())
-            orphans.update(
-                rid for calls in self._inflight.values() for rid, r in calls.items() if r is replica
-            )
+            self._orphans.setdefault(id(replica), set()).update(running)
+        elif rejoin:
+            # never tried again, yet maybe alive (its reload failed, it answered too late):
+            # what it runs is stopped now, not at a rejoin that never comes (a replica gone
+            # for good has nothing running)
+            self._never_back[id(replica)] = replica
+            self._stop_left(replica, running)
         self._wakes.wake(("calls", id(replica)))
         self._wakes.wake(("slot", id(replica)))
         log.error(

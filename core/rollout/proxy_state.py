@@ -116,6 +116,12 @@ class ProxyState:
         # id(replica) -> request ids that may still run in its engine, though nothing waits
         # for them (it left its group meanwhile): aborted before it rejoins
         self._orphans: dict[int, set[str]] = {}
+        # replicas dropped and never tried again (engine.rejoin_first_s null) that may be
+        # alive (a reload failed, a ping went unanswered): what they were left running is
+        # aborted at once (``ProxyRecovery._stop_left``), until one does not answer
+        self._never_back: dict[int, Replica] = {}
+        # id(replica) -> request ids of such a replica waiting for the aborts under way
+        self._to_stop: dict[int, set[str]] = {}
         self.version = 0
         self.metrics: Counter[str] = Counter()
         self.scheduler = scheduler

@@ -301,6 +301,83 @@ async def test_a_replica_whose_reload_raises_leaves_its_group():
         await proxy.aclose()
 
 
+class RunsOn(Fake):
+    """A replica alive as a Ray actor is: its engine runs a turn on when the proxy stops
+    waiting for it (a Ray call's remote side outlives its caller) until the turn ends or is
+    aborted; and its weights reload fails with the engine's own error (out of memory)."""
+
+    def __init__(self, name: str, **kw: Any):
+        super().__init__(name, **kw)
+        self.runs: dict[str, asyncio.Future[Completion]] = {}
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        run = self.runs[request.request_id] = asyncio.ensure_future(super().generate(request))
+        return await asyncio.shield(run)
+
+    def running(self) -> set[str]:
+        return {rid for rid, run in self.runs.items() if not run.done()}
+
+    async def swap(self, version: int, state: Any) -> None:
+        raise EngineError("CUDA out of memory while loading")
+
+
+async def test_what_a_replica_never_tried_again_was_running_is_aborted():
+    # engine.rejoin_first_s null: a dropped replica is never tried again, and what it was
+    # running was never stopped (only a rejoin aborted it). One still alive (its reload
+    # failed) ran those turns on to max_new_tokens for nobody, each rerun on another
+    # replica, on a card it may share with the trainer or another replica
+    hold = asyncio.Event()  # never set: t/1 runs on r until it is aborted
+    r, ok = RunsOn("r", gate=hold, only={"t/1"}), Fake("ok")
+    proxy = LLMProxy({"default": [r, ok]}, rejoin_first_s=None)
+    try:
+        for traj in ("t", "u"):  # both stick to r (one at a time: a tie each)
+            assert (await proxy.generate(traj, "x", req(request_id=f"{traj}/0"))).text == "r"
+        turn = asyncio.create_task(proxy.generate("t", "x", req(request_id="t/1")))
+        await until(lambda: "t/1" in r.generated)
+        proxy._latest = (1, "W1")  # weights were published: the recovery reloads them, and fails
+        r.fail = [ReplicaLost("unreachable for a while")]  # u/1's call: its recovery begins
+        assert (await asyncio.wait_for(proxy.generate("u", "x", req(request_id="u/1")), 5)).text == "ok"
+        assert (await asyncio.wait_for(turn, 5)).text == "ok"  # moved off r when it was dropped
+        assert proxy.groups["default"] == [ok] and proxy.metrics["recover_errors"] == 1
+        await until(lambda: not proxy._background)  # (the aborts go in the background)
+        assert r.running() == set(), "the dropped replica's engine still runs them"
+        assert sorted(r.aborted) == ["t/1", "u/1"]  # u/1's first run may go on too: stopped
+        assert proxy.metrics["left_running_aborted"] == 1  # t/1 (u/1's had ended: not found)
+        assert proxy._to_stop == {}
+    finally:
+        for run in r.runs.values():
+            run.cancel()
+        await proxy.aclose()
+
+
+async def test_aborts_a_replica_never_tried_again_does_not_answer_are_given_up_at_once(caplog):
+    # those aborts are best effort: a replica dropped because it hangs answers none, and
+    # each was waited for (and warned of) on its own
+    stuck, up = Stuck("stuck"), Fake("up")
+    proxy = LLMProxy(
+        {"default": [stuck, up]},
+        swap_timeout_s=0.2,
+        recover_timeout_s=0.3,
+        rejoin_first_s=None,
+        abort_timeout_s=0.2,
+    )
+    try:
+        for traj in ("t", "u"):  # both stick to "stuck" (one at a time: a tie each)
+            assert (await proxy.generate(traj, "x", req(request_id=f"{traj}/0"))).text == "stuck"
+        stuck.wedged = True
+        turns = [asyncio.create_task(proxy.generate(t, "x", req(request_id=f"{t}/1"))) for t in ("t", "u")]
+        await until(lambda: {"t/1", "u/1"} <= set(stuck.generated))
+        await asyncio.wait_for(proxy.update_weights(1, ["W1"]), 5)
+        assert [c.text for c in await asyncio.wait_for(asyncio.gather(*turns), 5)] == ["up", "up"]
+        await until(lambda: not proxy._background)
+        assert proxy.metrics["abort_timeouts"] == 1 and proxy.metrics["left_running_aborted"] == 0
+        given_up = [r.getMessage() for r in caplog.records if "did not answer the aborts" in r.getMessage()]
+        assert len(given_up) == 1 and "of the 2 turns it was left running" in given_up[0]
+        assert proxy._to_stop == {} and proxy._never_back == {}  # nothing more is sent to it
+    finally:
+        await proxy.aclose()
+
+
 async def test_a_turn_waiting_for_a_slot_on_a_recovering_replica_is_rerouted():
     # new turns already went around a replica being recovered, but one waiting in its
     # turn scheduler's line stayed there until the replica was dropped (recover_timeout_s)
