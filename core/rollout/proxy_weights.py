@@ -22,7 +22,12 @@ class ProxyWeights(ProxyRecovery):
 
     async def update_weights(self, version: int, state: Any) -> None:
         """Install ``state`` (a state dict, or ``[ObjectRef]`` of one) as ``version`` on every
-        replica. A replica that is down gets it when it comes back."""
+        replica. A replica that is down gets it when it comes back.
+
+        ``version`` names these weights for good: an engine skips a version it holds without
+        looking at the weights (``Engine.swap``), so other weights must never be sent under a
+        number sent before, refused or not (a replica may have loaded a refused update). The
+        job never does: see ``Engine.swap`` for why."""
         if version < self.version:
             raise EngineError(f"weights version {version} is older than the proxy's {self.version}")
         t0 = time.perf_counter()

@@ -292,6 +292,15 @@ class Engine(ABC):
         chunks (a mix of two versions, stamped one). A version at or below the engine's is
         skipped (a later one got there first). True when it was loaded."""
         async with self._swap_lock:
+            # skipped by its number alone, not by its content: a version number names one set
+            # of weights for good. The job's trainer numbers each step's weights one above the
+            # last; an update every replica refused stops the job (no retry, and Ray retries
+            # no actor call), so an engine that loaded a refused version (its answer lost) never
+            # sees that number again; a --resume, which retrains from an earlier step and so
+            # numbers other weights the same, runs new engine processes (the job kills its
+            # actors on the way out). A same-numbered swap here is of the same weights: the
+            # proxy's reload of what a swap it stopped waiting for (swap_timeout_s) went on to
+            # load. A caller driving the proxy by hand must keep to that (LLMProxy.update_weights)
             if version <= self._version and self._loaded_any:
                 return False
             await self.suspend()
