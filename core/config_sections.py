@@ -110,7 +110,9 @@ class EngineConfig(ConfigModel):
     its reload failed) the proxy first tries it again; the try comes between half of it and
     all of it (jittered: replicas dropped together are not tried together). Each failed try
     doubles the wait, up to ``rejoin_max_s``. ``null``: a dropped replica is never tried
-    again (the job runs on with the ones left)."""
+    again (the job runs on with the ones left), and the turns it was left running are
+    aborted there at once, best effort (a replica still alive would otherwise generate them
+    on, for nobody)."""
     rejoin_max_s: float = Field(600.0, gt=0, allow_inf_nan=False)
     """The longest wait between two tries of a dropped replica."""
     start_timeout_s: float = Field(1800.0, gt=0, allow_inf_nan=False)
