@@ -2,7 +2,8 @@
 look at the host from outside (processes left in a uid range, run inits, orphans), a
 sandbox of one's own for attacks that may leave debris, and ptrace helpers.
 
-Not a test module: ``test_sandbox_attacks.py`` and ``test_sandbox_lifecycle.py`` import it.
+Not a test module: ``test_sandbox_attacks_*.py`` (through ``attack_box``) and
+``test_sandbox_lifecycle.py`` import it.
 """
 
 from __future__ import annotations
