@@ -1,0 +1,246 @@
+"""``fabric deploy`` from the command line: the direct path against a moto server (and the
+client calling the region it deployed to), the terraform path's tfvars, provisioned
+concurrency, missing credentials and bad input, each saying what to do."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from sample_fns import REG
+from typer.testing import CliRunner
+
+from fabric.backends.base import LambdaConfig
+from fabric.client import Client
+from fabric.deploy import DeployError
+from fabric.deploy.tfvars import TFVARS_FILE
+
+# -- CLI
+
+
+def test_cli_direct_deploy(moto_url, tmp_path, monkeypatch):
+    from fabric.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(
+        app,
+        [
+            *("deploy", "--direct", "--no-deps", "--endpoint-url", moto_url, "--prefix", "cli-"),
+            *("-m", "sample_fns", "-f", "add", "-f", "pid", "--out", str(tmp_path / "build")),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    done = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [d["deployed_name"] for d in done] == ["cli-add", "cli-pid"]
+
+
+@pytest.mark.parametrize("aws_region", [None, ""])
+async def test_the_client_calls_the_region_the_cli_deployed_to(moto_url, tmp_path, monkeypatch, aws_region):
+    """With the region in AWS_DEFAULT_REGION (what `aws configure` users and most CI set),
+    `fabric deploy` deployed there, but LambdaConfig read only AWS_REGION and called
+    us-east-1: every call was UnknownFunction "run `fabric deploy`?" for a function that was
+    deployed. An empty AWS_REGION made the region "" and the first call raised botocore's
+    ValueError "Invalid endpoint: https://lambda..amazonaws.com" out of client.call."""
+    from fabric.cli import app
+
+    if aws_region is None:
+        monkeypatch.delenv("AWS_REGION", raising=False)
+    else:
+        monkeypatch.setenv("AWS_REGION", aws_region)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-1")
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(
+        app,
+        [
+            *("deploy", "--direct", "--no-deps", "--endpoint-url", moto_url, "--prefix", "reg-"),
+            *("-m", "sample_fns", "-f", "add", "--out", str(tmp_path / "build")),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    assert ":eu-west-1:" in json.loads(r.stdout.strip().splitlines()[-1])[0]["alias_arn"]
+    import boto3
+
+    cfg = LambdaConfig(endpoint_url=moto_url, function_prefix="reg-")
+    # the region the client calls holds the function (moto's invoke echoes the envelope
+    # without looking the function up, so ask its control plane)
+    assert cfg.region == "eu-west-1"
+    boto3.client("lambda", endpoint_url=moto_url, region_name=cfg.region).get_function(FunctionName="reg-add")
+    async with Client(backend=cfg, registry=REG) as c:
+        got = await c.call("add", {"a": 1})
+    assert got.ok and got.value["function"] == "add", got.error
+
+
+def test_cli_terraform_path_writes_tfvars(tmp_path, monkeypatch):
+    from fabric.cli import app
+
+    tf = tmp_path / "terraform"
+    tf.mkdir()
+    for name in ("region", "name_prefix", "package", "functions", "tags"):
+        (tf / f"{name}.tf").write_text(f'variable "{name}" {{}}\n')
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no terraform on PATH
+    r = CliRunner().invoke(
+        app,
+        [
+            "deploy",
+            "--no-deps",
+            "-m",
+            "sample_fns",
+            "-f",
+            "add",
+            "--terraform-dir",
+            str(tf),
+            "--out",
+            str(tmp_path / "b"),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    values = json.loads((tf / TFVARS_FILE).read_text())
+    assert values["functions"]["add"]["modules"] == "sample_fns"
+    assert Path(values["package"]["zip_path"]).is_file()
+    assert "terraform is not on PATH" in r.output
+
+
+def test_cli_lambda_deploy_provisions_no_concurrency_unless_asked(tmp_path, monkeypatch):
+    """Every built-in has warm=1, and a deploy put provisioned concurrency on each: on a new
+    AWS account (a concurrency limit of 10, of which Lambda keeps 10 unreserved) terraform
+    apply failed with "decreases account's UnreservedConcurrentExecution below its minimum
+    value of [10]". A Lambda deploy provisions none unless asked (--provisioned: each
+    function's warm; --warm N: N for every function)."""
+    from fabric.cli import app
+
+    tf = tmp_path / "terraform"
+    tf.mkdir()
+    for name in ("region", "name_prefix", "package", "functions", "tags"):
+        (tf / f"{name}.tf").write_text(f'variable "{name}" {{}}\n')
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no terraform on PATH
+    base = ["deploy", "--no-deps", "-m", "sample_fns", "-f", "add", "--terraform-dir", str(tf)]
+    base += ["--out", str(tmp_path / "b")]
+    for extra, warm in (([], 0), (["--provisioned"], REG.get("add").warm), (["--warm", "2"], 2)):
+        r = CliRunner().invoke(app, base + extra)
+        assert r.exit_code == 0, r.output
+        assert json.loads((tf / TFVARS_FILE).read_text())["functions"]["add"]["warm"] == warm, extra
+    assert REG.get("add").warm == 1  # so the default's 0 is the deploy's, not the function's
+    r = CliRunner().invoke(app, ["deploy", "--backend", "modal", "--provisioned", "-m", "sample_fns"])
+    assert r.exit_code == 2 and "--provisioned" in r.output  # Modal's warm pool is min_containers
+
+
+def test_a_terraform_apply_refused_for_the_concurrency_limit_says_what_to_do(tmp_path, monkeypatch):
+    from fabric.deploy.terraform import run_terraform
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "terraform"
+    script.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = apply ]; then\n'
+        "  echo 'Error: putting Lambda Provisioned Concurrency Config (rl-fabric-add,live): "
+        "InvalidParameterValueException: Specified ConcurrentExecutions for function decreases "
+        "account'\\''s UnreservedConcurrentExecution below its minimum value of [10].' >&2\n"
+        "  exit 1\n"
+        "fi\n"
+    )
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    with pytest.raises(DeployError) as e:
+        run_terraform(tmp_path, plan_only=False, echo=lambda _: None)
+    assert "apply failed" in str(e.value) and "Service Quotas" in str(e.value) and "--warm 0" in str(e.value)
+
+
+@pytest.mark.parametrize("image", [None, "123456789012.dkr.ecr.us-east-1.amazonaws.com/rl-fabric:1"])
+def test_cli_terraform_path_keeps_the_architecture(tmp_path, monkeypatch, image):
+    """--image with --architecture arm64 wrote x86_64 to the tfvars (an arm64 image on an
+    x86_64 function fails at its first call); the zip path passed it on."""
+    from fabric.cli import app
+
+    tf = tmp_path / "terraform"
+    tf.mkdir()
+    for name in ("region", "name_prefix", "package", "functions", "tags"):
+        (tf / f"{name}.tf").write_text(f'variable "{name}" {{}}\n')
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no terraform on PATH
+    args = ["deploy", "--no-deps", "-m", "sample_fns", "-f", "add", "--architecture", "arm64"]
+    args += ["--terraform-dir", str(tf), "--out", str(tmp_path / "b")]
+    r = CliRunner().invoke(app, args + (["--image", image] if image else []))
+    assert r.exit_code == 0, r.output
+    package = json.loads((tf / TFVARS_FILE).read_text())["package"]
+    assert package["architecture"] == "arm64" and package["type"] == ("image" if image else "zip")
+
+
+@pytest.fixture
+def no_aws_credentials(monkeypatch, tmp_path):
+    """No AWS variables, empty credentials and config files, no instance metadata."""
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    for k, name in (("AWS_SHARED_CREDENTIALS_FILE", "credentials"), ("AWS_CONFIG_FILE", "config")):
+        (tmp_path / name).write_text("")
+        monkeypatch.setenv(k, str(tmp_path / name))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # an EC2 runner's role is credentials
+    import boto3
+
+    # boto3.client() reuses one default session, with the credentials an earlier test found
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
+
+
+def test_cli_direct_deploy_without_credentials_says_what_to_do_before_packaging(
+    no_aws_credentials, tmp_path, monkeypatch
+):
+    """It packaged (28 s with dependencies), then failed with "deploy failed: Unable to
+    locate credentials"."""
+    from fabric.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    args = ["deploy", "--direct", "--no-deps", "-f", "exact_match", "--out", str(tmp_path / "b")]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert "no AWS credentials found" in text and "aws configure" in text, text
+    assert "AWS_PROFILE" in text and "AWS_ACCESS_KEY_ID" in text and "--endpoint-url" in text
+    assert "packaging" not in text and not (tmp_path / "b").exists()
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2 and "no-such-profile" in r.output and "aws configure" in r.output, r.output
+    assert not (tmp_path / "b").exists()
+
+
+def test_cli_direct_deploy_to_an_endpoint_without_credentials_says_what_to_do(
+    no_aws_credentials, tmp_path, monkeypatch
+):
+    from fabric.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    args = ["deploy", "--direct", "--no-deps", "-f", "exact_match", "--out", str(tmp_path / "b")]
+    r = CliRunner().invoke(app, [*args, "--endpoint-url", "http://127.0.0.1:9"])
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert "no AWS credentials found" in text and "AWS_ACCESS_KEY_ID" in text, text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--backend", "azure"], "--backend must be lambda or modal"),
+        (["--architecture", "sparc"], "--architecture must be x86_64 or arm64"),
+        (["-m", "sample_fns", "-f", "nope"], "not registered: nope"),
+        (["-m", "sample_fns", "-f", "add", "--direct", "--image", "x"], "--direct deploys zip packages"),
+        (
+            ["-m", "sample_fns", "-f", "add", "--no-deps", "--terraform-dir", "/nonexistent"],
+            "no terraform directory",
+        ),
+        (["-m", "sample_fns", "-f", "add", "--warm", "-1"], "Invalid value for '--warm'"),
+        (["-m", "sample_fns", "-f", "add", "--no-deps", "--out", "a-file"], "--out 'a-file' is a file"),
+        # a traceback of botocore's InvalidRegionError (--direct), or a tfvars file terraform
+        # refuses later: said at once, with what a region looks like
+        (["-m", "sample_fns", "-f", "add", "--direct", "--region", "us east 1"], "--region 'us east 1'"),
+        (["-m", "sample_fns", "-f", "add", "--no-deps", "--region", "eu_west_1"], "like us-east-1"),
+    ],
+)
+def test_cli_deploy_bad_input(tmp_path, monkeypatch, args, message):
+    from fabric.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    r = CliRunner().invoke(app, ["deploy", *args])
+    assert r.exit_code == 2 and message in r.output, r.output
+    # said before packaging: no package is left behind
+    assert "packaging" not in r.output and not (tmp_path / "build").exists()

@@ -1,0 +1,131 @@
+"""``fabric deploy``'s offline steps: the plan (names, modules, limits), the package (a
+deterministic zip without dotfiles, requirements, an image context) and terraform's tfvars
+(every key a declared variable)."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import pytest
+from sample_fns import REG
+
+from fabric.deploy import DeployError, plan_functions
+from fabric.deploy.package import build_zip, image_context, requirements
+from fabric.deploy.tfcheck import check_tfvars
+from fabric.deploy.tfvars import tfvars, write_tfvars
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# -- plan
+
+
+def test_plan_names_modules_and_limits():
+    plan = plan_functions(REG, ["add", "sleepy"], prefix="rl-")
+    assert [f.deployed_name for f in plan] == ["rl-add", "rl-sleepy"]
+    assert plan[0].module == "sample_fns" and plan[0].warm == 1 and plan[0].reserved_concurrency == -1
+    assert plan[1].timeout_s == 10
+    assert plan_functions(REG, ["add"], warm=0)[0].warm == 0
+    assert (
+        plan_functions(REG, ["add"], reserved=True)[0].reserved_concurrency == REG.get("add").max_concurrency
+    )
+
+
+def test_plan_errors():
+    with pytest.raises(DeployError, match=r"not registered: nope .*-m MODULE"):
+        plan_functions(REG, ["add", "nope"])
+    with pytest.raises(DeployError, match="at most 64 characters"):
+        plan_functions(REG, ["add"], prefix="x" * 70)
+    with pytest.raises(DeployError, match="nothing to deploy"):
+        plan_functions(REG, [])
+
+
+# -- package
+
+
+def test_zip_holds_the_code_and_is_deterministic(tmp_path):
+    plan = plan_functions(REG, ["add"])
+    a = build_zip(plan, tmp_path / "a.zip", deps=False)
+    b = build_zip(plan, tmp_path / "b.zip", deps=False)
+    assert a.read_bytes() == b.read_bytes()  # an unchanged package keeps its hash
+    names = zipfile.ZipFile(a).namelist()
+    assert "fabric/protocol.py" in names and "functions/handler.py" in names
+    assert "sample_fns.py" in names  # the module the deployed function lives in
+    assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
+    assert not (tmp_path / "a.zip.partial").exists()
+
+
+def test_a_user_package_goes_without_its_dotfiles(tmp_path, monkeypatch):
+    """The package's whole tree was zipped: .env (secrets), .git, a .venv inside it. Hidden
+    files and directories stay out, of the zip and of an image's build context."""
+    from fabric.registry import Registry
+
+    pkg = tmp_path / "src" / "dotted_rewards"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "from fabric.registry import Registry\n"
+        "REG = Registry()\n"
+        "@REG.function\n"
+        "def secretless(x: int) -> int:\n"
+        "    return x\n"
+    )
+    (pkg / "sub" / "helpers.py").write_text("X = 1\n")
+    (pkg / ".env").write_text("OPENAI_API_KEY=sk-secret\n")
+    (pkg / "sub" / ".hidden.py").write_text("")
+    for d in (".git", ".venv/lib/python3.11/site-packages/big", "sub/.cache"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "f.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    reg = Registry()
+    reg.discover("dotted_rewards")
+    plan = plan_functions(reg, ["secretless"])
+    names = {n for n in zipfile.ZipFile(build_zip(plan, tmp_path / "f.zip", deps=False)).namelist()}
+    mine = sorted(n for n in names if n.startswith("dotted_rewards/"))
+    assert mine == ["dotted_rewards/__init__.py", "dotted_rewards/sub/helpers.py"], mine
+    code = image_context(plan, tmp_path / "image") / "code" / "dotted_rewards"
+    assert sorted(str(p.relative_to(code)) for p in code.rglob("*")) == [
+        "__init__.py",
+        "sub",
+        "sub/helpers.py",
+    ]
+
+
+def test_requirements_leave_out_what_lambda_has():
+    reqs = requirements()
+    assert any(r.startswith("pydantic") for r in reqs) and any(
+        r.startswith("aws-lambda-powertools") for r in reqs
+    )
+    assert not any(r.startswith(("boto3", "botocore", "torch", "ray")) for r in reqs)
+
+
+def test_image_context(tmp_path):
+    ctx = image_context(plan_functions(REG, ["add"]), tmp_path / "image")
+    dockerfile = (ctx / "Dockerfile").read_text()
+    assert "FROM public.ecr.aws/lambda/python:3.11" in dockerfile
+    assert 'CMD ["functions.handler.handler"]' in dockerfile
+    assert (ctx / "code" / "fabric" / "protocol.py").is_file() and (ctx / "code" / "sample_fns.py").is_file()
+    assert "pydantic" in (ctx / "requirements.txt").read_text()
+
+
+# -- tfvars
+
+
+def test_tfvars_keys_are_declared_terraform_variables(tmp_path):
+    values = tfvars(plan_functions(REG, ["add", "boom"]), region="eu-west-1", prefix="rl-", zip_path="/x.zip")
+    assert check_tfvars(values, ROOT / "terraform") == []
+    assert values["functions"]["add"] == {
+        "modules": "sample_fns",
+        "memory_mb": 512,
+        "timeout_s": 30,
+        "warm": 1,
+        "reserved_concurrency": -1,
+        "description": REG.get("add").description or "rl-fabric function add",
+        "version": REG.get("add").version,
+    }
+    (tmp_path / "variables.tf").write_text('variable "region" {}\n')
+    with pytest.raises(DeployError, match="name_prefix: not a declared variable; package: not a declared"):
+        write_tfvars(values, tmp_path)
+    assert check_tfvars(values, ROOT / "terraform") == []
+    with pytest.raises(DeployError, match="exactly one of zip_path, image_uri"):
+        tfvars([], region="r", prefix="p")
