@@ -20,8 +20,12 @@ from pathlib import Path
 from functions.verifiers.sandbox import Limits, RunOutcome, Sandbox, SandboxConfig
 from functions.verifiers.verify import Verifier
 
-#: sandboxes of their own (one per hole test), each with its own 1024-uid range
-OWN_BASES = itertools.count(342_000, 1_100)
+#: sandboxes of their own (one per hole test), each with its own 1024-uid range. The count
+#: restarts in every pytest process, and `make test`'s two workers can run two modules that
+#: use it at once (the lifecycle and the holes tests): each worker counts in a region of its
+#: own, or both would hand out 342_000 and check each other's processes as leftovers
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+OWN_BASES = itertools.count(500_000 + 100_000 * _WORKER, 1_100)
 MB = 1 << 20
 FAST = Limits(
     cpu_s=1,

@@ -38,7 +38,8 @@ def needs(binary: str):
 
 @pytest.fixture(scope="module")
 def verifier():
-    with Sandbox(SandboxConfig(base_uid=320_000, spares=2)) as sb:
+    # 322_000: test_sandbox_security.py uses 310_000 up to 321_263, and may run at the same time
+    with Sandbox(SandboxConfig(base_uid=322_000, spares=2)) as sb:
         yield Verifier(sb, LIMITS)
 
 
