@@ -24,7 +24,8 @@ the tests' code names (outside comments and literals), or any other name of the 
 ``n`` is theirs; so is a name of the program's macros, which never reach the tests' text)
 makes the case a ``RuntimeError`` that says which, not run: a refusal the program's own
 signature can cause must score like a failure, or a program could dodge a 0 with it. So
-does a function the tests call that a library of their binary defines too (``native_link``).
+does a function the tests call that a library of their binary defines too, where the tests
+declare the library's function as well (``native_link``, ``LIBRARY_STUB``).
 """
 
 from __future__ import annotations
@@ -204,14 +205,33 @@ def header(lang: str) -> tuple[str, bytes]:
 #: a static definition after the header's extern declaration does not compile, in C and C++.
 
 
-def _cpp_stub(i: int, f: Function) -> str:
+#: A stub of a name a library defines too (``native_link``: ``truncate``, ``fnmatch``) is a
+#: static function of a reserved name and, under the function's name, a constant that refers
+#: to it (a reference to it in C++, a pointer to it in C): calls, ``auto candidate = f;`` and
+#: the conversions of its parameters are the same, but it is a variable, so any declaration of
+#: that name as a function in the tests' translation unit (a header's, or the test code's own
+#: prototype, at file or block scope, ``extern "C"`` or through a ``using``) does not compile:
+#: the tests that mean the library's function are refused (``library_refusal``), never
+#: answered by the program, and tests that declare no such function get the program's.
+LIBRARY_STUB = "__rlfabric_stub_"
+
+
+def _stub_name(f: Function, library: frozenset[str]) -> str:
+    return LIBRARY_STUB + f.name if f.name in library else f.name
+
+
+def _cpp_stub(i: int, f: Function, library: frozenset[str] = frozenset()) -> str:
     params = ", ".join(f"{p.type} a{n}" for n, p in enumerate(f.params))
     types = "".join(f", {p.type}" for p in f.params)
     args = "".join(f", std::forward<{p.type}>(a{n})" for n, p in enumerate(f.params))
-    return (
-        f"static {f.ret} {f.name}({params}) {{\n"
+    name = _stub_name(f, library)
+    stub = (
+        f"static {f.ret} {name}({params}) {{\n"
         f'    return ::rlfabric::call<{f.ret}{types}>({i}, "{f.name}"{args});\n}}\n'
     )
+    if name != f.name:
+        stub += f"static {f.ret} (&{f.name})({', '.join(p.type for p in f.params)}) = {name};\n"
+    return stub
 
 
 def _c_kind(t: Any) -> str:
@@ -223,9 +243,10 @@ def _c_kind(t: Any) -> str:
     return "u" if k.startswith("unsigned") or k == "bool" else "i"
 
 
-def _c_stub(i: int, f: Function) -> str:
+def _c_stub(i: int, f: Function, library: frozenset[str] = frozenset()) -> str:
     params = ", ".join(f"{p.type} a{n}" for n, p in enumerate(f.params)) or "void"
-    lines = [f"static {f.ret} {f.name}({params}) {{", f"    rlf_out o = rlf_begin({i});"]
+    name = _stub_name(f, library)
+    lines = [f"static {f.ret} {name}({params}) {{", f"    rlf_out o = rlf_begin({i});"]
     for n, p in enumerate(f.params):
         lines.append(f"    rlf_put_{_c_kind(p.wire)}(&o, a{n});")
     lines.append(f'    rlf_in in = rlf_call(&o, "{f.name}");')
@@ -237,6 +258,9 @@ def _c_stub(i: int, f: Function) -> str:
     lines.append("    rlf_end(&in);")
     lines.append("    return r;" if f.ret != "void" else "    return;")
     lines.append("}")
+    if name != f.name:
+        types = ", ".join(p.type for p in f.params) or "void"
+        lines.append(f"static {f.ret} (*const {f.name})({types}) = {name};")
     return "\n".join(lines) + "\n"
 
 
@@ -244,9 +268,10 @@ def _c_stub(i: int, f: Function) -> str:
 _TESTS_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*<[A-Za-z0-9_./+-]{1,200}>", re.MULTILINE)
 
 
-def tests_source(lang: str, test_code: str, p: Plan) -> str:
+def tests_source(lang: str, test_code: str, p: Plan, library: frozenset[str] = frozenset()) -> str:
     """The tests' translation unit: the wire, the standard headers, a stub per function,
-    then the test code (which has the file, and its line numbers, to itself).
+    then the test code (which has the file, and its line numbers, to itself). ``library``:
+    the functions' names a library of the tests' binary defines too (``LIBRARY_STUB``).
 
     The headers the test code includes come before the stubs too (again: they have
     guards): a stub is ``static`` so that it cannot define a function a header declares,
@@ -259,11 +284,11 @@ def tests_source(lang: str, test_code: str, p: Plan) -> str:
         parts = [_uses(p), f'#include "{name}"\n', _CPP_TESTS_BASE, *own, theirs]
         if p.using_std:
             parts.append("using namespace std;\n")
-        parts += [_cpp_stub(i, f) for i, f in enumerate(p.functions)]
+        parts += [_cpp_stub(i, f, library) for i, f in enumerate(p.functions)]
         parts.append('#line 1 "tests.cpp"\n')
     else:
         parts = [f'#include "{name}"\n', _C_TESTS_PRELUDE, *(f"#include <{h}>\n" for h in p.includes), theirs]
-        parts += [_c_stub(i, f) for i, f in enumerate(p.functions)]
+        parts += [_c_stub(i, f, library) for i, f in enumerate(p.functions)]
         parts.append('#line 1 "tests.c"\n')
     parts.append(test_code)
     parts.append("\n")

@@ -3,10 +3,13 @@
 A stub is ``static``, so it cannot define a function that a header before it declares
 (``strcmp`` after ``<string.h>``: that does not compile). But test code may declare a library
 function itself, without its header (``int fnmatch(const char *, const char *, int);``), and
-C (and C++, for ``extern "C"``) takes that later declaration as naming the static stub before
-it: a program that defined ``fnmatch`` would answer the very check that judges it. Which one
-the tests mean cannot be read from their text, so a function of the program that the tests
-call and that the libraries of the tests' binary define too is refused (docs/code-verifier.md).
+C (and C++, for ``extern "C"``) takes that later declaration as naming a static stub before
+it: a program that defined ``fnmatch`` would answer the very check that judges it. So the
+stub of such a name is a variable (``native.LIBRARY_STUB``): any declaration of the name as a
+function in the tests' translation unit, a header's or their own, then does not compile, and
+``refusal`` says why (which of the two they mean cannot be read from their text); tests that
+declare no such function (``truncate`` is libc's, but no header of theirs declares it) can
+only mean the program's, and call it (docs/code-verifier.md).
 
 The probe is a link, on the host, of fixed text that refers to each name (validated
 identifiers only) with the tests' driver and libraries: what the linker does not report as
@@ -21,7 +24,10 @@ import re
 import subprocess
 import tempfile
 import threading
+from collections.abc import Collection
 from pathlib import Path
+
+from functions.verifiers.native_decls import _IDENT, _QUOTED
 
 _LOCK = threading.Lock()
 _KNOWN: dict[tuple[tuple[str, ...], str], bool] = {}
@@ -66,3 +72,21 @@ def library_names(link: tuple[str, ...], names: list[str]) -> list[str]:
         with _LOCK:
             _KNOWN.update(((link, n), n in found) for n in todo)
     return [n for n in names if _KNOWN[(link, n)]]
+
+
+def refusal(library: Collection[str], compiler_stderr: str) -> str | None:
+    """Why tests that did not compile are refused: an error of their compile quotes one of
+    ``library`` (the program's functions whose names a library defines too), whose stub is a
+    variable only a declaration of the same name as a function conflicts with (``None``:
+    they failed for something else, and fail as tests that do not compile)."""
+    errors = " ".join(line for line in compiler_stderr.splitlines() if "error" in line)
+    quoted = set(_IDENT.findall(" ".join(_QUOTED.findall(errors))))
+    named = [n for n in sorted(library) if n in quoted]
+    if not named:
+        return None
+    which = ", ".join(repr(n) for n in named)
+    return (
+        f"the tests call {which}, which the program defines, and declare it too as a function of a"
+        " library their binary links (in a header they include, or a prototype of their own): which"
+        " of the two they mean cannot be told apart"
+    )

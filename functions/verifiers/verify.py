@@ -332,20 +332,13 @@ class Verifier:
             msg = f"not run: the program's declarations could not be read: {str(e)[:300]}"
             return None, CaseResult(status="RuntimeError", message=msg)
         tests_argv = native.tests_compile_argv(lang)
-        # a function the tests call that a library of their binary defines too: their own
-        # prototype of the library's would name the program's stub (native_link)
+        # a function the tests call that a library of their binary defines too: its stub is a
+        # variable, and tests that declare the library's function do not compile (native_link)
         link = (tests_argv[0], *(a for a in tests_argv if a.startswith("-l")))
-        shared = native_link.library_names(link, [f.name for f in plan.functions])
-        if shared:
-            which = ", ".join(repr(n) for n in shared)
-            msg = (
-                f"not run: the tests call {which}, which the program defines and a library the tests"
-                f" link defines too (which of the two they mean cannot be told apart); {instead}"
-            )
-            return None, CaseResult(status="RuntimeError", message=msg)
+        library = frozenset(native_link.library_names(link, [f.name for f in plan.functions]))
         ext = "cpp" if lang.name == "cpp" else "c"
         head = dict([native.header(lang.name)])
-        tests_src = native.tests_source(lang.name, test_code, plan).encode()
+        tests_src = native.tests_source(lang.name, test_code, plan, library).encode()
         program_argv = lang.compile_argv
         with contextlib.ExitStack() as held:  # the precompiled headers, until both compiles end
             if lang.name == "cpp" and "bits/stdc++.h" in plan.includes and self._pch_shared():
@@ -363,10 +356,12 @@ class Verifier:
         if not plan.functions and tests_compiled.status == "Finished":
             # they compile without any function of the program: they cannot judge it
             raise InvalidTests("the tests call none of the program's functions: they cannot judge it")
-        refused = (
-            native.refusal(plan, tests_compiled.stderr) if tests_compiled.status == "RuntimeError" else None
-        )
-        if refused is not None:  # they need a variable or type of the program's: as above
+        refused = None
+        if tests_compiled.status == "RuntimeError":
+            refused = native_link.refusal(library, tests_compiled.stderr) or native.refusal(
+                plan, tests_compiled.stderr
+            )
+        if refused is not None:  # a library's function, or a variable or type of the program's
             return None, CaseResult(status="RuntimeError", message=f"not run: {refused}; {instead}")
         if compiled.status != "Finished":
             return compiled, CaseResult(

@@ -310,3 +310,31 @@ def test_a_library_function_the_tests_prototype_themselves_is_the_librarys(v, li
     assert (
         r.status == "RuntimeError" and f"{lib!r}" in r.cases[0].message and "library" in r.cases[0].message
     ), r
+
+
+@pytest.mark.parametrize("lang", ["c", "cpp"])
+def test_a_library_name_the_tests_translation_unit_never_declares_is_the_programs(v, lang):
+    # libc defines `truncate` (<unistd.h>), but nothing the tests include declares it, nor do
+    # they: the only `truncate` their code can mean is the program's
+    honest = "int truncate(int x) { return x / 10 * 10; }\n"
+    tests = "#include <assert.h>\nint main(void) { assert(truncate(57) == 50); return 0; }\n"
+    if lang == "cpp":
+        tests = tests.replace("assert.h", "cassert").replace("(void)", "()")
+    r = run(v, honest, tests, lang)
+    assert r.status == "Finished", (r.compile, r.cases[0])
+    wrong = run(v, honest.replace("x / 10 * 10", "x"), tests, lang)
+    assert wrong.status == "Failed", (wrong.compile, wrong.cases[0])
+
+
+def test_a_library_function_the_tests_prototype_inside_a_function_is_the_librarys(v):
+    # a prototype at block scope declares the library's function too: C would take it as
+    # naming a static stub declared before it (C++'s would have C++ linkage: no library's)
+    forged = "int fnmatch(const char *p, const char *s, int f) { return 0; }\n" + (
+        'const char *name_of(int k) { return "x.bin"; }\n'
+    )
+    honest = 'const char *name_of(int k) { return "x.txt"; }\n'
+    tests = (
+        "#include <assert.h>\nint main(void) {\n    int fnmatch(const char *, const char *, int);\n"
+        '    assert(fnmatch("*.txt", name_of(1), 0) == 0);\n    return 0;\n}\n'
+    )
+    forged_fails_honest_passes(v, forged, honest, tests, "c")

@@ -18,7 +18,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
+
+/* read, write and _exit under names of the wire's own, bound to libc's symbols: <unistd.h>
+ * would declare truncate, link, access... in both translation units, and a program's own
+ * function of such a name would then not compile (or its stub would be refused) */
+extern long rlf_sys_read(int fd, void *p, size_t n) __asm__("read");
+extern long rlf_sys_write(int fd, const void *p, size_t n) __asm__("write");
+extern void rlf_sys_exit(int code) __asm__("_exit") __attribute__((noreturn));
 
 #define RLF_PROTOCOL_ERROR 12
 #define RLF_PROGRAM_GONE 13
@@ -31,7 +37,7 @@ static void rlf_die(int code, const char *what) {
     fflush(stdout);
     fprintf(stderr, "\nrlfabric: %s\n", what);
     fflush(stderr);
-    _exit(code);
+    rlf_sys_exit(code);
 }
 
 static void rlf_raw(rlf_out *o, const void *p, size_t k) {
@@ -99,7 +105,7 @@ static char *rlf_get_s(rlf_in *i) { size_t n; return rlf_get_sn(i, &n); }
 
 static int rlf_write_all(const char *p, size_t n) {
     while (n) {
-        ssize_t w = write(4, p, n);
+        long w = rlf_sys_write(4, p, n);
         if (w < 0 && errno == EINTR) continue;
         if (w <= 0) return 0;
         p += w;
@@ -109,7 +115,7 @@ static int rlf_write_all(const char *p, size_t n) {
 }
 static int rlf_read_all(char *p, size_t n) {
     while (n) {
-        ssize_t r = read(3, p, n);
+        long r = rlf_sys_read(3, p, n);
         if (r < 0 && errno == EINTR) continue;
         if (r <= 0) return 0;
         p += r;
@@ -178,7 +184,7 @@ static void rlf_end(rlf_in *in) {
 typedef void (*rlf_handler)(rlf_in *in, rlf_out *o);
 
 static void rlf_request_end(rlf_in *in) {
-    if (in->bad || in->n != 0) _exit(1); /* not a request of the tests */
+    if (in->bad || in->n != 0) rlf_sys_exit(1); /* not a request of the tests */
 }
 static void rlf_put_back_s(rlf_out *o, const char *s, size_t n) {
     rlf_put_byte(o, s != NULL);

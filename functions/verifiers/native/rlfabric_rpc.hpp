@@ -37,7 +37,12 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
-#include <unistd.h>
+// read, write and _exit under names of the wire's own, bound to libc's symbols: <unistd.h>
+// would declare truncate, link, access... in both translation units, and a program's own
+// function of such a name would then be ambiguous (or its stub refused)
+extern "C" long rlfabric_sys_read(int fd, void* p, std::size_t n) __asm__("read");
+extern "C" long rlfabric_sys_write(int fd, const void* p, std::size_t n) __asm__("write");
+extern "C" [[noreturn]] void rlfabric_sys_exit(int code) __asm__("_exit");
 #ifdef RLFABRIC_USES_VECTOR
 #include <vector>
 #endif
@@ -67,7 +72,7 @@ constexpr std::uint32_t MAX_FRAME = 16u << 20;
     std::fflush(stdout);
     std::fprintf(stderr, "\nrlfabric: %s\n", what);
     std::fflush(stderr);
-    _exit(code);
+    rlfabric_sys_exit(code);
 }
 
 struct Out {
@@ -295,7 +300,7 @@ template <class T> void get(In& i, std::optional<T>& v) {
 // false: the other end is gone (EOF or an error)
 inline bool write_all(const char* p, std::size_t n) {
     while (n) {
-        ssize_t w = ::write(4, p, n);
+        long w = rlfabric_sys_write(4, p, n);
         if (w < 0 && errno == EINTR) continue;
         if (w <= 0) return false;
         p += w;
@@ -305,7 +310,7 @@ inline bool write_all(const char* p, std::size_t n) {
 }
 inline bool read_all(char* p, std::size_t n) {
     while (n) {
-        ssize_t r = ::read(3, p, n);
+        long r = rlfabric_sys_read(3, p, n);
         if (r < 0 && errno == EINTR) continue;
         if (r <= 0) return false;
         p += r;
@@ -396,7 +401,7 @@ void invoke(R (*f)(A...), In& i, Out& o, std::index_sequence<K...>) {
     std::tuple<std::decay_t<A>...> args{};
     (get(i, std::get<K>(args)), ...);
     std::uint8_t ok = 0, threw = 1;
-    if (i.bad || i.n != 0) _exit(1);  // not a request of the tests
+    if (i.bad || i.n != 0) rlfabric_sys_exit(1);  // not a request of the tests
     try {
         if constexpr (std::is_void_v<R>) {
             f(pass<A>(std::get<K>(args))...);
