@@ -51,6 +51,7 @@ from functions.verifiers.native_decls import code_names as code_names
 from functions.verifiers.native_decls import plan as plan
 from functions.verifiers.native_decls import refusal as refusal
 from functions.verifiers.native_decls import render as render
+from functions.verifiers.sandbox import Limits
 
 HERE = Path(__file__).parent
 NATIVE = HERE / "native"
@@ -94,16 +95,47 @@ def include_dirs(lang: str) -> tuple[str, ...]:
     return tuple(line.strip() for line in lines[start:end])
 
 
-def parse_files(lang: str, code: str) -> dict[str, bytes]:
-    """The files of the sandboxed run that prints the program's declarations."""
-    source = "main.cpp" if lang == "cpp" else "main.c"
+def parse_args(lang: str) -> tuple[str, ...]:
+    """libclang's arguments for the program's read (``cdecls.py``)."""
     std = (
         ["-x", "c++", "-std=gnu++17", "-nostdinc", "-nostdinc++"]
         if lang == "cpp"
         else ["-x", "c", "-std=gnu17", "-nostdinc"]
     )
-    args = [*std, *(a for d in include_dirs(lang) for a in ("-isystem", d))]
-    opts = {"source": source, "args": args, "system": include_dirs(lang)}
+    return (*std, *(a for d in include_dirs(lang) for a in ("-isystem", d)))
+
+
+#: the text of libclang's precompiled header for the read of a C++ program that includes
+#: ``<bits/stdc++.h>`` (``native_pch.clang_header``): fixed, never anything of a program's
+CLANG_PCH_TEXT = "#include <bits/stdc++.h>\n"
+#: a line of the program's that may include ``<bits/stdc++.h>`` (``cdecls.py`` reads it
+#: again without the header where the program turns out not to include it)
+_STDCXX_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*<bits/stdc\+\+\.h>", re.MULTILINE)
+
+
+def wants_clang_pch(lang: str, code: str) -> bool:
+    """Whether the read of ``code`` may start from ``CLANG_PCH_TEXT``'s header."""
+    return lang == "cpp" and _STDCXX_INCLUDE.search(code) is not None
+
+
+#: the open files of a read that starts from the precompiled header: libclang keeps each
+#: header open that it looks up and then skips (the program's ``#include <bits/stdc++.h>``
+#: opens each of the library's again, about a hundred), more than a compile's 64
+PCH_READ_NOFILE = 1024
+
+
+def read_limits(limits: Limits, pch: str | None) -> Limits:
+    """The limits of the read (``limits``: the compiler's), with room for ``pch``'s headers."""
+    if pch is None or limits.nofile >= PCH_READ_NOFILE:
+        return limits
+    return limits.model_copy(update={"nofile": PCH_READ_NOFILE})
+
+
+def parse_files(lang: str, code: str, pch: str | None = None) -> dict[str, bytes]:
+    """The files of the sandboxed run that prints the program's declarations (``pch``: a
+    precompiled header of ``CLANG_PCH_TEXT`` to try first, read-only in the sandbox)."""
+    source = "main.cpp" if lang == "cpp" else "main.c"
+    opts = {"source": source, "args": list(parse_args(lang)), "system": include_dirs(lang), "pch": pch}
     return {
         "cdecls.py": (HERE / "cdecls.py").read_bytes(),
         "cdecls.json": json.dumps(opts).encode(),

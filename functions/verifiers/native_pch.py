@@ -15,6 +15,14 @@ removes the headers nobody has used for ``STALE_S`` (each process marks the ones
 at most hourly) and nobody holds: a compile holds its header's shared ``flock`` from
 before its compile starts to after it ends (``hold``), and the removal takes the lock
 exclusively, so it never takes a file from under a compile.
+
+The sandboxed libclang read of such a program (``cdecls.py``) starts from one too
+(``clang_header``): a ``.pch`` that libclang builds here from fixed text with the read's own
+arguments. libclang checks that it fits (its version, the language options, each header's
+size and, where its mtime differs, its content) and refuses to parse with one that does not,
+or that is truncated; ``cdecls.py`` then parses without it, so a bad one costs time, never a
+declaration. Each process checks an existing one once before it first hands it out, and
+builds it anew where it no longer loads (the system headers changed under it).
 """
 
 from __future__ import annotations
@@ -23,16 +31,20 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib.metadata
+import json
 import os
 import re
 import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from functions.verifiers.jail import PCH_DIR, prepare_pch_dir
 
-__all__ = ["PCH_DIR", "STALE_S", "header", "hold"]
+__all__ = ["PCH_DIR", "STALE_S", "clang_header", "header", "hold"]
 
 #: a header unused (by any process) this long goes when another is built
 STALE_S = 24 * 3600
@@ -42,8 +54,14 @@ _MARK_S = 3600
 _lock = threading.Lock()
 _failed: set[str] = set()
 _marked: dict[str, float] = {}
-#: a header's files: the text, its ``.gch``, and a build's temporary copies of both
-_FILE = re.compile(r"(rlfabric-[0-9a-f]{20}\.hpp)(?:\.[0-9]+\.tmp)?(?:\.gch)?")
+#: the libclang headers this process checked (``clang_header``)
+_checked: set[str] = set()
+#: a header's files: the text, its ``.gch`` (gcc's) or ``.pch`` (libclang's), and a build's
+#: temporary copies of them
+_FILE = re.compile(r"(rlfabric-[0-9a-f]{20}\.hpp)(?:\.[0-9]+\.tmp)?(?:\.gch|\.pch)?")
+_SUFFIXES = (".gch", ".pch")
+#: ``cdecls.py``, which builds and checks libclang's headers too (``--pch``)
+_CDECLS = Path(__file__).with_name("cdecls.py")
 
 
 @functools.cache
@@ -62,38 +80,84 @@ def header(text: str, compiler: str, flags: tuple[str, ...]) -> str | None:
     """The path to ``-include``, its ``.gch`` built (on first use, here: seconds), or None
     if it cannot be built. The compile that reads it must ``hold`` it."""
     key = hashlib.sha256(repr((text, compiler, _version(compiler), flags)).encode()).hexdigest()[:20]
+
+    def build(path: str, out: str) -> bool:
+        return _run([compiler, *flags, "-x", "c++-header", path, "-o", out])
+
+    return _header(key, text, ".gch", build)
+
+
+@functools.cache
+def _clang_version() -> str:
+    """The version of the libclang package this process has (another names new headers)."""
+    try:
+        return importlib.metadata.version("libclang")
+    except importlib.metadata.PackageNotFoundError:  # no metadata: the build's check decides
+        return ""
+
+
+def clang_header(text: str, args: tuple[str, ...]) -> str | None:
+    """The path of a header whose ``.pch`` libclang built from ``text`` with ``args`` (the
+    read's own: ``-x c++`` and the rest) and that loads here, or None if it cannot be built.
+    The read that uses it must ``hold(path, ..., ".pch")`` it."""
+    key = hashlib.sha256(repr((text, "libclang", _clang_version(), args)).encode()).hexdigest()[:20]
+    spec = json.dumps(list(args))
+
+    def build(path: str, out: str) -> bool:
+        return _run([sys.executable, str(_CDECLS), "--pch", "build", path, out, spec])
+
+    def check(path: str) -> bool:
+        return _run([sys.executable, str(_CDECLS), "--pch", "check", path, path + ".pch", spec])
+
+    return _header(key, text, ".pch", build, check)
+
+
+def _run(argv: list[str]) -> bool:
+    try:
+        return subprocess.run(argv, capture_output=True, timeout=300, check=False).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):  # no such compiler here, or it hung
+        return False
+
+
+def _header(
+    key: str,
+    text: str,
+    suffix: str,
+    build: Callable[[str, str], bool],
+    check: Callable[[str], bool] | None = None,
+) -> str | None:
+    """The text's path, its ``suffix`` file built by ``build(text path, output)``; where
+    ``check`` is given, an existing one is checked once per process and built anew if it
+    fails."""
     path = f"{PCH_DIR}/rlfabric-{key}.hpp"
-    if os.path.exists(path + ".gch"):
+    if os.path.exists(path + suffix) and (check is None or path in _checked):
         return path
     with _lock:
-        if os.path.exists(path + ".gch"):
-            return path
+        if os.path.exists(path + suffix):
+            if check is None or path in _checked:
+                return path
+            if check(path):
+                _checked.add(path)
+                return path
         if key in _failed or not prepare_pch_dir():
             return None
         tmp = f"{path}.{os.getpid()}.tmp"
         Path(tmp).write_text(text)
         os.replace(tmp, path)
-        try:
-            built = subprocess.run(
-                [compiler, *flags, "-x", "c++-header", path, "-o", tmp + ".gch"],
-                capture_output=True,
-                timeout=300,
-                check=False,
-            ).returncode
-        except (OSError, subprocess.TimeoutExpired):  # no such compiler here, or it hung
-            built = -1
-        if built != 0:
+        if not build(path, tmp + suffix):
             _failed.add(key)
-            Path(tmp + ".gch").unlink(missing_ok=True)
+            Path(tmp + suffix).unlink(missing_ok=True)
             Path(path).unlink(missing_ok=True)  # its name has this compiler and these flags
+            Path(path + suffix).unlink(missing_ok=True)  # one that no longer loads
             return None
-        os.replace(tmp + ".gch", path + ".gch")
+        os.replace(tmp + suffix, path + suffix)
+        _checked.add(path)
         _marked[path] = time.monotonic()
         remove_stale(keep=path)
         return path
 
 
-def hold(path: str, held: contextlib.ExitStack) -> bool:
+def hold(path: str, held: contextlib.ExitStack, suffix: str = ".gch") -> bool:
     """Hold ``path`` (a shared lock on its text) until ``held`` closes: ``remove_stale``
     leaves it alone meanwhile. False: it was removed before the lock (compile without it)."""
     try:
@@ -103,7 +167,7 @@ def hold(path: str, held: contextlib.ExitStack) -> bool:
     held.callback(os.close, fd)
     fcntl.flock(fd, fcntl.LOCK_SH)
     try:  # still the file the path names (a removal may have come between open and lock)
-        if os.stat(path).st_ino != os.fstat(fd).st_ino or not os.path.exists(path + ".gch"):
+        if os.stat(path).st_ino != os.fstat(fd).st_ino or not os.path.exists(path + suffix):
             return False
     except OSError:
         return False
@@ -131,7 +195,7 @@ def remove_stale(keep: str) -> list[str]:
             continue
         if name != m.group(1):
             # a build's temporary (only its builder reads it, for at most 300 s), or a .gch
-            # whose text is gone (no compile can -include it): the .gch of a text goes with it
+            # or .pch whose text is gone (no compile can -include it): they go with their text
             with contextlib.suppress(OSError):
                 if (".tmp" in name or not os.path.exists(text)) and os.stat(path).st_mtime < old:
                     os.unlink(path)
@@ -146,7 +210,7 @@ def remove_stale(keep: str) -> list[str]:
             if os.stat(path).st_mtime < old and os.stat(path).st_ino == os.fstat(fd).st_ino:
                 # the text first: a .gch whose text is gone is never read, and no build
                 # replaces the text while its .gch is there
-                for victim in (path, path + ".gch"):
+                for victim in (path, *(path + suffix for suffix in _SUFFIXES)):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(victim)
                         removed.append(victim)

@@ -304,14 +304,16 @@ class Verifier:
                 " pip install 'rl-fabric[verifiers]' (or CodeTests(c_asserts='in_process'), which a"
                 " program can forge)"
             )
-        parsed = self._attempt(
-            lambda: self.sandbox.run(
-                mode="python",
-                entry="cdecls.py",
-                files=native.parse_files(lang.name, code),
-                limits=lang.compile_limits,
+        with contextlib.ExitStack() as held:  # libclang's precompiled header, until the read ends
+            pch = self._clang_pch(lang.name, code, held)
+            parsed = self._attempt(
+                lambda: self.sandbox.run(
+                    mode="python",
+                    entry="cdecls.py",
+                    files=native.parse_files(lang.name, code, pch),
+                    limits=native.read_limits(lang.compile_limits, pch),
+                )
             )
-        )
         if isinstance(parsed, CaseResult):
             return None, parsed
         if parsed.exit_code == native.NO_LIBCLANG and native.NO_LIBCLANG_LINE in parsed.stderr:
@@ -395,6 +397,16 @@ class Verifier:
     def _pch_shared(self) -> bool:
         """Whether every run of the sandbox sees ``native_pch.PCH_DIR`` (read-only)."""
         return native_pch.PCH_DIR in str(getattr(self.sandbox, "shared", "")).split(",")
+
+    def _clang_pch(self, lang: str, code: str, held: contextlib.ExitStack) -> str | None:
+        """The ``.pch`` the read of ``code`` may start from (held until ``held`` closes), or
+        None: a program that may include ``<bits/stdc++.h>``, where the runs see it."""
+        if not native.wants_clang_pch(lang, code) or not self._pch_shared():
+            return None
+        path = native_pch.clang_header(native.CLANG_PCH_TEXT, native.parse_args(lang))
+        if path is None or not native_pch.hold(path, held, ".pch"):
+            return None
+        return path + ".pch"
 
     @staticmethod
     def _with_pch(

@@ -613,8 +613,8 @@ def test_libclang_missing_in_the_sandbox_is_no_score_for_the_program(v, monkeypa
     # the worker has it, the sandbox's interpreter does not: the setup's fault, not a 0
     real = native.parse_files
 
-    def without_clang(lang: str, code: str) -> dict[str, bytes]:
-        files = real(lang, code)
+    def without_clang(lang: str, code: str, pch: str | None = None) -> dict[str, bytes]:
+        files = real(lang, code, pch)
         files["cdecls.py"] = files["cdecls.py"].replace(
             b"import clang.cindex as ci", b"import clang_gone.cindex as ci"
         )

@@ -250,10 +250,11 @@ def test_a_new_precompiled_header_removes_the_stale_ones_no_compile_holds(tmp_pa
         return p
 
     key = "rlfabric-{}.hpp".format
-    stale = [made(key("a" * 20)), made(key("a" * 20) + ".gch")]
+    stale = [made(key("a" * 20)), made(key("a" * 20) + ".gch"), made(key("a" * 20) + ".pch")]
     stale += [made(key("b" * 20) + ".123.tmp.gch"), made(key("c" * 20) + ".gch")]  # a dead build's
+    stale += [made(key("f" * 20) + ".123.tmp.pch"), made(key("9" * 20) + ".pch")]  # libclang's
     fresh = [made(key("e" * 20), old=False), made(key("e" * 20) + ".gch", old=False)]
-    held = [made(key("d" * 20)), made(key("d" * 20) + ".gch")]
+    held = [made(key("d" * 20)), made(key("d" * 20) + ".gch"), made(key("d" * 20) + ".pch")]
     other = made("README")
     # another verifier's compile is reading d's header: its shared lock keeps it
     fd = os.open(held[0], os.O_RDONLY)
