@@ -352,8 +352,7 @@ def _same_signature(lang: str, f: Function) -> str:
     types = ", ".join(p.type for p in f.params)
     why = f'"rlfabric: the compiler reads the declaration of {f.name} otherwise than libclang did"'
     if lang == "cpp":
-        fn = f"decltype(&::{f.name}), {f.ret} (*)({types})"
-        return f"static_assert(::rlfabric::same_signature_v<{fn}>, {why});\n"
+        return f"static_assert(::rlfabric::signature_of<{f.ret} (*)({types})>::is(&::{f.name}), {why});\n"
     proto = f"{f.ret} (*)({types or 'void'})"
     return f"_Static_assert(__builtin_types_compatible_p(__typeof__(&{f.name}), {proto}), {why});\n"
 
@@ -370,7 +369,12 @@ def program_source(lang: str, code: str, p: Plan) -> str:
     # rather than the two ends taking different types
     checks = "".join(_same_signature(lang, f) for f in p.functions)
     if lang == "cpp":
-        table = ", ".join(f"::rlfabric::fn(&::{f.name})" for f in p.functions)
+        # the function of the stub's type: a header the program includes may overload its name
+        # (<bits/stdc++.h> declares libc's `truncate(const char *, off_t)` too)
+        table = ", ".join(
+            f"::rlfabric::fn(static_cast<{f.ret} (*)({', '.join(q.type for q in f.params)})>(&::{f.name}))"
+            for f in p.functions
+        )
         tail = (
             f"\n#undef main\n{checks}signed main(void) {{\n"
             f"    static const ::rlfabric::Served table[] = {{{table}}};\n"

@@ -313,14 +313,18 @@ def test_a_library_function_the_tests_prototype_themselves_is_the_librarys(v, li
     ), r
 
 
-@pytest.mark.parametrize("lang", ["c", "cpp"])
+@pytest.mark.parametrize("lang", ["c", "cpp", "cpp_stdcxx"])
 def test_a_library_name_the_tests_translation_unit_never_declares_is_the_programs(v, lang):
     # libc defines `truncate` (<unistd.h>), but nothing the tests include declares it, nor do
     # they: the only `truncate` their code can mean is the program's
     honest = "int truncate(int x) { return x / 10 * 10; }\n"
     tests = "#include <assert.h>\nint main(void) { assert(truncate(57) == 50); return 0; }\n"
-    if lang == "cpp":
+    if lang != "c":
         tests = tests.replace("assert.h", "cassert").replace("(void)", "()")
+    if lang == "cpp_stdcxx":
+        # the program's own <bits/stdc++.h> declares libc's too, in its translation unit (an
+        # overload there); the tests get the library's common headers, which do not
+        honest, lang = "#include <bits/stdc++.h>\nusing namespace std;\n" + honest, "cpp"
     r = run(v, honest, tests, lang)
     assert r.status == "Finished", (r.compile, r.cases[0])
     wrong = run(v, honest.replace("x / 10 * 10", "x"), tests, lang)

@@ -386,6 +386,13 @@ template <class R, class... A> struct plain<R (*)(A...) noexcept> {
     using type = R (*)(A...);
 };
 template <class F, class G> constexpr bool same_signature_v = std::is_same_v<typename plain<F>::type, G>;
+// whether `&::f` is (or, where a header overloads the name, names) a function of type G:
+// `is(&::f)` takes G where the overload set has one of that type, and a lone function of
+// another type deduces X (a set of several deduces nothing)
+template <class G> struct signature_of {
+    static constexpr bool is(G) { return true; }
+    template <class X> static constexpr bool is(X) { return same_signature_v<X, G>; }
+};
 
 using Handler = void (*)(void* fn, In& i, Out& o);
 
