@@ -214,7 +214,7 @@ class Gateway(GatewayRoutes):
         """Stop accepting, give the calls in flight up to ``drain_s`` to finish, cancel the
         rest, then stop the pools. An ``Event`` call accepted (202) and not finished by then
         is cut: each is logged at WARNING with its request id and counted in
-        ``fabric_serve_events_dropped``; no new one is accepted once the drain begins. Runs
+        ``fabric_serve_events_dropped_total``; no new one is accepted once the drain begins. Runs
         whose caller gave up are waited for within the same window (``stop_now`` ends the
         wait): stopping the pools then kills their workers (an inproc thread runs on)."""
         self._draining = True
