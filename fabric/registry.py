@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import pkgutil
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar, get_type_hints, overload
@@ -36,27 +38,33 @@ from fabric.spec import CTX_PARAM, FunctionSpec, Kind, ParamSpec, Resources, Ret
 F = TypeVar("F", bound=Callable[..., Any])
 SPEC_ATTR = "__fabric_spec__"
 SETUP_ATTR = "__fabric_setup__"
+CODE_ATTR = "__fabric_code__"
 _FILE_MODULE_PREFIX = "_fabric_file_"
 
 
 # ----------------------------------------------------------------------------- helpers
 
 
-def entry_point_of(fn: Callable[..., Any]) -> str:
-    """``module:qualname`` for ``fn``; a script's functions get ``path.py:qualname``."""
-    mod = fn.__module__
-    module = sys.modules.get(mod)
-    if mod == "__main__" and module is not None:
+def import_name_of(module_name: str) -> str:
+    """What a worker imports the module ``module_name`` of this process as: the module part
+    of an entry point (a module name, or the path of a .py file)."""
+    module = sys.modules.get(module_name)
+    if module_name == "__main__" and module is not None:
         # ``python -m pkg.script`` runs a module of a package as __main__: workers import it
         # by that name (its relative imports need the package; the file alone has none)
         spec_name = getattr(getattr(module, "__spec__", None), "name", None)
         if spec_name and spec_name != "__main__":
-            return f"{spec_name}:{fn.__qualname__}"
-    if mod == "__main__" or mod.startswith(_FILE_MODULE_PREFIX):
+            return str(spec_name)
+    if module_name == "__main__" or module_name.startswith(_FILE_MODULE_PREFIX):
         path = getattr(module, "__file__", None)
         if path:
-            return f"{Path(path).resolve()}:{fn.__qualname__}"
-    return f"{mod}:{fn.__qualname__}"
+            return str(Path(path).resolve())
+    return module_name
+
+
+def entry_point_of(fn: Callable[..., Any]) -> str:
+    """``module:qualname`` for ``fn``; a script's functions get ``path.py:qualname``."""
+    return f"{import_name_of(fn.__module__)}:{fn.__qualname__}"
 
 
 def load_entry_point(entry: str) -> Any:
@@ -90,9 +98,14 @@ def import_module_or_file(target: str) -> ModuleType:
     return _import_file(Path(target)) if target.endswith(".py") else importlib.import_module(target)
 
 
-def _import_file(path: Path) -> ModuleType:
+def file_module_name(path: Path) -> str:
+    """The name a .py file imported by its path gets in ``sys.modules``."""
     # a script run as __main__ is imported under another name so its main guard stays off
-    name = _FILE_MODULE_PREFIX + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    return _FILE_MODULE_PREFIX + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+
+
+def _import_file(path: Path) -> ModuleType:
+    name = file_module_name(path)
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
@@ -108,9 +121,65 @@ def _import_file(path: Path) -> ModuleType:
     return module
 
 
-def source_version(*objs: Callable[..., Any] | None) -> str:
-    """A short hash of the source of ``objs`` (bytecode when the source is unavailable)."""
+@dataclass(frozen=True)
+class ModuleSource:
+    """A module file that defines a registered function (or its setup hook), as it was
+    read when the function was registered."""
+
+    name: str
+    """What a worker imports it as (``import_name_of``): a module name, or a .py path."""
+    path: str
+    """Its file (``__file__``)."""
+    data: bytes
+    """The file's bytes then."""
+    plain: bool
+    """A .py file read by Python's own source loader: a worker can import ``data`` in its
+    place (``fabric.backends._pool_snapshot``). Not so from a zip, or through an import
+    hook that rewrites the source (pytest's, in test modules): those are imported as they
+    are when the worker starts."""
+
+
+@dataclass(frozen=True)
+class FunctionCode:
+    """The code of a registered function as it was registered: its version, and the module
+    files (its own, its setup hook's) that the version hashes."""
+
+    version: str
+    modules: tuple[ModuleSource, ...] = ()
+
+
+def _module_source(module_name: str) -> ModuleSource | None:
+    module = sys.modules.get(module_name)
+    path = getattr(module, "__file__", None)
+    loader = getattr(module, "__loader__", None)
+    if not isinstance(path, str) or loader is None:  # a notebook's cell, a built-in module
+        return None
+    try:
+        if path.endswith(".py") and hasattr(loader, "get_data"):
+            data = loader.get_data(path)  # the bytes of the file (also in a zip), not a cache's
+        else:
+            data = inspect.getsource(module).encode()  # type: ignore[arg-type]
+    except (OSError, TypeError, ImportError):  # no source: a .pyc alone, an extension module
+        return None
+    # the exact class: a subclass may compile other text than the file's (an import hook)
+    plain = type(loader) is importlib.machinery.SourceFileLoader
+    return ModuleSource(import_name_of(module_name), path, bytes(data), plain)
+
+
+def capture_code(*objs: Callable[..., Any] | None) -> FunctionCode:
+    """The code of ``objs`` (a function and its setup hook) now: a short hash of their
+    source (bytecode when the source is unavailable) and of the whole files of the modules
+    that define them, and those files.
+
+    The whole module, not only the functions: a helper or a constant the function uses is
+    part of what it computes, and the version keys every call (a cached answer of the old
+    code must not be served for the new) and tells a worker that imported other code than
+    the registered (``FunctionPool``). It is also what a local pool keeps and its workers
+    import, so the version names exactly the code they run. The cost: any edit of the file
+    (a comment, another function) is a new version of each function in it. Modules they
+    import are in neither: keep in the function's module what must not change unseen."""
     h = hashlib.sha256()
+    modules: dict[str, ModuleSource | None] = {}
     for obj in objs:
         if obj is None:
             continue
@@ -119,7 +188,18 @@ def source_version(*objs: Callable[..., Any] | None) -> str:
         except (OSError, TypeError):
             code = getattr(obj, "__code__", None)
             h.update(code.co_code if code is not None else repr(obj).encode())
-    return h.hexdigest()[:12]
+        module_name = getattr(obj, "__module__", None)
+        if isinstance(module_name, str) and module_name not in modules:
+            modules[module_name] = _module_source(module_name)
+    kept = tuple(m for m in modules.values() if m is not None)
+    for m in kept:
+        h.update(m.data)
+    return FunctionCode(h.hexdigest()[:12], kept)
+
+
+def source_version(*objs: Callable[..., Any] | None) -> str:
+    """A short hash of the source of ``objs`` and of their modules' files (``capture_code``)."""
+    return capture_code(*objs).version
 
 
 def _params_of(fn: Callable[..., Any], kind: Kind) -> tuple[tuple[ParamSpec, ...], bool]:
@@ -167,8 +247,11 @@ def make_spec(
     setup: Callable[[], Any] | None = None,
     retry: RetryPolicy | dict[str, Any] | None = None,
     resources: Resources | dict[str, Any] | None = None,
+    code: FunctionCode | None = None,
     **options: Any,
 ) -> FunctionSpec:
+    """The spec of ``fn``. ``code``: ``capture_code(fn, setup)``, taken by the caller that
+    keeps it (the decorator), else here."""
     if not callable(fn) or inspect.isclass(fn):
         raise SignatureError(f"@{kind} decorates a function, got {fn!r}")
     derived = sorted(_DERIVED & options.keys())
@@ -206,7 +289,7 @@ def make_spec(
             kind=kind,
             entry=entry_point_of(fn),
             description=description,
-            version=source_version(fn, setup),
+            version=(code or capture_code(fn, setup)).version,
             is_async=inspect.iscoroutinefunction(fn),
             setup=entry_point_of(setup) if setup is not None else None,
             params=params,
@@ -241,9 +324,11 @@ class Registry:
     def function(self, fn: Any = None, /, *, kind: Kind = "function", **options: Any) -> Any:
         def deco(f: F) -> F:
             setup = options.get("setup")
-            spec = make_spec(f, kind=kind, **options)
+            code = capture_code(f, setup)  # read once: the version and the code kept are the same
+            spec = make_spec(f, kind=kind, code=code, **options)
             setattr(f, SPEC_ATTR, spec)
             setattr(f, SETUP_ATTR, setup)
+            setattr(f, CODE_ATTR, code)
             self.add(f)
             return f
 

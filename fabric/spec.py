@@ -70,7 +70,8 @@ class FunctionSpec(BaseModel):
     """Most calls coalesced into one message to a worker."""
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
     version: str
-    """Hash of the function's (and its setup hook's) source: part of every idempotency key."""
+    """Hash of the function's (and its setup hook's) source and of their modules' files: part
+    of every idempotency key (``fabric.registry.capture_code``)."""
     resources: Resources = Field(default_factory=Resources)
     side_effects: bool = Field(False, strict=True)
     """True for tools that change the world: never hedged, retries deduplicated by key."""
