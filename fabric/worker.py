@@ -242,12 +242,15 @@ def main() -> None:
     sys.path[:] = init["sys_path"]
     t0 = time.perf_counter()
     try:
+        from fabric.backends._pool_snapshot import install
         from fabric.runner import FunctionRunner
 
         # a script that starts a Client at import (no main guard) would otherwise make every
         # worker start its own pool; the Client refuses while this is set
         os.environ[IMPORTING_ENV] = init["entry"]
         try:
+            # the function's module as it was registered, not as the file is now (edited since?)
+            install(init.get("snapshot", ()), init["entry"])
             runner = FunctionRunner.from_entry(init["entry"])
         finally:
             os.environ.pop(IMPORTING_ENV, None)

@@ -30,17 +30,25 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from fabric.backends._pool_snapshot import snapshot_of
 from fabric.backends._pool_workers import _MAX_START_FAILURES, _TICK_S, PoolWorkers
 from fabric.backends._worker_handle import LIVE_PIDS, PoolCall
 from fabric.backends.base import LocalConfig
 from fabric.errors import BackendClosedError, BackendError, ErrorCode, SetupFailedError
 from fabric.protocol import Invocation, Result
+from fabric.registry import FunctionCode
 from fabric.spec import FunctionSpec
 
 
 class FunctionPool(PoolWorkers):
-    def __init__(self, spec: FunctionSpec, config: LocalConfig, *, cpu: int):
+    def __init__(
+        self, spec: FunctionSpec, config: LocalConfig, *, cpu: int, code: FunctionCode | None = None
+    ):
         self.spec = spec
+        # the source of the modules as registered, which its workers import (_pool_snapshot);
+        # None: not known (a spec not made by the decorator here), the workers import the files
+        self._snapshot, unkept = snapshot_of(code)
+        self._unkept = unkept if code is not None else None
         self.config = config
         self.max_workers = max(1, min(spec.max_concurrency, config.max_workers or cpu))
         self.warm = min(self.max_workers, spec.warm if config.warm is None else config.warm)
@@ -123,11 +131,13 @@ class FunctionPool(PoolWorkers):
         function registered again (``LocalBackend.pool``), which takes every call from now
         on. Its runs under way finish on the code they started with, and its queue is served
         by its workers too, as submitted (a call runs the code registered when it was made);
-        it keeps no worker ready for later (``warm`` 0) and starts none: a worker started now
-        would import the module as it is now, the new code, and be refused as stale. The
-        calls it can no longer serve (its last worker died or failed its start) go to
-        ``successor()``, the function's pool now (the old code is gone from disk), not failed
-        for a registration that did happen. Every call here is bounded (the function's
+        it keeps no worker ready for later (``warm`` 0) and starts none: the function was
+        moved to new code on purpose, a new worker would load the old code's setup again (a
+        model) for a few leftovers, and one of a module whose source was not kept
+        (``_pool_snapshot``) would import the new code and be refused as stale. The calls it
+        can no longer serve (its last worker died or failed its start) go to
+        ``successor()``, the function's pool now, not failed for a registration that did
+        happen. Every call here is bounded (the function's
         ``timeout_s``, a start that fails), so the wait is."""
         self.warm = 0
         self._successor = successor

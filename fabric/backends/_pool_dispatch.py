@@ -53,6 +53,8 @@ class PoolDispatch:
     _reaping: set[asyncio.Task[None]]
     _capacity_watchers: list[Callable[[], None]]
     _successor: Callable[[], Any] | None
+    _snapshot: list[tuple[str, str, bytes]]
+    _unkept: list[str] | None
     metrics: dict[str, int]
 
     if TYPE_CHECKING:

@@ -35,7 +35,7 @@ class PoolWorkers(PoolDispatch):
     def _can_spawn(self) -> bool:
         return (
             not self._closed
-            # retired (FunctionPool.retire): a worker would import the module as it is now
+            # retired (FunctionPool.retire): what it holds goes to the pool that replaced it
             and self._successor is None
             and self._broken is None
             and len(self._workers) < self.max_workers
@@ -118,7 +118,8 @@ class PoolWorkers(PoolDispatch):
             parent.close()
             raise
         fault = self.config.fault.model_dump() if self.config.fault else None
-        w.send(("init", {"entry": self.spec.entry, "sys_path": list(sys.path), "fault": fault}))
+        init = {"entry": self.spec.entry, "sys_path": list(sys.path), "fault": fault}
+        w.send(("init", {**init, "snapshot": self._snapshot}))
 
     def _start_failed(self, w: WorkerHandle, message: str, tb: str | None = None) -> None:
         """A worker that never became ready: after a few in a row, stop trying for a while."""
@@ -156,20 +157,33 @@ class PoolWorkers(PoolDispatch):
         self._start_failed(w, f"worker setup failed: {message}", tb)
 
     def _on_stale(self, w: WorkerHandle, version: str) -> None:
-        """A worker imported other code than the code registered: the module file changed
-        on disk since (edited, not reloaded). Serving it would run another function under
-        this name (and its version, which keys the calls), beside the older workers' code,
-        silently: it is refused as a failed setup is, so its calls fail when no other worker
-        serves them, saying what to do."""
+        """A worker imported other code than the code registered. The workers import the
+        registered source of the function's module (and its setup hook's) where it was kept
+        (``_pool_snapshot``), so this is a module whose source was not (from a zip, through
+        an import hook) changed since. Serving it would run another function under this name
+        (and its version, which keys the calls), beside the older workers' code, silently:
+        it is refused as a failed setup is, so its calls fail when no other worker serves
+        them, saying what to do."""
         w.fatal = True
         w.settle_start()
         entry = self.spec.entry.rpartition(":")[0]
+        # the workers import the registered text of the modules that are plain .py files
+        # (_pool_snapshot): what changed is one of the others, imported as it is now
+        if self._unkept is None:
+            why = "; its registered source was not kept (not registered by a decorator in this process)"
+        elif self._unkept:
+            why = (
+                f"; {', '.join(self._unkept)} is not a plain .py file read by Python's own loader "
+                "(a zip, an import hook), so its registered source is not kept for the workers"
+            )
+        else:
+            why = ""
         self._start_failed(
             w,
             f"{entry} changed since it was registered: a new worker imported other code "
-            f"(version {version}, registered {self.spec.version}) and was stopped; register it "
-            "again to run the new code (importlib.reload the module, then registry.discover "
-            "it, or restart the process), or undo the edit",
+            f"(version {version}, registered {self.spec.version}) and was stopped{why}; register "
+            "it again to run the new code (importlib.reload the module, then registry.discover "
+            "it, or restart the process), or undo the change",
         )
 
     def _on_lost(self, w: WorkerHandle) -> None:

@@ -1,9 +1,10 @@
 """The embedded default: per-function warm pools of worker processes on this machine.
 
-A pool's workers import the function once, when they start. A function registered again
+A pool's workers import the function once, when they start: the source of its module as it
+was registered, whatever the file holds now (``_pool_snapshot``). A function registered again
 under its name (a module edited and reloaded, a notebook cell run again: a new spec in the
-registry) gets a new pool at its next call, whose workers import the code as it is now; the
-old pool is retired: what it holds runs to its end there, then its workers stop.
+registry) gets a new pool at its next call, whose workers import the code registered then;
+the old pool is retired: what it holds runs to its end there, then its workers stop.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from fabric.errors import (
     UnknownFunctionError,
 )
 from fabric.protocol import Invocation, Result
-from fabric.registry import Registry
+from fabric.registry import CODE_ATTR, SPEC_ATTR, FunctionCode, Registry
+from fabric.spec import FunctionSpec
 
 
 class LocalBackend(Backend):
@@ -68,7 +70,7 @@ class LocalBackend(Backend):
                     "cell or the REPL): the local backend imports functions in worker processes, "
                     "so define it in a module or a .py file (or use backend='inproc')"
                 )
-            old, pool = pool, FunctionPool(spec, self.config, cpu=self._cpu)
+            old, pool = pool, FunctionPool(spec, self.config, cpu=self._cpu, code=self._code(name, spec))
             self._pools[name] = pool
             pool.start()
             watchers = self._watchers.get(name, [])
@@ -79,6 +81,17 @@ class LocalBackend(Backend):
                 for grew in watchers:  # the new pool's room may be more: whoever waits, look
                     grew()
         return pool
+
+    def _code(self, name: str, spec: FunctionSpec) -> FunctionCode | None:
+        """The code of ``spec`` as it was registered (its module files then), for the pool's
+        workers to import in place of the files, which may have changed since."""
+        fn = self.registry.callable(name)
+        code = getattr(fn, CODE_ATTR, None)
+        # this registration's: the function decorated again since (for another registry)
+        # carries that one's code
+        if getattr(fn, SPEC_ATTR, None) is not spec or not isinstance(code, FunctionCode):
+            return None
+        return code
 
     def _retire(self, pool: FunctionPool) -> None:
         name = pool.spec.name

@@ -181,22 +181,20 @@ async def test_calls_at_close_with_a_pool_being_replaced_are_answered_and_leave_
     assert not any(alive(p) for p in old_pids | new_pids)
 
 
-async def test_a_worker_importing_the_module_edited_since_it_was_registered_is_refused(reloadable):
-    """The module file edited on disk and not registered again: a worker started after that
-    (the first call's, a scale-up, a replacement) imported the edited code, so the pool ran
-    another function than the one registered (whose version keys the calls), beside its older
-    workers' code, silently. Such a worker is refused, and with no other to serve, the calls
-    fail saying what to do."""
+async def test_a_pool_started_after_the_module_file_was_edited_runs_the_registered_code(reloadable):
+    """The module file edited on disk and not registered again, before the function's pool
+    started (at its first call): its workers imported the edited file, other code than the
+    one registered (whose version keys the calls), and were refused as stale; with no other
+    worker, the calls failed SetupFailed. The source is kept when the function is
+    registered, not when its pool starts, and the workers import that: the registered code
+    runs (the stale refusal stays as the backstop: see test_local_snapshot)."""
     name, mod_name, _, edit = reloadable
     reg = Registry()
     reg.discover(mod_name)
     edit()  # and not reloaded
     async with Client(backend=LocalConfig(setup_failure_cooldown_s=60), registry=reg) as c:
         r = await c.call(name, {})
-        assert not r.ok and r.error is not None, r.value
-        assert r.error.type == ErrorCode.SETUP_FAILED, r.error
-        assert "changed since it was registered" in r.error.message, r.error.message
-        assert "register it again" in r.error.message, r.error.message
+        assert r.ok and r.value["code"] == "v1", (r.value, r.error)
         pids = c.backend.stats()[name]["pids"]
     assert not any(alive(p) for p in pids)
 
