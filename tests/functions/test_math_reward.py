@@ -911,7 +911,9 @@ def test_extraction_is_linear_in_a_megabyte_of_blank_lines(text):
     res = math_answer(text, ground_truth="42")
     assert time.monotonic() - t0 < 10.0  # ~0.2-0.8 s linear (more when loaded); hours quadratic
     assert res.score == (1.0 if text.endswith("42") else 0.0), res.info
-    assert _elapsed(extract_final, text) < 2.0
+    # ~0.45 s alone here (the negation scan added ~0.13 s); 2.46 s was seen with the full suite
+    # and helpers beside it: the bound is for quadratic (hours), not for speed
+    assert _elapsed(extract_final, text) < 5.0
 
 
 def test_a_too_long_answer_scores_zero_with_the_reason():
