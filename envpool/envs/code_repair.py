@@ -37,8 +37,9 @@ anything, exit early, or return a value whose ``__eq__`` is always true). So tha
 only *computes*: a subprocess (``python -I -B -u``, cwd the work dir, scrubbed environment, in
 a PID namespace of its own where the kernel allows one, killed with whatever it started when
 its results are in or at ``test_timeout_s``, CPU and file-size limits, ``memory_limit_bytes``
-of address space per process and, where a pids cgroup can be made, at most ``max_processes``
-processes and threads (:mod:`envpool.envs.code_repair_limits`: a memory hog or a fork bomb
+of address space per process and, where cgroups can be made, of memory for all its processes
+together and at most ``max_processes`` processes and threads
+(:mod:`envpool.envs.code_repair_limits`: a memory hog, many of them or a fork bomb
 fails its run, saying which limit, rather than take the container down), dies with the
 process that started it; :mod:`envpool.envs.code_repair_runner`) imports the module, evaluates each
 check's call (``add(2, 3)``) and writes the value as plain JSON (numbers, strings, booleans,
@@ -158,7 +159,8 @@ class CodeRepairEnv(Env):
             )
         self.test_timeout_s = test_timeout_s
         self.memory_limit_bytes = memory_limit_bytes
-        """Address space of each process of a test run (``RLIMIT_AS``)."""
+        """Address space of each process of a test run (``RLIMIT_AS``) and, where a memory
+        cgroup can be made, the memory of all its processes together."""
         self.max_processes = max_processes
         """Processes and threads of a test run at once, where a pids cgroup can be made."""
         self.workdir_root = workdir_root
@@ -389,6 +391,12 @@ class CodeRepairEnv(Env):
             lines.append(
                 f"The test run ran out of memory: at most {describe_bytes(self.memory_limit_bytes)} "
                 "of address space per process (memory_limit_bytes)."
+            )
+        if run.memory_limit_hit:
+            lines.append(
+                "The test run was stopped at its memory limit: its processes together reached "
+                f"{describe_bytes(self.memory_limit_bytes)} (memory_limit_bytes, for the whole run), "
+                "and the kernel killed one of them."
             )
         if run.process_limit_hit:
             lines.append(

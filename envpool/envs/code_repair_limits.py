@@ -1,21 +1,29 @@
-"""The limits of a ``code-repair-v1`` test run besides its timeout, CPU and file size: the
-address space of each of its processes (``RLIMIT_AS``), and how many processes and threads
-it may have at once (a pids cgroup of its own, where one can be made).
+"""The limits of a ``code-repair-v1`` test run besides its timeout, CPU and file size: its
+memory (``RLIMIT_AS`` on each of its processes, and a memory cgroup of its own on all of them
+together, where one can be made), and how many processes and threads it may have at once (a
+pids cgroup of its own, where one can be made).
 
 Why these: the policy's module runs in the container beside the server. A module that
 allocates without end took the container's memory (the server died with it, or the kernel's
 OOM killer picked a neighbour), and one that forked without end took the container's pids
-(or the node's). ``RLIMIT_NPROC`` would not do for the second: it does not bind root (a
-container's usual user), and it counts every process of the user, the server's included. A
-pids cgroup counts the run's processes only, binds root, and its member list finds every
-process the run started, wherever it moved.
+(or the node's). ``RLIMIT_AS`` alone bounds each process, not the run: 60 forked children of
+1 GiB each were 60 GiB. The memory cgroup bounds their sum (what they touch, the page cache
+and a tmpfs's files they write included) at the same ``memory_limit_bytes``; ``RLIMIT_AS``
+stays, as a process that asks for more than that gets a ``MemoryError`` it can report, which
+says more than the kernel's OOM kill the cgroup answers with. ``RLIMIT_NPROC`` would not do
+for the forks: it does not bind root (a container's usual user), and it counts every process
+of the user, the server's included. A pids cgroup counts the run's processes only, binds
+root, and the member list of either cgroup finds every process the run started, wherever it
+moved (a daemon in a session of its own whose run killed its keeper, say).
 
-Where no pids cgroup can be made (cgroup v2, whose rules forbid a child cgroup with
-controllers under one that holds processes, as the server's does; a read-only
-``/sys/fs/cgroup``; not Linux) a run has no process cap of its own: it still ends at its
-timeout with everything it started (``kill_tree``, the PID namespace), and what it forks
-meanwhile is bounded by the container's own pids limit (``docker run --pids-limit``, a
-pod's pid limit), which a deployment should set.
+Where no cgroup can be made (a read-only ``/sys/fs/cgroup``; not Linux; cgroup v2 for the
+pids cgroup, and for the memory cgroup one whose server's cgroup does not hand the memory
+controller to its children: v2's rules forbid a child cgroup with controllers under one that
+holds processes, as the server's does, so in a container only a server in the hierarchy's
+root gets one) a run has each process's ``RLIMIT_AS`` and no cap on its processes or its
+total: it still ends at its timeout with everything it started (``kill_tree``, the PID
+namespace), and what it takes meanwhile is bounded by the container's own limits
+(``docker run --memory --pids-limit``, a pod's), which a deployment should set.
 """
 
 from __future__ import annotations
@@ -33,14 +41,18 @@ __all__ = [
     "DEFAULT_MEMORY_BYTES",
     "MIN_MAX_PROCESSES",
     "MIN_MEMORY_BYTES",
+    "MemoryCgroup",
     "PidsCgroup",
     "describe_bytes",
+    "memory_cgroup_available",
     "pids_cgroup_available",
     "set_memory_limit",
 ]
 
 DEFAULT_MEMORY_BYTES = 2**30
-"""``RLIMIT_AS`` of each process of a run: an allocation past it is a ``MemoryError``."""
+"""The memory of a run: ``RLIMIT_AS`` of each of its processes (an allocation past it is a
+``MemoryError``) and, where a memory cgroup can be made, the memory of all of them together
+(past it the kernel's OOM killer kills one, and the run is ended)."""
 MIN_MEMORY_BYTES = 32 * 2**20
 """Below this the interpreter itself cannot start (it maps about 15 MiB)."""
 DEFAULT_MAX_PROCESSES = 64
@@ -63,32 +75,88 @@ def set_memory_limit(pid: int, limit: int) -> None:
     resource.prlimit(pid, resource.RLIMIT_AS, (value, value))
 
 
-def _pids_parent() -> Path | None:
-    """This process's cgroup in cgroup v1's pids hierarchy, where a child can be made."""
+def _mounts_and_groups() -> tuple[list[str], list[str]] | None:
     try:
-        mounts = Path("/proc/self/mountinfo").read_text().splitlines()
-        groups = Path("/proc/self/cgroup").read_text().splitlines()
+        return (
+            Path("/proc/self/mountinfo").read_text().splitlines(),
+            Path("/proc/self/cgroup").read_text().splitlines(),
+        )
     except OSError:
         return None
+
+
+def _v1_parent(controller: str) -> Path | None:
+    """This process's cgroup in cgroup v1's ``controller`` hierarchy, where a child can be made."""
+    found = _mounts_and_groups()
+    if found is None:
+        return None
+    mounts, groups = found
     mount = None
     for line in mounts:
         pre, _, post = line.partition(" - ")
         fields, tail = pre.split(), post.split()
-        if len(fields) >= 5 and len(tail) >= 3 and tail[0] == "cgroup" and "pids" in tail[2].split(","):
+        if len(fields) >= 5 and len(tail) >= 3 and tail[0] == "cgroup" and controller in tail[2].split(","):
             mount = fields[4]
             break
     if mount is None:
         return None
     for line in groups:
         _, controllers, path = line.split(":", 2)
-        if "pids" in controllers.split(","):
+        if controller in controllers.split(","):
             return Path(mount) / path.lstrip("/")
     return None
+
+
+def _v2_parent() -> Path | None:
+    """This process's cgroup in the cgroup v2 hierarchy, if one is mounted."""
+    found = _mounts_and_groups()
+    if found is None:
+        return None
+    mounts, groups = found
+    mount = None
+    for line in mounts:
+        pre, _, post = line.partition(" - ")
+        fields, tail = pre.split(), post.split()
+        if len(fields) >= 5 and tail and tail[0] == "cgroup2":
+            mount = fields[4]
+            break
+    if mount is None:
+        return None
+    for line in groups:
+        hierarchy, _, path = line.split(":", 2)
+        if hierarchy == "0":
+            return Path(mount) / path.lstrip("/")
+    return None
+
+
+def _pids_parent() -> Path | None:
+    """Where a run's pids cgroup is made: v1's pids hierarchy (see the module's docstring)."""
+    return _v1_parent("pids")
+
+
+def _memory_parent() -> tuple[Path, int] | None:
+    """Where a run's memory cgroup is made, and the cgroup version: v1's memory hierarchy,
+    else v2's (a child there has the memory controller only where the server's cgroup hands
+    it down, which ``MemoryCgroup.make`` checks)."""
+    v1 = _v1_parent("memory")
+    if v1 is not None:
+        return v1, 1
+    v2 = _v2_parent()
+    return None if v2 is None else (v2, 2)
 
 
 def pids_cgroup_available() -> bool:
     """Whether runs here get a process cap (a pids cgroup of their own can be made)."""
     probe = PidsCgroup.make(MIN_MAX_PROCESSES)
+    if probe is None:
+        return False
+    probe.remove()
+    return True
+
+
+def memory_cgroup_available() -> bool:
+    """Whether runs here get a cap on their total memory (a memory cgroup of their own)."""
+    probe = MemoryCgroup.make(MIN_MEMORY_BYTES)
     if probe is None:
         return False
     probe.remove()
@@ -118,17 +186,38 @@ def _sweep(parent: Path) -> None:
                 os.rmdir(entry.path)
 
 
-class PidsCgroup:
-    """A pids cgroup of one test run: ``pids.max`` caps its processes and threads at once;
-    a fork or a thread start past it fails (``EAGAIN``), which ``pids.events`` counts."""
+def _write(path: Path, text: str) -> None:
+    """Write a cgroup's control file, never creating one: a plain directory taken for a
+    cgroup (a lookup gone wrong) fails here rather than pass for a limit."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _counters(path: Path) -> dict[str, int]:
+    """``key value`` lines (``pids.events``, ``memory.oom_control``, ``memory.events``); {}
+    where the cgroup is gone or unreadable (then nothing is on record)."""
+    found: dict[str, int] = {}
+    try:
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                found[key] = int(value)
+    except OSError:
+        pass
+    return found
+
+
+class _RunCgroup:
+    """A cgroup of one test run, made fresh under this process's own and removed after."""
 
     def __init__(self, path: Path):
         self.path = path
 
     @classmethod
-    def make(cls, max_tasks: int) -> PidsCgroup | None:
-        """A fresh one capped at ``max_tasks``, or None where none can be made."""
-        parent = _pids_parent()
+    def _make_under(cls, parent: Path | None) -> Path | None:
         if parent is None:
             return None
         _sweep(parent)
@@ -137,32 +226,15 @@ class PidsCgroup:
             path.mkdir()
         except OSError:
             return None
-        cg = cls(path)
-        try:
-            (path / "pids.max").write_text(str(max_tasks))
-        except OSError:
-            cg.remove()
-            return None
-        return cg
+        return path
 
     def add(self, pid: int) -> bool:
         """Move ``pid`` in (before it forks: what it starts later is born inside)."""
         try:
-            (self.path / "cgroup.procs").write_text(str(pid))
+            _write(self.path / "cgroup.procs", str(pid))
         except OSError:
             return False
         return True
-
-    def hit_limit(self) -> bool:
-        """Whether a fork or a thread start was refused for the cap."""
-        try:
-            for line in (self.path / "pids.events").read_text().splitlines():
-                key, _, count = line.partition(" ")
-                if key == "max" and int(count) > 0:
-                    return True
-        except (OSError, ValueError):
-            pass  # the cgroup is gone or unreadable: no refused fork is on record
-        return False
 
     def _members(self) -> list[int]:
         try:
@@ -202,3 +274,98 @@ class PidsCgroup:
                     return  # left behind, empty soon: a few bytes of the kernel's
                 self.kill_all()
                 time.sleep(0.01)
+
+
+class PidsCgroup(_RunCgroup):
+    """A pids cgroup of one test run: ``pids.max`` caps its processes and threads at once;
+    a fork or a thread start past it fails (``EAGAIN``), which ``pids.events`` counts."""
+
+    @classmethod
+    def make(cls, max_tasks: int) -> PidsCgroup | None:
+        """A fresh one capped at ``max_tasks``, or None where none can be made."""
+        path = cls._make_under(_pids_parent())
+        if path is None:
+            return None
+        cg = cls(path)
+        try:
+            _write(path / "pids.max", str(max_tasks))
+        except OSError:
+            cg.remove()
+            return None
+        return cg
+
+    def hit_limit(self) -> bool:
+        """Whether a fork or a thread start was refused for the cap."""
+        return _counters(self.path / "pids.events").get("max", 0) > 0
+
+
+class MemoryCgroup(_RunCgroup):
+    """A memory cgroup of one test run: the memory its processes use together (what they
+    touch, the page cache and tmpfs files they write, the kernel's memory on their behalf) is
+    capped; past the cap, and past what the kernel can reclaim, its OOM killer kills one of
+    them (never a process outside), which ``oom_killed`` reads and ``oom_eventfd`` tells at
+    once. Swap is capped with it, so that the cap is not a slow spill to disk."""
+
+    def __init__(self, path: Path, version: int):
+        super().__init__(path)
+        self.version = version
+
+    @classmethod
+    def make(cls, limit_bytes: int) -> MemoryCgroup | None:
+        """A fresh one capped at ``limit_bytes``, or None where none can be made."""
+        found = _memory_parent()
+        if found is None:
+            return None
+        parent, version = found
+        path = cls._make_under(parent)
+        if path is None:
+            return None
+        cg = cls(path, version)
+        try:
+            if version == 1:
+                _write(path / "memory.limit_in_bytes", str(limit_bytes))
+                # memory and swap together; absent where swap accounting is off (no swap to cap)
+                if (path / "memory.memsw.limit_in_bytes").exists():
+                    _write(path / "memory.memsw.limit_in_bytes", str(limit_bytes))
+            else:
+                # a v2 child has memory.max only where its parent hands the controller down
+                _write(path / "memory.max", str(limit_bytes))
+                if (path / "memory.swap.max").exists():
+                    _write(path / "memory.swap.max", "0")
+                # the OOM killer takes the whole run, not its biggest process
+                if (path / "memory.oom.group").exists():
+                    _write(path / "memory.oom.group", "1")
+        except OSError:
+            cg.remove()
+            return None
+        return cg
+
+    def oom_killed(self) -> bool:
+        """Whether the kernel's OOM killer killed a process of it (for the cap)."""
+        counters = "memory.oom_control" if self.version == 1 else "memory.events"
+        return _counters(self.path / counters).get("oom_kill", 0) > 0
+
+    def oom_eventfd(self) -> int | None:
+        """An eventfd (the caller closes it) that turns readable when the run runs out of
+        memory, so that the run is ended then rather than at its timeout (the OOM killer
+        took one process; the others may wait on it for good); None where there is none
+        (cgroup v2: ``memory.oom.group`` ends the whole run, its keeper included, by itself)."""
+        if self.version != 1:
+            return None
+        try:
+            efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        except (AttributeError, OSError):
+            return None
+        try:
+            control = os.open(self.path / "memory.oom_control", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            os.close(efd)
+            return None
+        try:
+            _write(self.path / "cgroup.event_control", f"{efd} {control}")
+        except OSError:
+            os.close(efd)
+            return None
+        finally:
+            os.close(control)  # the kernel holds its own reference
+        return efd

@@ -24,6 +24,7 @@ from typing import Any
 from envpool.envs.code_repair_limits import (
     DEFAULT_MAX_PROCESSES,
     DEFAULT_MEMORY_BYTES,
+    MemoryCgroup,
     PidsCgroup,
     set_memory_limit,
 )
@@ -82,8 +83,9 @@ PID_NAMESPACE = True
 # namespace, stays alive until killed: it is a child subreaper, so what the module started
 # stays in its tree even when the runner is gone. What that fallback cannot stop: a module
 # that kills the keeper (same user, its pid is the runner's parent) and leaves a daemon with
-# a session and a working directory of its own; the container's kill takes that one. A
-# module that writes DONE_FD early only cuts its own results short.
+# a session and a working directory of its own; the member list of the run's cgroups finds
+# that one where one could be made (code_repair_limits), else the container's kill takes it.
+# A module that writes DONE_FD early only cuts its own results short.
 RUNNER = r"""
 import ctypes, os, select, signal, sys
 parent, done_fd, isolate = int(sys.argv[1]), int(sys.argv[3]), sys.argv[4] == "1"
@@ -254,6 +256,9 @@ class RunOutput:
     timed_out: bool
     out_of_memory: bool = False
     """A ``MemoryError`` was raised in the run (its address-space limit, most likely)."""
+    memory_limit_hit: bool = False
+    """The run's processes together reached its memory cgroup's cap: the kernel's OOM killer
+    killed one of them, and the run was ended there."""
     process_limit_hit: bool = False
     """A fork or a thread start was refused for the run's process cap."""
 
@@ -268,20 +273,24 @@ def run_checks(
 ) -> RunOutput:
     """Run ``RUNNER`` in ``root`` on ``spec`` (the module's name, the names the tests import
     and the checks' calls; never the expected values) for at most ``timeout_s``, each of its
-    processes in ``memory_bytes`` of address space and, where a pids cgroup can be made
-    (``code_repair_limits``), at most ``max_processes`` processes and threads at once; then
-    kill it with everything it started."""
-    cgroup = PidsCgroup.make(max_processes)
+    processes in ``memory_bytes`` of address space and, where cgroups can be made
+    (``code_repair_limits``), all of them in ``memory_bytes`` of memory together and at most
+    ``max_processes`` processes and threads at once; then kill it with everything it
+    started."""
+    pids = PidsCgroup.make(max_processes)
     try:
-        return _run(root, spec, timeout_s, memory_bytes, cgroup)
+        memory = MemoryCgroup.make(memory_bytes)
+        try:
+            return _run(root, spec, _Limits(timeout_s, memory_bytes, pids, memory))
+        finally:
+            if memory is not None:
+                memory.remove()
     finally:
-        if cgroup is not None:
-            cgroup.remove()
+        if pids is not None:
+            pids.remove()
 
 
-def _run(
-    root: Path, spec: dict[str, Any], timeout_s: float, memory_bytes: int, cgroup: PidsCgroup | None
-) -> RunOutput:
+def _run(root: Path, spec: dict[str, Any], limits: _Limits) -> RunOutput:
     env = {"PATH": os.defpath, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": str(root)}
     done_r, done_w = os.pipe()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as results:
@@ -301,8 +310,9 @@ def _run(
         finally:
             os.close(done_w)
         try:
-            limits = _Limits(timeout_s, memory_bytes, cgroup)
-            timed_out = _await_runner(proc, done_r, json.dumps(spec).encode() + b"\n", root, limits)
+            timed_out, oom_ended = _await_runner(
+                proc, done_r, json.dumps(spec).encode() + b"\n", root, limits
+            )
         finally:
             os.close(done_r)
         size = out.seek(0, os.SEEK_END)
@@ -318,7 +328,8 @@ def _run(
         # the runner reports the exception by its class names; an allocation that failed in
         # the interpreter's own code (a fatal error) is in the output
         out_of_memory="MemoryError" in reported or "MemoryError" in raw,
-        process_limit_hit=cgroup is not None and cgroup.hit_limit(),
+        memory_limit_hit=oom_ended or (limits.memory is not None and limits.memory.oom_killed()),
+        process_limit_hit=limits.pids is not None and limits.pids.hit_limit(),
     )
 
 
@@ -326,15 +337,21 @@ def _run(
 class _Limits:
     timeout_s: float
     memory_bytes: int
-    cgroup: PidsCgroup | None
+    pids: PidsCgroup | None
+    memory: MemoryCgroup | None
+
+    @property
+    def cgroups(self) -> list[PidsCgroup | MemoryCgroup]:
+        return [cg for cg in (self.pids, self.memory) if cg is not None]
 
 
 def _await_runner(
     proc: subprocess.Popen[bytes], done_r: int, spec: bytes, root: Path, limits: _Limits
-) -> bool:
-    """Set the runner's limits, feed it its spec and wait for its done byte, its exit or the
-    timeout; then kill it with everything it started. Whether it timed out. (The limits are
-    set before the spec is written: the keeper reads it before it forks or runs anything.)"""
+) -> tuple[bool, bool]:
+    """Set the runner's limits, feed it its spec and wait for its done byte, its exit, an
+    OOM kill in its memory cgroup or the timeout; then kill it with everything it started.
+    Whether it timed out, and whether it was ended for its memory cap. (The limits are set
+    before the spec is written: the keeper reads it before it forks or runs anything.)"""
     timeout_s = limits.timeout_s
     # a backstop should the timeout below never come (this process stopped): SIGKILL
     # past about test_timeout_s of CPU (soft = hard: no SIGXCPU core dump)
@@ -345,24 +362,42 @@ def _await_runner(
         resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (MAX_FILE_BYTES, MAX_FILE_BYTES))
     with contextlib.suppress(OSError, ValueError):
         set_memory_limit(proc.pid, limits.memory_bytes)
-    if limits.cgroup is not None:
-        limits.cgroup.add(proc.pid)
+    for cgroup in limits.cgroups:
+        cgroup.add(proc.pid)
+    oom_fd = limits.memory.oom_eventfd() if limits.memory is not None else None
+    try:
+        return _await_end(proc, done_r, spec, root, limits, oom_fd)
+    finally:
+        if oom_fd is not None:
+            os.close(oom_fd)
+
+
+def _await_end(
+    proc: subprocess.Popen[bytes], done_r: int, spec: bytes, root: Path, limits: _Limits, oom_fd: int | None
+) -> tuple[bool, bool]:
     assert proc.stdin is not None
     with contextlib.suppress(OSError):  # it died at once: its exit tells
         proc.stdin.write(spec)
         proc.stdin.flush()
-    deadline = time.monotonic() + timeout_s
-    timed_out = True
+    deadline = time.monotonic() + limits.timeout_s
+    timed_out, oom_ended = True, False
     # the done byte, or the keeper's exit (it died: the done pipe stays open in whatever the
     # module forked, so its EOF cannot tell). poll, not select: select takes no fd past 1023
     poller = select.poll()
     poller.register(done_r, select.POLLIN)
+    if oom_fd is not None:
+        poller.register(oom_fd, select.POLLIN)
     with _exit_watch(proc.pid) as exited:
         for fd in exited:
             poller.register(fd, select.POLLIN)
         while (left := deadline - time.monotonic()) > 0:
             wait_s = left if exited else min(left, 0.05)
             ready = {fd for fd, _ in poller.poll(math.ceil(wait_s * 1000))}
+            if oom_fd is not None and oom_fd in ready:
+                # out of memory: the OOM killer took one process, and the run ends here as a
+                # whole (what waited on that one would have waited until the timeout)
+                timed_out, oom_ended = False, True
+                break
             if done_r in ready:
                 if os.read(done_r, 1):
                     timed_out = False
@@ -376,14 +411,14 @@ def _await_runner(
     with contextlib.suppress(OSError):
         proc.stdin.close()
     proc.wait()
-    if limits.cgroup is not None:  # its members: what the run started, wherever it went
-        limits.cgroup.kill_all()
+    for cgroup in limits.cgroups:  # their members: what the run started, wherever it went
+        cgroup.kill_all()
     # a keeper that ended by itself (its namespace's init ended, which took the namespace
     # with it; or, without a namespace, the module killed it) cannot be told apart from a
     # kill: in the second case what the run started left its tree, but maybe not this
     # process group nor the work dir. One scan of /proc, after every run
     kill_left_in(root)
-    return timed_out
+    return timed_out, oom_ended
 
 
 @contextlib.contextmanager

@@ -181,3 +181,133 @@ def test_the_cgroup_of_a_run_whose_server_died_is_removed_by_the_next_run():
     finally:
         with contextlib.suppress(OSError):
             left.rmdir()
+
+
+needs_memory_cgroup = pytest.mark.skipif(
+    not code_repair_limits.memory_cgroup_available(),
+    reason="no memory cgroup can be made here (cgroup v1's memory hierarchy writable, or v2's "
+    "memory controller handed down to this process's cgroup): no cap on a run's total memory",
+)
+
+
+def _fork_and_hold(children: int, mib: int) -> str:
+    """A body for ``add`` that forks ``children`` that each allocate ``mib`` MiB, touch every
+    page of it (so that it counts, not only maps) and hold it until all of them have, then
+    returns a + b."""
+    return (
+        "    import os\n"
+        "    ready_r, ready_w = os.pipe()\n"
+        "    go_r, go_w = os.pipe()\n"
+        "    kids = []\n"
+        f"    for _ in range({children}):\n"
+        "        pid = os.fork()\n"
+        "        if pid == 0:\n"
+        f"            held = b'x' * ({mib} * 2**20)  # every byte written: every page touched\n"
+        "            os.write(ready_w, b'r')\n"
+        "            os.read(go_r, 1)\n"
+        "            os._exit(len(held) == 0)\n"
+        "        kids.append(pid)\n"
+        f"    for _ in range({children}):\n"
+        "        os.read(ready_r, 1)  # a child killed before it wrote: this waits for good\n"
+        f"    os.write(go_w, b'g' * {children})\n"
+        "    for pid in kids:\n"
+        "        os.waitpid(pid, 0)\n"
+        "    return a + b"
+    )
+
+
+def _memory_cgroups_left() -> list[str]:
+    found = code_repair_limits._memory_parent()
+    assert found is not None
+    mine = f"envpool-run-{os.getpid()}-"
+    return [name for name in os.listdir(found[0]) if name.startswith(mine)]
+
+
+@needs_memory_cgroup
+def test_children_that_together_pass_the_memory_limit_stop_the_run_saying_so(tmp_path):
+    # RLIMIT_AS binds each process, not the run: 6 children of 48 MiB each were within a
+    # 160 MiB limit one by one, and took 288 MiB of the container's memory together (60 of
+    # 1 GiB each, under the defaults)
+    with _repair(tmp_path, test_timeout_s=20, memory_limit_bytes=160 * MiB) as (env, work):
+        env.step(edit_action("mathutils.py", "    return a - b", _fork_and_hold(6, 48)))
+        t0 = time.monotonic()
+        res = env.step("run_tests")
+        text = res.obs.text
+        assert "stopped at its memory limit: its processes together reached 160 MiB" in text, text
+        assert not res.info["all_passed"] and res.info["outcome"] == "test_failure"
+        assert time.monotonic() - t0 < 15  # ended at the OOM kill, not at the timeout
+        assert _none_left_in(work, 3)
+        assert _memory_cgroups_left() == []
+        # the env (the container) goes on
+        env.step(edit_action("mathutils.py", _fork_and_hold(6, 48), "    return a + b"))
+        assert env.step("run_tests").info["all_passed"]
+
+
+@needs_memory_cgroup
+def test_children_within_the_memory_limit_together_are_left_alone(tmp_path):
+    with _repair(tmp_path, test_timeout_s=20, memory_limit_bytes=160 * MiB) as (env, _):
+        env.step(edit_action("mathutils.py", "    return a - b", _fork_and_hold(2, 24)))
+        res = env.step("run_tests")
+        assert res.info["all_passed"], res.obs.text
+        assert "limit" not in res.obs.text
+        assert _memory_cgroups_left() == []
+
+
+@pytest.mark.parametrize("parent", ["missing", "not_a_cgroup", "v2_without_memory"])
+def test_where_no_memory_cgroup_can_be_made_a_run_keeps_its_per_process_limit(tmp_path, monkeypatch, parent):
+    # no memory cgroup (a read-only /sys/fs/cgroup, v2 that does not hand the memory
+    # controller down): each process's RLIMIT_AS still holds, and a run goes on without one
+    if parent == "v2_without_memory":
+        v2 = code_repair_limits._v2_parent()
+        if v2 is None or not os.access(v2, os.W_OK):
+            pytest.skip("no writable cgroup v2 hierarchy here to make a child in")
+        if (v2 / "cgroup.subtree_control").read_text().split().count("memory"):
+            pytest.skip("this cgroup v2 hierarchy hands the memory controller down")
+        found: tuple[Path, int] = (v2, 2)
+    else:
+        where = tmp_path / ("missing/deeper" if parent == "missing" else "plain")
+        if parent == "not_a_cgroup":
+            where.mkdir()
+        found = (where, 1)
+    monkeypatch.setattr(code_repair_limits, "_memory_parent", lambda: found)
+    before = set(os.listdir(found[0])) if found[0].exists() else set()
+    assert code_repair_limits.MemoryCgroup.make(64 * MiB) is None
+    assert (set(os.listdir(found[0])) if found[0].exists() else set()) == before  # nothing left there
+    with _repair(tmp_path, test_timeout_s=10, memory_limit_bytes=64 * MiB) as (env, _):
+        env.step(edit_action("mathutils.py", "    return a - b", HOG))
+        text = env.step("run_tests").obs.text
+        assert "at most 64 MiB of address space per process (memory_limit_bytes)" in text, text
+        env.step(edit_action("mathutils.py", HOG, "    return a + b"))
+        res = env.step("run_tests")
+        assert res.info["all_passed"], res.obs.text
+
+
+@needs_memory_cgroup
+def test_a_memory_hog_alone_still_gets_a_memory_error_not_an_oom_kill(tmp_path):
+    # the per-process limit comes first for one process: a MemoryError the run reports,
+    # clearer than the kernel's kill
+    with _repair(tmp_path, test_timeout_s=10, memory_limit_bytes=64 * MiB) as (env, _):
+        env.step(edit_action("mathutils.py", "    return a - b", HOG))
+        text = env.step("run_tests").obs.text
+        assert "MemoryError" in text and "of address space per process" in text, text
+        assert "stopped at its memory limit" not in text
+        assert _memory_cgroups_left() == []
+
+
+@needs_memory_cgroup
+def test_the_memory_cgroup_of_a_run_whose_server_died_is_removed_by_the_next_run():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    probe = code_repair_limits.MemoryCgroup.make(64 * MiB)
+    assert probe is not None
+    left = probe.path.parent / f"envpool-run-{dead.pid}-abandoned"
+    probe.remove()
+    left.mkdir()
+    try:
+        fresh = code_repair_limits.MemoryCgroup.make(64 * MiB)
+        assert fresh is not None
+        fresh.remove()
+        assert not left.exists()
+    finally:
+        with contextlib.suppress(OSError):
+            left.rmdir()
