@@ -16,7 +16,7 @@ import pytest
 
 import envpool
 import envpool.envs  # registers the built-ins
-from envpool.envs import code_repair_limits
+from envpool.envs import code_repair_limits, code_repair_runner
 from envpool.envs.code_repair import CodeRepairEnv
 
 MiB = 2**20
@@ -224,10 +224,14 @@ def _memory_cgroups_left() -> list[str]:
 
 
 @needs_memory_cgroup
-def test_children_that_together_pass_the_memory_limit_stop_the_run_saying_so(tmp_path):
+@pytest.mark.parametrize("pid_namespace", [True, False], ids=["pid_namespace", "fallback"])
+def test_children_that_together_pass_the_memory_limit_stop_the_run_saying_so(
+    tmp_path, monkeypatch, pid_namespace
+):
     # RLIMIT_AS binds each process, not the run: 6 children of 48 MiB each were within a
     # 160 MiB limit one by one, and took 288 MiB of the container's memory together (60 of
     # 1 GiB each, under the defaults)
+    monkeypatch.setattr(code_repair_runner, "PID_NAMESPACE", pid_namespace)
     with _repair(tmp_path, test_timeout_s=20, memory_limit_bytes=160 * MiB) as (env, work):
         env.step(edit_action("mathutils.py", "    return a - b", _fork_and_hold(6, 48)))
         t0 = time.monotonic()
@@ -271,7 +275,10 @@ def test_where_no_memory_cgroup_can_be_made_a_run_keeps_its_per_process_limit(tm
         found = (where, 1)
     monkeypatch.setattr(code_repair_limits, "_memory_parent", lambda: found)
     before = set(os.listdir(found[0])) if found[0].exists() else set()
-    assert code_repair_limits.MemoryCgroup.make(64 * MiB) is None
+    made = code_repair_limits.MemoryCgroup.make(64 * MiB)
+    if made is not None:  # removed even when the check below fails
+        made.remove()
+    assert made is None
     assert (set(os.listdir(found[0])) if found[0].exists() else set()) == before  # nothing left there
     with _repair(tmp_path, test_timeout_s=10, memory_limit_bytes=64 * MiB) as (env, _):
         env.step(edit_action("mathutils.py", "    return a - b", HOG))
