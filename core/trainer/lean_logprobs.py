@@ -89,9 +89,13 @@ class _LeanLogprobs(torch.autograd.Function):
             r1 = min(n, r0 + rows)
             x = _scaled(flat, restrict, c, r0, r1, t)
             lz = torch.logsumexp(x, dim=-1)
-            logp[r0:r1] = x.gather(-1, tgt[r0:r1, None]).squeeze(-1) - lz
-            # H = -sum p (x - lse) = lse - sum p x; in place: two chunk-sized buffers at most
-            ent[r0:r1] = lz - (x - lz[:, None]).exp_().mul_(x).sum(-1)
+            x.sub_(lz[:, None])  # log p, in place
+            logp[r0:r1] = x.gather(-1, tgt[r0:r1, None]).squeeze(-1)
+            # H = -sum p log p, from log p itself as grpo.entropy takes it: lse - sum p x is the
+            # same number as the difference of two large ones (a low temperature, logits with a
+            # common offset) and lost 3e-4 in fp32; two chunk-sized buffers, x and p (a masked
+            # id has p = 0 exactly, so 0 * -1e9 adds 0)
+            ent[r0:r1] = torch.exp(x).mul_(x).sum(-1).neg_()
             lse[r0:r1] = lz
         ctx.save_for_backward(logits, targets, restrict, lse, ent)
         ctx.t, ctx.rows = t, rows

@@ -132,3 +132,31 @@ def test_the_memory_benchmark_runs_and_both_paths_agree():
     assert res["shape"] == [2, 8, 64] and res["rounds"] == 1
     assert res["loss_diff"] < 1e-5
     assert res["plain_peak_mb"] >= 0 and res["lean_peak_mb"] >= 0
+
+
+@pytest.mark.parametrize(
+    ("offset", "scale", "t"),
+    [(0.0, 8.0, 0.3), (100.0, 3.0, 1.0), (40.0, 4.0, 0.5)],
+    ids=["peaked-low-temperature", "offset-100", "offset-40-t0.5"],
+)
+def test_fp32_entropy_is_as_exact_as_the_plain_path_for_large_scaled_logits(offset, scale, t):
+    # a low temperature or logits with a common offset make x = logits / T large beside the
+    # entropy: written as lse - sum p x, H is the difference of two such numbers and lost
+    # 3e-4 in fp32 (the plain path, -sum p log p, 5e-7), and the entropy's gradient with it
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 4, 1000, generator=g, dtype=torch.float64) * scale + offset).float()
+    targets = torch.randint(0, 1000, (2, 4), generator=g)
+    a = logits.clone().requires_grad_(True)
+    _, ent = logprobs_and_entropy(a, targets, t)
+    ent.sum().backward()
+    # the exact entropy of the same fp32 logits, and its gradient, in float64
+    b = logits.double().requires_grad_(True)
+    logp = torch.log_softmax(b / t, dim=-1)
+    exact = -(logp.exp() * logp).sum(-1)
+    exact.sum().backward()
+    assert (entropy(logits, t).double() - exact).abs().max() < 1e-5  # what the plain path holds
+    # what is left is the rounding of the row's logsumexp itself (about 103 here: fp32 steps by
+    # 7.6e-6), which log p = x - lse carries; 3e-5 is ten times under the cancellation's error
+    torch.testing.assert_close(ent.double(), exact.detach(), atol=3e-5, rtol=0)
+    assert a.grad is not None and b.grad is not None
+    torch.testing.assert_close(a.grad.double(), b.grad, atol=3e-5, rtol=0)
