@@ -42,7 +42,9 @@ def logprobs_and_entropy(
     ``targets``: ``[B, C]`` token ids; ``restrict``: ``[B, V]`` additive mask (0 allowed,
     -1e9 not) or None. Both outputs are ``[B, C]`` fp32 (float64 for float64 logits) and
     carry gradients to ``logits``;
-    an output the loss does not use costs nothing in the backward pass.
+    an output the loss does not use costs nothing in the backward pass. Differentiable once:
+    a second derivative (a gradient taken with ``create_graph=True``, differentiated again)
+    raises a ``RuntimeError``.
     """
     if logits.ndim != 3:
         raise ValueError(f"logits must be [B, C, V], got shape {tuple(logits.shape)}")
@@ -108,29 +110,73 @@ class _LeanLogprobs(torch.autograd.Function):
         logits, targets, restrict, lse, ent = ctx.saved_tensors
         if g_logp is None and g_ent is None:
             return None, None, None, None, None
-        b, c, v = logits.shape
-        flat = logits.reshape(b * c, v)
-        tgt = targets.reshape(b * c)
-        dt = _compute_dtype(logits)
-        gl = None if g_logp is None else g_logp.reshape(b * c).to(dt)
-        ge = None if g_ent is None else g_ent.reshape(b * c).to(dt)
-        grad = torch.empty_like(flat)
-        for r0 in range(0, b * c, ctx.rows):
-            r1 = min(b * c, r0 + ctx.rows)
-            # in place throughout: two chunk-sized fp32 buffers, the log-probabilities (which
-            # become the gradient) and the probabilities
-            gx = _scaled(flat, restrict, c, r0, r1, ctx.t).sub_(lse[r0:r1, None])  # log p
-            p = torch.exp(gx)
-            if ge is not None:
-                # dH / dx_k = -p_k (log p_k + H); a masked id has p = 0 exactly (no 0 * inf)
-                gx.add_(ent[r0:r1, None]).mul_(p).mul_(-ge[r0:r1, None])
-            else:
-                gx.zero_()
-            if gl is not None:
-                # d logp_target / dx = onehot(target) - p
-                gx.sub_(p.mul_(gl[r0:r1, None]))
-                gx.scatter_add_(-1, tgt[r0:r1, None], gl[r0:r1, None])
-            if ctx.t != 1.0:
-                gx.div_(ctx.t)
-            grad[r0:r1] = gx
-        return grad.view(b, c, v), None, None, None, None
+        # grad mode is on here only under create_graph=True: the gradient below takes each row's
+        # logsumexp and entropy as constants and works in place, so differentiated again it is
+        # wrong (or trips a version check); it is worked out without a graph and handed back
+        # through a node, tied to everything it depends on, that refuses a second derivative
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad():
+            grad = _gradient(logits, targets, restrict, lse, ent, g_logp, g_ent, ctx.t, ctx.rows)
+        if create_graph:
+            grad = _NoSecondDerivative.apply(grad, logits, g_logp, g_ent)
+        return grad, None, None, None, None
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """``grad`` as it is, under a node whose backward raises: the gradient of
+    ``logprobs_and_entropy`` taken with ``create_graph=True`` goes through it, with the tensors
+    it depends on as inputs so that a derivative with respect to any of them reaches it (and
+    is not read as "unused" or None)."""
+
+    @staticmethod
+    def forward(ctx: Any, grad: Tensor, *depends_on: Tensor | None) -> Tensor:  # type: ignore[override]
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx: Any, *_: Any) -> Any:
+        raise RuntimeError(
+            "logprobs_and_entropy has no second derivative (its gradient was taken with "
+            "create_graph=True and then differentiated again); for a Hessian-vector product or "
+            "a gradient penalty use grpo.token_logprobs and grpo.entropy on "
+            "(logits.float() + restrict) / T"
+        )
+
+
+def _gradient(
+    logits: Tensor,
+    targets: Tensor,
+    restrict: Tensor | None,
+    lse: Tensor,
+    ent: Tensor,
+    g_logp: Tensor | None,
+    g_ent: Tensor | None,
+    t: float,
+    rows: int,
+) -> Tensor:
+    """d(sum g_logp * logp + g_ent * H) / d logits, a chunk of rows at a time, in the logits' dtype."""
+    b, c, v = logits.shape
+    flat = logits.reshape(b * c, v)
+    tgt = targets.reshape(b * c)
+    dt = _compute_dtype(logits)
+    gl = None if g_logp is None else g_logp.reshape(b * c).to(dt)
+    ge = None if g_ent is None else g_ent.reshape(b * c).to(dt)
+    grad = torch.empty_like(flat)
+    for r0 in range(0, b * c, rows):
+        r1 = min(b * c, r0 + rows)
+        # in place throughout: two chunk-sized fp32 buffers, the log-probabilities (which
+        # become the gradient) and the probabilities
+        gx = _scaled(flat, restrict, c, r0, r1, t).sub_(lse[r0:r1, None])  # log p
+        p = torch.exp(gx)
+        if ge is not None:
+            # dH / dx_k = -p_k (log p_k + H); a masked id has p = 0 exactly (no 0 * inf)
+            gx.add_(ent[r0:r1, None]).mul_(p).mul_(-ge[r0:r1, None])
+        else:
+            gx.zero_()
+        if gl is not None:
+            # d logp_target / dx = onehot(target) - p
+            gx.sub_(p.mul_(gl[r0:r1, None]))
+            gx.scatter_add_(-1, tgt[r0:r1, None], gl[r0:r1, None])
+        if t != 1.0:
+            gx.div_(t)
+        grad[r0:r1] = gx
+    return grad.view(b, c, v)

@@ -160,3 +160,22 @@ def test_fp32_entropy_is_as_exact_as_the_plain_path_for_large_scaled_logits(offs
     torch.testing.assert_close(ent.double(), exact.detach(), atol=3e-5, rtol=0)
     assert a.grad is not None and b.grad is not None
     torch.testing.assert_close(a.grad.double(), b.grad, atol=3e-5, rtol=0)
+
+
+@pytest.mark.parametrize("wrt", ["logits", "grad_output"])
+@pytest.mark.parametrize("use", ["logp", "ent", "both"])
+def test_a_second_derivative_is_refused_not_wrong(use, wrt):
+    # the backward pass is not itself differentiable (it takes the row's logsumexp and entropy
+    # as constants and works in place): differentiating it again read 2.2 off the true
+    # Hessian-vector product of the entropy, silently, or failed on an in-place version check
+    logits, targets, _ = _case(torch.float64, b=2, c=3, v=5, masked=False)
+    a = logits.clone().requires_grad_(True)
+    logp, ent = logprobs_and_entropy(a, targets, 0.8)
+    out = {"logp": logp, "ent": ent, "both": logp + 0.5 * ent}[use]
+    v = torch.ones_like(out, requires_grad=True)
+    (g,) = torch.autograd.grad(out, a, v, create_graph=True)
+    # the first derivative itself is the one taken without a graph
+    (want,) = torch.autograd.grad(out, a, torch.ones_like(out), retain_graph=True)
+    torch.testing.assert_close(g.detach(), want, atol=0, rtol=0)
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad((g**2).sum(), a if wrt == "logits" else v)
