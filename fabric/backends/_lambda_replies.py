@@ -210,14 +210,34 @@ class LambdaReplies:
 
 def _escaped(node: Any) -> Any:
     """``node`` (parsed JSON) with each lone surrogate in its strings and keys written as
-    its escape (``"\\ud800"``, six characters): valid text, and what the sender wrote."""
-    if isinstance(node, str):
-        return node.encode("utf-8", "backslashreplace").decode()
-    if isinstance(node, dict):
-        return {_escaped(k): _escaped(v) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_escaped(v) for v in node]
-    return node
+    its escape (``"\\ud800"``, six characters): valid text, and what the sender wrote.
+
+    A walk with a stack of its own: ``json.loads`` takes a reply nested about a thousand
+    deep, and a recursive walk (two frames a level, with its comprehension) raised
+    ``RecursionError`` out of the backend at a few hundred."""
+
+    def text(s: str) -> str:
+        return s.encode("utf-8", "backslashreplace").decode()
+
+    def copy(v: Any, stack: list[tuple[Any, Any]]) -> Any:
+        if isinstance(v, str):
+            return text(v)
+        if isinstance(v, dict | list):
+            out: Any = {} if isinstance(v, dict) else []
+            stack.append((v, out))  # filled in below, in place
+            return out
+        return v
+
+    stack: list[tuple[Any, Any]] = []
+    root = copy(node, stack)
+    while stack:
+        src, dst = stack.pop()
+        if isinstance(src, dict):
+            for k, v in src.items():
+                dst[text(k) if isinstance(k, str) else k] = copy(v, stack)
+        else:
+            dst.extend(copy(v, stack) for v in src)
+    return root
 
 
 #: Fields every Result a fabric handler or ``fabric serve`` sends carries.

@@ -133,3 +133,27 @@ async def test_through_moto_signed_a_reply_with_one_names_where(moto_url):
         r = await b.invoke(inv)
     assert r.error is not None and r.error.type == ErrorCode.RESULT_NOT_SERIALIZABLE, r.error
     assert "the reply of add has a lone surrogate at $.payload.tag" in r.error.message, r.error.message
+
+
+async def test_a_deeply_nested_error_object_with_one_is_still_that_error_not_an_exception(transport):
+    """The half pairs were written as escapes by a walk one Python frame (two, with the
+    comprehension's) per level: an error object nested a few hundred deep (its stackTrace
+    here) raised RecursionError out of the backend, where a failed call is a Result."""
+    deep = "[" * 600 + '"frame"' + "]" * 600
+    body = f'{{"errorType": "ValueError", "errorMessage": "bad \\ud800", "stackTrace": {deep}}}'.encode()
+    async with endpoint(body, "Unhandled") as url:
+        cfg = LambdaConfig(endpoint_url=url, token=TOKEN, transport=transport)
+        async with LambdaBackend(REG, cfg) as b:
+            r = await b.invoke(Invocation(function="add", payload={"a": 1}))
+    assert r.error is not None and r.error.type == ErrorCode.USER_ERROR, r.error
+    assert r.error.message == "ValueError: bad \\ud800", r.error.message
+
+
+def test_a_deeply_nested_failed_result_with_one_is_still_that_failure():
+    failed = Result.failure(ErrorCode.USER_ERROR, "ValueError: PLACE", function="add", request_id="r1")
+    deep = "[" * 600 + "]" * 600  # as its value: deeper than pydantic writes, so spliced in
+    body = failed.model_dump_json().replace("PLACE", "\\udc80").replace('"value":null', f'"value":{deep}')
+    assert deep in body
+    r = LambdaBackend(REG, LambdaConfig())._reply(Invocation(function="add"), body.encode(), None)
+    assert r.error is not None and r.error.type == ErrorCode.USER_ERROR, r.error
+    assert r.error.message == "ValueError: \\udc80"
