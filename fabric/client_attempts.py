@@ -390,8 +390,9 @@ class Attempts:
         if result.cold_start:
             m.cold_starts += 1
         if result.ok:
+            # (the circuit is not touched here: _attempt counted the outcome, or left it
+            # uncounted when other code than the function's now gave it)
             m.ok += 1
-            fn.consecutive_failures = 0
         else:
             assert result.error is not None
             m.errors[result.error.type] += 1

@@ -199,3 +199,32 @@ async def test_no_hedge_is_sent_once_the_function_is_registered_again(loader):
         r = await primary
     assert r.ok and r.value == "v1", r.error
     assert module.RUNS == ["v1"] and c.metrics()[name]["hedges"] == 0, module.RUNS
+
+
+@pytest.mark.parametrize("key", [None, "k"])
+async def test_the_old_codes_answer_after_a_reregistration_does_not_close_the_new_codes_circuit(loader, key):
+    """An old-code call that answered after the function was registered again reset the new
+    code's failure count (the outcome's accounting closed the circuit on any answer, whatever
+    code gave it), so the new code's open circuit let its calls through again."""
+    name, mod_name, load = loader
+    module = load("v1", attempts=1)
+    reg = Registry()
+    reg.discover(mod_name)
+    cfg = {"breaker": {"failure_threshold": 1, "cooldown_s": 600}, "hedge": {"enabled": False}}
+    async with Client(backend="inproc", registry=reg, config=cfg) as c:
+        gate = module.GATES["old"] = asyncio.Event()
+        old = asyncio.create_task(c.call(name, {"gate": "old"}, idempotency_key=key, deadline_s=30))
+        await _until(lambda: module.RUNS == ["v1"], "the old code's call did not start")
+
+        load("v2", attempts=1)
+        reg.discover(mod_name)
+        down = await c.call(name, {"fail": True})  # the new code fails: its circuit opens
+        assert down.error is not None and down.error.type == ErrorCode.UNAVAILABLE, down.error
+        refused = await c.call(name, {})
+        assert refused.error is not None and refused.error.type == ErrorCode.CIRCUIT_OPEN, refused.error
+
+        gate.set()  # the old code answers now
+        r = await old
+        assert r.ok and r.value == "v1", r.error
+        still = await c.call(name, {})
+        assert still.error is not None and still.error.type == ErrorCode.CIRCUIT_OPEN, still
