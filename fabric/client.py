@@ -184,7 +184,7 @@ class Client(KeyedCalls):
                 sent = Sent()
                 try:
                     result = await self._attempt(fn, inv, hedge, None, sent)
-                    if not result.ok and self._should_retry(sent.side_effects, result):
+                    if not result.ok and self._should_retry(self._may_have_effects(fn, sent), result):
                         result = await self._retry(fn, inv, result, hedge, lambda: deadline, sent)
                 finally:
                     # held while a copy it let go still runs (a synchronous handler past the deadline)

@@ -45,12 +45,23 @@ class Attempts:
 
     @staticmethod
     def _should_retry(side_effects: bool, r: Result) -> bool:
-        """Whether failure ``r`` is retried; ``side_effects``: whether any attempt of the call
-        was sent under a spec with side effects (``Sent.side_effects``)."""
+        """Whether failure ``r`` is retried; ``side_effects``: whether what the call sent may
+        have had side effects (``_may_have_effects``)."""
         if not r.retryable:
             return False
         # a function with side effects is retried only when the call provably did not run
         return not side_effects or (r.error is not None and r.error.type in SAFE_TO_RETRY)
+
+    def _may_have_effects(self, fn: FnState, sent: Sent) -> bool:
+        """Whether what the call sent may have had side effects: an attempt went under a spec
+        with them (``sent.side_effects``), or the code an attempt ran is registered now with
+        ``side_effects=True`` (the same code, same version, registered again with other
+        options: what its spec says now holds for the runs of that code already sent). Asked
+        after a failure only."""
+        if sent.side_effects:
+            return True
+        now = self.registry.find(fn.spec.name)
+        return now is not None and now.side_effects and now.version in sent.versions
 
     def _spec_now(self, fn: FnState) -> FunctionSpec:
         """The function's spec as registered now, taken into ``fn`` (``FnState.respec``) when
@@ -166,6 +177,7 @@ class Attempts:
         spec = self._spec_now(fn)
         version = spec.version  # the code it is sent to
         sent.side_effects = sent.side_effects or spec.side_effects
+        sent.versions.append(version)
         backend = self.backend
         t0 = time.perf_counter()
         primary = backend.submit(inv)
@@ -191,7 +203,7 @@ class Attempts:
                 raise
         else:
             delay_s = max(delay_ms, hcfg.min_delay_ms) / 1e3
-            result = await self._hedged(fn, inv, primary, delay_s, deadline, wait_s, version)
+            result = await self._hedged(fn, inv, primary, delay_s, deadline, wait_s, spec)
         if result is None:
             primary.cancel()  # a queued call never runs; a remote one may run on, its answer unread
             result = Result.failure(
@@ -228,12 +240,13 @@ class Attempts:
         delay_s: float,
         deadline: Callable[[], float | None] | None,
         wait_s: float | None,
-        version: str,
+        spec: FunctionSpec,
     ) -> Result | None:
         """The first answer of the primary and its hedge; None when none came within
         ``wait_s`` (both copies are cancelled). No hedge goes once the function was registered
-        again after the primary (``version``) was sent: it would run other code than the
-        primary, maybe with side effects its spec did not say."""
+        again after the primary was sent (under ``spec``): it would run other code than the
+        primary, maybe with side effects its spec did not say, or the same code that its spec
+        now says has them (its version unchanged)."""
         loop = asyncio.get_running_loop()
         winner: asyncio.Future[Result] = loop.create_future()
         futs = [primary]
@@ -267,8 +280,7 @@ class Attempts:
                 return
             if m.hedges >= self.config.hedge.max_share * m.calls + _BURST:
                 return
-            now = self.registry.find(fn.spec.name)
-            if now is None or now.version != version:
+            if self.registry.find(spec.name) is not spec:
                 return
             # a hedge is one more call in flight: it takes one of the function's max_concurrency
             # slots (a limit a paid or rate-limited dependency relies on), or, all being held,
@@ -315,8 +327,8 @@ class Attempts:
         """Retry a retryable failure: exponential backoff with full jitter, bounded by the
         function's attempts and by ``deadline()`` (read at each step: a keyed execution's
         grows as callers join). Runs only after a failure. Whether a failure is retried
-        follows every spec an attempt was sent under (``sent.side_effects``), not only the
-        one registered now.
+        follows every spec an attempt was sent under, and what the spec registered now says
+        of the code they ran (``_may_have_effects``).
 
         Never sleeps past the deadline: when the next backoff would end after it, the retries
         stop and the answer is the last real failure (its type and message, with a note that
@@ -349,7 +361,9 @@ class Attempts:
         retrying = AsyncRetrying(
             stop=stop_after_attempt(policy.max_attempts) | when_open | at_deadline,
             wait=wait_random_exponential(multiplier=policy.initial_backoff_s, max=policy.max_backoff_s),
-            retry=retry_if_result(lambda r: not r.ok and self._should_retry(sent.side_effects, r)),
+            retry=retry_if_result(
+                lambda r: not r.ok and self._should_retry(self._may_have_effects(fn, sent), r)
+            ),
             retry_error_callback=lambda state: state.outcome.result() if state.outcome else last,
             sleep=asyncio.sleep,
         )

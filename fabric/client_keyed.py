@@ -173,12 +173,14 @@ class KeyedCalls(Attempts):
                     )
                 else:
                     result = await self._attempt(fn, inv, hedge, lambda: ex.deadline, sent)
-                    if not result.ok and self._should_retry(sent.side_effects, result):
+                    if not result.ok and self._should_retry(self._may_have_effects(fn, sent), result):
                         result = await self._retry(fn, inv, result, hedge, lambda: ex.deadline, sent)
             finally:
                 # held while a copy it let go still runs (a primary that lost to its hedge)
                 self._release_when_settled(fn, sent.copies, fn.sem.release)
-            ex.kept = self._conclude(fn, key, user_key, result, sent.side_effects)
+            ex.kept = self._conclude(
+                fn, key, user_key, result, not result.ok and self._may_have_effects(fn, sent)
+            )
             if not ex.unsent:
                 self._settle(fn, result, t0)
             return result

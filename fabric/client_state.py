@@ -188,7 +188,7 @@ class Sent:
     """What one call (a plain call, or the execution under a key) has sent so far, over its
     attempts."""
 
-    __slots__ = ("copies", "side_effects")
+    __slots__ = ("copies", "side_effects", "versions")
 
     def __init__(self) -> None:
         self.copies: list[asyncio.Future[Result]] = []
@@ -199,7 +199,10 @@ class Sent:
         be sent again (a retry, a hedge; what its key keeps) follows what may have run, not
         the spec registered now: the function registered again between two attempts with
         ``side_effects`` turned off had the old code's effect run again, and turned on, the
-        new code's ran twice, once the client read the new spec and once it had not yet."""
+        new code's ran twice, once the client read the new spec and once it had not yet.
+        (``Attempts._may_have_effects`` adds what the spec now says of code that ran.)"""
+        self.versions: list[str] = []
+        """The code (``FunctionSpec.version``) each attempt was sent to, in order."""
 
 
 class Execution:

@@ -17,7 +17,7 @@ from types import ModuleType
 import pytest
 
 from fabric.client import Client
-from fabric.errors import ErrorCode
+from fabric.errors import ErrorCode, Unavailable
 from fabric.registry import Registry
 
 # RUNS and GATES outlive a reload (it runs the new source in the same module dict): the old
@@ -228,3 +228,87 @@ async def test_the_old_codes_answer_after_a_reregistration_does_not_close_the_ne
         assert r.ok and r.value == "v1", r.error
         still = await c.call(name, {})
         assert still.error is not None and still.error.type == ErrorCode.CIRCUIT_OPEN, still
+
+
+# the same code registered again with other options (a config-driven decorator, a notebook
+# registering a function object again): its version, a hash of its source, stays the same
+_SAME_CODE_RUNS: list[str] = []
+_SAME_CODE_GATES: dict[str, asyncio.Event] = {}
+
+
+async def same_code_effect(fail: bool = False, gate: str = "") -> str:
+    _SAME_CODE_RUNS.append(gate)  # the effect, before the wait: the run has begun
+    if gate:
+        await _SAME_CODE_GATES[gate].wait()
+    if fail:
+        raise Unavailable("down")
+    return "done"
+
+
+def _register_same_code(reg: Registry, side_effects: bool) -> str:
+    reg.function(
+        same_code_effect,
+        name="same_code_effect",
+        timeout_s=30,
+        warm=0,
+        side_effects=side_effects,
+        retry={"max_attempts": 3, "initial_backoff_s": 0.001},
+    )
+    return "same_code_effect"
+
+
+@pytest.fixture
+def same_code():
+    _SAME_CODE_RUNS.clear()
+    _SAME_CODE_GATES.clear()
+    yield _SAME_CODE_RUNS, _SAME_CODE_GATES
+    _SAME_CODE_RUNS.clear()
+    _SAME_CODE_GATES.clear()
+
+
+@pytest.mark.parametrize("key", [None, "k"])
+async def test_the_same_code_registered_again_with_side_effects_is_not_retried(same_code, key):
+    """The first attempt ran code registered without side effects and failed in a way after
+    which it may have run; the same code (same version) was then registered with
+    side_effects=True. What the spec now says of that code holds for the attempt that ran
+    it: the retry ran the effect a second time."""
+    runs, gates = same_code
+    reg = Registry()
+    name = _register_same_code(reg, side_effects=False)
+    version = reg.get(name).version
+    async with Client(backend="inproc", registry=reg, config={"hedge": {"enabled": False}}) as c:
+        gates["r"] = gate = asyncio.Event()
+        first = asyncio.create_task(c.call(name, {"fail": True, "gate": "r"}, idempotency_key=key))
+        await _until(lambda: runs == ["r"], "the call did not start")
+        _register_same_code(reg, side_effects=True)
+        assert reg.get(name).version == version  # the same code
+        gate.set()
+        r = await first
+        assert r.error is not None and r.error.type == ErrorCode.UNAVAILABLE, r.error
+        assert runs == ["r"] and r.attempts == 1, (runs, r.attempts)
+        if key is not None:  # what the key keeps: the effect may have happened
+            kept = await c.call(name, {"fail": True, "gate": "r"}, idempotency_key=key)
+            assert kept.error is not None and kept.error.type == ErrorCode.OUTCOME_UNKNOWN, kept.error
+            assert runs == ["r"]
+
+
+async def test_no_hedge_is_sent_once_the_same_code_is_registered_with_side_effects(same_code):
+    """The hedge checked only that the code was the same: the same code registered again
+    with side_effects=True after the primary went was hedged, its effect run twice."""
+    runs, gates = same_code
+    reg = Registry()
+    name = _register_same_code(reg, side_effects=False)
+    cfg = {"hedge": {"min_samples": 1, "min_delay_ms": 200, "max_share": 1.0}}
+    async with Client(backend="inproc", registry=reg, config=cfg) as c:
+        assert (await c.call(name, {})).value == "done"  # a latency to hedge after
+        gates["h"] = gate = asyncio.Event()
+        primary = asyncio.create_task(c.call(name, {"gate": "h"}, deadline_s=30))
+        await _until(lambda: runs == ["", "h"], "the call did not start")
+        _register_same_code(reg, side_effects=True)
+        clock = c._fns[name].hedge_clock
+        # the hedge's time came (its callback ran) and went
+        await _until(lambda: not clock._q and clock._timer is None, "the hedge's time did not come")
+        gate.set()
+        r = await primary
+    assert r.ok, r.error
+    assert runs == ["", "h"] and c.metrics()[name]["hedges"] == 0, runs
