@@ -21,7 +21,7 @@ from tenacity import (
 
 from fabric.backends.base import Backend
 from fabric.client_config import ClientConfig
-from fabric.client_state import FnState, Sent, StopAtDeadline, StopWhenOpen
+from fabric.client_state import FnState, Sent, StopAtDeadline, StopWhenOpen, StopWhenSet
 from fabric.errors import FINAL_ERRORS, SAFE_TO_RETRY, ErrorCode
 from fabric.metrics import FunctionMetrics
 from fabric.protocol import Invocation, Result
@@ -340,6 +340,7 @@ class Attempts:
         hedged = first.hedged  # any attempt's: a hedge was sent for this call
         at_deadline = StopAtDeadline(deadline)
         when_open = StopWhenOpen(lambda: fn.consecutive_failures, self.config.breaker.failure_threshold)
+        moved = StopWhenSet()  # a keyed execution's code registered again (Sent.key_version)
 
         async def attempt() -> Result:
             nonlocal tries, last, prev, hedged
@@ -351,6 +352,9 @@ class Attempts:
                 return last
             if when_open():  # other calls' failures opened the circuit during the backoff
                 return last
+            if sent.key_version is not None and self._spec_now(fn).version != sent.key_version:
+                moved.hit = True
+                return last
             tries += 1
             fn.metrics.retries += 1
             again = inv.model_copy(update={"attempt": tries})
@@ -359,7 +363,7 @@ class Attempts:
             return last
 
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(policy.max_attempts) | when_open | at_deadline,
+            stop=stop_after_attempt(policy.max_attempts) | when_open | at_deadline | moved,
             wait=wait_random_exponential(multiplier=policy.initial_backoff_s, max=policy.max_backoff_s),
             retry=retry_if_result(
                 lambda r: not r.ok and self._should_retry(self._may_have_effects(fn, sent), r)
@@ -372,7 +376,13 @@ class Attempts:
         result.hedged = hedged
         err = result.error
         note = None
-        if err is not None and when_open.hit and tries < policy.max_attempts:
+        if err is not None and moved.hit:
+            note = (
+                f" (not retried: {fn.spec.name} was registered again with new code, which this call's "
+                "idempotency key does not name; a call with the key now runs the new code, under a "
+                "key of its own)"
+            )
+        elif err is not None and when_open.hit and tries < policy.max_attempts:
             note = (
                 f" (not retried: the circuit opened after {fn.consecutive_failures} infrastructure "
                 "failures in a row)"

@@ -84,7 +84,9 @@ class KeyedCalls(Attempts):
                 raw=raw,
             )
             ex = self._inflight[key] = Execution(deadline)
-            ex.task = asyncio.create_task(self._execute(fn, inv, user_key, ex, hedge, probe, t0))
+            ex.task = asyncio.create_task(
+                self._execute(fn, inv, user_key, spec.version, ex, hedge, probe, t0)
+            )
             self._executions.add(ex.task)
             ex.task.add_done_callback(self._executions.discard)
         elif ex.join(deadline):
@@ -145,6 +147,7 @@ class KeyedCalls(Attempts):
         fn: FnState,
         inv: Invocation,
         user_key: str,
+        version: str,
         ex: Execution,
         hedge: bool | None,
         probe: bool,
@@ -153,12 +156,13 @@ class KeyedCalls(Attempts):
         """The execution under a key: attempts and retries, then what a later caller with
         the key gets (``_conclude``), and the key is free again. Its outcome goes into the
         metrics here, once, timed from its starter's call (``t0``): the starter may have
-        given up long before."""
+        given up long before. Its attempts go to the code its key names (``version``) only
+        (``Sent.key_version``)."""
         key = inv.idempotency_key
         assert key is not None
         try:
             await fn.sem.acquire()
-            sent = Sent()
+            sent = Sent(key_version=version)
             try:
                 if ex.deadline is not None and ex.deadline <= time.time():
                     # every caller gave up while it waited for a slot: nothing was sent, and
@@ -168,6 +172,17 @@ class KeyedCalls(Attempts):
                     result = Result.failure(
                         ErrorCode.DEADLINE_EXCEEDED,
                         "deadline passed before the call was sent",
+                        function=inv.function,
+                        request_id=inv.request_id,
+                    )
+                elif self._spec_now(fn).version != version:
+                    # registered again with new code while it waited for a slot: nothing was sent
+                    result = Result.failure(
+                        ErrorCode.NOT_STARTED,
+                        f"{inv.function}: registered again with new code while the call under "
+                        f"idempotency key {user_key!r} waited for a concurrency slot; nothing was sent, "
+                        "since the key names the old code. Call again: the new code runs under a key "
+                        "of its own",
                         function=inv.function,
                         request_id=inv.request_id,
                     )

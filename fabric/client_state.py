@@ -51,6 +51,16 @@ class StopWhenOpen(stop_base):
         return self.hit
 
 
+class StopWhenSet(stop_base):
+    """Stop retrying once ``hit`` is set (by an attempt that found a reason to send none)."""
+
+    def __init__(self) -> None:
+        self.hit = False
+
+    def __call__(self, retry_state: RetryCallState | None = None) -> bool:
+        return self.hit
+
+
 class HedgeClock:
     """When to hedge, for one function: a FIFO of (time, callback) under one timer.
 
@@ -188,9 +198,9 @@ class Sent:
     """What one call (a plain call, or the execution under a key) has sent so far, over its
     attempts."""
 
-    __slots__ = ("copies", "side_effects", "versions")
+    __slots__ = ("copies", "key_version", "side_effects", "versions")
 
-    def __init__(self) -> None:
+    def __init__(self, key_version: str | None = None) -> None:
         self.copies: list[asyncio.Future[Result]] = []
         """Each attempt's primary copy (futures from ``submit``): the call's concurrency slot
         is given back once they have ended (``Attempts._release_when_settled``)."""
@@ -203,6 +213,12 @@ class Sent:
         (``Attempts._may_have_effects`` adds what the spec now says of code that ran.)"""
         self.versions: list[str] = []
         """The code (``FunctionSpec.version``) each attempt was sent to, in order."""
+        self.key_version = key_version
+        """For the execution under an idempotency key: the code its key names
+        (``name:version:key``), the only code its attempts go to. A caller after the function
+        was registered again with new code has a key, and an execution, of its own: an
+        attempt of this one sent to the new code ran beside that one (a side effect twice
+        under one idempotency key), and its answer was kept under the old code's key."""
 
 
 class Execution:

@@ -172,8 +172,11 @@ async def test_a_retry_that_ran_new_code_with_side_effects_is_not_run_again(load
         gate.set()
         r = await first
     assert r.error is not None and r.error.type == ErrorCode.UNAVAILABLE, r.error
-    assert module.RUNS == ["v1", "v2"], module.RUNS  # the new code's effect ran once
-    assert r.attempts == 2
+    if key is None:
+        assert module.RUNS == ["v1", "v2"], module.RUNS  # the new code's effect ran once
+        assert r.attempts == 2
+    else:  # a keyed execution goes to the code its key names only (the next test)
+        assert module.RUNS == ["v1"] and r.attempts == 1, (module.RUNS, r.attempts)
 
 
 async def test_no_hedge_is_sent_once_the_function_is_registered_again(loader):
@@ -312,3 +315,64 @@ async def test_no_hedge_is_sent_once_the_same_code_is_registered_with_side_effec
         r = await primary
     assert r.ok, r.error
     assert runs == ["", "h"] and c.metrics()[name]["hedges"] == 0, runs
+
+
+async def test_a_keyed_execution_is_not_retried_under_code_its_key_does_not_name(loader):
+    """The key names the code (name:version:key), so a caller after a re-registration gets
+    an execution of its own under the new code. The old key's execution, its pure old code
+    failed, was retried under the new code, which has side effects: two executions of the
+    new code's effect beside each other under one idempotency key."""
+    name, mod_name, load = loader
+    module = load("v1", side_effects=False)
+    reg = Registry()
+    reg.discover(mod_name)
+    async with Client(backend="inproc", registry=reg, config={"hedge": {"enabled": False}}) as c:
+        module.GATES["a"] = gate = asyncio.Event()
+        payload = {"fail": True, "gate": "a"}
+        first = asyncio.create_task(c.call(name, payload, idempotency_key="k", deadline_s=30))
+        await _until(lambda: module.RUNS == ["v1"], "the old code's call did not start")
+
+        load("v2", side_effects=True)
+        reg.discover(mod_name)
+        module.GATES["b"] = asyncio.Event()
+        module.GATES["b"].set()
+        later = await c.call(name, {"gate": "b"}, idempotency_key="k")  # the new code, its own key
+        assert later.ok and later.value == "v2", later.error
+        gate.set()
+        r = await first
+    assert r.error is not None and r.error.type == ErrorCode.UNAVAILABLE, r.error
+    assert "registered again" in r.error.message, r.error.message
+    assert module.RUNS == ["v1", "v2"] and r.attempts == 1, (module.RUNS, r.attempts)
+
+
+async def test_a_keyed_execution_that_waited_for_a_slot_is_not_sent_to_new_code(loader):
+    """The same, before the first attempt: the execution waited for a concurrency slot while
+    the function was registered again, then sent its old key's call to the new code."""
+    name, mod_name, load = loader
+    module = load("v1", side_effects=True)
+    reg = Registry()
+    reg.discover(mod_name)
+    async with Client(backend="inproc", registry=reg, config={"hedge": {"enabled": False}}) as c:
+        module.GATES["hold"] = hold = asyncio.Event()
+        holder = asyncio.create_task(c.call(name, {"gate": "hold"}, deadline_s=30))
+        await _until(lambda: module.RUNS == ["v1"], "the slot holder did not start")
+        fn_slots = c._fns[name].sem
+        # every other slot taken too, so that the keyed call waits for the holder's
+        taken = 0
+        while fn_slots.take_now():
+            taken += 1
+        module.GATES["a"] = asyncio.Event()
+        module.GATES["a"].set()
+        waiting = asyncio.create_task(c.call(name, {"gate": "a"}, idempotency_key="k", deadline_s=30))
+        await _until(lambda: bool(fn_slots._waiters), "the keyed call did not wait for a slot")
+
+        load("v2", side_effects=True)
+        reg.discover(mod_name)
+        hold.set()
+        assert (await holder).value == "v1"
+        for _ in range(taken):
+            fn_slots.release()
+        r = await waiting
+    assert r.error is not None and r.error.type == ErrorCode.NOT_STARTED, r.error
+    assert "registered again" in r.error.message, r.error.message
+    assert module.RUNS == ["v1"], module.RUNS  # neither code ran under the old key
