@@ -50,6 +50,8 @@ def logprobs_and_entropy(
         raise ValueError(f"logits must be [B, C, V], got shape {tuple(logits.shape)}")
     if targets.shape != logits.shape[:2]:
         raise ValueError(f"targets {tuple(targets.shape)} do not match logits {tuple(logits.shape[:2])}")
+    if logits.shape[2] == 0:
+        raise ValueError(f"logits {tuple(logits.shape)} have an empty vocabulary (V = 0): no id to score")
     want = (logits.shape[0], logits.shape[2])
     if restrict is not None and restrict.shape != want:
         raise ValueError(f"restrict must be [B, V] = {want}, got {tuple(restrict.shape)}")

@@ -179,3 +179,21 @@ def test_a_second_derivative_is_refused_not_wrong(use, wrt):
     torch.testing.assert_close(g.detach(), want, atol=0, rtol=0)
     with pytest.raises(RuntimeError, match="no second derivative"):
         torch.autograd.grad((g**2).sum(), a if wrt == "logits" else v)
+
+
+@pytest.mark.parametrize("shape", [(0, 3, 5), (2, 0, 5)], ids=["B=0", "C=0"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_no_rows_give_empty_outputs_and_an_empty_gradient(shape, masked):
+    b, c, v = shape
+    a = torch.randn(*shape, requires_grad=True)
+    restrict = torch.zeros(b, v) if masked else None
+    logp, ent = logprobs_and_entropy(a, torch.zeros(b, c, dtype=torch.long), 0.7, restrict)
+    assert logp.shape == ent.shape == (b, c)
+    (logp.sum() + ent.sum()).backward()
+    assert a.grad is not None and a.grad.shape == shape
+
+
+def test_an_empty_vocabulary_is_refused_by_name():
+    # no id to score: gather's IndexError ("index 0 is out of bounds") named neither
+    with pytest.raises(ValueError, match="vocabulary"):
+        logprobs_and_entropy(torch.zeros(2, 3, 0), torch.zeros(2, 3, dtype=torch.long))
