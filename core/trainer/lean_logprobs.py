@@ -69,7 +69,11 @@ def _scaled(logits2d: Tensor, restrict: Tensor | None, c: int, r0: int, r1: int,
     # callers work in place on it), then in place: one chunk-sized buffer
     x = logits2d[r0:r1].to(_compute_dtype(logits2d), copy=True)
     if restrict is not None:
-        x.add_(restrict[torch.arange(r0, r1, device=x.device) // c])
+        # batch by batch, each its one [V] row broadcast in place: a gather of the chunk's rows
+        # of ``restrict`` would be a third chunk-sized buffer
+        for b in range(r0 // c, (r1 - 1) // c + 1):
+            lo, hi = max(r0, b * c), min(r1, (b + 1) * c)
+            x[lo - r0 : hi - r0].add_(restrict[b])
     return x.div_(t) if t != 1.0 else x
 
 
