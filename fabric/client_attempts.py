@@ -8,6 +8,7 @@ through here."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,8 @@ from fabric.metrics import FunctionMetrics
 from fabric.protocol import Invocation, Result
 from fabric.registry import Registry
 from fabric.spec import FunctionSpec
+
+log = logging.getLogger("fabric.client")
 
 _BURST = 5  # hedges allowed beyond the share, so a short run can still hedge
 
@@ -288,11 +291,20 @@ class Attempts:
             give_back = fn.take_hedge_slot(self.config.hedge.over_limit_share)
             if give_back is None:
                 return
-            m.hedges += 1
             update: dict[str, Any] = {"hedge": True, "request_id": inv.request_id + "-h"}
             if deadline is not None:
                 update["deadline"] = deadline()
-            h = self.backend.submit(inv.model_copy(update=update))
+            try:
+                h = self.backend.submit(inv.model_copy(update=update))
+            except Exception:
+                # not sent: its room goes back (kept, every such failure took a slot or the
+                # allowance for good, and hedging, then calls, stopped), and the primary,
+                # still out, answers the call. Raised out of this timer callback it also
+                # cut short the other hedges due in the same tick (HedgeClock._fire)
+                give_back()
+                log.warning("could not send a hedge of %s", fn.spec.name, exc_info=True)
+                return
+            m.hedges += 1
             self._release_when_settled(fn, [h], give_back)  # answered, or the loser's run ended
             futs.append(h)
             h.add_done_callback(done)
