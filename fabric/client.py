@@ -181,7 +181,7 @@ class Client(KeyedCalls):
         )
         try:
             if await self._acquire_slot(fn, deadline):
-                sent = Sent()
+                sent = Sent(spec.retry)  # the budget of the spec the call began under
                 try:
                     result = await self._attempt(fn, inv, hedge, None, sent)
                     if not result.ok and self._should_retry(self._may_have_effects(fn, sent), result):

@@ -345,7 +345,7 @@ class Attempts:
         Never sleeps past the deadline: when the next backoff would end after it, the retries
         stop and the answer is the last real failure (its type and message, with a note that
         the deadline left no time for another attempt), not a made-up deadline error."""
-        policy = fn.spec.retry
+        policy = sent.retry  # the call's own: not changed by a registration since it began
         pending_first = [first]  # tenacity's first attempt is the one the fast path made
         tries = 1
         last = prev = first

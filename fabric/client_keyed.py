@@ -85,7 +85,10 @@ class KeyedCalls(Attempts):
             )
             ex = self._inflight[key] = Execution(deadline)
             ex.task = asyncio.create_task(
-                self._execute(fn, inv, user_key, spec.version, ex, hedge, probe, t0)
+                # its retry budget and the code its key names: the spec's as the key is made
+                self._execute(
+                    fn, inv, user_key, Sent(spec.retry, key_version=spec.version), ex, hedge, probe, t0
+                )
             )
             self._executions.add(ex.task)
             ex.task.add_done_callback(self._executions.discard)
@@ -147,7 +150,7 @@ class KeyedCalls(Attempts):
         fn: FnState,
         inv: Invocation,
         user_key: str,
-        version: str,
+        sent: Sent,
         ex: Execution,
         hedge: bool | None,
         probe: bool,
@@ -156,13 +159,12 @@ class KeyedCalls(Attempts):
         """The execution under a key: attempts and retries, then what a later caller with
         the key gets (``_conclude``), and the key is free again. Its outcome goes into the
         metrics here, once, timed from its starter's call (``t0``): the starter may have
-        given up long before. Its attempts go to the code its key names (``version``) only
-        (``Sent.key_version``)."""
+        given up long before. Its attempts go to the code its key names only
+        (``sent.key_version``), under the retry budget the function had then (``sent.retry``)."""
         key = inv.idempotency_key
         assert key is not None
         try:
             await fn.sem.acquire()
-            sent = Sent(key_version=version)
             try:
                 if ex.deadline is not None and ex.deadline <= time.time():
                     # every caller gave up while it waited for a slot: nothing was sent, and
@@ -175,7 +177,7 @@ class KeyedCalls(Attempts):
                         function=inv.function,
                         request_id=inv.request_id,
                     )
-                elif self._spec_now(fn).version != version:
+                elif self._spec_now(fn).version != sent.key_version:
                     # registered again with new code while it waited for a slot: nothing was sent
                     result = Result.failure(
                         ErrorCode.NOT_STARTED,

@@ -14,7 +14,7 @@ from tenacity.stop import stop_base
 
 from fabric.metrics import FunctionMetrics
 from fabric.protocol import Result
-from fabric.spec import FunctionSpec
+from fabric.spec import FunctionSpec, RetryPolicy
 
 
 class StopAtDeadline(stop_base):
@@ -198,9 +198,15 @@ class Sent:
     """What one call (a plain call, or the execution under a key) has sent so far, over its
     attempts."""
 
-    __slots__ = ("copies", "key_version", "side_effects", "versions")
+    __slots__ = ("copies", "key_version", "retry", "side_effects", "versions")
 
-    def __init__(self, key_version: str | None = None) -> None:
+    def __init__(self, retry: RetryPolicy, key_version: str | None = None) -> None:
+        self.retry = retry
+        """The retry budget (attempts, backoff): the function's when the call began. A
+        function registered again with another policy while the call is under way changes
+        the calls made from then on, not this one's (read when a retry was due, a call's
+        budget grew or shrank as it ran, depending on whether a call made meanwhile had
+        already taken the new spec into the client)."""
         self.copies: list[asyncio.Future[Result]] = []
         """Each attempt's primary copy (futures from ``submit``): the call's concurrency slot
         is given back once they have ended (``Attempts._release_when_settled``)."""
