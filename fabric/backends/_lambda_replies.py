@@ -157,19 +157,57 @@ class LambdaReplies:
         ``ResultNotSerializable``, final, as the local backend's runner answers for the same
         value (retrying a ``TransportError`` got the same answer again; for a side effect the
         key kept ``OutcomeUnknown``). An error object or a failed ``Result`` holding one (a
-        message quoting the text) is still that failure, its half pairs written as escapes."""
+        message quoting the text) is still that failure, its half pairs written as escapes.
+
+        JSON the strict parser refused for its depth (past its recursion limit, about 200
+        levels; Python's takes about a thousand) is read as any reply. A body that is not
+        JSON at all is read by ``_not_json``."""
         try:
             data = json.loads(body)
         except (ValueError, RecursionError):
-            data = problem = None
-        else:
-            problem = lone_surrogate_problem(data, f"the reply of {inv.function}")
-        if problem is None:  # not JSON at all (or refused for another reason): as before
-            return self._fail(inv, ErrorCode.TRANSPORT, f"reply is not JSON ({e}): {body[:200]!r}")
+            return self._not_json(inv, body, function_error, e)
+        problem = lone_surrogate_problem(data, f"the reply of {inv.function}")
+        if problem is None:  # JSON after all, too deep for the strict parser
+            return self._read(inv, data, body, function_error)
         result = _as_result(data)
         if function_error or (result is not None and not result.ok):
             return self._read(inv, _escaped(data), body, function_error)
         return self._fail(inv, ErrorCode.RESULT_NOT_SERIALIZABLE, problem)
+
+    def _not_json(self, inv: Invocation, body: bytes, function_error: str | None, e: ValueError) -> Result:
+        """A whole reply (a connection cut before its Content-Length or last chunk came is a
+        transport fault, raised before this: aiohttp's ClientPayloadError, botocore's
+        IncompleteReadError) that is not JSON. It was always a retryable TransportError, so a
+        reply that is the same whenever it is asked was fetched again up to max_attempts (and
+        for a side effect its key kept OutcomeUnknown). Per the Invoke API, a 200 body is what
+        the function's runtime wrote, its error when ``X-Amz-Function-Error`` is set:
+
+        * JSON cut short (the strict parser reached the end inside a value: "EOF while
+          parsing ..."): a reply delimited by its connection's close and cut there, or a
+          stream that broke, which may pass; a retryable ``TransportError`` (the call may
+          have run);
+        * with ``X-Amz-Function-Error``: the function's failure, whatever its runtime wrote
+          (read as Lambda's error object, the body its message: a ``UserError``, or a
+          ``FunctionTimeout`` when it says the task timed out);
+        * else the function's answer, bytes that are not JSON (a custom runtime or container
+          image writing raw text, or, behind an ``endpoint_url``, a proxy's page at 200): the
+          same at every call, ``ResultNotSerializable``, final, as the local runner answers a
+          value JSON cannot carry."""
+        if str(e).startswith("EOF while parsing"):
+            return self._fail(
+                inv,
+                ErrorCode.TRANSPORT,
+                f"the reply of {inv.function} is JSON cut short ({e}): {body[:200]!r}",
+            )
+        if function_error:
+            return self._read(inv, None, body, function_error)
+        message = (
+            f"the reply of {inv.function} is not JSON ({e}): {body[:200]!r}; its runtime wrote it "
+            "(a custom runtime or container image must encode the answer as JSON)"
+        )
+        if self.config.endpoint_url is not None:
+            message += f", unless something other than the Invoke API answers at {self._where()}"
+        return self._fail(inv, ErrorCode.RESULT_NOT_SERIALIZABLE, message)
 
     def _read(self, inv: Invocation, data: Any, body: bytes, function_error: str | None) -> Result:
         result = _as_result(data)

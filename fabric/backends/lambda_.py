@@ -26,7 +26,9 @@ faults and read timeouts are retryable (a connection that was never made, refuse
 retried); a ``FunctionError`` whose body is not a ``Result`` is Lambda's own error object
 (a timeout or a crashed runtime is retryable, a response over the size limit is
 ``ResultNotSerializable``, a handler that cannot be loaded is ``SetupFailed``, anything
-else is the function's ``UserError``); a missing
+else is the function's ``UserError``); a whole reply that is not JSON is the function's
+(``ResultNotSerializable``, or its ``UserError`` under a ``FunctionError``), unless it is
+JSON cut short (a retryable ``TransportError``); a missing
 function (its message names the region it was looked for in), a region AWS Lambda does not
 have (its endpoint never resolves: not a connection fault to retry), a refused token, a bad
 request are final.

@@ -114,13 +114,14 @@ def test_a_failed_result_whose_message_holds_one_is_still_that_failure():
     assert r.error.message == "ValueError: \\udc80" and r.request_id == "r1"
 
 
-async def test_a_reply_that_is_not_json_is_still_a_transport_fault():
+async def test_a_reply_cut_short_is_still_a_transport_fault():
+    # (a reply that is not JSON at all: tests/fabric/test_lambda_not_json.py)
     async with endpoint(b'{"ok": tru', None) as url:
         cfg = LambdaConfig(endpoint_url=url, token=TOKEN, transport="http")
         async with LambdaBackend(REG, cfg) as b:
             r = await b.invoke(Invocation(function="add", payload={"a": 1}))
     assert r.error is not None and r.error.type == ErrorCode.TRANSPORT and r.retryable, r.error
-    assert "reply is not JSON" in r.error.message and "surrogate" not in r.error.message
+    assert "is JSON cut short" in r.error.message and "surrogate" not in r.error.message
 
 
 async def test_through_moto_signed_a_reply_with_one_names_where(moto_url):
