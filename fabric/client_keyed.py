@@ -21,6 +21,12 @@ from fabric.protocol import Invocation, Result
 _MAY_HAVE_RUN: frozenset[str] = RETRYABLE - SAFE_TO_RETRY
 
 
+def _effect_key(name: str, user_key: str) -> str:
+    """Where an ``OutcomeUnknown`` is kept for every code of the function: ``name:*:key``
+    (a version, a hash, is never ``*``, so it names no code's key)."""
+    return f"{name}:*:{user_key}"
+
+
 class KeyedCalls(Attempts):
     """The idempotency part of a ``Client``; its state is the client's (set in its ``__init__``)."""
 
@@ -50,6 +56,10 @@ class KeyedCalls(Attempts):
         m = fn.metrics
         key = f"{spec.name}:{spec.version}:{user_key}"
         hit = self._cache.get(key)
+        if hit is None and spec.side_effects:
+            # an effect that may have happened under earlier code under this key: still
+            # unknown, whatever code is registered now (_conclude)
+            hit = self._cache.get(_effect_key(spec.name, user_key))
         if hit is not None:
             m.cache_hits += 1
             # its own timings: the kept ones are the execution's, and a shallow copy would share them
@@ -215,24 +225,31 @@ class KeyedCalls(Attempts):
         (WorkerLost, FunctionTimeout, ...), a final ``OutcomeUnknown``, since running it
         again could apply the effect twice. After other failures (the call did not run, or
         a pure function) the next caller with the key runs it again. Returns what the key
-        keeps (None: nothing, the key is free), which the callers that joined get too."""
+        keeps (None: nothing, the key is free), which the callers that joined get too.
+
+        The key names the code (``name:version:key``): an answer is the answer of the code
+        that gave it, and the function registered again with new code answers under a key of
+        its own. An ``OutcomeUnknown`` is no answer but a fact about the world (an effect may
+        have happened) that new code does not make known: it is kept for every code of the
+        function too (``_effect_key``), and a call of code registered with side effects gets
+        it (one without has no effect to apply twice). Kept under the old code's key only, a
+        caller retrying with the same key after a re-registration ran the effect again."""
         err = result.error
         if err is None or err.type in FINAL_ERRORS:
             return self._remember(key, result)
         if side_effects and err.type in _MAY_HAVE_RUN:
             name = fn.spec.name
-            return self._remember(
-                key,
-                Result.failure(
-                    ErrorCode.OUTCOME_UNKNOWN,
-                    f"{name}: the call under idempotency key {user_key!r} ended with {err.type} "
-                    f"({err.message}) and may have run; {name} has side effects, so it is not run "
-                    "again under this key. Check whether its effect happened; to run it again, call "
-                    "with a new idempotency key",
-                    function=name,
-                    request_id=result.request_id,
-                ),
+            unknown = Result.failure(
+                ErrorCode.OUTCOME_UNKNOWN,
+                f"{name}: the call under idempotency key {user_key!r} ended with {err.type} "
+                f"({err.message}) and may have run; {name} has side effects, so it is not run "
+                "again under this key, by this code or code registered later. Check whether its "
+                "effect happened; to run it again, call with a new idempotency key",
+                function=name,
+                request_id=result.request_id,
             )
+            self._remember(_effect_key(name, user_key), unknown)
+            return self._remember(key, unknown)
         return None
 
     def _remember(self, key: str, result: Result) -> Result | None:
