@@ -183,7 +183,23 @@ class Attempts:
         sent.versions.append(version)
         backend = self.backend
         t0 = time.perf_counter()
-        primary = backend.submit(inv)
+        try:
+            primary = backend.submit(inv)
+        except Exception as e:
+            # a backend whose dispatch broke (a closed executor, a bug): raised from here it went
+            # up through Client.call, which answers every failed call with a Result; sent, it
+            # was not (retryable; a call with side effects is not retried on it anyway)
+            log.exception("the %s backend could not send a call of %s", backend.kind, fn.spec.name)
+            primary = asyncio.get_running_loop().create_future()
+            primary.set_result(
+                Result.failure(
+                    ErrorCode.TRANSPORT,
+                    f"{fn.spec.name}: the {backend.kind} backend could not send the call: "
+                    f"{type(e).__name__}: {e}",
+                    function=inv.function,
+                    request_id=inv.request_id,
+                )
+            )
         sent.copies.append(primary)
         # how long to wait for an answer (None: until it comes)
         wait_s = None if inv.deadline is None or inv.wait_for_run else max(inv.deadline - time.time(), 0.0)
