@@ -18,7 +18,7 @@ import inspect
 import pkgutil
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar, get_type_hints, overload
@@ -137,6 +137,8 @@ class ModuleSource:
     place (``fabric.backends._pool_snapshot``). Not so from a zip, or through an import
     hook that rewrites the source (pytest's, in test modules): those are imported as they
     are when the worker starts."""
+    digest: bytes = field(default=b"", repr=False)
+    """sha256 of ``data``: what a version hashes of it."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,21 @@ def _module_source(module_name: str) -> ModuleSource | None:
         return None
     # the exact class: a subclass may compile other text than the file's (an import hook)
     plain = type(loader) is importlib.machinery.SourceFileLoader
-    return ModuleSource(import_name_of(module_name), path, bytes(data), plain)
+    name = import_name_of(module_name)
+    # the file is read for each function decorated in it (what it holds when that one is
+    # registered), but kept once: a module of 200 functions would otherwise keep 200 copies
+    # (and hash each). By content, not by the file's stat: an edit within its timestamp's
+    # granularity, the same size, is another text
+    last = _LAST_READ.get(path)
+    if last is not None and (last.name, last.plain) == (name, plain) and last.data == data:
+        return last
+    source = ModuleSource(name, path, bytes(data), plain, hashlib.sha256(data).digest())
+    _LAST_READ[path] = source
+    return source
+
+
+#: The last text read of each module file that defined a registered function (by its path).
+_LAST_READ: dict[str, ModuleSource] = {}
 
 
 def capture_code(*objs: Callable[..., Any] | None) -> FunctionCode:
@@ -193,7 +209,7 @@ def capture_code(*objs: Callable[..., Any] | None) -> FunctionCode:
             modules[module_name] = _module_source(module_name)
     kept = tuple(m for m in modules.values() if m is not None)
     for m in kept:
-        h.update(m.data)
+        h.update(m.digest)
     return FunctionCode(h.hexdigest()[:12], kept)
 
 
