@@ -55,6 +55,17 @@ def snapshot_of(code: FunctionCode | None) -> tuple[Snapshot, list[str]]:
     return kept, [m.name for m in code.modules if not m.plain]
 
 
+def _lines(data: bytes) -> list[str]:
+    """The lines of ``data`` as ``linecache`` reads them from a file: the registering process
+    hashed the function's source from those (``capture_code``), so the worker's version must
+    see the same text: decoded by its coding cookie, newlines made ``\\n``, and a last line
+    without one given it (a function at the end of a file with no final newline)."""
+    lines = io.StringIO(importlib.util.decode_source(data)).readlines()
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    return lines
+
+
 class _RegisteredSourceLoader(importlib.machinery.SourceFileLoader):
     """Python's loader of a .py file, reading the registered bytes for the file itself."""
 
@@ -101,8 +112,7 @@ def install(snapshot: Iterable[tuple[str, str, bytes]], entry: str) -> None:
         modules[file_module_name(Path(name)) if name.endswith(".py") else name] = (path, data)
         # a traceback, inspect.getsource (the worker's version is computed from it) read
         # these lines; an entry without a modification time is never checked against the file
-        text = importlib.util.decode_source(data)
-        linecache.cache[path] = (len(data), None, io.StringIO(text).readlines(), path)
+        linecache.cache[path] = (len(data), None, _lines(data), path)
     if not modules:
         return
     sys.meta_path.insert(0, _RegisteredSourceFinder(modules))

@@ -150,6 +150,30 @@ async def test_a_replacement_worker_runs_the_registered_code_after_the_file_was_
         ), failed.error
 
 
+@pytest.mark.parametrize("ending", ["no final newline", "crlf, no final newline", "latin-1"])
+async def test_the_workers_version_is_the_registered_one_however_the_file_is_written(modules, ending):
+    """A module whose last line (the function's, at the end of the file) has no newline:
+    the worker's version hashes the function's source as the kept lines give it, which
+    lacked the newline that Python's line cache adds to a file read from disk; every worker
+    was refused as stale and each call failed SetupFailed, the file unchanged."""
+    tmp, prefix = modules
+    name = f"{prefix}_fn"
+    text = f'import fabric\n\n\n@fabric.function(name="{name}", timeout_s=30)\ndef answer() -> str:\n'
+    if ending == "latin-1":
+        data = ("# -*- coding: latin-1 -*-\n" + text + '    return "caf\u00e9"\n').encode("latin-1")
+    else:
+        data = (text + '    return "caf\u00e9"').encode()
+        if ending.startswith("crlf"):
+            data = data.replace(b"\n", b"\r\n")
+    (tmp / f"{prefix}.py").write_bytes(data)
+    importlib.invalidate_caches()
+    reg = Registry()
+    reg.discover(prefix)
+    async with LocalBackend(reg, LocalConfig(max_workers=1)) as b:
+        r = await _call(b, name)
+        assert r.ok and r.value == "caf\u00e9", r.error
+
+
 async def test_the_code_survives_through_the_client_too(modules):
     """The same through a Client (its retries and its idempotency keys over the pool)."""
     tmp, prefix = modules
