@@ -153,19 +153,26 @@ class FunctionCode:
 def _module_source(module_name: str) -> ModuleSource | None:
     module = sys.modules.get(module_name)
     path = getattr(module, "__file__", None)
-    loader = getattr(module, "__loader__", None)
-    if not isinstance(path, str) or loader is None:  # a notebook's cell, a built-in module
-        return None
+    loader: Any = getattr(module, "__loader__", None)
+    if not isinstance(path, str) or (loader is None and not path.endswith(".py")):
+        return None  # a notebook's cell, a built-in module
+    name = import_name_of(module_name)
+    # a script that a tool ran from its file itself (runpy.run_path: pdb, the debugpy
+    # debugger, launchers) has no loader, or one that reads nothing; its workers import the
+    # file by its path (import_name_of) with Python's own loader, as they import the kept
+    # text: its bytes are read here as that loader reads them
+    by_path = name.endswith(".py") and path.endswith(".py") and not hasattr(loader, "get_data")
     try:
         if path.endswith(".py") and hasattr(loader, "get_data"):
             data = loader.get_data(path)  # the bytes of the file (also in a zip), not a cache's
+        elif path.endswith(".py") and (by_path or loader is None):
+            data = Path(path).read_bytes()
         else:
             data = inspect.getsource(module).encode()  # type: ignore[arg-type]
     except (OSError, TypeError, ImportError):  # no source: a .pyc alone, an extension module
         return None
     # the exact class: a subclass may compile other text than the file's (an import hook)
-    plain = type(loader) is importlib.machinery.SourceFileLoader
-    name = import_name_of(module_name)
+    plain = type(loader) is importlib.machinery.SourceFileLoader or by_path
     # the file is read for each function decorated in it (what it holds when that one is
     # registered), but kept once: a module of 200 functions would otherwise keep 200 copies
     # (and hash each). By content, not by the file's stat: an edit within its timestamp's
