@@ -158,14 +158,16 @@ def _module_source(module_name: str) -> ModuleSource | None:
         return None  # a notebook's cell, a built-in module
     name = import_name_of(module_name)
     # a script that a tool ran from its file itself (runpy.run_path: pdb, the debugpy
-    # debugger, launchers) has no loader, or one that reads nothing; its workers import the
-    # file by its path (import_name_of) with Python's own loader, as they import the kept
-    # text: its bytes are read here as that loader reads them
+    # debugger, launchers) has no loader, or one that reads nothing (coverage's); its workers
+    # import the file by its path (import_name_of) with Python's own loader, as they import
+    # the kept text
     by_path = name.endswith(".py") and path.endswith(".py") and not hasattr(loader, "get_data")
     try:
         if path.endswith(".py") and hasattr(loader, "get_data"):
             data = loader.get_data(path)  # the bytes of the file (also in a zip), not a cache's
-        elif path.endswith(".py") and (by_path or loader is None):
+        elif path.endswith(".py"):
+            # its bytes, as a worker's loader reads them, not inspect.getsource's text (decoded,
+            # its newlines changed): the version a worker computes must be the same
             data = Path(path).read_bytes()
         else:
             data = inspect.getsource(module).encode()  # type: ignore[arg-type]

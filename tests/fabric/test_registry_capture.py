@@ -10,7 +10,7 @@ import textwrap
 import tracemalloc
 from pathlib import Path
 
-from fabric.registry import CODE_ATTR
+from fabric.registry import CODE_ATTR, capture_code
 
 
 def _many_functions(path: Path, n: int, constant_bytes: int) -> str:
@@ -67,3 +67,36 @@ def test_the_functions_of_one_module_share_one_copy_of_its_file(tmp_path):
     assert all(c.modules[0].data == path.read_bytes() for c in codes)
     # the module's text once (its constant, its code object's, its bytes kept), not n times
     assert kept < 8 * size, f"registering {n} functions kept {kept / 1e6:.1f} MB"
+
+
+class _LoaderThatReadsNothing:
+    """What ``coverage run -m pkg.mod`` gives the module it runs as ``__main__``: a loader
+    with no ``get_data`` (coverage compiles the file itself)."""
+
+    def __init__(self, fullname: str):
+        self.fullname = fullname
+
+
+def test_a_module_whose_loader_reads_nothing_hashes_the_files_bytes(tmp_path):
+    """Such a module's file was hashed as ``inspect.getsource`` gives it (decoded, its
+    newlines made ``\\n``, one added at its end, encoded as UTF-8), while a worker, importing
+    it with Python's own loader, hashed the file's bytes: a file with CRLF line ends, or in
+    latin-1, or without a final newline, made every worker's version differ, and each was
+    refused as stale. The bytes of the file are hashed now, as the worker hashes them."""
+    path = tmp_path / "reads_nothing.py"
+    path.write_bytes(
+        b"# -*- coding: latin-1 -*-\r\nfrom fabric.registry import Registry\r\nreg = Registry()\r\n"
+        b'@reg.function(name="f")\r\ndef f() -> str:\r\n    return "caf\xe9"'
+    )
+    name = "_fabric_test_reads_nothing"
+    module = _import(path, name)
+    try:
+        fn = module.reg.callable("f")
+        as_a_worker_reads_it = getattr(fn, CODE_ATTR)
+        module.__loader__ = _LoaderThatReadsNothing(name)
+        code = capture_code(fn)
+    finally:
+        sys.modules.pop(name, None)
+    assert [m.data for m in code.modules] == [path.read_bytes()]
+    assert code.version == as_a_worker_reads_it.version
+    assert not code.modules[0].plain  # imported by its name: the worker's loader is not known
