@@ -17,6 +17,7 @@ import importlib.util
 import inspect
 import pkgutil
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,8 +188,9 @@ def _module_source(module_name: str) -> ModuleSource | None:
     return source
 
 
-#: The last text read of each module file that defined a registered function (by its path).
-_LAST_READ: dict[str, ModuleSource] = {}
+#: The last text read of each module file that defined a registered function (by its path),
+#: while a function's code holds it.
+_LAST_READ: weakref.WeakValueDictionary[str, ModuleSource] = weakref.WeakValueDictionary()
 
 
 def capture_code(*objs: Callable[..., Any] | None) -> FunctionCode:

@@ -4,10 +4,12 @@ each function decorated in it, so what is kept must not grow with their number."
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import sys
 import textwrap
 import tracemalloc
+import weakref
 from pathlib import Path
 
 from fabric.registry import CODE_ATTR, capture_code
@@ -100,3 +102,17 @@ def test_a_module_whose_loader_reads_nothing_hashes_the_files_bytes(tmp_path):
     assert [m.data for m in code.modules] == [path.read_bytes()]
     assert code.version == as_a_worker_reads_it.version
     assert not code.modules[0].plain  # imported by its name: the worker's loader is not known
+
+
+def test_the_text_kept_goes_with_the_functions(tmp_path):
+    """Shared between the functions of a module, its text is not held for them after
+    they are gone (a job that registers code from many generated files)."""
+    path = tmp_path / "goes_away.py"
+    _many_functions(path, 3, 1024)
+    name = "_fabric_test_goes_away"
+    module = _import(path, name)
+    sys.modules.pop(name, None)
+    kept = weakref.ref(getattr(module.reg.callable("f0"), CODE_ATTR).modules[0])
+    del module
+    gc.collect()
+    assert kept() is None
