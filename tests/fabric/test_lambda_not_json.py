@@ -12,12 +12,9 @@ final."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import AsyncIterator
-
 import pytest
 from aws_fakes import create_function
+from aws_fakes import fixed_reply_endpoint as endpoint
 from sample_fns import REG
 
 from fabric.backends.base import LambdaConfig
@@ -27,41 +24,6 @@ from fabric.errors import ErrorCode
 from fabric.protocol import Invocation
 
 TOKEN = "lambda-not-json-token-0123456789"
-
-
-@contextlib.asynccontextmanager
-async def endpoint(body: bytes, function_error: str | None, hits: list[int]) -> AsyncIterator[str]:
-    """An Invoke API endpoint on 127.0.0.1 whose every call answers 200 with ``body`` whole
-    (its Content-Length), and ``X-Amz-Function-Error`` when given; ``hits`` counts the calls."""
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-            while True:  # keep-alive: one connection may carry several calls
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(
-                    int(line.split(b":", 1)[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
-                )
-                await reader.readexactly(length)
-                hits.append(1)
-                extra = f"X-Amz-Function-Error: {function_error}\r\n" if function_error else ""
-                writer.write(
-                    (
-                        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                        f"{extra}Content-Length: {len(body)}\r\n\r\n"
-                    ).encode()
-                    + body
-                )
-                await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 @pytest.fixture(params=["http", "boto3"])
