@@ -7,15 +7,13 @@ with the same key after the re-registration ran the effect again."""
 
 from __future__ import annotations
 
-import importlib
 import itertools
-import sys
-import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from rewritable_module import module_loader
 
 from fabric.client import Client
 from fabric.errors import ErrorCode
@@ -48,22 +46,14 @@ def loader(
 ) -> Iterator[tuple[str, str, Load]]:
     """The function's name, its module's, and ``load(code, side_effects)``: writes the module
     and imports it, or reloads it (registered again once discovered again)."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(sys, "dont_write_bytecode", True)
     mod_name = f"unknown_{request.node.name.replace('[', '_').replace(']', '_').replace('-', '_')}"
     fn_name = f"charge_{next(_NAMES)}"  # the decorator registers it in the default registry too
-    path = tmp_path / f"{mod_name}.py"
+    with module_loader(tmp_path, monkeypatch, mod_name) as write:
 
-    def load(code: str, side_effects: bool = True) -> ModuleType:
-        path.write_text(textwrap.dedent(_SOURCE.format(name=fn_name, code=code, side_effects=side_effects)))
-        importlib.invalidate_caches()
-        module = sys.modules.get(mod_name)
-        return importlib.import_module(mod_name) if module is None else importlib.reload(module)
+        def load(code: str, side_effects: bool = True) -> ModuleType:
+            return write(_SOURCE.format(name=fn_name, code=code, side_effects=side_effects))
 
-    try:
         yield fn_name, mod_name, load
-    finally:
-        sys.modules.pop(mod_name, None)
 
 
 async def _unknown_then_new_code(loader, side_effects_after: bool, key_after: str = "k"):

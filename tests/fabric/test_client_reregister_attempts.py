@@ -5,16 +5,14 @@ code's, and whether a call may be run again follows the code its attempts ran.""
 from __future__ import annotations
 
 import asyncio
-import importlib
 import itertools
-import sys
-import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from rewritable_module import module_loader
 
 from fabric.client import Client
 from fabric.errors import ErrorCode, Unavailable
@@ -49,23 +47,16 @@ def loader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.Fixt
     """A function's name, its module's, and ``load(code, side_effects, attempts)``, which
     writes the module's file and imports it, or reloads it (the function registered again
     once discovered again)."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # no stale .pyc of the same second
     mod_name = f"reattempt_{request.node.name.replace('[', '_').replace(']', '_').replace('-', '_')}"
     fn_name = f"reattempt_fn_{next(_NAMES)}"  # the decorator registers it in the default registry too
-    path = tmp_path / f"{mod_name}.py"
+    with module_loader(tmp_path, monkeypatch, mod_name) as write:
 
-    def load(code: str, side_effects: bool = False, attempts: int = 3) -> ModuleType:
-        source = _SOURCE.format(name=fn_name, code=code, side_effects=side_effects, attempts=attempts)
-        path.write_text(textwrap.dedent(source))
-        importlib.invalidate_caches()
-        module = sys.modules.get(mod_name)
-        return importlib.import_module(mod_name) if module is None else importlib.reload(module)
+        def load(code: str, side_effects: bool = False, attempts: int = 3) -> ModuleType:
+            return write(
+                _SOURCE.format(name=fn_name, code=code, side_effects=side_effects, attempts=attempts)
+            )
 
-    try:
         yield fn_name, mod_name, load
-    finally:
-        sys.modules.pop(mod_name, None)
 
 
 async def _until(cond: Callable[[], bool], what: str, within_s: float = 5.0) -> None:
