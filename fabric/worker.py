@@ -44,24 +44,46 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _recv_frame(sock: socket.socket) -> Any:
-    reader = FrameReader()
-    while True:
-        data = sock.recv(1 << 16)
-        if not data:
-            os._exit(0)
-        msgs = reader.feed(data)
-        if msgs:
-            return msgs[0]
+class _Frames:
+    """The parent's frames read blocking, before the worker serves: its ("init"). A read
+    returns whatever the socket holds, so the init comes with what the pool sent right after
+    it (a ("stop"): the pool closed while this worker started), and a large one (a kept
+    module's text) ends in a read that may hold the start of the next frame. Nothing is
+    dropped: the messages read and not yet taken, and the reader with its partial frame,
+    go on to the serving protocol (``_Serve``), which reads on from there."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.reader = FrameReader()
+        self.queued: deque[Any] = deque()
+
+    def recv(self) -> Any:
+        while not self.queued:
+            data = self.sock.recv(1 << 16)
+            if not data:  # the parent went away
+                os._exit(0)
+            self.queued.extend(self.reader.feed(data))
+        return self.queued.popleft()
+
+    def stopped(self) -> bool:
+        """Whether a ("stop") was read already."""
+        return any(msg[0] == "stop" for msg in self.queued)
 
 
 class _Serve(asyncio.Protocol):
     def __init__(
-        self, runner: Any, slot: mmap.mmap, fault: dict[str, Any] | None, done: asyncio.Future[None]
+        self,
+        runner: Any,
+        slot: mmap.mmap,
+        fault: dict[str, Any] | None,
+        done: asyncio.Future[None],
+        frames: _Frames | None = None,
     ):
         self.runner = runner
         self.slot = slot
-        self.reader = FrameReader()
+        # read on where the init's reads stopped: their messages first, then their partial frame
+        self.reader = frames.reader if frames is not None else FrameReader()
+        self.backlog = list(frames.queued) if frames is not None else []
         self.done = done
         self.transport: asyncio.Transport | None = None
         self.tasks: dict[int, asyncio.Task[None]] = {}
@@ -85,6 +107,9 @@ class _Serve(asyncio.Protocol):
         if not self.runner.is_async:
             # pause_writing as soon as a reply does not go into the socket whole (see _run_sync)
             transport.set_write_buffer_limits(high=0)
+        if self.backlog:
+            backlog, self.backlog = self.backlog, []
+            self._handle(backlog)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.done.done():
@@ -97,7 +122,10 @@ class _Serve(asyncio.Protocol):
         self.flushed.set()
 
     def data_received(self, data: bytes) -> None:
-        for msg in self.reader.feed(data):
+        self._handle(self.reader.feed(data))
+
+    def _handle(self, msgs: list[Any]) -> None:
+        for msg in msgs:
             kind = msg[0]
             if kind == "calls":
                 self._calls(msg[1])
@@ -235,8 +263,10 @@ def main() -> None:
     os.dup2(2, 1)  # user prints go to stderr so the parent's stdout (e.g. --json) stays clean
     sock = socket.socket(fileno=fd)
     slot = mmap.mmap(shm_fd, SLOT_SIZE)
-    msg = _recv_frame(sock)
-    if msg[0] != "init":  # closed before it started: nothing to do
+    frames = _Frames(sock)
+    msg = frames.recv()
+    if msg[0] != "init" or frames.stopped():
+        # closed before it started (the stop came with the init): no import, no setup hook
         os._exit(0)
     init = msg[1]
     sys.path[:] = init["sys_path"]
@@ -280,7 +310,9 @@ def main() -> None:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         sock.setblocking(False)
-        await loop.connect_accepted_socket(lambda: _Serve(runner, slot, init.get("fault"), done), sock)
+        await loop.connect_accepted_socket(
+            lambda: _Serve(runner, slot, init.get("fault"), done, frames), sock
+        )
         await done
 
     asyncio.run(serve())
