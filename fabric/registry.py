@@ -40,6 +40,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 SPEC_ATTR = "__fabric_spec__"
 SETUP_ATTR = "__fabric_setup__"
 CODE_ATTR = "__fabric_code__"
+#: A loader class's mark (True) that the module it loads is the kept text of a registered one,
+#: which its ``get_data(path)`` returns: a worker's (``fabric.backends._pool_snapshot``)
+KEPT_SOURCE_ATTR = "fabric_kept_source"
 _FILE_MODULE_PREFIX = "_fabric_file_"
 
 
@@ -135,9 +138,10 @@ class ModuleSource:
     """The file's bytes then."""
     plain: bool
     """A .py file read by Python's own source loader: a worker can import ``data`` in its
-    place (``fabric.backends._pool_snapshot``). Not so from a zip, or through an import
-    hook that rewrites the source (pytest's, in test modules): those are imported as they
-    are when the worker starts."""
+    place (``fabric.backends._pool_snapshot``). So is the kept text a worker imported (a
+    pool started in a worker keeps it for its own workers). Not so from a zip, or through
+    an import hook that rewrites the source (pytest's, in test modules): those are imported
+    as they are when the worker starts."""
     digest: bytes = field(default=b"", repr=False)
     """sha256 of ``data``: what a version hashes of it."""
 
@@ -174,8 +178,14 @@ def _module_source(module_name: str) -> ModuleSource | None:
             data = inspect.getsource(module).encode()  # type: ignore[arg-type]
     except (OSError, TypeError, ImportError):  # no source: a .pyc alone, an extension module
         return None
-    # the exact class: a subclass may compile other text than the file's (an import hook)
-    plain = type(loader) is importlib.machinery.SourceFileLoader or by_path
+    # the exact class: a subclass may compile other text than the file's (an import hook).
+    # Or the worker's loader of a kept module, marked: its get_data gave the text it compiled,
+    # so a pool started in a worker sends its own workers that text, not the file as it is now
+    plain = (
+        type(loader) is importlib.machinery.SourceFileLoader
+        or by_path
+        or getattr(type(loader), KEPT_SOURCE_ATTR, False) is True
+    )
     # the file is read for each function decorated in it (what it holds when that one is
     # registered), but kept once: a module of 200 functions would otherwise keep 200 copies
     # (and hash each). By content, not by the file's stat: an edit within its timestamp's

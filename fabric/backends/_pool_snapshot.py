@@ -22,9 +22,12 @@ module's own name:
 * other modules (a helper module the function imports, the package's ``__init__.py`` of a
   function in a submodule) are imported as they are on disk when the worker starts.
 
-A module that is not a plain ``.py`` file read by Python's own source loader (from a zip,
-through an import hook) is imported as it is then; the stale refusal stays as the backstop,
-saying so. Nothing is written to disk: nothing is left behind when the pool closes.
+A pool started in a worker (a function that starts a ``Client`` of its own) keeps the text
+that worker imported, for its own workers: the loader here is marked so
+(``fabric.registry.KEPT_SOURCE_ATTR``). A module that is not a plain ``.py`` file read by
+Python's own source loader (from a zip, through an import hook) is imported as it is then;
+the stale refusal stays as the backstop, saying so. Nothing is written to disk: nothing is
+left behind when the pool closes.
 """
 
 from __future__ import annotations
@@ -68,6 +71,11 @@ def _lines(data: bytes) -> list[str]:
 
 class _RegisteredSourceLoader(importlib.machinery.SourceFileLoader):
     """Python's loader of a .py file, reading the registered bytes for the file itself."""
+
+    #: KEPT_SOURCE_ATTR: its get_data(path) is the text the module was compiled from, which
+    #: capture_code keeps as it keeps a plain file's (it takes any other subclass of Python's
+    #: loader for an import hook)
+    fabric_kept_source = True
 
     def __init__(self, fullname: str, path: str, data: bytes):
         super().__init__(fullname, path)

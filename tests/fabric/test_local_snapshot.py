@@ -456,3 +456,48 @@ def _running(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except OSError:
         return False
+
+
+_NESTED = """
+import os
+import fabric
+from fabric.backends.base import LocalConfig
+
+CODE = "{code}"
+
+
+@fabric.function(name="{name}_inner", warm=0)
+def inner() -> dict:
+    return {{"code": CODE, "pid": os.getpid()}}
+
+
+@fabric.function(name="{name}_outer", warm=0, timeout_s=60)
+async def outer() -> dict:
+    # a pool of its own, in the worker: started from the module this worker imported
+    reg = fabric.Registry()
+    reg.discover(__name__)
+    async with fabric.Client(backend=LocalConfig(max_workers=1), registry=reg) as c:
+        r = await c.call("{name}_inner", {{}})
+    assert r.ok, r.error
+    return {{"code": CODE, "inner": r.value, "pid": os.getpid()}}
+"""
+
+
+async def test_a_pool_started_in_a_worker_runs_the_registered_code_after_the_file_changed(modules):
+    """A function that starts a local pool of its own (a reward that calls a tool through a
+    Client): its module, in the worker, is the kept text, read by the snapshot's loader. The
+    capture took only Python's own source loader (by its exact class) for a plain file, so
+    the nested pool kept nothing and its workers imported the file as it is now: changed
+    since, each was refused as stale, and every call failed SetupFailed. The snapshot's
+    loader says that its text is the registered one, which the nested pool keeps too."""
+    tmp, prefix = modules
+    name = f"{prefix}_fn"
+    _write(tmp / f"{prefix}.py", textwrap.dedent(_NESTED.format(name=name, code="v1")))
+    reg = Registry()
+    reg.discover(prefix)
+    _write(tmp / f"{prefix}.py", "# edited since\n" + textwrap.dedent(_NESTED.format(name=name, code="v2")))
+    async with LocalBackend(reg, LocalConfig(max_workers=1)) as b:
+        r = await asyncio.wait_for(b.submit(Invocation(function=f"{name}_outer", payload={})), 60)
+    assert r.ok, r.error
+    assert (r.value["code"], r.value["inner"]["code"]) == ("v1", "v1"), r.value
+    assert r.value["inner"]["pid"] != r.value["pid"]  # the inner call ran in a nested worker
