@@ -21,9 +21,13 @@
 
 /* read, write and _exit under names of the wire's own, bound to libc's symbols: <unistd.h>
  * would declare truncate, link, access... in both translation units, and a program's own
- * function of such a name would then not compile (or its stub would be refused) */
-extern long rlf_sys_read(int fd, void *p, size_t n) __asm__("read");
-extern long rlf_sys_write(int fd, const void *p, size_t n) __asm__("write");
+ * function of such a name would then not compile (or its stub would be refused). The
+ * symbols are glibc's reserved aliases __read and __write, not read and write: a C program
+ * may define its own `write` (a global symbol, which the program's binary would then call
+ * for the channel), and the stub of that library name is a static pointer `write` in the
+ * tests' object (which the assembler would take for a call to "write") */
+extern long rlf_sys_read(int fd, void *p, size_t n) __asm__("__read");
+extern long rlf_sys_write(int fd, const void *p, size_t n) __asm__("__write");
 extern void rlf_sys_exit(int code) __asm__("_exit") __attribute__((noreturn));
 
 #define RLF_PROTOCOL_ERROR 12

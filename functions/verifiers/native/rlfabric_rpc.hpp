@@ -39,9 +39,11 @@
 #include <utility>
 // read, write and _exit under names of the wire's own, bound to libc's symbols: <unistd.h>
 // would declare truncate, link, access... in both translation units, and a program's own
-// function of such a name would then be ambiguous (or its stub refused)
-extern "C" long rlfabric_sys_read(int fd, void* p, std::size_t n) __asm__("read");
-extern "C" long rlfabric_sys_write(int fd, const void* p, std::size_t n) __asm__("write");
+// function of such a name would then be ambiguous (or its stub refused). The symbols are
+// glibc's reserved aliases __read and __write: a program's `extern "C" int write(int)` is
+// the global symbol "write", which the server would otherwise call for the channel
+extern "C" long rlfabric_sys_read(int fd, void* p, std::size_t n) __asm__("__read");
+extern "C" long rlfabric_sys_write(int fd, const void* p, std::size_t n) __asm__("__write");
 extern "C" [[noreturn]] void rlfabric_sys_exit(int code) __asm__("_exit");
 #ifdef RLFABRIC_USES_VECTOR
 #include <vector>
