@@ -25,7 +25,8 @@ the tests' code names (outside comments and literals), or any other name of the 
 makes the case a ``RuntimeError`` that says which, not run: a refusal the program's own
 signature can cause must score like a failure, or a program could dodge a 0 with it. So
 does a function the tests call that a library of their binary defines too, where the tests
-declare the library's function as well (``native_link``, ``LIBRARY_STUB``).
+declare the library's function as well (``native_link``, ``LIBRARY_STUB``), and in C always
+(an undeclared call declares the library's: ``native_link.c_refusal``).
 """
 
 from __future__ import annotations
@@ -244,7 +245,9 @@ def header(lang: str) -> tuple[str, bytes]:
 #: that name as a function in the tests' translation unit (a header's, or the test code's own
 #: prototype, at file or block scope, ``extern "C"`` or through a ``using``) does not compile:
 #: the tests that mean the library's function are refused (``library_refusal``), never
-#: answered by the program, and tests that declare no such function get the program's.
+#: answered by the program, and tests that declare no such function get the program's. (C
+#: tests never get here: C's implicit declaration makes even an undeclared call the library's
+#: too, ``native_link.c_refusal``; the C stub stays a pointer all the same.)
 LIBRARY_STUB = "__rlfabric_stub_"
 
 

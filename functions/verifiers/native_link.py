@@ -9,7 +9,11 @@ stub of such a name is a variable (``native.LIBRARY_STUB``): any declaration of 
 function in the tests' translation unit, a header's or their own, then does not compile, and
 ``refusal`` says why (which of the two they mean cannot be read from their text); tests that
 declare no such function (``truncate`` is libc's, but no header of theirs declares it) can
-only mean the program's, and call it (docs/code-verifier.md).
+only mean the program's, and call it, in C++ (docs/code-verifier.md). Not in C: gnu17 takes a
+call of an undeclared function as declaring it (C89's implicit declaration), so tests that
+check with ``strverscmp(name, "x.txt")`` and no prototype mean libc's, in the very text that
+would call a program's ``strverscmp``: a C program's function of a library's name is refused
+(``c_refusal``) before any compile.
 
 The probe is a link, on the host, of fixed text that refers to each name (validated
 identifiers only) with the tests' driver and libraries: what the linker does not report as
@@ -89,4 +93,19 @@ def refusal(library: Collection[str], compiler_stderr: str) -> str | None:
         f"the tests call {which}, which the program defines, and declare it too as a function of a"
         " library their binary links (in a header they include, or a prototype of their own): which"
         " of the two they mean cannot be told apart"
+    )
+
+
+def c_refusal(library: Collection[str]) -> str | None:
+    """Why C tests are refused before their compile: they call ``library`` (the program's
+    functions whose names a library defines too), and C's implicit declaration makes their
+    call of such a name, undeclared, the library's as much as the program's (``None``: no
+    such name)."""
+    if not library:
+        return None
+    which = ", ".join(repr(n) for n in sorted(library))
+    return (
+        f"the tests call {which}, which the program defines and a library their binary links"
+        " defines too: C takes a call of an undeclared function as declaring the library's"
+        " (an implicit declaration), so which of the two they mean cannot be told apart"
     )

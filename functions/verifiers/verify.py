@@ -338,6 +338,8 @@ class Verifier:
         # variable, and tests that declare the library's function do not compile (native_link)
         link = (tests_argv[0], *(a for a in tests_argv if a.startswith("-l")))
         library = frozenset(native_link.library_names(link, [f.name for f in plan.functions]))
+        if lang.name == "c" and (c_refused := native_link.c_refusal(library)) is not None:
+            return None, CaseResult(status="RuntimeError", message=f"not run: {c_refused}; {instead}")
         ext = "cpp" if lang.name == "cpp" else "c"
         head = dict([native.header(lang.name)])
         tests_src = native.tests_source(lang.name, test_code, plan, library).encode()
