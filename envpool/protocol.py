@@ -28,8 +28,8 @@ the environment's own ``ProtocolError`` is no protocol bug, and is part of the e
 failed open's error may add ``"reusable": true``: the server
 is sound after it (a clean error of the environment's constructor or of its lookup), and
 its container is given to the next session; without it the container is replaced (envpool's
-server leaves it off after a MemoryError or an OSError but one that only says a path is
-wrong: ``envpool.server.sound_after``). So may a failed reset's or step's
+server leaves it off after a MemoryError or an OSError but one that only says a path the
+caller named is wrong: ``envpool.server.sound_after``). So may a failed reset's or step's
 error the environment raised: without it the episode goes on, on that container (the error
 is part of it), but the container runs no other episode (retired at the next reset or at
 the session's end).

@@ -27,7 +27,8 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
+from collections.abc import Iterator
+from pathlib import Path, PurePath
 from typing import Any
 
 import pydantic_core
@@ -71,20 +72,57 @@ _PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, FileEx
 _PATH_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.ELOOP})  # (no subclass of their own)
 
 
-def sound_after(e: BaseException) -> bool:
+def _strings(value: Any) -> Iterator[str]:
+    """The strings in a request's JSON value (its keys and values, nested)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield str(k)
+            yield from _strings(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _strings(v)
+
+
+def _named_by(filename: Any, given: Any) -> bool:
+    """Whether ``filename`` is a path the caller named in ``given``: one of its strings, as a
+    run of the path's parts (the last may be a file's stem: a level ``"7"`` read as
+    ``levels/7.txt``), so under a directory it named too."""
+    if not isinstance(filename, str | bytes | os.PathLike):
+        return False
+    parts = PurePath(os.fsdecode(filename)).parts
+    for text in _strings(given):
+        want = PurePath(text).parts if text.strip() else ()
+        n = len(want)
+        for i in range(len(parts) - n + 1):
+            got = parts[i : i + n]
+            if n and got[:-1] == want[:-1] and want[-1] in (got[-1], PurePath(got[-1]).stem):
+                return True
+    return False
+
+
+def sound_after(e: BaseException, given: Any = None) -> bool:
     """Whether this process is as sound after ``e`` as before it, so its container may serve
     the next session or episode (a failed open's or request's ``"reusable": true``). Not
     after a MemoryError, nor after an OSError that may say the process or its container is
     short of something (memory, file descriptors, disk, processes) or holds it still. But an
     OSError that only says a path is wrong (not there, not a directory, a directory, there
-    already, too long, a loop of links: most often a path in the caller's env_kwargs or
-    action) is a lookup that failed, as a KeyError is: replacing the container for it cost a
-    cold start per bad argument and fixed nothing. (No EACCES or EPERM: a sandbox's or a
-    resource limit's refusal says those too.)"""
+    already, too long, a loop of links) for a path the caller named (``given``: the session's
+    env_kwargs and the request's args, which hold it or a directory above it) is a lookup
+    that failed, as a KeyError is: replacing the container for it cost a cold start per bad
+    argument and fixed nothing. One for a path the caller never named is the container's:
+    the environment's own file or program gone (a module it ran deleted it, say), which every
+    later session there would fail on too. (No EACCES or EPERM: a sandbox's or a resource
+    limit's refusal says those too.)"""
     if isinstance(e, MemoryError):
         return False
     if isinstance(e, OSError):
-        return isinstance(e, _PATH_ERRORS) or e.errno in _PATH_ERRNOS
+        if not (isinstance(e, _PATH_ERRORS) or e.errno in _PATH_ERRNOS):
+            return False
+        named = [f for f in (e.filename, e.filename2) if f is not None]
+        # (no path on it: the environment's own lookup, said as a FileNotFoundError)
+        return all(_named_by(f, given) for f in named)
     return True
 
 
@@ -195,7 +233,7 @@ class Server:
             err = error_payload(e)
             if not isinstance(e, EnvPoolError):  # (an unknown id is the registry's, by its name)
                 err["logic"] = True  # the constructor's own, whatever its class is called
-            if sound_after(e):
+            if sound_after(e, kwargs):
                 # a clean error of the environment's code (or an id this image lacks, or a
                 # path that is not there): this process is as sound as before, and its
                 # container may serve the next session. Not after a MemoryError or an OSError
@@ -272,7 +310,7 @@ class Server:
         except Exception as e:  # the environment's own bug: data for the caller, the server lives on
             tb = "".join(traceback.format_exception(type(e), e, e.__traceback__, limit=-6))[-4000:]
             err = {**error_payload(e, traceback=tb), "logic": True}
-            if sound_after(e):
+            if sound_after(e, [json.loads(self.env_key[1]) if self.env_key else None, args]):
                 # as for a failed open: after a MemoryError or an OSError of resources this
                 # process may be short of memory, file descriptors or disk (or hold them
                 # still), so the pool plays this episode out on it and then retires it

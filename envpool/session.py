@@ -279,9 +279,10 @@ class EnvSession:
 
     def _retire(self, c: Container, e: EnvLogicError) -> None:
         """The environment raised and its server did not say it is sound after it (envpool's
-        says so of anything but a MemoryError or an OSError not about a path, which may have
-        left the process short of memory, file descriptors or disk; a server of another language that does not
-        say it is taken at its silence). The error is part of the episode, which goes on on
+        says so of anything but a MemoryError or an OSError not about a path the caller
+        named, which may have left the process short of memory, file descriptors or disk, or
+        without a file of its own; a server of another language that does not say it is
+        taken at its silence). The error is part of the episode, which goes on on
         this container as the policy saw it (and a replay repeats it); but no other episode
         runs on it: the next reset claims a fresh one, and its release discards it."""
         if not c.failed:
@@ -336,8 +337,9 @@ class EnvSession:
         a constructor that raises): the session fails, not retried. The server answered and
         waits for the next session; its container goes back to the pool only if the server
         says it is sound (``"reusable": true``: envpool's server says so of any error but a
-        MemoryError or an OSError not about a path, which may have left the process short of
-        memory, file descriptors or disk: ``envpool.server.sound_after``). Without that word
+        MemoryError or an OSError not about a path the caller named, which may have left the
+        process short of memory, file descriptors or disk, or without a file of its own:
+        ``envpool.server.sound_after``). Without that word
         (a server of another language that does not say it) the container is replaced: a
         cold start, rather than the next session on a broken container."""
         e = remote_error(err)

@@ -190,7 +190,7 @@ import envpool
 
 
 class FailingInitEnv(envpool.Env):
-    def __init__(self, fail=None):
+    def __init__(self, fail=None, level=None):
         if fail == "memory":
             raise MemoryError("cannot allocate the level")
         if fail == "fds":
@@ -198,7 +198,9 @@ class FailingInitEnv(envpool.Env):
         if fail == "value":
             raise ValueError("no such level")
         if fail == "path":  # a path the caller named that is not there
-            open("levels/no-such-level.txt").close()
+            open(f"levels/{level}.txt").close()
+        if fail == "own":  # the environment's own file gone from its container
+            open("/nonexistent-envpool-test/levels.json").close()
 
     def reset(self, *, seed=None, options=None):
         return f"ready {seed}", {}
@@ -210,20 +212,23 @@ class FailingInitEnv(envpool.Env):
 
 @pytest.mark.parametrize(
     ("fail", "kept"),
-    [("value", True), ("memory", False), ("fds", False), ("path", True)],
-    ids=["ValueError", "MemoryError", "OSError", "FileNotFoundError"],
+    [("value", True), ("memory", False), ("fds", False), ("path", True), ("own", False)],
+    ids=["ValueError", "MemoryError", "OSError", "FileNotFoundError", "FileNotFoundError-own"],
 )
 async def test_a_constructor_that_runs_out_of_a_resource_does_not_keep_its_container(tmp_path, fail, kept):
     # every failed open kept its container, a MemoryError or an OSError (no file descriptors
     # left, a full disk) included, which may leave its server broken: the next session got it.
     # Then every OSError replaced it, a path the caller got wrong (FileNotFoundError) too: a
-    # cold start per bad env_kwargs, for a process as sound as after a ValueError
+    # cold start per bad env_kwargs, for a process as sound as after a ValueError. But a path
+    # the caller never named (the environment's own file gone) is the container's fault
     images = write_env_bundle(
         tmp_path / "b", "failing_init_env", _FAILING_INIT, {"failing-v0": "FailingInitEnv"}
     )
     async with pool(images, min_warm=0) as p:
         with pytest.raises(EnvLogicError, match=r"failing-v0: making the environment with env_kwargs") as err:
-            async with p.session("failing-v0", image=IMAGE, env_kwargs={"fail": fail}):
+            async with p.session(
+                "failing-v0", image=IMAGE, env_kwargs={"fail": fail, "level": "no-such-level"}
+            ):
                 pass  # the session's entry (or exit) raises: the body is not the test
         assert (
             err.value.remote_type
@@ -232,6 +237,7 @@ async def test_a_constructor_that_runs_out_of_a_resource_does_not_keep_its_conta
                 "memory": "MemoryError",
                 "fds": "OSError",
                 "path": "FileNotFoundError",
+                "own": "FileNotFoundError",
             }[fail]
         )
         stats = p.stats()

@@ -16,6 +16,7 @@ from envpool.errors import EnvLogicError
 
 _RAISING = """
 import errno
+import subprocess
 
 import envpool
 
@@ -47,8 +48,10 @@ class RaisingEnv(envpool.Env):
             raise MemoryError("cannot allocate the board")
         if action == "disk":
             raise OSError(errno.ENOSPC, "No space left on device")
-        if action == "path":  # a file the action names that is not there
-            open("boards/no-such-board.txt").close()
+        if action.startswith("boards/"):  # a file the action names that is not there
+            open(action).close()
+        if action == "exec":  # the environment's own program is gone from its container
+            subprocess.run(["/nonexistent-envpool-test/bin/solver"], check=False)
         return envpool.StepResult(obs=envpool.Observation(text=f"{action} #{self.n}"))
 """
 
@@ -79,8 +82,14 @@ async def test_an_environment_exception_named_like_an_envpool_error_is_the_envir
 
 @pytest.mark.parametrize(
     ("action", "kept"),
-    [("value", True), ("memory", False), ("disk", False), ("path", True)],
-    ids=["ValueError", "MemoryError", "OSError", "FileNotFoundError"],
+    [
+        ("value", True),
+        ("memory", False),
+        ("disk", False),
+        ("boards/no-such-board.txt", True),
+        ("exec", False),
+    ],
+    ids=["ValueError", "MemoryError", "OSError", "FileNotFoundError", "FileNotFoundError-own"],
 )
 async def test_a_step_that_runs_out_of_a_resource_ends_its_containers_service_at_release(
     raising, action, kept
@@ -88,7 +97,9 @@ async def test_a_step_that_runs_out_of_a_resource_ends_its_containers_service_at
     # the container of a step that raised MemoryError or OSError (no memory, file descriptors
     # or disk left) went back to the pool, and the next episode, maybe another trajectory's,
     # ran in a server the error may have left broken. A path that is not there (the
-    # environment's or its input's error, FileNotFoundError) leaves it as sound as a ValueError
+    # environment's or its input's error, FileNotFoundError) leaves it as sound as a ValueError.
+    # But not one for a path the caller never named: the environment's own program (or file)
+    # gone from its container, which every later episode there would fail on too
     async with pool(raising, min_warm=0) as p:
         async with p.session("raising-v0", image=IMAGE) as s:
             await s.reset(seed=1)

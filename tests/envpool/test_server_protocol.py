@@ -186,3 +186,22 @@ async def test_an_injected_hang_freezes_the_container_an_infrastructure_fault_no
         assert not isinstance(lost.value.__cause__, EnvHung)
         stats = p.stats()
         assert stats.get("env_hung", 0) == 0 and stats.get("infra:hung_or_timeout", 0) == 2, stats
+
+
+@pytest.mark.parametrize(
+    ("filename", "given", "sound"),
+    [
+        ("/data/levels/7.txt", {"data_dir": "/data/levels"}, True),  # under a path the caller named
+        ("levels/7.txt", {"level": "7"}, True),  # a name the caller gave, as the file's stem
+        ("boards/x.txt", {"action": "boards/x.txt"}, True),
+        ("/usr/local/bin/solver", {"level": "7"}, False),  # the environment's own program gone
+        ("/opt/env/data.json", {}, False),  # its own data file, whatever the request was
+        ("/opt/env/data.json", {"seed": 3, "options": None}, False),
+    ],
+)
+def test_a_path_error_is_sound_only_for_a_path_the_caller_named(filename, given, sound):
+    # any FileNotFoundError kept its container: one for the environment's own file or program
+    # deleted from the container (by a module it ran, say) too, which every later session
+    # there then failed on the same way
+    exc = FileNotFoundError(errno.ENOENT, "No such file or directory", filename)
+    assert sound_after(exc, given) is sound
