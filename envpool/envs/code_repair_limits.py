@@ -340,16 +340,25 @@ class MemoryCgroup(_RunCgroup):
             return None
         return cg
 
-    def oom_killed(self) -> bool:
-        """Whether the kernel's OOM killer killed a process of it (for the cap)."""
-        counters = "memory.oom_control" if self.version == 1 else "memory.events"
-        return _counters(self.path / counters).get("oom_kill", 0) > 0
+    def oom_killed(self, within_s: float = 0.0) -> bool:
+        """Whether the kernel's OOM killer killed a process of it (for the cap, or for the
+        container's memory where the victim was one of the run's); waits up to ``within_s``
+        for the kill to be counted."""
+        counters = self.path / ("memory.oom_control" if self.version == 1 else "memory.events")
+        deadline = time.monotonic() + within_s
+        while _counters(counters).get("oom_kill", 0) == 0:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
     def oom_eventfd(self) -> int | None:
-        """An eventfd (the caller closes it) that turns readable when the run runs out of
-        memory, so that the run is ended then rather than at its timeout (the OOM killer
-        took one process; the others may wait on it for good); None where there is none
-        (cgroup v2: ``memory.oom.group`` ends the whole run, its keeper included, by itself)."""
+        """An eventfd (the caller closes it and reads it to reset it) that turns readable
+        when the run runs out of memory (or a cgroup above it does: then ``oom_killed`` tells
+        whether the kill was the run's), so that the run is ended then rather than at its
+        timeout (the OOM killer took one process; the others may wait on it for good); None
+        where there is none (cgroup v2: ``memory.oom.group`` ends the whole run, its keeper
+        included, by itself)."""
         if self.version != 1:
             return None
         try:

@@ -44,6 +44,9 @@ MAX_RESULTS_BYTES = 2_000_000
 """What is read of the subprocess's results file (each value is capped at 100 kB)."""
 MAX_RAW_OUTPUT_BYTES = 1_000_000
 """What is read of the end of the run's stdout and stderr (the env shows the end of that)."""
+_OOM_KILL_WAIT_S = 0.5
+"""How long an OOM event waits for a kill in the run's own cgroup (the kernel counts it right
+after the event; none comes where the OOM was the container's, its victim outside the run)."""
 MAX_FILE_BYTES = 16 * 2**20
 """RLIMIT_FSIZE of a test run: a module writing without end is killed, not the disk filled."""
 
@@ -394,10 +397,16 @@ def _await_end(
             wait_s = left if exited else min(left, 0.05)
             ready = {fd for fd, _ in poller.poll(math.ceil(wait_s * 1000))}
             if oom_fd is not None and oom_fd in ready:
-                # out of memory: the OOM killer took one process, and the run ends here as a
-                # whole (what waited on that one would have waited until the timeout)
-                timed_out, oom_ended = False, True
-                break
+                with contextlib.suppress(OSError):
+                    os.read(oom_fd, 8)  # (reset: it stays readable until read)
+                # v1 tells every cgroup below one out of memory: the container's OOM, whose
+                # victim was maybe outside the run, fires it too. The run ends only for a kill
+                # of its own (counted just after the event: a bounded wait for it)
+                if limits.memory is not None and limits.memory.oom_killed(within_s=_OOM_KILL_WAIT_S):
+                    # out of memory: the OOM killer took one process, and the run ends here as
+                    # a whole (what waited on that one would have waited until the timeout)
+                    timed_out, oom_ended = False, True
+                    break
             if done_r in ready:
                 if os.read(done_r, 1):
                     timed_out = False

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -318,3 +319,73 @@ def test_the_memory_cgroup_of_a_run_whose_server_died_is_removed_by_the_next_run
     finally:
         with contextlib.suppress(OSError):
             left.rmdir()
+
+
+@pytest.fixture
+def memory_parent_of_its_own(monkeypatch):
+    """A v1 memory cgroup of the test's own, capped at 96 MiB, under which runs make theirs
+    (as under a container's cgroup with a memory limit); removed, with anything left in it,
+    even when the test fails."""
+    found = code_repair_limits._memory_parent()
+    if found is None or found[1] != 1:
+        pytest.skip("no cgroup v1 memory hierarchy here (a run's OOM eventfd is v1's)")
+    parent = found[0] / f"envpool-test-{os.getpid()}-parent"
+    try:
+        parent.mkdir()
+        (parent / "memory.limit_in_bytes").write_text(str(96 * MiB))
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            parent.rmdir()
+        pytest.skip(f"no memory cgroup can be made here ({e})")
+    monkeypatch.setattr(code_repair_limits, "_memory_parent", lambda: (parent, 1))
+    try:
+        yield parent
+    finally:
+        for cg in [*(p for p in parent.iterdir() if p.is_dir()), parent]:
+            code_repair_limits._RunCgroup(cg).remove()
+
+
+_WAITER = """
+import os, time
+
+def wait():
+    open("started", "w").close()
+    deadline = time.monotonic() + 20
+    while not os.path.exists("go") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return os.path.exists("go")
+"""
+
+
+@needs_memory_cgroup
+def test_an_oom_of_the_container_outside_a_run_does_not_end_the_run(tmp_path, memory_parent_of_its_own):
+    # the OOM eventfd of a v1 memory cgroup fires for an OOM of any cgroup above it too: a
+    # process outside the run that ran the container out of memory ended an innocent run at
+    # once, said to have 'reached its memory limit' (1 GiB here, where the run held a few MiB)
+    (tmp_path / "waiter.py").write_text(_WAITER)
+    procs = str(memory_parent_of_its_own / "cgroup.procs")
+    spec = {"module": "waiter", "imports": ["wait"], "calls": ["wait()"]}
+    out: list[code_repair_runner.RunOutput] = []
+    run = threading.Thread(target=lambda: out.append(code_repair_runner.run_checks(tmp_path, spec, 30.0)))
+    run.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "started").exists() and run.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (tmp_path / "started").exists(), out
+        hog = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"import os; open({procs!r}, 'w').write(str(os.getpid())); "
+                "open('/proc/self/oom_score_adj', 'w').write('1000'); held = b'x' * (200 * 2**20)",
+            ],
+            check=False,
+        )
+        assert hog.returncode == -signal.SIGKILL  # the container's OOM kill took the hog
+    finally:
+        (tmp_path / "go").touch()
+        run.join(30)
+    [result] = out
+    assert not result.memory_limit_hit and not result.timed_out, result
+    assert '"value": true' in result.results, result
