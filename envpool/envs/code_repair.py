@@ -398,6 +398,12 @@ class CodeRepairEnv(Env):
                 f"{describe_bytes(self.memory_limit_bytes)} (memory_limit_bytes, for the whole run), "
                 "and the kernel killed one of them."
             )
+        if run.container_memory_kill:
+            lines.append(
+                "The test run was stopped when the kernel killed one of its processes for the memory "
+                "of its container, which ran short (the run's own limit, "
+                f"{describe_bytes(self.memory_limit_bytes)} together, was not reached)."
+            )
         if run.process_limit_hit:
             lines.append(
                 f"The test run hit its process limit: at most {self.max_processes} processes and "

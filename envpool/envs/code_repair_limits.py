@@ -210,6 +210,14 @@ def _counters(path: Path) -> dict[str, int]:
     return found
 
 
+def _number(path: Path) -> int:
+    """A control file of one number; 0 where it is absent or unreadable."""
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return 0
+
+
 class _RunCgroup:
     """A cgroup of one test run, made fresh under this process's own and removed after."""
 
@@ -351,6 +359,21 @@ class MemoryCgroup(_RunCgroup):
                 return False
             time.sleep(0.005)
         return True
+
+    def limit_reached(self) -> bool:
+        """Whether its processes together reached its own cap (a charge failed at it), as
+        against a kill for the memory of a cgroup above it (the container's)."""
+        if self.version == 1:
+            # a failcnt, where the kernel keeps it (some leave it 0), else the high-water mark
+            # at the cap (as the kernel rounded it: to pages)
+            for kind in ("memory", "memory.memsw"):
+                if _number(self.path / f"{kind}.failcnt") > 0:
+                    return True
+                limit = _number(self.path / f"{kind}.limit_in_bytes")
+                if limit > 0 and _number(self.path / f"{kind}.max_usage_in_bytes") >= limit:
+                    return True
+            return False
+        return _counters(self.path / "memory.events").get("max", 0) > 0
 
     def oom_eventfd(self) -> int | None:
         """An eventfd (the caller closes it and reads it to reset it) that turns readable

@@ -262,6 +262,9 @@ class RunOutput:
     memory_limit_hit: bool = False
     """The run's processes together reached its memory cgroup's cap: the kernel's OOM killer
     killed one of them, and the run was ended there."""
+    container_memory_kill: bool = False
+    """The kernel's OOM killer killed a process of the run for the memory of its container (a
+    cgroup above the run's), the run's own cap not reached."""
     process_limit_hit: bool = False
     """A fork or a thread start was refused for the run's process cap."""
 
@@ -323,6 +326,8 @@ def _run(root: Path, spec: dict[str, Any], limits: _Limits) -> RunOutput:
         raw = out.read(MAX_RAW_OUTPUT_BYTES).decode("utf-8", errors="replace")
         results.seek(0)
         reported = results.read(MAX_RESULTS_BYTES).decode("utf-8", errors="replace")
+    killed = oom_ended or (limits.memory is not None and limits.memory.oom_killed())
+    own_cap = limits.memory is not None and limits.memory.limit_reached()
     return RunOutput(
         output=raw,
         output_bytes=size,
@@ -331,7 +336,8 @@ def _run(root: Path, spec: dict[str, Any], limits: _Limits) -> RunOutput:
         # the runner reports the exception by its class names; an allocation that failed in
         # the interpreter's own code (a fatal error) is in the output
         out_of_memory="MemoryError" in reported or "MemoryError" in raw,
-        memory_limit_hit=oom_ended or (limits.memory is not None and limits.memory.oom_killed()),
+        memory_limit_hit=killed and own_cap,
+        container_memory_kill=killed and not own_cap,
         process_limit_hit=limits.pids is not None and limits.pids.hit_limit(),
     )
 

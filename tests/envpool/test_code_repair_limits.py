@@ -389,3 +389,20 @@ def test_an_oom_of_the_container_outside_a_run_does_not_end_the_run(tmp_path, me
     [result] = out
     assert not result.memory_limit_hit and not result.timed_out, result
     assert '"value": true' in result.results, result
+
+
+@needs_memory_cgroup
+def test_a_run_killed_for_the_containers_memory_is_not_said_to_have_reached_its_own_limit(
+    tmp_path, memory_parent_of_its_own
+):
+    # a run's process the kernel killed for the container's memory (96 MiB here) was said to
+    # have 'reached 1 GiB' together, its own limit, which the policy would then look for in
+    # vain: it held 200 MiB
+    with _repair(tmp_path, test_timeout_s=20, memory_limit_bytes=2**30) as (env, work):
+        env.step(
+            edit_action("mathutils.py", "    return a - b", "    return len(b'x' * (200 * 2**20)) + a + b")
+        )
+        text = env.step("run_tests").obs.text
+        assert "reached 1 GiB" not in text, text
+        assert "killed one of its processes for the memory of its container" in text, text
+        assert _none_left_in(work, 3)
