@@ -56,7 +56,7 @@ PID_NAMESPACE = True
 ``RUNNER``); False runs the fallback everywhere (for the tests)."""
 
 
-# Runs as `python -I -B -u -c RUNNER PARENT_PID RESULTS_FD DONE_FD ISOLATE` in the work dir, with
+# Runs as `python -I -B -u -c RUNNER PARENT_PID RESULTS_FD DONE_FD ISOLATE SHM_BYTES` in the work dir, with
 # the module's name, the test file's imports and the checks' calls as one JSON line on stdin
 # (never the expected values). It writes one JSON line per check to RESULTS_FD, a file of its
 # own: {"i", "value"}, or {"i", "raised": [the exception's class names, its MRO], "message",
@@ -76,7 +76,11 @@ PID_NAMESPACE = True
 #   of a fresh PID namespace: an init that only reaps. When it ends (the runner ended, or it
 #   was killed) the kernel kills every process of the namespace, whatever its session,
 #   process group or working directory. Nothing in the namespace can signal it (it has no
-#   handler), nor any process outside (kill(-1) included), since none has a pid there;
+#   handler), nor any process outside (kill(-1) included), since none has a pid there. Where
+#   it can, the keeper takes a mount namespace too, with a tmpfs of the run's own on /dev/shm
+#   (at most SHM_BYTES, the run's memory): what the run wrote there (memory, charged to its
+#   memory cgroup) goes with its last process, rather than stay charged to the container run
+#   after run, and no later episode reads it;
 # * the runner, under that init (or the keeper's child where there is no namespace), imports
 #   the module and evaluates the checks. When done it writes one byte to DONE_FD and waits
 #   on the spec's pipe (moved off fd 0, which reads /dev/null for the module), alive, so that
@@ -92,6 +96,7 @@ PID_NAMESPACE = True
 RUNNER = r"""
 import ctypes, os, select, signal, sys
 parent, done_fd, isolate = int(sys.argv[1]), int(sys.argv[3]), sys.argv[4] == "1"
+shm_bytes = int(sys.argv[5])
 try:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
@@ -110,11 +115,13 @@ os.close(_null)
 def unshare_pid():
     if libc is None or not isolate:
         return False
-    if libc.unshare(0x20000000) == 0:  # CLONE_NEWPID
+    # CLONE_NEWPID, and CLONE_NEWNS where it can be had too (for the run's own /dev/shm)
+    if libc.unshare(0x20000000 | 0x20000) == 0 or libc.unshare(0x20000000) == 0:
         return True
     uid, gid = os.getuid(), os.getgid()  # the new user namespace maps only these, to themselves
-    if libc.unshare(0x10000000 | 0x20000000) != 0:  # and CLONE_NEWUSER, which needs no capability
-        return False
+    if libc.unshare(0x10000000 | 0x20000000 | 0x20000) != 0:  # and CLONE_NEWUSER, which needs no capability
+        if libc.unshare(0x10000000 | 0x20000000) != 0:
+            return False
     for name, text in (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1")):
         try:
             with open(f"/proc/self/{name}", "w") as f:
@@ -123,7 +130,16 @@ def unshare_pid():
             pass  # unmapped, the ids read as the overflow id inside; files are still its own
     return True
 
+def own_shm():
+    # a tmpfs of the run's own on /dev/shm, in its mount namespace (if it got one: else the
+    # mount fails, and the container's stays): freed when the run's last process ends, with
+    # what the run wrote there (charged to its memory cgroup), which the next run never sees
+    if os.path.isdir("/dev/shm") and libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) == 0:
+        libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 0x2 | 0x4, f"mode=1777,size={shm_bytes}".encode())
+
 isolated = unshare_pid()
+if isolated:
+    own_shm()  # MS_REC | MS_PRIVATE first: the mount stays in the run's namespace
 if libc is not None:
     libc.prctl(1, 9)  # again: a change of credentials may clear it
     libc.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans of the run stay in its tree
@@ -305,7 +321,7 @@ def _run(root: Path, spec: dict[str, Any], limits: _Limits) -> RunOutput:
         argv = [sys.executable, "-I", "-B", "-u", "-c", RUNNER, str(os.getpid()), str(results.fileno())]
         try:
             proc = subprocess.Popen(
-                [*argv, str(done_w), "1" if PID_NAMESPACE else "0"],
+                [*argv, str(done_w), "1" if PID_NAMESPACE else "0", str(limits.memory_bytes)],
                 cwd=root,
                 env=env,
                 stdin=subprocess.PIPE,

@@ -751,3 +751,24 @@ def test_code_repair_without_a_pid_namespace_a_daemon_whose_run_kills_its_keeper
     monkeypatch.setattr(code_repair_runner, "PID_NAMESPACE", False)
     # the keeper's death ends the run (its results cut short): what matters is the daemon
     _run_and_await_the_daemon(tmp_path, chdir=True, end="kills_ancestors", passes=False)
+
+
+def test_code_repair_a_runs_shared_memory_files_go_with_the_run(tmp_path):
+    # files a run wrote to /dev/shm (a tmpfs: memory, charged to the run's memory cgroup)
+    # outlived it: still charged after the cgroup was removed, so that run after run filled
+    # the container's memory past every run's cap, and the next episode (another
+    # trajectory's, maybe) could read what the last one left there
+    if not _pid_namespaces_here():
+        pytest.skip("no PID namespace for a test run here (no CAP_SYS_ADMIN, no user namespaces)")
+    left = Path("/dev/shm") / f"envpool-test-{os.getpid()}-{tmp_path.name}"
+    try:
+        with _repair_in(tmp_path, test_timeout_s=10) as (env, _):
+            write = f"open({str(left)!r}, 'wb').write(b'x' * 2**20)\n"
+            env.step(edit_action("mathutils.py", "def add", write + "def add"))
+            env.step(edit_action("mathutils.py", "    return a - b", "    return a + b"))
+            res = env.step("run_tests")
+            assert res.info["all_passed"], res.obs.text  # it could write there
+            assert not left.exists()
+    finally:
+        with contextlib.suppress(OSError):
+            left.unlink()
