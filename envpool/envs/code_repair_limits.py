@@ -166,14 +166,37 @@ def memory_cgroup_available() -> bool:
 _PREFIX = "envpool-run-"
 
 
+def _pid_namespace() -> str:
+    """This process's PID namespace (its inode), so that a sweep judges only owners whose
+    pids it can see: a pid of another namespace reads as dead here."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
+def owner_prefix(pid: int) -> str:
+    """The start of the names of the run cgroups of the server ``pid`` (of this PID
+    namespace): ``envpool-run-NS-PID-``."""
+    return f"{_PREFIX}{_pid_namespace()}-{pid}-"
+
+
 def _sweep(parent: Path) -> None:
     """Remove the cgroups of runs whose server died mid-run (killed with its container:
-    its own cleanup never ran). Empty by then (the container's kill took their processes);
-    one of a live server, or still holding a process, stays."""
+    its own cleanup never ran), with what is left in them: most often nothing (the
+    container's kill took it), but a server killed alone left what its run set running
+    outside its tree (no PID namespace: a daemon in a session of its own) alive there, and
+    its cgroup with it. One of a live server stays."""
     with contextlib.suppress(OSError):
         for entry in os.scandir(parent):
-            owner = entry.name.removeprefix(_PREFIX).partition("-")[0]
-            if entry.name == owner or not owner.isdigit() or int(owner) == os.getpid():
+            ns, owner, rest = [*entry.name.removeprefix(_PREFIX).split("-", 2), "", ""][:3]
+            if (
+                not entry.name.startswith(_PREFIX)
+                or ns != _pid_namespace()  # another namespace's: its owner is not ours to see
+                or not owner.isdigit()
+                or not rest
+                or int(owner) == os.getpid()
+            ):
                 continue
             try:
                 os.kill(int(owner), 0)
@@ -182,8 +205,7 @@ def _sweep(parent: Path) -> None:
                 pass  # its server is gone: the cgroup is a leftover, swept below
             except OSError:
                 continue
-            with contextlib.suppress(OSError):
-                os.rmdir(entry.path)
+            _RunCgroup(Path(entry.path)).remove()
 
 
 def _write(path: Path, text: str) -> None:
@@ -229,7 +251,7 @@ class _RunCgroup:
         if parent is None:
             return None
         _sweep(parent)
-        path = parent / f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        path = parent / f"{owner_prefix(os.getpid())}{uuid.uuid4().hex[:12]}"
         try:
             path.mkdir()
         except OSError:

@@ -171,7 +171,7 @@ def test_the_cgroup_of_a_run_whose_server_died_is_removed_by_the_next_run():
     dead.wait()
     probe = code_repair_limits.PidsCgroup.make(8)
     assert probe is not None
-    left = probe.path.parent / f"envpool-run-{dead.pid}-abandoned"
+    left = probe.path.parent / f"{code_repair_limits.owner_prefix(dead.pid)}abandoned"
     probe.remove()
     left.mkdir()
     try:
@@ -220,7 +220,7 @@ def _fork_and_hold(children: int, mib: int) -> str:
 def _memory_cgroups_left() -> list[str]:
     found = code_repair_limits._memory_parent()
     assert found is not None
-    mine = f"envpool-run-{os.getpid()}-"
+    mine = code_repair_limits.owner_prefix(os.getpid())
     return [name for name in os.listdir(found[0]) if name.startswith(mine)]
 
 
@@ -308,7 +308,7 @@ def test_the_memory_cgroup_of_a_run_whose_server_died_is_removed_by_the_next_run
     dead.wait()
     probe = code_repair_limits.MemoryCgroup.make(64 * MiB)
     assert probe is not None
-    left = probe.path.parent / f"envpool-run-{dead.pid}-abandoned"
+    left = probe.path.parent / f"{code_repair_limits.owner_prefix(dead.pid)}abandoned"
     probe.remove()
     left.mkdir()
     try:
@@ -406,3 +406,53 @@ def test_a_run_killed_for_the_containers_memory_is_not_said_to_have_reached_its_
         assert "reached 1 GiB" not in text, text
         assert "killed one of its processes for the memory of its container" in text, text
         assert _none_left_in(work, 3)
+
+
+@needs_pids_cgroup
+def test_what_a_run_whose_server_died_left_running_is_killed_with_its_cgroup():
+    # a server killed mid-run (its container's process, by the pool) without a PID namespace
+    # left what the run had set running in a session of its own alive, in its cgroup: the
+    # sweep's rmdir failed on it, and both stayed for as long as the node ran
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    probe = code_repair_limits.PidsCgroup.make(8)
+    assert probe is not None
+    left = probe.path.parent / f"{code_repair_limits.owner_prefix(dead.pid)}abandoned"
+    probe.remove()
+    left.mkdir()
+    daemon = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        (left / "cgroup.procs").write_text(str(daemon.pid))
+        fresh = code_repair_limits.PidsCgroup.make(8)
+        assert fresh is not None
+        fresh.remove()
+        assert daemon.wait(5) == -signal.SIGKILL
+        assert not left.exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            daemon.kill()
+        daemon.wait()
+        code_repair_limits._RunCgroup(left).remove()
+
+
+@needs_pids_cgroup
+def test_the_sweep_leaves_the_run_cgroups_of_another_pid_namespace_alone():
+    # a server of another PID namespace under the same cgroup (its pid means nothing here,
+    # and reads as dead) is not judged by this one's sweep: its live run is left running
+    probe = code_repair_limits.PidsCgroup.make(8)
+    assert probe is not None
+    other = probe.path.parent / f"envpool-run-1-{2**22 + 7}-theirs"  # (no pid that high here)
+    probe.remove()
+    other.mkdir()
+    theirs = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        (other / "cgroup.procs").write_text(str(theirs.pid))
+        fresh = code_repair_limits.PidsCgroup.make(8)
+        assert fresh is not None
+        fresh.remove()
+        assert theirs.poll() is None and other.exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            theirs.kill()
+        theirs.wait()
+        code_repair_limits._RunCgroup(other).remove()
