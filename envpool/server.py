@@ -94,6 +94,8 @@ def _named_by(filename: Any, given: Any) -> bool:
     parts = PurePath(os.fsdecode(filename)).parts
     for text in _strings(given):
         want = PurePath(text).parts if text.strip() else ()
+        if want[-1:] == (PurePath(text).anchor,):
+            continue  # "/" alone names no file of the caller's: every absolute path is under it
         n = len(want)
         for i in range(len(parts) - n + 1):
             got = parts[i : i + n]
