@@ -34,7 +34,7 @@ import resource
 import signal
 import time
 import uuid
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 __all__ = [
     "DEFAULT_MAX_PROCESSES",
@@ -85,25 +85,39 @@ def _mounts_and_groups() -> tuple[list[str], list[str]] | None:
         return None
 
 
+def _under(mount: str, root: str, path: str) -> Path | None:
+    """Where the cgroup ``path`` (as ``/proc/self/cgroup`` names it, from the hierarchy's
+    root) is, under a mount of the hierarchy's subtree ``root`` (mountinfo's fourth field: not
+    "/" in a container that shares the host's cgroup namespace, where the container's own
+    cgroup is what is mounted); None where it is outside what is mounted."""
+    if not (path.startswith("/") and root.startswith("/")):
+        return None  # (never so in /proc: not a cgroup path to trust)
+    rel = PurePosixPath(path).relative_to("/")
+    base = PurePosixPath(root).relative_to("/")
+    if base.parts != rel.parts[: len(base.parts)]:
+        return None
+    return Path(mount).joinpath(*rel.parts[len(base.parts) :])
+
+
 def _v1_parent(controller: str) -> Path | None:
     """This process's cgroup in cgroup v1's ``controller`` hierarchy, where a child can be made."""
     found = _mounts_and_groups()
     if found is None:
         return None
     mounts, groups = found
-    mount = None
+    mount, root = None, "/"
     for line in mounts:
         pre, _, post = line.partition(" - ")
         fields, tail = pre.split(), post.split()
         if len(fields) >= 5 and len(tail) >= 3 and tail[0] == "cgroup" and controller in tail[2].split(","):
-            mount = fields[4]
+            root, mount = fields[3], fields[4]
             break
     if mount is None:
         return None
     for line in groups:
         _, controllers, path = line.split(":", 2)
         if controller in controllers.split(","):
-            return Path(mount) / path.lstrip("/")
+            return _under(mount, root, path)
     return None
 
 
@@ -113,19 +127,19 @@ def _v2_parent() -> Path | None:
     if found is None:
         return None
     mounts, groups = found
-    mount = None
+    mount, root = None, "/"
     for line in mounts:
         pre, _, post = line.partition(" - ")
         fields, tail = pre.split(), post.split()
         if len(fields) >= 5 and tail and tail[0] == "cgroup2":
-            mount = fields[4]
+            root, mount = fields[3], fields[4]
             break
     if mount is None:
         return None
     for line in groups:
         hierarchy, _, path = line.split(":", 2)
         if hierarchy == "0":
-            return Path(mount) / path.lstrip("/")
+            return _under(mount, root, path)
     return None
 
 

@@ -456,3 +456,27 @@ def test_the_sweep_leaves_the_run_cgroups_of_another_pid_namespace_alone():
             theirs.kill()
         theirs.wait()
         code_repair_limits._RunCgroup(other).remove()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_cgroup_mount_of_a_subtree_is_read_from_its_root(monkeypatch, version):
+    # a container that shares the host's cgroup namespace (Docker's default on cgroup v1)
+    # sees its own cgroup mounted at /sys/fs/cgroup/memory while /proc/self/cgroup names it
+    # from the hierarchy's root: the run's cgroup was sought at .../memory/docker/abc, which is
+    # not there, and no run got a memory cap
+    own = "/docker/abc"
+    if version == 1:
+        mount = f"35 31 0:32 {own} /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory"
+        group = f"4:memory:{own}"
+    else:
+        mount = f"41 31 0:38 {own} /sys/fs/cgroup rw,relatime - cgroup2 cgroup2 rw"
+        group = f"0::{own}"
+    monkeypatch.setattr(code_repair_limits, "_mounts_and_groups", lambda: ([mount], [group]))
+    found = code_repair_limits._memory_parent()
+    assert found is not None
+    assert found[0] == Path("/sys/fs/cgroup/memory" if version == 1 else "/sys/fs/cgroup")
+    # a cgroup outside what is mounted is not there to make a child in
+    monkeypatch.setattr(
+        code_repair_limits, "_mounts_and_groups", lambda: ([mount], [group.replace(own, "/other")])
+    )
+    assert code_repair_limits._memory_parent() is None
