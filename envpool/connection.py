@@ -65,6 +65,13 @@ def _protocol_error(msg: dict[str, Any]) -> ProtocolError:
 
 def _garbled(e: FrameError) -> GarbledFrame:
     shown = repr(e.data) + (f" (its first {SHOWN} bytes)" if len(e.data) >= SHOWN else "")
+    if e.too_large:  # a whole reply, too big: no stray output to look for
+        return GarbledFrame(
+            f"the container sent a frame over the frame limit ({e}): {shown}. Keep each reply "
+            "under the limit (envpool's server answers one over it with an ObservationTooLarge "
+            "error of the environment instead, and keeps its container). Not retried (the request "
+            "may have run); the session connection was closed"
+        )
     return GarbledFrame(
         f"the container sent a garbled frame ({e}): {shown}. Check that the server "
         "writes nothing but frames to the session socket (a 4-byte big-endian length, then that "

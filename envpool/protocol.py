@@ -73,9 +73,12 @@ class FrameError(Exception):
     ``data``: the first bytes received of it, its length prefix included (what was sent
     instead of a frame is the first thing to look at)."""
 
-    def __init__(self, message: str, data: bytes = b""):
+    def __init__(self, message: str, data: bytes = b"", *, too_large: bool = False):
         super().__init__(message)
         self.data = data
+        self.too_large = too_large
+        """A well-formed frame by its start (a JSON object follows the length) that is only
+        over ``MAX_FRAME``: a reply too big, not stray output."""
 
 
 SHOWN = 120
@@ -84,6 +87,12 @@ line, not a 16 MiB body."""
 
 
 def _oversize(size: int, data: bytes) -> FrameError:
+    if data[HEADER.size :].lstrip()[:1] == b"{":  # a frame after all: only too big
+        return FrameError(
+            f"a frame of {size:,} bytes, over the {MAX_FRAME:,}-byte limit; a JSON object by its start",
+            data[:SHOWN],
+            too_large=True,
+        )
     return FrameError(f"a length prefix of {size:,} bytes, over the {MAX_FRAME:,}-byte limit", data[:SHOWN])
 
 

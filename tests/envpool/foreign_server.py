@@ -16,6 +16,8 @@ protocol in one way, named on its command line (``python foreign_server.py SOCK 
     step-print      the step writes a debug line to the session socket before its reply: the
                     line's first 4 bytes read as a length far over the frame limit
     step-not-json   the step's reply is a frame whose body is Python's repr of a dict, not JSON
+    step-huge       the step's reply is a well-formed frame of a JSON object over the 16 MiB
+                    frame limit (an observation too big, sent whole)
 """
 
 import json
@@ -92,6 +94,8 @@ def main() -> None:
                     body = repr(out).encode()
                     conn.sendall(struct.pack("!I", len(body)) + body)
                     continue
+                if mode == "step-huge" and msg.get("op") == "step":
+                    out["result"]["obs"]["text"] = "x" * (17 * 2**20)
                 if mode == "stray-reply" and msg.get("op") == "reset":
                     stray = json.dumps({"id": 999_999, "ok": True, "result": None}).encode()
                     body = json.dumps(out).encode()

@@ -180,6 +180,23 @@ async def test_a_garbled_frame_is_a_protocol_error_never_retried(mode, what):
         await wait_for(lambda: not alive(pid))
 
 
+async def test_a_well_formed_reply_over_the_frame_limit_is_not_said_to_be_garbled_output():
+    # a foreign server's whole, well-formed reply over the limit (a big observation) read as
+    # text printed to the socket, and its author was sent looking for a stray print
+    async with await _foreign_pool("step-huge") as p:
+        async with p.session("echo-v0") as s:
+            await s.reset(seed=1)
+            with pytest.raises(GarbledFrame) as err:
+                await s.step("a")
+            message = str(err.value)
+            assert "a frame of 17,825,8" in message and "a JSON object by its start" in message, message
+            assert "Keep each reply under the limit" in message and "ObservationTooLarge" in message, message
+            assert "printed" not in message, message
+            assert s.container is None
+        stats = p.stats()
+        assert stats["protocol_errors"] == 1 and stats.get("step_retries", 0) == 0, stats
+
+
 async def test_a_foreign_servers_step_error_that_does_not_say_it_is_sound_retires_its_container():
     # envpool's server says "reusable": true of any error but a MemoryError or an OSError; one
     # that says nothing is taken at its silence: the episode goes on, no other runs there
