@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import resource
 import select
 import signal
@@ -349,13 +350,35 @@ def _run(root: Path, spec: dict[str, Any], limits: _Limits) -> RunOutput:
         output_bytes=size,
         results=reported,
         timed_out=timed_out,
-        # the runner reports the exception by its class names; an allocation that failed in
-        # the interpreter's own code (a fatal error) is in the output
-        out_of_memory="MemoryError" in reported or "MemoryError" in raw,
+        out_of_memory=_ran_out_of_memory(reported, raw),
         memory_limit_hit=killed and own_cap,
         container_memory_kill=killed and not own_cap,
         process_limit_hit=limits.pids is not None and limits.pids.hit_limit(),
     )
+
+
+_MEMORY_ERROR_LINE = re.compile(r"^(?:Fatal Python error: .*(?i:memory).*|MemoryError\b.*)$", re.MULTILINE)
+
+
+def _ran_out_of_memory(reported: str, raw: str) -> bool:
+    """Whether a ``MemoryError`` was raised in the run: a check or the import raised one (the
+    runner reports the exception by its class names), or the output holds a traceback's last
+    line of one or the interpreter's fatal error (an allocation that failed in its own code,
+    or in a process the module started). The word elsewhere (a print, a returned string) is
+    not one."""
+    for line in reported.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(entry, dict):
+            continue
+        raised = entry.get("raised")
+        if isinstance(raised, list) and "MemoryError" in raised:
+            return True
+        if str(entry.get("import_error", "")).startswith("MemoryError"):
+            return True
+    return _MEMORY_ERROR_LINE.search(raw) is not None
 
 
 @dataclass(frozen=True)

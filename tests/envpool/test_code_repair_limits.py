@@ -480,3 +480,15 @@ def test_a_cgroup_mount_of_a_subtree_is_read_from_its_root(monkeypatch, version)
         code_repair_limits, "_mounts_and_groups", lambda: ([mount], [group.replace(own, "/other")])
     )
     assert code_repair_limits._memory_parent() is None
+
+
+def test_a_run_that_only_says_memoryerror_is_not_said_to_run_out_of_memory(tmp_path):
+    # the word anywhere in the run's output or results (a print, a returned string) read as
+    # the run out of memory, and the policy was told of an address-space limit it never met
+    with _repair(tmp_path, test_timeout_s=10) as (env, _):
+        body = "    print('no MemoryError here')\n    return a + b"
+        env.step(edit_action("mathutils.py", "    return a - b", body))
+        res = env.step("run_tests")
+        assert res.info["all_passed"], res.obs.text
+        assert "no MemoryError here" in res.obs.text  # the print is shown, as output
+        assert "ran out of memory" not in res.obs.text, res.obs.text
