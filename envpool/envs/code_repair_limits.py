@@ -219,7 +219,9 @@ def _sweep(parent: Path) -> None:
                 pass  # its server is gone: the cgroup is a leftover, swept below
             except OSError:
                 continue
-            _RunCgroup(Path(entry.path)).remove()
+            # (briefly: one that will not go, a process stuck in the kernel, is tried again
+            # at the next run rather than hold up every run for long)
+            _RunCgroup(Path(entry.path)).remove(wait_s=0.2)
 
 
 def _write(path: Path, text: str) -> None:
@@ -302,11 +304,11 @@ class _RunCgroup:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
-    def remove(self) -> None:
+    def remove(self, wait_s: float = 2.0) -> None:
         """Kill what is left in it, and remove it once its processes are gone (a SIGKILL
-        lands when each is next scheduled: a bounded wait)."""
+        lands when each is next scheduled: a wait of at most ``wait_s``)."""
         self.kill_all()
-        deadline = time.monotonic() + 2.0
+        deadline = time.monotonic() + wait_s
         while True:
             try:
                 self.path.rmdir()
