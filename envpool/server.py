@@ -73,12 +73,12 @@ _PATH_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.ELOOP})  # (no subclass of t
 
 
 def _strings(value: Any) -> Iterator[str]:
-    """The strings in a request's JSON value (its keys and values, nested)."""
+    """The strings in a request's JSON value (its values, nested; not its keys, which name
+    parameters, not paths)."""
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
-        for k, v in value.items():
-            yield str(k)
+        for v in value.values():
             yield from _strings(v)
     elif isinstance(value, list | tuple):
         for v in value:

@@ -198,6 +198,7 @@ async def test_an_injected_hang_freezes_the_container_an_infrastructure_fault_no
         ("/opt/env/data.json", {}, False),  # its own data file, whatever the request was
         ("/opt/env/data.json", {"seed": 3, "options": None}, False),
         ("/opt/env/data.json", {"root": "/"}, False),  # every absolute path is under "/"
+        ("/opt/env/data.json", {"data": 3}, False),  # a key names a parameter, not a path
     ],
 )
 def test_a_path_error_is_sound_only_for_a_path_the_caller_named(filename, given, sound):
