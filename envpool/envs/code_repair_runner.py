@@ -114,33 +114,38 @@ os.dup2(_null, 0)
 os.close(_null)
 
 def unshare_pid():
+    # a PID namespace (CLONE_NEWPID), and a mount namespace (CLONE_NEWNS) where it can be had
+    # too, for the run's own /dev/shm: whether each was made
     if libc is None or not isolate:
-        return False
-    # CLONE_NEWPID, and CLONE_NEWNS where it can be had too (for the run's own /dev/shm)
-    if libc.unshare(0x20000000 | 0x20000) == 0 or libc.unshare(0x20000000) == 0:
-        return True
+        return False, False
+    for flags in (0x20000000 | 0x20000, 0x20000000):
+        if libc.unshare(flags) == 0:
+            return True, bool(flags & 0x20000)
     uid, gid = os.getuid(), os.getgid()  # the new user namespace maps only these, to themselves
-    if libc.unshare(0x10000000 | 0x20000000 | 0x20000) != 0:  # and CLONE_NEWUSER, which needs no capability
-        if libc.unshare(0x10000000 | 0x20000000) != 0:
-            return False
+    for flags in (0x10000000 | 0x20000000 | 0x20000, 0x10000000 | 0x20000000):  # and CLONE_NEWUSER
+        if libc.unshare(flags) == 0:  # (which needs no capability)
+            break
+    else:
+        return False, False
     for name, text in (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1")):
         try:
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
         except OSError:
             pass  # unmapped, the ids read as the overflow id inside; files are still its own
-    return True
+    return True, bool(flags & 0x20000)
 
 def own_shm():
-    # a tmpfs of the run's own on /dev/shm, in its mount namespace (if it got one: else the
-    # mount fails, and the container's stays): freed when the run's last process ends, with
-    # what the run wrote there (charged to its memory cgroup), which the next run never sees
+    # a tmpfs of the run's own on /dev/shm, in its own mount namespace (never the
+    # container's): freed when the run's last process ends, with what the run wrote there
+    # (charged to its memory cgroup), which the next run never sees. MS_REC | MS_PRIVATE
+    # first, so that the mount stays in the run's namespace
     if os.path.isdir("/dev/shm") and libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) == 0:
         libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 0x2 | 0x4, f"mode=1777,size={shm_bytes}".encode())
 
-isolated = unshare_pid()
-if isolated:
-    own_shm()  # MS_REC | MS_PRIVATE first: the mount stays in the run's namespace
+isolated, own_mounts = unshare_pid()
+if own_mounts:
+    own_shm()
 if libc is not None:
     libc.prctl(1, 9)  # again: a change of credentials may clear it
     libc.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans of the run stay in its tree
