@@ -217,8 +217,8 @@ def _sweep(parent: Path) -> None:
                 continue  # its server is alive (or the pid was reused: swept later)
             except ProcessLookupError:
                 pass  # its server is gone: the cgroup is a leftover, swept below
-            except OSError:
-                continue
+            except (OSError, OverflowError):
+                continue  # not ours to judge (OverflowError: no pid at all, another naming's)
             # (briefly: one that will not go, a process stuck in the kernel, is tried again
             # at the next run rather than hold up every run for long)
             _RunCgroup(Path(entry.path)).remove(wait_s=0.2)

@@ -458,6 +458,19 @@ def test_the_sweep_leaves_the_run_cgroups_of_another_pid_namespace_alone():
         code_repair_limits._RunCgroup(other).remove()
 
 
+@pytest.mark.parametrize("owner", ["9" * 30, str(2**63)])
+def test_the_sweep_passes_over_a_name_whose_owner_is_no_pid(tmp_path, owner):
+    # a server of another version of the naming (envpool-run-PID-..., read here as NS-PID) or
+    # a hand-made directory gave an "owner" past any pid: os.kill raised OverflowError out of
+    # the sweep, and with it out of every run's cgroup set-up (seen: make test's collection of
+    # this module failed while a newer server's cgroups were there)
+    ns = code_repair_limits._pid_namespace()
+    odd = tmp_path / f"{code_repair_limits._PREFIX}{ns}-{owner}-x"
+    odd.mkdir()
+    code_repair_limits._sweep(tmp_path)  # raised OverflowError
+    assert odd.exists()  # not judged: left alone
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_a_cgroup_mount_of_a_subtree_is_read_from_its_root(monkeypatch, version):
     # a container that shares the host's cgroup namespace (Docker's default on cgroup v1)
