@@ -10,6 +10,14 @@ version and the flags: a program cannot write it, and what it holds is the same 
 program is judged. gcc checks that a ``.gch`` fits the compile's flags, and reads the
 header's text when it does not, so a stale one costs time, not correctness.
 
+gcc does not check the headers a ``.gch`` reached, though, and its name covers only the
+compiler's version: after a libc6-dev or libstdc++ upgrade an old one would go on giving
+the old declarations. So its build records each header gcc read (its ``-MD`` list) with
+its size, mtime, inode and content hash in a sidecar (``.gch.deps``), and each process
+checks those once before it first hands the ``.gch`` out (a few hundred stats; the content
+is hashed only where a size matches and the mtime or inode does not), building it anew
+where one differs or the sidecar is missing or unreadable.
+
 Each new version of the wire (or of the compiler) names new files, so building one also
 removes the headers nobody has used for ``STALE_S`` (each process marks the ones it uses,
 at most hourly) and nobody holds: a compile holds its header's shared ``flock`` from
@@ -58,8 +66,10 @@ _marked: dict[str, float] = {}
 _checked: set[str] = set()
 #: a header's files: the text, its ``.gch`` (gcc's) or ``.pch`` (libclang's), and a build's
 #: temporary copies of them
-_FILE = re.compile(r"(rlfabric-[0-9a-f]{20}\.hpp)(?:\.[0-9]+\.tmp)?(?:\.gch|\.pch)?")
-_SUFFIXES = (".gch", ".pch")
+_FILE = re.compile(r"(rlfabric-[0-9a-f]{20}\.hpp)(?:\.[0-9]+\.tmp)?(?:\.gch|\.pch)?(?:\.deps)?")
+#: a ``.gch``'s sidecar: the headers its build read (``_reached``)
+_DEPS = ".deps"
+_SUFFIXES = (".gch", ".pch", ".gch" + _DEPS)
 #: ``cdecls.py``, which builds and checks libclang's headers too (``--pch``)
 _CDECLS = Path(__file__).with_name("cdecls.py")
 
@@ -82,9 +92,71 @@ def header(text: str, compiler: str, flags: tuple[str, ...]) -> str | None:
     key = hashlib.sha256(repr((text, compiler, _version(compiler), flags)).encode()).hexdigest()[:20]
 
     def build(path: str, out: str) -> bool:
-        return _run([compiler, *flags, "-x", "c++-header", path, "-o", out])
+        deps = out + _DEPS  # gcc's list first, then (parsed) the sidecar, in its place
+        argv = [compiler, *flags, "-MD", "-MF", deps, "-x", "c++-header", path, "-o", out]
+        if not _run(argv):
+            Path(deps).unlink(missing_ok=True)
+            return False
+        try:
+            reached = _reached(Path(deps).read_text(errors="surrogateescape"), skip=path)
+        except (OSError, ValueError):
+            reached = None
+        if reached is None:  # no list to check it by: not kept (the compiles go without)
+            Path(deps).unlink(missing_ok=True)
+            return False
+        Path(deps).write_text(json.dumps(reached))
+        return True
 
-    return _header(key, text, ".gch", build)
+    def check(path: str) -> bool:
+        return _unchanged(path + ".gch" + _DEPS)
+
+    return _header(key, text, ".gch", build, check)
+
+
+def _reached(depfile: str, skip: str) -> list[list[str | int]] | None:
+    """``[path, size, mtime_ns, inode, sha256]`` of each file in gcc's ``-MD`` list but
+    ``skip`` (the header's own text: ``hold`` touches it, and its name is its hash), or None
+    if the list is not one gcc wrote."""
+    _, colon, rest = depfile.partition(": ")
+    if not colon:
+        return None
+    # make's syntax: lines continued with a backslash, a space in a name escaped as "\ ",
+    # "#" as "\#" and "$" as "$$"
+    rest = rest.replace("\\\n", " ")
+    names = [
+        re.sub(r"\\([ #\\])", r"\1", n).replace("$$", "$") for n in re.findall(r"(?:\\.|[^\s\\])+", rest)
+    ]
+    out: list[list[str | int]] = []
+    for name in names:
+        full = os.path.abspath(name)
+        if full == os.path.abspath(skip):
+            continue
+        with open(full, "rb") as f:
+            st = os.fstat(f.fileno())
+            digest = hashlib.sha256(f.read()).hexdigest()
+        out.append([full, st.st_size, st.st_mtime_ns, st.st_ino, digest])
+    return out
+
+
+def _unchanged(deps: str) -> bool:
+    """Whether each header a ``.gch``'s build read is as it was then (``_reached``). Where
+    only its mtime or inode differs (touched, or reinstalled unchanged) its content decides,
+    as libclang does for its ``.pch``."""
+    try:
+        reached = json.loads(Path(deps).read_text())
+        for name, size, mtime_ns, ino, digest in reached:
+            if not isinstance(name, str):  # (os.stat would take an int as a descriptor)
+                return False
+            st = os.stat(name)
+            if st.st_size != size:
+                return False
+            if (st.st_mtime_ns, st.st_ino) != (mtime_ns, ino):
+                with open(name, "rb") as f:
+                    if hashlib.sha256(f.read()).hexdigest() != digest:
+                        return False
+    except (OSError, ValueError, TypeError):  # gone, unreadable, or no sidecar (an older build)
+        return False
+    return True
 
 
 @functools.cache
@@ -147,10 +219,16 @@ def _header(
         if not build(path, tmp + suffix):
             _failed.add(key)
             Path(tmp + suffix).unlink(missing_ok=True)
+            Path(tmp + suffix + _DEPS).unlink(missing_ok=True)
             Path(path).unlink(missing_ok=True)  # its name has this compiler and these flags
             Path(path + suffix).unlink(missing_ok=True)  # one that no longer loads
+            Path(path + suffix + _DEPS).unlink(missing_ok=True)
             return None
         os.replace(tmp + suffix, path + suffix)
+        if os.path.exists(tmp + suffix + _DEPS):
+            # after the .gch: a reader between the two sees the new one with the old list,
+            # which at worst makes it build again, never trust a stale one
+            os.replace(tmp + suffix + _DEPS, path + suffix + _DEPS)
         _checked.add(path)
         _marked[path] = time.monotonic()
         remove_stale(keep=path)
