@@ -99,48 +99,41 @@ def _under(mount: str, root: str, path: str) -> Path | None:
     return Path(mount).joinpath(*rel.parts[len(base.parts) :])
 
 
-def _v1_parent(controller: str) -> Path | None:
-    """This process's cgroup in cgroup v1's ``controller`` hierarchy, where a child can be made."""
+def _own_cgroup(fstype: str, controller: str | None) -> Path | None:
+    """This process's cgroup, where a child can be made, in the first hierarchy mounted with
+    filesystem type ``fstype``: cgroup v1's ("cgroup") that holds ``controller``, or cgroup
+    v2's ("cgroup2", ``controller`` None: the one hierarchy, numbered 0 in /proc/self/cgroup).
+    None where no such hierarchy is mounted, or this process's cgroup is outside the mount."""
     found = _mounts_and_groups()
     if found is None:
         return None
     mounts, groups = found
-    mount, root = None, "/"
     for line in mounts:
         pre, _, post = line.partition(" - ")
         fields, tail = pre.split(), post.split()
-        if len(fields) >= 5 and len(tail) >= 3 and tail[0] == "cgroup" and controller in tail[2].split(","):
-            root, mount = fields[3], fields[4]
-            break
-    if mount is None:
+        if len(fields) < 5 or not tail or tail[0] != fstype:
+            continue
+        if controller is not None and (len(tail) < 3 or controller not in tail[2].split(",")):
+            continue  # (its super options, tail[2], name v1's controllers)
+        root, mount = fields[3], fields[4]
+        break
+    else:
         return None
     for line in groups:
-        _, controllers, path = line.split(":", 2)
-        if controller in controllers.split(","):
+        hierarchy, controllers, path = line.split(":", 2)
+        if hierarchy == "0" if controller is None else controller in controllers.split(","):
             return _under(mount, root, path)
     return None
+
+
+def _v1_parent(controller: str) -> Path | None:
+    """This process's cgroup in cgroup v1's ``controller`` hierarchy, where a child can be made."""
+    return _own_cgroup("cgroup", controller)
 
 
 def _v2_parent() -> Path | None:
     """This process's cgroup in the cgroup v2 hierarchy, if one is mounted."""
-    found = _mounts_and_groups()
-    if found is None:
-        return None
-    mounts, groups = found
-    mount, root = None, "/"
-    for line in mounts:
-        pre, _, post = line.partition(" - ")
-        fields, tail = pre.split(), post.split()
-        if len(fields) >= 5 and tail and tail[0] == "cgroup2":
-            root, mount = fields[3], fields[4]
-            break
-    if mount is None:
-        return None
-    for line in groups:
-        hierarchy, _, path = line.split(":", 2)
-        if hierarchy == "0":
-            return _under(mount, root, path)
-    return None
+    return _own_cgroup("cgroup2", None)
 
 
 def _pids_parent() -> Path | None:
