@@ -20,10 +20,12 @@ Where no cgroup can be made (a read-only ``/sys/fs/cgroup``; not Linux; cgroup v
 pids cgroup, and for the memory cgroup one whose server's cgroup does not hand the memory
 controller to its children: v2's rules forbid a child cgroup with controllers under one that
 holds processes, as the server's does, so in a container only a server in the hierarchy's
-root gets one) a run has each process's ``RLIMIT_AS`` and no cap on its processes or its
-total: it still ends at its timeout with everything it started (``kill_tree``, the PID
-namespace), and what it takes meanwhile is bounded by the container's own limits
-(``docker run --memory --pids-limit``, a pod's), which a deployment should set.
+root gets one; cgroup v1 whose server's memory cgroup has ``memory.use_hierarchy`` 0, older
+kernels, where a run's cgroup would not count toward the container's limit) a run has each
+process's ``RLIMIT_AS`` and no cap on its processes or its total: it still ends at its
+timeout with everything it started (``kill_tree``, the PID namespace), and what it takes
+meanwhile is bounded by the container's own limits (``docker run --memory --pids-limit``, a
+pod's), which a deployment should set.
 """
 
 from __future__ import annotations
@@ -142,11 +144,23 @@ def _pids_parent() -> Path | None:
 
 
 def _memory_parent() -> tuple[Path, int] | None:
-    """Where a run's memory cgroup is made, and the cgroup version: v1's memory hierarchy,
-    else v2's (a child there has the memory controller only where the server's cgroup hands
-    it down, which ``MemoryCgroup.make`` checks)."""
+    """Where a run's memory cgroup is made, and the cgroup version: v1's memory hierarchy
+    (None there where the server's cgroup does not count its children's memory), else v2's (a
+    child there has the memory controller only where the server's cgroup hands it down, which
+    ``MemoryCgroup.make`` checks)."""
     v1 = _v1_parent("memory")
     if v1 is not None:
+        # None where the server's cgroup keeps use_hierarchy 0 (cgroup v1 of older kernels;
+        # 1 always since 5.11): there a child's charges stop at the child, not counted toward
+        # the container's memory limit, so a run moved into one would escape it (each run
+        # could take its own memory_limit_bytes on top of the container's: the node's memory).
+        # The run stays in the server's cgroup, under the container's limit, with RLIMIT_AS.
+        # (Only a 0 refuses: a file absent or unreadable leaves the writes in ``make`` to tell.
+        # The hierarchy's root, no limit to escape, is refused too: in a cgroup namespace a
+        # container's own cgroup reads as "/" as well, so the two cannot be told apart.)
+        with contextlib.suppress(OSError):
+            if (v1 / "memory.use_hierarchy").read_text().strip() == "0":
+                return None
         return v1, 1
     v2 = _v2_parent()
     return None if v2 is None else (v2, 2)

@@ -505,3 +505,24 @@ def test_a_run_that_only_says_memoryerror_is_not_said_to_run_out_of_memory(tmp_p
         assert res.info["all_passed"], res.obs.text
         assert "no MemoryError here" in res.obs.text  # the print is shown, as output
         assert "ran out of memory" not in res.obs.text, res.obs.text
+
+
+@pytest.mark.parametrize("use_hierarchy", ["0", "1"])
+def test_no_memory_cgroup_under_a_v1_parent_that_does_not_account_its_children(
+    tmp_path, monkeypatch, use_hierarchy
+):
+    # cgroup v1 with memory.use_hierarchy 0 in the server's cgroup (older kernels): a child's
+    # charges stop at the child, so a run moved into one no longer counted toward the
+    # container's memory limit (each run could take its memory_limit_bytes past it), and an
+    # OOM of the container could not be told from the run's own. (A temp directory stands in
+    # for the server's cgroup, its use_hierarchy a plain file: this kernel always has 1)
+    (tmp_path / "memory.use_hierarchy").write_text(f"{use_hierarchy}\n")
+    mount = f"35 31 0:32 / {tmp_path} rw,relatime - cgroup cgroup rw,memory"
+    monkeypatch.setattr(code_repair_limits, "_mounts_and_groups", lambda: ([mount], ["4:memory:/"]))
+    found = code_repair_limits._memory_parent()
+    if use_hierarchy == "0":
+        assert found is None
+        assert code_repair_limits.MemoryCgroup.make(64 * MiB) is None
+        assert [p.name for p in tmp_path.iterdir()] == ["memory.use_hierarchy"]  # nothing made there
+    else:
+        assert found == (tmp_path, 1)  # (the check refuses only a 0)
