@@ -283,8 +283,10 @@ async def test_event_runs_in_the_background_and_dry_run_runs_nothing(http, tmp_p
         PATH.format("append_line"), json=payload, headers={**auth(), "X-Amz-Invocation-Type": "Event"}
     )
     assert r.status_code == 202 and r.content == b""
+    # until the line is in it: the file exists from the handler's open(), before its write
+    # (polling for the file alone read it empty once, under load)
     for _ in range(200):
-        if out.exists():
+        if out.exists() and out.read_text() == "event\n":
             break
         await asyncio.sleep(0.02)
     assert out.read_text() == "event\n"
