@@ -26,7 +26,9 @@ makes the case a ``RuntimeError`` that says which, not run: a refusal the progra
 signature can cause must score like a failure, or a program could dodge a 0 with it. So
 does a function the tests call that a library of their binary defines too, where the tests
 declare the library's function as well (``native_link``, ``LIBRARY_STUB``), and in C always
-(an undeclared call declares the library's: ``native_link.c_refusal``).
+(an undeclared call declares the library's: ``native_link.c_refusal``); and a C++ function
+named like one the tests' headers declare (``std::size``, ``std::max``) where some use of
+the name in the tests compiles without its stub (``native_collide``).
 """
 
 from __future__ import annotations
@@ -303,10 +305,43 @@ def _c_stub(i: int, f: Function, library: frozenset[str] = frozenset()) -> str:
 _TESTS_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*<[A-Za-z0-9_./+-]{1,200}>", re.MULTILINE)
 
 
-def tests_source(lang: str, test_code: str, p: Plan, library: frozenset[str] = frozenset()) -> str:
+def _never(name: str) -> str:
+    """What stands for an omitted stub (``tests_source``): a function template no call can
+    use, so that each use of the name that nothing else answers is an error of its own
+    (without any declaration, gcc reports an undeclared name once per function), while
+    ``std``'s functions of that name stay found, through ``using namespace std`` or the
+    arguments' namespace, as they were next to the stub."""
+    return (
+        "namespace rlfabric_omitted { template <class T> struct never {}; }\n"
+        f"template <class T> void {name}(::rlfabric_omitted::never<T>) = delete;\n"
+    )
+
+
+def tests_includes(test_code: str) -> list[str]:
+    """The headers the test code includes itself (``#include <...>``)."""
+    return [m.group(0).split("<", 1)[1].rstrip(">") for m in _TESTS_INCLUDE.finditer(test_code)]
+
+
+def names_prelude(p: Plan, test_code: str) -> str | None:
+    """The headers of the C++ tests' translation unit (``tests_source``'s text before the
+    stubs, with every container's overloads of the wire), for the names they declare
+    (``native_collide``); ``None`` where the test code includes a header outside the
+    standard library's (that text is never read on the host)."""
+    theirs = tests_includes(test_code)
+    if any(h not in STANDARD_HEADERS for h in theirs):
+        return None
+    own = (f"#include <{h}>\n" if h != "bits/stdc++.h" else _CPP_STDCXX for h in [*p.includes, *theirs])
+    return "".join([_ALL_USES, f'#include "{header("cpp")[0]}"\n', _CPP_TESTS_BASE, *own])
+
+
+def tests_source(
+    lang: str, test_code: str, p: Plan, library: frozenset[str] = frozenset(), omit: str | None = None
+) -> str:
     """The tests' translation unit: the wire, the standard headers, a stub per function,
     then the test code (which has the file, and its line numbers, to itself). ``library``:
-    the functions' names a library of the tests' binary defines too (``LIBRARY_STUB``).
+    the functions' names a library of the tests' binary defines too (``LIBRARY_STUB``);
+    ``omit``: a C++ function whose stub is left out, a template no call can use in its place
+    (``native_collide``: which uses of its name compile without it?).
 
     The headers the test code includes come before the stubs too (again: they have
     guards): a stub is ``static`` so that it cannot define a function a header declares,
@@ -319,11 +354,13 @@ def tests_source(lang: str, test_code: str, p: Plan, library: frozenset[str] = f
         parts = [_uses(p), f'#include "{name}"\n', _CPP_TESTS_BASE, *own, theirs]
         if p.using_std:
             parts.append("using namespace std;\n")
-        parts += [_cpp_stub(i, f, library) for i, f in enumerate(p.functions)]
+        parts += [
+            _cpp_stub(i, f, library) if f.name != omit else _never(f.name) for i, f in enumerate(p.functions)
+        ]
         parts.append('#line 1 "tests.cpp"\n')
     else:
         parts = [f'#include "{name}"\n', _C_TESTS_PRELUDE, *(f"#include <{h}>\n" for h in p.includes), theirs]
-        parts += [_c_stub(i, f, library) for i, f in enumerate(p.functions)]
+        parts += [_c_stub(i, f, library) for i, f in enumerate(p.functions) if f.name != omit]
         parts.append('#line 1 "tests.c"\n')
     parts.append(test_code)
     parts.append("\n")

@@ -42,7 +42,7 @@ from typing import Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from functions.verifiers import native, native_link, native_pch, rpc
+from functions.verifiers import native, native_collide, native_link, native_pch, rpc
 from functions.verifiers.errors import InvalidTests, SandboxError
 from functions.verifiers.languages import Language, get_language
 from functions.verifiers.sandbox import Limits, PairOutcome, RunOutcome, Sandbox
@@ -357,6 +357,13 @@ class Verifier:
             else:  # a function the tests call is missing (their compile says which), or none is
                 compiled, program = CaseResult(status="Finished"), {}
             tests_compiled, tests = tests_job.result()
+            refused_std = None
+            if lang.name == "cpp" and tests_compiled.status == "Finished" and compiled.status == "Finished":
+                refused_std = self._collides(lang, test_code, plan, library, tests_argv)
+        if isinstance(refused_std, CaseResult):
+            return None, refused_std
+        if refused_std is not None:  # a name the tests' headers declare too (std's)
+            return None, CaseResult(status="RuntimeError", message=f"not run: {refused_std}; {instead}")
         if not plan.functions and tests_compiled.status == "Finished":
             # they compile without any function of the program: they cannot judge it
             raise InvalidTests("the tests call none of the program's functions: they cannot judge it")
@@ -395,6 +402,52 @@ class Verifier:
             )
         )
         return compiled, pair if isinstance(pair, CaseResult) else classify_pair(pair, lang, limits)
+
+    def _collides(
+        self,
+        lang: Language,
+        test_code: str,
+        plan: native.Plan,
+        library: frozenset[str],
+        argv: tuple[str, ...],
+    ) -> str | CaseResult | None:
+        """Why the C++ tests are refused: a function of the program they call has a name
+        their headers declare too, and some call of it compiles without its stub, so it
+        means that other one (``native_collide``); a case if the check could not run."""
+        names = [f.name for f in plan.functions]
+        prelude = native.names_prelude(plan, test_code)
+        if prelude is not None:  # else: a header of theirs not read on the host: check all
+            flags = tuple(a for a in argv[1 : argv.index("-o")] if a.startswith("-std="))
+            declared = native_collide.declared_names(argv[0], flags, prelude, str(native.NATIVE))
+            names = [n for n in names if n in declared]
+        head = dict([native.header(lang.name)])
+        # the tests' own argv (their precompiled header too), checked only: nothing is built
+        at = argv.index("-o")
+        syntax = (*argv[:at], "-fsyntax-only", *argv[at + 2 :])
+        for name in names:
+            src = native.tests_source(lang.name, test_code, plan, library, omit=name).encode()
+            key = native_collide.verdict_key(syntax, name, src)
+            known, why = native_collide.checked(key)
+            if known:
+                if why is not None:
+                    return why
+                continue
+            files = {**head, "tests.cpp": src}
+            out = self._attempt(
+                functools.partial(self._run, lang.resolved(syntax), files, b"", lang.compile_limits)
+            )
+            if isinstance(out, CaseResult):
+                return out
+            if out.status != "exited":
+                return CaseResult(
+                    status="SandboxError",
+                    message=f"the tests' compile without the stub of {name!r} did not finish: {out.status}",
+                )
+            why = native_collide.refusal(name, out.exit_code, out.stderr.decode(errors="replace"), test_code)
+            native_collide.remember(key, why)
+            if why is not None:
+                return why
+        return None
 
     def _pch_shared(self) -> bool:
         """Whether every run of the sandbox sees ``native_pch.PCH_DIR`` (read-only)."""
