@@ -163,10 +163,8 @@ def test_the_defaults():
     assert env.memory_limit_bytes == 2**30 and env.max_processes == 64
 
 
-@needs_pids_cgroup
-def test_the_cgroup_of_a_run_whose_server_died_is_removed_by_the_next_run():
-    # a container killed mid-run (an aborted trajectory) never removed its run's cgroup: one
-    # empty cgroup left per such run, for as long as the node ran
+def _cgroup_of_a_dead_server() -> Path:
+    """A run cgroup, made beside where this server's go, named for a server that has exited."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     probe = code_repair_limits.PidsCgroup.make(8)
@@ -174,6 +172,14 @@ def test_the_cgroup_of_a_run_whose_server_died_is_removed_by_the_next_run():
     left = probe.path.parent / f"{code_repair_limits.owner_prefix(dead.pid)}abandoned"
     probe.remove()
     left.mkdir()
+    return left
+
+
+@needs_pids_cgroup
+def test_the_cgroup_of_a_run_whose_server_died_is_removed_by_the_next_run():
+    # a container killed mid-run (an aborted trajectory) never removed its run's cgroup: one
+    # empty cgroup left per such run, for as long as the node ran
+    left = _cgroup_of_a_dead_server()
     try:
         fresh = code_repair_limits.PidsCgroup.make(8)
         assert fresh is not None
@@ -413,13 +419,7 @@ def test_what_a_run_whose_server_died_left_running_is_killed_with_its_cgroup():
     # a server killed mid-run (its container's process, by the pool) without a PID namespace
     # left what the run had set running in a session of its own alive, in its cgroup: the
     # sweep's rmdir failed on it, and both stayed for as long as the node ran
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    probe = code_repair_limits.PidsCgroup.make(8)
-    assert probe is not None
-    left = probe.path.parent / f"{code_repair_limits.owner_prefix(dead.pid)}abandoned"
-    probe.remove()
-    left.mkdir()
+    left = _cgroup_of_a_dead_server()
     daemon = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
         (left / "cgroup.procs").write_text(str(daemon.pid))
