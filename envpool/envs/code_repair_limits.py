@@ -246,12 +246,13 @@ def _counters(path: Path) -> dict[str, int]:
     where the cgroup is gone or unreadable (then nothing is on record)."""
     found: dict[str, int] = {}
     try:
-        for line in path.read_text().splitlines():
-            key, _, value = line.partition(" ")
-            with contextlib.suppress(ValueError):
-                found[key] = int(value)
+        text = path.read_text()
     except OSError:
-        pass
+        return found  # gone or unreadable: nothing on record
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        with contextlib.suppress(ValueError):
+            found[key] = int(value)
     return found
 
 
