@@ -109,7 +109,8 @@ class _RegisteredSourceFinder:
         return importlib.util.spec_from_file_location(fullname, origin, loader=loader)
 
     def invalidate_caches(self) -> None:
-        pass
+        """The finder protocol's hook (``importlib.invalidate_caches`` calls it): nothing to
+        drop, the kept texts are fixed for the worker's life."""
 
 
 def install(snapshot: Iterable[tuple[str, str, bytes]], entry: str) -> None:

@@ -304,7 +304,7 @@ async def holding_endpoint():
                 writer.write(f"{head}\r\n\r\n{body}".encode())
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
-            pass
+            pass  # the client hung up: this connection is done, nothing to answer
         finally:
             writers.discard(writer)
             writer.close()
