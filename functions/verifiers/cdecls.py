@@ -175,6 +175,13 @@ def only_in(tu: ci.TranslationUnit, source: str) -> bool:
     return True
 
 
+#: the line on stderr saying which read it was, where ``cdecls.json`` names a precompiled
+#: header: only a note (the host never acts on it; the tests and the benchmark check with it
+#: that the header was used, since the output is the same either way)
+PCH_USED = "rlfabric: read after the precompiled header"
+PCH_SKIPPED = "rlfabric: read without the precompiled header"
+
+
 def with_pch(index: ci.Index, source: str, args: list[str], pch: str) -> ci.TranslationUnit | None:
     """``source`` parsed after the precompiled header ``pch``, or None where that fails."""
     try:
@@ -225,8 +232,12 @@ def main() -> None:
     if tu is not None:
         result = read(tu, source, system)
         if PCH_INCLUDE in result["includes"]:
+            sys.stderr.write(PCH_USED + "\n")
             sys.stdout.write(json.dumps(result))
             return
+    if opts.get("pch"):
+        why = "libclang could not use it" if tu is None else "the program does not include the library"
+        sys.stderr.write(f"{PCH_SKIPPED}: {why}\n")
     # the files the first parse holds open (see with_pch) are closed with it, before the second
     del tu
     tu = index.parse(source, args=opts["args"], options=PARSE)

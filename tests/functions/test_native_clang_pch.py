@@ -1,13 +1,13 @@
 """libclang's precompiled header for the read of a ``<bits/stdc++.h>`` program
 (``native_pch.clang_header``, ``cdecls.py``): built on the host from fixed text, a tenth of
-the read's CPU, and only a speed-up: a header libclang cannot use (truncated, garbage, built
-with other flags, gone) leaves the read exactly what it is without one."""
+the read's CPU (``benchmarks/clang_pch_read.py``), and only a speed-up: a header libclang
+cannot use (truncated, garbage, built with other flags, gone) leaves the read exactly what
+it is without one."""
 
 from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -62,31 +62,38 @@ def built(tmp_path_factory) -> str:
     return path + ".pch"
 
 
-def read(tmp_path: Path, code: str, pch: str | None) -> tuple[dict, float]:
-    """What ``cdecls.py`` prints of ``code`` (as the sandbox runs it), and its CPU seconds."""
+def read(tmp_path: Path, code: str, pch: str | None) -> tuple[dict, str]:
+    """What ``cdecls.py`` prints of ``code`` (as the sandbox runs it), and its stderr."""
     run = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
     run.mkdir()
     for name, data in native.parse_files("cpp", code, pch).items():
         (run / name).write_bytes(data)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(
         [sys.executable, "cdecls.py"], cwd=run, capture_output=True, timeout=120, check=False
     )
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert done.returncode == 0, done.stderr[-2000:]
-    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    return json.loads(done.stdout), cpu
+    return json.loads(done.stdout), done.stderr.decode()
 
 
-def test_the_read_from_the_precompiled_header_is_the_plain_read_at_a_fraction_of_its_cost(tmp_path, built):
-    plain, plain_cpu = read(tmp_path, PROGRAM, None)
-    fast, fast_cpu = read(tmp_path, PROGRAM, built)
-    assert fast == plain
+def used(stderr: str) -> bool:
+    """Whether the read said it started from the header (its output is the same either way;
+    what it saves, a tenth of the parse's CPU, is benchmarks/clang_pch_read.py's figure)."""
+    from functions.verifiers import cdecls  # here: it exits where libclang cannot be imported
+
+    if cdecls.PCH_USED in stderr.splitlines():
+        return True
+    assert cdecls.PCH_SKIPPED in stderr, stderr
+    return False
+
+
+def test_the_read_from_the_precompiled_header_is_the_plain_read(tmp_path, built):
+    plain, plain_err = read(tmp_path, PROGRAM, None)
+    fast, fast_err = read(tmp_path, PROGRAM, built)
+    assert fast == plain and used(fast_err)
+    assert "precompiled header" not in plain_err
     assert {f["name"] for f in plain["functions"]} == {"incr_list", "histogram", "add", "main"}
     assert not any(f["invalid"] for f in plain["functions"])
     assert "bits/stdc++.h" in fast["includes"] and ["counter", "var_decl"] in fast["others"]
-    # the library's parse is most of the plain read (about 1 s of CPU against 0.1 s here)
-    assert fast_cpu < plain_cpu / 2, (fast_cpu, plain_cpu)
 
 
 def test_a_precompiled_header_libclang_cannot_use_leaves_the_read_as_it_is_without(tmp_path, built, pch_dir):
@@ -104,7 +111,8 @@ def test_a_precompiled_header_libclang_cannot_use_leaves_the_read_as_it_is_witho
     )
     assert other is not None
     for pch in (str(truncated), str(garbage), other + ".pch", str(bad / "missing.pch")):
-        assert read(tmp_path, PROGRAM, pch)[0] == plain, pch
+        out, err = read(tmp_path, PROGRAM, pch)
+        assert out == plain and not used(err), pch
 
 
 def test_a_program_that_does_not_include_the_library_after_all_is_read_without_it(tmp_path, built):
@@ -113,7 +121,8 @@ def test_a_program_that_does_not_include_the_library_after_all_is_read_without_i
     code = "// #include <bits/stdc++.h>\nstd::vector<long> f(long n) { return {}; }\n"
     assert native.wants_clang_pch("cpp", "#include <bits/stdc++.h>\n" + code)
     plain, _ = read(tmp_path, code, None)
-    assert read(tmp_path, code, built)[0] == plain
+    out, err = read(tmp_path, code, built)
+    assert out == plain and not used(err)
     assert [f["invalid"] for f in plain["functions"]] == [True]
 
 
@@ -162,9 +171,9 @@ def test_the_sandboxed_read_starts_from_the_shared_precompiled_header(box):
             limits=native.read_limits(limits, pch),
         )
         assert out.status == "exited" and out.exit_code == 0, out.stderr[-2000:]
-        outs[pch] = (json.loads(out.stdout), out.cpu_ms)
-    (plain, plain_ms), (fast, fast_ms) = outs.values()
-    assert fast == plain and fast_ms < plain_ms / 2, (fast_ms, plain_ms)
+        outs[pch] = (json.loads(out.stdout), out.stderr.decode())
+    (plain, _), (fast, fast_err) = outs.values()
+    assert fast == plain and used(fast_err)
     # under the compile's own limit of open files it cannot load: the plain read, as it was
     out = box.run(
         mode="python",
@@ -172,4 +181,4 @@ def test_the_sandboxed_read_starts_from_the_shared_precompiled_header(box):
         files=native.parse_files("cpp", PROGRAM, path + ".pch"),
         limits=limits,
     )
-    assert json.loads(out.stdout) == plain
+    assert json.loads(out.stdout) == plain and not used(out.stderr.decode())
