@@ -16,15 +16,18 @@ import asyncio
 import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from core.config_backends import TORCH_ENGINE_KEYS
 from core.errors import ProxyDiedError
-from core.policy.build import PolicyBundle
 from core.rollout.coalesce import Answer, Coalescer, answer_all
 from core.rollout.engines.base import Completion, Engine, GenerateRequest, engine_registry
 from core.rollout.llm_proxy import Replica, ReplicaGone, ReplicaLost, swap_weights
 
+if TYPE_CHECKING:
+    # not at run time: the proxy actor unpickles RayReplica (this module) and never needs
+    # torch, whose import was a third of a job's start (three actor processes, two cores)
+    from core.policy.build import PolicyBundle
 
 def make_engine(
     backend: str, bundle: PolicyBundle | str | None, kwargs: dict[str, Any], *, seed: int, model: str
@@ -32,6 +35,7 @@ def make_engine(
     """The job's engine for ``backend``: the torch engine runs the bundle's ``TinyLM``;
     other backends get ``model`` (the job's ``engine.model``) and ``kwargs`` as they are."""
     if backend == "torch":
+        from core.policy.build import PolicyBundle
         from core.rollout.engines.torch_ import TorchEngine, TorchEngineConfig
 
         if bundle is None:
