@@ -249,7 +249,7 @@ async def test_an_environment_that_hangs_is_infra_failed_at_once_not_retried():
         stats = p.stats()
     assert traj.status == "infra_failed"  # masked: never scored, the group runs another
     assert traj.info["error"].startswith("EnvHung: latency-v0: step did not answer in 0.5 s")
-    assert traj.info["wall_s"] < 2.5
+    assert traj.info["wall_s"] < 4  # one step timeout (0.5 s), not the 30 s step; slack for load
     assert stats["env_hung"] == 1 and stats.get("step_retries", 0) == 0
     assert proxy.released == [traj.id] and stats["claimed"] == 0 and not p.runtime.live
 

@@ -273,7 +273,7 @@ async def test_a_call_to_an_endpoint_that_does_not_answer_ends_at_its_deadline(t
         server.close()
         await server.wait_closed()
     assert r.error.type == ErrorCode.DEADLINE_EXCEEDED and "backend answered" in r.error.message, r.error
-    assert 0.4 < took < 1.5
+    assert 0.4 < took < 4  # the 0.5 s deadline, not the endpoint's 10 s hold (slack: a loaded machine)
 
 
 @contextlib.asynccontextmanager

@@ -364,9 +364,9 @@ def test_the_wall_limit_holds_and_is_accounted(sb):
     took = time.monotonic() - t0
     assert out.status == "timeout", out
     # killed at the wall limit, not at the client's give-up (wall_s + grace_s = 6 s) nor at the
-    # program's own end (60 s); the slack above 1 s is for a loaded machine
-    assert 1000 <= out.wall_ms < 3500, out.wall_ms
-    assert took < 3.5, took
+    # program's own end (60 s); the slack above 1 s is for a loaded machine (three test workers)
+    assert 1000 <= out.wall_ms < 5500, out.wall_ms
+    assert took < 5.5, took
 
 
 def test_a_userfaultfd_stall_still_dies_at_the_wall_limit(sb):

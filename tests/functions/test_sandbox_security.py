@@ -281,7 +281,8 @@ def test_ignoring_sigterm_does_not_outlive_the_wall_limit(sb):
     t0 = time.monotonic()
     out = py(sb, code)
     assert out.status == "timeout"
-    assert FAST.wall_s <= time.monotonic() - t0 < FAST.wall_s + 2
+    # the wall limit, not the program's 30 s (the slack: a loaded machine)
+    assert FAST.wall_s <= time.monotonic() - t0 < FAST.wall_s + 5
 
 
 def test_filling_the_disk_stops_at_the_run_quota(sb):
