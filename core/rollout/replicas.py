@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     # torch, whose import was a third of a job's start (three actor processes, two cores)
     from core.policy.build import PolicyBundle
 
+
 def make_engine(
     backend: str, bundle: PolicyBundle | str | None, kwargs: dict[str, Any], *, seed: int, model: str
 ) -> Engine:
