@@ -378,31 +378,47 @@ class CodeRepairEnv(Env):
         )
         timed_out = run.timed_out
         hide = [str(root), str(root.resolve())]
-        passed, lines = judge(task, checks, parse_results(run.results, len(checks)), timed_out)
+        results = parse_results(run.results, len(checks))
+        passed, lines = judge(task, checks, results, timed_out)
+        # every check reported (or the import failed): the run is judged on that, and an OOM
+        # kill after it (a child or thread still allocating when the last check returned, its
+        # kill counted once the results were in) is noted, not read as the run's end
+        all_in = "import" in results or len(results) == len(checks)
         shown = _hide(run.output, hide).strip()
         if run.output_bytes > MAX_RAW_OUTPUT_BYTES:  # only its end was read
             cut = f"[... output cut: the run wrote {run.output_bytes:,} bytes; its end follows]"
             shown = f"{cut}\n{shown[-MAX_OUTPUT_CHARS:]}"
         elif len(shown) > MAX_OUTPUT_CHARS:
             shown = f"[... {len(shown) - MAX_OUTPUT_CHARS} characters cut]\n" + shown[-MAX_OUTPUT_CHARS:]
+        limit = describe_bytes(self.memory_limit_bytes)
         if timed_out:
             lines.append(f"The test run timed out after {self.test_timeout_s:g} s.")
         if run.out_of_memory:
             lines.append(
-                f"The test run ran out of memory: at most {describe_bytes(self.memory_limit_bytes)} "
+                f"The test run ran out of memory: at most {limit} "
                 "of address space per process (memory_limit_bytes)."
             )
-        if run.memory_limit_hit:
+        if run.memory_limit_hit and all_in:
+            lines.append(
+                "After all its results were in, the test run's processes together reached its memory "
+                f"limit, {limit} (memory_limit_bytes, for the whole run), and the kernel killed one of "
+                "them; the results stand."
+            )
+        elif run.memory_limit_hit:
             lines.append(
                 "The test run was stopped at its memory limit: its processes together reached "
-                f"{describe_bytes(self.memory_limit_bytes)} (memory_limit_bytes, for the whole run), "
-                "and the kernel killed one of them."
+                f"{limit} (memory_limit_bytes, for the whole run), and the kernel killed one of them."
             )
-        if run.container_memory_kill:
+        if run.container_memory_kill and all_in:
+            lines.append(
+                "After all its results were in, the kernel killed one of the test run's processes for "
+                "the memory of its container, which ran short; the results stand."
+            )
+        elif run.container_memory_kill:
             lines.append(
                 "The test run was stopped when the kernel killed one of its processes for the memory "
-                "of its container, which ran short (the run's own limit, "
-                f"{describe_bytes(self.memory_limit_bytes)} together, was not reached)."
+                f"of its container, which ran short (the run's own limit, {limit} together, was not "
+                "reached)."
             )
         if run.process_limit_hit:
             lines.append(
