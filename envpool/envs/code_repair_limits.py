@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import resource
 import signal
 import time
@@ -202,33 +203,85 @@ def owner_prefix(pid: int) -> str:
     return f"{_PREFIX}{_pid_namespace()}-{pid}-"
 
 
+_OLD_NAME = re.compile(r"envpool-run-([1-9][0-9]{0,6})-[0-9a-f]{12}")
+"""The names the code before the PID namespace was in them gave a run cgroup
+(``envpool-run-PID-`` and 12 hex digits of a uuid4): a host upgraded in place may still hold
+some, which the sweep takes too (see ``_sweep``). Exactly that: anything else is not ours."""
+_PID_MAX = 2**22
+"""The kernel's highest pid (``PID_MAX_LIMIT`` on 64-bit)."""
+
+
+def _owner(name: str) -> tuple[int, bool] | None:
+    """The server pid a run cgroup named ``name`` is of, and whether the name is of the old
+    naming (no PID namespace in it); None where it is no run cgroup of ours to judge: not
+    ours, of another PID namespace, or no pid at all."""
+    old = _OLD_NAME.fullmatch(name)
+    if old is not None:
+        pid = int(old[1])
+        return (pid, True) if pid <= _PID_MAX else None
+    ns, owner, rest = [*name.removeprefix(_PREFIX).split("-", 2), "", ""][:3]
+    if (
+        not name.startswith(_PREFIX)
+        or ns != _pid_namespace()  # another namespace's: its owner is not ours to see
+        or not owner.isdigit()
+        or not rest
+        or int(owner) > _PID_MAX  # no pid at all (another naming's)
+    ):
+        return None
+    return int(owner), False
+
+
+def _of_this_namespace(pids: list[int]) -> bool:
+    """Whether each of ``pids`` (gone meanwhile, or) is of this process's PID namespace."""
+    ours = _pid_namespace()
+    for pid in pids:
+        try:
+            if str(os.stat(f"/proc/{pid}/ns/pid").st_ino) != ours:
+                return False
+        except FileNotFoundError:
+            continue  # gone meanwhile
+        except OSError:
+            return False  # not ours to read: not ours to judge
+    return True
+
+
 def _sweep(parent: Path) -> None:
     """Remove the cgroups of runs whose server died mid-run (killed with its container:
     its own cleanup never ran), with what is left in them: most often nothing (the
     container's kill took it), but a server killed alone left what its run set running
     outside its tree (no PID namespace: a daemon in a session of its own) alive there, and
-    its cgroup with it. One of a live server stays."""
+    its cgroup with it. One of a live server stays.
+
+    The old naming (``_OLD_NAME``: no namespace in it) says nothing of whose namespace its
+    pid is of: a pid dead here may be a live server of another namespace under the same
+    cgroup. Such a cgroup is emptied only where all it holds is of this namespace (which is
+    what a server of this namespace left: a run in a PID namespace of its own ends with its
+    keeper); an empty one is only removed (an rmdir, which fails once a process is in)."""
     with contextlib.suppress(OSError):
         for entry in os.scandir(parent):
-            ns, owner, rest = [*entry.name.removeprefix(_PREFIX).split("-", 2), "", ""][:3]
-            if (
-                not entry.name.startswith(_PREFIX)
-                or ns != _pid_namespace()  # another namespace's: its owner is not ours to see
-                or not owner.isdigit()
-                or not rest
-                or int(owner) == os.getpid()
-            ):
+            found = _owner(entry.name)
+            if found is None or found[0] == os.getpid():
                 continue
+            owner, old = found
             try:
-                os.kill(int(owner), 0)
+                os.kill(owner, 0)
                 continue  # its server is alive (or the pid was reused: swept later)
             except ProcessLookupError:
                 pass  # its server is gone: the cgroup is a leftover, swept below
-            except (OSError, OverflowError):
-                continue  # not ours to judge (OverflowError: no pid at all, another naming's)
+            except OSError:
+                continue  # not ours to judge
+            cgroup = _RunCgroup(Path(entry.path))
+            if old:
+                members = cgroup._members()
+                if not members:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(entry.path)
+                    continue
+                if not _of_this_namespace(members):
+                    continue
             # (briefly: one that will not go, a process stuck in the kernel, is tried again
             # at the next run rather than hold up every run for long)
-            _RunCgroup(Path(entry.path)).remove(wait_s=0.2)
+            cgroup.remove(wait_s=0.2)
 
 
 def _write(path: Path, text: str) -> None:
