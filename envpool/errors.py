@@ -93,7 +93,8 @@ class GarbledFrame(ProtocolError):
     start of text written to the socket: a print, a log line) or a body that is not a JSON
     object. Not a lost connection: the server read the request and may have run it, so a
     retry could run a step twice; and the stream is out of step, so the connection ends and
-    the container is discarded."""
+    the container is discarded. The pool's stats count it as ``garbled_frames`` (and, with
+    every protocol error, ``protocol_errors``)."""
 
 
 class InfraError(EnvPoolError):

@@ -24,6 +24,7 @@ from envpool.errors import (
     EnvLogicError,
     EnvOrderError,
     EnvUsageError,
+    GarbledFrame,
     InfraError,
     ProtocolError,
     SessionLost,
@@ -257,7 +258,7 @@ class EnvSession:
             # a bug of the server's (or of the pool's): no retry, no replay (it would break the
             # same way). Nothing more the container sends is to be trusted: discarded, and the
             # episode is over; a reset() starts a new one on a fresh container
-            self.pool.metrics["protocol_errors"] += 1
+            self._protocol_error(e)
             self._cut_short, self._done = f"{op}() got a reply that broke the session protocol", True
             await self._drop_container(healthy=False)
             raise type(e)(f"{self.env_id}: {e}") from None  # (a GarbledFrame stays one)
@@ -276,6 +277,14 @@ class EnvSession:
         finally:
             c.in_flight -= 1
             c.last_active = time.monotonic()
+
+    def _protocol_error(self, e: ProtocolError) -> None:
+        """Count a protocol error of the container's; a garbled frame apart too (bytes that
+        are no frame: most often output printed to the session socket, which asks another fix
+        of the server's author than a malformed reply does)."""
+        self.pool.metrics["protocol_errors"] += 1
+        if isinstance(e, GarbledFrame):
+            self.pool.metrics["garbled_frames"] += 1
 
     def _retire(self, c: Container, e: EnvLogicError) -> None:
         """The environment raised and its server did not say it is sound after it (envpool's
@@ -319,7 +328,7 @@ class EnvSession:
             await self._drop_container(healthy=False)
             raise EnvHung(f"{self.env_id}: {e}", op=e.op, timeout_s=e.timeout_s) from None
         except ProtocolError as e:  # (the connection is closed: the server broke the protocol)
-            self.pool.metrics["protocol_errors"] += 1
+            self._protocol_error(e)
             await self._drop_container(healthy=False)
             raise type(e)(f"{self.env_id}: {e}") from None  # (a GarbledFrame stays one)
         except BaseException:
@@ -344,7 +353,7 @@ class EnvSession:
         cold start, rather than the next session on a broken container."""
         e = remote_error(err)
         if isinstance(e, ProtocolError):  # (kwargs the server could not read): a bug of one side
-            self.pool.metrics["protocol_errors"] += 1
+            self._protocol_error(e)
             await self._drop_container(healthy=False)
             raise ProtocolError(f"{self.env_id}: {e}")
         self.pool.metrics["open_failed"] += 1
@@ -369,7 +378,9 @@ class EnvSession:
             return
         try:
             await self.conn.request({"op": "close", "token": self.token}, 5.0)
-        except Exception:  # it did not answer the goodbye: discard it rather than reuse it
+        except Exception as e:  # it did not answer the goodbye: discard it rather than reuse it
+            if isinstance(e, ProtocolError):  # (a stray frame broke it while nothing waited)
+                self._protocol_error(e)
             healthy = False
         except BaseException:
             await self._drop_container(healthy=False)
