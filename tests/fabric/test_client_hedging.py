@@ -1,0 +1,198 @@
+"""Hedging: a copy of a straggling call sent after the function's p95, the first answer
+winning (under the call's key for a keyed call); no hedge where disabled, for side effects
+or past the cap; which copy wins when a copy fails (a backend answered by hand). A hedge's
+concurrency slot is in test_client_slots.py, a hedge whose sending fails in
+test_client_hedge_failures.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from client_fns import REG
+from client_helpers import _ManualBackend, make
+
+from fabric.client import Client, ClientConfig
+from fabric.errors import ErrorCode
+from fabric.testing import Fault
+
+
+async def _warm_latency(c: Client, n: int = 30) -> None:
+    await c.map("nap", [{"seconds": 0.001}] * n)
+
+
+async def test_hedge_fires_after_p95_and_first_answer_wins():
+    c, fake = make(hedge={"min_samples": 20, "max_share": 0.5})
+    await _warm_latency(c)
+    fake.inject("nap", Fault(delay_s=5.0))  # the primary straggles, the hedge does not
+    t0 = time.monotonic()
+    r = await c.call("nap", {"seconds": 0.001, "tag": 9})
+    assert r.ok and r.value == 9 and r.hedged
+    assert time.monotonic() - t0 < 2.5  # the hedge's answer, not the straggler's (5 s)
+    m = c.metrics()["nap"]
+    assert m["hedges"] == 1 and m["hedge_wins"] == 1
+    assert (
+        fake.invocations[-1].hedge
+        and fake.invocations[-1].idempotency_key == fake.invocations[-2].idempotency_key
+    )
+
+
+async def test_a_hedge_fires_after_the_current_p95_when_the_p95_dropped():
+    c, fake = make(hedge={"min_samples": 5})
+    async with c:
+        fake.inject("nap", *(Fault(delay_s=0.5) for _ in range(5)))
+        await c.map("nap", [{"seconds": 0}] * 5)  # the first p95: 0.5 s
+        fake.inject("nap", Fault(delay_s=3.0))
+        x = asyncio.create_task(c.call("nap", {"seconds": 0}))  # its hedge is due in 0.5 s
+        await asyncio.sleep(0.01)
+        for _ in range(123):  # the 128th latency recomputes the p95: under a millisecond now
+            await c.call("nap", {"seconds": 0})
+        fake.inject("nap", Fault(delay_s=3.0))
+        t0 = time.monotonic()
+        y = await c.call("nap", {"seconds": 0})  # its hedge is due in min_delay_ms, not after x's
+        assert y.ok and y.hedged and time.monotonic() - t0 < 0.2
+        assert (await x).hedged
+
+
+async def test_a_keyed_call_is_hedged_under_its_key_and_its_answer_cached():
+    c, fake = make(hedge={"min_samples": 20, "max_share": 0.5})
+    async with c:
+        await _warm_latency(c)
+        fake.inject("nap", Fault(delay_s=5.0))  # the primary straggles, the hedge does not
+        t0 = time.monotonic()
+        r = await c.call("nap", {"seconds": 0.001, "tag": 9}, idempotency_key="h")
+        assert r.ok and r.value == 9 and r.hedged and not r.cached
+        assert time.monotonic() - t0 < 2.5  # the hedge's answer, not the straggler's (5 s)
+        primary, dup = fake.invocations[-2:]
+        assert dup.hedge and dup.idempotency_key == primary.idempotency_key
+        assert fake.executions[primary.idempotency_key] == 1  # the straggler was cancelled
+        again = await c.call("nap", {"seconds": 0.001, "tag": 9}, idempotency_key="h")
+        assert again.cached and again.value == 9 and len(fake.invocations) == 32
+
+
+async def test_a_keyed_hedge_that_did_not_start_in_time_does_not_win_over_its_running_primary():
+    """A keyed execution's copy answered DeadlineExceeded never started (its backend does not
+    answer such a call early once it runs): like a retryable failure, it waits for the other
+    copy, which may be running, instead of ending the execution with a failure."""
+    c, fake = make(hedge={"min_samples": 20, "max_share": 0.5})
+    async with c:
+        await _warm_latency(c)
+        # the primary straggles and then succeeds; the hedge is answered as queued past its deadline
+        fake.inject("nap", Fault(delay_s=0.5), Fault(code=ErrorCode.DEADLINE_EXCEEDED))
+        r = await c.call("nap", {"seconds": 0.001, "tag": 9}, idempotency_key="h", deadline_s=5)
+        assert r.ok and r.value == 9 and r.hedged, r.error
+        assert fake.invocations[-1].hedge and c.metrics()["nap"]["hedge_wins"] == 0
+
+
+async def test_no_hedge_when_disabled_or_for_side_effects():
+    c, fake = make(hedge={"min_samples": 20, "enabled": False})
+    await _warm_latency(c)
+    fake.inject("nap", Fault(delay_s=0.3))
+    r = await c.call("nap", {"seconds": 0.001})
+    assert r.ok and not r.hedged
+    c2, fake2 = make(hedge={"min_samples": 5})
+    await c2.map("effect", [{"x": i} for i in range(10)])
+    fake2.inject("effect", Fault(delay_s=0.3))
+    r = await c2.call("effect", {"x": 1})
+    assert r.ok and not r.hedged and not any(i.hedge for i in fake2.invocations)
+
+
+async def test_a_function_declared_hedge_false_is_never_hedged_not_even_when_asked():
+    c, fake = make(hedge={"min_samples": 5})
+    await c.map("paid_nap", [{"seconds": 0.001}] * 10)
+    fake.inject("paid_nap", Fault(delay_s=0.3))
+    r = await c.call("paid_nap", {"seconds": 0.001, "tag": 4}, hedge=True)
+    assert r.ok and r.value == 4 and not r.hedged
+    assert not any(i.hedge for i in fake.invocations) and c.metrics()["paid_nap"]["hedges"] == 0
+    # the same straggler on a function that allows hedges is hedged: the setting is what differs
+    await _warm_latency(c)
+    fake.inject("nap", Fault(delay_s=0.3))
+    assert (await c.call("nap", {"seconds": 0.001})).hedged
+
+
+async def test_hedges_are_capped():
+    c, fake = make(hedge={"min_samples": 20, "max_share": 0.0})
+    await _warm_latency(c)
+    for _ in range(8):
+        fake.inject("nap", Fault(delay_s=0.2))
+    await c.map("nap", [{"seconds": 0.001}] * 8)
+    assert c.metrics()["nap"]["hedges"] == 5  # the burst allowance, then nothing
+
+
+async def _manual_with_p95(**cfg) -> tuple[Client, _ManualBackend]:
+    """A client whose ``nap`` has a p95 to hedge after (five quick answers)."""
+    manual = _ManualBackend()
+    c = Client(backend=manual, registry=REG, config=ClientConfig.model_validate(cfg))
+    calls = [asyncio.create_task(c.call("nap", {"seconds": 0})) for _ in range(5)]
+    for _ in range(5):
+        manual.answer(*await manual.next())
+    assert all(r.ok for r in await asyncio.gather(*calls))
+    return c, manual
+
+
+async def test_a_hedge_that_failed_too_is_no_win():
+    """A primary failed retryably while its hedge ran on; the hedge failed as well. Both copies
+    failed, the call was retried and answered: hedge_wins counted the failed hedge as a win."""
+    c, manual = await _manual_with_p95(hedge={"min_samples": 5, "max_share": 1.0})
+    call = asyncio.create_task(c.call("nap", {"seconds": 0}))
+    primary, p = await manual.next()
+    hedge, h = await manual.next()  # sent after the p95
+    assert hedge.hedge and not primary.hedge
+    manual.answer(primary, p, ErrorCode.WORKER_LOST)
+    await asyncio.sleep(0)  # one loop turn: the primary's answer is seen (it waits for the hedge)
+    manual.answer(hedge, h, ErrorCode.WORKER_LOST)
+    retry, f = await manual.next()
+    assert retry.attempt == 2
+    manual.answer(retry, f)
+    assert (await call).ok
+    m = c.metrics()["nap"]
+    assert m["hedges"] == 1 and m["hedge_wins"] == 0
+    # a hedge whose answer is the call's, after its primary failed, is a win
+    call = asyncio.create_task(c.call("nap", {"seconds": 0}))
+    primary, p = await manual.next()
+    hedge, h = await manual.next()
+    manual.answer(primary, p, ErrorCode.WORKER_LOST)
+    await asyncio.sleep(0)
+    manual.answer(hedge, h)
+    assert (await call).ok and c.metrics()["nap"]["hedge_wins"] == 1
+
+
+async def test_a_failed_copy_never_wins_over_an_answer_that_came_in_the_same_loop_turn():
+    """The primary's retryable failure and its hedge's answer came in one loop turn (two
+    workers' replies read in one select): the failure's callback, run first, saw no copy
+    still out and ended the call with it, so the call was retried though it had its answer."""
+    c, manual = await _manual_with_p95(hedge={"min_samples": 5, "max_share": 1.0})
+    call = asyncio.create_task(c.call("nap", {"seconds": 0}))
+    primary, p = await manual.next()
+    hedge, h = await manual.next()
+    manual.answer(primary, p, ErrorCode.WORKER_LOST)
+    manual.answer(hedge, h)  # before the primary's callback ran
+    r = await call
+    assert r.ok and r.attempts == 1 and r.hedged, r.error
+    m = c.metrics()["nap"]
+    assert m["retries"] == 0 and m["hedge_wins"] == 1 and len(manual.invocations) == 7
+    # the other way round: the hedge failed, the primary answered, in one turn
+    call = asyncio.create_task(c.call("nap", {"seconds": 0}))
+    primary, p = await manual.next()
+    hedge, h = await manual.next()
+    manual.answer(hedge, h, ErrorCode.NOT_STARTED)
+    manual.answer(primary, p)
+    r = await call
+    assert r.ok and r.attempts == 1 and c.metrics()["nap"]["hedge_wins"] == 1
+
+
+async def test_a_call_hedged_then_retried_is_marked_hedged():
+    """Result.hedged is "True when a hedge was sent for this call": a call whose first attempt
+    was hedged (both copies failed) and whose retry answered came back hedged=False."""
+    c, manual = await _manual_with_p95(hedge={"min_samples": 5, "max_share": 1.0})
+    call = asyncio.create_task(c.call("nap", {"seconds": 0}))
+    primary, p = await manual.next()
+    hedge, h = await manual.next()
+    manual.answer(primary, p, ErrorCode.WORKER_LOST)
+    manual.answer(hedge, h, ErrorCode.WORKER_LOST)
+    retry, f = await manual.next()
+    # the retry is answered before its own hedge could be sent
+    manual.answer(retry, f)
+    r = await call
+    assert r.ok and r.attempts == 2 and r.hedged
+    assert [i.hedge for i in manual.invocations[5:]] == [False, True, False]
