@@ -1,0 +1,218 @@
+"""EnvPool with real containers: what an environment's own errors do. Its bugs and usage
+errors are raised, never retried; a reply or arguments that cannot be sent are clear errors;
+a constructor that raises keeps its container only where the process is still sound (not
+after running out of a resource, nor after the previous environment's close failed)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import struct
+
+import pytest
+from echo_bundle import IMAGE, write_env_bundle
+from pool_util import pool
+
+from envpool.connection import Connection
+from envpool.errors import (
+    ActionError,
+    EnvLogicError,
+    EnvOrderError,
+    EnvRegistryError,
+    EnvUsageError,
+    ProtocolError,
+)
+from envpool.protocol import encode
+
+
+async def test_environment_bugs_and_usage_errors_are_not_retried(images):
+    async with pool(images) as p, p.session("bundle-echo-v0", image=IMAGE) as s:
+        with pytest.raises(EnvOrderError):
+            await s.step("x")  # before reset
+        await s.reset()
+        with pytest.raises(EnvLogicError, match="ZeroDivisionError: env bug"):
+            await s.step("boom")
+        with pytest.raises(ActionError, match="UTF-8"):
+            await s.step(b"\xff\xfe")
+        with pytest.raises(ActionError, match="limit"):
+            await s.step("x" * (64 * 1024 + 1))
+        assert (await s.step("still here")).obs.text.startswith("still here")
+        assert p.stats().get("step_retries", 0) == 0 and s.status == "ok"
+
+
+async def test_a_reset_info_that_cannot_be_serialised_is_an_env_bug_not_an_infra_failure(images, caplog):
+    # as in step()'s info: the server once failed to send such a reply outside its handler,
+    # answered with a null id and hung up; the pool crashed on the null id and retried the
+    # session as a dead container, killing containers and masking an env bug as infra_failed
+    async with pool(images, min_warm=0) as p:
+        with pytest.raises(EnvLogicError, match=r"reset\(\) returned a value that cannot be serialized"):
+            async with p.session("bundle-bad-reset-info-v0", image=IMAGE) as s:
+                await s.reset(seed=1)
+        stats = p.stats()
+        assert stats.get("reset_retries", 0) == 0 and stats.get("sessions_infra_failed", 0) == 0
+        assert stats.get("discarded", 0) == 0  # the container is fine: it stays in the pool
+    assert "data_received" not in caplog.text
+
+
+async def test_a_reply_without_a_request_id_is_a_protocol_error_not_a_crash(tmp_path, caplog):
+    async def answer(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readexactly(struct.unpack("!I", await r.readexactly(4))[0])
+        w.write(encode({"id": None, "ok": False, "error": {"type": "ProtocolError", "message": "bad"}}))
+        await w.drain()
+
+    server = await asyncio.start_unix_server(answer, str(tmp_path / "s"))
+    async with server:
+        conn = await Connection.open(str(tmp_path / "s"), heartbeat_s=0.5, misses=4, tool_caller=None)
+        with pytest.raises(ProtocolError, match=r"no valid request id.*: bad"):
+            await conn.request({"op": "ping", "token": "t"}, 5)
+        await asyncio.wait_for(conn.closed, 5)  # and the connection is closed, not left half-dead
+    assert "data_received" not in caplog.text
+
+
+async def test_arguments_that_cannot_be_sent_are_a_clear_error_with_no_stray_future(images, caplog):
+    # they once raised a raw PydanticSerializationError, leaving a registered reply future
+    # that the connection's close failed later: "Future exception was never retrieved"
+    async with pool(images, min_warm=0) as p:
+        with pytest.raises(EnvUsageError, match="env_kwargs must be JSON-safe"):
+            async with p.session("bundle-echo-v0", image=IMAGE, env_kwargs={"rng": object()}):
+                pass  # the session's entry raises: its body never runs
+        assert p.stats().get("claims_cold", 0) == 0  # refused before a container was claimed
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            with pytest.raises(EnvUsageError, match=r"'reset' to the container.*must be JSON-safe"):
+                await s.reset(seed=1, options={"rng": object()})
+            assert (await s.reset(seed=1))[0].text == "ready 1"  # the session is still fine
+            assert s.conn is not None and s.conn.waiting == {}
+    gc.collect()
+    assert "never retrieved" not in caplog.text
+
+
+async def test_unknown_environment_is_a_clear_error(images):
+    async with pool(images) as p:
+        with pytest.raises(EnvRegistryError, match="unknown environment 'no-such-env-v0'; registered: "):
+            async with p.session("no-such-env-v0"):
+                pass  # the session's entry (or exit) raises: the body is not the test
+        with pytest.raises(EnvRegistryError, match="no-such-env-v0"):
+            async with p.session("no-such-env-v0", image=IMAGE) as s:
+                await s.reset()
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:  # the pool keeps serving
+            await s.reset()
+
+
+async def test_a_constructor_that_raises_fails_the_session_and_keeps_the_container(images):
+    # a bad env kwarg: the container's server answered the error and waits for the next
+    # session, but the pool discarded it (a cold start for the next claim, per bad session)
+    async with pool(images, min_warm=0) as p:
+        with pytest.raises(EnvLogicError, match=r"bundle-echo-v0: making the environment.*'nope'") as err:
+            async with p.session("bundle-echo-v0", image=IMAGE, env_kwargs={"nope": 1}):
+                pass  # the session's entry (or exit) raises: the body is not the test
+        assert err.value.remote_type == "TypeError"
+        stats = p.stats()
+        assert stats.get("discarded", 0) == 0 and stats["idle"] == 1 and stats["containers"] == 1
+        [kept] = p._idle[IMAGE]
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            assert (await s.reset(seed=1))[0].text == "ready 1" and s.container is kept
+        assert p.stats()["claims_warm"] == 1 and p.stats()["claims_cold"] == 1
+
+
+_FAILING_INIT = """
+import errno
+
+import envpool
+
+
+class FailingInitEnv(envpool.Env):
+    def __init__(self, fail=None, level=None):
+        if fail == "memory":
+            raise MemoryError("cannot allocate the level")
+        if fail == "fds":
+            raise OSError(errno.EMFILE, "Too many open files")
+        if fail == "value":
+            raise ValueError("no such level")
+        if fail == "path":  # a path the caller named that is not there
+            open(f"levels/{level}.txt").close()
+        if fail == "own":  # the environment's own file gone from its container
+            open("/nonexistent-envpool-test/levels.json").close()
+
+    def reset(self, *, seed=None, options=None):
+        return f"ready {seed}", {}
+
+    def step(self, action):
+        return envpool.StepResult(obs=envpool.Observation(text=action))
+"""
+
+
+@pytest.mark.parametrize(
+    ("fail", "kept"),
+    [("value", True), ("memory", False), ("fds", False), ("path", True), ("own", False)],
+    ids=["ValueError", "MemoryError", "OSError", "FileNotFoundError", "FileNotFoundError-own"],
+)
+async def test_a_constructor_that_runs_out_of_a_resource_does_not_keep_its_container(tmp_path, fail, kept):
+    # every failed open kept its container, a MemoryError or an OSError (no file descriptors
+    # left, a full disk) included, which may leave its server broken: the next session got it.
+    # Then every OSError replaced it, a path the caller got wrong (FileNotFoundError) too: a
+    # cold start per bad env_kwargs, for a process as sound as after a ValueError. But a path
+    # the caller never named (the environment's own file gone) is the container's fault
+    images = write_env_bundle(
+        tmp_path / "b", "failing_init_env", _FAILING_INIT, {"failing-v0": "FailingInitEnv"}
+    )
+    async with pool(images, min_warm=0) as p:
+        with pytest.raises(EnvLogicError, match=r"failing-v0: making the environment with env_kwargs") as err:
+            async with p.session(
+                "failing-v0", image=IMAGE, env_kwargs={"fail": fail, "level": "no-such-level"}
+            ):
+                pass  # the session's entry (or exit) raises: the body is not the test
+        assert (
+            err.value.remote_type
+            == {
+                "value": "ValueError",
+                "memory": "MemoryError",
+                "fds": "OSError",
+                "path": "FileNotFoundError",
+                "own": "FileNotFoundError",
+            }[fail]
+        )
+        stats = p.stats()
+        assert stats["open_failed"] == 1 and stats["idle"] == int(kept), stats
+        assert stats.get("discarded", 0) == int(not kept), stats
+        async with p.session("failing-v0", image=IMAGE) as s:
+            assert (await s.reset(seed=1))[0].text == "ready 1"
+        assert p.stats()["claims_cold"] == 1 + int(not kept)
+
+
+_CLOSE_FAILS = """
+import envpool
+
+
+class CloseFailsEnv(envpool.Env):
+    def __init__(self, k=0):
+        self.k, self.closed = k, False
+
+    def reset(self, *, seed=None, options=None):
+        if self.closed:
+            raise RuntimeError("reset after close")
+        return f"ready {self.k}", {}
+
+    def step(self, action):
+        return envpool.StepResult(obs=envpool.Observation(text=action))
+
+    def close(self):
+        self.closed = True
+        raise RuntimeError("close failed")
+"""
+
+
+async def test_an_open_whose_previous_environment_fails_to_close_leaves_no_closed_one_behind(tmp_path):
+    # a failed open now keeps its container: the previous environment's close that raised left
+    # it, closed, under its kwargs, and the next session with those kwargs was handed it
+    images = write_env_bundle(
+        tmp_path / "b", "close_fails_env", _CLOSE_FAILS, {"close-fails-v0": "CloseFailsEnv"}
+    )
+    async with pool(images, min_warm=0, max_containers=1) as p:
+        async with p.session("close-fails-v0", image=IMAGE, env_kwargs={"k": 1}) as s:
+            assert (await s.reset(seed=1))[0].text == "ready 1"
+        with pytest.raises(EnvLogicError, match="close failed"):
+            async with p.session("close-fails-v0", image=IMAGE, env_kwargs={"k": 2}):
+                pass  # the session's entry (or exit) raises: the body is not the test
+        async with p.session("close-fails-v0", image=IMAGE, env_kwargs={"k": 1}) as s:
+            assert (await s.reset(seed=1))[0].text == "ready 1"
+        assert p.stats()["claims_cold"] == 1  # one container served all three
