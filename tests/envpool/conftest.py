@@ -4,6 +4,9 @@ from pathlib import Path
 
 import pytest
 from echo_bundle import DirImages, write_bundle
+from image_cache_helpers import make_tree
+
+from envpool.images import Bundle, build_bundle
 
 
 @pytest.fixture
@@ -23,3 +26,9 @@ def host_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setattr(tempfile, "tempdir", str(host))
     yield host
     assert sorted(p.name for p in host.iterdir()) == []
+
+
+# the image cache's test modules' (test_image_*.py): a bundle of image_cache_helpers.make_tree
+@pytest.fixture
+def bundle(tmp_path: Path) -> Bundle:
+    return build_bundle(make_tree(tmp_path / "src"))

@@ -1,0 +1,109 @@
+"""Image bundles: a build is deterministic and round-trips, refuses a symlink out of its
+root; image references and digests are checked; an unpack refuses path attacks, escapes
+through symlink chains, garbage and bombs."""
+
+from __future__ import annotations
+
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+from image_cache_helpers import make_tree, member, tar_gz
+
+from envpool.errors import InfraError
+from envpool.images import (
+    Bundle,
+    DigestMismatch,
+    ImageRef,
+    InvalidImageRef,
+    UnsafeBundle,
+    build_bundle,
+    digest_of,
+    unpack,
+    verify,
+)
+
+# -- bundles
+
+
+def test_bundle_is_deterministic(tmp_path: Path) -> None:
+    a = build_bundle(make_tree(tmp_path / "a"))
+    b_root = make_tree(tmp_path / "b")
+    os.utime(b_root / "run.sh", (1, 1))  # other mtimes, same content
+    b = build_bundle(b_root)
+    assert a.digest == b.digest == digest_of(a.data)
+    (b_root / "run.sh").write_text("#!/bin/sh\necho changed\n")
+    assert build_bundle(b_root).digest != a.digest
+
+
+def test_bundle_round_trip(tmp_path: Path, bundle: Bundle) -> None:
+    unpack(bundle.data, tmp_path / "out")
+    out = tmp_path / "out"
+    assert (out / "pkg" / "__init__.py").read_text() == "VALUE = 42\n"
+    assert (out / "pkg" / "data" / "blob.bin").read_bytes() == b"x" * 1000
+    assert os.access(out / "run.sh", os.X_OK)
+    assert (out / "empty").is_dir()
+    assert (out / "link.py").is_symlink() and (out / "link.py").read_text() == "VALUE = 42\n"
+
+
+def test_build_refuses_symlink_out_of_the_root(tmp_path: Path) -> None:
+    root = make_tree(tmp_path / "src")
+    os.symlink("../../etc/passwd", root / "pkg" / "evil")
+    with pytest.raises(UnsafeBundle, match="outside"):
+        build_bundle(root)
+
+
+def test_image_ref_and_digest_checks(bundle: Bundle) -> None:
+    ref = ImageRef.parse(f"envs/frozenlake@{bundle.digest}")
+    assert (ref.name, ref.digest) == ("envs/frozenlake", bundle.digest)
+    assert str(ref) == f"envs/frozenlake@{bundle.digest}"
+    assert ImageRef.parse(bundle.digest).name == ""
+    for bad in ["envs/x", "envs/x@sha256:abc", f"x@{bundle.digest.upper()}", "a b@" + bundle.digest, ""]:
+        with pytest.raises(InvalidImageRef, match="expected 'name@sha256"):
+            ImageRef.parse(bad)
+    verify(bundle.data, bundle.digest)
+    with pytest.raises(DigestMismatch, match="expected " + bundle.digest) as e:
+        verify(bundle.data + b"!", bundle.digest, source="mirror")
+    assert e.value.retryable and isinstance(e.value, InfraError)
+
+
+@pytest.mark.parametrize(
+    ("members", "message"),
+    [
+        ([(member("/etc/cron.d/x"), b"boom")], "absolute"),
+        ([(member("../outside.txt"), b"boom")], r"'\.\.'"),
+        ([(member("a/../../outside.txt"), b"boom")], r"'\.\.'"),
+        ([(member("ln", type=tarfile.SYMTYPE, linkname="/etc/passwd"), None)], "absolute path"),
+        ([(member("a/ln", type=tarfile.SYMTYPE, linkname="../../etc"), None)], "outside"),
+        ([(member("hard", type=tarfile.LNKTYPE, linkname="../../etc/passwd"), None)], "outside"),
+        ([(member("dev", type=tarfile.CHRTYPE), None)], "device"),
+        ([(member("blk", type=tarfile.BLKTYPE), None)], "device"),
+        ([(member("fifo", type=tarfile.FIFOTYPE), None)], "fifo"),
+    ],
+    ids=["abs", "dotdot", "dotdot2", "abs-symlink", "symlink-out", "hardlink-out", "chr", "blk", "fifo"],
+)
+def test_unpack_refuses_path_attacks(tmp_path: Path, members: list, message: str) -> None:
+    (tmp_path / "jail").mkdir()
+    with pytest.raises(UnsafeBundle, match=message):
+        unpack(tar_gz(*members), tmp_path / "jail" / "dest")
+    assert list(tmp_path.rglob("*")) == [tmp_path / "jail"]  # refused before anything was written
+
+
+def test_unpack_refuses_escape_through_a_symlink_chain(tmp_path: Path) -> None:
+    # each link looks harmless on its own; only the real path on disk shows the escape
+    data = tar_gz(
+        (member("here", type=tarfile.SYMTYPE, linkname="."), None),
+        (member("up", type=tarfile.SYMTYPE, linkname="here/.."), None),
+        (member("up/escaped.txt"), b"boom"),
+    )
+    with pytest.raises(UnsafeBundle):
+        unpack(data, tmp_path / "jail" / "dest")
+    assert not (tmp_path / "jail" / "escaped.txt").exists()
+
+
+def test_unpack_refuses_garbage_and_bombs(tmp_path: Path, bundle: Bundle) -> None:
+    with pytest.raises(UnsafeBundle, match=r"not a tar\.gz"):
+        unpack(b"definitely not gzip", tmp_path / "x")
+    with pytest.raises(UnsafeBundle, match="over the 100-byte limit"):
+        unpack(bundle.data, tmp_path / "y", max_bytes=100)

@@ -1,0 +1,205 @@
+"""The image cache's tiers on their own and across nodes: the L1 disk tier (LRU eviction,
+digests only, a restart), a peer tier serving another node's L1, L2 on S3 (moto) shared
+between nodes; the configs' validation, and the fake origin itself.
+
+Everything is real: HTTP on 127.0.0.1 (FakeOrigin), S3 through moto, files in tmp_path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from image_cache_helpers import FAST_RETRY, cache_with
+from pydantic import ValidationError
+
+from envpool.images import (
+    Bundle,
+    CacheConfig,
+    DiskTier,
+    DiskTierConfig,
+    HttpTier,
+    ImageFetchError,
+    InvalidImageRef,
+    OriginTierConfig,
+    PeerTierConfig,
+    S3Tier,
+    S3TierConfig,
+    TieredCache,
+    digest_of,
+)
+from envpool.images.fake_origin import FakeOrigin
+
+# -- L1 disk
+
+
+async def test_disk_tier_evicts_least_recently_used(tmp_path: Path) -> None:
+    blobs = [bytes([i]) * 100 for i in range(4)]
+    digests = [digest_of(b) for b in blobs]
+    async with DiskTier(DiskTierConfig(path=tmp_path / "l1", max_bytes=250)) as l1:
+        await l1.put(digests[0], blobs[0])
+        await l1.put(digests[1], blobs[1])
+        assert await l1.get(digests[0]) == blobs[0]  # 0 is now more recent than 1
+        await l1.put(digests[2], blobs[2])
+        assert await l1.get(digests[1]) is None
+        assert await l1.get(digests[0]) == blobs[0]
+        assert l1.total_bytes == 200 and l1.metrics.evictions == 1
+        await l1.put(digests[3], blobs[3])  # evicts 2, the least recently used
+        assert digests[2] not in l1 and digests[0] in l1
+        assert l1.metrics.snapshot()["hits"] == 2
+        # a blob bigger than the cap is not stored rather than emptying the tier
+        await l1.put(digest_of(b"z" * 300), b"z" * 300)
+        assert l1.total_bytes == 200
+    files = sorted(p.name for p in (tmp_path / "l1" / "sha256").iterdir())
+    assert files == sorted(d.removeprefix("sha256:") for d in (digests[0], digests[3]))  # no temp files
+
+
+async def test_tiers_refuse_what_is_not_a_digest(tmp_path: Path) -> None:
+    async with DiskTier(DiskTierConfig(path=tmp_path / "l1")) as l1:
+        with pytest.raises(InvalidImageRef, match="bad digest"):
+            await l1.put("sha256:../../../etc/cron.d/x", b"boom")
+        with pytest.raises(InvalidImageRef, match="bad digest"):
+            await l1.get("../l1")
+        assert l1.total_bytes == 0 and l1.metrics.errors == 0
+
+
+async def test_disk_tier_survives_restart_and_cleans_temp_files(tmp_path: Path) -> None:
+    data = b"persisted"
+    async with DiskTier(DiskTierConfig(path=tmp_path / "l1")) as l1:
+        await l1.put(digest_of(data), data)
+    store = tmp_path / "l1" / "sha256"
+    (store / ".tmp-dead-writer").write_bytes(b"half")
+    os.utime(store / ".tmp-dead-writer", (1, 1))
+    (store / ".tmp-live-writer").write_bytes(b"half")  # a neighbour process, still writing
+    (store / "README").write_text("not a blob")
+    async with DiskTier(DiskTierConfig(path=tmp_path / "l1")) as l1:
+        assert l1.total_bytes == len(data)
+        assert await l1.get(digest_of(data)) == data
+    assert {p.name for p in store.iterdir()} == {".tmp-live-writer", "README", digest_of(data)[7:]}
+
+
+async def test_peer_tier_serves_another_nodes_l1(tmp_path: Path, bundle: Bundle) -> None:
+    with FakeOrigin({bundle.digest: bundle.data}) as origin:
+        async with cache_with(tmp_path, origin.url, node="a") as node_a:
+            await node_a.get(bundle.digest)
+        # node b reads node a's L1 over HTTP before going to the origin
+        with FakeOrigin(tmp_path / "a" / "l1") as peer:
+            tiers = [
+                DiskTier(DiskTierConfig(path=tmp_path / "b" / "l1")),
+                HttpTier(PeerTierConfig(url=peer.url)),
+                HttpTier(OriginTierConfig(url=origin.url)),
+            ]
+            async with TieredCache(tiers, unpack_dir=tmp_path / "b" / "unpacked") as node_b:
+                await node_b.get(bundle.digest)
+                m = node_b.metrics()
+        assert m["tiers"]["peer"]["hits"] == 1 and m["tiers"]["disk"]["puts"] == 1
+        assert origin.blob_requests[bundle.digest] == 1
+
+
+# -- L2 on S3 (moto)
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    moto = pytest.importorskip("moto")
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    with moto.mock_aws():
+        import boto3
+
+        boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="images")
+        yield "images"
+
+
+async def test_s3_tier_against_moto(s3: str) -> None:
+    data = b"bundle bytes"
+    digest = digest_of(data)
+    async with S3Tier(S3TierConfig(bucket=s3)) as tier:
+        assert await tier.get(digest) is None
+        await tier.put(digest, data)
+        assert await tier.get(digest) == data
+        await tier.delete(digest)
+        assert await tier.get(digest) is None
+        assert tier.metrics.snapshot() | {"get_latency_ms": None} == {
+            "hits": 1,
+            "misses": 2,
+            "errors": 0,
+            "corrupt": 0,
+            "puts": 1,
+            "put_errors": 0,
+            "evictions": 0,
+            "bytes_read": len(data),
+            "bytes_written": len(data),
+            "get_latency_ms": None,
+        }
+    async with S3Tier(S3TierConfig(bucket="no-such-bucket")) as tier:
+        with pytest.raises(ImageFetchError, match="does not exist: create it") as e:
+            await tier.get(digest)
+        assert not e.value.retryable
+
+
+async def test_s3_shares_an_image_between_nodes(s3: str, tmp_path: Path, bundle: Bundle) -> None:
+    def config(node: str, origin_url: str) -> CacheConfig:  # as a node would read it from YAML
+        return CacheConfig.model_validate(
+            {
+                "tiers": [
+                    {"type": "disk", "path": str(tmp_path / node / "l1"), "max_bytes": 2**20},
+                    {"type": "s3", "bucket": s3, "name": "cluster"},
+                    {"type": "origin", "url": origin_url},
+                ],
+                "unpack_dir": str(tmp_path / node / "unpacked"),
+                "retry": FAST_RETRY.model_dump(),
+            }
+        )
+
+    with FakeOrigin({bundle.digest: bundle.data}) as origin:
+        metrics = []
+        for node in ("a", "b"):
+            async with TieredCache.from_config(config(node, origin.url)) as cache:
+                await asyncio.gather(*(cache.get(bundle.digest) for _ in range(8)))
+                metrics.append(cache.metrics()["tiers"])
+        assert origin.blob_requests[bundle.digest] == 1
+    assert metrics[0]["cluster"]["puts"] == 1 and metrics[0]["disk"]["puts"] == 1
+    assert metrics[1]["cluster"]["hits"] == 1 and metrics[1]["disk"]["puts"] == 1
+    assert metrics[1]["origin"]["get_latency_ms"]["n"] == 0
+
+
+def test_configs_are_validated(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="does not match any of the expected tags"):
+        CacheConfig.model_validate({"tiers": [{"type": "ftp"}], "unpack_dir": str(tmp_path)})
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        DiskTierConfig.model_validate({"path": str(tmp_path), "max_gb": 3})
+    with pytest.raises(ValidationError, match="at least 1 item"):
+        CacheConfig.model_validate({"tiers": [], "unpack_dir": str(tmp_path)})
+
+
+# -- the fake origin itself
+
+
+def test_fake_origin_limits_bandwidth_and_leaves_no_threads() -> None:
+    before = set(threading.enumerate())
+    data = os.urandom(200_000)
+    with FakeOrigin({digest_of(data): data}, bandwidth_bps=1_000_000) as origin:
+        with httpx.Client(base_url=origin.url) as client:
+            t0 = time.perf_counter()
+            assert client.get(f"/blobs/{digest_of(data)}").content == data
+            elapsed = time.perf_counter() - t0
+            assert client.get("/blobs/sha256:" + "0" * 64).status_code == 404
+            assert client.get("/nope").status_code == 404
+        assert 0.15 < elapsed < 2.0
+        assert origin.stats()["requests"] == 3 and origin.bytes_served == len(data)
+        with httpx.Client(base_url=origin.url) as client:
+            client.get("/nope")
+            origin.close()  # while a kept-alive connection holds a handler thread
+    assert set(threading.enumerate()) == before
