@@ -441,7 +441,7 @@ async def test_signed_requests_to_a_real_aws_protocol_endpoint(moto_url):
 
 async def test_payloads_over_6_mb_spill_to_s3(moto_url):
     # the upload, the pointer in the envelope, and the client's limit; the handler's side
-    # (fetch, check, run) is tests/functions/test_handler.py
+    # (fetch, check, run) is tests/functions/test_handler_spill.py
     import boto3
 
     from fabric.registry import Registry

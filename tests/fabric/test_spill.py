@@ -1,5 +1,5 @@
 """fabric.spill's reading side: what a pointer that cannot be resolved says (the handler's
-end to end path is tests/functions/test_handler.py)."""
+end to end path is tests/functions/test_handler_spill.py)."""
 
 from __future__ import annotations
 
