@@ -150,10 +150,18 @@ class Connection(asyncio.Protocol):
         try:
             frames = self.decoder.feed(data)
         except FrameError as e:
-            # not a lost connection (retried): the server read the request and may have run
-            # it, so a retry could run a step twice; and nothing after it can be framed
-            self._broken(_garbled(e))
+            # the whole frames read before the garbage are the server's answers (a reply, then
+            # a stray print in the same read): delivered, not failed with it
+            if self._dispatch(e.frames):
+                # not a lost connection (retried): the server read the request and may have
+                # run it, so a retry could run a step twice; and nothing after it can be framed
+                self._broken(_garbled(e))
             return
+        self._dispatch(frames)
+
+    def _dispatch(self, frames: list[dict[str, Any]]) -> bool:
+        """Hand each frame to its waiter; False once one broke the protocol (the connection
+        is broken then, and the frames after it are not read)."""
         for msg in frames:
             op = msg.get("op")
             if op == "heartbeat":
@@ -168,7 +176,7 @@ class Connection(asyncio.Protocol):
                 # the server answers a request it could not read with a null id, then hangs up:
                 # an error of the protocol (a bug on one side), which no retry fixes
                 self._broken(_protocol_error(msg))
-                return
+                return False
             problem = reply_problem(msg, self.outstanding)
             if problem is not None:
                 self._broken(
@@ -176,11 +184,12 @@ class Connection(asyncio.Protocol):
                         f"the container's reply to request {problem}; the session connection was closed"
                     )
                 )
-                return
+                return False
             self.outstanding.discard(rid)
             fut = self.waiting.pop(rid, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail_all(ConnectionLost("the container closed the session connection (it died?)"))

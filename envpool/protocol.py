@@ -79,6 +79,9 @@ class FrameError(Exception):
         self.too_large = too_large
         """A well-formed frame by its start (a JSON object follows the length) that is only
         over ``MAX_FRAME``: a reply too big, not stray output."""
+        self.frames: list[dict[str, Any]] = []
+        """The whole frames ``FrameDecoder.feed`` decoded before this one in the same read:
+        sent before the garbage, they are what the server meant (a reply, then a stray print)."""
 
 
 SHOWN = 120
@@ -138,15 +141,19 @@ class FrameDecoder:
         buf += data
         out = []
         pos = 0
-        while len(buf) - pos >= HEADER.size:
-            (size,) = HEADER.unpack_from(buf, pos)
-            if size > MAX_FRAME:
-                raise _oversize(size, bytes(buf[pos : pos + SHOWN]))
-            start = pos + HEADER.size
-            if len(buf) < start + size:
-                break
-            out.append(_decode(bytes(buf[pos:start]), bytes(buf[start : start + size])))
-            pos = start + size
+        try:
+            while len(buf) - pos >= HEADER.size:
+                (size,) = HEADER.unpack_from(buf, pos)
+                if size > MAX_FRAME:
+                    raise _oversize(size, bytes(buf[pos : pos + SHOWN]))
+                start = pos + HEADER.size
+                if len(buf) < start + size:
+                    break
+                out.append(_decode(bytes(buf[pos:start]), bytes(buf[start : start + size])))
+                pos = start + size
+        except FrameError as e:
+            e.frames = out  # nothing after it can be framed; what came before it stands
+            raise
         if pos:
             del buf[:pos]
         return out

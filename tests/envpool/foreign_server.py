@@ -18,6 +18,8 @@ protocol in one way, named on its command line (``python foreign_server.py SOCK 
     step-not-json   the step's reply is a frame whose body is Python's repr of a dict, not JSON
     step-huge       the step's reply is a well-formed frame of a JSON object over the 16 MiB
                     frame limit (an observation too big, sent whole)
+    step-then-print the step's reply, then (in the same write) a debug line: the reply is
+                    whole, what follows it is not a frame
 """
 
 import json
@@ -93,6 +95,10 @@ def main() -> None:
                 if mode == "step-not-json" and msg.get("op") == "step":
                     body = repr(out).encode()
                     conn.sendall(struct.pack("!I", len(body)) + body)
+                    continue
+                if mode == "step-then-print" and msg.get("op") == "step":
+                    body = json.dumps(out).encode()
+                    conn.sendall(struct.pack("!I", len(body)) + body + b"DEBUG stepped\n")
                     continue
                 if mode == "step-huge" and msg.get("op") == "step":
                     out["result"]["obs"]["text"] = "x" * (17 * 2**20)
