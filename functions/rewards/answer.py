@@ -5,6 +5,7 @@ from __future__ import annotations
 import decimal
 import re
 from collections import deque
+from typing import NamedTuple
 
 MAX_ANSWER_CHARS = 1000
 """An extracted final answer longer than this matches nothing: no real final answer is that
@@ -98,30 +99,56 @@ def _last_boxed(text: str) -> tuple[str, int] | None:
     return None  # unbalanced: no reliable answer
 
 
-def boxed_or_stated(text: str) -> tuple[str, str] | None:
-    """``(answer, rule)`` from the last box (rule ``boxed``) or the last stated answer (rule
+class Found(NamedTuple):
+    """What ``boxed_or_stated`` found: the answer and the rule that found it."""
+
+    answer: str
+    rule: str
+    """``boxed``, ``answer_is`` or ``denied`` (``answer`` is then the text after the rejected
+    candidate, where a fallback may look)."""
+    rejected: frozenset[str] = frozenset()
+    """For ``denied``: the candidate the text rejects, as ``answer_key``s (its first token and
+    all of it, each also as the last side of an ``=``), which the denial's sentence must not
+    be read as stating by a fallback ("the answer is not 5 but it is close to 5")."""
+
+
+def boxed_or_stated(text: str) -> Found | None:
+    """The answer from the last box (rule ``boxed``) or the last stated answer (rule
     ``answer_is``, see ``stated_answer``), whichever comes later: "First guess \\boxed{41}.
     Wait, recomputing, the final answer is 42." states 42, "The answer is \\boxed{42}." boxes it
     (a marker inside the box, or before it, leaves the box the answer). None when there is
     neither. Rule ``denied``: the text states no answer after the box (if any) but rejects a
-    candidate ("the answer is not 5", or not the box's content); the answer is then the text
-    after that candidate, where a fallback may still find one ("not 5, it is 6"), never the
-    rejected one."""
+    candidate ("the answer is not 5", "the answer can't be 5", "I don't think the answer is
+    5", or not the box's content); the answer is then the text after that candidate, where a
+    fallback may still find one ("not 5, it is 6"), never the rejected one in the denial's
+    sentence (``Found.rejected``)."""
     boxed = _last_boxed(text)
     # only a marker after the box can beat it: the scan starts there (the usual "... so the
     # answer is \boxed{42}." scans nothing)
     stated = _stated_answer(text, 0 if boxed is None else boxed[1])
     if stated is None:
-        return None if boxed is None else (boxed[0], "boxed")
+        return None if boxed is None else Found(boxed[0], "boxed")
     answer, _, denied = stated
     if denied is None:
-        return answer, "answer_is"
-    candidate, after = denied
+        return Found(answer, "answer_is")
+    candidate, after, token = denied
     # a denial after the box withdraws it if it names it ("\boxed{5} ... the answer is not
     # 5"); a note that the answer is not 3 leaves \boxed{7} standing
-    if boxed is not None and _same(candidate) != normalize(boxed[0]):
-        return boxed[0], "boxed"
-    return text[after:], "denied"
+    if boxed is not None and answer_key(candidate) != normalize(boxed[0]):
+        return Found(boxed[0], "boxed")
+    return Found(text[after:], "denied", _rejected_keys(candidate, token))
+
+
+def _rejected_keys(*candidates: str) -> frozenset[str]:
+    """The ``answer_key``s a rejected candidate is known by: each spelling whole and, when it is
+    an assignment ("not $x = 5$"), its last side."""
+    keys = set()
+    for c in candidates:
+        keys.add(answer_key(c))
+        if "=" in c:
+            keys.add(answer_key(c.rpartition("=")[2].strip(" $")))
+    keys.discard("")
+    return frozenset(keys)
 
 
 def stated_answer(text: str) -> str | None:
@@ -137,19 +164,25 @@ def stated_answer(text: str) -> str | None:
     not 5"), unless it states that candidate ("The answer is 5. Wait, the answer is not 5":
     withdrawn); with no marker before it the denial is what the text states (``not 5``, which
     matches nothing), unless a correction follows the candidate ("not 5 but 6", "not 5. It is
-    6": the correction is the answer). An answer that refers back ("the answer is the same as
-    before", "as above") states nothing either: the marker before it counts."""
+    6": the correction is the answer). "the answer isn't 5" (or "can't be", "cannot be",
+    "won't be"... before a number, math or a choice letter) and a marker the writer
+    disbelieves ("I don't think the answer is 5", "It is not true that the answer is 5") are
+    denials the same way (stating ``can't be 5``, ``I don't think the answer is 5``). An
+    answer that refers back ("the answer is the same as before", "as above") states nothing
+    either: the marker before it counts."""
     found = _stated_answer(text)
     return None if found is None else found[0]
 
 
-def _stated_answer(text: str, pos: int = 0) -> tuple[str, int, tuple[str, int] | None] | None:
+def _stated_answer(text: str, pos: int = 0) -> tuple[str, int, tuple[str, int, str] | None] | None:
     """``(answer, start, denied)`` of the stated answer, ``start`` where its marker starts;
     markers before ``pos`` are not looked at. ``denied`` is None, or, when the text states no
-    answer but denies one ("the answer is not 5"), ``(candidate, end)``: the candidate it
-    denies (``5``) and where it ends in ``text``, with the denial (``not 5``) as the answer. A
-    denial is not an answer, but neither may the candidate it rejects be read as one by a
-    fallback (the last number, or a box before it)."""
+    answer but denies one ("the answer is not 5", "the answer can't be 5", "I don't think the
+    answer is 5"), ``(candidate, end, token)``: the candidate it denies (``5``), where it ends
+    in ``text`` and its first token (``5`` of "5 apples"), with the denial (``not 5``,
+    ``can't be 5``, ``I don't think the answer is 5``) as the answer. A denial is not an
+    answer, but neither may the candidate it rejects be read as one by a fallback (the last
+    number, or a box before it)."""
     n = len(text)
     denial: tuple[int, int, int] | None = None  # the last marker that denies a candidate
     # what the denials after the marker at hand reject, read once a marker states an answer
@@ -158,26 +191,46 @@ def _stated_answer(text: str, pos: int = 0) -> tuple[str, int, tuple[str, int] |
     denied: set[str] = set()
     # a marker that judges or denies an answer ("the answer is probably wrong", "the answer is
     # not 5") leaves the one before it the answer: walked from the last. Only ends are kept,
-    # and each rejection is an anchored match at the marker's end, so the walk is linear
-    markers = [(m.start(), m.end(), m[0][-1:].isalpha()) for m in _ANSWER_MARK.finditer(text, pos)]
-    for start, i, ends_in_is in reversed(markers):
+    # and each rejection is an anchored match at the marker's end (or a bounded look before
+    # its start), so the walk is linear
+    # (start, end, kind, where a negated marker's negation starts): kind "is" for a marker
+    # that ends in "is" (a verdict or a denial may follow it), ":" for one that ends in ":" or
+    # "####", "not" for a negated marker ("the answer can't be"), which ends at its candidate
+    markers = [
+        (m.start(), m.end(), "is" if m[0][-1:].isalpha() else ":", -1)
+        for m in _ANSWER_MARK.finditer(text, pos)
+    ]
+    negated = [(m.start(), m.end(), "not", m.start("negation")) for m in _NEGATED_MARK.finditer(text, pos)]
+    if negated:  # rare: merged in order of their starts (the two kinds never overlap)
+        markers = sorted(markers + negated)
+    for start, i, kind, negation in reversed(markers):
         while i < n and text[i].isspace():
             i += 1
         if i == n:
             continue  # a marker with nothing after it
-        if (ends_in_is and _VERDICT.match(text, i)) or _BACK_REFERENCE.match(text, i):
+        said = i  # where the denial the text states starts, if it is one
+        candidate = None  # where the candidate a denial rejects starts
+        if kind == "not":
+            said, candidate = negation, i
+        elif (kind == "is" and _VERDICT.match(text, i)) or _BACK_REFERENCE.match(text, i):
             continue
-        if ends_in_is and (denying := _DENIAL.match(text, i)):
-            if (corrected := _correction(text, denying.end())) is not None:
+        elif kind == "is" and (denying := _DENIAL.match(text, i)):
+            candidate = denying.end()
+        elif kind == "is" and (disbelief := _disbelief_before(text, start)) is not None:
+            said = disbelief
+            hedge = _HEDGE.match(text, i)  # "I don't think the answer is really 5"
+            candidate = hedge.end() if hedge and text[i].islower() else i
+        if candidate is not None:
+            if (corrected := _correction(text, candidate)) is not None:
                 return _answer_at(text, corrected)[0], start, None
             if denial is None:
-                denial = (start, i, denying.end())
-            pending.append(denying.end())
+                denial = (said, candidate, start)
+            pending.append(candidate)
             continue
         # each candidate read once, by a bounded match: linear however many denials
-        denied.update(_same(c[0]) for j in pending if (c := _CANDIDATE.match(text, j)))
+        denied.update(answer_key(c[0]) for j in pending if (c := _CANDIDATE.match(text, j)))
         pending.clear()
-        if denied and _same(_answer_at(text[i : i + _BOUNDED], 0)[0]) in denied:
+        if denied and answer_key(_answer_at(text[i : i + _BOUNDED], 0)[0]) in denied:
             # a later denial names it ("The answer is 5. Wait, the answer is not 5"): withdrawn,
             # as a box is; one of another value leaves it ("... the answer is not 6"). Read
             # from a bounded slice (a candidate is short): a line of withdrawn answers stays linear
@@ -185,8 +238,16 @@ def _stated_answer(text: str, pos: int = 0) -> tuple[str, int, tuple[str, int] |
         return _answer_at(text, i)[0], start, None
     if denial is None:
         return None
-    start, i, candidate = denial
-    return _answer_at(text, i)[0], start, _answer_at(text, candidate)
+    said, candidate, start = denial
+    token = _CANDIDATE.match(text, candidate)
+    return _answer_at(text, said)[0], start, (*_answer_at(text, candidate), token[0] if token else "")
+
+
+def _disbelief_before(text: str, start: int) -> int | None:
+    """Where a disbelief that governs the marker at ``text[start]`` starts ("I don't think |the
+    answer is 5"), or None; looked for in a bounded window before it."""
+    m = _DISBELIEF.search(text, max(0, start - _DISBELIEF_WINDOW), start)
+    return None if m is None else m.start()
 
 
 # the candidate a denial rejects, as a stated answer before it is compared with: math, or a
@@ -195,7 +256,7 @@ _CANDIDATE = re.compile(r"\$[^$\n]{1,300}\$|\\\(.{0,300}?\\\)|[^\s,;]{1,100}")
 _BOUNDED = 400  # how much of a stated answer is read to compare it with the candidates
 
 
-def _same(answer: str) -> str:
+def answer_key(answer: str) -> str:
     """What a stated answer and a denied candidate are compared by (``**$5$**.`` is ``5``)."""
     return normalize(unemphasize(answer.rstrip(" .,;:!?")).rstrip(" .,;:!?"))
 
@@ -254,14 +315,44 @@ _VERDICT = re.compile(
     r"|off[ \t]+by\b)",
     re.IGNORECASE,
 )
+# what a denial's candidate starts with: a number, math, or a lone choice letter
+_CANDIDATE_START = r"(?=[-+]?\$?[\d.]|\$|\\|\(|(?-i:[A-Z])(?![\w'-]))"
 # "the answer is not 5" (or "not $x = 3$", "not (B)", "definitely not B"): a candidate the
 # text rejects, not the answer. "not possible" and "not defined" are answers: only a number,
-# math or a lone choice letter after "not" denies
-_DENIAL = re.compile(
-    r"(?:" + _HEDGE_WORDS + r"[ \t]+){0,2}not[ \t]+[*_]*"
-    r"(?=[-+]?\$?[\d.]|\$|\\|\(|(?-i:[A-Z])(?![\w'-]))",  # ends where the candidate starts
+# math or a lone choice letter after "not" denies. Ends where the candidate starts
+_DENIAL = re.compile(r"(?:" + _HEDGE_WORDS + r"[ \t]+){0,2}not[ \t]+[*_]*" + _CANDIDATE_START, re.IGNORECASE)
+
+# "the answer isn't 5", "the answer can't be 5", "the final answer cannot possibly be $5$": a
+# marker that denies its candidate, as "the answer is not 5" does (_DENIAL). Only before a
+# number, math or a choice letter: "the answer can't be negative" and "the answer cannot be
+# determined" state what they say. Group "negation": where the denial starts
+_NEGATED_MARK = re.compile(
+    r"(?:final|the|(?:the )?(?:correct|right)) answer[*_]*[ \t]+(?P<negation>"
+    r"isn['\u2019]t|is[ \t]+never|(?:can(?:not|['\u2019]t)|could[ \t]+not|couldn['\u2019]t|"
+    r"must[ \t]+not|mustn['\u2019]t|should[ \t]+not|shouldn['\u2019]t|will[ \t]+not|won['\u2019]t|"
+    r"would[ \t]+not|wouldn['\u2019]t)(?:[ \t]+possibly)?[ \t]+be)"
+    r"(?:[ \t]+(?:actually|really|exactly|just|simply|quite))?[ \t]+[*_]*" + _CANDIDATE_START,
     re.IGNORECASE,
 )
+# before "the answer is": the writer disbelieves what follows ("I don't think the answer is 5",
+# "It is not true that the final answer is 5"): a denial of it. Named, not any negation before
+# the marker: "If we don't round, the answer is 5", "It is not hard to see that the answer is
+# 5", "I'm not sure, but the answer is 5" state 5, and so (a doubt, not a denial) does "I'm
+# not sure the answer is 5"; "can't say" and "didn't think" are left out too (not yet known,
+# or an opinion since revised: "I didn't think the answer was 5 at first, but it is")
+_DISBELIEF = re.compile(
+    r"(?<![\w'\u2019])(?:"
+    r"(?:i|we)[ \t]+(?:do[ \t]+not|don['\u2019]t|no[ \t]+longer|would[ \t]+not|wouldn['\u2019]t)"
+    r"(?:[ \t]+(?:really|actually|honestly))?[ \t]+"
+    r"(?:think|believe|agree|accept|buy|suppose|expect|reckon|say)(?:[ \t]+that)?"
+    r"|i[ \t]+doubt(?:[ \t]+that)?"
+    r"|it(?:['\u2019]s|[ \t]+is)[ \t]+not[ \t]+(?:true|the[ \t]+case)(?:[ \t]+that)?"
+    r"|it(?:['\u2019]s|[ \t]+is)[ \t]+not[ \t]+that"
+    r"|there(?:['\u2019]s|[ \t]+is)[ \t]+no[ \t]+way(?:[ \t]+that)?"
+    r")[ \t]+(?:the[ \t]+)?\Z",  # the marker starts at "the", or at "final" after it
+    re.IGNORECASE,
+)
+_DISBELIEF_WINDOW = 80  # longer than any _DISBELIEF match: the look before a marker is bounded
 
 
 # what corrects a denied candidate, before the answer that does: "but 6", ", but rather 6",
@@ -453,9 +544,9 @@ def extract_answer(text: str) -> str:
     text = after_thinking(text)
     found = boxed_or_stated(text)
     if found is not None:
-        if found[1] != "denied":
-            return found[0]
-        text = found[0]
+        if found.rule != "denied":
+            return found.answer
+        text = found.answer
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     return lines[-1] if lines else ""
 

@@ -20,10 +20,24 @@ read as its last side (``$x = \frac{3}{4}$``: ``\frac{3}{4}``): an inequality is
 and the span before it is read (``$f(n) = 3$ for all $n \ge 1$``: ``3``), and a span with no
 number in it (a digit, ``\frac``, ``\sqrt``, ``\pi``...) is read only when it ends the text and
 is more than a lone variable (in "42 ways, one for each value of $n$." the answer is 42); else
-the last number (``\frac{3}{4}`` and a power, ``2^{10}``, count as one). Neither fallback reads
-a value the prose negates right before it ("isn't 5", "cannot be 5", "x is not $5$": the text
-rejects it; "x = 3, and not 5" reads 3); a stated answer that a later "the answer is not ..."
-names is withdrawn ("The answer is 5. Wait, the answer is not 5"). ``info["extracted_by"]`` says which:
+the last number (``\frac{3}{4}`` and a power, ``2^{10}``, count as one).
+
+A negated statement of an answer states none. "the answer is not 5", "the answer isn't 5",
+"the answer can't be 5" and a marker the writer disbelieves ("I don't think the answer is
+5", "It is not true that the answer is 5", "I doubt that the answer is 5") deny 5: a text
+with nothing else has no answer (score 0), a correction after the candidate is the answer
+("not 5 but 6", "I don't think the answer is 5, it is 6"), and an answer stated, or boxed,
+before a denial that names it is withdrawn ("The answer is 5. Wait, the answer can't be 5");
+a denial of another value leaves it ("The answer is 5. I don't think the answer is 4."), and
+so does a negation elsewhere ("If we don't round, the answer is 5", "I'm not sure, but the
+answer is 5"; a doubt, "I'm not sure the answer is 5", states 5). A box after a denial is
+explicit and stands ("I don't think the answer is 5. \boxed{5}"). Neither fallback reads a
+value the prose negates ("isn't 5", "cannot be 5", "x is not $5$"; "x = 3, and not 5" reads
+3), nor the value the text rejected said again later in the same sentence ("the answer is
+not 5 but it is close to 5", "It is not 5 but near 5": no answer), unless what comes right
+before it states it ("not 2 hours but 2 days", "... so f(3) = 5", "the last digit is 0"); a
+later sentence is read as it would be without the denial ("The answer is not 5.
+Recomputing: 2 + 3 = 5." reads 5). ``info["extracted_by"]`` says which rule read the answer:
 ``boxed``, ``answer_is``, ``last_math``, ``last_number``.
 
 Equivalence, cheapest first:
@@ -131,7 +145,7 @@ from typing import Any
 
 import fabric
 from fabric.protocol import RewardResult, Trajectory
-from functions.rewards.answer import MAX_ANSWER_CHARS, after_thinking, boxed_or_stated
+from functions.rewards.answer import MAX_ANSWER_CHARS, after_thinking, answer_key, boxed_or_stated
 from functions.rewards.math_fast import (
     Shape,
     Verdict,
@@ -198,6 +212,81 @@ _NEGATION = re.compile(
 )
 
 
+# where a sentence ends: a rejection reaches no further ("The answer is not 5. Recomputing: 2 +
+# 3 = 5." reads 5, as it would without the denial)
+_SENTENCE_END = re.compile(r"[.!?](?=\s)|\n")
+# what states a value right before a mention of a rejected one: a correction ("not 2 hours but
+# 2 days", "not 5 hours, it's 5 days") or an assertion ("f(2) doesn't equal 5, so f(3) = 5",
+# "the first digit is not 0, the last is 0"); "not 5 but close to 5" states nothing
+_STATING_WORDS = frozenset(
+    "but rather instead is are was were equals it's that's it\u2019s that\u2019s".split()
+)
+_STATES_WINDOW = 30  # how far back the word before a mention is looked for
+
+
+def _stated_at(text: str, pos: int) -> bool:
+    """Whether ``text[pos]`` follows ``=`` or one of ``_STATING_WORDS`` (spaces, a comma,
+    emphasis or a ``$`` between). A walk back of at most ``_STATES_WINDOW`` characters."""
+    lo = max(0, pos - _STATES_WINDOW)
+    j = pos
+    while j > lo and text[j - 1] in " \t,*_$":
+        j -= 1
+    if j > lo and text[j - 1] == "=":
+        return True
+    k = j
+    while k > lo and (text[k - 1].isalpha() or text[k - 1] in "'\u2019"):
+        k -= 1
+    return (k == 0 or not text[k - 1].isalnum()) and text[k:j].lower() in _STATING_WORDS
+
+
+class _Rejections:
+    """The values a text rejects ("not 5", "isn't 5", a denied candidate), each with where its
+    rejection is. A later mention of one in the same sentence ("the answer is not 5 but it is
+    close to 5") repeats what was rejected: the fallback does not read it, unless what comes
+    right before it states it (see ``_stated_at``: "not 2 hours but 2 days"). Each look is a
+    bisection or two and a bounded match; a value is keyed only in a sentence that rejects
+    something (a megabyte of numbers after one "not 5" stays about a second)."""
+
+    def __init__(self, text: str, at_start: frozenset[str]) -> None:
+        self._text = text
+        self._at: dict[str, list[int]] = {key: [0] for key in at_start}  # key -> sorted positions
+        self._all = [0] if at_start else []  # every rejection's position, sorted
+        self._sentences = [m.end() for m in _SENTENCE_END.finditer(text)]  # where each starts
+
+    def add(self, value: str, pos: int) -> None:
+        self._at.setdefault(_key(value), []).append(pos)
+        self._all.append(pos)
+
+    def sort(self) -> None:
+        for positions in (self._all, *self._at.values()):
+            positions.sort()
+
+    def restates(self, value: str, pos: int) -> bool:
+        """Whether ``value`` at ``text[pos]`` repeats a value rejected earlier in its sentence."""
+        if not self._all:
+            return False  # the usual text: it rejects nothing
+        k = bisect.bisect_right(self._sentences, pos)
+        sentence = self._sentences[k - 1] if k else 0
+        if not _between(self._all, sentence, pos) or not _between(
+            self._at.get(_key(value), []), sentence, pos
+        ):
+            return False
+        return not _stated_at(self._text, pos)
+
+
+def _between(positions: list[int], lo: int, hi: int) -> bool:
+    """Whether the sorted ``positions`` hold one in ``[lo, hi)``."""
+    j = bisect.bisect_left(positions, lo)
+    return j < len(positions) and positions[j] < hi
+
+
+def _key(value: str) -> str:
+    """``answer_key(value)``, without its work for a plain integer (most values here)."""
+    if value.isascii() and value.isdigit():
+        return value.lstrip("0") or "0"
+    return answer_key(value)
+
+
 def _negated_starts(text: str) -> set[int]:
     """Where a value that a negation rejects would start: right after each negation, and at
     the math delimiter after one (``not $5$``: at the ``$`` and at the ``5``). One pass."""
@@ -245,9 +334,14 @@ def _value_of(span: str) -> str | None:
     return value.strip() or None
 
 
-def _last_math(text: str, numbers: list[re.Match[str]], negated: set[int]) -> str | None:
+def _last_math(
+    text: str,
+    spans: list[tuple[int, int, str]],
+    numbers: list[re.Match[str]],
+    negated: set[int],
+    rejections: _Rejections,
+) -> str | None:
     """The value of the last math span that states an answer (see ``extract_final``), or None."""
-    spans = _math_spans(text)
     # the end of the last number of the prose (outside every span): a span before it is not
     # the answer ("$5$ apples, 12 left")
     merged: list[list[int]] = []  # the spans as disjoint intervals (a $ span can sit in \[ \])
@@ -270,6 +364,8 @@ def _last_math(text: str, numbers: list[re.Match[str]], negated: set[int]) -> st
             continue
         value = _value_of(content)
         if value is None:  # an inequality ("for all $n \ge 1$") is a condition: look further back
+            continue
+        if rejections.restates(value, start):  # "not $5$ but close to $5$"
             continue
         if _NUMERIC.search(value):
             return value
@@ -297,14 +393,28 @@ def extract_final(text: str) -> tuple[str | None, str]:
     ``none`` (also when nothing follows the last ``</think>``)."""
     text = after_thinking(text)
     found = boxed_or_stated(text)
+    rejected: frozenset[str] = frozenset()
     if found is not None:
-        answer, rule = found
-        if rule != "denied":
-            return (_chain_end(answer) if rule == "answer_is" else answer), rule
-        text = answer  # what follows a rejected candidate ("not 5, it is 6"): never the candidate
+        if found.rule != "denied":
+            return (_chain_end(found.answer) if found.rule == "answer_is" else found.answer), found.rule
+        # what follows a rejected candidate ("not 5, it is 6"): never the candidate, nor the
+        # rest of its sentence saying it again ("not 5 but it is close to 5")
+        text, rejected = found.answer, found.rejected
     negated = _negated_starts(text)
-    numbers = [m for m in _LAST_NUMBER.finditer(text) if m.start() not in negated]
-    value = _last_math(text, numbers, negated)
+    rejections = _Rejections(text, rejected)
+    numbers = []
+    for m in _LAST_NUMBER.finditer(text):
+        if m.start() in negated:
+            rejections.add(m.group(), m.start())
+        else:
+            numbers.append(m)
+    spans = _math_spans(text)
+    for start, _, content in spans:
+        if start in negated and (rejected_value := _value_of(content)) is not None:
+            rejections.add(rejected_value, start)
+    rejections.sort()
+    numbers = [m for m in numbers if not rejections.restates(m.group(), m.start())]
+    value = _last_math(text, spans, numbers, negated, rejections)
     if value is not None:
         return value, "last_math"
     number = numbers[-1] if numbers else None
