@@ -328,7 +328,7 @@ _DENIAL = re.compile(r"(?:" + _HEDGE_WORDS + r"[ \t]+){0,2}not[ \t]+[*_]*" + _CA
 # determined" state what they say. Group "negation": where the denial starts
 _NEGATED_MARK = re.compile(
     r"(?:final|the|(?:the )?(?:correct|right)) answer[*_]*[ \t]+(?P<negation>"
-    r"isn['\u2019]t|is[ \t]+never|(?:can(?:not|['\u2019]t)|could[ \t]+not|couldn['\u2019]t|"
+    r"isn['\u2019]t|(?:can(?:not|['\u2019]t)|could[ \t]+not|couldn['\u2019]t|"
     r"must[ \t]+not|mustn['\u2019]t|should[ \t]+not|shouldn['\u2019]t|will[ \t]+not|won['\u2019]t|"
     r"would[ \t]+not|wouldn['\u2019]t)(?:[ \t]+possibly)?[ \t]+be)"
     r"(?:[ \t]+(?:actually|really|exactly|just|simply|quite))?[ \t]+[*_]*" + _CANDIDATE_START,

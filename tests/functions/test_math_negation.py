@@ -46,6 +46,9 @@ from functions.rewards.math import extract_final, math_answer
         "The answer is 5. Hmm, I don't think the answer is 5.",
         "\\boxed{5}. Hmm, the answer cannot be 5.",
         "\\boxed{5}. Hmm, I don't think the answer is 5.",
+        # "is never" is read as the stated answer "never 5", which matches nothing
+        "The answer is never 5.",
+        "The answer is 5. Wait, the answer is never 5.",
     ],
 )
 def test_a_negated_statement_of_the_answer_is_not_the_answer(text):
