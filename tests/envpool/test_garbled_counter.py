@@ -57,7 +57,7 @@ while True:
                 sys.stdin.readline()  # the test's go: the reply was read, nothing waits now
                 conn.sendall(b"reset done\n")
     except (EOFError, OSError):
-        pass
+        pass  # the pool hung up (or broke the connection on the garbage): this server is done
     finally:
         conn.close()
 """
@@ -120,8 +120,8 @@ async def test_a_malformed_but_framed_reply_is_no_garbled_frame(mode):
 async def test_a_garbled_reply_to_the_open_is_counted_as_a_garbled_frame():
     async with await _garbling_pool("open-print") as p:
         with pytest.raises(GarbledFrame, match=r"b'starting up"):
-            async with p.session("echo-v0"):  # (the open: the session's start)
-                pass
+            async with p.session("echo-v0"):  # the open (the session's start) raises
+                pass  # never reached
         stats = p.stats()
         assert stats.get("garbled_frames") == 1 and stats["protocol_errors"] == 1, stats
         assert stats.get("reset_retries", 0) == 0, stats
