@@ -20,6 +20,9 @@ protocol in one way, named on its command line (``python foreign_server.py SOCK 
                     frame limit (an observation too big, sent whole)
     step-then-print the step's reply, then (in the same write) a debug line: the reply is
                     whole, what follows it is not a frame
+    open-print      the open is answered by a printed line, not a frame
+    print-after-reset  once the reset is answered and a line comes on its stdin (the test's
+                    go: nothing waits for a reply then), a printed line
 """
 
 import json
@@ -84,7 +87,10 @@ def main() -> None:
         try:
             msg = recv(conn)
             info = "hello" if mode == "open-info" else {"pid": os.getpid(), "deterministic": True}
-            send(conn, {"id": 0, "ok": True, "result": info})
+            if mode == "open-print":
+                conn.sendall(b"starting up...\n")
+            else:
+                send(conn, {"id": 0, "ok": True, "result": info})
             steps = 0
             while True:
                 msg = recv(conn)
@@ -108,6 +114,9 @@ def main() -> None:
                     conn.sendall(struct.pack("!I", len(body)) + body + struct.pack("!I", len(stray)) + stray)
                     continue
                 send(conn, out)
+                if mode == "print-after-reset" and msg.get("op") == "reset":
+                    sys.stdin.readline()
+                    conn.sendall(b"reset done\n")
                 if msg.get("op") == "close":
                     break
         except (EOFError, OSError):

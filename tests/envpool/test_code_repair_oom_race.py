@@ -15,19 +15,10 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
+from test_code_repair_limits import MiB, _running_in, edit_action, needs_memory_cgroup
 
 import envpool
 import envpool.envs  # registers the built-ins
-from envpool.envs import code_repair_limits
-
-MiB = 2**20
-
-needs_memory_cgroup = pytest.mark.skipif(
-    not code_repair_limits.memory_cgroup_available(),
-    reason="no memory cgroup can be made here (cgroup v1's memory hierarchy writable, or v2's "
-    "memory controller handed down to this process's cgroup): no OOM kill of a run's own",
-)
 
 # forks `children` that each touch `mib` MiB and hold it until all have: together past the
 # run's limit, so the kernel's OOM killer takes one of them and the rest wait for good (the
@@ -72,22 +63,6 @@ __main__.results = _ThenHog(__main__.results)
 _CLAMP = "    return max(lo, min(x, hi))"
 
 
-def _edit(search: str, replace: str) -> str:
-    return f"edit mathutils.py\n<<<<<<< SEARCH\n{search}\n=======\n{replace}\n>>>>>>> REPLACE"
-
-
-def _running_in(root: Path) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if Path(os.readlink(entry / "cwd")).is_relative_to(root):
-                    found.append(int(entry.name))
-            except OSError:  # gone, or a zombie
-                continue
-    return found
-
-
 @contextlib.contextmanager
 def _repair(tmp_path: Path, *edits: str):
     work = tmp_path / "work"
@@ -97,7 +72,10 @@ def _repair(tmp_path: Path, *edits: str):
     )
     try:
         env.reset(options={"task": "mathutils"})
-        for edit in (_edit("    return a - b", "    return a + b"), *edits):  # the fix, and more
+        for edit in (
+            edit_action("mathutils.py", "    return a - b", "    return a + b"),
+            *edits,
+        ):  # the fix, and more
             assert env.step(edit).info["valid"], edit
         yield env, work
     finally:
@@ -111,7 +89,9 @@ def _repair(tmp_path: Path, *edits: str):
 def test_an_oom_kill_after_every_result_is_in_leaves_a_passing_run_passed(tmp_path):
     # the run read "stopped at its memory limit: its processes together reached 160 MiB"
     # above five PASS lines: a correct fix told it had failed for its memory
-    with _repair(tmp_path, _edit(_CLAMP, _CLAMP + "\n" + _HOLD_PAST_LIMIT + _AFTER_RESULTS)) as (env, _):
+    with _repair(
+        tmp_path, edit_action("mathutils.py", _CLAMP, _CLAMP + "\n" + _HOLD_PAST_LIMIT + _AFTER_RESULTS)
+    ) as (env, _):
         t0 = time.monotonic()
         res = env.step("run_tests")
         text = res.obs.text
@@ -128,7 +108,11 @@ def test_an_oom_kill_after_every_result_is_in_leaves_a_passing_run_passed(tmp_pa
 
 def _clamp_hogs_on(x: int) -> str:
     """An edit after which ``clamp(x, ...)`` (a later check) passes the limit."""
-    return _edit(_CLAMP, f"    if x == {x}:\n        _hold_past_limit(6, 48)\n{_CLAMP}\n{_HOLD_PAST_LIMIT}")
+    return edit_action(
+        "mathutils.py",
+        _CLAMP,
+        f"    if x == {x}:\n        _hold_past_limit(6, 48)\n{_CLAMP}\n{_HOLD_PAST_LIMIT}",
+    )
 
 
 @needs_memory_cgroup

@@ -41,6 +41,7 @@ class _ForeignRuntime(Runtime):
         # a Popen, as the process runtime's: unreaped (its pid its group's) until _stop kills it
         proc = subprocess.Popen(  # noqa: ASYNC220
             [sys.executable, str(SERVER), str(sock), self.mode],
+            stdin=subprocess.PIPE,  # the go of the modes that wait for the test's line
             stdout=subprocess.PIPE,
             start_new_session=True,
         )
@@ -57,8 +58,9 @@ class _ForeignRuntime(Runtime):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         await asyncio.to_thread(proc.wait)
-        assert proc.stdout is not None
+        assert proc.stdout is not None and proc.stdin is not None
         proc.stdout.close()
+        proc.stdin.close()
 
     async def _alive(self, c: Container) -> bool:
         return c.handle.poll() is None
