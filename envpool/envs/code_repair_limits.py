@@ -235,6 +235,8 @@ def _of_this_namespace(pids: list[int]) -> bool:
     """Whether each of ``pids`` (gone meanwhile, or) is of this process's PID namespace."""
     ours = _pid_namespace()
     for pid in pids:
+        if pid <= 0:  # (cgroup v2 lists a member of a namespace this one cannot see as 0)
+            return False
         try:
             if str(os.stat(f"/proc/{pid}/ns/pid").st_ino) != ours:
                 return False
@@ -354,7 +356,9 @@ class _RunCgroup:
         process that left its tree, reparented to the container's init, is still here)."""
         stopped: set[int] = set()
         for _ in range(100):
-            found = [pid for pid in self._members() if pid not in stopped]
+            # (never pid 0, as cgroup v2 lists a member this PID namespace cannot see: a kill
+            # of 0 is one of this process's own group, the server's)
+            found = [pid for pid in self._members() if pid > 0 and pid not in stopped]
             if not found:
                 break
             for pid in found:

@@ -1,0 +1,144 @@
+"""Review of the sweep of leftover run cgroups (``code_repair_limits._sweep``): it never
+signals what it cannot see (a member of another PID namespace, which a v2 ``cgroup.procs``
+lists as pid 0: a kill of pid 0 is one of this server's own process group)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from envpool.envs import code_repair_limits
+
+_REPO = str(Path(__file__).resolve().parents[2])
+_SWEEP = (
+    "import sys; from pathlib import Path; from envpool.envs import code_repair_limits as l; "
+    "l._sweep(Path(sys.argv[1]))"
+)
+
+
+def _dead_pid() -> int:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    return dead.pid
+
+
+def _old_name(pid: int) -> str:
+    return f"envpool-run-{pid}-0123456789ab"
+
+
+def _sweep_in_own_session(argv_head: list[str], parent: Path) -> subprocess.Popen[bytes]:
+    # a session of its own: a kill of "pid 0" from it reaches its own group, never this test's
+    return subprocess.Popen(
+        [*argv_head, sys.executable, "-c", _SWEEP, str(parent)],
+        env={**os.environ, "PYTHONPATH": _REPO},
+        start_new_session=True,
+    )
+
+
+def _exited_or_stopped(proc: subprocess.Popen[bytes], watch: int, within_s: float = 30) -> str:
+    """ "exited" once ``proc`` ends, "stopped" once ``watch`` (``proc`` or its child) is stopped
+    (a SIGSTOP to its own process group); a bounded poll."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return "exited"
+        with contextlib.suppress(OSError):
+            state = Path(f"/proc/{watch}/stat").read_bytes().rpartition(b")")[2].split()[0]
+            if state in (b"T", b"t"):
+                return "stopped"
+        time.sleep(0.01)
+    return "neither"
+
+
+def _end(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.parametrize("naming", ["old", "current"])
+def test_a_member_listed_as_pid_0_is_never_signalled(tmp_path, naming):
+    # cgroup v2 lists a member of a PID namespace the reader cannot see as "0": the old
+    # naming's guard (all members of this namespace) took 0 for "gone meanwhile", and
+    # kill_all sent SIGSTOP, then SIGKILL, to pid 0: the server's own process group. (The
+    # current naming's: where two namespaces' servers read theirs alike, "0" where
+    # /proc/self/ns/pid cannot be read)
+    pid = _dead_pid()
+    ns = code_repair_limits._pid_namespace()
+    left = tmp_path / (_old_name(pid) if naming == "old" else f"envpool-run-{ns}-{pid}-0123456789ab")
+    left.mkdir()
+    (left / "cgroup.procs").write_text("0\n")
+    sweep = _sweep_in_own_session([], tmp_path)
+    try:
+        assert _exited_or_stopped(sweep, sweep.pid) == "exited"  # was "stopped"
+        assert sweep.returncode == 0
+    finally:
+        _end(sweep)
+
+
+def _v2_parent_writable() -> Path | None:
+    parent = code_repair_limits._v2_parent()
+    if parent is None or os.geteuid() != 0:
+        return None
+    probe = parent / f"review-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+    except OSError:
+        return None
+    probe.rmdir()
+    return parent
+
+
+def _unshare_pid_works() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    try:
+        return (
+            subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True, timeout=10).returncode
+            == 0
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(
+    _v2_parent_writable() is None or not _unshare_pid_works(),
+    reason="needs a writable cgroup v2 hierarchy and unshare --pid (root)",
+)
+def test_a_server_in_a_child_pid_namespace_leaves_a_run_it_cannot_see_alone():
+    # the real kernel: a live run of a server of the parent namespace, in a cgroup of the
+    # old naming whose pid is dead in the child namespace; the sweep of a server in the
+    # child namespace reads its member as 0
+    parent = _v2_parent_writable()
+    assert parent is not None
+    theirs = parent / _old_name(_dead_pid())
+    theirs.mkdir()
+    run = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    sweep = None
+    try:
+        (theirs / "cgroup.procs").write_text(str(run.pid))
+        sweep = _sweep_in_own_session(["unshare", "--pid", "--fork"], parent)
+        children = Path(f"/proc/{sweep.pid}/task/{sweep.pid}/children")
+        deadline = time.monotonic() + 10
+        inner = None
+        while inner is None and sweep.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                found = children.read_text().split()
+                inner = int(found[0]) if found else None
+        outcome = _exited_or_stopped(sweep, inner if inner is not None else sweep.pid)
+        assert outcome == "exited" and sweep.returncode == 0, outcome  # was "stopped"
+        assert run.poll() is None and theirs.exists()
+    finally:
+        if sweep is not None:
+            _end(sweep)
+        run.kill()
+        run.wait()
+        code_repair_limits._RunCgroup(theirs).remove()
