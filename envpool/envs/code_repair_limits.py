@@ -223,7 +223,7 @@ def _owner(name: str) -> tuple[int, bool] | None:
     if (
         not name.startswith(_PREFIX)
         or ns != _pid_namespace()  # another namespace's: its owner is not ours to see
-        or not owner.isdigit()
+        or not (owner.isascii() and owner.isdigit())  # (isdigit alone takes "١٢" and "²")
         or not rest
         or int(owner) > _PID_MAX  # no pid at all (another naming's)
     ):

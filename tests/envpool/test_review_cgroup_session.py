@@ -1,6 +1,8 @@
 """Review of the sweep of leftover run cgroups (``code_repair_limits._sweep``): it never
 signals what it cannot see (a member of another PID namespace, which a v2 ``cgroup.procs``
-lists as pid 0: a kill of pid 0 is one of this server's own process group)."""
+lists as pid 0: a kill of pid 0 is one of this server's own process group), and it reads a
+name's pid in ASCII digits only (``str.isdigit`` takes other scripts' digits, and
+superscripts that ``int`` refuses)."""
 
 from __future__ import annotations
 
@@ -142,3 +144,40 @@ def test_a_server_in_a_child_pid_namespace_leaves_a_run_it_cannot_see_alone():
         run.kill()
         run.wait()
         code_repair_limits._RunCgroup(theirs).remove()
+
+
+_DIGITS = {
+    "arabic-indic": "\u0660\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668\u0669",
+    "fullwidth": "\uff10\uff11\uff12\uff13\uff14\uff15\uff16\uff17\uff18\uff19",
+}
+
+
+@pytest.mark.parametrize("script", sorted(_DIGITS))
+@pytest.mark.parametrize("naming", ["current", "old"])
+def test_a_pid_in_other_digits_is_no_owner(tmp_path, script, naming):
+    # int() reads "١٢٣" as 123: a name no server of ours ever made was judged by that pid,
+    # and swept with what was in it
+    pid = _dead_pid()
+    other = str(pid).translate(str.maketrans("0123456789", _DIGITS[script]))
+    ns = code_repair_limits._pid_namespace()
+    name = f"envpool-run-{ns}-{{}}-0123456789ab" if naming == "current" else "envpool-run-{}-0123456789ab"
+    odd, exact = tmp_path / name.format(other), tmp_path / name.format(pid)
+    odd.mkdir()
+    exact.mkdir()
+    code_repair_limits._sweep(tmp_path)
+    assert odd.exists() and not exact.exists()
+
+
+def test_a_superscript_pid_does_not_break_the_sweep(tmp_path):
+    # "²".isdigit() is True and int("²") raises ValueError: out of the sweep, out of every
+    # later run's cgroup set-up (a policy's module running as root could plant the name)
+    ns = code_repair_limits._pid_namespace()
+    pid = _dead_pid()
+    odd, exact = (
+        tmp_path / f"envpool-run-{ns}-\u00b2-0123456789ab",
+        tmp_path / f"envpool-run-{ns}-{pid}-0123456789ab",
+    )
+    odd.mkdir()
+    exact.mkdir()
+    code_repair_limits._sweep(tmp_path)  # raised ValueError
+    assert odd.exists() and not exact.exists()
