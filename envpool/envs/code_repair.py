@@ -380,10 +380,11 @@ class CodeRepairEnv(Env):
         hide = [str(root), str(root.resolve())]
         results = parse_results(run.results, len(checks))
         passed, lines = judge(task, checks, results, timed_out)
-        # every check reported (or the import failed): the run is judged on that, and an OOM
-        # kill after it (a child or thread still allocating when the last check returned, its
-        # kill counted once the results were in) is noted, not read as the run's end
-        all_in = "import" in results or len(results) == len(checks)
+        # every check reported: the run is judged on that, and an OOM kill after it (a child
+        # or thread still allocating when the last check returned, its kill counted once the
+        # results were in) is noted, not read as the run's end. Not an import that failed: the
+        # module's code ran then, and the kill may be what failed it (a helper it waited on)
+        all_in = "import" not in results and len(results) == len(checks)
         shown = _hide(run.output, hide).strip()
         if run.output_bytes > MAX_RAW_OUTPUT_BYTES:  # only its end was read
             cut = f"[... output cut: the run wrote {run.output_bytes:,} bytes; its end follows]"

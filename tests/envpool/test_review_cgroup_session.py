@@ -2,7 +2,8 @@
 signals what it cannot see (a member of another PID namespace, which a v2 ``cgroup.procs``
 lists as pid 0: a kill of pid 0 is one of this server's own process group), and it reads a
 name's pid in ASCII digits only (``str.isdigit`` takes other scripts' digits, and
-superscripts that ``int`` refuses)."""
+superscripts that ``int`` refuses). And code-repair's report never tells an import that
+failed of an OOM kill that the kill came after its results."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+import envpool
+import envpool.envs  # registers the built-ins
 from envpool.envs import code_repair_limits
 
 _REPO = str(Path(__file__).resolve().parents[2])
@@ -181,3 +184,57 @@ def test_a_superscript_pid_does_not_break_the_sweep(tmp_path):
     exact.mkdir()
     code_repair_limits._sweep(tmp_path)  # raised ValueError
     assert odd.exists() and not exact.exists()
+
+
+# -- code-repair: an import that failed for an OOM kill is no result the kill came after
+
+MiB = 2**20
+
+# at import: forks helpers that together pass the run's memory limit, and fails once the
+# kernel's OOM killer took one (the import's failure is the kill's doing, after it)
+_IMPORT_DIES_OF_OOM = """
+import os as _os
+
+def _helpers_past_limit(children, mib):
+    go_r, go_w = _os.pipe()
+    for _ in range(children):
+        if _os.fork() == 0:
+            held = b"x" * (mib * 2**20)  # every page touched
+            _os.read(go_r, 1)
+            _os._exit(len(held) == 0)
+    _, status = _os.wait()  # the first to end: one the OOM killer took
+    raise ImportError(f"a helper died: {_os.waitstatus_to_exitcode(status)}")
+
+_helpers_past_limit(6, 48)
+"""
+
+
+def _code_repair_edit(search: str, replace: str) -> str:
+    return f"edit mathutils.py\n<<<<<<< SEARCH\n{search}\n=======\n{replace}\n>>>>>>> REPLACE"
+
+
+@pytest.mark.skipif(
+    not code_repair_limits.memory_cgroup_available(), reason="no memory cgroup can be made here"
+)
+def test_an_import_that_failed_for_an_oom_kill_is_not_told_the_kill_came_after(tmp_path, monkeypatch):
+    # no OOM event (cgroup v2 without memory.oom.group, or no eventfd): the run goes on past
+    # the kill, and the import fails of it; the report said "After all its results were in,
+    # ... the kernel killed one of them; the results stand" above the import's error
+    monkeypatch.setattr(code_repair_limits.MemoryCgroup, "oom_eventfd", lambda self: None)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = envpool.make(
+        "code-repair-v1", workdir_root=str(work), test_timeout_s=20, memory_limit_bytes=160 * MiB
+    )
+    try:
+        env.reset(options={"task": "mathutils"})
+        clamp = "    return max(lo, min(x, hi))"
+        assert env.step(_code_repair_edit(clamp, clamp + "\n" + _IMPORT_DIES_OF_OOM)).info["valid"]
+        res = env.step("run_tests")
+        text = res.obs.text
+        assert "ERROR test_mathutils.py: ImportError: a helper died: -9" in text, text
+        assert res.info["outcome"] == "test_failure", text
+        assert "After all its results were in" not in text and "the results stand" not in text, text
+        assert "its processes together reached 160 MiB" in text, text
+    finally:
+        env.close()
