@@ -57,7 +57,9 @@ def test_pathological_inputs_return_in_time_inside_threads():
     rules = []
     for res, elapsed in outcomes:
         assert res.score == 0.0
-        assert elapsed < limit + 0.75, (res.info, elapsed)
+        # the limit, not the hours such a power takes (the slack: four children forked at
+        # once on a loaded machine took 3.4 s once)
+        assert elapsed < limit + 5, (res.info, elapsed)
         rules.append(res.info["decided_by"])
     assert "timeout" in rules  # the huge powers really ran into the limit
     assert next(r for r, _ in outcomes if r.info["decided_by"] == "timeout").info["timeout_s"] == limit
