@@ -39,10 +39,16 @@ Choices, and why:
   to a vLLM engine serving the same checkpoint carry the names its ``load_weights`` expects.
 * **Parallelism**: ``tensor_parallel_size`` / ``pipeline_parallel_size`` are validated and
   passed to ``parallel_state`` and the ``TransformerConfig``. Only 1 x 1 is exercised end to
-  end (one process, one GPU). Tensor parallelism under ``torchrun`` should work (logits are
-  gathered, the grad norm is reduced over the TP group, ``state()`` is this rank's shard) but
-  is untested; a step with pipeline parallelism raises: it needs megatron's pipeline
-  schedule, which is not wired in.
+  end (one process, one GPU). Tensor parallelism under ``torchrun`` is wired but has never
+  run on GPUs: the output layer keeps each rank's vocabulary columns
+  (``parallel_output=True``, not the full ``[B, T, V]`` logits gathered on every rank), the
+  logprobs and entropy of the policy, the reference and ``logprobs()`` come from the shards
+  (``core.trainer.lean_logprobs_tp``, its math tested on CPU processes over gloo), the grad
+  norm is reduced over the TP group and ``state()`` is this rank's shard. The vocabulary is
+  not padded (``check_parallel_shape`` requires ``vocab_size`` divisible by the TP size), so
+  every column is a real id, as at tp = 1. At tp = 1 the path is the one every GPU run took
+  (``parallel_output=False``, ``lean_logprobs``). A step with pipeline parallelism raises: it
+  needs megatron's pipeline schedule, which is not wired in.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ from core.trainer.base import (
 from core.trainer.grpo import aggregate, kl_k3, policy_loss
 from core.trainer.hf_gpt import HFArch, hf_to_megatron, megatron_to_hf, read_hf_state
 from core.trainer.lean_logprobs import logprobs_and_entropy
+from core.trainer.lean_logprobs_tp import vocab_parallel_logprobs_and_entropy
 
 #: The ``format`` field of a checkpoint written by ``save_checkpoint``.
 CHECKPOINT_FORMAT = "rl-fabric/megatron-gpt/1"
@@ -183,10 +190,29 @@ def _build_gpt(shape: GPTShape | HFArch, cfg: MegatronTrainerConfig) -> torch.nn
         max_sequence_length=shape.max_sequence_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        parallel_output=False,  # full-vocabulary logits on every TP rank: the loss needs them
+        # TP = 1: the full vocabulary, as every GPU run so far. TP > 1: each rank keeps its own
+        # vocabulary columns (no [B, T, V] gathered on every rank) and the loss combines the
+        # shards (lean_logprobs_tp); NOT YET RUN on GPUs
+        parallel_output=cfg.tensor_parallel_size > 1,
         **model_arch,
     )
     return model.cuda(torch.cuda.current_device())
+
+
+def _vocab_range(vocab_size: int) -> tuple[int, int] | None:
+    """This rank's columns ``[first, last)`` of the vocabulary when the output layer is split
+    over tp > 1 ranks (megatron's own split: contiguous, rank r's the r-th of tp equal parts);
+    None at tp = 1, where the logits are whole."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.utils import VocabUtility
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return None
+    first, last = VocabUtility.vocab_range_from_global_vocab_size(
+        vocab_size, parallel_state.get_tensor_model_parallel_rank(), tp
+    )
+    return int(first), int(last)
 
 
 class MegatronTrainer(Trainer):
@@ -243,6 +269,7 @@ class MegatronTrainer(Trainer):
         torch.manual_seed(config.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
         self.device = torch.device("cuda", torch.cuda.current_device())
+        self._vocab_range = _vocab_range(shape.vocab_size)
         self.model = _build_gpt(shape, config)
         if ckpt is not None:
             self._load(ckpt["state"], str(config.checkpoint))
@@ -429,15 +456,38 @@ class MegatronTrainer(Trainer):
 
     def _logprobs_and_entropy(self, model: torch.nn.Module, packed: _Packed) -> tuple[Tensor, Tensor]:
         """Per completion token, its logprob and the entropy at its position (``[B, C]``
-        fp32), under the sampler's restriction and temperature."""
-        return logprobs_and_entropy(
-            self._completion_logits(model, packed), packed.targets, self.config.temperature, packed.restrict
+        fp32), under the sampler's restriction and temperature. The policy, the reference
+        and ``logprobs()`` all come through here."""
+        logits = self._completion_logits(model, packed)
+        if self._vocab_range is None:
+            return logprobs_and_entropy(logits, packed.targets, self.config.temperature, packed.restrict)
+        # tp > 1: ``logits`` are this rank's vocabulary columns. NOT YET RUN on GPUs: the math
+        # is tested on CPU processes (tests/core/test_lean_logprobs_tp.py); this wiring was
+        # checked once by hand, not in the suite, against megatron-core 0.19.2's GPTModel at
+        # tp = 2 on gloo CPU processes (its CUDA-only calls patched out): the same logprobs,
+        # entropy and parameter gradients as the gathered tp = 1 path. NCCL, CUDA and bf16
+        # autocast at tp > 1 are untried
+        first, last = self._vocab_range
+        if logits.shape[-1] != last - first:
+            raise TrainerError(
+                f"the output layer gave {logits.shape[-1]} vocabulary columns on this rank, "
+                f"expected [{first}, {last}) of vocab_size={self.shape.vocab_size}"
+            )
+        restrict = None if packed.restrict is None else packed.restrict[:, first:last]
+        return vocab_parallel_logprobs_and_entropy(
+            logits,
+            packed.targets,
+            self.config.temperature,
+            restrict,
+            vocab_start=first,
+            group=self._parallel_state.get_tensor_model_parallel_group(),
         )
 
     def _completion_logits(self, model: torch.nn.Module, packed: _Packed) -> Tensor:
-        """The logits at the positions that score completion tokens, ``[B, C, V]``, in the
-        model's dtype (bf16 under autocast): ``lean_logprobs`` takes fp32 a chunk at a time
-        and adds the restriction after that cast (-1e9 is not exact in bf16)."""
+        """The logits at the positions that score completion tokens, ``[B, C, V]`` (``[B, C,
+        V / tp]``, this rank's columns, when tp > 1), in the model's dtype (bf16 under
+        autocast): ``lean_logprobs`` takes fp32 a chunk at a time and adds the restriction
+        after that cast (-1e9 is not exact in bf16)."""
         autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16) if self.config.bf16 else contextlib.nullcontext()
         )
