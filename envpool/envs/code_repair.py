@@ -49,9 +49,21 @@ enter the subprocess. A module can still write that file itself, but a check pas
 with the right value, which is what a correct module returns: the worst it can do is what
 any test-judged task allows, answers fitted to the visible tests. The ``test_*.py`` files
 are the checks written out for the policy to read; they are restored before every run and
-never executed. The subprocess runs as this process's user: what it may touch besides the
-work dir (this process included, with ``ptrace``, where it has no PID namespace) is bounded
-by the container, which is the sandbox for adversarial code, not this env.
+never executed.
+
+Whose the module's code is: where this process is root (a container's usual user, and the
+``process`` runtime's wherever the server runs as root, with no container around it), the
+module runs as an unprivileged uid of the run's own, ``run_uid_base`` + the pid of the run's
+first process, with a group of its own and no supplementary groups
+(:mod:`envpool.envs.code_repair_user`, which says why so): it cannot write its cgroups' limits
+(``pids.max``, ``memory.limit_in_bytes``: root's), root's files, nor signal or trace this
+process or another run's. The work dir is handed to that uid before each run, so the module
+reads and writes there as before. A root process that cannot take the uid (no
+``CAP_SETUID``, a user namespace without it) refuses the run (``EnvUsageError``) rather than
+run the module as root; ``run_uid_base=None`` runs it as this process's user, for a container
+that is itself the sandbox. A process that is not root runs the module as its own user, as
+ever: then what the module may touch besides the work dir (this process included, where it
+has no PID namespace) is bounded by the container, the sandbox for adversarial code.
 """
 
 from __future__ import annotations
@@ -86,6 +98,7 @@ from envpool.envs.code_repair_runner import (
     run_checks,
 )
 from envpool.envs.code_repair_tasks import TASKS, TASKS_BY_NAME, Check, Raises, Task, Test, render_tests
+from envpool.envs.code_repair_user import DEFAULT_RUN_UID_BASE, check_run_uid_base, run_uid_base_for
 
 MAX_VIEW_CHARS = 20_000
 MAX_OUTPUT_CHARS = 4_000
@@ -144,6 +157,7 @@ class CodeRepairEnv(Env):
         workdir_root: str | None = None,
         memory_limit_bytes: int = DEFAULT_MEMORY_BYTES,
         max_processes: int = DEFAULT_MAX_PROCESSES,
+        run_uid_base: int | None = DEFAULT_RUN_UID_BASE,
     ):
         if not 0 < test_timeout_s < math.inf:  # NaN too
             raise ValueError(f"test_timeout_s must be a positive number of seconds, got {test_timeout_s!r}")
@@ -157,6 +171,9 @@ class CodeRepairEnv(Env):
                 f"max_processes must be an int of at least {MIN_MAX_PROCESSES} (a run has up to 3 "
                 f"processes of its own), got {max_processes!r}"
             )
+        self.run_uid_base = check_run_uid_base(run_uid_base)
+        """Where this process is root, a test run's module runs as uid ``run_uid_base`` + its
+        keeper's pid (``code_repair_user``); None: as this process's user."""
         self.test_timeout_s = test_timeout_s
         self.memory_limit_bytes = memory_limit_bytes
         """Address space of each process of a test run (``RLIMIT_AS``) and, where a memory
@@ -205,7 +222,8 @@ class CodeRepairEnv(Env):
         """The work dir as a directory of this process's again, should the policy's code (it
         runs there, as this process's user) have removed it or put something else in its
         place: a step answers, on what is left, rather than raise (an infra failure, the work
-        dir in its message) or follow a symlink out."""
+        dir in its message) or follow a symlink out. (It runs as the run's uid where this
+        process is root, and owns the work dir then; as this process's user elsewhere.)"""
         assert self.workdir is not None
         try:
             mode: int | None = self.workdir.lstat().st_mode
@@ -375,9 +393,10 @@ class CodeRepairEnv(Env):
             self.test_timeout_s,
             memory_bytes=self.memory_limit_bytes,
             max_processes=self.max_processes,
+            run_uid_base=run_uid_base_for(self.run_uid_base),
         )
         timed_out = run.timed_out
-        hide = [str(root), str(root.resolve())]
+        hide = [str(root), str(root.resolve()), "/proc/self/cwd"]  # (the runner's path to it, at times)
         results = parse_results(run.results, len(checks))
         passed, lines = judge(task, checks, results, timed_out)
         # every check reported: the run is judged on that, and an OOM kill after it (a child

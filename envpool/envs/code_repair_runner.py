@@ -29,6 +29,8 @@ from envpool.envs.code_repair_limits import (
     PidsCgroup,
     set_memory_limit,
 )
+from envpool.envs.code_repair_user import hand_over
+from envpool.errors import EnvUsageError
 
 __all__ = [
     "MAX_FILE_BYTES",
@@ -57,8 +59,8 @@ PID_NAMESPACE = True
 ``RUNNER``); False runs the fallback everywhere (for the tests)."""
 
 
-# Runs as `python -I -B -u -c RUNNER PARENT_PID RESULTS_FD DONE_FD ISOLATE SHM_BYTES` in the work dir, with
-# the module's name, the test file's imports and the checks' calls as one JSON line on stdin
+# Runs as `python -I -B -u -c RUNNER PARENT_PID RESULTS_FD DONE_FD ISOLATE SHM_BYTES UID_BASE` in the work
+# dir, with the module's name, the test file's imports and the checks' calls as one JSON line on stdin
 # (never the expected values). It writes one JSON line per check to RESULTS_FD, a file of its
 # own: {"i", "value"}, or {"i", "raised": [the exception's class names, its MRO], "message",
 # "at"}, or {"i", "not_plain": type, "repr"}; an import failure is {"import_error", "at"}.
@@ -86,11 +88,19 @@ PID_NAMESPACE = True
 #   the module and evaluates the checks. When done it writes one byte to DONE_FD and waits
 #   on the spec's pipe (moved off fd 0, which reads /dev/null for the module), alive, so that
 #   its parent kills the whole tree (kill_tree) after every run, not only on a timeout.
+#   With a UID_BASE (not "-": the parent is root, code_repair_user), the runner first takes
+#   the run's own uid, UID_BASE + the keeper's pid, with a group of its own and no
+#   supplementary groups, for good (real, effective and saved ids): after the namespaces and
+#   the mount, which need root, and after its parent put the tree in its cgroups, before the
+#   module is imported. The keeper and the init stay root, out of the module's reach. Where
+#   the ids cannot be taken it writes {"uid_error"} and ends, never running the module as
+#   root; and it skips the user-namespace route below, whose map holds only root.
 #
 # When the runner ends, the keeper writes the done byte too (the run is over) and, without a
 # namespace, stays alive until killed: it is a child subreaper, so what the module started
-# stays in its tree even when the runner is gone. What that fallback cannot stop: a module
-# that kills the keeper (same user, its pid is the runner's parent) and leaves a daemon with
+# stays in its tree even when the runner is gone. What that fallback cannot stop, where the
+# module runs as the keeper's user (this process is not root): a module that kills the keeper
+# (its pid is the runner's parent) and leaves a daemon with
 # a session and a working directory of its own; the member list of the run's cgroups finds
 # that one where one could be made (code_repair_limits), else the container's kill takes it.
 # A module that writes DONE_FD early only cuts its own results short.
@@ -98,6 +108,7 @@ RUNNER = r"""
 import ctypes, os, select, signal, sys
 parent, done_fd, isolate = int(sys.argv[1]), int(sys.argv[3]), sys.argv[4] == "1"
 shm_bytes = int(sys.argv[5])
+run_uid = None if sys.argv[6] == "-" else int(sys.argv[6]) + os.getpid()  # (the keeper's pid)
 try:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
@@ -121,6 +132,8 @@ def unshare_pid():
     for flags in (0x20000000 | 0x20000, 0x20000000):
         if libc.unshare(flags) == 0:
             return True, bool(flags & 0x20000)
+    if run_uid is not None:  # a user namespace would map root alone: the run's uid not in it
+        return False, False
     uid, gid = os.getuid(), os.getgid()  # the new user namespace maps only these, to themselves
     for flags in (0x10000000 | 0x20000000 | 0x20000, 0x10000000 | 0x20000000):  # and CLONE_NEWUSER
         if libc.unshare(flags) == 0:  # (which needs no capability)
@@ -193,6 +206,63 @@ if isolated:
         libc.prctl(1, 9)  # with the init
 import importlib, json, traceback
 spec = json.loads(spec_line)
+here = os.getcwd()
+
+def through(moved, path):
+    for old, new in moved.items():
+        if path == old or path.startswith(old + "/"):
+            return new + path[len(old):]
+    return path
+
+def reach_library(held):
+    # the interpreter's library may lie under a dir of root's alone (a pyenv under /root): the
+    # run's uid reaches it through fds opened as root (its own, which its forks inherit), as
+    # a magic link that needs no search of the dirs above
+    moved = {}
+    for path, fd in held.items():
+        if os.access(path, os.R_OK | os.X_OK):
+            os.close(fd)
+        else:
+            moved[path] = f"/proc/self/fd/{fd}"
+    if moved:
+        sys.path[:] = [through(moved, p) if type(p) is str else p for p in sys.path]
+        for m in list(sys.modules.values()):  # the packages imported already: their submodules
+            if type(getattr(m, "__path__", None)) is list:
+                m.__path__[:] = [through(moved, p) for p in m.__path__]
+        sys.path_importer_cache.clear()
+
+if run_uid is not None:
+    ppid = os.getppid()
+    held = {}
+    for path in sys.path:
+        try:
+            held[path] = os.open(path, os.O_PATH | os.O_DIRECTORY)
+        except (OSError, TypeError, ValueError):
+            pass  # not a dir (a zip that is not there, a hook's name)
+    try:
+        os.setgroups([])
+        os.setresgid(run_uid, run_uid, run_uid)
+        os.setresuid(run_uid, run_uid, run_uid)
+        if os.getresuid() != (run_uid,) * 3 or os.getresgid() != (run_uid,) * 3:
+            raise PermissionError(f"the ids read {os.getresuid()} and {os.getresgid()}")
+        try:
+            os.setuid(0)
+        except PermissionError:
+            pass  # root is out of reach, as it should be
+        else:
+            raise PermissionError("root could be taken back")
+    except OSError as e:
+        with os.fdopen(int(sys.argv[2]), "w", encoding="utf-8") as f:
+            f.write(json.dumps({"uid_error": f"uid {run_uid}: {e}"}) + "\n")
+        os._exit(1)
+    if libc is not None:
+        libc.prctl(1, 9)  # a change of credentials cleared it
+        libc.prctl(4, 1)  # PR_SET_DUMPABLE, which it cleared too: /proc/self is the module's
+    if os.getppid() != ppid:  # its parent died before prctl took effect
+        os._exit(1)
+    reach_library(held)
+    if not os.access(here, os.R_OK | os.X_OK):  # a dir above the work dir is root's alone
+        here = "/proc/self/cwd"  # (reached through the process, not the path)
 # bound before the module runs: what it patches in os or sys cannot stop the end below
 _write, _read, _exit, done_fd = os.write, os.read, os._exit, int(sys.argv[3])
 results = os.fdopen(int(sys.argv[2]), "w", encoding="utf-8")
@@ -236,7 +306,7 @@ def plain(x):
         return {k: plain(v) for k, v in x.items()}
     raise TypeError(t.__name__)
 
-sys.path.insert(0, os.getcwd())
+sys.path.insert(0, here)
 try:
     module = importlib.import_module(spec["module"])
     names = {}
@@ -298,18 +368,21 @@ def run_checks(
     *,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
     max_processes: int = DEFAULT_MAX_PROCESSES,
+    run_uid_base: int | None = None,
 ) -> RunOutput:
     """Run ``RUNNER`` in ``root`` on ``spec`` (the module's name, the names the tests import
     and the checks' calls; never the expected values) for at most ``timeout_s``, each of its
     processes in ``memory_bytes`` of address space and, where cgroups can be made
     (``code_repair_limits``), all of them in ``memory_bytes`` of memory together and at most
     ``max_processes`` processes and threads at once; then kill it with everything it
-    started."""
+    started. With ``run_uid_base`` (where this process is root: ``code_repair_user``) the
+    module runs as uid ``run_uid_base`` + the run's keeper's pid, which takes the work dir;
+    ``EnvUsageError`` where that uid cannot be taken (the module never runs then)."""
     pids = PidsCgroup.make(max_processes)
     try:
         memory = MemoryCgroup.make(memory_bytes)
         try:
-            return _run(root, spec, _Limits(timeout_s, memory_bytes, pids, memory))
+            return _run(root, spec, _Limits(timeout_s, memory_bytes, pids, memory, run_uid_base))
         finally:
             if memory is not None:
                 memory.remove()
@@ -320,6 +393,7 @@ def run_checks(
 
 def _run(root: Path, spec: dict[str, Any], limits: _Limits) -> RunOutput:
     env = {"PATH": os.defpath, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": str(root)}
+    uid_base = "-" if limits.run_uid_base is None else str(limits.run_uid_base)
     done_r, done_w = os.pipe()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as results:
         # in this process's group, not a session of its own: a container is killed as a
@@ -327,7 +401,7 @@ def _run(root: Path, spec: dict[str, Any], limits: _Limits) -> RunOutput:
         argv = [sys.executable, "-I", "-B", "-u", "-c", RUNNER, str(os.getpid()), str(results.fileno())]
         try:
             proc = subprocess.Popen(
-                [*argv, str(done_w), "1" if PID_NAMESPACE else "0", str(limits.memory_bytes)],
+                [*argv, str(done_w), "1" if PID_NAMESPACE else "0", str(limits.memory_bytes), uid_base],
                 cwd=root,
                 env=env,
                 stdin=subprocess.PIPE,
@@ -348,6 +422,14 @@ def _run(root: Path, spec: dict[str, Any], limits: _Limits) -> RunOutput:
         raw = out.read(MAX_RAW_OUTPUT_BYTES).decode("utf-8", errors="replace")
         results.seek(0)
         reported = results.read(MAX_RESULTS_BYTES).decode("utf-8", errors="replace")
+    if reported.startswith('{"uid_error"'):  # the runner's own line, before the module ran
+        why = json.loads(reported.partition("\n")[0])["uid_error"]
+        raise EnvUsageError(
+            f"code-repair: this process is root, and a test run could not take a uid of its own "
+            f"({why}): the policy's module is never run as root. Pass run_uid_base= a range of "
+            f"uids this process may take (in a user namespace: inside its map), or None to run it "
+            f"as this process's user where the container is the sandbox"
+        )
     killed = oom_ended or (limits.memory is not None and limits.memory.oom_killed())
     own_cap = limits.memory is not None and limits.memory.limit_reached()
     return RunOutput(
@@ -392,6 +474,7 @@ class _Limits:
     memory_bytes: int
     pids: PidsCgroup | None
     memory: MemoryCgroup | None
+    run_uid_base: int | None = None
 
     @property
     def cgroups(self) -> list[PidsCgroup | MemoryCgroup]:
@@ -417,6 +500,8 @@ def _await_runner(
         set_memory_limit(proc.pid, limits.memory_bytes)
     for cgroup in limits.cgroups:
         cgroup.add(proc.pid)
+    if limits.run_uid_base is not None:  # the module's uid, as the keeper computes it
+        hand_over(root, limits.run_uid_base + proc.pid)
     oom_fd = limits.memory.oom_eventfd() if limits.memory is not None else None
     try:
         return _await_end(proc, done_r, spec, root, limits, oom_fd)

@@ -1,0 +1,112 @@
+"""The user a ``code-repair-v1`` test run's module runs as: where the env process is root, an
+unprivileged uid of the run's own, with a group of its own and no supplementary groups.
+
+Why: the module is the policy's code. Run as root (a container's usual user, and the
+``process`` runtime's on a machine where the server runs as root, with no container around
+it), it could write its own cgroups' limits (``pids.max`` to ``max``, then fork past
+``max_processes``), move itself out of them, write any root-owned file and signal or
+``ptrace`` the env process. As a uid of its own it can do none of that: cgroupfs and root's
+files are root's, and a process may signal or trace only processes of its own uid.
+
+Which uid: ``run_uid_base + the keeper's pid`` (the keeper is the run's first process, in the
+env process's PID namespace; ``RUNNER``). A live pid is unique in its namespace, so two runs
+alive at once never share a uid, whichever env, server or tenant started them, and without
+any lock or registry: where a run has no PID namespace of its own (no ``CAP_SYS_ADMIN``, or
+the fallback), runs under one uid could signal each other, which this rules out (runs in
+other PID namespaces, another container's, cannot see each other's pids anyway). Pids stay
+below ``RUN_UID_SPAN`` (the kernel's ``PID_MAX_LIMIT``, 2**22), so a run's uid lies in
+``[run_uid_base, run_uid_base + 2**22)``. The default base, 1_900_000_000, is far from real
+users (below 65536, or an LDAP's few millions), from the code verifier's sandbox
+(``functions/verifiers/sandbox.py``: 200_000 .. 201_023 by default, the tests' ranges up to
+about 510_000), from systemd's container ranges (524288 .. 1879048191) and below 2**31, which
+some tools read as a negative uid. A uid need not exist in ``/etc/passwd`` to be set.
+
+Where the env process is root but cannot take that uid (no ``CAP_SETUID``; a user namespace
+whose map lacks it), a run refuses to start (``EnvUsageError``, saying to pass a
+``run_uid_base`` inside the map, or ``None``): never the module silently as root.
+``run_uid_base=None`` runs the module as the env process's user, the old behaviour, for a
+deployment whose container is itself the sandbox. A non-root env process cannot change its
+uid: its runs run as it, as before.
+
+The work dir is handed to the run's uid before each run (``hand_over``): the module reads its
+files and writes what it likes there, as before; the env process (root) reads and restores
+them whatever their owner. What else a run relies on: ``/dev/shm`` (its own tmpfs, mode 1777,
+or the container's) and ``/tmp`` are every user's; ``HOME`` is the work dir; ``TMPDIR`` is not
+set. The runner reaches the work dir by its cwd and the interpreter's library through fds it
+opened as root, should a dir above either be root's alone (a ``workdir_root`` under pytest's
+``/tmp/pytest-of-root``, a pyenv under ``/root``); but the module's own use of an absolute path
+there (``tempfile``'s, ``os.path.abspath``) fails then, as does a file it writes outside its
+work dir where its uid may not: give ``workdir_root`` dirs above it that every user may search
+(``/tmp``, the default, is).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from pathlib import Path
+
+__all__ = ["DEFAULT_RUN_UID_BASE", "RUN_UID_SPAN", "check_run_uid_base", "hand_over", "run_uid_base_for"]
+
+DEFAULT_RUN_UID_BASE = 1_900_000_000
+RUN_UID_SPAN = 2**22
+"""A run's uid is the base plus its keeper's pid, which is below the kernel's PID_MAX_LIMIT."""
+_MIN_BASE = 1000
+_MAX_UID = 2**31 - 1  # (above, some tools read a uid as negative)
+
+
+def check_run_uid_base(base: object) -> int | None:
+    """``base`` as validated for ``CodeRepairEnv(run_uid_base=...)``, or ValueError."""
+    if base is None:
+        return None
+    if type(base) is not int or not _MIN_BASE <= base <= _MAX_UID - RUN_UID_SPAN + 1:
+        raise ValueError(
+            f"run_uid_base must be None (run the module as this process's user) or an int from "
+            f"{_MIN_BASE} to {_MAX_UID - RUN_UID_SPAN + 1}: runs take uids base .. base + "
+            f"{RUN_UID_SPAN - 1} (base + the pid of the run's first process), which should be "
+            f"no real user's; got {base!r}"
+        )
+    return base
+
+
+def run_uid_base_for(base: int | None) -> int | None:
+    """The base a run takes its uid from here: None where no uid is dropped (a base of None,
+    or an env process that is not root, which cannot change its uid)."""
+    return base if base is not None and os.geteuid() == 0 else None
+
+
+def hand_over(root: Path, uid: int) -> None:
+    """Make ``root`` (the work dir, a directory of this process's: ``_repair_workdir``) and
+    everything in it ``uid``'s (and group ``uid``'s), each readable and writable by its owner,
+    so that the run's module reads its files and writes there as before (an earlier run's
+    files were another uid's). Race-free against what an earlier run left there: the walk
+    never follows a symlink (``os.fwalk``), each entry is opened with ``O_NOFOLLOW`` and
+    checked on its open file; only directories and regular files are changed, never a file
+    with another link (one that may be a file outside, linked in), never a symlink's target."""
+    _take(None, str(root), uid)
+    for _dir, dirs, files, dir_fd in os.fwalk(root, follow_symlinks=False):
+        for name in dirs + files:
+            _take(dir_fd, name, uid)
+
+
+def _take(dir_fd: int | None, name: str, uid: int) -> None:
+    with contextlib.suppress(OSError):  # gone meanwhile, or not a file to take: left as it is
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+            return  # (never opened: a fifo would block, a device may act)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+        fd = os.open(name, flags, dir_fd=dir_fd)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                return  # a hard link: maybe to a file outside the work dir
+            if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+                return
+            if st.st_uid != uid or st.st_gid != uid:
+                os.fchown(fd, uid, uid)
+            need = 0o700 if stat.S_ISDIR(st.st_mode) else 0o600
+            if st.st_mode & need != need:
+                os.fchmod(fd, stat.S_IMODE(st.st_mode) | need)
+        finally:
+            os.close(fd)
