@@ -1,0 +1,90 @@
+"""The end of a ``code-repair-v1`` test run: every process it started is killed, found by
+parent (``kill_tree``: the runner's tree) or by process group and working directory
+(``kill_left_in``: what left the tree), each stopped first so that none forks past the walk.
+(:mod:`envpool.envs.code_repair_runner` calls both after every run; the run's cgroups' member
+lists, :mod:`envpool.envs.code_repair_limits`, find the rest.)"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from pathlib import Path
+
+__all__ = ["kill_left_in", "kill_tree"]
+
+
+def kill_left_in(root: Path) -> None:
+    """SIGKILL every process of this process group whose working directory is under ``root``
+    (an episode's work dir, this process's own never), each stopped first so none forks past
+    the scan."""
+    me, group, stopped, root = os.getpid(), os.getpgid(0), set[int](), root.resolve()
+    for _ in range(100):  # a fork bomb outruns no scan for long: each pass stops what it saw
+        found = []
+        with contextlib.suppress(OSError):
+            for entry in os.scandir("/proc"):
+                if not entry.name.isdigit() or (pid := int(entry.name)) == me or pid in stopped:
+                    continue
+                try:
+                    if os.getpgid(pid) != group or not Path(os.readlink(f"/proc/{pid}/cwd")).is_relative_to(
+                        root
+                    ):
+                        continue
+                    os.kill(pid, signal.SIGSTOP)
+                except OSError:  # gone meanwhile, or not ours to read
+                    continue
+                found.append(pid)
+        if not found:
+            break
+        stopped.update(found)
+    for pid in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _children_by_parent() -> dict[int, list[int]]:
+    found: dict[int, list[int]] = {}
+    try:
+        entries = list(os.scandir("/proc"))
+    except OSError:  # no /proc (not Linux): only the runner itself is killed
+        return found
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        # past the command name (which may hold spaces or parentheses): state, then ppid
+        ppid = int(stat.rpartition(b")")[2].split()[1])
+        found.setdefault(ppid, []).append(int(entry.name))
+    return found
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL ``root`` (a child of this process) and every process it started. They share
+    their caller's process group (a group of their own would escape a container's kill), so
+    they are found by parent; each is stopped first so that none forks behind the walk, and
+    a stopped parent reaps nothing, so no pid found can pass to another process before the
+    kill. (One that left the tree, reparented when its parent exited, is not found: the
+    container's own kill takes it.)"""
+    stopped: set[int] = set()
+    todo = [root]
+    while todo:
+        for pid in todo:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        stopped.update(todo)
+        tree = _children_by_parent()
+        found: set[int] = set()
+        frontier = [root]
+        while frontier:
+            for child in tree.get(frontier.pop(), ()):
+                if child not in found:
+                    found.add(child)
+                    frontier.append(child)
+        todo = sorted(found - stopped)
+    for pid in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
