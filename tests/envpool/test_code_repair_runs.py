@@ -14,6 +14,7 @@ import signal
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from code_repair_helpers import edit_action
@@ -59,12 +60,12 @@ def _kill_all(pids: list[int]) -> None:
 
 
 @contextlib.contextmanager
-def _repair_in(tmp_path: Path, test_timeout_s: float):
+def _repair_in(tmp_path: Path, test_timeout_s: float, **kw: Any):
     """A code-repair env on the mathutils task whose work dirs are under ``tmp_path/work``
     (what runs there is found by its cwd), and every process left there killed at the end."""
     work = tmp_path / "work"
     work.mkdir()
-    env = envpool.make("code-repair-v1", test_timeout_s=test_timeout_s, workdir_root=str(work))
+    env = envpool.make("code-repair-v1", test_timeout_s=test_timeout_s, workdir_root=str(work), **kw)
     try:
         env.reset(options={"task": "mathutils"})
         yield env, work
@@ -207,9 +208,19 @@ def _alive(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] != "Z"
 
 
-def _run_and_await_the_daemon(tmp_path: Path, chdir: bool, end: str, passes: bool = True) -> None:
-    pidfile = tmp_path / "daemon.pid"
-    with _repair_in(tmp_path, 10) as (env, _):
+def _run_and_await_the_daemon(tmp_path: Path, chdir: bool, end: str, passes: bool = True, **kw: Any) -> None:
+    # the pid file in a dir the run's own uid may write (code_repair_user: as root the module
+    # runs as a uid of its own, and pytest's tmp_path is under a dir of root's alone)
+    shared = Path(tempfile.mkdtemp())
+    shared.chmod(0o1777)
+    try:
+        _await_the_daemon(tmp_path, shared / "daemon.pid", chdir, end, passes, **kw)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def _await_the_daemon(tmp_path: Path, pidfile: Path, chdir: bool, end: str, passes: bool, **kw: Any) -> None:
+    with _repair_in(tmp_path, 10, **kw) as (env, _):
         env.step(edit_action("mathutils.py", "    return a - b", _daemon(pidfile, chdir, end)))
         res = env.step("run_tests")
         pid = int(pidfile.read_text())
@@ -237,6 +248,7 @@ def test_code_repair_a_daemon_in_a_session_of_its_own_goes_with_the_run(tmp_path
 def _pid_namespaces_here() -> bool:
     """Whether a test run gets a PID namespace of its own here (its runner is pid 2 there)."""
     with tempfile.TemporaryDirectory() as tmp:
+        os.chmod(tmp, 0o1777)  # the run's own uid writes its pid there
         env = envpool.make("code-repair-v1", workdir_root=tmp)
         try:
             env.reset(options={"task": "mathutils"})
@@ -376,8 +388,10 @@ def test_code_repair_without_a_pid_namespace_a_daemon_whose_run_kills_its_keeper
             pytest.skip("no memory cgroup can be made here (cgroup v1's memory hierarchy, writable)")
         monkeypatch.setattr(code_repair_limits, "_pids_parent", lambda: None)
     monkeypatch.setattr(code_repair_runner, "PID_NAMESPACE", False)
-    # the keeper's death ends the run (its results cut short): what matters is the daemon
-    _run_and_await_the_daemon(tmp_path, chdir=True, end="kills_ancestors", passes=False)
+    # the keeper's death ends the run (its results cut short): what matters is the daemon.
+    # As the env process's own user (run_uid_base=None): under a uid of its own (as root) the
+    # module cannot kill its keeper, the hole this sweep covers where the env is not root
+    _run_and_await_the_daemon(tmp_path, chdir=True, end="kills_ancestors", passes=False, run_uid_base=None)
 
 
 def test_code_repair_a_runs_shared_memory_files_go_with_the_run(tmp_path):
