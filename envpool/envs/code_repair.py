@@ -399,10 +399,11 @@ class CodeRepairEnv(Env):
         hide = [str(root), str(root.resolve()), "/proc/self/cwd"]  # (the runner's path to it, at times)
         results = parse_results(run.results, len(checks))
         passed, lines = judge(task, checks, results, timed_out)
-        # every check reported: the run is judged on that, and an OOM kill after it (a child
-        # or thread still allocating when the last check returned, its kill counted once the
-        # results were in) is noted, not read as the run's end. Not an import that failed: the
-        # module's code ran then, and the kill may be what failed it (a helper it waited on)
+        # every check reported: the run is judged on that, and an OOM kill (a child or thread
+        # still allocating when the last check returned, its kill counted once the results were
+        # in) is noted, not read as the run's end. The note claims no order: where no OOM event
+        # ends the run, the kill may have come during a check whose result still came. Not an
+        # import that failed: the module's code ran then, and the kill may be what failed it
         all_in = "import" not in results and len(results) == len(checks)
         shown = _hide(run.output, hide).strip()
         if run.output_bytes > MAX_RAW_OUTPUT_BYTES:  # only its end was read
@@ -420,9 +421,9 @@ class CodeRepairEnv(Env):
             )
         if run.memory_limit_hit and all_in:
             lines.append(
-                "After all its results were in, the test run's processes together reached its memory "
-                f"limit, {limit} (memory_limit_bytes, for the whole run), and the kernel killed one of "
-                "them; the results stand."
+                "Every check reported its result; the test run's processes together also reached its "
+                f"memory limit, {limit} (memory_limit_bytes, for the whole run), and the kernel killed "
+                "one of them; the results stand."
             )
         elif run.memory_limit_hit:
             lines.append(
@@ -431,8 +432,8 @@ class CodeRepairEnv(Env):
             )
         if run.container_memory_kill and all_in:
             lines.append(
-                "After all its results were in, the kernel killed one of the test run's processes for "
-                "the memory of its container, which ran short; the results stand."
+                "Every check reported its result; the kernel also killed one of the test run's "
+                "processes for the memory of its container, which ran short; the results stand."
             )
         elif run.container_memory_kill:
             lines.append(

@@ -99,8 +99,8 @@ def test_an_oom_kill_after_every_result_is_in_leaves_a_passing_run_passed(tmp_pa
         assert res.info["all_passed"] and res.info["outcome"] == "success", text
         assert text.startswith("Tests: 3 passed, 0 failed."), text
         assert "stopped at its memory limit" not in text, text
-        # noted, as what it was: after the results, not their cause
-        note = "After all its results were in, the test run's processes together reached its memory limit"
+        # noted, as what it was: beside the results, not their cause
+        note = "Every check reported its result; the test run's processes together also reached"
         assert note in text and "160 MiB" in text and "the results stand" in text, text
         res = env.step("submit")
         assert res.reward == 1.0, res.obs.text
@@ -125,4 +125,4 @@ def test_an_oom_kill_before_every_result_is_in_still_fails_the_run_at_its_memory
         assert "PASS test_mathutils.py::test_add_negative" in text, text
         assert "FAIL test_mathutils.py::test_clamp: clamp(2, 0, 3) did not finish" in text, text
         assert "stopped at its memory limit: its processes together reached 160 MiB" in text, text
-        assert "After all its results were in" not in text, text
+        assert "Every check reported its result" not in text, text
