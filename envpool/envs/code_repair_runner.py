@@ -92,9 +92,11 @@ PID_NAMESPACE = True
 #   the run's own uid, UID_BASE + the keeper's pid, with a group of its own and no
 #   supplementary groups, for good (real, effective and saved ids): after the namespaces and
 #   the mount, which need root, and after its parent put the tree in its cgroups, before the
-#   module is imported. The keeper and the init stay root, out of the module's reach. Where
-#   the ids cannot be taken it writes {"uid_error"} and ends, never running the module as
-#   root; and it skips the user-namespace route below, whose map holds only root.
+#   module is imported (a library under a dir of root's alone is bind-mounted first, on the
+#   run's own tmpfs: mount_library). The keeper and the init stay root, out of the module's
+#   reach. Where the ids cannot be taken (or the library cannot be mounted) it writes
+#   {"uid_error"} and ends, never running the module as root; and it skips the
+#   user-namespace route below, whose map holds only root.
 #
 # When the runner ends, the keeper writes the done byte too (the run is over) and, without a
 # namespace, stays alive until killed: it is a child subreaper, so what the module started
@@ -152,13 +154,16 @@ def own_shm():
     # a tmpfs of the run's own on /dev/shm, in its own mount namespace (never the
     # container's): freed when the run's last process ends, with what the run wrote there
     # (charged to its memory cgroup), which the next run never sees. MS_REC | MS_PRIVATE
-    # first, so that the mount stays in the run's namespace
-    if os.path.isdir("/dev/shm") and libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) == 0:
-        libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 0x2 | 0x4, f"mode=1777,size={shm_bytes}".encode())
+    # first, so that the mount stays in the run's namespace. Whether it was made
+    opts = f"mode=1777,size={shm_bytes}".encode()
+    return (
+        os.path.isdir("/dev/shm")
+        and libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) == 0
+        and libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 0x2 | 0x4, opts) == 0
+    )
 
 isolated, own_mounts = unshare_pid()
-if own_mounts:
-    own_shm()
+shm_own = own_mounts and own_shm()
 if libc is not None:
     libc.prctl(1, 9)  # again: a change of credentials may clear it
     libc.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans of the run stay in its tree
@@ -214,16 +219,52 @@ def through(moved, path):
             return new + path[len(old):]
     return path
 
-def reach_library(held):
-    # the interpreter's library may lie under a dir of root's alone (a pyenv under /root): the
-    # run's uid reaches it through fds opened as root (its own, which its forks inherit), as
-    # a magic link that needs no search of the dirs above
-    moved = {}
-    for path, fd in held.items():
-        if os.access(path, os.R_OK | os.X_OK):
-            os.close(fd)
-        else:
-            moved[path] = f"/proc/self/fd/{fd}"
+def open_to_all(path):
+    # whether any user may list path and search every dir above it (the run's uid is none of
+    # their owners and its group is its own: the bits for others are its)
+    path = os.path.realpath(path)
+    if not os.stat(path).st_mode & 0o004:
+        return False
+    while True:
+        if not os.stat(path).st_mode & 0o001:
+            return False
+        if path == "/":
+            return True
+        path = os.path.dirname(path)
+
+def mount_library():
+    # the interpreter's library may lie under a dir of root's alone (a pyenv under /root). An fd
+    # to it, or its path through /proc/self/fd, would let the module climb by '..' to all that
+    # dir holds below it (/root/.pyenv, a project's files beside its venv): each such dir is
+    # bind-mounted instead, as root, on a dir of the run's own tmpfs (on /dev/shm, in its own
+    # mount namespace), whose '..' leads only back into that tmpfs. Returns {old path: new}
+    moved, mounts = {}, []
+    for path in sys.path:
+        try:
+            if os.path.isdir(path) and not open_to_all(path):
+                mounts.append(path)
+        except (OSError, TypeError, ValueError):
+            pass  # not a dir (a zip that is not there, a hook's name)
+    if not mounts:
+        return moved
+    # (the fallback, or no CLONE_NEWNS with the PID namespace: one of the runner's own)
+    if not shm_own and (libc is None or (not own_mounts and libc.unshare(0x20000) != 0) or not own_shm()):
+        raise PermissionError(
+            f"the interpreter's library ({mounts[0]}) is under a dir that only root may search, "
+            "and no tmpfs of the run's own could be mounted to lend it to the run: install Python "
+            "where every user may read it"
+        )
+    top = "/dev/shm/.envpool-lib"  # root's in a sticky dir: the module cannot move it
+    os.mkdir(top, 0o755)
+    for i, path in enumerate(mounts):
+        target = f"{top}/{i}"
+        os.mkdir(target, 0o755)
+        if libc.mount(path.encode(), target.encode(), None, 0x1000, None) != 0:  # MS_BIND
+            raise PermissionError(f"{path} could not be bind-mounted (errno {ctypes.get_errno()})")
+        moved[path] = target
+    return moved
+
+def reach_library(moved):
     if moved:
         sys.path[:] = [through(moved, p) if type(p) is str else p for p in sys.path]
         for m in list(sys.modules.values()):  # the packages imported already: their submodules
@@ -233,13 +274,8 @@ def reach_library(held):
 
 if run_uid is not None:
     ppid = os.getppid()
-    held = {}
-    for path in sys.path:
-        try:
-            held[path] = os.open(path, os.O_PATH | os.O_DIRECTORY)
-        except (OSError, TypeError, ValueError):
-            pass  # not a dir (a zip that is not there, a hook's name)
     try:
+        moved = mount_library()
         os.setgroups([])
         os.setresgid(run_uid, run_uid, run_uid)
         os.setresuid(run_uid, run_uid, run_uid)
@@ -260,7 +296,7 @@ if run_uid is not None:
         libc.prctl(4, 1)  # PR_SET_DUMPABLE, which it cleared too: /proc/self is the module's
     if os.getppid() != ppid:  # its parent died before prctl took effect
         os._exit(1)
-    reach_library(held)
+    reach_library(moved)
     if not os.access(here, os.R_OK | os.X_OK):  # a dir above the work dir is root's alone
         here = "/proc/self/cwd"  # (reached through the process, not the path)
 # bound before the module runs: what it patches in os or sys cannot stop the end below

@@ -32,12 +32,18 @@ The work dir is handed to the run's uid before each run (``hand_over``): the mod
 files and writes what it likes there, as before; the env process (root) reads and restores
 them whatever their owner. What else a run relies on: ``/dev/shm`` (its own tmpfs, mode 1777,
 or the container's) and ``/tmp`` are every user's; ``HOME`` is the work dir; ``TMPDIR`` is not
-set. The runner reaches the work dir by its cwd and the interpreter's library through fds it
-opened as root, should a dir above either be root's alone (a ``workdir_root`` under pytest's
-``/tmp/pytest-of-root``, a pyenv under ``/root``); but the module's own use of an absolute path
-there (``tempfile``'s, ``os.path.abspath``) fails then, as does a file it writes outside its
-work dir where its uid may not: give ``workdir_root`` dirs above it that every user may search
-(``/tmp``, the default, is).
+set. The runner reaches the work dir by its cwd, should a dir above it be root's alone (a
+``workdir_root`` under pytest's ``/tmp/pytest-of-root``); but the module's own use of an
+absolute path there (``tempfile``'s, ``os.path.abspath``) fails then, as does a file it writes
+outside its work dir where its uid may not, and '..' from its cwd reaches what lies below that
+root-only dir (other tests' dirs, there): give ``workdir_root`` dirs above it that every user
+may search and that hold nothing else (``/tmp``, the default, is so). The interpreter's
+library, where a dir above it is root's alone (a pyenv under ``/root``), is bind-mounted by the
+runner, as root, on ``/dev/shm/.envpool-lib/<n>`` in the run's own mount namespace and tmpfs,
+and ``sys.path`` points there: never an fd or a ``/proc/self/fd`` path to it, from which '..'
+climbs to all that the root-only dir holds below it (``/root/.pyenv``, a project's files
+beside its venv). A root without ``CAP_SYS_ADMIN`` cannot mount it, and refuses the run then
+(install Python where every user may read it).
 """
 
 from __future__ import annotations
