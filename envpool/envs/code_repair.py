@@ -27,7 +27,8 @@ For the schedulers, ``info["valid"]`` is False on an unknown, refused or failed 
 ``run_tests``/``submit`` set ``info["outcome"]``: ``"success"`` when every test passes,
 ``"timeout"`` when the run was killed at ``test_timeout_s``, else ``"test_failure"``.
 
-Paths are relative to the work dir; absolute paths and ``..`` are refused. Observations
+Paths are relative to the work dir; absolute paths, ``..``, a symlink out and a file with
+another link (a hard link, maybe to a file outside) are refused. Observations
 never show the work dir's location, so a seed and a list of actions replay the same
 episode.
 
@@ -316,6 +317,11 @@ class CodeRepairEnv(Env):
             if not full.is_relative_to(root):
                 return f"Refused {name!r}: it points outside the task dir."
             is_file = full.is_file()
+            if is_file and full.stat().st_nlink > 1:
+                # a hard link, maybe to a file outside that the policy's code may not read or
+                # write, but this process (root) may: where fs.protected_hardlinks is 0 a
+                # module running as a uid of its own can link any file on its file system
+                return f"Refused {name[:100]!r}: it has another link, maybe to a file outside the task dir."
         except OSError:  # a name the file system refuses (too long, a symlink loop): the
             # policy's mistake, answered like any other bad name; the error would show the
             # work dir, and raised it would mask the episode as an infra failure

@@ -259,3 +259,17 @@ def test_a_module_cannot_hard_link_a_root_only_file(open_dir, pid_namespace):
             assert "LINK REFUSED PermissionError" in text, text
         view = env.step("view notes.txt")
         assert "root's secret" not in view.obs.text, view.obs.text
+
+
+def test_a_hard_link_out_is_neither_viewed_nor_edited(open_dir):
+    # as a module where fs.protected_hardlinks is 0 would leave it (made here by the test)
+    secret = open_dir / "secret"
+    secret.write_text("root's secret\n")
+    secret.chmod(0o600)
+    with _env(open_dir) as env:
+        os.link(secret, env.env.workdir / "notes.txt")
+        view = env.step("view notes.txt")
+        assert "root's secret" not in view.obs.text and not view.info["valid"], view.obs.text
+        edit = env.step("edit notes.txt\n<<<<<<< SEARCH\nroot's\n=======\nthe policy's\n>>>>>>> REPLACE")
+        assert not edit.info["valid"], edit.obs.text
+    assert secret.read_text() == "root's secret\n"
