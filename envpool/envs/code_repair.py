@@ -74,7 +74,6 @@ import math
 import os
 import random
 import re
-import shutil
 import stat
 import tempfile
 from pathlib import Path, PurePosixPath
@@ -99,7 +98,12 @@ from envpool.envs.code_repair_runner import (
     run_checks,
 )
 from envpool.envs.code_repair_tasks import TASKS, TASKS_BY_NAME, Check, Raises, Task, Test, render_tests
-from envpool.envs.code_repair_user import DEFAULT_RUN_UID_BASE, check_run_uid_base, run_uid_base_for
+from envpool.envs.code_repair_user import (
+    DEFAULT_RUN_UID_BASE,
+    check_run_uid_base,
+    remove_tree,
+    run_uid_base_for,
+)
 
 MAX_VIEW_CHARS = 20_000
 MAX_OUTPUT_CHARS = 4_000
@@ -213,10 +217,7 @@ class CodeRepairEnv(Env):
 
     def _remove_workdir(self) -> None:
         if self.workdir is not None:
-            if self.workdir.is_symlink():  # the policy's code put it there (see _repair_workdir)
-                with contextlib.suppress(OSError):
-                    self.workdir.unlink()
-            shutil.rmtree(self.workdir, ignore_errors=True)
+            remove_tree(self.workdir)  # (a symlink the policy's code put there: unlinked)
             self.workdir = None
 
     def _repair_workdir(self) -> None:
@@ -382,7 +383,7 @@ class CodeRepairEnv(Env):
         test_file = root / task.test_file
         with contextlib.suppress(OSError):  # they are never run: a view says what is wrong
             if test_file.is_dir() and not test_file.is_symlink():
-                shutil.rmtree(test_file)
+                remove_tree(test_file)  # (however deep: shutil.rmtree recurses)
             else:
                 test_file.unlink(missing_ok=True)
             with open(test_file, "x", encoding="utf-8") as f:

@@ -29,7 +29,7 @@ from envpool.envs.code_repair_limits import (
     PidsCgroup,
     set_memory_limit,
 )
-from envpool.envs.code_repair_user import hand_over
+from envpool.envs.code_repair_user import hand_over, take_back
 from envpool.errors import EnvUsageError
 
 __all__ = [
@@ -598,6 +598,8 @@ def _await_end(
     # kill: in the second case what the run started left its tree, but maybe not this
     # process group nor the work dir. One scan of /proc, after every run
     kill_left_in(root)
+    if limits.run_uid_base is not None:  # nothing of the run is left: its uid may come back
+        take_back(root)
     return timed_out, oom_ended
 
 

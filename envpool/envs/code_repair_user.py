@@ -30,7 +30,12 @@ uid: its runs run as it, as before.
 
 The work dir is handed to the run's uid before each run (``hand_over``): the module reads its
 files and writes what it likes there, as before; the env process (root) reads and restores
-them whatever their owner. What else a run relies on: ``/dev/shm`` (its own tmpfs, mode 1777,
+them whatever their owner. Once the run has ended the work dir's top is root's again, mode 0700
+(``take_back``): a run's uid is its own only while the run lives (a later run, of any env,
+whose first process gets the same pid takes the same uid), and what the old uid left in the
+work dir must not be that one's to read or change. ``hand_over`` walks at most ``MAX_HANDED``
+entries, ``MAX_DEPTH`` deep: what a module left beyond stays its old uid's, out of every run's
+reach but root's. What else a run relies on: ``/dev/shm`` (its own tmpfs, mode 1777,
 or the container's) and ``/tmp`` are every user's; ``HOME`` is the work dir; ``TMPDIR`` is not
 set. The runner reaches the work dir by its cwd, should a dir above it be root's alone (a
 ``workdir_root`` under pytest's ``/tmp/pytest-of-root``); but the module's own use of an
@@ -53,7 +58,17 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["DEFAULT_RUN_UID_BASE", "RUN_UID_SPAN", "check_run_uid_base", "hand_over", "run_uid_base_for"]
+__all__ = [
+    "DEFAULT_RUN_UID_BASE",
+    "MAX_DEPTH",
+    "MAX_HANDED",
+    "RUN_UID_SPAN",
+    "check_run_uid_base",
+    "hand_over",
+    "remove_tree",
+    "run_uid_base_for",
+    "take_back",
+]
 
 DEFAULT_RUN_UID_BASE = 1_900_000_000
 RUN_UID_SPAN = 2**22
@@ -82,37 +97,132 @@ def run_uid_base_for(base: int | None) -> int | None:
     return base if base is not None and os.geteuid() == 0 else None
 
 
+MAX_HANDED = 100_000
+"""Entries of the work dir handed to a run at most (an honest module makes a few): a module
+that made millions would slow every later run's start, its own episode's."""
+MAX_DEPTH = 64
+"""Dirs below this depth of the work dir are not handed over (nor walked: a tree thousands
+deep broke a recursive walk). What is left is the old uid's, out of its reach (``take_back``)
+and unwritable by the new: the module's own clutter."""
+
+
 def hand_over(root: Path, uid: int) -> None:
     """Make ``root`` (the work dir, a directory of this process's: ``_repair_workdir``) and
     everything in it ``uid``'s (and group ``uid``'s), each readable and writable by its owner,
     so that the run's module reads its files and writes there as before (an earlier run's
-    files were another uid's). Race-free against what an earlier run left there: the walk
-    never follows a symlink (``os.fwalk``), each entry is opened with ``O_NOFOLLOW`` and
-    checked on its open file; only directories and regular files are changed, never a file
-    with another link (one that may be a file outside, linked in), never a symlink's target."""
-    _take(None, str(root), uid)
-    for _dir, dirs, files, dir_fd in os.fwalk(root, follow_symlinks=False):
-        for name in dirs + files:
-            _take(dir_fd, name, uid)
+    files were another uid's). Race-free against what an earlier run left there: no symlink
+    is followed (each entry, dirs too, is opened with ``O_NOFOLLOW`` relative to its dir's fd
+    and checked on its open file); only directories and regular files are changed, never a
+    file with another link (one that may be a file outside, linked in), never a symlink's
+    target. At most ``MAX_HANDED`` entries, ``MAX_DEPTH`` deep."""
+    top = _take(None, str(root), uid)
+    if top is not None:
+        try:
+            _hand_over_in(top, uid, 1, [MAX_HANDED])
+        finally:
+            os.close(top)
 
 
-def _take(dir_fd: int | None, name: str, uid: int) -> None:
+def take_back(root: Path) -> None:
+    """``root`` (the work dir) this process's again, mode 0700, once a run has ended: between
+    runs no uid reaches what it holds. (Its uid was the run's alone only while the run lived:
+    a later run, of any env, whose first process gets the same pid takes the same uid.)"""
+    with contextlib.suppress(OSError):  # the module put something else there: _repair_workdir
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fchown(fd, os.geteuid(), os.getegid())
+            os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
+
+
+def _hand_over_in(dir_fd: int, uid: int, depth: int, left: list[int]) -> None:
+    with contextlib.suppress(OSError), os.scandir(dir_fd) as entries:
+        for entry in entries:
+            if left[0] <= 0:
+                return
+            left[0] -= 1
+            fd = _take(dir_fd, entry.name, uid)
+            if fd is not None:
+                try:
+                    if depth < MAX_DEPTH:
+                        _hand_over_in(fd, uid, depth + 1, left)
+                finally:
+                    os.close(fd)
+
+
+def _take(dir_fd: int | None, name: str, uid: int) -> int | None:
+    """Take one entry; an fd of it where it is a directory, to walk (the caller closes it)."""
     with contextlib.suppress(OSError):  # gone meanwhile, or not a file to take: left as it is
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
-            return  # (never opened: a fifo would block, a device may act)
+            return None  # (never opened: a fifo would block, a device may act)
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
         fd = os.open(name, flags, dir_fd=dir_fd)
         try:
             st = os.fstat(fd)
             if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-                return  # a hard link: maybe to a file outside the work dir
+                return None  # a hard link: maybe to a file outside the work dir
             if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
-                return
+                return None
             if st.st_uid != uid or st.st_gid != uid:
                 os.fchown(fd, uid, uid)
             need = 0o700 if stat.S_ISDIR(st.st_mode) else 0o600
             if st.st_mode & need != need:
                 os.fchmod(fd, stat.S_IMODE(st.st_mode) | need)
+            if stat.S_ISDIR(st.st_mode):
+                fd, kept = -1, fd
+                return kept
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
+    return None
+
+
+def remove_tree(root: Path) -> None:
+    """Remove the dir ``root`` and all below it, however deep (``shutil.rmtree`` recurses, and
+    a module's tree thousands deep raised ``RecursionError`` from it), never following a
+    symlink: each dir found is moved up into ``root`` under a fresh name, then emptied."""
+    try:
+        top = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(root)  # a symlink or a file in its place
+        return
+    try:
+        todo: list[str] = []
+        fresh = 0
+        with contextlib.suppress(OSError), os.scandir(top) as entries:
+            todo = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+        _empty(top)
+        while todo:
+            name = todo.pop()
+            with contextlib.suppress(OSError):
+                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=top)
+                try:
+                    with os.scandir(fd) as entries:
+                        subdirs = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+                    for sub in subdirs:
+                        fresh += 1
+                        moved = f".envpool-rm-{fresh}"
+                        with contextlib.suppress(OSError):
+                            os.rename(sub, moved, src_dir_fd=fd, dst_dir_fd=top)
+                            todo.append(moved)
+                    _empty(fd)
+                finally:
+                    os.close(fd)
+                os.rmdir(name, dir_fd=top)
+    finally:
+        os.close(top)
+    with contextlib.suppress(OSError):
+        os.rmdir(root)
+
+
+def _empty(dir_fd: int) -> None:
+    """Unlink every entry of ``dir_fd`` but its dirs."""
+    names: list[str] = []
+    with contextlib.suppress(OSError), os.scandir(dir_fd) as entries:
+        names = [e.name for e in entries if not e.is_dir(follow_symlinks=False)]
+    for name in names:
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=dir_fd)

@@ -26,6 +26,7 @@ import pytest
 import envpool
 import envpool.envs  # registers the built-ins
 from envpool.envs import code_repair_runner
+from envpool.envs.code_repair_user import remove_tree
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="the uid is dropped only where the env process is root (euid 0)"
@@ -52,7 +53,7 @@ def open_dir() -> Iterator[Path]:
     try:
         yield path
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path)  # (however deep the module's tree: shutil.rmtree recurses)
 
 
 @contextlib.contextmanager
@@ -273,3 +274,62 @@ def test_a_hard_link_out_is_neither_viewed_nor_edited(open_dir):
         edit = env.step("edit notes.txt\n<<<<<<< SEARCH\nroot's\n=======\nthe policy's\n>>>>>>> REPLACE")
         assert not edit.info["valid"], edit.obs.text
     assert secret.read_text() == "root's secret\n"
+
+
+# the work dir between runs: its files were the last run's uid's, and that uid comes back to a
+# later run (of any env) whose first process gets the same pid: it must not reach them then
+def test_a_later_process_of_a_run_uid_cannot_reach_the_work_dir(open_dir, pid_namespace):
+    with _env(open_dir) as env:
+        text = _run_module(env, 'import os as _os\nprint("UID", _os.getuid())\n')
+        uid = int(re.search(r"UID (\d+)", text)[1])  # type: ignore[index]
+        workdir = env.env.workdir
+        out = subprocess.run(
+            ["/bin/sh", "-c", f"ls {workdir} && echo planted > {workdir}/mathutils.py && echo REACHED"],
+            user=uid,
+            group=uid,
+            extra_groups=[],
+            cwd="/",
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert "REACHED" not in out.stdout, out.stdout + out.stderr
+        assert "planted" not in (workdir / "mathutils.py").read_text()
+        assert env.step("run_tests").info["all_passed"]  # (handed to the next run all the same)
+
+
+# a tree deeper than the walk's recursion: the next run's hand_over raised RecursionError (the
+# step an infra failure, run after run); and the env's close too
+_DEEP = """
+import os as _os
+if not _os.path.exists("d"):
+    _fd = _os.open(".", _os.O_RDONLY)
+    for _ in range(3000):
+        _os.mkdir("d", dir_fd=_fd)
+        _next = _os.open("d", _os.O_RDONLY, dir_fd=_fd)
+        _os.close(_fd)
+        _fd = _next
+"""
+
+
+def test_a_very_deep_tree_does_not_break_later_runs(open_dir):
+    with _env(open_dir) as env:
+        _run_module(env, _DEEP)
+        res = env.step("run_tests")
+        assert res.info["all_passed"], res.obs.text
+        assert env.step("submit").reward == 1.0
+        workdir = env.env.workdir
+    assert not workdir.exists()  # (removed at close, however deep)
+
+
+def test_removing_a_work_dir_follows_no_symlink(open_dir):
+    outside = open_dir / "outside"
+    (outside / "sub").mkdir(parents=True)
+    (outside / "sub" / "f").write_text("kept")
+    tree = open_dir / "tree"
+    (tree / "a" / "b").mkdir(parents=True)
+    (tree / "a" / "b" / "f").write_text("x")
+    (tree / "a" / "out").symlink_to(outside)
+    (tree / "a" / "b" / "outfile").symlink_to(outside / "sub" / "f")
+    remove_tree(tree)
+    assert not tree.exists() and (outside / "sub" / "f").read_text() == "kept"
