@@ -49,6 +49,26 @@ and ``sys.path`` points there: never an fd or a ``/proc/self/fd`` path to it, fr
 climbs to all that the root-only dir holds below it (``/root/.pyenv``, a project's files
 beside its venv). A root without ``CAP_SYS_ADMIN`` cannot mount it, and refuses the run then
 (install Python where every user may read it).
+
+What this does not cover (limits): the module writes the results file and the done fd it
+inherits, so it can forge results (which pass only with the right values: answers fitted to
+the visible tests, as ``code_repair`` says). Its process is dumpable again after the change
+of uid, as it is under a non-root env: ``/proc/self`` is its own, and only processes of its
+uid (its run's) may trace it; a crash writes a core file (``kernel.core_pattern`` a plain
+name) into its work dir as its uid, up to the ``RLIMIT_CORE`` it inherits, like the files it
+may write (16 MiB each, no bound on their number): no disk quota binds a run, so give the
+server ``ulimit -c 0`` and a ``workdir_root`` on a file system of its own where that matters.
+``/proc`` is not remounted: the module sees every process of the server's PID namespace and
+its command line (not its environment, fds or memory, which are root's): keep secrets off
+command lines, or mount ``/proc`` with ``hidepid=2``. Uids are unique among the live runs of
+one PID namespace: servers in two (two containers of the host's root, with one user
+namespace and the same base) can give two live runs one uid; neither sees the other's pids,
+but a file system both mount (a shared ``workdir_root``, the host's ``/dev/shm``) is open
+between them: give each its own ``run_uid_base`` (``RUN_UID_SPAN`` apart). Nothing of a run
+outlives it (its PID namespace, or the keeper's tree and cgroups, and the kills after every
+run), but where the env process itself is killed (SIGKILL) without a PID namespace, what the
+module forked loses its keeper and lives on, as the uid that still owns the work dir: the
+container's kill is what takes it then.
 """
 
 from __future__ import annotations

@@ -333,3 +333,42 @@ def test_removing_a_work_dir_follows_no_symlink(open_dir):
     (tree / "a" / "b" / "outfile").symlink_to(outside / "sub" / "f")
     remove_tree(tree)
     assert not tree.exists() and (outside / "sub" / "f").read_text() == "kept"
+
+
+def test_a_work_dir_opened_to_all_is_closed_again_after_the_run(open_dir, pid_namespace):
+    # chmod 0777 of its own work dir (or an ACL entry, which the 0700 masks): between runs no
+    # uid but root's enters it, whatever the last run made of its mode
+    with _env(open_dir) as env:
+        _run_module(env, 'import os as _os\n_os.chmod(".", 0o777)\n')
+        st = env.env.workdir.stat()
+        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o700)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux)")
+def test_root_of_a_user_namespace_without_the_uid_refuses(open_dir):
+    # root inside a user namespace whose map holds root alone (rootless containers map a few
+    # thousand ids): the run's uid is not in it, and the run refuses rather than run as root
+    work = open_dir / "work"
+    work.mkdir()
+    work.chmod(0o755)
+    script = (
+        "import envpool, envpool.envs\n"
+        "from envpool.errors import EnvUsageError\n"
+        f"env = envpool.make('code-repair-v1', workdir_root={str(work)!r})\n"
+        "env.reset(options={'task': 'mathutils'})\n"
+        "try:\n"
+        "    print('RAN', env.step('run_tests').obs.text)\n"
+        "except EnvUsageError as e:\n"
+        "    print('REFUSED:', e)\n"
+        "env.close()\n"
+    )
+    out = subprocess.run(
+        ["unshare", "--user", "--map-root-user", sys.executable, "-c", script],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if "unshare failed" in out.stderr:
+        pytest.skip(f"no user namespace here: {out.stderr.strip()}")
+    assert "REFUSED:" in out.stdout and "run_uid_base" in out.stdout, out.stdout + out.stderr
