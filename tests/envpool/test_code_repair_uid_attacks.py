@@ -372,3 +372,26 @@ def test_root_of_a_user_namespace_without_the_uid_refuses(open_dir):
     if "unshare failed" in out.stderr:
         pytest.skip(f"no user namespace here: {out.stderr.strip()}")
     assert "REFUSED:" in out.stdout and "run_uid_base" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_module_cannot_read_root_processes_environ_fds_or_cwd(open_dir, pid_namespace):
+    # /proc is not remounted for a run: the env process (and the run's keeper) are there by
+    # their outer pids, and only their command lines may be read (the limit written down)
+    me = os.getpid()
+    code = (
+        "import os as _os\n"
+        f"for _pid in ({me}, _os.getppid()):\n"
+        "    for _what, _f in (('environ', lambda p: open(f'/proc/{p}/environ', 'rb').read()),\n"
+        "                      ('fd', lambda p: _os.listdir(f'/proc/{p}/fd')),\n"
+        "                      ('cwd', lambda p: _os.readlink(f'/proc/{p}/cwd')),\n"
+        "                      ('maps', lambda p: open(f'/proc/{p}/maps').read())):\n"
+        "        try:\n"
+        "            _f(_pid)\n"
+        "            print('READ', _what, _pid)\n"
+        "        except OSError as _e:\n"
+        "            print('REFUSED', _what, type(_e).__name__)\n"
+    )
+    with _env(open_dir) as env:
+        text = _run_module(env, code)
+        assert "READ" not in text, text
+        assert text.count("REFUSED") == 8, text
