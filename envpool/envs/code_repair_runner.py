@@ -221,16 +221,18 @@ def through(moved, path):
 
 def open_to_all(path):
     # whether any user may list path and search every dir above it (the run's uid is none of
-    # their owners and its group is its own: the bits for others are its)
-    path = os.path.realpath(path)
-    if not os.stat(path).st_mode & 0o004:
-        return False
-    while True:
-        if not os.stat(path).st_mode & 0o001:
+    # their owners and its group is its own: the bits for others are its), on its way as
+    # written (a symlink in it under /root) and as resolved
+    for p in {os.path.abspath(path), os.path.realpath(path)}:
+        if not os.stat(p).st_mode & 0o004:
             return False
-        if path == "/":
-            return True
-        path = os.path.dirname(path)
+        while True:
+            if not os.stat(p).st_mode & 0o001:
+                return False
+            if p == "/":
+                break
+            p = os.path.dirname(p)
+    return True
 
 def mount_library():
     # the interpreter's library may lie under a dir of root's alone (a pyenv under /root). An fd

@@ -395,3 +395,39 @@ def test_a_module_cannot_read_root_processes_environ_fds_or_cwd(open_dir, pid_na
         text = _run_module(env, code)
         assert "READ" not in text, text
         assert text.count("REFUSED") == 8, text
+
+
+def test_a_library_reached_by_a_symlink_under_a_root_only_dir_is_lent(open_dir):
+    # (not an attack: the mount's decision) a venv whose path runs through a dir of root's
+    # alone by a symlink, to a dir every user may read: the path the module is given must be
+    # one its uid can walk, so the dir is mounted, whatever its resolved path
+    base = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    (open_dir / "open").mkdir()
+    venv = open_dir / "open" / "venv"
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    (site := next(venv.glob("lib/python3*/site-packages"))).chmod(0o755)
+    (site / "sitemark.py").write_text("MARK = 42\n")
+    hidden = open_dir / "ro"
+    hidden.mkdir(mode=0o700)
+    (hidden / "link").symlink_to(venv)
+    work = open_dir / "work"
+    work.mkdir()
+    work.chmod(0o755)
+    edit = _edit("def add", "import sitemark\nprint(sitemark.MARK)\ndef add")
+    script = (
+        "import envpool, envpool.envs\n"
+        f"env = envpool.make('code-repair-v1', workdir_root={str(work)!r})\n"
+        "env.reset(options={'task': 'mathutils'})\n"
+        f"env.step({edit!r})\n"
+        "print(env.step('run_tests').obs.text)\n"
+        "env.close()\n"
+    )
+    deps = [p for p in sys.path if p.endswith("site-packages")]
+    out = subprocess.run(
+        [str(hidden / "link" / "bin" / "python"), "-c", script],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), *deps])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "Output of the run:\n42" in out.stdout, out.stdout + out.stderr
