@@ -223,7 +223,7 @@ def remove_tree(root: Path) -> None:
                     with os.scandir(fd) as entries:
                         subdirs = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
                     for sub in subdirs:
-                        fresh += 1
+                        fresh = _unused(top, fresh)  # (the module may have made one so named)
                         moved = f".envpool-rm-{fresh}"
                         with contextlib.suppress(OSError):
                             os.rename(sub, moved, src_dir_fd=fd, dst_dir_fd=top)
@@ -236,6 +236,18 @@ def remove_tree(root: Path) -> None:
         os.close(top)
     with contextlib.suppress(OSError):
         os.rmdir(root)
+
+
+def _unused(top: int, after: int) -> int:
+    """The first n past ``after`` that names nothing in ``top`` as ``.envpool-rm-n``: a rename
+    onto a dir the module made so would fail (or replace it), and leave the tree behind."""
+    n = after + 1
+    while True:
+        try:
+            os.stat(f".envpool-rm-{n}", dir_fd=top, follow_symlinks=False)
+        except OSError:  # (FileNotFoundError: free; any other: the rename says)
+            return n
+        n += 1
 
 
 def _empty(dir_fd: int) -> None:
