@@ -362,6 +362,10 @@ _CORRECTION = re.compile(
     # the candidate: math, or a short run without a space (bounded: a long line of denials is
     # looked at once per denial, so each look is short)
     r"(?:\$[^$\n]{1,300}\$|\\\(.{0,300}?\\\)|[^\s,;$]{1,100}?)[*_]*"
+    # its unit, or a few words that name what it counts ("not 6 apples but 7"), none that
+    # starts a clause of its own ("not 5 since that is 3 more" corrects nothing)
+    r"(?:[ \t]+(?!(?:but|rather|instead|it|that|because|since|as|so|if|when|while|which|and|or)\b)"
+    r"[A-Za-z]{1,30}){0,3}"
     r"[ \t]*[,;.]?[ \t]*(?<![\w'])(?:but|rather|instead|it(?:'s|[ \t]+is)|that(?:'s|[ \t]+is))"
     r"(?:[ \t]+(?:rather|instead|actually|it(?:'s|[ \t]+is)))*[ \t]*,?[ \t]+[*_]*"
     r"(?=[-+]?\$?[\d.]|\$|\\|\(|(?-i:[A-Z])(?![\w'-]))",

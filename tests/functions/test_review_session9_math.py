@@ -1,0 +1,34 @@
+"""Session 9's last review of the math answer negations: honest phrasings that must score."""
+
+from __future__ import annotations
+
+import pytest
+
+from functions.rewards.math import extract_final, math_answer
+
+
+@pytest.mark.parametrize(
+    ("text", "truth"),
+    [
+        # a correction after a candidate with its unit: the candidate ran to the sentence's
+        # end ("6 apples but 7 apples"), so the correction after it was never read
+        ("The answer is not 6 apples but 7 apples.", "7"),
+        ("The answer is not 6 hours but 6 minutes.", "6"),
+        ("The answer isn't 3 cm, but rather 4 cm.", "4"),
+        ("The final answer can't be 10 dollars but 12 dollars.", "12"),
+    ],
+)
+def test_a_correction_after_a_candidate_with_a_unit_is_the_answer(text, truth):
+    assert math_answer(text, ground_truth=truth).score == 1.0, extract_final(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The answer is not 5 apples but it is close to 5 apples.",
+        "The answer is not 5 apples but something near it.",
+        "The answer is not 5 when n is even and odd at once but more.",
+    ],
+)
+def test_no_correction_still_reads_nothing(text):
+    assert extract_final(text) == (None, "none")
