@@ -58,7 +58,9 @@ _SPACE_ASIDE = re.compile(
     r"|(?:but|and|so|if|unless)[ \t]+(?:i(?=[ \t]+" + _WRITER_DOES + r")|i'm|we|we're|let|let's|"
     r"that's|this|it's|it(?=[ \t]+[a-z])|that(?=[ \t]+(?:is|was|matches|checks|works|agrees|fits|"
     r"holds|seems|looks|makes|gives|satisfies)\b))(?![\w'])"
-    r"|though(?=[ \t]*(?:[.!,;]|$)))",
+    r"|though(?=[ \t]*(?:[.!,;]|$))"
+    # another value it is not: "12 and not 13" (before a number or math only: "p and not q")
+    r"|and[ \t]+not[ \t]+(?=[-+]?\$?\d|\$|\\))",
     re.IGNORECASE,
 )
 

@@ -32,3 +32,22 @@ def test_a_correction_after_a_candidate_with_a_unit_is_the_answer(text, truth):
 )
 def test_no_correction_still_reads_nothing(text):
     assert extract_final(text) == (None, "none")
+
+
+@pytest.mark.parametrize(
+    ("text", "truth"),
+    [
+        # ", not 13" ended the stated answer, "and not 13" did not: "12 and not 13" matched nothing
+        ("The answer is 12 and not 13.", "12"),
+        ("So the answer is $\\frac{1}{2}$ and not $\\frac{1}{3}$.", "1/2"),
+        ("The final answer is 7 and not -7, since lengths are positive.", "7"),
+    ],
+)
+def test_an_answer_then_and_not_another_states_the_first(text, truth):
+    assert math_answer(text, ground_truth=truth).score == 1.0, extract_final(text)
+
+
+def test_and_not_before_a_word_stays_part_of_a_text_answer():
+    from functions.rewards.answer import extract_answer
+
+    assert extract_answer("The answer is p and not q.").rstrip(".") == "p and not q"
