@@ -251,7 +251,7 @@ class _Rejections:
         self._text = text
         self._at: dict[str, list[int]] = {key: [0] for key in at_start}  # key -> sorted positions
         self._all = [0] if at_start else []  # every rejection's position, sorted
-        self._sentences = [m.end() for m in _SENTENCE_END.finditer(text)]  # where each starts
+        self._sentences: list[int] = []  # where each sentence starts: found by sort(), if needed
 
     def add(self, value: str, pos: int) -> None:
         self._at.setdefault(_key(value), []).append(pos)
@@ -260,6 +260,8 @@ class _Rejections:
     def sort(self) -> None:
         for positions in (self._all, *self._at.values()):
             positions.sort()
+        if self._all:  # (the usual text rejects nothing: no scan of it for sentences)
+            self._sentences = [m.end() for m in _SENTENCE_END.finditer(self._text)]
 
     def restates(self, value: str, pos: int) -> bool:
         """Whether ``value`` at ``text[pos]`` repeats a value rejected earlier in its sentence."""
