@@ -158,7 +158,7 @@ def stated_answer(text: str) -> str | None:
     "The final answer is $\\frac{1}{2}$. I hope it is correct." states ``$\\frac{1}{2}$``, and
     up to a clause or an aside after it ("42, because ...", "42 (six times seven)", see
     ``without_aside``); markdown emphasis around it goes (``**42**``, see ``unemphasize``).
-    "the answer is correct" (or reasonable, right, wrong...) judges an answer rather than
+    "the answer is correct" (or reasonable, right, wrong, not obvious...) judges an answer rather than
     states one: the marker before it counts ("The answer is 42. Let me check that the answer
     is correct." states 42), and so does it before one that denies a candidate ("the answer is
     not 5"), unless it states that candidate ("The answer is 5. Wait, the answer is not 5":
@@ -308,7 +308,11 @@ _HEDGE = re.compile(_TERM_AFTER_HEDGE + _HEDGE_WORDS + r"[ \t]*,?[ \t]+(?=\S)", 
 _VERDICT = re.compile(
     r"(?:(?:" + _HEDGE_WORDS + r"|still|now|just|not)[ \t]+){0,3}"
     r"(?:(?:correct|right|wrong|incorrect|reasonable|plausible|consistent|valid|sound|accurate|"
-    r"confirmed|verified|checked|ok|okay|fine|mistaken)"
+    r"confirmed|verified|checked|ok|okay|fine|mistaken"
+    # how hard it is to see, not what it is: "not obvious" ("the answer is clear" may answer,
+    # and "not simple" may: a group's, so only "not so simple" judges)
+    r"|not[ \t]+(?:(?:immediately|entirely|completely|quite|so|that|very)[ \t]+)?"
+    r"(?:obvious|clear|apparent|evident|straightforward|easy|trivial)|not[ \t]+(?:so|that|quite)[ \t]+simple)"
     r"(?=[ \t]*(?:[.,;:!?)]|\r?\n|\Z)|[ \t]+(?:because|since|as|and|so|but|for|if|when|given|here|"
     r"though|although|too|either|then|anyway|again|after|actually|i|we|in|to|there|now|"
     r"overall|at|by|with|according|based|on|upon|indeed|this|that)\b)"

@@ -51,3 +51,26 @@ def test_and_not_before_a_word_stays_part_of_a_text_answer():
     from functions.rewards.answer import extract_answer
 
     assert extract_answer("The answer is p and not q.").rstrip(".") == "p and not q"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # "the answer is not obvious" judges how hard the answer is to see; it was read as the
+        # stated answer ("not obvious"), and the computed one after it never counted
+        "The answer is not obvious, but after computing we get 42.",
+        "The answer is not immediately clear. Computing, we get 42.",
+        "The answer is not straightforward; we compute 6 * 7 = 42.",
+        "The final answer is not so simple here: 6 * 7 = 42.",
+    ],
+)
+def test_not_obvious_judges_the_answer_rather_than_states_one(text):
+    assert math_answer(text, ground_truth="42").score == 1.0, extract_final(text)
+
+
+def test_an_answer_that_is_an_adjective_still_stands():
+    from functions.rewards.answer import extract_answer
+
+    assert extract_answer("The answer is clear.").rstrip(".") == "clear"
+    assert extract_answer("The answer is simple harmonic motion.").rstrip(".") == "simple harmonic motion"
+    assert extract_answer("The answer is not simple.").rstrip(".") == "not simple"  # (a group)
