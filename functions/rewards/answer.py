@@ -370,7 +370,7 @@ _CORRECTION = re.compile(
     # starts a clause of its own ("not 5 since that is 3 more" corrects nothing)
     r"(?:[ \t]+(?!(?:but|rather|instead|it|that|because|since|as|so|if|when|while|which|and|or)\b)"
     r"[A-Za-z]{1,30}){0,3}"
-    r"[ \t]*[,;.]?[ \t]*(?<![\w'])(?:but|rather|instead|it(?:'s|[ \t]+is)|that(?:'s|[ \t]+is))"
+    r"[ \t]*[,;.:\u2013\u2014-]?[ \t]*(?<![\w'])(?:but|rather|instead|it(?:'s|[ \t]+is)|that(?:'s|[ \t]+is))"
     r"(?:[ \t]+(?:rather|instead|actually|it(?:'s|[ \t]+is)))*[ \t]*,?[ \t]+[*_]*"
     r"(?=[-+]?\$?[\d.]|\$|\\|\(|(?-i:[A-Z])(?![\w'-]))",
     re.IGNORECASE,

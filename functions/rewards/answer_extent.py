@@ -59,8 +59,10 @@ _SPACE_ASIDE = re.compile(
     r"that's|this|it's|it(?=[ \t]+[a-z])|that(?=[ \t]+(?:is|was|matches|checks|works|agrees|fits|"
     r"holds|seems|looks|makes|gives|satisfies)\b))(?![\w'])"
     r"|though(?=[ \t]*(?:[.!,;]|$))"
-    # another value it is not: "12 and not 13" (before a number or math only: "p and not q")
-    r"|and[ \t]+not[ \t]+(?=[-+]?\$?\d|\$|\\))",
+    # another value it is not: "12 and not 13", "5 — not 6", "5 rather than 6" (before a number
+    # or math only: "p and not q", "3 not counting zero", "water rather than ice")
+    r"|(?:(?:and|[-\u2013\u2014])[ \t]+)?not[ \t]+(?=[-+]?\$?\d|\$|\\)"
+    r"|(?:rather[ \t]+than|instead[ \t]+of)[ \t]+(?=[-+]?\$?\d|\$|\\))",
     re.IGNORECASE,
 )
 

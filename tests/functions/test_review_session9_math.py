@@ -74,3 +74,28 @@ def test_an_answer_that_is_an_adjective_still_stands():
     assert extract_answer("The answer is clear.").rstrip(".") == "clear"
     assert extract_answer("The answer is simple harmonic motion.").rstrip(".") == "simple harmonic motion"
     assert extract_answer("The answer is not simple.").rstrip(".") == "not simple"  # (a group)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # the value it is not, after the answer, was read as part of it ("5 rather than 6")
+        "The answer is 5 not 6.",
+        "The answer is 5 — not 6.",
+        "The answer is 5 - not 6.",
+        "The answer is 5 rather than 6.",
+        "The answer is 5 instead of $6$.",
+        # a correction after a dash was not one ("not 6 - it is 5" read nothing)
+        "The answer is not 6 - it is 5.",
+        "The answer is not 6 — it's 5.",
+    ],
+)
+def test_the_value_it_is_not_is_not_part_of_the_answer(text):
+    assert math_answer(text, ground_truth="5").score == 1.0, extract_final(text)
+
+
+def test_not_before_a_word_stays_part_of_an_answer():
+    from functions.rewards.answer import extract_answer
+
+    assert extract_answer("The answer is 3 not counting zero.").rstrip(".") == "3 not counting zero"
+    assert extract_answer("The answer is water rather than ice.").rstrip(".") == "water rather than ice"
