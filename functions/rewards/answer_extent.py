@@ -74,7 +74,8 @@ def without_aside(s: str) -> str:
     and brackets: a ``,`` before a word that starts one (because, since, which, as, so, where,
     the, this, after...), a ``;`` before a word, `` (`` before a word ("42 (six times seven)"),
     or one of the connectives because, since, which, where (not a bare "as" or "so", which
-    text answers hold: "as good as new", "so-called"): "42, because 6 times 7 is
+    text answers hold: "as good as new", "so-called"), or a value it is not ("12 and not 13",
+    "5 — not 6", "5 rather than 6": before a number or math): "42, because 6 times 7 is
     42" states 42, "Paris, the capital" Paris. Number lists (``1, 2, 3``), points (``(1, 2)``)
     and "42 (or 43)" stay whole. Only the first ``MAX_ANSWER_CHARS`` characters are looked at:
     a cut later would leave an answer too long to match anything."""
