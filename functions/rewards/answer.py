@@ -162,7 +162,8 @@ def stated_answer(text: str) -> str | None:
     states one: the marker before it counts ("The answer is 42. Let me check that the answer
     is correct." states 42), and so does it before one that denies a candidate ("the answer is
     not 5"), unless it states that candidate ("The answer is 5. Wait, the answer is not 5":
-    withdrawn); with no marker before it the denial is what the text states (``not 5``, which
+    withdrawn; a question, "What if the answer is not 5?", denies nothing); with no marker
+    before it the denial is what the text states (``not 5``, which
     matches nothing), unless a correction follows the candidate ("not 5 but 6", "not 5. It is
     6": the correction is the answer). "the answer isn't 5" (or "can't be", "cannot be",
     "won't be"... before a number, math or a choice letter) and a marker the writer
@@ -221,6 +222,8 @@ def _stated_answer(text: str, pos: int = 0) -> tuple[str, int, tuple[str, int, s
             hedge = _HEDGE.match(text, i)  # "I don't think the answer is really 5"
             candidate = hedge.end() if hedge and text[i].islower() else i
         if candidate is not None:
+            if _QUESTION.match(text, candidate):
+                continue  # "What if the answer is not 5?" asks; it denies nothing, nor states
             if (corrected := _correction(text, candidate)) is not None:
                 return _answer_at(text, corrected)[0], start, None
             if denial is None:
@@ -254,6 +257,8 @@ def _disbelief_before(text: str, start: int) -> int | None:
 # short run without a space ("5", "(B)", "\frac{1}{2}"); bounded, as _CORRECTION's
 _CANDIDATE = re.compile(r"\$[^$\n]{1,300}\$|\\\(.{0,300}?\\\)|[^\s,;]{1,100}")
 _BOUNDED = 400  # how much of a stated answer is read to compare it with the candidates
+# a candidate that ends a question ("What if the answer is not 5?"): bounded as _CANDIDATE
+_QUESTION = re.compile(r"(?:\$[^$\n]{1,300}\$|\\\(.{0,300}?\\\)|[^\s,;?]{1,100})[*_]*[ \t]*\?")
 
 
 def answer_key(answer: str) -> str:

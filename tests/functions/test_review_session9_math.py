@@ -99,3 +99,21 @@ def test_not_before_a_word_stays_part_of_an_answer():
 
     assert extract_answer("The answer is 3 not counting zero.").rstrip(".") == "3 not counting zero"
     assert extract_answer("The answer is water rather than ice.").rstrip(".") == "water rather than ice"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # a question asks whether the answer is not 5; it denies nothing, and withdrew the 5
+        "The answer is 5.\nWhat if the answer is not 5? Then 2 + 3 would differ.",
+        "The answer is 5. Is it possible that the answer isn't 5? Checking 2 + 3 again, no.",
+        "So the answer is $5$. But what if the answer can't be $5$? We verify: 2 + 3 works.",
+    ],
+)
+def test_a_question_whether_the_answer_is_not_it_withdraws_nothing(text):
+    assert math_answer(text, ground_truth="5").score == 1.0, extract_final(text)
+
+
+def test_a_denial_that_is_no_question_still_withdraws():
+    assert extract_final("The answer is 5. Wait, the answer is not 5.") == (None, "none")
+    assert math_answer("The answer is not 5. What is it then? It is 6.", ground_truth="6").score == 1.0
