@@ -233,7 +233,10 @@ class Connection(asyncio.Protocol):
     # -- requests
     def send(self, msg: dict[str, Any]) -> None:
         if self.broken is not None:
-            raise type(self.broken)(str(self.broken))
+            # (its "may have run" is the earlier request's: this one never left)
+            raise type(self.broken)(
+                f"{self.broken}. This request was not sent: the connection broke before it"
+            )
         if self.transport is None or self.transport.is_closing():
             raise ConnectionLost("the session connection is closed")
         try:

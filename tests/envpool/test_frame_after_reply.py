@@ -21,8 +21,9 @@ async def test_a_reply_read_with_garbage_after_it_is_delivered_and_the_next_requ
             pid = s.container.pid
             out = await s.step("a")
             assert out.obs.text == "a #1" and out.reward == 1.0
-            with pytest.raises(GarbledFrame, match=r"b.DEBUG stepped\\n"):
+            with pytest.raises(GarbledFrame, match=r"b.DEBUG stepped\\n") as err:
                 await s.step("b")
+            assert str(err.value).endswith("This request was not sent: the connection broke before it")
             assert s.container is None and s.status == "ok"  # discarded; the session lives on
         stats = p.stats()
         assert stats["protocol_errors"] == 1 and stats["garbled_frames"] == 1, stats
