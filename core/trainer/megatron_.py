@@ -80,6 +80,7 @@ from core.trainer.grpo import aggregate, kl_k3, policy_loss
 from core.trainer.hf_gpt import HFArch, hf_to_megatron, megatron_to_hf, read_hf_state
 from core.trainer.lean_logprobs import logprobs_and_entropy
 from core.trainer.lean_logprobs_tp import vocab_parallel_logprobs_and_entropy
+from core.trainer.megatron_batch import Packed, pack_samples
 
 #: The ``format`` field of a checkpoint written by ``save_checkpoint``.
 CHECKPOINT_FORMAT = "rl-fabric/megatron-gpt/1"
@@ -454,7 +455,7 @@ class MegatronTrainer(Trainer):
         out["grad_norm"] = norm
         return out
 
-    def _logprobs_and_entropy(self, model: torch.nn.Module, packed: _Packed) -> tuple[Tensor, Tensor]:
+    def _logprobs_and_entropy(self, model: torch.nn.Module, packed: Packed) -> tuple[Tensor, Tensor]:
         """Per completion token, its logprob and the entropy at its position (``[B, C]``
         fp32), under the sampler's restriction and temperature. The policy, the reference
         and ``logprobs()`` all come through here."""
@@ -483,7 +484,7 @@ class MegatronTrainer(Trainer):
             group=self._parallel_state.get_tensor_model_parallel_group(),
         )
 
-    def _completion_logits(self, model: torch.nn.Module, packed: _Packed) -> Tensor:
+    def _completion_logits(self, model: torch.nn.Module, packed: Packed) -> Tensor:
         """The logits at the positions that score completion tokens, ``[B, C, V]`` (``[B, C,
         V / tp]``, this rank's columns, when tp > 1), in the model's dtype (bf16 under
         autocast): ``lean_logprobs`` takes fp32 a chunk at a time and adds the restriction
@@ -518,10 +519,10 @@ class MegatronTrainer(Trainer):
             torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
         return norm
 
-    def _pack(self, samples: list[TrainSample]) -> _Packed:
+    def _pack(self, samples: list[TrainSample]) -> Packed:
         for s in samples:
             _check_sample(s, self.shape)
-        return _pack(samples, self.shape.vocab_size, self.device)
+        return pack_samples(samples, self.shape.vocab_size, self.device)
 
     def _load(self, state: Mapping[str, Tensor], source: str) -> None:
         result = self.model.load_state_dict(dict(state), strict=False)
@@ -531,69 +532,6 @@ class MegatronTrainer(Trainer):
                 f"checkpoint {source} does not fit the model: missing {missing[:5]}, "
                 f"unexpected {result.unexpected_keys[:5]}"
             )
-
-
-class _Packed:
-    """A micro-batch on the GPU: right-padded inputs, and per completion token the position
-    that scores it, its target, mask and old logprob (``[B, C]``)."""
-
-    def __init__(
-        self,
-        ids: Tensor,
-        position_ids: Tensor,
-        positions: Tensor,
-        targets: Tensor,
-        mask: Tensor,
-        old: Tensor,
-        restrict: Tensor | None,
-    ) -> None:
-        self.ids = ids
-        self.position_ids = position_ids
-        self.positions = positions
-        self.targets = targets
-        self.mask = mask
-        self.old = old
-        self.restrict = restrict
-
-
-def _pack(samples: list[TrainSample], vocab_size: int, device: torch.device) -> _Packed:
-    """Position ``t`` predicts token ``t + 1``, so completion token ``j`` of a sample (at
-    ``len(prompt) + j``) is scored by the logits at ``len(prompt) + j - 1``. Only those
-    positions' logits are kept: ``[B, C, V]`` rather than ``[B, T, V]``."""
-    width = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples) - 1
-    comp = max(len(s.completion_ids) for s in samples)
-    b = len(samples)
-    ids = torch.zeros(b, width, dtype=torch.long)
-    positions = torch.zeros(b, comp, dtype=torch.long)
-    targets = torch.zeros(b, comp, dtype=torch.long)
-    mask = torch.zeros(b, comp)
-    old = torch.zeros(b, comp)
-    for i, s in enumerate(samples):
-        seq = s.prompt_ids + s.completion_ids
-        p, c = len(s.prompt_ids), len(s.completion_ids)
-        ids[i, : len(seq) - 1] = torch.tensor(seq[:-1])
-        positions[i, :c] = torch.arange(p - 1, p - 1 + c)
-        targets[i, :c] = torch.tensor(s.completion_ids)
-        mask[i, :c] = torch.tensor(s.token_mask, dtype=torch.float32)
-        old[i, :c] = torch.tensor(s.old_logprobs, dtype=torch.float32)
-    restrict = None
-    if any(s.allowed_token_ids is not None for s in samples):
-        # finite, so entropy's p * log p stays 0 rather than NaN (as the torch backend)
-        restrict = torch.zeros(b, vocab_size)
-        for i, s in enumerate(samples):
-            if s.allowed_token_ids is not None:
-                restrict[i] = -1e9
-                restrict[i, s.allowed_token_ids] = 0.0
-    position_ids = torch.arange(width).expand(b, width)
-    return _Packed(
-        ids.to(device),
-        position_ids.to(device),
-        positions.to(device),
-        targets.to(device),
-        mask.to(device),
-        old.to(device),
-        None if restrict is None else restrict.to(device),
-    )
 
 
 def _check_sample(s: TrainSample, shape: GPTShape | HFArch) -> None:
