@@ -158,13 +158,20 @@ def _gradient(
     g_ent: Tensor | None,
     t: float,
     rows: int,
+    held: Tensor | None = None,
 ) -> Tensor:
-    """d(sum g_logp * logp + g_ent * H) / d logits, a chunk of rows at a time, in the logits' dtype."""
+    """d(sum g_logp * logp + g_ent * H) / d logits, a chunk of rows at a time, in the logits' dtype.
+
+    ``held``: per flat row, whether ``logits`` hold its target's column at all (a vocabulary
+    shard's, ``lean_logprobs_tp``: ``targets`` are then local column indices, any valid one
+    where not held, and ``lse``/``ent`` the whole vocabulary's); None: every row's is here."""
     b, c, v = logits.shape
     flat = logits.reshape(b * c, v)
     tgt = targets.reshape(b * c)
     dt = _compute_dtype(logits)
     gl = None if g_logp is None else g_logp.reshape(b * c).to(dt)
+    # the target's one-hot, weighted: 0 on the rows whose target another shard holds
+    onehot = gl if gl is None or held is None else gl * held.reshape(b * c).to(dt)
     ge = None if g_ent is None else g_ent.reshape(b * c).to(dt)
     grad = torch.empty_like(flat)
     for r0 in range(0, b * c, rows):
@@ -178,10 +185,10 @@ def _gradient(
             gx.add_(ent[r0:r1, None]).mul_(p).mul_(-ge[r0:r1, None])
         else:
             gx.zero_()
-        if gl is not None:
+        if gl is not None and onehot is not None:
             # d logp_target / dx = onehot(target) - p
             gx.sub_(p.mul_(gl[r0:r1, None]))
-            gx.scatter_add_(-1, tgt[r0:r1, None], gl[r0:r1, None])
+            gx.scatter_add_(-1, tgt[r0:r1, None], onehot[r0:r1, None])
         if t != 1.0:
             gx.div_(t)
         grad[r0:r1] = gx

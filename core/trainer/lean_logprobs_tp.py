@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from core.trainer.lean_logprobs import CHUNK_ELEMENTS, _compute_dtype, _scaled
+from core.trainer.lean_logprobs import CHUNK_ELEMENTS, _compute_dtype, _gradient, _scaled
 
 # the fields of the all-gather: an error flag, B, C, vocab_start, V_local, T, compute itemsize
 _FIELDS = 7
@@ -250,28 +250,5 @@ def _shard_gradient(
 ) -> Tensor:
     """d(sum g_logp * logp + g_ent * H) / d logits_shard: ``lean_logprobs._gradient`` with the
     global logsumexp and entropy, and the target's one-hot only where this shard holds it."""
-    b, c, v = logits.shape
-    flat = logits.reshape(b * c, v)
-    owned, idx = _ownership(targets, vocab_start, v)
-    dt = _compute_dtype(logits)
-    gl = None if g_logp is None else g_logp.reshape(b * c).to(dt)
-    onehot = None if gl is None else gl * owned.to(dt)
-    ge = None if g_ent is None else g_ent.reshape(b * c).to(dt)
-    grad = torch.empty_like(flat)
-    for r0 in range(0, b * c, rows):
-        r1 = min(b * c, r0 + rows)
-        gx = _scaled(flat, restrict, c, r0, r1, t).sub_(lse[r0:r1, None])  # log p
-        p = torch.exp(gx)
-        if ge is not None:
-            # dH / dx_k = -p_k (log p_k + H); a masked id has p = 0 exactly (no 0 * inf)
-            gx.add_(ent[r0:r1, None]).mul_(p).mul_(-ge[r0:r1, None])
-        else:
-            gx.zero_()
-        if gl is not None and onehot is not None:
-            # d logp_target / dx = onehot(target) - p; the one-hot is 0 off the owning rank
-            gx.sub_(p.mul_(gl[r0:r1, None]))
-            gx.scatter_add_(-1, idx[r0:r1, None], onehot[r0:r1, None])
-        if t != 1.0:
-            gx.div_(t)
-        grad[r0:r1] = gx
-    return grad.view(b, c, v)
+    held, idx = _ownership(targets, vocab_start, logits.shape[-1])
+    return _gradient(logits, idx, restrict, lse, ent, g_logp, g_ent, t, rows, held=held)
