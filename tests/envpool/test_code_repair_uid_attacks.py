@@ -102,7 +102,7 @@ for _start in _starts:
             _names = "/".join(sorted(_os.listdir(_p))).encode()
             _seen.add(_hashlib.sha256(_names).hexdigest()[:16])  # (the output is cut at 4000)
         except OSError:
-            pass
+            pass  # not listable from there: nothing seen at this level
 print("SEEN " + _json.dumps(sorted(_seen)))
 """
 
