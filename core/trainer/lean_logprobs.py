@@ -124,28 +124,32 @@ class _LeanLogprobs(torch.autograd.Function):
         with torch.no_grad():
             grad = _gradient(logits, targets, restrict, lse, ent, g_logp, g_ent, ctx.t, ctx.rows)
         if create_graph:
-            grad = _NoSecondDerivative.apply(grad, logits, g_logp, g_ent)
+            grad = _NoSecondDerivative.apply(grad, NO_SECOND_DERIVATIVE, logits, g_logp, g_ent)
         return grad, None, None, None, None
 
 
+NO_SECOND_DERIVATIVE = (
+    "logprobs_and_entropy has no second derivative (its gradient was taken with "
+    "create_graph=True and then differentiated again); for a Hessian-vector product or "
+    "a gradient penalty use grpo.token_logprobs and grpo.entropy on "
+    "(logits.float() + restrict) / T"
+)
+
+
 class _NoSecondDerivative(torch.autograd.Function):
-    """``grad`` as it is, under a node whose backward raises: the gradient of
-    ``logprobs_and_entropy`` taken with ``create_graph=True`` goes through it, with the tensors
-    it depends on as inputs so that a derivative with respect to any of them reaches it (and
-    is not read as "unused" or None)."""
+    """``grad`` as it is, under a node whose backward raises ``refusal``: the gradient of
+    ``logprobs_and_entropy`` (or of its vocab-parallel form) taken with ``create_graph=True``
+    goes through it, with the tensors it depends on as inputs so that a derivative with
+    respect to any of them reaches it (and is not read as "unused" or None)."""
 
     @staticmethod
-    def forward(ctx: Any, grad: Tensor, *depends_on: Tensor | None) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, grad: Tensor, refusal: str, *depends_on: Tensor | None) -> Tensor:  # type: ignore[override]
+        ctx.refusal = refusal
         return grad.view_as(grad)
 
     @staticmethod
     def backward(ctx: Any, *_: Any) -> Any:
-        raise RuntimeError(
-            "logprobs_and_entropy has no second derivative (its gradient was taken with "
-            "create_graph=True and then differentiated again); for a Hessian-vector product or "
-            "a gradient penalty use grpo.token_logprobs and grpo.entropy on "
-            "(logits.float() + restrict) / T"
-        )
+        raise RuntimeError(ctx.refusal)
 
 
 def _gradient(

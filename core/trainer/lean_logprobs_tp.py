@@ -35,7 +35,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from core.trainer.lean_logprobs import CHUNK_ELEMENTS, _compute_dtype, _gradient, _scaled
+from core.trainer.lean_logprobs import (
+    CHUNK_ELEMENTS,
+    _compute_dtype,
+    _gradient,
+    _NoSecondDerivative,
+    _scaled,
+)
 
 # the fields of the all-gather: an error flag, B, C, vocab_start, V_local, T, compute itemsize
 _FIELDS = 7
@@ -214,26 +220,16 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 logits, targets, restrict, lse, ent, g_logp, g_ent, ctx.t, ctx.rows, ctx.vocab_start
             )
         if create_graph:
-            grad = _NoSecondDerivative.apply(grad, logits, g_logp, g_ent)
+            grad = _NoSecondDerivative.apply(grad, NO_SECOND_DERIVATIVE, logits, g_logp, g_ent)
         return (grad, *none)
 
 
-class _NoSecondDerivative(torch.autograd.Function):
-    """``grad`` as it is, under a node whose backward raises (``lean_logprobs``'s, with this
-    function's name in the message)."""
-
-    @staticmethod
-    def forward(ctx: Any, grad: Tensor, *depends_on: Tensor | None) -> Tensor:  # type: ignore[override]
-        return grad.view_as(grad)
-
-    @staticmethod
-    def backward(ctx: Any, *_: Any) -> Any:
-        raise RuntimeError(
-            "vocab_parallel_logprobs_and_entropy has no second derivative (its gradient was "
-            "taken with create_graph=True and then differentiated again); for a Hessian-vector "
-            "product or a gradient penalty gather the logits and use grpo.token_logprobs and "
-            "grpo.entropy on (logits.float() + restrict) / T"
-        )
+NO_SECOND_DERIVATIVE = (
+    "vocab_parallel_logprobs_and_entropy has no second derivative (its gradient was "
+    "taken with create_graph=True and then differentiated again); for a Hessian-vector "
+    "product or a gradient penalty gather the logits and use grpo.token_logprobs and "
+    "grpo.entropy on (logits.float() + restrict) / T"
+)
 
 
 def _shard_gradient(
