@@ -28,7 +28,14 @@ processes and never imported there; the comment below says how it runs."""
 #   it can, the keeper takes a mount namespace too, with a tmpfs of the run's own on /dev/shm
 #   (at most SHM_BYTES, the run's memory): what the run wrote there (memory, charged to its
 #   memory cgroup) goes with its last process, rather than stay charged to the container run
-#   after run, and no later episode reads it;
+#   after run, and no later episode reads it; and the init, a process of the new PID
+#   namespace, mounts that namespace's proc on /proc there (nosuid, nodev, noexec), so that
+#   the module lists the run's own processes alone, never the container's (their command
+#   lines, the server's). Where it can too, the keeper takes a network namespace (on either
+#   route): no interface but a loopback that is down, so the module reaches no localhost
+#   service (the env server's own TCP port, in a container with a network of its own: --tcp)
+#   nor anything else the container reaches, abstract Unix sockets included. Each of these
+#   refused, the run runs without it, as before;
 # * the runner, under that init (or the keeper's child where there is no namespace), imports
 #   the module and evaluates the checks. When done it writes one byte to DONE_FD and waits
 #   on the spec's pipe (moved off fd 0, which reads /dev/null for the module), alive, so that
@@ -36,7 +43,7 @@ processes and never imported there; the comment below says how it runs."""
 #   With a UID_BASE (not "-": the parent is root, code_repair_user), the runner first takes
 #   the run's own uid, UID_BASE + the keeper's pid, with a group of its own and no
 #   supplementary groups, for good (real, effective and saved ids): after the namespaces and
-#   the mount, which need root, and after its parent put the tree in its cgroups, before the
+#   the mounts, which need root, and after its parent put the tree in its cgroups, before the
 #   module is imported (a library under a dir of root's alone is bind-mounted first, on the
 #   run's own tmpfs: mount_library). The keeper and the init stay root, out of the module's
 #   reach. Where the ids cannot be taken (or the library cannot be mounted) it writes
@@ -73,41 +80,57 @@ os.close(_null)
 
 def unshare_pid():
     # a PID namespace (CLONE_NEWPID), and a mount namespace (CLONE_NEWNS) where it can be had
-    # too, for the run's own /dev/shm: whether each was made
+    # too, for the run's own /dev/shm and /proc, and a network namespace (CLONE_NEWNET, asked
+    # apart: either may be refused alone): whether each was made
     if libc is None or not isolate:
-        return False, False
+        return False, False, False
     for flags in (0x20000000 | 0x20000, 0x20000000):
         if libc.unshare(flags) == 0:
-            return True, bool(flags & 0x20000)
+            return True, bool(flags & 0x20000), unshare_net()
     if run_uid is not None:  # a user namespace would map root alone: the run's uid not in it
-        return False, False
+        return False, False, False
     uid, gid = os.getuid(), os.getgid()  # the new user namespace maps only these, to themselves
     for flags in (0x10000000 | 0x20000000 | 0x20000, 0x10000000 | 0x20000000):  # and CLONE_NEWUSER
         if libc.unshare(flags) == 0:  # (which needs no capability)
             break
     else:
-        return False, False
+        return False, False, False
     for name, text in (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1")):
         try:
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
         except OSError:
             pass  # unmapped, the ids read as the overflow id inside; files are still its own
-    return True, bool(flags & 0x20000)
+    return True, bool(flags & 0x20000), unshare_net()  # (its capabilities there make the netns)
+
+def unshare_net():
+    # a network namespace of the run's own: no interface but a loopback that is down, so the
+    # module reaches no localhost service (the env server's own TCP port, in a container with
+    # a network of its own) nor anything the container reaches. Whether it was made
+    return libc.unshare(0x40000000) == 0
+
+def private_mounts():
+    # MS_REC | MS_PRIVATE: what is mounted from here on stays in the run's mount namespace
+    return libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) == 0
 
 def own_shm():
     # a tmpfs of the run's own on /dev/shm, in its own mount namespace (never the
     # container's): freed when the run's last process ends, with what the run wrote there
-    # (charged to its memory cgroup), which the next run never sees. MS_REC | MS_PRIVATE
-    # first, so that the mount stays in the run's namespace. Whether it was made
+    # (charged to its memory cgroup), which the next run never sees. Whether it was made
     opts = f"mode=1777,size={shm_bytes}".encode()
     return (
         os.path.isdir("/dev/shm")
-        and libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) == 0
+        and private_mounts()
         and libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 0x2 | 0x4, opts) == 0
     )
 
-isolated, own_mounts = unshare_pid()
+def own_proc():
+    # a proc of the run's PID namespace on /proc (made by a process in it: the init), in the
+    # run's mount namespace: it lists the run's processes alone, never the container's
+    # command lines. MS_NOSUID | MS_NODEV | MS_NOEXEC. Whether it was made
+    return private_mounts() and libc.mount(b"proc", b"/proc", b"proc", 0x2 | 0x4 | 0x8, None) == 0
+
+isolated, own_mounts, own_net = unshare_pid()
 shm_own = own_mounts and own_shm()
 if libc is not None:
     libc.prctl(1, 9)  # again: a change of credentials may clear it
@@ -140,6 +163,8 @@ if select.select([alive_r], [], [], 0)[0]:  # the keeper died before prctl took 
     os._exit(1)
 os.close(alive_r)
 if isolated:
+    if own_mounts:
+        own_proc()  # where refused, the run sees the container's /proc, as without a mount namespace
     runner = os.fork()
     if runner:  # pid 1 of the namespace: it reaps until the runner ends, then ends it all
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # no handler: nothing inside can signal it

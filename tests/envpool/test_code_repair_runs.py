@@ -11,6 +11,8 @@ import functools
 import os
 import shutil
 import signal
+import socket
+import struct
 import tempfile
 import time
 from pathlib import Path
@@ -162,10 +164,12 @@ def test_code_repair_a_runner_that_ends_after_its_done_byte_is_swept(tmp_path, p
         assert _none_left_in(work, 3)
 
 
-def _daemon(pidfile: Path, chdir: bool, end: str) -> str:
+def _daemon(shared: Path, chdir: bool, end: str) -> str:
     """The fix, then a daemon started at import: a child that calls setsid() (a session and
-    process group of its own), maybe moves to /, and forks a grandchild that writes its pid
-    to ``pidfile`` and sleeps; then the runner goes on (``end="returns"``), ends the
+    process group of its own), maybe moves to /, and forks a grandchild that connects to the
+    test's socket ``shared/daemon.sock`` (its pid, as the test sees it, is the connection's
+    peer: a run with a /proc of its own PID namespace cannot tell it), marks itself up
+    (``shared/daemon.up``) and sleeps; then the runner goes on (``end="returns"``), ends the
     interpreter (``"exits"``) or kills its parent and the parent's parent it finds in /proc
     (``"kills_ancestors"``)."""
     ends = {
@@ -175,7 +179,8 @@ def _daemon(pidfile: Path, chdir: bool, end: str) -> str:
             "pid = os.readlink('/proc/self')\n"
             "for _ in range(2):  # the runner's parent and grandparent (never the test's process)\n"
             "    pid = open(f'/proc/{pid}/stat').read().rpartition(')')[2].split()[1]\n"
-            f"    for target in {{int(pid), os.getppid()}} - {{{os.getpid()}}}:\n"
+            # (0, where its namespace's init has no parent there: kill(0) is its own group)
+            f"    for target in {{int(pid), os.getppid()}} - {{0, {os.getpid()}}}:\n"
             "        try:\n"
             "            os.kill(target, signal.SIGKILL)\n"
             "        except OSError:\n"
@@ -183,18 +188,19 @@ def _daemon(pidfile: Path, chdir: bool, end: str) -> str:
             "time.sleep(0.5)\n"
         ),
     }
+    up = str(shared / "daemon.up")
     return (
         "    return a + b\n"
-        "import os, signal, time\n"
+        "import os, signal, socket, time\n"
         "if os.fork() == 0:\n"
         "    os.setsid()\n" + ("    os.chdir('/')\n" if chdir else "") + "    if os.fork() == 0:\n"
-        f"        with open({str(pidfile)!r} + '.tmp', 'w') as f:\n"
-        "            f.write(os.readlink('/proc/self'))  # its pid outside any PID namespace\n"
-        f"        os.rename({str(pidfile)!r} + '.tmp', {str(pidfile)!r})\n"
+        "        held = socket.socket(socket.AF_UNIX)\n"
+        f"        held.connect({str(shared / 'daemon.sock')!r})\n"
+        f"        open({up!r}, 'w').close()\n"
         "        time.sleep(60)\n"
         "    os._exit(0)\n"
         "for _ in range(500):  # until the daemon is up\n"
-        f"    if os.path.exists({str(pidfile)!r}):\n"
+        f"    if os.path.exists({up!r}):\n"
         "        break\n"
         "    time.sleep(0.01)\n" + ends[end]
     )
@@ -209,21 +215,37 @@ def _alive(pid: int) -> bool:
 
 
 def _run_and_await_the_daemon(tmp_path: Path, chdir: bool, end: str, passes: bool = True, **kw: Any) -> None:
-    # the pid file in a dir the run's own uid may write (code_repair_user: as root the module
-    # runs as a uid of its own, and pytest's tmp_path is under a dir of root's alone)
+    # the socket and the mark in a dir the run's own uid may reach (code_repair_user: as root
+    # the module runs as a uid of its own, and pytest's tmp_path is under a dir of root's alone)
     shared = Path(tempfile.mkdtemp())
     shared.chmod(0o1777)
     try:
-        _await_the_daemon(tmp_path, shared / "daemon.pid", chdir, end, passes, **kw)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(str(shared / "daemon.sock"))
+            (shared / "daemon.sock").chmod(0o777)
+            listener.listen(4)
+            _await_the_daemon(tmp_path, shared, listener, chdir, end, passes, **kw)
     finally:
         shutil.rmtree(shared, ignore_errors=True)
 
 
-def _await_the_daemon(tmp_path: Path, pidfile: Path, chdir: bool, end: str, passes: bool, **kw: Any) -> None:
+def _peer_pid(listener: socket.socket) -> int:
+    """The pid, in this process's PID namespace, of the daemon that connected to ``listener``
+    (the kernel took it at the connect: the daemon may be gone by now)."""
+    listener.settimeout(5)
+    conn, _ = listener.accept()
+    with conn:
+        pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return int(pid)
+
+
+def _await_the_daemon(
+    tmp_path: Path, shared: Path, listener: socket.socket, chdir: bool, end: str, passes: bool, **kw: Any
+) -> None:
     with _repair_in(tmp_path, 10, **kw) as (env, _):
-        env.step(edit_action("mathutils.py", "    return a - b", _daemon(pidfile, chdir, end)))
+        env.step(edit_action("mathutils.py", "    return a - b", _daemon(shared, chdir, end)))
         res = env.step("run_tests")
-        pid = int(pidfile.read_text())
+        pid = _peer_pid(listener)
         try:
             if end != "exits" and passes:
                 assert res.info["all_passed"], res.obs.text

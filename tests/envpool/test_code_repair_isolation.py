@@ -1,0 +1,223 @@
+"""What a ``code-repair-v1`` test run is cut off from, beyond its PID namespace: the network
+(a network namespace of its own, whose loopback is down: no localhost service, the env
+server's own TCP port included, is reachable from the policy's module) and the container's
+processes (a ``/proc`` of the run's PID namespace: the module lists only the run's own
+processes and reads no other command line). Where the kernel refuses either, a run still runs,
+as before."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from code_repair_helpers import edit_action
+
+import envpool
+import envpool.envs  # registers the built-ins
+from envpool.envs import code_repair_runner
+
+FIX = ("    return a - b", "    return a + b")
+
+_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
+
+
+@functools.cache
+def _kernel_allows(flags: int) -> bool:
+    """Whether a process here can unshare ``flags``. Tried in a child, which the namespaces
+    die with."""
+    probe = f"import ctypes, sys\nsys.exit(0 if ctypes.CDLL(None).unshare({flags}) == 0 else 1)\n"
+    return subprocess.run([sys.executable, "-c", probe], timeout=30).returncode == 0
+
+
+def _either_route_allows(flags: int) -> bool:
+    """Whether a run can have ``flags``: as this process is, or in a user namespace of its own
+    (the runner's two routes)."""
+    return _kernel_allows(flags) or _kernel_allows(flags | _CLONE_NEWUSER)
+
+
+@contextlib.contextmanager
+def _env(tmp_path: Path, **kwargs: Any) -> Iterator[Any]:
+    """An env on the mathutils task, fixed, whose work dirs are under ``tmp_path/work``."""
+    work = tmp_path / "work"
+    work.mkdir()
+    env = envpool.make("code-repair-v1", workdir_root=str(work), test_timeout_s=20, **kwargs)
+    try:
+        env.reset(options={"task": "mathutils"})
+        env.step(edit_action("mathutils.py", *FIX))
+        yield env
+    finally:
+        env.close()
+
+
+def _run_with(env: Any, code: str) -> Any:
+    """One test run whose module runs ``code`` at import."""
+    assert env.step(edit_action("mathutils.py", "def add", code + "def add")).info["valid"]
+    return env.step("run_tests")
+
+
+_CONNECT = """
+import socket as _socket
+try:
+    _socket.create_connection(("127.0.0.1", {port}), timeout=5).close()
+    print("CONNECTED")
+except OSError as _e:
+    print("CONNECT FAILED", type(_e).__name__, _e.errno)
+"""
+
+
+@pytest.mark.skipif(
+    not _either_route_allows(_CLONE_NEWPID | _CLONE_NEWNET),
+    reason="the kernel refuses a network namespace (with a PID namespace) here, even in a user namespace",
+)
+def test_a_module_cannot_reach_a_localhost_listener(tmp_path):
+    # the run shared the container's network: a module connected to the env server's own TCP
+    # port (a container with a network of its own serves on host:port) and to whatever else
+    # the container reaches. In a network namespace of its own loopback is down
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        port = listener.getsockname()[1]
+        with _env(tmp_path) as env:
+            res = _run_with(env, _CONNECT.format(port=port))
+        text = res.obs.text
+        assert "CONNECTED" not in text, text
+        # ENETUNREACH (no route: loopback is down), or ECONNREFUSED where it is up
+        found = re.search(r"CONNECT FAILED (\w+) (\d+)", text)
+        assert found and int(found[2]) in (101, 111), text
+        assert res.info["all_passed"], text  # the run itself runs as before
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):  # nothing reached it
+            listener.accept()
+
+
+_LIST_PROC = """
+import os as _os
+print("PIDS", sorted(int(_n) for _n in _os.listdir("/proc") if _n.isdigit()))
+for _pid in ({pids}):
+    try:
+        open(f"/proc/{{_pid}}/cmdline", "rb").read()
+        print("READ CMDLINE", _pid)
+    except OSError as _e:
+        print("CMDLINE REFUSED", _pid, type(_e).__name__)
+"""
+
+
+@pytest.mark.skipif(
+    not _either_route_allows(_CLONE_NEWPID | _CLONE_NEWNS),
+    reason="the kernel refuses a PID namespace with a mount namespace here, even in a user namespace",
+)
+def test_a_module_sees_only_its_runs_processes_in_proc(tmp_path):
+    # /proc was the container's: a module listed every process of the server's PID namespace
+    # and read their command lines (the server's, a sibling's). A proc of the run's PID
+    # namespace lists only the run's: its init (1) and runner (2)
+    with subprocess.Popen(["sleep", "60"]) as sleeper:
+        try:
+            pids = (os.getpid(), os.getppid(), sleeper.pid)
+            with _env(tmp_path) as env:
+                res = _run_with(env, _LIST_PROC.format(pids=", ".join(map(str, pids))))
+        finally:
+            sleeper.kill()
+    text = res.obs.text
+    found = re.search(r"PIDS \[([\d, ]*)\]", text)
+    assert found, text
+    listed = [int(p) for p in found[1].split(",") if p.strip()]
+    assert listed == [1, 2], text
+    assert "READ CMDLINE" not in text, text
+    for pid in pids:
+        assert f"CMDLINE REFUSED {pid} FileNotFoundError" in text, text
+    assert res.info["all_passed"], text
+
+
+# the user-namespace route, taken where the server may not make namespaces itself (no
+# CAP_SYS_ADMIN) and runs the module as its own user: this test's root without the capability,
+# its run_uid_base None (a user namespace maps only the server's ids, and root's uid base is
+# outside it)
+_USER_ROUTE = """
+import envpool, envpool.envs
+env = envpool.make("code-repair-v1", workdir_root={work!r}, run_uid_base=None, test_timeout_s=20)
+env.reset(options={{"task": "mathutils"}})
+code = {code!r}
+edit = "edit mathutils.py\\n<<<<<<< SEARCH\\ndef add\\n=======\\n" + code + "def add\\n>>>>>>> REPLACE"
+assert env.step(edit).info["valid"]
+fix = "edit mathutils.py\\n<<<<<<< SEARCH\\n    return a - b\\n=======\\n    return a + b\\n>>>>>>> REPLACE"
+assert env.step(fix).info["valid"]
+print(env.step("run_tests").obs.text)
+env.close()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops CAP_SYS_ADMIN from root (setpriv)")
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+@pytest.mark.skipif(
+    not _kernel_allows(_CLONE_NEWUSER | _CLONE_NEWPID | _CLONE_NEWNS | _CLONE_NEWNET),
+    reason="the kernel refuses a user namespace with PID, mount and network namespaces here",
+)
+def test_the_user_namespace_route_cuts_the_network_and_proc_too(tmp_path):
+    with (
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener,
+        subprocess.Popen(["sleep", "60"]) as sleeper,
+    ):
+        try:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(4)
+            code = (
+                _CONNECT.format(port=listener.getsockname()[1])
+                + _LIST_PROC.format(pids=f"{os.getpid()}, {sleeper.pid}")
+                + 'print("UID MAP", open("/proc/self/uid_map").read().split())\n'
+            )
+            script = _USER_ROUTE.format(work=str(tmp_path), code=code)
+            out = subprocess.run(
+                [
+                    "setpriv",
+                    "--bounding-set",
+                    "-sys_admin",
+                    "--inh-caps",
+                    "-sys_admin",
+                    sys.executable,
+                    "-c",
+                    script,
+                ],
+                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        finally:
+            sleeper.kill()
+        text = out.stdout + out.stderr
+        assert "UID MAP ['0', '0', '1']" in text, text  # a user namespace that maps root alone
+        assert "CONNECTED" not in text and re.search(r"CONNECT FAILED \w+ (101|111)", text), text
+        assert "PIDS [1, 2]" in text and "READ CMDLINE" not in text, text
+        assert "Tests: 3 passed, 0 failed" in text, text
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        # an unknown clone flag: EINVAL, as from a kernel or seccomp profile that refuses netns
+        ("libc.unshare(0x40000000)", "libc.unshare(0x1)"),
+        # a file system type the kernel does not know: ENODEV
+        ('b"proc", b"/proc", b"proc"', 'b"proc", b"/proc", b"no-such-fs"'),
+    ],
+    ids=["netns_refused", "proc_refused"],
+)
+def test_a_run_runs_where_its_netns_or_proc_is_refused(tmp_path, monkeypatch, old, new):
+    # what the kernel refuses is left as it was: the run runs, and passes
+    assert old in code_repair_runner.RUNNER
+    monkeypatch.setattr(code_repair_runner, "RUNNER", code_repair_runner.RUNNER.replace(old, new))
+    with _env(tmp_path) as env:
+        res = env.step("run_tests")
+    assert res.info["all_passed"], res.obs.text
