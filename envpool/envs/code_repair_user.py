@@ -58,9 +58,10 @@ uid (its run's) may trace it; a crash writes a core file (``kernel.core_pattern`
 name) into its work dir as its uid, up to the ``RLIMIT_CORE`` it inherits, like the files it
 may write (16 MiB each, no bound on their number): no disk quota binds a run, so give the
 server ``ulimit -c 0`` and a ``workdir_root`` on a file system of its own where that matters.
-``/proc`` is not remounted: the module sees every process of the server's PID namespace and
-its command line (not its environment, fds or memory, which are root's): keep secrets off
-command lines, or mount ``/proc`` with ``hidepid=2``. Uids are unique among the live runs of
+Where a run has no PID and mount namespace of its own (``RUNNER``), ``/proc`` is the
+container's: the module sees every process of the server's PID namespace and its command line
+(not its environment, fds or memory, which are root's): keep secrets off command lines, or
+mount ``/proc`` with ``hidepid=2``. Uids are unique among the live runs of
 one PID namespace: servers in two (two containers of the host's root, with one user
 namespace and the same base) can give two live runs one uid; neither sees the other's pids,
 but a file system both mount (a shared ``workdir_root``, the host's ``/dev/shm``) is open
