@@ -27,10 +27,12 @@ demo: setup
 showcase: setup
 	$(BIN)/python examples/demo.py
 
+# mypy twice: the sandbox's own programs lie beside the files a run gets, outside the packages
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/mypy functions/verifiers/native/cdecls.py
 
 # three workers on 2 cores, a test module on one (its module-scoped fixtures, such as a Ray
 # cluster, start once): many tests wait on processes, sockets and timers, so a third worker

@@ -1,4 +1,4 @@
-"""CPU of the C/C++ verifier's declaration read (``functions/verifiers/cdecls.py``) of a
+"""CPU of the C/C++ verifier's declaration read (``functions/verifiers/native/cdecls.py``) of a
 ``#include <bits/stdc++.h>`` program, without and with libclang's precompiled header of the
 library (``native_pch.clang_header``).
 

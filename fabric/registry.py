@@ -71,6 +71,19 @@ def entry_point_of(fn: Callable[..., Any]) -> str:
     return f"{import_name_of(fn.__module__)}:{fn.__qualname__}"
 
 
+def _import_error(name: str, when: str, e: BaseException) -> EntryPointError:
+    # a module that ends the interpreter as it is imported (a script's sys.exit outside its
+    # `if __name__ == "__main__":`) would end the caller's process with it, `fabric ls` or a
+    # job, with no word of which module it was: it is an import error of that module
+    if isinstance(e, SystemExit):
+        return EntryPointError(
+            f"cannot import {name!r} {when}: it called sys.exit({e.code!r}) as it was imported; "
+            "a script's exit belongs under `if __name__ == '__main__':`, or the script outside "
+            "the package discovery walks"
+        )
+    return EntryPointError(f"cannot import {name!r} {when}: {type(e).__name__}: {e}")
+
+
 def load_entry_point(entry: str) -> Any:
     """Import ``module:attr`` (or ``file.py:attr``) and return the attribute."""
     mod_name, _, attr = entry.partition(":")
@@ -86,8 +99,8 @@ def load_entry_point(entry: str) -> Any:
             module = _import_file(Path(mod_name))
         else:
             module = importlib.import_module(mod_name)
-    except Exception as e:  # the user's module may raise anything at import
-        raise EntryPointError(f"cannot import {mod_name!r} for {entry!r}: {type(e).__name__}: {e}") from e
+    except (Exception, SystemExit) as e:  # the user's module may raise anything at import
+        raise _import_error(mod_name, f"for {entry!r}", e) from e
     obj: Any = module
     for part in attr.split("."):
         try:
@@ -438,10 +451,8 @@ class Registry:
                 continue
             try:
                 module = import_module_or_file(target)
-            except Exception as e:  # the user's module may raise anything at import
-                raise EntryPointError(
-                    f"cannot import {target!r} for discovery: {type(e).__name__}: {e}"
-                ) from e
+            except (Exception, SystemExit) as e:  # the user's module may raise anything at import
+                raise _import_error(target, "for discovery", e) from e
             for mod in _walk(module):
                 for obj in list(vars(mod).values()):
                     spec = getattr(obj, SPEC_ATTR, None)
@@ -459,10 +470,8 @@ def _walk(module: ModuleType) -> Iterator[ModuleType]:
     for info in pkgutil.walk_packages(path, prefix=module.__name__ + "."):
         try:
             yield importlib.import_module(info.name)
-        except Exception as e:
-            raise EntryPointError(
-                f"cannot import {info.name!r} during discovery: {type(e).__name__}: {e}"
-            ) from e
+        except (Exception, SystemExit) as e:
+            raise _import_error(info.name, "during discovery", e) from e
 
 
 #: The registry the module-level decorators write to.

@@ -58,6 +58,10 @@ from functions.verifiers.sandbox import Limits
 
 HERE = Path(__file__).parent
 NATIVE = HERE / "native"
+#: the sandboxed run's program that reads the declarations: a file beside the C and C++ sides
+#: (a program of the run's, never imported here: discovery of the built-ins walks this package,
+#: and it exits where libclang is missing, an extra the rest of the package does without)
+CDECLS = NATIVE / "cdecls.py"
 #: what the program's ``main`` becomes (it must not run: only the server's does)
 PROGRAM_MAIN = "__rlfabric_program_main"
 
@@ -140,7 +144,7 @@ def parse_files(lang: str, code: str, pch: str | None = None) -> dict[str, bytes
     source = "main.cpp" if lang == "cpp" else "main.c"
     opts = {"source": source, "args": list(parse_args(lang)), "system": include_dirs(lang), "pch": pch}
     return {
-        "cdecls.py": (HERE / "cdecls.py").read_bytes(),
+        "cdecls.py": CDECLS.read_bytes(),
         "cdecls.json": json.dumps(opts).encode(),
         source: code.encode(),
     }

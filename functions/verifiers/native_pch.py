@@ -71,7 +71,7 @@ _FILE = re.compile(r"(rlfabric-[0-9a-f]{20}\.hpp)(?:\.[0-9]+\.tmp)?(?:\.gch|\.pc
 _DEPS = ".deps"
 _SUFFIXES = (".gch", ".pch", ".gch" + _DEPS)
 #: ``cdecls.py``, which builds and checks libclang's headers too (``--pch``)
-_CDECLS = Path(__file__).with_name("cdecls.py")
+_CDECLS = Path(__file__).with_name("native") / "cdecls.py"
 
 
 @functools.cache
