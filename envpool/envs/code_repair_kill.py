@@ -2,7 +2,9 @@
 parent (``kill_tree``: the runner's tree) or by process group and working directory
 (``kill_left_in``: what left the tree), each stopped first so that none forks past the walk.
 (:mod:`envpool.envs.code_repair_runner` calls both after every run; the run's cgroups' member
-lists, :mod:`envpool.envs.code_repair_limits`, find the rest.)"""
+lists, :mod:`envpool.envs.code_repair_limits`, find the rest. A run in a PID namespace of its
+own is not found by group, its runner being in a session of its own, and need not be: nothing
+of it outlives the namespace's init, which ``kill_tree`` kills.)"""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ __all__ = ["kill_left_in", "kill_tree"]
 def kill_left_in(root: Path) -> None:
     """SIGKILL every process of this process group whose working directory is under ``root``
     (an episode's work dir, this process's own never), each stopped first so none forks past
-    the scan."""
+    the scan. What a run without a PID namespace left (its keeper and all it starts stay in
+    this group: ``RUNNER``'s comment says why)."""
     me, group, stopped, root = os.getpid(), os.getpgid(0), set[int](), root.resolve()
     for _ in range(100):  # a fork bomb outruns no scan for long: each pass stops what it saw
         found = []
@@ -63,8 +66,10 @@ def _children_by_parent() -> dict[int, list[int]]:
 
 
 def kill_tree(root: int) -> None:
-    """SIGKILL ``root`` (a child of this process) and every process it started. They share
-    their caller's process group (a group of their own would escape a container's kill), so
+    """SIGKILL ``root`` (a child of this process) and every process it started. Not by
+    process group: a run's keeper shares its caller's (a group of its own would escape a
+    container's kill), but the runner under a PID namespace's init has a session of its own
+    (its module cannot signal the caller's group), and a module's process may take one. So
     they are found by parent; each is stopped first so that none forks behind the walk, and
     a stopped parent reaps nothing, so no pid found can pass to another process before the
     kill. (One that left the tree, reparented when its parent exited, is not found: the

@@ -118,7 +118,8 @@ def _run(root: Path, spec: dict[str, Any], limits: _Limits) -> RunOutput:
     done_r, done_w = os.pipe()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as results:
         # in this process's group, not a session of its own: a container is killed as a
-        # whole (its process group), and a test run must go with it
+        # whole (its process group), and a test run must go with it (in a PID namespace only
+        # the runner takes a session of its own: the init stays here, and its death ends it)
         argv = [sys.executable, "-I", "-B", "-u", "-c", RUNNER, str(os.getpid()), str(results.fileno())]
         try:
             proc = subprocess.Popen(
@@ -281,7 +282,8 @@ def _await_end(
     # a keeper that ended by itself (its namespace's init ended, which took the namespace
     # with it; or, without a namespace, the module killed it) cannot be told apart from a
     # kill: in the second case what the run started left its tree, but maybe not this
-    # process group nor the work dir. One scan of /proc, after every run
+    # process group nor the work dir (a run in a PID namespace is not in this group, and
+    # nothing of it outlives its init). One scan of /proc, after every run
     kill_left_in(root)
     if limits.run_uid_base is not None:  # nothing of the run is left: its uid may come back
         take_back(root)

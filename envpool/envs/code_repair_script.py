@@ -35,7 +35,10 @@ processes and never imported there; the comment below says how it runs."""
 #   route): no interface but a loopback that is down, so the module reaches no localhost
 #   service (the env server's own TCP port, in a container with a network of its own: --tcp)
 #   nor anything else the container reaches, abstract Unix sockets included. Each of these
-#   refused, the run runs without it, as before;
+#   refused, the run runs without it, as before. The runner takes a session of its own there
+#   (the keeper and the init stay in the env server's process group), so that a module run as
+#   the server's own user, or as root, no longer signals the server by its group (kill(0),
+#   killpg(getpgid(0))): such a signal reaches the runner and what the module started, no more;
 # * the runner, under that init (or the keeper's child where there is no namespace), imports
 #   the module and evaluates the checks. When done it writes one byte to DONE_FD and waits
 #   on the spec's pipe (moved off fd 0, which reads /dev/null for the module), alive, so that
@@ -53,11 +56,20 @@ processes and never imported there; the comment below says how it runs."""
 # When the runner ends, the keeper writes the done byte too (the run is over) and, without a
 # namespace, stays alive until killed: it is a child subreaper, so what the module started
 # stays in its tree even when the runner is gone. What that fallback cannot stop, where the
-# module runs as the keeper's user (this process is not root): a module that kills the keeper
-# (its pid is the runner's parent) and leaves a daemon with
-# a session and a working directory of its own; the member list of the run's cgroups finds
-# that one where one could be made (code_repair_limits), else the container's kill takes it.
-# A module that writes DONE_FD early only cuts its own results short.
+# module runs as the keeper's user (this process is not root, or UID_BASE is "-"): a module
+# that kills the keeper (its pid is the runner's parent) and leaves a daemon with a session
+# and a working directory of its own; the member list of the run's cgroups finds
+# that one where one could be made (code_repair_limits), else the container's kill takes it;
+# and a module that signals its process group (kill(0), killpg(getpgid(0))), which is the env
+# server's: it kills the server. The fallback keeps the run in that group all the same (no
+# session of the keeper's own, with kill_left_in scanning the keeper's group instead): the
+# group is how a container's kill reaches what the module started when the server dies
+# mid-run: the keeper and the runner die with their parents (PR_SET_PDEATHSIG), the module's
+# children have no such signal, and the process runtime kills a container by its process
+# group (in a session of the keeper's, they would live on, reparented, until a later run's
+# sweep of dead servers' cgroups, or for good where no cgroup could be made). Where the
+# module runs as a uid of its own (a root server, UID_BASE) its signals reach no process of
+# the server's. A module that writes DONE_FD early only cuts its own results short.
 RUNNER = r"""
 import ctypes, os, select, signal, sys
 parent, done_fd, isolate = int(sys.argv[1]), int(sys.argv[3]), sys.argv[4] == "1"
@@ -179,6 +191,15 @@ if isolated:
         os._exit(0)
     if libc is not None:
         libc.prctl(1, 9)  # with the init
+    # a session of the runner's own: the keeper and the init are in the env server's process
+    # group, where the module, as the server's own user (or root), signalled the server
+    # (kill(0), killpg of its own group). Here, not in the init: the init stays in the server's
+    # group, so that a container's kill of that group reaches it (and its death ends the
+    # namespace) without the keeper's death signal in between; and the module cannot name
+    # that group (it has no id in this PID namespace: getpgid reads 0), nor signal the init
+    # (it ignores what comes from inside). Nothing of the namespace outlives the init, so
+    # kill_left_in need not find it by the server's group
+    os.setsid()
 import importlib, json, traceback
 spec = json.loads(spec_line)
 here = os.getcwd()
