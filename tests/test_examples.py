@@ -20,3 +20,8 @@ def test_demo_runs_end_to_end():
     assert "scripted path -> reward 1.0, terminated=True" in text
     assert "tool call through the pool and the fabric -> 395" in text
     assert "answer 395 -> reward 1.0" in text
+    # the overhead over a direct call is shown from the bench one call at a time, not at 64
+    assert (
+        '"overhead_p50_ms"' not in text.split("(5,000 calls at concurrency 64)")[1].split("one at a time")[0]
+    )
+    assert '"overhead_p50_ms"' in text.split("one at a time")[1]
