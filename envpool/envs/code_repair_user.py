@@ -109,7 +109,26 @@ def check_run_uid_base(base: object) -> int | None:
             f"{RUN_UID_SPAN - 1} (base + the pid of the run's first process), which should be "
             f"no real user's; got {base!r}"
         )
+    taken = _named_ids_in(base, base + RUN_UID_SPAN - 1)
+    if taken:
+        raise ValueError(
+            f"run_uid_base {base} gives runs uids {base} .. {base + RUN_UID_SPAN - 1}, which hold "
+            f"{', '.join(taken[:3])}{' and more' if len(taken) > 3 else ''}: a run taking one would "
+            f"be that user or group and reach what is theirs; pick a base above every uid and gid "
+            f"in use (the default, {DEFAULT_RUN_UID_BASE}, is)"
+        )
     return base
+
+
+def _named_ids_in(lo: int, hi: int) -> list[str]:
+    """The users and groups of this host's databases (``/etc/passwd``, ``/etc/group``, or
+    what NSS serves) whose id lies in ``lo .. hi``: a base from ``_MIN_BASE`` passes the range
+    check, yet may reach real users (1000 up, ``nobody`` at 65534)."""
+    import grp
+    import pwd
+
+    found = [f"user {u.pw_name!r} (uid {u.pw_uid})" for u in pwd.getpwall() if lo <= u.pw_uid <= hi]
+    return found + [f"group {g.gr_name!r} (gid {g.gr_gid})" for g in grp.getgrall() if lo <= g.gr_gid <= hi]
 
 
 def run_uid_base_for(base: int | None) -> int | None:

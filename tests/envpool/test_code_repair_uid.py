@@ -6,7 +6,9 @@ These tests need root (they skip elsewhere: there the module never ran as root).
 from __future__ import annotations
 
 import contextlib
+import grp
 import os
+import pwd
 import re
 import shutil
 import subprocess
@@ -232,6 +234,22 @@ def test_a_hard_link_out_is_never_handed_to_the_run(tmp_path, open_dir):
 def test_a_bad_run_uid_base_is_refused(base):
     with pytest.raises(ValueError, match="run_uid_base"):
         CodeRepairEnv(run_uid_base=base)
+
+
+def test_a_run_uid_base_whose_uids_hold_a_real_user_or_group_is_refused():
+    # in range, yet runs would take uids and gids of the host's users: `nobody` (65534) is
+    # on every host; a range from a real user's uid names that user
+    with pytest.raises(ValueError, match=r"hold .*'nobody'.*pick a base above every uid and gid in use"):
+        CodeRepairEnv(run_uid_base=60_000)
+    user = pwd.getpwuid(os.getuid())
+    if user.pw_uid >= 1000:  # (root's 0 is below any base)
+        with pytest.raises(ValueError, match=f"user {user.pw_name!r}"):
+            CodeRepairEnv(run_uid_base=user.pw_uid)
+    # a base whose span holds no id in use passes: the default, and one just past nobody
+    assert CodeRepairEnv(run_uid_base=DEFAULT_RUN_UID_BASE).run_uid_base == DEFAULT_RUN_UID_BASE
+    past = max([u.pw_uid for u in pwd.getpwall()] + [g.gr_gid for g in grp.getgrall()]) + 1
+    if past <= 2**31 - RUN_UID_SPAN:
+        assert CodeRepairEnv(run_uid_base=past).run_uid_base == past
 
 
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
