@@ -10,11 +10,14 @@ belongs to (``envs[1].id``, ``rewards.frozenlake[0].function``, ``alpha``):
    rewards, every reward tag is used by an environment, weights are not all zero, ...).
 2. **References** (``validate_references``): every environment id is a built-in or
    registered by its entry's ``image`` (a directory with an ``envpool.json``, or a published
-   reference: ``core.env_images``), every reward is a registered fabric *reward*, and its
-   ``args``/``task_args`` fit the function's signature. ``from_yaml`` runs it against the
-   registries found by discovery (``fabric.discover`` modules and envpool's built-ins); tests
-   pass their own. An environment registered only by a ``fabric.discover`` module is refused
-   with the ``image`` line that makes it work: no container or corpus child imports those.
+   reference: ``core.env_images``), every reward is a registered fabric *reward*, its
+   ``args``/``task_args`` fit the function's signature and its fixed ``args`` values are of
+   the parameters' types (``core.config_rewards``: checked as the reward's worker checks a
+   call). ``from_yaml`` runs it
+   against the registries found by discovery (``fabric.discover`` modules and envpool's
+   built-ins); tests pass their own. An environment registered only by a ``fabric.discover``
+   module is refused with the ``image`` line that makes it work: no container or corpus
+   child imports those.
 
 Nothing downstream re-validates: the job passes these typed objects inward.
 
@@ -32,7 +35,8 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from core.config_backends import torch_engine_problems, trainer_problems
-from core.config_messages import hint, listing, semantic_error, validation_problems
+from core.config_messages import listing, semantic_error, validation_problems
+from core.config_rewards import reward_problems
 from core.config_sections import (
     DEFAULT_AFFINITY,
     ENGINES,
@@ -242,35 +246,10 @@ class JobConfig(ConfigModel):
         directory or reference checked, its modules loaded in a child process)."""
         from core.env_images import image_problems
 
-        rewards = sorted(s.name for s in registry.specs() if s.kind == "reward")
         builtin = set(env_ids)
         in_driver = set(registered_env_ids()) - builtin_env_ids()
         problems = image_problems(self.envs, self.images, self.run_dir, builtin, in_driver=in_driver)
-        for tag, specs in self.rewards.items():
-            for j, spec in enumerate(specs):
-                key = f"rewards.{tag}[{j}]"
-                if spec.function not in registry:
-                    msg = (
-                        f"unknown reward {spec.function!r}{hint(spec.function, rewards)}; "
-                        f"registered: {listing(rewards)}"
-                    )
-                    problems.append((f"{key}.function", msg))
-                    continue
-                fn = registry.get(spec.function)
-                if fn.kind != "reward":
-                    problems.append(
-                        (
-                            f"{key}.function",
-                            f"{spec.function!r} is a {fn.kind}, not a reward; rewards: {listing(rewards)}",
-                        )
-                    )
-                    continue
-                # the stream calls fn(traj=..., **args, **task_args): check that shape now, not per call
-                shape = dict.fromkeys(["traj", *spec.args, *spec.task_args])
-                problem = fn.check_args(shape)
-                if problem is not None:
-                    problems.append((f"{key}.args", problem))
-        return problems
+        return problems + reward_problems(self.rewards, registry, self.fabric.discover)
 
     # -- loading
     @classmethod
