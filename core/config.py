@@ -13,7 +13,7 @@ belongs to (``envs[1].id``, ``rewards.frozenlake[0].function``, ``alpha``):
    reference: ``core.env_images``), every reward is a registered fabric *reward*, its
    ``args``/``task_args`` fit the function's signature and its fixed ``args`` values are of
    the parameters' types (``core.config_rewards``: checked as the reward's worker checks a
-   call). ``from_yaml`` runs it
+   call; a built-in left out of ``fabric.discover`` is named as such). ``from_yaml`` runs it
    against the registries found by discovery (``fabric.discover`` modules and envpool's
    built-ins); tests pass their own. An environment registered only by a ``fabric.discover``
    module is refused with the ``image`` line that makes it work: no container or corpus

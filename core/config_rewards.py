@@ -7,20 +7,25 @@ payload as JSON, against the function's type hints with their constraints), so a
 worker would refuse is refused here. Found by the calls instead, a ``ground_truth: 5`` for a
 ``str`` failed every trajectory with ``InvalidArguments`` and the job stopped with a
 ``RolloutError`` after Ray started, the policy was built and 8 groups were re-run 3 times.
+
+A built-in reward named while ``fabric.discover`` leaves the ``functions`` package out is
+told so, with the list that adds it: "unknown reward 'env_return'" read as if it did not
+exist.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
+from functools import cache
 from typing import Any
 
 from pydantic import PydanticUserError, ValidationError
 
 from core.config_messages import hint, listing
-from core.config_sections import RewardConfig
+from core.config_sections import BUILTIN_FUNCTIONS, RewardConfig
 from fabric.config_messages import describe
-from fabric.errors import PayloadError
+from fabric.errors import PayloadError, RegistryError
 from fabric.protocol import encode_payload
 from fabric.registry import Registry
 from fabric.runner import _args_adapter
@@ -63,7 +68,37 @@ def reward_problems(
 
 
 def _unknown(name: str, known: list[str], discover: Sequence[str]) -> str:
+    entry = builtin_rewards().get(name)
+    if entry is not None and not any(_covers(target, entry) for target in discover):
+        module = entry.partition(":")[0]
+        wanted = ", ".join([BUILTIN_FUNCTIONS, *discover])
+        return (
+            f"unknown reward {name!r}: {name!r} is a built-in reward ({module}), and fabric.discover "
+            f"leaves the built-ins out; add {BUILTIN_FUNCTIONS} to fabric.discover: [{wanted}] "
+            f"(registered now: {listing(known)})"
+        )
     return f"unknown reward {name!r}{hint(name, known)}; registered: {listing(known)}"
+
+
+def _covers(target: str, entry: str) -> bool:
+    """Whether discovering ``target`` (a package, a module, ``module:attr``) registers the
+    function at ``entry``: then the registry at hand is not the one discovery built (a
+    test's, a job's own), and adding the built-ins to the list would change nothing."""
+    if ":" in target:
+        return target == entry
+    module = entry.partition(":")[0]
+    return module == target or module.startswith(target + ".")
+
+
+@cache
+def builtin_rewards() -> dict[str, str]:
+    """Built-in reward -> its entry point (what discovering ``functions`` registers); read
+    only when a reward is unknown. Empty if the package does not import: no hint then."""
+    try:
+        specs = Registry().discover(BUILTIN_FUNCTIONS)
+    except RegistryError:
+        return {}
+    return {s.name: s.entry for s in specs if s.kind == "reward"}
 
 
 def _ctx_problems(key: str, spec: RewardConfig, fn: FunctionSpec, code: Callable[..., Any]) -> Problems:

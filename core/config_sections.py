@@ -375,6 +375,10 @@ class RolloutConfig(ConfigModel):
         return self
 
 
+#: The package of the built-in fabric functions (``env_return``, ``exact_match``, ...).
+BUILTIN_FUNCTIONS = "functions"
+
+
 class FabricConfig(ConfigModel):
     """Where reward and tool functions run."""
 
@@ -383,7 +387,7 @@ class FabricConfig(ConfigModel):
     in the job's process (debugging, tests)."""
     workers: int | None = Field(None, ge=1)
     """Cap on worker processes per function (``local`` only; default: the CPU count)."""
-    discover: list[str] = Field(default_factory=lambda: ["functions"])
+    discover: list[str] = Field(default_factory=lambda: [BUILTIN_FUNCTIONS])
     """Modules or packages whose fabric functions the job uses (the built-ins by default)."""
     client: ClientConfig = Field(default_factory=ClientConfig)
     """Hedging, circuit breaker, default deadline of the fabric client."""

@@ -1,7 +1,8 @@
-"""A reward's fixed ``args`` are checked with the config, each bad
+"""A reward's fixed ``args`` and its ``function`` name are checked with the config, each bad
 one a ``ConfigError`` naming its key and the fix, before Ray or the policy starts: a value of
 the wrong type was found by the first calls instead (every trajectory ``InvalidArguments``,
-then a ``RolloutError`` after 8 groups of re-runs)."""
+then a ``RolloutError`` after 8 groups of re-runs), and a built-in left out of
+``fabric.discover`` was reported as if it did not exist."""
 
 from __future__ import annotations
 
@@ -137,6 +138,46 @@ def test_ctx_is_the_setup_hooks_not_an_argument():
     assert key == "rewards.coin[0].args.ctx" and "setup hook" in msg
     [(key, _)] = problems(config({"function": "loose", "task_args": {"ctx": "k"}}), registry=REG)
     assert key == "rewards.coin[0].task_args.ctx"
+
+
+# ---------------------------------------------------------------- built-ins left out
+
+
+@pytest.fixture(scope="module")
+def my_rewards(tmp_path_factory: pytest.TempPathFactory) -> str:
+    # once: the decorator also registers it in the default registry, where a second file
+    # defining the same name is refused
+    path = tmp_path_factory.mktemp("discover") / "my_rewards_args.py"
+    path.write_text(
+        "import fabric\n\n@fabric.reward\ndef my_rm(traj: fabric.Trajectory) -> float:\n    return 0.0\n"
+    )
+    return str(path)
+
+
+def test_a_built_in_left_out_of_discover_says_to_add_functions(my_rewards):
+    data = config({"function": "env_return"}, fabric={"discover": [my_rewards]})
+    [(key, msg)] = problems(data)
+    assert key == "rewards.coin[0].function"
+    assert "'env_return' is a built-in reward" in msg
+    assert f"add functions to fabric.discover: [functions, {my_rewards}]" in msg
+
+
+def test_a_discover_list_naming_only_some_built_ins_is_told_the_same():
+    data = config({"function": "env_return"}, fabric={"discover": ["functions.rewards.exact_match"]})
+    [(_, msg)] = problems(data)
+    assert "built-in" in msg and "[functions, functions.rewards.exact_match]" in msg
+    # a module:attr entry registers that function only
+    one = {"function": "exact_match", "task_args": {"ground_truth": "a"}}
+    [(_, msg)] = problems(config(one, fabric={"discover": ["functions.rewards.env_return:env_return"]}))
+    assert "'exact_match' is a built-in reward" in msg
+
+
+def test_a_name_that_is_no_built_in_keeps_the_plain_message(my_rewards):
+    [(_, msg)] = problems(config({"function": "nope"}, fabric={"discover": [my_rewards]}))
+    assert msg == "unknown reward 'nope'; registered: my_rm"
+    # discover lists the built-ins, the registry is the caller's: adding them would not help
+    [(_, msg)] = problems(config({"function": "env_return"}), registry=REG)
+    assert "built-in" not in msg and "registered: exact_match, loose, scaled" in msg
 
 
 # ---------------------------------------------------------------- before anything starts
