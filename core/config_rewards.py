@@ -28,7 +28,7 @@ from fabric.config_messages import describe
 from fabric.errors import PayloadError, RegistryError
 from fabric.protocol import encode_payload
 from fabric.registry import Registry
-from fabric.runner import _args_adapter
+from fabric.runner import args_adapter
 from fabric.spec import CTX_PARAM, FunctionSpec
 
 Problems = list[tuple[str, str]]
@@ -127,7 +127,7 @@ def _value_problems(key: str, args: dict[str, Any], fn: FunctionSpec, code: Call
     except PayloadError as e:  # NaN, Infinity: refused by the client at every call
         return [(f"{key}.args", str(e))]
     try:
-        adapter = _args_adapter(code, fn)
+        adapter = args_adapter(code, fn)
     except PydanticUserError:
         return []  # a hint pydantic cannot validate: the workers cannot start, which warm-up reports
     try:

@@ -39,9 +39,11 @@ Outcome = tuple[bool, Any]
 _TB_FRAMES = 6
 
 
-def _args_adapter(fn: Callable[..., Any], spec: FunctionSpec) -> TypeAdapter[Any]:
+def args_adapter(fn: Callable[..., Any], spec: FunctionSpec) -> TypeAdapter[Any]:
     """A pydantic validator for the keyword arguments of ``fn`` (a TypedDict, so function
-    defaults stay the function's own and any parameter name is allowed)."""
+    defaults stay the function's own and any parameter name is allowed): what a worker checks
+    each call's payload with, and what a config checks its fixed arguments with before a job
+    starts (``core.config_rewards``), so that both read a value the same way."""
     try:
         # with their Annotated extras: a Field(ge=0) or a validator on an argument is checked
         # here, at the edge (InvalidArguments), not lost (the function then ran on -1)
@@ -167,7 +169,7 @@ class FunctionRunner:
         self.wants_ctx = CTX_PARAM in inspect.signature(fn).parameters
         self.ctx: Any = None
         self._setup_fn = getattr(fn, SETUP_ATTR, None)
-        self._adapter = _args_adapter(fn, spec)
+        self._adapter = args_adapter(fn, spec)
 
     @classmethod
     def from_entry(cls, entry: str) -> FunctionRunner:
