@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-__all__ = ["kill_left_in", "kill_tree"]
+__all__ = ["kill_left_in", "kill_tree", "stop_and_kill"]
 
 
 def kill_left_in(root: Path) -> None:
@@ -21,28 +22,81 @@ def kill_left_in(root: Path) -> None:
     (an episode's work dir, this process's own never), each stopped first so none forks past
     the scan. What a run without a PID namespace left (its keeper and all it starts stay in
     this group: ``RUNNER``'s comment says why)."""
-    me, group, stopped, root = os.getpid(), os.getpgid(0), set[int](), root.resolve()
-    for _ in range(100):  # a fork bomb outruns no scan for long: each pass stops what it saw
-        found = []
+    me, group, root = os.getpid(), os.getpgid(0), root.resolve()
+
+    def left() -> set[int]:
+        found: set[int] = set()
         with contextlib.suppress(OSError):
             for entry in os.scandir("/proc"):
-                if not entry.name.isdigit() or (pid := int(entry.name)) == me or pid in stopped:
+                if not entry.name.isdigit() or (pid := int(entry.name)) == me:
                     continue
                 try:
-                    if os.getpgid(pid) != group or not Path(os.readlink(f"/proc/{pid}/cwd")).is_relative_to(
-                        root
-                    ):
-                        continue
-                    os.kill(pid, signal.SIGSTOP)
+                    cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+                    if os.getpgid(pid) == group and cwd.is_relative_to(root):
+                        found.add(pid)
                 except OSError:  # gone meanwhile, or not ours to read
                     continue
-                found.append(pid)
-        if not found:
-            break
-        stopped.update(found)
-    for pid in stopped:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        return found
+
+    stop_and_kill(left)
+
+
+def stop_and_kill(find: Callable[[], Iterable[int]]) -> None:
+    """SIGKILL every process ``find`` lists (listed again until it lists no new one), each
+    stopped first so that none forks past the scan.
+
+    Each is pinned by a pidfd before it is signalled, and signalled through it once ``find``
+    lists it again: a process listed, then gone and reaped (by an init outside the run, as what
+    left its tree is), may leave its pid to an unrelated process before a kill by pid lands;
+    the pidfd names the process, not the number, and one that still has its pid when listed
+    again is the listed one. Where pidfds are missing (before Linux 5.3) or the fds run out,
+    the signal goes by pid, as before."""
+    pinned: dict[int, int] = {}  # pid -> the pidfd of the process stopped under it
+    try:
+        for _ in range(100):  # a fork bomb outruns no scan for long: each pass stops what it saw
+            new = {pid: _pin(pid) for pid in find() if pid > 0 and pid not in pinned}
+            if not new:
+                break
+            again = set(find())
+            for pid, fd in new.items():
+                if fd is not None and pid in again and _signal(fd, pid, signal.SIGSTOP):
+                    pinned[pid] = fd
+                elif fd is not None and fd >= 0:
+                    os.close(fd)  # gone, or its pid another's by now: found again if a member
+        for pid, fd in pinned.items():
+            _signal(fd, pid, signal.SIGKILL)
+    finally:
+        for fd in pinned.values():
+            if fd >= 0:
+                os.close(fd)
+
+
+_BY_PID = -1
+"""What ``_pin`` gives where no pidfd can be had: the signal goes by pid."""
+
+
+def _pin(pid: int) -> int | None:
+    """A pidfd of ``pid``'s process; None where it is gone; ``_BY_PID`` where no pidfd can be
+    had (no pidfd_open: an older kernel, not Linux; out of fds)."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+    except (AttributeError, OSError):
+        return _BY_PID
+
+
+def _signal(fd: int, pid: int, sig: int) -> bool:
+    """Send ``sig`` to the pinned process (by pid where ``fd`` is ``_BY_PID``); whether it was
+    there to take it."""
+    try:
+        if fd == _BY_PID:
+            os.kill(pid, sig)
+        else:
+            signal.pidfd_send_signal(fd, sig)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _children_by_parent() -> dict[int, list[int]]:

@@ -34,10 +34,11 @@ import contextlib
 import os
 import re
 import resource
-import signal
 import time
 import uuid
 from pathlib import Path, PurePosixPath
+
+from envpool.envs.code_repair_kill import stop_and_kill
 
 __all__ = [
     "DEFAULT_MAX_PROCESSES",
@@ -353,21 +354,11 @@ class _RunCgroup:
 
     def kill_all(self) -> None:
         """SIGKILL every process in it, each stopped first so none forks past the scan (a
-        process that left its tree, reparented to the container's init, is still here)."""
-        stopped: set[int] = set()
-        for _ in range(100):
-            # (never pid 0, as cgroup v2 lists a member this PID namespace cannot see: a kill
-            # of 0 is one of this process's own group, the server's)
-            found = [pid for pid in self._members() if pid > 0 and pid not in stopped]
-            if not found:
-                break
-            for pid in found:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGSTOP)
-            stopped.update(found)
-        for pid in stopped:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        process that left its tree, reparented to the container's init, is still here), and
+        each pinned by a pidfd, as the init reaps what it adopts at once (``stop_and_kill``).
+        Never pid 0, which cgroup v2 lists for a member this PID namespace cannot see: a kill
+        of 0 is one of this process's own group, the server's."""
+        stop_and_kill(self._members)
 
     def remove(self, wait_s: float = 2.0) -> None:
         """Kill what is left in it, and remove it once its processes are gone (a SIGKILL
