@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from envpool.errors import EnvPoolError
+from fabric.cli._app import VersionOpt
 from fabric.registry import import_module_or_file
 from fabric.usercode import prints_to_stderr, search_cwd
 
@@ -31,6 +32,12 @@ ModulesOpt = Annotated[
     list[str] | None, typer.Option("--module", "-m", help="Module or file.py that registers environments.")
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+
+
+@app.callback()
+def _options(version: VersionOpt = False) -> None:
+    # no docstring: the app's help= stays the help of `envpool --help`
+    pass
 
 
 def _emit(result: dict[str, Any], as_json: bool, title: str) -> None:

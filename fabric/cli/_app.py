@@ -33,6 +33,38 @@ app = typer.Typer(
 err = Console(stderr=True)
 out = Console()
 
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rl-fabric")
+    except PackageNotFoundError:  # a checkout on PYTHONPATH, never installed
+        from fabric import __version__
+
+        return __version__
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"rl-fabric {package_version()}")
+        raise typer.Exit()
+
+
+#: ``--version`` of the ``fabric`` and ``envpool`` commands: eager, so it answers before a
+#: command is required
+VersionOpt = Annotated[
+    bool,
+    typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+]
+
+
+@app.callback()
+def _options(version: VersionOpt = False) -> None:
+    # no docstring: the app's help= stays the help of `fabric --help`
+    pass
+
+
 ModulesOpt = Annotated[
     list[str] | None,
     typer.Option("--module", "-m", help="Module, package, module:attr or file.py to discover functions in."),
