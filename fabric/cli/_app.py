@@ -134,6 +134,25 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
+#: What the server commands import from the ``serve`` extra (a base install has neither)
+SERVE_EXTRA = ("aiohttp", "prometheus_client")
+
+
+def require_extra(what: str, extra: str, modules: tuple[str, ...]) -> None:
+    """Exit 2 naming the extra to install when one of its ``modules`` does not import, as the
+    other optional dependencies are reported (``--baseline ray needs Ray: pip install
+    'rl-fabric[ray]'``), instead of the traceback of the first import that needs it."""
+    import importlib
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            missing = isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == module
+            why = "" if missing else f" (it does not import: {e})"  # installed but broken
+            fail(f"{what} needs {module}{why}: pip install 'rl-fabric[{extra}]'")
+
+
 def bad_options(e: ValidationError, renamed: dict[str, str] | None = None) -> NoReturn:
     """Exit 2 on pydantic's errors for a config built from options, each on one line and
     named as the option it came from (``--n must be >= 1 (got 0)``): pydantic's own text

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from fabric.cli._app import (
+    SERVE_EXTRA,
     DrainOpt,
     ModulesOpt,
     app,
@@ -17,6 +18,7 @@ from fabric.cli._app import (
     fail,
     listen_failed,
     no_constant,
+    require_extra,
 )
 from fabric.errors import FabricError
 from fabric.usercode import prints_to_stderr, search_cwd
@@ -95,6 +97,7 @@ def openrlhf_serve(
     ] = 256,
     modules: ModulesOpt = None,
 ) -> None:
+    require_extra("fabric integrate openrlhf-serve", "serve", SERVE_EXTRA)
     from fabric.integrations.config import IntegrationConfig
     from fabric.integrations.openrlhf import serve as serve_openrlhf
 

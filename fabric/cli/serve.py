@@ -11,6 +11,7 @@ import typer
 
 from fabric.cli._app import (
     LOAD_YOURS,
+    SERVE_EXTRA,
     DrainOpt,
     ModulesOpt,
     app,
@@ -20,6 +21,7 @@ from fabric.cli._app import (
     listen_failed,
     load_registry,
     plural_calls,
+    require_extra,
 )
 from fabric.errors import FabricError, UnknownFunctionError
 
@@ -57,6 +59,7 @@ def serve(
     drain_s: DrainOpt = 30.0,
     modules: ModulesOpt = None,
 ) -> None:
+    require_extra("fabric serve", "serve", SERVE_EXTRA)
     from pydantic import ValidationError
 
     from fabric.backends.base import TOKEN_ENV

@@ -4,13 +4,20 @@ backends it refuses, and a tenants file whose token is too short."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
-from cli_helpers import runner
+from cli_helpers import HERE, runner
 
+import fabric
 from envpool.cli import app as envpool_app
 from fabric.cli import app
+
+ROOT = str(Path(fabric.__file__).resolve().parent.parent)
 
 
 @pytest.mark.parametrize("cli", [app, envpool_app], ids=["fabric", "envpool"])
@@ -19,3 +26,37 @@ def test_version_prints_the_package_version(cli):
     r = runner.invoke(cli, ["--version"])
     assert r.exit_code == 0, r.output
     assert r.stdout == f"rl-fabric {version('rl-fabric')}\n"
+
+
+# aiohttp (and prometheus_client, the serve extra's other half) made unimportable: None in
+# sys.modules is what Python's import system reads as "not installed"
+_WITHOUT = (
+    "import sys\n"
+    "sys.modules[{module!r}] = None\n"
+    "sys.argv = ['fabric', *sys.argv[1:]]\n"
+    "from fabric.cli import main\n"
+    "main()\n"
+)
+
+
+@pytest.mark.parametrize("module", ["aiohttp", "prometheus_client"])
+@pytest.mark.parametrize(
+    "command",
+    [["serve"], ["integrate", "openrlhf-serve"]],
+    ids=["serve", "openrlhf-serve"],
+)
+def test_a_server_command_without_the_serve_extra_names_it(tmp_path, command, module):
+    """Both printed a traceback ending in "ModuleNotFoundError: import of aiohttp halted"."""
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT.format(module=module), *command, "-f", "exact_match", "--port", "0"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, str(HERE)])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "pip install 'rl-fabric[serve]'" in done.stderr and module in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stdout == ""
