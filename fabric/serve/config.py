@@ -164,11 +164,17 @@ def load_tenants(path: str | Path) -> dict[str, TenantConfig]:
         )
     out: dict[str, TenantConfig] = {}
     for name, body in data["tenants"].items():
+        where = f"tenants file {str(p)!r}, tenant {name!r}"
         try:
-            out[str(name)] = TenantConfig.model_validate(body)
+            out[str(name)] = tenant = TenantConfig.model_validate(body)
+            # a short token, an unreadable token_file: said here, where the tenant and the
+            # file are known (the server's own check names neither)
+            tenant.secret()
         except ValidationError as e:
             problems = "; ".join(
                 f"{'.'.join(map(str, x['loc'])) or 'tenant'}: {x['msg']}" for x in e.errors()
             )
-            raise ConfigError(f"tenants file {str(p)!r}, tenant {name!r}: {problems}") from None
+            raise ConfigError(f"{where}: {problems}") from None
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
     return out

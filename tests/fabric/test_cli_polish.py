@@ -60,3 +60,23 @@ def test_a_server_command_without_the_serve_extra_names_it(tmp_path, command, mo
     assert "pip install 'rl-fabric[serve]'" in done.stderr and module in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        ("{token: short}", "a token must have at least 16 characters"),
+        ("{token_file: missing.token}", "cannot read token_file"),
+    ],
+    ids=["short-token", "no-token-file"],
+)
+def test_a_tenants_file_token_problem_names_the_tenant_and_the_file(tmp_path, monkeypatch, body, said):
+    """It said only "a token must have at least 16 characters": which of the file's tenants,
+    and which file, were left to guess, where its other errors name both."""
+    monkeypatch.chdir(tmp_path)
+    f = tmp_path / "tenants.yaml"
+    f.write_text(f"tenants:\n  job-a: {{token: {'a' * 20}}}\n  job-b: {body}\n")
+    r = runner.invoke(app, ["serve", "--tenants", str(f), "-f", "exact_match", "--port", "0"])
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert f"tenants file {str(f)!r}, tenant 'job-b': {said}" in text
