@@ -1,6 +1,7 @@
 """Errors of envpool.
 
     EnvPoolError
+    ├── PoolConfigError         a bad EnvPool config (also a ValueError)
     ├── EnvRegistryError        unknown id (lists the known ones), bad registration
     ├── EnvUsageError           the caller's mistake; never retried
     │   ├── EnvOrderError       step before reset, step after the episode ended
@@ -31,6 +32,12 @@ from __future__ import annotations
 
 class EnvPoolError(Exception):
     """Base class of every envpool error."""
+
+
+class PoolConfigError(EnvPoolError, ValueError):
+    """A bad ``EnvPool`` config: each problem by its key (``retry.attempts``), an unknown key
+    with the closest allowed one and the list of them. A ``ValueError`` too, as pydantic's
+    ``ValidationError`` (raised before) is: code that caught that still catches this."""
 
 
 class EnvRegistryError(EnvPoolError):

@@ -41,6 +41,7 @@ from envpool.pool_config import (
     RetryConfig,
     digest_of,
     inprocess_tools,
+    parse_pool_config,
 )
 from envpool.runtimes.base import Container, Runtime, make_runtime
 from envpool.session import EnvSession
@@ -70,7 +71,7 @@ class EnvPool:
         images: ImageResolver | None = None,
         tool_caller: AsyncToolCaller | None = None,
     ):
-        self.config = config if isinstance(config, PoolConfig) else PoolConfig.model_validate(config or {})
+        self.config = parse_pool_config(config)
         self.registry = registry if registry is not None else default_registry
         self.images = images
         # without a bridge every tool call would be an error observation: wrong training data

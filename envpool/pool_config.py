@@ -5,12 +5,14 @@ and a tool bridge (``inprocess_tools`` by default)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, get_args, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from envpool.api import inprocess_tool_caller
+from envpool.errors import PoolConfigError
 from envpool.runtimes.base import ProcessRuntimeConfig, RuntimeConfig
 
 
@@ -86,6 +88,42 @@ class PoolConfig(BaseModel):
                 )
             self.min_warm = self.max_containers  # the default 2 under max_containers: 1
         return self
+
+
+def parse_pool_config(config: PoolConfig | Mapping[str, Any] | None) -> PoolConfig:
+    """``EnvPool``'s ``config`` (a ``PoolConfig``, a dict, or ``None`` for the defaults) as a
+    ``PoolConfig``. A bad one raises ``PoolConfigError`` in the wording of the fabric's and
+    the job's configs: pydantic's own named the model and said only "Extra inputs are not
+    permitted" of a mistyped key, over several lines, with a documentation URL."""
+    if isinstance(config, PoolConfig):
+        return config
+    try:
+        return PoolConfig.model_validate(dict(config or {}))
+    except ValidationError as e:
+        raise PoolConfigError(f"bad EnvPool config: {_one_line(e)}") from None
+
+
+def _one_line(e: ValidationError) -> str:
+    # imported here: envpool runs in containers without the fabric's modules loaded
+    from fabric.config_messages import describe, hint
+
+    runtimes = {m.model_fields["type"].default: m for m in get_args(get_args(RuntimeConfig)[0])}
+    said = []
+    for err in e.errors(include_url=False):
+        loc = tuple(err["loc"])
+        if len(loc) >= 2 and loc[0] == "runtime" and loc[1] in runtimes:
+            # pydantic puts the runtime's type in the path (runtime.process.heartbeat_sz):
+            # the key is worded, and its allowed keys found, in that runtime's own config
+            key, msg = describe({**err, "loc": loc[2:]}, runtimes[str(loc[1])])
+            key = f"runtime.{key}" if key else "runtime"
+        elif loc == ("runtime",) and err["type"] == "union_tag_invalid":  # a mistyped type
+            tag = str((err.get("ctx") or {}).get("tag"))
+            key, msg = "runtime.type", f"unknown type {tag!r}{hint(tag, list(runtimes))}; known: "
+            msg += ", ".join(runtimes)
+        else:
+            key, msg = describe(err, PoolConfig)
+        said.append(f"{key}: {msg}" if key else msg)
+    return "; ".join(said)
 
 
 class ImageResolver(Protocol):
