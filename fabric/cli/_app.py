@@ -20,6 +20,8 @@ from fabric.usercode import prints_to_stderr, search_cwd
 if TYPE_CHECKING:
     from pydantic import ValidationError
 
+    from fabric.backends.base import LambdaConfig
+
 # A command's help is its docstring when that is one line, else help= as one string: typer's
 # rich markup mode keeps a docstring's line breaks in the command list (`fabric --help` broke
 # off at "2 if"); markdown mode reflows them but drops the `quotes` of plain-text help and puts
@@ -73,7 +75,15 @@ DrainOpt = Annotated[
     float,
     typer.Option(min=0, help="On Ctrl-C, seconds the calls in flight get to finish (a second Ctrl-C: none)."),
 ]
-BackendOpt = Annotated[str, typer.Option(help="Backend: local (warm worker processes) or inproc.")]
+# the lambda backend's options, of `fabric bench` and `fabric invoke` (see remote_backend)
+EndpointUrlOpt = Annotated[
+    str | None, typer.Option(help="With --backend lambda: a `fabric serve` URL (default: AWS).")
+]
+TokenOpt = Annotated[str | None, typer.Option(help="`fabric serve` token (default: $RL_FABRIC_TOKEN).")]
+PrefixOpt = Annotated[str, typer.Option(help="With --backend lambda: deployed name prefix.")]
+TransportOpt = Annotated[
+    str, typer.Option(help="With --backend lambda: auto, boto3 or http (aiohttp; fabric serve only).")
+]
 
 
 def load_registry(modules: list[str] | None) -> Registry:
@@ -153,6 +163,32 @@ def require_extra(what: str, extra: str, modules: tuple[str, ...]) -> None:
             fail(f"{what} needs {module}{why}: pip install 'rl-fabric[{extra}]'")
 
 
+def remote_backend(
+    backend: str, *, endpoint_url: str | None, token: str | None, prefix: str, transport: str
+) -> LambdaConfig | None:
+    """The lambda backend's config from ``--endpoint-url``, ``--token``, ``--prefix`` and
+    ``--transport``; ``None`` for another backend, which none of them is for. Exit 2 on an
+    option given to a backend that ignores it, or a bad value, named as its option (a bad
+    ``--transport`` was pydantic's traceback, once the bench had begun)."""
+    from pydantic import ValidationError
+
+    from fabric.backends.base import LambdaConfig
+
+    if backend != "lambda":
+        given = {"--endpoint-url": endpoint_url, "--token": token, "--prefix": prefix}
+        given["--transport"] = None if transport == "auto" else transport
+        for option, value in given.items():
+            if value:
+                fail(f"{option} is for --backend lambda (a `fabric serve` or AWS), not {backend}")
+        return None
+    try:
+        return LambdaConfig(
+            endpoint_url=endpoint_url, token=token, function_prefix=prefix, transport=transport
+        )
+    except ValidationError as e:
+        bad_options(e, {"function_prefix": "--prefix"})
+
+
 def bad_options(e: ValidationError, renamed: dict[str, str] | None = None) -> NoReturn:
     """Exit 2 on pydantic's errors for a config built from options, each on one line and
     named as the option it came from (``--n must be >= 1 (got 0)``): pydantic's own text
@@ -164,6 +200,9 @@ def bad_options(e: ValidationError, renamed: dict[str, str] | None = None) -> No
 
     said = []
     for key, msg in problems(e, BaseModel):  # options make no unknown keys: no model to list
+        if not key:  # a check of the options together: its message names what it checks
+            said.append(msg)
+            continue
         option = (renamed or {}).get(key) or "--" + key.split(".")[-1].replace("_", "-")
         said.append(f"{option} {msg.removeprefix('Input ')}")  # "--x should be a finite number"
     fail("; ".join(said))

@@ -11,8 +11,11 @@ from rich.table import Table
 
 from fabric.cli._app import (
     BAD_INPUT,
-    BackendOpt,
+    EndpointUrlOpt,
     ModulesOpt,
+    PrefixOpt,
+    TokenOpt,
+    TransportOpt,
     app,
     bad_options,
     err,
@@ -20,6 +23,7 @@ from fabric.cli._app import (
     load_registry,
     out,
     payload_arg,
+    remote_backend,
 )
 from fabric.errors import FabricError
 from fabric.usercode import prints_to_stderr
@@ -70,9 +74,22 @@ def invoke(
     name: str,
     payload: Annotated[str, typer.Option(help="Keyword arguments as a JSON object.")] = "{}",
     modules: ModulesOpt = None,
-    backend: BackendOpt = "local",
+    backend: Annotated[
+        str,
+        typer.Option(
+            help="local (warm worker processes), inproc (this process), lambda (a `fabric serve` at "
+            "--endpoint-url, or AWS) or modal (a `fabric deploy --backend modal` app, default --prefix).",
+        ),
+    ] = "local",
+    endpoint_url: EndpointUrlOpt = None,
+    token: TokenOpt = None,
+    prefix: PrefixOpt = "",
+    transport: TransportOpt = "auto",
 ) -> None:
     args = payload_arg(payload)
+    remote = remote_backend(
+        backend, endpoint_url=endpoint_url, token=token, prefix=prefix, transport=transport
+    )
     try:
         reg = load_registry(modules)
     except FabricError as e:
@@ -81,7 +98,7 @@ def invoke(
     async def run() -> Any:
         from fabric.client import Client
 
-        async with Client(backend=backend, registry=reg) as c:
+        async with Client(backend=remote or backend, registry=reg) as c:
             return await c.call(name, args)
 
     try:
@@ -102,16 +119,10 @@ def bench(
     backend: Annotated[
         str, typer.Option(help="local (warm worker processes) or lambda (boto3 to --endpoint-url or AWS).")
     ] = "local",
-    endpoint_url: Annotated[
-        str | None, typer.Option(help="With --backend lambda: a `fabric serve` URL (default: AWS).")
-    ] = None,
-    token: Annotated[
-        str | None, typer.Option(help="`fabric serve` token (default: $RL_FABRIC_TOKEN).")
-    ] = None,
-    prefix: Annotated[str, typer.Option(help="With --backend lambda: deployed name prefix.")] = "",
-    transport: Annotated[
-        str, typer.Option(help="With --backend lambda: auto, boto3 or http (aiohttp; fabric serve only).")
-    ] = "auto",
+    endpoint_url: EndpointUrlOpt = None,
+    token: TokenOpt = None,
+    prefix: PrefixOpt = "",
+    transport: TransportOpt = "auto",
     baseline: Annotated[
         str | None,
         typer.Option(
@@ -142,6 +153,9 @@ def bench(
     from fabric.bench import BenchConfig, run_bench
 
     args = payload_arg(payload) if payload is not None else None
+    # checked here, before the bench's in-process measurement: the lambda run builds its own
+    # config (its connections sized to --concurrency)
+    remote_backend(backend, endpoint_url=endpoint_url, token=token, prefix=prefix, transport=transport)
     try:
         reg = load_registry(modules)
         cfg = BenchConfig(

@@ -4,6 +4,7 @@ backends it refuses, and a tenants file whose token is too short."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -80,3 +81,71 @@ def test_a_tenants_file_token_problem_names_the_tenant_and_the_file(tmp_path, mo
     assert r.exit_code == 2, r.output
     text = " ".join(r.output.split())
     assert f"tenants file {str(f)!r}, tenant 'job-b': {said}" in text
+
+
+def test_invoke_calls_a_fabric_serve(tmp_path, monkeypatch):
+    """invoke had no --endpoint-url or --token: it could not reach a `fabric serve`, and its
+    lambda backend's error then told it to use a transport it had no option for."""
+    monkeypatch.delenv("RL_FABRIC_TOKEN", raising=False)
+    token = "t" * 20
+    serve = ["serve", "-f", "exact_match", "--workers", "1", "--port", "0", "--token", token]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fabric.cli", *serve],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        url = json.loads(proc.stdout.readline())["url"]
+        payload = json.dumps({"traj": "The answer is 42.", "ground_truth": "42"})
+        call = ["invoke", "exact_match", "--payload", payload, "--backend", "lambda", "--endpoint-url", url]
+        r = runner.invoke(app, [*call, "--token", token])
+        assert r.exit_code == 0, r.output
+        result = json.loads(r.stdout)
+        assert result["ok"] and result["value"] == 1.0
+        r = runner.invoke(app, [*call, "--token", "x" * 20, "--transport", "http"])  # a wrong token
+        assert r.exit_code == 1 and json.loads(r.stdout)["error"]["type"] == "Unauthorized", r.output
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.parametrize("command", ["invoke", "bench"])
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--endpoint-url", "http://127.0.0.1:9"], "--endpoint-url is for --backend lambda"),
+        (["--token", "t" * 20], "--token is for --backend lambda"),
+        (["--prefix", "rl-fabric-"], "--prefix is for --backend lambda"),
+        (["--transport", "http"], "--transport is for --backend lambda"),
+    ],
+)
+def test_the_lambda_options_are_refused_with_another_backend(command, args, said):
+    # bench said so of --endpoint-url only, and used none of the others
+    r = runner.invoke(app, [command, "exact_match", "--backend", "local", *args])
+    assert r.exit_code == 2, r.output
+    assert said in " ".join(r.output.split())
+
+
+@pytest.mark.parametrize("command", ["invoke", "bench"])
+def test_a_bad_transport_is_named_as_its_option(command):
+    """bench printed pydantic's traceback for it (after its in-process measurement)."""
+    args = [command, "exact_match", "--backend", "lambda", "--endpoint-url", "http://127.0.0.1:9"]
+    r = runner.invoke(app, [*args, "--transport", "carrier-pigeon"])
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert "--transport should be 'auto', 'boto3' or 'http' (got 'carrier-pigeon')" in text
+    assert "Traceback" not in text
+
+
+def test_invoke_help_names_what_each_backend_reaches():
+    """Its help said "Backend: local (warm worker processes) or inproc." while lambda and modal
+    were taken, and lambda had no way to be pointed at a server."""
+    r = runner.invoke(app, ["invoke", "--help"], env={"COLUMNS": "200"})
+    text = " ".join(r.stdout.split())
+    for option in ("--endpoint-url", "--token", "--prefix", "--transport"):
+        assert option in text
+    assert "lambda (a `fabric serve` at --endpoint-url, or AWS)" in text and "modal" in text
