@@ -149,3 +149,11 @@ def test_invoke_help_names_what_each_backend_reaches():
     for option in ("--endpoint-url", "--token", "--prefix", "--transport"):
         assert option in text
     assert "lambda (a `fabric serve` at --endpoint-url, or AWS)" in text and "modal" in text
+
+
+def test_a_bad_region_is_said_without_a_made_up_option(monkeypatch):
+    # a check of the lambda config as a whole has no key: it was printed as "-- region: ..."
+    monkeypatch.setenv("AWS_REGION", "bogus")
+    r = runner.invoke(app, ["invoke", "exact_match", "--backend", "lambda"])
+    assert r.exit_code == 2, r.output
+    assert "error: region: 'bogus' is not an AWS region name" in " ".join(r.output.split())
