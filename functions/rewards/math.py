@@ -22,6 +22,24 @@ number in it (a digit, ``\frac``, ``\sqrt``, ``\pi``...) is read only when it en
 is more than a lone variable (in "42 ways, one for each value of $n$." the answer is 42); else
 the last number (``\frac{3}{4}`` and a power, ``2^{10}``, count as one).
 
+A condition states no value. A number beside an inequality (``<``, ``>``, ``<=``, ``>=``,
+``!=``, ``\le``, ``\ge``, ``\lt``, ``\gt``, ``\ne``, ``\neq``, the Unicode signs) is a bound,
+and its relation is a premise when a reason introduces it (since, because, as, given,
+assuming, suppose; or a check of a value against it: satisfies, check, verify) or a
+consequence follows it ("x > 0 so ...", "hence", ``\implies``, ``=>``), or when a domain word
+introduces it (for, where, when, if, unless, provided, with, such that, ``\forall``); "that",
+"all", "real"... may stand between. Neither fallback reads a reason's bound after a stated
+value (a number after ``=`` or a stating word: "x = 4", "x is 4"), nor a domain's after a
+value stated in its sentence: "So x = 4 since x > 0", "x is 4, not -4, because x > 0", "x =
+4, which satisfies x > 0", "x = 4. Check: 4 > 0" and "x = 9 if x > 3" read the value, and
+"Thus $x = \frac34$, since 4 > 3" reads ``\frac34``. A domain in a sentence of its own may be
+what the text concludes, and is read ("S = n(n+1)/2. This exceeds 100 for n \ge 14": 14); so
+is a premise with no stated value before it, all the text offers ("The inequality holds when
+n \ge 6": 6), and the bound of a relation that concludes ("Solve x - 3 > 0: x > 3": 3, "we
+need $x \ge 1$": 1): the fallback reads a number, and an inequality answer is read whole only
+where it is stated or boxed ("the answer is $x > 3$", which is the interval ``(3, \infty)``).
+A bound after ``=`` is the relation's, not the value's: in "0 < x = 4" the value is 4.
+
 A negated statement of an answer states none. "the answer is not 5", "the answer isn't 5",
 "the answer can't be 5" and a marker the writer disbelieves ("I don't think the answer is
 5", "It is not true that the answer is 5", "I doubt that the answer is 5") deny 5: a text
@@ -300,6 +318,121 @@ def _negated_starts(text: str) -> set[int]:
     return starts
 
 
+# what a relation around a number is made of, and what it is said in: an inequality ("<"), "="
+# ("="), an arrow or \implies that draws a consequence ("=>"), a word of two letters or more
+# (itself, lower-cased; a LaTeX command is no word, and a lone letter is a variable), and
+# punctuation that ends a clause (itself). Each alternative is anchored and bounded: linear
+_RELATION_MARK = re.compile(
+    r"(?P<then><=>|={1,2}>|-{1,2}>|[\u21d2\u2192\u2234]"
+    r"|\\(?:implies|Rightarrow|Longrightarrow|therefore)(?![A-Za-z]))"
+    r"|(?P<ineq><=|>=|!=|[<>\u2264\u2265\u2260\u2a7d\u2a7e]"
+    r"|\\(?:leqslant|geqslant|leq|geq|neq|le|ge|lt|gt|ne)(?![A-Za-z]))"
+    r"|(?P<eq>=|\\approx(?![A-Za-z]))"
+    r"|(?P<word>(?<![A-Za-z\\])[A-Za-z]{2,}|\\forall(?![A-Za-z]))"
+    r"|(?P<stop>[,;:.!?\n])"
+)
+_ANY_INEQUALITY = re.compile(r"[<>\u2264\u2265\u2260\u2a7d\u2a7e]|!=|\\(?:le|ge|lt|gt|ne)")
+# a relation these introduce is a reason ("since x > 0", "given that a < 3", "assuming b \ne
+# 0"), or a check of a value against it ("x = 4, which satisfies x > 0", "Check: 4 > 0"): a
+# premise, never a value
+_REASON_WORDS = frozenset(
+    "since because as given assuming assume assumed suppose supposing satisfies satisfy "
+    "satisfying satisfied check checking checked verify verifying verified".split()
+)
+# ... a domain ("for all $n \ge 1$", "where k \ge 2", "if x > 3", "when n \ge 6"): where a
+# statement holds, which may itself be what a sentence concludes ("This exceeds 100 for n \ge
+# 14": the answer may be 14)
+_DOMAIN_WORDS = frozenset("for where when whenever if iff unless provided providing with such forall".split())
+# words that may stand between either kind and its relation ("for all real x > 0")
+_CONDITION_FILLERS = frozenset(
+    "that all every each any some the an of we have know only real integer integers positive "
+    "negative nonnegative natural whole number numbers value values".split()
+)
+# a relation these follow is a reason too ("x > 0 so it is valid", "x \ge 0 \implies ...")
+_CONSEQUENCE_WORDS = frozenset("so hence thus therefore then implies gives means =>".split())
+_PREMISE_REACH = 8  # how many marks a look from a bound to its condition word passes at most
+
+
+class _Premises:
+    """Which numbers are bounds of a premise: an operand of an inequality (<, >, \\le, \\ge,
+    \\ne, !=, the Unicode signs) that a reason or a domain word introduces or a consequence
+    follows. A bound after "=" is the relation's, not the value's ("x = 4 > 3": 4 is a value)."""
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+        self._starts: list[int] = []
+        self._kinds: list[str] = []
+        for m in _RELATION_MARK.finditer(text):
+            kind = m.lastgroup
+            self._starts.append(m.start())
+            if kind == "word":
+                self._kinds.append(m[0].lstrip("\\").lower())
+            else:
+                self._kinds.append({"then": "=>", "ineq": "<", "eq": "="}.get(kind or "", m[0]))
+        self._sentences = [m.end() for m in _SENTENCE_END.finditer(text)]
+
+    def sentence(self, pos: int) -> int:
+        """Which sentence ``text[pos]`` is in (0 for the first)."""
+        return bisect.bisect_right(self._sentences, pos)
+
+    def stated(self, start: int) -> bool:
+        """Whether the number at ``text[start]`` is a stated value: "=" is the last mark before
+        it (``x = \\frac{3}{4}``, ``x = 2 + 3``), or a stating word is right before it
+        (``_stated_at``: "x is 4")."""
+        i = bisect.bisect_left(self._starts, start) - 1
+        return (i >= 0 and self._kinds[i] == "=") or _stated_at(self._text, start)
+
+    def premise(self, start: int, end: int) -> str | None:
+        """``"reason"`` or ``"domain"`` when the number at ``text[start:end]`` is a bound of a
+        premise of that kind, else None."""
+        kinds = self._kinds
+        i = bisect.bisect_left(self._starts, start) - 1  # the last mark before it
+        j = bisect.bisect_left(self._starts, end)  # the first mark after it
+        before = kinds[i] if i >= 0 else ""
+        after = kinds[j] if j < len(kinds) else ""
+        if before != "<" and (after != "<" or before == "="):
+            return None  # no bound: no inequality beside it
+        k = i  # back over the relation (and a few words) to a condition word
+        for _ in range(_PREMISE_REACH):
+            if k < 0:
+                break
+            if kinds[k] in _REASON_WORDS:
+                return "reason"
+            if kinds[k] in _DOMAIN_WORDS:
+                return "domain"
+            if kinds[k] not in ("<", "=", ":") and kinds[k] not in _CONDITION_FILLERS:
+                break
+            k -= 1
+        k = j  # on over the relation (and a comma after it) to a consequence
+        while k < len(kinds) and kinds[k] in ("<", "=") and k - j < _PREMISE_REACH:
+            k += 1
+        if k < len(kinds) and kinds[k] == ",":
+            k += 1
+        return "reason" if k < len(kinds) and kinds[k] in _CONSEQUENCE_WORDS else None
+
+
+def _without_premises(text: str, numbers: list[re.Match[str]]) -> list[re.Match[str]]:
+    """``numbers`` without the bounds of a premise that a stated value comes before
+    (``_Premises.stated``: "x = 4", "x is 4"): a reason's after one anywhere ("So x = 4 since x
+    > 0", "x = 4. Check: 4 > 0" state 4, not 0), a domain's after one in its sentence ("x = 9
+    if x > 3" states 9; "S = n(n+1)/2. This exceeds 100 for n \\ge 14." concludes the domain:
+    14). A premise with no such value before it is all the text offers, and is kept ("The
+    inequality holds when n \\ge 6")."""
+    if not _ANY_INEQUALITY.search(text):
+        return numbers  # the usual text: no relation at all
+    premises = _Premises(text)
+    kept = []
+    stated = -1  # the sentence of the last stated value, -1 before the first
+    for m in numbers:
+        if stated >= 0 and (kind := premises.premise(m.start(), m.end())) is not None:
+            if kind == "reason" or premises.sentence(m.start()) == stated:
+                continue
+        kept.append(m)
+        if premises.stated(m.start()):
+            stated = premises.sentence(m.start())
+    return kept
+
+
 def _math_spans(text: str) -> list[tuple[int, int, str]]:
     """``(start, end, content)`` of every math span of ``text``, in order of their ends.
     Linear: each delimiter is looked for once from where the last search stopped."""
@@ -416,6 +549,7 @@ def extract_final(text: str) -> tuple[str | None, str]:
             rejections.add(rejected_value, start)
     rejections.sort()
     numbers = [m for m in numbers if not rejections.restates(m.group(), m.start())]
+    numbers = _without_premises(text, numbers)
     value = _last_math(text, spans, numbers, negated, rejections)
     if value is not None:
         return value, "last_math"

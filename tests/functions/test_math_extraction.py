@@ -66,7 +66,8 @@ def test_extract_final(text, expected):
         ("We get $f(n) = 3$ for all $n \\ge 1$.", ("3", "last_math")),
         ("We get $f(n) = 3$ for all $n \\ge1$.", ("3", "last_math")),  # \ge ends before the digit
         ("Thus $x=\\frac34$, since $4 > 3$.", ("\\frac34", "last_math")),
-        ("Thus $x = 2$, then 5 more, since $4 > 3$.", ("3", "last_number")),  # prose number after it
+        # a prose number after it: the last number, though not the condition's (it read 3)
+        ("Thus $x = 2$, then 5 more, since $4 > 3$.", ("5", "last_number")),
         # "!" before an operator is a factorial (the sentence goes on); at the end, excitement
         ("The answer is 5! = 120.", ("120.", "answer_is")),  # a chain: its last side
         ("The answer is 3! + 1 = 7", ("7", "answer_is")),
@@ -77,6 +78,76 @@ def test_extract_final(text, expected):
 )
 def test_extract_final_forms(text, expected):
     assert extract_final(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # the last number was the bound of a condition after the stated value: "since x > 0"
+        # read 0. A relation that a reason introduces (since, because, as, given, assuming,
+        # satisfies, check) or a consequence follows ("x > 0 so") is a premise: after a stated
+        # value (x = 4, x is 4) it is not read; nor is a domain's (for, where, if, when, such
+        # that) after a value stated in its sentence
+        ("So x = 4 since x > 0.", ("4", "last_number")),
+        ("So x is 4, not -4, since x > 0.", ("4", "last_number")),
+        ("x = 4, not -4, because x > 0", ("4", "last_number")),
+        ("Thus n = 12 for n >= 1.", ("12", "last_number")),
+        ("so k = 7 where k \u2265 2", ("7", "last_number")),
+        ("Hence b = 5, given that a < 3.", ("5", "last_number")),
+        ("We get x = 2, assuming b \u2260 0.", ("2", "last_number")),
+        ("We get x = 2, assuming b != 0.", ("2", "last_number")),
+        ("x = 9 if x > 3", ("9", "last_number")),
+        ("It is 6 when 2 < t \\le 5.", ("6", "last_number")),
+        ("So x = 4 as 0 < x < 10.", ("4", "last_number")),
+        ("so y = 3 for all real numbers x > 0", ("3", "last_number")),
+        ("x = 4, which satisfies x > 0.", ("4", "last_number")),
+        ("We have x = 4. Check: 4 > 0.", ("4", "last_number")),
+        ("x = 4. This works because x > 0.", ("4", "last_number")),
+        ("We find x = 4; x > 0 so it is valid.", ("4", "last_number")),
+        ("We find x = 4; x > 0, hence it is valid.", ("4", "last_number")),
+        ("We find x = 4 and x \\geq 0 \\implies it is valid.", ("4", "last_number")),
+        ("So x = 4 since $x \\gt 0$.", ("4", "last_number")),
+        ("So x = 4 since $x \\neq 0$.", ("4", "last_number")),
+        # a condition's numbers on both sides ("since 4 > 3") and in a span the math rule reads
+        ("Thus $x=\\frac34$, since 4 > 3.", ("\\frac34", "last_math")),
+        ("So $x = 4$, since $x > 0$.", ("4", "last_math")),
+        # a condition before the value, or a value stated after it, read as before
+        ("Since x > 0, x = 4.", ("4", "last_number")),
+        ("The answer is 0 since x > 0 gives nothing.", ("0", "answer_is")),
+        ("It is 0 since x > 0 gives nothing.", ("0", "last_number")),
+        # a relation that concludes states its range: its bound is read as before (an
+        # inequality answer is read whole only where stated: "the answer is x > 3")
+        ("Solve x - 3 > 0: x > 3", ("3", "last_number")),
+        ("Adding 3 to both sides, x > 3.", ("3", "last_number")),
+        ("So x = 4 and the range is y > 7.", ("7", "last_number")),
+        # ... and so is a condition after no stated value: its bound is all the text offers
+        ("The inequality holds when n \u2265 6.", ("6", "last_number")),
+        ("We try 3 cases. It holds when n \u2265 6.", ("6", "last_number")),
+        # a domain in a sentence of its own may be what it concludes
+        ("Thus S = n(n+1)/2. This exceeds 100 for n \\ge 14.", ("14", "last_number")),
+        # the bound of a relation after "=" is the relation's, not the value's ("x = 4 > 3")
+        ("Since 0 < x = 4, done.", ("4", "last_number")),
+    ],
+)
+def test_a_condition_is_not_the_stated_value(text, expected):
+    assert extract_final(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "gt", "score"),
+    [
+        ("So x = 4 since x > 0.", "4", 1.0),
+        ("So x = 4 since x > 0.", "0", 0.0),
+        ("x = 4, not -4, because x > 0", "-4", 0.0),
+        # an inequality stated as the answer is its interval
+        ("Solving x - 3 > 0, the answer is x > 3.", "x > 3", 1.0),
+        ("Solving x - 3 > 0, the answer is $x > 3$.", "(3, \\infty)", 1.0),
+        ("Solving x - 3 > 0, the answer is $x > 3$.", "3", 0.0),
+    ],
+)
+def test_a_condition_is_not_the_stated_value_scored(text, gt, score):
+    res = math_answer(text, ground_truth=gt)
+    assert res.score == score, res.info
 
 
 @pytest.mark.parametrize(

@@ -98,3 +98,21 @@ def test_long_answers_are_not_kept_in_the_caches():
 def test_assignment_lists_are_read_in_linear_time():
     # \s*=\s*[^=]+$ backtracked quadratically over a run of spaces before a second "="
     assert _elapsed(canonical, "x=" + " " * 200_000 + "1 = 2, y=3") < 5.0
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("x = 4 since x > 0 " * 100_000, "4"),
+        ("since " + "1 < " * 250_000 + "1", "1"),
+        ("<" * 1_000_000, None),
+        ("-" * 1_000_000 + " 1", "1"),
+    ],
+    ids=["premises", "inequality_chain", "inequalities", "dashes"],
+)
+def test_conditions_are_read_in_linear_time(text, expected):
+    # a premise's bounds are found by anchored, bounded matches and bisections: about a second
+    # here for a megabyte (quadratic would be hours)
+    t0 = time.monotonic()
+    assert extract_final(text)[0] == expected
+    assert time.monotonic() - t0 < 10.0
