@@ -168,9 +168,11 @@ def stated_answer(text: str) -> str | None:
     6": the correction is the answer). "the answer isn't 5" (or "can't be", "cannot be",
     "won't be"... before a number, math or a choice letter) and a marker the writer
     disbelieves ("I don't think the answer is 5", "It is not true that the answer is 5") are
-    denials the same way (stating ``can't be 5``, ``I don't think the answer is 5``). An
-    answer that refers back ("the answer is the same as before", "as above") states nothing
-    either: the marker before it counts."""
+    denials the same way (stating ``can't be 5``, ``I don't think the answer is 5``), and so
+    is a stated answer that asks and is answered "No" ("the answer is 5? No.": stating ``5?
+    No``; answered "Yes" it states ``5``, see ``REPLY``). An answer that refers back ("the
+    answer is the same as before", "as above") states nothing either: the marker before it
+    counts."""
     found = _stated_answer(text)
     return None if found is None else found[0]
 
@@ -211,6 +213,8 @@ def _stated_answer(text: str, pos: int = 0) -> tuple[str, int, tuple[str, int, s
             continue  # a marker with nothing after it
         said = i  # where the denial the text states starts, if it is one
         candidate = None  # where the candidate a denial rejects starts
+        answered_no = -1  # where a stated answer starts that asks and is answered "No"
+        agreed = ""  # a stated answer that asks and is answered "Yes", without its "?"
         if kind == "not":
             said, candidate = negation, i
         elif (kind == "is" and _VERDICT.match(text, i)) or _BACK_REFERENCE.match(text, i):
@@ -221,8 +225,15 @@ def _stated_answer(text: str, pos: int = 0) -> tuple[str, int, tuple[str, int, s
             said = disbelief
             hedge = _HEDGE.match(text, i)  # "I don't think the answer is really 5"
             candidate = hedge.end() if hedge and text[i].islower() else i
+        elif (asked := _QUESTION.match(text, i)) and (reply := REPLY.match(text, asked.end() - 1)):
+            # a stated answer that asks and is answered: "the answer is 5? No." denies 5, as
+            # "the answer is not 5" does; "the answer is 5? Yes." states 5
+            if reply["no"]:
+                candidate = answered_no = i
+            else:
+                agreed = _answer_at(text[i : asked.end() - 1], 0)[0]
         if candidate is not None:
-            if _QUESTION.match(text, candidate):
+            if candidate != answered_no and _QUESTION.match(text, candidate):
                 continue  # "What if the answer is not 5?" asks; it denies nothing, nor states
             if (corrected := _correction(text, candidate)) is not None:
                 return _answer_at(text, corrected)[0], start, None
@@ -233,12 +244,12 @@ def _stated_answer(text: str, pos: int = 0) -> tuple[str, int, tuple[str, int, s
         # each candidate read once, by a bounded match: linear however many denials
         denied.update(answer_key(c[0]) for j in pending if (c := _CANDIDATE.match(text, j)))
         pending.clear()
-        if denied and answer_key(_answer_at(text[i : i + _BOUNDED], 0)[0]) in denied:
+        if denied and answer_key(agreed or _answer_at(text[i : i + _BOUNDED], 0)[0]) in denied:
             # a later denial names it ("The answer is 5. Wait, the answer is not 5"): withdrawn,
             # as a box is; one of another value leaves it ("... the answer is not 6"). Read
             # from a bounded slice (a candidate is short): a line of withdrawn answers stays linear
             continue
-        return _answer_at(text, i)[0], start, None
+        return agreed or _answer_at(text, i)[0], start, None
     if denial is None:
         return None
     said, candidate, start = denial
@@ -259,6 +270,14 @@ _CANDIDATE = re.compile(r"\$[^$\n]{1,300}\$|\\\(.{0,300}?\\\)|[^\s,;]{1,100}")
 _BOUNDED = 400  # how much of a stated answer is read to compare it with the candidates
 # a candidate that ends a question ("What if the answer is not 5?"): bounded as _CANDIDATE
 _QUESTION = re.compile(r"(?:\$[^$\n]{1,300}\$|\\\(.{0,300}?\\\)|[^\s,;?]{1,100})[*_]*[ \t]*\?")
+REPLY = re.compile(
+    r"\?[ \t]*(?:\r?\n[ \t]*)?[*_]{0,3}(?:(?:hm+|wait|well|actually|oh|ah)(?:,[ \t]*|[ \t]+))?"
+    r"(?:(?P<no>no|nope)|(?P<yes>yes|yep|yeah))[*_]{0,3}(?=[ \t]*(?:[.,!;:\u2013\u2014-]|\r?\n|\Z))",
+    re.IGNORECASE,
+)
+"""The reply a text gives right after a question's ``?`` (matched there): group ``no`` ("No.",
+"No, ...", "Nope", "Hmm, no.", "No" on the next line) or ``yes``. "No one", "No idea" and "No
+doubt" are no reply. Anchored and bounded: linear."""
 
 
 def answer_key(answer: str) -> str:

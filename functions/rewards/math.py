@@ -41,22 +41,26 @@ where it is stated or boxed ("the answer is $x > 3$", which is the interval ``(3
 A bound after ``=`` is the relation's, not the value's: in "0 < x = 4" the value is 4.
 
 A negated statement of an answer states none. "the answer is not 5", "the answer isn't 5",
-"the answer can't be 5" and a marker the writer disbelieves ("I don't think the answer is
-5", "It is not true that the answer is 5", "I doubt that the answer is 5") deny 5: a text
-with nothing else has no answer (score 0), a correction after the candidate is the answer
-("not 5 but 6", "I don't think the answer is 5, it is 6"), and an answer stated, or boxed,
-before a denial that names it is withdrawn ("The answer is 5. Wait, the answer can't be 5");
-a denial of another value leaves it ("The answer is 5. I don't think the answer is 4."), and
-so does a negation elsewhere ("If we don't round, the answer is 5", "I'm not sure, but the
-answer is 5"; a doubt, "I'm not sure the answer is 5", states 5). A box after a denial is
-explicit and stands ("I don't think the answer is 5. \boxed{5}"). Neither fallback reads a
-value the prose negates ("isn't 5", "cannot be 5", "x is not $5$"; "x = 3, and not 5" reads
-3), nor the value the text rejected said again later in the same sentence ("the answer is
-not 5 but it is close to 5", "It is not 5 but near 5": no answer), unless what comes right
-before it states it ("not 2 hours but 2 days", "... so f(3) = 5", "the last digit is 0"); a
-later sentence is read as it would be without the denial ("The answer is not 5.
-Recomputing: 2 + 3 = 5." reads 5). ``info["extracted_by"]`` says which rule read the answer:
-``boxed``, ``answer_is``, ``last_math``, ``last_number``.
+"the answer can't be 5" and a marker the writer disbelieves ("I don't think the answer is 5",
+"It is not true that the answer is 5", "I doubt that the answer is 5") deny 5: a text with
+nothing else has no answer (score 0), a correction after the candidate is the answer ("not 5
+but 6", "I don't think the answer is 5, it is 6"), and an answer stated, or boxed, before a
+denial that names it is withdrawn ("The answer is 5. Wait, the answer can't be 5"); a denial
+of another value leaves it ("The answer is 5. I don't think the answer is 4."), and so does a
+negation elsewhere ("If we don't round, the answer is 5", "I'm not sure, but the answer is 5";
+a doubt, "I'm not sure the answer is 5", states 5). A question the text answers "No" ("Is the
+answer 5? No.", "Could it be 5?\nNope.", "Is x = 5? Hmm, no.") refuses what it asks about,
+from its clause's start to its "?", as "not 5" does: alone it states nothing, and "Is it 5?
+No, it is 6." reads 6; answered "Yes" it reads as any text does ("Is the answer 5? Yes." reads
+5). So does a stated answer that asks: "The answer is 5? No." denies 5, "The answer is 5?
+Yes." states it. A box after a denial is explicit and stands ("I don't think the answer is 5.
+\boxed{5}"). Neither fallback reads a value the prose negates ("isn't 5", "cannot be 5", "x is
+not $5$"; "x = 3, and not 5" reads 3), nor the value the text rejected said again later in the
+same sentence ("the answer is not 5 but it is close to 5", "It is not 5 but near 5": no
+answer), unless what comes right before it states it ("not 2 hours but 2 days", "... so f(3) =
+5", "the last digit is 0"); a later sentence is read as it would be without the denial ("The
+answer is not 5. Recomputing: 2 + 3 = 5." reads 5). ``info["extracted_by"]`` says which rule
+read the answer: ``boxed``, ``answer_is``, ``last_math``, ``last_number``.
 
 Equivalence, cheapest first:
 
@@ -163,7 +167,7 @@ from typing import Any
 
 import fabric
 from fabric.protocol import RewardResult, Trajectory
-from functions.rewards.answer import MAX_ANSWER_CHARS, after_thinking, answer_key, boxed_or_stated
+from functions.rewards.answer import MAX_ANSWER_CHARS, REPLY, after_thinking, answer_key, boxed_or_stated
 from functions.rewards.math_fast import (
     Shape,
     Verdict,
@@ -258,12 +262,13 @@ def _stated_at(text: str, pos: int) -> bool:
 
 
 class _Rejections:
-    """The values a text rejects ("not 5", "isn't 5", a denied candidate), each with where its
-    rejection is. A later mention of one in the same sentence ("the answer is not 5 but it is
-    close to 5") repeats what was rejected: the fallback does not read it, unless what comes
-    right before it states it (see ``_stated_at``: "not 2 hours but 2 days"). Each look is a
-    bisection or two and a bounded match; a value is keyed only in a sentence that rejects
-    something (a megabyte of numbers after one "not 5" stays about a second)."""
+    """The values a text rejects ("not 5", "isn't 5", a denied candidate, a question answered
+    "No"), each with where its rejection is. A later mention of one in the same sentence ("the
+    answer is not 5 but it is close to 5") repeats what was rejected: the fallback does not
+    read it, unless what comes right before it states it (see ``_stated_at``: "not 2 hours but
+    2 days"). Each look is a bisection or two and a bounded match; a value is keyed only in a
+    sentence that rejects something (a megabyte of numbers after one "not 5" stays about a
+    second)."""
 
     def __init__(self, text: str, at_start: frozenset[str]) -> None:
         self._text = text
@@ -316,6 +321,41 @@ def _negated_starts(text: str) -> set[int]:
         if m.start(1) >= 0:
             starts.add(m.start(1))
     return starts
+
+
+# where a clause starts: what a question answered "No" covers ("We check: is 2 + 3 = 5? No")
+_CLAUSE_END = re.compile(r"[.!?;:](?=\s)|\n")
+
+
+def _questions_answered_no(text: str) -> list[tuple[int, int]]:
+    """``(start, end)`` of each question that the text answers "No" ("Is the answer 5? No.",
+    "Could it be 5?\\nNope.": see ``REPLY``), from its clause's start to its "?", in order: what
+    it asks about is refused, as "not 5" is. Two linear scans, the second only when there is one."""
+    marks = [m.start() for m in REPLY.finditer(text) if m["no"]]
+    if not marks:
+        return []
+    ends = [m.end() for m in _CLAUSE_END.finditer(text)]
+    questions = []
+    for q in marks:
+        k = bisect.bisect_right(ends, q) - 1
+        questions.append((ends[k] if k >= 0 else 0, q))
+    return questions
+
+
+class _Refused:
+    """Where a value the text refuses starts: right after a negation (``_negated_starts``: "not
+    5", "isn't $5$"), or anywhere in a question it answers "No" ("Is the answer 5? No.")."""
+
+    def __init__(self, text: str) -> None:
+        self._negated = _negated_starts(text)
+        self._questions = _questions_answered_no(text)
+        self._starts = [start for start, _ in self._questions]
+
+    def __contains__(self, pos: int) -> bool:
+        if pos in self._negated:
+            return True
+        k = bisect.bisect_right(self._starts, pos) - 1
+        return k >= 0 and pos < self._questions[k][1]
 
 
 # what a relation around a number is made of, and what it is said in: an inequality ("<"), "="
@@ -473,7 +513,7 @@ def _last_math(
     text: str,
     spans: list[tuple[int, int, str]],
     numbers: list[re.Match[str]],
-    negated: set[int],
+    negated: _Refused,
     rejections: _Rejections,
 ) -> str | None:
     """The value of the last math span that states an answer (see ``extract_final``), or None."""
@@ -535,7 +575,7 @@ def extract_final(text: str) -> tuple[str | None, str]:
         # what follows a rejected candidate ("not 5, it is 6"): never the candidate, nor the
         # rest of its sentence saying it again ("not 5 but it is close to 5")
         text, rejected = found.answer, found.rejected
-    negated = _negated_starts(text)
+    negated = _Refused(text)
     rejections = _Rejections(text, rejected)
     numbers = []
     for m in _LAST_NUMBER.finditer(text):

@@ -107,12 +107,23 @@ def test_assignment_lists_are_read_in_linear_time():
         ("since " + "1 < " * 250_000 + "1", "1"),
         ("<" * 1_000_000, None),
         ("-" * 1_000_000 + " 1", "1"),
+        ("Is it 5? No. " * 100_000, None),
+        ("The answer is 5? No. " * 50_000, None),
+        ("?" + " " * 1_000_000 + "5", "5"),
     ],
-    ids=["premises", "inequality_chain", "inequalities", "dashes"],
+    ids=[
+        "premises",
+        "inequality_chain",
+        "inequalities",
+        "dashes",
+        "questions",
+        "asked_answers",
+        "question_spaces",
+    ],
 )
-def test_conditions_are_read_in_linear_time(text, expected):
-    # a premise's bounds are found by anchored, bounded matches and bisections: about a second
-    # here for a megabyte (quadratic would be hours)
+def test_conditions_and_questions_are_read_in_linear_time(text, expected):
+    # a premise's bounds and a question answered "No" are found by anchored, bounded matches
+    # and bisections: about a second here for a megabyte (quadratic would be hours)
     t0 = time.monotonic()
     assert extract_final(text)[0] == expected
     assert time.monotonic() - t0 < 10.0

@@ -124,6 +124,57 @@ def test_an_honest_answer_around_negations_is_read(text, gt):
 
 
 @pytest.mark.parametrize(
+    "text",
+    [
+        # a question the text answers "No" states nothing: the fallback read its 5
+        "Is the answer 5? No.",
+        "Could it be 5? No.",
+        "Is it $5$? No.",
+        "Is x = 5? Nope.",
+        "Is the answer 5?\nNo.",
+        "Is the answer 5? Hmm, no.",
+        "Is the answer 5? **No**.",
+        "We check: is 2 + 3 = 5? No!",
+        "So 5? No, that is wrong.",
+        # ... and so does a stated answer that asks (it read "5? No", which matched nothing,
+        # and the correction after it was never read: see below)
+        "The answer is 5? No.",
+        "Answer: $5$? No.",
+        "The answer is 5. Hmm, the answer is 5? No.",
+    ],
+)
+def test_a_question_answered_no_states_nothing(text):
+    assert extract_final(text) == (None, "none")
+    assert math_answer(text, ground_truth="5").score == 0.0
+
+
+@pytest.mark.parametrize(
+    ("text", "gt"),
+    [
+        ("Is the answer 5? Yes.", "5"),
+        ("Is the answer 5? Yes, it is.", "5"),
+        ("Is it 5? No, it is 6.", "6"),
+        ("Is it 5? No. It is 6.", "6"),
+        ("The answer is 5? No, it is 6.", "6"),
+        ("The answer is 5? No. The answer is 6.", "6"),
+        ("The answer is 6. The answer is 5? No.", "6"),
+        ("So the answer is 5? Yes.", "5"),
+        ("The answer is $5$? Yes, since 2 + 3 = 5.", "5"),
+        ("Is x negative? No, so x = 4.", "4"),
+        ("x = 4. Is 4 < 0? No.", "4"),
+        ("Is 12 divisible by 5? No, so 12 apples stay.", "12"),
+        ("What is 2 + 3? 5. Is that more than 10? No.", "5"),
+        ("Is there a real root? No real root exists, so the count is 0.", "0"),  # "No real": no reply
+        # a later statement of the value is a change of mind, read as after any rejection
+        ("Is it 5? No. Recomputing: 2 + 3 = 5.", "5"),
+    ],
+)
+def test_an_honest_answer_around_questions_is_read(text, gt):
+    res = math_answer(text, ground_truth=gt)
+    assert res.score == 1.0, res.info
+
+
+@pytest.mark.parametrize(
     ("text", "gt", "score"),
     [
         ("I don't think the answer is Paris.", "Paris", 0.0),
@@ -132,6 +183,8 @@ def test_an_honest_answer_around_negations_is_read(text, gt):
         ("The answer is Paris. I don't think the answer is London.", "London", 0.0),
         ("The answer isn't B.", "B", 0.0),
         ("I don't think the answer is B. The answer is C.", "C", 1.0),
+        ("The answer is Paris? No.", "Paris", 0.0),
+        ("The answer is Paris? Yes.", "Paris", 1.0),
     ],
 )
 def test_text_answers_follow_the_same_rule(text, gt, score):
