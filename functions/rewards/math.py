@@ -59,8 +59,11 @@ not $5$"; "x = 3, and not 5" reads 3), nor the value the text rejected said agai
 same sentence ("the answer is not 5 but it is close to 5", "It is not 5 but near 5": no
 answer), unless what comes right before it states it ("not 2 hours but 2 days", "... so f(3) =
 5", "the last digit is 0"); a later sentence is read as it would be without the denial ("The
-answer is not 5. Recomputing: 2 + 3 = 5." reads 5). ``info["extracted_by"]`` says which rule
-read the answer: ``boxed``, ``answer_is``, ``last_math``, ``last_number``.
+answer is not 5. Recomputing: 2 + 3 = 5." reads 5), except where it names the rejected value
+as a point of comparison, which agrees with the rejection rather than takes it back ("The
+answer is not 5. It is close to 5", "near 5", "about 5", "more than 5", "~5": no answer; "It
+takes about 7 hours", with nothing rejected, reads 7). ``info["extracted_by"]`` says which
+rule read the answer: ``boxed``, ``answer_is``, ``last_math``, ``last_number``.
 
 Equivalence, cheapest first:
 
@@ -261,14 +264,31 @@ def _stated_at(text: str, pos: int) -> bool:
     return (k == 0 or not text[k - 1].isalnum()) and text[k:j].lower() in _STATING_WORDS
 
 
+# a point of comparison, not a value: "close to 5", "near 5", "about 5", "more than 5", "~5".
+# Read as the value elsewhere ("It takes about 7 hours"), but after a rejection of that value
+# it agrees with the rejection rather than takes it back ("not 5. It is close to 5")
+_COMPARED = re.compile(
+    r"(?:(?<![A-Za-z])(?:close[ \t]+to|near(?:ly|[ \t]+to)?|next[ \t]+to|almost|about|around|"
+    r"approx(?:imately|\.)?|roughly|than|at[ \t]+(?:least|most))|~|\u2248|\\(?:approx|sim)(?![A-Za-z]))"
+    r"[ \t*_$]*\Z",
+    re.IGNORECASE,
+)
+
+
+def _compared_at(text: str, pos: int) -> bool:
+    """Whether ``text[pos]`` follows a word of comparison (``_COMPARED``); a bounded look back."""
+    return _COMPARED.search(text, max(0, pos - _STATES_WINDOW), pos) is not None
+
+
 class _Rejections:
     """The values a text rejects ("not 5", "isn't 5", a denied candidate, a question answered
     "No"), each with where its rejection is. A later mention of one in the same sentence ("the
     answer is not 5 but it is close to 5") repeats what was rejected: the fallback does not
     read it, unless what comes right before it states it (see ``_stated_at``: "not 2 hours but
-    2 days"). Each look is a bisection or two and a bounded match; a value is keyed only in a
-    sentence that rejects something (a megabyte of numbers after one "not 5" stays about a
-    second)."""
+    2 days"). In a later sentence a mention is read as it would be without the rejection
+    ("Recomputing: 2 + 3 = 5"), except one as a point of comparison ("It is close to 5", see
+    ``_COMPARED``), which agrees with the rejection. Each look is a bisection or two and a
+    bounded match (a megabyte of numbers after one "not 5" stays about a second)."""
 
     def __init__(self, text: str, at_start: frozenset[str]) -> None:
         self._text = text
@@ -287,16 +307,18 @@ class _Rejections:
             self._sentences = [m.end() for m in _SENTENCE_END.finditer(self._text)]
 
     def restates(self, value: str, pos: int) -> bool:
-        """Whether ``value`` at ``text[pos]`` repeats a value rejected earlier in its sentence."""
-        if not self._all:
-            return False  # the usual text: it rejects nothing
+        """Whether ``value`` at ``text[pos]`` repeats a value rejected before it: in its
+        sentence, unless stated; in any sentence, as a point of comparison."""
+        if not self._all or self._all[0] >= pos:
+            return False  # the usual text: it rejects nothing (before pos)
+        at = self._at.get(_key(value))
+        if not at or at[0] >= pos:
+            return False
+        if _compared_at(self._text, pos):
+            return True
         k = bisect.bisect_right(self._sentences, pos)
         sentence = self._sentences[k - 1] if k else 0
-        if not _between(self._all, sentence, pos) or not _between(
-            self._at.get(_key(value), []), sentence, pos
-        ):
-            return False
-        return not _stated_at(self._text, pos)
+        return _between(at, sentence, pos) and not _stated_at(self._text, pos)
 
 
 def _between(positions: list[int], lo: int, hi: int) -> bool:

@@ -110,6 +110,7 @@ def test_assignment_lists_are_read_in_linear_time():
         ("Is it 5? No. " * 100_000, None),
         ("The answer is 5? No. " * 50_000, None),
         ("?" + " " * 1_000_000 + "5", "5"),
+        ("the answer is not 5. It is close to 5. " * 50_000, None),
     ],
     ids=[
         "premises",
@@ -119,11 +120,13 @@ def test_assignment_lists_are_read_in_linear_time():
         "questions",
         "asked_answers",
         "question_spaces",
+        "compare",
     ],
 )
-def test_conditions_and_questions_are_read_in_linear_time(text, expected):
-    # a premise's bounds and a question answered "No" are found by anchored, bounded matches
-    # and bisections: about a second here for a megabyte (quadratic would be hours)
+def test_conditions_questions_and_comparisons_are_read_in_linear_time(text, expected):
+    # a premise's bounds, a question answered "No" and a rejected value named as a point of
+    # comparison are found by anchored, bounded matches and bisections: about a second here
+    # for a megabyte (quadratic would be hours)
     t0 = time.monotonic()
     assert extract_final(text)[0] == expected
     assert time.monotonic() - t0 < 10.0

@@ -175,6 +175,40 @@ def test_an_honest_answer_around_questions_is_read(text, gt):
 
 
 @pytest.mark.parametrize(
+    "text",
+    [
+        # after a rejection, the rejected value named as a point of comparison ("close to 5",
+        # "near 5", "about 5", "more than 5") is not said again, in any later sentence (the
+        # rule for the same sentence: see above); the fallback read it
+        "the answer is not 5. It is close to 5.",
+        "The answer is not 5. It is somewhere near 5.",
+        "The answer isn't 5. It is about $5$.",
+        "It is not 5. It is a bit more than 5.",
+        "Is the answer 5? No. It is close to 5.",
+    ],
+)
+def test_a_rejected_value_named_as_a_point_of_comparison_is_not_said_again(text):
+    assert extract_final(text) == (None, "none")
+    assert math_answer(text, ground_truth="5").score == 0.0
+
+
+@pytest.mark.parametrize(
+    ("text", "gt"),
+    [
+        # a later statement of the rejected value is a change of mind, read as before
+        ("The answer is not 5. Recomputing: 2 + 3 = 5.", "5"),
+        ("The answer is not 5. After rechecking, it is 5.", "5"),
+        ("The answer is not 5. It is close to 6.", "6"),
+        # a comparison with a value nobody rejected is read as before
+        ("It takes about 7 hours.", "7"),
+    ],
+)
+def test_an_honest_answer_around_comparisons_is_read(text, gt):
+    res = math_answer(text, ground_truth=gt)
+    assert res.score == 1.0, res.info
+
+
+@pytest.mark.parametrize(
     ("text", "gt", "score"),
     [
         ("I don't think the answer is Paris.", "Paris", 0.0),
