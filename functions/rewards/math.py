@@ -475,11 +475,11 @@ class _Premises:
 
 def _without_premises(text: str, numbers: list[re.Match[str]]) -> list[re.Match[str]]:
     """``numbers`` without the bounds of a premise that a stated value comes before
-    (``_Premises.stated``: "x = 4", "x is 4"): a reason's after one anywhere ("So x = 4 since x
-    > 0", "x = 4. Check: 4 > 0" state 4, not 0), a domain's after one in its sentence ("x = 9
-    if x > 3" states 9; "S = n(n+1)/2. This exceeds 100 for n \\ge 14." concludes the domain:
-    14). A premise with no such value before it is all the text offers, and is kept ("The
-    inequality holds when n \\ge 6")."""
+    (``_Premises.stated``: "x = 4", "x is 4"): a reason's after one anywhere ("So x = 4
+    since x > 0" and "x = 4. Check: 4 > 0" state 4, not 0), a domain's after one in its
+    sentence ("x = 9 if x > 3" states 9; "S = n(n+1)/2. This exceeds 100 for n \\ge 14."
+    concludes the domain: 14). A premise with no such value before it is all the text offers,
+    and is kept ("The inequality holds when n \\ge 6")."""
     if not _ANY_INEQUALITY.search(text):
         return numbers  # the usual text: no relation at all
     premises = _Premises(text)
