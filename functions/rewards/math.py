@@ -28,17 +28,18 @@ and its relation is a premise when a reason introduces it (since, because, as, g
 assuming, suppose; or a check of a value against it: satisfies, check, verify) or a
 consequence follows it ("x > 0 so ...", "hence", ``\implies``, ``=>``), or when a domain word
 introduces it (for, where, when, if, unless, provided, with, such that, ``\forall``); "that",
-"all", "real"... may stand between. Neither fallback reads a reason's bound after a stated
-value (a number after ``=`` or a stating word: "x = 4", "x is 4"), nor a domain's after a
-value stated in its sentence: "So x = 4 since x > 0", "x is 4, not -4, because x > 0", "x =
-4, which satisfies x > 0", "x = 4. Check: 4 > 0" and "x = 9 if x > 3" read the value, and
-"Thus $x = \frac34$, since 4 > 3" reads ``\frac34``. A domain in a sentence of its own may be
-what the text concludes, and is read ("S = n(n+1)/2. This exceeds 100 for n \ge 14": 14); so
-is a premise with no stated value before it, all the text offers ("The inequality holds when
-n \ge 6": 6), and the bound of a relation that concludes ("Solve x - 3 > 0: x > 3": 3, "we
-need $x \ge 1$": 1): the fallback reads a number, and an inequality answer is read whole only
-where it is stated or boxed ("the answer is $x > 3$", which is the interval ``(3, \infty)``).
-A bound after ``=`` is the relation's, not the value's: in "0 < x = 4" the value is 4.
+"all", "real"... may stand between. Neither fallback reads a reason's bound after a number
+that is no premise's ("So x = 4 since x > 0", "x is 4, not -4, because x > 0", "x = 4, which
+satisfies x > 0", "x = 4. Check: 4 > 0" and "He needs 4 more boxes since 4 * 3 > 10" read 4;
+"Thus $x = \frac34$, since 4 > 3" reads ``\frac34``), nor a domain's after a value stated in
+its sentence (a number after ``=`` or a stating word: "x = 9 if x > 3" reads 9). A domain in a
+sentence of its own may be what the text concludes, and is read ("S = n(n+1)/2. This exceeds
+100 for n \ge 14": 14); so is a premise with only premises before it, all the text offers
+("Since 2 < x < 5", "The inequality holds when n \ge 6"), and the bound of a relation that
+concludes ("Solve x - 3 > 0: x > 3": 3, "we need $x \ge 1$": 1): the fallback reads a number,
+and an inequality answer is read whole only where it is stated or boxed ("the answer is $x >
+3$", which is the interval ``(3, \infty)``). A bound after ``=`` is the relation's, not the
+value's: in "0 < x = 4" the value is 4.
 
 A negated statement of an answer states none. "the answer is not 5", "the answer isn't 5",
 "the answer can't be 5" and a marker the writer disbelieves ("I don't think the answer is 5",
@@ -474,24 +475,27 @@ class _Premises:
 
 
 def _without_premises(text: str, numbers: list[re.Match[str]]) -> list[re.Match[str]]:
-    """``numbers`` without the bounds of a premise that a stated value comes before
-    (``_Premises.stated``: "x = 4", "x is 4"): a reason's after one anywhere ("So x = 4
-    since x > 0" and "x = 4. Check: 4 > 0" state 4, not 0), a domain's after one in its
-    sentence ("x = 9 if x > 3" states 9; "S = n(n+1)/2. This exceeds 100 for n \\ge 14."
-    concludes the domain: 14). A premise with no such value before it is all the text offers,
-    and is kept ("The inequality holds when n \\ge 6")."""
+    """``numbers`` without the bounds of a premise that a value comes before: a reason's after
+    any number that is no premise's bound ("So x = 4 since x > 0", "x = 4. Check: 4 > 0", "He
+    needs 4 more boxes since 4 * 3 > 10" read 4), a domain's after a value stated in its
+    sentence (``_Premises.stated``: "x = 9 if x > 3" states 9; "S = n(n+1)/2. This exceeds 100
+    for n \\ge 14." concludes the domain: 14). A premise with only premises before it is all
+    the text offers, and is kept ("Since 2 < x < 5.", "The inequality holds when n \\ge 6")."""
     if not _ANY_INEQUALITY.search(text):
         return numbers  # the usual text: no relation at all
     premises = _Premises(text)
     kept = []
+    valued = False  # whether a number that is no premise's bound came before
     stated = -1  # the sentence of the last stated value, -1 before the first
     for m in numbers:
-        if stated >= 0 and (kind := premises.premise(m.start(), m.end())) is not None:
-            if kind == "reason" or premises.sentence(m.start()) == stated:
-                continue
+        kind = premises.premise(m.start(), m.end())
+        if (kind == "reason" and valued) or (kind == "domain" and premises.sentence(m.start()) == stated):
+            continue
         kept.append(m)
-        if premises.stated(m.start()):
-            stated = premises.sentence(m.start())
+        if kind is None:
+            valued = True
+            if premises.stated(m.start()):
+                stated = premises.sentence(m.start())
     return kept
 
 

@@ -85,9 +85,9 @@ def test_extract_final_forms(text, expected):
     [
         # the last number was the bound of a condition after the stated value: "since x > 0"
         # read 0. A relation that a reason introduces (since, because, as, given, assuming,
-        # satisfies, check) or a consequence follows ("x > 0 so") is a premise: after a stated
-        # value (x = 4, x is 4) it is not read; nor is a domain's (for, where, if, when, such
-        # that) after a value stated in its sentence
+        # satisfies, check) or a consequence follows ("x > 0 so") is a premise: after another
+        # number it is not read; nor is a domain's (for, where, if, when, such that) after a
+        # value stated in its sentence (x = 4, x is 4)
         ("So x = 4 since x > 0.", ("4", "last_number")),
         ("So x is 4, not -4, since x > 0.", ("4", "last_number")),
         ("x = 4, not -4, because x > 0", ("4", "last_number")),
@@ -103,6 +103,9 @@ def test_extract_final_forms(text, expected):
         ("x = 4, which satisfies x > 0.", ("4", "last_number")),
         ("We have x = 4. Check: 4 > 0.", ("4", "last_number")),
         ("x = 4. This works because x > 0.", ("4", "last_number")),
+        # a reason is no value after any other number, stated or not (they read 10 and 10)
+        ("He needs 4 more boxes since 4 * 3 > 10.", ("4", "last_number")),
+        ("So 12 people, as 12 > 10.", ("12", "last_number")),
         ("We find x = 4; x > 0 so it is valid.", ("4", "last_number")),
         ("We find x = 4; x > 0, hence it is valid.", ("4", "last_number")),
         ("We find x = 4 and x \\geq 0 \\implies it is valid.", ("4", "last_number")),
@@ -123,6 +126,8 @@ def test_extract_final_forms(text, expected):
         # ... and so is a condition after no stated value: its bound is all the text offers
         ("The inequality holds when n \u2265 6.", ("6", "last_number")),
         ("We try 3 cases. It holds when n \u2265 6.", ("6", "last_number")),
+        ("Since x > 0.", ("0", "last_number")),
+        ("Since 2 < x < 5.", ("5", "last_number")),
         # a domain in a sentence of its own may be what it concludes
         ("Thus S = n(n+1)/2. This exceeds 100 for n \\ge 14.", ("14", "last_number")),
         # the bound of a relation after "=" is the relation's, not the value's ("x = 4 > 3")
