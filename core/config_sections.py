@@ -441,12 +441,7 @@ class ImagesConfig(ConfigModel):
 
 
 class EnvPoolConfig(PoolConfig):
-    """envpool's ``PoolConfig``, with ``runtime: process`` accepted as a shorthand for
-    ``runtime: {type: process}``."""
+    """envpool's ``PoolConfig`` (``runtime: process`` is its shorthand for ``runtime: {type:
+    process}``), with its fields' docstrings kept for the job's config reference."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    @field_validator("runtime", mode="before")
-    @classmethod
-    def _runtime_shorthand(cls, v: Any) -> Any:
-        return {"type": v} if isinstance(v, str) else v

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol, get_args, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -31,7 +31,10 @@ class PoolConfig(BaseModel):
     @field_validator("runtime", mode="before")
     @classmethod
     def _default_runtime_type(cls, v: Any) -> Any:
-        # {"heartbeat_s": 0.1} means the embedded default; other kinds name their type
+        # {"heartbeat_s": 0.1} means the embedded default; other kinds name their type, and
+        # "docker" alone is {"type": "docker"} (as a job's config writes `runtime: docker`)
+        if isinstance(v, str):
+            return {"type": v}
         if isinstance(v, dict) and "type" not in v:
             return {**v, "type": "process"}
         return v
@@ -105,25 +108,9 @@ def parse_pool_config(config: PoolConfig | Mapping[str, Any] | None) -> PoolConf
 
 def _one_line(e: ValidationError) -> str:
     # imported here: envpool runs in containers without the fabric's modules loaded
-    from fabric.config_messages import describe, hint
+    from fabric.config_messages import one_line
 
-    runtimes = {m.model_fields["type"].default: m for m in get_args(get_args(RuntimeConfig)[0])}
-    said = []
-    for err in e.errors(include_url=False):
-        loc = tuple(err["loc"])
-        if len(loc) >= 2 and loc[0] == "runtime" and loc[1] in runtimes:
-            # pydantic puts the runtime's type in the path (runtime.process.heartbeat_sz):
-            # the key is worded, and its allowed keys found, in that runtime's own config
-            key, msg = describe({**err, "loc": loc[2:]}, runtimes[str(loc[1])])
-            key = f"runtime.{key}" if key else "runtime"
-        elif loc == ("runtime",) and err["type"] == "union_tag_invalid":  # a mistyped type
-            tag = str((err.get("ctx") or {}).get("tag"))
-            key, msg = "runtime.type", f"unknown type {tag!r}{hint(tag, list(runtimes))}; known: "
-            msg += ", ".join(runtimes)
-        else:
-            key, msg = describe(err, PoolConfig)
-        said.append(f"{key}: {msg}" if key else msg)
-    return "; ".join(said)
+    return one_line(e, PoolConfig)
 
 
 class ImageResolver(Protocol):

@@ -10,7 +10,7 @@ import difflib
 import re
 from collections.abc import Iterable
 from types import UnionType
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
@@ -35,22 +35,46 @@ def config_key(loc: tuple[int | str, ...]) -> str:
 
 def allowed_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
     """Field names of the model at ``loc`` (for "unknown key" messages); [] if unknown."""
+    ann = _unwrap(_resolve(model, loc)[1])
+    return list(ann.model_fields) if isinstance(ann, type) and issubclass(ann, BaseModel) else []
+
+
+def _resolve(model: type[BaseModel], loc: tuple[int | str, ...]) -> tuple[tuple[int | str, ...], Any]:
+    """``loc`` as the config reads it, and the annotation it reaches (None past what is known).
+    A tagged union's member is in pydantic's path under its tag (``runtime.process.x``) though
+    the config has no such key (``runtime: {type: process, x: ...}``): the tag is dropped from
+    the key, and the walk goes on in that member's model."""
     ann: Any = model
+    shown: list[int | str] = []
     for part in loc:
         ann = _unwrap(ann)
+        member = _tagged_member(ann, part)
+        if member is not None:
+            ann = member
+            continue
+        shown.append(part)
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             field = ann.model_fields.get(part) if isinstance(part, str) else None
-            if field is None:
-                return []
-            ann = field.annotation
+            ann = None if field is None else field.annotation
         elif get_origin(ann) is list:
             ann = get_args(ann)[0]
         elif get_origin(ann) is dict:
             ann = get_args(ann)[1]
         else:
-            return []
-    ann = _unwrap(ann)
-    return list(ann.model_fields) if isinstance(ann, type) and issubclass(ann, BaseModel) else []
+            ann = None
+    return tuple(shown), ann
+
+
+def _tagged_member(ann: Any, tag: int | str) -> type[BaseModel] | None:
+    """The model of the union ``ann`` whose tag (a ``Literal`` field's value) is ``tag``."""
+    if get_origin(ann) not in (Union, UnionType) or not isinstance(tag, str):
+        return None
+    for member in map(_unwrap, get_args(ann)):
+        if isinstance(member, type) and issubclass(member, BaseModel):
+            for field in member.model_fields.values():
+                if get_origin(field.annotation) is Literal and tag in get_args(field.annotation):
+                    return member
+    return None
 
 
 def _unwrap(ann: Any) -> Any:
@@ -74,6 +98,14 @@ _BOUNDS = {
 def describe(err: ErrorDetails, model: type[BaseModel]) -> tuple[str, str]:
     """One error of validating ``model`` as ``(key, message)``."""
     loc, kind, ctx = tuple(err["loc"]), err["type"], err.get("ctx") or {}
+    key = config_key(_resolve(model, loc)[0])
+    if kind == "union_tag_invalid":  # a mistyped type: its key, and the types there are
+        field, tag = str(ctx.get("discriminator", "")).strip("'"), str(ctx.get("tag"))
+        known = [t.strip().strip("'") for t in str(ctx.get("expected_tags", "")).split(",") if t.strip()]
+        return (
+            f"{key}.{field}" if key else field,
+            f"unknown {field} {tag!r}{hint(tag, known)}; known: {', '.join(known)}",
+        )
     if kind == "extra_forbidden":
         allowed = allowed_keys(model, loc[:-1])
         msg = "unknown key" + (
@@ -92,7 +124,7 @@ def describe(err: ErrorDetails, model: type[BaseModel]) -> tuple[str, str]:
         secret = bool(loc) and _SECRET.search(str(loc[-1])) is not None
         got = "" if secret or isinstance(shown, dict | list) else f" (got {shown!r})"
         msg = f"{err['msg']}{got}"
-    return config_key(loc), msg
+    return key, msg
 
 
 # a key whose value is not shown back (a token typed unquoted in YAML is an int, refused

@@ -111,7 +111,7 @@ def test_unknown_engine():
     [
         ({"trainer": {"backend": "jax"}}, "trainer.backend", "unknown trainer 'jax'"),
         ({"fabric": {"backend": "lambda"}}, "fabric.backend", "unknown fabric backend 'lambda'"),
-        ({"envpool": {"runtime": "vm"}}, "envpool.runtime", "'vm'"),
+        ({"envpool": {"runtime": "vm"}}, "envpool.runtime.type", "unknown type 'vm'"),
     ],
 )
 def test_unknown_backends(over, key, text):
