@@ -32,6 +32,7 @@ from pydantic import (
 )
 
 from fabric.backends.base import TOKEN_ENV, InprocConfig, LocalConfig
+from fabric.config_messages import one_line
 from fabric.errors import ConfigError
 from fabric.protocol import MAX_PAYLOAD_BYTES
 
@@ -167,14 +168,15 @@ def load_tenants(path: str | Path) -> dict[str, TenantConfig]:
         where = f"tenants file {str(p)!r}, tenant {name!r}"
         try:
             out[str(name)] = tenant = TenantConfig.model_validate(body)
+            if tenant.token_file is not None and not tenant.token_file.is_absolute():
+                # beside the tenants file, as a config file's relative paths are read (a
+                # compose file's, a kubeconfig's): not wherever the server was started from
+                tenant.token_file = p.parent / tenant.token_file
             # a short token, an unreadable token_file: said here, where the tenant and the
             # file are known (the server's own check names neither)
             tenant.secret()
         except ValidationError as e:
-            problems = "; ".join(
-                f"{'.'.join(map(str, x['loc'])) or 'tenant'}: {x['msg']}" for x in e.errors()
-            )
-            raise ConfigError(f"{where}: {problems}") from None
+            raise ConfigError(f"{where}: {one_line(e, TenantConfig)}") from None
         except ConfigError as e:
             raise ConfigError(f"{where}: {e}") from None
     return out

@@ -114,8 +114,14 @@ def test_tenants_file(tmp_path: Path):
     )
     tenants = load_tenants(f)
     assert tenants["job-a"].max_concurrency == 3 and tenants["job-b"].secret() == TOKEN_B
-    f.write_text("tenants: {job-a: {token: x, quota: 3}}\n")
-    with pytest.raises(ConfigError, match="tenant 'job-a': quota: Extra inputs"):
+    f.write_text("tenants: {job-a: {token: x, max_concurency: 3}}\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"tenant 'job-a': max_concurency: unknown key \(did you mean 'max_concurrency'\?\); allowed: ",
+    ):
+        load_tenants(f)
+    f.write_text("tenants: {job-a: {max_concurrency: 3}}\n")
+    with pytest.raises(ConfigError, match="tenant 'job-a': give exactly one of token, token_file"):
         load_tenants(f)
     f.write_text(f"tenants: {{ops: {{token: {TOKEN_A}, metrics: everything}}}}\n")
     with pytest.raises(ConfigError, match="tenant 'ops': metrics: Input should be 'own' or 'all'"):
@@ -160,3 +166,25 @@ async def test_max_rps_delays_instead_of_refusing():
         assert g.rates.delayed["job-a"] >= 5
         text = (await c.get("/metrics", headers=auth())).text
         assert 'fabric_serve_tenant_delayed_total{tenant="job-a"}' in text
+
+
+def test_a_relative_token_file_is_read_beside_the_tenants_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # (it was read from the server's working directory: a tenants file that names its
+    # secrets beside it worked only when the server started there)
+    conf = tmp_path / "conf"
+    (conf / "secrets").mkdir(parents=True)
+    (conf / "secrets" / "b.token").write_text(TOKEN_B + "\n")
+    f = conf / "tenants.yaml"
+    f.write_text("tenants:\n  job-b: {token_file: secrets/b.token}\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    tenants = load_tenants(f)
+    assert tenants["job-b"].secret() == TOKEN_B
+    assert tenants["job-b"].token_file == conf / "secrets" / "b.token"
+    # an absolute one is read as written; a missing relative one is named as it resolved
+    f.write_text("tenants:\n  job-b: {token_file: nope.token}\n")
+    with pytest.raises(ConfigError, match=r"tenant 'job-b': cannot read token_file '.*conf/nope\.token'"):
+        load_tenants(f)
