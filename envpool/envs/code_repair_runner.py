@@ -144,6 +144,14 @@ def _run(root: Path, spec: dict[str, Any], limits: _Limits) -> RunOutput:
         raw = out.read(MAX_RAW_OUTPUT_BYTES).decode("utf-8", errors="replace")
         results.seek(0)
         reported = results.read(MAX_RESULTS_BYTES).decode("utf-8", errors="replace")
+    if reported.startswith('{"caps_error"'):  # the runner's own line, before the module ran
+        why = json.loads(reported.partition("\n")[0])["caps_error"]
+        raise EnvUsageError(
+            f"code-repair: a test run's module, run as this process's user (run_uid_base=None, or "
+            f"a server that is not root), could not be stripped of its capabilities ({why}): it "
+            f"never runs with them, as they reach past the run (the server's process group, the "
+            f"container's /proc and network)"
+        )
     if reported.startswith('{"uid_error"'):  # the runner's own line, before the module ran
         why = json.loads(reported.partition("\n")[0])["uid_error"]
         raise EnvUsageError(

@@ -33,11 +33,16 @@ processes and never imported there; the comment below says how it runs."""
 #   the module lists the run's own processes alone, never the container's (their command
 #   lines, the server's). Where it can too, the keeper takes a network namespace (on either
 #   route): no interface but a loopback that is down, so the module reaches no localhost
-#   service (the env server's own TCP port, in a container with a network of its own: --tcp)
-#   nor anything else the container reaches, abstract Unix sockets included. Each of these
-#   refused, the run runs without it, as before. The runner takes a session of its own there
-#   (the keeper and the init stay in the env server's process group), so that a module run as
-#   the server's own user, or as root, no longer signals the server by its group (kill(0),
+#   service (the env server's own TCP port, in a container with a network of its own: --tcp),
+#   no other host and no abstract Unix socket (those belong to a network namespace). A Unix
+#   socket with a path is a file, not the network namespace's: it stays reachable as its
+#   file's permissions allow (the module's uid's, and a dir above it that it may search).
+#   Each of these refused, the run runs without it, as before. In a container
+#   that masks paths under /proc (Docker's, podman's: other mounts over some of its files)
+#   the kernel refuses a fresh proc to a user namespace: there the run's own /proc needs the
+#   root route. The runner takes a session of its own there (the keeper and the init stay in
+#   the env server's process group), so that a module run as the
+#   server's own user, or as root, no longer signals the server by its group (kill(0),
 #   killpg(getpgid(0))): such a signal reaches the runner and what the module started, no more;
 # * the runner, under that init (or the keeper's child where there is no namespace), imports
 #   the module and evaluates the checks. When done it writes one byte to DONE_FD and waits
@@ -51,7 +56,17 @@ processes and never imported there; the comment below says how it runs."""
 #   run's own tmpfs: mount_library). The keeper and the init stay root, out of the module's
 #   reach. Where the ids cannot be taken (or the library cannot be mounted) it writes
 #   {"uid_error"} and ends, never running the module as root; and it skips the
-#   user-namespace route below, whose map holds only root.
+#   user-namespace route below, whose map holds only root. Without a UID_BASE (the module runs
+#   as the keeper's uid: root, the user namespace's root, or a server that is not root) the
+#   runner drops every capability it holds instead, at the same point: it held them all in its
+#   namespace (root's, or the user namespace's), enough to ptrace the init (in the server's
+#   process group: it made it kill that group), unmount the run's /proc (and, through the
+#   container's, write the keeper's memory) and setns into the server's network namespace. No
+#   capability effective, permitted, inheritable or ambient is left, and no_new_privs is set,
+#   so that no exec (a set-uid program, a file's capabilities, root's own execve) gives one
+#   back; the bounding set is emptied too where CAP_SETPCAP allows. Where that fails it writes
+#   {"caps_error"} and ends. A server that is not root, without a user namespace, holds none:
+#   nothing to drop.
 #
 # When the runner ends, the keeper writes the done byte too (the run is over) and, without a
 # namespace, stays alive until killed: it is a child subreaper, so what the module started
@@ -118,7 +133,9 @@ def unshare_pid():
 def unshare_net():
     # a network namespace of the run's own: no interface but a loopback that is down, so the
     # module reaches no localhost service (the env server's own TCP port, in a container with
-    # a network of its own) nor anything the container reaches. Whether it was made
+    # a network of its own), no other host and no abstract Unix socket (those are the network
+    # namespace's); a Unix socket with a path is a file, reached as its permissions allow.
+    # Whether it was made
     return libc.unshare(0x40000000) == 0
 
 def private_mounts():
@@ -265,8 +282,56 @@ def reach_library(moved):
                 m.__path__[:] = [through(moved, p) for p in m.__path__]
         sys.path_importer_cache.clear()
 
-if run_uid is not None:
-    ppid = os.getppid()
+def caps(data):
+    # capget into data (6 u32: {effective, permitted, inheritable} for caps 0-31, then 32-63)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    if libc.capget(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capget failed")
+
+def drop_caps():
+    # every capability this process holds, gone for good (the comment above says why): none
+    # effective, permitted, inheritable or ambient, no_new_privs (no exec gives one back), and
+    # the bounding set emptied where CAP_SETPCAP allows (without it, nothing held to drop).
+    # OSError where any is left
+    before = (ctypes.c_uint32 * 6)()
+    caps(before)
+    setpcap = before[0] >> 8 & 1  # CAP_SETPCAP, effective: the bounding set may be cut
+    cap = 0
+    while cap < 64 and libc.prctl(23, cap, 0, 0, 0) >= 0:  # PR_CAPBSET_READ: up to the last cap
+        if libc.prctl(24, cap, 0, 0, 0) != 0 and setpcap:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), f"capability {cap} stays in the bounding set")
+        cap += 1
+    libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT_CLEAR_ALL (none before 4.3; capset clears them too)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)
+    if libc.capset(header, (ctypes.c_uint32 * 6)()) != 0:  # effective, permitted, inheritable: none
+        raise OSError(ctypes.get_errno(), "capset failed")
+    after = (ctypes.c_uint32 * 6)()
+    caps(after)
+    if any(after):
+        raise OSError(f"capabilities left: {list(after)}")
+    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(39, 0, 0, 0, 0) != 1:  # PR_SET/GET_NO_NEW_PRIVS
+        raise OSError(ctypes.get_errno(), "no_new_privs could not be set")
+
+def refuse(key, why):
+    # the runner's own line in place of the results, which the host reports: the module never runs
+    with os.fdopen(int(sys.argv[2]), "w", encoding="utf-8") as f:
+        f.write(json.dumps({key: why}) + "\n")
+    os._exit(1)
+
+ppid = os.getppid()
+if run_uid is None:  # (a uid of the run's own drops them all below, by setresuid)
+    try:
+        if libc is not None:
+            drop_caps()
+        elif sys.platform.startswith("linux"):
+            raise OSError("no libc to drop them with")
+    except OSError as e:
+        refuse("caps_error", str(e))
+    if libc is not None:
+        libc.prctl(1, 9)  # again: a change of credentials may clear it
+    if os.getppid() != ppid:  # its parent died before prctl took effect
+        os._exit(1)
+else:
     try:
         moved = mount_library()
         os.setgroups([])
@@ -281,9 +346,7 @@ if run_uid is not None:
         else:
             raise PermissionError("root could be taken back")
     except OSError as e:
-        with os.fdopen(int(sys.argv[2]), "w", encoding="utf-8") as f:
-            f.write(json.dumps({"uid_error": f"uid {run_uid}: {e}"}) + "\n")
-        os._exit(1)
+        refuse("uid_error", f"uid {run_uid}: {e}")
     if libc is not None:
         libc.prctl(1, 9)  # a change of credentials cleared it
         libc.prctl(4, 1)  # PR_SET_DUMPABLE, which it cleared too: /proc/self is the module's
