@@ -26,6 +26,10 @@ One action per turn:
 For the schedulers, ``info["valid"]`` is False on an unknown, refused or failed action, and
 ``run_tests``/``submit`` set ``info["outcome"]``: ``"success"`` when every test passes,
 ``"timeout"`` when the run was killed at ``test_timeout_s``, else ``"test_failure"``.
+Where a run got less than its full isolation (a part the kernel or the container refused:
+its PID, mount or network namespace, its own ``/proc`` or ``/dev/shm``, its module's
+capabilities dropped), they also set ``info["isolation"]``, each part True or False
+(``code_repair_runner.ISOLATION``), and the env logs a warning once.
 
 Paths are relative to the work dir; absolute paths, ``..``, a symlink out and a file with
 another link (a hard link, maybe to a file outside) are refused. Observations
@@ -70,6 +74,7 @@ has no PID namespace) is bounded by the container, the sandbox for adversarial c
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import random
@@ -104,6 +109,8 @@ from envpool.envs.code_repair_user import (
     remove_tree,
     run_uid_base_for,
 )
+
+log = logging.getLogger(__name__)
 
 MAX_VIEW_CHARS = 20_000
 MAX_OUTPUT_CHARS = 4_000
@@ -189,6 +196,7 @@ class CodeRepairEnv(Env):
         self._rng: random.Random | None = None
         self.task: Task | None = None
         self.workdir: Path | None = None
+        self._warned_isolation = False
 
     # -- lifecycle
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
@@ -256,11 +264,18 @@ class CodeRepairEnv(Env):
         if cmd == "edit":
             return self._reply(*self._edit(arg.strip(), rest))
         if cmd in ("run_tests", "submit") and not arg.strip() and not rest.strip():
-            passed, failed, output, timed_out = self._run_tests()
+            passed, failed, output, timed_out, isolation = self._run_tests()
             solved = failed == 0 and passed == self.task.n_tests
             # the schedulers' signal (info["outcome"]): a failing run is not a tool error
             outcome = "success" if solved else "timeout" if timed_out else "test_failure"
-            info = {"passed": passed, "failed": failed, "all_passed": solved, "outcome": outcome}
+            info: dict[str, Any] = {
+                "passed": passed,
+                "failed": failed,
+                "all_passed": solved,
+                "outcome": outcome,
+            }
+            if isolation is not None and not all(isolation.values()):
+                info["isolation"] = isolation  # a reduced isolation is never silent
             summary = f"Tests: {passed} passed, {failed} failed."
             if cmd == "run_tests":
                 return StepResult(obs=Observation(text=f"{summary}\n{output}"), info=info)
@@ -373,8 +388,9 @@ class CodeRepairEnv(Env):
             return f"Refused {path.name}: it cannot be written ({e.strerror}).", False
         return f"Edited {path.name}: {len(blocks)} block(s) applied.", True
 
-    def _run_tests(self) -> tuple[int, int, str, bool]:
-        """``(passed, failed, output, timed out)``: the checks run in a subprocess, judged here."""
+    def _run_tests(self) -> tuple[int, int, str, bool, dict[str, bool] | None]:
+        """``(passed, failed, output, timed out, isolation)``: the checks run in a subprocess,
+        judged here; the isolation the run got (``RunOutput.isolation``)."""
         assert self.workdir is not None and self.task is not None
         task, root = self.task, self.workdir
         # only the module is the policy's; the test files are restored so a view shows them
@@ -403,6 +419,7 @@ class CodeRepairEnv(Env):
             run_uid_base=run_uid_base_for(self.run_uid_base),
         )
         timed_out = run.timed_out
+        self._warn_if_reduced(run.isolation)
         hide = [str(root), str(root.resolve()), "/proc/self/cwd"]  # (the runner's path to it, at times)
         results = parse_results(run.results, len(checks))
         passed, lines = judge(task, checks, results, timed_out)
@@ -456,7 +473,20 @@ class CodeRepairEnv(Env):
         report = _hide("\n".join(lines), hide)
         if shown:
             report += f"\nOutput of the run:\n{shown}"
-        return passed, task.n_tests - passed, report, timed_out
+        return passed, task.n_tests - passed, report, timed_out, run.isolation
+
+    def _warn_if_reduced(self, isolation: dict[str, bool] | None) -> None:
+        """One warning per env, at its first run that got less than its full isolation."""
+        if isolation is None or all(isolation.values()) or self._warned_isolation:
+            return
+        self._warned_isolation = True
+        missing = ", ".join(name for name, on in isolation.items() if not on)
+        log.warning(
+            "code-repair: a test run got less than its full isolation here (without: %s), a part "
+            "the kernel or the container refused; each such run's info['isolation'] says so. "
+            "See docs/envpool-new-env.md (Resources)",
+            missing,
+        )
 
 
 def _hide(text: str, prefixes: list[str]) -> str:

@@ -34,6 +34,7 @@ from envpool.envs.code_repair_user import hand_over, take_back
 from envpool.errors import EnvUsageError
 
 __all__ = [
+    "ISOLATION",
     "MAX_FILE_BYTES",
     "MAX_RESULTS_BYTES",
     "PID_NAMESPACE",
@@ -80,6 +81,23 @@ class RunOutput:
     cgroup above the run's), the run's own cap not reached."""
     process_limit_hit: bool = False
     """A fork or a thread start was refused for the run's process cap."""
+    isolation: dict[str, bool] | None = None
+    """What the run's module was cut off by (``ISOLATION``: each True where it got it), as the
+    runner reported it before the module ran; None where it never did (it ended before)."""
+
+
+ISOLATION = ("pid_ns", "mount_ns", "net_ns", "own_proc", "own_shm", "caps_dropped")
+"""The parts of a run's isolation, in the order of the bits of the runner's report (``RUNNER``):
+a PID namespace, a mount namespace and a network namespace of its own, a ``/proc`` of its PID
+namespace, a ``/dev/shm`` of its own, and no capability held by the module."""
+
+
+def _isolation_of(report: int | None) -> dict[str, bool] | None:
+    """``RunOutput.isolation`` from the runner's first byte on its done pipe (its high bit set),
+    or None where it sent none."""
+    if report is None:
+        return None
+    return {name: bool(report >> i & 1) for i, name in enumerate(ISOLATION)}
 
 
 def run_checks(
@@ -134,7 +152,7 @@ def _run(root: Path, spec: dict[str, Any], limits: _Limits) -> RunOutput:
         finally:
             os.close(done_w)
         try:
-            timed_out, oom_ended = _await_runner(
+            timed_out, oom_ended, report = _await_runner(
                 proc, done_r, json.dumps(spec).encode() + b"\n", root, limits
             )
         finally:
@@ -171,6 +189,7 @@ def _run(root: Path, spec: dict[str, Any], limits: _Limits) -> RunOutput:
         memory_limit_hit=killed and own_cap,
         container_memory_kill=killed and not own_cap,
         process_limit_hit=limits.pids is not None and limits.pids.hit_limit(),
+        isolation=_isolation_of(report),
     )
 
 
@@ -213,11 +232,12 @@ class _Limits:
 
 def _await_runner(
     proc: subprocess.Popen[bytes], done_r: int, spec: bytes, root: Path, limits: _Limits
-) -> tuple[bool, bool]:
+) -> tuple[bool, bool, int | None]:
     """Set the runner's limits, feed it its spec and wait for its done byte, its exit, an
     OOM kill in its memory cgroup or the timeout; then kill it with everything it started.
-    Whether it timed out, and whether it was ended for its memory cap. (The limits are set
-    before the spec is written: the keeper reads it before it forks or runs anything.)"""
+    Whether it timed out, whether it was ended for its memory cap, and the runner's isolation
+    report (None where none came). (The limits are set before the spec is written: the keeper
+    reads it before it forks or runs anything.)"""
     timeout_s = limits.timeout_s
     # a backstop should the timeout below never come (this process stopped): SIGKILL
     # past about test_timeout_s of CPU (soft = hard: no SIGXCPU core dump)
@@ -242,13 +262,15 @@ def _await_runner(
 
 def _await_end(
     proc: subprocess.Popen[bytes], done_r: int, spec: bytes, root: Path, limits: _Limits, oom_fd: int | None
-) -> tuple[bool, bool]:
+) -> tuple[bool, bool, int | None]:
     assert proc.stdin is not None
     with contextlib.suppress(OSError):  # it died at once: its exit tells
         proc.stdin.write(spec)
         proc.stdin.flush()
     deadline = time.monotonic() + limits.timeout_s
     timed_out, oom_ended = True, False
+    report: int | None = None
+    first = True
     # the done byte, or the keeper's exit (it died: the done pipe stays open in whatever the
     # module forked, so its EOF cannot tell). poll, not select: select takes no fd past 1023
     poller = select.poll()
@@ -273,7 +295,14 @@ def _await_end(
                     timed_out, oom_ended = False, True
                     break
             if done_r in ready:
-                if os.read(done_r, 1):
+                byte = os.read(done_r, 1)
+                if first and byte and byte[0] & 0x80:
+                    # the runner's isolation report, written before the module ran: only the
+                    # first byte may be one (the module can write this pipe once it runs)
+                    first, report = False, byte[0] & 0x7F
+                    continue
+                first = False
+                if byte:
                     timed_out = False
                     break
                 poller.unregister(done_r)  # closed by the module: its exit, or the timeout, tells
@@ -295,7 +324,7 @@ def _await_end(
     kill_left_in(root)
     if limits.run_uid_base is not None:  # nothing of the run is left: its uid may come back
         take_back(root)
-    return timed_out, oom_ended
+    return timed_out, oom_ended, report
 
 
 @contextlib.contextmanager

@@ -37,11 +37,11 @@ processes and never imported there; the comment below says how it runs."""
 #   no other host and no abstract Unix socket (those belong to a network namespace). A Unix
 #   socket with a path is a file, not the network namespace's: it stays reachable as its
 #   file's permissions allow (the module's uid's, and a dir above it that it may search).
-#   Each of these refused, the run runs without it, as before. In a container
-#   that masks paths under /proc (Docker's, podman's: other mounts over some of its files)
-#   the kernel refuses a fresh proc to a user namespace: there the run's own /proc needs the
-#   root route. The runner takes a session of its own there (the keeper and the init stay in
-#   the env server's process group), so that a module run as the
+#   Each of these refused, the run runs without it, as before, and the host is told
+#   (below). In a container that masks paths under /proc (Docker's, podman's: other mounts
+#   over some of its files) the kernel refuses a fresh proc to a user namespace: there the
+#   run's own /proc needs the root route. The runner takes a session of its own there (the
+#   keeper and the init stay in the env server's process group), so that a module run as the
 #   server's own user, or as root, no longer signals the server by its group (kill(0),
 #   killpg(getpgid(0))): such a signal reaches the runner and what the module started, no more;
 # * the runner, under that init (or the keeper's child where there is no namespace), imports
@@ -67,6 +67,12 @@ processes and never imported there; the comment below says how it runs."""
 #   back; the bounding set is emptied too where CAP_SETPCAP allows. Where that fails it writes
 #   {"caps_error"} and ends. A server that is not root, without a user namespace, holds none:
 #   nothing to drop.
+#
+# The runner's first byte on DONE_FD, written before the module is imported, is the run's
+# isolation (its high bit set; a done byte has none): whether it got a PID, a mount and a
+# network namespace of its own, its own /proc and /dev/shm, and whether the module holds no
+# capability. Nothing of the module's has run then, so nothing of it wrote that pipe first
+# (what it writes later is a done byte); the host reports each part missing.
 #
 # When the runner ends, the keeper writes the done byte too (the run is over) and, without a
 # namespace, stays alive until killed: it is a child subreaper, so what the module started
@@ -161,6 +167,7 @@ def own_proc():
 
 isolated, own_mounts, own_net = unshare_pid()
 shm_own = own_mounts and own_shm()
+proc_own = False
 if libc is not None:
     libc.prctl(1, 9)  # again: a change of credentials may clear it
     libc.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans of the run stay in its tree
@@ -192,8 +199,8 @@ if select.select([alive_r], [], [], 0)[0]:  # the keeper died before prctl took 
     os._exit(1)
 os.close(alive_r)
 if isolated:
-    if own_mounts:
-        own_proc()  # where refused, the run sees the container's /proc, as without a mount namespace
+    # where refused, the run sees the container's /proc, as without a mount namespace
+    proc_own = own_mounts and own_proc()
     runner = os.fork()
     if runner:  # pid 1 of the namespace: it reaps until the runner ends, then ends it all
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # no handler: nothing inside can signal it
@@ -288,6 +295,17 @@ def caps(data):
     if libc.capget(header, data) != 0:
         raise OSError(ctypes.get_errno(), "capget failed")
 
+def holds_caps():
+    # whether this process holds any capability (effective or permitted)
+    if libc is None:
+        return False  # not Linux: none
+    data = (ctypes.c_uint32 * 6)()
+    try:
+        caps(data)
+    except OSError:
+        return True  # not known to hold none
+    return any(data[i] for i in (0, 1, 3, 4))
+
 def drop_caps():
     # every capability this process holds, gone for good (the comment above says why): none
     # effective, permitted, inheritable or ambient, no_new_privs (no exec gives one back), and
@@ -355,6 +373,15 @@ else:
     reach_library(moved)
     if not os.access(here, os.R_OK | os.X_OK):  # a dir above the work dir is root's alone
         here = "/proc/self/cwd"  # (reached through the process, not the path)
+# the isolation the run got, for the host to report: the first byte on DONE_FD, its high bit
+# set, written before the module runs (nothing of the module's can have written first; the
+# host reads any later byte as a done byte). Bits: its PID, mount and network namespaces, its
+# own /proc and /dev/shm, no capability held
+flags = [isolated, own_mounts, own_net, proc_own, shm_own, not holds_caps()]
+try:
+    os.write(done_fd, bytes([0x80 | sum(1 << i for i, on in enumerate(flags) if on)]))
+except OSError:
+    os._exit(1)  # the parent gone: nothing to report to
 # bound before the module runs: what it patches in os or sys cannot stop the end below
 _write, _read, _exit, done_fd = os.write, os.read, os._exit, int(sys.argv[3])
 results = os.fdopen(int(sys.argv[2]), "w", encoding="utf-8")

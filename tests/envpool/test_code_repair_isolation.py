@@ -3,12 +3,15 @@
 server's own TCP port included, is reachable from the policy's module) and the container's
 processes (a ``/proc`` of the run's PID namespace: the module lists only the run's own
 processes and reads no other command line). Where the kernel refuses either, a run still runs,
-as before."""
+as before, and says so: the step's ``info["isolation"]`` names each part it got or not, and the
+env warns once."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import logging
 import os
 import re
 import shutil
@@ -24,7 +27,7 @@ from code_repair_helpers import edit_action
 
 import envpool
 import envpool.envs  # registers the built-ins
-from envpool.envs import code_repair_runner
+from envpool.envs import code_repair, code_repair_runner
 
 FIX = ("    return a - b", "    return a + b")
 
@@ -57,6 +60,29 @@ def _env(tmp_path: Path, **kwargs: Any) -> Iterator[Any]:
         yield env
     finally:
         env.close()
+
+
+_FULL = dict.fromkeys(code_repair_runner.ISOLATION, True)
+
+
+def _full_isolation_here() -> bool:
+    """Whether a run on the root route gets every part of its isolation here (root: the
+    namespaces, the mounts, and the module's uid of its own, which holds no capability)."""
+    return os.geteuid() == 0 and _kernel_allows(_CLONE_NEWPID | _CLONE_NEWNS | _CLONE_NEWNET)
+
+
+@contextlib.contextmanager
+def _reported(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, bool] | None]]:
+    """The isolation each run of the env reported (``RunOutput.isolation``), in order."""
+    seen: list[dict[str, bool] | None] = []
+
+    def run_checks(*args: Any, **kwargs: Any) -> code_repair_runner.RunOutput:
+        out = code_repair_runner.run_checks(*args, **kwargs)
+        seen.append(out.isolation)
+        return out
+
+    monkeypatch.setattr(code_repair, "run_checks", run_checks)
+    yield seen
 
 
 def _run_with(env: Any, code: str) -> Any:
@@ -138,12 +164,45 @@ def test_a_module_sees_only_its_runs_processes_in_proc(tmp_path):
     assert res.info["all_passed"], text
 
 
+@pytest.mark.skipif(
+    not _full_isolation_here(), reason="a run gets its full isolation as root with namespaces"
+)
+def test_a_run_reports_its_full_isolation(tmp_path, monkeypatch, caplog):
+    # the runner's report, before the module ran: every part True on the root route here. The
+    # step's info carries it only where a part is missing, and nothing is logged
+    with _reported(monkeypatch) as seen, _env(tmp_path) as env, caplog.at_level(logging.WARNING):
+        res = env.step("run_tests")
+    assert seen == [_FULL], seen
+    assert "isolation" not in res.info and res.info["all_passed"], res.info
+    assert not [r for r in caplog.records if "isolation" in r.getMessage()], caplog.text
+
+
+_FAKE_REPORT = """
+import os as _os
+_os.write(int(__import__("sys").argv[3]), bytes([0xFF]))  # a report of full isolation, too late
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a part missing where the env process is not root")
+def test_a_module_cannot_write_the_isolation_report(tmp_path, monkeypatch):
+    # the report is the first byte on the done pipe, written by the runner before the module is
+    # imported: a module that writes one there only sends a done byte (its results cut short),
+    # and the report stays the runner's. Here with the network namespace refused (the test
+    # below), so that the runner's own report is not the one the module fakes
+    refused = code_repair_runner.RUNNER.replace("libc.unshare(0x40000000)", "libc.unshare(0x1)")
+    monkeypatch.setattr(code_repair_runner, "RUNNER", refused)
+    with _reported(monkeypatch) as seen, _env(tmp_path) as env:
+        res = _run_with(env, _FAKE_REPORT)
+    assert seen and seen[0] is not None and not seen[0]["net_ns"], seen
+    assert res.info["isolation"]["net_ns"] is False, res.info
+
+
 # the user-namespace route, taken where the server may not make namespaces itself (no
 # CAP_SYS_ADMIN) and runs the module as its own user: this test's root without the capability,
 # its run_uid_base None (a user namespace maps only the server's ids, and root's uid base is
 # outside it)
 _USER_ROUTE = """
-import envpool, envpool.envs
+import json, envpool, envpool.envs
 env = envpool.make("code-repair-v1", workdir_root={work!r}, run_uid_base=None, test_timeout_s=20)
 env.reset(options={{"task": "mathutils"}})
 code = {code!r}
@@ -151,6 +210,12 @@ edit = "edit mathutils.py\\n<<<<<<< SEARCH\\ndef add\\n=======\\n" + code + "def
 assert env.step(edit).info["valid"]
 fix = "edit mathutils.py\\n<<<<<<< SEARCH\\n    return a - b\\n=======\\n    return a + b\\n>>>>>>> REPLACE"
 assert env.step(fix).info["valid"]
+from envpool.envs import code_repair, code_repair_runner
+def run_checks(*args, **kwargs):
+    out = code_repair_runner.run_checks(*args, **kwargs)
+    print("ISOLATION", json.dumps(out.isolation))
+    return out
+code_repair.run_checks = run_checks
 print(env.step("run_tests").obs.text)
 env.close()
 """
@@ -199,25 +264,36 @@ def test_the_user_namespace_route_cuts_the_network_and_proc_too(tmp_path):
         assert "CONNECTED" not in text and re.search(r"CONNECT FAILED \w+ (101|111)", text), text
         assert "PIDS [1, 2]" in text and "READ CMDLINE" not in text, text
         assert "Tests: 3 passed, 0 failed" in text, text
+        # every part reported (a container that masks /proc would refuse its own: own_proc false)
+        assert f"ISOLATION {json.dumps(_FULL)}" in text, text
         listener.setblocking(False)
         with pytest.raises(BlockingIOError):
             listener.accept()
 
 
 @pytest.mark.parametrize(
-    "old, new",
+    "old, new, part",
     [
         # an unknown clone flag: EINVAL, as from a kernel or seccomp profile that refuses netns
-        ("libc.unshare(0x40000000)", "libc.unshare(0x1)"),
-        # a file system type the kernel does not know: ENODEV
-        ('b"proc", b"/proc", b"proc"', 'b"proc", b"/proc", b"no-such-fs"'),
+        ("libc.unshare(0x40000000)", "libc.unshare(0x1)", "net_ns"),
+        # a file system type the kernel does not know: ENODEV (as from a container that masks
+        # paths under /proc, on the user-namespace route)
+        ('b"proc", b"/proc", b"proc"', 'b"proc", b"/proc", b"no-such-fs"', "own_proc"),
     ],
     ids=["netns_refused", "proc_refused"],
 )
-def test_a_run_runs_where_its_netns_or_proc_is_refused(tmp_path, monkeypatch, old, new):
-    # what the kernel refuses is left as it was: the run runs, and passes
+def test_a_run_runs_where_its_netns_or_proc_is_refused(tmp_path, monkeypatch, caplog, old, new, part):
+    # what the kernel refuses is left as it was: the run runs, and passes; and says what it
+    # lacked, in each run's info and in one warning per env
     assert old in code_repair_runner.RUNNER
     monkeypatch.setattr(code_repair_runner, "RUNNER", code_repair_runner.RUNNER.replace(old, new))
-    with _env(tmp_path) as env:
-        res = env.step("run_tests")
-    assert res.info["all_passed"], res.obs.text
+    with _env(tmp_path) as env, caplog.at_level(logging.WARNING, logger=code_repair.__name__):
+        first = env.step("run_tests")
+        second = env.step("run_tests")
+    for res in (first, second):
+        assert res.info["all_passed"], res.obs.text
+        assert res.info["isolation"][part] is False, res.info
+        if _full_isolation_here():  # that part alone
+            assert res.info["isolation"] == {**_FULL, part: False}, res.info
+    warnings = [r.getMessage() for r in caplog.records if r.name == code_repair.__name__]
+    assert len(warnings) == 1 and part in warnings[0], warnings
