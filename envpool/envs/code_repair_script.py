@@ -31,19 +31,22 @@ processes and never imported there; the comment below says how it runs."""
 #   after run, and no later episode reads it; and the init, a process of the new PID
 #   namespace, mounts that namespace's proc on /proc there (nosuid, nodev, noexec), so that
 #   the module lists the run's own processes alone, never the container's (their command
-#   lines, the server's). Where it can too, the keeper takes a network namespace (on either
-#   route): no interface but a loopback that is down, so the module reaches no localhost
-#   service (the env server's own TCP port, in a container with a network of its own: --tcp),
-#   no other host and no abstract Unix socket (those belong to a network namespace). A Unix
-#   socket with a path is a file, not the network namespace's: it stays reachable as its
-#   file's permissions allow (the module's uid's, and a dir above it that it may search).
-#   Each of these refused, the run runs without it, as before, and the host is told
-#   (below). In a container that masks paths under /proc (Docker's, podman's: other mounts
-#   over some of its files) the kernel refuses a fresh proc to a user namespace: there the
-#   run's own /proc needs the root route. The runner takes a session of its own there (the
-#   keeper and the init stay in the env server's process group), so that a module run as the
-#   server's own user, or as root, no longer signals the server by its group (kill(0),
-#   killpg(getpgid(0))): such a signal reaches the runner and what the module started, no more;
+#   lines, the server's); its sys, sysrq-trigger, irq, bus and fs read-only, as Docker makes
+#   them (a module as uid 0 writes a sysctl as its owner, capabilities or none: the host's
+#   core_pattern), or no proc of the run's own. Where it can too, the keeper takes a network
+#   namespace (on either route): no interface but a loopback that is down, so the module
+#   reaches no localhost service (the env server's own TCP port, in a container with a
+#   network of its own: --tcp), no other host and no abstract Unix socket (those belong to a
+#   network namespace). A Unix socket with a path is a file, not the network namespace's: it
+#   stays reachable as its file's permissions allow (the module's uid's, and a dir above it
+#   that it may search). Each of these refused, the run runs without it, as before, and the
+#   host is told (below). In a container that masks paths under /proc (Docker's, podman's:
+#   other mounts over some of its files) the kernel refuses a fresh proc to a user
+#   namespace: there the run's own /proc needs the root route. The runner takes a session of
+#   its own there (the keeper and the init stay in the env server's process group), so that
+#   a module run as the server's own user, or as root, no longer signals the server by its
+#   group (kill(0), killpg(getpgid(0))): such a signal reaches the runner and what the module
+#   started, no more;
 # * the runner, under that init (or the keeper's child where there is no namespace), imports
 #   the module and evaluates the checks. When done it writes one byte to DONE_FD and waits
 #   on the spec's pipe (moved off fd 0, which reads /dev/null for the module), alive, so that
@@ -163,7 +166,20 @@ def own_proc():
     # a proc of the run's PID namespace on /proc (made by a process in it: the init), in the
     # run's mount namespace: it lists the run's processes alone, never the container's
     # command lines. MS_NOSUID | MS_NODEV | MS_NOEXEC. Whether it was made
-    return private_mounts() and libc.mount(b"proc", b"/proc", b"proc", 0x2 | 0x4 | 0x8, None) == 0
+    if not (private_mounts() and libc.mount(b"proc", b"/proc", b"proc", 0x2 | 0x4 | 0x8, None) == 0):
+        return False
+    # read-only where a module run as uid 0 writes as the files' owner, capabilities or none (a
+    # sysctl: the host's core_pattern, the container's hostname; the sysrq trigger), as Docker
+    # makes them in a container's /proc, which this fresh proc covers. MS_BIND, then that bind
+    # remounted MS_RDONLY (its other flags kept). Where refused, the container's /proc again
+    for path in (b"/proc/sys", b"/proc/sysrq-trigger", b"/proc/irq", b"/proc/bus", b"/proc/fs"):
+        if os.path.exists(path) and not (
+            libc.mount(path, path, None, 0x1000, None) == 0
+            and libc.mount(None, path, None, 0x1000 | 0x20 | 0x1 | 0x2 | 0x4 | 0x8, None) == 0
+        ):
+            libc.umount2(b"/proc", 2)  # MNT_DETACH: with the binds made so far
+            return False
+    return True
 
 isolated, own_mounts, own_net = unshare_pid()
 shm_own = own_mounts and own_shm()

@@ -262,3 +262,33 @@ def test_the_module_cannot_join_the_servers_network_namespace(tmp_path):
         listener.setblocking(False)
         with pytest.raises(BlockingIOError):  # nothing reached it
             listener.accept()
+
+
+# what a uid 0 without capabilities may still write in a fresh /proc (the file's owner): a
+# sysctl (the host's core_pattern, the container's hostname), the sysrq trigger. Opened for
+# writing only, never written
+_PROC_WRITES = """
+import os as _os
+for _path in ("/proc/sys/kernel/core_pattern", "/proc/sys/kernel/hostname", "/proc/sysrq-trigger"):
+    try:
+        _os.close(_os.open(_path, _os.O_WRONLY))
+        print("OPENED FOR WRITING", _path)
+    except OSError as _e:
+        print("REFUSED", _path, _e.errno)
+"""
+
+
+@pytest.mark.skipif(
+    not _kernel_allows(_CLONE_NEWPID | _CLONE_NEWNS), reason="no PID and mount namespaces here"
+)
+@pytest.mark.parametrize("route", ["root", "user_namespace"])
+def test_the_runs_proc_is_read_only_where_uid_0_writes_without_capabilities(tmp_path, route):
+    # the run's own /proc, a fresh proc, had a writable /proc/sys where a container's is
+    # read-only (Docker's): a module run as uid 0 (the server's own, on either route), though
+    # without capabilities, could set the host's core_pattern (a program the kernel runs as
+    # root on a crash). Read-only there, as Docker makes them: sys, sysrq-trigger, irq, bus, fs
+    first, _ = _runs(*_run_env(tmp_path, route, _PROC_WRITES))
+    text = first["text"]
+    assert "OPENED FOR WRITING" not in text, text
+    assert "REFUSED /proc/sys/kernel/core_pattern 30" in text, text  # EROFS
+    assert first["info"]["all_passed"] and "isolation" not in first["info"], first

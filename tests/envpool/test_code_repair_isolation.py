@@ -279,8 +279,15 @@ def test_the_user_namespace_route_cuts_the_network_and_proc_too(tmp_path):
         # a file system type the kernel does not know: ENODEV (as from a container that masks
         # paths under /proc, on the user-namespace route)
         ('b"proc", b"/proc", b"proc"', 'b"proc", b"/proc", b"no-such-fs"', "own_proc"),
+        # its read-only parts refused (a bind of a type the kernel does not know): the fresh
+        # proc unmounted again, never left writable
+        (
+            "libc.mount(path, path, None, 0x1000, None)",
+            'libc.mount(path, path, b"no-such-fs", 0, None)',
+            "own_proc",
+        ),
     ],
-    ids=["netns_refused", "proc_refused"],
+    ids=["netns_refused", "proc_refused", "proc_read_only_refused"],
 )
 def test_a_run_runs_where_its_netns_or_proc_is_refused(tmp_path, monkeypatch, caplog, old, new, part):
     # what the kernel refuses is left as it was: the run runs, and passes; and says what it
