@@ -53,7 +53,8 @@ processes and never imported there; the comment below says how it runs."""
 #   its parent kills the whole tree (kill_tree) after every run, not only on a timeout.
 #   With a UID_BASE (not "-": the parent is root, code_repair_user), the runner first takes
 #   the run's own uid, UID_BASE + the keeper's pid, with a group of its own and no
-#   supplementary groups, for good (real, effective and saved ids): after the namespaces and
+#   supplementary groups, for good (real, effective and saved ids), and no_new_privs (a
+#   set-uid program in the container runs as that uid): after the namespaces and
 #   the mounts, which need root, and after its parent put the tree in its cgroups, before the
 #   module is imported (a library under a dir of root's alone is bind-mounted first, on the
 #   run's own tmpfs: mount_library). The keeper and the init stay root, out of the module's
@@ -379,6 +380,10 @@ else:
             pass  # root is out of reach, as it should be
         else:
             raise PermissionError("root could be taken back")
+        # no exec gives privileges back: a set-uid program in the container (su, mount,
+        # passwd, one a package left) runs as the run's uid, never as its owner
+        if libc is not None and (libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(39, 0, 0, 0, 0) != 1):
+            raise PermissionError("no_new_privs could not be set")
     except OSError as e:
         refuse("uid_error", f"uid {run_uid}: {e}")
     if libc is not None:
