@@ -31,7 +31,8 @@ class Request:
 
     trajectory: str
     arrival: float
-    """When this turn became ready (the previous tool call or env step returned)."""
+    """When this turn became ready (the previous tool call or env step returned), in seconds:
+    C-MLFQ's aging compares it with ``aging_s`` (the simulator converts its ms clock)."""
     turn: int = 0
     prompt_tokens: int = 0
     tokens_so_far: int = 0

@@ -61,6 +61,12 @@ def progressive(model: LengthPredictor) -> Predictor:
     return predict
 
 
+def _s(now_ms: float) -> float:
+    """The simulator's clock (ms) as the queue policies read time: in seconds, as on the
+    real path (C-MLFQ's ``aging_s``; a request's ``arrival``)."""
+    return now_ms / 1000.0
+
+
 @dataclass
 class SimResult:
     makespan_ms: float
@@ -171,8 +177,9 @@ class Simulator:
         else:
             self._where = self.placement.place(reqs, loads)
         for r in reqs:
-            if r.arrival > 0:
-                self._at(r.arrival, "ready", r)
+            start = self.starts.get(r.trajectory, 0.0)
+            if start > 0:
+                self._at(start, "ready", r)
             else:
                 self._ready(r, 0.0)
         events = 0
@@ -210,7 +217,7 @@ class Simulator:
     def _request(self, live: _Live, now: float) -> Request:
         return Request(
             trajectory=live.spec.id,
-            arrival=now,
+            arrival=_s(now),
             turn=live.turn,
             prompt_tokens=live.spec.prompt_tokens + live.history,
             tokens_so_far=live.tokens_so_far,
@@ -223,7 +230,7 @@ class Simulator:
         if req.trajectory in self._aborted:
             return
         name = self._where[req.trajectory]
-        self.queues[name].push(req, now)
+        self.queues[name].push(req, _s(now))
         self._dispatch(self.workers[name], now)
 
     def _dispatch(self, w: Worker, now: float) -> None:
@@ -231,11 +238,11 @@ class Simulator:
         while w.free_slots > 0 and (req := self._pop_live(queue, now)) is not None:
             self._admit(w, req, now)
         if queue.preemptive and len(queue) and w.free_slots == 0:
-            for victim in queue.preempt([item for _, _, item in w.running], now):
+            for victim in queue.preempt([item for _, _, item in w.running], _s(now)):
                 left = w.evict(now, victim)
                 self.preemptions += 1
                 victim.remaining_tokens = left  # it waits again, with what it has left
-                queue.push(victim, now)
+                queue.push(victim, _s(now))
                 nxt = self._pop_live(queue, now)
                 assert nxt is not None
                 self._admit(w, nxt, now)
@@ -246,9 +253,9 @@ class Simulator:
     def _pop_live(self, queue: QueuePolicy, now: float) -> Request | None:
         """The queue's next request, dropping those of aborted trajectories on the way (the
         policies have no removal, so aborted turns are skipped when they come up)."""
-        req = queue.pop(now)
+        req = queue.pop(_s(now))
         while req is not None and req.trajectory in self._aborted:
-            req = queue.pop(now)
+            req = queue.pop(_s(now))
         return req
 
     def _admit(self, w: Worker, req: Request, now: float) -> None:
@@ -326,9 +333,9 @@ class Simulator:
         w.cached_total -= w.cached.pop(trajectory, 0)
         queue = self.queues[w.name]
         if queue.preemptive:  # it preempts on what waits: an aborted turn must not count
-            for req in queue.drain(now):
+            for req in queue.drain(_s(now)):
                 if req.trajectory not in self._aborted:
-                    queue.push(req, now)
+                    queue.push(req, _s(now))
         for _, _, item in w.running:
             if item.trajectory == trajectory:
                 w.evict(now, item)
