@@ -343,14 +343,17 @@ def _drop(text: str, prefixes: list[str]) -> str:
 
 
 def _outcome(res: StepResult) -> str:
-    """What the step returned, as the schedulers' tool outcome: the environment's own
-    ``info["outcome"]`` when it gives one, else an invalid action is a tool error."""
+    """What the step returned, as the schedulers' tool outcome (sent with the next turn):
+    the environment's own ``info["outcome"]`` when it gives one, else an invalid action is a
+    tool error, else ``ok``. Only a step that does not end the episode is ever sent, so
+    ``success`` comes from the environment alone (code-repair's passing ``run_tests``): a
+    rule on a final step's reward would never reach the scheduler."""
     given = res.info.get("outcome")
     if isinstance(given, str) and given in OUTCOMES:
         return given
     if res.info.get("valid") is False:
         return "tool_error"
-    return "success" if res.done and res.reward > 0 else "ok"
+    return "ok"
 
 
 def _state(info: dict[str, Any], shown: str) -> str:

@@ -90,9 +90,21 @@ def uniform_turns(
     return Workload(trajs, "uniform")
 
 
-def preset(name: str, n: int, *, seed: int = 0, group_size: int = 8) -> Workload:
-    """A named workload of ``n`` trajectories."""
+def preset(name: str, n: int, *, seed: int = 0, group_size: int = 8, submit_turn: bool = False) -> Workload:
+    """A named workload of ``n`` trajectories.
+
+    ``submit_turn`` (``coding`` only): the turn whose tests pass is a test run like the
+    others (``run_tests``, outcome ``success``, its tool latency), and a short ``submit``
+    turn ends the episode, as in ``code-repair-v1``. The next turn then sees the success,
+    which is what C-MLFQ's main rule reacts to; without it the passing turn is the last and
+    no turn sees its outcome. Off by default: the other coding figures were measured
+    without it. The same seed gives the same trajectories either way, but for those two turns.
+    """
+    if submit_turn and name != "coding":
+        raise ValueError(f"submit_turn is for the coding preset, not {name!r}")
     rng = random.Random(seed)
+    # the submit turns' own draws: the main stream, and so every other turn, stays the same
+    extra = random.Random(f"{seed}/submit")
     trajs = []
     for i in range(n):
         if name == "coding":
@@ -105,6 +117,12 @@ def preset(name: str, n: int, *, seed: int = 0, group_size: int = 8) -> Workload
             while True:
                 gen = int(_clip(rng.lognormvariate(5.6 + 1.0 * difficulty, 0.6), 16, 8192))
                 passed = rng.random() < p_pass or len(turns) >= 15
+                if passed and submit_turn:
+                    test_ms = _clip(extra.lognormvariate(7.5, 0.7), 50, 60_000)
+                    turns.append(Turn(gen, test_ms, "success"))
+                    # "submit": a few tokens, then the episode ends (its test run is the reward's)
+                    turns.append(Turn(int(_clip(extra.lognormvariate(3.5, 0.4), 8, 128)), 0.0, "success"))
+                    break
                 if passed:
                     turns.append(Turn(gen, 0.0, "success"))
                     break

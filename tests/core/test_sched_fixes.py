@@ -3,9 +3,18 @@ a defect that was demonstrated before its fix."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
+from core.config import JobConfig
+from core.rollout.engines.base import Completion
+from core.rollout.env_manager import EnvManager, Task
+from core.rollout.scheduling import TurnScheduler
+from core.sched import Request, make_queue_policy
+from core.sched.queueing import CMLFQ
 from core.sim import EngineProfile, Simulator, TrajSpec, Turn, preset
+from envpool.api import Observation, StepResult
 
 #: One slot, 10 ms a token, nothing prefilled: a turn of n tokens runs n * 10 ms.
 ONE_SLOT = EngineProfile(
@@ -53,3 +62,115 @@ def test_cmlfq_and_fcfs_differ_on_the_benchmark_workload():
     fcfs = Simulator(w.trajectories, scheduler="fcfs", **base).run().makespan_ms
     cmlfq = Simulator(w.trajectories, scheduler="cmlfq", **base).run().makespan_ms
     assert cmlfq != pytest.approx(fcfs, rel=1e-6)
+
+
+# -- C-MLFQ's "success -> level 0" rule: a turn that sees a success
+
+
+def test_the_coding_preset_with_a_submit_turn_shows_a_success_to_a_later_turn():
+    plain = preset("coding", 200, seed=3).trajectories
+    submit = preset("coding", 200, seed=3, submit_turn=True).trajectories
+    for a, b in zip(plain, submit, strict=True):
+        # the same task and turns; the passing turn now runs the tests, then "submit" ends it
+        assert b.turns[:-2] == a.turns[:-1] and b.prompt_tokens == a.prompt_tokens
+        assert b.turns[-2].gen_tokens == a.turns[-1].gen_tokens
+        assert b.turns[-2].outcome == "success" and b.turns[-2].tool_ms > 0
+        assert b.turns[-1].outcome == "success" and b.turns[-1].tool_ms == 0.0
+    with pytest.raises(ValueError, match="submit_turn"):
+        preset("math", 1, submit_turn=True)
+
+
+def outcomes_queued(trajs) -> set[str | None]:
+    sim = Simulator(trajs, workers=2, scheduler="cmlfq", profile=EngineProfile(max_batch=4))
+    seen: set[str | None] = set()
+    for q in sim.queues.values():
+        push = q.push
+
+        def spy(req, now, push=push):
+            seen.add(req.last_outcome)
+            push(req, now)
+
+        q.push = spy  # type: ignore[method-assign]
+    sim.run()
+    return seen
+
+
+def test_cmlfq_in_the_simulator_sees_a_success_only_with_the_submit_turn():
+    # the plain preset's success is on its last turn: no turn ever sees it (the rule never
+    # fired in sim_repro.py's C-MLFQ row)
+    assert "success" not in outcomes_queued(preset("coding", 100, seed=3).trajectories)
+    assert "success" in outcomes_queued(preset("coding", 100, seed=3, submit_turn=True).trajectories)
+
+
+class _Session:
+    """An env that runs its tests at turn 0 (they pass: ``info["outcome"]`` "success", the
+    episode goes on) and ends at turn 1 (submit, reward 1)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    async def reset(self, seed=None):
+        return Observation(text="fix the module"), {}
+
+    async def step(self, action):
+        self.steps += 1
+        if self.steps == 1:
+            return StepResult(obs=Observation(text="Tests: 3 passed"), info={"outcome": "success"})
+        done = {"outcome": "success"}
+        return StepResult(obs=Observation(text="Solved"), reward=1.0, terminated=True, info=done)
+
+
+class _Pool:
+    @contextlib.asynccontextmanager
+    async def session(self, env_id, image=None, env_kwargs=None):
+        yield _Session()
+
+
+class _SchedProxy:
+    """What the LLM proxy does with a turn's metadata under a turn scheduler: the ``Request``
+    C-MLFQ orders (``core.rollout.proxy_routing``)."""
+
+    def __init__(self, sched: TurnScheduler) -> None:
+        self.sched = sched
+        self.requests: list[Request] = []
+
+    async def generate(self, traj_id, tag, request):
+        r = self.sched.request(traj_id, request.metadata["turn"], 10, request.metadata)
+        self.requests.append(r)
+        self.sched.finished_turn(traj_id, 2)
+        return Completion(
+            request_id=request.request_id,
+            text="run_tests",
+            prompt_ids=[0],
+            token_ids=[1, 2],
+            logprobs=[-0.1, -0.1],
+            policy_version=0,
+            finish_reason="stop",
+        )
+
+    async def abort(self, traj_id):
+        return 0
+
+    async def release(self, traj_id):
+        self.sched.release(traj_id)
+
+
+async def test_an_envs_mid_episode_success_reaches_the_turn_scheduler():
+    cfg = JobConfig.from_dict(
+        {
+            "envs": [{"id": "code-repair-v1", "tag": "code", "max_turns": 5}],
+            "rewards": {"code": [{"function": "unused"}]},
+        },
+        check_references=False,
+    )
+    sched = TurnScheduler("cmlfq", scheduler_options={"levels": 3, "quantum_tokens": (1, 1)})
+    proxy = _SchedProxy(sched)
+    traj = await EnvManager(cfg, _Pool(), proxy).run(Task(cfg.envs[0], 0, "g"), version=0, traj_id="t")
+    assert traj.status == "ok"
+    # the turn after the passing test run carries its success, and C-MLFQ puts it at level 0
+    # though the trajectory is past every level's token quantum; the final step's success
+    # goes nowhere: no turn follows it
+    assert [r.last_outcome for r in proxy.requests] == [None, "success"]
+    q = make_queue_policy("cmlfq", levels=3, quantum_tokens=(1, 1))
+    q.push(proxy.requests[1], 0.0)
+    assert isinstance(q, CMLFQ) and q.level_of("t") == 0
