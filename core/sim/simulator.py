@@ -1,7 +1,13 @@
 """Discrete-event simulation of one rollout step.
 
-Trajectories are placed on engine workers (a ``core.sched`` placement, sticky afterwards:
-the worker keeps the prefix cache). Each worker orders its waiting turns with its own
+Trajectories are placed on engine workers by a ``core.sched`` placement. ``least_load`` and
+``presorted_dp`` place once, at the start (the worker keeps the prefix cache);
+``cache_affinity`` re-decides at every later turn, as the real path's turn scheduler does,
+against each worker's predicted remaining work: a trajectory that moves prefills its whole
+context on its new worker (``SimResult.meta["migrations"]`` counts the moves). The real
+path re-partitions ``presorted_dp`` at every turn too; here that would cost a partition of
+every live trajectory per turn (tens of seconds for the benchmark's step), so the
+simulator keeps its first split. Each worker orders its waiting turns with its own
 ``core.sched`` queue policy and runs up to ``max_batch`` of them with continuous batching
 (``core.sim.engine``). After a turn's generation comes its tool or environment call, then
 the next turn.
@@ -32,6 +38,7 @@ from typing import Any, Literal
 
 from core.sched import Request, make_placement, make_queue_policy
 from core.sched.base import QueuePolicy
+from core.sched.placement import predicted_work
 from core.sched.predictor import LengthPredictor
 from core.sim.engine import EngineProfile, Worker
 from core.sim.workload import TrajSpec
@@ -142,6 +149,12 @@ class Simulator:
             for k in range(max((len(t.turns) for t in trajectories), default=0))
         ]
         self.preemptions = 0
+        self.migrations = 0
+        # cache_affinity re-decides at every turn (see the module's docstring), against each
+        # worker's load: the predicted remaining work of the live trajectories placed there
+        self._moves = self.placement.name == "cache_affinity"
+        self._work: dict[str, float] = {}
+        self._load = dict.fromkeys(self.workers, 0.0)
         self._ran = False
         self.keep = keep_per_group
         self._groups: dict[int, list[str]] = {}
@@ -172,10 +185,15 @@ class Simulator:
         # speeds only when they differ, and only to a placement that takes them (one of
         # one's own written for equal workers places as if they were)
         takes_speeds = "speeds" in inspect.signature(self.placement.place).parameters
-        if takes_speeds and len(set(speeds.values())) > 1:
-            self._where = self.placement.place(reqs, loads, speeds)
+        self._speeds = speeds if takes_speeds and len(set(speeds.values())) > 1 else None
+        if self._speeds is not None:
+            self._where = self.placement.place(reqs, loads, self._speeds)
         else:
             self._where = self.placement.place(reqs, loads)
+        if self._moves:
+            for r in reqs:
+                self._work[r.trajectory] = work = predicted_work(r)
+                self._load[self._where[r.trajectory]] += work
         for r in reqs:
             start = self.starts.get(r.trajectory, 0.0)
             if start > 0:
@@ -210,7 +228,9 @@ class Simulator:
             if makespan
             else 0.0
         )
-        meta: dict[str, Any] = {"aborted": sorted(self._aborted)} if self.keep is not None else {}
+        meta: dict[str, Any] = {"migrations": self.migrations}
+        if self.keep is not None:
+            meta["aborted"] = sorted(self._aborted)
         return SimResult(makespan, dict(self._finish), util, events, self.preemptions, meta)
 
     # -- steps
@@ -229,9 +249,34 @@ class Simulator:
     def _ready(self, req: Request, now: float) -> None:
         if req.trajectory in self._aborted:
             return
+        if self._moves and req.turn > 0:
+            self._replace(req)
         name = self._where[req.trajectory]
         self.queues[name].push(req, _s(now))
         self._dispatch(self.workers[name], now)
+
+    def _replace(self, req: Request) -> None:
+        """Re-decide ``req``'s trajectory's worker between turns, as the real path does: the
+        others' predicted work against its own, with its prefix cache's worker as home."""
+        tid = req.trajectory
+        home = self._where[tid]
+        self._load[home] -= self._work.pop(tid, 0.0)
+        if self._speeds is not None:
+            target = self.placement.place([req], dict(self._load), self._speeds)[tid]
+        else:
+            target = self.placement.place([req], dict(self._load))[tid]
+        self._work[tid] = work = predicted_work(req)
+        self._load[target] += work
+        if target != home:
+            # the new worker holds none of its context: it prefills it all at admission (the
+            # old one keeps its copy until the cache evicts it)
+            self.migrations += 1
+            self._where[tid] = target
+            req.worker = target
+
+    def _unload(self, trajectory: str) -> None:
+        if self._moves:
+            self._load[self._where[trajectory]] -= self._work.pop(trajectory, 0.0)
 
     def _dispatch(self, w: Worker, now: float) -> None:
         queue = self.queues[w.name]
@@ -278,6 +323,7 @@ class Simulator:
     def _start_tool(self, live: _Live, now: float) -> None:
         turn = live.spec.turns[live.turn]
         if live.turn == len(live.spec.turns) - 1:
+            self._unload(live.spec.id)  # its work is done: no longer a worker's load
             if self.keep is None:
                 self._finish[live.spec.id] = now + turn.tool_ms
             else:  # the group's count changes when it really finishes
@@ -329,6 +375,7 @@ class Simulator:
         pending tool call, and a queued turn, are dropped when they come up (a preemptive
         queue drops it at once)."""
         self._aborted.add(trajectory)
+        self._unload(trajectory)
         w = self.workers[self._where[trajectory]]
         w.cached_total -= w.cached.pop(trajectory, 0)
         queue = self.queues[w.name]

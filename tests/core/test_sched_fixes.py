@@ -13,7 +13,7 @@ from core.rollout.env_manager import EnvManager, Task
 from core.rollout.scheduling import TurnScheduler
 from core.sched import Request, make_queue_policy
 from core.sched.queueing import CMLFQ
-from core.sim import EngineProfile, Simulator, TrajSpec, Turn, preset
+from core.sim import EngineProfile, Simulator, TrajSpec, Turn, oracle, preset
 from envpool.api import Observation, StepResult
 
 #: One slot, 10 ms a token, nothing prefilled: a turn of n tokens runs n * 10 ms.
@@ -174,3 +174,41 @@ async def test_an_envs_mid_episode_success_reaches_the_turn_scheduler():
     q = make_queue_policy("cmlfq", levels=3, quantum_tokens=(1, 1))
     q.push(proxy.requests[1], 0.0)
     assert isinstance(q, CMLFQ) and q.level_of("t") == 0
+
+
+# -- cache_affinity re-decides at every turn in the simulator, as on the real path
+
+
+def _moving_case(placement: str) -> float:
+    # one slot per worker, 10 ms a token, a prompt token costs a decode token. "c" is
+    # predicted long, so "a" (short) is placed beside "b" on w1; "c" is in fact done at
+    # 0.1 s. When "a"'s second turn is ready (2.1 s), w1 runs "b" until 11.1 s and w0 is idle
+    p = EngineProfile(batch_sizes=(1,), step_ms_table=(10.0,), max_batch=1, prefill_ratio=1.0)
+    trajs = [
+        TrajSpec("a", 100, (Turn(10, 1000.0), Turn(10))),
+        TrajSpec("b", 0, (Turn(1000),)),
+        TrajSpec("c", 0, (Turn(10),)),
+    ]
+    guess = {"a": 20.0, "b": 1000.0, "c": 2000.0}
+    sim = Simulator(trajs, workers=2, profile=p, placement=placement, predictor=lambda s, k: guess[s.id])
+    result = sim.run()
+    assert result.meta["migrations"] == (1 if placement == "cache_affinity" else 0)
+    return result.finish_ms["a"]
+
+
+def test_cache_affinity_moves_a_trajectory_between_turns_and_pays_its_prefill():
+    # it moves to w0 and prefills its whole context there (100 + 10 + 64 tool tokens), none
+    # cached: 2.1 s + (174 + 10) x 10 ms. It was placed once, like least_load, and waited
+    # for "b" (then a cache hit: 64 + 10 tokens)
+    assert _moving_case("cache_affinity") == pytest.approx(2100.0 + 1840.0)
+    assert _moving_case("least_load") == pytest.approx(11_100.0 + 740.0)
+
+
+def test_cache_affinity_and_least_load_differ_on_the_placement_benchmark():
+    # sim_repro.py's placement row: both were 283,348.405 ms (the same one-time placement)
+    w = preset("coding", 2000, seed=1).trajectories
+    base = {"workers": 16, "scheduler": "pps", "predictor": oracle, "profile": EngineProfile(max_batch=32)}
+    least = Simulator(w, placement="least_load", **base).run()
+    cache = Simulator(w, placement="cache_affinity", **base).run()
+    assert cache.meta["migrations"] > 0 and least.meta["migrations"] == 0
+    assert cache.makespan_ms != pytest.approx(least.makespan_ms, rel=1e-6)
