@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from core.config import DEFAULT_AFFINITY, JobConfig
+from core.config_backends import TorchEngineConfig
 from core.errors import ConfigError, StartupTimeout
+from core.rollout.engines.openai_ import OpenAIEngineConfig
 from core.rollout.llm_proxy import LLMProxy, proxy_options
 from core.rollout.replicas import EngineReplicaActor, RayReplica, RemoteProxy
 from core.rollout.scheduling import TurnScheduler
@@ -186,13 +188,34 @@ class Cluster:
         return groups
 
 
+#: vLLM's ``max_num_seqs`` when the job does not set it (its long-standing default; newer
+#: versions may pick another by GPU: set it, or ``rollout.slots_per_replica``, to be sure)
+VLLM_MAX_NUM_SEQS = 256
+
+
+def engine_batch(cfg: JobConfig) -> int:
+    """How many turns one replica runs at once, by the engine's own setting: the torch
+    engine's ``max_batch_size``, vLLM's ``max_num_seqs`` (in ``engine.kwargs`` or its
+    ``engine_args``), the openai engine's ``max_concurrency``. The turn scheduler's default
+    slots: fewer leave the engine's batch part empty, more queue inside the engine, where
+    the policy does not order them."""
+    kw = cfg.engine.kwargs
+    if cfg.engine.backend == "vllm":
+        args = kw.get("engine_args")
+        given = kw.get("max_num_seqs", args.get("max_num_seqs") if isinstance(args, dict) else None)
+        return int(given or VLLM_MAX_NUM_SEQS)
+    if cfg.engine.backend == "openai":
+        return int(kw.get("max_concurrency") or OpenAIEngineConfig.model_fields["max_concurrency"].default)
+    return int(kw.get("max_batch_size") or TorchEngineConfig.model_fields["max_batch_size"].default)
+
+
 def turn_scheduler(cfg: JobConfig) -> TurnScheduler | None:
     """The proxy's turn scheduler for ``cfg.rollout``; None keeps the plain path (every turn
     straight to its replica) when nothing asks for a policy, a slot limit or a trace."""
     r = cfg.rollout
     if r.scheduler == "fcfs" and r.placement == "affinity" and r.slots_per_replica is None and not r.trace:
         return None
-    slots = r.slots_per_replica or int(cfg.engine.kwargs.get("max_batch_size", 64))
+    slots = r.slots_per_replica or engine_batch(cfg)
     return TurnScheduler(
         r.scheduler,
         r.placement,

@@ -7,6 +7,7 @@ import contextlib
 
 import pytest
 
+from core.cluster import turn_scheduler
 from core.config import JobConfig
 from core.rollout.engines.base import Completion
 from core.rollout.env_manager import EnvManager, Task
@@ -212,3 +213,35 @@ def test_cache_affinity_and_least_load_differ_on_the_placement_benchmark():
     cache = Simulator(w, placement="cache_affinity", **base).run()
     assert cache.meta["migrations"] > 0 and least.meta["migrations"] == 0
     assert cache.makespan_ms != pytest.approx(least.makespan_ms, rel=1e-6)
+
+
+# -- the proxy's slots per replica default to what the engine batches
+
+
+@pytest.mark.parametrize(
+    ("engine", "slots"),
+    [
+        ({"backend": "vllm", "model": "m", "kwargs": {"max_num_seqs": 8}}, 8),  # it was 64
+        ({"backend": "vllm", "model": "m", "kwargs": {"engine_args": {"max_num_seqs": 12}}}, 12),
+        ({"backend": "vllm", "model": "m"}, 256),  # vLLM's own default
+        ({"backend": "torch", "kwargs": {"max_batch_size": 16}}, 16),
+        ({"backend": "torch"}, 64),  # TorchEngineConfig's default
+        ({"backend": "openai", "model": "m", "kwargs": {"max_concurrency": 24}}, 24),
+    ],
+)
+def test_the_slots_per_replica_default_to_the_engines_batch(engine, slots):
+    cfg = JobConfig.from_dict(
+        {
+            "envs": [{"id": "frozenlake-v1", "tag": "lake"}],
+            "rewards": {"lake": [{"function": "env_return"}]},
+            "engine": engine,
+            # (a trainer that can train what the engine serves: the config refuses the others)
+            "trainer": {"backend": "torch"}
+            if engine["backend"] == "torch"
+            else {"backend": "megatron", "kwargs": {"hf_model": "m"}},
+            "rollout": {"scheduler": "pps"},
+        },
+        check_references=False,
+    )
+    sched = turn_scheduler(cfg)
+    assert sched is not None and sched.slots == slots
