@@ -90,8 +90,8 @@ class ProgressivePriority(_HeapPolicy):
         return (-self._size(req), req.arrival)
 
     def preempt(self, running: Iterable[Request], now: float) -> list[Request]:
-        """Running requests whose trajectory is predicted ``preempt_ratio`` times shorter
-        than the longest waiting ones, one per waiting request, shortest first."""
+        """Running requests whose trajectory is predicted more than ``preempt_ratio`` times
+        shorter than the longest waiting ones, one per waiting request, shortest first."""
         waiting = sorted((self._size(r) for _, _, _, r in self._heap), reverse=True)
         if not waiting:
             return []
@@ -101,7 +101,9 @@ class ProgressivePriority(_HeapPolicy):
                 # an unknown-length turn is never "much longer" than another unknown one
                 # (inf >= 2 * inf): preempting it only re-admitted it at once
                 break
-            if waiting[len(victims)] >= self.preempt_ratio * self._size(r):
+            # strictly longer: with >=, two zero-length predictions (0 >= 2 * 0) evicted a
+            # running turn for an equal one, which was re-admitted at once
+            if waiting[len(victims)] > self.preempt_ratio * self._size(r):
                 victims.append(r)
         return victims
 

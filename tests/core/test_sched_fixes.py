@@ -13,7 +13,7 @@ from core.rollout.engines.base import Completion
 from core.rollout.env_manager import EnvManager, Task
 from core.rollout.scheduling import TurnScheduler
 from core.sched import Request, make_queue_policy
-from core.sched.queueing import CMLFQ
+from core.sched.queueing import CMLFQ, ProgressivePriority
 from core.sim import EngineProfile, Simulator, TrajSpec, Turn, oracle, preset
 from envpool.api import Observation, StepResult
 
@@ -245,3 +245,23 @@ def test_the_slots_per_replica_default_to_the_engines_batch(engine, slots):
     )
     sched = turn_scheduler(cfg)
     assert sched is not None and sched.slots == slots
+
+
+# -- pps preempts only for a waiting turn predicted *longer*
+
+
+def test_pps_does_not_preempt_for_a_waiting_turn_of_the_same_zero_length():
+    q = ProgressivePriority()
+    q.push(Request(trajectory="w", arrival=0.0, predicted_total=0.0), 0.0)
+    # 0 >= 2 * 0: the running one was evicted for an equal one, and came back at once
+    assert q.preempt([Request(trajectory="r", arrival=0.0, predicted_total=0.0)], 0.0) == []
+    # much longer still preempts
+    q.push(Request(trajectory="long", arrival=0.0, predicted_total=10.0), 0.0)
+    running = Request(trajectory="r", arrival=0.0, predicted_total=0.0)
+    assert q.preempt([running], 0.0) == [running]
+
+
+def test_pps_in_the_simulator_does_not_evict_zero_length_turns_for_each_other():
+    trajs = [TrajSpec(f"t{i}", 10, (Turn(0, 5.0), Turn(0))) for i in range(4)]
+    result = Simulator(trajs, profile=ONE_SLOT, scheduler="pps", predictor=oracle).run()
+    assert result.preemptions == 0
