@@ -120,10 +120,13 @@ class CMLFQ(QueuePolicy):
     * ``timeout``: down two levels;
     * ``ok`` or nothing: stays.
 
-    Plus the classic MLFQ rules: a trajectory that has generated more than its level's
-    token quantum goes down one level, and a request that waited longer than ``aging_s``
-    goes up one (no starvation). ``bucket(level)`` maps levels onto heterogeneous engine
-    buckets (small-batch, low-latency engines for the top levels).
+    Plus the classic MLFQ rules, by tokens and by waiting: a trajectory that has generated
+    more than ``quantum_tokens[i]`` in all is at level ``i + 1`` or lower, so one long turn
+    can drop it several levels at once (the quanta set a floor from the total, not a step
+    per turn: only ``success``, and aging while a turn waits, lift it above); and a request
+    that waited longer than ``aging_s`` seconds goes up one level per ``aging_s`` waited (no
+    starvation). ``bucket(level)`` maps levels onto heterogeneous engine buckets
+    (small-batch, low-latency engines for the top levels).
     """
 
     name = "cmlfq"

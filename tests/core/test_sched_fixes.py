@@ -265,3 +265,13 @@ def test_pps_in_the_simulator_does_not_evict_zero_length_turns_for_each_other():
     trajs = [TrajSpec(f"t{i}", 10, (Turn(0, 5.0), Turn(0))) for i in range(4)]
     result = Simulator(trajs, profile=ONE_SLOT, scheduler="pps", predictor=oracle).run()
     assert result.preemptions == 0
+
+
+def test_cmlfq_one_long_turn_drops_a_trajectory_several_levels_as_its_docstring_says():
+    # the docstring said "goes down one level"; the quanta set a floor from the total tokens
+    q = CMLFQ(levels=4, quantum_tokens=(100, 200, 300))
+    q.push(Request(trajectory="t", arrival=0.0, turn=1, tokens_so_far=50), 0.0)
+    assert q.level_of("t") == 0
+    q.pop(0.0)
+    q.push(Request(trajectory="t", arrival=1.0, turn=2, tokens_so_far=250), 1.0)
+    assert q.level_of("t") == 2
