@@ -6,6 +6,7 @@ ratio beside the published one, with a note on what differs. Rows from
 ``repro_cluster.py`` (packing jobs, the global planner) are included.
 
     .venv/bin/python benchmarks/sim_repro.py            # one JSON object: {"rows": [...]}
+    .venv/bin/python benchmarks/sim_repro.py --speed 10000   # the simulator's own speed
 """
 
 from __future__ import annotations
@@ -173,9 +174,44 @@ def hrrs() -> list[dict[str, object]]:
     ]
 
 
+def speed(n: int, workers: int) -> dict[str, object]:
+    """How long the simulator takes over one coding step of ``n`` trajectories: pps with
+    oracle lengths on presorted-DP placement (the placement's partition and the policy's
+    re-ranking included), the default engine profile (256 slots a worker)."""
+    w = preset("coding", n, seed=0)
+    t0 = time.perf_counter()
+    res = Simulator(
+        w.trajectories, workers=workers, scheduler="pps", placement="presorted_dp", predictor=oracle
+    ).run()
+    seconds = time.perf_counter() - t0
+    return {
+        "trajectories": n,
+        "turns": sum(len(t.turns) for t in w.trajectories),
+        "workers": workers,
+        "scheduler": "pps",
+        "placement": "presorted_dp",
+        "events": res.events,
+        "simulated_makespan_s": round(res.makespan_ms / 1000, 1),
+        "seconds": round(seconds, 2),
+        "goal_s": 10.0,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.parse_args(argv)  # no options: --help, and a clear error for anything else
+    ap.add_argument(
+        "--speed",
+        type=int,
+        metavar="N",
+        help="time the simulator over one coding step of N trajectories instead of the rows",
+    )
+    ap.add_argument("--workers", type=int, default=64, help="workers for --speed (default 64)")
+    args = ap.parse_args(argv)
+    if args.speed is not None:
+        if args.speed < 1 or args.workers < 1:
+            ap.error("--speed and --workers must be >= 1")
+        print(json.dumps(speed(args.speed, args.workers)))
+        return
     t0 = time.perf_counter()
     rows = [*env_interaction(), *queueing(), *learned(), *placement(), *adaptive_mp(), *cmlfq(), *hrrs()]
     # the pipeline rows (ROLLART: redundancy, asynchrony, RaaS) and the cluster rows (PlexRL
