@@ -1,8 +1,9 @@
 """Placement decision time: presorted DP over 1,000 trajectories and 64 workers.
 
-The goal is <= 50 ms (Heddle reports ~37 ms). ``fast_partition`` (greedy + bisection,
-exact) is timed beside the textbook O(N^2 M) dynamic program on the same input, and
-their makespans are compared: they must agree.
+The goal is <= 50 ms (Heddle reports ~37 ms). ``fast_partition`` (greedy + bisection) is
+timed beside the textbook O(N^2 M) dynamic program on the same input, and their makespans
+are compared: they must agree. Both are exact among contiguous splits of the sorted
+order (Heddle's presorting), not over all splits (see ``core.sched.placement``).
 
     .venv/bin/python benchmarks/sched_placement.py [--n 1000] [--workers 64] [--repeat 20]
 """
