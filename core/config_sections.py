@@ -358,7 +358,9 @@ class RolloutConfig(ConfigModel):
     re-decided between turns (``cache_affinity``, ``presorted_dp``)."""
     slots_per_replica: int | None = Field(None, ge=1)
     """Turns a replica runs at once; the rest wait in the scheduler's queue (None: the
-    engine's ``max_batch_size`` when a policy is set, no proxy queue with fcfs/affinity)."""
+    engine's own batch setting when a policy is set: torch's ``max_batch_size``, vLLM's
+    ``max_num_seqs`` (256 where unset), openai's ``max_concurrency``; no proxy queue with
+    fcfs/affinity)."""
     scheduler_options: dict[str, Any] = Field(default_factory=dict)
     """Passed to the queue policy (e.g. ``{levels: 3, aging_s: 10}`` for cmlfq)."""
     trace: bool = False
