@@ -384,18 +384,21 @@ _DISBELIEF_WINDOW = 80  # longer than any _DISBELIEF match: the look before a ma
 
 
 # what corrects a denied candidate, before the answer that does: "but 6", ", but rather 6",
-# ". It is 6", "; it's 6". Only a number, math or a choice letter after it is read ("not 5 but
-# it is close" corrects nothing)
+# ". It is 6", "; it's 6". Only a number, math or a choice letter after it is read ("not 5
+# but it is close" corrects nothing). Runs of spaces are possessive (*+, ++) and emphasis
+# bounded: a long run after a candidate was split between two [ \t]* in n^2 ways (10 KB of
+# spaces took 7 s, a megabyte hours), and is now taken once
 _CORRECTION = re.compile(
     # the candidate: math, or a short run without a space (bounded: a long line of denials is
     # looked at once per denial, so each look is short)
-    r"(?:\$[^$\n]{1,300}\$|\\\(.{0,300}?\\\)|[^\s,;$]{1,100}?)[*_]*"
+    r"(?:\$[^$\n]{1,300}\$|\\\(.{0,300}?\\\)|[^\s,;$]{1,100}?)[*_]{0,3}"
     # its unit, or a few words that name what it counts ("not 6 apples but 7"), none that
     # starts a clause of its own ("not 5 since that is 3 more" corrects nothing)
-    r"(?:[ \t]+(?!(?:but|rather|instead|it|that|because|since|as|so|if|when|while|which|and|or)\b)"
+    r"(?:[ \t]++(?!(?:but|rather|instead|it|that|because|since|as|so|if|when|while|which|and|or)\b)"
     r"[A-Za-z]{1,30}){0,3}"
-    r"[ \t]*[,;.:\u2013\u2014-]?[ \t]*(?<![\w'])(?:but|rather|instead|it(?:'s|[ \t]+is)|that(?:'s|[ \t]+is))"
-    r"(?:[ \t]+(?:rather|instead|actually|it(?:'s|[ \t]+is)))*[ \t]*,?[ \t]+[*_]*"
+    r"[ \t]*+[,;.:\u2013\u2014-]?[ \t]*+"
+    r"(?<![\w'])(?:but|rather|instead|it(?:'s|[ \t]++is)|that(?:'s|[ \t]++is))"
+    r"(?:[ \t]++(?:rather|instead|actually|it(?:'s|[ \t]++is)))*(?:[ \t]*+,)?[ \t]++[*_]{0,3}"
     r"(?=[-+]?\$?[\d.]|\$|\\|\(|(?-i:[A-Z])(?![\w'-]))",
     re.IGNORECASE,
 )

@@ -387,8 +387,21 @@ def test_exact_match_is_linear_in_a_long_run_of_digits() -> None:
         "The answer is " + "Mr. " * 250_000,
         # each denial looks for its correction: a look over the rest of the line took 75 s
         "the answer is not 5 " * 50_000,
+        # ... and a run of spaces after the candidate was split between two [ \t]* in n^2
+        # ways: 10 KB took 7 s
+        "The answer is not 5" + " " * 1_000_000 + "x",
+        "The answer is not 5 apples" + " " * 1_000_000 + ",x",
+        "The answer is not 5" + " " * 1_000_000 + ". It is 6",
     ],
-    ids=["newlines", "answer_is_newlines", "abbreviations", "denials"],
+    ids=[
+        "newlines",
+        "answer_is_newlines",
+        "abbreviations",
+        "denials",
+        "spaces",
+        "unit_spaces",
+        "spaces_correction",
+    ],
 )
 def test_extraction_is_linear_in_a_megabyte_of_blank_lines(text: str) -> None:
     # ^\s*answer\s*: (MULTILINE) rescanned the run of newlines from each line start, and
