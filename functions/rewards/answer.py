@@ -8,8 +8,8 @@ from collections import deque
 from typing import NamedTuple
 
 # where a stated answer ends (split off; MAX_ANSWER_CHARS is imported from here too)
+from functions.rewards.answer_extent import _WRITER_DOES, first_sentence, unemphasize, without_aside
 from functions.rewards.answer_extent import MAX_ANSWER_CHARS as MAX_ANSWER_CHARS
-from functions.rewards.answer_extent import first_sentence, unemphasize, without_aside
 
 # where a stated answer starts: "the answer is" ("the correct answer is"), "final answer:", a
 # line that starts with "Answer:" (markdown emphasis around the words allowed: "**Answer:**
@@ -110,6 +110,13 @@ class Found(NamedTuple):
     """For ``denied``: the candidate the text rejects, as ``answer_key``s (its first token and
     all of it, each also as the last side of an ``=``), which the denial's sentence must not
     be read as stating by a fallback ("the answer is not 5 but it is close to 5")."""
+    said: str | None = None
+    """For ``denied``, when the candidate is a word after "not", "isn't" or "can't be" ("the
+    answer is not applicable", "the answer cannot be determined"): the denial as the text
+    says it (``not applicable``). A text answer may itself be a negation, which no reader
+    tells from a denial by its words; read as what it says, it matches a ground truth that is
+    that negation and never the candidate it negates. ``extract_answer`` reads it; a reward
+    that reads values (``math_answer``) reads the fallback after the candidate instead."""
 
 
 def boxed_or_stated(text: str) -> Found | None:
@@ -119,9 +126,10 @@ def boxed_or_stated(text: str) -> Found | None:
     (a marker inside the box, or before it, leaves the box the answer). None when there is
     neither. Rule ``denied``: the text states no answer after the box (if any) but rejects a
     candidate ("the answer is not 5", "the answer can't be 5", "I don't think the answer is
-    5", or not the box's content); the answer is then the text after that candidate, where a
-    fallback may still find one ("not 5, it is 6"), never the rejected one in the denial's
-    sentence (``Found.rejected``)."""
+    5", "the answer is not Paris", or not the box's content); the answer is then the text
+    after that candidate, where a fallback may still find one ("not 5, it is 6"), never the
+    rejected one in the denial's sentence (``Found.rejected``). A denial of a word after "not",
+    "isn't" or "can't be" also carries what it says (``Found.said``: "not applicable")."""
     boxed = _last_boxed(text)
     # only a marker after the box can beat it: the scan starts there (the usual "... so the
     # answer is \boxed{42}." scans nothing)
@@ -131,12 +139,12 @@ def boxed_or_stated(text: str) -> Found | None:
     answer, _, denied = stated
     if denied is None:
         return Found(answer, "answer_is")
-    candidate, after, token = denied
+    candidate, after, token, literal = denied
     # a denial after the box withdraws it if it names it ("\boxed{5} ... the answer is not
     # 5"); a note that the answer is not 3 leaves \boxed{7} standing
     if boxed is not None and answer_key(candidate) != normalize(boxed[0]):
         return Found(boxed[0], "boxed")
-    return Found(text[after:], "denied", _rejected_keys(candidate, token))
+    return Found(text[after:], "denied", _rejected_keys(candidate, token), answer if literal else None)
 
 
 def _rejected_keys(*candidates: str) -> frozenset[str]:
@@ -163,34 +171,46 @@ def stated_answer(text: str) -> str | None:
     is correct." states 42), and so does it before one that denies a candidate ("the answer is
     not 5"), unless it states that candidate ("The answer is 5. Wait, the answer is not 5":
     withdrawn; a question, "What if the answer is not 5?", denies nothing); with no marker
-    before it the denial is what the text states (``not 5``, which
-    matches nothing), unless a correction follows the candidate ("not 5 but 6", "not 5. It is
-    6": the correction is the answer). "the answer isn't 5" (or "can't be", "cannot be",
-    "won't be"... before a number, math or a choice letter) and a marker the writer
-    disbelieves ("I don't think the answer is 5", "It is not true that the answer is 5") are
-    denials the same way (stating ``can't be 5``, ``I don't think the answer is 5``), and so
-    is a stated answer that asks and is answered "No" ("the answer is 5? No.": stating ``5?
-    No``; answered "Yes" it states ``5``, see ``REPLY``). An answer that refers back ("the
-    answer is the same as before", "as above") states nothing either: the marker before it
-    counts."""
+    before it the denial is what the text states (``not 5``, which matches nothing), unless a
+    correction follows the candidate ("not 5 but 6", "not 5. It is 6": the correction is the
+    answer). "the answer isn't 5" (or "can't be", "cannot be", "won't be"...) and a marker the
+    writer disbelieves ("I don't think the answer is 5", "It is not true that the answer is
+    5") are denials the same way (stating ``can't be 5``, ``I don't think the answer is 5``),
+    and so is a stated answer that asks and is answered "No" ("the answer is 5? No.": stating
+    ``5? No``; answered "Yes" it states ``5``, see ``REPLY``). Text answers follow the same
+    rule: "the answer is not Paris, it is London", "... not Paris. It is London.", "... not
+    Paris but (rather) London", "I don't think the answer is Paris, it's London" and "the
+    answer is Paris? No, it is London" state ``London``; a correction of a word is a few words
+    that name an answer, not a remark ("it is important to note ...", "but I am not sure",
+    "but it is close to Paris", a verdict: see ``_names_an_answer``). A denial of a word
+    leaves an answer before it that it does not name ("The answer is London. Note that the
+    answer is not Paris." states ``London``) and withdraws one it names, whole ("the Eiffel
+    Tower"). A text answer may itself be a negation ("not applicable", "not guilty", "cannot
+    be determined"; "Not Guilty" and "NOT GUILTY" are never denials), which no reader can tell
+    from a denial by its words: with no correction and no answer before it, "the answer is not
+    Paris" states ``not Paris``, as it says, which matches a ground truth that is that
+    negation and never ``Paris``. An answer that refers back ("the answer is the same as
+    before", "as above") states nothing either: the marker before it counts."""
     found = _stated_answer(text)
     return None if found is None else found[0]
 
 
-def _stated_answer(text: str, pos: int = 0) -> tuple[str, int, tuple[str, int, str] | None] | None:
+def _stated_answer(text: str, pos: int = 0) -> tuple[str, int, tuple[str, int, str, bool] | None] | None:
     """``(answer, start, denied)`` of the stated answer, ``start`` where its marker starts;
     markers before ``pos`` are not looked at. ``denied`` is None, or, when the text states no
     answer but denies one ("the answer is not 5", "the answer can't be 5", "I don't think the
-    answer is 5"), ``(candidate, end, token)``: the candidate it denies (``5``), where it ends
-    in ``text`` and its first token (``5`` of "5 apples"), with the denial (``not 5``,
-    ``can't be 5``, ``I don't think the answer is 5``) as the answer. A denial is not an
-    answer, but neither may the candidate it rejects be read as one by a fallback (the last
-    number, or a box before it)."""
+    answer is 5"), ``(candidate, end, token, said)``: the candidate it denies (``5``), where
+    it ends in ``text``, its first token (``5`` of "5 apples") and whether the denial reads as
+    what it says (a word after "not", "isn't" or "can't be": see ``Found.said``), with the
+    denial (``not 5``, ``can't be 5``, ``I don't think the answer is 5``) as the answer. A
+    denial is not an answer, but neither may the candidate it rejects be read as one by a
+    fallback (the last number, or a box before it)."""
     n = len(text)
-    denial: tuple[int, int, int] | None = None  # the last marker that denies a candidate
+    # the last marker that denies a candidate: (said, candidate, start, whether it reads as said)
+    denial: tuple[int, int, int, bool] | None = None
     # what the denials after the marker at hand reject, read once a marker states an answer
     # (only then compared: a text of denials alone reads none of them)
-    pending: list[int] = []
+    pending: list[tuple[int, bool]] = []  # (where a candidate starts, whether it is a word)
     denied: set[str] = set()
     # a marker that judges or denies an answer ("the answer is probably wrong", "the answer is
     # not 5") leaves the one before it the answer: walked from the last. Only ends are kept,
@@ -215,12 +235,13 @@ def _stated_answer(text: str, pos: int = 0) -> tuple[str, int, tuple[str, int, s
         candidate = None  # where the candidate a denial rejects starts
         answered_no = -1  # where a stated answer starts that asks and is answered "No"
         agreed = ""  # a stated answer that asks and is answered "Yes", without its "?"
+        negates = False  # "not"/"isn't"/"can't be" before it: with a word, an answer may say so
         if kind == "not":
-            said, candidate = negation, i
+            said, candidate, negates = negation, i, True
         elif (kind == "is" and _VERDICT.match(text, i)) or _BACK_REFERENCE.match(text, i):
             continue
-        elif kind == "is" and (denying := _DENIAL.match(text, i)):
-            candidate = denying.end()
+        elif denying := _DENIAL.match(text, i) or _TEXT_DENIAL.match(text, i):  # "Answer: not 5" too
+            candidate, negates = denying.end(), True
         elif kind == "is" and (disbelief := _disbelief_before(text, start)) is not None:
             said = disbelief
             hedge = _HEDGE.match(text, i)  # "I don't think the answer is really 5"
@@ -235,14 +256,20 @@ def _stated_answer(text: str, pos: int = 0) -> tuple[str, int, tuple[str, int, s
         if candidate is not None:
             if candidate != answered_no and _QUESTION.match(text, candidate):
                 continue  # "What if the answer is not 5?" asks; it denies nothing, nor states
-            if (corrected := _correction(text, candidate)) is not None:
+            worded = _NUMBER_START.match(text, candidate) is None  # "not Paris"
+            if (corrected := _correction(text, candidate, worded)) is not None:
                 return _answer_at(text, corrected)[0], start, None
             if denial is None:
-                denial = (said, candidate, start)
-            pending.append(candidate)
+                denial = (said, candidate, start, worded and negates)
+            pending.append((candidate, worded))
             continue
-        # each candidate read once, by a bounded match: linear however many denials
-        denied.update(answer_key(c[0]) for j in pending if (c := _CANDIDATE.match(text, j)))
+        # each candidate read once, by bounded matches: linear however many denials. Its first
+        # token ("not 5 apples" denies 5), and a word's whole name ("not the Eiffel Tower")
+        for j, worded in pending:
+            if token := _CANDIDATE.match(text, j):
+                denied.add(answer_key(token[0]))
+            if worded:
+                denied.update(_name_keys(text, j))
         pending.clear()
         if denied and answer_key(agreed or _answer_at(text[i : i + _BOUNDED], 0)[0]) in denied:
             # a later denial names it ("The answer is 5. Wait, the answer is not 5"): withdrawn,
@@ -252,9 +279,10 @@ def _stated_answer(text: str, pos: int = 0) -> tuple[str, int, tuple[str, int, s
         return agreed or _answer_at(text, i)[0], start, None
     if denial is None:
         return None
-    said, candidate, start = denial
+    said, candidate, start, literal = denial
     token = _CANDIDATE.match(text, candidate)
-    return _answer_at(text, said)[0], start, (*_answer_at(text, candidate), token[0] if token else "")
+    rejection = (*_answer_at(text, candidate), token[0] if token else "", literal)
+    return _answer_at(text, said)[0], start, rejection
 
 
 def _disbelief_before(text: str, start: int) -> int | None:
@@ -268,8 +296,27 @@ def _disbelief_before(text: str, start: int) -> int | None:
 # short run without a space ("5", "(B)", "\frac{1}{2}"); bounded, as _CORRECTION's
 _CANDIDATE = re.compile(r"\$[^$\n]{1,300}\$|\\\(.{0,300}?\\\)|[^\s,;]{1,100}")
 _BOUNDED = 400  # how much of a stated answer is read to compare it with the candidates
+# where a denied name ends at the latest: its clause's end ("not the Eiffel Tower. Wait")
+_NAME_END = re.compile(r"[.,;:!?](?=\s|\Z)|\n")
+_NAME_WORDS = 6  # a denied name is read up to this many words (as a correction is)
+
+
+def _name_keys(text: str, j: int) -> list[str]:
+    """The ``answer_key``s of the name a denial of a word rejects at ``text[j]``: each run of
+    its first words up to its clause's end ("not New York but it is close" names "new york",
+    as it does "new" and "new york but"), as a first token names a number ("not 5 apples").
+    One bounded look (100 characters) and one normalisation: a line of denials stays linear."""
+    cut = _NAME_END.search(text, j, j + 100)
+    words = answer_key(text[j : cut.start() if cut else j + 100]).split()[:_NAME_WORDS]
+    return [" ".join(words[:k]) for k in range(1, len(words) + 1)]
+
+
 # a candidate that ends a question ("What if the answer is not 5?"): bounded as _CANDIDATE
-_QUESTION = re.compile(r"(?:\$[^$\n]{1,300}\$|\\\(.{0,300}?\\\)|[^\s,;?]{1,100})[*_]*[ \t]*\?")
+# (a name of a few words too, in one sentence: "the answer is New York? No.")
+_QUESTION = re.compile(
+    r"(?:\$[^$\n]{1,300}\$|\\\(.{0,300}?\\\)|[^\s,;?]{1,100})"
+    r"(?:(?<![.!:])[ \t]++[^\s,;?.!:]{1,30}){0,3}[*_]{0,3}[ \t]*+\?"
+)
 REPLY = re.compile(
     r"\?[ \t]*(?:\r?\n[ \t]*)?[*_]{0,3}(?:(?:hm+|wait|well|actually|oh|ah)(?:,[ \t]*|[ \t]+))?"
     r"(?:(?P<no>no|nope)|(?P<yes>yes|yep|yeah))[*_]{0,3}(?=[ \t]*(?:[.,!;:\u2013\u2014-]|\r?\n|\Z))",
@@ -285,12 +332,27 @@ def answer_key(answer: str) -> str:
     return normalize(unemphasize(answer.rstrip(" .,;:!?")).rstrip(" .,;:!?"))
 
 
-def _correction(text: str, candidate: int) -> int | None:
+def _correction(text: str, candidate: int, worded: bool = False) -> int | None:
     """Where the answer that corrects the candidate denied at ``text[candidate]`` starts ("not 5
     but 6", "not 5, but rather 6", "not 5. It is 6"); None when no number, math or choice
-    letter follows a correction right after the candidate."""
-    m = _CORRECTION.match(text, candidate)
-    return None if m is None else m.end()
+    letter follows a correction right after the candidate. After a ``worded`` candidate ("not
+    Paris, it is London"), a word may follow too, if it names an answer (``_names_an_answer``)."""
+    m = (_TEXT_CORRECTION if worded else _CORRECTION).match(text, candidate)
+    return None if m is None or not _names_an_answer(text, m.end()) else m.end()
+
+
+def _names_an_answer(text: str, i: int) -> bool:
+    """Whether what starts at ``text[i]`` after a correction's words names an answer: a number,
+    math or a choice letter, or a few words ("London", "the Louvre") that are not a remark
+    about the answer ("it is important to note ...", "it is clear from ...", "but I am not
+    sure", "but it is close to Paris", a verdict). Bounded: a look of ``_BOUNDED`` characters."""
+    if _NOT_A_CORRECTION.match(text, i):  # (first: "but I am not sure" names no choice I)
+        return False
+    if _NUMBER_START.match(text, i):
+        return True
+    if _VERDICT.match(text, i) or _BACK_REFERENCE.match(text, i):
+        return False
+    return len(_answer_at(text[i : i + _BOUNDED], 0)[0].split()) <= _CORRECTION_WORDS_MAX
 
 
 def _answer_at(text: str, i: int) -> tuple[str, int]:
@@ -345,21 +407,41 @@ _VERDICT = re.compile(
 )
 # what a denial's candidate starts with: a number, math, or a lone choice letter
 _CANDIDATE_START = r"(?=[-+]?\$?[\d.]|\$|\\|\(|(?-i:[A-Z])(?![\w'-]))"
+_NUMBER_START = re.compile(_CANDIDATE_START)
+# ... or a word ("not Paris", "not the Eiffel Tower"), one that names rather than modifies
+# what follows ("not only", "not just", "not necessarily", "not exactly" deny nothing)
+_WORD_START = (
+    r"(?=[\"'\u201c]?[A-Za-z])(?![\"'\u201c]?(?:only|just|necessarily|exactly|quite|merely|simply|"
+    r"always|even|really|actually|yet|so|too|very|all|every|sure|certain)(?![\w']))"
+)
+# where a correction's answer starts: any of those (a word's correction may be a number)
+_ANY_START = r"(?:" + _CANDIDATE_START + r"|(?=[\"'\u201c]?[A-Za-z]))"
 # "the answer is not 5" (or "not $x = 3$", "not (B)", "definitely not B"): a candidate the
-# text rejects, not the answer. "not possible" and "not defined" are answers: only a number,
-# math or a lone choice letter after "not" denies. Ends where the candidate starts
+# text rejects, not the answer. Ends where the candidate starts
 _DENIAL = re.compile(r"(?:" + _HEDGE_WORDS + r"[ \t]+){0,2}not[ \t]+[*_]*" + _CANDIDATE_START, re.IGNORECASE)
+# "the answer is not Paris": the same before a word. A text answer may itself be a negation
+# ("not possible", "not applicable", "not guilty"), which no reader tells from a denial by its
+# words: with a correction after it, it is a denial ("not Paris, it is London"); with none and
+# no answer before it, it reads as what it says (see Found.said), which matches its candidate
+# never. A title's "Not" ("Not Guilty") and a shout of one ("NOT GUILTY") are answers
+_TEXT_DENIAL = re.compile(
+    r"(?:" + _HEDGE_WORDS + r"[ \t]+){0,2}"
+    r"(?-i:not|NOT(?![ \t]+[A-Z]{2,}(?![\w'])))[ \t]++[*_]{0,3}" + _WORD_START,
+    re.IGNORECASE,
+)
 
 # "the answer isn't 5", "the answer can't be 5", "the final answer cannot possibly be $5$": a
-# marker that denies its candidate, as "the answer is not 5" does (_DENIAL). Only before a
-# number, math or a choice letter: "the answer can't be negative" and "the answer cannot be
-# determined" state what they say. Group "negation": where the denial starts
+# marker that denies its candidate, as "the answer is not 5" does (_DENIAL); before a word,
+# as "the answer is not Paris" does (_TEXT_DENIAL): "the answer cannot be determined", with
+# nothing that corrects it and no answer before it, states what it says. Group "negation":
+# where the denial starts
 _NEGATED_MARK = re.compile(
     r"(?:final|the|(?:the )?(?:correct|right)) answer[*_]*[ \t]+(?P<negation>"
     r"isn['\u2019]t|(?:can(?:not|['\u2019]t)|could[ \t]+not|couldn['\u2019]t|"
     r"must[ \t]+not|mustn['\u2019]t|should[ \t]+not|shouldn['\u2019]t|will[ \t]+not|won['\u2019]t|"
     r"would[ \t]+not|wouldn['\u2019]t)(?:[ \t]+possibly)?[ \t]+be)"
-    r"(?:[ \t]+(?:actually|really|exactly|just|simply|quite))?[ \t]+[*_]*" + _CANDIDATE_START,
+    r"(?:[ \t]++(?:actually|really|exactly|just|simply|quite))?[ \t]++[*_]{0,3}"
+    r"(?:" + _CANDIDATE_START + "|" + _WORD_START + ")",
     re.IGNORECASE,
 )
 # before "the answer is": the writer disbelieves what follows ("I don't think the answer is 5",
@@ -384,11 +466,11 @@ _DISBELIEF_WINDOW = 80  # longer than any _DISBELIEF match: the look before a ma
 
 
 # what corrects a denied candidate, before the answer that does: "but 6", ", but rather 6",
-# ". It is 6", "; it's 6". Only a number, math or a choice letter after it is read ("not 5
-# but it is close" corrects nothing). Runs of spaces are possessive (*+, ++) and emphasis
-# bounded: a long run after a candidate was split between two [ \t]* in n^2 ways (10 KB of
-# spaces took 7 s, a megabyte hours), and is now taken once
-_CORRECTION = re.compile(
+# ". It is 6", "; it's 6". After a number, math or a choice letter only one of those is read
+# ("not 5 but it is close" corrects nothing); after a word, a word too (_TEXT_CORRECTION).
+# Runs of spaces are possessive (*+, ++): a long run after a candidate was split between two
+# [ \t]* in n^2 ways, and is now taken once
+_CORRECTION_WORDS = (
     # the candidate: math, or a short run without a space (bounded: a long line of denials is
     # looked at once per denial, so each look is short)
     r"(?:\$[^$\n]{1,300}\$|\\\(.{0,300}?\\\)|[^\s,;$]{1,100}?)[*_]{0,3}"
@@ -396,12 +478,29 @@ _CORRECTION = re.compile(
     # starts a clause of its own ("not 5 since that is 3 more" corrects nothing)
     r"(?:[ \t]++(?!(?:but|rather|instead|it|that|because|since|as|so|if|when|while|which|and|or)\b)"
     r"[A-Za-z]{1,30}){0,3}"
+)
+# the words that correct, from the end of what they correct (a reply's "No", see REPLY)
+_CORRECTING = (
     r"[ \t]*+[,;.:\u2013\u2014-]?[ \t]*+"
     r"(?<![\w'])(?:but|rather|instead|it(?:'s|[ \t]++is)|that(?:'s|[ \t]++is))"
     r"(?:[ \t]++(?:rather|instead|actually|it(?:'s|[ \t]++is)))*(?:[ \t]*+,)?[ \t]++[*_]{0,3}"
-    r"(?=[-+]?\$?[\d.]|\$|\\|\(|(?-i:[A-Z])(?![\w'-]))",
+)
+_CORRECTION = re.compile(_CORRECTION_WORDS + _CORRECTING + _CANDIDATE_START, re.IGNORECASE)
+_TEXT_CORRECTION = re.compile(_CORRECTION_WORDS + _CORRECTING + _ANY_START, re.IGNORECASE)
+_REPLY_CORRECTION = re.compile(_CORRECTING + _ANY_START, re.IGNORECASE)
+# what a word after a correction starts rather than an answer: the writer, a pronoun, a
+# clause, a remark about the answer ("It is important to note", "It is clear from", "It is
+# because"); with a verdict (_VERDICT) or a reference back (_BACK_REFERENCE), no correction
+_NOT_A_CORRECTION = re.compile(
+    r"(?:i(?=[ \t]+" + _WRITER_DOES + r")|i['\u2019](?:m|d|ve|ll)|"
+    r"we|you|he|she|they|it|its|it's|this|that|these|those|there|here|not|also|"
+    r"because|since|as|so|if|when|while|although|though|let|let's|what|which|who|why|how|"
+    r"important|worth|necessary|interesting|clear|obvious|evident|apparent|likely|unlikely|"
+    r"close|near|nearly|about|around|almost|roughly|approximately)(?![\w'])",
     re.IGNORECASE,
 )
+_CORRECTION_WORDS_MAX = 6  # a correction names an answer; a longer clause explains one
+
 # an answer that refers back to an earlier one states nothing itself ("So the answer is the
 # same as before."): the marker before it counts, or, with none, the fallback (the last
 # number, the last line). "the same as the radius" names something, and "unchanged" answers
@@ -423,15 +522,52 @@ def extract_answer(text: str) -> str:
     r"""The final answer of a completion, read after its thinking (``after_thinking``): the
     last ``\boxed{}`` or stated answer, whichever comes later (``boxed_or_stated``), else the
     last non-empty line (after a rejected candidate, if the text rejects one: "the answer is
-    not 5"); ``""`` when there is none."""
+    not 5"; a denial of a word, "the answer is not applicable", as it says: ``Found.said``);
+    ``""`` when there is none. A last line that rejects and corrects states the correction
+    ("Paris? No, it is London.", "It isn't Paris, it is London.", "Is it 5?\nNo, it is 6.":
+    see ``_corrected_on``)."""
     text = after_thinking(text)
     found = boxed_or_stated(text)
     if found is not None:
         if found.rule != "denied":
             return found.answer
+        if found.said is not None:
+            return found.said
         text = found.answer
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else ""
+    if not lines:
+        return ""
+    asked = len(lines) > 1 and lines[-2].rstrip().endswith("?")  # "Is it Paris?\nNo, it is London."
+    return _corrected_on(lines[-1], asked) or lines[-1]
+
+
+# a rejection on a line with no marker: a negation before a candidate ("It isn't Paris", "It's
+# not 5", "Not Paris"), ends where the candidate starts. Possessive: one look per run
+_LINE_DENIAL = re.compile(
+    r"(?<![\w'\u2019])(?:not|never|cannot(?:[ \t]++be)?|can[ \t]++not[ \t]++be|"
+    r"(?:is|are|was|were|ca|does|do|did|could|would|should|must|wo)n['\u2019]t(?:[ \t]++be)?)"
+    r"[ \t]++[*_]{0,3}(?:" + _CANDIDATE_START + "|" + _WORD_START + ")",
+    re.IGNORECASE,
+)
+
+
+def _corrected_on(line: str, asked: bool) -> str | None:
+    """The answer a correction states on the last ``line`` of a text with no marker, after its
+    last rejection: a negation ("It isn't Paris, it is London", "Not 5 but 6") or a question
+    answered "No" ("Paris? No, it is London"; ``asked``: the line before ends with the "?", and
+    this one replies). None when the last rejection has no correction (the line is read
+    whole, as before). Two linear scans and one bounded match."""
+    if asked:
+        line = "?" + line
+    denial = _last(_LINE_DENIAL, line)
+    reply = _last(REPLY, line)
+    end = None
+    if reply is not None and reply["no"] and (denial is None or reply.start() > denial.start()):
+        m = _REPLY_CORRECTION.match(line, reply.end())
+        end = m.end() if m is not None and _names_an_answer(line, m.end()) else None
+    elif denial is not None and (reply is None or denial.start() > reply.start()):
+        end = _correction(line, denial.end(), _NUMBER_START.match(line, denial.end()) is None)
+    return None if end is None else _answer_at(line, end)[0]
 
 
 def _canonical_number(s: str) -> str:

@@ -28,8 +28,13 @@ def exact_match(traj: Trajectory | str, *, ground_truth: str) -> float:
     there: no answer): the last box or the first sentence after the last "the answer is" /
     "Answer:" up to a clause after it ("Paris, the capital."), whichever comes later, else the
     last line; an answer over ``MAX_ANSWER_CHARS``
-    characters matches nothing. A ground truth that normalises to nothing ("", "the a") is a
-    ``ValueError``: an empty answer would match it."""
+    characters matches nothing. A negated statement never scores the value it denies ("the
+    answer is not Paris", "the answer isn't Paris", "I don't think the answer is Paris",
+    "Paris? No"), and a correction after it is the answer ("..., it is London", "... . It is
+    London.", "but London", "rather London", "No, it is London"); with nothing that corrects
+    it, "the answer is not X" reads as it says, so an honest negation ("not applicable",
+    "cannot be determined") matches itself (see ``answer.stated_answer``). A ground truth that
+    normalises to nothing ("", "the a") is a ``ValueError``: an empty answer would match it."""
     expected = normalize(ground_truth)
     if not expected:  # "" or "the a": an empty answer (\boxed{}, no text) would score 1.0
         raise ValueError(f"ground_truth {ground_truth!r} is empty once normalised; give the answer itself")
