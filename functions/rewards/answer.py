@@ -8,8 +8,15 @@ from collections import deque
 from typing import NamedTuple
 
 # where a stated answer ends (split off; MAX_ANSWER_CHARS is imported from here too)
-from functions.rewards.answer_extent import _WRITER_DOES, first_sentence, unemphasize, without_aside
-from functions.rewards.answer_extent import MAX_ANSWER_CHARS as MAX_ANSWER_CHARS
+from functions.rewards.answer_extent import (
+    MAX_ANSWER_CHARS as MAX_ANSWER_CHARS,
+)
+from functions.rewards.answer_extent import (
+    WRITER_DOES,
+    first_sentence,
+    unemphasize,
+    without_aside,
+)
 
 # where a stated answer starts: "the answer is" ("the correct answer is"), "final answer:", a
 # line that starts with "Answer:" (markdown emphasis around the words allowed: "**Answer:**
@@ -492,7 +499,7 @@ _REPLY_CORRECTION = re.compile(_CORRECTING + _ANY_START, re.IGNORECASE)
 # clause, a remark about the answer ("It is important to note", "It is clear from", "It is
 # because"); with a verdict (_VERDICT) or a reference back (_BACK_REFERENCE), no correction
 _NOT_A_CORRECTION = re.compile(
-    r"(?:i(?=[ \t]+" + _WRITER_DOES + r")|i['\u2019](?:m|d|ve|ll)|"
+    r"(?:i(?=[ \t]+" + WRITER_DOES + r")|i['\u2019](?:m|d|ve|ll)|"
     r"we|you|he|she|they|it|its|it's|this|that|these|those|there|here|not|also|"
     r"because|since|as|so|if|when|while|although|though|let|let's|what|which|who|why|how|"
     r"important|worth|necessary|interesting|clear|obvious|evident|apparent|likely|unlikely|"

@@ -28,9 +28,10 @@ def unemphasize(s: str) -> str:
     return _EMPHASIS_CLOSE.sub("", _EMPHASIS_OPEN.sub("", s))
 
 
-# what the writer does, after "I"/"we": "5 and I am sure", "5, I think". Named, not any word:
+# what the writer does, after "I"/"we": "5 and I am sure", "5, I think" (answer.py reads it too,
+# for "I don't think the answer is X"). Named, not any word:
 # "II and I only" names choices ("I" before "only"), "1 and i" two roots
-_WRITER_DOES = (
+WRITER_DOES = (
     r"(?:think|believe|guess|hope|suppose|assume|reckon|feel|expect|trust|bet|know|am|are|was|"
     r"were|have|had|will|would|should|could|can|may|might|must|need|want|did|do|double|just|"
     r"also|really|still|checked|verified|confirmed|found|got|computed|calculated|tested)\b"
@@ -44,7 +45,7 @@ _COMMA_ASIDE = re.compile(
     r"|,[ \t]*(?:i\.e|e\.g)\."
     # the writer's doubt or a next step: "42, but let me check", "42, though.", "42, I think"
     r"|,[ \t]*(?:but|though|although|however|unless|if|hopefully|maybe|perhaps|probably)\b"
-    r"|,[ \t]*(?:i|we)(?:['\u2019](?:m|re|d|ve|ll)\b|[ \t]+" + _WRITER_DOES + ")",
+    r"|,[ \t]*(?:i|we)(?:['\u2019](?:m|re|d|ve|ll)\b|[ \t]+" + WRITER_DOES + ")",
     re.IGNORECASE,
 )
 _SEMICOLON_ASIDE = re.compile(r";[ \t]*[A-Za-z]{2}")
@@ -55,7 +56,7 @@ _SPACE_ASIDE = re.compile(
     r"|\(?i[ \t]+(?:think|believe|guess|hope|suppose)\b"
     # ("I" only before what the writer does: "1 and i" are two roots, "II and I only" choices;
     # "it" before a word: "12 and it checks out"; "that" before what it does)
-    r"|(?:but|and|so|if|unless)[ \t]+(?:i(?=[ \t]+" + _WRITER_DOES + r")|i'm|we|we're|let|let's|"
+    r"|(?:but|and|so|if|unless)[ \t]+(?:i(?=[ \t]+" + WRITER_DOES + r")|i'm|we|we're|let|let's|"
     r"that's|this|it's|it(?=[ \t]+[a-z])|that(?=[ \t]+(?:is|was|matches|checks|works|agrees|fits|"
     r"holds|seems|looks|makes|gives|satisfies)\b))(?![\w'])"
     r"|though(?=[ \t]*(?:[.!,;]|$))"
