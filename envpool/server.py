@@ -117,7 +117,10 @@ def sound_after(e: BaseException, given: Any = None) -> bool:
     the environment's own file or program gone (a module it ran deleted it, say), which every
     later session there would fail on too. (No EACCES or EPERM: a sandbox's or a resource
     limit's refusal says those too.)"""
-    if isinstance(e, MemoryError):
+    if isinstance(e, MemoryError) or not isinstance(e, Exception):
+        # (not an Exception: a SystemExit or a KeyboardInterrupt the environment raised, which
+        # may have stopped its code anywhere, a lock held or a cleanup cut short, and meant the
+        # process to end: see ``Server.handle``)
         return False
     if isinstance(e, OSError):
         if not (isinstance(e, _PATH_ERRORS) or e.errno in _PATH_ERRNOS):
@@ -126,6 +129,20 @@ def sound_after(e: BaseException, given: Any = None) -> bool:
         # (no path on it: the environment's own lookup, said as a FileNotFoundError)
         return all(_named_by(f, given) for f in named)
     return True
+
+
+_ENV_RAISES = (Exception, SystemExit, KeyboardInterrupt)
+"""What an environment's code raising is its error, said to the pool (not the process's end)."""
+
+
+def _env_error_payload(e: BaseException, *, traceback: str | None = None) -> dict[str, Any]:
+    err = error_payload(e, traceback=traceback)
+    if not err["message"]:  # (a bare sys.exit() or KeyboardInterrupt says nothing by itself)
+        if isinstance(e, SystemExit):
+            err["message"] = "the environment called sys.exit(); its server does not exit for it"
+        elif isinstance(e, KeyboardInterrupt):
+            err["message"] = "raised by the environment's code (its server ignores SIGINT)"
+    return err
 
 
 class NotJSONSafe(TypeError):
@@ -229,10 +246,10 @@ class Server:
         self.busy.set()  # a slow constructor still heartbeats
         try:
             self.open_env(str(hello.get("env_id")), kwargs or {})
-        except Exception as e:
+        except _ENV_RAISES as e:  # (its sys.exit() too: see ``handle``)
             from envpool.errors import EnvPoolError
 
-            err = error_payload(e)
+            err = _env_error_payload(e)
             if not isinstance(e, EnvPoolError):  # (an unknown id is the registry's, by its name)
                 err["logic"] = True  # the constructor's own, whatever its class is called
             if sound_after(e, kwargs):
@@ -309,9 +326,15 @@ class Server:
             return {"id": rid, "ok": True, "result": result}
         except EnvUsageError as e:
             return {"id": rid, "ok": False, "error": {**error_payload(e), "reusable": True}}
-        except Exception as e:  # the environment's own bug: data for the caller, the server lives on
+        except _ENV_RAISES as e:  # the environment's own bug: data for the caller, the server lives on
+            # its sys.exit() or KeyboardInterrupt too: left to end the process, the pool read
+            # it as a dead container, retried and replayed the step on fresh ones until its
+            # attempts ran out (SessionLost). No signal to this process raises one here: it
+            # ignores SIGINT (``run``: the pool stops it, by SIGKILL), and a SIGTERM's default
+            # action ends it without unwinding; only a handler the environment installed
+            # itself could, and then the signal was the environment's to take
             tb = "".join(traceback.format_exception(type(e), e, e.__traceback__, limit=-6))[-4000:]
-            err = {**error_payload(e, traceback=tb), "logic": True}
+            err = {**_env_error_payload(e, traceback=tb), "logic": True}
             if sound_after(e, [json.loads(self.env_key[1]) if self.env_key else None, args]):
                 # as for a failed open: after a MemoryError or an OSError of resources this
                 # process may be short of memory, file descriptors or disk (or hold them

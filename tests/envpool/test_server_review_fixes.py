@@ -1,0 +1,114 @@
+"""EnvPool with real containers: what a review found the server and the connection did
+wrong. An environment's own sys.exit() or KeyboardInterrupt ended its server, read as a dead
+container, retried and replayed on fresh ones."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+from echo_bundle import IMAGE, write_env_bundle
+from pool_util import pool
+
+from envpool.errors import EnvLogicError, SessionLost
+
+EXITING = '''
+import sys
+import time
+import envpool
+
+
+class ExitEnv(envpool.Env):
+    """'exit' calls sys.exit("the env gave up"), 'exit-bare' sys.exit(), 'interrupt' raises
+    KeyboardInterrupt, 'sleep S' blocks; anything else is echoed."""
+
+    example_actions = ("x",)
+
+    def reset(self, *, seed=None, options=None):
+        return f"ready {seed}", {}
+
+    def step(self, action):
+        if action == "exit":
+            sys.exit("the env gave up")
+        if action == "exit-bare":
+            sys.exit()
+        if action == "interrupt":
+            raise KeyboardInterrupt
+        if action.startswith("sleep "):
+            time.sleep(float(action.split()[1]))
+        return envpool.StepResult(obs=envpool.Observation(text=f"echo {action}"))
+
+
+class ExitInitEnv(ExitEnv):
+    def __init__(self):
+        sys.exit(3)
+'''
+
+
+@pytest.fixture
+def exiting(tmp_path):
+    return write_env_bundle(
+        tmp_path / "exiting", "exit_env", EXITING, {"exit-v0": "ExitEnv", "exit-init-v0": "ExitInitEnv"}
+    )
+
+
+def _no_infra(stats: dict) -> bool:
+    return not any(k.startswith("infra:") for k in stats) and stats.get("step_retries", 0) == 0
+
+
+@pytest.mark.parametrize(
+    ("action", "said"),
+    [
+        ("exit", "SystemExit: the env gave up"),
+        ("exit-bare", r"SystemExit: the environment called sys\.exit\(\)"),
+        ("interrupt", "KeyboardInterrupt: raised by the environment's code"),
+    ],
+)
+async def test_an_environments_sys_exit_or_keyboard_interrupt_is_its_error_not_retried(exiting, action, said):
+    # the server caught only Exception: the process ended, the pool saw a lost connection and
+    # retried (and replayed) the step on a fresh container per attempt: SessionLost after 5,
+    # for the environment's own bug that the docs say is never retried
+    async with pool(exiting, min_warm=0) as p, p.session("exit-v0", image=IMAGE) as s:
+        await s.reset(seed=1)
+        held = s.container
+        with pytest.raises(EnvLogicError, match=said) as raised:
+            await s.step(action)
+        assert raised.value.traceback and "step" in raised.value.traceback
+        # the episode goes on on the same container (the error is part of it) ...
+        assert (await s.step("still")).obs.text == "echo still" and s.container is held
+        stats = p.stats()
+        assert _no_infra(stats) and stats["runtime"]["started"] == 1, stats
+        # ... which runs no other: its code was cut off wherever it was, meaning to end it
+        assert stats.get("retired_unsound", 0) == 1, stats
+
+
+async def test_a_constructor_that_calls_sys_exit_fails_the_session_not_retried(exiting):
+    async with pool(exiting, min_warm=0) as p:
+        with pytest.raises(EnvLogicError, match=r"raised SystemExit: 3"):
+            async with p.session("exit-init-v0", image=IMAGE):
+                pass
+        stats = p.stats()
+        assert _no_infra(stats) and stats.get("open_failed", 0) == 1, stats
+        assert stats["runtime"]["started"] == 1 and stats.get("discarded", 0) == 1, stats  # replaced
+
+
+async def test_a_sigint_to_a_server_mid_step_is_still_ignored_and_a_sigterm_still_ends_it(exiting):
+    # that an environment's KeyboardInterrupt or SystemExit is its error must not turn the
+    # signals that stop a server into one: SIGINT (a Ctrl-C to the pool's process group) is
+    # the pool's to act on, and SIGTERM ends the server, a lost container
+    async with pool(exiting, min_warm=0, retry={"attempts": 1}) as p, p.session("exit-v0", image=IMAGE) as s:
+        await s.reset(seed=1)
+        pid = s.container.pid
+        assert pid
+        step = asyncio.create_task(s.step("sleep 0.5"))
+        await asyncio.sleep(0.2)
+        os.kill(pid, signal.SIGINT)
+        assert (await step).obs.text == "echo sleep 0.5"
+        step = asyncio.create_task(s.step("sleep 30"))
+        await asyncio.sleep(0.2)
+        os.kill(pid, signal.SIGTERM)
+        with pytest.raises(SessionLost, match="session connection"):
+            await step
+        assert p.stats().get("infra:ConnectionLost", 0) == 1
