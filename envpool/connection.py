@@ -81,6 +81,17 @@ def _garbled(e: FrameError) -> GarbledFrame:
     )
 
 
+def _unsendable(result: Any) -> str:
+    """The tool error an environment gets for a tool result ``send`` refused."""
+    try:
+        size = len(pydantic_core.to_json(result))
+    except pydantic_core.PydanticSerializationError as e:
+        return f"error: the tool's result cannot be sent as JSON ({e})"
+    return (
+        f"error: the tool's result is {size:,} bytes as JSON, too big for the {MAX_FRAME:,}-byte frame limit"
+    )
+
+
 class Connection(asyncio.Protocol):
     """Requests with ids, heartbeats that keep a slow request alive, tool calls brokered
     back to the pool. A silent server (no reply, no heartbeat) is declared hung."""
@@ -225,8 +236,16 @@ class Connection(asyncio.Protocol):
                 result = f"error: {type(e).__name__}: {e}"
             finally:
                 self.tool_seen = time.monotonic()
+        reply = {"op": "tool_result", "tool_id": msg.get("tool_id"), "result": result}
         try:
-            self.send({"op": "tool_result", "tool_id": msg.get("tool_id"), "result": result})
+            try:
+                self.send(reply)
+            except EnvUsageError:
+                # a result that cannot be sent (over the frame limit, not JSON): raised here, in
+                # a task nobody awaits, the environment waited for it until its step timed out,
+                # then the step was retried and replayed, running the tool again. The
+                # environment is told instead, as of any other failed tool call
+                self.send({**reply, "result": _unsendable(result)})
         except (ConnectionLost, ProtocolError):
             pass  # the container went (or broke the protocol) while the tool ran: nobody takes it
 

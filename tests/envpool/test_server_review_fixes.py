@@ -1,11 +1,14 @@
 """EnvPool with real containers: what a review found the server and the connection did
 wrong. An environment's own sys.exit() or KeyboardInterrupt ended its server, read as a dead
-container, retried and replayed on fresh ones."""
+container, retried and replayed on fresh ones; a tool result over the frame limit was never
+sent, and the step waited out its timeout, then was retried with the tool run again."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
+import re
 import signal
 
 import pytest
@@ -13,6 +16,8 @@ from echo_bundle import IMAGE, write_env_bundle
 from pool_util import pool
 
 from envpool.errors import EnvLogicError, SessionLost
+from envpool.pool import EnvPool
+from envpool.protocol import MAX_FRAME
 
 EXITING = '''
 import sys
@@ -112,3 +117,41 @@ async def test_a_sigint_to_a_server_mid_step_is_still_ignored_and_a_sigterm_stil
         with pytest.raises(SessionLost, match="session connection"):
             await step
         assert p.stats().get("infra:ConnectionLost", 0) == 1
+
+
+def _tool_pool(images, result: object, calls: list[str]) -> EnvPool:
+    async def tool(name: str, arguments: dict) -> object:
+        calls.append(name)
+        return result
+
+    cfg = {"min_warm": 0, "step_timeout_s": 5.0, "runtime": {"heartbeat_s": 0.1}, "retry": {"attempts": 2}}
+    return EnvPool(cfg, images=images, tool_caller=tool)
+
+
+@pytest.mark.parametrize(
+    ("result", "said"),
+    [
+        (
+            "x" * (MAX_FRAME + 1),
+            r"error: the tool's result is 16,777,219 bytes as JSON, too big for the 16,777,216",
+        ),
+        (object(), r"error: the tool's result cannot be sent as JSON \(.*object"),
+    ],
+    ids=["too-big", "not-json"],
+)
+async def test_a_tool_result_that_cannot_be_sent_is_a_tool_error_for_the_env(images, result, said, caplog):
+    # send() raised EnvUsageError in the task that brokers the tool call, which nobody awaited
+    # ("Task exception was never retrieved"); the environment waited for the result until the
+    # step timed out, and the step was retried and replayed, running the tool again each time
+    calls: list[str] = []
+    async with _tool_pool(images, result, calls) as p, p.session("bundle-echo-v0", image=IMAGE) as s:
+        await s.reset(seed=1)
+        held = s.container
+        r = await s.step("tool 1+1")
+        assert re.match(said, r.obs.text), r.obs.text  # "error: ...", as other tool failures are
+        assert calls == ["calculator"] and s.container is held  # run once: no retry, no replay
+        assert (await s.step("again")).obs.text == "again #2"
+        stats = p.stats()
+        assert _no_infra(stats) and stats.get("replays", 0) == 0, stats
+    gc.collect()
+    assert "never retrieved" not in caplog.text
