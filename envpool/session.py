@@ -303,6 +303,12 @@ class EnvSession:
         t0 = time.perf_counter()
         c = await self.pool._claim(self.image)
         self.pool._claimed[c.id] = c
+        if self._closed or self.status != "ok":
+            # the session's block ended (or the session was lost) while the claim waited, and
+            # its _detach has run: nothing else would release the container (but the reaper,
+            # session_ttl_s later). Unused, it goes back to the pool
+            await self.pool._release(c, healthy=True)
+            self._check_alive()
         c.last_active = time.monotonic()
         self.container = c
         try:
@@ -334,6 +340,9 @@ class EnvSession:
         except BaseException:
             await self._drop_container(healthy=False)
             raise
+        if self._closed:  # (the block ended during the open: its _detach let the container go)
+            await self._drop_container(healthy=False)
+            self._check_alive()
         if not reply["ok"]:
             await self._open_failed(reply["error"])
         # the container knows its environments (an image registers its own)
@@ -447,6 +456,7 @@ class EnvSession:
         a request that raised (an environment bug) runs again and must raise the same error
         type. Anything else loses the session: a rebuilt episode that differs from the one
         the policy saw would be wrong training data."""
+        self._check_alive()  # (the session's block ended during the backoff: claim nothing)
         self.pool.metrics["replays"] += 1
         if not self._log:
             return
@@ -467,6 +477,7 @@ class EnvSession:
                     # max_episodes=1 handed it to the next trajectory in this one's state)
                     self.container.episodes += 1
         except (EnvLogicError, EnvUsageError) as e:
+            self._check_alive()  # (not a session closed meanwhile: that is said as such)
             raise SessionLost(f"replaying the episode on a new container failed: {e}") from e
         if seen != self._trace:
             raise SessionLost(
