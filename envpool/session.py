@@ -23,6 +23,7 @@ from envpool.errors import (
     EnvHung,
     EnvLogicError,
     EnvOrderError,
+    EnvRegistryError,
     EnvUsageError,
     GarbledFrame,
     InfraError,
@@ -98,7 +99,14 @@ def _retryable(e: BaseException) -> bool:
 
 
 class EnvSession:
-    """One trajectory's handle: every call goes to the container it holds."""
+    """One trajectory's handle: every call goes to the container it holds.
+
+    A ``reset()`` or ``step()`` cancelled before it returned (a timeout around it, an
+    aborted trajectory) ends the episode: its container may still be running the request,
+    so the episode's state is unknown. The next ``step()`` raises ``EnvOrderError``; a
+    ``reset()`` starts a new episode on a fresh container. So does a failure that took the
+    episode's container and was not recovered from (a new container that could not make
+    the environment): a ``step()`` never reaches a container that did not run the episode."""
 
     def __init__(
         self, pool: EnvPool, env_id: str, image: str | None, kwargs: dict[str, Any], *, deterministic: bool
@@ -156,8 +164,24 @@ class EnvSession:
         self._busy = op
         try:
             yield
+        except BaseException as e:
+            self._end_if_cut_off(op, e)
+            raise
         finally:
             self._busy = None
+
+    def _end_if_cut_off(self, op: str, e: BaseException) -> None:
+        """End the episode if ``op`` left it where no request of it can go on: cancelled (its
+        container may still be running the request, and the caller cannot know whether it
+        ran), or failed with the episode's container lost and not replaced by one that ran
+        the episode (a step sent to a fresh one would reach an environment never reset)."""
+        if self._closed or self.status != "ok":
+            return  # (its own error says so first)
+        if not isinstance(e, Exception):
+            self._cut_short, self._done = f"{op}() was cancelled before it returned", True
+        elif not self._done and self.conn is None:
+            self._cut_short = f"{op}() failed ({type(e).__name__}) and the episode's container was lost"
+            self._done = True
 
     async def _reset(self, seed: int | None, options: dict[str, Any] | None) -> tuple[Observation, dict]:
         self._check_alive()
@@ -165,12 +189,13 @@ class EnvSession:
             seed = secrets.randbits(31)
         args = {"seed": seed, "options": options}
         c = self.container
-        if c is not None and (c.episodes >= self._cfg.max_episodes or c.failed):
-            # its episodes are spent, or an error may have left its server broken (``_retire``):
-            # a new one starts on a fresh container, as the next session's would (the reset
-            # below claims it)
+        if c is not None and (c.episodes >= self._cfg.max_episodes or c.failed or self._interrupted):
+            # its episodes are spent, an error may have left its server broken (``_retire``),
+            # or it may still be running a request that was cancelled: a new one starts on a
+            # fresh container, as the next session's would (the reset below claims it)
             self._log, self._trace, self._done = [], [], True
-            await self._drop_container(healthy=not c.failed)
+            await self._drop_container(healthy=not (c.failed or self._interrupted))
+        self._interrupted = False  # (what a cancelled request was left running on is gone)
         try:
             result = await self._with_recovery(
                 "reset", lambda: self._call("reset", args, self._cfg.reset_timeout_s)
@@ -476,7 +501,8 @@ class EnvSession:
                     # an episode this container ran: it counts toward its recycling (else
                     # max_episodes=1 handed it to the next trajectory in this one's state)
                     self.container.episodes += 1
-        except (EnvLogicError, EnvUsageError) as e:
+        except (EnvLogicError, EnvUsageError, EnvRegistryError) as e:
+            # (EnvRegistryError: the new container's image did not register the id)
             self._check_alive()  # (not a session closed meanwhile: that is said as such)
             raise SessionLost(f"replaying the episode on a new container failed: {e}") from e
         if seen != self._trace:
