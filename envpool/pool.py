@@ -95,6 +95,8 @@ class EnvPool:
         self._changed: asyncio.Future[None] | None = None
         self._closed = False
         self._maint: asyncio.Task[None] | None = None
+        self._idle_probe: asyncio.Task[None] | None = None
+        self._idle_probed = 0.0  # when the last probe of the idle containers began
         self._bg: set[asyncio.Task[Any]] = set()
         self._pinned: dict[str, str] = {}
         """Container id -> the image digest whose unpacked bundle it runs from, pinned in the
@@ -494,6 +496,7 @@ class EnvPool:
                 now = time.monotonic()
                 self._prune_idle_images(now)
                 self._retry_leaked(now)
+                self._probe_idle(now)
                 for cid in list(self._pinned):  # a stop whose caller was cancelled went on
                     if cid not in self.runtime.live and cid not in self.runtime.leaked:
                         self._unpin(cid)
@@ -514,6 +517,44 @@ class EnvPool:
                         self._spawn_bg(self._stop_and_kick(c))
             except Exception as e:  # housekeeping must not die silently
                 self.metrics[f"maintenance_error:{type(e).__name__}"] += 1
+
+    def _probe_idle(self, now: float) -> None:
+        """Drop the idle containers that died waiting (OOM-killed, a node gone), every
+        ``runtime.idle_probe_s``, so that the replenishment replaces them: else each counted
+        as warm, held a slot, and the claim that took it found it dead and started cold."""
+        for image, q in list(self._idle.items()):  # what the runtime knows without asking:
+            for c in [c for c in q if self.runtime.known_dead(c)]:  # ahead of the replenishment
+                self._drop_dead_idle(image, c)
+        every = self.runtime.idle_probe_s
+        if every is None or now - self._idle_probed < every:
+            return
+        if self._idle_probe is not None and not self._idle_probe.done():
+            return  # a slow one (an API that hangs) is not doubled
+        self._idle_probed = now
+        # in the background: API calls must not stall the rest of housekeeping
+        self._idle_probe = self._spawn_bg(self._probe_idle_remote())
+
+    async def _probe_idle_remote(self) -> None:
+        """One probe of each idle container, one at a time (an API call each)."""
+        for image, q in list(self._idle.items()):
+            for c in list(q):
+                if not any(x is c for x in q):
+                    continue  # claimed (or let go) meanwhile: its claim probes it itself
+                try:
+                    ok = await self.runtime.alive(c)
+                except Exception as e:  # a probe that failed says nothing of the container
+                    self.metrics[f"idle_probe_failed:{type(e).__name__}"] += 1
+                    continue
+                if not ok:
+                    self._drop_dead_idle(image, c)
+
+    def _drop_dead_idle(self, image: str | None, c: Container) -> None:
+        q = self._idle.get(image)
+        if q is None or not any(x is c for x in q):
+            return  # claimed (or let go) while it was probed
+        del q[next(i for i, x in enumerate(q) if x is c)]
+        self.metrics["idle_died"] += 1
+        self._spawn_bg(self._stop_and_kick(c))
 
     # ------------------------------------------------------------------ warm images
     def _keep_warm(self, image: str | None, n: int) -> None:

@@ -171,6 +171,10 @@ class Runtime(ABC):
     #: True when containers run on this machine and take an unpacked bundle directory; a
     #: remote runtime passes the image digest and its container fetches the bundle itself.
     uses_local_bundle: ClassVar[bool] = True
+    #: How often the pool probes its idle containers (``alive``) to drop and replace the
+    #: ones that died waiting: a remote container's probe is an API call, so seldom (a claim
+    #: probes the container it takes all the same). None: never, ``known_dead`` tells.
+    idle_probe_s: ClassVar[float | None] = 10.0
 
     def __init__(self) -> None:
         self.live: dict[str, Container] = {}
@@ -277,6 +281,12 @@ class Runtime(ABC):
 
     async def alive(self, c: Container) -> bool:
         return c.id in self.live and await self._alive(c)
+
+    def known_dead(self, c: Container) -> bool:
+        """``c`` is known to have exited from what this runtime learns without asking anyone
+        (a local child's exit): the pool reads it on every housekeeping tick. False where
+        only a probe (``alive``) could tell."""
+        return False
 
     async def aclose(self) -> None:
         everything = [*self.live.values(), *self.leaked.values()]

@@ -309,6 +309,7 @@ class _Zygote:
 
 class ProcessRuntime(Runtime):
     kind = "process"
+    idle_probe_s = None  # known_dead tells at once
 
     def __init__(self, config: ProcessRuntimeConfig | None = None):
         super().__init__()
@@ -457,6 +458,10 @@ class ProcessRuntime(Runtime):
 
     async def _alive(self, c: Container) -> bool:
         return self._alive_now(c)
+
+    def known_dead(self, c: Container) -> bool:
+        # the flag the zygote's reader sets at its exit report, or a waitid: no one to ask
+        return c.id in self.live and not self._alive_now(c)
 
     def _alive_now(self, c: Container) -> bool:
         if isinstance(c.handle, _Forked):

@@ -1,0 +1,96 @@
+"""Defects a review of the pool and the process runtime found: idle containers that died and
+were never replaced, an environment's processes that outlived a dead zygote, a close during
+a cold claim's image fetch that left a zygote behind, a cancelled prewarm's containers that
+nothing pruned, a zygote's stray output line that stopped its reader, and a second close that
+returned before the first had ended."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+
+import pytest
+from echo_bundle import IMAGE
+from pool_util import alive, pool, swap_runtime, wait_for
+
+from envpool.errors import ContainerStartError
+from envpool.runtimes.base import Container
+from envpool.runtimes.process import ProcessRuntime
+
+# -- idle containers that die are dropped and replaced ----------------------------------------
+
+
+async def test_idle_containers_that_die_are_replaced_before_a_claim_needs_one(images):
+    # housekeeping never looked at idle containers: both still counted as warm (and held their
+    # slots) after they died, and the next claim found them dead and started cold
+    async with pool(images, min_warm=2) as p:
+        await p.prewarm(IMAGE, 2)
+        dead = list(p._idle[IMAGE])
+        for c in dead:
+            os.kill(c.pid, signal.SIGKILL)  # OOM-killed while idle, say
+        gone = {c.id for c in dead}
+
+        def replaced() -> bool:
+            idle = list(p._idle[IMAGE])
+            return len(idle) == 2 and all(c.id not in gone and alive(c.pid) for c in idle)
+
+        await wait_for(replaced, timeout_s=10)
+        assert p.stats()["idle_died"] == 2
+        await wait_for(lambda: not gone & set(p.runtime.live))  # and stopped
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            assert (await s.reset(seed=1))[0].text == "ready 1"
+        stats = p.stats()
+        assert stats["claims_warm"] == 1 and stats.get("claims_cold", 0) == 0
+
+
+class _RemoteLikeRuntime(ProcessRuntime):
+    """A runtime that learns of a death only by asking (an API call): a probe tells, on the
+    pool's schedule; containers named in ``dead`` probe dead, and a probe may fail."""
+
+    idle_probe_s = 0.2
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.dead: set[str] = set()
+        self.fail_probes = False
+        self.probes = 0
+
+    def known_dead(self, c: Container) -> bool:
+        return False
+
+    async def _alive(self, c: Container) -> bool:
+        self.probes += 1
+        if self.fail_probes:
+            raise ContainerStartError("kubernetes: read pod envpool-x: 500 InternalError")
+        return c.id not in self.dead and await super()._alive(c)
+
+
+async def test_a_remote_runtimes_idle_containers_are_probed_on_its_schedule(images):
+    p = pool(images, min_warm=2)
+    rt = await swap_runtime(p, _RemoteLikeRuntime(p.config.runtime))
+    async with p:
+        await p.prewarm(IMAGE, 2)
+        first, second = list(p._idle[IMAGE])
+        rt.fail_probes = True  # a probe that fails says nothing: both stay idle
+        probes = rt.probes
+        await wait_for(lambda: rt.probes >= probes + 2)
+        assert list(p._idle[IMAGE]) == [first, second] and p.stats().get("idle_died", 0) == 0
+        assert p.stats()["idle_probe_failed:ContainerStartError"] >= 1
+        rt.fail_probes = False
+        rt.dead.add(first.id)
+        await wait_for(lambda: len(p._idle[IMAGE]) == 2 and first not in p._idle[IMAGE], timeout_s=10)
+        assert second in p._idle[IMAGE] and p.stats()["idle_died"] == 1
+
+
+def _zygotes() -> list[str]:
+    out = subprocess.run(["pgrep", "-f", f"envpool.zygote {os.getpid()}$"], capture_output=True, text=True)
+    return out.stdout.split()
+
+
+@pytest.fixture(autouse=True)
+def _no_zygote_left():
+    yield
+    with contextlib.suppress(FileNotFoundError):  # (no pgrep: the tests' own checks stand)
+        assert _zygotes() == [], "a zygote outlived its test"
