@@ -216,6 +216,19 @@ class _Zygote:
         # answer, as before asyncio had reaped it and set its exit code
         if self.proc is proc:
             self.ended = True
+        # its children die with it (PR_SET_PDEATHSIG), but that kills each container's server,
+        # not its process group: what an environment started (a subprocess) would run on under
+        # init. Their groups are killed here, at once: the groups were the zygote's children's
+        # until a moment ago, and a group's id is not given to another process while the
+        # group has a member; one emptied meanwhile would need the pid space to wrap around in
+        # that moment to be another's. No new zygote starts ours before this (ended is set in
+        # this step). (Not a child subreaper instead: that is a setting of the whole process
+        # this pool runs in, a trainer, which would inherit every orphan of everything it
+        # runs as zombies to reap, and reaping those steals other children's exit statuses.)
+        for child in children.values():
+            if child.pid and not child.exited:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(child.pid, signal.SIGKILL)
         # reaped: its children were sent SIGKILL as it exited (PR_SET_PDEATHSIG), so what they
         # were starting in their directories has stopped before those go
         await proc.wait()

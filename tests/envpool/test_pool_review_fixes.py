@@ -10,9 +10,10 @@ import contextlib
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
-from echo_bundle import IMAGE
+from echo_bundle import IMAGE, write_env_bundle
 from pool_util import alive, pool, swap_runtime, wait_for
 
 from envpool.errors import ContainerStartError
@@ -82,6 +83,43 @@ async def test_a_remote_runtimes_idle_containers_are_probed_on_its_schedule(imag
         rt.dead.add(first.id)
         await wait_for(lambda: len(p._idle[IMAGE]) == 2 and first not in p._idle[IMAGE], timeout_s=10)
         assert second in p._idle[IMAGE] and p.stats()["idle_died"] == 1
+
+
+# -- a dead zygote's containers leave nothing running ---------------------------------------
+
+_SPAWN_ENV = """
+import subprocess, envpool
+class SpawnEnv(envpool.Env):
+    example_actions = ("x",)
+    def reset(self, *, seed=None, options=None):
+        self.p = subprocess.Popen(["sleep", "%d"])
+        return f"child {self.p.pid}", {}
+    def step(self, action):
+        return envpool.StepResult(obs=envpool.Observation(text="ok"))
+"""
+
+
+async def test_an_environments_processes_die_with_the_zygote(tmp_path: Path):
+    # the zygote's death killed each container's server (PDEATHSIG), not its process group:
+    # what an environment had started ran on under init after the pool had closed
+    images = write_env_bundle(
+        tmp_path / "b", "spawn_env", _SPAWN_ENV % (700 + os.getpid() % 100), {"spawn-v0": "SpawnEnv"}
+    )
+    child = None
+    try:
+        async with pool(images, min_warm=0) as p:
+            async with p.session("spawn-v0", image=IMAGE) as s:
+                obs, _ = await s.reset(seed=1)
+                child = int(obs.text.split()[1])
+                assert alive(child)
+                zygote = p.runtime._zygote
+                assert zygote is not None and zygote.proc is not None
+                os.kill(zygote.proc.pid, signal.SIGKILL)  # OOM-killed, say
+                await wait_for(lambda: zygote.reader is not None and zygote.reader.done())
+                await wait_for(lambda: not alive(child))
+    finally:
+        if child is not None and alive(child):
+            os.kill(child, signal.SIGKILL)
 
 
 def _zygotes() -> list[str]:
