@@ -213,10 +213,17 @@ class EnvPool:
         try:
             bundle, pinned = await self._bundle(image)
             try:
+                if self._closed:
+                    # closed while the image was fetched: the runtime's close is done or under
+                    # way, and what a start made now would outlive it
+                    raise PoolClosed("the pool was closed while an image was fetched")
                 c = await self.runtime.start(image, bundle, timeout_s=self.config.runtime.start_timeout_s)
-            except BaseException:
+            except BaseException as e:
                 if pinned is not None:
                     self._release_pin(pinned)
+                if self._closed and isinstance(e, Exception) and not isinstance(e, PoolClosed):
+                    # the runtime refused, closed under it: the claim ends as a closed pool's
+                    raise PoolClosed("the pool was closed while a container started") from e
                 raise
             if pinned is not None:
                 self._pinned[c.id] = pinned

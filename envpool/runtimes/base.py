@@ -188,8 +188,13 @@ class Runtime(ABC):
         self.close_timeout_s: float | None = None
         """How long ``aclose`` waits for the stops it makes (``None``: as long as they take);
         the pool sets its ``stop_timeout_s``, so a stop that hangs cannot hang its close."""
+        self.closed = False
+        """``aclose`` began: ``start`` refuses from then on (what a start made after the
+        close had stopped everything would run on, owned by nobody)."""
 
     async def start(self, image: str | None, bundle: Path | None, *, timeout_s: float) -> Container:
+        if self.closed:
+            raise ContainerStartError(f"{self.kind}: the runtime is closed")
         t0 = time.monotonic()
         try:
             c = await self._start_within(image, bundle, timeout_s)
@@ -202,6 +207,12 @@ class Runtime(ABC):
             self.metrics["start_failures"] += 1
             raise
         self.live[c.id] = c
+        if self.closed:
+            # it started while the close stopped everything it knew: nothing else would stop
+            # it. (A stop that fails leaves it live, for the exit hook or the reaper.)
+            with contextlib.suppress(Exception):
+                await self.stop(c)
+            raise ContainerStartError(f"{self.kind}: the runtime was closed while a container started")
         self.metrics["started"] += 1
         self.metrics["start_ms_total"] += int((time.monotonic() - t0) * 1e3)
         return c
@@ -211,7 +222,7 @@ class Runtime(ABC):
         (an aborted claim, then a closing pool) cannot cut short the cleanup of what it was
         creating. Not ``wait_for``: on Python 3.11 it returns a start that ended in the loop
         turn its caller was cancelled, and the cancellation is lost (the claim runs on)."""
-        task = asyncio.ensure_future(self._start(image, bundle))
+        task = asyncio.ensure_future(self._start_open(image, bundle))
         try:
             done, _ = await asyncio.wait((task,), timeout=timeout_s)
         except asyncio.CancelledError:
@@ -238,6 +249,14 @@ class Runtime(ABC):
                 await self.stop(c)
             raise TimeoutError
         return task.result()
+
+    async def _start_open(self, image: str | None, bundle: Path | None) -> Container:
+        # checked again where ``_start`` begins, a loop turn after ``start``'s check: a close
+        # in between would find nothing to stop, and a runtime's first start makes what its
+        # close removes (the process runtime's directory and zygote)
+        if self.closed:
+            raise ContainerStartError(f"{self.kind}: the runtime is closed")
+        return await self._start(image, bundle)
 
     async def stop(self, c: Container) -> None:
         """Stop ``c``: idempotent, concurrent calls share one stop, and a cancelled caller
@@ -289,6 +308,9 @@ class Runtime(ABC):
         return False
 
     async def aclose(self) -> None:
+        """Stop everything started; ``start`` refuses from now on. A runtime that overrides
+        it calls it first."""
+        self.closed = True
         everything = [*self.live.values(), *self.leaked.values()]
         if not everything:
             return

@@ -164,9 +164,13 @@ class _Zygote:
         self.ended = False
         """The current zygote's output ended: it is dead, whether or not asyncio has reaped
         it (set its exit code) yet."""
+        self.closed = False
+        """``aclose`` began: no zygote is spawned from then on."""
 
     async def ensure(self) -> None:
         async with self.lock:  # concurrent first starts must share one zygote
+            if self.closed:  # (a zygote spawned now would outlive the close)
+                raise ContainerStartError("the runtime is closed")
             if self.proc is None or self.proc.returncode is not None or self.ended:
                 await self._spawn()
 
@@ -311,6 +315,9 @@ class _Zygote:
             await asyncio.sleep(0.005)
 
     async def aclose(self) -> None:
+        self.closed = True
+        async with self.lock:  # a zygote being spawned now is killed too, once it has a pid
+            pass
         if self.proc is not None and self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)

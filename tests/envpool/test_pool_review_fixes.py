@@ -6,18 +6,20 @@ returned before the first had ended."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
-from echo_bundle import IMAGE, write_env_bundle
+from echo_bundle import IMAGE, DirImages, write_bundle, write_env_bundle
 from pool_util import alive, pool, swap_runtime, wait_for
 
-from envpool.errors import ContainerStartError
-from envpool.runtimes.base import Container
+from envpool.errors import ContainerStartError, PoolClosed
+from envpool.runtimes.base import Container, ProcessRuntimeConfig, Runtime
 from envpool.runtimes.process import ProcessRuntime
 
 # -- idle containers that die are dropped and replaced ----------------------------------------
@@ -120,6 +122,99 @@ async def test_an_environments_processes_die_with_the_zygote(tmp_path: Path):
     finally:
         if child is not None and alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+# -- a close during a cold claim leaves nothing behind ------------------------------------------
+
+
+class _GatedImages(DirImages):
+    """The echo bundle, each fetch held until ``go`` is set (a slow registry)."""
+
+    def __init__(self, root: Path):
+        super().__init__(root)
+        self.go = asyncio.Event()
+        self.fetching = asyncio.Event()
+
+    async def get(self, digest: str) -> Path:
+        self.fetching.set()
+        await self.go.wait()
+        return await super().get(digest)
+
+
+async def test_a_close_during_a_cold_claims_image_fetch_starts_nothing(tmp_path: Path):
+    # the claim checked for a closed pool before the fetch, not after: its start, after the
+    # close, spawned a new zygote and made the runtime's directory again (without its lock)
+    images = _GatedImages(write_bundle(tmp_path / "b"))
+    p = pool(images, min_warm=0)
+    await p.__aenter__()
+    try:
+        async with p.session("echo-v0") as s:  # the zygote and the runtime's directory exist
+            await s.reset(seed=1)
+        root = p.runtime._root
+        assert root is not None and root.exists()
+        claim = asyncio.ensure_future(p._claim(IMAGE))
+        await images.fetching.wait()
+        await p.aclose()
+        images.go.set()
+        with pytest.raises(PoolClosed):
+            await claim
+        zygote = p.runtime._zygote
+        assert zygote is not None and (zygote.proc is None or zygote.proc.returncode is not None)
+        assert not root.exists() and not p.runtime.live
+    finally:
+        images.go.set()
+        await p.aclose()
+        await p.runtime.aclose()  # (what the old code started: stopped, whatever it was)
+
+
+async def test_a_closed_process_runtime_starts_nothing():
+    rt = ProcessRuntime(ProcessRuntimeConfig(heartbeat_s=0.1))
+    await rt.aclose()
+    try:
+        with pytest.raises(ContainerStartError, match="closed"):
+            await rt.start(None, None, timeout_s=30)
+        assert rt._root is None and rt._zygote is not None and rt._zygote.proc is None
+    finally:
+        await rt.aclose()
+
+
+class _GatedRuntime(Runtime):
+    """Containers are records; a start waits for ``go`` (a pod being scheduled)."""
+
+    kind = "gated"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = asyncio.Event()
+        self.starting = asyncio.Event()
+        self.stopped: list[str] = []
+        self.ids = itertools.count(1)
+
+    async def _start(self, image: str | None, bundle: Path | None) -> Container:
+        self.starting.set()
+        await self.go.wait()
+        return Container(
+            id=f"g{next(self.ids)}", endpoint="tcp://127.0.0.1:9", image=image, runtime=self.kind
+        )
+
+    async def _stop(self, c: Container) -> None:
+        self.stopped.append(c.id)
+
+    async def _alive(self, c: Container) -> bool:
+        return c.id not in self.stopped
+
+
+async def test_a_start_that_ends_after_its_runtimes_close_is_stopped():
+    # every runtime, not only the pool: what started after the close had stopped everything
+    # it knew was returned live, owned by nobody
+    rt = _GatedRuntime()
+    start = asyncio.ensure_future(rt.start(None, None, timeout_s=30))
+    await rt.starting.wait()
+    await rt.aclose()
+    rt.go.set()
+    with pytest.raises(ContainerStartError, match="closed"):
+        await start
+    assert rt.stopped == ["g1"] and not rt.live
 
 
 def _zygotes() -> list[str]:
