@@ -172,7 +172,15 @@ class EnvPool:
         need = max(n - len(self._idle.get(image, ())) - self._starting[image], 0)
         if need:
             starts = [self._start_idle(image, background=False) for _ in range(need)]
-            errors = [r for r in await asyncio.gather(*starts, return_exceptions=True) if r is not None]
+            try:
+                errors = [r for r in await asyncio.gather(*starts, return_exceptions=True) if r is not None]
+            except BaseException:
+                # cancelled (a caller that gave up) after some of them started: the image is
+                # kept warm all the same, else they stayed idle, of an image no prune looks
+                # at, until the pool closed
+                if self._idle.get(image):
+                    self._keep_warm(image, max(self._wanted.get(image, 0), n))
+                raise
             if len(errors) == need:
                 raise errors[0]
         self._keep_warm(image, max(self._wanted.get(image, 0), n))

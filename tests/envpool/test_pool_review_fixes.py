@@ -217,6 +217,36 @@ async def test_a_start_that_ends_after_its_runtimes_close_is_stopped():
     assert rt.stopped == ["g1"] and not rt.live
 
 
+# -- a cancelled prewarm's containers are pruned --------------------------------------------------
+
+
+class _FirstFastImages(DirImages):
+    """The first fetch returns at once; the rest wait (a registry that stalls)."""
+
+    def __init__(self, root: Path):
+        super().__init__(root)
+        self.stall = asyncio.Event()
+
+    async def get(self, digest: str) -> Path:
+        if self.gets:
+            await self.stall.wait()
+        return await super().get(digest)
+
+
+async def test_a_cancelled_prewarm_leaves_no_container_unpruned(tmp_path: Path):
+    # the image was kept warm only once all of the prewarm's starts had ended: cancelled
+    # after one, its container stayed idle, of an image no prune looked at, until the close
+    images = _FirstFastImages(write_bundle(tmp_path / "b"))
+    async with pool(images, min_warm=1, warm_idle_s=0.3) as p:
+        prewarm = asyncio.ensure_future(p.prewarm(IMAGE, 3))
+        await wait_for(lambda: len(p._idle.get(IMAGE, ())) == 1, timeout_s=10)
+        prewarm.cancel()
+        await asyncio.gather(prewarm, return_exceptions=True)
+        await wait_for(lambda: IMAGE not in p._wanted and not p._idle.get(IMAGE) and not p.runtime.live)
+        assert p.stats()["warm_dropped:idle"] == 1
+        images.stall.set()
+
+
 def _zygotes() -> list[str]:
     out = subprocess.run(["pgrep", "-f", f"envpool.zygote {os.getpid()}$"], capture_output=True, text=True)
     return out.stdout.split()
