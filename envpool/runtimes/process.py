@@ -191,7 +191,16 @@ class _Zygote:
     ) -> None:
         assert proc.stdout is not None
         while line := await proc.stdout.readline():
-            msg = json.loads(line)
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                msg = None
+            if not isinstance(msg, dict) or ("exit" not in msg and "req" not in msg):
+                # not the protocol's (a module the zygote imported printed to stdout): the
+                # reader must go on, or every start would wait out start_timeout_s for answers
+                # nobody reads from a zygote that lives
+                log.warning("zygote: ignored a line of its output that is not a message: %r", line[:200])
+                continue
             if "exit" in msg:  # the zygote killed what was left of its group and reaped it
                 child = children.pop(int(msg["of"]), None) if msg.get("of") is not None else None
                 if child is not None and not child.exited:

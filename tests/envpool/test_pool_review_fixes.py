@@ -19,6 +19,7 @@ from echo_bundle import IMAGE, DirImages, write_bundle, write_env_bundle
 from pool_util import alive, pool, swap_runtime, wait_for
 
 from envpool.errors import ContainerStartError, PoolClosed
+from envpool.runtimes import process
 from envpool.runtimes.base import Container, ProcessRuntimeConfig, Runtime
 from envpool.runtimes.process import ProcessRuntime
 
@@ -245,6 +246,32 @@ async def test_a_cancelled_prewarm_leaves_no_container_unpruned(tmp_path: Path):
         await wait_for(lambda: IMAGE not in p._wanted and not p._idle.get(IMAGE) and not p.runtime.live)
         assert p.stats()["warm_dropped:idle"] == 1
         images.stall.set()
+
+
+# -- a zygote's stray output --------------------------------------------------------------------
+
+
+async def test_a_zygote_that_prints_a_stray_line_still_starts_containers(tmp_path, monkeypatch):
+    # a module the zygote imports printed to its stdout: the reader raised on the line and
+    # died, and every start waited out start_timeout_s for answers nobody read
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("print('hello from an import')\nprint(7)\n")
+    child_env = process._child_env
+
+    def noisy_env(cdir: Path) -> dict[str, str]:
+        env = child_env(cdir)
+        env["PYTHONPATH"] = os.pathsep.join((str(site), env["PYTHONPATH"]))
+        return env
+
+    monkeypatch.setattr(process, "_child_env", noisy_env)
+    rt = ProcessRuntime(ProcessRuntimeConfig(heartbeat_s=0.1))
+    try:
+        c = await rt.start(None, None, timeout_s=20)
+        assert await rt.alive(c)
+        await rt.stop(c)
+    finally:
+        await rt.aclose()
 
 
 def _zygotes() -> list[str]:
