@@ -94,6 +94,8 @@ class EnvPool:
         # under wait_for can fail to re-acquire its lock when the waiter is cancelled.)
         self._changed: asyncio.Future[None] | None = None
         self._closed = False
+        self._close_done: asyncio.Future[None] | None = None
+        """Resolved when the close ends: a second ``aclose`` waits for the first's."""
         self._maint: asyncio.Task[None] | None = None
         self._idle_probe: asyncio.Task[None] | None = None
         self._idle_probed = 0.0  # when the last probe of the idle containers began
@@ -124,22 +126,30 @@ class EnvPool:
 
     async def aclose(self) -> None:
         if self._closed:
+            # a second close returns once the first has ended: its caller may go on to rely
+            # on the containers being stopped (a close never entered has nothing to wait for)
+            if self._close_done is not None:
+                await asyncio.shield(self._close_done)
             return
         self._closed = True
-        if self._maint is not None:
-            self._maint.cancel()
-        for t in list(self._bg):
-            t.cancel()
-        await asyncio.gather(*self._bg, *([self._maint] if self._maint else []), return_exceptions=True)
-        self._notify_changed()  # claimers waiting for capacity learn the pool closed
-        if self.runtime.close_timeout_s is None:  # a stop that hangs must not hang the close
-            self.runtime.close_timeout_s = self.config.stop_timeout_s
+        self._close_done = asyncio.get_running_loop().create_future()
         try:
-            await self.runtime.aclose()
+            if self._maint is not None:
+                self._maint.cancel()
+            for t in list(self._bg):
+                t.cancel()
+            await asyncio.gather(*self._bg, *([self._maint] if self._maint else []), return_exceptions=True)
+            self._notify_changed()  # claimers waiting for capacity learn the pool closed
+            if self.runtime.close_timeout_s is None:  # a stop that hangs must not hang the close
+                self.runtime.close_timeout_s = self.config.stop_timeout_s
+            try:
+                await self.runtime.aclose()
+            finally:
+                for cid in list(self._pinned):  # what may still run (a stop that failed) stays pinned
+                    if cid not in self.runtime.live and cid not in self.runtime.leaked:
+                        self._unpin(cid)
         finally:
-            for cid in list(self._pinned):  # what may still run (a stop that failed) stays pinned
-                if cid not in self.runtime.live and cid not in self.runtime.leaked:
-                    self._unpin(cid)
+            self._close_done.set_result(None)  # (a cancelled close too: the second must not hang)
 
     # ------------------------------------------------------------------ sessions
     @contextlib.asynccontextmanager

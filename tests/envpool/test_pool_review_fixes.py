@@ -274,6 +274,22 @@ async def test_a_zygote_that_prints_a_stray_line_still_starts_containers(tmp_pat
         await rt.aclose()
 
 
+# -- a second close ----------------------------------------------------------------------------
+
+
+async def test_a_second_close_returns_once_the_first_has_ended(images):
+    # the second returned at once, while the first still stopped the containers
+    p = pool(images, min_warm=1)
+    await p.__aenter__()
+    await p.prewarm(IMAGE, 1)
+    [c] = p._idle[IMAGE]
+    first = asyncio.ensure_future(p.aclose())
+    await asyncio.sleep(0)  # under way: it waits for the background tasks
+    await p.aclose()
+    assert first.done() and not p.runtime.live and not alive(c.pid)
+    await first
+
+
 def _zygotes() -> list[str]:
     out = subprocess.run(["pgrep", "-f", f"envpool.zygote {os.getpid()}$"], capture_output=True, text=True)
     return out.stdout.split()
