@@ -52,23 +52,27 @@ def stop_and_kill(find: Callable[[], Iterable[int]]) -> None:
     again is the listed one. Where pidfds are missing (before Linux 5.3) or the fds run out,
     the signal goes by pid, as before."""
     pinned: dict[int, int] = {}  # pid -> the pidfd of the process stopped under it
+    opened: list[int] = []  # every pidfd, closed at the end whatever happens meanwhile
     try:
         for _ in range(100):  # a fork bomb outruns no scan for long: each pass stops what it saw
-            new = {pid: _pin(pid) for pid in find() if pid > 0 and pid not in pinned}
+            new: dict[int, int | None] = {}
+            for pid in find():
+                if pid > 0 and pid not in pinned:
+                    new[pid] = fd = _pin(pid)
+                    if fd is not None and fd != _BY_PID:
+                        opened.append(fd)
             if not new:
                 break
             again = set(find())
             for pid, fd in new.items():
+                # gone, or its pid another's by now (found again if that one is a member)
                 if fd is not None and pid in again and _signal(fd, pid, signal.SIGSTOP):
                     pinned[pid] = fd
-                elif fd is not None and fd >= 0:
-                    os.close(fd)  # gone, or its pid another's by now: found again if a member
         for pid, fd in pinned.items():
             _signal(fd, pid, signal.SIGKILL)
     finally:
-        for fd in pinned.values():
-            if fd >= 0:
-                os.close(fd)
+        for fd in opened:
+            os.close(fd)
 
 
 _BY_PID = -1
@@ -94,7 +98,7 @@ def _signal(fd: int, pid: int, sig: int) -> bool:
             os.kill(pid, sig)
         else:
             signal.pidfd_send_signal(fd, sig)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):  # gone; or not this process's to signal
         return False
     return True
 

@@ -5,6 +5,7 @@ process's by then, and a kill by pid would land on it."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -96,3 +97,26 @@ def test_no_fd_is_left_open(sleeper):
         other.kill()
         other.wait()
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_no_fd_is_left_open_when_a_scan_or_a_signal_fails(sleeper, monkeypatch):
+    before = len(os.listdir("/proc/self/fd"))
+    calls = []
+
+    def find_then_fail() -> list[int]:
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("the member list went away")
+        return [sleeper.pid]
+
+    with pytest.raises(RuntimeError):
+        stop_and_kill(find_then_fail)
+    assert len(os.listdir("/proc/self/fd")) == before
+
+    def refuse(fd: int, sig: int) -> None:
+        raise PermissionError(1, "not yours")
+
+    monkeypatch.setattr(signal, "pidfd_send_signal", refuse)
+    stop_and_kill(lambda: [sleeper.pid])  # a process it may not signal: skipped, not raised
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert _untouched(sleeper)
