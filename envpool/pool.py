@@ -94,7 +94,7 @@ class EnvPool:
         # under wait_for can fail to re-acquire its lock when the waiter is cancelled.)
         self._changed: asyncio.Future[None] | None = None
         self._closed = False
-        self._close_done: asyncio.Future[None] | None = None
+        self._close_done: asyncio.Future[bool] | None = None  # resolves to whether the close finished
         """Resolved when the close ends: a second ``aclose`` waits for the first's."""
         self._maint: asyncio.Task[None] | None = None
         self._idle_probe: asyncio.Task[None] | None = None
@@ -125,14 +125,16 @@ class EnvPool:
         await self.aclose()
 
     async def aclose(self) -> None:
-        if self._closed:
-            # a second close returns once the first has ended: its caller may go on to rely
-            # on the containers being stopped (a close never entered has nothing to wait for)
-            if self._close_done is not None:
-                await asyncio.shield(self._close_done)
-            return
+        # a second close returns once the first has ended: its caller may go on to rely on the
+        # containers being stopped. A first close cut short (cancelled, or a stop that raised)
+        # stopped nothing for sure: the next close (a waiting one, or a later call) closes
+        # again, rather than return at once over a runtime still running containers
+        while (done := self._close_done) is not None and not (done.done() and done.result() is False):
+            if await asyncio.shield(done):
+                return
         self._closed = True
-        self._close_done = asyncio.get_running_loop().create_future()
+        self._close_done = done = asyncio.get_running_loop().create_future()
+        finished = False
         try:
             if self._maint is not None:
                 self._maint.cancel()
@@ -148,8 +150,9 @@ class EnvPool:
                 for cid in list(self._pinned):  # what may still run (a stop that failed) stays pinned
                     if cid not in self.runtime.live and cid not in self.runtime.leaked:
                         self._unpin(cid)
+            finished = True
         finally:
-            self._close_done.set_result(None)  # (a cancelled close too: the second must not hang)
+            done.set_result(finished)  # (a cancelled close too: those waiting on it go on)
 
     # ------------------------------------------------------------------ sessions
     @contextlib.asynccontextmanager

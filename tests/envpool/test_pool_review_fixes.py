@@ -290,6 +290,32 @@ async def test_a_second_close_returns_once_the_first_has_ended(images):
     await first
 
 
+async def test_a_close_after_a_cancelled_one_stops_the_containers(images):
+    # a first close cancelled while the runtime stopped its containers stopped nothing for
+    # sure; the second returned at once all the same, the containers running on
+    p = pool(images, min_warm=1)
+    await p.__aenter__()
+    await p.prewarm(IMAGE, 1)
+    [c] = p._idle[IMAGE]
+    entered = asyncio.Event()
+    runtime_close = p.runtime.aclose
+
+    async def slow_close() -> None:
+        entered.set()
+        await asyncio.sleep(3600)  # cancelled here, before it stops anything
+
+    p.runtime.aclose = slow_close  # type: ignore[method-assign]
+    first = asyncio.ensure_future(p.aclose())
+    await entered.wait()
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert alive(c.pid)
+    p.runtime.aclose = runtime_close  # type: ignore[method-assign]
+    await p.aclose()
+    assert not p.runtime.live and not alive(c.pid)
+
+
 def _zygotes() -> list[str]:
     out = subprocess.run(["pgrep", "-f", f"envpool.zygote {os.getpid()}$"], capture_output=True, text=True)
     return out.stdout.split()
