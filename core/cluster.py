@@ -202,6 +202,7 @@ def engine_batch(cfg: JobConfig) -> int:
     kw = cfg.engine.kwargs
     if cfg.engine.backend == "vllm":
         args = kw.get("engine_args")
+        # a top-level one wins, as the engine merges them (vllm_._config_from)
         given = kw.get("max_num_seqs", args.get("max_num_seqs") if isinstance(args, dict) else None)
         return int(given or VLLM_MAX_NUM_SEQS)
     if cfg.engine.backend == "openai":

@@ -12,9 +12,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from envpool.errors import EnvPoolError
-from fabric.cli._app import VersionOpt
 from fabric.registry import import_module_or_file
 from fabric.usercode import prints_to_stderr, search_cwd
+from fabric.version import VersionOpt
 
 app = typer.Typer(
     help="envpool: stateful environments in session-affine container pools.",

@@ -75,7 +75,10 @@ container's kill is what takes it then.
 from __future__ import annotations
 
 import contextlib
+import functools
+import grp
 import os
+import pwd
 import stat
 from pathlib import Path
 
@@ -120,13 +123,12 @@ def check_run_uid_base(base: object) -> int | None:
     return base
 
 
+@functools.cache
 def _named_ids_in(lo: int, hi: int) -> list[str]:
     """The users and groups of this host's databases (``/etc/passwd``, ``/etc/group``, or
     what NSS serves) whose id lies in ``lo .. hi``: a base from ``_MIN_BASE`` passes the range
-    check, yet may reach real users (1000 up, ``nobody`` at 65534)."""
-    import grp
-    import pwd
-
+    check, yet may reach real users (1000 up, ``nobody`` at 65534). Read once per range (an
+    NSS that enumerates a directory service is slow; envs are made per container)."""
     found = [f"user {u.pw_name!r} (uid {u.pw_uid})" for u in pwd.getpwall() if lo <= u.pw_uid <= hi]
     return found + [f"group {g.gr_name!r} (gid {g.gr_gid})" for g in grp.getgrall() if lo <= g.gr_gid <= hi]
 

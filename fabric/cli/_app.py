@@ -16,11 +16,12 @@ from fabric.errors import ErrorCode
 from fabric.protocol import lone_surrogate_problem
 from fabric.registry import Registry
 from fabric.usercode import prints_to_stderr, search_cwd
+from fabric.version import VersionOpt
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
 
-    from fabric.backends.base import LambdaConfig
+    from fabric.backends.base import LambdaConfig, ModalConfig
 
 # A command's help is its docstring when that is one line, else help= as one string: typer's
 # rich markup mode keeps a docstring's line breaks in the command list (`fabric --help` broke
@@ -34,31 +35,6 @@ app = typer.Typer(
 )
 err = Console(stderr=True)
 out = Console()
-
-
-def package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("rl-fabric")
-    except PackageNotFoundError:  # a checkout on PYTHONPATH, never installed
-        from fabric import __version__
-
-        return __version__
-
-
-def _print_version(value: bool) -> None:
-    if value:
-        print(f"rl-fabric {package_version()}")
-        raise typer.Exit()
-
-
-#: ``--version`` of the ``fabric`` and ``envpool`` commands: eager, so it answers before a
-#: command is required
-VersionOpt = Annotated[
-    bool,
-    typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
-]
 
 
 @app.callback()
@@ -80,7 +56,10 @@ EndpointUrlOpt = Annotated[
     str | None, typer.Option(help="With --backend lambda: a `fabric serve` URL (default: AWS).")
 ]
 TokenOpt = Annotated[str | None, typer.Option(help="`fabric serve` token (default: $RL_FABRIC_TOKEN).")]
-PrefixOpt = Annotated[str, typer.Option(help="With --backend lambda: deployed name prefix.")]
+PrefixOpt = Annotated[
+    str,
+    typer.Option(help="With --backend lambda or modal: deployed name prefix (modal's default: rl-fabric-)."),
+]
 TransportOpt = Annotated[
     str, typer.Option(help="With --backend lambda: auto, boto3 or http (aiohttp; fabric serve only).")
 ]
@@ -165,22 +144,26 @@ def require_extra(what: str, extra: str, modules: tuple[str, ...]) -> None:
 
 def remote_backend(
     backend: str, *, endpoint_url: str | None, token: str | None, prefix: str, transport: str
-) -> LambdaConfig | None:
+) -> LambdaConfig | ModalConfig | None:
     """The lambda backend's config from ``--endpoint-url``, ``--token``, ``--prefix`` and
-    ``--transport``; ``None`` for another backend, which none of them is for. Exit 2 on an
-    option given to a backend that ignores it, or a bad value, named as its option (a bad
-    ``--transport`` was pydantic's traceback, once the bench had begun)."""
+    ``--transport`` (the modal backend's from ``--prefix``, where given: an app deployed under
+    another prefix than its default); ``None`` for another backend, which none of them is for.
+    Exit 2 on an option given to a backend that ignores it, or a bad value, named as its
+    option (a bad ``--transport`` was pydantic's traceback, once the bench had begun)."""
     from pydantic import ValidationError
 
-    from fabric.backends.base import LambdaConfig
+    from fabric.backends.base import LambdaConfig, ModalConfig
 
     if backend != "lambda":
-        given = {"--endpoint-url": endpoint_url, "--token": token, "--prefix": prefix}
+        given = {"--endpoint-url": endpoint_url, "--token": token}
         given["--transport"] = None if transport == "auto" else transport
+        if backend != "modal":
+            given["--prefix"] = prefix
         for option, value in given.items():
             if value:
-                fail(f"{option} is for --backend lambda (a `fabric serve` or AWS), not {backend}")
-        return None
+                takes = "lambda or modal" if option == "--prefix" else "lambda (a `fabric serve` or AWS)"
+                fail(f"{option} is for --backend {takes}, not {backend}")
+        return ModalConfig(function_prefix=prefix) if backend == "modal" and prefix else None
     try:
         return LambdaConfig(
             endpoint_url=endpoint_url, token=token, function_prefix=prefix, transport=transport

@@ -78,7 +78,7 @@ def invoke(
         str,
         typer.Option(
             help="local (warm worker processes), inproc (this process), lambda (a `fabric serve` at "
-            "--endpoint-url, or AWS) or modal (a `fabric deploy --backend modal` app, default --prefix).",
+            "--endpoint-url, or AWS) or modal (a `fabric deploy --backend modal` app).",
         ),
     ] = "local",
     endpoint_url: EndpointUrlOpt = None,

@@ -52,6 +52,10 @@ from pathlib import Path
 
 from functions.verifiers.jail import PCH_DIR, prepare_pch_dir
 
+# (CDECLS, the sandboxed run's declaration reader, builds and checks libclang's headers too:
+# --pch)
+from functions.verifiers.native import CDECLS
+
 __all__ = ["PCH_DIR", "STALE_S", "clang_header", "header", "hold"]
 
 #: a header unused (by any process) this long goes when another is built
@@ -70,8 +74,6 @@ _FILE = re.compile(r"(rlfabric-[0-9a-f]{20}\.hpp)(?:\.[0-9]+\.tmp)?(?:\.gch|\.pc
 #: a ``.gch``'s sidecar: the headers its build read (``_reached``)
 _DEPS = ".deps"
 _SUFFIXES = (".gch", ".pch", ".gch" + _DEPS)
-#: ``cdecls.py``, which builds and checks libclang's headers too (``--pch``)
-_CDECLS = Path(__file__).with_name("native") / "cdecls.py"
 
 
 @functools.cache
@@ -176,10 +178,10 @@ def clang_header(text: str, args: tuple[str, ...]) -> str | None:
     spec = json.dumps(list(args))
 
     def build(path: str, out: str) -> bool:
-        return _run([sys.executable, str(_CDECLS), "--pch", "build", path, out, spec])
+        return _run([sys.executable, str(CDECLS), "--pch", "build", path, out, spec])
 
     def check(path: str) -> bool:
-        return _run([sys.executable, str(_CDECLS), "--pch", "check", path, path + ".pch", spec])
+        return _run([sys.executable, str(CDECLS), "--pch", "check", path, path + ".pch", spec])
 
     return _header(key, text, ".pch", build, check)
 

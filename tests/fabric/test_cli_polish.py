@@ -157,3 +157,18 @@ def test_a_bad_region_is_said_without_a_made_up_option(monkeypatch):
     r = runner.invoke(app, ["invoke", "exact_match", "--backend", "lambda"])
     assert r.exit_code == 2, r.output
     assert "error: region: 'bogus' is not an AWS region name" in " ".join(r.output.split())
+
+
+def test_modal_takes_a_prefix_and_refuses_the_lambda_only_options():
+    # an app deployed with `fabric deploy --backend modal --prefix X` could not be invoked:
+    # --prefix was refused as lambda's alone
+    from fabric.backends.base import ModalConfig
+    from fabric.cli._app import remote_backend
+
+    cfg = remote_backend("modal", endpoint_url=None, token=None, prefix="team-", transport="auto")
+    assert isinstance(cfg, ModalConfig) and cfg.function_prefix == "team-"
+    assert remote_backend("modal", endpoint_url=None, token=None, prefix="", transport="auto") is None
+    r = runner.invoke(app, ["invoke", "exact_match", "--backend", "modal", "--token", "t" * 20])
+    assert r.exit_code == 2 and "--token is for --backend lambda" in " ".join(r.output.split()), r.output
+    r = runner.invoke(app, ["invoke", "exact_match", "--backend", "local", "--prefix", "x-"])
+    assert "--prefix is for --backend lambda or modal, not local" in " ".join(r.output.split()), r.output
