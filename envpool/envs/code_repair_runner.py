@@ -130,6 +130,23 @@ def run_checks(
             pids.remove()
 
 
+#: the runner's refusals to run the module, each its own first line on the results fd
+_REFUSALS = {
+    "caps_error": (
+        "code-repair: a test run's module, run as this process's user (run_uid_base=None, or a "
+        "server that is not root), could not be stripped of its capabilities ({why}): it never "
+        "runs with them, as they reach past the run (the server's process group, the "
+        "container's /proc and network)"
+    ),
+    "uid_error": (
+        "code-repair: this process is root, and a test run could not take a uid of its own "
+        "({why}): the policy's module is never run as root. Pass run_uid_base= a range of uids "
+        "this process may take (in a user namespace: inside its map), or None to run it as this "
+        "process's user where the container is the sandbox"
+    ),
+}
+
+
 def _run(root: Path, spec: dict[str, Any], limits: _Limits) -> RunOutput:
     env = {"PATH": os.defpath, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": str(root)}
     uid_base = "-" if limits.run_uid_base is None else str(limits.run_uid_base)
@@ -162,22 +179,9 @@ def _run(root: Path, spec: dict[str, Any], limits: _Limits) -> RunOutput:
         raw = out.read(MAX_RAW_OUTPUT_BYTES).decode("utf-8", errors="replace")
         results.seek(0)
         reported = results.read(MAX_RESULTS_BYTES).decode("utf-8", errors="replace")
-    if reported.startswith('{"caps_error"'):  # the runner's own line, before the module ran
-        why = json.loads(reported.partition("\n")[0])["caps_error"]
-        raise EnvUsageError(
-            f"code-repair: a test run's module, run as this process's user (run_uid_base=None, or "
-            f"a server that is not root), could not be stripped of its capabilities ({why}): it "
-            f"never runs with them, as they reach past the run (the server's process group, the "
-            f"container's /proc and network)"
-        )
-    if reported.startswith('{"uid_error"'):  # the runner's own line, before the module ran
-        why = json.loads(reported.partition("\n")[0])["uid_error"]
-        raise EnvUsageError(
-            f"code-repair: this process is root, and a test run could not take a uid of its own "
-            f"({why}): the policy's module is never run as root. Pass run_uid_base= a range of "
-            f"uids this process may take (in a user namespace: inside its map), or None to run it "
-            f"as this process's user where the container is the sandbox"
-        )
+    for key, refusal in _REFUSALS.items():
+        if reported.startswith(f'{{"{key}"'):  # the runner's own line, before the module ran
+            raise EnvUsageError(refusal.format(why=json.loads(reported.partition("\n")[0])[key]))
     killed = oom_ended or (limits.memory is not None and limits.memory.oom_killed())
     own_cap = limits.memory is not None and limits.memory.limit_reached()
     return RunOutput(

@@ -4,6 +4,10 @@ imports ``repair_fixture``, known to pytest by ``name=``)."""
 
 from __future__ import annotations
 
+import functools
+import subprocess
+import sys
+
 import pytest
 
 import envpool
@@ -19,3 +23,15 @@ def repair_fixture():
     env = envpool.make("code-repair-v1")
     yield env
     env.close()
+
+
+#: the namespaces a test run may get, as unshare(2) flags
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
+
+
+@functools.cache
+def kernel_allows(flags: int) -> bool:
+    """Whether a process here can unshare ``flags``. Tried in a child, which the namespaces
+    die with."""
+    probe = f"import ctypes, sys\nsys.exit(0 if ctypes.CDLL(None).unshare({flags}) == 0 else 1)\n"
+    return subprocess.run([sys.executable, "-c", probe], timeout=30).returncode == 0

@@ -9,7 +9,6 @@ a uid of the run's own (a root server's ``run_uid_base``) always did."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -21,19 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from code_repair_helpers import CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER, kernel_allows
 
 from envpool.envs.code_repair_user import DEFAULT_RUN_UID_BASE
-
-_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
-
-
-@functools.cache
-def _kernel_allows(flags: int) -> bool:
-    """Whether a process here can unshare ``flags``. Tried in a child, which the namespaces
-    die with."""
-    probe = f"import ctypes, sys\nsys.exit(0 if ctypes.CDLL(None).unshare({flags}) == 0 else 1)\n"
-    return subprocess.run([sys.executable, "-c", probe], timeout=30).returncode == 0
-
 
 # An env in a process of its own (a session of its own too: what the module sends to the env's
 # process group never reaches this test), which prints each run's info and text as JSON, then
@@ -89,9 +78,9 @@ def _route_skip(route: str) -> str | None:
     if route == "user_namespace":
         if shutil.which("setpriv") is None:
             return "drops CAP_SYS_ADMIN from root (setpriv)"
-        if not _kernel_allows(_CLONE_NEWUSER | _CLONE_NEWPID | _CLONE_NEWNS):
+        if not kernel_allows(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNS):
             return "the kernel refuses a user namespace with PID and mount namespaces here"
-    elif route != "root_no_namespace" and not _kernel_allows(_CLONE_NEWPID | _CLONE_NEWNS):
+    elif route != "root_no_namespace" and not kernel_allows(CLONE_NEWPID | CLONE_NEWNS):
         return "the kernel refuses a PID namespace with a mount namespace here"
     return None
 
@@ -211,9 +200,7 @@ print("PIDS", sorted(int(_n) for _n in _os.listdir("/proc") if _n.isdigit()))
 """
 
 
-@pytest.mark.skipif(
-    not _kernel_allows(_CLONE_NEWPID | _CLONE_NEWNS), reason="no PID and mount namespaces here"
-)
+@pytest.mark.skipif(not kernel_allows(CLONE_NEWPID | CLONE_NEWNS), reason="no PID and mount namespaces here")
 @pytest.mark.parametrize("route", ["root", "user_namespace"])
 def test_the_module_cannot_unmount_its_proc(tmp_path, route):
     first, _ = _runs(*_run_env(tmp_path, route, _UMOUNT_PROC))
@@ -242,7 +229,7 @@ except OSError as _e:
 
 
 @pytest.mark.skipif(
-    not _kernel_allows(_CLONE_NEWPID | _CLONE_NEWNS | _CLONE_NEWNET),
+    not kernel_allows(CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET),
     reason="no PID, mount and network namespaces here",
 )
 def test_the_module_cannot_join_the_servers_network_namespace(tmp_path):
@@ -281,9 +268,7 @@ for _path in ("/proc/sys/kernel/core_pattern", "/proc/sys/kernel/hostname", "/pr
 """
 
 
-@pytest.mark.skipif(
-    not _kernel_allows(_CLONE_NEWPID | _CLONE_NEWNS), reason="no PID and mount namespaces here"
-)
+@pytest.mark.skipif(not kernel_allows(CLONE_NEWPID | CLONE_NEWNS), reason="no PID and mount namespaces here")
 @pytest.mark.parametrize("route", ["root", "user_namespace"])
 def test_the_runs_proc_is_read_only_where_uid_0_writes_without_capabilities(tmp_path, route):
     # the run's own /proc, a fresh proc, had a writable /proc/sys where a container's is

@@ -9,7 +9,6 @@ env warns once."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -23,7 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from code_repair_helpers import edit_action
+from code_repair_helpers import (
+    CLONE_NEWNET,
+    CLONE_NEWNS,
+    CLONE_NEWPID,
+    CLONE_NEWUSER,
+    edit_action,
+    kernel_allows,
+)
 
 import envpool
 import envpool.envs  # registers the built-ins
@@ -31,21 +37,11 @@ from envpool.envs import code_repair, code_repair_runner
 
 FIX = ("    return a - b", "    return a + b")
 
-_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
-
-
-@functools.cache
-def _kernel_allows(flags: int) -> bool:
-    """Whether a process here can unshare ``flags``. Tried in a child, which the namespaces
-    die with."""
-    probe = f"import ctypes, sys\nsys.exit(0 if ctypes.CDLL(None).unshare({flags}) == 0 else 1)\n"
-    return subprocess.run([sys.executable, "-c", probe], timeout=30).returncode == 0
-
 
 def _either_route_allows(flags: int) -> bool:
     """Whether a run can have ``flags``: as this process is, or in a user namespace of its own
     (the runner's two routes)."""
-    return _kernel_allows(flags) or _kernel_allows(flags | _CLONE_NEWUSER)
+    return kernel_allows(flags) or kernel_allows(flags | CLONE_NEWUSER)
 
 
 @contextlib.contextmanager
@@ -68,7 +64,7 @@ _FULL = dict.fromkeys(code_repair_runner.ISOLATION, True)
 def _full_isolation_here() -> bool:
     """Whether a run on the root route gets every part of its isolation here (root: the
     namespaces, the mounts, and the module's uid of its own, which holds no capability)."""
-    return os.geteuid() == 0 and _kernel_allows(_CLONE_NEWPID | _CLONE_NEWNS | _CLONE_NEWNET)
+    return os.geteuid() == 0 and kernel_allows(CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET)
 
 
 @contextlib.contextmanager
@@ -102,7 +98,7 @@ except OSError as _e:
 
 
 @pytest.mark.skipif(
-    not _either_route_allows(_CLONE_NEWPID | _CLONE_NEWNET),
+    not _either_route_allows(CLONE_NEWPID | CLONE_NEWNET),
     reason="the kernel refuses a network namespace (with a PID namespace) here, even in a user namespace",
 )
 def test_a_module_cannot_reach_a_localhost_listener(tmp_path):
@@ -139,7 +135,7 @@ for _pid in ({pids}):
 
 
 @pytest.mark.skipif(
-    not _either_route_allows(_CLONE_NEWPID | _CLONE_NEWNS),
+    not _either_route_allows(CLONE_NEWPID | CLONE_NEWNS),
     reason="the kernel refuses a PID namespace with a mount namespace here, even in a user namespace",
 )
 def test_a_module_sees_only_its_runs_processes_in_proc(tmp_path):
@@ -224,7 +220,7 @@ env.close()
 @pytest.mark.skipif(os.geteuid() != 0, reason="drops CAP_SYS_ADMIN from root (setpriv)")
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
 @pytest.mark.skipif(
-    not _kernel_allows(_CLONE_NEWUSER | _CLONE_NEWPID | _CLONE_NEWNS | _CLONE_NEWNET),
+    not kernel_allows(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET),
     reason="the kernel refuses a user namespace with PID, mount and network namespaces here",
 )
 def test_the_user_namespace_route_cuts_the_network_and_proc_too(tmp_path):

@@ -7,7 +7,6 @@ uid of the run's own (a root server's ``run_uid_base``) keeps the server out of 
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -16,19 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from code_repair_helpers import CLONE_NEWPID, CLONE_NEWUSER, kernel_allows
 
 from envpool.envs.code_repair_user import DEFAULT_RUN_UID_BASE
-
-_CLONE_NEWUSER, _CLONE_NEWPID = 0x10000000, 0x20000000
-
-
-@functools.cache
-def _kernel_allows(flags: int) -> bool:
-    """Whether a process here can unshare ``flags``. Tried in a child, which the namespaces
-    die with."""
-    probe = f"import ctypes, sys\nsys.exit(0 if ctypes.CDLL(None).unshare({flags}) == 0 else 1)\n"
-    return subprocess.run([sys.executable, "-c", probe], timeout=30).returncode == 0
-
 
 # An env in a process of its own, which prints each run's info and text as JSON, then "ENV
 # ALIVE": a run whose module signals, then the same module without the signal
@@ -104,7 +93,7 @@ def _check(returncode: int, text: str, where: str, pid_namespace: bool = True) -
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the module runs as root there (run_uid_base=None)")
-@pytest.mark.skipif(not _kernel_allows(_CLONE_NEWPID), reason="the kernel refuses a PID namespace here")
+@pytest.mark.skipif(not kernel_allows(CLONE_NEWPID), reason="the kernel refuses a PID namespace here")
 @pytest.mark.parametrize("attack", sorted(_ATTACKS))
 def test_a_modules_signal_to_its_group_spares_the_env_on_the_root_route(tmp_path, attack):
     # root with CAP_SYS_ADMIN makes the PID namespace itself, and with run_uid_base=None the
@@ -116,7 +105,7 @@ def test_a_modules_signal_to_its_group_spares_the_env_on_the_root_route(tmp_path
     os.geteuid() == 0 and shutil.which("setpriv") is None, reason="drops CAP_SYS_ADMIN from root (setpriv)"
 )
 @pytest.mark.skipif(
-    not _kernel_allows(_CLONE_NEWUSER | _CLONE_NEWPID),
+    not kernel_allows(CLONE_NEWUSER | CLONE_NEWPID),
     reason="the kernel refuses a user namespace with a PID namespace here",
 )
 @pytest.mark.parametrize("attack", sorted(_ATTACKS))
