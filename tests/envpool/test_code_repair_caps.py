@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from code_repair_helpers import CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER, kernel_allows
+from code_repair_helpers import (
+    CLONE_NEWNET,
+    CLONE_NEWNS,
+    CLONE_NEWPID,
+    CLONE_NEWUSER,
+    edit_action,
+    kernel_allows,
+)
 
 from envpool.envs.code_repair_user import DEFAULT_RUN_UID_BASE
 
@@ -280,3 +287,28 @@ def test_the_runs_proc_is_read_only_where_uid_0_writes_without_capabilities(tmp_
     assert "OPENED FOR WRITING" not in text, text
     assert "REFUSED /proc/sys/kernel/core_pattern 30" in text, text  # EROFS
     assert first["info"]["all_passed"] and "isolation" not in first["info"], first
+
+
+def test_a_module_whose_capabilities_cannot_be_dropped_is_never_run(tmp_path, monkeypatch):
+    # the runner refuses (caps_error) rather than import the module with them: the env says why
+    import envpool
+    from envpool.envs import code_repair_runner
+    from envpool.errors import EnvUsageError
+
+    runner = code_repair_runner.RUNNER
+    assert "def drop_caps():\n" in runner
+    refused = "def drop_caps():\n    raise OSError('refused for this test')\n"
+    monkeypatch.setattr(code_repair_runner, "RUNNER", runner.replace("def drop_caps():\n", refused))
+    marker = tmp_path / "imported"
+    env = envpool.make("code-repair-v1", workdir_root=str(tmp_path), run_uid_base=None)
+    try:
+        env.reset(options={"task": "mathutils"})
+        planted = f"open({str(marker)!r}, 'w').close()\n"
+        assert env.step(edit_action("mathutils.py", "def add", planted + "def add")).info["valid"]
+        with pytest.raises(
+            EnvUsageError, match=r"could not be stripped of its capabilities \(refused for this test\)"
+        ):
+            env.step("run_tests")
+    finally:
+        env.close()
+    assert not marker.exists()  # the module was never imported
