@@ -35,3 +35,35 @@ def kernel_allows(flags: int) -> bool:
     die with."""
     probe = f"import ctypes, sys\nsys.exit(0 if ctypes.CDLL(None).unshare({flags}) == 0 else 1)\n"
     return subprocess.run([sys.executable, "-c", probe], timeout=30).returncode == 0
+
+
+# An env in a process of its own (a session of its own too: what the module sends to the env's
+# process group never reaches this test), which prints each run's info and text as JSON, then
+# "ENV ALIVE": a run of the module with the attack, then one without it. RUNNER_EDIT edits the
+# runner's text first (a part of the isolation refused, as the kernel may)
+ENV_SCRIPT = """
+import json, envpool, envpool.envs
+from envpool.envs import code_repair_runner
+code_repair_runner.PID_NAMESPACE = {pid_namespace!r}
+for old, new in {runner_edit!r}:
+    assert old in code_repair_runner.RUNNER
+    code_repair_runner.RUNNER = code_repair_runner.RUNNER.replace(old, new)
+env = envpool.make("code-repair-v1", workdir_root={work!r}, run_uid_base={uid_base!r}, test_timeout_s=20)
+env.reset(options={{"task": "mathutils"}})
+
+def edit(search, replace):
+    return f"edit mathutils.py\\n<<<<<<< SEARCH\\n{{search}}\\n=======\\n{{replace}}\\n>>>>>>> REPLACE"
+
+assert env.step(edit("    return a - b", "    return a + b")).info["valid"]
+assert env.step(edit("def add", {attack!r} + "def add")).info["valid"]
+
+def run_tests():
+    res = env.step("run_tests")
+    print(json.dumps({{"info": res.info, "text": res.obs.text}}), flush=True)
+
+run_tests()
+assert env.step(edit({attack!r} + "def add", "def add")).info["valid"]
+run_tests()
+env.close()
+print("ENV ALIVE", flush=True)
+"""

@@ -25,42 +25,12 @@ from code_repair_helpers import (
     CLONE_NEWNS,
     CLONE_NEWPID,
     CLONE_NEWUSER,
+    ENV_SCRIPT,
     edit_action,
     kernel_allows,
 )
 
 from envpool.envs.code_repair_user import DEFAULT_RUN_UID_BASE
-
-# An env in a process of its own (a session of its own too: what the module sends to the env's
-# process group never reaches this test), which prints each run's info and text as JSON, then
-# "ENV ALIVE": a run of the module with the attack, then one without it. RUNNER_EDIT edits the
-# runner's text first (a part of the isolation refused, as the kernel may)
-_ENV = """
-import json, envpool, envpool.envs
-from envpool.envs import code_repair_runner
-code_repair_runner.PID_NAMESPACE = {pid_namespace!r}
-for old, new in {runner_edit!r}:
-    assert old in code_repair_runner.RUNNER
-    code_repair_runner.RUNNER = code_repair_runner.RUNNER.replace(old, new)
-env = envpool.make("code-repair-v1", workdir_root={work!r}, run_uid_base={uid_base!r}, test_timeout_s=20)
-env.reset(options={{"task": "mathutils"}})
-
-def edit(search, replace):
-    return f"edit mathutils.py\\n<<<<<<< SEARCH\\n{{search}}\\n=======\\n{{replace}}\\n>>>>>>> REPLACE"
-
-assert env.step(edit("    return a - b", "    return a + b")).info["valid"]
-assert env.step(edit("def add", {attack!r} + "def add")).info["valid"]
-
-def run_tests():
-    res = env.step("run_tests")
-    print(json.dumps({{"info": res.info, "text": res.obs.text}}), flush=True)
-
-run_tests()
-assert env.step(edit({attack!r} + "def add", "def add")).info["valid"]
-run_tests()
-env.close()
-print("ENV ALIVE", flush=True)
-"""
 
 # setpriv takes CAP_SYS_ADMIN from root: the server may not make namespaces itself, and the run
 # takes a user namespace of its own, which maps root alone (run_uid_base=None)
@@ -100,7 +70,7 @@ def _run_env(
     if why is not None:
         pytest.skip(why)
     prefix, uid_base, pid_namespace = _ROUTES[route]
-    script = _ENV.format(
+    script = ENV_SCRIPT.format(
         work=str(tmp_path),
         attack=attack,
         uid_base=uid_base,

@@ -15,35 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from code_repair_helpers import CLONE_NEWPID, CLONE_NEWUSER, kernel_allows
+from code_repair_helpers import CLONE_NEWPID, CLONE_NEWUSER, ENV_SCRIPT, kernel_allows
 
 from envpool.envs.code_repair_user import DEFAULT_RUN_UID_BASE
-
-# An env in a process of its own, which prints each run's info and text as JSON, then "ENV
-# ALIVE": a run whose module signals, then the same module without the signal
-_ENV = """
-import json, envpool, envpool.envs
-from envpool.envs import code_repair_runner
-code_repair_runner.PID_NAMESPACE = {pid_namespace!r}
-env = envpool.make("code-repair-v1", workdir_root={work!r}, run_uid_base={uid_base!r}, test_timeout_s=20)
-env.reset(options={{"task": "mathutils"}})
-
-def edit(search, replace):
-    return f"edit mathutils.py\\n<<<<<<< SEARCH\\n{{search}}\\n=======\\n{{replace}}\\n>>>>>>> REPLACE"
-
-assert env.step(edit("    return a - b", "    return a + b")).info["valid"]
-assert env.step(edit("def add", {attack!r} + "def add")).info["valid"]
-
-def run_tests():
-    res = env.step("run_tests")
-    print(json.dumps({{"info": res.info, "text": res.obs.text}}), flush=True)
-
-run_tests()
-assert env.step(edit({attack!r} + "def add", "def add")).info["valid"]  # the signal gone
-run_tests()
-env.close()
-print("ENV ALIVE", flush=True)
-"""
 
 # the module says where it runs (its pid, 2 in a PID namespace of its own; its user
 # namespace's uid map), then signals its process group
@@ -63,7 +37,10 @@ def _run_env(
 ) -> tuple[int, str]:
     """The env's exit status and output. In a session of its own: a signal the module sends
     to the env's process group reaches the env process, never this test's."""
-    script = _ENV.format(work=str(tmp_path), attack=attack, uid_base=uid_base, pid_namespace=pid_namespace)
+    # (ENV_SCRIPT: a run whose module signals, then the same module without the signal)
+    script = ENV_SCRIPT.format(
+        work=str(tmp_path), attack=attack, uid_base=uid_base, pid_namespace=pid_namespace, runner_edit=()
+    )
     out = subprocess.run(
         [*prefix, sys.executable, "-c", script],
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
