@@ -5,8 +5,10 @@ imports ``repair_fixture``, known to pytest by ``name=``)."""
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +69,29 @@ run_tests()
 env.close()
 print("ENV ALIVE", flush=True)
 """
+
+
+def run_env_script(
+    work: Path,
+    attack: str,
+    *,
+    prefix: list[str],
+    uid_base: int | None,
+    pid_namespace: bool,
+    runner_edit: tuple[tuple[str, str], ...] = (),
+) -> tuple[int, str]:
+    """ENV_SCRIPT's exit status and output, run under ``prefix`` (setpriv, or nothing). In a
+    session of its own: a signal the module sends to the env's process group reaches the env
+    process, never the test's."""
+    script = ENV_SCRIPT.format(
+        work=str(work), attack=attack, uid_base=uid_base, pid_namespace=pid_namespace, runner_edit=runner_edit
+    )
+    out = subprocess.run(
+        [*prefix, sys.executable, "-c", script],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+    )
+    return out.returncode, out.stdout + out.stderr

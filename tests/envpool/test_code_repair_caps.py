@@ -14,8 +14,6 @@ import os
 import re
 import shutil
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +23,9 @@ from code_repair_helpers import (
     CLONE_NEWNS,
     CLONE_NEWPID,
     CLONE_NEWUSER,
-    ENV_SCRIPT,
     edit_action,
     kernel_allows,
+    run_env_script,
 )
 
 from envpool.envs.code_repair_user import DEFAULT_RUN_UID_BASE
@@ -70,22 +68,14 @@ def _run_env(
     if why is not None:
         pytest.skip(why)
     prefix, uid_base, pid_namespace = _ROUTES[route]
-    script = ENV_SCRIPT.format(
-        work=str(tmp_path),
-        attack=attack,
+    return run_env_script(
+        tmp_path,
+        attack,
+        prefix=prefix,
         uid_base=uid_base,
         pid_namespace=pid_namespace,
         runner_edit=runner_edit,
     )
-    out = subprocess.run(
-        [*prefix, sys.executable, "-c", script],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        start_new_session=True,
-    )
-    return out.returncode, out.stdout + out.stderr
 
 
 def _runs(returncode: int, text: str) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -10,12 +10,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from code_repair_helpers import CLONE_NEWPID, CLONE_NEWUSER, ENV_SCRIPT, kernel_allows
+from code_repair_helpers import CLONE_NEWPID, CLONE_NEWUSER, kernel_allows, run_env_script
 
 from envpool.envs.code_repair_user import DEFAULT_RUN_UID_BASE
 
@@ -35,21 +33,9 @@ _NO_SYS_ADMIN = ["setpriv", "--bounding-set", "-sys_admin", "--inh-caps", "-sys_
 def _run_env(
     tmp_path: Path, attack: str, prefix: list[str], uid_base: int | None = None, pid_namespace: bool = True
 ) -> tuple[int, str]:
-    """The env's exit status and output. In a session of its own: a signal the module sends
-    to the env's process group reaches the env process, never this test's."""
+    """The env's exit status and output."""
     # (ENV_SCRIPT: a run whose module signals, then the same module without the signal)
-    script = ENV_SCRIPT.format(
-        work=str(tmp_path), attack=attack, uid_base=uid_base, pid_namespace=pid_namespace, runner_edit=()
-    )
-    out = subprocess.run(
-        [*prefix, sys.executable, "-c", script],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        start_new_session=True,
-    )
-    return out.returncode, out.stdout + out.stderr
+    return run_env_script(tmp_path, attack, prefix=prefix, uid_base=uid_base, pid_namespace=pid_namespace)
 
 
 def _check(returncode: int, text: str, where: str, pid_namespace: bool = True) -> None:
