@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import AsyncIterator
@@ -43,6 +42,7 @@ from envpool.pool_config import (
     inprocess_tools,
     parse_pool_config,
 )
+from envpool.pool_stop import ContainerStopper
 from envpool.runtimes.base import Container, Runtime, make_runtime
 from envpool.session import EnvSession
 
@@ -76,7 +76,7 @@ class EnvPool:
         self.images = images
         # without a bridge every tool call would be an error observation: wrong training data
         self.tool_caller: AsyncToolCaller = tool_caller if tool_caller is not None else inprocess_tools
-        self.runtime: Runtime = make_runtime(self.config.runtime)
+        self._runtime: Runtime = make_runtime(self.config.runtime)
         self._idle: dict[str | None, deque[Container]] = defaultdict(deque)
         self._wanted: dict[str | None, int] = {}
         """Images kept warm -> idle containers wanted: an image that started (a cold claim, a
@@ -100,14 +100,26 @@ class EnvPool:
         self._idle_probe: asyncio.Task[None] | None = None
         self._idle_probed = 0.0  # when the last probe of the idle containers began
         self._bg: set[asyncio.Task[Any]] = set()
-        self._pinned: dict[str, str] = {}
-        """Container id -> the image digest whose unpacked bundle it runs from, pinned in the
-        image cache (not evicted) until the container has stopped."""
-        self._stopping_again: set[str] = set()
-        self._leak_tried: dict[str, float] = {}  # leaked container id -> its last stop attempt
-        """Containers whose stop failed and is being retried in the background."""
         self.metrics: Counter[str] = Counter()
+        self._stopper = ContainerStopper(
+            self._runtime,
+            self.config,
+            images,
+            self.metrics,
+            spawn=self._spawn_bg,
+            kick=self._kick,
+            closed=lambda: self._closed,
+        )
         self.claim_ms: deque[float] = deque(maxlen=10_000)
+
+    @property
+    def runtime(self) -> Runtime:
+        return self._runtime
+
+    @runtime.setter
+    def runtime(self, runtime: Runtime) -> None:
+        """Another runtime (a test's stand-in): the stops go to it too."""
+        self._runtime = self._stopper.runtime = runtime
 
     async def __aenter__(self) -> EnvPool:
         import envpool.envs  # noqa: F401 - the built-in environments
@@ -147,9 +159,7 @@ class EnvPool:
             try:
                 await self.runtime.aclose()
             finally:
-                for cid in list(self._pinned):  # what may still run (a stop that failed) stays pinned
-                    if cid not in self.runtime.live and cid not in self.runtime.leaked:
-                        self._unpin(cid)
+                self._stopper.unpin_stopped()
             finished = True
         finally:
             done.set_result(finished)  # (a cancelled close too: those waiting on it go on)
@@ -241,13 +251,13 @@ class EnvPool:
                 c = await self.runtime.start(image, bundle, timeout_s=self.config.runtime.start_timeout_s)
             except BaseException as e:
                 if pinned is not None:
-                    self._release_pin(pinned)
+                    self._stopper.release_pin(pinned)
                 if self._closed and isinstance(e, Exception) and not isinstance(e, PoolClosed):
                     # the runtime refused, closed under it: the claim ends as a closed pool's
                     raise PoolClosed("the pool was closed while a container started") from e
                 raise
             if pinned is not None:
-                self._pinned[c.id] = pinned
+                self._stopper.pinned[c.id] = pinned
             if self._closed:
                 # it started after the runtime's close stopped everything it knew: nothing
                 # else will (a remote container would run on, idle in a closed pool)
@@ -294,128 +304,10 @@ class EnvPool:
         self._notify_changed()
 
     async def _stop(self, c: Container) -> None:
-        """Stop a container the pool gives up; a failure is counted, not raised (the session
-        or housekeeping that let it go is done with it), and retried in the background."""
-        try:
-            await self._stop_once(c)
-        except Exception as e:
-            self.metrics[f"stop_failed:{type(e).__name__}"] += 1
-            if not self._closed and c.id not in self._stopping_again:
-                self._stopping_again.add(c.id)
-                self._spawn_bg(self._stop_again(c, e))
-        else:
-            self._unpin(c.id)
-
-    async def _stop_once(self, c: Container) -> None:
-        """One stop attempt, bounded by ``stop_timeout_s``: ``Runtime.stop`` shields the stop
-        it shares, so giving up here does not interrupt it; a later attempt joins it."""
-        # not wait_for: on Python 3.11 it swallows a cancellation that lands as the stop
-        # returns, and the cancelled caller (an aborted trajectory) would go on
-        stop = asyncio.ensure_future(self.runtime.stop(c))
-        try:
-            await asyncio.wait((stop,), timeout=self.config.stop_timeout_s)
-        except BaseException:
-            if not stop.done():
-                stop.cancel()  # only this wait on it: the stop itself goes on, shielded
-            elif not stop.cancelled():
-                stop.exception()  # retrieved: its caller is gone
-            raise
-        if not stop.done():
-            stop.cancel()
-            raise InfraError(f"stopping container {c.id} did not return in {self.config.stop_timeout_s:g} s")
-        stop.result()
-
-    async def _stop_again(self, c: Container, error: Exception) -> None:
-        """Retry a failed stop with backoff and full jitter. Until it succeeds the container
-        holds a slot (it may still run); once ``stop_retry.attempts`` are spent it is handed
-        over as leaked (``Runtime.abandon``): it frees its slot, and the runtime's close and
-        exit hook try once more. Capacity must not shrink for the rest of a run because an
-        engine or API refused a few removals."""
-        rc = self.config.stop_retry
-        try:
-            for n in range(1, rc.attempts):
-                cap = min(rc.max_backoff_s, rc.initial_backoff_s * 2 ** (n - 1))
-                await asyncio.sleep(random.uniform(0, cap))  # full jitter
-                if c.id not in self.runtime.live:
-                    return  # stopped (or given up) on another path meanwhile
-                if self.runtime.stopping(c):
-                    # the stop that timed out still hangs: waiting on it again for another
-                    # stop_timeout_s would hold the slot attempts x that long; count it failed
-                    self.metrics["stop_failed:still_stopping"] += 1
-                    continue
-                try:
-                    await self._stop_once(c)
-                except Exception as e:
-                    self.metrics[f"stop_failed:{type(e).__name__}"] += 1
-                    error = e
-                    continue
-                self.metrics["stop_retried_ok"] += 1
-                self._unpin(c.id)
-                return
-            if self.runtime.abandon(c):
-                self.metrics["containers_leaked"] += 1
-                # named by what finds it by hand: a docker id, a pod name, a sandbox id, a pid
-                where = c.handle if isinstance(c.handle, str) else f"pid {c.pid}"
-                log.warning(
-                    "envpool: gave up stopping container %s (%s runtime, %s, image %s) after %d "
-                    "attempts; its pool slot is released and it is recorded as leaked (tried "
-                    "again every %g s, and at the pool's close). Last error: %s: %s",
-                    c.id,
-                    self.runtime.kind,
-                    where,
-                    c.image or "built-ins",
-                    rc.attempts,
-                    self.config.leaked_retry_s,
-                    type(error).__name__,
-                    error,
-                )
-        finally:
-            self._stopping_again.discard(c.id)
-            self._kick()  # a slot may have freed up either way
+        await self._stopper.stop(c)
 
     async def _stop_and_kick(self, c: Container) -> None:
-        try:
-            await self._stop(c)
-        finally:
-            self._kick()  # its slot is free: claimers waiting for capacity hear of it
-
-    def _retry_leaked(self, now: float) -> None:
-        """Try the leaked containers' stops again, each every ``leaked_retry_s``: the engine
-        or API that refused them may have recovered, and a remote container left running
-        until the pool closes holds its node for the rest of the run. A stop of one still
-        under way (hung) is not doubled."""
-        leaked = self.runtime.leaked
-        for cid in [k for k in self._leak_tried if k not in leaked]:
-            del self._leak_tried[cid]
-        for cid, c in list(leaked.items()):
-            # first seen: it was given up just now, after stop_retry's attempts
-            last = self._leak_tried.setdefault(cid, now)
-            if now - last < self.config.leaked_retry_s or self.runtime.stopping(c):
-                continue
-            self._leak_tried[cid] = now
-            self._spawn_bg(self._stop_leaked(c))
-
-    async def _stop_leaked(self, c: Container) -> None:
-        try:
-            await self._stop_once(c)
-        except Exception as e:
-            self.metrics[f"leaked_stop_failed:{type(e).__name__}"] += 1
-        else:
-            self.metrics["leaked_stopped"] += 1
-            self._unpin(c.id)
-
-    def _unpin(self, cid: str) -> None:
-        """The container has stopped: its bundle may be evicted again."""
-        digest = self._pinned.pop(cid, None)
-        if digest is not None:
-            self._release_pin(digest)
-
-    def _release_pin(self, digest: str) -> None:
-        assert isinstance(self.images, PinningImageResolver)
-        try:
-            self.images.release(digest)
-        except Exception as e:  # the cache's bookkeeping must not fail a stop
-            self.metrics[f"unpin_failed:{type(e).__name__}"] += 1
+        await self._stopper.stop_and_kick(c)
 
     def _notify_changed(self) -> None:
         fut, self._changed = self._changed, None
@@ -523,11 +415,9 @@ class EnvPool:
             try:
                 now = time.monotonic()
                 self._prune_idle_images(now)
-                self._retry_leaked(now)
+                self._stopper.retry_leaked(now)
                 self._probe_idle(now)
-                for cid in list(self._pinned):  # a stop whose caller was cancelled went on
-                    if cid not in self.runtime.live and cid not in self.runtime.leaked:
-                        self._unpin(cid)
+                self._stopper.unpin_stopped()  # a stop whose caller was cancelled went on
                 for image, want in list(self._wanted.items()):
                     if now < self._prestart_after.get(image, 0.0):
                         continue

@@ -126,7 +126,7 @@ async def test_a_leaked_container_is_stopped_once_the_engine_recovers(images):
         rt.refuse = False  # the engine recovers: the pool stops it while it runs
         await wait_for(lambda: first.id not in rt.leaked)
         assert not alive(first.pid) and p.stats()["leaked_stopped"] == 1
-        assert first.id not in p._pinned  # its bundle may be evicted again
+        assert first.id not in p._stopper.pinned  # its bundle may be evicted again
 
 
 class _HungStopRuntime(ProcessRuntime):
