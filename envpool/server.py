@@ -118,9 +118,9 @@ def sound_after(e: BaseException, given: Any = None) -> bool:
     later session there would fail on too. (No EACCES or EPERM: a sandbox's or a resource
     limit's refusal says those too.)"""
     if isinstance(e, MemoryError) or not isinstance(e, Exception):
-        # (not an Exception: a SystemExit or a KeyboardInterrupt the environment raised, which
-        # may have stopped its code anywhere, a lock held or a cleanup cut short, and meant the
-        # process to end: see ``Server.handle``)
+        # (not an Exception: a SystemExit, a KeyboardInterrupt or a CancelledError the
+        # environment raised, which may have stopped its code anywhere, a lock held or a
+        # cleanup cut short, and meant its process or its task to end: see ``Server.handle``)
         return False
     if isinstance(e, OSError):
         if not (isinstance(e, _PATH_ERRORS) or e.errno in _PATH_ERRNOS):
@@ -131,8 +131,11 @@ def sound_after(e: BaseException, given: Any = None) -> bool:
     return True
 
 
-_ENV_RAISES = (Exception, SystemExit, KeyboardInterrupt)
-"""What an environment's code raising is its error, said to the pool (not the process's end)."""
+_ENV_RAISES = (BaseException,)
+"""What an environment's code raising is its error, said to the pool (not the process's end):
+anything, a SystemExit, a KeyboardInterrupt or an ``asyncio.CancelledError`` of its own (an
+event loop it runs inside a step) too. Nothing else raises in its calls: the server's own
+code around them awaits nothing, and a signal to this process does not unwind (``handle``)."""
 
 
 def _env_error_payload(e: BaseException, *, traceback: str | None = None) -> dict[str, Any]:

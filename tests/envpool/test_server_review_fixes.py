@@ -20,6 +20,7 @@ from envpool.pool import EnvPool
 from envpool.protocol import MAX_FRAME
 
 EXITING = '''
+import asyncio
 import sys
 import time
 import envpool
@@ -27,7 +28,7 @@ import envpool
 
 class ExitEnv(envpool.Env):
     """'exit' calls sys.exit("the env gave up"), 'exit-bare' sys.exit(), 'interrupt' raises
-    KeyboardInterrupt, 'sleep S' blocks; anything else is echoed."""
+    KeyboardInterrupt, 'cancelled' asyncio.CancelledError, 'sleep S' blocks; anything else is echoed."""
 
     example_actions = ("x",)
 
@@ -41,6 +42,8 @@ class ExitEnv(envpool.Env):
             sys.exit()
         if action == "interrupt":
             raise KeyboardInterrupt
+        if action == "cancelled":  # (an asyncio run of its own, cancelled inside it, say)
+            raise asyncio.CancelledError("the env's own task was cancelled")
         if action.startswith("sleep "):
             time.sleep(float(action.split()[1]))
         return envpool.StepResult(obs=envpool.Observation(text=f"echo {action}"))
@@ -69,6 +72,7 @@ def _no_infra(stats: dict) -> bool:
         ("exit", "SystemExit: the env gave up"),
         ("exit-bare", r"SystemExit: the environment called sys\.exit\(\)"),
         ("interrupt", "KeyboardInterrupt: raised by the environment's code"),
+        ("cancelled", "CancelledError: the env's own task was cancelled"),
     ],
 )
 async def test_an_environments_sys_exit_or_keyboard_interrupt_is_its_error_not_retried(exiting, action, said):
