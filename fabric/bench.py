@@ -50,7 +50,8 @@ class BenchConfig(BaseModel):
     endpoint_url: str | None = None
     token: str | None = None
     """``fabric serve``'s bearer token (default ``$RL_FABRIC_TOKEN``)."""
-    function_prefix: str = ""
+    function_prefix: str | None = None
+    """Default: the lambda backend's (``LambdaConfig.function_prefix``)."""
     transport: str = "auto"
     """The lambda backend's transport: ``auto``, ``boto3`` or ``http``."""
     workers: int | None = Field(None, ge=1)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pydantic_core
 
-from fabric.backends.base import LambdaConfig
+from fabric.backends.base import DEPLOY_PREFIX, LambdaConfig
 from fabric.errors import ErrorCode
 from fabric.protocol import Invocation, Result, lone_surrogate_problem
 
@@ -41,8 +41,6 @@ _BARE_STATUSES: dict[int, ErrorCode] = {
     404: ErrorCode.UNKNOWN_FUNCTION,
     413: ErrorCode.PAYLOAD_TOO_LARGE,
 }
-#: ``fabric deploy``'s default ``--prefix``, named when a call without a prefix finds nothing.
-_DEPLOY_PREFIX = "rl-fabric-"
 _RUNTIME_CRASHES = ("Runtime.ExitError", "Runtime.OutOfMemory", "Runtime.Unknown")
 #: Lambda's errors for a package whose handler cannot be loaded: a deployment fault (a zip
 #: built ``--no-deps`` without a layer, a wheel for the other architecture, a wrong handler),
@@ -124,12 +122,16 @@ class LambdaReplies:
             name = self.config.function_prefix + inv.function
             where = f" in {self.config.region}" if aws else ""
             if self.config.function_prefix:
-                message += f" (called as {name!r}{where}; run `fabric deploy`?"
-            else:  # the commonest miss: a deploy with its default --prefix
+                message += (
+                    f" (called as {name!r}{where}; deployed with another --prefix? set "
+                    "LambdaConfig(function_prefix=...) or `fabric invoke --prefix` to it; "
+                    "or run `fabric deploy`"
+                )
+            else:  # a fabric serve's default, called for what a deploy with its default made
                 message += (
                     f" (called as {name!r}{where}, with no function_prefix; `fabric deploy` names it "
-                    f"'{_DEPLOY_PREFIX}{inv.function}' unless given --prefix: "
-                    f"LambdaConfig(function_prefix='{_DEPLOY_PREFIX}'), or run `fabric deploy`"
+                    f"'{DEPLOY_PREFIX}{inv.function}' unless given --prefix: "
+                    f"LambdaConfig(function_prefix='{DEPLOY_PREFIX}'), or run `fabric deploy`"
                 )
             if aws:  # deployed, but to another region than the one called
                 message += (

@@ -24,6 +24,9 @@ from fabric.registry import Registry, default_registry
 
 TOKEN_ENV = "RL_FABRIC_TOKEN"
 """The bearer token of ``fabric serve``, for the server and for the lambda backend."""
+DEPLOY_PREFIX = "rl-fabric-"
+"""``fabric deploy``'s default ``--prefix``: what the lambda and modal backends call unless
+told otherwise (a lambda backend calling a ``fabric serve`` calls names as registered)."""
 
 
 def default_region() -> str:
@@ -97,8 +100,12 @@ class LambdaConfig(_Config):
     region: str = Field(default_factory=default_region, validate_default=True)
     """Default: ``$AWS_REGION``, else ``$AWS_DEFAULT_REGION``, else ``us-east-1``, as ``fabric
     deploy`` chooses it."""
-    function_prefix: str = ""
-    """Deployed names are ``prefix + name`` (``fabric deploy --prefix``)."""
+    function_prefix: str = DEPLOY_PREFIX
+    """Deployed names are ``prefix + name`` (``fabric deploy --prefix``, ``fabric serve
+    --prefix``). Unset (or ``None``): the default of what made them: ``""`` when calling a
+    ``fabric serve`` (there is a token: given, or ``$RL_FABRIC_TOKEN`` with ``endpoint_url``),
+    which serves names as registered; else ``rl-fabric-``, as ``fabric deploy`` names them
+    (AWS, or moto and LocalStack at an ``endpoint_url``)."""
     qualifier: str | None = "live"
     """The alias with provisioned concurrency; ``None`` calls ``$LATEST`` (no warm pool)."""
     token: SecretStr | None = None
@@ -125,6 +132,18 @@ class LambdaConfig(_Config):
     s3_endpoint_url: str | None = None
     """S3 for spilled payloads (``None``: AWS)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_prefix(cls, data: Any) -> Any:
+        # a deploy with the defaults names functions rl-fabric-NAME; a client with the
+        # defaults called NAME, and every call was UnknownFunction
+        if isinstance(data, Mapping) and data.get("function_prefix") is None:
+            served = bool(data.get("token")) or (
+                data.get("endpoint_url") is not None and bool(os.environ.get(TOKEN_ENV))
+            )
+            data = {**data, "function_prefix": "" if served else DEPLOY_PREFIX}
+        return data
+
     @model_validator(mode="after")
     def _aws_region(self) -> LambdaConfig:
         # an endpoint of one's own (fabric serve, LocalStack, MinIO for the spill) may use a
@@ -145,7 +164,7 @@ class ModalConfig(_Config):
 
     type: Literal["modal"] = "modal"
     app_name: str = "rl-fabric"
-    function_prefix: str = "rl-fabric-"
+    function_prefix: str = DEPLOY_PREFIX
     """Deployed names are ``prefix + name`` (``fabric deploy --prefix``)."""
     environment_name: str | None = None
     """Modal environment; ``None`` is the workspace default."""

@@ -57,8 +57,11 @@ EndpointUrlOpt = Annotated[
 ]
 TokenOpt = Annotated[str | None, typer.Option(help="`fabric serve` token (default: $RL_FABRIC_TOKEN).")]
 PrefixOpt = Annotated[
-    str,
-    typer.Option(help="With --backend lambda or modal: deployed name prefix (modal's default: rl-fabric-)."),
+    str | None,
+    typer.Option(
+        help="With --backend lambda or modal: deployed name prefix (default: rl-fabric-, as `fabric deploy` "
+        "names them; none for a `fabric serve` with a token, as it serves them)."
+    ),
 ]
 TransportOpt = Annotated[
     str, typer.Option(help="With --backend lambda: auto, boto3 or http (aiohttp; fabric serve only).")
@@ -143,7 +146,7 @@ def require_extra(what: str, extra: str, modules: tuple[str, ...]) -> None:
 
 
 def remote_backend(
-    backend: str, *, endpoint_url: str | None, token: str | None, prefix: str, transport: str
+    backend: str, *, endpoint_url: str | None, token: str | None, prefix: str | None, transport: str
 ) -> LambdaConfig | ModalConfig | None:
     """The lambda backend's config from ``--endpoint-url``, ``--token``, ``--prefix`` and
     ``--transport`` (the modal backend's from ``--prefix``, where given: an app deployed under
@@ -160,10 +163,10 @@ def remote_backend(
         if backend != "modal":
             given["--prefix"] = prefix
         for option, value in given.items():
-            if value:
+            if value is not None and (value or option == "--prefix"):  # --prefix "" is given too
                 takes = "lambda or modal" if option == "--prefix" else "lambda (a `fabric serve` or AWS)"
                 fail(f"{option} is for --backend {takes}, not {backend}")
-        return ModalConfig(function_prefix=prefix) if backend == "modal" and prefix else None
+        return ModalConfig(function_prefix=prefix) if backend == "modal" and prefix is not None else None
     try:
         return LambdaConfig(
             endpoint_url=endpoint_url, token=token, function_prefix=prefix, transport=transport

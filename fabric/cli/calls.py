@@ -83,7 +83,7 @@ def invoke(
     ] = "local",
     endpoint_url: EndpointUrlOpt = None,
     token: TokenOpt = None,
-    prefix: PrefixOpt = "",
+    prefix: PrefixOpt = None,
     transport: TransportOpt = "auto",
 ) -> None:
     args = payload_arg(payload)
@@ -121,7 +121,7 @@ def bench(
     ] = "local",
     endpoint_url: EndpointUrlOpt = None,
     token: TokenOpt = None,
-    prefix: PrefixOpt = "",
+    prefix: PrefixOpt = None,
     transport: TransportOpt = "auto",
     baseline: Annotated[
         str | None,

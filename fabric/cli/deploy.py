@@ -9,6 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from fabric.backends.base import DEPLOY_PREFIX
 from fabric.cli._app import (
     ModulesOpt,
     app,
@@ -30,7 +31,7 @@ def deploy(
     ] = "lambda",
     direct: Annotated[bool, typer.Option(help="Deploy with boto3 instead of terraform.")] = False,
     plan_only: Annotated[bool, typer.Option(help="terraform: init and plan, no apply.")] = False,
-    prefix: Annotated[str, typer.Option(help="Deployed names are PREFIX + function name.")] = "rl-fabric-",
+    prefix: Annotated[str, typer.Option(help="Deployed names are PREFIX + function name.")] = DEPLOY_PREFIX,
     region: Annotated[
         str | None, typer.Option(help="AWS region (default $AWS_REGION, $AWS_DEFAULT_REGION or us-east-1).")
     ] = None,

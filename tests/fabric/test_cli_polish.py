@@ -167,7 +167,10 @@ def test_modal_takes_a_prefix_and_refuses_the_lambda_only_options():
 
     cfg = remote_backend("modal", endpoint_url=None, token=None, prefix="team-", transport="auto")
     assert isinstance(cfg, ModalConfig) and cfg.function_prefix == "team-"
-    assert remote_backend("modal", endpoint_url=None, token=None, prefix="", transport="auto") is None
+    assert remote_backend("modal", endpoint_url=None, token=None, prefix=None, transport="auto") is None
+    # an app deployed with --prefix "": its names are taken as given (an empty --prefix was dropped)
+    cfg = remote_backend("modal", endpoint_url=None, token=None, prefix="", transport="auto")
+    assert isinstance(cfg, ModalConfig) and cfg.function_prefix == ""
     r = runner.invoke(app, ["invoke", "exact_match", "--backend", "modal", "--token", "t" * 20])
     assert r.exit_code == 2 and "--token is for --backend lambda" in " ".join(r.output.split()), r.output
     r = runner.invoke(app, ["invoke", "exact_match", "--backend", "local", "--prefix", "x-"])

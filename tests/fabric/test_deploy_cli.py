@@ -244,3 +244,42 @@ def test_cli_deploy_bad_input(tmp_path, monkeypatch, args, message):
     assert r.exit_code == 2 and message in r.output, r.output
     # said before packaging: no package is left behind
     assert "packaging" not in r.output and not (tmp_path / "build").exists()
+
+
+async def test_a_client_with_the_defaults_calls_the_names_a_deploy_with_the_defaults_made(
+    moto_url, tmp_path, monkeypatch
+):
+    """`fabric deploy` names functions rl-fabric-NAME unless given --prefix, while
+    LambdaConfig's function_prefix defaulted to "": a deploy with the defaults and then
+    Client(backend="lambda") (or `fabric invoke --backend lambda`) called 'add' and every
+    call was UnknownFunction. A client that signs its calls (AWS, or moto and LocalStack at
+    an endpoint_url) now calls the names a deploy gives by default."""
+    import boto3
+
+    from fabric.cli import app
+    from fabric.cli._app import remote_backend
+
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(
+        app,
+        [
+            *("deploy", "--direct", "--no-deps", "--endpoint-url", moto_url),
+            *("-m", "sample_fns", "-f", "add", "--out", str(tmp_path / "build")),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    deployed = json.loads(r.stdout.strip().splitlines()[-1])[0]["deployed_name"]
+    for cfg in (
+        LambdaConfig(endpoint_url=moto_url),
+        LambdaConfig.model_validate({"endpoint_url": moto_url}),
+        remote_backend("lambda", endpoint_url=moto_url, token=None, prefix=None, transport="auto"),
+    ):
+        assert isinstance(cfg, LambdaConfig)
+        assert cfg.function_prefix + "add" == deployed, cfg
+        boto3.client("lambda", endpoint_url=moto_url, region_name=cfg.region).get_function(
+            FunctionName=cfg.function_prefix + "add"
+        )
+    assert LambdaConfig().function_prefix + "add" == deployed  # AWS itself
+    # --prefix given, even empty, is taken as given
+    cfg = remote_backend("lambda", endpoint_url=moto_url, token=None, prefix="", transport="auto")
+    assert isinstance(cfg, LambdaConfig) and cfg.function_prefix == ""

@@ -311,3 +311,17 @@ def test_a_refusal_without_a_lambda_error_code_is_read_by_its_status(status, exp
         assert str(status) in r.error.message
         if status == 404:
             assert "endpoint_url" in r.error.message
+
+
+def test_the_default_prefix_follows_what_made_the_functions(monkeypatch):
+    """A fabric serve (the token says so) serves names as registered unless given --prefix;
+    a signed call goes to what `fabric deploy` made, rl-fabric-NAME unless given --prefix."""
+    monkeypatch.delenv("RL_FABRIC_TOKEN", raising=False)
+    assert LambdaConfig().function_prefix == "rl-fabric-"
+    assert LambdaConfig(endpoint_url="http://127.0.0.1:1").function_prefix == "rl-fabric-"
+    assert LambdaConfig(endpoint_url="http://127.0.0.1:1", token=TOKEN).function_prefix == ""
+    assert LambdaConfig(function_prefix=None).function_prefix == "rl-fabric-"
+    assert LambdaConfig(function_prefix="").function_prefix == ""
+    monkeypatch.setenv("RL_FABRIC_TOKEN", TOKEN)  # read only for an endpoint_url
+    assert LambdaConfig(endpoint_url="http://127.0.0.1:1").function_prefix == ""
+    assert LambdaConfig().function_prefix == "rl-fabric-"
