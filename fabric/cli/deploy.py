@@ -60,6 +60,13 @@ def deploy(
         ),
     ] = False,
     reserved: Annotated[bool, typer.Option(help="Cap each function at its max_concurrency.")] = False,
+    prune: Annotated[
+        bool,
+        typer.Option(
+            help="terraform: let it destroy the functions an earlier deploy made that this one does not "
+            "name (refused otherwise)."
+        ),
+    ] = False,
     terraform_dir: Annotated[str, typer.Option(help="Where fabric.auto.tfvars.json goes.")] = "terraform",
     out_dir: Annotated[str, typer.Option("--out", help="Where the package is built.")] = "build",
     deps: Annotated[
@@ -96,6 +103,8 @@ def deploy(
             "--modal-secret is for --backend modal: with terraform, set function_settings and "
             "function_environment (docs/deploy.md); with --direct, set the variables on the function"
         )
+    if prune and (backend != "lambda" or direct):
+        fail("--prune is for a terraform deploy (--backend lambda without --direct)")
     if provisioned and backend != "lambda":
         fail("--provisioned is for --backend lambda: Modal's min_containers follow each function's warm")
     if backend == "lambda":
@@ -117,6 +126,10 @@ def deploy(
             fail(
                 f"no terraform directory at {terraform_dir!r} (--terraform-dir): the repository's terraform/"
             )
+        if backend == "lambda" and not direct and not prune:
+            from fabric.deploy.tfvars import refuse_dropping
+
+            refuse_dropping(plan, Path(terraform_dir))  # before packaging, which takes a while
         if backend == "modal":
             from fabric.deploy.modal_ import deploy_modal
 

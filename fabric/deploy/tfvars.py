@@ -53,6 +53,32 @@ def tfvars(
     return values
 
 
+def dropped_functions(functions: list[DeployedFunction], terraform_dir: Path) -> list[str]:
+    """The deployed names the last deploy's ``fabric.auto.tfvars.json`` in ``terraform_dir``
+    lists that ``functions`` does not: ``terraform apply`` destroys them. The file is
+    terraform's whole list of functions, and the package they share is rebuilt from
+    ``functions`` alone, so the others cannot be kept by merging them in."""
+    try:
+        old = json.loads((terraform_dir / TFVARS_FILE).read_text())
+        before = {str(old["name_prefix"]) + str(name) for name in old["functions"]}
+    except (OSError, ValueError, KeyError, TypeError):  # no earlier deploy (or not one of ours)
+        return []
+    return sorted(before - {f.deployed_name for f in functions})
+
+
+def refuse_dropping(functions: list[DeployedFunction], terraform_dir: Path) -> None:
+    """Raise ``DeployError`` when writing ``functions`` would have terraform destroy deployed
+    ones (``dropped_functions``): a deploy of one more function with ``-f``, one without the
+    ``-m`` of an earlier one, or under another ``--prefix``, destroyed what callers use."""
+    gone = dropped_functions(functions, terraform_dir)
+    if gone:
+        raise DeployError(
+            f"terraform would destroy {', '.join(gone)}: an earlier deploy made them "
+            f"({terraform_dir / TFVARS_FILE}) and this one does not name them. Deploy them too "
+            "(-f NAME for each, -m for their modules, the same --prefix), or pass --prune to remove them"
+        )
+
+
 def write_tfvars(values: dict[str, Any], terraform_dir: Path) -> Path:
     """Write the file into ``terraform_dir`` after checking every key is a declared variable
     and every object attribute a declared one (terraform would only warn, or drop it)."""

@@ -283,3 +283,48 @@ async def test_a_client_with_the_defaults_calls_the_names_a_deploy_with_the_defa
     # --prefix given, even empty, is taken as given
     cfg = remote_backend("lambda", endpoint_url=moto_url, token=None, prefix="", transport="auto")
     assert isinstance(cfg, LambdaConfig) and cfg.function_prefix == ""
+
+
+def test_a_terraform_deploy_that_would_destroy_deployed_functions_is_refused(tmp_path, monkeypatch):
+    """fabric.auto.tfvars.json is terraform's whole list of functions: a deploy of one more
+    function (`-f new`), or one that forgot `-m my_rewards`, or one under another --prefix,
+    wrote a list without the others, and `terraform apply` destroyed them (and their alias,
+    under a training job calling them). Refused, naming them, unless --prune says so."""
+    from fabric.cli import app
+
+    tf = tmp_path / "terraform"
+    tf.mkdir()
+    for name in ("region", "name_prefix", "package", "functions", "tags"):
+        (tf / f"{name}.tf").write_text(f'variable "{name}" {{}}\n')
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no terraform on PATH
+    base = [
+        "deploy",
+        "--no-deps",
+        "-m",
+        "sample_fns",
+        "--terraform-dir",
+        str(tf),
+        "--out",
+        str(tmp_path / "b"),
+    ]
+
+    def deploy(*extra: str):
+        return CliRunner().invoke(app, [*base, *extra])
+
+    def deployed() -> list[str]:
+        values = json.loads((tf / TFVARS_FILE).read_text())
+        return [values["name_prefix"] + n for n in sorted(values["functions"])]
+
+    assert deploy("-f", "add", "-f", "pid").exit_code == 0
+    assert deployed() == ["rl-fabric-add", "rl-fabric-pid"]
+    assert deploy("-f", "add", "-f", "pid", "-f", "boom").exit_code == 0  # adding one is fine
+    r = deploy("-f", "add")
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2, r.output
+    assert "rl-fabric-boom, rl-fabric-pid" in text and "--prune" in text, text
+    assert deployed() == ["rl-fabric-add", "rl-fabric-boom", "rl-fabric-pid"]  # left as it was
+    r = deploy("-f", "add", "-f", "pid", "-f", "boom", "--prefix", "team-")  # a rename destroys too
+    assert r.exit_code == 2 and "rl-fabric-add" in " ".join(r.output.split()), r.output
+    r = deploy("-f", "add", "--prune")
+    assert r.exit_code == 0, r.output
+    assert deployed() == ["rl-fabric-add"]
