@@ -121,7 +121,11 @@ class ModalBackend(Backend):
             )
         elif code == ErrorCode.UNKNOWN_FUNCTION:
             name = self.config.function_prefix + inv.function
-            message += f" ({name!r} in app {self.config.app_name!r}; run `fabric deploy --backend modal`?)"
+            message += (
+                f" ({name!r} in app {self.config.app_name!r}; deployed to another app or --prefix? set "
+                "ModalConfig(app_name=..., function_prefix=...) or `fabric invoke --modal-app/--prefix`; "
+                "or run `fabric deploy --backend modal`)"
+            )
         return self._fail(inv, code, message)
 
     def _fail(self, inv: Invocation, code: ErrorCode, message: str) -> Result:

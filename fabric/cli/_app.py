@@ -63,6 +63,12 @@ PrefixOpt = Annotated[
         "names them; none for a `fabric serve` with a token, as it serves them)."
     ),
 ]
+ModalAppOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="With --backend modal: the Modal app the functions are deployed in (default: rl-fabric)."
+    ),
+]
 TransportOpt = Annotated[
     str, typer.Option(help="With --backend lambda: auto, boto3 or http (aiohttp; fabric serve only).")
 ]
@@ -146,7 +152,13 @@ def require_extra(what: str, extra: str, modules: tuple[str, ...]) -> None:
 
 
 def remote_backend(
-    backend: str, *, endpoint_url: str | None, token: str | None, prefix: str | None, transport: str
+    backend: str,
+    *,
+    endpoint_url: str | None,
+    token: str | None,
+    prefix: str | None,
+    transport: str,
+    modal_app: str | None = None,
 ) -> LambdaConfig | ModalConfig | None:
     """The lambda backend's config from ``--endpoint-url``, ``--token``, ``--prefix`` and
     ``--transport`` (the modal backend's from ``--prefix``, where given: an app deployed under
@@ -157,6 +169,8 @@ def remote_backend(
 
     from fabric.backends.base import LambdaConfig, ModalConfig
 
+    if modal_app is not None and backend != "modal":
+        fail(f"--modal-app is for --backend modal, not {backend}")
     if backend != "lambda":
         given = {"--endpoint-url": endpoint_url, "--token": token}
         given["--transport"] = None if transport == "auto" else transport
@@ -166,7 +180,11 @@ def remote_backend(
             if value is not None and (value or option == "--prefix"):  # --prefix "" is given too
                 takes = "lambda or modal" if option == "--prefix" else "lambda (a `fabric serve` or AWS)"
                 fail(f"{option} is for --backend {takes}, not {backend}")
-        return ModalConfig(function_prefix=prefix) if backend == "modal" and prefix is not None else None
+        if backend != "modal":
+            return None
+        given_modal = {"function_prefix": prefix, "app_name": modal_app}
+        chosen = {k: v for k, v in given_modal.items() if v is not None}
+        return ModalConfig(**chosen) if chosen else None
     try:
         return LambdaConfig(
             endpoint_url=endpoint_url, token=token, function_prefix=prefix, transport=transport

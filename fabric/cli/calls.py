@@ -12,6 +12,7 @@ from rich.table import Table
 from fabric.cli._app import (
     BAD_INPUT,
     EndpointUrlOpt,
+    ModalAppOpt,
     ModulesOpt,
     PrefixOpt,
     TokenOpt,
@@ -85,10 +86,16 @@ def invoke(
     token: TokenOpt = None,
     prefix: PrefixOpt = None,
     transport: TransportOpt = "auto",
+    modal_app: ModalAppOpt = None,
 ) -> None:
     args = payload_arg(payload)
     remote = remote_backend(
-        backend, endpoint_url=endpoint_url, token=token, prefix=prefix, transport=transport
+        backend,
+        endpoint_url=endpoint_url,
+        token=token,
+        prefix=prefix,
+        transport=transport,
+        modal_app=modal_app,
     )
     try:
         reg = load_registry(modules)

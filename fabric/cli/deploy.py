@@ -11,6 +11,7 @@ from rich.table import Table
 
 from fabric.backends.base import DEPLOY_PREFIX
 from fabric.cli._app import (
+    ModalAppOpt,
     ModulesOpt,
     app,
     err,
@@ -85,6 +86,7 @@ def deploy(
             "function; its keys become their environment (repeatable).",
         ),
     ] = None,
+    modal_app: ModalAppOpt = None,
     modules: ModulesOpt = None,
 ) -> None:
     from pathlib import Path
@@ -105,6 +107,8 @@ def deploy(
         )
     if prune and (backend != "lambda" or direct):
         fail("--prune is for a terraform deploy (--backend lambda without --direct)")
+    if modal_app is not None and backend != "modal":
+        fail(f"--modal-app is for --backend modal, not {backend}")
     if provisioned and backend != "lambda":
         fail("--provisioned is for --backend lambda: Modal's min_containers follow each function's warm")
     if backend == "lambda":
@@ -131,10 +135,14 @@ def deploy(
 
             refuse_dropping(plan, Path(terraform_dir))  # before packaging, which takes a while
         if backend == "modal":
-            from fabric.deploy.modal_ import deploy_modal
+            from fabric.deploy.modal_ import APP_NAME, deploy_modal
 
             deploy_modal(
-                reg, plan, secrets=modal_secrets or (), echo=lambda m: err.print(escape(m), soft_wrap=True)
+                reg,
+                plan,
+                app_name=modal_app or APP_NAME,
+                secrets=modal_secrets or (),
+                echo=lambda m: err.print(escape(m), soft_wrap=True),
             )
             return
         _deploy_lambda(

@@ -316,3 +316,35 @@ def test_deploy_docs_commands_exist():
         "--provisioned",
     ):
         assert opt in text and opt in help_text, opt
+
+
+def test_the_modal_app_is_named_at_deploy_and_at_the_call(tmp_path, monkeypatch):
+    """Every Modal deploy went to the app 'rl-fabric' (no option named it): two teams in one
+    workspace, or two sets of functions, deployed over each other's app. --modal-app names
+    it at deploy, and `fabric invoke --backend modal --modal-app` calls it."""
+    import fabric.deploy.modal_ as modal_deploy
+    from fabric.cli import app
+    from fabric.cli._app import remote_backend
+
+    seen: dict = {}
+
+    def fake_deploy(registry, plan, *, app_name="rl-fabric", secrets=(), echo):
+        seen.update(app_name=app_name, names=[f.deployed_name for f in plan])
+
+    monkeypatch.setattr(modal_deploy, "deploy_modal", fake_deploy)
+    monkeypatch.chdir(tmp_path)
+    args = ["deploy", "--backend", "modal", "-m", "sample_fns", "-f", "add"]
+    r = CliRunner().invoke(app, [*args, "--modal-app", "team-a"])
+    assert r.exit_code == 0, r.output
+    assert seen == {"app_name": "team-a", "names": ["rl-fabric-add"]}
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0 and seen["app_name"] == "rl-fabric", r.output
+    r = CliRunner().invoke(app, ["deploy", "-m", "sample_fns", "-f", "add", "--modal-app", "team-a"])
+    assert r.exit_code == 2 and "--modal-app is for --backend modal" in " ".join(r.output.split()), r.output
+
+    cfg = remote_backend(
+        "modal", endpoint_url=None, token=None, prefix=None, transport="auto", modal_app="team-a"
+    )
+    assert isinstance(cfg, ModalConfig) and cfg.app_name == "team-a" and cfg.function_prefix == "rl-fabric-"
+    r = CliRunner().invoke(app, ["invoke", "add", "--backend", "lambda", "--modal-app", "team-a"])
+    assert r.exit_code == 2 and "--modal-app is for --backend modal" in " ".join(r.output.split()), r.output
