@@ -184,6 +184,16 @@ class LambdaBackend(LambdaReplies, Backend):
                 self._spill_failed += 1
         else:
             body = envelope(inv)
+            if len(body) > MAX_PAYLOAD_BYTES:
+                # the client checked the payload, Lambda counts the request: a payload just
+                # under the limit went out whole, to be refused (413) for the envelope around it
+                body = self._fail(
+                    inv,
+                    ErrorCode.PAYLOAD_TOO_LARGE,
+                    f"{inv.function}: the request is {len(body):,} bytes (the payload and the envelope "
+                    f"around it), over the {MAX_PAYLOAD_BYTES:,}-byte limit of a synchronous invoke; "
+                    "send a reference instead (an S3 key), or set LambdaConfig.spill_bucket",
+                )
         if isinstance(body, Result):
             result = body
         elif self.transport == "http":

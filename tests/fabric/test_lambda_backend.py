@@ -325,3 +325,23 @@ def test_the_default_prefix_follows_what_made_the_functions(monkeypatch):
     monkeypatch.setenv("RL_FABRIC_TOKEN", TOKEN)  # read only for an endpoint_url
     assert LambdaConfig(endpoint_url="http://127.0.0.1:1").function_prefix == ""
     assert LambdaConfig().function_prefix == "rl-fabric-"
+
+
+@pytest.mark.parametrize("transport", ["http", "boto3"])
+async def test_an_envelope_over_lambdas_limit_is_refused_before_sending(transport, monkeypatch):
+    """The client checks the payload against Lambda's 6 MB, but Lambda counts the request:
+    the envelope around the payload (ids, key, deadline) is a few hundred bytes more. A
+    payload just under the limit went out, all 6 MB of it, to be refused by Lambda (413)."""
+    from aws_fakes import free_port
+
+    from fabric.protocol import MAX_PAYLOAD_BYTES
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    port = free_port()  # nothing listens: a call that is sent fails NotStarted
+    cfg = LambdaConfig(endpoint_url=f"http://127.0.0.1:{port}", token=TOKEN, transport=transport)
+    text = "x" * (MAX_PAYLOAD_BYTES - 20)  # {"s":"..."}: 8 bytes of JSON around it
+    async with LambdaBackend(REG, cfg) as b:
+        r = await b.submit(Invocation(function="add", payload={"s": text}))
+    assert r.error.type == ErrorCode.PAYLOAD_TOO_LARGE and not r.retryable, r.error
+    assert f"{MAX_PAYLOAD_BYTES:,}" in r.error.message, r.error.message
