@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -20,6 +21,9 @@ class DeployError(FabricError):
     """A deploy that cannot go on (bad options, a failed packaging or cloud step)."""
 
 
+#: What a Lambda function name (and terraform's ``name_prefix``) may hold. ASCII only: ``\w``
+#: would take any letter.
+_PREFIX = re.compile(r"[A-Za-z0-9_-]*")
 #: Lambda's refusal of provisioned or reserved concurrency the account's limit cannot spare.
 _CONCURRENCY_LIMIT = "UnreservedConcurrentExecution"
 
@@ -82,6 +86,11 @@ def plan_functions(
     off: provisioned concurrency is billed while idle). ``reserved`` caps each function at
     its ``max_concurrency`` with reserved concurrency (which also takes that much out of
     the account's pool, so it is off unless asked)."""
+    if not _PREFIX.fullmatch(prefix):
+        # said before the packaging: terraform's validation or Lambda refused it after
+        raise DeployError(
+            f"--prefix {prefix!r}: a Lambda function name takes letters, digits, '-' and '_' only"
+        )
     chosen = sorted(names if names is not None else registry.names())
     unknown = [n for n in chosen if n not in registry]
     if unknown:

@@ -44,6 +44,16 @@ def test_plan_errors():
 # -- package
 
 
+@pytest.mark.parametrize("prefix", ["team.a-", "team/a-", "team a-", "équipe-"])
+def test_a_prefix_no_function_name_may_hold_is_refused_before_packaging(prefix):
+    """Lambda names (and terraform's name_prefix) take letters, digits, '-' and '_': a
+    prefix with anything else was written to the tfvars, or sent to Lambda by --direct, after
+    the packaging, and refused there in terraform's or AWS's words."""
+    with pytest.raises(DeployError, match=r"--prefix .*letters, digits, '-' and '_'"):
+        plan_functions(REG, ["add"], prefix=prefix)
+    assert plan_functions(REG, ["add"], prefix="Team_A-")[0].deployed_name == "Team_A-add"
+
+
 def test_zip_holds_the_code_and_is_deterministic(tmp_path):
     plan = plan_functions(REG, ["add"])
     a = build_zip(plan, tmp_path / "a.zip", deps=False)
