@@ -135,8 +135,8 @@ class LambdaReplies:
                 )
             if aws:  # deployed, but to another region than the one called
                 message += (
-                    "; deployed to another region? LambdaConfig(region=...) or $AWS_REGION must name "
-                    "the region `fabric deploy` used"
+                    "; deployed to another region? LambdaConfig(region=...), `fabric invoke --region` "
+                    "or $AWS_REGION must name the region `fabric deploy` used"
                 )
             message += ")"
         return self._fail(inv, code, message)

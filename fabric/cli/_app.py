@@ -69,6 +69,13 @@ ModalAppOpt = Annotated[
         help="With --backend modal: the Modal app the functions are deployed in (default: rl-fabric)."
     ),
 ]
+RegionOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="With --backend lambda: the AWS region `fabric deploy` deployed to (default $AWS_REGION, "
+        "$AWS_DEFAULT_REGION or us-east-1, as deploy's)."
+    ),
+]
 TransportOpt = Annotated[
     str, typer.Option(help="With --backend lambda: auto, boto3 or http (aiohttp; fabric serve only).")
 ]
@@ -159,6 +166,7 @@ def remote_backend(
     prefix: str | None,
     transport: str,
     modal_app: str | None = None,
+    region: str | None = None,
 ) -> LambdaConfig | ModalConfig | None:
     """The lambda backend's config from ``--endpoint-url``, ``--token``, ``--prefix`` and
     ``--transport`` (the modal backend's from ``--prefix``, where given: an app deployed under
@@ -167,12 +175,12 @@ def remote_backend(
     option (a bad ``--transport`` was pydantic's traceback, once the bench had begun)."""
     from pydantic import ValidationError
 
-    from fabric.backends.base import LambdaConfig, ModalConfig
+    from fabric.backends.base import LambdaConfig, ModalConfig, region_problem
 
     if modal_app is not None and backend != "modal":
         fail(f"--modal-app is for --backend modal, not {backend}")
     if backend != "lambda":
-        given = {"--endpoint-url": endpoint_url, "--token": token}
+        given = {"--endpoint-url": endpoint_url, "--token": token, "--region": region}
         given["--transport"] = None if transport == "auto" else transport
         if backend != "modal":
             given["--prefix"] = prefix
@@ -185,9 +193,14 @@ def remote_backend(
         given_modal = {"function_prefix": prefix, "app_name": modal_app}
         chosen = {k: v for k, v in given_modal.items() if v is not None}
         return ModalConfig(**chosen) if chosen else None
+    if region is not None and endpoint_url is None:  # worded as deploy's --region
+        problem = region_problem(region)
+        if problem is not None:
+            fail(f"--region {problem}")
+    regional: dict[str, Any] = {} if region is None else {"region": region}
     try:
         return LambdaConfig(
-            endpoint_url=endpoint_url, token=token, function_prefix=prefix, transport=transport
+            endpoint_url=endpoint_url, token=token, function_prefix=prefix, transport=transport, **regional
         )
     except ValidationError as e:
         bad_options(e, {"function_prefix": "--prefix"})

@@ -15,6 +15,7 @@ from fabric.cli._app import (
     ModalAppOpt,
     ModulesOpt,
     PrefixOpt,
+    RegionOpt,
     TokenOpt,
     TransportOpt,
     app,
@@ -87,6 +88,7 @@ def invoke(
     prefix: PrefixOpt = None,
     transport: TransportOpt = "auto",
     modal_app: ModalAppOpt = None,
+    region: RegionOpt = None,
 ) -> None:
     args = payload_arg(payload)
     remote = remote_backend(
@@ -96,6 +98,7 @@ def invoke(
         prefix=prefix,
         transport=transport,
         modal_app=modal_app,
+        region=region,
     )
     try:
         reg = load_registry(modules)

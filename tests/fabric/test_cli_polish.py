@@ -175,3 +175,23 @@ def test_modal_takes_a_prefix_and_refuses_the_lambda_only_options():
     assert r.exit_code == 2 and "--token is for --backend lambda" in " ".join(r.output.split()), r.output
     r = runner.invoke(app, ["invoke", "exact_match", "--backend", "local", "--prefix", "x-"])
     assert "--prefix is for --backend lambda or modal, not local" in " ".join(r.output.split()), r.output
+
+
+def test_invoke_takes_the_region_deploy_took(monkeypatch):
+    """`fabric deploy --region eu-west-1` deployed there, and `fabric invoke --backend lambda`
+    had no --region: it called $AWS_REGION's (or us-east-1), where every call was
+    UnknownFunction, and only an environment variable could point it elsewhere."""
+    from fabric.backends.base import LambdaConfig
+    from fabric.cli._app import remote_backend
+
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    cfg = remote_backend(
+        "lambda", endpoint_url=None, token=None, prefix=None, transport="auto", region="eu-west-1"
+    )
+    assert isinstance(cfg, LambdaConfig) and cfg.region == "eu-west-1"
+    r = runner.invoke(app, ["invoke", "exact_match", "--backend", "lambda", "--region", "bogus"])
+    assert r.exit_code == 2 and "--region 'bogus' is not an AWS region name" in " ".join(r.output.split()), (
+        r.output
+    )
+    r = runner.invoke(app, ["invoke", "exact_match", "--backend", "local", "--region", "eu-west-1"])
+    assert r.exit_code == 2 and "--region is for --backend lambda" in " ".join(r.output.split()), r.output
