@@ -33,6 +33,41 @@ _CLIENT_ERRORS: dict[str, ErrorCode] = {
     "AccessDeniedException": ErrorCode.UNAUTHORIZED,
     "InvalidSignatureException": ErrorCode.UNAUTHORIZED,
     "ExpiredTokenException": ErrorCode.UNAUTHORIZED,
+    "SerializedRequestEntityTooLargeException": ErrorCode.PAYLOAD_TOO_LARGE,
+    # the function's configuration (its package, runtime, KMS key, VPC, EFS, SnapStart): no
+    # call runs until it is fixed. Final, and not the function's answer to the payload (a 4xx
+    # one was InvalidArguments, kept under the key and scored by a reward's failure_score)
+    **dict.fromkeys(
+        (
+            "InvalidZipFileException",
+            "InvalidRuntimeException",
+            "KMSAccessDeniedException",
+            "KMSDisabledException",
+            "KMSInvalidStateException",
+            "KMSNotFoundException",
+            "EC2AccessDeniedException",
+            "InvalidSubnetIDException",
+            "InvalidSecurityGroupIDException",
+            "EFSMountFailureException",
+            "SnapStartException",
+        ),
+        ErrorCode.SETUP_FAILED,
+    ),
+    # an execution environment Lambda could not make ready: the function did not run, so even
+    # a side effect is retried (a TransportError, which may have run, ended it OutcomeUnknown)
+    **dict.fromkeys(
+        (
+            "ENILimitReachedException",
+            "SubnetIPAddressLimitReachedException",
+            "EC2UnexpectedException",
+            "EFSMountConnectivityException",
+            "EFSMountTimeoutException",
+            "SnapStartNotReadyException",
+            "SnapStartTimeoutException",
+        ),
+        ErrorCode.NOT_STARTED,
+    ),
+    "EFSIOException": ErrorCode.TRANSPORT,  # while the function ran: it may have had effects
 }
 #: A refusal with no Lambda error code (a proxy's), by its HTTP status.
 _BARE_STATUSES: dict[int, ErrorCode] = {
@@ -118,6 +153,12 @@ class LambdaReplies:
                 # what Lambda answers in an opt-in region the account has not enabled
                 message += f", and that region {self.config.region!r} is enabled for the account"
             message += ")"
+        elif code == ErrorCode.SETUP_FAILED:
+            name = self.config.function_prefix + inv.function
+            message += (
+                f" (the configuration of {name!r}, not the payload: no call runs until it is fixed; "
+                "then run `fabric deploy` again)"
+            )
         elif code == ErrorCode.UNKNOWN_FUNCTION:
             name = self.config.function_prefix + inv.function
             where = f" in {self.config.region}" if aws else ""

@@ -28,7 +28,9 @@ retried); a ``FunctionError`` whose body is not a ``Result`` is Lambda's own err
 ``ResultNotSerializable``, a handler that cannot be loaded is ``SetupFailed``, anything
 else is the function's ``UserError``); a whole reply that is not JSON is the function's
 (``ResultNotSerializable``, or its ``UserError`` under a ``FunctionError``), unless it is
-JSON cut short (a retryable ``TransportError``); a missing
+JSON cut short (a retryable ``TransportError``); Lambda's refusal for the function's own
+configuration (its package, runtime, KMS key, VPC or EFS) is ``SetupFailed``, final, and one
+for an execution environment it could not make ready ``NotStarted``; a missing
 function (its message names the region it was looked for in), a region AWS Lambda does not
 have (its endpoint never resolves: not a connection fault to retry), a refused token, a bad
 request are final.

@@ -345,3 +345,44 @@ async def test_an_envelope_over_lambdas_limit_is_refused_before_sending(transpor
         r = await b.submit(Invocation(function="add", payload={"s": text}))
     assert r.error.type == ErrorCode.PAYLOAD_TOO_LARGE and not r.retryable, r.error
     assert f"{MAX_PAYLOAD_BYTES:,}" in r.error.message, r.error.message
+
+
+@pytest.mark.parametrize(
+    ("code_name", "status", "code"),
+    [
+        # the function's configuration: no call can run until it is redeployed (final, and not
+        # the function's answer, kept under the key and scored by a reward's failure_score)
+        ("EFSMountFailureException", 403, ErrorCode.SETUP_FAILED),
+        ("SnapStartException", 400, ErrorCode.SETUP_FAILED),
+        ("InvalidZipFileException", 502, ErrorCode.SETUP_FAILED),
+        ("InvalidRuntimeException", 502, ErrorCode.SETUP_FAILED),
+        ("KMSAccessDeniedException", 502, ErrorCode.SETUP_FAILED),
+        ("KMSDisabledException", 502, ErrorCode.SETUP_FAILED),
+        ("KMSInvalidStateException", 502, ErrorCode.SETUP_FAILED),
+        ("KMSNotFoundException", 502, ErrorCode.SETUP_FAILED),
+        ("EC2AccessDeniedException", 502, ErrorCode.SETUP_FAILED),
+        ("InvalidSubnetIDException", 502, ErrorCode.SETUP_FAILED),
+        ("InvalidSecurityGroupIDException", 502, ErrorCode.SETUP_FAILED),
+        # an environment Lambda could not make ready: the function did not run, retry even a
+        # side effect (a TransportError ended it OutcomeUnknown)
+        ("ENILimitReachedException", 502, ErrorCode.NOT_STARTED),
+        ("SubnetIPAddressLimitReachedException", 502, ErrorCode.NOT_STARTED),
+        ("EFSMountConnectivityException", 408, ErrorCode.NOT_STARTED),
+        ("EFSMountTimeoutException", 408, ErrorCode.NOT_STARTED),
+        ("SnapStartNotReadyException", 409, ErrorCode.NOT_STARTED),
+        ("SnapStartTimeoutException", 408, ErrorCode.NOT_STARTED),
+        # the request as a whole (Lambda's other 413)
+        ("SerializedRequestEntityTooLargeException", 413, ErrorCode.PAYLOAD_TOO_LARGE),
+        # while it ran: it may have had effects
+        ("EFSIOException", 410, ErrorCode.TRANSPORT),
+    ],
+)
+def test_lambdas_refusals_for_the_functions_environment(code_name, status, code):
+    """Lambda's Invoke errors that are neither the payload's nor the network's: a 4xx one
+    was InvalidArguments, which the client keeps under the key as the function's answer and a
+    reward's failure_score scores (an EFS mount that failed trained as a zero); a 502 one a
+    TransportError, retried though no call can pass until the function is fixed, and a side
+    effect's ended OutcomeUnknown though it never ran."""
+    b = LambdaBackend(REG, LambdaConfig())
+    r = b._refused(Invocation(function="add"), code_name, status, "refused")
+    assert r.error.type == code and code_name in r.error.message, r.error
