@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from fabric.backends._lambda_replies import _as_result
 from fabric.backends.base import Backend, ModalConfig
 from fabric.errors import ConfigError, ErrorCode
 from fabric.protocol import Invocation, Result
@@ -85,10 +86,14 @@ class ModalBackend(Backend):
             data = await self._function(inv.function).remote.aio(envelope)
         except Exception as e:
             return self._translate(inv, exc, e)
-        try:
-            result = Result.model_validate(data)
-        except ValueError as e:
-            return self._fail(inv, ErrorCode.TRANSPORT, f"Modal returned something that is not a Result: {e}")
+        # read as the lambda backend reads a handler's: a Result from a container deployed with
+        # newer code (a field this client does not know) is still that Result, not a
+        # TransportError retried until the client is upgraded
+        result = _as_result(data)
+        if result is None:
+            return self._fail(
+                inv, ErrorCode.TRANSPORT, f"Modal returned something that is not a Result: {str(data)[:200]}"
+            )
         result.timings.total_ms = (time.perf_counter() - t0) * 1e3
         return result
 

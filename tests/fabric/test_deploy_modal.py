@@ -348,3 +348,34 @@ def test_the_modal_app_is_named_at_deploy_and_at_the_call(tmp_path, monkeypatch)
     assert isinstance(cfg, ModalConfig) and cfg.app_name == "team-a" and cfg.function_prefix == "rl-fabric-"
     r = CliRunner().invoke(app, ["invoke", "add", "--backend", "lambda", "--modal-app", "team-a"])
     assert r.exit_code == 2 and "--modal-app is for --backend modal" in " ".join(r.output.split()), r.output
+
+
+async def test_a_result_from_a_container_deployed_with_newer_code_is_still_its_result():
+    """A container deployed from a newer fabric sends a Result with a field this client does
+    not know: it failed validation and became a retryable TransportError, every call of the
+    app retried to its attempts (a side effect's ended OutcomeUnknown) until the client was
+    upgraded. The lambda backend reads such a Result as what it says; so does this one."""
+    from fabric.backends.modal_ import ModalBackend
+    from fabric.protocol import Result
+
+    class Newer:
+        @property
+        def remote(self):
+            return self
+
+        async def aio(self, envelope):
+            sent = Result.failure(
+                ErrorCode.USER_ERROR,
+                "bad x",
+                function=envelope["function"],
+                request_id=envelope["request_id"],
+            )
+            return {**sent.model_dump(mode="json"), "added_in_a_later_release": 1}
+
+    class FakeModal(ModalBackend):
+        def _function(self, name):
+            return Newer()
+
+    async with FakeModal(REG, ModalConfig()) as b:
+        r = await b.invoke(Invocation(function="add", payload={"a": 1}))
+    assert r.error.type == ErrorCode.USER_ERROR and r.error.message == "bad x", r.error
