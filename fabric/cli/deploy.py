@@ -73,6 +73,14 @@ def deploy(
     deps: Annotated[
         bool, typer.Option("--deps/--no-deps", help="Put the dependencies in the zip (or use a layer).")
     ] = True,
+    pip: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--pip",
+            help="A dependency of your functions (a pip requirement, e.g. 'numpy>=1.26'), installed beside "
+            "rl-fabric's in the zip, the --image context or the Modal image (repeatable).",
+        ),
+    ] = None,
     image: Annotated[
         str | None,
         typer.Option(help="Deploy this container image URI; its build context is written to OUT/image."),
@@ -107,6 +115,11 @@ def deploy(
         )
     if prune and (backend != "lambda" or direct):
         fail("--prune is for a terraform deploy (--backend lambda without --direct)")
+    if pip and not deps and image is None and backend == "lambda":
+        fail(
+            "--pip installs into the package, which --no-deps leaves without dependencies: drop --no-deps, "
+            "or put them in your Lambda layer"
+        )
     if modal_app is not None and backend != "modal":
         fail(f"--modal-app is for --backend modal, not {backend}")
     if provisioned and backend != "lambda":
@@ -142,6 +155,7 @@ def deploy(
                 plan,
                 app_name=modal_app or APP_NAME,
                 secrets=modal_secrets or (),
+                pip=pip or (),
                 echo=lambda m: err.print(escape(m), soft_wrap=True),
             )
             return
@@ -158,6 +172,7 @@ def deploy(
             deps=deps,
             image=image,
             architecture=architecture,
+            pip=pip or (),
         )
     except (DeployError, FabricError) as e:
         fail(str(e))
@@ -173,7 +188,7 @@ def _deploy_lambda(plan: Any, **o: Any) -> None:
     if o["image"] is not None:
         if o["direct"]:
             raise DeployError("--direct deploys zip packages; deploy an --image with terraform")
-        ctx = image_context(plan, o["out"] / "image", architecture=o["architecture"])
+        ctx = image_context(plan, o["out"] / "image", architecture=o["architecture"], pip=o["pip"])
         say(f"image build context: {ctx} (build and push it as {o['image']})")
         values = tfvars(
             plan, region=o["region"], prefix=o["prefix"], image_uri=o["image"], architecture=o["architecture"]
@@ -185,7 +200,7 @@ def _deploy_lambda(plan: Any, **o: Any) -> None:
             check_credentials(o["region"])  # before packaging, which takes a while
         say(f"packaging {len(plan)} functions" + (" with dependencies (pip)" if o["deps"] else ""))
         zip_path = build_zip(
-            plan, o["out"] / "fabric-lambda.zip", deps=o["deps"], architecture=o["architecture"]
+            plan, o["out"] / "fabric-lambda.zip", deps=o["deps"], architecture=o["architecture"], pip=o["pip"]
         )
         say(f"package: {zip_path} ({zip_path.stat().st_size / 2**20:.1f} MiB)")
         if o["direct"]:

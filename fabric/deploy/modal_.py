@@ -73,17 +73,19 @@ def build_app(
     app_name: str = APP_NAME,
     *,
     secrets: Sequence[str] = (),
+    pip: Sequence[str] = (),
 ) -> tuple[Any, dict[str, Any]]:
     """``(app, functions)``: the app and its Modal functions by fabric name. ``secrets``:
     names of Modal secrets attached to every function, whose keys become their environment
-    (a judge's model and API key: the functions get no other variables of the user's)."""
+    (a judge's model and API key: the functions get no other variables of the user's). ``pip``:
+    the functions' own dependencies, installed beside rl-fabric's (``fabric deploy --pip``)."""
     modal = _modal()
     # looked up when the app deploys: a name Modal does not know fails the deploy, saying so
     attached = [modal.Secret.from_name(name) for name in secrets]
     roots = code_roots(plan)
     image = (
         modal.Image.debian_slim(python_version="3.11")
-        .pip_install(*requirements())
+        .pip_install(*requirements(pip))
         .add_local_python_source(*sorted(r.removesuffix(".py") for r in roots))
     )
     app = modal.App(app_name, image=image)
@@ -101,10 +103,11 @@ def deploy_modal(
     *,
     app_name: str = APP_NAME,
     secrets: Sequence[str] = (),
+    pip: Sequence[str] = (),
     echo: Callable[[str], None],
 ) -> None:
     modal = _modal()
-    app, _ = build_app(registry, plan, app_name, secrets=secrets)
+    app, _ = build_app(registry, plan, app_name, secrets=secrets, pip=pip)
     echo(f"deploying Modal app {app_name!r}: {', '.join(f.deployed_name for f in plan)}")
     try:
         with modal.enable_output():

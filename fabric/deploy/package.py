@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from fabric.deploy.plan import HANDLER, DeployedFunction, DeployError
@@ -84,9 +84,10 @@ def _files(root: Path, arcname: str, *, hidden: bool = False) -> Iterator[tuple[
             yield path, str(Path(arcname) / path.relative_to(root))
 
 
-def requirements() -> list[str]:
+def requirements(pip: Sequence[str] = ()) -> list[str]:
     """The runtime dependencies of rl-fabric's base install and its ``aws`` and ``rewards``
-    extras, minus what the Lambda runtime has."""
+    extras, minus what the Lambda runtime has, and ``pip``: the deployed functions' own
+    (``fabric deploy --pip``), which nothing else would put in the package."""
     try:
         reqs = importlib.metadata.requires("rl-fabric") or []
     except importlib.metadata.PackageNotFoundError:
@@ -103,16 +104,18 @@ def requirements() -> list[str]:
         if name is None or name.group(0).lower() in _IN_RUNTIME:
             continue
         out.append(spec.strip())
-    return sorted(set(out))
+    return sorted({*out, *pip})
 
 
-def install_deps(target: Path, *, architecture: str = "x86_64", python: str = "3.11") -> None:
+def install_deps(
+    target: Path, *, architecture: str = "x86_64", python: str = "3.11", pip: Sequence[str] = ()
+) -> None:
     platform = "manylinux2014_x86_64" if architecture == "x86_64" else "manylinux2014_aarch64"
     cmd = [
         *(sys.executable, "-m", "pip", "install", "--quiet", "--target", str(target)),
         *("--platform", platform, "--implementation", "cp", "--python-version", python),
         "--only-binary=:all:",
-        *requirements(),
+        *requirements(pip),
     ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -124,16 +127,22 @@ def install_deps(target: Path, *, architecture: str = "x86_64", python: str = "3
 
 
 def build_zip(
-    functions: list[DeployedFunction], out: Path, *, deps: bool = True, architecture: str = "x86_64"
+    functions: list[DeployedFunction],
+    out: Path,
+    *,
+    deps: bool = True,
+    architecture: str = "x86_64",
+    pip: Sequence[str] = (),
 ) -> Path:
-    """Write ``out`` (a .zip) and return it."""
+    """Write ``out`` (a .zip) and return it. ``pip``: the functions' own dependencies, installed
+    beside rl-fabric's (``deps`` only)."""
     roots = code_roots(functions)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fabric-deploy-") as tmp:
         entries: list[tuple[Path, str]] = []
         if deps:
             site = Path(tmp) / "site"
-            install_deps(site, architecture=architecture)
+            install_deps(site, architecture=architecture, pip=pip)
             entries += [
                 (p, a)
                 for p, a in _files(site, "", hidden=True)
@@ -165,7 +174,12 @@ CMD ["{handler}"]
 
 
 def image_context(
-    functions: list[DeployedFunction], out: Path, *, python: str = "3.11", architecture: str = "x86_64"
+    functions: list[DeployedFunction],
+    out: Path,
+    *,
+    python: str = "3.11",
+    architecture: str = "x86_64",
+    pip: Sequence[str] = (),
 ) -> Path:
     """A build context (Dockerfile, requirements.txt, code/) in ``out``; returns ``out``."""
     roots = code_roots(functions)
@@ -179,7 +193,7 @@ def image_context(
         else:
             # as in the zip: no dotfiles or dot-directories (.env, .git, .venv) from your tree
             shutil.copytree(path, code / arc, ignore=shutil.ignore_patterns(*_SKIP_DIRS, "*.pyc", ".*"))
-    (out / "requirements.txt").write_text("\n".join(requirements()) + "\n")
+    (out / "requirements.txt").write_text("\n".join(requirements(pip)) + "\n")
     arch = "amd64" if architecture == "x86_64" else "arm64"
     (out / "Dockerfile").write_text(DOCKERFILE.format(python=python, handler=HANDLER, arch=arch))
     return out

@@ -328,3 +328,58 @@ def test_a_terraform_deploy_that_would_destroy_deployed_functions_is_refused(tmp
     r = deploy("-f", "add", "--prune")
     assert r.exit_code == 0, r.output
     assert deployed() == ["rl-fabric-add"]
+
+
+def test_deploy_pip_reaches_every_package_and_refuses_no_deps(tmp_path, monkeypatch):
+    """--pip: the functions' own dependencies (test_deploy_package.py has the package's side)."""
+    import fabric.deploy.modal_ as modal_deploy
+    from fabric.cli import app
+
+    seen: dict = {}
+    monkeypatch.setattr(modal_deploy, "deploy_modal", lambda *a, pip=(), **kw: seen.update(pip=list(pip)))
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(
+        app, ["deploy", "--backend", "modal", "-m", "sample_fns", "-f", "add", "--pip", "numpy"]
+    )
+    assert r.exit_code == 0 and seen == {"pip": ["numpy"]}, r.output
+    tf = tmp_path / "terraform"
+    tf.mkdir()
+    r = CliRunner().invoke(
+        app,
+        [
+            "deploy",
+            "--no-deps",
+            "--pip",
+            "numpy",
+            "-m",
+            "sample_fns",
+            "-f",
+            "add",
+            "--terraform-dir",
+            str(tf),
+        ],
+    )
+    assert r.exit_code == 2 and "--no-deps" in r.output and not (tmp_path / "build").exists(), r.output
+    (tf / "variables.tf").write_text(
+        "".join(f'variable "{n}" {{}}\n' for n in ("region", "name_prefix", "package", "functions"))
+    )
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no terraform on PATH
+    r = CliRunner().invoke(
+        app,
+        [
+            *(
+                "deploy",
+                "--pip",
+                "numpy>=1.26",
+                "--image",
+                "example.com/r:1",
+                "-m",
+                "sample_fns",
+                "-f",
+                "add",
+            ),
+            *("--terraform-dir", str(tf), "--out", str(tmp_path / "b")),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    assert "numpy>=1.26" in (tmp_path / "b" / "image" / "requirements.txt").read_text().splitlines()

@@ -328,7 +328,7 @@ def test_the_modal_app_is_named_at_deploy_and_at_the_call(tmp_path, monkeypatch)
 
     seen: dict = {}
 
-    def fake_deploy(registry, plan, *, app_name="rl-fabric", secrets=(), echo):
+    def fake_deploy(registry, plan, *, app_name="rl-fabric", secrets=(), pip=(), echo):
         seen.update(app_name=app_name, names=[f.deployed_name for f in plan])
 
     monkeypatch.setattr(modal_deploy, "deploy_modal", fake_deploy)

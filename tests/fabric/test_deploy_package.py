@@ -139,3 +139,27 @@ def test_tfvars_keys_are_declared_terraform_variables(tmp_path):
     assert check_tfvars(values, ROOT / "terraform") == []
     with pytest.raises(DeployError, match="exactly one of zip_path, image_uri"):
         tfvars([], region="r", prefix="p")
+
+
+def test_the_functions_own_dependencies_go_into_the_package(tmp_path, monkeypatch):
+    """The package held rl-fabric's requirements only: a reward module of the user's that
+    imports a library of its own (numpy, a verifier's parser) deployed, and then every call
+    was SetupFailed, "No module named ...". --pip SPEC (repeatable) installs them too: in the
+    zip, the image context's requirements.txt and the Modal image."""
+    import subprocess
+
+    from fabric.deploy import package
+
+    assert "numpy>=1.26" in requirements(["numpy>=1.26"]) and "numpy>=1.26" not in requirements()
+    ctx = image_context(plan_functions(REG, ["add"]), tmp_path / "image", pip=["numpy>=1.26"])
+    assert "numpy>=1.26" in (ctx / "requirements.txt").read_text().splitlines()
+
+    ran: list[list[str]] = []
+
+    def fake_pip(cmd, **kw):  # no index here: the command is what matters
+        ran.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(package.subprocess, "run", fake_pip)
+    build_zip(plan_functions(REG, ["add"]), tmp_path / "f.zip", pip=["numpy>=1.26"])
+    assert "numpy>=1.26" in ran[0] and any(r.startswith("pydantic") for r in ran[0])
