@@ -117,4 +117,9 @@ def deploy_modal(
             f"Modal refused the deploy: {str(e).rstrip('.')}. Run `modal token new`, or set "
             "MODAL_TOKEN_ID and MODAL_TOKEN_SECRET."
         ) from None
+    except modal.exception.Error as e:
+        # a --modal-secret that does not exist, an option Modal refuses, a connection fault:
+        # Modal's own words, not a traceback
+        hint = " (is every --modal-secret created? `modal secret list`)" if secrets else ""
+        raise DeployError(f"Modal refused the deploy: {type(e).__name__}: {e}{hint}") from None
     echo(f"deployed; call them with backend {{'type': 'modal', 'app_name': {app_name!r}}}")

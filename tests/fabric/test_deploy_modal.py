@@ -379,3 +379,31 @@ async def test_a_result_from_a_container_deployed_with_newer_code_is_still_its_r
     async with FakeModal(REG, ModalConfig()) as b:
         r = await b.invoke(Invocation(function="add", payload={"a": 1}))
     assert r.error.type == ErrorCode.USER_ERROR and r.error.message == "bad x", r.error
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("NotFoundError", "Secret 'judge-keyz' not found"),  # a misspelt --modal-secret
+        ("InvalidError", "Function name is invalid"),
+        ("ConnectionError", "Deadline exceeded"),
+    ],
+)
+def test_a_deploy_modal_refuses_is_said_without_a_traceback(tmp_path, monkeypatch, name, said):
+    """Only AuthError was translated: a secret that does not exist (a typo in --modal-secret),
+    an option Modal refuses or a connection fault came out of `fabric deploy` as a traceback."""
+    import modal.exception
+
+    import fabric.deploy.modal_ as modal_deploy
+    from fabric.cli import app
+
+    class RefusedApp:
+        def deploy(self):
+            raise getattr(modal.exception, name)(said)
+
+    monkeypatch.setattr(modal_deploy, "build_app", lambda *a, **kw: (RefusedApp(), {}))
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["deploy", "--backend", "modal", "-m", "sample_fns", "-f", "add"])
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2 and said in text and name in text, (r.exit_code, r.output, r.exception)
+    assert "Traceback" not in r.output
