@@ -28,11 +28,13 @@ import difflib
 import json
 import os
 import shutil
-from collections.abc import Sequence
+import types
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import yaml
+from pydantic import BaseModel
 
 from core.config import JobConfig
 from core.config_backends import MODEL_KEYS
@@ -190,20 +192,64 @@ def config_changes(
     """The keys (outside ``RESUMABLE`` and ``allowed``) whose values differ between two
     config dumps, as config problems."""
     a, b = _flat(saved), _flat(now)
-    out = []
+    out: list[tuple[str, str]] = []
     # a key only one side has is a field another release added or removed (every dump has
-    # every field), not a change of the user's; list entries added or removed differ in
-    # their siblings' indices or in the list's own length, which are compared
-    for key in sorted(a.keys() & b.keys()):
+    # every field), not a change of the user's, unless it is a key of a mapping the user
+    # fills (kwargs, args, the rewards' tags), whose dump has only what the user wrote;
+    # list entries added or removed differ in their siblings' indices or in the list's own
+    # length, which are compared
+    said: list[str] = []  # one-sided keys reported: what lies under them is said with them
+    for key in sorted(a.keys() | b.keys()):
         if _under(key, RESUMABLE) or (_under(key, allowed) and not _under(key, fixed)):
             continue
-        if a[key] != b[key]:
+        if key in a and key in b:
+            if a[key] == b[key]:
+                continue
             was, now_ = a[key], b[key]
             if isinstance(was, _Entries) and isinstance(now_, _Entries):
                 out.append((key, f"had {was.n} entries when the checkpoint was written, now {now_.n}"))
             else:
                 out.append((key, f"was {was!r} when the checkpoint was written, now {now_!r}"))
+        elif not _under(key, said) and _user_key(key):
+            said.append(key)
+            was = f"was {a[key]!r}" if key in a else "unset"
+            now_ = repr(b[key]) if key in b else "unset"
+            out.append((key, f"{was} when the checkpoint was written, now {now_}"))
     return out
+
+
+def _user_key(key: str) -> bool:
+    """Whether ``key`` (as ``_flat`` names it) is a key of a mapping the user fills (an
+    env's ``kwargs``, a reward's ``args``, a tag of ``rewards``), rather than a field of the
+    config's models."""
+    segments: list[str | int] = []
+    for part in key.split("."):
+        name, *indices = part.split("[")
+        segments += [name, *(int(i.rstrip("]")) for i in indices)]
+    return _in_mapping(JobConfig, segments)
+
+
+def _in_mapping(typ: Any, path: list[str | int]) -> bool:
+    """Whether the last of ``path`` (below a value of type ``typ``) is a key of a mapping."""
+    while get_origin(typ) is Annotated:
+        typ = get_args(typ)[0]
+    origin = get_origin(typ)
+    if origin in (Union, types.UnionType):
+        return any(_in_mapping(t, path) for t in get_args(typ) if t is not type(None))
+    if not path:
+        return False
+    head, rest = path[0], path[1:]
+    if isinstance(typ, type) and issubclass(typ, BaseModel):
+        field = typ.model_fields.get(str(head))
+        # a field of the model (another release's, when only one side has it)
+        return field is not None and bool(rest) and _in_mapping(field.annotation, rest)
+    if origin in (list, tuple):
+        # entries added or removed: the list's length says so
+        return bool(rest) and isinstance(head, int) and _in_mapping(get_args(typ)[0], rest)
+    if origin in (dict, Mapping):
+        return not rest or _in_mapping(get_args(typ)[1], rest)
+    # Any, or a value the models do not describe: the user's, to its leaves
+    return bool(rest) or typ is Any
 
 
 class _Entries:
@@ -214,6 +260,9 @@ class _Entries:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Entries) and other.n == self.n
+
+    def __repr__(self) -> str:
+        return f"a list of {self.n}"
 
     __hash__ = None  # type: ignore[assignment]
 

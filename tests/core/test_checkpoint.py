@@ -13,7 +13,7 @@ import job_faults_fns as faults
 import pytest
 import torch
 import yaml
-from job_helpers import FROZENLAKE, check_invariants, job_config, run_job, train_rows
+from job_helpers import FROZENLAKE, LATENCY, check_invariants, job_config, run_job, train_rows
 from test_torch_trainer import TOK, model, sample
 
 from core.checkpoint import JOB_FILE, TRAINER_FILE, Checkpoints, config_changes, start_problems
@@ -103,6 +103,37 @@ def test_config_changes_name_what_a_resumed_run_may_not_change():
     newer = json.loads(json.dumps(saved))
     newer["trainer"]["step_adv"] = 0.0
     assert config_changes(saved, newer) == [] and config_changes(newer, saved) == []
+
+
+def test_a_key_added_to_or_removed_from_a_mapping_the_user_fills_is_a_change(tmp_path):
+    # kwargs, args, the rewards' tags: a key there, present or absent, is the user's, not a
+    # field another release added; taken for one, a resume onto a bigger map, a reward with
+    # an argument dropped or a trainer option added went on as if nothing had changed
+    _earlier_run(tmp_path, rewards=[{"function": "env_return", "args": {}}])
+    env = {**LATENCY, "kwargs": {"turns": 3, "sigma_s": 0.5}}  # mu_s dropped (its default is 0.05)
+    cfg = job_config(
+        tmp_path,
+        env=env,
+        checkpoint={"every": 2},
+        trainer={"lr": 1e-3, "kwargs": {"weight_decay": 0.1}},
+        engine={"kwargs": {"d_ff": 64}},  # the policy's shape: never, not even allowed
+    )
+    problems, _, _ = start_problems(cfg, Checkpoints(cfg.run_dir), resume=True, allow=["engine"])
+    said = dict(problems)
+    assert sorted(said) == [
+        "engine.kwargs.d_ff",
+        "envs[0].kwargs.mu_s",
+        "envs[0].kwargs.sigma_s",
+        "envs[0].kwargs.turns",
+        "trainer.kwargs.weight_decay",
+    ], said
+    assert said["envs[0].kwargs.mu_s"].startswith("was 0.01 when the checkpoint was written, now unset;")
+    assert said["envs[0].kwargs.sigma_s"].startswith("unset when the checkpoint was written, now 0.5;")
+    assert "--allow-change engine.kwargs.d_ff" not in said["engine.kwargs.d_ff"]
+    # a reward tag added is a change; a field of a section only one side has is not
+    saved = {"rewards": {"a": [{"function": "f"}]}, "trainer": {"lr": 1e-3}}
+    now = {"rewards": {"a": [{"function": "f", "new_field": 1}], "b": [{"function": "g"}]}, "trainer": {}}
+    assert [k for k, _ in config_changes(saved, now)] == ["rewards.b"]
 
 
 # ----------------------------------------------------------------------------- the trainer
