@@ -118,7 +118,7 @@ class Checkpoints:
         """Complete the checkpoint ``prepare`` gave (its trainer file written and synced):
         the job's state beside it, renamed into place, named by ``latest``, each step on disk
         before the next (a power cut must not leave ``latest`` naming empty files); then
-        older ones pruned."""
+        older ones pruned, and what a crash left half-written."""
         _write_synced(part / JOB_FILE, json.dumps({"format": FORMAT, **job_state}, indent=1) + "\n")
         _sync_dir(part)
         final = self.root / _name(step)
@@ -132,6 +132,11 @@ class Checkpoints:
             # beyond this step: a line of checkpoints a resume from an earlier one replaced
             if old != final and (old_step > step or old_step <= self._keep_from(step)):
                 shutil.rmtree(old, ignore_errors=True)
+        # what a crash left half-written (one checkpoint is written at a time, and this one
+        # is in place): cleared otherwise only when the same step is written again, which a
+        # run resumed past it, or with another ``every``, never does
+        for part in self.root.glob("step-*.part"):
+            shutil.rmtree(part, ignore_errors=True)
         return final
 
     def _done(self) -> list[tuple[int, Path]]:

@@ -48,6 +48,16 @@ def test_latest_names_the_newest_complete_checkpoint_and_old_ones_are_pruned(tmp
     assert ckpts.prepare(8) == part and not any(part.iterdir())
 
 
+def test_what_a_crash_left_half_written_is_removed_once_a_newer_checkpoint_is_complete(tmp_path):
+    # a run that died writing the checkpoint of its last step (5), resumed with more steps,
+    # never writes step 5 again: its .part (a whole training state) stayed on disk for good
+    ckpts = Checkpoints(tmp_path)
+    _write(ckpts, 4)
+    (ckpts.prepare(5) / TRAINER_FILE).write_bytes(b"half")
+    _write(ckpts, 6)
+    assert sorted(p.name for p in ckpts.root.iterdir()) == ["latest", "step-000006"]
+
+
 def test_a_latest_that_names_a_missing_or_foreign_checkpoint_is_an_error(tmp_path):
     ckpts = Checkpoints(tmp_path)
     path = _write(ckpts, 2)
