@@ -287,14 +287,20 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def allow_problems(
-    allowed: Sequence[str], now: dict[str, Any], *, resume: bool, fixed: Sequence[str] = FIXED
+    allowed: Sequence[str],
+    now: dict[str, Any],
+    *,
+    resume: bool,
+    fixed: Sequence[str] = FIXED,
+    earlier: dict[str, Any] | None = None,
 ) -> list[tuple[str, str]]:
-    """What is wrong with the keys of ``--allow-change`` (checked before anything starts)."""
+    """What is wrong with the keys of ``--allow-change`` (checked before anything starts);
+    a key of the checkpoint's config (``earlier``) is one too (an env's kwarg removed)."""
     if not allowed:
         return []
     if not resume:
         return [("--allow-change", "is for --resume: only a resumed run is compared with a checkpoint")]
-    keys = list(_flat(now))
+    keys = list(_flat(now) | _flat(earlier or {}))
     # a section is a key too: `trainer` allows every trainer.* key
     known = set(keys) | {k.split(".")[0].split("[")[0] for k in keys}
     out = []
@@ -331,21 +337,23 @@ def start_problems(
     path and ``job.json``), and the changes ``allow`` let through (key, what changed)."""
     now = yaml.safe_load(cfg.to_yaml())
     fixed = fixed_keys(cfg)
-    bad_allow = allow_problems(allow, now, resume=resume, fixed=fixed)
-    if bad_allow:
-        return bad_allow, None, []
     try:
         latest = checkpoints.latest()
         saved = Checkpoints.read(latest) if latest is not None else None
         earlier = yaml.safe_load(saved["config"]) if saved is not None else None
     except ConfigError as e:
-        return list(e.problems), None, []
+        return allow_problems(allow, now, resume=resume, fixed=fixed) or list(e.problems), None, []
     except (OSError, ValueError, yaml.YAMLError) as e:  # an unreadable or corrupt job.json
         return (
-            [("run_dir", f"cannot read the checkpoint in {str(checkpoints.root)!r}: {e}; {REMEDY}")],
+            allow_problems(allow, now, resume=resume, fixed=fixed)
+            or [("run_dir", f"cannot read the checkpoint in {str(checkpoints.root)!r}: {e}; {REMEDY}")],
             None,
             [],
         )
+    earlier = earlier if isinstance(earlier, dict) else {}
+    bad_allow = allow_problems(allow, now, resume=resume, fixed=fixed, earlier=earlier)
+    if bad_allow:
+        return bad_allow, None, []
     if latest is None or saved is None:
         if not resume:
             return [], None, []
@@ -362,7 +370,6 @@ def start_problems(
             "or choose another run_dir"
         )
         return [("run_dir", buried)], None, []
-    earlier = earlier if isinstance(earlier, dict) else {}
     problems = [
         (
             key,

@@ -140,6 +140,11 @@ def test_a_key_added_to_or_removed_from_a_mapping_the_user_fills_is_a_change(tmp
     assert said["envs[0].kwargs.mu_s"].startswith("was 0.01 when the checkpoint was written, now unset;")
     assert said["envs[0].kwargs.sigma_s"].startswith("unset when the checkpoint was written, now 0.5;")
     assert "--allow-change engine.kwargs.d_ff" not in said["engine.kwargs.d_ff"]
+    # the way out it names for a key the config no longer has is taken
+    cfg = job_config(tmp_path, env=env, checkpoint={"every": 2})
+    allow = ["envs[0].kwargs.mu_s", "envs[0].kwargs.sigma_s", "envs[0].kwargs.turns"]
+    problems, _, changes = start_problems(cfg, Checkpoints(cfg.run_dir), resume=True, allow=allow)
+    assert problems == [] and [k for k, _ in changes] == allow
     # a reward tag added is a change; a field of a section only one side has is not
     saved = {"rewards": {"a": [{"function": "f"}]}, "trainer": {"lr": 1e-3}}
     now = {"rewards": {"a": [{"function": "f", "new_field": 1}], "b": [{"function": "g"}]}, "trainer": {}}
