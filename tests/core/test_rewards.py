@@ -563,3 +563,30 @@ async def test_env_returns_share_is_its_share_of_the_score_the_stream_computes()
     assert {s.id: s.score for s in sink.samples if shares[s.id] == 1} == pytest.approx(
         dict.fromkeys(["lone", "watched", "twice"], 0.75)
     )
+
+
+async def test_every_trajectory_submitted_is_accounted_for_once_whatever_its_rewards_do():
+    # submitted == scored + reward_failed + passed through masked + cancelled, and each comes
+    # back once: a retry that succeeds scores once, a raise is a recorded failure, not a loss
+    sink = Sink()
+    rewards = {
+        "ok": [spec("const", args={"value": 1.0})],
+        "raises": [spec("boom")],
+        "retried": [spec("flaky_once")],
+        "bad": [spec("not_a_number")],
+        "needs": [spec("answer_is", task_args={"ground_truth": "answer"})],
+    }
+    async with (
+        Client("inproc", registry=REG) as client,
+        RewardStream(client, rewards, sink, concurrency=3) as stream,
+    ):
+        for i, tag in enumerate([*rewards, "unknown"]):
+            assert stream.submit(traj(f"t{i}", tag=tag))
+        assert stream.submit(traj("x", status="infra_failed")) and stream.submit(traj("y", status="aborted"))
+        assert not stream.submit(traj("t0", tag="ok"))  # in flight already: a duplicate
+    m = stream.metrics()
+    assert m["submitted"] == 8 and m["duplicate"] == 1 and m["in_flight"] == m["queued"] == 0
+    assert m["scored"] + m["reward_failed"] + m["passed_masked"] + m["cancelled"] == m["submitted"]
+    assert (m["scored"], m["reward_failed"], m["passed_masked"]) == (2, 4, 2)
+    assert sorted(s.id for s in sink.samples) == ["t0", "t1", "t2", "t3", "t4", "t5", "x", "y"]
+    assert CALLS["flaky:t2"] == 2 and sink.by_id()["t2"].status == "ok"
