@@ -14,7 +14,7 @@ from typing import Any
 
 from core._job_state import JobState
 from core.checkpoint import REMEDY, TRAINER_FILE
-from core.errors import ConfigError, TrainerTimeout
+from core.errors import ConfigError
 from core.policy.build import PolicyBundle
 from core.report import JobProgress, RunDir
 
@@ -42,13 +42,16 @@ class JobCheckpoints(JobState):
     ) -> None:
         """The trainer back to the checkpoint, its weights on every engine replica before the
         first rollout, and the job's own state (step, random state, counts, tasks seen)."""
+        from ray.exceptions import RayTaskError
+
         try:
             version = await self._from_trainer(
                 self.trainer_handle.load.remote(str(path / TRAINER_FILE)), "load of the checkpoint"
             )
-        except TrainerTimeout:
-            raise
-        except Exception as e:  # Ray's task error wraps the trainer's (a truncated or foreign file)
+        except RayTaskError as e:  # wraps what the trainer's load raised (a truncated or foreign file)
+            # only that condemns the file: a trainer that died or hung while it loaded (the OOM
+            # killer, a lost node) is a failure of the run, whose remedy is not to drop the
+            # checkpoint
             cause = getattr(e, "cause", None) or e
             raise ConfigError(
                 [

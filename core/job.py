@@ -194,8 +194,9 @@ class Job(JobSetup):
                 except ConfigError:
                     raise  # a checkpoint that does not load: refused, as before the start
                 except Exception as e:
-                    # a load past trainer.call_timeout_s (TrainerTimeout), a proxy that died
-                    # taking the weights: failure.json says so, as for the same errors later
+                    # a load past trainer.call_timeout_s (TrainerTimeout), a trainer that died
+                    # loading, a proxy that died taking the weights: failure.json says so, as
+                    # for the same errors later
                     self._write_failure(e, t_start, run_dir)
                     raise
             buffer = self.buffer = SampleBuffer(

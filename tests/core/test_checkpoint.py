@@ -496,3 +496,53 @@ async def test_a_resume_whose_trainer_load_times_out_writes_failure_json(tmp_pat
     failure = json.loads((run_dir / "failure.json").read_text())
     assert failure["error"].startswith("TrainerTimeout: ") and "trainer.call_timeout_s=2" in failure["error"]
     assert not (run_dir / "summary.json").exists()
+
+
+@pytest.mark.ray
+async def test_a_trainer_that_dies_loading_a_checkpoint_does_not_condemn_the_checkpoint(
+    tmp_path, ray_cluster, monkeypatch
+):
+    # a trainer actor killed while it loads (the OOM killer, a lost node) says nothing of the
+    # file: it stopped with a config error whose remedy was "point checkpoints/latest at an
+    # older step-* directory, or remove checkpoints/ to start over", and a user who followed
+    # it threw away a sound checkpoint. It is a failure of the run, as the same death later
+    from ray.exceptions import RayActorError
+
+    from core.policy.build import build_policy
+
+    cfg = job_config(tmp_path, checkpoint={"every": 2})
+    run_dir = Path(cfg.run_dir)
+    build_policy(cfg).save(run_dir / "policy-init")
+    _write(Checkpoints(run_dir), 2, config=cfg.to_yaml())  # its trainer file is never read
+
+    def die(actor: Any) -> None:
+        os._exit(1)
+
+    restore = Job._restore
+
+    async def killed(self: Job, *a: Any) -> None:
+        self.trainer_handle.__ray_call__.remote(die)  # runs before the load (one thread)
+        await restore(self, *a)
+
+    monkeypatch.setattr(Job, "_restore", killed)
+    with pytest.raises(RayActorError):
+        await Job(cfg, progress=False, registry=faults.REG, resume=True).run()
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert "Actor" in failure["error"] and "remove checkpoints/" not in failure["error"]
+    assert Checkpoints(run_dir).latest() is not None
+
+
+@pytest.mark.ray
+async def test_a_checkpoint_the_trainer_cannot_read_is_refused_naming_the_file(tmp_path, ray_cluster):
+    from core.policy.build import build_policy
+
+    cfg = job_config(tmp_path, checkpoint={"every": 2})
+    run_dir = Path(cfg.run_dir)
+    build_policy(cfg).save(run_dir / "policy-init")
+    _write(Checkpoints(run_dir), 2, config=cfg.to_yaml())  # trainer.pt: b"weights", no torch file
+    with pytest.raises(ConfigError) as e:
+        await Job(cfg, progress=False, registry=faults.REG, resume=True).run()
+    assert [k for k, _ in e.value.problems] == ["run_dir"]
+    said = str(e.value)
+    assert "step-000002/trainer.pt' (TrainerError: cannot read the checkpoint" in said
+    assert "point checkpoints/latest at an older step-* directory" in said
