@@ -24,7 +24,7 @@ from fabric.errors import FabricError
 
 @app.command(
     help="Deploy the registered functions: AWS Lambda (terraform or boto3) with a `live` alias "
-    "(provisioned concurrency with --provisioned or --warm N), or a Modal app."
+    "(provisioned concurrency with --keep-warm or --warm N), or a Modal app."
 )
 def deploy(
     backend: Annotated[
@@ -50,15 +50,19 @@ def deploy(
         typer.Option(
             min=0,
             help="Warm instances of every function: Lambda provisioned concurrency, Modal min_containers "
-            "(default: Lambda none, see --provisioned; Modal each function's warm).",
+            "(default: none, see --keep-warm).",
         ),
     ] = None,
-    provisioned: Annotated[
+    keep_warm: Annotated[
         bool,
         typer.Option(
-            help="lambda: provisioned concurrency from each function's warm. Off by default: it is billed "
-            "while idle, and a new AWS account's concurrency limit (10) refuses any."
+            help="Give each function its warm instances (its decorator's warm): Lambda provisioned "
+            "concurrency, Modal min_containers. Off by default: they are billed while idle, and a new AWS "
+            "account's concurrency limit (10) refuses any provisioned concurrency.",
         ),
+    ] = False,
+    provisioned: Annotated[
+        bool, typer.Option("--provisioned", hidden=True, help="The name --keep-warm had (Lambda only).")
     ] = False,
     reserved: Annotated[bool, typer.Option(help="Cap each function at its max_concurrency.")] = False,
     prune: Annotated[
@@ -122,13 +126,16 @@ def deploy(
         )
     if modal_app is not None and backend != "modal":
         fail(f"--modal-app is for --backend modal, not {backend}")
-    if provisioned and backend != "lambda":
-        fail("--provisioned is for --backend lambda: Modal's min_containers follow each function's warm")
+    keep_warm = keep_warm or provisioned
+    if keep_warm and warm is not None:
+        fail("--keep-warm gives each function its own warm, --warm N every function N: pass one")
+    if warm is None and not keep_warm:
+        # no warm instances unless asked: both clouds bill them while idle (every built-in has
+        # warm=1: a Modal deploy of them kept two containers each running for good), and a new
+        # AWS account's concurrency limit refuses provisioned concurrency outright (terraform
+        # apply failed on every warm function)
+        warm = 0
     if backend == "lambda":
-        if warm is None and not provisioned:
-            # no provisioned concurrency unless asked: billed while idle, and refused outright
-            # by a new account's concurrency limit (terraform apply failed on every warm function)
-            warm = 0
         given = region is not None
         region = region or default_region()
         problem = region_problem(region)

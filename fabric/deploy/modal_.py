@@ -1,7 +1,8 @@
 """A ``modal.App`` from the registry: one Modal function per registered function.
 
 The options follow the ``FunctionSpec``: ``warm`` -> ``min_containers`` (plus one
-``buffer_containers`` so a burst finds a container ready), ``max_concurrency`` ->
+``buffer_containers`` so a burst finds a container ready; the plan's warm, which ``fabric
+deploy`` sets to 0 unless given ``--keep-warm`` or ``--warm N``: billed while idle), ``max_concurrency`` ->
 ``max_containers``, ``timeout_s`` -> ``timeout``, ``resources`` -> ``cpu``/``gpu``,
 ``memory_mb`` -> ``memory``. ``retry`` is not Modal's: Modal retries nothing (``retries=0``).
 Its retries would cover a lost or timed-out container, after which the call may have run,

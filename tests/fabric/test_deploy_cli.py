@@ -122,8 +122,33 @@ def test_cli_lambda_deploy_provisions_no_concurrency_unless_asked(tmp_path, monk
         assert r.exit_code == 0, r.output
         assert json.loads((tf / TFVARS_FILE).read_text())["functions"]["add"]["warm"] == warm, extra
     assert REG.get("add").warm == 1  # so the default's 0 is the deploy's, not the function's
-    r = CliRunner().invoke(app, ["deploy", "--backend", "modal", "--provisioned", "-m", "sample_fns"])
-    assert r.exit_code == 2 and "--provisioned" in r.output  # Modal's warm pool is min_containers
+    r = CliRunner().invoke(app, [*base, "--keep-warm"])  # (--provisioned, above, is its earlier name)
+    assert r.exit_code == 0 and json.loads((tf / TFVARS_FILE).read_text())["functions"]["add"]["warm"] == 1
+    r = CliRunner().invoke(app, [*base, "--keep-warm", "--warm", "2"])
+    assert r.exit_code == 2 and "pass one" in " ".join(r.output.split()), r.output
+
+
+def test_a_modal_deploy_keeps_no_container_warm_unless_asked(tmp_path, monkeypatch):
+    """Modal's min_containers followed each function's warm: every built-in has warm=1, so a
+    Modal deploy of them kept two containers per function running (min_containers 1 plus a
+    buffer of 1), billed while idle, for as long as the app stayed deployed. As on Lambda, a
+    deploy keeps none unless asked (--keep-warm: each function's warm; --warm N)."""
+    import fabric.deploy.modal_ as modal_deploy
+    from fabric.cli import app
+
+    seen: list[dict] = []
+
+    def fake_deploy(registry, plan, *, app_name="rl-fabric", secrets=(), pip=(), echo):
+        seen.append({f.name: modal_deploy.modal_options(registry, f) for f in plan})
+
+    monkeypatch.setattr(modal_deploy, "deploy_modal", fake_deploy)
+    monkeypatch.chdir(tmp_path)
+    args = ["deploy", "--backend", "modal", "-m", "sample_fns", "-f", "add"]
+    for extra in ([], ["--keep-warm"], ["--provisioned"], ["--warm", "3"]):
+        r = CliRunner().invoke(app, args + extra)
+        assert r.exit_code == 0, r.output
+    kept = [(o["add"]["min_containers"], o["add"]["buffer_containers"]) for o in seen]
+    assert kept == [(0, 0), (1, 1), (1, 1), (3, 1)]
 
 
 def test_a_terraform_apply_refused_for_the_concurrency_limit_says_what_to_do(tmp_path, monkeypatch):

@@ -313,7 +313,7 @@ def test_deploy_docs_commands_exist():
         "--no-deps",
         "--image",
         "--warm",
-        "--provisioned",
+        "--keep-warm",
     ):
         assert opt in text and opt in help_text, opt
 
