@@ -183,9 +183,20 @@ class Client(KeyedCalls):
             if await self._acquire_slot(fn, deadline):
                 sent = Sent(spec.retry)  # the budget of the spec the call began under
                 try:
-                    result = await self._attempt(fn, inv, hedge, None, sent)
-                    if not result.ok and self._should_retry(self._may_have_effects(fn, sent), result):
-                        result = await self._retry(fn, inv, result, hedge, lambda: deadline, sent)
+                    # asked again: the circuit may have opened while this call waited in line
+                    # for a slot (a map over a batch), and every caller waiting then was sent
+                    refusal, probe = (None, probe) if probe else self._breaker_admits(fn)
+                    if refusal is not None:
+                        result = Result.failure(
+                            ErrorCode.CIRCUIT_OPEN,
+                            refusal + "; nothing was sent",
+                            function=name,
+                            request_id=request_id,
+                        )
+                    else:
+                        result = await self._attempt(fn, inv, hedge, None, sent)
+                        if not result.ok and self._should_retry(self._may_have_effects(fn, sent), result):
+                            result = await self._retry(fn, inv, result, hedge, lambda: deadline, sent)
                 finally:
                     # held while a copy it let go still runs (a synchronous handler past the deadline)
                     self._release_when_settled(fn, sent.copies, fn.sem.release)

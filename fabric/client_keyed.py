@@ -199,9 +199,20 @@ class KeyedCalls(Attempts):
                         request_id=inv.request_id,
                     )
                 else:
-                    result = await self._attempt(fn, inv, hedge, lambda: ex.deadline, sent)
-                    if not result.ok and self._should_retry(self._may_have_effects(fn, sent), result):
-                        result = await self._retry(fn, inv, result, hedge, lambda: ex.deadline, sent)
+                    # asked again: the circuit may have opened while it waited for a slot
+                    refusal, probe = (None, probe) if probe else self._breaker_admits(fn)
+                    if refusal is not None:
+                        # nothing is sent; the key is free again, as after any failure that did not run it
+                        result = Result.failure(
+                            ErrorCode.CIRCUIT_OPEN,
+                            refusal + "; nothing was sent",
+                            function=inv.function,
+                            request_id=inv.request_id,
+                        )
+                    else:
+                        result = await self._attempt(fn, inv, hedge, lambda: ex.deadline, sent)
+                        if not result.ok and self._should_retry(self._may_have_effects(fn, sent), result):
+                            result = await self._retry(fn, inv, result, hedge, lambda: ex.deadline, sent)
             finally:
                 # held while a copy it let go still runs (a primary that lost to its hedge)
                 self._release_when_settled(fn, sent.copies, fn.sem.release)

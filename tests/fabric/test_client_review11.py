@@ -1,0 +1,94 @@
+"""Review 11 of the client: the circuit breaker holds for calls that were admitted before it
+opened and still wait for a concurrency slot; a call whose deadline has already passed is
+not sent; a key's kept answer is not shared by reference with its callers; ``map`` and
+``stream`` refuse one idempotency key for many payloads; cold-start answers stay out of
+the latency the client hedges after."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from client_helpers import _ManualBackend
+
+from fabric.client import Client, ClientConfig
+from fabric.errors import ErrorCode
+from fabric.registry import Registry
+
+REG = Registry()
+
+
+@REG.function(max_concurrency=1, retry={"max_attempts": 1})
+async def single(x: int) -> int:
+    return x
+
+
+@REG.function()
+def parts(x: int) -> dict:
+    return {"score": x, "components": [x]}
+
+
+class _Manual(_ManualBackend):
+    """``_ManualBackend`` on this module's registry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.registry = REG
+
+
+def _client(backend, **cfg) -> Client:
+    return Client(backend=backend, registry=REG, config=ClientConfig.model_validate(cfg))
+
+
+async def _answer_all(m: _Manual, code: ErrorCode) -> int:
+    """Answer every invocation sent with ``code`` until none comes for a while; how many."""
+    n = 0
+    while True:
+        try:
+            inv, fut = await asyncio.wait_for(m.next(), 0.5)
+        except TimeoutError:
+            return n
+        m.answer(inv, fut, code)
+        n += 1
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["plain", "keyed"])
+async def test_calls_waiting_for_a_slot_are_not_sent_once_the_circuit_opened(keyed):
+    """The breaker was asked only as a call began: the callers already waiting in line for a
+    concurrency slot (a ``map`` over a batch) each sent their call once they got one, into a
+    circuit that had opened meanwhile: a backend down was hit by the whole batch, one call
+    per slot at a time, instead of failing fast after ``failure_threshold`` failures."""
+    m = _Manual()
+    c = _client(m, breaker={"failure_threshold": 3, "cooldown_s": 60}, hedge={"enabled": False})
+    kw = [{"idempotency_key": f"k{i}"} if keyed else {} for i in range(10)]
+    calls = [asyncio.create_task(c.call("single", {"x": i}, **kw[i])) for i in range(10)]
+    sent = await _answer_all(m, ErrorCode.TRANSPORT)
+    results = await asyncio.gather(*calls)
+    assert sent == 3  # max_concurrency=1, one attempt each: the circuit opened at the 3rd
+    codes = [r.error.type for r in results]
+    assert codes.count(ErrorCode.TRANSPORT) == 3
+    assert codes.count(ErrorCode.CIRCUIT_OPEN) == 7
+    await c.aclose()
+
+
+async def test_a_call_that_finds_the_circuit_open_after_its_cooldown_is_its_probe():
+    """Asked again once the call has its slot, the breaker still lets the one probe through:
+    here the circuit opened, and its cooldown ended, while the call waited in line."""
+    m = _Manual()
+    c = _client(m, breaker={"failure_threshold": 1, "cooldown_s": 60}, hedge={"enabled": False})
+    first = asyncio.create_task(c.call("single", {"x": 0}))
+    inv, fut = await m.next()
+    second = asyncio.create_task(c.call("single", {"x": 1}))  # admitted: the circuit is closed
+    await asyncio.sleep(0)
+    fn = c._fns["single"]
+    fn.consecutive_failures, fn.breaker_open_until = 1, 0.0  # opened by others; cooldown over
+    m.answer(inv, fut, ErrorCode.CANCELLED)  # an outcome that says nothing of the backend
+    assert (await first).error.type == ErrorCode.CANCELLED
+    inv, fut = await asyncio.wait_for(m.next(), 1.0)  # it went, as the probe
+    assert fn.probing
+    third = await c.call("single", {"x": 2})
+    assert third.error.type == ErrorCode.CIRCUIT_OPEN and "probe" in third.error.message
+    m.answer(inv, fut)
+    assert (await second).ok
+    assert fn.consecutive_failures == 0 and not fn.probing
+    await c.aclose()
