@@ -164,6 +164,11 @@ class Client(KeyedCalls):
             return await self._call_keyed(
                 fn, idempotency_key, payload, raw, request_id, deadline, hedge, tenant, t0
             )
+        if deadline is not None and deadline <= time.time():
+            # a budget already spent (computed as 0 or less): a free slot let it be sent, to a
+            # remote function that ran for no one
+            why = f"{name}: deadline passed before the call was made (deadline_s={deadline_s:g}); not sent"
+            return self._refuse(m, ErrorCode.DEADLINE_EXCEEDED, why, name, request_id)
         refusal, probe = self._breaker_admits(fn)
         if refusal is not None:
             return self._refuse(m, ErrorCode.CIRCUIT_OPEN, refusal, name, request_id)

@@ -14,6 +14,7 @@ from client_helpers import _ManualBackend
 from fabric.client import Client, ClientConfig
 from fabric.errors import ErrorCode
 from fabric.registry import Registry
+from fabric.testing import FakeBackend
 
 REG = Registry()
 
@@ -92,3 +93,17 @@ async def test_a_call_that_finds_the_circuit_open_after_its_cooldown_is_its_prob
     assert (await second).ok
     assert fn.consecutive_failures == 0 and not fn.probing
     await c.aclose()
+
+
+@pytest.mark.parametrize("deadline_s", [0.0, -1.0])
+async def test_a_call_whose_deadline_already_passed_is_not_sent(deadline_s):
+    """A deadline that had passed when the call was made (a remaining budget computed as 0
+    or less) was sent all the same when a slot was free: a remote function ran for a caller
+    that was answered DeadlineExceeded (here, the in-process fake answered it ok)."""
+    fake = FakeBackend(REG)
+    async with _client(fake) as c:
+        r = await c.call("parts", {"x": 1}, deadline_s=deadline_s)
+        assert r.error is not None and r.error.type == ErrorCode.DEADLINE_EXCEEDED
+        assert "not sent" in r.error.message
+        assert fake.invocations == []
+        assert c.metrics()["parts"]["errors"] == {ErrorCode.DEADLINE_EXCEEDED: 1}
