@@ -7,6 +7,7 @@ a new execution."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from typing import Any
 
@@ -19,6 +20,16 @@ from fabric.protocol import Invocation, Result
 #: past its timeout, the transport lost the answer, the function reported a dependency down):
 #: for a function with side effects, the effect may have happened.
 _MAY_HAVE_RUN: frozenset[str] = RETRYABLE - SAFE_TO_RETRY
+
+
+def _own(value: Any) -> Any:
+    """A copy of a key's kept value for one holder (the cache, or one caller): a value shared
+    by reference let a caller that changed its answer in place (a score normalised, a list
+    appended to) change what every later caller with the key got. JSON from the wire, so a
+    deep copy is plain; scalars, the usual reward, are immutable and shared as they are."""
+    if value is None or isinstance(value, str | int | float):
+        return value
+    return copy.deepcopy(value)
 
 
 def _effect_key(name: str, user_key: str) -> str:
@@ -66,7 +77,13 @@ class KeyedCalls(Attempts):
             timings = hit.timings.model_copy(update={"total_ms": (time.perf_counter() - t0) * 1e3})
             # no cold start either: it ran nowhere (the kept answer's flag is its execution's)
             return hit.model_copy(
-                update={"cached": True, "cold_start": False, "request_id": request_id, "timings": timings}
+                update={
+                    "cached": True,
+                    "cold_start": False,
+                    "request_id": request_id,
+                    "timings": timings,
+                    "value": _own(hit.value),
+                }
             )
         ex = self._inflight.get(key)
         joined = ex is not None
@@ -143,6 +160,7 @@ class KeyedCalls(Attempts):
             timings = result.timings.model_copy(update={"total_ms": (time.perf_counter() - t0) * 1e3})
             result = (kept or result).model_copy(
                 update={
+                    "value": _own((kept or result).value),
                     "cached": kept is not None,
                     "cold_start": False,
                     "request_id": request_id,
@@ -271,5 +289,8 @@ class KeyedCalls(Attempts):
         if len(cache) >= self.config.idempotency_cache_size:
             del cache[next(iter(cache))]  # dicts keep insertion order: drop the oldest
         # a copy: the caller that ran it gets ``result`` itself, and settles its own latency into it
-        cache[key] = kept = result.model_copy(update={"timings": result.timings.model_copy()})
+        # (and may change its value in place)
+        cache[key] = kept = result.model_copy(
+            update={"timings": result.timings.model_copy(), "value": _own(result.value)}
+        )
         return kept

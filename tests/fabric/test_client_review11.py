@@ -13,6 +13,7 @@ from client_helpers import _ManualBackend
 
 from fabric.client import Client, ClientConfig
 from fabric.errors import ErrorCode
+from fabric.protocol import Result
 from fabric.registry import Registry
 from fabric.testing import FakeBackend
 
@@ -107,3 +108,35 @@ async def test_a_call_whose_deadline_already_passed_is_not_sent(deadline_s):
         assert "not sent" in r.error.message
         assert fake.invocations == []
         assert c.metrics()["parts"]["errors"] == {ErrorCode.DEADLINE_EXCEEDED: 1}
+
+
+async def test_a_kept_answer_is_not_shared_with_its_callers():
+    """The cache kept the caller's value by reference and gave every later caller the same
+    object: a caller that changed its reward in place (normalised a score, appended to a
+    list) changed the answer every later caller with the key got."""
+    fake = FakeBackend(REG)
+    async with _client(fake) as c:
+        r1 = await c.call("parts", {"x": 1}, idempotency_key="t1")
+        r1.value["score"] = 99
+        r2 = await c.call("parts", {"x": 1}, idempotency_key="t1")
+        assert r2.cached and r2.value == {"score": 1, "components": [1]}
+        r2.value["components"].append(5)
+        r3 = await c.call("parts", {"x": 1}, idempotency_key="t1")
+        assert r3.value == {"score": 1, "components": [1]}
+        assert fake.executions["parts:" + REG.get("parts").version + ":t1"] == 1
+
+
+async def test_callers_that_joined_an_execution_get_values_of_their_own():
+    m = _Manual()
+    c = _client(m, hedge={"enabled": False})
+    a = asyncio.create_task(c.call("parts", {"x": 1}, idempotency_key="t"))
+    inv, fut = await m.next()
+    b = asyncio.create_task(c.call("parts", {"x": 1}, idempotency_key="t"))
+    await asyncio.sleep(0)
+    fut.set_result(Result.built(True, function=inv.function, request_id=inv.request_id, value={"s": [1]}))
+    ra, rb = await asyncio.gather(a, b)
+    assert rb.cached and ra.value == rb.value == {"s": [1]}
+    ra.value["s"].append(2)
+    assert rb.value == {"s": [1]}
+    assert (await c.call("parts", {"x": 1}, idempotency_key="t")).value == {"s": [1]}
+    await c.aclose()
