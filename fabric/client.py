@@ -51,6 +51,17 @@ NO_DEADLINE_S = 1e9
 """A ``deadline_s`` from here on (~32 years), ``math.inf`` included, is no deadline."""
 
 
+def _no_shared_key(what: str, kw: dict[str, Any]) -> None:
+    """``map``/``stream`` pass their keywords to every payload's call: one idempotency key
+    there made every call one execution, and each payload got the first one's answer."""
+    if kw.get("idempotency_key") is not None:
+        raise ConfigError(
+            f"{what}: idempotency_key would be shared by every payload's call, and each would get the "
+            "answer of the first (one key, one execution); give each payload its own key with "
+            "client.call(name, payload, idempotency_key=...)"
+        )
+
+
 class Client(KeyedCalls):
     def __init__(
         self,
@@ -226,6 +237,7 @@ class Client(KeyedCalls):
 
     async def map(self, name: str, payloads: Iterable[dict[str, Any]], **kw: Any) -> list[Result]:
         """Run ``name`` over ``payloads``; results in input order."""
+        _no_shared_key("map", kw)
         results = await asyncio.gather(*(self.call(name, p, **kw) for p in payloads))
         for i, r in enumerate(results):
             r.index = i
@@ -241,6 +253,7 @@ class Client(KeyedCalls):
     ) -> AsyncIterator[Result]:
         """Yield results as they complete (``Result.index`` is the payload's position).
         ``payloads`` may be an async iterable that is still being produced."""
+        _no_shared_key("stream", kw)
         if max_inflight is not None and max_inflight < 1:
             # 0 read as "the default" (the `or` below) and a negative one as a bare ValueError
             raise ConfigError(

@@ -12,7 +12,7 @@ import pytest
 from client_helpers import _ManualBackend
 
 from fabric.client import Client, ClientConfig
-from fabric.errors import ErrorCode
+from fabric.errors import ConfigError, ErrorCode
 from fabric.protocol import Result
 from fabric.registry import Registry
 from fabric.testing import FakeBackend
@@ -140,3 +140,17 @@ async def test_callers_that_joined_an_execution_get_values_of_their_own():
     assert rb.value == {"s": [1]}
     assert (await c.call("parts", {"x": 1}, idempotency_key="t")).value == {"s": [1]}
     await c.aclose()
+
+
+async def test_map_and_stream_refuse_one_idempotency_key_for_many_payloads():
+    """``map(name, payloads, idempotency_key=k)`` gave every payload's call the one key: the
+    first payload's answer came back for all of them, marked cached (a batch of rewards
+    scored as its first trajectory)."""
+    fake = FakeBackend(REG)
+    async with _client(fake) as c:
+        with pytest.raises(ConfigError, match="idempotency_key"):
+            await c.map("parts", [{"x": 1}, {"x": 2}], idempotency_key="batch")
+        with pytest.raises(ConfigError, match="idempotency_key"):
+            async for _ in c.stream("parts", [{"x": 1}, {"x": 2}], idempotency_key="batch"):
+                pass
+        assert fake.invocations == []
