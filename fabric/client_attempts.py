@@ -232,7 +232,10 @@ class Attempts:
                 function=inv.function,
                 request_id=inv.request_id,
             )
-        if result.ok:  # the hedge delay follows the latency of answers, not of fast failures
+        if result.ok and not result.cold_start:
+            # the hedge delay follows the latency of warm answers: not of fast failures, nor
+            # of a cold start's (an import and setup hook, waited for by the calls queued at a
+            # job's start), which set the p95 at the cold-start time for thousands of calls
             fn.metrics.window.add((time.perf_counter() - t0) * 1e3)
         if fn.spec.version != version:
             # registered again while it ran: the circuit is the new code's (FnState.respec),

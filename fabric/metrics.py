@@ -108,8 +108,8 @@ class FunctionMetrics:
         """Latencies of the recent calls' outcomes, as the histogram counts them (retries and
         backoffs included, failures too): the snapshot's quantiles."""
         self.window = LatencyWindow(q=hedge_quantile)
-        """Latencies of recent successful attempts, one copy each: the hedge delay. Not the
-        calls' (a call that failed and was retried is not one sample of it)."""
+        """Latencies of recent successful attempts, one copy each, cold starts left out: the
+        hedge delay. Not the calls' (a call that failed and was retried is not one sample of it)."""
 
     def observe(self, ms: float) -> None:
         self.buckets[bisect.bisect_left(BUCKETS_MS, ms)] += 1
