@@ -151,6 +151,36 @@ class Attempts:
                 f.add_done_callback(one_done)
         one_ended()
 
+    def _outcome(self, f: asyncio.Future[Result], inv: Invocation) -> Result:
+        """What done copy ``f`` answered. A backend's future holds a ``Result``; one that ended
+        without (raised: a backend's bug, a library error it did not translate; or cancelled by
+        the backend itself: an executor shut down under its calls as it closed) is read as a
+        failed one: let out of ``Client.call``, the exception broke its promise of a
+        ``Result``, and a CancelledError in a task no one cancelled was read as that task's own
+        cancellation (a ``gather`` over a batch gave up on all of it)."""
+        if not f.cancelled() and (e := f.exception()) is None:
+            return f.result()
+        name = inv.function
+        if f.cancelled():
+            code, why = (
+                (ErrorCode.BACKEND_CLOSED, "closed while the call was in flight")
+                if self.backend.closed
+                else (ErrorCode.CANCELLED, "cancelled the call")
+            )
+            return Result.failure(
+                code,
+                f"{name}: the {self.backend.kind} backend {why}",
+                function=name,
+                request_id=inv.request_id,
+            )
+        log.error("the %s backend failed a call of %s", self.backend.kind, name, exc_info=e)
+        return Result.failure(
+            ErrorCode.TRANSPORT,
+            f"{name}: the {self.backend.kind} backend failed the call: {type(e).__name__}: {e}",
+            function=name,
+            request_id=inv.request_id,
+        )
+
     @staticmethod
     def _refuse(m: FunctionMetrics, code: ErrorCode, message: str, name: str, request_id: str) -> Result:
         m.errors[str(code)] += 1
@@ -216,10 +246,15 @@ class Attempts:
                     # asyncio.wait, not a timeout around the await: an answer that comes as the
                     # deadline passes (the backend's own DeadlineExceeded) is the one returned
                     await asyncio.wait((primary,), timeout=wait_s)
-                    result = primary.result() if primary.done() else None
+                    result = self._outcome(primary, inv) if primary.done() else None
             except asyncio.CancelledError:
-                primary.cancel()
-                raise
+                task = asyncio.current_task()
+                if not primary.cancelled() or (task is not None and task.cancelling()):
+                    primary.cancel()
+                    raise  # this caller was cancelled
+                result = self._outcome(primary, inv)  # the backend cancelled its own call
+            except Exception:
+                result = self._outcome(primary, inv)  # the backend's future raised
         else:
             delay_s = max(delay_ms, hcfg.min_delay_ms) / 1e3
             result = await self._hedged(fn, inv, primary, delay_s, deadline, wait_s, spec)
@@ -284,9 +319,9 @@ class Attempts:
             )
 
         def done(f: asyncio.Future[Result]) -> None:
-            if winner.done() or f.cancelled():
+            if winner.done():  # answered, or the call is over (the finally below)
                 return
-            r = f.result()
+            r = self._outcome(f, inv)
             if waits(r) and any(
                 not g.done() or (_answered(g) and not waits(g.result())) for g in futs if g is not f
             ):
@@ -339,6 +374,8 @@ class Attempts:
                     return None
                 result = winner.result()
         finally:
+            if not winner.done():
+                winner.cancel()  # over: the copies cancelled next answer nothing (done() above)
             for f in futs:
                 if not f.done():
                     f.cancel()  # the loser: a queued copy never runs, a running one is ignored

@@ -177,3 +177,54 @@ async def test_cold_start_answers_stay_out_of_the_hedge_delay():
         await c.call("parts", {"x": 2})
         assert len(window.samples) == 1
         assert c.metrics()["parts"]["cold_starts"] == 1
+
+
+class _Broken(_Manual):
+    """A backend whose futures end without a ``Result``: raising (a bug, a library error it did
+    not translate) or cancelled by itself (an executor shut down under its calls at close)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def _submit(self, inv: Invocation) -> asyncio.Future:
+        fut = super()._submit(inv)
+        if self.how == "raise":
+            fut.set_exception(RuntimeError("Session is closed"))
+        elif self.how == "cancel":
+            fut.cancel()
+        return fut
+
+
+@pytest.mark.parametrize("how", ["raise", "cancel"])
+async def test_a_backend_future_without_a_result_is_a_failed_result(how):
+    """``await primary`` let a backend future's exception, or its own cancellation, out of
+    ``Client.call`` (a CancelledError in a task no one cancelled: a ``gather`` over a batch
+    read it as its own cancellation); a failed call is a ``Result``, never an exception."""
+    b = _Broken(how)
+    c = _client(b, hedge={"enabled": False})
+    r = await c.call("single", {"x": 1})
+    assert not r.ok
+    assert r.error.type == (ErrorCode.TRANSPORT if how == "raise" else ErrorCode.CANCELLED)
+    assert "RuntimeError: Session is closed" in r.error.message or how == "cancel"
+    assert c.metrics()["single"]["errors"] == {r.error.type: 1}
+    await c.aclose()
+
+
+async def test_a_hedged_call_whose_primary_raises_is_answered_not_hung():
+    """Hedged, the copy's done callback read ``f.result()``: a future that raised raised in
+    the callback (logged by the loop), no answer was ever set, and the call waited for its
+    deadline (or for good), its hedge sent meanwhile to a backend that had failed it."""
+    m = _Manual()
+    c = _client(m, hedge={"min_samples": 1, "min_delay_ms": 50})
+    first = asyncio.create_task(c.call("single", {"x": 0}))
+    inv, fut = await m.next()
+    m.answer(inv, fut)
+    assert (await first).ok  # one latency observed: the next call is hedged after it
+    call = asyncio.create_task(c.call("single", {"x": 1}, deadline_s=5))
+    inv, fut = await m.next()
+    fut.set_exception(RuntimeError("boom"))
+    r = await call
+    assert r.error.type == ErrorCode.TRANSPORT and "RuntimeError: boom" in r.error.message
+    assert len(m.invocations) == 2  # no hedge went for a call already answered
+    await c.aclose()
