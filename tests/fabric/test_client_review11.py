@@ -228,3 +228,17 @@ async def test_a_hedged_call_whose_primary_raises_is_answered_not_hung():
     assert r.error.type == ErrorCode.TRANSPORT and "RuntimeError: boom" in r.error.message
     assert len(m.invocations) == 2  # no hedge went for a call already answered
     await c.aclose()
+
+
+async def test_request_ids_carry_enough_randomness_to_be_unique_across_a_fleet():
+    """A plain call's idempotency key is ``name:version:<client prefix>-<n>``, and the Lambda
+    handler deduplicates on it (per tenant) for its TTL. The prefix was 32 random bits: among
+    10,000 client processes within a TTL (reward workers of a large job, restarted), two share
+    one with a chance of about 1%, and then their n-th calls share a key: each call of the one
+    refused by the handler as the same key with another payload, or answered with the other's
+    result where the payloads agree."""
+    fake = FakeBackend(REG)
+    async with _client(fake) as c:
+        await c.call("parts", {"x": 1})
+    prefix = fake.invocations[0].request_id.rpartition("-")[0]
+    assert len(prefix) >= 16 and int(prefix, 16) >= 0  # 64 bits: ~3e-12 for 10,000 clients
