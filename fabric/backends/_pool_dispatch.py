@@ -131,6 +131,7 @@ class PoolDispatch:
                 cid = next(self._cids)
                 call.cid = cid
                 call.worker = w
+                call.sent_ns = now
                 w.inflight[cid] = call
                 timeout = self.spec.timeout_s
                 if call.deadline_ns:  # an async handler is cancelled at the deadline, in the worker

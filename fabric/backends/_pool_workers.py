@@ -272,10 +272,21 @@ class PoolWorkers(PoolDispatch):
             if not w.inflight or w.slot is None or w.kill_reason:
                 continue
             if self.spec.is_async:
+                # the oldest call it holds (a dict keeps the order they were sent in)
+                head = next(iter(w.inflight.values()))
                 if now - w.last_progress > limit + _ASYNC_GRACE_S:
-                    head = next(iter(w.inflight.values()))
                     msg = f"{self.spec.name}: worker stopped responding (event loop blocked past the timeout)"
                     self._kill_for_timeout(w, head, msg + "; killed and replaced")
+                elif head.sent_ns and (now_ns - head.sent_ns) / 1e9 > limit + _ASYNC_GRACE_S:
+                    # the worker cancels a run at its limit; this one ran on (it swallowed the
+                    # cancellation: a bare except in a polling loop). Its other calls answering
+                    # kept the check above quiet, and it held its caller and slot for good
+                    msg = (
+                        f"{self.spec.name} ran past its {limit:.3g} s limit and did not stop when "
+                        "cancelled there (does it swallow asyncio.CancelledError?); its worker was "
+                        "killed and replaced"
+                    )
+                    self._kill_for_timeout(w, head, msg)
                 continue
             cid, start = read_slot(w.slot)
             call = w.inflight.get(cid) if cid else None

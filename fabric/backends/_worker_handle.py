@@ -67,6 +67,7 @@ class PoolCall:
         "fut",
         "inv",
         "requeues",
+        "sent_ns",
         "settled",
         "t_submit_ns",
         "timer",
@@ -83,6 +84,8 @@ class PoolCall:
         self.avoid: WorkerHandle | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.requeues = 0
+        self.sent_ns = 0
+        """When it was last sent to a worker (``time.monotonic_ns``); 0 while queued."""
         self.settled: asyncio.Future[None] | None = None
         """Made by ``FunctionPool.settled`` for a call answered or abandoned while its worker
         still runs it; done when the worker is done with it."""
