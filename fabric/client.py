@@ -87,7 +87,7 @@ class Client(KeyedCalls):
         self._owns_backend = not isinstance(backend, Backend)
         self.backend = make_backend(backend, self.registry)
         self._fns: dict[str, FnState] = {}
-        self._cache: dict[str, Result] = {}
+        self._cache: dict[str, tuple[bytes, Result]] = {}
         self._inflight: dict[str, Execution] = {}
         self._executions: set[asyncio.Task[Result]] = set()
         self._ids = itertools.count(1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import time
 from typing import Any
 
@@ -32,6 +33,12 @@ def _own(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
+def _digest(raw: bytes) -> bytes:
+    """What tells a key's payloads apart: a digest of the payload's JSON as sent (the same
+    arguments with a dict's keys in another order differ too; build them in one order)."""
+    return hashlib.blake2b(raw, digest_size=16).digest()
+
+
 def _effect_key(name: str, user_key: str) -> str:
     """Where an ``OutcomeUnknown`` is kept for every code of the function: ``name:*:key``
     (a version, a hash, is never ``*``, so it names no code's key)."""
@@ -41,8 +48,9 @@ def _effect_key(name: str, user_key: str) -> str:
 class KeyedCalls(Attempts):
     """The idempotency part of a ``Client``; its state is the client's (set in its ``__init__``)."""
 
-    _cache: dict[str, Result]
-    """What each key keeps, oldest first (at most ``idempotency_cache_size``)."""
+    _cache: dict[str, tuple[bytes, Result]]
+    """What each key keeps, with the digest of the payload it was made for (``_digest``),
+    oldest first (at most ``idempotency_cache_size``)."""
     _inflight: dict[str, Execution]
     """The execution in flight under each key."""
     _executions: set[asyncio.Task[Result]]
@@ -66,12 +74,30 @@ class KeyedCalls(Attempts):
         spec = fn.spec
         m = fn.metrics
         key = f"{spec.name}:{spec.version}:{user_key}"
-        hit = self._cache.get(key)
-        if hit is None and spec.side_effects:
+        digest = _digest(raw)
+        entry = self._cache.get(key)
+        if entry is None and spec.side_effects:
             # an effect that may have happened under earlier code under this key: still
             # unknown, whatever code is registered now (_conclude)
-            hit = self._cache.get(_effect_key(spec.name, user_key))
-        if hit is not None:
+            entry = self._cache.get(_effect_key(spec.name, user_key))
+        ex = self._inflight.get(key)
+        if entry is not None:
+            # an OutcomeUnknown holds whatever the payload: no effect runs again under the key
+            err = entry[1].error
+            other = entry[0] != digest and (err is None or err.type != ErrorCode.OUTCOME_UNKNOWN)
+        else:
+            other = ex is not None and ex.digest != digest
+        if other:
+            # the answer (or the run) under the key is another payload's: given to this one, a
+            # key reused for another trajectory was scored as the first, silently (the Lambda
+            # handler refuses it so too)
+            why = (
+                f"{spec.name}: idempotency key {user_key!r} was already used with another payload; "
+                "give each payload a key of its own"
+            )
+            return self._refuse(m, ErrorCode.INVALID_ARGUMENTS, why, spec.name, request_id)
+        if entry is not None:
+            hit = entry[1]
             m.cache_hits += 1
             # its own timings: the kept ones are the execution's, and a shallow copy would share them
             timings = hit.timings.model_copy(update={"total_ms": (time.perf_counter() - t0) * 1e3})
@@ -85,7 +111,6 @@ class KeyedCalls(Attempts):
                     "value": _own(hit.value),
                 }
             )
-        ex = self._inflight.get(key)
         joined = ex is not None
         if ex is None:
             refusal, probe = self._breaker_admits(fn)
@@ -110,7 +135,7 @@ class KeyedCalls(Attempts):
                 wait_for_run=True,
                 raw=raw,
             )
-            ex = self._inflight[key] = Execution(deadline)
+            ex = self._inflight[key] = Execution(deadline, digest)
             ex.task = asyncio.create_task(
                 # its retry budget and the code its key names: the spec's as the key is made
                 self._execute(
@@ -235,7 +260,7 @@ class KeyedCalls(Attempts):
                 # held while a copy it let go still runs (a primary that lost to its hedge)
                 self._release_when_settled(fn, sent.copies, fn.sem.release)
             ex.kept = self._conclude(
-                fn, key, user_key, result, not result.ok and self._may_have_effects(fn, sent)
+                fn, key, user_key, result, not result.ok and self._may_have_effects(fn, sent), ex.digest
             )
             if not ex.unsent:
                 self._settle(fn, result, t0)
@@ -247,7 +272,7 @@ class KeyedCalls(Attempts):
                 del self._inflight[key]
 
     def _conclude(
-        self, fn: FnState, key: str, user_key: str, result: Result, side_effects: bool
+        self, fn: FnState, key: str, user_key: str, result: Result, side_effects: bool, digest: bytes
     ) -> Result | None:
         """Remember what a later caller with the key gets instead of a new execution: the
         function's own answer; or, for a function with side effects whose call may have run
@@ -265,7 +290,7 @@ class KeyedCalls(Attempts):
         caller retrying with the same key after a re-registration ran the effect again."""
         err = result.error
         if err is None or err.type in FINAL_ERRORS:
-            return self._remember(key, result)
+            return self._remember(key, result, digest)
         if side_effects and err.type in _MAY_HAVE_RUN:
             name = fn.spec.name
             unknown = Result.failure(
@@ -277,12 +302,13 @@ class KeyedCalls(Attempts):
                 function=name,
                 request_id=result.request_id,
             )
-            self._remember(_effect_key(name, user_key), unknown)
-            return self._remember(key, unknown)
+            self._remember(_effect_key(name, user_key), unknown, digest)
+            return self._remember(key, unknown, digest)
         return None
 
-    def _remember(self, key: str, result: Result) -> Result | None:
-        """Keep ``result`` under ``key``; returns it, or None when no cache is kept."""
+    def _remember(self, key: str, result: Result, digest: bytes) -> Result | None:
+        """Keep ``result`` under ``key``, made for the payload of ``digest``; returns it, or
+        None when no cache is kept."""
         cache = self._cache
         if self.config.idempotency_cache_size == 0:
             return None
@@ -290,7 +316,6 @@ class KeyedCalls(Attempts):
             del cache[next(iter(cache))]  # dicts keep insertion order: drop the oldest
         # a copy: the caller that ran it gets ``result`` itself, and settles its own latency into it
         # (and may change its value in place)
-        cache[key] = kept = result.model_copy(
-            update={"timings": result.timings.model_copy(), "value": _own(result.value)}
-        )
+        kept = result.model_copy(update={"timings": result.timings.model_copy(), "value": _own(result.value)})
+        cache[key] = (digest, kept)
         return kept

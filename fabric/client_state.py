@@ -236,13 +236,15 @@ class Execution:
     key free again, so a caller that comes later never starts a second execution while the
     first may still run."""
 
-    __slots__ = ("deadline", "kept", "task", "unsent")
+    __slots__ = ("deadline", "digest", "kept", "task", "unsent")
 
-    def __init__(self, deadline: float | None):
+    def __init__(self, deadline: float | None, digest: bytes):
         self.deadline = deadline
         """The latest deadline of the callers that joined (None once one has none): after it
         no caller could use the answer, so each call sent carries it (an async handler is
         cancelled there, in the worker) and the retries stop there."""
+        self.digest = digest
+        """Of the payload it runs (``client_keyed._digest``): a caller with another is refused."""
         self.task: asyncio.Task[Result] | None = None
         self.kept: Result | None = None
         """What the key keeps once it ended (its answer, or ``OutcomeUnknown`` for a side

@@ -242,3 +242,35 @@ async def test_request_ids_carry_enough_randomness_to_be_unique_across_a_fleet()
         await c.call("parts", {"x": 1})
     prefix = fake.invocations[0].request_id.rpartition("-")[0]
     assert len(prefix) >= 16 and int(prefix, 16) >= 0  # 64 bits: ~3e-12 for 10,000 clients
+
+
+async def test_a_key_used_again_with_another_payload_is_refused_not_answered_from_the_cache():
+    """The cache answered a key's later caller whatever its payload: a key reused for
+    another trajectory (a key built from a batch index, a trajectory id that repeats across
+    epochs) got the first payload's reward back, marked cached. The Lambda handler refuses
+    it ("already used with another payload"); the client now does too, on every backend, and
+    keeps the key's answer for the payload that made it."""
+    fake = FakeBackend(REG)
+    async with _client(fake) as c:
+        assert (await c.call("parts", {"x": 1}, idempotency_key="t")).value["score"] == 1
+        r = await c.call("parts", {"x": 2}, idempotency_key="t")
+        assert r.error is not None and r.error.type == ErrorCode.INVALID_ARGUMENTS
+        assert "another payload" in r.error.message and not r.cached
+        again = await c.call("parts", {"x": 1}, idempotency_key="t")
+        assert again.cached and again.value["score"] == 1
+        assert len(fake.invocations) == 1
+
+
+async def test_a_caller_with_another_payload_does_not_join_the_keys_execution():
+    m = _Manual()
+    c = _client(m, hedge={"enabled": False})
+    first = asyncio.create_task(c.call("parts", {"x": 1}, idempotency_key="t"))
+    inv, fut = await m.next()
+    other = asyncio.create_task(c.call("parts", {"x": 2}, idempotency_key="t"))
+    await asyncio.sleep(0)
+    m.answer(inv, fut)
+    assert (await first).ok
+    r = await other  # it had joined: the answer for {"x": 1}, marked cached
+    assert r.error is not None and r.error.type == ErrorCode.INVALID_ARGUMENTS
+    assert c.metrics()["parts"]["errors"] == {ErrorCode.INVALID_ARGUMENTS: 1}
+    await c.aclose()
