@@ -337,6 +337,8 @@ class Attempts:
                 return
             if m.hedges >= self.config.hedge.max_share * m.calls + _BURST:
                 return
+            if fn.consecutive_failures >= self.config.breaker.failure_threshold:
+                return  # the circuit is open (or half-open: a probe is one call, not two)
             if self.registry.find(spec.name) is not spec:
                 return
             # a hedge is one more call in flight: it takes one of the function's max_concurrency

@@ -274,3 +274,26 @@ async def test_a_caller_with_another_payload_does_not_join_the_keys_execution():
     assert r.error is not None and r.error.type == ErrorCode.INVALID_ARGUMENTS
     assert c.metrics()["parts"]["errors"] == {ErrorCode.INVALID_ARGUMENTS: 1}
     await c.aclose()
+
+
+async def test_no_hedge_is_sent_once_the_circuit_opened():
+    """A straggler's hedge went whatever the circuit said: with the backend down and calls
+    hanging in it (a connect timeout), the circuit opened on the failures that came back and
+    still every straggler within the hedge share sent one more call into the backend down."""
+    m = _Manual()
+    c = _client(m, hedge={"min_samples": 1, "min_delay_ms": 50}, breaker={"failure_threshold": 1})
+    first = asyncio.create_task(c.call("parts", {"x": 0}))
+    inv, fut = await m.next()
+    m.answer(inv, fut)
+    assert (await first).ok  # one latency observed: calls are hedged after ~50 ms
+    straggler = asyncio.create_task(c.call("parts", {"x": 1}))
+    s_inv, s_fut = await m.next()
+    failing = asyncio.create_task(c.call("parts", {"x": 2}))
+    inv, fut = await m.next()
+    m.answer(inv, fut, ErrorCode.TRANSPORT)  # the circuit opens (threshold 1)
+    assert (await failing).error.type == ErrorCode.TRANSPORT
+    await asyncio.sleep(0.1)  # past the straggler's hedge time (loop timers fire in order)
+    assert len(m.invocations) == 3, [i.request_id for i in m.invocations]
+    m.answer(s_inv, s_fut)
+    assert (await straggler).ok and c.metrics()["parts"]["hedges"] == 0
+    await c.aclose()
