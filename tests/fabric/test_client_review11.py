@@ -1,8 +1,10 @@
 """Review 11 of the client: the circuit breaker holds for calls that were admitted before it
-opened and still wait for a concurrency slot; a call whose deadline has already passed is
-not sent; a key's kept answer is not shared by reference with its callers; ``map`` and
-``stream`` refuse one idempotency key for many payloads; cold-start answers stay out of
-the latency the client hedges after."""
+opened and still wait for a concurrency slot, and for hedges; a call whose deadline has
+already passed is not sent; a key's kept answer is not shared by reference with its callers,
+nor given to a caller with another payload; ``map`` and ``stream`` refuse one idempotency key
+for many payloads; cold-start answers stay out of the latency the client hedges after; a
+backend future without a ``Result`` is a failed ``Result``; request ids are unique across a
+fleet of clients."""
 
 from __future__ import annotations
 
