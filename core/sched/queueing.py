@@ -195,7 +195,10 @@ class CMLFQ(QueuePolicy):
             queue = self._queues[level]
             while queue and now - queue[0][0] > self.aging_s:
                 stamp, seq, req = heapq.heappop(queue)
-                self._level[req.trajectory] = level - 1
+                # a trajectory forget() dropped has ended: its entry is a turn aborted while it
+                # waited (popped and skipped later), and writing its level kept the id for good
+                if req.trajectory in self._level:
+                    self._level[req.trajectory] = level - 1
                 # re-stamped with when it went up (not ``now``: that would lose the time it
                 # waited since, and make its level depend on how often pop is called)
                 heapq.heappush(self._queues[level - 1], (stamp + self.aging_s, seq, req))
