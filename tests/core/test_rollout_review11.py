@@ -5,12 +5,24 @@ that failed before its fix."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator
 from typing import Any
 
+from proxy_fakes import engine, tiny
 from test_turn_scheduler import GatedReplica, req, settle
 
-from core.rollout.llm_proxy import LLMProxy
+from core.buffer import SampleBuffer
+from core.config import JobConfig
+from core.rollout.engines.base import Completion, GenerateRequest
+from core.rollout.env_manager import EnvManager
+from core.rollout.groups import GroupRunner
+from core.rollout.llm_proxy import LLMProxy, LocalReplica, ReplicaLost
 from core.rollout.scheduling import TurnScheduler
+from core.sample import Sample
+from envpool.api import Observation, StepResult
+from fabric.protocol import RewardResult, Trajectory
 
 
 async def test_cmlfq_aging_a_released_trajectorys_left_over_turn_does_not_bring_its_level_back():
@@ -38,3 +50,180 @@ async def test_cmlfq_aging_a_released_trajectorys_left_over_turn_does_not_bring_
     await settle()
     assert rep.started == ["busy/0"]  # it never ran
     assert levels == {}, levels
+
+
+# ----------------------------------------------------------------------------- the whole rollout
+
+
+class _Session:
+    """An episode of one to five steps; now and then a step hangs past the trajectory
+    timeout (a slow tool), which ends its trajectory ``infra_failed``."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    async def reset(self, *, seed: int | None = None) -> tuple[Observation, dict[str, Any]]:
+        return Observation(text="you are at row 0"), {}
+
+    async def step(self, action: Any) -> StepResult:
+        await asyncio.sleep(0.3 if self.rng.random() < 0.05 else self.rng.random() * 0.004)
+        done = self.rng.random() < 0.3
+        return StepResult(obs=Observation(text="you are at row 1"), reward=float(done), terminated=done)
+
+
+class _Pool:
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.open = 0
+
+    @contextlib.asynccontextmanager
+    async def session(self, env_id: str, **kw: Any) -> AsyncIterator[_Session]:
+        self.open += 1
+        try:
+            yield _Session(self.rng)
+        finally:
+            self.open -= 1
+
+
+class _Unreachable(LocalReplica):
+    """Every ``every``-th turn the replica is cut off (Ray's ActorUnavailableError): the call
+    fails, the turn runs on in the engine, and the first ping after it fails too."""
+
+    def __init__(self, engine: Any, name: str, every: int) -> None:
+        super().__init__(engine, name)
+        self.every, self.calls, self.down = every, 0, False
+        self.cut_off: set[asyncio.Task[Any]] = set()
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        self.calls += 1
+        if self.calls % self.every == 0:
+            t = asyncio.ensure_future(self.engine.generate(request))
+            self.cut_off.add(t)
+            t.add_done_callback(self.cut_off.discard)
+            self.down = True
+            await asyncio.sleep(0)
+            raise ReplicaLost(f"{self.name} unreachable")
+        return await super().generate(request)
+
+    async def ping(self) -> int:
+        if self.down:
+            self.down = False
+            raise ReplicaLost(f"{self.name} still unreachable")
+        return await super().ping()
+
+
+class _AsRay:
+    """The proxy as the job reaches it: each call runs in the actor on its own (a caller
+    that goes away does not stop it) and calls start in any order (a random delay each)."""
+
+    def __init__(self, proxy: LLMProxy, rng: random.Random) -> None:
+        self.proxy, self.rng = proxy, rng
+        self.calls: set[asyncio.Task[Any]] = set()
+
+    async def _in_actor(self, coro: Any) -> Any:
+        async def later() -> Any:
+            await asyncio.sleep(self.rng.random() * 0.003)
+            return await coro
+
+        t = asyncio.ensure_future(later())
+        self.calls.add(t)
+        t.add_done_callback(self.calls.discard)
+        return await asyncio.shield(t)
+
+    async def generate(self, traj_id: str, tag: str, request: GenerateRequest) -> Completion:
+        c: Completion = await self._in_actor(self.proxy.generate(traj_id, tag, request))
+        return c
+
+    async def abort(self, traj_id: str) -> int:
+        n: int = await self._in_actor(self.proxy.abort(traj_id))
+        return n
+
+    async def release(self, traj_id: str) -> None:
+        await self._in_actor(self.proxy.release(traj_id))
+
+
+async def test_an_async_rollout_with_every_fault_trains_only_whole_fresh_groups_and_leaves_nothing(tok):
+    # redundancy aborts, rewards that fail (re-runs), trajectory timeouts, replicas cut off
+    # mid-turn (turns re-run elsewhere, first runs aborted when back), a weight update every
+    # step, a C-MLFQ turn scheduler with fewer slots than turns, and the proxy's calls out of
+    # order as under Ray: every trained group is whole, fresh and never aborted, and at the
+    # end no session, engine request, proxy or scheduler entry is left
+    rng = random.Random(11)
+    engines = [engine(tiny(tok, seed=i), tok) for i in range(2)]
+    replicas = [_Unreachable(e, f"r{i}", every=13 + i) for i, e in enumerate(engines)]
+    sched = TurnScheduler("cmlfq", slots=2, scheduler_options={"aging_s": 0.01})
+    proxy = LLMProxy({"default": replicas}, scheduler=sched, recover_timeout_s=5.0)
+    remote = _AsRay(proxy, rng)
+    cfg = JobConfig.from_dict(
+        {
+            "envs": [{"id": "latency-v0", "tag": "lat", "max_turns": 5}],
+            "rewards": {"lat": [{"function": "unused"}]},
+            "group_size": 2,
+            "redundancy": 1,
+            "alpha": 1,
+            "engine": {"max_new_tokens": 3},
+            "rollout": {"max_reruns": 50, "trajectory_timeout_s": 0.2},
+        },
+        check_references=False,
+    )
+    pool = _Pool(rng)
+    manager = EnvManager(cfg, pool, remote)  # type: ignore[arg-type]
+    runner: GroupRunner | None = None
+
+    def on_abort(gid: str, why: Any) -> None:
+        assert runner is not None
+        runner.abort_group(gid, why)
+
+    buffer = SampleBuffer(cfg.group_size, cfg.alpha, on_abort=on_abort)
+    scoring: set[asyncio.Task[None]] = set()
+
+    async def score(traj: Trajectory) -> None:
+        assert runner is not None
+        await asyncio.sleep(rng.random() * 0.01)
+        s = Sample.of(traj)
+        if not s.masked:
+            if rng.random() < 0.2:
+                s.status, s.error = "reward_failed", "the judge was down"
+                buffer.put(s)
+                runner.reward_failed(s)
+                return
+            s.reward = RewardResult(score=rng.random())
+        buffer.put(s)
+
+    def submit(traj: Trajectory) -> None:
+        t = asyncio.ensure_future(score(traj))
+        scoring.add(t)
+        t.add_done_callback(scoring.discard)
+
+    runner = GroupRunner(cfg, manager, remote, submit=submit)  # type: ignore[arg-type]
+    state = engines[0].model.state_dict()
+    version = 0
+    for _ in range(4):
+        for _ in range(3):
+            g = runner.start(cfg.envs[0], rng.randrange(100), version)
+            buffer.open_group(g.id, version)
+        groups = await buffer.get_batch(2, timeout=30)
+        for group in groups:
+            assert len(group.samples) == cfg.group_size
+            for s in group.samples:
+                assert s.id not in runner.aborted_ids and version - s.version <= cfg.alpha
+                assert all(v >= s.version for v in s.traj.policy_versions())
+        version += 1
+        await proxy.update_weights(version, state)
+        buffer.advance(version)
+    await runner.aclose()
+    async with asyncio.timeout(10):
+        while remote.calls or scoring or proxy._background:
+            await asyncio.gather(*remote.calls, *scoring, *proxy._background, return_exceptions=True)
+        for r in replicas:
+            await asyncio.gather(*r.cut_off, return_exceptions=True)
+    assert runner.metrics["redundant_aborted"] and proxy.metrics["turns_rerun"]  # (the others: by chance)
+    assert pool.open == 0 and runner.running() == 0
+    assert [e.num_inflight for e in engines] == [0, 0]
+    assert proxy.stats()["trajectories"] == 0 and proxy._aborted == set() and proxy._turns == {}
+    assert not any(proxy._inflight.values()) and not +proxy._load
+    assert sched._trajs == {} and sched._queue_options["level_store"] == {}
+    assert [s.running for s in sched._replicas.values()] == [0, 0]
+    for e in engines:
+        await e.aclose()
+    await proxy.aclose()
