@@ -166,12 +166,10 @@ class EnvManager:
             info={VERSION_KEY: version, "turn_rewards": [], "turn_states": [], "gen_s": 0.0, "env_s": 0.0},
         )
         t0 = time.perf_counter()
-        timed_out = False
         try:
             async with asyncio.timeout(self.cfg.rollout.trajectory_timeout_s):
                 await self._play(task, traj, barrier)
         except TimeoutError:
-            timed_out = True
             _fail(
                 traj,
                 f"trajectory ran over rollout.trajectory_timeout_s={self.cfg.rollout.trajectory_timeout_s}",
@@ -192,7 +190,7 @@ class EnvManager:
                 await barrier.leave()
             # shielded: a cancelled trajectory still frees its affinity; kept so that ``drain``
             # can wait for a release its cancelled caller no longer waits for
-            release = asyncio.ensure_future(self._end(traj.id, abort=timed_out))
+            release = asyncio.ensure_future(self._end(traj.id, abort=traj.status == "infra_failed"))
             self._releasing.add(release)
             release.add_done_callback(self._releasing.discard)
             try:
@@ -227,9 +225,12 @@ class EnvManager:
 
     async def _end(self, traj_id: str, *, abort: bool) -> None:
         if abort:
-            # the timeout cancelled only this side of the turn in flight: under Ray the proxy
-            # and the engine run it on (and it holds a batch slot) until it ends by itself,
-            # which for a hung turn, the usual reason for the timeout, is never
+            # an infra_failed trajectory. Timed out: the timeout cancelled only this side of
+            # the turn in flight, and under Ray the proxy and the engine run it on (and it
+            # holds a batch slot) until it ends by itself, which for a hung turn, the usual
+            # reason for the timeout, is never. Whatever failed: it was cut short, and an
+            # aborted trajectory's length is not learnt by the turn scheduler's predictor (a
+            # container lost at turn 2 taught it that trajectories are two turns long)
             with contextlib.suppress(Exception):
                 await self.proxy.abort(traj_id)
         await self.proxy.release(traj_id)

@@ -16,12 +16,13 @@ from test_turn_scheduler import GatedReplica, req, settle
 from core.buffer import SampleBuffer
 from core.config import JobConfig
 from core.rollout.engines.base import Completion, GenerateRequest
-from core.rollout.env_manager import EnvManager
+from core.rollout.env_manager import EnvManager, Task
 from core.rollout.groups import GroupRunner
 from core.rollout.llm_proxy import LLMProxy, LocalReplica, ReplicaLost
 from core.rollout.scheduling import TurnScheduler
 from core.sample import Sample
 from envpool.api import Observation, StepResult
+from envpool.errors import SessionLost
 from fabric.protocol import RewardResult, Trajectory
 
 
@@ -226,4 +227,53 @@ async def test_an_async_rollout_with_every_fault_trains_only_whole_fresh_groups_
     assert [s.running for s in sched._replicas.values()] == [0, 0]
     for e in engines:
         await e.aclose()
+    await proxy.aclose()
+
+
+class _LostOnSecondStep:
+    """An episode whose container is lost at its second step (``lose``), else three steps."""
+
+    def __init__(self, lose: bool) -> None:
+        self.lose, self.steps = lose, 0
+
+    async def reset(self, *, seed: int | None = None) -> tuple[Observation, dict[str, Any]]:
+        return Observation(text="you are at row 0"), {}
+
+    async def step(self, action: Any) -> StepResult:
+        self.steps += 1
+        if self.lose and self.steps == 2:
+            raise SessionLost("the container died and its session could not be replayed")
+        return StepResult(obs=Observation(text="you are at row 1"), terminated=self.steps == 3)
+
+
+class _PoolLosing:
+    @contextlib.asynccontextmanager
+    async def session(self, env_id: str, **kw: Any) -> AsyncIterator[_LostOnSecondStep]:
+        yield _LostOnSecondStep(lose=(kw.get("env_kwargs") or {}).get("lose", False))
+
+
+async def test_the_length_predictor_does_not_learn_a_trajectory_its_environment_cut_short(tok):
+    # an infra_failed trajectory ended where its container died, not where its episode would
+    # have: learnt, it taught the predictor that trajectories are short (sjf, pps and the
+    # placements rank by it), as the proxy already refuses to learn from a timed-out one
+    sched = TurnScheduler("sjf", slots=4)
+    proxy = LLMProxy({"default": [LocalReplica(engine(tiny(tok), tok))]}, scheduler=sched)
+    cfg = JobConfig.from_dict(
+        {
+            "envs": [
+                {"id": "latency-v0", "tag": "lat", "max_turns": 5},
+                {"id": "latency-v0", "tag": "lost", "max_turns": 5, "kwargs": {"lose": True}},
+            ],
+            "rewards": {"lat": [{"function": "unused"}], "lost": [{"function": "unused"}]},
+            "engine": {"max_new_tokens": 2},
+        },
+        check_references=False,
+    )
+    manager = EnvManager(cfg, _PoolLosing(), proxy)  # type: ignore[arg-type]
+    lost = await manager.run(Task(cfg.envs[1], 1, "g1"), version=0)
+    assert lost.status == "infra_failed" and lost.info["error_type"] == "SessionLost"
+    assert sched.predictor.trajectories_seen == 0
+    played = await manager.run(Task(cfg.envs[0], 2, "g2"), version=0)
+    assert played.status == "ok" and sched.predictor.trajectories_seen == 1
+    assert proxy.stats()["trajectories"] == 0 and proxy._aborted == set() and sched._trajs == {}
     await proxy.aclose()
