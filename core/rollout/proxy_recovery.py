@@ -64,6 +64,15 @@ class ProxyRecovery(ProxyState):
         await self._abort_one(replica, rid)
         return rerun_id
 
+    def _after_last_loss(self, replica: Replica, rid: str, e: ReplicaLost) -> None:
+        """A turn's call on ``replica`` was lost for the last time (the turn fails): the
+        replica's recovery starts and the lost run is stopped once it answers, as after any
+        other loss (``_after_lost``), without the turn waiting for either."""
+        gone = isinstance(e, ReplicaGone)
+        recovery = self._spawn_recover(replica, gone=gone)
+        if not gone:
+            self._in_background(self._abort_when_back(recovery, replica, rid))
+
     def _in_background(self, work: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(work)
         self._background.add(task)

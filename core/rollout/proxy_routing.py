@@ -154,6 +154,10 @@ class ProxyRouting(ProxyRecovery):
                 log.warning("replica %s lost during a turn of %s: %s", replica.name, traj_id, e)
                 self._sticky.pop(traj_id, None)
                 if lost == self.max_turn_retries:
+                    # the turn fails; its replica is recovered and the run it lost stopped all
+                    # the same (left as it was, the replica stayed in routing as if healthy, and
+                    # an unreachable one ran that turn on for nobody)
+                    self._after_last_loss(replica, rid, e)
                     raise
                 lost += 1
                 rerun_id = f"{request.request_id}#rerun{lost}"

@@ -10,7 +10,9 @@ import random
 from collections.abc import AsyncIterator
 from typing import Any
 
-from proxy_fakes import engine, tiny
+import pytest
+from proxy_fakes import Fake, engine, tiny, until
+from proxy_fakes import req as one_turn
 from test_turn_scheduler import GatedReplica, req, settle
 
 from core.buffer import SampleBuffer
@@ -276,4 +278,22 @@ async def test_the_length_predictor_does_not_learn_a_trajectory_its_environment_
     played = await manager.run(Task(cfg.envs[0], 2, "g2"), version=0)
     assert played.status == "ok" and sched.predictor.trajectories_seen == 1
     assert proxy.stats()["trajectories"] == 0 and proxy._aborted == set() and sched._trajs == {}
+    await proxy.aclose()
+
+
+async def test_a_turn_lost_for_the_last_time_still_gets_its_replica_recovered_and_its_run_stopped():
+    # each loss of a turn but the last started the replica's recovery (routed around while
+    # it is pinged and reloaded) and had the run it lost aborted once the replica answers
+    # (unreachable is not dead: the run goes on in the engine). The last loss, which fails
+    # the turn, did neither: that replica stayed in routing as if healthy, and its run went
+    # on to max_new_tokens for nobody, holding a batch slot
+    a = Fake("a", fail=[ReplicaLost("a unreachable")])
+    b = Fake("b", fail=[ReplicaLost("b unreachable")])
+    proxy = LLMProxy({"default": [a, b]}, max_turn_retries=1)
+    with pytest.raises(ReplicaLost, match="b unreachable"):
+        await proxy.generate("t", "x", one_turn(request_id="turn"))
+    assert a.generated == ["turn"] and b.generated == ["turn#rerun1"]
+    await until(lambda: proxy.metrics["replicas_recovered"] == 2 and not proxy._background)
+    assert b.pings == 1 and b.aborted == ["turn#rerun1"]
+    assert a.aborted == ["turn"]
     await proxy.aclose()
