@@ -20,6 +20,17 @@ from fabric.deploy.tfvars import TFVARS_FILE
 # -- CLI
 
 
+def terraform_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A terraform directory declaring the variables a deploy writes, and no terraform on
+    PATH: the deploy writes its tfvars and package, then says terraform is missing."""
+    tf = tmp_path / "terraform"
+    tf.mkdir()
+    for name in ("region", "name_prefix", "package", "functions", "tags"):
+        (tf / f"{name}.tf").write_text(f'variable "{name}" {{}}\n')
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    return tf
+
+
 def test_cli_direct_deploy(moto_url, tmp_path, monkeypatch):
     from fabric.cli import app
 
@@ -75,11 +86,7 @@ async def test_the_client_calls_the_region_the_cli_deployed_to(moto_url, tmp_pat
 def test_cli_terraform_path_writes_tfvars(tmp_path, monkeypatch):
     from fabric.cli import app
 
-    tf = tmp_path / "terraform"
-    tf.mkdir()
-    for name in ("region", "name_prefix", "package", "functions", "tags"):
-        (tf / f"{name}.tf").write_text(f'variable "{name}" {{}}\n')
-    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no terraform on PATH
+    tf = terraform_dir(tmp_path, monkeypatch)
     r = CliRunner().invoke(
         app,
         [
@@ -110,11 +117,7 @@ def test_cli_lambda_deploy_provisions_no_concurrency_unless_asked(tmp_path, monk
     function's warm; --warm N: N for every function)."""
     from fabric.cli import app
 
-    tf = tmp_path / "terraform"
-    tf.mkdir()
-    for name in ("region", "name_prefix", "package", "functions", "tags"):
-        (tf / f"{name}.tf").write_text(f'variable "{name}" {{}}\n')
-    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no terraform on PATH
+    tf = terraform_dir(tmp_path, monkeypatch)
     base = ["deploy", "--no-deps", "-m", "sample_fns", "-f", "add", "--terraform-dir", str(tf)]
     base += ["--out", str(tmp_path / "b")]
     for extra, warm in (([], 0), (["--provisioned"], REG.get("add").warm), (["--warm", "2"], 2)):
@@ -179,11 +182,7 @@ def test_cli_terraform_path_keeps_the_architecture(tmp_path, monkeypatch, image)
     x86_64 function fails at its first call); the zip path passed it on."""
     from fabric.cli import app
 
-    tf = tmp_path / "terraform"
-    tf.mkdir()
-    for name in ("region", "name_prefix", "package", "functions", "tags"):
-        (tf / f"{name}.tf").write_text(f'variable "{name}" {{}}\n')
-    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no terraform on PATH
+    tf = terraform_dir(tmp_path, monkeypatch)
     args = ["deploy", "--no-deps", "-m", "sample_fns", "-f", "add", "--architecture", "arm64"]
     args += ["--terraform-dir", str(tf), "--out", str(tmp_path / "b")]
     r = CliRunner().invoke(app, args + (["--image", image] if image else []))
@@ -317,11 +316,7 @@ def test_a_terraform_deploy_that_would_destroy_deployed_functions_is_refused(tmp
     under a training job calling them). Refused, naming them, unless --prune says so."""
     from fabric.cli import app
 
-    tf = tmp_path / "terraform"
-    tf.mkdir()
-    for name in ("region", "name_prefix", "package", "functions", "tags"):
-        (tf / f"{name}.tf").write_text(f'variable "{name}" {{}}\n')
-    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no terraform on PATH
+    tf = terraform_dir(tmp_path, monkeypatch)
     base = [
         "deploy",
         "--no-deps",
