@@ -52,6 +52,8 @@ class BenchConfig(BaseModel):
     """``fabric serve``'s bearer token (default ``$RL_FABRIC_TOKEN``)."""
     function_prefix: str | None = None
     """Default: the lambda backend's (``LambdaConfig.function_prefix``)."""
+    region: str | None = None
+    """The lambda backend's AWS region (default: ``LambdaConfig.region``, from ``$AWS_REGION``)."""
     transport: str = "auto"
     """The lambda backend's transport: ``auto``, ``boto3`` or ``http``."""
     workers: int | None = Field(None, ge=1)
@@ -219,6 +221,7 @@ async def _run_fabric(
             function_prefix=cfg.function_prefix,
             transport=cfg.transport,
             max_connections=max(cfg.concurrency, 1),
+            **({} if cfg.region is None else {"region": cfg.region}),
         )
     client_cfg = ClientConfig.model_validate({"hedge": {"enabled": hedge}})
     async with Client(backend=backend, registry=registry, config=client_cfg) as client:

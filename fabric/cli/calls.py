@@ -132,6 +132,7 @@ def bench(
     endpoint_url: EndpointUrlOpt = None,
     token: TokenOpt = None,
     prefix: PrefixOpt = None,
+    region: RegionOpt = None,
     transport: TransportOpt = "auto",
     baseline: Annotated[
         str | None,
@@ -165,7 +166,9 @@ def bench(
     args = payload_arg(payload) if payload is not None else None
     # checked here, before the bench's in-process measurement: the lambda run builds its own
     # config (its connections sized to --concurrency)
-    remote_backend(backend, endpoint_url=endpoint_url, token=token, prefix=prefix, transport=transport)
+    remote_backend(
+        backend, endpoint_url=endpoint_url, token=token, prefix=prefix, transport=transport, region=region
+    )
     try:
         reg = load_registry(modules)
         cfg = BenchConfig(
@@ -176,6 +179,7 @@ def bench(
             endpoint_url=endpoint_url,
             token=token,
             function_prefix=prefix,
+            region=region,
             transport=transport,
             baseline=baseline,
             workers=workers,

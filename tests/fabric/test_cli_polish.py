@@ -195,3 +195,32 @@ def test_invoke_takes_the_region_deploy_took(monkeypatch):
     )
     r = runner.invoke(app, ["invoke", "exact_match", "--backend", "local", "--region", "eu-west-1"])
     assert r.exit_code == 2 and "--region is for --backend lambda" in " ".join(r.output.split()), r.output
+
+
+def test_bench_takes_the_region_deploy_took(monkeypatch):
+    """`fabric invoke` took --region (a deploy to eu-west-1 is called there) and `fabric
+    bench --backend lambda` did not: it measured $AWS_REGION's functions, or none."""
+    import asyncio
+
+    from fabric.backends.base import LambdaConfig
+    from fabric.bench import BenchConfig, _run_fabric
+
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    seen: list[LambdaConfig] = []
+
+    class Stop(Exception):
+        pass
+
+    def client(*, backend, **kw):
+        seen.append(backend)
+        raise Stop
+
+    monkeypatch.setattr("fabric.bench.Client", client)
+    cfg = BenchConfig(function="exact_match", backend="lambda", region="eu-west-1")
+    with pytest.raises(Stop):
+        asyncio.run(_run_fabric(cfg, None, {}, 1, True, None, "x"))
+    assert isinstance(seen[0], LambdaConfig) and seen[0].region == "eu-west-1"
+    r = runner.invoke(app, ["bench", "exact_match", "--backend", "lambda", "--region", "bogus"])
+    assert r.exit_code == 2 and "--region 'bogus' is not an AWS region name" in " ".join(r.output.split())
+    r = runner.invoke(app, ["bench", "exact_match", "--region", "eu-west-1"])
+    assert r.exit_code == 2 and "--region is for --backend lambda" in " ".join(r.output.split()), r.output
