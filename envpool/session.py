@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from envpool.pool import EnvPool
 
 
+_ToolLog = dict[int, tuple[str, dict[str, Any], str]]
+"""A request's tool calls by their order in it: name, arguments, what it answered."""
 _SEEN = ("obs", "reward", "terminated", "truncated")
 
 
@@ -125,10 +127,15 @@ class EnvSession:
         self.conn: Connection | None = None
         self.status: Literal["ok", "infra_failed"] = "ok"
         self.failures: list[str] = []
-        self._log: list[tuple[str, dict[str, Any]]] = []
+        self._log: list[tuple[str, dict[str, Any], _ToolLog]] = []
         """The episode so far, as a replay rebuilds it: its reset, then every request the
         environment ran, those that raised (``EnvLogicError``) included: the environment
-        ran them and may have changed its state before it raised."""
+        ran them and may have changed its state before it raised. With each, the tool calls
+        it made and what they answered (``_tool``)."""
+        self._tools_now: _ToolLog | None = None
+        """The tool calls of the request under way (its earlier attempts' and, in a replay,
+        the original's): a call made again is answered from here, not run again."""
+        self._tool_n = 0
         self._trace: list[str] = []
         """What each request of ``_log`` gave: its digest, or the error type it raised."""
         self._done = True
@@ -188,6 +195,7 @@ class EnvSession:
         if seed is None:  # a random episode all the same, but one a replay can rebuild
             seed = secrets.randbits(31)
         args = {"seed": seed, "options": options}
+        tools: _ToolLog = {}
         c = self.container
         if c is not None and (c.episodes >= self._cfg.max_episodes or c.failed or self._interrupted):
             # its episodes are spent, an error may have left its server broken (``_retire``),
@@ -198,14 +206,14 @@ class EnvSession:
         self._interrupted = False  # (what a cancelled request was left running on is gone)
         try:
             result = await self._with_recovery(
-                "reset", lambda: self._call("reset", args, self._cfg.reset_timeout_s)
+                "reset", lambda: self._call("reset", args, self._cfg.reset_timeout_s, tools)
             )
         except EnvLogicError as e:
             # an episode under way goes on from whatever state the failed reset left
             if not self._done:
-                self._ran_and_raised("reset", args, e)
+                self._ran_and_raised("reset", args, tools, e)
             raise
-        self._log, self._done, self._cut_short = [("reset", args)], False, None
+        self._log, self._done, self._cut_short = [("reset", args, tools)], False, None
         self._trace = [_digest(result)]
         if self.container is not None:
             self.container.episodes += 1
@@ -222,28 +230,29 @@ class EnvSession:
                 f"{self.env_id}: step() before reset() (or after the episode ended); call reset()"
             )
         args = {"action": text}
+        tools: _ToolLog = {}  # (shared by its attempts: a retry does not run a tool call again)
         try:
             result = await self._with_recovery(
-                "step", lambda: self._call("step", args, self._cfg.step_timeout_s), replay=True
+                "step", lambda: self._call("step", args, self._cfg.step_timeout_s, tools), replay=True
             )
         except EnvLogicError as e:
-            self._ran_and_raised("step", args, e)
+            self._ran_and_raised("step", args, tools, e)
             raise
         res = StepResult.model_validate(result)
-        self._log.append(("step", args))
+        self._log.append(("step", args, tools))
         self._trace.append(_digest(result))
         self._done = res.done
         self.pool.metrics["steps"] += 1
         return res
 
     # -- internals
-    def _ran_and_raised(self, op: str, args: dict[str, Any], e: EnvLogicError) -> None:
+    def _ran_and_raised(self, op: str, args: dict[str, Any], tools: _ToolLog, e: EnvLogicError) -> None:
         """Record a request the environment raised on as part of the episode: a replay runs
         it again and expects the same error type (else the episode differs and the session
         is lost). Not one that hung (``EnvHung`` ends the episode), nor one the environment
         never ran (its container failed to make it: no container is attached any more)."""
         if not isinstance(e, EnvHung) and self.conn is not None and self._log:
-            self._log.append((op, args))
+            self._log.append((op, args, tools))
             self._trace.append(_raised(e))
 
     @property
@@ -262,7 +271,7 @@ class EnvSession:
                 f"session lost: {self.failures[-1] if self.failures else 'infrastructure failure'}"
             )
 
-    async def _call(self, op: str, args: dict[str, Any], timeout_s: float) -> Any:
+    async def _call(self, op: str, args: dict[str, Any], timeout_s: float, tools: _ToolLog) -> Any:
         if self.conn is None:  # the container was lost: a retry claims a new one
             self._check_alive()
             await self._attach()
@@ -270,6 +279,7 @@ class EnvSession:
         c = self.container
         c.last_active = time.monotonic()
         c.in_flight += 1
+        self._tools_now, self._tool_n = tools, 0  # (after the attach: a constructor's calls are not op's)
         try:
             reply = await self.conn.exchange({"op": op, "token": self.token, "args": args}, timeout_s)
             if reply["ok"]:
@@ -300,8 +310,26 @@ class EnvSession:
                 self._interrupted = True
             raise
         finally:
+            self._tools_now = None
             c.in_flight -= 1
             c.last_active = time.monotonic()
+
+    async def _tool(self, name: str, arguments: dict[str, Any]) -> str:
+        """The session's tool bridge: the pool's, but a call the request under way made
+        before (in an attempt that lost its container, or in the original of a replayed
+        request) is answered with what it answered then. Run again, a tool with side effects
+        had them twice, and one whose answer changes (a live search, a counter) made a
+        replay differ from the episode the policy saw, which lost the session."""
+        tools, n = self._tools_now, self._tool_n
+        if tools is None:  # (a constructor's call, made at every attach: no request's)
+            return await self.pool.tool_caller(name, arguments)
+        self._tool_n += 1
+        done = tools.get(n)
+        if done is not None and done[0] == name and done[1] == arguments:
+            return done[2]
+        result = await self.pool.tool_caller(name, arguments)
+        tools[n] = (name, arguments, result)
+        return result
 
     def _protocol_error(self, e: ProtocolError) -> None:
         """Count a protocol error of the container's; a garbled frame apart too (bytes that
@@ -342,7 +370,7 @@ class EnvSession:
                 c.endpoint,
                 heartbeat_s=rt.heartbeat_s,
                 misses=self._cfg.heartbeat_misses,
-                tool_caller=self.pool.tool_caller,
+                tool_caller=self._tool,
                 cpu_probe=functools.partial(self.pool.runtime.cpu_seconds, c),
             )
             self.conn = conn
@@ -490,9 +518,9 @@ class EnvSession:
         try:
             if self.conn is None:  # (its constructor raising is no request of the episode)
                 await self._attach()
-            for op, args in self._log:
+            for op, args, tools in self._log:
                 try:
-                    seen.append(_digest(await self._call(op, args, timeouts[op])))
+                    seen.append(_digest(await self._call(op, args, timeouts[op], tools)))
                 except EnvHung:
                     raise
                 except EnvLogicError as e:
