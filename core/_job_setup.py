@@ -72,6 +72,7 @@ class JobSetup(JobGroups):
     @contextlib.asynccontextmanager
     async def _fabric(self, registry: Registry, images: JobImages) -> AsyncIterator[tuple[Any, Any]]:
         from envpool.pool import EnvPool
+        from envpool.pool_config import fabric_tools
         from fabric.client import Client
 
         cfg = self.cfg
@@ -80,14 +81,9 @@ class JobSetup(JobGroups):
         ) as client:
             await self._warm_rewards(client)
 
-            async def call_tool(name: str, arguments: dict[str, Any]) -> str:
-                # a tool's failure is shown to the policy as text, like any tool output
-                r = await client.call(name, arguments)
-                if r.ok:
-                    return str(r.value)
-                return f"error: {r.error.message if r.error else 'the tool failed'}"
-
-            async with EnvPool(cfg.envpool, images=images.cache, tool_caller=call_tool) as pool:
+            # a tool's own failure is shown to the policy as text; the fabric's fails the step
+            tools = fabric_tools(client)
+            async with EnvPool(cfg.envpool, images=images.cache, tool_caller=tools) as pool:
                 await self._prewarm(pool, images)
                 yield client, pool
 

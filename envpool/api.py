@@ -189,6 +189,17 @@ def load_class(entry_point: str) -> type[Env]:
     return obj
 
 
+def not_a_tool(name: str, spec: Any, tools: list[str]) -> str | None:
+    """The error a tool bridge answers for ``name`` (its ``FunctionSpec`` or None) when it
+    is no tool: a bridge runs ``@fabric.tool`` functions only. An environment passes the
+    policy's tool name on as it came; a reward or a verifier named so ran with the policy's
+    arguments (an LLM judge's cost, a verifier's sandbox) and its score became the answer."""
+    if spec is not None and spec.kind == "tool":
+        return None
+    what = "" if spec is None else f" ({name!r} is a {spec.kind}, not a tool)"
+    return f"error: unknown tool {name!r}{what}; tools: {', '.join(tools) or '(none)'}"
+
+
 def inprocess_tool_caller(name: str, arguments: dict[str, Any]) -> str:
     """Run a registered fabric tool right here (built-ins are discovered on first use)."""
     import fabric
@@ -196,6 +207,9 @@ def inprocess_tool_caller(name: str, arguments: dict[str, Any]) -> str:
     reg = fabric.default_registry
     if name not in reg:
         reg.discover("functions")
+    refused = not_a_tool(name, reg.find(name), [s.name for s in reg.specs() if s.kind == "tool"])
+    if refused is not None:
+        return refused
     try:
         value = reg.callable(name)(**arguments)
     except Exception as e:  # a tool error is text for the policy, not a crash of the env

@@ -20,6 +20,7 @@ from envpool.errors import (
     EnvRegistryError,
     EnvUsageError,
     GarbledFrame,
+    InfraError,
     ProtocolError,
     SessionTokenError,
     StepTimeout,
@@ -232,6 +233,15 @@ class Connection(asyncio.Protocol):
         else:
             try:
                 result = await self.tool_caller(name, args)
+            except InfraError as e:
+                # the machinery failed, not the tool on these arguments: no observation (the
+                # policy would learn that its call was wrong). The request that made the call
+                # fails as an infrastructure failure; its environment waits for an answer that
+                # will not come, so the connection ends (the session replaces the container)
+                self._fail_all(e)
+                if self.transport is not None:
+                    self.transport.close()
+                return
             except Exception as e:  # the policy sees the tool's failure as text
                 result = f"error: {type(e).__name__}: {e}"
             finally:

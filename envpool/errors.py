@@ -20,6 +20,8 @@
         ├── ConnectionLost
         ├── StepTimeout         a container that missed its heartbeats, or a timeout
         │                       with no sign of life (or a tool call still pending)
+        ├── ToolUnavailable     a tool call the pool brokers failed for the machinery's
+        │                       reasons (the fabric's retries spent), not the tool's
         ├── ImageFetchError     (from envpool.images)
         └── SessionLost         the session could not be saved: infra_failed (not retried)
 
@@ -125,6 +127,16 @@ class StepTimeout(InfraError):
     CPU used: frozen, not busy), or a request ran past its timeout
     with nothing to show the container alive (no heartbeat heard: ``step_timeout_s``
     shorter than a heartbeat period) or while a tool call the pool brokers was pending."""
+
+
+class ToolUnavailable(InfraError):
+    """A tool call an environment made failed for the infrastructure's reasons (a worker
+    lost, the function timed out or was throttled past the fabric's retries, its circuit
+    open), not because of its arguments. Raised by a tool bridge (``fabric_tools``): the
+    request that made the call fails as an infrastructure failure (retried on a fresh
+    container, its episode replayed; then ``infra_failed``), never an observation, which
+    would teach the policy that its call was wrong. Any ``InfraError`` a bridge raises is
+    taken so."""
 
 
 class PoolClosed(EnvPoolError):

@@ -5,14 +5,14 @@ and a tool bridge (``inprocess_tools`` by default)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from envpool.api import inprocess_tool_caller
-from envpool.errors import PoolConfigError
+from envpool.api import inprocess_tool_caller, not_a_tool
+from envpool.errors import PoolConfigError, ToolUnavailable
 from envpool.runtimes.base import ProcessRuntimeConfig, RuntimeConfig
 
 
@@ -135,6 +135,43 @@ async def inprocess_tools(name: str, arguments: dict[str, Any]) -> str:
     """The default tool bridge: the fabric tool runs in this process, as ``envpool.make``
     runs it (in a thread: a tool may block). A job passes its fabric client's instead."""
     return await asyncio.to_thread(inprocess_tool_caller, name, arguments)
+
+
+#: A failed tool call's error types that the call itself caused (the policy's arguments, the
+#: tool refusing its input): an observation the policy learns from. Any other failure (a
+#: worker lost, a timeout, throttling past the retries, an open circuit) is the machinery's.
+TOOL_ERRORS = frozenset(
+    {
+        "UserError",
+        "InvalidArguments",
+        "UnknownFunction",
+        "PayloadTooLarge",
+        "PayloadNotSerializable",
+        "ResultNotSerializable",
+    }
+)
+
+
+def fabric_tools(client: Any) -> Callable[[str, dict[str, Any]], Awaitable[str]]:
+    """The tool bridge of a job: each tool call goes to the fabric through ``client`` (a
+    ``fabric.Client``, which retries what is retryable). Only ``@fabric.tool`` functions are
+    run; the tool's own failure is the ``error: ...`` text the policy sees, and a failure of
+    the fabric raises ``ToolUnavailable`` (the step fails as an infrastructure failure)."""
+
+    async def call_tool(name: str, arguments: dict[str, Any]) -> str:
+        reg = client.registry
+        refused = not_a_tool(name, reg.find(name), [s.name for s in reg.specs() if s.kind == "tool"])
+        if refused is not None:
+            return refused
+        r = await client.call(name, arguments)
+        if r.ok:
+            return r.value if isinstance(r.value, str) else str(r.value)
+        kind, message = (r.error.type, r.error.message) if r.error else ("", "the tool failed")
+        if kind in TOOL_ERRORS:
+            return f"error: {message}"
+        raise ToolUnavailable(f"tool {name!r} failed ({kind or 'no error given'}): {message}")
+
+    return call_tool
 
 
 def digest_of(image: str) -> str:
