@@ -178,6 +178,9 @@ class MathToolsEnv(Env):
 _TOOL_ERROR: dict[str, Any] = {"valid": False, "outcome": "tool_error"}
 
 
+_TOO_DEEP = "invalid JSON (nested too deep)"
+
+
 def _parse_tool_call(text: str) -> dict[str, Any] | str | None:
     """``{"tool", "arguments"}``, a message saying why the JSON is not a valid call, or
     None when the action is not meant as a tool call."""
@@ -188,6 +191,8 @@ def _parse_tool_call(text: str) -> dict[str, Any] | str | None:
         data = json.loads(body)
     except json.JSONDecodeError as e:
         return f"invalid JSON ({e.msg} at position {e.pos})"
+    except RecursionError:  # (raised from step, it made the trajectory an environment failure)
+        return _TOO_DEEP
     if not isinstance(data, dict):
         return "a tool call is a JSON object"
     name = data.get("tool", data.get("name"))
@@ -197,6 +202,8 @@ def _parse_tool_call(text: str) -> dict[str, Any] | str | None:
             args = json.loads(args)
         except json.JSONDecodeError:
             return "'arguments' is a string that is not JSON"
+        except RecursionError:
+            return _TOO_DEEP
     if name != "calculator":
         return f"unknown tool {name!r}; the only tool is 'calculator'"
     if not isinstance(args, dict) or set(args) != {"expression"} or not isinstance(args["expression"], str):
