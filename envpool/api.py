@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from envpool.errors import ActionError, EnvOrderError, EnvRegistryError, UnknownEnvError
+from envpool.errors import ActionError, EnvOrderError, EnvRegistryError, ToolUnavailable, UnknownEnvError
 
 #: Actions over this many UTF-8 bytes are refused (an env may lower it).
 MAX_ACTION_BYTES = 64 * 1024
@@ -212,6 +212,10 @@ def inprocess_tool_caller(name: str, arguments: dict[str, Any]) -> str:
         return refused
     try:
         value = reg.callable(name)(**arguments)
+    except fabric.Unavailable as e:
+        # the tool says its own dependency failed, not its input: as the job's bridge
+        # (``fabric_tools``) takes it, an infrastructure failure, never text for the policy
+        raise ToolUnavailable(f"tool {name!r} failed (Unavailable): {e}") from e
     except Exception as e:  # a tool error is text for the policy, not a crash of the env
         return f"error: {type(e).__name__}: {e}"
     return value if isinstance(value, str) else str(value)

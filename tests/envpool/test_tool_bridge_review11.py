@@ -100,3 +100,12 @@ def test_the_tool_errors_the_policy_sees_are_fabric_error_types_none_retryable()
     from fabric.errors import RETRYABLE, ErrorCode
 
     assert TOOL_ERRORS <= {c.value for c in ErrorCode} and not TOOL_ERRORS & RETRYABLE
+
+
+async def test_the_inprocess_bridge_tells_a_tools_unavailable_from_its_error(monkeypatch):
+    # fabric.Unavailable is a tool's way to say "not your input: my dependency failed";
+    # the default bridge made it an observation, where the job's bridge fails the step
+    monkeypatch.setattr(fabric, "default_registry", REG)
+    assert (await inprocess_tools("echo_tool", {"text": "bad"})) == "error: ValueError: bad input"
+    with pytest.raises(InfraError, match="dependency is down"):
+        await inprocess_tools("echo_tool", {"text": "down"})
