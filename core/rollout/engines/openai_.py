@@ -15,7 +15,9 @@ What a completion carries depends on what the server says:
 
 * ``text``, ``finish_reason`` (``stop``/``length``; a ``content_filter`` or tool-call end is a
   ``stop``; a server-side abort is an ``abort``), and the ``usage`` counts, summed in
-  ``engine.stats``;
+  ``engine.stats``. A reply that calls tools (a server given ``tools`` in ``extra_body``)
+  has its calls in the text, each on a line of its own after the content, as
+  ``{"name": ..., "arguments": "<json>"}``: the action an environment reads;
 * ``token_ids``/``logprobs``/``prompt_ids`` only when the server names token *ids*: the
   ``vllm`` dialect asks vLLM for them (``return_token_ids``, ``return_tokens_as_token_ids``)
   with ``logprobs: true``. A plain OpenAI server names tokens by their text, which cannot be
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -280,7 +283,7 @@ class OpenAIEngine(Engine):
         raw_reason = choice.get("finish_reason")
         return Completion(
             request_id=request.request_id,
-            text=str(message.get("content") or ""),
+            text=_reply_text(message),
             prompt_ids=list(prompt_ids) if isinstance(prompt_ids, list) and ids else [],
             token_ids=ids,
             logprobs=logprobs,
@@ -361,6 +364,26 @@ class OpenAIEngine(Engine):
         if not isinstance(data, dict):
             raise OpenAIEngineError(f"{self.url} answered JSON that is not an object: {excerpt(resp.text)}")
         return data
+
+
+def _reply_text(message: Any) -> str:
+    """The turn's text: its content, then each tool call the server parsed out of it (a
+    request given ``tools`` through ``extra_body``: ``content`` is null then) on a line of
+    its own, as the JSON environments read (``{"name": ..., "arguments": "<json>"}``,
+    OpenAI's function object; math-tools takes it). Read as the content alone, a turn that
+    called a tool was empty text: the environment never got the call."""
+    text = str(message.get("content") or "") if isinstance(message, dict) else ""
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    if not isinstance(calls, list):
+        legacy = message.get("function_call") if isinstance(message, dict) else None
+        calls = [{"function": legacy}] if isinstance(legacy, dict) else []
+    lines = [text] if text else []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if isinstance(fn, dict):
+            call = {"name": fn.get("name"), "arguments": fn.get("arguments")}
+            lines.append(json.dumps(call, ensure_ascii=False))
+    return "\n".join(lines)
 
 
 def _token_ids_and_logprobs(choice: dict[str, Any]) -> tuple[list[int], list[float]]:
