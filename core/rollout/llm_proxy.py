@@ -26,7 +26,13 @@ Replica loss. A call that fails because the replica's process died (``ReplicaLos
 turn answered with weights older than the proxy published before it was sent (the process
 died while idle and Ray restarted it on its initial weights, which no error said), is
 recovered here: wait for Ray to restart the actor (``max_restarts``), reload the latest
-weights, run the turn again (a turn has no side effects: it is only tokens). A replica
+weights, run the turn again (a turn has no side effects: it is only tokens). So is a
+replica whose process is up but whose engine died (``ReplicaEngineDead``, from the engine's
+``EngineDeadError``: vLLM's engine core process died, the torch engine's batching loop
+ended): every turn sent to it failed at once, so, never holding one in flight, it drew
+most new turns by least-loaded routing. Its recovery first restarts it
+(``Replica.restart``: a replica actor exits for Ray to restart it, an engine in this
+process is closed and started again), then pings and reloads it as above. A replica
 whose weight swap fails (the engine's own error) or takes past ``swap_timeout_s`` is
 recovered too; an update fails only when no replica loaded its weights. While a replica
 recovers its group's turns go to the others (the lost turn, new turns and those waiting
@@ -72,6 +78,7 @@ from core.rollout.replica_base import (
     LocalReplica,
     NoReplicaError,
     Replica,
+    ReplicaEngineDead,
     ReplicaGone,
     ReplicaLost,
     swap_weights,
@@ -82,6 +89,7 @@ __all__ = [
     "LocalReplica",
     "NoReplicaError",
     "Replica",
+    "ReplicaEngineDead",
     "ReplicaGone",
     "ReplicaLost",
     "proxy_options",

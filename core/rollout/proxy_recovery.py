@@ -12,7 +12,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from core.rollout.proxy_state import ProxyState, _unwrap
-from core.rollout.replica_base import Replica, ReplicaGone, ReplicaLost
+from core.rollout.replica_base import Replica, ReplicaEngineDead, ReplicaGone, ReplicaLost
 from core.rollout.wakes import Woken
 
 # one logger for the proxy, whichever of its modules speaks
@@ -195,7 +195,15 @@ class ProxyRecovery(ProxyState):
                 # deadline below is only looked at when a ping fails; the reload too (one
                 # that answers pings but hangs in its swap held the recovery for good)
                 async with asyncio.timeout(max(deadline - time.monotonic(), MIN_PING_S)):
-                    version = await replica.ping()
+                    try:
+                        version = await replica.ping()
+                    except ReplicaEngineDead as e:
+                        # its process is up, its engine is not: restarted (a Ray actor exits
+                        # for Ray to restart it; the pings below wait for the new one)
+                        why = await self._restart(replica, e)
+                        if why is not None:
+                            return why
+                        version = await replica.ping()
                     # again after each reload: a newer version published meanwhile skipped
                     # this replica (it was being recovered, or out of its group)
                     while self._latest is not None and version < self._latest[0]:
@@ -227,6 +235,20 @@ class ProxyRecovery(ProxyState):
                 # until a newer version is published (its rejoin loads that)
                 return f"it holds weights version {version}, which were refused (never published)"
             return None  # no await since the last check: it holds the published weights
+
+    async def _restart(self, replica: Replica, e: ReplicaEngineDead) -> str | None:
+        """Restart the replica's dead engine: None once asked, else why it failed (the
+        engine's own error: it cannot serve, and is dropped as a failed reload is)."""
+        self.metrics["engine_restarts"] += 1
+        log.warning("engine replica %s: its engine is dead (%s); restarting it", replica.name, e)
+        try:
+            await replica.restart()
+        except ReplicaLost:
+            raise
+        except Exception as err:
+            self.metrics["recover_errors"] += 1
+            return f"its engine died and its restart failed: {type(err).__name__}: {err}"
+        return None
 
     def _drop(self, replica: Replica, why: str, *, rejoin: bool) -> None:
         """Take the replica out of its group; the calls running on it end with

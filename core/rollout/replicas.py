@@ -5,7 +5,9 @@
 
 ``EngineReplicaActor`` owns one ``Engine`` (built in its own process from the job's policy
 bundle, so a restarted actor rebuilds it and the proxy reloads the latest weights).
-``RayReplica`` turns Ray's actor failures into ``ReplicaLost`` for the proxy.
+``RayReplica`` turns Ray's actor failures into ``ReplicaLost`` for the proxy, and its
+engine's death (``EngineDeadError``, the process up) into ``ReplicaEngineDead``, whose
+recovery has Ray restart the actor (``restart``).
 ``RemoteProxy`` is what an env manager holds: the proxy actor's methods as coroutines, its
 death turned into ``ProxyDiedError`` (and told to ``on_died`` once).
 """
@@ -13,6 +15,7 @@ death turned into ``ProxyDiedError`` (and told to ``on_died`` once).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,13 +24,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from core.config_backends import TORCH_ENGINE_KEYS
 from core.errors import ProxyDiedError
 from core.rollout.coalesce import Answer, Coalescer, answer_all
-from core.rollout.engines.base import Completion, Engine, GenerateRequest, engine_registry
-from core.rollout.llm_proxy import Replica, ReplicaGone, ReplicaLost, swap_weights
+from core.rollout.engines.base import Completion, Engine, EngineDeadError, GenerateRequest, engine_registry
+from core.rollout.llm_proxy import Replica, ReplicaEngineDead, ReplicaGone, ReplicaLost, swap_weights
 
 if TYPE_CHECKING:
     # not at run time: the proxy actor unpickles RayReplica (this module) and never needs
     # torch, whose import was a third of a job's start (three actor processes, two cores)
     from core.policy.build import PolicyBundle
+
+log = logging.getLogger(__name__)
 
 
 def make_engine(
@@ -105,7 +110,25 @@ class EngineReplicaActor:
         await swap_weights(self.engine, version, state)
 
     async def ping(self) -> int:
+        self.engine.check_alive()  # a dead engine's replica is not back (ReplicaEngineDead)
         return self.engine.version
+
+    def restart(self) -> bool:
+        """Exit this process if its engine is dead, so that Ray restarts the actor: a fresh
+        process rebuilds the engine (a vLLM engine core that died may have left its GPU
+        memory in any state), and the proxy's recovery reloads the latest weights. False,
+        and nothing done, when the engine is alive: the call reached the process Ray
+        restarted already (a kill from outside could have hit that one too)."""
+        why = self.engine.dead
+        if why is None:
+            return False
+        log.error(
+            "engine replica %s: its engine is dead (%s); exiting for Ray to restart it",
+            self.name,
+            why,
+        )
+        logging.shutdown()  # (the exit skips the handlers' flush)
+        os._exit(1)  # not exit_actor(): Ray restarts an actor only after an unexpected exit
 
     def pid(self) -> int:
         return os.getpid()
@@ -146,12 +169,21 @@ class RayReplica(Replica):
             raise ReplicaLost(f"{self.name}: {_first_line(e)}") from e
         except rex.ActorUnschedulableError as e:
             raise ReplicaGone(f"{self.name}: {_first_line(e)}") from e
+        except Exception as e:
+            # Ray's RayTaskError is an instance of the error the actor raised, its cause
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, EngineDeadError) or isinstance(e, EngineDeadError):
+                raise ReplicaEngineDead(f"{self.name}: {_first_line(cause or e)}") from e
+            raise
 
     async def generate(self, request: GenerateRequest) -> Completion:
         if self._coalescer is None:
             many = self.handle.generate_many.options(num_returns="streaming")
             self._coalescer = Coalescer(many.remote, on_error=self._lost)
-        result: Completion = await self._coalescer.call(request.request_id, request)
+        try:
+            result: Completion = await self._coalescer.call(request.request_id, request)
+        except EngineDeadError as e:  # (an answer's error comes back as itself)
+            raise ReplicaEngineDead(f"{self.name}: {e}") from e
         return result
 
     async def abort(self, request_id: str) -> bool:
@@ -162,6 +194,14 @@ class RayReplica(Replica):
 
     async def ping(self) -> int:
         return int(await self._call("ping"))
+
+    async def restart(self) -> None:
+        """Have the actor exit if its engine is dead (``EngineReplicaActor.restart``): Ray
+        restarts it (``engine.max_restarts``); the recovery's pings wait for the new one."""
+        try:
+            await self._call("restart")
+        except ReplicaLost:
+            pass  # it exited, as asked: Ray restarts it
 
 
 T = TypeVar("T")

@@ -16,13 +16,17 @@ the core is: a remote backend (vLLM, an OpenAI-compatible server) does I/O in ea
 
 Outcomes are data: an aborted request returns a ``Completion`` with
 ``finish_reason="abort"`` and what it had generated so far; only misuse (a bad request, a
-closed engine, a prompt over the context) raises.
+closed engine, a prompt over the context) raises, and an engine that cannot serve any more
+(``EngineDeadError``: vLLM's engine core process died, the torch engine's batching loop
+ended). A dead engine fails every later call at once until ``restart``; the LLM proxy counts
+that as its replica's loss (``core.rollout.replica_base``), not as one turn's error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import logging
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Coroutine, Mapping
@@ -34,6 +38,8 @@ from core.errors import CoreError
 from fabric.protocol import Message
 
 FinishReason = Literal["stop", "length", "abort"]
+
+log = logging.getLogger(__name__)
 
 
 class EngineError(CoreError):
@@ -47,6 +53,12 @@ def options_error(backend: str, e: ValidationError) -> EngineError:
         for err in e.errors()
     )
     return EngineError(f"invalid {backend} engine options: {problems}")
+
+
+class EngineDeadError(EngineError):
+    """The engine cannot serve any more, though its process is up (vLLM's engine core
+    process died; the torch engine's batching loop ended): every later ``generate`` raises
+    it at once, until ``restart``."""
 
 
 class EngineClosedError(EngineError):
@@ -157,6 +169,8 @@ class Engine(ABC):
 
     def __init__(self, *, version: int = 0) -> None:
         self._version = version
+        self._initial_version = version  # what a restarted backend serves (see restart)
+        self._dead: EngineDeadError | None = None
         self._running = asyncio.Event()
         self._running.set()
         self._swap_lock = asyncio.Lock()
@@ -200,6 +214,45 @@ class Engine(ABC):
             await asyncio.wait([starting])  # its outcome is moot; a cancel of ours still propagates
         await self._close()
 
+    async def restart(self) -> None:
+        """Start a dead engine afresh (a no-op on a live one): abort what is in flight,
+        close the backend and start it again (``_close``, then ``_start``). Its weights
+        count as its initial ones again (version and all): a rebuilt vLLM engine loads the
+        model from its checkpoint, so the proxy's recovery reloads the latest weights."""
+        if self._dead is None:
+            return
+        if self._closed:
+            raise EngineClosedError(f"{self.name} engine is closed")
+        for rid in list(self._inflight):
+            await self.abort(rid)
+        starting, self._starting = self._starting, None
+        if starting is not None and not starting.done():
+            starting.cancel()
+            await asyncio.wait([starting])
+        try:
+            await self._close()
+        except Exception as e:  # a dead backend may fail its shutdown: it is replaced all the same
+            log.warning("%s engine: closing the dead backend failed (%r); starting a new one", self.name, e)
+        self._dead = None
+        self._version, self._loaded_any = self._initial_version, False
+        await self.start()
+
+    @property
+    def dead(self) -> EngineDeadError | None:
+        """Why the engine cannot serve any more (None while it can)."""
+        return self._dead
+
+    def check_alive(self) -> None:
+        """Raise ``EngineDeadError`` if the engine is dead (a replica's ping asks)."""
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+
+    def _mark_dead(self, error: EngineDeadError) -> None:
+        """A backend found its engine dead: every later call fails at once with ``error``'s
+        message (the first cause is kept), until ``restart``."""
+        if self._dead is None:
+            self._dead = error
+
     async def __aenter__(self) -> Self:
         await self.start()
         return self
@@ -225,6 +278,7 @@ class Engine(ABC):
         ``finish_reason="abort"`` completion if ``abort`` names it meanwhile."""
         if self._closed:
             raise EngineClosedError(f"{self.name} engine is closed")
+        self.check_alive()
         rid = request.request_id
         if rid in self._inflight:
             raise EngineError(f"request id {rid!r} is already in flight")
@@ -243,7 +297,14 @@ class Engine(ABC):
                 return Completion.not_run(request, self._version)
             if self._closed:
                 raise EngineClosedError(f"{self.name} engine is closed")
-            return await self._generate(request)
+            # looked at here, with no await before the backend queues the request: a
+            # backend's loop that died meanwhile would otherwise never answer it
+            self.check_alive()
+            try:
+                return await self._generate(request)
+            except EngineDeadError as e:
+                self._mark_dead(e)
+                raise
         finally:
             self._inflight.pop(rid, None)
 
@@ -317,7 +378,12 @@ class Engine(ABC):
         suspends first so no turn straddles two versions."""
         if version < self._version:
             raise EngineError(f"weights version {version} is older than the engine's {self._version}")
-        await self._load_weights(state, version)
+        self.check_alive()  # (the torch engine's model would take them with its loop dead)
+        try:
+            await self._load_weights(state, version)
+        except EngineDeadError as e:
+            self._mark_dead(e)
+            raise
         self._version = version
         self._loaded_any = True
 

@@ -38,6 +38,7 @@ from core.policy.tokenizer import WordTokenizer
 from core.rollout.engines.base import (
     Completion,
     Engine,
+    EngineDeadError,
     EngineError,
     FinishReason,
     GenerateRequest,
@@ -110,12 +111,30 @@ class TorchEngine(Engine):
     # -- hooks
     async def _start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="torch-engine-scheduler")
+        self._task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task[None]) -> None:
+        """The scheduler task ended without ``_close`` (a bug outside a forward pass, which
+        fails its step's requests only): nothing would ever answer a request again, so its
+        requests waited for good. The engine is dead: they fail now, and so do later ones."""
+        if task.cancelled() or task is not self._task:
+            return
+        exc = task.exception()
+        dead = EngineDeadError(f"the torch engine's batching loop died: {exc!r}")
+        self._mark_dead(dead)
+        for seq in [*self._waiting, *self._active]:
+            if not seq.future.done():
+                seq.future.set_exception(EngineDeadError(str(dead)))
+            self._remove(seq)
+        self._idle.set()  # no step runs any more: a suspend must not wait for one
 
     async def _close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
+        # (a loop that died was looked at by _loop_ended: awaited, it would raise again)
         for seq in [*self._waiting, *self._active]:
             self._finish(seq, "abort")
 

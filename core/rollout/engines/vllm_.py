@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -65,6 +66,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from core.rollout.engines.base import (
     Completion,
     Engine,
+    EngineDeadError,
     EngineError,
     FinishReason,
     GenerateRequest,
@@ -298,6 +300,7 @@ class VLLMEngine(Engine):
         if self._llm is None:
             # on the event loop, not a thread: the client's zmq asyncio sockets belong to it
             self._llm = _build_llm(cfg)
+            self._owns_llm = True  # (a restart builds one even where the caller gave one)
         model_config = getattr(self._llm, "model_config", None)
         self._max_len = getattr(model_config, "max_model_len", None)
 
@@ -329,6 +332,8 @@ class VLLMEngine(Engine):
             for chunk in chunks:
                 await llm.collective_rpc(LOAD_METHOD, args=(pack_weights(chunk),))
         except Exception as e:
+            if _engine_died(e):
+                raise _dead(e) from e
             raise EngineError(
                 f"vLLM could not load the weights ({type(e).__name__}: {e}); the state's names must be "
                 "the Hugging Face checkpoint's and its shapes the served model's"
@@ -399,11 +404,37 @@ def _translate(e: BaseException) -> EngineError:
     if isinstance(e, EngineError):
         return e
     cause = e.__cause__ or e  # EngineGenerateError carries the real error as its cause
-    if type(e).__name__ == "EngineDeadError":
-        return EngineError(f"the vLLM engine died ({e}); the replica must be restarted")
+    if _engine_died(e):
+        return _dead(e)
     if isinstance(cause, ValueError):
         return EngineError(f"vLLM rejected the request: {cause}")
     return EngineError(f"vLLM generation failed: {type(cause).__name__}: {cause}")
+
+
+#: vLLM's errors for an engine that cannot serve any more: ``module``, ``class`` (V1's engine
+#: core process died; the V0 engine's background loop).
+_DEAD_ERRORS = (
+    ("vllm.v1.engine.exceptions", "EngineDeadError"),
+    ("vllm.engine.async_llm_engine", "AsyncEngineDeadError"),
+)
+
+
+def _engine_died(e: BaseException) -> bool:
+    """Whether ``e`` (or its cause) is vLLM's word that its engine is dead: every later
+    call fails the same way, so the replica must be restarted, not the turn retried."""
+    dead: list[type[BaseException]] = []
+    for module, name in _DEAD_ERRORS:
+        try:  # lazily: the module imports without vLLM, and a vLLM release may lack either
+            cls = getattr(importlib.import_module(module), name)
+        except Exception:  # not in this vLLM
+            continue
+        if isinstance(cls, type) and issubclass(cls, BaseException):
+            dead.append(cls)
+    return any(isinstance(x, tuple(dead)) for x in (e, e.__cause__) if x is not None)
+
+
+def _dead(e: BaseException) -> EngineDeadError:
+    return EngineDeadError(f"the vLLM engine died ({type(e).__name__}: {e}); the replica must be restarted")
 
 
 def _require_vllm() -> None:
