@@ -31,7 +31,9 @@ How a call goes:
 
 Failures are results, never fake scores: an endpoint that stays overloaded, failing or silent
 raises ``Unavailable`` (retryable; the fabric may try the call again), and a reply that cannot
-be read as a score raises ``JudgeResponseError`` (final: the same reply would fail again).
+be read as a score raises ``JudgeResponseError`` (final: the same reply would fail again), as
+does a reply cut short (``finish_reason`` ``length``: past ``max_tokens``, or
+``content_filter``), whatever score-like text it holds: it stops before the verdict, or in it.
 """
 
 from __future__ import annotations
@@ -90,6 +92,9 @@ __all__ = [
 
 #: Judge text kept in ``RewardResult.info`` (enough to audit a score, small on the wire).
 MAX_INFO_CHARS = 2000
+
+#: ``finish_reason`` values of a reply that stopped before the judge did.
+_CUT_SHORT = frozenset({"length", "content_filter"})
 
 _PLACEHOLDER = re.compile(r"\{(question|reference|response|min_score|max_score|nonce)\}")
 
@@ -382,10 +387,20 @@ class Judge:
                 f"{self.url} answered JSON that is not a chat completion (no choices[0].message.content): "
                 f"{excerpt(json.dumps(data))}"
             ) from None
+        reason = choice.get("finish_reason") if isinstance(choice, dict) else None
         if not isinstance(text, str) or not text.strip():
-            reason = choice.get("finish_reason") if isinstance(choice, dict) else None
             more = " (it ran out of tokens: raise max_tokens)" if reason == "length" else ""
             raise JudgeResponseError(f"the judge returned no text, finish_reason={reason!r}{more}")
+        if reason in _CUT_SHORT:
+            # the reply stops before the judge's verdict, or in it ("Verdict NONCE: 1" of
+            # "10/10"): what it wrote by then (a score it was weighing, its paraphrase of the
+            # response's claim) is no verdict, and a policy that makes the judge reason at length
+            # would be scored by it
+            more = "it ran out of tokens: raise max_tokens" if reason == "length" else "the provider cut it"
+            raise JudgeResponseError(
+                f"the judge's reply was cut short, finish_reason={reason!r} ({more}); a cut reply "
+                f"is not scored: {excerpt(text)}"
+            )
         return text
 
 

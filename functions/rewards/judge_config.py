@@ -75,6 +75,8 @@ class JudgeConfig(BaseModel):
     """The rubric's scale; parsed scores are normalised from it to [0, 1]."""
     temperature: float = Field(0.0, ge=0)
     max_tokens: int = Field(512, ge=1)
+    """The most the judge may write; a reply cut at it (``finish_reason="length"``) is an
+    error, never scored: leave room for a reasoning model's thinking and the verdict line."""
     extra_body: dict[str, Any] = Field(default_factory=dict)
     """Merged into every request body (``{"seed": 0}``, vendor options); not the keys the
     judge sets itself (``model``, ``messages``, ``temperature``, ``max_tokens``, ``stream``,
