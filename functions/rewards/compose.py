@@ -12,7 +12,9 @@ Two ways to compose, with the same arithmetic (``combine``):
 
 A component that fails fails the composite: with ``Unavailable`` (retryable) when its own
 failure was retryable (an ``llm_judge`` whose endpoint is down, an async component past its
-``timeout_s``), else with a final error naming the component.
+``timeout_s``), else with a final error naming the component. Each component runs within its
+own ``timeout_s`` or what the composite's run has left, whichever is sooner, so a judge whose
+endpoint hangs gives up with its ``Unavailable`` before the composite's limit cuts it off.
 
 Score: with ``normalize`` (the default) the weighted mean ``sum(w * s) / sum(w)``, which
 stays in the components' range; without it the plain weighted sum ``sum(w * s)``. Every
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from typing import Any
 
 import pydantic_core
@@ -33,7 +36,7 @@ import fabric
 from fabric.errors import RETRYABLE, Unavailable
 from fabric.protocol import RewardResult, Trajectory, encode_payload
 from fabric.registry import default_registry
-from fabric.runner import FunctionRunner
+from fabric.runner import FunctionRunner, time_left_s
 from functions.rewards.tool_use import check_weights
 
 _BUILTINS = "functions"
@@ -131,10 +134,16 @@ def _runner(function: str) -> FunctionRunner:
 
 def _run(runner: FunctionRunner, payload: dict[str, Any]) -> Any:
     raw = encode_payload(payload)
+    # a component runs within what the composite's own run has left, not its own timeout_s:
+    # an llm_judge bounds its retries by its run's limit, and on its 300 s a dead endpoint
+    # outlived the composite's 30 s, ending in the composite's FunctionTimeout (which a
+    # failure_score scores as the response's fault) instead of the judge's Unavailable
+    left = time_left_s()
+    limit = runner.spec.timeout_s if left is None else min(runner.spec.timeout_s, max(0.0, left))
     if runner.is_async:
-        ok, out = asyncio.run(runner.run_async(raw, runner.spec.timeout_s))
+        ok, out = asyncio.run(runner.run_async(raw, limit))
     else:
-        ok, out = runner.run(raw)
+        ok, out = runner.run(raw, time.monotonic() + limit)
     if not ok:
         code, message, _ = out
         text = f"{runner.spec.name} failed: {code}: {message}"

@@ -463,6 +463,32 @@ def test_a_transient_component_failure_stays_retryable(monkeypatch: pytest.Monke
     assert not ok and code == "Unavailable" and "component 'judge'" in message
 
 
+def test_a_judge_component_stops_within_the_composites_own_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the judge retries and waits within what its run has left; run inside the composite, that
+    # run was the judge's own timeout_s (300 s), not what the composite had left (its 30 s), so a
+    # hung endpoint outlived the composite: cut off as a FunctionTimeout, which a reward's
+    # failure_score scores as the response's fault, where the judge's Unavailable (an outage,
+    # masked) was due
+    from functions.fakes import FakeOpenAI, Scripted
+    from functions.rewards import compose
+
+    monkeypatch.setattr(compose, "_runners", {})  # the judge below reads this environment
+    with FakeOpenAI() as srv:
+        srv.enqueue(Scripted(hang_s=30))
+        monkeypatch.setenv("RL_FABRIC_JUDGE_MODEL", srv.model)
+        monkeypatch.setenv("RL_FABRIC_JUDGE_BASE_URL", srv.base_url)
+        monkeypatch.setenv("RL_FABRIC_JUDGE_API_KEY", srv.api_key)
+        monkeypatch.setenv("RL_FABRIC_JUDGE_MAX_RETRIES", "0")
+        monkeypatch.setenv("RL_FABRIC_JUDGE_TIMEOUT_S", "5")
+        spec = {"components": [{"name": "judge", "function": "llm_judge", "kwargs": {"question": "q"}}]}
+        runner = FunctionRunner.from_entry("functions.rewards.compose:composite")
+        raw = encode_payload({"traj": reply(GOOD), "spec": spec})
+        ok, (code, message, _) = runner.run(raw, ends_at=time.monotonic() + 1.0)
+    assert not ok and code == "Unavailable"
+    # the attempt was bounded by the composite's second, not by the judge's timeout_s
+    assert "what the call's time limit left" in message and "timeout_s=5" not in message
+
+
 @pytest.mark.parametrize(
     ("spec", "match"),
     [
