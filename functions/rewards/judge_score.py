@@ -454,4 +454,4 @@ def parse_score(
             f"the judge's score {raw:g} is outside the rubric's range [{lo:g}, {hi:g}] "
             f"(reply {excerpt(text)}); check min_score/max_score against the rubric"
         )
-    return raw
+    return raw + 0.0  # a "-0" is 0: -0.0 passes the range check, and logs as negative

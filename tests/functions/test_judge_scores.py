@@ -5,6 +5,7 @@ prompt carries."""
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from typing import Any
@@ -55,6 +56,18 @@ async def test_json_score_on_a_unit_scale(srv, make_judge):
     srv.enqueue(Scripted(text='{"score": 0.8}'))
     r = await make_judge(srv, min_score=0, max_score=1).score("x")
     assert r.score == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize(
+    "reply", ["Verdict bcdfgh: -0/10", "Score: -0/10", '{"score": -0.0}', "<score>-0</score>"]
+)
+async def test_a_negative_zero_score_is_zero(srv, reply, make_judge, monkeypatch):
+    # -0 is in the range (-0.0 >= 0), and was kept: a reward of -0.0, which prints, logs and
+    # copysigns as negative
+    monkeypatch.setattr(judge_module, "verdict_nonce", lambda: "bcdfgh")
+    srv.enqueue(Scripted(text=reply))
+    r = await make_judge(srv).score("x")
+    assert math.copysign(1.0, r.score) == 1.0 and math.copysign(1.0, r.components["raw_score"]) == 1.0
 
 
 @pytest.mark.parametrize(
