@@ -14,6 +14,10 @@ How a call goes:
   becomes the response between ``<response-NONCE>`` tags, the nonce random per call, so a
   response cannot close them and go on as the rubric; ``{nonce}`` is a second per-call
   nonce (six letters, never in the response) for the verdict line;
+* the response is sent whole, never cut (the judge sees its end, where the final answer, or
+  an instruction injected for the judge, sits); one too long for ``tokens_per_minute`` fails
+  the call before it is sent, one too long for the model's context is refused by the
+  endpoint (``JudgeRejectedError``): final errors, never scores;
 * a token bucket per worker holds requests under ``requests_per_minute`` and
   ``tokens_per_minute`` (a request is charged ``chars / 4 + max_tokens`` up front, the
   ``usage`` of the reply settles the difference);
@@ -218,7 +222,18 @@ class Judge:
             "max_tokens": cfg.max_tokens,
             **cfg.extra_body,
         }
-        data, attempts = await self._complete(body, estimate_tokens(prompt, cfg.max_tokens), deadline)
+        tokens = estimate_tokens(prompt, cfg.max_tokens)
+        if cfg.tokens_per_minute is not None and tokens > cfg.tokens_per_minute:
+            # max_tokens is below the budget (the config checks), so it is the prompt that does
+            # not fit, and the response is its part that varies: a runaway completion
+            raise ValueError(
+                f"this request needs ~{tokens} tokens, more than tokens_per_minute="
+                f"{cfg.tokens_per_minute:g} allows at all; the response ({len(response)} characters) "
+                f"is {100 * len(response) // len(prompt)}% of the prompt: if it is a runaway "
+                "completion, cap the policy's output length; else raise tokens_per_minute if the "
+                "provider allows"
+            )
+        data, attempts = await self._complete(body, tokens, deadline)
         text = self._text(data)
         raw = parse_score(
             text,

@@ -296,6 +296,15 @@ async def test_a_refused_request_gives_its_token_estimate_back(srv, make_judge):
     assert judge.limiter.tokens is not None and judge.limiter.tokens.level == pytest.approx(2000)
 
 
+async def test_a_response_too_long_for_the_token_budget_is_named_as_the_cause(srv, make_judge):
+    # a policy's runaway completion is what no longer fits tokens_per_minute: the error told
+    # the user to raise the budget or lower max_tokens, which is neither the cause nor the fix
+    with pytest.raises(ValueError, match=r"the response \(100000 characters\)") as e:
+        await make_judge(srv, tokens_per_minute=10_000).score("x" * 100_000, question="q")
+    assert "lower max_tokens" not in str(e.value)
+    assert srv.chat_requests == []
+
+
 def test_max_tokens_over_the_token_budget_is_a_config_error():
     with pytest.raises(ConfigError, match=r"max_tokens \(1000\) must be below tokens_per_minute"):
         JudgeConfig.from_env(
