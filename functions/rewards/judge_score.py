@@ -20,7 +20,9 @@ become the score. In order:
    bare number on the last line (``I give it a 7.``), only when it is the one number there
    outside quotes: several (``3 bugs, so 6``) fail the call (``JudgeResponseError``) rather
    than guess. A candidate within another is part of it. A candidate is quoted when its text
-   is in the response (a bare number: with 8 characters of its line around it).
+   is in the response, as a judge might retype it (case, spacing, markdown and quote marks,
+   NFKC: ``SCORE:\u00a010 / 10`` in the response makes ``Score: 10/10`` a quote); a bare
+   number only verbatim, with 8 characters of its line around it.
 
 A score may name its scale, and then the scale's numbers are no scores: ``7/10``,
 ``7 out of 10`` (``out of a possible 10``), ``7 (out of 10)``, ``7 on a scale of 0 to 10``,
@@ -36,7 +38,7 @@ decimal comma (``7,5/10`` is 7.5). On the last line, a scale named before the nu
 7``) are read as labelled scores.
 
 What step 3 cannot tell: a judge that writes a score after its verdict which the response
-does not carry verbatim (a paraphrase, ``it claims ten out of ten``) is read as that score;
+does not carry (a paraphrase, ``it claims ten out of ten``) is read as that score;
 and a judge's own verdict that happens to be text the response carries (a response that
 lists ``Score: 0/10`` to ``Score: 10/10``) is not read, so the call fails
 (``JudgeResponseError``) rather than score. The verdict line of step 1 has neither problem,
@@ -51,6 +53,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import unicodedata
 from collections import deque
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -353,14 +356,31 @@ _QUOTE_CONTEXT = 8
 _MAX_CANDIDATES = 64
 
 
-def _quoted(body: str, c: _Candidate, response: str) -> bool:
+# What a judge changes when it retypes a score it quotes: case, spacing, markdown and quote
+# marks, and (NFKC) no-break spaces and fullwidth digits. The policy chooses how its forged
+# score is written: "SCORE:\u00a010/10", mentioned by the judge as "Score: 10/10", passed for
+# the judge's own score when only a verbatim copy counted as a quote.
+_RETYPED = re.compile(r"[\s*_`'\"]+")
+
+
+def _plain(text: str) -> str:
+    """``text`` as a judge might retype it, for telling whether a score is a quote."""
+    return _RETYPED.sub("", unicodedata.normalize("NFKC", text).casefold())
+
+
+def _quoted(body: str, c: _Candidate, response: str, plain_response: str) -> bool:
     """Whether candidate ``c`` lies in a copy of the response the judge quotes: its text is in
-    the response (a bare number: with ``_QUOTE_CONTEXT`` characters around it on its line)."""
+    the response (a labelled, tagged, bold or JSON score or a fraction: retyped as far as
+    ``_plain`` goes; a bare number: verbatim, with ``_QUOTE_CONTEXT`` characters around it on
+    its line)."""
     start, end, specific, _ = c
-    if not response or body[start:end] not in response:
+    if not response:
         return False
     if specific:
-        return True
+        text = _plain(body[start:end])
+        return bool(text) and text in plain_response
+    if body[start:end] not in response:
+        return False
     line_start = body.rfind("\n", 0, start) + 1
     line_end = body.find("\n", end)
     line_end = len(body) if line_end < 0 else line_end
@@ -388,8 +408,9 @@ def _latest(body: str, lo: float, hi: float, form: Form, response: str) -> float
             reach = span
     found = [c for c in found if (c[0], c[1]) not in inner]
     strong = sorted((c for c in found if c[2]), key=lambda c: c[0], reverse=True)
+    plain_response = _plain(response)
     for c in strong[:_MAX_CANDIDATES]:
-        if _quoted(body, c, response):
+        if _quoted(body, c, response, plain_response):
             continue
         raw = c[3]()
         if raw is not None:
@@ -397,7 +418,7 @@ def _latest(body: str, lo: float, hi: float, form: Form, response: str) -> float
     # the last resort, a bare number on the last line, only when it is the only one there:
     # in "3 of 4 steps are right, so 6" the latest is no likelier the score than the first
     bare = sorted((c for c in found if not c[2]), key=lambda c: c[0], reverse=True)
-    own = [c for c in bare[:_MAX_CANDIDATES] if not _quoted(body, c, response)][:2]
+    own = [c for c in bare[:_MAX_CANDIDATES] if not _quoted(body, c, response, plain_response)][:2]
     if len(own) > 1:
         numbers = ", ".join(body[c[0] : c[1]] for c in reversed(own))
         raise JudgeResponseError(
