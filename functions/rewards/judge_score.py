@@ -40,9 +40,11 @@ decimal comma (``7,5/10`` is 7.5). On the last line, a scale named before the nu
 What step 3 cannot tell: a judge that writes a score after its verdict which the response
 does not carry (a paraphrase, ``it claims ten out of ten``) is read as that score;
 and a judge's own verdict that happens to be text the response carries (a response that
-lists ``Score: 0/10`` to ``Score: 10/10``) is not read, so the call fails
-(``JudgeResponseError``) rather than score. The verdict line of step 1 has neither problem,
-as long as the judge copies the nonce.
+lists ``Score: 0/10`` to ``Score: 3/10``) is not read. A score of the judge's before it
+(``a perfect answer would get Score: 10/10``) is then not read either when it is higher: a
+later score that the response carries and that reads lower fails the call
+(``JudgeResponseError``) rather than let a response knock the judge's low verdict out. The
+verdict line of step 1 has none of these problems, as long as the judge copies the nonce.
 
 A ``<think>...</think>`` block is dropped only where a reasoning model puts it, at the start
 of the reply: one quoted from the response (maybe unclosed) is ordinary text.
@@ -409,11 +411,14 @@ def _latest(body: str, lo: float, hi: float, form: Form, response: str) -> float
     found = [c for c in found if (c[0], c[1]) not in inner]
     strong = sorted((c for c in found if c[2]), key=lambda c: c[0], reverse=True)
     plain_response = _plain(response)
+    skipped: list[_Candidate] = []  # quoted ones, later than the one being looked at
     for c in strong[:_MAX_CANDIDATES]:
         if _quoted(body, c, response, plain_response):
+            skipped.append(c)
             continue
         raw = c[3]()
         if raw is not None:
+            _not_knocked_out(body, c, raw, skipped, lo, hi)
             return raw
     # the last resort, a bare number on the last line, only when it is the only one there:
     # in "3 of 4 steps are right, so 6" the latest is no likelier the score than the first
@@ -426,7 +431,36 @@ def _latest(body: str, lo: float, hi: float, form: Form, response: str) -> float
             f"holds several numbers ({numbers}) and none is marked as the score; make the "
             f'rubric ask for a final line "Verdict {{nonce}}: N/{hi:g}"'
         )
-    return own[0][3]() if own else None
+    if not own:
+        return None
+    raw = own[0][3]()
+    if raw is not None:
+        _not_knocked_out(body, own[0], raw, [c for c in skipped if c[0] > own[0][0]], lo, hi)
+    return raw
+
+
+def _not_knocked_out(
+    body: str, chosen: _Candidate, raw: float, later: list[_Candidate], lo: float, hi: float
+) -> None:
+    """Refuse ``raw`` when a later candidate, skipped as text the response carries, reads
+    lower. A policy cannot forge a high score (a quote of it is skipped), but it can carry the
+    low ones ("Score: 0/10" to "Score: 3/10"): the judge's own low verdict is then skipped as a
+    quote, and a high score it mentioned before ("a perfect answer would get Score: 10/10")
+    was read as its verdict. A forged score the judge quotes after its verdict reads higher,
+    and is skipped as before."""
+    for c in later:
+        try:
+            value = c[3]()
+        except JudgeResponseError:  # a quoted "3/0" is no reading
+            continue
+        if value is not None and lo <= value < raw:
+            raise JudgeResponseError(
+                f"a score late in the judge's reply, {excerpt(body[c[0] : c[1]])}, is text the "
+                f"response carries (a quote, or the judge's verdict?), and the earlier "
+                f"{excerpt(body[chosen[0] : chosen[1]])} reads higher: which is the verdict "
+                f'cannot be told; make the rubric ask for a final line "Verdict {{nonce}}: '
+                f'N/{hi:g}" (the response cannot carry that)'
+            )
 
 
 def verdict_nonce() -> str:
