@@ -443,8 +443,17 @@ def _shared_judge() -> Judge:
     return judge
 
 
-def _first_user_text(traj: Trajectory) -> str:
-    return next((m.content for m in traj.messages if m.role == "user" and m.content), "")
+def _question(traj: Trajectory) -> str:
+    """The user turn the policy's answer answers: the last one before the policy's first turn.
+    That turn is the first assistant turn with a policy version (an episode of the core job,
+    whose later user turns are observations, not the task), else the final assistant turn (a
+    trainer's chat prompt: its last user turn is the question, an earlier one may be a few-shot
+    example's, whose answer, in the policy's prompt, would be graded as correct for it)."""
+    msgs = traj.messages
+    versioned = (i for i, m in enumerate(msgs) if m.role == "assistant" and m.policy_version is not None)
+    final = next((i for i in range(len(msgs) - 1, -1, -1) if msgs[i].role == "assistant"), len(msgs))
+    first = next(versioned, final)
+    return next((m.content for m in reversed(msgs[:first]) if m.role == "user" and m.content), "")
 
 
 _EXAMPLE_TRAJ = {
@@ -487,14 +496,15 @@ async def llm_judge(
     """A model grades the final answer against a rubric; score in [0, 1], the judge's own
     score in ``components["raw_score"]`` and its text in ``info["judgement"]``.
 
-    ``question`` defaults to the first user message, ``reference`` to ``task["reference"]``
+    ``question`` defaults to the user message the answer answers (the last one before the
+    policy's first turn: see ``_question``), ``reference`` to ``task["reference"]``
     (or ``task["ground_truth"]``), ``rubric`` to the configured template."""
     judge: Judge = ctx if isinstance(ctx, Judge) else _shared_judge()
     if isinstance(traj, str):
         response, q, ref = traj, question or "", reference
     else:
         response = traj.final_text()
-        q = question if question is not None else _first_user_text(traj)
+        q = question if question is not None else _question(traj)
         task_ref = traj.task.get("reference", traj.task.get("ground_truth"))
         ref = reference if reference is not None else (None if task_ref is None else str(task_ref))
     # what the run has left (its timeout_s, or the call's deadline): the judge's retries stop

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from judge_helpers import fake_openai, judge_maker, traj
 
+from fabric.protocol import Message, Trajectory
 from functions.fakes import FakeOpenAI, Scripted
 from functions.rewards import judge as judge_module
 from functions.rewards.judge import llm_judge
@@ -508,6 +509,63 @@ async def test_question_reference_and_rubric_come_from_the_trajectory(srv, make_
         ), prompts[1]
         with pytest.raises(ValueError, match=r"must contain \{response\}"):
             await llm_judge("42", rubric="no placeholder", ctx=judge)
+
+
+def _few_shot(*answers: tuple[str, int | None]) -> Trajectory:
+    example = [
+        Message(role="system", content="You write haiku."),
+        Message(role="user", content="Write a haiku about the sea."),
+        Message(role="assistant", content="Waves fold into foam / ..."),
+        Message(role="user", content="Write a haiku about autumn."),
+    ]
+    turns = [Message(role="assistant", content=a, policy_version=v) for a, v in answers]
+    return Trajectory(messages=example + turns)
+
+
+@pytest.mark.parametrize(
+    "trajectory",
+    [
+        # a chat prompt with a few-shot example (TRL, OpenRLHF): the question is the prompt's last
+        # user turn; the first is the example's, whose answer the policy sees in its prompt and
+        # could copy: graded against the example's question, that copy scored full marks
+        _few_shot(("Waves fold into foam / ...", None)),
+        _few_shot(("Waves fold into foam / ...", 3)),
+    ],
+)
+async def test_the_question_is_the_one_the_final_answer_answers_not_a_few_shot_examples(
+    srv, trajectory, make_judge
+):
+    prompts: list[str] = []
+
+    def grade(request: dict[str, Any]) -> str:
+        prompts.append(request["messages"][0]["content"])
+        return "Score: 5/10"
+
+    with FakeOpenAI(reply=grade) as s:
+        await llm_judge(trajectory, ctx=make_judge(s))
+    assert "QUESTION:\nWrite a haiku about autumn." in prompts[0]
+
+
+async def test_an_episodes_question_is_its_task_not_its_last_observation(srv, make_judge):
+    # an environment's episode (the core job's): observations come as user turns after the
+    # task, and the policy's turns carry their policy version; the task is the question
+    prompts: list[str] = []
+
+    def grade(request: dict[str, Any]) -> str:
+        prompts.append(request["messages"][0]["content"])
+        return "Score: 5/10"
+
+    episode = Trajectory(
+        messages=[
+            Message(role="user", content="Reach the goal. You are at (0, 0)."),
+            Message(role="assistant", content="right", policy_version=1),
+            Message(role="user", content="You are at (0, 1)."),
+            Message(role="assistant", content="I reached the goal.", policy_version=1),
+        ]
+    )
+    with FakeOpenAI(reply=grade) as s:
+        await llm_judge(episode, ctx=make_judge(s))
+    assert "QUESTION:\nReach the goal. You are at (0, 0)." in prompts[0]
 
 
 # ----------------------------------------------------------------------------- scores in linear time
