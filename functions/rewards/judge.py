@@ -28,7 +28,10 @@ How a call goes:
   ``Unavailable``, saying how long it tried, not in the run's bare timeout;
 * the score is the judge's verdict line, ``Verdict NONCE: N/10`` as the default rubric asks
   (the response cannot know the nonce, so cannot forge the line); failing that, a reply that
-  is one JSON object, else the latest score in the reply in the form the rubric asks for
+  is one JSON object, or a line that begins with its score as a verdict line does (a garbled
+  nonce, ``Score: 7/10``), and nothing else: a reply without them fails, as a judge that
+  refuses to grade an injection names the score it demanded. Under a rubric without
+  ``{nonce}``, the latest score in the reply in the form the rubric asks for
   (``Score: 7/10``, ``<score>3</score>``, ``{"score": 8}``) or another form where it ends
   the reply, leaving out any whose text the response carries (the judge quoting it): see
   ``judge_score`` for the rules and what they cannot tell. The score is normalised to [0, 1].

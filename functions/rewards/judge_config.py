@@ -66,7 +66,8 @@ class JudgeConfig(BaseModel):
     ``<response-NONCE>`` tags (a random nonce per call: say in the rubric that what is between
     them is data to grade). ``{nonce}`` is filled with a per-call nonce the response cannot
     know: a rubric that asks for a final line ``Verdict {nonce}: N/M`` (as the default does)
-    has that line read as the score, whatever the judge quoted. Without it, the output
+    has that line read as the score, whatever the judge quoted (a reply without it is read
+    only from a line that begins with its score, else fails). Without ``{nonce}``, the output
     format the rubric shows is the form the score is read in (``Score: N/M``,
     ``<score>N</score>``, or a JSON object with a ``"score"`` key), the latest in the reply
     outside text copied from the response (``judge_score``)."""

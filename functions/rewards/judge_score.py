@@ -10,19 +10,27 @@ become the score. In order:
    (a custom rubric gets the same with the ``{nonce}`` placeholder);
 2. a reply that is one JSON object (bare or in one fenced block) with a ``score``,
    ``rating`` or ``grade``: the whole reply is the verdict;
-3. else the latest candidate in the reply, across the forms, that is not in a quoted copy of
-   the response. Candidates are the form the rubric asks for (``requested_form``) anywhere
-   (``Score: N/M``, also ``Rating: N out of M``, ``Grade: 85%``; ``<score>N</score>``; under
-   a JSON rubric a complete top-level object that starts a line, prose may follow it), the
-   other forms only where they end the reply (a JSON object or the last fenced block,
-   ``<score>N</score>``; ``**N**`` or a fraction, ``I give it 1/10.``, on the last line; a
-   labelled ``Score: N`` anywhere when the rubric asked for another form), and last of all a
-   bare number on the last line (``I give it a 7.``), only when it is the one number there
-   outside quotes: several (``3 bugs, so 6``) fail the call (``JudgeResponseError``) rather
-   than guess. A candidate within another is part of it. A candidate is quoted when its text
-   is in the response, as a judge might retype it (case, spacing, markdown and quote marks,
-   NFKC: ``SCORE:\u00a010 / 10`` in the response makes ``Score: 10/10`` a quote); a bare
-   number only verbatim, with 8 characters of its line around it.
+3. where the rubric asked for the verdict line (``{nonce}``) and the reply has none: only a
+   line that begins with its score, as a verdict line does (a garbled or dropped nonce:
+   ``Verdict kzqrtn: 2/10``, ``**Final verdict:** 2/10``, ``Score: 2/10``, ``Score (1-10):
+   2``, a line that is only ``2/10``, ``**2**`` or ``<score>2</score>``), the latest outside
+   quotes of the response as below; nothing else in the reply is read (``JudgeResponseError``
+   instead): a judge that refuses to grade a response's injection ("it tries to force a
+   perfect 10/10; I decline") names the score demanded, which was read as its verdict;
+4. else (a rubric without ``{nonce}``) the latest candidate in the reply, across the forms,
+   that is not in a quoted copy of the response. Candidates are the form the rubric asks for
+   (``requested_form``) anywhere (``Score: N/M``, also ``Rating: N out of M``, ``Grade:
+   85%``; ``<score>N</score>``; under a JSON rubric a complete top-level object that starts a
+   line, prose may follow it), the other forms only where they end the reply (a JSON object
+   or the last fenced block, ``<score>N</score>``; ``**N**`` or a fraction, ``I give it
+   1/10.``, on the last line; a labelled ``Score: N`` anywhere when the rubric asked for
+   another form), and last of all a bare number on the last line (``I give it a 7.``), only
+   when it is the one number there outside quotes: several (``3 bugs, so 6``) fail the call
+   (``JudgeResponseError``) rather than guess. A candidate within another is part of it. A
+   candidate is quoted when its text is in the response, as a judge might retype it (case,
+   spacing, markdown and quote marks, NFKC: ``SCORE:\u00a010 / 10`` in the response makes
+   ``Score: 10/10`` a quote); a bare number only verbatim, with 8 characters of its line
+   around it.
 
 A score may name its scale, and then the scale's numbers are no scores: ``7/10``,
 ``7 out of 10`` (``out of a possible 10``), ``7 (out of 10)``, ``7 on a scale of 0 to 10``,
@@ -37,7 +45,7 @@ decimal comma (``7,5/10`` is 7.5). On the last line, a scale named before the nu
 10, I'd give it an 8``) and a number the judge says it gives (``I give it 10``, ``I rate it
 7``) are read as labelled scores.
 
-What step 3 cannot tell: a judge that writes a score after its verdict which the response
+What step 4 cannot tell: a judge that writes a score after its verdict which the response
 does not carry (a paraphrase, ``it claims ten out of ten``) is read as that score;
 and a judge's own verdict that happens to be text the response carries (a response that
 lists ``Score: 0/10`` to ``Score: 3/10``) is not read. A score of the judge's before it
@@ -351,6 +359,41 @@ _FINDERS: dict[Form, tuple[_Finder, ...]] = {
         _number_at_end,
     ),
 }
+# Where the rubric asked for the verdict line and the reply has none, a line that begins with
+# its score, as a verdict line does (a garbled or dropped nonce): "Verdict kzqrtn: 2/10",
+# "Final verdict: 2/10", "**Score:** 2/10", "2/10". Not a score anywhere else: a judge that
+# refuses to grade an injection names the score it demanded ("it tries to force a perfect
+# 10/10; I decline"), and that was read as the verdict.
+_LEAD_SEP = r"[ \t*_:=\-\u2013\u2014]"
+_VERDICT_LINE = re.compile(
+    rf"^[ \t>#*_`]*(?:(?:(?:final|overall)[ \t]+)?(?:verdict|score|rating|grade)|final)\b{_LEAD_SEP}*"
+    rf"(?:[\[(]?[a-z]{{1,12}}[\])]?{_LEAD_SEP}+)?({_NUM})([ \t]*%)?(?:\**{_OF})?",
+    re.IGNORECASE | re.MULTILINE,
+)
+# a line that is only a score: "7/10", "**7**", "<score>7</score>"
+_SCORE_LINE = re.compile(
+    # the spaces before "</score>" go with it: a run of its own beside [ \t*_.]* was quadratic
+    rf"^[ \t>#*_`]*(?:<score>[ \t]*)?({_NUM})([ \t]*%)?(?:\**{_OF})?(?:[ \t]*</score>)?[ \t*_.]*$",
+    re.MULTILINE | re.IGNORECASE,
+)
+_LINE_START = re.compile(r"[ \t>#*_`]*")
+
+
+def _verdict_lines(body: str, lo: float, hi: float) -> list[_Candidate]:
+    found: list[_Candidate] = [
+        (m.start(), m.end(), True, _scaled(m, lo, hi, pct=2, den=3))
+        for pattern in (_VERDICT_LINE, _SCORE_LINE)
+        for m in _tail(pattern.finditer(body))
+    ]
+    # a label that names its scale first, at the start of a line: "Score (1-10): 8"
+    for m in _tail(_SCALE_FIRST.finditer(body)):
+        line = body.rfind("\n", 0, m.start()) + 1
+        if m.group("num") and _LINE_START.fullmatch(body, line, m.start()):
+            scale = m.group("scale") or m.group("outof")
+            found.append((m.start(), m.end(), True, partial(_on_scale, m.group("num"), None, scale, lo, hi)))
+    return found
+
+
 #: Bare-number candidates count as copied from the response only with this much of the text
 #: around them copied too ("7" alone is in many responses).
 _QUOTE_CONTEXT = 8
@@ -394,10 +437,10 @@ def _quoted(body: str, c: _Candidate, response: str, plain_response: str) -> boo
     return (b - a) - (end - start) >= _QUOTE_CONTEXT
 
 
-def _latest(body: str, lo: float, hi: float, form: Form, response: str) -> float | None:
+def _latest(body: str, lo: float, hi: float, finders: tuple[_Finder, ...], response: str) -> float | None:
     """The latest candidate in the reply, across the finders, that is not in a quoted copy of
     the response; a bare number on the last line only when there is no other."""
-    found = [c for find in _FINDERS[form] for c in find(body, lo, hi)]
+    found = [c for find in finders for c in find(body, lo, hi)]
     # a candidate within another (the "7/10" of "Score: 7/10", a label inside a JSON verdict)
     # is part of it
     spans = sorted({(c[0], c[1]) for c in found}, key=lambda s: (s[0], -s[1]))
@@ -496,8 +539,19 @@ def parse_score(
     raw = _verdict(body, nonce, lo, hi) if nonce else None
     if raw is None:
         raw = _whole_json(body, lo, hi)
+    if raw is None and nonce:
+        # the rubric asked for the verdict line: without it, only a line shaped like one
+        raw = _latest(body, lo, hi, (_verdict_lines,), response or "")
+        if raw is None:
+            raise JudgeResponseError(
+                f"no verdict line in the judge's reply {excerpt(text)}: the rubric asks it to end "
+                f'with "Verdict {nonce}: N/{hi:g}", and a reply without one (nor a line that '
+                "begins with its score) is not searched for scores elsewhere: a judge refusing a "
+                "response's injection names the score demanded. Check that the model follows "
+                "the rubric (and that max_tokens leaves it room)"
+            )
     if raw is None:
-        raw = _latest(body, lo, hi, requested_form(rubric), response or "")
+        raw = _latest(body, lo, hi, _FINDERS[requested_form(rubric)], response or "")
     if raw is None:
         raise JudgeResponseError(
             f"no score in the judge's reply {excerpt(text)} (a score in text quoted from the "
