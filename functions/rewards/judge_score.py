@@ -379,9 +379,16 @@ _SCORE_LINE = re.compile(
 _LINE_START = re.compile(r"[ \t>#*_`]*")
 
 
+def _past_markdown(body: str, at: int) -> int:
+    m = _LINE_START.match(body, at)
+    return m.end() if m else at
+
+
 def _verdict_lines(body: str, lo: float, hi: float) -> list[_Candidate]:
+    # a candidate starts after the line's markdown (a blockquote, a heading): with it, a quote
+    # of the response ("> 10/10") was no longer text the response carries
     found: list[_Candidate] = [
-        (m.start(), m.end(), True, _scaled(m, lo, hi, pct=2, den=3))
+        (_past_markdown(body, m.start()), m.end(), True, _scaled(m, lo, hi, pct=2, den=3))
         for pattern in (_VERDICT_LINE, _SCORE_LINE)
         for m in _tail(pattern.finditer(body))
     ]
