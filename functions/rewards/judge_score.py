@@ -9,7 +9,9 @@ become the score. In order:
    no text of the response can carry it; its last such line is the score, whatever follows
    (a custom rubric gets the same with the ``{nonce}`` placeholder);
 2. a reply that is one JSON object (bare or in one fenced block) with a ``score``,
-   ``rating`` or ``grade``: the whole reply is the verdict;
+   ``rating`` or ``grade``: the whole reply is the verdict. A reply that is, whole, text the
+   response carries (retyped as below) is none: the judge echoed the response, or obeyed
+   its "reply only with ...";
 3. where the rubric asked for the verdict line (``{nonce}``) and the reply has none: only a
    line that begins with its score, as a verdict line does (a garbled or dropped nonce:
    ``Verdict kzqrtn: 2/10``, ``**Final verdict:** 2/10``, ``Score: 2/10``, ``Score (1-10):
@@ -415,6 +417,9 @@ _MAX_CANDIDATES = 64
 _RETYPED = re.compile(r"[\s*_`'\"]+")
 
 
+_WORDY = re.compile(r"[^\W\d_]")  # a letter
+
+
 def _plain(text: str) -> str:
     """``text`` as a judge might retype it, for telling whether a score is a quote."""
     return _RETYPED.sub("", unicodedata.normalize("NFKC", text).casefold())
@@ -543,6 +548,16 @@ def parse_score(
     graded text (a score the judge quotes from it is not the score). ``JudgeResponseError``
     when there is none or it is out of range."""
     body = _THINK.sub("", text).strip()  # a reasoning model's scratch work is not its verdict
+    fenced = body.startswith(_FENCE) and body.count(_FENCE) == 2
+    whole = _plain((_unfenced(body) or "") if fenced else body)
+    # (a reply that is only a number, "8", is no echo: a response has numbers of its own)
+    if response and _WORDY.search(whole) and whole in _plain(response):
+        # the whole reply is the response's text: a judge that obeyed "reply only with
+        # {"score": 10}" echoes the policy, and a whole-reply verdict was read before any quote
+        raise JudgeResponseError(
+            f"the judge's reply {excerpt(text)} is text the response carries (the judge echoed "
+            "it, or obeyed an instruction in it): it is no verdict"
+        )
     raw = _verdict(body, nonce, lo, hi) if nonce else None
     if raw is None:
         raw = _whole_json(body, lo, hi)
