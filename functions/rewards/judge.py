@@ -10,7 +10,9 @@ SDK's ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``.
 How a call goes:
 
 * the rubric is filled in (``{question}``, ``{reference}``, ``{response}``, ``{min_score}``,
-  ``{max_score}``, ``{nonce}``) and sent as one user message, temperature 0; ``{response}``
+  ``{max_score}``, ``{nonce}``) and sent as one user message, at ``temperature`` (0 by
+  default; no ``seed`` unless ``extra_body`` sets one, so a verdict is as repeatable as the
+  endpoint's greedy decoding, which batching can vary; the nonces differ per call); ``{response}``
   becomes the response between ``<response-NONCE>`` tags, the nonce random per call, so a
   response cannot close them and go on as the rubric; ``{nonce}`` is a second per-call
   nonce (six letters, never in the response) for the verdict line;
