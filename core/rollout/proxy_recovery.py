@@ -239,6 +239,16 @@ class ProxyRecovery(ProxyState):
     async def _restart(self, replica: Replica, e: ReplicaEngineDead) -> str | None:
         """Restart the replica's dead engine: None once asked, else why it failed (the
         engine's own error: it cannot serve, and is dropped as a failed reload is)."""
+        done = self._engine_restarts[id(replica)]
+        if done >= self.max_engine_restarts:
+            # an engine that dies after every restart (a model that no longer fits, a bad
+            # driver) was restarted for good, a model load each time: it leaves, as a Ray
+            # actor out of max_restarts does
+            raise ReplicaGone(
+                f"its engine died again after {done} restart(s) (engine.max_restarts: "
+                f"{self.max_engine_restarts}): {e}"
+            )
+        self._engine_restarts[id(replica)] = done + 1
         self.metrics["engine_restarts"] += 1
         log.warning("engine replica %s: its engine is dead (%s); restarting it", replica.name, e)
         try:

@@ -29,6 +29,7 @@ def proxy_options(engine: EngineConfig) -> dict[str, Any]:
     """The ``LLMProxy`` keyword arguments the job config's ``engine`` section sets."""
     return {
         "recover_timeout_s": engine.recover_timeout_s,
+        "max_engine_restarts": engine.max_restarts,
         "swap_timeout_s": engine.swap_timeout_s,
         "rejoin_first_s": engine.rejoin_first_s,
         "rejoin_max_s": engine.rejoin_max_s,
@@ -45,6 +46,7 @@ class ProxyState:
         *,
         affinity: Mapping[str, str] | None = None,
         recover_timeout_s: float = _DEFAULTS.recover_timeout_s,
+        max_engine_restarts: int = _DEFAULTS.max_restarts,
         max_turn_retries: int = 3,
         scheduler: TurnScheduler | None = None,
         abort_timeout_s: float = 30.0,
@@ -71,6 +73,10 @@ class ProxyState:
         if unknown:
             raise ValueError(f"hw_affinity names groups without replicas: {unknown}")
         self.recover_timeout_s = recover_timeout_s
+        self.max_engine_restarts = max_engine_restarts
+        """How many times a replica's dead engine is restarted (as Ray restarts a dead
+        process ``max_restarts`` times); one that dies again after that leaves for good."""
+        self._engine_restarts: Counter[int] = Counter()  # id(replica) -> its engine's restarts
         self.max_turn_retries = max_turn_retries
         self.abort_timeout_s = abort_timeout_s
         """How long an abort waits for a replica's answer (it is given up after, counted)."""

@@ -203,6 +203,39 @@ async def test_a_replica_whose_engine_cannot_be_restarted_leaves_its_group_sayin
         await proxy.aclose()
 
 
+async def test_an_engine_that_dies_after_every_restart_leaves_after_max_restarts(caplog):
+    # each restart succeeded and the engine died again at once: the recovery restarted it
+    # (a model load each time) until recover_timeout_s, then left it to rejoin later, where
+    # it was restarted again, for the rest of the job; a Ray actor stops at max_restarts
+    class Relapsing(Fake):
+        restarts = 0
+
+        async def ping(self) -> int:
+            self.pings += 1
+            raise ReplicaEngineDead(f"{self.name}: the vLLM engine died")
+
+        async def restart(self) -> None:
+            self.restarts += 1
+
+    sick = Relapsing("sick", fail=[ReplicaEngineDead("sick: the vLLM engine died")])
+    ok = Fake("ok")
+    proxy = LLMProxy(
+        {"default": [sick, ok]}, recover_timeout_s=30.0, max_engine_restarts=2, rejoin_first_s=0.01
+    )
+    caplog.set_level(logging.ERROR, logger="core.rollout.llm_proxy")
+    try:
+        c = await asyncio.wait_for(proxy.generate("t", "x", req()), 5)
+        assert c.finish_reason == "stop" and ok.generated
+        await until(lambda: proxy.metrics["replicas_removed"] == 1)
+        assert proxy.groups["default"] == [ok] and sick.restarts == 2
+        assert proxy.metrics["engine_restarts"] == 2
+        assert "died again after 2 restart(s) (engine.max_restarts: 2)" in caplog.text
+        await asyncio.sleep(0.1)
+        assert sick.restarts == 2 and not proxy._rejoining  # gone for good: no rejoin tries it
+    finally:
+        await proxy.aclose()
+
+
 # -- as a Ray actor: the replica's process exits for Ray to restart it ------------------------
 
 
