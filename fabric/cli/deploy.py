@@ -68,8 +68,9 @@ def deploy(
     prune: Annotated[
         bool,
         typer.Option(
-            help="terraform: let it destroy the functions an earlier deploy made that this one does not "
-            "name (refused otherwise)."
+            help="Let a deploy remove functions an earlier one made that this one does not name: "
+            "terraform destroys them, and a Modal app is deployed whole (refused otherwise: terraform "
+            "names them; Modal refuses -f without it)."
         ),
     ] = False,
     terraform_dir: Annotated[str, typer.Option(help="Where fabric.auto.tfvars.json goes.")] = "terraform",
@@ -117,8 +118,17 @@ def deploy(
             "--modal-secret is for --backend modal: with terraform, set function_settings and "
             "function_environment (docs/deploy.md); with --direct, set the variables on the function"
         )
-    if prune and (backend != "lambda" or direct):
-        fail("--prune is for a terraform deploy (--backend lambda without --direct)")
+    if prune and backend == "lambda" and direct:
+        fail("--prune is for a terraform deploy or a Modal one: --direct removes nothing")
+    if backend == "modal" and functions and not prune:
+        # Modal deploys an app with the functions its definition holds: the app's others
+        # (an earlier deploy's, without -f) stop, under their callers. Nothing here can list
+        # the deployed app offline, so a deploy of some of them is asked to say it means it
+        fail(
+            f"-f deploys only {', '.join(functions)}, and a Modal app is deployed whole: the app's other "
+            "functions would be removed. Deploy them all (drop -f), put these in an app of their own "
+            "(--modal-app), or pass --prune if that is what you mean"
+        )
     if pip and not deps and image is None and backend == "lambda":
         fail(
             "--pip installs into the package, which --no-deps leaves without dependencies: drop --no-deps, "

@@ -146,7 +146,7 @@ def test_a_modal_deploy_keeps_no_container_warm_unless_asked(tmp_path, monkeypat
 
     monkeypatch.setattr(modal_deploy, "deploy_modal", fake_deploy)
     monkeypatch.chdir(tmp_path)
-    args = ["deploy", "--backend", "modal", "-m", "sample_fns", "-f", "add"]
+    args = ["deploy", "--backend", "modal", "--prune", "-m", "sample_fns", "-f", "add"]
     for extra in ([], ["--keep-warm"], ["--provisioned"], ["--warm", "3"]):
         r = CliRunner().invoke(app, args + extra)
         assert r.exit_code == 0, r.output
@@ -359,7 +359,7 @@ def test_deploy_pip_reaches_every_package_and_refuses_no_deps(tmp_path, monkeypa
     monkeypatch.setattr(modal_deploy, "deploy_modal", lambda *a, pip=(), **kw: seen.update(pip=list(pip)))
     monkeypatch.chdir(tmp_path)
     r = CliRunner().invoke(
-        app, ["deploy", "--backend", "modal", "-m", "sample_fns", "-f", "add", "--pip", "numpy"]
+        app, ["deploy", "--backend", "modal", "--prune", "-m", "sample_fns", "-f", "add", "--pip", "numpy"]
     )
     assert r.exit_code == 0 and seen == {"pip": ["numpy"]}, r.output
     tf = tmp_path / "terraform"

@@ -276,7 +276,7 @@ def test_modal_deploy_without_a_token_is_a_clear_error(no_modal_token, tmp_path,
     from fabric.cli import app
 
     monkeypatch.chdir(tmp_path)
-    r = CliRunner().invoke(app, ["deploy", "--backend", "modal", "-m", "sample_fns", "-f", "add"])
+    r = CliRunner().invoke(app, ["deploy", "--backend", "modal", "--prune", "-m", "sample_fns", "-f", "add"])
     assert r.exit_code == 2 and "modal token new" in r.output, r.output
 
 
@@ -333,7 +333,7 @@ def test_the_modal_app_is_named_at_deploy_and_at_the_call(tmp_path, monkeypatch)
 
     monkeypatch.setattr(modal_deploy, "deploy_modal", fake_deploy)
     monkeypatch.chdir(tmp_path)
-    args = ["deploy", "--backend", "modal", "-m", "sample_fns", "-f", "add"]
+    args = ["deploy", "--backend", "modal", "--prune", "-m", "sample_fns", "-f", "add"]
     r = CliRunner().invoke(app, [*args, "--modal-app", "team-a"])
     assert r.exit_code == 0, r.output
     assert seen == {"app_name": "team-a", "names": ["rl-fabric-add"]}
@@ -403,7 +403,32 @@ def test_a_deploy_modal_refuses_is_said_without_a_traceback(tmp_path, monkeypatc
 
     monkeypatch.setattr(modal_deploy, "build_app", lambda *a, **kw: (RefusedApp(), {}))
     monkeypatch.chdir(tmp_path)
-    r = CliRunner().invoke(app, ["deploy", "--backend", "modal", "-m", "sample_fns", "-f", "add"])
+    r = CliRunner().invoke(app, ["deploy", "--backend", "modal", "--prune", "-m", "sample_fns", "-f", "add"])
     text = " ".join(r.output.split())
     assert r.exit_code == 2 and said in text and name in text, (r.exit_code, r.output, r.exception)
     assert "Traceback" not in r.output
+
+
+def test_a_modal_deploy_of_some_functions_is_refused_unless_meant(monkeypatch, tmp_path):
+    """A Modal app is deployed whole, with the functions its definition holds: `-f add`
+    deployed an app of one function, and the functions an earlier deploy had put in it
+    stopped under their callers, unsaid (terraform's path names what it would destroy and
+    refuses it without --prune; nothing can list a Modal app offline)."""
+    import fabric.deploy.modal_ as modal_deploy
+    from fabric.cli import app
+
+    deployed: list[list[str]] = []
+    monkeypatch.setattr(
+        modal_deploy, "deploy_modal", lambda reg, plan, **kw: deployed.append([f.name for f in plan])
+    )
+    monkeypatch.chdir(tmp_path)
+    args = ["deploy", "--backend", "modal", "-m", "sample_fns"]
+    r = CliRunner().invoke(app, [*args, "-f", "add"])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and "a Modal app is deployed whole" in said and "--prune" in said, r.output
+    assert deployed == []
+    assert CliRunner().invoke(app, [*args, "-f", "add", "--prune"]).exit_code == 0
+    assert CliRunner().invoke(app, args).exit_code == 0  # all of them: nothing to lose
+    assert deployed[0] == ["add"] and len(deployed[1]) > 1
+    r = CliRunner().invoke(app, ["deploy", "--direct", "--prune", "-m", "sample_fns"])
+    assert r.exit_code == 2 and "--direct removes nothing" in " ".join(r.output.split()), r.output
