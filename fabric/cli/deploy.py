@@ -126,8 +126,8 @@ def deploy(
         # the deployed app offline, so a deploy of some of them is asked to say it means it
         fail(
             f"-f deploys only {', '.join(functions)}, and a Modal app is deployed whole: the app's other "
-            "functions would be removed. Deploy them all (drop -f), put these in an app of their own "
-            "(--modal-app), or pass --prune if that is what you mean"
+            "functions would be removed. Deploy them all (drop -f), or pass --prune if that is what you "
+            "mean (with --modal-app APP to make them an app of their own)"
         )
     if pip and not deps and image is None and backend == "lambda":
         fail(
