@@ -4,13 +4,23 @@ Components, each in [0, 1]:
 
 * ``valid_calls``: share of the assistant's tool calls (each one counted, ids repeated or
   not) whose ``arguments`` are a JSON object and whose name is in ``allowed_tools`` (any
-  name when ``allowed_tools`` is not given);
+  name when ``allowed_tools`` is not given), and that the environment did not refuse (a
+  call carrying ``refused: <why>``, below);
 * ``answered_calls``: share of calls followed by a ``role: "tool"`` message with the same
   ``tool_call_id`` (each result answers one call: the oldest unanswered one with its id);
 * ``no_errors``: share of tool results whose content does not start with ``error_prefix``
   (``"error:"``, case-insensitive, leading spaces of either ignored; a blank one is an error);
 * ``within_budget``: 1.0 when ``min_calls <= calls <= max_calls`` (both counts >= 0,
   ``min_calls`` not above ``max_calls``: a budget no trajectory can meet is an error).
+
+In the core job, an agentic environment's episode reaches the rewards in this shape (see
+``core.rollout.tool_calls``): the calls the environment parsed from the policy's replies are
+the assistant turns' ``tool_calls``, their outputs the ``role: "tool"`` results (a
+calculator's ``error: ...`` is an error), and a call the environment refused (bad JSON, an
+unknown tool, arguments the tool does not take) is a call carrying ``refused: <why>``,
+answered by the refusal the policy was shown: counted under ``valid_calls`` only, whatever
+the refusal's text begins with. The observation that was only the calls' outputs is not
+repeated as a user message.
 
 A share over no calls (or no results) is 1.0: nothing was done wrong; ask for ``min_calls``
 when the task needs tools. The score is the weighted mean of the components, every weight
@@ -57,6 +67,9 @@ def check_budget(min_calls: int, max_calls: int | None) -> None:
 
 
 def _call_problem(call: ToolCall, allowed: set[str] | None) -> str | None:
+    refused = (call.model_extra or {}).get("refused")
+    if refused:  # the environment's own verdict: it knows its tools' arguments, we may not
+        return str(refused)
     name = call.function.get("name")
     if not isinstance(name, str) or not name:
         return "no tool name"
@@ -132,9 +145,11 @@ def tool_use_reward(
                 calls.append(c)
         elif m.role == "tool":
             n_results += 1
+            ids = waiting.get(m.tool_call_id or "")
+            answers = calls[ids.pop(0)] if ids else None
+            if answers is not None and (answers.model_extra or {}).get("refused"):
+                continue  # the refusal is counted under valid_calls, not once more as an error
             errors += (m.content or "").lstrip().lower().startswith(prefix)
-            if waiting.get(m.tool_call_id or ""):
-                waiting[m.tool_call_id or ""].pop(0)
 
     problems = [(c.id, p) for c in calls if (p := _call_problem(c, allowed)) is not None]
     invalid = dict(problems)
