@@ -50,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from core.aio import gather_or_stop
 from core.config import JobConfig, RewardConfig
 from core.errors import StreamClosedError
+from core.rollout.tool_calls import reward_trajectory
 from core.sample import Sample
 from fabric.errors import ErrorCode
 from fabric.protocol import Result, RewardResult, Trajectory
@@ -254,6 +255,9 @@ class RewardStream:
             self._fail(sample, f"no reward functions for tag {sample.tag!r}", "no_rewards")
             return
         payloads: list[dict[str, Any]] = []
+        # the rewards get the environment's tool calls in the OpenAI shape; sample.traj (the
+        # trainer's) stays the chat the policy was shown
+        scored = reward_trajectory(sample.traj)
         for spec in specs:
             missing = sorted(k for k in spec.task_args.values() if k not in sample.traj.task)
             if missing:
@@ -264,7 +268,7 @@ class RewardStream:
                 )
                 return
             task_args = {param: sample.traj.task[key] for param, key in spec.task_args.items()}
-            payloads.append({"traj": sample.traj, **spec.args, **task_args})
+            payloads.append({"traj": scored, **spec.args, **task_args})
         calls = (self._call(spec, p, sample.id) for spec, p in zip(specs, payloads, strict=True))
         results = await gather_or_stop(calls)
         components: dict[str, RewardResult | float] = {}

@@ -28,7 +28,10 @@ What the trainer needs beyond the messages goes in ``traj.info``: ``turn_rewards
 assistant turn, the environment's step reward) and ``turn_states`` (the state the turn was
 taken in, for step-level advantages: the step/reset ``info["state"]`` if the environment
 gives one, else ``info["position"]``, else the observation as shown), plus where the time
-went (``gen_s``, ``env_s``).
+went (``gen_s``, ``env_s``). An environment that reports its tool calls (``info["calls"]``,
+see ``core.rollout.tool_calls``) gets them kept per turn in ``turn_tool_calls``, from which
+the reward stream gives the rewards the trajectory in the OpenAI tool-call shape; the
+messages themselves stay the plain chat the policy was shown.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from core.config import EnvConfig, JobConfig
 from core.errors import ProxyDiedError, where_raised
 from core.rollout.engines.base import Completion, EngineError, GenerateRequest
 from core.rollout.scheduling import OUTCOMES
+from core.rollout.tool_calls import TURN_CALLS_KEY, record_calls
 from core.sample import GROUP_KEY, TAG_KEY, VERSION_KEY
 from core.trainer.base import assistant_message
 from envpool.api import Observation, StepResult
@@ -291,6 +295,12 @@ class EnvManager:
                 info["turn_states"].append(state)
                 if res.info.get("valid") is False:
                     info["invalid"] = info.get("invalid", 0) + 1
+                calls = record_calls(res.info)
+                if calls or TURN_CALLS_KEY in info:
+                    # for the rewards only (reward_trajectory); the chat the policy sees and
+                    # is trained on stays the reply's text and the observation
+                    turns = info.setdefault(TURN_CALLS_KEY, [[] for _ in info["turn_rewards"][:-1]])
+                    turns.append(calls)
                 traj.messages.append(Message(role="user", content=res.obs.text))
                 state = _state(res.info, self.shown(res.obs.text, env))
                 outcome = _outcome(res)

@@ -22,6 +22,11 @@ Anything else gets a reminder of the two forms, reward 0.
 For the schedulers, ``info["valid"]`` is False and ``info["outcome"]`` ``"tool_error"`` on a
 bad tool call, a tool that answers ``error: ...`` and a reply that is neither form; a
 correct answer is ``"success"``.
+
+For the rewards, a step that was a tool call says so in ``info["calls"]`` (the env
+manager's contract, ``core.rollout.tool_calls``): ``[{"name", "arguments", "output"}]``,
+with ``"refused": <why>`` when the call was not run (bad JSON, an unknown tool, arguments
+the calculator does not take): it is still the policy's call, an invalid one.
 """
 
 from __future__ import annotations
@@ -140,7 +145,7 @@ class MathToolsEnv(Env):
         text = action.strip()
         call = _parse_tool_call(text)
         if call is not None:
-            return self._tool_step(call)
+            return self._tool_step(call, text)
         given, rule = extract_final(text)
         if given is not None and (rule in _STATED or (rule == "last_number" and given == text)):
             correct, _ = is_equivalent(given, self.answer)
@@ -159,16 +164,25 @@ class MathToolsEnv(Env):
             info=dict(_TOOL_ERROR),
         )
 
-    def _tool_step(self, call: dict[str, Any] | str) -> StepResult:
+    def _tool_step(self, call: dict[str, Any] | str, text: str) -> StepResult:
         if isinstance(call, str):  # what was wrong with the JSON
+            shown = f"Bad tool call: {call}. {_HOW}"
+            name, arguments = _as_written(text)
+            refused = {"name": name, "arguments": arguments, "output": shown, "refused": call}
             return StepResult(
-                obs=Observation(text=f"Bad tool call: {call}. {_HOW}", tools=TOOLS), info=dict(_TOOL_ERROR)
+                obs=Observation(text=shown, tools=TOOLS), info={**_TOOL_ERROR, "calls": [refused]}
             )
         self.tool_calls += 1
         output = self.call_tool(call["tool"], call["arguments"])
         # the bridge answers a tool's exception (a calculator's refusal) as "error: ..."
         failed = output.startswith("error:")
-        info: dict[str, Any] = {"tool": call["tool"], "tool_calls": self.tool_calls, "valid": not failed}
+        ran = {"name": call["tool"], "arguments": json.dumps(call["arguments"]), "output": output}
+        info: dict[str, Any] = {
+            "tool": call["tool"],
+            "tool_calls": self.tool_calls,
+            "valid": not failed,
+            "calls": [ran],
+        }
         if failed:
             info["outcome"] = "tool_error"
         return StepResult(obs=Observation(text=output, tools=TOOLS), info=info)
@@ -179,6 +193,22 @@ _TOOL_ERROR: dict[str, Any] = {"valid": False, "outcome": "tool_error"}
 
 
 _TOO_DEEP = "invalid JSON (nested too deep)"
+
+
+def _as_written(text: str) -> tuple[str, str]:
+    """A refused call's name and arguments as the policy wrote them, for the rewards: the
+    name when the JSON gives a string one (else ""), the arguments as a JSON string, or the
+    whole text when it is not a JSON object at all."""
+    body = _FENCE.sub("", text).strip()
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return "", body
+    if not isinstance(data, dict):
+        return "", body
+    name = data.get("tool", data.get("name"))
+    args = data.get("arguments", {})
+    return (name if isinstance(name, str) else ""), (args if isinstance(args, str) else json.dumps(args))
 
 
 def _parse_tool_call(text: str) -> dict[str, Any] | str | None:

@@ -277,7 +277,9 @@ def test_math_tool_call_through_the_inprocess_caller():
     # OpenAI's shape: "name", and arguments as a JSON string; a fenced block is fine too
     res = env.step('```json\n{"name": "calculator", "arguments": "{\\"expression\\": \\"2 ** 10\\"}"}\n```')
     assert res.obs.text == "1024"
-    assert res.info == {"tool": "calculator", "tool_calls": 2, "valid": True}
+    # the call as the env ran it, for the rewards (core.rollout.tool_calls)
+    calls = [{"name": "calculator", "arguments": '{"expression": "2 ** 10"}', "output": "1024"}]
+    assert res.info == {"tool": "calculator", "tool_calls": 2, "valid": True, "calls": calls}
     res = env.step('{"tool": "calculator", "arguments": {"expression": "1 / 0"}}')
     assert res.obs.text == "error: ValueError: division by zero" and not res.terminated
     assert res.info["valid"] is False and res.info["outcome"] == "tool_error"
@@ -336,6 +338,10 @@ def test_math_other_actions_get_a_reminder(action, says):
     res = env.step(action)
     assert says in res.obs.text
     assert (res.reward, res.terminated) == (0.0, False)
+    # a refused tool call is reported for the rewards, with why; a reply that is none is not
+    calls = res.info.pop("calls", [])
+    refused = not says.startswith("No tool call")
+    assert [c["refused"] in res.obs.text for c in calls] == ([True] if refused else [])
     # the schedulers' signal: neither a tool call nor an answer is a tool error
     assert res.info == {"valid": False, "outcome": "tool_error"}
 

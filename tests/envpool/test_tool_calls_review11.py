@@ -27,4 +27,6 @@ def test_a_tool_call_nested_too_deep_is_a_bad_call_not_an_env_error(action):
     env.reset(seed=1)
     r = env.step(action)
     assert r.obs.text.startswith("Bad tool call: ") and "nested too deep" in r.obs.text
+    [call] = r.info.pop("calls")  # still the policy's call, refused (for the rewards)
+    assert call["refused"] == "invalid JSON (nested too deep)"
     assert r.reward == 0.0 and not r.done and r.info == {"valid": False, "outcome": "tool_error"}
