@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fabric.errors import ErrorCode, FabricError, InvocationError, Unavailable
+from fabric.errors import ErrorCode, FabricError, InvocationError, Misconfigured, Unavailable
 from fabric.protocol import ErrorInfo, Invocation, Message, Result, RewardResult, Timings, Trajectory
 from fabric.registry import Registry, default_registry
 from fabric.spec import FunctionSpec, Resources, RetryPolicy
@@ -47,6 +47,7 @@ __all__ = [
     "Invocation",
     "InvocationError",
     "Message",
+    "Misconfigured",
     "Registry",
     "Resources",
     "Result",

@@ -17,7 +17,9 @@ The tree (every class derives from ``FabricError``)::
     │   └── SetupFailedError       (``warmup``: a function's import or setup hook failed)
     ├── ConfigError              a config failed validation at the edge
     ├── InvocationError          raised by ``Result.unwrap()``; carries the Result
-    └── Unavailable              raised *by a function*: a transient failure, retried
+    ├── Unavailable              raised *by a function*: a transient failure, retried
+    └── Misconfigured            raised *by a function*: its own setup is wrong (a bad key,
+                                 a missing model, a tool not installed): final, never scored
 
 A failing *call* is not an exception: the client returns ``Result(ok=False)`` with an
 ``ErrorInfo`` whose ``type`` is one of the codes in ``ErrorCode``. Only the caller decides
@@ -58,6 +60,9 @@ class ErrorCode(StrEnum):
     CANCELLED = "Cancelled"
     UNAUTHORIZED = "Unauthorized"  # the backend refused our credentials or token
     UNAVAILABLE = "Unavailable"  # the function raised ``Unavailable``: a dependency failed transiently
+    # the function raised ``Misconfigured``: its setup is wrong, not its input; final, and not
+    # the function's answer to the payload (not kept under a key: once fixed, a call runs again)
+    MISCONFIGURED = "Misconfigured"
     # an earlier call under this idempotency key of a side-effecting function ended in an unknown
     # state (WorkerLost, FunctionTimeout, ...): its effect may have happened, so the client does
     # not run it again under that key (a new key does)
@@ -194,4 +199,16 @@ class Unavailable(FabricError):
     """Raise this from a function when it failed for a transient reason of its own
     infrastructure (a sandbox died, a judge endpoint is overloaded), not because of its input:
     the call fails with ``Unavailable``, which is retryable. Any other exception is a final
-    ``UserError``."""
+    ``UserError`` (or ``Misconfigured``, below)."""
+
+
+class Misconfigured(FabricError):
+    """Raise this from a function when it cannot run because of how it was set up, not
+    because of its input: the endpoint it calls refused its key (401/403) or does not know its
+    model or URL (404), a required setting is missing, a tool it needs is not installed, a
+    fixed argument from the job's config is wrong. The call fails with ``Misconfigured``:
+    final (retrying will not fix it), not kept under an idempotency key (once the setup is
+    fixed, the call runs again), and never scored by a reward's ``failure_score``, which
+    stands in only for failures the response caused (``UserError``): a setup fault fails
+    every trajectory alike, and scoring them would train the policy on a constant. Say in the
+    message what to fix."""

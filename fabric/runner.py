@@ -21,7 +21,7 @@ import pydantic_core
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 from typing_extensions import TypedDict
 
-from fabric.errors import ErrorCode, Unavailable
+from fabric.errors import ErrorCode, Misconfigured, Unavailable
 from fabric.protocol import (
     MAX_PAYLOAD_BYTES,
     ErrorInfo,
@@ -116,13 +116,13 @@ def format_validation_error(spec: FunctionSpec, e: ValidationError) -> str:
 def _user_error(e: BaseException) -> tuple[str, str, str | None]:
     if isinstance(e, Unavailable):
         return (ErrorCode.UNAVAILABLE, str(e), None)
-    frames = tb_mod.format_exception(type(e), e, e.__traceback__, limit=-_TB_FRAMES)
+    frames = "".join(tb_mod.format_exception(type(e), e, e.__traceback__, limit=-_TB_FRAMES))[-4000:]
     text = str(e)
-    return (
-        ErrorCode.USER_ERROR,
-        f"{type(e).__name__}: {text}" if text else type(e).__name__,
-        "".join(frames)[-4000:],
-    )
+    if isinstance(e, Misconfigured):
+        # the function's setup, not its input: a code of its own, so a reward's failure_score
+        # (which scores a UserError as the response's fault) never scores it
+        return (ErrorCode.MISCONFIGURED, text or type(e).__name__, frames)
+    return (ErrorCode.USER_ERROR, f"{type(e).__name__}: {text}" if text else type(e).__name__, frames)
 
 
 def _may_be_ctrl_c(e: BaseException) -> bool:

@@ -12,9 +12,11 @@ Two ways to compose, with the same arithmetic (``combine``):
 
 A component that fails fails the composite: with ``Unavailable`` (retryable) when its own
 failure was retryable (an ``llm_judge`` whose endpoint is down, an async component past its
-``timeout_s``), else with a final error naming the component. Each component runs within its
-own ``timeout_s`` or what the composite's run has left, whichever is sooner, so a judge whose
-endpoint hangs gives up with its ``Unavailable`` before the composite's limit cuts it off.
+``timeout_s``), with ``Misconfigured`` when its setup is wrong (its setup hook raised, or it
+raised ``Misconfigured``: a judge's key refused), else with a final error naming the
+component. Each component runs within its own ``timeout_s`` or what the composite's run has
+left, whichever is sooner, so a judge whose endpoint hangs gives up with its ``Unavailable``
+before the composite's limit cuts it off.
 
 Score: with ``normalize`` (the default) the weighted mean ``sum(w * s) / sum(w)``, which
 stays in the components' range; without it the plain weighted sum ``sum(w * s)``. Every
@@ -33,7 +35,7 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import fabric
-from fabric.errors import RETRYABLE, Unavailable
+from fabric.errors import RETRYABLE, ErrorCode, Misconfigured, Unavailable
 from fabric.protocol import RewardResult, Trajectory, encode_payload
 from fabric.registry import default_registry
 from fabric.runner import FunctionRunner, time_left_s
@@ -127,7 +129,13 @@ def _runner(function: str) -> FunctionRunner:
     runner = _runners.get(key)
     if runner is None:
         runner = FunctionRunner(default_registry.callable(function), spec)
-        runner.setup()
+        try:
+            runner.setup()
+        except Exception as e:
+            # on a worker this is the component's SetupFailed; here it is the composite's call's
+            # error, and the setup's fault (a judge with no model), not the response's: no
+            # failure_score may score it
+            raise Misconfigured(f"the setup hook of {function!r} failed: {type(e).__name__}: {e}") from e
         _runners[key] = runner
     return runner
 
@@ -150,7 +158,10 @@ def _run(runner: FunctionRunner, payload: dict[str, Any]) -> Any:
         # a component's transient failure (its endpoint down, its timeout) is the composite's:
         # retryable, not a final UserError, which the fabric neither retries nor lets a later
         # call under the same idempotency key run again
-        raise Unavailable(text) if code in RETRYABLE else RuntimeError(text)
+        if code in RETRYABLE:
+            raise Unavailable(text)
+        # a component's setup fault (a judge's key refused) is the composite's, not a UserError
+        raise Misconfigured(text) if code == ErrorCode.MISCONFIGURED else RuntimeError(text)
     value = pydantic_core.from_json(out)
     return RewardResult.model_validate(value) if isinstance(value, dict) else value
 
@@ -187,6 +198,6 @@ def composite(traj: Trajectory, *, spec: CompositeSpec) -> RewardResult:
     for c in spec.components:
         try:
             results[c.name] = _run(runners[c.name], {"traj": traj, **c.kwargs})
-        except (RuntimeError, Unavailable) as e:
+        except (RuntimeError, Unavailable, Misconfigured) as e:
             raise type(e)(f"component {c.name!r}: {e}") from None
     return combine(results, {c.name: c.weight for c in spec.components}, normalize=spec.normalize)

@@ -63,14 +63,16 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 from tenacity.wait import wait_random_exponential
 
 import fabric
-from fabric.errors import Unavailable
+from fabric.errors import ConfigError, Unavailable
 from fabric.protocol import RewardResult, Trajectory
 from fabric.runner import time_left_s
 from functions.openai_api import error_message, excerpt, retry_after_s
 from functions.rewards.judge_config import DEFAULT_RUBRIC, ENV_PREFIX, OPENAI_URL, JudgeConfig
 from functions.rewards.judge_errors import (
+    _MISCONFIGURED_STATUSES,
     _REJECT_HINTS,
     JudgeError,
+    JudgeMisconfigured,
     JudgeRejectedError,
     JudgeResponseError,
     _Transient,
@@ -88,6 +90,7 @@ __all__ = [
     "Judge",
     "JudgeConfig",
     "JudgeError",
+    "JudgeMisconfigured",
     "JudgeRejectedError",
     "JudgeResponseError",
     "RateLimiter",
@@ -203,7 +206,12 @@ class Judge:
         deadline = None if time_limit_s is None else self._clock() + time_limit_s
         template = cfg.rubric if rubric is None else rubric
         if "{response}" not in template:
-            raise ValueError("the rubric must contain {response}, or the judge never sees the answer")
+            # a rubric given with the call (a reward's args, a task's) is only checked here; it
+            # is the job's config, not the response: every call with it fails alike
+            raise JudgeMisconfigured(
+                "the rubric must contain {response}, or the judge never sees the answer; fix the "
+                "rubric argument (or RL_FABRIC_JUDGE_RUBRIC)"
+            )
         others = (template, question, reference or "")
         # the verdict line's nonce: never in the response (drawn again), so no copy of the
         # response can carry the judge's verdict line
@@ -354,7 +362,9 @@ class Judge:
             ) from None
         except httpx.UnsupportedProtocol as e:
             self.limiter.settle(tokens, 0)
-            raise JudgeRejectedError(f"bad base_url {cfg.base_url!r}: {e}") from None
+            raise JudgeMisconfigured(
+                f"bad base_url {cfg.base_url!r}: {e}; set {ENV_PREFIX}BASE_URL to the API root (http://.../v1)"
+            ) from None
         except httpx.TransportError as e:
             self.limiter.settle(tokens, 0)
             raise _Transient(
@@ -380,9 +390,10 @@ class Judge:
         if status >= 400:
             self.limiter.settle(tokens, 0)  # refused: nothing was generated, so nothing is charged
             hint = _REJECT_HINTS.get(status, "check the model name and extra_body options")
-            raise JudgeRejectedError(
-                f"{self.url} refused the request (HTTP {status}: {error_message(resp)}); {hint}"
-            )
+            # 401/403/404: the key, the model or the URL, the same for every response; another
+            # 4xx may be this request's own (a response past the model's context)
+            refused = JudgeMisconfigured if status in _MISCONFIGURED_STATUSES else JudgeRejectedError
+            raise refused(f"{self.url} refused the request (HTTP {status}: {error_message(resp)}); {hint}")
         try:
             data = resp.json()
         except ValueError:
@@ -444,7 +455,12 @@ def _shared_judge() -> Judge:
     )
     judge = _shared.get(key)
     if judge is None:
-        judge = _shared[key] = judge_from_env()
+        try:
+            judge = _shared[key] = judge_from_env()
+        except ConfigError as e:
+            # no setup hook ran (a direct call, a composite's component): the config error is
+            # the call's, and it is the setup's fault, not the response's
+            raise JudgeMisconfigured(f"llm_judge: {e}") from None
     return judge
 
 

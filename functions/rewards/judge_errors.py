@@ -3,6 +3,7 @@ hint per refusing status (reading the endpoint's error response is ``functions.o
 
 from __future__ import annotations
 
+from fabric.errors import Misconfigured
 from functions.rewards.judge_config import ENV_PREFIX
 
 
@@ -18,6 +19,13 @@ class JudgeRejectedError(JudgeError):
     """The endpoint refused the request (a 4xx other than 408/429): fix the config."""
 
 
+class JudgeMisconfigured(JudgeRejectedError, Misconfigured):
+    """The judge's own setup is wrong, whatever the response: the endpoint refused its key
+    (401/403) or knows neither its model nor its URL (404), the base URL is no HTTP URL, or
+    its config is missing. The fabric reports it as ``Misconfigured``, which a reward's
+    ``failure_score`` never scores: every trajectory would get that score."""
+
+
 class _Transient(Exception):
     """An attempt that may succeed if repeated (status 408/429/5xx, timeout, network)."""
 
@@ -26,6 +34,10 @@ class _Transient(Exception):
         self.hint = hint
         self.retry_after = retry_after
 
+
+#: Refusals that say the judge's setup is wrong, not the request this response made: a 400
+#: (the prompt over the model's context) or a 413 may be the response's doing, these never are.
+_MISCONFIGURED_STATUSES = frozenset({401, 403, 404})
 
 _REJECT_HINTS = {
     401: f"check the API key (OPENAI_API_KEY or {ENV_PREFIX}API_KEY)",
