@@ -18,6 +18,7 @@ import time
 from fractions import Fraction
 from typing import Any
 
+from fabric.errors import Misconfigured
 from functions.rewards.math_fast import GREEK, Verdict, _close, _fast_scalar, _ulp, as_fraction, compare
 
 DEFAULT_TIMEOUT_S = 2.0
@@ -41,7 +42,9 @@ def _load_sympy() -> Any:
             import sympy
             from sympy.parsing import sympy_parser
         except ImportError as e:
-            raise ImportError(
+            # the worker's install, not the answer: only symbolic answers get here, and a
+            # failure_score would score just those (Misconfigured is never scored)
+            raise Misconfigured(
                 "the math_answer reward needs sympy for symbolic answers: pip install 'rl-fabric[rewards]'"
             ) from e
         _sympy = (sympy, sympy_parser)

@@ -11,6 +11,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Literal
 
+from fabric.errors import Misconfigured
 from functions.verifiers.sandbox import Limits
 
 
@@ -101,5 +102,9 @@ def get_language(name: str) -> Language:
         raise ValueError(f"unknown language {name!r}; the code verifier runs: {', '.join(sorted(LANGUAGES))}")
     if lang.tool() is None:
         binary = (lang.compile_argv or lang.run_argv)[0]
-        raise ValueError(f"language {lang.name!r} needs {binary!r}, which is not installed on this worker")
+        # the worker's setup, not the submission's: Misconfigured, which no failure_score scores
+        raise Misconfigured(
+            f"language {lang.name!r} needs {binary!r}, which is not installed on this worker; install "
+            "it there (or leave this language's tasks out)"
+        )
     return lang

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
+from fabric.errors import Misconfigured
 from functions.verifiers import native, native_collide, native_link, native_pch
 from functions.verifiers.errors import InvalidTests, SandboxError
 from functions.verifiers.languages import Language
@@ -87,7 +88,10 @@ class NativeAsserts:
         if parsed.exit_code == native.NO_LIBCLANG and native.NO_LIBCLANG_LINE in parsed.stderr:
             # the worker's setup, not the program's fault: no score
             why = parsed.stderr[-300:].decode(errors="replace")
-            raise ValueError(f"the sandbox's Python cannot import libclang: {why}")
+            raise Misconfigured(
+                f"the sandbox's Python cannot import libclang: {why}; install libclang for the "
+                "Python the sandbox runs"
+            )
         instead = (
             "judge this task with stdin/stdout cases (or c_asserts='in_process', which a program can forge)"
         )

@@ -11,6 +11,7 @@ import shutil
 import pytest
 from code_verify_native_helpers import ADD_TESTS, HONEST_ADD, passes, run
 
+from fabric.errors import Misconfigured
 from functions.verifiers import native, native_link
 from functions.verifiers.sandbox import Limits
 from functions.verifiers.verify import CodeTests
@@ -234,7 +235,7 @@ def test_libclang_missing_in_the_sandbox_is_no_score_for_the_program(v, monkeypa
         return files
 
     monkeypatch.setattr(native, "parse_files", without_clang)
-    with pytest.raises(ValueError, match="cannot import libclang"):
+    with pytest.raises(Misconfigured, match="cannot import libclang"):
         run(v, HONEST_ADD, ADD_TESTS["cpp"])
 
 
