@@ -353,7 +353,8 @@ class RewardAdapter:
         """Log the batch's failures (once, a summary); raise ``RewardCallError`` for them when
         the framework has no "no reward" value (``none_ok`` False) and no ``failure_score``.
         Arguments the function refused (``InvalidArguments``) raise ``BadBatchError`` whatever
-        the settings: the batch is wrong, not the calls, and no score may stand in for it."""
+        the settings: the batch is wrong, not the calls, and no score may stand in for it; a
+        function whose setup is wrong (``Misconfigured``) raises ``RewardCallError`` likewise."""
         failures = [(i, s.error) for i, s in enumerate(scores) if s.error is not None]
         if not failures:
             return
@@ -365,6 +366,17 @@ class RewardAdapter:
             raise BadBatchError(
                 f"{self._signature()} refused the arguments of {len(invalid)} of {len(scores)} samples "
                 f"(a column of the wrong type?); first: #{i} {e.type}: {_first_line(e.message)}"
+            )
+        misconfigured = [(i, e) for i, e in failures if e.type == ErrorCode.MISCONFIGURED]
+        if misconfigured:
+            # the function's setup (a judge's key refused, its model unknown), the same for every
+            # sample: a failure_score (or TRL's None) would train on a constant, or on nothing
+            raise RewardCallError(
+                self.spec.name,
+                len(scores),
+                misconfigured,
+                hint=" (Misconfigured: its setup is wrong, not the samples; fix what the message says "
+                "and run again: no failure_score stands in for it)",
             )
         scored = self.config.failure_score is not None
         outcome = (
