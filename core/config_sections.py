@@ -260,7 +260,9 @@ class RewardConfig(ConfigModel):
     ``UserError`` (it raised) or ``FunctionTimeout`` (it hung, on every attempt): an output
     that crashes or hangs the verifier then costs the policy this (say 0.0) instead of being
     masked (``reward_failed``) and re-run, which never penalises it. Infrastructure failures
-    (a lost worker, throttling, an open circuit) always mask. Off by default: a dataset bug
+    (a lost worker, throttling, an open circuit) always mask, and so does ``Misconfigured``
+    (the function's setup is wrong: a judge's key refused, its model unknown, a tool not
+    installed), which would fail every trajectory alike. Off by default: a dataset bug
     that makes the function raise on every trajectory would score them all, so watch
     ``failure_scored`` and ``failures`` in the stream's metrics."""
 

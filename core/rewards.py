@@ -12,7 +12,11 @@ Per trajectory: the reward components of its tag run concurrently, each as one
 queue length is in ``metrics()``).
 
 Failure is data. A component that fails for good marks the trajectory ``reward_failed``:
-masked, never a zero reward, counted by function and error type. ``infra_failed`` and
+masked, never a zero reward, counted by function and error type. A component's
+``failure_score`` stands in only for a failure the output caused (``UserError``,
+``FunctionTimeout``); a ``Misconfigured`` function (its setup is wrong: a judge whose key is
+refused) masks every trajectory with the message saying what to fix, and the job, whose
+groups are then given up one after another, stops with it. ``infra_failed`` and
 ``aborted`` trajectories are not scored at all, only passed on (the buffer counts them).
 
 Retries, and why the stream adds almost none. The client already retries every retryable
@@ -66,7 +70,9 @@ Deliver = Callable[[Sample], Awaitable[Any] | Any]
 #: Failures after which the call did not run and the client does not retry by itself.
 _OUTAGE = frozenset({ErrorCode.CIRCUIT_OPEN})
 #: Failures that the trajectory's output can cause (the function raised on it, or hung on it
-#: on every attempt): what ``RewardConfig.failure_score`` scores instead of masking.
+#: on every attempt): what ``RewardConfig.failure_score`` scores instead of masking. Never
+#: ``Misconfigured``: the function's setup fails every output alike, and a score for it would
+#: train the policy on a constant.
 _OUTPUT_FAULTS = frozenset({ErrorCode.USER_ERROR, ErrorCode.TIMEOUT})
 
 
