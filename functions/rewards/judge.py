@@ -43,6 +43,12 @@ raises ``Unavailable`` (retryable; the fabric may try the call again), and a rep
 be read as a score raises ``JudgeResponseError`` (final: the same reply would fail again), as
 does a reply cut short (``finish_reason`` ``length``: past ``max_tokens``, or
 ``content_filter``), whatever score-like text it holds: it stops before the verdict, or in it.
+A fault of the judge's own setup raises ``JudgeMisconfigured`` (``fabric.Misconfigured``: the
+call fails ``Misconfigured``, which a reward's ``failure_score`` never scores, as it would every
+trajectory alike): the endpoint refusing the key (401/403) or knowing neither the model nor the
+URL (404), a ``rubric`` argument without ``{response}``, no model configured when no setup hook
+read the config. Another 4xx (a 400 for a response past the model's context) stays
+``JudgeRejectedError``.
 """
 
 from __future__ import annotations
