@@ -36,7 +36,7 @@ _CLIENT_ERRORS: dict[str, ErrorCode] = {
     "SerializedRequestEntityTooLargeException": ErrorCode.PAYLOAD_TOO_LARGE,
     # the function's configuration (its package, runtime, KMS key, VPC, EFS, SnapStart): no
     # call runs until it is fixed. Final, and not the function's answer to the payload (a 4xx
-    # one was InvalidArguments, kept under the key and scored by a reward's failure_score)
+    # one was InvalidArguments, kept under the key as the function's final answer to the payload)
     **dict.fromkeys(
         (
             "InvalidZipFileException",
