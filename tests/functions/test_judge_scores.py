@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from judge_helpers import fake_openai, judge_maker, traj
 
+from fabric.errors import Misconfigured
 from fabric.protocol import Message, Trajectory
 from functions.fakes import FakeOpenAI, Scripted
 from functions.rewards import judge as judge_module
@@ -580,7 +581,7 @@ async def test_question_reference_and_rubric_come_from_the_trajectory(srv, make_
         assert re.fullmatch(
             r'Answer \{"score": N\} for: 6\*7\? / <(response-[0-9a-f]{16})>\n42\n</\1> \(0-10\)', prompts[1]
         ), prompts[1]
-        with pytest.raises(ValueError, match=r"must contain \{response\}"):
+        with pytest.raises(Misconfigured, match=r"must contain \{response\}"):
             await llm_judge("42", rubric="no placeholder", ctx=judge)
 
 

@@ -12,6 +12,7 @@ from collections import defaultdict
 import pytest
 from math_table import ROWS, judge
 
+import fabric
 from fabric.protocol import Message, RewardResult, Trajectory, encode_payload
 from fabric.runner import FunctionRunner
 from functions.rewards import math as math_reward
@@ -159,7 +160,8 @@ def test_wrong_answer_scores_zero_with_sympy_rule():
 def test_missing_sympy_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(math_sympy, "_sympy", None)
     monkeypatch.setitem(sys.modules, "sympy", None)
-    with pytest.raises(ImportError, match=r"rl-fabric\[rewards\]"):
+    # the worker's setup, not the answer: Misconfigured (never scored by a failure_score)
+    with pytest.raises(fabric.Misconfigured, match=r"rl-fabric\[rewards\]"):
         is_equivalent("2\\sqrt{2}", "\\sqrt{8}")
     assert is_equivalent("1/2", "0.5") == (True, "number")  # the fast path needs no sympy
 
