@@ -27,7 +27,9 @@ from envpool.errors import (
 )
 from envpool.protocol import HEADER, MAX_FRAME, SHOWN, FrameDecoder, FrameError, encode, reply_problem
 
-AsyncToolCaller = Callable[[str, dict[str, Any]], Awaitable[str]]
+#: A tool bridge: ``(name, arguments) -> text`` for the environment; one that also takes
+#: ``deadline_s=`` is given the seconds the call has (``EnvPool._call_tool``).
+AsyncToolCaller = Callable[..., Awaitable[str]]
 
 _USAGE = {
     "EnvOrderError": EnvOrderError,

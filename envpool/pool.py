@@ -41,6 +41,7 @@ from envpool.pool_config import (
     digest_of,
     inprocess_tools,
     parse_pool_config,
+    takes_deadline,
 )
 from envpool.pool_stop import ContainerStopper
 from envpool.runtimes.base import Container, Runtime, make_runtime
@@ -76,6 +77,8 @@ class EnvPool:
         self.images = images
         # without a bridge every tool call would be an error observation: wrong training data
         self.tool_caller: AsyncToolCaller = tool_caller if tool_caller is not None else inprocess_tools
+        self._tool_deadlines = takes_deadline(self.tool_caller)
+        """Whether the bridge takes ``deadline_s=`` (the time its call has: see ``_call_tool``)."""
         self._runtime: Runtime = make_runtime(self.config.runtime)
         self._idle: dict[str | None, deque[Container]] = defaultdict(deque)
         self._wanted: dict[str | None, int] = {}
@@ -207,6 +210,15 @@ class EnvPool:
             if len(errors) == need:
                 raise errors[0]
         self._keep_warm(image, max(self._wanted.get(image, 0), n))
+
+    async def _call_tool(self, name: str, arguments: dict[str, Any], by: float | None) -> str:
+        """A session's tool call through the bridge, to be answered by ``by`` (monotonic: the
+        time its request has left, less a reserve). A bridge that takes ``deadline_s=`` gets
+        it, so that a slow tool ends inside the step rather than with it; one that does not
+        (a caller's own, written before) is called as it was."""
+        if by is None or not self._tool_deadlines:
+            return await self.tool_caller(name, arguments)
+        return await self.tool_caller(name, arguments, deadline_s=max(0.0, by - time.monotonic()))
 
     def stats(self) -> dict[str, Any]:
         claims = sorted(self.claim_ms)

@@ -5,6 +5,7 @@ and a tool bridge (``inprocess_tools`` by default)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -152,23 +153,60 @@ TOOL_ERRORS = frozenset(
 )
 
 
-def fabric_tools(client: Any) -> Callable[[str, dict[str, Any]], Awaitable[str]]:
-    """The tool bridge of a job: each tool call goes to the fabric through ``client`` (a
-    ``fabric.Client``, which retries what is retryable). Only ``@fabric.tool`` functions are
-    run; the tool's own failure is the ``error: ...`` text the policy sees, and a failure of
-    the fabric raises ``ToolUnavailable`` (the step fails as an infrastructure failure)."""
+#: What the fabric's ``DeadlineExceeded`` messages say of a call that never ran: the deadline
+#: passed while it waited for a concurrency slot (``max_concurrency``), a worker, a pool's
+#: room or a connection, or before it was sent or started.
+_NOT_RUN = (
+    "concurrency slot",
+    "before the call",
+    "while queued",
+    "did not run",
+    "not sent",
+    "nothing was sent",
+)
 
-    async def call_tool(name: str, arguments: dict[str, Any]) -> str:
+
+def ran_too_long(kind: str, message: str) -> bool:
+    """Whether a failed fabric call says the tool ran into its deadline: the tool's own
+    time on these arguments, which the policy can learn to avoid. A deadline that passed
+    before the call ran (``_NOT_RUN``) is the machinery's. One the client gave up waiting
+    on ("before the backend answered") counts as run: the client's wait ends as the local
+    backends cut the call, and a remote function was most likely running."""
+    return kind == "DeadlineExceeded" and not any(s in message for s in _NOT_RUN)
+
+
+def takes_deadline(bridge: Callable[..., Any]) -> bool:
+    """Whether a tool bridge takes ``deadline_s=`` (``fabric_tools``' and
+    ``inprocess_tools`` do; a caller's own bridge may not)."""
+    try:
+        params = inspect.signature(bridge).parameters.values()
+    except (TypeError, ValueError):  # (a builtin or C callable without one)
+        return False
+    return any(p.name == "deadline_s" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def fabric_tools(client: Any) -> Callable[..., Awaitable[str]]:
+    """The tool bridge of a job: each tool call goes to the fabric through ``client`` (a
+    ``fabric.Client``, which retries what is retryable), within ``deadline_s`` (the time the
+    step has left). Only ``@fabric.tool`` functions are run; the tool's own failure, and a
+    tool that ran past the deadline, are the ``error: ...`` text the policy sees; any other
+    failure of the fabric (a call that could not run in time included) raises
+    ``ToolUnavailable`` (the step fails as an infrastructure failure)."""
+
+    async def call_tool(name: str, arguments: dict[str, Any], *, deadline_s: float | None = None) -> str:
         reg = client.registry
         refused = not_a_tool(name, reg.find(name), [s.name for s in reg.specs() if s.kind == "tool"])
         if refused is not None:
             return refused
-        r = await client.call(name, arguments)
+        r = await client.call(name, arguments, deadline_s=deadline_s)
         if r.ok:
             return r.value if isinstance(r.value, str) else str(r.value)
         kind, message = (r.error.type, r.error.message) if r.error else ("", "the tool failed")
         if kind in TOOL_ERRORS:
             return f"error: {message}"
+        if ran_too_long(kind, message):
+            limit = f"the {deadline_s:.3g} s the step had left for it" if deadline_s is not None else None
+            return f"error: tool {name!r} ran past {limit or 'its deadline'} and was stopped"
         raise ToolUnavailable(f"tool {name!r} failed ({kind or 'no error given'}): {message}")
 
     return call_tool

@@ -40,6 +40,16 @@ if TYPE_CHECKING:
 
 _ToolLog = dict[int, tuple[str, dict[str, Any], str]]
 """A request's tool calls by their order in it: name, arguments, what it answered."""
+
+
+def _tool_deadline(timeout_s: float) -> float:
+    """When a tool call made from now on, in a request of ``timeout_s``, must end: a fifth
+    of the request's time (at most 1 s) is kept for the environment to read the answer and
+    reply, so that a tool that ends at its deadline ends inside the step, as a tool error,
+    and not with it, as a ``StepTimeout`` (the container killed, the step retried)."""
+    return time.monotonic() + timeout_s - min(1.0, timeout_s / 5)
+
+
 _SEEN = ("obs", "reward", "terminated", "truncated")
 
 
@@ -136,6 +146,9 @@ class EnvSession:
         """The tool calls of the request under way (its earlier attempts' and, in a replay,
         the original's): a call made again is answered from here, not run again."""
         self._tool_n = 0
+        self._tool_by: float | None = None
+        """When (monotonic) a tool call of the request under way must be answered by: its
+        deadline less a reserve for the environment to take the answer and reply (``_tool_deadline``)."""
         self._trace: list[str] = []
         """What each request of ``_log`` gave: its digest, or the error type it raised."""
         self._done = True
@@ -280,6 +293,7 @@ class EnvSession:
         c.last_active = time.monotonic()
         c.in_flight += 1
         self._tools_now, self._tool_n = tools, 0  # (after the attach: a constructor's calls are not op's)
+        self._tool_by = _tool_deadline(timeout_s)
         try:
             reply = await self.conn.exchange({"op": op, "token": self.token, "args": args}, timeout_s)
             if reply["ok"]:
@@ -322,12 +336,12 @@ class EnvSession:
         replay differ from the episode the policy saw, which lost the session."""
         tools, n = self._tools_now, self._tool_n
         if tools is None:  # (a constructor's call, made at every attach: no request's)
-            return await self.pool.tool_caller(name, arguments)
+            return await self.pool._call_tool(name, arguments, self._tool_by)
         self._tool_n += 1
         done = tools.get(n)
         if done is not None and done[0] == name and done[1] == arguments:
             return done[2]
-        result = await self.pool.tool_caller(name, arguments)
+        result = await self.pool._call_tool(name, arguments, self._tool_by)
         tools[n] = (name, arguments, result)
         return result
 
@@ -376,6 +390,7 @@ class EnvSession:
             self.conn = conn
             hello = {"op": "open", "id": 0, "token": self.token, "env_id": self.env_id, "kwargs": self.kwargs}
             c.in_flight += 1  # a slow constructor is no leak either
+            self._tool_by = _tool_deadline(self._cfg.reset_timeout_s)  # (a constructor's tool calls)
             try:
                 reply = await conn.exchange(hello, self._cfg.reset_timeout_s)
             finally:
