@@ -46,6 +46,7 @@ from envpool.pool_config import (
 from envpool.pool_stop import ContainerStopper
 from envpool.runtimes.base import Container, Runtime, make_runtime
 from envpool.session import EnvSession
+from envpool.tool_threads import InprocessTools
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,15 @@ class EnvPool:
         self.config = parse_pool_config(config)
         self.registry = registry if registry is not None else default_registry
         self.images = images
-        # without a bridge every tool call would be an error observation: wrong training data
-        self.tool_caller: AsyncToolCaller = tool_caller if tool_caller is not None else inprocess_tools
+        self.metrics: Counter[str] = Counter()
+        self._tools: InprocessTools | None = None
+        if tool_caller is None or tool_caller is inprocess_tools:
+            # without a bridge every tool call would be an error observation: wrong training
+            # data. The default runs on threads of the pool's own, not the loop's default
+            # executor, which a hung tool would starve for the image cache and the runtime
+            self._tools = InprocessTools(self.config.tool_threads, self.metrics)
+            tool_caller = self._tools
+        self.tool_caller: AsyncToolCaller = tool_caller
         self._tool_deadlines = takes_deadline(self.tool_caller)
         """Whether the bridge takes ``deadline_s=`` (the time its call has: see ``_call_tool``)."""
         self._runtime: Runtime = make_runtime(self.config.runtime)
@@ -103,7 +111,6 @@ class EnvPool:
         self._idle_probe: asyncio.Task[None] | None = None
         self._idle_probed = 0.0  # when the last probe of the idle containers began
         self._bg: set[asyncio.Task[Any]] = set()
-        self.metrics: Counter[str] = Counter()
         self._stopper = ContainerStopper(
             self._runtime,
             self.config,
@@ -163,6 +170,8 @@ class EnvPool:
                 await self.runtime.aclose()
             finally:
                 self._stopper.unpin_stopped()
+                if self._tools is not None:
+                    self._tools.close()
             finished = True
         finally:
             done.set_result(finished)  # (a cancelled close too: those waiting on it go on)

@@ -75,6 +75,11 @@ class PoolConfig(BaseModel):
     """A leaked container (its stop gave up, above) is tried again this often while the
     pool runs, not only at its close: on a shared engine or cluster it may hold a CPU, a
     GPU or a node for the rest of a long run (``leaked_stopped`` counts the ones that went)."""
+    tool_threads: int = Field(32, ge=1)
+    """Threads of the default tool bridge (``inprocess_tools``), the pool's own: at most this
+    many tool calls run at once, and a tool that hangs holds one until it returns (a thread
+    cannot be killed; ``tool_threads_stuck`` counts them). A call that finds none free in
+    its time fails the step as an infrastructure failure (``ToolUnavailable``)."""
     stop_timeout_s: float = Field(120.0, gt=0)
     """A stop that has not returned after this long (an engine or API that hangs rather
     than fails) counts as a failed attempt of ``stop_retry``, so a hung stop cannot hold a
@@ -134,7 +139,10 @@ class PinningImageResolver(Protocol):
 
 async def inprocess_tools(name: str, arguments: dict[str, Any]) -> str:
     """The default tool bridge: the fabric tool runs in this process, as ``envpool.make``
-    runs it (in a thread: a tool may block). A job passes its fabric client's instead."""
+    runs it (in a thread: a tool may block). A job passes its fabric client's instead.
+    A pool given this one (or none) runs it on threads of its own, each call bounded in
+    time (``envpool.tool_threads.InprocessTools``); called directly, it runs on the loop's
+    default executor, without a bound."""
     return await asyncio.to_thread(inprocess_tool_caller, name, arguments)
 
 

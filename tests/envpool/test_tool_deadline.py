@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from echo_bundle import IMAGE
@@ -97,3 +98,76 @@ def test_a_deadline_is_the_tools_only_if_the_tool_ran(message, ran):
 
     assert ran_too_long("DeadlineExceeded", message) is ran
     assert not ran_too_long("FunctionTimeout", message)
+
+
+# -- the default bridge: the pool's own threads, each call bounded
+
+THREADS = fabric.Registry()
+RELEASE = threading.Event()
+RAN_ON: list[str] = []
+
+
+@THREADS.tool(name="calculator", timeout_s=60)
+def blocking_calculator(expression: str) -> str:
+    RAN_ON.append(threading.current_thread().name)
+    if expression == "quick":
+        return "42"
+    RELEASE.wait(30)  # (released by the test: no thread is left behind)
+    return "late"
+
+
+@THREADS.tool(name="short", timeout_s=0.5)
+def short(expression: str) -> str:
+    RELEASE.wait(30)
+    return "late"
+
+
+@pytest.fixture
+def blocking_tools(monkeypatch):
+    monkeypatch.setattr(fabric, "default_registry", THREADS)
+    RELEASE.clear()
+    RAN_ON.clear()
+    yield
+    RELEASE.set()
+
+
+async def test_a_hung_inprocess_tool_is_a_tool_error_on_the_pools_own_threads(images, blocking_tools):
+    async with EnvPool(POOL, images=images) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            r = await s.step("tool 6*7")
+            assert r.obs.text.startswith("error: tool 'calculator' ran past")
+            assert s.status == "ok" and s.failures == []
+            assert (await s.step("tool quick")).obs.text == "42"  # a thread of its own
+        # not the loop's default executor, which the image cache and docker runtime share
+        assert RAN_ON and all(n.startswith("envpool-tool") for n in RAN_ON)
+        stats = p.stats()
+        # the hung thread cannot be killed: it is counted until it ends
+        assert stats["tool_timeouts"] == 1 and stats["tool_threads_stuck"] == 1
+        assert stats.get("discarded", 0) == 0
+        RELEASE.set()
+        for _ in range(500):
+            if p.stats()["tool_threads_stuck"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert p.stats()["tool_threads_stuck"] == 0
+
+
+async def test_an_inprocess_tool_gets_its_timeout_s_if_that_is_less(blocking_tools):
+    from envpool.tool_threads import InprocessTools
+
+    async with InprocessTools(threads=2) as tools:
+        out = await asyncio.wait_for(tools("short", {"expression": "1"}, deadline_s=20), 10)
+        assert out.startswith("error: tool 'short' ran past its 0.5 s limit")
+        RELEASE.set()
+
+
+async def test_a_tool_call_that_finds_no_free_thread_in_time_is_the_infrastructures(images, blocking_tools):
+    async with EnvPool({**POOL, "tool_threads": 1}, images=images) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            assert (await s.step("tool 6*7")).obs.text.startswith("error: tool 'calculator' ran past")
+            # its thread still hangs: the next call cannot start (not the policy's doing)
+            with pytest.raises(SessionLost, match="no free tool thread"):
+                await s.step("tool quick")
+        assert p.stats()["tool_calls_unstarted"] == 1
