@@ -14,6 +14,7 @@ are truncated at ``max_episode_steps``.
 from __future__ import annotations
 
 import importlib
+import json
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -200,6 +201,18 @@ def not_a_tool(name: str, spec: Any, tools: list[str]) -> str | None:
     return f"error: unknown tool {name!r}{what}; tools: {', '.join(tools) or '(none)'}"
 
 
+def tool_text(value: Any) -> str:
+    """A tool's result as the environment shows it: a string as it is, anything else that is
+    JSON-safe as compact JSON (``{"a":1}``, not Python's ``{'a': 1}``, which a policy trained
+    on JSON tool results misreads), and the rest as ``str`` does."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError):  # not JSON: a set, an object, a NaN
+        return str(value)
+
+
 def inprocess_tool_caller(name: str, arguments: dict[str, Any]) -> str:
     """Run a registered fabric tool right here (built-ins are discovered on first use)."""
     import fabric
@@ -218,7 +231,7 @@ def inprocess_tool_caller(name: str, arguments: dict[str, Any]) -> str:
         raise ToolUnavailable(f"tool {name!r} failed (Unavailable): {e}") from e
     except Exception as e:  # a tool error is text for the policy, not a crash of the env
         return f"error: {type(e).__name__}: {e}"
-    return value if isinstance(value, str) else str(value)
+    return tool_text(value)
 
 
 class GuardedEnv:

@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from envpool.api import inprocess_tool_caller, not_a_tool
+from envpool.api import inprocess_tool_caller, not_a_tool, tool_text
 from envpool.errors import PoolConfigError, ToolUnavailable
 from envpool.runtimes.base import ProcessRuntimeConfig, RuntimeConfig
 
@@ -208,7 +208,7 @@ def fabric_tools(client: Any) -> Callable[..., Awaitable[str]]:
             return refused
         r = await client.call(name, arguments, deadline_s=deadline_s)
         if r.ok:
-            return r.value if isinstance(r.value, str) else str(r.value)
+            return tool_text(r.value)
         kind, message = (r.error.type, r.error.message) if r.error else ("", "the tool failed")
         if kind in TOOL_ERRORS:
             return f"error: {message}"

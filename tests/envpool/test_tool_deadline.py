@@ -171,3 +171,39 @@ async def test_a_tool_call_that_finds_no_free_thread_in_time_is_the_infrastructu
             with pytest.raises(SessionLost, match="no free tool thread"):
                 await s.step("tool quick")
         assert p.stats()["tool_calls_unstarted"] == 1
+
+
+# -- a non-string result is shown as JSON
+
+SHOWN = fabric.Registry()
+
+
+@SHOWN.tool
+def lookup(what: str) -> object:
+    return {"dict": {"a": 1, "café": [1.5, None, True]}, "text": "plain 'text'", "odd": {1, 2}}[what]
+
+
+@pytest.mark.parametrize(
+    ("what", "shown"),
+    [
+        ("dict", '{"a":1,"café":[1.5,null,true]}'),  # not {'a': 1, ...}, Python's repr
+        ("text", "plain 'text'"),  # a string as it is
+    ],
+)
+async def test_a_tools_result_is_shown_as_json_by_both_bridges(monkeypatch, what, shown):
+    from envpool.pool_config import inprocess_tools
+    from envpool.tool_threads import InprocessTools
+
+    monkeypatch.setattr(fabric, "default_registry", SHOWN)
+    assert await inprocess_tools("lookup", {"what": what}) == shown
+    async with InprocessTools(threads=1) as tools:
+        assert await tools("lookup", {"what": what}) == shown
+    async with fabric.Client(backend="inproc", registry=SHOWN) as client:
+        assert await fabric_tools(client)("lookup", {"what": what}) == shown
+
+
+def test_a_result_that_is_no_json_is_shown_as_text(monkeypatch):
+    from envpool.api import inprocess_tool_caller
+
+    monkeypatch.setattr(fabric, "default_registry", SHOWN)
+    assert inprocess_tool_caller("lookup", {"what": "odd"}) == "{1, 2}"
