@@ -206,6 +206,11 @@ def fabric_tools(client: Any) -> Callable[..., Awaitable[str]]:
         refused = not_a_tool(name, reg.find(name), [s.name for s in reg.specs() if s.kind == "tool"])
         if refused is not None:
             return refused
+        # the step's time, or the client's own default deadline if that is sooner (a
+        # deadline given replaces the default: the step's would have widened it)
+        default = getattr(getattr(client, "config", None), "default_deadline_s", None)
+        if default is not None:
+            deadline_s = default if deadline_s is None else min(deadline_s, default)
         r = await client.call(name, arguments, deadline_s=deadline_s)
         if r.ok:
             return tool_text(r.value)
@@ -213,8 +218,8 @@ def fabric_tools(client: Any) -> Callable[..., Awaitable[str]]:
         if kind in TOOL_ERRORS:
             return f"error: {message}"
         if ran_too_long(kind, message):
-            limit = f"the {deadline_s:.3g} s the step had left for it" if deadline_s is not None else None
-            return f"error: tool {name!r} ran past {limit or 'its deadline'} and was stopped"
+            limit = "" if deadline_s is None else f" {deadline_s:.3g} s"
+            return f"error: tool {name!r} ran past its{limit} time limit and was stopped"
         raise ToolUnavailable(f"tool {name!r} failed ({kind or 'no error given'}): {message}")
 
     return call_tool

@@ -44,10 +44,10 @@ class InprocessTools:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def __call__(self, name: str, arguments: dict[str, Any], *, deadline_s: float | None = None) -> str:
-        limit, whose = deadline_s, "the {:.3g} s the step had left for it"
+        limit = deadline_s
         timeout_s = _timeout_s(name)
-        if timeout_s is not None and (limit is None or timeout_s <= limit):
-            limit, whose = timeout_s, "its {:.3g} s limit (timeout_s)"
+        if timeout_s is not None and (limit is None or timeout_s < limit):
+            limit = timeout_s
         cf = self._executor.submit(inprocess_tool_caller, name, arguments)
         fut = asyncio.wrap_future(cf)
         try:
@@ -73,7 +73,7 @@ class InprocessTools:
         cf.add_done_callback(lambda _: _call_soon(loop, self._unstuck))
         fut.add_done_callback(_consume)
         return (
-            f"error: tool {name!r} ran past {whose.format(limit)} and was given up "
+            f"error: tool {name!r} ran past its {limit:.3g} s time limit and was given up "
             "(its result will be discarded)"
         )
 

@@ -78,7 +78,16 @@ async def test_the_fabric_bridge_passes_its_deadline_on():
     async with fabric.Client(backend="inproc", registry=REG) as client:
         call = fabric_tools(client)
         out = await asyncio.wait_for(call("calculator", {"expression": "1"}, deadline_s=0.2), 10)
-        assert out.startswith("error: tool 'calculator' ran past the 0.2 s")
+        assert out.startswith("error: tool 'calculator' ran past its 0.2 s time limit")
+
+
+async def test_the_fabric_bridge_keeps_a_clients_sooner_default_deadline():
+    # the step's time replaces the client's default deadline in client.call: not widened
+    async with fabric.Client(backend="inproc", registry=REG, config={"default_deadline_s": 0.2}) as client:
+        out = await asyncio.wait_for(
+            fabric_tools(client)("calculator", {"expression": "1"}, deadline_s=20), 10
+        )
+        assert out.startswith("error: tool 'calculator' ran past its 0.2 s time limit")
 
 
 @pytest.mark.parametrize(
@@ -158,7 +167,7 @@ async def test_an_inprocess_tool_gets_its_timeout_s_if_that_is_less(blocking_too
 
     async with InprocessTools(threads=2) as tools:
         out = await asyncio.wait_for(tools("short", {"expression": "1"}, deadline_s=20), 10)
-        assert out.startswith("error: tool 'short' ran past its 0.5 s limit")
+        assert out.startswith("error: tool 'short' ran past its 0.5 s time limit")
         RELEASE.set()
 
 
