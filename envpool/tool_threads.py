@@ -54,8 +54,11 @@ class InprocessTools:
             # not wait_for: a cancelled wait must not cancel a call that is running
             await asyncio.wait((fut,), timeout=limit)
         except asyncio.CancelledError:
-            cf.cancel()  # (one not started yet never runs)
+            cf.cancel()  # (one not started yet never runs; one running runs on, unread)
+            fut.add_done_callback(_consume)
             raise
+        if fut.done():
+            return fut.result()  # (a ToolUnavailable of the tool's raised here)
         if not cf.done() and cf.cancel():  # still waiting for a thread: it never ran
             self.metrics["tool_calls_unstarted"] += 1
             assert limit is not None
@@ -64,14 +67,14 @@ class InprocessTools:
                 f"tool {name!r} could not start in {limit:.3g} s: no free tool thread of {self.threads} "
                 f"({busy} held by tools that ran past their time)"
             )
-        if cf.done():  # (done as the wait ended)
+        fut.add_done_callback(_consume)
+        if cf.done():  # (done as the wait ended, its answer not yet passed to the loop)
             return cf.result()
         assert limit is not None
         self.metrics["tool_timeouts"] += 1
         self.metrics["tool_threads_stuck"] += 1
         loop = asyncio.get_running_loop()
         cf.add_done_callback(lambda _: _call_soon(loop, self._unstuck))
-        fut.add_done_callback(_consume)
         return (
             f"error: tool {name!r} ran past its {limit:.3g} s time limit and was given up "
             "(its result will be discarded)"

@@ -19,6 +19,7 @@ import pytest
 from echo_bundle import IMAGE
 
 import fabric
+from envpool.errors import InfraError
 from envpool.pool import EnvPool, SessionLost
 from envpool.pool_config import fabric_tools
 
@@ -131,6 +132,11 @@ def short(expression: str) -> str:
     return "late"
 
 
+@THREADS.tool(name="down")
+def down(expression: str) -> str:
+    raise fabric.Unavailable("the tool's dependency is down")
+
+
 @pytest.fixture
 def blocking_tools(monkeypatch):
     monkeypatch.setattr(fabric, "default_registry", THREADS)
@@ -168,6 +174,9 @@ async def test_an_inprocess_tool_gets_its_timeout_s_if_that_is_less(blocking_too
     async with InprocessTools(threads=2) as tools:
         out = await asyncio.wait_for(tools("short", {"expression": "1"}, deadline_s=20), 10)
         assert out.startswith("error: tool 'short' ran past its 0.5 s time limit")
+        # a tool that says its dependency failed is still the infrastructure's
+        with pytest.raises(InfraError, match="dependency is down"):
+            await tools("down", {"expression": "1"}, deadline_s=20)
         RELEASE.set()
 
 
