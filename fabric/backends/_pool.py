@@ -39,6 +39,9 @@ from fabric.protocol import Invocation, Result
 from fabric.registry import FunctionCode
 from fabric.spec import FunctionSpec
 
+STOP_GRACE_S = 1.0
+"""How long a closing pool waits for its workers to exit on its stop before it kills them."""
+
 
 class FunctionPool(PoolWorkers):
     def __init__(
@@ -181,7 +184,7 @@ class FunctionPool(PoolWorkers):
         workers = list(self._workers)
         for w in workers:
             w.send(("stop",))
-        deadline = time.monotonic() + 1.0
+        deadline = time.monotonic() + STOP_GRACE_S
         for w in workers:
             proc = w.proc
             if proc is not None:
