@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import pytest
 from judge_helpers import ENTRY, fake_openai, judge_maker, traj
@@ -71,15 +72,22 @@ def _run(payload: dict) -> tuple[bool, object]:
     return asyncio.run(runner.run_async(encode_payload(payload), 30.0))
 
 
-def test_the_reward_reports_a_refused_key_as_misconfigured(monkeypatch):
-    with FakeOpenAI(api_key="sk-right") as s:
-        for k, v in {**s.env, "RL_FABRIC_JUDGE_API_KEY": "sk-wrong"}.items():
+def _judged(monkeypatch, env: dict[str, str], **fake: Any) -> tuple[str, str]:
+    """The failed run's error code and message, the judge's config from ``env`` beside the
+    fake endpoint's (its own shared client made afresh)."""
+    with FakeOpenAI(**fake) as s:
+        for k, v in {**s.env, **env}.items():
             monkeypatch.setenv(k, v)
         judge_mod._shared.clear()
         ok, out = _run({"traj": traj("Capital of France?", "Paris")})
     judge_mod._shared.clear()
     assert not ok
     code, message, _ = out  # type: ignore[misc]
+    return code, message
+
+
+def test_the_reward_reports_a_refused_key_as_misconfigured(monkeypatch):
+    code, message = _judged(monkeypatch, {"RL_FABRIC_JUDGE_API_KEY": "sk-wrong"}, api_key="sk-right")
     assert code == ErrorCode.MISCONFIGURED and "HTTP 401" in message and "check the API key" in message
 
 
@@ -96,14 +104,7 @@ def test_the_reward_without_a_model_configured_is_misconfigured(monkeypatch):
 
 
 def test_a_reply_with_no_score_is_still_the_responses_user_error(monkeypatch):
-    with FakeOpenAI(reply="I will not grade this.") as s:
-        for k, v in s.env.items():
-            monkeypatch.setenv(k, v)
-        judge_mod._shared.clear()
-        ok, out = _run({"traj": traj("Capital of France?", "Paris")})
-    judge_mod._shared.clear()
-    assert not ok
-    code, message, _ = out  # type: ignore[misc]
+    code, message = _judged(monkeypatch, {}, reply="I will not grade this.")
     assert code == ErrorCode.USER_ERROR and JudgeResponseError.__name__ in message
 
 
