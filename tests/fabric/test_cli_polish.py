@@ -209,7 +209,7 @@ def test_bench_takes_the_region_deploy_took(monkeypatch):
     seen: list[LambdaConfig] = []
 
     class Stop(Exception):
-        pass
+        """Ends the bench where it builds its client: the config is all this test reads."""
 
     def client(*, backend, **kw):
         seen.append(backend)

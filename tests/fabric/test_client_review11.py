@@ -154,7 +154,7 @@ async def test_map_and_stream_refuse_one_idempotency_key_for_many_payloads():
             await c.map("parts", [{"x": 1}, {"x": 2}], idempotency_key="batch")
         with pytest.raises(ConfigError, match="idempotency_key"):
             async for _ in c.stream("parts", [{"x": 1}, {"x": 2}], idempotency_key="batch"):
-                pass
+                pass  # refused before the first result
         assert fake.invocations == []
 
 
