@@ -229,6 +229,10 @@ def inprocess_tool_caller(name: str, arguments: dict[str, Any]) -> str:
         # the tool says its own dependency failed, not its input: as the job's bridge
         # (``fabric_tools``) takes it, an infrastructure failure, never text for the policy
         raise ToolUnavailable(f"tool {name!r} failed (Unavailable): {e}") from e
+    except fabric.Misconfigured as e:
+        # its own setup is wrong (a key not set, a binary not installed): not the policy's
+        # call either, and the fabric bridge fails the step on it too
+        raise ToolUnavailable(f"tool {name!r} failed (Misconfigured): {e}") from e
     except Exception as e:  # a tool error is text for the policy, not a crash of the env
         return f"error: {type(e).__name__}: {e}"
     return tool_text(value)

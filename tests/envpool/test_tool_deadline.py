@@ -225,3 +225,31 @@ def test_a_result_that_is_no_json_is_shown_as_text(monkeypatch):
 
     monkeypatch.setattr(fabric, "default_registry", SHOWN)
     assert inprocess_tool_caller("lookup", {"what": "odd"}) == "{1, 2}"
+
+
+# -- a tool whose own setup is wrong (``fabric.Misconfigured``) is not the policy's fault
+
+UNSET = fabric.Registry()
+
+
+@UNSET.tool
+def search(query: str) -> str:
+    raise fabric.Misconfigured("SEARCH_API_KEY is not set")
+
+
+async def test_a_misconfigured_tool_is_the_infrastructures_in_both_bridges(monkeypatch):
+    # the fabric bridge fails the step (MISCONFIGURED is no TOOL_ERRORS code); the default
+    # bridge showed the policy "error: Misconfigured: ...", an observation teaching it that
+    # its call was wrong, for a key no one set
+    from envpool.pool_config import inprocess_tools
+    from envpool.tool_threads import InprocessTools
+
+    monkeypatch.setattr(fabric, "default_registry", UNSET)
+    async with fabric.Client(backend="inproc", registry=UNSET) as client:
+        with pytest.raises(InfraError, match="SEARCH_API_KEY"):
+            await fabric_tools(client)("search", {"query": "x"})
+    with pytest.raises(InfraError, match="SEARCH_API_KEY"):
+        await inprocess_tools("search", {"query": "x"})
+    async with InprocessTools(threads=1) as tools:
+        with pytest.raises(InfraError, match="SEARCH_API_KEY"):
+            await tools("search", {"query": "x"})
