@@ -432,3 +432,27 @@ def test_a_modal_deploy_of_some_functions_is_refused_unless_meant(monkeypatch, t
     assert deployed[0] == ["add"] and len(deployed[1]) > 1
     r = CliRunner().invoke(app, ["deploy", "--direct", "--prune", "-m", "sample_fns"])
     assert r.exit_code == 2 and "--direct removes nothing" in " ".join(r.output.split()), r.output
+
+
+def test_the_deploy_guides_modal_commands_are_not_refused(tmp_path, monkeypatch):
+    """The guide's Modal command deployed ``-f exact_match -f math_answer``, which the CLI
+    refuses since a Modal deploy of some functions needs ``--prune`` (the app's others would
+    be removed): a reader copying it got the refusal."""
+    import shlex
+
+    import fabric.deploy.modal_ as modal_deploy
+    from fabric.cli import app
+
+    deployed: list[list[str]] = []
+    monkeypatch.setattr(
+        modal_deploy, "deploy_modal", lambda registry, plan, **kw: deployed.append([f.name for f in plan])
+    )
+    monkeypatch.chdir(tmp_path)
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    guide = ".venv/bin/fabric deploy --backend modal"
+    commands = [line for line in text.splitlines() if line.startswith(guide)]
+    assert commands
+    for line in commands:
+        r = CliRunner().invoke(app, shlex.split(line)[1:])
+        assert r.exit_code == 0, f"{line}: {r.output}"
+    assert len(deployed) == len(commands)
