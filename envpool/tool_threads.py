@@ -26,7 +26,7 @@ class InprocessTools:
     * ``tool_threads_stuck``: threads still running such a call. A thread cannot be
       killed: it runs on until its tool returns (its result discarded), and holds one of
       ``threads`` meanwhile, and the interpreter waits for it at exit;
-    * ``tool_calls_unstarted``: calls that found no free thread in their time."""
+    * ``tool_calls_unstarted``: calls that found no free thread in their time (or had none)."""
 
     def __init__(self, threads: int = 32, metrics: Counter[str] | None = None):
         self.threads = threads
@@ -48,6 +48,12 @@ class InprocessTools:
         timeout_s = _timeout_s(name)
         if timeout_s is not None and (limit is None or timeout_s < limit):
             limit = timeout_s
+        if limit is not None and limit <= 0:
+            # its step's time is spent (an earlier call used it): submitted, a free thread
+            # ran it at once and its answer was a "ran past 0 s" error for the policy; the
+            # fabric bridge sends such a call nowhere either
+            self.metrics["tool_calls_unstarted"] += 1
+            raise ToolUnavailable(f"tool {name!r} not run: no time left in its step")
         cf = self._executor.submit(inprocess_tool_caller, name, arguments)
         fut = asyncio.wrap_future(cf)
         try:

@@ -253,3 +253,18 @@ async def test_a_misconfigured_tool_is_the_infrastructures_in_both_bridges(monke
     async with InprocessTools(threads=1) as tools:
         with pytest.raises(InfraError, match="SEARCH_API_KEY"):
             await tools("search", {"query": "x"})
+
+
+async def test_an_inprocess_tool_call_with_no_time_left_is_not_run(blocking_tools):
+    # a step whose earlier tool call used up its time: the fabric bridge sends nothing
+    # (DeadlineExceeded "not sent": ToolUnavailable, the step retried, that earlier call
+    # answered from its record); the default bridge started the tool all the same and, the
+    # thread picking it up at once, answered the policy "ran past its 0 s time limit"
+    from envpool.errors import ToolUnavailable
+    from envpool.tool_threads import InprocessTools
+
+    async with InprocessTools(threads=1) as tools:
+        for _ in range(20):
+            with pytest.raises(ToolUnavailable, match="no time left"):
+                await tools("calculator", {"expression": "1"}, deadline_s=0)
+        assert RAN_ON == [] and tools.metrics["tool_threads_stuck"] == 0
