@@ -62,7 +62,7 @@ def deploy(
         ),
     ] = False,
     provisioned: Annotated[
-        bool, typer.Option("--provisioned", hidden=True, help="The name --keep-warm had (Lambda only).")
+        bool, typer.Option("--provisioned", hidden=True, help="--keep-warm's earlier name.")
     ] = False,
     reserved: Annotated[bool, typer.Option(help="Cap each function at its max_concurrency.")] = False,
     prune: Annotated[
