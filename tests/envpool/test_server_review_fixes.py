@@ -97,7 +97,7 @@ async def test_a_constructor_that_calls_sys_exit_fails_the_session_not_retried(e
     async with pool(exiting, min_warm=0) as p:
         with pytest.raises(EnvLogicError, match=r"raised SystemExit: 3"):
             async with p.session("exit-init-v0", image=IMAGE):
-                pass
+                pass  # never reached: the session's open raises
         stats = p.stats()
         assert _no_infra(stats) and stats.get("open_failed", 0) == 1, stats
         assert stats["runtime"]["started"] == 1 and stats.get("discarded", 0) == 1, stats  # replaced
