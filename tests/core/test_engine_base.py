@@ -175,3 +175,31 @@ async def test_two_swaps_of_one_engine_load_one_after_the_other():
     # an older version arriving late is skipped, not loaded over the newer one
     assert not await e.swap({"v": 2}, 2) and e.layers == [4] * 6
     await e.aclose()
+
+
+class SlowPause(SlowStart):
+    """A pause that waits for the step in flight (the torch engine's loop, vLLM's sleep)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate.set()
+        self.step_done = asyncio.Event()
+
+    async def _pause(self) -> None:
+        await self.step_done.wait()
+
+
+async def test_a_swap_cancelled_while_it_waits_for_the_pause_reopens_the_gate():
+    # the proxy gives a swap up at swap_timeout_s; cancelled inside suspend(), it closed the
+    # gate and never reopened it: every later turn of the replica waited for good
+    e = SlowPause()
+    swap = asyncio.create_task(e.swap({"v": 1}, 1))
+    await asyncio.sleep(0.01)
+    assert e.suspended
+    swap.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await swap
+    assert not e.suspended and e.version == 0
+    out = await asyncio.wait_for(e.generate(req()), 5)
+    assert out.finish_reason == "stop"
+    await e.aclose()

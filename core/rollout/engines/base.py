@@ -364,8 +364,10 @@ class Engine(ABC):
             # load. A caller driving the proxy by hand must keep to that (LLMProxy.update_weights)
             if version <= self._version and self._loaded_any:
                 return False
-            await self.suspend()
             try:
+                # the suspend inside: a swap cancelled while it waits for the step in flight
+                # (the proxy's swap_timeout_s) has closed the gate, and must reopen it
+                await self.suspend()
                 await self.load_weights(state, version)
             finally:
                 await self.resume()
