@@ -211,6 +211,7 @@ class Job(JobSetup):
                 submit=stream.submit,
                 on_finished=self.tally.finished,
                 on_given_up=self._given_up,
+                on_cancelled=self.tally.cancelled,
             )
             setup_s = time.perf_counter() - t_start
             todo = f"steps {self.step + 1}-{cfg.steps}" if resume else f"{cfg.steps} steps"

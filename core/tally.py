@@ -3,6 +3,7 @@
 
     tally = Tally()
     tally.finished(traj)                    # every trajectory the group runner finishes
+    tally.cancelled(traj_id)                # every run it cancelled before it ended
     tally.counts["stale_groups"] += 1       # what the job's other callbacks count
     row = tally.train_row(step, version, groups, metrics, wall, wait_s, train_s, publish_s, stream)
 
@@ -57,6 +58,13 @@ class Tally:
         if traj.status in ("ok", "truncated"):
             for k in ("gen_s", "env_s"):
                 self._times[k].append(float(traj.info.get(k, 0.0)))
+
+    def cancelled(self, traj_id: str) -> None:
+        """A run cancelled before it ended (aborted inside an environment step): counted
+        ``aborted``, as one the proxy stopped at its LLM turn. Only those were, so
+        ``finished.aborted`` and summary.json's ``trajectories.aborted`` missed most aborts of
+        an environment with slow steps, and disagreed with ``groups.aborted``."""
+        self.counts["aborted"] += 1
 
     def reward_failed(self, sample: Sample) -> None:
         """A sample whose reward failed for good (masked; the group re-runs that member)."""

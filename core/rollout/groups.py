@@ -74,6 +74,7 @@ class GroupRunner:
         submit: Callable[[Trajectory], object],
         on_finished: Callable[[Trajectory], None] | None = None,
         on_given_up: Callable[[GroupState], None] | None = None,
+        on_cancelled: Callable[[str], None] | None = None,
     ):
         self.cfg = cfg
         self.manager = manager
@@ -81,6 +82,10 @@ class GroupRunner:
         self.submit = submit
         self.on_finished = on_finished
         """Called with every trajectory that ends (any status): the job's accounting."""
+        self.on_cancelled = on_cancelled
+        """Called with the id of every run cancelled before it ended (a redundant member or a
+        stale group's, aborted inside an environment step): it ends with no trajectory, and
+        the job's accounting counts it aborted, as one stopped at its LLM turn."""
         self.on_given_up = on_given_up
         """Called when a group is given up (out of re-runs): the job starts another."""
         self.groups: dict[str, GroupState] = {}
@@ -134,6 +139,8 @@ class GroupRunner:
         g.aborting.discard(traj_id)
         if task.cancelled():
             self.metrics["aborted"] += 1
+            if self.on_cancelled is not None:
+                self.on_cancelled(traj_id)
             self._aborted(g, traj_id)
             # an open group that loses a member (cancelled from outside the runner) needs
             # another, or it waits forever for a trajectory nobody runs

@@ -104,6 +104,7 @@ class Harness:
         self.proxy = FakeProxy(abort_s)
         self.submitted: list[Trajectory] = []
         self.finished: list[Trajectory] = []
+        self.cancelled: list[str] = []
         self.given_up: list[GroupState] = []
         self.runner = GroupRunner(
             cfg,
@@ -112,6 +113,7 @@ class Harness:
             submit=self.submitted.append,
             on_finished=self.finished.append,
             on_given_up=self.given_up.append,
+            on_cancelled=self.cancelled.append,
         )
 
     def start(self, seed: int = 7, version: int = 2, **kw: Any) -> GroupState:
@@ -167,6 +169,7 @@ async def test_the_first_group_size_finishers_are_submitted_and_the_extras_abort
     assert h.runner.metrics["redundant_aborted"] == 2 and h.runner.metrics["aborted"] == 2
     assert h.runner.rolling_groups() == 0
     assert [t.id for t in h.finished] == winners  # cancelled runs end with no trajectory
+    assert set(h.cancelled) == extras  # but the job's accounting hears of them
 
 
 async def test_an_extra_that_finishes_in_the_race_is_dropped_not_submitted():

@@ -99,3 +99,12 @@ def test_infra_failed_trajectories_are_counted_by_their_error_type():
     tally.finished(Trajectory(id="old", status="infra_failed", info={"error": "x"}))  # no type recorded
     tally.finished(Trajectory(id="ok", status="ok"))
     assert tally.errors == {"EnvLogicError:KeyError": 2, "SessionLost": 1, "unknown": 1}
+
+
+def test_runs_cancelled_before_they_ended_are_counted_aborted():
+    # a redundant member stopped inside a slow environment step ends with no trajectory:
+    # finished.aborted counted only those the proxy stopped at their LLM turn
+    tally, stream = Tally(), FakeStream()
+    tally.finished(Trajectory(id="at-turn", status="aborted"))
+    tally.cancelled("in-step")
+    assert row(tally, stream, 1)["finished"]["aborted"] == 2
