@@ -113,6 +113,17 @@ class JobCheckpoints(JobState):
         self.checkpoints.commit(part, step, job_state)
         self._checkpoint_s.append(time.perf_counter() - t)
 
+    def _raise_failed_checkpoint(self) -> None:
+        """Raise the error of a checkpoint whose write failed already (a full disk, the
+        trainer's file refused): looked at every step, since otherwise it was found only by
+        the next checkpoint (``checkpoint.every`` steps on, all trained with no checkpoint
+        taken) or at the end of the run. The run stops as on any failure."""
+        task = self._checkpoint_task
+        if task is None or not task.done() or task.cancelled() or task.exception() is None:
+            return
+        self._checkpoint_task = None
+        task.result()
+
     async def _checkpoint_done(self, *, cancel: bool = False) -> None:
         """The checkpoint being written, committed (its error raised), or with ``cancel``
         dropped (Ctrl-C: the previous one stays the latest)."""

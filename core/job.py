@@ -299,6 +299,7 @@ class Job(JobSetup):
             tokens_last, t_last = self.tally.counts["tokens"], time.perf_counter()  # restored on resume
             for step in range(start + 1, cfg.steps + 1):
                 self.step = step
+                self._raise_failed_checkpoint()
                 tw = time.perf_counter()
                 if cfg.rollout.mode == "sync":
                     barrier = TurnBarrier()

@@ -4,6 +4,7 @@ every resume the job refuses before anything starts."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from pathlib import Path
@@ -546,3 +547,19 @@ async def test_a_checkpoint_the_trainer_cannot_read_is_refused_naming_the_file(t
     said = str(e.value)
     assert "step-000002/trainer.pt' (TrainerError: cannot read the checkpoint" in said
     assert "point checkpoints/latest at an older step-* directory" in said
+
+
+async def test_a_failed_checkpoint_write_stops_the_run_at_the_next_step_not_the_next_checkpoint():
+    # the write goes on beside training; its failure (a full disk) was found only by the next
+    # checkpoint, checkpoint.every steps later, or at the end of the run
+    async def write() -> None:
+        raise TrainerError("checkpoint write of step 2: [Errno 28] No space left on device")
+
+    job = Job.__new__(Job)
+    job._checkpoint_task = asyncio.create_task(write())
+    job._raise_failed_checkpoint()  # still being written: the step goes on
+    await asyncio.sleep(0)
+    with pytest.raises(TrainerError, match="No space left"):
+        job._raise_failed_checkpoint()
+    assert job._checkpoint_task is None  # raised once: the run's failure path finds nothing more
+    await job._checkpoint_done()
