@@ -249,6 +249,9 @@ class SampleBuffer:
             finally:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
+                    # it may have held up the waiters behind it, whose groups may be ready
+                    # already: served at the next put only, they could wait out their timeout
+                    self._wake()
         waited = time.monotonic() - t0
         self._wait_total += waited
         self._wait_last = waited

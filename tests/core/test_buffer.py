@@ -208,6 +208,28 @@ async def test_waiters_are_served_in_order():
     assert [g.id for g in await second] == ["c"]
 
 
+@pytest.mark.parametrize("leave", ["timeout", "cancel"])
+async def test_a_waiter_that_leaves_lets_the_next_one_take_the_ready_groups(leave):
+    """The first waiter is owed the first groups; once it leaves empty-handed, the one
+    behind it is served from what is ready, not only at the next put."""
+    buf = SampleBuffer(group_size=1, alpha=1)
+    first = asyncio.create_task(buf.get_batch(3, timeout=0.01 if leave == "timeout" else None))
+    await asyncio.sleep(0)
+    second = asyncio.create_task(buf.get_batch(1, timeout=5))
+    await asyncio.sleep(0)
+    buf.put(sample("a", "a"))
+    buf.put(sample("b", "b"))
+    if leave == "cancel":
+        first.cancel()
+    with pytest.raises((TimeoutError, asyncio.CancelledError)):
+        await first
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert second.done()  # it waited on for a put that may never come
+    assert [g.id for g in second.result()] == ["a"]
+    assert buf.ready_groups() == 1 and buf.metrics()["waiters"] == 0
+
+
 async def test_close_wakes_waiters_and_refuses_puts():
     async with SampleBuffer(group_size=1, alpha=1) as buf:
         task = asyncio.create_task(buf.get_batch(1))
