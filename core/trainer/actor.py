@@ -51,7 +51,10 @@ class TrainerActor:
         if self.cfg.lr_end is not None and hasattr(self.trainer, "set_lr"):
             frac = min(1.0, self.steps / max(self.total_steps - 1, 1))
             self.trainer.set_lr(self.cfg.lr + frac * (self.cfg.lr_end - self.cfg.lr))
-        n_traj = len({s.trajectory_id for s in batch})
+        # a sample without a trajectory id is its own trajectory (as batch_advantages counts
+        # it): a set of the ids made all of them one, and the whole batch a single update
+        ids = [s.trajectory_id for s in batch]
+        n_traj = len(set(ids) - {None}) + ids.count(None)
         if self.cfg.minibatch_size is not None and hasattr(self.trainer, "config"):
             # minibatch_size counts trajectories; the backend splits turns: same proportion
             per_update = math.ceil(len(batch) * min(1.0, self.cfg.minibatch_size / max(n_traj, 1)))

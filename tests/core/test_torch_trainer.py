@@ -252,6 +252,27 @@ def test_mini_batches_epochs_and_kl():
     assert t.reference is not None and not any(p.requires_grad for p in t.reference.parameters())
 
 
+@pytest.mark.parametrize(("ids", "updates"), [([None] * 4, 4), (["a", "a", "b", "b"], 2)])
+def test_the_actors_minibatch_size_counts_a_sample_without_trajectory_id_as_its_own(ids, updates):
+    # trainer.minibatch_size counts trajectories; a sample with no trajectory_id is its own
+    # (TrainSample, batch_advantages), but all of them once counted as one trajectory, so
+    # the whole batch went in a single update whatever minibatch_size said
+    from core.config import TrainerConfig
+    from core.policy.build import PolicyBundle
+    from core.trainer.actor import TrainerActor
+
+    m = model()
+    bundle = PolicyBundle(tokenizer=TOK.to_dict(), model_config=m.config.model_dump(), state=m.state_dict())
+    actor = TrainerActor(TrainerConfig(minibatch_size=1), bundle, total_steps=1, temperature=1.0, seed=0)
+    right = TOK.token_to_id("right")
+    batch = [
+        sample(m, [2, 5 + i], [right], float(i % 2) - 0.5).model_copy(update={"trajectory_id": t})
+        for i, t in enumerate(ids)
+    ]
+    metrics, _ = actor.step(batch)
+    assert metrics["updates"] == updates
+
+
 def test_clipping_caps_off_policy_updates():
     m = model()
     right = TOK.token_to_id("right")
