@@ -5,7 +5,7 @@ Shapes: ``[batch, tokens]`` for per-token quantities (completion tokens, padded,
 batching, so each piece is checked against hand-computed numbers in the tests.
 
     A_i   = (r_i - mean(r_group)) / (std(r_group) + eps)               group_advantages
-    ratio = exp(logp - logp_old)
+    ratio = exp(clamp(logp - logp_old, -20, 20))
     loss  = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)  policy_loss
     kl    = exp(ref - logp) - (ref - logp) - 1                          kl_k3 (Schulman's k3)
 
@@ -21,6 +21,10 @@ import torch
 from torch import Tensor
 
 from core.config_backends import LossAgg as LossAgg  # with the torch trainer's config
+
+#: How far (in nats) a token's log-ratio to the policy that sampled it is taken: ``exp`` of
+#: more overflows float32 on its way to a NaN gradient (``policy_loss``).
+LOG_RATIO_BOUND = 20.0
 
 
 def group_advantages(
@@ -147,6 +151,12 @@ def policy_loss(
     # zero outside the mask before exp: a padded or prompt position can hold -1e9 (a restricted
     # vocabulary) against an old logprob of 0, and exp(1e9) * 0 would be NaN in the stats
     log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, torch.zeros_like(logprobs))
+    # and bounded (as verl does): a token ~89 nats above its old logprob (a server's -100
+    # placeholder, a badly stale sample) overflows exp to inf, and inf * 0 made the gradient
+    # NaN even where the clipped branch is taken; the job then stopped on a non-finite
+    # gradient norm. Past +-20 a token is clipped (gradient 0) or its ratio (4.9e8) is noise
+    # either way, and the clamp gives it no gradient
+    log_ratio = torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     ratio = torch.exp(log_ratio)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv

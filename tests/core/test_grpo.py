@@ -127,6 +127,23 @@ def test_masked_positions_with_a_restricted_vocabulary_leave_the_stats_and_gradi
     assert new.grad is not None and new.grad[0].tolist() == pytest.approx([-r, 0.0, 0.0])
 
 
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+def test_a_log_ratio_past_what_exp_can_hold_leaves_the_gradients_finite(adv):
+    # an old logprob 99.9 below the current one (a server's -100 placeholder): exp overflowed
+    # float32 to inf and inf * 0 made the gradient NaN, even where the clipped branch is taken
+    # (gradient zero), and the job stopped on a non-finite gradient norm
+    old = torch.tensor([[-100.0, -0.5]])
+    new = torch.tensor([[-0.1, -0.4]]).requires_grad_(True)
+    loss, stats = policy_loss(new, old, torch.tensor([adv]), torch.ones(1, 2), clip_low=0.2)
+    loss.backward()
+    assert new.grad is not None and torch.isfinite(new.grad).all(), new.grad
+    assert math.isfinite(loss.item()) and all(math.isfinite(float(v)) for v in stats.values())
+    r = math.exp(0.1)  # the ordinary token is untouched
+    want = -r / 2 if adv > 0 else r / 2
+    assert new.grad[0, 1].item() == pytest.approx(want, rel=1e-5)
+    assert new.grad[0, 0].item() == 0.0  # the far token: clipped (adv > 0) or past the clamp
+
+
 def test_clip_high_widens_the_upper_bound_only():
     old, new, mask = ratios_case()
     loss, stats = policy_loss(new, old, torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.6)
