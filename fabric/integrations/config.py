@@ -23,6 +23,7 @@ from fabric.backends.base import (
     ModalConfig,
     parse_backend_config,
 )
+from fabric.config_messages import one_line
 from fabric.errors import ConfigError
 
 #: ``IntegrationConfig`` field -> environment variable (``FABRIC_MODULES`` is the CLI's too)
@@ -111,10 +112,8 @@ class IntegrationConfig(BaseModel):
         try:
             return cls.model_validate(values)
         except ValidationError as e:
-            problems = "; ".join(
-                f"{'.'.join(map(str, x['loc'])) or 'config'}: {x['msg']}" for x in e.errors()
-            )
-            raise ConfigError(f"bad fabric integration config: {problems}") from None
+            # worded as the other configs are: an unknown key names the closest setting
+            raise ConfigError(f"bad fabric integration config: {one_line(e, cls)}") from None
 
     def backend_config(self) -> InprocConfig | LocalConfig | LambdaConfig | ModalConfig:
         backend = self.backend

@@ -221,3 +221,19 @@ def test_a_misspelt_environment_variable_is_refused_not_ignored():
     assert IntegrationConfig.parse(env={**base, "FABRIC_BUILTINS": "false"}).builtins is False
     with pytest.raises(ConfigError, match=r"\$FABRIC_BUILTIN is not .* did you mean \$FABRIC_BUILTINS\?"):
         IntegrationConfig.parse(env={**base, "FABRIC_BUILTIN": "0"})
+
+
+def test_a_misspelt_reward_kwargs_key_names_the_setting_it_meant():
+    # it said pydantic's "failure_scroe: Extra inputs are not permitted", unlike a misspelt
+    # FABRIC_* variable (above) or a client config key, which name the setting meant
+    with pytest.raises(ConfigError) as e:
+        IntegrationConfig.parse({"function": "exact_match", "failure_scroe": 0.0}, env={})
+    said = str(e.value)
+    assert "failure_scroe: unknown key (did you mean 'failure_score'?)" in said
+    assert "deadline_s" in said and "Extra inputs" not in said
+    with pytest.raises(ConfigError, match=r"deadline_s: must be > 0.0 \(got 0\)"):
+        IntegrationConfig.parse({"function": "exact_match", "deadline_s": 0}, env={})
+    # a token typed wrong is not shown back
+    with pytest.raises(ConfigError) as e:
+        IntegrationConfig.parse({"function": "exact_match", "token": 12345}, env={})
+    assert "12345" not in str(e.value)
