@@ -102,6 +102,15 @@ class _Replies(_Requests):
         from aws_lambda_powertools.metrics import MetricUnit
         from aws_lambda_powertools.utilities.batch import process_partial_response
 
+        if not (isinstance(event, dict) and isinstance(event.get("Records"), list)):
+            # powertools' own error lists every batch type it knows and names neither entry
+            # point; only the keys are shown (a payload is never logged)
+            shown = f"keys {sorted(map(str, event))}" if isinstance(event, dict) else type(event).__name__
+            raise ValueError(
+                f"sqs_handler got an event that is not an SQS batch ({shown}; one has a 'Records' "
+                "list): point the SQS event source mapping here, and a direct invoke (an "
+                "Invocation) at functions.handler.handler"
+            )
         cold = [self.take_cold()]  # the first record of the batch paid for it
 
         def record_handler(record: SQSRecord) -> None:

@@ -183,3 +183,19 @@ def test_failed_reply_send_retries_the_record(sqs: Any) -> None:
     gone = "https://sqs.us-east-1.amazonaws.com/123456789012/no-such-queue"
     msg = send(sqs, inbox, {"function": "calculator", "payload": {"expression": "1"}}, gone)
     assert deliver(sqs, inbox)[0] == {"batchItemFailures": [{"itemIdentifier": msg}]}
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"function": "calculator", "payload": {"expression": "6*7"}},  # a direct invoke's Invocation
+        {"Records": "not a list"},
+        "a string",
+    ],
+)
+@pytest.mark.filterwarnings("ignore:No application metrics:UserWarning")  # it raised before any
+def test_an_event_that_is_not_an_sqs_batch_says_where_it_belongs(event: Any) -> None:
+    # it raised powertools' "Unexpected batch event type. Possible values are: SQS,
+    # KinesisDataStreams, DynamoDBStreams, Kafka", which names neither handler
+    with pytest.raises(ValueError, match=r"not an SQS batch .*functions\.handler\.handler"):
+        handler.sqs_handler(event, LambdaContext())
