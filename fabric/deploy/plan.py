@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from fabric.config_messages import hint
 from fabric.errors import FabricError
 from fabric.registry import Registry
 from fabric.spec import FunctionSpec
@@ -94,8 +95,10 @@ def plan_functions(
     chosen = sorted(names if names is not None else registry.names())
     unknown = [n for n in chosen if n not in registry]
     if unknown:
+        known = registry.names()
         raise DeployError(
-            f"not registered: {', '.join(unknown)} (known: {', '.join(registry.names()) or 'none'}); "
+            f"not registered: {', '.join(n + hint(n, known) for n in unknown)} "
+            f"(known: {', '.join(known) or 'none'}); "
             "a function of your own registers when its module is loaded: -m MODULE (module, "
             "module:attr or file.py) or $FABRIC_MODULES"
         )

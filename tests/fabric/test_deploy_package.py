@@ -41,6 +41,13 @@ def test_plan_errors():
         plan_functions(REG, [])
 
 
+def test_a_misspelt_name_is_refused_naming_the_one_meant():
+    # it listed every registered name without pointing at the one meant, unlike fabric
+    # invoke, serve and bench
+    with pytest.raises(DeployError, match=r"not registered: sleepi \(did you mean 'sleepy'\?\) \(known: "):
+        plan_functions(REG, ["add", "sleepi"])
+
+
 # -- package
 
 
