@@ -185,6 +185,7 @@ def parse_backend_config(obj: Any) -> InprocConfig | LocalConfig | LambdaConfig 
     """Validate a backend config given as a name (``"local"``), a dict or a config object."""
     if isinstance(obj, InprocConfig | LocalConfig | LambdaConfig | ModalConfig):
         return obj
+    name = obj if isinstance(obj, str) else None  # a plain name: no keys to show
     if isinstance(obj, str):
         obj = {"type": obj}
     elif isinstance(obj, Mapping):  # any mapping, as pydantic took it (a MappingProxyType)
@@ -203,10 +204,13 @@ def parse_backend_config(obj: Any) -> InprocConfig | LocalConfig | LambdaConfig 
             close = difflib.get_close_matches(str(kind), _BY_TYPE, n=1)
             what = f"unknown type {kind!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
         # the config's keys, never its values: a lambda config carries a token
-        shown = (
-            f"with keys {sorted(map(str, obj))}" if isinstance(obj, dict) else f"of type {type(obj).__name__}"
-        )
-        raise ConfigError(f"bad backend config ({shown}): {what}; known types: {', '.join(_BY_TYPE)}")
+        if name is not None:
+            bad = f"bad backend {name!r}"
+        elif isinstance(obj, dict):
+            bad = f"bad backend config (with keys {sorted(map(str, obj))})"
+        else:
+            bad = f"bad backend config (of type {type(obj).__name__})"
+        raise ConfigError(f"{bad}: {what}; known types: {', '.join(_BY_TYPE)}")
     try:
         return model.model_validate(obj)
     except ValidationError as e:

@@ -50,6 +50,16 @@ def test_a_bad_backend_config_says_what_failed(backend, text):
     assert ("known types" in str(e.value)) == (backend.get("type") != "local")
 
 
+def test_a_misspelt_backend_name_is_not_called_a_config_with_keys():
+    # Client(backend="locl") and fabric invoke --backend inprc said "bad backend config (with
+    # keys ['type'])": keys the caller never wrote, as a plain name has none
+    with pytest.raises(ConfigError) as e:
+        Client(backend="locl", registry=REG)
+    said = str(e.value)
+    assert said.startswith("bad backend 'locl': unknown type 'locl' (did you mean 'local'?); known types:")
+    assert "with keys" not in said
+
+
 def test_a_backend_config_may_be_any_mapping_and_a_bad_token_is_not_shown():
     from types import MappingProxyType
 
