@@ -13,6 +13,7 @@ from fabric.cli._app import (
     app,
     err,
     fail,
+    require_extra,
 )
 from fabric.usercode import prints_to_stderr
 
@@ -46,6 +47,10 @@ def run(
         from core.job import Job, failure_note, load
     except ImportError as e:  # the job needs the ray and train extras
         fail(f"the RL job needs its extras: pip install -e '.[ray,train,rewards]' ({e})")
+    # imported only once the job is under way (Ray at the cluster's start, matplotlib for the
+    # plots after the last step): without them a base install built the images and the
+    # policy, or trained the whole run, before a traceback
+    require_extra("fabric run", "ray,train,rewards", ("ray", "torch", "matplotlib", "numpy"))
     from envpool.errors import ContainerStartError
 
     job: Job | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from importlib.metadata import version
@@ -61,6 +62,34 @@ def test_a_server_command_without_the_serve_extra_names_it(tmp_path, command, mo
     assert "pip install 'rl-fabric[serve]'" in done.stderr and module in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize("module", ["ray", "torch", "matplotlib"])
+def test_fabric_run_without_the_job_extras_names_them(tmp_path, module):
+    """Without ray it built the images and the policy, then printed a traceback ending in
+    "ModuleNotFoundError: No module named 'ray'" (a base install, `pip install -e .`)."""
+    shutil.copytree(Path(ROOT, "examples", "own_env"), tmp_path / "examples" / "own_env")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _WITHOUT.format(module=module),
+            "run",
+            "examples/own_env/config.yaml",
+            "--steps",
+            "1",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, str(HERE)])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "[ray,train,rewards]'" in done.stderr and module in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stdout == "" and not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize(
