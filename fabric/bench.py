@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from fabric._sigterm import TermAsInterrupt, term_as_interrupt
 from fabric.backends.base import FaultInjection, LambdaConfig, LocalConfig, cpu_count
 from fabric.client import Client, ClientConfig
-from fabric.errors import ConfigError
+from fabric.errors import ConfigError, UnknownFunctionError
 from fabric.metrics import percentile
 from fabric.protocol import encode_payload
 from fabric.registry import Registry
@@ -430,7 +430,10 @@ async def _run_bench(
             "(--compare-hedge) and the baseline without them"
         )
     if cfg.baseline and cfg.baseline.startswith("fn:"):
-        registry.get(cfg.baseline[3:])  # unknown: UnknownFunctionError lists the registered ones
+        try:
+            registry.get(cfg.baseline[3:])
+        except UnknownFunctionError as e:  # named as the baseline: the function bench'd exists
+            raise ConfigError(f"--baseline {cfg.baseline}: {e}") from e
     payload = cfg.payload if cfg.payload is not None else (spec.examples[0] if spec.examples else None)
     if payload is None:
         raise ConfigError(f"{cfg.function} has no example payload; pass --payload JSON")

@@ -122,6 +122,10 @@ def test_bench_rejects_bad_options():
     assert r.exit_code == 2 and "n" in r.output
     r = runner.invoke(app, ["bench", "exact_match", "--baseline", "spark", "--n", "10", "--json"])
     assert r.exit_code == 2 and "baseline" in r.output
+    # a baseline function nobody registered is named as the baseline, near miss first
+    r = runner.invoke(app, ["bench", "exact_match", "--baseline", "fn:exact_mach", "--n", "10", "--json"])
+    assert r.exit_code == 2 and "--baseline fn:exact_mach" in r.output, r.output
+    assert "did you mean 'exact_match'" in r.output
     r = runner.invoke(app, ["bench", "exact_match", "--payload", "{x", "--n", "10", "--json"])
     assert r.exit_code == 2 and "--payload is not valid JSON" in r.output
     r = runner.invoke(app, ["bench", "exact_match", "--payload", "[1]", "--n", "10", "--json"])
