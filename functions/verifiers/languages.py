@@ -11,6 +11,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Literal
 
+from fabric.config_messages import hint
 from fabric.errors import Misconfigured
 from functions.verifiers.sandbox import Limits
 
@@ -99,7 +100,10 @@ def get_language(name: str) -> Language:
     """The language called ``name`` (or an alias); ``ValueError`` lists the known ones."""
     lang = _ALIASES.get(name.strip().lower())
     if lang is None:
-        raise ValueError(f"unknown language {name!r}; the code verifier runs: {', '.join(sorted(LANGUAGES))}")
+        near = hint(name.strip().lower(), sorted(_ALIASES))
+        raise ValueError(
+            f"unknown language {name!r}{near}; the code verifier runs: {', '.join(sorted(LANGUAGES))}"
+        )
     if lang.tool() is None:
         binary = (lang.compile_argv or lang.run_argv)[0]
         # the worker's setup, not the submission's: Misconfigured, which no failure_score scores

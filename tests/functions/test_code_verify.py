@@ -169,6 +169,8 @@ def test_javascript(verifier):
 def test_bad_input_is_a_clear_error(verifier):
     with pytest.raises(ValueError, match="unknown language 'cobol'"):
         verifier.verify("print(1)", cases(("", "1")), "cobol")
+    with pytest.raises(ValueError, match=r"unknown language 'pyhton' \(did you mean 'python'\?\)"):
+        verifier.verify("print(1)", cases(("", "1")), "pyhton")
 
 
 def test_an_over_long_program_scores_zero_not_an_error(verifier):
