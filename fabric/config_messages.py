@@ -34,9 +34,14 @@ def config_key(loc: tuple[int | str, ...]) -> str:
 
 
 def allowed_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
-    """Field names of the model at ``loc`` (for "unknown key" messages); [] if unknown."""
+    """Field names of the model at ``loc`` (for "unknown key" messages); [] if unknown. Not
+    those a model names in ``CONFIG_HIDDEN`` (a class attribute): fields it fills itself,
+    which a caller offered them was told to write (a decorator's derived ``entry``)."""
     ann = _unwrap(_resolve(model, loc)[1])
-    return list(ann.model_fields) if isinstance(ann, type) and issubclass(ann, BaseModel) else []
+    if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+        return []
+    hidden = getattr(ann, "CONFIG_HIDDEN", frozenset())
+    return [k for k in ann.model_fields if k not in hidden]
 
 
 def _resolve(model: type[BaseModel], loc: tuple[int | str, ...]) -> tuple[tuple[int | str, ...], Any]:

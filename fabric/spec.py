@@ -11,7 +11,7 @@ read from the environment and never converted passed unseen. An int is still a f
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -53,6 +53,11 @@ class FunctionSpec(BaseModel):
     """A registered function, as data."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    #: Fields the decorator fills from the function itself (``fabric.registry.make_spec``):
+    #: never listed as options in an "unknown key" message.
+    CONFIG_HIDDEN: ClassVar[frozenset[str]] = frozenset(
+        {"kind", "entry", "version", "params", "is_async", "accepts_extra"}
+    )
     name: str = Field(pattern=r"^[A-Za-z][A-Za-z0-9_\-]{0,63}$")
     """Unique within a registry; also the Lambda/Modal function name (64 chars max)."""
     kind: Kind = "function"

@@ -248,6 +248,15 @@ def test_bad_options(options: dict[str, Any], match: str) -> None:
     assert len(reg) == 0
 
 
+def test_a_misspelt_option_lists_the_decorators_options_not_the_fields_it_derives() -> None:
+    reg = Registry()
+    with pytest.raises(RegistryError, match=r"did you mean 'timeout_s'\?\); allowed: ") as ei:
+        reg.function(timeot_s=3)(add_one)
+    allowed = str(ei.value).split("allowed: ")[1].split(", ")
+    assert {"name", "timeout_s", "warm", "setup", "hedge"} <= set(allowed)
+    assert not {"kind", "entry", "version", "params", "is_async", "accepts_extra"} & set(allowed)
+
+
 @pytest.mark.parametrize(
     ("options", "key"),
     [
