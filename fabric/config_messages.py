@@ -40,7 +40,7 @@ def allowed_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str
     ann = _unwrap(_resolve(model, loc)[1])
     if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
         return []
-    hidden = getattr(ann, "CONFIG_HIDDEN", frozenset())
+    hidden: frozenset[str] = getattr(ann, "CONFIG_HIDDEN", frozenset())
     return [k for k in ann.model_fields if k not in hidden]
 
 
