@@ -150,6 +150,72 @@ def _check_link(name: str, target: str, *, symlink: bool) -> None:
         raise UnsafeBundle(f"bundle member {name!r} links outside the bundle ({target!r})")
 
 
+_MAX_LINK_HOPS = 40
+"""Symlinks one lookup may follow (the kernel's own limit): more is a loop."""
+
+
+def _check_links_on_disk(members: list[tarfile.TarInfo]) -> None:
+    """Check the links as the kernel will follow them once on disk, not lexically: a link
+    may lead through the bundle's other links (``a -> d/d/d``, then ``a/../..``). The
+    ``data`` filter's own check, ``os.path.realpath``, stops resolving past PATH_MAX and
+    takes what is left for plain directories (CVE-2025-4517: fixed in Python 3.11.13), so
+    deep links could lead a later member out of the root; this check reads the archive only.
+
+    Sound because no member is written through a link: none lies under one, and a link's
+    name is no other member's (``tarfile`` would write that member through the link, or
+    make the link's name a directory first). So on disk each link's name is, at any moment,
+    that link or nothing, and following the archive's links is following the disk's."""
+    links: dict[str, str] = {}
+    for m in members:
+        if m.issym():
+            name = posixpath.normpath(m.name)
+            if name == "." or name in links:
+                raise UnsafeBundle(f"bundle member {m.name!r} is a symlink over the root or another symlink")
+            links[name] = m.linkname
+    for m in members:
+        name = posixpath.normpath(m.name)
+        if not m.issym() and name in links:
+            raise UnsafeBundle(f"bundle member {m.name!r} has the same name as a symlink of the bundle")
+        parts = name.split("/")
+        for i in range(1, len(parts)):
+            under = "/".join(parts[:i])
+            if under in links:
+                raise UnsafeBundle(f"bundle member {m.name!r} lies under the symlink {under!r}")
+    for name, target in links.items():
+        _resolve_inside(name, target, links)
+
+
+def _resolve_inside(name: str, target: str, links: dict[str, str]) -> None:
+    """Follow the symlink ``name -> target`` through the bundle's ``links`` (to its end:
+    what a later lookup through it reaches); ``UnsafeBundle`` if it leaves the root."""
+    here = name.split("/")[:-1]  # a symlink resolves against its own directory
+    todo = target.split("/")
+    hops = 0
+    while todo:
+        part = todo.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not here:
+                raise UnsafeBundle(
+                    f"bundle member {name!r} links outside the bundle ({target!r}) through its symlinks"
+                )
+            here.pop()
+            continue
+        link = links.get("/".join([*here, part]))
+        if link is None:
+            here.append(part)
+            continue
+        hops += 1
+        if hops > _MAX_LINK_HOPS:
+            raise UnsafeBundle(f"bundle member {name!r} links to {target!r}: a symlink loop")
+        if link.startswith("/"):
+            raise UnsafeBundle(
+                f"bundle member {name!r} links to the absolute path {link!r} through its symlinks"
+            )
+        todo[:0] = link.split("/")
+
+
 def unpack(data: bytes, dest: str | os.PathLike[str], *, max_bytes: int | None = None) -> None:
     """Unpack a bundle into the (new or empty) directory ``dest``; ``UnsafeBundle`` on any
     member that could write outside it, and before anything is written."""
@@ -177,6 +243,7 @@ def unpack(data: bytes, dest: str | os.PathLike[str], *, max_bytes: int | None =
                 )
             seen.add(posixpath.normpath(m.name))
             total += m.size
+        _check_links_on_disk(members)
         if max_bytes is not None and total > max_bytes:
             raise UnsafeBundle(f"bundle unpacks to {total} bytes, over the {max_bytes}-byte limit")
         if not hasattr(tarfile, "data_filter"):  # pragma: no cover - Python 3.11.0-3.11.3

@@ -102,6 +102,90 @@ def test_unpack_refuses_escape_through_a_symlink_chain(tmp_path: Path) -> None:
     assert not (tmp_path / "jail" / "escaped.txt").exists()
 
 
+def _deep_link_escape() -> bytes:
+    """Every link lexically inside the root; on disk, ``a/.../p/e`` is the root's parent.
+    Short links ``a``..``p`` reach a directory 16 long names deep, so the real path of the
+    link ``l...l`` there is over PATH_MAX: ``os.path.realpath`` (the ``data`` filter's check,
+    before Python 3.11.13) gives up resolving it and takes it for a directory, while the
+    kernel, walking the short member names, follows every link (CVE-2025-4517)."""
+    comp, steps = "d" * 240, "abcdefghijklmnop"
+    members: list[tuple[tarfile.TarInfo, bytes | None]] = []
+    deep = ""
+    for s in steps:
+        members.append((member(deep + comp, type=tarfile.DIRTYPE), None))
+        members.append((member(deep + s, type=tarfile.SYMTYPE, linkname=comp), None))
+        deep += comp + "/"
+    short = "/".join(steps)
+    long_link = f"{short}/{'l' * 254}"
+    members.append((member(long_link, type=tarfile.SYMTYPE, linkname="../" * len(steps)), None))
+    members.append((member(f"{short}/e", type=tarfile.SYMTYPE, linkname=f"{'l' * 254}/.."), None))
+    members.append((member(f"{short}/e/escaped.txt"), b"boom"))
+    return tar_gz(*members)
+
+
+def test_unpack_refuses_a_link_escape_that_realpath_cannot_see(tmp_path: Path) -> None:
+    (tmp_path / "jail").mkdir()
+    with pytest.raises(UnsafeBundle, match="symlink"):
+        unpack(_deep_link_escape(), tmp_path / "jail" / "dest")
+    assert not (tmp_path / "jail" / "escaped.txt").exists()
+    assert list(tmp_path.rglob("*")) == [tmp_path / "jail"]  # refused before anything was written
+
+
+@pytest.mark.parametrize(
+    ("members", "message"),
+    [
+        (
+            [
+                (member("sub", type=tarfile.DIRTYPE), None),
+                (member("sub/here", type=tarfile.SYMTYPE, linkname=".."), None),
+                (member("up", type=tarfile.SYMTYPE, linkname="sub/here/.."), None),
+            ],
+            "outside",
+        ),
+        (
+            [
+                (member("s", type=tarfile.SYMTYPE, linkname="."), None),
+                (member("s/f"), b"boom"),
+            ],
+            "under the symlink",
+        ),
+        (
+            [
+                (member("loop", type=tarfile.SYMTYPE, linkname="loop/x"), None),
+            ],
+            "loop",
+        ),
+        (
+            [
+                (member("x", type=tarfile.SYMTYPE, linkname="."), None),
+                (member("x"), b"boom"),
+            ],
+            "same name",
+        ),
+    ],
+    ids=["through-link", "under-link", "loop", "link-then-file"],
+)
+def test_unpack_resolves_links_through_the_bundles_own_links(
+    tmp_path: Path, members: list, message: str
+) -> None:
+    (tmp_path / "jail").mkdir()
+    with pytest.raises(UnsafeBundle, match=message):
+        unpack(tar_gz(*members), tmp_path / "jail" / "dest")
+    assert list(tmp_path.rglob("*")) == [tmp_path / "jail"]
+
+
+def test_unpack_keeps_links_through_links_that_stay_inside(tmp_path: Path) -> None:
+    data = tar_gz(
+        (member("lib", type=tarfile.DIRTYPE), None),
+        (member("lib/mod.py"), b"X = 1\n"),
+        (member("current", type=tarfile.SYMTYPE, linkname="lib"), None),
+        (member("sub", type=tarfile.DIRTYPE), None),
+        (member("sub/mod.py", type=tarfile.SYMTYPE, linkname="../current/mod.py"), None),
+    )
+    unpack(data, tmp_path / "dest")
+    assert (tmp_path / "dest" / "sub" / "mod.py").read_text() == "X = 1\n"
+
+
 def test_unpack_refuses_garbage_and_bombs(tmp_path: Path, bundle: Bundle) -> None:
     with pytest.raises(UnsafeBundle, match=r"not a tar\.gz"):
         unpack(b"definitely not gzip", tmp_path / "x")
