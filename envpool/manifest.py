@@ -55,7 +55,8 @@ def read_manifest(root: Path) -> Manifest:
     """The manifest of the bundle directory ``root``; ``ManifestError`` saying what to fix."""
     path = Path(root) / MANIFEST
     try:
-        text = path.read_text()
+        # bytes: json detects UTF-8/16/32 itself (read_text would take the locale's encoding)
+        text = path.read_bytes()
     except FileNotFoundError:
         raise ManifestError(
             f"{root} has no {MANIFEST}: add one naming what the image registers, "
@@ -66,8 +67,10 @@ def read_manifest(root: Path) -> Manifest:
         raise ManifestError(f"cannot read {path}: {e.strerror or e}") from None
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes of no encoding
         raise ManifestError(f"{path} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ManifestError(f"{path} is not valid JSON: nested too deeply") from None
     try:
         manifest = Manifest.model_validate(data)
     except ValidationError as e:

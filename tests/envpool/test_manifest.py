@@ -156,6 +156,25 @@ def test_a_bad_manifest_is_one_error_saying_what_to_fix(tmp_path, manifest, regi
     assert "Traceback" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b'\xff{"modules": ["manifest_coin"]}', "envpool.json is not valid JSON"),
+        (b"[" * 100_000, "envpool.json is not valid JSON: nested too deeply"),
+    ],
+    ids=["not-utf8", "too-deep"],
+)
+def test_a_manifest_of_bad_bytes_is_a_manifest_error(tmp_path, content, says):
+    # before: a bare UnicodeDecodeError or RecursionError, which the job's config check
+    # (core.env_images) let through as a crash instead of a problem of envs[i].image
+    root = image(tmp_path, None)
+    (root / "envpool.json").write_bytes(content)
+    with pytest.raises(ManifestError, match=says):
+        read_manifest(root)
+    with pytest.raises(ManifestError, match=says):
+        registered_by(root)
+
+
 def test_an_image_that_redefines_a_built_in_is_refused(tmp_path):
     root = image(tmp_path, {"register": [{"id": "frozenlake-v1", "entry_point": "manifest_coin:Coin"}]})
     with pytest.raises(ManifestError, match=r"already registered to envpool\.envs\.frozenlake:FrozenLakeEnv"):
