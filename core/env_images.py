@@ -236,8 +236,7 @@ class JobImages:
         try:
             for source, key in self.sources.items():
                 try:
-                    ref = await self._publish(source)
-                    self.bundles[source] = await self.cache.acquire(ref)
+                    ref, self.bundles[source] = await self._acquire(source)
                 except (ImageError, OSError) as e:
                     raise ConfigError([(key, f"image {source}: {e}")]) from None
                 self._pinned.append(ref)
@@ -258,15 +257,22 @@ class JobImages:
         self._pinned.clear()
         await self.cache.aclose()
 
-    async def _publish(self, source: str) -> str:
-        from envpool.images import build_bundle
+    async def _acquire(self, source: str) -> tuple[str, Path]:
+        """The reference of ``source`` and its unpacked bundle, pinned."""
+        from envpool.images import ImageFetchError, ImageNotFound, build_bundle
 
         if is_image_ref(source):
-            return source
+            return source, await self.cache.acquire(source)
         bundle = await asyncio.to_thread(build_bundle, source)
         name = Path(source).name or "image"
         if bundle.digest in self.cache.tiers[0]:  # the job's disk tier (open_cache)
-            return str(bundle.ref(name))  # built before, this directory unchanged: the same image
-        ref: str = await self.cache.publish(bundle, name=name)
+            ref = str(bundle.ref(name))  # built before, this directory unchanged: the same image
+            try:
+                return ref, await self.cache.acquire(ref)
+            except (ImageNotFound, ImageFetchError):
+                # the tier's copy went bad (the cache dropped it) or went (evicted by another
+                # run sharing images.dir) since its start listed it: the bundle is in hand
+                pass
+        ref = await self.cache.publish(bundle, name=name)
         self.published += 1
-        return ref
+        return ref, await self.cache.acquire(ref)

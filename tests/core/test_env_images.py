@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from core.env_images import JobImages
 from core.errors import ConfigError
 from core.policy.corpus import env_corpus
 from envpool import EnvPool
+from envpool.images import digest_of
 from fabric.protocol import Trajectory
 from fabric.registry import Registry
 
@@ -256,6 +258,26 @@ async def test_an_unchanged_directory_is_built_once_and_the_same_image(tmp_path)
     async with JobImages(cfg.envs, cfg.images, cfg.run_dir) as changed:
         assert changed.published == 1 and changed.refs[src] != ref
     assert len(list((cache / "unpacked" / "sha256").iterdir())) == 2
+
+
+async def test_a_directory_whose_cached_blob_went_bad_is_published_again(tmp_path):
+    # the disk tier lists the digest, but its copy is cut short (a bad disk, a crash before
+    # the write reached it) or went (another run sharing images.dir evicted it), and no
+    # unpacked copy is left: the bundle is in hand, the job must not fail as "in no tier"
+    coin_image(tmp_path / "coin")
+    cfg = JobConfig.from_dict(config(tmp_path), registry=REG)
+    src = str(tmp_path / "coin")
+    async with JobImages(cfg.envs, cfg.images, cfg.run_dir) as first:
+        ref = first.refs[src]
+    cache = tmp_path / "run" / "images"
+    [blob] = (cache / "blobs" / "sha256").iterdir()
+    blob.write_bytes(blob.read_bytes()[:100])
+    for unpacked in (cache / "unpacked" / "sha256").iterdir():
+        shutil.rmtree(unpacked)
+    async with JobImages(cfg.envs, cfg.images, cfg.run_dir) as again:
+        assert again.refs[src] == ref and again.published == 1
+        assert (again.bundles[src] / "user_coin.py").is_file()
+    assert digest_of(blob.read_bytes()) == ref.partition("@")[2]  # the good copy is back
 
 
 async def test_the_corpus_and_the_pool_play_the_users_environment_from_its_image(tmp_path):
