@@ -85,13 +85,23 @@ def build_bundle(src: str | os.PathLike[str], *, compresslevel: int = 6) -> Bund
     root = Path(src)
     if not root.is_dir():
         raise UnsafeBundle(f"cannot bundle {root}: not a directory")
+    rels = _walk_sorted(root)
+    # a link may leave the root through another link (`up -> here/..`, `here -> .`): each
+    # looks inside alone; refused here, as unpack would refuse the bundle on every node
+    links = []
+    for rel in rels:
+        if (root / rel).is_symlink():
+            info = tarfile.TarInfo(rel)
+            info.type, info.linkname = tarfile.SYMTYPE, os.readlink(root / rel)
+            links.append(info)
+    _check_links_on_disk(links)
     buf = io.BytesIO()
     # filename="" and mtime=0 keep the gzip header free of anything machine- or time-specific
     with (
         gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=compresslevel) as gz,
         tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar,
     ):
-        for rel in _walk_sorted(root):
+        for rel in rels:
             _add(tar, root, rel)
     data = buf.getvalue()
     return Bundle(digest=digest_of(data), data=data)
@@ -188,6 +198,8 @@ def _check_links_on_disk(members: list[tarfile.TarInfo]) -> None:
 def _resolve_inside(name: str, target: str, links: dict[str, str]) -> None:
     """Follow the symlink ``name -> target`` through the bundle's ``links`` (to its end:
     what a later lookup through it reaches); ``UnsafeBundle`` if it leaves the root."""
+    if not target or target.startswith("/"):
+        raise UnsafeBundle(f"bundle member {name!r} links to the absolute path {target!r}")
     here = name.split("/")[:-1]  # a symlink resolves against its own directory
     todo = target.split("/")
     hops = 0

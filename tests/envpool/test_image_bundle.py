@@ -54,6 +54,16 @@ def test_build_refuses_symlink_out_of_the_root(tmp_path: Path) -> None:
         build_bundle(root)
 
 
+def test_build_refuses_symlink_out_of_the_root_through_another_symlink(tmp_path: Path) -> None:
+    # each link looks inside on its own: `up` is here/.., and `here` is the root itself
+    root = make_tree(tmp_path / "src")
+    os.symlink(".", root / "here")
+    os.symlink("here/..", root / "up")
+    assert (root / "up").resolve() == tmp_path
+    with pytest.raises(UnsafeBundle, match="outside"):
+        build_bundle(root)
+
+
 def test_image_ref_and_digest_checks(bundle: Bundle) -> None:
     ref = ImageRef.parse(f"envs/frozenlake@{bundle.digest}")
     assert (ref.name, ref.digest) == ("envs/frozenlake", bundle.digest)
