@@ -117,20 +117,24 @@ def main() -> None:
             else:
                 chunk = os.read(fd, 65536)
                 req_id, got = pending[fd]
-                if chunk:
-                    got += chunk
-                    continue
-                sel.unregister(fd)
-                os.close(fd)
-                del pending[fd]
+                got += chunk
                 try:
+                    # whole once it parses (no prefix of a JSON object does): not at the pipe's
+                    # end, which a process the container forked (at import, say) holds open
+                    info = json.loads(bytes(got))
+                except ValueError:
+                    if chunk:
+                        continue
                     info = (
-                        json.loads(bytes(got))
+                        {"error": "garbled ready message"}
                         if got
                         else {"error": "the container exited before it was ready"}
                     )
-                except ValueError:
+                if not isinstance(info, dict):
                     info = {"error": "garbled ready message"}
+                sel.unregister(fd)
+                os.close(fd)
+                del pending[fd]
                 _say({"req": req_id, "pid": key.data, **info})
         while True:  # reap, and tell the pool which containers are gone
             try:

@@ -137,6 +137,47 @@ async def test_a_container_whose_leader_died_loses_its_whole_group_at_once(tmp_p
         await wait_for(lambda: not alive(helper))
 
 
+_FORKS_AT_IMPORT = """
+import os
+import time
+
+import envpool
+
+helper = os.fork()
+if helper == 0:  # a helper forked at import (multiprocessing's default start does the same)
+    time.sleep(60)
+    os._exit(0)
+with open("helper.pid", "w") as f:
+    f.write(str(helper))
+
+
+class QuietEnv(envpool.Env):
+    example_actions = ("x",)
+
+    def reset(self, *, seed=None, options=None):
+        return "ready", {}
+
+    def step(self, action):
+        return envpool.StepResult(obs=envpool.Observation(text="ok"), terminated=True)
+
+
+envpool.register("forks-v0", entry_point="forks_env:QuietEnv")
+"""
+
+
+async def test_a_helper_forked_at_import_holds_up_no_zygote_start(tmp_path):
+    # the helper inherits the container's end of its ready pipe: a zygote that took the
+    # message for complete only at the pipe's end waited for the helper's exit, and the
+    # start timed out though the container was listening
+    images = write_env_bundle(tmp_path / "b", "forks_env", _FORKS_AT_IMPORT, {})
+    (tmp_path / "b" / "envpool.json").write_text(json.dumps({"modules": ["forks_env"]}))  # imported at start
+    runtime = {"heartbeat_s": 0.1, "zygote": True, "start_timeout_s": 5.0}
+    async with pool(images, min_warm=0, runtime=runtime) as p, p.session("forks-v0", image=IMAGE) as s:
+        assert (await s.reset(seed=0))[0].text == "ready"
+    helper = int((tmp_path / "b" / "helper.pid").read_text())
+    await wait_for(lambda: not alive(helper))  # in the container's group: stopped with it
+
+
 # -- a start cancelled as its container reports ready -----------------------------------------
 
 
