@@ -285,9 +285,14 @@ class _Zygote:
                 await self.proc.stdin.drain()
             return await fut, child
         except asyncio.CancelledError:
-            if not fut.done():
-                fut.cancel()  # the reader kills the container when it reports in
-            elif not fut.cancelled() and fut.exception() is None and "pid" in fut.result():
+            if fut.cancelled() or not fut.done():  # (the cancellation of `await fut` cancels it)
+                # killed now, by the request that forked it (the zygote knows its pid from the
+                # fork): one that never reports in (its import hangs) would run on, with what
+                # it started, for as long as the zygote. The reader kills it again if it
+                # reports in meanwhile, and removes its directory when it is answered for
+                fut.cancel()
+                self._send({"req": next(self.ids), "kill": req})
+            elif fut.exception() is None and "pid" in fut.result():
                 # its answer was read in the loop turn that cancelled us: the reader handed the
                 # container over and nobody will own it (not live, not counted, no pinned image)
                 self._send({"req": next(self.ids), "kill": req})

@@ -22,6 +22,8 @@ from pool_util import alive, pool, wait_for
 
 import envpool
 from envpool.pool import EnvPool
+from envpool.runtimes.base import ProcessRuntimeConfig
+from envpool.runtimes.process import ProcessRuntime
 
 # -- a dead container's pid, reused by the kernel ---------------------------------------------
 
@@ -176,6 +178,47 @@ async def test_a_helper_forked_at_import_holds_up_no_zygote_start(tmp_path):
         assert (await s.reset(seed=0))[0].text == "ready"
     helper = int((tmp_path / "b" / "helper.pid").read_text())
     await wait_for(lambda: not alive(helper))  # in the container's group: stopped with it
+
+
+_HANGS_AT_IMPORT = """
+import os
+import time
+
+helper = os.fork()
+if helper == 0:
+    time.sleep(60)
+    os._exit(0)
+with open("helper.tmp", "w") as f:
+    f.write(str(helper))
+os.replace("helper.tmp", "helper.pid")
+time.sleep(60)  # the import hangs: the container never reports in
+"""
+
+
+@pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "fresh-interpreter"])
+async def test_a_start_given_up_before_its_container_reports_leaves_nothing(tmp_path, zygote):
+    # the zygote killed a container whose start was given up (a claim cancelled, a start
+    # timed out) only once it reported in: one that never does (its import hangs) ran on,
+    # with what it started, for as long as the pool
+    bundle = tmp_path / "b"
+    write_env_bundle(bundle, "hangs_env", _HANGS_AT_IMPORT, {})
+    (bundle / "envpool.json").write_text(json.dumps({"modules": ["hangs_env"]}))
+    rt = ProcessRuntime(ProcessRuntimeConfig(heartbeat_s=0.1, zygote=zygote, network_namespace=False))
+    helper = 0
+    try:
+        start = asyncio.ensure_future(rt.start(IMAGE, bundle, timeout_s=60.0))
+        await wait_for(lambda: (bundle / "helper.pid").exists(), timeout_s=30.0)
+        helper = int((bundle / "helper.pid").read_text())
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        await wait_for(lambda: not alive(helper))
+        await wait_for(lambda: [d.name for d in rt.root.iterdir()] == [".owner"])  # its directory went
+        assert not rt.live
+    finally:
+        await rt.aclose()
+        if helper and alive(helper):
+            os.kill(helper, signal.SIGKILL)
 
 
 # -- a start cancelled as its container reports ready -----------------------------------------
