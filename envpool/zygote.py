@@ -23,6 +23,7 @@ group killed before it is reaped (what it left running goes with it), then is re
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import selectors
@@ -36,6 +37,7 @@ import envpool.server as server
 
 def _child(req: dict[str, Any], ready_w: int, inherited: list[int], zygote: int) -> None:
     try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the zygote's: the others' are not its
         for fd in inherited:  # other containers' ready pipes
             os.close(fd)
         # stdin/stdout are the zygote's channel to the pool: never let an environment touch them
@@ -80,14 +82,29 @@ def _say(msg: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def _exit(children: dict[int, int]) -> None:
+    """End the zygote with the pool gone: its children's groups first. Its children die with
+    it (PR_SET_PDEATHSIG), but what they started in their groups (an environment's helper)
+    would run on under init, and nobody is left to kill it: the pool died, or closed without
+    asking. Unreaped children all: their pids are still their groups' ids."""
+    for pid in list(children.values()):
+        _kill(pid)
+    os._exit(0)
+
+
 def main() -> None:
-    server.die_with_parent(int(sys.argv[1]))
+    children: dict[int, int] = {}  # req -> pid, of the children not reaped yet
+    # SIGTERM, not SIGKILL, when the pool dies (its crash runs no close): time to kill the groups
+    signal.signal(signal.SIGTERM, lambda *_: _exit(children))
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(sys.argv[1]):
+        _exit(children)
     me = os.getpid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sel = selectors.DefaultSelector()
     sel.register(sys.stdin.fileno(), selectors.EVENT_READ, None)
     pending: dict[int, tuple[int, bytearray]] = {}  # ready pipe -> (req, bytes so far)
-    children: dict[int, int] = {}  # req -> pid, of the children not reaped yet
     reqs: dict[int, int] = {}  # the same, pid -> req
     buf = b""
     while True:
@@ -96,7 +113,7 @@ def main() -> None:
             if key.data is None:  # a request (or the pool went away)
                 data = os.read(fd, 65536)
                 if not data:
-                    os._exit(0)
+                    _exit(children)
                 buf += data
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)

@@ -221,6 +221,62 @@ async def test_a_start_given_up_before_its_container_reports_leaves_nothing(tmp_
             os.kill(helper, signal.SIGKILL)
 
 
+_DRIVER_KILLED = r"""
+import asyncio, json, sys
+from pathlib import Path
+from echo_bundle import IMAGE, DirImages
+from envpool.pool import EnvPool
+
+
+async def main():
+    cfg = {"min_warm": 0, "runtime": {"heartbeat_s": 0.1, "zygote": True, "network_namespace": False}}
+    images = DirImages(Path(sys.argv[1]))
+    async with EnvPool(cfg, images=images) as p, p.session("spawn-v0", image=IMAGE) as s:
+        await s.reset(seed=0)
+        helper = int((await s.step("spawn")).obs.text)
+        print(json.dumps({"helper": helper}), flush=True)
+        await asyncio.sleep(60)  # SIGKILLed here: nothing of the pool's close runs
+
+
+asyncio.run(main())
+"""
+
+
+def test_a_driver_killed_leaves_no_process_its_containers_started(tmp_path):
+    # the zygote died of the driver's death at once (PR_SET_PDEATHSIG, SIGKILL), and each
+    # container of the zygote's death: but not what a container had started in its group,
+    # which ran on under init, owned by nobody (the driver's close would have killed it)
+    write_env_bundle(tmp_path / "b", "spawn_env", _SPAWNER, {"spawn-v0": "SpawnEnv"})
+    script = tmp_path / "driver.py"
+    script.write_text(_DRIVER_KILLED)
+    here = Path(__file__).resolve().parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(here), str(here.parents[1])]),
+        "TMPDIR": str(tmp_path),
+    }
+    driver = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "b")], stdout=subprocess.PIPE, env=env
+    )
+    helper = 0
+    try:
+        assert driver.stdout is not None
+        line = driver.stdout.readline()
+        helper = json.loads(line)["helper"]
+        assert alive(helper)
+        driver.kill()
+        driver.wait()
+        deadline = time.monotonic() + 5
+        while alive(helper) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not alive(helper)
+    finally:
+        driver.kill()
+        driver.wait()
+        if helper and alive(helper):
+            os.kill(helper, signal.SIGKILL)
+
+
 # -- a start cancelled as its container reports ready -----------------------------------------
 
 
