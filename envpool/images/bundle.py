@@ -160,6 +160,9 @@ def _check_link(name: str, target: str, *, symlink: bool) -> None:
         raise UnsafeBundle(f"bundle member {name!r} links outside the bundle ({target!r})")
 
 
+_BLOCK_BYTES = 4096
+"""What the unpack limit charges per started block of a member (a filesystem's usual block)."""
+
 _MAX_LINK_HOPS = 40
 """Symlinks one lookup may follow (the kernel's own limit): more is a loop."""
 
@@ -254,10 +257,15 @@ def unpack(data: bytes, dest: str | os.PathLike[str], *, max_bytes: int | None =
                     f"bundle member {m.name!r} hard-links to {m.linkname!r}, which is no earlier member"
                 )
             seen.add(posixpath.normpath(m.name))
-            total += m.size
+            # on disk: its bytes in whole blocks, one at least (a directory's, an inode's
+            # worth): by content alone, a bomb of empty entries counted nothing
+            total += max(1, -(-m.size // _BLOCK_BYTES)) * _BLOCK_BYTES
         _check_links_on_disk(members)
         if max_bytes is not None and total > max_bytes:
-            raise UnsafeBundle(f"bundle unpacks to {total} bytes, over the {max_bytes}-byte limit")
+            raise UnsafeBundle(
+                f"bundle unpacks to about {total} bytes of disk ({len(members)} entries), over the "
+                f"{max_bytes}-byte limit"
+            )
         if not hasattr(tarfile, "data_filter"):  # pragma: no cover - Python 3.11.0-3.11.3
             raise UnsafeBundle("unpacking bundles safely needs Python >= 3.11.4 (tarfile filters)")
         Path(dest).mkdir(parents=True, exist_ok=True)

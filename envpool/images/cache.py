@@ -79,7 +79,8 @@ class CacheConfig(BaseModel):
     max_concurrent_fetches: int = Field(8, ge=1)
     """Downloads of distinct images at once (a big prefetch must not starve a reset)."""
     max_unpacked_bytes: int | None = Field(None, gt=0)
-    """Refuse bundles that unpack to more than this (a decompression bomb)."""
+    """Refuse bundles that unpack to more than this (a decompression bomb): each member
+    counts its bytes in whole 4 KiB blocks, one at least (an empty file or directory too)."""
     unpacked_budget_bytes: int | None = Field(DEFAULT_UNPACKED_BUDGET, gt=0)
     """Disk the unpacked bundles of ``unpack_dir`` may take (20 GiB by default; None: no
     limit). Past it, the least recently used bundles are deleted after each unpack, never

@@ -196,6 +196,17 @@ def test_unpack_keeps_links_through_links_that_stay_inside(tmp_path: Path) -> No
     assert (tmp_path / "dest" / "sub" / "mod.py").read_text() == "X = 1\n"
 
 
+def test_the_unpack_limit_counts_entries_not_only_their_bytes(tmp_path: Path) -> None:
+    # 5,000 empty directories: 0 bytes of content, 20 MB of disk (a block each) from a few
+    # kB of gzip; the limit took only the members' sizes, so a bomb of entries went through
+    data = tar_gz(*((member(f"d{i}", type=tarfile.DIRTYPE), None) for i in range(5000)))
+    assert len(data) < 100_000
+    with pytest.raises(UnsafeBundle, match="over the 1000000-byte limit"):
+        unpack(data, tmp_path / "dest", max_bytes=1_000_000)
+    assert not (tmp_path / "dest").exists()
+    unpack(data, tmp_path / "ok", max_bytes=50_000_000)  # a limit the entries fit
+
+
 def test_unpack_refuses_garbage_and_bombs(tmp_path: Path, bundle: Bundle) -> None:
     with pytest.raises(UnsafeBundle, match=r"not a tar\.gz"):
         unpack(b"definitely not gzip", tmp_path / "x")
