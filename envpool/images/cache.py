@@ -481,6 +481,9 @@ class TieredCache:
         # unpack beside the final place and rename: a directory is there whole or not at all
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{digest[7:19]}-", dir=self.unpack_root))
         try:
+            # a bundle's directories are 0755 (build_bundle), its root too: not mkdtemp's 0700,
+            # which no container or sandbox of another user could enter
+            tmp.chmod(0o755)
             unpack(data, tmp, max_bytes=self.max_unpacked_bytes)
             size = tree_bytes(tmp)
             try:

@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import stat
+import subprocess
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,6 +62,35 @@ async def test_get_unpacks_once_and_writes_back_to_l1(tmp_path: Path, bundle: Bu
             await cache.get(bundle.digest)
             assert cache.metrics()["tiers"]["disk"]["hits"] == 1
         assert origin.blob_requests[bundle.digest] == 1
+
+
+def _open_dir() -> Path:
+    node = Path(tempfile.mkdtemp(prefix="envpool-test-"))  # (pytest's tmp_path is root's alone)
+    node.chmod(0o755)
+    return node
+
+
+def _read_as_nobody(node: Path, path: Path) -> subprocess.CompletedProcess[str]:
+    for d in (node / "a", node / "a" / "unpacked", path.parent):
+        d.chmod(0o755)  # (made with the umask, which an operator may set so)
+    read = ["cat", str(path / "run.sh")]  # (not this venv's python: under a dir of root's)
+    return subprocess.run(read, capture_output=True, text=True, user=65534, group=65534, timeout=60)
+
+
+async def test_an_unpacked_bundle_is_open_to_every_user_as_its_members_are(bundle: Bundle) -> None:
+    # the bundle's directories are 0755 and its files 0644, but its root was mkdtemp's 0700:
+    # a container (or an environment's sandbox) running as another user could read none of it
+    node = _open_dir()
+    try:
+        with FakeOrigin({bundle.digest: bundle.data}) as origin:
+            async with cache_with(node, origin.url) as cache:
+                path = await cache.get(bundle.digest)
+        assert stat.S_IMODE(os.stat(path).st_mode) == stat.S_IMODE(os.stat(path / "pkg").st_mode) == 0o755
+        if os.geteuid() == 0:  # another user's eyes: nobody's
+            out = _read_as_nobody(node, path)
+            assert out.returncode == 0 and "echo hi" in out.stdout, out.stderr
+    finally:
+        shutil.rmtree(node)
 
 
 async def test_single_flight_32_concurrent_gets_fetch_once(tmp_path: Path, bundle: Bundle) -> None:
