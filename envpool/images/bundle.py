@@ -177,7 +177,8 @@ def _check_links_on_disk(members: list[tarfile.TarInfo]) -> None:
     Sound because no member is written through a link: none lies under one, and a link's
     name is no other member's (``tarfile`` would write that member through the link, or
     make the link's name a directory first). So on disk each link's name is, at any moment,
-    that link or nothing, and following the archive's links is following the disk's."""
+    that link or nothing, and following the archive's links is following the disk's. Nor
+    is a link copied elsewhere: no hard link names a symlink."""
     links: dict[str, str] = {}
     for m in members:
         if m.issym():
@@ -189,6 +190,10 @@ def _check_links_on_disk(members: list[tarfile.TarInfo]) -> None:
         name = posixpath.normpath(m.name)
         if not m.issym() and name in links:
             raise UnsafeBundle(f"bundle member {m.name!r} has the same name as a symlink of the bundle")
+        if m.islnk() and posixpath.normpath(m.linkname) in links:
+            # where the symlink is dangling (or a directory), tarfile copies it to the hard
+            # link's place, where its relative target resolves from another directory
+            raise UnsafeBundle(f"bundle member {m.name!r} hard-links to the symlink {m.linkname!r}")
         parts = name.split("/")
         for i in range(1, len(parts)):
             under = "/".join(parts[:i])

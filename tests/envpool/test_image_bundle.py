@@ -184,6 +184,22 @@ def test_unpack_resolves_links_through_the_bundles_own_links(
     assert list(tmp_path.rglob("*")) == [tmp_path / "jail"]
 
 
+def test_unpack_refuses_a_hard_link_to_a_symlink(tmp_path: Path) -> None:
+    # the symlink is inside from its own directory, and dangling there: tarfile, finding no
+    # file to link to, copies the symlink to the hard link's place, where the same target
+    # climbs out of the root (here to the host's /etc/passwd, read as the image's manifest)
+    deep = "a/b/c/d/e/f/g/h/i/j/k/l/m/n/o/p"
+    data = tar_gz(
+        (member(deep, type=tarfile.DIRTYPE), None),
+        (member(f"{deep}/s", type=tarfile.SYMTYPE, linkname="../" * 16 + "etc/passwd"), None),
+        (member("envpool.json", type=tarfile.LNKTYPE, linkname=f"{deep}/s"), None),
+    )
+    (tmp_path / "jail").mkdir()
+    with pytest.raises(UnsafeBundle, match="hard-links to the symlink"):
+        unpack(data, tmp_path / "jail" / "dest")
+    assert list(tmp_path.rglob("*")) == [tmp_path / "jail"]
+
+
 def test_unpack_keeps_links_through_links_that_stay_inside(tmp_path: Path) -> None:
     data = tar_gz(
         (member("lib", type=tarfile.DIRTYPE), None),
