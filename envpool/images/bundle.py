@@ -249,19 +249,25 @@ def unpack(data: bytes, dest: str | os.PathLike[str], *, max_bytes: int | None =
         except (tarfile.TarError, OSError, EOFError) as e:
             raise UnsafeBundle(f"truncated or corrupt bundle: {e}") from None
         total = 0
-        seen: set[str] = set()
+        seen: dict[str, tarfile.TarInfo] = {}
         for m in members:
             _check_name(m.name)
             if m.issym() or m.islnk():
                 _check_link(m.name, m.linkname, symlink=m.issym())
             elif not (m.isreg() or m.isdir()):
                 raise UnsafeBundle(f"bundle member {m.name!r} is a device, fifo or other special file")
-            if m.islnk() and posixpath.normpath(m.linkname) not in seen:
-                # tarfile links to an earlier member only; else a bare KeyError mid-extraction
-                raise UnsafeBundle(
-                    f"bundle member {m.name!r} hard-links to {m.linkname!r}, which is no earlier member"
-                )
-            seen.add(posixpath.normpath(m.name))
+            if m.islnk():
+                target = seen.get(posixpath.normpath(m.linkname))
+                if target is None:
+                    # tarfile links to an earlier member only; else a bare KeyError mid-extraction
+                    raise UnsafeBundle(
+                        f"bundle member {m.name!r} hard-links to {m.linkname!r}, which is no earlier member"
+                    )
+                if target.isdir():
+                    # no directory can be: tarfile extracts the directory's own member there
+                    # instead, past the data filter (with the owner and mode it names)
+                    raise UnsafeBundle(f"bundle member {m.name!r} hard-links to the directory {m.linkname!r}")
+            seen[posixpath.normpath(m.name)] = m
             # on disk: its bytes in whole blocks, one at least (a directory's, an inode's
             # worth): by content alone, a bomb of empty entries counted nothing
             total += max(1, -(-m.size // _BLOCK_BYTES)) * _BLOCK_BYTES

@@ -200,6 +200,19 @@ def test_unpack_refuses_a_hard_link_to_a_symlink(tmp_path: Path) -> None:
     assert list(tmp_path.rglob("*")) == [tmp_path / "jail"]
 
 
+def test_unpack_refuses_a_hard_link_to_a_directory(tmp_path: Path) -> None:
+    # a directory cannot be hard-linked: tarfile falls back to extracting the directory's
+    # own member, unfiltered, at the link's place, with the owner it names (a host user's
+    # uid: a directory of theirs in the image every container of the node runs from)
+    real = member("real", type=tarfile.DIRTYPE)
+    real.uid = real.gid = 1234
+    data = tar_gz((real, None), (member("pkg", type=tarfile.LNKTYPE, linkname="real"), None))
+    (tmp_path / "jail").mkdir()
+    with pytest.raises(UnsafeBundle, match="hard-links to the directory"):
+        unpack(data, tmp_path / "jail" / "dest")
+    assert list(tmp_path.rglob("*")) == [tmp_path / "jail"]
+
+
 def test_unpack_keeps_links_through_links_that_stay_inside(tmp_path: Path) -> None:
     data = tar_gz(
         (member("lib", type=tarfile.DIRTYPE), None),
