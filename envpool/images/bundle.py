@@ -279,6 +279,11 @@ def unpack(data: bytes, dest: str | os.PathLike[str], *, max_bytes: int | None =
             )
         if not hasattr(tarfile, "data_filter"):  # pragma: no cover - Python 3.11.0-3.11.3
             raise UnsafeBundle("unpacking bundles safely needs Python >= 3.11.4 (tarfile filters)")
+        for m in members:
+            # tarfile's fallbacks extract a member past the filter (a hard link it cannot make
+            # gets its target's own member): nothing in one may be the archive's to choose
+            m.uid, m.gid, m.uname, m.gname = os.geteuid(), os.getegid(), "", ""
+            m.mode &= 0o755
         Path(dest).mkdir(parents=True, exist_ok=True)
         try:
             # the "data" filter re-checks against real paths (a member written through an

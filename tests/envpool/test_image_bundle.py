@@ -5,6 +5,7 @@ through symlink chains, garbage and bombs."""
 from __future__ import annotations
 
 import os
+import stat
 import tarfile
 from pathlib import Path
 
@@ -211,6 +212,19 @@ def test_unpack_refuses_a_hard_link_to_a_directory(tmp_path: Path) -> None:
     with pytest.raises(UnsafeBundle, match="hard-links to the directory"):
         unpack(data, tmp_path / "jail" / "dest")
     assert list(tmp_path.rglob("*")) == [tmp_path / "jail"]
+
+
+def test_what_a_hard_link_falls_back_to_keeps_no_owner_or_mode_of_the_archives(tmp_path: Path) -> None:
+    # `f/.` names the member f, but no path on disk: tarfile, finding nothing to link to,
+    # extracts f's own member there, past the data filter, with the owner and mode it names
+    f = member("f")
+    f.mode, f.uid, f.gid = 0o6777, 1234, 1234
+    data = tar_gz((f, b"#!/bin/sh\n"), (member("h", type=tarfile.LNKTYPE, linkname="f/."), None))
+    unpack(data, tmp_path / "dest")
+    for name in ("f", "h"):
+        st = (tmp_path / "dest" / name).lstat()
+        assert (st.st_uid, st.st_gid) == (os.geteuid(), os.getegid()), name  # not a host user's
+        assert not st.st_mode & (stat.S_ISUID | stat.S_ISGID | stat.S_IWGRP | stat.S_IWOTH), name
 
 
 def test_unpack_keeps_links_through_links_that_stay_inside(tmp_path: Path) -> None:
