@@ -12,13 +12,14 @@ in every container it would start. In a child, because the image's modules would
 be imported into the caller (its registry, ``sys.modules``), where environment code never
 runs: two images may hold modules of the same name.
 
-``python -m envpool.manifest DIR`` is the child: one JSON line, ``{"envs": {id: spec}}``
-or ``{"error": "..."}`` (exit code 1).
+``python -m envpool.manifest DIR [PARENT_PID]`` is the child (it dies with PARENT_PID): one
+JSON line, ``{"envs": {id: spec}}`` or ``{"error": "..."}`` (exit code 1).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import json
 import os
@@ -113,7 +114,7 @@ def registered_by(root: str | os.PathLike[str], *, timeout_s: float = INSPECT_TI
     # wait. The child leads a process group of its own, killed then: no helper outlives it
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "envpool.manifest", str(root)],
+            [sys.executable, "-m", "envpool.manifest", str(root), str(os.getpid())],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=err,
@@ -186,7 +187,18 @@ def _inspect(root: Path) -> dict[str, Any]:
     return out
 
 
+def _die_with(parent: int) -> None:
+    """SIGKILL when ``parent`` dies: a driver killed (or dead of OOM) runs none of the check's
+    end, which kills the child's group, and an import that hangs would run on for good."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the prctl
+        os._exit(1)
+
+
 def _main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        _die_with(int(argv[1]))
     out = os.dup(1)
     os.dup2(2, 1)  # what the image's modules print goes to stderr, not into the answer
     try:

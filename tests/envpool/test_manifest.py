@@ -4,6 +4,9 @@ loads it; every way a manifest can be wrong is one ManifestError saying what to 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -80,6 +83,44 @@ def test_a_helper_an_image_starts_at_import_neither_holds_up_the_check_nor_outli
     while _alive(helper) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not _alive(helper), "the image's helper outlived the check"
+
+
+HANGS = """
+import os, time
+with open(os.environ["CHILD_PID_FILE"] + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.replace(os.environ["CHILD_PID_FILE"] + ".tmp", os.environ["CHILD_PID_FILE"])
+time.sleep(60)  # an import that hangs (up to the check's timeout)
+"""
+
+
+def test_a_driver_killed_while_it_inspects_an_image_leaves_no_child(tmp_path):
+    # the child leads a process group of its own, which the driver kills when the check
+    # ends: a driver SIGKILLed (or dead of OOM) ran no such end, and the child ran on
+    root = image(tmp_path, {"modules": ["hangs"]})
+    (root / "hangs.py").write_text(HANGS)
+    pid_file = tmp_path / "child.pid"
+    code = "import sys; from envpool.manifest import registered_by; registered_by(sys.argv[1])"
+    env = {**os.environ, "CHILD_PID_FILE": str(pid_file), "PYTHONPATH": os.pathsep.join(sys.path)}
+    driver = subprocess.Popen([sys.executable, "-c", code, str(root)], env=env)
+    child = 0
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists():
+            assert time.monotonic() < deadline and driver.poll() is None
+            time.sleep(0.01)
+        child = int(pid_file.read_text())
+        driver.kill()
+        driver.wait()
+        deadline = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not _alive(child), "the inspection's child outlived its driver"
+    finally:
+        driver.kill()
+        driver.wait()
+        if child and _alive(child):
+            os.kill(child, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
