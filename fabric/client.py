@@ -211,6 +211,7 @@ class Client(KeyedCalls):
                             refusal + "; nothing was sent",
                             function=name,
                             request_id=request_id,
+                            started=False,
                         )
                     else:
                         result = await self._attempt(fn, inv, hedge, None, sent)
@@ -226,6 +227,7 @@ class Client(KeyedCalls):
                     f"(max_concurrency={spec.max_concurrency} calls in flight); nothing was sent",
                     function=name,
                     request_id=request_id,
+                    started=False,
                 )
         finally:
             if probe:

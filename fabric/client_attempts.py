@@ -183,8 +183,46 @@ class Attempts:
 
     @staticmethod
     def _refuse(m: FunctionMetrics, code: ErrorCode, message: str, name: str, request_id: str) -> Result:
+        """A call refused before anything was sent: it never began."""
         m.errors[str(code)] += 1
-        return Result.failure(code, message, function=name, request_id=request_id)
+        return Result.failure(code, message, function=name, request_id=request_id, started=False)
+
+    def _began(self, fn: FnState, copies: list[asyncio.Future[Result]]) -> bool | None:
+        """Whether any of a call's ``copies`` (its primary and hedge) began to run, asked
+        before they are let go: an answered copy's ``Result.started``, else the backend's
+        word (``Backend.started``). ``None`` when none is known to have begun and one is not
+        known either way."""
+        known: list[bool | None] = []
+        for f in copies:
+            if _answered(f):
+                known.append(f.result().started)
+            elif not f.done():
+                known.append(self.backend.started(fn.spec.name, f))
+        if any(known):
+            return True
+        return None if None in known else False
+
+    def _abandoned(self, fn: FnState, inv: Invocation, copies: list[asyncio.Future[Result]]) -> Result:
+        """The answer of a call whose deadline passed before the backend answered any of its
+        ``copies`` (asked before they are cancelled)."""
+        began = self._began(fn, copies)
+        if began is None:
+            # a request sent to a remote function (Lambda, Modal, a fabric serve) whose answer
+            # did not come: it may be running, and may have had its effects; read as begun, as
+            # the retry rules read such a call (only NotStarted and Throttled are safe to retry)
+            began = True
+        why = (
+            "the call was abandoned (a remote function may still run to its end)"
+            if began
+            else "the call was abandoned before it started"
+        )
+        return Result.failure(
+            ErrorCode.DEADLINE_EXCEEDED,
+            f"{fn.spec.name}: deadline passed before the backend answered; {why}",
+            function=inv.function,
+            request_id=inv.request_id,
+            started=began,
+        )
 
     async def _attempt(
         self,
@@ -259,14 +297,8 @@ class Attempts:
             delay_s = max(delay_ms, hcfg.min_delay_ms) / 1e3
             result = await self._hedged(fn, inv, primary, delay_s, deadline, wait_s, spec)
         if result is None:
+            result = self._abandoned(fn, inv, [primary])
             primary.cancel()  # a queued call never runs; a remote one may run on, its answer unread
-            result = Result.failure(
-                ErrorCode.DEADLINE_EXCEEDED,
-                f"{fn.spec.name}: deadline passed before the backend answered; the call was abandoned "
-                "(a remote function may still run to its end)",
-                function=inv.function,
-                request_id=inv.request_id,
-            )
         if result.ok and not result.cold_start:
             # the hedge delay follows the latency of warm answers: not of fast failures, nor
             # of a cold start's (an import and setup hook, waited for by the calls queued at a
@@ -298,9 +330,9 @@ class Attempts:
         deadline: Callable[[], float | None] | None,
         wait_s: float | None,
         spec: FunctionSpec,
-    ) -> Result | None:
-        """The first answer of the primary and its hedge; None when none came within
-        ``wait_s`` (both copies are cancelled). No hedge goes once the function was registered
+    ) -> Result:
+        """The first answer of the primary and its hedge; ``DeadlineExceeded`` when none came
+        within ``wait_s`` (both copies are cancelled). No hedge goes once the function was registered
         again after the primary was sent (under ``spec``): it would run other code than the
         primary, maybe with side effects its spec did not say, or the same code that its spec
         now says has them (its version unchanged)."""
@@ -373,8 +405,19 @@ class Attempts:
             else:
                 await asyncio.wait((winner,), timeout=wait_s)
                 if not winner.done():
-                    return None
+                    return self._abandoned(fn, inv, futs)
                 result = winner.result()
+            if (
+                not result.ok
+                and result.started is not True
+                and len(futs) > 1
+                and (err := result.error) is not None
+                and err.type == ErrorCode.DEADLINE_EXCEEDED
+            ):
+                # one copy's deadline passed before it began while the other ran: the call began
+                began = self._began(fn, futs)
+                if began is not None and began != result.started:
+                    result = result.model_copy(update={"started": began})
         finally:
             if not winner.done():
                 winner.cancel()  # over: the copies cancelled next answer nothing (done() above)

@@ -162,6 +162,9 @@ class KeyedCalls(Attempts):
                 "and a later call with this key gets the answer it leaves",
                 function=spec.name,
                 request_id=request_id,
+                # the execution goes on for others: waiting for a slot, or sent; not known
+                # here, and read as begun (as a remote call that did not answer in time is)
+                started=True,
             )
         if task.cancelled():  # closed before it had an outcome to count: each caller's own
             result = Result.failure(
@@ -229,6 +232,7 @@ class KeyedCalls(Attempts):
                         "deadline passed before the call was sent",
                         function=inv.function,
                         request_id=inv.request_id,
+                        started=False,
                     )
                 elif self._spec_now(fn).version != sent.key_version:
                     # registered again with new code while it waited for a slot: nothing was sent

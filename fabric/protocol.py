@@ -257,6 +257,20 @@ class Result(_Model):
     """True when the result came from the idempotency cache (no new execution)."""
     index: int | None = None
     """Position of the payload in the input of ``Client.map``/``Client.stream``."""
+    started: bool | None = None
+    """Whether the function's execution had begun: ``True`` for an answer it gave, and for a
+    failure that came while it ran or after (a ``FunctionTimeout``, a ``DeadlineExceeded``
+    that cut it), or where it may have begun (a request sent to a remote function that did
+    not answer in time: its effects may have happened, as the retry rules read such a call);
+    ``False`` for one that provably never began (a ``DeadlineExceeded`` while it waited for a
+    concurrency slot, a worker, a connection, or before it was sent; ``NotStarted``); ``None``
+    where nothing is said: a peer with older code (the field is new on the wire, and a reader
+    of such an answer reads it as before, by its type and message), or a failure whose maker
+    does not say (arguments a worker refused, a cancellation). Of a hedged call: whether any
+    copy began; of a retried one: its last attempt's (an earlier attempt's failure was the
+    infrastructure's). On the wire: a reader with older code drops a top-level field it does
+    not know (``_lambda_replies._as_result``), so it lives here rather than in ``ErrorInfo``,
+    where it would be refused."""
     cut_at_deadline: bool = Field(False, exclude=True, repr=False)
     """A keyed execution's ``FunctionTimeout`` that the backend cut at the call's deadline
     (the latest of its callers'), before the function's ``timeout_s``: the callers' doing,
@@ -284,8 +298,13 @@ class Result(_Model):
         timings: Timings | None = None,
         cold_start: bool = False,
         worker: str | None = None,
+        started: bool | None = None,
     ) -> Result:
-        """Construct without validation: the hot path, where every field is our own."""
+        """Construct without validation: the hot path, where every field is our own.
+        ``started`` left out: ``True`` for an answer, else what the error's type says
+        (``started_of``)."""
+        if started is None:
+            started = True if ok else started_of(error.type if error is not None else "")
         return cls.fast(
             ok=ok,
             function=function,
@@ -299,6 +318,7 @@ class Result(_Model):
             hedged=False,
             cached=False,
             index=None,
+            started=started,
             cut_at_deadline=False,
         )
 
@@ -312,9 +332,30 @@ class Result(_Model):
         request_id: str = "",
         traceback: str | None = None,
         worker: str | None = None,
+        started: bool | None = None,
     ) -> Result:
         error = ErrorInfo.of(code, message, traceback)
-        return cls.built(False, function=function, request_id=request_id, error=error, worker=worker)
+        return cls.built(
+            False, function=function, request_id=request_id, error=error, worker=worker, started=started
+        )
+
+
+#: Error types that say by themselves whether the function's execution began.
+_STARTED_BY_TYPE: dict[str, bool] = {
+    ErrorCode.NOT_STARTED: False,
+    ErrorCode.TIMEOUT: True,  # it ran past timeout_s (or a remote one did not answer in it: it may have)
+    ErrorCode.WORKER_LOST: True,  # its worker died running it, or after
+    ErrorCode.USER_ERROR: True,  # the handler raised
+    ErrorCode.MISCONFIGURED: True,
+    ErrorCode.UNAVAILABLE: True,
+}
+
+
+def started_of(error_type: str) -> bool | None:
+    """``Result.started`` of a failure of type ``error_type`` when its maker says nothing
+    more: ``None`` for a type that may come either way (a ``DeadlineExceeded``, whose maker
+    says which)."""
+    return _STARTED_BY_TYPE.get(error_type)
 
 
 # ----------------------------------------------------------------------------- RL data

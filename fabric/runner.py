@@ -143,8 +143,10 @@ def outcome_to_result(
     worker: str,
     queue_ms: float = 0.0,
     cold: bool = False,
+    started: bool | None = None,
 ) -> Result:
-    """The ``Result`` of an outcome tuple (decoding the JSON value)."""
+    """The ``Result`` of an outcome tuple (decoding the JSON value). ``started``: whether
+    the execution began, where the outcome's type does not say (``Result.built``)."""
     timings = Timings.fast(queue_ms=queue_ms, exec_ms=exec_ms, total_ms=0.0)
     value, error = (pydantic_core.from_json(out), None) if ok else (None, ErrorInfo.of(*out))
     return Result.built(
@@ -156,6 +158,7 @@ def outcome_to_result(
         timings=timings,
         cold_start=cold,
         worker=worker,
+        started=started,
     )
 
 

@@ -64,5 +64,9 @@ class _ContainerBase:
         cold, self._first_call = self._first_call, False
         return cold
 
-    def _failure(self, inv: Invocation, code: ErrorCode, message: str) -> Result:
-        return Result.failure(code, message, function=inv.function, request_id=inv.request_id)
+    def _failure(
+        self, inv: Invocation, code: ErrorCode, message: str, *, started: bool | None = None
+    ) -> Result:
+        return Result.failure(
+            code, message, function=inv.function, request_id=inv.request_id, started=started
+        )

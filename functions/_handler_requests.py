@@ -128,7 +128,7 @@ class _Requests(_Idempotency):
         if remaining is not None:
             if remaining <= 0:
                 return self._failure(
-                    inv, ErrorCode.DEADLINE_EXCEEDED, "deadline passed before the call started"
+                    inv, ErrorCode.DEADLINE_EXCEEDED, "deadline passed before the call started", started=False
                 )
             timeout = min(timeout, remaining)
         lambda_left = _lambda_remaining_s(context)

@@ -97,9 +97,9 @@ class LambdaReplies:
     def _where(self) -> str:
         return self.config.endpoint_url or f"AWS Lambda in {self.config.region}"
 
-    def _fail(self, inv: Invocation, code: ErrorCode, message: str) -> Result:
+    def _fail(self, inv: Invocation, code: ErrorCode, message: str, *, started: bool | None = None) -> Result:
         return Result.failure(
-            code, message, function=inv.function, request_id=inv.request_id, worker="lambda"
+            code, message, function=inv.function, request_id=inv.request_id, worker="lambda", started=started
         )
 
     def _not_connected(self, inv: Invocation, e: Exception) -> Result:

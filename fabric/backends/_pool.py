@@ -293,6 +293,19 @@ class FunctionPool(PoolWorkers):
                     return call.settled
         return None
 
+    def started(self, fut: asyncio.Future[Result]) -> bool | None:
+        """Whether the call behind ``fut`` (a ``submit`` future) has begun to run: ``None``
+        when this pool holds it no more (answered, or never here). A scan: asked only of a
+        call its caller stopped waiting for."""
+        for call in self._pending:
+            if call.fut is fut:
+                return False
+        for w in self._workers:
+            for call in w.inflight.values():
+                if call.fut is fut:
+                    return self._began(call)
+        return None
+
     def stats(self) -> dict[str, Any]:
         return {
             "workers": len(self._workers),

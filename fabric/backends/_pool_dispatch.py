@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from fabric.backends._wire import read_slot
 from fabric.backends._worker_handle import PoolCall, WorkerHandle
 from fabric.backends.base import LocalConfig
 from fabric.errors import ErrorCode
@@ -79,8 +80,28 @@ class PoolDispatch:
     def _expire(self, call: PoolCall) -> None:
         if call.worker is not None and call.inv.wait_for_run:
             return  # its worker answers: it cancels an async handler there, a sync one runs on
-        where = "while running; its result will be discarded" if call.worker else "while queued"
-        self._fail(call, ErrorCode.DEADLINE_EXCEEDED, f"deadline passed {where}")
+        began = self._began(call)
+        if began:
+            where = "while running; its result will be discarded"
+        elif call.worker is not None:
+            where = f"while queued on worker {call.worker.id}, behind its other calls (it did not start)"
+        else:
+            where = "while queued"
+        self._fail(call, ErrorCode.DEADLINE_EXCEEDED, f"deadline passed {where}", started=began)
+
+    def _began(self, call: PoolCall) -> bool:
+        """Whether ``call``'s execution has begun (it may have ended since). A call in the
+        queue has not; one sent to an async worker has (the worker starts each on receipt,
+        unless it finds it past its deadline, which it answers as not started). A synchronous
+        worker runs its calls one at a time in cid order, and its slot holds the last one it
+        started: one sent to it with a cid past that one waits there, behind the others."""
+        w = call.worker
+        if w is None:
+            return False
+        if self.spec.is_async or w.slot is None:
+            return True
+        running, _ = read_slot(w.slot)
+        return call.cid <= running
 
     def _on_done(self, call: PoolCall, fut: asyncio.Future[Result]) -> None:
         w = call.worker
@@ -126,7 +147,9 @@ class PoolDispatch:
                     skipped.append(call)
                     continue
                 if call.deadline_ns and now > call.deadline_ns:
-                    self._fail(call, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
+                    self._fail(
+                        call, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued", started=False
+                    )
                     continue
                 cid = next(self._cids)
                 call.cid = cid
@@ -172,6 +195,8 @@ class PoolDispatch:
             if cold:
                 self.metrics["cold_starts"] += 1
             queue_ms = (start_ns - call.t_submit_ns) / 1e6
+            # a worker answers DeadlineExceeded only for a call it found late, before starting it
+            started = None if ok or out[0] != ErrorCode.DEADLINE_EXCEEDED else False
             at_deadline = not ok and out[0] == ErrorCode.TIMEOUT and self._cut_at_deadline(call, start_ns)
             if at_deadline and not call.inv.wait_for_run:
                 # the worker's cut came in before the call's own timer (the loop was busy past
@@ -181,8 +206,9 @@ class PoolDispatch:
                     "deadline passed while running; the call was cancelled",
                     None,
                 )
+                started = True
             res = outcome_to_result(
-                call.inv, ok, out, exec_ms=exec_ms, worker=w.id, cold=cold, queue_ms=queue_ms
+                call.inv, ok, out, exec_ms=exec_ms, worker=w.id, cold=cold, queue_ms=queue_ms, started=started
             )
             if at_deadline and call.inv.wait_for_run:
                 res.cut_at_deadline = True  # the callers' deadline, not the infrastructure
@@ -227,7 +253,15 @@ class PoolDispatch:
         if key is not None and not call.inv.hedge and self._by_key.get(key) is call:
             del self._by_key[key]
 
-    def _fail(self, call: PoolCall, code: ErrorCode, message: str, tb: str | None = None) -> None:
+    def _fail(
+        self,
+        call: PoolCall,
+        code: ErrorCode,
+        message: str,
+        tb: str | None = None,
+        *,
+        started: bool | None = None,
+    ) -> None:
         self._forget(call)
         if call.timer is not None:
             call.timer.cancel()
@@ -235,7 +269,13 @@ class PoolDispatch:
             inv = call.inv
             wid = call.worker.id if call.worker else None
             r = Result.failure(
-                code, message, function=inv.function, request_id=inv.request_id, traceback=tb, worker=wid
+                code,
+                message,
+                function=inv.function,
+                request_id=inv.request_id,
+                traceback=tb,
+                worker=wid,
+                started=started,
             )
             call.fut.set_result(r)
 

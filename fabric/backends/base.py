@@ -285,6 +285,13 @@ class Backend(ABC):
         quotas) counts it until then. Here: ``None``, nothing is known to run on."""
         return None
 
+    def started(self, function: str, fut: asyncio.Future[Result]) -> bool | None:
+        """Whether the call behind ``fut`` (a ``submit`` future of ``function`` not answered
+        yet, or let go) has begun to run: asked by a client that stops waiting for it, whose
+        answer says so (``Result.started``). ``None``: not known here. Here: ``None``; a
+        remote backend cannot know of a request it sent (the client reads it as begun)."""
+        return None
+
     def capacity(self, function: str) -> int | None:
         """Calls of ``function`` this backend runs at once without queueing any, as it stands
         now: what ``fabric serve`` admits to it, holding the rest in its fair gate. ``None``: no

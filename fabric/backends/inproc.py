@@ -243,6 +243,7 @@ class InprocBackend(Backend):
                     "deadline passed before the call started",
                     function=inv.function,
                     request_id=inv.request_id,
+                    started=False,
                 )
             if runner.is_async or not inv.wait_for_run:
                 # a thread cannot be stopped: a wait cut at the deadline would free a keyed
@@ -250,6 +251,9 @@ class InprocBackend(Backend):
                 timeout = min(timeout, remaining)
                 cut_by_deadline = True
         t0 = time.perf_counter()
+        job: _ThreadJob | None = None
+        began = True
+        cut: bool | None = None  # whether a call cut at its time limit had begun
         try:
             if runner.is_async:
                 ok, out = await runner.run_async(
@@ -266,6 +270,9 @@ class InprocBackend(Backend):
                     ok, out = await job.fut
         except TimeoutError:
             ok, out = False, (ErrorCode.TIMEOUT, f"{inv.function} ran past its {timeout:.3g} s limit", None)
+            # a synchronous call waits for a free thread first (every one held by calls given
+            # up on that run on): one that never got one never began, and now never will
+            began = cut = job is None or not job.drop()
         finally:
             if keyed is not None:
                 keyed.timer = None  # left: a later move has nothing to move (and would raise)
@@ -279,13 +286,14 @@ class InprocBackend(Backend):
             if at_deadline and keyed is None:
                 # a plain call is answered DeadlineExceeded at its deadline, as the local pool's
                 # is (not a FunctionTimeout of a made-up limit, which the breaker would count)
-                what = (
-                    "the call was cancelled"
-                    if runner.is_async
-                    else "its thread runs on, its result discarded"
-                )
-                ok, out = False, (ErrorCode.DEADLINE_EXCEEDED, f"deadline passed while running; {what}", None)
-        result = outcome_to_result(inv, ok, out, exec_ms=exec_ms, worker="inproc")
+                if not began:
+                    what = "while it waited for a thread (it did not start)"
+                elif runner.is_async:
+                    what = "while running; the call was cancelled"
+                else:
+                    what = "while running; its thread runs on, its result discarded"
+                ok, out = False, (ErrorCode.DEADLINE_EXCEEDED, f"deadline passed {what}", None)
+        result = outcome_to_result(inv, ok, out, exec_ms=exec_ms, worker="inproc", started=cut)
         if at_deadline and keyed is not None:
             result.cut_at_deadline = True  # the callers' deadline, not the infrastructure
         return result

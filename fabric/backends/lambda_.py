@@ -231,6 +231,7 @@ class LambdaBackend(LambdaReplies, Backend):
                     ErrorCode.DEADLINE_EXCEEDED,
                     f"{inv.function}: the call was not sent: its deadline passed while all "
                     f"{self.config.max_connections} connections (max_connections) were busy with other calls",
+                    started=False,  # no connection had it: nothing went out
                 )
         else:
             await slots.acquire()  # free: returns at once

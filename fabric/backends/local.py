@@ -155,6 +155,13 @@ class LocalBackend(Backend):
                 return settled
         return None
 
+    def started(self, function: str, fut: asyncio.Future[Result]) -> bool | None:
+        for pool in self._all_pools(function):
+            began = pool.started(fut)
+            if began is not None:
+                return began
+        return None
+
     def extend_deadline(self, function: str, idempotency_key: str, deadline: float | None) -> bool:
         # no pool: nothing was sent yet, and what will be carries the new one
         for pool in self._all_pools(function):

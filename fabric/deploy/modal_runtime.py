@@ -74,6 +74,7 @@ def run(name: str, module: str, envelope: dict[str, Any]) -> dict[str, Any]:
                 function=name,
                 request_id=inv.request_id,
                 worker=f"modal:{name}",
+                started=False,
             )
             late.cold_start = cold
             return _dump(late)

@@ -78,6 +78,7 @@ class GatewayCalls:
                 "deadline passed while waiting for room in the pool (it did not run)",
                 function=inv.function,
                 request_id=inv.request_id,
+                started=False,
             )
         except BaseException:
             self.quotas.give(tenant)

@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from client_fns import REG
 from client_helpers import _ManualBackend, make
 
 from fabric.client import Client, ClientConfig
 from fabric.errors import ErrorCode
+from fabric.protocol import Result
 from fabric.testing import Fault
 
 
@@ -196,3 +198,54 @@ async def test_a_call_hedged_then_retried_is_marked_hedged():
     r = await call
     assert r.ok and r.attempts == 2 and r.hedged
     assert [i.hedge for i in manual.invocations[5:]] == [False, True, False]
+
+
+class _SaysWhatBegan(_ManualBackend):
+    """Says which of its calls began (``Backend.started``), as the local backends do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.began: set[asyncio.Future] = set()
+
+    def started(self, function: str, fut: asyncio.Future) -> bool | None:
+        return fut in self.began
+
+
+async def test_a_hedged_call_began_when_either_copy_did():
+    """The primary's deadline passed before it began (queued) while its hedge ran: the call
+    began, and its answer says so (``Result.started``), not the primary's "never started"."""
+    manual = _SaysWhatBegan()
+    cfg = ClientConfig.model_validate({"hedge": {"min_samples": 5}})
+    async with Client(backend=manual, registry=REG, config=cfg) as c:
+        warm = [asyncio.create_task(c.call("nap", {"seconds": 0})) for _ in range(5)]
+        for _ in range(5):
+            manual.answer(*await manual.next())
+        await asyncio.gather(*warm)
+        call = asyncio.create_task(c.call("nap", {"seconds": 0}, deadline_s=30))
+        inv, primary = await manual.next()
+        hinv, hedge = await manual.next()  # sent after the p95
+        assert hinv.hedge
+        manual.began.add(hedge)
+        primary.set_result(
+            Result.failure(
+                ErrorCode.DEADLINE_EXCEEDED,
+                "deadline passed while queued",
+                function=inv.function,
+                request_id=inv.request_id,
+                started=False,
+            )
+        )
+        r = await call
+        assert r.error.type == ErrorCode.DEADLINE_EXCEEDED and r.hedged and r.started is True
+
+
+@pytest.mark.parametrize("says", [True, False])
+async def test_a_call_abandoned_at_its_deadline_began_unless_its_backend_says_not(says):
+    """The client stops waiting at the deadline: the call began if its backend says so, and
+    never began if it says not (a local call still queued); a backend that cannot know (a
+    request sent to Lambda, Modal, a fabric serve) has it read as begun: it may run there."""
+    manual = _SaysWhatBegan() if says else _ManualBackend()
+    async with Client(backend=manual, registry=REG, config={"hedge": {"enabled": False}}) as c:
+        r = await c.call("nap", {"seconds": 0}, deadline_s=0.2)
+    assert r.error.type == ErrorCode.DEADLINE_EXCEEDED and "backend answered" in r.error.message
+    assert r.started is (not says)

@@ -27,6 +27,7 @@ async def test_a_call_waiting_for_a_concurrency_slot_ends_at_its_deadline(backen
         assert time.monotonic() - t0 < 0.5  # at its deadline, not when the slot frees (1 s)
         assert r.error.type == ErrorCode.DEADLINE_EXCEEDED
         assert "waited for a concurrency slot" in r.error.message and "nothing was sent" in r.error.message
+        assert r.started is False
         assert (await busy).ok
         assert (await c.call("one_at_a_time", {"seconds": 0.0}, deadline_s=0.5)).ok  # no slot leaked
         assert c.metrics()["one_at_a_time"]["errors"] == {"DeadlineExceeded": 1}

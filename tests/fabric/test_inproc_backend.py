@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
 from fabric.backends.inproc import InprocBackend
+from fabric.errors import ErrorCode
 from fabric.protocol import Invocation
 from fabric.registry import Registry
 
@@ -66,3 +68,31 @@ async def test_a_call_cancelled_in_the_loop_turn_its_thread_answers_stays_cancel
                 await call
         finally:
             release.set()
+
+
+async def test_a_deadline_says_whether_the_call_had_begun():
+    """A synchronous call that waited for a thread (each held by a call that runs on) and
+    whose deadline passed there never began: ``Result.started`` says so, and its message no
+    longer says it passed "while running"; one cut while it ran began."""
+    reg = Registry()
+    release = threading.Event()
+
+    @reg.function(name="held", warm=0, timeout_s=30, max_concurrency=1)  # one thread
+    def held() -> bool:
+        release.wait(10)
+        return True
+
+    async with InprocBackend(reg) as backend:
+        try:
+            running = backend.submit(Invocation(function="held", payload={}, deadline=time.time() + 0.3))
+            await asyncio.sleep(0.05)  # on the one thread
+            waiting = backend.submit(Invocation(function="held", payload={}, deadline=time.time() + 0.3))
+            ran, queued = await asyncio.gather(running, waiting)
+            late = await backend.invoke(Invocation(function="held", payload={}, deadline=time.time() - 1))
+        finally:
+            release.set()
+    assert ran.error.type == ErrorCode.DEADLINE_EXCEEDED and ran.started is True, ran.error
+    assert "while running" in ran.error.message
+    assert queued.error.type == ErrorCode.DEADLINE_EXCEEDED and queued.started is False, queued.error
+    assert "did not start" in queued.error.message
+    assert late.error.type == ErrorCode.DEADLINE_EXCEEDED and late.started is False

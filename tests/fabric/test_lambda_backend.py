@@ -176,6 +176,10 @@ def test_a_newer_handlers_result_with_an_unknown_field_is_still_its_result():
     got = _as_result(data)
     assert got is not None and not got.ok and got.error.type == ErrorCode.USER_ERROR
     assert got.error.message == "boom"
+    # so a client older than Result.started reads an answer that carries it
+    late = Result.failure(ErrorCode.DEADLINE_EXCEEDED, "late", function="f", request_id="r", started=False)
+    older = _as_result({**late.model_dump(mode="json"), "added_in_a_later_release": 1})
+    assert older is not None and older.error.type == ErrorCode.DEADLINE_EXCEEDED and older.started is False
     # a user's value that only looks like a Result (no field of ours beside ok/value) stays a value
     assert _as_result({"ok": "yes", "value": 3, "mine": True}) is None
 

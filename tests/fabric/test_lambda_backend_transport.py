@@ -191,6 +191,7 @@ async def test_a_call_to_an_endpoint_that_does_not_answer_ends_at_its_deadline(t
         server.close()
         await server.wait_closed()
     assert r.error.type == ErrorCode.DEADLINE_EXCEEDED and "backend answered" in r.error.message, r.error
+    assert r.started is True  # sent: it may run on the far side, and is read as begun
     assert 0.4 < took < 4  # the 0.5 s deadline, not the endpoint's 10 s hold (slack: a loaded machine)
 
 
@@ -271,6 +272,7 @@ async def test_a_boto3_call_that_never_got_a_connection_says_it_was_not_sent():
             await asyncio.sleep(0.2)
             r = await c.call("add", {"a": 1}, deadline_s=0.4)
             assert r.error.type == ErrorCode.DEADLINE_EXCEEDED and "not sent" in r.error.message, r.error
+            assert r.started is False
             busy.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await busy

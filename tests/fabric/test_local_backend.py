@@ -546,8 +546,28 @@ async def test_deadline_while_queued_answers_on_time_without_killing_the_worker(
         r = await c.call("sleepy", {"seconds": 0}, deadline_s=0.1)
         # at its deadline, not when the worker it queued for is free (3 s)
         assert r.error.type == ErrorCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 1.5
+        assert r.started is False
         assert (await first).ok
         assert c.backend.stats()["sleepy"]["timeouts"] == 0 and c.backend.stats()["sleepy"]["lost"] == 0
+
+
+async def test_a_deadline_passed_in_a_workers_own_queue_says_the_call_did_not_start():
+    """A synchronous worker takes calls in batches and runs them in turn: a call behind a
+    slow one waits in the worker, not started, when its deadline passes. It was answered
+    "deadline passed while running", which the reader of a tool's failure took as the tool's
+    own slowness; ``Result.started`` now says it never began, and the message says where it
+    waited. The slow one, cut as it runs, began."""
+    async with local(max_workers=1) as c:
+        await c.backend.warmup(["sleepy"])
+        assert (await c.call("sleepy", {"seconds": 0})).ok  # a quick answer: calls now go in batches
+        first = asyncio.create_task(c.call("sleepy", {"seconds": 1.5}, deadline_s=0.8))
+        await asyncio.sleep(0)  # sent first, in the same batch
+        r = await c.call("sleepy", {"seconds": 0}, deadline_s=0.4)
+        assert r.error.type == ErrorCode.DEADLINE_EXCEEDED and r.started is False, r.error
+        assert "while running" not in r.error.message
+        ran = await first
+        assert ran.error.type == ErrorCode.DEADLINE_EXCEEDED and ran.started is True, ran.error
+        assert c.backend.stats()["sleepy"]["lost"] == 0  # nothing was killed for it
 
 
 async def test_a_plain_call_cut_in_its_worker_at_the_deadline_is_deadline_exceeded():
@@ -560,7 +580,7 @@ async def test_a_plain_call_cut_in_its_worker_at_the_deadline_is_deadline_exceed
         await asyncio.sleep(0.1)  # sent: running in its worker
         time.sleep(1.5)  # noqa: ASYNC251 - the loop busy past the deadline, as under load
         r = await call
-        assert r.error.type == ErrorCode.DEADLINE_EXCEEDED, r.error
+        assert r.error.type == ErrorCode.DEADLINE_EXCEEDED and r.started is True, r.error
         assert c._fns["async_sleepy"].consecutive_failures == 0
         assert c.backend.stats()["async_sleepy"]["lost"] == 0  # cancelled in the worker, not killed
 

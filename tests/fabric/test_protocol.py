@@ -202,6 +202,30 @@ def test_result_json_round_trip() -> None:
         Result.model_validate({"ok": True, "surprise": 1})
 
 
+def test_started_on_the_wire_and_from_an_older_peer() -> None:
+    """``Result.started``: whether the execution began. An older peer's answer has no such
+    field and reads as saying nothing (``None``: its reader goes by type and message, as
+    before). It is a field of the Result, not of its error: a reader with older code drops a
+    Result field it does not know (``_as_result``), where one in ``ErrorInfo`` was refused."""
+    old = {
+        "ok": False,
+        "function": "f",
+        "request_id": "r",
+        "error": {"type": "DeadlineExceeded", "message": "m", "retryable": False},
+    }
+    assert Result.model_validate(old).started is None
+    new = Result.failure(ErrorCode.DEADLINE_EXCEEDED, "m", started=False)
+    assert json.loads(new.model_dump_json())["started"] is False
+    assert Result.model_validate_json(new.model_dump_json()).started is False
+    assert new.error is not None and "started" not in new.error.model_dump()
+    # said by the error's type where its maker says nothing more
+    assert Result.failure(ErrorCode.NOT_STARTED, "m").started is False
+    assert Result.failure(ErrorCode.TIMEOUT, "m").started is True
+    assert Result.failure(ErrorCode.DEADLINE_EXCEEDED, "m").started is None  # either way: its maker says
+    assert Result.failure(ErrorCode.INVALID_ARGUMENTS, "m").started is None
+    assert Result.built(True, function="f", request_id="r", value=1).started is True
+
+
 # ----------------------------------------------------------------------------- Invocation
 
 

@@ -46,6 +46,7 @@ async def test_a_deadline_passing_while_the_call_waits_for_the_pool_is_answered_
         r = await c.post(url, content=env.model_dump_json().encode(), headers=auth())
         took = time.monotonic() - t0
         assert r.status_code == 200 and r.json()["error"]["type"] == "DeadlineExceeded", r.text
+        assert r.json()["started"] is False  # it never ran: the caller may tell it from a slow run
         assert took < 4.0, f"answered {took:.1f} s after sending, past its 0.5 s deadline"
         assert not blocker.done()
         await _until(lambda: g.quotas.held["job-a"] == 0, "its slot back")

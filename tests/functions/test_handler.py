@@ -145,6 +145,7 @@ def test_provisioned_concurrency_is_not_a_cold_start(monkeypatch: pytest.MonkeyP
 def test_deadline_passed_before_start() -> None:
     r = invoke("calculator", {"expression": "1"}, deadline=1.0)
     assert r.error is not None and r.error.type == ErrorCode.DEADLINE_EXCEEDED
+    assert r.started is False
 
 
 def test_allow_list_restricts_what_is_served(monkeypatch: pytest.MonkeyPatch) -> None:
