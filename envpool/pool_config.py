@@ -163,7 +163,10 @@ TOOL_ERRORS = frozenset(
 
 #: What the fabric's ``DeadlineExceeded`` messages say of a call that never ran: the deadline
 #: passed while it waited for a concurrency slot (``max_concurrency``), a worker, a pool's
-#: room or a connection, or before it was sent or started.
+#: room or a connection, or before it was sent or started. Read only of an answer that does
+#: not say (``Result.started`` is ``None``): one from a Lambda handler, a Modal container or a
+#: ``fabric serve`` deployed from code older than the field. Such peers are out of this
+#: process's control and stay in use after an upgrade, so the fallback stays.
 _NOT_RUN = (
     "concurrency slot",
     "before the call",
@@ -174,13 +177,18 @@ _NOT_RUN = (
 )
 
 
-def ran_too_long(kind: str, message: str) -> bool:
+def ran_too_long(kind: str, message: str, started: bool | None = None) -> bool:
     """Whether a failed fabric call says the tool ran into its deadline: the tool's own
     time on these arguments, which the policy can learn to avoid. A deadline that passed
-    before the call ran (``_NOT_RUN``) is the machinery's. One the client gave up waiting
-    on ("before the backend answered") counts as run: the client's wait ends as the local
-    backends cut the call, and a remote function was most likely running."""
-    return kind == "DeadlineExceeded" and not any(s in message for s in _NOT_RUN)
+    before the call ran is the machinery's. The answer's ``started`` says which; only an
+    answer without it (an older peer's) is read by its message (``_NOT_RUN``), where one the
+    client gave up waiting on ("before the backend answered") counts as run, as the fabric
+    itself counts a remote call it sent."""
+    if kind != "DeadlineExceeded":
+        return False
+    if started is not None:
+        return started
+    return not any(s in message for s in _NOT_RUN)
 
 
 def takes_deadline(bridge: Callable[..., Any]) -> bool:
@@ -217,7 +225,8 @@ def fabric_tools(client: Any) -> Callable[..., Awaitable[str]]:
         kind, message = (r.error.type, r.error.message) if r.error else ("", "the tool failed")
         if kind in TOOL_ERRORS:
             return f"error: {message}"
-        if ran_too_long(kind, message):
+        # (getattr: a caller's own client may give results of an older shape)
+        if ran_too_long(kind, message, getattr(r, "started", None)):
             limit = "" if deadline_s is None else f" {deadline_s:.3g} s"
             return f"error: tool {name!r} ran past its{limit} time limit and was stopped"
         raise ToolUnavailable(f"tool {name!r} failed ({kind or 'no error given'}): {message}")

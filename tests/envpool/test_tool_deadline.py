@@ -106,8 +106,58 @@ async def test_the_fabric_bridge_keeps_a_clients_sooner_default_deadline():
 def test_a_deadline_is_the_tools_only_if_the_tool_ran(message, ran):
     from envpool.pool_config import ran_too_long
 
+    # an answer without Result.started (a peer older than the field) is read by its message
     assert ran_too_long("DeadlineExceeded", message) is ran
     assert not ran_too_long("FunctionTimeout", message)
+    # one with it is read by it, whatever its message says
+    assert ran_too_long("DeadlineExceeded", message, started=True)
+    assert not ran_too_long("DeadlineExceeded", message, started=False)
+    assert not ran_too_long("FunctionTimeout", message, started=True)
+
+
+@pytest.mark.parametrize("started", [True, False])
+async def test_the_fabric_bridge_reads_whether_the_tool_began_not_the_message(started):
+    """A ``DeadlineExceeded`` in words the message match does not know (a backend's new
+    wording): the answer's ``started`` says whose failure it is."""
+    from envpool.errors import ToolUnavailable
+
+    class Answers:
+        registry = REG
+
+        async def call(self, name, arguments, *, deadline_s=None):
+            return fabric.Result.failure(
+                "DeadlineExceeded",
+                "deadline passed while waiting for a GPU",  # no _NOT_RUN phrase: read as run
+                function=name,
+                started=started,
+            )
+
+    call = fabric_tools(Answers())
+    if started:
+        assert (await call("calculator", {"expression": "1"}, deadline_s=1)).startswith("error: tool")
+    else:
+        with pytest.raises(ToolUnavailable, match="waiting for a GPU"):
+            await call("calculator", {"expression": "1"}, deadline_s=1)
+
+
+async def test_a_deadline_passed_while_the_call_waited_in_its_workers_queue_is_the_fabrics():
+    """A synchronous worker takes calls in batches and runs them one after another: a call
+    sent behind a slow one waits there, not yet started, and its deadline passes. It never
+    ran, so it is the fabric's failure, not the tool's: the text of the answer ("deadline
+    passed while running") said it ran, and the policy was told its call was too slow."""
+    from tool_fns import REG as LOCAL
+
+    from envpool.errors import ToolUnavailable
+
+    async with fabric.Client(backend={"type": "local", "max_workers": 1}, registry=LOCAL) as client:
+        await client.warmup(["sleeper"])
+        # its first answer says a call is quick: from then on calls go out to it in batches
+        assert (await client.call("sleeper", {"seconds": 0})).ok
+        busy = asyncio.create_task(client.call("sleeper", {"seconds": 1.5}))
+        await asyncio.sleep(0)  # sent first: the tool call below is queued behind it, in the worker
+        with pytest.raises(ToolUnavailable, match="DeadlineExceeded"):
+            await fabric_tools(client)("sleeper", {"seconds": 0}, deadline_s=0.5)
+        assert (await busy).ok
 
 
 # -- the default bridge: the pool's own threads, each call bounded
