@@ -43,7 +43,7 @@ def test_ls_finds_a_module_in_the_current_directory_and_a_file(tmp_path, monkeyp
 
     # what the two modules register is gone after the test: the registry's table is a copy
     # until then (builtins loaded first). A delitem of the ids (absent before the test)
-    # undid nothing, and test_envs.py, run after this module on the same pytest worker,
+    # undid nothing, and test_check_env.py, run after this module on the same pytest worker,
     # found the default registry two environments larger than a fresh interpreter's
     default_registry.ids()
     monkeypatch.setattr(default_registry, "_specs", dict(default_registry._specs))
