@@ -53,6 +53,11 @@ class _ThreadJob:
             self._state = _DROPPED if self._state == _DROPPED or self.fut.cancelled() else _RUNNING
             return self._state == _RUNNING
 
+    @property
+    def begun(self) -> bool:
+        """Whether a thread has begun the call (it may have ended since): a snapshot."""
+        return self._state == _RUNNING
+
     def drop(self) -> bool:
         """On the loop, for a call given up on: True when it has not begun and now never will."""
         with self._lock:
@@ -293,6 +298,7 @@ class InprocBackend(Backend):
                 else:
                     what = "while running; its thread runs on, its result discarded"
                 ok, out = False, (ErrorCode.DEADLINE_EXCEEDED, f"deadline passed {what}", None)
+                cut = began  # (its type says nothing of it by itself: a call cut as it ran began)
         result = outcome_to_result(inv, ok, out, exec_ms=exec_ms, worker="inproc", started=cut)
         if at_deadline and keyed is not None:
             result.cut_at_deadline = True  # the callers' deadline, not the infrastructure
@@ -324,6 +330,12 @@ class InprocBackend(Backend):
 
         fut.add_done_callback(unwound)
         return ended
+
+    def started(self, function: str, fut: asyncio.Future[Result]) -> bool | None:
+        # a synchronous call still waiting for a thread has not; an async handler (no job)
+        # runs on the loop as soon as its task does: not known here, read as begun
+        job = self._on_threads.get(fut)
+        return None if job is None else job.begun
 
     def stats(self) -> dict[str, Any]:
         return {"calls": self._calls}

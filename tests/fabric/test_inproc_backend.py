@@ -73,7 +73,7 @@ async def test_a_call_cancelled_in_the_loop_turn_its_thread_answers_stays_cancel
 async def test_a_deadline_says_whether_the_call_had_begun():
     """A synchronous call that waited for a thread (each held by a call that runs on) and
     whose deadline passed there never began: ``Result.started`` says so, and its message no
-    longer says it passed "while running"; one cut while it ran began."""
+    longer says it passed "while running"; one cut while it ran began, synchronous or async."""
     reg = Registry()
     release = threading.Event()
 
@@ -82,11 +82,21 @@ async def test_a_deadline_says_whether_the_call_had_begun():
         release.wait(10)
         return True
 
+    @reg.function(name="napping", warm=0, timeout_s=30)
+    async def napping() -> bool:
+        await asyncio.sleep(10)
+        return True
+
     async with InprocBackend(reg) as backend:
+        cut = await backend.invoke(Invocation(function="napping", payload={}, deadline=time.time() + 0.2))
+        assert cut.error.type == ErrorCode.DEADLINE_EXCEEDED and cut.started is True, cut.error
         try:
             running = backend.submit(Invocation(function="held", payload={}, deadline=time.time() + 0.3))
             await asyncio.sleep(0.05)  # on the one thread
             waiting = backend.submit(Invocation(function="held", payload={}, deadline=time.time() + 0.3))
+            await asyncio.sleep(0.05)
+            # what a client that gives up on them asks (Backend.started)
+            assert backend.started("held", running) is True and backend.started("held", waiting) is False
             ran, queued = await asyncio.gather(running, waiting)
             late = await backend.invoke(Invocation(function="held", payload={}, deadline=time.time() - 1))
         finally:
