@@ -12,6 +12,8 @@ children: until a child is reaped its pid, which is its process group's id, cann
 given to another process. The pool names a container by the request that forked it (a
 pid it holds may be another process's by then); a child that exits on its own has its
 group killed before it is reaped (what it left running goes with it), then is reported.
+What a child started outside its group bears its mark (``envpool.escapees``, given in the
+request's env): swept after the group's kill, before the report.
 
     stdin   {"req": N, "opts": {...server options...}, "cwd": DIR, "env": {...}}
             {"req": N, "kill": R}       kill the group of request R's container, if still ours
@@ -33,6 +35,7 @@ from typing import Any
 
 import envpool.envs  # noqa: F401 - imported once here, inherited by every container
 import envpool.server as server
+from envpool import escapees
 
 
 def _child(req: dict[str, Any], ready_w: int, inherited: list[int], zygote: int) -> None:
@@ -49,7 +52,10 @@ def _child(req: dict[str, Any], ready_w: int, inherited: list[int], zygote: int)
         # the zygote's pid, known before the fork: os.getppid() here is the reaper's already
         # when the zygote died first, and the container would live on, owned by nobody
         server.die_with_parent(zygote)
-        os.environ.update(req.get("env") or {})
+        env = req.get("env") or {}
+        os.environ.update(env)
+        if mark := env.get(escapees.MARK):  # before the environment's code runs
+            escapees.mark_self(mark)
         os.chdir(req["cwd"])
 
         def ready(info: dict[str, Any]) -> None:
@@ -82,24 +88,28 @@ def _say(msg: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def _exit(children: dict[int, int]) -> None:
-    """End the zygote with the pool gone: its children's groups first. Its children die with
-    it (PR_SET_PDEATHSIG), but what they started in their groups (an environment's helper)
-    would run on under init, and nobody is left to kill it: the pool died, or closed without
-    asking. Unreaped children all: their pids are still their groups' ids."""
+def _exit(children: dict[int, int], marks: dict[int, str]) -> None:
+    """End the zygote with the pool gone: its children's groups first, then what bears their
+    marks. Its children die with it (PR_SET_PDEATHSIG), but what they started in their groups
+    or outside them (an environment's helper) would run on under init, and nobody is left to
+    kill it: the pool died, or closed without asking. Unreaped children all: their pids are
+    still their groups' ids."""
     for pid in list(children.values()):
         _kill(pid)
+    with contextlib.suppress(Exception):  # (the groups are gone: the zygote must still end)
+        escapees.sweep(set(marks.values()))
     os._exit(0)
 
 
 def main() -> None:
     children: dict[int, int] = {}  # req -> pid, of the children not reaped yet
+    marks: dict[int, str] = {}  # req -> mark, of the same
     # SIGTERM, not SIGKILL, when the pool dies (its crash runs no close): time to kill the groups
-    signal.signal(signal.SIGTERM, lambda *_: _exit(children))
+    signal.signal(signal.SIGTERM, lambda *_: _exit(children, marks))
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() != int(sys.argv[1]):
-        _exit(children)
+        _exit(children, marks)
     me = os.getpid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sel = selectors.DefaultSelector()
@@ -113,7 +123,7 @@ def main() -> None:
             if key.data is None:  # a request (or the pool went away)
                 data = os.read(fd, 65536)
                 if not data:
-                    _exit(children)
+                    _exit(children, marks)
                 buf += data
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
@@ -129,6 +139,8 @@ def main() -> None:
                         _child(req, w, list(pending), me)
                     os.close(w)
                     children[req["req"]], reqs[pid] = pid, req["req"]
+                    if mark := (req.get("env") or {}).get(escapees.MARK):
+                        marks[req["req"]] = mark
                     pending[r] = (req["req"], bytearray())
                     sel.register(r, selectors.EVENT_READ, pid)
             else:
@@ -163,8 +175,11 @@ def main() -> None:
                 break
             pid = found.si_pid
             _kill(pid)
-            _, status = os.waitpid(pid, 0)
             of = reqs.pop(pid, None)
+            if of is not None and (mark := marks.pop(of, None)):
+                with contextlib.suppress(OSError):  # (a sweep that failed must not end the zygote)
+                    escapees.sweep({mark})  # what it started outside its group
+            _, status = os.waitpid(pid, 0)
             if of is not None:
                 del children[of]
             _say({"exit": pid, "code": os.waitstatus_to_exitcode(status), "of": of})

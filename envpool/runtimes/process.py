@@ -1,6 +1,8 @@
 """The embedded default runtime: each container is an ``envpool.server`` in its own
 session (process group), its own network namespace where the kernel allows, under
-resource limits, with a private directory for its socket and scratch files.
+resource limits, with a private directory for its socket and scratch files. A stop kills
+its process group, then what it started outside the group, found by the mark on all its
+processes' environments (``envpool.escapees``, which says why a mark and where it fails).
 
 With ``zygote=True`` (the default) containers are forked from a pre-imported zygote
 (``envpool.zygote``): a few ms per container instead of an interpreter start."""
@@ -26,18 +28,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from envpool import escapees
 from envpool.errors import ContainerStartError
 from envpool.runtimes.base import Container, ProcessRuntimeConfig, Runtime, proc_cpu_seconds
 
 _LIVE_GROUPS: set[int] = set()
+_LIVE_MARKS: set[str] = set()
+"""The marks (``envpool.escapees``) of the containers not swept yet."""
 
 
 @atexit.register
 def _kill_leftovers() -> None:
-    # exit backstop: a pool that was never closed still leaves no container behind
+    # exit backstop: a pool that was never closed still leaves no container behind, nor what
+    # its containers started outside their groups
     for pgid in list(_LIVE_GROUPS):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
+    escapees.sweep(set(_LIVE_MARKS))
 
 
 log = logging.getLogger(__name__)
@@ -102,10 +109,12 @@ def _pid_exists(pid: int) -> bool:
     return True
 
 
-def _child_env(cdir: Path) -> dict[str, str]:
-    # no cloud credentials inside a container; its scratch space is its own directory
+def _child_env(cdir: Path, mark: str) -> dict[str, str]:
+    # no cloud credentials inside a container; its scratch space is its own directory; its
+    # mark (a container's token, the zygote's placeholder) is on all it starts
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MODAL_", "RAY_"))}
     env.update(PYTHONPATH=os.pathsep.join(p for p in sys.path if p), TMPDIR=str(cdir), HOME=str(cdir))
+    env[escapees.MARK] = mark
     return env
 
 
@@ -116,10 +125,13 @@ class _Forked:
     pid may be another process's (another session's container, after a pid wrap)."""
 
     req: int
+    mark: str
+    """Its token (``envpool.escapees``): the zygote sweeps what bears it before it reports
+    the container reaped; the pool, when the zygote died first."""
     pid: int = 0
     exited: bool = False
-    """The zygote reported it reaped (after killing what was left of its group), or the
-    zygote itself died (its children die with it)."""
+    """The zygote reported it reaped (after killing what was left of its group and what
+    bore its mark), or the zygote itself died (its children die with it)."""
 
 
 def _exited(proc: subprocess.Popen[bytes]) -> bool:
@@ -179,7 +191,7 @@ class _Zygote:
             *(sys.executable, "-m", "envpool.zygote", str(os.getpid())),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=_child_env(Path(tempfile.gettempdir())),
+            env=_child_env(Path(tempfile.gettempdir()), escapees.PLACEHOLDER),
             start_new_session=True,
         )
         _LIVE_GROUPS.add(self.proc.pid)
@@ -206,6 +218,7 @@ class _Zygote:
                 if child is not None and not child.exited:
                     child.exited = True
                     _LIVE_GROUPS.discard(child.pid)
+                    _LIVE_MARKS.discard(child.mark)
                 continue
             req = int(msg["req"])
             sent.discard(req)
@@ -242,6 +255,11 @@ class _Zygote:
             if child.pid and not child.exited:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(child.pid, signal.SIGKILL)
+        # and what they started outside their groups, which the zygote did not live to sweep
+        # (a container that never reported its pid had a mark all the same)
+        marks = {child.mark for child in children.values() if not child.exited}
+        await asyncio.to_thread(escapees.sweep, marks)
+        _LIVE_MARKS.difference_update(marks)
         # reaped: its children were sent SIGKILL as it exited (PR_SET_PDEATHSIG), so what they
         # were starting in their directories has stopped before those go
         await proc.wait()
@@ -270,11 +288,12 @@ class _Zygote:
         await self.ensure()
         assert self.proc is not None and self.proc.stdin is not None
         req = next(self.ids)
-        child = self.children[req] = _Forked(req)
+        child = self.children[req] = _Forked(req, escapees.token(cwd))
+        _LIVE_MARKS.add(child.mark)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.waiting[req] = fut
         self.cwds[req] = cwd
-        env = {"TMPDIR": str(cwd), "HOME": str(cwd)}
+        env = {"TMPDIR": str(cwd), "HOME": str(cwd), escapees.MARK: child.mark}
         self.sent.add(req)
         self.proc.stdin.write(
             json.dumps({"req": req, "opts": opts, "cwd": str(cwd), "env": env}).encode() + b"\n"
@@ -443,11 +462,12 @@ class ProcessRuntime(Runtime):
             cmd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
-            env=_child_env(cdir),
+            env=_child_env(cdir, escapees.token(cdir)),
             cwd=str(cdir),
             start_new_session=True,  # its own process group: killed as a whole
         )
         _LIVE_GROUPS.add(proc.pid)
+        _LIVE_MARKS.add(escapees.token(cdir))
         c = Container(
             id=cid, endpoint=opts["sock"], image=image, runtime=self.kind, pid=proc.pid, handle=proc
         )
@@ -483,6 +503,11 @@ class ProcessRuntime(Runtime):
             while proc.poll() is None:  # noqa: ASYNC110
                 await asyncio.sleep(0.005)
             _LIVE_GROUPS.discard(proc.pid)
+            # then what it started outside its group (a helper in a session of its own):
+            # found by its mark, as the zygote does for its children before it reports them
+            mark = escapees.token(Path(c.endpoint).parent)
+            await asyncio.to_thread(escapees.sweep, {mark})
+            _LIVE_MARKS.discard(mark)
         shutil.rmtree(Path(c.endpoint).parent, ignore_errors=True)
 
     def cpu_seconds(self, c: Container) -> float | None:

@@ -1,0 +1,185 @@
+"""What an environment starts outside its container's process group (a database or a
+browser in a session of its own, a daemon) is stopped with the container: at its stop, at the
+pool's close, and when the driver dies (zygote or not)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from echo_bundle import IMAGE, write_env_bundle
+from pool_util import alive, pool, wait_for
+
+_ESCAPER = '''
+import os
+import subprocess
+import time
+
+import envpool
+
+
+class EscapeEnv(envpool.Env):
+    """Starts a helper that leaves the container's process group and writes its pid to the
+    file named: 'exec PATH' a program in a session of its own (Popen(start_new_session=True));
+    'daemon PATH' a daemon the python-daemon way (fork, setsid, fork, no exec), orphaned."""
+
+    example_actions = ()
+
+    def reset(self, *, seed=None, options=None):
+        return "ready", {}
+
+    def step(self, action):
+        kind, path = action.split(" ", 1)
+        if kind == "exec":
+            helper = subprocess.Popen(["sleep", "60"], start_new_session=True).pid
+        else:
+            r, w = os.pipe()
+            first = os.fork()
+            if first == 0:
+                os.setsid()
+                daemon = os.fork()
+                if daemon == 0:
+                    time.sleep(60)
+                    os._exit(0)
+                os.write(w, str(daemon).encode())
+                os._exit(0)
+            os.close(w)
+            helper = int(os.read(r, 64))
+            os.close(r)
+            os.waitpid(first, 0)
+        with open(path, "w") as f:
+            f.write(str(helper))
+        return envpool.StepResult(obs=envpool.Observation(text=str(helper)))
+'''
+
+MODES = pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "fresh-interpreter"])
+KINDS = pytest.mark.parametrize("kind", ["exec", "daemon"])
+
+
+@contextlib.contextmanager
+def _killed_at_end(pid_file: Path):
+    """A helper that survived a failing test is killed by the pid it wrote."""
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            helper = int(pid_file.read_text())
+            if alive(helper):
+                os.kill(helper, signal.SIGKILL)
+
+
+@MODES
+@KINDS
+async def test_a_helper_outside_the_containers_group_is_stopped_with_the_container(tmp_path, zygote, kind):
+    images = write_env_bundle(tmp_path / "b", "escape_env", _ESCAPER, {"escape-v0": "EscapeEnv"})
+    pid_file = tmp_path / "helper.pid"
+    runtime = {"heartbeat_s": 0.1, "zygote": zygote}
+    with _killed_at_end(pid_file):
+        async with pool(images, min_warm=0, max_episodes=1, runtime=runtime) as p:
+            async with p.session("escape-v0", image=IMAGE) as s:  # stopped at its end (max_episodes)
+                await s.reset(seed=0)
+                helper = int((await s.step(f"{kind} {pid_file}")).obs.text)
+                assert alive(helper)
+                c = s.container
+            assert c.id not in p.runtime.live
+            await wait_for(lambda: not alive(helper))
+
+
+@MODES
+async def test_a_helper_outside_the_containers_group_is_stopped_when_the_pool_closes(tmp_path, zygote):
+    images = write_env_bundle(tmp_path / "b", "escape_env", _ESCAPER, {"escape-v0": "EscapeEnv"})
+    pid_file = tmp_path / "helper.pid"
+    runtime = {"heartbeat_s": 0.1, "zygote": zygote}
+    with _killed_at_end(pid_file):
+        async with pool(images, min_warm=0, runtime=runtime) as p:
+            async with p.session("escape-v0", image=IMAGE) as s:
+                await s.reset(seed=0)
+                helper = int((await s.step(f"exec {pid_file}")).obs.text)
+            assert p.runtime.live and alive(helper)  # idle again: still warm
+        await wait_for(lambda: not alive(helper))
+
+
+_DRIVER_KILLED = r"""
+import asyncio, json, sys
+from pathlib import Path
+from echo_bundle import IMAGE, DirImages
+from envpool.pool import EnvPool
+
+
+async def main():
+    cfg = {"min_warm": 0, "runtime": {"heartbeat_s": 0.1, "zygote": True}}
+    images = DirImages(Path(sys.argv[1]))
+    async with EnvPool(cfg, images=images) as p, p.session("escape-v0", image=IMAGE) as s:
+        await s.reset(seed=0)
+        helper = int((await s.step(f"exec {sys.argv[2]}")).obs.text)
+        print(json.dumps({"helper": helper}), flush=True)
+        await asyncio.sleep(60)  # SIGKILLed here: nothing of the pool's close runs
+
+
+asyncio.run(main())
+"""
+
+
+def test_a_driver_killed_leaves_no_helper_outside_its_containers_groups(tmp_path):
+    # the zygote dies of the driver's death and kills its children's groups as it goes: a
+    # helper in a session of its own was no member of any
+    write_env_bundle(tmp_path / "b", "escape_env", _ESCAPER, {"escape-v0": "EscapeEnv"})
+    script = tmp_path / "driver.py"
+    script.write_text(_DRIVER_KILLED)
+    pid_file = tmp_path / "helper.pid"
+    here = Path(__file__).resolve().parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(here), str(here.parents[1])]),
+        "TMPDIR": str(tmp_path),
+    }
+    cmd = [sys.executable, str(script), str(tmp_path / "b"), str(pid_file)]
+    driver = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env)
+    with _killed_at_end(pid_file):
+        try:
+            assert driver.stdout is not None
+            helper = json.loads(driver.stdout.readline())["helper"]
+            assert alive(helper)
+            driver.kill()
+            driver.wait()
+            deadline = time.monotonic() + 5
+            while alive(helper) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert not alive(helper)
+        finally:
+            driver.kill()
+            driver.wait()
+
+
+@MODES
+async def test_a_containers_stop_kills_no_other_containers_helper(tmp_path, zygote):
+    images = write_env_bundle(tmp_path / "b", "escape_env", _ESCAPER, {"escape-v0": "EscapeEnv"})
+    first, second = tmp_path / "first.pid", tmp_path / "second.pid"
+    runtime = {"heartbeat_s": 0.1, "zygote": zygote}
+    with _killed_at_end(first), _killed_at_end(second):
+        async with pool(images, min_warm=0, runtime=runtime) as p:
+            async with p.session("escape-v0", image=IMAGE) as s1, p.session("escape-v0", image=IMAGE) as s2:
+                await s1.reset(seed=0)
+                await s2.reset(seed=0)
+                helpers = [int((await s.step(f"exec {f}")).obs.text) for s, f in ((s1, first), (s2, second))]
+                await p.runtime.stop(s1.container)
+                await wait_for(lambda: not alive(helpers[0]))
+                assert alive(helpers[1])
+        await wait_for(lambda: not alive(helpers[1]))
+
+
+def test_a_sweep_never_kills_its_caller(tmp_path):
+    # the caller may bear the mark it sweeps (a pool run inside a container of another)
+    root = Path(__file__).resolve().parents[2]
+    mark = "0" * 32
+    code = f"from envpool import escapees; escapees.sweep({{{mark!r}}}); print('alive')"
+    env = {**os.environ, "PYTHONPATH": str(root), "ENVPOOL_CONTAINER": mark}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert (out.returncode, out.stdout) == (0, "alive\n"), out.stderr[-2000:]
