@@ -70,6 +70,13 @@ def _reap_dead_roots(tmp: Path) -> list[str]:
             pid = int(m.group(1))
             if pid == os.getpid() or not _owner_gone(Path(entry.path), pid):
                 continue
+            # what its containers started that nobody swept: a fresh interpreter's container
+            # dies of its driver's death at once (PR_SET_PDEATHSIG, SIGKILL), with no time to;
+            # a zygote killed outright did not either. Its containers' marks are its
+            # directories' (``escapees.token``): this backstop kills their processes only
+            with contextlib.suppress(OSError):
+                cdirs = [Path(d.path) for d in os.scandir(entry.path) if d.is_dir(follow_symlinks=False)]
+                escapees.sweep({escapees.token(cdir) for cdir in cdirs})
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.path)
     return removed
@@ -395,7 +402,8 @@ class ProcessRuntime(Runtime):
         """Remove the directories our kind of runtime made for owners that are gone (a driver
         SIGKILLed: nothing of its close ran; its containers died with it, their directories
         stayed). Only ``envpool-p<pid>-*`` in the temp dir whose ``pid`` is no live process:
-        never another live process's, never a directory someone else named."""
+        never another live process's, never a directory someone else named. What their
+        containers left running (by their marks, ``envpool.escapees``) is killed first."""
         return await asyncio.to_thread(_reap_dead_roots, Path(tempfile.gettempdir()))
 
     def _opts(self, sock: Path, bundle: Path | None) -> dict[str, Any]:

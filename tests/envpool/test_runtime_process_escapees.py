@@ -10,12 +10,16 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from echo_bundle import IMAGE, write_env_bundle
 from pool_util import alive, pool, wait_for
+
+from envpool.runtimes.process import ProcessRuntime
 
 _ESCAPER = '''
 import os
@@ -114,7 +118,7 @@ from envpool.pool import EnvPool
 
 
 async def main():
-    cfg = {"min_warm": 0, "runtime": {"heartbeat_s": 0.1, "zygote": True}}
+    cfg = {"min_warm": 0, "runtime": {"heartbeat_s": 0.1, "zygote": sys.argv[3] == "zygote"}}
     images = DirImages(Path(sys.argv[1]))
     async with EnvPool(cfg, images=images) as p, p.session("escape-v0", image=IMAGE) as s:
         await s.reset(seed=0)
@@ -127,9 +131,9 @@ asyncio.run(main())
 """
 
 
-def test_a_driver_killed_leaves_no_helper_outside_its_containers_groups(tmp_path):
-    # the zygote dies of the driver's death and kills its children's groups as it goes: a
-    # helper in a session of its own was no member of any
+@contextlib.contextmanager
+def _driver_killed(tmp_path: Path, mode: str) -> Iterator[int]:
+    """A driver SIGKILLed with a helper of its container's running; the helper's pid."""
     write_env_bundle(tmp_path / "b", "escape_env", _ESCAPER, {"escape-v0": "EscapeEnv"})
     script = tmp_path / "driver.py"
     script.write_text(_DRIVER_KILLED)
@@ -140,7 +144,7 @@ def test_a_driver_killed_leaves_no_helper_outside_its_containers_groups(tmp_path
         "PYTHONPATH": os.pathsep.join([str(here), str(here.parents[1])]),
         "TMPDIR": str(tmp_path),
     }
-    cmd = [sys.executable, str(script), str(tmp_path / "b"), str(pid_file)]
+    cmd = [sys.executable, str(script), str(tmp_path / "b"), str(pid_file), mode]
     driver = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env)
     with _killed_at_end(pid_file):
         try:
@@ -149,13 +153,31 @@ def test_a_driver_killed_leaves_no_helper_outside_its_containers_groups(tmp_path
             assert alive(helper)
             driver.kill()
             driver.wait()
-            deadline = time.monotonic() + 5
-            while alive(helper) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert not alive(helper)
+            yield helper
         finally:
             driver.kill()
             driver.wait()
+
+
+def test_a_driver_killed_leaves_no_helper_outside_its_containers_groups(tmp_path):
+    # the zygote dies of the driver's death and kills its children's groups as it goes: a
+    # helper in a session of its own was no member of any
+    with _driver_killed(tmp_path, "zygote") as helper:
+        deadline = time.monotonic() + 5
+        while alive(helper) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not alive(helper)
+
+
+async def test_the_orphan_reaper_kills_what_a_dead_drivers_containers_left(tmp_path, monkeypatch):
+    # a fresh interpreter's container dies of its driver's death at once (PR_SET_PDEATHSIG,
+    # SIGKILL), with no time for a sweep: what it started ran on until the machine's next
+    # pool removed the dead driver's directories, and after
+    with _driver_killed(tmp_path, "exec") as helper:
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        (root,) = tmp_path.glob("envpool-p*")
+        assert await ProcessRuntime().reap_orphans() == [str(root)]
+        await wait_for(lambda: not alive(helper))
 
 
 @MODES
