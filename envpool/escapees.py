@@ -30,8 +30,6 @@ import os
 from collections.abc import Collection
 from pathlib import Path
 
-from envpool.envs.code_repair_kill import stop_and_kill
-
 __all__ = ["MARK", "PLACEHOLDER", "mark_self", "marked", "sweep", "token"]
 
 MARK = "ENVPOOL_CONTAINER"
@@ -94,4 +92,7 @@ def marked(tokens: Collection[str]) -> list[int]:
 def sweep(tokens: Collection[str]) -> None:
     """SIGKILL every process marked with any of ``tokens`` (blocking: a scan of ``/proc``)."""
     if tokens:
+        # imported here: a runtime's import does not load the built-in environments' package
+        from envpool.envs.code_repair_kill import stop_and_kill
+
         stop_and_kill(lambda: marked(tokens))
