@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             summary = asyncio.run(job.run())
     except CoreError as e:
-        print(f"{e}{failure_note(job)}", file=sys.stderr)
+        print(f"error: {e}{failure_note(job)}", file=sys.stderr)  # worded as fabric run's
         return 2
     except KeyboardInterrupt:  # Ctrl-C: the job stopped what it had started; no traceback
         print("interrupted", file=sys.stderr)

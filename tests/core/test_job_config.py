@@ -53,6 +53,7 @@ def test_the_cli_refuses_a_bad_config_before_anything_starts(tmp_path, capsys, o
     assert main([str(path), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert f"{key}: " in err and str(path) in err
+    assert err.startswith("error: ")  # worded as fabric run's
     assert not (tmp_path / "run").exists()
 
 
