@@ -36,6 +36,9 @@ class Fault:
     delay_s: float = 0.0
     """Wait this long first (a straggler)."""
     message: str = "injected fault"
+    started: bool | None = None
+    """What the failure says of whether the function began (``Result.started``); left out,
+    what its code says (``None`` for a ``DeadlineExceeded``, read then by its message)."""
 
 
 class FakeBackend(Backend):
@@ -66,7 +69,12 @@ class FakeBackend(Backend):
             await asyncio.sleep(fault.delay_s)
         if fault is not None and fault.code is not None:
             return Result.failure(
-                fault.code, fault.message, function=inv.function, request_id=inv.request_id, worker="fake"
+                fault.code,
+                fault.message,
+                function=inv.function,
+                request_id=inv.request_id,
+                worker="fake",
+                started=fault.started,
             )
         try:
             runner = self._runners.get(inv.function)

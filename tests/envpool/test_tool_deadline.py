@@ -318,3 +318,21 @@ async def test_an_inprocess_tool_call_with_no_time_left_is_not_run(blocking_tool
             with pytest.raises(ToolUnavailable, match="no time left"):
                 await tools("calculator", {"expression": "1"}, deadline_s=0)
         assert RAN_ON == [] and tools.metrics["tool_threads_stuck"] == 0
+
+
+@pytest.mark.parametrize("started", [True, False])
+async def test_the_fake_backend_injects_whether_a_failed_call_began(started):
+    # a test of a bridge or a job scripts a deadline that ran or did not, whatever its words
+    from envpool.errors import ToolUnavailable
+    from fabric.errors import ErrorCode
+    from fabric.testing import FakeBackend, Fault
+
+    fake = FakeBackend(REG)
+    fake.inject("calculator", Fault(code=ErrorCode.DEADLINE_EXCEEDED, message="late", started=started))
+    async with fabric.Client(backend=fake, registry=REG) as client:
+        call = fabric_tools(client)
+        if started:
+            assert (await call("calculator", {"expression": "1"}, deadline_s=5)).startswith("error: tool")
+        else:
+            with pytest.raises(ToolUnavailable, match="late"):
+                await call("calculator", {"expression": "1"}, deadline_s=5)
