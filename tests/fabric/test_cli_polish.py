@@ -49,8 +49,16 @@ _WITHOUT = (
 )
 def test_a_server_command_without_the_serve_extra_names_it(tmp_path, command, module):
     """Both printed a traceback ending in "ModuleNotFoundError: import of aiohttp halted"."""
+    _refused_without(
+        tmp_path, module, [*command, "-f", "exact_match", "--port", "0"], "pip install 'rl-fabric[serve]'"
+    )
+
+
+def _refused_without(tmp_path: Path, module: str, args: list[str], install: str) -> None:
+    """``fabric ARGS`` with ``module``'s import blocked: one line naming it and saying
+    ``install``, exit 2, no traceback, nothing on stdout."""
     done = subprocess.run(
-        [sys.executable, "-c", _WITHOUT.format(module=module), *command, "-f", "exact_match", "--port", "0"],
+        [sys.executable, "-c", _WITHOUT.format(module=module), *args],
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, str(HERE)])},
         capture_output=True,
@@ -59,7 +67,7 @@ def test_a_server_command_without_the_serve_extra_names_it(tmp_path, command, mo
     )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
-    assert "pip install 'rl-fabric[serve]'" in done.stderr and module in done.stderr
+    assert install in done.stderr and module in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.stdout == ""
 
@@ -69,27 +77,9 @@ def test_fabric_run_without_the_job_extras_names_them(tmp_path, module):
     """Without ray it built the images and the policy, then printed a traceback ending in
     "ModuleNotFoundError: No module named 'ray'" (a base install, `pip install -e .`)."""
     shutil.copytree(Path(ROOT, "examples", "own_env"), tmp_path / "examples" / "own_env")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _WITHOUT.format(module=module),
-            "run",
-            "examples/own_env/config.yaml",
-            "--steps",
-            "1",
-        ],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, str(HERE)])},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 2, done.stderr
-    assert "Traceback" not in done.stderr, done.stderr
-    assert "[ray,train,rewards]'" in done.stderr and module in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert done.stdout == "" and not (tmp_path / "runs").exists()
+    args = ["run", "examples/own_env/config.yaml", "--steps", "1"]
+    _refused_without(tmp_path, module, args, "[ray,train,rewards]'")
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize(
