@@ -9,11 +9,18 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+#: How long after the drain's end aiohttp's own shutdown timeout fires: only a backstop.
+_BACKSTOP_S = 1.0
+
 
 def drain_timeout(drain_s: float) -> float:
-    """aiohttp's ``shutdown_timeout`` for a drain of ``drain_s``: aiohttp reads 0 as no
-    timeout at all (wait forever), so no drain is the shortest one instead."""
-    return max(drain_s, 1e-3)
+    """aiohttp's ``shutdown_timeout`` for a drain of ``drain_s`` (0 included: aiohttp reads 0
+    as no timeout at all). The drain's end is ``cleanup_within``'s timer, which cancels the
+    requests left; aiohttp's timeout comes a little later. At the same moment as the timer,
+    aiohttp gave up its wait for a request (cancelling the future the request's end sets) as
+    the request was being cancelled: each call cut was logged as an "Unhandled exception"
+    (``InvalidStateError``) with two tracebacks, which reads as a crash."""
+    return drain_s + _BACKSTOP_S
 
 
 class InFlight:

@@ -1,0 +1,48 @@
+"""``fabric serve`` under an adversarial tenant and a careless operator: a drain that cuts
+calls off logs no traceback of aiohttp's, a token written with spaces around it still
+authenticates, and the payload of a call waiting for room costs the server its body, not
+the many times more its parsed form takes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+import pytest
+from sample_fns import REG
+from serve_helpers import PATH, auth, config
+
+from fabric.serve import Gateway
+
+
+async def _until_in_flight(g: Gateway, n: int = 1) -> None:
+    for _ in range(3000):  # until the server has the requests
+        if g.inflight >= n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{g.inflight} requests in flight, not {n}")
+
+
+@pytest.mark.parametrize("drain_s", [0, 0.3])
+async def test_calls_cut_at_the_drains_end_log_no_traceback(drain_s, caplog):
+    """The drain's own timer and aiohttp's shutdown timeout fired at the same moment: aiohttp
+    cancelled the future it waits on for the request as our timer cancelled the request, whose
+    end then set that cancelled future: an ``InvalidStateError`` logged by aiohttp as an
+    "Unhandled exception" with two tracebacks per call cut, which reads as a crash."""
+    caplog.set_level(logging.DEBUG, logger="aiohttp")
+    g = Gateway(config(drain_s=drain_s), REG)
+    await g.start()
+    async with httpx.AsyncClient(base_url=g.url, timeout=30) as c:
+        calls = [
+            asyncio.create_task(c.post(PATH.format("sleepy"), json={"seconds": 20}, headers=auth()))
+            for _ in range(2)
+        ]
+        await _until_in_flight(g, 2)
+        await g.aclose()
+        for call in calls:
+            with pytest.raises(httpx.TransportError):  # dropped: the client retries
+                await call
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, "\n".join(r.getMessage() + "\n" + caplog.text for r in errors[:1])
+    assert "InvalidStateError" not in caplog.text
