@@ -52,6 +52,7 @@ class TenantConfig(_Model):
     """One caller of the server (a training job)."""
 
     token: SecretStr | None = None
+    """The bearer token (stripped: spaces or a newline around it are not part of it)."""
     token_file: Path | None = None
     """Read the token from this file (stripped) instead of writing it in the key file."""
     max_concurrency: int = Field(64, ge=1)
@@ -77,7 +78,10 @@ class TenantConfig(_Model):
 
     def secret(self) -> str:
         if self.token is not None:
-            value = self.token.get_secret_value()
+            # stripped as a token_file's is, and as a request's token is read (HTTP trims a
+            # header's value): a token written with a space or a newline around it (`--token`,
+            # $RL_FABRIC_TOKEN filled from a file) was one no request could match
+            value = self.token.get_secret_value().strip()
         else:
             assert self.token_file is not None
             try:

@@ -13,7 +13,8 @@ import pytest
 from sample_fns import REG
 from serve_helpers import PATH, auth, config
 
-from fabric.serve import Gateway
+from fabric.errors import ConfigError
+from fabric.serve import Gateway, TenantConfig
 
 
 async def _until_in_flight(g: Gateway, n: int = 1) -> None:
@@ -46,3 +47,21 @@ async def test_calls_cut_at_the_drains_end_log_no_traceback(drain_s, caplog):
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, "\n".join(r.getMessage() + "\n" + caplog.text for r in errors[:1])
     assert "InvalidStateError" not in caplog.text
+
+
+@pytest.mark.parametrize("written", [" token-a-0123456789abcdef ", "token-a-0123456789abcdef\n"])
+async def test_a_token_written_with_spaces_around_it_is_the_token(written):
+    """A request's token is read stripped (HTTP trims a header's value), but a token given
+    with spaces or a newline around it (``--token``, a tenants file's ``token``,
+    ``$RL_FABRIC_TOKEN`` filled from a file) was kept as written: no request could ever
+    match it, and every call was 403 "invalid token". A ``token_file`` was stripped already."""
+    tenants = {"job-a": TenantConfig(token=written)}
+    async with Gateway(config(tenants=tenants), REG) as g, httpx.AsyncClient(base_url=g.url) as http:
+        r = await http.post(PATH.format("add"), json={"a": 1}, headers=auth("token-a-0123456789abcdef"))
+        assert r.status_code == 200, r.text
+        assert r.json() == 1
+
+
+def test_a_token_short_once_stripped_is_refused():
+    with pytest.raises(ConfigError, match="at least 16 characters"):
+        TenantConfig(token="short" + " " * 20).secret()
