@@ -83,6 +83,11 @@ class LambdaBackend(LambdaReplies, Backend):
         token = self.config.token.get_secret_value() if self.config.token else None
         if token is None and self.config.endpoint_url is not None:
             token = os.environ.get(TOKEN_ENV) or None
+        if token is not None:
+            # as fabric serve reads a token: a newline after it ($RL_FABRIC_TOKEN filled from
+            # a file) made every request's header one the HTTP library refused, a retryable
+            # TransportError for a call that could never be sent
+            token = token.strip() or None
         self._token = token
         transport = self.config.transport
         if transport == "auto":

@@ -10,9 +10,12 @@ import logging
 
 import httpx
 import pytest
+from lambda_helpers import TOKEN, lam, transport_fixture  # noqa: F401 - by name=
 from sample_fns import REG
 from serve_helpers import PATH, auth, config
 
+from fabric.backends.base import TOKEN_ENV, InprocConfig
+from fabric.client import Client
 from fabric.errors import ConfigError
 from fabric.serve import Gateway, TenantConfig
 
@@ -65,3 +68,19 @@ async def test_a_token_written_with_spaces_around_it_is_the_token(written):
 def test_a_token_short_once_stripped_is_refused():
     with pytest.raises(ConfigError, match="at least 16 characters"):
         TenantConfig(token="short" + " " * 20).secret()
+
+
+@pytest.mark.parametrize("where", ["config", "env"])
+async def test_the_lambda_backend_sends_its_token_stripped(transport, where, monkeypatch):
+    """A token with a newline after it (``$RL_FABRIC_TOKEN`` filled from a file, a secret
+    mounted as one) went into the header as it was: the http transport's aiohttp refused the
+    header ("header injection") and the boto3 one's urllib3 too, each a retryable
+    TransportError, retried till the deadline for a call that could never be sent."""
+    cfg = config(tenants={"job": TenantConfig(token=TOKEN)}, backend=InprocConfig())
+    monkeypatch.setenv(TOKEN_ENV, TOKEN + "\n")
+    async with Gateway(cfg, REG) as g:
+        backend = lam(g, transport, token=TOKEN + "\n" if where == "config" else None)
+        async with Client(backend=backend, registry=REG) as c:
+            r = await c.call("add", {"a": 2})
+    assert r.ok, r.error
+    assert r.value == 2 and r.attempts == 1
