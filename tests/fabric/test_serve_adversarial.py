@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tracemalloc
 
 import httpx
 import pytest
@@ -14,7 +15,7 @@ from lambda_helpers import TOKEN, lam, transport_fixture  # noqa: F401 - by name
 from sample_fns import REG
 from serve_helpers import PATH, auth, config
 
-from fabric.backends.base import TOKEN_ENV, InprocConfig
+from fabric.backends.base import TOKEN_ENV, InprocConfig, LocalConfig
 from fabric.client import Client
 from fabric.errors import ConfigError
 from fabric.serve import Gateway, TenantConfig
@@ -84,3 +85,48 @@ async def test_the_lambda_backend_sends_its_token_stripped(transport, where, mon
             r = await c.call("add", {"a": 2})
     assert r.ok, r.error
     assert r.value == 2 and r.attempts == 1
+
+
+@pytest.mark.parametrize("shape", ["raw", "envelope"])
+async def test_a_call_waiting_for_room_holds_its_body_not_its_parsed_payload(shape):
+    """A tenant holds at most ``max_concurrency`` bodies in the server's memory, the quota's
+    promise (6 MB each). But each call kept its payload parsed beside its body while it
+    waited and ran, and parsed JSON is many times its text (``[{}, {}, ...]``: about 24x):
+    one tenant within its default quota of 64 held some 9 GB, enough to have the server
+    killed with every tenant's calls. The backends send the encoded body; the parsed payload
+    is not kept."""
+    n = 4
+    pad = b"[" + b",".join([b"{}"] * 350_000) + b"]"  # 1 MB of JSON, some 25 MB parsed
+    if shape == "raw":
+        body = b'{"seconds": 0, "pad": ' + pad + b"}"
+    else:
+        body = b'{"function": "sleepy", "payload": {"seconds": 0, "pad": ' + pad + b"}}"
+    g = Gateway(config(backend=LocalConfig(max_workers=1), drain_s=0), REG)
+    await g.start()
+    try:
+        async with httpx.AsyncClient(base_url=g.url, timeout=60) as c:
+            # one call has the pool's one slot; the padded ones wait for room in its gate
+            busy = asyncio.create_task(c.post(PATH.format("sleepy"), json={"seconds": 30}, headers=auth()))
+            await _until_in_flight(g, 1)
+            tracemalloc.start()
+            try:
+                before = tracemalloc.get_traced_memory()[0]
+                padded = [
+                    asyncio.create_task(c.post(PATH.format("sleepy"), content=body, headers=auth()))
+                    for _ in range(n)
+                ]
+                for _ in range(3000):
+                    if g._gates["sleepy"].waiting == n:
+                        break
+                    await asyncio.sleep(0.01)
+                assert g._gates["sleepy"].waiting == n
+                held = tracemalloc.get_traced_memory()[0] - before
+            finally:
+                tracemalloc.stop()
+            for task in [busy, *padded]:
+                task.cancel()
+            await asyncio.gather(busy, *padded, return_exceptions=True)
+    finally:
+        await g.aclose()
+    # the body, and its copy for the worker: a few times its size, not twenty
+    assert held < n * 4 * len(body), f"{held / n / len(body):.1f}x the body per waiting call"
