@@ -28,6 +28,16 @@ log = logging.getLogger("fabric.serve")
 _MAY_RUN_ON = frozenset({ErrorCode.DEADLINE_EXCEEDED, ErrorCode.TIMEOUT})
 
 
+def _shown(text: str, limit: int = 200) -> str:
+    """A caller's text in a log line: an envelope's ``request_id``, an error message that
+    echoes the payload. Its own newlines forged whole lines (another tenant's, the server's),
+    and a megabyte of it was a megabyte of log: control characters escaped, cut at ``limit``."""
+    if len(text) <= limit and text.isprintable():
+        return text
+    shown = repr(text[:limit])[1:-1]
+    return shown if len(text) <= limit else f"{shown}... ({len(text):,} characters)"
+
+
 class GatewayCalls:
     """Calls through their gates to the backend and back (see the module docstring)."""
 
@@ -156,16 +166,20 @@ class GatewayCalls:
             # a bug of ours (as a RequestResponse call's 500): its caller had its 202 and hears
             # of it nowhere else; left on the task, it showed only when the task was collected
             log.exception(
-                "event %s %s (tenant %s) failed inside the server", inv.request_id, inv.function, tenant
+                "event %s %s (tenant %s) failed inside the server",
+                _shown(inv.request_id),
+                inv.function,
+                tenant,
             )
             return
         if not result.ok and result.error is not None:
             log.warning(
-                "event %s %s failed: %s: %s",
-                inv.request_id,
+                "event %s %s (tenant %s) failed: %s: %s",
+                _shown(inv.request_id),
                 inv.function,
+                tenant,
                 result.error.type,
-                result.error.message,
+                _shown(result.error.message, 1000),
             )
 
     def _event_ended(self, inv: Invocation, tenant: str, task: asyncio.Task[None]) -> None:
@@ -177,7 +191,7 @@ class GatewayCalls:
         log.warning(
             "event %s %s (tenant %s) dropped: the server stopped before it ended (drain_s=%g); "
             "it was queued or cut while running, so it may not have run, or run in part",
-            inv.request_id,
+            _shown(inv.request_id),
             inv.function,
             tenant,
             self.config.drain_s,

@@ -130,3 +130,25 @@ async def test_a_call_waiting_for_room_holds_its_body_not_its_parsed_payload(sha
         await g.aclose()
     # the body, and its copy for the worker: a few times its size, not twenty
     assert held < n * 4 * len(body), f"{held / n / len(body):.1f}x the body per waiting call"
+
+
+async def test_a_tenant_cannot_write_lines_of_its_own_into_the_servers_log(caplog):
+    """An ``Event`` call's failure is logged with its envelope's ``request_id`` and its error
+    message, both the caller's text (the message echoes the payload here, as many do). A
+    newline in either forged whole log lines (another tenant's, the server's own), and a
+    request id of a megabyte was a megabyte of log per call: each is one bounded line."""
+    forged = "\n2026-01-01 00:00:00 CRITICAL fabric.serve: tenant job-b leaked its token"
+    body = {"function": "boom", "payload": {"x": "1" + forged}, "request_id": "r1" + forged + "A" * 100_000}
+    async with Gateway(config(backend=InprocConfig()), REG) as g, httpx.AsyncClient(base_url=g.url) as c:
+        with caplog.at_level(logging.INFO, logger="fabric.serve"):
+            headers = {**auth(), "X-Amz-Invocation-Type": "Event"}
+            r = await c.post(PATH.format("boom"), json=body, headers=headers)
+            assert r.status_code == 202
+            for _ in range(3000):
+                if g.inflight == 0:
+                    break
+                await asyncio.sleep(0.01)
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "fabric.serve"]
+    for line in lines:
+        assert "\n" not in line and len(line) < 2000, line[:300]
+    assert any("boom (tenant job-a) failed" in line for line in lines), lines  # whose event
