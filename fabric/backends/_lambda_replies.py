@@ -93,6 +93,8 @@ class LambdaReplies:
     """The translation part of a ``LambdaBackend``; its ``config`` is the backend's."""
 
     config: LambdaConfig
+    _token: str | None
+    """A ``fabric serve``'s token; ``None`` for AWS itself."""
 
     def _where(self) -> str:
         return self.config.endpoint_url or f"AWS Lambda in {self.config.region}"
@@ -159,7 +161,8 @@ class LambdaReplies:
                 f" (the configuration of {name!r}, not the payload: no call runs until it is fixed; "
                 "then run `fabric deploy` again)"
             )
-        elif code == ErrorCode.UNKNOWN_FUNCTION:
+        elif code == ErrorCode.UNKNOWN_FUNCTION and self._token is None:
+            # (a fabric serve's own message says what it serves and how it names functions)
             name = self.config.function_prefix + inv.function
             where = f" in {self.config.region}" if aws else ""
             if self.config.function_prefix:

@@ -37,6 +37,35 @@ class GatewayRoutes(GatewayCalls):
     rates: RateLimiter
     _draining: bool
 
+    def _not_served(self, asked: str) -> str:
+        """The 404's message for ``asked`` (the name as requested, with its prefix): what
+        to do about it. The bare "Function not found" had the lambda backend advise as for
+        AWS (`fabric deploy` names it rl-fabric-NAME), wrong for a server started without the
+        function or with another prefix."""
+        prefix = self.config.function_prefix
+        shown = asked if len(asked) <= 200 else f"{asked[:200]}..."
+        message = f"Function not found: {shown}"
+        if prefix and not asked.startswith(prefix):
+            # LambdaConfig's function_prefix; `fabric invoke --prefix`
+            return (
+                f"{message} (this server's functions are named {prefix}NAME: set function_prefix={prefix!r})"
+            )
+        if prefix:
+            asked = asked[len(prefix) :]
+        as_served = [n for n in self.served if asked.endswith(n) and asked != n]
+        if as_served:  # called with a prefix this server does not use
+            name = max(as_served, key=len)
+            return f"{message} (this server serves it as {prefix + name!r}: set function_prefix={prefix!r})"
+        if asked in self.registry:
+            return (
+                f"{message} (this server serves only {', '.join(sorted(self.served))}: restart it with "
+                f"-f {asked} to serve it too)"
+            )
+        return (
+            f"{message} (this server serves {', '.join(sorted(self.served)) or 'no function'}; one of "
+            "your own is served once the server loads its module: fabric serve -m MODULE)"
+        )
+
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -70,9 +99,9 @@ class GatewayRoutes(GatewayCalls):
             if prefix and function.startswith(prefix):
                 function = function[len(prefix) :]
             elif prefix:
-                raise Reply(404, "ResourceNotFoundException", f"Function not found: {function}")
+                raise Reply(404, "ResourceNotFoundException", self._not_served(function))
             if function not in self.served:
-                raise Reply(404, "ResourceNotFoundException", f"Function not found: {function}")
+                raise Reply(404, "ResourceNotFoundException", self._not_served(prefix + function))
             spec = self.registry.get(function)
             if qualifier not in (None, "$LATEST", "live", spec.version):
                 raise Reply(

@@ -50,8 +50,14 @@ async def test_user_error_is_final_and_not_retried(gw, transport):
 
 
 async def test_unknown_function_says_how_it_is_deployed(gw, transport):
+    # a fabric serve says how it names its functions (`fabric deploy` is no advice for it)
     async with LambdaBackend(REG, lam(gw, transport, function_prefix="rl-")) as b:
         r = await b.invoke(Invocation(function="add", payload={"a": 1}))
+    assert r.error.type == ErrorCode.UNKNOWN_FUNCTION and not r.retryable
+    assert "serves it as 'add': set function_prefix=''" in r.error.message, r.error.message
+    # AWS: the name called, and the deploy that makes it
+    b = LambdaBackend(REG, LambdaConfig(region="us-east-1", function_prefix="rl-"))
+    r = b._refused(Invocation(function="add"), "ResourceNotFoundException", 404, "Function not found: rl-add")
     assert r.error.type == ErrorCode.UNKNOWN_FUNCTION and "'rl-add'" in r.error.message
     assert "fabric deploy" in r.error.message and not r.retryable
 

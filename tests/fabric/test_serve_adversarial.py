@@ -13,7 +13,7 @@ import httpx
 import pytest
 from lambda_helpers import TOKEN, lam, transport_fixture  # noqa: F401 - by name=
 from sample_fns import REG
-from serve_helpers import PATH, auth, config
+from serve_helpers import PATH, TOKEN_A, auth, config
 
 from fabric.backends.base import TOKEN_ENV, InprocConfig, LocalConfig
 from fabric.client import Client
@@ -152,3 +152,33 @@ async def test_a_tenant_cannot_write_lines_of_its_own_into_the_servers_log(caplo
     for line in lines:
         assert "\n" not in line and len(line) < 2000, line[:300]
     assert any("boom (tenant job-a) failed" in line for line in lines), lines  # whose event
+
+
+@pytest.mark.parametrize(
+    ("served", "server_prefix", "client_prefix", "says"),
+    [
+        (["add"], "", "", "restart it with -f boom"),  # registered, not named with -f
+        (None, "rl-fabric-", "", "function_prefix='rl-fabric-'"),  # the server's prefix left out
+        (None, "", "rl-fabric-", "function_prefix=''"),  # a prefix the server does not use
+    ],
+)
+async def test_a_function_not_served_says_what_to_do_about_it(served, server_prefix, client_prefix, says):
+    """The 404 said only "Function not found: NAME", and the lambda backend added advice for
+    AWS (`fabric deploy` names it 'rl-fabric-NAME': set that prefix, or run `fabric deploy`),
+    wrong for a fabric serve started without the function, or with another prefix."""
+    cfg = config(functions=served, function_prefix=server_prefix, backend=InprocConfig())
+    async with Gateway(cfg, REG) as g:
+        async with Client(backend=lam(g, token=TOKEN_A, function_prefix=client_prefix), registry=REG) as c:
+            r = await c.call("boom", {"x": 1})
+    assert r.error is not None and r.error.type == "UnknownFunction"
+    assert says in r.error.message, r.error.message
+    assert "fabric deploy" not in r.error.message, r.error.message
+
+
+async def test_a_name_with_the_servers_prefix_that_it_does_not_serve_is_404():
+    cfg = config(function_prefix="rl-fabric-", backend=InprocConfig())
+    async with Gateway(cfg, REG) as g, httpx.AsyncClient(base_url=g.url) as http:
+        r = await http.post(PATH.format("rl-fabric-nope"), json={}, headers=auth())
+        assert r.status_code == 404, r.text
+        assert "Function not found: rl-fabric-nope (this server serves add, " in r.json()["message"]
+        assert (await http.post(PATH.format("rl-fabric-add"), json={"a": 1}, headers=auth())).json() == 1
