@@ -133,10 +133,13 @@ class LambdaReplies:
             # an endpoint_url that is not the Invoke API; read as its status says, never as the
             # function refusing the payload (InvalidArguments is kept under the key)
             code = _BARE_STATUSES.get(status)
+        if code is None and status == 408:
+            # the request did not arrive whole in time (fabric serve's body_timeout_s, a
+            # proxy's): not a request that is wrong whenever it is sent, nor a transport fault
+            # after which the call may have run. Nothing ran: retried even for a side effect
+            code = ErrorCode.NOT_STARTED
         if code is None:
-            # 408: the request did not arrive in time (fabric serve's body_timeout_s, a proxy),
-            # a transport fault like a 5xx, not a request that is wrong whenever it is sent
-            transport = status >= 500 or status == 408
+            transport = status >= 500
             code = ErrorCode.THROTTLED if status == 429 else ErrorCode.TRANSPORT if transport else None
         message = f"{code_name or status}: {text}"
         if not code_name and status == 404:

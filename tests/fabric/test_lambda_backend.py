@@ -135,12 +135,16 @@ def test_lambda_error_objects_are_mapped(body, function_error, code):
     assert r.retryable == (code in ("FunctionTimeout", "WorkerLost"))
 
 
-def test_a_request_timeout_is_a_retryable_transport_fault():
+def test_a_request_timeout_is_a_call_that_did_not_start():
     # fabric serve's body_timeout_s, or a proxy's: not a wrong request that the client would
-    # keep under the key as the function's InvalidArguments
+    # keep under the key as the function's InvalidArguments. Nor a TransportError, after
+    # which the call may have run: the request never arrived whole, so nothing ran, and a
+    # side effect is retried too (not left OutcomeUnknown under its key)
     b = LambdaBackend(REG, LambdaConfig())
     r = b._refused(Invocation(function="add"), "RequestTimeoutException", 408, "the body did not arrive")
-    assert r.error.type == ErrorCode.TRANSPORT and r.retryable
+    assert r.error.type == ErrorCode.NOT_STARTED and r.retryable
+    r = b._refused(Invocation(function="add"), "", 408, "<html>408 Request Time-out</html>")  # nginx
+    assert r.error.type == ErrorCode.NOT_STARTED and r.retryable
     assert b._refused(Invocation(function="add"), "", 418, "").error.type == ErrorCode.INVALID_ARGUMENTS
 
 
