@@ -86,6 +86,7 @@ class GatewayRoutes(GatewayCalls):
             tenant = tenant_of(request, self._tokens)
             wait = self.rates.delay(tenant, time.monotonic())
             if wait is None:
+                self.quotas.throttled[tenant] += 1  # a 429 as the quota's (the metric's promise)
                 raise Reply(
                     429,
                     "TooManyRequestsException",

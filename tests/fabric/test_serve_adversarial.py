@@ -182,3 +182,18 @@ async def test_a_name_with_the_servers_prefix_that_it_does_not_serve_is_404():
         assert r.status_code == 404, r.text
         assert "Function not found: rl-fabric-nope (this server serves add, " in r.json()["message"]
         assert (await http.post(PATH.format("rl-fabric-add"), json={"a": 1}, headers=auth())).json() == 1
+
+
+async def test_a_request_refused_for_its_rate_counts_as_throttled():
+    """``fabric_serve_tenant_throttled_total`` counts the requests refused with 429, the docs
+    say; it counted only the quota's, so a tenant refused for its ``max_rps`` showed none."""
+    tenants = {"job-a": TenantConfig(token=TOKEN_A, max_rps=0.1)}  # one request per 10 s
+    async with (
+        Gateway(config(tenants=tenants, backend=InprocConfig()), REG) as g,
+        httpx.AsyncClient(base_url=g.url) as http,
+    ):
+        assert (await http.post(PATH.format("add"), json={"a": 1}, headers=auth())).status_code == 200
+        r = await http.post(PATH.format("add"), json={"a": 1}, headers=auth())
+        assert r.status_code == 429 and "max_rps" in r.json()["message"]
+        text = (await http.get("/metrics", headers=auth())).text
+    assert 'fabric_serve_tenant_throttled_total{tenant="job-a"} 1.0' in text, text
