@@ -41,8 +41,12 @@ def serve(
         str | None, typer.Option(help="Key file: tenants with tokens and quotas (see docs/serve.md).")
     ] = None,
     max_concurrency: Annotated[
-        int, typer.Option(help="Calls the 'default' tenant may hold at once (with --token/--token-file).")
-    ] = 64,
+        int | None,
+        typer.Option(
+            help="Calls the 'default' tenant may hold at once (64; with --tenants, each tenant's "
+            "max_concurrency in the file)."
+        ),
+    ] = None,
     functions: Annotated[
         list[str] | None, typer.Option("--function", "-f", help="Serve only these functions (repeatable).")
     ] = None,
@@ -77,13 +81,21 @@ def serve(
         if tenants is not None:
             if token or token_file:
                 fail("give --tenants or --token/--token-file, not both")
+            if max_concurrency is not None:
+                # the default tenant's quota: with a tenants file there is none to take it
+                fail(
+                    "--max-concurrency is the 'default' tenant's quota; with --tenants, give each "
+                    "tenant its max_concurrency in the tenants file"
+                )
             tenant_map = load_tenants(tenants)
         else:
             secret = token or os.environ.get(TOKEN_ENV)
             if token_file is None and not secret:
                 secret = generated = new_token()
             source: dict[str, Any] = {"token_file": token_file} if token_file else {"token": secret}
-            tenant_map = {"default": TenantConfig(max_concurrency=max_concurrency, **source)}
+            if max_concurrency is not None:  # else TenantConfig's default (64)
+                source["max_concurrency"] = max_concurrency
+            tenant_map = {"default": TenantConfig(**source)}
         cfg = ServeConfig(
             host=host,
             port=port,

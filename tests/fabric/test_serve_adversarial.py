@@ -197,3 +197,22 @@ async def test_a_request_refused_for_its_rate_counts_as_throttled():
         assert r.status_code == 429 and "max_rps" in r.json()["message"]
         text = (await http.get("/metrics", headers=auth())).text
     assert 'fabric_serve_tenant_throttled_total{tenant="job-a"} 1.0' in text, text
+
+
+def test_serve_says_max_concurrency_is_the_tenants_files_with_tenants(tmp_path):
+    """``--max-concurrency`` is the ``default`` tenant's quota. With ``--tenants`` there is no
+    such tenant, and the option was dropped without a word: an operator who capped every
+    job at 8 ran them at the file's quotas (64 each unless it said otherwise)."""
+    from cli_helpers import runner
+
+    from fabric.cli import app
+
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text('tenants:\n  job-a: {token: "a-long-random-token-for-job-a"}\n')
+    args = ["serve", "-f", "exact_match", "--port", "-1", "--tenants", str(tenants)]
+    r = runner.invoke(app, [*args, "--max-concurrency", "8"])
+    assert r.exit_code == 2, r.output
+    assert "max_concurrency" in r.output and "tenants file" in " ".join(r.output.split()), r.output
+    # without it, the command gets past the check (and fails on its bad port, before it serves)
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2 and "max_concurrency" not in r.output and "port" in r.output, r.output
