@@ -139,13 +139,25 @@ class ServeConfig(_Model):
 
     def token_index(self) -> dict[bytes, str]:
         """sha256(token) -> tenant. Looking up a digest, not the token, keeps the lookup's
-        timing independent of how much of a guessed token is right."""
+        timing independent of how much of a guessed token is right.
+
+        A token is indexed as the bytes each kind of client sends it as: UTF-8 (aiohttp, the
+        http transport; curl sends the bytes it is given) and Latin-1 where it has no other
+        characters (boto3, the AWS CLI, Python's http.client): with UTF-8 only, a token with
+        an ``ä`` in it was 403 over boto3."""
         index: dict[bytes, str] = {}
         for name, tenant in self.tenants.items():
-            digest = hashlib.sha256(tenant.secret().encode()).digest()
-            if digest in index:
-                raise ConfigError(f"tenants {index[digest]!r} and {name!r} have the same token")
-            index[digest] = name
+            secret = tenant.secret()
+            forms = {secret.encode()}
+            try:
+                forms.add(secret.encode("latin-1"))
+            except UnicodeEncodeError:  # no client sends it as Latin-1 then
+                pass
+            for form in forms:
+                digest = hashlib.sha256(form).digest()
+                if index.get(digest, name) != name:
+                    raise ConfigError(f"tenants {index[digest]!r} and {name!r} have the same token")
+                index[digest] = name
         return index
 
 

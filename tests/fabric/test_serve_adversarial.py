@@ -216,3 +216,15 @@ def test_serve_says_max_concurrency_is_the_tenants_files_with_tenants(tmp_path):
     # without it, the command gets past the check (and fails on its bad port, before it serves)
     r = runner.invoke(app, args)
     assert r.exit_code == 2 and "max_concurrency" not in r.output and "port" in r.output, r.output
+
+
+async def test_a_token_with_non_ascii_characters_works_over_either_transport(transport):
+    """Tokens with UTF-8 characters are served (test_serve_hardening.py), and the http
+    transport sends them as UTF-8. boto3 (and the AWS CLI, and Python's http.client) sends a
+    header as Latin-1: the same token arrived as other bytes, and every call was 403."""
+    token = "jöb-ä-tökén-0123456789"
+    cfg = config(tenants={"job-ä": TenantConfig(token=token)}, backend=InprocConfig())
+    async with Gateway(cfg, REG) as g, Client(backend=lam(g, transport, token=token), registry=REG) as c:
+        r = await c.call("add", {"a": 5})
+    assert r.ok, r.error
+    assert r.value == 5
