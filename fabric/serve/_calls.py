@@ -38,6 +38,11 @@ def _shown(text: str, limit: int = 200) -> str:
     return shown if len(text) <= limit else f"{shown}... ({len(text):,} characters)"
 
 
+class StoppedBeforeRun(Exception):
+    """The server stopped (the drain's end, a second Ctrl-C) while the call still waited for
+    room in its function's pool: it never reached the backend, so it did not run."""
+
+
 class GatewayCalls:
     """Calls through their gates to the backend and back (see the module docstring)."""
 
@@ -51,6 +56,7 @@ class GatewayCalls:
     _running_on: set[asyncio.Future[None]]
     """When each call given up on that still runs (a hang-up, a deadline) ends its run: the
     gateway's ``inflight`` counts them, and its drain waits for them."""
+    _stopped_now: asyncio.Event
 
     def _gate(self, function: str) -> FairGate:
         gate = self._gates.get(function)
@@ -67,14 +73,19 @@ class GatewayCalls:
             backend.watch_capacity(function, gate.admit)  # room gained is taken at once
         return gate
 
-    async def _call(self, inv: Invocation, tenant: str) -> Result:
+    async def _call(self, inv: Invocation, tenant: str, *, say_if_stopped: bool = False) -> Result:
         """Run ``inv`` through the function's gate; the tenant's quota slot (taken by the
         caller) and the gate slot are given back when the call no longer runs. A call still
         waiting for the gate, or queued in the pool, is dropped when its client hangs up (it
         never runs). One already on a worker may run on past its answer (a deadline; timeout_s
         on an inproc thread) or its client (a hang-up): a synchronous handler runs to its end,
         and both slots stay held until the backend says its run ended, or a tenant could fill
-        every worker with calls it gave up on while holding none of its quota."""
+        every worker with calls it gave up on while holding none of its quota.
+
+        ``say_if_stopped``: a call cancelled by the server stopping while it waits for room
+        raises ``StoppedBeforeRun`` instead, for its caller to be told it did not run (cut
+        with the rest, its connection dropped: a fault after which a call may have run, so a
+        side effect was not retried, and a keyed one was left OutcomeUnknown)."""
         try:
             gate = self._gate(inv.function)
             # the envelope's deadline bounds the wait for room too: a call still waiting at it
@@ -90,6 +101,13 @@ class GatewayCalls:
                 request_id=inv.request_id,
                 started=False,
             )
+        except asyncio.CancelledError:
+            self.quotas.give(tenant)
+            task = asyncio.current_task()
+            if say_if_stopped and self._stopped_now.is_set() and task is not None:
+                task.uncancel()  # the server's own cancel, answered instead
+                raise StoppedBeforeRun from None
+            raise
         except BaseException:
             self.quotas.give(tenant)
             raise

@@ -12,7 +12,7 @@ import time
 from aiohttp import web
 
 from fabric.protocol import new_request_id
-from fabric.serve._calls import GatewayCalls
+from fabric.serve._calls import GatewayCalls, StoppedBeforeRun
 from fabric.serve._lambda_api import (
     CLIENT_CLOSED,
     INVOCATION_TYPES,
@@ -153,7 +153,17 @@ class GatewayRoutes(GatewayCalls):
                     response = web.Response(status=202, headers={"x-amzn-RequestId": request_id})
                 else:
                     handed_off = True  # _call gives the quota back when the call no longer runs
-                    result = await self._call(inv, tenant)
+                    try:
+                        result = await self._call(inv, tenant, say_if_stopped=True)
+                    except StoppedBeforeRun:
+                        # as an Event refused in the drain: Throttled to the lambda backend,
+                        # retried even for a side effect
+                        raise Reply(
+                            429,
+                            "TooManyRequestsException",
+                            "the server stopped (shutting down) before this call's turn in the pool "
+                            "came: it did not run; retry with backoff",
+                        ) from None
                     response = result_response(result, envelope, request_id)
             finally:
                 if not handed_off:

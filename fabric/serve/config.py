@@ -123,8 +123,9 @@ class ServeConfig(_Model):
     """Start the warm workers of the served functions before accepting calls."""
     drain_s: float = Field(30.0, ge=0)
     """On shutdown the server stops accepting at once; calls in flight get this long to
-    finish, then they are cancelled (their callers see a dropped connection, which the
-    fabric client retries)."""
+    finish, then they are cancelled: one still waiting for room in its function's pool is
+    answered 429 (it did not run), one running is cut (its caller sees a dropped
+    connection, which the fabric client retries unless the call may have had side effects)."""
 
     @field_validator("host")
     @classmethod

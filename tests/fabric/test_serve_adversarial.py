@@ -228,3 +228,34 @@ async def test_a_token_with_non_ascii_characters_works_over_either_transport(tra
         r = await c.call("add", {"a": 5})
     assert r.ok, r.error
     assert r.value == 5
+
+
+async def test_a_call_still_waiting_for_room_when_the_drain_ends_is_told_it_did_not_run():
+    """At the drain's end every call left was cut, its connection dropped: a TransportError
+    to the lambda backend, after which a call may have run. So a side effect's call that had
+    only waited for room in the pool was not retried, and a keyed one was left
+    OutcomeUnknown, though it never ran. One still waiting is answered 429: nothing ran."""
+    g = Gateway(config(drain_s=0.3, backend=LocalConfig(max_workers=1)), REG)
+    await g.start()
+    async with httpx.AsyncClient(base_url=g.url, timeout=30) as c:
+        running = asyncio.create_task(c.post(PATH.format("sleepy"), json={"seconds": 20}, headers=auth()))
+        await _until_in_flight(g, 1)
+        for _ in range(3000):  # until the call is on the worker, not only in flight here
+            if g.backend.stats()["sleepy"]["inflight"]:
+                break
+            await asyncio.sleep(0.01)
+        # the pool's one worker is busy: this one waits for room in the function's gate
+        waiting = asyncio.create_task(c.post(PATH.format("sleepy"), json={"seconds": 0}, headers=auth()))
+        for _ in range(3000):
+            if g._gates["sleepy"].waiting:
+                break
+            await asyncio.sleep(0.01)
+        assert g._gates["sleepy"].waiting == 1
+        await g.aclose()
+        with pytest.raises(httpx.TransportError):  # the running one: cut, it may have run
+            await running
+        r = await waiting
+    assert r.status_code == 429, r.text
+    assert r.headers["x-amzn-ErrorType"] == "TooManyRequestsException"
+    assert "did not run" in r.json()["message"], r.text
+    assert g.quotas.held["job-a"] == 0
