@@ -1,7 +1,9 @@
-"""``fabric serve`` under an adversarial tenant and a careless operator: a drain that cuts
-calls off logs no traceback of aiohttp's, a token written with spaces around it still
-authenticates, and the payload of a call waiting for room costs the server its body, not
-the many times more its parsed form takes."""
+"""``fabric serve`` under an adversarial tenant and a careless operator: the drain's end
+(calls cut with no aiohttp traceback; one still waiting for room told it did not run), tokens
+(spaces around one, a newline in the client's, non-ASCII ones over boto3), a call's memory
+(its body, not its parsed payload), the log (a tenant's text cannot forge lines), and
+answers that say what to do (a 404, a rate refusal counted, --max-concurrency with
+--tenants)."""
 
 from __future__ import annotations
 
