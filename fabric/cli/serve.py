@@ -58,7 +58,10 @@ def serve(
     ] = "",
     body_timeout_s: Annotated[
         float,
-        typer.Option(help="Seconds a request's body may take to arrive after its headers (then 408)."),
+        typer.Option(
+            help="Seconds a request's body may take to arrive after its headers (then 408), and an "
+            "answer to be taken by its client (then its connection closes)."
+        ),
     ] = 60.0,
     drain_s: DrainOpt = 30.0,
     modules: ModulesOpt = None,

@@ -66,6 +66,30 @@ class GatewayRoutes(GatewayCalls):
             "your own is served once the server loads its module: fabric serve -m MODULE)"
         )
 
+    async def _send(self, request: web.Request, response: web.Response, tenant: str) -> None:
+        """Write a call's answer holding a slot of its tenant's quota, for body_timeout_s at
+        most. Written by aiohttp once the handler returned, an answer held no slot (the call
+        had given its back), and a client that never read its answers (a large result each)
+        kept every one in the server's memory, on as many connections as it liked, for as
+        long as it kept them open: a write has no timeout. Its slot comes back when the answer
+        is written, or when the client has not taken it in time and the connection goes."""
+        self.quotas.hold(tenant)  # the call gave its own back in this same step: no gap
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                await response.prepare(request)
+                await response.write_eof()
+        except TimeoutError:
+            log.debug(
+                "an answer not taken in %g s (body_timeout_s): its connection closes",
+                self.config.body_timeout_s,
+            )
+            if request.transport is not None:
+                request.transport.abort()  # with the bytes queued on it
+        except ConnectionError:  # the client went; aiohttp's own write would say nothing either
+            pass
+        finally:
+            self.quotas.give(tenant)
+
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -165,6 +189,7 @@ class GatewayRoutes(GatewayCalls):
                             "came: it did not run; retry with backoff",
                         ) from None
                     response = result_response(result, envelope, request_id)
+                    await self._send(request, response, tenant)
             finally:
                 if not handed_off:
                     self.quotas.give(tenant)

@@ -118,7 +118,8 @@ class ServeConfig(_Model):
     body_timeout_s: float = Field(60.0, gt=0)
     """A request whose body has not all arrived this long after its headers is answered 408
     ``RequestTimeoutException``: the body's quota slot comes back. (6 MB in 60 s is 0.8
-    Mbit/s.)"""
+    Mbit/s.) The same bound holds for an answer: one its client has not taken this long
+    after it was ready goes with its connection, and its quota slot comes back."""
     warm: bool = True
     """Start the warm workers of the served functions before accepting calls."""
     drain_s: float = Field(30.0, ge=0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import tracemalloc
 
 import httpx
@@ -261,3 +262,45 @@ async def test_a_call_still_waiting_for_room_when_the_drain_ends_is_told_it_did_
     assert r.headers["x-amzn-ErrorType"] == "TooManyRequestsException"
     assert "did not run" in r.json()["message"], r.text
     assert g.quotas.held["job-a"] == 0
+
+
+async def test_an_answer_the_client_does_not_take_holds_its_slot_and_then_goes(caplog):
+    """A call gave its quota slot back when it ended, before its answer was written: a client
+    that never reads its answers (a large result each) held every one in the server's memory,
+    on as many connections as it liked, none counted in its quota and none ever let go (a
+    write has no timeout). An answer being written now keeps its slot, and one not taken
+    within body_timeout_s goes with its connection."""
+    cfg = config(backend=InprocConfig(), quota_a=2, body_timeout_s=1.0)
+    body = b'{"n": 5000000}'
+    request = (
+        f"POST {PATH.format('big_result')} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN_A}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    async with Gateway(cfg, REG) as g, httpx.AsyncClient(base_url=g.url) as http:
+        readers = []
+        try:
+            for _ in range(2):  # answers of 5 MB each, never read
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                s.connect(("127.0.0.1", g.port))
+                s.sendall(request)
+                readers.append(s)
+            for want in (2, 0):  # until both calls have run, then ended: their answers are ready
+                for _ in range(3000):
+                    gate = g._gates.get("big_result")
+                    if gate is not None and gate.running == want:
+                        break
+                    await asyncio.sleep(0.01)
+            assert g.quotas.held["job-a"] == 2, "an answer not taken holds no slot"
+            r = await http.post(PATH.format("add"), json={"a": 1}, headers=auth())
+            assert r.status_code == 429, r.text
+            for _ in range(500):  # body_timeout_s: the answers go, and their slots come back
+                if g.quotas.held["job-a"] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert g.quotas.held["job-a"] == 0
+            assert (await http.post(PATH.format("add"), json={"a": 1}, headers=auth())).json() == 1
+        finally:
+            for s in readers:
+                s.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
