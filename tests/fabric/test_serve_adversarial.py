@@ -1,9 +1,9 @@
 """``fabric serve`` under an adversarial tenant and a careless operator: the drain's end
 (calls cut with no aiohttp traceback; one still waiting for room told it did not run), tokens
 (spaces around one, a newline in the client's, non-ASCII ones over boto3), a call's memory
-(its body, not its parsed payload), the log (a tenant's text cannot forge lines), and
-answers that say what to do (a 404, a rate refusal counted, --max-concurrency with
---tenants)."""
+(its body, not its parsed payload; an answer not read holds a quota slot, for a while), the
+log (a tenant's text cannot forge lines), and answers that say what to do (a 404, a rate
+refusal counted, --max-concurrency with --tenants)."""
 
 from __future__ import annotations
 
