@@ -17,7 +17,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +43,13 @@ class Cluster:
         self.trainer: Any = None
 
     @contextlib.asynccontextmanager
-    async def start(self, bundle: str | None) -> AsyncIterator[RemoteProxy]:
+    async def start(
+        self, bundle: str | None, *, on_ray_init: Callable[[], None] | None = None
+    ) -> AsyncIterator[RemoteProxy]:
         """Ray (started here unless the caller did), the engine replicas per hardware group,
-        the proxy, the trainer; all killed on the way out."""
+        the proxy, the trainer; all killed on the way out. ``on_ray_init``: called right after
+        this starts Ray, whose ``ray.init`` replaces the process's SIGTERM handler (the job
+        puts its own back there)."""
         import ray
 
         started = False
@@ -59,6 +63,8 @@ class Cluster:
                 configure_logging=False,
             )
             started = True
+            if on_ray_init is not None:
+                on_ray_init()
         cfg = self.cfg
         actors: list[Any] = []
         try:

@@ -184,8 +184,14 @@ class Job(JobSetup):
         if bundle is not None:
             init_dir = run_dir.path.resolve() / "policy-init"
             init = str(init_dir if resume else bundle.save(init_dir))
-        async with self.cluster.start(init) as proxy, self._fabric(registry, images) as (client, pool):
-            term.reinstall()  # ray.init put its own handler in place of ours
+        # ray.init puts its own SIGTERM handler in place of ours: ours goes back at once, not
+        # once the actors, the reward workers and the containers are up (a large model's load,
+        # a slow setup hook), meanwhile a SIGTERM printed a C stack trace and ended the job
+        # with exit code 15, or with a traceback
+        async with (
+            self.cluster.start(init, on_ray_init=term.reinstall) as proxy,
+            self._fabric(registry, images) as (client, pool),
+        ):
             proxy.on_died = self._proxy_died
             self.pool = pool
             if resume:
