@@ -55,7 +55,7 @@ from core.trainer.batch import build_batch
 from fabric._sigterm import TermAsInterrupt, term_as_interrupt
 from fabric.registry import Registry
 
-__all__ = ["EVAL_SEED_BASE", "Job", "load", "main", "turn_scheduler"]
+__all__ = ["EVAL_SEED_BASE", "Job", "interrupted_note", "load", "main", "turn_scheduler"]
 
 log = logging.getLogger(__name__)
 
@@ -408,6 +408,22 @@ def failure_note(job: Job | None) -> str:
     return f" (the counts: {failure})" if failure is not None and failure.exists() else ""
 
 
+def interrupted_note(job: Job | None) -> str:
+    """What a run stopped by Ctrl-C or SIGTERM says: ``interrupted``, and where it has a
+    checkpoint, how to go on from it."""
+    latest, step = None, 0
+    if job is not None:
+        # a ``latest`` that names a checkpoint gone or incomplete: the resume says so
+        with contextlib.suppress(CoreError, OSError, ValueError):
+            latest = job.checkpoints.latest()
+            step = int(latest.name.removeprefix("step-")) if latest is not None else 0
+    if job is None or latest is None:
+        return "interrupted"
+    if step >= job.cfg.steps:  # stopped in the final evaluation: a resume to the same steps is refused
+        return f"interrupted after its last step; --resume --steps N (N > {step}) trains on from {latest}"
+    return f"interrupted; --resume continues from its latest checkpoint, {latest}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m core.job CONFIG [--steps N] [--run-dir DIR] [--resume] [--allow-change KEY]
     [--quiet]``."""
@@ -450,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}{failure_note(job)}", file=sys.stderr)  # worded as fabric run's
         return 2
     except KeyboardInterrupt:  # Ctrl-C: the job stopped what it had started; no traceback
-        print("interrupted", file=sys.stderr)
+        print(interrupted_note(job), file=sys.stderr)
         return 130
     print(json.dumps(summary))
     return 0

@@ -44,7 +44,7 @@ def run(
     """Run an RL job: a local Ray cluster, local fabric pools, process containers."""
     try:
         from core.errors import CoreError
-        from core.job import Job, failure_note, load
+        from core.job import Job, failure_note, interrupted_note, load
     except ImportError as e:  # the job needs the ray and train extras
         fail(f"the RL job needs its extras: pip install -e '.[ray,train,rewards]' ({e})")
     # imported only once the job is under way (Ray at the cluster's start, matplotlib for the
@@ -63,6 +63,11 @@ def run(
             summary = asyncio.run(job.run())
     except CoreError as e:  # a bad config, or a rollout where every group fails
         fail(f"{e}{failure_note(job)}")
+    except KeyboardInterrupt:
+        # Ctrl-C or SIGTERM: the job stopped what it had started. Said, as `python -m core.job`
+        # says it: the exit code alone left a log that ended mid-run with no word of why
+        err.print(interrupted_note(job), markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     except ContainerStartError as e:
         # an image that passed the start-up check but starts in no container (a device or a
         # licence server it needs is missing): the user's to fix, as a bad config is, not a

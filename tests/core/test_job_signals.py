@@ -14,11 +14,21 @@ from job_helpers import (
     FROZENLAKE,
     LATENCY,
     TINY,
+    job_config,
 )
 
 
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_ctrl_c_during_pretraining_stops_the_job_promptly(tmp_path, sig):
+@pytest.mark.parametrize(
+    ("entry", "sig"),
+    [
+        (["core.job"], "SIGINT"),
+        (["core.job"], "SIGTERM"),
+        # `fabric run` exited with 130 too, but said nothing: a log showed a job that stopped
+        # mid-run with no word of why
+        (["fabric.cli", "run"], "SIGINT"),
+    ],
+)
+def test_ctrl_c_during_pretraining_stops_the_job_promptly(tmp_path, entry, sig):
     # the policy build (corpus play, pretraining: a minute or more) ran inside Job.run's
     # coroutine: asyncio.run's first Ctrl-C only cancels the main task, at its next await,
     # so the job went on until pretraining was over (174 s measured on a loaded machine).
@@ -45,7 +55,7 @@ def test_ctrl_c_during_pretraining_stops_the_job_promptly(tmp_path, sig):
     path.write_text(yaml.safe_dump(data))
     root = Path(__file__).resolve().parents[2]
     p = subprocess.Popen(
-        [sys.executable, "-m", "core.job", str(path)],
+        [sys.executable, "-m", *entry, str(path)],
         cwd=root,
         env={**os.environ, "PYTHONPATH": str(root)},
         stdout=subprocess.PIPE,
@@ -238,3 +248,29 @@ def test_sigterm_while_the_actors_and_pools_start_stops_the_job_as_ctrl_c_does(t
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+def test_an_interrupted_run_with_a_checkpoint_is_told_how_to_go_on(tmp_path):
+    # "interrupted" alone left the user to find out that the run could be continued, and how
+    from core.checkpoint import Checkpoints
+    from core.job import Job, interrupted_note
+
+    job = Job(job_config(tmp_path, checkpoint={"every": 2}))
+    assert interrupted_note(job) == "interrupted"  # nothing to resume: nothing more to say
+    assert interrupted_note(None) == "interrupted"  # stopped before the job was made
+    part = job.checkpoints.prepare(2)
+    (part / "trainer.pt").write_bytes(b"")
+    job.checkpoints.commit(part, 2, {"step": 2})
+    note = interrupted_note(job)
+    latest = Checkpoints(job.cfg.run_dir).latest()
+    assert latest is not None
+    assert note == f"interrupted; --resume continues from its latest checkpoint, {latest}", note
+    # stopped in the final evaluation: --resume alone is refused (steps is not above the
+    # checkpoint's)
+    part = job.checkpoints.prepare(job.cfg.steps)
+    (part / "trainer.pt").write_bytes(b"")
+    last = job.checkpoints.commit(part, job.cfg.steps, {"step": job.cfg.steps})
+    note = interrupted_note(job)
+    assert note == f"interrupted after its last step; --resume --steps N (N > 3) trains on from {last}", note
+    (job.checkpoints.root / "latest").write_text("step-000099\n")  # names one that is gone
+    assert interrupted_note(job) == "interrupted"  # the resume itself says what is wrong
