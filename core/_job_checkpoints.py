@@ -37,11 +37,30 @@ class JobCheckpoints(JobState):
         self._pretrained = saved.get("pretrained") or {}
         return PolicyBundle.load(Path(self.cfg.run_dir) / "policy-init")
 
-    async def _restore(
-        self, path: Path, saved: dict[str, Any], run_dir: RunDir, progress: JobProgress
-    ) -> None:
+    def _open_run_dir(self, progress: JobProgress) -> RunDir:
+        """The run directory, opened for this run at the first call: an earlier run's outputs
+        this one writes again removed, a resumed run's rows after its checkpoint dropped, the
+        config written."""
+        if self.run_dir is not None:
+            return self.run_dir
+        resume = self._resume_from
+        try:
+            run_dir = self.run_dir = RunDir(
+                Path(self.cfg.run_dir), resume_step=resume[1]["step"] if resume else None
+            )
+        except OSError as e:  # changed since the check at the start
+            raise ConfigError(
+                [("run_dir", f"cannot use {str(self.cfg.run_dir)!r}: {e.strerror or e}")]
+            ) from None
+        run_dir.write_config(self.cfg.to_yaml())
+        progress.note(f"run directory: {run_dir.path}")
+        return run_dir
+
+    async def _restore(self, path: Path, saved: dict[str, Any], progress: JobProgress) -> None:
         """The trainer back to the checkpoint, its weights on every engine replica before the
-        first rollout, and the job's own state (step, random state, counts, tasks seen)."""
+        first rollout, and the job's own state (step, random state, counts, tasks seen). The
+        run directory is opened once the checkpoint has loaded: one refused (a config error)
+        leaves what the earlier run left there as it was, as a refusal before the start does."""
         from ray.exceptions import RayTaskError
 
         try:
@@ -62,6 +81,7 @@ class JobCheckpoints(JobState):
                     )
                 ]
             ) from None
+        run_dir = self._open_run_dir(progress)
         weights = [self.trainer_handle.weights.remote()]
         await self.proxy.call(self.proxy_handle.update_weights.remote(version, weights))
         self.version = version

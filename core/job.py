@@ -172,17 +172,11 @@ class Job(JobSetup):
         if cfg.engine.backend == "torch":
             bundle = self._resumed_policy() if resume else await self._build_policy(progress, images)
         actions = self._action_ids(bundle)
-        try:
-            run_dir = self.run_dir = RunDir(
-                Path(cfg.run_dir), resume_step=resume[1]["step"] if resume else None
-            )
-        except OSError as e:  # changed since the check above
-            raise ConfigError([("run_dir", f"cannot use {str(cfg.run_dir)!r}: {e.strerror or e}")]) from None
-        run_dir.write_config(cfg.to_yaml())
-        progress.note(f"run directory: {run_dir.path}")
+        if not resume:  # a resumed run's, once its checkpoint has loaded (_restore)
+            self._open_run_dir(progress)
         init = None
         if bundle is not None:
-            init_dir = run_dir.path.resolve() / "policy-init"
+            init_dir = self.checkpoints.root.parent / "policy-init"  # absolute: the actors' cwd differs
             init = str(init_dir if resume else bundle.save(init_dir))
         # ray.init puts its own SIGTERM handler in place of ours: ours goes back at once, not
         # once the actors, the reward workers and the containers are up (a large model's load,
@@ -196,15 +190,16 @@ class Job(JobSetup):
             self.pool = pool
             if resume:
                 try:
-                    await self._restore(*resume, run_dir, progress)
+                    await self._restore(*resume, progress)
                 except ConfigError:
                     raise  # a checkpoint that does not load: refused, as before the start
                 except Exception as e:
                     # a load past trainer.call_timeout_s (TrainerTimeout), a trainer that died
                     # loading, a proxy that died taking the weights: failure.json says so, as
                     # for the same errors later
-                    self._write_failure(e, t_start, run_dir)
+                    self._write_failure(e, t_start, self._open_run_dir(progress))
                     raise
+            run_dir = self._open_run_dir(progress)
             buffer = self.buffer = SampleBuffer(
                 cfg.group_size, cfg.alpha, on_abort=self._on_abort, version=self.version
             )

@@ -549,6 +549,33 @@ async def test_a_checkpoint_the_trainer_cannot_read_is_refused_naming_the_file(t
     assert "point checkpoints/latest at an older step-* directory" in said
 
 
+@pytest.mark.ray
+async def test_a_refused_checkpoint_leaves_the_earlier_runs_outputs_as_they_were(tmp_path, ray_cluster):
+    # refused "as before the start", but the run directory had been opened for the resume
+    # already: the earlier run's summary.json (or failure.json) and plots were removed, its
+    # config.yaml overwritten and its rows after the checkpoint dropped, by a run that never
+    # began
+    from core.policy.build import build_policy
+
+    cfg = job_config(tmp_path, steps=5, checkpoint={"every": 2})
+    run_dir = Path(cfg.run_dir)
+    build_policy(cfg).save(run_dir / "policy-init")
+    _write(Checkpoints(run_dir), 2, config=cfg.to_yaml())  # trainer.pt: b"weights", no torch file
+    earlier = {
+        "summary.json": '{"steps": 3}\n',
+        "failure.json": '{"error": "RolloutError: ..."}\n',
+        "reward.png": "png",
+        "config.yaml": "steps: 3\n",
+        "metrics.jsonl": "".join(json.dumps({"kind": "train", "step": s}) + "\n" for s in (1, 2, 3)),
+    }
+    for name, text in earlier.items():
+        (run_dir / name).write_text(text)
+    with pytest.raises(ConfigError) as e:
+        await Job(cfg, progress=False, registry=faults.REG, resume=True).run()
+    assert "cannot load" in str(e.value)
+    assert {name: (run_dir / name).read_text() for name in earlier if (run_dir / name).exists()} == earlier
+
+
 async def test_a_failed_checkpoint_write_stops_the_run_at_the_next_step_not_the_next_checkpoint():
     # the write goes on beside training; its failure (a full disk) was found only by the next
     # checkpoint, checkpoint.every steps later, or at the end of the run
