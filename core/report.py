@@ -50,6 +50,18 @@ def strict_json(obj: Any, indent: int | None = None) -> str:
     return json.dumps(_finite(obj), indent=indent, allow_nan=False)
 
 
+def _write_whole(path: Path, text: str) -> None:
+    """``text`` in ``path`` whole, or no file: a full disk left an empty ``failure.json``
+    (a cut-off ``summary.json``), where tools look for the run's record."""
+    part = path.with_name(path.name + ".part")
+    try:
+        part.write_text(text)
+        os.replace(part, path)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+
+
 class RunDir:
     def __init__(self, path: Path, *, resume_step: int | None = None):
         """``resume_step``: a run resumed from the checkpoint of that step keeps the rows
@@ -116,14 +128,14 @@ class RunDir:
 
     def finish(self, summary: dict[str, Any]) -> None:
         self._metrics.close()
-        (self.path / "summary.json").write_text(strict_json(summary, indent=2) + "\n")
+        _write_whole(self.path / "summary.json", strict_json(summary, indent=2) + "\n")
         self.plot()
 
     def fail(self, failure: dict[str, Any]) -> None:
         """A run that stopped on an error: ``failure.json`` (never ``summary.json``, which
         tools read as a finished run), and the plots of the steps it trained."""
         self._metrics.close()
-        (self.path / "failure.json").write_text(strict_json(failure, indent=2) + "\n")
+        _write_whole(self.path / "failure.json", strict_json(failure, indent=2) + "\n")
         self.plot()
 
     def plot(self) -> None:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import resource
+import signal
+from collections.abc import Iterator
 
+import pytest
 from rich.console import Console
 
 from core.report import JobProgress, RunDir
@@ -86,6 +91,30 @@ def test_run_dir_problem_says_why_a_path_cannot_be_one(tmp_path):
     assert RunDir.problem(taken / "run" / "x") == f"{str(taken)!r} is a file, not a directory"
     assert RunDir.problem(tmp_path) is None and RunDir.problem(tmp_path / "new" / "run") is None
     assert not (tmp_path / "new").exists()  # checked, not created
+
+
+@contextlib.contextmanager
+def file_size_limit(n: int) -> Iterator[None]:
+    """Writes that would take a file past ``n`` bytes fail (EFBIG), as on a full disk."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the error, not the signal's kill
+    resource.setrlimit(resource.RLIMIT_FSIZE, (n, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+
+
+@pytest.mark.parametrize("end", ["finish", "fail"])
+def test_a_summary_or_failure_that_cannot_be_written_whole_is_not_left_half_written(tmp_path, end):
+    # a full disk left failure.json empty (or summary.json cut off), where tools and the
+    # job's own "(the counts: RUN_DIR/failure.json)" look for the run's record
+    run = RunDir(tmp_path)
+    run.log({"kind": "eval", "step": 0, "success": 0.0})
+    with file_size_limit(1000), pytest.raises(OSError):
+        getattr(run, end)({"error": "RolloutError: ...", "counts": "x" * 5000})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
 
 
 def plain_console() -> tuple[Console, io.StringIO]:
