@@ -52,10 +52,11 @@ from core.rollout.env_manager import EnvManager, TurnBarrier
 from core.rollout.groups import GroupRunner
 from core.tally import Tally
 from core.trainer.batch import build_batch
+from envpool.errors import ContainerStartError
 from fabric._sigterm import TermAsInterrupt, term_as_interrupt
 from fabric.registry import Registry
 
-__all__ = ["EVAL_SEED_BASE", "Job", "interrupted_note", "load", "main", "turn_scheduler"]
+__all__ = ["EVAL_SEED_BASE", "Job", "containers_note", "interrupted_note", "load", "main", "turn_scheduler"]
 
 log = logging.getLogger(__name__)
 
@@ -403,6 +404,14 @@ def failure_note(job: Job | None) -> str:
     return f" (the counts: {failure})" if failure is not None and failure.exists() else ""
 
 
+def containers_note(cfg: JobConfig, e: ContainerStartError) -> str:
+    """What a job whose environments' containers do not start says (a device or a licence
+    server they need is missing: the user's to fix, as a bad config is, not a traceback).
+    The error does not say whose containers they were: the job's environments are named."""
+    ids = ", ".join(dict.fromkeys(env.id for env in cfg.envs))
+    return f"the environments' containers do not start ({ids}): {e}"
+
+
 def interrupted_note(job: Job | None) -> str:
     """What a run stopped by Ctrl-C or SIGTERM says: ``interrupted``, and where it has a
     checkpoint, how to go on from it."""
@@ -459,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
             summary = asyncio.run(job.run())
     except CoreError as e:
         print(f"error: {e}{failure_note(job)}", file=sys.stderr)  # worded as fabric run's
+        return 2
+    except ContainerStartError as e:
+        print(containers_note(cfg, e), file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: the job stopped what it had started; no traceback
         print(interrupted_note(job), file=sys.stderr)

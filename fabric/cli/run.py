@@ -44,7 +44,7 @@ def run(
     """Run an RL job: a local Ray cluster, local fabric pools, process containers."""
     try:
         from core.errors import CoreError
-        from core.job import Job, failure_note, interrupted_note, load
+        from core.job import Job, containers_note, failure_note, interrupted_note, load
     except ImportError as e:  # the job needs the ray and train extras
         fail(f"the RL job needs its extras: pip install -e '.[ray,train,rewards]' ({e})")
     # imported only once the job is under way (Ray at the cluster's start, matplotlib for the
@@ -69,11 +69,8 @@ def run(
         err.print(interrupted_note(job), markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
     except ContainerStartError as e:
-        # an image that passed the start-up check but starts in no container (a device or a
-        # licence server it needs is missing): the user's to fix, as a bad config is, not a
-        # traceback. The error does not say whose container it was: the job's envs are named
-        ids = ", ".join(dict.fromkeys(env.id for env in cfg.envs))
-        fail(f"the environments' containers do not start ({ids}): {e}")
+        # an image that passed the start-up check but starts in no container
+        fail(containers_note(cfg, e))
     if not quiet:
         _print_summary(summary)
     print(json.dumps(summary))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from types import SimpleNamespace
 from typing import Any
 
 import job_faults_fns as faults
@@ -240,6 +241,30 @@ async def test_an_image_whose_containers_do_not_start_is_a_config_error_naming_i
 
     with pytest.raises(ContainerStartError):
         await Job(cfg, progress=False)._prewarm(_NoStartPool(None), images)  # type: ignore[arg-type]
+
+
+def test_python_m_core_job_says_which_environments_containers_do_not_start(monkeypatch, capsys):
+    # `fabric run` said it and exited with 2; `python -m core.job`, the same job, ended with a
+    # raw ContainerStartError traceback (exit 1)
+    import core.job
+    from envpool.errors import ContainerStartError
+
+    class StandIn:
+        def __init__(self, cfg: Any, **kw: Any) -> None:
+            pass  # only its run is under test
+
+        async def run(self) -> None:
+            raise ContainerStartError("container p1-1 failed to start: RuntimeError: can't start new thread")
+
+    envs = [SimpleNamespace(id="frozenlake-v1"), SimpleNamespace(id="coin-v0"), SimpleNamespace(id="coin-v0")]
+    monkeypatch.setattr(core.job, "load", lambda *a, **kw: SimpleNamespace(envs=envs))
+    monkeypatch.setattr(core.job, "Job", StandIn)
+    assert main(["job.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "the environments' containers do not start (frozenlake-v1, coin-v0): "
+        "container p1-1 failed to start: RuntimeError: can't start new thread\n"
+    ), err
 
 
 @pytest.mark.ray
