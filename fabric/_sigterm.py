@@ -65,3 +65,10 @@ async def term_as_interrupt(run: Callable[[TermAsInterrupt], Awaitable[T]]) -> T
             if term.received:
                 raise KeyboardInterrupt("SIGTERM") from None
             raise
+        except SystemExit as e:
+            # a handler put in place of ours took it, before ``reinstall`` (ray.init installs
+            # its sys.exit(15) as it starts, seconds before it returns): the same stop, with
+            # what it unwound run on the way out
+            if term._installed and e.code == signal.SIGTERM:
+                raise KeyboardInterrupt("SIGTERM") from None
+            raise
