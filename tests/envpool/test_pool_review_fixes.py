@@ -259,8 +259,8 @@ async def test_a_zygote_that_prints_a_stray_line_still_starts_containers(tmp_pat
     (site / "sitecustomize.py").write_text("print('hello from an import')\nprint(7)\n")
     child_env = process._child_env
 
-    def noisy_env(cdir: Path) -> dict[str, str]:
-        env = child_env(cdir)
+    def noisy_env(cdir: Path, mark: str) -> dict[str, str]:
+        env = child_env(cdir, mark)
         env["PYTHONPATH"] = os.pathsep.join((str(site), env["PYTHONPATH"]))
         return env
 
