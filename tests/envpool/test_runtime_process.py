@@ -149,7 +149,7 @@ helper = os.fork()
 if helper == 0:  # a helper forked at import (multiprocessing's default start does the same)
     time.sleep(60)
     os._exit(0)
-with open("helper.pid", "w") as f:
+with open(PIDFILE, "w") as f:  # (not in its image: its writes there are its own)
     f.write(str(helper))
 
 
@@ -171,12 +171,14 @@ async def test_a_helper_forked_at_import_holds_up_no_zygote_start(tmp_path):
     # the helper inherits the container's end of its ready pipe: a zygote that took the
     # message for complete only at the pipe's end waited for the helper's exit, and the
     # start timed out though the container was listening
-    images = write_env_bundle(tmp_path / "b", "forks_env", _FORKS_AT_IMPORT, {})
+    pidfile = tmp_path / "helper.pid"
+    source = _FORKS_AT_IMPORT.replace("PIDFILE", repr(str(pidfile)))
+    images = write_env_bundle(tmp_path / "b", "forks_env", source, {})
     (tmp_path / "b" / "envpool.json").write_text(json.dumps({"modules": ["forks_env"]}))  # imported at start
     runtime = {"heartbeat_s": 0.1, "zygote": True, "start_timeout_s": 5.0}
     async with pool(images, min_warm=0, runtime=runtime) as p, p.session("forks-v0", image=IMAGE) as s:
         assert (await s.reset(seed=0))[0].text == "ready"
-    helper = int((tmp_path / "b" / "helper.pid").read_text())
+    helper = int(pidfile.read_text())
     await wait_for(lambda: not alive(helper))  # in the container's group: stopped with it
 
 
@@ -188,9 +190,9 @@ helper = os.fork()
 if helper == 0:
     time.sleep(60)
     os._exit(0)
-with open("helper.tmp", "w") as f:
+with open(PIDFILE + ".tmp", "w") as f:  # (not in its image: its writes there are its own)
     f.write(str(helper))
-os.replace("helper.tmp", "helper.pid")
+os.replace(PIDFILE + ".tmp", PIDFILE)
 time.sleep(60)  # the import hangs: the container never reports in
 """
 
@@ -200,15 +202,15 @@ async def test_a_start_given_up_before_its_container_reports_leaves_nothing(tmp_
     # the zygote killed a container whose start was given up (a claim cancelled, a start
     # timed out) only once it reported in: one that never does (its import hangs) ran on,
     # with what it started, for as long as the pool
-    bundle = tmp_path / "b"
-    write_env_bundle(bundle, "hangs_env", _HANGS_AT_IMPORT, {})
+    bundle, pidfile = tmp_path / "b", tmp_path / "helper.pid"
+    write_env_bundle(bundle, "hangs_env", _HANGS_AT_IMPORT.replace("PIDFILE", repr(str(pidfile))), {})
     (bundle / "envpool.json").write_text(json.dumps({"modules": ["hangs_env"]}))
     rt = ProcessRuntime(ProcessRuntimeConfig(heartbeat_s=0.1, zygote=zygote, network_namespace=False))
     helper = 0
     try:
         start = asyncio.ensure_future(rt.start(IMAGE, bundle, timeout_s=60.0))
-        await wait_for(lambda: (bundle / "helper.pid").exists(), timeout_s=30.0)
-        helper = int((bundle / "helper.pid").read_text())
+        await wait_for(pidfile.exists, timeout_s=30.0)
+        helper = int(pidfile.read_text())
         start.cancel()
         with pytest.raises(asyncio.CancelledError):
             await start
