@@ -7,8 +7,8 @@ thread tells the pool the process is alive; a stuck environment is found by the 
 step timeout, a dead or frozen process by missed heartbeats.
 
 Isolation it applies to itself before it serves: its own network namespace (no network,
-loopback included) where the kernel allows, resource limits, the bundle directory as its
-working directory, and death with its parent.
+loopback included) where the kernel allows, resource limits, a private view of the bundle
+directory as its working directory (``private_view``), and death with its parent.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ from envpool.protocol import EXIT_IMAGE_NOT_FOUND, MAX_FRAME, FrameError, encode
 
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
+CLONE_NEWNS = 0x00020000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT = 0x1, 0x2, 0x4, 0x20
+_MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
 
 
 def isolate_network() -> str:
@@ -47,6 +50,75 @@ def isolate_network() -> str:
         if libc.unshare(flags) == 0:
             return what
     return "none"
+
+
+def _mount(
+    libc: Any, source: str | None, target: str, fstype: str | None, flags: int, data: str = ""
+) -> None:
+    def c(s: str | None) -> bytes | None:
+        return None if s is None else os.fsencode(s)
+
+    if libc.mount(c(source), c(target), c(fstype), flags, c(data) if data else None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), target)
+
+
+def private_view(bundle: Path, scratch: Path) -> tuple[Path, str]:
+    """The bundle as this container sees it, and how: ``(view, "overlay" | "read-only" |
+    "shared")``. The unpacked bundle is the image cache's, one per node, shared by every
+    container of the image in every pool on it: what a container wrote there (its modules'
+    ``__pycache__``, an environment's output files, code a policy wrote and ran) every later
+    container of the image saw, a state that leaks from episode to episode (one episode can
+    leave a file the next one reads, and be rewarded through it), and bytes the cache's
+    budget never counted. Docker gives each container a copy-on-write layer; this is ours.
+
+    In a mount namespace of its own (root, or a user namespace that gave it the capability)
+    the container mounts an overlay at ``<scratch>/image``: the bundle read-only below, a
+    layer of its own above (``<scratch>/.image-upper``), where its writes go and stay. Where
+    the kernel or the filesystems refuse an overlay, the bundle bound there read-only: a write
+    fails with EROFS, loudly, for root too. The mounts exist in the container's namespace only,
+    which ends with its last process: nothing is left mounted on the host, nothing needs
+    unmounting, and the layer goes with the container's directory. The cost is a few system
+    calls at its start (no copy), and in a zygote's fork as well.
+
+    Limits: with no mount namespace to be had (an unprivileged user without user namespaces)
+    the view is the bundle itself, ``"shared"``, as before, and only the bytecode caches are
+    kept out of it (``sys.dont_write_bytecode``); the runtime says so on the container. The
+    layer's bytes are the container's directory's, not counted by the image cache's budget
+    (``limits.fsize_bytes`` bounds each file)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNS) != 0:
+        return bundle, "shared"
+    try:
+        # first, or a mount under a shared peer group propagates to the host's namespace
+        _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)
+    except OSError:
+        return bundle, "shared"
+    view, upper, work = scratch / "image", scratch / ".image-upper", scratch / ".image-work"
+    try:
+        for d in (view, upper, work):
+            d.mkdir()
+    except OSError:  # (a user namespace that maps no uid of ours may refuse it)
+        return bundle, "shared"
+    # the directories by descriptor: a path with a ',' or a ':' (a user's unpack_dir) would
+    # break the overlay's option string
+    fds = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in (bundle, upper, work)]
+    try:
+        lower, up, wk = (f"/proc/self/fd/{fd}" for fd in fds)
+        options = f"lowerdir={lower},upperdir={up},workdir={wk}"
+        _mount(libc, "overlay", str(view), "overlay", _MS_NOSUID | _MS_NODEV, options)
+        return view, "overlay"
+    except OSError:
+        pass
+    finally:
+        for fd in fds:
+            os.close(fd)
+    try:
+        _mount(libc, str(bundle), str(view), None, _MS_BIND | _MS_REC)
+        _mount(libc, None, str(view), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+    except OSError:
+        return bundle, "shared"  # (a bind left writable is no view to give it: unused)
+    return view, "read-only"
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -396,7 +468,8 @@ def listen(opts: dict[str, Any]) -> tuple[str, socket.socket]:
 
 def run(opts: dict[str, Any], ready: Any) -> None:
     """Isolate, load the image, listen, report ``ready({...})``, serve until killed.
-    ``opts``: sock, bundle, heartbeat_s, limits, fault, netns. Shared by ``main`` (a fresh
+    ``opts``: sock, bundle, scratch (the container's own directory, for its view of the
+    bundle), heartbeat_s, limits, fault, netns. Shared by ``main`` (a fresh
     interpreter) and the zygote (a fork of a pre-imported one)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the pool stops us
     isolation = isolate_network() if opts.get("netns", True) else "none"
@@ -404,7 +477,15 @@ def run(opts: dict[str, Any], ready: Any) -> None:
     bundle = Path(opts["bundle"]) if opts.get("bundle") else None
     if bundle is None and opts.get("image_digest"):
         bundle = fetch_image(str(opts["image_digest"]), str(opts.get("image_source") or ""))
+    view = None
     if bundle is not None:
+        # a bundle of its own (fetched above, or in a container that has its own filesystem)
+        # needs no view; the process runtime's is the node's cache's, shared
+        view = "own"
+        if opts.get("scratch"):
+            bundle, view = private_view(bundle, Path(opts["scratch"]))
+            if view == "shared":
+                sys.dont_write_bytecode = True  # at least no __pycache__ in every container's image
         os.chdir(bundle)
     registry = load_bundle(bundle)
     server = Server(registry, opts.get("fault") or {})
@@ -412,7 +493,9 @@ def run(opts: dict[str, Any], ready: Any) -> None:
     threading.Thread(
         target=server.heartbeat, args=(float(opts.get("heartbeat_s", 1.0)),), daemon=True
     ).start()
-    ready({"ready": True, "pid": os.getpid(), "isolation": isolation, "endpoint": endpoint})
+    ready(
+        {"ready": True, "pid": os.getpid(), "isolation": isolation, "image_view": view, "endpoint": endpoint}
+    )
     server.serve(listener)
 
 
@@ -421,6 +504,7 @@ def main() -> None:
     ap.add_argument("--sock", help="Unix socket path to listen on")
     ap.add_argument("--tcp", help="host:port to listen on instead (containers with their own network)")
     ap.add_argument("--bundle", help="an unpacked image bundle directory")
+    ap.add_argument("--scratch", help="the container's own directory: a private view of --bundle goes there")
     ap.add_argument("--image-digest", help="fetch this bundle (sha256:...) from --image-source first")
     ap.add_argument("--image-source", help="base URL serving GET /blobs/sha256:<hex>")
     ap.add_argument(
@@ -439,6 +523,7 @@ def main() -> None:
         "sock": args.sock,
         "tcp": args.tcp,
         "bundle": args.bundle,
+        "scratch": args.scratch,
         "image_digest": args.image_digest,
         "image_source": args.image_source,
         "heartbeat_s": args.heartbeat_s,

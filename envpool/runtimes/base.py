@@ -153,6 +153,11 @@ class Container:
     runtime: str
     pid: int | None = None
     isolation: str = "none"
+    image_view: str | None = None
+    """How it sees its image's bundle (process runtime): ``"overlay"``, the bundle under a
+    writable layer of its own; ``"read-only"``, the bundle read-only; ``"shared"``, the
+    cache's directory itself, which its writes change for every later container (no mount
+    namespace to be had). None: the runtime's containers have images of their own."""
     started_at: float = field(default_factory=time.monotonic)
     episodes: int = 0
     failed: bool = False

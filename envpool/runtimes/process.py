@@ -1,6 +1,7 @@
 """The embedded default runtime: each container is an ``envpool.server`` in its own
 session (process group), its own network namespace where the kernel allows, under
-resource limits, with a private directory for its socket and scratch files. A stop kills
+resource limits, with a private directory for its socket and scratch files, and a private
+view of its image's bundle there (``envpool.server.private_view``). A stop kills
 its process group, then what it started outside the group, found by the mark on all its
 processes' environments (``envpool.escapees``, which says why a mark and where it fails).
 
@@ -379,6 +380,7 @@ class ProcessRuntime(Runtime):
         self._owner_fd: int | None = None
         self._ids = itertools.count(1)
         self._zygote = _Zygote() if self.config.zygote else None
+        self._warned_shared = False
 
     @property
     def root(self) -> Path:
@@ -411,6 +413,7 @@ class ProcessRuntime(Runtime):
         return {
             "sock": str(sock),
             "bundle": str(bundle) if bundle is not None else None,
+            "scratch": str(sock.parent),  # its view of the bundle goes there (``server.private_view``)
             "heartbeat_s": cfg.heartbeat_s,
             "limits": cfg.limits.model_dump(),
             "fault": cfg.faults.model_dump(),
@@ -441,8 +444,16 @@ class ProcessRuntime(Runtime):
                 raise ContainerStartError(f"container {cid} failed to start: {info['error']}")
         else:
             c = await self._exec(cid, cdir, opts, image)
-            info = {"isolation": c.isolation}
+            info = {"isolation": c.isolation, "image_view": c.image_view}
         c.isolation = info.get("isolation", "none")
+        c.image_view = info.get("image_view")
+        if c.image_view == "shared" and not self._warned_shared:
+            self._warned_shared = True  # (once per runtime: every container here gets the same)
+            log.warning(
+                "container %s runs in its image's shared directory (no mount namespace to be had "
+                "here): what a container writes there, later containers of the image see",
+                cid,
+            )
         return c
 
     async def _exec(self, cid: str, cdir: Path, opts: dict[str, Any], image: str | None) -> Container:
@@ -459,7 +470,7 @@ class ProcessRuntime(Runtime):
         cmd += ["--heartbeat-s", str(opts["heartbeat_s"]), "--limits", json.dumps(opts["limits"])]
         cmd += ["--fault", json.dumps(opts["fault"])]
         if opts["bundle"]:
-            cmd += ["--bundle", opts["bundle"]]
+            cmd += ["--bundle", opts["bundle"], "--scratch", opts["scratch"]]
         if not opts["netns"]:
             cmd.append("--no-netns")
         # a Popen, not an asyncio subprocess: asyncio reaps its children as they exit, and a
@@ -491,6 +502,7 @@ class ProcessRuntime(Runtime):
                 f"container {cid} exited before it was ready (exit code {proc.returncode})"
             )
         c.isolation = info.get("isolation", "none")
+        c.image_view = info.get("image_view")
         return c
 
     async def _stop(self, c: Container) -> None:

@@ -1,0 +1,182 @@
+"""An image is immutable to its containers: what one container writes in its working
+directory (the image's bundle, as it sees it) or changes of the bundle's files is never seen
+by the next container of the image, nor does it change the unpacked bundle the cache shares,
+its digest or the bytes it counts for it. The process runtime gives each container a private
+view of the bundle (``envpool.server.private_view``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from envpool import EnvPool
+from envpool.images import DiskTier, DiskTierConfig, TieredCache, build_bundle
+from envpool.images.unpacked import tree_bytes
+
+_SCRIBBLER = '''
+import json
+import os
+
+import envpool
+
+import scribble_helper  # an import from the bundle: its bytecode would go to its __pycache__
+
+
+class Scribbler(envpool.Env):
+    """'scribble' writes a file into its working directory (the bundle) and changes one of
+    the bundle's own files; every step says what it sees there."""
+
+    example_actions = ("look",)
+
+    def reset(self, *, seed=None, options=None):
+        return "ready", {}
+
+    def step(self, action):
+        if action == "scribble":
+            with open("left.txt", "w") as f:
+                f.write("from an earlier episode")
+            with open("data.txt", "a") as f:
+                f.write(" changed")
+            os.makedirs("made/here")
+        seen = {
+            "left": os.path.exists("left.txt"),
+            "made": os.path.exists("made"),
+            "data": open("data.txt").read(),  # a relative path to the bundle's file
+            "helper": scribble_helper.VALUE,
+        }
+        return envpool.StepResult(obs=envpool.Observation(text=json.dumps(seen)))
+'''
+
+
+def _image_src(root: Path) -> Path:
+    root.mkdir()
+    (root / "scribble_env.py").write_text(_SCRIBBLER)
+    (root / "scribble_helper.py").write_text("VALUE = 42\n")
+    (root / "data.txt").write_text("original")
+    entries = [{"id": "scribble-v0", "entry_point": "scribble_env:Scribbler"}]
+    (root / "envpool.json").write_text(json.dumps({"register": entries}))
+    return root
+
+
+def _listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def _mounts() -> str:
+    with open("/proc/self/mountinfo") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "fresh-interpreter"])
+async def test_what_a_container_writes_in_its_image_no_later_container_sees(tmp_path, zygote):
+    src = _image_src(tmp_path / "src")
+    bundle = build_bundle(src)
+    async with TieredCache(
+        [DiskTier(DiskTierConfig(path=tmp_path / "l1"))], unpack_dir=tmp_path / "unpacked"
+    ) as images:
+        image = await images.publish(bundle, name="scribble")
+        unpacked = await images.get(image)
+        before = _listing(unpacked)
+        counted = images.metrics()["unpacked"]["bytes"]
+        cfg = {
+            "min_warm": 0,
+            "max_episodes": 1,  # each session's episode on a fresh container
+            "runtime": {"heartbeat_s": 0.1, "zygote": zygote, "root": str(tmp_path / "rt")},
+        }
+        async with EnvPool(cfg, images=images) as p:
+            async with p.session("scribble-v0", image=image) as s:
+                if s.container.image_view != "overlay":
+                    # (read-only: its write fails, as the test below shows; shared: the
+                    # directory is every container's, and the runtime warns of it)
+                    pytest.skip(f"no overlay here (the image is {s.container.image_view!r})")
+                await s.reset()
+                first = json.loads((await s.step("scribble")).obs.text)
+                first_id = s.container.id
+            async with p.session("scribble-v0", image=image) as s:
+                await s.reset()
+                second = json.loads((await s.step("look")).obs.text)
+                assert s.container.id != first_id
+        # the first container wrote into a layer of its own, and read its writes back there
+        assert first == {"left": True, "made": True, "data": "original changed", "helper": 42}
+        # the second one's view of the image is the image's
+        assert second == {"left": False, "made": False, "data": "original", "helper": 42}
+        # and the cache's copy is as it was unpacked: no file more (no __pycache__ either),
+        # the same bytes counted, the same digest
+        assert _listing(unpacked) == before
+        assert (unpacked / "data.txt").read_text() == "original"
+        assert tree_bytes(unpacked) == counted == images.metrics()["unpacked"]["bytes"]
+        assert build_bundle(unpacked).digest == bundle.digest
+    # nothing of the containers' views is left mounted (they lived in the containers' own
+    # mount namespaces, gone with them), nor their directories
+    assert str(tmp_path) not in _mounts()
+    assert not (tmp_path / "rt").exists() or list((tmp_path / "rt").iterdir()) == []
+
+
+async def test_a_container_is_told_its_image_view(tmp_path):
+    # root (this pool's runtime) gets a private writable layer; elsewhere a container says
+    # what it got, never silently less
+    src = _image_src(tmp_path / "src")
+    async with TieredCache(
+        [DiskTier(DiskTierConfig(path=tmp_path / "l1"))], unpack_dir=tmp_path / "unpacked"
+    ) as images:
+        image = await images.publish(build_bundle(src), name="scribble")
+        cfg = {"min_warm": 0, "runtime": {"heartbeat_s": 0.1}}
+        async with EnvPool(cfg, images=images) as p, p.session("scribble-v0", image=image) as s:
+            assert s.container.image_view in ("overlay", "read-only", "shared")
+            if os.geteuid() == 0:
+                assert s.container.image_view == "overlay"
+
+
+_NO_OVERLAY = r"""
+import json, os, sys
+from pathlib import Path
+import envpool.server as server
+
+mount = server._mount
+
+def no_overlay(libc, source, target, fstype, flags, data=""):
+    if fstype == "overlay":  # as a kernel without overlayfs, or an upper fs it refuses
+        raise OSError(19, "No such device", target)
+    mount(libc, source, target, fstype, flags, data)
+
+server._mount = no_overlay
+bundle, scratch = Path(sys.argv[1]), Path(sys.argv[2])
+view, how = server.private_view(bundle, scratch)
+out = {"how": how, "view": str(view), "read": (view / "data.txt").read_text()}
+try:
+    with open(view / "left.txt", "w") as f:
+        f.write("x")
+    out["write"] = "written"
+except OSError as e:
+    out["write"] = os.strerror(e.errno)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a mount namespace of its own needs root here")
+def test_where_no_overlay_can_be_had_the_image_is_read_only_and_a_write_says_so(tmp_path):
+    bundle, scratch = _image_src(tmp_path / "bundle"), tmp_path / "scratch"
+    scratch.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_OVERLAY, str(bundle), str(scratch)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    seen = json.loads(out.stdout)
+    # root ignores file modes: only a read-only mount refuses its write
+    assert seen == {
+        "how": "read-only",
+        "view": str(scratch / "image"),
+        "read": "original",
+        "write": "Read-only file system",
+    }
+    assert not (bundle / "left.txt").exists()
+    assert str(tmp_path) not in _mounts()  # (the child's namespace went with it)
