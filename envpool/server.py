@@ -486,6 +486,11 @@ def run(opts: dict[str, Any], ready: Any) -> None:
             bundle, view = private_view(bundle, Path(opts["scratch"]))
             if view == "shared":
                 sys.dont_write_bytecode = True  # at least no __pycache__ in every container's image
+            else:
+                # bytecode beside the sources: the cache's, compiled as it unpacked, or in
+                # the container's own layer; not in a PYTHONPYCACHEPREFIX every container
+                # shares, where one could leave bytecode for the next to run
+                sys.pycache_prefix = None
         os.chdir(bundle)
     registry = load_bundle(bundle)
     server = Server(registry, opts.get("fault") or {})

@@ -25,6 +25,8 @@ import asyncio
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -485,7 +487,8 @@ class TieredCache:
             # which no container or sandbox of another user could enter
             tmp.chmod(0o755)
             unpack(data, tmp, max_bytes=self.max_unpacked_bytes)
-            size = tree_bytes(tmp)
+            _precompile(tmp)
+            size = tree_bytes(tmp)  # (its bytecode included: it is on the disk too)
             try:
                 tmp.rename(final)
             except OSError:
@@ -496,3 +499,32 @@ class TieredCache:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return final, size
+
+
+_PRECOMPILE_TIMEOUT_S = 300.0
+
+
+def _precompile(root: Path) -> None:
+    """Byte-compile the bundle's modules once, as it is unpacked, before any container sees
+    it. A container sees its image read-only below a layer of its own
+    (``envpool.server.private_view``), so the bytecode it writes stays in that layer and
+    went with it: every container compiled the image's modules again (tens of ms for a large
+    module, against a zygote fork's few). Written by the cache, never by a container: no
+    container can leave bytecode that another one runs. The digest is the archive's and
+    does not change; the bytes are counted with the bundle's.
+
+    In a subprocess: compiling holds the interpreter lock, this thread's loop would stall.
+    ``-I``: beside the sources, whatever ``PYTHONPYCACHEPREFIX`` says (containers look there,
+    ``private_view``). A file that does not compile, or a compile that fails or runs past its
+    timeout, is left to the import to compile or report: this only saves time."""
+    try:
+        subprocess.run(
+            [sys.executable, "-I", "-m", "compileall", "-q", "-q", str(root)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=_PRECOMPILE_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("byte-compiling the bundle at %s failed (its containers compile it): %s", root, e)

@@ -180,3 +180,29 @@ def test_where_no_overlay_can_be_had_the_image_is_read_only_and_a_write_says_so(
     }
     assert not (bundle / "left.txt").exists()
     assert str(tmp_path) not in _mounts()  # (the child's namespace went with it)
+
+
+async def test_the_images_modules_are_compiled_once_by_the_cache_not_by_each_container(tmp_path, monkeypatch):
+    # a container's bytecode goes to its own layer, gone with it: each one compiled the
+    # image's modules afresh (tens of ms for a large module, against a zygote fork's few).
+    # The cache compiles them once, as it unpacks; the bytes count, the digest does not
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)  # the containers would write it
+    src = _image_src(tmp_path / "src")
+    bundle = build_bundle(src)
+    async with TieredCache(
+        [DiskTier(DiskTierConfig(path=tmp_path / "l1"))], unpack_dir=tmp_path / "unpacked"
+    ) as images:
+        image = await images.publish(bundle, name="scribble")
+        unpacked = await images.get(image)
+        compiled = sorted(p.name.split(".")[0] for p in (unpacked / "__pycache__").glob("*.pyc"))
+        assert compiled == ["scribble_env", "scribble_helper"]
+        assert tree_bytes(unpacked) == images.metrics()["unpacked"]["bytes"]
+        assert build_bundle(unpacked).digest == bundle.digest
+        cfg = {"min_warm": 0, "runtime": {"heartbeat_s": 0.1, "root": str(tmp_path / "rt")}}
+        async with EnvPool(cfg, images=images) as p, p.session("scribble-v0", image=image) as s:
+            if s.container.image_view != "overlay":
+                pytest.skip(f"no overlay here (the image is {s.container.image_view!r})")
+            await s.reset()
+            await s.step("look")
+            layer = Path(s.container.endpoint).parent / ".image-upper"
+            assert sorted(p.name for p in layer.iterdir()) == []  # nothing compiled again
