@@ -131,8 +131,14 @@ class Simulator:
             raise ValueError(f"trajectory ids must be unique; repeated: {', '.join(map(repr, twins))}")
         self.trajs = trajectories
         self.workers = {f"w{k}": Worker(f"w{k}", profile, speed=speeds[k]) for k in range(workers)}
+        options = dict(scheduler_options or {})
+        if scheduler == "cmlfq":
+            # one store of C-MLFQ's levels for every worker's queue, as on the real path (the
+            # proxy's TurnScheduler): a trajectory cache_affinity moves keeps its level
+            # instead of starting again at 0 on its new worker
+            options.setdefault("level_store", {})
         self.queues: dict[str, QueuePolicy] = {
-            w: make_queue_policy(scheduler, **(scheduler_options or {})) for w in self.workers
+            w: make_queue_policy(scheduler, **options) for w in self.workers
         }
         self.placement = make_placement(placement, **(placement_options or {}))
         self.mode = mode
