@@ -18,6 +18,7 @@ priorities are first come, first served and the order is deterministic.
 from __future__ import annotations
 
 import heapq
+import numbers
 from abc import abstractmethod
 from collections.abc import Iterable
 from typing import Any, ClassVar
@@ -78,8 +79,11 @@ class ProgressivePriority(_HeapPolicy):
 
     def __init__(self, preempt_ratio: float = 2.0) -> None:
         super().__init__()
-        if preempt_ratio < 1.0:
-            raise ValueError(f"preempt_ratio must be >= 1, got {preempt_ratio}")
+        # nan passed "< 1" and then never preempted (nothing is > nan * size), silently
+        if not _number(preempt_ratio) or not preempt_ratio >= 1.0:
+            raise ValueError(
+                f"preempt_ratio must be a number >= 1 (inf: never preempt), got {preempt_ratio!r}"
+            )
         self.preempt_ratio = preempt_ratio
 
     @staticmethod
@@ -152,8 +156,19 @@ class CMLFQ(QueuePolicy):
             raise ValueError(f"levels must be >= 1, got {levels}")
         if len(quantum_tokens) < levels - 1:
             raise ValueError(f"quantum_tokens needs {levels - 1} entries (one per level but the last)")
+        quantum = tuple(quantum_tokens[: levels - 1])
+        # the levels' token budgets grow downwards: a smaller one below a larger one sends a
+        # trajectory to the lower level before the upper one's budget is spent
+        if not all(_number(q) and q >= 0 for q in quantum) or list(quantum) != sorted(quantum):
+            raise ValueError(f"quantum_tokens must be numbers >= 0, non-decreasing, got {quantum}")
+        # checked here, where the job config is validated: a string failed the first pop (in
+        # the proxy, mid-run) and nan never aged anything (starvation, the rule's promise)
+        if not _number(aging_s) or not aging_s >= 0:
+            raise ValueError(f"aging_s must be a number of seconds >= 0 (inf: no aging), got {aging_s!r}")
+        if buckets is not None and (not isinstance(buckets, int) or isinstance(buckets, bool) or buckets < 1):
+            raise ValueError(f"buckets must be an integer >= 1, got {buckets!r}")
         self.levels = levels
-        self.quantum = tuple(quantum_tokens[: levels - 1])
+        self.quantum = quantum
         self.aging_s = aging_s
         self.buckets = buckets or levels
         self._level: dict[str, int] = level_store if level_store is not None else {}
@@ -216,6 +231,11 @@ class CMLFQ(QueuePolicy):
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues)
+
+
+def _number(x: object) -> bool:
+    """A real number, not a bool (YAML's ``yes``) and not nan."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and x == x
 
 
 QUEUE_POLICIES: dict[str, type[QueuePolicy]] = {

@@ -3,7 +3,12 @@ clocks and rules end to end): each pins a failure that was demonstrated before i
 
 from __future__ import annotations
 
+import pytest
+from pydantic import ValidationError
+
+from core.config_sections import RolloutConfig
 from core.sched.base import Request
+from core.sched.queueing import CMLFQ
 from core.sim import Simulator, TrajSpec, Turn
 
 
@@ -40,3 +45,37 @@ def test_a_trajectory_that_moves_worker_in_the_simulator_keeps_its_cmlfq_level()
     (home, _, _), (_, _, one), (moved, _, two) = levels
     assert moved != home and one == 1
     assert two == 2  # was 1: 0 on the new worker's queue, then one level down
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "options"),
+    [
+        # failed at the first turn that waited, in the proxy: TypeError comparing float and str
+        ("cmlfq", {"aging_s": "30"}),
+        # nan: never aged, a demoted turn starved behind every later level-0 one
+        ("cmlfq", {"aging_s": float("nan")}),
+        ("cmlfq", {"aging_s": -5.0}),
+        ("cmlfq", {"quantum_tokens": (2048, 8192, -1)}),
+        ("cmlfq", {"quantum_tokens": (8192, 2048, 32768)}),
+        ("cmlfq", {"buckets": -2}),  # bucket(0) was -3
+        # nan: never preempted (waiting > nan * size is always false)
+        ("pps", {"preempt_ratio": float("nan")}),
+    ],
+)
+def test_queue_policy_options_that_cannot_work_are_refused_by_the_job_config(scheduler, options):
+    with pytest.raises(ValidationError, match="scheduler_options do not fit"):
+        RolloutConfig(scheduler=scheduler, scheduler_options=options)
+
+
+def test_aging_periods_that_work_are_still_taken():
+    # a demoted turn that waited long goes before a later level-0 one
+    def first(aging_s: float) -> str:
+        q = CMLFQ(levels=4, quantum_tokens=(1, 2, 3), aging_s=aging_s)
+        q.push(Request("old", arrival=0.0, tokens_so_far=50), 0.0)
+        q.push(Request("new", arrival=1000.0), 1000.0)
+        r = q.pop(1000.0)
+        assert r is not None
+        return r.trajectory
+
+    assert first(30.0) == "old"
+    assert first(0.0) == "old"  # (0: every waiting turn goes up at once, as tests use it)
