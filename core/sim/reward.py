@@ -72,9 +72,12 @@ class RewardPool:
         self._live = [_Instance(0.0, 0.0) for _ in range(stage.workers)] if stage.mode == "dedicated" else []
 
     def serve(self, jobs: list[tuple[float, float]]) -> float:
-        """Serve ``(arrival_ms, service_ms)`` jobs in arrival order; returns the last end."""
+        """Serve ``(arrival_ms, service_ms)`` jobs in arrival order, equal arrivals in the
+        order given (a batch handed over at once: in its trajectories' finish order); returns
+        the last end."""
         last = 0.0
-        for arrival, service in sorted(jobs):
+        # by arrival only: sorting the tuples ran equal arrivals shortest first, not FCFS
+        for arrival, service in sorted(jobs, key=lambda job: job[0]):
             inst, start = self._instance_for(arrival)
             inst.free_ms = start + service
             self.busy_ms += service

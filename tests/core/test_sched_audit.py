@@ -10,6 +10,7 @@ from core.config_sections import RolloutConfig
 from core.sched.base import Request
 from core.sched.queueing import CMLFQ
 from core.sim import Simulator, TrajSpec, Turn
+from core.sim.reward import RewardPool, RewardStage
 
 
 def test_a_trajectory_that_moves_worker_in_the_simulator_keeps_its_cmlfq_level():
@@ -79,3 +80,14 @@ def test_aging_periods_that_work_are_still_taken():
 
     assert first(30.0) == "old"
     assert first(0.0) == "old"  # (0: every waiting turn goes up at once, as tests use it)
+
+
+def test_dedicated_reward_workers_take_a_batch_in_the_order_it_is_handed_over():
+    # The rollout's batch arrives at once, in finish order; the pool sorted the jobs by
+    # (arrival, service), so equal arrivals ran shortest first (not first come, first
+    # served): the long judge started last and the batch ended at 11 instead of 10.
+    pool = RewardPool(RewardStage("dedicated", 2))
+    assert pool.serve([(0.0, 10.0), (0.0, 1.0), (0.0, 1.0)]) == 10.0
+    # arrivals still go in time order
+    pool = RewardPool(RewardStage("dedicated", 1))
+    assert pool.serve([(5.0, 1.0), (0.0, 2.0)]) == 6.0
