@@ -200,6 +200,7 @@ def run_pipeline(
     total = split.total
     seen: list[StepObservation] = []
     roll_end = train_end = train_end_2 = 0.0  # step s-1's rollout and training, step s-2's training
+    train_start, train_work = 0.0, 0.0  # step s-1's training: when it started, its GPU-seconds
     moves = 0
     for s, lengths in enumerate(steps):
         old = split
@@ -208,9 +209,17 @@ def run_pipeline(
         moves += abs(split.rollout_gpus - old.rollout_gpus)
         obs = cost.observe(lengths)
         seen.append(obs)
-        # GPUs joining rollout come from training step s-1; those joining training from rollout s-1
+        # GPUs joining rollout s come from training step s-1 (they finish it first); those
+        # leaving the rollout finished rollout s-1 and join training s-1, which starts as
+        # rollout s does (they sat out a whole step waiting for training s, an asymmetry
+        # that made a move towards training look dearer than one the other way)
         to_roll = max(split.rollout_gpus - old.rollout_gpus, 0)
         to_train = max(old.rollout_gpus - split.rollout_gpus, 0)
+        if to_train:
+            t_join = roll_end + switch_s
+            if blocking:
+                train_start = max(train_start, t_join)
+            train_end = _finish(train_start, train_work, old.train_gpus, to_train, t_join)
         r_start = max(roll_end, train_end_2)
         r_join = train_end + switch_s
         if blocking and to_roll:
@@ -218,11 +227,9 @@ def run_pipeline(
         r_end = _finish(r_start, obs.rollout_gpu_s, split.rollout_gpus - to_roll, to_roll, r_join)
         r_end = max(r_end, r_start + obs.tail_s)
         t_start = max(r_end, train_end)
-        t_join = roll_end + switch_s
-        if blocking and to_train:
-            t_start = max(t_start, t_join)
-        t_end = _finish(t_start, obs.train_gpu_s, split.train_gpus - to_train, to_train, t_join)
+        t_end = _finish(t_start, obs.train_gpu_s, split.train_gpus, 0, t_start)
         roll_end, train_end_2, train_end = r_end, train_end, t_end
+        train_start, train_work = t_start, obs.train_gpu_s
     makespan = train_end
     return {
         "makespan_s": makespan,

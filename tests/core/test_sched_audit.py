@@ -3,11 +3,14 @@ clocks and rules end to end): each pins a failure that was demonstrated before i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 from pydantic import ValidationError
 
 from core.config_sections import RolloutConfig
 from core.sched.base import Request
+from core.sched.planner import CostModel, GlobalPlanner, Split, StepObservation, run_pipeline
 from core.sched.queueing import CMLFQ
 from core.sim import Simulator, TrajSpec, Turn
 from core.sim.reward import RewardPool, RewardStage
@@ -91,3 +94,46 @@ def test_dedicated_reward_workers_take_a_batch_in_the_order_it_is_handed_over():
     # arrivals still go in time order
     pool = RewardPool(RewardStage("dedicated", 1))
     assert pool.serve([(5.0, 1.0), (0.0, 2.0)]) == 6.0
+
+
+class _Scripted(GlobalPlanner):
+    """Moves to ``to`` before step 1, whatever it observed."""
+
+    def __init__(self, start: Split, to: Split) -> None:
+        super().__init__(start.total, 1, initial=start)
+        self.to = to
+
+    def due(self, step: int) -> bool:
+        return step == 1
+
+    def plan(self, observations: Sequence[StepObservation]) -> Split:
+        self.split = self.to
+        return self.to
+
+
+#: 100 tokens/s per GPU both ways, no KV slowdown, no tail: 1,000 tokens are 10 GPU-s a stage.
+_FLAT = CostModel(decode_tok_s=100.0, kv_half_tokens=1e15, seq_tok_s=1e15, train_tok_s=100.0)
+
+
+def test_gpus_moving_from_rollout_to_training_join_the_running_training_step():
+    # Split 8/2 -> 5/5 before step 1. Step 0: rollout [0, 1.25] on 8 GPUs; its training starts
+    # at 1.25 on 2 GPUs, the moment step 1's rollout starts on 5: the 3 that leave the
+    # rollout are free then and join that training, as GPUs moving the other way join the
+    # running rollout. They sat out instead until step 1's training (makespan 8.25 s).
+    steps = [[100.0] * 10] * 2
+    out = run_pipeline(steps, _Scripted(Split(8, 2), Split(5, 5)), _FLAT)
+    assert out["makespan_s"] == pytest.approx(5.25)  # training 0 on 5 GPUs: [1.25, 3.25]
+    # with a 1 s switch they join at 2.25: 2 GPU-s done by then, 8 over 5 GPUs
+    out = run_pipeline(steps, _Scripted(Split(8, 2), Split(5, 5)), _FLAT, switch_s=1.0)
+    assert out["makespan_s"] == pytest.approx(3.85 + 2.0)
+    # blocking: training 0 waits for them (starts at 2.25 on 5 GPUs)
+    out = run_pipeline(steps, _Scripted(Split(8, 2), Split(5, 5)), _FLAT, switch_s=1.0, blocking=True)
+    assert out["makespan_s"] == pytest.approx(4.25 + 2.0)
+
+
+def test_gpus_moving_from_training_to_rollout_still_join_the_running_rollout():
+    # Split 2/8 -> 5/5: rollout 1 starts at 5 on 2 GPUs, the 3 join when training 0 ends
+    # (6.25): 2.5 GPU-s done, 7.5 over 5; training 1 then [7.75, 9.75]
+    steps = [[100.0] * 10] * 2
+    out = run_pipeline(steps, _Scripted(Split(2, 8), Split(5, 5)), _FLAT)
+    assert out["makespan_s"] == pytest.approx(9.75)
