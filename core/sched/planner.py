@@ -23,6 +23,7 @@ minimising ``max(rollout, training)`` is found by scanning every ``g``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,8 +53,9 @@ class StepObservation:
     """The longest trajectory's own decode time: more rollout GPUs cannot shorten it."""
 
     def __post_init__(self) -> None:
-        if min(self.rollout_gpu_s, self.train_gpu_s, self.tail_s) < 0:
-            raise ValueError("observed times must be >= 0")
+        # nan passed a "< 0" check, and the plan it fed came out 1 rollout GPU, silently
+        if not all(0 <= x < math.inf for x in (self.rollout_gpu_s, self.train_gpu_s, self.tail_s)):
+            raise ValueError(f"observed times must be finite and >= 0, got {self}")
 
 
 def best_split(
@@ -73,6 +75,8 @@ def best_split(
         raise ValueError(
             f"{total_gpus} GPUs cannot give {min_rollout} to rollout and {min_train} to training"
         )
+    if not all(0 <= x < math.inf for x in (rollout_gpu_s, train_gpu_s, tail_s)):
+        raise ValueError(f"stage times must be finite and >= 0, got {rollout_gpu_s}, {train_gpu_s}, {tail_s}")
     g = np.arange(min_rollout, total_gpus - min_train + 1)
     roll = np.maximum(rollout_gpu_s / g, tail_s)
     train = train_gpu_s / (total_gpus - g)
@@ -157,6 +161,8 @@ class CostModel:
 
     def observe(self, lengths: Sequence[float] | np.ndarray) -> StepObservation:
         ls = np.asarray(lengths, dtype=float)
+        if not np.all(np.isfinite(ls) & (ls >= 0)):
+            raise ValueError("response lengths must be finite and >= 0")
         if ls.size == 0:
             return StepObservation(0.0, 0.0, 0.0)
         tokens = float(ls.sum())

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from core.config_sections import RolloutConfig
 from core.sched.base import Request
-from core.sched.planner import CostModel, GlobalPlanner, Split, StepObservation, run_pipeline
+from core.sched.planner import CostModel, GlobalPlanner, Split, StepObservation, best_split, run_pipeline
 from core.sched.queueing import CMLFQ
 from core.sim import Simulator, TrajSpec, Turn
 from core.sim.reward import RewardPool, RewardStage
@@ -137,3 +137,15 @@ def test_gpus_moving_from_training_to_rollout_still_join_the_running_rollout():
     steps = [[100.0] * 10] * 2
     out = run_pipeline(steps, _Scripted(Split(2, 8), Split(5, 5)), _FLAT)
     assert out["makespan_s"] == pytest.approx(9.75)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_planner_observation_that_is_not_a_finite_time_is_refused(bad):
+    # a nan (a step's lengths held one) passed the ">= 0" check and the planner re-split the
+    # pool to 1 rollout GPU, the worst split, silently; inf rollout work did the same
+    with pytest.raises(ValueError, match="finite"):
+        StepObservation(bad, 50.0)
+    with pytest.raises(ValueError, match="finite"):
+        CostModel().observe([100.0, bad])
+    with pytest.raises(ValueError, match="finite"):
+        best_split(16, bad, 50.0)
