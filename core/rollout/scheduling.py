@@ -28,6 +28,7 @@ replica.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -51,6 +52,8 @@ class _Traj:
     turns: list[tuple[int, Outcome]] = field(default_factory=list)
     predicted: float | None = None
     replica: int | None = None
+    classified: int | None = None
+    """The ``seq`` of the turn whose tool outcome last moved its C-MLFQ level."""
 
 
 @dataclass
@@ -165,6 +168,15 @@ class TurnScheduler:
         t = self._trajs.get(req.trajectory)
         if t is not None:  # None: released meanwhile (its turn ends aborted); not re-created
             t.replica = replica
+            if isinstance(s.queue, CMLFQ) and req.last_outcome is not None:
+                if t.classified == req.seq:
+                    # admitted again (a rerun after its replica was lost, or one that broke
+                    # while it waited): its outcome moved the level at its first admission,
+                    # and applied twice one tool error cost two levels. (A copy: the caller's
+                    # request keeps its outcome for the trace.)
+                    req = dataclasses.replace(req, last_outcome=None)
+                else:
+                    t.classified = req.seq
         if s.running < self.slots and not len(s.queue):
             if isinstance(s.queue, CMLFQ):
                 s.queue.observe(req)  # its outcome moves its level though it never queued

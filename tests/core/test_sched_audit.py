@@ -3,12 +3,17 @@ clocks and rules end to end): each pins a failure that was demonstrated before i
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import pytest
+from proxy_fakes import Fake
+from proxy_fakes import req as one_turn
 from pydantic import ValidationError
 
 from core.config_sections import RolloutConfig
+from core.rollout.llm_proxy import LLMProxy, ReplicaLost
+from core.rollout.scheduling import TurnScheduler
 from core.sched.base import Request
 from core.sched.planner import CostModel, GlobalPlanner, Split, StepObservation, best_split, run_pipeline
 from core.sched.queueing import CMLFQ
@@ -149,3 +154,41 @@ def test_a_planner_observation_that_is_not_a_finite_time_is_refused(bad):
         CostModel().observe([100.0, bad])
     with pytest.raises(ValueError, match="finite"):
         best_split(16, bad, 50.0)
+
+
+async def test_a_turn_rerun_after_its_replica_was_lost_moves_its_cmlfq_level_once():
+    # A turn lost with its replica is admitted again (the rerun) with the same request: C-MLFQ
+    # applied its tool outcome again, so one tool error cost two levels (a timeout four). The
+    # simulator admits every turn once.
+    r = Fake("r", fail=[None, ReplicaLost("died")], ping_down=float("inf"))
+    ok = Fake("ok")
+    sched = TurnScheduler("cmlfq", slots=4)
+    proxy = LLMProxy({"default": [r, ok]}, recover_timeout_s=60, scheduler=sched)
+    try:
+        levels: dict[str, int] = sched._queue_options["level_store"]
+        await asyncio.wait_for(proxy.generate("t", "x", one_turn(request_id="t/0", metadata={"turn": 0})), 5)
+        meta = {"turn": 1, "outcome": "tool_error"}
+        c = await asyncio.wait_for(proxy.generate("t", "x", one_turn(request_id="t/1", metadata=meta)), 5)
+        assert c.request_id == "t/1" and ok.generated == ["t/1#rerun1"]  # it was lost and rerun
+        assert levels["t"] == 1  # was 2
+    finally:
+        await proxy.aclose()
+
+
+async def test_a_turn_admitted_again_keeps_the_level_its_first_admission_gave():
+    # the scheduler alone: a turn's second admission (a rerun, or a replica that broke while
+    # it waited) does not move its trajectory again; the next turn's outcome still does
+    sched = TurnScheduler("cmlfq", slots=1)
+    levels: dict[str, int] = sched._queue_options["level_store"]
+    assert await sched.admit(1, sched.request("a", 0, 10, {}))
+    sched.done(1)
+    sched.finished_turn("a", 5)
+    turn = sched.request("a", 1, 20, {"outcome": "timeout"})
+    assert await sched.admit(1, turn)
+    sched.done(1)
+    assert await sched.admit(2, turn)
+    assert levels["a"] == 2  # was 3 (2 + 2, the lowest of 4 levels)
+    sched.done(2)
+    sched.finished_turn("a", 5)
+    assert await sched.admit(2, sched.request("a", 2, 30, {"outcome": "tool_error"}))
+    assert levels["a"] == 3
