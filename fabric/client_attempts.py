@@ -190,14 +190,18 @@ class Attempts:
     def _began(self, fn: FnState, copies: list[asyncio.Future[Result]]) -> bool | None:
         """Whether any of a call's ``copies`` (its primary and hedge) began to run, asked
         before they are let go: an answered copy's ``Result.started``, else the backend's
-        word (``Backend.started``). ``None`` when none is known to have begun and one is not
-        known either way."""
+        word (``Backend.started``); a copy that ended without an answer is not known. ``None``
+        when none is known to have begun and one is not known either way."""
         known: list[bool | None] = []
         for f in copies:
             if _answered(f):
                 known.append(f.result().started)
             elif not f.done():
                 known.append(self.backend.started(fn.spec.name, f))
+            else:
+                # ended without an answer (its backend's future raised, or the backend cancelled
+                # it): it was sent, and nothing says whether it ran
+                known.append(None)
         if any(known):
             return True
         return None if None in known else False

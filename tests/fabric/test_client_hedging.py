@@ -249,3 +249,23 @@ async def test_a_call_abandoned_at_its_deadline_began_unless_its_backend_says_no
         r = await c.call("nap", {"seconds": 0}, deadline_s=0.2)
     assert r.error.type == ErrorCode.DEADLINE_EXCEEDED and "backend answered" in r.error.message
     assert r.started is (not says)
+
+
+async def test_a_hedged_call_abandoned_while_a_failed_copy_may_have_run_says_it_began():
+    """The primary failed without an answer (its backend's future raised: it was sent, and
+    may have run) and the hedge, still queued, was abandoned at the deadline: whether the
+    call began is not known, and is read as begun, not as the queued hedge's "never began"."""
+    manual = _SaysWhatBegan()
+    cfg = ClientConfig.model_validate({"hedge": {"min_samples": 5}})
+    async with Client(backend=manual, registry=REG, config=cfg) as c:
+        warm = [asyncio.create_task(c.call("nap", {"seconds": 0})) for _ in range(5)]
+        for _ in range(5):
+            manual.answer(*await manual.next())
+        await asyncio.gather(*warm)
+        call = asyncio.create_task(c.call("nap", {"seconds": 0}, deadline_s=1.0))
+        _, primary = await manual.next()
+        hinv, _ = await manual.next()  # sent after the p95; queued (not in manual.began)
+        assert hinv.hedge
+        primary.set_exception(RuntimeError("the backend broke after sending it"))
+        r = await call
+    assert r.error.type == ErrorCode.DEADLINE_EXCEEDED and r.started is True
