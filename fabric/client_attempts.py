@@ -408,9 +408,8 @@ class Attempts:
                 result = await winner
             else:
                 await asyncio.wait((winner,), timeout=wait_s)
-                if not winner.done():
-                    return self._abandoned(fn, inv, futs)
-                result = winner.result()
+                # (not returned from here: it is hedged too, below)
+                result = winner.result() if winner.done() else self._abandoned(fn, inv, futs)
             if (
                 not result.ok
                 and result.started is not True

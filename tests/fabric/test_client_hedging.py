@@ -269,3 +269,22 @@ async def test_a_hedged_call_abandoned_while_a_failed_copy_may_have_run_says_it_
         primary.set_exception(RuntimeError("the backend broke after sending it"))
         r = await call
     assert r.error.type == ErrorCode.DEADLINE_EXCEEDED and r.started is True
+
+
+async def test_a_hedged_call_abandoned_at_its_deadline_is_marked_hedged():
+    """Result.hedged is "True when a hedge was sent for this call": one whose primary and
+    hedge were both still out at its deadline came back hedged=False."""
+    manual = _SaysWhatBegan()
+    cfg = ClientConfig.model_validate({"hedge": {"min_samples": 5}})
+    async with Client(backend=manual, registry=REG, config=cfg) as c:
+        warm = [asyncio.create_task(c.call("nap", {"seconds": 0})) for _ in range(5)]
+        for _ in range(5):
+            manual.answer(*await manual.next())
+        await asyncio.gather(*warm)
+        call = asyncio.create_task(c.call("nap", {"seconds": 0}, deadline_s=0.5))
+        await manual.next()
+        hinv, _ = await manual.next()  # sent after the p95; neither copy answers
+        assert hinv.hedge
+        r = await call
+    assert r.error.type == ErrorCode.DEADLINE_EXCEEDED and r.hedged
+    assert c.metrics()["nap"]["hedges"] == 1
