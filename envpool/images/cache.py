@@ -22,6 +22,7 @@ it keeps the bundles over the budget (no unpack or release here may come soon).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -487,8 +488,7 @@ class TieredCache:
             # which no container or sandbox of another user could enter
             tmp.chmod(0o755)
             unpack(data, tmp, max_bytes=self.max_unpacked_bytes)
-            _precompile(tmp)
-            size = tree_bytes(tmp)  # (its bytecode included: it is on the disk too)
+            size = _precompile(tmp, self.max_unpacked_bytes)  # (its bytecode is on the disk too)
             try:
                 tmp.rename(final)
             except OSError:
@@ -504,7 +504,7 @@ class TieredCache:
 _PRECOMPILE_TIMEOUT_S = 300.0
 
 
-def _precompile(root: Path) -> None:
+def _precompile(root: Path, max_bytes: int | None) -> int:
     """Byte-compile the bundle's modules once, as it is unpacked, before any container sees
     it. A container sees its image read-only below a layer of its own
     (``envpool.server.private_view``), so the bytecode it writes stays in that layer and
@@ -516,7 +516,13 @@ def _precompile(root: Path) -> None:
     In a subprocess: compiling holds the interpreter lock, this thread's loop would stall.
     ``-I``: beside the sources, whatever ``PYTHONPYCACHEPREFIX`` says (containers look there,
     ``private_view``). A file that does not compile, or a compile that fails or runs past its
-    timeout, is left to the import to compile or report: this only saves time."""
+    timeout, is left to the import to compile or report: this only saves time.
+
+    Within ``max_bytes`` (``max_unpacked_bytes``) with the bundle: bytecode can be hundreds of
+    times its source (a constant folded from ``"x" * n``), and a bundle that unpacked within
+    the limit took many times it. Past it, what the compile wrote goes (each container
+    compiles what it imports, in its own layer). The tree's bytes, its bytecode included."""
+    before = None if max_bytes is None else _files_and_dirs(root)
     try:
         subprocess.run(
             [sys.executable, "-I", "-m", "compileall", "-q", "-q", str(root)],
@@ -528,3 +534,31 @@ def _precompile(root: Path) -> None:
         )
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("byte-compiling the bundle at %s failed (its containers compile it): %s", root, e)
+    size = tree_bytes(root)
+    if before is None or max_bytes is None or size <= max_bytes:
+        return size
+    log.warning(
+        "the bundle at %s takes %d bytes with its bytecode, over max_unpacked_bytes (%d): "
+        "its bytecode is dropped (its containers compile what they import)",
+        root,
+        size,
+        max_bytes,
+    )
+    files, dirs = _files_and_dirs(root)
+    for path in files - before[0]:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    for path in sorted(dirs - before[1], key=len, reverse=True):  # the deepest first
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+    return tree_bytes(root)
+
+
+def _files_and_dirs(root: Path) -> tuple[set[str], set[str]]:
+    """The paths of the files and of the directories under ``root`` (symlinks not followed)."""
+    files: set[str] = set()
+    dirs: set[str] = set()
+    for parent, dirnames, filenames in os.walk(root):
+        dirs.update(os.path.join(parent, d) for d in dirnames)
+        files.update(os.path.join(parent, f) for f in filenames)
+    return files, dirs

@@ -206,3 +206,27 @@ async def test_the_images_modules_are_compiled_once_by_the_cache_not_by_each_con
             await s.step("look")
             layer = Path(s.container.endpoint).parent / ".image-upper"
             assert sorted(p.name for p in layer.iterdir()) == []  # nothing compiled again
+
+
+async def test_the_caches_bytecode_stays_within_max_unpacked_bytes(tmp_path):
+    # bytecode can be hundreds of times its source (a constant folded from "x" * n: 28 kB of
+    # such lines compile to some 8 MB): compiled past the bundle's limit, a bundle that
+    # unpacked well within max_unpacked_bytes took many times it on the disk. Over the limit,
+    # what the compile wrote goes (the containers compile what they import, in their layers)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "folded.py").write_text("".join(f'a = "{i:05d}" * 819\n' for i in range(2000)))
+    (src / "small.py").write_text("VALUE = 42\n")
+    bundle = build_bundle(src)
+    limit = 2**20
+    async with TieredCache(
+        [DiskTier(DiskTierConfig(path=tmp_path / "l1"))],
+        unpack_dir=tmp_path / "unpacked",
+        max_unpacked_bytes=limit,
+    ) as images:
+        image = await images.publish(bundle, name="folded")
+        unpacked = await images.get(image)
+        assert tree_bytes(unpacked) <= limit
+        assert tree_bytes(unpacked) == images.metrics()["unpacked"]["bytes"]
+        assert sorted(p.name for p in unpacked.iterdir()) == ["folded.py", "small.py"]
+        assert build_bundle(unpacked).digest == bundle.digest
