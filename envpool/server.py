@@ -443,7 +443,10 @@ def fetch_image(digest: str, source: str) -> Path:
 
     async def get() -> Path:
         tiers = [HttpTier(MirrorTierConfig(url=source))]
-        async with TieredCache(tiers, unpack_dir=Path(tempfile.mkdtemp(prefix="envpool-image-"))) as cache:
+        # not byte-compiled as a whole: this container alone uses it, and compiles what it
+        # imports as it imports it (the rest would only delay its start)
+        unpack_dir = Path(tempfile.mkdtemp(prefix="envpool-image-"))
+        async with TieredCache(tiers, unpack_dir=unpack_dir, precompile=False) as cache:
             return await cache.get(digest)
 
     return asyncio.run(get())

@@ -117,7 +117,10 @@ class TieredCache:
         max_concurrent_fetches: int = 8,
         max_unpacked_bytes: int | None = None,
         unpacked_budget_bytes: int | None = DEFAULT_UNPACKED_BUDGET,
+        precompile: bool = True,
     ):
+        """``precompile``: byte-compile each bundle as it is unpacked (``_precompile``), for
+        the containers that share it; not for a directory one container alone uses."""
         if not tiers:
             raise ImageError("a TieredCache needs at least one tier (the origin)")
         names = [t.name for t in tiers]
@@ -127,6 +130,7 @@ class TieredCache:
         self.unpack_root = Path(unpack_dir) / "sha256"
         self.retry = retry or RetryPolicy()
         self.max_unpacked_bytes = max_unpacked_bytes
+        self.precompile = precompile
         self.unpacked = UnpackedStore(self.unpack_root, unpacked_budget_bytes)
         self._fetch_slots = asyncio.Semaphore(max_concurrent_fetches)
         self._inflight: dict[str, asyncio.Task[Path]] = {}
@@ -488,7 +492,10 @@ class TieredCache:
             # which no container or sandbox of another user could enter
             tmp.chmod(0o755)
             unpack(data, tmp, max_bytes=self.max_unpacked_bytes)
-            size = _precompile(tmp, self.max_unpacked_bytes)  # (its bytecode is on the disk too)
+            if self.precompile:
+                size = _precompile(tmp, self.max_unpacked_bytes)  # (its bytecode is on the disk too)
+            else:
+                size = tree_bytes(tmp)
             try:
                 tmp.rename(final)
             except OSError:

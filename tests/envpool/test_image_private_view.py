@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 
 from envpool import EnvPool
 from envpool.images import DiskTier, DiskTierConfig, TieredCache, build_bundle
+from envpool.images.fake_origin import FakeOrigin
 from envpool.images.unpacked import tree_bytes
 
 _SCRIBBLER = '''
@@ -230,3 +232,23 @@ async def test_the_caches_bytecode_stays_within_max_unpacked_bytes(tmp_path):
         assert tree_bytes(unpacked) == images.metrics()["unpacked"]["bytes"]
         assert sorted(p.name for p in unpacked.iterdir()) == ["folded.py", "small.py"]
         assert build_bundle(unpacked).digest == bundle.digest
+
+
+def test_a_remote_containers_fetch_compiles_nothing(tmp_path):
+    # a remote container (kubernetes, modal) fetches its bundle into a directory of its own,
+    # for itself alone: compiling every module there is all cost (the modules it imports are
+    # compiled as it imports them, once either way), paid at each container's start, before
+    # it reports ready within start_timeout_s
+    import envpool.server as server
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "mod.py").write_text("VALUE = 42\n")
+    bundle = build_bundle(src)
+    with FakeOrigin({bundle.digest: bundle.data}) as origin:
+        path = server.fetch_image(bundle.digest, origin.url)
+    try:
+        assert (path / "mod.py").is_file()
+        assert not (path / "__pycache__").exists()
+    finally:
+        shutil.rmtree(path.parents[1], ignore_errors=True)  # the fetch's own directory
