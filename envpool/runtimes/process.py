@@ -376,7 +376,9 @@ class ProcessRuntime(Runtime):
         super().__init__()
         self.config = config or ProcessRuntimeConfig()
         self._own_root = self.config.root is None
-        self._root = Path(self.config.root) if self.config.root else None
+        # absolute, as of now: a container is given paths under it (its socket's) that it
+        # reads from its own directory, and its mark is its directory's path (``escapees``)
+        self._root = Path(self.config.root).absolute() if self.config.root else None
         self._owner_fd: int | None = None
         self._ids = itertools.count(1)
         self._zygote = _Zygote() if self.config.zygote else None

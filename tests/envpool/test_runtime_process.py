@@ -631,3 +631,20 @@ async def test_a_socket_path_over_the_unix_limit_is_refused_saying_what_to_chang
         assert not root.exists() or list(root.iterdir()) == []  # nothing made for it
     finally:
         await rt.aclose()
+
+
+@pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "fresh-interpreter"])
+async def test_a_relative_root_is_the_drivers_directorys(tmp_path, monkeypatch, zygote):
+    # runtime.root as a relative path: the container's socket path was given relative, and
+    # read from the container's own directory (its cwd) it named no directory there: no
+    # container ever started ("FileNotFoundError" at its bind). Relative paths also made two
+    # drivers' container directories, and their marks (envpool.escapees), the same string
+    monkeypatch.chdir(tmp_path)
+    rt = ProcessRuntime(ProcessRuntimeConfig(root="rel", zygote=zygote, heartbeat_s=0.1))
+    try:
+        c = await rt.start(None, None, timeout_s=20)
+        assert Path(c.endpoint).is_absolute() and Path(c.endpoint).parent.parent == tmp_path / "rel"
+        assert await rt.alive(c)
+        await rt.stop(c)
+    finally:
+        await rt.aclose()
