@@ -343,6 +343,14 @@ class Result(_Model):
 #: Error types that say by themselves whether the function's execution began.
 _STARTED_BY_TYPE: dict[str, bool] = {
     ErrorCode.NOT_STARTED: False,
+    # refused before anything ran: by the backend (Lambda's 429, 404, 413, 401/403 are
+    # answered before an execution; a local pool's function unknown to its registry) or by
+    # the client (its circuit open; a payload over the limit is not sent)
+    ErrorCode.THROTTLED: False,
+    ErrorCode.CIRCUIT_OPEN: False,
+    ErrorCode.UNKNOWN_FUNCTION: False,
+    ErrorCode.PAYLOAD_TOO_LARGE: False,
+    ErrorCode.UNAUTHORIZED: False,
     ErrorCode.TIMEOUT: True,  # it ran past timeout_s (or a remote one did not answer in it: it may have)
     ErrorCode.WORKER_LOST: True,  # its worker died running it, or after
     ErrorCode.USER_ERROR: True,  # the handler raised

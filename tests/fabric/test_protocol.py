@@ -222,6 +222,16 @@ def test_started_on_the_wire_and_from_an_older_peer() -> None:
     assert Result.failure(ErrorCode.NOT_STARTED, "m").started is False
     assert Result.failure(ErrorCode.TIMEOUT, "m").started is True
     assert Result.failure(ErrorCode.DEADLINE_EXCEEDED, "m").started is None  # either way: its maker says
+    # refused before anything ran: by the backend (throttled, unknown, too big, credentials)
+    # or by the client (its circuit open)
+    for code in (
+        ErrorCode.THROTTLED,
+        ErrorCode.CIRCUIT_OPEN,
+        ErrorCode.UNKNOWN_FUNCTION,
+        ErrorCode.PAYLOAD_TOO_LARGE,
+        ErrorCode.UNAUTHORIZED,
+    ):
+        assert Result.failure(code, "m").started is False, code
     assert Result.failure(ErrorCode.INVALID_ARGUMENTS, "m").started is None
     assert Result.built(True, function="f", request_id="r", value=1).started is True
 
