@@ -109,7 +109,9 @@ class TorchTrainer(Trainer):
             return None
         adv = torch.tensor(advantages, dtype=torch.float32)
         restrict = _restriction(samples, self.model.config.vocab_size)
-        logp, ent_tok = logprobs_and_entropy(self.model(ids, attn), targets, cfg.temperature, restrict)
+        distinct = _distinct_inputs(samples)
+        logits = _run_once(self.model, ids, attn, distinct)
+        logp, ent_tok = logprobs_and_entropy(logits, targets, cfg.temperature, restrict)
         pg, stats = policy_loss(
             logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.loss_agg
         )
@@ -119,7 +121,8 @@ class TorchTrainer(Trainer):
         kl = torch.zeros(())
         if self.reference is not None:
             with torch.no_grad():
-                ref, _ = logprobs_and_entropy(self.reference(ids, attn), targets, cfg.temperature, restrict)
+                ref_logits = _run_once(self.reference, ids, attn, distinct)
+                ref, _ = logprobs_and_entropy(ref_logits, targets, cfg.temperature, restrict)
             kl = aggregate(kl_k3(logp, ref, mask), mask, cfg.loss_agg)
             loss = loss + cfg.kl_coef * kl
         self.optimizer.zero_grad(set_to_none=True)
@@ -142,6 +145,40 @@ class TorchTrainer(Trainer):
             "entropy": ent.item(),
             "grad_norm": float(norm),
         }
+
+
+def _distinct_inputs(samples: list[TrainSample]) -> tuple[Tensor, Tensor] | None:
+    """The samples that feed the model tokens no earlier sample fed it (``rows``), and for
+    each sample the row of those giving its logits (``inverse``); ``None`` when all differ.
+
+    A group's members share a prompt, and with a short history window so do all turns taken
+    in the same state: with one-token replies most of a batch repeated an input, and the
+    forward and backward passes (most of a step) ran it again for each. The logits of equal
+    inputs are equal (the model is a pure function of its input, no dropout), and the gradient
+    through a shared row is the sum of its samples': the same update, each input run once.
+    """
+    first: dict[tuple[int, ...], int] = {}
+    rows: list[int] = []
+    inverse: list[int] = []
+    for i, s in enumerate(samples):
+        key = (*s.prompt_ids, *s.completion_ids[:-1])  # the model's input (``_pack``'s ids)
+        if key not in first:
+            first[key] = len(rows)
+            rows.append(i)
+        inverse.append(first[key])
+    if len(rows) == len(samples):
+        return None
+    return torch.tensor(rows), torch.tensor(inverse)
+
+
+def _run_once(
+    model: torch.nn.Module, ids: Tensor, attn: Tensor, distinct: tuple[Tensor, Tensor] | None
+) -> Tensor:
+    """``model(ids, attn)``, each distinct input run once (``_distinct_inputs``)."""
+    if distinct is None:
+        return model(ids, attn)  # type: ignore[no-any-return]
+    rows, inverse = distinct
+    return model(ids[rows], attn[rows])[inverse]  # type: ignore[no-any-return]
 
 
 def _restriction(samples: list[TrainSample], vocab_size: int) -> Tensor | None:

@@ -372,3 +372,56 @@ def test_registry():
     reg.register("broken", "core.trainer.no_such_module:Trainer")
     with pytest.raises(TrainerError, match="cannot load trainer 'broken'"):
         reg.get("broken")
+
+
+def test_samples_that_feed_the_model_the_same_tokens_are_run_through_it_once():
+    # GRPO's group members share a prompt (and with a short history window, turns taken in the
+    # same state do too): the model runs each distinct input once, and the step, its loss and
+    # its gradient are those of the whole batch run row by row
+    m, ref = model(), model()
+    right, left = TOK.token_to_id("right"), TOK.token_to_id("left")
+    prompts = [[2, 5], [2, 5], [3, 6, 7], [2, 5], [3, 6, 7], [4]]
+    replies = [[right], [left], [right], [right, TOK.end_id], [left], [right]]
+    batch = [
+        sample(m, p, r, advantage=float(i % 3) - 1.0, allowed_token_ids=[right, left] if i < 3 else None)
+        for i, (p, r) in enumerate(zip(prompts, replies, strict=True))
+    ]
+    cfg = TorchTrainerConfig(lr=1e-2, entropy_coef=0.03, kl_coef=0.1, grad_clip=None)
+    trainer = TorchTrainer(m, cfg)
+    rows: list[int] = []
+    for net in (m, trainer.reference):
+        assert net is not None
+        net.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[0]))
+    metrics = trainer.step(batch)
+    # inputs (prompt + all but the last reply token): [2 5], [3 6 7], [2 5 right], [4]; the
+    # policy's and the KL reference's forward
+    assert rows == [4, 4]
+
+    # the same loss and gradient, every row run through the model: the trainer's update
+    # written out
+    from core.trainer.grpo import aggregate, kl_k3, policy_loss
+    from core.trainer.lean_logprobs import logprobs_and_entropy
+    from core.trainer.torch_ import _pack, _restriction
+
+    frozen = model()
+    frozen.requires_grad_(False)
+    ids, attn, targets, mask, old = _pack(batch, ref.config.max_len)
+    restrict = _restriction(batch, ref.config.vocab_size)
+    adv = torch.tensor([s.advantage for s in batch])
+    logp, ent_tok = logprobs_and_entropy(ref(ids, attn), targets, cfg.temperature, restrict)
+    pg, _ = policy_loss(
+        logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.loss_agg
+    )
+    ent = aggregate(ent_tok, mask, cfg.loss_agg)
+    with torch.no_grad():
+        ref_logp, _ = logprobs_and_entropy(frozen(ids, attn), targets, cfg.temperature, restrict)
+    kl = aggregate(kl_k3(logp, ref_logp, mask), mask, cfg.loss_agg)
+    loss = pg - cfg.entropy_coef * ent + cfg.kl_coef * kl
+    loss.backward()
+    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7)
+    assert metrics["kl"] == pytest.approx(kl.item(), rel=1e-5, abs=1e-9)
+    # the gradients (Adam's first update is about lr * sign(grad): a gradient within rounding
+    # of 0 moves its weight by lr either way, so the weights are no test of the gradient)
+    for (name, p), q in zip(m.named_parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), (name, (p.grad - q.grad).abs().max())
