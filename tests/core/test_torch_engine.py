@@ -65,7 +65,13 @@ async def test_concurrent_requests_share_forward_passes(tok):
         )
     assert all(len(c.token_ids) == 4 and c.finish_reason == "length" for c in cs)
     # one prefill for all 8, then 3 decode steps for all 8: 4 passes, not 32
-    assert eng.stats == {"forward_passes": 4, "prefill_rows": 8, "decode_rows": 24, "tokens": 32}
+    assert eng.stats == {
+        "forward_passes": 4,
+        "prefill_rows": 8,
+        "prefill_shared": 0,
+        "decode_rows": 24,
+        "tokens": 32,
+    }
 
 
 async def test_logprobs_match_a_direct_forward(tok):
@@ -274,3 +280,30 @@ def test_registry(tok):
         reg.get("broken")
     with pytest.raises(EngineError, match="already registered"):
         reg.register("torch", "somewhere:Else")
+
+
+async def test_requests_with_the_same_prompt_share_one_prefill_row(tok):
+    # a group's members ask for their first turn together with the same prompt: the prefill
+    # runs that prompt once, and each member samples from it with its own generator
+    model = make_model(tok, seed=1)
+    rows: list[int] = []
+    async with engine(model, tok) as eng:
+        # (the engine runs forward_cached, which module hooks do not see; the embedding they do)
+        eng.model.embed.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[0]))
+        prompts = [[2, 5, 10], [2, 5, 10], [2, 5, 13, 14], [2, 5, 10], [2, 5, 13, 14], [3]]
+        cs = await asyncio.gather(
+            *(eng.generate(req(p, max_new_tokens=3, seed=i)) for i, p in enumerate(prompts))
+        )
+    assert rows[0] == 3  # the prefill: three distinct prompts
+    assert eng.stats["prefill_rows"] == 6 and eng.stats["prefill_shared"] == 3
+    for c, p in zip(cs, prompts, strict=True):
+        assert c.prompt_ids == p and c.token_ids
+        assert c.logprobs == pytest.approx(direct_logprobs(model, c), abs=1e-4)
+    # each drew its tokens with its own generator: what it would have drawn alone
+    for i in (0, 2, 5):
+        assert cs[i].token_ids == (await _alone(model, tok, prompts[i], seed=i)).token_ids
+
+
+async def _alone(model: TinyLM, tok: WordTokenizer, prompt: list[int], *, seed: int) -> Completion:
+    async with engine(model, tok) as eng:
+        return await eng.generate(req(prompt, max_new_tokens=3, seed=seed))

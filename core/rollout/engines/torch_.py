@@ -106,7 +106,13 @@ class TorchEngine(Engine):
         self._idle.set()
         self._epoch = 0  # bumped by load_weights: caches computed before are stale
         self._task: asyncio.Task[None] | None = None
-        self.stats = {"forward_passes": 0, "prefill_rows": 0, "decode_rows": 0, "tokens": 0}
+        self.stats = {
+            "forward_passes": 0,
+            "prefill_rows": 0,
+            "prefill_shared": 0,
+            "decode_rows": 0,
+            "tokens": 0,
+        }
 
     # -- hooks
     async def _start(self) -> None:
@@ -286,7 +292,19 @@ class TorchEngine(Engine):
         return out
 
     def _prefill(self, model: TinyLM, seqs: list[_Seq]) -> list[_Sampled]:
-        rows = [s.tokens for s in seqs]
+        # each distinct prefix is run once: a group's members ask for their first turn
+        # together with the same prompt (and with a short history window, turns taken in the
+        # same state repeat one too). Equal prefixes give equal logits and caches; each
+        # sequence still samples with its own generator
+        first: dict[tuple[int, ...], int] = {}
+        rows: list[list[int]] = []
+        of: list[int] = []  # per sequence, its row
+        for s in seqs:
+            key = tuple(s.tokens)
+            if key not in first:
+                first[key] = len(rows)
+                rows.append(s.tokens)
+            of.append(first[key])
         width = max(map(len, rows))
         ids = torch.full((len(rows), width), self.tokenizer.pad_id, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.bool)
@@ -295,12 +313,13 @@ class TorchEngine(Engine):
             mask[i, width - len(r) :] = True
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
         logits, kv = model.forward_cached(ids, attention_mask=mask, position_ids=pos)
-        self._count(prefill=len(rows))
+        self._count(prefill=len(seqs), shared=len(seqs) - len(rows))
         caches = [
             [(k[i, :, width - len(r) :], v[i, :, width - len(r) :]) for k, v in kv]
             for i, r in enumerate(rows)
         ]
-        return self._sample(seqs, logits[:, -1], caches)
+        # (a cache is only read later: decode concatenates into new tensors, so sharing is safe)
+        return self._sample(seqs, logits[of, -1], [caches[i] for i in of])
 
     def _decode(self, model: TinyLM, seqs: list[_Seq]) -> list[_Sampled]:
         caches = [s.kv for s in seqs if s.kv is not None]
@@ -357,10 +376,11 @@ class TorchEngine(Engine):
             out.append(_Sampled(s, tok, float(logp[i, tok]), caches[i]))
         return out
 
-    def _count(self, *, prefill: int = 0, decode: int = 0) -> None:
+    def _count(self, *, prefill: int = 0, shared: int = 0, decode: int = 0) -> None:
         # plain int updates from the worker thread; only this thread writes them mid-step
         self.stats["forward_passes"] += 1
         self.stats["prefill_rows"] += prefill
+        self.stats["prefill_shared"] += shared  # of those, rows another's prefix computed
         self.stats["decode_rows"] += decode
 
 
