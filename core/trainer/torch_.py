@@ -110,7 +110,12 @@ class TorchTrainer(Trainer):
         adv = torch.tensor(advantages, dtype=torch.float32)
         restrict = _restriction(samples, self.model.config.vocab_size)
         distinct = _distinct_inputs(samples)
-        logits = _run_once(self.model, ids, attn, distinct)
+        # only the positions from the shortest prompt's last token on score a completion
+        # token: the columns before it (most of a long prompt and a short reply) are masked
+        # out of every sum, and their softmax and entropy were a fifth of the step
+        start = max(0, min(len(s.prompt_ids) for s in samples) - 1)
+        targets, mask, old = targets[:, start:], mask[:, start:], old[:, start:]
+        logits = _run_once(self.model, ids, attn, distinct, start)
         logp, ent_tok = logprobs_and_entropy(logits, targets, cfg.temperature, restrict)
         pg, stats = policy_loss(
             logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.loss_agg
@@ -121,7 +126,7 @@ class TorchTrainer(Trainer):
         kl = torch.zeros(())
         if self.reference is not None:
             with torch.no_grad():
-                ref_logits = _run_once(self.reference, ids, attn, distinct)
+                ref_logits = _run_once(self.reference, ids, attn, distinct, start)
                 ref, _ = logprobs_and_entropy(ref_logits, targets, cfg.temperature, restrict)
             kl = aggregate(kl_k3(logp, ref, mask), mask, cfg.loss_agg)
             loss = loss + cfg.kl_coef * kl
@@ -172,13 +177,13 @@ def _distinct_inputs(samples: list[TrainSample]) -> tuple[Tensor, Tensor] | None
 
 
 def _run_once(
-    model: torch.nn.Module, ids: Tensor, attn: Tensor, distinct: tuple[Tensor, Tensor] | None
+    model: torch.nn.Module, ids: Tensor, attn: Tensor, distinct: tuple[Tensor, Tensor] | None, start: int
 ) -> Tensor:
-    """``model(ids, attn)``, each distinct input run once (``_distinct_inputs``)."""
+    """``model(ids, attn)[:, start:]``, each distinct input run once (``_distinct_inputs``)."""
     if distinct is None:
-        return model(ids, attn)  # type: ignore[no-any-return]
+        return model(ids, attn)[:, start:]  # type: ignore[no-any-return]
     rows, inverse = distinct
-    return model(ids[rows], attn[rows])[inverse]  # type: ignore[no-any-return]
+    return model(ids[rows], attn[rows])[:, start:][inverse]  # type: ignore[no-any-return]
 
 
 def _restriction(samples: list[TrainSample], vocab_size: int) -> Tensor | None:

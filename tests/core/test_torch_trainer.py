@@ -380,7 +380,7 @@ def test_samples_that_feed_the_model_the_same_tokens_are_run_through_it_once():
     # its gradient are those of the whole batch run row by row
     m, ref = model(), model()
     right, left = TOK.token_to_id("right"), TOK.token_to_id("left")
-    prompts = [[2, 5], [2, 5], [3, 6, 7], [2, 5], [3, 6, 7], [4]]
+    prompts = [[2, 5], [2, 5], [3, 6, 7], [2, 5], [3, 6, 7], [4, 6]]
     replies = [[right], [left], [right], [right, TOK.end_id], [left], [right]]
     batch = [
         sample(m, p, r, advantage=float(i % 3) - 1.0, allowed_token_ids=[right, left] if i < 3 else None)
@@ -393,7 +393,7 @@ def test_samples_that_feed_the_model_the_same_tokens_are_run_through_it_once():
         assert net is not None
         net.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[0]))
     metrics = trainer.step(batch)
-    # inputs (prompt + all but the last reply token): [2 5], [3 6 7], [2 5 right], [4]; the
+    # inputs (prompt + all but the last reply token): [2 5], [3 6 7], [2 5 right], [4 6]; the
     # policy's and the KL reference's forward
     assert rows == [4, 4]
 
@@ -425,3 +425,26 @@ def test_samples_that_feed_the_model_the_same_tokens_are_run_through_it_once():
     for (name, p), q in zip(m.named_parameters(), ref.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), (name, (p.grad - q.grad).abs().max())
+
+
+def test_only_the_positions_that_can_score_a_reply_token_are_scored(monkeypatch):
+    # a long prompt and a one-token reply: the columns before the shortest prompt's last
+    # token hold no trained token, so the softmax and entropy skip them (the loss is the same:
+    # test_samples_that_feed_the_model_the_same_tokens_are_run_through_it_once)
+    import core.trainer.torch_ as torch_trainer
+
+    widths: list[int] = []
+    real = torch_trainer.logprobs_and_entropy
+
+    def spy(logits, *args, **kw):
+        widths.append(logits.shape[1])
+        return real(logits, *args, **kw)
+
+    monkeypatch.setattr(torch_trainer, "logprobs_and_entropy", spy)
+    m = model()
+    right = TOK.token_to_id("right")
+    batch = [sample(m, [2, 5, 3, 4, 6, 7, 8], [right], 1.0), sample(m, [2, 5, 3, 4, 6], [right, right], -1.0)]
+    TorchTrainer(m, TorchTrainerConfig(lr=1e-2)).step(batch)
+    # inputs of 7 and 6 tokens (width 7); the first trained position is the shorter prompt's
+    # last (column 4): columns 4-6
+    assert widths == [3]
