@@ -167,7 +167,7 @@ def test_a_driver_killed_leaves_no_helper_outside_its_containers_groups(tmp_path
     # the zygote dies of the driver's death and kills its children's groups as it goes: a
     # helper in a session of its own was no member of any
     with _driver_killed(tmp_path, "zygote") as helper:
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + GONE_S
         while alive(helper) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert not alive(helper)
