@@ -96,3 +96,26 @@ def test_gradients_reach_every_parameter():
     m = TinyLM(CFG)
     m(ids(2, 6)).logsumexp(-1).sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
+
+
+def test_rope_rotates_each_half_split_pair_by_its_angle():
+    # q and k reach _rotate as strided views of the qkv projection; the result must be the
+    # same floats as the half-width formula (engine and trainer logprobs depend on them)
+    from core.policy.tiny_lm import _rotate
+
+    m = TinyLM(CFG)
+    b, h, t, hd = 2, CFG.n_heads, 11, CFG.d_model // CFG.n_heads
+    qkv = torch.randn(b, t, 3, h, hd, generator=torch.Generator().manual_seed(3))
+    x = qkv.permute(2, 0, 3, 1, 4)[1]  # k's view: [batch, heads, tokens, head_dim], strided
+    pos = torch.tensor([[0, 0, 0, *range(8)], list(range(11))])  # a left-padded row, a full one
+    half = hd // 2
+    inv_freq = CFG.rope_base ** (-torch.arange(half, dtype=torch.float32) / half)
+    angles = (pos[..., None].float() * inv_freq)[:, None]  # [batch, 1, tokens, half]
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = x.chunk(2, dim=-1)
+    want = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    got = _rotate(x, m._cos[pos][:, None], m._sin[pos][:, None])
+    assert torch.equal(got, want)
+    # and it is the rotation: pair (i, i + half) as a complex number times e^(i angle)
+    z = torch.complex(x1, x2) * torch.polar(torch.ones_like(angles), angles)
+    assert torch.allclose(got, torch.cat([z.real, z.imag], dim=-1), atol=1e-5)
