@@ -535,26 +535,10 @@ async def test_a_trainer_that_dies_loading_a_checkpoint_does_not_condemn_the_che
 
 @pytest.mark.ray
 async def test_a_checkpoint_the_trainer_cannot_read_is_refused_naming_the_file(tmp_path, ray_cluster):
-    from core.policy.build import build_policy
-
-    cfg = job_config(tmp_path, checkpoint={"every": 2})
-    run_dir = Path(cfg.run_dir)
-    build_policy(cfg).save(run_dir / "policy-init")
-    _write(Checkpoints(run_dir), 2, config=cfg.to_yaml())  # trainer.pt: b"weights", no torch file
-    with pytest.raises(ConfigError) as e:
-        await Job(cfg, progress=False, registry=faults.REG, resume=True).run()
-    assert [k for k, _ in e.value.problems] == ["run_dir"]
-    said = str(e.value)
-    assert "step-000002/trainer.pt' (TrainerError: cannot read the checkpoint" in said
-    assert "point checkpoints/latest at an older step-* directory" in said
-
-
-@pytest.mark.ray
-async def test_a_refused_checkpoint_leaves_the_earlier_runs_outputs_as_they_were(tmp_path, ray_cluster):
-    # refused "as before the start", but the run directory had been opened for the resume
-    # already: the earlier run's summary.json (or failure.json) and plots were removed, its
-    # config.yaml overwritten and its rows after the checkpoint dropped, by a run that never
-    # began
+    # and it leaves the earlier run's outputs as they were: refused "as before the start", but
+    # the run directory had been opened for the resume already: the earlier run's summary.json
+    # (or failure.json) and plots were removed, its config.yaml overwritten and its rows after
+    # the checkpoint dropped, by a run that never began (one Ray job for both: it is slow)
     from core.policy.build import build_policy
 
     cfg = job_config(tmp_path, steps=5, checkpoint={"every": 2})
@@ -572,7 +556,11 @@ async def test_a_refused_checkpoint_leaves_the_earlier_runs_outputs_as_they_were
         (run_dir / name).write_text(text)
     with pytest.raises(ConfigError) as e:
         await Job(cfg, progress=False, registry=faults.REG, resume=True).run()
-    assert "cannot load" in str(e.value)
+    assert [k for k, _ in e.value.problems] == ["run_dir"]
+    said = str(e.value)
+    assert "cannot load" in said
+    assert "step-000002/trainer.pt' (TrainerError: cannot read the checkpoint" in said
+    assert "point checkpoints/latest at an older step-* directory" in said
     assert {name: (run_dir / name).read_text() for name in earlier if (run_dir / name).exists()} == earlier
 
 
