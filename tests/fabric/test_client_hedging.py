@@ -211,16 +211,21 @@ class _SaysWhatBegan(_ManualBackend):
         return fut in self.began
 
 
+async def _five_answered(c: Client, manual: _ManualBackend) -> None:
+    """Five calls answered at once: the hedge's p95 (``min_samples: 5``) is known."""
+    warm = [asyncio.create_task(c.call("nap", {"seconds": 0})) for _ in range(5)]
+    for _ in range(5):
+        manual.answer(*await manual.next())
+    await asyncio.gather(*warm)
+
+
 async def test_a_hedged_call_began_when_either_copy_did():
     """The primary's deadline passed before it began (queued) while its hedge ran: the call
     began, and its answer says so (``Result.started``), not the primary's "never started"."""
     manual = _SaysWhatBegan()
     cfg = ClientConfig.model_validate({"hedge": {"min_samples": 5}})
     async with Client(backend=manual, registry=REG, config=cfg) as c:
-        warm = [asyncio.create_task(c.call("nap", {"seconds": 0})) for _ in range(5)]
-        for _ in range(5):
-            manual.answer(*await manual.next())
-        await asyncio.gather(*warm)
+        await _five_answered(c, manual)
         call = asyncio.create_task(c.call("nap", {"seconds": 0}, deadline_s=30))
         inv, primary = await manual.next()
         hinv, hedge = await manual.next()  # sent after the p95
@@ -258,10 +263,7 @@ async def test_a_hedged_call_abandoned_while_a_failed_copy_may_have_run_says_it_
     manual = _SaysWhatBegan()
     cfg = ClientConfig.model_validate({"hedge": {"min_samples": 5}})
     async with Client(backend=manual, registry=REG, config=cfg) as c:
-        warm = [asyncio.create_task(c.call("nap", {"seconds": 0})) for _ in range(5)]
-        for _ in range(5):
-            manual.answer(*await manual.next())
-        await asyncio.gather(*warm)
+        await _five_answered(c, manual)
         call = asyncio.create_task(c.call("nap", {"seconds": 0}, deadline_s=1.0))
         _, primary = await manual.next()
         hinv, _ = await manual.next()  # sent after the p95; queued (not in manual.began)
@@ -277,10 +279,7 @@ async def test_a_hedged_call_abandoned_at_its_deadline_is_marked_hedged():
     manual = _SaysWhatBegan()
     cfg = ClientConfig.model_validate({"hedge": {"min_samples": 5}})
     async with Client(backend=manual, registry=REG, config=cfg) as c:
-        warm = [asyncio.create_task(c.call("nap", {"seconds": 0})) for _ in range(5)]
-        for _ in range(5):
-            manual.answer(*await manual.next())
-        await asyncio.gather(*warm)
+        await _five_answered(c, manual)
         call = asyncio.create_task(c.call("nap", {"seconds": 0}, deadline_s=0.5))
         await manual.next()
         hinv, _ = await manual.next()  # sent after the p95; neither copy answers
