@@ -108,7 +108,7 @@ def private_view(bundle: Path, scratch: Path) -> tuple[Path, str]:
         options = f"lowerdir={lower},upperdir={up},workdir={wk}"
         _mount(libc, "overlay", str(view), "overlay", _MS_NOSUID | _MS_NODEV, options)
         return view, "overlay"
-    except OSError:
+    except OSError:  # no overlay here (the kernel, or an upper dir on overlayfs): read-only next
         pass
     finally:
         for fd in fds:
