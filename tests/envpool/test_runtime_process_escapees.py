@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from echo_bundle import IMAGE, write_env_bundle
-from pool_util import alive, pool, wait_for
+from pool_util import pool, wait_for
 
 from envpool.runtimes.process import ProcessRuntime
 
@@ -63,6 +63,21 @@ class EscapeEnv(envpool.Env):
         return envpool.StepResult(obs=envpool.Observation(text=str(helper)))
 '''
 
+_BORN: dict[int, str] = {}
+
+
+def _alive(pid: int) -> bool:
+    """The process lives (no zombie) and is the one first seen under ``pid``: a full run forks
+    enough to wrap pids (32768 here), and a helper's pid taken by a new process read alive."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(") ")[2].split()
+    except OSError:
+        return False
+    born = fields[19]  # starttime (field 22)
+    return fields[0] != "Z" and _BORN.setdefault(pid, born) == born
+
+
 #: How long a helper may take to be gone: it bounds a failure only. A sweep reads every
 #: /proc/PID/environ, which a loaded machine (a full run beside other jobs) made take over 5 s.
 GONE_S = 30.0
@@ -79,7 +94,7 @@ def _killed_at_end(pid_file: Path):
     finally:
         with contextlib.suppress(OSError, ValueError):
             helper = int(pid_file.read_text())
-            if alive(helper):
+            if _alive(helper):
                 os.kill(helper, signal.SIGKILL)
 
 
@@ -94,10 +109,10 @@ async def test_a_helper_outside_the_containers_group_is_stopped_with_the_contain
             async with p.session("escape-v0", image=IMAGE) as s:  # stopped at its end (max_episodes)
                 await s.reset(seed=0)
                 helper = int((await s.step(f"{kind} {pid_file}")).obs.text)
-                assert alive(helper)
+                assert _alive(helper)
                 c = s.container
             assert c.id not in p.runtime.live
-            await wait_for(lambda: not alive(helper), timeout_s=GONE_S)
+            await wait_for(lambda: not _alive(helper), timeout_s=GONE_S)
 
 
 @MODES
@@ -110,8 +125,8 @@ async def test_a_helper_outside_the_containers_group_is_stopped_when_the_pool_cl
             async with p.session("escape-v0", image=IMAGE) as s:
                 await s.reset(seed=0)
                 helper = int((await s.step(f"exec {pid_file}")).obs.text)
-            assert p.runtime.live and alive(helper)  # idle again: still warm
-        await wait_for(lambda: not alive(helper), timeout_s=GONE_S)
+            assert p.runtime.live and _alive(helper)  # idle again: still warm
+        await wait_for(lambda: not _alive(helper), timeout_s=GONE_S)
 
 
 _DRIVER_KILLED = r"""
@@ -154,7 +169,7 @@ def _driver_killed(tmp_path: Path, mode: str) -> Iterator[int]:
         try:
             assert driver.stdout is not None
             helper = json.loads(driver.stdout.readline())["helper"]
-            assert alive(helper)
+            assert _alive(helper)
             driver.kill()
             driver.wait()
             yield helper
@@ -168,9 +183,9 @@ def test_a_driver_killed_leaves_no_helper_outside_its_containers_groups(tmp_path
     # helper in a session of its own was no member of any
     with _driver_killed(tmp_path, "zygote") as helper:
         deadline = time.monotonic() + GONE_S
-        while alive(helper) and time.monotonic() < deadline:
+        while _alive(helper) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert not alive(helper)
+        assert not _alive(helper)
 
 
 async def test_the_orphan_reaper_kills_what_a_dead_drivers_containers_left(tmp_path, monkeypatch):
@@ -181,7 +196,7 @@ async def test_the_orphan_reaper_kills_what_a_dead_drivers_containers_left(tmp_p
         monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
         (root,) = tmp_path.glob("envpool-p*")
         assert await ProcessRuntime().reap_orphans() == [str(root)]
-        await wait_for(lambda: not alive(helper), timeout_s=GONE_S)
+        await wait_for(lambda: not _alive(helper), timeout_s=GONE_S)
 
 
 @MODES
@@ -196,9 +211,9 @@ async def test_a_containers_stop_kills_no_other_containers_helper(tmp_path, zygo
                 await s2.reset(seed=0)
                 helpers = [int((await s.step(f"exec {f}")).obs.text) for s, f in ((s1, first), (s2, second))]
                 await p.runtime.stop(s1.container)
-                await wait_for(lambda: not alive(helpers[0]))
-                assert alive(helpers[1])
-        await wait_for(lambda: not alive(helpers[1]))
+                await wait_for(lambda: not _alive(helpers[0]))
+                assert _alive(helpers[1])
+        await wait_for(lambda: not _alive(helpers[1]))
 
 
 def test_a_sweep_never_kills_its_caller(tmp_path):
