@@ -69,6 +69,11 @@ def _listing(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
+def _cache(tmp_path: Path) -> TieredCache:
+    """The image cache the tests publish the scribbling image to: one disk tier."""
+    return TieredCache([DiskTier(DiskTierConfig(path=tmp_path / "l1"))], unpack_dir=tmp_path / "unpacked")
+
+
 def _mounts() -> str:
     with open("/proc/self/mountinfo") as f:
         return f.read()
@@ -76,11 +81,8 @@ def _mounts() -> str:
 
 @pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "fresh-interpreter"])
 async def test_what_a_container_writes_in_its_image_no_later_container_sees(tmp_path, zygote):
-    src = _image_src(tmp_path / "src")
-    bundle = build_bundle(src)
-    async with TieredCache(
-        [DiskTier(DiskTierConfig(path=tmp_path / "l1"))], unpack_dir=tmp_path / "unpacked"
-    ) as images:
+    bundle = build_bundle(_image_src(tmp_path / "src"))
+    async with _cache(tmp_path) as images:
         image = await images.publish(bundle, name="scribble")
         unpacked = await images.get(image)
         before = _listing(unpacked)
@@ -189,11 +191,8 @@ async def test_the_images_modules_are_compiled_once_by_the_cache_not_by_each_con
     # image's modules afresh (tens of ms for a large module, against a zygote fork's few).
     # The cache compiles them once, as it unpacks; the bytes count, the digest does not
     monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)  # the containers would write it
-    src = _image_src(tmp_path / "src")
-    bundle = build_bundle(src)
-    async with TieredCache(
-        [DiskTier(DiskTierConfig(path=tmp_path / "l1"))], unpack_dir=tmp_path / "unpacked"
-    ) as images:
+    bundle = build_bundle(_image_src(tmp_path / "src"))
+    async with _cache(tmp_path) as images:
         image = await images.publish(bundle, name="scribble")
         unpacked = await images.get(image)
         compiled = sorted(p.name.split(".")[0] for p in (unpacked / "__pycache__").glob("*.pyc"))
