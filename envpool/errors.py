@@ -131,8 +131,9 @@ class StepTimeout(InfraError):
 
 class ToolUnavailable(InfraError):
     """A tool call an environment made failed for the infrastructure's reasons (a worker
-    lost, the function timed out or was throttled past the fabric's retries, its circuit
-    open), not because of its arguments. Raised by a tool bridge (``fabric_tools``): the
+    lost, throttling past the fabric's retries, its circuit open, a call that could not
+    start in its time), not because of its arguments (a tool that ran past its time limit
+    on them is text for the policy). Raised by a tool bridge (``fabric_tools``): the
     request that made the call fails as an infrastructure failure (retried on a fresh
     container, its episode replayed; then ``infra_failed``), never an observation, which
     would teach the policy that its call was wrong. Any ``InfraError`` a bridge raises is

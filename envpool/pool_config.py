@@ -177,14 +177,21 @@ _NOT_RUN = (
 )
 
 
+#: A failed call's error types that say it ran out of time: the step's (``DeadlineExceeded``)
+#: or the tool's own ``timeout_s`` (``FunctionTimeout``).
+_TIME_ERRORS = frozenset({"DeadlineExceeded", "FunctionTimeout"})
+
+
 def ran_too_long(kind: str, message: str, started: bool | None = None) -> bool:
-    """Whether a failed fabric call says the tool ran into its deadline: the tool's own
-    time on these arguments, which the policy can learn to avoid. A deadline that passed
-    before the call ran is the machinery's. The answer's ``started`` says which; only an
-    answer without it (an older peer's) is read by its message (``_NOT_RUN``), where one the
-    client gave up waiting on ("before the backend answered") counts as run, as the fabric
-    itself counts a remote call it sent."""
-    if kind != "DeadlineExceeded":
+    """Whether a failed fabric call says the tool ran into its time limit, the step's
+    deadline or its own ``timeout_s`` (``FunctionTimeout``): the tool's time on these
+    arguments, which the policy can learn to avoid. A limit that passed before the call
+    ran (it waited for a slot, a worker, a thread) is the machinery's. The answer's
+    ``started`` says which; only an answer without it (an older peer's) is read by its
+    message (``_NOT_RUN``), where one the client gave up waiting on ("before the backend
+    answered", "no reply from Lambda in time") counts as run, as the fabric itself counts
+    a remote call it sent."""
+    if kind not in _TIME_ERRORS:
         return False
     if started is not None:
         return started
@@ -205,9 +212,9 @@ def fabric_tools(client: Any) -> Callable[..., Awaitable[str]]:
     """The tool bridge of a job: each tool call goes to the fabric through ``client`` (a
     ``fabric.Client``, which retries what is retryable), within ``deadline_s`` (the time the
     step has left). Only ``@fabric.tool`` functions are run; the tool's own failure, and a
-    tool that ran past the deadline, are the ``error: ...`` text the policy sees; any other
-    failure of the fabric (a call that could not run in time included) raises
-    ``ToolUnavailable`` (the step fails as an infrastructure failure)."""
+    tool that ran past the deadline or its own ``timeout_s``, are the ``error: ...`` text
+    the policy sees; any other failure of the fabric (a call that could not run in time
+    included) raises ``ToolUnavailable`` (the step fails as an infrastructure failure)."""
 
     async def call_tool(name: str, arguments: dict[str, Any], *, deadline_s: float | None = None) -> str:
         reg = client.registry
@@ -227,7 +234,10 @@ def fabric_tools(client: Any) -> Callable[..., Awaitable[str]]:
             return f"error: {message}"
         # (getattr: a caller's own client may give results of an older shape)
         if ran_too_long(kind, message, getattr(r, "started", None)):
-            limit = "" if deadline_s is None else f" {deadline_s:.3g} s"
+            limits = [] if deadline_s is None else [deadline_s]
+            if kind == "FunctionTimeout":  # its own timeout_s (or the deadline, if that cut it sooner)
+                limits.append(float(reg.find(name).timeout_s))
+            limit = f" {min(limits):.3g} s" if limits else ""
             return f"error: tool {name!r} ran past its{limit} time limit and was stopped"
         raise ToolUnavailable(f"tool {name!r} failed ({kind or 'no error given'}): {message}")
 

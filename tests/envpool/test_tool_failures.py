@@ -1,0 +1,81 @@
+"""Whose failure a failed tool call is, and what it costs the step.
+
+* a tool that ran past its own ``timeout_s`` on the policy's arguments (``FunctionTimeout``,
+  the call begun) is the tool's, as a deadline that cut it running is: ``error: ...`` text
+  the policy learns from, not an infrastructure failure (a ``FunctionTimeout`` of a call
+  that never began is the machinery's);
+* a bridge of the caller's own that takes no ``deadline_s=`` is bounded by its step all the
+  same: a hung tool fails the step, clearly and inside its time;
+* a tool whose own setup is wrong (``fabric.Misconfigured``) fails the step once, naming the
+  tool and what to fix, without replaying the episode on new containers that fail alike;
+* tool arguments too big to cross from the container to the pool are text for the policy,
+  as the fabric's ``PayloadTooLarge`` is, not the end of the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import fabric
+from envpool.errors import ToolUnavailable
+from envpool.pool_config import fabric_tools, ran_too_long
+from fabric.errors import ErrorCode
+from fabric.testing import FakeBackend, Fault
+
+POOL = {"min_warm": 0, "step_timeout_s": 3.0, "retry": {"attempts": 3}, "runtime": {"heartbeat_s": 0.1}}
+
+REG = fabric.Registry()
+
+
+@REG.tool(name="calculator", timeout_s=0.2, retry={"max_attempts": 1})
+async def slow_calculator(expression: str) -> str:
+    await asyncio.sleep(30)  # past its own 0.2 s, well inside any step
+    return "late"
+
+
+# -- 1. a tool's own time limit on these arguments is the tool's
+
+
+async def test_a_tool_past_its_own_timeout_is_text_for_the_policy():
+    # the step's deadline (20 s) is far off: the tool's own timeout_s (0.2 s) cut it
+    async with fabric.Client(backend="inproc", registry=REG) as client:
+        out = await asyncio.wait_for(
+            fabric_tools(client)("calculator", {"expression": "1"}, deadline_s=20), 10
+        )
+    assert out.startswith("error: tool 'calculator' ran past its 0.2 s time limit")
+
+
+@pytest.mark.parametrize(
+    ("started", "tools"),
+    [(True, True), (None, True), (False, False)],
+)
+async def test_a_function_timeout_is_the_tools_only_if_the_tool_began(started, tools):
+    fake = FakeBackend(REG)
+    fake.inject(
+        "calculator", Fault(code=ErrorCode.TIMEOUT, message="ran past its 0.2 s limit", started=started)
+    )
+    async with fabric.Client(backend=fake, registry=REG) as client:
+        call = fabric_tools(client)
+        if tools:
+            out = await call("calculator", {"expression": "1"}, deadline_s=5)
+            assert out.startswith("error: tool 'calculator' ran past its 0.2 s time limit")
+        else:
+            with pytest.raises(ToolUnavailable, match="FunctionTimeout"):
+                await call("calculator", {"expression": "1"}, deadline_s=5)
+
+
+@pytest.mark.parametrize(
+    ("message", "ran"),
+    [
+        ("calculator ran past its 0.2 s limit", True),
+        ("no reply from Lambda in time: read timeout", True),
+        ("calculator: timed out while queued", False),
+    ],
+)
+def test_a_function_timeout_without_started_is_read_by_its_message(message, ran):
+    # an older peer's answer (no Result.started): read as a DeadlineExceeded is
+    assert ran_too_long("FunctionTimeout", message) is ran
+    assert ran_too_long("FunctionTimeout", message, started=True)
+    assert not ran_too_long("FunctionTimeout", message, started=False)
