@@ -22,7 +22,14 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from envpool.errors import ActionError, EnvOrderError, EnvRegistryError, ToolUnavailable, UnknownEnvError
+from envpool.errors import (
+    ActionError,
+    EnvOrderError,
+    EnvRegistryError,
+    ToolMisconfigured,
+    ToolUnavailable,
+    UnknownEnvError,
+)
 
 #: Actions over this many UTF-8 bytes are refused (an env may lower it).
 MAX_ACTION_BYTES = 64 * 1024
@@ -213,6 +220,14 @@ def tool_text(value: Any) -> str:
         return str(value)
 
 
+def misconfigured(name: str, message: str) -> str:
+    """``ToolMisconfigured``'s message: the tool, what it said to fix, and why not retried."""
+    return (
+        f"tool {name!r} is misconfigured: {message} (fix its setup; not retried, as every "
+        "container runs it alike)"
+    )
+
+
 def inprocess_tool_caller(name: str, arguments: dict[str, Any]) -> str:
     """Run a registered fabric tool right here (built-ins are discovered on first use)."""
     import fabric
@@ -231,8 +246,8 @@ def inprocess_tool_caller(name: str, arguments: dict[str, Any]) -> str:
         raise ToolUnavailable(f"tool {name!r} failed (Unavailable): {e}") from e
     except fabric.Misconfigured as e:
         # its own setup is wrong (a key not set, a binary not installed): not the policy's
-        # call either, and the fabric bridge fails the step on it too
-        raise ToolUnavailable(f"tool {name!r} failed (Misconfigured): {e}") from e
+        # call either, and the fabric bridge fails the step on it too, once (not retried)
+        raise ToolMisconfigured(misconfigured(name, str(e))) from e
     except Exception as e:  # a tool error is text for the policy, not a crash of the env
         return f"error: {type(e).__name__}: {e}"
     return tool_text(value)

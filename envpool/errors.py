@@ -21,7 +21,8 @@
         ├── StepTimeout         a container that missed its heartbeats, or a timeout
         │                       with no sign of life (or a tool call still pending)
         ├── ToolUnavailable     a tool call the pool brokers failed for the machinery's
-        │                       reasons (the fabric's retries spent), not the tool's
+        │   │                   reasons (the fabric's retries spent), not the tool's
+        │   └── ToolMisconfigured  the tool's setup is wrong: infra_failed (not retried)
         ├── ImageFetchError     (from envpool.images)
         └── SessionLost         the session could not be saved: infra_failed (not retried)
 
@@ -138,6 +139,17 @@ class ToolUnavailable(InfraError):
     container, its episode replayed; then ``infra_failed``), never an observation, which
     would teach the policy that its call was wrong. Any ``InfraError`` a bridge raises is
     taken so."""
+
+
+class ToolMisconfigured(ToolUnavailable):
+    """A tool an environment called cannot run as it is set up (it raised
+    ``fabric.Misconfigured``: a key not set, a binary not installed). Not the policy's call
+    either, so no observation; but not retried: the session's recovery (a fresh container,
+    the episode replayed on it) ran the same tool with the same setup, which failed alike,
+    several times over. The step fails once and the session ends ``infra_failed`` (masked),
+    the tool and what to fix in the message."""
+
+    retryable = False
 
 
 class PoolClosed(EnvPoolError):

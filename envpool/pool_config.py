@@ -12,8 +12,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from envpool.api import inprocess_tool_caller, not_a_tool, tool_text
-from envpool.errors import PoolConfigError, ToolUnavailable
+from envpool.api import inprocess_tool_caller, misconfigured, not_a_tool, tool_text
+from envpool.errors import PoolConfigError, ToolMisconfigured, ToolUnavailable
 from envpool.runtimes.base import ProcessRuntimeConfig, RuntimeConfig
 
 
@@ -214,7 +214,8 @@ def fabric_tools(client: Any) -> Callable[..., Awaitable[str]]:
     step has left). Only ``@fabric.tool`` functions are run; the tool's own failure, and a
     tool that ran past the deadline or its own ``timeout_s``, are the ``error: ...`` text
     the policy sees; any other failure of the fabric (a call that could not run in time
-    included) raises ``ToolUnavailable`` (the step fails as an infrastructure failure)."""
+    included) raises ``ToolUnavailable`` (the step fails as an infrastructure failure), and
+    a tool whose setup is wrong (``Misconfigured``) ``ToolMisconfigured`` (it fails once)."""
 
     async def call_tool(name: str, arguments: dict[str, Any], *, deadline_s: float | None = None) -> str:
         reg = client.registry
@@ -239,6 +240,8 @@ def fabric_tools(client: Any) -> Callable[..., Awaitable[str]]:
                 limits.append(float(reg.find(name).timeout_s))
             limit = f" {min(limits):.3g} s" if limits else ""
             return f"error: tool {name!r} ran past its{limit} time limit and was stopped"
+        if kind == "Misconfigured":
+            raise ToolMisconfigured(misconfigured(name, message))
         raise ToolUnavailable(f"tool {name!r} failed ({kind or 'no error given'}): {message}")
 
     return call_tool

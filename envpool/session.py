@@ -107,7 +107,8 @@ def _short(value: Any) -> str:
 
 
 def _retryable(e: BaseException) -> bool:
-    return isinstance(e, InfraError | OSError) and not isinstance(e, SessionLost)
+    # (not SessionLost, nor ToolMisconfigured: a fresh container would fail the same way)
+    return isinstance(e, OSError) or (isinstance(e, InfraError) and e.retryable)
 
 
 class EnvSession:
@@ -504,11 +505,10 @@ class EnvSession:
                         failed, first = first, None
                         raise failed
                     return await self._attempt(what, call, replay, retry=True)
-        except SessionLost:
-            self._lose()
-            raise
         except (InfraError, OSError) as e:
             self._lose()
+            if not _retryable(e):  # (SessionLost; a misconfigured tool's, as it came)
+                raise
             raise SessionLost(f"{what} failed after {rc.attempts} attempts: {e}") from e
         raise AssertionError("unreachable")
 
@@ -527,7 +527,7 @@ class EnvSession:
             self._note(e)
             if self.container is not None and self.container.reaped:
                 raise SessionLost(f"the reaper reclaimed this session's container: {e}") from e
-            if replay and not self.deterministic:
+            if replay and not self.deterministic and _retryable(e):
                 msg = f"{self.env_id} is not deterministic: its episode cannot be rebuilt ({e})"
                 raise SessionLost(msg) from e
             await self._drop_container(healthy=False)

@@ -17,9 +17,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from echo_bundle import IMAGE
 
 import fabric
-from envpool.errors import ToolUnavailable
+from envpool.errors import ToolMisconfigured, ToolUnavailable
+from envpool.pool import EnvPool, SessionLost
 from envpool.pool_config import fabric_tools, ran_too_long
 from fabric.errors import ErrorCode
 from fabric.testing import FakeBackend, Fault
@@ -33,6 +35,14 @@ REG = fabric.Registry()
 async def slow_calculator(expression: str) -> str:
     await asyncio.sleep(30)  # past its own 0.2 s, well inside any step
     return "late"
+
+
+UNSET = fabric.Registry()
+
+
+@UNSET.tool(name="calculator")
+def unset_calculator(expression: str) -> str:
+    raise fabric.Misconfigured("CALCULATOR_API_KEY is not set")
 
 
 # -- 1. a tool's own time limit on these arguments is the tool's
@@ -79,3 +89,37 @@ def test_a_function_timeout_without_started_is_read_by_its_message(message, ran)
     assert ran_too_long("FunctionTimeout", message) is ran
     assert ran_too_long("FunctionTimeout", message, started=True)
     assert not ran_too_long("FunctionTimeout", message, started=False)
+
+
+# -- 3. a misconfigured tool fails the step once, without replays
+
+
+async def test_a_misconfigured_fabric_tool_fails_the_step_without_replays(images):
+    async with fabric.Client(backend="inproc", registry=UNSET) as client:
+        async with EnvPool(POOL, images=images, tool_caller=fabric_tools(client)) as p:
+            async with p.session("bundle-echo-v0", image=IMAGE) as s:
+                await s.reset(seed=1)
+                await s.step("a")
+                with pytest.raises(ToolMisconfigured, match=r"'calculator'.*CALCULATOR_API_KEY is not set"):
+                    await s.step("tool x")
+                # no new container, no replay of the episode on one: it would fail alike
+                stats = p.stats()
+                assert stats.get("replays", 0) == 0 and stats.get("step_retries", 0) == 0
+                assert s.status == "infra_failed"  # masked, never a fake reward
+                with pytest.raises(SessionLost, match="CALCULATOR_API_KEY"):
+                    await s.reset()
+
+
+async def test_a_misconfigured_inprocess_tool_fails_the_step_without_replays(images, monkeypatch):
+    monkeypatch.setattr(fabric, "default_registry", UNSET)
+    async with EnvPool(POOL, images=images) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            with pytest.raises(ToolMisconfigured, match=r"'calculator'.*CALCULATOR_API_KEY"):
+                await s.step("tool x")
+            assert p.stats().get("replays", 0) == 0 and s.status == "infra_failed"
+
+
+def test_a_misconfigured_tool_is_still_an_infrastructure_failure():
+    # masked from training (infra_failed), never a fake reward: only its retries are gone
+    assert issubclass(ToolMisconfigured, ToolUnavailable) and not ToolMisconfigured.retryable
