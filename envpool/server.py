@@ -34,7 +34,15 @@ from typing import Any
 import pydantic_core
 
 from envpool.manifest import MANIFEST, load_manifest, read_manifest
-from envpool.protocol import EXIT_IMAGE_NOT_FOUND, MAX_FRAME, FrameError, encode, error_payload, recv_frame
+from envpool.protocol import (
+    EXIT_IMAGE_NOT_FOUND,
+    HEADER,
+    MAX_FRAME,
+    FrameError,
+    encode,
+    error_payload,
+    recv_frame,
+)
 
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
@@ -268,6 +276,9 @@ class Server:
             message = f"reply of {len(data):,} bytes is over the {MAX_FRAME:,}-byte frame limit"
             err = {"type": "ObservationTooLarge", "message": message, "logic": True, "reusable": True}
             data = encode({"id": msg.get("id"), "ok": False, "error": err})
+        self.write(data)
+
+    def write(self, data: bytes) -> None:
         with self.write_lock:
             if self.conn is not None:
                 self.conn.sendall(data)
@@ -282,7 +293,17 @@ class Server:
     def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
         """Ask the pool to run a fabric tool; the container itself has no network."""
         tool_id = self.rng.getrandbits(48)
-        self.send({"op": "tool", "tool_id": tool_id, "name": name, "arguments": arguments})
+        data = encode({"op": "tool", "tool_id": tool_id, "name": name, "arguments": arguments})
+        if len(data) - HEADER.size > MAX_FRAME:
+            # the policy's arguments (or what the environment built of them) are too big to
+            # send: text for the policy, as the fabric's PayloadTooLarge is. Through ``send``
+            # it became an ObservationTooLarge reply with no request id, a protocol error
+            # that ended the session (and this call waited for an answer that never came)
+            return (
+                f"error: the tool call's arguments are {len(data) - HEADER.size:,} bytes as JSON, "
+                f"too big for the {MAX_FRAME:,}-byte frame limit; the tool was not run"
+            )
+        self.write(data)
         assert self.conn is not None
         while True:
             msg = recv_frame(self.conn)

@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from echo_bundle import IMAGE
+from echo_bundle import IMAGE, write_env_bundle
 
 import fabric
 from envpool.errors import ToolMisconfigured, ToolUnavailable
 from envpool.pool import EnvPool, SessionLost
 from envpool.pool_config import fabric_tools, ran_too_long
+from envpool.protocol import MAX_FRAME
 from fabric.errors import ErrorCode
 from fabric.testing import FakeBackend, Fault
 
@@ -123,3 +124,58 @@ async def test_a_misconfigured_inprocess_tool_fails_the_step_without_replays(ima
 def test_a_misconfigured_tool_is_still_an_infrastructure_failure():
     # masked from training (infra_failed), never a fake reward: only its retries are gone
     assert issubclass(ToolMisconfigured, ToolUnavailable) and not ToolMisconfigured.retryable
+
+
+# -- 4. tool arguments too big for a frame are text for the policy
+
+BIG_SOURCE = '''
+import envpool
+
+
+class BigArgsEnv(envpool.Env):
+    """'big N' calls the calculator with an N-byte expression (an env that builds a tool's
+    arguments out of the policy's action, a file it wrote, a history)."""
+
+    example_actions = ("hello",)
+
+    def reset(self, *, seed=None, options=None):
+        return "ready", {}
+
+    def step(self, action):
+        if action.startswith("big "):
+            out = self.call_tool("calculator", {"expression": "x" * int(action[4:])})
+            return envpool.StepResult(obs=envpool.Observation(text=out))
+        return envpool.StepResult(obs=envpool.Observation(text=action))
+'''
+
+
+async def test_tool_arguments_over_the_frame_limit_are_text_for_the_policy(tmp_path):
+    images = write_env_bundle(tmp_path / "big", "big_env", BIG_SOURCE, {"big-args-v0": "BigArgsEnv"})
+    calls = []
+
+    async def tools(name, arguments):
+        calls.append(len(arguments["expression"]))
+        return "ran"
+
+    async with EnvPool(POOL, images=images, tool_caller=tools) as p:
+        async with p.session("big-args-v0", image=IMAGE) as s:
+            await s.reset()
+            assert (await s.step("big 10")).obs.text == "ran"
+            r = await s.step(f"big {MAX_FRAME + 1}")
+            assert r.obs.text.startswith("error: the tool call's arguments are")
+            assert "frame limit" in r.obs.text
+            # the session goes on, on the same container
+            assert (await s.step("hello")).obs.text == "hello" and s.status == "ok"
+            assert p.stats().get("protocol_errors", 0) == 0
+    assert calls == [10]
+
+
+async def test_arguments_the_fabric_refuses_as_too_large_are_text_for_the_policy():
+    # (the fabric's own limit, under the frame's: a Lambda's 6 MiB, a serve's 413)
+    fake = FakeBackend(REG)
+    fake.inject(
+        "calculator", Fault(code=ErrorCode.PAYLOAD_TOO_LARGE, message="payload of calculator is too big")
+    )
+    async with fabric.Client(backend=fake, registry=REG) as client:
+        out = await fabric_tools(client)("calculator", {"expression": "1"}, deadline_s=5)
+    assert out == "error: payload of calculator is too big"
