@@ -32,7 +32,7 @@ import pydantic_core
 
 from envpool.api import EnvRegistry, default_registry
 from envpool.connection import AsyncToolCaller
-from envpool.errors import EnvUsageError, InfraError, PoolClosed, SessionLost
+from envpool.errors import EnvUsageError, InfraError, PoolClosed, SessionLost, ToolUnavailable
 from envpool.pool_config import (
     ImageResolver,
     PinningImageResolver,
@@ -224,10 +224,28 @@ class EnvPool:
         """A session's tool call through the bridge, to be answered by ``by`` (monotonic: the
         time its request has left, less a reserve). A bridge that takes ``deadline_s=`` gets
         it, so that a slow tool ends inside the step rather than with it; one that does not
-        (a caller's own, written before) is called as it was."""
-        if by is None or not self._tool_deadlines:
+        (a caller's own, written before) is called as it was, and cancelled at ``by``: left
+        to run, a hung tool held the step to its ``step_timeout_s``, which then failed as a
+        step with "a tool call still pending", naming no tool. Not given the time, such a
+        bridge cannot say whether the tool ran past it or never ran (it may queue calls), so
+        its call is the infrastructure's failure (``ToolUnavailable``), not the policy's."""
+        if by is None:
             return await self.tool_caller(name, arguments)
-        return await self.tool_caller(name, arguments, deadline_s=max(0.0, by - time.monotonic()))
+        left = max(0.0, by - time.monotonic())
+        if self._tool_deadlines:
+            return await self.tool_caller(name, arguments, deadline_s=left)
+        bound = asyncio.timeout(left)
+        try:
+            async with bound:
+                return await self.tool_caller(name, arguments)
+        except TimeoutError:
+            if not bound.expired():  # (the bridge's own: the policy sees it, as any of its errors)
+                raise
+            raise ToolUnavailable(
+                f"tool {name!r} did not answer in the {left:.3g} s its step had left and was cancelled "
+                "(the pool's tool bridge takes no deadline_s=; one that does is told the time and can "
+                "answer a slow tool inside it)"
+            ) from None
 
     def stats(self) -> dict[str, Any]:
         claims = sorted(self.claim_ms)

@@ -20,7 +20,7 @@ import pytest
 from echo_bundle import IMAGE, write_env_bundle
 
 import fabric
-from envpool.errors import ToolMisconfigured, ToolUnavailable
+from envpool.errors import InfraError, ToolMisconfigured, ToolUnavailable
 from envpool.pool import EnvPool, SessionLost
 from envpool.pool_config import fabric_tools, ran_too_long
 from envpool.protocol import MAX_FRAME
@@ -90,6 +90,40 @@ def test_a_function_timeout_without_started_is_read_by_its_message(message, ran)
     assert ran_too_long("FunctionTimeout", message) is ran
     assert ran_too_long("FunctionTimeout", message, started=True)
     assert not ran_too_long("FunctionTimeout", message, started=False)
+
+
+# -- 2. a bridge without deadline_s= is bounded by its step
+
+
+async def test_a_bridge_without_a_deadline_is_bounded_by_its_step(images):
+    calls = []
+
+    async def tools(name, arguments):  # a caller's own bridge: no deadline_s=
+        calls.append(name)
+        await asyncio.Event().wait()  # hangs for good
+        return "never"
+
+    pool = {**POOL, "step_timeout_s": 2.0, "retry": {"attempts": 1}}
+    async with EnvPool(pool, images=images, tool_caller=tools) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            with pytest.raises(InfraError) as e:
+                await asyncio.wait_for(s.step("tool 6*7"), 30)
+            # said as the tool's call that did not answer in the step's time (less the reserve
+            # for the step's reply), not as a step that timed out "with a tool call pending"
+            assert "tool 'calculator' did not answer" in str(e.value)
+            assert "deadline_s" in str(e.value)
+    assert calls == ["calculator"]
+
+
+async def test_a_bridges_own_timeout_error_is_still_its_error_text(images):
+    async def tools(name, arguments):  # its own client gave up on a slow upstream
+        raise TimeoutError("upstream took too long")
+
+    async with EnvPool(POOL, images=images, tool_caller=tools) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            assert (await s.step("tool 1")).obs.text == "error: TimeoutError: upstream took too long"
 
 
 # -- 3. a misconfigured tool fails the step once, without replays
