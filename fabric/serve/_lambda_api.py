@@ -18,8 +18,9 @@ Two body shapes, told apart by the body itself:
 
 The caller's tenant comes from its token, never from the body. Errors are Lambda's: 400
 ``InvalidRequestContentException``/``InvalidParameterValueException``, 401/403 (missing or
-wrong token), 404 ``ResourceNotFoundException``, 413 ``RequestTooLargeException``,
-429 ``TooManyRequestsException``, with the code in ``x-amzn-ErrorType`` where botocore looks.
+wrong token; 403 ``AccessDeniedException`` for a tenant with ``invoke: false``), 404
+``ResourceNotFoundException``, 413 ``RequestTooLargeException``, 429
+``TooManyRequestsException``, with the code in ``x-amzn-ErrorType`` where botocore looks.
 ``GET /healthz`` needs no token and says only ``ok``; ``GET /metrics`` (Prometheus) needs one
 and shows a tenant only its own tenant-labelled series (``metrics: all``: every tenant's).
 """

@@ -24,6 +24,7 @@ from fabric.serve._lambda_api import (
     split_name,
     tenant_of,
 )
+from fabric.serve.config import UNAUTHENTICATED
 from fabric.serve.gate import QuotaExceeded, RateLimiter
 
 log = logging.getLogger("fabric.serve")
@@ -33,6 +34,7 @@ class GatewayRoutes(GatewayCalls):
     """The request handlers (see the module docstring)."""
 
     _tokens: dict[bytes, str]
+    may_invoke: frozenset[str]
     served: frozenset[str]
     rates: RateLimiter
     _draining: bool
@@ -105,9 +107,18 @@ class GatewayRoutes(GatewayCalls):
     async def _invoke(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
         request_id = new_request_id()
-        tenant = function = "-"
+        tenant, function = UNAUTHENTICATED, "-"
         try:
             tenant = tenant_of(request, self._tokens)
+            if tenant not in self.may_invoke:
+                # as Lambda refuses a caller without lambda:InvokeFunction: the lambda backend
+                # reads it as Unauthorized, final (no retry gives the token the right)
+                raise Reply(
+                    403,
+                    "AccessDeniedException",
+                    f"tenant {tenant!r} may not invoke functions (invoke: false): its token reads "
+                    "/metrics only",
+                )
             wait = self.rates.delay(tenant, time.monotonic())
             if wait is None:
                 self.quotas.throttled[tenant] += 1  # a 429 as the quota's (the metric's promise)

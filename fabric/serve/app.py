@@ -86,8 +86,11 @@ class Gateway(GatewayRoutes):
             raise ConfigError(f"--function names not registered: {', '.join(unknown)}")
         self.served = frozenset(served)
         self.backend = backend if backend is not None else make_backend(config.backend, self.registry)
-        self.quotas = Quotas({name: t.max_concurrency for name, t in config.tenants.items()})
-        self.rates = RateLimiter({name: t.max_rps for name, t in config.tenants.items()})
+        invokers = {name: t for name, t in config.tenants.items() if t.invoke}
+        self.may_invoke = frozenset(invokers)
+        """The tenants that may invoke (the rest read ``/metrics`` only, and hold no quota)."""
+        self.quotas = Quotas({name: t.max_concurrency for name, t in invokers.items()})
+        self.rates = RateLimiter({name: t.max_rps for name, t in invokers.items()})
         self._gates: dict[str, FairGate] = {}
         self._events: set[asyncio.Task[None]] = set()
         self._running_on: set[asyncio.Future[None]] = set()

@@ -11,6 +11,7 @@ Key file::
     tenants:
       job-a: {token: "3c1f...", max_concurrency: 32}
       job-b: {token_file: /run/secrets/job-b, max_concurrency: 8}
+      prometheus: {token_file: /run/secrets/prom, metrics: all, invoke: false}
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ __all__ = ["TOKEN_ENV", "ServeConfig", "TenantConfig", "load_tenants", "new_toke
 MAX_EVENT_BYTES = 1024 * 1024
 #: A token shorter than this is refused: it would be guessable.
 MIN_TOKEN_CHARS = 16
+#: The tenant label of the requests no tenant is known for (no token, a wrong one): a tenant
+#: of this name would see them as its own, and its own would be lost among them.
+UNAUTHENTICATED = "-"
 
 
 class _Model(BaseModel):
@@ -69,11 +73,23 @@ class TenantConfig(_Model):
     shared and count every tenant's calls together (a job sees neither another's name nor its
     requests, only the pools' totals); ``all``, every tenant's (give it to the token your
     Prometheus scrapes with)."""
+    invoke: bool = True
+    """Whether this tenant may invoke functions. ``false``: a token that reads ``/metrics``
+    and nothing else (a monitoring scraper's, with ``metrics: all``), so a leaked scrape
+    token runs no call; its invocations are answered 403 ``AccessDeniedException``, and it
+    has no quota (``max_concurrency`` and ``max_rps`` are refused with it)."""
 
     @model_validator(mode="after")
     def _one_source(self) -> TenantConfig:
         if (self.token is None) == (self.token_file is None):
             raise ValueError("give exactly one of token, token_file")
+        quota = sorted({"max_concurrency", "max_rps"} & self.model_fields_set)
+        if not self.invoke and quota:
+            # a quota for calls it may not make: one of the two lines is a mistake
+            raise ValueError(
+                f"a tenant with invoke: false makes no calls, so it has no {' or '.join(quota)}: "
+                "remove it, or let the tenant invoke"
+            )
         return self
 
     def secret(self) -> str:
@@ -128,6 +144,24 @@ class ServeConfig(_Model):
     answered 429 (it did not run), one running is cut (its caller sees a dropped
     connection, which the fabric client retries unless the call may have had side effects)."""
 
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, tenants: dict[str, TenantConfig]) -> dict[str, TenantConfig]:
+        for name in tenants:
+            problem = tenant_name_problem(name)
+            if problem:
+                raise ValueError(f"tenant {name!r}: {problem}")
+        return tenants
+
+    @model_validator(mode="after")
+    def _someone_invokes(self) -> ServeConfig:
+        if not any(t.invoke for t in self.tenants.values()):
+            raise ValueError(
+                "no tenant may invoke a function (every one has invoke: false): give the "
+                "training jobs' tenants too"
+            )
+        return self
+
     @field_validator("host")
     @classmethod
     def _host_given(cls, host: str) -> str:
@@ -163,12 +197,24 @@ class ServeConfig(_Model):
         return index
 
 
+def tenant_name_problem(name: str) -> str | None:
+    """What is wrong with ``name`` as a tenant's name (it labels the tenant's metrics), if anything."""
+    if not name.strip():
+        return "the name is empty (Prometheus reads an empty label as none): give one"
+    if name == UNAUTHENTICATED:
+        return (
+            f"the name {UNAUTHENTICATED!r} is reserved: the metrics count the requests with no "
+            "valid token under it; give another"
+        )
+    return None
+
+
 def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
 def load_tenants(path: str | Path) -> dict[str, TenantConfig]:
-    """Tenants from a key file (``tenants: {name: {token | token_file, max_concurrency}}``)."""
+    """Tenants from a key file (``tenants: {name: {token | token_file, max_concurrency, ...}}``)."""
     p = Path(path)
     try:
         data: Any = yaml.safe_load(p.read_text())
@@ -184,6 +230,9 @@ def load_tenants(path: str | Path) -> dict[str, TenantConfig]:
     out: dict[str, TenantConfig] = {}
     for name, body in data["tenants"].items():
         where = f"tenants file {str(p)!r}, tenant {name!r}"
+        problem = tenant_name_problem(str(name))
+        if problem:
+            raise ConfigError(f"{where}: {problem}")
         try:
             out[str(name)] = tenant = TenantConfig.model_validate(body)
             if tenant.token_file is not None and not tenant.token_file.is_absolute():
