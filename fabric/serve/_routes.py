@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 from aiohttp import web
 
@@ -25,7 +26,7 @@ from fabric.serve._lambda_api import (
     tenant_of,
 )
 from fabric.serve.config import UNAUTHENTICATED
-from fabric.serve.gate import QuotaExceeded, RateLimiter
+from fabric.serve.gate import QuotaExceeded, RateLimiter, TenantConnections
 
 log = logging.getLogger("fabric.serve")
 
@@ -37,6 +38,7 @@ class GatewayRoutes(GatewayCalls):
     may_invoke: frozenset[str]
     served: frozenset[str]
     rates: RateLimiter
+    connections: TenantConnections[Any]
     _draining: bool
 
     def _not_served(self, asked: str) -> str:
@@ -92,14 +94,34 @@ class GatewayRoutes(GatewayCalls):
         finally:
             self.quotas.give(tenant)
 
+    def _tenant(self, request: web.Request) -> str:
+        """The tenant whose token the request carries, its connection counted as the tenant's
+        (``max_connections``); 401, 403, or 429 with every one of its connections busy."""
+        tenant = tenant_of(request, self._tokens)
+        if not self.connections.arrive(tenant, request.protocol):
+            if tenant in self.quotas.throttled:
+                self.quotas.throttled[tenant] += 1  # a 429 as the quota's (the metric's promise)
+            raise Reply(
+                429,
+                "TooManyRequestsException",
+                f"Rate Exceeded: tenant {tenant!r} already has {self.connections.limits[tenant]} "
+                "connections open, every one busy (its max_connections); send on those, or retry "
+                "with backoff",
+                close=True,
+            )
+        return tenant
+
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         try:
-            tenant = tenant_of(request, self._tokens)
+            tenant = self._tenant(request)
         except Reply as e:
-            return error_response(e.status, e.code, e.message, new_request_id())
+            response = error_response(e.status, e.code, e.message, new_request_id())
+            if e.close:
+                response.force_close()
+            return response
         sees_all = self.config.tenants[tenant].metrics == "all"
         body, content_type = self.metrics.render(None if sees_all else tenant)
         return web.Response(body=body, headers={"Content-Type": content_type})
@@ -109,7 +131,7 @@ class GatewayRoutes(GatewayCalls):
         request_id = new_request_id()
         tenant, function = UNAUTHENTICATED, "-"
         try:
-            tenant = tenant_of(request, self._tokens)
+            tenant = self._tenant(request)
             if tenant not in self.may_invoke:
                 # as Lambda refuses a caller without lambda:InvokeFunction: the lambda backend
                 # reads it as Unauthorized, final (no retry gives the token the right)

@@ -16,7 +16,7 @@ import time
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestPayloadError
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from fabric.backends.base import Backend, make_backend
 from fabric.errors import BackendClosedError, BackendError, ConfigError, EntryPointError, SetupFailedError
@@ -25,7 +25,7 @@ from fabric.serve._lambda_api import CLIENT_CLOSED, INVOKE_ROUTE
 from fabric.serve._routes import GatewayRoutes
 from fabric.serve.config import ServeConfig
 from fabric.serve.drain import InFlight, cleanup_within, drain_timeout
-from fabric.serve.gate import FairGate, Quotas, RateLimiter
+from fabric.serve.gate import FairGate, Quotas, RateLimiter, TenantConnections
 from fabric.serve.metrics import ServeMetrics
 
 __all__ = ["CLIENT_CLOSED", "INVOKE_ROUTE", "Gateway"]
@@ -49,6 +49,23 @@ class _QuietMalformed(logging.Filter):
 
 
 _QUIET_MALFORMED = _QuietMalformed()
+
+
+def _idle(conn: RequestHandler) -> bool:
+    """Whether an aiohttp connection waits for its next request (none being read, answered
+    or written). aiohttp says so nowhere public: its handler awaits ``_waiter`` then. One
+    whose next request has begun to arrive, not yet whole, reads as idle too: closed then,
+    that request is lost as one sent as a keep-alive timeout closes its connection."""
+    waiter = conn._waiter
+    return waiter is not None and not waiter.done()
+
+
+def _closed(conn: RequestHandler) -> bool:
+    return conn.transport is None  # aiohttp drops it as the connection closes
+
+
+def _close(conn: RequestHandler) -> None:
+    conn.force_close()
 
 
 async def _check_bindable(host: str, port: int) -> None:
@@ -91,6 +108,12 @@ class Gateway(GatewayRoutes):
         """The tenants that may invoke (the rest read ``/metrics`` only, and hold no quota)."""
         self.quotas = Quotas({name: t.max_concurrency for name, t in invokers.items()})
         self.rates = RateLimiter({name: t.max_rps for name, t in invokers.items()})
+        self.connections = TenantConnections(
+            {name: t.connection_limit for name, t in config.tenants.items()},
+            idle=_idle,
+            closed=_closed,
+            close=_close,
+        )
         self._gates: dict[str, FairGate] = {}
         self._events: set[asyncio.Task[None]] = set()
         self._running_on: set[asyncio.Future[None]] = set()
@@ -160,6 +183,7 @@ class Gateway(GatewayRoutes):
             handle_signals=False,
             handler_cancellation=True,
             shutdown_timeout=drain_timeout(self.config.drain_s),
+            keepalive_timeout=self.config.keepalive_s,  # aiohttp's is an hour
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)

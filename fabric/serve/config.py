@@ -73,6 +73,13 @@ class TenantConfig(_Model):
     shared and count every tenant's calls together (a job sees neither another's name nor its
     requests, only the pools' totals); ``all``, every tenant's (give it to the token your
     Prometheus scrapes with)."""
+    max_connections: int | None = Field(None, ge=1)
+    """Connections this tenant may hold open, idle ones included; a connection counts for
+    the tenant whose request came on it last. A request on a new connection past the bound
+    closes the tenant's least recently used idle connection; with every one busy, it is
+    answered 429 ``TooManyRequestsException`` and its connection closes. ``None``: twice
+    ``max_concurrency`` (each call in flight needs a connection, and a pooling client keeps
+    spares: boto3, as the lambda backend sets it up, up to twice its concurrency)."""
     invoke: bool = True
     """Whether this tenant may invoke functions. ``false``: a token that reads ``/metrics``
     and nothing else (a monitoring scraper's, with ``metrics: all``), so a leaked scrape
@@ -91,6 +98,11 @@ class TenantConfig(_Model):
                 "remove it, or let the tenant invoke"
             )
         return self
+
+    @property
+    def connection_limit(self) -> int:
+        """``max_connections``, or its default."""
+        return self.max_connections if self.max_connections is not None else 2 * self.max_concurrency
 
     def secret(self) -> str:
         if self.token is not None:
@@ -136,6 +148,12 @@ class ServeConfig(_Model):
     ``RequestTimeoutException``: the body's quota slot comes back. (6 MB in 60 s is 0.8
     Mbit/s.) The same bound holds for an answer: one its client has not taken this long
     after it was ready goes with its connection, and its quota slot comes back."""
+    keepalive_s: float = Field(75.0, gt=0)
+    """An idle connection closes after this long; so does one that has sent no request yet
+    (it is no tenant's, so only time bounds it). aiohttp's own default is an hour. Longer
+    than the idle timeouts of clients (aiohttp's 15 s, httpx's 5 s) and of the proxies put
+    in front (nginx's upstream keepalive and an AWS ALB's: 60 s), so that they close an idle
+    connection first: a request sent just as the server closes one is lost."""
     warm: bool = True
     """Start the warm workers of the served functions before accepting calls."""
     drain_s: float = Field(30.0, ge=0)

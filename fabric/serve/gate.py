@@ -5,6 +5,9 @@ pool's FIFO, and everyone else's call waits behind its backlog. So the server ad
 to a pool only while the pool has room (``capacity``), and when it is full the waiting
 calls are admitted tenant by tenant in turn (round robin): another tenant's call waits for
 one slot, not for the flood.
+
+``TenantConnections`` bounds the connections a tenant holds open, idle keep-alive ones
+included: aiohttp bounds their number nowhere, and their idle time at an hour by default.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
+from typing import Generic, TypeVar
+
+C = TypeVar("C")
 
 
 class QuotaExceeded(Exception):
@@ -39,6 +45,67 @@ class Quotas:
 
     def give(self, tenant: str) -> None:
         self.held[tenant] -= 1
+
+
+class TenantConnections(Generic[C]):
+    """The connections each tenant's requests came on, against its bound. A connection
+    counts for the tenant of its latest request (a proxy in front sends every tenant's over
+    its own connections). Closed ones are forgotten lazily, when the tenant is over its
+    bound, so each tenant's entries stay within its bound plus one.
+
+    ``idle``, ``closed`` and ``close`` read and end a connection (aiohttp's, in the server)."""
+
+    def __init__(
+        self,
+        limits: dict[str, int],
+        *,
+        idle: Callable[[C], bool],
+        closed: Callable[[C], bool],
+        close: Callable[[C], None],
+    ):
+        self.limits = dict(limits)
+        self._of: dict[str, dict[C, None]] = {t: {} for t in limits}  # in order of last use
+        self._owner: dict[C, str] = {}
+        self._idle, self._closed, self._close = idle, closed, close
+        self.closed_idle: dict[str, int] = dict.fromkeys(limits, 0)
+        """Idle connections closed to make room for a tenant's new ones."""
+
+    def open(self, tenant: str) -> int:
+        """The tenant's connections still open."""
+        return sum(not self._closed(c) for c in self._of[tenant])
+
+    def arrive(self, tenant: str, conn: C) -> bool:
+        """A request of ``tenant`` came on ``conn``. ``False``: the tenant is at its bound
+        with every other connection busy: refuse the request and close ``conn``."""
+        mine = self._of[tenant]
+        owner = self._owner.get(conn)
+        if owner == tenant:
+            del mine[conn]
+            mine[conn] = None  # the most recently used now
+            return True
+        if owner is not None:
+            del self._of[owner][conn]
+        mine[conn] = None
+        self._owner[conn] = tenant
+        limit = self.limits[tenant]
+        if len(mine) <= limit:
+            return True
+        for c in [c for c in mine if self._closed(c)]:
+            self._forget(c)
+        for c in list(mine):  # the least recently used first
+            if len(mine) <= limit:
+                break
+            if c is not conn and self._idle(c):
+                self._close(c)
+                self._forget(c)
+                self.closed_idle[tenant] += 1
+        if len(mine) <= limit:
+            return True
+        self._forget(conn)
+        return False
+
+    def _forget(self, conn: C) -> None:
+        del self._of[self._owner.pop(conn)][conn]
 
 
 class RateLimiter:

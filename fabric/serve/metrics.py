@@ -86,7 +86,20 @@ class _Live:
         )
         for tenant, n in gw.rates.delayed.items():
             delayed.add_metric([tenant], n)
-        yield from (held, limit, throttled, delayed)
+        conns = GaugeMetricFamily(
+            "fabric_serve_tenant_connections",
+            "Connections open whose latest request was the tenant's",
+            labels=["tenant"],
+        )
+        closed = CounterMetricFamily(
+            "fabric_serve_tenant_connections_closed",
+            "A tenant's idle connections closed to make room for its new ones (max_connections)",
+            labels=["tenant"],
+        )
+        for tenant, n in gw.connections.closed_idle.items():
+            conns.add_metric([tenant], gw.connections.open(tenant))
+            closed.add_metric([tenant], n)
+        yield from (held, limit, throttled, delayed, conns, closed)
         waiting = GaugeMetricFamily(
             "fabric_serve_waiting", "Calls waiting for room in a function's pool", labels=["function"]
         )
