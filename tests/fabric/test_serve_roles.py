@@ -12,7 +12,9 @@ from pydantic import ValidationError
 from sample_fns import REG
 from serve_helpers import PATH, TOKEN_A, TOKEN_B, auth, config
 
-from fabric.errors import ConfigError
+from fabric import Client
+from fabric.backends.base import LambdaConfig
+from fabric.errors import ConfigError, ErrorCode
 from fabric.serve import Gateway, ServeConfig, TenantConfig, load_tenants
 
 TOKEN_PROM = "token-prom-0123456789abcdef"
@@ -39,6 +41,16 @@ async def test_a_metrics_only_tenant_may_invoke_nothing(kind: str):
         assert stats.get("add", {}).get("calls", 0) == 0  # nothing ran
         # the tenant that may invoke still does
         assert (await c.post(PATH.format("add"), json={"a": 1}, headers=auth())).json() == 1
+
+
+@pytest.mark.parametrize("transport", ["http", "boto3"])
+async def test_the_fabric_client_reads_the_refusal_as_unauthorized(transport: str):
+    async with Gateway(config(tenants=_tenants()), REG) as g:
+        backend = LambdaConfig(endpoint_url=g.url, token=TOKEN_PROM, transport=transport)
+        async with Client(backend=backend, registry=REG) as c:
+            r = await c.call("add", {"a": 1})
+    assert r.error is not None and r.error.type == ErrorCode.UNAUTHORIZED and not r.error.retryable
+    assert "invoke: false" in r.error.message
 
 
 async def test_a_metrics_only_tenant_reads_the_metrics_and_holds_no_quota():
