@@ -13,10 +13,14 @@ given to another process. The pool names a container by the request that forked 
 pid it holds may be another process's by then); a child that exits on its own has its
 group killed before it is reaped (what it left running goes with it), then is reported.
 What a child started outside its group bears its mark (``envpool.escapees``, given in the
-request's env): swept after the group's kill, before the report.
+request's env): the pool sweeps it once the child is reported, in a thread of its own, not
+here (a scan of ``/proc`` in this loop held up every other container's fork and reap). The
+zygote keeps the mark until the pool says it swept it: should the pool die first, the
+zygote's own end sweeps it.
 
     stdin   {"req": N, "opts": {...server options...}, "cwd": DIR, "env": {...}}
             {"req": N, "kill": R}       kill the group of request R's container, if still ours
+            {"swept": R}                request R's container's mark was swept (no answer)
     stdout  {"req": N, "pid": P, "isolation": ...} | {"req": N, "error": "..."}
             {"req": N, "killed": true|false}
             {"exit": P, "code": C, "of": R}
@@ -90,10 +94,11 @@ def _say(msg: dict[str, Any]) -> None:
 
 def _exit(children: dict[int, int], marks: dict[int, str]) -> None:
     """End the zygote with the pool gone: its children's groups first, then what bears their
-    marks. Its children die with it (PR_SET_PDEATHSIG), but what they started in their groups
-    or outside them (an environment's helper) would run on under init, and nobody is left to
-    kill it: the pool died, or closed without asking. Unreaped children all: their pids are
-    still their groups' ids."""
+    marks (theirs, and those of the children reaped that the pool did not say it swept). Its
+    children die with it (PR_SET_PDEATHSIG), but what they started in their groups or outside
+    them (an environment's helper) would run on under init, and nobody is left to kill it: the
+    pool died, or closed without asking. Unreaped children all: their pids are still their
+    groups' ids."""
     for pid in list(children.values()):
         _kill(pid)
     with contextlib.suppress(Exception):  # (the groups are gone: the zygote must still end)
@@ -103,7 +108,7 @@ def _exit(children: dict[int, int], marks: dict[int, str]) -> None:
 
 def main() -> None:
     children: dict[int, int] = {}  # req -> pid, of the children not reaped yet
-    marks: dict[int, str] = {}  # req -> mark, of the same
+    marks: dict[int, str] = {}  # req -> mark, of the children the pool has not swept yet
     # SIGTERM, not SIGKILL, when the pool dies (its crash runs no close): time to kill the groups
     signal.signal(signal.SIGTERM, lambda *_: _exit(children, marks))
     with contextlib.suppress(Exception):
@@ -128,6 +133,9 @@ def main() -> None:
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
                     req = json.loads(line)
+                    if "swept" in req:  # the pool swept its mark: the zygote's end need not
+                        marks.pop(int(req["swept"]), None)
+                        continue
                     if "kill" in req:  # a container the pool stops
                         _say({"req": req["req"], "killed": _kill(children.get(int(req["kill"])))})
                         continue
@@ -175,10 +183,7 @@ def main() -> None:
                 break
             pid = found.si_pid
             _kill(pid)
-            of = reqs.pop(pid, None)
-            if of is not None and (mark := marks.pop(of, None)):
-                with contextlib.suppress(OSError):  # (a sweep that failed must not end the zygote)
-                    escapees.sweep({mark})  # what it started outside its group
+            of = reqs.pop(pid, None)  # (what it started outside its group: the pool sweeps it)
             _, status = os.waitpid(pid, 0)
             if of is not None:
                 del children[of]

@@ -14,6 +14,7 @@ import asyncio
 import atexit
 import contextlib
 import fcntl
+import functools
 import itertools
 import json
 import logging
@@ -35,7 +36,8 @@ from envpool.runtimes.base import Container, ProcessRuntimeConfig, Runtime, proc
 
 _LIVE_GROUPS: set[int] = set()
 _LIVE_MARKS: set[str] = set()
-"""The marks (``envpool.escapees``) of the containers not swept yet."""
+"""The marks (``envpool.escapees``) of the containers not swept yet (a sweep that failed
+leaves its marks here, for the exit backstop)."""
 
 
 @atexit.register
@@ -134,12 +136,16 @@ class _Forked:
 
     req: int
     mark: str
-    """Its token (``envpool.escapees``): the zygote sweeps what bears it before it reports
-    the container reaped; the pool, when the zygote died first."""
+    """Its token (``envpool.escapees``): what bears it is swept by the pool once the zygote
+    reports the container reaped (or dead with the zygote), off the zygote's loop."""
     pid: int = 0
+    reaped: bool = False
+    """The zygote reported it reaped (after killing what was left of its group), or the
+    zygote itself died (its children die with it): its pid is no longer its own."""
+    swept: asyncio.Future[None] | None = None
+    """The sweep of its mark asked for at its exit report."""
     exited: bool = False
-    """The zygote reported it reaped (after killing what was left of its group and what
-    bore its mark), or the zygote itself died (its children die with it)."""
+    """Reaped, and what bore its mark swept (or its sweep failed: the exit backstop's then)."""
 
 
 def _exited(proc: subprocess.Popen[bytes]) -> bool:
@@ -168,7 +174,8 @@ async def _read_line(pipe: Any) -> bytes:
 class _Zygote:
     """The pool's handle on ``python -m envpool.zygote``."""
 
-    def __init__(self) -> None:
+    def __init__(self, sweeps: escapees.Sweeps) -> None:
+        self.sweeps = sweeps
         self.proc: asyncio.subprocess.Process | None = None
         self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.children: dict[int, _Forked] = {}
@@ -223,10 +230,13 @@ class _Zygote:
                 continue
             if "exit" in msg:  # the zygote killed what was left of its group and reaped it
                 child = children.pop(int(msg["of"]), None) if msg.get("of") is not None else None
-                if child is not None and not child.exited:
-                    child.exited = True
+                if child is not None and not child.reaped:
+                    child.reaped = True
                     _LIVE_GROUPS.discard(child.pid)
-                    _LIVE_MARKS.discard(child.mark)
+                    # then what it started outside its group: swept here, off the zygote's loop,
+                    # asked for in this step (a stop waiting for this report joins the sweep)
+                    child.swept = self.sweeps.ask({child.mark})
+                    child.swept.add_done_callback(functools.partial(self._swept, child))
                 continue
             req = int(msg["req"])
             sent.discard(req)
@@ -259,23 +269,27 @@ class _Zygote:
         # this step). (Not a child subreaper instead: that is a setting of the whole process
         # this pool runs in, a trainer, which would inherit every orphan of everything it
         # runs as zombies to reap, and reaping those steals other children's exit statuses.)
-        for child in children.values():
-            if child.pid and not child.exited:
+        dead = [child for child in children.values() if not child.reaped]
+        for child in dead:
+            if child.pid:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(child.pid, signal.SIGKILL)
         # and what they started outside their groups, which the zygote did not live to sweep
-        # (a container that never reported its pid had a mark all the same)
-        marks = {child.mark for child in children.values() if not child.exited}
-        await asyncio.to_thread(escapees.sweep, marks)
-        _LIVE_MARKS.difference_update(marks)
+        # (a container that never reported its pid had a mark all the same). Their pids are
+        # no longer theirs, and their stops wait for this sweep (asked for in this step), not
+        # for this reader, which waits for it
+        swept = self.sweeps.ask({child.mark for child in dead})
+        for child in dead:
+            child.reaped, child.swept = True, swept
+            swept.add_done_callback(functools.partial(self._swept, child))
+            _LIVE_GROUPS.discard(child.pid)
+        children.clear()
+        with contextlib.suppress(Exception):  # (failed: the marks stay live, for the exit hook)
+            await asyncio.shield(swept)
         # reaped: its children were sent SIGKILL as it exited (PR_SET_PDEATHSIG), so what they
         # were starting in their directories has stopped before those go
         await proc.wait()
         _LIVE_GROUPS.discard(proc.pid)
-        for child in children.values():  # its children died with it
-            child.exited = True
-            _LIVE_GROUPS.discard(child.pid)
-        children.clear()
         for req in sorted(sent):  # what it never answered: each start fails without its directory
             cwd = self.cwds.pop(req, None)
             if cwd is not None:
@@ -284,6 +298,15 @@ class _Zygote:
             if fut is not None and not fut.done():
                 fut.set_exception(ContainerStartError("the zygote exited; it will be restarted"))
         sent.clear()
+
+    def _swept(self, child: _Forked, done: asyncio.Future[None]) -> None:
+        child.exited = True
+        if done.cancelled() or done.exception() is not None:
+            return  # its mark stays live: the exit backstop (and the zygote's end) sweep it
+        _LIVE_MARKS.discard(child.mark)
+        # the zygote keeps the mark until told, for its own end should we die first
+        if self.proc is not None and self.proc.stdin is not None and not self.proc.stdin.is_closing():
+            self.proc.stdin.write(json.dumps({"swept": child.req}).encode() + b"\n")
 
     def _send(self, msg: dict[str, Any]) -> bool:
         if self.proc is None or self.proc.stdin is None or self.proc.stdin.is_closing():
@@ -327,11 +350,18 @@ class _Zygote:
             raise
 
     async def kill(self, child: _Forked) -> None:
-        """Have the zygote kill ``child``'s process group, and wait until it has. It does so
-        only while ``child`` is its unreaped child: the group cannot be another's. Its record
-        goes when the zygote reports it reaped."""
-        if child.exited or self.reader is None or self.reader.done():
-            return  # reported gone, or its zygote is (its children died with it)
+        """Have the zygote kill ``child``'s process group, and wait until it has, and what
+        bore its mark is swept. It kills only while ``child`` is its unreaped child: the group
+        cannot be another's. Its record goes when the zygote reports it reaped."""
+        if not child.reaped and self.reader is not None and not self.reader.done():
+            with self.sweeps.killing():  # its sweep joins those of the stops under way
+                await self._kill_group(child)
+        if child.swept is not None:
+            with contextlib.suppress(Exception):  # failed: what bears its mark is the exit hook's
+                await asyncio.shield(child.swept)
+
+    async def _kill_group(self, child: _Forked) -> None:
+        assert self.reader is not None
         req = next(self.ids)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.waiting[req] = fut
@@ -347,7 +377,7 @@ class _Zygote:
         # as for a container of its own process, which stop() reaps; the bound only guards a
         # zygote that hangs (its children die with it when it is killed)
         deadline = asyncio.get_running_loop().time() + _KILL_REPORT_S
-        while not child.exited and not self.reader.done():
+        while not child.reaped and not self.reader.done():
             if asyncio.get_running_loop().time() > deadline:
                 log.warning(
                     "zygote: no exit report for container %s %.0f s after its kill", child.pid, _KILL_REPORT_S
@@ -366,6 +396,7 @@ class _Zygote:
             _LIVE_GROUPS.discard(self.proc.pid)
         if self.reader is not None:
             await asyncio.gather(self.reader, return_exceptions=True)
+        await self.sweeps.wait()  # (of the containers nobody owned: a start cancelled, say)
 
 
 class ProcessRuntime(Runtime):
@@ -381,7 +412,8 @@ class ProcessRuntime(Runtime):
         self._root = Path(self.config.root).absolute() if self.config.root else None
         self._owner_fd: int | None = None
         self._ids = itertools.count(1)
-        self._zygote = _Zygote() if self.config.zygote else None
+        self._sweeps = escapees.Sweeps()
+        self._zygote = _Zygote(self._sweeps) if self.config.zygote else None
         self._warned_shared = False
 
     @property
@@ -515,20 +547,21 @@ class ProcessRuntime(Runtime):
             await self._zygote.kill(c.handle)
         elif isinstance(c.handle, subprocess.Popen):
             proc = c.handle
-            if proc.returncode is None:  # not reaped: its pid is still its group's id
-                # SIGKILL at once, no SIGTERM first: a container frozen by SIGSTOP (the hang
-                # fault) runs no handler, and a polite stop would wait out its whole grace
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            # reaped here, on the loop, with the record dropped in the same step (a process
-            # exit has no awaitable without a child watcher: it dies within moments of SIGKILL)
-            while proc.poll() is None:  # noqa: ASYNC110
-                await asyncio.sleep(0.005)
-            _LIVE_GROUPS.discard(proc.pid)
+            with self._sweeps.killing():  # its sweep joins those of the stops under way
+                if proc.returncode is None:  # not reaped: its pid is still its group's id
+                    # SIGKILL at once, no SIGTERM first: a container frozen by SIGSTOP (the hang
+                    # fault) runs no handler, and a polite stop would wait out its whole grace
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                # reaped here, on the loop, with the record dropped in the same step (a process
+                # exit has no awaitable without a child watcher: it dies within moments of SIGKILL)
+                while proc.poll() is None:  # noqa: ASYNC110
+                    await asyncio.sleep(0.005)
+                _LIVE_GROUPS.discard(proc.pid)
             # then what it started outside its group (a helper in a session of its own):
-            # found by its mark, as the zygote does for its children before it reports them
+            # found by its mark, as for the zygote's children once they are reported
             mark = escapees.token(Path(c.endpoint).parent)
-            await asyncio.to_thread(escapees.sweep, {mark})
+            await self._sweeps.sweep({mark})
             _LIVE_MARKS.discard(mark)
         shutil.rmtree(Path(c.endpoint).parent, ignore_errors=True)
 
@@ -546,7 +579,7 @@ class ProcessRuntime(Runtime):
 
     def _alive_now(self, c: Container) -> bool:
         if isinstance(c.handle, _Forked):
-            return not c.handle.exited
+            return not c.handle.reaped
         if isinstance(c.handle, subprocess.Popen):
             return not _exited(c.handle)
         return False
@@ -555,6 +588,7 @@ class ProcessRuntime(Runtime):
         await super().aclose()
         if self._zygote is not None:
             await self._zygote.aclose()
+        await self._sweeps.wait()
         if self._own_root and self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
         if self._owner_fd is not None:

@@ -4,6 +4,7 @@ pool's close, and when the driver dies (zygote or not)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -11,14 +12,18 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import pytest
 from echo_bundle import IMAGE, write_env_bundle
 from pool_util import pool, wait_for
 
+from envpool import escapees
+from envpool.runtimes import process
+from envpool.runtimes.base import ProcessRuntimeConfig
 from envpool.runtimes.process import ProcessRuntime
 
 _ESCAPER = '''
@@ -224,3 +229,146 @@ def test_a_sweep_never_kills_its_caller(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(root), "ENVPOOL_CONTAINER": mark}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert (out.returncode, out.stdout) == (0, "alive\n"), out.stderr[-2000:]
+
+
+# -- what a sweep costs, and whom it holds up --------------------------------------------------
+
+_SITE = """
+import os, time
+from envpool import escapees
+
+_scans, _hold = os.environ.get("ESCAPEES_TEST_SCANS"), os.environ.get("ESCAPEES_TEST_HOLD")
+if _scans:  # each scan of /proc, a line
+    _marked = escapees.marked
+
+    def _counted(tokens):
+        with open(_scans, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        return _marked(tokens)
+
+    escapees.marked = _counted
+if _hold:  # a sweep held until the test lets it go (the bound only ends a failing test)
+    _sweep = escapees.sweep
+
+    def _held(tokens):
+        if tokens:
+            open(_hold + ".entered", "w").close()
+            deadline = time.monotonic() + 60
+            while not os.path.exists(_hold + ".release") and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return _sweep(tokens)
+
+    escapees.sweep = _held
+"""
+
+
+@pytest.fixture
+def hooked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The runtime's children (the zygote, a fresh interpreter) load ``_SITE``: they count
+    their scans of /proc, and hold their sweeps, where the test's environment says so."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_SITE)
+    child_env = process._child_env
+
+    def hooked_env(cdir: Path, mark: str) -> dict[str, str]:
+        env = child_env(cdir, mark)
+        env["PYTHONPATH"] = os.pathsep.join((str(site), env["PYTHONPATH"]))
+        return env
+
+    monkeypatch.setattr(process, "_child_env", hooked_env)
+    return tmp_path
+
+
+@MODES
+async def test_a_close_scans_proc_once_for_all_its_containers(hooked, monkeypatch, zygote):
+    # each container's stop swept its own mark: a close of N containers read every process's
+    # environment N times (in the zygote's loop, or in N threads of the driver)
+    scans = hooked / "scans"
+    monkeypatch.setenv("ESCAPEES_TEST_SCANS", str(scans))
+    marked = escapees.marked
+
+    def counted(tokens: Collection[str]) -> list[int]:
+        with open(scans, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return marked(tokens)
+
+    monkeypatch.setattr(escapees, "marked", counted)
+    rt = ProcessRuntime(ProcessRuntimeConfig(heartbeat_s=0.1, zygote=zygote))
+    try:
+        cs = [await rt.start(None, None, timeout_s=20) for _ in range(3)]
+        assert all([await rt.alive(c) for c in cs])
+        before = scans.read_text().count("\n") if scans.exists() else 0
+    finally:
+        await rt.aclose()
+    assert not rt.live
+    assert scans.read_text().count("\n") - before == 1
+
+
+async def test_the_zygote_answers_a_fork_while_a_containers_escapees_are_swept(hooked, monkeypatch):
+    # the zygote swept a container's mark in its own loop, between its reap and its report:
+    # every fork and reap of the other containers waited behind a scan of /proc (~27 ms at
+    # 5,000 processes, seconds on a loaded machine)
+    hold = hooked / "hold"
+    monkeypatch.setenv("ESCAPEES_TEST_HOLD", str(hold))
+    entered, release = threading.Event(), threading.Event()
+    sweep = escapees.sweep
+
+    def held(tokens: Collection[str]) -> None:  # this process's sweeps, held the same way
+        if tokens:
+            entered.set()
+            release.wait(60)
+        sweep(tokens)
+
+    monkeypatch.setattr(escapees, "sweep", held)
+    rt = ProcessRuntime(ProcessRuntimeConfig(heartbeat_s=0.1, zygote=True))
+    stop: asyncio.Future[None] | None = None
+    try:
+        first = await rt.start(None, None, timeout_s=20)
+        stop = asyncio.ensure_future(rt.stop(first))
+        await wait_for(lambda: entered.is_set() or Path(f"{hold}.entered").exists(), timeout_s=30)
+        second = await rt.start(None, None, timeout_s=15)  # a fork, while the sweep goes on
+        assert await rt.alive(second)
+        assert not stop.done()  # a stop returns once its container's escapees are swept
+    finally:
+        release.set()
+        await asyncio.to_thread(Path(f"{hold}.release").touch)
+        if stop is not None:
+            await stop
+        await rt.aclose()
+    assert not rt.live
+
+
+async def test_the_zygotes_end_sweeps_a_reaped_containers_mark_the_driver_had_not(tmp_path, monkeypatch):
+    # the driver sweeps a container's mark once the zygote reports it reaped: should the driver
+    # die before its sweep has run, the zygote (ended by its death) must still sweep that mark
+    images = write_env_bundle(tmp_path / "b", "escape_env", _ESCAPER, {"escape-v0": "EscapeEnv"})
+    pid_file = tmp_path / "helper.pid"
+    entered, release = threading.Event(), threading.Event()
+    sweep = escapees.sweep
+
+    def held(tokens: Collection[str]) -> None:
+        if tokens:
+            entered.set()
+            release.wait(60)
+        sweep(tokens)
+
+    stop: asyncio.Future[None] | None = None
+    with _killed_at_end(pid_file):
+        async with pool(images, min_warm=0, runtime={"heartbeat_s": 0.1, "zygote": True}) as p:
+            try:
+                async with p.session("escape-v0", image=IMAGE) as s:
+                    await s.reset(seed=0)
+                    helper = int((await s.step(f"exec {pid_file}")).obs.text)
+                    monkeypatch.setattr(escapees, "sweep", held)
+                    stop = asyncio.ensure_future(p.runtime.stop(s.container))
+                    await wait_for(entered.is_set, timeout_s=30)
+                    assert _alive(helper)  # reaped by the zygote, its mark not swept yet
+                    zygote = p.runtime._zygote
+                    assert zygote is not None and zygote.proc is not None
+                    os.kill(zygote.proc.pid, signal.SIGTERM)  # what the driver's death sends it
+                    await wait_for(lambda: not _alive(helper), timeout_s=GONE_S)
+                    release.set()  # (before the session's end: it joins the stop)
+                    await stop
+            finally:
+                release.set()
