@@ -57,7 +57,9 @@ class _ContainerBase:
     registry: Registry
     served: frozenset[str]
     table: str | None
-    _idempotent: Callable[..., Result] | None
+    _idempotent: Callable[..., Any] | None
+    _store: Any
+    """The idempotency store (powertools' ``DynamoDBPersistenceLayer``), with a table."""
     init_error: str | None
 
     def take_cold(self) -> bool:

@@ -4,10 +4,13 @@ under a key (a final answer, or the ``OutcomeUnknown`` of a side effect that may
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
 from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
 
 from fabric.errors import FINAL_ERRORS, SAFE_TO_RETRY, ErrorCode
 from fabric.protocol import Invocation, Result
@@ -58,8 +61,67 @@ def _stored_bytes(result: Result) -> int:
     return len(json.dumps(result.model_dump(mode="json"), sort_keys=True).encode())
 
 
+def _read_stored(data: dict[str, Any]) -> Result | None:
+    """A ``Result`` read back from the store, or None when this code cannot read it. During a
+    rolling deploy a newer handler may have stored a ``Result`` with a field this code does
+    not know yet: read strictly (``extra="forbid"``), that record failed every call with its
+    key until it expired. Fields it does not know are dropped, as the client drops them from a
+    newer handler's reply (``_lambda_replies._as_result``); writing stays strict."""
+    try:
+        return Result.model_validate(data)
+    except ValidationError as e:
+        unknown = [err["loc"] for err in e.errors() if err["type"] == "extra_forbidden"]
+        if not unknown or len(unknown) < e.error_count():
+            return None  # a field it knows that it cannot read: no answer it can give
+    known = copy.deepcopy(data)
+    for loc in unknown:
+        *path, last = loc
+        parent: Any = known
+        for part in path:
+            parent = parent[part]
+        del parent[last]
+    try:
+        return Result.model_validate(known)
+    except ValidationError:
+        return None
+
+
+class _Unreadable:
+    """What powertools answers for a completed record this code cannot read (its response
+    hook's stand-in for the ``Result``): ``_run_once`` drops the record and runs the call."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: Any):
+        self.record = record
+
+
+class _LenientSerializer:
+    """powertools' ``PydanticSerializer(Result)``, reading leniently (``_read_stored``): a
+    record it cannot read at all is logged and read as None, which ``_mark_cached`` turns into
+    an ``_Unreadable``."""
+
+    def __init__(self, logger: Any):
+        self.logger = logger
+
+    def to_dict(self, data: Result) -> dict[str, Any]:
+        return data.model_dump(mode="json")
+
+    def from_dict(self, data: dict[str, Any]) -> Result | None:
+        result = _read_stored(data)
+        if result is None:
+            self.logger.warning(
+                "cannot read an idempotency record (written by another version of the handler?); "
+                "treating it as absent and running the call",
+                extra={"record_fields": sorted(data)[:20]},
+            )
+        return result
+
+
 def _mark_cached(response: Any, idempotent_data: Any) -> Any:
     # powertools calls this only for a response read back from the store
+    if response is None:  # the serializer could not read it
+        return _Unreadable(idempotent_data)
     return response.model_copy(update={"cached": True}) if isinstance(response, Result) else response
 
 
@@ -87,7 +149,6 @@ class _Idempotency(_ContainerBase):
             IdempotencyConfig,
             idempotent_function,
         )
-        from aws_lambda_powertools.utilities.idempotency.serialization.pydantic import PydanticSerializer
 
         self.idem_config = IdempotencyConfig(
             # the tenant, function and version scope the caller's key: two training jobs that
@@ -98,12 +159,13 @@ class _Idempotency(_ContainerBase):
             expires_after_seconds=ttl_s,
             response_hook=_mark_cached,
         )
+        self._store = DynamoDBPersistenceLayer(table_name=self.table)
         self._idempotent = idempotent_function(
             _run_recorded,
             data_keyword_argument="key",
-            persistence_store=DynamoDBPersistenceLayer(table_name=self.table),
+            persistence_store=self._store,
             config=self.idem_config,
-            output_serializer=PydanticSerializer(Result),
+            output_serializer=_LenientSerializer(self.logger),  # type: ignore[arg-type]
             # not the Lambda's name: the key already names the function, so every Lambda
             # serving it (aliases, a redeploy under another name) shares the records
             key_prefix=SERVICE,
@@ -141,8 +203,26 @@ class _Idempotency(_ContainerBase):
             started = True
             return run()
 
+        key = self._key(inv, runner.spec)
         try:
-            return self._idempotent(key=self._key(inv, runner.spec), run=run_started)
+            result = self._idempotent(key=key, run=run_started)
+            if isinstance(result, _Unreadable):
+                # a record no version of this code can answer with: dropped, and the call runs
+                # as if the key had none (the record failed every call with the key until it
+                # expired). Dropped only if it is still that record: a caller that raced here
+                # and already put its own in-progress record in its place is not undone, and
+                # this call then finds that one in progress
+                self._drop_unreadable(result.record)
+                result = self._idempotent(key=key, run=run_started)
+                if isinstance(result, _Unreadable):  # written again meanwhile by another version
+                    return self._failure(
+                        inv,
+                        ErrorCode.NOT_STARTED,
+                        f"the idempotency record of key {inv.idempotency_key!r} cannot be read by this "
+                        "version of the handler; retry later",
+                        started=False,
+                    )
+            return result
         except _NotCached as e:
             return e.result
         except IdempotencyAlreadyInProgressError:
@@ -159,6 +239,20 @@ class _Idempotency(_ContainerBase):
                 return self._failure(inv, ErrorCode.NOT_STARTED, message)
             # it ran, and its outcome could not be recorded (or its record dropped)
             return self._failure(inv, ErrorCode.TRANSPORT, message)
+
+    def _drop_unreadable(self, record: Any) -> None:
+        """Delete a completed record this code cannot read, if it is still the one read."""
+        store = self._store
+        try:
+            store.client.delete_item(
+                TableName=store.table_name,
+                Key=store._get_key(record.idempotency_key),  # the store's own key layout
+                ConditionExpression="#data = :data",
+                ExpressionAttributeNames={"#data": store.data_attr},
+                ExpressionAttributeValues={":data": {"S": record.response_data}},
+            )
+        except store.client.exceptions.ConditionalCheckFailedException:
+            pass  # replaced meanwhile: the next read finds what replaced it
 
     def conclude(self, inv: Invocation, result: Result) -> Result:
         """``result``, or the final ``OutcomeUnknown`` of a side effect that may have run.

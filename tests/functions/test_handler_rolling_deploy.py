@@ -1,0 +1,74 @@
+"""The Lambda entry point's idempotency records during a rolling deploy: a record written by
+a newer handler (its ``Result`` carries a field this code does not know) is still read back
+as the answer under its key, and one this code cannot read at all is treated as absent,
+with a warning, instead of failing every call with the key."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+pytest.importorskip("aws_lambda_powertools")
+boto3 = pytest.importorskip("boto3")
+moto = pytest.importorskip("moto")
+
+from handler_fixtures import aws_fixture, lambda_env_fixture, table_fixture  # noqa: E402, F401 - by name=
+from handler_fns import CALLS  # noqa: E402
+from handler_helpers import TABLE, invoke  # noqa: E402
+
+
+def _rewrite_records(table: Any, change: Any) -> int:
+    """Apply ``change`` to the stored ``Result`` dict of every completed record, as another
+    version of the handler would have written it; returns how many were rewritten."""
+    n = 0
+    for item in table.scan(TableName=TABLE)["Items"]:
+        if "data" not in item:
+            continue
+        stored = json.loads(item["data"]["S"])
+        item["data"] = {"S": json.dumps(change(stored), sort_keys=True)}
+        table.put_item(TableName=TABLE, Item=item)
+        n += 1
+    return n
+
+
+def test_a_record_with_a_field_this_handler_does_not_know_is_still_the_answer(table: Any) -> None:
+    """A newer handler added a field to ``Result`` and stored an answer with it: this one
+    refused the record (``extra="forbid"``), and the call with the key failed instead of
+    being answered from the store. Unknown fields are dropped on read; the answer stands."""
+    first = invoke("counted", {"key": "rd"}, idempotency_key="k-rd", request_id="r1")
+    assert first.ok and CALLS["counted:rd"] == 1
+
+    def newer(stored: dict[str, Any]) -> dict[str, Any]:
+        # a field added at the top, and one inside a nested model
+        return {
+            **stored,
+            "added_by_a_newer_handler": {"x": 1},
+            "timings": {**stored["timings"], "gpu_ms": 2.0},
+        }
+
+    assert _rewrite_records(table, newer) == 1
+    second = invoke("counted", {"key": "rd"}, idempotency_key="k-rd", request_id="r2")
+    assert second.ok, second.error
+    assert second.cached and second.value == first.value
+    assert CALLS["counted:rd"] == 1  # answered from the store: not run again
+
+
+def test_a_record_this_handler_cannot_read_counts_as_absent(
+    table: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A record whose known fields this code cannot read (a type changed under it) is no
+    answer it can give: the call runs as if the key had none, with a warning, instead of
+    failing every call with the key until the record expires."""
+    first = invoke("counted", {"key": "bad"}, idempotency_key="k-bad", request_id="r1")
+    assert first.ok
+    assert _rewrite_records(table, lambda stored: {**stored, "ok": {"not": "a bool"}}) == 1
+    second = invoke("counted", {"key": "bad"}, idempotency_key="k-bad", request_id="r2")
+    assert second.ok and not second.cached, second.error
+    assert CALLS["counted:bad"] == 2  # ran again: the unreadable record was no answer
+    assert any("cannot read" in r.getMessage() for r in caplog.records), [
+        r.getMessage() for r in caplog.records
+    ]
+    third = invoke("counted", {"key": "bad"}, idempotency_key="k-bad", request_id="r3")
+    assert third.ok and third.cached and CALLS["counted:bad"] == 2  # its own answer replaced it
