@@ -299,6 +299,22 @@ class InprocBackend(Backend):
                     what = "while running; its thread runs on, its result discarded"
                 ok, out = False, (ErrorCode.DEADLINE_EXCEEDED, f"deadline passed {what}", None)
                 cut = began  # (its type says nothing of it by itself: a call cut as it ran began)
+        if not ok and out[0] == ErrorCode.TIMEOUT and not began:
+            # it waited its timeout_s for a thread and never ran: the backend's back-pressure,
+            # answered as Lambda answers a function whose concurrency is all in use. Not the
+            # function's FunctionTimeout, which says it ran past its limit: a reward job scored
+            # that as the response's fault, and a side effect was not retried (and under a key
+            # kept OutcomeUnknown) though it provably never ran. The circuit breaker counts it
+            # as it counts every Throttled: an infrastructure failure, not the function's
+            ok, out = (
+                False,
+                (
+                    ErrorCode.THROTTLED,
+                    f"{inv.function}: no thread came free within its {timeout:.3g} s limit (each is held "
+                    "by a call that runs on past its answer); it did not start",
+                    None,
+                ),
+            )
         result = outcome_to_result(inv, ok, out, exec_ms=exec_ms, worker="inproc", started=cut)
         if at_deadline and keyed is not None:
             result.cut_at_deadline = True  # the callers' deadline, not the infrastructure
