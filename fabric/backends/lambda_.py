@@ -10,10 +10,15 @@ Two transports speak the Invoke API. ``boto3`` (AWS: SigV4 with the usual creden
 chain; also ``fabric serve``, unsigned with ``Authorization: Bearer``) is synchronous, so
 its calls run on threads and the event loop never blocks. Nothing can stop a boto3 call
 once sent: one its caller abandons (a deadline, a losing hedge) holds its thread and
-connection until Lambda answers, up to 15 minutes. So ``max_connections`` bounds the calls
-whose callers still wait, and the abandoned ones run beside them on up to as many spare
-threads and connections; past that, an abandoned call keeps its slot until it ends. A call
-whose deadline passes while it waits for a slot was never sent, and says so.
+connection until Lambda answers or its read timeout passes. That timeout is the call's own
+(``_read_limit``): its deadline, else its function's ``timeout_s`` (plus a margin for a cold
+start), rounded up to one of a few steps, each with a botocore client of its own (botocore
+takes the read timeout per client), and never past ``read_timeout_s``; a fixed 910 s held
+a hung connection for 15 minutes after the call's time was up. So ``max_connections``
+bounds the calls whose callers still wait, and the abandoned ones run beside them on up to
+as many spare threads and connections; past that, an abandoned call keeps its slot until it
+ends. A call whose deadline passes while it waits for a slot was never sent, and says so.
+The ``http`` transport takes the same read timeout per request.
 
 ``http`` (aiohttp, on the event loop) is for ``fabric serve`` only: botocore spends
 about 2 ms of CPU per call, which caps one process at a few hundred calls per second, while
@@ -42,6 +47,7 @@ import asyncio
 import contextlib
 import json
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -60,6 +66,16 @@ _ENVELOPE_HEAD_BYTES = 4096
 #: A call waiting for a boto3 slot gives up this long before its deadline, so that its own
 #: "not sent" answer reaches the client before the client's timer at the deadline fires.
 _UNSENT_MARGIN_S = 0.01
+#: How long after its function's ``timeout_s`` a call's reply may still come before its
+#: connection is read as hung: Lambda's init phase (up to 10 s on a cold start) is not
+#: counted in the function's timeout, and the reply has to travel back.
+_READ_MARGIN_S = 15.0
+#: How long after a call's deadline its connection is given up: the client answers the caller
+#: at the deadline itself, and the handler stops there; this only frees the connection.
+_DEADLINE_MARGIN_S = 1.0
+#: The read timeouts (s) a call's own rounds up to: botocore takes a read timeout per client,
+#: so each step is a client (and a connection pool) of its own, made when first needed.
+_READ_STEPS = (2.0, 3.0, 5.0, 8.0, 12.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 450.0, 600.0)
 
 
 class LambdaBackend(LambdaReplies, Backend):
@@ -69,6 +85,13 @@ class LambdaBackend(LambdaReplies, Backend):
         super().__init__(registry)
         self.config = config or LambdaConfig()
         self._client: Any = None
+        """boto3: the client with the configured ``read_timeout_s`` (the ceiling)."""
+        self._clients: dict[float, Any] = {}
+        """boto3: a client per shorter read timeout (``_READ_STEPS``), made when first needed."""
+        self._clients_lock = threading.Lock()  # boto3 sessions are not thread-safe
+        self._boto_session: Any = None
+        self._boto_options: dict[str, Any] = {}
+        self._http_timeouts: dict[float, Any] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._slots: asyncio.Semaphore | None = None
         """boto3: the calls whose callers still wait (``max_connections``)."""
@@ -124,7 +147,6 @@ class LambdaBackend(LambdaReplies, Backend):
         try:
             import boto3
             from botocore import UNSIGNED
-            from botocore.config import Config
         except ImportError as e:
             raise ConfigError(f"the lambda backend needs boto3: pip install 'rl-fabric[aws]' ({e})") from None
         cfg = self.config
@@ -139,8 +161,19 @@ class LambdaBackend(LambdaReplies, Backend):
         }
         if self._token is not None:
             options["signature_version"] = UNSIGNED
-        session = boto3.session.Session()
-        self._client = session.client(
+        self._boto_session = boto3.session.Session()
+        self._boto_options = options
+        self._client = self._make_client(cfg.read_timeout_s)
+        # a thread for every call that may run at once (live or abandoned): none waits for one
+        self._executor = ThreadPoolExecutor(2 * cfg.max_connections, thread_name_prefix="fabric-lambda")
+        self._slots = asyncio.Semaphore(cfg.max_connections)
+
+    def _make_client(self, read_timeout_s: float) -> Any:
+        from botocore.config import Config
+
+        cfg = self.config
+        options = {**self._boto_options, "read_timeout": read_timeout_s}
+        client = self._boto_session.client(
             "lambda", region_name=cfg.region, endpoint_url=cfg.endpoint_url, config=Config(**options)
         )
         if self._token is not None:
@@ -149,10 +182,39 @@ class LambdaBackend(LambdaReplies, Backend):
             def add_token(request: Any, **_: Any) -> None:
                 request.headers["Authorization"] = header
 
-            self._client.meta.events.register("before-send.lambda.Invoke", add_token)
-        # a thread for every call that may run at once (live or abandoned): none waits for one
-        self._executor = ThreadPoolExecutor(2 * cfg.max_connections, thread_name_prefix="fabric-lambda")
-        self._slots = asyncio.Semaphore(cfg.max_connections)
+            client.meta.events.register("before-send.lambda.Invoke", add_token)
+        return client
+
+    def _client_for(self, read_s: float | None) -> Any:
+        """The boto3 client whose read timeout is ``read_s`` (a step of ``_READ_STEPS``, or
+        None: the configured ``read_timeout_s``). On a worker thread."""
+        if read_s is None or read_s >= self.config.read_timeout_s:
+            return self._client
+        client = self._clients.get(read_s)
+        if client is None:
+            with self._clients_lock:
+                client = self._clients.get(read_s)
+                if client is None:
+                    client = self._clients[read_s] = self._make_client(read_s)
+        return client
+
+    def _read_limit(self, inv: Invocation) -> tuple[float | None, bool]:
+        """How long to wait for ``inv``'s reply: ``(seconds, by_deadline)``, the seconds a step
+        of ``_READ_STEPS`` (None: the configured ``read_timeout_s``, the ceiling), and whether
+        the call's deadline, not its function's ``timeout_s``, set them. A keyed execution's
+        call goes with no deadline (``envelope``) and runs to its ``timeout_s``."""
+        cfg = self.config
+        limit = cfg.read_timeout_s
+        spec = self.registry.find(inv.function)
+        if spec is not None:
+            limit = min(limit, spec.timeout_s + _READ_MARGIN_S)
+        by_deadline = False
+        if inv.deadline is not None and not inv.wait_for_run:
+            left = inv.deadline - time.time() + _DEADLINE_MARGIN_S
+            if left < limit:
+                limit, by_deadline = left, True
+        step = next((x for x in _READ_STEPS if x >= limit), None)
+        return (None if step is None or step >= cfg.read_timeout_s else step), by_deadline
 
     async def _start_http(self) -> None:
         try:
@@ -174,6 +236,8 @@ class LambdaBackend(LambdaReplies, Backend):
             self._executor.shutdown(wait=False, cancel_futures=True)
         if self._client is not None:
             self._client.close()
+        for client in self._clients.values():
+            client.close()
         if self._s3 is not None:
             self._s3.close()
         if self._session is not None:
@@ -240,8 +304,9 @@ class LambdaBackend(LambdaReplies, Backend):
                 )
         else:
             await slots.acquire()  # free: returns at once
+        read_s, by_deadline = self._read_limit(inv)
         try:
-            call = executor.submit(self._invoke_sync, inv, body)
+            call = executor.submit(self._invoke_sync, inv, body, read_s, by_deadline)
         except BaseException:  # the executor was shut down (the backend closed)
             slots.release()
             raise
@@ -315,7 +380,22 @@ class LambdaBackend(LambdaReplies, Backend):
         self._spilled += 1
         return envelope(inv, encode_payload(pointer(cfg.spill_bucket, key, raw)))
 
-    def _invoke_sync(self, inv: Invocation, body: bytes) -> Result:
+    def _read_timed_out(self, inv: Invocation, by_deadline: bool, e: Exception) -> Result:
+        if by_deadline:
+            # the caller's deadline passed (the client answered it then): not the function's
+            # FunctionTimeout, which the breaker counts and a job scores as the response's
+            return self._fail(
+                inv,
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"no reply from {self._where()} by the call's deadline; the call was abandoned (the "
+                f"function may run on to its end): {e}",
+                started=True,
+            )
+        return self._fail(inv, ErrorCode.TIMEOUT, f"no reply from {self._where()} in time: {e}")
+
+    def _invoke_sync(
+        self, inv: Invocation, body: bytes, read_s: float | None = None, by_deadline: bool = False
+    ) -> Result:
         from botocore.exceptions import (
             BotoCoreError,
             ClientError,
@@ -332,14 +412,14 @@ class LambdaBackend(LambdaReplies, Backend):
         if self.config.qualifier:
             kwargs["Qualifier"] = self.config.qualifier
         try:
-            response = self._client.invoke(**kwargs)
+            response = self._client_for(read_s).invoke(**kwargs)
             body = response["Payload"].read()
         except ClientError as e:
             error = e.response.get("Error", {})
             status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
             return self._refused(inv, str(error.get("Code", "")), status, str(error.get("Message", "")))
         except ReadTimeoutError as e:
-            return self._fail(inv, ErrorCode.TIMEOUT, f"no reply from Lambda in time: {e}")
+            return self._read_timed_out(inv, by_deadline, e)
         except (ConnectTimeoutError, EndpointConnectionError) as e:
             return self._not_connected(inv, e)
         except ConnectionError as e:
@@ -372,8 +452,16 @@ class LambdaBackend(LambdaReplies, Backend):
             url = self._urls[inv.function] = URL(
                 f"{self.config.endpoint_url}/2015-03-31/functions/{name}/invocations{qualifier}", encoded=True
             )
+        read_s, by_deadline = self._read_limit(inv)
+        timeout = self._session.timeout  # read_timeout_s, the ceiling
+        if read_s is not None:
+            timeout = self._http_timeouts.get(read_s)
+            if timeout is None:
+                timeout = self._http_timeouts[read_s] = aiohttp.ClientTimeout(
+                    sock_connect=self.config.connect_timeout_s, sock_read=read_s
+                )
         try:
-            async with self._session.post(url, data=body) as response:
+            async with self._session.post(url, data=body, timeout=timeout) as response:
                 reply = await response.read()
                 status = response.status
                 headers = response.headers
@@ -381,7 +469,7 @@ class LambdaBackend(LambdaReplies, Backend):
             # before the read timeout below: ConnectionTimeoutError is a ServerTimeoutError
             return self._not_connected(inv, e)
         except (aiohttp.ServerTimeoutError, TimeoutError) as e:
-            return self._fail(inv, ErrorCode.TIMEOUT, f"no reply from {self._where()} in time: {e}")
+            return self._read_timed_out(inv, by_deadline, e)
         except aiohttp.ClientError as e:
             return self._fail(inv, ErrorCode.TRANSPORT, f"cannot reach {self._where()}: {e}")
         if status >= 300:
