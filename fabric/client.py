@@ -87,7 +87,8 @@ class Client(KeyedCalls):
         self._owns_backend = not isinstance(backend, Backend)
         self.backend = make_backend(backend, self.registry)
         self._fns: dict[str, FnState] = {}
-        self._cache: dict[str, tuple[bytes, Result]] = {}
+        self._cache: dict[str, tuple[bytes, Result, int]] = {}
+        self._cache_bytes = 0
         self._inflight: dict[str, Execution] = {}
         self._executions: set[asyncio.Task[Result]] = set()
         self._ids = itertools.count(1)

@@ -39,4 +39,10 @@ class ClientConfig(BaseModel):
     default_deadline_s: float | None = Field(None, gt=0)
     """Deadline for calls that give none (None: bounded by the function's timeout and retries)."""
     idempotency_cache_size: int = Field(100_000, ge=0)
+    """Keys whose answer is kept (the oldest dropped first; 0: none, one execution per key
+    only while it runs)."""
+    idempotency_cache_bytes: int = Field(256 * 2**20, ge=0)
+    """Bound on the kept answers' size, about their encoded size (the oldest dropped first): a
+    few huge answers must not hold unbounded memory under a bound on keys alone. An answer
+    larger than the whole bound is returned, not kept."""
     tenant: str = "default"

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
+import json
+import sys
 import time
 from typing import Any
 
@@ -39,6 +41,31 @@ def _digest(raw: bytes) -> bytes:
     return hashlib.blake2b(raw, digest_size=16).digest()
 
 
+#: What an entry of the cache costs beside its value and messages, about: the key, the
+#: digest, the ``Result`` and its ``Timings`` as Python objects, the dict's slot.
+_ENTRY_BYTES = 400
+
+
+def _approx_bytes(key: str, result: Result) -> int:
+    """About how much memory ``result`` kept under ``key`` holds: its value's encoded size
+    (JSON, as it came over the wire), its error's text, and ``_ENTRY_BYTES``. A scalar, the
+    usual reward, costs no encoding."""
+    value = result.value
+    if value is None or isinstance(value, bool | int | float):
+        n = 8
+    elif isinstance(value, str):
+        n = len(value)
+    else:
+        try:
+            n = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=repr))
+        except (ValueError, TypeError, RecursionError):  # not JSON (a fake backend's object)
+            n = sys.getsizeof(value)
+    err = result.error
+    if err is not None:
+        n += len(err.message) + len(err.traceback or "")
+    return n + len(key) + _ENTRY_BYTES
+
+
 def _effect_key(name: str, user_key: str) -> str:
     """Where an ``OutcomeUnknown`` is kept for every code of the function: ``name:*:key``
     (a version, a hash, is never ``*``, so it names no code's key)."""
@@ -48,9 +75,12 @@ def _effect_key(name: str, user_key: str) -> str:
 class KeyedCalls(Attempts):
     """The idempotency part of a ``Client``; its state is the client's (set in its ``__init__``)."""
 
-    _cache: dict[str, tuple[bytes, Result]]
-    """What each key keeps, with the digest of the payload it was made for (``_digest``),
-    oldest first (at most ``idempotency_cache_size``)."""
+    _cache: dict[str, tuple[bytes, Result, int]]
+    """What each key keeps, with the digest of the payload it was made for (``_digest``) and
+    its size (``_approx_bytes``), oldest first (at most ``idempotency_cache_size`` keys and
+    ``idempotency_cache_bytes``)."""
+    _cache_bytes: int
+    """The sizes in ``_cache`` together."""
     _inflight: dict[str, Execution]
     """The execution in flight under each key."""
     _executions: set[asyncio.Task[Result]]
@@ -314,12 +344,23 @@ class KeyedCalls(Attempts):
         """Keep ``result`` under ``key``, made for the payload of ``digest``; returns it, or
         None when no cache is kept."""
         cache = self._cache
-        if self.config.idempotency_cache_size == 0:
+        max_keys, max_bytes = self.config.idempotency_cache_size, self.config.idempotency_cache_bytes
+        if max_keys == 0:
             return None
-        if len(cache) >= self.config.idempotency_cache_size:
-            del cache[next(iter(cache))]  # dicts keep insertion order: drop the oldest
+        size = _approx_bytes(key, result)
+        if size > max_bytes:
+            # kept, it would drop every other answer and still not fit: returned, not kept
+            # (the key runs again), and what is kept stays
+            return None
+        old = cache.pop(key, None)  # (an effect key kept again: its new entry is the newest)
+        if old is not None:
+            self._cache_bytes -= old[2]
+        while cache and (len(cache) >= max_keys or self._cache_bytes + size > max_bytes):
+            # dicts keep insertion order: drop the oldest
+            self._cache_bytes -= cache.pop(next(iter(cache)))[2]
         # a copy: the caller that ran it gets ``result`` itself, and settles its own latency into it
         # (and may change its value in place)
         kept = result.model_copy(update={"timings": result.timings.model_copy(), "value": _own(result.value)})
-        cache[key] = (digest, kept)
+        cache[key] = (digest, kept, size)
+        self._cache_bytes += size
         return kept

@@ -99,3 +99,55 @@ async def test_a_keyed_side_effect_that_never_got_a_thread_is_not_left_outcome_u
             await asyncio.gather(*held)
             again = await c.call("effect", {}, idempotency_key="order-1")
     assert again.ok and again.value == "applied" and not again.cached, again.error
+
+
+# ----------------------------------------------------------------------------- cache bytes
+
+_MB = 1_000_000
+
+
+def _sized_registry() -> tuple[Registry, dict[str, int]]:
+    reg = Registry()
+    runs: dict[str, int] = {}
+
+    @reg.function(name="sized", warm=0, timeout_s=30)
+    def sized(tag: str, size: int) -> str:
+        runs[tag] = runs.get(tag, 0) + 1
+        return "x" * size
+
+    return reg, runs
+
+
+async def test_the_idempotency_cache_is_bounded_in_bytes_dropping_the_oldest():
+    """The cache was bounded by keys only (100,000): a few huge answers (a judge's long
+    rationale, a verifier's logs) kept that many times their size. Its answers' size is
+    bounded too (about their encoded size): past it, the oldest keys are dropped first."""
+    reg, runs = _sized_registry()
+    config = {"hedge": {"enabled": False}, "idempotency_cache_bytes": int(2.5 * _MB)}
+    async with Client(backend="inproc", registry=reg, config=config) as c:
+        for tag in ("k1", "k2", "k3", "k4"):
+            r = await c.call("sized", {"tag": tag, "size": _MB}, idempotency_key=tag)
+            assert r.ok and len(r.value) == _MB
+        # the two newest fit in 2.5 MB: kept
+        for tag in ("k4", "k3"):
+            r = await c.call("sized", {"tag": tag, "size": _MB}, idempotency_key=tag)
+            assert r.ok and r.cached, tag
+        # the oldest were dropped: their keys run again
+        r = await c.call("sized", {"tag": "k1", "size": _MB}, idempotency_key="k1")
+        assert r.ok and not r.cached
+    assert runs == {"k1": 2, "k2": 1, "k3": 1, "k4": 1}
+
+
+async def test_an_answer_larger_than_the_whole_bound_is_not_kept_and_drops_nothing():
+    """One answer over the byte bound is returned, not kept (its key runs again), and the
+    smaller answers already kept stay: they are not all dropped to make room that is not there."""
+    reg, runs = _sized_registry()
+    config = {"hedge": {"enabled": False}, "idempotency_cache_bytes": _MB}
+    async with Client(backend="inproc", registry=reg, config=config) as c:
+        assert (await c.call("sized", {"tag": "small", "size": 10}, idempotency_key="small")).ok
+        huge = await c.call("sized", {"tag": "huge", "size": 2 * _MB}, idempotency_key="huge")
+        assert huge.ok and len(huge.value) == 2 * _MB
+        assert (await c.call("sized", {"tag": "small", "size": 10}, idempotency_key="small")).cached
+        again = await c.call("sized", {"tag": "huge", "size": 2 * _MB}, idempotency_key="huge")
+        assert again.ok and not again.cached
+    assert runs == {"small": 1, "huge": 2}
