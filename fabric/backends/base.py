@@ -123,9 +123,10 @@ class LambdaConfig(_Config):
     connect_timeout_s: float = Field(5.0, gt=0)
     read_timeout_s: float = Field(910.0, gt=0)
     """The longest a reply is waited for (longer than Lambda's 900 s maximum). Each call waits
-    less: until its deadline (plus 1 s), else its function's ``timeout_s`` plus 15 s (a cold
-    start's init phase), rounded up to a step, so a hung connection is noticed when the call's
-    time is up; this ceiling is what a function the client does not know gets."""
+    less: until its deadline (plus 1 s), else, on AWS Lambda, its function's ``timeout_s`` plus
+    15 s (a cold start's init phase), rounded up to a step, so a hung connection is noticed
+    when the call's time is up. This ceiling is what a function the client does not know gets,
+    and a call without a deadline to a ``fabric serve`` (which queues it)."""
     spill_bucket: str | None = None
     """Payloads over 6 MB go to ``s3://spill_bucket/spill_prefix/...`` and the call carries a
     pointer (``fabric.spill``); ``None`` refuses them at the client, before sending."""

@@ -11,10 +11,10 @@ chain; also ``fabric serve``, unsigned with ``Authorization: Bearer``) is synchr
 its calls run on threads and the event loop never blocks. Nothing can stop a boto3 call
 once sent: one its caller abandons (a deadline, a losing hedge) holds its thread and
 connection until Lambda answers or its read timeout passes. That timeout is the call's own
-(``_read_limit``): its deadline, else its function's ``timeout_s`` (plus a margin for a cold
-start), rounded up to one of a few steps, each with a botocore client of its own (botocore
-takes the read timeout per client), and never past ``read_timeout_s``; a fixed 910 s held
-a hung connection for 15 minutes after the call's time was up. So ``max_connections``
+(``_read_limit``): its deadline, else, on AWS Lambda, its function's ``timeout_s`` (plus a
+margin for a cold start), rounded up to one of a few steps, each with a botocore client of
+its own (botocore takes the read timeout per client), and never past ``read_timeout_s``; a
+fixed 910 s held a hung connection for 15 minutes after the call's time was up. So ``max_connections``
 bounds the calls whose callers still wait, and the abandoned ones run beside them on up to
 as many spare threads and connections; past that, an abandoned call keeps its slot until it
 ends. A call whose deadline passes while it waits for a slot was never sent, and says so.
@@ -202,10 +202,15 @@ class LambdaBackend(LambdaReplies, Backend):
         """How long to wait for ``inv``'s reply: ``(seconds, by_deadline)``, the seconds a step
         of ``_READ_STEPS`` (None: the configured ``read_timeout_s``, the ceiling), and whether
         the call's deadline, not its function's ``timeout_s``, set them. A keyed execution's
-        call goes with no deadline (``envelope``) and runs to its ``timeout_s``."""
+        call goes with no deadline (``envelope``) and runs to its ``timeout_s``.
+
+        Only AWS Lambda itself (no token) is bound by the function's ``timeout_s``: it runs a
+        synchronous invoke at once or refuses it (429), so its reply comes by then. A ``fabric
+        serve`` queues a call for room and for a worker, bounded by the call's deadline only,
+        and a keyed call without one may wait there longer than its run takes."""
         cfg = self.config
         limit = cfg.read_timeout_s
-        spec = self.registry.find(inv.function)
+        spec = self.registry.find(inv.function) if self._token is None else None
         if spec is not None:
             limit = min(limit, spec.timeout_s + _READ_MARGIN_S)
         by_deadline = False

@@ -74,11 +74,15 @@ async def test_a_hung_connection_is_given_up_when_the_calls_deadline_passes(tran
     assert "deadline" in r.error.message
 
 
-async def test_the_read_timeout_follows_the_functions_timeout_and_the_ceiling():
-    """No deadline (a keyed execution's call goes without one): the function's ``timeout_s``
-    plus the margin for a cold start, rounded up to a step; never past ``read_timeout_s``."""
+async def test_the_read_timeout_follows_the_functions_timeout_and_the_ceiling(monkeypatch):
+    """No deadline (a keyed execution's call goes without one): on AWS Lambda, the function's
+    ``timeout_s`` plus the margin for a cold start, rounded up to a step; never past
+    ``read_timeout_s``. A ``fabric serve`` (a token) queues calls, bounded by their deadline
+    only: a call without one gets the ceiling there."""
+    monkeypatch.delenv("RL_FABRIC_TOKEN", raising=False)
     reg = _registry()
-    b = LambdaBackend(reg, LambdaConfig(endpoint_url="http://127.0.0.1:9", token=TOKEN, transport="boto3"))
+    aws = LambdaConfig(endpoint_url="http://127.0.0.1:9", transport="boto3")  # moto-style: signed
+    b = LambdaBackend(reg, aws)
     read_s, by_deadline = b._read_limit(Invocation(function="judge", payload={}))
     assert not by_deadline and read_s is not None
     assert 60 + lambda_._READ_MARGIN_S <= read_s < 910
@@ -86,8 +90,12 @@ async def test_the_read_timeout_follows_the_functions_timeout_and_the_ceiling():
     assert b._read_limit(keyed) == (read_s, False)  # sent with no deadline: its run's time
     # a function this client does not know: the configured ceiling
     assert b._read_limit(Invocation(function="other", payload={})) == (None, False)
-    low = LambdaConfig(endpoint_url="http://127.0.0.1:9", token=TOKEN, transport="boto3", read_timeout_s=30)
+    low = LambdaConfig(endpoint_url="http://127.0.0.1:9", transport="boto3", read_timeout_s=30)
     assert LambdaBackend(reg, low)._read_limit(Invocation(function="judge", payload={})) == (None, False)
+    served = LambdaBackend(reg, LambdaConfig(endpoint_url="http://127.0.0.1:9", token=TOKEN))
+    assert served._read_limit(Invocation(function="judge", payload={})) == (None, False)
+    soon = Invocation(function="judge", payload={}, deadline=time.time() + 1)
+    assert served._read_limit(soon) == (2.0, True)  # the deadline bounds it there too
 
 
 async def test_boto3_gets_a_client_per_read_timeout_step():
