@@ -99,7 +99,9 @@ class _Unreadable:
 class _LenientSerializer:
     """powertools' ``PydanticSerializer(Result)``, reading leniently (``_read_stored``): a
     record it cannot read at all is logged and read as None, which ``_mark_cached`` turns into
-    an ``_Unreadable``."""
+    an ``_Unreadable``. powertools calls only ``to_dict`` and ``from_dict``; not a subclass of
+    its serializer base, so that importing this module does not import powertools (an
+    optional extra, imported when a table is set)."""
 
     def __init__(self, logger: Any):
         self.logger = logger

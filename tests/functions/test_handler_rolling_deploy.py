@@ -72,3 +72,21 @@ def test_a_record_this_handler_cannot_read_counts_as_absent(
     ]
     third = invoke("counted", {"key": "bad"}, idempotency_key="k-bad", request_id="r3")
     assert third.ok and third.cached and CALLS["counted:bad"] == 2  # its own answer replaced it
+
+
+def test_a_record_unreadable_again_after_it_was_dropped_is_not_started(
+    table: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another version wrote the key's record again between this one dropping it and looking
+    again (here: the drop finds it replaced, and leaves it): the call does not run beside that
+    record, and is answered ``NotStarted`` (retryable, nothing ran) instead of failing."""
+    from fabric.errors import ErrorCode
+    from functions._handler_idempotency import _Idempotency
+
+    first = invoke("counted", {"key": "again"}, idempotency_key="k-again", request_id="r1")
+    assert first.ok
+    assert _rewrite_records(table, lambda stored: {**stored, "ok": {"not": "a bool"}}) == 1
+    monkeypatch.setattr(_Idempotency, "_drop_unreadable", lambda self, record: None)
+    second = invoke("counted", {"key": "again"}, idempotency_key="k-again", request_id="r2")
+    assert second.error is not None and second.error.type == ErrorCode.NOT_STARTED, second.error
+    assert second.started is False and CALLS["counted:again"] == 1
