@@ -34,7 +34,11 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port (0 picks a free one).")] = 9000,
     token: Annotated[
-        str | None, typer.Option(help="Bearer token of the one tenant 'default' (or $RL_FABRIC_TOKEN).")
+        str | None,
+        typer.Option(
+            help="Bearer token of the one tenant 'default' (or $RL_FABRIC_TOKEN). Shown to anyone "
+            "who runs ps: prefer --token-file or the variable."
+        ),
     ] = None,
     token_file: Annotated[str | None, typer.Option(help="File holding the 'default' tenant's token.")] = None,
     tenants: Annotated[
@@ -47,6 +51,17 @@ def serve(
             "max_concurrency in the file)."
         ),
     ] = None,
+    max_connections: Annotated[
+        int | None,
+        typer.Option(
+            help="Connections the 'default' tenant may hold open (twice --max-concurrency; with "
+            "--tenants, each tenant's max_connections in the file)."
+        ),
+    ] = None,
+    keepalive_s: Annotated[
+        float,
+        typer.Option(help="Seconds an idle connection is kept open (longer than clients' and proxies')."),
+    ] = 75.0,
     functions: Annotated[
         list[str] | None, typer.Option("--function", "-f", help="Serve only these functions (repeatable).")
     ] = None,
@@ -84,12 +99,16 @@ def serve(
         if tenants is not None:
             if token or token_file:
                 fail("give --tenants or --token/--token-file, not both")
-            if max_concurrency is not None:
-                # the default tenant's quota: with a tenants file there is none to take it
-                fail(
-                    "--max-concurrency is the 'default' tenant's quota; with --tenants, give each "
-                    "tenant its max_concurrency in the tenants file"
-                )
+            for flag, given, key in (
+                ("--max-concurrency", max_concurrency, "max_concurrency"),
+                ("--max-connections", max_connections, "max_connections"),
+            ):
+                if given is not None:
+                    # the default tenant's bound: with a tenants file there is none to take it
+                    fail(
+                        f"{flag} is the 'default' tenant's bound; with --tenants, give each "
+                        f"tenant its {key} in the tenants file"
+                    )
             tenant_map = load_tenants(tenants)
         else:
             secret = token or os.environ.get(TOKEN_ENV)
@@ -98,6 +117,8 @@ def serve(
             source: dict[str, Any] = {"token_file": token_file} if token_file else {"token": secret}
             if max_concurrency is not None:  # else TenantConfig's default (64)
                 source["max_concurrency"] = max_concurrency
+            if max_connections is not None:  # else twice its max_concurrency
+                source["max_connections"] = max_connections
             tenant_map = {"default": TenantConfig(**source)}
         cfg = ServeConfig(
             host=host,
@@ -106,6 +127,7 @@ def serve(
             functions=functions,
             function_prefix=prefix,
             body_timeout_s=body_timeout_s,
+            keepalive_s=keepalive_s,
             drain_s=drain_s,
             backend={"type": "local", "max_workers": workers},
         )

@@ -1,6 +1,6 @@
 """``fabric serve`` (and ``integrate openrlhf-serve``) as a command: an unknown function,
 --body-timeout-s, Ctrl-C (a drain, then a stop; during the warm-up), a closed stdout and a
-host that does not resolve."""
+host that does not resolve, the connection options."""
 
 from __future__ import annotations
 
@@ -212,3 +212,40 @@ def test_serve_ctrl_c_during_the_warm_up_stops_it(tmp_path):
     assert proc.returncode == 0, errors
     assert took < 10, took  # not the setup's 30 s
     assert "stopped during start-up" in errors and out == ""  # it never served
+
+
+def test_serve_connection_options_reach_the_servers_config(monkeypatch):
+    """--max-connections and --keepalive-s: the server's bounds on its connections had no
+    option (a tenants file could set max_connections; keepalive_s only code)."""
+    seen = []
+
+    class Stop(fabric.FabricError):
+        pass
+
+    def gateway(cfg, reg):
+        seen.append(cfg)
+        raise Stop("stop before serving")
+
+    monkeypatch.setattr("fabric.serve.Gateway", gateway)
+    args = ["serve", "-f", "exact_match", "--port", "0", "--token", "t" * 20]
+    r = runner.invoke(app, [*args, "--max-connections", "3", "--keepalive-s", "5"])
+    assert r.exit_code == 2 and "stop before serving" in r.output, r.output
+    cfg = seen.pop()
+    assert cfg.keepalive_s == 5 and cfg.tenants["default"].max_connections == 3
+    runner.invoke(app, args)
+    cfg = seen.pop()  # the defaults: 75 s, twice the tenant's 64 calls
+    assert cfg.keepalive_s == 75 and cfg.tenants["default"].connection_limit == 128
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["--max-connections", "0"], "--max-connections must be >= 1 (got 0)"),
+        (["--keepalive-s", "0"], "--keepalive-s must be > 0"),
+        (["--keepalive-s", "nan"], "--keepalive-s must be > 0"),
+        (["--max-connections", "3", "--tenants", "tenants.yaml"], "give each tenant its max_connections"),
+    ],
+)
+def test_bad_connection_options_are_refused_naming_the_option(extra, said):
+    r = runner.invoke(app, ["serve", "-f", "exact_match", "--port", "0", *extra])
+    assert r.exit_code == 2 and said in " ".join(r.output.split()), r.output
