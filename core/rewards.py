@@ -14,9 +14,9 @@ queue length is in ``metrics()``).
 Failure is data. A component that fails for good marks the trajectory ``reward_failed``:
 masked, never a zero reward, counted by function and error type. A component's
 ``failure_score`` stands in only for a failure the output caused (``UserError``,
-``FunctionTimeout``); a ``Misconfigured`` function (its setup is wrong: a judge whose key is
-refused) masks every trajectory with the message saying what to fix, and the job, whose
-groups are then given up one after another, stops with it. ``infra_failed`` and
+``FunctionTimeout`` of a call that began); a ``Misconfigured`` function (its setup is
+wrong: a judge whose key is refused) masks every trajectory with the message saying what
+to fix, and the job, whose groups are then given up one after another, stops with it. ``infra_failed`` and
 ``aborted`` trajectories are not scored at all, only passed on (the buffer counts them).
 
 Retries, and why the stream adds almost none. The client already retries every retryable
@@ -284,7 +284,10 @@ class RewardStream:
             if problem is not None:
                 kind = r.error.type if r.error is not None else "BadValue"
                 self._failures[f"{spec.function}:{kind}"] += 1
-                if spec.failure_score is not None and kind in _OUTPUT_FAULTS:
+                # (a timeout that never began, no thread or worker free in time, is the
+                # machinery's: the response did not cause it)
+                ran = r.started is not False
+                if spec.failure_score is not None and kind in _OUTPUT_FAULTS and ran:
                     self._counts["failure_scored"] += 1
                     # why, kept with the score (the trajectory is not masked: its record says so)
                     why = {"failed": (problem or "")[:500]}

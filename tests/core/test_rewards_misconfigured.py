@@ -1,7 +1,7 @@
 """A reward whose own setup is wrong (``fabric.Misconfigured``: the judge's key refused, ...)
 is never scored by ``failure_score``: the trajectory is masked (``reward_failed``) with the
 message saying what to fix, as the job's give-up streak then stops it with; a failure the
-response caused is still scored."""
+response caused is still scored, a timeout of a call that never began is not."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from fabric.client import Client
 from fabric.errors import ErrorCode, Misconfigured
 from fabric.protocol import Trajectory
 from fabric.registry import Registry
+from fabric.testing import FakeBackend, Fault
 from functions.fakes import FakeOpenAI
 from functions.rewards import judge as judge_mod
 
@@ -103,3 +104,25 @@ async def test_a_misconfigured_call_is_run_again_under_its_key_once_fixed(monkey
         await stream.join()
         stream.submit(traj("a"))
     assert CALLS == ["a", "a"] and [s.status for s in got] == ["reward_failed", "reward_failed"]
+
+
+@REG.reward
+def fine(traj: Trajectory) -> float:
+    return 1.0
+
+
+@pytest.mark.parametrize(("started", "status"), [(False, "reward_failed"), (True, "ok")])
+async def test_a_timeout_scores_failure_score_only_if_the_function_ran(started, status):
+    """A FunctionTimeout that never began (a backend that found no thread, no worker, within
+    the function's time) says nothing of the response: it is masked, not scored; one that ran
+    on the response past its limit is still the response's fault."""
+    fake = FakeBackend(REG)
+    attempts = REG.get("fine").retry.max_attempts
+    fake.inject("fine", *[Fault(ErrorCode.TIMEOUT, started=started) for _ in range(attempts)])
+    rewards = {"t": [RewardConfig(function="fine", failure_score=-1.0)]}
+    got: list[Sample] = []
+    async with Client(fake, registry=REG) as client, RewardStream(client, rewards, got.append) as stream:
+        stream.submit(traj("a"))
+    [sample] = got
+    assert sample.status == status, sample.error
+    assert stream.metrics()["failure_scored"] == (1 if started else 0)
