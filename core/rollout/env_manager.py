@@ -54,7 +54,7 @@ from core.rollout.tool_calls import TURN_CALLS_KEY, record_calls
 from core.sample import GROUP_KEY, TAG_KEY, VERSION_KEY
 from core.trainer.base import assistant_message
 from envpool.api import Observation, StepResult
-from envpool.errors import ActionError, EnvLogicError, EnvPoolError
+from envpool.errors import ActionError, EnvLogicError, EnvPoolError, ToolMisconfigured
 from envpool.pool import EnvPool
 from fabric.protocol import Message, Trajectory
 
@@ -186,7 +186,7 @@ class EnvManager:
             if isinstance(e, EnvLogicError) and e.remote_type and e.remote_type != kind:
                 kind = f"{kind}:{e.remote_type}"  # EnvLogicError:KeyError
             _fail(traj, f"{type(e).__name__}: {e}", kind)
-            if isinstance(e, EnvLogicError):
+            if isinstance(e, EnvLogicError | ToolMisconfigured):
                 self._warn_once(env, kind, e)
         finally:
             traj.info["wall_s"] = time.perf_counter() - t0
@@ -210,19 +210,20 @@ class EnvManager:
                 )
         return traj
 
-    def _warn_once(self, env: EnvConfig, kind: str, e: EnvLogicError) -> None:
-        """Say an environment's own error, once per type: a bug of the user's environment is
+    def _warn_once(self, env: EnvConfig, kind: str, e: EnvLogicError | ToolMisconfigured) -> None:
+        """Say an environment's own error, or a tool's wrong setup, once per type: either is
         the user's to fix, and logged at INFO like a lost container it was nowhere to be seen
         (its trajectories masked and re-run, a group given up now and then). Once, since an
         environment that raises on one seed in three would flood the log."""
         if kind in self._warned:
             return
         self._warned.add(kind)
-        where = where_raised(e.traceback)
+        where = where_raised(e.traceback) if isinstance(e, EnvLogicError) else None
         log.warning(
-            "environment %s raised: %s%s; its trajectories are infra_failed (masked, re-run); "
+            "environment %s %s: %s%s; its trajectories are infra_failed (masked, re-run); "
             "said once per error type, counted in summary.json's trajectories.errors",
             env.id,
+            "raised" if isinstance(e, EnvLogicError) else "called a misconfigured tool",
             e,
             f" ({where})" if where else "",
         )

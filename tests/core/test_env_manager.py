@@ -31,7 +31,7 @@ from core.rollout.engines.base import Completion, EngineError, GenerateRequest
 from core.rollout.env_manager import EnvManager, Task
 from core.rollout.llm_proxy import LLMProxy, NoReplicaError, Replica
 from envpool.api import Observation
-from envpool.errors import EnvLogicError
+from envpool.errors import EnvLogicError, ToolMisconfigured
 from envpool.pool import EnvPool
 
 # ----------------------------------------------------------------------------- statuses
@@ -218,6 +218,20 @@ async def test_an_environments_own_error_is_said_once_per_type_and_typed(caplog)
     assert len(warned) == 2  # once per error type, not once per trajectory
     assert "frozenlake-v1 raised: KeyError: 'oops in step' (buggy_env.py, line 28, in step)" in warned[0]
     assert "ValueError: bad" in warned[1]
+
+
+async def test_a_misconfigured_tool_is_said_once(caplog):
+    # the session fails it once, masked (not replayed); without a word here the user saw only
+    # groups given up and an infra_failed count
+    bad = ToolMisconfigured("tool 'search' is misconfigured: set SEARCH_API_KEY")
+    cfg = job(LAKE)
+    manager = EnvManager(cfg, _RaisingPool(bad, bad), ScriptedProxy(lambda tid, turn: "right"))  # type: ignore[arg-type]
+    with caplog.at_level("WARNING", logger="core.rollout.env_manager"):
+        trajs = [await manager.run(Task(cfg.envs[0], i, "g"), version=0) for i in range(2)]
+    assert [t.info["error_type"] for t in trajs] == ["ToolMisconfigured"] * 2
+    [warned] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "frozenlake-v1 called a misconfigured tool: tool 'search'" in warned
+    assert "set SEARCH_API_KEY" in warned
 
 
 @module_loop
