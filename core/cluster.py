@@ -17,7 +17,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,56 @@ from core.rollout.llm_proxy import LLMProxy, proxy_options
 from core.rollout.replicas import EngineReplicaActor, RayReplica, RemoteProxy
 from core.rollout.scheduling import TurnScheduler
 from core.trainer.actor import TrainerActor
+
+
+async def start_ray() -> None:
+    """Start a local Ray, in a worker thread: ``ray.init`` puts its own SIGTERM handler in
+    place of the caller's only when called in the main thread (``sys.exit(15)``, raised
+    wherever the start was: Ray's agents, started by then, ran on for 30 s and more after the
+    job had gone). Off the main thread the caller's handler stays, and a stop meanwhile (the
+    task cancelled: SIGTERM, Ctrl-C) waits for the start, which no one can interrupt, then
+    shuts Ray down, so nothing it started outlives the job. Ray's core worker still installs
+    its own handler as the start ends: the caller puts its own back (``on_ray_init``)."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+    def init() -> None:
+        with _quiet_thread_warning():
+            ray.init(
+                num_cpus=os.cpu_count() or 1,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.ERROR,
+                configure_logging=False,
+            )
+
+    start = asyncio.ensure_future(asyncio.to_thread(init))
+    try:
+        await asyncio.shield(start)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):  # a start that failed meanwhile: nothing to stop
+            await start
+        if ray.is_initialized():
+            ray.shutdown()
+        raise
+
+
+@contextlib.contextmanager
+def _quiet_thread_warning() -> Iterator[None]:
+    """Drops the warning ``ray.init`` logs off the main thread ("SIGTERM handler is not set
+    because current thread is not the main thread"): that is what ``start_ray`` wants, and
+    every job's start printed it."""
+
+    def drop(record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+    logger = logging.getLogger("ray._private.worker")
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 class Cluster:
@@ -54,14 +104,7 @@ class Cluster:
 
         started = False
         if not ray.is_initialized():
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            ray.init(
-                num_cpus=os.cpu_count() or 1,
-                include_dashboard=False,
-                log_to_driver=False,
-                logging_level=logging.ERROR,
-                configure_logging=False,
-            )
+            await start_ray()
             started = True
             if on_ray_init is not None:
                 on_ray_init()

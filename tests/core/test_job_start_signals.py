@@ -1,0 +1,121 @@
+"""SIGTERM while ``ray.init`` starts Ray's processes stops the job as Ctrl-C does, and leaves
+none of them running."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from job_helpers import LATENCY, TINY
+
+# Imported by the job as its fabric.discover module (before it starts Ray): Ray's start
+# waits, once its processes (the GCS, the raylet and the agents the raylet starts) are up,
+# so that the test's SIGTERM lands inside ray.init at a known point
+SLOW_RAY_START = """
+import os
+import time
+from pathlib import Path
+
+import ray._private.node
+
+_start = ray._private.node.Node.start_ray_processes
+
+
+def _slow_start(self, *args, **kwargs):
+    out = _start(self, *args, **kwargs)
+    Path(os.environ["RAY_STARTED_MARK"]).touch()
+    time.sleep(8)
+    return out
+
+
+if "RAY_STARTED_MARK" in os.environ:
+    ray._private.node.Node.start_ray_processes = _slow_start
+"""
+
+
+def _session(sid: int) -> dict[int, str]:
+    """The live processes of session ``sid`` (the job's: it was started in its own), by pid:
+    Ray's agents keep it, though their command line no longer names the job's temp dir."""
+    out: dict[int, str] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[3]) == sid:
+                out[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().split(b"\0")[0].decode()
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    return out
+
+
+@pytest.mark.ray
+def test_sigterm_while_ray_starts_leaves_none_of_its_processes(tmp_path):
+    # ray.init installs its own SIGTERM handler as it begins (sys.exit(15)), and the SystemExit
+    # came out of wherever its start was: raised before ray.init had recorded the node it
+    # started, nothing shut that node down, and the raylet's agents (ray::DashboardAgent,
+    # ray::RuntimeEnvAgent) ran on for 30 s and more after the job had gone
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "slow_ray_start.py").write_text(SLOW_RAY_START)
+    mark = tmp_path / "ray-started"
+    data = {
+        "engine": {"max_new_tokens": 1, "kwargs": TINY},
+        "envs": [LATENCY],
+        "rewards": {"latency": [{"function": "env_return"}]},
+        "batch_size": 2,
+        "group_size": 2,
+        "steps": 1,
+        "rollout": {"eval_every": 0},
+        "fabric": {"workers": 1, "discover": ["functions", "slow_ray_start"]},
+        "envpool": {"min_warm": 1},
+        "run_dir": str(tmp_path / "run"),
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "core.job", str(path)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{tmp_path}", "RAY_STARTED_MARK": str(mark)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own session: its processes are told by it
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not mark.exists():
+            assert p.poll() is None, p.communicate()[1]
+            assert time.monotonic() < deadline, "Ray's processes did not start within 120 s"
+            time.sleep(0.05)
+        # the raylet's agents, named once they run (within the start's 8 s wait)
+        deadline = time.monotonic() + 4
+        while not any(cmd.startswith("ray::") for cmd in _session(p.pid).values()):
+            assert time.monotonic() < deadline, _session(p.pid)
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        try:
+            _, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("SIGTERM did not stop the job within 60 s") from None
+        assert p.returncode == 130 and err.strip().endswith("interrupted"), (p.returncode, err[-2000:])
+        assert "Traceback" not in err and "SIGTERM received" not in err, err[-2000:]
+        assert "SIGTERM handler is not set" not in err, err[-2000:]  # Ray's word off the main thread
+        # Ray's shutdown stops its processes gracefully (a second or two each); left alone,
+        # the agents ran on for 30 s and more
+        deadline = time.monotonic() + 15
+        while (left := _session(p.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, f"left running after SIGTERM: {left}"
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        for pid in _session(p.pid):  # what the job left: its own session's, no one else's
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
