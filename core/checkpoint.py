@@ -332,8 +332,9 @@ def start_problems(
     cfg: JobConfig, checkpoints: Checkpoints, *, resume: bool, allow: Sequence[str] = ()
 ) -> tuple[list[tuple[str, str]], tuple[Path, dict[str, Any]] | None, list[tuple[str, str]]]:
     """Whether a job may start in ``cfg.run_dir``: a resume needs a checkpoint of the same
-    run (but for the keys ``allow`` names) with steps left to train; a fresh start must not
-    bury an earlier run's checkpoint. The problems, the checkpoint a resume goes on from (its
+    run (but for the keys ``allow`` names) at or below ``steps`` (at it, the training is over:
+    the resume runs the final evaluation and writes the summary); a fresh start must not bury
+    an earlier run's checkpoint. The problems, the checkpoint a resume goes on from (its
     path and ``job.json``), and the changes ``allow`` let through (key, what changed)."""
     now = yaml.safe_load(cfg.to_yaml())
     fixed = fixed_keys(cfg)
@@ -378,7 +379,10 @@ def start_problems(
         for key, msg in config_changes(earlier, now, allow, fixed)
     ]
     allowed = [c for c in config_changes(earlier, now) if _under(c[0], allow) and not _under(c[0], fixed)]
-    if cfg.steps <= step:
+    # at the checkpoint's step: the training is over, and the resume runs what the earlier run
+    # did not finish after it (its final evaluation, its summary); refused, the summary of a
+    # run stopped in its final evaluation could only be had by training more
+    if cfg.steps < step:
         problems.append(
             ("steps", f"is {cfg.steps}, the checkpoint is at step {step}: raise it to go on (--steps N)")
         )

@@ -76,7 +76,8 @@ class Job(JobSetup):
         source: str | None = None,
     ):
         """``resume``: continue from the newest checkpoint in ``cfg.run_dir`` (refused, naming
-        the key, when there is none, the config changed, or ``steps`` is not above it);
+        the key, when there is none, the config changed, or ``steps`` is below it; at its
+        step, only the final evaluation and the summary are left to do);
         ``allow_changes``: config keys (or sections) a resumed run may change all the same;
         ``source``: the config's file, named by the config errors the job finds."""
         self.cfg = cfg
@@ -216,8 +217,10 @@ class Job(JobSetup):
                 on_cancelled=self.tally.cancelled,
             )
             setup_s = time.perf_counter() - t_start
-            todo = f"steps {self.step + 1}-{cfg.steps}" if resume else f"{cfg.steps} steps"
-            progress.note(f"ready in {setup_s:.1f}s; training {todo} ({cfg.rollout.mode})")
+            todo = f"training steps {self.step + 1}-{cfg.steps}" if resume else f"training {cfg.steps} steps"
+            if resume and self.step >= cfg.steps:
+                todo = "no step left to train: the final evaluation and the summary"
+            progress.note(f"ready in {setup_s:.1f}s; {todo} ({cfg.rollout.mode})")
             summary = await self._rollout(manager, runner, buffer, stream, run_dir, progress, t_start)
             summary["setup_s"] = round(setup_s, 1)
             if images.refs:
@@ -386,8 +389,12 @@ class Job(JobSetup):
         train_wall = time.perf_counter() - t0
         if eval_task is not None:
             run_dir.log(await eval_task)
-        final = await self._evaluate(manager, cfg.steps) if cfg.rollout.eval_every else None
-        if final:
+        # a run resumed after its last step (stopped in its final evaluation or its summary's
+        # write) has the final evaluation logged already if it got that far: kept, not
+        # played and logged twice
+        final = next((e for e in self.evals if e["step"] == cfg.steps), None) if start == cfg.steps else None
+        if final is None and cfg.rollout.eval_every:
+            final = await self._evaluate(manager, cfg.steps)
             run_dir.log(final)
         return train_wall, first_eval, final
 
@@ -423,8 +430,11 @@ def interrupted_note(job: Job | None) -> str:
             step = int(latest.name.removeprefix("step-")) if latest is not None else 0
     if job is None or latest is None:
         return "interrupted"
-    if step >= job.cfg.steps:  # stopped in the final evaluation: a resume to the same steps is refused
-        return f"interrupted after its last step; --resume --steps N (N > {step}) trains on from {latest}"
+    if step >= job.cfg.steps:  # stopped in the final evaluation: a resume finishes the run
+        return (
+            "interrupted after its last step; --resume runs its final evaluation and writes its "
+            f"summary (--resume --steps N, N > {step}, trains on) from {latest}"
+        )
     return f"interrupted; --resume continues from its latest checkpoint, {latest}"
 
 

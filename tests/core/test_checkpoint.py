@@ -327,7 +327,7 @@ def _earlier_run(tmp_path: Path, step: int = 2, **over) -> Path:
     [
         (True, {}, "run_dir", "nothing to resume"),
         (False, {"earlier": True}, "run_dir", "holds the checkpoint of an earlier run at step 2: --resume"),
-        (True, {"earlier": True, "steps": 2}, "steps", "the checkpoint is at step 2: raise it"),
+        (True, {"earlier": True, "steps": 1}, "steps", "is 1, the checkpoint is at step 2: raise it"),
         (True, {"earlier": True, "trainer": {"lr": 5e-3}}, "trainer.lr", "was 0.001 when the checkpoint"),
         (
             True,

@@ -265,12 +265,15 @@ def test_an_interrupted_run_with_a_checkpoint_is_told_how_to_go_on(tmp_path):
     latest = Checkpoints(job.cfg.run_dir).latest()
     assert latest is not None
     assert note == f"interrupted; --resume continues from its latest checkpoint, {latest}", note
-    # stopped in the final evaluation: --resume alone is refused (steps is not above the
-    # checkpoint's)
+    # stopped in the final evaluation: --resume finishes it (the final evaluation, the
+    # summary); --steps N above the checkpoint's trains on
     part = job.checkpoints.prepare(job.cfg.steps)
     (part / "trainer.pt").write_bytes(b"")
     last = job.checkpoints.commit(part, job.cfg.steps, {"step": job.cfg.steps})
     note = interrupted_note(job)
-    assert note == f"interrupted after its last step; --resume --steps N (N > 3) trains on from {last}", note
+    assert note == (
+        "interrupted after its last step; --resume runs its final evaluation and writes its "
+        f"summary (--resume --steps N, N > 3, trains on) from {last}"
+    ), note
     (job.checkpoints.root / "latest").write_text("step-000099\n")  # names one that is gone
     assert interrupted_note(job) == "interrupted"  # the resume itself says what is wrong
