@@ -20,7 +20,7 @@ from core.buffer import SampleBuffer
 from core.checkpoint import Checkpoints
 from core.cluster import Cluster
 from core.config import JobConfig
-from core.errors import TrainerTimeout
+from core.errors import TrainerTimeout, disk_full
 from core.evaluation import Evaluator
 from core.report import RunDir
 from core.rewards import RewardStream
@@ -105,3 +105,10 @@ class JobState:
                 f"the trainer's {what} did not return within trainer.call_timeout_s={limit:g} s: "
                 "the trainer actor is stuck, or slower than that (then raise trainer.call_timeout_s)"
             ) from None
+        except Exception as e:
+            # the disk the trainer writes a checkpoint to is full: the one line that names the
+            # file, not Ray's error around it (the actor's traceback, printed whole)
+            full = disk_full(getattr(e, "cause", None))
+            if full is None:
+                raise
+            raise full from None

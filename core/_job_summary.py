@@ -113,7 +113,7 @@ class JobSummary(JobCheckpoints):
         try:
             run_dir.fail(self._failure(error, t_start, run_dir, buffer, stream, runner))
         except Exception as write_error:  # the run's own error is the one to see
-            log.warning("could not write failure.json: %s", write_error)
+            log.warning("the failed run's record (failure.json, plots) is not complete: %s", write_error)
 
     def _failure_counts(self) -> str:
         """What failed so far, for the ``RolloutError``: a reward that fails on every

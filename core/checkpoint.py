@@ -38,7 +38,7 @@ from pydantic import BaseModel
 
 from core.config import JobConfig
 from core.config_backends import MODEL_KEYS
-from core.errors import ConfigError
+from core.errors import ConfigError, writing
 
 FORMAT = 1
 ROOT = "checkpoints"
@@ -111,7 +111,8 @@ class Checkpoints:
         """An empty directory for the checkpoint of ``step`` (a leftover of a crash is cleared)."""
         part = self.root / f"{_name(step)}.part"
         shutil.rmtree(part, ignore_errors=True)
-        part.mkdir(parents=True)
+        with writing(part):
+            part.mkdir(parents=True)
         return part
 
     def commit(self, part: Path, step: int, job_state: dict[str, Any]) -> Path:
@@ -167,7 +168,7 @@ class Checkpoints:
 
 
 def _write_synced(path: Path, text: str) -> None:
-    with path.open("w") as f:
+    with writing(path), path.open("w") as f:  # a full disk: DiskFullError, naming the file
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

@@ -12,6 +12,8 @@ The tree (every class derives from ``CoreError``)::
     ├── TrainerTimeout       a call of the trainer actor ran past ``trainer.call_timeout_s``
     ├── ProxyDiedError       the LLM proxy actor died: the job cannot go on without it (resume)
     ├── StartupTimeout       the job's actors were not all made within ``engine.start_timeout_s``
+    ├── DiskFullError        a file of the run (metrics, plots, a checkpoint) could not be
+    │                        written: its disk is full; ``path`` names it
     └── StoppedError         a blocking step run in a worker thread (the policy build: corpus
                              play, pretraining) stopped because its caller asked (Ctrl-C)
 
@@ -23,6 +25,9 @@ that stops answering and a proxy that died raise.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+from collections.abc import Iterator
 from pathlib import Path
 
 from fabric.errors import ConfigError as FabricConfigError
@@ -69,6 +74,47 @@ class StartupTimeout(CoreError):
 class ProxyDiedError(CoreError):
     """The LLM proxy actor died. It is not restarted (``core.rollout.llm_proxy`` says why):
     the job stops, and ``--resume`` goes on from its latest checkpoint."""
+
+
+class DiskFullError(CoreError):
+    """A file of the run could not be written for want of space (``ENOSPC``, or a quota's
+    ``EDQUOT``); ``path`` names it. Raised for the ``OSError`` in one line that says what to
+    do: it was a traceback that did not say which file, nor that a resume goes on."""
+
+    def __init__(self, path: str | Path):
+        # the path alone is the exception's argument: Ray pickles it back from the trainer
+        # actor by it
+        super().__init__(str(path))
+        self.path = str(path)
+
+    def __str__(self) -> str:
+        return (
+            f"no space left on the device to write {self.path!r}: free space there (or choose "
+            "another run_dir), then run again; with checkpoint.every, --resume goes on from the "
+            "latest checkpoint"
+        )
+
+
+def disk_full(error: BaseException | None, path: str | Path | None = None) -> DiskFullError | None:
+    """``DiskFullError`` for an ``OSError`` that says the disk is full, naming its file (or
+    ``path`` where it names none: a buffered write's flush does not); None for any other."""
+    if isinstance(error, DiskFullError):
+        return error
+    if not isinstance(error, OSError) or error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    return DiskFullError(error.filename if error.filename is not None else path or "?")
+
+
+@contextlib.contextmanager
+def writing(path: str | Path) -> Iterator[None]:
+    """Writes to ``path`` inside: a full disk raised as ``DiskFullError`` naming it."""
+    try:
+        yield
+    except OSError as e:
+        full = disk_full(e, path)
+        if full is None:
+            raise
+        raise full from e
 
 
 class StoppedError(CoreError):

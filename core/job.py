@@ -43,7 +43,7 @@ from core.checkpoint import Checkpoints, start_problems
 from core.cluster import Cluster, turn_scheduler
 from core.config import JobConfig, builtin_env_ids
 from core.env_images import JobImages
-from core.errors import ConfigError, CoreError
+from core.errors import ConfigError, CoreError, DiskFullError, disk_full
 from core.evaluation import EVAL_SEED_BASE, Evaluator
 from core.policy.build import PolicyBundle
 from core.report import JobProgress, RunDir
@@ -119,6 +119,13 @@ class Job(JobSetup):
         # stack trace and killed the driver on the spot: nothing of the job's shutdown ran
         try:
             return await term_as_interrupt(self._run)
+        except OSError as e:
+            # a full disk met where no write says its file (the images' cache, the initial
+            # policy, a trace): one line all the same, naming the run directory
+            full = disk_full(e, self.cfg.run_dir)
+            if full is None:
+                raise
+            raise full from e
         except ConfigError as e:
             if e.source is not None or self.source is None:
                 raise
@@ -157,7 +164,12 @@ class Job(JobSetup):
                 fatal.exception()  # the run may have stopped on it by another way (the same cause)
         summary["wall_s"] = round(time.perf_counter() - t_start, 1)
         assert self.run_dir is not None
-        self.run_dir.finish(summary)
+        try:
+            self.run_dir.finish(summary)
+        except DiskFullError as e:
+            # trained to the end, and no summary: failure.json says why, if it fits
+            self._write_failure(e, t_start, self.run_dir, self.buffer, self.stream, self.runner)
+            raise
         return summary
 
     async def _run_with(

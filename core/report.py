@@ -20,6 +20,7 @@ per trajectory, the mean time in generation, environment and reward.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -29,6 +30,8 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from core.errors import DiskFullError, writing
 
 #: Outputs written at the end of a run (or only with some settings): an earlier run's are removed.
 STALE_OUTPUTS = ("summary.json", "failure.json", "reward.png", "time.png", "trace.jsonl")
@@ -118,24 +121,44 @@ class RunDir:
             return f"cannot create {str(path)!r}: {str(parent)!r} is not writable"
         return None
 
+    # Every write below raises a full disk as ``DiskFullError`` naming its file (a line that
+    # says what to do, where it was a traceback of a bare OSError: a flush names no file)
+
     def write_config(self, text: str) -> None:
-        (self.path / "config.yaml").write_text(text)
+        path = self.path / "config.yaml"
+        with writing(path):
+            path.write_text(text)
 
     def log(self, row: dict[str, Any]) -> None:
         (self.evals if row.get("kind") == "eval" else self.rows).append(row)
-        self._metrics.write(strict_json(row) + "\n")
+        with writing(self.path / "metrics.jsonl"):
+            self._append(strict_json(row) + "\n")
+
+    def _append(self, line: str) -> None:
+        self._metrics.write(line)
         self._metrics.flush()
 
+    def _close_metrics(self) -> None:
+        with writing(self.path / "metrics.jsonl"):
+            self._metrics.close()  # flushes (and closes the file even when that fails)
+
     def finish(self, summary: dict[str, Any]) -> None:
-        self._metrics.close()
-        _write_whole(self.path / "summary.json", strict_json(summary, indent=2) + "\n")
+        self._close_metrics()
+        # the plots first: summary.json is what tools read as a finished run, so a full disk
+        # that stops the plots leaves none (failure.json says why)
         self.plot()
+        path = self.path / "summary.json"
+        with writing(path):
+            _write_whole(path, strict_json(summary, indent=2) + "\n")
 
     def fail(self, failure: dict[str, Any]) -> None:
         """A run that stopped on an error: ``failure.json`` (never ``summary.json``, which
         tools read as a finished run), and the plots of the steps it trained."""
-        self._metrics.close()
-        _write_whole(self.path / "failure.json", strict_json(failure, indent=2) + "\n")
+        with contextlib.suppress(DiskFullError, OSError):  # the run's own error says why
+            self._close_metrics()
+        path = self.path / "failure.json"
+        with writing(path):
+            _write_whole(path, strict_json(failure, indent=2) + "\n")
         self.plot()
 
     def plot(self) -> None:
@@ -178,8 +201,7 @@ class RunDir:
         ax.legend(loc="lower right")
         ax.set_title("reward curve")
         fig.tight_layout()
-        fig.savefig(self.path / "reward.png", dpi=110)
-        plt.close(fig)
+        _save(fig, self.path / "reward.png")
 
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
         bottom = [0.0] * len(steps)
@@ -204,8 +226,17 @@ class RunDir:
         a2.set_title("per trajectory (mean), overlapping the trainer")
         a2.legend()
         fig.tight_layout()
-        fig.savefig(self.path / "time.png", dpi=110)
-        plt.close(fig)
+        _save(fig, self.path / "time.png")
+
+
+def _save(fig: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    try:
+        with writing(path):
+            fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)  # a figure left open on an error stayed in pyplot's memory
 
 
 class JobProgress:

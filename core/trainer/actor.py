@@ -22,7 +22,7 @@ import torch
 
 from core.config import TrainerConfig
 from core.config_backends import backend_config
-from core.errors import ConfigError
+from core.errors import ConfigError, writing
 from core.policy.build import PolicyBundle
 from core.trainer.base import Trainer, TrainerError, TrainSample
 
@@ -134,7 +134,8 @@ class TrainerActor:
 def _write_file(data: dict[str, Any], path: str) -> None:
     """``data`` to ``path`` whole and synced, or not at all (a ``.part`` beside it)."""
     tmp = f"{path}.part"
-    with open(tmp, "wb") as f:
+    # a full disk: DiskFullError naming the file (the job says it in one line)
+    with writing(tmp), open(tmp, "wb") as f:
         torch.save(data, f)
         f.flush()
         os.fsync(f.fileno())
