@@ -271,6 +271,14 @@ class Result(_Model):
     infrastructure's). On the wire: a reader with older code drops a top-level field it does
     not know (``_lambda_replies._as_result``), so it lives here rather than in ``ErrorInfo``,
     where it would be refused."""
+    version: str | None = None
+    """The version of the function's code that gave this answer (``FunctionSpec.version`` of
+    the spec it ran: a local worker's, the Lambda handler's, a ``fabric serve``'s, a Modal
+    container's), which the client checks against its own registry's
+    (``ClientConfig.version_check``): a deployment made before the function was edited answers
+    with the old code. ``None`` where no code answered (a refusal, an infrastructure failure)
+    and from a peer with older code (new on the wire as ``started`` was, and dropped by an older
+    reader the same way)."""
     cut_at_deadline: bool = Field(False, exclude=True, repr=False)
     """A keyed execution's ``FunctionTimeout`` that the backend cut at the call's deadline
     (the latest of its callers'), before the function's ``timeout_s``: the callers' doing,
@@ -299,6 +307,7 @@ class Result(_Model):
         cold_start: bool = False,
         worker: str | None = None,
         started: bool | None = None,
+        version: str | None = None,
     ) -> Result:
         """Construct without validation: the hot path, where every field is our own.
         ``started`` left out: ``True`` for an answer, else what the error's type says
@@ -319,6 +328,7 @@ class Result(_Model):
             cached=False,
             index=None,
             started=started,
+            version=version,
             cut_at_deadline=False,
         )
 

@@ -144,9 +144,11 @@ def outcome_to_result(
     queue_ms: float = 0.0,
     cold: bool = False,
     started: bool | None = None,
+    version: str | None = None,
 ) -> Result:
     """The ``Result`` of an outcome tuple (decoding the JSON value). ``started``: whether
-    the execution began, where the outcome's type does not say (``Result.built``)."""
+    the execution began, where the outcome's type does not say (``Result.built``);
+    ``version``: that of the spec whose code gave the outcome (``Result.version``)."""
     timings = Timings.fast(queue_ms=queue_ms, exec_ms=exec_ms, total_ms=0.0)
     value, error = (pydantic_core.from_json(out), None) if ok else (None, ErrorInfo.of(*out))
     return Result.built(
@@ -159,6 +161,7 @@ def outcome_to_result(
         cold_start=cold,
         worker=worker,
         started=started,
+        version=version,
     )
 
 

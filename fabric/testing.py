@@ -89,7 +89,9 @@ class FakeBackend(Backend):
         self.executions[inv.idempotency_key or inv.request_id] += 1
         t0 = time.perf_counter()
         ok, out = await runner.run_async(inv.raw_payload, runner.spec.timeout_s)
-        return outcome_to_result(inv, ok, out, exec_ms=(time.perf_counter() - t0) * 1e3, worker="fake")
+        return outcome_to_result(
+            inv, ok, out, exec_ms=(time.perf_counter() - t0) * 1e3, worker="fake", version=runner.spec.version
+        )
 
 
 class ConformanceError(FabricError):

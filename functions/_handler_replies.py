@@ -93,7 +93,12 @@ class _Replies(_Requests):
                 request_id=result.request_id,
                 worker=self.worker,
             )
-            too_big.cold_start, too_big.timings = result.cold_start, result.timings
+            # still the answer of the code deployed here (the client checks its version)
+            too_big.cold_start, too_big.timings, too_big.version = (
+                result.cold_start,
+                result.timings,
+                result.version,
+            )
             result, reply = too_big, too_big.model_dump(mode="json")
         self.observe(result, self.metrics)
         return reply
@@ -178,6 +183,7 @@ class _Replies(_Requests):
                 request_id=result.request_id,
                 worker=self.worker,
             )
+            too_big.version = result.version
             body = too_big.model_dump_json()
         params: dict[str, Any] = {
             "QueueUrl": url,

@@ -144,4 +144,7 @@ class _Requests(_Idempotency):
         else:  # it reads what it has left (time_left_s), and should stop in time on its own
             ok, out = runner.run(inv.raw_payload, time.monotonic() + timeout)
         exec_ms = (time.perf_counter() - t0) * 1e3
-        return outcome_to_result(inv, ok, out, exec_ms=exec_ms, worker=self.worker, queue_ms=queue_ms)
+        # the version of the code deployed here: the client checks it against its own
+        return outcome_to_result(
+            inv, ok, out, exec_ms=exec_ms, worker=self.worker, queue_ms=queue_ms, version=runner.spec.version
+        )

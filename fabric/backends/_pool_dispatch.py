@@ -208,7 +208,15 @@ class PoolDispatch:
                 )
                 started = True
             res = outcome_to_result(
-                call.inv, ok, out, exec_ms=exec_ms, worker=w.id, cold=cold, queue_ms=queue_ms, started=started
+                call.inv,
+                ok,
+                out,
+                exec_ms=exec_ms,
+                worker=w.id,
+                cold=cold,
+                queue_ms=queue_ms,
+                started=started,
+                version=self.spec.version,  # the pool's code: a replaced pool's runs end on theirs
             )
             if at_deadline and call.inv.wait_for_run:
                 res.cut_at_deadline = True  # the callers' deadline, not the infrastructure

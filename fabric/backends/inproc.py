@@ -315,7 +315,9 @@ class InprocBackend(Backend):
                     None,
                 ),
             )
-        result = outcome_to_result(inv, ok, out, exec_ms=exec_ms, worker="inproc", started=cut)
+        result = outcome_to_result(
+            inv, ok, out, exec_ms=exec_ms, worker="inproc", started=cut, version=runner.spec.version
+        )
         if at_deadline and keyed is not None:
             result.cut_at_deadline = True  # the callers' deadline, not the infrastructure
         return result

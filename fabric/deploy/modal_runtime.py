@@ -86,7 +86,11 @@ def run(name: str, module: str, envelope: dict[str, Any]) -> dict[str, Any]:
         ok, out = _loop.run_until_complete(runner.run_async(inv.raw_payload, timeout))
     else:  # it reads what it has left (time_left_s)
         ok, out = runner.run(inv.raw_payload, time.monotonic() + timeout)
-    result = outcome_to_result(inv, ok, out, exec_ms=(time.perf_counter() - t0) * 1e3, worker=f"modal:{name}")
+    exec_ms = (time.perf_counter() - t0) * 1e3
+    # the version of the code this container was built with: the client checks it against its own
+    result = outcome_to_result(
+        inv, ok, out, exec_ms=exec_ms, worker=f"modal:{name}", version=runner.spec.version
+    )
     result.cold_start = cold
     return _dump(result)
 
