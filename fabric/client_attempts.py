@@ -25,7 +25,7 @@ from fabric.client_config import ClientConfig
 from fabric.client_state import FnState, Sent, StopAtDeadline, StopWhenOpen, StopWhenSet
 from fabric.errors import FINAL_ERRORS, SAFE_TO_RETRY, ErrorCode
 from fabric.metrics import FunctionMetrics
-from fabric.protocol import Invocation, Result
+from fabric.protocol import ErrorInfo, Invocation, Result
 from fabric.registry import Registry
 from fabric.spec import FunctionSpec
 
@@ -308,6 +308,15 @@ class Attempts:
             # of a cold start's (an import and setup hook, waited for by the calls queued at a
             # job's start), which set the p95 at the cold-start time for thousands of calls
             fn.metrics.window.add((time.perf_counter() - t0) * 1e3)
+        ran = result.version
+        # (the code registered since, should it be what answered, is the caller's too)
+        if (
+            ran is not None
+            and ran != version
+            and ran != fn.spec.version
+            and self.config.version_check != "off"
+        ):
+            result = self._other_code(fn, result, version, ran)
         if fn.spec.version != version:
             # registered again while it ran: the circuit is the new code's (FnState.respec),
             # and how the old code's attempt ended says nothing of it
@@ -323,6 +332,54 @@ class Attempts:
         # nor a reset. A probe that ends so leaves the circuit half-open (the next call is
         # the next probe); reset, a probe cut off by its own short deadline closed the
         # circuit on a backend still down
+        return result
+
+    def _other_code(self, fn: FnState, result: Result, version: str, ran: str) -> Result:
+        """``result``, an answer of version ``ran`` of the code, not the caller's (``version``,
+        the spec the attempt was sent under), counted; said once per function and pair of versions
+        (``version_check="warn"``), or failed as ``VersionMismatch`` (``"refuse"``): final,
+        and begun, since it ran. Only on a mismatch: the hot path compares two strings."""
+        name = fn.spec.name
+        fn.metrics.version_mismatches += 1
+        kind = self.backend.kind
+        if kind == "modal":
+            fix = f"redeploy it: `fabric deploy --backend modal -f {name}`"
+        else:
+            fix = (
+                f"redeploy it (`fabric deploy -f {name}`), or restart the `fabric serve` that serves it "
+                "from the edited code"
+            )
+        what = (
+            f"the {kind} backend ran version {ran} of {name}, not version {version}, registered here: "
+            "what is deployed there is other code (deployed before the function was edited?)"
+        )
+        if self.config.version_check == "refuse":
+            answered = (
+                "" if result.error is None else f" (it answered {result.error.type}: {result.error.message})"
+            )
+            message = (
+                f"{name}: {what}; its answer is refused (ClientConfig.version_check='refuse'){answered}. "
+                f"It ran, effects and all, and is not retried: the same code would run again. To run "
+                f"this code, {fix}"
+            )
+            return result.model_copy(
+                update={
+                    "ok": False,
+                    "value": None,
+                    "error": ErrorInfo.of(ErrorCode.VERSION_MISMATCH, message),
+                    "started": True,
+                }
+            )
+        if (version, ran) not in fn.versions_said:
+            fn.versions_said.add((version, ran))
+            log.warning(
+                "%r: %s, and its answers are that code's. To run this code, %s. Said once per pair of "
+                "versions; counted in the client's metrics (version_mismatches); "
+                "ClientConfig(version_check='refuse') fails such calls, 'off' checks nothing",
+                name,
+                what,
+                fix,
+            )
         return result
 
     async def _hedged(

@@ -3,6 +3,8 @@ idempotency cache and tenant; validated once, where the client is made."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -46,3 +48,13 @@ class ClientConfig(BaseModel):
     few huge answers must not hold unbounded memory under a bound on keys alone. An answer
     larger than the whole bound is returned, not kept."""
     tenant: str = "default"
+    version_check: Literal["warn", "refuse", "off"] = "warn"
+    """What to do with an answer from other code than this client's registry holds
+    (``Result.version`` is not the function's ``FunctionSpec.version``: a Lambda or Modal
+    function not redeployed since the function was edited, a ``fabric serve`` not restarted).
+    ``warn``: give the answer, count it (``version_mismatches``) and log one warning per
+    function and pair of versions; ``refuse``: fail the call instead with ``VersionMismatch``
+    (not retried: it ran); ``off``: no check. Either way an answer of other code is not kept
+    under an idempotency key, whose version is this client's, unless the function has side
+    effects (they happened), and a kept answer says the version that gave it. An answer
+    without a version (a peer with older code, a refusal) is not checked."""

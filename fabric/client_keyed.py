@@ -293,9 +293,18 @@ class KeyedCalls(Attempts):
             finally:
                 # held while a copy it let go still runs (a primary that lost to its hedge)
                 self._release_when_settled(fn, sent.copies, fn.sem.release)
-            ex.kept = self._conclude(
-                fn, key, user_key, result, not result.ok and self._may_have_effects(fn, sent), ex.digest
-            )
+            ran = result.version
+            if ran is not None and ran != sent.key_version and self.config.version_check != "off":
+                # the answer of other code than the key names (a deployment made before the
+                # function was edited): not that code's answer, so not kept under its key (a
+                # call with the key after a redeploy runs the code the key names), unless the
+                # function has side effects: they happened, and must not happen twice. What is
+                # kept says the version that gave it (Result.version), never the key's
+                ex.kept = self._remember(key, result, ex.digest) if self._may_have_effects(fn, sent) else None
+            else:
+                ex.kept = self._conclude(
+                    fn, key, user_key, result, not result.ok and self._may_have_effects(fn, sent), ex.digest
+                )
             if not ex.unsent:
                 self._settle(fn, result, t0)
             return result

@@ -151,6 +151,7 @@ class FnState:
         "probing",
         "sem",
         "spec",
+        "versions_said",
     )
 
     def __init__(self, spec: FunctionSpec, quantile: float):
@@ -162,6 +163,8 @@ class FnState:
         self.probing = False
         self.hedge_clock = HedgeClock()
         self.hedges_over_limit = 0
+        self.versions_said: set[tuple[str, str]] = set()
+        """(the caller's version, the version that answered) pairs already warned of: once each."""
 
     def respec(self, spec: FunctionSpec) -> None:
         """Take the spec of the function registered again under its name (new code: a new

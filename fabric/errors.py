@@ -67,6 +67,11 @@ class ErrorCode(StrEnum):
     # state (WorkerLost, FunctionTimeout, ...): its effect may have happened, so the client does
     # not run it again under that key (a new key does)
     OUTCOME_UNKNOWN = "OutcomeUnknown"
+    # the backend ran other code than the caller's registry holds (a deployment made before
+    # the function was edited), refused by ``ClientConfig(version_check="refuse")``. It ran, so
+    # not retried (another attempt runs the same code); final, but not the caller's code's
+    # answer: not kept under a key (once redeployed, a call runs again), but for a side effect
+    VERSION_MISMATCH = "VersionMismatch"
 
 
 RETRYABLE: frozenset[str] = frozenset(

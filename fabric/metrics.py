@@ -89,6 +89,7 @@ class FunctionMetrics:
         "ok",
         "recent",
         "retries",
+        "version_mismatches",
         "window",
     )
 
@@ -102,6 +103,8 @@ class FunctionMetrics:
         self.cold_starts = 0
         self.cache_hits = 0
         self.gave_up = 0
+        self.version_mismatches = 0
+        """Answers from other code than the client's registry holds (``ClientConfig.version_check``)."""
         self.buckets = [0] * (len(BUCKETS_MS) + 1)
         self.latency_sum_ms = 0.0
         self.recent: deque[float] = deque(maxlen=2048)
@@ -128,6 +131,7 @@ class FunctionMetrics:
             "cold_starts": self.cold_starts,
             "cache_hits": self.cache_hits,
             "gave_up": self.gave_up,
+            "version_mismatches": self.version_mismatches,
             "latency_ms": {
                 "p50": percentile(recent, 50),
                 "p95": percentile(recent, 95),

@@ -366,6 +366,7 @@ _STARTED_BY_TYPE: dict[str, bool] = {
     ErrorCode.USER_ERROR: True,  # the handler raised
     ErrorCode.MISCONFIGURED: True,
     ErrorCode.UNAVAILABLE: True,
+    ErrorCode.VERSION_MISMATCH: True,  # other code than the caller's answered: it ran
 }
 
 
