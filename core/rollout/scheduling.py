@@ -193,6 +193,11 @@ class TurnScheduler:
             s.waiting.pop(req.seq, None)
             if fut.done() and not fut.cancelled() and fut.result():
                 self.done(replica)  # admitted just as the caller went away: hand the slot on
+            elif not fut.done() or fut.cancelled():
+                # still in the line (its replica broke, or its caller went away; awaited, the
+                # future was cancelled with it): out of it now, since the same request may
+                # wait on another replica meanwhile
+                s.queue.discard(req.seq)
             raise
 
     def done(self, replica: int) -> None:
@@ -205,7 +210,7 @@ class TurnScheduler:
             assert nxt is not None
             entry = s.waiting.pop(nxt.seq, None)
             if entry is None or entry[1].done():
-                continue  # cancelled while waiting
+                continue  # cancelled while waiting (a policy that keeps it: see ``discard``)
             fut = entry[1]
             s.running += 1
             self.admitted += 1
@@ -224,9 +229,9 @@ class TurnScheduler:
         """The trajectory was aborted: its waiting turns leave the line without running."""
         for s in self._replicas.values():
             for seq, (owner, fut) in list(s.waiting.items()):
-                # the queue keeps the request; ``done`` skips it since its entry is gone
                 if owner == traj_id and not fut.done():
                     del s.waiting[seq]
+                    s.queue.discard(seq)
                     fut.set_result(False)
 
     # ------------------------------------------------------------------ trajectories

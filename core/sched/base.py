@@ -76,6 +76,13 @@ class QueuePolicy(ABC):
     @abstractmethod
     def __len__(self) -> int: ...
 
+    def discard(self, seq: int) -> None:
+        """The waiting request ``seq`` left the line without running (its trajectory was
+        aborted, or the turn went to another worker). Without this a policy keeps it until it
+        comes up, counted in ``len`` and, in a policy that keeps state per trajectory, read
+        as if it still waited (default: nothing; the caller skips it when it is popped)."""
+        return None
+
     def preempt(self, running: Iterable[Request], now: float) -> list[Request]:
         """Running requests that should yield their slot to a waiting one (none by default)."""
         return []

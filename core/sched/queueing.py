@@ -40,6 +40,9 @@ class _HeapPolicy(QueuePolicy):
     def pop(self, now: float) -> Request | None:
         return heapq.heappop(self._heap)[-1] if self._heap else None
 
+    def discard(self, seq: int) -> None:
+        _remove(self._heap, seq)
+
     def peek(self) -> Request | None:
         return self._heap[0][-1] if self._heap else None
 
@@ -225,12 +228,33 @@ class CMLFQ(QueuePolicy):
                 return heapq.heappop(queue)[-1]
         return None
 
+    def discard(self, seq: int) -> None:
+        """Out of the line at once, not when it comes up: aging a left-over entry wrote its
+        level into the store the queues share, over the level of a trajectory that went on
+        elsewhere (a turn that waited on a replica that broke ran on another, and its later
+        turns moved its level since)."""
+        for queue in self._queues:
+            if _remove(queue, seq):
+                return
+
     def forget(self, trajectory: str) -> None:
         """The trajectory finished: drop its level."""
         self._level.pop(trajectory, None)
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues)
+
+
+def _remove(heap: list[tuple[Any, ...]], seq: int) -> bool:
+    """Take the entry of request ``seq`` (an entry's last two items: seq, request) out of
+    ``heap``; O(n), for the rare turn that leaves a line without running."""
+    for i, entry in enumerate(heap):
+        if entry[-2] == seq:
+            heap[i] = heap[-1]
+            heap.pop()
+            heapq.heapify(heap)
+            return True
+    return False
 
 
 def _number(x: object) -> bool:
