@@ -261,9 +261,9 @@ class ProxyRouting(ProxyRecovery):
             self._released.popitem(last=False)
         self._inflight.pop(traj_id, None)
         if self.scheduler is not None:
-            # an aborted (or cut-off) trajectory's length says nothing about how long it would
-            # have run
-            self.scheduler.release(traj_id, learn=not aborted)
+            # an aborted (or cut-off) trajectory would have run at least as long as it got:
+            # learnt as that lower bound, not as its length
+            self.scheduler.release(traj_id, finished=not aborted)
 
 
 def _turn_of(request: GenerateRequest) -> int:

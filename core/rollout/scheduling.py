@@ -13,9 +13,10 @@ policy can order it:
   the critical path) ``cache_affinity`` and ``presorted_dp`` may move it; ``least_load``
   places a trajectory once, by predicted work;
 * **prediction**: a progressive ``LengthPredictor`` learns each finished trajectory's
-  length from (prompt size, turn, tokens so far, tool outcomes) and predicts the running
-  ones at every turn; a request's ``metadata["predicted_total"]`` overrides it (an oracle,
-  or an estimate from the task).
+  length from (prompt size, turn, tokens so far, tool outcomes), and each aborted one's as
+  a lower bound (censored: at least what it reached), and predicts the running ones at
+  every turn; a request's ``metadata["predicted_total"]`` overrides it (an oracle, or an
+  estimate from the task).
 
 Preemption of running turns (``pps``) is simulator-only: the engines here cannot hand back
 a turn's partial KV cache, and aborting a turn to restart it later throws its tokens away.
@@ -242,14 +243,19 @@ class TurnScheduler:
         t.tokens += tokens
         t.turns.append((tokens, outcome))
 
-    def release(self, traj_id: str, *, learn: bool = True) -> None:
-        """The trajectory ended: learn its length, forget it."""
+    def release(self, traj_id: str, *, finished: bool = True) -> None:
+        """The trajectory ended: learn its length, forget it. Not ``finished`` (aborted, cut
+        off): its length is only known to be at least what it reached, and learnt so; left
+        out, redundancy's aborted slowest members left the predictor the fast ones only."""
         t = self._trajs.pop(traj_id, None)
         for s in self._replicas.values():
             if isinstance(s.queue, CMLFQ):
                 s.queue.forget(traj_id)  # (one store: the first forgets it for all)
-        if learn and t is not None and t.turns and t.prompt_tokens >= 0:
-            self.predictor.observe(t.prompt_tokens, t.turns)
+        if t is not None and t.turns and t.prompt_tokens >= 0:
+            if finished:
+                self.predictor.observe(t.prompt_tokens, t.turns)
+            else:
+                self.predictor.observe_censored(t.prompt_tokens, t.turns)
 
     def record(self, **row: Any) -> None:
         if self.trace_path is None:
@@ -276,6 +282,7 @@ class TurnScheduler:
             "waiting": sum(len(s.waiting) for s in self._replicas.values()),
             "migrations": self.migrations,
             "predictor_trained_on": self.predictor.trajectories_seen,
+            "predictor_censored": self.predictor.trajectories_censored,
         }
 
 

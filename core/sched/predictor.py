@@ -7,6 +7,17 @@ their turns is one sample (the features then, the length in the end). The suffic
 statistics ``X'X`` and ``X'y`` are kept with a forgetting factor, so the model follows the
 policy as its length distribution drifts, and a refit is one small linear solve.
 
+A trajectory cut short (aborted: a redundant group's slowest members once the group is
+complete, a timeout, a lost container) is a right-censored sample: its length is at least
+what it reached. Learning only the finished ones learns a biased sample, since redundancy
+aborts the slowest members of every group, so the lengths come out short.
+``observe_censored`` takes such a trajectory in the same model (Buckley-James style): each
+turn's target is the expected log length given that it is at least the reached one, under
+the current model's prediction for that turn and a Gaussian residual whose spread is
+tracked from the finished trajectories' one-step-ahead errors. A censored sample never
+pulls a prediction down (its target is at least the model's own), and one cut short early
+(a container lost at turn 2) adds next to nothing.
+
 The prediction is never below what the trajectory has already generated.
 """
 
@@ -53,21 +64,44 @@ class LengthPredictor:
         self._xty = np.zeros(_DIM)
         self._w: np.ndarray | None = None
         self._pending = 0
+        # the finished samples' squared errors against the model of their time (forgotten
+        # like the statistics): the residual spread censored samples are imputed with
+        self._sq_err = 0.0
+        self._n_err = 0.0
         self.trajectories_seen = 0
+        """Finished trajectories learnt."""
+        self.trajectories_censored = 0
+        """Trajectories cut short, learnt as lower bounds (``observe_censored``)."""
 
     def observe(self, prompt_tokens: int, turns: Sequence[tuple[int, Outcome]]) -> None:
         """A finished trajectory: its turns as ``(generated tokens, outcome)``."""
-        total = sum(n for n, _ in turns)
-        y = math.log1p(total)
-        so_far = 0
-        outcomes: list[Outcome] = []
-        for k, (n, outcome) in enumerate(turns):
-            x = features(prompt_tokens, k, so_far, outcomes)
-            self._xtx = self.forget * self._xtx + np.outer(x, x)
-            self._xty = self.forget * self._xty + y * x
-            so_far += n
-            outcomes.append(outcome)
+        y = math.log1p(sum(n for n, _ in turns))
+        for x in _samples(prompt_tokens, turns):
+            if self._w is not None:
+                self._sq_err = self.forget * self._sq_err + float(y - x @ self._w) ** 2
+                self._n_err = self.forget * self._n_err + 1.0
+            self._learn(x, y)
         self.trajectories_seen += 1
+        self._learnt()
+
+    def observe_censored(self, prompt_tokens: int, turns: Sequence[tuple[int, Outcome]]) -> None:
+        """A trajectory cut short after ``turns``: its length is at least their tokens.
+        Ignored before any finished trajectory was learnt (nothing to impute with: the
+        reached length alone as the target would teach that trajectories end where cut)."""
+        if self._w is None or not turns:
+            return
+        floor = math.log1p(sum(n for n, _ in turns))
+        sigma = math.sqrt(self._sq_err / self._n_err) if self._n_err > 0 else 0.0
+        for x in _samples(prompt_tokens, turns):
+            self._learn(x, _mean_above(float(x @ self._w), sigma, floor))
+        self.trajectories_censored += 1
+        self._learnt()
+
+    def _learn(self, x: np.ndarray, y: float) -> None:
+        self._xtx = self.forget * self._xtx + np.outer(x, x)
+        self._xty = self.forget * self._xty + y * x
+
+    def _learnt(self) -> None:
         self._pending += 1
         if self._w is None or self._pending >= self.refit_every:
             self.refit()
@@ -85,6 +119,33 @@ class LengthPredictor:
             return None
         log_total = float(features(prompt_tokens, turn, tokens_so_far, outcomes) @ self._w)
         return max(math.expm1(min(log_total, 30.0)), tokens_so_far + 1.0)
+
+
+def _samples(prompt_tokens: int, turns: Sequence[tuple[int, Outcome]]) -> list[np.ndarray]:
+    """A trajectory's samples: the features at each of its turns."""
+    out = []
+    so_far = 0
+    outcomes: list[Outcome] = []
+    for k, (n, outcome) in enumerate(turns):
+        out.append(features(prompt_tokens, k, so_far, outcomes))
+        so_far += n
+        outcomes.append(outcome)
+    return out
+
+
+def _mean_above(mu: float, sigma: float, floor: float) -> float:
+    """``E[y | y >= floor]`` for ``y ~ N(mu, sigma^2)``: ``mu + sigma * phi(a) / (1 - Phi(a))``
+    with ``a = (floor - mu) / sigma`` (the inverse Mills ratio); ``max(mu, floor)`` with no
+    spread known."""
+    if sigma <= 0:
+        return max(mu, floor)
+    a = (floor - mu) / sigma
+    tail = 0.5 * math.erfc(a / math.sqrt(2))
+    if a > 30 or tail <= 0:
+        mills = a + 1 / a  # the ratio's asymptote, where the tail underflows
+    else:
+        mills = math.exp(-0.5 * a * a) / math.sqrt(2 * math.pi) / tail
+    return max(mu + sigma * mills, floor)
 
 
 def pearson(a: Sequence[float], b: Sequence[float]) -> float:
