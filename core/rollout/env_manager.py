@@ -233,9 +233,10 @@ class EnvManager:
             # an infra_failed trajectory. Timed out: the timeout cancelled only this side of
             # the turn in flight, and under Ray the proxy and the engine run it on (and it
             # holds a batch slot) until it ends by itself, which for a hung turn, the usual
-            # reason for the timeout, is never. Whatever failed: it was cut short, and an
-            # aborted trajectory's length is not learnt by the turn scheduler's predictor (a
-            # container lost at turn 2 taught it that trajectories are two turns long)
+            # reason for the timeout, is never. Whatever failed: it was cut short, and the
+            # turn scheduler's predictor learns an aborted trajectory's length only as a lower
+            # bound (a container lost at turn 2, learnt as finished, taught it that
+            # trajectories are two turns long)
             with contextlib.suppress(Exception):
                 await self.proxy.abort(traj_id)
         await self.proxy.release(traj_id)

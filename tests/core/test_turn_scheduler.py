@@ -189,7 +189,7 @@ async def test_a_turn_that_ends_after_its_trajectory_was_released_is_not_remembe
     assert sched._trajs == {} and sched._replicas[id(rep)].running == 0
 
 
-async def test_the_predictor_learns_finished_trajectories_but_not_aborted_ones():
+async def test_the_predictor_learns_finished_trajectories_and_aborted_ones_only_as_lower_bounds():
     rep = GatedReplica()
     sched = TurnScheduler("pps", slots=4)
     proxy = LLMProxy({"default": [rep]}, scheduler=sched)
@@ -206,7 +206,8 @@ async def test_the_predictor_learns_finished_trajectories_but_not_aborted_ones()
     await proxy.generate("ab", "x", req("ab", 0, tokens=999))
     await proxy.abort("ab")
     await proxy.release("ab")
-    assert sched.predictor.trajectories_seen == 3
+    assert sched.predictor.trajectories_seen == 3  # not as a finished one
+    assert sched.stats()["predictor_censored"] == 1
 
 
 async def test_an_outcome_is_filed_under_the_turn_whose_tool_call_returned_it():
