@@ -300,7 +300,15 @@ class KeyedCalls(Attempts):
                 # call with the key after a redeploy runs the code the key names), unless the
                 # function has side effects: they happened, and must not happen twice. What is
                 # kept says the version that gave it (Result.version), never the key's
-                ex.kept = self._remember(key, result, ex.digest) if self._may_have_effects(fn, sent) else None
+                if not self._may_have_effects(fn, sent):
+                    ex.kept = None
+                elif result.error is not None and result.error.type == ErrorCode.VERSION_MISMATCH:
+                    ex.kept = self._remember(key, result, ex.digest)  # refused, but it ran
+                else:
+                    # read as the caller's own code's outcome is: kept raw, a WorkerLost was
+                    # served (retryable) to every later caller instead of OutcomeUnknown, and
+                    # a call that did not start held the key for good
+                    ex.kept = self._conclude(fn, key, user_key, result, True, ex.digest)
             else:
                 ex.kept = self._conclude(
                     fn, key, user_key, result, not result.ok and self._may_have_effects(fn, sent), ex.digest

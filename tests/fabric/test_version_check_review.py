@@ -1,0 +1,72 @@
+"""Review of the client's version check (``ClientConfig.version_check``) where it meets the
+idempotency rules and the circuit breaker: an outcome of other code than the caller's is
+still read for what it says of the world (it may have run; it did not start; the function
+answered), as the caller's own code's outcome is."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from version_fns import NEW, OLD, RUNS
+
+from fabric.backends.inproc import InprocBackend
+from fabric.client import Client
+from fabric.errors import ErrorCode
+from fabric.protocol import Invocation, Result
+
+OLD_SEND = OLD.get("send").version
+
+
+class OldCodeFails(InprocBackend):
+    """The old code's deployment, answering ``fail`` (an outcome of that code: its version)
+    for the first ``times`` calls, then running it."""
+
+    def __init__(self, fail: ErrorCode, times: int = 10**9, *, started: bool | None = None) -> None:
+        super().__init__(OLD)
+        self.fail, self.times, self.started, self.sent = fail, times, started, 0
+
+    async def _run(self, inv: Invocation, keyed: Any) -> Result:
+        self.sent += 1
+        if self.sent > self.times:
+            return await super()._run(inv, keyed)
+        r = Result.failure(
+            self.fail, "worker died", function=inv.function, request_id=inv.request_id, started=self.started
+        )
+        r.version = OLD.get(inv.function).version
+        return r
+
+
+@pytest.fixture(autouse=True)
+def _runs():
+    RUNS.clear()
+    yield
+    RUNS.clear()
+
+
+async def test_a_side_effect_of_other_code_that_may_have_run_keeps_outcome_unknown():
+    """The old code's worker died in a call of a tool with side effects: the effect may
+    have happened. Before: the raw WorkerLost (retryable) was kept under the key, so every
+    later caller with the key got a cached WorkerLost to retry, forever, and no effect key
+    was kept for code registered later; the caller's own code's WorkerLost keeps
+    OutcomeUnknown."""
+    backend = OldCodeFails(ErrorCode.WORKER_LOST)
+    async with Client(backend=backend, registry=NEW) as c:
+        first = await c.call("send", {"x": 1}, idempotency_key="traj-1")
+        again = await c.call("send", {"x": 1}, idempotency_key="traj-1")
+    assert first.error.type == ErrorCode.WORKER_LOST and first.attempts == 1  # may have run: not retried
+    assert again.cached and again.error.type == ErrorCode.OUTCOME_UNKNOWN and not again.retryable
+    assert backend.sent == 1
+
+
+async def test_a_side_effect_of_other_code_that_did_not_start_leaves_the_key_free():
+    """A call of the old code's deployment that provably did not run (refused before it
+    started, version and all): nothing happened, so the key is free, as after the caller's own
+    code's. Before: kept under the key, every later caller with it got the refusal and the
+    call never ran."""
+    backend = OldCodeFails(ErrorCode.DEADLINE_EXCEEDED, times=1, started=False)
+    async with Client(backend=backend, registry=NEW) as c:
+        first = await c.call("send", {"x": 1}, idempotency_key="traj-2")
+        again = await c.call("send", {"x": 1}, idempotency_key="traj-2")
+    assert first.error.type == ErrorCode.DEADLINE_EXCEEDED and first.started is False
+    assert again.ok and not again.cached and RUNS == ["send-old"]
