@@ -309,12 +309,14 @@ class Attempts:
             # job's start), which set the p95 at the cold-start time for thousands of calls
             fn.metrics.window.add((time.perf_counter() - t0) * 1e3)
         ran = result.version
-        # (the code registered since, should it be what answered, is the caller's too)
+        # (the code registered since, should it be what answered, is the caller's too; a call
+        # it did not start, found late by a local pool's worker, is none of its code's doing)
         if (
             ran is not None
             and ran != version
             and ran != fn.spec.version
             and self.config.version_check != "off"
+            and result.started is not False
         ):
             result = self._other_code(fn, result, version, ran)
         if fn.spec.version != version:

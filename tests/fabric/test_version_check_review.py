@@ -70,3 +70,16 @@ async def test_a_side_effect_of_other_code_that_did_not_start_leaves_the_key_fre
         again = await c.call("send", {"x": 1}, idempotency_key="traj-2")
     assert first.error.type == ErrorCode.DEADLINE_EXCEEDED and first.started is False
     assert again.ok and not again.cached and RUNS == ["send-old"]
+
+
+async def test_refuse_does_not_say_a_call_that_did_not_start_ran():
+    """A local pool answers a call it found past its deadline before starting it
+    (DeadlineExceeded, started=False) with its version. Refused as VersionMismatch, it read
+    started=True, "It ran, effects and all": a caller that trusts ``started`` gave up a call
+    safe to send again."""
+    backend = OldCodeFails(ErrorCode.DEADLINE_EXCEEDED, started=False)
+    async with Client(backend=backend, registry=NEW, config={"version_check": "refuse"}) as c:
+        r = await c.call("scale", {"x": 1})
+        m = c.metrics()["scale"]
+    assert r.error.type == ErrorCode.DEADLINE_EXCEEDED and r.started is False
+    assert m["version_mismatches"] == 0  # no code answered
