@@ -32,6 +32,10 @@ from fabric.spec import FunctionSpec
 log = logging.getLogger("fabric.client")
 
 _BURST = 5  # hedges allowed beyond the share, so a short run can still hedge
+#: Failures that are the function's code answering: the infrastructure works (the circuit
+#: closes). A VersionMismatch (version_check="refuse") is other code's answer, but an answer:
+#: neither counted nor a reset, a circuit whose probe it answered stayed half-open for good
+_ANSWERED: frozenset[str] = FINAL_ERRORS | {ErrorCode.VERSION_MISMATCH}
 
 
 def _answered(f: asyncio.Future[Result]) -> bool:
@@ -323,7 +327,7 @@ class Attempts:
             # registered again while it ran: the circuit is the new code's (FnState.respec),
             # and how the old code's attempt ended says nothing of it
             return result
-        if result.ok or (result.error is not None and result.error.type in FINAL_ERRORS):
+        if result.ok or (result.error is not None and result.error.type in _ANSWERED):
             fn.consecutive_failures = 0  # the function answered: the infrastructure works
         elif result.retryable and not result.cut_at_deadline:
             fn.consecutive_failures += 1

@@ -5,6 +5,7 @@ answered), as the caller's own code's outcome is."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -83,3 +84,32 @@ async def test_refuse_does_not_say_a_call_that_did_not_start_ran():
         m = c.metrics()["scale"]
     assert r.error.type == ErrorCode.DEADLINE_EXCEEDED and r.started is False
     assert m["version_mismatches"] == 0  # no code answered
+
+
+async def test_a_refused_answer_of_other_code_closes_the_circuit():
+    """The breaker opened on infrastructure failures; after the cooldown the probe reaches
+    the old code, which answers: the infrastructure works. Under refuse the VersionMismatch
+    neither reset nor counted the failures, so the circuit stayed half-open for good: one
+    probe at a time, every concurrent call refused CircuitOpen."""
+
+    class Outage(InprocBackend):
+        down = True
+
+        async def _run(self, inv: Invocation, keyed: Any) -> Result:
+            if self.down:  # the transport's failure: no code answered, no version
+                return Result.failure(
+                    ErrorCode.TRANSPORT, "down", function=inv.function, request_id=inv.request_id
+                )
+            return await super()._run(inv, keyed)
+
+    backend = Outage(OLD)
+    cfg = {"version_check": "refuse", "breaker": {"failure_threshold": 1, "cooldown_s": 0.01}}
+    async with Client(backend=backend, registry=NEW, config=cfg) as c:
+        down = await c.call("scale", {"x": 1})
+        assert not down.ok
+        backend.down = False
+        await asyncio.sleep(0.05)  # past the cooldown: the next call is the probe
+        probe = await c.call("scale", {"x": 1})
+        assert probe.error.type == ErrorCode.VERSION_MISMATCH
+        both = await asyncio.gather(c.call("scale", {"x": 2}), c.call("scale", {"x": 3}))
+    assert [r.error.type for r in both] == [ErrorCode.VERSION_MISMATCH] * 2
