@@ -54,7 +54,9 @@ class ClientConfig(BaseModel):
     function not redeployed since the function was edited, a ``fabric serve`` not restarted).
     ``warn``: give the answer, count it (``version_mismatches``) and log one warning per
     function and pair of versions; ``refuse``: fail the call instead with ``VersionMismatch``
-    (not retried: it ran); ``off``: no check. Either way an answer of other code is not kept
-    under an idempotency key, whose version is this client's, unless the function has side
-    effects (they happened), and a kept answer says the version that gave it. An answer
-    without a version (a peer with older code, a refusal) is not checked."""
+    (not retried: it ran); ``off``: no check. Under ``warn`` or ``refuse`` an answer of other
+    code is not kept under an idempotency key, whose version is this client's, unless the
+    function has side effects (they happened: kept as the caller's code's outcome would be), and
+    a kept answer says the version that gave it (under ``off`` it is kept as any answer is). An
+    answer without a version (a peer with older code, a refusal) is not checked, nor is a call
+    that did not start."""
