@@ -112,22 +112,21 @@ def sweep(tokens: Collection[str]) -> None:
 
 
 GATHER_S = 2.0
-"""How long a sweep waits for the stops still killing their containers' groups (a few ms each)
-to join it: it bounds one that hangs, whose neighbours' sweeps would wait on it."""
+"""How long a sweep waits for the stops killing their containers' groups as it starts (a few ms
+each) to join it: it bounds one that hangs, whose neighbours' sweeps would wait on it."""
 
 
 class Sweeps:
     """A runtime's sweeps, on its event loop: each runs in a thread (the loop, and a zygote's
     forks, go on meanwhile), one at a time; the marks asked for while one runs are swept by the
-    next, all together (one scan of ``/proc`` where it finds nothing). It starts once no stop
-    is still killing a container's group (``killing``), or ``GATHER_S`` has passed: a close
-    that stops N containers sweeps once, not N times."""
+    next, all together (one scan of ``/proc`` where it finds nothing). It starts once the stops
+    killing their containers' groups as it was asked for (``killing``) have ended, or
+    ``GATHER_S`` has passed: a close that stops N containers sweeps once, not N times. A stop
+    that begins meanwhile joins the next sweep, not this one's wait."""
 
     def __init__(self) -> None:
-        self._killing = 0
-        self._gathered = asyncio.Event()
-        """Set while no stop is killing a container's group."""
-        self._gathered.set()
+        self._killing: set[asyncio.Future[None]] = set()
+        """One per stop killing its container's group, resolved as its kill ends."""
         self._next: set[str] = set()
         self._done: asyncio.Future[None] | None = None
         """Resolved when the sweep of ``_next`` has ended."""
@@ -137,14 +136,13 @@ class Sweeps:
     def killing(self) -> Iterator[None]:
         """Around a stop's kill of its container's group: its sweep, asked for next, joins
         the one the others are about to start."""
-        self._killing += 1
-        self._gathered.clear()
+        kill: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._killing.add(kill)
         try:
             yield
         finally:
-            self._killing -= 1
-            if not self._killing:
-                self._gathered.set()
+            self._killing.discard(kill)
+            kill.set_result(None)
 
     def ask(self, marks: Collection[str]) -> asyncio.Future[None]:
         """Have every process marked with one of ``marks`` killed; the future resolves once
@@ -171,8 +169,12 @@ class Sweeps:
         done: asyncio.Future[None] | None = None
         try:
             while self._next:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._gathered.wait(), GATHER_S)
+                # the stops under way now, not any that begin meanwhile (they join the next
+                # sweep): waiting until none was killing, a sweep under a churn of overlapping
+                # stops waited its whole GATHER_S, and every stop with it
+                under_way = set(self._killing)
+                if under_way:
+                    await asyncio.wait(under_way, timeout=GATHER_S)
                 marks, done = self._next, self._done
                 self._next, self._done = set(), None
                 assert done is not None
