@@ -284,6 +284,13 @@ class _Zygote:
             swept.add_done_callback(functools.partial(self._swept, child))
             _LIVE_GROUPS.discard(child.pid)
         children.clear()
+        # the kills it never answered fail now, not with the starts below: a stop waiting for
+        # its answer is killing its group (``Sweeps.killing``), which this sweep waits for
+        for req in [r for r in sent if r not in self.cwds]:
+            sent.discard(req)
+            fut = self.waiting.pop(req, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(ContainerStartError("the zygote exited"))
         with contextlib.suppress(Exception):  # (failed: the marks stay live, for the exit hook)
             await asyncio.shield(swept)
         # reaped: its children were sent SIGKILL as it exited (PR_SET_PDEATHSIG), so what they
