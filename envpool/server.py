@@ -49,6 +49,7 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWNS = 0x00020000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT = 0x1, 0x2, 0x4, 0x20
 _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
+_MNT_DETACH = 0x2
 
 
 def isolate_network() -> str:
@@ -71,7 +72,15 @@ def _mount(
         raise OSError(err, os.strerror(err), target)
 
 
-def private_view(bundle: Path, scratch: Path) -> tuple[Path, str]:
+MEMORY_LAYER_BYTES = 1024**3
+"""The default bound of a container's layer where it is a tmpfs (``private_view``): 1 GiB,
+``limits.fsize_bytes``'s default, so that a file as large as a container may write on disk
+fits in memory too."""
+
+
+def private_view(
+    bundle: Path, scratch: Path, *, memory_layer_bytes: int = MEMORY_LAYER_BYTES
+) -> tuple[Path, str]:
     """The bundle as this container sees it, and how: ``(view, "overlay" | "read-only" |
     "shared")``. The unpacked bundle is the image cache's, one per node, shared by every
     container of the image in every pool on it: what a container wrote there (its modules'
@@ -82,18 +91,25 @@ def private_view(bundle: Path, scratch: Path) -> tuple[Path, str]:
 
     In a mount namespace of its own (root, or a user namespace that gave it the capability)
     the container mounts an overlay at ``<scratch>/image``: the bundle read-only below, a
-    layer of its own above (``<scratch>/.image-upper``), where its writes go and stay. Where
-    the kernel or the filesystems refuse an overlay, the bundle bound there read-only: a write
-    fails with EROFS, loudly, for root too. The mounts exist in the container's namespace only,
-    which ends with its last process: nothing is left mounted on the host, nothing needs
-    unmounting, and the layer goes with the container's directory. The cost is a few system
-    calls at its start (no copy), and in a zygote's fork as well.
+    layer of its own above (``<scratch>/.image-layer/upper``), where its writes go and stay.
+    Where the scratch's file system takes no upper dir (overlayfs itself: /tmp and the root
+    in a Docker container, where the kernel refuses an overlay's upper on overlayfs; NFS),
+    the layer is a tmpfs mounted at ``<scratch>/.image-layer`` in the container's namespace,
+    of ``memory_layer_bytes`` at most (a write past it fails with ENOSPC): its writes are in
+    memory, charged to the memory cgroup its processes are in, and gone with the container,
+    as the disk layer is. ``memory_layer_bytes=0``: no layer in memory, read-only there.
+    Where the kernel or the filesystems refuse an overlay all the same, the bundle bound
+    there read-only: a write fails with EROFS, loudly, for root too. The mounts exist in the
+    container's namespace only, which ends with its last process: nothing is left mounted on
+    the host, nothing needs unmounting, and the layer goes with the container's directory
+    (or its namespace). The cost is a few system calls at its start (no copy), and in a
+    zygote's fork as well.
 
     Limits: with no mount namespace to be had (an unprivileged user without user namespaces)
     the view is the bundle itself, ``"shared"``, as before, and only the bytecode caches are
     kept out of it (``sys.dont_write_bytecode``); the runtime says so on the container. The
-    layer's bytes are the container's directory's, not counted by the image cache's budget
-    (``limits.fsize_bytes`` bounds each file)."""
+    layer's bytes are the container's directory's (or its tmpfs's), not counted by the image
+    cache's budget (``limits.fsize_bytes`` bounds each file)."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(CLONE_NEWNS) != 0:
         return bundle, "shared"
@@ -102,12 +118,44 @@ def private_view(bundle: Path, scratch: Path) -> tuple[Path, str]:
         _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)
     except OSError:
         return bundle, "shared"
-    view, upper, work = scratch / "image", scratch / ".image-upper", scratch / ".image-work"
+    view, layer = scratch / "image", scratch / ".image-layer"
     try:
-        for d in (view, upper, work):
+        for d in (view, layer):
             d.mkdir()
     except OSError:  # (a user namespace that maps no uid of ours may refuse it)
         return bundle, "shared"
+    err = _overlay(libc, bundle, layer, view)
+    if err == 0:
+        return view, "overlay"
+    # no upper dir on the scratch's file system: one in memory. Not where the kernel has no
+    # overlayfs, or lets this namespace mount none: a tmpfs would change neither
+    if memory_layer_bytes > 0 and err not in (errno.ENODEV, errno.EPERM):
+        try:
+            options = f"size={memory_layer_bytes},mode=0700"
+            _mount(libc, "tmpfs", str(layer), "tmpfs", _MS_NOSUID | _MS_NODEV, options)
+        except OSError:
+            pass
+        else:
+            if _overlay(libc, bundle, layer, view) == 0:
+                return view, "overlay"
+            libc.umount2(os.fsencode(layer), _MNT_DETACH)  # (nothing in it: no memory held)
+    try:
+        _mount(libc, str(bundle), str(view), None, _MS_BIND | _MS_REC)
+        _mount(libc, None, str(view), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+    except OSError:
+        return bundle, "shared"  # (a bind left writable is no view to give it: unused)
+    return view, "read-only"
+
+
+def _overlay(libc: Any, bundle: Path, layer: Path, view: Path) -> int:
+    """Mount the overlay of ``bundle`` at ``view``, its upper and work dirs in ``layer``:
+    0, or the errno that refused it."""
+    upper, work = layer / "upper", layer / "work"
+    try:
+        for d in (upper, work):
+            d.mkdir()
+    except OSError as e:
+        return e.errno or errno.EIO
     # the directories by descriptor: a path with a ',' or a ':' (a user's unpack_dir) would
     # break the overlay's option string
     fds = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in (bundle, upper, work)]
@@ -115,18 +163,12 @@ def private_view(bundle: Path, scratch: Path) -> tuple[Path, str]:
         lower, up, wk = (f"/proc/self/fd/{fd}" for fd in fds)
         options = f"lowerdir={lower},upperdir={up},workdir={wk}"
         _mount(libc, "overlay", str(view), "overlay", _MS_NOSUID | _MS_NODEV, options)
-        return view, "overlay"
-    except OSError:  # no overlay here (the kernel, or an upper dir on overlayfs): read-only next
-        pass
+        return 0
+    except OSError as e:  # no overlay here (the kernel, or an upper dir on overlayfs)
+        return e.errno or errno.EIO
     finally:
         for fd in fds:
             os.close(fd)
-    try:
-        _mount(libc, str(bundle), str(view), None, _MS_BIND | _MS_REC)
-        _mount(libc, None, str(view), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
-    except OSError:
-        return bundle, "shared"  # (a bind left writable is no view to give it: unused)
-    return view, "read-only"
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -493,7 +535,8 @@ def listen(opts: dict[str, Any]) -> tuple[str, socket.socket]:
 def run(opts: dict[str, Any], ready: Any) -> None:
     """Isolate, load the image, listen, report ``ready({...})``, serve until killed.
     ``opts``: sock, bundle, scratch (the container's own directory, for its view of the
-    bundle), heartbeat_s, limits, fault, netns. Shared by ``main`` (a fresh
+    bundle), memory_layer_bytes (the bound of its layer where that is a tmpfs), heartbeat_s,
+    limits, fault, netns. Shared by ``main`` (a fresh
     interpreter) and the zygote (a fork of a pre-imported one)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the pool stops us
     isolation = isolate_network() if opts.get("netns", True) else "none"
@@ -507,7 +550,8 @@ def run(opts: dict[str, Any], ready: Any) -> None:
         # needs no view; the process runtime's is the node's cache's, shared
         view = "own"
         if opts.get("scratch"):
-            bundle, view = private_view(bundle, Path(opts["scratch"]))
+            bound = int(opts.get("memory_layer_bytes", MEMORY_LAYER_BYTES))
+            bundle, view = private_view(bundle, Path(opts["scratch"]), memory_layer_bytes=bound)
             if view == "shared":
                 sys.dont_write_bytecode = True  # at least no __pycache__ in every container's image
             else:
@@ -539,6 +583,12 @@ def main() -> None:
     ap.add_argument(
         "--parent-pid", type=int, default=0, help="die with this process (0: no parent to follow)"
     )
+    ap.add_argument(
+        "--memory-layer-bytes",
+        type=int,
+        default=MEMORY_LAYER_BYTES,
+        help="bound of the view's layer where it is a tmpfs (0: read-only there instead)",
+    )
     ap.add_argument("--heartbeat-s", type=float, default=1.0)
     ap.add_argument("--limits", default="{}")
     ap.add_argument("--fault", default="{}")
@@ -553,6 +603,7 @@ def main() -> None:
         "tcp": args.tcp,
         "bundle": args.bundle,
         "scratch": args.scratch,
+        "memory_layer_bytes": args.memory_layer_bytes,
         "image_digest": args.image_digest,
         "image_source": args.image_source,
         "heartbeat_s": args.heartbeat_s,

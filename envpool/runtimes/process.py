@@ -455,6 +455,7 @@ class ProcessRuntime(Runtime):
             "sock": str(sock),
             "bundle": str(bundle) if bundle is not None else None,
             "scratch": str(sock.parent),  # its view of the bundle goes there (``server.private_view``)
+            "memory_layer_bytes": cfg.memory_layer_bytes,
             "heartbeat_s": cfg.heartbeat_s,
             "limits": cfg.limits.model_dump(),
             "fault": cfg.faults.model_dump(),
@@ -512,6 +513,7 @@ class ProcessRuntime(Runtime):
         cmd += ["--fault", json.dumps(opts["fault"])]
         if opts["bundle"]:
             cmd += ["--bundle", opts["bundle"], "--scratch", opts["scratch"]]
+            cmd += ["--memory-layer-bytes", str(opts["memory_layer_bytes"])]
         if not opts["netns"]:
             cmd.append("--no-netns")
         # a Popen, not an asyncio subprocess: asyncio reaps its children as they exit, and a
