@@ -53,12 +53,39 @@ _MNT_DETACH = 0x2
 
 
 def isolate_network() -> str:
-    """Enter a fresh network namespace: no interfaces but a down loopback."""
+    """Enter a fresh network namespace: no interfaces but a down loopback. Without the
+    privilege to (not root), in a user namespace of its own as well, where its uid and gid
+    map to themselves (``_map_own_ids``)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    for flags, what in ((CLONE_NEWNET, "netns"), (CLONE_NEWUSER | CLONE_NEWNET, "userns+netns")):
-        if libc.unshare(flags) == 0:
-            return what
+    if libc.unshare(CLONE_NEWNET) == 0:
+        return "netns"
+    uid, gid = os.geteuid(), os.getegid()  # (in the user namespace, unmapped, both read 65534)
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
+        _map_own_ids(uid, gid)
+        return "userns+netns"
     return "none"
+
+
+def _map_own_ids(uid: int, gid: int) -> None:
+    """Map the uid and gid this process has outside its new user namespace to themselves
+    inside, the one mapping the kernel lets a user of no privilege write (``setgroups``
+    denied first, as it requires for the gid). Unmapped, the overlay of ``private_view``
+    could not be mounted (the bundle was read-only to a non-root runtime's containers), the
+    container read its own uid, gid and files' owners as the overflow id (65534), and a user
+    namespace it made (a sandbox's) could map no id. What the map changes for it: it sees
+    the ids it runs as on the host, as without the namespace; the capabilities it holds in
+    the namespace (it held them unmapped too, and an ``exec`` drops them) now reach inodes
+    of its own uid, so it may do to its own files what their owner may anyway (chmod them);
+    no other uid is mapped, so it can take none, and nothing changes outside the namespace.
+    ``setgroups`` stays denied in it and in the user namespaces it makes (its supplementary
+    groups, which read as 65534 there, still grant what they did). A map refused (an LSM,
+    a kernel that allows none): unmapped, as before, the view read-only."""
+    for name, text in (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1")):
+        try:
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+        except OSError:
+            return
 
 
 def _mount(
@@ -89,27 +116,30 @@ def private_view(
     leave a file the next one reads, and be rewarded through it), and bytes the cache's
     budget never counted. Docker gives each container a copy-on-write layer; this is ours.
 
-    In a mount namespace of its own (root, or a user namespace that gave it the capability)
-    the container mounts an overlay at ``<scratch>/image``: the bundle read-only below, a
-    layer of its own above (``<scratch>/.image-layer/upper``), where its writes go and stay.
-    Where the scratch's file system takes no upper dir (overlayfs itself: /tmp and the root
-    in a Docker container, where the kernel refuses an overlay's upper on overlayfs; NFS),
-    the layer is a tmpfs mounted at ``<scratch>/.image-layer`` in the container's namespace,
-    of ``memory_layer_bytes`` at most (a write past it fails with ENOSPC): its writes are in
-    memory, charged to the memory cgroup its processes are in, and gone with the container,
-    as the disk layer is. ``memory_layer_bytes=0``: no layer in memory, read-only there.
-    Where the kernel or the filesystems refuse an overlay all the same, the bundle bound
-    there read-only: a write fails with EROFS, loudly, for root too. The mounts exist in the
+    In a mount namespace of its own (root; not root, in the user namespace of its network's
+    isolation, where its own uid is mapped, ``isolate_network``, on a kernel that mounts
+    overlayfs in a user namespace, 5.11 up) the container mounts an overlay at
+    ``<scratch>/image``: the bundle read-only below, a layer of its own above
+    (``<scratch>/.image-layer/upper``), where its writes go and stay. Where the scratch's file
+    system takes no upper dir (overlayfs itself: /tmp and the root in a Docker container,
+    where the kernel refuses an overlay's upper on overlayfs; NFS), the layer is a tmpfs
+    mounted at ``<scratch>/.image-layer`` in the container's namespace, of
+    ``memory_layer_bytes`` at most (a write past it fails with ENOSPC): its writes are in
+    memory, charged to the memory cgroup its processes are in, and gone with the container, as
+    the disk layer is. ``memory_layer_bytes=0``: no layer in memory, read-only there. Where
+    the kernel or the filesystems refuse an overlay all the same, the bundle bound there
+    read-only: a write fails with EROFS, loudly, for root too. The mounts exist in the
     container's namespace only, which ends with its last process: nothing is left mounted on
-    the host, nothing needs unmounting, and the layer goes with the container's directory
-    (or its namespace). The cost is a few system calls at its start (no copy), and in a
-    zygote's fork as well.
+    the host, nothing needs unmounting, and the layer goes with the container's directory (or
+    its namespace). The cost is a few system calls at its start (no copy), and in a zygote's
+    fork as well.
 
-    Limits: with no mount namespace to be had (an unprivileged user without user namespaces)
-    the view is the bundle itself, ``"shared"``, as before, and only the bytecode caches are
-    kept out of it (``sys.dont_write_bytecode``); the runtime says so on the container. The
-    layer's bytes are the container's directory's (or its tmpfs's), not counted by the image
-    cache's budget (``limits.fsize_bytes`` bounds each file)."""
+    Limits: with no mount namespace to be had (an unprivileged user without user namespaces,
+    or with ``network_namespace`` off: its container makes no user namespace for the view
+    alone) the view is the bundle itself, ``"shared"``, as before, and only the bytecode
+    caches are kept out of it (``sys.dont_write_bytecode``); the runtime says so on the
+    container. The layer's bytes are the container's directory's (or its tmpfs's), not counted
+    by the image cache's budget (``limits.fsize_bytes`` bounds each file)."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(CLONE_NEWNS) != 0:
         return bundle, "shared"

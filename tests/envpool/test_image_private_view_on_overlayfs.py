@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -269,3 +272,62 @@ def test_where_the_scratch_takes_an_upper_dir_the_layer_is_on_it_not_in_memory(t
     assert seen["how"] == "overlay" and seen["layer"] is None
     assert (seen["small"], seen["large"]) == ("written", "written")
     assert seen["bundle"] == ["data.txt", "envpool.json", "writer_env.py"]
+
+
+_UNPRIVILEGED = r"""
+import ctypes, errno, json, os, sys
+from pathlib import Path
+import envpool.server as server
+
+bundle, scratch, uid = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+# a user of no privilege, as the runtime's owner may be: this interpreter (its modules
+# imported above) is under a directory of root's, so root starts it and drops to the uid
+os.setgroups([])
+os.setresgid(uid, uid, uid)
+os.setresuid(uid, uid, uid)
+ctypes.CDLL(None).prctl(4, 1)  # PR_SET_DUMPABLE: a uid dropped from root's leaves /proc/self root's
+isolation = server.isolate_network()  # as server.run: first, before the view
+if isolation != "userns+netns":
+    print(json.dumps({"skip": f"no user namespace for an unprivileged user here ({isolation})"}))
+    sys.exit(0)
+view, how = server.private_view(bundle, scratch)
+out = {"how": how, "uid": os.getuid(), "gid": os.getgid(), "owner": (view / "data.txt").stat().st_uid}
+try:
+    with open(view / "out.txt", "w") as f:
+        f.write("output")
+    with open(view / "data.txt", "a") as f:
+        f.write(" changed")
+    out["read"] = [(view / "out.txt").read_text(), (view / "data.txt").read_text()]
+except OSError as e:
+    out["read"] = errno.errorcode[e.errno]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture
+def open_dir():
+    # (pytest's tmp_path is under a directory of root's alone: no other user reaches it)
+    d = Path(tempfile.mkdtemp(prefix="envpool-test-"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d)
+
+
+@needs_root  # (to start the child that drops to a user of no privilege)
+def test_an_unprivileged_user_with_user_namespaces_gets_a_writable_private_layer(open_dir):
+    if tuple(int(n) for n in re.findall(r"[0-9]+", os.uname().release)[:2]) < (5, 11):
+        pytest.skip("the kernel mounts no overlayfs in a user namespace before 5.11")
+    uid = 54321  # no user's: a runtime's owner of no privilege
+    bundle, scratch = _image_src(open_dir / "bundle"), open_dir / "scratch"
+    scratch.mkdir()
+    for p in (bundle, *bundle.iterdir(), scratch):
+        os.chown(p, uid, uid)
+    seen = _run(_UNPRIVILEGED, str(bundle), str(scratch), str(uid))
+    # an overlay, not the read-only bundle (its uid unmapped in the network isolation's
+    # user namespace, it could mount none); and it sees its own ids, not the overflow id
+    assert seen["how"] == "overlay"
+    assert seen["read"] == ["output", "original changed"]
+    assert (seen["uid"], seen["gid"], seen["owner"]) == (uid, uid, uid)
+    assert (bundle / "data.txt").read_text() == "original"
+    assert not (bundle / "out.txt").exists()
+    assert str(open_dir) not in _mounts()
