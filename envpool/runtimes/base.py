@@ -161,7 +161,9 @@ class Container:
     isolation: str = "none"
     image_view: str | None = None
     """How it sees its image's bundle (process runtime): ``"overlay"``, the bundle under a
-    writable layer of its own; ``"read-only"``, the bundle read-only; ``"shared"``, the
+    writable layer of its own (in its directory, or a tmpfs where that directory's file system
+    takes no overlay layer: ``ProcessRuntimeConfig.memory_layer_bytes``); ``"read-only"``,
+    the bundle read-only; ``"shared"``, the
     cache's directory itself, which its writes change for every later container (no mount
     namespace to be had). None: the runtime's containers have images of their own."""
     started_at: float = field(default_factory=time.monotonic)
