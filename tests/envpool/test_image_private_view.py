@@ -6,6 +6,7 @@ view of the bundle (``envpool.server.private_view``)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -145,13 +146,15 @@ mount = server._mount
 
 def no_overlay(libc, source, target, fstype, flags, data=""):
     if fstype == "overlay":  # as a kernel without overlayfs, or an upper fs it refuses
-        raise OSError(19, "No such device", target)
+        raise OSError(err, os.strerror(err), target)
     mount(libc, source, target, fstype, flags, data)
 
 server._mount = no_overlay
-bundle, scratch = Path(sys.argv[1]), Path(sys.argv[2])
+bundle, scratch, err = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 view, how = server.private_view(bundle, scratch)
 out = {"how": how, "view": str(view), "read": (view / "data.txt").read_text()}
+with open("/proc/self/mountinfo") as f:  # (the view's, in this process's namespace)
+    out["mounted"] = sorted(line.split()[4] for line in f if str(scratch) in line)
 try:
     with open(view / "left.txt", "w") as f:
         f.write("x")
@@ -163,12 +166,19 @@ print(json.dumps(out))
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a mount namespace of its own needs root here")
-def test_where_no_overlay_can_be_had_the_image_is_read_only_and_a_write_says_so(tmp_path):
+@pytest.mark.parametrize(
+    "err",
+    # no overlayfs in the kernel (no layer in memory is tried); or a refusal a layer in
+    # memory would answer, yet the overlay on it is refused too (its tmpfs is unmounted)
+    [errno.ENODEV, errno.EINVAL],
+    ids=["no-overlayfs", "refused-on-tmpfs-too"],
+)
+def test_where_no_overlay_can_be_had_the_image_is_read_only_and_a_write_says_so(tmp_path, err):
     bundle, scratch = _image_src(tmp_path / "bundle"), tmp_path / "scratch"
     scratch.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run(
-        [sys.executable, "-c", _NO_OVERLAY, str(bundle), str(scratch)],
+        [sys.executable, "-c", _NO_OVERLAY, str(bundle), str(scratch), str(err)],
         capture_output=True,
         text=True,
         env=env,
@@ -181,6 +191,7 @@ def test_where_no_overlay_can_be_had_the_image_is_read_only_and_a_write_says_so(
         "view": str(scratch / "image"),
         "read": "original",
         "write": "Read-only file system",
+        "mounted": [str(scratch / "image")],
     }
     assert not (bundle / "left.txt").exists()
     assert str(tmp_path) not in _mounts()  # (the child's namespace went with it)
