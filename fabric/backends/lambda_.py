@@ -74,8 +74,12 @@ _READ_MARGIN_S = 15.0
 #: at the deadline itself, and the handler stops there; this only frees the connection.
 _DEADLINE_MARGIN_S = 1.0
 #: The read timeouts (s) a call's own rounds up to: botocore takes a read timeout per client,
-#: so each step is a client (and a connection pool) of its own, made when first needed.
-_READ_STEPS = (2.0, 3.0, 5.0, 8.0, 12.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 450.0, 600.0)
+#: so each step is a client (and a connection pool, idle connections kept) of its own, made
+#: when first needed. Few and coarse: a call's deadline shrinks as it is retried, and its
+#: attempts, and calls sent later, would otherwise each fill another pool (the idle
+#: connections a ``fabric serve`` counts against the tenant's ``max_connections``); a hung
+#: connection is still given up within a few times the call's own time.
+_READ_STEPS = (2.0, 5.0, 15.0, 60.0, 240.0, 600.0)
 
 
 class LambdaBackend(LambdaReplies, Backend):

@@ -79,7 +79,9 @@ class TenantConfig(_Model):
     closes the tenant's least recently used idle connection; with every one busy, it is
     answered 429 ``TooManyRequestsException`` and its connection closes. ``None``: twice
     ``max_concurrency`` (each call in flight needs a connection, and a pooling client keeps
-    spares: boto3, as the lambda backend sets it up, up to twice its concurrency)."""
+    spares: the lambda backend's http transport up to its ``max_connections``; its boto3
+    transport up to twice that per read-timeout step in use, of six, so a job whose calls'
+    deadlines span several steps may hold more: the idle ones this closes it opens again)."""
     invoke: bool = True
     """Whether this tenant may invoke functions. ``false``: a token that reads ``/metrics``
     and nothing else (a monitoring scraper's, with ``metrics: all``), so a leaked scrape
