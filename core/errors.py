@@ -81,28 +81,40 @@ class DiskFullError(CoreError):
     ``EDQUOT``); ``path`` names it. Raised for the ``OSError`` in one line that says what to
     do: it was a traceback that did not say which file, nor that a resume goes on."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, where: str | None = None):
         # the path alone is the exception's argument: Ray pickles it back from the trainer
-        # actor by it
+        # actor by it (``where`` is the driver's only)
         super().__init__(str(path))
         self.path = str(path)
+        self.where = where
+        """Where the full disk may be, when the error named no file (``path`` is then the
+        run directory, only one of the places the job writes to)."""
 
     def __str__(self) -> str:
+        what = (
+            f"to write {self.path!r}: free space there"
+            if self.where is None
+            else f"where the job writes ({self.where}): free space"
+        )
         return (
-            f"no space left on the device to write {self.path!r}: free space there (or choose "
-            "another run_dir), then run again; with checkpoint.every, --resume goes on from the "
-            "latest checkpoint"
+            f"no space left on the device {what} (or choose another run_dir), then run again; "
+            "with checkpoint.every, --resume goes on from the latest checkpoint"
         )
 
 
-def disk_full(error: BaseException | None, path: str | Path | None = None) -> DiskFullError | None:
+def disk_full(
+    error: BaseException | None, path: str | Path | None = None, *, where: str | None = None
+) -> DiskFullError | None:
     """``DiskFullError`` for an ``OSError`` that says the disk is full, naming its file (or
-    ``path`` where it names none: a buffered write's flush does not); None for any other."""
+    ``path`` where it names none: a buffered write's flush does not; or, given ``where``, the
+    places the write may have been to); None for any other."""
     if isinstance(error, DiskFullError):
         return error
     if not isinstance(error, OSError) or error.errno not in (errno.ENOSPC, errno.EDQUOT):
         return None
-    return DiskFullError(error.filename if error.filename is not None else path or "?")
+    if error.filename is not None:
+        return DiskFullError(error.filename)
+    return DiskFullError(path or "?", where)
 
 
 @contextlib.contextmanager

@@ -121,8 +121,9 @@ class Job(JobSetup):
             return await term_as_interrupt(self._run)
         except OSError as e:
             # a full disk met where no write says its file (the images' cache, the initial
-            # policy, a trace): one line all the same, naming the run directory
-            full = disk_full(e, self.cfg.run_dir)
+            # policy, a trace): one line all the same, naming the places it may be (the run
+            # directory alone sent the user to the wrong disk when /tmp was the full one)
+            full = disk_full(e, self.cfg.run_dir, where=self._writes_to())
             if full is None:
                 raise
             raise full from e
@@ -132,6 +133,17 @@ class Job(JobSetup):
             # found after the load (the policy build, the cluster, the warm-up), where only
             # the key is known: "invalid job config (1 problem)" did not say which file
             raise ConfigError(e.problems, self.source).with_traceback(e.__traceback__) from None
+
+    def _writes_to(self) -> str:
+        """The places on disk the job writes to, for a full disk met where no file was named."""
+        import tempfile
+
+        run_dir = Path(self.cfg.run_dir)
+        cache, tmp = self.cfg.images.cache_dir(run_dir), tempfile.gettempdir()
+        places = [f"the run directory {str(run_dir)!r}"]
+        if not cache.is_relative_to(run_dir):  # (under it by default: the same disk)
+            places.append(f"the image cache {str(cache)!r}")
+        return ", ".join([*places, f"the temp directory {tmp!r}"])
 
     async def _run(self, term: TermAsInterrupt) -> dict[str, Any]:
         cfg = self.cfg

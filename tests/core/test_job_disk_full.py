@@ -142,3 +142,32 @@ def test_a_full_disk_ends_the_run_with_one_line_and_failure_json(
     assert failure["error"].startswith("DiskFullError: no space left"), failure
     assert not (run / "summary.json").exists()
     assert yaml.safe_load((run / "config.yaml").read_text())["steps"] == 2
+
+
+async def test_a_full_disk_no_write_named_names_each_place_the_job_writes_to(tmp_path, monkeypatch):
+    # met where no write says its file (the image cache's unpack, a temp file): the error
+    # named the run directory alone, sending the user to free space on the wrong disk
+    import tempfile
+
+    from core.job import Job
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    cfg = job_config(tmp_path, images={"dir": str(tmp_path / "cache")})
+    job = Job(cfg, progress=False)
+
+    async def full(term: object) -> None:
+        _full()
+
+    monkeypatch.setattr(job, "_run", full)
+    with pytest.raises(DiskFullError) as got:
+        await job.run()
+    text = str(got.value)
+    assert f"the run directory {str(cfg.run_dir)!r}" in text and "to write" not in text, text
+    assert f"the image cache {str(tmp_path / 'cache')!r}" in text, text
+    assert f"the temp directory {str(tmp_path / 'tmp')!r}" in text and "--resume" in text, text
+    # the cache under the run directory (the default) is its disk: not said twice
+    job = Job(job_config(tmp_path), progress=False)
+    monkeypatch.setattr(job, "_run", full)
+    with pytest.raises(DiskFullError) as got:
+        await job.run()
+    assert "image cache" not in str(got.value)
