@@ -57,10 +57,13 @@ async def start_ray() -> None:
     try:
         await asyncio.shield(start)
     except asyncio.CancelledError:
-        with contextlib.suppress(Exception):  # a start that failed meanwhile: nothing to stop
-            await start
-        if ray.is_initialized():
-            ray.shutdown()
+        # every further cancellation too (a second Ctrl-C: asyncio.run cancels the task
+        # again) waits for the start: left then, Ray came up after, with no one to stop it
+        while not start.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({start})
+        if not start.cancelled() and start.exception() is None and ray.is_initialized():
+            ray.shutdown()  # (a start that failed meanwhile: nothing to stop)
         raise
 
 

@@ -119,3 +119,30 @@ def test_sigterm_while_ray_starts_leaves_none_of_its_processes(tmp_path):
         for pid in _session(p.pid):  # what the job left: its own session's, no one else's
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+async def test_a_start_cancelled_twice_still_shuts_the_started_ray_down(monkeypatch):
+    # the second cancellation (a second Ctrl-C) left the wait for the start: Ray came up
+    # after, and nothing shut it down
+    import asyncio
+    import threading
+
+    import ray
+
+    from core import cluster
+
+    gate, up, shut = threading.Event(), threading.Event(), []
+    monkeypatch.setattr(ray, "init", lambda **_: (gate.wait(30), up.set()))
+    monkeypatch.setattr(ray, "is_initialized", up.is_set)
+    monkeypatch.setattr(ray, "shutdown", lambda: shut.append(True))
+    task = asyncio.ensure_future(cluster.start_ray())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    assert not task.done()  # still waiting for the start, which nothing can interrupt
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert shut == [True]
