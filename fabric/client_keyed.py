@@ -313,6 +313,10 @@ class KeyedCalls(Attempts):
                 ex.kept = self._conclude(
                     fn, key, user_key, result, not result.ok and self._may_have_effects(fn, sent), ex.digest
                 )
+                if ex.kept is None and result.ok and self._cache_on and self._may_have_effects(fn, sent):
+                    # an answer too large to keep: the next call with the key would apply the
+                    # effect again (the callers that joined still get the answer itself)
+                    self._remember(key, self._not_kept(fn.spec.name, user_key, result), ex.digest)
             if not ex.unsent:
                 self._settle(fn, result, t0)
             return result
@@ -356,6 +360,23 @@ class KeyedCalls(Attempts):
             self._remember(_effect_key(name, user_key), unknown, digest)
             return self._remember(key, unknown, digest)
         return None
+
+    @property
+    def _cache_on(self) -> bool:
+        return self.config.idempotency_cache_size > 0
+
+    @staticmethod
+    def _not_kept(name: str, user_key: str, result: Result) -> Result:
+        """What a key keeps for an answer of a function with side effects too large to keep."""
+        return Result.failure(
+            ErrorCode.OUTCOME_UNKNOWN,
+            f"{name}: the call under idempotency key {user_key!r} ran and answered, but its answer "
+            f"(about {_approx_bytes('', result):,} bytes) is larger than idempotency_cache_bytes and "
+            f"was not kept; {name} has side effects, so it is not run again under this key. Raise "
+            "idempotency_cache_bytes to keep such answers, or call with a new idempotency key",
+            function=name,
+            request_id=result.request_id,
+        )
 
     def _remember(self, key: str, result: Result, digest: bytes) -> Result | None:
         """Keep ``result`` under ``key``, made for the payload of ``digest``; returns it, or

@@ -106,11 +106,11 @@ async def test_a_keyed_side_effect_that_never_got_a_thread_is_not_left_outcome_u
 _MB = 1_000_000
 
 
-def _sized_registry() -> tuple[Registry, dict[str, int]]:
+def _sized_registry(side_effects: bool = False) -> tuple[Registry, dict[str, int]]:
     reg = Registry()
     runs: dict[str, int] = {}
 
-    @reg.function(name="sized", warm=0, timeout_s=30)
+    @reg.function(name="sized", warm=0, timeout_s=30, side_effects=side_effects)
     def sized(tag: str, size: int) -> str:
         runs[tag] = runs.get(tag, 0) + 1
         return "x" * size
@@ -151,3 +151,17 @@ async def test_an_answer_larger_than_the_whole_bound_is_not_kept_and_drops_nothi
         again = await c.call("sized", {"tag": "huge", "size": 2 * _MB}, idempotency_key="huge")
         assert again.ok and not again.cached
     assert runs == {"small": 1, "huge": 2}
+
+
+async def test_a_side_effects_answer_too_large_to_keep_is_not_run_again_under_its_key():
+    """Not kept, a side effect's answer let the next call with its key apply the effect
+    again: a stand-in is kept instead, saying the call ran and why its answer is gone."""
+    reg, runs = _sized_registry(side_effects=True)
+    config = {"hedge": {"enabled": False}, "idempotency_cache_bytes": _MB}
+    async with Client(backend="inproc", registry=reg, config=config) as c:
+        huge = await c.call("sized", {"tag": "huge", "size": 2 * _MB}, idempotency_key="huge")
+        assert huge.ok and len(huge.value) == 2 * _MB
+        again = await c.call("sized", {"tag": "huge", "size": 2 * _MB}, idempotency_key="huge")
+        assert not again.ok and again.cached and again.error.type == ErrorCode.OUTCOME_UNKNOWN
+        assert "ran and answered" in again.error.message and "idempotency_cache_bytes" in again.error.message
+    assert runs == {"huge": 1}
