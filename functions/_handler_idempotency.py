@@ -208,6 +208,17 @@ class _Idempotency(_ContainerBase):
         key = self._key(inv, runner.spec)
         try:
             result = self._idempotent(key=key, run=run_started)
+            if isinstance(result, _Unreadable) and runner.spec.side_effects:
+                # the record says the call ran: run again, the effect would be applied twice
+                return self._failure(
+                    inv,
+                    ErrorCode.OUTCOME_UNKNOWN,
+                    f"the call under idempotency key {inv.idempotency_key!r} ran before, and its "
+                    "record cannot be read by this version of the handler (another version wrote "
+                    f"it); {inv.function} has side effects, so it is not run again under this key: "
+                    "call it with a new key (or once the record expires)",
+                    started=True,
+                )
             if isinstance(result, _Unreadable):
                 # a record no version of this code can answer with: dropped, and the call runs
                 # as if the key had none (the record failed every call with the key until it

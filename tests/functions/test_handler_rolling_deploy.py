@@ -1,7 +1,8 @@
 """The Lambda entry point's idempotency records during a rolling deploy: a record written by
 a newer handler (its ``Result`` carries a field this code does not know) is still read back
 as the answer under its key, and one this code cannot read at all is treated as absent,
-with a warning, instead of failing every call with the key."""
+with a warning, instead of failing every call with the key (but for a function with side
+effects, which is not run again on it)."""
 
 from __future__ import annotations
 
@@ -90,3 +91,19 @@ def test_a_record_unreadable_again_after_it_was_dropped_is_not_started(
     second = invoke("counted", {"key": "again"}, idempotency_key="k-again", request_id="r2")
     assert second.error is not None and second.error.type == ErrorCode.NOT_STARTED, second.error
     assert second.started is False and CALLS["counted:again"] == 1
+
+
+def test_an_unreadable_record_of_a_side_effect_is_not_run_again(table: Any) -> None:
+    """The record says the call ran: dropped and run again, a function with side effects
+    applied its effect twice. Its call is answered ``OutcomeUnknown`` (final) instead, and
+    the record is left for the version that wrote it."""
+    from fabric.errors import ErrorCode
+
+    payload = {"key": "fx", "seconds": 0}
+    first = invoke("async_effect", payload, idempotency_key="k-fx", request_id="r1")
+    assert first.ok and CALLS["async_effect:fx"] == 1
+    assert _rewrite_records(table, lambda stored: {**stored, "ok": {"not": "a bool"}}) == 1
+    second = invoke("async_effect", payload, idempotency_key="k-fx", request_id="r2")
+    assert second.error is not None and second.error.type == ErrorCode.OUTCOME_UNKNOWN, second.error
+    assert "not run again" in second.error.message and CALLS["async_effect:fx"] == 1
+    assert sum("data" in item for item in table.scan(TableName=TABLE)["Items"]) == 1  # left as it was
