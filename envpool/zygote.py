@@ -37,7 +37,10 @@ import signal
 import sys
 from typing import Any
 
-import envpool.envs  # noqa: F401 - imported once here, inherited by every container
+# imported once here, inherited by every container; and the sweep's module, loaded before
+# _exit needs it (an import there, in a signal handler, could meet one half done)
+import envpool.envs
+import envpool.envs.code_repair_kill  # noqa: F401
 import envpool.server as server
 from envpool import escapees
 
@@ -98,7 +101,14 @@ def _exit(children: dict[int, int], marks: dict[int, str]) -> None:
     children die with it (PR_SET_PDEATHSIG), but what they started in their groups or outside
     them (an environment's helper) would run on under init, and nobody is left to kill it: the
     pool died, or closed without asking. Unreaped children all: their pids are still their
-    groups' ids."""
+    groups' ids.
+
+    Entered at once by both of the pool's deaths (stdin's end, and the SIGTERM of
+    PR_SET_PDEATHSIG): SIGTERM is blocked first, so that it cannot run a second ``_exit``
+    inside this one's sweep, which ended the process at its ``os._exit`` with the first's
+    sweep cut short (an import of the sweep's module half done, a helper stopped and never
+    killed: it ran on under init)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     for pid in list(children.values()):
         _kill(pid)
     with contextlib.suppress(Exception):  # (the groups are gone: the zygote must still end)

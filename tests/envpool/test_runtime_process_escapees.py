@@ -190,7 +190,49 @@ def test_a_driver_killed_leaves_no_helper_outside_its_containers_groups(tmp_path
         deadline = time.monotonic() + GONE_S
         while _alive(helper) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert not _alive(helper)
+        assert not _alive(helper), _what_is(helper)
+
+
+def test_a_sigterm_during_the_zygotes_end_does_not_cut_its_sweep_short():
+    # the pool's death reaches the zygote twice at once (stdin's end, PR_SET_PDEATHSIG's
+    # SIGTERM): the signal ran a second _exit inside the first one's sweep, and its os._exit
+    # ended the process with the first sweep half done (seen in full runs: a helper ran on)
+    root = Path(__file__).resolve().parents[2]
+    code = """
+import os, signal
+from envpool import escapees, zygote
+
+def sweep(tokens):
+    print("sweep", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)  # the pool's other death notice, mid-sweep
+    for _ in range(100_000):  # bytecode boundaries, where a handler runs
+        pass
+    print("swept", flush=True)
+
+escapees.sweep = sweep
+signal.signal(signal.SIGTERM, lambda *_: zygote._exit({}, {1: "m"}))
+zygote._exit({}, {1: "m"})
+"""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert (out.returncode, out.stdout) == (0, "sweep\nswept\n"), out.stdout + out.stderr[-2000:]
+
+
+def _what_is(pid: int) -> str:
+    """What a process that should be gone is doing (its state, its mark), and what is left of
+    the runtime's processes, for a failure to say."""
+    said = []
+    for name in ("status", "environ", "wchan"):
+        with contextlib.suppress(OSError):
+            text = Path(f"/proc/{pid}/{name}").read_bytes().decode(errors="replace")
+            if name == "status":
+                text = " ".join(ln for ln in text.splitlines() if ln.split(":")[0] in ("State", "PPid"))
+            elif name == "environ":
+                text = " ".join(e for e in text.split("\0") if e.startswith("ENVPOOL_"))
+            said.append(f"{name}: {text}")
+    ps = subprocess.run(["ps", "-eo", "pid,ppid,stat,args"], capture_output=True, text=True).stdout
+    said += [ln for ln in ps.splitlines() if "zygote" in ln or "driver.py" in ln]
+    return "\n".join(said)
 
 
 async def test_the_orphan_reaper_kills_what_a_dead_drivers_containers_left(tmp_path, monkeypatch):
