@@ -90,3 +90,58 @@ def check_invariants(summary: dict[str, Any], cfg: JobConfig) -> None:
 def train_rows(run_dir: Path) -> list[dict[str, Any]]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r.get("kind") == "train"]
+
+
+def job_process(tmp_path: Path, module: str, code: str, mark_env: str, **over: Any) -> tuple[Any, Path]:
+    """``python -m core.job`` on a one-step job in a session of its own, with ``code`` as the
+    importable module ``module`` (a discover module, a reward) and ``$mark_env`` naming a
+    file it may touch to say how far the start got; the process and that file."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    (tmp_path / f"{module}.py").write_text(code)
+    mark = tmp_path / "mark"
+    data = {
+        "engine": {"max_new_tokens": 1, "kwargs": TINY},
+        "envs": [LATENCY],
+        "rewards": {"latency": [{"function": "env_return"}]},
+        "batch_size": 2,
+        "group_size": 2,
+        "steps": 1,
+        "rollout": {"eval_every": 0},
+        "fabric": {"workers": 1, "discover": ["functions", module]},
+        "envpool": {"min_warm": 1},
+        "run_dir": str(tmp_path / "run"),
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(_merge(data, over)))
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "core.job", str(path)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{tmp_path}", mark_env: str(mark)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own session: its processes are told by it
+    )
+    return proc, mark
+
+
+def stopped_by_sigterm(proc: Any) -> str:
+    """SIGTERM ``proc`` (a ``job_process``): it must stop as Ctrl-C does (exit 130,
+    "interrupted", no traceback) within 60 s; its stderr."""
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("SIGTERM did not stop the job within 60 s") from None
+    assert proc.returncode == 130 and err.strip().endswith("interrupted"), (proc.returncode, err[-2000:])
+    assert "SIGTERM received" not in err and "Traceback" not in err, err[-2000:]
+    return err

@@ -15,6 +15,8 @@ from job_helpers import (
     LATENCY,
     TINY,
     job_config,
+    job_process,
+    stopped_by_sigterm,
 )
 
 
@@ -196,35 +198,15 @@ def test_sigterm_while_the_actors_and_pools_start_stops_the_job_as_ctrl_c_does(t
     # setup) ended the job with exit code 15 and no word, or with the C stack trace and a
     # Python traceback ("Task exception was never retrieved")
     import signal
-    import subprocess
-    import sys
     import time
 
-    (tmp_path / "slow_setup_rewards.py").write_text(SLOW_SETUP)
-    mark = tmp_path / "warming"
-    data = {
-        "engine": {"max_new_tokens": 1, "kwargs": TINY},
-        "envs": [LATENCY],
-        "rewards": {"latency": [{"function": "slow_setup"}]},
-        "batch_size": 2,
-        "group_size": 2,
-        "steps": 1,
-        "rollout": {"eval_every": 0},
-        "fabric": {"workers": 1, "discover": ["slow_setup_rewards"]},
-        "envpool": {"min_warm": 1},
-        "run_dir": str(tmp_path / "run"),
-    }
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(data))
-    root = Path(__file__).resolve().parents[2]
-    p = subprocess.Popen(
-        [sys.executable, "-m", "core.job", str(path)],
-        cwd=root,
-        env={**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{tmp_path}", "SLOW_SETUP_MARK": str(mark)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    p, mark = job_process(
+        tmp_path,
+        "slow_setup_rewards",
+        SLOW_SETUP,
+        "SLOW_SETUP_MARK",
+        rewards={"latency": [{"function": "slow_setup"}]},
+        fabric={"discover": ["slow_setup_rewards"]},
     )
     try:
         deadline = time.monotonic() + 240
@@ -233,13 +215,7 @@ def test_sigterm_while_the_actors_and_pools_start_stops_the_job_as_ctrl_c_does(t
             assert time.monotonic() < deadline, "the reward's setup did not start within 240 s"
             time.sleep(0.1)
         started = _descendants(p.pid)
-        p.send_signal(signal.SIGTERM)
-        try:
-            _, err = p.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("SIGTERM did not stop the job within 60 s") from None
-        assert p.returncode == 130 and err.strip().endswith("interrupted"), (p.returncode, err[-2000:])
-        assert "SIGTERM received" not in err and "Traceback" not in err, err[-2000:]
+        stopped_by_sigterm(p)
         deadline = time.monotonic() + 20
         while (left := {q for q in started if _alive(q)}) and time.monotonic() < deadline:
             time.sleep(0.2)

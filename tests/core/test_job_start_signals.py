@@ -8,8 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-import yaml
-from job_helpers import LATENCY, TINY
+from job_helpers import job_process, stopped_by_sigterm
 
 # Imported by the job as its fabric.discover module (before it starts Ray): Ray's start
 # waits, once its processes (the GCS, the raylet and the agents the raylet starts) are up,
@@ -57,36 +56,9 @@ def test_sigterm_while_ray_starts_leaves_none_of_its_processes(tmp_path):
     # started, nothing shut that node down, and the raylet's agents (ray::DashboardAgent,
     # ray::RuntimeEnvAgent) ran on for 30 s and more after the job had gone
     import signal
-    import subprocess
-    import sys
     import time
 
-    (tmp_path / "slow_ray_start.py").write_text(SLOW_RAY_START)
-    mark = tmp_path / "ray-started"
-    data = {
-        "engine": {"max_new_tokens": 1, "kwargs": TINY},
-        "envs": [LATENCY],
-        "rewards": {"latency": [{"function": "env_return"}]},
-        "batch_size": 2,
-        "group_size": 2,
-        "steps": 1,
-        "rollout": {"eval_every": 0},
-        "fabric": {"workers": 1, "discover": ["functions", "slow_ray_start"]},
-        "envpool": {"min_warm": 1},
-        "run_dir": str(tmp_path / "run"),
-    }
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(data))
-    root = Path(__file__).resolve().parents[2]
-    p = subprocess.Popen(
-        [sys.executable, "-m", "core.job", str(path)],
-        cwd=root,
-        env={**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{tmp_path}", "RAY_STARTED_MARK": str(mark)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own session: its processes are told by it
-    )
+    p, mark = job_process(tmp_path, "slow_ray_start", SLOW_RAY_START, "RAY_STARTED_MARK")
     try:
         deadline = time.monotonic() + 120
         while not mark.exists():
@@ -98,13 +70,7 @@ def test_sigterm_while_ray_starts_leaves_none_of_its_processes(tmp_path):
         while not any(cmd.startswith("ray::") for cmd in _session(p.pid).values()):
             assert time.monotonic() < deadline, _session(p.pid)
             time.sleep(0.05)
-        p.send_signal(signal.SIGTERM)
-        try:
-            _, err = p.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("SIGTERM did not stop the job within 60 s") from None
-        assert p.returncode == 130 and err.strip().endswith("interrupted"), (p.returncode, err[-2000:])
-        assert "Traceback" not in err and "SIGTERM received" not in err, err[-2000:]
+        err = stopped_by_sigterm(p)
         assert "SIGTERM handler is not set" not in err, err[-2000:]  # Ray's word off the main thread
         # Ray's shutdown stops its processes gracefully (a second or two each); left alone,
         # the agents ran on for 30 s and more
