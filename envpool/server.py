@@ -161,7 +161,11 @@ def private_view(
     # overlayfs, or lets this namespace mount none: a tmpfs would change neither
     if memory_layer_bytes > 0 and err not in (errno.ENODEV, errno.EPERM):
         try:
-            options = f"size={memory_layer_bytes},mode=0700"
+            # nr_inodes too: size counts data pages only, and the default (half the host's
+            # pages) let empty files, directories and links hold kernel memory past the bound;
+            # one inode a page, as a small file on disk takes a block
+            inodes = max(memory_layer_bytes // 4096, 64)
+            options = f"size={memory_layer_bytes},nr_inodes={inodes},mode=0700"
             _mount(libc, "tmpfs", str(layer), "tmpfs", _MS_NOSUID | _MS_NODEV, options)
         except OSError:
             pass
