@@ -90,6 +90,11 @@ class LengthPredictor:
         reached length alone as the target would teach that trajectories end where cut)."""
         if self._w is None or not turns:
             return
+        if self._pending:
+            # imputed against the statistics as they are: the last refit's model may be up
+            # to refit_every - 1 trajectories old, and a target near its (shorter, after a
+            # drift) prediction pulled the next refit down
+            self.refit()
         floor = math.log1p(sum(n for n, _ in turns))
         sigma = math.sqrt(self._sq_err / self._n_err) if self._n_err > 0 else 0.0
         for x in _samples(prompt_tokens, turns):
