@@ -21,6 +21,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import signal
 import socket
 import sys
@@ -179,6 +180,32 @@ def private_view(
     except OSError:
         return bundle, "shared"  # (a bind left writable is no view to give it: unused)
     return view, "read-only"
+
+
+def remove_scratch(path: str | Path) -> None:
+    """Remove a container's directory (or a runtime's root of them), what its view left
+    there included: the kernel makes an overlay's ``work/work`` with mode 0, which root
+    removes regardless but a runtime of no privilege (whose containers mount the overlay in
+    their user namespace) could neither list nor empty, so its containers' directories were
+    left behind. Errors are ignored, as ``shutil.rmtree(..., ignore_errors=True)``'s."""
+    try:
+        shutil.rmtree(path)
+        return
+    except FileNotFoundError:
+        return
+    except OSError:
+        pass
+    # top-down: each directory is opened up before the walk goes into it; a link is not
+    # followed (what a container left could point anywhere its uid owns)
+    for root, dirs, _ in os.walk(path):
+        for d in dirs:
+            with contextlib.suppress(OSError):
+                fd = os.open(os.path.join(root, d), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_PATH)
+                try:
+                    os.chmod(f"/proc/self/fd/{fd}", 0o700)
+                finally:
+                    os.close(fd)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _overlay(libc: Any, bundle: Path, layer: Path, view: Path) -> int:

@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from envpool import escapees
+from envpool import escapees, server
 from envpool.errors import ContainerStartError
 from envpool.runtimes.base import Container, ProcessRuntimeConfig, Runtime, proc_cpu_seconds
 
@@ -80,7 +79,7 @@ def _reap_dead_roots(tmp: Path) -> list[str]:
             with contextlib.suppress(OSError):
                 cdirs = [Path(d.path) for d in os.scandir(entry.path) if d.is_dir(follow_symlinks=False)]
                 escapees.sweep({escapees.token(cdir) for cdir in cdirs})
-            shutil.rmtree(entry.path, ignore_errors=True)
+            server.remove_scratch(entry.path)
             removed.append(entry.path)
     return removed
 
@@ -252,7 +251,7 @@ class _Zygote:
                 if "pid" in msg:
                     self._send({"req": next(self.ids), "kill": req})
                 if cwd is not None:
-                    shutil.rmtree(cwd, ignore_errors=True)
+                    server.remove_scratch(cwd)
                 continue
             fut.set_result(msg)
         # the end of its output is its death (nothing else holds the pipe): a start from now on
@@ -300,7 +299,7 @@ class _Zygote:
         for req in sorted(sent):  # what it never answered: each start fails without its directory
             cwd = self.cwds.pop(req, None)
             if cwd is not None:
-                shutil.rmtree(cwd, ignore_errors=True)
+                server.remove_scratch(cwd)
             fut = self.waiting.pop(req, None)
             if fut is not None and not fut.done():
                 fut.set_exception(ContainerStartError("the zygote exited; it will be restarted"))
@@ -353,7 +352,7 @@ class _Zygote:
                 # its answer was read in the loop turn that cancelled us: the reader handed the
                 # container over and nobody will own it (not live, not counted, no pinned image)
                 self._send({"req": next(self.ids), "kill": req})
-                shutil.rmtree(cwd, ignore_errors=True)
+                server.remove_scratch(cwd)
             raise
 
     async def kill(self, child: _Forked) -> None:
@@ -572,7 +571,7 @@ class ProcessRuntime(Runtime):
             mark = escapees.token(Path(c.endpoint).parent)
             await self._sweeps.sweep({mark})
             _LIVE_MARKS.discard(mark)
-        shutil.rmtree(Path(c.endpoint).parent, ignore_errors=True)
+        server.remove_scratch(Path(c.endpoint).parent)
 
     def cpu_seconds(self, c: Container) -> float | None:
         if c.pid is None or not self._alive_now(c):
@@ -599,7 +598,7 @@ class ProcessRuntime(Runtime):
             await self._zygote.aclose()
         await self._sweeps.wait()
         if self._own_root and self._root is not None:
-            shutil.rmtree(self._root, ignore_errors=True)
+            server.remove_scratch(self._root)
         if self._owner_fd is not None:
             os.close(self._owner_fd)
             self._owner_fd = None
