@@ -70,7 +70,8 @@ class ProcessRuntimeConfig(_RuntimeCommon):
     memory_layer_bytes: int = Field(1024**3, ge=0)
     """Where ``root``'s file system takes no overlay upper dir (overlayfs: /tmp and the root
     in a Docker container), each container's writable layer over its image is a tmpfs of at
-    most this many bytes (ENOSPC past it), in memory, charged to its memory cgroup, gone with
+    most this many bytes and one file per 4 KiB of them (ENOSPC past either), in memory,
+    charged to its memory cgroup, gone with
     it; elsewhere the layer is on disk, in its directory. 0: no layer in memory, the image
     read-only there (EROFS). (``envpool.server.private_view``)"""
     zygote: bool = True
