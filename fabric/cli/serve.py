@@ -42,7 +42,11 @@ def serve(
     ] = None,
     token_file: Annotated[str | None, typer.Option(help="File holding the 'default' tenant's token.")] = None,
     tenants: Annotated[
-        str | None, typer.Option(help="Key file: tenants with tokens and quotas (see docs/serve.md).")
+        str | None,
+        typer.Option(
+            help="Tenants file (YAML): each tenant's token, quotas, max_connections, metrics "
+            "access and invoke: false for a scrape-only token (see docs/serve.md)."
+        ),
     ] = None,
     max_concurrency: Annotated[
         int | None,
