@@ -169,7 +169,7 @@ def private_view(
             options = f"size={memory_layer_bytes},nr_inodes={inodes},mode=0700"
             _mount(libc, "tmpfs", str(layer), "tmpfs", _MS_NOSUID | _MS_NODEV, options)
         except OSError:
-            pass
+            pass  # no tmpfs either: the read-only view below
         else:
             if _overlay(libc, bundle, layer, view) == 0:
                 return view, "overlay"
@@ -194,7 +194,7 @@ def remove_scratch(path: str | Path) -> None:
     except FileNotFoundError:
         return
     except OSError:
-        pass
+        pass  # a directory it may not enter: opened up below, then removed again
     # top-down: each directory is opened up before the walk goes into it; a link is not
     # followed (what a container left could point anywhere its uid owns)
     for root, dirs, _ in os.walk(path):

@@ -220,7 +220,7 @@ def test_serve_connection_options_reach_the_servers_config(monkeypatch):
     seen = []
 
     class Stop(fabric.FabricError):
-        pass
+        """Raised where the server would start: the command ends there, exit 2."""
 
     def gateway(cfg, reg):
         seen.append(cfg)
