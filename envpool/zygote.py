@@ -42,7 +42,7 @@ from typing import Any
 import envpool.envs
 import envpool.envs.code_repair_kill  # noqa: F401
 import envpool.server as server
-from envpool import escapees
+from envpool import escapees, isolation
 
 
 def _child(req: dict[str, Any], ready_w: int, inherited: list[int], zygote: int) -> None:
@@ -58,7 +58,7 @@ def _child(req: dict[str, Any], ready_w: int, inherited: list[int], zygote: int)
         os.setsid()  # its own process group: the pool kills a container as a whole
         # the zygote's pid, known before the fork: os.getppid() here is the reaper's already
         # when the zygote died first, and the container would live on, owned by nobody
-        server.die_with_parent(zygote)
+        isolation.die_with_parent(zygote)
         env = req.get("env") or {}
         os.environ.update(env)
         if mark := env.get(escapees.MARK):  # before the environment's code runs

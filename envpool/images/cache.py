@@ -514,7 +514,7 @@ _PRECOMPILE_TIMEOUT_S = 300.0
 def _precompile(root: Path, max_bytes: int | None) -> int:
     """Byte-compile the bundle's modules once, as it is unpacked, before any container sees
     it. A container sees its image read-only below a layer of its own
-    (``envpool.server.private_view``), so the bytecode it writes stays in that layer and
+    (``envpool.isolation.private_view``), so the bytecode it writes stays in that layer and
     went with it: every container compiled the image's modules again (tens of ms for a large
     module, against a zygote fork's few). Written by the cache, never by a container: no
     container can leave bytecode that another one runs. The digest is the archive's and

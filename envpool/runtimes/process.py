@@ -1,7 +1,7 @@
 """The embedded default runtime: each container is an ``envpool.server`` in its own
 session (process group), its own network namespace where the kernel allows, under
 resource limits, with a private directory for its socket and scratch files, and a private
-view of its image's bundle there (``envpool.server.private_view``). A stop kills
+view of its image's bundle there (``envpool.isolation.private_view``). A stop kills
 its process group, then what it started outside the group, found by the mark on all its
 processes' environments (``envpool.escapees``, which says why a mark and where it fails).
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from envpool import escapees, server
+from envpool import escapees, isolation
 from envpool.errors import ContainerStartError
 from envpool.runtimes.base import Container, ProcessRuntimeConfig, Runtime, proc_cpu_seconds
 
@@ -79,7 +79,7 @@ def _reap_dead_roots(tmp: Path) -> list[str]:
             with contextlib.suppress(OSError):
                 cdirs = [Path(d.path) for d in os.scandir(entry.path) if d.is_dir(follow_symlinks=False)]
                 escapees.sweep({escapees.token(cdir) for cdir in cdirs})
-            server.remove_scratch(entry.path)
+            isolation.remove_scratch(entry.path)
             removed.append(entry.path)
     return removed
 
@@ -251,7 +251,7 @@ class _Zygote:
                 if "pid" in msg:
                     self._send({"req": next(self.ids), "kill": req})
                 if cwd is not None:
-                    server.remove_scratch(cwd)
+                    isolation.remove_scratch(cwd)
                 continue
             fut.set_result(msg)
         # the end of its output is its death (nothing else holds the pipe): a start from now on
@@ -299,7 +299,7 @@ class _Zygote:
         for req in sorted(sent):  # what it never answered: each start fails without its directory
             cwd = self.cwds.pop(req, None)
             if cwd is not None:
-                server.remove_scratch(cwd)
+                isolation.remove_scratch(cwd)
             fut = self.waiting.pop(req, None)
             if fut is not None and not fut.done():
                 fut.set_exception(ContainerStartError("the zygote exited; it will be restarted"))
@@ -352,7 +352,7 @@ class _Zygote:
                 # its answer was read in the loop turn that cancelled us: the reader handed the
                 # container over and nobody will own it (not live, not counted, no pinned image)
                 self._send({"req": next(self.ids), "kill": req})
-                server.remove_scratch(cwd)
+                isolation.remove_scratch(cwd)
             raise
 
     async def kill(self, child: _Forked) -> None:
@@ -453,7 +453,7 @@ class ProcessRuntime(Runtime):
         return {
             "sock": str(sock),
             "bundle": str(bundle) if bundle is not None else None,
-            "scratch": str(sock.parent),  # its view of the bundle goes there (``server.private_view``)
+            "scratch": str(sock.parent),  # its view of the bundle goes there (``isolation.private_view``)
             "memory_layer_bytes": cfg.memory_layer_bytes,
             "heartbeat_s": cfg.heartbeat_s,
             "limits": cfg.limits.model_dump(),
@@ -571,7 +571,7 @@ class ProcessRuntime(Runtime):
             mark = escapees.token(Path(c.endpoint).parent)
             await self._sweeps.sweep({mark})
             _LIVE_MARKS.discard(mark)
-        server.remove_scratch(Path(c.endpoint).parent)
+        isolation.remove_scratch(Path(c.endpoint).parent)
 
     def cpu_seconds(self, c: Container) -> float | None:
         if c.pid is None or not self._alive_now(c):
@@ -598,7 +598,7 @@ class ProcessRuntime(Runtime):
             await self._zygote.aclose()
         await self._sweeps.wait()
         if self._own_root and self._root is not None:
-            server.remove_scratch(self._root)
+            isolation.remove_scratch(self._root)
         if self._owner_fd is not None:
             os.close(self._owner_fd)
             self._owner_fd = None

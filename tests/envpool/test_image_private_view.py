@@ -2,7 +2,7 @@
 directory (the image's bundle, as it sees it) or changes of the bundle's files is never seen
 by the next container of the image, nor does it change the unpacked bundle the cache shares,
 its digest or the bytes it counts for it. The process runtime gives each container a private
-view of the bundle (``envpool.server.private_view``)."""
+view of the bundle (``envpool.isolation.private_view``)."""
 
 from __future__ import annotations
 
@@ -140,18 +140,18 @@ async def test_a_container_is_told_its_image_view(tmp_path):
 _NO_OVERLAY = r"""
 import json, os, sys
 from pathlib import Path
-import envpool.server as server
+import envpool.isolation as isolation
 
-mount = server._mount
+mount = isolation._mount
 
 def no_overlay(libc, source, target, fstype, flags, data=""):
     if fstype == "overlay":  # as a kernel without overlayfs, or an upper fs it refuses
         raise OSError(err, os.strerror(err), target)
     mount(libc, source, target, fstype, flags, data)
 
-server._mount = no_overlay
+isolation._mount = no_overlay
 bundle, scratch, err = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
-view, how = server.private_view(bundle, scratch)
+view, how = isolation.private_view(bundle, scratch)
 out = {"how": how, "view": str(view), "read": (view / "data.txt").read_text()}
 with open("/proc/self/mountinfo") as f:  # (the view's, in this process's namespace)
     out["mounted"] = sorted(line.split()[4] for line in f if str(scratch) in line)

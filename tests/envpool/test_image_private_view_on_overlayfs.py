@@ -61,21 +61,21 @@ class Writer(envpool.Env):
 _PRELUDE = r"""
 import ctypes, errno, json, os, sys
 from pathlib import Path
-import envpool.server as server
+import envpool.isolation as isolation
 
 libc = ctypes.CDLL(None, use_errno=True)
 
 def own_namespace():
     # a mount namespace of this process's own: every mount made in it goes with the process
-    if libc.unshare(server.CLONE_NEWNS) != 0:
+    if libc.unshare(isolation.CLONE_NEWNS) != 0:
         print(json.dumps({"skip": "no mount namespace here: " + os.strerror(ctypes.get_errno())}))
         sys.exit(0)
-    server._mount(libc, None, "/", None, server._MS_REC | server._MS_PRIVATE)
+    isolation._mount(libc, None, "/", None, isolation._MS_REC | isolation._MS_PRIVATE)
 
 def mounted(fstype, target, options):
     target.mkdir()
     try:
-        server._mount(libc, fstype, str(target), fstype, 0, options)
+        isolation._mount(libc, fstype, str(target), fstype, 0, options)
     except OSError as e:
         if e.errno in (errno.ENODEV, errno.EPERM):  # no such file system, or no right to it
             print(json.dumps({"skip": f"no {fstype} can be mounted here: {e.strerror}"}))
@@ -224,7 +224,7 @@ else:  # a file system that takes an overlay's upper dir, as the host's ext4 or 
 bundle, scratch = where / "bundle", where / "scratch"
 shutil.copytree(src, bundle)
 scratch.mkdir()
-view, how = server.private_view(bundle, scratch, memory_layer_bytes=bound)
+view, how = isolation.private_view(bundle, scratch, memory_layer_bytes=bound)
 out = {"how": how, "layer": layer_mount(os.getpid(), scratch), "read": (view / "data.txt").read_text()}
 for name, size in (("small", 1000), ("large", 2 * 2**20)):
     try:
@@ -277,7 +277,7 @@ def test_where_the_scratch_takes_an_upper_dir_the_layer_is_on_it_not_in_memory(t
 _UNPRIVILEGED = r"""
 import ctypes, errno, json, os, sys
 from pathlib import Path
-import envpool.server as server
+import envpool.isolation as isolation
 
 bundle, scratch, uid = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 # a user of no privilege, as the runtime's owner may be: this interpreter (its modules
@@ -286,11 +286,11 @@ os.setgroups([])
 os.setresgid(uid, uid, uid)
 os.setresuid(uid, uid, uid)
 ctypes.CDLL(None).prctl(4, 1)  # PR_SET_DUMPABLE: a uid dropped from root's leaves /proc/self root's
-isolation = server.isolate_network()  # as server.run: first, before the view
-if isolation != "userns+netns":
-    print(json.dumps({"skip": f"no user namespace for an unprivileged user here ({isolation})"}))
+level = isolation.isolate_network()  # as server.run: first, before the view
+if level != "userns+netns":
+    print(json.dumps({"skip": f"no user namespace for an unprivileged user here ({level})"}))
     sys.exit(0)
-view, how = server.private_view(bundle, scratch)
+view, how = isolation.private_view(bundle, scratch)
 out = {"how": how, "uid": os.getuid(), "gid": os.getgid(), "owner": (view / "data.txt").stat().st_uid}
 try:
     with open(view / "out.txt", "w") as f:

@@ -19,7 +19,7 @@ from tests.envpool.test_image_private_view_on_overlayfs import _image_src, _moun
 _DROP = r"""
 import ctypes, json, os, shutil, sys
 from pathlib import Path
-import envpool.server as server
+import envpool.isolation as isolation
 
 bundle, scratch, uid, what = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 os.setgroups([])
@@ -27,16 +27,16 @@ os.setresgid(uid, uid, uid)
 os.setresuid(uid, uid, uid)
 ctypes.CDLL(None).prctl(4, 1)  # PR_SET_DUMPABLE
 if what == "container":
-    isolation = server.isolate_network()
-    if isolation != "userns+netns":
-        print(json.dumps({"skip": f"no user namespace for an unprivileged user here ({isolation})"}))
+    level = isolation.isolate_network()
+    if level != "userns+netns":
+        print(json.dumps({"skip": f"no user namespace for an unprivileged user here ({level})"}))
         sys.exit(0)
-    view, how = server.private_view(bundle, scratch)
+    view, how = isolation.private_view(bundle, scratch)
     (view / "out.txt").write_text("output")
     print(json.dumps({"how": how}))
 else:  # the runtime's removal of a stopped container's directory, as its owner
     # the runtime's removal of a stopped container's directory
-    server.remove_scratch(scratch)
+    isolation.remove_scratch(scratch)
     print(json.dumps({"left": sorted(str(p) for p in scratch.rglob("*")) if scratch.exists() else None}))
 """
 

@@ -23,7 +23,7 @@ where = on_overlayfs(root)
 bundle, scratch = where / "bundle", where / "scratch"
 shutil.copytree(src, bundle)
 scratch.mkdir()
-view, how = server.private_view(bundle, scratch, memory_layer_bytes=bound)
+view, how = isolation.private_view(bundle, scratch, memory_layer_bytes=bound)
 out = {"how": how, "made": 0, "error": None}
 for n in range(count):
     try:
