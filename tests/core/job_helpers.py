@@ -92,17 +92,21 @@ def train_rows(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in rows if r.get("kind") == "train"]
 
 
-def job_process(tmp_path: Path, module: str, code: str, mark_env: str, **over: Any) -> tuple[Any, Path]:
-    """``python -m core.job`` on a one-step job in a session of its own, with ``code`` as the
-    importable module ``module`` (a discover module, a reward) and ``$mark_env`` naming a
-    file it may touch to say how far the start got; the process and that file."""
+def job_process(
+    tmp_path: Path, module: str | None = None, code: str = "", mark_env: str = "JOB_MARK", **over: Any
+) -> tuple[Any, Path]:
+    """``python -m core.job`` on a one-step job (``over``: other config) in a session of its
+    own, with ``code`` as the importable module ``module`` (a discover module, a reward; none
+    when None) and ``$mark_env`` naming a file it may touch to say how far the start got; the
+    process and that file."""
     import os
     import subprocess
     import sys
 
     import yaml
 
-    (tmp_path / f"{module}.py").write_text(code)
+    if module is not None:
+        (tmp_path / f"{module}.py").write_text(code)
     mark = tmp_path / "mark"
     data = {
         "engine": {"max_new_tokens": 1, "kwargs": TINY},
@@ -112,7 +116,7 @@ def job_process(tmp_path: Path, module: str, code: str, mark_env: str, **over: A
         "group_size": 2,
         "steps": 1,
         "rollout": {"eval_every": 0},
-        "fabric": {"workers": 1, "discover": ["functions", module]},
+        "fabric": {"workers": 1, "discover": ["functions", *([module] if module else [])]},
         "envpool": {"min_warm": 1},
         "run_dir": str(tmp_path / "run"),
     }

@@ -12,7 +12,6 @@ import pytest
 import yaml
 from job_helpers import (
     FROZENLAKE,
-    LATENCY,
     TINY,
     job_config,
     job_process,
@@ -116,35 +115,10 @@ def test_sigterm_during_training_stops_the_job_as_ctrl_c_does(tmp_path):
     # the driver: a C stack trace on stderr and the process gone at once (exit 143 or 134),
     # none of the job's shutdown run
     import signal
-    import subprocess
-    import sys
     import time
 
-    data = {
-        "engine": {"max_new_tokens": 1, "kwargs": TINY},
-        "envs": [LATENCY],
-        "rewards": {"latency": [{"function": "env_return"}]},
-        "batch_size": 2,
-        "group_size": 2,
-        "steps": 1_000_000,
-        "rollout": {"eval_every": 0},
-        "fabric": {"workers": 1},
-        "envpool": {"min_warm": 2},
-        "run_dir": str(tmp_path / "run"),
-    }
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(data))
-    root = Path(__file__).resolve().parents[2]
+    p, _ = job_process(tmp_path, steps=1_000_000, envpool={"min_warm": 2})
     metrics = tmp_path / "run" / "metrics.jsonl"
-    p = subprocess.Popen(
-        [sys.executable, "-m", "core.job", str(path)],
-        cwd=root,
-        env={**os.environ, "PYTHONPATH": str(root)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # the test's own SIGTERM handling is not the job's
-    )
     try:
         deadline = time.monotonic() + 240
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
@@ -153,13 +127,7 @@ def test_sigterm_during_training_stops_the_job_as_ctrl_c_does(tmp_path):
             time.sleep(0.2)
         started = _descendants(p.pid)  # Ray's processes, its actors, the zygote, containers
         assert started
-        p.send_signal(signal.SIGTERM)
-        try:
-            _, err = p.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("SIGTERM did not stop the job within 60 s") from None
-        assert p.returncode == 130 and err.strip().endswith("interrupted"), err[-2000:]
-        assert "SIGTERM received" not in err and "Traceback" not in err, err[-2000:]
+        stopped_by_sigterm(p)
         deadline = time.monotonic() + 20  # reaped by their own parents, which are going too
         while (left := {q for q in started if _alive(q)}) and time.monotonic() < deadline:
             time.sleep(0.2)
