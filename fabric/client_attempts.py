@@ -255,6 +255,8 @@ class Attempts:
             inv = inv.model_copy(update={"deadline": d})
         spec = self._spec_now(fn)
         version = spec.version  # the code it is sent to
+        # the registrations from this one on: the code registered since is the caller's too
+        since = max(len(self.registry.versions(spec.name)) - 1, 0)
         sent.side_effects = sent.side_effects or spec.side_effects
         sent.versions.append(version)
         backend = self.backend
@@ -313,14 +315,19 @@ class Attempts:
             # job's start), which set the p95 at the cold-start time for thousands of calls
             fn.metrics.window.add((time.perf_counter() - t0) * 1e3)
         ran = result.version
-        # (the code registered since, should it be what answered, is the caller's too; a call
-        # it did not start, found late by a local pool's worker, is none of its code's doing)
+        # other code: none registered from the send on. The code registered since, should it
+        # be what answered, is the caller's too: a local pool replaced under a queued call
+        # hands it to the pool of the function as registered then, which may have been
+        # replaced in turn (compared with the code registered now alone, that answer was
+        # refused). Code registered only before the send is a deployment's old code. A call
+        # it did not start, found late by a local pool's worker, is none of its code's doing
         if (
             ran is not None
             and ran != version
             and ran != fn.spec.version
             and self.config.version_check != "off"
             and result.started is not False
+            and ran not in self.registry.versions(spec.name)[since:]
         ):
             result = self._other_code(fn, result, version, ran)
         if fn.spec.version != version:

@@ -365,6 +365,7 @@ class Registry:
     def __init__(self) -> None:
         self._specs: dict[str, FunctionSpec] = {}
         self._fns: dict[str, Callable[..., Any]] = {}
+        self._versions: dict[str, list[str]] = {}
 
     # -- decorators
     @overload
@@ -407,6 +408,9 @@ class Registry:
         # the same entry again (a module reloaded) replaces the old definition
         self._specs[spec.name] = spec
         self._fns[spec.name] = fn
+        versions = self._versions.setdefault(spec.name, [])
+        if not versions or versions[-1] != spec.version:
+            versions.append(spec.version)
         return spec
 
     def get(self, name: str) -> FunctionSpec:
@@ -419,6 +423,13 @@ class Registry:
         """The spec registered under ``name`` now, or None (``get`` without the error: a
         client asks at every call, to notice a function registered again with new code)."""
         return self._specs.get(name)
+
+    def versions(self, name: str) -> list[str]:
+        """The versions of the code registered under ``name``, oldest first, one for each
+        change of code: a client tells the answers of code registered since it sent a call
+        (its own code, which the local backend may run a call queued before on) from those of
+        other code (a deployment not redeployed). Empty for a name never registered."""
+        return self._versions.get(name, [])
 
     def callable(self, name: str) -> Callable[..., Any]:
         self.get(name)

@@ -85,7 +85,27 @@ def default_reg(monkeypatch: pytest.MonkeyPatch) -> Registry:
     reg = fabric.default_registry
     monkeypatch.setattr(reg, "_specs", dict(reg._specs))
     monkeypatch.setattr(reg, "_fns", dict(reg._fns))
+    monkeypatch.setattr(reg, "_versions", {k: list(v) for k, v in reg._versions.items()})
     return reg
+
+
+def test_versions_are_the_codes_registered_under_a_name_one_per_change() -> None:
+    """What the client's version check reads: the code registered since a call was sent."""
+    reg = Registry()
+    assert reg.versions("add_one") == []
+    reg.tool(add_one)
+    first = reg.get("add_one").version
+    reg.add(add_one)  # the same code again (discovered twice): no change
+    assert reg.versions("add_one") == [first]
+    spec = getattr(add_one, SPEC_ATTR)
+    try:
+        setattr(add_one, SPEC_ATTR, spec.model_copy(update={"version": "edited"}))
+        reg.add(add_one)
+        setattr(add_one, SPEC_ATTR, spec)
+        reg.add(add_one)  # edited back
+    finally:
+        setattr(add_one, SPEC_ATTR, spec)
+    assert reg.versions("add_one") == [first, "edited", first]
 
 
 def test_bare_decorators_return_the_function_and_register_it() -> None:
