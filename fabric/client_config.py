@@ -57,7 +57,8 @@ class ClientConfig(BaseModel):
     function and pair of versions; ``refuse``: fail the call instead with ``VersionMismatch``
     (not retried: it ran); ``off``: no check. Under ``warn`` or ``refuse`` an answer of other
     code is not kept under an idempotency key, whose version is this client's, unless the
-    function has side effects (they happened: kept as the caller's code's outcome would be), and
+    function has side effects (they happened: kept as the caller's code's outcome would be; a
+    refused one as ``OutcomeUnknown`` for code registered later too, the effect being done), and
     a kept answer says the version that gave it (under ``off`` it is kept as any answer is). An
     answer without a version (a peer with older code, a refusal) is not checked, nor is a call
     that did not start."""

@@ -303,20 +303,19 @@ class KeyedCalls(Attempts):
                 if not self._may_have_effects(fn, sent):
                     ex.kept = None
                 elif result.error is not None and result.error.type == ErrorCode.VERSION_MISMATCH:
-                    ex.kept = self._remember(key, result, ex.digest)  # refused, but it ran
+                    ex.kept = self._refused(fn, key, user_key, result, ex.digest)  # refused, but it ran
                 else:
                     # read as the caller's own code's outcome is: kept raw, a WorkerLost was
                     # served (retryable) to every later caller instead of OutcomeUnknown, and
                     # a call that did not start held the key for good
                     ex.kept = self._conclude(fn, key, user_key, result, True, ex.digest)
+                    self._keep_too_large(fn, key, user_key, result, ex)
             else:
                 ex.kept = self._conclude(
                     fn, key, user_key, result, not result.ok and self._may_have_effects(fn, sent), ex.digest
                 )
-                if ex.kept is None and result.ok and self._cache_on and self._may_have_effects(fn, sent):
-                    # an answer too large to keep: the next call with the key would apply the
-                    # effect again (the callers that joined still get the answer itself)
-                    self._remember(key, self._not_kept(fn.spec.name, user_key, result), ex.digest)
+                if self._may_have_effects(fn, sent):
+                    self._keep_too_large(fn, key, user_key, result, ex)
             if not ex.unsent:
                 self._settle(fn, result, t0)
             return result
@@ -360,6 +359,41 @@ class KeyedCalls(Attempts):
             self._remember(_effect_key(name, user_key), unknown, digest)
             return self._remember(key, unknown, digest)
         return None
+
+    def _keep_too_large(self, fn: FnState, key: str, user_key: str, result: Result, ex: Execution) -> None:
+        """For a function with side effects whose answer ``result`` was too large to keep
+        (``ex.kept`` None): keep ``_not_kept`` instead, else the next call with the key would
+        apply the effect again (the callers that joined still get the answer itself)."""
+        if ex.kept is None and result.ok and self._cache_on:
+            self._remember(key, self._not_kept(fn.spec.name, user_key, result), ex.digest)
+
+    def _refused(self, fn: FnState, key: str, user_key: str, result: Result, digest: bytes) -> Result | None:
+        """What the key keeps for a call of a function with side effects whose answer came
+        from other code and was refused (``version_check="refuse"``): it ran, so its effect
+        happened. The ``VersionMismatch`` itself under the key, or, too large to keep, an
+        ``OutcomeUnknown`` (as for an answer too large: ``_not_kept``); and an
+        ``OutcomeUnknown`` for every code of the function (``_effect_key``), as ``_conclude``
+        keeps for an effect that may have run: kept under this code's key only, a call with
+        the key after the function was registered again (the fix made) ran the effect again,
+        and the caller never had its answer."""
+        if not self._cache_on:
+            return None
+        name = fn.spec.name
+        unknown = Result.failure(
+            ErrorCode.OUTCOME_UNKNOWN,
+            f"{name}: the call under idempotency key {user_key!r} ran other code than this "
+            f"client's (version {result.version}), whose answer was refused "
+            f"(ClientConfig.version_check='refuse'); {name} has side effects, so it is not run "
+            "again under this key, by this code or code registered later. Check whether its effect "
+            "happened; to run it again, call with a new idempotency key",
+            function=name,
+            request_id=result.request_id,
+            started=True,
+        )
+        unknown.version = result.version  # what a key keeps says the code that gave it
+        self._remember(_effect_key(name, user_key), unknown, digest)
+        kept = self._remember(key, result, digest)
+        return kept if kept is not None else self._remember(key, unknown, digest)
 
     @property
     def _cache_on(self) -> bool:

@@ -15,6 +15,7 @@ from fabric.backends.inproc import InprocBackend
 from fabric.client import Client
 from fabric.errors import ErrorCode
 from fabric.protocol import Invocation, Result
+from fabric.registry import SPEC_ATTR, Registry
 
 OLD_SEND = OLD.get("send").version
 
@@ -23,16 +24,23 @@ class OldCodeFails(InprocBackend):
     """The old code's deployment, answering ``fail`` (an outcome of that code: its version)
     for the first ``times`` calls, then running it."""
 
-    def __init__(self, fail: ErrorCode, times: int = 10**9, *, started: bool | None = None) -> None:
+    def __init__(
+        self,
+        fail: ErrorCode,
+        times: int = 10**9,
+        *,
+        started: bool | None = None,
+        message: str = "worker died",
+    ) -> None:
         super().__init__(OLD)
-        self.fail, self.times, self.started, self.sent = fail, times, started, 0
+        self.fail, self.times, self.started, self.sent, self.message = fail, times, started, 0, message
 
     async def _run(self, inv: Invocation, keyed: Any) -> Result:
         self.sent += 1
         if self.sent > self.times:
             return await super()._run(inv, keyed)
         r = Result.failure(
-            self.fail, "worker died", function=inv.function, request_id=inv.request_id, started=self.started
+            self.fail, self.message, function=inv.function, request_id=inv.request_id, started=self.started
         )
         r.version = OLD.get(inv.function).version
         return r
@@ -113,3 +121,66 @@ async def test_a_refused_answer_of_other_code_closes_the_circuit():
         assert probe.error.type == ErrorCode.VERSION_MISMATCH
         both = await asyncio.gather(c.call("scale", {"x": 2}), c.call("scale", {"x": 3}))
     assert [r.error.type for r in both] == [ErrorCode.VERSION_MISMATCH] * 2
+
+
+# ----------------------------------------------------------------------------- refused side effects
+
+
+def _send(x: int) -> int:
+    return x  # never run: the backends here run OLD's code
+
+
+async def test_a_refused_side_effect_is_not_run_again_by_code_registered_later():
+    """Under refuse, a tool with side effects answered by the old code's deployment: its
+    effect happened, and its answer was refused. Only the VersionMismatch was kept, under the
+    key of the code registered then: the function registered again (the fix made, say) and
+    called with the same key ran the effect again. An OutcomeUnknown is kept for every code
+    of the function, as for a side effect that may have run."""
+    reg = Registry()
+    reg.tool(name="send", warm=0, side_effects=True)(_send)
+    spec = getattr(_send, SPEC_ATTR)
+    async with Client(backend=InprocBackend(OLD), registry=reg, config={"version_check": "refuse"}) as c:
+        first = await c.call("send", {"x": 1}, idempotency_key="traj-3")
+        setattr(_send, SPEC_ATTR, spec.model_copy(update={"version": "edited"}))
+        try:
+            reg.add(_send)  # registered again with new code
+        finally:
+            setattr(_send, SPEC_ATTR, spec)
+        again = await c.call("send", {"x": 1}, idempotency_key="traj-3")
+    assert first.error.type == ErrorCode.VERSION_MISMATCH
+    assert RUNS == ["send-old"], f"the effect ran again: {RUNS}"
+    assert again.cached and again.error.type == ErrorCode.OUTCOME_UNKNOWN and not again.retryable
+    assert "refused" in again.error.message and "new idempotency key" in again.error.message
+
+
+async def test_a_refused_side_effect_too_large_to_keep_is_not_run_again():
+    """The VersionMismatch of a refused side effect says what the other code answered (here
+    a long error); larger than idempotency_cache_bytes, it was not kept, and nothing else
+    was: the next call with the key ran the effect again. As for a side effect's answer too
+    large to keep, an OutcomeUnknown is kept instead."""
+    backend = OldCodeFails(ErrorCode.USER_ERROR, message="x" * 5000)
+    cfg = {"version_check": "refuse", "idempotency_cache_bytes": 2000}
+    async with Client(backend=backend, registry=NEW, config=cfg) as c:
+        first = await c.call("send", {"x": 1}, idempotency_key="traj-4")
+        again = await c.call("send", {"x": 1}, idempotency_key="traj-4")
+    assert first.error.type == ErrorCode.VERSION_MISMATCH and "x" * 5000 in first.error.message
+    assert backend.sent == 1, "the effect ran again"
+    assert again.cached and again.error.type == ErrorCode.OUTCOME_UNKNOWN and not again.retryable
+
+
+async def test_a_side_effect_of_other_code_too_large_to_keep_is_not_run_again():
+    """The same under warn, for the other code's answer: too large to keep, it was returned
+    and nothing kept, where the caller's own code's keeps OutcomeUnknown."""
+
+    class BigAnswer(InprocBackend):
+        async def _run(self, inv: Invocation, keyed: Any) -> Result:
+            r = await super()._run(inv, keyed)
+            r.value = "v" * 5000
+            return r
+
+    async with Client(backend=BigAnswer(OLD), registry=NEW, config={"idempotency_cache_bytes": 2000}) as c:
+        first = await c.call("send", {"x": 1}, idempotency_key="traj-5")
+        again = await c.call("send", {"x": 1}, idempotency_key="traj-5")
+    assert first.ok and first.value == "v" * 5000
+    assert RUNS == ["send-old"], f"the effect ran again: {RUNS}"
+    assert again.cached and again.error.type == ErrorCode.OUTCOME_UNKNOWN
