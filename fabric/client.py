@@ -20,8 +20,9 @@ What it adds on top of a backend, per function:
 A failed call is a ``Result(ok=False)``, never an exception; ``Result.unwrap()`` raises.
 
 The public calls live here; calls under an idempotency key in ``fabric.client_keyed``, and
-what every call goes through (the breaker, hedging, retries, the metrics of an outcome) in
-``fabric.client_attempts``: ``Client`` is ``KeyedCalls`` over ``Attempts``.
+what every call goes through (the breaker, retries, the metrics of an outcome) in
+``fabric.client_attempts``, and a call's copies (hedging) in ``fabric.client_copies``:
+``Client`` is ``KeyedCalls`` over ``Attempts`` over ``Copies``.
 """
 
 from __future__ import annotations
