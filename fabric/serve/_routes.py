@@ -138,8 +138,10 @@ class GatewayRoutes(GatewayCalls):
                 raise Reply(
                     403,
                     "AccessDeniedException",
-                    f"tenant {tenant!r} may not invoke functions (invoke: false): its token reads "
-                    "/metrics only",
+                    f"tenant {tenant!r} may not invoke functions (invoke: false): its token may only "
+                    "scrape metrics (GET /metrics). Call with the token of a tenant that may invoke, "
+                    f"or let {tenant!r} invoke: set invoke: true on it (the default) in the server's "
+                    "tenants file (--tenants) and restart the server",
                 )
             wait = self.rates.delay(tenant, time.monotonic())
             if wait is None:

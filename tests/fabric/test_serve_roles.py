@@ -36,7 +36,11 @@ async def test_a_metrics_only_tenant_may_invoke_nothing(kind: str):
         # the lambda backend reads as Unauthorized (final, not retried)
         assert r.status_code == 403, r.text
         assert r.headers["x-amzn-ErrorType"] == "AccessDeniedException"
-        assert "'prom'" in r.json()["message"] and "invoke: false" in r.json()["message"]
+        message = r.json()["message"]
+        assert "'prom'" in message and "invoke: false" in message
+        # what the token is for, and how the tenant would be let to invoke
+        assert "may only scrape metrics (GET /metrics)" in message, message
+        assert "invoke: true" in message and "--tenants" in message, message
         stats = g.backend.stats()
         assert stats.get("add", {}).get("calls", 0) == 0  # nothing ran
         # the tenant that may invoke still does
