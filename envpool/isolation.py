@@ -83,10 +83,11 @@ def private_view(
     bundle: Path, scratch: Path, *, memory_layer_bytes: int = MEMORY_LAYER_BYTES
 ) -> tuple[Path, str]:
     """The bundle as this container sees it, and how: ``(view, "overlay" | "read-only" |
-    "shared")``. The unpacked bundle is the image cache's, one per node, shared by every
-    container of the image in every pool on it: what a container wrote there (its modules'
-    ``__pycache__``, an environment's output files, code a policy wrote and ran) every later
-    container of the image saw, a state that leaks from episode to episode (one episode can
+    "shared")`` (an overlay's layer on disk or in memory: ``image_layer``). The unpacked
+    bundle is the image cache's, one per node, shared by every container of the image in
+    every pool on it: what a container wrote there (its modules' ``__pycache__``, an
+    environment's output files, code a policy wrote and ran) every later container of the
+    image saw, a state that leaks from episode to episode (one episode can
     leave a file the next one reads, and be rewarded through it), and bytes the cache's
     budget never counted. Docker gives each container a copy-on-write layer; this is ours.
 
@@ -153,6 +154,15 @@ def private_view(
     except OSError:
         return bundle, "shared"  # (a bind left writable is no view to give it: unused)
     return view, "read-only"
+
+
+def image_layer(scratch: Path) -> str:
+    """Where the writes of the overlay ``private_view`` mounted in ``scratch`` go: ``"memory"``
+    where its layer is the tmpfs (the scratch's file system took no upper dir), ``"disk"``
+    where it is the directory in ``scratch``. Read from the mounts, as the kernel has them in
+    this namespace, not from which branch ``private_view`` took: the tmpfs is a mount point,
+    the directory on disk is not."""
+    return "memory" if os.path.ismount(scratch / ".image-layer") else "disk"
 
 
 def remove_scratch(path: str | Path) -> None:

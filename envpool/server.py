@@ -36,6 +36,7 @@ from envpool.isolation import (
     MEMORY_LAYER_BYTES,
     apply_limits,
     die_with_parent,
+    image_layer,
     isolate_network,
     private_view,
 )
@@ -404,7 +405,7 @@ def run(opts: dict[str, Any], ready: Any) -> None:
     bundle = Path(opts["bundle"]) if opts.get("bundle") else None
     if bundle is None and opts.get("image_digest"):
         bundle = fetch_image(str(opts["image_digest"]), str(opts.get("image_source") or ""))
-    view = None
+    view = layer = None
     if bundle is not None:
         # a bundle of its own (fetched above, or in a container that has its own filesystem)
         # needs no view; the process runtime's is the node's cache's, shared
@@ -412,6 +413,8 @@ def run(opts: dict[str, Any], ready: Any) -> None:
         if opts.get("scratch"):
             bound = int(opts.get("memory_layer_bytes", MEMORY_LAYER_BYTES))
             bundle, view = private_view(bundle, Path(opts["scratch"]), memory_layer_bytes=bound)
+            if view == "overlay":  # (its writes take the host's disk, or memory: told apart)
+                layer = image_layer(Path(opts["scratch"]))
             if view == "shared":
                 sys.dont_write_bytecode = True  # at least no __pycache__ in every container's image
             else:
@@ -427,7 +430,14 @@ def run(opts: dict[str, Any], ready: Any) -> None:
         target=server.heartbeat, args=(float(opts.get("heartbeat_s", 1.0)),), daemon=True
     ).start()
     ready(
-        {"ready": True, "pid": os.getpid(), "isolation": isolation, "image_view": view, "endpoint": endpoint}
+        {
+            "ready": True,
+            "pid": os.getpid(),
+            "isolation": isolation,
+            "image_view": view,
+            "image_layer": layer,
+            "endpoint": endpoint,
+        }
     )
     server.serve(listener)
 

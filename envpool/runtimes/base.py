@@ -167,6 +167,12 @@ class Container:
     the bundle read-only; ``"shared"``, the
     cache's directory itself, which its writes change for every later container (no mount
     namespace to be had). None: the runtime's containers have images of their own."""
+    image_layer: str | None = None
+    """Where an ``"overlay"`` view's writes go: ``"disk"``, its directory under the runtime's
+    root; ``"memory"``, a tmpfs (that root's file system takes no overlay layer, as overlayfs
+    in a Docker container does not), so what it writes holds RAM, charged to its memory
+    cgroup, up to ``ProcessRuntimeConfig.memory_layer_bytes``. None: no layer (any other
+    view)."""
     started_at: float = field(default_factory=time.monotonic)
     episodes: int = 0
     failed: bool = False

@@ -485,9 +485,10 @@ class ProcessRuntime(Runtime):
                 raise ContainerStartError(f"container {cid} failed to start: {info['error']}")
         else:
             c = await self._exec(cid, cdir, opts, image)
-            info = {"isolation": c.isolation, "image_view": c.image_view}
+            info = {"isolation": c.isolation, "image_view": c.image_view, "image_layer": c.image_layer}
         c.isolation = info.get("isolation", "none")
         c.image_view = info.get("image_view")
+        c.image_layer = info.get("image_layer")
         if c.image_view == "shared" and not self._warned_shared:
             self._warned_shared = True  # (once per runtime: every container here gets the same)
             log.warning(
@@ -545,6 +546,7 @@ class ProcessRuntime(Runtime):
             )
         c.isolation = info.get("isolation", "none")
         c.image_view = info.get("image_view")
+        c.image_layer = info.get("image_layer")
         return c
 
     async def _stop(self, c: Container) -> None:

@@ -75,6 +75,15 @@ def _cache(tmp_path: Path) -> TieredCache:
     return TieredCache([DiskTier(DiskTierConfig(path=tmp_path / "l1"))], unpack_dir=tmp_path / "unpacked")
 
 
+def _layer_fstype(pid: int | None, scratch: Path) -> str | None:
+    """The file system mounted at a container's ``.image-layer`` in its mount namespace, if any."""
+    with open(f"/proc/{pid}/mountinfo") as f:
+        for line in f:
+            if line.split()[4] == str(scratch / ".image-layer"):
+                return line.split(" - ", 1)[1].split()[0]
+    return None
+
+
 def _mounts() -> str:
     with open("/proc/self/mountinfo") as f:
         return f.read()
@@ -99,6 +108,10 @@ async def test_what_a_container_writes_in_its_image_no_later_container_sees(tmp_
                     # (read-only: its write fails, as the test below shows; shared: the
                     # directory is every container's, and the runtime warns of it)
                     pytest.skip(f"no overlay here (the image is {s.container.image_view!r})")
+                # it says where its layer is, as its own mount namespace has it: a tmpfs at
+                # .image-layer (a root on overlayfs), else the directory on the root's disk
+                fstype = _layer_fstype(s.container.pid, Path(s.container.endpoint).parent)
+                assert s.container.image_layer == ("memory" if fstype == "tmpfs" else "disk")
                 await s.reset()
                 first = json.loads((await s.step("scribble")).obs.text)
                 first_id = s.container.id
@@ -133,6 +146,9 @@ async def test_a_container_is_told_its_image_view(tmp_path):
         cfg = {"min_warm": 0, "runtime": {"heartbeat_s": 0.1}}
         async with EnvPool(cfg, images=images) as p, p.session("scribble-v0", image=image) as s:
             assert s.container.image_view in ("overlay", "read-only", "shared")
+            # where its writes go: a layer only an overlay has
+            expected = ("disk", "memory") if s.container.image_view == "overlay" else (None,)
+            assert s.container.image_layer in expected
             if os.geteuid() == 0:
                 assert s.container.image_view == "overlay"
 

@@ -132,6 +132,7 @@ async def main():
         async with EnvPool(cfg, images=images) as p:
             async with p.session("writer-v0", image=image) as s:
                 out["view"] = s.container.image_view
+                out["image_layer"] = s.container.image_layer
                 await s.reset()
                 try:
                     out["first"] = json.loads((await s.step("write")).obs.text)
@@ -198,6 +199,8 @@ def test_on_overlayfs_a_container_still_gets_a_writable_private_layer(tmp_path, 
     seen = _run(_POOL, str(root), str(_image_src(tmp_path / "src")), "zygote" if zygote else "fresh", runtime)
     # a private overlay, not the read-only bundle: its writes work and it reads them back
     assert seen["view"] == "overlay"
+    # and it says that its layer is in memory: what it writes there takes RAM, not disk
+    assert seen["image_layer"] == "memory"
     assert seen["first"] == {"out": True, "data": "original changed", "runs": [[7]]}
     # its layer is a tmpfs of the configured size in the container's own mount namespace
     fstype, options = seen["layer"]
