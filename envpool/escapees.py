@@ -186,10 +186,19 @@ class Sweeps:
                     done.set_result(None)
                 done = None
         finally:  # cancelled (the loop is ending): its callers hear of it, and a later ask starts anew
+            # an error, not the worker's cancellation: a caller that nothing cancelled (a stop
+            # begun in the loop's teardown) would take a CancelledError for its own, and so
+            # would everything that awaits it
             for f in (done, self._done):
                 if f is not None and not f.done():
-                    f.cancel()
-            if self._done is not None and self._done.cancelled():
+                    f.set_exception(
+                        RuntimeError(
+                            "the sweep of what containers started outside their groups was "
+                            "cancelled before it ended (its event loop is ending): what bears "
+                            "their marks may still run, left to the runtime's exit backstop"
+                        )
+                    )
+            if self._done is not None and self._done.done():
                 self._next, self._done = set(), None
 
     async def wait(self) -> None:

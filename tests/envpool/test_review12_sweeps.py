@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Collection
 
 import pytest
@@ -59,4 +60,34 @@ async def test_the_stops_under_way_as_a_sweep_is_asked_for_are_swept_together(sw
     second.__exit__(None, None, None)
     await asyncio.wait_for(asyncio.gather(done1, done2), 30)
     assert swept == [{"m1", "m2"}]
+    await sweeps.wait()
+
+
+async def test_a_sweep_cancelled_with_its_loop_fails_its_waiters_it_does_not_cancel_them(monkeypatch):
+    # the loop's teardown cancels every task left, the sweeps' worker among them; a stop that
+    # began in that teardown (a task made after it cancelled the others: a close in a
+    # cancelled task's finally) waited for that worker's sweep, and got its CancelledError
+    # though nothing cancelled it, read by its own callers as their cancellation
+    started, release = threading.Event(), threading.Event()
+
+    def sweep(tokens: Collection[str]) -> None:
+        started.set()
+        release.wait(30)
+
+    monkeypatch.setattr(escapees, "sweep", sweep)
+    sweeps = escapees.Sweeps()
+    try:
+        running = asyncio.ensure_future(sweeps.sweep({"m1"}))  # its sweep under way
+        await asyncio.to_thread(started.wait, 30)
+        following = asyncio.ensure_future(sweeps.sweep({"m2"}))  # for the next one
+        await asyncio.sleep(0)
+        assert sweeps._worker is not None
+        sweeps._worker.cancel()  # as the loop's teardown does
+        await asyncio.wait((running, following), timeout=30)
+        for stop in (running, following):
+            assert stop.done() and not stop.cancelled()
+            error = stop.exception()
+            assert isinstance(error, RuntimeError) and "cancelled" in str(error), error
+    finally:
+        release.set()
     await sweeps.wait()
