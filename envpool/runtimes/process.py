@@ -6,31 +6,31 @@ its process group, then what it started outside the group, found by the mark on 
 processes' environments (``envpool.escapees``, which says why a mark and where it fails).
 
 With ``zygote=True`` (the default) containers are forked from a pre-imported zygote
-(``envpool.zygote``): a few ms per container instead of an interpreter start."""
+(``envpool.zygote``): a few ms per container instead of an interpreter start. The root of
+the containers' directories, its owner's lock on it, and the reaping of those whose owners
+are gone: ``envpool.runtimes._process_root``."""
 
 from __future__ import annotations
 
 import asyncio
 import atexit
 import contextlib
-import fcntl
 import functools
 import itertools
 import json
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from envpool import escapees, isolation
 from envpool.errors import ContainerStartError
+from envpool.runtimes._process_root import make_root, reap_dead_roots
 from envpool.runtimes.base import Container, ProcessRuntimeConfig, Runtime, proc_cpu_seconds
 
 _LIVE_GROUPS: set[int] = set()
@@ -52,70 +52,6 @@ def _kill_leftovers() -> None:
 log = logging.getLogger(__name__)
 _KILL_REPORT_S = 10.0  # how long a stop waits for a killed container's exit report
 _MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with its terminating NUL
-_ROOT_PREFIX = "envpool-p"  # + the owner's pid + "-" + mkdtemp's random part
-_ROOT_NAME = re.compile(r"envpool-p([0-9]+)-[A-Za-z0-9_]+")
-
-
-_OWNER_LOCK = ".owner"
-"""A file in each root its owner holds an exclusive ``flock`` on while it lives: released by
-the kernel when the owner dies, whatever pid namespace it (or the reaper) runs in."""
-_UNLOCKED_GRACE_S = 60.0
-
-
-def _reap_dead_roots(tmp: Path) -> list[str]:
-    removed = []
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(tmp):
-            m = _ROOT_NAME.fullmatch(entry.name)
-            if m is None or not entry.is_dir(follow_symlinks=False):
-                continue
-            pid = int(m.group(1))
-            if pid == os.getpid() or not _owner_gone(Path(entry.path), pid):
-                continue
-            # what its containers started that nobody swept: a fresh interpreter's container
-            # dies of its driver's death at once (PR_SET_PDEATHSIG, SIGKILL), with no time to;
-            # a zygote killed outright did not either. Its containers' marks are its
-            # directories' (``escapees.token``): this backstop kills their processes only
-            with contextlib.suppress(OSError):
-                cdirs = [Path(d.path) for d in os.scandir(entry.path) if d.is_dir(follow_symlinks=False)]
-                escapees.sweep({escapees.token(cdir) for cdir in cdirs})
-            isolation.remove_scratch(entry.path)
-            removed.append(entry.path)
-    return removed
-
-
-def _owner_gone(root: Path, pid: int) -> bool:
-    """Whether the runtime that made ``root`` is gone: its lock is free. A pid alone is not
-    proof: a driver in another pid namespace sharing this temp dir is no process we can see.
-    A root without its lock file yet (just made) or from before the lock: its pid is not a
-    live process and it is over a minute old."""
-    try:
-        fd = os.open(root / _OWNER_LOCK, os.O_RDWR)
-    except FileNotFoundError:
-        try:
-            old = time.time() - root.stat().st_mtime > _UNLOCKED_GRACE_S
-        except OSError:
-            return False
-        return old and not _pid_exists(pid)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # held: its owner lives
-        return False
-    finally:
-        os.close(fd)  # (a lock we took goes with it)
-    return True
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's: alive
-        return True
-    return True
 
 
 def _child_env(cdir: Path, mark: str) -> dict[str, str]:
@@ -428,16 +364,7 @@ class ProcessRuntime(Runtime):
         here: a pool made and never entered (and a runtime a test replaces) left an empty
         one in /tmp for good. Its name carries our pid, for ``reap_orphans``."""
         if self._root is None:
-            # made under a name the reaper does not look at, locked, then renamed to ours (the
-            # lock goes with the file): a reaper never sees it unlocked (between the open and
-            # the flock, one took the free lock for a dead owner's and removed the directory)
-            tmp = Path(tempfile.mkdtemp(prefix=f"envpool-new-{os.getpid()}-"))
-            # held while we live (close-on-exec: no container or zygote inherits it)
-            self._owner_fd = os.open(tmp / _OWNER_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
-            fcntl.flock(self._owner_fd, fcntl.LOCK_EX)
-            root = tmp.with_name(f"{_ROOT_PREFIX}{os.getpid()}-{tmp.name.rsplit('-', 1)[1]}")
-            os.rename(tmp, root)
-            self._root = root
+            self._root, self._owner_fd = make_root()  # (locked before it bears our name)
         return self._root
 
     async def reap_orphans(self) -> list[str]:
@@ -446,7 +373,7 @@ class ProcessRuntime(Runtime):
         stayed). Only ``envpool-p<pid>-*`` in the temp dir whose ``pid`` is no live process:
         never another live process's, never a directory someone else named. What their
         containers left running (by their marks, ``envpool.escapees``) is killed first."""
-        return await asyncio.to_thread(_reap_dead_roots, Path(tempfile.gettempdir()))
+        return await asyncio.to_thread(reap_dead_roots, Path(tempfile.gettempdir()))
 
     def _opts(self, sock: Path, bundle: Path | None) -> dict[str, Any]:
         cfg = self.config

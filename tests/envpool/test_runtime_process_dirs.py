@@ -37,20 +37,21 @@ async def test_the_runtime_makes_its_directory_at_its_first_start_and_removes_it
 def test_a_runtimes_root_is_locked_before_it_bears_a_name_the_reaper_reads(tmp_path, monkeypatch):
     # made as envpool-p<pid>-* and locked a moment later: a reaper in another process took
     # the free lock in between for a dead owner's and removed the live directory
-    from envpool.runtimes.process import _ROOT_NAME, ProcessRuntime
+    from envpool.runtimes._process_root import ROOT_NAME
+    from envpool.runtimes.process import ProcessRuntime
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     seen: list[str] = []
     real_rename = os.rename
 
     def rename(src, dst):  # what a reaper would find just before the name is ours
-        seen.extend(p.name for p in tmp_path.iterdir() if _ROOT_NAME.fullmatch(p.name))
+        seen.extend(p.name for p in tmp_path.iterdir() if ROOT_NAME.fullmatch(p.name))
         real_rename(src, dst)
 
     monkeypatch.setattr(os, "rename", rename)
     rt = ProcessRuntime()
     root = rt.root
-    assert seen == [] and _ROOT_NAME.fullmatch(root.name)
+    assert seen == [] and ROOT_NAME.fullmatch(root.name)
     fd = os.open(root / ".owner", os.O_RDWR)
     try:
         with pytest.raises(BlockingIOError):
