@@ -73,7 +73,8 @@ class ProcessRuntimeConfig(_RuntimeCommon):
     most this many bytes and one file per 4 KiB of them (ENOSPC past either), in memory,
     charged to its memory cgroup, gone with
     it; elsewhere the layer is on disk, in its directory. 0: no layer in memory, the image
-    read-only there (EROFS). (``envpool.isolation.private_view``)"""
+    read-only there (EROFS). ``Container.image_layer`` says which a container got.
+    (``envpool.isolation.private_view``)"""
     zygote: bool = True
     """Fork containers from a pre-imported zygote (ms) instead of a fresh interpreter (~200 ms)."""
 
