@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from core._job_summary import JobSummary
 from core.config import EnvConfig
-from core.errors import ProxyDiedError, RolloutError
+from core.errors import DiskFullError, ProxyDiedError, RolloutError
 from core.evaluation import EVAL_SEED_BASE
 from core.rollout.env_manager import TurnBarrier
 from core.rollout.groups import GroupRunner
@@ -96,8 +96,9 @@ class JobGroups(JobSummary):
             self.tally.counts["stale_groups"] += 1
         self.runner.abort_group(gid, reason)  # type: ignore[arg-type]
 
-    def _proxy_died(self, error: ProxyDiedError) -> None:
-        """The proxy actor died (``RemoteProxy.on_died``): the job stops on it."""
+    def _proxy_failed(self, error: ProxyDiedError | DiskFullError) -> None:
+        """The proxy actor died (``RemoteProxy.on_died``), or the disk under a file it writes
+        is full (``on_disk_full``): the job stops on it."""
         if self._fatal is not None and not self._fatal.done():
             self._fatal.set_exception(error)
 

@@ -212,7 +212,7 @@ class Job(JobSetup):
             self.cluster.start(init, on_ray_init=term.reinstall) as proxy,
             self._fabric(registry, images) as (client, pool),
         ):
-            proxy.on_died = self._proxy_died
+            proxy.on_died = proxy.on_disk_full = self._proxy_failed
             self.pool = pool
             if resume:
                 try:

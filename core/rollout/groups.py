@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from core.buffer import AbortReason
 from core.config import EnvConfig, JobConfig
-from core.errors import ProxyDiedError
+from core.errors import DiskFullError, ProxyDiedError
 from core.rollout.env_manager import EnvManager, ProxyLike, Task, TurnBarrier
 from core.sample import Sample
 from fabric.protocol import Trajectory
@@ -148,10 +148,10 @@ class GroupRunner:
             self._after(g)
             return
         exc = task.exception()
-        if isinstance(exc, ProxyDiedError):
-            # the job stops on it (RemoteProxy.on_died); a re-run would fail the same way, and
-            # a traceback logged for every trajectory in flight said nothing more
-            self.metrics["proxy_died"] += 1
+        if isinstance(exc, ProxyDiedError | DiskFullError):
+            # the job stops on it (RemoteProxy.on_died, on_disk_full); a re-run would fail the
+            # same way, and a traceback logged for every trajectory in flight said nothing more
+            self.metrics["proxy_died" if isinstance(exc, ProxyDiedError) else "disk_full"] += 1
             g.last_error = f"{type(exc).__name__}: {exc}"
             self._after(g)
             return

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from core.config_backends import TORCH_ENGINE_KEYS
-from core.errors import ProxyDiedError
+from core.errors import DiskFullError, ProxyDiedError, disk_full
 from core.rollout.coalesce import Answer, Coalescer, answer_all
 from core.rollout.engines.base import Completion, Engine, EngineDeadError, GenerateRequest, engine_registry
 from core.rollout.llm_proxy import Replica, ReplicaEngineDead, ReplicaGone, ReplicaLost, swap_weights
@@ -210,16 +210,33 @@ T = TypeVar("T")
 class RemoteProxy:
     """An ``LLMProxy`` actor's methods as coroutines (what env managers hold). Once the actor
     died, every call raises ``ProxyDiedError`` (without a Ray call) and ``on_died`` is
-    told, once: the job stops on it."""
+    told, once: the job stops on it. A full disk under a file the actor writes (the turn
+    scheduler's trace) is raised as ``DiskFullError`` and told to ``on_disk_full``, once:
+    the job stops on it too."""
 
-    def __init__(self, handle: Any, on_died: Callable[[ProxyDiedError], None] | None = None):
+    def __init__(
+        self,
+        handle: Any,
+        on_died: Callable[[ProxyDiedError], None] | None = None,
+        on_disk_full: Callable[[DiskFullError], None] | None = None,
+    ):
         self.handle = handle
         self.on_died = on_died
+        self.on_disk_full = on_disk_full
         self.died: str | None = None
         """Why the actor is dead (Ray's word), once a call found it so."""
+        self._disk_full_told = False
         self._coalescer: Coalescer | None = None
 
     def _translated(self, e: BaseException) -> BaseException:
+        # a turn's error comes back as itself (an answer of generate_many), another call's
+        # as Ray's RayTaskError around it
+        full = disk_full(e) or disk_full(getattr(e, "cause", None))
+        if full is not None:
+            if not self._disk_full_told and self.on_disk_full is not None:
+                self._disk_full_told = True
+                self.on_disk_full(full)
+            return full
         cause = proxy_died(e)
         if cause is None:
             return e

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, get_args
 
+from core.errors import writing
 from core.sched import Request, make_placement, make_queue_policy
 from core.sched.base import Outcome, Placement, QueuePolicy
 from core.sched.placement import predicted_work, stable_relabel
@@ -260,18 +261,23 @@ class TurnScheduler:
     def record(self, **row: Any) -> None:
         if self.trace_path is None:
             return
-        if self._trace is None:
-            self.trace_path.parent.mkdir(parents=True, exist_ok=True)
-            self._trace = self.trace_path.open("w", buffering=1)
-        self._trace.write(json.dumps(row, separators=(",", ":")) + "\n")
+        # in the proxy actor: a bare OSError reached the driver as any turn's error, so
+        # every trajectory was re-run until the groups were given up, and the job stopped
+        # with a RolloutError that never said the disk was full
+        with writing(self.trace_path):
+            if self._trace is None:
+                self.trace_path.parent.mkdir(parents=True, exist_ok=True)
+                self._trace = self.trace_path.open("w", buffering=1)
+            self._trace.write(json.dumps(row, separators=(",", ":")) + "\n")
 
     def now(self) -> float:
         return time.monotonic() - self._t0
 
     def close(self) -> None:
-        if self._trace is not None:
-            self._trace.close()
-            self._trace = None
+        trace, self._trace = self._trace, None
+        if trace is not None and self.trace_path is not None:
+            with writing(self.trace_path):  # (the flush of a line a full disk refused)
+                trace.close()
 
     def stats(self) -> dict[str, Any]:
         return {

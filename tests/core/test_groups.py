@@ -110,6 +110,24 @@ async def test_a_manager_bug_is_counted_and_rerun():
     assert h.by_status() == {"ok": 2} and len(h.manager.launched) == 3
 
 
+async def test_a_full_disk_is_not_rerun_as_a_manager_bug(caplog):
+    # the job stops on it (RemoteProxy.on_disk_full): each re-run would fail the same way
+    from core.errors import DiskFullError
+
+    class FullDisk(FakeManager):
+        async def run(self, task, **kw):  # type: ignore[no-untyped-def]
+            await super().run(task, **kw)
+            raise DiskFullError("/run/trace.jsonl")
+
+    h = Harness(job(group_size=2), FullDisk(default=(0.005, "ok")))
+    g = h.start()
+    await h.settle()
+    assert h.runner.metrics["disk_full"] == 2 and h.runner.metrics["errors"] == 0
+    assert g.reruns == 0 and len(h.manager.launched) == 2 and not h.submitted
+    assert "raised" not in caplog.text  # no traceback per trajectory
+    await h.runner.aclose()
+
+
 async def test_a_failed_reward_reruns_a_member():
     h = Harness(job(group_size=2), FakeManager(default=(0.005, "ok")))
     g = h.start(group_id="g")

@@ -79,6 +79,50 @@ async def test_a_dead_proxy_actor_is_a_proxy_died_error_told_once():
     assert len(told) == 1
 
 
+async def test_a_full_disk_in_the_proxy_actor_is_a_disk_full_error_told_once():
+    # the actor's trace write (TurnScheduler.record) failed a turn after it ran: its error
+    # came back as any turn's, and the job re-ran trajectories until it stopped on a
+    # RolloutError that never said the disk was full
+    from ray.exceptions import RayTaskError
+
+    from core.errors import DiskFullError
+    from core.rollout.replicas import RemoteProxy
+
+    full = DiskFullError("/run/trace.jsonl")
+
+    class Streaming:
+        def remote(self, items: list[Any]) -> Any:
+            async def stream() -> Any:
+                yield ready([Answer(r.request_id, error=full) for _, _, r in items])
+
+            return stream()
+
+    class Generate:
+        def options(self, **_: Any) -> Streaming:
+            return Streaming()
+
+    class Stats:
+        def remote(self) -> Any:
+            async def fail() -> Any:  # another call's error: Ray's, around the actor's
+                raise RayTaskError("stats", "Traceback ...", full)
+
+            return fail()
+
+    class Handle:
+        generate_many = Generate()
+        stats = Stats()
+
+    told: list[DiskFullError] = []
+    proxy = RemoteProxy(Handle(), on_died=told.append, on_disk_full=told.append)  # type: ignore[arg-type]
+    for turn in range(2):
+        with pytest.raises(DiskFullError, match=r"trace\.jsonl"):
+            await proxy.generate("t", "lake", req(request_id=f"t/{turn}"))
+    with pytest.raises(DiskFullError, match=r"trace\.jsonl"):
+        await proxy.call(Handle.stats.remote())
+    assert [e.path for e in told] == ["/run/trace.jsonl"]  # once
+    assert proxy.died is None  # alive: only the disk is full
+
+
 # ----------------------------------------------------------------------------- coalescer
 
 

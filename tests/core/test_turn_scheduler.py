@@ -16,7 +16,7 @@ import pytest
 from tiny_models import completion, stopless
 
 from core.config import JobConfig
-from core.errors import ConfigError
+from core.errors import ConfigError, DiskFullError
 from core.job import turn_scheduler
 from core.policy.tiny_lm import TinyLM, TinyLMConfig
 from core.policy.tokenizer import WordTokenizer
@@ -308,6 +308,18 @@ async def test_the_trace_has_one_line_per_turn(tmp_path):
     assert rows[1]["outcome"] == "ok" and rows[0]["outcome"] is None
     assert all(r["ready"] <= r["start"] <= r["end"] for r in rows)
     assert rows[0]["end"] <= rows[1]["ready"]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (every write: ENOSPC)")
+def test_a_full_disk_under_the_trace_is_a_disk_full_error_naming_it():
+    # the proxy actor writes the trace: a bare OSError reached the driver as any turn's error
+    sched = TurnScheduler("rr", slots=2, trace="/dev/full")
+    with pytest.raises(DiskFullError) as e:
+        sched.record(trajectory="t", turn=0)
+    assert e.value.path == "/dev/full"
+    with pytest.raises(DiskFullError):  # the line it could not write, flushed again
+        sched.close()
+    sched.close()  # closed all the same
 
 
 def test_bad_scheduler_settings_are_refused_with_the_choices():
