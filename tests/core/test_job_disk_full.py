@@ -144,6 +144,35 @@ def test_a_full_disk_ends_the_run_with_one_line_and_failure_json(
     assert yaml.safe_load((run / "config.yaml").read_text())["steps"] == 2
 
 
+@pytest.mark.ray
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (every write: ENOSPC)")
+def test_a_full_disk_under_the_proxy_actors_trace_ends_the_run_with_one_line(
+    tmp_path, ray_cluster, monkeypatch, capsys
+):
+    # trace.jsonl is written in the proxy actor, where no monkeypatch reaches: its scheduler,
+    # made here and pickled there, writes to /dev/full. Its OSError came back as every turn's
+    # error: trajectories re-run until the job stopped on a RolloutError naming no disk
+    import core.cluster
+    from core.rollout.scheduling import TurnScheduler
+
+    def full_trace(cfg: object) -> TurnScheduler:
+        return TurnScheduler("fcfs", slots=core.cluster.engine_batch(cfg), trace="/dev/full")  # type: ignore[arg-type]
+
+    monkeypatch.setattr(core.cluster, "turn_scheduler", full_trace)
+    cfg = job_config(tmp_path, steps=2)
+    path = tmp_path / "job.yaml"
+    path.write_text(cfg.to_yaml())
+    run = Path(cfg.run_dir)
+    assert main([str(path), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "RolloutError" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: "), last
+    _one_line(last, Path("/dev/full"))
+    failure = json.loads((run / "failure.json").read_text())
+    assert failure["error"].startswith("DiskFullError: no space left"), failure
+
+
 async def test_a_full_disk_no_write_named_names_each_place_the_job_writes_to(tmp_path, monkeypatch):
     # met where no write says its file (the image cache's unpack, a temp file): the error
     # named the run directory alone, sending the user to free space on the wrong disk
