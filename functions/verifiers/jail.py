@@ -30,7 +30,10 @@ RO_FLAGS = lx.MS_BIND | lx.MS_REMOUNT | lx.MS_RDONLY | lx.MS_NOSUID | lx.MS_NODE
 
 
 def _python_dirs() -> list[str]:
-    dirs = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}
+    # each both resolved and as sys names it: a virtualenv reached through a link (`.venv ->
+    # /opt/venvs/x`) keeps the link's path in sys.prefix and on sys.path, where runs look
+    prefixes = (sys.base_prefix, sys.prefix, sys.exec_prefix)
+    dirs = {f(p) for p in prefixes for f in (os.path.realpath, os.path.abspath)}
     return sorted(d for d in dirs if not any(d == s or d.startswith(s + "/") for s in SYSTEM_DIRS))
 
 
@@ -98,7 +101,8 @@ def enter(extra_ro: tuple[str, ...] = (), init: bytes | None = None) -> str:
             hidden = f"{HIDDEN}/{len(RELOCATED)}"
             _bind_ro(os.path.realpath(src), root + hidden)
             RELOCATED.append((hidden, src))
-        elif os.path.islink(src):  # /bin -> usr/bin on merged-/usr systems
+        elif os.path.islink(src) and src in SYSTEM_DIRS:  # /bin -> usr/bin on merged-/usr systems
+            # (a venv's link is bound below: its parent dirs exist only once a bind makes them)
             os.symlink(os.readlink(src), root + src)
         else:
             _bind_ro(os.path.realpath(src), root + src)

@@ -9,10 +9,12 @@ import contextlib
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -194,6 +196,23 @@ def test_a_client_gone_with_spares_unread_ends_the_zygote_cleanly():
     assert (zygote.returncode, err.decode()) == (0, "")
     assert [p for p in hello["cgroups"].values() if os.path.exists(p)] == []
     assert wait_no_live(base, 3.0), live_in_range(base)
+
+
+@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs a virtualenv to reach through a link")
+@pytest.mark.parametrize("under", ["/var/tmp", "/tmp"])  # a plain path, and one each run's /tmp hides
+def test_a_virtualenv_reached_through_a_symlink_is_importable_in_runs(under):
+    """A venv reached through a link (`.venv -> /opt/venvs/x`) keeps the link's path in
+    sys.prefix and sys.path; the jail had only the resolved one, so a run could import
+    nothing of the venv's (a program's `import numpy` scored 0, libclang was "missing")."""
+    made = tempfile.mkdtemp(prefix="rlfabric-test-venvlink-", dir=under)
+    try:
+        link = os.path.join(made, "venv")
+        os.symlink(os.path.realpath(sys.prefix), link)
+        with own_sandbox(python=os.path.join(link, "bin", "python")) as box:
+            out = py(box, "import sys, pydantic\nprint(sys.prefix)")
+        assert (out.status, out.stdout.decode().strip()) == ("exited", link), out
+    finally:
+        shutil.rmtree(made)
 
 
 # -- a race made deterministic: PR_SET_PDEATHSIG is set after fork ---------------------------
