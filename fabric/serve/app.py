@@ -55,9 +55,27 @@ def _idle(conn: RequestHandler) -> bool:
     """Whether an aiohttp connection waits for its next request (none being read, answered
     or written). aiohttp says so nowhere public: its handler awaits ``_waiter`` then. One
     whose next request has begun to arrive, not yet whole, reads as idle too: closed then,
-    that request is lost as one sent as a keep-alive timeout closes its connection."""
-    waiter = conn._waiter
-    return waiter is not None and not waiter.done()
+    that request is lost as one sent as a keep-alive timeout closes its connection.
+
+    An aiohttp without ``_waiter`` (a private name: a later release may rename it) has every
+    connection read as busy: the bound on open connections still holds, with 429s where
+    idle ones would have been closed; a warning says so once."""
+    waiter: object = getattr(conn, "_waiter", _NO_WAITER)
+    if waiter is _NO_WAITER:
+        global _warned_no_waiter
+        if not _warned_no_waiter:
+            _warned_no_waiter = True
+            log.warning(
+                "this aiohttp's connections have no _waiter: idle connections cannot be told "
+                "apart, so a tenant over max_connections gets 429 rather than its idle "
+                "connections closed; install the aiohttp rl-fabric was tested with (3.9 to 3.14)"
+            )
+        return False
+    return isinstance(waiter, asyncio.Future) and not waiter.done()
+
+
+_NO_WAITER = object()
+_warned_no_waiter = False
 
 
 def _closed(conn: RequestHandler) -> bool:
