@@ -203,7 +203,7 @@ class Attempts(Copies):
             and ran != fn.spec.version
             and self.config.version_check != "off"
             and result.started is not False
-            and ran not in self.registry.versions(spec.name)[since:]
+            and not self._registered_since(spec.name, since, ran)
         ):
             result = self._other_code(fn, result, version, ran)
         if fn.spec.version != version:
@@ -222,6 +222,19 @@ class Attempts(Copies):
         # the next probe); reset, a probe cut off by its own short deadline closed the
         # circuit on a backend still down
         return result
+
+    def _registered_since(self, name: str, since: int, ran: str) -> bool:
+        """Whether ``ran`` is code registered under ``name`` from registration ``since`` on
+        (``Registry.versions``), run by a backend that runs this client's registry's code as
+        registered when a call runs (``Backend.runs_registered_code``). A deployment runs the
+        code it was made from: the old code registered here again for a while after the
+        send (an edit undone and done again) made its answers the caller's code's."""
+        backend = self.backend
+        return (
+            backend.runs_registered_code
+            and backend.registry is self.registry
+            and ran in self.registry.versions(name)[since:]
+        )
 
     def _other_code(self, fn: FnState, result: Result, version: str, ran: str) -> Result:
         """``result``, an answer of version ``ran`` of the code, not the caller's (``version``,

@@ -50,9 +50,10 @@ class ClientConfig(BaseModel):
     tenant: str = "default"
     version_check: Literal["warn", "refuse", "off"] = "warn"
     """What to do with an answer from other code than this client's registry holds
-    (``Result.version`` is not the function's ``FunctionSpec.version`` as the call was sent,
-    nor that of code registered under its name since: a Lambda or Modal function not
-    redeployed since the function was edited, a ``fabric serve`` not restarted).
+    (``Result.version`` is not the function's ``FunctionSpec.version`` as the call was sent or
+    is now, nor, on the local backends, which run what is registered, that of code registered
+    under its name since: a Lambda or Modal function not redeployed since the function was
+    edited, a ``fabric serve`` not restarted).
     ``warn``: give the answer, count it (``version_mismatches``) and log one warning per
     function and pair of versions; ``refuse``: fail the call instead with ``VersionMismatch``
     (not retried: it ran); ``off``: no check. Under ``warn`` or ``refuse`` an answer of other

@@ -224,6 +224,11 @@ class Backend(ABC):
     """Runs invocations. Use as ``async with backend:``; ``start``/``aclose`` are idempotent."""
 
     kind: ClassVar[str]
+    runs_registered_code: ClassVar[bool] = False
+    """Whether it runs its registry's code as registered when a call runs (the local
+    backends), and so may run a call sent before a registration on the code registered
+    since; not a deployment's (Lambda, Modal, a ``fabric serve``), which runs the code it was
+    made from, whatever is registered here."""
 
     def __init__(self, registry: Registry | None = None):
         self.registry = registry if registry is not None else default_registry

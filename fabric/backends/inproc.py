@@ -151,6 +151,7 @@ class _KeyedCall:
 
 class InprocBackend(Backend):
     kind = "inproc"
+    runs_registered_code = True
 
     def __init__(self, registry: Registry | None = None, config: InprocConfig | None = None):
         super().__init__(registry)

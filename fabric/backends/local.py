@@ -29,6 +29,7 @@ from fabric.spec import FunctionSpec
 
 class LocalBackend(Backend):
     kind = "local"
+    runs_registered_code = True
 
     def __init__(self, registry: Registry | None = None, config: LocalConfig | None = None):
         super().__init__(registry)

@@ -14,10 +14,14 @@ import time
 from typing import Any
 
 import pytest
+from lambda_helpers import lam
 from rewritable_module import module_loader
+from test_version_check import gateway
+from version_fns import OLD
 
 from fabric.backends.base import LocalConfig
 from fabric.backends.inproc import InprocBackend
+from fabric.backends.lambda_ import LambdaBackend
 from fabric.backends.local import LocalBackend
 from fabric.client import Client
 from fabric.errors import ErrorCode
@@ -168,3 +172,64 @@ async def test_a_mismatch_is_an_answer_of_no_code_registered_since_the_send(ran,
         assert r.error.type == ErrorCode.VERSION_MISMATCH
     assert again.ok is (ran == "v4")
     assert m["version_mismatches"] == int(mismatch) + int(ran != "v4")
+
+
+# ----------------------------------------------------------------------------- a deployment
+
+
+def _scale_here(x: int) -> int:
+    return x * 3  # never run: the fabric serve below runs OLD's code
+
+
+class EditedMeanwhile(LambdaBackend):
+    """A lambda backend (to a fabric serve) whose first call is sent, then ``during()`` runs:
+    the caller's edits while its call is out."""
+
+    def __init__(self, reg: Registry, config: Any, during: Any) -> None:
+        super().__init__(reg, config)
+        self.during = during
+
+    async def _invoke(self, inv: Invocation) -> Result:
+        call = asyncio.ensure_future(super()._invoke(inv))
+        if self.during is not None:
+            self.during, during = None, self.during
+            during()
+        return await call
+
+
+async def test_a_deployment_of_code_registered_here_for_a_while_since_the_send_is_other_code(caplog):
+    """A fabric serve of the old code (OLD, as a Lambda not redeployed); the caller's code is
+    v2, and a call goes out. Meanwhile the caller's edit is undone and done again (a stash
+    and its pop: the old code registered here again, then v2). The deployment's answer, the
+    old code's, was taken as code registered since the send, "the caller's too": but a
+    deployment does not follow the caller's registry (only the local backends run what it
+    holds, and hand a queued call to the code registered since). Its code is neither what the
+    call was sent to nor what is registered now, and under refuse its answer was given."""
+    reg = Registry()
+    reg.function(name="scale", warm=0)(_scale_here)
+    spec = getattr(_scale_here, SPEC_ATTR)
+    old_v = OLD.get("scale").version
+    assert spec.version != old_v
+
+    def during() -> None:
+        try:
+            _registered(reg, _scale_here, old_v)  # the edit undone (the old code, registered here)
+            _registered(reg, _scale_here, spec.version)  # and done again
+        finally:
+            setattr(_scale_here, SPEC_ATTR, spec)
+
+    cfg = {"version_check": "refuse", "hedge": {"enabled": False}}
+    with caplog.at_level(logging.WARNING, logger="fabric.client"):
+        async with (
+            gateway(OLD) as gw,
+            EditedMeanwhile(reg, lam(gw, "http"), during) as backend,
+            Client(backend=backend, registry=reg, config=cfg) as c,
+        ):
+            r = await c.call("scale", {"x": 5})
+            again = await c.call("scale", {"x": 6})  # sent to v2 alone: refused as ever
+            m = c.metrics()["scale"]
+    assert reg.versions("scale") == [spec.version, old_v, spec.version]
+    assert r.version == old_v and again.version == old_v
+    assert not r.ok and r.error.type == ErrorCode.VERSION_MISMATCH, r
+    assert again.error.type == ErrorCode.VERSION_MISMATCH
+    assert m["version_mismatches"] == 2
