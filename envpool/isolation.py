@@ -158,11 +158,26 @@ def private_view(
 
 def image_layer(scratch: Path) -> str:
     """Where the writes of the overlay ``private_view`` mounted in ``scratch`` go: ``"memory"``
-    where its layer is the tmpfs (the scratch's file system took no upper dir), ``"disk"``
-    where it is the directory in ``scratch``. Read from the mounts, as the kernel has them in
-    this namespace, not from which branch ``private_view`` took: the tmpfs is a mount point,
-    the directory on disk is not."""
-    return "memory" if os.path.ismount(scratch / ".image-layer") else "disk"
+    where its layer is the tmpfs (the scratch's file system took no upper dir), or the
+    directory in ``scratch`` on a file system held in memory itself (a runtime's root in a
+    /tmp that is a tmpfs, as on many hosts); ``"disk"`` where it is that directory on any
+    other. Read from the mounts, as the kernel has them in this namespace, not from which
+    branch ``private_view`` took: the tmpfs is a mount point, and a tmpfs's type is its own."""
+    layer = scratch / ".image-layer"
+    return "memory" if os.path.ismount(layer) or _fs_type(layer) in _IN_MEMORY else "disk"
+
+
+#: ``statfs(2)``'s ``f_type`` of the file systems whose files are held in memory: tmpfs, ramfs.
+_IN_MEMORY = frozenset({0x01021994, 0x858458F6})
+
+
+def _fs_type(path: Path) -> int | None:
+    """The ``f_type`` ``statfs(2)`` says of the file system that holds ``path`` (the first
+    field of its struct, a C long; the magic numbers are 32 bits), or None where it says none."""
+    buf = ctypes.create_string_buffer(256)  # (struct statfs: 120 bytes on 64-bit Linux)
+    if ctypes.CDLL(None, use_errno=True).statfs(os.fsencode(path), buf) != 0:
+        return None
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
 
 
 def remove_scratch(path: str | Path) -> None:

@@ -172,8 +172,9 @@ class Container:
     """Where an ``"overlay"`` view's writes go: ``"disk"``, its directory under the runtime's
     root; ``"memory"``, a tmpfs (that root's file system takes no overlay layer, as overlayfs
     in a Docker container does not), so what it writes holds RAM, charged to its memory
-    cgroup, up to ``ProcessRuntimeConfig.memory_layer_bytes``. None: no layer (any other
-    view)."""
+    cgroup, up to ``ProcessRuntimeConfig.memory_layer_bytes``; or that directory where the
+    root is on a tmpfs itself (/tmp on many hosts), whose size bounds it. None: no layer (any
+    other view)."""
     started_at: float = field(default_factory=time.monotonic)
     episodes: int = 0
     failed: bool = False

@@ -76,12 +76,15 @@ def _cache(tmp_path: Path) -> TieredCache:
 
 
 def _layer_fstype(pid: int | None, scratch: Path) -> str | None:
-    """The file system mounted at a container's ``.image-layer`` in its mount namespace, if any."""
+    """The file system that holds a container's ``.image-layer`` in its mount namespace: the
+    one at the longest mount point above it (a tmpfs at it, else its root's file system)."""
+    layer, best, fstype = str(scratch / ".image-layer"), "", None
     with open(f"/proc/{pid}/mountinfo") as f:
         for line in f:
-            if line.split()[4] == str(scratch / ".image-layer"):
-                return line.split(" - ", 1)[1].split()[0]
-    return None
+            point = line.split()[4]
+            if (layer == point or layer.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                best, fstype = point, line.split(" - ", 1)[1].split()[0]  # (the last one is on top)
+    return fstype
 
 
 def _mounts() -> str:
@@ -109,9 +112,11 @@ async def test_what_a_container_writes_in_its_image_no_later_container_sees(tmp_
                     # directory is every container's, and the runtime warns of it)
                     pytest.skip(f"no overlay here (the image is {s.container.image_view!r})")
                 # it says where its layer is, as its own mount namespace has it: a tmpfs at
-                # .image-layer (a root on overlayfs), else the directory on the root's disk
+                # .image-layer (a root on overlayfs), or the directory on the root's file
+                # system, in memory itself where that is a tmpfs (/tmp on many hosts)
                 fstype = _layer_fstype(s.container.pid, Path(s.container.endpoint).parent)
-                assert s.container.image_layer == ("memory" if fstype == "tmpfs" else "disk")
+                in_memory = fstype in ("tmpfs", "ramfs")
+                assert s.container.image_layer == ("memory" if in_memory else "disk"), fstype
                 await s.reset()
                 first = json.loads((await s.step("scribble")).obs.text)
                 first_id = s.container.id

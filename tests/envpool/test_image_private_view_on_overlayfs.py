@@ -229,6 +229,8 @@ shutil.copytree(src, bundle)
 scratch.mkdir()
 view, how = isolation.private_view(bundle, scratch, memory_layer_bytes=bound)
 out = {"how": how, "layer": layer_mount(os.getpid(), scratch), "read": (view / "data.txt").read_text()}
+if how == "overlay":
+    out["image_layer"] = isolation.image_layer(scratch)
 for name, size in (("small", 1000), ("large", 2 * 2**20)):
     try:
         with open(view / name, "wb") as f:
@@ -275,6 +277,16 @@ def test_where_the_scratch_takes_an_upper_dir_the_layer_is_on_it_not_in_memory(t
     assert seen["how"] == "overlay" and seen["layer"] is None
     assert (seen["small"], seen["large"]) == ("written", "written")
     assert seen["bundle"] == ["data.txt", "envpool.json", "writer_env.py"]
+
+
+@needs_root
+def test_a_layer_on_a_scratch_in_memory_says_so(tmp_path):
+    # a runtime's root on a tmpfs, as /tmp is on many distributions (Fedora, Arch, Debian
+    # 13): the overlay's upper dir is on it, no tmpfs of the container's own is mounted, and
+    # its writes take RAM all the same. Read as "no mount at .image-layer", it said "disk"
+    seen = _view(tmp_path, "plain", 2**20)
+    assert seen["how"] == "overlay" and seen["layer"] is None
+    assert seen["image_layer"] == "memory"
 
 
 _UNPRIVILEGED = r"""
