@@ -21,6 +21,7 @@ from fabric.integrations.errors import (
     BatchDeadlineError,
     IntegrationError,
     MissingArgumentError,
+    RefusedArgumentsError,
     RewardCallError,
     RewardClosedError,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "IntegrationConfig",
     "IntegrationError",
     "MissingArgumentError",
+    "RefusedArgumentsError",
     "RewardAdapter",
     "RewardCallError",
     "RewardClosedError",

@@ -39,8 +39,8 @@ from fabric.integrations.config import IntegrationConfig, plain
 from fabric.integrations.errors import (
     BadBatchError,
     MissingArgumentError,
+    RefusedArgumentsError,
     RewardCallError,
-    _first_line,
 )
 from fabric.protocol import ErrorInfo, Message, Result, Trajectory
 from fabric.registry import Registry, default_registry
@@ -362,11 +362,7 @@ class RewardAdapter:
         if invalid:
             # the batch's values do not fit the signature (a dataset column of the wrong type):
             # every such sample fails the same way, so neither None nor failure_score may stand in
-            i, e = invalid[0]
-            raise BadBatchError(
-                f"{self._signature()} refused the arguments of {len(invalid)} of {len(scores)} samples "
-                f"(a column of the wrong type?); first: #{i} {e.type}: {_first_line(e.message)}"
-            )
+            raise RefusedArgumentsError(self._signature(), len(invalid), len(scores), invalid[0])
         misconfigured = [(i, e) for i, e in failures if e.type == ErrorCode.MISCONFIGURED]
         if misconfigured:
             # the function's setup (a judge's key refused, its model unknown), the same for every

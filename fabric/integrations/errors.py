@@ -4,8 +4,8 @@ The tree, under ``fabric.errors.FabricError``::
 
     IntegrationError
     ├── BadBatchError          the trainer's batch is not what its framework sends
-    │                          (lengths disagree, a completion that is not text or messages),
-    │                          or the function refused its values (a column of the wrong type)
+    │   │                      (lengths disagree, a completion that is not text or messages)
+    │   └── RefusedArgumentsError  the function refused its values (a column of the wrong type)
     ├── MissingArgumentError   a required parameter of the function has no source in the batch
     ├── RewardCallError        calls failed and no ``failure_score`` is set, or the function
     │                          is ``Misconfigured`` (whatever is set): carries the failures
@@ -30,6 +30,27 @@ class IntegrationError(FabricError):
 class BadBatchError(IntegrationError, ValueError):
     """The batch handed to the adapter cannot be scored as given: nothing was sent, or the
     function refused the arguments (``InvalidArguments``), which no retry or score mends."""
+
+
+class RefusedArgumentsError(BadBatchError):
+    """The function refused the arguments of ``count`` of ``total`` samples (``InvalidArguments``);
+    ``first`` is the first refusal, ``(index in the batch, ErrorInfo)``. Kept apart so a caller
+    that knows a field was absent (the OpenRLHF server) can say so instead of "wrong type"."""
+
+    def __init__(self, signature: str, count: int, total: int, first: tuple[int, ErrorInfo]):
+        self.signature = signature
+        self.count = count
+        self.total = total
+        self.first = first
+        super().__init__(
+            f"{signature} refused the arguments of {count} of {total} samples "
+            f"(a column of the wrong type?); first: {self.first_refusal}"
+        )
+
+    @property
+    def first_refusal(self) -> str:
+        i, e = self.first
+        return f"#{i} {e.type}: {_first_line(e.message)}"
 
 
 class MissingArgumentError(IntegrationError, ValueError):

@@ -41,7 +41,13 @@ from fabric.integrations.base import (
     resolve_function,
 )
 from fabric.integrations.config import IntegrationConfig, plain
-from fabric.integrations.errors import BadBatchError, IntegrationError, MissingArgumentError, RewardCallError
+from fabric.integrations.errors import (
+    BadBatchError,
+    IntegrationError,
+    MissingArgumentError,
+    RefusedArgumentsError,
+    RewardCallError,
+)
 from fabric.registry import Registry
 
 log = logging.getLogger("fabric.integrations.openrlhf")
@@ -231,7 +237,8 @@ class RewardServer:
     (any path but ``/healthz``). ``async with RewardServer(config) as s:`` serves at ``s.url``.
 
     Answers: 200 with ``{"rewards", "scores", "extra_logs"}``; 400 for a body that is not the
-    OpenRLHF shape or values the function refuses (a label of the wrong type); 413 for a body
+    OpenRLHF shape or values the function refuses (a label of the wrong type, or none: a
+    missing ``labels`` is named as missing); 413 for a body
     over ``max_body_bytes`` (a sample over the 6 MiB call limit fails alone); 502 when calls
     failed and there is no ``failure_score`` (with the failures listed), which OpenRLHF
     retries and then gives up on."""
@@ -322,18 +329,39 @@ class RewardServer:
         except ValueError as e:
             return _error(400, f"body is not JSON: {e}")
         if not isinstance(data, dict):
-            return _error(400, 'body must be {"query": [...], "prompts": [...], "labels": [...]}')
-        queries = data.get("query")
+            return _error(400, f"body must be {_SHAPE}")
+        if "query" not in data:
+            return _error(400, f'the body has no "query" field (expected {_FIELDS}: {_SHAPE})')
+        queries = data["query"]
+        # a function that needs no label (or prompt) is scored without one
         prompts = data.get("prompts", [""] * len(queries) if isinstance(queries, list) else None)
         labels = data.get("labels", [None] * len(queries) if isinstance(queries, list) else None)
+        absent = [f'"{k}"' for k in ("prompts", "labels") if k not in data]
         try:
             return web.json_response(await self.reward.score_async(queries, prompts, labels))
+        except RefusedArgumentsError as e:
+            if not absent:
+                return _error(400, str(e))
+            # the refused values are the nulls that stood in for the absent field, not a
+            # column of the wrong type
+            return _error(
+                400,
+                f"the body has no {' or '.join(absent)} field (expected {_FIELDS}), and "
+                f"{e.signature} needs it: it refused the arguments of {e.count} of {e.total} "
+                f"samples without it; first: {e.first_refusal}",
+            )
         except (BadBatchError, MissingArgumentError) as e:
+            if absent and isinstance(e, MissingArgumentError):
+                return _error(400, f"the body has no {' or '.join(absent)} field (expected {_FIELDS}): {e}")
             return _error(400, str(e))
         except RewardCallError as e:
             log.warning("%s", e)
             failures = [{"index": i, "type": err.type, "message": err.message} for i, err in e.failures]
             return _error(502, str(e), failures=failures)
+
+
+_SHAPE = '{"query": [...], "prompts": [...], "labels": [...]}'
+_FIELDS = '"query", "prompts", "labels"'
 
 
 def _error(status: int, message: str, **extra: Any) -> Any:

@@ -103,6 +103,35 @@ async def test_openrlhf_http_form_over_a_socket():
                 assert (await resp.json())["function"] == "explode"
 
 
+async def test_openrlhf_http_a_missing_field_is_named_not_called_a_wrong_type():
+    # a body without "labels" gave each sample a null label, which the function refused, and
+    # the 400 asked "a column of the wrong type?" of a column that was not there at all
+    import aiohttp
+
+    cfg = IntegrationConfig(function="explode", backend="inproc", builtins=False)
+    async with RewardServer(cfg, port=0, registry=REG) as server, aiohttp.ClientSession() as http:
+
+        async def error(body: dict[str, object]) -> str:
+            async with http.post(server.url, json=body) as resp:
+                assert resp.status == 400
+                return str((await resp.json())["error"])
+
+        missing = await error({"query": ["p a"], "prompts": ["p"]})
+        assert 'no "labels"' in missing and "wrong type" not in missing
+        assert '"query", "prompts", "labels"' in missing  # the fields expected
+        assert "ground_truth" in missing  # what needed it
+        missing = await error({"prompts": ["p"], "labels": ["g"]})
+        assert 'no "query"' in missing and '"query", "prompts", "labels"' in missing
+        # present but of the wrong type: the message says so, as before
+        wrong = await error({"query": ["p a"], "prompts": ["p"], "labels": [3]})
+        assert "a column of the wrong type?" in wrong and "no " not in wrong.split(";")[0]
+        # a function that needs no label is scored without one, as before
+    cfg = IntegrationConfig(function="length", backend="inproc", builtins=False)
+    async with RewardServer(cfg, port=0, registry=REG) as server, aiohttp.ClientSession() as http:
+        async with http.post(server.url, json={"query": ["p abc"], "prompts": ["p"]}) as resp:
+            assert resp.status == 200 and (await resp.json())["rewards"] == [4.0]
+
+
 async def test_openrlhf_http_a_micro_batch_over_6_mib_is_scored_not_413():
     # older OpenRLHF posts a whole micro-batch to one server: 100 samples of 70 KB are 7 MB
     # together, each far under the 6 MiB call limit, and were refused whole with 413
