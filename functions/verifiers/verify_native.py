@@ -87,7 +87,9 @@ class NativeAsserts:
             return None, parsed
         if parsed.exit_code == native.NO_LIBCLANG and native.NO_LIBCLANG_LINE in parsed.stderr:
             # the worker's setup, not the program's fault: no score
-            why = parsed.stderr[-300:].decode(errors="replace")
+            # the import's error from cdecls.py's own line, without the marker or its newline
+            line = parsed.stderr.split(native.NO_LIBCLANG_LINE, 1)[1].splitlines()[:1]
+            why = (line[0] if line else b"").decode(errors="replace").strip()[:300]
             raise Misconfigured(
                 f"the sandbox's Python cannot import libclang: {why}; install libclang for the "
                 "Python the sandbox runs"

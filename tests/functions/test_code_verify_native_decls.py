@@ -235,8 +235,10 @@ def test_libclang_missing_in_the_sandbox_is_no_score_for_the_program(v, monkeypa
         return files
 
     monkeypatch.setattr(native, "parse_files", without_clang)
-    with pytest.raises(Misconfigured, match="cannot import libclang"):
+    with pytest.raises(Misconfigured, match="cannot import libclang") as caught:
         run(v, HONEST_ADD, ADD_TESTS["cpp"])
+    # the import's error on the same line as what to do (cdecls.py's line ended in a newline)
+    assert "cannot import libclang: No module named 'clang_gone'; install libclang for" in str(caught.value)
 
 
 def test_the_library_names_are_what_the_tests_link_reaches():
