@@ -8,7 +8,8 @@ The tree (every class derives from ``CoreError``)::
     ├── BufferClosedError    ``SampleBuffer.get_batch`` on (or waiting when) the buffer closed
     ├── StreamClosedError    ``RewardStream.submit`` after the stream was closed
     ├── RolloutError         the rollout cannot make progress: every group fails (the job stops
-    │                        with the trajectories' last error instead of spinning)
+    │                        with the trajectories' last error instead of spinning), or every
+    │                        episode of an evaluation raised
     ├── TrainerTimeout       a call of the trainer actor ran past ``trainer.call_timeout_s``
     ├── ProxyDiedError       the LLM proxy actor died: the job cannot go on without it (resume)
     ├── StartupTimeout       the job's actors were not all made within ``engine.start_timeout_s``
@@ -59,7 +60,8 @@ class StreamClosedError(CoreError):
 
 
 class RolloutError(CoreError):
-    """Group after group was given up with no group completing: the fault is not transient."""
+    """Group after group was given up with no group completing, or every episode of an
+    evaluation raised: the fault is not transient."""
 
 
 class TrainerTimeout(CoreError):

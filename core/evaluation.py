@@ -11,10 +11,16 @@ though: different seeds can give the same task (4x4 FrozenLake has a few thousan
 reset observation (``task_key``), so every row also says how the policy does on the
 evaluation episodes whose task no pretraining or training episode had (``success_unseen``
 over ``episodes_unseen``).
+
+An episode that raises (not an environment's or engine's failure, which the manager makes an
+``infra_failed`` trajectory, but an error nobody expected) is counted in the row's
+``episodes_failed`` and left out of its means; only an evaluation whose every episode raised
+stops the run (``RolloutError``).
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Iterable, Iterator
@@ -22,8 +28,11 @@ from typing import Any
 
 from core.aio import gather_or_stop
 from core.config import JobConfig
+from core.errors import DiskFullError, ProxyDiedError, RolloutError
 from core.rollout.env_manager import EnvManager, Task, first_observation, task_key
 from fabric.protocol import Trajectory
+
+log = logging.getLogger(__name__)
 
 EVAL_SEED_BASE = 10_000_000
 
@@ -53,7 +62,12 @@ class Evaluator:
                 tasks.append(Task(env, EVAL_SEED_BASE + i, f"eval-{step}", greedy=greedy))
         te = time.perf_counter()
         trained = set(self.trained_tasks)  # as of this version: training goes on meanwhile
-        trajs = await gather_or_stop(manager.run(t, version=version) for t in tasks)
+        outcomes = await gather_or_stop(_episode(manager, t, version) for t in tasks)
+        failed = [(t, e) for t, e in zip(tasks, outcomes, strict=True) if isinstance(e, BaseException)]
+        if failed:
+            _say_failed(failed, len(tasks), step)
+        pairs = [(t, tr) for t, tr in zip(tasks, outcomes, strict=True) if isinstance(tr, Trajectory)]
+        trajs = [tr for _, tr in pairs]
         played = [v for t in trajs for v in t.policy_versions()]
         # the weights that played it: in async mode the trainer publishes while an
         # evaluation runs (unless rollout.eval_exact), so later versions can take turns
@@ -64,7 +78,7 @@ class Evaluator:
             "versions": [min(played), max(played)] if played else [version, version],
         }
         for greedy, suffix in ((True, ""), (False, "_sampled")):
-            mine = [tr for t, tr in zip(tasks, trajs, strict=True) if t.greedy is greedy]
+            mine = [tr for t, tr in pairs if t.greedy is greedy]
             scored = [t for t in mine if t.status in ("ok", "truncated") and t.env_reward is not None]
             row[f"success{suffix}"] = _success(scored)
             row[f"return_mean{suffix}"] = (
@@ -75,9 +89,47 @@ class Evaluator:
             row[f"success_unseen{suffix}"] = _success(unseen) if unseen else None
             row[f"episodes_unseen{suffix}"] = len(unseen)
         row["infra_failed"] = sum(1 for t in trajs if t.status == "infra_failed")
+        row["episodes_failed"] = len(failed)
         row["eval_s"] = round(time.perf_counter() - te, 2)
         self.rows.append(row)
         return row
+
+
+async def _episode(manager: EnvManager, task: Task, version: int) -> Trajectory | Exception:
+    """The episode, or what it raised: an error the manager does not turn into data (its
+    own bug, an error of a kind nobody expected) costs this episode, not the evaluation and
+    with it the run, as a training trajectory's is counted and re-run (``GroupRunner``). A
+    dead proxy or a full disk stops the job, as in training."""
+    try:
+        return await manager.run(task, version=version)
+    except (ProxyDiedError, DiskFullError):
+        raise
+    except Exception as e:
+        return e
+
+
+def _say_failed(failed: list[tuple[Task, Exception]], total: int, step: int) -> None:
+    """Log the episodes that raised once, with the first one's traceback; raise when every
+    episode did: a bug that fails them all leaves nothing to measure, and a row of 0
+    episodes would hide it until the summary."""
+    task, first = failed[0]
+    what = f"{type(first).__name__}: {first}"
+    if len(failed) == total:
+        raise RolloutError(
+            f"all {total} evaluation episodes at step {step} raised (a bug, not a transient fault); "
+            f"the first ({task.env.id}, seed {task.seed}): {what}"
+        ) from first
+    log.error(
+        "evaluation at step %d: %d of %d evaluation episodes raised (counted in the row's "
+        "episodes_failed, left out of its success); the first (%s, seed %d): %s",
+        step,
+        len(failed),
+        total,
+        task.env.id,
+        task.seed,
+        what,
+        exc_info=first,
+    )
 
 
 def _success(trajs: list[Trajectory]) -> float:

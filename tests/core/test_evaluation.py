@@ -108,3 +108,48 @@ async def test_an_episode_that_raises_stops_the_others():
     with pytest.raises(ProxyDiedError):
         await Evaluator(_cfg(episodes=2)).run(manager, step=1, version=1)  # type: ignore[arg-type]
     assert manager.cancelled == 3 and all(f.done() for f in manager.waiting)
+
+
+class SomeRaise:
+    """Plays each task as a one-turn episode that succeeds; the seeds in ``raising`` raise a
+    bug of the manager's (not an EnvPoolError/EngineError, which are infra_failed data)."""
+
+    def __init__(self, raising: set[int]) -> None:
+        self.raising = raising
+
+    async def run(self, task: Task, *, version: int) -> Trajectory:
+        if task.seed - EVAL_SEED_BASE in self.raising:
+            raise KeyError(f"a bug on seed {task.seed}")
+        msgs = [
+            Message(role="user", content=f"map {task.seed}"),
+            Message(role="assistant", content="go", policy_version=version),
+        ]
+        return Trajectory(id=f"{task.seed}-{task.greedy}", status="ok", env_reward=1.0, messages=msgs)
+
+
+async def test_an_episode_that_raises_is_counted_not_the_end_of_the_run(caplog):
+    # one episode's unexpected error failed the whole evaluation, and the run with it, where
+    # the same error in a training rollout is counted and the trajectory re-run
+    ev = Evaluator(_cfg(episodes=4))
+    with caplog.at_level("ERROR", logger="core.evaluation"):
+        row = await ev.run(SomeRaise({1, 2}), step=5, version=5)  # type: ignore[arg-type]
+    # seeds 1 and 2 raise, greedy and sampled: 4 of 8 episodes; the others are the measure
+    assert row["episodes_failed"] == 4
+    assert row["episodes"] == row["episodes_sampled"] == 2
+    assert row["success"] == row["success_sampled"] == 1.0
+    # said once, with the first error and its traceback, not once per episode
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].exc_info is not None
+    assert "4 of 8 evaluation episodes raised" in errors[0].getMessage()
+    assert "KeyError" in errors[0].getMessage()
+    row = await ev.run(SomeRaise(set()), step=6, version=6)  # type: ignore[arg-type]
+    assert row["episodes_failed"] == 0
+
+
+async def test_an_evaluation_whose_every_episode_raises_stops_the_run():
+    # a bug that fails every episode is no measurement: loud, as every group given up is
+    from core.errors import RolloutError
+
+    with pytest.raises(RolloutError, match=r"all 4 evaluation episodes .*KeyError") as caught:
+        await Evaluator(_cfg(episodes=2)).run(SomeRaise({0, 1}), step=2, version=2)  # type: ignore[arg-type]
+    assert isinstance(caught.value.__cause__, KeyError)
