@@ -7,7 +7,8 @@
     tally.counts["stale_groups"] += 1       # what the job's other callbacks count
     row = tally.train_row(step, version, groups, metrics, wall, wait_s, train_s, publish_s, stream)
 
-``counts`` run over the whole job (finished trajectories by status, generated tokens, groups
+``counts`` run over the whole job (finished trajectories by status, disjoint: one whose reward
+failed for good counts as ``reward_failed``, not ``ok``; generated tokens, groups
 dropped as stale or given up, aborted or masked trajectories that were trained), and so do
 ``errors`` (``infra_failed`` trajectories by the type of error that ended them); the
 generation, environment and reward times are means over what finished since the last row.
@@ -67,8 +68,12 @@ class Tally:
         self.counts["aborted"] += 1
 
     def reward_failed(self, sample: Sample) -> None:
-        """A sample whose reward failed for good (masked; the group re-runs that member)."""
+        """A sample whose reward failed for good (masked; the group re-runs that member):
+        moved from its trajectory's ``ok`` / ``truncated`` to ``reward_failed``, so that the
+        finished counts are disjoint and add up to the trajectories finished."""
         self.counts["reward_failed"] += 1
+        if sample.traj.status in ("ok", "truncated") and self.counts[sample.traj.status] > 0:
+            self.counts[sample.traj.status] -= 1
         # the reason is on the sample, not on its trajectory (which finished ``ok``): without
         # it a run whose reward always raised stopped with "the last trajectory error: none
         # recorded", the one error a user needed to see

@@ -108,3 +108,18 @@ def test_runs_cancelled_before_they_ended_are_counted_aborted():
     tally.finished(Trajectory(id="at-turn", status="aborted"))
     tally.cancelled("in-step")
     assert row(tally, stream, 1)["finished"]["aborted"] == 2
+
+
+def test_a_failed_reward_moves_its_trajectory_out_of_ok_so_the_counts_add_up():
+    # a trajectory whose reward failed was counted under ok (or truncated) and again under
+    # reward_failed: the finished counts summed to more trajectories than had finished
+    tally, stream = Tally(), FakeStream()
+    samples = group("a", "ok", "truncated", "ok", "infra_failed").samples
+    for s in samples:
+        tally.finished(s.traj)
+    for s in samples[1:3]:  # the truncated one and the second ok one
+        s.status, s.error = "reward_failed", "UserError: boom"
+        tally.reward_failed(s)
+    finished = row(tally, stream, 1)["finished"]
+    assert finished == {"ok": 1, "truncated": 0, "aborted": 0, "infra_failed": 1, "reward_failed": 2}
+    assert sum(finished.values()) == len(samples)
