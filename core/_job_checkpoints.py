@@ -94,7 +94,7 @@ class JobCheckpoints(JobState):
         self.rng.setstate((v, tuple(state), gauss))
         self.tally.counts.update(saved["counts"])
         self.tally.errors.update(saved.get("errors", {}))  # absent in an earlier release's
-        self.evaluator.trained_on(saved["trained_tasks"])
+        self.evaluator.restore(saved)
         self.evaluator.rows.extend(run_dir.evals)
         progress.note(f"resumed from {path} (step {self.step}, policy version {version})")
         for key, what in self._changes:
@@ -118,7 +118,7 @@ class JobCheckpoints(JobState):
             "rng": [v, list(state), gauss],
             "counts": dict(self.tally.counts),
             "errors": dict(self.tally.errors),
-            "trained_tasks": sorted(self.evaluator.trained_tasks),
+            **self.evaluator.state(),  # trained_tasks (bounded), eval_tasks
             "pretrained": self._pretrained,
             "train_wall_s": round(time.perf_counter() - self._t0, 3),
         }

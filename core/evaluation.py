@@ -37,18 +37,69 @@ log = logging.getLogger(__name__)
 EVAL_SEED_BASE = 10_000_000
 
 
+#: How many trained tasks' keys are kept before only the evaluation's tasks are (~22 bytes
+#: each in every checkpoint's job.json: 50k are ~1.1 MB; a dataset of 200k unique prompts
+#: made it 4.4 MB, growing for as long as training met new prompts).
+MAX_TRAINED_TASKS = 50_000
+
+
 class Evaluator:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.rows: list[dict[str, Any]] = []
-        #: ``task_key``s of every task trained on (pretraining included)
+        #: ``task_key``s of the tasks trained on (pretraining included): all of them up to
+        #: ``MAX_TRAINED_TASKS``, then only those among ``eval_tasks`` (``narrowed``)
         self.trained_tasks: set[str] = set()
+        #: ``task_key``s of the tasks the evaluations played; None until one has (or in the
+        #: job.json of an earlier release, which did not keep them)
+        self.eval_tasks: set[str] | None = None
+        #: past the cap: ``trained_tasks`` keeps only ``eval_tasks``' keys, which is all the
+        #: unseen split asks of it; a task an evaluation meets later is not judged
+        self.narrowed = False
 
     def trained_on(self, keys: Iterable[str]) -> None:
+        if self.narrowed:
+            assert self.eval_tasks is not None
+            self.trained_tasks.update(k for k in keys if k in self.eval_tasks)
+            return
         self.trained_tasks.update(keys)
+        # the evaluation's tasks are known once one ran (the first, at step 0, before any
+        # training); a job that never evaluates needs none of them
+        if len(self.trained_tasks) > MAX_TRAINED_TASKS and (
+            self.eval_tasks is not None or not self.cfg.rollout.eval_every
+        ):
+            self._narrow()
 
     def trained_on_trajectories(self, trajs: Iterable[Trajectory]) -> None:
-        self.trained_tasks.update(task_keys(trajs))
+        self.trained_on(task_keys(trajs))
+
+    def _narrow(self) -> None:
+        self.eval_tasks = self.eval_tasks or set()
+        self.trained_tasks &= self.eval_tasks
+        self.narrowed = True
+        log.info(
+            "over %d tasks trained on: from now on only the %d evaluation tasks are tracked "
+            "(a task an evaluation meets later counts in episodes_untracked)",
+            MAX_TRAINED_TASKS,
+            len(self.eval_tasks),
+        )
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint's job.json keeps of it (``restore`` reads it back)."""
+        return {
+            "trained_tasks": sorted(self.trained_tasks),
+            "eval_tasks": None if self.eval_tasks is None else sorted(self.eval_tasks),
+            "trained_tasks_narrowed": self.narrowed,
+        }
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """From ``state()``, or an earlier release's job.json (every trained task, no
+        ``eval_tasks``: those are learnt at the next evaluation, and narrowed then)."""
+        eval_tasks = saved.get("eval_tasks")
+        self.eval_tasks = None if eval_tasks is None else set(eval_tasks)
+        self.narrowed = bool(saved.get("trained_tasks_narrowed", False)) and self.eval_tasks is not None
+        kept, self.trained_tasks = self.trained_tasks, set()  # added before it: kept too
+        self.trained_on(kept | set(saved["trained_tasks"]))
 
     async def run(self, manager: EnvManager, step: int, version: int) -> dict[str, Any]:
         """Episodes on held-out seeds (the same seeds every time), each seed played greedily
@@ -62,6 +113,8 @@ class Evaluator:
                 tasks.append(Task(env, EVAL_SEED_BASE + i, f"eval-{step}", greedy=greedy))
         te = time.perf_counter()
         trained = set(self.trained_tasks)  # as of this version: training goes on meanwhile
+        # past the cap, a task no earlier evaluation played was not tracked: not judged
+        tracked = set(self.eval_tasks or ()) if self.narrowed else None
         outcomes = await gather_or_stop(_episode(manager, t, version) for t in tasks)
         failed = [(t, e) for t, e in zip(tasks, outcomes, strict=True) if isinstance(e, BaseException)]
         if failed:
@@ -85,12 +138,19 @@ class Evaluator:
                 statistics.fmean([t.env_reward or 0.0 for t in scored]) if scored else 0.0
             )
             row[f"episodes{suffix}"] = len(scored)
-            unseen = [t for t in scored if _task_key_of(t) not in trained]
+            keys = [_task_key_of(t) for t in scored]
+            judged = [(t, k) for t, k in zip(scored, keys, strict=True) if tracked is None or k in tracked]
+            unseen = [t for t, k in judged if k not in trained]
             row[f"success_unseen{suffix}"] = _success(unseen) if unseen else None
             row[f"episodes_unseen{suffix}"] = len(unseen)
+            row[f"episodes_untracked{suffix}"] = len(scored) - len(judged)
         row["infra_failed"] = sum(1 for t in trajs if t.status == "infra_failed")
         row["episodes_failed"] = len(failed)
         row["eval_s"] = round(time.perf_counter() - te, 2)
+        if not self.narrowed:
+            self.eval_tasks = (self.eval_tasks or set()) | set(task_keys(trajs))
+            if len(self.trained_tasks) > MAX_TRAINED_TASKS:
+                self._narrow()
         self.rows.append(row)
         return row
 

@@ -6,9 +6,11 @@ plays (a new version published, a task trained on), as it does in async mode."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
+from core import evaluation
 from core.config import JobConfig
 from core.evaluation import EVAL_SEED_BASE, Evaluator
 from core.rollout.env_manager import Task, task_key
@@ -153,3 +155,68 @@ async def test_an_evaluation_whose_every_episode_raises_stops_the_run():
     with pytest.raises(RolloutError, match=r"all 4 evaluation episodes .*KeyError") as caught:
         await Evaluator(_cfg(episodes=2)).run(SomeRaise({0, 1}), step=2, version=2)  # type: ignore[arg-type]
     assert isinstance(caught.value.__cause__, KeyError)
+
+
+class Maps:
+    """One-turn episodes whose task (reset observation) is ``map <seed>``: seed-determined."""
+
+    async def run(self, task: Task, *, version: int) -> Trajectory:
+        msgs = [
+            Message(role="user", content=f"map {task.seed}"),
+            Message(role="assistant", content="go", policy_version=version),
+        ]
+        return Trajectory(id=f"{task.seed}-{task.greedy}", status="ok", env_reward=1.0, messages=msgs)
+
+
+def _map(i: int) -> str:
+    return task_key(f"map {EVAL_SEED_BASE + i}")
+
+
+async def test_the_trained_tasks_kept_are_bounded_past_the_cap(monkeypatch):
+    # every distinct task trained on was kept, and written whole into every checkpoint's
+    # job.json: 200k unique prompts (a math dataset) made it 4.4 MB, growing without end
+    monkeypatch.setattr(evaluation, "MAX_TRAINED_TASKS", 10, raising=False)
+    ev = Evaluator(_cfg(episodes=4))
+    await ev.run(Maps(), step=0, version=0)  # type: ignore[arg-type]
+    ev.trained_on([_map(1)])
+    ev.trained_on(task_key(f"prompt {i}") for i in range(1000))
+    ev.trained_on([_map(2)])  # after the cap too
+    # only what the unseen split needs: the evaluation's tasks trained on
+    assert ev.trained_tasks == {_map(1), _map(2)}
+    row = await ev.run(Maps(), step=1, version=1)  # type: ignore[arg-type]
+    assert row["episodes_unseen"] == 2 and row["episodes_untracked"] == 0
+    assert row["success_unseen"] == 1.0
+
+    # across a checkpoint: job.json's keys, through JSON, into a fresh evaluator
+    saved = json.loads(json.dumps(ev.state()))
+    assert len(json.dumps(saved)) < 1000
+    again = Evaluator(_cfg(episodes=5))  # a resume may ask for more episodes
+    again.restore(saved)
+    again.trained_on([_map(3), task_key("prompt x")])
+    assert again.trained_tasks == {_map(1), _map(2), _map(3)}
+    row = await again.run(Maps(), step=2, version=2)  # type: ignore[arg-type]
+    # seed 4 is a task first met past the cap: whether training saw it is not known
+    assert row["episodes_unseen"] == 1 and row["episodes_untracked"] == 1
+
+
+async def test_an_old_checkpoint_of_every_trained_task_resumes(monkeypatch):
+    # job.json of an earlier release: trained_tasks only, however many
+    monkeypatch.setattr(evaluation, "MAX_TRAINED_TASKS", 10, raising=False)
+    ev = Evaluator(_cfg(episodes=4))
+    ev.rows.append({"kind": "eval", "step": 0})  # the run's rows, restored from metrics.jsonl
+    ev.restore({"trained_tasks": [_map(1)] + [task_key(f"prompt {i}") for i in range(50)]})
+    # its evaluation tasks are known only once one runs: nothing is dropped before that
+    ev.trained_on([task_key("prompt y")])
+    assert len(ev.trained_tasks) == 52
+    row = await ev.run(Maps(), step=3, version=3)  # type: ignore[arg-type]
+    assert row["episodes_unseen"] == 3 and row["episodes_untracked"] == 0
+    assert ev.trained_tasks == {_map(1)}  # narrowed once it knew them
+
+
+def test_without_evaluations_the_trained_tasks_stop_at_the_cap(monkeypatch):
+    monkeypatch.setattr(evaluation, "MAX_TRAINED_TASKS", 10, raising=False)
+    cfg = _cfg(episodes=4)
+    cfg.rollout.eval_every = 0
+    ev = Evaluator(cfg)
+    ev.trained_on(task_key(f"prompt {i}") for i in range(1000))
+    assert len(ev.trained_tasks) <= 10
