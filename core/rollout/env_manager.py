@@ -170,6 +170,7 @@ class EnvManager:
             info={VERSION_KEY: version, "turn_rewards": [], "turn_states": [], "gen_s": 0.0, "env_s": 0.0},
         )
         t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.cfg.rollout.trajectory_timeout_s):
                 await self._play(task, traj, barrier)
@@ -192,23 +193,28 @@ class EnvManager:
             traj.info["wall_s"] = time.perf_counter() - t0
             if barrier is not None:
                 await barrier.leave()
-            # shielded: a cancelled trajectory still frees its affinity; kept so that ``drain``
-            # can wait for a release its cancelled caller no longer waits for
-            release = asyncio.ensure_future(self._end(traj.id, abort=traj.status == "infra_failed"))
-            self._releasing.add(release)
-            release.add_done_callback(self._releasing.discard)
-            try:
-                await asyncio.shield(release)
-            except ProxyDiedError:
-                raise  # the job stops on it
-            except Exception as e:
-                # the trajectory is played: a release the proxy could not take (a Ray node
-                # briefly unreachable) replaced it with its error, and the group runner threw
-                # the finished work away as a manager bug and played it again
-                log.warning(
-                    "trajectory %s: the proxy's release failed (%s: %s)", traj.id, type(e).__name__, e
-                )
+            if _running_loop() is loop:
+                await self._release(traj)
+            # else the garbage collector is closing a run whose loop was closed under it: no
+            # release can be sent, and one scheduled anyway raised "There is no current event
+            # loop" (or landed on whatever loop runs now) and left its coroutine never awaited
         return traj
+
+    async def _release(self, traj: Trajectory) -> None:
+        # shielded: a cancelled trajectory still frees its affinity; kept so that ``drain``
+        # can wait for a release its cancelled caller no longer waits for
+        release = asyncio.ensure_future(self._end(traj.id, abort=traj.status == "infra_failed"))
+        self._releasing.add(release)
+        release.add_done_callback(self._releasing.discard)
+        try:
+            await asyncio.shield(release)
+        except ProxyDiedError:
+            raise  # the job stops on it
+        except Exception as e:
+            # the trajectory is played: a release the proxy could not take (a Ray node briefly
+            # unreachable) replaced it with its error, and the group runner threw the finished
+            # work away as a manager bug and played it again
+            log.warning("trajectory %s: the proxy's release failed (%s: %s)", traj.id, type(e).__name__, e)
 
     def _warn_once(self, env: EnvConfig, kind: str, e: EnvLogicError | ToolMisconfigured) -> None:
         """Say an environment's own error, or a tool's wrong setup, once per type: either is
@@ -349,6 +355,13 @@ class EnvManager:
     def shown(text: str, env: EnvConfig) -> str:
         """An observation as the policy is shown it (``drop_lines`` cut)."""
         return _drop(text, env.prompt.drop_lines) if env.prompt.drop_lines else text
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _drop(text: str, prefixes: list[str]) -> str:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import sys
+import warnings
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -344,3 +347,40 @@ async def test_a_release_that_fails_does_not_throw_away_a_played_trajectory(pool
     with pytest.raises(ProxyDiedError):
         await asyncio.wait_for(EnvManager(cfg, pool, died).run(Task(cfg.envs[0], 1, "g"), version=0), 10)
     assert pool.stats()["claimed"] == 0
+
+
+class _BarePool:
+    @contextlib.asynccontextmanager
+    async def session(self, env_id: str, **kw: Any) -> AsyncIterator[_TaskSession]:
+        yield _TaskSession(EnvLogicError("unused"))
+
+
+def test_a_run_whose_loop_closed_under_it_ends_without_a_release_it_cannot_send():
+    # a loop closed with a trajectory still running (a test that failed halfway) leaves the
+    # run to the garbage collector, which closes it with no loop to run anything on: its
+    # finally scheduled the proxy's release all the same, and each such run printed "There is
+    # no current event loop" and "coroutine 'EnvManager._end' was never awaited"
+    cfg = job(LAKE)
+    proxy = ScriptedProxy([HANG])
+    loop = asyncio.new_event_loop()
+    run = loop.create_task(EnvManager(cfg, _BarePool(), proxy).run(Task(cfg.envs[0], 1, "g"), version=0))  # type: ignore[arg-type]
+
+    async def until_its_turn() -> None:
+        async with asyncio.timeout(60):
+            while not proxy.calls:  # noqa: ASYNC110 - the scripted proxy records, it does not signal
+                await asyncio.sleep(0.005)
+
+    loop.run_until_complete(until_its_turn())
+    loop.close()
+    unraisable: list[Any] = []
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            del run
+            gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert [str(u.exc_value) for u in unraisable] == []
+    assert [str(w.message) for w in caught if "never awaited" in str(w.message)] == []
+    assert proxy.released == []  # nothing could send it
