@@ -16,6 +16,10 @@ from core.rollout.groups import GroupRunner
 from core.rollout.llm_proxy import LLMProxy, LocalReplica
 from envpool.api import Observation, StepResult
 
+#: Bounds a wait for a state the fakes reach in milliseconds, against a hang only: three test
+#: workers on a loaded machine took over 5 s to get six in-process trajectories going
+HANG_S = 60.0
+
 # ----------------------------------------------------------------------------- with the real proxy
 
 
@@ -71,7 +75,7 @@ async def test_the_proxy_forgets_every_trajectory_of_a_redundant_group():
     runner = GroupRunner(cfg, manager, proxy, submit=lambda t: None)
     for i in range(20):
         runner.start(cfg.envs[0], i, 0)
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(HANG_S):
         while runner.running() or runner._aborting or manager._releasing:  # noqa: ASYNC110
             await asyncio.sleep(0.01)
     assert runner.metrics["redundant_aborted"] + runner.metrics["extra"] > 0
@@ -167,12 +171,12 @@ async def test_a_shutdown_stops_each_running_trajectory_once():
     runner = GroupRunner(cfg, manager, remote, submit=lambda t: None)
     for i in range(2):
         runner.start(cfg.envs[0], i, 0)
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(HANG_S):
         while engine.num_inflight < 4:  # noqa: ASYNC110 - every turn reached the engine
             await asyncio.sleep(0.002)
     turns = set(engine._inflight)
     await runner.aclose()
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(HANG_S):
         while remote.calls:  # the actor's side of the calls ends too
             await asyncio.gather(*remote.calls, return_exceptions=True)
     assert dict(engine.aborts) == dict.fromkeys(turns, 1)
@@ -249,14 +253,14 @@ async def test_a_shutdown_aborts_each_turn_once_whatever_each_member_was_doing()
     a = runner.start(cfg.envs[0], 0, 0)
     runner.start(cfg.envs[0], 1, 0)
     runner.start(cfg.envs[1], 2, 0)
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(HANG_S):
         while engine.num_inflight < 4 or len(pool.stepping) < 2:  # noqa: ASYNC110
             await asyncio.sleep(0.002)
     turns = set(engine._inflight)
     runner.abort_group(a.id, "stale")
     assert a.aborting == set(a.running)
     await runner.aclose()
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(HANG_S):
         while remote.calls:
             await asyncio.gather(*remote.calls, return_exceptions=True)
     assert dict(engine.aborts) == dict.fromkeys(turns, 1)
