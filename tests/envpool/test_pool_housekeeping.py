@@ -272,13 +272,19 @@ async def test_the_pool_pins_the_bundle_its_containers_run_from(tmp_path):
 
 class _SlowProbeRuntime(ProcessRuntime):
     """A remote-like runtime: a liveness probe is an API round trip, a stop has a grace
-    period during which the container still runs."""
+    period during which the container still runs. The probe of a container in ``held``
+    lasts until ``answer`` is set (``probing`` says it began)."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.dead: set[str] = set()
+        self.held: set[str] = set()
+        self.probing, self.answer = asyncio.Event(), asyncio.Event()
 
     async def _alive(self, c: Container) -> bool:
+        if c.id in self.held:
+            self.probing.set()
+            await self.answer.wait()
         await asyncio.sleep(0.05)
         return c.id not in self.dead and await super()._alive(c)
 
@@ -291,7 +297,9 @@ class _SlowProbeRuntime(ProcessRuntime):
 async def test_a_claim_never_gets_a_container_its_image_was_let_go_with(images):
     # the image was let go (past max_containers) while a claim probed its first idle
     # container: the claim still held the same idle deque and handed out the next container,
-    # whose stop was already under way
+    # whose stop was already under way. The probe lasts until the image is let go (image B's
+    # cold start, which lets go of A only once it has started: a loaded machine's took longer
+    # than a fixed probe, and the claim took a2 before A was let go, as it may)
     image_a, image_b = "other@sha256:" + "e" * 64, "echo@sha256:" + "e" * 64
     p = pool(images, min_warm=2, max_containers=3, warm_idle_s=3600)
     rt = await swap_runtime(p, _SlowProbeRuntime(p.config.runtime))
@@ -299,10 +307,13 @@ async def test_a_claim_never_gets_a_container_its_image_was_let_go_with(images):
         await p.prewarm(image_a)
         a1, a2 = list(p._idle[image_a])
         rt.dead.add(a1.id)  # died while idle: the claim probes it, finds it dead, goes on
+        rt.held.add(a1.id)
         claim = asyncio.create_task(p._claim(image_a))
-        await asyncio.sleep(0.01)
+        async with asyncio.timeout(60):  # bounds a hang only
+            await rt.probing.wait()
         b = await p._claim(image_b)  # a cold start past max_containers lets go of image A
         assert image_a not in p._wanted  # (a2's stop is under way, in the background)
+        rt.answer.set()
         got = await claim
         assert got is not a2 and got.id not in rt._stopping and got.id in rt.live
         await p._release(got, healthy=True)
