@@ -12,7 +12,9 @@ from job_helpers import job_process, stopped_by_sigterm
 
 # Imported by the job as its fabric.discover module (before it starts Ray): Ray's start
 # waits, once its processes (the GCS, the raylet and the agents the raylet starts) are up,
-# so that the test's SIGTERM lands inside ray.init at a known point
+# so that the test's SIGTERM lands inside ray.init at a known point. The agents are named
+# (ray::...) only once they run, seconds after the raylet on a loaded machine: the start
+# waits for them itself (bounded, against a hang only) before it says it is up
 SLOW_RAY_START = """
 import os
 import time
@@ -23,8 +25,23 @@ import ray._private.node
 _start = ray._private.node.Node.start_ray_processes
 
 
+def _agents_run():
+    sid = os.getsid(0)  # the job's session, which Ray's processes keep
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and (stat.parent / "cmdline").read_bytes().startswith(b"ray::"):
+                return True
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    return False
+
+
 def _slow_start(self, *args, **kwargs):
     out = _start(self, *args, **kwargs)
+    deadline = time.monotonic() + 90
+    while not _agents_run() and time.monotonic() < deadline:
+        time.sleep(0.05)
     Path(os.environ["RAY_STARTED_MARK"]).touch()
     time.sleep(8)
     return out
@@ -65,11 +82,8 @@ def test_sigterm_while_ray_starts_leaves_none_of_its_processes(tmp_path):
             assert p.poll() is None, p.communicate()[1]
             assert time.monotonic() < deadline, "Ray's processes did not start within 120 s"
             time.sleep(0.05)
-        # the raylet's agents, named once they run (within the start's 8 s wait)
-        deadline = time.monotonic() + 4
-        while not any(cmd.startswith("ray::") for cmd in _session(p.pid).values()):
-            assert time.monotonic() < deadline, _session(p.pid)
-            time.sleep(0.05)
+        # the raylet's agents run: the start waited for them before it made the mark
+        assert any(cmd.startswith("ray::") for cmd in _session(p.pid).values()), _session(p.pid)
         err = stopped_by_sigterm(p)
         assert "SIGTERM handler is not set" not in err, err[-2000:]  # Ray's word off the main thread
         # Ray's shutdown stops its processes gracefully (a second or two each); left alone,
