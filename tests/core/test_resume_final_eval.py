@@ -47,6 +47,11 @@ def test_a_resume_at_the_checkpoints_step_is_not_refused_but_one_below_it_is(tmp
     ), note
 
 
+# three jobs, each its own start of actors, pools and workers (its training is a fraction of
+# a second, so fewer steps or episodes save nothing): ~5 s a start alone, 25 s on a loaded
+# machine; with the module's Ray start, a loaded full run passed the suite's 120 s (29 s of
+# set-up, then a job still waiting for its actors at 91 s). The bound is for a hang only
+@pytest.mark.timeout(360)
 @pytest.mark.ray
 async def test_a_run_stopped_in_its_final_evaluation_gets_its_summary_by_resume(tmp_path, ray_cluster):
     cfg = job_config(
