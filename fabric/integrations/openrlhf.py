@@ -336,7 +336,10 @@ class RewardServer:
         # a function that needs no label (or prompt) is scored without one
         prompts = data.get("prompts", [""] * len(queries) if isinstance(queries, list) else None)
         labels = data.get("labels", [None] * len(queries) if isinstance(queries, list) else None)
-        absent = [f'"{k}"' for k in ("prompts", "labels") if k not in data]
+        # only the labels' stand-ins (nulls) can be what the function refused or lacked: the
+        # prompts' are empty strings, which a str parameter takes, so an absent "prompts"
+        # beside a label of the wrong type was blamed for its refusal
+        absent = ['"labels"'] if "labels" not in data else []
         try:
             return web.json_response(await self.reward.score_async(queries, prompts, labels))
         except RefusedArgumentsError as e:

@@ -132,6 +132,20 @@ async def test_openrlhf_http_a_missing_field_is_named_not_called_a_wrong_type():
             assert resp.status == 200 and (await resp.json())["rewards"] == [4.0]
 
 
+async def test_openrlhf_http_an_absent_prompts_field_is_not_blamed_for_a_refused_label():
+    # "prompts" absent stands in as empty strings, which a str parameter takes: a label of the
+    # wrong type beside it was answered 'the body has no "prompts" field ... and explode needs
+    # it', sending the user to add prompts the function never asked for
+    import aiohttp
+
+    cfg = IntegrationConfig(function="explode", backend="inproc", builtins=False)
+    async with RewardServer(cfg, port=0, registry=REG) as server, aiohttp.ClientSession() as http:
+        async with http.post(server.url, json={"query": ["p a"], "labels": [3]}) as resp:
+            assert resp.status == 400
+            text = str((await resp.json())["error"])
+    assert '"prompts"' not in text and "a column of the wrong type?" in text, text
+
+
 async def test_openrlhf_http_a_micro_batch_over_6_mib_is_scored_not_413():
     # older OpenRLHF posts a whole micro-batch to one server: 100 samples of 70 KB are 7 MB
     # together, each far under the 6 MiB call limit, and were refused whole with 413
