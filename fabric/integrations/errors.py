@@ -19,6 +19,8 @@ A misconfigured adapter (an unknown function, a bad option) raises the SDK's own
 
 from __future__ import annotations
 
+from typing import Any
+
 from fabric.errors import FabricError
 from fabric.protocol import ErrorInfo
 
@@ -46,6 +48,11 @@ class RefusedArgumentsError(BadBatchError):
             f"{signature} refused the arguments of {count} of {total} samples "
             f"(a column of the wrong type?); first: {self.first_refusal}"
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # rebuilt from its parts, not the message alone: veRL calls the function in a Ray
+        # actor, which pickles what it raises back to the trainer
+        return (type(self), (self.signature, self.count, self.total, self.first))
 
     @property
     def first_refusal(self) -> str:

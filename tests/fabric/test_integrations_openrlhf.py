@@ -146,6 +146,28 @@ async def test_openrlhf_http_an_absent_prompts_field_is_not_blamed_for_a_refused
     assert '"prompts"' not in text and "a column of the wrong type?" in text, text
 
 
+def test_a_refusal_of_the_arguments_pickles_back_whole():
+    # veRL's remote reward manager calls the function in a Ray actor, which pickles what it
+    # raises back to the trainer: BadBatchError did, but its RefusedArgumentsError took four
+    # arguments to rebuild and pickle gave it one (a TypeError in place of the refusal)
+    import pickle
+
+    from fabric.integrations import RefusedArgumentsError
+    from fabric.protocol import ErrorInfo
+
+    e = RefusedArgumentsError(
+        "f(traj, ground_truth)", 2, 3, (1, ErrorInfo(type="InvalidArguments", message="no"))
+    )
+    copy = pickle.loads(pickle.dumps(e))
+    assert isinstance(copy, RefusedArgumentsError) and str(copy) == str(e)
+    assert (copy.signature, copy.count, copy.total, copy.first_refusal) == (
+        "f(traj, ground_truth)",
+        2,
+        3,
+        e.first_refusal,
+    )
+
+
 async def test_openrlhf_http_a_micro_batch_over_6_mib_is_scored_not_413():
     # older OpenRLHF posts a whole micro-batch to one server: 100 samples of 70 KB are 7 MB
     # together, each far under the 6 MiB call limit, and were refused whole with 413
