@@ -14,8 +14,8 @@ over ``episodes_unseen``).
 
 An episode that raises (not an environment's or engine's failure, which the manager makes an
 ``infra_failed`` trajectory, but an error nobody expected) is counted in the row's
-``episodes_failed`` and left out of its means; only an evaluation whose every episode raised
-stops the run (``RolloutError``).
+``episodes_failed`` and left out of its means; only an evaluation whose every episode raised,
+or every greedy or every sampled one, stops the run (``RolloutError``).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class Evaluator:
         outcomes = await gather_or_stop(_episode(manager, t, version) for t in tasks)
         failed = [(t, e) for t, e in zip(tasks, outcomes, strict=True) if isinstance(e, BaseException)]
         if failed:
-            _say_failed(failed, len(tasks), step)
+            _say_failed(failed, tasks, step)
         pairs = [(t, tr) for t, tr in zip(tasks, outcomes, strict=True) if isinstance(tr, Trajectory)]
         trajs = [tr for _, tr in pairs]
         played = [v for t in trajs for v in t.policy_versions()]
@@ -168,17 +168,23 @@ async def _episode(manager: EnvManager, task: Task, version: int) -> Trajectory 
         return e
 
 
-def _say_failed(failed: list[tuple[Task, Exception]], total: int, step: int) -> None:
+def _say_failed(failed: list[tuple[Task, Exception]], tasks: list[Task], step: int) -> None:
     """Log the episodes that raised once, with the first one's traceback; raise when every
-    episode did: a bug that fails them all leaves nothing to measure, and a row of 0
-    episodes would hide it until the summary."""
+    episode did, or every greedy or every sampled one: a bug that fails them all leaves
+    nothing to measure, and a row of 0 episodes (its success 0.0, read as a policy that
+    fails every task) would hide it until the summary."""
     task, first = failed[0]
     what = f"{type(first).__name__}: {first}"
-    if len(failed) == total:
-        raise RolloutError(
-            f"all {total} evaluation episodes at step {step} raised (a bug, not a transient fault); "
-            f"the first ({task.env.id}, seed {task.seed}): {what}"
-        ) from first
+    total = len(tasks)
+    for greedy, kind in ((None, ""), (True, "greedy "), (False, "sampled ")):
+        of_kind = sum(1 for t in tasks if greedy is None or t.greedy is greedy)
+        raised = [(t, e) for t, e in failed if greedy is None or t.greedy is greedy]
+        if of_kind and len(raised) == of_kind:
+            t, e = raised[0]
+            raise RolloutError(
+                f"all {of_kind} {kind}evaluation episodes at step {step} raised (a bug, not a "
+                f"transient fault); the first ({t.env.id}, seed {t.seed}): {type(e).__name__}: {e}"
+            ) from e
     log.error(
         "evaluation at step %d: %d of %d evaluation episodes raised (counted in the row's "
         "episodes_failed, left out of its success); the first (%s, seed %d): %s",

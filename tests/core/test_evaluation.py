@@ -220,3 +220,22 @@ def test_without_evaluations_the_trained_tasks_stop_at_the_cap(monkeypatch):
     ev = Evaluator(cfg)
     ev.trained_on(task_key(f"prompt {i}") for i in range(1000))
     assert len(ev.trained_tasks) <= 10
+
+
+class GreedyRaises(SomeRaise):
+    """Every greedy episode raises (a bug in the greedy path); the sampled ones succeed."""
+
+    async def run(self, task: Task, *, version: int) -> Trajectory:
+        if task.greedy:
+            raise KeyError("a bug of greedy decoding")
+        return await super().run(task, version=version)
+
+
+async def test_an_evaluation_whose_every_greedy_episode_raises_stops_the_run():
+    # the greedy half all raised and the sampled half played: the row said success 0.0 over
+    # 0 episodes, which the plot and learning_report read as a policy that fails every task,
+    # and the run went on measuring nothing, a line in the log per evaluation
+    from core.errors import RolloutError
+
+    with pytest.raises(RolloutError, match=r"all 3 greedy evaluation episodes .*KeyError"):
+        await Evaluator(_cfg(episodes=3)).run(GreedyRaises(set()), step=2, version=2)  # type: ignore[arg-type]
