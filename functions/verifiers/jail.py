@@ -51,8 +51,17 @@ def _bind_ro(src: str, dst: str, flags: int = RO_FLAGS) -> None:
 
 def _mounts_under(path: str) -> list[str]:
     with open("/proc/self/mountinfo") as f:
-        targets = [line.split()[4] for line in f]
+        targets = [_unescape(line.split()[4]) for line in f]
     return [t for t in targets if t == path or t.startswith(path + "/")]
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path as it is: the kernel writes a space, tab, newline and backslash in it
+    as ``\\ooo`` (octal); matched as written, a bind at "/x/my venv" was never found, so
+    never remounted read-only."""
+    # (a backslash of the path is itself written \134: each one starts an escape)
+    head, *rest = field.split("\\")
+    return head + "".join(chr(int(p[:3], 8)) + p[3:] for p in rest)
 
 
 def restore_relocated() -> None:

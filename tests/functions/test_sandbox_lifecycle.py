@@ -215,6 +215,24 @@ def test_a_virtualenv_reached_through_a_symlink_is_importable_in_runs(under):
         shutil.rmtree(made)
 
 
+@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs a virtualenv to reach through a link")
+def test_a_shared_directory_whose_path_has_a_space_is_read_only_in_runs():
+    """/proc/self/mountinfo writes a space in a mount point as ``\\040``: the jail looked for
+    the bind of a venv at "/var/tmp/x/my venv" under its plain name, found none, and left
+    it as bound: writable (and suid, dev) in every run."""
+    made = tempfile.mkdtemp(prefix="rlfabric-test-venv space-", dir="/var/tmp")
+    try:
+        link = os.path.join(made, "my venv")
+        os.symlink(os.path.realpath(sys.prefix), link)
+        with own_sandbox(python=os.path.join(link, "bin", "python")) as box:
+            out = py(
+                box, "import os, sys\nprint(sys.prefix, bool(os.statvfs(sys.prefix).f_flag & os.ST_RDONLY))"
+            )
+        assert (out.status, out.stdout.decode().strip()) == ("exited", f"{link} True"), out
+    finally:
+        shutil.rmtree(made)
+
+
 # -- a race made deterministic: PR_SET_PDEATHSIG is set after fork ---------------------------
 def test_a_zygote_dying_right_after_forking_the_program_leaves_no_orphan(monkeypatch):
     """Freeze a fresh program at birth (ptrace), before it arms PR_SET_PDEATHSIG, and kill
