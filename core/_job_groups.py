@@ -112,9 +112,10 @@ class JobGroups(JobSummary):
         self._give_up_streak += 1
         limit = max(8, 2 * self.cfg.batch_size)
         if self._give_up_streak >= limit and self._fatal is not None and not self._failing():
-            # the tally knows infra_failed and reward_failed trajectories; a run that raised
-            # (a proxy actor's error on every turn) only the group's own record has
-            last = self.tally.last_error or g.last_error or "none recorded"
+            # the group's own error first: what gave it up, whatever kind (a run that raised,
+            # a proxy actor's error on every turn, only it records); the tally's is the run's
+            # last infra_failed or reward_failed trajectory, which may be hours old
+            last = g.last_error or self.tally.last_error or "none recorded"
             self._fatal.set_exception(
                 RolloutError(
                     f"{self._give_up_streak} groups in a row were given up (each after "

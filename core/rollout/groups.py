@@ -208,7 +208,7 @@ class GroupRunner:
         if g is None or g.closed in ("stale", "given_up"):
             return
         g.finished -= 1
-        g.last_error = f"reward_failed: {sample.error}"
+        g.last_error = f"reward_failed, rewards.{sample.tag}: {sample.error}"  # (as the tally's)
         if g.closed == "full":
             g.closed = None
         self._maybe_rerun(g)

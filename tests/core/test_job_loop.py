@@ -168,6 +168,32 @@ async def test_a_rollout_stopped_by_trajectories_that_raise_says_their_error():
     await j.runner.aclose()
 
 
+async def test_a_rollout_stopped_by_trajectories_that_raise_does_not_name_an_old_error():
+    # the tally's last error is the last infra_failed or reward_failed trajectory of the run,
+    # which may be hours old: it was named ahead of the given-up group's own error, so a job
+    # stopped by runs that raise said an environment's crash of long ago was the cause
+    from test_groups import FakeManager, FakeProxy
+    from test_groups import job as group_job
+
+    from core.buffer import SampleBuffer
+    from core.rollout.groups import GroupRunner
+
+    cfg = group_job(group_size=2, max_reruns=0)
+    j = Job(cfg, progress=False)
+    j._fatal = asyncio.get_running_loop().create_future()
+    j.tally.last_error = "ContainerDied: an environment lost at step 3"
+    manager = FakeManager(default=(0.001, "raise"))
+    j.runner = GroupRunner(cfg, manager, FakeProxy(), submit=lambda t: None, on_given_up=j._given_up)  # type: ignore[arg-type]
+    j.buffer = SampleBuffer(cfg.group_size, cfg.alpha, on_abort=j._on_abort)
+    for _ in range(max(8, 2 * cfg.batch_size)):
+        j._start_group(j.runner)
+    async with asyncio.timeout(5):
+        await asyncio.wait({j._fatal})
+    text = str(j._fatal.exception())
+    assert "the last trajectory error: RuntimeError: a bug in the manager" in text, text
+    await j.runner.aclose()
+
+
 async def test_a_step_stopped_while_it_waits_for_a_batch_takes_its_wait_along():
     # Ctrl-C (or SIGTERM) while the step loop waited for a batch cancelled only the wait for
     # "the batch or the fatal error": the batch's own wait stayed a waiter of the buffer,
