@@ -89,6 +89,12 @@ class RewardCallError(IntegrationError):
             f"{function} failed on {len(failures)} of {total} samples (they were not scored): "
             f"{shown}{more}{hint}"
         )
+        self.hint = hint
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # rebuilt from its parts (as RefusedArgumentsError): raised in veRL's Ray reward
+        # actor, it came back to the trainer as a TypeError of unpickling
+        return (type(self), (self.function, self.total, self.failures, self.hint))
 
 
 def _first_line(text: str, limit: int = 300) -> str:

@@ -332,3 +332,18 @@ def test_cli_openrlhf_serve_serves_until_interrupted(tmp_path):
         timeout=60,
     )
     assert bad.returncode == 2 and "unknown function 'nope'" in bad.stderr and "math_answer" in bad.stderr
+
+
+def test_a_failed_batch_s_error_pickles_back_whole():
+    # raised in veRL's Ray reward actor as RefusedArgumentsError is: it takes four arguments,
+    # and pickle rebuilt it from its message alone (a TypeError in place of the failure)
+    import pickle
+
+    from fabric.integrations import RewardCallError
+    from fabric.protocol import ErrorInfo
+
+    e = RewardCallError("f", 8, [(3, ErrorInfo(type="UserError", message="boom"))], hint="; a hint")
+    copy = pickle.loads(pickle.dumps(e))
+    assert isinstance(copy, RewardCallError) and str(copy) == str(e)
+    assert (copy.function, copy.total, copy.hint) == ("f", 8, "; a hint")
+    assert [(i, x.type, x.message) for i, x in copy.failures] == [(3, "UserError", "boom")]
