@@ -400,26 +400,58 @@ def test_slot_namespaces_are_made_once_per_slot_not_per_run():
     assert len(seen) <= 4, seen
 
 
+def _waiting_for_sigusr1(base: int) -> dict[int, int]:
+    """The host's view of the sandbox processes (uids ``base`` to ``base + 1023``) that catch
+    SIGUSR1, as the runs of the uid-slot test do once they wait for it: pid -> uid. (Not
+    SigBlk: a process in sigtimedwait shows the signals it waits for unblocked.)"""
+    found = {}
+    for pid in _sandbox_pids(base):
+        try:
+            status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+        except (OSError, ValueError):
+            continue
+        if int(status["SigCgt"], 16) & 1 << (signal.SIGUSR1 - 1):
+            found[pid] = int(status["Uid"].split()[0])
+    return found
+
+
 def test_uid_slots_come_back_only_after_their_supervisor_is_done():
     """A slot is reused once its program, its init and its supervisor are all done with it
     (the supervisor holds the run's tmpfs until it has collected the files): the uids of
     many runs one after another stay a handful, and concurrent runs never share one."""
-    # each run says its uid and when it held it (the wall clock is the host's in the jail):
-    # runs that overlapped must differ. Not "the 4 of a batch differ": on a loaded machine a
-    # batch's runs can start one after another, and a slot given back is then rightly reused
-    code = "import os, time\nt = time.time()\ntime.sleep(0.05)\nprint(os.getuid(), t, time.time())\n"
-    with Sandbox(SandboxConfig(base_uid=BASE_UID + 6144, spares=1)) as box:
-        one_by_one = {box.run_python(code, limits=FAST).stdout.split()[0] for _ in range(15)}
+    code = "import os, time\nprint(os.getuid())\ntime.sleep(0.05)\n"
+    base = BASE_UID + 6144
+    with Sandbox(SandboxConfig(base_uid=base, spares=1)) as box:
+        one_by_one = {box.run_python(code, limits=FAST).stdout for _ in range(15)}
         assert len(one_by_one) <= 4, one_by_one
+        # 4 runs that hold their uids at once, seen so from the host: each waits for SIGUSR1
+        # and is let go only once all 4 wait (a thread pool alone does not make them overlap:
+        # on a loaded machine a batch's runs started one after another, and a slot given back
+        # was then rightly reused). Blocked before its handler shows: a signal sent as soon as
+        # the host sees the handler is pending, never lost before the wait
+        held = (
+            "import os, signal\n"
+            "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})\n"
+            "signal.signal(signal.SIGUSR1, lambda *_: None)\n"
+            "print(os.getuid())\n"
+            "signal.sigtimedwait({signal.SIGUSR1}, 60)\n"
+        )
+        slow = Limits(cpu_s=1, wall_s=120, memory_mb=256, nproc=16, disk_mb=8, fsize_mb=4)
         for _ in range(3):
             with ThreadPoolExecutor(4) as pool:
-                done = pool.map(lambda _: box.run_python(code, limits=FAST), range(4))
-                outs = [o.stdout.split() for o in done]
-            runs = [(uid, float(t0), float(t1)) for uid, t0, t1 in outs]
-            for i, (uid, t0, t1) in enumerate(runs):
-                for other, s0, s1 in runs[i + 1 :]:
-                    if t0 < s1 and s0 < t1:  # held at once
-                        assert uid != other, runs
+                runs = [pool.submit(box.run_python, held, limits=slow) for _ in range(4)]
+                deadline = time.monotonic() + 60  # bounds a failure only
+                waiting = _waiting_for_sigusr1(base)
+                while len(waiting) < 4 and time.monotonic() < deadline and not any(r.done() for r in runs):
+                    time.sleep(0.02)
+                    waiting = _waiting_for_sigusr1(base)
+                for pid in waiting:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGUSR1)
+                outs = [r.result().stdout for r in runs]
+            assert len(waiting) == 4, (waiting, outs)
+            assert len(set(waiting.values())) == 4, waiting
+            assert sorted(int(o) for o in outs) == sorted(waiting.values()), (outs, waiting)
 
 
 def test_a_fork_of_the_worker_does_not_keep_a_run_alive():
