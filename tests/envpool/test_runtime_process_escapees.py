@@ -71,16 +71,31 @@ class EscapeEnv(envpool.Env):
 _BORN: dict[int, str] = {}
 
 
-def _alive(pid: int) -> bool:
-    """The process lives (no zombie) and is the one first seen under ``pid``: a full run forks
-    enough to wrap pids (32768 here), and a helper's pid taken by a new process read alive."""
+def _stat(pid: int) -> list[str] | None:
+    """``/proc/PID/stat``'s fields from the state on (None: no such process)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(") ")[2].split()
+            return f.read().rpartition(") ")[2].split()
     except OSError:
-        return False
-    born = fields[19]  # starttime (field 22)
-    return fields[0] != "Z" and _BORN.setdefault(pid, born) == born
+        return None
+
+
+def _seen(pid: int) -> int:
+    """``pid``, known from now on as the process under it now (a helper's pid just learnt, the
+    helper alive): for ``_alive``. It replaces what an earlier test of the worker recorded for
+    the pid: a full run wraps pids, and another test's dead helper once had this one."""
+    fields = _stat(pid)
+    assert fields is not None, f"helper {pid} is gone already"
+    _BORN[pid] = fields[19]  # starttime (field 22)
+    return pid
+
+
+def _alive(pid: int) -> bool:
+    """The process lives (no zombie) and is the one seen under ``pid`` (``_seen``, or else the
+    first ``_alive``): a full run forks enough to wrap pids (32768 here), and a helper's pid
+    taken by a new process read alive."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z" and _BORN.setdefault(pid, fields[19]) == fields[19]
 
 
 #: How long a helper may take to be gone: it bounds a failure only. A sweep reads every
@@ -113,7 +128,7 @@ async def test_a_helper_outside_the_containers_group_is_stopped_with_the_contain
         async with pool(images, min_warm=0, max_episodes=1, runtime=runtime) as p:
             async with p.session("escape-v0", image=IMAGE) as s:  # stopped at its end (max_episodes)
                 await s.reset(seed=0)
-                helper = int((await s.step(f"{kind} {pid_file}")).obs.text)
+                helper = _seen(int((await s.step(f"{kind} {pid_file}")).obs.text))
                 assert _alive(helper)
                 c = s.container
             assert c.id not in p.runtime.live
@@ -129,7 +144,7 @@ async def test_a_helper_outside_the_containers_group_is_stopped_when_the_pool_cl
         async with pool(images, min_warm=0, runtime=runtime) as p:
             async with p.session("escape-v0", image=IMAGE) as s:
                 await s.reset(seed=0)
-                helper = int((await s.step(f"exec {pid_file}")).obs.text)
+                helper = _seen(int((await s.step(f"exec {pid_file}")).obs.text))
             assert p.runtime.live and _alive(helper)  # idle again: still warm
         await wait_for(lambda: not _alive(helper), timeout_s=GONE_S)
 
@@ -173,7 +188,7 @@ def _driver_killed(tmp_path: Path, mode: str) -> Iterator[int]:
     with _killed_at_end(pid_file):
         try:
             assert driver.stdout is not None
-            helper = json.loads(driver.stdout.readline())["helper"]
+            helper = _seen(json.loads(driver.stdout.readline())["helper"])
             assert _alive(helper)
             driver.kill()
             driver.wait()
@@ -256,11 +271,13 @@ async def test_a_containers_stop_kills_no_other_containers_helper(tmp_path, zygo
             async with p.session("escape-v0", image=IMAGE) as s1, p.session("escape-v0", image=IMAGE) as s2:
                 await s1.reset(seed=0)
                 await s2.reset(seed=0)
-                helpers = [int((await s.step(f"exec {f}")).obs.text) for s, f in ((s1, first), (s2, second))]
+                helpers = [
+                    _seen(int((await s.step(f"exec {f}")).obs.text)) for s, f in ((s1, first), (s2, second))
+                ]
                 await p.runtime.stop(s1.container)
-                await wait_for(lambda: not _alive(helpers[0]))
+                await wait_for(lambda: not _alive(helpers[0]), timeout_s=GONE_S)
                 assert _alive(helpers[1])
-        await wait_for(lambda: not _alive(helpers[1]))
+        await wait_for(lambda: not _alive(helpers[1]), timeout_s=GONE_S)
 
 
 def test_a_sweep_never_kills_its_caller(tmp_path):
@@ -401,7 +418,7 @@ async def test_the_zygotes_end_sweeps_a_reaped_containers_mark_the_driver_had_no
             try:
                 async with p.session("escape-v0", image=IMAGE) as s:
                     await s.reset(seed=0)
-                    helper = int((await s.step(f"exec {pid_file}")).obs.text)
+                    helper = _seen(int((await s.step(f"exec {pid_file}")).obs.text))
                     monkeypatch.setattr(escapees, "sweep", held)
                     stop = asyncio.ensure_future(p.runtime.stop(s.container))
                     await wait_for(entered.is_set, timeout_s=30)
