@@ -115,10 +115,13 @@ class CacheAffinity(Placement):
             work = predicted_work(req)
             least = min(load, key=lambda w: ((load[w] + work) / speed[w], worker_order(w)))
             home = req.worker
-            # in time, not tokens: the home's backlog against the least one's plus this
-            # trajectory's work there (with equal workers: tokens, as before)
+            # in time, not tokens: the home's backlog against the least one's (with the slack)
+            # plus this trajectory's work there, as with equal workers (tokens, as before); on
+            # the home's side also how much longer (or shorter) the work takes there, 0 with
+            # equal workers: left out, an idle home 100x slower kept a long trajectory
             busiest_ok = ((1 + self.slack) * load[least] + work) / speed[least]
-            target = home if home in load and load[home] / speed[home] <= busiest_ok else least
+            slower_by = work / speed[home] - work / speed[least] if home in load else 0.0
+            target = home if home in load and load[home] / speed[home] + slower_by <= busiest_ok else least
             out[req.trajectory] = target
             load[target] += work
         return out

@@ -121,3 +121,14 @@ def test_the_simulator_gives_placements_the_worker_speeds():
     eq = Simulator(trajs, workers=2, predictor=oracle)
     eq.placement = _SpeedBlind()
     assert eq.run().makespan_ms > 0
+
+
+def test_cache_affinity_leaves_a_home_too_slow_to_finish_the_trajectory_in_time():
+    # the home's backlog was weighed in time but not its share of this trajectory's work:
+    # an idle home 100x slower kept the trajectory (done at 10,000 instead of 100)
+    home_slow = Request("t", 0.0, predicted_total=1000.0, worker="slow")
+    speeds = {"slow": 0.1, "fast": 10.0}
+    assert CacheAffinity().place([home_slow], {"slow": 0.0, "fast": 0.0}, speeds) == {"t": "fast"}
+    # a home a little slower still keeps it: done at 100 there, 83 on the other
+    home = Request("t", 0.0, predicted_total=100.0, worker="w0")
+    assert CacheAffinity().place([home], {"w0": 0.0, "w1": 0.0}, {"w0": 1.0, "w1": 1.2}) == {"t": "w0"}
