@@ -97,6 +97,8 @@ class TurnScheduler:
         self.trace_path = None if trace is None else Path(trace)
         self._trace: IO[str] | None = None  # opened at the first record: the scheduler is
         # built in the job's driver and pickled to the proxy actor
+        self._trace_opened = False
+        """Once opened, the trace is opened again (a record after ``close``) to append."""
         self.admitted = 0
         self.queued = 0
         self.migrations = 0
@@ -267,7 +269,10 @@ class TurnScheduler:
         with writing(self.trace_path):
             if self._trace is None:
                 self.trace_path.parent.mkdir(parents=True, exist_ok=True)
-                self._trace = self.trace_path.open("w", buffering=1)
+                # a turn that ends after close (the proxy's aclose does not wait for turns in
+                # flight) appends: "w" again truncated every line written before it
+                self._trace = self.trace_path.open("a" if self._trace_opened else "w", buffering=1)
+                self._trace_opened = True
             self._trace.write(json.dumps(row, separators=(",", ":")) + "\n")
 
     def now(self) -> float:

@@ -310,6 +310,23 @@ async def test_the_trace_has_one_line_per_turn(tmp_path):
     assert rows[0]["end"] <= rows[1]["ready"]
 
 
+async def test_a_turn_that_ends_after_the_proxy_closed_does_not_wipe_the_trace(tmp_path):
+    # aclose closes the trace but does not wait for the turns in flight; the next record
+    # opened the file again for writing ("w"), and every line before was lost
+    rep = GatedReplica()
+    path = tmp_path / "trace.jsonl"
+    proxy = LLMProxy({"default": [rep]}, scheduler=TurnScheduler("rr", slots=2, trace=path))
+    late = asyncio.ensure_future(proxy.generate("late", "lake", req("late")))
+    rep.open("early/0")
+    await proxy.generate("early", "lake", req("early"))
+    await proxy.aclose()
+    rep.open("late/0")
+    await late
+    proxy.scheduler.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["trajectory"] for r in rows] == ["early", "late"]
+
+
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (every write: ENOSPC)")
 def test_a_full_disk_under_the_trace_is_a_disk_full_error_naming_it():
     # the proxy actor writes the trace: a bare OSError reached the driver as any turn's error
