@@ -56,6 +56,7 @@ from core.config_sections import (
     TrainerConfig,
     UserPath,
 )
+from core.entropy_control import entropy_target_problem
 from core.errors import ConfigError
 from fabric.registry import Registry
 
@@ -168,6 +169,7 @@ class JobConfig(ConfigModel):
                         f"no environment has tag {tag!r}; tags: {listing(tags)} (or '{DEFAULT_AFFINITY}')",
                     )
                 )
+        problems += self._entropy_target_problems()
         rollouts = self.batch_size * self.group_size
         mb = self.trainer.minibatch_size
         if mb is not None and mb > rollouts:
@@ -198,6 +200,19 @@ class JobConfig(ConfigModel):
             # env == total exactly when the others weigh 0 (adding 0.0 is exact): share 1.0
             shares[tag] = env / total if total > 0 else 0.0
         return shares
+
+    def _entropy_target_problems(self) -> list[tuple[str, str]]:
+        """A target no reply can reach: when every environment constrains its replies to
+        ``actions`` (one token each), a trained token has at most the most actions to choose
+        from, and at most ``ln`` of that many nats of entropy. (A free-text reply is bounded
+        by the vocabulary, known to the trainer once the policy is built.)"""
+        if self.trainer.entropy_target is None or any(e.actions is None for e in self.envs):
+            return []
+        widest = max(range(len(self.envs)), key=lambda i: len(set(self.envs[i].actions or ())))
+        n = len(set(self.envs[widest].actions or ()))
+        what = f"a reply constrained to {n} action{'s' if n != 1 else ''} (envs[{widest}].actions)"
+        problem = entropy_target_problem(self.trainer.entropy_target, n, what)
+        return [("trainer.entropy_target", problem)] if problem else []
 
     def _trainer_engine_problems(self) -> list[tuple[str, str]]:
         """The trainer must train the policy the engine serves, under names it can load."""

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from core.config_messages import hint, validation_problems
+from core.entropy_control import entropy_coef_max_fits
 
 if TYPE_CHECKING:
     from core.config_sections import EngineConfig, TrainerConfig
@@ -95,6 +96,12 @@ class TorchTrainerConfig(BaseModel):
     entropy_coef: float = Field(0.0, ge=0.0)
     """Bonus on the policy's entropy at the trained tokens: keeps a small policy exploring
     (without it a group whose rollouts all agree teaches nothing, and they soon all do)."""
+    entropy_target: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    """Steer ``entropy_coef`` toward this mean token entropy, in nats (``core.entropy_control``);
+    None: the coefficient stays fixed."""
+    entropy_coef_lr: float = Field(0.05, gt=0.0, allow_inf_nan=False)
+    entropy_coef_max: float = Field(0.1, gt=0.0, allow_inf_nan=False, validate_default=True)
+    entropy_bound = field_validator("entropy_coef_max")(entropy_coef_max_fits)
     loss_agg: LossAgg = "token_mean"
     temperature: float = Field(1.0, gt=0.0)
     """The rollout temperature: logprobs are of ``logits / T``, as the engine's are."""
@@ -125,6 +132,9 @@ SHARED_TRAINER_FIELDS = {
     "epochs": "epochs",
     "grad_clip": "max_grad_norm",
     "entropy_coef": "entropy_coef",
+    "entropy_target": "entropy_target",
+    "entropy_coef_lr": "entropy_coef_lr",
+    "entropy_coef_max": "entropy_coef_max",
     "scale_advantages": "scale_advantages",
 }
 

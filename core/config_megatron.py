@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from core.config_backends import LossAgg
 from core.config_sections import UserPath
+from core.entropy_control import entropy_coef_max_fits, entropy_target_problem
 
 if TYPE_CHECKING:
     from core.trainer.hf_gpt import HFArch
@@ -84,6 +85,12 @@ class MegatronTrainerConfig(BaseModel):
     kl_coef: float = Field(0.0, ge=0.0)
     """Weight of the k3 KL to a frozen copy of the initial policy (0: no copy is kept)."""
     entropy_coef: float = Field(0.0, ge=0.0)
+    entropy_target: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    """Steer ``entropy_coef`` toward this mean token entropy, in nats (``core.entropy_control``);
+    None: the coefficient stays fixed."""
+    entropy_coef_lr: float = Field(0.05, gt=0.0, allow_inf_nan=False)
+    entropy_coef_max: float = Field(0.1, gt=0.0, allow_inf_nan=False, validate_default=True)
+    entropy_bound = field_validator("entropy_coef_max")(entropy_coef_max_fits)
     loss_agg: LossAgg = "token_mean"
     temperature: float = Field(1.0, gt=0.0)
     """The rollout temperature: logprobs are of ``logits / T``, as the engine's are."""
@@ -98,6 +105,9 @@ class MegatronTrainerConfig(BaseModel):
             raise ValueError("give exactly one of model (a shape), checkpoint or hf_model")
         if self.model is not None:
             check_parallel_shape(self.model, self.tensor_parallel_size, self.pipeline_parallel_size)
+            problem = entropy_target_problem(self.entropy_target, self.model.vocab_size, "a token")
+            if problem:
+                raise ValueError(problem)
         if self.hf_model is not None and self.tensor_parallel_size > 1:
             # the name mapping fuses whole q/k/v projections; a rank's shard is a slice of it
             raise ValueError("hf_model needs tensor_parallel_size=1 (the weight mapping is unsharded)")

@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from core.entropy_control import entropy_coef_max_fits
 from envpool.images.tiers import TierConfig
 from envpool.pool import PoolConfig
 from fabric.client import ClientConfig
@@ -297,7 +298,17 @@ class TrainerConfig(ConfigModel):
     """Upper ratio clip (DAPO's clip-higher); None: ``clip_eps``."""
     max_grad_norm: float | None = Field(1.0, gt=0, allow_inf_nan=False)
     entropy_coef: float = Field(0.0, ge=0, allow_inf_nan=False)
-    """Bonus on the policy's entropy (keeps a small policy exploring)."""
+    """Bonus on the policy's entropy (keeps a small policy exploring); with ``entropy_target``
+    the coefficient of the first step."""
+    entropy_target: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """Adaptive entropy control (``core.entropy_control``): the mean entropy of the trained
+    tokens, in nats, toward which the coefficient is steered after every step (raised while
+    the entropy is below it, lowered toward 0 above it); None: ``entropy_coef`` stays fixed.
+    Below ``ln`` of the choices a token has (the vocabulary, or ``envs[].actions``)."""
+    entropy_coef_lr: float = Field(0.05, gt=0, allow_inf_nan=False)
+    """With ``entropy_target``: the coefficient's change per step per nat of the gap."""
+    entropy_coef_max: float = Field(0.1, gt=0, allow_inf_nan=False, validate_default=True)
+    """With ``entropy_target``: the most the coefficient is raised to."""
     lr_end: float | None = Field(None, gt=0, allow_inf_nan=False)
     """Decay the learning rate linearly to this over the job's steps (None: constant)."""
     scale_advantages: bool = True
@@ -319,6 +330,8 @@ class TrainerConfig(ConfigModel):
     or its write to disk, a resume's load) before it stops with ``TrainerTimeout``: a trainer
     stuck in a step (a hung collective, a deadlocked data loader) held the job for ever.
     Keep it above the slowest step (a large model's first step compiles kernels)."""
+
+    entropy_bound = field_validator("entropy_coef_max")(entropy_coef_max_fits)
 
     @property
     def gpus(self) -> float:

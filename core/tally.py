@@ -110,6 +110,7 @@ class Tally:
             "staleness_mean": statistics.fmean(version - 1 - s.version for s in samples),
             "loss": metrics.get("loss"),
             "entropy": metrics.get("entropy"),
+            "entropy_coef": metrics.get("entropy_coef"),
             "lr": metrics.get("lr"),
             # the drift gauges: approx_kl between the engine's logprobs and the trainer's at the
             # first update is ~0 when the engines serve the weights the trainer published

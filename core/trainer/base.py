@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from core.entropy_control import EntropyControl
 from core.errors import CoreError
 from core.rollout.engines.base import Completion
 from core.trainer.grpo import group_advantages
@@ -178,10 +179,23 @@ class Trainer(ABC):
 
     name: str = ""
 
-    def __init__(self, *, version: int = 0, adv_eps: float = 1e-6, scale_advantages: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        version: int = 0,
+        adv_eps: float = 1e-6,
+        scale_advantages: bool = True,
+        entropy: EntropyControl | None = None,
+    ) -> None:
         self._version = version
         self._adv_eps = adv_eps
         self._scale = scale_advantages
+        self.entropy = entropy if entropy is not None else EntropyControl(coef=0.0)
+
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy bonus's coefficient of the next update (steered with a target)."""
+        return self.entropy.coef
 
     @property
     def version(self) -> int:
@@ -193,10 +207,14 @@ class Trainer(ABC):
             raise TrainerError("step() needs a non-empty batch")
         t0 = time.perf_counter()
         advantages = batch_advantages(batch, eps=self._adv_eps, scale=self._scale)
+        coef = self.entropy.coef
         metrics = self._step(batch, advantages)
         self._version += 1
+        # the coefficient this update used; the next one's is steered by what it measured
+        self.entropy.update(metrics.get("entropy"))
         rewards = [s.reward for s in batch if s.reward is not None]
         metrics.update(
+            entropy_coef=coef,
             version=float(self._version),
             samples=float(len(batch)),
             advantage_abs_mean=sum(map(abs, advantages)) / len(advantages),
@@ -219,9 +237,15 @@ class Trainer(ABC):
     # -- checkpoints (a job resumed after a crash or a preemption) ---------------------------
     def training_state(self) -> dict[str, Any]:
         """What a resumed run needs to go on as this one would have: the weights, the
-        optimizer's moments, the KL anchor, the shuffle generator and the version.
-        ``torch.save``-able; backend-specific inside (resume with the same backend)."""
-        return {"trainer": self.name, "version": self._version, **self._training_state()}
+        optimizer's moments, the KL anchor, the shuffle generator, the version and the
+        steered entropy coefficient. ``torch.save``-able; backend-specific inside (resume
+        with the same backend)."""
+        return {
+            "trainer": self.name,
+            "version": self._version,
+            **self.entropy.state(),
+            **self._training_state(),
+        }
 
     def load_training_state(self, state: Mapping[str, Any]) -> None:
         if state.get("trainer") != self.name:
@@ -231,6 +255,7 @@ class Trainer(ABC):
             )
         self._load_training_state(state)
         self._version = int(state["version"])
+        self.entropy.load(state)
 
     def _training_state(self) -> dict[str, Any]:
         raise TrainerError(f"the {self.name!r} trainer cannot write checkpoints")

@@ -69,6 +69,7 @@ from torch import Tensor
 from core.config_megatron import GPTShape as GPTShape
 from core.config_megatron import MegatronTrainerConfig as MegatronTrainerConfig
 from core.config_megatron import check_parallel_shape as check_parallel_shape
+from core.entropy_control import EntropyControl, entropy_target_problem
 from core.trainer.base import (
     Trainer,
     TrainerError,
@@ -256,8 +257,15 @@ class MegatronTrainer(Trainer):
             if version is None:
                 version = int(ckpt["version"])
         assert shape is not None  # the config's validator requires a shape or a checkpoint
+        # the config checked a shape it was given; a checkpoint's or hf_model's is known now
+        problem = entropy_target_problem(config.entropy_target, shape.vocab_size, "a token of this model")
+        if problem:
+            raise TrainerError(problem)
         super().__init__(
-            version=version or 0, adv_eps=config.adv_eps, scale_advantages=config.scale_advantages
+            version=version or 0,
+            adv_eps=config.adv_eps,
+            scale_advantages=config.scale_advantages,
+            entropy=EntropyControl.from_config(config),
         )
         self.config = config
         self.shape = shape
@@ -431,8 +439,8 @@ class MegatronTrainer(Trainer):
             )
             # entropy at the trained positions; a gradient only when it is rewarded (a detached
             # output adds nothing to the backward pass)
-            ent = aggregate(ent_tok if cfg.entropy_coef > 0 else ent_tok.detach(), packed.mask, cfg.loss_agg)
-            loss = pg - cfg.entropy_coef * ent
+            ent = aggregate(ent_tok if self.entropy_coef > 0 else ent_tok.detach(), packed.mask, cfg.loss_agg)
+            loss = pg - self.entropy_coef * ent
             kl = torch.zeros((), device=self.device)
             if self.reference is not None:
                 with torch.no_grad():

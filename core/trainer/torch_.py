@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from core.config_backends import TorchTrainerConfig as TorchTrainerConfig  # torch-free, for the job config
+from core.entropy_control import EntropyControl, entropy_target_problem
 from core.policy.tiny_lm import TinyLM
 from core.trainer.base import (
     Trainer,
@@ -45,7 +46,18 @@ class TorchTrainer(Trainer):
         version: int = 0,
     ) -> None:
         config = config or TorchTrainerConfig()
-        super().__init__(version=version, adv_eps=config.adv_eps, scale_advantages=config.scale_advantages)
+        # the vocabulary is the tokenizer's, unknown to the job config (which checks a target
+        # against envs[].actions, the choices of a constrained reply)
+        vocab = model.config.vocab_size
+        problem = entropy_target_problem(config.entropy_target, vocab, "a token of this model")
+        if problem:
+            raise TrainerError(problem)
+        super().__init__(
+            version=version,
+            adv_eps=config.adv_eps,
+            scale_advantages=config.scale_advantages,
+            entropy=EntropyControl.from_config(config),
+        )
         self.config = config
         self.model = model.train()
         self.reference: TinyLM | None = None
@@ -121,8 +133,8 @@ class TorchTrainer(Trainer):
             logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.loss_agg
         )
         # entropy at the trained positions only (with a gradient when it is rewarded)
-        ent = aggregate(ent_tok if cfg.entropy_coef > 0 else ent_tok.detach(), mask, cfg.loss_agg)
-        loss = pg - cfg.entropy_coef * ent
+        ent = aggregate(ent_tok if self.entropy_coef > 0 else ent_tok.detach(), mask, cfg.loss_agg)
+        loss = pg - self.entropy_coef * ent
         kl = torch.zeros(())
         if self.reference is not None:
             with torch.no_grad():

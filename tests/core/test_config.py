@@ -136,11 +136,30 @@ def test_negative_alpha():
         ({"engine": {"start_timeout_s": 0}}, "engine.start_timeout_s", "must be > 0"),
         ({"engine": {"start_timeout_s": float("inf")}}, "engine.start_timeout_s", "finite"),
         ({"trainer": {"call_timeout_s": 0}}, "trainer.call_timeout_s", "must be > 0"),
+        ({"trainer": {"entropy_target": -0.5}}, "trainer.entropy_target", "must be > 0"),
+        ({"trainer": {"entropy_target": float("nan")}}, "trainer.entropy_target", "finite"),
+        (
+            {"trainer": {"entropy_target": 0.3, "entropy_coef": 0.2}},
+            "trainer.entropy_coef_max",
+            "0.1 is below entropy_coef 0.2, the starting coefficient",
+        ),
     ],
 )
 def test_bounds_and_types(over, key, text):
     [(k, msg)] = problems(base(**over))
     assert k == key and text in msg
+
+
+def test_an_entropy_target_above_what_constrained_replies_can_have_is_refused():
+    # four actions: at most ln 4 = 1.39 nats a reply; the coefficient would only have risen
+    four = {"id": "frozenlake-v1", "tag": "frozenlake", "actions": ["left", "right", "up", "down"]}
+    [(key, msg)] = problems(base(envs=[four], trainer={"entropy_target": 1.4}))
+    assert key == "trainer.entropy_target"
+    assert "not below ln(4) = 1.39" in msg and "constrained to 4 actions (envs[0].actions)" in msg
+    assert load(base(envs=[four], trainer={"entropy_target": 1.3})).trainer.entropy_target == 1.3
+    # a free-text environment beside it: bounded by the vocabulary (the trainer checks it)
+    free = {"id": "frozenlake-v1", "tag": "frozenlake"}
+    assert load(base(envs=[four, free], trainer={"entropy_target": 1.4})).trainer.entropy_target == 1.4
 
 
 def test_unknown_keys_at_any_depth_name_the_key_and_the_allowed_ones():
