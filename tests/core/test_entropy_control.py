@@ -173,6 +173,47 @@ def test_a_torch_trainer_resumed_from_a_checkpoint_goes_on_with_its_coefficient(
     assert b.entropy_coef == 0.07
 
 
+def test_the_job_steers_and_a_resumed_job_goes_on_from_the_checkpoints_coefficient(tmp_path):
+    # the trainer actor as the job builds it from trainer.*, and its checkpoint file
+    from core.policy.build import PolicyBundle
+    from core.policy.tiny_lm import TinyLM, TinyLMConfig
+    from core.policy.tokenizer import WordTokenizer
+    from core.trainer.actor import TrainerActor
+
+    tok = WordTokenizer("left right up down".split())
+    m = TinyLM(TinyLMConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=1, n_heads=2, max_len=16), seed=0)
+    bundle = PolicyBundle(tokenizer=tok.to_dict(), model_config=m.config.model_dump(), state=m.state_dict())
+    cfg = TrainerConfig(
+        lr=1e-2, entropy_target=0.3, entropy_coef=0.02, entropy_coef_lr=0.1, entropy_coef_max=0.5
+    )
+
+    def actor() -> TrainerActor:
+        return TrainerActor(cfg, bundle, total_steps=4, temperature=1.0, seed=0)
+
+    first = actor()
+    right = tok.token_to_id("right")
+    batch = [
+        TrainSample(
+            prompt_ids=[1, 2],
+            completion_ids=[right],
+            old_logprobs=[-1.0],
+            advantage=1.0,
+            group_id="g",
+            policy_version=0,
+        )
+    ]
+    metrics, _ = first.step(batch)
+    # an untrained policy is near uniform (ln 13 = 2.56 nats): far above the target, the bonus goes off
+    assert metrics["entropy_coef"] == 0.02 and metrics["entropy"] > 2.0
+    assert first.trainer.entropy_coef == 0.0
+    first.trainer.entropy.coef = 0.123  # as if steered up since
+    first.save(str(tmp_path / "trainer.pt"))
+    resumed = actor()
+    resumed.load(str(tmp_path / "trainer.pt"))
+    assert resumed.trainer.entropy_coef == 0.123
+    assert resumed.step(batch)[0]["entropy_coef"] == 0.123
+
+
 def test_a_target_no_token_of_the_model_can_reach_is_refused():
     with pytest.raises(TrainerError, match=r"not below ln\(4\) = 1.39"):
         TorchTrainer(Uniform(), TorchTrainerConfig(entropy_target=1.4))  # type: ignore[arg-type]
