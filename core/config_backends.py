@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from core.config_messages import hint, validation_problems
-from core.entropy_control import entropy_coef_max_fits
+from core.entropy_control import entropy_coef_max_fits, entropy_coef_min_fits
 
 if TYPE_CHECKING:
     from core.config_sections import EngineConfig, TrainerConfig
@@ -100,7 +100,9 @@ class TorchTrainerConfig(BaseModel):
     """Steer ``entropy_coef`` toward this mean token entropy, in nats (``core.entropy_control``);
     None: the coefficient stays fixed."""
     entropy_coef_lr: float = Field(0.05, gt=0.0, allow_inf_nan=False)
+    entropy_coef_min: float = Field(0.0, ge=0.0, allow_inf_nan=False, validate_default=True)
     entropy_coef_max: float = Field(0.1, gt=0.0, allow_inf_nan=False, validate_default=True)
+    entropy_floor = field_validator("entropy_coef_min")(entropy_coef_min_fits)
     entropy_bound = field_validator("entropy_coef_max")(entropy_coef_max_fits)
     loss_agg: LossAgg = "token_mean"
     temperature: float = Field(1.0, gt=0.0)
@@ -134,6 +136,7 @@ SHARED_TRAINER_FIELDS = {
     "entropy_coef": "entropy_coef",
     "entropy_target": "entropy_target",
     "entropy_coef_lr": "entropy_coef_lr",
+    "entropy_coef_min": "entropy_coef_min",
     "entropy_coef_max": "entropy_coef_max",
     "scale_advantages": "scale_advantages",
 }

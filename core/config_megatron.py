@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from core.config_backends import LossAgg
 from core.config_sections import UserPath
-from core.entropy_control import entropy_coef_max_fits, entropy_target_problem
+from core.entropy_control import entropy_coef_max_fits, entropy_coef_min_fits, entropy_target_problem
 
 if TYPE_CHECKING:
     from core.trainer.hf_gpt import HFArch
@@ -89,7 +89,9 @@ class MegatronTrainerConfig(BaseModel):
     """Steer ``entropy_coef`` toward this mean token entropy, in nats (``core.entropy_control``);
     None: the coefficient stays fixed."""
     entropy_coef_lr: float = Field(0.05, gt=0.0, allow_inf_nan=False)
+    entropy_coef_min: float = Field(0.0, ge=0.0, allow_inf_nan=False, validate_default=True)
     entropy_coef_max: float = Field(0.1, gt=0.0, allow_inf_nan=False, validate_default=True)
+    entropy_floor = field_validator("entropy_coef_min")(entropy_coef_min_fits)
     entropy_bound = field_validator("entropy_coef_max")(entropy_coef_max_fits)
     loss_agg: LossAgg = "token_mean"
     temperature: float = Field(1.0, gt=0.0)

@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from core.entropy_control import entropy_coef_max_fits
+from core.entropy_control import entropy_coef_max_fits, entropy_coef_min_fits
 from envpool.images.tiers import TierConfig
 from envpool.pool import PoolConfig
 from fabric.client import ClientConfig
@@ -307,6 +307,9 @@ class TrainerConfig(ConfigModel):
     Below ``ln`` of the choices a token has (the vocabulary, or ``envs[].actions``)."""
     entropy_coef_lr: float = Field(0.05, gt=0, allow_inf_nan=False)
     """With ``entropy_target``: the coefficient's change per step per nat of the gap."""
+    entropy_coef_min: float = Field(0.0, ge=0, allow_inf_nan=False, validate_default=True)
+    """With ``entropy_target``: the least the coefficient is lowered to (a floor that keeps
+    rarely chosen actions alive while the mean entropy is above the target)."""
     entropy_coef_max: float = Field(0.1, gt=0, allow_inf_nan=False, validate_default=True)
     """With ``entropy_target``: the most the coefficient is raised to."""
     lr_end: float | None = Field(None, gt=0, allow_inf_nan=False)
@@ -331,6 +334,7 @@ class TrainerConfig(ConfigModel):
     stuck in a step (a hung collective, a deadlocked data loader) held the job for ever.
     Keep it above the slowest step (a large model's first step compiles kernels)."""
 
+    entropy_floor = field_validator("entropy_coef_min")(entropy_coef_min_fits)
     entropy_bound = field_validator("entropy_coef_max")(entropy_coef_max_fits)
 
     @property

@@ -9,10 +9,15 @@ coefficient is adjusted after every step from the step's measured entropy, as SA
 temperature toward a target entropy (the gradient of ``coef * (entropy - target)``) and
 Skywork-OR1 adjusts its entropy weight:
 
-    coef <- min(max(coef + coef_lr * (target - entropy), 0), coef_max)
+    coef <- min(max(coef + coef_lr * (target - entropy), coef_min), coef_max)
 
-raised while the policy is more certain than the target, lowered toward 0 (no bonus) while
-it is less. ``entropy_coef`` is then only the coefficient the first step uses.
+raised while the policy is more certain than the target, lowered toward ``coef_min`` (0 by
+default: no bonus) while it is less. ``entropy_coef`` is then only the coefficient the first
+step uses. The target is on the *mean* entropy, which cannot tell a policy hesitating
+between two moves everywhere from one that is sure of most and open on a few: on FrozenLake
+a coefficient let down to 0 above the target left the policy undecided between two moves
+(entropy ~ln 2) for 100+ steps in 3 of 4 runs, where a fixed 0.01 kept the other moves alive;
+``coef_min`` keeps such a floor, the target then only raises the bonus.
 
 Torch-free: the job config checks the settings with it, and both trainers (torch, megatron)
 steer with the same ``EntropyControl``.
@@ -43,11 +48,22 @@ def entropy_target_problem(target: float | None, choices: int, what: str) -> str
     )
 
 
-def entropy_coef_max_fits(coef_max: float, info: ValidationInfo) -> float:
-    """A config's ``entropy_coef_max`` validator (the job's ``trainer`` and both backends'
-    configs): with a target, ``entropy_coef`` is the starting coefficient, within the bound.
+def entropy_coef_min_fits(coef_min: float, info: ValidationInfo) -> float:
+    """A config's ``entropy_coef_min`` validator (the job's ``trainer`` and both backends'
+    configs): with a target, ``entropy_coef`` is the starting coefficient, within the bounds.
     Declared after ``entropy_coef`` and ``entropy_target``, whose values it reads (absent when
     they failed their own checks, which say so)."""
+    coef, target = info.data.get("entropy_coef"), info.data.get("entropy_target")
+    if target is not None and coef is not None and coef < coef_min:
+        raise ValueError(
+            f"{coef_min:g} is above entropy_coef {coef:g}, the starting coefficient with an "
+            "entropy_target: lower entropy_coef_min or raise entropy_coef"
+        )
+    return coef_min
+
+
+def entropy_coef_max_fits(coef_max: float, info: ValidationInfo) -> float:
+    """``entropy_coef_max``'s validator, as ``entropy_coef_min_fits``."""
     coef, target = info.data.get("entropy_coef"), info.data.get("entropy_target")
     if target is not None and coef is not None and coef > coef_max:
         raise ValueError(
@@ -67,12 +83,21 @@ class EntropyControl:
     coef_lr: float = 0.05
     """Change of the coefficient per step per nat between the target and the entropy."""
     coef_max: float = 0.1
+    coef_min: float = 0.0
+    """The floor the coefficient is lowered to above the target."""
 
     @classmethod
     def from_config(cls, cfg: Any) -> EntropyControl:
         """From a backend config's ``entropy_coef``, ``entropy_target``, ``entropy_coef_lr``
-        and ``entropy_coef_max`` (the torch and megatron configs have the same fields)."""
-        return cls(cfg.entropy_coef, cfg.entropy_target, cfg.entropy_coef_lr, cfg.entropy_coef_max)
+        ``entropy_coef_min`` and ``entropy_coef_max`` (the torch and megatron configs have the
+        same fields)."""
+        return cls(
+            coef=cfg.entropy_coef,
+            target=cfg.entropy_target,
+            coef_lr=cfg.entropy_coef_lr,
+            coef_max=cfg.entropy_coef_max,
+            coef_min=cfg.entropy_coef_min,
+        )
 
     def update(self, entropy: float | None) -> float:
         """After a step that measured ``entropy``: the next step's coefficient. A step with no
@@ -80,7 +105,7 @@ class EntropyControl:
         if self.target is None or entropy is None or not math.isfinite(entropy):
             return self.coef
         coef = self.coef + self.coef_lr * (self.target - entropy)
-        self.coef = min(max(coef, 0.0), self.coef_max)
+        self.coef = min(max(coef, self.coef_min), self.coef_max)
         return self.coef
 
     def state(self) -> dict[str, float]:
@@ -89,9 +114,9 @@ class EntropyControl:
 
     def load(self, state: Mapping[str, Any]) -> None:
         """Back to ``state``'s coefficient when steering: a resumed run goes on from where the
-        earlier one had taken it (within this run's ``coef_max``, which a resume may have
-        lowered). A fixed coefficient stays this config's, and a checkpoint without one (it
+        earlier one had taken it (within this run's bounds, which a resume may have
+        changed). A fixed coefficient stays this config's, and a checkpoint without one (it
         was written without a target) leaves the starting ``entropy_coef``."""
         saved = state.get("entropy_coef")
         if self.target is not None and saved is not None:
-            self.coef = min(max(float(saved), 0.0), self.coef_max)
+            self.coef = min(max(float(saved), self.coef_min), self.coef_max)

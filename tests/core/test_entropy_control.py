@@ -38,6 +38,14 @@ def test_the_coefficient_stays_within_zero_and_its_bound():
     assert c.update(0.0) == 0.1
 
 
+def test_a_floor_keeps_the_bonus_on_above_the_target():
+    c = EntropyControl(coef=0.03, target=0.3, coef_lr=1.0, coef_max=0.1, coef_min=0.01)
+    assert c.update(0.69) == 0.01  # undecided between two moves: the other two stay alive
+    assert c.update(0.28) == pytest.approx(0.03)
+    c.load({"entropy_coef": 0.0})  # a checkpoint of a run without the floor
+    assert c.coef == 0.01
+
+
 def test_without_a_target_or_a_measured_entropy_the_coefficient_stays():
     fixed = EntropyControl(coef=0.03)
     assert fixed.update(0.0) == 0.03 and fixed.update(5.0) == 0.03
@@ -233,6 +241,12 @@ def test_a_target_no_token_of_the_model_can_reach_is_refused():
         ({"entropy_target": 0.3, "entropy_coef_lr": 0}, "entropy_coef_lr", "greater than 0"),
         ({"entropy_target": 0.3, "entropy_coef_max": math.nan}, "entropy_coef_max", "finite"),
         ({"entropy_target": 0.3, "entropy_coef": 0.2}, "entropy_coef_max", "below entropy_coef 0.2"),
+        ({"entropy_target": 0.3, "entropy_coef_min": 0.02}, "entropy_coef_min", "above entropy_coef 0"),
+        (
+            {"entropy_target": 0.3, "entropy_coef_min": -0.01},
+            "entropy_coef_min",
+            "greater than or equal to 0",
+        ),
     ],
 )
 def test_bad_entropy_settings_name_their_key(model, over, key, text):
@@ -258,5 +272,13 @@ def test_the_megatron_config_checks_a_target_against_the_shape_it_is_given():
         MegatronTrainerConfig(model=shape, entropy_target=2.1)
     with pytest.raises(ValidationError, match=r"below entropy_coef 0\.5"):
         MegatronTrainerConfig(model=shape, entropy_target=1.0, entropy_coef=0.5)
-    cfg = MegatronTrainerConfig(model=shape, entropy_target=1.0, entropy_coef_lr=0.2, entropy_coef_max=0.3)
-    assert EntropyControl.from_config(cfg) == EntropyControl(coef=0.0, target=1.0, coef_lr=0.2, coef_max=0.3)
+    cfg = MegatronTrainerConfig(
+        model=shape,
+        entropy_target=1.0,
+        entropy_coef=0.1,
+        entropy_coef_lr=0.2,
+        entropy_coef_min=0.05,
+        entropy_coef_max=0.3,
+    )
+    want = EntropyControl(coef=0.1, target=1.0, coef_lr=0.2, coef_max=0.3, coef_min=0.05)
+    assert EntropyControl.from_config(cfg) == want
