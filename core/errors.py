@@ -22,6 +22,9 @@ A trajectory whose reward failed or whose environment broke is *data* (a masked 
 never an exception: only misuse of the API, bad configs, a rollout where *every* group
 fails (a deterministic fault such as a prompt longer than the model's context), a trainer
 that stops answering and a proxy that died raise.
+
+Every error pickles back whole, its message and its attributes (Ray pickles what an actor
+raises back to the driver).
 """
 
 from __future__ import annotations
@@ -30,12 +33,19 @@ import contextlib
 import errno
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from fabric.errors import ConfigError as FabricConfigError
+from fabric.errors import pickled_whole
 
 
 class CoreError(Exception):
     """Base class of every error the core job raises."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # its message and attributes, not type(*args): raised in the trainer's, the proxy's or
+        # an engine replica's Ray actor, an error made of parts came back as a TypeError
+        return pickled_whole(self)
 
 
 class ConfigError(CoreError, FabricConfigError):
@@ -84,8 +94,7 @@ class DiskFullError(CoreError):
     do: it was a traceback that did not say which file, nor that a resume goes on."""
 
     def __init__(self, path: str | Path, where: str | None = None):
-        # the path alone is the exception's argument: Ray pickles it back from the trainer
-        # actor by it (``where`` is the driver's only)
+        # the path alone is the exception's argument; __str__ makes the message from both
         super().__init__(str(path))
         self.path = str(path)
         self.where = where

@@ -28,13 +28,37 @@
 
 Only ``InfraError`` is retried (exponential backoff, full jitter). A session that cannot be
 saved ends its trajectory as ``infra_failed``: masked from training, never a fake zero.
+
+Every error pickles back whole, its message and its attributes (``pickled_whole``).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+
+def pickled_whole(e: BaseException) -> tuple[Any, ...]:
+    """``__reduce__`` of an exception that pickles back as it is: its ``args`` (the message)
+    and its attributes, without calling its ``__init__`` again. Python's default rebuilds it
+    as ``type(*e.args)``, which fails for an ``__init__`` that takes its parts (an id and
+    the known ids) instead of the message; and exceptions cross processes (a Ray actor
+    pickles what it raises back to the driver), where one that cannot be rebuilt arrives as
+    a TypeError of unpickling instead of the error. (As ``fabric.errors.pickled_whole``:
+    envpool does not import the fabric.)"""
+    return (_made, (type(e), e.args), e.__dict__)
+
+
+def _made(cls: type[BaseException], args: tuple[Any, ...]) -> BaseException:
+    # what unpickling does with any object: made without __init__ (BaseException.__new__
+    # sets args, nothing else), then its attributes set from the pickled __dict__
+    return cls.__new__(cls, *args)
+
 
 class EnvPoolError(Exception):
     """Base class of every envpool error."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return pickled_whole(self)
 
 
 class PoolConfigError(EnvPoolError, ValueError):

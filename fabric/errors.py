@@ -24,6 +24,9 @@ The tree (every class derives from ``FabricError``)::
 A failing *call* is not an exception: the client returns ``Result(ok=False)`` with an
 ``ErrorInfo`` whose ``type`` is one of the codes in ``ErrorCode``. Only the caller decides
 to raise (``Result.unwrap()``).
+
+Every error pickles back whole, its message and its attributes (``pickled_whole``): they
+cross processes (a Ray actor's, a worker's).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from __future__ import annotations
 import difflib
 import sys
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pydantic import BaseModel, ValidationError
@@ -101,8 +104,27 @@ FINAL_ERRORS: frozenset[str] = frozenset(
 )
 
 
+def pickled_whole(e: BaseException) -> tuple[Any, ...]:
+    """``__reduce__`` of an exception that pickles back as it is: its ``args`` (the message)
+    and its attributes, without calling its ``__init__`` again. Python's default rebuilds it
+    as ``type(*e.args)``, which fails for an ``__init__`` that takes its parts (a name and
+    the known names) instead of the message; and exceptions cross processes (a Ray actor
+    pickles what it raises back to the driver), where one that cannot be rebuilt arrives as
+    a TypeError of unpickling instead of the error."""
+    return (_made, (type(e), e.args), e.__dict__)
+
+
+def _made(cls: type[BaseException], args: tuple[Any, ...]) -> BaseException:
+    # what unpickling does with any object: made without __init__ (BaseException.__new__
+    # sets args, nothing else), then its attributes set from the pickled __dict__
+    return cls.__new__(cls, *args)
+
+
 class FabricError(Exception):
     """Base class of every error the fabric SDK raises."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return pickled_whole(self)
 
 
 class RegistryError(FabricError):

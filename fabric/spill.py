@@ -18,6 +18,8 @@ import hashlib
 import time
 from typing import Any
 
+from fabric.errors import pickled_whole
+
 SPILL_KEY = "__fabric_spill__"
 BUCKET_ENV = "RL_FABRIC_SPILL_BUCKET"
 #: The lifecycle rule's shortest expiry (``spill_expiration_days`` >= 1): S3 deletes an object
@@ -39,6 +41,9 @@ class SpillError(Exception):
         super().__init__(message)
         self.retryable = retryable
         self.resend = resend
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return pickled_whole(self)  # ``retryable`` is required: type(*args) cannot rebuild it
 
 
 def pointer(bucket: str, key: str, raw: bytes) -> dict[str, Any]:

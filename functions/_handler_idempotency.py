@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from fabric.errors import FINAL_ERRORS, SAFE_TO_RETRY, ErrorCode
+from fabric.errors import FINAL_ERRORS, SAFE_TO_RETRY, ErrorCode, pickled_whole
 from fabric.protocol import Invocation, Result
 from functions._handler_base import SERVICE, TABLE_ENV, TTL_ENV, _ContainerBase
 
@@ -38,6 +38,9 @@ class _NotCached(Exception):
     def __init__(self, result: Result):
         super().__init__(result.error.type if result.error else "not cached")
         self.result = result
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return pickled_whole(self)  # its message is the error's type, not the Result
 
 
 def _run_recorded(*, key: dict[str, Any], run: Callable[[], Result]) -> Result:

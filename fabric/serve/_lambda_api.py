@@ -32,12 +32,14 @@ import hashlib
 import json
 import logging
 import math
+from typing import Any
 from urllib.parse import unquote
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from pydantic import ValidationError
 
+from fabric.errors import pickled_whole
 from fabric.protocol import Invocation, Result, decode_payload, to_strict_json
 from fabric.serve.config import ServeConfig
 
@@ -61,6 +63,9 @@ class Reply(Exception):
         self.status, self.code, self.message = status, code, message
         self.close = close
         """End the connection after the answer: the rest of the request is not coming."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return pickled_whole(self)  # made of parts, not of its message
 
 
 def error_response(status: int, code: str, message: str, request_id: str) -> web.Response:

@@ -3,7 +3,9 @@ hint per refusing status (reading the endpoint's error response is ``functions.o
 
 from __future__ import annotations
 
-from fabric.errors import Misconfigured
+from typing import Any
+
+from fabric.errors import Misconfigured, pickled_whole
 from functions.rewards.judge_config import ENV_PREFIX
 
 
@@ -33,6 +35,9 @@ class _Transient(Exception):
         super().__init__(message)
         self.hint = hint
         self.retry_after = retry_after
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return pickled_whole(self)  # made of parts, not of its message
 
 
 #: Refusals that say the judge's setup is wrong, not the request this response made: a 400

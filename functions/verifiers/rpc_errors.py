@@ -15,6 +15,15 @@ class RemoteError(Exception):
         super().__init__(f"{type_name}: {message}" if message else type_name)
         self.type_name = type_name
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # as it is (its args, its attributes), not type(*args): the message is not one of its
+        # parts (as fabric.errors.pickled_whole; the zygote imports the stdlib only)
+        return (_made, (type(self), self.args), self.__dict__)
+
+
+def _made(cls: type[BaseException], args: tuple[Any, ...]) -> BaseException:
+    return cls.__new__(cls, *args)  # without __init__; unpickling sets the attributes
+
 
 #: Builtin exceptions the program's may not become: an ``AssertionError`` must not read as a
 #: failed assertion of the tests, and a ``StopIteration`` would silently end the tests' own
