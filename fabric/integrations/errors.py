@@ -19,8 +19,6 @@ A misconfigured adapter (an unknown function, a bad option) raises the SDK's own
 
 from __future__ import annotations
 
-from typing import Any
-
 from fabric.errors import FabricError
 from fabric.protocol import ErrorInfo
 
@@ -48,11 +46,6 @@ class RefusedArgumentsError(BadBatchError):
             f"{signature} refused the arguments of {count} of {total} samples "
             f"(a column of the wrong type?); first: {self.first_refusal}"
         )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # rebuilt from its parts, not the message alone: veRL calls the function in a Ray
-        # actor, which pickles what it raises back to the trainer
-        return (type(self), (self.signature, self.count, self.total, self.first))
 
     @property
     def first_refusal(self) -> str:
@@ -90,11 +83,6 @@ class RewardCallError(IntegrationError):
             f"{shown}{more}{hint}"
         )
         self.hint = hint
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # rebuilt from its parts (as RefusedArgumentsError): raised in veRL's Ray reward
-        # actor, it came back to the trainer as a TypeError of unpickling
-        return (type(self), (self.function, self.total, self.failures, self.hint))
 
 
 def _first_line(text: str, limit: int = 300) -> str:
