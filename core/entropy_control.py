@@ -110,8 +110,10 @@ class EntropyControl:
         return self.coef
 
     def state(self) -> dict[str, float]:
-        """What a checkpoint keeps: the steered coefficient (a fixed one is the config's)."""
-        return {"entropy_coef": self.coef}
+        """What a checkpoint keeps: the steered coefficient (a fixed one is the config's).
+        Nothing without a target: a resume that adds one (``--allow-change trainer``) starts
+        from its own ``entropy_coef``, not from the fixed coefficient of the earlier run."""
+        return {"entropy_coef": self.coef} if self.target is not None else {}
 
     def load(self, state: Mapping[str, Any]) -> None:
         """Back to ``state``'s coefficient when steering: a resumed run goes on from where the

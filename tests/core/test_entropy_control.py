@@ -127,6 +127,16 @@ def test_the_training_state_carries_the_steered_coefficient_to_the_resumed_train
     assert b.used == pytest.approx([0.06])
 
 
+def test_a_target_added_on_resume_starts_from_its_own_entropy_coef():
+    # a run with a fixed 0.01, resumed with --allow-change trainer (a target, entropy_coef 0.05):
+    # the checkpoint holds no steered coefficient, so the resumed run starts from the config's
+    a = Stub([0.0], EntropyControl(coef=0.01))
+    a.step(BATCH)
+    b = Stub([], EntropyControl(coef=0.05, target=0.3, coef_max=0.1))
+    b.load_training_state(a.training_state())
+    assert b.entropy_coef == 0.05
+
+
 # ------------------------------------------------------------------- the torch trainer
 
 
