@@ -43,6 +43,12 @@ def entropy_target_problem(target: float | None, choices: int, what: str) -> str
     top = math.log(choices) if choices > 0 else 0.0
     if target < top:
         return None
+    if choices <= 1:
+        # every target (> 0) is out of reach: "a lower target" would be no advice at all
+        return (
+            f"entropy_target {target:g} nats cannot be reached: {what} has no entropy (one choice, "
+            "ln(1) = 0) and nothing to steer; remove entropy_target"
+        )
     return (
         f"entropy_target {target:g} nats is not below ln({choices}) = {top:.3g}, the most entropy "
         f"{what} can have: the coefficient would only rise to entropy_coef_max; choose a lower target"

@@ -162,6 +162,15 @@ def test_an_entropy_target_above_what_constrained_replies_can_have_is_refused():
     assert load(base(envs=[four, free], trainer={"entropy_target": 1.4})).trainer.entropy_target == 1.4
 
 
+def test_an_entropy_target_with_a_single_action_says_there_is_nothing_to_steer():
+    # ln 1 = 0: every target (> 0) is refused, so "choose a lower target" cannot be followed
+    one = {"id": "frozenlake-v1", "tag": "frozenlake", "actions": ["left", "left"]}
+    [(key, msg)] = problems(base(envs=[one], trainer={"entropy_target": 0.1}))
+    assert key == "trainer.entropy_target"
+    assert "constrained to 1 action (envs[0].actions) has no entropy" in msg
+    assert "remove entropy_target" in msg and "lower target" not in msg
+
+
 def test_unknown_keys_at_any_depth_name_the_key_and_the_allowed_ones():
     [(key, msg)] = problems(base(aplha=1))
     assert key == "aplha" and "did you mean 'alpha'" in msg
