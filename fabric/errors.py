@@ -111,13 +111,21 @@ def pickled_whole(e: BaseException) -> tuple[Any, ...]:
     the known names) instead of the message; and exceptions cross processes (a Ray actor
     pickles what it raises back to the driver), where one that cannot be rebuilt arrives as
     a TypeError of unpickling instead of the error."""
-    return (_made, (type(e), e.args), e.__dict__)
+    # an OSError keeps errno, strerror and filename outside args and __dict__: its own
+    # __reduce__'s arguments carry them (the filename beside args)
+    args = OSError.__reduce__(e)[1] if isinstance(e, OSError) else e.args
+    return (_made, (type(e), args), e.__dict__)
 
 
 def _made(cls: type[BaseException], args: tuple[Any, ...]) -> BaseException:
     # what unpickling does with any object: made without __init__ (BaseException.__new__
     # sets args, nothing else), then its attributes set from the pickled __dict__
-    return cls.__new__(cls, *args)
+    e = cls.__new__(cls, *args)
+    if isinstance(e, OSError):
+        # OSError.__new__ leaves args, errno and the rest to OSError.__init__ for a class
+        # with its own __init__ (a no-op for the others, which __new__ filled)
+        OSError.__init__(e, *args)
+    return e
 
 
 class FabricError(Exception):

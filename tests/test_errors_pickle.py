@@ -10,6 +10,7 @@ takes more than a message, it needs sample arguments in ``SAMPLES``."""
 
 from __future__ import annotations
 
+import errno
 import importlib
 import inspect
 import pickle
@@ -18,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from fabric.errors import FabricError
+from fabric.integrations.errors import BatchDeadlineError
 from fabric.protocol import ErrorInfo, Result
 
 PACKAGES = ("fabric", "core", "envpool", "functions")
@@ -120,4 +123,26 @@ def test_exception_pickles_back_whole(name):
     assert type(back) is cls
     assert str(back) == str(e)
     assert back.args == e.args
+    assert _public(back) == _public(e)
+
+
+class _NoSpace(FabricError, OSError):
+    """An OSError of the SDK made of its parts (as a full disk's error would be)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(errno.ENOSPC, "No space left on device", path)
+        self.path = path
+
+
+@pytest.mark.parametrize(
+    "e",
+    [BatchDeadlineError(errno.ETIMEDOUT, "timed out", "/runs/a/batch"), _NoSpace("/runs/a/metrics.jsonl")],
+    ids=["BatchDeadlineError", "own __init__"],
+)
+def test_an_oserror_keeps_its_errno_strerror_and_filename(e):
+    # an OSError holds them outside args and __dict__ (its own __reduce__ passes the filename
+    # beside args; its __new__ leaves args empty for a class with its own __init__)
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is type(e) and str(back) == str(e) and back.args == e.args
+    assert (back.errno, back.strerror, back.filename) == (e.errno, e.strerror, e.filename)
     assert _public(back) == _public(e)
