@@ -18,9 +18,10 @@ Variables reach the functions through Modal secrets named at deploy (``--modal-s
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from fabric.deploy.package import code_roots, requirements
+from fabric.deploy.package import _SKIP_DIRS, code_roots, requirements
 from fabric.deploy.plan import DeployedFunction, DeployError
 from fabric.registry import Registry
 
@@ -58,6 +59,14 @@ def modal_options(registry: Registry, fn: DeployedFunction) -> dict[str, Any]:
     return options
 
 
+def _left_out(rel: Path) -> bool:
+    """What the image leaves out of the code, as the Lambda zip does (``package._files``):
+    dotfiles and dot-directories (``.env``, ``.git``, ``.venv``) and bytecode. Modal's
+    default keeps ``.py`` files only: the package data (``functions/data/corpus``, the JS
+    verifier's ``functions/verifiers/js``) was missing on Modal."""
+    return rel.name.endswith((".pyc", ".pyo")) or any(p.startswith(".") or p in _SKIP_DIRS for p in rel.parts)
+
+
 def _entry(name: str, module: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     def entry(envelope: dict[str, Any]) -> dict[str, Any]:
         from fabric.deploy.modal_runtime import run
@@ -87,7 +96,7 @@ def build_app(
     image = (
         modal.Image.debian_slim(python_version="3.11")
         .pip_install(*requirements(pip))
-        .add_local_python_source(*sorted(r.removesuffix(".py") for r in roots))
+        .add_local_python_source(*sorted(r.removesuffix(".py") for r in roots), ignore=_left_out)
     )
     app = modal.App(app_name, image=image)
     functions = {}

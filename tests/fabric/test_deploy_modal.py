@@ -107,6 +107,35 @@ def test_modal_functions_get_the_secrets_named_at_deploy(monkeypatch):
     assert r.exit_code == 2 and "--modal-secret" in r.output and "modal" in r.output
 
 
+def test_modal_image_carries_the_package_data_the_zip_carries(monkeypatch, tmp_path):
+    """The image added the code with ``add_local_python_source``, whose default takes ``.py``
+    files only: ``search`` found no corpus (``functions/data/corpus``) and the JS verifier
+    no ``functions/verifiers/js`` on Modal. It carries what the Lambda zip does: every file,
+    less dotfiles and dot-directories (``.env``, ``.venv``) and bytecode."""
+    import modal
+    from modal.file_pattern_matcher import NON_PYTHON_FILES
+    from modal.mount import _Mount
+
+    from fabric.deploy.modal_ import build_app
+
+    calls = []
+    real = modal.Image.add_local_python_source
+
+    def recording(self, *modules, **kwargs):
+        calls.append((modules, kwargs))
+        return real(self, *modules, **kwargs)
+
+    monkeypatch.setattr(modal.Image, "add_local_python_source", recording)
+    build_app(REG, plan_functions(REG, ["add"], prefix="rl-"))
+    [(modules, kwargs)] = calls
+    mount = _Mount._from_local_python_packages(*modules, ignore=kwargs.get("ignore", NON_PYTHON_FILES))
+    files = {str(remote) for entry in mount.entries for _, remote in entry.get_files_to_upload()}
+    assert "/root/functions/data/corpus/pi.txt" in files
+    assert "/root/functions/verifiers/js/rpc_server.js" in files
+    assert "/root/functions/tools/search.py" in files
+    assert not [f for f in files if f.endswith((".pyc", ".pyo")) or "/." in f or "__pycache__" in f]
+
+
 @pytest.fixture
 def echo_port():
     """A line echo server on 127.0.0.1, in a thread (the Modal runtime's calls are blocking)."""
