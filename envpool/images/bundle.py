@@ -299,3 +299,11 @@ def unpack(data: bytes, dest: str | os.PathLike[str], *, max_bytes: int | None =
             if e.errno not in _MALFORMED_ERRNOS:
                 raise
             raise UnsafeBundle(f"malformed bundle: its members clash: {e}") from None
+    # the data filter drops a directory's mode, so tarfile makes each with the umask (as it
+    # does the parents a bundle does not list): 0755, as build_bundle made them, whatever
+    # umask an operator set (077 closed the bundle to a container of another user)
+    for parent, dirnames, _ in os.walk(dest):
+        for name in dirnames:
+            path = os.path.join(parent, name)
+            if not os.path.islink(path):  # (a link to a directory: not walked, its target is)
+                os.chmod(path, 0o755)

@@ -536,6 +536,10 @@ def _precompile(root: Path, max_bytes: int | None) -> int:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            # its __pycache__ directories and bytecode open to every user, as the bundle is
+            # (an operator's umask 077 made them 0700 and 0600: another user's container
+            # compiled everything again)
+            umask=0o022,
             timeout=_PRECOMPILE_TIMEOUT_S,
             check=False,
         )

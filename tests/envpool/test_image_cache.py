@@ -93,6 +93,32 @@ async def test_an_unpacked_bundle_is_open_to_every_user_as_its_members_are(bundl
         shutil.rmtree(node)
 
 
+async def test_an_unpacked_bundle_is_open_to_every_user_whatever_the_umask(
+    tmp_path: Path, bundle: Bundle
+) -> None:
+    # the root is chmod-ed 0755, but tarfile's data filter drops a directory's mode (mkdir
+    # with the umask) and the bytecode compile writes with the umask too: under an operator's
+    # umask 077 the bundle's directories were 0700 and its bytecode 0600, closed to a
+    # container (or an environment's sandbox) of another user
+    old = os.umask(0o077)
+    try:
+        with FakeOrigin({bundle.digest: bundle.data}) as origin:
+            async with cache_with(tmp_path, origin.url) as cache:
+                path = await cache.get(bundle.digest)
+    finally:
+        os.umask(old)
+    dirs, files = {}, {}
+    for parent, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            p = Path(parent) / name
+            if not p.is_symlink():
+                (dirs if p.is_dir() else files)[str(p.relative_to(path))] = stat.S_IMODE(p.lstat().st_mode)
+    assert {"pkg", "pkg/data", "empty", "pkg/__pycache__"} <= dirs.keys()
+    assert {name: oct(mode) for name, mode in dirs.items() if mode != 0o755} == {}
+    assert any(name.endswith(".pyc") for name in files)
+    assert {name: oct(mode) for name, mode in files.items() if mode & 0o044 != 0o044} == {}
+
+
 async def test_single_flight_32_concurrent_gets_fetch_once(tmp_path: Path, bundle: Bundle) -> None:
     with FakeOrigin({bundle.digest: bundle.data}, latency_s=0.05) as origin:
         async with cache_with(tmp_path, origin.url) as cache:
