@@ -60,6 +60,19 @@ async def test_disk_tier_evicts_least_recently_used(tmp_path: Path) -> None:
     assert files == sorted(d.removeprefix("sha256:") for d in (digests[0], digests[3]))  # no temp files
 
 
+async def test_a_blob_the_disk_tier_does_not_store_is_not_counted_written(tmp_path: Path) -> None:
+    # a blob over max_bytes is skipped, but its put was counted with its bytes: the metrics
+    # said the tier wrote what it never did
+    big = b"z" * 300
+    async with DiskTier(DiskTierConfig(path=tmp_path / "l1", max_bytes=250)) as l1:
+        await l1.put(digest_of(big), big)
+        snap = l1.metrics.snapshot()
+        assert (snap["puts"], snap["bytes_written"]) == (0, 0)
+        await l1.put(digest_of(b"a" * 100), b"a" * 100)
+        snap = l1.metrics.snapshot()
+        assert (snap["puts"], snap["bytes_written"]) == (1, 100)
+
+
 async def test_tiers_refuse_what_is_not_a_digest(tmp_path: Path) -> None:
     async with DiskTier(DiskTierConfig(path=tmp_path / "l1")) as l1:
         with pytest.raises(InvalidImageRef, match="bad digest"):

@@ -155,13 +155,15 @@ class Tier(ABC):
             return
         await self.start()
         try:
-            await self._put(digest, data)
+            stored = await self._put(digest, data)
         except ImageError:
             self.metrics.put_errors += 1
             raise
         except Exception as e:
             self.metrics.put_errors += 1
             raise ImageFetchError(f"write failed: {type(e).__name__}: {e}", tier=self.name) from e
+        if stored is False:  # the tier chose not to keep it (a disk tier's blob over its cap)
+            return
         self.metrics.puts += 1
         self.metrics.bytes_written += len(data)
 
@@ -190,8 +192,10 @@ class Tier(ABC):
     @abstractmethod
     async def _get(self, digest: str) -> bytes | None: ...
 
-    async def _put(self, digest: str, data: bytes) -> None:  # noqa: B027 - read-only tiers
-        pass
+    async def _put(self, digest: str, data: bytes) -> bool | None:
+        """Store the blob (read-only tiers: never called); ``False`` if the tier chose not to:
+        it is not counted written."""
+        return None
 
     async def _delete(self, digest: str) -> None:  # noqa: B027 - read-only tiers
         pass

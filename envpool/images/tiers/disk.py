@@ -104,14 +104,15 @@ class DiskTier(Tier):
             await self._evict(keep=digest)
         return data
 
-    async def _put(self, digest: str, data: bytes) -> None:
+    async def _put(self, digest: str, data: bytes) -> bool:
         if len(data) > self.config.max_bytes:
-            return  # would evict everything and still not fit; the unpacked copy is kept anyway
+            return False  # would evict everything and still not fit; the unpacked copy is kept anyway
         await asyncio.to_thread(_write_atomic, self.path_of(digest), data)
         self._forget(digest)
         self._lru[digest] = len(data)
         self._total += len(data)
         await self._evict(keep=digest)
+        return True
 
     async def _delete(self, digest: str) -> None:
         self._forget(digest)
