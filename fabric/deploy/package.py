@@ -98,12 +98,18 @@ def requirements(pip: Sequence[str] = ()) -> list[str]:
     for req in reqs:
         spec, _, marker = req.partition(";")
         marker = marker.strip()
-        if marker and not any(f'extra == "{e}"' in marker for e in _EXTRAS):
-            continue
+        if "extra ==" in marker:
+            if not any(f'extra == "{e}"' in marker for e in _EXTRAS):
+                continue
+            keep = spec.strip()
+        else:
+            # a base dependency, perhaps for some Pythons or platforms only: with its marker,
+            # for pip to evaluate (dropped with the extras', the function failed its import)
+            keep = f"{spec.strip()}; {marker}" if marker else spec.strip()
         name = re.match(r"[A-Za-z0-9._-]*", spec.strip())
         if name is None or name.group(0).lower() in _IN_RUNTIME:
             continue
-        out.append(spec.strip())
+        out.append(keep)
     return sorted({*out, *pip})
 
 

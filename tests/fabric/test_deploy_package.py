@@ -116,6 +116,27 @@ def test_requirements_leave_out_what_lambda_has():
     assert not any(r.startswith(("boto3", "botocore", "torch", "ray")) for r in reqs)
 
 
+def test_requirements_keep_a_base_dependency_with_an_environment_marker(monkeypatch):
+    """Any requirement with a marker was taken for an extra's: a base dependency with an
+    environment marker (``; python_version < "3.13"``) was left out of the package, and the
+    function failed its import on Lambda. It goes in with its marker, for pip to evaluate."""
+    import importlib.metadata
+
+    declared = [
+        "pydantic<3,>=2.7",
+        'typing-extensions>=4.12; python_version < "3.13"',
+        'sympy>=1.12; extra == "rewards"',
+        'ray>=2.40; extra == "ray"',
+        'tomli>=2; python_version < "3.11" and extra == "dev"',
+    ]
+    monkeypatch.setattr(importlib.metadata, "requires", lambda name: declared)
+    assert requirements() == [
+        "pydantic<3,>=2.7",
+        "sympy>=1.12",
+        'typing-extensions>=4.12; python_version < "3.13"',
+    ]
+
+
 def test_image_context(tmp_path):
     ctx = image_context(plan_functions(REG, ["add"]), tmp_path / "image")
     dockerfile = (ctx / "Dockerfile").read_text()
