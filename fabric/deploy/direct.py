@@ -232,6 +232,13 @@ def _one(
         )
         lam.get_waiter("function_active_v2").wait(FunctionName=name)
     else:
+        # a deploy stopped (or whose wait ran out) mid-create or mid-update left it Pending or
+        # InProgress: Lambda refuses another update until that one is done (this deploy, which
+        # is to finish it, failed with ResourceConflictException)
+        if current.get("State") == "Pending":
+            lam.get_waiter("function_active_v2").wait(FunctionName=name)
+        elif current.get("LastUpdateStatus") == "InProgress":
+            lam.get_waiter("function_updated_v2").wait(FunctionName=name)
         lam.update_function_code(FunctionName=name, ZipFile=code, Architectures=[cfg.architecture])
         lam.get_waiter("function_updated_v2").wait(FunctionName=name)
         lam.update_function_configuration(FunctionName=name, **settings)

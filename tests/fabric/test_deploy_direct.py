@@ -314,3 +314,41 @@ def test_a_concurrency_limit_too_low_for_provisioned_concurrency_says_what_to_do
         )
     assert done.provisioned == 0 and done.warning is not None
     assert "Service Quotas" in done.warning and "--warm 0" in done.warning
+
+
+@pytest.mark.parametrize(
+    "left", [{"State": "Pending"}, {"State": "Active", "LastUpdateStatus": "InProgress"}], ids=str
+)
+def test_a_redeploy_after_one_that_stopped_mid_update_waits_for_it(left):
+    """A deploy stopped (or whose wait ran out) while Lambda was still creating or updating
+    the function left it Pending or InProgress: the next deploy, which is to finish it,
+    called update_function_code at once and Lambda refused it (ResourceConflictException:
+    an update is in progress). It waits for the function to be ready first."""
+    import boto3
+    from botocore.stub import Stubber
+
+    from fabric.deploy.direct import _one
+
+    lam = boto3.client("lambda", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    fn = plan_functions(REG, ["add"], prefix="rl-", warm=0)[0]
+    ready = {"Configuration": {"State": "Active", "LastUpdateStatus": "Successful"}}
+    with Stubber(lam) as stub:
+        stub.add_response("get_function", {"Configuration": {"FunctionName": "rl-add", **left}})
+        stub.add_response("get_function", ready)  # the wait for the earlier deploy's change
+        stub.add_response("update_function_code", {"FunctionName": "rl-add"})
+        stub.add_response("get_function", ready)
+        stub.add_response("update_function_configuration", {"FunctionName": "rl-add"})
+        stub.add_response("get_function", ready)
+        stub.add_response("publish_version", {"Version": "2"})
+        stub.add_response(
+            "update_alias", {"AliasArn": "arn:aws:lambda:us-east-1:123456789012:function:rl-add:live"}
+        )
+        stub.add_response("delete_function_concurrency", {}, {"FunctionName": "rl-add"})
+        stub.add_client_error(
+            "delete_provisioned_concurrency_config", "ResourceNotFoundException", http_status_code=404
+        )
+        done = _one(
+            lam, fn, b"zip", "arn:aws:iam::123456789012:role/r", DirectConfig(region="us-east-1"), print
+        )
+        stub.assert_no_pending_responses()
+    assert done.version == "2" and not done.created
