@@ -96,8 +96,15 @@ def build_app(
     image = (
         modal.Image.debian_slim(python_version="3.11")
         .pip_install(*requirements(pip))
-        .add_local_python_source(*sorted(r.removesuffix(".py") for r in roots), ignore=_left_out)
+        .add_local_python_source(
+            *sorted(arc for arc, path in roots.items() if path.is_dir()), ignore=_left_out
+        )
     )
+    for arc, path in sorted(roots.items()):
+        if path.is_file():
+            # by its path: Modal looks a module up on sys.path, where a file entry from another
+            # directory (`-m rewards/my_fns.py`) is not; /root is where the runtime loads it
+            image = image.add_local_file(path, f"/root/{arc}")
     app = modal.App(app_name, image=image)
     functions = {}
     for fn in plan:

@@ -136,6 +136,47 @@ def test_modal_image_carries_the_package_data_the_zip_carries(monkeypatch, tmp_p
     assert not [f for f in files if f.endswith((".pyc", ".pyo")) or "/." in f or "__pycache__" in f]
 
 
+def test_modal_image_carries_a_file_entry_from_anywhere(monkeypatch, tmp_path):
+    """A ``file.py`` entry went to ``add_local_python_source`` by its module name, which Modal
+    looks up on sys.path: one outside it (``-m rewards/my_fns.py``) failed the deploy
+    (ModuleNotMountable), or another module of that name went instead. The file itself is
+    added where the runtime loads it (the container's working directory, /root)."""
+    import modal
+    from modal.mount import _Mount
+
+    from fabric.deploy.modal_ import build_app
+    from fabric.registry import Registry
+
+    src = tmp_path / "rewards" / "far_away_fns.py"
+    src.parent.mkdir()
+    src.write_text(
+        "from fabric.registry import Registry\nREG = Registry()\n"
+        "@REG.function\ndef far_away(x: int) -> int:\n    return x\n"
+    )
+    reg = Registry()
+    reg.discover(str(src))
+    calls = []
+    for method in ("add_local_python_source", "add_local_file"):
+        real = getattr(modal.Image, method)
+
+        def recording(self, *args, _method=method, _real=real, **kwargs):
+            calls.append((_method, args, kwargs))
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(modal.Image, method, recording)
+    build_app(reg, plan_functions(reg, ["far_away"]))
+    files = set()
+    for method, args, kwargs in calls:
+        if method == "add_local_file":
+            files.add((str(args[0]), str(args[1])))
+        else:
+            mount = _Mount._from_local_python_packages(*args, ignore=kwargs.get("ignore"))
+            files |= {
+                (str(local), str(remote)) for e in mount.entries for local, remote in e.get_files_to_upload()
+            }
+    assert (str(src), "/root/far_away_fns.py") in files
+
+
 @pytest.fixture
 def echo_port():
     """A line echo server on 127.0.0.1, in a thread (the Modal runtime's calls are blocking)."""
