@@ -308,7 +308,14 @@ class TieredCache:
         writable = [t for t in self.tiers if t.writable]
         if not writable:
             raise ImageError("no writable tier to publish to; add a disk or S3 tier")
-        await asyncio.gather(*(t.put(bundle.digest, bundle.data) for t in writable))
+        kept = await asyncio.gather(*(t.put(bundle.digest, bundle.data) for t in writable))
+        if not any(kept):
+            # a reference to nowhere: its get said "in none of the tiers", of a bundle in hand
+            raise ImageError(
+                f"no writable tier kept the bundle {bundle.digest} ({bundle.size} bytes): "
+                f"{', '.join(t.name for t in writable)} would not store it (a disk tier keeps no blob "
+                "over its max_bytes); raise their max_bytes, or add an S3 tier"
+            )
         return str(bundle.ref(name))
 
     def prefetch(self, images: Iterable[str]) -> int:

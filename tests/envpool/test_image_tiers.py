@@ -25,6 +25,7 @@ from envpool.images import (
     DiskTier,
     DiskTierConfig,
     HttpTier,
+    ImageError,
     ImageFetchError,
     InvalidImageRef,
     OriginTierConfig,
@@ -71,6 +72,23 @@ async def test_a_blob_the_disk_tier_does_not_store_is_not_counted_written(tmp_pa
         await l1.put(digest_of(b"a" * 100), b"a" * 100)
         snap = l1.metrics.snapshot()
         assert (snap["puts"], snap["bytes_written"]) == (1, 100)
+
+
+async def test_a_publish_no_tier_keeps_says_so(tmp_path: Path, bundle: Bundle) -> None:
+    # the disk tier skips a blob over its cap, and publish returned a reference all the same:
+    # its get then said the image was in none of the tiers (EnvPool's images publish a built
+    # directory into the job's disk tier, then acquire it)
+    with FakeOrigin({}) as origin:
+        cache = TieredCache(
+            [
+                DiskTier(DiskTierConfig(path=tmp_path / "l1", max_bytes=100)),
+                HttpTier(OriginTierConfig(url=origin.url)),
+            ],
+            unpack_dir=tmp_path / "unpacked",
+        )
+        async with cache:
+            with pytest.raises(ImageError, match="no writable tier kept the bundle"):
+                await cache.publish(bundle, name="big")
 
 
 async def test_tiers_refuse_what_is_not_a_digest(tmp_path: Path) -> None:

@@ -148,11 +148,12 @@ class Tier(ABC):
             self.metrics.bytes_read += len(data)
         return data
 
-    async def put(self, digest: str, data: bytes) -> None:
-        """Store a verified blob; a no-op on read-only tiers. Raises ``ImageFetchError``."""
+    async def put(self, digest: str, data: bytes) -> bool:
+        """Store a verified blob; whether the tier kept it (read-only tiers never do, nor a
+        disk tier a blob over its cap). Raises ``ImageFetchError``."""
         parse_digest(digest)
         if not self.writable:
-            return
+            return False
         await self.start()
         try:
             stored = await self._put(digest, data)
@@ -163,9 +164,10 @@ class Tier(ABC):
             self.metrics.put_errors += 1
             raise ImageFetchError(f"write failed: {type(e).__name__}: {e}", tier=self.name) from e
         if stored is False:  # the tier chose not to keep it (a disk tier's blob over its cap)
-            return
+            return False
         self.metrics.puts += 1
         self.metrics.bytes_written += len(data)
+        return True
 
     async def delete(self, digest: str) -> None:
         """Drop a blob (the cache calls this on a corrupt one); a no-op on read-only tiers.
