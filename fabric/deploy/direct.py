@@ -196,7 +196,7 @@ def _updated(found: dict[str, str], own: dict[str, str]) -> dict[str, str]:
 def _one(
     lam: Any, fn: DeployedFunction, code: bytes, role: str, cfg: DirectConfig, say: Callable[[str], None]
 ) -> Deployed:
-    from botocore.exceptions import ClientError
+    from botocore.exceptions import BotoCoreError, ClientError
 
     name = fn.deployed_name
     settings: dict[str, Any] = {
@@ -240,9 +240,18 @@ def _one(
         elif current.get("LastUpdateStatus") == "InProgress":
             lam.get_waiter("function_updated_v2").wait(FunctionName=name)
         lam.update_function_code(FunctionName=name, ZipFile=code, Architectures=[cfg.architecture])
-        lam.get_waiter("function_updated_v2").wait(FunctionName=name)
-        lam.update_function_configuration(FunctionName=name, **settings)
-        lam.get_waiter("function_updated_v2").wait(FunctionName=name)
+        try:
+            lam.get_waiter("function_updated_v2").wait(FunctionName=name)
+            lam.update_function_configuration(FunctionName=name, **settings)
+            lam.get_waiter("function_updated_v2").wait(FunctionName=name)
+        except (ClientError, BotoCoreError) as e:
+            # half updated: botocore's words alone named neither the function nor that
+            hint = concurrency_limit_hint(str(e))
+            raise DeployError(
+                f"{name}: its code is updated but not its configuration: {e}"
+                + (f"; {hint}" if hint else "")
+                + f"; the {ALIAS!r} alias still serves its earlier version: deploy again to finish"
+            ) from None
     version = str(lam.publish_version(FunctionName=name, Description=f"fabric {fn.version}")["Version"])
     try:
         alias = lam.update_alias(FunctionName=name, Name=ALIAS, FunctionVersion=version)

@@ -352,3 +352,30 @@ def test_a_redeploy_after_one_that_stopped_mid_update_waits_for_it(left):
         )
         stub.assert_no_pending_responses()
     assert done.version == "2" and not done.created
+
+
+def test_a_redeploy_that_updates_the_code_but_not_the_configuration_says_so():
+    """The code went up, then the configuration update was refused (or its wait ran out):
+    the error was botocore's alone ("deploy failed: ... UpdateFunctionConfiguration ..."),
+    without the function's name, or that its code is new and its settings old. It says so,
+    and that the 'live' alias still serves the earlier version until a deploy finishes."""
+    import boto3
+    from botocore.stub import Stubber
+
+    from fabric.deploy.direct import _one
+
+    lam = boto3.client("lambda", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    fn = plan_functions(REG, ["add"], prefix="rl-", warm=0)[0]
+    ready = {"Configuration": {"State": "Active", "LastUpdateStatus": "Successful"}}
+    with Stubber(lam) as stub:
+        stub.add_response("get_function", {"Configuration": {"FunctionName": "rl-add", "State": "Active"}})
+        stub.add_response("update_function_code", {"FunctionName": "rl-add"})
+        stub.add_response("get_function", ready)
+        stub.add_client_error(
+            "update_function_configuration", "InvalidParameterValueException", "Environment too large"
+        )
+        with pytest.raises(DeployError) as info:
+            _one(lam, fn, b"zip", "arn:aws:iam::123456789012:role/r", DirectConfig(region="us-east-1"), print)
+    text = str(info.value)
+    assert "rl-add" in text and "code is updated" in text and "Environment too large" in text
+    assert "'live'" in text and "deploy again" in text
