@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +59,25 @@ def dropped_functions(functions: list[DeployedFunction], terraform_dir: Path) ->
     lists that ``functions`` does not: ``terraform apply`` destroys them. The file is
     terraform's whole list of functions, and the package they share is rebuilt from
     ``functions`` alone, so the others cannot be kept by merging them in."""
+    path = terraform_dir / TFVARS_FILE
     try:
-        old = json.loads((terraform_dir / TFVARS_FILE).read_text())
-        before = {str(old["name_prefix"]) + str(name) for name in old["functions"]}
-    except (OSError, ValueError, KeyError, TypeError):  # no earlier deploy (or not one of ours)
+        text = path.read_text()
+    except FileNotFoundError:  # no earlier deploy from this directory
         return []
+    except OSError as e:
+        raise DeployError(f"cannot read the last deploy's {path}: {e}") from e
+    try:
+        old = json.loads(text)
+        before = {str(old["name_prefix"]) + str(name) for name in old["functions"]}
+    except (ValueError, KeyError, TypeError) as e:
+        # taken for "no earlier deploy", a file cut short or edited by hand turned the guard
+        # off: terraform's state still holds the functions, and apply destroyed them
+        raise DeployError(
+            f"cannot read which functions the last deploy made from {path} "
+            f"({type(e).__name__}: {e}): its list is what keeps terraform from destroying them. "
+            "Restore it (from version control, or deploy again with every function the last "
+            "deploy named), or pass --prune to deploy only these and let terraform remove the rest"
+        ) from e
     return sorted(before - {f.deployed_name for f in functions})
 
 
@@ -90,5 +105,12 @@ def write_tfvars(values: dict[str, Any], terraform_dir: Path) -> Path:
             f"{terraform_dir}/variables.tf does not declare what deploy writes: {'; '.join(problems)}"
         )
     path = terraform_dir / TFVARS_FILE
-    path.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+    # whole or not at all (a temp file renamed over it): a deploy stopped mid-write left a
+    # file cut short, which the next deploy's dropped_functions has to refuse
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path

@@ -350,6 +350,36 @@ def test_a_terraform_deploy_that_would_destroy_deployed_functions_is_refused(tmp
     assert deployed() == ["rl-fabric-add"]
 
 
+def test_a_last_deploy_s_list_that_cannot_be_read_is_refused_not_taken_for_none(tmp_path, monkeypatch):
+    """A fabric.auto.tfvars.json cut short (a deploy stopped mid-write) or broken by hand was
+    taken for "no earlier deploy": the guard above was off, and terraform destroyed what its
+    state still held. Refused, saying how to go on; --prune still deploys."""
+    from fabric.cli import app
+
+    tf = terraform_dir(tmp_path, monkeypatch)
+    base = [
+        "deploy",
+        "--no-deps",
+        "-m",
+        "sample_fns",
+        "--terraform-dir",
+        str(tf),
+        "--out",
+        str(tmp_path / "b"),
+    ]
+    for broken in ('{"name_prefix": "rl-fabric-", "functions": {"add": {', '{"something": "else"}'):
+        (tf / TFVARS_FILE).write_text(broken)
+        r = CliRunner().invoke(app, [*base, "-f", "add"])
+        text = " ".join(r.output.split())
+        assert r.exit_code == 2, r.output
+        assert "cannot read which functions the last deploy made" in text and "--prune" in text, text
+        assert (tf / TFVARS_FILE).read_text() == broken  # left for the user to restore
+    r = CliRunner().invoke(app, [*base, "-f", "add", "--prune"])
+    assert r.exit_code == 0, r.output
+    assert sorted(json.loads((tf / TFVARS_FILE).read_text())["functions"]) == ["add"]
+    assert [p.name for p in tf.iterdir() if p.name.endswith(".tmp")] == []  # written whole, by a rename
+
+
 def test_deploy_pip_reaches_every_package_and_refuses_no_deps(tmp_path, monkeypatch):
     """--pip: the functions' own dependencies (test_deploy_package.py has the package's side)."""
     import fabric.deploy.modal_ as modal_deploy
