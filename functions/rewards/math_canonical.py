@@ -86,8 +86,9 @@ _HEDGE = re.compile(
 # its value (anything with no further ``=``)
 _ASSIGN = re.compile(r"^([a-zA-Z](?:_\{?\w+\}?)?)\s*=\s*(\S[^=]*)$")  # linear: \S ends the \s*
 _THIN_THOUSANDS = re.compile(r"(?<=\d)\\[,!: ](?=\d{3}\b)")
-_THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
-_SPACED_THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?: \d{3})+(?:\.\d+)?$")
+# a percentage is a number too: "1,000%" is 1000%, not the list 1, 000%
+_THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?%?$")
+_SPACED_THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?: \d{3})+(?:\.\d+)?%?$")
 GREEK = {
     name: name
     for name in (

@@ -371,6 +371,16 @@ def test_spaces_that_do_not_separate_numbers_still_do_not_matter(pred, gt):
 
 
 @pytest.mark.parametrize(
+    ("pred", "gt"),
+    [("1,000\\%", "1000\\%"), ("1,250%", "12.5"), ("-1,000 percent", "-10.0"), ("1 000\\%", "1000%")],
+)
+def test_a_percentage_written_with_thousands_separators_is_its_number(pred, gt):
+    # the separators were removed only from a number with nothing after it: "1,000%" stayed a
+    # comma list, the set {1, 000%}, and matched no percentage at all
+    assert is_equivalent(pred, gt)[0] is True
+
+
+@pytest.mark.parametrize(
     ("pred", "gt", "same"),
     [
         ("\u22125", "-5", True),  # the Unicode minus sign
