@@ -39,7 +39,7 @@ from fabric.errors import RETRYABLE, ErrorCode, Misconfigured, Unavailable
 from fabric.protocol import RewardResult, Trajectory, encode_payload
 from fabric.registry import default_registry
 from fabric.runner import FunctionRunner, time_left_s
-from functions.rewards.tool_use import check_weights
+from functions.rewards.tool_use import check_weights, weighted_mean
 
 _BUILTINS = "functions"
 
@@ -105,8 +105,12 @@ def combine(
             raise ValueError(f"component {name!r}: expected a RewardResult or a number, got {r!r}")
         if not math.isfinite(scores[name]):
             raise ValueError(f"component {name!r} has a non-finite score {scores[name]}")
-    total = sum(w[n] * s for n, s in scores.items())
-    score = total / sum(w.values()) if normalize else total
+    if normalize:
+        score = weighted_mean(scores, w)
+    else:
+        score = sum(w[n] * s for n, s in scores.items())
+        if not math.isfinite(score):  # finite weights and scores whose products overflow
+            raise ValueError(f"the weighted sum {score} is not finite; use smaller weights")
     return RewardResult(score=score, components=scores, info=info)
 
 

@@ -54,6 +54,14 @@ def check_weights(weights: dict[str, float], known: tuple[str, ...] | None = Non
         raise ValueError("all weights are zero; at least one component must count")
 
 
+def weighted_mean(scores: dict[str, float], weights: dict[str, float]) -> float:
+    """``sum(w * s) / sum(w)`` over ``scores`` (weights checked by ``check_weights``), with the
+    weights scaled to the largest first: finite weights can sum past the largest float
+    (``1e308`` twice), and ``x / inf`` made the mean 0, or ``inf / inf`` NaN."""
+    top = max(weights[k] for k in scores)
+    return sum(weights[k] / top * s for k, s in scores.items()) / sum(weights[k] / top for k in scores)
+
+
 def check_budget(min_calls: int, max_calls: int | None) -> None:
     """``ValueError`` for a call budget no trajectory can meet (a negative count, or
     ``min_calls`` above ``max_calls``): ``within_budget`` would be 0 for every one."""
@@ -161,7 +169,7 @@ def tool_use_reward(
         "no_errors": 1.0 - errors / n_results if n_results else 1.0,
         "within_budget": float(min_calls <= n and (max_calls is None or n <= max_calls)),
     }
-    score = sum(w[k] * v for k, v in components.items()) / sum(w.values())
+    score = weighted_mean(components, w)
     info: dict[str, Any] = {
         "calls": n,
         "results": n_results,

@@ -355,6 +355,22 @@ def test_combine_normalised_and_plain() -> None:
     assert combine({"a": 1.0, "b": 0.0}, {"b": 0.0}).components == {"a": 1.0, "b": 0.0}
 
 
+def test_combine_with_huge_finite_weights_is_still_the_weighted_mean() -> None:
+    # every weight is finite, but their sum overflowed: inf / inf made the score NaN
+    r = combine({"a": 1.0, "b": 0.5}, {"a": 1e308, "b": 1e308})
+    assert r.score == pytest.approx(0.75)
+    with pytest.raises(ValueError, match="not finite"):
+        combine({"a": 1.0, "b": 1.0}, {"a": 1e308, "b": 1e308}, normalize=False)
+
+
+def test_tool_use_with_huge_finite_weights_is_still_the_weighted_mean() -> None:
+    r = tool_use_reward(
+        Trajectory.model_validate({"messages": [{"role": "assistant", "content": "no calls"}]}),
+        weights={"valid_calls": 1e308, "answered_calls": 1e308, "no_errors": 1e308, "within_budget": 1e308},
+    )
+    assert r.score == 1.0
+
+
 @pytest.mark.parametrize(
     ("results", "weights", "match"),
     [
