@@ -164,8 +164,12 @@ def _strip_text(s: str) -> str:
     return _TEXT_CMD.sub(r"\1", s)  # no number left: \text{cm} alone is the word cm
 
 
-_MINUS_SIGNS = str.maketrans(
+_SIGNS = str.maketrans(
     {"\u2212": "-", "\ufe63": "-", "\uff0d": "-"}
+    # the multiplication and division signs are their operators (sympy cannot read them:
+    # 1\u00d710^3 was unparsable, not 1000); the middle dot U+00B7 is not one of them, being
+    # also a decimal point (3\u00b714)
+    | {"\u00d7": " \\times ", "\u22c5": " \\cdot ", "\u00f7": "/"}
     # zero-width characters are not there (3\u200b is 3)
     | dict.fromkeys("\u200b\u200c\u200d\u2060\ufeff", "")
 )
@@ -183,7 +187,7 @@ def canonical(answer: str) -> str:
     """The answer with presentation stripped (see ``functions.rewards.math``'s docstring)."""
     # the Unicode minus sign (and its small and full-width forms) is a minus; dashes are not
     # (an en dash, U+2013, between two numbers is a range, which must not become 3 - 5)
-    s = answer.strip().translate(_MINUS_SIGNS)
+    s = answer.strip().translate(_SIGNS)
     s = s.replace("\\$", "").replace("$", "").replace("\\(", "").replace("\\)", "")
     s = _DISPLAY.sub("", s.strip())
     s = _LEFT_RIGHT.sub("", s)

@@ -398,6 +398,22 @@ def test_the_unicode_minus_sign_is_a_minus(pred, gt, same):
 @pytest.mark.parametrize(
     ("pred", "gt", "same"),
     [
+        ("1\u00d710^3", "1000", True),  # the multiplication sign
+        ("1.5 \u00d7 10^{-3}", "0.0015", True),
+        ("6\u00d77", "42", True),
+        ("2\u22c53", "6", True),  # the dot operator
+        ("6\u00f72", "3", True),  # the division sign
+        ("6\u00d77", "67", False),
+    ],
+)
+def test_the_unicode_operator_signs_are_their_operators(pred, gt, same):
+    # sympy could not parse them: 1\u00d710^3 was "unparsable", so not 1000
+    assert is_equivalent(pred, gt)[0] is same
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt", "same"),
+    [
         ("(3,4)\\cup(1,2)", "(1,2)\\cup(3,4)", True),  # a union's parts are unordered
         ("(3,4]\\cup[1,2)", "[1,2)\\cup(3,4]", True),
         ("(3,4)\\cup[1,2)", "(1,2)\\cup(3,4)", False),  # but each part keeps its brackets
