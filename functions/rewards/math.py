@@ -82,7 +82,8 @@ Equivalence, cheapest first:
    a leading "approximately" / "about" / "around" / "roughly" / ``\approx`` / ``~`` before a
    number (not "at least" or "nearly", which change it), thousands
    separators and zero-width characters removed; the signs U+00D7, U+22C5 and U+00F7 are
-   ``\times``, ``\cdot`` and ``/``; ``\varnothing`` and ``\{\}`` are
+   ``\times``, ``\cdot`` and ``/``, and pi, infinity, the root sign, superscript digits and
+   vulgar fractions (U+03C0, U+221E, U+221A, U+00B2, U+00BD...) their LaTeX; ``\varnothing`` and ``\{\}`` are
    ``\emptyset``; ``a \pm b`` is the list ``a + b, a - b``, in a list element by element:
    ``\pm 2, \pm 3`` is ``2, -2, 3, -3`` and ``(\pm 1, 2)`` the two points). Equal strings are equal;
    two plain numbers (integers, decimals, ``a/b``, ``\frac{a}{b}``, ``1e3``,

@@ -170,9 +170,46 @@ _SIGNS = str.maketrans(
     # 1\u00d710^3 was unparsable, not 1000); the middle dot U+00B7 is not one of them, being
     # also a decimal point (3\u00b714)
     | {"\u00d7": " \\times ", "\u22c5": " \\cdot ", "\u00f7": "/"}
+    # pi, infinity and the square root sign are their commands (2\u03c0 was not 2\\pi)
+    | {"\u03c0": "\\pi ", "\u221e": "\\infty ", "\u221a": "\\sqrt "}
     # zero-width characters are not there (3\u200b is 3)
     | dict.fromkeys("\u200b\u200c\u200d\u2060\ufeff", "")
 )
+# a run of superscript digits is one exponent (10\u2076\u2074 is 10^{64}); a vulgar fraction is
+# its \frac (3\u00bd is 3\frac{1}{2}, which is 3.5, not 31/2)
+_SUPERSCRIPTS = str.maketrans(
+    "\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207a\u207b", "0123456789+-"
+)
+_SUPERSCRIPT = re.compile("[\u207a\u207b]?[\u2070\u00b9\u00b2\u00b3\u2074-\u2079]+")
+_VULGAR = {
+    "\u00bd": (1, 2),
+    "\u2153": (1, 3),
+    "\u2154": (2, 3),
+    "\u00bc": (1, 4),
+    "\u00be": (3, 4),
+    "\u2155": (1, 5),
+    "\u2156": (2, 5),
+    "\u2157": (3, 5),
+    "\u2158": (4, 5),
+    "\u2159": (1, 6),
+    "\u215a": (5, 6),
+    "\u2150": (1, 7),
+    "\u215b": (1, 8),
+    "\u215c": (3, 8),
+    "\u215d": (5, 8),
+    "\u215e": (7, 8),
+    "\u2151": (1, 9),
+    "\u2152": (1, 10),
+}
+_VULGAR_FRACTION = re.compile("[" + "".join(_VULGAR) + "]")
+
+
+def _unicode_math(s: str) -> str:
+    """``s`` with its superscript digits and vulgar fractions written in LaTeX."""
+    s = _SUPERSCRIPT.sub(lambda m: "^{" + m[0].translate(_SUPERSCRIPTS) + "}", s)
+    return _VULGAR_FRACTION.sub(lambda m: "\\frac{{{}}}{{{}}}".format(*_VULGAR[m[0]]), s)
+
+
 _COMMAND = re.compile(r"\\[A-Za-z]+")
 _VARIABLE = re.compile(r"[A-Za-z]")
 # \dbinom and \tbinom are \binom; {n \choose k} (plain TeX) too; \lbrace \rbrace are \{ \}
@@ -187,7 +224,7 @@ def canonical(answer: str) -> str:
     """The answer with presentation stripped (see ``functions.rewards.math``'s docstring)."""
     # the Unicode minus sign (and its small and full-width forms) is a minus; dashes are not
     # (an en dash, U+2013, between two numbers is a range, which must not become 3 - 5)
-    s = answer.strip().translate(_SIGNS)
+    s = _unicode_math(answer.strip().translate(_SIGNS))
     s = s.replace("\\$", "").replace("$", "").replace("\\(", "").replace("\\)", "")
     s = _DISPLAY.sub("", s.strip())
     s = _LEFT_RIGHT.sub("", s)

@@ -414,6 +414,32 @@ def test_the_unicode_operator_signs_are_their_operators(pred, gt, same):
 @pytest.mark.parametrize(
     ("pred", "gt", "same"),
     [
+        ("2\u03c0", "2\\pi", True),  # pi
+        ("\u03c0r^2", "\\pi r^2", True),
+        ("\u221a2", "\\sqrt{2}", True),  # the square root sign
+        ("2\u221a2", "\\sqrt{8}", True),
+        ("(3, \u221e)", "x > 3", True),  # infinity
+        ("\u2212\u221e", "-\\infty", True),
+        ("5\u00b2", "25", True),  # superscript digits
+        ("10\u2076\u2074", "10^{64}", True),
+        ("2\u207b\u00b9", "0.5", True),
+        ("x\u00b2", "x^2", True),
+        ("\u00bd", "0.5", True),  # vulgar fractions
+        ("3\u00bd", "3.5", True),
+        ("\u2154", "\\frac{2}{3}", True),
+        ("3\u00bd", "31/2", False),
+        ("10\u2076\u2074", "10^{6}", False),
+        ("5 cm\u00b2", "5", True),  # a unit's square stays a unit
+    ],
+)
+def test_unicode_math_symbols_are_their_latex(pred, gt, same):
+    # sympy could not parse them, and pi alone was a symbol named so: 2\u03c0 was not 2\\pi
+    assert is_equivalent(pred, gt)[0] is same
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt", "same"),
+    [
         ("(3,4)\\cup(1,2)", "(1,2)\\cup(3,4)", True),  # a union's parts are unordered
         ("(3,4]\\cup[1,2)", "[1,2)\\cup(3,4]", True),
         ("(3,4)\\cup[1,2)", "(1,2)\\cup(3,4)", False),  # but each part keeps its brackets
