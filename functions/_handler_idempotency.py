@@ -301,6 +301,7 @@ class _Idempotency(_ContainerBase):
             ),
         )
         unknown.timings, unknown.cold_start, unknown.worker = result.timings, result.cold_start, result.worker
+        unknown.version = result.version  # the code that may have run, as the client's own says
         if self._idempotent is None or inv.idempotency_key is None:
             return unknown
         from aws_lambda_powertools.utilities.idempotency.exceptions import BaseError
