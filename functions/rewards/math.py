@@ -20,7 +20,8 @@ read as its last side (``$x = \frac{3}{4}$``: ``\frac{3}{4}``): an inequality is
 and the span before it is read (``$f(n) = 3$ for all $n \ge 1$``: ``3``), and a span with no
 number in it (a digit, ``\frac``, ``\sqrt``, ``\pi``...) is read only when it ends the text and
 is more than a lone variable (in "42 ways, one for each value of $n$." the answer is 42); else
-the last number (``\frac{3}{4}`` and a power, ``2^{10}``, count as one).
+the last number (``\frac{3}{4}``, a power, ``2^{10}``, and scientific notation, ``3 \times
+10^8``, count as one).
 
 A condition states no value. A number beside an inequality (``<``, ``>``, ``<=``, ``>=``,
 ``!=``, ``\le``, ``\ge``, ``\lt``, ``\gt``, ``\ne``, ``\neq``, the Unicode signs) is a bound,
@@ -221,8 +222,10 @@ __all__ = [
 _LAST_NUMBER = re.compile(
     r"[-+]?\\[dt]?frac\s*\{\s*\d+\s*\}\s*\{\s*\d+\s*\}"  # \frac{3}{4} is one number, not 3 and 4
     r"|[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
-    # a power is one number (2^{10}, 10^3: not 10 and 3), as are 1e3 and 3/4
-    r"(?:\^(?:\{[-+]?\d+\}|\d+)|(?:[eE][-+]?\d+)?(?:/\d+(?:\.\d+)?)?)|[-+]?\.\d+"
+    # a power is one number (2^{10}, 10^3: not 10 and 3), as are 1e3, 3 \times 10^8 and 3/4
+    r"(?:\^(?:\{[-+]?\d+\}|\d+)"
+    r"|\s*(?:\\times|\\cdot|\u00d7|\u22c5|\*)\s*10\^(?:\{[-+]?\d+\}|[-+]?\d+)"
+    r"|(?:[eE][-+]?\d+)?(?:/\d+(?:\.\d+)?)?)|[-+]?\.\d+"
 )
 # one math span: $...$, $$...$$ (an escaped \$ is a dollar sign), \(...\), \[...\]
 _DOLLAR = re.compile(r"(?<!\\)\$\$?")
