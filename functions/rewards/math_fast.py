@@ -138,7 +138,10 @@ def _percent(pred: str, gt: str) -> list[tuple[str, str]]:
         if _is_integer_form(other):
             return [x]
         v = as_fraction(x)
-        hundredths = str(v / 100) if v is not None else f"({x})/100"
+        try:
+            hundredths = str(v / 100) if v is not None else f"({x})/100"
+        except ValueError:  # over Python's 4300-digit int-to-str limit (1e9999%): the quotient
+            hundredths = f"{x}/100"  # as_fraction reads, never written out
         o = as_fraction(other)
         return [hundredths, x] if o is not None and abs(o) > 1 else [hundredths]
 

@@ -22,6 +22,17 @@ def test_infinity_or_an_overflowing_number_does_not_match_every_number(pred, gt)
     assert res.score == 0.0, res.info
 
 
+@pytest.mark.parametrize(
+    ("pred", "gt", "same"),
+    [("1e9999\\%", "0.5", False), ("1e4400%", "1/2", False), ("1e9999%", "1e9997", True)],
+)
+def test_a_huge_percentage_is_compared_not_a_crash(pred, gt, same):
+    # its hundredth was written out with str(), over Python's 4300-digit limit: the policy's
+    # answer made the reward raise ValueError (a failed call) instead of scoring it
+    assert is_equivalent(pred, gt)[0] is same
+    assert math_answer(f"\\boxed{{{pred}}}", ground_truth=gt).score == float(same)
+
+
 @pytest.mark.parametrize("gt", ["x+1", "\\sin(x)", "2n+1", "-7", "\\frac{x^2-1}{x+1}"])
 def test_a_huge_finite_number_does_not_match_every_expression(gt):
     # 9^{999} is finite, but complex(N(9^999)) overflowed at the identity test's points
