@@ -3,7 +3,8 @@ to the ground truth.
 
 Extraction reads what follows the last ``</think>`` when the text has one (a reasoning model's
 thinking is not its answer, "Maybe \boxed{41}?" in it included; nothing after it is no
-answer). There, first that applies: the last ``\boxed{}``/``\fbox{}`` (or MATH's brace-less
+answer), with its Unicode math (a minus sign, U+00D7, U+00BD...) read as the canonical form
+below reads it. There, first that applies: the last ``\boxed{}``/``\fbox{}`` (or MATH's brace-less
 ``\boxed 5``, up to ``$`` or the line's end) or the stated answer,
 whichever comes later ("First guess \boxed{41}. ... the final answer is 42." states 42; "The
 answer is \boxed{42}" boxes it); the stated answer follows the last "the answer is" ("the
@@ -175,6 +176,7 @@ from typing import Any
 import fabric
 from fabric.protocol import RewardResult, Trajectory
 from functions.rewards.answer import MAX_ANSWER_CHARS, after_thinking, boxed_or_stated
+from functions.rewards.math_canonical import plain_unicode
 from functions.rewards.math_fast import (
     Shape,
     Verdict,
@@ -331,7 +333,9 @@ def _chain_end(stated: str) -> str:
 def extract_final(text: str) -> tuple[str | None, str]:
     """``(answer, rule)``: rule is ``boxed``, ``answer_is``, ``last_math``, ``last_number`` or
     ``none`` (also when nothing follows the last ``</think>``)."""
-    text = after_thinking(text)
+    # the answer's own canonical form reads Unicode math (a minus sign, \u00d7, \u00bd): so must
+    # extraction, or "x = \u22123" reads 3 and "1.5\u00d710\u00b3" reads 10
+    text = plain_unicode(after_thinking(text))
     found = boxed_or_stated(text)
     rejected: frozenset[str] = frozenset()
     if found is not None:

@@ -204,8 +204,10 @@ _VULGAR = {
 _VULGAR_FRACTION = re.compile("[" + "".join(_VULGAR) + "]")
 
 
-def _unicode_math(s: str) -> str:
-    """``s`` with its superscript digits and vulgar fractions written in LaTeX."""
+def plain_unicode(s: str) -> str:
+    """``s`` with its Unicode math in ASCII and LaTeX: minus signs, operators, pi, infinity,
+    the root sign, superscript digits and vulgar fractions; zero-width characters dropped."""
+    s = s.translate(_SIGNS)
     s = _SUPERSCRIPT.sub(lambda m: "^{" + m[0].translate(_SUPERSCRIPTS) + "}", s)
     return _VULGAR_FRACTION.sub(lambda m: "\\frac{{{}}}{{{}}}".format(*_VULGAR[m[0]]), s)
 
@@ -224,7 +226,7 @@ def canonical(answer: str) -> str:
     """The answer with presentation stripped (see ``functions.rewards.math``'s docstring)."""
     # the Unicode minus sign (and its small and full-width forms) is a minus; dashes are not
     # (an en dash, U+2013, between two numbers is a range, which must not become 3 - 5)
-    s = _unicode_math(answer.strip().translate(_SIGNS))
+    s = plain_unicode(answer.strip())
     s = s.replace("\\$", "").replace("$", "").replace("\\(", "").replace("\\)", "")
     s = _DISPLAY.sub("", s.strip())
     s = _LEFT_RIGHT.sub("", s)

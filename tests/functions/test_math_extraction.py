@@ -26,7 +26,7 @@ from functions.rewards.math import extract_final, math_answer
         ("a rate of 2^{-3} per step", ("2^{-3}", "last_number")),
         # so is a number in scientific notation: its power of ten alone is not the answer
         ("The speed is 3 \\times 10^8 m/s.", ("3 \\times 10^8", "last_number")),
-        ("so we get 1.5 \u00d7 10^{-3}", ("1.5 \u00d7 10^{-3}", "last_number")),
+        ("so we get 1.5 \\cdot 10^{-3}", ("1.5 \\cdot 10^{-3}", "last_number")),
         ("about 6.02*10^23 molecules", ("6.02*10^23", "last_number")),
         ("no digits here", (None, "none")),
     ],
@@ -220,6 +220,23 @@ def test_a_condition_is_not_the_stated_value_scored(text, gt, score):
     ],
 )
 def test_stated_answers_in_common_formats(text, gt, score):
+    assert math_answer(text, ground_truth=gt).score == score
+
+
+@pytest.mark.parametrize(
+    ("text", "gt", "score"),
+    [
+        ("So x = \u22123", "-3", 1.0),  # the Unicode minus sign keeps its sign
+        ("So x = \u22123", "3", 0.0),
+        ("#### \u221212", "-12", 1.0),
+        ("The temperature drops to \u22125 degrees", "-5", 1.0),
+        ("So it comes to 1.5\u00d710\u00b3", "1500", 1.0),
+        ("so the area is \u00bd", "0.5", 1.0),
+    ],
+)
+def test_an_answer_in_unicode_math_is_read_whole(text, gt, score):
+    # extraction looked for ASCII signs only: "x = \u22123" read 3 (0 against -3, 1 against 3),
+    # "1.5\u00d710\u00b3" read 10, and "\u00bd" read nothing
     assert math_answer(text, ground_truth=gt).score == score
 
 
