@@ -56,7 +56,11 @@ _NUMBER = re.compile(r"^[-+]?(\d+(?:\.\d*)?|\.\d+)(e[-+]?\d+)?$")  # \d+\.?\d* b
 # Quotes are dropped; the rest becomes a space, so that it still separates: "1,2" (a pair),
 # "1:2" (a ratio) and "10_2" (a base) are not "12" and "102".
 _QUOTES = str.maketrans("", "", "\"'`")
-_ZERO_WIDTH = str.maketrans("", "", "\u200b\u200c\u200d\u2060\ufeff")
+# zero-width characters are not there; the Unicode minus sign (and its small and full-width
+# forms) is a minus, as math_answer reads it ("\u22125" is -5); a dash is not one
+_ZERO_WIDTH_AND_MINUS = str.maketrans(
+    {"\u2212": "-", "\ufe63": "-", "\uff0d": "-"} | dict.fromkeys("\u200b\u200c\u200d\u2060\ufeff")
+)
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mbox|emph|operatorname)\s*\{")
 _COMMAND_OR_ESCAPE = re.compile(r"\\(?:[A-Za-z]+|.)", re.DOTALL)
 _DISPLAY = re.compile(r"^\\[\[(]|\\[\])]$")  # \[ 42 \] and \( 42 \) around the answer
@@ -475,8 +479,9 @@ def normalize(answer: str) -> str:
     leading article before a word ("the Eiffel Tower"; "A C", "A, C" and "the A" keep theirs)
     and thousands separators; other braces stay unless they hold one character (see
     ``_unbrace``: ``\\frac{12}{3}`` is not ``\\frac{1}{23}``); a parenthesised choice letter is
-    the letter (``(A)``, ``A)``); canonical numbers ('42.0' == '42'), compared exactly."""
-    s = _DISPLAY.sub("", answer.translate(_ZERO_WIDTH).strip()).strip().strip("$").strip()
+    the letter (``(A)``, ``A)``); the Unicode minus sign is a minus; canonical numbers
+    ('42.0' == '42'), compared exactly."""
+    s = _DISPLAY.sub("", answer.translate(_ZERO_WIDTH_AND_MINUS).strip()).strip().strip("$").strip()
     s = s.replace("\\$", "").replace("\\%", "%")
     s = _unbrace(s).lower().rstrip(".").strip()
     if m := _CHOICE.fullmatch(s):

@@ -212,6 +212,9 @@ def test_unbalanced_boxed_falls_back() -> None:
         ("\\[ 42 \\]", "42"),  # display and inline math delimiters
         ("\\(Paris\\)", "paris"),
         ("Pa\u200bris", "paris"),  # a zero-width space is not there
+        ("\u22125", "-5"),  # the Unicode minus sign is a minus (it was kept: "\u22125" != "-5")
+        ("\u22123.50", "-3.5"),
+        ("\uff0d7", "-7"),  # full-width
     ],
 )
 def test_normalize(raw: str, expected: str) -> None:
