@@ -142,8 +142,11 @@ def first_sentence(s: str) -> str:
 _FACTORIAL_NEXT = re.compile(r"\s+(?:[=+*/<>^-]|\\(?:times|cdot|div|neq?|le|ge)(?![A-Za-z]))")
 
 # a period after these does not end a sentence ("the answer is Mr. Smith"); "no." only before a
-# number ("No. 5"): "The answer is no. It cannot be done." states "no"
-_ABBREVIATIONS = frozenset("mr mrs ms dr st jr sr prof vs etc e.g i.e approx".split())
+# number ("No. 5"): "The answer is no. It cannot be done." states "no"; a mountain and ranks
+# too ("Mt. Everest" read "Mt"), but no unit ("5 ft. It is tall" ends at "5 ft")
+_ABBREVIATIONS = frozenset(
+    "mr mrs ms dr st jr sr prof vs etc e.g i.e approx mt gen gov sen rev capt lt col sgt".split()
+)
 _NUMBER_SIGN = frozenset(["no"])
 # an initialism (U.S, D.C) ends a sentence only before a word that starts one: "U.S. Grant" and
 # "U.S. dollars" go on, "Washington, D.C. It is the capital." ends at "D.C."

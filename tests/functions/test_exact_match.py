@@ -41,6 +41,9 @@ def traj_saying(*replies: str) -> Trajectory:
         ("The answer is 3.\nAnswer: 5", "5"),  # the last stated answer, whichever its form
         ("**Answer:** Paris", "Paris"),
         ("The answer is Mr. Smith. He was first.", "Mr. Smith"),  # not a sentence end
+        ("The answer is Mt. Everest. It is the highest.", "Mt. Everest"),  # it read "Mt"
+        ("The answer is Gen. Grant.", "Gen. Grant."),
+        ("The answer is Lt. Col. Smith.", "Lt. Col. Smith."),
         ("The answer is C. Because C is the only choice.", "C"),
         ("just 5", "just 5"),
         # markdown emphasis around the stated answer is not part of it
