@@ -70,8 +70,9 @@ rule read the answer: ``boxed``, ``answer_is``, ``last_math``, ``last_number``.
 
 Equivalence, cheapest first:
 
-1. **Fast path, in-process, no sympy.** Both answers are canonicalised (``$``, ``\[ \]``,
-   ``\left``/``\right``, spacing commands, unit words and a ``\text{}`` that holds only unit words
+1. **Fast path, in-process, no sympy.** Both answers are canonicalised (``$`` and the other currency
+   signs, ``\[ \]``, ``\left``/``\right``, spacing commands, unit words and a ``\text{}`` that
+   holds only unit words
    (any other ``\text{}`` says what it says: ``\text{not } 3`` is not 3, ``\text{ and }`` is
    a comma, and so is ``\text{ or }`` between values of one unknown: ``x = 2 \text{ or } x = 3``
    is the set ``2, 3``; unit words go only after a number with no variable beside it, so

@@ -172,8 +172,9 @@ _SIGNS = str.maketrans(
     | {"\u00d7": " \\times ", "\u22c5": " \\cdot ", "\u00f7": "/"}
     # pi, infinity and the square root sign are their commands (2\u03c0 was not 2\\pi)
     | {"\u03c0": "\\pi ", "\u221e": "\\infty ", "\u221a": "\\sqrt "}
-    # zero-width characters are not there (3\u200b is 3)
-    | dict.fromkeys("\u200b\u200c\u200d\u2060\ufeff", "")
+    # zero-width characters are not there (3\u200b is 3), nor a currency sign, as a dollar
+    # sign is not (the euro, pound, yen and rupee signs: \u20ac5 is 5)
+    | dict.fromkeys("\u200b\u200c\u200d\u2060\ufeff\u20ac\u00a3\u00a5\u20b9", "")
 )
 # a run of superscript digits is one exponent (10\u2076\u2074 is 10^{64}); a vulgar fraction is
 # its \frac (3\u00bd is 3\frac{1}{2}, which is 3.5, not 31/2)

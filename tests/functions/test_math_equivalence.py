@@ -451,6 +451,21 @@ def test_unicode_math_symbols_are_their_latex(pred, gt, same):
 @pytest.mark.parametrize(
     ("pred", "gt", "same"),
     [
+        ("\u20ac5", "5", True),
+        ("5\u20ac", "5", True),
+        ("\u00a31,200", "1200", True),
+        ("\u00a5300", "300", True),
+        ("-\u20ac5", "5", False),
+    ],
+)
+def test_a_currency_sign_is_dropped_as_the_dollar_is(pred, gt, same):
+    # "\\$5" was 5, but the euro, pound and yen signs were left in: unparsable, so not 5
+    assert is_equivalent(pred, gt)[0] is same
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt", "same"),
+    [
         ("(3,4)\\cup(1,2)", "(1,2)\\cup(3,4)", True),  # a union's parts are unordered
         ("(3,4]\\cup[1,2)", "[1,2)\\cup(3,4]", True),
         ("(3,4)\\cup[1,2)", "(1,2)\\cup(3,4)", False),  # but each part keeps its brackets
