@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,10 @@ TURN_FIELDS = ("prompt_ids", "token_ids", "logprobs")
 
 class TrainerError(CoreError):
     """Base class of the trainers' errors."""
+
+
+class NonFiniteGradient(TrainerError):
+    """An update's gradient norm was NaN or infinite: that update was not applied."""
 
 
 class UnknownTrainerError(TrainerError, KeyError):
@@ -123,6 +127,50 @@ def batch_advantages(batch: Sequence[TrainSample], *, eps: float = 1e-6, scale: 
     )
     by_traj = dict(zip(names, adv.tolist(), strict=True))
     return [s.advantage if s.advantage is not None else by_traj[k] for s, k in zip(batch, keys, strict=True)]
+
+
+def minibatch_updates(
+    update: Callable[[list[TrainSample], list[float]], dict[str, float] | None],
+    batch: Sequence[TrainSample],
+    advantages: list[float],
+    *,
+    size: int | None,
+    epochs: int,
+    shuffle: torch.Generator,
+) -> dict[str, float]:
+    """A step's updates (both backends' ``_step``): ``epochs`` passes over ``batch`` in
+    mini-batches of ``size`` (None: the whole batch), shuffled by ``shuffle``; the metrics
+    averaged over the updates made, with ``tokens`` and ``updates``. An update whose
+    gradient is not finite is not applied (``NonFiniteGradient``); one after others of the
+    step says that those were (the weights moved, the version did not)."""
+    size = size or len(batch)
+    tokens = sum(sum(s.token_mask) for s in batch)
+    if tokens == 0:  # every sample masked (infra failures): nothing to learn from
+        return {"tokens": 0.0, "updates": 0.0, "skipped": 1.0}
+    sums: dict[str, float] = {}
+    updates = 0
+    for _ in range(epochs):
+        order = torch.randperm(len(batch), generator=shuffle).tolist()
+        for start in range(0, len(order), size):
+            idx = order[start : start + size]
+            try:
+                stats = update([batch[i] for i in idx], [advantages[i] for i in idx])
+            except NonFiniteGradient as e:
+                if updates == 0:
+                    raise
+                # "update skipped" alone read as a step that changed nothing
+                raise NonFiniteGradient(
+                    f"{e}; the step's {updates} earlier mini-batch update(s) were applied, so "
+                    "the weights moved but the version did not: do not publish them"
+                ) from e
+            if stats is None:
+                continue
+            updates += 1
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v
+    metrics = {k: v / max(updates, 1) for k, v in sums.items()}
+    metrics.update(tokens=float(tokens), updates=float(updates))
+    return metrics
 
 
 def assistant_message(completion: Completion) -> Message:

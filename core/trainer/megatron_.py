@@ -71,10 +71,12 @@ from core.config_megatron import MegatronTrainerConfig as MegatronTrainerConfig
 from core.config_megatron import check_parallel_shape as check_parallel_shape
 from core.entropy_control import EntropyControl, entropy_target_problem
 from core.trainer.base import (
+    NonFiniteGradient,
     Trainer,
     TrainerError,
     TrainSample,
     load_module_training_state,
+    minibatch_updates,
     module_training_state,
 )
 from core.trainer.grpo import aggregate, kl_k3, policy_loss
@@ -381,24 +383,16 @@ class MegatronTrainer(Trainer):
                 "a step with pipeline_parallel_size > 1 needs megatron's pipeline schedule, "
                 "which this backend does not run yet; use tensor parallelism"
             )
-        size = cfg.mini_batch_size or len(batch)
-        tokens = sum(sum(s.token_mask) for s in batch)
-        if tokens == 0:  # every sample masked (infra failures): nothing to learn from
-            return {"tokens": 0.0, "updates": 0.0, "skipped": 1.0}
-        sums: dict[str, float] = {}
-        updates = 0
-        for _ in range(cfg.epochs):
-            order = torch.randperm(len(batch), generator=self._shuffle).tolist()
-            for start in range(0, len(order), size):
-                idx = order[start : start + size]
-                stats = self._update([batch[i] for i in idx], [advantages[i] for i in idx])
-                if stats is None:
-                    continue
-                updates += 1
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + v
-        metrics = {k: v / max(updates, 1) for k, v in sums.items()}
-        metrics.update(tokens=float(tokens), updates=float(updates), lr=self.lr)
+        metrics = minibatch_updates(
+            self._update,
+            batch,
+            advantages,
+            size=cfg.mini_batch_size,
+            epochs=cfg.epochs,
+            shuffle=self._shuffle,
+        )
+        if "skipped" not in metrics:
+            metrics["lr"] = self.lr
         return metrics
 
     def _update(self, samples: list[TrainSample], advantages: list[float]) -> dict[str, float] | None:
@@ -458,7 +452,7 @@ class MegatronTrainer(Trainer):
         if not math.isfinite(norm):
             # one bad batch must not poison the weights the engines will load
             self.optimizer.zero_grad(set_to_none=True)
-            raise TrainerError(f"non-finite gradient norm ({norm}); update skipped")
+            raise NonFiniteGradient(f"non-finite gradient norm ({norm}); update skipped")
         self.optimizer.step()
         out["grad_norm"] = norm
         return out

@@ -10,6 +10,7 @@ from core.policy.tokenizer import WordTokenizer
 from core.rollout.engines.base import Completion, GenerateRequest
 from core.rollout.engines.torch_ import TorchEngine, TorchEngineConfig
 from core.trainer.base import (
+    NonFiniteGradient,
     TrainerError,
     TrainerRegistry,
     TrainSample,
@@ -448,3 +449,57 @@ def test_only_the_positions_that_can_score_a_reply_token_are_scored(monkeypatch)
     # inputs of 7 and 6 tokens (width 7); the first trained position is the shorter prompt's
     # last (column 4): columns 4-6
     assert widths == [3]
+
+
+def test_a_non_finite_gradient_after_other_mini_batches_says_their_updates_were_applied():
+    # "update skipped" alone read as a step that changed nothing, but the step's earlier
+    # mini-batches had moved the weights (and Adam's moments) with the version unchanged
+    m = model()
+    t = TorchTrainer(m, TorchTrainerConfig(lr=1e-2, mini_batch_size=1, scale_advantages=False))
+    batch = [sample(m, [1, 2], [3], a) for a in (1.0, -1.0, 0.5)]
+    real = t._update
+    calls = 0
+
+    def second_fails(samples, advantages):
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            for p in m.parameters():  # what a NaN loss leaves: the norm check then refuses it
+                p.grad = torch.full_like(p, math.nan)
+            raise NonFiniteGradient("non-finite gradient norm (nan); update skipped")
+        return real(samples, advantages)
+
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    t._update = second_fails  # type: ignore[method-assign]
+    with pytest.raises(NonFiniteGradient, match="1 earlier mini-batch update") as e:
+        t.step(batch)
+    assert isinstance(e.value, TrainerError) and "do not publish" in str(e.value)
+    assert t.version == 0
+    assert any(not torch.equal(before[k], v) for k, v in m.state_dict().items())  # as it says
+
+    # the first update's failure is that update's alone: nothing was applied
+    t2 = TorchTrainer(model(), TorchTrainerConfig(lr=1e-2, mini_batch_size=1))
+    t2._update = lambda s, a: (_ for _ in ()).throw(
+        NonFiniteGradient("non-finite gradient norm (inf); update skipped")
+    )  # type: ignore[method-assign]
+    with pytest.raises(NonFiniteGradient) as e2:
+        t2.step(batch)
+    assert "earlier" not in str(e2.value)
+
+
+def test_minibatch_updates_averages_the_updates_made_and_counts_them():
+    from core.trainer.base import minibatch_updates
+
+    m = model()
+    batch = [sample(m, [1, 2], [3], a) for a in (1.0, -1.0, 0.5, 0.0, 2.0)]
+    seen: list[int] = []
+
+    def update(samples, advantages):
+        seen.append(len(samples))
+        return None if len(samples) == 1 else {"loss": float(len(samples))}
+
+    out = minibatch_updates(
+        update, batch, [1.0] * 5, size=2, epochs=2, shuffle=torch.Generator().manual_seed(0)
+    )
+    assert seen == [2, 2, 1, 2, 2, 1]  # the last mini-batch of each pass is the remainder
+    assert out == {"loss": 2.0, "tokens": 5.0, "updates": 4.0}
