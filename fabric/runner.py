@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import inspect
+import json
 import signal
 import threading
 import time
@@ -134,6 +135,17 @@ def _may_be_ctrl_c(e: BaseException) -> bool:
     return signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, signal.SIG_DFL, None)
 
 
+def _decode(raw: bytes) -> Any:
+    """A value the runner encoded (``_encode``). The encoder writes values nested up to
+    about 280 deep, pydantic-core's parser refuses past about 200 levels: Python's takes
+    them (about a thousand). A raise here, in the local pool's socket protocol, left the
+    call unanswered and tore its worker down."""
+    try:
+        return pydantic_core.from_json(raw)
+    except ValueError:
+        return json.loads(raw)
+
+
 def outcome_to_result(
     inv: Invocation,
     ok: bool,
@@ -150,7 +162,7 @@ def outcome_to_result(
     the execution began, where the outcome's type does not say (``Result.built``);
     ``version``: that of the spec whose code gave the outcome (``Result.version``)."""
     timings = Timings.fast(queue_ms=queue_ms, exec_ms=exec_ms, total_ms=0.0)
-    value, error = (pydantic_core.from_json(out), None) if ok else (None, ErrorInfo.of(*out))
+    value, error = (_decode(out), None) if ok else (None, ErrorInfo.of(*out))
     return Result.built(
         ok,
         function=inv.function,

@@ -307,3 +307,22 @@ async def test_a_failed_spawn_does_not_wedge_the_pool(monkeypatch):
             await asyncio.sleep(0.2)
             r = await asyncio.wait_for(c.call("pid", {}), 10)
         assert r.ok and calls["n"] >= 2
+
+
+async def test_a_value_nested_past_the_strict_parsers_limit_is_answered():
+    """The worker encodes a value nested up to about 280 deep; pydantic-core's parser refuses
+    JSON past about 200 levels. The parent's decode raised out of its socket's protocol: the
+    call was never answered (it waited for its deadline) and its worker was torn down."""
+    from reply_fns import REG
+
+    from fabric.backends.base import LocalConfig
+    from fabric.client import Client
+
+    async with Client(backend=LocalConfig(), registry=REG) as c:
+        r = await c.call("nested", {"depth": 250}, deadline_s=10)
+        assert r.ok, r.error
+        value, depth = r.value, 0
+        while isinstance(value, list):
+            value, depth = value[0], depth + 1
+        assert (depth, value) == (250, 1)
+        assert c.backend.stats()["nested"]["lost"] == 0
