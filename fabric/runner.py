@@ -115,10 +115,16 @@ def format_validation_error(spec: FunctionSpec, e: ValidationError) -> str:
 
 
 def _user_error(e: BaseException) -> tuple[str, str, str | None]:
+    try:
+        text = str(e)
+    except Exception:
+        # an exception whose str() raises is still the function's raise: that raise, out of
+        # here, ended a worker (WorkerLost, retried), left an async call unanswered until its
+        # worker was killed, and made the inproc backend's a TransportError
+        text = "<exception str() failed>"  # as traceback writes it
     if isinstance(e, Unavailable):
-        return (ErrorCode.UNAVAILABLE, str(e), None)
+        return (ErrorCode.UNAVAILABLE, text, None)
     frames = "".join(tb_mod.format_exception(type(e), e, e.__traceback__, limit=-_TB_FRAMES))[-4000:]
-    text = str(e)
     if isinstance(e, Misconfigured):
         # the function's setup, not its input: a code of its own, so a reward's failure_score
         # (which scores a UserError as the response's fault) never scores it

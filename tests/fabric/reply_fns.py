@@ -15,3 +15,20 @@ def nested(depth: int) -> object:
     for _ in range(depth):
         value = [value]
     return value
+
+
+class Unprintable(Exception):
+    """An exception whose ``str()`` raises (a C extension's, one formatting its args lazily)."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("cannot format this error")
+
+
+@REG.function(warm=0, timeout_s=2, retry={"max_attempts": 1})
+def raises_unprintable() -> None:
+    raise Unprintable()
+
+
+@REG.function(warm=0, timeout_s=2, retry={"max_attempts": 1})
+async def async_raises_unprintable() -> None:
+    raise Unprintable()

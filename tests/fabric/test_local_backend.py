@@ -326,3 +326,22 @@ async def test_a_value_nested_past_the_strict_parsers_limit_is_answered():
             value, depth = value[0], depth + 1
         assert (depth, value) == (250, 1)
         assert c.backend.stats()["nested"]["lost"] == 0
+
+
+@pytest.mark.parametrize("name", ["raises_unprintable", "async_raises_unprintable"])
+async def test_an_exception_whose_str_raises_is_the_functions_user_error(name):
+    """Formatting the handler's raise raised in the worker: a synchronous call came back
+    WorkerLost (its worker ended; retried, and a side effect's key kept OutcomeUnknown), an
+    async one was never answered until its worker was killed for the timeout."""
+    from reply_fns import REG
+
+    from fabric.backends.base import LocalConfig
+    from fabric.client import Client
+
+    async with Client(backend=LocalConfig(), registry=REG) as c:
+        r = await c.call(name, {}, deadline_s=10)
+        assert r.error is not None and r.error.type == ErrorCode.USER_ERROR, r.error
+        assert r.error.message == "Unprintable: <exception str() failed>"
+        assert "Unprintable" in (r.error.traceback or "")
+        stats = c.backend.stats()[name]
+        assert (stats["lost"], stats["timeouts"]) == (0, 0)
