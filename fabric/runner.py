@@ -211,6 +211,10 @@ class FunctionRunner:
             self.ctx = self._setup_fn()
 
     def _kwargs(self, raw: bytes) -> dict[str, Any]:
+        """The call's arguments. A validator of the function's own (an ``AfterValidator``, a
+        model's) that raises anything but ``ValueError`` or ``AssertionError`` raises through
+        pydantic as it is: the function's code raised, a ``UserError`` to its callers (out of
+        here it ended a worker, WorkerLost, or left an async call unanswered)."""
         kwargs = self._adapter.validate_json(raw)
         if self.wants_ctx:
             kwargs[CTX_PARAM] = self.ctx
@@ -255,6 +259,10 @@ class FunctionRunner:
             kwargs = self._kwargs(raw)
         except ValidationError as e:
             return (False, (ErrorCode.INVALID_ARGUMENTS, self._bad_arguments(raw, e), None))
+        except BaseException as e:  # an argument's own check raised (see _kwargs)
+            if _may_be_ctrl_c(e):
+                raise
+            return (False, _user_error(e))
         token = _RUN_TIMER.set(None if ends_at is None else lambda: ends_at - time.monotonic())
         try:
             value = self.fn(**kwargs)
@@ -297,6 +305,10 @@ class FunctionRunner:
             kwargs = self._kwargs(raw)
         except ValidationError as e:
             return (False, (ErrorCode.INVALID_ARGUMENTS, self._bad_arguments(raw, e), None))
+        except BaseException as e:  # an argument's own check raised (see _kwargs)
+            if _may_be_ctrl_c(e):
+                raise
+            return (False, _user_error(e))
         loop = asyncio.get_running_loop()
         started = loop.time()
         timer = asyncio.timeout(timeout_s)

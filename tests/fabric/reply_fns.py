@@ -3,6 +3,10 @@ backend's workers import them)."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
+from pydantic import AfterValidator
+
 from fabric.registry import Registry
 
 REG = Registry()
@@ -32,3 +36,21 @@ def raises_unprintable() -> None:
 @REG.function(warm=0, timeout_s=2, retry={"max_attempts": 1})
 async def async_raises_unprintable() -> None:
     raise Unprintable()
+
+
+def _checked(value: int) -> int:
+    """An argument's own check that raises something other than ValueError (pydantic turns
+    only ValueError and AssertionError into a ValidationError; the rest go through)."""
+    if value < 0:
+        raise LookupError(f"no entry for {value}")
+    return value
+
+
+@REG.function(warm=0, timeout_s=2, retry={"max_attempts": 1})
+def checked(n: Annotated[int, AfterValidator(_checked)]) -> int:
+    return n
+
+
+@REG.function(warm=0, timeout_s=2, retry={"max_attempts": 1})
+async def async_checked(n: Annotated[int, AfterValidator(_checked)]) -> int:
+    return n

@@ -345,3 +345,23 @@ async def test_an_exception_whose_str_raises_is_the_functions_user_error(name):
         assert "Unprintable" in (r.error.traceback or "")
         stats = c.backend.stats()[name]
         assert (stats["lost"], stats["timeouts"]) == (0, 0)
+
+
+@pytest.mark.parametrize("name", ["checked", "async_checked"])
+async def test_an_arguments_own_check_raising_past_pydantic_is_the_functions_user_error(name):
+    """pydantic makes a ValidationError of a validator's ValueError or AssertionError only;
+    any other raise (a lookup in a check) went through the worker's argument check: a
+    synchronous call came back WorkerLost (its worker ended), an async one was never answered
+    until its worker was killed for the timeout."""
+    from reply_fns import REG
+
+    from fabric.backends.base import LocalConfig
+    from fabric.client import Client
+
+    async with Client(backend=LocalConfig(), registry=REG) as c:
+        r = await c.call(name, {"n": -1}, deadline_s=10)
+        assert r.error is not None and r.error.type == ErrorCode.USER_ERROR, r.error
+        assert r.error.message == "LookupError: no entry for -1"
+        assert (await c.call(name, {"n": 3}, deadline_s=10)).value == 3  # the same worker serves on
+        stats = c.backend.stats()[name]
+        assert (stats["lost"], stats["timeouts"], stats["spawned"]) == (0, 0, 1)
