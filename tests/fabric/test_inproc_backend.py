@@ -106,3 +106,27 @@ async def test_a_deadline_says_whether_the_call_had_begun():
     assert queued.error.type == ErrorCode.DEADLINE_EXCEEDED and queued.started is False, queued.error
     assert "did not start" in queued.error.message
     assert late.error.type == ErrorCode.DEADLINE_EXCEEDED and late.started is False
+
+
+@pytest.mark.parametrize(
+    ("name", "payload", "message"),
+    [
+        ("raises_unprintable", {}, "Unprintable: <exception str() failed>"),
+        ("async_raises_unprintable", {}, "Unprintable: <exception str() failed>"),
+        ("checked", {"n": -1}, "LookupError: no entry for -1"),
+        ("async_checked", {"n": -1}, "LookupError: no entry for -1"),
+        ("nested", {"depth": 250}, None),
+    ],
+)
+async def test_the_functions_own_raises_and_deep_values_are_its_answers(name, payload, message):
+    """What the runner shares with the local backend's workers: a raise whose str() raises and
+    an argument check raising past pydantic were a retryable TransportError here (the runner
+    raised them), a value nested past pydantic-core's parse limit too."""
+    from reply_fns import REG
+
+    async with InprocBackend(REG) as backend:
+        r = await backend.invoke(Invocation(function=name, payload=payload))
+        if message is None:
+            assert r.ok and r.error is None
+        else:
+            assert r.error is not None and (r.error.type, r.error.message) == (ErrorCode.USER_ERROR, message)
