@@ -168,7 +168,21 @@ def outcome_to_result(
     the execution began, where the outcome's type does not say (``Result.built``);
     ``version``: that of the spec whose code gave the outcome (``Result.version``)."""
     timings = Timings.fast(queue_ms=queue_ms, exec_ms=exec_ms, total_ms=0.0)
-    value, error = (_decode(out), None) if ok else (None, ErrorInfo.of(*out))
+    value, error = None, None
+    if not ok:
+        error = ErrorInfo.of(*out)
+    else:
+        try:
+            value = _decode(out)
+        except ValueError as e:
+            # the encoder writes an int of any length, both parsers refuse one past 4,300
+            # digits (a guard against quadratic int parsing): the function's result, which a
+            # raise here (the local pool's socket protocol) left unanswered, its worker torn down
+            ok, started = False, True
+            error = ErrorInfo.of(
+                ErrorCode.RESULT_NOT_SERIALIZABLE,
+                f"{inv.function} returned a value that cannot be read back as JSON: {e}",
+            )
     return Result.built(
         ok,
         function=inv.function,

@@ -54,3 +54,9 @@ def checked(n: Annotated[int, AfterValidator(_checked)]) -> int:
 @REG.function(warm=0, timeout_s=2, retry={"max_attempts": 1})
 async def async_checked(n: Annotated[int, AfterValidator(_checked)]) -> int:
     return n
+
+
+@REG.function(warm=0, timeout_s=10, retry={"max_attempts": 1})
+def power_of_ten(digits: int) -> int:
+    """10 to the ``digits``: an int of ``digits + 1`` digits (a factorial, a big power)."""
+    return 10**digits

@@ -365,3 +365,22 @@ async def test_an_arguments_own_check_raising_past_pydantic_is_the_functions_use
         assert (await c.call(name, {"n": 3}, deadline_s=10)).value == 3  # the same worker serves on
         stats = c.backend.stats()[name]
         assert (stats["lost"], stats["timeouts"], stats["spawned"]) == (0, 0, 1)
+
+
+async def test_an_int_past_the_parsers_digit_limit_is_answered():
+    """The encoder writes an int of any length; both parsers refuse one past 4,300 digits
+    (pydantic-core "number out of range", Python's int-conversion limit). The parent's decode
+    raised out of its socket's protocol: the call was never answered (it waited for its
+    deadline) and its worker was torn down."""
+    from reply_fns import REG
+
+    from fabric.backends.base import LocalConfig
+    from fabric.client import Client
+
+    async with Client(backend=LocalConfig(), registry=REG) as c:
+        r = await c.call("power_of_ten", {"digits": 5000}, deadline_s=10)
+        assert r.error is not None and r.error.type == ErrorCode.RESULT_NOT_SERIALIZABLE, r.error
+        assert "digits" in r.error.message
+        assert (await c.call("power_of_ten", {"digits": 3}, deadline_s=10)).value == 1000
+        stats = c.backend.stats()["power_of_ten"]
+        assert (stats["lost"], stats["timeouts"], stats["spawned"]) == (0, 0, 1)
