@@ -132,7 +132,11 @@ def first_sentence(s: str) -> str:
                 j = i  # the word before the period; the scan stops at the space after the last one
                 while j > 0 and not s[j - 1].isspace():
                     j -= 1
-                if c == "!" or not _abbreviation(s[j:i].lstrip("*_"), s, k + 1):
+                b = j  # the character before that word (a slice of s here was quadratic)
+                while b > 0 and s[b - 1].isspace():
+                    b -= 1
+                after_number = b > 0 and s[b - 1].isdigit()
+                if c == "!" or not _abbreviation(s[j:i].lstrip("*_"), s, k + 1, after_number):
                     return s[:i].rstrip()
         i += 1
     return s
@@ -144,9 +148,10 @@ _FACTORIAL_NEXT = re.compile(r"\s+(?:[=+*/<>^-]|\\(?:times|cdot|div|neq?|le|ge)(
 # a period after these does not end a sentence ("the answer is Mr. Smith"); "no." only before a
 # number ("No. 5"): "The answer is no. It cannot be done." states "no"; a mountain and ranks
 # too ("Mt. Everest" read "Mt"), but no unit ("5 ft. It is tall" ends at "5 ft")
-_ABBREVIATIONS = frozenset(
-    "mr mrs ms dr st jr sr prof vs etc e.g i.e approx mt gen gov sen rev capt lt col sgt".split()
-)
+_ABBREVIATIONS = frozenset("mr mrs ms dr st jr sr prof vs etc e.g i.e approx".split())
+# a title comes before a name, never after a number: there the same letters are a unit
+# ("120 rev. That is 2 per second." ends at "120 rev", as "5 mt." and "2 lt." do)
+_TITLES = frozenset("mt gen gov sen rev capt lt col sgt".split())
 _NUMBER_SIGN = frozenset(["no"])
 # an initialism (U.S, D.C) ends a sentence only before a word that starts one: "U.S. Grant" and
 # "U.S. dollars" go on, "Washington, D.C. It is the capital." ends at "D.C."
@@ -158,10 +163,11 @@ _STARTERS = frozenset(
 _NEXT_WORD = re.compile(r"[\s*_]*([\w$\\]*)")
 
 
-def _abbreviation(word: str, s: str, after: int) -> bool:
-    """Whether the period after ``word`` is an abbreviation's; ``s[after:]`` follows the space."""
+def _abbreviation(word: str, s: str, after: int, after_number: bool = False) -> bool:
+    """Whether the period after ``word`` is an abbreviation's; ``s[after:]`` follows the space,
+    ``after_number``: a number comes just before ``word``."""
     low = word.lower()
-    if low in _ABBREVIATIONS:
+    if low in _ABBREVIATIONS or (low in _TITLES and not after_number):
         return True
     nxt = _NEXT_WORD.match(s, after)
     following = nxt[1] if nxt else ""

@@ -44,6 +44,9 @@ def traj_saying(*replies: str) -> Trajectory:
         ("The answer is Mt. Everest. It is the highest.", "Mt. Everest"),  # it read "Mt"
         ("The answer is Gen. Grant.", "Gen. Grant."),
         ("The answer is Lt. Col. Smith.", "Lt. Col. Smith."),
+        # after a number the same letters are a unit: the period ends the answer
+        ("The answer is 120 rev. That is 2 per second.", "120 rev"),
+        ("The answer is 5 mt. Then 7 more.", "5 mt"),
         ("The answer is C. Because C is the only choice.", "C"),
         ("just 5", "just 5"),
         # markdown emphasis around the stated answer is not part of it
