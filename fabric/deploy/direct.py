@@ -196,7 +196,7 @@ def _updated(found: dict[str, str], own: dict[str, str]) -> dict[str, str]:
 def _one(
     lam: Any, fn: DeployedFunction, code: bytes, role: str, cfg: DirectConfig, say: Callable[[str], None]
 ) -> Deployed:
-    from botocore.exceptions import BotoCoreError, ClientError
+    from botocore.exceptions import BotoCoreError, ClientError, WaiterError
 
     name = fn.deployed_name
     settings: dict[str, Any] = {
@@ -235,10 +235,18 @@ def _one(
         # a deploy stopped (or whose wait ran out) mid-create or mid-update left it Pending or
         # InProgress: Lambda refuses another update until that one is done (this deploy, which
         # is to finish it, failed with ResourceConflictException)
-        if current.get("State") == "Pending":
-            lam.get_waiter("function_active_v2").wait(FunctionName=name)
-        elif current.get("LastUpdateStatus") == "InProgress":
-            lam.get_waiter("function_updated_v2").wait(FunctionName=name)
+        pending = "function_active_v2" if current.get("State") == "Pending" else None
+        if pending is None and current.get("LastUpdateStatus") == "InProgress":
+            pending = "function_updated_v2"
+        if pending is not None:
+            try:
+                lam.get_waiter(pending).wait(FunctionName=name)
+            except WaiterError as e:
+                # that change failed (botocore's terminal state): nothing is in progress, and
+                # this deploy is the one to replace it (raising here refused it)
+                ended = (e.last_response or {}).get("Configuration") or {}
+                if "Failed" not in (ended.get("State"), ended.get("LastUpdateStatus")):
+                    raise
         lam.update_function_code(FunctionName=name, ZipFile=code, Architectures=[cfg.architecture])
         try:
             lam.get_waiter("function_updated_v2").wait(FunctionName=name)

@@ -354,6 +354,51 @@ def test_a_redeploy_after_one_that_stopped_mid_update_waits_for_it(left):
     assert done.version == "2" and not done.created
 
 
+@pytest.mark.parametrize(
+    "left, ended",
+    [
+        ({"State": "Pending"}, {"State": "Failed"}),
+        (
+            {"State": "Active", "LastUpdateStatus": "InProgress"},
+            {"State": "Active", "LastUpdateStatus": "Failed"},
+        ),
+    ],
+    ids=["create", "update"],
+)
+def test_a_redeploy_after_one_whose_change_then_failed_replaces_it(left, ended):
+    """The earlier deploy's create or update, still in progress, then failed (a bad setting):
+    the wait for it met botocore's terminal failure state and this deploy, the one that is
+    to replace that change, raised WaiterError. A failed change holds nothing up."""
+    import boto3
+    from botocore.stub import Stubber
+
+    from fabric.deploy.direct import _one
+
+    lam = boto3.client("lambda", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    fn = plan_functions(REG, ["add"], prefix="rl-", warm=0)[0]
+    ready = {"Configuration": {"State": "Active", "LastUpdateStatus": "Successful"}}
+    with Stubber(lam) as stub:
+        stub.add_response("get_function", {"Configuration": {"FunctionName": "rl-add", **left}})
+        stub.add_response("get_function", {"Configuration": ended})  # the wait for that change
+        stub.add_response("update_function_code", {"FunctionName": "rl-add"})
+        stub.add_response("get_function", ready)
+        stub.add_response("update_function_configuration", {"FunctionName": "rl-add"})
+        stub.add_response("get_function", ready)
+        stub.add_response("publish_version", {"Version": "2"})
+        stub.add_response(
+            "update_alias", {"AliasArn": "arn:aws:lambda:us-east-1:123456789012:function:rl-add:live"}
+        )
+        stub.add_response("delete_function_concurrency", {}, {"FunctionName": "rl-add"})
+        stub.add_client_error(
+            "delete_provisioned_concurrency_config", "ResourceNotFoundException", http_status_code=404
+        )
+        done = _one(
+            lam, fn, b"zip", "arn:aws:iam::123456789012:role/r", DirectConfig(region="us-east-1"), print
+        )
+        stub.assert_no_pending_responses()
+    assert done.version == "2" and not done.created
+
+
 def test_a_redeploy_that_updates_the_code_but_not_the_configuration_says_so():
     """The code went up, then the configuration update was refused (or its wait ran out):
     the error was botocore's alone ("deploy failed: ... UpdateFunctionConfiguration ..."),
