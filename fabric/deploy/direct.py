@@ -250,10 +250,23 @@ def _one(
         lam.update_function_code(FunctionName=name, ZipFile=code, Architectures=[cfg.architecture])
         try:
             lam.get_waiter("function_updated_v2").wait(FunctionName=name)
+        except WaiterError as e:
+            # the code update itself failed, or is not done: "its code is updated" said
+            # neither (a failed one leaves the function its earlier code)
+            ended = (e.last_response or {}).get("Configuration") or {}
+            if ended.get("LastUpdateStatus") == "Failed":
+                what = f"its code update failed: {ended.get('LastUpdateStatusReason') or e}"
+            else:
+                what = f"its code update did not finish: {e}"
+            raise DeployError(
+                f"{name}: {what}; the {ALIAS!r} alias still serves its earlier version: deploy again"
+            ) from None
+        try:
             lam.update_function_configuration(FunctionName=name, **settings)
             lam.get_waiter("function_updated_v2").wait(FunctionName=name)
         except (ClientError, BotoCoreError) as e:
-            # half updated: botocore's words alone named neither the function nor that
+            # half updated: botocore's words alone named neither the function nor that its
+            # code is new and its settings old
             hint = concurrency_limit_hint(str(e))
             raise DeployError(
                 f"{name}: its code is updated but not its configuration: {e}"

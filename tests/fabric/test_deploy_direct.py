@@ -424,3 +424,32 @@ def test_a_redeploy_that_updates_the_code_but_not_the_configuration_says_so():
     text = str(info.value)
     assert "rl-add" in text and "code is updated" in text and "Environment too large" in text
     assert "'live'" in text and "deploy again" in text
+
+
+def test_a_redeploy_whose_code_update_fails_does_not_say_the_code_is_updated():
+    """Lambda took the new code, then its update failed (LastUpdateStatus Failed: a zip
+    that does not unpack, a layer gone): the function keeps its earlier code. The error said
+    "its code is updated but not its configuration", which sends one looking at the settings."""
+    import boto3
+    from botocore.stub import Stubber
+
+    from fabric.deploy.direct import _one
+
+    lam = boto3.client("lambda", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    fn = plan_functions(REG, ["add"], prefix="rl-", warm=0)[0]
+    failed = {
+        "Configuration": {
+            "State": "Active",
+            "LastUpdateStatus": "Failed",
+            "LastUpdateStatusReason": "Unzipped size must be smaller than 262144000 bytes",
+        }
+    }
+    with Stubber(lam) as stub:
+        stub.add_response("get_function", {"Configuration": {"FunctionName": "rl-add", "State": "Active"}})
+        stub.add_response("update_function_code", {"FunctionName": "rl-add"})
+        stub.add_response("get_function", failed)
+        with pytest.raises(DeployError) as info:
+            _one(lam, fn, b"zip", "arn:aws:iam::123456789012:role/r", DirectConfig(region="us-east-1"), print)
+    text = str(info.value)
+    assert "rl-add" in text and "code is updated" not in text
+    assert "code update failed" in text and "'live'" in text
