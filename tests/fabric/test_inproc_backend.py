@@ -130,3 +130,14 @@ async def test_the_functions_own_raises_and_deep_values_are_its_answers(name, pa
             assert r.ok and r.error is None
         else:
             assert r.error is not None and (r.error.type, r.error.message) == (ErrorCode.USER_ERROR, message)
+
+
+async def test_an_int_past_the_parsers_digit_limit_is_the_functions_answer():
+    """An int of more than 4,300 digits: the runner writes it, neither parser reads it back;
+    the decode raised out of the backend (a retryable TransportError to a client)."""
+    from reply_fns import REG
+
+    async with InprocBackend(REG) as backend:
+        r = await backend.invoke(Invocation(function="power_of_ten", payload={"digits": 5000}))
+    assert r.error is not None and r.error.type == ErrorCode.RESULT_NOT_SERIALIZABLE, r.error
+    assert r.started is True and "power_of_ten" in r.error.message
