@@ -84,10 +84,19 @@ TransportOpt = Annotated[
 def load_registry(modules: list[str] | None) -> Registry:
     search_cwd()
     reg = Registry()
-    targets = ["functions", *(modules or [])]
-    targets += [m for m in os.environ.get("FABRIC_MODULES", "").split(",") if m.strip()]
+    yours = [*(modules or [])]
+    yours += [m for m in os.environ.get("FABRIC_MODULES", "").split(",") if m.strip()]
     with prints_to_stderr():  # a module's import-time print would come before --json's answer
-        reg.discover(*targets)
+        reg.discover("functions")
+        for target in yours:
+            # one of no functions (their decorator forgotten) was silent: ls listed the
+            # built-ins, invoke answered "unknown function"
+            if not reg.discover(target):
+                err.print(
+                    f"[yellow]warning:[/] {escape(repr(target))} defines no fabric function: decorate "
+                    "yours with @fabric.reward, @fabric.tool or @fabric.function",
+                    soft_wrap=True,
+                )
     return reg
 
 

@@ -89,6 +89,20 @@ def test_a_module_in_the_current_directory_is_found(tmp_path, monkeypatch):
         sys.modules.pop("cli_cwd_rewards", None)
 
 
+def test_a_module_of_no_functions_is_said(tmp_path):
+    """``-m my.py`` whose function lacks its decorator: ``ls`` listed the built-ins alone and
+    ``invoke``/``bench`` answered "unknown function", with no word that the module gave none."""
+    mine = tmp_path / "undecorated_fns.py"
+    mine.write_text("def my_reward(traj: str) -> float:\n    return 1.0\n")
+    r = runner.invoke(app, ["ls", "--json", "-m", str(mine)])
+    assert r.exit_code == 0, r.output
+    assert "exact_match" in {s["name"] for s in json.loads(r.stdout)}  # stdout stays JSON
+    assert f"warning: {str(mine)!r} defines no fabric function" in r.stderr
+    assert "@fabric.reward" in r.stderr
+    r = runner.invoke(app, ["ls", "--json", "-m", "sample_fns"])
+    assert r.exit_code == 0 and "warning" not in r.stderr
+
+
 CHATTY = """
 import fabric
 from fabric.registry import Registry
