@@ -63,8 +63,16 @@ def ls_cmd(modules: ModulesOpt = None, as_json: JsonOpt = False) -> None:
         try:
             with prints_to_stderr():  # an import-time print would come before --json's answer
                 import_module_or_file(m)
-        except Exception as e:  # the user's module may raise anything at import
-            why = f"cannot import {m!r}: {type(e).__name__}: {e}"
+        except (Exception, SystemExit) as e:  # the user's module may raise anything at import
+            # a script's sys.exit outside its `if __name__ == "__main__":` ended the command
+            # with that code and no word of why
+            what = (
+                f"it called sys.exit({e.code!r}) as it was imported; a script's exit belongs under "
+                "`if __name__ == '__main__':`"
+                if isinstance(e, SystemExit)
+                else f"{type(e).__name__}: {e}"
+            )
+            why = f"cannot import {m!r}: {what}"
             err.print(f"[bold red]error:[/] {escape(why)}", soft_wrap=True)
             raise typer.Exit(2) from None
     specs = [default_registry.spec(i) for i in default_registry.ids()]

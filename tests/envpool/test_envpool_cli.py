@@ -35,6 +35,16 @@ def test_ls_with_a_bad_module_is_a_clear_error():
     assert r.exit_code == 2 and "no_such_module_xyz" in r.output
 
 
+def test_ls_with_a_module_that_exits_at_import_is_a_clear_error(tmp_path):
+    """A script's sys.exit(3) outside its ``if __name__ == "__main__":`` ended ``envpool ls``
+    with exit 3 and no word of why (``fabric ls`` names it)."""
+    script = tmp_path / "exits_at_import.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    r = runner.invoke(app, ["ls", "-m", str(script)])
+    assert r.exit_code == 2, r.output
+    assert f"cannot import {str(script)!r}: it called sys.exit(3) as it was imported" in r.stderr
+
+
 def test_ls_finds_a_module_in_the_current_directory_and_a_file(tmp_path, monkeypatch):
     """`envpool ls -m guess_env` next to guess_env.py: the installed `envpool` script has
     no current directory on sys.path (`python -m envpool.cli` has), and the import failed
