@@ -118,6 +118,10 @@ LOAD_YOURS = (
 )
 
 
+#: A JSON option's value nested past what Python's parser takes (``[[[...`` 1000 deep)
+TOO_DEEP = "{} nested too deeply: Python parses JSON arrays and objects up to about 1000 levels"
+
+
 def no_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not JSON (payloads are strict JSON)")
 
@@ -126,6 +130,8 @@ def payload_arg(text: str) -> dict[str, Any]:
     """``--payload``: a JSON object of keyword arguments; an error names the option."""
     try:
         args = json.loads(text, parse_constant=no_constant)
+    except RecursionError:  # the parser's, past Python's limit: it was a traceback
+        fail(TOO_DEEP.format("--payload is"))
     except ValueError as e:  # JSONDecodeError, or NaN/Infinity
         fail(f"--payload is not valid JSON: {e}")
     # Python's parser takes a lone surrogate ("\\ud800", or an argument's undecodable

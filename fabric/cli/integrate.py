@@ -11,6 +11,7 @@ import typer
 
 from fabric.cli._app import (
     SERVE_EXTRA,
+    TOO_DEEP,
     DrainOpt,
     ModulesOpt,
     app,
@@ -40,6 +41,8 @@ def _pairs(items: list[str] | None, option: str, *, as_json: bool) -> dict[str, 
         if as_json:
             try:
                 out[key] = json.loads(value, parse_constant=no_constant)
+            except RecursionError:
+                fail(TOO_DEEP.format(f"{option} {key}: the value is"))
             except ValueError as e:
                 fail(f"{option} {key}: the value is not JSON ({e}); quote text as JSON: '{key}=\"text\"'")
         else:

@@ -184,6 +184,13 @@ def test_invoke_prints_the_result():
         (["invoke", "exact_match", "--payload", "{not json"], 2, "--payload is not valid JSON"),
         (["invoke", "exact_match", "--payload", '{"traj": NaN}'], 2, "NaN is not JSON"),
         (["invoke", "exact_match", "--payload", "[1]"], 2, "JSON object"),
+        # past Python's recursion limit: the parser's RecursionError was a traceback, exit 1
+        (["invoke", "exact_match", "--payload", "[" * 100_000], 2, "--payload is nested too deeply"),
+        (
+            ["integrate", "openrlhf-serve", "-f", "exact_match", "--constant", "x=" + "[" * 100_000],
+            2,
+            "--constant x: the value is nested too deeply",
+        ),
         (["invoke", "exact_match", "--payload", '{"traj": "x"}'], 2, "missing 'ground_truth'"),
         (["invoke", "add", "-m", "sample_fns", "--payload", '{"a": "x"}', "--backend", "inproc"], 2, "a:"),
         (
