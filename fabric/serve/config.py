@@ -43,6 +43,8 @@ __all__ = ["TOKEN_ENV", "ServeConfig", "TenantConfig", "load_tenants", "new_toke
 MAX_EVENT_BYTES = 1024 * 1024
 #: A token shorter than this is refused: it would be guessable.
 MIN_TOKEN_CHARS = 16
+#: Why a tenants or token file that does not decode could not be read
+NOT_UTF8 = "not UTF-8 text (save it as UTF-8)"
 #: The tenant label of the requests no tenant is known for (no token, a wrong one): a tenant
 #: of this name would see them as its own, and its own would be lost among them.
 UNAUTHENTICATED = "-"
@@ -118,6 +120,8 @@ class TenantConfig(_Model):
                 value = self.token_file.read_text().strip()
             except OSError as e:
                 raise ConfigError(f"cannot read token_file {str(self.token_file)!r}: {e.strerror}") from None
+            except UnicodeDecodeError:  # a binary, or UTF-16 from an editor: was a traceback
+                raise ConfigError(f"cannot read token_file {str(self.token_file)!r}: {NOT_UTF8}") from None
         if len(value) < MIN_TOKEN_CHARS:
             raise ConfigError(
                 f"a token must have at least {MIN_TOKEN_CHARS} characters; make one with "
@@ -240,8 +244,12 @@ def load_tenants(path: str | Path) -> dict[str, TenantConfig]:
         data: Any = yaml.safe_load(p.read_text())
     except OSError as e:
         raise ConfigError(f"cannot read the tenants file {str(p)!r}: {e.strerror}") from None
+    except UnicodeDecodeError:  # a binary, or UTF-16 from an editor: was a traceback
+        raise ConfigError(f"cannot read the tenants file {str(p)!r}: {NOT_UTF8}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"tenants file {str(p)!r} is not valid YAML/JSON: {e}") from None
+    except RecursionError:  # the parser's, on flow collections thousands deep: was a traceback
+        raise ConfigError(f"tenants file {str(p)!r} is not valid YAML/JSON: nested too deeply") from None
     if not isinstance(data, dict) or not isinstance(data.get("tenants"), dict) or not data["tenants"]:
         raise ConfigError(
             f"tenants file {str(p)!r} must hold a mapping `tenants: {{NAME: {{token: ..., "

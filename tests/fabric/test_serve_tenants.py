@@ -136,6 +136,22 @@ def test_tenants_file(tmp_path: Path):
         load_tenants(tmp_path / "missing.yaml")
 
 
+def test_a_tenants_or_token_file_that_cannot_be_parsed_is_a_config_error(tmp_path: Path):
+    """A file that is not UTF-8 (UTF-16 from an editor, a binary) or YAML nested past Python's
+    recursion limit: UnicodeDecodeError or RecursionError was `fabric serve`'s traceback."""
+    f = tmp_path / "tenants.yaml"
+    f.write_bytes("tenants: {}\n".encode("utf-16"))
+    with pytest.raises(ConfigError, match=r"cannot read the tenants file .*: not UTF-8 text"):
+        load_tenants(f)
+    f.write_text("tenants: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="not valid YAML/JSON: nested too deeply"):
+        load_tenants(f)
+    secret = tmp_path / "b.token"
+    secret.write_bytes(TOKEN_B.encode("utf-16"))
+    with pytest.raises(ConfigError, match=r"cannot read token_file .*: not UTF-8 text"):
+        Gateway(config(tenants={"x": TenantConfig(token_file=secret)}), REG)
+
+
 def test_rate_limiter_paces_a_tenant_and_leaves_others_alone():
     from fabric.serve.gate import RateLimiter
 
