@@ -303,10 +303,15 @@ class JobConfig(ConfigModel):
             text = path.read_text()
         except OSError as e:
             raise ConfigError([("", f"cannot read the config: {e.strerror or e}")], str(path)) from None
+        except UnicodeDecodeError:  # a binary, or UTF-16 from an editor: was a traceback
+            why = "cannot read the config: not UTF-8 text (save it as UTF-8)"
+            raise ConfigError([("", why)], str(path)) from None
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ConfigError([("", f"not valid YAML: {e}")], str(path)) from None
+        except RecursionError:  # the parser's, on flow collections thousands deep: a traceback
+            raise ConfigError([("", "not valid YAML: nested too deeply")], str(path)) from None
         return cls.from_dict({} if data is None else data, source=str(path), **kw)
 
     def to_yaml(self) -> str:

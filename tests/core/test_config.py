@@ -350,6 +350,16 @@ def test_yaml_edge(tmp_path):
     with pytest.raises(ConfigError, match="not valid YAML") as e:
         JobConfig.from_yaml(bad)
     assert str(bad) in str(e.value)
+    # not UTF-8 (UTF-16 from an editor), or nested past the parser's recursion limit: were
+    # UnicodeDecodeError and RecursionError, `fabric run`'s traceback
+    utf16 = tmp_path / "utf16.yaml"
+    utf16.write_bytes("steps: 3\n".encode("utf-16"))
+    with pytest.raises(ConfigError, match="cannot read the config: not UTF-8 text"):
+        JobConfig.from_yaml(utf16)
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("envs: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="not valid YAML: nested too deeply"):
+        JobConfig.from_yaml(deep)
     scalar = tmp_path / "scalar.yaml"
     scalar.write_text("42\n")
     with pytest.raises(ConfigError, match="a mapping of keys, got int"):
