@@ -2,7 +2,7 @@
 
 terraform only warns about an undeclared variable and silently drops an undeclared object
 attribute, so a typo in ``fabric.auto.tfvars.json`` would deploy without the setting.
-Standard library only: a small scanner of HCL's ``variable`` blocks and ``object({...})``
+No HCL library: a small scanner of HCL's ``variable`` blocks and ``object({...})``
 type expressions, enough for the shapes ``terraform/variables.tf`` uses.
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Any
+
+from fabric.deploy.plan import DeployError
 
 _VARIABLE_BLOCK = re.compile(r'^[ \t]*variable[ \t]+"([A-Za-z_][A-Za-z0-9_-]*)"[ \t]*\{', re.M)
 _ATTRIBUTE = re.compile(r'(?:^|(?<=[\n,{]))[ \t]*("[^"\n]*"|[A-Za-z_][A-Za-z0-9_-]*)[ \t]*=(?![=>])')
@@ -102,7 +104,12 @@ def _variable_types(terraform_dir: Path) -> dict[str, str | None]:
     """Variable name -> its type expression (None when it declares none) in terraform_dir/*.tf."""
     types: dict[str, str | None] = {}
     for tf in sorted(terraform_dir.glob("*.tf")):
-        text = tf.read_text()
+        try:
+            text = tf.read_text()
+        except OSError as e:  # a directory named like one, no permission: was a traceback
+            raise DeployError(f"cannot read {tf}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise DeployError(f"cannot read {tf}: not UTF-8 text (terraform reads UTF-8)") from None
         for m in _VARIABLE_BLOCK.finditer(text):
             brace = m.end() - 1
             body = text[brace + 1 : _group_end(text, brace) - 1]

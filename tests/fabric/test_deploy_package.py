@@ -169,6 +169,19 @@ def test_tfvars_keys_are_declared_terraform_variables(tmp_path):
         tfvars([], region="r", prefix="p")
 
 
+def test_a_tf_file_that_cannot_be_read_is_a_deploy_error(tmp_path):
+    """A *.tf that is not UTF-8, or a directory named like one: UnicodeDecodeError or
+    IsADirectoryError was `fabric deploy`'s traceback, after the packaging."""
+    values = tfvars(plan_functions(REG, ["add"]), region="eu-west-1", prefix="rl-", zip_path="/x.zip")
+    (tmp_path / "variables.tf").write_bytes('variable "region" {}\n'.encode("utf-16"))
+    with pytest.raises(DeployError, match=r"cannot read .*variables\.tf: not UTF-8 text"):
+        write_tfvars(values, tmp_path)
+    (tmp_path / "variables.tf").unlink()
+    (tmp_path / "old.tf").mkdir()
+    with pytest.raises(DeployError, match=r"cannot read .*old\.tf: Is a directory"):
+        write_tfvars(values, tmp_path)
+
+
 def test_the_functions_own_dependencies_go_into_the_package(tmp_path, monkeypatch):
     """The package held rl-fabric's requirements only: a reward module of the user's that
     imports a library of its own (numpy, a verifier's parser) deployed, and then every call
