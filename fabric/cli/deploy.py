@@ -199,9 +199,15 @@ def _deploy_lambda(plan: Any, **o: Any) -> None:
     from fabric.deploy import DeployError
     from fabric.deploy.package import build_zip, image_context
     from fabric.deploy.terraform import run_terraform, terraform_binary
-    from fabric.deploy.tfvars import tfvars, write_tfvars
+    from fabric.deploy.tfvars import check_declared, tfvars, write_tfvars
 
     say = lambda m: err.print(escape(m), soft_wrap=True)  # noqa: E731
+    if not o["direct"]:
+        # a --terraform-dir that does not take what deploy writes (another project's) was said
+        # after the packaging (pip: half a minute), which it left in --out
+        source = {"image_uri": o["image"]} if o["image"] is not None else {"zip_path": "(the package)"}
+        early = tfvars(plan, region=o["region"], prefix=o["prefix"], architecture=o["architecture"], **source)
+        check_declared(early, o["terraform_dir"])
     if o["image"] is not None:
         if o["direct"]:
             raise DeployError("--direct deploys zip packages; deploy an --image with terraform")

@@ -97,13 +97,7 @@ def refuse_dropping(functions: list[DeployedFunction], terraform_dir: Path) -> N
 def write_tfvars(values: dict[str, Any], terraform_dir: Path) -> Path:
     """Write the file into ``terraform_dir`` after checking every key is a declared variable
     and every object attribute a declared one (terraform would only warn, or drop it)."""
-    if not terraform_dir.is_dir():
-        raise DeployError(f"no terraform directory at {str(terraform_dir)!r} (--terraform-dir)")
-    problems = check_tfvars(values, terraform_dir)
-    if problems:
-        raise DeployError(
-            f"{terraform_dir}/variables.tf does not declare what deploy writes: {'; '.join(problems)}"
-        )
+    check_declared(values, terraform_dir)
     path = terraform_dir / TFVARS_FILE
     # whole or not at all (a temp file renamed over it): a deploy stopped mid-write left a
     # file cut short, which the next deploy's dropped_functions has to refuse
@@ -114,3 +108,15 @@ def write_tfvars(values: dict[str, Any], terraform_dir: Path) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def check_declared(values: dict[str, Any], terraform_dir: Path) -> None:
+    """Raise ``DeployError`` unless ``terraform_dir`` declares every key and object attribute
+    of ``values`` (``write_tfvars``'s check, for a deploy to make before packaging)."""
+    if not terraform_dir.is_dir():
+        raise DeployError(f"no terraform directory at {str(terraform_dir)!r} (--terraform-dir)")
+    problems = check_tfvars(values, terraform_dir)
+    if problems:
+        raise DeployError(
+            f"{terraform_dir}/variables.tf does not declare what deploy writes: {'; '.join(problems)}"
+        )

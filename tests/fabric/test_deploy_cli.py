@@ -109,6 +109,28 @@ def test_cli_terraform_path_writes_tfvars(tmp_path, monkeypatch):
     assert "terraform is not on PATH" in r.output
 
 
+@pytest.mark.parametrize("image", [False, True], ids=["zip", "image"])
+def test_a_terraform_dir_that_does_not_declare_the_variables_is_refused_before_packaging(
+    tmp_path, monkeypatch, image
+):
+    """A --terraform-dir that is not the repository's terraform/ (another project's): the
+    package (with pip, half a minute) or the image context was built and left in --out, then
+    the deploy was refused for the variables."""
+    from fabric.cli import app
+
+    tf = tmp_path / "theirs"
+    tf.mkdir()
+    (tf / "variables.tf").write_text('variable "region" {}\n')
+    out = tmp_path / "b"
+    args = ["deploy", "--no-deps", "-f", "exact_match", "--terraform-dir", str(tf), "--out", str(out)]
+    if image:
+        args += ["--image", "123.dkr.ecr.eu-west-1.amazonaws.com/fabric:1"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2, r.output
+    assert "does not declare what deploy writes: name_prefix: not a declared variable" in r.output
+    assert "packaging" not in r.output and not out.exists()
+
+
 def test_cli_lambda_deploy_provisions_no_concurrency_unless_asked(tmp_path, monkeypatch):
     """Every built-in has warm=1, and a deploy put provisioned concurrency on each: on a new
     AWS account (a concurrency limit of 10, of which Lambda keeps 10 unreserved) terraform
