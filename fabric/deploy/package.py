@@ -125,10 +125,17 @@ def install_deps(
     ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
+        # a --pip that is no requirement at all ('numpy>=>1') is a typo to fix, not a
+        # dependency without a wheel, which the other advice is for
+        advice = (
+            "--pip takes pip requirements, as `pip install` does (e.g. 'numpy>=1.26')."
+            if "Invalid requirement" in done.stderr
+            else "A dependency without a wheel for that platform needs --image (a container image), "
+            "or --no-deps with the dependencies in a Lambda layer."
+        )
         raise DeployError(
             f"pip could not install the dependencies for Lambda ({platform}, Python {python}):\n"
-            f"{done.stderr.strip()[-2000:]}\nA dependency without a wheel for that platform needs "
-            "--image (a container image), or --no-deps with the dependencies in a Lambda layer."
+            f"{done.stderr.strip()[-2000:]}\n{advice}"
         )
 
 

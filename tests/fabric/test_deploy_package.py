@@ -182,6 +182,16 @@ def test_a_tf_file_that_cannot_be_read_is_a_deploy_error(tmp_path):
         write_tfvars(values, tmp_path)
 
 
+def test_a_pip_option_that_is_no_requirement_is_said_so(tmp_path):
+    """--pip 'numpy>=>1': pip's "Invalid requirement" came with advice for a dependency that
+    has no wheel (--image, or --no-deps and a layer), which would not have helped."""
+    from fabric.deploy.package import install_deps
+
+    with pytest.raises(DeployError, match="Invalid requirement") as e:
+        install_deps(tmp_path / "deps", pip=["numpy>=>1"])
+    assert "--pip takes pip requirements" in str(e.value) and "--image" not in str(e.value)
+
+
 def test_the_functions_own_dependencies_go_into_the_package(tmp_path, monkeypatch):
     """The package held rl-fabric's requirements only: a reward module of the user's that
     imports a library of its own (numpy, a verifier's parser) deployed, and then every call
