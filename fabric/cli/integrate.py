@@ -113,6 +113,14 @@ def openrlhf_serve(
         "failure_score": failure_score,
         "deadline_s": deadline_s,
     }
+    # checked here to name the options: the integration config's errors name its keys
+    # (deadline_s, a backend's max_workers)
+    if backend is not None and backend not in ("local", "inproc", "lambda", "modal"):
+        fail(f"--backend must be local, inproc, lambda or modal, got {backend!r}")
+    if workers is not None and workers < 1:
+        fail(f"--workers must be >= 1 (got {workers})")
+    if not deadline_s > 0:  # NaN too
+        fail(f"--deadline-s must be > 0 (got {deadline_s:g})")
     if workers is not None:
         if backend not in (None, "local"):
             fail("--workers is for the local backend")

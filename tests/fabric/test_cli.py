@@ -257,6 +257,20 @@ def test_run_with_an_image_that_starts_in_no_container_is_a_clean_error(monkeypa
         (["serve", "--port", "70000"], "error: --port must be <= 65535 (got 70000)"),
         (["serve", "--workers", "0"], "error: --workers must be >= 1 (got 0)"),
         (["serve", "--max-concurrency", "0"], "error: --max-concurrency must be >= 1 (got 0)"),
+        # named as the integration config's keys ("deadline_s", "max_workers") or a backend
+        # config's, not as the options given
+        (
+            ["integrate", "openrlhf-serve", "-f", "exact_match", "--workers", "0"],
+            "error: --workers must be >= 1 (got 0)",
+        ),
+        (
+            ["integrate", "openrlhf-serve", "-f", "exact_match", "--deadline-s", "0"],
+            "error: --deadline-s must be > 0 (got 0)",
+        ),
+        (
+            ["integrate", "openrlhf-serve", "-f", "exact_match", "--backend", "locl"],
+            "error: --backend must be local, inproc, lambda or modal, got 'locl'",
+        ),
     ],
 )
 def test_a_bad_option_value_is_one_line_naming_the_option(args, text):
