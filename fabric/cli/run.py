@@ -42,6 +42,9 @@ def run(
     ] = None,
 ) -> None:
     """Run an RL job: a local Ray cluster, local fabric pools, process containers."""
+    if steps is not None and steps < 1:
+        # the config's check named its key ("steps: must be >= 1"), as if the file said so
+        fail(f"--steps must be >= 1 (got {steps})")
     try:
         from core.errors import CoreError
         from core.job import Job, containers_note, failure_note, interrupted_note, load

@@ -267,6 +267,8 @@ def test_run_with_an_image_that_starts_in_no_container_is_a_clean_error(monkeypa
             ["integrate", "openrlhf-serve", "-f", "exact_match", "--deadline-s", "0"],
             "error: --deadline-s must be > 0 (got 0)",
         ),
+        # named as the config's key, beside the config file's name, as if the file said so
+        (["run", "no-such-job.yaml", "--steps", "0"], "error: --steps must be >= 1 (got 0)"),
         (
             ["integrate", "openrlhf-serve", "-f", "exact_match", "--backend", "locl"],
             "error: --backend must be local, inproc, lambda or modal, got 'locl'",
