@@ -6,6 +6,8 @@ import errno
 import json
 import os
 import socket
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
@@ -127,7 +129,15 @@ def no_constant(name: str) -> NoReturn:
 
 
 def payload_arg(text: str) -> dict[str, Any]:
-    """``--payload``: a JSON object of keyword arguments; an error names the option."""
+    """``--payload``: a JSON object of keyword arguments, or ``@PATH`` for one in a file
+    (``@-``: standard input; an argument is at most 128 KiB on Linux, a trajectory can be
+    more); an error names the option."""
+    if text.startswith("@"):
+        where = text[1:]
+        try:
+            text = sys.stdin.read() if where == "-" else Path(where).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            fail(f"--payload {text}: cannot read it: {e}")
     try:
         args = json.loads(text, parse_constant=no_constant)
     except RecursionError:  # the parser's, past Python's limit: it was a traceback

@@ -74,7 +74,10 @@ def ls_cmd(modules: ModulesOpt = None, as_json: Annotated[bool, typer.Option("--
 )
 def invoke(
     name: str,
-    payload: Annotated[str, typer.Option(help="Keyword arguments as a JSON object.")] = "{}",
+    payload: Annotated[
+        str,
+        typer.Option(help="Keyword arguments as a JSON object; @FILE reads it from a file, @- from stdin."),
+    ] = "{}",
     modules: ModulesOpt = None,
     backend: Annotated[
         str,
@@ -145,7 +148,8 @@ def bench(
         int | None, typer.Option(help="Worker processes / Ray actors (default: CPUs).")
     ] = None,
     payload: Annotated[
-        str | None, typer.Option(help="JSON payload (default: the function's first example).")
+        str | None,
+        typer.Option(help="JSON payload, or @FILE / @- (stdin) (default: the function's first example)."),
     ] = None,
     straggler_rate: Annotated[float, typer.Option(help="Share of calls whose reply is held back.")] = 0.0,
     straggler_ms: Annotated[float, typer.Option(help="How long a straggling reply is held back.")] = 200.0,

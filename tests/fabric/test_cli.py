@@ -175,6 +175,28 @@ def test_invoke_prints_the_result():
     assert out["ok"] is True and out["value"] == 1.0
 
 
+def test_invoke_reads_a_payload_from_a_file_or_stdin(tmp_path):
+    # an argument is at most 128 KiB on Linux: a long trajectory could not be sent at all
+    traj = "x " * 100_000 + "The answer is 42."
+    path = tmp_path / "payload.json"
+    path.write_text(json.dumps({"traj": traj, "ground_truth": "42"}))
+    r = runner.invoke(app, ["invoke", "exact_match", "--backend", "inproc", "--payload", f"@{path}"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["value"] == 1.0
+    r = runner.invoke(
+        app,
+        ["invoke", "exact_match", "--backend", "inproc", "--payload", "@-"],
+        input='{"traj": "The answer is 7.", "ground_truth": "8"}',
+    )
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["value"] == 0.0
+    r = runner.invoke(app, ["invoke", "exact_match", "--payload", f"@{tmp_path / 'missing.json'}"])
+    assert r.exit_code == 2 and "--payload @" in r.stderr and "cannot read it" in r.stderr, r.output
+    path.write_text("[1, 2]")
+    r = runner.invoke(app, ["invoke", "exact_match", "--payload", f"@{path}"])
+    assert r.exit_code == 2 and "must be a JSON object" in r.stderr, r.output
+
+
 @pytest.mark.parametrize(
     ("args", "code", "text"),
     [
