@@ -93,7 +93,7 @@ class Stub(Trainer):
         return {}
 
     def _load_training_state(self, state: Mapping[str, Any]) -> None:
-        pass
+        """No weights to load: the base class restores the version and the coefficient."""
 
 
 BATCH = [
