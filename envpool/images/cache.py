@@ -449,6 +449,9 @@ class TieredCache:
                 # hashing releases the GIL; off the loop so an 8 GB check does not stall it
                 await asyncio.to_thread(verify, data, digest, source=tier.name)
             except DigestMismatch as e:
+                # bytes, not the image: counted corrupt, not a hit (a tier whose every copy is
+                # bad read as a healthy hit ratio)
+                tier.metrics.hits -= 1
                 tier.metrics.corrupt += 1
                 self._outcomes["corrupt"] += 1
                 then = "trying the next tier" if i + 1 < len(self.tiers) else "fetching it again"

@@ -161,6 +161,7 @@ async def test_corrupt_l1_blob_is_dropped_and_refetched(tmp_path: Path, bundle: 
             await cache.get(bundle.digest)
             m = cache.metrics()
         assert m["tiers"]["disk"]["corrupt"] == 1 and m["outcomes"]["corrupt"] == 1
+        assert m["tiers"]["disk"]["hits"] == 0  # bad bytes are no hit
         assert m["tiers"]["disk"]["puts"] == 1  # the good copy replaced the bad one
         assert blob.read_bytes() == bundle.data
         assert origin.blob_requests[bundle.digest] == 1
@@ -200,6 +201,7 @@ async def test_corrupt_download_is_refetched(tmp_path: Path, bundle: Bundle) -> 
         assert path.is_dir()
         assert origin.blob_requests[bundle.digest] == 2
         assert m["tiers"]["origin"]["corrupt"] == 1 and m["outcomes"]["retries"] == 1
+        assert m["tiers"]["origin"]["hits"] == 1  # the good copy only
 
 
 async def test_persistent_corruption_surfaces_as_digest_mismatch(tmp_path: Path, bundle: Bundle) -> None:
