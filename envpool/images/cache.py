@@ -389,6 +389,10 @@ class TieredCache:
             self._outcomes["failed"] += 1
             log.warning("fetching image %s failed: %s", digest, e)
             raise
+        except Exception as e:  # not ours (an OSError unpacking: a full disk): counted all the same
+            self._outcomes["failed"] += 1
+            log.warning("loading image %s failed: %s: %s", digest, type(e).__name__, e)
+            raise
         self._outcomes["loaded"] += 1
         self.unpacked.added(path.name, size)
         await self._evict(keep=path.name)

@@ -405,3 +405,24 @@ async def test_a_failed_prefetch_is_retried_by_get(tmp_path: Path, bundle: Bundl
             assert cache.metrics()["outcomes"]["failed"] == 1
             assert (await cache.get(bundle.digest)).is_dir()
         assert origin.blob_requests[bundle.digest] == 3
+
+
+async def test_an_unpack_that_fails_with_an_os_error_is_counted_and_logged(
+    tmp_path: Path, bundle: Bundle, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # only ImageErrors were counted as failed: a full disk under unpack_dir went uncounted
+    import errno
+
+    import envpool.images.cache as cache_mod
+
+    def full(*_a: Any, **_k: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cache_mod, "unpack", full)
+    with FakeOrigin({bundle.digest: bundle.data}) as origin:
+        async with cache_with(tmp_path, origin.url) as cache:
+            with pytest.raises(OSError, match="No space left"):
+                await cache.get(bundle.digest)
+            m = cache.metrics()
+    assert m["outcomes"]["failed"] == 1 and m["outcomes"].get("loaded", 0) == 0
+    assert "No space left" in caplog.text
