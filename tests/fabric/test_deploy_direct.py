@@ -316,14 +316,10 @@ def test_a_concurrency_limit_too_low_for_provisioned_concurrency_says_what_to_do
     assert "Service Quotas" in done.warning and "--warm 0" in done.warning
 
 
-@pytest.mark.parametrize(
-    "left", [{"State": "Pending"}, {"State": "Active", "LastUpdateStatus": "InProgress"}], ids=str
-)
-def test_a_redeploy_after_one_that_stopped_mid_update_waits_for_it(left):
-    """A deploy stopped (or whose wait ran out) while Lambda was still creating or updating
-    the function left it Pending or InProgress: the next deploy, which is to finish it,
-    called update_function_code at once and Lambda refused it (ResourceConflictException:
-    an update is in progress). It waits for the function to be ready first."""
+def _redeploy_over(left: dict, waited: dict):
+    """A direct redeploy of ``add`` over a function an earlier deploy left ``left``, whose
+    wait for that change reads ``waited``, against botocore's Stubber (moto has no Pending
+    or InProgress state to leave a function in); every call it makes must be one of these."""
     import boto3
     from botocore.stub import Stubber
 
@@ -334,7 +330,7 @@ def test_a_redeploy_after_one_that_stopped_mid_update_waits_for_it(left):
     ready = {"Configuration": {"State": "Active", "LastUpdateStatus": "Successful"}}
     with Stubber(lam) as stub:
         stub.add_response("get_function", {"Configuration": {"FunctionName": "rl-add", **left}})
-        stub.add_response("get_function", ready)  # the wait for the earlier deploy's change
+        stub.add_response("get_function", {"Configuration": waited})  # the wait for that change
         stub.add_response("update_function_code", {"FunctionName": "rl-add"})
         stub.add_response("get_function", ready)
         stub.add_response("update_function_configuration", {"FunctionName": "rl-add"})
@@ -351,6 +347,18 @@ def test_a_redeploy_after_one_that_stopped_mid_update_waits_for_it(left):
             lam, fn, b"zip", "arn:aws:iam::123456789012:role/r", DirectConfig(region="us-east-1"), print
         )
         stub.assert_no_pending_responses()
+    return done
+
+
+@pytest.mark.parametrize(
+    "left", [{"State": "Pending"}, {"State": "Active", "LastUpdateStatus": "InProgress"}], ids=str
+)
+def test_a_redeploy_after_one_that_stopped_mid_update_waits_for_it(left):
+    """A deploy stopped (or whose wait ran out) while Lambda was still creating or updating
+    the function left it Pending or InProgress: the next deploy, which is to finish it,
+    called update_function_code at once and Lambda refused it (ResourceConflictException:
+    an update is in progress). It waits for the function to be ready first."""
+    done = _redeploy_over(left, {"State": "Active", "LastUpdateStatus": "Successful"})
     assert done.version == "2" and not done.created
 
 
@@ -369,33 +377,7 @@ def test_a_redeploy_after_one_whose_change_then_failed_replaces_it(left, ended):
     """The earlier deploy's create or update, still in progress, then failed (a bad setting):
     the wait for it met botocore's terminal failure state and this deploy, the one that is
     to replace that change, raised WaiterError. A failed change holds nothing up."""
-    import boto3
-    from botocore.stub import Stubber
-
-    from fabric.deploy.direct import _one
-
-    lam = boto3.client("lambda", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
-    fn = plan_functions(REG, ["add"], prefix="rl-", warm=0)[0]
-    ready = {"Configuration": {"State": "Active", "LastUpdateStatus": "Successful"}}
-    with Stubber(lam) as stub:
-        stub.add_response("get_function", {"Configuration": {"FunctionName": "rl-add", **left}})
-        stub.add_response("get_function", {"Configuration": ended})  # the wait for that change
-        stub.add_response("update_function_code", {"FunctionName": "rl-add"})
-        stub.add_response("get_function", ready)
-        stub.add_response("update_function_configuration", {"FunctionName": "rl-add"})
-        stub.add_response("get_function", ready)
-        stub.add_response("publish_version", {"Version": "2"})
-        stub.add_response(
-            "update_alias", {"AliasArn": "arn:aws:lambda:us-east-1:123456789012:function:rl-add:live"}
-        )
-        stub.add_response("delete_function_concurrency", {}, {"FunctionName": "rl-add"})
-        stub.add_client_error(
-            "delete_provisioned_concurrency_config", "ResourceNotFoundException", http_status_code=404
-        )
-        done = _one(
-            lam, fn, b"zip", "arn:aws:iam::123456789012:role/r", DirectConfig(region="us-east-1"), print
-        )
-        stub.assert_no_pending_responses()
+    done = _redeploy_over(left, ended)
     assert done.version == "2" and not done.created
 
 
