@@ -146,9 +146,11 @@ async def test_a_container_that_dies_mid_episode_is_masked_not_scored(tmp_path, 
     # the first group replays its failing episode: both members fail, and its one re-run
     # fails too, or is aborted when the group is given up (the second failure leaves it no
     # way to reach group_size), whichever comes first
-    assert cfg.group_size <= failed <= cfg.group_size + 1
+    # (failed once with 1 in a quiet clean-clone run: the counts say which case it was)
+    seen = {"trajectories": summary["trajectories"], "groups": summary["groups"]}
+    assert cfg.group_size <= failed <= cfg.group_size + 1, seen
     assert summary["trajectories"]["errors"] == {"SessionLost": failed}  # what ended them
-    assert summary["groups"]["given_up"] == 1 and summary["groups"]["reruns"] == 1
+    assert summary["groups"]["given_up"] == 1 and summary["groups"]["reruns"] == 1, seen
     assert train_rows(tmp_path / "run")[-1]["given_up_groups"] == 1  # metrics.jsonl counts it too
     assert summary["buffer"]["dropped"]["infra_failed"] == failed  # masked, never a zero
     assert summary["rewards"]["passed_masked"] >= failed  # never sent to a reward function
