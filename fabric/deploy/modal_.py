@@ -17,11 +17,12 @@ Variables reach the functions through Modal secrets named at deploy (``--modal-s
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fabric.deploy.package import _SKIP_DIRS, code_roots, requirements
+from fabric.deploy.package import _SKIP_DIRS, code_roots, linked_dirs, requirements
 from fabric.deploy.plan import DeployedFunction, DeployError
 from fabric.registry import Registry
 
@@ -67,6 +68,18 @@ def _left_out(rel: Path) -> bool:
     return rel.name.endswith((".pyc", ".pyo")) or any(p.startswith(".") or p in _SKIP_DIRS for p in rel.parts)
 
 
+def _found_at(name: str, directory: Path) -> bool:
+    """Whether the module ``name`` is found here (as ``add_local_python_source`` looks it
+    up) in ``directory``."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False
+    if spec is None or spec.submodule_search_locations is None:
+        return False
+    return directory.resolve() in {Path(p).resolve() for p in spec.submodule_search_locations}
+
+
 def _entry(name: str, module: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     def entry(envelope: dict[str, Any]) -> dict[str, Any]:
         from fabric.deploy.modal_runtime import run
@@ -93,13 +106,21 @@ def build_app(
     # looked up when the app deploys: a name Modal does not know fails the deploy, saying so
     attached = [modal.Secret.from_name(name) for name in secrets]
     roots = code_roots(plan)
+    dirs = {arc: path for arc, path in roots.items() if path.is_dir()}
+    named = sorted(arc for arc, path in dirs.items() if _found_at(arc, path))
     image = (
         modal.Image.debian_slim(python_version="3.11")
         .pip_install(*requirements(pip))
-        .add_local_python_source(
-            *sorted(arc for arc, path in roots.items() if path.is_dir()), ignore=_left_out
-        )
+        .add_local_python_source(*named, ignore=_left_out)
     )
+    for arc in sorted(dirs.keys() - set(named)):
+        # a package beside a file entry, whose directory is not on sys.path here: Modal looks
+        # a name up there (ModuleNotMountable), so by its path
+        image = image.add_local_dir(dirs[arc], f"/root/{arc}", ignore=_left_out)
+    for arc, path in sorted(dirs.items()):
+        # Modal's walk does not follow a link to a directory (the zip's does): each its own
+        for link in linked_dirs(path):
+            image = image.add_local_dir(path / link, f"/root/{arc}/{link.as_posix()}", ignore=_left_out)
     for arc, path in sorted(roots.items()):
         if path.is_file():
             # by its path: Modal looks a module up on sys.path, where a file entry from another

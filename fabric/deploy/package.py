@@ -1,7 +1,8 @@
 """The Lambda deployment package: a zip, or a container image build context.
 
 The zip holds the ``fabric`` and ``functions`` packages, the modules the deployed functions
-live in (without dotfiles and dot-directories: ``.env``, ``.git``, ``.venv``), and (unless
+live in and what those import from their own directory (without dotfiles and
+dot-directories: ``.env``, ``.git``, ``.venv``; linked directories followed), and (unless
 ``deps=False``) the dependencies, installed by pip for Lambda's platform (manylinux x86_64
 or aarch64, CPython 3.11, wheels only) rather than for this machine. boto3 is left out: the
 Lambda Python runtime has it. The zip is deterministic (sorted entries, fixed timestamps), so
@@ -15,6 +16,7 @@ Python base image and the code beside it; build and push it with your registry's
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import importlib.util
 import os
@@ -46,42 +48,167 @@ def _package_dir(name: str) -> Path:
 
 
 def code_roots(functions: Iterable[DeployedFunction]) -> dict[str, Path]:
-    """Archive name -> local path of every code root the package needs."""
+    """Archive name -> local path of every code root the package needs: ``fabric``,
+    ``functions``, the functions' modules, and what those import from their own directory
+    (``_siblings``). Two different paths for one archive name are refused."""
     roots: dict[str, Path] = {"fabric": _package_dir("fabric"), "functions": _package_dir("functions")}
     for fn in functions:
         if fn.source_file is not None:
             path = Path(fn.source_file)
             if not path.is_file():
                 raise DeployError(f"{fn.name}: entry file {fn.source_file!r} not found")
-            roots[path.name] = path
+            _add(roots, path.name, path)
             continue
         top = fn.module.split(".")[0]
         if top in roots:
             continue
         spec = importlib.util.find_spec(top)
+        if spec is not None and spec.origin is None and spec.submodule_search_locations:
+            # a namespace package (a directory without __init__.py): its directory, as a
+            # package's; one only, for one directory of that name is what the package holds
+            portions = list(dict.fromkeys(spec.submodule_search_locations))
+            if len(portions) > 1:
+                raise DeployError(
+                    f"{fn.name}: {top!r} is a namespace package in several directories "
+                    f"({', '.join(portions)}); the deploy package holds one directory of that name: "
+                    "merge them into one directory (a package with an __init__.py lies in one)"
+                )
+            _add(roots, top, Path(portions[0]))
+            continue
         if spec is None or spec.origin is None:
             raise DeployError(f"{fn.name}: cannot find module {top!r} to package")
         origin = Path(spec.origin)
-        roots[top if origin.name == "__init__.py" else origin.name] = (
-            origin.parent if origin.name == "__init__.py" else origin
-        )
+        if origin.name == "__init__.py":
+            _add(roots, top, origin.parent)
+        else:
+            _add(roots, origin.name, origin)
+    own = {"fabric", "functions"}
+    todo = [path for arc, path in roots.items() if arc not in own]
+    while todo:
+        for arc, path in _siblings(todo.pop()).items():
+            if arc not in roots:
+                todo.append(path)
+            _add(roots, arc, path)
     return roots
+
+
+def _add(roots: dict[str, Path], arc: str, path: Path) -> None:
+    """``roots[arc] = path``, unless another path has that name: one would overwrite the
+    other in the package (two ``fns.py`` file entries from two directories)."""
+    there = roots.get(arc)
+    if there is None:
+        roots[arc] = path
+    elif there.resolve() != path.resolve():
+        raise DeployError(
+            f"{there} and {path} would both be {arc!r} in the deploy package, which holds the "
+            "functions' modules at its root: rename one (or move them into a package)"
+        )
+
+
+#: Module names a sibling file must not take at the package's root: the runtime's own
+#: imports would get it in place of the standard library's; and the package's own roots,
+#: which go from where they were imported.
+_NOT_SIBLINGS = (
+    frozenset(sys.stdlib_module_names) | frozenset(sys.builtin_module_names) | {"fabric", "functions"}
+)
+
+
+def _siblings(root: Path) -> dict[str, Path]:
+    """What the modules of ``root`` (a .py file, or a package's directory) import from the
+    directory ``root`` is in: ``from helpers import x`` with helpers.py beside my_fns.py.
+    Locally that directory was on sys.path (the working directory, $PYTHONPATH); on Lambda
+    only the package's root is, so those go beside it. Read from the source (every import
+    statement, those in functions too), so a module imported lazily goes as well. Nothing
+    for a root that was installed (site-packages): its dependencies are pip's."""
+    parent = root.parent
+    if {"site-packages", "dist-packages"} & set(parent.resolve().parts):
+        return {}
+    found: dict[str, Path] = {}
+    sources = [root] if root.is_file() else sorted(p for p, _ in _files(root, root.name) if p.suffix == ".py")
+    for source in sources:
+        for name in sorted(_imported(source) - _NOT_SIBLINGS):
+            package, module = parent / name, parent / f"{name}.py"
+            if (package / "__init__.py").is_file():
+                found[name] = package
+            elif module.is_file():
+                found[f"{name}.py"] = module
+            elif package.is_dir() and _namespace_here(name, package):
+                found[name] = package
+    return found
+
+
+def _imported(source: Path) -> set[str]:
+    """The top-level names ``source`` imports absolutely (``import a.b``, ``from a import
+    b``: ``a``), anywhere in it; relative imports stay within their package."""
+    try:
+        tree = ast.parse(source.read_bytes(), filename=str(source))
+    except (SyntaxError, ValueError):
+        return set()  # not Python this interpreter reads: it imports nothing we can tell
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.partition(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.partition(".")[0])
+    return names
+
+
+def _namespace_here(name: str, directory: Path) -> bool:
+    """Whether ``import name`` finds the directory ``directory`` (one without __init__.py):
+    Python takes such a directory only when no module or package of that name is anywhere
+    on sys.path, so a data directory named like an installed package is not it."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return True
+    found = spec.submodule_search_locations if spec.origin is None else None
+    return bool(found) and directory.resolve() in {Path(p).resolve() for p in found or ()}
 
 
 def _files(root: Path, arcname: str, *, hidden: bool = False) -> Iterator[tuple[Path, str]]:
     """The files under ``root`` and their archive names. ``hidden=False`` (code roots: your
     package's tree) leaves out dotfiles and dot-directories: a ``.env`` with secrets, ``.git``,
-    a ``.venv`` inside the package. The installed dependencies keep theirs."""
+    a ``.venv`` inside the package. The installed dependencies keep theirs.
+
+    Links are followed (a directory linked into the package is part of it: os.walk's
+    default left it out); a link to a directory that holds it is refused, which would
+    never end, and so is a link to nothing."""
     if root.is_file():
         yield root, arcname
         return
-    for dirpath, dirnames, filenames in os.walk(root):
+    # the real directories each one walked lies in, its own included: a link to one of them
+    # is a cycle (a link to a directory seen elsewhere is only a copy)
+    within: dict[str, tuple[Path, ...]] = {os.fspath(root): (root.resolve(),)}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        chain = within.pop(dirpath)
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and (hidden or not d.startswith(".")))
+        for d in dirnames:
+            real = Path(dirpath, d).resolve()
+            if real in chain:
+                raise DeployError(
+                    f"{Path(dirpath, d)}: a link to {real}, which holds it: a cycle the deploy package "
+                    "cannot hold; remove the link or point it elsewhere"
+                )
+            within[os.path.join(dirpath, d)] = (*chain, real)
         for f in sorted(filenames):
             if f.endswith((".pyc", ".pyo")) or (not hidden and f.startswith(".")):
                 continue
             path = Path(dirpath) / f
+            if not path.exists():
+                raise DeployError(f"{path}: a broken link (to {os.readlink(path)}): remove it or fix it")
             yield path, str(Path(arcname) / path.relative_to(root))
+
+
+def linked_dirs(root: Path) -> list[Path]:
+    """The links to directories under the directory ``root`` that ``_files`` follows (links
+    within linked directories too), relative to ``root``: for a copier that does not follow
+    them (Modal's). Raises as ``_files`` does on a cycle or a broken link."""
+    found = set()
+    for path, _ in _files(root, ""):
+        found |= {p for p in path.relative_to(root).parents if p != Path(".") and (root / p).is_symlink()}
+    return sorted(found)
 
 
 def requirements(pip: Sequence[str] = ()) -> list[str]:
@@ -196,16 +323,17 @@ def image_context(
 ) -> Path:
     """A build context (Dockerfile, requirements.txt, code/) in ``out``; returns ``out``."""
     roots = code_roots(functions)
+    # the zip's files: no dotfiles or dot-directories (.env, .git, .venv) from your tree,
+    # linked directories followed; listed first, so a refused link leaves no half context
+    files = [entry for arc, path in sorted(roots.items()) for entry in _files(path, arc)]
     if out.exists():
         shutil.rmtree(out)
     code = out / "code"
     code.mkdir(parents=True)
-    for arc, path in roots.items():
-        if path.is_file():
-            shutil.copy2(path, code / arc)
-        else:
-            # as in the zip: no dotfiles or dot-directories (.env, .git, .venv) from your tree
-            shutil.copytree(path, code / arc, ignore=shutil.ignore_patterns(*_SKIP_DIRS, "*.pyc", ".*"))
+    for source, name in files:
+        target = code / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
     (out / "requirements.txt").write_text("\n".join(requirements(pip)) + "\n")
     arch = "amd64" if architecture == "x86_64" else "arm64"
     (out / "Dockerfile").write_text(DOCKERFILE.format(python=python, handler=HANDLER, arch=arch))
