@@ -161,10 +161,12 @@ def deploy_direct(
         )
     say = on_step or (lambda _m: None)
     lam, iam = _clients(cfg)
+    out: list[Deployed] = []
+    failing: str | None = None
     try:
         role = ensure_role(iam, cfg)
-        out = []
         for fn in functions:
+            failing = fn.deployed_name
             say(f"{fn.deployed_name}: deploying")
             out.append(_one(lam, fn, code, role, cfg, say))
         return out
@@ -175,7 +177,25 @@ def deploy_direct(
         ) from None
     except (ClientError, BotoCoreError) as e:
         hint = concurrency_limit_hint(str(e))  # --reserved on an account with a low limit
-        raise DeployError(f"deploy failed: {e}" + (f"; {hint}" if hint else "")) from None
+        raise DeployError(
+            f"deploy failed: {e}" + (f"; {hint}" if hint else "") + _so_far(functions, out, failing)
+        ) from None
+    except DeployError as e:
+        raise DeployError(f"{e}{_so_far(functions, out, failing)}") from None
+
+
+def _so_far(functions: list[DeployedFunction], done: list[Deployed], failing: str | None) -> str:
+    """Which functions a deploy that stopped part way deployed and which it did not: the
+    finished ones were named in its progress lines only, and the error in one function's
+    (or botocore's) words."""
+    finished = {d.deployed_name for d in done}
+    rest = [
+        f.deployed_name + (" (this error)" if f.deployed_name == failing else "")
+        for f in functions
+        if f.deployed_name not in finished
+    ]
+    live = ", ".join(f"{d.deployed_name} (version {d.version})" for d in done) or "none"
+    return f"\ndeployed: {live}; not deployed: {', '.join(rest)}; deploying again finishes it"
 
 
 def _variables(fn: DeployedFunction, cfg: DirectConfig) -> dict[str, str]:

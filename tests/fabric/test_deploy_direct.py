@@ -73,6 +73,38 @@ async def test_direct_deploy_then_invoke_through_fabric_serve(moto_url, tmp_path
                 assert boom.error.type == ErrorCode.USER_ERROR
 
 
+@pytest.mark.parametrize("refusal", ["ClientError", "DeployError"])
+def test_a_deploy_that_fails_part_way_names_what_was_deployed_and_what_was_not(
+    moto_url, tmp_path, monkeypatch, refusal
+):
+    """The second of three functions is refused: the error was that function's (botocore's
+    words, or deploy's own), and which were deployed showed only in the progress lines. It
+    names the functions deployed (live now, with their versions) and those not."""
+    from botocore.exceptions import ClientError
+
+    from fabric.deploy import direct
+
+    real = direct._create_function
+
+    def refusing(lam, say, **kwargs):
+        if kwargs["FunctionName"] == "rl-boom":
+            if refusal == "DeployError":
+                raise DeployError("rl-boom: Lambda still cannot assume the role")
+            error = {"Error": {"Code": "InvalidParameterValueException", "Message": "bad memory"}}
+            raise ClientError(error, "CreateFunction")
+        real(lam, say, **kwargs)
+
+    monkeypatch.setattr(direct, "_create_function", refusing)
+    plan = plan_functions(REG, ["add", "boom", "sleepy"], prefix="rl-", warm=0)
+    package = build_zip(plan, tmp_path / "fabric.zip", deps=False)
+    with pytest.raises(DeployError) as info:
+        deploy_direct(plan, package, DirectConfig(region="us-east-1", endpoint_url=moto_url, prefix="rl-"))
+    text = str(info.value)
+    assert ("bad memory" if refusal == "ClientError" else "cannot assume the role") in text
+    assert "deployed: rl-add (version 1)" in text
+    assert "not deployed: rl-boom (this error), rl-sleepy" in text
+
+
 def _created_up_to_its_alias(stub, arn: str) -> None:
     """What Lambda answers a new function's create, its wait, its version and its alias."""
     stub.add_response("create_function", {"FunctionName": "rl-add"})
