@@ -158,3 +158,5 @@ def openrlhf_serve(
         listen_failed(host, port, e)
     except FabricError as e:  # an unknown function (with the known names), a bad module
         fail(str(e))
+    except KeyboardInterrupt:  # SIGINT or SIGTERM, once the server has closed
+        raise typer.Exit(130) from None

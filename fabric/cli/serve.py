@@ -90,7 +90,7 @@ def serve(
 
     from fabric.backends.base import TOKEN_ENV
     from fabric.serve import Gateway, ServeConfig, TenantConfig, load_tenants, new_token
-    from fabric.serve.drain import close_in_two_steps, start_unless_stopped
+    from fabric.serve.drain import SignalStop, close_in_two_steps, start_unless_stopped
 
     generated = None
     try:
@@ -142,15 +142,12 @@ def serve(
         bad_options(e, {"function_prefix": "--prefix", "backend.local.max_workers": "--workers"})
 
     async def main() -> None:
-        import signal
-
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        signals = SignalStop()
+        stop = signals.event
         if not await start_unless_stopped(gateway.start(), stop):  # Ctrl-C during the warm-up
             await gateway.aclose()  # what the start had begun: its pools, its listener
             err.print("stopped during start-up", soft_wrap=True)
+            signals.exit_if_signalled()
             return
         try:
             err.print(
@@ -180,6 +177,7 @@ def serve(
                 err.print(f"stopping now: {plural_calls(gateway.inflight)} cancelled", soft_wrap=True)
 
             await close_in_two_steps(gateway.aclose(), stop, gateway.stop_now, say_stop_now)
+        signals.exit_if_signalled()  # drained and closed: exit 130, as fabric run does
 
     try:
         asyncio.run(main())
@@ -187,3 +185,5 @@ def serve(
         listen_failed(host, port, e)
     except FabricError as e:  # a function named with -f cannot start (SetupFailedError)
         fail(str(e))
+    except KeyboardInterrupt:  # SIGINT or SIGTERM, once the server has closed
+        raise typer.Exit(130) from None

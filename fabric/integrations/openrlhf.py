@@ -22,7 +22,6 @@ is a JSON object gives its keys as sources too (``args={"tests": "label.tests"}`
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -385,18 +384,16 @@ async def serve(
 ) -> None:
     """Serve until SIGINT/SIGTERM (``fabric integrate openrlhf-serve``); then the requests in
     flight get ``drain_s`` to finish, and a second signal cancels them at once. ``say`` gets
-    what to tell the user about it."""
-    import signal
+    what to tell the user about it. Once closed, raises ``KeyboardInterrupt`` (Ctrl-C's exit
+    status, 130, in the CLI)."""
+    from fabric.serve.drain import SignalStop, close_in_two_steps, start_unless_stopped
 
-    from fabric.serve.drain import close_in_two_steps, start_unless_stopped
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    signals = SignalStop()
+    stop = signals.event
     server = RewardServer(config, host=host, port=port, drain_s=drain_s, max_body_bytes=max_body_bytes)
     if not await start_unless_stopped(server.start(), stop):  # a signal during start-up
         await server.aclose()
+        signals.exit_if_signalled()
         return
     try:
         if ready is not None:
@@ -415,3 +412,4 @@ async def serve(
                 say(f"stopping now: {len(server.requests)} requests cancelled")
 
         await close_in_two_steps(server.aclose(), stop, server.requests.cancel, stopping_now)
+    signals.exit_if_signalled()

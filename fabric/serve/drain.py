@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -62,6 +63,31 @@ async def cleanup_within(runner: Any, drain_s: float, stop_now: Callable[[], Non
         await runner.cleanup()
     finally:
         timer.cancel()
+
+
+class SignalStop:
+    """SIGINT and SIGTERM set ``event``: the server stops accepting and drains, and a second
+    one cancels what is left (``close_in_two_steps``). Made in the running loop.
+
+    Once the server has closed, ``exit_if_signalled`` raises ``KeyboardInterrupt`` (which the
+    CLI makes exit 130, as ``fabric run`` and ``fabric bench`` exit on Ctrl-C and SIGTERM): a
+    server stopped by a signal exited 0, as if it had ended by itself."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.received: str | None = None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self.received is None:
+            self.received = sig.name
+        self.event.set()
+
+    def exit_if_signalled(self) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt(self.received)
 
 
 async def start_unless_stopped(start: Awaitable[None], stop: asyncio.Event) -> bool:

@@ -120,7 +120,7 @@ def test_serve_drains_on_ctrl_c_and_a_second_one_stops_it_now(tmp_path):
             assert proc.poll() is None  # draining: the call has 60 s
             t0 = time.monotonic()
             proc.send_signal(signal.SIGINT)
-            assert proc.wait(30) == 0
+            assert proc.wait(30) == 130  # as fabric run and fabric bench exit on Ctrl-C
             assert time.monotonic() - t0 < 20
             assert s.recv(4096) == b""  # no answer: the connection dropped (the client retries)
     finally:
@@ -128,6 +128,37 @@ def test_serve_drains_on_ctrl_c_and_a_second_one_stops_it_now(tmp_path):
             proc.kill()
             proc.wait(30)
     assert "stopping now: 1 call cancelled" in log.read_text()
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("command", [["serve"], ["integrate", "openrlhf-serve"]])
+def test_a_server_stopped_by_a_signal_exits_130_as_the_other_commands_do(tmp_path, command, sig):
+    """The servers drained and exited 0 on Ctrl-C and SIGTERM, where fabric run and fabric
+    bench exit 130 on either: a script could not tell a server that was stopped from one
+    that ended by itself."""
+    import signal
+
+    root = str(Path(fabric.__file__).resolve().parent.parent)
+    args = [*command, "-f", "exact_match", "--port", "0", "--workers", "1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fabric.cli", *args],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": root},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert "url" in json.loads(proc.stdout.readline())  # serving
+        proc.send_signal(getattr(signal, sig))
+        _, errors = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 130, errors
+    assert "Traceback" not in errors, errors
 
 
 @pytest.mark.parametrize("command", [["serve"], ["integrate", "openrlhf-serve"]])
@@ -209,7 +240,7 @@ def test_serve_ctrl_c_during_the_warm_up_stops_it(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
-    assert proc.returncode == 0, errors
+    assert proc.returncode == 130, errors
     assert took < 10, took  # not the setup's 30 s
     assert "stopped during start-up" in errors and out == ""  # it never served
 
