@@ -312,7 +312,9 @@ class JobConfig(ConfigModel):
             raise ConfigError([("", f"not valid YAML: {e}")], str(path)) from None
         except RecursionError:  # the parser's, on flow collections thousands deep: a traceback
             raise ConfigError([("", "not valid YAML: nested too deeply")], str(path)) from None
-        return cls.from_dict({} if data is None else data, source=str(path), **kw)
+        if data is None:  # no document, or comments only: "envs: required key is missing" misled
+            raise ConfigError([("", EMPTY_CONFIG)], str(path))
+        return cls.from_dict(data, source=str(path), **kw)
 
     def to_yaml(self) -> str:
         """The config with every default filled in (what a run directory records)."""
@@ -329,6 +331,14 @@ class JobConfig(ConfigModel):
             except RegistryError as e:
                 raise ConfigError([(f"fabric.discover[{i}]", str(e))], source) from None
         return registry
+
+
+#: What an empty config file is told: the least a job needs, and where a whole config is
+EMPTY_CONFIG = (
+    "the file is empty; a job config needs at least its environments and their rewards: "
+    "`envs: [{id: frozenlake-v1, tag: frozenlake}]` and `rewards: {frozenlake: [{function: env_return}]}` "
+    "(examples/frozenlake/config.yaml is a whole one; docs/job.md lists every key)"
+)
 
 
 def registered_env_ids() -> list[str]:

@@ -364,11 +364,22 @@ def test_yaml_edge(tmp_path):
     scalar.write_text("42\n")
     with pytest.raises(ConfigError, match="a mapping of keys, got int"):
         JobConfig.from_yaml(scalar)
+
+
+@pytest.mark.parametrize("text", ["", "# steps: 10\n", "---\n"], ids=["empty", "comments", "document"])
+def test_an_empty_config_file_is_said_so_with_a_minimal_config(tmp_path, text):
+    """An empty file (or one of comments) said "envs: required key is missing", as if the
+    file had other keys and lacked that one."""
     empty = tmp_path / "empty.yaml"
-    empty.write_text("")
+    empty.write_text(text)
     with pytest.raises(ConfigError) as e:
         JobConfig.from_yaml(empty)
-    assert e.value.problems == [("envs", "required key is missing")]
+    [(key, msg)] = e.value.problems
+    assert key == "" and msg.startswith("the file is empty"), msg
+    assert "examples/frozenlake/config.yaml" in msg
+    # the keys it shows are a config that loads, against the real registries
+    shown = "\n".join(msg.split("`")[1::2])
+    assert JobConfig.from_dict(yaml.safe_load(shown)).envs[0].id == "frozenlake-v1"
 
 
 def test_a_module_that_cannot_be_discovered_names_the_key():
