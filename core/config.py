@@ -327,7 +327,8 @@ class JobConfig(ConfigModel):
         registry = Registry()
         for i, target in enumerate(self.fabric.discover):
             try:
-                registry.discover(target)
+                # one of no functions is warned of (once: the job discovers them again)
+                registry.discover_yours(target)
             except RegistryError as e:
                 raise ConfigError([(f"fabric.discover[{i}]", str(e))], source) from None
         return registry

@@ -17,6 +17,7 @@ import importlib.util
 import inspect
 import pkgutil
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -358,6 +359,12 @@ def make_spec(
 # ----------------------------------------------------------------------------- registry
 
 
+class NoFunctionsWarning(UserWarning):
+    """A module named for discovery (``-m``, ``$FABRIC_MODULES``, an integration's
+    ``modules``, a job's ``fabric.discover``) registers no fabric function: their decorator
+    forgotten, or another module named. Silent, it surfaced later as "unknown function"."""
+
+
 class Registry:
     """Named functions. Use the default one through the module-level decorators, or a
     fresh one per test or per job."""
@@ -470,6 +477,21 @@ class Registry:
                     # only where it was defined: re-exports would be found twice
                     if isinstance(spec, FunctionSpec) and getattr(obj, "__module__", None) == mod.__name__:
                         found.append(self.add(obj))
+        return found
+
+    def discover_yours(self, target: str, warn: Callable[[str], None] | None = None) -> list[FunctionSpec]:
+        """``discover`` for one module the user named: one that adds nothing is told to
+        ``warn`` (default: a ``NoFunctionsWarning``, shown once per process)."""
+        found = self.discover(target)
+        if not found:
+            text = (
+                f"{target!r} defines no fabric function: decorate yours with @fabric.reward, "
+                "@fabric.tool or @fabric.function"
+            )
+            if warn is None:
+                warnings.warn(NoFunctionsWarning(text), stacklevel=2)
+            else:
+                warn(text)
         return found
 
 

@@ -93,13 +93,12 @@ def load_registry(modules: list[str] | None) -> Registry:
         for target in yours:
             # one of no functions (their decorator forgotten) was silent: ls listed the
             # built-ins, invoke answered "unknown function"
-            if not reg.discover(target):
-                err.print(
-                    f"[yellow]warning:[/] {escape(repr(target))} defines no fabric function: decorate "
-                    "yours with @fabric.reward, @fabric.tool or @fabric.function",
-                    soft_wrap=True,
-                )
+            reg.discover_yours(target, warn=_warn)
     return reg
+
+
+def _warn(text: str) -> None:
+    err.print(f"[yellow]warning:[/] {escape(text)}", soft_wrap=True)
 
 
 #: Failed calls that are the caller's mistake: ``invoke`` exits 2 for these, as for bad options

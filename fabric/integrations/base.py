@@ -190,8 +190,8 @@ class RewardAdapter:
         self.registry = registry if registry is not None else default_registry
         if config.builtins:
             self.registry.discover("functions")
-        if config.modules:
-            self.registry.discover(*config.modules)
+        for module in config.modules:
+            self.registry.discover_yours(module)  # one of no functions is warned of, as -m is
         if function is not None:
             self.registry.add(function)
         # UnknownFunctionError lists the known names

@@ -390,6 +390,18 @@ def test_a_module_that_cannot_be_discovered_names_the_key():
     assert key == "fabric.discover[1]" and "no_such_module_xyz" in msg
 
 
+def test_a_discover_module_of_no_functions_is_warned_of(tmp_path):
+    """A fabric.discover module whose rewards lack their decorator was silent (the -m of the
+    CLI warned): the job went on to "unknown reward", or ran without the module's rewards."""
+    from fabric.registry import NoFunctionsWarning
+
+    mine = tmp_path / "undecorated_rewards.py"
+    mine.write_text("def my_reward(traj: str) -> float:\n    return 1.0\n")
+    data = base(fabric={"discover": ["functions", str(mine)]})
+    with pytest.warns(NoFunctionsWarning, match=f"{str(mine)!r} defines no fabric function: decorate"):
+        JobConfig.from_dict(data, env_ids=ENV_IDS)
+
+
 def test_shipped_examples_exist():
     assert {p.parent.name for p in EXAMPLES} >= {"frozenlake", "math_tools", "own_env", "gpu"}
 

@@ -50,3 +50,17 @@ def test_a_samples_own_failure_is_still_failure_scored(fake):
     with trl_reward("explode", registry=REG, backend_instance=fake, failure_score=-1.0) as reward:
         out, _ = call_trl(reward, ["p"] * 2, ["boom", "ok"], **trl_kwargs(2, ground_truth=["g"] * 2))
     assert out == [-1.0, 1.0]
+
+
+def test_a_module_of_no_functions_is_warned_of(tmp_path):
+    """``modules`` naming one whose functions lack their decorator was silent (the CLI's -m
+    warned): the reward then failed with "unknown function" and no word of the module."""
+    from fabric.integrations.base import RewardAdapter
+    from fabric.integrations.config import IntegrationConfig
+    from fabric.registry import NoFunctionsWarning, Registry
+
+    mine = tmp_path / "undecorated_integ_fns.py"
+    mine.write_text("def my_reward(traj: str) -> float:\n    return 1.0\n")
+    config = IntegrationConfig.parse({"function": "exact_match", "modules": [str(mine)]}, env={})
+    with pytest.warns(NoFunctionsWarning, match=f"{str(mine)!r} defines no fabric function: decorate"):
+        RewardAdapter(config, registry=Registry())
