@@ -116,7 +116,8 @@ def enter(extra_ro: tuple[str, ...] = (), init: bytes | None = None) -> str:
         else:
             _bind_ro(os.path.realpath(src), root + src)
         shared.append(src)
-    os.makedirs(root + "/dev")
+    # there already when a shared dir lives under /dev (a venv in /dev/shm): its bind made it
+    os.makedirs(root + "/dev", exist_ok=True)
     for dev in DEVICES:
         # read-only still lets a program write to /dev/null: that goes to the driver
         _bind_ro("/dev/" + dev, f"{root}/dev/{dev}", RO_FLAGS & ~lx.MS_NODEV)

@@ -199,11 +199,23 @@ def test_a_client_gone_with_spares_unread_ends_the_zygote_cleanly():
 
 
 @pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs a virtualenv to reach through a link")
-@pytest.mark.parametrize("under", ["/var/tmp", "/tmp"])  # a plain path, and one each run's /tmp hides
+@pytest.mark.parametrize(
+    # a plain path; one each run's /tmp hides; one under /dev, which the jail makes itself
+    "under",
+    [
+        "/var/tmp",
+        "/tmp",
+        pytest.param(
+            "/dev/shm", marks=pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+        ),
+    ],
+)
 def test_a_virtualenv_reached_through_a_symlink_is_importable_in_runs(under):
     """A venv reached through a link (`.venv -> /opt/venvs/x`) keeps the link's path in
     sys.prefix and sys.path; the jail had only the resolved one, so a run could import
-    nothing of the venv's (a program's `import numpy` scored 0, libclang was "missing")."""
+    nothing of the venv's (a program's `import numpy` scored 0, libclang was "missing").
+    Under /dev the jail's set-up crashed: its bind made the jail's /dev, which the set-up
+    then made again for the devices (FileExistsError)."""
     made = tempfile.mkdtemp(prefix="rlfabric-test-venvlink-", dir=under)
     try:
         link = os.path.join(made, "venv")
