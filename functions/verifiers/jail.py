@@ -37,6 +37,18 @@ def _python_dirs() -> list[str]:
     return sorted(d for d in dirs if not any(d == s or d.startswith(s + "/") for s in SYSTEM_DIRS))
 
 
+def _links_into_system_dirs(path: str) -> bool:
+    """Whether ``path`` is a link to within another of the system dirs, so that the jail's
+    copy of the link resolves there as it does here. One to anywhere else (``/opt ->
+    /data/opt``) pointed at nothing in the jail: it is bound as its target instead."""
+    if not os.path.islink(path):
+        return False
+    target = os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
+    return any(
+        target == d or target.startswith(d + "/") for d in SYSTEM_DIRS if d != path and os.path.exists(d)
+    )
+
+
 def _bind_ro(src: str, dst: str, flags: int = RO_FLAGS) -> None:
     if os.path.isdir(src):
         os.makedirs(dst, exist_ok=True)
@@ -110,7 +122,7 @@ def enter(extra_ro: tuple[str, ...] = (), init: bytes | None = None) -> str:
             hidden = f"{HIDDEN}/{len(RELOCATED)}"
             _bind_ro(os.path.realpath(src), root + hidden)
             RELOCATED.append((hidden, src))
-        elif os.path.islink(src) and src in SYSTEM_DIRS:  # /bin -> usr/bin on merged-/usr systems
+        elif src in SYSTEM_DIRS and _links_into_system_dirs(src):  # /bin -> usr/bin (merged /usr)
             # (a venv's link is bound below: its parent dirs exist only once a bind makes them)
             os.symlink(os.readlink(src), root + src)
         else:

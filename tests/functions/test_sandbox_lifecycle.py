@@ -245,6 +245,44 @@ def test_a_shared_directory_whose_path_has_a_space_is_read_only_in_runs():
         shutil.rmtree(made)
 
 
+_ENTER_WITH_LINKED_SYSTEM_DIR = """
+import json, os, sys
+from functions.verifiers import jail
+plain, link = sys.argv[1:3]
+host_bin_is_link = os.path.islink("/bin")
+jail.SYSTEM_DIRS = (*jail.SYSTEM_DIRS, plain, link)  # plain first: its bind makes the link's parent
+jail.enter()
+print(json.dumps({
+    "listed": sorted(os.listdir(link)) if os.path.isdir(link) else None,
+    "bin_kept_as_it_is": os.path.islink("/bin") == host_bin_is_link and os.path.exists("/bin/sh"),
+}))
+"""
+
+
+def test_a_system_dir_that_links_outside_the_system_dirs_shows_its_files_in_the_jail():
+    """A system dir that is a link (``/opt -> /data/opt``) was copied into the jail as that
+    link, which resolves only where its target is shared too (``/bin -> usr/bin``): one to
+    anywhere else pointed at nothing, and the runs saw no such directory."""
+    made = tempfile.mkdtemp(prefix="rlfabric-test-syslink-", dir="/var/tmp")
+    try:
+        os.makedirs(f"{made}/plain")
+        os.makedirs(f"{made}/elsewhere")
+        Path(made, "elsewhere", "tool.txt").write_text("here\n")
+        os.symlink(f"{made}/elsewhere", f"{made}/link")  # neither it nor its target a system dir
+        done = subprocess.run(
+            [sys.executable, "-c", _ENTER_WITH_LINKED_SYSTEM_DIR, f"{made}/plain", f"{made}/link"],
+            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": _package_root()},
+            cwd="/",
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        shutil.rmtree(made)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"listed": ["tool.txt"], "bin_kept_as_it_is": True}
+
+
 # -- a race made deterministic: PR_SET_PDEATHSIG is set after fork ---------------------------
 def test_a_zygote_dying_right_after_forking_the_program_leaves_no_orphan(monkeypatch):
     """Freeze a fresh program at birth (ptrace), before it arms PR_SET_PDEATHSIG, and kill
