@@ -177,7 +177,7 @@ def serve(
                 err.print(f"stopping now: {plural_calls(gateway.inflight)} cancelled", soft_wrap=True)
 
             await close_in_two_steps(gateway.aclose(), stop, gateway.stop_now, say_stop_now)
-        signals.exit_if_signalled()  # drained and closed: exit 130, as fabric run does
+        signals.exit_if_signalled()  # drained and closed: after Ctrl-C exit 130, as fabric run does
 
     try:
         asyncio.run(main())

@@ -384,8 +384,8 @@ async def serve(
 ) -> None:
     """Serve until SIGINT/SIGTERM (``fabric integrate openrlhf-serve``); then the requests in
     flight get ``drain_s`` to finish, and a second signal cancels them at once. ``say`` gets
-    what to tell the user about it. Once closed, raises ``KeyboardInterrupt`` (Ctrl-C's exit
-    status, 130, in the CLI)."""
+    what to tell the user about it. Once closed after a SIGINT, raises ``KeyboardInterrupt``
+    (Ctrl-C's exit status, 130, in the CLI); after SIGTERM it returns (exit 0)."""
     from fabric.serve.drain import SignalStop, close_in_two_steps, start_unless_stopped
 
     signals = SignalStop()

@@ -69,9 +69,11 @@ class SignalStop:
     """SIGINT and SIGTERM set ``event``: the server stops accepting and drains, and a second
     one cancels what is left (``close_in_two_steps``). Made in the running loop.
 
-    Once the server has closed, ``exit_if_signalled`` raises ``KeyboardInterrupt`` (which the
-    CLI makes exit 130, as ``fabric run`` and ``fabric bench`` exit on Ctrl-C and SIGTERM): a
-    server stopped by a signal exited 0, as if it had ended by itself."""
+    Once the server has closed, ``exit_if_signalled`` raises ``KeyboardInterrupt`` after a
+    SIGINT (which the CLI makes exit 130, the shell's status for Ctrl-C, as ``fabric run`` and
+    ``fabric bench`` exit): it exited 0, as if nothing had interrupted it. SIGTERM is a
+    server's normal end, its supervisor's stop (systemd, Kubernetes, a job script), so it
+    exits 0 after it: a 130 or 143 there reads as a failed service to systemd."""
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
@@ -86,7 +88,7 @@ class SignalStop:
         self.event.set()
 
     def exit_if_signalled(self) -> None:
-        if self.received is not None:
+        if self.received == "SIGINT":
             raise KeyboardInterrupt(self.received)
 
 

@@ -130,12 +130,13 @@ def test_serve_drains_on_ctrl_c_and_a_second_one_stops_it_now(tmp_path):
     assert "stopping now: 1 call cancelled" in log.read_text()
 
 
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(("sig", "status"), [("SIGINT", 130), ("SIGTERM", 0)])
 @pytest.mark.parametrize("command", [["serve"], ["integrate", "openrlhf-serve"]])
-def test_a_server_stopped_by_a_signal_exits_130_as_the_other_commands_do(tmp_path, command, sig):
-    """The servers drained and exited 0 on Ctrl-C and SIGTERM, where fabric run and fabric
-    bench exit 130 on either: a script could not tell a server that was stopped from one
-    that ended by itself."""
+def test_a_server_stopped_by_ctrl_c_exits_130_and_by_sigterm_0(tmp_path, command, sig, status):
+    """The servers drained and exited 0 on Ctrl-C, where fabric run and fabric bench exit
+    130: a script could not tell an interrupted server from one that ended by itself. SIGTERM
+    (a supervisor's stop: systemd, Kubernetes) is a server's normal end: 0, which systemd
+    counts a clean stop (it would count 130 or 143 a failure)."""
     import signal
 
     root = str(Path(fabric.__file__).resolve().parent.parent)
@@ -157,7 +158,7 @@ def test_a_server_stopped_by_a_signal_exits_130_as_the_other_commands_do(tmp_pat
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
-    assert proc.returncode == 130, errors
+    assert proc.returncode == status, errors
     assert "Traceback" not in errors, errors
 
 
