@@ -334,7 +334,10 @@ class PoolWorkers(PoolDispatch):
         # a retired pool's idle workers serve nothing more (new calls go to the pool that
         # replaced it), and each holds what its setup hook loaded (a model, GPU memory)
         window = 0.0 if self._successor is not None else self.config.idle_window_s
-        extra = len(self._workers) - self.warm
+        # those on their way out (killed for a timeout, dead, their socket closing) are not
+        # counted: an idle one stopped as an extra beside them leaves none once they are
+        # lost, and a cold start follows
+        extra = sum(w.usable or w.starting for w in self._workers) - self.warm
         for w in list(self._workers):
             if extra <= 0:
                 break

@@ -1,0 +1,53 @@
+"""The local pool where two of its events meet: a worker killed for a timeout while an idle
+one's window ends, a call dispatched between a worker's EOF and its loss, a worker's "ready"
+after the pool gave up on its start, a launch that fails once its process runs, and a raise in
+an async worker outside the function. Real worker processes on real sockets; where the timing
+of two events cannot be made to meet from outside, a seam of the pool's (its loop, a kill) is
+held to force it, and the code under test runs as it is."""
+
+from __future__ import annotations
+
+import asyncio
+
+from local_backend_helpers import _until
+from pool_race_fns import REG
+
+from fabric.backends.base import LocalConfig
+from fabric.backends.local import LocalBackend
+from fabric.errors import ErrorCode
+from fabric.protocol import Invocation
+
+
+def _inv(function: str, **payload) -> Invocation:
+    return Invocation(function=function, payload=payload)
+
+
+async def test_a_worker_killed_for_its_timeout_does_not_count_toward_warm(monkeypatch):
+    """``warm=1`` and two workers: one runs past the function's timeout and is killed in the
+    maintenance pass in which the other's idle window ends. The killed one stays in the pool
+    until its socket closes, and it was counted toward ``warm``: the idle one was stopped as
+    an extra, then the killed one was lost, the pool had none and started one cold."""
+    async with LocalBackend(REG, LocalConfig(max_workers=2, idle_window_s=3600)) as backend:
+        await backend.warmup(["nap"])
+        pool = backend.pool("nap")
+        # two at once: the second waits for a second worker (started for it), or for the first
+        rs = await asyncio.gather(*(backend.invoke(_inv("nap", seconds=0.2)) for _ in range(2)))
+        assert all(r.ok for r in rs), rs
+        await _until(lambda: sum(w.usable for w in pool._workers) == 2, "a second worker to be ready")
+        idle_window_ends = []
+        real_kill = pool._kill_for_timeout
+
+        def kill_for_timeout(w, call, message):
+            (idle,) = [x for x in pool._workers if x is not w]
+            idle.last_active = float("-inf")  # its idle window ends in the pass that kills w
+            idle_window_ends.append(idle)
+            real_kill(w, call, message)
+
+        monkeypatch.setattr(pool, "_kill_for_timeout", kill_for_timeout)
+        r = await backend.invoke(_inv("nap", seconds=3600))
+        assert r.error is not None and r.error.type == ErrorCode.TIMEOUT, r
+        (idle,) = idle_window_ends
+        # its loss starts a worker then and there if the pool has fewer than warm
+        await _until(lambda: pool.metrics["lost"] == 1, "the killed worker to be lost")
+        assert pool._workers == [idle] and idle.usable, "the idle worker was stopped, not kept warm"
+        assert pool.metrics["spawned"] == 2  # no cold start followed
