@@ -115,7 +115,14 @@ class WorkerHandle(asyncio.Protocol):
 
     @property
     def usable(self) -> bool:
-        return self.ready and not self.lost and self.kill_reason is None
+        """Whether calls may be sent to it. Not once its socket is closing: its EOF (or a
+        failed write) closes the transport a loop turn before ``connection_lost`` tells the
+        pool, and a call given it meanwhile is never sent, though its loss would fail it as
+        one the worker ran (an async worker's calls all run at once). Nor once its process
+        ended (``dead_since``): it reads nothing more."""
+        if not self.ready or self.lost or self.kill_reason is not None or self.dead_since is not None:
+            return False
+        return self.transport is None or not self.transport.is_closing()
 
     @property
     def starting(self) -> bool:

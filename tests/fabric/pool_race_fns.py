@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fabric.registry import Registry
@@ -12,4 +13,10 @@ REG = Registry()
 @REG.function(warm=1, timeout_s=0.5, retry={"max_attempts": 1})
 def nap(seconds: float) -> float:
     time.sleep(seconds)
+    return seconds
+
+
+@REG.function(warm=1, max_concurrency=4, retry={"max_attempts": 1})
+async def anap(seconds: float) -> float:
+    await asyncio.sleep(seconds)
     return seconds

@@ -8,6 +8,8 @@ held to force it, and the code under test runs as it is."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 from local_backend_helpers import _until
 from pool_race_fns import REG
@@ -51,3 +53,30 @@ async def test_a_worker_killed_for_its_timeout_does_not_count_toward_warm(monkey
         await _until(lambda: pool.metrics["lost"] == 1, "the killed worker to be lost")
         assert pool._workers == [idle] and idle.usable, "the idle worker was stopped, not kept warm"
         assert pool.metrics["spawned"] == 2  # no cold start followed
+
+
+async def test_an_async_call_dispatched_between_a_worker_s_eof_and_its_loss_is_not_lost():
+    """A worker's EOF closes its transport, and its ``connection_lost`` runs a loop turn
+    later: a dispatch in between (one another worker's answer scheduled, read in the turn of
+    the EOF) took the worker for usable and gave it a call, whose sending the closing
+    transport dropped. For an async function the loss then failed it ``WorkerLost``
+    "running the call" though it was never sent. The dispatch is run in that window here."""
+    async with LocalBackend(REG, LocalConfig(max_workers=1)) as backend:
+        await backend.warmup(["anap"])
+        pool = backend.pool("anap")
+        (w,) = pool._workers
+        late: list[asyncio.Future] = []
+        real_lost = w.connection_lost
+
+        def connection_lost(exc):
+            assert w.transport is not None and w.transport.is_closing()
+            late.append(pool.submit(_inv("anap", seconds=0)))
+            pool._dispatch()  # as a dispatch scheduled before this handler would
+            real_lost(exc)
+
+        w.connection_lost = connection_lost  # type: ignore[method-assign]
+        os.kill(w.proc.pid, signal.SIGKILL)
+        await _until(lambda: late, "the worker's loss")
+        r = await late[0]
+        assert r.ok, r.error  # never sent: it waited for the replacement worker
+        assert pool.metrics["lost"] == 1 and pool.metrics["spawned"] == 2
