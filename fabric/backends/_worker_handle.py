@@ -137,6 +137,11 @@ class WorkerHandle(asyncio.Protocol):
             kind = msg[0]
             if kind == "results":
                 self.pool._on_results(self, msg[1])
+            elif self.lost:
+                # its start was failed (timed out) and it was killed: a "ready" or "fatal" it
+                # sent meanwhile is read after that. The pool is done with it: read as a live
+                # one's, a ready ended the pool's fail-fast period, a fatal counted it twice
+                continue
             elif kind == "ready":
                 version = msg[1].get("version")
                 if version is not None and version != self.pool.spec.version:

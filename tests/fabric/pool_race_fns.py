@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 from fabric.registry import Registry
 
 REG = Registry()
+
+GATE_ENV = "FABRIC_TEST_SETUP_GATE"
+"""A file's path: ``gated``'s setup hook waits until the test creates it (the workers inherit
+the parent's environment)."""
 
 
 @REG.function(warm=1, timeout_s=0.5, retry={"max_attempts": 1})
@@ -20,3 +25,14 @@ def nap(seconds: float) -> float:
 async def anap(seconds: float) -> float:
     await asyncio.sleep(seconds)
     return seconds
+
+
+def _gated_setup() -> None:
+    gate = os.environ.get(GATE_ENV)
+    while gate and not os.path.exists(gate):
+        time.sleep(0.01)
+
+
+@REG.function(warm=1, setup=_gated_setup)
+def gated(x: int = 0) -> int:
+    return x

@@ -11,12 +11,14 @@ import asyncio
 import os
 import signal
 
+import pytest
 from local_backend_helpers import _until
-from pool_race_fns import REG
+from pool_race_fns import GATE_ENV, REG
 
+from fabric.backends._worker_handle import LIVE_PIDS, WorkerHandle
 from fabric.backends.base import LocalConfig
 from fabric.backends.local import LocalBackend
-from fabric.errors import ErrorCode
+from fabric.errors import ErrorCode, SetupFailedError
 from fabric.protocol import Invocation
 
 
@@ -80,3 +82,50 @@ async def test_an_async_call_dispatched_between_a_worker_s_eof_and_its_loss_is_n
         r = await late[0]
         assert r.ok, r.error  # never sent: it waited for the replacement worker
         assert pool.metrics["lost"] == 1 and pool.metrics["spawned"] == 2
+
+
+async def test_a_late_ready_from_a_worker_failed_for_its_start_timeout_keeps_the_pool_failing_fast(
+    tmp_path, monkeypatch
+):
+    """Three starts timed out in a row: the pool fails fast for the cooldown. A worker's
+    "ready" sent as the pool killed it for its timeout is read after its failure (the kill
+    does not take back what is in the socket); read as any worker's, it ended the fail-fast
+    period, and the pool started workers again at once. The kills are held until the
+    workers' readies are out, as if each had been in the socket when its kill landed."""
+    gate = tmp_path / "gate"
+    monkeypatch.setenv(GATE_ENV, str(gate))  # the setup hook waits for it: every start times out
+    real_kill, real_data = WorkerHandle.kill, WorkerHandle.data_received
+    held: list[WorkerHandle] = []
+    heard: list[WorkerHandle] = []
+    holding = True
+
+    def kill(self):
+        if holding:
+            held.append(self)
+        else:
+            real_kill(self)
+
+    def data_received(self, data):
+        real_data(self, data)
+        heard.append(self)
+
+    monkeypatch.setattr(WorkerHandle, "kill", kill)
+    monkeypatch.setattr(WorkerHandle, "data_received", data_received)
+    cfg = LocalConfig(start_timeout_s=0.2, setup_failure_cooldown_s=3600)
+    async with LocalBackend(REG, cfg) as backend:
+        pool = backend.pool("gated")
+        try:
+            with pytest.raises(SetupFailedError, match="did not become ready"):
+                await pool.wait_ready(30)
+            holding = False
+            assert len(held) == 3 and pool._broken is not None
+            gate.touch()
+            await _until(lambda: all(w in heard for w in held), "the failed workers' late readies", 30)
+            assert pool._broken is not None, "a late ready ended the fail-fast period"
+            r = await backend.invoke(_inv("gated"))
+            assert r.error is not None and r.error.type == ErrorCode.SETUP_FAILED, r
+        finally:
+            holding = False
+            for w in held:
+                real_kill(w)
+            await _until(lambda: not {w.proc.pid for w in held} & LIVE_PIDS, "the held workers' reaping")
