@@ -116,6 +116,12 @@ class PoolWorkers(PoolDispatch):
             await self._loop.connect_accepted_socket(lambda: w, parent)
         except BaseException:
             parent.close()
+            if w.proc is not None and w.transport is None:
+                # its process runs and no transport holds its socket: no EOF will come, so
+                # no _on_lost reaps it. Killed and reaped here, not left a zombie, its pid
+                # kept in LIVE_PIDS (killed as a group at exit, by then maybe another's)
+                w.kill()
+                self._reap_soon(w.proc)
             raise
         fault = self.config.fault.model_dump() if self.config.fault else None
         init = {"entry": self.spec.entry, "sys_path": list(sys.path), "fault": fault}

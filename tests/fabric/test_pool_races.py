@@ -8,6 +8,7 @@ held to force it, and the code under test runs as it is."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
 
@@ -129,3 +130,34 @@ async def test_a_late_ready_from_a_worker_failed_for_its_start_timeout_keeps_the
             for w in held:
                 real_kill(w)
             await _until(lambda: not {w.proc.pid for w in held} & LIVE_PIDS, "the held workers' reaping")
+
+
+async def test_a_launch_that_fails_after_its_process_started_reaps_the_process(monkeypatch):
+    """The worker's process started, then connecting its socket failed (no transport: no
+    EOF will ever come, so ``_on_lost`` does not reap it): it was killed and never waited
+    for, a zombie, its pid kept in ``LIVE_PIDS`` (killed as a process group at exit, by then
+    maybe another process's)."""
+    procs = []
+
+    async def refuse(protocol_factory, sock, **kw):
+        procs.append(protocol_factory().proc)
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    cfg = LocalConfig(setup_failure_cooldown_s=3600)
+    async with LocalBackend(REG, cfg) as backend:
+        monkeypatch.setattr(asyncio.get_running_loop(), "connect_accepted_socket", refuse)
+        pool = backend.pool("nap")
+        try:
+            with pytest.raises(SetupFailedError, match="cannot start a worker: OSError"):
+                await pool.wait_ready(30)
+            assert len(procs) == 3
+            await _until(
+                lambda: all(p.returncode is not None and p.pid not in LIVE_PIDS for p in procs),
+                "the workers whose launch failed to be reaped",
+            )
+        finally:
+            for p in procs:  # a failed test leaves no zombie behind
+                if p.returncode is None:
+                    p.kill()
+                    p.wait()
+                LIVE_PIDS.discard(p.pid)
