@@ -231,6 +231,18 @@ class _Serve(asyncio.Protocol):
             ok, res = await self.runner.run_async(raw, timeout_s, keep)
         except asyncio.CancelledError:
             ok, res = False, (ErrorCode.CANCELLED, "cancelled by the caller", None)
+        except Exception as e:  # a bug of ours, not the function's (its raises are outcomes)
+            # answered, or the parent would hold the call until it killed this worker for the
+            # function's timeout, losing its other calls. The worker's other calls run on, so
+            # it is not ended as a synchronous one is (_run_sync); as there, the call counts
+            # as lost running: it may have run (the raise may come after the handler returned)
+            traceback.print_exc()
+            try:
+                what = f"{type(e).__name__}: {e}"
+            except Exception:  # its str() raised: the answer must still go out
+                what = type(e).__name__
+            msg = f"worker error running the call (not the function's): {what}"
+            ok, res = False, (ErrorCode.WORKER_LOST, msg, traceback.format_exc()[-4000:])
         finally:
             self.tasks.pop(cid, None)
             self.timers.pop(cid, None)

@@ -36,3 +36,23 @@ def _gated_setup() -> None:
 @REG.function(warm=1, setup=_gated_setup)
 def gated(x: int = 0) -> int:
     return x
+
+
+def _break_the_runner() -> None:
+    """In the worker: the runner's ``run_async`` raises for a payload that asks it to, as a
+    bug of fabric's own there would (the function's raises are outcomes, never raised)."""
+    from fabric.runner import FunctionRunner
+
+    real = FunctionRunner.run_async
+
+    async def run_async(self, raw, timeout_s, on_timer=None):
+        if b"boom" in raw:
+            raise RuntimeError("a bug in the runner")
+        return await real(self, raw, timeout_s, on_timer)
+
+    FunctionRunner.run_async = run_async
+
+
+@REG.function(warm=1, timeout_s=1, max_concurrency=4, retry={"max_attempts": 1}, setup=_break_the_runner)
+async def fragile(boom: bool = False) -> bool:
+    return boom

@@ -161,3 +161,18 @@ async def test_a_launch_that_fails_after_its_process_started_reaps_the_process(m
                     p.kill()
                     p.wait()
                 LIVE_PIDS.discard(p.pid)
+
+
+async def test_an_unexpected_raise_in_an_async_worker_answers_the_call():
+    """Outside the function (whose raises are outcomes), a raise in the async worker's run of
+    a call (a bug of fabric's) ended its task with no answer: the call was held until the
+    pool killed the worker for the function's timeout (its other calls lost with it). It is
+    answered at once, as run and lost (it may have run), and the worker serves on."""
+    async with LocalBackend(REG, LocalConfig(max_workers=1)) as backend:
+        await backend.warmup(["fragile"])
+        r = await backend.invoke(_inv("fragile", boom=True))
+        assert r.error is not None and r.error.type == ErrorCode.WORKER_LOST, r
+        assert "RuntimeError: a bug in the runner" in r.error.message
+        assert (await backend.invoke(_inv("fragile"))).ok
+        stats = backend.stats()["fragile"]
+        assert stats["timeouts"] == 0 and stats["lost"] == 0 and stats["spawned"] == 1
