@@ -92,6 +92,9 @@ class TorchTrainerConfig(BaseModel):
     clip_low: float = Field(0.2, gt=0.0, lt=1.0)
     clip_high: float | None = Field(None, gt=0.0)
     """Upper ratio clip; ``None`` = ``clip_low`` (symmetric)."""
+    clip_ratio_c: float | None = Field(3.0, gt=1.0, allow_inf_nan=False)
+    """Dual clip: where the advantage is negative a token's loss is at most ``-A * clip_ratio_c``
+    (``core.trainer.grpo.policy_loss``); None: off."""
     kl_coef: float = Field(0.0, ge=0.0)
     entropy_coef: float = Field(0.0, ge=0.0)
     """Bonus on the policy's entropy at the trained tokens: keeps a small policy exploring
@@ -130,6 +133,7 @@ SHARED_TRAINER_FIELDS = {
     "lr": "lr",
     "clip_low": "clip_eps",
     "clip_high": "clip_eps_high",
+    "clip_ratio_c": "clip_ratio_c",
     "kl_coef": "kl_coef",
     "epochs": "epochs",
     "grad_clip": "max_grad_norm",

@@ -82,6 +82,9 @@ class MegatronTrainerConfig(BaseModel):
     clip_low: float = Field(0.2, gt=0.0, lt=1.0)
     clip_high: float | None = Field(None, gt=0.0)
     """Upper ratio clip; ``None`` = ``clip_low`` (symmetric)."""
+    clip_ratio_c: float | None = Field(3.0, gt=1.0, allow_inf_nan=False)
+    """Dual clip: where the advantage is negative a token's loss is at most ``-A * clip_ratio_c``
+    (``core.trainer.grpo.policy_loss``); None: off."""
     kl_coef: float = Field(0.0, ge=0.0)
     """Weight of the k3 KL to a frozen copy of the initial policy (0: no copy is kept)."""
     entropy_coef: float = Field(0.0, ge=0.0)

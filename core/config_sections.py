@@ -296,6 +296,11 @@ class TrainerConfig(ConfigModel):
     """Trajectories per optimiser step (None: the whole batch)."""
     clip_eps_high: float | None = Field(None, gt=0, allow_inf_nan=False)
     """Upper ratio clip (DAPO's clip-higher); None: ``clip_eps``."""
+    clip_ratio_c: float | None = Field(3.0, gt=1, allow_inf_nan=False)
+    """Dual clip (veRL's ``clip_ratio_c``, same default): where the advantage is negative a
+    token's loss is at most ``-A * clip_ratio_c``. The ratio clip leaves that side unbounded,
+    and a stale sample (``alpha > 0``) can carry a large ratio whose gradient then dominates
+    the update; None: off."""
     max_grad_norm: float | None = Field(1.0, gt=0, allow_inf_nan=False)
     entropy_coef: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Bonus on the policy's entropy (keeps a small policy exploring); with ``entropy_target``

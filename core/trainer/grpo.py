@@ -7,6 +7,7 @@ batching, so each piece is checked against hand-computed numbers in the tests.
     A_i   = (r_i - mean(r_group)) / (std(r_group) + eps)               group_advantages
     ratio = exp(clamp(logp - logp_old, -20, 20))
     loss  = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)  policy_loss
+            and for A < 0, at most -A * c (dual clip, c = clip_ratio_c)
     kl    = exp(ref - logp) - (ref - logp) - 1                          kl_k3 (Schulman's k3)
 
 For multi-turn agents, ``step_advantages`` adds GiGPO's per-state comparison on top of the
@@ -135,16 +136,27 @@ def policy_loss(
     *,
     clip_low: float = 0.2,
     clip_high: float | None = None,
+    clip_ratio_c: float | None = None,
     agg: LossAgg = "token_mean",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The clipped-ratio surrogate (to minimise) and its diagnostics.
 
     ``advantages`` is ``[B]`` (one per sample, broadcast over its tokens) or ``[B, T]``.
-    ``clip_high`` defaults to ``clip_low`` (DAPO's clip-higher sets it larger). Stats:
-    ``clip_frac`` (share of tokens where the clipped branch is the one taken, i.e. the
-    gradient is zero), ``ratio_mean``, ``approx_kl`` (KL(old || new) by k3 on the old
+    ``clip_high`` defaults to ``clip_low`` (DAPO's clip-higher sets it larger).
+    ``clip_ratio_c`` (> 1; None: off) is the dual clip of Ye et al. (2020), as veRL applies
+    it: where ``A < 0`` the token's loss is at most ``-A * c``. The PPO clip bounds the ratio
+    only from the side that would grow the objective; with a negative advantage a large ratio
+    (a stale sample under ``alpha > 0``, a token the policy now much prefers) is the unclipped
+    branch, and its loss and gradient grow with the ratio without bound. Past ``c`` the
+    token's gradient is 0 instead. Stats: ``clip_frac`` (share of tokens where the clipped
+    branch is the one taken, i.e. the gradient is zero), ``dual_clip_frac`` (share where
+    the dual clip is), ``ratio_mean``, ``approx_kl`` (KL(old || new) by k3 on the old
     policy's samples, a drift gauge).
     """
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(
+            f"clip_ratio_c must be above 1 (a ratio bound past 1 + clip_high), got {clip_ratio_c}"
+        )
     if clip_high is None:
         clip_high = clip_low
     adv = advantages[:, None] if advantages.ndim == 1 else advantages
@@ -161,12 +173,18 @@ def policy_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    dual = torch.zeros_like(per_token, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        bound = -adv * clip_ratio_c  # positive where A < 0
+        dual = (adv < 0) & (per_token > bound)
+        per_token = torch.where(dual, bound.expand_as(per_token), per_token)
     loss = aggregate(per_token, mask, agg)
     with torch.no_grad():
         m = mask.to(ratio.dtype)
         took_clip = (clipped < unclipped).to(ratio.dtype)
         stats = {
             "clip_frac": masked_mean(took_clip, m),
+            "dual_clip_frac": masked_mean(dual.to(ratio.dtype), m),
             "ratio_mean": masked_mean(ratio, m),
             # KL(behaviour || current) by k3 on the tokens the behaviour policy sampled:
             # (r - 1) - log r with r = current / behaviour. The form for samples of the

@@ -407,7 +407,10 @@ class MegatronTrainer(Trainer):
         seq_total = sum(1 for s in samples if any(s.token_mask))
         micro = cfg.micro_batch_size or len(samples)
         self.optimizer.zero_grad(set_to_none=True)
-        out = dict.fromkeys(("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "approx_kl"), 0.0)
+        out = dict.fromkeys(
+            ("loss", "pg_loss", "kl", "entropy", "clip_frac", "dual_clip_frac", "ratio_mean", "approx_kl"),
+            0.0,
+        )
         for start in range(0, len(samples), micro):
             part = samples[start : start + micro]
             packed = self._pack(part)
@@ -429,6 +432,7 @@ class MegatronTrainer(Trainer):
                 packed.mask,
                 clip_low=cfg.clip_low,
                 clip_high=cfg.clip_high,
+                clip_ratio_c=cfg.clip_ratio_c,
                 agg=cfg.loss_agg,
             )
             # entropy at the trained positions; a gradient only when it is rewarded (a detached
@@ -446,7 +450,7 @@ class MegatronTrainer(Trainer):
             out["pg_loss"] += weight * pg.item()
             out["kl"] += weight * kl.item()
             out["entropy"] += weight * ent.item()
-            for k in ("clip_frac", "ratio_mean", "approx_kl"):
+            for k in ("clip_frac", "dual_clip_frac", "ratio_mean", "approx_kl"):
                 out[k] += tok_weight * float(stats[k])
         norm = self._clip_gradients(cfg.grad_clip)
         if not math.isfinite(norm):

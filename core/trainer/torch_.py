@@ -124,7 +124,14 @@ class TorchTrainer(Trainer):
         logits = _run_once(self.model, ids, attn, distinct, start)
         logp, ent_tok = logprobs_and_entropy(logits, targets, cfg.temperature, restrict)
         pg, stats = policy_loss(
-            logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.loss_agg
+            logp,
+            old,
+            adv,
+            mask,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            clip_ratio_c=cfg.clip_ratio_c,
+            agg=cfg.loss_agg,
         )
         # entropy at the trained positions only (with a gradient when it is rewarded)
         ent = aggregate(ent_tok if self.entropy_coef > 0 else ent_tok.detach(), mask, cfg.loss_agg)
@@ -151,6 +158,7 @@ class TorchTrainer(Trainer):
             "pg_loss": pg.item(),
             "kl": kl.item(),
             "clip_frac": float(stats["clip_frac"]),
+            "dual_clip_frac": float(stats["dual_clip_frac"]),
             "ratio_mean": float(stats["ratio_mean"]),
             "approx_kl": float(stats["approx_kl"]),
             "entropy": ent.item(),

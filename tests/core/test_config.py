@@ -281,6 +281,22 @@ def test_the_torch_trainers_kwargs_are_checked_with_the_config():
     assert cfg.trainer.kwargs["weight_decay"] == 0.01
 
 
+def test_the_dual_clip_is_on_at_verls_default_reaches_both_backends_and_is_bounded_above_one():
+    from core.config_backends import backend_config
+    from core.config_megatron import MegatronTrainerConfig
+
+    cfg = load(base())
+    assert cfg.trainer.clip_ratio_c == 3.0
+    options = backend_config(cfg.trainer, temperature=1.0, seed=0)
+    assert options["clip_ratio_c"] == 3.0
+    assert MegatronTrainerConfig.model_fields["clip_ratio_c"].default == 3.0
+    assert load(base(trainer={"clip_ratio_c": None})).trainer.clip_ratio_c is None
+    [(key, msg)] = problems(base(trainer={"clip_ratio_c": 1.0}))
+    assert key == "trainer.clip_ratio_c" and msg.startswith("must be > 1")
+    got = dict(problems(base(trainer={"kwargs": {"clip_ratio_c": 5.0}})))
+    assert got["trainer.kwargs.clip_ratio_c"] == "set by the job from trainer.clip_ratio_c: set it there"
+
+
 def test_trainer_kwargs_the_job_sets_itself_are_refused_naming_the_key_to_use():
     # taken silently: scale_advantages: false under kwargs still trained on std-normalised
     # advantages (the job computes them in build_batch from trainer.scale_advantages), and

@@ -151,6 +151,41 @@ def test_clip_high_widens_the_upper_bound_only():
     assert float(stats["clip_frac"]) == 0.0
 
 
+def test_dual_clip_bounds_the_loss_of_a_negative_advantage_at_c():
+    # ratios 1, 5 (a stale sample the policy now much prefers) and 0.5, advantage -2: the ratio
+    # clip takes the larger loss for A < 0, so the ratio of 5 was unclipped, loss 10
+    old = torch.log(torch.tensor([[0.1, 0.1, 0.1]]))
+    new = torch.log(torch.tensor([[0.1, 0.5, 0.05]])).requires_grad_(True)
+    mask = torch.ones(1, 3)
+    plain, plain_stats = policy_loss(new, old, torch.tensor([-2.0]), mask, clip_low=0.2)
+    assert plain.item() == pytest.approx((2 + 10 + 1.6) / 3, rel=1e-5)
+    assert float(plain_stats["dual_clip_frac"]) == 0.0
+    # dual clip c = 3: min(max(-A r, -A clip(r)), -A c) = min(10, 6) = 6; 2 and 1.6 are under it
+    loss, stats = policy_loss(new, old, torch.tensor([-2.0]), mask, clip_low=0.2, clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx((2 + 6 + 1.6) / 3, rel=1e-5)
+    assert float(stats["dual_clip_frac"]) == pytest.approx(1 / 3)
+    loss.backward()
+    # d/dlogp of -A r = 2 r: the ratio-1 token 2/3; the dual-clipped one and the one the
+    # ratio clip took (r = 0.5 < 0.8) get nothing
+    assert new.grad is not None and new.grad[0].tolist() == pytest.approx([2 / 3, 0.0, 0.0], rel=1e-5)
+
+
+def test_dual_clip_leaves_a_positive_advantage_alone():
+    old = torch.log(torch.tensor([[0.1, 0.1]]))
+    new = torch.log(torch.tensor([[0.1, 0.5]]))
+    with_c, stats = policy_loss(new, old, torch.tensor([2.0]), torch.ones(1, 2), clip_ratio_c=3.0)
+    without, _ = policy_loss(new, old, torch.tensor([2.0]), torch.ones(1, 2))
+    assert with_c.item() == pytest.approx(without.item()) == pytest.approx(-(2 + 2.4) / 2)
+    assert float(stats["dual_clip_frac"]) == 0.0
+
+
+@pytest.mark.parametrize("c", [1.0, 0.5])
+def test_dual_clip_needs_a_bound_above_one(c):
+    lp = torch.zeros(1, 1)
+    with pytest.raises(ValueError, match="clip_ratio_c must be above 1"):
+        policy_loss(lp, lp, torch.tensor([-1.0]), torch.ones(1, 1), clip_ratio_c=c)
+
+
 def test_per_token_advantages_and_on_policy_ratio():
     lp = torch.log(torch.tensor([[0.2, 0.4]]))
     loss, stats = policy_loss(lp, lp.clone(), torch.tensor([[2.0, -1.0]]), torch.ones(1, 2))

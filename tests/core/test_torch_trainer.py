@@ -283,6 +283,21 @@ def test_clipping_caps_off_policy_updates():
     assert metrics["clip_frac"] == 1.0 and metrics["grad_norm"] == 0.0
 
 
+def test_the_dual_clip_caps_a_stale_sample_with_a_negative_advantage():
+    # ratio e^2 = 7.4 with A = -1: the ratio clip took this unclipped branch (loss 7.4, full
+    # gradient); the dual clip at c = 3 caps its loss at 3, with no gradient
+    m = model()
+    right = TOK.token_to_id("right")
+    s = sample(m, [2, 5], [right], -1.0)
+    stale = s.model_copy(update={"old_logprobs": [s.old_logprobs[0] - 2.0]})
+    capped = TorchTrainer(model(), TorchTrainerConfig(lr=1e-2)).step([stale])
+    assert capped["dual_clip_frac"] == 1.0 and capped["grad_norm"] == 0.0
+    assert capped["pg_loss"] == pytest.approx(3.0)
+    free = TorchTrainer(model(), TorchTrainerConfig(lr=1e-2, clip_ratio_c=None)).step([stale])
+    assert free["dual_clip_frac"] == 0.0 and free["grad_norm"] > 0
+    assert free["pg_loss"] == pytest.approx(math.exp(2.0), rel=1e-4)
+
+
 def test_restricted_sampling_is_trained_under_the_same_restriction():
     right, left = TOK.token_to_id("right"), TOK.token_to_id("left")
     allowed = [right, left]
@@ -411,7 +426,14 @@ def test_samples_that_feed_the_model_the_same_tokens_are_run_through_it_once():
     adv = torch.tensor([s.advantage for s in batch])
     logp, ent_tok = logprobs_and_entropy(ref(ids, attn), targets, cfg.temperature, restrict)
     pg, _ = policy_loss(
-        logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.loss_agg
+        logp,
+        old,
+        adv,
+        mask,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        clip_ratio_c=cfg.clip_ratio_c,
+        agg=cfg.loss_agg,
     )
     ent = aggregate(ent_tok, mask, cfg.loss_agg)
     with torch.no_grad():
