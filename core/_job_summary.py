@@ -63,6 +63,7 @@ class JobSummary(JobCheckpoints):
             "trajectories": {**self.tally.counts, "errors": dict(self.tally.errors)},
             "aborted_trained": self.tally.counts["aborted_trained"],
             "masked_trained": self.tally.counts["masked_trained"],
+            "nonfinite_logprob_trained": self.tally.counts["nonfinite_logprob_trained"],
             "buffer": {k: v for k, v in buffer.metrics().items() if k not in ("trainer_wait_s",)},
             "rewards": stream.metrics(),
             "groups": dict(runner.metrics),

@@ -344,6 +344,10 @@ class Job(JobSetup):
                 batch = build_batch(groups, cfg.trainer, env_shares=cfg.env_return_shares)
                 metrics_ref, state_ref = self.trainer_handle.step.options(num_returns=2).remote(batch)
                 metrics = await self._from_trainer(metrics_ref, f"step {step}")
+                # turns whose engine logprobs were not finite: masked by the trainer (it warns)
+                self.tally.counts["nonfinite_logprob_trained"] += int(
+                    metrics.get("nonfinite_logprob_samples", 0)
+                )
                 train_s = time.perf_counter() - tt
                 if eval_task is not None and cfg.rollout.eval_exact:
                     run_dir.log(await eval_task)  # its turns all on the version it measures

@@ -114,7 +114,12 @@ class Tally:
             "lr": metrics.get("lr"),
             # the drift gauges: approx_kl between the engine's logprobs and the trainer's at the
             # first update is ~0 when the engines serve the weights the trainer published
-            **{k: metrics.get(k) for k in ("approx_kl", "clip_frac", "ratio_mean", "grad_norm")},
+            **{
+                k: metrics.get(k)
+                for k in ("approx_kl", "clip_frac", "dual_clip_frac", "ratio_mean", "grad_norm")
+            },
+            # turns the trainer masked for a non-finite engine logprob (it logs a warning)
+            "nonfinite_logprob_samples": metrics.get("nonfinite_logprob_samples"),
             "finished": {k: w[k] for k in ("ok", "truncated", "aborted", "infra_failed", "reward_failed")},
             "stale_groups": w["stale_groups"],
             "given_up_groups": w["given_up_groups"],

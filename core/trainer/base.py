@@ -19,6 +19,8 @@ times the step and bumps the version; a backend implements ``_step`` and ``state
 from __future__ import annotations
 
 import importlib
+import logging
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -33,6 +35,8 @@ from core.errors import CoreError
 from core.rollout.engines.base import Completion
 from core.trainer.grpo import group_advantages
 from fabric.protocol import Message, Trajectory
+
+log = logging.getLogger(__name__)
 
 #: Fields ``assistant_message`` adds to a turn so the trainer can rebuild it token-exactly.
 TURN_FIELDS = ("prompt_ids", "token_ids", "logprobs")
@@ -127,6 +131,28 @@ def batch_advantages(batch: Sequence[TrainSample], *, eps: float = 1e-6, scale: 
     )
     by_traj = dict(zip(names, adv.tolist(), strict=True))
     return [s.advantage if s.advantage is not None else by_traj[k] for s, k in zip(batch, keys, strict=True)]
+
+
+def without_nonfinite_logprobs(batch: Sequence[TrainSample]) -> tuple[list[TrainSample], list[int]]:
+    """``batch`` with every sample whose engine logprob is NaN or infinite at a trained
+    token masked whole (its old logprobs zeroed), and the indices of those samples.
+
+    A NaN behaviour logprob makes the token's ratio NaN, which the log-ratio clamp passes no
+    gradient through: the update went on and reported a NaN loss, ratio and KL, with nothing
+    said. Such a value is a fault of the engine for that sequence (an overflow in its
+    forward), so the turn's other logprobs are not trusted either: the turn does not train,
+    its trajectory's reward still counts in its group's advantages."""
+    out: list[TrainSample] = []
+    bad: list[int] = []
+    for i, s in enumerate(batch):
+        mask = s.token_mask
+        if all(math.isfinite(lp) for lp, m in zip(s.old_logprobs, mask, strict=True) if m):
+            out.append(s)
+            continue
+        bad.append(i)
+        n = len(s.completion_ids)
+        out.append(s.model_copy(update={"mask": [0] * n, "old_logprobs": [0.0] * n}))
+    return out, bad
 
 
 def minibatch_updates(
@@ -255,8 +281,21 @@ class Trainer(ABC):
             raise TrainerError("step() needs a non-empty batch")
         t0 = time.perf_counter()
         advantages = batch_advantages(batch, eps=self._adv_eps, scale=self._scale)
+        batch, bad = without_nonfinite_logprobs(batch)
+        if bad:
+            first = batch[bad[0]]
+            log.warning(
+                "%d of %d samples have a non-finite engine logprob at a trained token (the first: "
+                "trajectory %r, policy version %d); they are masked out of this update: check the "
+                "inference engine's logprobs",
+                len(bad),
+                len(batch),
+                first.trajectory_id,
+                first.policy_version,
+            )
         coef = self.entropy.coef
         metrics = self._step(batch, advantages)
+        metrics["nonfinite_logprob_samples"] = float(len(bad))
         self._version += 1
         # the coefficient this update used; the next one's is steered by what it measured
         self.entropy.update(metrics.get("entropy"))

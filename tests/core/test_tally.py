@@ -123,3 +123,10 @@ def test_a_failed_reward_moves_its_trajectory_out_of_ok_so_the_counts_add_up():
     finished = row(tally, stream, 1)["finished"]
     assert finished == {"ok": 1, "truncated": 0, "aborted": 0, "infra_failed": 1, "reward_failed": 2}
     assert sum(finished.values()) == len(samples)
+
+
+def test_a_train_row_carries_the_dual_clip_and_the_masked_non_finite_logprob_turns():
+    tally, stream = Tally(), FakeStream()
+    metrics = {"dual_clip_frac": 0.25, "nonfinite_logprob_samples": 2.0}
+    got = tally.train_row(1, 1, [group("g", "ok", "ok")], metrics, 1.0, 0.0, 0.0, 0.0, stream)  # type: ignore[arg-type]
+    assert got["dual_clip_frac"] == 0.25 and got["nonfinite_logprob_samples"] == 2.0

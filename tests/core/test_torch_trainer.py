@@ -298,6 +298,39 @@ def test_the_dual_clip_caps_a_stale_sample_with_a_negative_advantage():
     assert free["pg_loss"] == pytest.approx(math.exp(2.0), rel=1e-4)
 
 
+@pytest.mark.parametrize("bad", [math.nan, -math.inf])
+def test_a_sample_with_a_non_finite_engine_logprob_is_masked_counted_and_warned_of(bad, caplog):
+    # a NaN behaviour logprob made the ratio NaN: the clamp passes no gradient through it, so
+    # the update went on and reported a NaN loss (and ratio_mean, approx_kl) without a word
+    right, left = TOK.token_to_id("right"), TOK.token_to_id("left")
+    m = model()
+    good = sample(m, [2, 5], [right, TOK.end_id], 1.0, trajectory_id="a")
+    broken = sample(m, [2, 6], [left, TOK.end_id], -1.0, trajectory_id="b")
+    broken = broken.model_copy(update={"old_logprobs": [broken.old_logprobs[0], bad]})
+    trainer = TorchTrainer(model(), TorchTrainerConfig(lr=1e-2))
+    with caplog.at_level("WARNING", logger="core.trainer.base"):
+        metrics = trainer.step([good, broken])
+    assert all(math.isfinite(v) for v in metrics.values()), metrics
+    assert metrics["nonfinite_logprob_samples"] == 1.0 and metrics["tokens"] == 2.0
+    assert "1 of 2 samples" in caplog.text and "trajectory 'b'" in caplog.text
+    # the broken sample's turn does not train at all (its other logprobs are not to be trusted
+    # either): the update is the good sample's alone
+    alone = TorchTrainer(model(), TorchTrainerConfig(lr=1e-2))
+    again = alone.step([good, broken.model_copy(update={"mask": [0, 0], "old_logprobs": [0.0, 0.0]})])
+    assert again["nonfinite_logprob_samples"] == 0.0 and again["loss"] == pytest.approx(metrics["loss"])
+    pairs = zip(trainer.state().values(), alone.state().values(), strict=True)
+    assert all(torch.equal(x, y) for x, y in pairs)
+
+
+def test_a_non_finite_logprob_where_the_mask_is_0_is_not_counted():
+    right = TOK.token_to_id("right")
+    m = model()
+    s = sample(m, [2, 5], [right, TOK.end_id], 1.0)
+    s = s.model_copy(update={"old_logprobs": [s.old_logprobs[0], math.nan], "mask": [1, 0]})
+    metrics = TorchTrainer(m, TorchTrainerConfig(lr=1e-2)).step([s])
+    assert metrics["nonfinite_logprob_samples"] == 0.0 and math.isfinite(metrics["loss"])
+
+
 def test_restricted_sampling_is_trained_under_the_same_restriction():
     right, left = TOK.token_to_id("right"), TOK.token_to_id("left")
     allowed = [right, left]
