@@ -97,6 +97,9 @@ class JobCheckpoints(JobState):
         self.evaluator.restore(saved)
         self.evaluator.rows.extend(run_dir.evals)
         progress.note(f"resumed from {path} (step {self.step}, policy version {version})")
+        schedule = await self._from_trainer(self.trainer_handle.schedule_note.remote(), "schedule note")
+        if schedule:  # resumed with other steps: what became of the learning-rate schedule
+            progress.note(schedule)
         for key, what in self._changes:
             progress.note(f"changed on resume (--allow-change): {key} {what}")
 

@@ -10,6 +10,7 @@ pass further backend options through (``weight_decay``, ``loss_agg``, ``num_thre
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -25,6 +26,8 @@ from core.config_backends import backend_config
 from core.errors import ConfigError, writing
 from core.policy.build import PolicyBundle
 from core.trainer.base import Trainer, TrainerError, TrainSample
+
+log = logging.getLogger(__name__)
 
 
 class TrainerActor:
@@ -43,14 +46,14 @@ class TrainerActor:
             bundle = PolicyBundle.load(bundle)
         self.trainer = make_trainer(cfg, bundle, temperature=temperature, seed=seed)
         self.steps = 0
+        self._schedule_note: str | None = None
         self._writes: dict[str, Future[None]] = {}  # snapshots being written, by path
 
     def step(self, batch: Sequence[TrainSample]) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """One update; returns its metrics and the new weights (``num_returns=2``: the
         caller forwards the weights' object ref without fetching them)."""
         if self.cfg.lr_end is not None and hasattr(self.trainer, "set_lr"):
-            frac = min(1.0, self.steps / max(self.total_steps - 1, 1))
-            self.trainer.set_lr(self.cfg.lr + frac * (self.cfg.lr_end - self.cfg.lr))
+            self.trainer.set_lr(self._lr_at(self.steps, self.total_steps))
         # a sample without a trajectory id is its own trajectory (as batch_advantages counts
         # it): a set of the ids made all of them one, and the whole batch a single update
         ids = [s.trajectory_id for s in batch]
@@ -62,6 +65,18 @@ class TrainerActor:
         metrics = self.trainer.step(batch)
         self.steps += 1
         return metrics, self.trainer.state()
+
+    def _lr_at(self, step: int, total: int) -> float:
+        """The learning rate of the step after ``step`` of them, on a ``total``-step schedule:
+        linear from ``lr`` to ``lr_end`` at its last step, ``lr_end`` after it."""
+        assert self.cfg.lr_end is not None
+        frac = min(1.0, step / max(total - 1, 1))
+        return self.cfg.lr + frac * (self.cfg.lr_end - self.cfg.lr)
+
+    def schedule_note(self) -> str | None:
+        """What the last ``load`` did to the learning-rate schedule when the resumed run's
+        ``steps`` differ from the saved run's (for the job's progress output), or None."""
+        return self._schedule_note
 
     def version(self) -> int:
         return self.trainer.version
@@ -117,9 +132,12 @@ class TrainerActor:
             self._writes.pop(path, None)
 
     def load(self, path: str) -> int:
-        """Back to what ``save`` wrote; the version it was at. The learning-rate schedule
-        keeps the length it had: a run extended past it (``--resume --steps``) goes on at
-        ``lr_end``, not back up a schedule stretched over the new length."""
+        """Back to what ``save`` wrote; the version it was at. A run extended past the
+        saved schedule's length (``--resume --steps``) keeps it and goes on at ``lr_end``,
+        not back up a schedule stretched over the new length. A run shortened follows the
+        new length (the rate steps down to it at once): keeping the saved one, it ended
+        short of ``lr_end`` (a decay to ``lr_end`` is what the config asks of its last step).
+        ``schedule_note`` says which, when the lengths differ."""
         try:
             data = torch.load(path, map_location="cpu", weights_only=False)
             state, steps = data["state"], int(data["steps"])
@@ -127,7 +145,23 @@ class TrainerActor:
             raise TrainerError(f"cannot read the checkpoint {path!r}: {type(e).__name__}: {e}") from None
         self.trainer.load_training_state(state)
         self.steps = steps
-        self.total_steps = int(data.get("total_steps", self.total_steps))
+        saved = int(data.get("total_steps", self.total_steps))
+        wanted, self.total_steps = self.total_steps, min(saved, self.total_steps)
+        self._schedule_note = None
+        if self.cfg.lr_end is not None and saved != wanted:
+            end = self.cfg.lr_end
+            if wanted < saved:
+                self._schedule_note = (
+                    f"the learning-rate schedule follows the new steps: {wanted} (was {saved}): "
+                    f"it reaches lr_end {end:g} at step {wanted}; lr {self._lr_at(steps, wanted):.2g} "
+                    f"at step {steps + 1} ({self._lr_at(steps, saved):.2g} on the saved schedule)"
+                )
+            else:
+                self._schedule_note = (
+                    f"the learning-rate schedule keeps its {saved} steps: steps {saved + 1} to "
+                    f"{wanted} train at lr_end {end:g}"
+                )
+            log.info("%s", self._schedule_note)
         return self.trainer.version
 
 

@@ -251,6 +251,48 @@ def test_the_trainer_actor_saves_whole_files_and_restores_the_schedule(tmp_path)
     )
 
 
+@pytest.mark.parametrize(
+    ("resumed_steps", "lrs"), [(3, [5.5e-3, 1e-3]), (8, [8.2e-3, 6.4e-3, 4.6e-3, 2.8e-3, 1e-3, 1e-3, 1e-3])]
+)
+def test_a_resume_that_lowers_steps_reaches_lr_end_at_the_new_last_step(tmp_path, resumed_steps, lrs):
+    # written at step 1 of a 6-step schedule (1e-2 -> 1e-3 by 1.8e-3 a step). Resumed with
+    # steps: 3, it kept the saved 6 and ended at 6.4e-3, never near lr_end; it now follows the
+    # new length and says so. A longer run keeps the saved length and goes on at lr_end
+    from core.config import TrainerConfig
+    from core.policy.build import PolicyBundle
+
+    m = model()
+    bundle = PolicyBundle(tokenizer=TOK.to_dict(), model_config=m.config.model_dump(), state=m.state_dict())
+    cfg = TrainerConfig(lr=1e-2, lr_end=1e-3)
+    actor = TrainerActor(cfg, bundle, total_steps=6, temperature=1.0, seed=0)
+    actor.step(_batch(actor.trainer))
+    path = str(tmp_path / "trainer.pt")
+    actor.save(path)
+    again = TrainerActor(cfg, bundle, total_steps=resumed_steps, temperature=1.0, seed=0)
+    again.load(path)
+    note = again.schedule_note()
+    assert note is not None
+    if resumed_steps < 6:
+        assert "follows the new steps: 3 (was 6)" in note and "lr_end 0.001 at step 3" in note
+        assert "0.0055 at step 2 (0.0082 on the saved schedule)" in note
+    else:
+        assert "keeps its 6 steps" in note and "steps 7 to 8 train at lr_end 0.001" in note
+    got = []
+    for _ in range(resumed_steps - 1):
+        got.append(again.step(_batch(again.trainer))[0]["lr"])
+    assert got == pytest.approx(lrs)
+
+
+def test_a_resume_with_the_same_steps_says_nothing_of_the_schedule(tmp_path):
+    actor = _actor()
+    actor.step(_batch(actor.trainer))
+    path = str(tmp_path / "trainer.pt")
+    actor.save(path)
+    again = _actor()
+    again.load(path)
+    assert again.schedule_note() is None
+
+
 def _actor(lr: float = 1e-2) -> TrainerActor:
     from core.config import TrainerConfig
     from core.policy.build import PolicyBundle
