@@ -34,8 +34,10 @@ def report(run: Path, bar: float, budget_s: float) -> dict[str, Any]:
     # an eval row's wall_s is when it finished, counted from the start of training
     curve = [(e["step"], round(setup + e["wall_s"], 1), e["success"]) for e in evals]
     unseen = [(e.get("success_unseen"), e.get("episodes_unseen")) for e in evals]
-    reached = next(((s, w) for s, w, ok in curve if ok >= bar), None)
-    within = [ok for _, w, ok in curve if w <= budget_s]
+    # success None: an evaluation with no episode to score (every one infra_failed), which
+    # measured nothing: skipped by the bar, the budget's figure and the best
+    reached = next(((s, w) for s, w, ok in curve if ok is not None and ok >= bar), None)
+    within = [ok for _, w, ok in curve if w <= budget_s and ok is not None]
     return {
         "run": str(run),
         "setup_s": setup,
@@ -43,7 +45,7 @@ def report(run: Path, bar: float, budget_s: float) -> dict[str, Any]:
         "bar_step": reached[0] if reached else None,
         "bar_wall_s": reached[1] if reached else None,
         "success_at_budget": within[-1] if within else None,
-        "best_success": max((ok for *_, ok in curve), default=None),
+        "best_success": max((ok for *_, ok in curve if ok is not None), default=None),
         "final_success": curve[-1][2] if curve else None,
         "final_success_unseen": unseen[-1][0] if unseen else None,
         "final_unseen_episodes": unseen[-1][1] if unseen else None,

@@ -11,6 +11,7 @@ from typing import Any
 
 from core._job_checkpoints import JobCheckpoints
 from core.buffer import SampleBuffer
+from core.evaluation import best_success
 from core.report import RunDir
 from core.rewards import RewardStream
 from core.rollout.groups import GroupRunner
@@ -40,7 +41,7 @@ class JobSummary(JobCheckpoints):
             "step_s_mean": round(train_wall / max(len(rows), 1), 3),
             "untrained_success": first["success"] if first else None,
             "final_success": final["success"] if final else None,
-            "best_eval_success": max((e["success"] for e in self.evals), default=None),
+            "best_eval_success": best_success(self.evals),
             "final_train_reward": rows[-1]["reward_mean"] if rows else None,
             "final_success_sampled": final["success_sampled"] if final else None,
             "final_success_unseen": final["success_unseen"] if final else None,

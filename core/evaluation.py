@@ -15,7 +15,10 @@ over ``episodes_unseen``).
 An episode that raises (not an environment's or engine's failure, which the manager makes an
 ``infra_failed`` trajectory, but an error nobody expected) is counted in the row's
 ``episodes_failed`` and left out of its means; only an evaluation whose every episode raised,
-or every greedy or every sampled one, stops the run (``RolloutError``).
+or every greedy or every sampled one, stops the run (``RolloutError``). An evaluation with no
+episode to score (every one ``infra_failed``) has ``success`` None, not 0.0: it measured
+nothing, and a 0.0 read as a policy that fails every task; it is logged as a warning, and
+what reads the rows (the summary, ``best_success``, the plots, the progress line) skips it.
 """
 
 from __future__ import annotations
@@ -130,12 +133,15 @@ class Evaluator:
             "version": version,
             "versions": [min(played), max(played)] if played else [version, version],
         }
+        nothing = []
         for greedy, suffix in ((True, ""), (False, "_sampled")):
             mine = [tr for t, tr in pairs if t.greedy is greedy]
             scored = [t for t in mine if t.status in ("ok", "truncated") and t.env_reward is not None]
-            row[f"success{suffix}"] = _success(scored)
+            if not scored:
+                nothing.append((greedy, len(mine)))
+            row[f"success{suffix}"] = _success(scored) if scored else None
             row[f"return_mean{suffix}"] = (
-                statistics.fmean([t.env_reward or 0.0 for t in scored]) if scored else 0.0
+                statistics.fmean([t.env_reward or 0.0 for t in scored]) if scored else None
             )
             row[f"episodes{suffix}"] = len(scored)
             keys = [_task_key_of(t) for t in scored]
@@ -147,6 +153,15 @@ class Evaluator:
         row["infra_failed"] = sum(1 for t in trajs if t.status == "infra_failed")
         row["episodes_failed"] = len(failed)
         row["eval_s"] = round(time.perf_counter() - te, 2)
+        for greedy, n in nothing:
+            log.warning(
+                "evaluation at step %d: no %s episode finished to be scored (%d played, %d of them "
+                "infra_failed): its success is None, not 0 (see the run's infra errors)",
+                step,
+                "greedy" if greedy else "sampled",
+                n,
+                sum(1 for t, tr in pairs if t.greedy is greedy and tr.status == "infra_failed"),
+            )
         if not self.narrowed:
             self.eval_tasks = (self.eval_tasks or set()) | set(task_keys(trajs))
             if len(self.trained_tasks) > MAX_TRAINED_TASKS:
@@ -171,8 +186,8 @@ async def _episode(manager: EnvManager, task: Task, version: int) -> Trajectory 
 def _say_failed(failed: list[tuple[Task, Exception]], tasks: list[Task], step: int) -> None:
     """Log the episodes that raised once, with the first one's traceback; raise when every
     episode did, or every greedy or every sampled one: a bug that fails them all leaves
-    nothing to measure, and a row of 0 episodes (its success 0.0, read as a policy that
-    fails every task) would hide it until the summary."""
+    nothing to measure, and a row of 0 episodes (its success None, once 0.0, read as a policy
+    that fails every task) would hide it until the summary."""
     task, first = failed[0]
     what = f"{type(first).__name__}: {first}"
     total = len(tasks)
@@ -196,6 +211,12 @@ def _say_failed(failed: list[tuple[Task, Exception]], tasks: list[Task], step: i
         what,
         exc_info=first,
     )
+
+
+def best_success(rows: Iterable[dict[str, Any]]) -> float | None:
+    """The best greedy ``success`` of evaluation rows, those with none (no episode to score)
+    left out; None when no row has one."""
+    return max((r["success"] for r in rows if r.get("success") is not None), default=None)
 
 
 def _success(trajs: list[Trajectory]) -> float:

@@ -129,6 +129,44 @@ class SomeRaise:
         return Trajectory(id=f"{task.seed}-{task.greedy}", status="ok", env_reward=1.0, messages=msgs)
 
 
+class InfraFails:
+    """Every greedy episode (or every one) ends ``infra_failed``: a dead container, say."""
+
+    def __init__(self, *, sampled_too: bool) -> None:
+        self.sampled_too = sampled_too
+
+    async def run(self, task: Task, *, version: int) -> Trajectory:
+        msgs = [
+            Message(role="user", content="m"),
+            Message(role="assistant", content="a", policy_version=version),
+        ]
+        if task.greedy or self.sampled_too:
+            return Trajectory(id=f"{task.seed}-{task.greedy}", status="infra_failed", messages=msgs)
+        return Trajectory(id=f"{task.seed}-s", status="ok", env_reward=1.0, messages=msgs)
+
+
+@pytest.mark.parametrize("sampled_too", [True, False])
+async def test_an_evaluation_with_no_episode_to_score_reports_no_success_not_0(caplog, sampled_too):
+    # every episode infra_failed: the row read success 0.0 over 0 episodes, a policy that
+    # fails every task, which the summary's untrained/final/best success then repeated
+    ev = Evaluator(_cfg(episodes=3))
+    with caplog.at_level("WARNING", logger="core.evaluation"):
+        row = await ev.run(InfraFails(sampled_too=sampled_too), step=4, version=4)  # type: ignore[arg-type]
+    assert row["success"] is None and row["return_mean"] is None and row["episodes"] == 0
+    assert row["infra_failed"] == (6 if sampled_too else 3)
+    if sampled_too:
+        assert row["success_sampled"] is None and row["episodes_sampled"] == 0
+    else:
+        assert row["success_sampled"] == 1.0 and row["episodes_sampled"] == 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == (2 if sampled_too else 1)
+    assert "evaluation at step 4: no greedy episode finished to be scored (3 played, 3 of them" in warnings[0]
+    assert "its success is None, not 0" in warnings[0]
+    # what reads the rows skips it: the best of the evaluations, the progress line's latest
+    assert evaluation.best_success([{"success": 0.25}, row]) == 0.25
+    assert evaluation.best_success([row]) is None
+
+
 async def test_an_episode_that_raises_is_counted_not_the_end_of_the_run(caplog):
     # one episode's unexpected error failed the whole evaluation, and the run with it, where
     # the same error in a training rollout is counted and the trajectory re-run

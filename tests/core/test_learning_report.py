@@ -69,3 +69,20 @@ def test_runs_from_before_the_unseen_split_still_report(tmp_path):
     assert out.returncode == 0, out.stderr
     run = json.loads(out.stdout)["per_run"][0]
     assert run["bar_step"] == 20 and run["final_success_unseen"] is None
+
+
+def test_an_evaluation_with_no_episode_to_score_is_skipped_not_compared(tmp_path):
+    # success None (every episode infra_failed): `None >= bar` stopped the report with a
+    # TypeError; it is no measure, so neither the bar, the budget's figure nor the best
+    run = _run_dir(tmp_path / "gap", 80.0, [(0, 0.0), (10, 0.4), (20, 0.8), (30, 0.9)], unseen=False)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        if r.get("kind") == "eval" and r["step"] in (20, 30):
+            r["success"] = None
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = _report(str(run), "--curves")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)["per_run"][0]
+    assert got["bar_step"] is None and got["best_success"] == 0.4 and got["success_at_budget"] == 0.4
+    # the last evaluation measured nothing: said as such, not as the last one that did
+    assert got["final_success"] is None and got["curve"][-1]["success"] is None

@@ -53,6 +53,20 @@ def test_run_dir_writes_config_metrics_summary_and_plots(tmp_path):
         assert data.startswith(PNG) and len(data) > 1000
 
 
+def test_an_evaluation_with_no_episode_to_score_is_a_gap_in_the_plot(tmp_path):
+    # success None (every episode infra_failed): plotted as a gap, not 0 nor an error
+    run = RunDir(tmp_path)
+    for r in (
+        row(1),
+        {"kind": "eval", "step": 1, "success": None, "success_sampled": None},
+        row(2),
+        {"kind": "eval", "step": 2, "success": 0.5, "success_sampled": 0.25},
+    ):
+        run.log(r)
+    run.finish({"steps": 2})
+    assert (tmp_path / "reward.png").read_bytes().startswith(PNG)
+
+
 def test_non_finite_figures_are_written_as_null_so_any_json_reader_takes_them(tmp_path):
     run = RunDir(tmp_path)
     run.log({"kind": "eval", "step": 0, "loss": float("nan"), "x": [float("inf"), 1.5]})
