@@ -205,7 +205,12 @@ class JobConfig(ConfigModel):
         """A target no reply can reach: when every environment constrains its replies to
         ``actions`` (one token each), a trained token has at most the most actions to choose
         from, and at most ``ln`` of that many nats of entropy. (A free-text reply is bounded
-        by the vocabulary, known to the trainer once the policy is built.)"""
+        by the vocabulary, known to the trainer once the policy is built.) With a mix of action
+        counts the batch's mean entropy is at most the mean of ``ln(n)`` over its trained
+        tokens, below ``ln`` of the widest; but the tokens' shares come from the episodes'
+        lengths as much as from ``envs[].weight`` (a 16-turn episode of 4 actions against a
+        1-turn one of 2), unknown here: ``ln`` of the widest is the one bound that refuses no
+        reachable target. The trainer measures the batch's own (``entropy_max``) and warns."""
         if self.trainer.entropy_target is None or any(e.actions is None for e in self.envs):
             return []
         widest = max(range(len(self.envs)), key=lambda i: len(set(self.envs[i].actions or ())))

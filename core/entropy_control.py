@@ -27,7 +27,7 @@ steer with the same ``EntropyControl``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,21 @@ def entropy_target_problem(target: float | None, choices: int, what: str) -> str
         f"entropy_target {target:g} nats is not below ln({choices}) = {top:.3g}, the most entropy "
         f"{what} can have: the coefficient would only rise to entropy_coef_max; choose a lower target"
     )
+
+
+def entropy_ceiling(turns: Sequence[tuple[int, int]], agg: str = "token_mean") -> float | None:
+    """The most mean entropy a batch can measure: ``turns`` holds each sample's trained tokens
+    and the choices each of them had (its ``allowed_token_ids``, or the vocabulary). A token
+    of ``n`` choices has at most ``ln(n)`` nats, so the batch's mean (``agg`` as the loss
+    aggregates it: per token, or per sample then over samples) is at most that mean of
+    ``ln(n)``: below ``ln`` of the widest choice as soon as some tokens have fewer. None when
+    no token trains."""
+    turns = [(k, n) for k, n in turns if k > 0]
+    if not turns:
+        return None
+    if agg == "seq_mean_token_mean":
+        return sum(math.log(n) for _, n in turns) / len(turns)
+    return sum(k * math.log(n) for k, n in turns) / sum(k for k, _ in turns)
 
 
 def entropy_coef_min_fits(coef_min: float, info: ValidationInfo) -> float:

@@ -111,6 +111,8 @@ class Tally:
             "loss": metrics.get("loss"),
             "entropy": metrics.get("entropy"),
             "entropy_coef": metrics.get("entropy_coef"),
+            # with entropy_target: the most mean entropy the step's tokens could have
+            "entropy_max": metrics.get("entropy_max"),
             "lr": metrics.get("lr"),
             # the drift gauges: approx_kl between the engine's logprobs and the trainer's at the
             # first update is ~0 when the engines serve the weights the trainer published

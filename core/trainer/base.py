@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from core.entropy_control import EntropyControl
+from core.entropy_control import EntropyControl, entropy_ceiling
 from core.errors import CoreError
 from core.rollout.engines.base import Completion
 from core.trainer.grpo import group_advantages
@@ -260,11 +260,16 @@ class Trainer(ABC):
         adv_eps: float = 1e-6,
         scale_advantages: bool = True,
         entropy: EntropyControl | None = None,
+        vocab_size: int | None = None,
+        loss_agg: str = "token_mean",
     ) -> None:
         self._version = version
         self._adv_eps = adv_eps
         self._scale = scale_advantages
         self.entropy = entropy if entropy is not None else EntropyControl(coef=0.0)
+        self._vocab_size = vocab_size
+        self._loss_agg = loss_agg
+        self._said_out_of_reach = False
 
     @property
     def entropy_coef(self) -> float:
@@ -296,6 +301,8 @@ class Trainer(ABC):
         coef = self.entropy.coef
         metrics = self._step(batch, advantages)
         metrics["nonfinite_logprob_samples"] = float(len(bad))
+        if self.entropy.target is not None:
+            metrics.update(self._entropy_ceiling(batch))
         self._version += 1
         # the coefficient this update used; the next one's is steered by what it measured
         self.entropy.update(metrics.get("entropy"))
@@ -310,6 +317,34 @@ class Trainer(ABC):
         if rewards:
             metrics["reward_mean"] = sum(rewards) / len(rewards)
         return metrics
+
+    def _entropy_ceiling(self, batch: Sequence[TrainSample]) -> dict[str, float]:
+        """``entropy_max``: the most mean entropy this batch could measure
+        (``core.entropy_control.entropy_ceiling``), and a warning, once, when the target is not
+        below it. Checked here, not only against the widest choice (the config, the
+        vocabulary): with mixed action counts the ceiling is the mean of ``ln(n)`` over the
+        trained tokens, which the mix's turn counts decide."""
+        if self._vocab_size is None:
+            return {}
+        turns = [
+            (sum(s.token_mask), len(set(s.allowed_token_ids)) if s.allowed_token_ids else self._vocab_size)
+            for s in batch
+        ]
+        top = entropy_ceiling(turns, self._loss_agg)
+        if top is None:
+            return {}
+        target = self.entropy.target
+        if target is not None and target >= top and not self._said_out_of_reach:
+            self._said_out_of_reach = True
+            log.warning(
+                "entropy_target %g nats is not below %.3g, the most mean entropy this batch's "
+                "trained tokens can have (the mean of ln(choices) over them; fewer choices in some "
+                "turns lower it below ln of the widest): the coefficient will only rise to "
+                "entropy_coef_max; choose a lower target (said once; entropy_max in the step metrics)",
+                target,
+                top,
+            )
+        return {"entropy_max": top}
 
     def publish(self) -> WeightUpdate:
         return WeightUpdate(version=self._version, state=self.state())

@@ -268,6 +268,8 @@ class MegatronTrainer(Trainer):
             adv_eps=config.adv_eps,
             scale_advantages=config.scale_advantages,
             entropy=EntropyControl.from_config(config),
+            vocab_size=shape.vocab_size,
+            loss_agg=config.loss_agg,
         )
         self.config = config
         self.shape = shape

@@ -59,6 +59,8 @@ class TorchTrainer(Trainer):
             adv_eps=config.adv_eps,
             scale_advantages=config.scale_advantages,
             entropy=EntropyControl.from_config(config),
+            vocab_size=vocab,
+            loss_agg=config.loss_agg,
         )
         self.config = config
         self.model = model.train()

@@ -232,6 +232,55 @@ def test_the_job_steers_and_a_resumed_job_goes_on_from_the_checkpoints_coefficie
     assert resumed.step(batch)[0]["entropy_coef"] == 0.123
 
 
+def _restricted(allowed: list[int]) -> TrainSample:
+    logp = -math.log(len(allowed))  # the uniform table, renormalised over the allowed ids
+    return TrainSample(
+        prompt_ids=[3],
+        completion_ids=[0],
+        old_logprobs=[logp],
+        advantage=0.0,
+        group_id="g",
+        policy_version=0,
+        allowed_token_ids=allowed,
+    )
+
+
+def test_a_mix_of_action_counts_caps_the_mean_entropy_at_the_mean_of_their_logs(caplog):
+    # a 2-action and a 4-action turn: the mean entropy of the batch is at most
+    # (ln 2 + ln 4) / 2 = 1.04, reached by the uniform policy; a target of 1.2 is below ln 4,
+    # the widest's ceiling, which was all that was checked, and the coefficient only rose
+    cfg = TorchTrainerConfig(lr=1e-2, entropy_target=1.2, entropy_coef_lr=0.1, entropy_coef_max=1.0)
+    t = TorchTrainer(Uniform(), cfg)  # type: ignore[arg-type]
+    batch = [_restricted([0, 1]), _restricted([0, 1, 2, 3])]
+    with caplog.at_level("WARNING", logger="core.trainer.base"):
+        first = t.step(batch)
+        second = t.step(batch)
+    ceiling = (math.log(2) + math.log(4)) / 2
+    assert first["entropy"] == pytest.approx(ceiling, rel=1e-5)  # the uniform policy is at it
+    assert first["entropy_max"] == pytest.approx(ceiling) and second["entropy_max"] == pytest.approx(ceiling)
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "entropy_target 1.2 nats is not below 1.04" in warning and "entropy_coef_max" in warning
+    # per sample, not per token, under seq_mean_token_mean: a 3-token 2-action turn counts once
+    seq = TorchTrainer(Uniform(), cfg.model_copy(update={"loss_agg": "seq_mean_token_mean"}))  # type: ignore[arg-type]
+    long = _restricted([0, 1]).model_copy(
+        update={"completion_ids": [0, 0, 0], "old_logprobs": [-math.log(2)] * 3}
+    )
+    assert seq.step([long, _restricted([0, 1, 2, 3])])["entropy_max"] == pytest.approx(ceiling)
+    tok = TorchTrainer(Uniform(), cfg)  # type: ignore[arg-type]
+    got = tok.step([long, _restricted([0, 1, 2, 3])])["entropy_max"]
+    assert got == pytest.approx((3 * math.log(2) + math.log(4)) / 4)
+
+
+def test_a_reachable_target_in_a_mix_says_nothing(caplog):
+    cfg = TorchTrainerConfig(lr=1e-2, entropy_target=0.9, entropy_coef_lr=0.1, entropy_coef_max=1.0)
+    t = TorchTrainer(Uniform(), cfg)  # type: ignore[arg-type]
+    with caplog.at_level("WARNING", logger="core.trainer.base"):
+        t.step([_restricted([0, 1]), _restricted([0, 1, 2, 3])])
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    # unrestricted tokens choose among the whole vocabulary (4 here)
+    assert t.step([_on_policy(t.model)])["entropy_max"] == pytest.approx(math.log(4))  # type: ignore[arg-type]
+
+
 def test_a_target_no_token_of_the_model_can_reach_is_refused():
     with pytest.raises(TrainerError, match=r"not below ln\(4\) = 1.39"):
         TorchTrainer(Uniform(), TorchTrainerConfig(entropy_target=1.4))  # type: ignore[arg-type]
