@@ -81,8 +81,9 @@ def after_thinking(text: str) -> str:
 
 
 def last_boxed(text: str) -> str | None:
-    r"""Content of the last ``\boxed{...}`` (or ``\fbox{...}``), braces balanced; also the
-    brace-less ``\boxed 5`` (MATH's convention: up to ``$``, a line's end or ``\]``)."""
+    r"""Content of the last ``\boxed{...}`` (or ``\fbox{...}``), braces balanced, the outermost
+    when boxes nest (``\boxed{x = \boxed{5}}`` is ``x = 5``); also the brace-less ``\boxed 5``
+    (MATH's convention: up to ``$``, a line's end or ``\]``)."""
     found = _last_boxed(text)
     return None if found is None else found[0]
 
@@ -114,17 +115,47 @@ def _last_boxed(text: str) -> tuple[str, int] | None:
             return None
     if braced is None:
         return None
-    i = braced.end()
-    depth = 1
-    for j in range(i, len(text)):
-        c = text[j]
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i:j], j + 1
-    return None  # unbalanced: no reliable answer
+    return _outermost_box(text, braced)
+
+
+_BRACE = re.compile(r"[{}]")
+
+
+def _outermost_box(text: str, last: re.Match[str]) -> tuple[str, int] | None:
+    """``(content, end)`` of the box ``last`` (the last braced box), or of the outermost closed
+    box around it, without the commands and braces of the boxes inside it: the writer of
+    ``\\boxed{2 + \\boxed{3}}`` boxed 2 + 3, not 3. None when ``last`` never closes (no reliable
+    answer); a box around it that never closes is no box (``\\boxed{\\boxed{1}`` is 1). One pass
+    with a stack of open braces from the first box on (linear, however deep the boxes)."""
+    boxes = {m.end() - 1: m for m in _BOX_BRACED.finditer(text, 0, last.end())}  # brace -> box
+    closing: dict[int, int] = {}  # a box's opening brace -> its closing brace
+    stack: list[int] = []
+    for b in _BRACE.finditer(text, min(boxes)):
+        if b[0] == "{":
+            stack.append(b.start())
+        elif stack:
+            opened = stack.pop()
+            if opened in boxes:
+                closing[opened] = b.start()
+    at = last.end() - 1
+    if at not in closing:
+        return None  # unbalanced: no reliable answer
+    # the boxes are nested or apart (one stack closed them): the first to hold the last is the
+    # outermost
+    outer = next(i for i in sorted(closing) if i <= at and closing[i] >= closing[at])
+    end = closing[outer]
+    cut = sorted(
+        span
+        for i, j in closing.items()
+        if outer < i < end
+        for span in ((boxes[i].start(), i + 1), (j, j + 1))  # \\boxed{ and its }
+    )
+    parts, pos = [], outer + 1
+    for i, j in cut:
+        parts.append(text[pos:i])
+        pos = j
+    parts.append(text[pos:end])
+    return "".join(parts), end + 1
 
 
 class Found(NamedTuple):

@@ -6,7 +6,8 @@ out) is off. Without ``rules`` the default is the reasoning format most RL recip
 
     {"tags": ["think"], "answer_after_tag": "think", "boxed_once": true, "nothing_after_answer": true}
 
-The "final answer" is the last ``\boxed{...}`` of the completion.
+The "final answer" is the last ``\boxed{...}`` of the completion (with the boxes inside it, if
+any: the outermost box is the answer as written).
 """
 
 from __future__ import annotations
@@ -127,8 +128,13 @@ def _tags_ok(text: str, tags: list[str]) -> bool:
 
 
 def _final_answer(text: str) -> tuple[int, int] | None:
+    """The last box, or the outermost closed box around it (``\\boxed{x = \\boxed{5}}`` is one
+    answer, as the answer rewards read it); None when the last box never closes."""
     spans = boxed_spans(text)
-    return spans[-1] if spans else None
+    if not spans or (last := spans[-1]) is None:
+        return None
+    # boxes are nested or apart: the first (in order of start) that holds the last is outermost
+    return next(s for s in spans if s is not None and s[0] <= last[0] and s[1] >= last[1])
 
 
 def _answer_after_tag(text: str, tag: str) -> bool:

@@ -4,8 +4,9 @@ to the ground truth.
 Extraction reads what follows the last ``</think>`` when the text has one (a reasoning model's
 thinking is not its answer, "Maybe \boxed{41}?" in it included; nothing after it is no
 answer), with its Unicode math (a minus sign, U+00D7, U+00BD...) read as the canonical form
-below reads it. There, first that applies: the last ``\boxed{}``/``\fbox{}`` (or MATH's brace-less
-``\boxed 5``, up to ``$`` or the line's end) or the stated answer,
+below reads it. There, first that applies: the last ``\boxed{}``/``\fbox{}`` (the outermost
+when boxes nest, boxes inside it unwrapped: ``\boxed{2 + \boxed{3}}`` is ``2 + 3``; or MATH's
+brace-less ``\boxed 5``, up to ``$`` or the line's end) or the stated answer,
 whichever comes later ("First guess \boxed{41}. ... the final answer is 42." states 42; "The
 answer is \boxed{42}" boxes it); the stated answer follows the last "the answer is" ("the
 correct answer is") / "final answer:" / a line starting "Answer:" / GSM8K's "#### 42" line

@@ -174,6 +174,30 @@ def test_brace_less_boxed(text: str, expected: str | None) -> None:
     assert last_boxed(text) == expected
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # a box inside a box is part of the outer box's answer, as written: the inner box alone
+        # read 3 of \\boxed{2 + \\boxed{3}}, whose writer boxed 2 + 3
+        ("\\boxed{\\boxed{5}}", "5"),
+        ("so \\boxed{x = \\boxed{5}}.", "x = 5"),
+        ("\\boxed{2 + \\boxed{3}}", "2 + 3"),
+        ("\\boxed{\\frac{1}{\\boxed{2}}} done", "\\frac{1}{2}"),
+        ("\\fbox{\\boxed{7}}", "7"),
+        ("\\boxed{1} then \\boxed{a \\boxed{b} \\boxed{c}}", "a b c"),  # the last outer box
+        ("\\boxed{a \\boxed{b}} then \\boxed{4}", "4"),
+        ("\\boxed{\\boxed{1}", "1"),  # an outer box never closed is no box: the inner one is
+    ],
+)
+def test_the_outermost_of_nested_boxes_is_the_answer(text: str, expected: str | None) -> None:
+    assert last_boxed(text) == expected
+
+
+def test_deeply_nested_boxes_are_one_answer() -> None:
+    # one pass with a stack: no recursion, and no rescan per box
+    assert last_boxed("\\boxed{" * 10_000 + "1" + "}" * 10_000) == "1"
+
+
 def test_unbalanced_boxed_falls_back() -> None:
     assert last_boxed("so \\boxed{42") is None
     assert last_boxed("\\boxed{1} and \\boxed{2") is None  # the last one decides: no reliable answer

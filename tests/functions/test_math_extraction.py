@@ -300,6 +300,23 @@ def test_the_answer_is_read_after_the_thinking_and_the_later_of_box_and_marker(t
 @pytest.mark.parametrize(
     ("text", "gt", "score"),
     [
+        # the outermost of nested boxes is the answer as written; the inner box alone was read:
+        # 3 of \\boxed{2 + \\boxed{3}}, and 2 of \\boxed{\\frac{1}{\\boxed{2}}}
+        ("\\boxed{2 + \\boxed{3}}", "5", 1.0),
+        ("\\boxed{2 + \\boxed{3}}", "3", 0.0),
+        ("Thus \\boxed{\\frac{1}{\\boxed{2}}}.", "\\frac{1}{2}", 1.0),
+        ("Thus \\boxed{\\frac{1}{\\boxed{2}}}.", "2", 0.0),
+        ("So \\boxed{x = \\boxed{5}}.", "5", 1.0),
+        ("\\boxed{\\boxed{5}}", "5", 1.0),
+    ],
+)
+def test_nested_boxes_read_as_the_outermost(text, gt, score):
+    assert math_answer(text, ground_truth=gt).score == score
+
+
+@pytest.mark.parametrize(
+    ("text", "gt", "score"),
+    [
         # a denied candidate with no answer stated before it: the denial was skipped and the
         # last number (or math) read, which is the very candidate the text rejects
         ("The answer is not 7.", "7", 0.0),

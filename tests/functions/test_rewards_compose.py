@@ -91,6 +91,16 @@ def test_format_trailing_punctuation_and_closing_tags_allowed() -> None:
     assert not check_rule("no marker", "nothing_after_answer", "</answer>")
 
 
+def test_format_the_final_answer_is_the_outermost_of_nested_boxes() -> None:
+    # as the answer rewards read it: the inner box was the final answer, and the outer box's
+    # closing brace was something after it
+    assert check_rule("so \\boxed{x = \\boxed{5}}.", "nothing_after_answer", True)
+    assert not check_rule("\\boxed{x = \\boxed{5}} because", "nothing_after_answer", True)
+    assert check_rule("<think>\\boxed{1}</think> \\boxed{\\boxed{2}}", "answer_after_tag", "think")
+    assert not check_rule("<think>\\boxed{1 \\boxed{2}}</think>", "answer_after_tag", "think")
+    assert not check_rule("\\boxed{\\boxed{5}}", "boxed_once", True)  # two boxes all the same
+
+
 def test_format_tag_order_and_max_chars() -> None:
     rules = {"tags": ["think", "answer"], "max_chars": 40}
     ok = format_reward("<think>hm</think><answer>42</answer>", rules=rules)
