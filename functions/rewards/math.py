@@ -85,7 +85,9 @@ Equivalence, cheapest first:
    ``x \approx`` or ``f(x) =``,
    a leading "approximately" / "about" / "around" / "roughly" / ``\approx`` / ``~`` before a
    number (not "at least" or "nearly", which change it), thousands
-   separators and zero-width characters removed; the signs U+00D7, U+22C5 and U+00F7 are
+   separators (of a number alone, and in an argument of ``\frac``, ``\sqrt`` or ``\binom``,
+   where a comma lists nothing: ``\frac{1,000}{2}`` is 500; a set's or a point's comma lists
+   its elements) and zero-width characters removed; the signs U+00D7, U+22C5 and U+00F7 are
    ``\times``, ``\cdot`` and ``/``, and pi, infinity, the root sign, superscript digits and
    vulgar fractions (U+03C0, U+221E, U+221A, U+00B2, U+00BD...) their LaTeX; ``\varnothing`` and ``\{\}`` are
    ``\emptyset``; ``a \pm b`` is the list ``a + b, a - b``, in a list element by element:
@@ -224,7 +226,8 @@ __all__ = [
 # ----------------------------------------------------------------------------- extraction
 
 _LAST_NUMBER = re.compile(
-    r"[-+]?\\[dt]?frac\s*\{\s*\d+\s*\}\s*\{\s*\d+\s*\}"  # \frac{3}{4} is one number, not 3 and 4
+    # \frac{3}{4} is one number, not 3 and 4 (\frac{1,000}{2} too)
+    r"[-+]?\\[dt]?frac\s*\{\s*(?:\d{1,3}(?:,\d{3})+|\d+)\s*\}\s*\{\s*(?:\d{1,3}(?:,\d{3})+|\d+)\s*\}"
     r"|[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
     # a power is one number (2^{10}, 10^3: not 10 and 3), as are 1e3, 3 \times 10^8 and 3/4
     r"(?:\^(?:\{[-+]?\d+\}|\d+)"

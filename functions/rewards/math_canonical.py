@@ -88,6 +88,13 @@ _ASSIGN = re.compile(r"^([a-zA-Z](?:_\{?\w+\}?)?)\s*=\s*(\S[^=]*)$")  # linear: 
 _THIN_THOUSANDS = re.compile(r"(?<=\d)\\[,!: ](?=\d{3}\b)")
 # a percentage is a number too: "1,000%" is 1000%, not the list 1, 000%
 _THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?%?$")
+# an argument of \frac (either), \sqrt or \binom, where a comma lists nothing: a number in
+# groups of three there is one number (\frac{1,000}{2} is 500); a set's or a point's comma
+# lists its elements (\{1,000\} is {1, 0})
+_ARGUMENT = re.compile(
+    r"(?:\\(?:frac|sqrt|binom)(?![A-Za-z])\s*(?:\[[^\[\]{}]*\]\s*)?|(?<=[^\\]\}))\{[^{}]*\}"
+)
+_GROUPED = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?![\d,])")
 _SPACED_THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?: \d{3})+(?:\.\d+)?%?$")
 GREEK = {
     name: name
@@ -238,6 +245,7 @@ def canonical(answer: str) -> str:
     s = _CHOOSE.sub(r"\\binom{\1}{\2}", s)
     s = _SET_BRACE.sub(lambda m: "\\{" if m[1] == "l" else "\\}", s)
     s = s.replace("{,}", "")
+    s = _ARGUMENT.sub(lambda m: _GROUPED.sub(lambda g: g[0].replace(",", ""), m[0]), s)
     # a degree sign is dropped (45^\circ is 45), except in a trigonometric expression, where
     # sympy reads it as pi/180 (\tan 45^\circ is 1, not tan(45))
     s = _DEGREES.sub(r"^\\circ" if _TRIG_CMD.search(s) else "", s)

@@ -382,6 +382,28 @@ def test_spaces_that_do_not_separate_numbers_still_do_not_matter(pred, gt):
 
 
 @pytest.mark.parametrize(
+    ("pred", "gt", "same"),
+    [
+        ("\\frac{1,000}{2}", "500", True),
+        ("\\dfrac{3,000}{4}", "750", True),
+        ("\\frac{1}{2,000}", "0.0005", True),  # the denominator too
+        ("\\frac{1,000,000}{1,000}", "1000", True),
+        ("\\sqrt{1,000,000}", "1000", True),
+        ("\\frac{1,000 + 500}{3}", "500", True),  # a comma in an argument lists nothing
+        ("\\frac{1,000}{3}", "500", False),
+        ("\\frac{1,000}{2}", "0.5", False),  # not 1.000: a group of three digits is thousands
+        ("\\frac{1,0000}{2}", "5000", False),  # not groups of three: no separator
+        ("\\{1,000\\}", "1000", False),  # a set's comma lists its elements: {1, 0}
+        ("(1,000)", "1000", False),  # and so does a point's
+    ],
+)
+def test_thousands_separators_inside_an_argument_are_not_commas(pred, gt, same):
+    # the separators were removed only from a number written alone: \\frac{1,000}{2} reached
+    # sympy with its comma and was unparsable, so not 500
+    assert is_equivalent(pred, gt)[0] is same
+
+
+@pytest.mark.parametrize(
     ("pred", "gt"),
     [("1,000\\%", "1000\\%"), ("1,250%", "12.5"), ("-1,000 percent", "-10.0"), ("1 000\\%", "1000%")],
 )

@@ -53,6 +53,8 @@ def test_extract_final(text, expected):
         ("so \\[ y = 2 + 3 = 5 \\]", ("5", "last_math")),
         ("the point $x = 1, y = 2$", ("x = 1, y = 2", "last_math")),
         ("so x = \\frac{3}{4}", ("\\frac{3}{4}", "last_number")),  # \frac{3}{4} is one number
+        # with thousands separators too (\frac{1,000}{2} was read as 2)
+        ("so it is \\frac{1,000}{2} each", ("\\frac{1,000}{2}", "last_number")),
         ("The total is $5$ apples, 12 left", ("12", "last_number")),  # a number after the span
         ("we need $x \\geq 1$", ("1", "last_number")),  # an inequality: as before
         ("it costs \\$5 and \\$7", ("7", "last_number")),  # escaped dollars are not math
