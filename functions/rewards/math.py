@@ -22,8 +22,8 @@ read as its last side (``$x = \frac{3}{4}$``: ``\frac{3}{4}``): an inequality is
 and the span before it is read (``$f(n) = 3$ for all $n \ge 1$``: ``3``), and a span with no
 number in it (a digit, ``\frac``, ``\sqrt``, ``\pi``...) is read only when it ends the text and
 is more than a lone variable (in "42 ways, one for each value of $n$." the answer is 42); else
-the last number (``\frac{3}{4}``, a power, ``2^{10}``, and scientific notation, ``3 \times
-10^8``, count as one).
+the last number (``\frac{3}{4}``, a power, ``2^{10}``, scientific notation, ``3 \times
+10^8``, and a root of a number, ``3\sqrt{2}``, count as one).
 
 A condition states no value. A number beside an inequality (``<``, ``>``, ``<=``, ``>=``,
 ``!=``, ``\le``, ``\ge``, ``\lt``, ``\gt``, ``\ne``, ``\neq``, the Unicode signs) is a bound,
@@ -89,7 +89,8 @@ Equivalence, cheapest first:
    where a comma lists nothing: ``\frac{1,000}{2}`` is 500; a set's or a point's comma lists
    its elements) and zero-width characters removed; the signs U+00D7, U+22C5 and U+00F7 are
    ``\times``, ``\cdot`` and ``/``, and pi, infinity, the root sign, superscript digits and
-   vulgar fractions (U+03C0, U+221E, U+221A, U+00B2, U+00BD...) their LaTeX; ``\varnothing`` and ``\{\}`` are
+   vulgar fractions (U+03C0, U+221E, U+221A, U+00B2, U+00BD...) their LaTeX (the parentheses
+   after a root sign are its braces: U+221A(x+1) is ``\sqrt{x+1}``); ``\varnothing`` and ``\{\}`` are
    ``\emptyset``; ``a \pm b`` is the list ``a + b, a - b``, in a list element by element:
    ``\pm 2, \pm 3`` is ``2, -2, 3, -3`` and ``(\pm 1, 2)`` the two points). Equal strings are equal;
    two plain numbers (integers, decimals, ``a/b``, ``\frac{a}{b}``, ``1e3``,
@@ -226,6 +227,8 @@ __all__ = [
 # ----------------------------------------------------------------------------- extraction
 
 _LAST_NUMBER = re.compile(
+    # a root of a number is one number, its coefficient with it (3\sqrt{2}: not 3 and 2)
+    r"[-+]?(?:\d+(?:\.\d+)?[ \t]*)?\\sqrt(?:\[\d+\])?[ \t]*(?:\{[ \t]*\d+[ \t]*\}|\d+)|"
     # \frac{3}{4} is one number, not 3 and 4 (\frac{1,000}{2} too)
     r"[-+]?\\[dt]?frac\s*\{\s*(?:\d{1,3}(?:,\d{3})+|\d+)\s*\}\s*\{\s*(?:\d{1,3}(?:,\d{3})+|\d+)\s*\}"
     r"|[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"

@@ -212,9 +212,33 @@ _VULGAR = {
 _VULGAR_FRACTION = re.compile("[" + "".join(_VULGAR) + "]")
 
 
+_ROOT_PAREN = re.compile("\u221a[ \t]*\\(")
+_PAREN = re.compile(r"[()]")
+
+
+def _root_parentheses(s: str) -> str:
+    """``s`` with the parentheses of a root sign as its braces: \u221a(x+1) is ``\\sqrt{x+1}``
+    (it was ``\\sqrt (x+1)``, a root of nothing, unparsable); a pair that never closes is left.
+    One pass with a stack of open parentheses (linear, however deep)."""
+    roots = {m.end() - 1: m.start() for m in _ROOT_PAREN.finditer(s)}  # its ( -> the sign
+    if not roots:
+        return s
+    out = list(s)
+    stack: list[int] = []
+    for m in _PAREN.finditer(s):
+        if m[0] == "(":
+            stack.append(m.start())
+        elif stack and (opened := stack.pop()) in roots:
+            out[roots[opened] : opened + 1] = [""] * (opened - roots[opened]) + ["\\sqrt{"]
+            out[m.start()] = "}"
+    return "".join(out)
+
+
 def plain_unicode(s: str) -> str:
     """``s`` with its Unicode math in ASCII and LaTeX: minus signs, operators, pi, infinity,
-    the root sign, superscript digits and vulgar fractions; zero-width characters dropped."""
+    the root sign (its parentheses its braces), superscript digits and vulgar fractions;
+    zero-width characters dropped."""
+    s = _root_parentheses(s)
     s = s.translate(_SIGNS)
     s = _SUPERSCRIPT.sub(lambda m: "^{" + m[0].translate(_SUPERSCRIPTS) + "}", s)
     return _VULGAR_FRACTION.sub(lambda m: "\\frac{{{}}}{{{}}}".format(*_VULGAR[m[0]]), s)

@@ -451,6 +451,15 @@ def test_the_unicode_operator_signs_are_their_operators(pred, gt, same):
         ("\u03c0r^2", "\\pi r^2", True),
         ("\u221a2", "\\sqrt{2}", True),  # the square root sign
         ("2\u221a2", "\\sqrt{8}", True),
+        ("\u221a(x+1)", "\\sqrt{x+1}", True),  # the root of what its parentheses hold
+        ("\u221a(x+1)", "\\sqrt{x}+1", False),
+        ("\u221a(x)+1", "\\sqrt{x}+1", True),
+        ("\u221a(2)", "\\sqrt{2}", True),
+        ("2\u221a(3)", "\\sqrt{12}", True),
+        ("\u221a((x+1)(x-1))", "\\sqrt{x^2-1}", True),
+        ("\u221a(\u221a(16))", "2", True),
+        ("\u221a(x+1", "\\sqrt{x+1}", False),  # never closed: no root of anything
+        ("\u221a2", "2", False),
         ("(3, \u221e)", "x > 3", True),  # infinity
         ("\u2212\u221e", "-\\infty", True),
         ("5\u00b2", "25", True),  # superscript digits

@@ -245,6 +245,25 @@ def test_an_answer_in_unicode_math_is_read_whole(text, gt, score):
 @pytest.mark.parametrize(
     ("text", "gt", "score"),
     [
+        ("So the side is \u221a2.", "\\sqrt{2}", 1.0),
+        ("So the side is \u221a2.", "2", 0.0),
+        ("so x = \u221a(2)", "\\sqrt{2}", 1.0),
+        ("so x = 3\u221a(2), done", "\\sqrt{18}", 1.0),
+        ("so x = 3\u221a(2), done", "2", 0.0),
+        ("so it is \\sqrt{5}.", "\\sqrt{5}", 1.0),
+        ("The answer is \u221a(x+1).", "\\sqrt{x+1}", 1.0),
+        ("The answer is \u221a(x+1).", "\\sqrt{x}+1", 0.0),
+    ],
+)
+def test_a_root_is_read_whole(text, gt, score):
+    # the last-number fallback read the radicand alone: "\u221a2" read 2 (a miss against
+    # \\sqrt{2}, and 1.0 against 2); "\u221a(x+1)" was \\sqrt (x+1), unparsable
+    assert math_answer(text, ground_truth=gt).score == score, math_answer(text, ground_truth=gt).info
+
+
+@pytest.mark.parametrize(
+    ("text", "gt", "score"),
+    [
         # the whole first sentence was the answer: a reason after it made it unparsable
         ("The answer is 42, because 6 times 7 is 42.", "42", 1.0),
         ("The answer is 42, which is the product.", "42", 1.0),
