@@ -174,9 +174,10 @@ def _strip_text(s: str) -> str:
 _SIGNS = str.maketrans(
     {"\u2212": "-", "\ufe63": "-", "\uff0d": "-"}
     # the multiplication and division signs are their operators (sympy cannot read them:
-    # 1\u00d710^3 was unparsable, not 1000); the middle dot U+00B7 is not one of them, being
-    # also a decimal point (3\u00b714)
-    | {"\u00d7": " \\times ", "\u22c5": " \\cdot ", "\u00f7": "/"}
+    # 1\u00d710^3 was unparsable, not 1000); so is the middle dot U+00B7, as a product is
+    # usually typed (2\u00b73 was unparsable, not 6), though it was once also a decimal point
+    # (3\u00b714 is 42 here, not 3.14: no reading of it could be both)
+    | {"\u00d7": " \\times ", "\u22c5": " \\cdot ", "\u00b7": " \\cdot ", "\u00f7": "/"}
     # pi, infinity and the square root sign are their commands (2\u03c0 was not 2\\pi)
     | {"\u03c0": "\\pi ", "\u221e": "\\infty ", "\u221a": "\\sqrt "}
     # zero-width characters are not there (3\u200b is 3), nor a currency sign, as a dollar

@@ -435,6 +435,12 @@ def test_the_unicode_minus_sign_is_a_minus(pred, gt, same):
         ("1.5 \u00d7 10^{-3}", "0.0015", True),
         ("6\u00d77", "42", True),
         ("2\u22c53", "6", True),  # the dot operator
+        ("2\u22c53", "5", False),
+        ("2\u00b73", "6", True),  # the middle dot, as a product is usually typed
+        ("2\u00b73", "5", False),
+        ("2\u00b73\u00b77", "42", True),
+        ("x\u00b7y", "y \\cdot x", True),
+        ("3\u00b714", "3.14", False),  # a product, not the British decimal point
         ("6\u00f72", "3", True),  # the division sign
         ("6\u00d77", "67", False),
     ],

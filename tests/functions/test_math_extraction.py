@@ -234,6 +234,8 @@ def test_stated_answers_in_common_formats(text, gt, score):
         ("The temperature drops to \u22125 degrees", "-5", 1.0),
         ("So it comes to 1.5\u00d710\u00b3", "1500", 1.0),
         ("so the area is \u00bd", "0.5", 1.0),
+        ("The answer is 2\u00b73\u00b77.", "42", 1.0),  # the middle dot was unparsable
+        ("The answer is 2\u00b73\u00b77.", "237", 0.0),
     ],
 )
 def test_an_answer_in_unicode_math_is_read_whole(text, gt, score):
