@@ -416,6 +416,24 @@ def test_a_percentage_written_with_thousands_separators_is_its_number(pred, gt):
 @pytest.mark.parametrize(
     ("pred", "gt", "same"),
     [
+        # against an integer a percentage is its number (the question asked for the percent):
+        # 200% is 200, not 2, as 5000% is not 50 (a table row); 1,000% is 1000, not 10
+        ("200%", "2", False),
+        ("1,000%", "10", False),
+        ("1,000\\%", "1000", True),
+        # against a decimal or fraction above 1 either reading (150% is 1.5): 200% is 2.0
+        ("200%", "2.0", True),
+        ("1,000%", "10.0", True),
+        ("1,000%", "\\frac{20}{2}", True),
+    ],
+)
+def test_a_large_percentage_follows_the_percentage_rule(pred, gt, same):
+    assert is_equivalent(pred, gt)[0] is same
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt", "same"),
+    [
         ("\u22125", "-5", True),  # the Unicode minus sign
         ("\u2212\\frac{1}{2}", "-0.5", True),
         ("3\u22125", "-2", True),
