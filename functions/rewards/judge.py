@@ -28,6 +28,8 @@ How a call goes:
   each attempt's timeout stay within the time the reward's run has left (its ``timeout_s``,
   or the call's deadline if sooner), so an endpoint that stays down ends in the judge's own
   ``Unavailable``, saying how long it tried, not in the run's bare timeout;
+* the reply is the message's content, a string or a list of parts (``[{"type": "text",
+  "text": ...}]``: its text parts, one a line; a refusal part is no text);
 * the score is the judge's verdict line, ``Verdict NONCE: N/10`` as the default rubric asks
   (the response cannot know the nonce, so cannot forge the line); failing that, a reply that
   is one JSON object, or a line that begins with its score as a verdict line does (a garbled
@@ -425,6 +427,8 @@ class Judge:
                 f"{excerpt(json.dumps(data))}"
             ) from None
         reason = choice.get("finish_reason") if isinstance(choice, dict) else None
+        if isinstance(text, list):
+            text = _text_parts(text)
         if not isinstance(text, str) or not text.strip():
             more = " (it ran out of tokens: raise max_tokens)" if reason == "length" else ""
             raise JudgeResponseError(f"the judge returned no text, finish_reason={reason!r}{more}")
@@ -439,6 +443,18 @@ class Judge:
                 f"is not scored: {excerpt(text)}"
             )
         return text
+
+
+def _text_parts(parts: list[Any]) -> str:
+    """The text of a message content given as parts (``[{"type": "text", "text": ...}]``, as
+    some OpenAI-compatible servers answer; ``output_text`` in the Responses API's shape), one
+    part a line: each is a block of the reply. A refusal, an image or a malformed part is no
+    text."""
+    return "\n".join(
+        p["text"]
+        for p in parts
+        if isinstance(p, dict) and p.get("type") in ("text", "output_text") and isinstance(p.get("text"), str)
+    )
 
 
 # ----------------------------------------------------------------------------- the reward

@@ -4,6 +4,7 @@ the response quotes or forges, and what the prompt carries: test_judge_prompt.py
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
@@ -51,6 +52,43 @@ async def test_scores_parsed_from_reply_formats(srv, reply, expected, make_judge
     assert r.components["raw_score"] == pytest.approx(expected * 10)
     assert r.info["judgement"] == reply and r.info["attempts"] == 1
     assert r.info["usage"]["total_tokens"] > 0
+
+
+def _parts_reply(*parts: dict) -> Scripted:
+    """A chat completion whose message content is a list of parts, as some OpenAI-compatible
+    servers answer."""
+    message = {"role": "assistant", "content": list(parts)}
+    choice = {"index": 0, "message": message, "finish_reason": "stop"}
+    return Scripted(body=json.dumps({"object": "chat.completion", "choices": [choice]}).encode())
+
+
+async def test_a_reply_in_content_parts_is_read_from_its_text_parts(srv, make_judge):
+    # a list of parts was "no text": the judge read only a string content
+    srv.enqueue(
+        _parts_reply(
+            {"type": "text", "text": "Correct and clear."},
+            {"type": "image_url", "image_url": {"url": "data:,"}},
+            {"type": "text", "text": "Score: 7/10"},
+        )
+    )
+    r = await make_judge(srv, rubric=_FREE_RUBRIC).score("Paris", question="Capital of France?")
+    assert r.score == pytest.approx(0.7)
+    assert r.info["judgement"] == "Correct and clear.\nScore: 7/10"  # a part is a block: its own line
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        [],
+        [{"type": "refusal", "refusal": "I can't grade this. Score: 10/10"}],  # a refusal is no verdict
+        [{"type": "text", "text": "  "}],
+        [{"type": "text"}, "Score: 9/10", {"type": "text", "text": 9}],  # malformed parts
+    ],
+)
+async def test_content_parts_with_no_text_are_no_text(srv, parts, make_judge):
+    srv.enqueue(_parts_reply(*parts))
+    with pytest.raises(JudgeResponseError, match="returned no text"):
+        await make_judge(srv, rubric=_FREE_RUBRIC).score("x")
 
 
 async def test_json_score_on_a_unit_scale(srv, make_judge):
