@@ -51,6 +51,19 @@ log = logging.getLogger("fabric.integrations")
 #: Error type of a function's answer that is not a reward (not a number, no "score").
 BAD_REWARD_VALUE = "BadRewardValue"
 
+#: Failures of the setup, not of a sample: the function's own (``Misconfigured``, a setup hook
+#: that raised), or the way to it (a token refused, a server that does not serve the function,
+#: other code deployed). Every sample fails alike, so no score (nor TRL's ``None``) stands in.
+SETUP_ERRORS = frozenset(
+    {
+        ErrorCode.MISCONFIGURED,
+        ErrorCode.SETUP_FAILED,
+        ErrorCode.UNAUTHORIZED,
+        ErrorCode.UNKNOWN_FUNCTION,
+        ErrorCode.VERSION_MISMATCH,
+    }
+)
+
 
 @dataclass
 class Sample:
@@ -354,7 +367,8 @@ class RewardAdapter:
         the framework has no "no reward" value (``none_ok`` False) and no ``failure_score``.
         Arguments the function refused (``InvalidArguments``) raise ``BadBatchError`` whatever
         the settings: the batch is wrong, not the calls, and no score may stand in for it; a
-        function whose setup is wrong (``Misconfigured``) raises ``RewardCallError`` likewise."""
+        setup that is wrong (``SETUP_ERRORS``: ``Misconfigured``, ``SetupFailed``, a token
+        refused...) raises ``RewardCallError`` likewise."""
         failures = [(i, s.error) for i, s in enumerate(scores) if s.error is not None]
         if not failures:
             return
@@ -363,16 +377,16 @@ class RewardAdapter:
             # the batch's values do not fit the signature (a dataset column of the wrong type):
             # every such sample fails the same way, so neither None nor failure_score may stand in
             raise RefusedArgumentsError(self._signature(), len(invalid), len(scores), invalid[0])
-        misconfigured = [(i, e) for i, e in failures if e.type == ErrorCode.MISCONFIGURED]
-        if misconfigured:
+        setup = [(i, e) for i, e in failures if e.type in SETUP_ERRORS]
+        if setup:
             # the function's setup (a judge's key refused, its model unknown), the same for every
             # sample: a failure_score (or TRL's None) would train on a constant, or on nothing
             raise RewardCallError(
                 self.spec.name,
                 len(scores),
-                misconfigured,
-                hint=" (Misconfigured: its setup is wrong, not the samples; fix what the message says "
-                "and run again: no failure_score stands in for it)",
+                setup,
+                hint=f" ({setup[0][1].type}: its setup is wrong, not the samples; fix what the "
+                "message says and run again: no failure_score stands in for it)",
             )
         scored = self.config.failure_score is not None
         outcome = (

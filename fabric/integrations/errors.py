@@ -7,8 +7,9 @@ The tree, under ``fabric.errors.FabricError``::
     │   │                      (lengths disagree, a completion that is not text or messages)
     │   └── RefusedArgumentsError  the function refused its values (a column of the wrong type)
     ├── MissingArgumentError   a required parameter of the function has no source in the batch
-    ├── RewardCallError        calls failed and no ``failure_score`` is set, or the function
-    │                          is ``Misconfigured`` (whatever is set): carries the failures
+    ├── RewardCallError        calls failed and no ``failure_score`` is set, or the setup is
+    │                          wrong (``Misconfigured``, ``SetupFailed``, ...; whatever is
+    │                          set): carries the failures
     ├── BatchDeadlineError     the batch did not finish within its deadline
     └── RewardClosedError      the adapter was closed (``close()``, the exit backstop) while
                                the batch was being scored: its calls were cancelled
@@ -68,8 +69,9 @@ class RewardClosedError(IntegrationError):
 
 class RewardCallError(IntegrationError):
     """Calls of a batch failed (the function raised, or the infrastructure failed after the
-    client's retries) and the adapter has no ``failure_score``, or failed ``Misconfigured``
-    (the function's setup is wrong, whatever the adapter has): the trainer must not read those
+    client's retries) and the adapter has no ``failure_score``, or failed because the setup
+    is wrong (``base.SETUP_ERRORS``: ``Misconfigured``, ``SetupFailed``, a token refused...,
+    whatever the adapter has): the trainer must not read those
     samples as a reward of 0. ``failures`` holds ``(index in the batch, ErrorInfo)``."""
 
     def __init__(self, function: str, total: int, failures: list[tuple[int, ErrorInfo]], hint: str = ""):

@@ -1,5 +1,6 @@
 """The framework adapters never give a ``Misconfigured`` call (the function's setup is wrong:
-a judge's key refused) the ``failure_score`` or TRL's ``None``: every sample would fail alike,
+a judge's key refused), nor one whose setup failed otherwise (``SetupFailed``, ``Unauthorized``,
+...), the ``failure_score`` or TRL's ``None``: every sample would fail alike,
 and the trainer would learn a constant or nothing. The batch raises ``RewardCallError`` saying
 what to fix; a failure of one sample's own is still scored."""
 
@@ -64,3 +65,19 @@ def test_a_module_of_no_functions_is_warned_of(tmp_path):
     config = IntegrationConfig.parse({"function": "exact_match", "modules": [str(mine)]}, env={})
     with pytest.warns(NoFunctionsWarning, match=f"{str(mine)!r} defines no fabric function: decorate"):
         RewardAdapter(config, registry=Registry())
+
+
+@pytest.mark.parametrize(
+    "code",
+    [ErrorCode.SETUP_FAILED, ErrorCode.UNAUTHORIZED, ErrorCode.UNKNOWN_FUNCTION, ErrorCode.VERSION_MISMATCH],
+)
+@pytest.mark.parametrize("options", [{}, {"failure_score": -1.0}])
+def test_a_setup_wide_failure_raises_like_misconfigured(fake, code, options):
+    # a setup hook that raises (SetupFailed: no worker can serve), a token the fabric serve
+    # refuses, a function it does not serve, other code deployed: every sample fails alike,
+    # and TRL trained on None for all (one WARNING a batch) or on the failure_score
+    fake.inject("explode", *(Fault(code=code, message="cannot serve") for _ in range(2)))
+    with trl_reward("explode", registry=REG, backend_instance=fake, **options) as reward:
+        with pytest.raises(RewardCallError) as e:
+            call_trl(reward, ["p", "p"], ["fine", "fine"], **trl_kwargs(2, ground_truth=["g", "g"]))
+    assert f"{code}: cannot serve" in str(e.value) and "no failure_score stands in" in str(e.value)
