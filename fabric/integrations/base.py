@@ -272,7 +272,8 @@ class RewardAdapter:
         the parameter's own name, then the framework's alias), decided once from the first
         batch's sample against the function's spec: a required parameter with no source there
         is an error naming them all. An optional parameter is planned whether or not the first
-        sample has it: each sample passes the value it has, or leaves the default."""
+        sample has it: each sample passes the value it has, or leaves the default (also for a
+        null, a mixed dataset's "no value")."""
         if self._plan is not None:
             return self._plan
         plan: dict[str, tuple[str, ...]] = {}
@@ -316,7 +317,10 @@ class RewardAdapter:
             for param, sources in plan.items():
                 for source in sources:
                     found, value = lookup(s.sources, source)
-                    if found:
+                    # a null is how a mixed dataset (parquet, HF datasets) says a row lacks the
+                    # key: an optional parameter then keeps its default; a required one gets
+                    # the null, which the function refuses (loudly, as a missing value)
+                    if found and (value is not None or param in required):
                         payload[param] = plain(value)
                         break
                 else:

@@ -16,6 +16,7 @@ from fabric.errors import ConfigError, ErrorCode
 from fabric.integrations import BadBatchError, IntegrationConfig, MissingArgumentError, RewardCallError, _verl
 from fabric.integrations import verl as verl_mod
 from fabric.integrations.openrlhf import OpenRLHFReward
+from fabric.integrations.trl import trl_reward
 from fabric.integrations.verl import VerlReward
 from fabric.protocol import Trajectory
 from fabric.testing import FakeBackend
@@ -184,6 +185,28 @@ def test_an_optional_parameter_follows_each_sample_not_the_first(fake):
     with OpenRLHFReward("explode", registry=REG, backend_instance=(fb := FakeBackend(REG))) as reward_func:
         reward_func(["p x", "p y"], ["p", "p"], [json.dumps({"ground_truth": "7"}), "8"])
         assert sorted(inv.payload["ground_truth"] for inv in fb.invocations) == ["7", "8"]
+
+
+def test_a_null_for_an_optional_parameter_leaves_its_default(fake):
+    # a mixed dataset as parquet and HF datasets load it: a row without the key has it as a
+    # null (extra_info's struct, a TRL column), which was sent, refused (InvalidArguments:
+    # language is a str) and failed the whole batch as a column of the wrong type
+    v = VerlReward("with_tests", registry=REG, backend_instance=fake)
+    try:
+        py, cpp = {"tests": ["a"], "language": None}, {"tests": ["a"], "language": "cpp"}
+        out = v.compute_score_batch(["d"] * 2, ["a", "a"], [None] * 2, [py, cpp])
+        assert [r["score"] for r in out] == [1.0, 1.0]
+        # left out: the function's default ("python") applies
+        assert sorted(i.payload.get("language", "left out") for i in fake.invocations) == ["cpp", "left out"]
+    finally:
+        v.close()
+    with trl_reward("with_tests", registry=REG, backend_instance=FakeBackend(REG)) as reward:
+        out = reward(prompts=["p"] * 2, completions=["a"] * 2, tests=[["a"]] * 2, language=[None, "cpp"])
+        assert out == [1.0, 1.0]
+    # a required one's null is still sent, and refused: no default stands in for it
+    with trl_reward("with_tests", registry=REG, backend_instance=FakeBackend(REG)) as reward:
+        with pytest.raises(BadBatchError, match="1 of 2 samples"):
+            reward(prompts=["p"] * 2, completions=["a"] * 2, tests=[["a"], None])
 
 
 def test_verl_settings_from_the_environment_and_typos(verl_rewards, monkeypatch):
