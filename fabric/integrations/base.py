@@ -133,10 +133,15 @@ def build_trajectory(
     what: str = "completion",
 ) -> Trajectory:
     """A ``Trajectory`` of ``prompt`` (text: a user turn; or chat messages) followed by
-    ``completion`` (text: an assistant turn; or chat messages)."""
+    ``completion`` (text: an assistant turn; or chat messages, ending with an empty assistant
+    turn when they have none)."""
     messages = [] if prompt is None else _messages(prompt, "user", what.replace("completion", "prompt"))
-    messages += _messages(completion, "assistant", what)
-    return Trajectory(messages=messages, task=dict(task or {}))
+    said = _messages(completion, "assistant", what)
+    if not any(m.role == "assistant" for m in said):
+        # a completion with no assistant turn (none generated) said nothing: rewards read the
+        # last assistant turn, which would be the prompt's (a few-shot example's answer)
+        said.append(Message(role="assistant", content=""))
+    return Trajectory(messages=messages + said, task=dict(task or {}))
 
 
 def lookup(sources: Mapping[str, Any], name: str) -> tuple[bool, Any]:

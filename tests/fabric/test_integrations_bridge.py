@@ -165,6 +165,20 @@ def test_trajectories_from_prompts_and_completions():
     ]  # a tool call of another shape is kept as a turn
 
 
+def test_a_completion_without_an_assistant_turn_is_not_read_from_the_prompt():
+    # a few-shot chat prompt: an empty completion (or one of tool turns only) was scored as
+    # the example's answer, the last assistant turn of the whole trajectory
+    shot = [
+        {"role": "user", "content": "1+1?"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "6*7?"},
+    ]
+    for completion in ([], [{"role": "tool", "content": "2"}]):
+        t = build_trajectory(completion, shot)
+        assert t.final_text() == "" and t.messages[-1].role == "assistant"
+    assert build_trajectory(msgs("42"), shot).final_text() == "42"
+
+
 def test_a_trl_reward_can_be_sent_to_another_process():
     """TRL's experimental AsyncGRPOTrainer pickles its reward functions into a spawned child:
     the bridge's lock, loop thread and client made a TRLReward unpicklable. A copy is rebuilt
