@@ -169,11 +169,20 @@ class SyncBridge:
         await asyncio.gather(*batches, return_exceptions=True)
         await self.adapter.aclose()
 
+    def _wait_s(self) -> float | None:
+        """How long a caller waits for a batch: its deadline and the grace, or for ever when
+        the client reads the deadline as none (``math.inf``, decades), as the wait cannot:
+        past ``threading.TIMEOUT_MAX`` a waiting ``Future.result`` raises OverflowError."""
+        from fabric.client import NO_DEADLINE_S
+
+        deadline_s = self.adapter.config.deadline_s
+        return None if deadline_s >= NO_DEADLINE_S else deadline_s + DEADLINE_GRACE_S
+
     def run(self, samples: Sequence[Sample]) -> list[Score]:
         """Score ``samples`` from a synchronous caller; waits at most the batch deadline."""
         payloads = self.adapter.payloads(samples)  # bad input raises here, in the caller's thread
         fut = self._submit(lambda: self.adapter.score_payloads(payloads))
-        timeout = self.adapter.config.deadline_s + DEADLINE_GRACE_S
+        timeout = self._wait_s()
         try:
             return fut.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
@@ -192,7 +201,7 @@ class SyncBridge:
             # starting waits for the client (a local backend's pools): not on the caller's loop
             await asyncio.wrap_future(_in_a_thread(self._ensure, f"{self.name}-start"))
         fut = self._submit(lambda: self.adapter.score_payloads(payloads))
-        timeout = self.adapter.config.deadline_s + DEADLINE_GRACE_S
+        timeout = self._wait_s()
         try:
             # not wait_for: on Python 3.11 scores that arrive in the loop turn the caller is
             # cancelled win over the cancel, and the cancelled trainer task goes on

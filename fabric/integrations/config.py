@@ -84,7 +84,7 @@ class IntegrationConfig(BaseModel):
     reward for that sample; veRL and OpenRLHF: an error). Opt-in: a failure is not a 0."""
     deadline_s: float = Field(300.0, gt=0)
     """A batch's calls must finish within this many seconds (retries included); a call past
-    it fails as ``DeadlineExceeded``, which counts as a failure."""
+    it fails as ``DeadlineExceeded``, which counts as a failure. ``math.inf``: no deadline."""
     components: tuple[str, ...] | None = None
     """Component names to report beside the score (veRL and OpenRLHF need the same keys for
     every sample). ``None``: the ones the function returns, as they are first seen."""

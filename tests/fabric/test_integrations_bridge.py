@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import math
 import os
 import threading
 import time
@@ -177,6 +178,18 @@ def test_a_completion_without_an_assistant_turn_is_not_read_from_the_prompt():
         t = build_trajectory(completion, shot)
         assert t.final_text() == "" and t.messages[-1].role == "assistant"
     assert build_trajectory(msgs("42"), shot).final_text() == "42"
+
+
+@pytest.mark.parametrize("deadline_s", [math.inf, 1e12])
+def test_no_deadline_waits_for_the_batch(fake, deadline_s):
+    # math.inf is the client's "no deadline"; the bridge waited deadline_s + grace seconds,
+    # past threading.TIMEOUT_MAX: every synchronous batch still running then raised
+    # OverflowError (and was cancelled)
+    slow = {"delay_s": 0.5}
+    with trl_reward(
+        "slow_length", registry=REG, backend_instance=fake, deadline_s=deadline_s, constants=slow
+    ) as r:
+        assert r(prompts=["p"], completions=["abc"]) == [3.0]
 
 
 def test_a_trl_reward_can_be_sent_to_another_process():
