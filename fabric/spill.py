@@ -83,7 +83,11 @@ def fetch(s3: Any, payload: dict[str, Any], *, only_bucket: str | None = None) -
     try:
         raw: bytes = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
     except Exception as e:
-        code = getattr(e, "response", {}).get("Error", {}).get("Code", "")
+        # a ClientError's response is S3's answer; botocore's transport errors (a read timeout,
+        # a connection closed) carry response=None
+        response = getattr(e, "response", None)
+        error = response.get("Error", {}) if isinstance(response, dict) else {}
+        code = error.get("Code", "")
         age = time.time() - p["spilled_at"] if isinstance(p.get("spilled_at"), int | float) else None
         if code in ("NoSuchKey", "NoSuchBucket", "404"):
             if age is not None and age >= _MIN_EXPIRY_S:
@@ -95,7 +99,7 @@ def fetch(s3: Any, payload: dict[str, Any], *, only_bucket: str | None = None) -
                 retryable=False,
             ) from None
         if code in ("AccessDenied", "403"):
-            message = str(getattr(e, "response", {}).get("Error", {}).get("Message", ""))
+            message = str(error.get("Message", ""))
             raise _refused(where, message, age) from None
         raise SpillError(f"cannot read the spilled payload {where}: {e}", retryable=True) from None
     if len(raw) != p.get("bytes") or hashlib.sha256(raw).hexdigest() != p.get("sha256"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError, ReadTimeoutError
 
 from fabric.spill import SPILL_KEY, SpillError, fetch, pointer
 
@@ -94,3 +94,30 @@ def test_a_missing_object_spilled_days_ago_expired_and_one_spilled_now_was_never
             _pointer(spilled_at=time.time()),
         )
     assert "not found" in str(e.value) and not e.value.retryable
+
+
+class FailingS3:
+    """An S3 client whose read fails in transport, as botocore raises it."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def get_object(self, **_: object) -> dict:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ReadTimeoutError(endpoint_url="https://s3.amazonaws.com"),
+        ConnectionClosedError(endpoint_url="https://s3.amazonaws.com"),
+        EndpointConnectionError(endpoint_url="https://s3.amazonaws.com"),
+    ],
+)
+def test_a_transport_failure_is_a_retryable_spill_error(error):
+    # botocore's transport errors carry response=None: reading a code from it raised
+    # AttributeError, which escaped the handler instead of answering a retryable failure
+    with pytest.raises(SpillError) as e:
+        fetch(FailingS3(error), _pointer(spilled_at=time.time()))
+    assert e.value.retryable and not e.value.resend
+    assert "cannot read the spilled payload" in str(e.value)
