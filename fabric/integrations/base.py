@@ -322,11 +322,13 @@ class RewardAdapter:
             for param, sources in plan.items():
                 for source in sources:
                     found, value = lookup(s.sources, source)
-                    # a null is how a mixed dataset (parquet, HF datasets) says a row lacks the
-                    # key: an optional parameter then keeps its default; a required one gets
-                    # the null, which the function refuses (loudly, as a missing value)
-                    if found and (value is not None or param in required):
-                        payload[param] = plain(value)
+                    if found:
+                        # a null is how a mixed dataset (parquet, HF datasets) says a row lacks
+                        # the key: an optional parameter keeps its default (not the next
+                        # source's value: a JSON label's text); a required one gets the null,
+                        # which the function refuses (loudly, as a missing value)
+                        if value is not None or param in required:
+                            payload[param] = plain(value)
                         break
                 else:
                     if param in required:

@@ -48,6 +48,12 @@ def with_tests(traj: Trajectory, *, tests: list[str], language: str = "python") 
 
 
 @REG.reward(warm=0)
+def graded_if_given(traj: Trajectory, *, ground_truth: str | None = None) -> float:
+    """1.0 without a ground truth (nothing to check); else whether the answer contains it."""
+    return 1.0 if ground_truth is None else float(ground_truth in traj.final_text())
+
+
+@REG.reward(warm=0)
 def not_a_reward(traj: Trajectory) -> str:
     return "high"
 

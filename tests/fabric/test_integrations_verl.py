@@ -203,6 +203,13 @@ def test_a_null_for_an_optional_parameter_leaves_its_default(fake):
     with trl_reward("with_tests", registry=REG, backend_instance=FakeBackend(REG)) as reward:
         out = reward(prompts=["p"] * 2, completions=["a"] * 2, tests=[["a"]] * 2, language=[None, "cpp"])
         assert out == [1.0, 1.0]
+    # OpenRLHF: a JSON label's null is the default too, not the label's text (the alias)
+    with OpenRLHFReward("graded_if_given", registry=REG, backend_instance=(fb := FakeBackend(REG))) as rf:
+        assert rf(["p x", "p y"], ["p", "p"], [json.dumps({"ground_truth": None}), None])["rewards"] == [
+            1.0,
+            1.0,
+        ]
+        assert all("ground_truth" not in i.payload for i in fb.invocations)
     # a required one's null is still sent, and refused: no default stands in for it
     with trl_reward("with_tests", registry=REG, backend_instance=FakeBackend(REG)) as reward:
         with pytest.raises(BadBatchError, match="1 of 2 samples"):
