@@ -48,9 +48,10 @@ def with_tests(traj: Trajectory, *, tests: list[str], language: str = "python") 
 
 
 @REG.reward(warm=0)
-def graded_if_given(traj: Trajectory, *, ground_truth: str | None = None) -> float:
-    """1.0 without a ground truth (nothing to check); else whether the answer contains it."""
-    return 1.0 if ground_truth is None else float(ground_truth in traj.final_text())
+def graded_if_given(traj: Trajectory, *, ground_truth: str = "") -> float:
+    """1.0 without a ground truth (nothing to check); else whether the answer contains it.
+    Its default is not None: a null sent for it is refused."""
+    return float(ground_truth in traj.final_text())
 
 
 @REG.reward(warm=0)

@@ -130,6 +130,12 @@ async def test_openrlhf_http_a_missing_field_is_named_not_called_a_wrong_type():
     async with RewardServer(cfg, port=0, registry=REG) as server, aiohttp.ClientSession() as http:
         async with http.post(server.url, json={"query": ["p abc"], "prompts": ["p"]}) as resp:
             assert resp.status == 200 and (await resp.json())["rewards"] == [4.0]
+    # nor does one whose ground_truth (<- label) is optional: it keeps its default; the null
+    # labels standing in were sent, and refused as a missing field the function needs
+    cfg = IntegrationConfig(function="graded_if_given", backend="inproc", builtins=False)
+    async with RewardServer(cfg, port=0, registry=REG) as server, aiohttp.ClientSession() as http:
+        async with http.post(server.url, json={"query": ["p abc"], "prompts": ["p"]}) as resp:
+            assert resp.status == 200 and (await resp.json())["rewards"] == [1.0]
 
 
 async def test_openrlhf_http_an_absent_prompts_field_is_not_blamed_for_a_refused_label():
