@@ -265,7 +265,8 @@ class RewardServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/get_reward"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address in brackets
+        return f"http://{host}:{self.port}/get_reward"
 
     async def __aenter__(self) -> RewardServer:
         await self.start()

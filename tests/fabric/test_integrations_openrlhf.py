@@ -353,3 +353,12 @@ def test_a_failed_batch_s_error_pickles_back_whole():
     assert isinstance(copy, RewardCallError) and str(copy) == str(e)
     assert (copy.function, copy.total, copy.hint) == ("f", 8, "; a hint")
     assert [(i, x.type, x.message) for i, x in copy.failures] == [(3, "UserError", "boom")]
+
+
+def test_the_servers_url_brackets_an_ipv6_address():
+    # --host ::1 printed http://::1:8000/get_reward, which no client parses
+    cfg = IntegrationConfig(function="length", backend="inproc", builtins=False)
+    assert RewardServer(cfg, host="::1", port=8000, registry=REG).url == "http://[::1]:8000/get_reward"
+    assert (
+        RewardServer(cfg, host="127.0.0.1", port=8000, registry=REG).url == "http://127.0.0.1:8000/get_reward"
+    )
