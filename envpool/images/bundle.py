@@ -107,13 +107,21 @@ def build_bundle(src: str | os.PathLike[str], *, compresslevel: int = 6) -> Bund
     return Bundle(digest=digest_of(data), data=data)
 
 
+UNPACKED_MARKER = ".envpool-unpacked"
+"""The image cache's mark of a whole unpacked bundle, at its root (``envpool.images.unpacked``):
+never bundled, so an unpacked bundle bundled again keeps its digest."""
+
+
 def _walk_sorted(root: Path) -> list[str]:
     """The bundle's paths, sorted, without Python's bytecode caches (an import in the
-    directory writes them: the digest would depend on whether anything ran there)."""
+    directory writes them: the digest would depend on whether anything ran there) or the
+    image cache's marker."""
     out: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")  # os.walk descends in this order
         base = os.path.relpath(dirpath, root)
+        if base == ".":
+            filenames = [f for f in filenames if f != UNPACKED_MARKER]
         for name in dirnames + [f for f in filenames if not f.endswith(".pyc")]:
             out.append(name if base == "." else posixpath.join(Path(base).as_posix(), name))
     return sorted(out)

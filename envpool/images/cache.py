@@ -17,19 +17,17 @@ Unpacked bundles are evicted least recently used first to stay under
 ``release``; one pinned with ``acquire`` (a container runs from it) is never evicted until
 then. One pinned by another process sharing ``unpack_dir`` is tried again every second while
 it keeps the bundles over the budget (no unpack or release here may come soon).
+
+A close cancels the fetches under way and waits (``_CLOSE_WAIT_S``) for their unpacks, whose
+threads a cancel does not stop: each gives up at its next step, and publishes nothing after.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import time
+import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from functools import partial
@@ -47,11 +45,10 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
-from envpool.images.bundle import Bundle, ImageRef, unpack, verify
+from envpool.images.bundle import Bundle, ImageRef, verify
 from envpool.images.errors import DigestMismatch, ImageError, ImageFetchError, ImageNotFound
 from envpool.images.tiers import Tier, TierConfig, make_tier
-from envpool.images.tiers.disk import STALE_TEMP_S
-from envpool.images.unpacked import UnpackedStore, remove_all, tree_bytes
+from envpool.images.unpacked import MARKER, UnpackedStore, complete, remove_all, unpack_tree
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +98,11 @@ _OVER_BUDGET_RETRY_S = 1.0
 """How soon an eviction that another process's pin blocked is tried again: a node stays over
 the budget about this long after that pin drops (a retry costs a few system calls a bundle)."""
 
+_CLOSE_WAIT_S = 30.0
+"""How long a close waits for the unpacks under way: a cancel does not stop a thread, and
+each stops at its next step (``unpack_tree``), but one member of a big bundle may
+take a while to write."""
+
 _ACQUIRE_ATTEMPTS = 3
 """Fetches of one ``acquire`` whose bundle another process evicts before the pin each time."""
 
@@ -134,6 +136,10 @@ class TieredCache:
         self.unpacked = UnpackedStore(self.unpack_root, unpacked_budget_bytes)
         self._fetch_slots = asyncio.Semaphore(max_concurrent_fetches)
         self._inflight: dict[str, asyncio.Task[Path]] = {}
+        self._unpacks: set[asyncio.Future[tuple[Path, int]]] = set()
+        """Unpacks under way, in threads; the close waits for them (``_CLOSE_WAIT_S``)."""
+        self._stopping = threading.Event()
+        """Set by the close: the unpack threads stop at their next step."""
         self._removals: set[asyncio.Future[None]] = set()
         """Deletions of evicted directories under way (``release`` is sync): the close awaits them."""
         self._budget_retry: asyncio.TimerHandle | None = None
@@ -170,7 +176,7 @@ class TieredCache:
                 raise ImageError("the image cache is closed")
             if not self._started:
                 try:
-                    found = await asyncio.to_thread(self._prepare_unpack_root)
+                    found = await asyncio.to_thread(self.unpacked.scan)
                     self.unpacked.load(found)
                     await self._evict()
                     await asyncio.gather(*(t.start() for t in self.tiers))
@@ -186,6 +192,7 @@ class TieredCache:
         if self._closed:
             return
         self._closed = True
+        self._stopping.set()
         if self._budget_retry is not None:
             self._budget_retry.cancel()
             self._budget_retry = None
@@ -197,6 +204,20 @@ class TieredCache:
 
     async def _close(self, flights: list[asyncio.Task[Path]]) -> None:
         await asyncio.gather(*flights, return_exceptions=True)
+        if self._unpacks:
+            # the loads are cancelled, their threads are not: nothing may write under
+            # unpack_dir once the close has returned (as long as they let it)
+            _, left = await asyncio.wait(self._unpacks, timeout=_CLOSE_WAIT_S)
+            if left:
+                log.warning(
+                    "the image cache closed with %d unpack(s) still running after %ss, in threads "
+                    "that cannot be stopped: they may write under %s for a while; what they leave "
+                    "is never taken for a whole bundle (no %s), and their temp dirs are removed",
+                    len(left),
+                    _CLOSE_WAIT_S,
+                    self.unpack_root,
+                    MARKER,
+                )
         await asyncio.gather(*self._removals, return_exceptions=True)
         await asyncio.gather(*(t.aclose() for t in self.tiers), return_exceptions=True)
         self.unpacked.unpin_all()
@@ -215,7 +236,7 @@ class TieredCache:
         if self._closed:
             raise ImageError("the image cache is closed")
         path = self.path_of(digest)
-        if digest not in self._inflight and path.is_dir():
+        if digest not in self._inflight and complete(path):
             self._outcomes["ready"] += 1
             await self._used(path.name)
             return path
@@ -328,7 +349,7 @@ class TieredCache:
         started = 0
         for image in images:
             digest = ImageRef.parse(image).digest
-            if digest in self._inflight or self.path_of(digest).is_dir():
+            if digest in self._inflight or complete(self.path_of(digest)):
                 continue
             self._flight(digest, prefetch=True)
             started += 1
@@ -366,7 +387,7 @@ class TieredCache:
     async def _load(self, digest: str) -> Path:
         await self.start()
         path = self.path_of(digest)
-        if await asyncio.to_thread(path.is_dir):  # another process sharing unpack_dir won
+        if await asyncio.to_thread(complete, path):  # another process sharing unpack_dir won
             self._outcomes["ready"] += 1
             await self._used(path.name)
             return path
@@ -374,14 +395,11 @@ class TieredCache:
             async with self._fetch_slots:
                 data, found_at = await self._fetch(digest)
             faster = [t for t in self.tiers[:found_at] if t.writable]
-            # unpack while the copies are written back; _write_back never raises
-            unpacking = asyncio.ensure_future(asyncio.to_thread(self._unpack, digest, data))
-            try:
-                await asyncio.gather(*(self._write_back(t, digest, data) for t in faster))
-            except BaseException:
-                unpacking.cancel()
-                raise
-            path, size = await unpacking
+            # unpack while the copies are written back; _write_back never raises. Not
+            # cancelled with the load (only the close cancels it): its thread would go on
+            unpacking = self._unpack(digest, data)
+            await asyncio.gather(*(self._write_back(t, digest, data) for t in faster))
+            path, size = await asyncio.shield(unpacking)
         except ImageNotFound:
             self._outcomes["not_found"] += 1
             raise
@@ -481,109 +499,23 @@ class TieredCache:
             # the image is in hand; a tier that cannot keep a copy costs a later fetch only
             log.warning("could not write %s back to %s: %s", digest, tier.name, e)
 
-    def _prepare_unpack_root(self) -> list[tuple[str, int]]:
-        self.unpack_root.mkdir(parents=True, exist_ok=True)
-        for entry in self.unpack_root.glob(".tmp-*"):
-            # left by a process that died mid-unpack (or mid-eviction); young ones may belong
-            # to a live neighbour, and may be renamed away as we look
-            try:
-                stale = time.time() - entry.lstat().st_mtime > STALE_TEMP_S
-            except FileNotFoundError:
-                continue
-            if stale:
-                shutil.rmtree(entry, ignore_errors=True)
-        return self.unpacked.scan()
-
-    def _unpack(self, digest: str, data: bytes) -> tuple[Path, int]:
-        """The bundle unpacked in place, and the bytes it takes."""
-        final = self.unpack_root / digest.removeprefix("sha256:")
-        if final.is_dir():
-            return final, tree_bytes(final)
-        # unpack beside the final place and rename: a directory is there whole or not at all
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{digest[7:19]}-", dir=self.unpack_root))
-        try:
-            # a bundle's directories are 0755 (build_bundle), its root too: not mkdtemp's 0700,
-            # which no container or sandbox of another user could enter
-            tmp.chmod(0o755)
-            unpack(data, tmp, max_bytes=self.max_unpacked_bytes)
-            if self.precompile:
-                size = _precompile(tmp, self.max_unpacked_bytes)  # (its bytecode is on the disk too)
-            else:
-                size = tree_bytes(tmp)
-            try:
-                tmp.rename(final)
-            except OSError:
-                if not final.is_dir():
-                    raise
-                shutil.rmtree(tmp, ignore_errors=True)  # another process unpacked it first
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return final, size
-
-
-_PRECOMPILE_TIMEOUT_S = 300.0
-
-
-def _precompile(root: Path, max_bytes: int | None) -> int:
-    """Byte-compile the bundle's modules once, as it is unpacked, before any container sees
-    it. A container sees its image read-only below a layer of its own
-    (``envpool.isolation.private_view``), so the bytecode it writes stays in that layer and
-    went with it: every container compiled the image's modules again (tens of ms for a large
-    module, against a zygote fork's few). Written by the cache, never by a container: no
-    container can leave bytecode that another one runs. The digest is the archive's and
-    does not change; the bytes are counted with the bundle's.
-
-    In a subprocess: compiling holds the interpreter lock, this thread's loop would stall.
-    ``-I``: beside the sources, whatever ``PYTHONPYCACHEPREFIX`` says (containers look there,
-    ``private_view``). A file that does not compile, or a compile that fails or runs past its
-    timeout, is left to the import to compile or report: this only saves time.
-
-    Within ``max_bytes`` (``max_unpacked_bytes``) with the bundle: bytecode can be hundreds of
-    times its source (a constant folded from ``"x" * n``), and a bundle that unpacked within
-    the limit took many times it. Past it, what the compile wrote goes (each container
-    compiles what it imports, in its own layer). The tree's bytes, its bytecode included."""
-    before = None if max_bytes is None else _files_and_dirs(root)
-    try:
-        subprocess.run(
-            [sys.executable, "-I", "-m", "compileall", "-q", "-q", str(root)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            # its __pycache__ directories and bytecode open to every user, as the bundle is
-            # (an operator's umask 077 made them 0700 and 0600: another user's container
-            # compiled everything again)
-            umask=0o022,
-            timeout=_PRECOMPILE_TIMEOUT_S,
-            check=False,
+    def _unpack(self, digest: str, data: bytes) -> asyncio.Future[tuple[Path, int]]:
+        """The bundle unpacked in a thread (``unpack_tree``), tracked for the close."""
+        work = partial(
+            unpack_tree,
+            self.unpack_root,
+            digest,
+            data,
+            max_bytes=self.max_unpacked_bytes,
+            precompile=self.precompile,
+            stop=self._stopping.is_set,
         )
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("byte-compiling the bundle at %s failed (its containers compile it): %s", root, e)
-    size = tree_bytes(root)
-    if before is None or max_bytes is None or size <= max_bytes:
-        return size
-    log.warning(
-        "the bundle at %s takes %d bytes with its bytecode, over max_unpacked_bytes (%d): "
-        "its bytecode is dropped (its containers compile what they import)",
-        root,
-        size,
-        max_bytes,
-    )
-    files, dirs = _files_and_dirs(root)
-    for path in files - before[0]:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-    for path in sorted(dirs - before[1], key=len, reverse=True):  # the deepest first
-        with contextlib.suppress(OSError):
-            os.rmdir(path)
-    return tree_bytes(root)
+        future = asyncio.ensure_future(asyncio.to_thread(work))
+        self._unpacks.add(future)
+        future.add_done_callback(self._unpacked)
+        return future
 
-
-def _files_and_dirs(root: Path) -> tuple[set[str], set[str]]:
-    """The paths of the files and of the directories under ``root`` (symlinks not followed)."""
-    files: set[str] = set()
-    dirs: set[str] = set()
-    for parent, dirnames, filenames in os.walk(root):
-        dirs.update(os.path.join(parent, d) for d in dirnames)
-        files.update(os.path.join(parent, f) for f in filenames)
-    return files, dirs
+    def _unpacked(self, future: asyncio.Future[tuple[Path, int]]) -> None:
+        self._unpacks.discard(future)
+        if not future.cancelled():
+            future.exception()  # retrieved: a load the close cancelled no longer awaits it

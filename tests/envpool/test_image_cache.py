@@ -413,12 +413,12 @@ async def test_an_unpack_that_fails_with_an_os_error_is_counted_and_logged(
     # only ImageErrors were counted as failed: a full disk under unpack_dir went uncounted
     import errno
 
-    import envpool.images.cache as cache_mod
+    import envpool.images.unpacked as unpacked_mod
 
     def full(*_a: Any, **_k: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(cache_mod, "unpack", full)
+    monkeypatch.setattr(unpacked_mod, "unpack", full)
     with FakeOrigin({bundle.digest: bundle.data}) as origin:
         async with cache_with(tmp_path, origin.url) as cache:
             with pytest.raises(OSError, match="No space left"):

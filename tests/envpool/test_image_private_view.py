@@ -19,7 +19,7 @@ import pytest
 from envpool import EnvPool
 from envpool.images import DiskTier, DiskTierConfig, TieredCache, build_bundle
 from envpool.images.fake_origin import FakeOrigin
-from envpool.images.unpacked import tree_bytes
+from envpool.images.unpacked import MARKER, tree_bytes
 
 _SCRIBBLER = '''
 import json
@@ -264,7 +264,7 @@ async def test_the_caches_bytecode_stays_within_max_unpacked_bytes(tmp_path):
         unpacked = await images.get(image)
         assert tree_bytes(unpacked) <= limit
         assert tree_bytes(unpacked) == images.metrics()["unpacked"]["bytes"]
-        assert sorted(p.name for p in unpacked.iterdir()) == ["folded.py", "small.py"]
+        assert sorted(p.name for p in unpacked.iterdir()) == [MARKER, "folded.py", "small.py"]
         assert build_bundle(unpacked).digest == bundle.digest
 
 

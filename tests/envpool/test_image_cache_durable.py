@@ -1,0 +1,181 @@
+"""The image cache on the disk: what a close, a crash or a neighbour leaves behind. A close
+waits for the unpack thread a cancel cannot stop (bounded), a tree without its completion
+marker is never taken for whole, and what a rename publishes is on the disk before it.
+
+Everything is real: HTTP on 127.0.0.1 (FakeOrigin), files in tmp_path; the unpack and the
+fsync calls are slowed or counted through their module's names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from image_cache_helpers import cache_with, until
+
+import envpool.images.cache as cache_mod
+import envpool.images.unpacked as unpacked_mod
+from envpool.images import Bundle, durable
+from envpool.images.fake_origin import FakeOrigin
+
+
+class _SlowUnpack:
+    """The bundle's unpack, held at its start until ``release``: a big bundle's."""
+
+    def __init__(self, real: Any):
+        self.real = real
+        self.started, self.release, self.ended = threading.Event(), threading.Event(), threading.Event()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        self.started.set()
+        try:
+            assert self.release.wait(30), "never released"
+            self.real(*args, **kwargs)
+        finally:
+            self.ended.set()
+
+
+def _unpack_root(tmp_path: Path) -> Path:
+    return tmp_path / "a" / "unpacked" / "sha256"
+
+
+async def test_a_close_waits_for_the_unpack_thread_it_cancelled(
+    tmp_path: Path, bundle: Bundle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # cancelling the load does not stop its thread: the close returned while the unpack
+    # still wrote under unpack_dir (and renamed its tree into place after the close)
+    slow = _SlowUnpack(unpacked_mod.unpack)
+    monkeypatch.setattr(unpacked_mod, "unpack", slow)
+    with FakeOrigin({bundle.digest: bundle.data}) as origin:
+        cache = cache_with(tmp_path, origin.url)
+        await cache.start()
+        cache.prefetch([bundle.digest])
+        await asyncio.to_thread(slow.started.wait, 10)
+        closing = asyncio.create_task(cache.aclose())
+        try:
+            await asyncio.sleep(0.05)
+            assert not closing.done(), "the close returned while the unpack thread was still writing"
+        finally:
+            slow.release.set()
+            await closing
+        assert slow.ended.is_set()
+    # closed before its tree was published: the thread removed its temp dir, placed nothing
+    assert sorted(p.name for p in _unpack_root(tmp_path).iterdir()) == []
+
+
+async def test_a_close_waits_for_an_unpack_a_bounded_time_and_says_so(
+    tmp_path: Path,
+    bundle: Bundle,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    slow = _SlowUnpack(unpacked_mod.unpack)
+    monkeypatch.setattr(unpacked_mod, "unpack", slow)
+    monkeypatch.setattr(cache_mod, "_CLOSE_WAIT_S", 0.05)
+    with FakeOrigin({bundle.digest: bundle.data}) as origin:
+        try:
+            async with cache_with(tmp_path, origin.url) as cache:
+                cache.prefetch([bundle.digest])
+                await asyncio.to_thread(slow.started.wait, 10)
+        finally:
+            slow.release.set()
+        assert "1 unpack(s) still running" in caplog.text
+        await asyncio.to_thread(slow.ended.wait, 10)
+        # the thread ends as the close's stop says: its temp dir goes, nothing is placed
+        await until(lambda: list(_unpack_root(tmp_path).iterdir()) == [])
+        async with cache_with(tmp_path, origin.url) as cache:
+            path = await cache.get(bundle.digest)
+            assert (path / "pkg" / "__init__.py").read_text() == "VALUE = 42\n"
+
+
+async def test_a_tree_without_its_marker_is_unpacked_again(tmp_path: Path, bundle: Bundle) -> None:
+    # a crash after the rename of a tree whose data was not on the disk yet leaves it with
+    # empty files; it was taken for whole (is_dir) and run as it was, by every later open
+    with FakeOrigin({bundle.digest: bundle.data}) as origin:
+        async with cache_with(tmp_path, origin.url) as cache:
+            path = await cache.get(bundle.digest)
+        assert (path / unpacked_mod.MARKER).is_file()
+        half = tmp_path / "half"
+        path.rename(half)
+        (half / unpacked_mod.MARKER).unlink()
+        (half / "pkg" / "__init__.py").write_bytes(b"")  # what the crash left of it
+        for attempt in ("at the start", "at a get"):
+            shutil.copytree(half, path, symlinks=True)
+            cache = cache_with(tmp_path, origin.url)
+            if attempt == "at a get":  # (placed by a neighbour after the start's scan)
+                cache.unpacked.scan = list  # type: ignore[method-assign]
+            async with cache:
+                if attempt == "at the start":  # not counted, and gone
+                    assert cache.metrics()["unpacked"]["bundles"] == 0 and not path.exists()
+                else:
+                    assert path.is_dir()
+                got = await cache.get(bundle.digest)
+                assert got == path and (path / "pkg" / "__init__.py").read_text() == "VALUE = 42\n"
+                assert (path / unpacked_mod.MARKER).is_file()
+            leftovers = [p.name for p in _unpack_root(tmp_path).iterdir() if p.name != path.name]
+            assert leftovers == []
+            shutil.rmtree(path)
+
+
+class _Syncs:
+    """``durable``'s fsync and syncfs, recorded by the path of what they synced (the real
+    calls made all the same), with or without syncfs (a platform without one)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, with_syncfs: bool):
+        self.calls: list[tuple[str, str]] = []
+        real_fsync = durable.fsync
+
+        def fsync(fd: int) -> None:
+            self.calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+            real_fsync(fd)
+
+        def syncfs(fd: int) -> bool:
+            self.calls.append(("syncfs", os.readlink(f"/proc/self/fd/{fd}")))
+            return with_syncfs
+
+        monkeypatch.setattr(durable, "fsync", fsync)
+        monkeypatch.setattr(durable, "syncfs", syncfs)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names a descriptor's file by /proc")
+@pytest.mark.parametrize("with_syncfs", [True, False], ids=["syncfs", "an-fsync-each"])
+async def test_an_unpacked_tree_is_on_the_disk_before_its_marker_and_its_rename(
+    tmp_path: Path, bundle: Bundle, monkeypatch: pytest.MonkeyPatch, with_syncfs: bool
+) -> None:
+    syncs = _Syncs(monkeypatch, with_syncfs=with_syncfs)
+    with FakeOrigin({bundle.digest: bundle.data}) as origin:
+        async with cache_with(tmp_path, origin.url) as cache:
+            path = await cache.get(bundle.digest)
+    rel = _synced_in_temp(syncs.calls, _unpack_root(tmp_path))
+    # the marker written and synced after the rest, its directory entry last
+    assert rel[-2:] == [("fsync", unpacked_mod.MARKER), ("fsync", ".")]
+    if with_syncfs:
+        assert rel == [("syncfs", "."), ("fsync", unpacked_mod.MARKER), ("fsync", ".")]
+    else:  # each file and directory of the tree, its bytecode too
+        assert {p for _, p in rel} == _entries(path) | {"."}
+        assert any(p.endswith(".pyc") for _, p in rel)
+
+
+def _synced_in_temp(calls: list[tuple[str, str]], root: Path) -> list[tuple[str, str]]:
+    """The syncs of the unpack, relative to its temp dir: all of them made there, before the
+    rename."""
+    tree = [(kind, p) for kind, p in calls if p.startswith(f"{root}/")]
+    assert tree, calls
+    [tmp] = {os.path.relpath(p, root).split("/")[0] for _, p in tree}
+    assert tmp.startswith(".tmp-")
+    return [(kind, os.path.relpath(p, root / tmp)) for kind, p in tree]
+
+
+def _entries(path: Path) -> set[str]:
+    """The tree's files and directories (not its links: no data of their own to sync)."""
+    found = set()
+    for parent, dirs, files in os.walk(path):
+        for name in dirs + files:
+            if not os.path.islink(os.path.join(parent, name)):
+                found.add(os.path.relpath(os.path.join(parent, name), path))
+    return found
