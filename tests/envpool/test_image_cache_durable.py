@@ -20,7 +20,7 @@ from image_cache_helpers import cache_with, until
 
 import envpool.images.cache as cache_mod
 import envpool.images.unpacked as unpacked_mod
-from envpool.images import Bundle, durable
+from envpool.images import Bundle, DiskTier, DiskTierConfig, digest_of, durable
 from envpool.images.fake_origin import FakeOrigin
 
 
@@ -179,3 +179,19 @@ def _entries(path: Path) -> set[str]:
             if not os.path.islink(os.path.join(parent, name)):
                 found.add(os.path.relpath(os.path.join(parent, name), path))
     return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names a descriptor's file by /proc")
+async def test_a_disk_tier_blob_is_on_the_disk_before_its_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # written and renamed into place unsynced: after a crash the blob was there, empty or
+    # short, found corrupt by the next get (and fetched again from afar)
+    syncs = _Syncs(monkeypatch, with_syncfs=True)
+    data = b"blob" * 1000
+    async with DiskTier(DiskTierConfig(path=tmp_path / "l1")) as disk:
+        await disk.put(digest_of(data), data)
+    [(kind, synced)] = syncs.calls
+    assert kind == "fsync" and Path(synced).name.startswith(".tmp-")
+    assert Path(synced).parent == disk.path_of(digest_of(data)).parent
+    assert disk.path_of(digest_of(data)).read_bytes() == data

@@ -1,10 +1,11 @@
 """L1: node-local disk. Blobs live at ``<path>/sha256/<hex>``; least recently used blobs are
 evicted to stay under ``max_bytes``.
 
-Writes go to a temp file in the same directory and are renamed into place, so a reader (or a
-second process sharing the directory) sees a whole blob or none. Reads touch the file's mtime,
-so the LRU order survives a restart. Several processes may share one directory; each keeps its
-own view of the LRU order, so the cap is enforced per process, not exactly across them.
+Writes go to a temp file in the same directory, synced, and are renamed into place, so a reader
+(or a second process sharing the directory, or this one after a crash) sees a whole blob or
+none. Reads touch the file's mtime, so the LRU order survives a restart. Several processes may
+share one directory; each keeps its own view of the LRU order, so the cap is enforced per
+process, not exactly across them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from envpool.images import durable
 from envpool.images.tiers.base import Tier, TierConfigBase
 
 #: Temp files and directories older than this are debris of a dead process, removed at start.
@@ -147,6 +149,11 @@ def _write_atomic(path: Path, data: bytes) -> None:
     try:
         with tmp.open("wb") as f:
             f.write(data)
+            f.flush()
+            # on the disk before the rename publishes it: a crash after an unsynced rename
+            # left the blob empty or short at its name. (The directory is not synced: a
+            # rename a crash loses leaves a temp file, removed at a start, and a miss.)
+            durable.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
