@@ -244,6 +244,26 @@ def _resolve_inside(name: str, target: str, links: dict[str, str]) -> None:
         todo[:0] = link.split("/")
 
 
+def _check_member(m: tarfile.TarInfo, seen: dict[str, tarfile.TarInfo]) -> None:
+    """What one member may be, by itself and against the ``seen`` ones before it."""
+    _check_name(m.name)
+    if m.issym() or m.islnk():
+        _check_link(m.name, m.linkname, symlink=m.issym())
+    elif not (m.isreg() or m.isdir()):
+        raise UnsafeBundle(f"bundle member {m.name!r} is a device, fifo or other special file")
+    if m.islnk():
+        target = seen.get(posixpath.normpath(m.linkname))
+        if target is None:
+            # tarfile links to an earlier member only; else a bare KeyError mid-extraction
+            raise UnsafeBundle(
+                f"bundle member {m.name!r} hard-links to {m.linkname!r}, which is no earlier member"
+            )
+        if target.isdir():
+            # no directory can be: tarfile extracts the directory's own member there
+            # instead, past the data filter (with the owner and mode it names)
+            raise UnsafeBundle(f"bundle member {m.name!r} hard-links to the directory {m.linkname!r}")
+
+
 def unpack(data: bytes, dest: str | os.PathLike[str], *, max_bytes: int | None = None) -> None:
     """Unpack a bundle into the (new or empty) directory ``dest``; ``UnsafeBundle`` on any
     member that could write outside it, and before anything is written."""
@@ -252,39 +272,27 @@ def unpack(data: bytes, dest: str | os.PathLike[str], *, max_bytes: int | None =
     except (tarfile.TarError, OSError, EOFError) as e:
         raise UnsafeBundle(f"not a tar.gz bundle: {e}") from None
     with tar:
-        try:
-            members = tar.getmembers()
-        except (tarfile.TarError, OSError, EOFError) as e:
-            raise UnsafeBundle(f"truncated or corrupt bundle: {e}") from None
+        members: list[tarfile.TarInfo] = []
         total = 0
         seen: dict[str, tarfile.TarInfo] = {}
-        for m in members:
-            _check_name(m.name)
-            if m.issym() or m.islnk():
-                _check_link(m.name, m.linkname, symlink=m.issym())
-            elif not (m.isreg() or m.isdir()):
-                raise UnsafeBundle(f"bundle member {m.name!r} is a device, fifo or other special file")
-            if m.islnk():
-                target = seen.get(posixpath.normpath(m.linkname))
-                if target is None:
-                    # tarfile links to an earlier member only; else a bare KeyError mid-extraction
+        try:
+            # one header at a time, each counted as it is read: a bomb of millions of empty
+            # entries (a few MB of gzip) is refused at the limit, not after all were parsed
+            for m in tar:
+                _check_member(m, seen)
+                seen[posixpath.normpath(m.name)] = m
+                members.append(m)
+                # on disk: its bytes in whole blocks, one at least (a directory's, an inode's
+                # worth): by content alone, a bomb of empty entries counted nothing
+                total += max(1, -(-m.size // _BLOCK_BYTES)) * _BLOCK_BYTES
+                if max_bytes is not None and total > max_bytes:
                     raise UnsafeBundle(
-                        f"bundle member {m.name!r} hard-links to {m.linkname!r}, which is no earlier member"
+                        f"bundle unpacks to more than {max_bytes} bytes of disk (its first "
+                        f"{len(members)} entries take about {total}), over the {max_bytes}-byte limit"
                     )
-                if target.isdir():
-                    # no directory can be: tarfile extracts the directory's own member there
-                    # instead, past the data filter (with the owner and mode it names)
-                    raise UnsafeBundle(f"bundle member {m.name!r} hard-links to the directory {m.linkname!r}")
-            seen[posixpath.normpath(m.name)] = m
-            # on disk: its bytes in whole blocks, one at least (a directory's, an inode's
-            # worth): by content alone, a bomb of empty entries counted nothing
-            total += max(1, -(-m.size // _BLOCK_BYTES)) * _BLOCK_BYTES
+        except (tarfile.TarError, OSError, EOFError) as e:
+            raise UnsafeBundle(f"truncated or corrupt bundle: {e}") from None
         _check_links_on_disk(members)
-        if max_bytes is not None and total > max_bytes:
-            raise UnsafeBundle(
-                f"bundle unpacks to about {total} bytes of disk ({len(members)} entries), over the "
-                f"{max_bytes}-byte limit"
-            )
         if not hasattr(tarfile, "data_filter"):  # pragma: no cover - Python 3.11.0-3.11.3
             raise UnsafeBundle("unpacking bundles safely needs Python >= 3.11.4 (tarfile filters)")
         for m in members:

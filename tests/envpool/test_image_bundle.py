@@ -4,6 +4,7 @@ through symlink chains, garbage and bombs."""
 
 from __future__ import annotations
 
+import gzip
 import os
 import stat
 import tarfile
@@ -255,3 +256,20 @@ def test_unpack_refuses_garbage_and_bombs(tmp_path: Path, bundle: Bundle) -> Non
         unpack(b"definitely not gzip", tmp_path / "x")
     with pytest.raises(UnsafeBundle, match="over the 100-byte limit"):
         unpack(bundle.data, tmp_path / "y", max_bytes=100)
+
+
+def test_a_bomb_of_entries_is_refused_at_the_limit_not_after_reading_them_all(tmp_path: Path) -> None:
+    # every header was read (and kept) before the limit was checked: a few MB of gzip holding
+    # millions of empty entries took minutes of a core and GBs of memory to refuse. The
+    # archive here ends cut short far past the limit: a read to its end says "truncated"
+    whole = tar_gz(
+        *((member(f"d{i}", type=tarfile.DIRTYPE), None) for i in range(5000)),
+        (member("last.bin"), b"x" * 100_000),
+    )
+    raw = gzip.decompress(whole)
+    cut = gzip.compress(raw[: raw.rindex(b"x" * 1000) - 50_000])  # in the last member's bytes
+    with pytest.raises(UnsafeBundle, match="truncated"):
+        unpack(cut, tmp_path / "all")  # (no limit: read to its end)
+    with pytest.raises(UnsafeBundle, match="over the 1000000-byte limit"):
+        unpack(cut, tmp_path / "dest", max_bytes=1_000_000)
+    assert not (tmp_path / "dest").exists()
