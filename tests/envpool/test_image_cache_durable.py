@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from image_cache_helpers import cache_with, until
+from image_cache_helpers import cache_with, member, tar_gz, until
 
 import envpool.images.cache as cache_mod
 import envpool.images.unpacked as unpacked_mod
-from envpool.images import Bundle, DiskTier, DiskTierConfig, digest_of, durable
+from envpool.images import Bundle, DiskTier, DiskTierConfig, UnsafeBundle, build_bundle, digest_of, durable
 from envpool.images.fake_origin import FakeOrigin
 
 
@@ -195,3 +195,18 @@ async def test_a_disk_tier_blob_is_on_the_disk_before_its_rename(
     assert kind == "fsync" and Path(synced).name.startswith(".tmp-")
     assert Path(synced).parent == disk.path_of(digest_of(data)).parent
     assert disk.path_of(digest_of(data)).read_bytes() == data
+
+
+async def test_a_bundle_may_not_hold_the_marker_and_a_tree_bundled_again_keeps_its_digest(
+    tmp_path: Path, bundle: Bundle
+) -> None:
+    # a bundle's own marker would say "whole" of a tree half written
+    forged = tar_gz((member(unpacked_mod.MARKER), b""), (member("x.py"), b"X = 1\n"))
+    with FakeOrigin({bundle.digest: bundle.data, digest_of(forged): forged}) as origin:
+        async with cache_with(tmp_path, origin.url) as cache:
+            with pytest.raises(UnsafeBundle, match="the image cache's own"):
+                await cache.get(digest_of(forged))
+            path = await cache.get(bundle.digest)
+        assert sorted(p.name for p in _unpack_root(tmp_path).iterdir()) == [path.name]
+    assert (path / unpacked_mod.MARKER).is_file()
+    assert build_bundle(path).digest == bundle.digest  # (its bytecode and marker left out)
