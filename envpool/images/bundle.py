@@ -24,7 +24,11 @@ from pathlib import Path
 from envpool.images.errors import DigestMismatch, InvalidImageRef, UnsafeBundle
 
 _DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
-_MALFORMED_ERRNOS = frozenset({errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.ELOOP})
+_MALFORMED_ERRNOS = frozenset(
+    {errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ENAMETOOLONG, errno.EMLINK}
+)
+"""Errors of an unpack that are the archive's (members that clash, a name past the file
+system's limits, more hard links to one file than it takes): the same on every try."""
 _REF_RE = re.compile(r"(?:(?P<name>[^\s@]+)@)?(?P<digest>sha256:[0-9a-f]{64})")
 
 
@@ -310,11 +314,12 @@ def unpack(data: bytes, dest: str | os.PathLike[str], *, max_bytes: int | None =
         except (tarfile.TarError, KeyError) as e:
             raise UnsafeBundle(f"malformed bundle: {e}") from None
         except OSError as e:
-            # members that clash (a file under a file, a file over a directory, a link loop):
-            # the archive's fault, the same on every try; not a fault of the disk to retry
+            # members that clash (a file under a file, a file over a directory, a link loop),
+            # or a name too long: the archive's fault, not a fault of the disk to retry
             if e.errno not in _MALFORMED_ERRNOS:
                 raise
-            raise UnsafeBundle(f"malformed bundle: its members clash: {e}") from None
+            why = {errno.ENAMETOOLONG: "a name too long", errno.EMLINK: "too many links"}
+            raise UnsafeBundle(f"malformed bundle: {why.get(e.errno, 'its members clash')}: {e}") from None
     # the data filter drops a directory's mode, so tarfile makes each with the umask (as it
     # does the parents a bundle does not list): 0755, as build_bundle made them, whatever
     # umask an operator set (077 closed the bundle to a container of another user)
