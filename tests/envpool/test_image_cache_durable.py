@@ -19,13 +19,14 @@ import pytest
 from image_cache_helpers import cache_with, member, tar_gz, until
 
 import envpool.images.cache as cache_mod
+import envpool.images.tiers.disk as disk_mod
 import envpool.images.unpacked as unpacked_mod
 from envpool.images import Bundle, DiskTier, DiskTierConfig, UnsafeBundle, build_bundle, digest_of, durable
 from envpool.images.fake_origin import FakeOrigin
 
 
-class _SlowUnpack:
-    """The bundle's unpack, held at its start until ``release``: a big bundle's."""
+class _Held:
+    """A blocking step (an unpack, a write), held at its start until ``release``: a big bundle's."""
 
     def __init__(self, real: Any):
         self.real = real
@@ -49,7 +50,7 @@ async def test_a_close_waits_for_the_unpack_thread_it_cancelled(
 ) -> None:
     # cancelling the load does not stop its thread: the close returned while the unpack
     # still wrote under unpack_dir (and renamed its tree into place after the close)
-    slow = _SlowUnpack(unpacked_mod.unpack)
+    slow = _Held(unpacked_mod.unpack)
     monkeypatch.setattr(unpacked_mod, "unpack", slow)
     with FakeOrigin({bundle.digest: bundle.data}) as origin:
         cache = cache_with(tmp_path, origin.url)
@@ -74,7 +75,7 @@ async def test_a_close_waits_for_an_unpack_a_bounded_time_and_says_so(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    slow = _SlowUnpack(unpacked_mod.unpack)
+    slow = _Held(unpacked_mod.unpack)
     monkeypatch.setattr(unpacked_mod, "unpack", slow)
     monkeypatch.setattr(cache_mod, "_CLOSE_WAIT_S", 0.05)
     with FakeOrigin({bundle.digest: bundle.data}) as origin:
@@ -210,3 +211,28 @@ async def test_a_bundle_may_not_hold_the_marker_and_a_tree_bundled_again_keeps_i
         assert sorted(p.name for p in _unpack_root(tmp_path).iterdir()) == [path.name]
     assert (path / unpacked_mod.MARKER).is_file()
     assert build_bundle(path).digest == bundle.digest  # (its bytecode and marker left out)
+
+
+async def test_a_disk_tiers_close_waits_for_the_write_its_cancel_left_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # as for the unpack: a close of the cache cancels a write-back to L1, not its thread,
+    # which went on writing (and renamed the blob into place) after the tier was closed
+    slow = _Held(disk_mod._write_atomic)
+    monkeypatch.setattr(disk_mod, "_write_atomic", slow)
+    data = b"blob" * 1000
+    disk = DiskTier(DiskTierConfig(path=tmp_path / "l1"))
+    await disk.start()
+    put = asyncio.create_task(disk.put(digest_of(data), data))
+    await asyncio.to_thread(slow.started.wait, 10)
+    put.cancel()
+    closing = asyncio.create_task(disk.aclose())
+    try:
+        await asyncio.sleep(0.05)
+        assert not closing.done(), "the close returned while the write thread was still writing"
+    finally:
+        slow.release.set()
+        await closing
+    assert slow.ended.is_set() and disk.path_of(digest_of(data)).read_bytes() == data
+    with pytest.raises(asyncio.CancelledError):
+        await put

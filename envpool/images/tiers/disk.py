@@ -11,6 +11,7 @@ process, not exactly across them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import stat
@@ -28,6 +29,10 @@ from envpool.images.tiers.base import Tier, TierConfigBase
 #: Temp files and directories older than this are debris of a dead process, removed at start.
 STALE_TEMP_S = 3600.0
 _HEX_RE = re.compile(r"[0-9a-f]{64}")
+_CLOSE_WAIT_S = 30.0
+"""How long a close waits for the blob writes under way (a cancelled put's thread goes on)."""
+
+log = logging.getLogger(__name__)
 
 
 class DiskTierConfig(TierConfigBase):
@@ -47,6 +52,8 @@ class DiskTier(Tier):
         self.root = Path(config.path) / "sha256"
         self._lru: OrderedDict[str, int] = OrderedDict()  # digest -> size, oldest first
         self._total = 0
+        self._writes: set[asyncio.Future[None]] = set()
+        """Blobs being written, in threads: the close waits for them (``_CLOSE_WAIT_S``)."""
 
     @property
     def total_bytes(self) -> int:
@@ -109,12 +116,35 @@ class DiskTier(Tier):
     async def _put(self, digest: str, data: bytes) -> bool:
         if len(data) > self.config.max_bytes:
             return False  # would evict everything and still not fit; the unpacked copy is kept anyway
-        await asyncio.to_thread(_write_atomic, self.path_of(digest), data)
+        # not cancelled with the put (a cache's close cancels its write-backs): its thread
+        # would go on all the same; the close waits for it
+        write = asyncio.ensure_future(asyncio.to_thread(_write_atomic, self.path_of(digest), data))
+        self._writes.add(write)
+        write.add_done_callback(self._written)
+        await asyncio.shield(write)
         self._forget(digest)
         self._lru[digest] = len(data)
         self._total += len(data)
         await self._evict(keep=digest)
         return True
+
+    def _written(self, write: asyncio.Future[None]) -> None:
+        self._writes.discard(write)
+        if not write.cancelled():
+            write.exception()  # retrieved: a put that was cancelled no longer awaits it
+
+    async def _close(self) -> None:
+        if not self._writes:
+            return
+        _, left = await asyncio.wait(self._writes, timeout=_CLOSE_WAIT_S)
+        if left:
+            log.warning(
+                "disk tier %r closed with %d blob write(s) still running after %ss, in threads that "
+                "cannot be stopped: each is renamed into place whole, or removed",
+                self.name,
+                len(left),
+                _CLOSE_WAIT_S,
+            )
 
     async def _delete(self, digest: str) -> None:
         self._forget(digest)
