@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 import stat
 from functools import cache
@@ -34,12 +35,15 @@ def _libc_syncfs() -> object | None:
 
 
 def syncfs(fd: int) -> bool:
-    """syncfs(2) of the file system that holds ``fd``; False where there is no such call."""
+    """syncfs(2) of the file system that holds ``fd``; False where there is no such call (not
+    Linux, or a seccomp profile that refuses it)."""
     fn = _libc_syncfs()
     if fn is None:
         return False
     if fn(fd) != 0:  # type: ignore[operator]
         err = ctypes.get_errno()
+        if err in (errno.ENOSYS, errno.EPERM):
+            return False
         raise OSError(err, f"syncfs: {os.strerror(err)}")
     return True
 

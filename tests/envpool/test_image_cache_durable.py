@@ -9,6 +9,8 @@ fsync calls are slowed or counted through their module's names.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import errno
 import os
 import shutil
 import threading
@@ -236,3 +238,24 @@ async def test_a_disk_tiers_close_waits_for_the_write_its_cancel_left_running(
     assert slow.ended.is_set() and disk.path_of(digest_of(data)).read_bytes() == data
     with pytest.raises(asyncio.CancelledError):
         await put
+
+
+@pytest.mark.parametrize("refusal", [errno.ENOSYS, errno.EPERM], ids=["ENOSYS", "EPERM"])
+def test_a_syncfs_the_sandbox_refuses_falls_back_to_an_fsync_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: int
+) -> None:
+    # a seccomp profile that refuses syncfs (ENOSYS, EPERM) failed every unpack
+    def refused(fd: int) -> int:
+        ctypes.set_errno(refusal)
+        return -1
+
+    synced: list[str] = []
+    real_fsync = durable.fsync
+    monkeypatch.setattr(durable, "_libc_syncfs", lambda: refused)
+    monkeypatch.setattr(
+        durable, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))
+    )
+    (tmp_path / "t" / "d").mkdir(parents=True)
+    (tmp_path / "t" / "d" / "f").write_bytes(b"x")
+    durable.sync_tree(tmp_path / "t")
+    assert synced == [str(tmp_path / "t" / "d" / "f"), str(tmp_path / "t" / "d"), str(tmp_path / "t")]
