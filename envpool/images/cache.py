@@ -9,8 +9,10 @@ A ``get`` walks the tiers fastest first. Whatever a tier returns is checked agai
 a corrupt blob is counted, dropped from that tier and the walk goes on to the next one. The
 first good copy is written back to the faster writable tiers it missed and unpacked (both at
 once). Concurrent gets of one digest share a single fetch (single-flight), so a thousand resets
-of a cold image cost one download. A walk that ends in a transport fault is retried with
-exponential backoff and full jitter; one that ends in "no tier has it" is not.
+of a cold image cost one download; the processes sharing ``unpack_dir`` share it too (a lock
+file per bundle being loaded: the others wait for the bundle to be there). A walk that ends in
+a transport fault is retried with exponential backoff and full jitter; one that ends in "no
+tier has it" is not.
 
 Unpacked bundles are evicted least recently used first to stay under
 ``unpacked_budget_bytes`` (``envpool.images.unpacked``) after each unpack and at each
@@ -48,7 +50,15 @@ from tenacity.stop import stop_base
 from envpool.images.bundle import Bundle, ImageRef, verify
 from envpool.images.errors import DigestMismatch, ImageError, ImageFetchError, ImageNotFound
 from envpool.images.tiers import Tier, TierConfig, make_tier
-from envpool.images.unpacked import MARKER, UnpackedStore, complete, remove_all, unpack_tree
+from envpool.images.unpacked import (
+    MARKER,
+    UnpackedStore,
+    complete,
+    remove_all,
+    try_lock,
+    unlock,
+    unpack_tree,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +112,13 @@ _CLOSE_WAIT_S = 30.0
 """How long a close waits for the unpacks under way: a cancel does not stop a thread, and
 each stops at its next step (``unpack_tree``), but one member of a big bundle may
 take a while to write."""
+
+_NODE_FLIGHT_POLL_S = 0.05
+"""How often a load waits on another process's load of the same bundle checks on it."""
+
+_NODE_FLIGHT_WAIT_S = 900.0
+"""How long a load waits on another process's load of the same bundle (its retries' deadline,
+600 s by default, and its unpack) before it loads the bundle itself."""
 
 _ACQUIRE_ATTEMPTS = 3
 """Fetches of one ``acquire`` whose bundle another process evicts before the pin each time."""
@@ -387,10 +404,47 @@ class TieredCache:
     async def _load(self, digest: str) -> Path:
         await self.start()
         path = self.path_of(digest)
-        if await asyncio.to_thread(complete, path):  # another process sharing unpack_dir won
+        lock = await self._node_flight(path)
+        if lock is None:  # another process sharing unpack_dir unpacked it
             self._outcomes["ready"] += 1
             await self._used(path.name)
             return path
+        try:
+            return await self._fetch_and_unpack(digest)
+        finally:
+            if lock >= 0:
+                unlock(self.unpack_root, path.name, lock)
+
+    async def _node_flight(self, path: Path) -> int | None:
+        """The node's lock on loading the bundle at ``path`` (single flight across the
+        processes sharing unpack_dir, as ``_flight`` is within one): its descriptor, -1 if
+        its holder kept it past ``_NODE_FLIGHT_WAIT_S`` (loaded here all the same), or None
+        once the bundle is there whole."""
+        waited = 0.0
+        while not await asyncio.to_thread(complete, path):
+            fd = try_lock(self.unpack_root, path.name)
+            if fd is not None:
+                try:
+                    whole = await asyncio.to_thread(complete, path)
+                except BaseException:  # (cancelled: the lock must not outlive this load)
+                    unlock(self.unpack_root, path.name, fd)
+                    raise
+                if not whole:
+                    return fd
+                unlock(self.unpack_root, path.name, fd)  # its holder finished as we looked
+                break
+            if waited >= _NODE_FLIGHT_WAIT_S:
+                log.warning(
+                    "another process has held the load of %s for %ss: loading it here too",
+                    path.name,
+                    _NODE_FLIGHT_WAIT_S,
+                )
+                return -1
+            await asyncio.sleep(_NODE_FLIGHT_POLL_S)
+            waited += _NODE_FLIGHT_POLL_S
+        return None
+
+    async def _fetch_and_unpack(self, digest: str) -> Path:
         try:
             async with self._fetch_slots:
                 data, found_at = await self._fetch(digest)

@@ -263,6 +263,38 @@ def remove_all(paths: list[Path]) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+# -- one load of a bundle per node
+
+
+def try_lock(root: Path, hex_: str) -> int | None:
+    """The node's lock on loading the bundle ``hex_`` (a descriptor for ``unlock``), or None
+    while another process sharing ``root`` holds it. Cheap system calls: on the loop.
+
+    A holder removes the lock file as it lets go (none are left behind); whoever locked the
+    file just removed finds it no longer at its name, and locks the new one."""
+    path = root / f".lock-{hex_}"
+    while True:
+        # read-only: a flock needs no more, and a file another user made is 0644 to us
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def unlock(root: Path, hex_: str, fd: int) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(root / f".lock-{hex_}")  # before the close: see try_lock
+    os.close(fd)
+
+
 # -- unpacking (blocking: in a thread)
 
 MARKER = UNPACKED_MARKER

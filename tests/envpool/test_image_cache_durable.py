@@ -259,3 +259,20 @@ def test_a_syncfs_the_sandbox_refuses_falls_back_to_an_fsync_each(
     (tmp_path / "t" / "d" / "f").write_bytes(b"x")
     durable.sync_tree(tmp_path / "t")
     assert synced == [str(tmp_path / "t" / "d" / "f"), str(tmp_path / "t" / "d"), str(tmp_path / "t")]
+
+
+async def test_processes_sharing_a_node_fetch_and_unpack_an_image_once(
+    tmp_path: Path, bundle: Bundle
+) -> None:
+    # the single flight was per process: every process of a node (a pool's workers) that
+    # cold-started an image downloaded it, held it in memory and unpacked a copy of its own
+    # beside the others (a 5 GB image, 8 processes: 40 GB of temp dirs at once). Two caches
+    # here stand for two processes: their locks are two open files, as theirs would be
+    with FakeOrigin({bundle.digest: bundle.data}, latency_s=0.2) as origin:
+        async with cache_with(tmp_path, origin.url) as one, cache_with(tmp_path, origin.url) as two:
+            paths = await asyncio.gather(one.get(bundle.digest), two.get(bundle.digest))
+            outcomes = [one.metrics()["outcomes"], two.metrics()["outcomes"]]
+        assert paths[0] == paths[1] and (paths[0] / "pkg" / "__init__.py").read_text() == "VALUE = 42\n"
+        assert origin.blob_requests[bundle.digest] == 1
+        assert sorted(map(sorted, outcomes)) == [["loaded"], ["ready"]]
+    assert sorted(p.name for p in _unpack_root(tmp_path).iterdir()) == [paths[0].name]  # no lock left
