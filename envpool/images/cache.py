@@ -342,7 +342,7 @@ class TieredCache:
     async def publish(self, bundle: Bundle, name: str = "image") -> str:
         """Put a bundle into every writable tier (a local image, or a push to the shared
         cache) and return its reference ``name@sha256:<hex>`` for ``EnvPool.session``."""
-        verify(bundle.data, bundle.digest, source="publish")
+        await asyncio.to_thread(verify, bundle.data, bundle.digest, source="publish")  # (as _walk)
         writable = [t for t in self.tiers if t.writable]
         if not writable:
             raise ImageError("no writable tier to publish to; add a disk or S3 tier")

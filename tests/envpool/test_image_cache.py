@@ -426,3 +426,27 @@ async def test_an_unpack_that_fails_with_an_os_error_is_counted_and_logged(
             m = cache.metrics()
     assert m["outcomes"]["failed"] == 1 and m["outcomes"].get("loaded", 0) == 0
     assert "No space left" in caplog.text
+
+
+async def test_a_publish_hashes_the_bundle_off_the_loop(
+    tmp_path: Path, bundle: Bundle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a fetched blob was checked in a thread (an 8 GB hash stalls the loop for seconds), a
+    # published one on the loop itself
+    import threading
+
+    import envpool.images.cache as cache_mod
+
+    on_the_loop: list[bool] = []
+    real = cache_mod.verify
+
+    def verify(*args: Any, **kwargs: Any) -> None:
+        on_the_loop.append(threading.current_thread() is threading.main_thread())
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(cache_mod, "verify", verify)
+    async with TieredCache(
+        [DiskTier(DiskTierConfig(path=tmp_path / "l1"))], unpack_dir=tmp_path / "u"
+    ) as cache:
+        await cache.publish(bundle)
+    assert on_the_loop == [False]
