@@ -234,3 +234,28 @@ def test_fake_origin_limits_bandwidth_and_leaves_no_threads() -> None:
             client.get("/nope")
             origin.close()  # while a kept-alive connection holds a handler thread
     assert set(threading.enumerate()) == before
+
+
+async def test_s3_stores_a_blob_past_a_single_puts_limit_in_parts(
+    s3: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # one put_object takes 5 GB at most: a bigger bundle (8 GB images are in view) could not
+    # be published to the S3 tier, nor written back to it. Parts from _MULTIPART_BYTES on
+    # (5 MiB here, S3's smallest part, to see it without gigabytes)
+    import boto3
+
+    import envpool.images.tiers.s3 as s3_mod
+
+    monkeypatch.setattr(s3_mod, "_MULTIPART_BYTES", 5 * 2**20, raising=False)
+    data = os.urandom(6 * 2**20)
+    async with S3Tier(S3TierConfig(bucket=s3)) as tier:
+        await tier.put(digest_of(data), data)
+        assert await tier.get(digest_of(data)) == data
+        head = boto3.client("s3", region_name="us-east-1").head_object(
+            Bucket=s3, Key=tier.key_of(digest_of(data))
+        )
+    assert head["ETag"].strip('"').endswith("-2")  # two parts
+    async with S3Tier(S3TierConfig(bucket="no-such-bucket")) as tier:
+        with pytest.raises(ImageFetchError, match="does not exist: create it") as e:
+            await tier.put(digest_of(data), data)  # (botocore's error, through boto3's transfer)
+        assert not e.value.retryable

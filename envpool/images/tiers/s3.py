@@ -8,6 +8,7 @@ are off: the cache retries with backoff and jitter, and two layers would multipl
 from __future__ import annotations
 
 import asyncio
+import io
 from typing import Any, Literal
 
 from pydantic import Field
@@ -17,6 +18,8 @@ from envpool.images.tiers.base import Tier, TierConfigBase
 
 _MISSING = frozenset({"NoSuchKey", "404", "NotFound"})
 _THROTTLED = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "503"})
+_MULTIPART_BYTES = 64 * 2**20
+"""Blobs from this size on are stored in parts of it (a single put takes 5 GB at most)."""
 
 
 class S3TierConfig(TierConfigBase):
@@ -86,11 +89,27 @@ class S3Tier(Tier):
 
     async def _put(self, digest: str, data: bytes) -> None:
         try:
-            await asyncio.to_thread(
-                self._client.put_object, Bucket=self.config.bucket, Key=self.key_of(digest), Body=data
-            )
+            await asyncio.to_thread(self._put_sync, digest, data)
         except Exception as e:
             raise self._translate(e) from e
+
+    def _put_sync(self, digest: str, data: bytes) -> None:
+        if len(data) < _MULTIPART_BYTES:
+            self._client.put_object(Bucket=self.config.bucket, Key=self.key_of(digest), Body=data)
+            return
+        # one put_object takes 5 GB at most: a big bundle goes in parts (boto3's transfer)
+        from boto3.s3.transfer import TransferConfig
+
+        self._client.upload_fileobj(
+            io.BytesIO(data),
+            self.config.bucket,
+            self.key_of(digest),
+            Config=TransferConfig(
+                multipart_threshold=_MULTIPART_BYTES,
+                multipart_chunksize=_MULTIPART_BYTES,
+                max_concurrency=min(10, self.config.max_pool_connections),
+            ),
+        )
 
     async def _delete(self, digest: str) -> None:
         try:
@@ -102,8 +121,11 @@ class S3Tier(Tier):
 
     def _translate(self, e: Exception) -> ImageFetchError:
         """The one place botocore's errors become ours."""
+        from boto3.exceptions import S3UploadFailedError
         from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, ParamValidationError
 
+        if isinstance(e, S3UploadFailedError) and isinstance(e.__context__, Exception):
+            e = e.__context__  # boto3's transfer raises it over botocore's own error, as a string
         bucket = self.config.bucket
         if isinstance(e, ParamValidationError):  # refused before it was sent: nothing to retry
             return ImageFetchError(
