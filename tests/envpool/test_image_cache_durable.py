@@ -276,3 +276,18 @@ async def test_processes_sharing_a_node_fetch_and_unpack_an_image_once(
         assert origin.blob_requests[bundle.digest] == 1
         assert sorted(map(sorted, outcomes)) == [["loaded"], ["ready"]]
     assert sorted(p.name for p in _unpack_root(tmp_path).iterdir()) == [paths[0].name]  # no lock left
+
+
+def test_an_unpack_told_to_stop_kills_its_compile_and_places_nothing(tmp_path: Path, bundle: Bundle) -> None:
+    asked = 0
+
+    def stop() -> bool:  # the close comes while the bundle is byte-compiled (its 3rd look)
+        nonlocal asked
+        asked += 1
+        return asked >= 3
+
+    root = tmp_path / "sha256"
+    root.mkdir()
+    with pytest.raises(unpacked_mod.UnpackClosed, match="byte-compiling"):
+        unpacked_mod.unpack_tree(root, bundle.digest, bundle.data, max_bytes=None, precompile=True, stop=stop)
+    assert list(root.iterdir()) == []
