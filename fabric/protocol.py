@@ -34,10 +34,28 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+#: Array libraries whose scalars and arrays a function may return or a caller send as they
+#: are: a reward computed with numpy (``np.float32(0.5)``, ``arr.mean()``) or a reward
+#: model's 0-d tensor was ResultNotSerializable on every call, and TRL trained on all None.
+_ARRAY_MODULES = frozenset({"numpy", "torch", "jax", "jaxlib", "cupy"})
+
+
+def _array_fallback(value: Any) -> Any:
+    """``pydantic_core.to_json``'s fallback, called only for a type it cannot write: an
+    array library's scalar or array as the Python value ``tolist()`` gives (a 0-d one a
+    float, int or bool; an array nested lists). Anything else is refused as before."""
+    root = type(value).__module__.partition(".")[0]
+    tolist = getattr(value, "tolist", None)
+    if root in _ARRAY_MODULES and callable(tolist):
+        return tolist()
+    raise TypeError(f"Unable to serialize unknown type: {type(value)!r}")
+
+
 def to_strict_json(value: Any) -> bytes:
     """JSON bytes of ``value``; ``ValueError`` for NaN/Infinity, which JSON cannot carry
-    (pydantic-core would write the non-standard ``NaN`` token that Lambda rejects)."""
-    raw = pydantic_core.to_json(value, inf_nan_mode="constants")
+    (pydantic-core would write the non-standard ``NaN`` token that Lambda rejects). numpy,
+    torch and jax scalars and arrays are written as their values (``_array_fallback``)."""
+    raw = pydantic_core.to_json(value, inf_nan_mode="constants", fallback=_array_fallback)
     # the tokens are rare; only then pay for a strict parse to tell them from text in strings
     if b"NaN" in raw or b"Infinity" in raw:
         try:

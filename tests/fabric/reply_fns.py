@@ -60,3 +60,18 @@ async def async_checked(n: Annotated[int, AfterValidator(_checked)]) -> int:
 def power_of_ten(digits: int) -> int:
     """10 to the ``digits``: an int of ``digits + 1`` digits (a factorial, a big power)."""
     return 10**digits
+
+
+@REG.reward(warm=0, timeout_s=30, retry={"max_attempts": 1})
+def numpy_score(completion: str, library: str = "numpy") -> dict:
+    """A reward computed with an array library, returned as it comes out of it: a numpy
+    float32 mean, a 0-d torch tensor, an int64 count and an array of per-token values."""
+    if library == "numpy":
+        import numpy as np
+
+        per_token = np.array([0.25, 0.75], dtype=np.float32)
+        return {"score": per_token.mean(), "tokens": np.int64(len(completion)), "per_token": per_token}
+    import torch
+
+    per_token = torch.tensor([0.25, 0.75])
+    return {"score": per_token.mean(), "tokens": torch.tensor(len(completion)), "per_token": per_token}

@@ -141,3 +141,23 @@ async def test_an_int_past_the_parsers_digit_limit_is_the_functions_answer():
         r = await backend.invoke(Invocation(function="power_of_ten", payload={"digits": 5000}))
     assert r.error is not None and r.error.type == ErrorCode.RESULT_NOT_SERIALIZABLE, r.error
     assert r.started is True and "power_of_ten" in r.error.message
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+@pytest.mark.parametrize("backend_kind", ["inproc", "local"])
+async def test_a_reward_of_array_library_values_is_answered_with_their_values(library, backend_kind):
+    """A numpy float32 (``arr.mean()``), a 0-d torch tensor, an int64: each was a final
+    ResultNotSerializable, on every call of such a reward (TRL trained on all None)."""
+    pytest.importorskip(library)
+    from reply_fns import REG
+
+    from fabric.backends.local import LocalBackend, LocalConfig
+
+    backend = (
+        InprocBackend(REG) if backend_kind == "inproc" else LocalBackend(REG, LocalConfig(max_workers=1))
+    )
+    async with backend:
+        payload = {"completion": "abc", "library": library}
+        r = await backend.invoke(Invocation(function="numpy_score", payload=payload))
+    assert r.ok, r.error
+    assert r.value == {"score": 0.5, "tokens": 3, "per_token": [0.25, 0.75]}

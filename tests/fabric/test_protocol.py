@@ -356,3 +356,12 @@ def test_a_developer_turn_is_a_message():
     )
     assert [m.role for m in t.messages] == ["developer", "user", "assistant"]
     assert t.final_text() == "Paris"
+
+
+def test_array_library_values_are_written_as_their_values() -> None:
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    payload = {"a": np.float32(0.5), "b": np.arange(3), "c": torch.tensor(0.25), "d": np.bool_(True)}
+    assert decode_payload(encode_payload(payload)) == {"a": 0.5, "b": [0, 1, 2], "c": 0.25, "d": True}
+    with pytest.raises(PayloadNotSerializableError, match="NaN or Infinity"):
+        encode_payload({"x": np.array([1.0, np.nan], dtype=np.float32)})  # still refused
