@@ -67,6 +67,16 @@ def is_pointer(payload: Any) -> bool:
     return isinstance(payload, dict) and len(payload) == 1 and isinstance(payload.get(SPILL_KEY), dict)
 
 
+def aws_error(e: BaseException) -> dict[str, Any]:
+    """The ``Error`` part (``Code``, ``Message``) of a botocore error's answer, or ``{}``. A
+    ClientError's ``response`` is the service's answer; botocore's transport errors (a read
+    timeout, a connection closed) carry ``response=None``, and reading a code from that
+    raised AttributeError where the caller meant to answer a retryable failure."""
+    response = getattr(e, "response", None)
+    error = response.get("Error") if isinstance(response, dict) else None
+    return error if isinstance(error, dict) else {}
+
+
 def fetch(s3: Any, payload: dict[str, Any], *, only_bucket: str | None = None) -> bytes:
     """The spilled payload's bytes, checked against the pointer. With ``only_bucket`` (the
     deployment's spill bucket, ``$RL_FABRIC_SPILL_BUCKET``), a pointer elsewhere is refused:
@@ -83,10 +93,7 @@ def fetch(s3: Any, payload: dict[str, Any], *, only_bucket: str | None = None) -
     try:
         raw: bytes = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
     except Exception as e:
-        # a ClientError's response is S3's answer; botocore's transport errors (a read timeout,
-        # a connection closed) carry response=None
-        response = getattr(e, "response", None)
-        error = response.get("Error", {}) if isinstance(response, dict) else {}
+        error = aws_error(e)
         code = error.get("Code", "")
         age = time.time() - p["spilled_at"] if isinstance(p.get("spilled_at"), int | float) else None
         if code in ("NoSuchKey", "NoSuchBucket", "404"):

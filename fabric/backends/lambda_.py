@@ -59,7 +59,7 @@ from fabric.backends.base import TOKEN_ENV, Backend, LambdaConfig
 from fabric.errors import ConfigError, ErrorCode
 from fabric.protocol import MAX_PAYLOAD_BYTES, Invocation, Result, encode_payload
 from fabric.registry import Registry
-from fabric.spill import pointer, spill_key
+from fabric.spill import aws_error, pointer, spill_key
 
 #: Room for the envelope's other fields (ids, key, deadline, tenant) beside the payload.
 _ENVELOPE_HEAD_BYTES = 4096
@@ -358,7 +358,7 @@ class LambdaBackend(LambdaReplies, Backend):
             # effect's key would be kept OutcomeUnknown); a missing bucket or permission is
             # final, anything else may pass and is safe to retry
             where = f"s3://{cfg.spill_bucket}/{key}"
-            code = str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
+            code = str(aws_error(e).get("Code", ""))
             if code == "NoSuchBucket":
                 return self._fail(
                     inv,

@@ -136,6 +136,23 @@ def test_a_spill_without_credentials_is_final_as_the_call_itself_would_be():
     assert "aws configure" in r.error.message
 
 
+def test_a_spill_whose_upload_times_out_was_not_sent_and_may_be_retried():
+    """botocore's transport errors (a read timeout, a connection closed) carry
+    ``response=None``: reading the error code from it raised AttributeError out of the
+    backend's thread, not the NotStarted the call is (Lambda was never called)."""
+    from botocore.exceptions import ConnectionClosedError, ReadTimeoutError
+
+    b = LambdaBackend(REG, LambdaConfig(spill_bucket="spill", function_prefix="rl-"))
+    for error in (
+        ReadTimeoutError(endpoint_url="https://s3.example"),
+        ConnectionClosedError(endpoint_url="https://s3.example"),
+    ):
+        b._s3 = _RefusingS3(error)
+        r = b._spill(Invocation(function="add", payload={"a": 1}))
+        assert r.error.type == ErrorCode.NOT_STARTED and r.retryable, r.error
+        assert "not sent" in r.error.message
+
+
 class _CountedS3(_RefusingS3):
     """Refuses every upload; says whether it was closed."""
 
