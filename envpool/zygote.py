@@ -111,8 +111,12 @@ def _exit(children: dict[int, int], marks: dict[int, str]) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     for pid in list(children.values()):
         _kill(pid)
-    with contextlib.suppress(Exception):  # (the groups are gone: the zygote must still end)
+    try:
         escapees.sweep(set(marks.values()))
+    except Exception as e:  # the groups are gone: the zygote must still end, but say so
+        # (what bears the marks runs on under init: said on the pool's stderr, which is ours)
+        with contextlib.suppress(Exception):
+            os.write(2, f"envpool.zygote: the sweep at its end failed: {type(e).__name__}: {e}\n".encode())
     os._exit(0)
 
 
@@ -132,72 +136,83 @@ def main() -> None:
     pending: dict[int, tuple[int, bytearray]] = {}  # ready pipe -> (req, bytes so far)
     reqs: dict[int, int] = {}  # the same, pid -> req
     buf = b""
-    while True:
-        for key, _ in sel.select(timeout=0.05):
-            fd = key.fd
-            if key.data is None:  # a request (or the pool went away)
-                data = os.read(fd, 65536)
-                if not data:
-                    _exit(children, marks)
-                buf += data
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    req = json.loads(line)
-                    if "swept" in req:  # the pool swept its mark: the zygote's end need not
-                        marks.pop(int(req["swept"]), None)
-                        continue
-                    if "kill" in req:  # a container the pool stops
-                        _say({"req": req["req"], "killed": _kill(children.get(int(req["kill"])))})
-                        continue
-                    r, w = os.pipe()
-                    pid = os.fork()
-                    if pid == 0:
-                        os.close(r)
-                        sel.close()
-                        _child(req, w, list(pending), me)
-                    os.close(w)
-                    children[req["req"]], reqs[pid] = pid, req["req"]
-                    if mark := (req.get("env") or {}).get(escapees.MARK):
-                        marks[req["req"]] = mark
-                    pending[r] = (req["req"], bytearray())
-                    sel.register(r, selectors.EVENT_READ, pid)
-            else:
-                chunk = os.read(fd, 65536)
-                req_id, got = pending[fd]
-                got += chunk
+    try:
+        while True:
+            for key, _ in sel.select(timeout=0.05):
+                fd = key.fd
+                if key.data is None:  # a request (or the pool went away)
+                    data = os.read(fd, 65536)
+                    if not data:
+                        _exit(children, marks)
+                    buf += data
+                    while b"\n" in buf:
+                        line, buf = buf.split(b"\n", 1)
+                        req = json.loads(line)
+                        if "swept" in req:  # the pool swept its mark: the zygote's end need not
+                            marks.pop(int(req["swept"]), None)
+                            continue
+                        if "kill" in req:  # a container the pool stops
+                            _say({"req": req["req"], "killed": _kill(children.get(int(req["kill"])))})
+                            continue
+                        r, w = os.pipe()
+                        pid = os.fork()
+                        if pid == 0:
+                            os.close(r)
+                            sel.close()
+                            _child(req, w, list(pending), me)
+                        os.close(w)
+                        children[req["req"]], reqs[pid] = pid, req["req"]
+                        if mark := (req.get("env") or {}).get(escapees.MARK):
+                            marks[req["req"]] = mark
+                        pending[r] = (req["req"], bytearray())
+                        sel.register(r, selectors.EVENT_READ, pid)
+                else:
+                    chunk = os.read(fd, 65536)
+                    req_id, got = pending[fd]
+                    got += chunk
+                    try:
+                        # whole once it parses (no prefix of a JSON object does): not at the pipe's
+                        # end, which a process the container forked (at import, say) holds open
+                        info = json.loads(bytes(got))
+                    except ValueError:
+                        if chunk:
+                            continue
+                        info = (
+                            {"error": "garbled ready message"}
+                            if got
+                            else {"error": "the container exited before it was ready"}
+                        )
+                    if not isinstance(info, dict):
+                        info = {"error": "garbled ready message"}
+                    sel.unregister(fd)
+                    os.close(fd)
+                    del pending[fd]
+                    _say({"req": req_id, "pid": key.data, **info})
+            while True:  # reap, and tell the pool which containers are gone
                 try:
-                    # whole once it parses (no prefix of a JSON object does): not at the pipe's
-                    # end, which a process the container forked (at import, say) holds open
-                    info = json.loads(bytes(got))
-                except ValueError:
-                    if chunk:
-                        continue
-                    info = (
-                        {"error": "garbled ready message"}
-                        if got
-                        else {"error": "the container exited before it was ready"}
-                    )
-                if not isinstance(info, dict):
-                    info = {"error": "garbled ready message"}
-                sel.unregister(fd)
-                os.close(fd)
-                del pending[fd]
-                _say({"req": req_id, "pid": key.data, **info})
-        while True:  # reap, and tell the pool which containers are gone
-            try:
-                # WNOWAIT: found, not reaped yet (what it left in its group dies first)
-                found = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            except ChildProcessError:
-                break
-            if found is None:
-                break
-            pid = found.si_pid
-            _kill(pid)
-            of = reqs.pop(pid, None)  # (what it started outside its group: the pool sweeps it)
-            _, status = os.waitpid(pid, 0)
-            if of is not None:
-                del children[of]
-            _say({"exit": pid, "code": os.waitstatus_to_exitcode(status), "of": of})
+                    # WNOWAIT: found, not reaped yet (what it left in its group dies first)
+                    found = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                except ChildProcessError:
+                    break
+                if found is None:
+                    break
+                pid = found.si_pid
+                _kill(pid)
+                of = reqs.pop(pid, None)  # (what it started outside its group: the pool sweeps it)
+                _, status = os.waitpid(pid, 0)
+                if of is not None:
+                    del children[of]
+                _say({"exit": pid, "code": os.waitstatus_to_exitcode(status), "of": of})
+
+    except BaseException as e:
+        # the pool gone while the zygote told it something (a reap's report, a ready line:
+        # BrokenPipeError on stdout, which can come before stdin's end is read), or a bug:
+        # the zygote ends as when the pool goes, its containers' groups and marks with it,
+        # or what they started outside their groups ran on under init
+        if not isinstance(e, BrokenPipeError):
+            with contextlib.suppress(Exception):
+                os.write(2, f"envpool.zygote: {type(e).__name__}: {e}\n".encode())
+        _exit(children, marks)
 
 
 if __name__ == "__main__":
