@@ -171,6 +171,8 @@ class Server:
         self.busy = threading.Event()
         self.fault = fault
         self.rng = random.Random()
+        self.closed_said: dict[str, Any] = {}
+        """What this session's open says of the previous environment's close (``open_env``)."""
 
     # -- io
     def send(self, msg: dict[str, Any]) -> None:
@@ -251,7 +253,7 @@ class Server:
             err = _env_error_payload(e)
             if not isinstance(e, EnvPoolError):  # (an unknown id is the registry's, by its name)
                 err["logic"] = True  # the constructor's own, whatever its class is called
-            if sound_after(e, kwargs):
+            if sound_after(e, kwargs) and not self.closed_said.get("retire"):
                 # a clean error of the environment's code (or an id this image lacks, or a
                 # path that is not there): this process is as sound as before, and its
                 # container may serve the next session. Not after a MemoryError or an OSError
@@ -267,6 +269,7 @@ class Server:
             "pid": os.getpid(),
             "deterministic": spec.deterministic,
             "max_action_bytes": spec.max_action_bytes,
+            **self.closed_said,
         }
         self.send({"id": 0, "ok": True, "result": info})
         while True:
@@ -285,13 +288,26 @@ class Server:
             self.send(self.handle(rid, op, msg.get("args")))
 
     def open_env(self, env_id: str, kwargs: dict[str, Any]) -> None:
+        """Make (or reuse) the session's environment. What the open says of the previous
+        one's close, where that raised, goes to ``closed_said``: ``close_error``, and
+        ``retire`` where the process may no longer be sound after it (``sound_after``)."""
         key = (env_id, json.dumps(kwargs, sort_keys=True))
+        said: dict[str, Any] = {}
+        self.closed_said = said
         if self.env_key != key:
-            # forgotten before its close: one that raises fails this open, and the container
-            # goes back to the pool, where the next session with its kwargs would get it closed
-            env, self.env, self.env_key = self.env, None, None
+            # forgotten before its close: one that raises leaves none behind, closed, under its kwargs
+            env, old, self.env, self.env_key = self.env, self.env_key, None, None
             if env is not None:
-                env.close()
+                try:
+                    env.close()
+                except _ENV_RAISES as e:
+                    # the last session's environment's bug, not this session's: raised into this
+                    # open, it failed a session that had done nothing wrong (not retried, and
+                    # blamed on its own env_kwargs). Said to the pool (and logged here) instead
+                    traceback.print_exc(file=sys.stderr)
+                    said["close_error"] = f"{type(e).__name__}: {e}"[:1000]
+                    if not sound_after(e, json.loads(old[1]) if old else None):
+                        said["retire"] = True  # short of memory, say: this session, then no other
             self.env = self.registry.make(env_id, tool_caller=self.call_tool, **kwargs)
             self.env_key = key
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import os
 import secrets
 import time
@@ -37,6 +38,8 @@ from envpool.runtimes.base import Container
 if TYPE_CHECKING:
     from envpool.pool import EnvPool
 
+
+log = logging.getLogger("envpool.pool")
 
 _ToolLog = dict[int, tuple[str, dict[str, Any], str]]
 """A request's tool calls by their order in it: name, arguments, what it answered."""
@@ -77,6 +80,8 @@ class _OpenResult(BaseModel):
     model_config = ConfigDict(strict=True)
     deterministic: bool = True
     max_action_bytes: int = Field(MAX_ACTION_BYTES, gt=0)
+    close_error: str | None = None  # what the previous environment's close raised (at this open)
+    retire: bool = False  # the server may not be sound after it: no session after this one runs there
 
 
 _RESULTS: dict[str, type[BaseModel]] = {"open": _OpenResult, "reset": _ResetResult, "step": StepResult}
@@ -302,7 +307,7 @@ class EnvSession:
             err = reply["error"]
             e = remote_error(err)
             if isinstance(e, EnvLogicError) and err.get("reusable") is not True:
-                self._retire(c, e)
+                self._retire(c)
             raise e
         except ProtocolError as e:
             # a bug of the server's (or of the pool's): no retry, no replay (it would break the
@@ -354,8 +359,9 @@ class EnvSession:
         if isinstance(e, GarbledFrame):
             self.pool.metrics["garbled_frames"] += 1
 
-    def _retire(self, c: Container, e: EnvLogicError) -> None:
-        """The environment raised and its server did not say it is sound after it (envpool's
+    def _retire(self, c: Container) -> None:
+        """The environment raised (a request, or the previous environment's close at the
+        open) and its server did not say it is sound after it (envpool's
         says so of anything but a MemoryError or an OSError not about a path the caller
         named, which may have left the process short of memory, file descriptors or disk, or
         without a file of its own; a server of another language that does not say it is
@@ -414,6 +420,11 @@ class EnvSession:
             self._check_alive()
         if not reply["ok"]:
             await self._open_failed(reply["error"])
+        if info.get("close_error"):  # (another session's environment's bug: said, not this one's)
+            self.pool.metrics["env_close_failed"] += 1
+            log.warning("envpool: %s: its previous environment's close raised %s", c.id, info["close_error"])
+        if info.get("retire"):
+            self._retire(c)
         # the container knows its environments (an image registers its own)
         self.deterministic = info.get("deterministic", self.deterministic)
         self.max_action_bytes = info.get("max_action_bytes", self.max_action_bytes)
