@@ -499,12 +499,18 @@ def main() -> None:
     }
     from envpool.images.errors import ImageNotFound
 
+    # the runtime reads one line from stdout (a pipe it does not drain afterwards): kept apart
+    # for it, and what the environment prints goes to stderr from the start, as in a zygote's
+    # container: never into a pipe that fills and blocks its next print, nor ahead of the line
+    # (a module of the image that printed as it was imported failed every start, its output
+    # read as a garbled ready line)
+    sys.stdout.flush()
+    channel = os.dup(1)
+    os.dup2(2, 1)
+
     def ready(info: dict[str, Any]) -> None:
-        print(json.dumps(info), flush=True)
-        # the runtime reads this one line from stdout (a pipe it does not drain afterwards):
-        # what the environment prints from now on goes to stderr, as in a zygote's container,
-        # never into a pipe that fills and blocks the environment's next print
-        os.dup2(2, 1)
+        os.write(channel, json.dumps(info).encode() + b"\n")
+        os.close(channel)
 
     try:
         run(opts, ready)

@@ -460,13 +460,18 @@ class ProcessRuntime(Runtime):
         c = Container(
             id=cid, endpoint=opts["sock"], image=image, runtime=self.kind, pid=proc.pid, handle=proc
         )
+        line = b""
         try:
             line = await _read_line(proc.stdout)
             info = json.loads(line) if line else {}
-        except (ValueError, asyncio.CancelledError):
+        except (ValueError, asyncio.CancelledError) as e:
             await self._stop(c)
+            if isinstance(e, ValueError):  # a start that failed, as the zygote's garbled line is
+                raise ContainerStartError(
+                    f"container {cid} sent a garbled ready line: {line[:200]!r}"
+                ) from None
             raise
-        if not info.get("ready"):
+        if not isinstance(info, dict) or not info.get("ready"):
             await self._stop(c)
             raise ContainerStartError(
                 f"container {cid} exited before it was ready (exit code {proc.returncode})"

@@ -61,6 +61,20 @@ async def test_an_environment_that_prints_runs_on_without_the_zygote(tmp_path):
     assert not p.runtime.live and not alive(pid)
 
 
+@pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "fresh-interpreter"])
+async def test_a_bundle_that_prints_as_it_is_imported_starts(tmp_path, zygote):
+    # a fresh interpreter imported the bundle before it printed its ready line to the pipe the
+    # runtime reads it from: a module's print at import came first, and every start failed with
+    # "JSONDecodeError: Expecting value", not even a ContainerStartError (the zygote's ran)
+    source = 'print("loading the print env", flush=True)\n' + _PRINTER
+    source += '\nenvpool.register("print-v0", entry_point="print_env:PrintEnv")\n'
+    images = write_env_bundle(tmp_path / "b", "print_env", source, {})
+    (tmp_path / "b" / "envpool.json").write_text(json.dumps({"modules": ["print_env"]}))  # imported at load
+    async with EnvPool({"min_warm": 0, "runtime": {"zygote": zygote}}, images=images) as p:
+        async with p.session("print-v0", image=IMAGE) as s:
+            assert (await s.reset(seed=0))[0].text == "ready"
+
+
 # -- the zygote dying -------------------------------------------------------------------------
 
 _BLOCKER = """
