@@ -394,8 +394,8 @@ class EnvPool:
                     # in the background: the next idle container must not wait for this stop
                     self._spawn_bg(self._stop_and_kick(c))
             if len(self.runtime.live) + sum(self._starting.values()) < self.config.max_containers:
-                self.metrics["claims_cold"] += 1
                 c = await self._new_container(image)
+                self.metrics["claims_cold"] += 1  # (one that started: a failed start is no claim)
                 # only an image that starts is kept warm: a bad one must not be retried forever
                 if image not in self._wanted:
                     self._keep_warm(image, self.config.min_warm)

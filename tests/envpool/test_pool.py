@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from echo_bundle import IMAGE
+from echo_bundle import IMAGE, write_env_bundle
 from pool_util import alive, pool, wait_for
 
 import envpool
@@ -25,6 +25,7 @@ import envpool.envs  # the built-ins register on import
 from envpool.connection import Connection
 from envpool.errors import (
     EnvOrderError,
+    SessionLost,
     SessionTokenError,
 )
 from envpool.images.errors import ImageNotFound
@@ -71,6 +72,19 @@ async def test_prewarm_of_an_image_that_cannot_start_says_so(images):
         await asyncio.sleep(1.0)  # ten rounds of the maintenance loop
         assert images.gets == 2  # prewarm's own two starts, none since
         assert p.stats()["prestart_failed:ImageNotFound"] == 2
+
+
+async def test_a_cold_start_that_fails_is_no_cold_claim(tmp_path):
+    # each failed start of a claim counted a cold claim: a session that never got a container
+    # read as retry.attempts cold claims, and a warm hit ratio from the stats fell with it
+    images = write_env_bundle(tmp_path / "b", "broken_env", "raise RuntimeError('no import')\n", {})
+    (tmp_path / "b" / "envpool.json").write_text(json.dumps({"modules": ["broken_env"]}))
+    async with pool(images, min_warm=0, retry={"attempts": 2, "initial_backoff_s": 0.01}) as p:
+        with pytest.raises(SessionLost):
+            async with p.session("broken-v0", image=IMAGE):
+                pass
+        stats = p.stats()
+        assert (stats.get("claims_cold", 0), stats["runtime"]["start_failures"]) == (0, 2), stats
 
 
 async def test_containers_recycle_after_max_episodes(images):
