@@ -294,13 +294,51 @@ async def test_a_containers_stop_kills_no_other_containers_helper(tmp_path, zygo
                     _seen(int((await s.step(f"exec {f}")).obs.text)) for s, f in ((s1, first), (s2, second))
                 ]
                 container = s1.container
+                # (a stop of a container no longer live returns at once, sweeping nothing; and
+                # a step replayed on a fresh container is in the session's failures)
+                before = {"live": container.id in p.runtime.live, "s1_failures": s1.failures}
                 await p.runtime.stop(container)
                 try:
                     await wait_for(lambda: not _alive(helpers[0]), timeout_s=GONE_S)
                 except AssertionError:  # failed once in a loaded full run: say what is left
-                    raise AssertionError(_left(helpers[0], container, p.stats())) from None
+                    raise AssertionError(
+                        f"{_left(helpers[0], container, p.stats())}; before the stop {before}"
+                    ) from None
                 assert _alive(helpers[1])
         await wait_for(lambda: not _alive(helpers[1]), timeout_s=GONE_S)
+
+
+_FREEZER = _ESCAPER.replace(
+    """        with open(path, "w") as f:
+            f.write(str(helper))
+""",
+    """        with open(path, "w") as f:
+            f.write(str(helper))
+        if not os.path.exists(path + ".first"):  # the first attempt: frozen, as if its heartbeats were lost
+            with open(path + ".first", "w") as f:
+                f.write(str(helper))
+            os.kill(os.getpid(), 19)  # SIGSTOP
+""",
+)
+
+
+@MODES
+async def test_a_step_replayed_on_a_fresh_container_reports_the_helper_its_container_stops(tmp_path, zygote):
+    # for the test above, which failed once under load: a step whose container missed its
+    # heartbeats is replayed on a fresh one, and the session, the helper the step reports and
+    # the container its stop kills stay the replay's; the first attempt's helper dies with its own
+    images = write_env_bundle(tmp_path / "b", "escape_env", _FREEZER, {"escape-v0": "EscapeEnv"})
+    pid_file = tmp_path / "helper.pid"
+    first = tmp_path / "helper.pid.first"
+    with _killed_at_end(pid_file), _killed_at_end(first):
+        async with pool(images, min_warm=0, runtime={"heartbeat_s": 0.1, "zygote": zygote}) as p:
+            async with p.session("escape-v0", image=IMAGE) as s:
+                await s.reset(seed=0)
+                helper = _seen(int((await s.step(f"exec {pid_file}")).obs.text))
+                assert p.stats()["replays"] == 1
+                await wait_for(lambda: not _alive(int(first.read_text())), timeout_s=GONE_S)
+                await p.runtime.stop(s.container)
+                await wait_for(lambda: not _alive(helper), timeout_s=GONE_S)
 
 
 def test_a_sweep_never_kills_its_caller(tmp_path):
