@@ -291,9 +291,9 @@ class Server:
         """Make (or reuse) the session's environment. What the open says of the previous
         one's close, where that raised, goes to ``closed_said``: ``close_error``, and
         ``retire`` where the process may no longer be sound after it (``sound_after``)."""
-        key = (env_id, json.dumps(kwargs, sort_keys=True))
         said: dict[str, Any] = {}
         self.closed_said = said
+        key = (env_id, json.dumps(kwargs, sort_keys=True))
         if self.env_key != key:
             # forgotten before its close: one that raises leaves none behind, closed, under its kwargs
             env, old, self.env, self.env_key = self.env, self.env_key, None, None
