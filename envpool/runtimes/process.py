@@ -464,7 +464,7 @@ class ProcessRuntime(Runtime):
         try:
             line = await _read_line(proc.stdout)
             info = json.loads(line) if line else {}
-        except (ValueError, asyncio.CancelledError) as e:
+        except BaseException as e:  # (not only a garbled line or a cancellation: an OSError too)
             await self._stop(c)
             if isinstance(e, ValueError):  # a start that failed, as the zygote's garbled line is
                 raise ContainerStartError(

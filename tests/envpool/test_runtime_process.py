@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -22,6 +23,8 @@ from echo_bundle import IMAGE, write_env_bundle
 from pool_util import alive, pool, wait_for
 
 import envpool
+from envpool import escapees
+from envpool.runtimes import process
 from envpool.runtimes.base import ProcessRuntimeConfig
 from envpool.runtimes.process import ProcessRuntime
 
@@ -221,6 +224,25 @@ async def test_a_start_given_up_before_its_container_reports_leaves_nothing(tmp_
         await rt.aclose()
         if helper and alive(helper):
             os.kill(helper, signal.SIGKILL)
+
+
+async def test_a_start_whose_ready_line_cannot_be_read_leaves_no_process(tmp_path, monkeypatch):
+    # only a garbled line or a cancellation stopped the fresh interpreter: any other error of
+    # the read (out of file descriptors for its pipe's transport) left it running, in no
+    # record of the runtime's (not live: its start had failed), until the driver's exit
+    async def unreadable(pipe):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(process, "_read_line", unreadable)
+    rt = ProcessRuntime(ProcessRuntimeConfig(zygote=False, network_namespace=False, root=tmp_path / "r"))
+    try:
+        with pytest.raises(OSError, match="Too many open files"):
+            await rt.start(None, None, timeout_s=30.0)
+        mark = escapees.token(rt.root.absolute() / "1")
+        await wait_for(lambda: not escapees.marked({mark}))
+        assert not rt.live
+    finally:
+        await rt.aclose()
 
 
 _DRIVER_KILLED = r"""
