@@ -307,7 +307,7 @@ class Server:
                     traceback.print_exc(file=sys.stderr)
                     said["close_error"] = f"{type(e).__name__}: {e}"[:1000]
                     if not sound_after(e, json.loads(old[1]) if old else None):
-                        said["retire"] = True  # short of memory, say: this session, then no other
+                        said["retire"] = True  # short of memory, say: the pool runs no episode here
             self.env = self.registry.make(env_id, tool_caller=self.call_tool, **kwargs)
             self.env_key = key
         else:

@@ -81,7 +81,7 @@ class _OpenResult(BaseModel):
     deterministic: bool = True
     max_action_bytes: int = Field(MAX_ACTION_BYTES, gt=0)
     close_error: str | None = None  # what the previous environment's close raised (at this open)
-    retire: bool = False  # the server may not be sound after it: no session after this one runs there
+    retire: bool = False  # the server may not be sound after it: no episode runs there (``_retire``)
 
 
 _RESULTS: dict[str, type[BaseModel]] = {"open": _OpenResult, "reset": _ResetResult, "step": StepResult}

@@ -224,7 +224,7 @@ async def test_a_previous_environments_close_that_raises_does_not_fail_the_next_
 
 async def test_a_close_that_runs_out_of_a_resource_retires_the_container_after_the_session(tmp_path):
     # a MemoryError may have left the process short of memory: as after a request that raised
-    # one, the session that found it plays on, and no later one runs there
+    # one, no episode runs there (the session that found it resets on a fresh container)
     images = write_env_bundle(
         tmp_path / "b", "close_fails_env", _CLOSE_FAILS, {"close-fails-v0": "CloseFailsEnv"}
     )
