@@ -81,9 +81,10 @@ def after_thinking(text: str) -> str:
 
 
 def last_boxed(text: str) -> str | None:
-    r"""Content of the last ``\boxed{...}`` (or ``\fbox{...}``), braces balanced, the outermost
-    when boxes nest (``\boxed{x = \boxed{5}}`` is ``x = 5``); also the brace-less ``\boxed 5``
-    (MATH's convention: up to ``$``, a line's end or ``\]``)."""
+    r"""Content of the last ``\boxed{...}`` (or ``\fbox{...}``), braces balanced (an escaped
+    brace, ``\{`` or ``\}``, is a character: ``\boxed{f(x) = \left\{ x \right.}`` closes), the
+    outermost when boxes nest (``\boxed{x = \boxed{5}}`` is ``x = 5``); also the brace-less
+    ``\boxed 5`` (MATH's convention: up to ``$``, a line's end or ``\]``)."""
     found = _last_boxed(text)
     return None if found is None else found[0]
 
@@ -118,7 +119,10 @@ def _last_boxed(text: str) -> tuple[str, int] | None:
     return _outermost_box(text, braced)
 
 
-_BRACE = re.compile(r"[{}]")
+# a brace, or an escape that is no brace: \{ and \} are characters (a set's braces, a piecewise
+# answer's \left\{ ... \right.), and \\ (an escaped backslash, a row break) leaves the brace
+# after it a brace. Consumed token by token from a box's brace on, so no escape is split
+_BRACE = re.compile(r"\\.|[{}]", re.DOTALL)
 
 
 def _outermost_box(text: str, last: re.Match[str]) -> tuple[str, int] | None:
@@ -131,6 +135,8 @@ def _outermost_box(text: str, last: re.Match[str]) -> tuple[str, int] | None:
     closing: dict[int, int] = {}  # a box's opening brace -> its closing brace
     stack: list[int] = []
     for b in _BRACE.finditer(text, min(boxes)):
+        if len(b[0]) > 1:
+            continue  # an escape: \{ is no group
         if b[0] == "{":
             stack.append(b.start())
         elif stack:

@@ -21,6 +21,9 @@ import fabric
 from fabric.protocol import RewardResult, Trajectory
 
 _BOXED = re.compile(r"\\boxed[ \t]*\{")  # \boxed {42} too, as TeX and the answer rewards read it
+# a brace, or an escape that is no brace (\{ and \} are characters; after \\, an escaped
+# backslash, a brace is a brace): as the answer rewards match a box's braces
+_BRACE = re.compile(r"\\.|[{}]", re.DOTALL)
 _TAG_NAME = re.compile(r"^[A-Za-z][\w:-]*$")
 _CLOSING_TAG = re.compile(r"</[A-Za-z][\w:-]*>")
 # what may follow the final answer under nothing_after_answer: closing math/punctuation
@@ -40,7 +43,8 @@ class FormatRules(BaseModel):
     r"""The completion opens with ``<tag>`` and the final answer (last ``\boxed{}``) begins
     after its ``</tag>``: "think first, then answer"."""
     boxed_once: bool | None = None
-    r"""``\boxed{...}`` appears exactly once, with balanced braces."""
+    r"""``\boxed{...}`` appears exactly once, with balanced braces (``\{`` and ``\}`` are
+    characters)."""
     max_chars: int | None = Field(None, gt=0)
     """The completion is at most this many characters long."""
     nothing_after_answer: bool | str | None = None
@@ -96,21 +100,21 @@ DEFAULT_RULES = FormatRules(
 
 def boxed_spans(text: str) -> list[tuple[int, int] | None]:
     r"""``(start, end)`` of every ``\boxed{...}`` (end is past the closing brace), in order of
-    start; ``None`` for one whose braces never balance. One pass with a stack of open braces
-    (linear, however many boxes are left open)."""
+    start; ``None`` for one whose braces never balance (an escaped brace, ``\{`` or ``\}``, is a
+    character, not a group: ``\boxed{f(x) = \left\{ x \right.}`` balances). One pass with a
+    stack of open braces (linear, however many boxes are left open)."""
     opens = {m.end() - 1: m.start() for m in _BOXED.finditer(text)}  # brace index -> box start
     if not opens:
         return []
     found: dict[int, tuple[int, int] | None] = dict.fromkeys(opens.values())
     stack: list[int] = []  # box start, or -1 for a plain brace
-    for j in range(min(opens), len(text)):
-        c = text[j]
-        if c == "{":
-            stack.append(opens.get(j, -1))
-        elif c == "}" and stack:
+    for b in _BRACE.finditer(text, min(opens)):
+        if b[0] == "{":
+            stack.append(opens.get(b.start(), -1))
+        elif b[0] == "}" and stack:
             start = stack.pop()
             if start >= 0:
-                found[start] = (start, j + 1)
+                found[start] = (start, b.end())
     return [found[start] for start in sorted(found)]
 
 

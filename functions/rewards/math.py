@@ -4,7 +4,8 @@ to the ground truth.
 Extraction reads what follows the last ``</think>`` when the text has one (a reasoning model's
 thinking is not its answer, "Maybe \boxed{41}?" in it included; nothing after it is no
 answer), with its Unicode math (a minus sign, U+00D7, U+00BD...) read as the canonical form
-below reads it. There, first that applies: the last ``\boxed{}``/``\fbox{}`` (the outermost
+below reads it. There, first that applies: the last ``\boxed{}``/``\fbox{}`` (its braces
+balanced, an escaped ``\{`` or ``\}`` a character: ``\boxed{\left\{ x \right.}`` closes; the outermost
 when boxes nest, boxes inside it unwrapped: ``\boxed{2 + \boxed{3}}`` is ``2 + 3``; or MATH's
 brace-less ``\boxed 5``, up to ``$`` or the line's end) or the stated answer,
 whichever comes later ("First guess \boxed{41}. ... the final answer is 42." states 42; "The

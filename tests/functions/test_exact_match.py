@@ -193,6 +193,27 @@ def test_the_outermost_of_nested_boxes_is_the_answer(text: str, expected: str | 
     assert last_boxed(text) == expected
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # an escaped brace is a character, not a group: a piecewise answer's \\left\\{ never
+        # closed the box (no answer), and a lone \\} closed it early
+        ("so \\boxed{f(x) = \\left\\{ x \\right.}", "f(x) = \\left\\{ x \\right."),
+        ("\\boxed{\\lbrace 1, 2 \\}}.", "\\lbrace 1, 2 \\}"),
+        ("\\boxed{\\{1,2\\}}", "\\{1,2\\}"),
+        ("\\boxed{\\boxed{\\{1} \\cup \\{2\\}}", "\\{1 \\cup \\{2\\}"),
+        # \\\\ is an escaped backslash (a row break): the brace after it is a brace
+        ("\\boxed{a \\\\{b}}", "a \\\\{b}"),
+        ("\\boxed{1 \\\\}", "1 \\\\"),
+        ("\\boxed{1 \\\\\\}}", "1 \\\\\\}"),  # a row break, then an escaped brace
+        ("\\boxed{\\{1, 2}", "\\{1, 2"),  # as TeX reads it: the brace closes the box
+        ("\\boxed{\\{1, 2\\}", None),  # the box's own brace is still open
+    ],
+)
+def test_escaped_braces_do_not_count_in_a_box(text: str, expected: str | None) -> None:
+    assert last_boxed(text) == expected
+
+
 def test_deeply_nested_boxes_are_one_answer() -> None:
     # one pass with a stack: no recursion, and no rescan per box
     assert last_boxed("\\boxed{" * 10_000 + "1" + "}" * 10_000) == "1"

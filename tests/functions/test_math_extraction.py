@@ -337,6 +337,27 @@ def test_nested_boxes_read_as_the_outermost(text, gt, score):
     assert math_answer(text, ground_truth=gt).score == score
 
 
+PIECEWISE = "\\left\\{\\begin{array}{ll} x & x \\ge 0 \\\\ -x & x < 0 \\end{array}\\right."
+
+
+@pytest.mark.parametrize(
+    ("text", "gt", "score"),
+    [
+        # an escaped brace is a character: \\left\\{ never closed the box, and the fallback
+        # read 0 of "x < 0"; a lone \\} closed it early (\\lbrace 1, 2 \\ was unparsable)
+        (f"so \\boxed{{f(x) = {PIECEWISE}}}", PIECEWISE, 1.0),
+        (f"so \\boxed{{f(x) = {PIECEWISE}}}", "0", 0.0),
+        (f"so \\boxed{{f(x) = {PIECEWISE}}}", "x", 0.0),
+        ("The solutions are \\boxed{\\lbrace 1, 2 \\}}.", "\\{1, 2\\}", 1.0),
+        ("The solutions are \\boxed{\\lbrace 1, 2 \\}}.", "\\{1, 3\\}", 0.0),
+        ("The solutions are \\boxed{\\{1, 2\\}}.", "\\{2, 1\\}", 1.0),
+        ("The solutions are \\boxed{\\{1, 2\\}}.", "\\{1, 3\\}", 0.0),
+    ],
+)
+def test_escaped_braces_do_not_count_in_a_box(text, gt, score):
+    assert math_answer(text, ground_truth=gt).score == score
+
+
 @pytest.mark.parametrize(
     ("text", "gt", "score"),
     [

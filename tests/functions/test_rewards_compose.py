@@ -128,6 +128,20 @@ def test_format_boxed_spans() -> None:
     assert boxed_spans("{ \\boxed{x} }} \\boxed{") == [(2, 11), None]
 
 
+def test_format_escaped_braces_do_not_count_in_a_box() -> None:
+    # \\{ and \\} are characters, not a group: a piecewise answer's \\left\\{ left its box
+    # unclosed (boxed_once and nothing_after_answer failed), a lone \\} closed it early
+    piecewise = "<think>x</think> so \\boxed{f(x) = \\left\\{ x \\right.}."
+    assert boxed_spans(piecewise) == [(20, len(piecewise) - 1)]
+    assert format_reward(piecewise).score == 1.0
+    assert boxed_spans("\\boxed{\\lbrace 1 \\}} x") == [(0, 20)]
+    assert boxed_spans("\\boxed{\\{1,2\\}}") == [(0, 15)]
+    # \\\\ is an escaped backslash (a row break): the brace after it is a brace
+    assert boxed_spans("\\boxed{a \\\\{b}}") == [(0, 15)]
+    assert boxed_spans("\\boxed{1 \\\\}") == [(0, 12)]
+    assert boxed_spans("\\boxed{\\{1\\}") == [None]  # its own brace is still open
+
+
 def test_format_a_box_with_a_space_before_its_brace_is_a_box() -> None:
     # TeX reads \boxed {42} as \boxed{42}, and so do the answer rewards (math_answer,
     # exact_match): the format reward saw no box at all
