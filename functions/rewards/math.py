@@ -88,8 +88,11 @@ Equivalence, cheapest first:
    number (not "at least" or "nearly", which change it), thousands
    separators (of a number alone, and in an argument of ``\frac``, ``\sqrt`` or ``\binom``,
    where a comma lists nothing: ``\frac{1,000}{2}`` is 500; a set's or a point's comma lists
-   its elements) and zero-width characters removed; the signs U+00D7, U+22C5, U+00B7 (the middle
-   dot, as a product is typed: ``2·3`` is 6, and ``3·14`` 42, not 3.14) and U+00F7 are
+   its elements; and of an operand of arithmetic, ``\times``, ``\cdot``, ``\div``, ``*``,
+   ``/``, ``+``, ``-``, in an answer with no other comma and no bracket: ``2 \times 1,000`` is
+   2000, ``2 \times 1,000, 3`` a list) and zero-width characters removed; the signs U+00D7,
+   U+22C5, U+00B7 (the middle dot, as a product is typed: ``2·3`` is 6, and ``3·14`` 42, not
+   3.14) and U+00F7 are
    ``\times``, ``\cdot``, ``\cdot`` and ``/``, and pi, infinity, the root sign, superscript digits and
    vulgar fractions (U+03C0, U+221E, U+221A, U+00B2, U+00BD...) their LaTeX (the parentheses
    after a root sign are its braces: ``√(x+1)`` is ``\sqrt{x+1}``); ``\varnothing`` and ``\{\}`` are

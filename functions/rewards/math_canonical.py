@@ -95,6 +95,13 @@ _ARGUMENT = re.compile(
     r"(?:\\(?:frac|sqrt|binom)(?![A-Za-z])\s*(?:\[[^\[\]{}]*\]\s*)?|(?<=[^\\]\}))\{[^{}]*\}"
 )
 _GROUPED = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?![\d,])")
+# ... and an operand of arithmetic (2 \times 1,000 is 2000, 1,000 + 500 is 1500), where the
+# comma could list only a number that starts with three digits and an operator ("1" and "000 +
+# 500"): read as thousands, unless another comma or a bracket could make it a list or a point
+# (2 \times 1,000, 3 and (2, 1,000 + 5) stay as written)
+_ARITHMETIC_OP = r"(?:\\(?:times|cdot|div)(?![A-Za-z])|[-+*/])"
+_GROUPED_OPERAND = re.compile(rf"{_ARITHMETIC_OP}\s*{_GROUPED.pattern}|{_GROUPED.pattern}\s*{_ARITHMETIC_OP}")
+_LISTS = re.compile(r"[,()\[\]]|\\[{}]|\\[lr]angle(?![A-Za-z])")
 _SPACED_THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?: \d{3})+(?:\.\d+)?%?$")
 GREEK = {
     name: name
@@ -271,6 +278,8 @@ def canonical(answer: str) -> str:
     s = _SET_BRACE.sub(lambda m: "\\{" if m[1] == "l" else "\\}", s)
     s = s.replace("{,}", "")
     s = _ARGUMENT.sub(lambda m: _GROUPED.sub(lambda g: g[0].replace(",", ""), m[0]), s)
+    if "," in s and _GROUPED_OPERAND.search(s) and not _LISTS.search(_GROUPED.sub("", s)):
+        s = _GROUPED.sub(lambda g: g[0].replace(",", ""), s)
     # a degree sign is dropped (45^\circ is 45), except in a trigonometric expression, where
     # sympy reads it as pi/180 (\tan 45^\circ is 1, not tan(45))
     s = _DEGREES.sub(r"^\\circ" if _TRIG_CMD.search(s) else "", s)

@@ -404,6 +404,31 @@ def test_thousands_separators_inside_an_argument_are_not_commas(pred, gt, same):
 
 
 @pytest.mark.parametrize(
+    ("pred", "gt", "same"),
+    [
+        ("2 \\times 1,000", "2000", True),
+        ("1,000 \\times 2", "2000", True),
+        ("3 \\cdot 1,250", "3750", True),
+        ("1,000 + 500", "1500", True),
+        ("2,000 - 1", "1999", True),
+        ("1,000,000 / 1,000", "1000", True),
+        ("2 \\times 1,000.5", "2001", True),
+        ("3 \\times 1,000 = 3,000", "3000", True),
+        ("2 \\times 1,000", "2", False),
+        ("2 \\times 1,000", "2000.5", False),
+        ("2 \\times 1,0000", "20000", False),  # not groups of three: no separator
+        ("2 \\times 1,000, 3", "2000", False),  # another comma lists: a list of two
+        ("\\{2 \\times 1,000\\}", "2000", False),  # a set's comma lists its elements
+        ("(2, 1,000 + 5)", "1007", False),  # and a point's
+    ],
+)
+def test_thousands_separators_in_an_arithmetic_expression_are_not_commas(pred, gt, same):
+    # the separators were removed only from a number alone or in an argument of \\frac, \\sqrt
+    # or \\binom: 2 \\times 1,000 was the list 2 \\times 1, 000, so not 2000
+    assert is_equivalent(pred, gt)[0] is same
+
+
+@pytest.mark.parametrize(
     ("pred", "gt"),
     [("1,000\\%", "1000\\%"), ("1,250%", "12.5"), ("-1,000 percent", "-10.0"), ("1 000\\%", "1000%")],
 )
