@@ -24,7 +24,9 @@ and the span before it is read (``$f(n) = 3$ for all $n \ge 1$``: ``3``), and a 
 number in it (a digit, ``\frac``, ``\sqrt``, ``\pi``...) is read only when it ends the text and
 is more than a lone variable (in "42 ways, one for each value of $n$." the answer is 42); else
 the last number (``\frac{3}{4}``, a power, ``2^{10}``, scientific notation, ``3 \times
-10^8``, and a root of a number, ``3\sqrt{2}``, count as one).
+10^8``, and a root of a number, ``3\sqrt{2}``, count as one), with the numbers it is a product
+or quotient of on its line: "The product is 2·3." reads ``2 \cdot 3`` (6), "12 ÷ 4" reads ``12 /
+4``; a sum is not read whole, and the number after the last ``=`` wins ("3 \times 4 = 12": 12).
 
 A condition states no value. A number beside an inequality (``<``, ``>``, ``<=``, ``>=``,
 ``!=``, ``\le``, ``\ge``, ``\lt``, ``\gt``, ``\ne``, ``\neq``, the Unicode signs) is a bound,
@@ -231,7 +233,7 @@ __all__ = [
 
 # ----------------------------------------------------------------------------- extraction
 
-_LAST_NUMBER = re.compile(
+_A_NUMBER = (
     # a root of a number is one number, its coefficient with it (3\sqrt{2}: not 3 and 2)
     r"[-+]?(?:\d+(?:\.\d+)?[ \t]*)?\\sqrt(?:\[\d+\])?[ \t]*(?:\{[ \t]*\d+[ \t]*\}|\d+)|"
     # \frac{3}{4} is one number, not 3 and 4 (\frac{1,000}{2} too)
@@ -242,6 +244,12 @@ _LAST_NUMBER = re.compile(
     r"|\s*(?:\\times|\\cdot|\u00d7|\u22c5|\*)\s*10\^(?:\{[-+]?\d+\}|[-+]?\d+)"
     r"|(?:[eE][-+]?\d+)?(?:/\d+(?:\.\d+)?)?)|[-+]?\.\d+"
 )
+# a product or quotient of numbers is one expression ("The product is 2 \cdot 3." states 6, not
+# 3): numbers joined by \times, \cdot, \div, * or / on one line. Not a sum: in prose "-" is
+# also a dash ("pages 10 - 12") and "+" a bound ("18+"), where these signs are arithmetic. Nor
+# across "=": "3 \times 4 = 12" still reads 12, the number after the last "="
+_TIMES = r"[ \t]*+(?:\\(?:times|cdot|div)(?![A-Za-z])|[*/])[ \t]*+"
+_LAST_NUMBER = re.compile(rf"(?:{_A_NUMBER})(?:{_TIMES}(?:{_A_NUMBER}))*")
 # one math span: $...$, $$...$$ (an escaped \$ is a dollar sign), \(...\), \[...\]
 _DOLLAR = re.compile(r"(?<!\\)\$\$?")
 _INEQUALITY = re.compile(r"[<>]|\\(?:le|ge|lt|gt|leq|geq|neq|ne)(?![A-Za-z])")  # \ge1 too

@@ -245,6 +245,54 @@ def test_an_answer_in_unicode_math_is_read_whole(text, gt, score):
 
 
 @pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # a product or a quotient of numbers at the end of the prose is one expression: the
+        # fallback read its last factor (3 of "2 \\times 3")
+        ("so 2 \\times 3 apples", "2 \\times 3"),
+        ("In total 6 * 7 ways.", "6 * 7"),
+        ("so 2 \\cdot 3 \\cdot 7", "2 \\cdot 3 \\cdot 7"),
+        ("each gets 12 / 4", "12 / 4"),
+        ("each gets 12 \\div 4.", "12 \\div 4"),
+        ("so the total is 2 \\times 1,000.", "2 \\times 1,000"),
+        ("so 2 \\times 3 \\times 10^8", "2 \\times 3 \\times 10^8"),
+        # the number after the last "=" wins, as before
+        ("So 3 \\times 4 = 12", "12"),
+        ("So 3 \\times 4 = 12.", "12"),
+        ("so 12 = 3 \\times 4", "3 \\times 4"),
+        # no operator between the numbers, or one across a line, is no product
+        ("the sides are 3 and 4", "4"),
+        ("we get 3\n* 4", "4"),
+        ("1 \\cdot 2 \\cdots 10", "10"),
+        # a premise's bound is still a premise's, product or not
+        ("He needs 4 more boxes since 4 * 3 > 10.", "4"),
+    ],
+)
+def test_a_product_of_numbers_is_read_whole(text, expected):
+    assert extract_final(text) == (expected, "last_number")
+
+
+@pytest.mark.parametrize(
+    ("text", "gt", "score"),
+    [
+        ("The product is 2\u00b73.", "6", 1.0),
+        ("The product is 2\u00b73.", "3", 0.0),
+        ("So the area is 2 \u00d7 3", "6", 1.0),
+        ("So the area is 2 \u00d7 3", "3", 0.0),
+        ("Each friend gets 12 \u00f7 4.", "3", 1.0),
+        ("Each friend gets 12 \u00f7 4.", "4", 0.0),
+        ("So 3 \u00d7 4 = 12", "12", 1.0),
+        ("So 3 \u00d7 4 = 12", "4", 0.0),
+        ("so the total is 2 \\times 1,000.", "2000", 1.0),
+        ("so the total is 2 \\times 1,000.", "1000", 0.0),
+    ],
+)
+def test_a_product_of_numbers_is_scored_whole(text, gt, score):
+    # "The product is 2\u00b73." read 3: a miss against 6, and 1.0 against 3
+    assert math_answer(text, ground_truth=gt).score == score, math_answer(text, ground_truth=gt).info
+
+
+@pytest.mark.parametrize(
     ("text", "gt", "score"),
     [
         ("So the side is \u221a2.", "\\sqrt{2}", 1.0),
