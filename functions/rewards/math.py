@@ -26,7 +26,9 @@ is more than a lone variable (in "42 ways, one for each value of $n$." the answe
 the last number (``\frac{3}{4}``, a power, ``2^{10}``, scientific notation, ``3 \times
 10^8``, and a root of a number, ``3\sqrt{2}``, count as one), with the numbers it is a product
 or quotient of on its line: "The product is 2·3." reads ``2 \cdot 3`` (6), "12 ÷ 4" reads ``12 /
-4``; a sum is not read whole, and the number after the last ``=`` wins ("3 \times 4 = 12": 12).
+4``; a sum is not read whole, and the number after the last ``=`` wins ("3 \times 4 = 12": 12);
+a percent sign (or the word) after it stays with it, so that the percentage rule applies ("so
+it is 1,000%." reads ``1,000%``).
 
 A condition states no value. A number beside an inequality (``<``, ``>``, ``<=``, ``>=``,
 ``!=``, ``\le``, ``\ge``, ``\lt``, ``\gt``, ``\ne``, ``\neq``, the Unicode signs) is a bound,
@@ -249,7 +251,10 @@ _A_NUMBER = (
 # also a dash ("pages 10 - 12") and "+" a bound ("18+"), where these signs are arithmetic. Nor
 # across "=": "3 \times 4 = 12" still reads 12, the number after the last "="
 _TIMES = r"[ \t]*+(?:\\(?:times|cdot|div)(?![A-Za-z])|[*/])[ \t]*+"
-_LAST_NUMBER = re.compile(rf"(?:{_A_NUMBER})(?:{_TIMES}(?:{_A_NUMBER}))*")
+# ... with its percent sign (or word): "so it is 50%." states 50%, which the percentage rule
+# reads as 1/2 against a fraction; read as 50 it matched only 50
+_PERCENT = r"(?:[ \t]*+(?:\\?%|[Pp]ercent(?![A-Za-z])))?"
+_LAST_NUMBER = re.compile(rf"(?:{_A_NUMBER})(?:{_TIMES}(?:{_A_NUMBER}))*{_PERCENT}")
 # one math span: $...$, $$...$$ (an escaped \$ is a dollar sign), \(...\), \[...\]
 _DOLLAR = re.compile(r"(?<!\\)\$\$?")
 _INEQUALITY = re.compile(r"[<>]|\\(?:le|ge|lt|gt|leq|geq|neq|ne)(?![A-Za-z])")  # \ge1 too

@@ -293,6 +293,40 @@ def test_a_product_of_numbers_is_scored_whole(text, gt, score):
 
 
 @pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # a percent sign stays with its number: "1,000%" read 1,000, and the percentage rule
+        # never saw the sign
+        ("so it is 1,000%.", "1,000%"),
+        ("The probability is 50 %.", "50 %"),
+        ("so it is 12.5\\%.", "12.5\\%"),
+        ("It grew by 12.5 percent.", "12.5 percent"),
+        ("It grew by 12.5 percentage points.", "12.5"),  # a word that is not "percent"
+        ("so it is 2 \\times 50%", "2 \\times 50%"),
+    ],
+)
+def test_a_percent_sign_stays_with_its_number(text, expected):
+    assert extract_final(text) == (expected, "last_number")
+
+
+@pytest.mark.parametrize(
+    ("text", "gt", "score"),
+    [
+        ("so it is 1,000%.", "10.0", 1.0),
+        ("so it is 1,000%.", "10", 0.0),  # against an integer: 1000
+        ("so it is 1,000%.", "1000", 1.0),
+        ("The probability is 50%.", "\\frac{1}{2}", 1.0),
+        ("The probability is 50%.", "0.05", 0.0),
+        ("The probability is 50%.", "50", 1.0),
+        ("It grew by 12.5 percent.", "0.125", 1.0),
+        ("It grew by 12.5 percent.", "0.0125", 0.0),
+    ],
+)
+def test_a_percent_sign_stays_with_its_number_scored(text, gt, score):
+    assert math_answer(text, ground_truth=gt).score == score, math_answer(text, ground_truth=gt).info
+
+
+@pytest.mark.parametrize(
     ("text", "gt", "score"),
     [
         ("So the side is \u221a2.", "\\sqrt{2}", 1.0),
