@@ -247,9 +247,9 @@ _A_NUMBER = (
     r"|(?:[eE][-+]?\d+)?(?:/\d+(?:\.\d+)?)?)|[-+]?\.\d+"
 )
 # a product or quotient of numbers is one expression ("The product is 2 \cdot 3." states 6, not
-# 3): numbers joined by \times, \cdot, \div, * or / on one line. Not a sum: in prose "-" is
-# also a dash ("pages 10 - 12") and "+" a bound ("18+"), where these signs are arithmetic. Nor
-# across "=": "3 \times 4 = 12" still reads 12, the number after the last "="
+# 3): numbers joined by \times, \cdot, \div, * or / on one line, signs that between numbers
+# are arithmetic. Not a sum: in prose "-" is also a dash ("pages 10 - 12") and "+" a bound
+# ("18+"). Nor across "=": "3 \times 4 = 12" still reads 12, the number after the last "="
 _TIMES = r"[ \t]*+(?:\\(?:times|cdot|div)(?![A-Za-z])|[*/])[ \t]*+"
 # ... with its percent sign (or word): "so it is 50%." states 50%, which the percentage rule
 # reads as 1/2 against a fraction; read as 50 it matched only 50
