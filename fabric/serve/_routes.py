@@ -112,12 +112,30 @@ class GatewayRoutes(GatewayCalls):
             )
         return tenant
 
+    async def _pace(self, tenant: str) -> None:
+        """Hold a request of ``tenant`` back to its ``max_rps`` (its token already checked);
+        429 when it is more than ``MAX_DELAY_S`` of requests over. Every request a token
+        makes, ``/metrics`` too: a render of every series costs more than a refused call."""
+        wait = self.rates.delay(tenant, time.monotonic())
+        if wait is None:
+            if tenant in self.quotas.throttled:
+                self.quotas.throttled[tenant] += 1  # a 429 as the quota's (the metric's promise)
+            raise Reply(
+                429,
+                "TooManyRequestsException",
+                f"Rate Exceeded: tenant {tenant!r} is more than "
+                f"{RateLimiter.MAX_DELAY_S:g} s of requests over its max_rps; retry with backoff",
+            )
+        if wait:
+            await asyncio.sleep(wait)
+
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         try:
             tenant = self._tenant(request)
+            await self._pace(tenant)
         except Reply as e:
             response = error_response(e.status, e.code, e.message, new_request_id())
             if e.close:
@@ -144,17 +162,7 @@ class GatewayRoutes(GatewayCalls):
                     f"or let {tenant!r} invoke: set invoke: true on it (the default) in the server's "
                     "tenants file (--tenants) and restart the server",
                 )
-            wait = self.rates.delay(tenant, time.monotonic())
-            if wait is None:
-                self.quotas.throttled[tenant] += 1  # a 429 as the quota's (the metric's promise)
-                raise Reply(
-                    429,
-                    "TooManyRequestsException",
-                    f"Rate Exceeded: tenant {tenant!r} is more than "
-                    f"{RateLimiter.MAX_DELAY_S:g} s of requests over its max_rps; retry with backoff",
-                )
-            if wait:
-                await asyncio.sleep(wait)
+            await self._pace(tenant)
             function, qualifier = split_name(request.match_info["name"], request.query.get("Qualifier"))
             prefix = self.config.function_prefix
             if prefix and function.startswith(prefix):

@@ -13,7 +13,7 @@ from sample_fns import REG
 from serve_helpers import PATH, TOKEN_A, auth, config
 
 from fabric.backends.base import InprocConfig
-from fabric.serve import Gateway
+from fabric.serve import Gateway, TenantConfig
 
 
 @pytest.fixture
@@ -65,3 +65,33 @@ async def test_a_compressed_body_is_not_read_at_all(gw):
         writer.close()
     assert reply.startswith(b"HTTP/1.1 400 "), reply[:200]
     assert b"InvalidRequestContentException" in reply and b"Connection: close" in reply
+
+
+async def test_metrics_requests_are_paced_by_the_tenants_max_rps():
+    """``max_rps`` paced invocations only: a tenant "you do not control" could ask for
+    ``/metrics`` as fast as it liked, each answer a render of every series, far dearer than
+    the refused call that pacing exists to spare the server's one core."""
+    tenants = {"job-a": TenantConfig(token=TOKEN_A, max_rps=2)}
+    async with (
+        Gateway(config(tenants=tenants, backend=InprocConfig()), REG) as g,
+        httpx.AsyncClient(base_url=g.url, timeout=30) as c,
+    ):
+        for _ in range(2):
+            assert (await c.get("/metrics", headers=auth())).status_code == 200
+        assert g.rates.delayed["job-a"] == 1  # the second waited for its turn
+        text = (await c.get("/metrics", headers=auth())).text
+        assert 'fabric_serve_tenant_delayed_total{tenant="job-a"} 2.0' in text
+
+
+async def test_metrics_requests_far_over_max_rps_are_refused():
+    tenants = {"job-a": TenantConfig(token=TOKEN_A, max_rps=0.1)}  # 10 s apart: past 5 s of backlog
+    async with (
+        Gateway(config(tenants=tenants, backend=InprocConfig()), REG) as g,
+        httpx.AsyncClient(base_url=g.url, timeout=30) as c,
+    ):
+        replies = await asyncio.gather(*(c.get("/metrics", headers=auth()) for _ in range(3)))
+        refused = [r for r in replies if r.status_code == 429]
+        assert len(refused) == 2 and all(
+            r.headers["x-amzn-ErrorType"] == "TooManyRequestsException" for r in refused
+        )
+        assert g.quotas.throttled["job-a"] == len(refused)
