@@ -33,7 +33,6 @@ import json
 import logging
 import math
 from typing import Any
-from urllib.parse import unquote
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
@@ -79,10 +78,12 @@ def error_response(status: int, code: str, message: str, request_id: str) -> web
     )
 
 
-def split_name(raw: str, query_qualifier: str | None) -> tuple[str, str | None]:
+def split_name(name: str, query_qualifier: str | None) -> tuple[str, str | None]:
     """``name``, ``name:qualifier``, ``arn:aws:lambda:region:account:function:name[:q]`` or
-    the partial ARN ``account:function:name[:q]``: the forms Lambda's Invoke accepts."""
-    name = unquote(raw)
+    the partial ARN ``account:function:name[:q]``: the forms Lambda's Invoke accepts.
+
+    ``name`` as aiohttp's route hands it over, percent-decoded already (botocore's ``%3A``
+    is a colon): decoded again, ``%2561dd`` was ``add``."""
     qualifier = query_qualifier
     parts = name.split(":")
     if name.startswith("arn:"):

@@ -95,3 +95,20 @@ async def test_metrics_requests_far_over_max_rps_are_refused():
             r.headers["x-amzn-ErrorType"] == "TooManyRequestsException" for r in refused
         )
         assert g.quotas.throttled["job-a"] == len(refused)
+
+
+@pytest.mark.parametrize(("sent", "named"), [("%2561dd", "%61dd"), ("add%253Alive", "add%3Alive")])
+async def test_a_function_name_is_percent_decoded_once(http, sent, named):
+    """aiohttp hands the route's ``{name}`` over decoded; the server decoded it again, so the
+    name ``%61dd`` (boto3 sends it as ``%2561dd``) ran ``add``, and a 404 named another name
+    than the one asked for."""
+    r = await http.post(f"/2015-03-31/functions/{sent}/invocations", json={"a": 1}, headers=auth())
+    assert r.status_code == 404, r.text
+    assert f"Function not found: {named} " in r.json()["message"]
+
+
+async def test_a_name_and_qualifier_sent_encoded_as_boto3_sends_them_are_served(http):
+    # botocore percent-encodes the ARN's colons: aiohttp decodes them, once
+    arn = "arn%3Aaws%3Alambda%3Aus-east-1%3A123456789012%3Afunction%3Aadd%3Alive"
+    r = await http.post(f"/2015-03-31/functions/{arn}/invocations", json={"a": 6}, headers=auth())
+    assert r.status_code == 200 and r.json() == 6
