@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import re
 import socket
 import time
 from typing import Any
@@ -45,12 +46,20 @@ class _QuietMalformed(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, HttpProcessingError | RequestPayloadError):
             reason = " ".join(str(getattr(exc, "message", "") or exc).split())
-            log.debug("malformed HTTP request (answered 400): %s", reason[:300])
+            log.debug("malformed HTTP request (answered 400): %s", _redacted(reason)[:300])
             return False
         return True
 
 
 _QUIET_MALFORMED = _QuietMalformed()
+
+#: An authorization header's value in a parser's reason, which quotes the line it refused:
+#: a valid token with a stray control character after it is still the token
+_AUTH_VALUE = re.compile(r"(authorization\s*:).*", re.IGNORECASE)
+
+
+def _redacted(reason: str) -> str:
+    return _AUTH_VALUE.sub(r"\1 <redacted>", reason)
 
 
 def _idle(conn: RequestHandler) -> bool:

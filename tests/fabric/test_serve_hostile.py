@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import logging
 
 import httpx
 import pytest
@@ -112,3 +113,29 @@ async def test_a_name_and_qualifier_sent_encoded_as_boto3_sends_them_are_served(
     arn = "arn%3Aaws%3Alambda%3Aus-east-1%3A123456789012%3Afunction%3Aadd%3Alive"
     r = await http.post(f"/2015-03-31/functions/{arn}/invocations", json={"a": 6}, headers=auth())
     assert r.status_code == 200 and r.json() == 6
+
+
+@pytest.mark.parametrize("header", [b"Authorization", b"authorization", b"Proxy-Authorization"])
+async def test_a_malformed_authorization_header_is_logged_without_its_token(gw, http, caplog, header):
+    """aiohttp's reason for refusing a header line quotes the line: a client whose header
+    ends in a stray control character had its (otherwise valid) token written to the
+    server's log, at DEBUG."""
+    caplog.set_level(logging.DEBUG)
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        writer.write(
+            b"POST "
+            + PATH.format("add").encode()
+            + b" HTTP/1.1\r\nHost: x\r\n"
+            + header
+            + b": Bearer "
+            + TOKEN_A.encode()
+            + b"\x01\r\nContent-Length: 2\r\n\r\n{}"
+        )
+        await writer.drain()
+        await asyncio.wait_for(reader.read(), 30)  # the 400, then the server hangs up
+    finally:
+        writer.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "fabric.serve"]
+    assert any("malformed HTTP request" in m and "Invalid header value" in m for m in lines), lines
+    assert TOKEN_A not in caplog.text and TOKEN_A[:8] not in caplog.text
