@@ -16,7 +16,7 @@ import httpx
 import pytest
 from lambda_helpers import TOKEN, lam, transport_fixture  # noqa: F401 - by name=
 from sample_fns import REG
-from serve_helpers import PATH, TOKEN_A, auth, config
+from serve_helpers import PATH, TOKEN_A, TOKEN_B, auth, config
 
 from fabric.backends.base import TOKEN_ENV, InprocConfig, LocalConfig
 from fabric.client import Client
@@ -190,7 +190,11 @@ async def test_a_name_with_the_servers_prefix_that_it_does_not_serve_is_404():
 async def test_a_request_refused_for_its_rate_counts_as_throttled():
     """``fabric_serve_tenant_throttled_total`` counts the requests refused with 429, the docs
     say; it counted only the quota's, so a tenant refused for its ``max_rps`` showed none."""
-    tenants = {"job-a": TenantConfig(token=TOKEN_A, max_rps=0.1)}  # one request per 10 s
+    tenants = {
+        "job-a": TenantConfig(token=TOKEN_A, max_rps=0.1),  # one request per 10 s
+        # the scrape's own token: job-a's /metrics would wait for its max_rps too
+        "prometheus": TenantConfig(token=TOKEN_B, metrics="all", invoke=False),
+    }
     async with (
         Gateway(config(tenants=tenants, backend=InprocConfig()), REG) as g,
         httpx.AsyncClient(base_url=g.url) as http,
@@ -198,7 +202,7 @@ async def test_a_request_refused_for_its_rate_counts_as_throttled():
         assert (await http.post(PATH.format("add"), json={"a": 1}, headers=auth())).status_code == 200
         r = await http.post(PATH.format("add"), json={"a": 1}, headers=auth())
         assert r.status_code == 429 and "max_rps" in r.json()["message"]
-        text = (await http.get("/metrics", headers=auth())).text
+        text = (await http.get("/metrics", headers=auth(TOKEN_B))).text
     assert 'fabric_serve_tenant_throttled_total{tenant="job-a"} 1.0' in text, text
 
 
