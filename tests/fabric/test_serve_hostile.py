@@ -139,3 +139,11 @@ async def test_a_malformed_authorization_header_is_logged_without_its_token(gw, 
     lines = [r.getMessage() for r in caplog.records if r.name == "fabric.serve"]
     assert any("malformed HTTP request" in m and "Invalid header value" in m for m in lines), lines
     assert TOKEN_A not in caplog.text and TOKEN_A[:8] not in caplog.text
+
+
+def test_the_installed_aiohttp_lets_the_server_keep_bodies_compressed():
+    """Without ``auto_decompress`` (a later aiohttp may drop it) a compressed body the server
+    refused is still inflated as aiohttp drains it: the refusal holds, the cost comes back."""
+    from fabric.serve.app import _NO_INFLATING
+
+    assert _NO_INFLATING == {"auto_decompress": False}
