@@ -1,6 +1,7 @@
 """``fabric serve`` against a hostile tenant, over real sockets on 127.0.0.1: a compressed
 body (a megabyte that inflates to a gigabyte on the server's one event loop), ``/metrics``
-requests past the tenant's ``max_rps``, and function names percent-encoded twice."""
+requests past the tenant's ``max_rps``, function names percent-encoded twice, and a token
+in the log line of a malformed header."""
 
 from __future__ import annotations
 
