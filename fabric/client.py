@@ -274,7 +274,14 @@ class Client(KeyedCalls):
         tasks: set[asyncio.Task[None]] = set()
 
         async def one(i: int, p: dict[str, Any]) -> None:
-            r = await self.call(name, p, **kw)
+            try:
+                r = await self.call(name, p, **kw)
+            except Exception as e:
+                # (a misspelt keyword, a bug) to the consumer: a task that died here kept its
+                # slot, which only the consumer gives back, and past max_inflight payloads the
+                # producer waited for a slot and the consumer for a result, for good
+                done.put_nowait(e)
+                return
             r.index = i
             done.put_nowait(r)
 

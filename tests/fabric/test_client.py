@@ -215,6 +215,22 @@ async def test_stream_reads_its_input_only_as_fast_as_it_is_consumed():
     assert len(fake.invocations) <= 11
 
 
+async def test_a_stream_whose_calls_raise_raises_instead_of_hanging():
+    """A call that raises (here a misspelt keyword, passed on to every payload's call) never
+    reached the consumer: its task died holding its ``max_inflight`` slot, which only the
+    consumer gives back, so past ``max_inflight`` payloads the producer waited for a slot and
+    the consumer for a result, for good. With fewer payloads it raised, from the producer."""
+    c, _ = make()
+    for n in (3, 10):
+
+        async def consume(n: int = n) -> list:
+            payloads = [{"x": i} for i in range(n)]
+            return [r async for r in c.stream("double", payloads, max_inflight=4, deadlin=5)]
+
+        with pytest.raises(TypeError, match="deadlin"):
+            await asyncio.wait_for(consume(), 5)
+
+
 async def test_bad_payloads_never_reach_the_backend():
     c, fake = make()
     assert (await c.call("double", {"y": 1})).error.type == ErrorCode.INVALID_ARGUMENTS
