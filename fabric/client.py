@@ -106,11 +106,14 @@ class Client(KeyedCalls):
         await self.aclose()
 
     async def aclose(self) -> None:
-        # keyed executions outlive their callers (see Execution); they end with the client
-        tasks = list(self._executions)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # keyed executions outlive their callers (see Execution); they end with the client,
+        # those started while it waits for them too: one left running lost its key with the
+        # clear below, and the next caller with the key ran it again beside it
+        while self._executions:
+            tasks = list(self._executions)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         # a task cancelled before it ever ran skipped its own clean-up (its finally)
         self._inflight.clear()
         for fn in self._fns.values():

@@ -421,6 +421,29 @@ async def test_closing_the_client_before_a_keyed_execution_ran_leaves_no_key_in_
     assert c._inflight == {}  # its clean-up never ran: the close did it
 
 
+async def test_a_keyed_execution_started_while_the_client_closes_ends_with_it(tmp_path):
+    """``aclose`` cancelled the executions there were when it began, then forgot every key in
+    flight: one started while it waited (a caller still at work as the client closed) ran
+    on, no longer in flight, and the next caller with its key (on a backend the client does
+    not own, which stays open) ran the side effect a second time beside it."""
+    path = tmp_path / "deliveries"
+    payload = {"path": str(path), "seconds": 0.3}
+    c, _ = make()  # the FakeBackend is the test's: the client does not close it
+    first = asyncio.create_task(c.call("nap", {"seconds": 30}, idempotency_key="a"))
+    await asyncio.sleep(0)  # its execution runs
+    closing = asyncio.create_task(c.aclose())
+    await asyncio.sleep(0)  # the close cancelled it, and waits for it to end
+    late = asyncio.create_task(c.call("deliver", payload, idempotency_key="b"))
+    await asyncio.sleep(0)  # its execution is in flight under "b"
+    await closing
+    again = await c.call("deliver", payload, idempotency_key="b")
+    await asyncio.sleep(0.5)
+    assert path.read_text().split() == ["delivered"]  # once, not once per execution
+    assert (await first).error.type == ErrorCode.CANCELLED
+    assert (await late).error.type == ErrorCode.CANCELLED  # it ended with the client
+    assert again.ok
+
+
 async def test_a_cached_answer_is_no_cold_start():
     """A call answered from its key's cache ran nowhere, but it carried the cold_start=True of
     the execution that made the answer (a caller that joined the execution got False)."""
