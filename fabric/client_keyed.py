@@ -66,10 +66,11 @@ def _approx_bytes(key: str, result: Result) -> int:
     return n + len(key) + _ENTRY_BYTES
 
 
-def _effect_key(name: str, user_key: str) -> str:
+def _effect_key(name: str, user_key: str, scope: str) -> str:
     """Where an ``OutcomeUnknown`` is kept for every code of the function: ``name:*:key``
-    (a version, a hash, is never ``*``, so it names no code's key)."""
-    return f"{name}:*:{user_key}"
+    (a version, a hash, is never ``*``, so it names no code's key), in the tenant's
+    ``scope`` (``KeyedCalls._scope``)."""
+    return f"{name}:*:{user_key}{scope}"
 
 
 class KeyedCalls(Attempts):
@@ -103,14 +104,16 @@ class KeyedCalls(Attempts):
         deadline."""
         spec = fn.spec
         m = fn.metrics
-        key = f"{spec.name}:{spec.version}:{user_key}"
+        key = f"{spec.name}:{spec.version}:{user_key}"  # as sent (the handler adds the tenant)
+        scope = self._scope(tenant)
+        here = key + scope  # the key in this client's cache and in flight
         digest = _digest(raw)
-        entry = self._cache.get(key)
+        entry = self._cache.get(here)
         if entry is None and spec.side_effects:
             # an effect that may have happened under earlier code under this key: still
             # unknown, whatever code is registered now (_conclude)
-            entry = self._cache.get(_effect_key(spec.name, user_key))
-        ex = self._inflight.get(key)
+            entry = self._cache.get(_effect_key(spec.name, user_key, scope))
+        ex = self._inflight.get(here)
         if entry is not None:
             # an OutcomeUnknown holds whatever the payload: no effect runs again under the key
             err = entry[1].error
@@ -165,7 +168,7 @@ class KeyedCalls(Attempts):
                 wait_for_run=True,
                 raw=raw,
             )
-            ex = self._inflight[key] = Execution(deadline, digest)
+            ex = self._inflight[here] = Execution(deadline, digest)
             ex.task = asyncio.create_task(
                 # its retry budget and the code its key names: the spec's as the key is made
                 self._execute(
@@ -247,8 +250,9 @@ class KeyedCalls(Attempts):
         metrics here, once, timed from its starter's call (``t0``): the starter may have
         given up long before. Its attempts go to the code its key names only
         (``sent.key_version``), under the retry budget the function had then (``sent.retry``)."""
-        key = inv.idempotency_key
-        assert key is not None
+        scope = self._scope(inv.tenant)
+        assert inv.idempotency_key is not None
+        key = inv.idempotency_key + scope  # as _call_keyed keeps it
         try:
             await fn.sem.acquire()
             try:
@@ -303,16 +307,23 @@ class KeyedCalls(Attempts):
                 if not self._may_have_effects(fn, sent):
                     ex.kept = None
                 elif result.error is not None and result.error.type == ErrorCode.VERSION_MISMATCH:
-                    ex.kept = self._refused(fn, key, user_key, result, ex.digest)  # refused, but it ran
+                    # refused, but it ran
+                    ex.kept = self._refused(fn, key, user_key, result, ex.digest, scope)
                 else:
                     # read as the caller's own code's outcome is: kept raw, a WorkerLost was
                     # served (retryable) to every later caller instead of OutcomeUnknown, and
                     # a call that did not start held the key for good
-                    ex.kept = self._conclude(fn, key, user_key, result, True, ex.digest)
+                    ex.kept = self._conclude(fn, key, user_key, result, True, ex.digest, scope)
                     self._keep_too_large(fn, key, user_key, result, ex)
             else:
                 ex.kept = self._conclude(
-                    fn, key, user_key, result, not result.ok and self._may_have_effects(fn, sent), ex.digest
+                    fn,
+                    key,
+                    user_key,
+                    result,
+                    not result.ok and self._may_have_effects(fn, sent),
+                    ex.digest,
+                    scope,
                 )
                 if self._may_have_effects(fn, sent):
                     self._keep_too_large(fn, key, user_key, result, ex)
@@ -326,7 +337,14 @@ class KeyedCalls(Attempts):
                 del self._inflight[key]
 
     def _conclude(
-        self, fn: FnState, key: str, user_key: str, result: Result, side_effects: bool, digest: bytes
+        self,
+        fn: FnState,
+        key: str,
+        user_key: str,
+        result: Result,
+        side_effects: bool,
+        digest: bytes,
+        scope: str,
     ) -> Result | None:
         """Remember what a later caller with the key gets instead of a new execution: the
         function's own answer; or, for a function with side effects whose call may have run
@@ -356,7 +374,7 @@ class KeyedCalls(Attempts):
                 function=name,
                 request_id=result.request_id,
             )
-            self._remember(_effect_key(name, user_key), unknown, digest)
+            self._remember(_effect_key(name, user_key, scope), unknown, digest)
             return self._remember(key, unknown, digest)
         return None
 
@@ -367,7 +385,9 @@ class KeyedCalls(Attempts):
         if ex.kept is None and result.ok and self._cache_on:
             self._remember(key, self._not_kept(fn.spec.name, user_key, result), ex.digest)
 
-    def _refused(self, fn: FnState, key: str, user_key: str, result: Result, digest: bytes) -> Result | None:
+    def _refused(
+        self, fn: FnState, key: str, user_key: str, result: Result, digest: bytes, scope: str
+    ) -> Result | None:
         """What the key keeps for a call of a function with side effects whose answer came
         from other code and was refused (``version_check="refuse"``): it ran, so its effect
         happened. The ``VersionMismatch`` itself under the key, or, too large to keep, an
@@ -391,9 +411,19 @@ class KeyedCalls(Attempts):
             started=True,
         )
         unknown.version = result.version  # what a key keeps says the code that gave it
-        self._remember(_effect_key(name, user_key), unknown, digest)
+        self._remember(_effect_key(name, user_key, scope), unknown, digest)
         kept = self._remember(key, result, digest)
         return kept if kept is not None else self._remember(key, unknown, digest)
+
+    def _scope(self, tenant: str | None) -> str:
+        """What keeps the keys of a call's tenant apart from other tenants' in this client:
+        nothing for the client's own (``ClientConfig.tenant``), else the tenant after a NUL.
+        The Lambda handler scopes a key by its tenant; one key space here for every tenant
+        the calls named (``tenant=``) refused another tenant's call with the key as another
+        payload's, or answered it with the first tenant's execution, its effect not applied."""
+        if tenant is None or tenant == self.config.tenant:
+            return ""
+        return "\x00" + tenant
 
     @property
     def _cache_on(self) -> bool:

@@ -444,6 +444,30 @@ async def test_a_keyed_execution_started_while_the_client_closes_ends_with_it(tm
     assert again.ok
 
 
+async def test_an_idempotency_key_is_its_tenants_own():
+    """The Lambda handler scopes a key by its tenant (two training jobs that both say
+    "traj-7" share nothing), but the client kept one key space for every tenant its calls
+    named (``tenant=``): another tenant's call with the key was refused as another payload's,
+    or, with the same payload, answered from the first tenant's execution, its own side
+    effect never applied."""
+    c, fake = make()
+    assert (await c.call("effect", {"x": 1}, idempotency_key="traj-7")).value == 1
+    other = await c.call("effect", {"x": 2}, idempotency_key="traj-7", tenant="job-b")
+    assert other.ok and other.value == 2
+    same = await c.call("effect", {"x": 1}, idempotency_key="traj-8", tenant="job-b")
+    mine = await c.call("effect", {"x": 1}, idempotency_key="traj-8")
+    assert same.ok and mine.ok and not mine.cached  # each tenant's effect applied
+    assert len(fake.invocations) == 4
+    # the client's own tenant named is the same tenant: its key's kept answer
+    assert (await c.call("effect", {"x": 1}, idempotency_key="traj-7", tenant="default")).cached
+    # and what one tenant's key keeps after a run that may have had its effect is its own
+    fake.fail_next("effect", ErrorCode.WORKER_LOST)
+    assert not (await c.call("effect", {"x": 3}, idempotency_key="traj-9", tenant="job-b")).ok
+    assert (await c.call("effect", {"x": 3}, idempotency_key="traj-9")).ok
+    kept = await c.call("effect", {"x": 3}, idempotency_key="traj-9", tenant="job-b")
+    assert kept.error.type == ErrorCode.OUTCOME_UNKNOWN
+
+
 async def test_a_cached_answer_is_no_cold_start():
     """A call answered from its key's cache ran nowhere, but it carried the cold_start=True of
     the execution that made the answer (a caller that joined the execution got False)."""
