@@ -93,7 +93,9 @@ def classify(
         return CaseResult(
             status="TimeLimitExceeded", message=f"used its {limits.cpu_s:g} CPU seconds", **base
         )
-    if any(m in out.stderr for m in lang.oom_markers):
+    # only a run that did not exit cleanly died of it: one that caught a MemoryError (or
+    # perror'd a refused malloc) and answered another way is judged on what it printed
+    if out.exit_code != 0 and any(m in out.stderr for m in lang.oom_markers):
         msg = f"ran out of memory under the {limits.memory_mb} MB limit"
         return CaseResult(status="MemoryLimitExceeded", message=msg, **base)
     if out.signal is not None:

@@ -73,6 +73,33 @@ def test_each_verdict(verifier, code, status, message):
     assert result.pass_fraction == (1.0 if status == "Finished" else 0.0)
 
 
+@pytest.mark.parametrize(
+    "code",
+    [
+        # it caught the MemoryError of a first try and answered by another way: the text on
+        # its stderr is a memory verdict only for a run that did not exit cleanly (it was
+        # MemoryLimitExceeded, scored 0, with the right answer printed)
+        "try:\n    raise MemoryError\nexcept MemoryError:\n"
+        "    import traceback\n    traceback.print_exc()\nprint(3)",
+        "import sys\nprint('note: no MemoryError this time', file=sys.stderr)\nprint(3)",
+    ],
+)
+def test_a_clean_exit_is_judged_on_its_output_whatever_its_stderr_says(verifier, code):
+    result = verifier.verify(code, cases(("1 2", "3")))
+    assert result.status == "Finished", result.cases[0]
+
+
+@needs("gcc")
+def test_a_c_program_that_survives_a_failed_malloc_is_judged_on_its_output(verifier):
+    # perror of a refused allocation prints "Cannot allocate memory", C's out-of-memory text
+    code = (
+        "#include <stdio.h>\n#include <stdlib.h>\n"
+        'int main(void){ if (!malloc(1ul << 40)) perror("malloc"); puts("3"); return 0; }'
+    )
+    result = verifier.verify(code, cases(("", "3")), "c", limits=ROOMY)
+    assert result.status == "Finished", result.cases[0]
+
+
 def test_pass_fraction_and_the_worst_status_wins(verifier):
     code = "a, b = map(int, input().split())\nif a == 3:\n    while True: pass\nprint(a + b)"
     result = verifier.verify(code, cases(("1 2", "3"), ("2 2", "5"), ("3 1", "4"), ("5 5", "10")))
