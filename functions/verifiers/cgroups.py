@@ -124,6 +124,33 @@ class RunCgroups:
         return done
 
 
+# what each controller bounds for the run as a whole, and what is left of it without one
+_WITHOUT = {
+    "memory": (
+        "memory_mb bounds each process's address space (RLIMIT_AS), not the run: its processes "
+        "together, and what it keeps in its tmpfs or memfds, may hold more, and no OOM kill is seen"
+    ),
+    "cpuacct": (
+        "cpu_s bounds each process's CPU time (RLIMIT_CPU), not the run: its processes together may "
+        "spend more, up to the wall limit"
+    ),
+}
+
+
+def missing_note(paths: dict[str, str]) -> str | None:
+    """What a sandbox whose zygote made only ``paths`` does not bound, for a warning at its
+    start (None: it has every controller). Only ``Sandbox.cgroups`` said so before: a host
+    with cgroup v2 alone, the default of current distributions, ran every run that way."""
+    missing = [ctl for ctl in CONTROLLERS if ctl not in paths]
+    if not missing:
+        return None
+    return (
+        f"the code sandbox runs without the cgroup v1 controllers {', '.join(missing)} (none it "
+        "could make under its own cgroup: cgroup v2 alone, or a read-only /sys/fs/cgroup), so "
+        + "; ".join(_WITHOUT[ctl] for ctl in missing)
+    )
+
+
 def _remove_stale(parent: str) -> None:
     """Directories of zygotes that died without cleaning up (SIGKILL): remove the empty ones."""
     with contextlib.suppress(OSError):

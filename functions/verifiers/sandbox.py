@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import queue
 import socket
@@ -30,10 +31,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from functions.verifiers import _linux
-from functions.verifiers.cgroups import SlotCgroups
+from functions.verifiers.cgroups import SlotCgroups, missing_note
 from functions.verifiers.errors import SandboxError, SandboxUnavailable
 from functions.verifiers.program import SPARE_FDS
 from functions.verifiers.supervisor import Spare, supervise, supervise_pair
+
+log = logging.getLogger("functions.verifiers")
 
 
 class Limits(BaseModel):
@@ -112,6 +115,7 @@ class Sandbox:
         self._slots = SlotCgroups({})
         self.shared = ""
         self.cgroups: list[str] = []
+        self._warned = False  # that it runs without some of its cgroups
 
     # -- lifecycle -------------------------------------------------------------------
     def __enter__(self) -> Sandbox:
@@ -161,6 +165,10 @@ class Sandbox:
             self.shared = hello["shared"]
             paths = hello.get("cgroups") or {}
             self.cgroups = sorted(paths)
+            # once per sandbox, not per zygote restart; not where the config turned them off
+            if self.config.cgroups and not self._warned and (note := missing_note(paths)):
+                self._warned = True
+                log.warning("%s", note)
             self._slots = SlotCgroups(paths)
             self._chan = ours
             self._spares = queue.Queue()

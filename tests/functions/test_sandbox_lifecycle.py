@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import platform
 import shutil
@@ -370,3 +371,42 @@ def test_the_descriptors_of_spares_and_runs_are_close_on_exec():
         assert _inheritable_fds() - before == set()
     finally:
         box.close()
+
+
+def _zygote_without_cgroups(tmp_path: Path) -> str:
+    """An interpreter for the zygote that starts it in a mount namespace of its own with the
+    cgroup v1 hierarchies unmounted: a host where none can be made (cgroup v2 alone)."""
+    wrapper = tmp_path / "python-without-cgroups"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" != --inside ]; then exec unshare -m --propagation private "$0" --inside "$@"; fi\n'
+        "shift\n"
+        'awk \'{ for (i = 7; i < NF; i++) if ($i == "-" && $(i + 1) == "cgroup") print $5 }\' '
+        '/proc/self/mountinfo | while read -r d; do umount -l "$d"; done\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1)")
+def test_a_sandbox_without_its_cgroups_says_what_its_limits_no_longer_bound(tmp_path, caplog):
+    # where no cgroup could be made, cpu_s and memory_mb bound each process, not the run, and
+    # only an empty Sandbox.cgroups said so: a run's three children each spent most of a
+    # 1 s CPU limit, or each held most of a 128 MB one, and the run passed
+    caplog.set_level(logging.WARNING, logger="functions.verifiers")
+    with own_sandbox(python=_zygote_without_cgroups(tmp_path)) as box:
+        assert box.cgroups == []
+        assert py(box, "print(5)").stdout == b"5\n"
+    warned = [r.getMessage() for r in caplog.records if r.name == "functions.verifiers"]
+    assert len(warned) == 1, warned
+    assert "memory, cpuacct" in warned[0]
+    assert "memory_mb bounds each process" in warned[0] and "cpu_s bounds each process" in warned[0]
+
+
+def test_a_sandbox_with_its_cgroups_or_told_to_go_without_says_nothing(caplog):
+    caplog.set_level(logging.WARNING, logger="functions.verifiers")
+    for cgroups in (True, False):
+        with own_sandbox(cgroups=cgroups) as box:
+            assert py(box, "print(5)").stdout == b"5\n"
+    assert [r for r in caplog.records if r.name == "functions.verifiers"] == []
