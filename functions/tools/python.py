@@ -8,6 +8,7 @@ from typing import Any
 import fabric
 from functions.tools._args import holds_json_arguments, utf8
 from functions.verifiers.sandbox import Limits, RunOutcome
+from functions.verifiers.verdicts import kept_text
 from functions.verifiers.verify import MAX_CODE_BYTES, Verifier, default_verifier
 
 #: What the policy sees of a run's output, in characters.
@@ -79,9 +80,9 @@ def run_python(verifier: Verifier, code: str, stdin: str = "", limits: Limits = 
     )
     parts = []
     if out.stdout:
-        parts.append(_shown(out.stdout.decode("utf-8", errors="replace")))
+        parts.append(_shown(kept_text(out.stdout, out.stdout_total)))
     if out.stderr:
-        parts.append("[stderr]\n" + _shown(out.stderr.decode("utf-8", errors="replace"), tail=True))
+        parts.append("[stderr]\n" + _shown(kept_text(out.stderr, out.stderr_total), tail=True))
     if (ending := _ending(out, limits)) is not None:
         parts.append(f"[{ending}]")
     return "\n".join(parts) if parts else "[no output]"

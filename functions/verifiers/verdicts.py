@@ -8,6 +8,7 @@ each means are in ``functions.verifiers.verify``'s docstring.
 
 from __future__ import annotations
 
+import codecs
 import signal
 from typing import Literal
 
@@ -43,8 +44,17 @@ class CaseResult(BaseModel):
     cpu_ms: float = 0.0
 
 
-def _text(data: bytes, tail: bool = False) -> str:
-    text = data.decode("utf-8", errors="replace")
+def kept_text(kept: bytes, total: int) -> str:
+    """What a run wrote (``total`` bytes, of which the sandbox ``kept`` the first), as text.
+    Where the cap cut it, the cut may fall inside a character: that half is dropped, not
+    shown as U+FFFD (a program's own broken bytes still are)."""
+    if total > len(kept):  # an incremental decode, not final: an incomplete tail stays unread
+        return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(kept)
+    return kept.decode("utf-8", errors="replace")
+
+
+def _text(data: bytes, total: int, tail: bool = False) -> str:
+    text = kept_text(data, total)
     return text[-EXCERPT:] if tail else text[:EXCERPT]
 
 
@@ -67,8 +77,8 @@ def classify(
             out = out.model_copy(update={"stdout": body[: -len(marker)].rstrip(b"\n")})
     base = {
         "exit_code": out.exit_code,
-        "stdout": _text(out.stdout),
-        "stderr": _text(out.stderr, tail=True),
+        "stdout": _text(out.stdout, out.stdout_total),
+        "stderr": _text(out.stderr, out.stderr_total, tail=True),
         "wall_ms": round(out.wall_ms, 3),
         "cpu_ms": round(out.cpu_ms, 3),
     }
@@ -127,8 +137,8 @@ def classify_pair(pair: PairOutcome, lang: Language, limits: Limits) -> CaseResu
     verdict. ``cpu_ms`` is the program's; ``wall_ms`` the pair's."""
     program, tests = pair.program, pair.tests
     shown = {
-        "stdout": _text(program.stderr),
-        "stderr": _text(tests.stderr, tail=True),
+        "stdout": _text(program.stderr, program.stderr_total),
+        "stderr": _text(tests.stderr, tests.stderr_total, tail=True),
         "exit_code": tests.exit_code,
         "wall_ms": round(max(program.wall_ms, tests.wall_ms), 3),
         "cpu_ms": round(program.cpu_ms, 3),
@@ -138,7 +148,10 @@ def classify_pair(pair: PairOutcome, lang: Language, limits: Limits) -> CaseResu
         return CaseResult.model_validate({**shown, **extra, "status": status, "message": message})
 
     if program.status != "stopped":  # it ended first: its own verdict
-        own = {"stderr": _text(program.stderr, tail=True), "exit_code": program.exit_code}
+        own = {
+            "stderr": _text(program.stderr, program.stderr_total, tail=True),
+            "exit_code": program.exit_code,
+        }
         if program.status == "output_limit":
             if program.stdout_total > limits.channel_bytes:
                 why = f"sent its tests more than the {limits.channel_bytes}-byte channel cap"
@@ -157,7 +170,7 @@ def classify_pair(pair: PairOutcome, lang: Language, limits: Limits) -> CaseResu
     if tests.status != "exited":  # killed for a limit (the wall limit covers both runs) or a signal
         alone = classify(tests, lang, limits, None)
         return verdict(alone.status, alone.message)
-    lines = [ln for ln in _text(tests.stderr, tail=True).splitlines() if ln.strip()]
+    lines = [ln for ln in _text(tests.stderr, tests.stderr_total, tail=True).splitlines() if ln.strip()]
     last = lines[-1] if lines else ""
     where = ""  # a test the harness ran itself (the tests defined it, never called it)
     if last.startswith(rpc.IN_COLLECTED) and len(lines) > 1:

@@ -143,6 +143,15 @@ def test_non_utf8_output_is_judged_not_fatal(verifier):
     result.model_dump_json()  # and the result is valid JSON for the wire
 
 
+def test_output_cut_at_its_cap_does_not_end_in_a_broken_character(verifier):
+    # the sandbox keeps the first 64 KiB of stderr: the cap fell inside a 2-byte character,
+    # and the excerpt of its end showed the half as U+FFFD
+    code = "import sys\nsys.stderr.buffer.write(b'a' + '\u00e9'.encode() * 40_000)"
+    case = verifier.verify(code, cases(("", ""))).cases[0]
+    assert case.message == "wrote more than the stderr cap"
+    assert case.stderr.endswith("\u00e9" * 100), case.stderr[-20:]
+
+
 def test_each_case_is_a_fresh_process(verifier):
     code = "import os\nprint(os.path.exists('/sandbox/mark'))\nopen('/sandbox/mark', 'w').write('x')"
     result = verifier.verify(code, cases(("", "False"), ("", "False"), ("", "False")))

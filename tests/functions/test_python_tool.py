@@ -78,3 +78,19 @@ def test_the_tools_description_states_its_limits():
 def test_bad_inputs_say_what_to_fix(verifier, code, stdin, message):
     with pytest.raises(ValueError, match=message):
         run_python(verifier, code, stdin, limits=LIMITS)
+
+
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+def test_output_cut_at_its_cap_does_not_end_in_a_broken_character(verifier, stream):
+    # the sandbox keeps the first stdout_bytes (stderr_bytes) bytes: a cap inside a 2-byte
+    # character left half of it, shown as U+FFFD
+    cap = LIMITS.stdout_bytes if stream == "stdout" else LIMITS.stderr_bytes
+    code = f"import sys\nsys.{stream}.buffer.write(b'a' + '\u00e9'.encode() * {cap})"
+    out = run_python(verifier, code, limits=LIMITS)
+    assert "\ufffd" not in out, out[-200:]
+    assert "\u00e9" * 100 in out and out.endswith(f"limit {cap >> 10} KiB exceeded]")
+
+
+def test_a_program_that_writes_a_broken_character_itself_is_shown_so(verifier):
+    out = run_python(verifier, "import sys\nsys.stdout.buffer.write(b'ok \\xc3')", limits=LIMITS)
+    assert out == "ok \ufffd"
