@@ -176,7 +176,9 @@ def _brief(n: int) -> str:
 def _power(base: Any, exp: Any) -> Any:
     # bound the result before computing it: log2|base| * exp is its size in bits
     if isinstance(base, int) and isinstance(exp, int) and exp > 0 and abs(base) > 1:
-        if math.log2(abs(base)) * exp > MAX_INT_BITS:
+        # (an exponent past MAX_INT_BITS is too large already: |base| >= 2, and log2 * 10 ** 400
+        # would overflow a float, refused as a float's result)
+        if exp > MAX_INT_BITS or math.log2(abs(base)) * exp > MAX_INT_BITS:
             raise ValueError(f"{_brief(base)} ** {_brief(exp)} is too large (over {MAX_INT_BITS:,} bits)")
     try:
         return base**exp

@@ -73,6 +73,10 @@ def test_a_divisor_that_is_zero_is_still_a_division_by_zero(expression):
             r"^the result is too large for a float .*; use // for a quotient in whole numbers$",
         ),
         ("9 ** 9 ** 9", r"^9 \*\* 387420489 is too large \(over 10,000 bits\)$"),
+        # an exponent too large for a float to size the power with: the refusal named a float
+        # for a power of whole numbers
+        ("2 ** 10 ** 400", r"^2 \*\* \(a 401-digit number\) is too large \(over 10,000 bits\)$"),
+        ("-3 ** 10 ** 400", r"^3 \*\* \(a 401-digit number\) is too large \(over 10,000 bits\)$"),
     ],
 )
 def test_a_result_too_large_says_for_what(expression, message):
