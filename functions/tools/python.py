@@ -90,14 +90,17 @@ def run_python(verifier: Verifier, code: str, stdin: str = "", limits: Limits = 
 
 # what Python prints when it runs into a limit it can survive to report: the address-space
 # rlimit (MemoryError), the file size rlimit (Python ignores SIGXFSZ, so the write fails with
-# EFBIG) and the process/thread rlimit (fork's EAGAIN, a thread that cannot start)
+# EFBIG) and the process/thread rlimit (a thread that cannot start; fork's EAGAIN, told from
+# any other EAGAIN, a non-blocking read's, by the fork in its traceback: os.fork(),
+# subprocess's _fork_exec, multiprocessing's)
 _MEMORY_MARKS = (b"MemoryError",)
 _FSIZE_MARKS = (b"File too large",)
-_NPROC_MARKS = (
-    b"can't start new thread",
-    b"BlockingIOError: [Errno 11]",
-    b"Resource temporarily unavailable",
-)
+
+
+def _hit_nproc(stderr: bytes) -> bool:
+    if b"RuntimeError: can't start new thread" in stderr:
+        return True
+    return b"BlockingIOError: [Errno 11]" in stderr and b"fork" in stderr
 
 
 def _size(n: int) -> str:
@@ -138,6 +141,6 @@ def _ending(out: RunOutcome, limits: Limits) -> str | None:
         return f"{ended}: memory limit {limits.address_space_mb or limits.memory_mb} MB reached (MemoryError)"
     if any(m in out.stderr for m in _FSIZE_MARKS):
         return f"{ended}: file size limit {limits.fsize_mb} MB reached (File too large)"
-    if any(m in out.stderr for m in _NPROC_MARKS):
+    if _hit_nproc(out.stderr):
         return f"{ended}: process limit {limits.nproc} processes and threads reached"
     return ended

@@ -40,7 +40,19 @@ def verifier():
             "[t.start() for t in ts]",
             "[exit code 1: process limit 8 processes and threads reached]",
         ),
+        (
+            "import os\nfor _ in range(64):\n    if os.fork() == 0:\n        import time\n"
+            "        time.sleep(2)\n        os._exit(0)",
+            "[exit code 1: process limit 8 processes and threads reached]",
+        ),
+        (
+            "import subprocess\nps = [subprocess.Popen(['sleep', '2']) for _ in range(64)]",
+            "[exit code 1: process limit 8 processes and threads reached]",
+        ),
         # not a limit: what ended it, as before
+        # (EAGAIN from a read of an empty non-blocking pipe is no fork's: it was named the
+        # process limit)
+        ("import os\nr, w = os.pipe()\nos.set_blocking(r, False)\nos.read(r, 1)", "[exit code 1]"),
         ("import os\nos.kill(os.getpid(), 11)", "[killed by SIGSEGV]"),
         ("import sys\nprint(6 * 7)\nsys.exit(3)", "[exit code 3]"),
     ],
