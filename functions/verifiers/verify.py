@@ -12,7 +12,7 @@ Every case gets one status:
 
     Finished              ran and produced the expected output (or its asserts held)
     Failed                ran and produced something else (or an assertion failed)
-    TimeLimitExceeded     CPU or wall-clock limit
+    TimeLimitExceeded     CPU or wall-clock limit (or not run: past ``Verifier.budget_s``)
     MemoryLimitExceeded   the runtime ran out of memory under the address-space limit
     RuntimeError          crashed, exited non-zero, wrote past the output caps, did not compile,
                           or was too long to run (over ``MAX_CODE_BYTES``)
@@ -48,6 +48,9 @@ from functions.verifiers.verify_native import NativeAsserts
 
 MAX_CODE_BYTES = 256 * 1024
 MAX_CASES = 512
+#: How long one ``verify`` may take (``Verifier.budget_s``): under ``code_verify``'s 120 s
+#: timeout, which kills the worker, its zygote with it, and retries the call.
+BUDGET_S = 100.0
 #: The languages whose assert-style tests run in a sandbox of their own (``Sandbox.run_pair``).
 PAIRED = frozenset(("python", "javascript"))
 
@@ -201,14 +204,24 @@ class Verifier(NativeAsserts):
     """Runs submissions in a ``Sandbox``. Thread-safe; one per worker."""
 
     def __init__(
-        self, sandbox: Runner, limits: Limits | None = None, parallel: int = 4, tests_binaries: int = 128
+        self,
+        sandbox: Runner,
+        limits: Limits | None = None,
+        parallel: int = 4,
+        tests_binaries: int = 128,
+        budget_s: float = BUDGET_S,
     ) -> None:
         """``tests_binaries``: how many compiled C/C++ tests' binaries to keep (0: none).
         The tests' source is the test code and stubs rendered from the program's validated
         signature, with none of its text: in RL, every sample of a prompt that declares
-        the function alike gets the same source, and compiles it once."""
+        the function alike gets the same source, and compiles it once.
+
+        ``budget_s``: how long one ``verify`` may take, compile included: a stdin/stdout case
+        that could not end by then at its wall limit is not run, and judged
+        ``TimeLimitExceeded`` (each case's limits bound that case only)."""
         self.sandbox = sandbox
         self.limits = limits or Limits()
+        self.budget_s = budget_s
         self._cases = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="verify-case")
         self._tests_binaries = tests_binaries
         self._tests_cache: OrderedDict[bytes, dict[str, bytes]] = OrderedDict()
@@ -233,6 +246,12 @@ class Verifier(NativeAsserts):
             )
             return self._result(lang, None, [too_long] * len(tests.cases or [None]), t0)
         limits = limits or self.limits
+        if limits.wall_s > self.budget_s:
+            raise ValueError(
+                f"limits.wall_s {limits.wall_s:g} s is over the verifier's budget_s {self.budget_s:g} s: "
+                "no case could run"
+            )
+        deadline = t0 + self.budget_s
         if tests.test_code is not None and lang.name in PAIRED:
             case = self._pair_tests(lang, code, tests.test_code, tests.entry_point, limits)
             return self._result(lang, None, [case], t0)
@@ -260,7 +279,9 @@ class Verifier(NativeAsserts):
         # cases are independent runs: in parallel, as many at once as there are warm sandboxes
         results = list(
             self._cases.map(
-                lambda s, e: self._case(lang, files, s.encode(), e, limits, marker), stdins, expected_list
+                lambda s, e: self._case(lang, files, s.encode(), e, limits, marker, deadline),
+                stdins,
+                expected_list,
             )
         )
         return self._result(lang, compiled[0] if compiled else None, results, t0)
@@ -341,7 +362,15 @@ class Verifier(NativeAsserts):
         expected: str | None,
         limits: Limits,
         marker: str | None = None,
+        deadline: float = float("inf"),
     ) -> CaseResult:
+        if time.monotonic() + limits.wall_s > deadline:
+            budget = f"{self.budget_s:g} s budget"
+            return CaseResult(
+                status="TimeLimitExceeded",
+                message=f"not run: a {limits.wall_s:g} s case would end past the verification's {budget} "
+                "(the others used it)",
+            )
         run_limits, runtime = _runtime(lang, limits)
         argv = [*runtime, *lang.run_argv[1:]]
         last = None

@@ -112,6 +112,29 @@ def test_pass_fraction_and_the_worst_status_wins(verifier):
     )
 
 
+def test_cases_that_cannot_finish_within_the_budget_are_not_run_but_judged():
+    # each case had its own limits and nothing bounded them together: a program that sleeps,
+    # on 512 cases of 5 s, 4 at a time, took 640 s, and code_verify's 120 s timeout killed
+    # the worker (its zygote too) and retried the call, which timed out again
+    limits = Limits(cpu_s=1, wall_s=1, memory_mb=256)
+    with Sandbox(SandboxConfig(base_uid=324_000, spares=4)) as sb:
+        slow = Verifier(sb, limits, budget_s=2.0)
+        result = slow.verify("import time\ntime.sleep(10)", cases(*[("", "")] * 12))
+        fine = slow.verify("print(1)", cases(*[("", "1")] * 12))
+    # 3 rounds of 4 at 1 s each: the third cannot start by the budget's end
+    assert [c.status for c in result.cases] == ["TimeLimitExceeded"] * 12
+    skipped = [c for c in result.cases if c.message.startswith("not run")]
+    assert skipped and skipped[0].message == (
+        "not run: a 1 s case would end past the verification's 2 s budget (the others used it)"
+    )
+    assert (fine.status, fine.passed) == ("Finished", 12)
+
+
+def test_limits_past_the_budget_are_refused(verifier):
+    with pytest.raises(ValueError, match="wall_s 200 s is over the verifier's budget_s 100 s"):
+        verifier.verify("print(1)", cases(("", "1")), limits=LIMITS.model_copy(update={"wall_s": 200}))
+
+
 def test_a_program_is_compiled_with_its_own_future_flags(verifier):
     # the sandbox's `from __future__ import annotations` reached every Python program: its
     # annotations were strings (an honest program that read them failed)
