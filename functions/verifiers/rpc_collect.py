@@ -81,7 +81,11 @@ class Plan:
 def prepare(source: str, entry: str) -> tuple[types.CodeType, Plan]:
     """The text, compiled, and its plan. The common text (top-level asserts, no test function,
     no class) is compiled once, as before: its bytecode says so, with no AST pass."""
-    code = compile(source, entry, "exec", dont_inherit=True)  # not this module's __future__ flags
+    try:
+        code = compile(source, entry, "exec", dont_inherit=True)  # not this module's __future__ flags
+    except (SyntaxError, ValueError) as e:  # ValueError: a null byte, before Python 3.12
+        # the tests' own text: it fails whatever the program (a 0 would blame the program)
+        raise Unrunnable(f"the tests do not compile: {type(e).__name__}: {e}") from None
     if _plain_asserts(code):
         return code, Plan()
     tree = ast.parse(source, entry)

@@ -28,9 +28,8 @@ by this process's own ``int.__eq__``. The rule for the program's other objects (
   in the program's sandbox, and what comes back is data.
 
 Arguments go to the program by value (a list/dict/set/bytearray/deque the call mutated is
-updated in place here after the call); a function of the tests cannot be passed.
-
-Stdlib only, like everything the zygote imports.
+updated in place here after the call); a function of the tests cannot be passed. Stdlib
+only, like everything the zygote imports.
 """
 
 from __future__ import annotations
@@ -488,7 +487,6 @@ def run_tests(source: str, entry: str, fd_in: int, fd_out: int) -> int:
     sys.modules["__main__"] = main
     runs = watch_unittest()
     doctests = watch_doctest() if "doctest" in source else []
-    plan = None
     try:
         compiled, plan = rpc_collect.prepare(source, entry)
         namespace[rpc_collect.RAN] = plan.ran
@@ -496,6 +494,9 @@ def run_tests(source: str, entry: str, fd_in: int, fd_out: int) -> int:
         code = rpc.PASSED
     except rpc.ChannelError as e:
         return _channel_failed(e)
+    except rpc_collect.Unrunnable as e:  # (prepare's: the text does not compile) no program's fault
+        print(e, file=sys.stderr)
+        return rpc.TESTS_INVALID
     except SystemExit as e:  # the tests' own exit: trusted, like the rest of them
         # 0 or None is a pass (unittest.main() exits with False when it succeeded)
         if e.code is None or (type(e.code) in (int, bool) and not e.code):
@@ -514,7 +515,7 @@ def run_tests(source: str, entry: str, fd_in: int, fd_out: int) -> int:
         code = rpc.ASSERTION_FAILED if isinstance(e, AssertionError) else rpc.TESTS_RAISED
     if conn.broken is not None:  # swallowed by a bare except of the tests: still no pass
         return _channel_failed(conn.broken)
-    if code != rpc.PASSED or plan is None:
+    if code != rpc.PASSED:  # (a pass ran the text: prepare made its plan)
         return code
     if failed := run_failures(runs, doctests):
         print(failed, file=sys.stderr)

@@ -89,6 +89,22 @@ def test_a_test_that_takes_fixtures_cannot_judge_a_program(verifier):
     assert judge(verifier, ADD, "def test_add(n=3):\n    assert add(n, 2) == 5\n").status == "Finished"
 
 
+@pytest.mark.parametrize(
+    ("tests", "message"),
+    [
+        ("assert add(2, 3) ==\n", r"do not compile: SyntaxError: invalid syntax \(tests.py, line 1\)"),
+        ("assert add(2, 3) == 5\0\n", r"the tests do not compile: SyntaxError: source code .*null bytes"),
+    ],
+)
+def test_tests_that_do_not_compile_cannot_judge_a_program(verifier, tests, message):
+    # a syntax error of the tests scored every program 0 ("the tests stopped on
+    # SyntaxError"), as JavaScript's tests that do not compile never did
+    with pytest.raises(InvalidTests, match=message):
+        judge(verifier, ADD, tests)
+    # one the tests meet as they run (compiling a text of their own) is still theirs to judge
+    assert judge(verifier, ADD, "compile('x ==', 't', 'exec')\n").status == "RuntimeError"
+
+
 def test_an_error_in_an_uncalled_test_names_it(verifier):
     tests = "def test_add():\n    assert add(2, 3) == 5\n    int('x')\n"
     case = judge(verifier, ADD, tests)
