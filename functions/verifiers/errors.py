@@ -23,7 +23,8 @@ class SandboxUnavailable(SandboxError):
 
 
 class InvalidTests(ValueError):
-    """The caller's assert-style tests cannot judge any program: they ran nothing (only
-    definitions, a ``doctest.testmod()`` with no example, a unittest run with no test), a
-    test takes pytest fixtures, or ``check(candidate)`` has no entry point to check. A 0 or
-    a 1 would be a reward for the tests' fault; the message says what to fix."""
+    """The caller's assert-style tests cannot judge any program: they do not compile, they
+    ran nothing (only definitions, a ``doctest.testmod()`` with no example, a unittest run
+    with no test), a test takes pytest fixtures, or ``check(candidate)`` has no entry point
+    to check. A 0 or a 1 would be a reward for the tests' fault; the message says what to
+    fix."""

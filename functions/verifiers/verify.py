@@ -20,7 +20,7 @@ Every case gets one status:
 
 A case that hits a ``SandboxError`` is retried once on a fresh sandbox before it is reported.
 Python or JavaScript tests that cannot judge any program (they ran nothing, see
-``functions.verifiers.rpc_collect``; JavaScript's do not compile, or never used the
+``functions.verifiers.rpc_collect``; they do not compile; JavaScript's never used the
 program) get no status: ``verify`` raises ``InvalidTests``.
 """
 
