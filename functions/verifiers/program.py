@@ -31,6 +31,7 @@ Stdlib only, like everything the zygote imports.
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import fcntl
 import io
@@ -161,6 +162,8 @@ def _run_python(source: str, entry: str, marker_fd: int | None = None, role: str
     sys.stderr = io.TextIOWrapper(
         io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
     )
+    if role is None:
+        atexit._clear()  # the zygote's, inherited through the fork: not the program's to run
     code = 0
     try:
         if role == "test":
@@ -189,12 +192,29 @@ def _run_python(source: str, entry: str, marker_fd: int | None = None, role: str
         except BaseException:
             os.write(2, b"Traceback unavailable (out of memory?)\nMemoryError\n")
         code = 1
+    if role is None:
+        _finalize()
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
+            if not getattr(stream, "closed", False):  # (Python skips a closed one at exit too)
+                stream.flush()
         except BaseException:
             code = code or 1
     return code
+
+
+def _finalize() -> None:
+    """What Python does between the end of ``__main__`` and its exit: wait for the threads
+    that are not daemons, then run the ``atexit`` handlers. A run ended at once, which lost
+    the output of competitive programming's idiom for deep recursion (``main()`` in a
+    thread with a large stack, the main thread done as soon as it started it)."""
+    threading = sys.modules.get("threading")  # (not imported: no thread of its to wait for)
+    try:
+        if threading is not None:
+            threading._shutdown()  # type: ignore[attr-defined]
+    except BaseException:  # (a KeyboardInterrupt of its own making): the exit goes on
+        pass
+    atexit._run_exitfuncs()  # each handler's exception is printed, and the next one runs
 
 
 def _move_fds(fds: list[int]) -> None:

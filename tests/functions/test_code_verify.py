@@ -100,6 +100,40 @@ def test_a_c_program_that_survives_a_failed_malloc_is_judged_on_its_output(verif
     assert result.status == "Finished", result.cases[0]
 
 
+#: competitive programming's idiom for deep recursion: main() in a thread with a large stack,
+#: the main thread done at once; Python waits for the thread before it exits
+THREADED_MAIN = (
+    "import sys, threading\nsys.setrecursionlimit(1 << 20)\nthreading.stack_size(1 << 26)\n"
+    "def main():\n    n = int(input())\n    def depth(k):\n        return 0 if k == 0 else 1 + depth(k - 1)\n"
+    "    print(depth(n))\nthreading.Thread(target=main).start()"
+)
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        # the sandbox ended the run when the main thread's code did: no output, "wrong output"
+        (THREADED_MAIN, "100000"),
+        ("import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.2), print(3))).start()", "3"),
+        # nor did it run what the program registered for its exit
+        ("import atexit\natexit.register(print, 'bye')\nprint('hi')", "hi\nbye"),
+        ("import atexit, sys\natexit.register(print, 'bye')\nprint('hi')\nsys.exit(0)", "hi\nbye"),
+        # and a program that closed its stdout exited 1 (Python skips a closed stream at exit)
+        ("import sys\nprint(3)\nsys.stdout.close()", "3"),
+    ],
+)
+def test_a_program_ends_as_python_would_end_it(verifier, code, expected):
+    result = verifier.verify(code, cases(("100000", expected)))
+    assert result.status == "Finished", result.cases[0]
+
+
+def test_a_daemon_thread_is_not_waited_for(verifier):
+    code = "import threading, time\nthreading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+    code += "print(1)"
+    result = verifier.verify(code, cases(("", "1")))
+    assert result.status == "Finished", result.cases[0]
+
+
 def test_pass_fraction_and_the_worst_status_wins(verifier):
     code = "a, b = map(int, input().split())\nif a == 3:\n    while True: pass\nprint(a + b)"
     result = verifier.verify(code, cases(("1 2", "3"), ("2 2", "5"), ("3 1", "4"), ("5 5", "10")))
