@@ -43,6 +43,7 @@ import signal
 import socket
 import sys
 import traceback
+import types
 from typing import Any
 
 from functions.verifiers import _linux as lx
@@ -170,7 +171,12 @@ def _run_python(source: str, entry: str, marker_fd: int | None = None, role: str
             code = rpc_harness.run_tests(source, entry, 3, channel)
         else:
             compiled = compile(source, entry, "exec", dont_inherit=True)  # its own __future__ flags
-            namespace = {"__name__": "__main__", "__builtins__": builtins, "__file__": os.path.abspath(entry)}
+            # a real __main__ module, as Python's: pickle, doctest, typing's string annotations
+            # find the program's names through sys.modules (the sandbox's own module, before)
+            main = types.ModuleType("__main__")
+            namespace = main.__dict__
+            namespace.update(__builtins__=builtins, __file__=os.path.abspath(entry))
+            sys.modules["__main__"] = main
             exec(compiled, namespace)
             if role == "serve":
                 sys.stdout.flush()  # what the top-level code printed comes first

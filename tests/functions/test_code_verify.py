@@ -127,6 +127,31 @@ def test_a_program_ends_as_python_would_end_it(verifier, code, expected):
     assert result.status == "Finished", result.cases[0]
 
 
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        # the program ran in a bare dict: sys.modules["__main__"] was the sandbox's own module,
+        # so what finds a program's names through it did not (pickle: "attribute lookup P on
+        # __main__ failed"; typing's string annotations: NameError; doctest: no example)
+        ("import pickle\nclass P:\n    x = 3\nprint(pickle.loads(pickle.dumps(P())).x)", "3"),
+        ("import sys\nanswer = 42\nprint(sys.modules['__main__'].answer)", "42"),
+        (
+            "from __future__ import annotations\nimport typing\nclass A:\n    b: B\nclass B:\n    pass\n"
+            "print(typing.get_type_hints(A)['b'] is B)",
+            "True",
+        ),
+        (
+            'import doctest\ndef f():\n    """\n    >>> f()\n    1\n    """\n    return 1\n'
+            "print(doctest.testmod())",
+            "TestResults(failed=0, attempted=1)",
+        ),
+    ],
+)
+def test_the_program_is_the_main_module(verifier, code, expected):
+    result = verifier.verify(code, cases(("", expected)))
+    assert result.status == "Finished", result.cases[0]
+
+
 def test_a_daemon_thread_is_not_waited_for(verifier):
     code = "import threading, time\nthreading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
     code += "print(1)"
