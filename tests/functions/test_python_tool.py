@@ -35,8 +35,9 @@ def verifier():
             "[exit code 1: file size limit 1 MB reached (File too large)]",
         ),
         (
+            # daemons: the run waits for the others to end, as Python does
             "import threading, time\n"
-            "ts = [threading.Thread(target=time.sleep, args=(2,)) for _ in range(64)]\n"
+            "ts = [threading.Thread(target=time.sleep, args=(2,), daemon=True) for _ in range(64)]\n"
             "[t.start() for t in ts]",
             "[exit code 1: process limit 8 processes and threads reached]",
         ),

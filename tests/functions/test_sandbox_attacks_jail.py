@@ -138,9 +138,11 @@ SURVIVORS = {
         "        time.sleep(60)\n"
         "    os._exit(0)\n"
     ),
+    # a daemon thread: Python waits for a thread that is not one before it exits (the
+    # program has not ended while it runs), and so does the runner
     "thread_and_exec_of_sleep": (
         "import os, threading, time\n"
-        "threading.Thread(target=time.sleep, args=(60,), daemon=False).start()\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
         "os.posix_spawn('/bin/sleep', ['sleep', '60'], {})\n"
     ),
     "stopped_child": (
