@@ -46,7 +46,7 @@ def extract_code(text: str, language: str | None = None) -> str:
     fence scanned to the end each time, quadratic in a run of unclosed fences).
     """
     wanted = _language_of(language) if language else None
-    last = tagged = None
+    last = tagged = None  # (where its fence is, where its body starts and ends)
     at = text.find("```")
     while at >= 0:
         newline = text.find("\n", at + 3)
@@ -55,14 +55,26 @@ def extract_code(text: str, language: str | None = None) -> str:
         close = text.find("```", newline + 1)
         if close < 0:
             break
-        last = text[newline + 1 : close]
+        last = (at, newline + 1, close)
         tag = text[at + 3 : newline].strip().lstrip("`").split(maxsplit=1)
         if wanted is not None and tag and _language_of(tag[0]) == wanted:
             tagged = last
         at = text.find("```", close + 3)
-    if tagged is not None:
-        return tagged
-    return text if last is None else last
+    block = tagged or last
+    return text if block is None else _body(text, *block)
+
+
+def _body(text: str, fence: int, start: int, end: int) -> str:
+    """A block's text, less the indentation of its fence on each line (up to that many
+    spaces), as Markdown reads it: a block inside a list item is indented with the item,
+    and its program kept that indentation (an IndentationError). Looked up for the block
+    taken only: for every fence, a run of them with no newline was quadratic."""
+    line = text.rfind("\n", 0, fence) + 1
+    indent = fence - line if text[line:fence].strip(" ") == "" else 0
+    body = text[start:end]
+    if not indent:
+        return body
+    return "\n".join(row[min(indent, len(row) - len(row.lstrip(" "))) :] for row in body.split("\n"))
 
 
 @fabric.reward(

@@ -348,6 +348,31 @@ def test_extract_code_prefers_the_last_block_in_the_requested_language(text, lan
     assert extract_code(text, language) == expected
 
 
+INDENTED = (
+    f"Steps:\n1. Read n:\n   {FENCE}python\n   n = int(input())\n   if n:\n       print(n)\n\n   {FENCE}\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # a block inside a list item is indented with the item: its lines kept the indentation
+        # and the program was an IndentationError. Markdown takes the fence's off each line
+        (INDENTED, "n = int(input())\nif n:\n    print(n)\n\n"),
+        (
+            f"1. x:\n    {FENCE}py\n    n = 1\n    if n:\n        print(n)\n    {FENCE}",
+            "n = 1\nif n:\n    print(n)\n",
+        ),
+        # up to the fence's indentation: a line indented less loses what it has
+        (f"  {FENCE}python\n  a = 1\n b = 2\n    c = 3\n  {FENCE}", "a = 1\nb = 2\n  c = 3\n"),
+        # a fence after text on its line is not indented
+        (f"see {FENCE}python\n  x = 1\n{FENCE}", "  x = 1\n"),
+    ],
+)
+def test_extract_code_takes_off_the_indentation_of_its_fence(text, expected):
+    assert extract_code(text, "python") == expected
+
+
 def test_code_verify_runs_the_program_not_the_output_shown_after_it():
     class Recorder:
         def verify(self, code, tests, language):
