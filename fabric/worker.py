@@ -178,8 +178,20 @@ class _Serve(asyncio.Protocol):
             return
         self.tasks.pop(cid, None)
         self.pending.pop(cid, None)
-        self._reply(
-            (cid, False, (ErrorCode.CANCELLED, "cancelled by the caller before it started", None), start, 0.0)
+        self._reply((cid, False, self._cancelled(began=False), start, 0.0))
+
+    def _cancelled(self, *, began: bool) -> tuple[str, str, None]:
+        """The answer to a call whose task was cancelled: by its caller (a ("cancel")), or by
+        this worker's end (told to stop, or its parent's socket closed: ``asyncio.run`` then
+        cancels what still runs). The latter is the backend closing under the call, not a
+        caller that gave up on it: it must not read as ``Cancelled``."""
+        if self.done.done():
+            what = "while the call ran; it was cancelled" if began else "before the call started"
+            return (ErrorCode.BACKEND_CLOSED, f"backend closed {what}", None)
+        return (
+            ErrorCode.CANCELLED,
+            "cancelled by the caller" if began else "cancelled by the caller before it started",
+            None,
         )
 
     async def _run_sync(self) -> None:
@@ -230,7 +242,7 @@ class _Serve(asyncio.Protocol):
         try:
             ok, res = await self.runner.run_async(raw, timeout_s, keep)
         except asyncio.CancelledError:
-            ok, res = False, (ErrorCode.CANCELLED, "cancelled by the caller", None)
+            ok, res = False, self._cancelled(began=True)
         except Exception as e:  # a bug of ours, not the function's (its raises are outcomes)
             # answered, or the parent would hold the call until it killed this worker for the
             # function's timeout, losing its other calls. The worker's other calls run on, so

@@ -219,3 +219,17 @@ async def test_a_worker_whose_start_failed_is_reaped_when_its_death_comes_after_
             await c.warmup(["bad_setup"])
         await _until(lambda: LIVE_PIDS <= before or bool(errors), "the failed worker to be reaped")
     assert not errors, [str(e.get("exception") or e.get("message")) for e in errors]
+
+
+async def test_an_async_call_in_flight_at_close_is_answered_backend_closed():
+    """The worker cancels its async handlers when told to stop; it answered that as the
+    caller's cancellation (``Cancelled: cancelled by the caller``), and the pool passed it
+    on. The caller cancelled nothing: the backend closed under the call."""
+    c = local(max_workers=1)
+    await c.__aenter__()
+    await c.warmup(["async_sleepy"])
+    task = asyncio.create_task(c.call("async_sleepy", {"seconds": 5}))
+    await _until(lambda: c.backend.stats()["async_sleepy"]["inflight"] == 1, "the call to be sent")
+    await c.aclose()
+    r = await asyncio.wait_for(task, 5)
+    assert not r.ok and r.error.type == ErrorCode.BACKEND_CLOSED, r.error
