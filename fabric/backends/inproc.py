@@ -9,6 +9,12 @@ exit, as it did on ``asyncio.to_thread``'s executor (both wait for its threads).
 A keyed execution's call (``Invocation.wait_for_run``) follows its deadline as the local
 pool's does: an async handler is cancelled there, a synchronous one runs on, and the deadline
 moves later (``extend_deadline``) when a caller with a later one joins the execution.
+
+A close answers the calls under way ``BackendClosed``, as the local backend's does: an async
+handler is cancelled (its clean-up waited for up to ``_CLOSE_GRACE_S``; one that swallows the
+cancellation runs on, and its call is answered when it ends), a synchronous call still
+waiting for a thread never runs, and one that runs cannot be interrupted: its call is
+answered at once, its thread runs it to its end (nothing waits for it), its result discarded.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from fabric.registry import Registry
 from fabric.runner import FunctionRunner, outcome_to_result
 
 _QUEUED, _RUNNING, _DROPPED = range(3)  # a _ThreadJob's states
+# how long a close waits for the async handlers it cancelled to unwind: the local pool's
+# grace for its workers to stop (STOP_GRACE_S), after which it kills them
+_CLOSE_GRACE_S = 1.0
 
 
 class _ThreadJob:
@@ -163,8 +172,18 @@ class InprocBackend(Backend):
         """The keyed executions' calls under way, by idempotency key (an attempt and its hedge)."""
         self._on_threads: dict[asyncio.Future[Result], _ThreadJob] = {}
         """The calls a thread has or may still take, by their ``submit`` future (``settled``)."""
+        self._tasks: set[asyncio.Task[Result]] = set()
+        """The calls under way, which a close cancels (see the module docstring)."""
 
     async def _close(self) -> None:
+        # a task that has not run yet would end cancelled without entering _run, which
+        # answers the cancellation: one loop turn starts those submitted before the close
+        await asyncio.sleep(0)
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=_CLOSE_GRACE_S)
         self._threads.shutdown()
 
     def _runner(self, name: str) -> FunctionRunner:
@@ -187,7 +206,7 @@ class InprocBackend(Backend):
     def _submit(self, inv: Invocation) -> asyncio.Future[Result]:
         key = inv.idempotency_key
         if not inv.wait_for_run or key is None:
-            return asyncio.ensure_future(self._invoke(inv))
+            return self._track_task(asyncio.ensure_future(self._run(inv, None)))
         # registered before its task first runs: a deadline moved meanwhile is the one it starts with
         call = _KeyedCall(inv.deadline)
         calls = self._keyed.setdefault(key, set())
@@ -200,6 +219,11 @@ class InprocBackend(Backend):
 
         task = asyncio.ensure_future(self._run(inv, call))
         task.add_done_callback(forget)
+        return self._track_task(task)
+
+    def _track_task(self, task: asyncio.Task[Result]) -> asyncio.Task[Result]:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         return task
 
     def extend_deadline(self, function: str, idempotency_key: str, deadline: float | None) -> bool:
@@ -279,6 +303,22 @@ class InprocBackend(Backend):
             # a synchronous call waits for a free thread first (every one held by calls given
             # up on that run on): one that never got one never began, and now never will
             began = cut = job is None or not job.drop()
+        except asyncio.CancelledError:
+            if not self._closed:
+                raise  # its caller's: a hedge that lost, a caller that gave up
+            # the close's (_close): the call is answered, not cancelled under its caller
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
+            if job is None:
+                what = "while the call ran; it was cancelled"
+            elif job.drop():
+                what = "while the call waited for a thread (it did not start)"
+                began = False
+            else:
+                what = "while the call ran; its thread runs on, its result discarded"
+            ok, out = False, (ErrorCode.BACKEND_CLOSED, f"backend closed {what}", None)
+            cut = began
         finally:
             if keyed is not None:
                 keyed.timer = None  # left: a later move has nothing to move (and would raise)

@@ -161,3 +161,54 @@ async def test_a_reward_of_array_library_values_is_answered_with_their_values(li
         r = await backend.invoke(Invocation(function="numpy_score", payload=payload))
     assert r.ok, r.error
     assert r.value == {"score": 0.5, "tokens": 3, "per_token": [0.25, 0.75]}
+
+
+async def test_a_close_answers_the_calls_in_flight_backend_closed():
+    """The close left the calls under way running: an async call went on to its end after the
+    client's ``async with`` had exited (its answer, 5 s later, an ordinary result of a closed
+    backend). As the local backend does, the close cancels an async handler and answers its
+    call ``BackendClosed``; a synchronous one cannot be stopped in its thread: its call is
+    answered at once, the thread runs on, and one still queued for a thread never runs."""
+    from fabric.client import Client
+
+    reg = Registry()
+    entered, release = threading.Event(), threading.Event()
+    cancelled: list[bool] = []
+
+    @reg.function(name="napping", warm=0, timeout_s=60)
+    async def napping() -> bool:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+        return True
+
+    @reg.function(name="held", warm=0, timeout_s=60, max_concurrency=1)  # one thread
+    def held() -> bool:
+        entered.set()
+        release.wait(30)
+        return True
+
+    try:
+        async with Client(backend="inproc", registry=reg) as c:
+            nap = asyncio.create_task(c.call("napping"))
+            running = asyncio.create_task(c.call("held"))
+            for _ in range(3000):  # until its thread runs it (bounded: 30 s)
+                if entered.is_set():
+                    break
+                await asyncio.sleep(0.01)
+            assert entered.is_set(), "the handler never started"
+            waiting = c.backend.submit(Invocation(function="held", payload={}))
+            await asyncio.sleep(0.05)
+        # bounded waits, in case the calls run on (a hang, not a speed, is what fails here)
+        done, _ = await asyncio.wait([nap, running, waiting], timeout=10)
+        assert len(done) == 3, "the calls in flight ran on past the close"
+        assert cancelled == [True]  # the async handler saw its cancellation
+        assert not release.is_set()  # the thread still runs its call
+        for t, started in ((nap, True), (running, True), (waiting, False)):
+            r = t.result()
+            assert r.error is not None and r.error.type == ErrorCode.BACKEND_CLOSED, r.error
+            assert r.started is started, r
+    finally:
+        release.set()
