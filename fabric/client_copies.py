@@ -224,7 +224,7 @@ class Copies:
             h.add_done_callback(done)
 
         primary.add_done_callback(done)
-        fn.hedge_clock.at(loop.time() + delay_s, fire)
+        due = fn.hedge_clock.at(loop.time() + delay_s, fire)
         try:
             if wait_s is None:
                 result = await winner
@@ -244,6 +244,9 @@ class Copies:
                 if began is not None and began != result.started:
                     result = result.model_copy(update={"started": began})
         finally:
+            # over: the hedge not sent yet never will be, and its timer, due at the p95 delay
+            # (minutes for a slow function), must not hold the call until then
+            due.cancel()
             if not winner.done():
                 winner.cancel()  # over: the copies cancelled next answer nothing (done() above)
             for f in futs:

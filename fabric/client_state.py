@@ -61,6 +61,19 @@ class StopWhenSet(stop_base):
         return self.hit
 
 
+class _Due:
+    """A hedge waiting in a ``HedgeClock``'s FIFO; ``cancel`` lets its callback go (its entry,
+    this empty shell, stays until its time)."""
+
+    __slots__ = ("callback",)
+
+    def __init__(self, callback: Callable[[], None]):
+        self.callback: Callable[[], None] | None = callback
+
+    def cancel(self) -> None:
+        self.callback = None
+
+
 class HedgeClock:
     """When to hedge, for one function: a FIFO of (time, callback) under one timer.
 
@@ -68,30 +81,37 @@ class HedgeClock:
     arrive in order and one timer for the head replaces a heap entry per call (the hot path).
     When the p95 drops, a new call's time comes before the times of calls made earlier with
     the longer delay: it gets a timer of its own (the loop's heap), instead of waiting behind
-    them in the FIFO and hedging late. A call that finished meanwhile makes its callback a
-    no-op."""
+    them in the FIFO and hedging late. A call that finishes first cancels its hedge (the
+    handle ``at`` returns): its callback, which holds the call (its invocation, payload and
+    encoded bytes included, and its answer), is let go at once, not when its time comes."""
 
     __slots__ = ("_loop", "_q", "_timer")
 
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._q: deque[tuple[float, Callable[[], None]]] = deque()  # in time order
+        self._q: deque[tuple[float, _Due]] = deque()  # in time order
         self._timer: asyncio.TimerHandle | None = None
 
-    def at(self, when: float, callback: Callable[[], None]) -> None:
+    def at(self, when: float, callback: Callable[[], None]) -> _Due | asyncio.TimerHandle:
+        """Call ``callback`` at ``when`` (the loop's clock), unless the handle returned is
+        cancelled first."""
         if self._q and when < self._q[-1][0]:
-            self._loop.call_at(when, callback)  # due before the FIFO's last: out of its order
-            return
-        self._q.append((when, callback))
+            # due before the FIFO's last: out of its order (a cancelled handle drops its callback)
+            return self._loop.call_at(when, callback)
+        due = _Due(callback)
+        self._q.append((when, due))
         if self._timer is None:
             self._timer = self._loop.call_at(when, self._fire)
+        return due
 
     def _fire(self) -> None:
         self._timer = None
         q = self._q
         now = self._loop.time()
         while q and q[0][0] <= now:
-            q.popleft()[1]()
+            callback = q.popleft()[1].callback
+            if callback is not None:
+                callback()
         if q:
             self._timer = self._loop.call_at(q[0][0], self._fire)
 

@@ -287,3 +287,27 @@ async def test_a_hedged_call_abandoned_at_its_deadline_is_marked_hedged():
         r = await call
     assert r.error.type == ErrorCode.DEADLINE_EXCEEDED and r.hedged
     assert c.metrics()["nap"]["hedges"] == 1
+
+
+async def test_a_call_that_ended_leaves_nothing_of_it_to_its_hedge_timer():
+    """A call's hedge waited in the function's hedge clock until the p95 delay passed, the
+    call long over: it held the call's invocation (payload and encoded bytes) and answer, so
+    a slow function's calls (a p95 of minutes) kept every payload of that long alive."""
+    import gc
+    import weakref
+
+    c, fake = make(hedge={"min_samples": 5, "min_delay_ms": 600_000})  # due in 10 minutes
+    async with c:
+        await _warm_latency(c, 5)
+        r = await c.call("nap", {"seconds": 0, "tag": 1})
+        assert r.ok and not r.hedged
+        inv = weakref.ref(fake.invocations[-1])
+        fake.invocations.clear()  # the fake's record of what it was sent
+        # and its out-of-order path (the loop's timer heap): a call due before the FIFO's last
+        c.config.hedge.min_delay_ms = 300_000
+        assert (await c.call("nap", {"seconds": 0, "tag": 2})).ok
+        early = weakref.ref(fake.invocations[-1])
+        fake.invocations.clear()
+        gc.collect()
+        assert inv() is None, "the hedge timer holds the finished call's invocation"
+        assert early() is None, "the loop's timer holds the finished call's invocation"
