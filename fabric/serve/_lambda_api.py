@@ -20,7 +20,8 @@ The caller's tenant comes from its token, never from the body. Errors are Lambda
 ``InvalidRequestContentException``/``InvalidParameterValueException``, 401/403 (missing or
 wrong token; 403 ``AccessDeniedException`` for a tenant with ``invoke: false``), 404
 ``ResourceNotFoundException``, 413 ``RequestTooLargeException``, 429
-``TooManyRequestsException``, with the code in ``x-amzn-ErrorType`` where botocore looks.
+``TooManyRequestsException``, 500 ``ServiceException`` (``"Type": "Service"``), with the code
+in ``x-amzn-ErrorType`` where botocore looks.
 ``GET /healthz`` needs no token and says only ``ok``; ``GET /metrics`` (Prometheus) needs one
 and shows a tenant only its own tenant-labelled series (``metrics: all``: every tenant's).
 """
@@ -68,8 +69,10 @@ class Reply(Exception):
 
 
 def error_response(status: int, code: str, message: str, request_id: str) -> web.Response:
-    # botocore's rest-json parser reads the code from x-amzn-ErrorType, the text from "message"
-    body = json.dumps({"__type": code, "Type": "User", "message": message})
+    # botocore's rest-json parser reads the code from x-amzn-ErrorType, the text from "message";
+    # "Type" is Lambda's fault side: "Service" on its 5xx (ServiceException), "User" otherwise
+    kind = "Service" if status >= 500 else "User"
+    body = json.dumps({"__type": code, "Type": kind, "message": message})
     return web.Response(
         status=status,
         body=body.encode(),
