@@ -4,7 +4,8 @@ function, carries its token and body, and how answers and errors look.
 ``POST /2015-03-31/functions/{name}/invocations`` is what boto3's ``lambda.invoke`` sends,
 so the Lambda backend (and the AWS CLI, and any Lambda SDK) talks to this server or to AWS
 with the same code. The function name may carry a qualifier (``name:live``, an ARN, or
-``?Qualifier=``); ``$LATEST``, ``live`` and the function's version hash are served.
+``?Qualifier=``, not both unless they agree); ``$LATEST``, ``live`` and the function's
+version hash are served.
 
 Two body shapes, told apart by the body itself:
 
@@ -86,23 +87,30 @@ def split_name(name: str, query_qualifier: str | None) -> tuple[str, str | None]
     the partial ARN ``account:function:name[:q]``: the forms Lambda's Invoke accepts.
 
     ``name`` as aiohttp's route hands it over, percent-decoded already (botocore's ``%3A``
-    is a colon): decoded again, ``%2561dd`` was ``add``."""
-    qualifier = query_qualifier
+    is a colon): decoded again, ``%2561dd`` was ``add``. A qualifier in the name and another
+    in ``?Qualifier=`` is Lambda's 400 (the query's alone was taken: ``add:v9?Qualifier=live``
+    ran); an empty ``?Qualifier=`` is none, as Lambda's pattern for it allows."""
+    in_name: str | None = None
     parts = name.split(":")
     if name.startswith("arn:"):
         if len(parts) not in (7, 8) or parts[5] != "function":
             raise Reply(400, "InvalidParameterValueException", f"not a Lambda function ARN: {name!r}")
         name = parts[6]
         if len(parts) == 8:
-            qualifier = qualifier or parts[7]
+            in_name = parts[7]
     elif len(parts) in (3, 4) and parts[1] == "function":
         name = parts[2]
         if len(parts) == 4:
-            qualifier = qualifier or parts[3]
+            in_name = parts[3]
     elif ":" in name:
-        name, _, q = name.partition(":")
-        qualifier = qualifier or q
-    return name, qualifier
+        name, _, in_name = name.partition(":")
+    if query_qualifier and in_name and query_qualifier != in_name:
+        raise Reply(
+            400,
+            "InvalidParameterValueException",
+            "The derived qualifier from the function name does not match the specified qualifier.",
+        )
+    return name, query_qualifier or in_name
 
 
 def tenant_of(request: web.Request, tokens: dict[bytes, str]) -> str:

@@ -7,6 +7,7 @@ client against a real server on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import boto3
@@ -65,3 +66,24 @@ async def test_a_fault_inside_the_server_is_a_service_error_not_a_user_one():
     assert e.value.response["Error"]["Code"] == "ServiceException"
     assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] == 500
     assert raw.json()["Type"] == "Service"
+
+
+@pytest.mark.parametrize("name,qualifier", [("add:live", "$LATEST"), ("add:v9", "live"), ("add:live", "v9")])
+async def test_a_name_qualifier_at_odds_with_qualifier_is_400(gw, name, qualifier):
+    """Lambda: 400 InvalidParameterValueException. The server took ``?Qualifier=`` and
+    dropped the name's: ``add:v9`` with ``Qualifier=live`` ran, ``add:live`` with ``v9`` was 404."""
+    client = _lambda(gw)
+    with pytest.raises(ClientError) as e:
+        await _invoke(client, FunctionName=name, Qualifier=qualifier, Payload=b'{"a": 1}')
+    assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] == 400
+    assert e.value.response["Error"]["Code"] == "InvalidParameterValueException"
+    assert "does not match" in e.value.response["Error"]["Message"]
+
+
+async def test_the_same_qualifier_in_both_places_and_an_empty_one_are_served(gw):
+    client = _lambda(gw)
+    resp = await _invoke(client, FunctionName="add:live", Qualifier="live", Payload=b'{"a": 4}')
+    assert json.loads(resp["Payload"].read()) == 4
+    async with httpx.AsyncClient(base_url=gw.url) as http:  # boto3 sends no empty Qualifier
+        r = await http.post(PATH.format("add") + "?Qualifier=", json={"a": 3}, headers=auth())
+    assert r.status_code == 200 and r.json() == 3 and r.headers["X-Amz-Executed-Version"] == "$LATEST"
