@@ -5,7 +5,10 @@ function, carries its token and body, and how answers and errors look.
 so the Lambda backend (and the AWS CLI, and any Lambda SDK) talks to this server or to AWS
 with the same code. The function name may carry a qualifier (``name:live``, an ARN, or
 ``?Qualifier=``, not both unless they agree); ``$LATEST``, ``live`` and the function's
-version hash are served.
+version hash are served, and ``X-Amz-Executed-Version`` answers ``$LATEST`` or the hash, as
+Lambda answers the version an alias points to. ``X-Amz-Log-Type: Tail`` (boto3's
+``LogType='Tail'``) answers ``X-Amz-Log-Result``: the invocation's START/END/REPORT lines
+(``log_tail``).
 
 Two body shapes, told apart by the body itself:
 
@@ -30,6 +33,7 @@ and shows a tenant only its own tenant-labelled series (``metrics: all``: every 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import logging
@@ -51,6 +55,8 @@ INVOCATION_TYPES = ("RequestResponse", "Event", "DryRun")
 JSON = "application/json"
 #: The status a request whose client hung up before its answer is counted under (nginx's).
 CLIENT_CLOSED = 499
+#: Lambda's ``LogResult`` is the last 4 KB of the invocation's log.
+_LOG_TAIL_BYTES = 4096
 #: An envelope's ``deadline`` is wall-clock seconds; past this it is not a deadline anyone
 #: meant (the year 33658), and the pool's arithmetic on it would overflow.
 _MAX_DEADLINE = 1e12
@@ -261,9 +267,33 @@ def parse_invocation(body: bytes, function: str, tenant: str, request_id: str) -
     return inv, False
 
 
-def result_response(result: Result, envelope: bool, request_id: str) -> web.Response:
-    """The answer to a call that ran: the fabric ``Result`` (envelope) or Lambda's shape (raw)."""
-    headers = {"x-amzn-RequestId": request_id, "X-Amz-Executed-Version": "$LATEST"}
+def log_tail(result: Result, request_id: str, version: str) -> str:
+    """``X-Amz-Log-Result`` (``LogType='Tail'``): the invocation's log as Lambda writes it
+    (START, the runtime's ``[ERROR]`` line and traceback for a failure, END, REPORT), its last
+    4 KB, base64. Only what the server knows of the call: a function's own prints are not in
+    it, since a worker does not capture them per call (they go to the server's stderr)."""
+    lines = [f"START RequestId: {request_id} Version: {version}"]
+    if result.error is not None:
+        lines.append(f"[ERROR] {result.error.type}: {result.error.message}")
+        lines.extend((result.error.traceback or "").splitlines())
+    lines.append(f"END RequestId: {request_id}")
+    lines.append(f"REPORT RequestId: {request_id}\tDuration: {result.timings.exec_ms:.2f} ms")
+    # a handler's message may hold a lone surrogate ("\ud800"): escaped, not a 500
+    data = ("\n".join(lines) + "\n").encode("utf-8", "backslashreplace")[-_LOG_TAIL_BYTES:]
+    # cut inside a character: its leftover bytes dropped, so the log decodes as UTF-8
+    data = data.decode("utf-8", "ignore").encode()
+    return base64.b64encode(data).decode("ascii")
+
+
+def result_response(
+    result: Result, envelope: bool, request_id: str, *, version: str = "$LATEST", tail: bool = False
+) -> web.Response:
+    """The answer to a call that ran: the fabric ``Result`` (envelope) or Lambda's shape (raw).
+    ``version``: what Lambda's ``X-Amz-Executed-Version`` says (``$LATEST``, or the version an
+    alias or a version qualifier named); ``tail``: ``LogType='Tail'`` was asked for."""
+    headers = {"x-amzn-RequestId": request_id, "X-Amz-Executed-Version": version}
+    if tail:
+        headers["X-Amz-Log-Result"] = log_tail(result, request_id, version)
     if envelope:
         return web.Response(body=result.model_dump_json().encode(), content_type=JSON, headers=headers)
     if result.ok:

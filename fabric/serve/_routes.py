@@ -233,7 +233,10 @@ class GatewayRoutes(GatewayCalls):
                             "the server stopped (shutting down) before this call's turn in the pool "
                             "came: it did not run; retry with backoff",
                         ) from None
-                    response = result_response(result, envelope, request_id)
+                    # as Lambda's: an alias or a version answers the version it ran, else $LATEST
+                    version = "$LATEST" if qualifier in (None, "$LATEST") else spec.version
+                    tail = request.headers.get("X-Amz-Log-Type") == "Tail"
+                    response = result_response(result, envelope, request_id, version=version, tail=tail)
                     await self._send(request, response, tenant)
             finally:
                 if not handed_off:

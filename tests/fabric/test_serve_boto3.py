@@ -7,6 +7,7 @@ client against a real server on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from typing import Any
 
@@ -20,8 +21,9 @@ from sample_fns import REG
 from serve_helpers import PATH, TOKEN_A, auth, config
 
 from fabric.backends.base import InprocConfig
-from fabric.protocol import Invocation
+from fabric.protocol import ErrorInfo, Invocation, Result
 from fabric.serve import Gateway
+from fabric.serve._lambda_api import log_tail
 from fabric.testing import FakeBackend
 
 
@@ -51,21 +53,56 @@ async def gw():
         yield g
 
 
-class _Broken(FakeBackend):
-    def _submit(self, inv: Invocation) -> asyncio.Future:
-        raise RuntimeError("a bug in a backend")
+async def test_log_type_tail_answers_a_base64_log_result(gw):
+    """Lambda tooling reads ``resp["LogResult"]`` after ``LogType='Tail'``: it was never
+    there (a KeyError). It is the invocation's START/END/REPORT lines, base64."""
+    client = _lambda(gw)
+    resp = await _invoke(client, FunctionName="add", Payload=b'{"a": 2, "b": 3}', LogType="Tail")
+    assert json.loads(resp["Payload"].read()) == 5
+    log = base64.b64decode(resp["LogResult"]).decode()
+    request_id = resp["ResponseMetadata"]["RequestId"]
+    lines = log.splitlines()
+    assert lines[0] == f"START RequestId: {request_id} Version: $LATEST"
+    assert lines[1] == f"END RequestId: {request_id}"
+    assert lines[2].startswith(f"REPORT RequestId: {request_id}\tDuration: ")
+    # without Tail, none (as Lambda: the log costs a header only when asked for)
+    assert "LogResult" not in await _invoke(client, FunctionName="add", Payload=b'{"a": 1}')
 
 
-async def test_a_fault_inside_the_server_is_a_service_error_not_a_user_one():
-    """Lambda's ``ServiceException`` says ``"Type": "Service"``; the server's said ``User``."""
-    async with Gateway(config(), REG, backend=_Broken(REG)) as g:
-        with pytest.raises(ClientError) as e:
-            await _invoke(_lambda(g), FunctionName="add", Payload=b'{"a": 1}')
-        async with httpx.AsyncClient(base_url=g.url) as http:
-            raw = await http.post(PATH.format("add"), json={"a": 1}, headers=auth())
-    assert e.value.response["Error"]["Code"] == "ServiceException"
-    assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] == 500
-    assert raw.json()["Type"] == "Service"
+async def test_a_failed_call_s_log_result_carries_its_error(gw):
+    client = _lambda(gw)
+    resp = await _invoke(client, FunctionName="boom", Payload=b'{"x": 7}', LogType="Tail")
+    assert resp["FunctionError"] == "Unhandled"
+    error = json.loads(resp["Payload"].read())
+    log = base64.b64decode(resp["LogResult"]).decode()
+    # the runtime's line, with the type and message the body's error object gives
+    assert f"[ERROR] {error['errorType']}: {error['errorMessage']}" in log
+    assert "bad x=7" in error["errorMessage"] and "Traceback" in log
+    assert log.splitlines()[-1].startswith("REPORT RequestId: ")
+
+
+async def test_a_log_result_is_its_last_4_kb(gw):
+    """Lambda's ``LogResult`` is the last 4 KB of the log: a long traceback is cut from the
+    front, the REPORT line kept."""
+    client = _lambda(gw)
+    resp = await _invoke(client, FunctionName="boom", Payload=json.dumps({"x": "y" * 10_000}), LogType="Tail")
+    log = base64.b64decode(resp["LogResult"])
+    assert len(log) <= 4096
+    assert log.decode(errors="replace").splitlines()[-1].startswith("REPORT RequestId: ")
+
+
+async def test_executed_version_is_the_version_that_ran(gw):
+    """Lambda answers the version an alias points to, or the one named; ``$LATEST`` unqualified.
+    The server said ``$LATEST`` whatever was asked."""
+    client = _lambda(gw)
+    version = REG.get("add").version
+    resp = await _invoke(client, FunctionName="add", Payload=b'{"a": 1}')
+    assert resp["ExecutedVersion"] == "$LATEST"
+    resp = await _invoke(client, FunctionName="add", Qualifier="live", Payload=b'{"a": 1}')
+    assert resp["ExecutedVersion"] == version
+    resp = await _invoke(client, FunctionName=f"add:{version}", Payload=b'{"a": 1}', LogType="Tail")
+    assert resp["ExecutedVersion"] == version
+    assert f"Version: {version}" in base64.b64decode(resp["LogResult"]).decode()
 
 
 @pytest.mark.parametrize("name,qualifier", [("add:live", "$LATEST"), ("add:v9", "live"), ("add:live", "v9")])
@@ -87,3 +124,32 @@ async def test_the_same_qualifier_in_both_places_and_an_empty_one_are_served(gw)
     async with httpx.AsyncClient(base_url=gw.url) as http:  # boto3 sends no empty Qualifier
         r = await http.post(PATH.format("add") + "?Qualifier=", json={"a": 3}, headers=auth())
     assert r.status_code == 200 and r.json() == 3 and r.headers["X-Amz-Executed-Version"] == "$LATEST"
+
+
+class _Broken(FakeBackend):
+    def _submit(self, inv: Invocation) -> asyncio.Future:
+        raise RuntimeError("a bug in a backend")
+
+
+async def test_a_fault_inside_the_server_is_a_service_error_not_a_user_one():
+    """Lambda's ``ServiceException`` says ``"Type": "Service"``; the server's said ``User``."""
+    async with Gateway(config(), REG, backend=_Broken(REG)) as g:
+        with pytest.raises(ClientError) as e:
+            await _invoke(_lambda(g), FunctionName="add", Payload=b'{"a": 1}')
+        async with httpx.AsyncClient(base_url=g.url) as http:
+            raw = await http.post(PATH.format("add"), json={"a": 1}, headers=auth())
+    assert e.value.response["Error"]["Code"] == "ServiceException"
+    assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] == 500
+    assert raw.json()["Type"] == "Service"
+
+
+def test_a_log_tail_of_text_no_utf8_holds_decodes_and_is_cut_between_characters():
+    """A handler's message with a lone surrogate made the encode raise (a 500 for a call that
+    ran); a cut at 4 KB inside a character left a log that did not decode."""
+    error = ErrorInfo.of("UserError", "ValueError: \ud800 " + "é" * 5000)
+    log = base64.b64decode(log_tail(Result(ok=False, error=error), "rid", "$LATEST"))
+    assert len(log) <= 4096
+    assert log.decode().endswith("END RequestId: rid\nREPORT RequestId: rid\tDuration: 0.00 ms\n")
+    short = ErrorInfo.of("UserError", "ValueError: \ud800")
+    log = base64.b64decode(log_tail(Result(ok=False, error=short), "rid", "$LATEST")).decode()
+    assert "[ERROR] UserError: ValueError: \\ud800" in log
