@@ -55,6 +55,10 @@ INVOCATION_TYPES = ("RequestResponse", "Event", "DryRun")
 JSON = "application/json"
 #: The status a request whose client hung up before its answer is counted under (nginx's).
 CLIENT_CLOSED = 499
+#: The status a request the server cut is counted under: still running when the drain ended
+#: (or at a second Ctrl-C), its connection dropped with no answer. The server's doing, not
+#: the client's: a 5xx on a dashboard, not a 499 read as callers giving up.
+DRAINED = 503
 #: Lambda's ``LogResult`` is the last 4 KB of the invocation's log.
 _LOG_TAIL_BYTES = 4096
 #: An envelope's ``deadline`` is wall-clock seconds; past this it is not a deadline anyone

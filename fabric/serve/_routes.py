@@ -16,6 +16,7 @@ from fabric.protocol import new_request_id
 from fabric.serve._calls import GatewayCalls, StoppedBeforeRun
 from fabric.serve._lambda_api import (
     CLIENT_CLOSED,
+    DRAINED,
     INVOCATION_TYPES,
     Reply,
     error_response,
@@ -247,9 +248,12 @@ class GatewayRoutes(GatewayCalls):
                 response.force_close()
         except asyncio.CancelledError:
             # the client hung up (handler_cancellation): nobody reads an answer; counted as
-            # nginx counts it, 499 "client closed request", so a metric shows abandoned calls
+            # nginx counts it, 499 "client closed request", so a metric shows abandoned calls.
+            # Or the server cut it (the drain's end, a second Ctrl-C): its own label, not the
+            # client's doing
             label = function if function in self.served else "-"
-            self.metrics.observe(tenant, label, CLIENT_CLOSED, time.perf_counter() - t0)
+            status = DRAINED if self._stopped_now.is_set() else CLIENT_CLOSED
+            self.metrics.observe(tenant, label, status, time.perf_counter() - t0)
             raise
         except Exception:
             # a bug of ours: Lambda's own 500, in JSON, so boto3 raises ServiceException and

@@ -24,14 +24,14 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from fabric.backends.base import Backend, make_backend
 from fabric.errors import BackendClosedError, BackendError, ConfigError, EntryPointError, SetupFailedError
 from fabric.registry import Registry, default_registry
-from fabric.serve._lambda_api import CLIENT_CLOSED, INVOKE_ROUTE
+from fabric.serve._lambda_api import CLIENT_CLOSED, DRAINED, INVOKE_ROUTE
 from fabric.serve._routes import GatewayRoutes
 from fabric.serve.config import ServeConfig
 from fabric.serve.drain import InFlight, cleanup_within, drain_timeout
 from fabric.serve.gate import FairGate, Quotas, RateLimiter, TenantConnections
 from fabric.serve.metrics import ServeMetrics
 
-__all__ = ["CLIENT_CLOSED", "INVOKE_ROUTE", "Gateway"]
+__all__ = ["CLIENT_CLOSED", "DRAINED", "INVOKE_ROUTE", "Gateway"]
 
 log = logging.getLogger("fabric.serve")
 

@@ -20,7 +20,7 @@ from botocore.exceptions import ClientError
 from sample_fns import REG
 from serve_helpers import PATH, TOKEN_A, auth, config
 
-from fabric.backends.base import InprocConfig
+from fabric.backends.base import InprocConfig, LocalConfig
 from fabric.protocol import ErrorInfo, Invocation, Result
 from fabric.serve import Gateway
 from fabric.serve._lambda_api import log_tail
@@ -141,6 +141,25 @@ async def test_a_fault_inside_the_server_is_a_service_error_not_a_user_one():
     assert e.value.response["Error"]["Code"] == "ServiceException"
     assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] == 500
     assert raw.json()["Type"] == "Service"
+
+
+async def test_a_call_cut_by_the_drain_is_not_counted_as_the_client_s_hang_up():
+    """At the drain's end the server cuts the calls still running: counted as 499 "client
+    closed request", though the client had closed nothing. Counted under 503 now."""
+    g = Gateway(config(drain_s=0.3, backend=LocalConfig(max_workers=1)), REG)
+    await g.start()
+    client = _lambda(g)
+    running = asyncio.create_task(_invoke(client, FunctionName="sleepy", Payload=b'{"seconds": 20}'))
+    for _ in range(3000):  # until the call is on the worker
+        if g.backend.stats().get("sleepy", {}).get("inflight"):
+            break
+        await asyncio.sleep(0.01)
+    await g.aclose()
+    with pytest.raises(Exception):  # noqa: B017 - botocore's connection error, whichever it is
+        await running
+    text = g.metrics.render()[0].decode()
+    assert 'function="sleepy",status="503",tenant="job-a"} 1.0' in text, text
+    assert 'status="499"' not in text
 
 
 def test_a_log_tail_of_text_no_utf8_holds_decodes_and_is_cut_between_characters():
