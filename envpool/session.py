@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import logging
 import os
 import secrets
@@ -13,8 +12,6 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
-import pydantic_core
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from envpool.api import MAX_ACTION_BYTES, Observation, StepResult, check_action
@@ -33,6 +30,7 @@ from envpool.errors import (
     StepTimeout,
 )
 from envpool.pool_config import PoolConfig
+from envpool.results import checked, digest, raised
 from envpool.runtimes.base import Container
 
 if TYPE_CHECKING:
@@ -51,64 +49,6 @@ def _tool_deadline(timeout_s: float) -> float:
     reply, so that a tool that ends at its deadline ends inside the step, as a tool error,
     and not with it, as a ``StepTimeout`` (the container killed, the step retried)."""
     return time.monotonic() + timeout_s - min(1.0, timeout_s / 5)
-
-
-_SEEN = ("obs", "reward", "terminated", "truncated")
-
-
-def _digest(result: dict[str, Any]) -> str:
-    """What the policy saw of a reset or step, for checking a replay: the observation, the
-    reward and the episode's end. Not ``info``: determinism is asked of these only (as
-    ``check_env`` checks it), and info may well carry timings that differ on every run."""
-    return hashlib.sha256(pydantic_core.to_json({k: result.get(k) for k in _SEEN})).hexdigest()
-
-
-def _raised(e: EnvLogicError) -> str:
-    """What the policy saw of a request the environment raised on: the exception's type (its
-    message may carry addresses or timings)."""
-    return f"raised {e.remote_type or type(e).__name__}"
-
-
-class _ResetResult(BaseModel):
-    obs: Observation
-    info: dict[str, Any] | None = None
-
-
-class _OpenResult(BaseModel):
-    """What the pool reads of an open's result (a server may say more: its pid, say)."""
-
-    model_config = ConfigDict(strict=True)
-    deterministic: bool = True
-    max_action_bytes: int = Field(MAX_ACTION_BYTES, gt=0)
-    close_error: str | None = None  # what the previous environment's close raised (at this open)
-    retire: bool = False  # the server may not be sound after it: no episode runs there (``_retire``)
-
-
-_RESULTS: dict[str, type[BaseModel]] = {"open": _OpenResult, "reset": _ResetResult, "step": StepResult}
-
-
-def _checked(op: str, result: Any) -> Any:
-    """``result`` if it has the shape ``op`` returns; else a ``ProtocolError`` naming what is
-    wrong (a server in another language has no envpool code to keep it to the shape). An
-    open's result comes back with only the fields the pool reads, those it gave."""
-    model = _RESULTS.get(op)
-    if model is None:
-        return result
-    try:
-        checked = model.model_validate(result)
-    except ValidationError as e:
-        where = "; ".join(
-            f"{'.'.join(map(str, err['loc'])) or '(the result)'}: {err['msg']}" for err in e.errors()[:3]
-        )
-        raise ProtocolError(
-            f"the result of {op} is not what {op} returns: {where} (got {_short(result)})"
-        ) from None
-    return checked.model_dump(exclude_unset=True) if op == "open" else result
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _retryable(e: BaseException) -> bool:
@@ -233,7 +173,7 @@ class EnvSession:
                 self._ran_and_raised("reset", args, tools, e)
             raise
         self._log, self._done, self._cut_short = [("reset", args, tools)], False, None
-        self._trace = [_digest(result)]
+        self._trace = [digest(result)]
         if self.container is not None:
             self.container.episodes += 1
         self.pool.metrics["resets"] += 1
@@ -259,7 +199,7 @@ class EnvSession:
             raise
         res = StepResult.model_validate(result)
         self._log.append(("step", args, tools))
-        self._trace.append(_digest(result))
+        self._trace.append(digest(result))
         self._done = res.done
         self.pool.metrics["steps"] += 1
         return res
@@ -272,7 +212,7 @@ class EnvSession:
         never ran (its container failed to make it: no container is attached any more)."""
         if not isinstance(e, EnvHung) and self.conn is not None and self._log:
             self._log.append((op, args, tools))
-            self._trace.append(_raised(e))
+            self._trace.append(raised(e))
 
     @property
     def _cfg(self) -> PoolConfig:
@@ -303,7 +243,7 @@ class EnvSession:
         try:
             reply = await self.conn.exchange({"op": op, "token": self.token, "args": args}, timeout_s)
             if reply["ok"]:
-                return _checked(op, reply["result"])
+                return checked(op, reply["result"])
             err = reply["error"]
             e = remote_error(err)
             if isinstance(e, EnvLogicError) and err.get("reusable") is not True:
@@ -403,10 +343,9 @@ class EnvSession:
             finally:
                 c.in_flight -= 1
                 c.last_active = time.monotonic()
-            info = _checked("open", reply["result"]) if reply["ok"] else {}
+            info = checked("open", reply["result"]) if reply["ok"] else {}
         except EnvHung as e:  # its constructor hangs: as a hung step, not retried
             self.pool.metrics["env_hung"] += 1
-            await self._drop_container(healthy=False)
             raise EnvHung(f"{self.env_id}: {e}", op=e.op, timeout_s=e.timeout_s) from None
         except ProtocolError as e:  # (the connection is closed: the server broke the protocol)
             self._protocol_error(e)
@@ -561,11 +500,11 @@ class EnvSession:
                 await self._attach()
             for op, args, tools in self._log:
                 try:
-                    seen.append(_digest(await self._call(op, args, timeouts[op], tools)))
+                    seen.append(digest(await self._call(op, args, timeouts[op], tools)))
                 except EnvHung:
                     raise
                 except EnvLogicError as e:
-                    seen.append(_raised(e))
+                    seen.append(raised(e))
                 if op == "reset" and self.container is not None:
                     # an episode this container ran: it counts toward its recycling (else
                     # max_episodes=1 handed it to the next trajectory in this one's state)
