@@ -16,7 +16,9 @@ Request ids pair each reply with its request; the server runs every request it r
 keeps no replies. The pool never resends a request: one whose container fails (no reply, a
 lost connection) has that container discarded, and a deterministic episode is replayed on a
 fresh one and checked against what the policy saw, so a step never runs twice on one
-environment and a server has no replies to remember.
+environment and a server has no replies to remember. A server waiting on a tool's result
+keeps the requests that arrive meanwhile (a session's close, sent while its step runs) and
+runs them after the request under way.
 Results: an open's is an object (``deterministic``: bool and ``max_action_bytes``: int > 0,
 each optional, may be in it), a reset's ``{"obs": {"text": ..., "tools": [...] | null},
 "info": {...} | null}``, a step's ``{"obs": ..., "reward": number, "terminated": bool,

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path, PurePath
 from typing import Any
@@ -173,6 +174,10 @@ class Server:
         self.rng = random.Random()
         self.closed_said: dict[str, Any] = {}
         """What this session's open says of the previous environment's close (``open_env``)."""
+        self.queued: deque[dict[str, Any]] = deque()
+        """Frames read while the environment waited on a tool's answer (``call_tool``), read
+        again, in order, before the socket: the session's goodbye, sent while a step ran, was
+        thrown away there, never answered, and the pool discarded a healthy container."""
 
     # -- io
     def send(self, msg: dict[str, Any]) -> None:
@@ -195,6 +200,9 @@ class Server:
                 with contextlib.suppress(OSError):
                     self.send({"op": "heartbeat"})
 
+    def recv(self, conn: socket.socket) -> dict[str, Any]:
+        return self.queued.popleft() if self.queued else recv_frame(conn)
+
     def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
         """Ask the pool to run a fabric tool; the container itself has no network."""
         tool_id = self.rng.getrandbits(48)
@@ -212,7 +220,9 @@ class Server:
         assert self.conn is not None
         while True:
             msg = recv_frame(self.conn)
-            if msg.get("op") == "tool_result" and msg.get("tool_id") == tool_id:
+            if msg.get("op") != "tool_result":
+                self.queued.append(msg)  # (a request, the goodbye most often: read after this one)
+            elif msg.get("tool_id") == tool_id:
                 return str(msg.get("result", ""))
 
     # -- sessions
@@ -233,6 +243,7 @@ class Server:
             finally:
                 with self.write_lock:
                     self.conn = None
+                self.queued.clear()  # (the last connection's: none of the next session's)
                 conn.close()
 
     def session(self, conn: socket.socket) -> None:
@@ -273,7 +284,7 @@ class Server:
         }
         self.send({"id": 0, "ok": True, "result": info})
         while True:
-            msg = recv_frame(conn)
+            msg = self.recv(conn)
             rid = int(msg.get("id", -1))
             if msg.get("token") != token:
                 from envpool.errors import SessionTokenError

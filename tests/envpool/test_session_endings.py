@@ -1,0 +1,64 @@
+"""How a session ends, after a review: a close sent while the environment waits on a tool
+call is answered (the server keeps the frames that arrive meanwhile); and a close queued
+behind a slow step keeps its container (the server heartbeats through the step)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from echo_bundle import IMAGE
+from pool_util import pool
+
+from envpool.connection import Connection
+from envpool.pool import EnvPool
+
+
+def _when_close_sent(conn: Connection, monkeypatch: pytest.MonkeyPatch, then: asyncio.Event) -> None:
+    """Set ``then`` as the session's goodbye (its close) is written to ``conn``."""
+    send = conn.send
+
+    def sending(msg):
+        send(msg)
+        if msg.get("op") == "close":
+            then.set()
+
+    monkeypatch.setattr(conn, "send", sending)
+
+
+async def test_a_close_sent_while_the_environment_waits_on_a_tool_is_answered(images, monkeypatch):
+    # the block ends while a step (in a task of its own) waits on a tool: its goodbye reached
+    # the server inside the environment's call_tool, which threw away every frame but its
+    # tool result; the close was never answered and the healthy container was discarded
+    called, go = asyncio.Event(), asyncio.Event()
+
+    async def tool(name, arguments):
+        called.set()
+        await go.wait()
+        return "42"
+
+    cfg = {"min_warm": 0, "runtime": {"heartbeat_s": 0.1}}
+    async with EnvPool(cfg, images=images, tool_caller=tool) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            step = asyncio.create_task(s.step("tool 6*7"))
+            await called.wait()
+            # the tool answers once the goodbye is on its way: after it on the wire
+            _when_close_sent(s.conn, monkeypatch, go)
+        assert (await step).obs.text == "42"
+        stats = p.stats()
+        assert stats.get("discarded", 0) == 0 and stats["idle"] == 1, stats
+
+
+async def test_a_close_queued_behind_a_slow_step_keeps_its_container(images):
+    # the server answers a goodbye sent during a step once the step is done; it heartbeats
+    # all through the step, so the wait is no silence (checked: the review's worry that a
+    # slow close reply, with a small heartbeat_s, discarded a healthy container)
+    async with pool(images, min_warm=0) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            step = asyncio.create_task(s.step("sleep 1"))
+            await asyncio.sleep(0.2)
+        assert (await step).obs.text == "sleep 1 #1"
+        stats = p.stats()
+        assert stats.get("discarded", 0) == 0 and stats["idle"] == 1, stats
