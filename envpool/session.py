@@ -457,6 +457,9 @@ class EnvSession:
                     return await self._attempt(what, call, replay, retry=True)
         except (InfraError, OSError) as e:
             self._lose()
+            # nothing runs on its container any more (a dead one, or the one a replay that
+            # differed ran on): let it go now, not when the block ends
+            await self._drop_container(healthy=False)
             if not _retryable(e):  # (SessionLost; a misconfigured tool's, as it came)
                 raise
             raise SessionLost(f"{what} failed after {rc.attempts} attempts: {e}") from e

@@ -1,17 +1,20 @@
 """How a session ends, after a review: a close sent while the environment waits on a tool
-call is answered (the server keeps the frames that arrive meanwhile); and a close queued
-behind a slow step keeps its container (the server heartbeats through the step)."""
+call is answered (the server keeps the frames that arrive meanwhile); a session that is
+lost lets its container go at once; and a close queued behind a slow step keeps its
+container (the server heartbeats through the step)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 from echo_bundle import IMAGE
 from pool_util import pool
 
 from envpool.connection import Connection
-from envpool.pool import EnvPool
+from envpool.pool import EnvPool, SessionLost
 
 
 def _when_close_sent(conn: Connection, monkeypatch: pytest.MonkeyPatch, then: asyncio.Event) -> None:
@@ -62,3 +65,27 @@ async def test_a_close_queued_behind_a_slow_step_keeps_its_container(images):
         assert (await step).obs.text == "sleep 1 #1"
         stats = p.stats()
         assert stats.get("discarded", 0) == 0 and stats["idle"] == 1, stats
+
+
+async def test_a_lost_non_deterministic_session_lets_its_container_go_at_once(images):
+    # its step's container died and the episode cannot be rebuilt: the session is lost, and
+    # its dead container stayed claimed until the block ended
+    async with pool(images, min_warm=0) as p:
+        async with p.session("bundle-random-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            os.killpg(s.container.pid, signal.SIGKILL)
+            with pytest.raises(SessionLost, match="not deterministic"):
+                await s.step("a")
+            assert s.container is None and s.conn is None
+            assert p.stats()["claimed"] == 0
+
+
+async def test_a_replay_that_differs_lets_its_container_go_at_once(images):
+    # the fresh container the replay ran on is held by no live session either
+    async with pool(images, min_warm=0) as p:
+        async with p.session("bundle-liar-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            os.killpg(s.container.pid, signal.SIGKILL)
+            with pytest.raises(SessionLost, match="differs"):
+                await s.step("a")
+            assert s.container is None and p.stats()["claimed"] == 0
