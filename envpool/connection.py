@@ -117,6 +117,9 @@ class Connection(asyncio.Protocol):
         self.last_seen = time.monotonic()
         self.last_frame = float("-inf")
         """When the container last sent anything (a reply, a heartbeat): proof it is alive."""
+        self.phase: str | None = None
+        """What the server's last heartbeat of the request under way said it was doing
+        beyond the request's own code (``"close"``: an open closing the previous environment)."""
         self.silence_s = heartbeat_s * misses
         self.tool_caller = tool_caller
         self.tool_seen = float("-inf")
@@ -179,6 +182,8 @@ class Connection(asyncio.Protocol):
         for msg in frames:
             op = msg.get("op")
             if op == "heartbeat":
+                phase = msg.get("phase")
+                self.phase = phase if isinstance(phase, str) else None
                 continue
             if op == "tool":
                 t = asyncio.get_running_loop().create_task(self._tool(msg))
@@ -308,6 +313,7 @@ class Connection(asyncio.Protocol):
         self.waiting[rid] = fut
         sent = self.last_seen = time.monotonic()
         self.cpu_mark = None
+        self.phase = None
         deadline = sent + timeout_s
         try:
             while True:

@@ -20,6 +20,8 @@
         ├── ConnectionLost
         ├── StepTimeout         a container that missed its heartbeats, or a timeout
         │                       with no sign of life (or a tool call still pending)
+        ├── EnvCloseHung        an open ran past its timeout in the previous environment's
+        │                       close(): the container is discarded, the claim retried
         ├── ToolUnavailable     a tool call the pool brokers failed for the machinery's
         │   │                   reasons (the fabric's retries spent), not the tool's
         │   └── ToolMisconfigured  the tool's setup is wrong: infra_failed (not retried)
@@ -160,6 +162,14 @@ class StepTimeout(InfraError):
     CPU used: frozen, not busy), or a request ran past its timeout
     with nothing to show the container alive (no heartbeat heard: ``step_timeout_s``
     shorter than a heartbeat period) or while a tool call the pool brokers was pending."""
+
+
+class EnvCloseHung(InfraError):
+    """An open ran past its timeout while the container closed its previous environment
+    (another session's, made with other env_kwargs or another id), its server heartbeating
+    all the while: that environment's ``close()`` hangs. Not the new session's fault (its
+    constructor never ran), so not an ``EnvHung`` of its own: the container is discarded and
+    the session claims a fresh one (counted as ``env_close_hung``)."""
 
 
 class ToolUnavailable(InfraError):

@@ -9,7 +9,9 @@ and a JSON object (any language can implement the server side):
     server -> client   {"id": N, "ok": true, "result": ...} | {"id": N, "ok": false, "error": {...}}
                        {"id": null, "ok": false, "error": {...}}   a request it could not read;
                                                      it hangs up (never retried: a bug of one side)
-                       {"op": "heartbeat"}           while a request runs
+                       {"op": "heartbeat"}           while a request runs; during an open,
+                                                     {"op": "heartbeat", "phase": "close"} while
+                                                     it closes the previous environment
                        {"op": "tool", "tool_id": K, "name": ..., "arguments": {...}}
 
 Request ids pair each reply with its request; the server runs every request it reads and

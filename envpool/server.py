@@ -178,6 +178,10 @@ class Server:
         """Frames read while the environment waited on a tool's answer (``call_tool``), read
         again, in order, before the socket: the session's goodbye, sent while a step ran, was
         thrown away there, never answered, and the pool discarded a healthy container."""
+        self.phase: str | None = None
+        """What the server does during a request that is not the request's own code, said in
+        its heartbeats: ``"close"`` while an open closes the previous environment, so that
+        an open that hangs there is blamed on that close, not on the new constructor."""
 
     # -- io
     def send(self, msg: dict[str, Any]) -> None:
@@ -198,7 +202,17 @@ class Server:
             time.sleep(interval)
             if self.busy.is_set():
                 with contextlib.suppress(OSError):
-                    self.send({"op": "heartbeat"})
+                    self.beat()
+
+    def beat(self) -> None:
+        """One heartbeat, with the ``phase`` read under the write lock: a beat of a phase
+        that has ended never follows the beat that said it ended."""
+        with self.write_lock:
+            msg: dict[str, Any] = {"op": "heartbeat"}
+            if self.phase is not None:
+                msg["phase"] = self.phase
+            if self.conn is not None:
+                self.conn.sendall(encode(msg))
 
     def recv(self, conn: socket.socket) -> dict[str, Any]:
         return self.queued.popleft() if self.queued else recv_frame(conn)
@@ -309,7 +323,11 @@ class Server:
             # forgotten before its close: one that raises leaves none behind, closed, under its kwargs
             env, old, self.env, self.env_key = self.env, self.env_key, None, None
             if env is not None:
+                self.phase = "close"
                 try:
+                    # said at once: a close that holds the interpreter lock silences the beats
+                    with contextlib.suppress(OSError):
+                        self.beat()
                     env.close()
                 except _ENV_RAISES as e:
                     # the last session's environment's bug, not this session's: raised into this
@@ -319,6 +337,10 @@ class Server:
                     said["close_error"] = f"{type(e).__name__}: {e}"[:1000]
                     if not sound_after(e, json.loads(old[1]) if old else None):
                         said["retire"] = True  # short of memory, say: the pool runs no episode here
+                finally:
+                    self.phase = None
+                    with contextlib.suppress(OSError):
+                        self.beat()  # the close is over: what hangs from here is the constructor
             self.env = self.registry.make(env_id, tool_caller=self.call_tool, **kwargs)
             self.env_key = key
         else:

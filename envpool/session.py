@@ -18,6 +18,7 @@ from envpool.api import MAX_ACTION_BYTES, Observation, StepResult, check_action
 from envpool.connection import Connection, remote_error
 from envpool.errors import (
     ContainerDied,
+    EnvCloseHung,
     EnvHung,
     EnvLogicError,
     EnvOrderError,
@@ -345,6 +346,17 @@ class EnvSession:
                 c.last_active = time.monotonic()
             info = checked("open", reply["result"]) if reply["ok"] else {}
         except EnvHung as e:  # its constructor hangs: as a hung step, not retried
+            closing = self.conn is not None and self.conn.phase == "close"
+            await self._drop_container(healthy=False)
+            if closing:
+                # not this session's constructor (it never ran), but the container's previous
+                # environment's close: its container is discarded, and the claim retried
+                self.pool.metrics["env_close_hung"] += 1
+                log.warning("envpool: %s: its previous environment's close hangs; discarded", c.id)
+                raise EnvCloseHung(
+                    f"{c.id}: the previous environment's close() did not return in {e.timeout_s:g} s "
+                    f"(before {self.env_id} was made there); the container was discarded"
+                ) from None
             self.pool.metrics["env_hung"] += 1
             raise EnvHung(f"{self.env_id}: {e}", op=e.op, timeout_s=e.timeout_s) from None
         except ProtocolError as e:  # (the connection is closed: the server broke the protocol)

@@ -1,6 +1,7 @@
 """How a session ends, after a review: a close sent while the environment waits on a tool
-call is answered (the server keeps the frames that arrive meanwhile); a session that is
-lost lets its container go at once; and a close queued behind a slow step keeps its
+call is answered (the server keeps the frames that arrive meanwhile); a previous
+environment's close that hangs costs the container, not the next session; a session that
+is lost lets its container go at once; and a close queued behind a slow step keeps its
 container (the server heartbeats through the step)."""
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ import os
 import signal
 
 import pytest
-from echo_bundle import IMAGE
-from pool_util import pool
+from echo_bundle import IMAGE, write_env_bundle
+from pool_util import alive, pool, wait_for
 
 from envpool.connection import Connection
+from envpool.errors import EnvHung
 from envpool.pool import EnvPool, SessionLost
 
 
@@ -65,6 +67,66 @@ async def test_a_close_queued_behind_a_slow_step_keeps_its_container(images):
         assert (await step).obs.text == "sleep 1 #1"
         stats = p.stats()
         assert stats.get("discarded", 0) == 0 and stats["idle"] == 1, stats
+
+
+_CLOSE_HANGS = """
+import time
+import envpool
+
+
+class CloseHangsEnv(envpool.Env):
+    def reset(self, *, seed=None, options=None):
+        return f"ready {seed}", {}
+
+    def step(self, action):
+        return envpool.StepResult(obs=envpool.Observation(text=action))
+
+    def close(self):
+        time.sleep(3600)
+
+
+class OtherEnv(CloseHangsEnv):
+    def close(self):
+        pass
+
+
+class InitHangsEnv(OtherEnv):
+    def __init__(self):
+        time.sleep(3600)
+"""
+
+
+async def test_a_previous_environments_close_that_hangs_costs_its_container_not_the_next_session(
+    tmp_path,
+):
+    # the container's next session opens another environment: the last one's close hangs,
+    # and the open ran past its timeout. That failed the new session, not retried, as an
+    # EnvHung of its own constructor; the container is discarded and the session claims a
+    # fresh one, the failure said as the previous environment's close
+    images = write_env_bundle(
+        tmp_path / "b",
+        "close_hangs_env",
+        _CLOSE_HANGS,
+        {"close-hangs-v0": "CloseHangsEnv", "other-v0": "OtherEnv", "init-hangs-v0": "InitHangsEnv"},
+    )
+    async with pool(images, min_warm=0, reset_timeout_s=1.0) as p:
+        async with p.session("other-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+        # a constructor that hangs after a close that returned is still its own EnvHung
+        with pytest.raises(EnvHung, match="init-hangs-v0: open did not answer"):
+            async with p.session("init-hangs-v0", image=IMAGE):
+                pass
+        async with p.session("close-hangs-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            pid = s.container.pid
+        async with p.session("other-v0", image=IMAGE) as s:
+            assert s.container.pid != pid
+            assert (await s.reset(seed=2))[0].text == "ready 2"
+            assert len(s.failures) == 1 and "previous environment's close()" in s.failures[0], s.failures
+            assert s.status == "ok"
+        stats = p.stats()
+        assert stats["env_close_hung"] == 1 and stats["env_hung"] == 1, stats
+        await wait_for(lambda: not alive(pid))
 
 
 async def test_a_lost_non_deterministic_session_lets_its_container_go_at_once(images):
