@@ -101,17 +101,19 @@ class GatewayRoutes(GatewayCalls):
         (``max_connections``); 401, 403, or 429 with every one of its connections busy."""
         tenant = tenant_of(request, self._tokens)
         if not self.connections.arrive(tenant, request.protocol):
-            if tenant in self.quotas.throttled:
-                self.quotas.throttled[tenant] += 1  # a 429 as the quota's (the metric's promise)
-            raise Reply(
-                429,
-                "TooManyRequestsException",
-                f"Rate Exceeded: tenant {tenant!r} already has {self.connections.limits[tenant]} "
-                "connections open, every one busy (its max_connections); send on those, or retry "
-                "with backoff",
+            raise self._throttled(
+                tenant,
+                f"already has {self.connections.limits[tenant]} connections open, every one busy "
+                "(its max_connections); send on those, or retry with backoff",
                 close=True,
             )
         return tenant
+
+    def _throttled(self, tenant: str, why: str, *, close: bool = False) -> Reply:
+        """The 429 of ``tenant``'s limit, counted as the quota's (the metric's promise)."""
+        if tenant in self.quotas.throttled:
+            self.quotas.throttled[tenant] += 1
+        return Reply(429, "TooManyRequestsException", f"Rate Exceeded: tenant {tenant!r} {why}", close=close)
 
     async def _pace(self, tenant: str) -> None:
         """Hold a request of ``tenant`` back to its ``max_rps`` (its token already checked);
@@ -119,13 +121,10 @@ class GatewayRoutes(GatewayCalls):
         makes, ``/metrics`` too: a render of every series costs more than a refused call."""
         wait = self.rates.delay(tenant, time.monotonic())
         if wait is None:
-            if tenant in self.quotas.throttled:
-                self.quotas.throttled[tenant] += 1  # a 429 as the quota's (the metric's promise)
-            raise Reply(
-                429,
-                "TooManyRequestsException",
-                f"Rate Exceeded: tenant {tenant!r} is more than "
-                f"{RateLimiter.MAX_DELAY_S:g} s of requests over its max_rps; retry with backoff",
+            raise self._throttled(
+                tenant,
+                f"is more than {RateLimiter.MAX_DELAY_S:g} s of requests over its max_rps; "
+                "retry with backoff",
             )
         if wait:
             await asyncio.sleep(wait)
