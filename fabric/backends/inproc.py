@@ -206,7 +206,7 @@ class InprocBackend(Backend):
     def _submit(self, inv: Invocation) -> asyncio.Future[Result]:
         key = inv.idempotency_key
         if not inv.wait_for_run or key is None:
-            return self._track_task(asyncio.ensure_future(self._run(inv, None)))
+            return self._track_task(asyncio.ensure_future(self._invoke(inv)))
         # registered before its task first runs: a deadline moved meanwhile is the one it starts with
         call = _KeyedCall(inv.deadline)
         calls = self._keyed.setdefault(key, set())
