@@ -155,8 +155,7 @@ def _init_distributed(tp: int, pp: int) -> None:
 
 def _build_gpt(shape: GPTShape | HFArch, cfg: MegatronTrainerConfig) -> torch.nn.Module:
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt import GPTModel, gpt_layer_specs
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     arch: dict[str, Any] = {}
@@ -167,7 +166,7 @@ def _build_gpt(shape: GPTShape | HFArch, cfg: MegatronTrainerConfig) -> torch.nn
     spec_args: dict[str, Any] = {}
     if isinstance(shape, HFArch):
         arch, model_arch = shape.transformer_config_args(), shape.gpt_model_args()
-        if "normalization" in inspect.signature(get_gpt_layer_local_spec).parameters:
+        if _local_spec_takes(gpt_layer_specs, "normalization"):
             spec_args["normalization"] = "RMSNorm"
     tconfig = TransformerConfig(
         num_layers=shape.num_layers,
@@ -189,7 +188,7 @@ def _build_gpt(shape: GPTShape | HFArch, cfg: MegatronTrainerConfig) -> torch.nn
     )
     model = GPTModel(
         config=tconfig,
-        transformer_layer_spec=get_gpt_layer_local_spec(**spec_args),
+        transformer_layer_spec=gpt_layer_specs.get_gpt_layer_local_spec(**spec_args),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_sequence_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -201,6 +200,21 @@ def _build_gpt(shape: GPTShape | HFArch, cfg: MegatronTrainerConfig) -> torch.nn
         **model_arch,
     )
     return model.cuda(torch.cuda.current_device())
+
+
+def _local_spec_takes(specs: Any, name: str) -> bool:
+    """Whether this megatron-core's ``get_gpt_layer_local_spec`` takes the keyword ``name``. In
+    0.19.2 it is ``(*args, **kwargs)``, handed on to ``get_gpt_layer_local_submodules``, whose
+    signature is the one to read. Without ``normalization="RMSNorm"`` the spec's norm is apex's
+    FusedLayerNorm wherever apex is installed (NVIDIA's PyTorch images): it refuses RMSNorm.
+    (The block's final norm is not the spec's: TransformerEngine's where it is installed, else
+    apex's, else torch's; apex without TransformerEngine refuses RMSNorm there. Not run.)"""
+    params = inspect.signature(specs.get_gpt_layer_local_spec).parameters
+    if name in params:
+        return True
+    forwards = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    inner = getattr(specs, "get_gpt_layer_local_submodules", None)
+    return forwards and inner is not None and name in inspect.signature(inner).parameters
 
 
 def _vocab_range(vocab_size: int) -> tuple[int, int] | None:
