@@ -136,6 +136,15 @@ def _init_distributed(tp: int, pp: int) -> None:
     world = dist.get_world_size()
     if world % (tp * pp):
         raise TrainerError(f"world size {world} is not divisible by tensor x pipeline parallel = {tp * pp}")
+    if world != tp * pp:
+        # initialize_model_parallel would make the rest data-parallel replicas, and nothing
+        # here all-reduces their gradients (no megatron DDP, no finalize_model_grads): each
+        # would step on its own batch's gradients and the weights drift apart unseen
+        raise TrainerError(
+            f"world size {world} is {world // (tp * pp)} data-parallel replicas of tp x pp = {tp} x {pp}; "
+            "the megatron trainer has no data parallelism (its gradients are not all-reduced over "
+            f"replicas): launch tp x pp = {tp * pp} processes"
+        )
     if parallel_state.model_parallel_is_initialized():
         have = (
             parallel_state.get_tensor_model_parallel_world_size(),

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from core.trainer import megatron_
+from core.trainer.base import TrainerError
 from core.trainer.hf_gpt import HFArch
 from core.trainer.megatron_ import MegatronTrainerConfig
 
@@ -139,3 +140,22 @@ def test_the_spec_is_asked_only_for_what_this_megatron_takes(monkeypatch):
     )
     megatron_._build_gpt(shape, MegatronTrainerConfig(model=shape))
     assert seen["spec"] == {}
+
+
+# -- the parallel world -----------------------------------------------------------------------
+
+
+def test_a_data_parallel_world_is_refused(monkeypatch):
+    # initialize_model_parallel makes world / (tp * pp) data-parallel replicas, but the trainer
+    # has no gradient all-reduce over them (no megatron DDP, no finalize_model_grads): each
+    # replica would step on its own gradients and their weights drift apart unseen
+    calls = _fake_megatron(monkeypatch, {})
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 4)
+    with pytest.raises(TrainerError, match=r"world size 4 is 2 data-parallel replicas of tp x pp = 2 x 1"):
+        megatron_._init_distributed(2, 1)
+    with pytest.raises(TrainerError, match="not divisible"):
+        megatron_._init_distributed(3, 1)
+    assert "initialize_model_parallel" not in calls
+    megatron_._init_distributed(2, 2)  # world = tp * pp: one replica
+    assert calls["initialize_model_parallel"]["tensor_model_parallel_size"] == 2
