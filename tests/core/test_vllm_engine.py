@@ -336,6 +336,33 @@ async def test_vllm_errors_become_engine_errors(fake_vllm):
         assert e.version == 0 and e.num_inflight == 0
 
 
+class MalformedLLM(FakeLLM):
+    """Streams a delta with two tokens and one logprob, then would go on; its cleanup awaits,
+    as ``AsyncLLM.generate``'s does (``await self.abort(...)`` on ``GeneratorExit``)."""
+
+    async def generate(self, prompt: dict[str, Any], params: Any, request_id: str):
+        try:
+            logprobs = [{10: SimpleNamespace(logprob=-1.0)}]
+            delta = SimpleNamespace(text="a", token_ids=[10, 11], logprobs=logprobs, finish_reason=None)
+            yield SimpleNamespace(finished=False, outputs=[delta])
+            await asyncio.sleep(60)
+        except GeneratorExit:
+            await asyncio.sleep(0)  # vLLM's abort goes to its engine core first
+            await self.abort(request_id)
+            raise
+
+
+async def test_a_turn_that_fails_mid_stream_ends_its_vllm_request_first(fake_vllm):
+    # left to the garbage collector, vLLM's generator is closed (and its request aborted) in a
+    # task of its own, after the turn has returned: a drain could load weights while it runs
+    llm = MalformedLLM()
+    async with engine(llm) as e:
+        req = chat()
+        with pytest.raises(EngineError, match="vLLM returned 2 tokens with 1 logprobs"):
+            await e.generate(req)
+        assert llm.aborted == [req.request_id]
+
+
 async def test_an_owned_engine_is_built_on_start_and_shut_down(fake_vllm, monkeypatch):
     built: list[VLLMEngineConfig] = []
     llm = FakeLLM()

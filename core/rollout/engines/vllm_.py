@@ -393,11 +393,15 @@ class VLLMEngine(Engine):
         )
 
     async def _stream(self, rid: str, prompt: list[int], params: Any, turn: _Turn) -> None:
-        async for out in self._llm.generate({"prompt_token_ids": prompt}, params, rid):
-            delta = out.outputs[0]
-            turn.add(delta)
-            if out.finished:
-                turn.finish_reason = _finish_reason(delta.finish_reason)
+        # closed here: a delta this turn refuses ends vLLM's request (its generator aborts it on
+        # GeneratorExit) before the turn returns, not when the garbage collector gets to it
+        stream = self._llm.generate({"prompt_token_ids": prompt}, params, rid)
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                delta = out.outputs[0]
+                turn.add(delta)
+                if out.finished:
+                    turn.finish_reason = _finish_reason(delta.finish_reason)
 
 
 def _translate(e: BaseException) -> EngineError:
