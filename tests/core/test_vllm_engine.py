@@ -336,6 +336,26 @@ async def test_vllm_errors_become_engine_errors(fake_vllm):
         assert e.version == 0 and e.num_inflight == 0
 
 
+async def test_a_request_vllm_033_refuses_is_a_rejection(fake_vllm, monkeypatch):
+    # vLLM 0.33's VLLMValidationError is a VLLMClientError, no longer a ValueError, and
+    # AsyncLLM.generate re-raises it as it is (vllm/exceptions.py, v1/engine/async_llm.py)
+    exceptions = types.ModuleType("vllm.exceptions")
+
+    class VLLMClientError(Exception):
+        pass
+
+    class VLLMValidationError(VLLMClientError):
+        pass
+
+    exceptions.VLLMClientError = VLLMClientError  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.exceptions", exceptions)
+    llm = FakeLLM()
+    llm.fail = VLLMValidationError("allowed_token_ids contains out-of-vocab token id!")
+    async with engine(llm) as e:
+        with pytest.raises(EngineError, match="vLLM rejected the request: allowed_token_ids contains"):
+            await e.generate(chat(allowed_token_ids=[7]))
+
+
 class MalformedLLM(FakeLLM):
     """Streams a delta with two tokens and one logprob, then would go on; its cleanup awaits,
     as ``AsyncLLM.generate``'s does (``await self.abort(...)`` on ``GeneratorExit``)."""

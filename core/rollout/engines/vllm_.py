@@ -410,7 +410,7 @@ def _translate(e: BaseException) -> EngineError:
     cause = e.__cause__ or e  # EngineGenerateError carries the real error as its cause
     if _engine_died(e):
         return _dead(e)
-    if isinstance(cause, ValueError):
+    if isinstance(cause, (ValueError, *_vllm_classes(_CLIENT_ERRORS))):
         return EngineError(f"vLLM rejected the request: {cause}")
     return EngineError(f"vLLM generation failed: {type(cause).__name__}: {cause}")
 
@@ -423,18 +423,29 @@ _DEAD_ERRORS = (
 )
 
 
-def _engine_died(e: BaseException) -> bool:
-    """Whether ``e`` (or its cause) is vLLM's word that its engine is dead: every later
-    call fails the same way, so the replica must be restarted, not the turn retried."""
-    dead: list[type[BaseException]] = []
-    for module, name in _DEAD_ERRORS:
-        try:  # lazily: the module imports without vLLM, and a vLLM release may lack either
+#: vLLM's errors for a request it refuses: in 0.33 ``VLLMValidationError`` is one, no longer
+#: a ``ValueError`` (as in 0.24), and ``AsyncLLM.generate`` re-raises it unwrapped.
+_CLIENT_ERRORS = (("vllm.exceptions", "VLLMClientError"),)
+
+
+def _vllm_classes(names: Sequence[tuple[str, str]]) -> tuple[type[BaseException], ...]:
+    """The exception classes ``(module, class)`` this vLLM has."""
+    found: list[type[BaseException]] = []
+    for module, name in names:
+        try:  # lazily: the module imports without vLLM, and a vLLM release may lack any
             cls = getattr(importlib.import_module(module), name)
         except Exception:  # not in this vLLM
             continue
         if isinstance(cls, type) and issubclass(cls, BaseException):
-            dead.append(cls)
-    return any(isinstance(x, tuple(dead)) for x in (e, e.__cause__) if x is not None)
+            found.append(cls)
+    return tuple(found)
+
+
+def _engine_died(e: BaseException) -> bool:
+    """Whether ``e`` (or its cause) is vLLM's word that its engine is dead: every later
+    call fails the same way, so the replica must be restarted, not the turn retried."""
+    dead = _vllm_classes(_DEAD_ERRORS)
+    return any(isinstance(x, dead) for x in (e, e.__cause__) if x is not None)
 
 
 def _dead(e: BaseException) -> EngineDeadError:
