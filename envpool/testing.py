@@ -11,6 +11,8 @@ listing every problem it found, not just the first.
 from __future__ import annotations
 
 import itertools
+import os
+import threading
 from typing import Any
 
 import pydantic_core
@@ -23,6 +25,9 @@ from envpool.errors import ActionError, EnvOrderError, EnvPoolError
 CHECK_SEED = 1234
 #: Steps an episode may take when its spec sets no ``max_episode_steps``.
 UNBOUNDED_EPISODE_CAP = 1000
+#: Episodes played after the first to look for a leak: a count of open files or threads
+#: that grows with every one of them is reported (one that grows once is a cache).
+LEAK_EPISODES = 3
 
 Trace = list[tuple[Observation, float, bool, bool]]
 
@@ -60,7 +65,8 @@ def check_env(env_id: str, registry: EnvRegistry | None = None, *, seed: int = C
     action steps to a ``StepResult`` with a finite reward and JSON-safe info; a non-UTF-8
     and an oversized action raise ``ActionError``; an episode of example actions ends within
     ``max_episode_steps``, stepping after its end raises ``EnvOrderError``, and a fresh
-    instance replays it identically when deterministic; ``close()`` can be called twice."""
+    instance replays it identically when deterministic; a few more episodes do not each
+    leave a file descriptor or a thread open; ``close()`` can be called twice."""
     reg = registry if registry is not None else default_registry
     spec = reg.spec(env_id)
     problems: list[str] = []
@@ -110,6 +116,8 @@ class _Checker:
             trace = self.check_episode()
             if trace is not None and self.spec.deterministic:
                 self.check_replay(trace)
+            if trace is not None:
+                self.check_leaks()
 
     # -- pieces
     def check_order_before_reset(self) -> None:
@@ -222,7 +230,10 @@ class _Checker:
         try:
             again, _ = self.play(fresh)
         finally:
-            fresh.close()
+            try:
+                fresh.close()
+            except Exception as e:  # listed, not raised: check_env reports every problem
+                self.fail(f"close() of a second instance raised {type(e).__name__}: {e}")
         for i, (a, b) in enumerate(itertools.zip_longest(trace, again)):
             if a != b:
                 self.fail(
@@ -230,3 +241,28 @@ class _Checker:
                     f"step {i + 1}, but deterministic=True"
                 )
                 return
+
+    def check_leaks(self) -> None:
+        """A container's server reuses one environment for session after session: what it
+        opens each episode and never closes (a file, a subprocess's pipes, a thread) runs the
+        container out of descriptors or memory some thousands of episodes in."""
+        samples = []
+        for _ in range(LEAK_EPISODES + 1):
+            self.play(self.env)
+            samples.append((_open_fds(), threading.active_count()))
+        for i, what in ((0, "file descriptors"), (1, "threads")):
+            counts: list[int] = [n for s in samples if (n := s[i]) is not None]
+            if len(counts) == len(samples) and all(a < b for a, b in itertools.pairwise(counts)):
+                self.fail(
+                    f"open {what} grew with every episode ({' -> '.join(map(str, counts))} over "
+                    f"{LEAK_EPISODES} episodes): reset() or step() leaves one open each time; close "
+                    "what the previous episode opened"
+                )
+
+
+def _open_fds() -> int | None:
+    """This process's open file descriptors, where ``/proc`` lists them (Linux)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
