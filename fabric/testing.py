@@ -23,8 +23,15 @@ from fabric.backends.base import Backend
 from fabric.errors import ErrorCode, FabricError, PayloadError, UnknownFunctionError
 from fabric.protocol import Invocation, Result, encode_payload
 from fabric.registry import SPEC_ATTR, Registry, default_registry, load_entry_point, source_version
-from fabric.runner import FunctionRunner, Outcome, outcome_to_result
+from fabric.runner import FunctionRunner, Outcome, _decode, outcome_to_result
 from fabric.spec import FunctionSpec
+
+#: An async function's call that holds its event loop this long in one stretch is reported:
+#: a blocking call (``time.sleep``, ``requests``) in ``async def`` stalls every call its
+#: worker runs, and its ``timeout_s`` cannot cut it (the timer needs the loop).
+BLOCKING_LIMIT_S = 1.0
+#: How often the watch on an async call's loop ticks.
+_BEAT_S = 0.01
 
 
 @dataclass
@@ -106,7 +113,9 @@ def check_function(spec: FunctionSpec | str, registry: Registry | None = None) -
     Checks: the spec survives a JSON round trip (it is what deploys read); the entry point
     imports in a fresh lookup and carries the same spec; the version matches the source;
     every example payload is valid, fits the payload limit, runs, and returns JSON (a reward
-    returns a finite number or a ``RewardResult``); unknown arguments are refused."""
+    returns a finite number or a ``RewardResult``) that reads back, within ``timeout_s``, an
+    async one without holding its event loop ``BLOCKING_LIMIT_S`` at a stretch; unknown
+    arguments are refused."""
     reg = registry if registry is not None else default_registry
     if isinstance(spec, str):
         spec = reg.get(spec)
@@ -142,17 +151,37 @@ def check_function(spec: FunctionSpec | str, registry: Registry | None = None) -
             except PayloadError as e:
                 problems.append(str(e))
                 continue
-            ok, out = call(raw)
+            t0 = time.monotonic()
+            (ok, out), blocked_s = call(raw)
+            elapsed = time.monotonic() - t0
+            if blocked_s >= BLOCKING_LIMIT_S:
+                problems.append(
+                    f"example {i}: blocked its event loop for {blocked_s:.2f} s at a stretch (a blocking "
+                    "call in async def: time.sleep, requests, subprocess.run): every other call on its "
+                    "worker waits, and its timeout_s cannot cut it; await an async form, run it with "
+                    "asyncio.to_thread, or make the function synchronous (def)"
+                )
             if not ok:
                 problems.append(f"example {i} failed: {out[0]}: {out[1]}")
                 continue
+            if not runner.is_async and elapsed > spec.timeout_s:
+                # the check lets it run to its end; a worker kills it at its limit
+                problems.append(
+                    f"example {i} ran past its timeout_s={spec.timeout_s:g} ({elapsed:.2f} s): deployed, "
+                    "every such call fails FunctionTimeout; raise timeout_s or make it faster"
+                )
+            try:
+                value = _decode(out)
+            except ValueError as e:  # a worker answers ResultNotSerializable (outcome_to_result)
+                problems.append(f"example {i}: returned a value that cannot be read back as JSON: {e}")
+                continue
             if spec.kind == "reward":
-                problems.extend(f"example {i}: {p}" for p in _reward_problems(out))
+                problems.extend(f"example {i}: {p}" for p in _reward_problems(value))
         if not spec.accepts_extra:
             bogus = dict(spec.examples[0]) if spec.examples else {}
             bogus["__not_an_argument__"] = 1
             with contextlib.suppress(PayloadError):  # a bad example 0: reported above
-                ok, out = call(encode_payload(bogus))
+                (ok, out), _ = call(encode_payload(bogus))
                 if ok or out[0] != ErrorCode.INVALID_ARGUMENTS:
                     problems.append("an unknown argument was not refused with InvalidArguments")
     if problems:
@@ -160,20 +189,19 @@ def check_function(spec: FunctionSpec | str, registry: Registry | None = None) -
 
 
 @contextlib.contextmanager
-def _calls(runner: FunctionRunner) -> Iterator[Callable[[bytes], Outcome]]:
-    """Calls of the function for ``check_function``. An async function runs on one private
-    event loop on a thread of its own: the caller may be in a running loop (an async test),
-    where ``asyncio.run`` refuses, and one loop serves every call, as in a worker."""
+def _calls(runner: FunctionRunner) -> Iterator[Callable[[bytes], tuple[Outcome, float]]]:
+    """Calls of the function for ``check_function``: each call's outcome, and the longest
+    stretch an async one held its loop. An async function runs on one private event loop on
+    a thread of its own: the caller may be in a running loop (an async test), where
+    ``asyncio.run`` refuses, and one loop serves every call, as in a worker."""
     if not runner.is_async:
-        yield runner.run
+        yield lambda raw: (runner.run(raw), 0.0)
         return
     loop = asyncio.new_event_loop()
     with ThreadPoolExecutor(1, thread_name_prefix="fabric-check") as thread:
 
-        def call(raw: bytes) -> Outcome:
-            return thread.submit(
-                loop.run_until_complete, runner.run_async(raw, runner.spec.timeout_s)
-            ).result()
+        def call(raw: bytes) -> tuple[Outcome, float]:
+            return thread.submit(loop.run_until_complete, _watched(runner, raw)).result()
 
         try:
             yield call
@@ -186,10 +214,34 @@ def _calls(runner: FunctionRunner) -> Iterator[Callable[[bytes], Outcome]]:
             thread.submit(close).result()
 
 
-def _reward_problems(raw: bytes) -> list[str]:
-    from fabric.protocol import RewardResult, decode_payload
+async def _watched(runner: FunctionRunner, raw: bytes) -> tuple[Outcome, float]:
+    """An async call's outcome, and the longest its loop went without a turn while it ran."""
+    loop = asyncio.get_running_loop()
+    due = loop.time() + _BEAT_S
+    worst = 0.0
 
-    value: Any = decode_payload(raw)
+    async def beat() -> None:
+        nonlocal due, worst
+        while True:
+            due = loop.time() + _BEAT_S
+            await asyncio.sleep(_BEAT_S)
+            worst = max(worst, loop.time() - due)
+
+    ticks = loop.create_task(beat())
+    await asyncio.sleep(0)  # the watch starts before the call: a block at once is seen
+    try:
+        out = await runner.run_async(raw, runner.spec.timeout_s)
+    finally:
+        worst = max(worst, loop.time() - due)  # a block at the very end: the tick is late now
+        ticks.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ticks
+    return out, worst
+
+
+def _reward_problems(value: Any) -> list[str]:
+    from fabric.protocol import RewardResult
+
     if isinstance(value, bool) or not isinstance(value, int | float | dict):
         return [f"a reward must return a number or a RewardResult, got {type(value).__name__}"]
     if isinstance(value, dict):
