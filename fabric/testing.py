@@ -2,7 +2,10 @@
 
 * ``FakeBackend``: runs functions in-process like ``inproc`` but lets a test script
   infrastructure failures and delays, and records every execution, so tests exercise the
-  client's retries, hedging and idempotency without patching internals.
+  client's retries, hedging and idempotency without patching internals. What a function
+  does wrong gets the local backends' codes: a setup hook that raises ``SetupFailed``, a
+  synchronous call past ``timeout_s`` ``FunctionTimeout`` (once it has run to its end: a
+  synchronous function runs on the event loop here, so calls run one at a time, in order).
 * ``check_function``: the conformance check every registered function should pass
   (like gymnasium's ``check_env``).
 """
@@ -93,9 +96,23 @@ class FakeBackend(Backend):
             return Result.failure(
                 ErrorCode.UNKNOWN_FUNCTION, str(e), function=inv.function, request_id=inv.request_id
             )
+        except Exception as e:
+            # the setup hook raised: final, as the local backends answer it (out of here, the
+            # client took it for a retryable TransportError and ran the hook again)
+            return Result.failure(
+                ErrorCode.SETUP_FAILED,
+                f"{type(e).__name__}: {e}",
+                function=inv.function,
+                request_id=inv.request_id,
+            )
         self.executions[inv.idempotency_key or inv.request_id] += 1
         t0 = time.perf_counter()
-        ok, out = await runner.run_async(inv.raw_payload, runner.spec.timeout_s)
+        timeout = runner.spec.timeout_s
+        ok, out = await runner.run_async(inv.raw_payload, timeout)
+        if not runner.is_async and time.perf_counter() - t0 > timeout:
+            # a synchronous call runs to its end here (on the loop, in order); a worker is
+            # killed at timeout_s, and so its caller gets what it would have
+            ok, out = False, (ErrorCode.TIMEOUT, f"{inv.function} ran past its {timeout:.3g} s limit", None)
         return outcome_to_result(
             inv, ok, out, exec_ms=(time.perf_counter() - t0) * 1e3, worker="fake", version=runner.spec.version
         )
