@@ -4,6 +4,7 @@
   infrastructure failures and delays, and records every execution, so tests exercise the
   client's retries, hedging and idempotency without patching internals. What a function
   does wrong gets the local backends' codes: a setup hook that raises ``SetupFailed``, a
+  call whose deadline passed before it started ``DeadlineExceeded`` (not run), a
   synchronous call past ``timeout_s`` ``FunctionTimeout`` (once it has run to its end: a
   synchronous function runs on the event loop here, so calls run one at a time, in order).
 * ``check_function``: the conformance check every registered function should pass
@@ -104,6 +105,15 @@ class FakeBackend(Backend):
                 f"{type(e).__name__}: {e}",
                 function=inv.function,
                 request_id=inv.request_id,
+            )
+        if inv.deadline is not None and inv.deadline <= time.time():
+            # after a fault's delay (a straggler's wait can pass it), as the backends check it
+            return Result.failure(
+                ErrorCode.DEADLINE_EXCEEDED,
+                "deadline passed before the call started",
+                function=inv.function,
+                request_id=inv.request_id,
+                started=False,
             )
         self.executions[inv.idempotency_key or inv.request_id] += 1
         t0 = time.perf_counter()

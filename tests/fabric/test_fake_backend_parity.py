@@ -32,6 +32,11 @@ def past_its_limit(traj: str) -> float:
     return 1.0
 
 
+@REG.reward
+def quick(traj: str) -> float:
+    return 1.0
+
+
 BACKENDS = [FakeBackend, InprocBackend]
 
 
@@ -54,3 +59,14 @@ async def test_a_synchronous_call_past_timeout_s_is_a_function_timeout(backend):
         res = await be.invoke(Invocation(function="past_its_limit", payload={"traj": "a"}))
     assert res.error is not None and res.error.type == ErrorCode.TIMEOUT
     assert "past_its_limit ran past its 0.05 s limit" in res.error.message
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.kind)
+async def test_a_call_whose_deadline_passed_before_it_started_is_not_run(backend):
+    """The fake ran it (ok, started=True): a test of what a caller does at its deadline saw
+    the function's answer instead of DeadlineExceeded, and an execution the backends never make."""
+    async with backend(REG) as be:
+        inv = Invocation(function="quick", payload={"traj": "a"}, deadline=time.time() - 1)
+        res = await be.invoke(inv)
+    assert res.error is not None and res.error.type == ErrorCode.DEADLINE_EXCEEDED
+    assert res.started is False
