@@ -76,3 +76,21 @@ def test_an_async_function_that_blocks_its_event_loop_is_listed():
 
 def test_an_async_function_that_awaits_passes():
     check_function("awaits", REG)
+
+
+_WARMED = False
+
+
+@REG.reward(examples=_EXAMPLE)
+async def blocks_once(traj: str) -> float:
+    """Blocks on its first call only, as a lazy import of a heavy module does: a worker's
+    cold start, not a call that stalls its worker every time."""
+    global _WARMED
+    if not _WARMED:
+        _WARMED = True
+        time.sleep(1.2)  # noqa: ASYNC251 - a one-time blocking warm-up under test
+    return 1.0
+
+
+def test_an_async_function_that_blocks_on_its_first_call_only_passes():
+    check_function("blocks_once", REG)
