@@ -89,8 +89,11 @@ class FakeBackend(Backend):
             )
         try:
             runner = self._runners.get(inv.function)
-            if runner is None:
-                runner = FunctionRunner(self.registry.callable(inv.function), self.registry.get(inv.function))
+            spec = self.registry.get(inv.function)
+            # by identity, as inproc tells a registration: a function registered again (a
+            # module reloaded) runs its new code, set up anew
+            if runner is None or runner.spec is not spec:
+                runner = FunctionRunner(self.registry.callable(inv.function), spec)
                 runner.setup()
                 self._runners[inv.function] = runner
         except UnknownFunctionError as e:

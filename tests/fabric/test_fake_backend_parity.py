@@ -4,6 +4,8 @@ deployed function gets."""
 
 from __future__ import annotations
 
+import importlib
+import sys
 import time
 
 import pytest
@@ -70,3 +72,29 @@ async def test_a_call_whose_deadline_passed_before_it_started_is_not_run(backend
         res = await be.invoke(inv)
     assert res.error is not None and res.error.type == ErrorCode.DEADLINE_EXCEEDED
     assert res.started is False
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.kind)
+async def test_a_function_registered_again_runs_its_new_code(backend, tmp_path, monkeypatch):
+    """A notebook cell run again, a module reloaded: the fake kept the first runner by name
+    and answered with the old code, where the local backends run the new registration."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # no stale .pyc of the same second
+    mod_name = f"fake_parity_{backend.kind}"
+    path = tmp_path / f"{mod_name}.py"
+    source = "import fabric\n\n@fabric.function(name='parity_{kind}')\ndef answer() -> str:\n"
+    source += "    return '{v}'\n"
+    path.write_text(source.format(kind=backend.kind, v="v1"))
+    reg = Registry()
+    reg.discover(mod_name)
+    try:
+        async with backend(reg) as be:
+            first = await be.invoke(Invocation(function=f"parity_{backend.kind}"))
+            path.write_text(source.format(kind=backend.kind, v="v2"))
+            importlib.invalidate_caches()
+            importlib.reload(sys.modules[mod_name])
+            reg.discover(mod_name)  # registered again: same entry, new code
+            again = await be.invoke(Invocation(function=f"parity_{backend.kind}"))
+    finally:
+        sys.modules.pop(mod_name, None)
+    assert (first.value, again.value) == ("v1", "v2")
