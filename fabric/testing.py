@@ -142,10 +142,10 @@ def check_function(spec: FunctionSpec | str, registry: Registry | None = None) -
 
     Checks: the spec survives a JSON round trip (it is what deploys read); the entry point
     imports in a fresh lookup and carries the same spec; the version matches the source;
-    every example payload is valid, fits the payload limit, runs, and returns JSON (a reward
-    returns a finite number or a ``RewardResult``) that reads back, within ``timeout_s``, an
-    async one without holding its event loop ``BLOCKING_LIMIT_S`` at a stretch (on a second
-    call too: a first may warm up); unknown arguments are refused."""
+    every example payload is valid, fits the payload limit, runs within ``timeout_s`` and
+    returns JSON that reads back (a reward: a finite number or a ``RewardResult``); an async
+    function's call does not hold its event loop ``BLOCKING_LIMIT_S`` at a stretch (on a
+    second call too: a first may warm up); unknown arguments are refused."""
     reg = registry if registry is not None else default_registry
     if isinstance(spec, str):
         spec = reg.get(spec)
