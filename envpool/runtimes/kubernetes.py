@@ -198,10 +198,14 @@ class KubernetesRuntime(Runtime):
             "spec": spec,
         }
 
+    def _pod_name(self) -> str:
+        # 18 characters, a DNS-1123 label: valid as a pod name and as a label value
+        return f"envpool-{secrets.token_hex(5)}"
+
     async def _start(self, image: str | None, bundle: Path | None) -> Container:
         del bundle  # a local path: of no use inside a pod (it fetches by digest instead)
         ns = self.config.namespace
-        name = f"envpool-{secrets.token_hex(5)}"
+        name = self._pod_name()
         manifest = self._manifest(name, image)
         self._pods.add(name)
         try:
@@ -214,7 +218,14 @@ class KubernetesRuntime(Runtime):
             create.add_done_callback(lambda t: self._created(name, t))
             # cancelled meanwhile (a start timeout, an aborted claim, a closing pool): the
             # create lands all the same, and the pod is deleted then, as docker and modal do
-            await create_or_clean(create, lambda _: self._delete(name))
+            try:
+                await create_or_clean(create, lambda _: self._delete(name))
+            except ContainerStartError as e:
+                if self._status_of(e) == 409:
+                    # AlreadyExists: that pod is another's (the client never resends a POST,
+                    # so it is not our create landing twice): not ours to delete below
+                    self._pods.discard(name)
+                raise
             host, port = await self._wait_running(name)
             await self._wait_listening(name, host, port)
         except BaseException:

@@ -264,3 +264,25 @@ async def test_a_start_cancelled_as_a_connect_attempt_fails_stays_cancelled(api,
             await start
         await rt.aclose()
     assert api.pod_names() == []
+
+
+async def test_a_name_taken_by_another_pod_is_a_failed_start_that_leaves_that_pod_alone(api):
+    # a create answered 409 AlreadyExists once had its "own" pod deleted as a failed start's
+    # cleanup: the pod of that name was another's (the client never resends a POST, so a 409
+    # is never our own create landing twice), and it was killed
+    other = {
+        "metadata": {"name": "envpool-taken0", "labels": {"app.kubernetes.io/managed-by": "envpool"}},
+        "spec": {"containers": [{"name": "c", "image": IMAGE, "command": ["sleep", "60"]}]},
+    }
+    assert api.create("default", other)[0] == 201
+
+    class Colliding(KubernetesRuntime):
+        def _pod_name(self) -> str:
+            return "envpool-taken0"
+
+    rt = Colliding(KubernetesRuntimeConfig(host=api.url, image=IMAGE, heartbeat_s=0.2))
+    with pytest.raises(ContainerStartError, match="409 AlreadyExists"):
+        await rt.start(None, None, timeout_s=15)
+    await rt.aclose()
+    assert api.pod_names() == ["envpool-taken0"] and api.requests["DELETE pod"] == 0
+    api.delete("default", "envpool-taken0")
