@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import logging
 import os
 import secrets
 import time
@@ -31,6 +32,7 @@ from envpool.runtimes._remote import create_or_clean, image_not_found, owner_gon
 from envpool.runtimes.base import Container, DockerRuntimeConfig, Runtime, proc_cpu_seconds
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 MANAGED_BY = {"app.kubernetes.io/managed-by": "envpool"}
 """Labels on every container the runtime starts (``docker ps --filter label=...`` finds them)."""
@@ -141,10 +143,15 @@ class DockerRuntime(Runtime):
     async def _start(self, image: str | None, bundle: Path | None) -> Container:
         client = await self.client()
         kw = run_kwargs(self.config, image, owner=self.owner)
-        ctr = await create_or_clean(
-            self._sdk("start a container", client.containers.run, **kw),
-            lambda ctr: asyncio.to_thread(ctr.remove, force=True),
-        )
+        # named, to be found when run() fails: it creates the container, then starts it, and
+        # a start the engine refuses (an image without python) raises with it created
+        name = f"envpool-{secrets.token_hex(6)}"
+        run = asyncio.ensure_future(self._sdk("start a container", client.containers.run, name=name, **kw))
+        try:
+            ctr = await create_or_clean(run, lambda ctr: asyncio.to_thread(ctr.remove, force=True))
+        except BaseException:
+            await asyncio.shield(self._remove_named(client, name, run))
+            raise
         c = Container(id=f"d-{ctr.id[:12]}", endpoint="", image=image, runtime=self.kind, handle=ctr.id)
         try:
             await self._sdk("inspect a container", ctr.reload)
@@ -164,6 +171,22 @@ class DockerRuntime(Runtime):
         if pid > 0:
             self._pids[c.id] = pid
         return c
+
+    async def _remove_named(self, client: Any, name: str, run: asyncio.Future[Any]) -> None:
+        """Remove the container ``name`` a failed (or cancelled) ``run`` may have left, once
+        that call in its thread has returned; only if it is ours (the name of another's, a
+        409 Conflict on create, is left alone)."""
+        await asyncio.wait([run])
+        if not run.cancelled():
+            run.exception()  # read: it is the caller's error, raised there
+        try:
+            ctr = await asyncio.to_thread(client.containers.get, name)
+            if (ctr.labels or {}).get(OWNER_LABEL) == self.owner:
+                await self._remove(ctr)
+        except self._docker.errors.NotFound:
+            pass  # never created: nothing to remove
+        except Exception as e:  # the start's own error is the one to raise
+            log.warning("envpool: docker: container %s of a failed start not removed: %s", name, e)
 
     async def _wait_listening(self, c: Container, ctr: Any) -> None:
         host, _, port = c.endpoint.removeprefix("tcp://").rpartition(":")

@@ -123,6 +123,7 @@ class FakeContainer:
     ):
         self.client = client
         self.id = f"{len(client.made) + 1:064x}"
+        self.name = self.id[:12]
         self.labels = labels
         self.status = "exited" if exit_code is not None else "running"
         state = {"ExitCode": exit_code} if exit_code is not None else {"Pid": pid}
@@ -149,17 +150,27 @@ class FakeClient:
         self.pid = 0
         """The host pid the engine reports for the next container (its main process)."""
         self.remove_failures = 0
+        self.start_error: str | None = None
+        """What the engine answers the start of each container ``run`` creates, if it refuses."""
         self.containers = self
 
-    def run(self, *, labels: dict[str, str], **kw: object) -> FakeContainer:
+    def run(self, *, labels: dict[str, str], name: str | None = None, **kw: object) -> FakeContainer:
+        # as the SDK's: create, then start; a start the engine refuses raises with the
+        # container created, and left there
         ctr = FakeContainer(self, labels, port=self.port, exit_code=self.exit_code, pid=self.pid)
+        ctr.name = name or ctr.id[:12]
         self.made[ctr.id] = ctr
+        if self.start_error is not None:
+            ctr.status = "created"
+            raise docker.errors.APIError(self.start_error)
         return ctr
 
     def get(self, cid: str) -> FakeContainer:
-        if cid not in self.made:
-            raise docker.errors.NotFound(f"no such container {cid}")
-        return self.made[cid]
+        # by id or by name, as the engine's
+        for ctr in self.made.values():
+            if cid in (ctr.id, ctr.name):
+                return ctr
+        raise docker.errors.NotFound(f"no such container {cid}")
 
     def list(self, *, all: bool = False, filters: dict[str, list[str]] | None = None) -> list[FakeContainer]:
         assert all and filters == {"label": ["app.kubernetes.io/managed-by=envpool"]}
@@ -177,6 +188,19 @@ async def test_an_unknown_image_is_image_not_found_at_once_not_a_retried_start()
     with pytest.raises(ImageNotFound, match=r"c{64}.*http://origin:8080"):
         await rt.start("typo@sha256:" + "c" * 64, None, timeout_s=10)
     assert client.made == {} and rt.live == {}  # the exited container was removed
+    await rt.aclose()
+
+
+async def test_a_container_whose_start_the_engine_refused_is_removed():
+    # the SDK's run() creates the container, then starts it: a start refused (an image
+    # without python: "exec: python: executable file not found") raised with the container
+    # created and unknown to us, one more left on the engine per retried start
+    client = FakeClient(port=_closed_port())
+    client.start_error = '400 Client Error: OCI runtime create failed: exec: "python": not found'
+    rt = DockerRuntime(DockerRuntimeConfig(), client=client)
+    with pytest.raises(ContainerStartError, match="python"):
+        await rt.start(None, None, timeout_s=10)
+    assert client.made == {} and rt.live == {}
     await rt.aclose()
 
 
