@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -111,6 +112,26 @@ class _RemoteCommon(_RuntimeCommon):
     env: dict[str, str] = Field(default_factory=dict)
 
 
+_K8S_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def k8s_label_problem(key: str, value: str) -> str | None:
+    """Why the API server would refuse the pod label ``key: value`` (422 Invalid), or None.
+    Kubernetes' rules: a key is a name of at most 63 characters (alphanumerics, ``-_.``,
+    alphanumeric at both ends) with an optional DNS-subdomain prefix and ``/``; a value is
+    empty or such a name."""
+    rule = "at most 63 alphanumerics, '-', '_' or '.', alphanumeric at both ends"
+    prefix, _, name = key.rpartition("/")
+    if prefix and (len(prefix) > 253 or not all(_DNS1123_LABEL.match(p) for p in prefix.split("."))):
+        return f"label key {key!r}: its prefix must be a lowercase DNS subdomain"
+    if len(name) > 63 or not _K8S_NAME.match(name):
+        return f"label key {key!r}: {rule}"
+    if value and (len(value) > 63 or not _K8S_NAME.match(value)):
+        return f"label {key!r} value {value!r}: {rule}"
+    return None
+
+
 class KubernetesRuntimeConfig(_RemoteCommon):
     """Each container is a pod, created through the official Kubernetes client."""
 
@@ -122,6 +143,24 @@ class KubernetesRuntimeConfig(_RemoteCommon):
     """API server URL, overriding the kubeconfig (tests point this at the fake API)."""
     labels: dict[str, str] = Field(default_factory=dict)
     service_account: str | None = None
+
+    @field_validator("labels")
+    @classmethod
+    def _valid_labels(cls, v: dict[str, str]) -> dict[str, str]:
+        # checked here, once: the API server refuses such a pod (422), a start failure
+        # retried on every claim
+        for key, value in v.items():
+            if (problem := k8s_label_problem(key, value)) is not None:
+                raise ValueError(problem)
+        return v
+
+    @field_validator("namespace")
+    @classmethod
+    def _valid_namespace(cls, v: str) -> str:
+        if len(v) > 63 or not _DNS1123_LABEL.match(v):
+            raise ValueError(f"namespace {v!r} is not a DNS-1123 label (lowercase, digits, '-'; at most 63)")
+        return v
+
     start_timeout_s: float = Field(120.0, gt=0)
 
 

@@ -7,12 +7,13 @@ unchanged.
 
 Served: ``POST/GET(list)/GET/DELETE /api/v1/namespaces/{ns}/pods[/{name}]`` with Pod,
 PodList and Status bodies shaped like the real ones (404 NotFound, 409 AlreadyExists, 422
-Invalid). Every created pod really runs: its container's command starts here as a process
-(``python`` is this interpreter; a ``0.0.0.0:<port>`` listen address becomes
-``127.0.0.1:0``). The pod is Pending until the process prints its JSON ready line, then
-Running with ``podIP`` 127.0.0.1 and the port it bound in the ``envpool.dev/port``
-annotation; Failed (with the process's stderr tail as the termination message) if the
-process exits. DELETE kills the process. Closing the fake kills every process it started.
+Invalid: a pod name or label the real server refuses). Every created pod really runs: its
+container's command starts here as a process (``python`` is this interpreter; a
+``0.0.0.0:<port>`` listen address becomes ``127.0.0.1:0``). The pod is Pending until the
+process prints its JSON ready line, then Running with ``podIP`` 127.0.0.1 and the port it
+bound in the ``envpool.dev/port`` annotation; Failed (with the process's stderr tail as the
+termination message) if the process exits. DELETE kills the process. Closing the fake kills
+every process it started.
 
 Knobs: ``fail_next_create`` (HTTP statuses the next creates answer, e.g. ``[500]`` or
 ``[409]``) and ``image_pull_error_for`` (images whose pods stay Pending in ErrImagePull).
@@ -37,6 +38,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+from envpool.runtimes.base import k8s_label_problem
 
 PORT_ANNOTATION = "envpool.dev/port"
 _POD_PATH = re.compile(r"^/api/v1/namespaces/(?P<ns>[a-z0-9-]+)/pods(?:/(?P<name>[^/]+))?$")
@@ -199,6 +202,11 @@ class FakeKubernetesAPI:
             return 422, _status(422, f'Pod "{name}" is invalid: spec.containers: Required value', name=name)
         if not _DNS1123.match(name) or len(name) > 253:
             return 422, _status(422, f'Pod "{name}" is invalid: metadata.name: Invalid value', name=name)
+        for key, value in (meta.get("labels") or {}).items():
+            if (problem := k8s_label_problem(str(key), str(value))) is not None:
+                return 422, _status(
+                    422, f'Pod "{name}" is invalid: metadata.labels: Invalid value: {problem}', name=name
+                )
         if meta.get("namespace") not in (None, ns):
             return 400, _status(400, "the namespace of the provided object does not match the request")
         obj = copy.deepcopy(body)

@@ -286,3 +286,30 @@ async def test_a_name_taken_by_another_pod_is_a_failed_start_that_leaves_that_po
     await rt.aclose()
     assert api.pod_names() == ["envpool-taken0"] and api.requests["DELETE pod"] == 0
     api.delete("default", "envpool-taken0")
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [{"team": "rl fabric"}, {"team": "x" * 64}, {"bad key": "v"}, {"Example.com/team": "v"}, {"team": "-v"}],
+)
+def test_labels_the_api_server_would_refuse_are_refused_in_the_config(labels):
+    # the API server answers 422 Invalid to a pod with such a label: every start failed,
+    # retried on every claim, and the pool never had a container
+    with pytest.raises(ValueError, match="label"):
+        KubernetesRuntimeConfig(labels=labels)
+    KubernetesRuntimeConfig(labels={"team": "rl-fabric", "example.com/run_id": "a.1", "empty": ""})
+
+
+def test_the_fake_api_refuses_invalid_labels_as_the_real_one_does(api):
+    pod = {
+        "metadata": {"name": "envpool-lbl0", "labels": {"team": "rl fabric"}},
+        "spec": {"containers": [{"name": "c", "image": IMAGE, "command": ["sleep", "60"]}]},
+    }
+    code, body = api.create("default", pod)
+    assert code == 422 and body["reason"] == "Invalid" and "metadata.labels" in body["message"]
+    assert api.pod_names() == []
+
+
+def test_a_namespace_that_is_no_dns_label_is_refused_in_the_config():
+    with pytest.raises(ValueError, match="namespace"):
+        KubernetesRuntimeConfig(namespace="RL_team")
