@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from envpool.errors import ContainerStartError, EnvPoolError, InfraError
+from envpool.errors import ContainerStartError, EnvPoolError, EnvUsageError, InfraError
 from envpool.protocol import EXIT_IMAGE_NOT_FOUND
 from envpool.runtimes._remote import create_or_clean, image_not_found, owner_id, pid_alive, server_command
 from envpool.runtimes.base import Container, KubernetesRuntimeConfig, Runtime
@@ -119,13 +119,27 @@ class KubernetesRuntime(Runtime):
         if cfg.host:  # an explicit API server (the fake in tests): plain HTTP, no auth
             conf.host = cfg.host.rstrip("/")
             return conf
+        # the client's errors say "Invalid kube-config file. No configuration found." for a
+        # file that is not there, naming none: ours say which, and what to set
         if cfg.kubeconfig:
-            k8s.config.load_kube_config(config_file=cfg.kubeconfig, client_configuration=conf)
+            if not os.path.isfile(os.path.expanduser(cfg.kubeconfig)):
+                raise EnvUsageError(f"kubernetes: kubeconfig {cfg.kubeconfig} not found (runtime.kubeconfig)")
+            try:
+                k8s.config.load_kube_config(config_file=cfg.kubeconfig, client_configuration=conf)
+            except k8s.config.ConfigException as e:
+                raise EnvUsageError(f"kubernetes: kubeconfig {cfg.kubeconfig}: {e}") from e
             return conf
         try:
             k8s.config.load_incluster_config(client_configuration=conf)
         except k8s.config.ConfigException:
-            k8s.config.load_kube_config(client_configuration=conf)
+            try:
+                k8s.config.load_kube_config(client_configuration=conf)
+            except k8s.config.ConfigException as e:
+                raise EnvUsageError(
+                    f"kubernetes: no credentials: not in-cluster (no service account), and no "
+                    f"usable kubeconfig at $KUBECONFIG or ~/.kube/config ({e}); set "
+                    "runtime.kubeconfig, or runtime.host for an API server without auth"
+                ) from e
         return conf
 
     # ------------------------------------------------------------------ API calls

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ import pytest
 from echo_bundle import write_bundle
 from pool_util import alive, wait_for
 
-from envpool.errors import ContainerStartError
+from envpool.errors import ContainerStartError, EnvUsageError
 from envpool.images.bundle import build_bundle
 from envpool.images.errors import ImageNotFound
 from envpool.images.fake_origin import FakeOrigin
@@ -313,3 +314,20 @@ def test_the_fake_api_refuses_invalid_labels_as_the_real_one_does(api):
 def test_a_namespace_that_is_no_dns_label_is_refused_in_the_config():
     with pytest.raises(ValueError, match="namespace"):
         KubernetesRuntimeConfig(namespace="RL_team")
+
+
+def test_a_missing_kubeconfig_is_a_clear_error_naming_it(tmp_path: Path):
+    # the client's own error said "Invalid kube-config file. No configuration found.", no
+    # path, and not an envpool error: a typo in the path read as a broken file
+    missing = tmp_path / "nope" / "config"
+    with pytest.raises(EnvUsageError, match=f"kubeconfig {missing}.*not found"):
+        KubernetesRuntime(KubernetesRuntimeConfig(kubeconfig=str(missing)))
+
+
+def test_no_credentials_at_all_is_a_clear_error(tmp_path: Path, monkeypatch):
+    if os.environ.get("KUBECONFIG"):
+        pytest.skip("KUBECONFIG is set: the client read it when imported")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.kube/config
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a pod
+    with pytest.raises(EnvUsageError, match=r"in-cluster.*~/.kube/config.*runtime.kubeconfig"):
+        KubernetesRuntime(KubernetesRuntimeConfig())
