@@ -181,7 +181,9 @@ class ModalRuntimeConfig(_RemoteCommon):
     timeout_s: int = Field(3600, ge=10, le=86400)
     """Sandbox lifetime (Modal allows up to 24 h)."""
     block_network: bool = False
-    """True cuts the sandbox off the network (it can still serve its tunnel)."""
+    """True cuts the sandbox's outbound traffic (an empty outbound allow-list: Modal refuses
+    ``block_network`` itself with the tunnel's open port); the tunnel still serves. Its server
+    cannot fetch a bundle from ``image_source`` then: built-in environments only."""
 
 
 RuntimeConfig = Annotated[

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import time
 from pathlib import Path
 from typing import Any
@@ -76,12 +77,28 @@ class ModalRuntime(Runtime):
             "timeout": cfg.timeout_s,
             "unencrypted_ports": [cfg.port],  # the session protocol is plain TCP, not TLS
             "cpu": cfg.cpu,
-            "memory": cfg.memory_mb,
-            "block_network": cfg.block_network,
+            # (request, limit): a bare number is a request only, and a sandbox's memory grew
+            # without bound where a pod's or a docker container's stops at it
+            "memory": (cfg.memory_mb, cfg.memory_mb),
         }
+        if cfg.block_network:
+            # not ``block_network=True``: Modal refuses it with open ports, and the tunnel is
+            # one. An empty outbound allow-list blocks all outbound traffic, tunnel kept
+            kw[self._allowlist_kwarg()] = []
         if cfg.env:
             kw["env"] = dict(cfg.env)
         return server_command(cfg, image), kw
+
+    def _allowlist_kwarg(self) -> str:
+        """``outbound_cidr_allowlist``, the name of modal 1.x since 2026 (``cidr_allowlist``,
+        deprecated) where the SDK has it."""
+        try:
+            params = inspect.signature(self.modal.Sandbox.create).parameters
+        except (TypeError, ValueError):
+            return "outbound_cidr_allowlist"
+        if "outbound_cidr_allowlist" not in params and "cidr_allowlist" in params:
+            return "cidr_allowlist"
+        return "outbound_cidr_allowlist"
 
     async def _start(self, image: str | None, bundle: Path | None) -> Container:
         m = self.modal

@@ -8,7 +8,9 @@ real local process, so a pool under test really talks to a server.
 ``0.0.0.0:<port>`` becomes ``127.0.0.1:0``), and ``tunnels()`` reports where the server
 listens. ``FakeModal(authenticated=False)`` raises ``AuthError`` like Modal without a token.
 ``running()`` lists the sandboxes still running; ``kill(id)`` makes one die;
-``create_delay_s`` makes ``create`` slow (a window for cancellation tests).
+``create_delay_s`` makes ``create`` slow (a window for cancellation tests). ``create``
+refuses what Modal's does (an unknown argument, open ports with ``block_network``, an
+environment variable name Modal rejects), creating nothing.
 """
 
 from __future__ import annotations
@@ -53,7 +55,43 @@ class NotFoundError(Error):
     """``modal.exception.NotFoundError``."""
 
 
-exception = SimpleNamespace(Error=Error, AuthError=AuthError, NotFoundError=NotFoundError)
+class InvalidError(Error):
+    """``modal.exception.InvalidError``: arguments Modal refuses."""
+
+
+exception = SimpleNamespace(
+    Error=Error, AuthError=AuthError, NotFoundError=NotFoundError, InvalidError=InvalidError
+)
+
+# keyword arguments of the real ``Sandbox.create`` (modal 1.x): any other is a TypeError there
+_CREATE_KWARGS = frozenset(
+    {
+        "name", "tags", "env", "secrets", "network_file_systems", "timeout", "idle_timeout",
+        "workdir", "gpu", "cloud", "region", "cpu", "memory", "block_network",
+        "outbound_cidr_allowlist", "cidr_allowlist", "inbound_cidr_allowlist", "volumes", "pty",
+        "encrypted_ports", "h2_ports", "unencrypted_ports", "verbose", "client",
+    }
+)  # fmt: skip
+_ENV_KEY = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+def _check_create(kw: dict[str, Any]) -> None:
+    """What the real ``Sandbox.create`` refuses before it creates anything."""
+    unknown = sorted(set(kw) - _CREATE_KWARGS)
+    if unknown:
+        raise TypeError(f"Sandbox.create() got an unexpected keyword argument {unknown[0]!r}")
+    ports = [*kw.get("encrypted_ports", ()), *kw.get("h2_ports", ()), *kw.get("unencrypted_ports", ())]
+    if kw.get("block_network") and ports:
+        raise InvalidError("Cannot specify open ports when `block_network` is enabled")
+    for key in kw.get("env") or {}:
+        if not _ENV_KEY.match(key):
+            raise InvalidError(
+                f"Secret key name {key!r} is invalid for environment variables. "
+                "Only letters, numbers, and underscores are allowed."
+            )
+    memory = kw.get("memory")
+    if isinstance(memory, tuple) and memory[1] < memory[0]:
+        raise InvalidError(f"Cannot specify a memory limit lower than request: {memory[1]} < {memory[0]}")
 
 
 @dataclass(frozen=True)
@@ -125,6 +163,7 @@ class FakeModal:
                 fake._check_auth()
                 if app is None:
                     raise Error("Sandbox.create needs an app outside a running Modal function")
+                _check_create(kw)
                 state = fake._spawn(list(args), app, image, kw)
                 time.sleep(fake.create_delay_s)
                 return cls(state)

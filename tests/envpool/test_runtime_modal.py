@@ -54,9 +54,39 @@ async def test_a_session_runs_over_a_sandbox_tunnel(fake):
             "timeout": 3600,
             "unencrypted_ports": [7000],
             "cpu": 1.0,
-            "memory": 1024,
-            "block_network": False,
+            "memory": (1024, 1024),
         }
+
+
+async def test_a_sandbox_s_memory_is_a_limit_as_a_pod_s_and_a_docker_container_s(fake):
+    # a bare ``memory`` is only Modal's request (no limit): an environment that leaked memory
+    # grew without bound, billed, where kubernetes and docker would have stopped it
+    rt = ModalRuntime(ModalRuntimeConfig(memory_mb=512), modal_module=fake)
+    _, kw = rt.create_args(None)
+    assert kw["memory"] == (512, 512)
+
+
+async def test_block_network_cuts_outbound_traffic_and_still_serves_the_tunnel(fake):
+    # Modal refuses ``block_network=True`` with open ports (InvalidError): every start failed,
+    # retried on every claim. An empty outbound allow-list blocks what it meant to, tunnel kept
+    async with modal_pool(fake, runtime={"type": "modal", "block_network": True}) as p:
+        async with p.session("echo-v0") as s:
+            await s.reset(seed=0)
+            assert (await s.step("hi")).obs.text == "hi"
+            kw = fake.sandboxes[s.container.handle].kwargs
+            assert kw["outbound_cidr_allowlist"] == [] and "block_network" not in kw
+
+
+def test_the_fake_refuses_what_modal_refuses():
+    fake = FakeModal()
+    app = fake.App.lookup("a", create_if_missing=True)
+    with pytest.raises(fake.exception.InvalidError, match="block_network"):
+        fake.Sandbox.create("true", app=app, block_network=True, unencrypted_ports=[7000])
+    with pytest.raises(fake.exception.InvalidError, match="environment variables"):
+        fake.Sandbox.create("true", app=app, env={"A-B": "1"})
+    with pytest.raises(TypeError, match="no_such_option"):
+        fake.Sandbox.create("true", app=app, no_such_option=1)
+    assert fake.sandboxes == {}
 
 
 def test_the_sandbox_command_serves_tcp_and_fetches_a_bundle_by_digest():
@@ -65,7 +95,7 @@ def test_the_sandbox_command_serves_tcp_and_fetches_a_bundle_by_digest():
     assert args[:6] == ["python", "-m", "envpool.server", "--tcp", "0.0.0.0:7000", "--no-netns"]
     assert args[args.index("--image-digest") + 1] == DIGEST
     assert args[args.index("--image-source") + 1] == "http://mirror:8080"
-    assert kw["env"] == {"A": "1"} and kw["block_network"] is True
+    assert kw["env"] == {"A": "1"} and kw["outbound_cidr_allowlist"] == []
 
 
 async def test_reconnect_by_sandbox_id_gives_a_working_container(fake):
