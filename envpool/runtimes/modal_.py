@@ -7,15 +7,19 @@ sandboxes it started. A custom environment image (a bundle) is fetched by the se
 from ``config.image_source``.
 
 ``modal`` is imported lazily; tests inject ``envpool.runtimes.modal_fake`` instead, which
-runs each sandbox as a local process. Modal's errors are translated in ``_translate``.
+runs each sandbox as a local process. Modal's errors are translated in ``_translate``. An
+exit hook terminates the sandboxes this process still holds (a pool never closed); a sandbox
+ends by itself at ``timeout_s`` all the same.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import inspect
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,27 @@ from envpool.errors import ContainerDied, ContainerStartError, EnvPoolError, Env
 from envpool.protocol import EXIT_IMAGE_NOT_FOUND
 from envpool.runtimes._remote import create_or_clean, image_not_found, server_command
 from envpool.runtimes.base import Container, ModalRuntimeConfig, Runtime
+
+_RUNTIMES: weakref.WeakSet[ModalRuntime] = weakref.WeakSet()
+_hook_registered = False
+
+
+def _terminate_leftovers() -> None:
+    # exit backstop: a pool that was never closed (or whose stops failed) leaves no sandbox
+    # running, and billed, until its timeout_s
+    for rt in list(_RUNTIMES):
+        for c in [*rt.live.values(), *rt.leaked.values()]:
+            with contextlib.suppress(Exception):
+                rt.modal.Sandbox.from_id(c.handle).terminate()
+
+
+def _register_exit_hook() -> None:
+    # registered once modal is imported, not when this module is: atexit runs hooks last
+    # registered first, and modal's own (synchronicity's) closes the loop its sync calls need
+    global _hook_registered
+    if not _hook_registered:
+        atexit.register(_terminate_leftovers)
+        _hook_registered = True
 
 
 def _import_modal() -> Any:
@@ -50,6 +75,8 @@ class ModalRuntime(Runtime):
         self.config = config or ModalRuntimeConfig()
         self.modal = modal_module if modal_module is not None else _import_modal()
         self._app: Any = None
+        _RUNTIMES.add(self)
+        _register_exit_hook()
 
     def _translate(self, e: Exception, what: str) -> EnvPoolError:
         """A Modal error as an envpool error: a missing token is the caller's to fix (never
@@ -196,6 +223,11 @@ class ModalRuntime(Runtime):
         except self.modal.exception.Error as e:
             raise self._translate(e, f"terminate sandbox {c.handle}") from e
         await self._terminate(sb)
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        if not self.live and not self.leaked:  # else the exit hook tries once more
+            _RUNTIMES.discard(self)
 
     async def _alive(self, c: Container) -> bool:
         try:

@@ -206,3 +206,20 @@ async def test_a_start_cancelled_midway_leaves_no_sandbox(after_s):
         assert fake.running() == []
     finally:
         fake.close()
+
+
+def test_the_exit_hook_terminates_the_sandboxes_of_a_runtime_never_closed():
+    # docker and kubernetes had this backstop, modal none: a crashed job's sandboxes ran on,
+    # billed, until their timeout_s (an hour by default)
+    from envpool.runtimes.modal_ import _terminate_leftovers
+
+    fake = FakeModal()
+    try:
+        rt = ModalRuntime(ModalRuntimeConfig(heartbeat_s=0.2), modal_module=fake)
+        asyncio.run(rt.start(None, None, timeout_s=30))  # and never closed
+        assert len(fake.running()) == 1
+        _terminate_leftovers()
+        assert fake.running() == []
+        asyncio.run(rt.aclose())
+    finally:
+        fake.close()
