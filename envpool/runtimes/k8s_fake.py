@@ -16,7 +16,8 @@ termination message) if the process exits. DELETE kills the process. Closing the
 every process it started.
 
 Knobs: ``fail_next_create`` (HTTP statuses the next creates answer, e.g. ``[500]`` or
-``[409]``) and ``image_pull_error_for`` (images whose pods stay Pending in ErrImagePull).
+``[409]``), ``fail_next_delete`` (the same for deletes) and ``image_pull_error_for`` (images
+whose pods stay Pending in ErrImagePull).
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ class FakeKubernetesAPI:
     def __init__(self) -> None:
         self.fail_next_create: list[int] = []
         """HTTP statuses for the next pod creates, in order (500 InternalError, 409 AlreadyExists...)."""
+        self.fail_next_delete: list[int] = []
+        """HTTP statuses for the next pod deletes, in order (the pod stays)."""
         self.image_pull_error_for: set[str] = set()
         """Images whose pods never start: Pending, container waiting in ErrImagePull."""
         self.requests: Counter[str] = Counter()
@@ -273,6 +276,9 @@ class FakeKubernetesAPI:
     def delete(self, ns: str, name: str) -> tuple[int, dict[str, Any]]:
         self.requests["DELETE pod"] += 1
         with self._lock:
+            if self.fail_next_delete:
+                code = self.fail_next_delete.pop(0)
+                return code, _status(code, f"injected failure deleting pod {name!r}", name=name)
             pod = self._pods.pop((ns, name), None)
             if pod is None:
                 return 404, _status(404, f'pods "{name}" not found', name=name)

@@ -404,5 +404,7 @@ class KubernetesRuntime(Runtime):
         await super().aclose()
         # starts still in flight delete their own pods; anything else tracked goes now
         await asyncio.gather(*(self._delete(n) for n in list(self._pods)), return_exceptions=True)
+        if self._pods:  # a delete failed again: the exit hook tries once more, with this client
+            return
         await asyncio.to_thread(self._api_client.close)
         _RUNTIMES.discard(self)
