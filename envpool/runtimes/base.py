@@ -80,6 +80,17 @@ class ProcessRuntimeConfig(_RuntimeCommon):
     """Fork containers from a pre-imported zygote (ms) instead of a fresh interpreter (~200 ms)."""
 
 
+# an OCI image reference, as registries and engines parse it (distribution/reference):
+# [domain[:port]/]path[/path...][:tag][@algorithm:hex]
+_HOST_PART = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
+_DOMAIN = rf"(?:{_HOST_PART}(?:\.{_HOST_PART})*(?::[0-9]+)?/)?"
+_PATH = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_OCI_REF = re.compile(
+    rf"^(?P<name>{_DOMAIN}{_PATH}(?:/{_PATH})*)(?::[\w][\w.-]{{0,127}})?"
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$"
+)
+
+
 class _RemoteCommon(_RuntimeCommon):
     """Runtimes whose containers run an OCI image with rl-fabric installed and serve the
     session protocol over TCP; a custom environment image (a bundle) is fetched by the
@@ -91,6 +102,20 @@ class _RemoteCommon(_RuntimeCommon):
     """Port the server listens on inside the container."""
     image_source: str | None = None
     """Base URL (``GET {url}/blobs/sha256:<hex>``) the container fetches bundles from."""
+
+    @field_validator("image")
+    @classmethod
+    def _oci_reference(cls, v: str) -> str:
+        # checked here, once: the engine ("invalid reference format"), the kubelet
+        # (InvalidImageName) and Modal refuse it on each container, a start failure retried
+        # on every claim
+        m = _OCI_REF.match(v)
+        if m is None or len(m["name"]) > 255:
+            raise ValueError(
+                f"image {v!r} is not an OCI image reference ([registry/]name[:tag][@sha256:...], "
+                "the name in lowercase)"
+            )
+        return v
 
     @field_validator("image_source")
     @classmethod

@@ -380,3 +380,28 @@ async def test_an_image_the_engine_cannot_find_is_a_clear_error():
     with pytest.raises((EnvUsageError, ContainerStartError), match="no-such-image"):
         await rt.start(None, None, timeout_s=60)
     await rt.aclose()
+
+
+@pytest.mark.parametrize("kind", ["docker", "kubernetes", "modal"])
+@pytest.mark.parametrize(
+    "image", ["", "Rl-Fabric-Env:1", "rl fabric:1", "env:", "env:bad tag", "env@sha256:xyz"]
+)
+def test_an_image_reference_no_registry_accepts_is_refused_in_the_config(kind, image):
+    # the engine ("invalid reference format"), the kubelet (InvalidImageName) and Modal refuse
+    # it on each container: a start failure, retried on every claim, never a container
+    with pytest.raises(ValueError, match="image"):
+        EnvPool({"runtime": {"type": kind, "image": image}})
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        "rl-fabric-env:latest",
+        "registry.example.com:5000/team/rl_fabric-env:1.2",
+        "localhost/env",
+        "ghcr.io/org/env@sha256:" + "ab" * 32,
+        "ghcr.io/org/env:1@sha256:" + "ab" * 32,
+    ],
+)
+def test_image_references_registries_accept_are_kept(image):
+    assert DockerRuntimeConfig(image=image).image == image
