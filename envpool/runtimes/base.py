@@ -205,6 +205,16 @@ class ModalRuntimeConfig(_RemoteCommon):
     app_name: str = "rl-fabric-envs"
     timeout_s: int = Field(3600, ge=10, le=86400)
     """Sandbox lifetime (Modal allows up to 24 h)."""
+
+    @field_validator("env")
+    @classmethod
+    def _modal_env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        # Modal refuses the sandbox of any other name (InvalidError), on every start
+        for key in v:
+            if not re.match(r"^[a-zA-Z_][a-zA-Z0-9_]*$", key):
+                raise ValueError(f"env name {key!r}: Modal allows letters, digits and '_' only")
+        return v
+
     block_network: bool = False
     """True cuts the sandbox's outbound traffic (an empty outbound allow-list: Modal refuses
     ``block_network`` itself with the tunnel's open port); the tunnel still serves. Its server

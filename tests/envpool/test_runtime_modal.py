@@ -223,3 +223,10 @@ def test_the_exit_hook_terminates_the_sandboxes_of_a_runtime_never_closed():
         asyncio.run(rt.aclose())
     finally:
         fake.close()
+
+
+def test_an_environment_variable_name_modal_refuses_is_refused_in_the_config():
+    # Modal refuses the sandbox (InvalidError) on each start: retried on every claim
+    with pytest.raises(ValueError, match="A-B"):
+        ModalRuntimeConfig(env={"A-B": "1"})
+    assert ModalRuntimeConfig(env={"_A1": "x"}).env == {"_A1": "x"}
