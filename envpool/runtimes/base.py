@@ -165,7 +165,8 @@ class KubernetesRuntimeConfig(_RemoteCommon):
     kubeconfig: str | None = None
     """Path of a kubeconfig; None: in-cluster config, else ~/.kube/config."""
     host: str | None = None
-    """API server URL, overriding the kubeconfig (tests point this at the fake API)."""
+    """API server URL, overriding the kubeconfig's server (its credentials kept); without a
+    kubeconfig, an API server without auth (tests point this at the fake API)."""
     labels: dict[str, str] = Field(default_factory=dict)
     service_account: str | None = None
 

@@ -114,6 +114,8 @@ class FakeKubernetesAPI:
         """Images whose pods never start: Pending, container waiting in ErrImagePull."""
         self.requests: Counter[str] = Counter()
         """``"POST pods"``, ``"GET pod"``, ``"LIST pods"``, ``"DELETE pod"``: what the client did."""
+        self.authorization: str | None = None
+        """The ``Authorization`` header of the last request (the fake checks none)."""
         self._pods: dict[tuple[str, str], _Pod] = {}
         self._lock = threading.Lock()
         self._version = 0
@@ -399,6 +401,7 @@ class _Handler(BaseHTTPRequestHandler):
         return json.loads(raw) if raw else {}
 
     def _route(self, method: str) -> None:
+        self.fake.authorization = self.headers.get("Authorization")
         url = urlsplit(self.path)
         m = _POD_PATH.match(url.path)
         try:

@@ -78,6 +78,20 @@ def _import_kubernetes() -> Any:
     return kubernetes
 
 
+def _override_host(conf: Any, host: str) -> None:
+    """Point ``conf`` at ``host``, for good: with a token, the kubeconfig loader's refresh hook
+    (run before each request) sets the kubeconfig's server again."""
+    conf.host = host
+    hook = conf.refresh_api_key_hook
+    if hook is not None:
+
+        def refresh(c: Any) -> None:
+            hook(c)
+            c.host = host
+
+        conf.refresh_api_key_hook = refresh
+
+
 async def _accepts(host: str, port: int, timeout_s: float) -> bool:
     """Whether a server at ``host:port`` accepts a connection within ``timeout_s`` (closed
     at once). Not ``wait_for``: on Python 3.11 it returns the attempt's outcome (or raises
@@ -116,7 +130,7 @@ class KubernetesRuntime(Runtime):
     def _client_configuration(self, k8s: Any) -> Any:
         cfg = self.config
         conf = k8s.client.Configuration()
-        if cfg.host:  # an explicit API server (the fake in tests): plain HTTP, no auth
+        if cfg.host and not cfg.kubeconfig:  # an API server without auth (the fake in tests)
             conf.host = cfg.host.rstrip("/")
             return conf
         # the client's errors say "Invalid kube-config file. No configuration found." for a
@@ -128,6 +142,8 @@ class KubernetesRuntime(Runtime):
                 k8s.config.load_kube_config(config_file=cfg.kubeconfig, client_configuration=conf)
             except k8s.config.ConfigException as e:
                 raise EnvUsageError(f"kubernetes: kubeconfig {cfg.kubeconfig}: {e}") from e
+            if cfg.host:  # its server only: the kubeconfig's credentials are kept
+                _override_host(conf, cfg.host.rstrip("/"))
             return conf
         try:
             k8s.config.load_incluster_config(client_configuration=conf)

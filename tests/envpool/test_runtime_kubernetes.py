@@ -345,3 +345,19 @@ def test_a_pod_whose_delete_failed_at_close_is_deleted_by_the_exit_hook(api):
     assert api.pod_names() == [c.handle]
     _delete_leftovers()
     assert api.pod_names() == []
+
+
+async def test_host_overrides_the_kubeconfig_s_server_and_keeps_its_credentials(api, tmp_path: Path):
+    # with host set, the kubeconfig was not read at all: its token was never sent, and a
+    # real API server answered every call 401 Unauthorized
+    kubeconfig = tmp_path / "config"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: k, cluster: {server: 'https://elsewhere:6443'}}]\n"
+        "users: [{name: u, user: {token: tok123}}]\n"
+        "contexts: [{name: c, context: {cluster: k, user: u}}]\n"
+    )
+    rt = KubernetesRuntime(KubernetesRuntimeConfig(host=api.url, kubeconfig=str(kubeconfig), image=IMAGE))
+    assert await rt.reap_orphans() == []
+    assert api.authorization == "Bearer tok123"
+    await rt.aclose()
