@@ -9,6 +9,10 @@ connection at ``podIP:port``. The port is the container spec's ``containerPort``
 the fake API (``envpool.runtimes.k8s_fake``) runs every pod on 127.0.0.1 and uses that
 annotation to say which port it picked.
 
+The pool connects to the pod's IP directly: it must run where the pod network is routable
+(in the cluster, or on a node or VPN that reaches it). From outside, every start waits for
+its timeout and fails, the pod deleted.
+
 A custom environment image is not mounted into the pod (the pool's local bundle is of no
 use there): the pod's server fetches the bundle by digest from ``config.image_source``.
 
