@@ -195,7 +195,9 @@ class DockerRuntimeConfig(_RemoteCommon):
 
     type: Literal["docker"] = "docker"
     base_url: str | None = None
-    """Docker engine URL; None: the environment's (DOCKER_HOST or the local socket)."""
+    """Docker engine URL; None: the environment's (DOCKER_HOST or the local socket). The
+    engine must run on this machine: a container's port is published on the engine host's
+    loopback, which a remote engine's (``tcp://``, ``ssh://``) is not."""
     network: str | None = None
 
 
