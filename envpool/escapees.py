@@ -31,6 +31,7 @@ import contextlib
 import hashlib
 import os
 import threading
+import time
 from collections.abc import Collection, Iterator
 from pathlib import Path
 
@@ -84,13 +85,50 @@ def marked(tokens: Collection[str]) -> list[int]:
         if not entry.name.isdigit() or int(entry.name) == me:
             continue
         try:
-            with open(f"/proc/{entry.name}/environ", "rb") as f:
-                env = f.read()
+            env = _read(entry.name, "environ")
+            if not env and _in_exec(entry.name):
+                env = _after_exec(entry.name)
         except OSError:  # gone meanwhile, or another user's: not ours to read (nor to kill)
             continue
         if not wanted.isdisjoint(env.split(b"\0")):
             found.append(int(entry.name))
     return found
+
+
+def _read(pid: str, name: str) -> bytes:
+    with open(f"/proc/{pid}/{name}", "rb") as f:
+        return f.read()
+
+
+_PF_KTHREAD = 0x00200000
+EXEC_WAIT_S = 0.5
+"""How long a scan waits for a process caught inside its ``execve`` to show its environment."""
+
+
+def _in_exec(pid: str) -> bool:
+    """Whether a process whose environment reads empty is inside its ``execve``: past the
+    switch to its new memory, before its arguments and environment are laid out there (both
+    read empty until then). ``Popen`` returns its pid in that window (its error pipe closes
+    at the switch), so a helper an environment started just before its container's stop was
+    missed by the sweep if the scan came while the exec was descheduled (a loaded machine),
+    and ran on under init. Not a kernel thread (both empty for ever), a zombie or a process
+    exiting (its memory gone), nor one started with no environment (its command line shows)."""
+    fields = _read(pid, "stat").rpartition(b")")[2].split()
+    if fields[0] in (b"Z", b"X", b"x") or int(fields[6]) & _PF_KTHREAD:
+        return False
+    return not _read(pid, "cmdline")
+
+
+def _after_exec(pid: str) -> bytes:
+    """The environment of a process inside its ``execve`` once it shows (``_in_exec``), or
+    empty if it does not within ``EXEC_WAIT_S`` (it exited, or was never exec-ing)."""
+    deadline = time.monotonic() + EXEC_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(0.001)
+        env = _read(pid, "environ")
+        if env or not _in_exec(pid):
+            return env
+    return b""
 
 
 _ONE_AT_A_TIME = threading.RLock()
