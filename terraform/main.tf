@@ -11,6 +11,7 @@ module "storage" {
 
   name_prefix           = var.name_prefix
   spill_expiration_days = var.spill_expiration_days
+  force_destroy         = var.bucket_force_destroy
 }
 
 module "functions" {

@@ -81,6 +81,10 @@ variable "functions" {
     error_message = "functions[*].warm (provisioned concurrency) must be >= 0."
   }
   validation {
+    condition     = alltrue([for f in values(var.functions) : f.reserved_concurrency >= -1])
+    error_message = "functions[*].reserved_concurrency must be -1 (unreserved) or >= 0."
+  }
+  validation {
     # Lambda refuses more provisioned than reserved concurrency
     condition     = alltrue([for f in values(var.functions) : f.reserved_concurrency < 0 || f.warm <= f.reserved_concurrency])
     error_message = "functions[*].warm must not exceed reserved_concurrency when that is set (>= 0)."
@@ -120,12 +124,23 @@ variable "idempotency_ttl_s" {
   description = "How long an idempotency record lives (RL_FABRIC_IDEMPOTENCY_TTL_S)."
   type        = number
   default     = 3600
+
+  validation {
+    condition     = var.idempotency_ttl_s >= 1
+    error_message = "idempotency_ttl_s must be >= 1."
+  }
 }
 
 variable "spill_expiration_days" {
   description = "Spilled payloads (s3://bucket/spill/) are deleted after this many days."
   type        = number
   default     = 7
+}
+
+variable "bucket_force_destroy" {
+  description = "Let terraform destroy delete the storage bucket with the objects terraform does not manage (spilled payloads, trajectories); apply it before the destroy. Off: the destroy fails on a bucket that holds any."
+  type        = bool
+  default     = false
 }
 
 variable "enable_queue" {

@@ -34,6 +34,7 @@ from terraform_helpers import (  # noqa: E402
     TERRAFORM_DIR,
     _blocks,
     _code,
+    _lifecycle_plan_errors,
     _named,
     _plan_variables,
     _typed,
@@ -265,8 +266,20 @@ def _with(path: str, value: Any) -> dict[str, Any]:
         (_with("package", {"type": "tar"}), 'package.type must be "zip" or "image"'),
         (_with("name_prefix", "rl.fabric"), "name_prefix: letters, digits"),
         (_with("functions", {}), "deploy at least one function"),
+        (_with("functions.exact_match.reserved_concurrency", -2), "reserved_concurrency must be -1"),
+        (_with("idempotency_ttl_s", 0), "idempotency_ttl_s must be >= 1"),
     ],
-    ids=["timeout", "memory", "warm>reserved", "image-without-uri", "package-type", "prefix", "no-functions"],
+    ids=[
+        "timeout",
+        "memory",
+        "warm>reserved",
+        "image-without-uri",
+        "package-type",
+        "prefix",
+        "no-functions",
+        "reserved<-1",
+        "ttl",
+    ],
 )
 def test_terraform_rejects_bad_tfvars(tmp_path: Path, tfvars: dict[str, Any], message: str):
     errors = _plan_variables(tfvars, tmp_path)
@@ -376,3 +389,58 @@ def test_environment_names_match_the_handler():
         "POWERTOOLS_METRICS_NAMESPACE",
     ):
         assert re.search(rf"\b{name}\s*=", code), name
+
+
+def test_a_zip_package_reaches_lambda_through_s3():
+    """Lambda takes a zip inline (CreateFunction's ZipFile, what ``filename`` sends) only up to
+    50 MB; a bigger one only from S3 (up to 250 MB unzipped). docs/deploy.md and --direct's
+    error sent a package over 50 MiB to terraform, "which uploads through S3", but both
+    functions sent ``filename``: the same limit. The package goes to the storage bucket under
+    packages/, keyed by its hash (a new package is a new object, and the functions follow)."""
+    functions = _typed(FUNCTIONS_DIR, "resource", "aws_lambda_function")
+    for name, f in functions.items():
+        assert "filename" not in f, name
+        assert "aws_s3_object.package" in f["s3_bucket"] and "aws_s3_object.package" in f["s3_key"], name
+        assert "filebase64sha256(var.package.zip_path)" in f["source_code_hash"], name
+    (package,) = _typed(FUNCTIONS_DIR, "resource", "aws_s3_object").values()
+    assert package["count"] == "${local.zip ? 1 : 0}"
+    assert package["bucket"] == "${var.spill_bucket_name}"
+    assert package["source"] == "${var.package.zip_path}"
+    assert package["key"].startswith("packages/") and "var.package.zip_path" in package["key"]
+    # the role reads spill/* only: Lambda fetches the code with the deployer's credentials
+    policy = json.dumps(_typed(FUNCTIONS_DIR, "data", "aws_iam_policy_document")["this"])
+    assert "packages/" not in policy
+
+
+FUNCTION_PRECONDITION_TFVARS: dict[str, Any] = {
+    "package": {"type": "zip", "zip_path": "f.zip"},
+    "idempotency_table_name": "t",
+    "idempotency_table_arn": "arn:t",
+    "spill_bucket_name": "b",
+    "spill_bucket_arn": "arn:b",
+}
+
+
+def test_a_function_name_over_lambdas_64_characters_fails_the_plan(tmp_path: Path):
+    """A Lambda function name is at most 64 characters. name_prefix may be 40 and a fabric
+    name 64, and only `fabric deploy` checked their sum: a tfvars file of one's own planned
+    fine, and apply created the log group and the role before Lambda refused the function,
+    leaving a half-made deploy. The plan fails instead, naming it."""
+    name = "n" * 30
+    functions = {name: {"modules": "functions"}}
+    ok = {**FUNCTION_PRECONDITION_TFVARS, "name_prefix": "p" * 34, "functions": functions}
+    assert _lifecycle_plan_errors(ok, tmp_path / "a", "this", for_each="var.functions") == []
+    long = {**ok, "name_prefix": "p" * 35}
+    errors = _lifecycle_plan_errors(long, tmp_path / "b", "this", for_each="var.functions")
+    assert len(errors) == 1, errors
+    assert f"{'p' * 35}{name} (name_prefix + fabric name) is 65 characters" in errors[0], errors
+
+
+def test_the_storage_bucket_can_be_destroyed_with_its_objects():
+    """The bucket holds what terraform does not manage (spilled payloads, trajectories), so
+    `terraform destroy` failed with BucketNotEmpty, and the storage module's force_destroy
+    could not be set from the root. The root passes its bucket_force_destroy (off by
+    default: trajectories are data)."""
+    variables = _named(TERRAFORM_DIR, "variable")
+    assert variables["bucket_force_destroy"]["default"] is False
+    assert _named(TERRAFORM_DIR, "module")["storage"]["force_destroy"] == "${var.bucket_force_destroy}"

@@ -105,6 +105,17 @@ resource "aws_cloudwatch_log_group" "sqs_worker" {
   retention_in_days = var.log_retention_days
 }
 
+# Lambda takes a zip inline (filename) only up to 50 MB; from S3 up to 250 MB unzipped. Keyed
+# by the package's hash: a new package is a new object, and the functions follow it. Lambda
+# reads it with the deployer's credentials, at create or update only: the role needs none.
+resource "aws_s3_object" "package" {
+  count = local.zip ? 1 : 0
+
+  bucket = var.spill_bucket_name
+  key    = "packages/${filesha256(var.package.zip_path)}.zip"
+  source = var.package.zip_path
+}
+
 data "aws_iam_policy_document" "assume" {
   statement {
     actions = ["sts:AssumeRole"]
@@ -185,7 +196,8 @@ resource "aws_lambda_function" "this" {
   publish = true
 
   package_type     = local.image_uris[each.key] == null ? "Zip" : "Image"
-  filename         = local.image_uris[each.key] == null ? var.package.zip_path : null
+  s3_bucket        = local.image_uris[each.key] == null ? aws_s3_object.package[0].bucket : null
+  s3_key           = local.image_uris[each.key] == null ? aws_s3_object.package[0].key : null
   source_code_hash = local.image_uris[each.key] == null ? filebase64sha256(var.package.zip_path) : null
   runtime          = local.image_uris[each.key] == null ? var.package.runtime : null
   handler          = local.image_uris[each.key] == null ? "functions.handler.handler" : null
@@ -226,6 +238,11 @@ resource "aws_lambda_function" "this" {
   }
 
   lifecycle {
+    precondition {
+      # checked at plan: at apply Lambda refused it after its log group and the role were made
+      condition     = length("${var.name_prefix}${each.key}") <= 64 && can(regex("^[a-zA-Z0-9_-]+$", "${var.name_prefix}${each.key}"))
+      error_message = "Lambda function names are at most 64 characters, letters, digits, '-' and '_': ${var.name_prefix}${each.key} (name_prefix + fabric name) is ${length("${var.name_prefix}${each.key}")} characters. Use a shorter name_prefix or name."
+    }
     precondition {
       # a misspelt name would deploy the function without its secrets
       condition     = alltrue([for name in local.secret_env_names : contains(keys(var.functions), name)])
@@ -270,7 +287,8 @@ resource "aws_lambda_function" "sqs_worker" {
   publish       = true
 
   package_type     = local.zip ? "Zip" : "Image"
-  filename         = local.zip ? var.package.zip_path : null
+  s3_bucket        = local.zip ? aws_s3_object.package[0].bucket : null
+  s3_key           = local.zip ? aws_s3_object.package[0].key : null
   source_code_hash = local.zip ? filebase64sha256(var.package.zip_path) : null
   runtime          = local.zip ? var.package.runtime : null
   handler          = local.zip ? "functions.handler.sqs_handler" : null
