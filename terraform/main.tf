@@ -16,6 +16,10 @@ module "storage" {
 
 module "functions" {
   source = "./modules/functions"
+  providers = {
+    aws         = aws
+    aws.package = aws.package
+  }
 
   name_prefix            = var.name_prefix
   package                = var.package

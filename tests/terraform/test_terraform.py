@@ -444,3 +444,23 @@ def test_the_storage_bucket_can_be_destroyed_with_its_objects():
     variables = _named(TERRAFORM_DIR, "variable")
     assert variables["bucket_force_destroy"]["default"] is False
     assert _named(TERRAFORM_DIR, "module")["storage"]["force_destroy"] == "${var.bucket_force_destroy}"
+
+
+def test_the_package_object_is_uploaded_without_the_default_tags():
+    """S3 takes at most 10 tags on an object, and the provider's default_tags go on every
+    resource that takes tags: with 10 tags of a user's own (plus managed-by) the package's
+    upload failed (hashicorp/terraform-provider-aws#19895). It goes through a provider
+    without default_tags, with managed-by alone."""
+    (package,) = _typed(FUNCTIONS_DIR, "resource", "aws_s3_object").values()
+    assert package["provider"] == "${aws.package}"
+    assert package["tags"] == {"managed-by": "rl-fabric"}
+    providers = {p.get("alias"): p for entry in _blocks(TERRAFORM_DIR)["provider"] for p in entry.values()}
+    assert "default_tags" not in providers["package"]
+    assert providers["package"]["region"] == "${var.region}"
+    passed = _named(TERRAFORM_DIR, "module")["functions"]["providers"]
+    # python-hcl2 wraps a dotted reference in ${}, a key as well
+    strip = lambda ref: ref.removeprefix("${").removesuffix("}")  # noqa: E731
+    assert {strip(k): strip(v) for k, v in passed.items()} == {
+        "aws": "aws",
+        "aws.package": "aws.package",
+    }

@@ -109,11 +109,13 @@ resource "aws_cloudwatch_log_group" "sqs_worker" {
 # by the package's hash: a new package is a new object, and the functions follow it. Lambda
 # reads it with the deployer's credentials, at create or update only: the role needs none.
 resource "aws_s3_object" "package" {
-  count = local.zip ? 1 : 0
+  count    = local.zip ? 1 : 0
+  provider = aws.package
 
   bucket = var.spill_bucket_name
   key    = "packages/${filesha256(var.package.zip_path)}.zip"
   source = var.package.zip_path
+  tags   = { "managed-by" = "rl-fabric" }
 }
 
 data "aws_iam_policy_document" "assume" {
