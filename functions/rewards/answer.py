@@ -131,6 +131,12 @@ def _outermost_box(text: str, last: re.Match[str]) -> tuple[str, int] | None:
     ``\\boxed{2 + \\boxed{3}}`` boxed 2 + 3, not 3. None when ``last`` never closes (no reliable
     answer); a box around it that never closes is no box (``\\boxed{\\boxed{1}`` is 1). One pass
     with a stack of open braces from the first box on (linear, however deep the boxes)."""
+    if _BOX_BRACED.search(text, 0, last.start()) is None:
+        # a lone box (nearly every reply): nothing can hold it, and the last box holds no
+        # other; its own braces, to its close. The general pass below scans to the text's end
+        # and builds its tables: a third more per call of a cheap reward, which the fabric's
+        # hedging benchmark reads as queueing (its hedged p99 went from ~8 to 10-30 ms)
+        return _closed(text, last.end())
     boxes = {m.end() - 1: m for m in _BOX_BRACED.finditer(text, 0, last.end())}  # brace -> box
     closing: dict[int, int] = {}  # a box's opening brace -> its closing brace
     stack: list[int] = []
@@ -162,6 +168,21 @@ def _outermost_box(text: str, last: re.Match[str]) -> tuple[str, int] | None:
         pos = j
     parts.append(text[pos:end])
     return "".join(parts), end + 1
+
+
+def _closed(text: str, start: int) -> tuple[str, int] | None:
+    """``(content, end)`` of the group whose content starts at ``start`` (just past its
+    opening brace): to its balancing brace, escapes no braces; None when it never closes."""
+    depth = 1
+    for b in _BRACE.finditer(text, start):
+        c = b[0]
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start : b.start()], b.end()
+    return None
 
 
 class Found(NamedTuple):
