@@ -22,7 +22,7 @@ import pydantic_core
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 from typing_extensions import TypedDict
 
-from fabric.errors import ErrorCode, Misconfigured, Unavailable
+from fabric.errors import ErrorCode, Misconfigured, Unavailable, UnknownFunctionError
 from fabric.protocol import (
     MAX_PAYLOAD_BYTES,
     ErrorInfo,
@@ -194,6 +194,20 @@ def outcome_to_result(
         worker=worker,
         started=started,
         version=version,
+    )
+
+
+def not_set_up(inv: Invocation, e: Exception) -> Result:
+    """The answer to a call whose function could not be set up in this process (the
+    in-process backends and the fake): an unknown name, or a setup hook (or an import) that
+    raised, which is final, as the local pool's workers answer it (raised out of a backend,
+    the client took it for a retryable TransportError and ran the hook again)."""
+    if isinstance(e, UnknownFunctionError):
+        return Result.failure(
+            ErrorCode.UNKNOWN_FUNCTION, str(e), function=inv.function, request_id=inv.request_id
+        )
+    return Result.failure(
+        ErrorCode.SETUP_FAILED, f"{type(e).__name__}: {e}", function=inv.function, request_id=inv.request_id
     )
 
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fabric.backends.base import Backend
-from fabric.errors import ErrorCode, FabricError, PayloadError, UnknownFunctionError
+from fabric.errors import ErrorCode, FabricError, PayloadError
 from fabric.protocol import Invocation, Result, encode_payload
 from fabric.registry import SPEC_ATTR, Registry, default_registry, load_entry_point, source_version
-from fabric.runner import FunctionRunner, Outcome, _decode, outcome_to_result
+from fabric.runner import FunctionRunner, Outcome, _decode, not_set_up, outcome_to_result
 from fabric.spec import FunctionSpec
 
 #: An async function's call that holds its event loop this long in one stretch is reported:
@@ -96,19 +96,8 @@ class FakeBackend(Backend):
                 runner = FunctionRunner(self.registry.callable(inv.function), spec)
                 runner.setup()
                 self._runners[inv.function] = runner
-        except UnknownFunctionError as e:
-            return Result.failure(
-                ErrorCode.UNKNOWN_FUNCTION, str(e), function=inv.function, request_id=inv.request_id
-            )
-        except Exception as e:
-            # the setup hook raised: final, as the local backends answer it (out of here, the
-            # client took it for a retryable TransportError and ran the hook again)
-            return Result.failure(
-                ErrorCode.SETUP_FAILED,
-                f"{type(e).__name__}: {e}",
-                function=inv.function,
-                request_id=inv.request_id,
-            )
+        except Exception as e:  # an unknown name, or the setup hook raised: final
+            return not_set_up(inv, e)
         if inv.deadline is not None and inv.deadline <= time.time():
             # after a fault's delay (a straggler's wait can pass it), as the backends check it
             return Result.failure(

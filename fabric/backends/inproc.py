@@ -28,10 +28,10 @@ from collections.abc import Callable
 from typing import Any
 
 from fabric.backends.base import Backend, InprocConfig
-from fabric.errors import ErrorCode, UnknownFunctionError
+from fabric.errors import ErrorCode
 from fabric.protocol import Invocation, Result
 from fabric.registry import Registry
-from fabric.runner import FunctionRunner, outcome_to_result
+from fabric.runner import FunctionRunner, not_set_up, outcome_to_result
 
 _QUEUED, _RUNNING, _DROPPED = range(3)  # a _ThreadJob's states
 # how long a close waits for the async handlers it cancelled to unwind: the local pool's
@@ -248,17 +248,8 @@ class InprocBackend(Backend):
     async def _run(self, inv: Invocation, keyed: _KeyedCall | None) -> Result:
         try:
             runner = self._runner(inv.function)
-        except UnknownFunctionError as e:
-            return Result.failure(
-                ErrorCode.UNKNOWN_FUNCTION, str(e), function=inv.function, request_id=inv.request_id
-            )
-        except Exception as e:
-            return Result.failure(
-                ErrorCode.SETUP_FAILED,
-                f"{type(e).__name__}: {e}",
-                function=inv.function,
-                request_id=inv.request_id,
-            )
+        except Exception as e:  # an unknown name, or the setup hook raised: final
+            return not_set_up(inv, e)
         timeout = runner.spec.timeout_s
         if keyed is not None:
             keyed.timeout_s = timeout
