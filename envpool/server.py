@@ -178,6 +178,15 @@ class Server:
         """Frames read while the environment waited on a tool's answer (``call_tool``), read
         again, in order, before the socket: the session's goodbye, sent while a step ran, was
         thrown away there, never answered, and the pool discarded a healthy container."""
+        self.reading = threading.Condition()
+        """Guards the socket's reads, ``queued``, ``answers`` and ``reader``: one thread reads
+        the socket at a time and hands each frame to the thread it is for (``read``)."""
+        self.reader = False
+        """Whether a thread is reading the socket now (the others wait on ``reading``)."""
+        self.answers: dict[int, str] = {}
+        """Tool results read by another thread than the one whose call they answer."""
+        self.asking: set[int] = set()
+        """The tool calls waiting for their results (``tool_id``)."""
         self.phase: str | None = None
         """What the server does during a request that is not the request's own code, said in
         its heartbeats: ``"close"`` while an open closes the previous environment, so that
@@ -215,7 +224,47 @@ class Server:
                 self.conn.sendall(encode(msg))
 
     def recv(self, conn: socket.socket) -> dict[str, Any]:
-        return self.queued.popleft() if self.queued else recv_frame(conn)
+        """The session's next request."""
+        msg = self.read(conn, None)
+        assert isinstance(msg, dict)
+        return msg
+
+    def read(self, conn: socket.socket, tool_id: int | None) -> dict[str, Any] | str:
+        """The next request (``tool_id`` None), or the result of the tool call ``tool_id``.
+        An environment may call tools from threads of its own, and the session's loop reads
+        its next request while one of them may still wait: each reading the socket itself,
+        two read it at once (one a frame's header, the other its body), and a thread that
+        read another's answer dropped it (that one waited for good). So one thread reads
+        at a time and hands on what it reads that is another's: a request to ``queued``, a
+        tool result to ``answers``."""
+        with self.reading:
+            while True:
+                if tool_id is None and self.queued:
+                    return self.queued.popleft()
+                if tool_id is not None and tool_id in self.answers:
+                    return self.answers.pop(tool_id)
+                if not self.reader:
+                    self.reader = True
+                    break
+                self.reading.wait()
+        try:
+            while True:
+                msg = recv_frame(conn)  # (outside the lock: the others wait for what it brings)
+                with self.reading:
+                    if msg.get("op") != "tool_result":
+                        if tool_id is None:
+                            return msg
+                        self.queued.append(msg)  # (a request, the goodbye most often: read after this one)
+                    elif msg.get("tool_id") == tool_id and tool_id is not None:
+                        return str(msg.get("result", ""))
+                    elif msg.get("tool_id") in self.asking:
+                        self.answers[msg["tool_id"]] = str(msg.get("result", ""))
+                    # (else an answer nobody waits for: dropped, as before)
+                    self.reading.notify_all()
+        finally:
+            with self.reading:
+                self.reader = False
+                self.reading.notify_all()  # the next waiter reads, or finds its frame
 
     def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
         """Ask the pool to run a fabric tool; the container itself has no network."""
@@ -230,14 +279,19 @@ class Server:
                 f"error: the tool call's arguments are {len(data) - HEADER.size:,} bytes as JSON, "
                 f"too big for the {MAX_FRAME:,}-byte frame limit; the tool was not run"
             )
-        self.write(data)
-        assert self.conn is not None
-        while True:
-            msg = recv_frame(self.conn)
-            if msg.get("op") != "tool_result":
-                self.queued.append(msg)  # (a request, the goodbye most often: read after this one)
-            elif msg.get("tool_id") == tool_id:
-                return str(msg.get("result", ""))
+        conn = self.conn
+        assert conn is not None
+        with self.reading:
+            self.asking.add(tool_id)
+        try:
+            self.write(data)
+            result = self.read(conn, tool_id)
+        finally:
+            with self.reading:
+                self.asking.discard(tool_id)
+                self.answers.pop(tool_id, None)
+        assert isinstance(result, str)
+        return result
 
     # -- sessions
     def serve(self, listener: socket.socket) -> None:
@@ -257,7 +311,9 @@ class Server:
             finally:
                 with self.write_lock:
                     self.conn = None
-                self.queued.clear()  # (the last connection's: none of the next session's)
+                with self.reading:
+                    self.queued.clear()  # (the last connection's: none of the next session's)
+                    self.answers.clear()
                 conn.close()
 
     def session(self, conn: socket.socket) -> None:

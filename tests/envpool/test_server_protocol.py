@@ -207,3 +207,79 @@ def test_a_path_error_is_sound_only_for_a_path_the_caller_named(filename, given,
     # there then failed on the same way
     exc = FileNotFoundError(errno.ENOENT, "No such file or directory", filename)
     assert sound_after(exc, given) is sound
+
+
+class _FifoConn:
+    """A session socket whose reads are served to the threads blocked on it in the order
+    they began to wait (a kernel may wake any of them): what one thread reads of a frame,
+    its header say, the next waiting thread may read the rest of."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.data = bytearray()
+        self.readers: list[int] = []
+        self.sent: list[dict[str, Any]] = []
+
+    def sendall(self, data: bytes) -> None:
+        with self.cond:
+            self.sent.append(recv_frame(_Bytes(data)))  # type: ignore[arg-type]
+            self.cond.notify_all()
+
+    def recv(self, n: int) -> bytes:
+        me = threading.get_ident()
+        with self.cond:
+            self.readers.append(me)
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: bool(self.data) and self.readers[0] == me, timeout=5)
+            self.readers.remove(me)
+            self.cond.notify_all()
+            chunk = bytes(self.data[:n])
+            del self.data[:n]
+            return chunk  # (b"" after the wait ran out: EOF, as a closed socket's)
+
+    def feed(self, msg: dict[str, Any]) -> None:
+        with self.cond:
+            self.data += encode(msg)
+            self.cond.notify_all()
+
+    def wait_for(self, check: Any) -> None:
+        with self.cond:
+            assert self.cond.wait_for(check, timeout=10), "the server did not get there"
+
+
+class _Bytes:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def recv(self, n: int) -> bytes:
+        chunk, self.data = self.data[:n], self.data[n:]
+        return chunk
+
+
+def test_tool_calls_from_several_threads_each_get_their_own_answer():
+    # an environment that calls tools from threads of its own: each call read the socket
+    # itself, so two threads read it at once (one the header of a frame, the other its
+    # body), and one that read another's answer dropped it (that one waited for good)
+    server = Server(EnvRegistry(), {})
+    conn = _FifoConn()
+    server.conn = conn  # type: ignore[assignment]
+    got: dict[str, Any] = {}
+
+    def call(name: str) -> None:
+        try:
+            got[name] = server.call_tool(name, {})
+        except BaseException as e:
+            got[name] = e
+
+    first = threading.Thread(target=call, args=("first",), daemon=True)
+    first.start()
+    conn.wait_for(lambda: len(conn.sent) == 1 and len(conn.readers) == 1)  # it reads, nothing yet
+    second = threading.Thread(target=call, args=("second",), daemon=True)
+    second.start()
+    conn.wait_for(lambda: len(conn.sent) == 2)
+    ids = {m["name"]: m["tool_id"] for m in conn.sent}
+    conn.feed({"op": "tool_result", "tool_id": ids["second"], "result": "for the second"})
+    conn.feed({"op": "tool_result", "tool_id": ids["first"], "result": "for the first"})
+    first.join(30)
+    second.join(30)
+    assert got == {"first": "for the first", "second": "for the second"}
