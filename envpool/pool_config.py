@@ -54,6 +54,9 @@ class PoolConfig(BaseModel):
     """A container is recycled after this many episodes."""
     reset_timeout_s: float = Field(60.0, gt=0)
     step_timeout_s: float = Field(30.0, gt=0)
+    close_timeout_s: float = Field(10.0, gt=0)
+    """How long a session's goodbye (its close) may wait for the container's answer; past
+    it the container is discarded rather than reused."""
     heartbeat_misses: int = Field(4, ge=2)
     """A request whose container sends neither reply nor heartbeat for this many heartbeat
     periods is declared hung: the container is killed and replaced. At least 2: heartbeats

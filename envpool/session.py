@@ -417,7 +417,7 @@ class EnvSession:
             await self._drop_container(healthy=False)
             return
         try:
-            await self.conn.request({"op": "close", "token": self.token}, 5.0)
+            await self.conn.request({"op": "close", "token": self.token}, self._cfg.close_timeout_s)
         except Exception as e:  # it did not answer the goodbye: discard it rather than reuse it
             if isinstance(e, ProtocolError):  # (a stray frame broke it while nothing waited)
                 self._protocol_error(e)

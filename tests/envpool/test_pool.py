@@ -262,7 +262,7 @@ async def _hold_a_slow_step(p: EnvPool, started: asyncio.Event, held: list[Conta
 async def test_a_trajectory_cancelled_mid_step_frees_its_container_at_once(images):
     # an aborted (redundant) rollout is cancelled mid-step, and cancelled again (the group
     # scheduler's aclose() then _abort()): its task ends at once, not after a step nobody
-    # wants (nor a 5 s goodbye), and its container, in an unknown state, is discarded
+    # wants (nor a goodbye of close_timeout_s, 10 s), and its container, in an unknown state, is discarded
     async with pool(images, min_warm=0) as p:
         started, held = asyncio.Event(), []
         t = asyncio.create_task(_hold_a_slow_step(p, started, held))
@@ -274,7 +274,7 @@ async def test_a_trajectory_cancelled_mid_step_frees_its_container_at_once(image
         t.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await t
-        # what it tells apart is the 5 s goodbye (or the 30 s step); a loaded machine's loop
+        # what it tells apart is the goodbye's 10 s (or the 30 s step); a loaded machine's loop
         # took its time, so the bound is just short of it
         assert time.monotonic() - t0 < 4.5, f"the cancelled task took {time.monotonic() - t0:.1f} s to end"
         assert p.stats()["claimed"] == 0 and p.stats()["discarded"] == 1
