@@ -106,6 +106,7 @@ class Connection(asyncio.Protocol):
         misses: int,
         tool_caller: AsyncToolCaller | None,
         cpu_probe: Callable[[], float | None] | None = None,
+        close_timeout_s: float | None = None,
     ):
         self.decoder = FrameDecoder()
         self.transport: asyncio.Transport | None = None
@@ -120,6 +121,13 @@ class Connection(asyncio.Protocol):
         self.phase: str | None = None
         """What the server's last heartbeat of the request under way said it was doing
         beyond the request's own code (``"close"``: an open closing the previous environment)."""
+        self.phase_since = time.monotonic()
+        """When the heartbeats began to say ``phase``."""
+        self.close_timeout_s = close_timeout_s
+        """How long the ``"close"`` phase may last: past it the request raises ``EnvHung``
+        (``op="close"``), not at its own timeout (an open's is ``reset_timeout_s``)."""
+        self.due: dict[int, float] = {}
+        """When (monotonic) each request waited for now times out."""
         self.silence_s = heartbeat_s * misses
         self.tool_caller = tool_caller
         self.tool_seen = float("-inf")
@@ -183,7 +191,9 @@ class Connection(asyncio.Protocol):
             op = msg.get("op")
             if op == "heartbeat":
                 phase = msg.get("phase")
-                self.phase = phase if isinstance(phase, str) else None
+                phase = phase if isinstance(phase, str) else None
+                if phase != self.phase:
+                    self.phase, self.phase_since = phase, time.monotonic()
                 continue
             if op == "tool":
                 t = asyncio.get_running_loop().create_task(self._tool(msg))
@@ -313,12 +323,25 @@ class Connection(asyncio.Protocol):
         self.waiting[rid] = fut
         sent = self.last_seen = time.monotonic()
         self.cpu_mark = None
-        self.phase = None
+        self.phase, self.phase_since = None, sent
         deadline = sent + timeout_s
+        self.due[rid] = deadline
         try:
             while True:
                 now = time.monotonic()
                 wake = min(deadline, self.last_seen + self.silence_s)
+                if self.phase == "close" and self.close_timeout_s is not None:
+                    # (read as the wait wakes: a close is given up at most a heartbeat
+                    # window, heartbeat_s x misses, after its budget ran out)
+                    close_by = self.phase_since + self.close_timeout_s
+                    if now >= close_by:
+                        raise EnvHung(
+                            f"{msg.get('op')}: the previous environment's close() did not return in "
+                            f"{self.close_timeout_s:g} s while its container was alive",
+                            op="close",
+                            timeout_s=self.close_timeout_s,
+                        )
+                    wake = min(wake, close_by)
                 if self.cpu_probe is not None and self.cpu_mark is None:
                     mark_at = self.last_seen + self.silence_s - self.probe_s
                     if now >= mark_at:
@@ -341,7 +364,13 @@ class Connection(asyncio.Protocol):
                     break
         finally:
             self.waiting.pop(rid, None)
+            self.due.pop(rid, None)
         return reply  # (checked by reply_problem as it was read)
+
+    def busy_for(self) -> float:
+        """Seconds until the last of the requests waited for now times out (0 if none): the
+        server answers in order, so a request sent now is answered after them."""
+        return max((d - time.monotonic() for d in self.due.values()), default=0.0)
 
     def _timeout(self, op: str, timeout_s: float, sent: float) -> EnvPoolError:
         """Whose fault a request past its deadline is. Heartbeats heard during it (the server

@@ -165,11 +165,12 @@ class StepTimeout(InfraError):
 
 
 class EnvCloseHung(InfraError):
-    """An open ran past its timeout while the container closed its previous environment
-    (another session's, made with other env_kwargs or another id), its server heartbeating
-    all the while: that environment's ``close()`` hangs. Not the new session's fault (its
-    constructor never ran), so not an ``EnvHung`` of its own: the container is discarded and
-    the session claims a fresh one (counted as ``env_close_hung``)."""
+    """An open's container closed its previous environment (another session's, made with
+    other env_kwargs or another id) for longer than ``close_timeout_s`` (or the open's own
+    timeout), its server heartbeating all the while: that environment's ``close()`` hangs.
+    Not the new session's fault (its constructor never ran), so not an ``EnvHung`` of its
+    own: the container is discarded and the session claims a fresh one (counted as
+    ``env_close_hung``)."""
 
 
 class ToolUnavailable(InfraError):

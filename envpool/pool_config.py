@@ -55,8 +55,13 @@ class PoolConfig(BaseModel):
     reset_timeout_s: float = Field(60.0, gt=0)
     step_timeout_s: float = Field(30.0, gt=0)
     close_timeout_s: float = Field(10.0, gt=0)
-    """How long a session's goodbye (its close) may wait for the container's answer; past
-    it the container is discarded rather than reused."""
+    """How long an environment's close may take. A container's previous environment's
+    ``close()`` (run as the next session opens another environment there) still running
+    after this long is taken for hung: its container is discarded and the session claims
+    another (``EnvCloseHung``), at this bound (and at most a heartbeat window more), not at
+    the open's whole ``reset_timeout_s``. A session's goodbye gets this long for its answer
+    after the requests ahead of it had their own time (a step still running in another
+    task); past it the container is discarded rather than reused."""
     heartbeat_misses: int = Field(4, ge=2)
     """A request whose container sends neither reply nor heartbeat for this many heartbeat
     periods is declared hung: the container is killed and replaced. At least 2: heartbeats

@@ -334,6 +334,7 @@ class EnvSession:
                 misses=self._cfg.heartbeat_misses,
                 tool_caller=self._tool,
                 cpu_probe=functools.partial(self.pool.runtime.cpu_seconds, c),
+                close_timeout_s=self._cfg.close_timeout_s,
             )
             self.conn = conn
             hello = {"op": "open", "id": 0, "token": self.token, "env_id": self.env_id, "kwargs": self.kwargs}
@@ -353,9 +354,10 @@ class EnvSession:
                 # environment's close: its container is discarded, and the claim retried
                 self.pool.metrics["env_close_hung"] += 1
                 log.warning("envpool: %s: its previous environment's close hangs; discarded", c.id)
+                limit = "close_timeout_s" if e.op == "close" else "reset_timeout_s"
                 raise EnvCloseHung(
                     f"{c.id}: the previous environment's close() did not return in {e.timeout_s:g} s "
-                    f"(before {self.env_id} was made there); the container was discarded"
+                    f"({limit}; before {self.env_id} was made there); the container was discarded"
                 ) from None
             self.pool.metrics["env_hung"] += 1
             raise EnvHung(f"{self.env_id}: {e}", op=e.op, timeout_s=e.timeout_s) from None
@@ -416,8 +418,12 @@ class EnvSession:
         if self.conn is None or self.container is None or self.status != "ok" or self._interrupted:
             await self._drop_container(healthy=False)
             return
+        # its own time, after what the requests ahead of it have (a step still running in
+        # another task): the server answers it once they are done. Counted from its sending,
+        # it ran out behind a step longer than it, and the healthy container was discarded
+        timeout_s = self.conn.busy_for() + self._cfg.close_timeout_s
         try:
-            await self.conn.request({"op": "close", "token": self.token}, self._cfg.close_timeout_s)
+            await self.conn.request({"op": "close", "token": self.token}, timeout_s)
         except Exception as e:  # it did not answer the goodbye: discard it rather than reuse it
             if isinstance(e, ProtocolError):  # (a stray frame broke it while nothing waited)
                 self._protocol_error(e)

@@ -151,3 +151,38 @@ async def test_a_replay_that_differs_lets_its_container_go_at_once(images):
             with pytest.raises(SessionLost, match="differs"):
                 await s.step("a")
             assert s.container is None and p.stats()["claimed"] == 0
+
+
+async def test_a_close_behind_a_step_longer_than_the_close_budget_keeps_its_container(images):
+    # the goodbye's wait began as it was sent: behind a step that ran longer than that (the
+    # server heartbeating all through it), it ran out, read as a hung container, and the
+    # healthy container was discarded. The step has its own time; the close's comes after
+    async with pool(images, min_warm=0, close_timeout_s=0.5) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            c = s.container
+            step = asyncio.create_task(s.step("sleep 1.5"))
+            await wait_for(lambda: c.in_flight > 0)  # the step is sent: the goodbye goes behind it
+        assert (await step).obs.text == "sleep 1.5 #1"
+        stats = p.stats()
+        assert stats.get("discarded", 0) == 0 and stats["idle"] == 1, stats
+
+
+async def test_a_previous_environments_close_that_hangs_is_given_up_at_the_close_budget(tmp_path):
+    # an open waited for a hung close for the whole reset_timeout_s (60 s by default)
+    # before it discarded the container: the close has a budget of its own
+    images = write_env_bundle(
+        tmp_path / "b",
+        "close_hangs_env",
+        _CLOSE_HANGS,
+        {"close-hangs-v0": "CloseHangsEnv", "other-v0": "OtherEnv"},
+    )
+    async with pool(images, min_warm=0, reset_timeout_s=5.0, close_timeout_s=0.5) as p:
+        async with p.session("close-hangs-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+        async with p.session("other-v0", image=IMAGE) as s:
+            assert (await s.reset(seed=2))[0].text == "ready 2"
+            [failure] = s.failures
+            assert "previous environment's close() did not return in 0.5 s" in failure, failure
+            assert "close_timeout_s" in failure, failure
+        assert p.stats()["env_close_hung"] == 1
