@@ -67,8 +67,19 @@ EXIT_IMAGE_NOT_FOUND = 66
 ``ImageNotFound`` (never retried) rather than a failed start (retried, a pod per attempt)."""
 
 
+def array_value(value: Any) -> Any:
+    """pydantic-core's ``fallback`` for a value it cannot write: a numpy, torch or jax scalar
+    or array as its value (``tolist()``), as the fabric's protocol sends it, and a
+    ``TypeError`` for anything else. The fabric's own function, imported on first use: the
+    fabric's import costs a container's start about 0.2 s, and only an environment that
+    hands such values over needs it."""
+    from fabric.protocol import _array_fallback
+
+    return _array_fallback(value)
+
+
 def encode(msg: dict[str, Any]) -> bytes:
-    body = pydantic_core.to_json(msg)
+    body = pydantic_core.to_json(msg, fallback=array_value)
     return HEADER.pack(len(body)) + body
 
 

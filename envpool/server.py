@@ -47,6 +47,7 @@ from envpool.protocol import (
     HEADER,
     MAX_FRAME,
     FrameError,
+    array_value,
     encode,
     error_payload,
     recv_frame,
@@ -138,13 +139,14 @@ class NotJSONSafe(TypeError):
 
 def jsonable(op: str, result: Any) -> Any:
     """``result`` as plain JSON values, converted here so that a value JSON cannot carry is
-    the environment's error on its own request, not a reply that fails to send later."""
+    the environment's error on its own request, not a reply that fails to send later. A
+    numpy, torch or jax scalar or array goes as its value, as the fabric sends one."""
     try:
-        return pydantic_core.to_jsonable_python(result)
-    except pydantic_core.PydanticSerializationError as e:
+        return pydantic_core.to_jsonable_python(result, fallback=array_value)
+    except (pydantic_core.PydanticSerializationError, TypeError) as e:  # (the fallback's: a TypeError)
         raise NotJSONSafe(
             f"{op}() returned a value that cannot be serialized as JSON ({e}); keep observations, "
-            "info and rewards JSON-safe (a numpy scalar: .item(), an array: .tolist())"
+            "info and rewards JSON-safe (plain values, or numpy, torch or jax scalars and arrays)"
         ) from None
 
 

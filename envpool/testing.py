@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from envpool.api import EnvRegistry, EnvSpec, GuardedEnv, Observation, StepResult, default_registry
 from envpool.errors import ActionError, EnvOrderError, EnvPoolError
+from envpool.protocol import array_value
 
 #: The seed the checks reset with.
 CHECK_SEED = 1234
@@ -45,14 +46,17 @@ class _Stop(Exception):
 
 
 def json_problem(value: Any) -> str | None:
-    """Why ``value`` cannot cross a process boundary as strict JSON, or None."""
+    """Why ``value`` cannot cross a process boundary as strict JSON, or None. A numpy, torch
+    or jax scalar or array can: it goes as its value (``envpool.protocol.array_value``)."""
     if isinstance(value, BaseModel):  # a model's own serializer quietly writes NaN as null
         value = value.model_dump()
     try:
-        raw = pydantic_core.to_json(value)
+        raw = pydantic_core.to_json(value, fallback=array_value)
     except (pydantic_core.PydanticSerializationError, TypeError, ValueError) as e:
         return f"not JSON-serialisable: {e}"
-    if (b"NaN" in raw or b"Infinity" in raw) and raw != pydantic_core.to_json(value, inf_nan_mode="null"):
+    if (b"NaN" in raw or b"Infinity" in raw) and raw != pydantic_core.to_json(
+        value, inf_nan_mode="null", fallback=array_value
+    ):
         return "contains NaN or Infinity, which JSON cannot carry"
     return None
 

@@ -287,3 +287,31 @@ def test_a_reset_observation_of_the_wrong_types_is_the_environments_error_where_
     env = broken_registry(MutatedObservationEnv).make("broken-v0")
     with pytest.raises(ValueError, match="text"):
         env.reset(seed=1)
+
+
+class NumpyInfoEnv(envpool.Env):
+    """Infos and a reward of numpy values: the pool sends them as their values."""
+
+    example_actions: ClassVar[tuple[str, ...]] = ("a",)
+
+    def reset(self, *, seed=None, options=None):
+        import numpy as np
+
+        self.n = 0
+        return "start", {"board": np.arange(3), "seed": np.int64(seed or 0)}
+
+    def step(self, action: str) -> StepResult:
+        import numpy as np
+
+        self.n += 1
+        info = {"n": np.int64(self.n), "probs": np.array([0.5, 0.5])}
+        return StepResult(
+            obs=Observation(text="x"), reward=np.float32(1.0), terminated=self.n >= 2, info=info
+        )
+
+
+def test_numpy_values_in_infos_conform():
+    # they cross into the pool as their values (as the fabric's protocol sends them): an
+    # environment that a pool runs was reported "not JSON-serialisable"
+    pytest.importorskip("numpy")
+    check_env("broken-v0", broken_registry(NumpyInfoEnv))

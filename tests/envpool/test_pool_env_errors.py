@@ -22,6 +22,7 @@ from envpool.errors import (
     EnvUsageError,
     ProtocolError,
 )
+from envpool.pool import EnvPool
 from envpool.protocol import encode
 
 
@@ -238,3 +239,46 @@ async def test_a_close_that_runs_out_of_a_resource_retires_the_container_after_t
             assert (await s.reset(seed=1))[0].text == "ready 3"
         stats = p.stats()
         assert (stats["claims_cold"], stats["retired_unsound"], stats["env_close_failed"]) == (2, 1, 1)
+
+
+_NUMPY_ENV = """
+import numpy as np
+import envpool
+
+
+class NumpyEnv(envpool.Env):
+    def reset(self, *, seed=None, options=None):
+        self.n = np.int64(0)
+        return "ready", {"seed": np.int64(seed), "board": np.arange(3)}
+
+    def step(self, action):
+        self.n += 1
+        text = action
+        if action == "tool":
+            text = self.call_tool("echo", {"n": self.n, "xs": np.array([1.5, 2.5])})
+        info = {"n": self.n, "probs": np.array([0.25, 0.75]), "ok": np.bool_(True)}
+        return envpool.StepResult(obs=envpool.Observation(text=text), reward=np.float32(0.5), info=info)
+"""
+
+
+async def test_numpy_scalars_and_arrays_in_infos_and_tool_arguments_go_as_their_values(tmp_path):
+    # the fabric's protocol sends them as their values (its to_json fallback); an
+    # environment's reply or tool call holding one was refused here (NotJSONSafe: "a numpy
+    # scalar: .item(), an array: .tolist()")
+    pytest.importorskip("numpy")
+    images = write_env_bundle(tmp_path / "b", "numpy_env", _NUMPY_ENV, {"numpy-v0": "NumpyEnv"})
+    calls = []
+
+    async def tool(name, arguments):
+        calls.append((name, arguments))
+        return "answered"
+
+    cfg = {"min_warm": 0, "runtime": {"heartbeat_s": 0.1}}
+    async with EnvPool(cfg, images=images, tool_caller=tool) as p:
+        async with p.session("numpy-v0", image=IMAGE) as s:
+            _, info = await s.reset(seed=3)
+            assert info == {"seed": 3, "board": [0, 1, 2]}
+            r = await s.step("go")
+            assert r.info == {"n": 1, "probs": [0.25, 0.75], "ok": True} and r.reward == 0.5
+            assert (await s.step("tool")).obs.text == "answered"
+    assert calls == [("echo", {"n": 2, "xs": [1.5, 2.5]})]
