@@ -292,7 +292,8 @@ def unpack(data: bytes, dest: str | os.PathLike[str], *, max_bytes: int | None =
                 if max_bytes is not None and total > max_bytes:
                     raise UnsafeBundle(
                         f"bundle unpacks to more than {max_bytes} bytes of disk (its first "
-                        f"{len(members)} entries take about {total}), over the {max_bytes}-byte limit"
+                        f"{len(members)} entries take about {total}), over the {max_bytes}-byte limit "
+                        "(the image cache's max_unpacked_bytes: raise it for an image this big)"
                     )
         except (tarfile.TarError, OSError, EOFError) as e:
             raise UnsafeBundle(f"truncated or corrupt bundle: {e}") from None

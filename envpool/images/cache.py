@@ -76,6 +76,10 @@ class RetryPolicy(BaseModel):
 
 
 DEFAULT_UNPACKED_BUDGET = 20 * 2**30
+DEFAULT_MAX_UNPACKED_BYTES = 8 * 2**30
+"""The default bound of one bundle's unpacked size: four times the default bound of a blob
+an HTTP tier downloads (``max_blob_bytes``), a generous ratio for gzip of code and data,
+and well under the default ``unpacked_budget_bytes``."""
 
 
 class CacheConfig(BaseModel):
@@ -88,8 +92,10 @@ class CacheConfig(BaseModel):
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
     max_concurrent_fetches: int = Field(8, ge=1)
     """Downloads of distinct images at once (a big prefetch must not starve a reset)."""
-    max_unpacked_bytes: int | None = Field(None, gt=0)
-    """Refuse bundles that unpack to more than this (a decompression bomb): each member
+    max_unpacked_bytes: int | None = Field(DEFAULT_MAX_UNPACKED_BYTES, gt=0)
+    """Refuse bundles that unpack to more than this (8 GiB by default; None: no limit): a
+    decompression bomb of a few MB that would fill the disk is refused as its headers are
+    read, before anything is written (``UnsafeBundle``, naming this key). Each member
     counts its bytes in whole 4 KiB blocks, one at least (an empty file or directory too)."""
     unpacked_budget_bytes: int | None = Field(DEFAULT_UNPACKED_BUDGET, gt=0)
     """Disk the unpacked bundles of ``unpack_dir`` may take (20 GiB by default; None: no
@@ -134,7 +140,7 @@ class TieredCache:
         unpack_dir: str | os.PathLike[str],
         retry: RetryPolicy | None = None,
         max_concurrent_fetches: int = 8,
-        max_unpacked_bytes: int | None = None,
+        max_unpacked_bytes: int | None = DEFAULT_MAX_UNPACKED_BYTES,
         unpacked_budget_bytes: int | None = DEFAULT_UNPACKED_BUDGET,
         precompile: bool = True,
     ):

@@ -259,3 +259,68 @@ async def test_s3_stores_a_blob_past_a_single_puts_limit_in_parts(
         with pytest.raises(ImageFetchError, match="does not exist: create it") as e:
             await tier.put(digest_of(data), data)  # (botocore's error, through boto3's transfer)
         assert not e.value.retryable
+
+
+# -- what a tier may hand over, and what a bundle may unpack to
+
+
+async def _serve_blob(header: bytes, chunk: bytes | None) -> asyncio.Server:
+    """An origin on 127.0.0.1 answering every request with ``header``, then ``chunk`` over
+    and over (a body without end) until the client hangs up, or nothing (``None``)."""
+
+    async def answer(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readuntil(b"\r\n\r\n")
+        w.write(header)
+        try:
+            while chunk is not None:
+                w.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                await w.drain()
+        except ConnectionError:
+            pass  # the client stopped reading and hung up, as it should
+        finally:
+            w.close()
+
+    return await asyncio.start_server(answer, "127.0.0.1", 0)
+
+
+@pytest.mark.parametrize(
+    ("header", "chunk", "said"),
+    [
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"x" * 65536, "its body ran past"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 1099511627776\r\n\r\n", None, "Content-Length"),
+    ],
+    ids=["endless-body", "huge-content-length"],
+)
+async def test_an_http_tier_refuses_a_blob_over_its_cap_by_name(
+    header: bytes, chunk: bytes | None, said: str
+) -> None:
+    # a reply was read whole into memory (and then to the disk tier), however big: a body
+    # without end filled the node. Refused at the cap, never retried, naming the key to raise
+    server = await _serve_blob(header, chunk)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        tier = HttpTier(OriginTierConfig(url=f"http://127.0.0.1:{port}", max_blob_bytes=2**20))
+        async with tier:
+            with pytest.raises(ImageFetchError) as e:
+                await asyncio.wait_for(tier.get("sha256:" + "a" * 64), 30)
+    assert said in str(e.value) and "max_blob_bytes" in str(e.value) and "1,048,576" in str(e.value)
+    assert not e.value.retryable
+
+
+def test_the_download_and_unpack_caps_have_finite_documented_defaults(tmp_path: Path) -> None:
+    # neither had one: a tier's reply and a bundle's unpacked size (a tar bomb) were unbounded
+    assert OriginTierConfig(url="http://origin:5000").max_blob_bytes == 2 * 2**30
+    cfg = CacheConfig.model_validate(
+        {"tiers": [{"type": "origin", "url": "http://o:1"}], "unpack_dir": str(tmp_path)}
+    )
+    assert cfg.max_unpacked_bytes == 8 * 2**30
+    cache = TieredCache([HttpTier(OriginTierConfig(url="http://o:1"))], unpack_dir=tmp_path)
+    assert cache.max_unpacked_bytes == 8 * 2**30
+
+
+async def test_a_bundle_over_the_unpack_cap_names_the_key_to_raise(tmp_path: Path, bundle: Bundle) -> None:
+    with FakeOrigin({bundle.digest: bundle.data}) as origin:
+        tiers = [HttpTier(OriginTierConfig(url=origin.url))]
+        async with TieredCache(tiers, unpack_dir=tmp_path / "u", max_unpacked_bytes=4096) as cache:
+            with pytest.raises(ImageError, match=r"over the 4096-byte limit.*max_unpacked_bytes"):
+                await cache.get(bundle.digest)

@@ -16,6 +16,8 @@ from pydantic import Field, field_validator
 from envpool.images.errors import ImageFetchError
 from envpool.images.tiers.base import Tier, TierConfigBase
 
+DEFAULT_MAX_BLOB_BYTES = 2 * 2**30
+
 
 class HttpTierConfig(TierConfigBase):
     url: str
@@ -40,6 +42,12 @@ class HttpTierConfig(TierConfigBase):
     headers: dict[str, str] = Field(default_factory=dict)
     """Sent with every request (e.g. ``Authorization`` for a private registry)."""
     max_connections: int = Field(64, ge=1)
+    max_blob_bytes: int = Field(DEFAULT_MAX_BLOB_BYTES, gt=0)
+    """The most bytes of one blob this tier downloads (2 GiB by default): a reply whose
+    ``Content-Length`` says more is refused before its body is read, and one whose body
+    (decompressed) runs past it is cut off there, so a huge or endless body cannot fill the
+    node's memory and disk (a blob is held whole while it is verified and unpacked). Not
+    retried (``ImageFetchError``, naming this key): raise it for images that big."""
 
 
 class PeerTierConfig(HttpTierConfig):
@@ -85,7 +93,12 @@ class HttpTier(Tier):
     async def _get(self, digest: str) -> bytes | None:
         assert self._client is not None
         try:
-            resp = await self._client.get(f"/blobs/{digest}")
+            async with self._client.stream("GET", f"/blobs/{digest}") as resp:
+                if resp.status_code == 404:
+                    return None
+                if resp.status_code != 200:
+                    raise _status_error(resp, self.name)
+                return await self._body(resp, digest)
         except httpx.TransportError as e:
             raise ImageFetchError(f"{type(e).__name__} fetching {digest}: {e}", tier=self.name) from e
         except httpx.DecodingError as e:
@@ -96,11 +109,30 @@ class HttpTier(Tier):
                 f"Content-Encoding): {e}",
                 tier=self.name,
             ) from e
-        if resp.status_code == 404:
-            return None
-        if resp.status_code == 200:
-            return resp.content
-        raise _status_error(resp, self.name)
+
+    async def _body(self, resp: httpx.Response, digest: str) -> bytes:
+        """The reply's body, read up to ``max_blob_bytes`` and no further."""
+        cap = self.config.max_blob_bytes
+        length = resp.headers.get("content-length", "")
+        if length.isdigit() and int(length) > cap:
+            raise self._too_big(resp, digest, f"its Content-Length says {int(length):,} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in resp.aiter_bytes():  # (after its Content-Encoding: counted as decoded)
+            size += len(chunk)
+            if size > cap:
+                raise self._too_big(resp, digest, f"its body ran past {cap:,} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _too_big(self, resp: httpx.Response, digest: str, why: str) -> ImageFetchError:
+        return ImageFetchError(
+            f"{digest} from {resp.request.url}: {why}, over this tier's max_blob_bytes "
+            f"({self.config.max_blob_bytes:,}); raise max_blob_bytes in the tier's config for an "
+            "image this big",
+            tier=self.name,
+            retryable=False,  # (the same blob is as big on every try)
+        )
 
 
 def _status_error(resp: httpx.Response, tier: str) -> ImageFetchError:
