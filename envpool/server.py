@@ -461,23 +461,33 @@ class Server:
             time.sleep(3600)  # (should it be continued)
 
 
-def fetch_image(digest: str, source: str) -> Path:
+def fetch_image(
+    digest: str, source: str, *, max_blob_bytes: int | None = None, max_unpacked_bytes: int | None = None
+) -> Path:
     """A remote container fetches its image bundle itself, through the tiered cache
-    (verified by digest, retried), from the mirror or origin the pool named."""
+    (verified by digest, retried), from the mirror or origin the pool named, within the
+    runtime's caps (``image_max_blob_bytes``, ``image_max_unpacked_bytes``; None: the
+    cache's defaults)."""
     import asyncio
     import tempfile
 
     from envpool.images import HttpTier, MirrorTierConfig, TieredCache
+    from envpool.images.cache import DEFAULT_MAX_UNPACKED_BYTES
+    from envpool.images.tiers.http import DEFAULT_MAX_BLOB_BYTES
 
     if not source:
         raise ValueError(f"image {digest} given without an image source to fetch it from")
 
     async def get() -> Path:
-        tiers = [HttpTier(MirrorTierConfig(url=source))]
+        blob = DEFAULT_MAX_BLOB_BYTES if max_blob_bytes is None else max_blob_bytes
+        tiers = [HttpTier(MirrorTierConfig(url=source, max_blob_bytes=blob))]
+        unpacked = DEFAULT_MAX_UNPACKED_BYTES if max_unpacked_bytes is None else max_unpacked_bytes
         # not byte-compiled as a whole: this container alone uses it, and compiles what it
         # imports as it imports it (the rest would only delay its start)
         unpack_dir = Path(tempfile.mkdtemp(prefix="envpool-image-"))
-        async with TieredCache(tiers, unpack_dir=unpack_dir, precompile=False) as cache:
+        async with TieredCache(
+            tiers, unpack_dir=unpack_dir, max_unpacked_bytes=unpacked, precompile=False
+        ) as cache:
             return await cache.get(digest)
 
     return asyncio.run(get())
@@ -511,7 +521,12 @@ def run(opts: dict[str, Any], ready: Any) -> None:
     apply_limits(opts.get("limits") or {})
     bundle = Path(opts["bundle"]) if opts.get("bundle") else None
     if bundle is None and opts.get("image_digest"):
-        bundle = fetch_image(str(opts["image_digest"]), str(opts.get("image_source") or ""))
+        bundle = fetch_image(
+            str(opts["image_digest"]),
+            str(opts.get("image_source") or ""),
+            max_blob_bytes=opts.get("image_max_blob_bytes"),
+            max_unpacked_bytes=opts.get("image_max_unpacked_bytes"),
+        )
     view = layer = None
     if bundle is not None:
         # a bundle of its own (fetched above, or in a container that has its own filesystem)
@@ -557,6 +572,8 @@ def main() -> None:
     ap.add_argument("--scratch", help="the container's own directory: a private view of --bundle goes there")
     ap.add_argument("--image-digest", help="fetch this bundle (sha256:...) from --image-source first")
     ap.add_argument("--image-source", help="base URL serving GET /blobs/sha256:<hex>")
+    ap.add_argument("--image-max-blob-bytes", type=int, help="the most bytes of the bundle to download")
+    ap.add_argument("--image-max-unpacked-bytes", type=int, help="the most the bundle may unpack to")
     ap.add_argument(
         "--parent-pid", type=int, default=0, help="die with this process (0: no parent to follow)"
     )
@@ -583,6 +600,8 @@ def main() -> None:
         "memory_layer_bytes": args.memory_layer_bytes,
         "image_digest": args.image_digest,
         "image_source": args.image_source,
+        "image_max_blob_bytes": args.image_max_blob_bytes,
+        "image_max_unpacked_bytes": args.image_max_unpacked_bytes,
         "heartbeat_s": args.heartbeat_s,
         "limits": json.loads(args.limits),
         "fault": json.loads(args.fault),

@@ -67,6 +67,8 @@ def server_command(config: Any, image: str | None) -> list[str]:
                 f"image {image!r} needs runtime.image_source: the container fetches its bundle there"
             )
         cmd += ["--image-digest", ImageRef.parse(image).digest, "--image-source", config.image_source]
+        cmd += ["--image-max-blob-bytes", str(config.image_max_blob_bytes)]
+        cmd += ["--image-max-unpacked-bytes", str(config.image_max_unpacked_bytes)]
     return cmd
 
 

@@ -132,6 +132,15 @@ class _RemoteCommon(_RuntimeCommon):
                 raise ValueError(f"image_source {v!r} must be an http:// or https:// URL with a host")
         return v
 
+    image_max_blob_bytes: int = Field(2 * 2**30, gt=0)
+    """The most bytes of a bundle the container downloads from ``image_source`` (its HTTP
+    tier's ``max_blob_bytes``, 2 GiB by default): raise it for an image that big."""
+    image_max_unpacked_bytes: int = Field(8 * 2**30, gt=0)
+    """The most a bundle the container fetched may unpack to (its cache's
+    ``max_unpacked_bytes``, 8 GiB by default): raise it for an image that big."""
+    # (the cache's defaults, written out: importing envpool.images here costs every pool
+    # httpx and the cache, which a pool of built-in environments never uses)
+
     cpu: float = Field(1.0, gt=0)
     memory_mb: int = Field(1024, ge=64)
     env: dict[str, str] = Field(default_factory=dict)

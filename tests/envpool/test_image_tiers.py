@@ -324,3 +324,20 @@ async def test_a_bundle_over_the_unpack_cap_names_the_key_to_raise(tmp_path: Pat
         async with TieredCache(tiers, unpack_dir=tmp_path / "u", max_unpacked_bytes=4096) as cache:
             with pytest.raises(ImageError, match=r"over the 4096-byte limit.*max_unpacked_bytes"):
                 await cache.get(bundle.digest)
+
+
+def test_a_remote_containers_fetch_keeps_to_the_caps_it_was_given(
+    tmp_path: Path, bundle: Bundle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (its server's fetch, given the runtime's image_max_blob_bytes and image_max_unpacked_bytes)
+    import tempfile
+
+    from envpool.server import fetch_image
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # (its unpack dir: the container's /tmp)
+    with FakeOrigin({bundle.digest: bundle.data}) as origin:
+        with pytest.raises(ImageFetchError, match="max_blob_bytes"):
+            fetch_image(bundle.digest, origin.url, max_blob_bytes=10)
+        with pytest.raises(ImageError, match="max_unpacked_bytes"):
+            fetch_image(bundle.digest, origin.url, max_unpacked_bytes=4096)
+        assert (fetch_image(bundle.digest, origin.url) / "run.sh").is_file()

@@ -405,3 +405,17 @@ def test_an_image_reference_no_registry_accepts_is_refused_in_the_config(kind, i
 )
 def test_image_references_registries_accept_are_kept(image):
     assert DockerRuntimeConfig(image=image).image == image
+
+
+def test_a_remote_containers_image_caps_are_the_runtimes_to_raise():
+    # the container fetches its bundle itself, through a cache with the tier's and the
+    # cache's default caps: an image over them could not be run there, with no key to raise
+    from envpool.images import CacheConfig, OriginTierConfig
+
+    defaults = DockerRuntimeConfig()
+    assert defaults.image_max_blob_bytes == OriginTierConfig(url="http://o:1").max_blob_bytes
+    assert defaults.image_max_unpacked_bytes == CacheConfig.model_fields["max_unpacked_bytes"].default
+    cfg = DockerRuntimeConfig(image_source="http://mirror:8080", image_max_blob_bytes=5 * 2**30)
+    cmd = run_kwargs(cfg, f"echo@{DIGEST}", owner="host/7/x")["command"]
+    assert cmd[cmd.index("--image-max-blob-bytes") + 1] == str(5 * 2**30)
+    assert cmd[cmd.index("--image-max-unpacked-bytes") + 1] == str(defaults.image_max_unpacked_bytes)
