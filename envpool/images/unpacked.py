@@ -331,7 +331,26 @@ def prepare(root: Path) -> None:
         except FileNotFoundError:
             continue
         if stale:
-            shutil.rmtree(entry, ignore_errors=True)
+            _remove_unless_held(entry)
+
+
+def _remove_unless_held(path: Path) -> None:
+    """Delete the tree at ``path`` unless a live unpack holds it (``unpack_tree``'s lock):
+    an old mtime alone does not say its process is dead. A tree's mtime is its top
+    directory's, whose entries a long extraction and byte-compile make at their start."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:  # gone meanwhile, or no directory (a file, a link): nobody's to hold
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # held: its unpack is under way
+        shutil.rmtree(path, ignore_errors=True)
+    finally:
+        os.close(fd)
 
 
 def unpack_tree(
@@ -351,6 +370,30 @@ def unpack_tree(
         return final, tree_bytes(final)
     # unpack beside the final place and rename: a directory is there whole or not at all
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{digest[7:19]}-", dir=root))
+    # held (shared, as a pin) while this unpack works on it: a neighbour's cleanup at its
+    # start leaves it however old its mtime (``prepare``). Young, it is not stale before then
+    try:
+        held = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        fcntl.flock(held, fcntl.LOCK_SH)
+        return _unpack_into(tmp, final, digest, data, max_bytes=max_bytes, precompile=precompile, stop=stop)
+    finally:
+        os.close(held)
+
+
+def _unpack_into(
+    tmp: Path,
+    final: Path,
+    digest: str,
+    data: bytes,
+    *,
+    max_bytes: int | None,
+    precompile: bool,
+    stop: Callable[[], bool],
+) -> tuple[Path, int]:
     try:
         # a bundle's directories are 0755 (build_bundle), its root too: not mkdtemp's 0700,
         # which no container or sandbox of another user could enter

@@ -14,6 +14,7 @@ import errno
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -291,3 +292,31 @@ def test_an_unpack_told_to_stop_kills_its_compile_and_places_nothing(tmp_path: P
     with pytest.raises(unpacked_mod.UnpackClosed, match="byte-compiling"):
         unpacked_mod.unpack_tree(root, bundle.digest, bundle.data, max_bytes=None, precompile=True, stop=stop)
     assert list(root.iterdir()) == []
+
+
+def test_a_neighbours_cleanup_leaves_an_unpack_under_way_however_old(tmp_path: Path, bundle: Bundle) -> None:
+    # the cleanup at a cache's start (``prepare``) removed every .tmp-* directory over an
+    # hour old, by its mtime alone: a live neighbour's unpack (its top directory's entries
+    # all made at the start of a long extraction and byte-compile) was deleted under it
+    root = tmp_path / "sha256"
+    root.mkdir()
+    swept = []
+
+    def stop() -> bool:  # its first look, its tree begun: a neighbour's cache starts then
+        if not swept:
+            [tmp] = root.glob(".tmp-*")
+            old = time.time() - 2 * unpacked_mod.STALE_TEMP_S
+            os.utime(tmp, (old, old))
+            unpacked_mod.prepare(root)
+            swept.append(tmp.exists())
+        return False
+
+    path, _ = unpacked_mod.unpack_tree(
+        root, bundle.digest, bundle.data, max_bytes=None, precompile=False, stop=stop
+    )
+    assert swept == [True] and (path / "pkg" / "__init__.py").read_text() == "VALUE = 42\n"
+    dead = root / ".tmp-left-by-a-dead-process"
+    dead.mkdir()
+    os.utime(dead, (time.time() - 2 * unpacked_mod.STALE_TEMP_S,) * 2)
+    unpacked_mod.prepare(root)
+    assert not dead.exists()  # (what nobody works on is still swept)
