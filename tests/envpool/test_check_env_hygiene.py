@@ -128,3 +128,44 @@ def test_a_file_left_to_the_garbage_collector_is_not_a_leak():
         check_env("hygiene-v0", registry_of(CycleEnv))
     finally:
         gc.enable()
+
+
+class CountedEnv(ShortEnv):
+    """Counts the instances made and closed; fails where ``FAIL`` says (a review suspected
+    check_env left instances it made unclosed when the environment failed)."""
+
+    made: ClassVar[int] = 0
+    closed: ClassVar[int] = 0
+    FAIL: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        type(self).made += 1
+        self.nth = type(self).made
+
+    def reset(self, *, seed=None, options=None):
+        if self.FAIL == "reset" or (self.FAIL == "replay" and self.nth == 2):
+            raise RuntimeError("reset failed")
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action: str) -> StepResult:
+        if self.FAIL == "exit":
+            raise SystemExit(3)  # (no Exception: it ends check_env, as it would any caller)
+        return super().step(action)
+
+    def close(self) -> None:
+        type(self).closed += 1
+        if self.FAIL == "close":
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("fail", ["", "reset", "replay", "exit", "close"])
+def test_check_env_closes_every_instance_it_made_whatever_fails(fail):
+    CountedEnv.made = CountedEnv.closed = 0
+    CountedEnv.FAIL = fail
+    try:
+        check_env("hygiene-v0", registry_of(CountedEnv))
+    except (EnvConformanceError, SystemExit, KeyboardInterrupt):
+        pass
+    finally:
+        CountedEnv.FAIL = ""
+    assert CountedEnv.made >= 1 and CountedEnv.closed == CountedEnv.made
