@@ -283,3 +283,61 @@ def test_tool_calls_from_several_threads_each_get_their_own_answer():
     first.join(30)
     second.join(30)
     assert got == {"first": "for the first", "second": "for the second"}
+
+
+_THREADED_TOOLS = """
+import threading
+import envpool
+
+
+class ThreadedToolsEnv(envpool.Env):
+    def reset(self, *, seed=None, options=None):
+        return "ready", {}
+
+    def step(self, action):
+        out = {}
+        def call(name):
+            out[name] = self.call_tool(name, {})
+        threads = [threading.Thread(target=call, args=(n,)) for n in ("a", "b")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return envpool.StepResult(obs=envpool.Observation(text=f"{out['a']} {out['b']}"))
+"""
+
+
+async def test_tool_calls_from_threads_of_a_container_get_their_own_answers(tmp_path):
+    import asyncio
+
+    from echo_bundle import write_env_bundle
+
+    from envpool.pool import EnvPool
+
+    images = write_env_bundle(
+        tmp_path / "b", "threaded_env", _THREADED_TOOLS, {"threaded-v0": "ThreadedToolsEnv"}
+    )
+    both, answered_b = asyncio.Event(), asyncio.Event()
+    asked: list[str] = []
+
+    async def tool(name, arguments):
+        asked.append(name)
+        if len(asked) == 2:
+            both.set()
+        await both.wait()
+        if name == "a":  # the second call's answer goes first
+            await answered_b.wait()
+            await asyncio.sleep(0.05)
+        else:
+            answered_b.set()
+        return f"answer-{name}"
+
+    cfg = {"min_warm": 0, "runtime": {"heartbeat_s": 0.1}, "step_timeout_s": 20}
+    async with EnvPool(cfg, images=images, tool_caller=tool) as p:
+        async with p.session("threaded-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            for _ in range(3):
+                assert (await s.step("go")).obs.text == "answer-a answer-b"
+                asked.clear()
+                both.clear()
+                answered_b.clear()
