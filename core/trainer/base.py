@@ -13,7 +13,10 @@ counts once in its group's mean and std).
 
 ``step`` is synchronous: it is the trainer's whole job, and it runs in its own process (a
 Ray actor) or a worker thread. The base class validates the batch, computes advantages,
-times the step and bumps the version; a backend implements ``_step`` and ``state``.
+times the step and bumps the version. Its ``_step`` is the update sequence both backends
+share (``minibatch_updates`` over the backend's ``_update``, the learning rate reported):
+a backend implements ``_update`` and ``state`` and sets ``config``, ``optimizer`` and
+``_shuffle``; one with another kind of step overrides ``_step`` instead.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, Self
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -248,10 +251,26 @@ def turn_samples(traj: Trajectory, *, reward: float, group_id: str) -> list[Trai
     return out
 
 
+class StepSettings(Protocol):
+    """What the shared step reads of a backend's ``config`` (both backends' pydantic configs;
+    the trainer actor sets ``mini_batch_size`` through ``model_copy``)."""
+
+    mini_batch_size: int | None
+    epochs: int
+
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> Self: ...
+
+
 class Trainer(ABC):
     """One policy being trained; ``version`` counts the updates it has made."""
 
     name: str = ""
+
+    # set by a backend that takes the shared step (``_step``): its settings, the optimizer
+    # whose rate ``lr`` is, and the generator that orders the mini-batches (checkpointed)
+    config: StepSettings
+    optimizer: torch.optim.Optimizer
+    _shuffle: torch.Generator
 
     def __init__(
         self,
@@ -279,6 +298,18 @@ class Trainer(ABC):
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_lr(self, lr: float) -> None:
+        """Change the learning rate from the next update on (a schedule lives with the caller,
+        which knows whether it counts steps or wall time)."""
+        if not lr > 0:
+            raise ValueError(f"learning rate must be positive, got {lr}")
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def step(self, batch: Sequence[TrainSample]) -> dict[str, float]:
         """One policy update on ``batch``; returns its metrics (``version`` included)."""
@@ -353,8 +384,27 @@ class Trainer(ABC):
     def state(self) -> dict[str, torch.Tensor]:
         """The policy's weights, detached copies on the CPU (safe to ship and to keep)."""
 
-    @abstractmethod
-    def _step(self, batch: Sequence[TrainSample], advantages: list[float]) -> dict[str, float]: ...
+    def _step(self, batch: Sequence[TrainSample], advantages: list[float]) -> dict[str, float]:
+        """The step's updates (``minibatch_updates``: ``config.epochs`` passes in mini-batches
+        of ``config.mini_batch_size``, each one ``_update``) and their metrics, with ``lr``
+        when an update ran. Both backends' step; ``advantages`` are per sample of ``batch``."""
+        metrics = minibatch_updates(
+            self._update,
+            batch,
+            advantages,
+            size=self.config.mini_batch_size,
+            epochs=self.config.epochs,
+            shuffle=self._shuffle,
+        )
+        if "skipped" not in metrics:
+            metrics["lr"] = self.lr
+        return metrics
+
+    def _update(self, samples: list[TrainSample], advantages: list[float]) -> dict[str, float] | None:
+        """One optimizer update over a mini-batch (``advantages`` per sample): its metrics, or
+        None when no token of it trains. A gradient that is not finite is not applied: raise
+        ``NonFiniteGradient``."""
+        raise NotImplementedError(f"the {self.name!r} trainer implements neither _step nor _update")
 
     # -- checkpoints (a job resumed after a crash or a preemption) ---------------------------
     def training_state(self) -> dict[str, Any]:

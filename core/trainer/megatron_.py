@@ -76,7 +76,6 @@ from core.trainer.base import (
     TrainerError,
     TrainSample,
     load_module_training_state,
-    minibatch_updates,
     module_training_state,
 )
 from core.trainer.grpo import aggregate, kl_k3, policy_loss
@@ -244,6 +243,7 @@ def _vocab_range(vocab_size: int) -> tuple[int, int] | None:
 
 class MegatronTrainer(Trainer):
     name = "megatron"
+    config: MegatronTrainerConfig
 
     def __init__(
         self,
@@ -324,17 +324,6 @@ class MegatronTrainer(Trainer):
 
     # -- public helpers -------------------------------------------------------------------
 
-    @property
-    def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
-
-    def set_lr(self, lr: float) -> None:
-        """Change the learning rate from the next update on."""
-        if not lr > 0:
-            raise ValueError(f"learning rate must be positive, got {lr}")
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
     def state(self) -> dict[str, Tensor]:
         """This rank's weights (the whole model at tp = pp = 1), fp32 copies on the CPU,
         under Hugging Face names when the model came from ``hf_model``. Non-tensor entries
@@ -402,23 +391,13 @@ class MegatronTrainer(Trainer):
     # -- the step -------------------------------------------------------------------------
 
     def _step(self, batch: Sequence[TrainSample], advantages: list[float]) -> dict[str, float]:
-        cfg = self.config
-        if cfg.pipeline_parallel_size > 1:
+        if self.config.pipeline_parallel_size > 1:
             raise TrainerError(
                 "a step with pipeline_parallel_size > 1 needs megatron's pipeline schedule, "
                 "which this backend does not run yet; use tensor parallelism"
             )
-        metrics = minibatch_updates(
-            self._update,
-            batch,
-            advantages,
-            size=cfg.mini_batch_size,
-            epochs=cfg.epochs,
-            shuffle=self._shuffle,
-        )
-        if "skipped" not in metrics:
-            metrics["lr"] = self.lr
-        return metrics
+        # the shared sequence (the torch backend's too): the same updates and metrics
+        return super()._step(batch, advantages)
 
     def _update(self, samples: list[TrainSample], advantages: list[float]) -> dict[str, float] | None:
         """One optimizer update over ``samples``, in micro-batches whose gradients add up to

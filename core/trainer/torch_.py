@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -29,7 +29,6 @@ from core.trainer.base import (
     TrainerError,
     TrainSample,
     load_module_training_state,
-    minibatch_updates,
     module_training_state,
 )
 from core.trainer.grpo import aggregate, kl_k3, policy_loss
@@ -38,6 +37,7 @@ from core.trainer.lean_logprobs import logprobs_and_entropy
 
 class TorchTrainer(Trainer):
     name = "torch"
+    config: TorchTrainerConfig
 
     def __init__(
         self,
@@ -73,18 +73,6 @@ class TorchTrainer(Trainer):
         )
         self._shuffle = torch.Generator().manual_seed(config.seed)
 
-    @property
-    def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
-
-    def set_lr(self, lr: float) -> None:
-        """Change the learning rate from the next update on (a schedule lives with the caller,
-        which knows whether it counts steps or wall time)."""
-        if not lr > 0:
-            raise ValueError(f"learning rate must be positive, got {lr}")
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
     def state(self) -> dict[str, Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
@@ -95,20 +83,6 @@ class TorchTrainer(Trainer):
         load_module_training_state(
             state, self.model, self.optimizer, self.reference, self._shuffle, config=self.config
         )
-
-    def _step(self, batch: Sequence[TrainSample], advantages: list[float]) -> dict[str, float]:
-        cfg = self.config
-        metrics = minibatch_updates(
-            self._update,
-            batch,
-            advantages,
-            size=cfg.mini_batch_size,
-            epochs=cfg.epochs,
-            shuffle=self._shuffle,
-        )
-        if "skipped" not in metrics:
-            metrics["lr"] = self.lr
-        return metrics
 
     def _update(self, samples: list[TrainSample], advantages: list[float]) -> dict[str, float] | None:
         cfg = self.config
