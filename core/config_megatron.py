@@ -58,7 +58,9 @@ class MegatronTrainerConfig(BaseModel):
     model: GPTShape | None = None
     """Build a freshly initialised model of this shape (seeded by ``seed``)."""
     checkpoint: UserPath | None = None
-    """Or load one written by ``MegatronTrainer.save_checkpoint`` (shape, weights, version)."""
+    """Or load one written by ``MegatronTrainer.save_checkpoint`` (shape, weights, version): the
+    path given to it; at tp x pp > 1 each rank reads its own shard's file beside it, which needs
+    the tp x pp it was saved with."""
     hf_model: UserPath | None = None
     """Or start from a Hugging Face checkpoint directory (Llama, Qwen2 or Mistral family:
     RMSNorm, SwiGLU, RoPE, grouped-query attention): its ``config.json`` and weights. The

@@ -48,7 +48,9 @@ Choices, and why:
   not padded (``check_parallel_shape`` requires ``vocab_size`` divisible by the TP size), so
   every column is a real id, as at tp = 1. At tp = 1 the path is the one every GPU run took
   (``parallel_output=False``, ``lean_logprobs``). A step with pipeline parallelism raises: it
-  needs megatron's pipeline schedule, which is not wired in.
+  needs megatron's pipeline schedule, which is not wired in. ``save_checkpoint`` writes one
+  file per rank, named with its tp and pp rank (``core.trainer.megatron_checkpoint``); a
+  single-GPU checkpoint keeps the one name it is given.
 """
 
 from __future__ import annotations
@@ -57,7 +59,6 @@ import contextlib
 import inspect
 import math
 import os
-import pickle
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -83,9 +84,14 @@ from core.trainer.hf_gpt import HFArch, hf_to_megatron, megatron_to_hf, read_hf_
 from core.trainer.lean_logprobs import logprobs_and_entropy
 from core.trainer.lean_logprobs_tp import vocab_parallel_logprobs_and_entropy
 from core.trainer.megatron_batch import Packed, pack_samples
-
-#: The ``format`` field of a checkpoint written by ``save_checkpoint``.
-CHECKPOINT_FORMAT = "rl-fabric/megatron-gpt/1"
+from core.trainer.megatron_checkpoint import CHECKPOINT_FORMAT as CHECKPOINT_FORMAT
+from core.trainer.megatron_checkpoint import (
+    check_layout,
+    layout_fields,
+    own_shard_file,
+    read_checkpoint,
+    shard_file,
+)
 
 INSTALL_HINT = "install the megatron extra (pip install -e .[megatron]) on a GPU machine"
 
@@ -225,6 +231,16 @@ def _local_spec_takes(specs: Any, name: str) -> bool:
     return forwards and inner is not None and name in inspect.signature(inner).parameters
 
 
+def _parallel_ranks() -> tuple[int, int]:
+    """This process's tensor and pipeline model-parallel rank (0, 0 on one GPU)."""
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+    )
+
+
 def _vocab_range(vocab_size: int) -> tuple[int, int] | None:
     """This rank's columns ``[first, last)`` of the vocabulary when the output layer is split
     over tp > 1 ranks (megatron's own split: contiguous, rank r's the r-th of tp equal parts);
@@ -254,7 +270,14 @@ class MegatronTrainer(Trainer):
         if not isinstance(config, MegatronTrainerConfig):
             config = MegatronTrainerConfig.model_validate(config)
         _require_runtime()
-        ckpt = _read_checkpoint(config.checkpoint) if config.checkpoint is not None else None
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        # first: which file of a sharded checkpoint is this process's is known from its ranks
+        _init_distributed(tp, pp)
+        ckpt: dict[str, Any] | None = None
+        if config.checkpoint is not None:
+            file = own_shard_file(config.checkpoint, tp, pp, *_parallel_ranks())
+            ckpt = read_checkpoint(file)
+            check_layout(ckpt, f"checkpoint {file}", tp, pp, *_parallel_ranks())
         shape: GPTShape | HFArch | None = config.model
         hf_state: dict[str, Tensor] | None = None
         if config.hf_model is not None:
@@ -274,11 +297,6 @@ class MegatronTrainer(Trainer):
                 check_parallel_shape(shape, config.tensor_parallel_size, config.pipeline_parallel_size)
             except ValueError as e:
                 raise TrainerError(f"checkpoint {config.checkpoint}: {e}") from None
-            if ckpt["tensor_parallel_size"] != config.tensor_parallel_size:
-                raise TrainerError(
-                    f"checkpoint {config.checkpoint} holds a tensor_parallel_size="
-                    f"{ckpt['tensor_parallel_size']} shard; this trainer uses {config.tensor_parallel_size}"
-                )
             if version is None:
                 version = int(ckpt["version"])
         assert shape is not None  # the config's validator requires a shape or a checkpoint
@@ -296,7 +314,6 @@ class MegatronTrainer(Trainer):
         )
         self.config = config
         self.shape = shape
-        _init_distributed(config.tensor_parallel_size, config.pipeline_parallel_size)
 
         from megatron.core import parallel_state, tensor_parallel
 
@@ -363,15 +380,28 @@ class MegatronTrainer(Trainer):
         return [float(x) for x in logp[0, : len(completion_ids)].cpu()]
 
     def _training_state(self) -> dict[str, Any]:
-        return module_training_state(self.model, self.optimizer, self.reference, self._shuffle)
+        # each rank's state is its own shard: say whose, so it is not resumed by another rank
+        return {
+            **module_training_state(self.model, self.optimizer, self.reference, self._shuffle),
+            **layout_fields(*self._layout()),
+        }
 
     def _load_training_state(self, state: Mapping[str, Any]) -> None:
+        check_layout(state, "the training state", *self._layout())
         load_module_training_state(
             state, self.model, self.optimizer, self.reference, self._shuffle, config=self.config
         )
 
-    def save_checkpoint(self, path: str | Path) -> None:
-        """Shape, weights and version in one file, loadable with ``checkpoint=path``."""
+    def _layout(self) -> tuple[int, int, int, int]:
+        """tp, pp and this process's tensor and pipeline rank."""
+        return self.config.tensor_parallel_size, self.config.pipeline_parallel_size, *_parallel_ranks()
+
+    def save_checkpoint(self, path: str | Path) -> Path:
+        """Shape, weights and version, loadable with ``checkpoint=path`` at the same tp x pp.
+        Each rank writes its own shard's file (``path`` itself at tp = pp = 1, else named with
+        the rank: ``megatron_checkpoint.shard_file``); returns the file this rank wrote."""
+        layout = self._layout()
+        file = shard_file(Path(path), *layout)
         arch = (
             {"hf_config": self.shape.config}
             if isinstance(self.shape, HFArch)
@@ -381,12 +411,13 @@ class MegatronTrainer(Trainer):
             {
                 "format": CHECKPOINT_FORMAT,
                 **arch,
-                "tensor_parallel_size": self.config.tensor_parallel_size,
+                **layout_fields(*layout),
                 "version": self.version,
                 "state": self._own_state(),
             },
-            Path(path),
+            file,
         )
+        return file
 
     # -- the step -------------------------------------------------------------------------
 
@@ -555,13 +586,3 @@ def _check_sample(s: TrainSample, shape: GPTShape | HFArch) -> None:
     bad = [t for t in ids if not 0 <= t < shape.vocab_size]
     if bad:
         raise TrainerError(f"token id {bad[0]} is outside the model's vocab_size={shape.vocab_size}")
-
-
-def _read_checkpoint(path: Path) -> dict[str, Any]:
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
-        raise TrainerError(f"cannot read megatron checkpoint {path}: {e}") from e
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise TrainerError(f"{path} is not a checkpoint written by MegatronTrainer.save_checkpoint")
-    return ckpt

@@ -256,7 +256,10 @@ def test_checkpoint_round_trip_and_bad_samples(tmp_path):
     t = MegatronTrainer(config(lr=1e-2))
     t.step([sample(t, [GOOD], 1.0)])
     path = tmp_path / "policy.pt"
-    t.save_checkpoint(path)
+    assert t.save_checkpoint(path) == path  # one GPU: the one file, under the name given
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    assert (saved["tensor_parallel_size"], saved["pipeline_parallel_size"]) == (1, 1)
+    assert (saved["tensor_parallel_rank"], saved["pipeline_parallel_rank"]) == (0, 0)
     back = MegatronTrainer(MegatronTrainerConfig(checkpoint=path))
     assert back.version == 1 and back.shape == SHAPE
     for (k, va), vb in zip(t.state().items(), back.state().values(), strict=True):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from core.trainer import megatron_
-from core.trainer.base import TrainerError
+from core.trainer.base import Trainer, TrainerError
 from core.trainer.hf_gpt import HFArch
 from core.trainer.megatron_ import MegatronTrainerConfig
 
@@ -159,3 +159,57 @@ def test_a_data_parallel_world_is_refused(monkeypatch):
     assert "initialize_model_parallel" not in calls
     megatron_._init_distributed(2, 2)  # world = tp * pp: one replica
     assert calls["initialize_model_parallel"]["tensor_model_parallel_size"] == 2
+
+
+# -- checkpoints at tensor parallel > 1 --------------------------------------------------------
+
+SMALL = megatron_.GPTShape(
+    num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=8, max_sequence_length=8
+)
+
+
+def _rank(monkeypatch: pytest.MonkeyPatch, tp_rank: int) -> megatron_.MegatronTrainer:
+    """A tp = 2 trainer's rank ``tp_rank`` as ``save_checkpoint`` and the training state see it:
+    ``parallel_state`` names the rank, the model is a stand-in whose weights are the rank."""
+    _module(monkeypatch, "megatron")
+    _module(monkeypatch, "megatron.core")
+    _module(
+        monkeypatch,
+        "megatron.core.parallel_state",
+        get_tensor_model_parallel_rank=lambda: tp_rank,
+        get_pipeline_model_parallel_rank=lambda: 0,
+    )
+    t = object.__new__(megatron_.MegatronTrainer)
+    Trainer.__init__(t, version=3)
+    t.config = MegatronTrainerConfig(model=SMALL, tensor_parallel_size=2)
+    t.shape = SMALL
+    t.model = torch.nn.Linear(2, 2)
+    torch.nn.init.constant_(t.model.weight, float(tp_rank))
+    t.optimizer = torch.optim.AdamW(t.model.parameters())
+    t.reference = None
+    t._shuffle = torch.Generator()
+    return t
+
+
+def test_each_tensor_parallel_rank_saves_its_own_shard(monkeypatch, tmp_path):
+    # under one name the ranks overwrote each other: the last one's shard was the checkpoint
+    path = tmp_path / "policy.pt"
+    files = [_rank(monkeypatch, r).save_checkpoint(path) for r in range(2)]
+    assert [f.name for f in files] == ["policy.tp0-of-2.pp0-of-1.pt", "policy.tp1-of-2.pp0-of-1.pt"]
+    assert not path.exists()
+    for r, f in enumerate(files):
+        ckpt = torch.load(f, map_location="cpu", weights_only=True)
+        assert (ckpt["tensor_parallel_size"], ckpt["tensor_parallel_rank"], ckpt["version"]) == (2, r, 3)
+        assert torch.all(ckpt["state"]["weight"] == r)
+
+
+def test_a_training_state_is_resumed_only_by_the_rank_that_wrote_it(monkeypatch):
+    state = _rank(monkeypatch, 0).training_state()
+    assert (state["tensor_parallel_size"], state["tensor_parallel_rank"]) == (2, 0)
+    with pytest.raises(
+        TrainerError, match="the training state holds the shard of tensor rank 0, pipeline rank 0"
+    ):
+        _rank(monkeypatch, 1).load_training_state(state)
+    own = _rank(monkeypatch, 0)
+    own.load_training_state({**state, "version": 4})
+    assert own.version == 4
