@@ -388,6 +388,11 @@ class Trainer(ABC):
         """The step's updates (``minibatch_updates``: ``config.epochs`` passes in mini-batches
         of ``config.mini_batch_size``, each one ``_update``) and their metrics, with ``lr``
         when an update ran. Both backends' step; ``advantages`` are per sample of ``batch``."""
+        # all of them before the first update: one failing in its own mini-batch left the
+        # updates of those before it applied, the weights moved and the version not. A batch
+        # with no trained token makes no update and is skipped unchecked, as it always was
+        if any(any(s.token_mask) for s in batch):
+            self._check_samples(batch)
         metrics = minibatch_updates(
             self._update,
             batch,
@@ -399,6 +404,11 @@ class Trainer(ABC):
         if "skipped" not in metrics:
             metrics["lr"] = self.lr
         return metrics
+
+    def _check_samples(self, batch: Sequence[TrainSample]) -> None:
+        """Raise a ``TrainerError`` for a sample the model cannot take (too long, an id outside
+        its vocabulary); the shared step asks before any update."""
+        return  # a backend whose model takes any sample
 
     def _update(self, samples: list[TrainSample], advantages: list[float]) -> dict[str, float] | None:
         """One optimizer update over a mini-batch (``advantages`` per sample): its metrics, or

@@ -430,6 +430,10 @@ class MegatronTrainer(Trainer):
         # the shared sequence (the torch backend's too): the same updates and metrics
         return super()._step(batch, advantages)
 
+    def _check_samples(self, batch: Sequence[TrainSample]) -> None:
+        for s in batch:
+            _check_sample(s, self.shape)
+
     def _update(self, samples: list[TrainSample], advantages: list[float]) -> dict[str, float] | None:
         """One optimizer update over ``samples``, in micro-batches whose gradients add up to
         the mini-batch's."""

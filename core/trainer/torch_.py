@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -83,6 +83,9 @@ class TorchTrainer(Trainer):
         load_module_training_state(
             state, self.model, self.optimizer, self.reference, self._shuffle, config=self.config
         )
+
+    def _check_samples(self, batch: Sequence[TrainSample]) -> None:
+        _check_lengths(batch, self.model.config.max_len)
 
     def _update(self, samples: list[TrainSample], advantages: list[float]) -> dict[str, float] | None:
         cfg = self.config
@@ -189,17 +192,20 @@ def _restriction(samples: list[TrainSample], vocab_size: int) -> Tensor | None:
     return out
 
 
+def _check_lengths(samples: Sequence[TrainSample], max_len: int) -> None:
+    longest = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    if longest > max_len:
+        raise TrainerError(f"a sample of {longest} tokens exceeds the model's max_len={max_len}")
+
+
 def _pack(samples: list[TrainSample], max_len: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Right-padded inputs plus per-position targets, loss mask and old logprobs.
 
     Position ``t`` predicts token ``t + 1``, so completion token ``j`` of a sample (at
     position ``len(prompt) + j``) is scored by the logits at ``len(prompt) + j - 1``.
     """
-    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-    too_long = [n for n in lengths if n > max_len]
-    if too_long:
-        raise TrainerError(f"a sample of {max(too_long)} tokens exceeds the model's max_len={max_len}")
-    width = max(lengths) - 1
+    _check_lengths(samples, max_len)
+    width = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples) - 1
     b = len(samples)
     ids = torch.zeros(b, width, dtype=torch.long)
     attn = torch.zeros(b, width, dtype=torch.bool)

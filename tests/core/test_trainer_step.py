@@ -103,3 +103,37 @@ def test_a_backend_without_update_or_step_says_so():
         t.step(batch(1))
     with pytest.raises(TrainerError, match="non-empty batch"):
         t.step([])
+
+
+def test_a_sample_the_model_cannot_take_fails_the_step_before_any_update():
+    # it failed in its own mini-batch: the updates of those before it were applied (the
+    # weights moved, the version did not), and the error did not say so
+    from test_torch_trainer import TOK, model, sample
+
+    from core.trainer.torch_ import TorchTrainer, TorchTrainerConfig
+
+    t = TorchTrainer(model(), TorchTrainerConfig(lr=1e-2, mini_batch_size=1, seed=3))
+    right = TOK.token_to_id("right")
+    good = [sample(t.model, [1, 2], [right], 1.0) for _ in range(4)]  # seed 3: the long one is 4th
+    too_long = good[0].model_copy(
+        update={"prompt_ids": [2] * 30, "completion_ids": [right] * 5, "old_logprobs": [0.0] * 5}
+    )
+    before = t.state()
+    with pytest.raises(TrainerError, match="exceeds the model's max_len=32"):
+        t.step([*good, too_long])
+    assert all(torch.equal(before[k], v) for k, v in t.state().items())
+    assert t.version == 0 and not t.optimizer.state  # no update, no moments
+
+
+def test_the_shared_step_checks_every_sample_before_the_first_update():
+    class Picky(Recorder):
+        def _check_samples(self, batch: list[TrainSample]) -> None:
+            if any(s.completion_ids[0] == 3 for s in batch):
+                raise TrainerError("no 3s")
+
+    t = Picky(Settings(mini_batch_size=1))
+    with pytest.raises(TrainerError, match="no 3s"):
+        t.step(batch(5))
+    assert t.seen == [] and t.version == 0
+    assert t.step(batch(3))["updates"] == 3
+    assert t.step(batch(5, mask=[0]))["skipped"] == 1.0  # nothing trains: no update to protect
