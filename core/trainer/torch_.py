@@ -86,6 +86,15 @@ class TorchTrainer(Trainer):
 
     def _check_samples(self, batch: Sequence[TrainSample]) -> None:
         _check_lengths(batch, self.model.config.max_len)
+        vocab = self.model.config.vocab_size
+        for s in batch:
+            bad = [
+                t
+                for t in (*s.prompt_ids, *s.completion_ids, *(s.allowed_token_ids or ()))
+                if not 0 <= t < vocab
+            ]
+            if bad:
+                raise TrainerError(f"token id {bad[0]} is outside the model's vocab_size={vocab}")
 
     def _update(self, samples: list[TrainSample], advantages: list[float]) -> dict[str, float] | None:
         cfg = self.config

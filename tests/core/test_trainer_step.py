@@ -137,3 +137,25 @@ def test_the_shared_step_checks_every_sample_before_the_first_update():
     assert t.seen == [] and t.version == 0
     assert t.step(batch(3))["updates"] == 3
     assert t.step(batch(5, mask=[0]))["skipped"] == 1.0  # nothing trains: no update to protect
+
+
+def test_an_id_outside_the_torch_models_vocabulary_is_a_clear_error_before_any_update():
+    # it was an IndexError from the embedding (or from the restriction's table) in its own
+    # mini-batch, after the updates of those before it
+    from test_torch_trainer import TOK, model, sample
+
+    from core.trainer.torch_ import TorchTrainer, TorchTrainerConfig
+
+    t = TorchTrainer(model(), TorchTrainerConfig(lr=1e-2, mini_batch_size=1, seed=3))
+    right = TOK.token_to_id("right")
+    good = [sample(t.model, [1, 2], [right], 1.0) for _ in range(4)]
+    vocab = TOK.vocab_size
+    before = t.state()
+    for bad in (
+        {"completion_ids": [vocab]},
+        {"prompt_ids": [1, -1]},
+        {"allowed_token_ids": [right, vocab + 3]},
+    ):
+        with pytest.raises(TrainerError, match=f"outside the model's vocab_size={vocab}"):
+            t.step([*good, good[0].model_copy(update=bad)])
+    assert all(torch.equal(before[k], v) for k, v in t.state().items()) and t.version == 0
