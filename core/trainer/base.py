@@ -337,7 +337,14 @@ class Trainer(ABC):
         self._version += 1
         # the coefficient this update used; the next one's is steered by what it measured
         self.entropy.update(metrics.get("entropy"))
-        rewards = [s.reward for s in batch if s.reward is not None]
+        # per trajectory, as batch_advantages counts them: not weighted by its turn samples
+        rewards = list(
+            {
+                s.trajectory_id if s.trajectory_id is not None else i: s.reward
+                for i, s in enumerate(batch)
+                if s.reward is not None
+            }.values()
+        )
         metrics.update(
             entropy_coef=coef,
             version=float(self._version),

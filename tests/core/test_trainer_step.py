@@ -159,3 +159,15 @@ def test_an_id_outside_the_torch_models_vocabulary_is_a_clear_error_before_any_u
         with pytest.raises(TrainerError, match=f"outside the model's vocab_size={vocab}"):
             t.step([*good, good[0].model_copy(update=bad)])
     assert all(torch.equal(before[k], v) for k, v in t.state().items()) and t.version == 0
+
+
+def test_reward_mean_counts_each_trajectory_once():
+    # a trajectory cut into three turn samples weighed three times in it (as batch_advantages
+    # says: trajectories, not samples, are the members)
+    turns = [
+        s.model_copy(update={"advantage": None, "reward": r, "trajectory_id": t})
+        for s, r, t in zip(batch(5), [1.0, 1.0, 1.0, 0.0, 0.5], ["a", "a", "a", "b", None], strict=True)
+    ]
+    m = Recorder(Settings()).step(turns)
+    assert m["reward_mean"] == pytest.approx((1.0 + 0.0 + 0.5) / 3)
+    assert m["samples"] == 5
