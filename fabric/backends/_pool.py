@@ -163,7 +163,7 @@ class FunctionPool(PoolWorkers):
             if call.fut.done():  # cancelled by the caller (a hedge loser), expired or failed
                 continue
             if pool is None or pool is self:
-                self._fail(call, ErrorCode.BACKEND_CLOSED, "backend closed")
+                self._fail(call, ErrorCode.BACKEND_CLOSED, "backend closed", started=False)
             else:
                 pool.adopt(call)
 
@@ -179,8 +179,8 @@ class FunctionPool(PoolWorkers):
     async def _close_now(self) -> None:
         if self._maint is not None:
             self._maint.cancel()
-        while self._pending:
-            self._fail(self._pending.popleft(), ErrorCode.BACKEND_CLOSED, "backend closed")
+        while self._pending:  # never sent: none of them began
+            self._fail(self._pending.popleft(), ErrorCode.BACKEND_CLOSED, "backend closed", started=False)
         workers = list(self._workers)
         for w in workers:
             w.send(("stop",))
@@ -197,8 +197,10 @@ class FunctionPool(PoolWorkers):
             if w.transport is not None:
                 w.transport.close()
             for call in list(w.inflight.values()):
+                # sent: it may have run, unless a synchronous worker's slot says it waited
+                # behind the others (read once the worker is dead: it starts nothing more)
                 self._settle(call)
-                self._fail(call, ErrorCode.BACKEND_CLOSED, "backend closed")
+                self._fail(call, ErrorCode.BACKEND_CLOSED, "backend closed", started=self._began(call))
             w.inflight.clear()
         # the workers stopped for idleness (_shrink): each is waited for within its grace
         await asyncio.gather(*self._reaping, return_exceptions=True)
@@ -217,7 +219,7 @@ class FunctionPool(PoolWorkers):
         queued here as if submitted now, under its deadline as it is (maybe moved), answered
         through its own future."""
         if self._closed:
-            self._fail(call, ErrorCode.BACKEND_CLOSED, "backend closed")
+            self._fail(call, ErrorCode.BACKEND_CLOSED, "backend closed", started=False)  # never sent
             return
         call.worker, call.cid, call.avoid = None, 0, None
         self._enqueue(call)

@@ -195,8 +195,13 @@ class PoolDispatch:
             if cold:
                 self.metrics["cold_starts"] += 1
             queue_ms = (start_ns - call.t_submit_ns) / 1e6
-            # a worker answers DeadlineExceeded only for a call it found late, before starting it
-            started = None if ok or out[0] != ErrorCode.DEADLINE_EXCEEDED else False
+            # a worker answers DeadlineExceeded only for a call it found late, before starting it;
+            # BackendClosed for one its stop cut off, running or not yet begun, as _began tells
+            started = None
+            if not ok and out[0] == ErrorCode.DEADLINE_EXCEEDED:
+                started = False
+            elif not ok and out[0] == ErrorCode.BACKEND_CLOSED:
+                started = self._began(call)
             at_deadline = not ok and out[0] == ErrorCode.TIMEOUT and self._cut_at_deadline(call, start_ns)
             if at_deadline and not call.inv.wait_for_run:
                 # the worker's cut came in before the call's own timer (the loop was busy past

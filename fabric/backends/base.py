@@ -269,7 +269,7 @@ class Backend(ABC):
         """Start ``inv`` and return a future of its ``Result``; cancelling the future
         abandons the call (a queued call is never run)."""
         if self._closed:
-            return _answered(inv, ErrorCode.BACKEND_CLOSED, f"{self.kind} backend is closed")
+            return _answered(inv, ErrorCode.BACKEND_CLOSED, f"{self.kind} backend is closed", started=False)
         try:
             if inv.raw is None:  # encoded once here (the client did it already)
                 # under this backend's own limit, as the client encodes: a lambda backend
@@ -349,10 +349,13 @@ class Backend(ABC):
     async def _invoke(self, inv: Invocation) -> Result: ...
 
 
-def _answered(inv: Invocation, code: ErrorCode, message: str) -> asyncio.Future[Result]:
+def _answered(
+    inv: Invocation, code: ErrorCode, message: str, *, started: bool | None = None
+) -> asyncio.Future[Result]:
     """A future already holding ``inv``'s failed ``Result``."""
     fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-    fut.set_result(Result.failure(code, message, function=inv.function, request_id=inv.request_id))
+    failure = Result.failure(code, message, function=inv.function, request_id=inv.request_id, started=started)
+    fut.set_result(failure)
     return fut
 
 

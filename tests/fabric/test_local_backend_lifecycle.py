@@ -20,6 +20,7 @@ from sample_fns import REG
 
 from fabric.backends.base import LocalConfig
 from fabric.errors import BackendClosedError, ErrorCode, SetupFailedError
+from fabric.protocol import Invocation
 
 
 async def test_cold_start_growth_and_idle_shrink():
@@ -233,3 +234,44 @@ async def test_an_async_call_in_flight_at_close_is_answered_backend_closed():
     await c.aclose()
     r = await asyncio.wait_for(task, 5)
     assert not r.ok and r.error.type == ErrorCode.BACKEND_CLOSED, r.error
+
+
+async def test_calls_answered_backend_closed_say_whether_they_may_have_run():
+    """``Result.started`` of a call the close answers: what retries and a side effect's key go
+    by. It was None (not known) for each: the call still in the pool's queue never reached a
+    worker (False), the one sent to the worker may have run (True), and so may the one sent
+    to the synchronous worker's queue behind it, as far as the pool can tell once killed: its
+    slot says it never started (False)."""
+    c = local(max_workers=1)
+    await c.__aenter__()
+    await c.warmup(["sleepy"])
+    pool = c.backend.pool("sleepy")
+    pool._exec_ewma_ms = 0.01  # two calls at once to the worker: the second waits there, behind
+    on_worker = [c.backend.submit(Invocation(function="sleepy", payload={"seconds": 5})) for _ in range(2)]
+    await _until(lambda: pool.stats()["inflight"] == 2, "the two calls to be sent")
+    pool._exec_ewma_ms = 10_000.0  # one at a time from now on: the third stays in the pool
+    queued = c.backend.submit(Invocation(function="sleepy", payload={"seconds": 5}))
+    await asyncio.sleep(0.05)
+    assert pool.stats()["pending"] == 1
+    await c.aclose()
+    running, behind = [await asyncio.wait_for(f, 5) for f in on_worker]
+    q = await asyncio.wait_for(queued, 5)
+    assert q.error is not None and q.error.type == ErrorCode.BACKEND_CLOSED and q.started is False, q
+    assert running.error is not None and running.error.type == ErrorCode.BACKEND_CLOSED, running.error
+    assert running.started is True
+    assert behind.error is not None and behind.error.type == ErrorCode.BACKEND_CLOSED, behind.error
+    assert behind.started is False
+    r = await c.backend.submit(Invocation(function="add", payload={"a": 1}))
+    assert r.error is not None and r.error.type == ErrorCode.BACKEND_CLOSED and r.started is False, r
+
+
+async def test_an_async_call_answered_backend_closed_by_its_worker_may_have_run():
+    """The worker's own answer at its stop (its async handler cancelled): it ran."""
+    c = local(max_workers=1)
+    await c.__aenter__()
+    await c.warmup(["async_sleepy"])
+    fut = c.backend.submit(Invocation(function="async_sleepy", payload={"seconds": 5}))
+    await _until(lambda: c.backend.stats()["async_sleepy"]["inflight"] == 1, "the call to be sent")
+    await c.aclose()
+    r = await asyncio.wait_for(fut, 5)
+    assert r.error is not None and r.error.type == ErrorCode.BACKEND_CLOSED and r.started is True, r
