@@ -35,6 +35,18 @@ log = logging.getLogger("fabric.client")
 _ANSWERED: frozenset[str] = FINAL_ERRORS | {ErrorCode.VERSION_MISMATCH}
 
 
+def _ran_past_its_limit(result: Result) -> bool:
+    """Whether ``result`` is a ``FunctionTimeout``: the function ran past its ``timeout_s``
+    and the backend stopped it. The breaker is for a backend or transport that fails every
+    call; a function slow on some inputs (a verifier on a program that loops, which a
+    reward job scores as the output's fault) fails only those, and an open circuit would
+    fail every other input's calls for the cooldown. Not a reset either: a dependency that
+    hangs the function on every input is not a backend that works. The retries stay (it is
+    retryable, a slow start may pass). One that never began is the backend's back-pressure,
+    counted as a ``Throttled`` is."""
+    return result.error is not None and result.error.type == ErrorCode.TIMEOUT and result.started is not False
+
+
 class Attempts(Copies):
     """The attempts part of a ``Client``; its state is the client's (set in its ``__init__``)."""
 
@@ -212,15 +224,15 @@ class Attempts(Copies):
             return result
         if result.ok or (result.error is not None and result.error.type in _ANSWERED):
             fn.consecutive_failures = 0  # the function answered: the infrastructure works
-        elif result.retryable and not result.cut_at_deadline:
+        elif result.retryable and not result.cut_at_deadline and not _ran_past_its_limit(result):
             fn.consecutive_failures += 1
             if fn.consecutive_failures >= self.config.breaker.failure_threshold:
                 fn.breaker_open_until = time.monotonic() + self.config.breaker.cooldown_s
         # else the outcome says nothing of the infrastructure (the caller's deadline passed,
-        # a keyed run was cut at it, it was cancelled, the backend closed): neither counted
-        # nor a reset. A probe that ends so leaves the circuit half-open (the next call is
-        # the next probe); reset, a probe cut off by its own short deadline closed the
-        # circuit on a backend still down
+        # a keyed run was cut at it, the function ran past its timeout_s, it was cancelled,
+        # the backend closed): neither counted nor a reset. A probe that ends so leaves the
+        # circuit half-open (the next call is the next probe); reset, a probe cut off by its
+        # own short deadline closed the circuit on a backend still down
         return result
 
     def _registered_since(self, name: str, since: int, ran: str) -> bool:

@@ -29,7 +29,8 @@ class HedgeConfig(BaseModel):
 class BreakerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     failure_threshold: int = Field(20, ge=1)
-    """Consecutive infrastructure failures (retryable errors) that open the circuit."""
+    """Consecutive infrastructure failures (retryable errors, but a ``FunctionTimeout`` of a
+    call that began: the function's, on its input) that open the circuit."""
     cooldown_s: float = Field(5.0, gt=0)
     """How long an open circuit fails calls fast before one probe is let through."""
 

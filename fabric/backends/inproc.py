@@ -322,7 +322,7 @@ class InprocBackend(Backend):
             at_deadline = deadline is not None and deadline < started + runner.spec.timeout_s
             if at_deadline and keyed is None:
                 # a plain call is answered DeadlineExceeded at its deadline, as the local pool's
-                # is (not a FunctionTimeout of a made-up limit, which the breaker would count)
+                # is (not a FunctionTimeout of a made-up limit, which a job scores as the output's)
                 if not began:
                     what = "while it waited for a thread (it did not start)"
                 elif runner.is_async:

@@ -392,7 +392,7 @@ class LambdaBackend(LambdaReplies, Backend):
     def _read_timed_out(self, inv: Invocation, by_deadline: bool, e: Exception) -> Result:
         if by_deadline:
             # the caller's deadline passed (the client answered it then): not the function's
-            # FunctionTimeout, which the breaker counts and a job scores as the response's
+            # FunctionTimeout, which a job scores as the response's
             return self._fail(
                 inv,
                 ErrorCode.DEADLINE_EXCEEDED,

@@ -118,3 +118,26 @@ async def test_retries_stop_once_the_circuit_opens():
     r = await c.call("slow_retry", {"x": 1})
     assert r.error.type == ErrorCode.TRANSPORT and r.attempts == 2, r
     assert "circuit" in r.error.message and len(fake.invocations) == 2
+
+
+async def test_function_timeouts_do_not_open_the_circuit():
+    """A FunctionTimeout is the function running past its timeout_s on an input (a reward
+    job scores it as the output's fault): the backend ran it and stopped it, as it should.
+    The breaker counted each as an infrastructure failure, so a few hard inputs in a row
+    opened the circuit and failed every other input's calls for the cooldown."""
+    c, fake = make(breaker={"failure_threshold": 3, "cooldown_s": 30}, hedge={"enabled": False})
+    fake.fail_next("slow_retry", ErrorCode.TIMEOUT, times=5)
+    r = await c.call("slow_retry", {"x": 1})
+    assert r.ok and r.attempts == 6, r  # retried as before, and never refused by the circuit
+    assert (await c.call("double", {"x": 2})).ok
+
+
+async def test_a_function_timeout_does_not_reset_a_run_of_infrastructure_failures():
+    """Nor is it an answer that says the infrastructure works: between two lost workers it
+    neither counts nor closes the circuit."""
+    c, fake = make(breaker={"failure_threshold": 3, "cooldown_s": 30}, hedge={"enabled": False})
+    codes = [ErrorCode.WORKER_LOST, ErrorCode.WORKER_LOST, ErrorCode.TIMEOUT, ErrorCode.WORKER_LOST]
+    fake.inject("slow_retry", *(Fault(code=code) for code in codes))
+    r = await c.call("slow_retry", {"x": 1})
+    assert r.error.type == ErrorCode.WORKER_LOST and r.attempts == 4, r
+    assert "circuit" in r.error.message and c._fns["slow_retry"].consecutive_failures == 3
