@@ -22,11 +22,12 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
+from types import CodeType, ModuleType
 from typing import Any, TypeVar, get_type_hints, overload
 
 from pydantic import ValidationError
 
+from fabric import siblings
 from fabric.errors import (
     DuplicateFunctionError,
     EntryPointError,
@@ -167,6 +168,10 @@ class FunctionCode:
 
     version: str
     modules: tuple[ModuleSource, ...] = ()
+    beside: tuple[tuple[str, str], ...] = ()
+    """The modules beside those that the version hashes too, as (name in a deploy package,
+    path): what they import from their own directory (``fabric.siblings``). Not kept: a
+    worker imports them as they are when it starts."""
 
 
 def _module_source(module_name: str) -> ModuleSource | None:
@@ -227,8 +232,13 @@ def capture_code(*objs: Callable[..., Any] | None) -> FunctionCode:
     code must not be served for the new) and tells a worker that imported other code than
     the registered (``FunctionPool``). It is also what a local pool keeps and its workers
     import, so the version names exactly the code they run. The cost: any edit of the file
-    (a comment, another function) is a new version of each function in it. Modules they
-    import are in neither: keep in the function's module what must not change unseen."""
+    (a comment, another function) is a new version of each function in it.
+
+    The modules they import from their own directory are in the version too (not kept):
+    ``fabric deploy`` ships them beside the function's module, and a helper edited under an
+    unchanged version let a deployment of the old helper answer as the caller's code. Other
+    modules they import (installed ones, the other modules of their own package) are in
+    neither: keep in the function's module, or beside it, what must not change unseen."""
     h = hashlib.sha256()
     modules: dict[str, ModuleSource | None] = {}
     for obj in objs:
@@ -245,7 +255,80 @@ def capture_code(*objs: Callable[..., Any] | None) -> FunctionCode:
     kept = tuple(m for m in modules.values() if m is not None)
     for m in kept:
         h.update(m.digest)
-    return FunctionCode(h.hexdigest()[:12], kept)
+    digest, beside = _beside_all(kept, next(iter(modules), None))
+    h.update(digest)
+    return FunctionCode(h.hexdigest()[:12], kept, beside)
+
+
+#: The last ``_beside_all`` answer, for the module body that asked (its code object's), and
+#: the kept modules it was for: a module of many functions walks the modules beside it once
+#: as it runs, not once for each function (a package beside it of 300 files took 40 ms).
+#: A new run of the body (a reload, a worker's import) is another code object: read anew.
+_BESIDE_LAST: (
+    tuple[weakref.ref[CodeType], tuple[tuple[str, bytes], ...], bytes, tuple[tuple[str, str], ...]] | None
+) = None
+
+
+def _beside_all(
+    kept: tuple[ModuleSource, ...], module_name: str | None
+) -> tuple[bytes, tuple[tuple[str, str], ...]]:
+    """The hash of the modules beside ``kept`` (``_beside``; ``b""`` for none), and those."""
+    global _BESIDE_LAST
+    key = tuple((m.path, m.digest) for m in kept)
+    body = _running_body(module_name)
+    last = _BESIDE_LAST
+    if body is not None and last is not None and last[0]() is body and last[1] == key:
+        return last[2], last[3]
+    found: dict[str, Path] = {}
+    # a module kept is read as kept (a setup hook's module beside the function's): a worker
+    # imports that text, and computes its version from it
+    texts = siblings.Texts({Path(m.path).resolve(): m.data for m in kept})
+    try:
+        for m in kept:
+            found.update(_beside(m, texts))
+        digest = siblings.digest(found.items(), texts) if found else b""
+    except (siblings.CodeTreeError, OSError) as e:
+        # a link that loops or leads nowhere (which the deploy refuses), a file unreadable:
+        # the version says so, as the same text wherever it is computed
+        digest = f"{type(e).__name__}: {e}".encode()
+    beside = tuple((arc, str(p)) for arc, p in sorted(found.items()))
+    if body is not None:
+        _BESIDE_LAST = (weakref.ref(body), key, digest, beside)
+    return digest, beside
+
+
+def _running_body(module_name: str | None) -> CodeType | None:
+    """The code of the body of module ``module_name`` if it is running (a decorator in it
+    called us), else None."""
+    module = sys.modules.get(module_name) if module_name else None
+    if module is None:
+        return None
+    namespace = vars(module)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals is namespace and frame.f_code.co_name == "<module>":
+            return frame.f_code
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def _beside(m: ModuleSource, texts: siblings.Texts) -> dict[str, Path]:
+    """The modules shipped beside the module ``m`` (``fabric.siblings``): what its registered
+    text imports from the directory of its top-level module or package, and what those
+    import in turn. Its own package is not among them (the deploy ships it whole anyway):
+    the version hashes its module's file, not the package's others."""
+    path = Path(m.path)
+    if m.name.endswith(".py"):  # a file entry, a script: its own directory
+        top, directory = None, path.parent
+    else:
+        parts = m.name.split(".")
+        top = parts[0]
+        up = len(parts) - 1 + (path.name == "__init__.py")
+        if top in siblings.NOT_SIBLINGS or up >= len(path.parents):
+            return {}
+        directory = path.parents[up]
+    names = siblings.imported(m.data, m.path) - {top}
+    return dict(siblings.beside(siblings.found_in(names, directory), texts))
 
 
 def source_version(*objs: Callable[..., Any] | None) -> str:

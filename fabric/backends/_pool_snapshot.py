@@ -20,7 +20,9 @@ module's own name:
 * no bytecode is read or written for it: the file's ``__pycache__`` is the file's as it is
   now;
 * other modules (a helper module the function imports, the package's ``__init__.py`` of a
-  function in a submodule) are imported as they are on disk when the worker starts.
+  function in a submodule) are imported as they are on disk when the worker starts. Those
+  it imports from its own directory are in its version (``fabric.siblings``): one edited
+  since makes a new worker's version differ, and the pool refuses it as stale.
 
 A pool started in a worker (a function that starts a ``Client`` of its own) keeps the text
 that worker imported, for its own workers: the loader here is marked so

@@ -186,7 +186,8 @@ class PoolWorkers(PoolDispatch):
             why = ""
         self._start_failed(
             w,
-            f"{entry} changed since it was registered: a new worker imported other code "
+            f"{entry} (or a module it imports from its own directory) changed since it was "
+            "registered: a new worker imported other code "
             f"(version {version}, registered {self.spec.version}) and was stopped{why}; register "
             "it again to run the new code (importlib.reload the module, then registry.discover "
             "it, or restart the process), or undo the change",

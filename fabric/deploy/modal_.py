@@ -22,9 +22,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fabric.deploy.package import _SKIP_DIRS, code_roots, linked_dirs, requirements
+from fabric.deploy.package import code_roots, linked_dirs, requirements
 from fabric.deploy.plan import DeployedFunction, DeployError
 from fabric.registry import Registry
+from fabric.siblings import SKIP_DIRS
 
 APP_NAME = "rl-fabric"
 SCALEDOWN_WINDOW_S = 60
@@ -61,11 +62,11 @@ def modal_options(registry: Registry, fn: DeployedFunction) -> dict[str, Any]:
 
 
 def _left_out(rel: Path) -> bool:
-    """What the image leaves out of the code, as the Lambda zip does (``package._files``):
+    """What the image leaves out of the code, as the Lambda zip does (``fabric.siblings.files``):
     dotfiles and dot-directories (``.env``, ``.git``, ``.venv``) and bytecode. Modal's
     default keeps ``.py`` files only: the package data (``functions/data/corpus``, the JS
     verifier's ``functions/verifiers/js``) was missing on Modal."""
-    return rel.name.endswith((".pyc", ".pyo")) or any(p.startswith(".") or p in _SKIP_DIRS for p in rel.parts)
+    return rel.name.endswith((".pyc", ".pyo")) or any(p.startswith(".") or p in SKIP_DIRS for p in rel.parts)
 
 
 def _found_at(name: str, directory: Path) -> bool:

@@ -16,10 +16,8 @@ Python base image and the code beside it; build and push it with your registry's
 
 from __future__ import annotations
 
-import ast
 import importlib.metadata
 import importlib.util
-import os
 import re
 import shutil
 import subprocess
@@ -30,11 +28,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from fabric.deploy.plan import HANDLER, DeployedFunction, DeployError
+from fabric.siblings import DEPENDENCIES, CodeTreeError, beside, files, siblings
 
 #: Lambda caps a directly uploaded zip at 50 MB (bigger goes through S3, up to 250 MB unzipped).
 MAX_DIRECT_ZIP_BYTES = 50 * 1024 * 1024
 _FIXED_TIME = (2020, 1, 1, 0, 0, 0)
-_SKIP_DIRS = {"__pycache__", ".mypy_cache", ".pytest_cache"}
 #: Provided by the Lambda runtime; not worth 20 MB of the package.
 _IN_RUNTIME = {"boto3", "botocore", "s3transfer", "jmespath"}
 _EXTRAS = ("aws", "rewards")
@@ -50,7 +48,8 @@ def _package_dir(name: str) -> Path:
 def code_roots(functions: Iterable[DeployedFunction]) -> dict[str, Path]:
     """Archive name -> local path of every code root the package needs: ``fabric``,
     ``functions``, the functions' modules, and what those import from their own directory
-    (``_siblings``). Two different paths for one archive name are refused."""
+    (``fabric.siblings``, which a function's version hashes too). Two different paths for one
+    archive name are refused."""
     roots: dict[str, Path] = {"fabric": _package_dir("fabric"), "functions": _package_dir("functions")}
     for fn in functions:
         if fn.source_file is not None:
@@ -83,12 +82,12 @@ def code_roots(functions: Iterable[DeployedFunction]) -> dict[str, Path]:
         else:
             _add(roots, origin.name, origin)
     own = {"fabric", "functions"}
-    todo = [path for arc, path in roots.items() if arc not in own]
-    while todo:
-        for arc, path in _siblings(todo.pop()).items():
-            if arc not in roots:
-                todo.append(path)
-            _add(roots, arc, path)
+    try:
+        for root in [path for arc, path in roots.items() if arc not in own]:
+            for arc, path in beside(siblings(root)):
+                _add(roots, arc, path)
+    except CodeTreeError as e:
+        raise DeployError(str(e)) from None
     return roots
 
 
@@ -105,100 +104,13 @@ def _add(roots: dict[str, Path], arc: str, path: Path) -> None:
         )
 
 
-#: Module names a sibling file must not take at the package's root: the runtime's own
-#: imports would get it in place of the standard library's; and the package's own roots,
-#: which go from where they were imported.
-_NOT_SIBLINGS = (
-    frozenset(sys.stdlib_module_names) | frozenset(sys.builtin_module_names) | {"fabric", "functions"}
-)
-
-
-def _siblings(root: Path) -> dict[str, Path]:
-    """What the modules of ``root`` (a .py file, or a package's directory) import from the
-    directory ``root`` is in: ``from helpers import x`` with helpers.py beside my_fns.py.
-    Locally that directory was on sys.path (the working directory, $PYTHONPATH); on Lambda
-    only the package's root is, so those go beside it. Read from the source (every import
-    statement, those in functions too), so a module imported lazily goes as well. Nothing
-    for a root that was installed (site-packages): its dependencies are pip's."""
-    parent = root.parent
-    if {"site-packages", "dist-packages"} & set(parent.resolve().parts):
-        return {}
-    found: dict[str, Path] = {}
-    sources = [root] if root.is_file() else sorted(p for p, _ in _files(root, root.name) if p.suffix == ".py")
-    for source in sources:
-        for name in sorted(_imported(source) - _NOT_SIBLINGS):
-            package, module = parent / name, parent / f"{name}.py"
-            if (package / "__init__.py").is_file():
-                found[name] = package
-            elif module.is_file():
-                found[f"{name}.py"] = module
-            elif package.is_dir() and _namespace_here(name, package):
-                found[name] = package
-    return found
-
-
-def _imported(source: Path) -> set[str]:
-    """The top-level names ``source`` imports absolutely (``import a.b``, ``from a import
-    b``: ``a``), anywhere in it; relative imports stay within their package."""
-    try:
-        tree = ast.parse(source.read_bytes(), filename=str(source))
-    except (SyntaxError, ValueError):
-        return set()  # not Python this interpreter reads: it imports nothing we can tell
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names |= {alias.name.partition(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.partition(".")[0])
-    return names
-
-
-def _namespace_here(name: str, directory: Path) -> bool:
-    """Whether ``import name`` finds the directory ``directory`` (one without __init__.py):
-    Python takes such a directory only when no module or package of that name is anywhere
-    on sys.path, so a data directory named like an installed package is not it."""
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return False
-    if spec is None:
-        return True
-    found = spec.submodule_search_locations if spec.origin is None else None
-    return bool(found) and directory.resolve() in {Path(p).resolve() for p in found or ()}
-
-
 def _files(root: Path, arcname: str, *, hidden: bool = False) -> Iterator[tuple[Path, str]]:
-    """The files under ``root`` and their archive names. ``hidden=False`` (code roots: your
-    package's tree) leaves out dotfiles and dot-directories: a ``.env`` with secrets, ``.git``,
-    a ``.venv`` inside the package. The installed dependencies keep theirs.
-
-    Links are followed (a directory linked into the package is part of it: os.walk's
-    default left it out); a link to a directory that holds it is refused, which would
-    never end, and so is a link to nothing."""
-    if root.is_file():
-        yield root, arcname
-        return
-    # the real directories each one walked lies in, its own included: a link to one of them
-    # is a cycle (a link to a directory seen elsewhere is only a copy)
-    within: dict[str, tuple[Path, ...]] = {os.fspath(root): (root.resolve(),)}
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        chain = within.pop(dirpath)
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and (hidden or not d.startswith(".")))
-        for d in dirnames:
-            real = Path(dirpath, d).resolve()
-            if real in chain:
-                raise DeployError(
-                    f"{Path(dirpath, d)}: a link to {real}, which holds it: a cycle the deploy package "
-                    "cannot hold; remove the link or point it elsewhere"
-                )
-            within[os.path.join(dirpath, d)] = (*chain, real)
-        for f in sorted(filenames):
-            if f.endswith((".pyc", ".pyo")) or (not hidden and f.startswith(".")):
-                continue
-            path = Path(dirpath) / f
-            if not path.exists():
-                raise DeployError(f"{path}: a broken link (to {os.readlink(path)}): remove it or fix it")
-            yield path, str(Path(arcname) / path.relative_to(root))
+    """``fabric.siblings.files``: a link that makes a cycle, or a link to nothing, is a
+    ``DeployError``."""
+    try:
+        yield from files(root, arcname, hidden=hidden)
+    except CodeTreeError as e:
+        raise DeployError(str(e)) from None
 
 
 def linked_dirs(root: Path) -> list[Path]:
@@ -283,11 +195,17 @@ def build_zip(
         if deps:
             site = Path(tmp) / "site"
             install_deps(site, architecture=architecture, pip=pip)
-            entries += [
+            installed = [
                 (p, a)
                 for p, a in _files(site, "", hidden=True)
                 if not a.startswith(("bin/", "fabric/", "functions/")) and ".dist-info/RECORD" not in a
             ]
+            # the names they take at the root, beside the functions' modules: there, not
+            # beside them locally, so no function's version hashes them (fabric.siblings)
+            tops = {a.lstrip("/").split("/")[0].split(".")[0] for _, a in installed}
+            listed = Path(tmp) / DEPENDENCIES
+            listed.write_text("".join(f"{name}\n" for name in sorted(t for t in tops if t.isidentifier())))
+            entries += [*installed, (listed, DEPENDENCIES)]
         for arc, path in sorted(roots.items()):
             entries += list(_files(path, arc))
         partial = out.with_suffix(".zip.partial")

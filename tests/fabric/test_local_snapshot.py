@@ -501,3 +501,36 @@ async def test_a_pool_started_in_a_worker_runs_the_registered_code_after_the_fil
     assert r.ok, r.error
     assert (r.value["code"], r.value["inner"]["code"]) == ("v1", "v1"), r.value
     assert r.value["inner"]["pid"] != r.value["pid"]  # the inner call ran in a nested worker
+
+
+async def test_a_helper_module_beside_edited_since_makes_a_new_worker_stale(modules):
+    """A module the function's module imports from its own directory is in its version
+    (``fabric.siblings``: ``fabric deploy`` ships it beside), not kept: edited since, a
+    replacement worker imported other code under the registered version, silently. It is
+    refused as stale, saying what may have changed."""
+    tmp, prefix = modules
+    name = f"{prefix}_fn"
+    helper = f"{prefix}_helper"
+    _write(tmp / f"{helper}.py", "def which() -> str:\n    return 'v1'\n")
+    text = f"import fabric\nfrom {helper} import which\n\n\n" + textwrap.dedent(
+        f"""
+        @fabric.function(name="{name}", max_concurrency=1, warm=1)
+        def answer(die: bool = False) -> dict:
+            if die:
+                import os
+
+                os._exit(9)
+            return {{"helper": which()}}
+        """
+    )
+    _write(tmp / f"{prefix}.py", text)
+    reg = Registry()
+    reg.discover(prefix)
+    async with LocalBackend(reg, LocalConfig(max_workers=1, setup_failure_cooldown_s=60)) as b:
+        assert (await _call(b, name)).value == {"helper": "v1"}
+        _write(tmp / f"{helper}.py", "def which() -> str:\n    return 'v2'\n")
+        await _lose_the_worker(b, name, "die")
+        refused = await _call(b, name)
+        assert not refused.ok and refused.error is not None, refused
+        assert refused.error.type == ErrorCode.SETUP_FAILED, refused.error
+        assert "a module it imports from its own directory" in refused.error.message, refused.error
