@@ -318,8 +318,9 @@ def _beside(m: ModuleSource, texts: siblings.Texts) -> dict[str, Path]:
     import in turn. Its own package is not among them (the deploy ships it whole anyway):
     the version hashes its module's file, not the package's others."""
     path = Path(m.path)
-    if m.name.endswith(".py"):  # a file entry, a script: its own directory
-        top, directory = None, path.parent
+    if m.name.endswith(".py"):  # a file entry, a script: its own directory (deployed, the
+        # module of its name at the package's root, whose own name is not a sibling)
+        top, directory = path.stem, path.parent
     else:
         parts = m.name.split(".")
         top = parts[0]

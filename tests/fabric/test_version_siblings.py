@@ -104,8 +104,9 @@ def test_the_version_hashes_what_the_deploy_ships(tree):
     assert covered == {k: v for k, v in shipped.items() if k not in ("fabric", "functions", "vs_fns.py")}
 
 
+@pytest.mark.parametrize("entry", ["vs_fns", "vs_fns.py"], ids=["module", "file"])
 def test_a_deployed_handler_with_its_dependencies_beside_computes_the_caller_s_version(
-    tree, tmp_path, monkeypatch
+    tree, tmp_path, monkeypatch, entry
 ):
     """On Lambda the zip's root holds the dependencies pip installed beside the modules: a
     module that imports one (numpy, here vs_dep) finds it there as it would a helper; the
@@ -123,7 +124,7 @@ def test_a_deployed_handler_with_its_dependencies_beside_computes_the_caller_s_v
 
     monkeypatch.setattr(package_mod, "install_deps", fake_install)
     reg = Registry()
-    reg.discover("vs_fns")
+    reg.discover(str(tree / entry) if entry.endswith(".py") else entry)  # -m rewards/vs_fns.py
     plan = plan_functions(reg, ["vs_scored"])
     task = tmp_path / "task"
     zipfile.ZipFile(build_zip(plan, tmp_path / "p.zip", deps=True)).extractall(task)
@@ -131,7 +132,7 @@ def test_a_deployed_handler_with_its_dependencies_beside_computes_the_caller_s_v
     code = (
         "import sys; sys.path.insert(0, '.')\n"
         "from fabric.registry import Registry\n"
-        "reg = Registry(); reg.discover('vs_fns')\n"
+        f"reg = Registry(); reg.discover({plan[0].module!r})\n"
         "print(reg.get('vs_scored').version)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
