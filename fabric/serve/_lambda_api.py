@@ -8,7 +8,7 @@ with the same code. The function name may carry a qualifier (``name:live``, an A
 version hash are served, and ``X-Amz-Executed-Version`` answers ``$LATEST`` or the hash, as
 Lambda answers the version an alias points to. ``X-Amz-Log-Type: Tail`` (boto3's
 ``LogType='Tail'``) answers ``X-Amz-Log-Result``: the invocation's START/END/REPORT lines
-(``log_tail``).
+(``log_tail``); a log type other than ``None`` and ``Tail`` is Lambda's 400.
 
 Two body shapes, told apart by the body itself:
 
@@ -52,6 +52,8 @@ log = logging.getLogger("fabric.serve")
 
 INVOKE_ROUTE = "/2015-03-31/functions/{name}/invocations"
 INVOCATION_TYPES = ("RequestResponse", "Event", "DryRun")
+#: ``X-Amz-Log-Type``'s values (botocore's ``LogType`` enum); absent is ``None``
+LOG_TYPES = ("None", "Tail")
 JSON = "application/json"
 #: The status a request whose client hung up before its answer is counted under (nginx's).
 CLIENT_CLOSED = 499

@@ -18,6 +18,7 @@ from fabric.serve._lambda_api import (
     CLIENT_CLOSED,
     DRAINED,
     INVOCATION_TYPES,
+    LOG_TYPES,
     Reply,
     error_response,
     parse_invocation,
@@ -186,6 +187,14 @@ class GatewayRoutes(GatewayCalls):
                     "InvalidParameterValueException",
                     f"X-Amz-Invocation-Type must be one of {', '.join(INVOCATION_TYPES)}; got {kind[:40]!r}",
                 )
+            log_type = request.headers.get("X-Amz-Log-Type", "None")
+            if log_type not in LOG_TYPES:
+                # as Lambda (it was ignored: the call ran, and a typo's caller got no log)
+                raise Reply(
+                    400,
+                    "InvalidParameterValueException",
+                    f"LogType (X-Amz-Log-Type) must be one of {', '.join(LOG_TYPES)}; got {log_type[:40]!r}",
+                )
             refuse_encoded(request)
             # the quota is taken before the body is read: a request holds its body in memory
             # (up to 6 MB) from here on, so a tenant holds at most max_concurrency bodies, and
@@ -235,7 +244,7 @@ class GatewayRoutes(GatewayCalls):
                         ) from None
                     # as Lambda's: an alias or a version answers the version it ran, else $LATEST
                     version = "$LATEST" if qualifier in (None, "$LATEST") else spec.version
-                    tail = request.headers.get("X-Amz-Log-Type") == "Tail"
+                    tail = log_type == "Tail"
                     response = result_response(result, envelope, request_id, version=version, tail=tail)
                     await self._send(request, response, tenant)
             finally:

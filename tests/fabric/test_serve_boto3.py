@@ -172,3 +172,23 @@ def test_a_log_tail_of_text_no_utf8_holds_decodes_and_is_cut_between_characters(
     short = ErrorInfo.of("UserError", "ValueError: \ud800")
     log = base64.b64decode(log_tail(Result(ok=False, error=short), "rid", "$LATEST")).decode()
     assert "[ERROR] UserError: ValueError: \\ud800" in log
+
+
+@pytest.mark.parametrize("kind", ["RequestResponse", "Event", "DryRun"])
+@pytest.mark.parametrize("log_type", ["Bogus", "tail", ""])
+async def test_a_log_type_lambda_does_not_know_is_400(gw, kind, log_type):
+    """Lambda's ``LogType`` is ``None`` or ``Tail`` (botocore's model; botocore does not check
+    an enum, so boto3 sends any): another is Lambda's 400 ``InvalidParameterValueException``,
+    whatever the invocation type. It was ignored: the call ran, with no log."""
+    client = _lambda(gw)
+    with pytest.raises(ClientError) as e:
+        await _invoke(client, FunctionName="add", InvocationType=kind, LogType=log_type, Payload=b'{"a": 1}')
+    assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] == 400
+    assert e.value.response["Error"]["Code"] == "InvalidParameterValueException"
+    assert "LogType" in e.value.response["Error"]["Message"]
+    assert gw.quotas.held["job-a"] == 0
+
+
+async def test_log_type_none_answers_no_log_result(gw):
+    resp = await _invoke(_lambda(gw), FunctionName="add", LogType="None", Payload=b'{"a": 1}')
+    assert json.loads(resp["Payload"].read()) == 1 and "LogResult" not in resp
