@@ -127,10 +127,15 @@ def split_name(name: str, query_qualifier: str | None) -> tuple[str, str | None]
 
 def tenant_of(request: web.Request, tokens: dict[bytes, str]) -> str:
     """The tenant whose token the request carries (``Authorization: Bearer``); 401 or 403."""
+    # each refusal ends its connection (close=True): counted against no tenant's
+    # max_connections, a client without a token held as many keep-alive ones as it opened
     auth = request.headers.get("Authorization")
     if not auth:
         raise Reply(
-            401, "MissingAuthenticationTokenException", "missing 'Authorization: Bearer <token>' header"
+            401,
+            "MissingAuthenticationTokenException",
+            "missing 'Authorization: Bearer <token>' header",
+            close=True,
         )
     scheme, _, token = auth.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
@@ -138,6 +143,7 @@ def tenant_of(request: web.Request, tokens: dict[bytes, str]) -> str:
             401,
             "MissingAuthenticationTokenException",
             "the Authorization header must be 'Bearer <token>'",
+            close=True,
         )
     # aiohttp hands over a header's bytes that are not UTF-8 as surrogates: encoded back
     # as they came (a strict encode raised, a 500 and a traceback per unauthenticated request)
@@ -145,7 +151,10 @@ def tenant_of(request: web.Request, tokens: dict[bytes, str]) -> str:
     tenant = tokens.get(hashlib.sha256(secret).digest())
     if tenant is None:
         raise Reply(
-            403, "UnrecognizedClientException", "The security token included in the request is invalid"
+            403,
+            "UnrecognizedClientException",
+            "The security token included in the request is invalid",
+            close=True,
         )
     return tenant
 

@@ -97,6 +97,24 @@ class GatewayRoutes(GatewayCalls):
         finally:
             self.quotas.give(tenant)
 
+    async def _close_after(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Write ``response`` (a refusal, ``Connection: close``) and end its connection now.
+        Left to aiohttp, a connection answered so stayed open while aiohttp read on what it
+        could of the request's body, for up to 10 s (its ``lingering_time``): a tenant over
+        ``max_connections`` held the socket it was refused, and a client without a token as
+        many as it opened. The body is not read: a client still sending it may see its
+        connection reset once it has the answer (the refusal does not depend on the body)."""
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                await response.prepare(request)
+                await response.write_eof()
+        except TimeoutError:  # an answer not taken: dropped with the connection, as in _send
+            if request.transport is not None:
+                request.transport.abort()
+        except ConnectionError:
+            pass
+        request.protocol.force_close()  # closes the transport once its answer is flushed
+
     def _tenant(self, request: web.Request) -> str:
         """The tenant whose token the request carries, its connection counted as the tenant's
         (``max_connections``); 401, 403, or 429 with every one of its connections busy."""
@@ -141,6 +159,7 @@ class GatewayRoutes(GatewayCalls):
             response = error_response(e.status, e.code, e.message, new_request_id())
             if e.close:
                 response.force_close()
+                await self._close_after(request, response)
             return response
         sees_all = self.config.tenants[tenant].metrics == "all"
         body, content_type = self.metrics.render(None if sees_all else tenant)
@@ -150,6 +169,7 @@ class GatewayRoutes(GatewayCalls):
         t0 = time.perf_counter()
         request_id = new_request_id()
         tenant, function = UNAUTHENTICATED, "-"
+        close = False
         try:
             tenant = self._tenant(request)
             if tenant not in self.may_invoke:
@@ -254,6 +274,7 @@ class GatewayRoutes(GatewayCalls):
             response = error_response(e.status, e.code, e.message, request_id)
             if e.close:
                 response.force_close()
+                close = True
         except asyncio.CancelledError:
             # the client hung up (handler_cancellation): nobody reads an answer; counted as
             # nginx counts it, 499 "client closed request", so a metric shows abandoned calls.
@@ -273,4 +294,6 @@ class GatewayRoutes(GatewayCalls):
         # unknown names are one label: a scan of made-up names must not grow the metrics
         label = function if function in self.served else "-"
         self.metrics.observe(tenant, label, response.status, time.perf_counter() - t0)
+        if close:
+            await self._close_after(request, response)
         return response

@@ -1,6 +1,7 @@
 """``fabric serve``'s connections, over real sockets on 127.0.0.1: a tenant holds at most
 ``max_connections`` of them (its oldest idle ones go when it opens more; with every one busy,
-a new one is refused), and an idle connection closes after ``keepalive_s``.
+a new one is refused), an idle connection closes after ``keepalive_s``, and a refused
+request's connection (no valid token, over the bound, a compressed body) closes with its answer.
 
 aiohttp bounds neither the number of a server's connections nor, in practice, how long an
 idle one stays: its keep-alive timeout is an hour (3630 s), and counts from a connection's
@@ -44,10 +45,10 @@ async def _call(conn: Stream, token: str = TOKEN_A, a: int = 1) -> tuple[int, by
     return await _answer(conn)
 
 
-async def _closed_by_server(conn: Stream) -> bool:
-    """Whether the server closed ``conn`` (its FIN arrives within 30 s)."""
+async def _closed_by_server(conn: Stream, within: float = 30) -> bool:
+    """Whether the server closed ``conn`` (its FIN arrives ``within`` seconds)."""
     try:
-        return await asyncio.wait_for(conn[0].read(), 30) == b""
+        return await asyncio.wait_for(conn[0].read(), within) == b""
     except (TimeoutError, ConnectionError):
         return False
 
@@ -145,3 +146,60 @@ def test_connection_bounds_are_checked():
         TenantConfig(token=TOKEN_A, max_connections=0)
     with pytest.raises(ValidationError, match="keepalive_s"):
         config(keepalive_s=0)
+
+
+_REFUSED = {
+    "no token": b"",
+    "a wrong token": b"Authorization: Bearer not-a-token-of-anyone\r\n",
+    "a compressed body": f"Authorization: Bearer {TOKEN_A}\r\nContent-Encoding: gzip\r\n".encode(),
+    "over max_connections": f"Authorization: Bearer {TOKEN_A}\r\n".encode(),
+}
+
+
+async def _refused(g: Gateway, stack: AsyncExitStack, why: str, body: bytes, length: int) -> Stream:
+    """A connection whose request is refused for ``why``, ``body`` of its ``length`` sent."""
+    if why == "over max_connections":  # job-a's one connection busy: its body has not all come
+        (busy,) = await _connections(g, stack, 1)
+        busy[1].write(_head(TOKEN_A, 8) + b'{"a":')
+        for _ in range(500):
+            if g.quotas.held["job-a"] == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert g.quotas.held["job-a"] == 1
+    (conn,) = await _connections(g, stack, 1)
+    conn[1].write(
+        f"POST {PATH.format('add')} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {length}\r\n".encode()
+        + _REFUSED[why]
+        + b"\r\n"
+        + body
+    )
+    return conn
+
+
+@pytest.mark.parametrize("why", list(_REFUSED))
+async def test_a_refused_request_s_connection_closes_without_reading_its_body(why):
+    """Answered ``Connection: close``, a refused request's connection stayed open while
+    aiohttp read on what it could of the body, for up to 10 s (its ``lingering_time``): one
+    over ``max_connections`` held a socket it was refused, and a client without a token held
+    as many as it opened. It closes once the answer is written."""
+    tenants = {"job-a": TenantConfig(token=TOKEN_A, max_connections=1), "job-b": TenantConfig(token=TOKEN_B)}
+    async with AsyncExitStack() as stack:
+        g = await stack.enter_async_context(Gateway(config(tenants=tenants, backend=InprocConfig()), REG))
+        conn = await _refused(g, stack, why, b'{"a": ', 1_000_000)
+        status, _ = await _answer(conn)
+        assert status in (400, 401, 403, 429)
+        # well within aiohttp's 10 s: closed as the answer went, not after the lingering
+        assert await _closed_by_server(conn, within=5)
+
+
+@pytest.mark.parametrize("why", ["no token", "a wrong token"])
+async def test_a_request_without_a_valid_token_does_not_keep_its_connection(why):
+    """Its whole request sent, one without a valid token kept its connection as a keep-alive
+    one, for ``keepalive_s``: counted against no tenant's ``max_connections`` (it has none),
+    so a client without a token held as many as it opened. Closed with its 401 or 403."""
+    async with AsyncExitStack() as stack:
+        g = await stack.enter_async_context(Gateway(config(backend=InprocConfig(), keepalive_s=300), REG))
+        conn = await _refused(g, stack, why, b'{"a": 1}', 8)
+        status, _ = await _answer(conn)
+        assert status in (401, 403)
+        assert await _closed_by_server(conn)
