@@ -285,8 +285,10 @@ def parse_invocation(body: bytes, function: str, tenant: str, request_id: str) -
 def log_tail(result: Result, request_id: str, version: str) -> str:
     """``X-Amz-Log-Result`` (``LogType='Tail'``): the invocation's log as Lambda writes it
     (START, the runtime's ``[ERROR]`` line and traceback for a failure, END, REPORT), its last
-    4 KB, base64. Only what the server knows of the call: a function's own prints are not in
-    it, since a worker does not capture them per call (they go to the server's stderr)."""
+    4 KB, base64. Only what the server knows of the call. Lambda's holds the function's own
+    output too; here that goes to the server's stderr: a worker runs a function's async calls
+    side by side, a subprocess's or C code's writes go to the process's descriptors (no
+    capture splits them by call), and the worker protocol carries no output back."""
     lines = [f"START RequestId: {request_id} Version: {version}"]
     if result.error is not None:
         lines.append(f"[ERROR] {result.error.type}: {result.error.message}")
