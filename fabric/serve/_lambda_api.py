@@ -185,6 +185,9 @@ async def read_body(request: web.Request, kind: str, config: ServeConfig) -> byt
         413,
         "RequestTooLargeException",  # Lambda's code: boto3 raises its modeled exception
         f"Request must be smaller than {limit} bytes for the {kind} invocation type",
+        # the rest of the body is not read: aiohttp read and dropped it for up to 10 s, on the
+        # event loop, to keep the connection for another request
+        close=True,
     )
     if request.content_length is not None and request.content_length > limit:
         raise too_large

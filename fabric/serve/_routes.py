@@ -33,6 +33,28 @@ from fabric.serve.gate import QuotaExceeded, RateLimiter, TenantConnections
 
 log = logging.getLogger("fabric.serve")
 
+#: A refused request's body still coming is dropped for this long at most (aiohttp's
+#: ``lingering_time``), and for as long as it keeps coming: a pause this long ends it.
+_DROP_BODY_S = 10.0
+_DROP_BODY_PAUSE_S = 1.0
+
+
+async def _drop_body(request: web.Request) -> None:
+    """Read and drop the rest of a refused request's body, then return: when it has all
+    come, when it pauses for ``_DROP_BODY_PAUSE_S``, or after ``_DROP_BODY_S``. httpx (the
+    lambda backend's http transport) and boto3 write a request whole before they read its
+    answer: a connection closed with their body unread is reset under them, and the answer
+    lost with it (a ReadError, not the 403 or 413)."""
+    content = request.content
+    loop = asyncio.get_running_loop()
+    end = loop.time() + _DROP_BODY_S
+    try:
+        while not content.is_eof() and (left := end - loop.time()) > 0:
+            async with asyncio.timeout(min(_DROP_BODY_PAUSE_S, left)):
+                await content.readany()
+    except Exception:  # a pause, the client gone, a bad chunk: the connection closes all the same
+        pass
+
 
 class GatewayRoutes(GatewayCalls):
     """The request handlers (see the module docstring)."""
@@ -98,12 +120,11 @@ class GatewayRoutes(GatewayCalls):
             self.quotas.give(tenant)
 
     async def _close_after(self, request: web.Request, response: web.StreamResponse) -> None:
-        """Write ``response`` (a refusal, ``Connection: close``) and end its connection now.
-        Left to aiohttp, a connection answered so stayed open while aiohttp read on what it
-        could of the request's body, for up to 10 s (its ``lingering_time``): a tenant over
-        ``max_connections`` held the socket it was refused, and a client without a token as
-        many as it opened. The body is not read: a client still sending it may see its
-        connection reset once it has the answer (the refusal does not depend on the body)."""
+        """Write ``response`` (a refusal, ``Connection: close``), drop what is still coming of
+        the request's body (``_drop_body``), and end the connection. Left to aiohttp, a
+        connection answered so stayed open while aiohttp read on for up to 10 s (its
+        ``lingering_time``) though nothing came: a tenant over ``max_connections`` held the
+        socket it was refused, and a client without a token as many as it opened."""
         try:
             async with asyncio.timeout(self.config.body_timeout_s):
                 await response.prepare(request)
@@ -113,6 +134,8 @@ class GatewayRoutes(GatewayCalls):
                 request.transport.abort()
         except ConnectionError:
             pass
+        else:
+            await _drop_body(request)
         request.protocol.force_close()  # closes the transport once its answer is flushed
 
     def _tenant(self, request: web.Request) -> str:
