@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
 from fabric.protocol import new_request_id
-from fabric.serve._calls import GatewayCalls, StoppedBeforeRun
+from fabric.serve._calls import GatewayCalls, StoppedBeforeRun, _shown
 from fabric.serve._lambda_api import (
     CLIENT_CLOSED,
     DRAINED,
@@ -32,6 +33,8 @@ from fabric.serve.config import UNAUTHENTICATED
 from fabric.serve.gate import QuotaExceeded, RateLimiter, TenantConnections
 
 log = logging.getLogger("fabric.serve")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 #: A refused request's body still coming is dropped for this long at most (aiohttp's
 #: ``lingering_time``), and for as long as it keeps coming: a pause this long ends it.
@@ -170,6 +173,27 @@ class GatewayRoutes(GatewayCalls):
             )
         if wait:
             await asyncio.sleep(wait)
+
+    async def _unknown_operation(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """A middleware: the router's 404 and 405 in Lambda's JSON. aiohttp's were text
+        (``404: Not Found``), so boto3 raised a ``ClientError`` coded ``404``, and a Lambda
+        call this server does not serve (``aws lambda list-functions``) was told no more."""
+        try:
+            return await handler(request)
+        except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as e:
+            if request.match_info.route.resource is not None:
+                raise  # a route's own (none raises one now): left as it is
+            message = (
+                "fabric serve answers Lambda's Invoke (POST /2015-03-31/functions/NAME/invocations), "
+                f"GET /healthz and GET /metrics only; not {request.method} {_shown(request.path)}"
+            )
+            response = error_response(e.status, "UnknownOperationException", message, new_request_id())
+            if isinstance(e, web.HTTPMethodNotAllowed):
+                response.headers["Allow"] = ",".join(sorted(e.allowed_methods))
+            return response
+
+    # what aiohttp's @web.middleware sets (see drain.InFlight.middleware)
+    _unknown_operation.__middleware_version__ = 1  # type: ignore[attr-defined]
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

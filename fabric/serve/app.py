@@ -207,7 +207,7 @@ class Gateway(GatewayRoutes):
     async def _listen(self) -> None:
         app = web.Application(
             client_max_size=max(self.config.max_body_bytes, self.config.max_event_bytes) + 1,
-            middlewares=[self._requests.middleware],
+            middlewares=[self._requests.middleware, self._unknown_operation],
         )
         app.router.add_post(INVOKE_ROUTE, self._invoke)
         app.router.add_get("/healthz", self._healthz)

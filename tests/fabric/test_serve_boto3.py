@@ -192,3 +192,30 @@ async def test_a_log_type_lambda_does_not_know_is_400(gw, kind, log_type):
 async def test_log_type_none_answers_no_log_result(gw):
     resp = await _invoke(_lambda(gw), FunctionName="add", LogType="None", Payload=b'{"a": 1}')
     assert json.loads(resp["Payload"].read()) == 1 and "LogResult" not in resp
+
+
+@pytest.mark.parametrize(
+    "op,kw",
+    [
+        ("get_function", {"FunctionName": "add"}),
+        ("list_functions", {}),
+        ("get_alias", {"FunctionName": "add", "Name": "live"}),
+    ],
+)
+async def test_an_operation_other_than_invoke_is_told_what_the_server_answers(gw, op, kw):
+    """aiohttp's own answer was text (``404: Not Found``): boto3 raised a ``ClientError``
+    whose code was ``404``, and ``aws lambda list-functions --endpoint-url`` said no more.
+    It is Lambda's JSON error now, saying what the server serves."""
+    client = _lambda(gw)
+    with pytest.raises(ClientError) as e:
+        await asyncio.to_thread(getattr(client, op), **kw)
+    assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] == 404
+    assert e.value.response["Error"]["Code"] == "UnknownOperationException"
+    assert "Invoke" in e.value.response["Error"]["Message"]
+
+
+async def test_another_method_on_the_invoke_path_is_a_json_error(gw):
+    async with httpx.AsyncClient(base_url=gw.url) as http:
+        r = await http.get(PATH.format("add"), headers=auth())
+    assert r.status_code == 405 and r.headers["x-amzn-ErrorType"] == "UnknownOperationException"
+    assert "POST" in r.json()["message"] and r.headers["Allow"] == "POST"
