@@ -6,6 +6,11 @@ sandbox is found again by its id (``reconnect``), so a pool that restarts can re
 sandboxes it started. A custom environment image (a bundle) is fetched by the server itself
 from ``config.image_source``.
 
+A sandbox is ready when its server listens, which Modal's readiness probe checks inside the
+sandbox (``Probe.with_tcp``, modal 1.4.1+): its tunnel is up, and accepts connections, before
+that, and a connection that comes early is reset, so a connect through the tunnel proves
+nothing.
+
 ``modal`` is imported lazily; tests inject ``envpool.runtimes.modal_fake`` instead, which
 runs each sandbox as a local process. Modal's errors are translated in ``_translate``. An
 exit hook terminates the sandboxes this process still holds (a pool never closed); a sandbox
@@ -18,6 +23,7 @@ import asyncio
 import atexit
 import contextlib
 import inspect
+import math
 import time
 import weakref
 from pathlib import Path
@@ -74,6 +80,13 @@ class ModalRuntime(Runtime):
         super().__init__()
         self.config = config or ModalRuntimeConfig()
         self.modal = modal_module if modal_module is not None else _import_modal()
+        if not hasattr(self.modal, "Probe"):
+            # without a readiness probe a start cannot tell a listening server from the tunnel
+            # in front of it, and every first connection may be reset
+            raise EnvUsageError(
+                "the modal runtime needs modal 1.4.1 or newer (Sandbox readiness probes): "
+                "pip install -U 'modal>=1.4.1'"
+            )
         self._app: Any = None
         _RUNTIMES.add(self)
         _register_exit_hook()
@@ -107,6 +120,8 @@ class ModalRuntime(Runtime):
             # (request, limit): a bare number is a request only, and a sandbox's memory grew
             # without bound where a pod's or a docker container's stops at it
             "memory": (cfg.memory_mb, cfg.memory_mb),
+            # probed inside the sandbox: ready is the server listening, not the tunnel up
+            "readiness_probe": self.modal.Probe.with_tcp(cfg.port),
         }
         if cfg.block_network:
             # not ``block_network=True``: Modal refuses it with open ports, and the tunnel is
@@ -144,8 +159,8 @@ class ModalRuntime(Runtime):
         )
         sb = await create_or_clean(create, self._terminate)
         try:
+            await self._wait_ready(sb)
             c = await self._container(sb, image)
-            await self._wait_listening(c, sb)
         except ContainerStartError as e:
             code = None
             with contextlib.suppress(Exception):
@@ -176,27 +191,35 @@ class ModalRuntime(Runtime):
             handle=sb.object_id,
         )
 
-    async def _wait_listening(self, c: Container, sb: Any) -> None:
-        host, _, port = c.endpoint.removeprefix("tcp://").rpartition(":")
-        deadline = time.monotonic() + self.config.start_timeout_s
+    async def _wait_ready(self, sb: Any) -> None:
+        """Until the sandbox's readiness probe sees its server listen, within
+        ``start_timeout_s``; a sandbox that exits meanwhile fails the start at once."""
+        exc = self.modal.exception
+        budget = self.config.start_timeout_s
+        deadline = time.monotonic() + budget
         while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ContainerStartError(
+                    f"modal: sandbox {sb.object_id}: its server was not listening on port "
+                    f"{self.config.port} within {budget:g} s (runtime.start_timeout_s); see "
+                    f"`modal container logs {sb.object_id}`"
+                )
             try:
-                _, w = await asyncio.open_connection(host, int(port))
-                w.close()
+                # in slices (whole seconds, as Modal takes them): a sandbox that exited is
+                # seen within one, not at the deadline
+                await _call(sb.wait_until_ready, timeout=max(1, min(5, math.ceil(left))))
                 return
-            except OSError:
-                pass  # not listening yet: see whether the container still runs
+            except (exc.TimeoutError, exc.ConflictError):
+                pass  # not ready yet, or finished (ConflictError): its exit code tells
+            except exc.Error as e:
+                raise self._translate(e, "wait for the sandbox to be ready") from e
             code = await self._modal("poll a sandbox", sb.poll)
             if code is not None:
                 raise ContainerStartError(
-                    f"modal: sandbox {sb.object_id} exited (code {code}) before it was ready"
+                    f"modal: sandbox {sb.object_id} exited (code {code}) before it was ready; see "
+                    f"`modal container logs {sb.object_id}`"
                 )
-            if time.monotonic() > deadline:
-                raise ContainerStartError(
-                    f"modal: sandbox {sb.object_id} not listening on {c.endpoint} in "
-                    f"{self.config.start_timeout_s:g} s"
-                )
-            await asyncio.sleep(0.1)
 
     async def reconnect(self, sandbox_id: str, image: str | None = None) -> Container:
         """The container of a sandbox started earlier (by this pool or a previous one), found

@@ -11,7 +11,7 @@ import pytest
 from pool_util import swap_runtime
 
 from envpool.connection import Connection
-from envpool.errors import ContainerDied, EnvUsageError
+from envpool.errors import ContainerDied, ContainerStartError, EnvUsageError
 from envpool.images.errors import ImageNotFound
 from envpool.images.fake_origin import FakeOrigin
 from envpool.pool import EnvPool
@@ -55,6 +55,7 @@ async def test_a_session_runs_over_a_sandbox_tunnel(fake):
             "unencrypted_ports": [7000],
             "cpu": 1.0,
             "memory": (1024, 1024),
+            "readiness_probe": fake.Probe.with_tcp(7000),
         }
 
 
@@ -230,3 +231,40 @@ def test_an_environment_variable_name_modal_refuses_is_refused_in_the_config():
     with pytest.raises(ValueError, match="A-B"):
         ModalRuntimeConfig(env={"A-B": "1"})
     assert ModalRuntimeConfig(env={"_A1": "x"}).env == {"_A1": "x"}
+
+
+async def test_a_sandbox_is_ready_when_its_server_listens_not_when_its_tunnel_exists():
+    # Modal's tunnel is up (and accepts connections) before the server inside listens: a
+    # start that took an accepted connection for a listening server handed the pool a
+    # sandbox whose first connection was reset, counted failed, on every claim
+    fake = FakeModal(listen_delay_s=1.0)
+    try:
+        async with modal_pool(fake) as p, p.session("echo-v0") as s:
+            obs, _ = await s.reset(seed=1)
+            assert obs.text == "echo ready (seed=1)"
+            assert len(fake.sandboxes) == 1 and p.stats().get("claim_retries", 0) == 0
+            probe = fake.sandboxes[s.container.handle].kwargs["readiness_probe"]
+            assert probe.tcp_port == 7000  # Modal probes the port inside the sandbox
+    finally:
+        fake.close()
+
+
+async def test_a_server_that_never_listens_is_a_clear_start_error_and_no_sandbox_is_left():
+    fake = FakeModal(listen_delay_s=3600)
+    rt = ModalRuntime(ModalRuntimeConfig(start_timeout_s=1.5), modal_module=fake)
+    try:
+        with pytest.raises(ContainerStartError, match=r"not listening on port 7000 within 1\.5 s") as e:
+            await rt.start(None, None, timeout_s=30)
+        assert "modal container logs" in str(e.value)  # where to look
+        assert fake.running() == [] and rt.live == {}
+    finally:
+        await rt.aclose()
+        fake.close()
+
+
+def test_a_modal_sdk_without_readiness_probes_is_refused_with_what_to_install():
+    # before modal 1.4.1 a start cannot tell a listening server from the tunnel before it
+    old = FakeModal()
+    del old.Probe
+    with pytest.raises(EnvUsageError, match=r"modal>=1\.4\.1"):
+        ModalRuntime(ModalRuntimeConfig(), modal_module=old)
