@@ -12,9 +12,13 @@ that, and a connection that comes early is reset, so a connect through the tunne
 nothing.
 
 ``modal`` is imported lazily; tests inject ``envpool.runtimes.modal_fake`` instead, which
-runs each sandbox as a local process. Modal's errors are translated in ``_translate``. An
-exit hook terminates the sandboxes this process still holds (a pool never closed); a sandbox
-ends by itself at ``timeout_s`` all the same.
+runs each sandbox as a local process. Modal's errors are translated in ``_translate``.
+
+Every sandbox is tagged ``managed-by: envpool`` with its host and owner (``envpool-owner``:
+host/pid/runtime instance). ``reap_orphans()`` (a pool calls it as it opens) terminates the
+app's sandboxes whose owner on this host is gone (a crashed trainer's); an exit hook
+terminates the sandboxes this process still holds (a pool never closed); a sandbox ends by
+itself at ``timeout_s`` all the same.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import atexit
 import contextlib
 import inspect
 import math
+import secrets
+import socket
 import time
 import weakref
 from pathlib import Path
@@ -31,8 +37,14 @@ from typing import Any
 
 from envpool.errors import ContainerDied, ContainerStartError, EnvPoolError, EnvUsageError
 from envpool.protocol import EXIT_IMAGE_NOT_FOUND
-from envpool.runtimes._remote import create_or_clean, image_not_found, server_command
+from envpool.runtimes._remote import create_or_clean, image_not_found, owner_gone, owner_id, server_command
 from envpool.runtimes.base import Container, ModalRuntimeConfig, Runtime
+
+MANAGED_BY = {"managed-by": "envpool"}
+"""Tags on every sandbox the runtime starts (``modal.Sandbox.list(tags=...)`` finds them)."""
+HOST_TAG = "envpool-host"
+"""The host of the sandbox's owner: a reaper lists only its own host's (it can judge no other)."""
+OWNER_TAG = "envpool-owner"
 
 _RUNTIMES: weakref.WeakSet[ModalRuntime] = weakref.WeakSet()
 _hook_registered = False
@@ -64,6 +76,14 @@ def _import_modal() -> Any:
     return modal
 
 
+async def _list(fn: Any, **kw: Any) -> list[Any]:
+    """What a Modal listing (a generator; ``.aio`` an async one) yields, all of it."""
+    aio = getattr(fn, "aio", None)
+    if aio is not None:
+        return [x async for x in aio(**kw)]
+    return await asyncio.to_thread(lambda: list(fn(**kw)))
+
+
 async def _call(fn: Any, *args: Any, **kw: Any) -> Any:
     """Modal's async variant (``fn.aio``) where it has one, else the call in a thread."""
     aio = getattr(fn, "aio", None)
@@ -88,6 +108,7 @@ class ModalRuntime(Runtime):
                 "pip install -U 'modal>=1.4.1'"
             )
         self._app: Any = None
+        self.owner = owner_id(secrets.token_hex(4))
         _RUNTIMES.add(self)
         _register_exit_hook()
 
@@ -122,6 +143,8 @@ class ModalRuntime(Runtime):
             "memory": (cfg.memory_mb, cfg.memory_mb),
             # probed inside the sandbox: ready is the server listening, not the tunnel up
             "readiness_probe": self.modal.Probe.with_tcp(cfg.port),
+            # at create, not after: a crash in between would leave one no reaper finds
+            "tags": {**MANAGED_BY, HOST_TAG: socket.gethostname(), OWNER_TAG: self.owner},
         }
         if cfg.block_network:
             # not ``block_network=True``: Modal refuses it with open ports, and the tunnel is
@@ -142,12 +165,16 @@ class ModalRuntime(Runtime):
             return "cidr_allowlist"
         return "outbound_cidr_allowlist"
 
-    async def _start(self, image: str | None, bundle: Path | None) -> Container:
-        m = self.modal
+    async def _app_handle(self) -> Any:
         if self._app is None:
             self._app = await self._modal(
-                "look up the app", m.App.lookup, self.config.app_name, create_if_missing=True
+                "look up the app", self.modal.App.lookup, self.config.app_name, create_if_missing=True
             )
+        return self._app
+
+    async def _start(self, image: str | None, bundle: Path | None) -> Container:
+        m = self.modal
+        await self._app_handle()
         args, kw = self.create_args(image)
         create = self._modal(
             "create a sandbox",
@@ -246,6 +273,33 @@ class ModalRuntime(Runtime):
         except self.modal.exception.Error as e:
             raise self._translate(e, f"terminate sandbox {c.handle}") from e
         await self._terminate(sb)
+
+    async def reap_orphans(self) -> list[str]:
+        """Terminate the app's envpool sandboxes whose owner is gone: a process of this host
+        that exited (a crashed trainer). Other hosts' are never listed (their owners'
+        liveness cannot be seen from here). Returns the sandbox ids terminated."""
+        app = await self._app_handle()
+        tags = {**MANAGED_BY, HOST_TAG: socket.gethostname()}
+        try:
+            sandboxes = await _list(self.modal.Sandbox.list, app_id=app.app_id, tags=tags)
+        except self.modal.exception.Error as e:
+            raise self._translate(e, "list sandboxes") from e
+        reaped = []
+        for sb in sandboxes:
+            try:
+                owner = (await _call(sb.get_tags)).get(OWNER_TAG, "")
+            except self.modal.exception.NotFoundError:
+                continue  # ended meanwhile
+            except self.modal.exception.Error as e:
+                raise self._translate(e, f"read the tags of sandbox {sb.object_id}") from e
+            if owner_gone(owner):
+                try:
+                    await self._terminate(sb)
+                except self.modal.exception.Error as e:
+                    raise self._translate(e, f"terminate sandbox {sb.object_id}") from e
+                reaped.append(sb.object_id)
+        self.metrics["reaped_orphans"] += len(reaped)
+        return reaped
 
     async def aclose(self) -> None:
         await super().aclose()

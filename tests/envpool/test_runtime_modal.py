@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -56,6 +57,11 @@ async def test_a_session_runs_over_a_sandbox_tunnel(fake):
             "cpu": 1.0,
             "memory": (1024, 1024),
             "readiness_probe": fake.Probe.with_tcp(7000),
+            "tags": {
+                "managed-by": "envpool",
+                "envpool-host": socket.gethostname(),
+                "envpool-owner": p.runtime.owner,
+            },
         }
 
 
@@ -268,3 +274,44 @@ def test_a_modal_sdk_without_readiness_probes_is_refused_with_what_to_install():
     del old.Probe
     with pytest.raises(EnvUsageError, match=r"modal>=1\.4\.1"):
         ModalRuntime(ModalRuntimeConfig(), modal_module=old)
+
+
+async def test_reap_orphans_terminates_the_sandboxes_of_owners_that_are_gone(fake):
+    # docker and kubernetes reaped what a crashed pool left; modal did not, and a crashed
+    # trainer's sandboxes ran, billed, until their timeout_s (an hour by default)
+    proc = await asyncio.create_subprocess_exec("true")
+    await proc.wait()  # a process of this host that has since exited
+    host = socket.gethostname()
+    rt = ModalRuntime(ModalRuntimeConfig(heartbeat_s=0.2), modal_module=fake)
+    mine = await rt.start(None, None, timeout_s=30)
+    tags = fake.sandboxes[mine.handle].tags
+    assert tags == {"managed-by": "envpool", "envpool-host": host, "envpool-owner": rt.owner}
+    app = fake.App.lookup("rl-fabric-envs")
+    owners = {
+        "dead": f"{host}/{proc.pid}/x",
+        "alive": f"{host}/1/x",  # init: alive, someone else's
+    }
+    made = {
+        name: fake.Sandbox.create("sleep", "60", app=app, tags={**tags, "envpool-owner": o}).object_id
+        for name, o in owners.items()
+    }
+    # another host's (its owner's liveness cannot be seen from here), and a sandbox not ours
+    made["elsewhere"] = fake.Sandbox.create(
+        "sleep", "60", app=app, tags={**tags, "envpool-host": "other", "envpool-owner": "other/9/x"}
+    ).object_id
+    made["untagged"] = fake.Sandbox.create("sleep", "60", app=app).object_id
+    assert await rt.reap_orphans() == [made["dead"]]
+    assert sorted(fake.running()) == sorted([mine.handle, made["alive"], made["elsewhere"], made["untagged"]])
+    assert rt.metrics["reaped_orphans"] == 1
+    await rt.aclose()
+
+
+async def test_a_pool_reaps_modal_orphans_as_it_opens(fake):
+    proc = await asyncio.create_subprocess_exec("true")
+    await proc.wait()
+    host = socket.gethostname()
+    app = fake.App.lookup("rl-fabric-envs", create_if_missing=True)
+    tags = {"managed-by": "envpool", "envpool-host": host, "envpool-owner": f"{host}/{proc.pid}/x"}
+    orphan = fake.Sandbox.create("sleep", "60", app=app, tags=tags).object_id
+    async with modal_pool(fake) as p:
+        assert orphan not in fake.running() and p.stats()["orphans_reaped"] == 1
