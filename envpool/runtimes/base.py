@@ -197,6 +197,11 @@ class KubernetesRuntimeConfig(_RemoteCommon):
         return v
 
     start_timeout_s: float = Field(120.0, gt=0)
+    image_pull_grace_s: float = Field(60.0, ge=0)
+    """How long a pod's image pull may keep failing (ErrImagePull, ImagePullBackOff: a
+    registry's 5xx, a timeout, a rate limit, which the kubelet retries after a back-off of
+    10 s, 20 s, 40 s...) before its start fails, naming the image and the kubelet's reason. A
+    pull the registry answers with not found or access denied fails it at once; 0: any does."""
 
 
 class DockerRuntimeConfig(_RemoteCommon):

@@ -16,8 +16,10 @@ termination message) if the process exits. DELETE kills the process. Closing the
 every process it started.
 
 Knobs: ``fail_next_create`` (HTTP statuses the next creates answer, e.g. ``[500]`` or
-``[409]``), ``fail_next_delete`` (the same for deletes) and ``image_pull_error_for`` (images
-whose pods stay Pending in ErrImagePull).
+``[409]``), ``fail_next_delete`` (the same for deletes), ``image_pull_error_for`` (images
+whose pods stay Pending in ErrImagePull: not found) and ``image_pull_flaky`` (images whose
+pulls fail that many times first, a registry hiccup: the pod goes ErrImagePull, then
+ImagePullBackOff while the kubelet backs off, ``pull_backoff_s``, then pulls again).
 """
 
 from __future__ import annotations
@@ -112,6 +114,10 @@ class FakeKubernetesAPI:
         """HTTP statuses for the next pod deletes, in order (the pod stays)."""
         self.image_pull_error_for: set[str] = set()
         """Images whose pods never start: Pending, container waiting in ErrImagePull."""
+        self.image_pull_flaky: dict[str, int] = {}
+        """Image -> how many of each pod's pulls fail (a registry's 503) before one succeeds."""
+        self.pull_backoff_s = 0.2
+        """The kubelet's back-off between pulls (10 s, doubling, on a real node)."""
         self.requests: Counter[str] = Counter()
         """``"POST pods"``, ``"GET pod"``, ``"LIST pods"``, ``"DELETE pod"``: what the client did."""
         self.authorization: str | None = None
@@ -152,6 +158,8 @@ class FakeKubernetesAPI:
         with self._lock:
             pods = list(self._pods.values())
             self._pods.clear()
+            for pod in pods:
+                pod.deleted = True  # (a pull under way starts no process for it now)
         for pod in pods:
             self._kill(pod)
         import shutil
@@ -248,7 +256,11 @@ class FakeKubernetesAPI:
                 ]
                 return 201, copy.deepcopy(obj)
             created = copy.deepcopy(obj)
-        self._run(pod, container)
+            failures = self.image_pull_flaky.get(container.get("image", ""), 0)
+        if failures:
+            threading.Thread(target=self._pull, args=(pod, container, failures), daemon=True).start()
+        else:
+            self._run(pod, container)
         return 201, created
 
     def get(self, ns: str, name: str) -> tuple[int, dict[str, Any]]:
@@ -305,6 +317,36 @@ class FakeKubernetesAPI:
             "started": ready,
             "state": state,
         }
+
+    def _pull(self, pod: _Pod, container: dict[str, Any], failures: int) -> None:
+        """The kubelet's pulls of a flaky registry: each failure is ErrImagePull, then
+        ImagePullBackOff for the back-off, then the next pull; the pod runs after them."""
+        image = container.get("image", "")
+        for _ in range(failures):
+            for reason, message, pause in (
+                (
+                    "ErrImagePull",
+                    f'failed to pull and unpack image "{image}": failed to resolve reference '
+                    f'"{image}": unexpected status from HEAD request: 503 Service Unavailable',
+                    self.pull_backoff_s / 4,
+                ),
+                ("ImagePullBackOff", f'Back-off pulling image "{image}"', self.pull_backoff_s),
+            ):
+                with self._lock:
+                    if pod.deleted:
+                        return
+                    waiting = {"waiting": {"reason": reason, "message": message}}
+                    pod.obj["status"]["containerStatuses"] = [self._container_status(container, waiting)]
+                time.sleep(pause)
+        with self._lock:
+            if pod.deleted:
+                return
+            pod.obj["status"].pop("containerStatuses", None)
+        self._run(pod, container)
+        with self._lock:
+            gone = pod.deleted  # deleted (or the fake closed) while it started: nothing else kills it
+        if gone:
+            self._kill(pod)
 
     def _run(self, pod: _Pod, container: dict[str, Any]) -> None:
         cmd = [str(a) for a in (container.get("command") or []) + (container.get("args") or [])]

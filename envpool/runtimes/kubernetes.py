@@ -13,6 +13,10 @@ The pool connects to the pod's IP directly: it must run where the pod network is
 (in the cluster, or on a node or VPN that reaches it). From outside, every start waits for
 its timeout and fails, the pod deleted.
 
+A pull that fails (ErrImagePull, ImagePullBackOff) is waited out while the kubelet pulls
+again, up to ``image_pull_grace_s``: a registry's hiccup passes. One the registry answers
+with not found or access denied fails the start at once, naming the image and the cause.
+
 A custom environment image is not mounted into the pod (the pool's local bundle is of no
 use there): the pod's server fetches the bundle by digest from ``config.image_source``.
 
@@ -28,8 +32,10 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import secrets
 import socket
+import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -47,14 +53,21 @@ IMAGE_ANNOTATION = "envpool.dev/image"
 # waiting reasons that never resolve by themselves: fail the start now, not at its timeout
 _FATAL_WAITING = frozenset(
     {
-        "ErrImagePull",
-        "ImagePullBackOff",
         "InvalidImageName",
         "ErrImageNeverPull",
         "CreateContainerConfigError",
         "CreateContainerError",
         "CrashLoopBackOff",
     }
+)
+# a failed pull: the kubelet pulls again after a back-off, and a registry's hiccup (a 5xx, a
+# timeout, a rate limit) passes; one that says the image is not there, or not ours to pull,
+# does not (the runtime's message, then the registry's, as containerd and CRI-O word them)
+_PULL_WAITING = frozenset({"ErrImagePull", "ImagePullBackOff"})
+_PULL_FOR_GOOD = re.compile(
+    r"not ?found|manifest unknown|does not exist|access denied|unauthorized|forbidden|"
+    r"authorization failed|denied:",
+    re.IGNORECASE,
 )
 _REQUEST_TIMEOUT_S = 10.0
 
@@ -110,6 +123,16 @@ async def _accepts(host: str, port: int, timeout_s: float) -> bool:
         elif not attempt.cancelled() and attempt.exception() is None:
             attempt.result()[1].close()
     return attempt.done() and not attempt.cancelled() and attempt.exception() is None
+
+
+class _Pulls:
+    """What one start has seen of its pod's failing pulls."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+        """When the first failed pull was seen (``time.monotonic``)."""
+        self.cause = ""
+        """The last failed pull's message (ErrImagePull's: the back-off's says none)."""
 
 
 class KubernetesRuntime(Runtime):
@@ -260,8 +283,9 @@ class KubernetesRuntime(Runtime):
                     # so it is not our create landing twice): not ours to delete below
                     self._pods.discard(name)
                 raise
-            host, port = await self._wait_running(name)
-            await self._wait_listening(name, host, port)
+            pulls = _Pulls()
+            host, port = await self._wait_running(name, pulls)
+            await self._wait_listening(name, host, port, pulls)
         except BaseException:
             # failed, timed out (cancelled by the base's timeout) or aborted: no pod left behind
             with contextlib.suppress(InfraError):  # still tracked: aclose and the exit hook retry
@@ -281,7 +305,7 @@ class KubernetesRuntime(Runtime):
         if not create.cancelled():
             create.exception()  # read: a start cut off by a second cancellation never awaits it
 
-    async def _wait_running(self, name: str) -> tuple[str, int]:
+    async def _wait_running(self, name: str, pulls: _Pulls) -> tuple[str, int]:
         delay = 0.02
         while True:
             pod = await self._api(
@@ -291,14 +315,14 @@ class KubernetesRuntime(Runtime):
                 what=f"read pod {name}",
                 start=True,
             )
-            self._raise_if_failed(pod)
+            self._raise_if_failed(pod, pulls)
             status = pod.status
             if status is not None and status.phase == "Running" and status.pod_ip:
                 return status.pod_ip, self._port_of(pod)
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 1.0)
 
-    def _raise_if_failed(self, pod: Any) -> None:
+    def _raise_if_failed(self, pod: Any, pulls: _Pulls) -> None:
         name = pod.metadata.name
         status = pod.status
         if status is None:
@@ -306,9 +330,14 @@ class KubernetesRuntime(Runtime):
         for cs in status.container_statuses or []:
             state = cs.state
             waiting = state.waiting if state is not None else None
-            if waiting is not None and waiting.reason in _FATAL_WAITING:
+            if waiting is None:
+                continue
+            image = cs.image or self.config.image
+            if waiting.reason in _PULL_WAITING:
+                self._check_pull(name, image, waiting.reason, waiting.message or "", pulls)
+            elif waiting.reason in _FATAL_WAITING:
                 raise ContainerStartError(
-                    f"kubernetes: pod {name} cannot start image {cs.image or self.config.image!r}: "
+                    f"kubernetes: pod {name} cannot start image {image!r}: "
                     f"{waiting.reason}: {waiting.message or ''}".rstrip(": ")
                 )
         if status.phase in ("Failed", "Succeeded"):
@@ -326,6 +355,35 @@ class KubernetesRuntime(Runtime):
                 f"kubernetes: pod {name} ended ({status.phase}) before it was ready: {detail}"
             )
 
+    def _check_pull(self, name: str, image: str, reason: str, message: str, pulls: _Pulls) -> None:
+        """A failing pull fails the start once it says the image is not to be had, or once
+        it has failed for ``image_pull_grace_s``; till then the kubelet's next pull may work."""
+        now = time.monotonic()
+        if pulls.since is None:
+            pulls.since = now
+        if message.startswith("Back-off"):
+            # ImagePullBackOff's: the cause is ErrImagePull's, which newer kubelets repeat here
+            _, said, cause = message.partition("ErrImagePull: ")
+            if said:
+                pulls.cause = cause
+        else:
+            pulls.cause = message
+        grace = self.config.image_pull_grace_s
+        for_good = _PULL_FOR_GOOD.search(pulls.cause) is not None
+        if not for_good and now - pulls.since < grace:
+            return
+        cause = pulls.cause or message
+        what = (
+            "check runtime.image, and that the nodes may pull it (runtime.service_account with "
+            "imagePullSecrets for a private registry)"
+            if for_good
+            else f"failing for {grace:g} s (runtime.image_pull_grace_s); check the registry is "
+            "up and reachable from the cluster's nodes"
+        )
+        raise ContainerStartError(
+            f"kubernetes: pod {name} cannot pull image {image!r}: {reason}: {cause}; {what}"
+        )
+
     def _port_of(self, pod: Any) -> int:
         annotations = pod.metadata.annotations or {}
         if PORT_ANNOTATION in annotations:
@@ -335,7 +393,7 @@ class KubernetesRuntime(Runtime):
                 return int(p.container_port)
         return self.config.port
 
-    async def _wait_listening(self, name: str, host: str, port: int) -> None:
+    async def _wait_listening(self, name: str, host: str, port: int, pulls: _Pulls) -> None:
         """Running is not ready: the server may still be fetching its image or importing."""
         delay = 0.02
         while True:
@@ -347,7 +405,7 @@ class KubernetesRuntime(Runtime):
                     what=f"read pod {name}",
                     start=True,
                 )
-                self._raise_if_failed(pod)
+                self._raise_if_failed(pod, pulls)
                 await asyncio.sleep(delay)
                 delay = min(delay * 1.5, 0.5)
                 continue

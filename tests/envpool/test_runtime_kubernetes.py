@@ -108,6 +108,32 @@ async def test_image_pull_error_fails_fast_with_the_image_name(api):
     assert api.pod_names() == []  # the failed pods were deleted
 
 
+async def test_a_pull_that_fails_for_a_while_is_waited_for_not_a_failed_start(api):
+    # ErrImagePull is often a registry hiccup (a 503, a timeout) the kubelet retries after a
+    # back-off: failing the start at the first one threw away a pod that would have run
+    api.image_pull_flaky["rl-fabric-env:flaky"] = 2
+    async with pool(api, image="rl-fabric-env:flaky", attempts=1) as p, p.session("echo-v0") as s:
+        obs, _ = await s.reset(seed=2)
+        assert obs.text == "echo ready (seed=2)"
+        assert api.requests["POST pods"] == 1 and p.runtime.metrics["start_failures"] == 0
+    assert api.pod_names() == []
+
+
+async def test_a_pull_that_keeps_failing_fails_the_start_naming_the_image_and_the_reason(api):
+    api.image_pull_flaky["rl-fabric-env:flaky"] = 10**6
+    cfg = KubernetesRuntimeConfig(host=api.url, image="rl-fabric-env:flaky", image_pull_grace_s=1.0)
+    rt = KubernetesRuntime(cfg)
+    try:
+        with pytest.raises(ContainerStartError) as e:
+            await rt.start(None, None, timeout_s=30)
+        msg = str(e.value)
+        assert "rl-fabric-env:flaky" in msg and "503 Service Unavailable" in msg
+        assert "for 1 s" in msg and "image_pull_grace_s" in msg
+        assert api.pod_names() == []
+    finally:
+        await rt.aclose()
+
+
 async def test_api_500_on_create_is_retried(api):
     api.fail_next_create.append(500)
     async with pool(api) as p, p.session("echo-v0") as s:
