@@ -5,6 +5,11 @@ The container runs ``python -m envpool.server --tcp 0.0.0.0:<port>`` from ``conf
 port the engine picks, and the pool speaks the session protocol to it over TCP. A custom
 environment image (a bundle) is fetched by the server itself from ``config.image_source``.
 
+A container is ready when its server has printed its ready line (its stdout, read back with
+``logs``): docker-proxy binds the published port as the container starts, and accepts (then
+resets) connections before the server listens, so a connect proves nothing. Where the
+engine cannot read logs back (a logging driver such as ``none``) the connect is all there is.
+
 The SDK is blocking: every call runs in a worker thread. Its errors are translated into
 envpool's in ``_translate`` (one place), with messages that say what to do.
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -105,6 +111,17 @@ def _translate(docker: Any, e: Exception, config: DockerRuntimeConfig, what: str
     )
 
 
+def _said_ready(stdout: bytes | str) -> bool:
+    """Whether a server's stdout holds its ready line (``{"ready": true, ...}``)."""
+    text = stdout.decode(errors="replace") if isinstance(stdout, bytes) else stdout
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            said = json.loads(line)
+            if isinstance(said, dict) and said.get("ready") is True:
+                return True
+    return False
+
+
 class DockerRuntime(Runtime):
     kind = "docker"
     uses_local_bundle = False  # the container fetches its bundle from image_source
@@ -190,14 +207,27 @@ class DockerRuntime(Runtime):
 
     async def _wait_listening(self, c: Container, ctr: Any) -> None:
         host, _, port = c.endpoint.removeprefix("tcp://").rpartition(":")
-        deadline = time.monotonic() + self.config.start_timeout_s
+        budget = self.config.start_timeout_s
+        deadline = time.monotonic() + budget
+        read_logs = True
         while True:
-            try:
-                _, w = await asyncio.open_connection(host, int(port))
-                w.close()
-                return
-            except OSError:
-                pass  # not listening yet: see whether the container still runs
+            if read_logs:
+                try:
+                    if _said_ready(await asyncio.to_thread(ctr.logs, stdout=True, stderr=False)):
+                        return
+                except self._docker.errors.APIError as e:
+                    log.warning(
+                        "envpool: docker: cannot read container %s's logs (%s): taking a connect "
+                        "to its port for its server's readiness",
+                        ctr.id[:12],
+                        e.explanation or e,
+                    )
+                    read_logs = False
+            if not read_logs:
+                with contextlib.suppress(OSError):
+                    _, w = await asyncio.open_connection(host, int(port))
+                    w.close()
+                    return
             await self._sdk("inspect a container", ctr.reload)
             if ctr.status in ("exited", "dead"):
                 if (ctr.attrs.get("State") or {}).get("ExitCode") == EXIT_IMAGE_NOT_FOUND:
@@ -208,8 +238,8 @@ class DockerRuntime(Runtime):
                 )
             if time.monotonic() > deadline:
                 raise ContainerStartError(
-                    f"docker: container {ctr.id[:12]} not listening on {c.endpoint} in "
-                    f"{self.config.start_timeout_s:g} s"
+                    f"docker: container {ctr.id[:12]}'s server not ready in {budget:g} s "
+                    f"(runtime.start_timeout_s); see `docker logs {ctr.id[:12]}`"
                 )
             await asyncio.sleep(0.1)
 

@@ -129,6 +129,12 @@ class FakeContainer:
         state = {"ExitCode": exit_code} if exit_code is not None else {"Pid": pid}
         self.attrs = {"State": state, "NetworkSettings": {"Ports": {"7000/tcp": [{"HostPort": str(port)}]}}}
 
+    def logs(self, *, stdout: bool = True, stderr: bool = True, **_: object) -> bytes:
+        # the server's stdout is its ready line alone (what it prints goes to stderr)
+        if self.client.logs_error is not None:
+            raise docker.errors.APIError(self.client.logs_error)
+        return self.client.stdout if stdout and self.status == "running" else b""
+
     def reload(self) -> None:
         pass  # the fake's attrs are always current: nothing to refresh
 
@@ -152,6 +158,10 @@ class FakeClient:
         self.remove_failures = 0
         self.start_error: str | None = None
         """What the engine answers the start of each container ``run`` creates, if it refuses."""
+        self.stdout = b'{"ready": true, "pid": 1, "endpoint": "tcp://0.0.0.0:7000"}\n'
+        """What a running container's server has printed to stdout (b"": not ready yet)."""
+        self.logs_error: str | None = None
+        """What the engine answers ``logs`` with, if it cannot (a logging driver it cannot read)."""
         self.containers = self
 
     def run(self, *, labels: dict[str, str], name: str | None = None, **kw: object) -> FakeContainer:
@@ -224,6 +234,32 @@ async def test_a_container_whose_stop_failed_stays_tracked_and_aclose_removes_it
     assert c.id in rt.live and len(client.made) == 1 and rt.metrics["stop_failures"] == 1
     await rt.aclose()
     assert client.made == {} and rt.live == {}
+
+
+async def test_a_container_is_ready_when_its_server_says_so_not_when_its_port_accepts(listening_port):
+    # docker-proxy binds the published port as the container starts and accepts every
+    # connection, resetting those that come before the server listens: a connect proved
+    # nothing, and the pool's first connection to a slow-starting container was reset
+    client = FakeClient(port=listening_port)  # the port accepts, as docker-proxy's does
+    client.stdout = b""  # and the server has not said it is ready
+    rt = DockerRuntime(DockerRuntimeConfig(start_timeout_s=1.0), client=client)
+    with pytest.raises(ContainerStartError, match=r"not ready in 1 s.*docker logs"):
+        await rt.start(None, None, timeout_s=30)
+    assert client.made == {} and rt.live == {}
+    client.stdout = b'{"ready": true, "endpoint": "tcp://0.0.0.0:7000"}\n'
+    c = await rt.start(None, None, timeout_s=30)
+    assert c.id in rt.live
+    await rt.aclose()
+
+
+async def test_a_container_whose_logs_cannot_be_read_is_ready_when_its_port_accepts(listening_port):
+    # a logging driver the engine cannot read back (none, a remote one without dual logging)
+    client = FakeClient(port=listening_port)
+    client.logs_error = "configured logging driver does not support reading"
+    rt = DockerRuntime(DockerRuntimeConfig(), client=client)
+    c = await rt.start(None, None, timeout_s=10)
+    assert c.id in rt.live
+    await rt.aclose()
 
 
 def test_the_exit_hook_removes_the_containers_of_a_runtime_never_closed(listening_port):
