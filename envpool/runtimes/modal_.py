@@ -27,6 +27,7 @@ import asyncio
 import atexit
 import contextlib
 import inspect
+import logging
 import math
 import secrets
 import socket
@@ -35,7 +36,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from envpool.errors import ContainerDied, ContainerStartError, EnvPoolError, EnvUsageError
+from envpool.errors import ContainerDied, ContainerStartError, EnvPoolError, EnvUsageError, InfraError
 from envpool.protocol import EXIT_IMAGE_NOT_FOUND
 from envpool.runtimes._remote import create_or_clean, image_not_found, owner_gone, owner_id, server_command
 from envpool.runtimes.base import Container, ModalRuntimeConfig, Runtime
@@ -47,6 +48,7 @@ HOST_TAG = "envpool-host"
 OWNER_TAG = "envpool-owner"
 
 _RUNTIMES: weakref.WeakSet[ModalRuntime] = weakref.WeakSet()
+log = logging.getLogger(__name__)
 _hook_registered = False
 
 
@@ -184,7 +186,7 @@ class ModalRuntime(Runtime):
             image=m.Image.from_registry(self.config.image),
             **kw,
         )
-        sb = await create_or_clean(create, self._terminate)
+        sb = await create_or_clean(create, lambda sb: self._discard(sb, image))
         try:
             await self._wait_ready(sb)
             c = await self._container(sb, image)
@@ -192,14 +194,34 @@ class ModalRuntime(Runtime):
             code = None
             with contextlib.suppress(Exception):
                 code = await _call(sb.poll)
-            await asyncio.shield(self._terminate(sb))
+            await asyncio.shield(self._discard(sb, image))
             if code == EXIT_IMAGE_NOT_FOUND:  # its server found no such image: not worth a retry
                 raise image_not_found(self.config, image, f"sandbox {sb.object_id}") from e
             raise
         except BaseException:  # a timeout (cancellation) too: nothing is left running
-            await asyncio.shield(self._terminate(sb))
+            await asyncio.shield(self._discard(sb, image))
             raise
         return c
+
+    async def _discard(self, sb: Any, image: str | None) -> None:
+        """Terminate the sandbox of a start that failed. One whose terminate fails too goes
+        to ``leaked``, for ``aclose`` and the exit hook to try again: nothing else knows of
+        it (its owner is alive, so no reaper takes it), and it would run until ``timeout_s``;
+        the start raises its own error, not the terminate's."""
+        try:
+            await self._terminate(sb)
+        except Exception as e:
+            c = Container(
+                id=f"m-{sb.object_id}",
+                endpoint="",
+                image=image,
+                runtime=self.kind,
+                isolation="modal",
+                handle=sb.object_id,
+            )
+            self.leaked[c.id] = c
+            self.metrics["leaked"] += 1
+            log.warning("envpool: modal: sandbox %s of a failed start not terminated: %s", sb.object_id, e)
 
     async def _container(self, sb: Any, image: str | None) -> Container:
         tunnels = await self._modal("read the sandbox's tunnels", sb.tunnels)
@@ -264,6 +286,8 @@ class ModalRuntime(Runtime):
             await _call(sb.terminate)
         except self.modal.exception.NotFoundError:
             pass  # gone already: that is what we wanted
+        except self.modal.exception.Error as e:
+            raise self._translate(e, f"terminate sandbox {sb.object_id}") from e
 
     async def _stop(self, c: Container) -> None:
         try:
@@ -293,10 +317,7 @@ class ModalRuntime(Runtime):
             except self.modal.exception.Error as e:
                 raise self._translate(e, f"read the tags of sandbox {sb.object_id}") from e
             if owner_gone(owner):
-                try:
-                    await self._terminate(sb)
-                except self.modal.exception.Error as e:
-                    raise self._translate(e, f"terminate sandbox {sb.object_id}") from e
+                await self._terminate(sb)
                 reaped.append(sb.object_id)
         self.metrics["reaped_orphans"] += len(reaped)
         return reaped
@@ -307,8 +328,15 @@ class ModalRuntime(Runtime):
             _RUNTIMES.discard(self)
 
     async def _alive(self, c: Container) -> bool:
+        exc = self.modal.exception
         try:
             sb = await _call(self.modal.Sandbox.from_id, c.handle)
             return await _call(sb.poll) is None
-        except self.modal.exception.NotFoundError:
+        except exc.NotFoundError:
             return False
+        except exc.AuthError as e:
+            raise self._translate(e, f"probe sandbox {c.handle}") from e
+        except exc.Error as e:
+            # an API hiccup says nothing of the sandbox: retryable, as docker's and a pod's
+            # probe failures are (Modal's own error, unknown to the pool, ended the session)
+            raise InfraError(f"modal: cannot probe sandbox {c.handle}: {type(e).__name__}: {e}") from e

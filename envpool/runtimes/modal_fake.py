@@ -14,7 +14,8 @@ server listens (Modal's tunnel has no backend to forward them to yet). A ``readi
 ``running()`` lists the sandboxes still running; ``kill(id)`` makes one die;
 ``create_delay_s`` makes ``create`` slow (a window for cancellation tests);
 ``listen_delay_s`` holds the server's port closed that long after it is ready (a slow start
-inside the sandbox: an image pulled, a bundle fetched). ``create`` refuses what Modal's does
+inside the sandbox: an image pulled, a bundle fetched); ``fail_next`` makes the next API
+calls raise, ``fail_next_terminate`` the next terminates. ``create`` refuses what Modal's does
 (an unknown argument, open ports with ``block_network``, an environment variable name Modal
 rejects), creating nothing. ``Sandbox.list(app_id=..., tags=...)`` lists the running
 sandboxes that carry at least the given tags.
@@ -239,6 +240,11 @@ class FakeModal:
         """How long ``Sandbox.create`` takes after the sandbox exists (Modal's RPC latency)."""
         self.listen_delay_s = listen_delay_s
         """How long the server's port stays closed after its ready line (a slow start inside)."""
+        self.fail_next: list[Exception] = []
+        """Errors the next API calls (lookup, create, from_id, list) raise, in order: a
+        Modal API hiccup, e.g. ``exception.Error("UNAVAILABLE")``."""
+        self.fail_next_terminate: list[Exception] = []
+        """Errors the next ``terminate`` calls raise, in order (the sandbox runs on)."""
         self.sandboxes: dict[str, _State] = {}
         self.apps: dict[str, Any] = {}
         self.exception = exception
@@ -330,6 +336,8 @@ class FakeModal:
                 return self._s.proc.poll()
 
             def terminate(self, *, wait: bool = False) -> int | None:
+                if fake.fail_next_terminate:
+                    raise fake.fail_next_terminate.pop(0)
                 fake._kill(self._s)
                 return self._s.proc.returncode if wait else None
 
@@ -352,6 +360,8 @@ class FakeModal:
 
     # -- internals
     def _check_auth(self) -> None:
+        if self.fail_next:
+            raise self.fail_next.pop(0)
         if not self.authenticated:
             raise AuthError("Token missing. Could not authenticate client.")
 

@@ -12,7 +12,7 @@ import pytest
 from pool_util import swap_runtime
 
 from envpool.connection import Connection
-from envpool.errors import ContainerDied, ContainerStartError, EnvUsageError
+from envpool.errors import ContainerDied, ContainerStartError, EnvUsageError, InfraError
 from envpool.images.errors import ImageNotFound
 from envpool.images.fake_origin import FakeOrigin
 from envpool.pool import EnvPool
@@ -315,3 +315,42 @@ async def test_a_pool_reaps_modal_orphans_as_it_opens(fake):
     orphan = fake.Sandbox.create("sleep", "60", app=app, tags=tags).object_id
     async with modal_pool(fake) as p:
         assert orphan not in fake.running() and p.stats()["orphans_reaped"] == 1
+
+
+async def test_a_modal_api_hiccup_while_a_claim_probes_a_sandbox_is_retried_not_raised_raw(fake):
+    # the probe let Modal's own error out: not an InfraError, so the session ended at once
+    # on an API hiccup, with an exception of the SDK's that no caller expects
+    async with modal_pool(fake, min_warm=1) as p:
+        await p.prewarm(None)
+        fake.fail_next.append(fake.exception.Error("UNAVAILABLE: the API is overloaded"))
+        async with p.session("echo-v0") as s:
+            obs, _ = await s.reset(seed=4)
+            assert obs.text == "echo ready (seed=4)"
+        assert p.stats()["claim_retries"] == 1
+
+
+async def test_a_failed_probe_is_an_infra_error_naming_the_sandbox(fake):
+    rt = ModalRuntime(ModalRuntimeConfig(heartbeat_s=0.2), modal_module=fake)
+    c = await rt.start(None, None, timeout_s=30)
+    fake.fail_next.append(fake.exception.Error("UNAVAILABLE"))
+    with pytest.raises(InfraError, match=c.handle):
+        await rt.alive(c)
+    assert await rt.alive(c)
+    await rt.aclose()
+
+
+async def test_a_failed_start_whose_terminate_fails_too_raises_its_own_error_and_is_tried_again():
+    # the terminate's error (Modal's own) took the start's place, and the sandbox was
+    # tracked nowhere: it ran, billed, until its timeout_s (its owner alive, no reaper took it)
+    fake = FakeModal(listen_delay_s=3600)
+    rt = ModalRuntime(ModalRuntimeConfig(start_timeout_s=1.0), modal_module=fake)
+    try:
+        fake.fail_next_terminate.append(fake.exception.Error("UNAVAILABLE"))
+        with pytest.raises(ContainerStartError, match="not listening"):
+            await rt.start(None, None, timeout_s=30)
+        (sid,) = fake.running()
+        assert [c.handle for c in rt.leaked.values()] == [sid]
+        await rt.aclose()  # tries it again
+        assert fake.running() == [] and rt.leaked == {}
+    finally:
+        fake.close()
