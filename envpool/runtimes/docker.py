@@ -181,13 +181,24 @@ class DockerRuntime(Runtime):
             c.endpoint = f"tcp://127.0.0.1:{bound[0]['HostPort']}"
             await self._wait_listening(c, ctr)
         except BaseException:  # a timeout (cancellation) too: nothing is left behind
-            await asyncio.shield(self._stop(c))
+            await asyncio.shield(self._discard(c))
             raise
         c.isolation = "docker"
         pid = int((ctr.attrs.get("State") or {}).get("Pid") or 0)
         if pid > 0:
             self._pids[c.id] = pid
         return c
+
+    async def _discard(self, c: Container) -> None:
+        """Remove the container of a start that failed. One whose remove fails too goes to
+        ``leaked``, for ``aclose`` and the exit hook to try again: nothing else knows of it
+        (its owner is alive, so no reaper takes it); the start raises its own error."""
+        try:
+            await self._stop(c)
+        except Exception as e:
+            self.leaked[c.id] = c
+            self.metrics["leaked"] += 1
+            log.warning("envpool: docker: container %s of a failed start not removed: %s", c.id, e)
 
     async def _remove_named(self, client: Any, name: str, run: asyncio.Future[Any]) -> None:
         """Remove the container ``name`` a failed (or cancelled) ``run`` may have left, once

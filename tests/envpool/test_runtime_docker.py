@@ -252,6 +252,23 @@ async def test_a_container_is_ready_when_its_server_says_so_not_when_its_port_ac
     await rt.aclose()
 
 
+async def test_a_failed_start_whose_remove_fails_too_raises_its_own_error_and_is_tried_again(
+    listening_port,
+):
+    # the remove's error took the start's place, and the container was tracked nowhere: it
+    # ran on (its owner alive, no reaper takes it; the exit hook knows only live and leaked)
+    client = FakeClient(port=listening_port)
+    client.stdout = b""  # never ready
+    client.remove_failures = 1
+    rt = DockerRuntime(DockerRuntimeConfig(start_timeout_s=0.5), client=client)
+    with pytest.raises(ContainerStartError, match="not ready in"):
+        await rt.start(None, None, timeout_s=30)
+    (ctr,) = client.made.values()
+    assert [c.handle for c in rt.leaked.values()] == [ctr.id] and rt.live == {}
+    await rt.aclose()  # tries it again
+    assert client.made == {} and rt.leaked == {}
+
+
 async def test_a_container_whose_logs_cannot_be_read_is_ready_when_its_port_accepts(listening_port):
     # a logging driver the engine cannot read back (none, a remote one without dual logging)
     client = FakeClient(port=listening_port)
