@@ -306,6 +306,8 @@ class Runtime(ABC):
         self.closed = False
         """``aclose`` began: ``start`` refuses from then on (what a start made after the
         close had stopped everything would run on, owned by nobody)."""
+        self._waits: dict[asyncio.Task[Any], str] = {}
+        """Start task -> what it waits for now (``_waiting_for``), said when it times out."""
 
     async def start(self, image: str | None, bundle: Path | None, *, timeout_s: float) -> Container:
         if self.closed:
@@ -313,10 +315,12 @@ class Runtime(ABC):
         t0 = time.monotonic()
         try:
             c = await self._start_within(image, bundle, timeout_s)
-        except TimeoutError:
+        except TimeoutError as e:
             self.metrics["start_timeouts"] += 1
+            hint = getattr(e, "waiting_for", None)
             raise ContainerStartError(
-                f"{self.kind}: container for {image or 'built-ins'} not ready in {timeout_s} s"
+                f"{self.kind}: container for {image or 'built-ins'} not ready in {timeout_s:g} s"
+                + (f": still waiting for {hint}" if hint else "")
             ) from None
         except ContainerStartError:
             self.metrics["start_failures"] += 1
@@ -338,6 +342,8 @@ class Runtime(ABC):
         creating. Not ``wait_for``: on Python 3.11 it returns a start that ended in the loop
         turn its caller was cancelled, and the cancellation is lost (the claim runs on)."""
         task = asyncio.ensure_future(self._start_open(image, bundle))
+        self._waits[task] = ""
+        task.add_done_callback(lambda t: self._waits.pop(t, None))
         try:
             done, _ = await asyncio.wait((task,), timeout=timeout_s)
         except asyncio.CancelledError:
@@ -354,10 +360,13 @@ class Runtime(ABC):
                     await self.stop(c)
             raise
         if not done:
+            hint = self._waits.get(task)  # (read first: the task's end forgets it)
             task.cancel()
             await asyncio.wait((task,))
             if task.cancelled() or task.exception() is not None:
-                raise TimeoutError
+                timeout = TimeoutError()
+                timeout.waiting_for = hint  # type: ignore[attr-defined]
+                raise timeout
             c = task.result()  # ended as the timeout fired: stopped, as a start too late
             self.live[c.id] = c
             with contextlib.suppress(Exception):  # (a failed stop: live, tried again at close)
@@ -372,6 +381,15 @@ class Runtime(ABC):
         if self.closed:
             raise ContainerStartError(f"{self.kind}: the runtime is closed")
         return await self._start(image, bundle)
+
+    def _waiting_for(self, what: str) -> None:
+        """Say what the start running in this task waits for now (a pod to be scheduled, a
+        pull, a server to listen, and where to look): a start that times out says it, not
+        only that it timed out. (The pool's timeout is the runtime's ``start_timeout_s``,
+        so it comes before any wait of the runtime's own with that budget.)"""
+        task = asyncio.current_task()
+        if task in self._waits:  # (a start's own task; none other is ever forgotten)
+            self._waits[task] = what
 
     async def stop(self, c: Container) -> None:
         """Stop ``c``: idempotent, concurrent calls share one stop, and a cancelled caller

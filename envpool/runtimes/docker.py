@@ -163,6 +163,7 @@ class DockerRuntime(Runtime):
         # named, to be found when run() fails: it creates the container, then starts it, and
         # a start the engine refuses (an image without python) raises with it created
         name = f"envpool-{secrets.token_hex(6)}"
+        self._waiting_for(f"the engine to start container {name} of {self.config.image} (pulling it)")
         run = asyncio.ensure_future(self._sdk("start a container", client.containers.run, name=name, **kw))
         try:
             ctr = await create_or_clean(run, lambda ctr: asyncio.to_thread(ctr.remove, force=True))
@@ -221,6 +222,9 @@ class DockerRuntime(Runtime):
         budget = self.config.start_timeout_s
         deadline = time.monotonic() + budget
         read_logs = True
+        self._waiting_for(
+            f"container {ctr.id[:12]}'s server to say it is ready; see `docker logs {ctr.id[:12]}`"
+        )
         while True:
             if read_logs:
                 try:

@@ -319,8 +319,33 @@ class KubernetesRuntime(Runtime):
             status = pod.status
             if status is not None and status.phase == "Running" and status.pod_ip:
                 return status.pod_ip, self._port_of(pod)
+            self._waiting_for(self._pending(pod, pulls))
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 1.0)
+
+    def _pending(self, pod: Any, pulls: _Pulls) -> str:
+        """What a pod that does not run yet waits for, from its status: said by a start
+        that times out (an unschedulable pod, a failing pull), with where to look."""
+        name = pod.metadata.name
+        status = pod.status
+        what = f"pod {name} to run"
+        if status is not None:
+            what += f" (phase {status.phase})"
+            for cond in status.conditions or []:
+                if cond.type == "PodScheduled" and cond.status == "False":
+                    what = f"pod {name} to be scheduled ({cond.reason}: {cond.message})"
+            for cs in status.container_statuses or []:
+                waiting = cs.state.waiting if cs.state is not None else None
+                if waiting is None:
+                    continue
+                if waiting.reason in _PULL_WAITING:
+                    what = (
+                        f"pod {name}'s image {cs.image or self.config.image!r} to pull "
+                        f"({waiting.reason}: {pulls.cause or waiting.message})"
+                    )
+                else:
+                    what = f"pod {name} ({waiting.reason}: {waiting.message or ''})".replace(": )", ")")
+        return f"{what}; see `kubectl -n {self.config.namespace} describe pod {name}`"
 
     def _raise_if_failed(self, pod: Any, pulls: _Pulls) -> None:
         name = pod.metadata.name
@@ -395,6 +420,11 @@ class KubernetesRuntime(Runtime):
 
     async def _wait_listening(self, name: str, host: str, port: int, pulls: _Pulls) -> None:
         """Running is not ready: the server may still be fetching its image or importing."""
+        self._waiting_for(
+            f"pod {name}'s server at {host}:{port} to accept a connection (the pool must reach "
+            "pod IPs: run it in the cluster, or where the pod network is routed); see "
+            f"`kubectl -n {self.config.namespace} logs {name}`"
+        )
         delay = 0.02
         while True:
             if not await _accepts(host, port, 2.0):

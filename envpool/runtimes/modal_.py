@@ -178,6 +178,7 @@ class ModalRuntime(Runtime):
         m = self.modal
         await self._app_handle()
         args, kw = self.create_args(image)
+        self._waiting_for(f"Modal to create a sandbox of {self.config.image} (scheduling, image pull)")
         create = self._modal(
             "create a sandbox",
             m.Sandbox.create,
@@ -246,6 +247,10 @@ class ModalRuntime(Runtime):
         exc = self.modal.exception
         budget = self.config.start_timeout_s
         deadline = time.monotonic() + budget
+        self._waiting_for(
+            f"sandbox {sb.object_id}'s server to listen on port {self.config.port}; see "
+            f"`modal container logs {sb.object_id}`"
+        )
         while True:
             left = deadline - time.monotonic()
             if left <= 0:

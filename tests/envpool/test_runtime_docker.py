@@ -269,6 +269,16 @@ async def test_a_failed_start_whose_remove_fails_too_raises_its_own_error_and_is
     assert client.made == {} and rt.leaked == {}
 
 
+async def test_a_start_that_times_out_says_what_it_was_waiting_for(listening_port):
+    client = FakeClient(port=listening_port)
+    client.stdout = b""  # never ready
+    rt = DockerRuntime(DockerRuntimeConfig(), client=client)
+    with pytest.raises(ContainerStartError, match=r"not ready in 0\.5 s.*say it is ready.*docker logs"):
+        await rt.start(None, None, timeout_s=0.5)
+    assert client.made == {}
+    await rt.aclose()
+
+
 async def test_a_container_whose_logs_cannot_be_read_is_ready_when_its_port_accepts(listening_port):
     # a logging driver the engine cannot read back (none, a remote one without dual logging)
     client = FakeClient(port=listening_port)

@@ -134,6 +134,19 @@ async def test_a_pull_that_keeps_failing_fails_the_start_naming_the_image_and_th
         await rt.aclose()
 
 
+async def test_a_start_that_times_out_says_what_it_was_waiting_for(api):
+    # a pull failing within its grace, when the start's own timeout comes first
+    api.image_pull_flaky["rl-fabric-env:flaky"] = 10**6
+    rt = KubernetesRuntime(KubernetesRuntimeConfig(host=api.url, image="rl-fabric-env:flaky"))
+    try:
+        with pytest.raises(ContainerStartError, match=r"not ready in 1 s") as e:
+            await rt.start(None, None, timeout_s=1)
+        assert "pull" in str(e.value) and "503 Service Unavailable" in str(e.value)
+        assert api.pod_names() == []
+    finally:
+        await rt.aclose()
+
+
 async def test_api_500_on_create_is_retried(api):
     api.fail_next_create.append(500)
     async with pool(api) as p, p.session("echo-v0") as s:

@@ -354,3 +354,18 @@ async def test_a_failed_start_whose_terminate_fails_too_raises_its_own_error_and
         assert fake.running() == [] and rt.leaked == {}
     finally:
         fake.close()
+
+
+async def test_a_start_that_times_out_says_what_it_was_waiting_for():
+    # the pool's timeout is start_timeout_s, the runtime's own wait's too: the start's generic
+    # "not ready" always came first, and never said what to look at
+    fake = FakeModal(listen_delay_s=3600)
+    rt = ModalRuntime(ModalRuntimeConfig(), modal_module=fake)
+    try:
+        with pytest.raises(ContainerStartError, match=r"not ready in 1\.5 s") as e:
+            await rt.start(None, None, timeout_s=1.5)
+        assert "listen on port 7000" in str(e.value) and "modal container logs sb-fake1" in str(e.value)
+        assert fake.running() == []
+    finally:
+        await rt.aclose()
+        fake.close()
