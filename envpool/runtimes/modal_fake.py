@@ -167,12 +167,12 @@ class _TunnelProxy:
 
     def _accept(self) -> None:
         while not self.stopped.is_set():
-            if not select.select([self.listener], [], [], 0.05)[0]:
-                continue
             try:
+                if not select.select([self.listener], [], [], 0.05)[0]:
+                    continue
                 client, _ = self.listener.accept()
-            except OSError:
-                return  # closed
+            except (OSError, ValueError):
+                return  # closed meanwhile (its fd -1: a ValueError for select)
             where = self.backend()
             server = None
             if where is not None:
