@@ -49,6 +49,7 @@ _POD_PATH = re.compile(r"^/api/v1/namespaces/(?P<ns>[a-z0-9-]+)/pods(?:/(?P<name
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _REASONS = {
     400: "BadRequest",
+    401: "Unauthorized",
     403: "Forbidden",
     404: "NotFound",
     409: "AlreadyExists",

@@ -207,9 +207,21 @@ class KubernetesRuntime(Runtime):
                 body = json.loads(getattr(e, "body", None) or "{}")
                 message = str(body.get("message") or "")
                 reason = body.get("reason") or reason
-            out = err(f"kubernetes: {what}: {status} {reason}" + (f": {message}" if message else ""))
-            out.status = status  # type: ignore[attr-defined]
-            out.reason = reason  # type: ignore[attr-defined]
+            said = f"kubernetes: {what}: {status} {reason}" + (f": {message}" if message else "")
+            out: EnvPoolError
+            if status == 401:  # the setup's to fix, not a fault to retry with a pod per attempt
+                out = EnvUsageError(
+                    f"{said}; the API server refused the credentials: renew them (runtime.kubeconfig, "
+                    "or the service account's token)"
+                )
+            elif status == 403:
+                out = EnvUsageError(
+                    f"{said}; grant the credentials get, list, create and delete on pods in namespace "
+                    f"{self.config.namespace} (a Role and a RoleBinding)"
+                )
+            else:
+                out = err(said)
+            vars(out).update(status=status, reason=reason)  # (read by _status_of)
             return out
         # urllib3 errors (connection refused, timeouts) and anything else the client raises
         return err(f"kubernetes: {what}: cannot reach the API server: {type(e).__name__}: {e}")
@@ -282,6 +294,11 @@ class KubernetesRuntime(Runtime):
                     # AlreadyExists: that pod is another's (the client never resends a POST,
                     # so it is not our create landing twice): not ours to delete below
                     self._pods.discard(name)
+                if self._status_of(e) == 404:  # a create's 404 is its namespace's
+                    self._pods.discard(name)
+                    raise EnvUsageError(
+                        f"kubernetes: namespace {ns!r} not found ({e}); create it, or set runtime.namespace"
+                    ) from e
                 raise
             pulls = _Pulls()
             host, port = await self._wait_running(name, pulls)

@@ -147,6 +147,26 @@ async def test_a_start_that_times_out_says_what_it_was_waiting_for(api):
         await rt.aclose()
 
 
+@pytest.mark.parametrize(
+    ("status", "says"),
+    [
+        (403, r"403 Forbidden.*grant .* get, list, create and delete on pods in namespace default"),
+        (401, r"401 Unauthorized.*renew them"),
+        (404, r"namespace 'default' not found.*create it, or set runtime\.namespace"),
+    ],
+)
+async def test_a_create_refused_for_the_setup_s_sake_is_a_usage_error_not_retried(api, status, says):
+    # RBAC without pods/create, expired credentials, a namespace that is not there: every
+    # claim retried them as infra faults (a pod create per attempt), and said not what to fix
+    api.fail_next_create.append(status)
+    async with pool(api) as p:
+        with pytest.raises(EnvUsageError, match=says):
+            async with p.session("echo-v0"):
+                pass
+        assert api.requests["POST pods"] == 1 and p.stats().get("claim_retries", 0) == 0
+    assert api.pod_names() == []
+
+
 async def test_api_500_on_create_is_retried(api):
     api.fail_next_create.append(500)
     async with pool(api) as p, p.session("echo-v0") as s:
