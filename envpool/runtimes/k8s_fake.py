@@ -109,8 +109,9 @@ class _Pod:
 
 class FakeKubernetesAPI:
     def __init__(self) -> None:
-        self.fail_next_create: list[int] = []
-        """HTTP statuses for the next pod creates, in order (500 InternalError, 409 AlreadyExists...)."""
+        self.fail_next_create: list[int | tuple[int, str]] = []
+        """HTTP statuses for the next pod creates, in order (500 InternalError, 409 AlreadyExists...),
+        each alone or with the Status message the server gives."""
         self.fail_next_delete: list[int] = []
         """HTTP statuses for the next pod deletes, in order (the pod stays)."""
         self.image_pull_error_for: set[str] = set()
@@ -210,8 +211,11 @@ class FakeKubernetesAPI:
         name = str(meta.get("name") or "")
         with self._lock:
             if self.fail_next_create:
-                code = self.fail_next_create.pop(0)
-                return code, _status(code, f"injected failure creating pod {name!r}", name=name)
+                fail = self.fail_next_create.pop(0)
+                code, message = (
+                    fail if isinstance(fail, tuple) else (fail, f"injected failure creating pod {name!r}")
+                )
+                return code, _status(code, message, name=name)
         if body.get("kind", "Pod") != "Pod" or not (body.get("spec") or {}).get("containers"):
             return 422, _status(422, f'Pod "{name}" is invalid: spec.containers: Required value', name=name)
         if not _DNS1123.match(name) or len(name) > 253:

@@ -214,6 +214,9 @@ class KubernetesRuntime(Runtime):
                     f"{said}; the API server refused the credentials: renew them (runtime.kubeconfig, "
                     "or the service account's token)"
                 )
+            elif status == 403 and "exceeded quota" in message:
+                # a full ResourceQuota (a 403 too): it frees up as other pods end
+                out = err(f"{said}; the namespace's ResourceQuota is full: retried")
             elif status == 403:
                 out = EnvUsageError(
                     f"{said}; grant the credentials get, list, create and delete on pods in namespace "

@@ -167,6 +167,17 @@ async def test_a_create_refused_for_the_setup_s_sake_is_a_usage_error_not_retrie
     assert api.pod_names() == []
 
 
+async def test_a_create_refused_by_a_full_quota_is_retried(api):
+    # a ResourceQuota answers 403 Forbidden too, and frees up as other pods end
+    full = 'pods "x" is forbidden: exceeded quota: compute, requested: limits.cpu=1, used: limits.cpu=8'
+    api.fail_next_create.append((403, full))
+    async with pool(api) as p, p.session("echo-v0") as s:
+        await s.reset(seed=0)
+        assert api.requests["POST pods"] == 2 and p.metrics["claim_retries"] == 1
+        assert "exceeded quota" in s.failures[0]
+    assert api.pod_names() == []
+
+
 async def test_api_500_on_create_is_retried(api):
     api.fail_next_create.append(500)
     async with pool(api) as p, p.session("echo-v0") as s:
