@@ -100,6 +100,12 @@ def _translate(docker: Any, e: Exception, config: DockerRuntimeConfig, what: str
             f"docker: image {config.image!r} is not on the engine and could not be pulled: "
             f"build or pull it (docker pull {config.image}), or set runtime.image ({e})"
         )
+    if isinstance(e, errors.NotFound) and config.network and "network" in str(e.explanation or "").lower():
+        # the setup's to fix: retried, it failed the same on every claim
+        return EnvUsageError(
+            f"docker: the engine has no network {config.network!r} ({e.explanation}): create it "
+            f"(docker network create {config.network}), or set runtime.network"
+        )
     if isinstance(e, errors.APIError):
         return ContainerStartError(f"docker: the engine refused to {what}: {e.explanation or e}")
     where = (

@@ -115,6 +115,16 @@ def test_a_missing_image_is_the_callers_to_fix():
     assert isinstance(err, ContainerStartError) and "refused to start a container" in str(err)
 
 
+def test_a_network_the_engine_does_not_have_is_the_callers_to_fix():
+    # the engine's 404 on create: retried as an engine fault on every claim, a container
+    # create per attempt, and the message named no setting
+    cfg = DockerRuntimeConfig(network="rl-net")
+    missing = docker.errors.NotFound("404", explanation="network rl-net not found")
+    err = _translate(docker, missing, cfg, "start a container")
+    assert isinstance(err, EnvUsageError) and "rl-net" in str(err) and "runtime.network" in str(err)
+    assert "docker network create rl-net" in str(err)
+
+
 class FakeContainer:
     """What the runtime uses of the SDK's ``Container``."""
 
