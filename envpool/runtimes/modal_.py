@@ -115,8 +115,9 @@ class ModalRuntime(Runtime):
         _register_exit_hook()
 
     def _translate(self, e: Exception, what: str) -> EnvPoolError:
-        """A Modal error as an envpool error: a missing token is the caller's to fix (never
-        retried); anything else Modal raises is an ``InfraError`` the pool retries."""
+        """A Modal error as an envpool error: a missing token or settings Modal refuses are
+        the caller's to fix (never retried); anything else Modal raises is an ``InfraError``
+        the pool retries."""
         exc = self.modal.exception
         if isinstance(e, exc.AuthError):
             return EnvUsageError(
@@ -125,6 +126,13 @@ class ModalRuntime(Runtime):
             )
         if isinstance(e, exc.NotFoundError):
             return ContainerDied(f"modal: cannot {what}: {e} (the sandbox ended or the id is wrong)")
+        if isinstance(e, exc.InvalidError) and not isinstance(e, exc.ConflictError):
+            # arguments Modal refuses fail the same on every attempt (a ConflictError, a
+            # sandbox that finished, is another matter)
+            return EnvUsageError(
+                f"modal: cannot {what}: {e}; Modal refuses these settings: check the runtime "
+                "config (cpu, memory_mb, timeout_s, env, image)"
+            )
         return ContainerStartError(f"modal: cannot {what}: {type(e).__name__}: {e}")
 
     async def _modal(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:

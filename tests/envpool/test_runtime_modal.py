@@ -369,3 +369,15 @@ async def test_a_start_that_times_out_says_what_it_was_waiting_for():
     finally:
         await rt.aclose()
         fake.close()
+
+
+async def test_settings_modal_refuses_are_a_usage_error_not_a_retried_start(fake):
+    # Modal's InvalidError (cpu or memory past its limits, a region it does not have) fails
+    # the same on every attempt: it was retried on every claim, a create per attempt
+    rt = ModalRuntime(ModalRuntimeConfig(cpu=512), modal_module=fake)
+    await rt.reap_orphans()  # (the app looked up: the next API call is the create)
+    fake.fail_next.append(fake.exception.InvalidError("cpu request 512 exceeds the maximum of 64"))
+    with pytest.raises(EnvUsageError, match=r"exceeds the maximum.*runtime"):
+        await rt.start(None, None, timeout_s=30)
+    assert fake.sandboxes == {}
+    await rt.aclose()
