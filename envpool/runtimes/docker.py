@@ -216,12 +216,16 @@ class DockerRuntime(Runtime):
             run.exception()  # read: it is the caller's error, raised there
         try:
             ctr = await asyncio.to_thread(client.containers.get, name)
-            if (ctr.labels or {}).get(OWNER_LABEL) == self.owner:
-                await self._remove(ctr)
         except self._docker.errors.NotFound:
-            pass  # never created: nothing to remove
+            return  # never created: nothing to remove
         except Exception as e:  # the start's own error is the one to raise
             log.warning("envpool: docker: container %s of a failed start not removed: %s", name, e)
+            return
+        if (ctr.labels or {}).get(OWNER_LABEL) == self.owner:
+            # as _discard: one whose remove fails goes to leaked, tried again at close
+            await self._discard(
+                Container(id=f"d-{ctr.id[:12]}", endpoint="", image=None, runtime=self.kind, handle=ctr.id)
+            )
 
     async def _wait_listening(self, c: Container, ctr: Any) -> None:
         host, _, port = c.endpoint.removeprefix("tcp://").rpartition(":")

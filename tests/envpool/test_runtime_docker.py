@@ -224,6 +224,19 @@ async def test_a_container_whose_start_the_engine_refused_is_removed():
     await rt.aclose()
 
 
+async def test_a_refused_start_whose_remove_fails_too_is_tried_again_at_close():
+    client = FakeClient(port=_closed_port())
+    client.start_error = '400 Client Error: OCI runtime create failed: exec: "python": not found'
+    client.remove_failures = 1
+    rt = DockerRuntime(DockerRuntimeConfig(), client=client)
+    with pytest.raises(ContainerStartError, match="python"):
+        await rt.start(None, None, timeout_s=10)
+    (ctr,) = client.made.values()
+    assert [c.handle for c in rt.leaked.values()] == [ctr.id]
+    await rt.aclose()
+    assert client.made == {} and rt.leaked == {}
+
+
 @pytest.fixture
 def listening_port():
     with socket.socket() as s:  # stands for a container's published port: connections succeed
