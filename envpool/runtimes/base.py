@@ -221,7 +221,9 @@ class ModalRuntimeConfig(_RemoteCommon):
     type: Literal["modal"] = "modal"
     app_name: str = "rl-fabric-envs"
     timeout_s: int = Field(3600, ge=10, le=86400)
-    """Sandbox lifetime (Modal allows up to 24 h)."""
+    """Sandbox lifetime (Modal allows up to 24 h; it ends the sandbox then, whatever it runs).
+    Within its last tenth (at most 5 min) a sandbox is retired at a claim or an idle probe,
+    not handed to an episode."""
 
     @field_validator("env")
     @classmethod

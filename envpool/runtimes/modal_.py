@@ -186,6 +186,7 @@ class ModalRuntime(Runtime):
         m = self.modal
         await self._app_handle()
         args, kw = self.create_args(image)
+        created = time.monotonic()  # its timeout_s runs from the create, not from ready
         self._waiting_for(f"Modal to create a sandbox of {self.config.image} (scheduling, image pull)")
         create = self._modal(
             "create a sandbox",
@@ -199,6 +200,7 @@ class ModalRuntime(Runtime):
         try:
             await self._wait_ready(sb)
             c = await self._container(sb, image)
+            c.started_at = created
         except ContainerStartError as e:
             code = None
             with contextlib.suppress(Exception):
@@ -291,6 +293,8 @@ class ModalRuntime(Runtime):
         if code is not None:
             raise ContainerDied(f"modal: sandbox {sandbox_id} has exited (code {code})")
         c = await self._container(sb, image)
+        # (its age is not to be had from Modal: its timeout_s is counted from now, and
+        # Modal may end it before _near_end retires it)
         self.live[c.id] = c
         return c
 
@@ -340,7 +344,16 @@ class ModalRuntime(Runtime):
         if not self.live and not self.leaked:  # else the exit hook tries once more
             _RUNTIMES.discard(self)
 
+    def _near_end(self, c: Container) -> bool:
+        """Modal ends a sandbox at ``timeout_s`` whatever it runs: within the last tenth of
+        it (at most 5 min) one is retired at a claim or an idle probe (not alive), not
+        handed to an episode it would be cut out of."""
+        left = self.config.timeout_s - (time.monotonic() - c.started_at)
+        return left < min(300.0, self.config.timeout_s / 10)
+
     async def _alive(self, c: Container) -> bool:
+        if self._near_end(c):
+            return False
         exc = self.modal.exception
         try:
             sb = await _call(self.modal.Sandbox.from_id, c.handle)

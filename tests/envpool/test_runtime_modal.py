@@ -381,3 +381,17 @@ async def test_settings_modal_refuses_are_a_usage_error_not_a_retried_start(fake
         await rt.start(None, None, timeout_s=30)
     assert fake.sandboxes == {}
     await rt.aclose()
+
+
+async def test_a_sandbox_near_its_timeout_is_retired_not_handed_to_an_episode(fake):
+    # Modal ends a sandbox at timeout_s whatever it runs: a warm one claimed a minute before
+    # died mid-episode (a replay at best). Near its end it is no longer alive to a claim
+    rt = ModalRuntime(ModalRuntimeConfig(timeout_s=600, heartbeat_s=0.2), modal_module=fake)
+    c = await rt.start(None, None, timeout_s=30)
+    assert await rt.alive(c)
+    c.started_at -= 600 - 61  # 61 s left: still fine (the margin is a tenth, 60 s here)
+    assert await rt.alive(c)
+    c.started_at -= 2  # 59 s left
+    assert not await rt.alive(c)
+    assert c.handle in fake.running()  # (the pool stops what is not alive)
+    await rt.aclose()
