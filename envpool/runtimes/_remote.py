@@ -17,19 +17,56 @@ T = TypeVar("T")
 
 
 def owner_id(instance: str) -> str:
-    """``host/pid/instance``: whose containers these are, for reaping them once that
-    process is gone (a crashed trainer)."""
-    return f"{socket.gethostname()}/{os.getpid()}/{instance}"
+    """``host/pid:start/instance``: whose containers these are, for reaping them once that
+    process is gone (a crashed trainer). ``start`` is the process's start time (clock ticks
+    since boot): a trainer restarted in its container most often gets the same small pid,
+    which alone would make the crashed run's containers look alive."""
+    pid = os.getpid()
+    start = pid_start(pid)
+    return f"{socket.gethostname()}/{pid}{'' if start is None else f':{start}'}/{instance}"
+
+
+def parse_owner(owner: str) -> tuple[int, int | None, str] | None:
+    """``(pid, start or None, instance)`` of an ``owner_id`` of this host; None for another
+    host's, or what is not an owner id. (An id without a start: an older envpool's.)"""
+    o_host, _, rest = owner.partition("/")
+    o_pid, _, instance = rest.partition("/")
+    pid, _, start = o_pid.partition(":")
+    if o_host != socket.gethostname() or not pid.isdigit() or not (start.isdigit() or not start):
+        return None
+    return int(pid), int(start) if start else None, instance
+
+
+def owner_is_this_process(owner: str) -> bool:
+    parsed = parse_owner(owner)
+    if parsed is None or parsed[0] != os.getpid():
+        return False
+    return parsed[1] is None or parsed[1] == pid_start(os.getpid())
 
 
 def owner_gone(owner: str) -> bool:
-    """True when ``owner`` (an ``owner_id``) is a process of this host that has exited.
-    Another host's processes cannot be seen from here: never judged gone."""
-    o_host, _, rest = owner.partition("/")
-    o_pid, _, _ = rest.partition("/")
-    if o_host != socket.gethostname() or not o_pid.isdigit():
+    """True when ``owner`` (an ``owner_id``) is a process of this host that has exited: its
+    pid is not alive, or is another process's now (not the start time it had). Another
+    host's processes cannot be seen from here: never judged gone."""
+    parsed = parse_owner(owner)
+    if parsed is None or owner_is_this_process(owner):
         return False
-    return int(o_pid) != os.getpid() and not pid_alive(int(o_pid))
+    pid, start, _ = parsed
+    if not pid_alive(pid):
+        return True
+    return start is not None and pid_start(pid) not in (None, start)
+
+
+def pid_start(pid: int) -> int | None:
+    """Process ``pid``'s start time, in clock ticks since boot (``/proc``); None if unread."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # past the command name (which may hold spaces or parentheses): starttime is field 22
+    fields = stat.rpartition(b")")[2].split()
+    return int(fields[19]) if len(fields) > 19 else None
 
 
 def pid_alive(pid: int) -> bool:

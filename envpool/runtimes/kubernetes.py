@@ -34,7 +34,6 @@ import json
 import os
 import re
 import secrets
-import socket
 import time
 import weakref
 from collections.abc import Callable
@@ -43,7 +42,15 @@ from typing import Any
 
 from envpool.errors import ContainerStartError, EnvPoolError, EnvUsageError, InfraError
 from envpool.protocol import EXIT_IMAGE_NOT_FOUND
-from envpool.runtimes._remote import create_or_clean, image_not_found, owner_id, pid_alive, server_command
+from envpool.runtimes._remote import (
+    create_or_clean,
+    image_not_found,
+    owner_gone,
+    owner_id,
+    owner_is_this_process,
+    parse_owner,
+    server_command,
+)
 from envpool.runtimes.base import Container, KubernetesRuntimeConfig, Runtime
 
 MANAGED_BY = ("app.kubernetes.io/managed-by", "envpool")
@@ -508,19 +515,17 @@ class KubernetesRuntime(Runtime):
             label_selector=f"{MANAGED_BY[0]}={MANAGED_BY[1]}",
             what="list pods",
         )
-        host = socket.gethostname()
         reaped = []
         for pod in pods.items:
             name = pod.metadata.name
             owner = (pod.metadata.annotations or {}).get(OWNER_ANNOTATION, "")
-            o_host, _, rest = owner.partition("/")
-            o_pid, _, o_instance = rest.partition("/")
-            if o_host != host or not o_pid.isdigit():
-                continue
-            if int(o_pid) == os.getpid():
-                orphan = o_instance == self._instance and name not in self._pods
+            parsed = parse_owner(owner)
+            if parsed is None:
+                continue  # another host's (or no owner id): not ours to judge
+            if owner_is_this_process(owner):
+                orphan = parsed[2] == self._instance and name not in self._pods
             else:
-                orphan = not pid_alive(int(o_pid))
+                orphan = owner_gone(owner)
             if orphan:
                 self._pods.add(name)
                 await self._delete(name)

@@ -345,6 +345,23 @@ async def test_reap_orphans_removes_containers_of_owners_that_are_gone():
     await rt.aclose()
 
 
+def test_an_owner_whose_pid_another_process_took_since_is_gone():
+    # a trainer restarted in its container gets the same small pid as the one that crashed:
+    # judged by host/pid alone, the crashed run's containers were "alive" (or this process's
+    # own) and never reaped. The owner id carries the process's start time too
+    from envpool.runtimes._remote import owner_gone, owner_id
+
+    me = owner_id("x")
+    host, pid_start, _ = me.split("/")
+    pid, _, start = pid_start.partition(":")
+    assert pid == str(os.getpid()) and start.isdigit()
+    assert not owner_gone(me) and not owner_gone(f"{host}/{pid}:{start}/another-instance")
+    assert owner_gone(f"{host}/{pid}:{int(start) - 1}/x")  # this pid, an earlier process
+    assert owner_gone(f"{host}/1:{int(start) + 10**9}/x")  # init's pid, not init
+    assert not owner_gone(f"{host}/1/x")  # an id without a start time: judged by its pid
+    assert not owner_gone(f"other-host/{pid}:1/x")
+
+
 @pytest.fixture
 def cgroup_of() -> Iterator[Callable[[str, int], None]]:
     """Put a process in a cgroup named after a container id, as a local engine places a

@@ -239,8 +239,16 @@ async def test_reap_orphans_deletes_pods_of_dead_owners(api):
             "metadata": {**leaked["metadata"], "name": "envpool-other0", "annotations": elsewhere},
         }
         assert api.create("default", other)[0] == 201
+        # a crashed run of a trainer restarted in its container: this very pid, another start
+        start = int(rt.owner.split("/")[1].partition(":")[2])
+        earlier = {"envpool.dev/owner": f"{socket.gethostname()}/{os.getpid()}:{start - 1}/y"}
+        restarted = {
+            **leaked,
+            "metadata": {**leaked["metadata"], "name": "envpool-earlier0", "annotations": earlier},
+        }
+        assert api.create("default", restarted)[0] == 201
         reaped = await rt.reap_orphans()
-        assert reaped == ["envpool-dead0"]
+        assert sorted(reaped) == ["envpool-dead0", "envpool-earlier0"]
         assert sorted(api.pod_names()) == sorted([c.handle, "envpool-other0"])
         api.delete("default", "envpool-other0")
         assert await rt.alive(c)
