@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -389,9 +390,9 @@ async def test_a_sandbox_near_its_timeout_is_retired_not_handed_to_an_episode(fa
     rt = ModalRuntime(ModalRuntimeConfig(timeout_s=600, heartbeat_s=0.2), modal_module=fake)
     c = await rt.start(None, None, timeout_s=30)
     assert await rt.alive(c)
-    c.started_at -= 600 - 61  # 61 s left: still fine (the margin is a tenth, 60 s here)
+    c.started_at = time.monotonic() - (600 - 90)  # 90 s left: fine (the margin: a tenth, 60 s)
     assert await rt.alive(c)
-    c.started_at -= 2  # 59 s left
+    c.started_at = time.monotonic() - (600 - 30)  # 30 s left
     assert not await rt.alive(c)
     assert c.handle in fake.running()  # (the pool stops what is not alive)
     await rt.aclose()
