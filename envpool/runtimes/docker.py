@@ -14,8 +14,9 @@ The SDK is blocking: every call runs in a worker thread. Its errors are translat
 envpool's in ``_translate`` (one place), with messages that say what to do.
 
 Every container is labelled ``app.kubernetes.io/managed-by: envpool`` and with its owner
-(``envpool.owner``: host/pid/runtime instance). ``reap_orphans()`` removes containers whose
-owner on this host is gone; an exit hook removes what this process still holds.
+(``envpool.owner``: host/pid:start/runtime instance, ``_remote.owner_id``).
+``reap_orphans()`` removes containers whose owner on this host is gone; an exit hook
+removes what this process still holds.
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ A custom environment image is not mounted into the pod (the pool's local bundle 
 use there): the pod's server fetches the bundle by digest from ``config.image_source``.
 
 Every pod is labelled ``app.kubernetes.io/managed-by: envpool`` and annotated with its owner
-(``envpool.dev/owner``: host/pid/runtime instance). ``reap_orphans()`` deletes pods whose
-owner on this host is gone; an exit hook deletes what this process still holds.
+(``envpool.dev/owner``: host/pid:start/runtime instance, ``_remote.owner_id``).
+``reap_orphans()`` deletes pods whose owner on this host is gone; an exit hook deletes what
+this process still holds.
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ nothing.
 runs each sandbox as a local process. Modal's errors are translated in ``_translate``.
 
 Every sandbox is tagged ``managed-by: envpool`` with its host and owner (``envpool-owner``:
-host/pid/runtime instance). ``reap_orphans()`` (a pool calls it as it opens) terminates the
-app's sandboxes whose owner on this host is gone (a crashed trainer's); an exit hook
+host/pid:start/runtime instance, ``_remote.owner_id``). ``reap_orphans()`` (a pool calls it
+as it opens) terminates the app's sandboxes whose owner on this host is gone (a crashed
+trainer's); an exit hook
 terminates the sandboxes this process still holds (a pool never closed); a sandbox ends by
 itself at ``timeout_s`` all the same.
 """
