@@ -19,7 +19,8 @@ Knobs: ``fail_next_create`` (HTTP statuses the next creates answer, e.g. ``[500]
 ``[409]``), ``fail_next_delete`` (the same for deletes), ``image_pull_error_for`` (images
 whose pods stay Pending in ErrImagePull: not found) and ``image_pull_flaky`` (images whose
 pulls fail that many times first, a registry hiccup: the pod goes ErrImagePull, then
-ImagePullBackOff while the kubelet backs off, ``pull_backoff_s``, then pulls again).
+ImagePullBackOff while the kubelet backs off, ``pull_backoff_s``, then pulls again);
+``unschedulable`` keeps every new pod Pending, unscheduled, with the scheduler's message.
 """
 
 from __future__ import annotations
@@ -120,6 +121,9 @@ class FakeKubernetesAPI:
         """Image -> how many of each pod's pulls fail (a registry's 503) before one succeeds."""
         self.pull_backoff_s = 0.2
         """The kubelet's back-off between pulls (10 s, doubling, on a real node)."""
+        self.unschedulable: str | None = None
+        """The scheduler's message while no node fits a pod (they stay Pending, PodScheduled
+        False, Unschedulable), e.g. ``"0/3 nodes are available: 3 Insufficient cpu."``."""
         self.requests: Counter[str] = Counter()
         """``"POST pods"``, ``"GET pod"``, ``"LIST pods"``, ``"DELETE pod"``: what the client did."""
         self.authorization: str | None = None
@@ -246,6 +250,17 @@ class FakeKubernetesAPI:
             obj["status"] = {"phase": "Pending", "qosClass": "Guaranteed", "startTime": _now()}
             pod = _Pod(obj)
             self._pods[(ns, name)] = pod
+            if self.unschedulable is not None:
+                obj["status"]["conditions"] = [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": self.unschedulable,
+                        "lastTransitionTime": _now(),
+                    }
+                ]
+                return 201, copy.deepcopy(obj)
             if container.get("image") in self.image_pull_error_for:
                 obj["status"]["containerStatuses"] = [
                     self._container_status(

@@ -178,6 +178,19 @@ async def test_a_create_refused_by_a_full_quota_is_retried(api):
     assert api.pod_names() == []
 
 
+async def test_a_pod_no_node_fits_times_out_saying_so(api):
+    api.unschedulable = "0/3 nodes are available: 3 Insufficient cpu."
+    rt = KubernetesRuntime(KubernetesRuntimeConfig(host=api.url, image=IMAGE, cpu=64))
+    try:
+        with pytest.raises(ContainerStartError, match=r"not ready in 2 s") as e:
+            await rt.start(None, None, timeout_s=2)
+        assert "to be scheduled (Unschedulable: 0/3 nodes are available: 3 Insufficient cpu.)" in str(e.value)
+        assert "kubectl -n default describe pod envpool-" in str(e.value)
+        assert api.pod_names() == []
+    finally:
+        await rt.aclose()
+
+
 async def test_api_500_on_create_is_retried(api):
     api.fail_next_create.append(500)
     async with pool(api) as p, p.session("echo-v0") as s:
