@@ -2,9 +2,10 @@
 
 The zygote enters its own mount namespace, assembles a small tree on a tmpfs (the system
 directories, the Python installation and ``/dev/{null,zero,random,urandom}`` bind-mounted
-read-only, empty ``/sandbox``, ``/tmp`` and ``/proc`` mount points) and ``pivot_root``s into it.
-Every run then copies that namespace (a dozen mounts, so the copy is cheap) and only adds
-its own size-limited tmpfs at ``/sandbox``. Nothing else of the host is visible: not ``/root``,
+read-only, empty ``/sandbox``, ``/tmp``, ``/dev/shm`` and ``/proc`` mount points) and
+``pivot_root``s into it. Every run then copies that namespace (a dozen mounts, so the copy is
+cheap) and only adds its own size-limited tmpfs at ``/sandbox`` (also seen as ``/tmp``) and
+at ``/dev/shm``. Nothing else of the host is visible: not ``/root``,
 not the project checkout, not other runs' files.
 
 Stdlib only: this module runs inside the zygote, which stays small so forks stay cheap.
@@ -22,7 +23,7 @@ from functions.verifiers import _linux as lx
 SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc", "/opt")
 DEVICES = ("null", "zero", "random", "urandom")
 #: Mount points every run covers with its own tmpfs.
-PER_RUN = ("/sandbox", "/tmp")
+PER_RUN = ("/sandbox", "/tmp", "/dev/shm")
 HIDDEN = "/.rlfabric"
 #: (hidden path, real path) of shared directories that live under a per-run mount point.
 RELOCATED: list[tuple[str, str]] = []
@@ -77,7 +78,7 @@ def _unescape(field: str) -> str:
 
 
 def restore_relocated() -> None:
-    """In a run's mount namespace, after its tmpfs covers ``/sandbox`` and ``/tmp``: bind the
+    """In a run's mount namespace, after its tmpfs covers ``PER_RUN``: bind the
     shared directories that lived there back, read-only (their parents are root's)."""
     for hidden, real in RELOCATED:
         os.makedirs(real, exist_ok=True)
@@ -117,8 +118,8 @@ def enter(extra_ro: tuple[str, ...] = (), init: bytes | None = None) -> str:
         if not os.path.exists(src):
             continue
         if any(src == d or src.startswith(d + "/") for d in PER_RUN):
-            # a virtualenv in /tmp (a CI checkout): each run's own /tmp would hide it, so it
-            # waits at a hidden path and each run binds it back into its /tmp
+            # a virtualenv in /tmp (a CI checkout) or /dev/shm: each run's own tmpfs there
+            # would hide it, so it waits at a hidden path and each run binds it back
             hidden = f"{HIDDEN}/{len(RELOCATED)}"
             _bind_ro(os.path.realpath(src), root + hidden)
             RELOCATED.append((hidden, src))
@@ -133,7 +134,7 @@ def enter(extra_ro: tuple[str, ...] = (), init: bytes | None = None) -> str:
     for dev in DEVICES:
         # read-only still lets a program write to /dev/null: that goes to the driver
         _bind_ro("/dev/" + dev, f"{root}/dev/{dev}", RO_FLAGS & ~lx.MS_NODEV)
-    for name in ("sandbox", "tmp", "proc"):
+    for name in ("sandbox", "tmp", "dev/shm", "proc"):
         os.makedirs(f"{root}/{name}", exist_ok=True)
     if init is not None:  # root's, and read-only with the rest once the root is remounted
         fd = os.open(root + INIT, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o555)

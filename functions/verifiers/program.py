@@ -5,8 +5,8 @@ The zygote makes a fresh PID namespace for every run: its PID 1 is a tiny exec'd
 the program, a fork of the zygote's warm interpreter, is PID 2. Ahead of any request (a
 *spare*), still root but inside the zygote's read-only jail, the program joins its uid
 slot's cgroups and its network and UTS namespaces, takes fresh mount and IPC namespaces,
-mounts a size-limited tmpfs at ``/sandbox`` (also seen as ``/tmp``) and the namespace's
-``/proc``, hands its supervisor (``functions.verifiers.supervisor``, in the client) a
+mounts a size-limited tmpfs at ``/sandbox`` (also seen as ``/tmp``) and at ``/dev/shm``, and
+the namespace's ``/proc``, hands its supervisor (``functions.verifiers.supervisor``, in the client) a
 descriptor of ``/sandbox`` and of its stdin, becomes the run's unprivileged uid (clearing
 every capability), enters a user namespace of its own, drops what that namespace granted,
 sets ``no_new_privs`` and waits.
@@ -75,6 +75,11 @@ SETUP_FAILED = 125
 #: The run's tmpfs, sized ahead of time (a request for another size remounts it).
 DEFAULT_DISK_MB = 64
 INODES = 4096
+#: The run's ``/dev/shm``: POSIX semaphores (every lock and queue of ``multiprocessing``) and
+#: shared memory are files there. A fixed size: its pages count against the run's memory
+#: cgroup like any other, and this bounds them where there is none.
+SHM_MB = 32
+SHM_INODES = 1024
 
 
 def _rlimits(limits: dict[str, Any]) -> None:
@@ -273,6 +278,9 @@ def program(
         opts = f"size={DEFAULT_DISK_MB}m,nr_inodes={INODES},mode=0700,uid={uid},gid={uid}"
         lx.mount("tmpfs", WORK, "tmpfs", lx.MS_NOSUID | lx.MS_NODEV, opts)
         lx.mount(WORK, "/tmp", None, lx.MS_BIND)
+        # the run's own, not the host's: nothing of it outlives the run or reaches another
+        shm = f"size={SHM_MB}m,nr_inodes={SHM_INODES},mode=1777"
+        lx.mount("tmpfs", "/dev/shm", "tmpfs", lx.MS_NOSUID | lx.MS_NODEV, shm)
         jail.restore_relocated()
         lx.mount("proc", "/proc", "proc", lx.MS_NOSUID | lx.MS_NODEV | lx.MS_NOEXEC)
         os.setsid()  # a group of its own: kill(0, ...) reaches only the program's processes

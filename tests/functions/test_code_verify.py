@@ -159,6 +159,28 @@ def test_a_daemon_thread_is_not_waited_for(verifier):
     assert result.status == "Finished", result.cases[0]
 
 
+@pytest.mark.parametrize(
+    "code",
+    [
+        # multiprocessing's locks and queues are POSIX semaphores, which sem_open makes in
+        # /dev/shm: the jail had none, so each of these died of FileNotFoundError (scored 0)
+        "import multiprocessing as mp\nif __name__ == '__main__':\n"
+        "    with mp.Pool(2) as pool:\n        print(sum(pool.map(abs, [-1, -2])))",
+        "import multiprocessing as mp\nq = mp.Queue()\np = mp.Process(target=q.put, args=(3,))\n"
+        "p.start()\nprint(q.get())\np.join()",
+        "import multiprocessing as mp\nwith mp.Lock():\n    print(3)",
+        "from concurrent.futures import ProcessPoolExecutor\nif __name__ == '__main__':\n"
+        "    with ProcessPoolExecutor(2) as ex:\n        print(sum(ex.map(abs, [-1, -2])))",
+        "from multiprocessing import shared_memory\nm = shared_memory.SharedMemory(create=True, size=64)\n"
+        "m.buf[0] = 3\nprint(m.buf[0])\nm.close()\nm.unlink()",
+    ],
+    ids=["pool", "queue", "lock", "process_pool_executor", "shared_memory"],
+)
+def test_multiprocessing_works_as_it_does_outside(verifier, code):
+    result = verifier.verify(code, cases(("", "3")))
+    assert result.status == "Finished", result.cases[0]
+
+
 def test_pass_fraction_and_the_worst_status_wins(verifier):
     code = "a, b = map(int, input().split())\nif a == 3:\n    while True: pass\nprint(a + b)"
     result = verifier.verify(code, cases(("1 2", "3"), ("2 2", "5"), ("3 1", "4"), ("5 5", "10")))

@@ -17,6 +17,7 @@ from attack_box import MARKS, after_each_attack, module_sandbox
 from sandbox_probe import FAST, LIBC, MB, NEST, py
 
 from functions.verifiers.errors import SandboxError
+from functions.verifiers.program import SHM_MB
 from functions.verifiers.sandbox import RunOutcome, _package_root
 from functions.verifiers.verify import CodeTests, Verifier
 
@@ -51,7 +52,32 @@ def test_proc_shows_only_the_run_and_nothing_of_the_host(sb):
     assert set(pids) <= {1, 2}, pids  # PID 1 (the run's init) and the program itself, nothing else
     assert "OPEN" not in text, text
     assert "project False" in text and "sys False home False" in text
-    assert "dev ['null', 'random', 'urandom', 'zero']" in text
+    assert "dev ['null', 'random', 'shm', 'urandom', 'zero']" in text
+
+
+def test_dev_shm_is_the_runs_own_and_bounded(sb):
+    # a tmpfs of each run's own (multiprocessing's semaphores are files there): what one run
+    # leaves in it no other run sees, and it holds at most SHM_MB (its pages are the run's
+    # memory too, in the run's memory cgroup)
+    left = py(sb, "import os\nopen('/dev/shm/rlfabric-left', 'w').write('x')\nprint(os.listdir('/dev/shm'))")
+    assert left.stdout == b"['rlfabric-left']\n", left
+    code = (
+        "import os\n"
+        "print(oct(os.stat('/dev/shm').st_mode & 0o7777), os.listdir('/dev/shm'))\n"
+        "n = 0\n"
+        "try:\n"
+        f"    for i in range({SHM_MB} + 8):\n"
+        "        with open(f'/dev/shm/{i}', 'wb') as f:\n"
+        "            f.write(bytes(1 << 20))\n"  # 1 MiB a file: under the run's file size limit
+        "        n += 1\n"
+        "except OSError as e:\n"
+        "    print(e.errno, n)\n"
+    )
+    out = py(sb, code)
+    lines = out.stdout.decode().splitlines()
+    assert lines[0] == "0o1777 []", out
+    errno_, n = map(int, lines[1].split())
+    assert errno_ == 28 and n <= SHM_MB, out  # ENOSPC
 
 
 def test_nested_namespaces_cannot_unmask_or_alter_the_jail(sb, tmp_path):
