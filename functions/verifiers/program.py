@@ -283,7 +283,13 @@ def program(
         lx.mount("tmpfs", "/dev/shm", "tmpfs", lx.MS_NOSUID | lx.MS_NODEV, shm)
         jail.restore_relocated()
         lx.mount("proc", "/proc", "proc", lx.MS_NOSUID | lx.MS_NODEV | lx.MS_NOEXEC)
-        os.setsid()  # a group of its own: kill(0, ...) reaches only the program's processes
+        # the run's own group, its init's (PID 1, which nothing in the namespace can signal):
+        # kill(0, ...) reaches only the program's processes. Not a group or session of its
+        # own, whose leader the program would be: then setsid() and setpgid(0, 0) fail with
+        # EPERM, where a program a judge starts with subprocess may call both. (The price:
+        # its getpgrp() is 1, so killpg(getpgrp(), ...) is kill(-1, ...), which spares the
+        # caller; killpg(0, ...) is what reaches it too)
+        os.setpgid(0, 1)
         work = os.open(WORK, os.O_PATH | os.O_DIRECTORY)
         chan = socket.socket(fileno=4)
         socket.send_fds(chan, [b"d"], [work, 0])

@@ -137,6 +137,7 @@ class _Spares:
                         (os.POSIX_SPAWN_DUP2, self.null, 1),
                         (os.POSIX_SPAWN_DUP2, self.null, 2),
                     ],
+                    setpgroup=0,  # the run's process group, which the program joins
                 )
                 self.inits[init] = slot
                 self.alive[slot] = 1

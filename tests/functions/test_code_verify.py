@@ -181,6 +181,26 @@ def test_multiprocessing_works_as_it_does_outside(verifier, code):
     assert result.status == "Finished", result.cases[0]
 
 
+@pytest.mark.parametrize(
+    "code",
+    [
+        # the program was its session's leader (and so its group's): both calls, which work
+        # for a program a judge starts with subprocess, failed with EPERM
+        "import os\nos.setsid()\nprint(3)",
+        "import os\nos.setpgrp()\nprint(3)",
+        # and its own group is still what kill(0) and killpg reach: it and its children
+        "import os, signal, subprocess, time\nsignal.signal(signal.SIGUSR1, lambda *_: print(3))\n"
+        "child = subprocess.Popen(['sleep', '30'])\nos.killpg(0, signal.SIGUSR1)\n"
+        "print(child.wait() == -signal.SIGUSR1)",
+    ],
+    ids=["setsid", "setpgrp", "killpg"],
+)
+def test_a_program_may_start_a_session_or_group_of_its_own(verifier, code):
+    expected = "3\nTrue" if "killpg" in code else "3"
+    result = verifier.verify(code, cases(("", expected)))
+    assert result.status == "Finished", result.cases[0]
+
+
 def test_pass_fraction_and_the_worst_status_wins(verifier):
     code = "a, b = map(int, input().split())\nif a == 3:\n    while True: pass\nprint(a + b)"
     result = verifier.verify(code, cases(("1 2", "3"), ("2 2", "5"), ("3 1", "4"), ("5 5", "10")))
