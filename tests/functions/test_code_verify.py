@@ -201,6 +201,16 @@ def test_a_program_may_start_a_session_or_group_of_its_own(verifier, code):
     assert result.status == "Finished", result.cases[0]
 
 
+def test_orphaned_children_are_reaped_as_outside(verifier):
+    # a shell's background command outlives the shell: orphaned, it went to the run's init,
+    # which never reaped it. Each zombie held one of the run's 32 processes until a fork
+    # failed ("sh: 0: Cannot fork")
+    code = "import subprocess\nfor _ in range(80):\n    subprocess.run(['sh', '-c', 'true &'], check=True)\n"
+    code += "print(3)"
+    result = verifier.verify(code, cases(("", "3")), limits=LIMITS.model_copy(update={"wall_s": 10}))
+    assert result.status == "Finished", result.cases[0]
+
+
 def test_pass_fraction_and_the_worst_status_wins(verifier):
     code = "a, b = map(int, input().split())\nif a == 3:\n    while True: pass\nprint(a + b)"
     result = verifier.verify(code, cases(("1 2", "3"), ("2 2", "5"), ("3 1", "4"), ("5 5", "10")))

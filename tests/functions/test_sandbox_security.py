@@ -545,6 +545,9 @@ def test_the_init_reads_until_eof_then_exits(tmp_path):
         os.write(w, b"anything\n" * 1000)
         time.sleep(0.2)
         assert proc.poll() is None
+        # SIGCHLD ignored: the kernel reaps the orphans it inherits (they held the run's nproc)
+        ignored = Path(f"/proc/{proc.pid}/status").read_text().split("SigIgn:")[1].split()[0]
+        assert int(ignored, 16) & (1 << (signal.SIGCHLD - 1)), ignored
     finally:
         os.close(w)
     assert proc.wait(timeout=5) == 0
