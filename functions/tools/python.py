@@ -13,7 +13,9 @@ from functions.verifiers.verify import MAX_CODE_BYTES, Verifier, default_verifie
 
 #: What the policy sees of a run's output, in characters.
 MAX_SHOWN = 4000
-TOOL_LIMITS = Limits(cpu_s=5, wall_s=10, memory_mb=512, stdout_bytes=256 << 10)
+#: stderr's cap as stdout's: the description promises one output cap, and stderr's default
+#: (64 KiB) killed a program that logged more before it printed its answer
+TOOL_LIMITS = Limits(cpu_s=5, wall_s=10, memory_mb=512, stdout_bytes=256 << 10, stderr_bytes=256 << 10)
 
 OPENAI_SCHEMA: dict[str, Any] = {
     "type": "function",
@@ -22,7 +24,8 @@ OPENAI_SCHEMA: dict[str, Any] = {
         "description": (
             "Run a Python 3 program in an isolated sandbox (no network, no files kept between calls; "
             f"limits: {TOOL_LIMITS.cpu_s:g} CPU seconds, {TOOL_LIMITS.wall_s:g} s wall time, "
-            f"{TOOL_LIMITS.memory_mb} MB memory, {TOOL_LIMITS.stdout_bytes >> 10} KiB of output). "
+            f"{TOOL_LIMITS.memory_mb} MB memory, {TOOL_LIMITS.stdout_bytes >> 10} KiB of stdout and "
+            f"{TOOL_LIMITS.stderr_bytes >> 10} KiB of stderr). "
             "Print what you want to see."
         ),
         "parameters": {
@@ -38,15 +41,22 @@ OPENAI_SCHEMA: dict[str, Any] = {
 }
 
 
-def _shown(text: str, tail: bool = False) -> str:
-    if len(text) <= MAX_SHOWN:
-        return text
-    cut = len(text) - MAX_SHOWN
-    return (
-        f"[... {cut} characters cut]\n" + text[-MAX_SHOWN:]
-        if tail
-        else text[:MAX_SHOWN] + f"\n[... {cut} characters cut]"
-    )
+def _shown(kept: bytes, total: int, stream: str, tail: bool = False) -> str:
+    """What the policy sees of a stream: at most ``MAX_SHOWN`` characters of what the sandbox
+    kept (its start, or with ``tail`` its end), each cut marked where it falls."""
+    text = kept_text(kept, total)
+    if len(text) > MAX_SHOWN:
+        cut = len(text) - MAX_SHOWN
+        text = (
+            f"[... {cut} characters cut]\n" + text[-MAX_SHOWN:]
+            if tail
+            else text[:MAX_SHOWN] + f"\n[... {cut} characters cut]"
+        )
+    if total > len(kept):
+        # the sandbox kept only the start (and ended the run): without this, the end shown
+        # of a stderr read as the end of what the program wrote
+        text += ("" if text.endswith("\n") else "\n") + f"[... cut at the {stream} limit]"
+    return text
 
 
 @fabric.tool(
@@ -80,9 +90,9 @@ def run_python(verifier: Verifier, code: str, stdin: str = "", limits: Limits = 
     )
     parts = []
     if out.stdout:
-        parts.append(_shown(kept_text(out.stdout, out.stdout_total)))
+        parts.append(_shown(out.stdout, out.stdout_total, "stdout"))
     if out.stderr:
-        parts.append("[stderr]\n" + _shown(kept_text(out.stderr, out.stderr_total), tail=True))
+        parts.append("[stderr]\n" + _shown(out.stderr, out.stderr_total, "stderr", tail=True))
     if (ending := _ending(out, limits)) is not None:
         parts.append(f"[{ending}]")
     return "\n".join(parts) if parts else "[no output]"

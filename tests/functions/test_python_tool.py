@@ -73,6 +73,28 @@ def test_the_tools_description_states_its_limits():
 
     text = OPENAI_SCHEMA["function"]["description"]
     assert f"{TOOL_LIMITS.wall_s:g} s" in text and f"{TOOL_LIMITS.memory_mb} MB" in text
+    for stream in ("stdout", "stderr"):
+        cap = getattr(TOOL_LIMITS, f"{stream}_bytes")
+        assert f"{cap >> 10} KiB" in text and stream in text, text
+
+
+def test_output_under_the_advertised_cap_is_not_killed_whichever_stream(verifier):
+    # the description says 256 KiB of output, but stderr's cap was the sandbox's default 64 KiB:
+    # a program that logged 100 KiB to stderr was killed before it printed its answer
+    code = "import sys\nsys.stderr.write('e' * (100 << 10))\nprint('done')"
+    out = run_python(verifier, code, limits=TOOL_LIMITS)
+    assert out.startswith("done\n") and "[stderr]\n" in out and "killed" not in out, out[-200:]
+
+
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+def test_output_cut_at_its_cap_is_marked_where_it_was_cut(verifier, stream):
+    # what was kept ended mid-stream with nothing to say so: the stderr excerpt (its end)
+    # read as the end of what the program wrote
+    cap = getattr(LIMITS, f"{stream}_bytes")
+    out = run_python(verifier, f"import sys\nsys.{stream}.write('x' * 100_000)", limits=LIMITS)
+    assert out.endswith(
+        f"x\n[... cut at the {stream} limit]\n[killed: {stream} limit {cap >> 10} KiB exceeded]"
+    ), out[-200:]
 
 
 @pytest.mark.parametrize(
