@@ -63,6 +63,12 @@ BASE_ENV = {
     "LC_ALL": "C.UTF-8",
     "PYTHONDONTWRITEBYTECODE": "1",
     "PYTHONHASHSEED": "0",
+    # one thread for the math libraries, not one per core of the host: OpenBLAS starts them
+    # all as numpy is imported, and where the host has more cores than the run has processes
+    # (``nproc``) the import died. The run's CPU limit counts all its threads anyway
+    "OPENBLAS_NUM_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
 }
 #: The descriptors of a spare the zygote sends its supervisor, in this order: the start
 #: message goes in ``go``; ``out``/``err`` are the program's; ``ok`` its socket; ``status``

@@ -211,6 +211,16 @@ def test_orphaned_children_are_reaped_as_outside(verifier):
     assert result.status == "Finished", result.cases[0]
 
 
+def test_numpy_imports_on_a_machine_with_more_cores_than_the_run_has_processes(verifier):
+    # OpenBLAS starts a thread per core as numpy is imported: on a worker with more cores than
+    # the run's nproc (32 by default: a 64-core host), `import numpy` died of it ("pthread_create
+    # failed", then SIGINT). Here an nproc of 1 stands for that host
+    pytest.importorskip("numpy")
+    code = "import numpy\nprint(int(numpy.ones(3).sum()))"
+    result = verifier.verify(code, cases(("", "3")), limits=LIMITS.model_copy(update={"nproc": 1}))
+    assert result.status == "Finished", result.cases[0]
+
+
 def test_pass_fraction_and_the_worst_status_wins(verifier):
     code = "a, b = map(int, input().split())\nif a == 3:\n    while True: pass\nprint(a + b)"
     result = verifier.verify(code, cases(("1 2", "3"), ("2 2", "5"), ("3 1", "4"), ("5 5", "10")))
