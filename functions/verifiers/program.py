@@ -58,6 +58,9 @@ WORK = "/sandbox"
 BASE_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "HOME": WORK,
+    # the run's uid has no entry in /etc/passwd: getpass.getuser() takes its name from these
+    "USER": "sandbox",
+    "LOGNAME": "sandbox",
     "TMPDIR": "/tmp",
     "LANG": "C.UTF-8",
     "LC_ALL": "C.UTF-8",

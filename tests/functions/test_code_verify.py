@@ -221,6 +221,13 @@ def test_numpy_imports_on_a_machine_with_more_cores_than_the_run_has_processes(v
     assert result.status == "Finished", result.cases[0]
 
 
+def test_the_user_has_a_name(verifier):
+    # the run's uid has no entry in the host's /etc/passwd, and getpass.getuser() (which
+    # caches of torch, triton and others are named by) raised KeyError: "uid not found"
+    result = verifier.verify("import getpass\nprint(getpass.getuser())", cases(("", "sandbox")))
+    assert result.status == "Finished", result.cases[0]
+
+
 def test_pass_fraction_and_the_worst_status_wins(verifier):
     code = "a, b = map(int, input().split())\nif a == 3:\n    while True: pass\nprint(a + b)"
     result = verifier.verify(code, cases(("1 2", "3"), ("2 2", "5"), ("3 1", "4"), ("5 5", "10")))
