@@ -371,6 +371,12 @@ class Verifier(NativeAsserts):
                 message=f"not run: a {limits.wall_s:g} s case would end past the verification's {budget} "
                 "(the others used it)",
             )
+        if expected is not None:
+            # the right answer must fit under the stdout cap, or it is killed at the cap: room
+            # for twice its size (what is not compared, trailing blanks and \r, may double it)
+            room = 2 * len(expected.encode()) + 4096
+            if room > limits.stdout_bytes:
+                limits = limits.model_copy(update={"stdout_bytes": room})
         run_limits, runtime = _runtime(lang, limits)
         argv = [*runtime, *lang.run_argv[1:]]
         last = None

@@ -270,6 +270,19 @@ def test_a_program_is_compiled_with_its_own_future_flags(verifier):
     assert verifier.verify(code, cases(("", "True"))).status == "Finished"
 
 
+def test_an_expected_output_longer_than_the_stdout_cap_can_be_matched(verifier):
+    # 200 000 numbers a line each, 1.6 MB: the right answer was killed at the 1 MiB stdout cap
+    # ("wrote more than the stdout cap") and scored 0. A flood still is (test_each_verdict)
+    first, n = 10**6, 200_000
+    expected = "\n".join(map(str, range(first, first + n)))
+    code = f"import sys\nsys.stdout.write('\\n'.join(map(str, range({first}, {first + n}))) + '\\n')"
+    assert len(expected) > LIMITS.stdout_bytes
+    result = verifier.verify(code, cases(("", expected)))
+    assert result.status == "Finished", result.cases[0]
+    wrong = verifier.verify(code.replace(str(first), str(first + 1), 1), cases(("", expected)))
+    assert (wrong.status, wrong.cases[0].message) == ("Failed", "wrong output")
+
+
 def test_output_comparison_ignores_trailing_whitespace_only(verifier):
     ok = verifier.verify("print('a  \\nb\\n\\n')", cases(("", "a\nb")))
     assert ok.status == "Finished"
