@@ -179,6 +179,12 @@ def _run_python(source: str, entry: str, marker_fd: int | None = None, role: str
     )
     if role is None:
         atexit._clear()  # the zygote's, inherited through the fork: not the program's to run
+        # what python sets at its start (the spare has the kernel's defaults, right for an
+        # exec'd program): SIGINT raises KeyboardInterrupt, and a write to a closed pipe
+        # raises BrokenPipeError instead of killing the program. (Not for a pair's runs:
+        # there a program still writing to a channel its tests closed dies quietly)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     code = 0
     try:
         if role == "test":

@@ -228,6 +228,24 @@ def test_the_user_has_a_name(verifier):
     assert result.status == "Finished", result.cases[0]
 
 
+@pytest.mark.parametrize(
+    "code",
+    [
+        # Python's own handlers, as python sets them at start-up: SIGINT raises KeyboardInterrupt
+        # and SIGPIPE is ignored (a write to a closed pipe raises BrokenPipeError). The sandbox
+        # left both at the kernel's default, and either one killed the program outright
+        "import os, signal, time\ntry:\n    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(1)\n"
+        "except KeyboardInterrupt:\n    print(3)",
+        "import subprocess\np = subprocess.Popen(['true'], stdin=subprocess.PIPE)\np.wait()\ntry:\n"
+        "    p.stdin.write(b'x' * 100_000)\n    p.stdin.flush()\nexcept BrokenPipeError:\n    print(3)",
+    ],
+    ids=["sigint", "sigpipe"],
+)
+def test_signals_are_handled_as_python_handles_them(verifier, code):
+    result = verifier.verify(code, cases(("", "3")))
+    assert result.status == "Finished", result.cases[0]
+
+
 def test_pass_fraction_and_the_worst_status_wins(verifier):
     code = "a, b = map(int, input().split())\nif a == 3:\n    while True: pass\nprint(a + b)"
     result = verifier.verify(code, cases(("1 2", "3"), ("2 2", "5"), ("3 1", "4"), ("5 5", "10")))
