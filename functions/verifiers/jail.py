@@ -2,11 +2,12 @@
 
 The zygote enters its own mount namespace, assembles a small tree on a tmpfs (the system
 directories, the Python installation and ``/dev/{null,zero,random,urandom}`` bind-mounted
-read-only, empty ``/sandbox``, ``/tmp``, ``/dev/shm`` and ``/proc`` mount points) and
-``pivot_root``s into it. Every run then copies that namespace (a dozen mounts, so the copy is
-cheap) and only adds its own size-limited tmpfs at ``/sandbox`` (also seen as ``/tmp``) and
-at ``/dev/shm``. Nothing else of the host is visible: not ``/root``,
-not the project checkout, not other runs' files.
+read-only, ``/dev/{fd,stdin,stdout,stderr}`` linked into ``/proc/self/fd``, empty
+``/sandbox``, ``/tmp``, ``/dev/shm`` and ``/proc`` mount points) and ``pivot_root``s into it.
+Every run then copies that namespace (a dozen mounts, so the copy is cheap) and only adds
+its own size-limited tmpfs at ``/sandbox`` (also seen as ``/tmp``) and at ``/dev/shm``.
+Nothing else of the host is visible: not ``/root``, not the project checkout, not other
+runs' files.
 
 Stdlib only: this module runs inside the zygote, which stays small so forks stay cheap.
 """
@@ -22,6 +23,12 @@ from functions.verifiers import _linux as lx
 #: Directories shared read-only with every run (when they exist on this machine).
 SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc", "/opt")
 DEVICES = ("null", "zero", "random", "urandom")
+STREAM_LINKS = (
+    ("fd", "/proc/self/fd"),
+    ("stdin", "/proc/self/fd/0"),
+    ("stdout", "/proc/self/fd/1"),
+    ("stderr", "/proc/self/fd/2"),
+)
 #: Mount points every run covers with its own tmpfs.
 PER_RUN = ("/sandbox", "/tmp", "/dev/shm")
 HIDDEN = "/.rlfabric"
@@ -134,6 +141,10 @@ def enter(extra_ro: tuple[str, ...] = (), init: bytes | None = None) -> str:
     for dev in DEVICES:
         # read-only still lets a program write to /dev/null: that goes to the driver
         _bind_ro("/dev/" + dev, f"{root}/dev/{dev}", RO_FLAGS & ~lx.MS_NODEV)
+    # as on a host (the run's /proc is its own, so they name the run's descriptors): a
+    # program that read "/dev/stdin" died of FileNotFoundError
+    for name, target in STREAM_LINKS:
+        os.symlink(target, f"{root}/dev/{name}")
     for name in ("sandbox", "tmp", "dev/shm", "proc"):
         os.makedirs(f"{root}/{name}", exist_ok=True)
     if init is not None:  # root's, and read-only with the rest once the root is remounted

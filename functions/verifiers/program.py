@@ -289,6 +289,8 @@ def program(
         lx.setns(namespaces[0], lx.CLONE_NEWNET)
         lx.setns(namespaces[1], lx.CLONE_NEWUTS)
         _move_fds([os.memfd_create("stdin"), out_w, err_w, go_r, ok, zygote_pidfd])
+        for fd in (1, 2):  # the run's, as a pipe is its maker's: /dev/stdout opens it again
+            os.fchown(fd, uid, uid)
         lx.unshare(RUN_NAMESPACES)
         opts = f"size={DEFAULT_DISK_MB}m,nr_inodes={INODES},mode=0700,uid={uid},gid={uid}"
         lx.mount("tmpfs", WORK, "tmpfs", lx.MS_NOSUID | lx.MS_NODEV, opts)

@@ -246,6 +246,24 @@ def test_signals_are_handled_as_python_handles_them(verifier, code):
     assert result.status == "Finished", result.cases[0]
 
 
+@pytest.mark.parametrize(
+    "code",
+    [
+        # the jail's /dev had no /dev/stdin, /dev/stdout, /dev/stderr nor /dev/fd: a program
+        # that read its input by that name died of FileNotFoundError (scored 0)
+        "print(open('/dev/stdin').read().split()[0])",
+        "with open('/dev/stdout', 'w') as f:\n    f.write(input() + '\\n')",
+        "import os\nprint(os.read(os.open('/dev/fd/0', os.O_RDONLY), 1).decode())",
+        "import subprocess\nsubprocess.run(['sh', '-ec', 'read x; echo $x >/dev/stderr; echo $x'], "
+        "check=True)",
+    ],
+    ids=["stdin", "stdout", "fd", "shell_stderr"],
+)
+def test_the_standard_streams_have_their_dev_names(verifier, code):
+    result = verifier.verify(code, cases(("3\n", "3")))
+    assert result.status == "Finished", result.cases[0]
+
+
 def test_pass_fraction_and_the_worst_status_wins(verifier):
     code = "a, b = map(int, input().split())\nif a == 3:\n    while True: pass\nprint(a + b)"
     result = verifier.verify(code, cases(("1 2", "3"), ("2 2", "5"), ("3 1", "4"), ("5 5", "10")))

@@ -52,7 +52,7 @@ def test_proc_shows_only_the_run_and_nothing_of_the_host(sb):
     assert set(pids) <= {1, 2}, pids  # PID 1 (the run's init) and the program itself, nothing else
     assert "OPEN" not in text, text
     assert "project False" in text and "sys False home False" in text
-    assert "dev ['null', 'random', 'shm', 'urandom', 'zero']" in text
+    assert "dev ['fd', 'null', 'random', 'shm', 'stderr', 'stdin', 'stdout', 'urandom', 'zero']" in text
 
 
 def test_dev_shm_is_the_runs_own_and_bounded(sb):
