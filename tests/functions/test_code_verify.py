@@ -402,6 +402,18 @@ def test_javascript(verifier):
     )
 
 
+@needs("node")
+def test_javascript_reads_its_input_as_dev_stdin(verifier):
+    # the idiom of JavaScript on the judges (readFileSync("/dev/stdin")) died of ENOENT: the
+    # jail had no /dev/stdin
+    code = (
+        "const [a, b] = require('fs').readFileSync('/dev/stdin', 'utf8').trim().split(/\\s+/).map(Number);\n"
+        "console.log(a + b);\n"
+    )
+    result = verifier.verify(code, CodeTests(cases=ADD_CASES), "js", limits=ROOMY)
+    assert result.status == "Finished", result.cases
+
+
 def test_bad_input_is_a_clear_error(verifier):
     with pytest.raises(ValueError, match="unknown language 'cobol'"):
         verifier.verify("print(1)", cases(("", "1")), "cobol")
