@@ -167,15 +167,22 @@ def _run_python(source: str, entry: str, marker_fd: int | None = None, role: str
         os.set_inheritable(3, False)
     sys.argv = [entry]
     sys.path[:] = [WORK] + [p for p in sys.path if p.startswith(sys.base_prefix) or p.startswith(sys.prefix)]
-    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8", errors="replace")
+    # buffered, as python's own: over a bare descriptor, sys.stdin.buffer.readline (the fast
+    # input of competitive programming) read one byte per system call, 4x python's CPU
+    sys.stdin = io.TextIOWrapper(
+        io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8", errors="replace"
+    )
     sys.stdout = io.TextIOWrapper(
-        io.FileIO(1, "w", closefd=False),
+        io.BufferedWriter(io.FileIO(1, "w", closefd=False)),
         encoding="utf-8",
         errors="backslashreplace",
         line_buffering=role is not None,  # it shares a pipe with stderr: keep them in order
     )
     sys.stderr = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
+        io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
+        encoding="utf-8",
+        errors="backslashreplace",
+        line_buffering=True,
     )
     if role is None:
         atexit._clear()  # the zygote's, inherited through the fork: not the program's to run
