@@ -184,6 +184,10 @@ def _run_python(source: str, entry: str, marker_fd: int | None = None, role: str
         errors="backslashreplace",
         line_buffering=True,
     )
+    # and the originals (sys.__stdout__...) too, as in python: they were the zygote's own,
+    # on the same descriptors, and what a program printed there was never flushed
+    for name in ("stdin", "stdout", "stderr"):
+        setattr(sys, f"__{name}__", getattr(sys, name))
     if role is None:
         atexit._clear()  # the zygote's, inherited through the fork: not the program's to run
         # what python sets at its start (the spare has the kernel's defaults, right for an

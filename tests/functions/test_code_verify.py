@@ -276,6 +276,22 @@ def test_the_standard_streams_are_buffered_as_pythons(verifier):
     assert result.status == "Finished", result.cases[0]
 
 
+@pytest.mark.parametrize(
+    "code",
+    [
+        # sys.__stdout__ was still the zygote's own stream (on the same descriptor): what went
+        # there was never flushed, and the right answer was lost
+        "import sys\nprint(3, file=sys.__stdout__)",
+        "import sys\nprint(sys.__stdin__.readline().strip())",
+        "import sys, io\nsys.stdout = io.StringIO()\nprint('hidden')\nsys.stdout = sys.__stdout__\nprint(3)",
+    ],
+    ids=["stdout", "stdin", "restored"],
+)
+def test_the_original_streams_are_the_runs(verifier, code):
+    result = verifier.verify(code, cases(("3\n", "3")))
+    assert result.status == "Finished", result.cases[0]
+
+
 def test_pass_fraction_and_the_worst_status_wins(verifier):
     code = "a, b = map(int, input().split())\nif a == 3:\n    while True: pass\nprint(a + b)"
     result = verifier.verify(code, cases(("1 2", "3"), ("2 2", "5"), ("3 1", "4"), ("5 5", "10")))
