@@ -175,7 +175,10 @@ Rules worth knowing:
   ``x_1x_2`` is ``x_1 \cdot x_2``); words that are not math
   functions are text, never multiplied-out symbols, and two answers made of letters only
   compare as text however short (``on`` is not ``no``, ``ba`` is not ``ab``): a product is
-  written with an operator or a coefficient (``a \cdot b``, ``2ab``). A function command
+  written with an operator or a coefficient (``a \cdot b``, ``2ab``); a short word of prose
+  beside math (``not 0``, ``0 or 1``, ``x is 0``) makes the answer unparsable, never a product
+  of its letters. A numeral is read whole: ``03`` is 3 (``x + 03`` was ``x + 0 \cdot 3``),
+  ``0x10`` is no hexadecimal, and ``1.000.000`` is unparsable. A function command
   applies to what follows it, braced or not (``\ln 2`` is ``\ln{2}``, ``3\ln 2`` is
   ``\ln 8``); trigonometric functions take radians, as sympy does (``\sin 30`` is not
   ``\frac{1}{2}``).

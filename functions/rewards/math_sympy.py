@@ -221,13 +221,29 @@ def latex_to_python(s: str) -> str | None:
     text = "".join(out)
     if _GLUED_NUMBERS.search(text):  # "5 6" is two numbers (5 \text{ or } 6), not 30
         return None
+    # a numeral with two points (1.000.000, 3.0.0) is no number: Python's tokenizer read it as
+    # the product 1.000 * .000, so it was 0
+    if _TWO_POINTS.search(text):
+        return None
+    # a leading zero (2024-03-04, x + 03) is no digit of its own: Python's tokenizer read 03
+    # as 0 and 3, a product that is 0 (2024-03-04 was 2024, x + 03 was x); 0x10 is not hex 16
+    text = _LEADING_ZEROS.sub("", _RADIX_PREFIX.sub("0 ", text))
     # words: known functions stay, short letter runs are products of symbols, others are text
-    # (a name's subscript, x_ab, and a Greek letter's name, _theta, are not words)
+    # (a name's subscript, x_ab, and a Greek letter's name, _theta, are not words); a short
+    # word of prose is prose, not a product of its letters ("not 0", "0 or 1" and "x is 0"
+    # were 0)
     for word in set(re.findall(r"(?<![A-Za-z_])[A-Za-z]+", text)):
-        if word not in _FUNCS and len(word) > 3:
+        if (word not in _FUNCS and len(word) > 3) or word.lower() in _PROSE:
             return None
     text = re.sub(r"(?<![A-Za-z_])([a-z]{2,3})(?![A-Za-z(])", _split_word, text)
     return _BARE_ARGUMENT.sub(_call, text)
+
+
+_TWO_POINTS = re.compile(r"\.\d*\.")
+_LEADING_ZEROS = re.compile(r"(?<![\w.])0+(?=\d)")
+_RADIX_PREFIX = re.compile(r"(?<![\w.])0(?=[xXbBoO])")
+_PROSE = frozenset("or and not nor but no yes is are was the any all if of for".split())
+"""Short words of prose: never a product of their letters in an answer."""
 
 
 # a function written without parentheses, whose argument is followed by another function:
