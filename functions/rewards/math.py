@@ -147,6 +147,12 @@ Rules worth knowing:
   (``50% == 0.5 == 1/2``) and as ``X`` if the other side is an integer (``50% == 50``); against
   a fraction or decimal above 1 in magnitude, as either (``37.5% == 37.5``, ``150% == 1.5``;
   ``0.5%`` is not ``0.5``).
+* **Dates.** A date (a four-digit year first, ``2024-03-04``, ``2024/3/4``, or last,
+  ``3/4/2024``, ``04.03.2024``) is a day, not the quotient or difference it is spelt with
+  (``3/4/2024`` is not ``3/8096``, ``2024-03-04`` not 2017): it equals a date written alike
+  (``03/04/2024`` is ``3/4/2024``) or one that can only mean the same day (``25/3/2024`` is
+  ``2024-03-25``), and nothing else (``3/4/2024``, March 4 or April 3, is not
+  ``2024-03-04``). Extraction reads one whole ("on 2024-03-04." reads the date, not ``-04``).
 * **Multiple choice.** Against a ground truth that is a letter A-E (``C``, ``(C)``), an
   answer that starts with a choice, as AMC solutions do (``\textbf{(C) }12``), is that
   choice, unless it names another one or says "or".
@@ -239,6 +245,9 @@ __all__ = [
 # ----------------------------------------------------------------------------- extraction
 
 _A_NUMBER = (
+    # a date is one value (2024-03-04: not 2024 and -03 and -04, the last of which was read)
+    r"(?<![\d.])(?:\d{4}-\d{1,2}-\d{1,2}|\d{4}/\d{1,2}/\d{1,2}|\d{1,2}-\d{1,2}-\d{4}|\d{1,2}\.\d{1,2}\.\d{4})"
+    r"(?!\d|\.\d)|"
     # a root of a number is one number, its coefficient with it (3\sqrt{2}: not 3 and 2)
     r"[-+]?(?:\d+(?:\.\d+)?[ \t]*)?\\sqrt(?:\[\d+\])?[ \t]*(?:\{[ \t]*\d+[ \t]*\}|\d+)|"
     # \frac{3}{4} is one number, not 3 and 4 (\frac{1,000}{2} too)

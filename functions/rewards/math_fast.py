@@ -117,6 +117,42 @@ def _is_integer_form(s: str) -> bool:
 
 _WORD = re.compile(r"^[A-Za-z][A-Za-z ]*$")
 
+# a date: a four-digit year first (2024-03-04, 2024/3/4) or last (3/4/2024, 04.03.2024), one
+# separator throughout
+_DATE = re.compile(r"^(?:(\d{4})([-/.])(\d{1,2})\2(\d{1,2})|(\d{1,2})([-/.])(\d{1,2})\6(\d{4}))$")
+
+
+@_small_cache
+def _date(s: str) -> tuple[tuple[object, ...], frozenset[tuple[int, int, int]]] | None:
+    """``(as written, readings)`` of a date ``s``, None when ``s`` is none: its fields as
+    numbers in their order (with the separator of a year last, where / and . may be different
+    conventions) and its ``(year, month, day)`` readings. A year first is year-month-day; a
+    year last is month/day or day/month, both where both are dates (3/4/2024), the one that is
+    where the other is not (25/3/2024)."""
+    if not (m := _DATE.match(s)):
+        return None
+    if m[1] is not None:
+        year, readings = int(m[1]), [(int(m[3]), int(m[4]))]
+        written: tuple[object, ...] = ("ymd", year, *readings[0])
+    else:
+        a, b = int(m[5]), int(m[7])
+        year, readings = int(m[8]), [(a, b), (b, a)]
+        written = (m[6], a, b, year)
+    found = frozenset((year, mo, d) for mo, d in readings if 1 <= mo <= 12 and 1 <= d <= 31)
+    return (written, found) if found else None
+
+
+def _same_date(p: str, g: str) -> bool | None:
+    """Whether dates ``p`` and ``g`` are the same day: written alike (03/04/2024 is 3/4/2024), or
+    each with one reading, the same (25/3/2024 is 2024-03-25); 3/4/2024 (March 4 or April 3) is
+    not 2024-03-04 nor 4/3/2024. None when neither is a date; False when one is not."""
+    pd, gd = _date(p), _date(g)
+    if pd is None and gd is None:
+        return None
+    if pd is None or gd is None:
+        return False
+    return pd[0] == gd[0] or (len(pd[1]) == 1 and pd[1] == gd[1])
+
 
 # ----------------------------------------------------------------------------- comparison
 
@@ -164,6 +200,12 @@ def _fast_scalar(p: str, g: str) -> Verdict:
     if p == g or _squash(p) == _squash(g):
         return True, "string"
     a, b = as_fraction(p), as_fraction(g)
+    if a is None or b is None:
+        # a date is not the quotient or difference it is spelt with (3/4/2024 is not 3/8096,
+        # 2024-03-04 not 2017): equal to a date that can only mean the same day, and to
+        # nothing else
+        if (same := _same_date(p, g)) is not None:
+            return same, "date"
     if a is not None and b is not None:
         return _close(a, b, _ulp(p), _ulp(g)), "number"
     # e alone is Euler's number (sympy's E), not the word "e"; a capital E alone is a choice
