@@ -51,6 +51,10 @@ log = logging.getLogger("fabric.integrations")
 #: Error type of a function's answer that is not a reward (not a number, no "score").
 BAD_REWARD_VALUE = "BadRewardValue"
 
+#: Error type of a row held back because a required parameter's value is null (TRL: a mixed
+#: dataset's row without that column); the row fails alone, the others are scored.
+NULL_ARGUMENT = "NullArgument"
+
 #: Failures of the setup, not of a sample: the function's own (``Misconfigured``, a setup hook
 #: that raised), or the way to it (a token refused, a server that does not serve the function,
 #: other code deployed). Every sample fails alike, so no score (nor TRL's ``None``) stands in.
@@ -193,7 +197,9 @@ class RewardAdapter:
 
     ``aliases`` maps a parameter to the framework's usual source for it (OpenRLHF:
     ``ground_truth`` <- ``label``); ``backend`` replaces the configured one (tests pass a
-    ``fabric.testing.FakeBackend``)."""
+    ``fabric.testing.FakeBackend``). ``null_fails_row``: a sample whose value for a required
+    parameter is null is not sent but fails alone (``NULL_ARGUMENT``, scored as any failed
+    call), where the function's refusal of it would fail the whole batch (TRL)."""
 
     def __init__(
         self,
@@ -203,8 +209,10 @@ class RewardAdapter:
         function: Callable[..., Any] | None = None,
         aliases: Mapping[str, str] | None = None,
         backend: Backend | None = None,
+        null_fails_row: bool = False,
     ):
         self.config = config
+        self.null_fails_row = null_fails_row
         self.registry = registry if registry is not None else default_registry
         if config.builtins:
             self.registry.discover("functions")
@@ -309,11 +317,19 @@ class RewardAdapter:
         return plan
 
     def payloads(self, samples: Sequence[Sample]) -> list[dict[str, Any]]:
+        """The calls' keyword arguments, one per sample (with ``null_fails_row``, of the samples
+        ``prepare`` does not hold back)."""
+        return self.prepare(samples)[0]
+
+    def prepare(self, samples: Sequence[Sample]) -> tuple[list[dict[str, Any]], dict[int, ErrorInfo]]:
+        """``(payloads, held)``: the payloads to send, in order, and the samples held back by
+        ``null_fails_row`` (index -> why), which ``score_payloads`` puts back in their places."""
         if not samples:
-            return []
+            return [], {}
         plan = self.plan(samples[0].sources)
         required = {p.name for p in self.spec.params if p.required}
         out = []
+        held: dict[int, ErrorInfo] = {}
         for i, s in enumerate(samples):
             payload: dict[str, Any] = {
                 self.traj_param: s.traj.final_text() if self.as_text else s.traj,
@@ -326,8 +342,19 @@ class RewardAdapter:
                         # a null is how a mixed dataset (parquet, HF datasets) says a row lacks
                         # the key: an optional parameter keeps its default (not the next
                         # source's value: a JSON label's text); a required one gets the null,
-                        # which the function refuses (loudly, as a missing value)
-                        if value is not None or param in required:
+                        # which the function refuses (loudly, as a missing value), and which
+                        # would fail the whole batch: with null_fails_row (TRL) the row alone
+                        # fails, unsent
+                        if value is None and param in required and self.null_fails_row:
+                            held.setdefault(
+                                i,
+                                ErrorInfo.of(
+                                    NULL_ARGUMENT,
+                                    f"row #{i}: column {source!r} is null, and {param!r} of "
+                                    f"{self._signature()} is required",
+                                ),
+                            )
+                        elif value is not None or param in required:
                             payload[param] = plain(value)
                         break
                 else:
@@ -337,21 +364,32 @@ class RewardAdapter:
                             f"{self.spec.name} (a required parameter; the first sample had it); it has: "
                             f"{_shown(s.sources)}"
                         )
-            out.append(payload)
-        return out
+            if i not in held:
+                out.append(payload)
+        return out, held
 
     # -- calls
     async def score(self, samples: Sequence[Sample]) -> list[Score]:
         """Scores of ``samples`` in their order. Bad input raises before anything is sent;
         failed calls come back as failed ``Score``s."""
-        return await self.score_payloads(self.payloads(samples))
+        return await self.score_payloads(*self.prepare(samples))
 
-    async def score_payloads(self, payloads: list[dict[str, Any]]) -> list[Score]:
+    async def score_payloads(
+        self, payloads: list[dict[str, Any]], held: Mapping[int, ErrorInfo] | None = None
+    ) -> list[Score]:
+        """Scores of ``payloads`` in their order, with a failed ``Score`` for each of the
+        samples ``prepare`` held back put back at its index."""
         await self.start()
-        results: list[Result] = await self._client.map(
-            self.spec.name, payloads, deadline_s=self.config.deadline_s
+        results: list[Result] = (
+            await self._client.map(self.spec.name, payloads, deadline_s=self.config.deadline_s)
+            if payloads
+            else []
         )
-        scores = [self._read(r) for r in results]
+        sent = iter(results)
+        total = len(results) + len(held or ())
+        scores = [
+            self._failed(held[i]) if held and i in held else self._read(next(sent)) for i in range(total)
+        ]
         self.stats["batches"] += 1
         self.stats["samples"] += len(scores)
         return scores
@@ -368,6 +406,9 @@ class RewardAdapter:
         else:
             assert r.error is not None
             error = r.error
+        return self._failed(error)
+
+    def _failed(self, error: ErrorInfo) -> Score:
         self.stats["failed"] += 1
         if self.config.failure_score is not None:
             self.stats["failure_scored"] += 1
@@ -405,17 +446,33 @@ class RewardAdapter:
             if scored
             else ("no reward (None)" if none_ok else "raised")
         )
-        i, e = failures[0]
-        log.warning(
-            "%s: %d of %d calls failed, %s; first: #%d %s: %s",
-            self.spec.name,
-            len(failures),
-            len(scores),
-            outcome,
-            i,
-            e.type,
-            e.message.strip().splitlines()[0] if e.message.strip() else "",
-        )
+        # rows held back for a null (null_fails_row) are said apart, all of them (up to five):
+        # the first failure of the batch may be another one
+        nulls = [e.message for _, e in failures if e.type == NULL_ARGUMENT]
+        if nulls:
+            more = f"; and {len(nulls) - 5} more" if len(nulls) > 5 else ""
+            log.warning(
+                "%s: %d of %d rows have a null for a required parameter, %s: %s%s",
+                self.spec.name,
+                len(nulls),
+                len(scores),
+                outcome,
+                "; ".join(nulls[:5]),
+                more,
+            )
+        called = [(i, e) for i, e in failures if e.type != NULL_ARGUMENT]
+        if called:
+            i, e = called[0]
+            log.warning(
+                "%s: %d of %d calls failed, %s; first: #%d %s: %s",
+                self.spec.name,
+                len(called),
+                len(scores),
+                outcome,
+                i,
+                e.type,
+                e.message.strip().splitlines()[0] if e.message.strip() else "",
+            )
         if not scored and not none_ok:
             raise RewardCallError(
                 self.spec.name,

@@ -180,8 +180,8 @@ class SyncBridge:
 
     def run(self, samples: Sequence[Sample]) -> list[Score]:
         """Score ``samples`` from a synchronous caller; waits at most the batch deadline."""
-        payloads = self.adapter.payloads(samples)  # bad input raises here, in the caller's thread
-        fut = self._submit(lambda: self.adapter.score_payloads(payloads))
+        payloads, held = self.adapter.prepare(samples)  # bad input raises here, in the caller's thread
+        fut = self._submit(lambda: self.adapter.score_payloads(payloads, held))
         timeout = self._wait_s()
         try:
             return fut.result(timeout=timeout)
@@ -196,11 +196,11 @@ class SyncBridge:
 
     async def arun(self, samples: Sequence[Sample]) -> list[Score]:
         """Score ``samples`` from a coroutine on any event loop (the trainer's own)."""
-        payloads = self.adapter.payloads(samples)
+        payloads, held = self.adapter.prepare(samples)
         if not self.started:
             # starting waits for the client (a local backend's pools): not on the caller's loop
             await asyncio.wrap_future(_in_a_thread(self._ensure, f"{self.name}-start"))
-        fut = self._submit(lambda: self.adapter.score_payloads(payloads))
+        fut = self._submit(lambda: self.adapter.score_payloads(payloads, held))
         timeout = self._wait_s()
         try:
             # not wait_for: on Python 3.11 scores that arrive in the loop turn the caller is

@@ -23,6 +23,9 @@ with the other async reward functions: ``trl_async_reward``.
 
 Dataset columns reach the function's parameters by name (a ``ground_truth`` column for
 ``math_answer``'s ``ground_truth``); ``args={"ground_truth": "answer"}`` names another column.
+A null in a column a required parameter reads (a mixed dataset's row without it) fails that row
+alone, as a failed call (``None``, or ``failure_score``; its error type ``NullArgument``), with
+one warning a batch naming the rows and columns; the rest of the batch is scored.
 """
 
 from __future__ import annotations
@@ -59,7 +62,11 @@ class _TRLReward:
     ):
         name, fn = resolve_function(function)
         self.config = IntegrationConfig.parse({"function": name, **options})
-        self.adapter = RewardAdapter(self.config, registry=registry, function=fn, backend=backend_instance)
+        # a null in a required column (a mixed dataset's row without it) fails that row, not
+        # the batch: TRL gives it no reward (or failure_score) and the others are scored
+        self.adapter = RewardAdapter(
+            self.config, registry=registry, function=fn, backend=backend_instance, null_fails_row=True
+        )
         self._bridge = SyncBridge(self.adapter, name=f"fabric-trl-{name}")
         # TRL names the reward in its logs (rewards/<name>/mean) by __name__
         self.__name__ = name

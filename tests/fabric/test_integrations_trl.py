@@ -131,6 +131,30 @@ async def test_openrlhf_http_a_label_of_the_wrong_type_is_400_not_502():
             assert "InvalidArguments" in (await resp.json())["error"]
 
 
+def test_a_null_in_a_required_column_fails_its_row_only(fake, caplog):
+    # a mixed dataset (parquet, HF datasets) has a null where a row lacks the column: it was
+    # sent, refused (InvalidArguments) and the whole batch raised, the other rows unscored
+    with trl_reward("with_tests", registry=REG, backend_instance=fake) as reward:
+        with caplog.at_level(logging.WARNING, "fabric.integrations"):
+            out, metrics = call_trl(
+                reward, ["p"] * 3, ["a", "a", "b"], **trl_kwargs(3, tests=[["a"], None, ["a"]])
+            )
+        assert out == [1.0, None, 0.0]  # TRL's "no reward" for that row; the others scored
+        assert dict(metrics)["with_tests/failed"] == pytest.approx(1 / 3)
+        assert sorted(inv.payload["tests"][0] for inv in fake.invocations) == ["a", "a"]  # not sent
+        nulls = [r for r in caplog.records if "null" in r.getMessage()]
+        assert len(nulls) == 1, caplog.text  # said once, naming the row and the column
+        assert "#1" in nulls[0].getMessage() and "'tests'" in nulls[0].getMessage()
+        assert reward.adapter.stats["failed"] == 1
+    scored = {"backend_instance": FakeBackend(REG), "failure_score": -1.0}
+    with trl_reward("with_tests", registry=REG, **scored) as reward:
+        out, _ = call_trl(reward, ["p"] * 2, ["a", "a"], **trl_kwargs(2, tests=[None, ["a"]]))
+        assert out == [-1.0, 1.0]  # the failure score stands in for it
+        assert reward.adapter.stats["failure_scored"] == 1
+    with trl_reward("with_tests", registry=REG, backend_instance=FakeBackend(REG)) as reward:
+        assert reward(prompts=["p"], completions=["a"], tests=[None]) == [None]  # every row null
+
+
 def test_trl_batch_goes_out_concurrently_within_its_deadline(fake):
     with trl_reward("slow_length", registry=REG, backend_instance=fake) as reward:
         t0 = time.monotonic()

@@ -210,10 +210,14 @@ def test_a_null_for_an_optional_parameter_leaves_its_default(fake):
             1.0,
         ]
         assert all("ground_truth" not in i.payload for i in fb.invocations)
-    # a required one's null is still sent, and refused: no default stands in for it
-    with trl_reward("with_tests", registry=REG, backend_instance=FakeBackend(REG)) as reward:
+    # a required one's null is still sent to veRL's function, and refused: no default stands in
+    # for it (TRL scores that row as failed: test_a_null_in_a_required_column_fails_its_row_only)
+    v = VerlReward("with_tests", registry=REG, backend_instance=FakeBackend(REG))
+    try:
         with pytest.raises(BadBatchError, match="1 of 2 samples"):
-            reward(prompts=["p"] * 2, completions=["a"] * 2, tests=[["a"], None])
+            v.compute_score_batch(["d"] * 2, ["a", "a"], [None] * 2, [{"tests": ["a"]}, {"tests": None}])
+    finally:
+        v.close()
 
 
 def test_verl_settings_from_the_environment_and_typos(verl_rewards, monkeypatch):
