@@ -197,7 +197,11 @@ def _squash(s: str) -> str:
 
 
 def _fast_scalar(p: str, g: str) -> Verdict:
-    if p == g or _squash(p) == _squash(g):
+    if p == g:
+        return True, "string"
+    # a space between two words is a word break, not a product's (north east is not
+    # northeast): two answers in words are the text rule's below
+    if _squash(p) == _squash(g) and not (_WORD.match(p) and _WORD.match(g)):
         return True, "string"
     a, b = as_fraction(p), as_fraction(g)
     if a is None or b is None:
