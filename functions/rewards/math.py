@@ -27,8 +27,8 @@ the last number (``\frac{3}{4}``, a power, ``2^{10}``, scientific notation, ``3 
 10^8``, and a root of a number, ``3\sqrt{2}``, count as one), with the numbers it is a product
 or quotient of on its line: "The product is 2·3." reads ``2 \cdot 3`` (6), "12 ÷ 4" reads ``12 /
 4``; a sum is not read whole, and the number after the last ``=`` wins ("3 \times 4 = 12": 12);
-a percent sign (or the word) after it stays with it, so that the percentage rule applies ("so
-it is 1,000%." reads ``1,000%``).
+a percent sign (or the word) after it, or after a factor, stays with it, so that the
+percentage rule applies ("so it is 1,000%." reads ``1,000%``, "50% \\times 2" the product, not 2).
 
 A condition states no value. A number beside an inequality (``<``, ``>``, ``<=``, ``>=``,
 ``!=``, ``\le``, ``\ge``, ``\lt``, ``\gt``, ``\ne``, ``\neq``, the Unicode signs) is a bound,
@@ -146,7 +146,12 @@ Rules worth knowing:
   ``X`` is read as ``X/100`` if the other side is written as a fraction or decimal
   (``50% == 0.5 == 1/2``) and as ``X`` if the other side is an integer (``50% == 50``); against
   a fraction or decimal above 1 in magnitude, as either (``37.5% == 37.5``, ``150% == 1.5``;
-  ``0.5%`` is not ``0.5``).
+  ``0.5%`` is not ``0.5``). A product (or quotient) with a percent sign at its end is a
+  percentage of the product: ``2 \times 50%`` is ``100%``. Where the sign is an operand's (a
+  sum, a percent sign inside, two of them) each ``X%`` is ``X/100`` and the value ``V`` is read
+  as a percentage is (``100 V`` against an integer): ``1 + 50%`` is 1.5 (it was ``(1 +
+  50)/100``, 0.51), ``100 - 20%`` is 99.8, not 80, ``50% \times 2`` is ``100%`` and ``50%
+  \times 50%`` is ``25%``.
 * **Dates.** A date (a four-digit year first, ``2024-03-04``, ``2024/3/4``, or last,
   ``3/4/2024``, ``04.03.2024``) is a day, not the quotient or difference it is spelt with
   (``3/4/2024`` is not ``3/8096``, ``2024-03-04`` not 2017): it equals a date written alike
@@ -265,9 +270,10 @@ _A_NUMBER = (
 # ("18+"). Nor across "=": "3 \times 4 = 12" still reads 12, the number after the last "="
 _TIMES = r"[ \t]*+(?:\\(?:times|cdot|div)(?![A-Za-z])|[*/])[ \t]*+"
 # ... with its percent sign (or word): "so it is 50%." states 50%, which the percentage rule
-# reads as 1/2 against a fraction; read as 50 it matched only 50
+# reads as 1/2 against a fraction; read as 50 it matched only 50. A factor's too: "50% \times
+# 2" is one product (its 2 alone was read)
 _PERCENT = r"(?:[ \t]*+(?:\\?%|[Pp]ercent(?![A-Za-z])))?"
-_LAST_NUMBER = re.compile(rf"(?:{_A_NUMBER})(?:{_TIMES}(?:{_A_NUMBER}))*{_PERCENT}")
+_LAST_NUMBER = re.compile(rf"(?:{_A_NUMBER}){_PERCENT}(?:{_TIMES}(?:{_A_NUMBER}){_PERCENT})*")
 # one math span: $...$, $$...$$ (an escaped \$ is a dollar sign), \(...\), \[...\]
 _DOLLAR = re.compile(r"(?<!\\)\$\$?")
 _INEQUALITY = re.compile(r"[<>]|\\(?:le|ge|lt|gt|leq|geq|neq|ne)(?![A-Za-z])")  # \ge1 too

@@ -166,6 +166,9 @@ def _percent(pred: str, gt: str) -> list[tuple[str, str]]:
     a fraction or decimal ``X/100``, and also ``X`` when that number is above 1 in magnitude
     (``37.5%`` is ``37.5`` as ``50%`` is ``50``; ``0.5`` against ``50%`` is still ``0.5``)."""
     pp, gp = pred.endswith("%"), gt.endswith("%")
+    if ("%" in pred and not _lone_percent(pred)) or ("%" in gt and not _lone_percent(gt)):
+        if (operands := _operand_percents(pred, gt)) is not None:
+            return operands
     if pp == gp:
         return [(pred.rstrip("%").strip(), gt.rstrip("%").strip())]
 
@@ -184,6 +187,49 @@ def _percent(pred: str, gt: str) -> list[tuple[str, str]]:
     if pp:
         return [(p, gt) for p in readings(pred, gt)]
     return [(pred, g) for g in readings(gt, pred)]
+
+
+# what makes a percent sign an operand's, not the whole answer's: another one, or a sum or
+# difference (a sign after the first character, not an exponent's); a list or a union is
+# compared element by element, each with its own sign. A quotient is left whole: 1/2% is half
+# a percent
+_NOT_A_FACTOR = re.compile(r"(?<![eE{^])[-+]|%")
+_PERCENT_OPERAND = re.compile(r"((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,4})?)\s*%")
+
+
+def _lone_percent(s: str) -> bool:
+    """Whether the percent sign of ``s`` is the whole answer's: ``X%`` with ``X`` a number or
+    a product (``2 \\times 50%`` is ``(2 \\times 50)%``), or ``s`` is a list (its elements
+    are read one by one)."""
+    return "," in s or "\\cup" in s or (s.endswith("%") and not _NOT_A_FACTOR.search(s, 1, len(s) - 1))
+
+
+def _operand_percents(pred: str, gt: str) -> list[tuple[str, str]] | None:
+    """The percentage rule where a percent sign is an operand's (``1 + 50%``, ``50% \\times
+    2``, ``50% \\times 50%``, ``\\frac{50%}{2}``): each ``X%`` is ``(X/100)`` in the value
+    ``V`` it gives (1.5, 1, 1/4, 1/4; ``1 + 50%`` was ``(1 + 50)/100``, 0.51), and that value is
+    read as a percentage is: ``100 V`` against an integer, ``V`` against a fraction or decimal,
+    and either against one above 1 in magnitude. Both sides with a percent sign compare their
+    values. None when a percent sign follows no number (``10^{-3}%``)."""
+
+    def value(s: str) -> str | None:
+        v = _PERCENT_OPERAND.sub(r"(\1/100)", s)
+        return None if "%" in v else v
+
+    if "%" in pred and "%" in gt:
+        pv, gv = value(pred), value(gt)
+        return None if pv is None or gv is None else [(pv, gv)]
+    x, other = (pred, gt) if "%" in pred else (gt, pred)
+    v = value(x)
+    if v is None:
+        return None
+    percent = f"({v}) \\cdot 100"
+    if _is_integer_form(other):
+        readings = [percent]
+    else:
+        o = as_fraction(other)
+        readings = [v, percent] if o is not None and abs(o) > 1 else [v]
+    return [(r, gt) for r in readings] if x is pred else [(pred, r) for r in readings]
 
 
 _DROPPABLE_SPACE = re.compile(r" (?!\d)|(?<!\d) ")
