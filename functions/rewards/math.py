@@ -28,7 +28,7 @@ the last number (``\frac{3}{4}``, a power, ``2^{10}``, scientific notation, ``3 
 or quotient of on its line: "The product is 2·3." reads ``2 \cdot 3`` (6), "12 ÷ 4" reads ``12 /
 4``; a sum is not read whole, and the number after the last ``=`` wins ("3 \times 4 = 12": 12);
 a percent sign (or the word) after it, or after a factor, stays with it, so that the
-percentage rule applies ("so it is 1,000%." reads ``1,000%``, "50% \\times 2" the product, not 2).
+percentage rule applies ("so it is 1,000%." reads ``1,000%``, "50% \times 2" the product, not 2).
 
 A condition states no value. A number beside an inequality (``<``, ``>``, ``<=``, ``>=``,
 ``!=``, ``\le``, ``\ge``, ``\lt``, ``\gt``, ``\ne``, ``\neq``, the Unicode signs) is a bound,
