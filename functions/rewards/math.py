@@ -92,7 +92,10 @@ Equivalence, cheapest first:
    number (not "at least" or "nearly", which change it), thousands
    separators (of a number alone, and in an argument of ``\frac``, ``\sqrt`` or ``\binom``,
    where a comma lists nothing: ``\frac{1,000}{2}`` is 500; a set's or a point's comma lists
-   its elements; and of an operand of arithmetic, ``\times``, ``\cdot``, ``\div``, ``*``,
+   its elements, and one number in groups of three alone in brackets, ``(1,000)``,
+   ``\{1,000\}``, matches only itself: not 1000, nor -1000 (an accountant's), nor the
+   point ``(1, 0)``; a decimal point is one, ``1.000`` is 1 and ``1,5`` a list; and of an
+   operand of arithmetic, ``\times``, ``\cdot``, ``\div``, ``*``,
    ``/``, ``+``, ``-``, in an answer with no other comma and no bracket: ``2 \times 1,000`` is
    2000, ``2 \times 1,000, 3`` a list) and zero-width characters removed; the signs U+00D7,
    U+22C5, U+00B7 (the middle dot, as a product is typed: ``2·3`` is 6, and ``3·14`` 42, not

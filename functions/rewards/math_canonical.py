@@ -90,7 +90,7 @@ _THIN_THOUSANDS = re.compile(r"(?<=\d)\\[,!: ](?=\d{3}\b)")
 _THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?%?$")
 # an argument of \frac (either), \sqrt or \binom, where a comma lists nothing: a number in
 # groups of three there is one number (\frac{1,000}{2} is 500); a set's or a point's comma
-# lists its elements (\{1,000\} is {1, 0})
+# lists its elements (\{1,000\} is not {1000}; compare reads it as neither: _GROUPED_ALONE)
 _ARGUMENT = re.compile(
     r"(?:\\(?:frac|sqrt|binom)(?![A-Za-z])\s*(?:\[[^\[\]{}]*\]\s*)?|(?<=[^\\]\}))\{[^{}]*\}"
 )

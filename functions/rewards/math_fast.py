@@ -280,8 +280,19 @@ def compare(pred: str, gt: str, scalar: Callable[[str, str], Verdict]) -> Verdic
     return undecided or verdict
 
 
+# one number in groups of three alone in brackets: (1,000) is the point (1, 0), the number
+# 1000 in parentheses, or an accountant's -1000; \{1,000\} the set {1, 0} or {1000}
+_GROUPED_ALONE = re.compile(r"(?:[(\[]|\\\{)\d{1,3}(?:,\d{3})+(?:\.\d+)?(?:[)\]]|\\\})")
+
+
 def _compare_read(pred: str, gt: str, scalar: Callable[[str, str], Verdict]) -> Verdict:
     """``compare`` once the percentage rule has been applied."""
+    if "," in pred or "," in gt:
+        # an answer that could be a list or a number in groups of three is neither: it matches
+        # only itself ((1,000) matched the point (1, 0), which nobody writes so; it was never
+        # 1000 nor -1000)
+        if _GROUPED_ALONE.fullmatch(pred) or _GROUPED_ALONE.fullmatch(gt):
+            return _squash(pred) == _squash(gt), "ambiguous"
     pn, gn = _named(pred), _named(gt)
     if pn or gn:
         return _compare_named(pred, gt, pn, gn, scalar)
