@@ -116,6 +116,7 @@ def _is_integer_form(s: str) -> bool:
 
 
 _WORD = re.compile(r"^[A-Za-z][A-Za-z ]*$")
+_WORD_BREAK = re.compile(r"[A-Za-z]{2} +[A-Za-z]|[A-Za-z] +[A-Za-z]{2}")
 
 # a date: a four-digit year first (2024-03-04, 2024/3/4) or last (3/4/2024, 04.03.2024), one
 # separator throughout
@@ -245,9 +246,11 @@ def _squash(s: str) -> str:
 def _fast_scalar(p: str, g: str) -> Verdict:
     if p == g:
         return True, "string"
-    # a space between two words is a word break, not a product's (north east is not
-    # northeast): two answers in words are the text rule's below
-    if _squash(p) == _squash(g) and not (_WORD.match(p) and _WORD.match(g)):
+    # a space beside a word of two letters or more is a word break, not a product's (north
+    # east is not northeast; x y is xy): two such answers in words are the text rule's below
+    if _squash(p) == _squash(g) and not (
+        _WORD.match(p) and _WORD.match(g) and (_WORD_BREAK.search(p) or _WORD_BREAK.search(g))
+    ):
         return True, "string"
     a, b = as_fraction(p), as_fraction(g)
     if a is None or b is None:
