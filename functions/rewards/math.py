@@ -77,7 +77,8 @@ rule read the answer: ``boxed``, ``answer_is``, ``last_math``, ``last_number``.
 Equivalence, cheapest first:
 
 1. **Fast path, in-process, no sympy.** Both answers are canonicalised (``$`` and the other currency
-   signs, ``\[ \]``, ``\left``/``\right``, spacing commands, unit words and a ``\text{}`` that
+   signs, ``\[ \]``, ``\left``/``\right``, spacing commands (``\,``, ``\quad``,
+   ``\hspace{1em}``, ``\phantom{0}``, ``\mathstrut``...), unit words and a ``\text{}`` that
    holds only unit words
    (any other ``\text{}`` says what it says: ``\text{not } 3`` is not 3, ``\text{ and }`` is
    a comma, and so is ``\text{ or }`` between values of one unknown: ``x = 2 \text{ or } x = 3``

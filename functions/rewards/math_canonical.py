@@ -66,7 +66,14 @@ _PERCENT_WORD = re.compile(r"(?<!\s)\s*\bpercent\b", re.IGNORECASE)  # starts on
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|mbox|mathrm|mathbf|operatorname)\s*\{([^{}]*)\}")
 _TEXT_UNIT = re.compile(_TEXT_CMD.pattern + r"(?:\s*\^\s*\{?[23]\}?)?")
 # not the second backslash of a row break: "1 \\\\ 2" (pmatrix) is not "1 \\ 2"
-_SPACING = re.compile(r"(?<!\\)\\[,;:! ]|\\(?:quad|qquad|displaystyle|textstyle)\b|~")
+# ... and the named spaces, struts and phantoms, which print nothing (\hspace{1em}5 was
+# unparsable, not 5)
+_SPACING = re.compile(
+    r"(?<!\\)\\[,;:! ]|~"
+    r"|\\(?:quad|qquad|displaystyle|textstyle|scriptstyle|enspace|thinspace|medspace|thickspace"
+    r"|negthinspace|negmedspace|negthickspace|mathstrut|strut)(?![A-Za-z])"
+    r"|\\(?:[hv]space\*?|hphantom|vphantom|phantom|mkern|kern)\s*\{[^{}]*\}"
+)
 _DISPLAY = re.compile(r"^\\\[|\\\]$")  # display math around the answer: \[ 42 \]
 _LEFT_RIGHT = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big)\b\.?")
 _DEGREES = re.compile(r"\^\s*\{?\\circ\}?|°|\\degree\b")
