@@ -162,6 +162,11 @@ Rules worth knowing:
   (``03/04/2024`` is ``3/4/2024``) or one that can only mean the same day (``25/3/2024`` is
   ``2024-03-25``), and nothing else (``3/4/2024``, March 4 or April 3, is not
   ``2024-03-04``). Extraction reads one whole ("on 2024-03-04." reads the date, not ``-04``).
+* **Units.** Units are dropped, but two answers that both carry one must carry the same,
+  in any spelling (``5 \text{ hours}`` is not ``5 \text{ minutes}``, ``5 km`` not ``5 miles``,
+  ``5 \text{ m}^2`` not ``5 \text{ m}``; ``3 \text{ m/s}`` is ``3 \text{ meters per
+  second}``, ``30^\circ`` is ``30 \text{ degrees}``); no scale is converted (``5 km`` is not
+  ``5000 m``), and a count noun (apples, people) is no unit.
 * **Multiple choice.** Against a ground truth that is a letter A-E (``C``, ``(C)``), an
   answer that starts with a choice, as AMC solutions do (``\textbf{(C) }12``), is that
   choice, unless it names another one or says "or".
@@ -209,7 +214,7 @@ from typing import Any
 import fabric
 from fabric.protocol import RewardResult, Trajectory
 from functions.rewards.answer import MAX_ANSWER_CHARS, after_thinking, boxed_or_stated
-from functions.rewards.math_canonical import plain_unicode
+from functions.rewards.math_canonical import plain_unicode, unit_key
 from functions.rewards.math_fast import (
     Shape,
     Verdict,
@@ -476,6 +481,10 @@ def is_equivalent(pred: str, gt: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -
     p, g = canonical(pred), canonical(gt)
     if not p or not g:
         return False, "empty"
+    # canonical drops units: two answers that both carry one must carry the same (5 hours is
+    # not 5 minutes); a bare number against a unit is still the number
+    if (gu := unit_key(gt)) and (pu := unit_key(pred)) and pu != gu:  # a ground truth seldom has one
+        return False, "units"
     if "=" not in g:  # a value against a chain or a named value: its last side
         p = _last_side(p)
     elif "=" not in p:

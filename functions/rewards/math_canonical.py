@@ -313,6 +313,95 @@ def canonical(answer: str) -> str:
     return _plus_minus(_as_interval(s))
 
 
+# ----------------------------------------------------------------------------- units
+
+# what a unit word names, so that two answers that both carry a unit are compared with it
+# (5 hours is not 5 minutes, nor 5 km 5 miles: both were 5); the scale is not converted (5 km
+# is not 5000 m either). Count nouns (apples, people) name no unit and are left out, as is
+# "in", also a word of prose
+_UNIT_NAMES: dict[str, tuple[str, ...]] = {}
+for _key, _names in {
+    "mm": "mm millimeter millimeters millimetre millimetres",
+    "cm": "cm centimeter centimeters centimetre centimetres",
+    "m": "m meter meters metre metres",
+    "km": "km kilometer kilometers kilometre kilometres",
+    "inch": "inch inches",
+    "ft": "ft foot feet",
+    "yd": "yd yard yards",
+    "mi": "mi mile miles",
+    "mg": "mg milligram milligrams",
+    "g": "g gram grams",
+    "kg": "kg kilogram kilograms",
+    "lb": "lb lbs pound pounds",
+    "oz": "oz ounce ounces",
+    "ton": "ton tons",
+    "ml": "ml milliliter milliliters millilitre millilitres",
+    "l": "l liter liters litre litres",
+    "gal": "gallon gallons",
+    "cup": "cup cups",
+    "quart": "quart quarts",
+    "s": "s sec secs second seconds",
+    "min": "min mins minute minutes",
+    "h": "h hr hrs hour hours",
+    "day": "day days",
+    "week": "week weeks",
+    "month": "month months",
+    "year": "year years",
+    "dollar": "dollar dollars",
+    "cent": "cent cents",
+    "euro": "euro euros",
+    "deg": "deg degree degrees",
+    "rad": "rad radian radians",
+    "^2": "sq square",
+    "^3": "cubic",
+}.items():
+    _UNIT_NAMES.update(dict.fromkeys(_names.split(), (_key,)))
+_UNIT_NAMES |= {"mph": ("mi", "h"), "kph": ("km", "h"), "kmh": ("km", "h"), "sqft": ("^2", "ft")}
+_UNIT_SCAN = re.compile(
+    r"\\(?:text|textrm|mathrm|mbox|operatorname)\s*\{([^{}]*)\}(\s*\^\s*\{?[23]\}?)?"
+    r"|\\[A-Za-z]+"
+    r"|([A-Za-z]+(?:/[A-Za-z]+)?)(\s*\^\s*\{?[23]\}?)?"
+)
+_UNIT_WORD = re.compile(r"[A-Za-z]+(?:/[A-Za-z]+)?")
+_LETTER = re.compile(r"[A-Za-z°]")
+
+
+def _unit_names(word: str, bare: bool) -> list[str]:
+    """The units ``word`` names (``km/h``: km and h; ``meters``: m), none for a word that names
+    none or, ``bare`` (outside ``\\text{}``), a lone letter: a variable there."""
+    out: list[str] = []
+    for part in word.lower().split("/"):
+        if bare and "/" not in word and len(part) < 2:
+            return []
+        out += _UNIT_NAMES.get(part, ())
+    return out
+
+
+@_small_cache
+def unit_key(answer: str) -> tuple[str, ...]:
+    """The units an answer carries, sorted (``12 \\text{ ft}^2`` and ``12 square feet``:
+    ``("^2", "ft")``; ``30^\\circ``: ``("deg",)``); empty when it carries none (a power
+    alone, ``x^2``, is no unit)."""
+    if not _LETTER.search(answer):
+        return ()
+    s = plain_unicode(answer)
+    found: list[str] = ["deg"] if _DEGREES.search(s) else []
+    for m in _UNIT_SCAN.finditer(s):
+        if m[1] is not None:
+            words = [u for w in _UNIT_WORD.findall(m[1]) for u in _unit_names(w, bare=False)]
+            power = m[2]
+        elif m[3] is not None:
+            words, power = _unit_names(m[3], bare=True), m[4]
+        else:
+            continue
+        found += words
+        if words and power:
+            found.append("^3" if "3" in power else "^2")
+    if not any(u[0] != "^" for u in found):  # "square" alone names no unit
+        return ()
+    return tuple(sorted(found))
+
+
 # a relation of an inequality: "less" (<, \le...) or "greater", and whether it is strict
 _RELATION = re.compile(r"(<|>|≤|≥|\\(?:lt|le|leq|leqslant|gt|ge|geq|geqslant)(?![A-Za-z]))")
 _LESS = frozenset(["<", "≤", "\\lt", "\\le", "\\leq", "\\leqslant"])
