@@ -106,7 +106,8 @@ Equivalence, cheapest first:
    after a root sign are its braces: ``√(x+1)`` is ``\sqrt{x+1}``); ``\varnothing`` and ``\{\}`` are
    ``\emptyset``; ``a \pm b`` is the list ``a + b, a - b``, in a list element by element:
    ``\pm 2, \pm 3`` is ``2, -2, 3, -3`` and ``(\pm 1, 2)`` the two points). Equal strings are equal;
-   two plain numbers (integers, decimals, ``a/b``, ``\frac{a}{b}``, ``1e3``,
+   two plain numbers (integers, decimals, ``a/b``, ``\frac{a}{b}``, a mixed number,
+   ``3\frac{1}{2}`` or ``3 1/2``, ``1e3``,
    ``1 \times 10^3``, ``0.\overline{3}``) are compared exactly as fractions; two words are
    compared as normalised text. Intervals, tuples, sets and ``\cup`` unions are split into elements
    first, so a bracket or size mismatch is decided here too.
@@ -263,6 +264,8 @@ _A_NUMBER = (
     # a date is one value (2024-03-04: not 2024 and -03 and -04, the last of which was read)
     r"(?<![\d.])(?:\d{4}-\d{1,2}-\d{1,2}|\d{4}/\d{1,2}/\d{1,2}|\d{1,2}-\d{1,2}-\d{4}|\d{1,2}\.\d{1,2}\.\d{4})"
     r"(?!\d|\.\d)|"
+    # a mixed number is one number (1 1/2 cups: not 1 and 1/2, which was read)
+    r"(?<![\d.,/])[-+]?\d+[ \t]\d{1,2}/\d{1,2}(?![\d/]|\.\d)|"
     # a root of a number is one number, its coefficient with it (3\sqrt{2}: not 3 and 2)
     r"[-+]?(?:\d+(?:\.\d+)?[ \t]*)?\\sqrt(?:\[\d+\])?[ \t]*(?:\{[ \t]*\d+[ \t]*\}|\d+)|"
     # \frac{3}{4} is one number, not 3 and 4 (\frac{1,000}{2} too)

@@ -40,6 +40,8 @@ _SCI = re.compile(
     rf"^({_NUM})\s*(?:\\times|\\cdot|\*|x)\s*10\s*(?:\^|\*\*)\s*\{{?\s*([-+]?\d{{1,3}})\s*\}}?$"
 )
 _MIXED = re.compile(r"^([-+]?)(\d+)\s*\\frac\{(\d+)\}\{(\d+)\}$")
+# ... and typed: 1 1/2 is 1.5 (two numbers side by side were unparsable), its fraction proper
+_MIXED_SLASH = re.compile(r"^([-+]?)(\d+) +(\d+)/(\d+)$")
 _POW10 = re.compile(r"^10\s*\^\s*\{?\s*([-+]?\d{1,3})\s*\}?$")
 # a repeating decimal: 0.\overline{3} is 1/3, 1.2\overline{45} is 1.2454545...
 _REPEATING = re.compile(r"^([-+]?)(\d*)\.(\d{0,50})\\overline\s*\{(\d{1,50})\}$")
@@ -62,7 +64,8 @@ def as_fraction(s: str) -> Fraction | None:
             return -v if m[1] == "-" else v
         if m := _SCI.match(s):
             return Fraction(m[1]) * Fraction(10) ** int(m[2])
-        if (m := _MIXED.match(s)) and 0 < int(m[3]) < int(m[4]):  # 3\frac{1}{3} is 3 + 1/3
+        if ((m := _MIXED.match(s)) or (m := _MIXED_SLASH.match(s))) and 0 < int(m[3]) < int(m[4]):
+            # 3\frac{1}{3} is 3 + 1/3, as is 3 1/3
             v = int(m[2]) + Fraction(int(m[3]), int(m[4]))
             return -v if m[1] == "-" else v
         if m := _POW10.match(s):
