@@ -265,6 +265,7 @@ _VARIABLE = re.compile(r"[A-Za-z]")
 _BINOM_STYLE = re.compile(r"\\[dt]binom(?![A-Za-z])")
 _CHOOSE = re.compile(r"\{([^{}]*?)\\choose(?![A-Za-z])([^{}]*)\}")
 _SET_BRACE = re.compile(r"\\([lr])brace(?![A-Za-z])\s*")
+_REALS = re.compile(r"\\mathbb\s*\{?\s*R\s*\}?|\\R|\u211d")
 _EMPTY_SET = re.compile(r"\\varnothing\b|^\\\{\s*\\\}$")
 
 
@@ -310,6 +311,8 @@ def canonical(answer: str) -> str:
     if _THOUSANDS.match(s) or _SPACED_THOUSANDS.match(s):
         s = s.replace(",", "").replace(" ", "")
     s = _EMPTY_SET.sub(r"\\emptyset", s)
+    if _REALS.fullmatch(s):  # the real line is the interval it is (\mathbb{R} did not match it)
+        return "(-\\infty, \\infty)"
     return _plus_minus(_as_interval(s))
 
 
