@@ -192,8 +192,9 @@ _SIGNS = str.maketrans(
     # usually typed (2\u00b73 was unparsable, not 6), though it was once also a decimal point
     # (3\u00b714 is 42 here, not 3.14: no reading of it could be both)
     | {"\u00d7": " \\times ", "\u22c5": " \\cdot ", "\u00b7": " \\cdot ", "\u00f7": "/"}
-    # pi, infinity and the square root sign are their commands (2\u03c0 was not 2\\pi)
-    | {"\u03c0": "\\pi ", "\u221e": "\\infty ", "\u221a": "\\sqrt "}
+    # pi, infinity, the square root sign and the empty set are their commands (2\u03c0 was not
+    # 2\\pi, \u2205 not \\emptyset)
+    | {"\u03c0": "\\pi ", "\u221e": "\\infty ", "\u221a": "\\sqrt ", "\u2205": "\\emptyset "}
     # zero-width characters are not there (3\u200b is 3), nor a currency sign, as a dollar
     # sign is not (the euro, pound, yen and rupee signs: \u20ac5 is 5)
     | dict.fromkeys("\u200b\u200c\u200d\u2060\ufeff\u20ac\u00a3\u00a5\u20b9", "")
