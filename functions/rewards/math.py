@@ -197,7 +197,8 @@ Rules worth knowing:
   ``x_1x_2`` is ``x_1 \cdot x_2``); words that are not math
   functions are text, never multiplied-out symbols, and two answers made of letters only
   compare as text however short, their spaces word breaks (``on`` is not ``no``, ``ba`` is
-  not ``ab``, ``north east`` is not ``northeast``): a product is
+  not ``ab``, ``north east`` is not ``northeast``; a lone letter keeps its case, a variable's
+  or a point's: ``x`` is not ``X``): a product is
   written with an operator or a coefficient (``a \cdot b``, ``2ab``); a short word of prose
   beside math (``not 0``, ``0 or 1``, ``x is 0``) makes the answer unparsable, never a product
   of its letters. A numeral is read whole: ``03`` is 3 (``x + 03`` was ``x + 0 \cdot 3``),

@@ -267,6 +267,8 @@ def _fast_scalar(p: str, g: str) -> Verdict:
     # e alone is Euler's number (sympy's E), not the word "e"; a capital E alone is a choice
     pw, gw = p != "e" and bool(_WORD.match(p)), g != "e" and bool(_WORD.match(g))
     if pw and gw:  # two words are text, however short: sympy read "on" as o*n, which is "no"
+        if len(p) == 1 or len(g) == 1:  # a lone letter is a variable or a point: x is not X
+            return p == g, "text"
         return normalize(p) == normalize(g), "text"
     if (pw and b is not None) or (gw and a is not None):
         return False, "text"
