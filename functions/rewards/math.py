@@ -145,7 +145,9 @@ Rules worth knowing:
   ``2^{64}``, while ``0.3333333333`` is ``1/3``. A decimal inside an expression (decided by
   sympy: ``(123456789013.0)``, ``123456789100.0 \cdot 1``) is read as the exact number it
   spells and must equal such a ground truth exactly. The tolerance stays against a ground
-  truth that is irrational (``\pi`` against 15 digits) or itself a decimal. An infinity
+  truth that is irrational (``\pi`` against 15 digits) or itself a decimal. A decimal cut
+  short with an ellipsis (``0.999...``, ``3.14...``, also as the last number of a text) is not
+  its digits, and matches only itself (``0.999...`` is not ``0.999``). An infinity
   (``\infty``, ``-\infty``) equals only itself; a huge finite number (``9^{999}``,
   ``e^{1000}``) is compared as any other number.
 * **Percentages.** When exactly one side has a ``%`` (or ``\%``, "percent"), its number
@@ -423,6 +425,9 @@ def extract_final(text: str) -> tuple[str | None, str]:
         return value, "last_math"
     number = numbers[-1] if numbers else None
     if number is not None:
+        if "." in number.group() and text.startswith("...", number.end()):
+            # a decimal cut short ("It is 3.14...") is not its digits: canonical keeps it so
+            return number.group() + "...", "last_number"
         return number.group(), "last_number"
     return None, "none"
 

@@ -266,6 +266,7 @@ _VARIABLE = re.compile(r"[A-Za-z]")
 _BINOM_STYLE = re.compile(r"\\[dt]binom(?![A-Za-z])")
 _CHOOSE = re.compile(r"\{([^{}]*?)\\choose(?![A-Za-z])([^{}]*)\}")
 _SET_BRACE = re.compile(r"\\([lr])brace(?![A-Za-z])\s*")
+_TRUNCATED = re.compile(r"\d\.\d+\.{3,}$")
 _REALS = re.compile(r"\\mathbb\s*\{?\s*R\s*\}?|\\R|\u211d")
 _EMPTY_SET = re.compile(r"\\varnothing\b|^\\\{\s*\\\}$")
 
@@ -295,7 +296,10 @@ def canonical(answer: str) -> str:
     s = s.replace("\\%", "%").replace("\\percent", "%")
     s = _PERCENT_WORD.sub("%", s)
     s = _strip_text(s)
-    s = s.strip().rstrip(".").strip()
+    s = s.strip()
+    # a sentence's period goes, not a decimal's ellipsis: 0.999... is not 0.999 (it is 1), and
+    # 3.14... is not 3.14; it is left to match only itself (42... is 42, a pause)
+    s = s if _TRUNCATED.search(s) else s.rstrip(".").strip()
     s = _HEDGE.sub("", s)
     if any(c.isdigit() for c in s):
         stripped = _strip_units(s).strip()
