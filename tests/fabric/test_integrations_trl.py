@@ -153,6 +153,12 @@ def test_a_null_in_a_required_column_fails_its_row_only(fake, caplog):
         assert reward.adapter.stats["failure_scored"] == 1
     with trl_reward("with_tests", registry=REG, backend_instance=FakeBackend(REG)) as reward:
         assert reward(prompts=["p"], completions=["a"], tests=[None]) == [None]  # every row null
+    reward = trl_async_reward("with_tests", registry=REG, backend_instance=FakeBackend(REG))
+    try:  # the async variant alike
+        out = asyncio.run(reward(prompts=["p"] * 2, completions=["a"] * 2, tests=[["a"], None]))
+        assert out == [1.0, None]
+    finally:
+        reward.close()
 
 
 def test_trl_batch_goes_out_concurrently_within_its_deadline(fake):
