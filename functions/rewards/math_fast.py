@@ -290,7 +290,9 @@ def compare(pred: str, gt: str, scalar: Callable[[str, str], Verdict]) -> Verdic
 
 # one number in groups of three alone in brackets: (1,000) is the point (1, 0), the number
 # 1000 in parentheses, or an accountant's -1000; \{1,000\} the set {1, 0} or {1000}
-_GROUPED_ALONE = re.compile(r"(?:[(\[]|\\\{)\d{1,3}(?:,\d{3})+(?:\.\d+)?(?:[)\]]|\\\})")
+# (a pair of brackets: [1,500) is an interval; and no leading 0: (0,100) is one too)
+_GROUPED = r"[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?"
+_GROUPED_ALONE = re.compile(rf"\({_GROUPED}\)|\[{_GROUPED}\]|\\\{{{_GROUPED}\\\}}")
 
 
 def _compare_read(pred: str, gt: str, scalar: Callable[[str, str], Verdict]) -> Verdict:
