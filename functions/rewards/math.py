@@ -95,7 +95,9 @@ Equivalence, cheapest first:
    where a comma lists nothing: ``\frac{1,000}{2}`` is 500; a set's or a point's comma lists
    its elements, and one number in groups of three alone in brackets, ``(1,000)``,
    ``\{1,000\}``, matches only itself: not 1000, nor -1000 (an accountant's), nor the
-   point ``(1, 0)``; a decimal point is one, ``1.000`` is 1 and ``1,5`` a list; and of an
+   point ``(1, 0)``; a decimal point is one, ``1.000`` is 1 and ``1,5`` a list, and LaTeX's
+   ``{,}`` separates thousands only before three digits (``3{,}5`` is a decimal comma, left
+   as written); and of an
    operand of arithmetic, ``\times``, ``\cdot``, ``\div``, ``*``,
    ``/``, ``+``, ``-``, in an answer with no other comma and no bracket: ``2 \times 1,000`` is
    2000, ``2 \times 1,000, 3`` a list) and zero-width characters removed; the signs U+00D7,

@@ -266,6 +266,7 @@ _VARIABLE = re.compile(r"[A-Za-z]")
 _BINOM_STYLE = re.compile(r"\\[dt]binom(?![A-Za-z])")
 _CHOOSE = re.compile(r"\{([^{}]*?)\\choose(?![A-Za-z])([^{}]*)\}")
 _SET_BRACE = re.compile(r"\\([lr])brace(?![A-Za-z])\s*")
+_BRACED_THOUSANDS = re.compile(r"(?<=\d)\{,\}(?=\d{3}(?!\d))")
 _TRUNCATED = re.compile(r"\d\.\d+\.{3,}$")
 _REALS = re.compile(r"\\mathbb\s*\{?\s*R\s*\}?|\\R|\u211d")
 _EMPTY_SET = re.compile(r"\\varnothing\b|^\\\{\s*\\\}$")
@@ -286,7 +287,9 @@ def canonical(answer: str) -> str:
     s = _BINOM_STYLE.sub(r"\\binom", s)
     s = _CHOOSE.sub(r"\\binom{\1}{\2}", s)
     s = _SET_BRACE.sub(lambda m: "\\{" if m[1] == "l" else "\\}", s)
-    s = s.replace("{,}", "")
+    # {,} is a thousands separator before a group of three (1{,}000), else a decimal comma
+    # (3{,}5, German LaTeX's 3.5), which is left: it was dropped, and 3{,}5 matched 35
+    s = _BRACED_THOUSANDS.sub("", s) if "{,}" in s else s
     s = _ARGUMENT.sub(lambda m: _GROUPED.sub(lambda g: g[0].replace(",", ""), m[0]), s)
     if "," in s and _GROUPED_OPERAND.search(s) and not _LISTS.search(_GROUPED.sub("", s)):
         s = _GROUPED.sub(lambda g: g[0].replace(",", ""), s)
