@@ -73,9 +73,9 @@ def array_value(value: Any) -> Any:
     ``TypeError`` for anything else. The fabric's own function, imported on first use: the
     fabric's import costs a container's start about 0.2 s, and only an environment that
     hands such values over needs it."""
-    from fabric.protocol import _array_fallback
+    from fabric.protocol import array_fallback
 
-    return _array_fallback(value)
+    return array_fallback(value)
 
 
 def encode(msg: dict[str, Any]) -> bytes:

@@ -40,7 +40,7 @@ def new_request_id() -> str:
 _ARRAY_MODULES = frozenset({"numpy", "torch", "jax", "jaxlib", "cupy"})
 
 
-def _array_fallback(value: Any) -> Any:
+def array_fallback(value: Any) -> Any:
     """``pydantic_core.to_json``'s fallback, called only for a type it cannot write: an
     array library's scalar or array as the Python value ``tolist()`` gives (a 0-d one a
     float, int or bool; an array nested lists). Anything else is refused as before."""
@@ -54,8 +54,8 @@ def _array_fallback(value: Any) -> Any:
 def to_strict_json(value: Any) -> bytes:
     """JSON bytes of ``value``; ``ValueError`` for NaN/Infinity, which JSON cannot carry
     (pydantic-core would write the non-standard ``NaN`` token that Lambda rejects). numpy,
-    torch and jax scalars and arrays are written as their values (``_array_fallback``)."""
-    raw = pydantic_core.to_json(value, inf_nan_mode="constants", fallback=_array_fallback)
+    torch and jax scalars and arrays are written as their values (``array_fallback``)."""
+    raw = pydantic_core.to_json(value, inf_nan_mode="constants", fallback=array_fallback)
     # the tokens are rare; only then pay for a strict parse to tell them from text in strings
     if b"NaN" in raw or b"Infinity" in raw:
         try:
