@@ -15,6 +15,7 @@ import importlib
 import importlib.machinery
 import importlib.util
 import inspect
+import os
 import pkgutil
 import sys
 import warnings
@@ -45,6 +46,11 @@ CODE_ATTR = "__fabric_code__"
 #: A loader class's mark (True) that the module it loads is the kept text of a registered one,
 #: which its ``get_data(path)`` returns: a worker's (``fabric.backends._pool_snapshot``)
 KEPT_SOURCE_ATTR = "fabric_kept_source"
+#: The text of each module file this process imports in place of the file (a worker's
+#: kept modules, ``fabric.backends._pool_snapshot.install``), by its real path: a version
+#: computed here reads it for the modules beside a function's, as it does the function's
+#: own module through its loader, and a pool started here keeps it for its own workers.
+KEPT_TEXTS: dict[Path, bytes] = {}
 _FILE_MODULE_PREFIX = "_fabric_file_"
 
 
@@ -161,6 +167,16 @@ class ModuleSource:
     """sha256 of ``data``: what a version hashes of it."""
 
 
+def _plain_loader(loader: Any) -> bool:
+    """Whether ``loader`` compiles the text its ``get_data`` reads from the file: Python's
+    own source loader (the exact class: a subclass may compile other text, an import hook),
+    or the worker's loader of a kept module, marked (``KEPT_SOURCE_ATTR``)."""
+    return (
+        type(loader) is importlib.machinery.SourceFileLoader
+        or getattr(type(loader), KEPT_SOURCE_ATTR, False) is True
+    )
+
+
 @dataclass(frozen=True)
 class FunctionCode:
     """The code of a registered function as it was registered: its version, and the module
@@ -170,8 +186,12 @@ class FunctionCode:
     modules: tuple[ModuleSource, ...] = ()
     beside: tuple[tuple[str, str], ...] = ()
     """The modules beside those that the version hashes too, as (name in a deploy package,
-    path): what they import from their own directory (``fabric.siblings``). Not kept: a
-    worker imports them as they are when it starts."""
+    path): what they import from their own directory (``fabric.siblings``)."""
+    helpers: tuple[ModuleSource, ...] = ()
+    """The module files under ``beside`` as the version hashed them, each by its module
+    name: kept as ``modules`` are, those that are ``plain``. Not plain: a module that
+    ``import`` does not find there (another of its name comes first), or that this process
+    imported through an import hook."""
 
 
 def _module_source(module_name: str) -> ModuleSource | None:
@@ -197,18 +217,16 @@ def _module_source(module_name: str) -> ModuleSource | None:
             data = inspect.getsource(module).encode()  # type: ignore[arg-type]
     except (OSError, TypeError, ImportError):  # no source: a .pyc alone, an extension module
         return None
-    # the exact class: a subclass may compile other text than the file's (an import hook).
-    # Or the worker's loader of a kept module, marked: its get_data gave the text it compiled,
-    # so a pool started in a worker sends its own workers that text, not the file as it is now
-    plain = (
-        type(loader) is importlib.machinery.SourceFileLoader
-        or by_path
-        or getattr(type(loader), KEPT_SOURCE_ATTR, False) is True
-    )
-    # the file is read for each function decorated in it (what it holds when that one is
-    # registered), but kept once: a module of 200 functions would otherwise keep 200 copies
-    # (and hash each). By content, not by the file's stat: an edit within its timestamp's
-    # granularity, the same size, is another text
+    # the worker's loader of a kept module is plain too: its get_data gave the text it
+    # compiled, so a pool started in a worker sends its own workers that text, not the file
+    return _shared(name, path, data, _plain_loader(loader) or by_path)
+
+
+def _shared(name: str, path: str, data: bytes, plain: bool) -> ModuleSource:
+    """The module file ``path`` read as ``data``, kept once: the file is read for each
+    function decorated in it (what it holds when that one is registered), and a module of
+    200 functions would otherwise keep 200 copies (and hash each). By content, not by the
+    file's stat: an edit within its timestamp's granularity, the same size, is another text."""
     last = _LAST_READ.get(path)
     if last is not None and (last.name, last.plain) == (name, plain) and last.data == data:
         return last
@@ -217,8 +235,8 @@ def _module_source(module_name: str) -> ModuleSource | None:
     return source
 
 
-#: The last text read of each module file that defined a registered function (by its path),
-#: while a function's code holds it.
+#: The last text read of each module file that a registered function's code holds (its
+#: module's, a helper's beside it), by its path, while one holds it.
 _LAST_READ: weakref.WeakValueDictionary[str, ModuleSource] = weakref.WeakValueDictionary()
 
 
@@ -234,11 +252,12 @@ def capture_code(*objs: Callable[..., Any] | None) -> FunctionCode:
     import, so the version names exactly the code they run. The cost: any edit of the file
     (a comment, another function) is a new version of each function in it.
 
-    The modules they import from their own directory are in the version too (not kept):
-    ``fabric deploy`` ships them beside the function's module, and a helper edited under an
-    unchanged version let a deployment of the old helper answer as the caller's code. Other
-    modules they import (installed ones, the other modules of their own package) are in
-    neither: keep in the function's module, or beside it, what must not change unseen."""
+    The modules they import from their own directory are in the version too, and kept
+    with it (``FunctionCode.helpers``): ``fabric deploy`` ships them beside the function's
+    module, and a helper edited under an unchanged version let a deployment of the old
+    helper answer as the caller's code. Other modules they import (installed ones, the
+    other modules of their own package) are in neither: keep in the function's module, or
+    beside it, what must not change unseen."""
     h = hashlib.sha256()
     modules: dict[str, ModuleSource | None] = {}
     for obj in objs:
@@ -255,46 +274,111 @@ def capture_code(*objs: Callable[..., Any] | None) -> FunctionCode:
     kept = tuple(m for m in modules.values() if m is not None)
     for m in kept:
         h.update(m.digest)
-    digest, beside = _beside_all(kept, next(iter(modules), None))
-    h.update(digest)
-    return FunctionCode(h.hexdigest()[:12], kept, beside)
+    beside = _beside_all(kept, next(iter(modules), None))
+    h.update(beside.digest)
+    return FunctionCode(h.hexdigest()[:12], kept, beside.roots, beside.helpers)
+
+
+@dataclass(frozen=True)
+class _Beside:
+    """The modules beside a function's (``_beside_all``)."""
+
+    digest: bytes
+    """What the version hashes of them (``b""`` for none)."""
+    roots: tuple[tuple[str, str], ...]
+    """``FunctionCode.beside``."""
+    helpers: tuple[ModuleSource, ...]
+    """``FunctionCode.helpers``."""
 
 
 #: The last ``_beside_all`` answer, for the module body that asked (its code object's), and
 #: the kept modules it was for: a module of many functions walks the modules beside it once
 #: as it runs, not once for each function (a package beside it of 300 files took 40 ms).
 #: A new run of the body (a reload, a worker's import) is another code object: read anew.
+#: The helpers' texts are held by the functions' code, not here (weakly, as ``_LAST_READ``).
 _BESIDE_LAST: (
-    tuple[weakref.ref[CodeType], tuple[tuple[str, bytes], ...], bytes, tuple[tuple[str, str], ...]] | None
+    tuple[
+        weakref.ref[CodeType],
+        tuple[tuple[str, bytes], ...],
+        bytes,
+        tuple[tuple[str, str], ...],
+        tuple[weakref.ref[ModuleSource], ...],
+    ]
+    | None
 ) = None
 
 
-def _beside_all(
-    kept: tuple[ModuleSource, ...], module_name: str | None
-) -> tuple[bytes, tuple[tuple[str, str], ...]]:
-    """The hash of the modules beside ``kept`` (``_beside``; ``b""`` for none), and those."""
+def _beside_all(kept: tuple[ModuleSource, ...], module_name: str | None) -> _Beside:
+    """The modules beside ``kept`` (``_beside``): their hash and their texts, from one
+    listing (``fabric.siblings.sources``), so the version names exactly the code kept."""
     global _BESIDE_LAST
     key = tuple((m.path, m.digest) for m in kept)
     body = _running_body(module_name)
     last = _BESIDE_LAST
     if body is not None and last is not None and last[0]() is body and last[1] == key:
-        return last[2], last[3]
+        held = tuple(ref() for ref in last[4])
+        if all(h is not None for h in held):
+            return _Beside(last[2], last[3], held)  # type: ignore[arg-type]
     found: dict[str, Path] = {}
-    # a module kept is read as kept (a setup hook's module beside the function's): a worker
+    # a module kept is read as kept (a setup hook's module beside the function's), and so is
+    # what this process imported in place of a file (a worker's kept helpers): a worker
     # imports that text, and computes its version from it
-    texts = siblings.Texts({Path(m.path).resolve(): m.data for m in kept})
+    texts = siblings.Texts({**KEPT_TEXTS, **{Path(m.path).resolve(): m.data for m in kept}})
+    listed: list[tuple[str, Path, bytes]] = []
     try:
         for m in kept:
             found.update(_beside(m, texts))
-        digest = siblings.digest(found.items(), texts) if found else b""
+        listed = siblings.sources(found.items(), texts)
+        digest = siblings.digest(listed) if found else b""
     except (siblings.CodeTreeError, OSError) as e:
         # a link that loops or leads nowhere (which the deploy refuses), a file unreadable:
-        # the version says so, as the same text wherever it is computed
+        # the version says so, as the same text wherever it is computed (and nothing is kept)
         digest = f"{type(e).__name__}: {e}".encode()
-    beside = tuple((arc, str(p)) for arc, p in sorted(found.items()))
+        listed = []
+    helpers = _helpers(listed, found)
+    beside = _Beside(digest, tuple((arc, str(p)) for arc, p in sorted(found.items())), helpers)
     if body is not None:
-        _BESIDE_LAST = (weakref.ref(body), key, digest, beside)
-    return digest, beside
+        _BESIDE_LAST = (weakref.ref(body), key, digest, beside.roots, tuple(weakref.ref(h) for h in helpers))
+    return beside
+
+
+def _helpers(listed: list[tuple[str, Path, bytes]], found: dict[str, Path]) -> tuple[ModuleSource, ...]:
+    """The module files ``listed`` (``fabric.siblings.sources``, under the roots ``found``)
+    as kept: each by the name a worker imports it as (``helpers.py``: ``helpers``,
+    ``pkg/sub/__init__.py``: ``pkg.sub``)."""
+    found_here = {arc: _found_by_import(arc, root) for arc, root in found.items()}
+    helpers = []
+    for arc, path, data in listed:
+        parts = arc.removesuffix(".py").split(os.sep)
+        if len(parts) > 1 and parts[-1] == "__init__":
+            parts.pop()
+        name = ".".join(parts)
+        imported = sys.modules.get(name)
+        # a module imported already, through an import hook: a worker's import is the hook's
+        plain = found_here[arc.partition(os.sep)[0]] and (
+            imported is None or _plain_loader(getattr(imported, "__loader__", None))
+        )
+        helpers.append(_shared(name, str(path), data, plain))
+    return tuple(helpers)
+
+
+def _found_by_import(arc: str, root: Path) -> bool:
+    """Whether ``import`` finds the module or package ``root`` (a root of the modules beside
+    a function's, ``arc`` its archive name) under its name, by Python's own loader: where
+    another module of its name comes first on sys.path (or was imported already), a worker
+    imports that one, and keeping this one's text would replace it there."""
+    name = arc.removesuffix(".py")
+    try:
+        spec = importlib.util.find_spec(name)  # sys.modules' if imported, else found, not imported
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    if spec.origin is None or not spec.has_location:  # a namespace package
+        found = spec.submodule_search_locations or ()
+        return root.resolve() in {Path(p).resolve() for p in found}
+    file = root / "__init__.py" if root.is_dir() else root
+    return Path(spec.origin).resolve() == file.resolve() and _plain_loader(spec.loader)
 
 
 def _running_body(module_name: str | None) -> CodeType | None:

@@ -112,17 +112,27 @@ def beside(found: dict[str, Path], texts: Texts | None = None) -> Iterator[tuple
             todo += sorted(siblings(path, texts).items(), reverse=True)
 
 
-def digest(roots: Iterable[tuple[str, Path]], texts: Texts | None = None) -> bytes:
-    """A hash of the modules (.py files) under ``roots`` (archive name, path), by their
-    archive names: what a version takes of the modules shipped beside a function's. Their
-    data files are not in it, as the function's own package's are not."""
+def sources(roots: Iterable[tuple[str, Path]], texts: Texts | None = None) -> list[tuple[str, Path, bytes]]:
+    """The modules (.py files) under ``roots`` (archive name, path) as (archive name, file,
+    text), in their archive names' order: what a version hashes of the modules shipped
+    beside a function's (``digest``), and what a local pool keeps of them for its workers
+    (``fabric.registry.capture_code``), one reading for both. Their data files are not in
+    it, as the function's own package's are not."""
     read = texts or Texts()
+    return [
+        (name, source, read(source))
+        for arc, path in sorted(set(roots))
+        for source, name in files(path, arc)
+        if source.suffix == ".py"
+    ]
+
+
+def digest(listed: Iterable[tuple[str, Path, bytes]]) -> bytes:
+    """A hash of the modules ``listed`` (``sources``'), by their archive names."""
     h = hashlib.sha256()
-    for arc, path in sorted(set(roots)):
-        for source, name in files(path, arc):
-            if source.suffix == ".py":
-                h.update(f"{name}\0".encode())
-                h.update(hashlib.sha256(read(source)).digest())
+    for name, _, data in listed:
+        h.update(f"{name}\0".encode())
+        h.update(hashlib.sha256(data).digest())
     return h.digest()
 
 

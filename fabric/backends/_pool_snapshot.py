@@ -6,30 +6,37 @@ replacement of one that crashed or ran past its timeout. Each imports the functi
 its module file changed since it was registered (a ``git checkout`` in the working copy), it
 would import other code, and the pool refuses such a worker as stale (its version differs):
 right for the rewards' integrity, but with every worker gone, every call fails. So the
-module files a function's version hashes (its own module's, its setup hook's: see
-``fabric.registry.capture_code``) are read when it is registered, kept by its pool in
-memory, and sent to each worker with its start; the worker imports that text under the
-module's own name:
+module files a function's version hashes (its own module's, its setup hook's, and the
+helper modules and packages they import from their own directory, ``fabric deploy``'s
+siblings, transitively: see ``fabric.registry.capture_code``) are read when it is
+registered, kept by its pool in memory, and sent to each worker with its start; the worker
+imports that text under the module's own name (a helper package's each module under its
+dotted name):
 
 * the module's ``__name__``, ``__package__`` and ``__file__`` are its own: relative imports
   resolve in its package (a regular or a namespace package; a function in a package's
   ``__init__.py`` keeps the package's ``__path__``), and data read beside ``__file__`` is
   found (as it is on disk now: only the source is kept);
 * a traceback, ``inspect.getsource`` and the worker's version read the kept text, not the
-  file (``linecache`` holds it under the file's name);
+  file (``linecache`` holds it under the file's name; the helpers' for the version,
+  ``fabric.registry.KEPT_TEXTS``): the helpers' texts are those the version hashed, one
+  listing for both (``fabric.siblings.sources``);
 * no bytecode is read or written for it: the file's ``__pycache__`` is the file's as it is
   now;
-* other modules (a helper module the function imports, the package's ``__init__.py`` of a
-  function in a submodule) are imported as they are on disk when the worker starts. Those
-  it imports from its own directory are in its version (``fabric.siblings``): one edited
-  since makes a new worker's version differ, and the pool refuses it as stale.
+* other modules (an installed one, the other modules of a function's own package, its
+  ``__init__.py`` for a function in a submodule) are imported as they are on disk when the
+  worker starts: they are not in its version either. A helper beside that ``import`` does
+  not find (another module of its name comes first on sys.path) is not kept: the worker
+  imports what this process imported.
 
 A pool started in a worker (a function that starts a ``Client`` of its own) keeps the text
 that worker imported, for its own workers: the loader here is marked so
 (``fabric.registry.KEPT_SOURCE_ATTR``). A module that is not a plain ``.py`` file read by
-Python's own source loader (from a zip, through an import hook) is imported as it is then;
-the stale refusal stays as the backstop, saying so. Nothing is written to disk: nothing is
-left behind when the pool closes.
+Python's own source loader (from a zip, through an import hook), or a helper not kept, is
+imported as it is then; the stale refusal stays as the backstop, saying so. So does a
+helper's file removed, or a module added to a helper package, since: the worker's version
+lists the modules beside as they are on disk. Nothing is written to disk: nothing is left
+behind when the pool closes.
 """
 
 from __future__ import annotations
@@ -39,25 +46,37 @@ import importlib.machinery
 import importlib.util
 import io
 import linecache
+import os
 import sys
 from collections.abc import Iterable
 from importlib.machinery import ModuleSpec
 from pathlib import Path
 from types import ModuleType
 
-from fabric.registry import FunctionCode, file_module_name
+from fabric.registry import KEPT_TEXTS, FunctionCode, file_module_name
 
 #: What a pool sends a worker: (name as imported, its file, the file's registered bytes).
 Snapshot = list[tuple[str, str, bytes]]
 
 
 def snapshot_of(code: FunctionCode | None) -> tuple[Snapshot, list[str]]:
-    """The modules of ``code`` a worker can import as registered, and the names of those
-    it cannot (imported as they are when the worker starts)."""
+    """The modules of ``code`` a worker can import as registered (its own, its setup hook's,
+    the helpers beside them), and the names of those it cannot (imported as they are when
+    the worker starts): a helper by its top-level module or package."""
     if code is None:
         return [], []
-    kept = [(m.name, m.path, m.data) for m in code.modules if m.plain]
-    return kept, [m.name for m in code.modules if not m.plain]
+    kept: Snapshot = []
+    unkept: list[str] = []
+    names: set[str] = set()
+    for helper, m in [(False, m) for m in code.modules] + [(True, m) for m in code.helpers]:
+        if m.name in names:  # a setup hook's module beside the function's is a helper too
+            continue
+        names.add(m.name)
+        if m.plain:
+            kept.append((m.name, m.path, m.data))
+        elif (name := m.name.partition(".")[0] if helper else m.name) not in unkept:
+            unkept.append(name)
+    return kept, unkept
 
 
 def _lines(data: bytes) -> list[str]:
@@ -120,10 +139,20 @@ def install(snapshot: Iterable[tuple[str, str, bytes]], entry: str) -> None:
     registered text from now on."""
     modules: dict[str, tuple[str, bytes]] = {}
     for name, path, data in snapshot:
-        modules[file_module_name(Path(name)) if name.endswith(".py") else name] = (path, data)
+        # a script's path (absolute, import_name_of's), or a module's name (a helper
+        # package's module py.py is pkg.py)
+        by_path = name.endswith(".py") and os.path.isabs(name)
+        modules[file_module_name(Path(name)) if by_path else name] = (path, data)
         # a traceback, inspect.getsource (the worker's version is computed from it) read
         # these lines; an entry without a modification time is never checked against the file
-        linecache.cache[path] = (len(data), None, _lines(data), path)
+        try:
+            linecache.cache[path] = (len(data), None, _lines(data), path)
+        except (SyntaxError, UnicodeDecodeError, LookupError):
+            # not text Python reads (a module of a helper package no one imports, in another
+            # encoding): its import fails as the file's would, if it is ever imported
+            pass
+        # and the version of the helpers beside the function's module reads their text here
+        KEPT_TEXTS[Path(path).resolve()] = data
     if not modules:
         return
     sys.meta_path.insert(0, _RegisteredSourceFinder(modules))

@@ -164,9 +164,10 @@ class PoolWorkers(PoolDispatch):
 
     def _on_stale(self, w: WorkerHandle, version: str) -> None:
         """A worker imported other code than the code registered. The workers import the
-        registered source of the function's module (and its setup hook's) where it was kept
-        (``_pool_snapshot``), so this is a module whose source was not (from a zip, through
-        an import hook) changed since. Serving it would run another function under this name
+        registered source of the function's module (its setup hook's, the helpers beside
+        them) where it was kept (``_pool_snapshot``), so this is a module whose source was
+        not (from a zip, through an import hook) changed since, or a helper removed or added
+        beside. Serving it would run another function under this name
         (and its version, which keys the calls), beside the older workers' code, silently:
         it is refused as a failed setup is, so its calls fail when no other worker serves
         them, saying what to do."""
@@ -180,7 +181,8 @@ class PoolWorkers(PoolDispatch):
         elif self._unkept:
             why = (
                 f"; {', '.join(self._unkept)} is not a plain .py file read by Python's own loader "
-                "(a zip, an import hook), so its registered source is not kept for the workers"
+                "(a zip, an import hook, another module of its name found first), so its "
+                "registered source is not kept for the workers"
             )
         else:
             why = ""

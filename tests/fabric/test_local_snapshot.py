@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.machinery
+import importlib.util
 import itertools
 import os
 import sys
@@ -503,34 +505,147 @@ async def test_a_pool_started_in_a_worker_runs_the_registered_code_after_the_fil
     assert r.value["inner"]["pid"] != r.value["pid"]  # the inner call ran in a nested worker
 
 
-async def test_a_helper_module_beside_edited_since_makes_a_new_worker_stale(modules):
+async def test_a_pool_started_in_a_worker_keeps_the_helpers_as_registered(modules):
+    """A helper beside the module, edited since, is the registered text in the worker (its
+    version reads it there), and a pool started in the worker keeps that text too."""
+    tmp, prefix = modules
+    name = f"{prefix}_fn"
+    helper = tmp / f"{prefix}_helper.py"
+    _write(helper, "CODE = 'v1'\n")
+    text = textwrap.dedent(_NESTED.format(name=name, code="v1"))
+    _write(tmp / f"{prefix}.py", text.replace('CODE = "v1"', f"from {prefix}_helper import CODE"))
+    reg = Registry()
+    reg.discover(prefix)
+    _write(helper, "CODE = 'v2'\n")
+    async with LocalBackend(reg, LocalConfig(max_workers=1)) as b:
+        r = await asyncio.wait_for(b.submit(Invocation(function=f"{name}_outer", payload={})), 60)
+    assert r.ok, r.error
+    assert (r.value["code"], r.value["inner"]["code"]) == ("v1", "v1"), r.value
+
+
+_ANSWER_WHICH = """
+@fabric.function(name="{name}", max_concurrency=1, warm=1)
+def answer(die: bool = False) -> dict:
+    if die:
+        import os
+
+        os._exit(9)
+    return {{"helper": which(), "file": which.__code__.co_filename}}
+"""
+
+
+def _answer_which(name: str, imports: str) -> str:
+    return f"import fabric\n{imports}\n\n" + textwrap.dedent(_ANSWER_WHICH.format(name=name))
+
+
+async def _edited_helpers_change_nothing(
+    tmp: Path, prefix: str, edits: dict[Path, str], *, which_in: Path
+) -> None:
+    """The function ``{prefix}_fn`` answers v1, ``edits`` are written, its worker is lost: a
+    new worker answers v1 from the registered text of ``which_in``."""
+    name = f"{prefix}_fn"
+    reg = Registry()
+    reg.discover(prefix)
+    async with LocalBackend(reg, LocalConfig(max_workers=1, setup_failure_cooldown_s=60)) as b:
+        assert (await _call(b, name)).value == {"helper": "v1", "file": str(which_in)}
+        for path, text in edits.items():
+            _write(path, text)
+        await _lose_the_worker(b, name, "die")
+        again = await _call(b, name)
+        assert again.ok, again.error
+        assert again.value == {"helper": "v1", "file": str(which_in)}, again.value
+
+
+async def test_a_helper_module_beside_edited_since_runs_as_registered(modules):
     """A module the function's module imports from its own directory is in its version
-    (``fabric.siblings``: ``fabric deploy`` ships it beside), not kept: edited since, a
-    replacement worker imported other code under the registered version, silently. It is
-    refused as stale, saying what may have changed."""
+    (``fabric.siblings``: ``fabric deploy`` ships it beside) but was not kept: edited since,
+    every replacement worker imported the new text, its version differed and it was refused
+    as stale (SetupFailed, which ends a training job). It is kept as the function's module
+    is: the new worker imports the registered text, under its own name and file."""
+    tmp, prefix = modules
+    helper = tmp / f"{prefix}_helper.py"
+    _write(helper, "def which() -> str:\n    return 'v1'\n")
+    _write(tmp / f"{prefix}.py", _answer_which(f"{prefix}_fn", f"from {prefix}_helper import which"))
+    await _edited_helpers_change_nothing(
+        tmp, prefix, {helper: "def which() -> str:\n    return 'v2'\n"}, which_in=helper
+    )
+
+
+async def test_a_helper_a_helper_imports_runs_as_registered(modules):
+    """What a helper imports from the same directory (here lazily, inside a function) is
+    in the version too, and kept with it."""
+    tmp, prefix = modules
+    first, second = tmp / f"{prefix}_first.py", tmp / f"{prefix}_second.py"
+    _write(first, f"def which() -> str:\n    from {prefix}_second import WHICH\n\n    return WHICH\n")
+    _write(second, "WHICH = 'v1'\n")
+    _write(tmp / f"{prefix}.py", _answer_which(f"{prefix}_fn", f"from {prefix}_first import which"))
+    edits = {
+        second: "WHICH = 'v2'\n",
+        first: "def which() -> str:\n    return 'v2'\n",
+    }
+    await _edited_helpers_change_nothing(tmp, prefix, edits, which_in=first)
+
+
+async def test_a_helper_package_beside_runs_as_registered(modules):
+    """A package beside the function's module (a directory with ``__init__.py``): each of
+    its modules is kept, with its relative imports; ``py.py`` is a module of it, not a
+    script's path. One no worker imports, and that Python cannot read, does not stop it."""
+    tmp, prefix = modules
+    pkg = tmp / f"{prefix}_pkg"
+    _write(pkg / "__init__.py", "from .core import which\n")
+    _write(pkg / "core.py", "from . import py\n\n\ndef which() -> str:\n    return py.WHICH\n")
+    _write(pkg / "py.py", "WHICH = 'v1'\n")
+    (pkg / "latin.py").write_bytes(b"X = '\xe9'\n")  # not UTF-8, never imported: kept, not read
+    _write(tmp / f"{prefix}.py", _answer_which(f"{prefix}_fn", f"from {prefix}_pkg import which"))
+    edits = {
+        pkg / "__init__.py": "def which() -> str:\n    return 'v2'\n",
+        pkg / "core.py": "def which() -> str:\n    return 'v2'\n",
+        pkg / "py.py": "WHICH = 'v2'\n",
+    }
+    await _edited_helpers_change_nothing(tmp, prefix, edits, which_in=pkg / "core.py")
+
+
+async def test_a_module_beside_that_import_does_not_find_is_not_kept(modules):
+    """A module beside the function's that ``import`` does not find (another of its name
+    comes first on sys.path) is in the version, as ``fabric deploy`` ships it, but a worker
+    imports what this process imported: its kept text would have replaced the other."""
+    tmp, prefix = modules
+    first = tmp / "first"
+    _write(first / f"{prefix}_helper.py", "def which() -> str:\n    return 'v1'\n")
+    _write(tmp / f"{prefix}_helper.py", "def which() -> str:\n    return 'beside'\n")
+    _write(tmp / f"{prefix}.py", _answer_which(f"{prefix}_fn", f"from {prefix}_helper import which"))
+    sys.path.insert(0, str(first))  # the fixture's monkeypatch restores sys.path
+    importlib.invalidate_caches()
+    await _edited_helpers_change_nothing(tmp, prefix, {}, which_in=first / f"{prefix}_helper.py")
+
+
+async def test_a_helper_module_that_is_not_kept_makes_a_new_worker_stale(modules, monkeypatch):
+    """The backstop: a module beside that is not kept (imported through an import hook,
+    here any loader but Python's own) and edited since makes a replacement worker's version
+    differ: it is refused as stale, saying which module was not kept."""
     tmp, prefix = modules
     name = f"{prefix}_fn"
     helper = f"{prefix}_helper"
     _write(tmp / f"{helper}.py", "def which() -> str:\n    return 'v1'\n")
-    text = f"import fabric\nfrom {helper} import which\n\n\n" + textwrap.dedent(
-        f"""
-        @fabric.function(name="{name}", max_concurrency=1, warm=1)
-        def answer(die: bool = False) -> dict:
-            if die:
-                import os
+    _write(tmp / f"{prefix}.py", _answer_which(name, f"from {helper} import which"))
 
-                os._exit(9)
-            return {{"helper": which()}}
-        """
-    )
-    _write(tmp / f"{prefix}.py", text)
+    class HookLoader(importlib.machinery.SourceFileLoader):
+        """An import hook's loader (it may compile other text than the file's)."""
+
+    spec = importlib.util.spec_from_file_location(helper, tmp / f"{helper}.py", loader=None)
+    assert spec is not None
+    spec.loader = HookLoader(helper, str(tmp / f"{helper}.py"))
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, helper, module)
+    spec.loader.exec_module(module)
     reg = Registry()
     reg.discover(prefix)
     async with LocalBackend(reg, LocalConfig(max_workers=1, setup_failure_cooldown_s=60)) as b:
-        assert (await _call(b, name)).value == {"helper": "v1"}
+        assert (await _call(b, name)).value["helper"] == "v1"
         _write(tmp / f"{helper}.py", "def which() -> str:\n    return 'v2'\n")
         await _lose_the_worker(b, name, "die")
         refused = await _call(b, name)
         assert not refused.ok and refused.error is not None, refused
         assert refused.error.type == ErrorCode.SETUP_FAILED, refused.error
         assert "a module it imports from its own directory" in refused.error.message, refused.error
+        assert f"{helper} is not a plain .py file" in refused.error.message, refused.error

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from fabric import siblings
 from fabric.deploy import package as package_mod
 from fabric.deploy import plan_functions
 from fabric.deploy.package import build_zip, code_roots
@@ -156,3 +157,36 @@ def test_a_reload_after_a_helper_edit_is_a_new_version(tree):
     reg = Registry()
     reg.discover("vs_fns")
     assert reg.get("vs_scored").version != first
+
+
+def test_the_modules_beside_are_kept_as_the_version_hashed_them(tree):
+    """A local pool keeps the modules beside for its workers (``FunctionCode.helpers``):
+    each module file under the roots the version covers, by the name a worker imports it
+    as, with the bytes the version hashed."""
+    reg = Registry()
+    reg.discover("vs_fns")
+    code = getattr(reg.callable("vs_scored"), CODE_ATTR)
+    assert {m.name: Path(m.path) for m in code.helpers} == {
+        "vs_helpers": tree / "vs_helpers.py",
+        "vs_lazy": tree / "vs_lazy.py",
+        "vs_pkg": tree / "vs_pkg" / "__init__.py",
+        "vs_pkg.consts": tree / "vs_pkg" / "consts.py",
+    }
+    assert all(m.plain and m.data == Path(m.path).read_bytes() for m in code.helpers)
+
+
+def test_a_module_of_many_functions_reads_the_modules_beside_once(tree, monkeypatch):
+    """Its body lists (and reads) the modules beside once for all its functions, which
+    share one copy of each."""
+    listed = []
+    sources = siblings.sources
+    monkeypatch.setattr(siblings, "sources", lambda *a: listed.append(a) or sources(*a))
+    text = "from fabric.registry import Registry\nfrom vs_helpers import bonus\nREG = Registry()\n"
+    text += "".join(f"@REG.function\ndef vs_f{i}(x: int) -> int:\n    return bonus(x)\n" for i in range(50))
+    _write(tree / "vs_many.py", text)
+    reg = Registry()
+    reg.discover("vs_many")
+    assert len(listed) == 1
+    codes = [getattr(reg.callable(f"vs_f{i}"), CODE_ATTR) for i in range(50)]
+    assert all(c.helpers == codes[0].helpers for c in codes)
+    assert all(a is b for c in codes for a, b in zip(c.helpers, codes[0].helpers, strict=True))
