@@ -1,6 +1,7 @@
 """What a user's module imports from its own directory: the modules ``fabric deploy`` ships
 beside it (``fabric.deploy.package.code_roots``) and a function's version hashes
-(``fabric.registry.capture_code``). One reading for both: a helper shipped but not hashed
+(``fabric.registry.capture_code``), which a local pool keeps as hashed (``sources``) for
+its workers. One reading for both: a helper shipped but not hashed
 could change under an unchanged version (a deployment of the old helper answering as the
 caller's code), and one hashed but not shipped would make every deployed call's version
 differ from the caller's.

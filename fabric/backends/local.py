@@ -1,7 +1,8 @@
 """The embedded default: per-function warm pools of worker processes on this machine.
 
-A pool's workers import the function once, when they start: the source of its module as it
-was registered, whatever the file holds now (``_pool_snapshot``). A function registered again
+A pool's workers import the function once, when they start: the source of its module (and
+of the helper modules beside it) as it was registered, whatever the files hold now
+(``_pool_snapshot``). A function registered again
 under its name (a module edited and reloaded, a notebook cell run again: a new spec in the
 registry) gets a new pool at its next call, whose workers import the code registered then;
 the old pool is retired: what it holds runs to its end there, then its workers stop.

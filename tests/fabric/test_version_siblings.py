@@ -8,10 +8,12 @@ the caller's version still."""
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import subprocess
 import sys
+import weakref
 import zipfile
 from pathlib import Path
 
@@ -190,3 +192,17 @@ def test_a_module_of_many_functions_reads_the_modules_beside_once(tree, monkeypa
     codes = [getattr(reg.callable(f"vs_f{i}"), CODE_ATTR) for i in range(50)]
     assert all(c.helpers == codes[0].helpers for c in codes)
     assert all(a is b for c in codes for a, b in zip(c.helpers, codes[0].helpers, strict=True))
+
+
+def test_the_modules_kept_beside_go_with_the_functions(tree):
+    """Shared between the functions that import them, the helpers' texts are not held for
+    them after they are gone."""
+    reg = Registry()
+    reg.discover("vs_fns")
+    kept = [weakref.ref(m) for m in getattr(reg.callable("vs_scored"), CODE_ATTR).helpers]
+    assert kept
+    del reg
+    for name in [n for n in sys.modules if n.startswith("vs_")]:
+        del sys.modules[name]
+    gc.collect()
+    assert [ref() for ref in kept] == [None] * len(kept)
