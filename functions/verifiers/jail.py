@@ -2,8 +2,9 @@
 
 The zygote enters its own mount namespace, assembles a small tree on a tmpfs (the system
 directories, the Python installation and ``/dev/{null,zero,random,urandom}`` bind-mounted
-read-only, ``/dev/{fd,stdin,stdout,stderr}`` linked into ``/proc/self/fd``, empty
-``/sandbox``, ``/tmp``, ``/dev/shm`` and ``/proc`` mount points) and ``pivot_root``s into it.
+read-only, ``/dev/{fd,stdin,stdout,stderr}`` linked into ``/proc/self/fd``, ``/sys/devices/system/cpu``
+saying how many cores runs see, empty ``/sandbox``, ``/tmp``, ``/dev/shm`` and ``/proc``
+mount points) and ``pivot_root``s into it.
 Every run then copies that namespace (a dozen mounts, so the copy is cheap) and only adds
 its own size-limited tmpfs at ``/sandbox`` (also seen as ``/tmp``) and at ``/dev/shm``.
 Nothing else of the host is visible: not ``/root``, not the project checkout, not other
@@ -109,11 +110,32 @@ def prepare_pch_dir() -> tuple[str, ...]:
     return () if st.st_uid != os.getuid() or st.st_mode & 0o022 else (PCH_DIR,)
 
 
+#: Cores a run sees by default (``SandboxConfig.cpus``): with the host's, on a 64-core worker,
+#: ``multiprocessing.Pool()``, ``ProcessPoolExecutor()`` and ``ThreadPoolExecutor()`` sized
+#: themselves past the run's ``nproc`` (32) and died, and a right program scored 0. More
+#: workers buy nothing anyway: the run's CPU limit counts all its processes together.
+CPUS = 2
+#: What glibc reads for ``sysconf(_SC_NPROCESSORS_ONLN)`` (Python's ``os.cpu_count()``) and
+#: ``_SC_NPROCESSORS_CONF``; without them it falls back to ``/proc/stat``, the host's.
+CPU_FILES = ("online", "possible", "present")
+
+
+def _write_cpus(root: str, cpus: int) -> None:
+    """``/sys/devices/system/cpu/{online,...}`` saying ``0-<cpus - 1>``: all of ``/sys`` a
+    run sees. (Only what reads them: ``sched_getaffinity``, and so ``nproc``, still lists
+    the host's cores; pinning runs to a few would leave the others idle.)"""
+    os.makedirs(root + "/sys/devices/system/cpu")
+    text = f"0-{cpus - 1}\n" if cpus > 1 else "0\n"
+    for name in CPU_FILES:
+        with open(f"{root}/sys/devices/system/cpu/{name}", "w") as f:
+            f.write(text)
+
+
 #: Where the runs' init is, in the jail, when there is one for this machine (``init.py``).
 INIT = "/.rlfabric-init"
 
 
-def enter(extra_ro: tuple[str, ...] = (), init: bytes | None = None) -> str:
+def enter(extra_ro: tuple[str, ...] = (), init: bytes | None = None, cpus: int = CPUS) -> str:
     """Build the jail and make it this process's root (with ``init`` as ``INIT``). Returns
     the list of what is shared."""
     lx.unshare(lx.CLONE_NEWNS)
@@ -147,6 +169,7 @@ def enter(extra_ro: tuple[str, ...] = (), init: bytes | None = None) -> str:
         os.symlink(target, f"{root}/dev/{name}")
     for name in ("sandbox", "tmp", "dev/shm", "proc"):
         os.makedirs(f"{root}/{name}", exist_ok=True)
+    _write_cpus(root, cpus)
     if init is not None:  # root's, and read-only with the rest once the root is remounted
         fd = os.open(root + INIT, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o555)
         try:

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from functions.verifiers import _linux
+from functions.verifiers import _linux, jail
 from functions.verifiers.cgroups import SlotCgroups, missing_note
 from functions.verifiers.errors import SandboxError, SandboxUnavailable
 from functions.verifiers.program import SPARE_FDS
@@ -69,6 +69,12 @@ class SandboxConfig(BaseModel):
     base_uid: int = Field(200_000, ge=1000, description="runs get uids base_uid .. base_uid+1023")
     python: str = Field(default_factory=lambda: sys.executable, description="interpreter of the zygote")
     cgroups: bool = Field(True, description="per-run memory/CPU/task budgets in cgroups, where available")
+    cpus: int = Field(
+        jail.CPUS,
+        ge=1,
+        le=1024,
+        description="cores every run sees (os.cpu_count(), which sizes default pools), whatever the host has",
+    )
     start_timeout_s: float = Field(30.0, gt=0)
     #: how much longer than a run's wall limit the client waits for its report
     grace_s: float = Field(5.0, gt=0)
@@ -136,6 +142,7 @@ class Sandbox:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             cmd = [self.config.python, "-m", "functions.verifiers.zygote"]
             cmd += [str(self.config.base_uid), str(self.config.spares), "1" if self.config.cgroups else "0"]
+            cmd.append(str(self.config.cpus))
             # an empty environment: nothing of the worker's (keys, tokens) reaches a run
             env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": _package_root()}
             # a session of its own: a kill of the worker's process group (the local pool kills

@@ -1,4 +1,4 @@
-"""The sandbox zygote: ``python -m functions.verifiers.zygote BASE_UID SPARES CGROUPS``.
+"""The sandbox zygote: ``python -m functions.verifiers.zygote BASE_UID SPARES CGROUPS [CPUS]``.
 
 Started once per worker with an empty environment. It imports what user programs commonly
 import, builds the read-only jail and ``pivot_root``s into it, then keeps warm sandboxes
@@ -289,7 +289,8 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def main() -> None:
-    base_uid, spares, use_cgroups = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:] != ["0"]
+    base_uid, spares, use_cgroups = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:4] != ["0"]
+    cpus = int(sys.argv[4]) if len(sys.argv) > 4 else jail.CPUS
     chan = socket.socket(fileno=0)  # a SOCK_SEQPACKET pair end: one message per spare
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cgroups = RunCgroups(enabled=use_cgroups)  # before the jail: no cgroup tree inside it
@@ -300,7 +301,7 @@ def main() -> None:
     if soft != resource.RLIM_INFINITY and soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     try:
-        shared = jail.enter(extra_ro=jail.prepare_pch_dir(), init=init_image())
+        shared = jail.enter(extra_ro=jail.prepare_pch_dir(), init=init_image(), cpus=cpus)
     except OSError as e:
         chan.send(json.dumps({"ready": False, "error": f"cannot build the sandbox jail: {e}"}).encode())
         os._exit(2)

@@ -221,6 +221,40 @@ def test_numpy_imports_on_a_machine_with_more_cores_than_the_run_has_processes(v
     assert result.status == "Finished", result.cases[0]
 
 
+POOL_SIZES = (
+    "import os, multiprocessing as mp\n"
+    "from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor\n"
+    "if __name__ == '__main__':\n"
+    "    with mp.Pool() as pool:\n        sizes = [pool._processes, sum(pool.map(abs, [-1]))]\n"
+    "    with ProcessPoolExecutor() as ex:\n        sizes += [ex._max_workers, sum(ex.map(abs, [-1]))]\n"
+    "    with ThreadPoolExecutor() as ex:\n        sizes += [ex._max_workers, sum(ex.map(abs, [-1] * 64))]\n"
+    "    print(os.cpu_count(), *sizes)"
+)
+#: each thread's stack and malloc arena are address space: at 256 MB only 5 threads start
+POOL_LIMITS = LIMITS.model_copy(update={"memory_mb": 512})
+
+
+def test_a_run_sees_the_configured_cores_not_the_hosts():
+    # os.cpu_count() (glibc reads /sys/devices/system/cpu/online, else /proc/stat) gave the
+    # host's cores: on a 64-core worker Pool(), ProcessPoolExecutor() and ThreadPoolExecutor()
+    # sized themselves past the run's 32 processes and threads, and a right program scored 0.
+    # A count the host does not have stands for that host here
+    cpus = (os.cpu_count() or 1) + 1
+    with Sandbox(SandboxConfig(base_uid=326_000, spares=1, cpus=cpus)) as sb:
+        expected = f"{cpus} {cpus} 1 {cpus} 1 {cpus + 4} 64"
+        result = Verifier(sb, POOL_LIMITS).verify(POOL_SIZES, cases(("", expected)))
+    assert result.status == "Finished", result.cases[0]
+
+
+def test_the_default_core_count_leaves_default_sized_pools_room_under_the_limits(verifier):
+    # well under the default nproc (32), whatever the host: here 16
+    cpus = SandboxConfig().cpus
+    expected = f"{cpus} {cpus} 1 {cpus} 1 {cpus + 4} 64"
+    limits = POOL_LIMITS.model_copy(update={"nproc": 16})
+    result = verifier.verify(POOL_SIZES, cases(("", expected)), limits=limits)
+    assert result.status == "Finished", result.cases[0]
+
+
 def test_the_user_has_a_name(verifier):
     # the run's uid has no entry in the host's /etc/passwd, and getpass.getuser() (which
     # caches of torch, triton and others are named by) raised KeyError: "uid not found"
