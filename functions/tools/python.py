@@ -13,8 +13,7 @@ from functions.verifiers.verify import MAX_CODE_BYTES, Verifier, default_verifie
 
 #: What the policy sees of a run's output, in characters.
 MAX_SHOWN = 4000
-#: stderr's cap as stdout's: the description promises one output cap, and stderr's default
-#: (64 KiB) killed a program that logged more before it printed its answer
+#: stderr keeps as much as stdout (its start and end, past that: the sandbox cuts its middle)
 TOOL_LIMITS = Limits(cpu_s=5, wall_s=10, memory_mb=512, stdout_bytes=256 << 10, stderr_bytes=256 << 10)
 
 OPENAI_SCHEMA: dict[str, Any] = {
@@ -24,8 +23,8 @@ OPENAI_SCHEMA: dict[str, Any] = {
         "description": (
             "Run a Python 3 program in an isolated sandbox (no network, no files kept between calls; "
             f"limits: {TOOL_LIMITS.cpu_s:g} CPU seconds, {TOOL_LIMITS.wall_s:g} s wall time, "
-            f"{TOOL_LIMITS.memory_mb} MB memory, {TOOL_LIMITS.stdout_bytes >> 10} KiB of stdout and "
-            f"{TOOL_LIMITS.stderr_bytes >> 10} KiB of stderr). "
+            f"{TOOL_LIMITS.memory_mb} MB memory, {TOOL_LIMITS.stdout_bytes >> 10} KiB of stdout; "
+            f"past {TOOL_LIMITS.stderr_bytes >> 10} KiB, stderr keeps its start and end). "
             "Print what you want to see."
         ),
         "parameters": {
@@ -43,8 +42,9 @@ OPENAI_SCHEMA: dict[str, Any] = {
 
 def _shown(kept: bytes, total: int, stream: str, tail: bool = False) -> str:
     """What the policy sees of a stream: at most ``MAX_SHOWN`` characters of what the sandbox
-    kept (its start, or with ``tail`` its end), each cut marked where it falls."""
-    text = kept_text(kept, total)
+    kept (its start, or with ``tail`` its end), each cut marked where it falls. (Of stderr the
+    sandbox keeps the start and the end, its cut marked: its end is the program's own.)"""
+    text = kept_text(kept, total) if stream == "stdout" else kept.decode("utf-8", errors="replace")
     if len(text) > MAX_SHOWN:
         cut = len(text) - MAX_SHOWN
         text = (
@@ -52,9 +52,8 @@ def _shown(kept: bytes, total: int, stream: str, tail: bool = False) -> str:
             if tail
             else text[:MAX_SHOWN] + f"\n[... {cut} characters cut]"
         )
-    if total > len(kept):
-        # the sandbox kept only the start (and ended the run): without this, the end shown
-        # of a stderr read as the end of what the program wrote
+    if stream == "stdout" and total > len(kept):
+        # the sandbox kept only the start (and ended the run): say so where it was cut
         text += ("" if text.endswith("\n") else "\n") + f"[... cut at the {stream} limit]"
     return text
 
@@ -128,10 +127,8 @@ def _ending(out: RunOutcome, limits: Limits) -> str | None:
         return f"killed: wall time limit {limits.wall_s:g} s exceeded"
     if out.status == "cpu_limit":
         return f"killed: CPU time limit {limits.cpu_s:g} s exceeded"
-    if out.status == "output_limit":
-        if out.stdout_total > limits.stdout_bytes:
-            return f"killed: stdout limit {_size(limits.stdout_bytes)} exceeded"
-        return f"killed: stderr limit {_size(limits.stderr_bytes)} exceeded"
+    if out.status == "output_limit":  # stdout's: past its cap stderr is cut, not the run
+        return f"killed: stdout limit {_size(limits.stdout_bytes)} exceeded"
     if out.oom_killed:
         return f"killed: memory limit {limits.memory_mb} MB exceeded"
     # RLIMIT_CPU's kill: the CPU time read afterwards falls short of the limit, so half of

@@ -24,6 +24,7 @@ import fabric
 from fabric.protocol import RewardResult, Trajectory
 from functions.verifiers.program import BASE_ENV
 from functions.verifiers.sandbox import Limits, PairOutcome, RunOutcome, _package_root
+from functions.verifiers.supervisor import kept_stderr
 from functions.verifiers.verify import StdioCase, Verifier
 
 
@@ -94,7 +95,7 @@ class SubprocessRunner:
             "exit_code": code if code >= 0 else None,
             "signal": -code if code < 0 else None,
             "stdout": out[: limits.stdout_bytes],
-            "stderr": err[: limits.stderr_bytes],
+            "stderr": kept_stderr(err, limits.stderr_bytes),
             "stdout_total": len(out),
             "stderr_total": len(err),
             "wall_ms": (time.monotonic() - t0) * 1000,
@@ -183,7 +184,7 @@ class SubprocessRunner:
                     status=st if st != "exited" else ("signaled" if code < 0 else "exited"),  # type: ignore[arg-type]
                     exit_code=code if code >= 0 else None,
                     signal=-code if code < 0 else None,
-                    stderr=err[: limits.stderr_bytes],
+                    stderr=kept_stderr(err, limits.stderr_bytes),
                     stderr_total=len(err),
                     wall_ms=wall_ms,
                 )

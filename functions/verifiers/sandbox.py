@@ -56,7 +56,9 @@ class Limits(BaseModel):
     nofile: int = Field(64, ge=8, le=65536, description="open files")
     disk_mb: int = Field(64, ge=1, le=1 << 16, description="size of the run's tmpfs (/sandbox, /tmp)")
     stdout_bytes: int = Field(1 << 20, ge=1, description="stdout kept; a run writing more is killed")
-    stderr_bytes: int = Field(64 << 10, ge=1, description="stderr kept; a run writing more is killed")
+    stderr_bytes: int = Field(
+        64 << 10, ge=1, description="stderr kept; past it, its first and last halves (never a kill)"
+    )
     collect_bytes: int = Field(64 << 20, ge=1, description="largest file a run may hand back")
     channel_bytes: int = Field(
         64 << 20, ge=1, description="bytes a program and its tests (run_pair) may send each other, each way"
@@ -89,6 +91,8 @@ class RunOutcome(BaseModel):
     signal: int | None = None
     stdout: bytes = b""
     stderr: bytes = b""
+    """All of it, or past ``stderr_bytes`` its first and last halves with a line between them
+    that says how much was cut (``supervisor.cut_marker``)."""
     stdout_total: int = 0
     stderr_total: int = 0
     wall_ms: float = 0.0
@@ -325,9 +329,9 @@ class Sandbox:
         stderr; ``executable`` and ``test_executable`` name the files of each run that get
         the execute bit (a compiled binary).
 
-        What the program prints goes to its stderr (its stdout is the channel), whose cap is
-        ``stdout_bytes + stderr_bytes``; the channel carries at most ``channel_bytes`` each
-        way. Raises ``SandboxError`` for the sandbox's own failures only."""
+        What the program prints goes to its stderr (its stdout is the channel), which keeps
+        ``stdout_bytes + stderr_bytes`` of it (its start and end); the channel carries at most
+        ``channel_bytes`` each way. Raises ``SandboxError`` for the sandbox's own failures only."""
         limits = limits or Limits()
         for name in (*files, *test_files):
             if not _plain_name(name):

@@ -8,10 +8,10 @@ descriptors of its ``/sandbox`` and its stdin itself, as soon as its namespaces 
 
 ``supervise`` writes the run's files and stdin through those descriptors (as root, before
 any user code ran there, so nothing can race it), sizes the run's tmpfs and memory cgroup,
-starts the program, reads stdout/stderr up to their caps and enforces the wall-clock and
-CPU limits. When the program ends (or is killed) it kills the init, which ends the
-namespace, waits for the status and for the namespace to be gone, and collects the files
-the caller asked for. It reports exactly what happened;
+starts the program, reads stdout up to its cap and stderr to its end (keeping its start
+and end) and enforces the wall-clock and CPU limits. When the program ends (or is killed)
+it kills the init, which ends the namespace, waits for the status and for the namespace to
+be gone, and collects the files the caller asked for. It reports exactly what happened;
 judging the output is ``functions.verifiers.verify``'s.
 
 ``supervise_pair`` does the same for two runs at once, a program and its
@@ -107,6 +107,9 @@ class Spare:
 
 
 class _Capture:
+    """stdout: its first ``cap`` bytes; a run that writes more is killed (it is the answer,
+    and one that long is wrong or a flood)."""
+
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self.data = bytearray()
@@ -119,6 +122,75 @@ class _Capture:
         if room > 0:
             self.data += chunk[:room]
         return self.total > self.cap
+
+    def kept(self) -> bytes:
+        return bytes(self.data)
+
+
+class _Drain:
+    """stderr: read to its end, never a reason to kill. Past its cap, its first and last
+    halves are kept, with a line between them saying how much was cut (``cut_marker``): it
+    killed the run, and a right program that logged its progress scored 0, where judges
+    ignore stderr. A flood is bounded by the run's CPU and wall limits, like a loop."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap // 2  # the head's
+        self.tail_cap = cap - self.cap
+        self.data = bytearray()  # the head
+        self.tail = bytearray()  # what came after the head, its last tail_cap..2*tail_cap bytes
+        self.total = 0
+
+    def feed(self, chunk: bytes) -> bool:
+        self.total += len(chunk)
+        room = self.cap - len(self.data)
+        if room > 0:
+            self.data += chunk[:room]
+            chunk = chunk[room:]
+        if chunk:
+            self.tail += chunk
+            if len(self.tail) > 2 * self.tail_cap:  # trimmed now and then, not on every read
+                del self.tail[: -self.tail_cap]
+        return False
+
+    def kept(self) -> bytes:
+        if self.total <= self.cap + self.tail_cap:
+            return bytes(self.data + self.tail)
+        head = _whole_utf8_prefix(bytes(self.data))
+        tail = _whole_utf8_suffix(bytes(self.tail[-self.tail_cap :]))
+        cut = self.total - len(head) - len(tail)
+        return head + cut_marker(cut, at_line_start=not head or head.endswith(b"\n")) + tail
+
+
+def kept_stderr(data: bytes, cap: int) -> bytes:
+    """What the sandbox keeps of ``data`` written to stderr under ``cap`` (``_Drain``)."""
+    drain = _Drain(cap)
+    drain.feed(data)
+    return drain.kept()
+
+
+def cut_marker(cut: int, at_line_start: bool = True) -> bytes:
+    """The line that stands for the ``cut`` bytes of stderr dropped from its middle."""
+    return (b"" if at_line_start else b"\n") + b"[... %d bytes of stderr cut]\n" % cut
+
+
+def _whole_utf8_prefix(data: bytes) -> bytes:
+    """``data`` less a UTF-8 character its end cuts in two (so a cut shows no U+FFFD)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte < 0x80:
+            return data
+        if byte >= 0xC0:  # the lead byte: whole if its sequence fits in what is there
+            need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return data if need <= back else data[:-back]
+    return data
+
+
+def _whole_utf8_suffix(data: bytes) -> bytes:
+    """``data`` less the end of a UTF-8 character its start cuts in two."""
+    skip = 0
+    while skip < min(3, len(data)) and 0x80 <= data[skip] < 0xC0:
+        skip += 1
+    return data[skip:]
 
 
 def supervise(
@@ -273,7 +345,7 @@ class _Run:
         limits = req["limits"]
         self.spare, self.req, self.work, self.slot = spare, req, work, slot
         self.out = _Capture(limits["stdout_bytes"])
-        self.err = _Capture(limits["stderr_bytes"])
+        self.err = _Drain(limits["stderr_bytes"])
         self.cpu_budget_ns = limits["cpu_s"] * 1e9
         # with a cgroup, the CPU of all the run's processes is polled (rlimits see one each)
         self.poll_cpu = slot is not None and "cpuacct" in slot.fds
@@ -455,8 +527,8 @@ def _report(run: _Run, started: float, give_up: float) -> dict[str, Any]:
         "status": run.killed_for or ("signaled" if os.WIFSIGNALED(status) else "exited"),
         "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
         "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-        "stdout": bytes(out.data) if run.peer is None else b"",  # a pair's stdout is the channel
-        "stderr": bytes(err.data),
+        "stdout": out.kept() if run.peer is None else b"",  # a pair's stdout is the channel
+        "stderr": err.kept(),
         "stdout_total": out.total,
         "stderr_total": err.total,
         "wall_ms": wall * 1000,

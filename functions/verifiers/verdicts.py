@@ -53,8 +53,11 @@ def kept_text(kept: bytes, total: int) -> str:
     return kept.decode("utf-8", errors="replace")
 
 
-def _text(data: bytes, total: int, tail: bool = False) -> str:
-    text = kept_text(data, total)
+def _text(data: bytes, total: int | None = None, tail: bool = False) -> str:
+    """An excerpt of stdout (``total``: what it wrote, of which the sandbox kept the first
+    ``data``) or of stderr (no ``total``: the sandbox keeps its start and end, and marks the
+    cut between them)."""
+    text = kept_text(data, total) if total is not None else data.decode("utf-8", errors="replace")
     return text[-EXCERPT:] if tail else text[:EXCERPT]
 
 
@@ -78,7 +81,7 @@ def classify(
     base = {
         "exit_code": out.exit_code,
         "stdout": _text(out.stdout, out.stdout_total),
-        "stderr": _text(out.stderr, out.stderr_total, tail=True),
+        "stderr": _text(out.stderr, tail=True),
         "wall_ms": round(out.wall_ms, 3),
         "cpu_ms": round(out.cpu_ms, 3),
     }
@@ -86,9 +89,8 @@ def classify(
         return CaseResult(
             status="TimeLimitExceeded", message=f"killed at the {limits.wall_s:g} s wall limit", **base
         )
-    if out.status == "output_limit":
-        which = "stdout" if out.stdout_total > limits.stdout_bytes else "stderr"
-        return CaseResult(status="RuntimeError", message=f"wrote more than the {which} cap", **base)
+    if out.status == "output_limit":  # stdout's: past its cap stderr is cut, not the run
+        return CaseResult(status="RuntimeError", message="wrote more than the stdout cap", **base)
     if out.status == "cpu_limit":
         msg = f"its processes used more than {limits.cpu_s:g} CPU seconds together"
         return CaseResult(status="TimeLimitExceeded", message=msg, **base)
@@ -137,8 +139,8 @@ def classify_pair(pair: PairOutcome, lang: Language, limits: Limits) -> CaseResu
     verdict. ``cpu_ms`` is the program's; ``wall_ms`` the pair's."""
     program, tests = pair.program, pair.tests
     shown = {
-        "stdout": _text(program.stderr, program.stderr_total),
-        "stderr": _text(tests.stderr, tests.stderr_total, tail=True),
+        "stdout": _text(program.stderr),
+        "stderr": _text(tests.stderr, tail=True),
         "exit_code": tests.exit_code,
         "wall_ms": round(max(program.wall_ms, tests.wall_ms), 3),
         "cpu_ms": round(program.cpu_ms, 3),
@@ -149,28 +151,24 @@ def classify_pair(pair: PairOutcome, lang: Language, limits: Limits) -> CaseResu
 
     if program.status != "stopped":  # it ended first: its own verdict
         own = {
-            "stderr": _text(program.stderr, program.stderr_total, tail=True),
+            "stderr": _text(program.stderr, tail=True),
             "exit_code": program.exit_code,
         }
-        if program.status == "output_limit":
-            if program.stdout_total > limits.channel_bytes:
-                why = f"sent its tests more than the {limits.channel_bytes}-byte channel cap"
-            else:
-                why = f"printed more than the {limits.stdout_bytes + limits.stderr_bytes}-byte output cap"
+        if program.status == "output_limit":  # the channel's: what it prints is cut, not the run
+            why = f"sent its tests more than the {limits.channel_bytes}-byte channel cap"
             return verdict("RuntimeError", why, **own)
         alone = classify(program, lang, limits, None)
         if alone.status == "Finished":
             return verdict("Failed", "exited before the tests ran to their end", **own)
         return verdict(alone.status, alone.message, **own)
     if tests.status == "output_limit":
-        which = "channel" if tests.stdout_total > limits.channel_bytes else "stderr"
-        return verdict("RuntimeError", f"the tests wrote more than the {which} cap")
+        return verdict("RuntimeError", "the tests wrote more than the channel cap")
     if tests.signal == signal.SIGABRT and any(m in tests.stderr for m in lang.assert_markers):
         return verdict("Failed", "an assertion failed")  # C's and C++'s assert() aborts
     if tests.status != "exited":  # killed for a limit (the wall limit covers both runs) or a signal
         alone = classify(tests, lang, limits, None)
         return verdict(alone.status, alone.message)
-    lines = [ln for ln in _text(tests.stderr, tests.stderr_total, tail=True).splitlines() if ln.strip()]
+    lines = [ln for ln in _text(tests.stderr, tail=True).splitlines() if ln.strip()]
     last = lines[-1] if lines else ""
     where = ""  # a test the harness ran itself (the tests defined it, never called it)
     if last.startswith(rpc.IN_COLLECTED) and len(lines) > 1:

@@ -14,7 +14,7 @@ Every case gets one status:
     Failed                ran and produced something else (or an assertion failed)
     TimeLimitExceeded     CPU or wall-clock limit (or not run: past ``Verifier.budget_s``)
     MemoryLimitExceeded   the runtime ran out of memory under the address-space limit
-    RuntimeError          crashed, exited non-zero, wrote past the output caps, did not compile,
+    RuntimeError          crashed, exited non-zero, wrote past the stdout (or channel) cap, did not compile,
                           or was too long to run (over ``MAX_CODE_BYTES``)
     SandboxError          the sandbox failed, not the program: the only retryable status
 

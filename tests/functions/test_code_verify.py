@@ -20,6 +20,7 @@ from functions.verifiers import _linux
 from functions.verifiers.code import code_verify, extract_code
 from functions.verifiers.errors import SandboxError
 from functions.verifiers.sandbox import Limits, Sandbox, SandboxConfig
+from functions.verifiers.supervisor import _Drain, cut_marker, kept_stderr
 from functions.verifiers.verify import CaseResult, CodeTests, Verifier, VerifyResult
 
 pytestmark = pytest.mark.skipif(_linux.supported() is not None, reason=str(_linux.supported()))
@@ -405,13 +406,41 @@ def test_non_utf8_output_is_judged_not_fatal(verifier):
     result.model_dump_json()  # and the result is valid JSON for the wire
 
 
-def test_output_cut_at_its_cap_does_not_end_in_a_broken_character(verifier):
-    # the sandbox keeps the first 64 KiB of stderr: the cap fell inside a 2-byte character,
-    # and the excerpt of its end showed the half as U+FFFD
-    code = "import sys\nsys.stderr.buffer.write(b'a' + '\u00e9'.encode() * 40_000)"
+def test_chatty_stderr_is_cut_in_the_middle_not_the_end_of_the_run(verifier):
+    # stderr past its 64 KiB cap killed the run ("wrote more than the stderr cap"): a right
+    # program that logged its progress scored 0, where judges ignore stderr. Now its middle is
+    # cut and marked, and its end (where a traceback would be) is kept
+    code = (
+        "import sys\nfor i in range(20_000):\n    print('debug line', i, file=sys.stderr)\n"
+        "print('last words', file=sys.stderr)\nprint(sum(map(int, input().split())))"
+    )
+    result = verifier.verify(code, cases(("1 2", "3")))
+    case = result.cases[0]
+    assert (result.status, case.message) == ("Finished", ""), case
+    assert case.stderr.endswith("debug line 19999\nlast words\n"), case.stderr[-100:]
+
+
+@pytest.mark.parametrize("size", [0, 1, 99, 100, 101, 1000, 100_000])
+def test_stderr_keeps_its_start_and_end_however_it_arrives(size):
+    data = bytes(65 + i % 26 for i in range(size))  # ASCII: the cut drops no broken character
+    kept = kept_stderr(data, 100)
+    for step in (1, 7, 64, 65536):  # as the pipe hands it over
+        drain = _Drain(100)
+        for i in range(0, size, step):
+            drain.feed(data[i : i + step])
+        assert drain.kept() == kept and drain.total == size
+    if size <= 100:
+        assert kept == data
+    else:
+        assert kept == data[:50] + cut_marker(size - 100, at_line_start=False) + data[-50:]
+
+
+def test_stderr_cut_at_its_cap_shows_no_broken_character(verifier):
+    # the cut fell inside a 2-byte character: its halves showed as U+FFFD
+    code = "import sys\nsys.stderr.buffer.write(b'a' + '\u00e9'.encode() * 40_000 + b'a')"
     case = verifier.verify(code, cases(("", ""))).cases[0]
-    assert case.message == "wrote more than the stderr cap"
-    assert case.stderr.endswith("\u00e9" * 100), case.stderr[-20:]
+    assert case.status == "Finished", case
+    assert "\ufffd" not in case.stderr and case.stderr.endswith("\u00e9" * 100 + "a"), case.stderr[-20:]
 
 
 def test_each_case_is_a_fresh_process(verifier):

@@ -76,8 +76,27 @@ def test_flooding_the_channel_is_cut_off(verifier):
         "RuntimeError",
         "sent its tests more than the 1048576-byte channel cap",
     ), case
-    printed = judge(verifier, "while True:\n    print('y' * 1000)\n", TWO_ASSERTS)
-    assert (printed.status, "output cap" in printed.message) == ("RuntimeError", True), printed
+
+
+def test_chatty_programs_and_tests_are_judged_on_the_asserts(verifier):
+    # what they print (the program's stdout too: it goes to its stderr) was killed past the
+    # output cap, and a right program that logged its progress scored 0; now its middle is
+    # cut, its start and end kept
+    chatty = (
+        "import sys\nfor i in range(100_000):\n    print('debug', i)\n    print('note', i, file=sys.stderr)\n"
+    )
+    case = judge(verifier, chatty + "def add(a, b):\n    return a + b\n", TWO_ASSERTS)
+    assert (case.status, case.message) == ("Finished", ""), case
+    assert case.stdout.startswith("debug 0\nnote 0\n"), case.stdout[:100]
+    honest = "def add(a, b):\n    return a + b\n"
+    case = judge(verifier, honest, chatty + TWO_ASSERTS)
+    assert (case.status, case.message) == ("Finished", ""), case
+    failed = judge(verifier, "def add(a, b):\n    return 0\n", chatty + TWO_ASSERTS)
+    assert (failed.status, failed.message) == ("Failed", "an assertion failed"), failed
+    assert "AssertionError" in failed.stderr, failed.stderr[-300:]
+    # one that prints forever runs into its limits like a loop
+    endless = judge(verifier, "while True:\n    print('y' * 1000)\n", TWO_ASSERTS, CPU_BOUND)
+    assert endless.status == "TimeLimitExceeded", endless
 
 
 def test_a_program_that_never_answers_runs_out_of_time(verifier):
@@ -93,8 +112,8 @@ def test_the_tests_own_limits(verifier):
     honest = "def add(a, b):\n    return a + b\n"
     spin = judge(verifier, honest, "assert add(1, 2) == 3\nwhile True:\n    pass\n", CPU_BOUND)
     assert (spin.status, "CPU seconds" in spin.message) == ("TimeLimitExceeded", True), spin
-    chatty = judge(verifier, honest, "while True:\n    print('x' * 1000)\n")
-    assert (chatty.status, chatty.message) == ("RuntimeError", "the tests wrote more than the stderr cap")
+    chatty = judge(verifier, honest, "while True:\n    print('x' * 1000)\n", CPU_BOUND)
+    assert chatty.status == "TimeLimitExceeded", chatty
 
 
 def test_concurrent_pairs_share_the_spares_without_deadlock(verifier):
