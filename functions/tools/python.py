@@ -13,6 +13,10 @@ from functions.verifiers.verify import MAX_CODE_BYTES, Verifier, default_verifie
 
 #: What the policy sees of a run's output, in characters.
 MAX_SHOWN = 4000
+#: The most stdin a call may pass, in UTF-8 bytes: the supervisor writes it into a memfd before
+#: the run starts, as the worker, so it counts against the worker's memory, not the run's, and
+#: only the 6 MiB payload limit bounded it
+MAX_STDIN_BYTES = 1 << 20
 #: stderr keeps as much as stdout (its start and end, past that: the sandbox cuts its middle)
 TOOL_LIMITS = Limits(cpu_s=5, wall_s=10, memory_mb=512, stdout_bytes=256 << 10, stderr_bytes=256 << 10)
 
@@ -31,7 +35,10 @@ OPENAI_SCHEMA: dict[str, Any] = {
             "type": "object",
             "properties": {
                 "code": {"type": "string", "description": "a complete program, e.g. print(sum(range(10)))"},
-                "stdin": {"type": "string", "description": "text on standard input (optional)"},
+                "stdin": {
+                    "type": "string",
+                    "description": f"text on standard input (optional; up to {MAX_STDIN_BYTES >> 10} KiB)",
+                },
             },
             "required": ["code"],
             "additionalProperties": False,
@@ -71,7 +78,8 @@ def python(code: str, stdin: str = "", ctx: Any = None) -> str:
 
 def run_python(verifier: Verifier, code: str, stdin: str = "", limits: Limits = TOOL_LIMITS) -> str:
     """The ``python`` tool's run under ``limits``: what it printed, then how it ended when that
-    was not a clean exit (``[exit code 2]``, or the limit that ended it and its value)."""
+    was not a clean exit (``[exit code 2]``, or the limit that ended it and its value).
+    ``ValueError`` for what cannot run: empty or too long code, stdin over ``MAX_STDIN_BYTES``."""
     source = utf8(code, "code")
     if len(source) > MAX_CODE_BYTES:
         raise ValueError(f"code is {len(source)} bytes; the limit is {MAX_CODE_BYTES}")
@@ -83,10 +91,14 @@ def run_python(verifier: Verifier, code: str, stdin: str = "", limits: Limits = 
             'code holds the JSON arguments ({"code": ...}): pass the program itself as the string, '
             "e.g. print(6 * 7)"
         )
+    data = utf8(stdin, "stdin")
+    if len(data) > MAX_STDIN_BYTES:
+        raise ValueError(
+            f"stdin is {len(data)} bytes; the limit is {MAX_STDIN_BYTES} ({MAX_STDIN_BYTES >> 10} KiB): "
+            "pass less, or have the program make its input itself"
+        )
     files = {"solution.py": source}
-    out = verifier.sandbox.run(
-        mode="python", entry="solution.py", files=files, stdin=utf8(stdin, "stdin"), limits=limits
-    )
+    out = verifier.sandbox.run(mode="python", entry="solution.py", files=files, stdin=data, limits=limits)
     parts = []
     if out.stdout:
         parts.append(_shown(out.stdout, out.stdout_total, "stdout"))

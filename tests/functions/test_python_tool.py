@@ -120,6 +120,21 @@ def test_bad_inputs_say_what_to_fix(verifier, code, stdin, message):
         run_python(verifier, code, stdin, limits=LIMITS)
 
 
+def test_stdin_has_a_cap_of_its_own(verifier):
+    # stdin had none but the 6 MiB payload's, and the supervisor writes it into a memfd
+    # charged to the worker, not to the run's memory limit
+    from functions.tools.python import MAX_STDIN_BYTES, OPENAI_SCHEMA
+
+    code = "import sys\nprint(len(sys.stdin.buffer.read()))"
+    assert run_python(verifier, code, "x" * MAX_STDIN_BYTES, limits=LIMITS) == f"{MAX_STDIN_BYTES}\n"
+    with pytest.raises(
+        ValueError, match=f"stdin is {MAX_STDIN_BYTES + 2} bytes; the limit is {MAX_STDIN_BYTES}"
+    ):
+        run_python(verifier, code, "\u00e9" + "x" * MAX_STDIN_BYTES, limits=LIMITS)
+    stdin = OPENAI_SCHEMA["function"]["parameters"]["properties"]["stdin"]["description"]
+    assert f"{MAX_STDIN_BYTES >> 10} KiB" in stdin, stdin
+
+
 @pytest.mark.parametrize("stream", ["stdout", "stderr"])
 def test_output_cut_at_its_cap_does_not_end_in_a_broken_character(verifier, stream):
     # the sandbox keeps the first stdout_bytes bytes (the first and last halves of
