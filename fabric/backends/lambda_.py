@@ -61,8 +61,6 @@ from fabric.protocol import MAX_PAYLOAD_BYTES, Invocation, Result, encode_payloa
 from fabric.registry import Registry
 from fabric.spill import aws_error, pointer, spill_key
 
-#: Room for the envelope's other fields (ids, key, deadline, tenant) beside the payload.
-_ENVELOPE_HEAD_BYTES = 4096
 #: A call waiting for a boto3 slot gives up this long before its deadline, so that its own
 #: "not sent" answer reaches the client before the client's timer at the deadline fires.
 _UNSENT_MARGIN_S = 0.01
@@ -258,12 +256,16 @@ class LambdaBackend(LambdaReplies, Backend):
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
         body: bytes | Result
-        if self._s3 is not None and len(inv.raw_payload) + _ENVELOPE_HEAD_BYTES > MAX_PAYLOAD_BYTES:
+        head = _envelope_head(inv)
+        # Lambda counts the whole request: a payload is spilled when it does not fit beside
+        # the envelope's other fields, which a long idempotency key or tenant makes larger
+        # than any fixed allowance (a fixed 4 KiB sent such a payload inline, to be refused)
+        if self._s3 is not None and len(head) + len(inv.raw_payload) + 1 > MAX_PAYLOAD_BYTES:
             body = await loop.run_in_executor(None, self._spill, inv)
             if isinstance(body, Result):  # not sent: counted with the calls and their errors
                 self._spill_failed += 1
         else:
-            body = envelope(inv)
+            body = head + inv.raw_payload + b"}"
             if len(body) > MAX_PAYLOAD_BYTES:
                 # the client checked the payload, Lambda counts the request: a payload just
                 # under the limit went out whole, to be refused (413) for the envelope around it
@@ -510,6 +512,12 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Any) -> None:
 def envelope(inv: Invocation, payload: bytes | None = None) -> bytes:
     """The ``Invocation`` as JSON, its payload bytes spliced in as encoded once by the client
     (or ``payload``: a spill pointer)."""
+    raw = inv.raw_payload if payload is None else payload
+    return _envelope_head(inv) + raw + b"}"
+
+
+def _envelope_head(inv: Invocation) -> bytes:
+    """The envelope up to its payload: ``envelope`` is this, the payload and ``}``."""
     head = {
         "function": inv.function,
         "request_id": inv.request_id,
@@ -525,8 +533,7 @@ def envelope(inv: Invocation, payload: bytes | None = None) -> bytes:
         "attempt": inv.attempt,
         "hedge": inv.hedge,
     }
-    raw = inv.raw_payload if payload is None else payload
-    return json.dumps(head, separators=(",", ":"))[:-1].encode() + b',"payload":' + raw + b"}"
+    return json.dumps(head, separators=(",", ":"))[:-1].encode() + b',"payload":'
 
 
 __all__ = ["LambdaBackend", "LambdaConfig", "envelope"]

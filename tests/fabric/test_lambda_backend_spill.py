@@ -183,3 +183,28 @@ async def test_a_failed_spill_counts_in_stats_and_the_s3_client_closes():
     finally:
         await b.aclose()
     assert s3.closed
+
+
+async def test_the_spill_threshold_counts_the_whole_envelope(moto_url):
+    """Lambda's 6 MiB counts the request: the payload and the envelope around it. The
+    backend spilled only a payload within 4 KiB of the limit, a guess at the envelope's other
+    fields; a long idempotency key (a caller's own, escaped as JSON writes non-ASCII text, 6
+    bytes a character) makes them larger, and such a payload went inline, to be refused
+    PayloadTooLarge though a spill bucket was set."""
+    import boto3
+
+    from fabric.protocol import MAX_PAYLOAD_BYTES
+    from fabric.spill import SPILL_KEY
+
+    create_function(moto_url, "rl-add")
+    boto3.client("s3", endpoint_url=moto_url, region_name="us-east-1").create_bucket(Bucket="spill")
+    cfg = LambdaConfig(
+        endpoint_url=moto_url, function_prefix="rl-", spill_bucket="spill", s3_endpoint_url=moto_url
+    )
+    key = "轨迹" * 500  # 1,000 characters, 6,000 bytes in the envelope
+    blob = "x" * (MAX_PAYLOAD_BYTES - 5000)  # with its field, under the limit by more than 4 KiB
+    async with LambdaBackend(REG, cfg) as b:
+        r = await b.invoke(Invocation(function="add", payload={"blob": blob}, idempotency_key=key))
+    assert r.ok, r.error
+    assert r.value["payload"][SPILL_KEY]["bytes"] > MAX_PAYLOAD_BYTES - 5000
+    assert r.value["idempotency_key"] == key
