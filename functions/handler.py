@@ -36,10 +36,12 @@ import contextlib
 import os
 import sys
 import time
+import traceback
 import uuid
 from typing import IO, TYPE_CHECKING, Any, cast
 
-from fabric.errors import UnknownFunctionError
+from fabric.errors import ErrorCode, UnknownFunctionError
+from fabric.protocol import Result
 from fabric.registry import Registry
 
 # the names the layers define that callers (and tests) read from here
@@ -186,7 +188,39 @@ def _container() -> _Container:
 
 def handler(event: Any, context: Any) -> dict[str, Any]:
     """Lambda entry point for direct invokes: an ``Invocation`` in, a ``Result`` out."""
-    return _container().direct_handler(event, context)
+    try:
+        container = _container()
+    except Exception as e:
+        return _cannot_start(event, e)
+    return container.direct_handler(event, context)
+
+
+def _cannot_start(event: Any, e: Exception) -> dict[str, Any]:
+    """The reply of a direct invoke whose container could not build its own parts (the aws
+    extra missing from the package, a powertools setting it refuses), before the modules it
+    serves are discovered (a failure there is ``SetupFailed`` too). Raised, it became Lambda's
+    error object, which the lambda backend reads as the function's final ``UserError``: kept
+    under the idempotency key, scored as a reward's answer. Not kept: the next call starts
+    again."""
+    traceback.print_exc()  # the function's log (stderr): there is no Logger to write it
+    hint: dict[str, Any] = event if isinstance(event, dict) else {}
+    function, request_id = hint.get("function"), hint.get("request_id")
+    if isinstance(e, ImportError):
+        advice = (
+            "the deployment package needs the aws extra: pip install 'rl-fabric[aws]' (or a layer with it)"
+        )
+    else:
+        advice = "check the function's POWERTOOLS_* environment variables"
+    result = Result.failure(
+        ErrorCode.SETUP_FAILED,
+        f"the Lambda handler cannot start: {type(e).__name__}: {e}; {advice}, then run `fabric deploy` again",
+        function=function if isinstance(function, str) else "",
+        request_id=request_id if isinstance(request_id, str) else "",
+        worker=f"lambda:{os.environ.get('AWS_LAMBDA_FUNCTION_NAME', SERVICE)}",
+        started=False,  # no function ran
+    )
+    result.cold_start = True  # each call starts a container anew
+    return result.model_dump(mode="json")
 
 
 def sqs_handler(event: Any, context: Any) -> dict[str, Any]:

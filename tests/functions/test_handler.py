@@ -7,6 +7,7 @@ are in handler_fixtures.py and handler_helpers.py."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,8 @@ from fabric.errors import ErrorCode  # noqa: E402
 from fabric.protocol import MAX_PAYLOAD_BYTES, Invocation, Result  # noqa: E402
 from functions import _handler_requests as handler_requests  # noqa: E402
 from functions import handler  # noqa: E402
+
+powertools = sys.modules["aws_lambda_powertools"]
 
 # ----------------------------------------------------------------------------- direct invokes
 
@@ -236,3 +239,46 @@ def test_module_imports_without_the_aws_extra() -> None:
     )
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=60)
+
+
+def test_a_container_that_cannot_start_answers_setup_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The container's own start (powertools' Logger and Metrics, before the modules are
+    discovered) raised out of the handler: Lambda sent its error object ({"errorType":
+    "ModuleNotFoundError"} for a package built without the aws extra), which the lambda
+    backend reads as the function's final UserError, kept under the idempotency key and
+    scored as the reward's answer. It is the deployment's fault, as a module that does not
+    import is: SetupFailed, saying what to install, and the next call starts again."""
+    monkeypatch.setitem(sys.modules, "aws_lambda_powertools", None)
+    r = invoke("calculator", {"expression": "1"}, request_id="req-broken")
+    assert r.error is not None and r.error.type == ErrorCode.SETUP_FAILED, r.error
+    assert not r.error.retryable and "rl-fabric[aws]" in r.error.message, r.error.message
+    assert r.function == "calculator" and r.request_id == "req-broken" and r.cold_start
+    assert r.started is False
+    monkeypatch.setitem(sys.modules, "aws_lambda_powertools", powertools)  # fixed
+    assert invoke("calculator", {"expression": "1"}).value == "1"
+
+
+def test_a_powertools_setting_it_refuses_is_setup_failed() -> None:
+    """powertools' Logger refuses a log level it does not know (ValueError) when the
+    container starts: as above, that was Lambda's error object, read as a UserError. In a
+    fresh process: the Logger configures its logging.Logger once per process."""
+    code = (
+        "import json\n"
+        "from functions import handler\n"
+        "print(json.dumps(handler.handler({'function': 'calculator', 'request_id': 'r-1'}, None)))\n"
+    )
+    env = {**os.environ, "POWERTOOLS_LOG_LEVEL": "LOUD", handler.MODULES_ENV: MODULES}
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        env=env,
+        check=True,
+        timeout=60,
+        capture_output=True,
+        text=True,
+    )
+    r = Result.model_validate_json(out.stdout.strip().splitlines()[-1])
+    assert r.error is not None and r.error.type == ErrorCode.SETUP_FAILED, r.error
+    assert "LOUD" in r.error.message and "POWERTOOLS_" in r.error.message, r.error.message
+    assert r.request_id == "r-1"
