@@ -376,6 +376,15 @@ class LambdaBackend(LambdaReplies, Backend):
                     f"cannot spill the payload to {where}: {type(e).__name__}: {e}; run `aws configure`, "
                     "set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY",
                 )
+            if code in ("ExpiredToken", "InvalidToken"):
+                # S3's 400 for session credentials past their expiry (or malformed): no retry
+                # brings new ones, as for Lambda's own ExpiredTokenException on the call
+                return self._fail(
+                    inv,
+                    ErrorCode.UNAUTHORIZED,
+                    f"cannot spill the payload to {where}: {e}; refresh the credentials (`aws sso login`, "
+                    "a new AWS_SESSION_TOKEN, or a profile that renews them)",
+                )
             if code in ("AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
                 return self._fail(
                     inv,

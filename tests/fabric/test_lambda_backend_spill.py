@@ -105,6 +105,11 @@ class _RefusingS3:
         ("NoSuchBucket", 404, ErrorCode.SETUP_FAILED, "spill_bucket"),
         ("AccessDenied", 403, ErrorCode.UNAUTHORIZED, "s3:PutObject"),
         ("SlowDown", 503, ErrorCode.NOT_STARTED, "not sent"),
+        # session credentials past their expiry (S3 says 400, not 403): final, as Lambda's
+        # ExpiredTokenException is for the call itself; it was NotStarted, retried to the
+        # last attempt, and its message said nothing of the credentials
+        ("ExpiredToken", 400, ErrorCode.UNAUTHORIZED, "refresh the credentials"),
+        ("InvalidToken", 400, ErrorCode.UNAUTHORIZED, "refresh the credentials"),
     ],
 )
 def test_a_payload_that_cannot_be_spilled_was_not_sent(code, status, expected, says):
