@@ -17,6 +17,7 @@ from fabric.protocol import Invocation, Result
 if TYPE_CHECKING:
     import asyncio
     from collections.abc import Callable
+    from concurrent.futures import ThreadPoolExecutor
 
     from aws_lambda_powertools import Logger, Metrics
     from aws_lambda_powertools.utilities.batch import BatchProcessor
@@ -50,6 +51,8 @@ class _ContainerBase:
     reply_queue_url: str | None
     _sqs: Any
     _s3: Any
+    _fetcher: ThreadPoolExecutor | None
+    """The threads that read spilled payloads (made at the first one)."""
     _resend: set[str]
     _runners: dict[str, FunctionRunner]
     _loop: asyncio.AbstractEventLoop | None

@@ -71,7 +71,7 @@ class _Replies(_Requests):
     # ------------------------------------------------------------------ entry points
     def direct(self, event: Any, context: Any) -> dict[str, Any]:
         cold = self.take_cold()
-        parsed = self.parse(event)
+        parsed = self.parse(event, context=context)
         self.logger.set_correlation_id(parsed.request_id or None)
         if isinstance(parsed, Result):
             parsed.cold_start, parsed.worker = cold, self.worker
@@ -138,7 +138,7 @@ class _Replies(_Requests):
         attributes = record.get("attributes") or {}
         sent = attributes.get("SentTimestamp")
         queue_ms = max(0.0, time.time() * 1e3 - int(sent)) if sent else 0.0
-        parsed = self.parse(record.body, fallback_request_id=record.message_id)
+        parsed = self.parse(record.body, fallback_request_id=record.message_id, context=context)
         self.logger.set_correlation_id(parsed.request_id or record.message_id)
         if isinstance(parsed, Result):
             parsed.cold_start, parsed.worker = cold, self.worker

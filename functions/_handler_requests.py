@@ -8,18 +8,28 @@ import asyncio
 import functools
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
 from fabric.errors import ErrorCode, PayloadError, UnknownFunctionError
 from fabric.protocol import Invocation, Result, Timings, decode_payload, encode_payload
 from fabric.runner import FunctionRunner, outcome_to_result
 from fabric.spill import BUCKET_ENV as SPILL_BUCKET_ENV
-from fabric.spill import SpillError, fetch, is_pointer
+from fabric.spill import SPILL_KEY, SpillError, fetch, is_pointer
 from functions._handler_idempotency import _Idempotency
 
 #: Time kept back from an async function's timeout so the reply (and the idempotency
 #: record) is written before Lambda's own timeout kills the invocation.
 LAMBDA_MARGIN_S = 0.5
+#: The S3 client's for spilled payloads: a read's timeout is per socket read (a large object
+#: streams in reads well under it), not the transfer's. botocore's defaults (60 s, 5 attempts)
+#: outlasted the invocation; each read is bounded by its time left too (``_fetch``).
+_S3_OPTIONS: dict[str, Any] = {
+    "connect_timeout": 5,
+    "read_timeout": 20,
+    "retries": {"mode": "standard", "total_max_attempts": 3},
+}
 
 
 def _lambda_remaining_s(context: Any) -> float | None:
@@ -30,9 +40,10 @@ def _lambda_remaining_s(context: Any) -> float | None:
 class _Requests(_Idempotency):
     """Parsing an event and running the function it names."""
 
-    def parse(self, event: Any, *, fallback_request_id: str = "") -> Invocation | Result:
+    def parse(self, event: Any, *, fallback_request_id: str = "", context: Any = None) -> Invocation | Result:
         """The ``Invocation`` in ``event`` (a dict, or a JSON string as in an SQS body), or
-        the failed ``Result`` saying why it is not one."""
+        the failed ``Result`` saying why it is not one. ``context`` (Lambda's) bounds the
+        read of a spilled payload by the time the invocation has left."""
         from aws_lambda_powertools.utilities.parser import parse
         from pydantic import ValidationError
 
@@ -59,20 +70,21 @@ class _Requests(_Idempotency):
                 ErrorCode.INVALID_ARGUMENTS, "the event is not a fabric Invocation: 'raw' is not allowed"
             )
         if is_pointer(inv.payload):  # a payload over 6 MB, spilled to S3 by the caller
-            return self._unspill(inv)
+            return self._unspill(inv, context)
         try:
             inv.raw = encode_payload(inv.payload, what=f"payload of {inv.function}")
         except PayloadError as e:
             return Result.failure(e.code, str(e), function=inv.function, request_id=inv.request_id)
         return inv
 
-    def _unspill(self, inv: Invocation) -> Invocation | Result:
+    def _unspill(self, inv: Invocation, context: Any = None) -> Invocation | Result:
         if self._s3 is None:
             import boto3
+            from botocore.config import Config
 
-            self._s3 = boto3.client("s3")
+            self._s3 = boto3.client("s3", config=Config(**_S3_OPTIONS))
         try:
-            raw = fetch(self._s3, inv.payload, only_bucket=os.environ.get(SPILL_BUCKET_ENV) or None)
+            raw = self._fetch(inv, _lambda_remaining_s(context))
             payload = decode_payload(raw)
         except SpillError as e:
             # before the function: a retry (which spills the payload anew) is safe for any
@@ -87,6 +99,29 @@ class _Requests(_Idempotency):
         inv.payload = payload
         inv.raw = raw  # the bytes as uploaded: no second encoding, and no 6 MB limit here
         return inv
+
+    def _fetch(self, inv: Invocation, left_s: float | None) -> bytes:
+        """The spilled payload's bytes, read by the time the invocation has left (``left_s``,
+        less the margin for the reply; ``None``: outside Lambda, unbounded): past it Lambda
+        kills the invocation, and its Sandbox.Timedout reads as the function's timeout, one
+        that may have run. Read on a thread, which a read that does not end in time is left
+        to (the client's own timeouts end it)."""
+        only = os.environ.get(SPILL_BUCKET_ENV) or None
+        if left_s is None:
+            return fetch(self._s3, inv.payload, only_bucket=only)
+        if self._fetcher is None:
+            self._fetcher = ThreadPoolExecutor(4, thread_name_prefix="fabric-spill")
+        budget = max(left_s - LAMBDA_MARGIN_S, 0.0)
+        read = self._fetcher.submit(fetch, self._s3, inv.payload, only_bucket=only)
+        try:
+            return read.result(timeout=budget)
+        except FutureTimeoutError:
+            p = inv.payload[SPILL_KEY]
+            raise SpillError(
+                f"cannot read the spilled payload s3://{p.get('bucket')}/{p.get('key')} in the "
+                f"{budget:.1f} s the invocation had left (S3 slow or unreachable); the function did not run",
+                retryable=True,
+            ) from None
 
     def invoke(self, inv: Invocation, *, cold: bool, queue_ms: float, context: Any) -> Result:
         if self.init_error is not None:

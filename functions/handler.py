@@ -118,6 +118,7 @@ class _Container(_Replies):
         self.reply_queue_url = os.environ.get(REPLY_QUEUE_ENV) or None
         self._sqs = None
         self._s3 = None
+        self._fetcher = None
         self._resend = set()
         self._runners = {}
         self._loop = None
@@ -167,6 +168,8 @@ class _Container(_Replies):
             self._loop.close()
         if self._sqs is not None:
             self._sqs.close()
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=False, cancel_futures=True)
         if self._s3 is not None:
             self._s3.close()
 

@@ -98,3 +98,39 @@ def test_a_spill_pointer_outside_the_deployment_bucket_is_refused(
     )
     monkeypatch.setenv("RL_FABRIC_SPILL_BUCKET", "someone-elses")
     assert invoke("exact_match", p).value == 1.0
+
+
+def test_a_spilled_payload_s3_does_not_serve_in_time_did_not_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """S3 takes the request and never answers. The handler's S3 client waited botocore's
+    defaults (60 s a read, 5 attempts), past any function's time: Lambda killed the invocation
+    and the lambda backend read Sandbox.Timedout as the function's FunctionTimeout, which may
+    have run (a side effect's call ended OutcomeUnknown) though it never started. The read is
+    bounded by the time the invocation has left, and a payload not read by then is NotStarted."""
+    import concurrent.futures
+    import socket
+
+    from handler_fns import LambdaContext
+
+    from fabric.protocol import Invocation, Result, encode_payload
+    from fabric.spill import pointer
+
+    silent = socket.socket()  # accepts connections (its backlog) and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{silent.getsockname()[1]}")
+    raw = encode_payload({"traj": TRAJ, "ground_truth": "42"})
+    event = Invocation(function="exact_match", payload=pointer("b", "spill/t/r1.json", raw)).model_dump(
+        mode="json"
+    )
+    ctx = LambdaContext()
+    ctx.remaining_ms = 1500
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        # a guard against the old wait (minutes), not a measure of speed
+        out = pool.submit(handler.handler, event, ctx).result(timeout=30)
+    finally:
+        silent.close()
+        pool.shutdown(wait=False)
+    r = Result.model_validate(out)
+    assert r.error is not None and r.error.type == ErrorCode.NOT_STARTED and r.retryable, r.error
+    assert "s3://b/spill/t/r1.json" in r.error.message and r.started is False, r.error
