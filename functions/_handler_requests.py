@@ -23,7 +23,7 @@ from functions._handler_idempotency import _Idempotency
 #: record) is written before Lambda's own timeout kills the invocation.
 LAMBDA_MARGIN_S = 0.5
 #: The S3 client's for spilled payloads: a read's timeout is per socket read (a large object
-#: streams in reads well under it), not the transfer's. botocore's defaults (60 s, 5 attempts)
+#: streams in reads well under it), not the transfer's. botocore's defaults (60 s, 3 attempts)
 #: outlasted the invocation; each read is bounded by its time left too (``_fetch``).
 _S3_OPTIONS: dict[str, Any] = {
     "connect_timeout": 5,

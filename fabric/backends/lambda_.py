@@ -137,8 +137,19 @@ class LambdaBackend(LambdaReplies, Backend):
                 raise ConfigError(
                     f"spilling payloads to S3 needs boto3: pip install 'rl-fabric[aws]' ({e})"
                 ) from None
+            from botocore.config import Config
+
             self._s3 = boto3.session.Session().client(
-                "s3", region_name=self.config.region, endpoint_url=self.config.s3_endpoint_url
+                "s3",
+                region_name=self.config.region,
+                endpoint_url=self.config.s3_endpoint_url,
+                # one upload an attempt, as one invoke: botocore's retries (3 uploads of over 6 MB,
+                # with backoff sleeps on a thread past the call's deadline) ran under the client's
+                # own retries of the NotStarted a failed spill is
+                config=Config(
+                    connect_timeout=self.config.connect_timeout_s,
+                    retries={"total_max_attempts": 1, "mode": "standard"},
+                ),
             )
         if self.transport == "http":
             await self._start_http()

@@ -213,3 +213,51 @@ async def test_the_spill_threshold_counts_the_whole_envelope(moto_url):
     assert r.ok, r.error
     assert r.value["payload"][SPILL_KEY]["bytes"] > MAX_PAYLOAD_BYTES - 5000
     assert r.value["idempotency_key"] == key
+
+
+async def test_a_spill_is_one_upload_an_attempt_the_clients_retries_are_the_rest(aws_env):
+    """The S3 client kept botocore's retries (3 attempts, with backoff sleeps) under the
+    fabric client's own: each attempt of a call S3 throttled uploaded the payload (over 6 MB)
+    up to 3 times, sleeping on a thread past the call's deadline, and the client's retries
+    multiplied that. One upload an attempt, as for the Lambda call itself; and its connect
+    timeout is the configured one, not botocore's 60 s."""
+    import http.server
+    import threading
+
+    puts: list[str] = []
+
+    class SlowDown(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:
+            puts.append(self.path)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+            self.send_response(503)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowDown)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    cfg = LambdaConfig(
+        endpoint_url=url,
+        function_prefix="rl-",
+        spill_bucket="spill",
+        s3_endpoint_url=url,
+        connect_timeout_s=2,
+    )
+    try:
+        async with LambdaBackend(REG, cfg) as b:
+            r = await b.invoke(Invocation(function="add", payload={"blob": "x" * (7 * 1024 * 1024)}))
+            connect_timeout = b._s3.meta.config.connect_timeout
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert r.error is not None and r.error.type == ErrorCode.NOT_STARTED and r.retryable, r.error
+    assert len(puts) == 1, puts
+    assert connect_timeout == 2
