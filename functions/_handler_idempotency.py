@@ -197,6 +197,7 @@ class _Idempotency(_ContainerBase):
             IdempotencyAlreadyInProgressError,
             IdempotencyValidationError,
         )
+        from botocore.exceptions import BotoCoreError, ClientError
 
         if callable(getattr(context, "get_remaining_time_in_millis", None)):
             # an in-progress record left by a timed-out invocation expires with it
@@ -228,7 +229,20 @@ class _Idempotency(_ContainerBase):
                 # expired). Dropped only if it is still that record: a caller that raced here
                 # and already put its own in-progress record in its place is not undone, and
                 # this call then finds that one in progress
-                self._drop_unreadable(result.record)
+                try:
+                    self._drop_unreadable(result.record)
+                except (BotoCoreError, ClientError) as e:
+                    # the table throttled or failed the delete: raised out of the handler, it
+                    # became Lambda's error object, read by the client as a final UserError
+                    self.logger.exception("cannot drop an unreadable idempotency record")
+                    return self._failure(
+                        inv,
+                        ErrorCode.NOT_STARTED,
+                        f"idempotency store ({self.table}): cannot drop the record of key "
+                        f"{inv.idempotency_key!r}, which this version of the handler cannot read: {e}; "
+                        "retry later",
+                        started=False,
+                    )
                 result = self._idempotent(key=key, run=run_started)
                 if isinstance(result, _Unreadable):  # written again meanwhile by another version
                     return self._failure(

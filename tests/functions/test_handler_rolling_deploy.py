@@ -107,3 +107,36 @@ def test_an_unreadable_record_of_a_side_effect_is_not_run_again(table: Any) -> N
     assert second.error is not None and second.error.type == ErrorCode.OUTCOME_UNKNOWN, second.error
     assert "not run again" in second.error.message and CALLS["async_effect:fx"] == 1
     assert sum("data" in item for item in table.scan(TableName=TABLE)["Items"]) == 1  # left as it was
+
+
+def test_an_unreadable_record_that_cannot_be_dropped_is_not_started(
+    table: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dropping the unreadable record failed for another reason than its replacement (the
+    table throttled the delete): the ClientError went out of the handler, Lambda sent its
+    error object, and the lambda backend read it as the function's final UserError, kept
+    under the key. Nothing ran: ``NotStarted``, retryable, naming the store."""
+    from botocore.exceptions import ClientError
+
+    from fabric.errors import ErrorCode
+    from functions import handler
+
+    first = invoke("counted", {"key": "thr"}, idempotency_key="k-thr", request_id="r1")
+    assert first.ok
+    assert _rewrite_records(table, lambda stored: {**stored, "ok": {"not": "a bool"}}) == 1
+    store = handler._container()._store
+    real = store.client
+
+    class Throttled:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def delete_item(self, **_: Any) -> None:
+            error = {"Error": {"Code": "ProvisionedThroughputExceededException", "Message": "slow down"}}
+            raise ClientError(error, "DeleteItem")
+
+    monkeypatch.setattr(store, "client", Throttled())
+    second = invoke("counted", {"key": "thr"}, idempotency_key="k-thr", request_id="r2")
+    assert second.error is not None and second.error.type == ErrorCode.NOT_STARTED, second.error
+    assert second.retryable and second.started is False and "slow down" in second.error.message
+    assert CALLS["counted:thr"] == 1
