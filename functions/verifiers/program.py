@@ -72,6 +72,10 @@ BASE_ENV = {
     "OPENBLAS_NUM_THREADS": "1",
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
+    # glibc gives each new thread a malloc arena of its own (up to 8 per core), 64 MiB of
+    # address space reserved apiece, and RLIMIT_AS (memory_mb) counts reservations: at
+    # memory_mb=256 a sixth live thread could not start. Two arenas, shared by all threads
+    "MALLOC_ARENA_MAX": "2",
 }
 #: The descriptors of a spare the zygote sends its supervisor, in this order: the start
 #: message goes in ``go``; ``out``/``err`` are the program's; ``ok`` its socket; ``status``

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from functions.verifiers import _linux, jail
 from functions.verifiers.cgroups import SlotCgroups, missing_note
 from functions.verifiers.errors import SandboxError, SandboxUnavailable
-from functions.verifiers.program import SPARE_FDS
+from functions.verifiers.program import BASE_ENV, SPARE_FDS
 from functions.verifiers.supervisor import Spare, supervise, supervise_pair
 
 log = logging.getLogger("functions.verifiers")
@@ -149,6 +149,9 @@ class Sandbox:
             cmd.append(str(self.config.cpus))
             # an empty environment: nothing of the worker's (keys, tokens) reaches a run
             env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": _package_root()}
+            # Python runs are forks of the zygote's interpreter, whose malloc read its settings
+            # at start: the arenas' bound (program.BASE_ENV says why) must be set here too
+            env["MALLOC_ARENA_MAX"] = BASE_ENV["MALLOC_ARENA_MAX"]
             # a session of its own: a kill of the worker's process group (the local pool kills
             # it to end the helpers a function forked) must not cut short the zygote's own
             # shutdown, which ends its runs and removes its cgroups. It still dies with the

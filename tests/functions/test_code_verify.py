@@ -256,6 +256,27 @@ def test_the_default_core_count_leaves_default_sized_pools_room_under_the_limits
     assert result.status == "Finished", result.cases[0]
 
 
+def test_busy_threads_fit_the_default_memory_limit(verifier):
+    # glibc gave each thread that allocates a malloc arena of its own, 64 MiB of address
+    # space reserved apiece, and RLIMIT_AS counts reservations: at memory_mb=256 a sixth
+    # live thread failed to start ("can't start new thread"), so a right program with 16
+    # threads at once scored 0 (MALLOC_ARENA_MAX bounds the arenas)
+    code = (
+        "import threading\n"
+        "barrier = threading.Barrier(16)\n"
+        "def work():\n"
+        "    bytearray(100_000)\n"
+        "    barrier.wait()\n"
+        "ts = [threading.Thread(target=work) for _ in range(16)]\n"
+        "[t.start() for t in ts]\n"
+        "[t.join() for t in ts]\n"
+        "print(len(ts))"
+    )
+    limits = LIMITS.model_copy(update={"wall_s": 15, "cpu_s": 5})
+    result = verifier.verify(code, cases(("", "16")), limits=limits)
+    assert result.status == "Finished", result.cases[0]
+
+
 def test_the_user_has_a_name(verifier):
     # the run's uid has no entry in the host's /etc/passwd, and getpass.getuser() (which
     # caches of torch, triton and others are named by) raised KeyError: "uid not found"
