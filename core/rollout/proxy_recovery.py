@@ -278,6 +278,9 @@ class ProxyRecovery(ProxyState):
             # for good has nothing running)
             self._never_back[id(replica)] = replica
             self._stop_left(replica, running)
+        self._left[home] = f"{replica.name}: {why}" + (
+            "; it is tried again in the background" if again else ""
+        )
         self._wakes.wake(("calls", id(replica)))
         self._wakes.wake(("slot", id(replica)))
         log.error(

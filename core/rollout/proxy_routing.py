@@ -33,7 +33,13 @@ class ProxyRouting(ProxyRecovery):
         group = self.group_of(tag)
         replicas = self.groups.get(group) or []
         if not replicas:
-            raise NoReplicaError(f"no engine replica left for tag {tag!r} (group {group!r})")
+            left = self._left.get(group)
+            why = f"the last to leave it, {left}" if left is not None else "it was given none"
+            raise NoReplicaError(
+                f"no engine replica left for tag {tag!r} (group {group!r}); {why}. "
+                "A replica slow to restart (a large model's load) needs a longer "
+                "engine.recover_timeout_s; the proxy's log says why each one left"
+            )
         healthy = [r for r in replicas if self._healthy(r)]
         if healthy:
             sticky = self._sticky.get(traj_id)

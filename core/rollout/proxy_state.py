@@ -128,6 +128,9 @@ class ProxyState:
         self._never_back: dict[int, Replica] = {}
         # id(replica) -> request ids of such a replica waiting for the aborts under way
         self._to_stop: dict[int, set[str]] = {}
+        # group -> which of its replicas left it last, and why: what ``NoReplicaError`` says
+        # once the group is empty (the job's RolloutError quotes that error, not the log)
+        self._left: dict[str, str] = {}
         self.version = 0
         self.metrics: Counter[str] = Counter()
         self.scheduler = scheduler

@@ -129,6 +129,25 @@ async def test_a_replica_that_never_comes_back_is_removed_after_the_recover_time
     assert never.pings >= 2 and proxy.metrics["replicas_removed"] == 1
 
 
+async def test_no_replica_left_says_which_left_last_why_and_what_to_do():
+    # the error ends every trajectory infra_failed, and the job's RolloutError quotes it:
+    # "no engine replica left" alone sent the user through the proxy actor's log for why
+    never = Fake("never", fail=[ReplicaLost("died")], ping_down=float("inf"))
+    proxy = LLMProxy({"default": [never]}, recover_timeout_s=0.2, rejoin_first_s=None)
+    with pytest.raises(NoReplicaError) as err:
+        await asyncio.wait_for(proxy.generate("t", "x", req()), 5)
+    msg = str(err.value)
+    assert "no engine replica left for tag 'x' (group 'default')" in msg
+    assert "the last to leave it, never: not back by the recover timeout (restarting)" in msg
+    assert "engine.recover_timeout_s" in msg and "tried again" not in msg
+    # one that is tried again says so
+    back = Fake("back", fail=[ReplicaLost("died")], ping_down=float("inf"))
+    proxy = LLMProxy({"default": [back]}, recover_timeout_s=0.2, rejoin_first_s=60)
+    with pytest.raises(NoReplicaError, match=r"to leave it, back: .*; it is tried again"):
+        await asyncio.wait_for(proxy.generate("t", "x", req()), 5)
+    await proxy.aclose()
+
+
 async def test_a_replica_whose_ping_never_answers_is_removed_after_the_recover_timeout():
     # lost mid-turn, then wedged (or on a node cut off): the recovery's ping hangs, and the
     # recover timeout, checked only when a ping failed, never fired. The turn, every turn
