@@ -267,9 +267,15 @@ class RewardStream:
         for spec in specs:
             missing = sorted(k for k in spec.task_args.values() if k not in sample.traj.task)
             if missing:
+                # what the task has, and where its keys come from: the job stops with this
+                # error when no group completes, and "(task_args)" alone left the user to
+                # guess whether the config or the environment was wrong
+                has = ", ".join(sorted(sample.traj.task)) or "no key"
                 self._fail(
                     sample,
-                    f"{_label(spec)}: task lacks {', '.join(map(repr, missing))} (task_args)",
+                    f"{_label(spec)}: task lacks {', '.join(map(repr, missing))} (task_args); its "
+                    f"task has {has}: have the environment's reset's info['task'] give it, or "
+                    "map task_args to a key it has",
                     f"{spec.function}:MissingTaskKey",
                 )
                 return

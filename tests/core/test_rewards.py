@@ -200,6 +200,10 @@ async def test_a_missing_task_key_masks_without_calling():
         stream.submit(traj())
     [s] = sink.samples
     assert s.status == "reward_failed" and "task lacks 'answer'" in (s.error or "")
+    # what the task has, and where the key comes from: the error reaches the user as the
+    # job's RolloutError, and "(task_args)" alone did not say which side to fix
+    assert "its task has group_id, tag" in (s.error or "")
+    assert "reset's info['task']" in (s.error or "")
     assert client.metrics() == {}  # nothing was sent
     assert stream.metrics()["failures"] == {"answer_is:MissingTaskKey": 1}
 
