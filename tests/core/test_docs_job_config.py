@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from core.config import JobConfig
+from core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "job.md").read_text()
@@ -55,3 +56,37 @@ def test_every_yaml_block_of_job_md_validates(i):
         JobConfig.from_dict(block, source=f"docs/job.md yaml block {i}")
     else:
         JobConfig.from_dict(_merge(_base_for(block), block), source=f"docs/job.md yaml block {i}")
+
+
+def _said(holding: str) -> str:
+    """The ``error: ...`` block of docs/job.md holding ``holding``, without its prompt line."""
+    blocks, block, lang = [], None, ""
+    for line in DOC.splitlines(keepends=True):  # fences in order: a closing one opens nothing
+        if line.lstrip().startswith("```"):
+            if block is None:
+                block, lang = [], line.strip()[3:]
+            else:
+                if not lang and holding in "".join(block):
+                    blocks.append("".join(block))
+                block = None
+        elif block is not None:
+            block.append(line)
+    assert len(blocks) == 1, f"docs/job.md: {len(blocks)} blocks hold {holding!r}"
+    text = blocks[0][blocks[0].index("error: ") :]
+    return text.removeprefix("error: ").rstrip("\n")
+
+
+def test_the_misspelt_env_id_is_refused_as_job_md_shows():
+    data = _example("frozenlake")
+    data["envs"][0]["id"] = "frozenlak-v1"
+    with pytest.raises(ConfigError) as e:
+        JobConfig.from_dict(data, source="bad.yaml")
+    assert str(e.value) == _said("frozenlak-v1")
+
+
+def test_an_unquoted_ground_truth_is_refused_as_job_md_shows():
+    data = _example("own_env")
+    data["rewards"] = {"coin": [{"function": "exact_match", "args": {"ground_truth": 5}}]}
+    with pytest.raises(ConfigError) as e:
+        JobConfig.from_dict(data, source="job.yaml")
+    assert str(e.value) == _said("quote it in the YAML")
