@@ -37,10 +37,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from core.config import JobConfig
 from core.errors import ConfigError, StoppedError
+
+if TYPE_CHECKING:  # the child (``python -m core.policy.corpus``) needs no config: it is
+    # started at every job's start, and the config's import was half its CPU time
+    from core.config import JobConfig
 
 log = logging.getLogger(__name__)
 

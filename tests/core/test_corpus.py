@@ -224,3 +224,14 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_the_child_loads_no_job_config():
+    # every job start runs one child per environment (and every run of pretraining's corpus):
+    # core.config, imported at the top for a type hint, was half of the child's CPU time
+    # before its first episode (its pydantic models, envpool's image tiers, httpx)
+    import sys
+
+    code = "import sys, core.policy.corpus; sys.exit(1 if 'core.config' in sys.modules else 0)"
+    root = Path(__file__).resolve().parents[2]
+    assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0
