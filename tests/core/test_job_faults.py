@@ -160,8 +160,10 @@ async def test_a_container_that_dies_mid_episode_is_masked_not_scored(tmp_path, 
 @pytest.mark.ray
 async def test_a_killed_engine_replica_restarts_and_gets_the_latest_weights(tmp_path, ray_cluster):
     ray = ray_cluster
-    # enough steps that the job outlives the restart (a new worker process loading torch)
-    job, task = await _past_its_first_step(job_config(tmp_path, steps=40))
+    # enough steps that the job outlives the restart (a new worker process loading torch):
+    # its one replica gone, no step past the one or two the buffer holds (alpha 1) trains
+    # before the restart and the reload, so a dozen do (40 trained on for seconds after them)
+    job, task = await _past_its_first_step(job_config(tmp_path, steps=12))
     [replica] = job.replicas
     pid = await replica.pid.remote()
     killed_at = job.version
