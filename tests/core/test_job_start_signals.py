@@ -10,19 +10,34 @@ from pathlib import Path
 import pytest
 from job_helpers import job_process, stopped_by_sigterm
 
-# Imported by the job as its fabric.discover module (before it starts Ray): Ray's start
-# waits, once its processes (the GCS, the raylet and the agents the raylet starts) are up,
-# so that the test's SIGTERM lands inside ray.init at a known point. The agents are named
-# (ray::...) only once they run, seconds after the raylet on a loaded machine: the start
-# waits for them itself (bounded, against a hang only) before it says it is up
+# Imported by the job as its fabric.discover module (before it starts Ray, and before the
+# job puts its SIGTERM handler in place): Ray's start waits, once its processes (the GCS,
+# the raylet and the agents the raylet starts) are up, so that the test's SIGTERM lands
+# inside ray.init at a known point. The agents are named (ray::...) only once they run,
+# seconds after the raylet on a loaded machine: the start waits for them itself (bounded,
+# against a hang only) before it says it is up. It then stays inside ray.init until the
+# job's handler has taken the SIGTERM (bounded: a handler that never runs leaves the job
+# to the test's 60 s). It slept 8 s there instead, which the stopping job waited out in
+# full (a stop waits for the start), and which a loaded machine could outlast before the
+# test's signal came, leaving the stop to a later point of the job
 SLOW_RAY_START = """
 import os
+import threading
 import time
 from pathlib import Path
 
 import ray._private.node
 
+from fabric._sigterm import TermAsInterrupt
+
 _start = ray._private.node.Node.start_ray_processes
+_on_term = TermAsInterrupt._on_term
+_term_taken = threading.Event()
+
+
+def _on_term_seen(self):
+    _on_term(self)
+    _term_taken.set()
 
 
 def _agents_run():
@@ -43,12 +58,13 @@ def _slow_start(self, *args, **kwargs):
     while not _agents_run() and time.monotonic() < deadline:
         time.sleep(0.05)
     Path(os.environ["RAY_STARTED_MARK"]).touch()
-    time.sleep(8)
+    _term_taken.wait(90)
     return out
 
 
 if "RAY_STARTED_MARK" in os.environ:
     ray._private.node.Node.start_ray_processes = _slow_start
+    TermAsInterrupt._on_term = _on_term_seen
 """
 
 
