@@ -24,6 +24,7 @@ from fabric.integrations.errors import (
     RefusedArgumentsError,
     RewardCallError,
     RewardClosedError,
+    UnexpectedArgumentError,
 )
 
 __all__ = [
@@ -39,5 +40,6 @@ __all__ = [
     "Sample",
     "Score",
     "SyncBridge",
+    "UnexpectedArgumentError",
     "build_trajectory",
 ]

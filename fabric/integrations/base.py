@@ -41,6 +41,7 @@ from fabric.integrations.errors import (
     MissingArgumentError,
     RefusedArgumentsError,
     RewardCallError,
+    UnexpectedArgumentError,
 )
 from fabric.protocol import ErrorInfo, Message, Result, Trajectory
 from fabric.registry import Registry, default_registry
@@ -229,7 +230,7 @@ class RewardAdapter:
         for where, given in (("args", config.args), ("constants", config.constants)):
             stray = sorted(set(given) - names - {self.traj_param})
             if stray and not self.spec.accepts_extra:
-                raise MissingArgumentError(
+                raise UnexpectedArgumentError(
                     f"{where} names {', '.join(map(repr, stray))}, which {self._signature()} does not take"
                 )
         self.as_text = self._annotation(self.traj_param) in ("str", "builtins.str")

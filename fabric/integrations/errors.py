@@ -7,6 +7,8 @@ The tree, under ``fabric.errors.FabricError``::
     │   │                      (lengths disagree, a completion that is not text or messages)
     │   └── RefusedArgumentsError  the function refused its values (a column of the wrong type)
     ├── MissingArgumentError   a required parameter of the function has no source in the batch
+    │   └── UnexpectedArgumentError  ``args`` or ``constants`` name a parameter the function
+    │                          does not take
     ├── RewardCallError        calls failed and no ``failure_score`` is set, or the setup is
     │                          wrong (``Misconfigured``, ``SetupFailed``, ...; whatever is
     │                          set): carries the failures
@@ -56,6 +58,12 @@ class RefusedArgumentsError(BadBatchError):
 
 class MissingArgumentError(IntegrationError, ValueError):
     """A required parameter of the reward function has no value in the batch."""
+
+
+class UnexpectedArgumentError(MissingArgumentError):
+    """``args`` or ``constants`` name a parameter the reward function does not take (a typo, or
+    the wrong function). A subclass of ``MissingArgumentError``, which it was raised as before:
+    code that catches that catches this too."""
 
 
 class BatchDeadlineError(IntegrationError, TimeoutError):

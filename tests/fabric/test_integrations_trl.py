@@ -16,7 +16,13 @@ from integ_fns import REG
 from integ_helpers import LOCAL1, call_trl, fake_backend, msgs, trl_kwargs
 
 from fabric.errors import ConfigError, ErrorCode, UnknownFunctionError
-from fabric.integrations import BadBatchError, IntegrationConfig, MissingArgumentError, RewardCallError
+from fabric.integrations import (
+    BadBatchError,
+    IntegrationConfig,
+    MissingArgumentError,
+    RewardCallError,
+    UnexpectedArgumentError,
+)
 from fabric.integrations.openrlhf import OpenRLHFReward, RewardServer
 from fabric.integrations.trl import TRL_EXTRAS, trl_async_reward, trl_reward
 from fabric.integrations.verl import VerlReward
@@ -187,8 +193,12 @@ def test_missing_parameter_is_one_clear_error_before_any_call(fake):
     with pytest.raises(MissingArgumentError, match=r"args maps 'answer' .* 'nope'"):
         with trl_reward("contains", registry=REG, backend_instance=fake, args={"answer": "nope"}) as r:
             call_trl(r, ["p"], ["a"], **trl_kwargs(1))
-    with pytest.raises(MissingArgumentError, match="constants names 'lang'"):
+    # a name the function does not take is not a missing one: it was refused as
+    # MissingArgumentError (still caught as one: UnexpectedArgumentError is a subclass)
+    with pytest.raises(UnexpectedArgumentError, match="constants names 'lang'"):
         trl_reward("contains", registry=REG, backend_instance=fake, constants={"lang": "x"})
+    with pytest.raises(UnexpectedArgumentError, match="args names 'nope'"):
+        trl_reward("contains", registry=REG, backend_instance=fake, args={"nope": "answer"})
 
 
 def test_unknown_function_and_bad_options_are_refused_at_construction():
