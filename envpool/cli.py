@@ -51,7 +51,7 @@ def _emit(result: dict[str, Any], as_json: bool, title: str) -> None:
     out.print(table)
 
 
-@app.command("ls")
+@app.command("ls", epilog="Example: envpool ls -m my_envs.py --json")
 def ls_cmd(modules: ModulesOpt = None, as_json: JsonOpt = False) -> None:
     """List registered environments (the built-ins and those of --module)."""
     import envpool.envs  # noqa: F401
@@ -104,7 +104,7 @@ def _progress() -> tuple[Any, Any]:
     return prog, update
 
 
-@bench_app.command("latency")
+@bench_app.command("latency", epilog="Example: envpool bench latency --json")
 def bench_latency(as_json: JsonOpt = False) -> None:
     """Warm claim and step round trip (echo-v0) vs the same step in-process."""
     from envpool.bench import latency
@@ -112,12 +112,14 @@ def bench_latency(as_json: JsonOpt = False) -> None:
     _emit(asyncio.run(latency()), as_json, "envpool latency")
 
 
-@bench_app.command("resets")
+@bench_app.command("resets", epilog="Example: envpool bench resets --n 500 --concurrency 8")
 def bench_resets(
-    n: Annotated[int, typer.Option("--n", min=1)] = 10_000,
-    concurrency: Annotated[int, typer.Option(min=1)] = 32,
-    fetch_error_rate: Annotated[float, typer.Option(min=0, max=1)] = 0.05,
-    crash_rate: Annotated[float, typer.Option(min=0, max=1)] = 0.01,
+    n: Annotated[int, typer.Option("--n", min=1, help="Resets in all.")] = 10_000,
+    concurrency: Annotated[int, typer.Option(min=1, help="Sessions resetting at once.")] = 32,
+    fetch_error_rate: Annotated[
+        float, typer.Option(min=0, max=1, help="Share of image fetches that fail.")
+    ] = 0.05,
+    crash_rate: Annotated[float, typer.Option(min=0, max=1, help="Share of containers that crash.")] = 0.01,
     as_json: JsonOpt = False,
 ) -> None:
     """N resets under injected image-fetch errors and container crashes."""
@@ -140,9 +142,10 @@ def bench_resets(
     # one string: typer's command list keeps a docstring's line breaks
     help="SESSIONS sessions reset at once on an uncached image: tiered cache vs every container "
     "fetching on its own, from the same bandwidth-limited origin.",
+    epilog="Example: envpool bench cold-image --sessions 16 --size-mb 4",
 )
 def bench_cold_image(
-    sessions: Annotated[int, typer.Option(min=1)] = 64,
+    sessions: Annotated[int, typer.Option(min=1, help="Sessions reset at once.")] = 64,
     # at most 1 GiB: the bundle is made in memory (inf or 1e12 was an OverflowError traceback)
     size_mb: Annotated[float, typer.Option(min=0.01, max=1024, help="Image data in MiB.")] = 8.0,
     bandwidth_mbps: Annotated[float, typer.Option(min=0.1, help="Origin link in MB/s.")] = 40.0,

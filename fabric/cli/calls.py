@@ -31,8 +31,11 @@ from fabric.errors import FabricError
 from fabric.usercode import prints_to_stderr
 
 
-@app.command("ls")
-def ls_cmd(modules: ModulesOpt = None, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+@app.command("ls", epilog="Example: fabric ls -m my_rewards.py --json")
+def ls_cmd(
+    modules: ModulesOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print every field as one JSON array.")] = False,
+) -> None:
     """List registered functions."""
     try:
         reg = load_registry(modules)
@@ -70,10 +73,12 @@ def ls_cmd(modules: ModulesOpt = None, as_json: Annotated[bool, typer.Option("--
 
 @app.command(
     help="Call a function once and print its Result as JSON (exit 1 if the call failed, 2 if it was "
-    "refused as bad input: an unknown function, arguments the function does not take)."
+    "refused as bad input: an unknown function, arguments the function does not take).",
+    epilog="Example: fabric invoke exact_match --backend inproc --payload "
+    '\'{"traj": "The answer is: Paris.", "ground_truth": "paris"}\'',
 )
 def invoke(
-    name: str,
+    name: Annotated[str, typer.Argument(help="A registered function (fabric ls lists them).")],
     payload: Annotated[
         str,
         typer.Option(help="Keyword arguments as a JSON object; @FILE reads it from a file, @- from stdin."),
@@ -124,9 +129,9 @@ def invoke(
         raise typer.Exit(2 if result.error is not None and result.error.type in BAD_INPUT else 1)
 
 
-@app.command()
+@app.command(epilog="Example: fabric bench exact_match --n 2000 --concurrency 16 --workers 2")
 def bench(
-    name: str,
+    name: Annotated[str, typer.Argument(help="The registered function to call (fabric ls lists them).")],
     n: Annotated[int, typer.Option("--n", help="Timed calls.")] = 20_000,
     concurrency: Annotated[int, typer.Option(help="Callers issuing calls back to back.")] = 64,
     backend: Annotated[

@@ -24,7 +24,9 @@ from fabric.errors import FabricError
 
 @app.command(
     help="Deploy the registered functions: AWS Lambda (terraform or boto3) with a `live` alias "
-    "(provisioned concurrency with --keep-warm or --warm N), or a Modal app."
+    "(provisioned concurrency with --keep-warm or --warm N), or a Modal app.",
+    epilog="Example: fabric deploy -m my_rewards.py --plan-only (terraform's plan; without "
+    "--plan-only it applies)",
 )
 def deploy(
     backend: Annotated[

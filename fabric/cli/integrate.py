@@ -55,6 +55,7 @@ def _pairs(items: list[str] | None, option: str, *, as_json: bool) -> dict[str, 
     help="Serve a reward function as OpenRLHF's remote reward model: POST /get_reward takes "
     '{"query", "prompts", "labels"} and answers {"rewards", "scores", "extra_logs"}. Train with '
     "--reward.remote_url http://HOST:PORT/get_reward.",
+    epilog="Example: fabric integrate openrlhf-serve -f math_answer --port 8000",
 )
 def openrlhf_serve(
     function: Annotated[str, typer.Option("--function", "-f", help="The reward function to serve.")],

@@ -18,7 +18,7 @@ from fabric.cli._app import (
 from fabric.usercode import prints_to_stderr
 
 
-@app.command()
+@app.command(epilog="Example: fabric run examples/frozenlake/config.yaml --steps 20 --run-dir runs/try")
 def run(
     config: Annotated[str, typer.Argument(help="A job config (YAML), e.g. examples/frozenlake/config.yaml.")],
     steps: Annotated[int | None, typer.Option(help="Override the config's training steps.")] = None,

@@ -28,7 +28,9 @@ from fabric.errors import FabricError, UnknownFunctionError
 
 @app.command(
     help="Serve the registered functions over the AWS Lambda Invoke API (for the lambda backend, "
-    "boto3, the AWS CLI), with tokens and per-tenant quotas."
+    "boto3, the AWS CLI), with tokens and per-tenant quotas.",
+    epilog="Example: fabric serve --port 9000 -m my_rewards.py, then: fabric invoke NAME -m my_rewards.py "
+    "--backend lambda --endpoint-url http://127.0.0.1:9000 --token TOKEN (the token it prints)",
 )
 def serve(
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",

@@ -153,3 +153,20 @@ def test_help_reads_as_whole_sentences(columns):
         r = runner.invoke(app, [*path, "--help"], env={"COLUMNS": str(columns)})
         assert r.exit_code == 0, r.output
         assert early_breaks(r.stdout, columns) == [], (path, r.stdout)
+
+
+def test_every_command_help_shows_an_example_and_explains_each_option():
+    """No help page had an example, and the options of `bench resets` and --sessions had no
+    words at all."""
+    root = typer.main.get_command(app)
+    for path in command_paths(root):
+        command = root
+        for name in path:
+            command = command.commands[name]  # type: ignore[attr-defined]
+        if getattr(command, "commands", None):
+            continue
+        r = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
+        assert r.exit_code == 0, r.output
+        assert f"Example: envpool {' '.join(path)}" in r.stdout, (path, r.stdout)
+        bare = [p.name for p in command.params if not getattr(p, "help", None) and p.name != "help"]
+        assert bare == [], (path, bare)

@@ -337,3 +337,20 @@ def test_a_benchmark_script_prints_its_usage_on_help(script):
         [sys.executable, str(path), "--no-such-option"], capture_output=True, text=True, timeout=120
     )
     assert bad.returncode == 2 and "unrecognized arguments" in bad.stderr
+
+
+def test_every_command_help_shows_an_example_and_explains_each_parameter():
+    """No help page had an example, and `fabric ls --json` and the NAME of invoke and bench
+    had no words at all: a new user had to guess a first command line."""
+    root = typer.main.get_command(app)
+    for path in command_paths(root):
+        command = root
+        for name in path:
+            command = command.commands[name]  # type: ignore[attr-defined]
+        if getattr(command, "commands", None):  # a group: its commands show theirs
+            continue
+        r = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
+        assert r.exit_code == 0, r.output
+        assert f"Example: fabric {' '.join(path)} " in r.stdout, (path, r.stdout)
+        bare = [p.name for p in command.params if not getattr(p, "help", None) and p.name != "help"]
+        assert bare == [], (path, bare)
