@@ -217,6 +217,16 @@ async def cold_image(
     return await _term_as_interrupt(lambda: _cold_image(sessions, size_mb, bandwidth_mbps))
 
 
+def _write_weights(path: Path, size: int) -> None:
+    # in chunks: randbytes takes fewer than 2**31 bits at once (--size-mb 256 was an
+    # OverflowError); chunks of whole 32-bit words continue the one stream, so a size that
+    # fitted in one call gets the same bytes as before
+    rng, chunk = random.Random(0), 2**27
+    with path.open("wb") as f:
+        for start in range(0, size, chunk):
+            f.write(rng.randbytes(min(chunk, size - start)))
+
+
 async def _cold_image(sessions: int, size_mb: float, bandwidth_mbps: float) -> dict[str, Any]:
     from envpool.images import DiskTier, DiskTierConfig, HttpTier, OriginTierConfig, TieredCache, build_bundle
     from envpool.images.fake_origin import FakeOrigin
@@ -228,7 +238,7 @@ async def _cold_image(sessions: int, size_mb: float, bandwidth_mbps: float) -> d
         (src / "weighted_env.py").write_text(_COLD_ENV)
         manifest = '{"register": [{"id": "weighted-v0", "entry_point": "weighted_env:Weighted"}]}'
         (src / "envpool.json").write_text(manifest)
-        (src / "data" / "weights.bin").write_bytes(random.Random(0).randbytes(int(size_mb * 2**20)))
+        _write_weights(src / "data" / "weights.bin", int(size_mb * 2**20))
         bundle = build_bundle(src)
         image = str(bundle.ref("weighted"))
         cfg = {"min_warm": 0, "max_containers": sessions + 4, "reset_timeout_s": 300, "claim_timeout_s": 300}

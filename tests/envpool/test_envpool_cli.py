@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -170,3 +171,15 @@ def test_every_command_help_shows_an_example_and_explains_each_option():
         assert f"Example: envpool {' '.join(path)}" in r.stdout, (path, r.stdout)
         bare = [p.name for p in command.params if not getattr(p, "help", None) and p.name != "help"]
         assert bare == [], (path, bare)
+
+
+def test_bench_cold_image_builds_the_largest_image_it_takes(tmp_path):
+    """--size-mb 256 or more (the option takes up to 1024) was an OverflowError traceback:
+    Random.randbytes takes fewer than 2**31 bits at once."""
+    from envpool.bench import _write_weights
+
+    path = tmp_path / "weights.bin"
+    _write_weights(path, 2**28 + 3)
+    assert path.stat().st_size == 2**28 + 3
+    with path.open("rb") as f:  # the same bytes as before for a size that worked
+        assert f.read(4096) == random.Random(0).randbytes(2**27)[:4096]
