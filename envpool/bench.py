@@ -210,11 +210,12 @@ class _OwnFetch:
 
 
 async def cold_image(
-    sessions: int = 64, size_mb: float = 8.0, bandwidth_mbps: float = 40.0
+    sessions: int = 64, size_mb: float = 8.0, bandwidth_mbps: float = 40.0, progress: Progress | None = None
 ) -> dict[str, Any]:
     """``sessions`` sessions claim a container and reset at once, on an image no node has:
-    through one tiered cache with single-flight, vs every container fetching on its own."""
-    return await _term_as_interrupt(lambda: _cold_image(sessions, size_mb, bandwidth_mbps))
+    through one tiered cache with single-flight, vs every container fetching on its own.
+    ``progress`` hears of each session reset, as ("tiered" or "own fetch", done, sessions)."""
+    return await _term_as_interrupt(lambda: _cold_image(sessions, size_mb, bandwidth_mbps, progress))
 
 
 def _write_weights(path: Path, size: int) -> None:
@@ -227,7 +228,9 @@ def _write_weights(path: Path, size: int) -> None:
             f.write(rng.randbytes(min(chunk, size - start)))
 
 
-async def _cold_image(sessions: int, size_mb: float, bandwidth_mbps: float) -> dict[str, Any]:
+async def _cold_image(
+    sessions: int, size_mb: float, bandwidth_mbps: float, progress: Progress | None
+) -> dict[str, Any]:
     from envpool.images import DiskTier, DiskTierConfig, HttpTier, OriginTierConfig, TieredCache, build_bundle
     from envpool.images.fake_origin import FakeOrigin
 
@@ -243,16 +246,22 @@ async def _cold_image(sessions: int, size_mb: float, bandwidth_mbps: float) -> d
         image = str(bundle.ref("weighted"))
         cfg = {"min_warm": 0, "max_containers": sessions + 4, "reset_timeout_s": 300, "claim_timeout_s": 300}
 
-        async def storm(resolver: Any) -> list[float]:
+        async def storm(resolver: Any, label: str) -> list[float]:
             async with EnvPool(cfg, images=resolver) as pool:
                 go = asyncio.Event()
+                done = 0
 
                 async def one() -> float:
                     await go.wait()
                     t0 = time.perf_counter()
                     async with pool.session("weighted-v0", image=image) as s:
                         await s.reset()
-                    return time.perf_counter() - t0
+                    took = time.perf_counter() - t0
+                    nonlocal done
+                    done += 1
+                    if progress is not None:
+                        progress(label, done, sessions)
+                    return took
 
                 tasks = [asyncio.create_task(one()) for _ in range(sessions)]
                 await asyncio.sleep(0)
@@ -270,14 +279,14 @@ async def _cold_image(sessions: int, size_mb: float, bandwidth_mbps: float) -> d
                 HttpTier(OriginTierConfig(url=origin.url)),
             ]
             async with TieredCache(tiers, unpack_dir=root / "node" / "unpacked") as cache:
-                shared = await storm(cache)
+                shared = await storm(cache, "tiered")
             out["tiered"] = {
                 "p50_s": _pct(shared, 50),
                 "p99_s": _pct(shared, 99),
                 "origin_gets": origin.requests,
             }
         with FakeOrigin({bundle.digest: bundle.data}, bandwidth_bps=bandwidth_mbps * 1e6) as origin:
-            alone = await storm(_OwnFetch(root / "own", origin.url))
+            alone = await storm(_OwnFetch(root / "own", origin.url), "own fetch")
             out["own_fetch"] = {
                 "p50_s": _pct(alone, 50),
                 "p99_s": _pct(alone, 99),

@@ -153,7 +153,9 @@ def bench_cold_image(
 ) -> None:
     from envpool.bench import cold_image
 
-    result = asyncio.run(cold_image(sessions, size_mb, bandwidth_mbps))
+    prog, update = _progress()
+    with prog:  # tens of seconds at the defaults: each storm's sessions as they reset
+        result = asyncio.run(cold_image(sessions, size_mb, bandwidth_mbps, None if as_json else update))
     if as_json:
         print(json.dumps(result))
         return
