@@ -58,6 +58,7 @@ from core.config_sections import (
 )
 from core.entropy_control import entropy_target_problem
 from core.errors import ConfigError
+from fabric.config_messages import yaml_problem
 from fabric.registry import Registry
 
 __all__ = [
@@ -314,7 +315,7 @@ class JobConfig(ConfigModel):
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise ConfigError([("", f"not valid YAML: {e}")], str(path)) from None
+            raise ConfigError([("", f"not valid YAML: {yaml_problem(e)}")], str(path)) from None
         except RecursionError:  # the parser's, on flow collections thousands deep: a traceback
             raise ConfigError([("", "not valid YAML: nested too deeply")], str(path)) from None
         if data is None:  # no document, or comments only: "envs: required key is missing" misled

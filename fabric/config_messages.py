@@ -145,3 +145,20 @@ def problems(e: ValidationError, model: type[BaseModel]) -> list[tuple[str, str]
 def one_line(e: ValidationError, model: type[BaseModel]) -> str:
     """``problems`` as one line, for a ``ConfigError`` message."""
     return "; ".join(f"{key}: {msg}" if key else msg for key, msg in problems(e, model))
+
+
+def yaml_problem(e: Exception) -> str:
+    """PyYAML's error as one line with its place (``line 2, column 1: expected ... (while
+    parsing a flow sequence from line 1)``): its own text ran over four lines, named the
+    file "<unicode string>" and drew a caret under the line it quoted."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+    if mark is None or problem is None:  # a plain YAMLError: no place to give
+        return " ".join(str(e).split())
+    said = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    context, context_mark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context:
+        # where the unclosed bracket or quote began, when that is not where it was noticed
+        if context_mark is not None and context_mark.line != mark.line:
+            context += f" from line {context_mark.line + 1}"
+        said += f" ({context})"
+    return said

@@ -33,7 +33,7 @@ from pydantic import (
 )
 
 from fabric.backends.base import TOKEN_ENV, InprocConfig, LocalConfig
-from fabric.config_messages import one_line
+from fabric.config_messages import one_line, yaml_problem
 from fabric.errors import ConfigError
 from fabric.protocol import MAX_PAYLOAD_BYTES
 
@@ -247,7 +247,7 @@ def load_tenants(path: str | Path) -> dict[str, TenantConfig]:
     except UnicodeDecodeError:  # a binary, or UTF-16 from an editor: was a traceback
         raise ConfigError(f"cannot read the tenants file {str(p)!r}: {NOT_UTF8}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"tenants file {str(p)!r} is not valid YAML/JSON: {e}") from None
+        raise ConfigError(f"tenants file {str(p)!r} is not valid YAML/JSON: {yaml_problem(e)}") from None
     except RecursionError:  # the parser's, on flow collections thousands deep: was a traceback
         raise ConfigError(f"tenants file {str(p)!r} is not valid YAML/JSON: nested too deeply") from None
     if not isinstance(data, dict) or not isinstance(data.get("tenants"), dict) or not data["tenants"]:

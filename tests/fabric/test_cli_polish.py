@@ -243,3 +243,23 @@ def test_bench_takes_the_region_deploy_took(monkeypatch):
     assert r.exit_code == 2 and "--region 'bogus' is not an AWS region name" in " ".join(r.output.split())
     r = runner.invoke(app, ["bench", "exact_match", "--region", "eu-west-1"])
     assert r.exit_code == 2 and "--region is for --backend lambda" in " ".join(r.output.split()), r.output
+
+
+@pytest.mark.parametrize(
+    ("args", "text"),
+    [
+        (["run", "{}"], "envs: [\n"),
+        (["serve", "--tenants", "{}"], "tenants: {a: [unclosed\n"),
+    ],
+)
+def test_a_yaml_syntax_error_is_one_line_with_its_place(tmp_path, args, text):
+    """PyYAML's own text ran over four lines, named the file "<unicode string>" and pointed
+    at the place with a caret under a blank line."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    r = runner.invoke(app, [a.format(bad) for a in args])
+    assert r.exit_code == 2, r.output
+    said = r.stderr.strip()
+    assert "\n" not in said.replace("\n  ", " "), said  # run's "(1 problem):" list may indent
+    assert "<unicode string>" not in said and "line 2, column 1" in said, said
+    assert str(bad) in said and "not valid YAML" in said, said
