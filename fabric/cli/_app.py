@@ -271,4 +271,7 @@ def listen_failed(host: str, port: int, e: OSError) -> NoReturn:
         )
     else:
         hint = _LISTEN_HINTS.get(e.errno or 0, "")
-    fail(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}")
+    # the system's words for an errno: asyncio's bind error (aiohttp's site, openrlhf-serve)
+    # carries a sentence of its own as strerror, which said the address and port again
+    why = os.strerror(e.errno) if e.errno and e.errno > 0 and not isinstance(e, socket.gaierror) else None
+    fail(f"cannot listen on {host}:{port}: {why or e.strerror or e}{hint}")

@@ -281,3 +281,23 @@ def test_serve_connection_options_reach_the_servers_config(monkeypatch):
 def test_bad_connection_options_are_refused_naming_the_option(extra, said):
     r = runner.invoke(app, ["serve", "-f", "exact_match", "--port", "0", *extra])
     assert r.exit_code == 2 and said in " ".join(r.output.split()), r.output
+
+
+def test_openrlhf_serve_on_a_port_in_use_says_it_once():
+    """asyncio's bind error carries its own sentence as strerror: the message read "cannot
+    listen on 127.0.0.1:P: error while attempting to bind on address ('127.0.0.1', P):
+    address already in use; another process listens there ..."."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    try:
+        port = s.getsockname()[1]
+        r = runner.invoke(app, ["integrate", "openrlhf-serve", "-f", "exact_match", "--port", str(port)])
+    finally:
+        s.close()
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2, r.output
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use; another process" in said, said
+    assert "attempting to bind" not in said, said
