@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -120,6 +121,13 @@ def serve(
             secret = token or os.environ.get(TOKEN_ENV)
             if token_file is None and not secret:
                 secret = generated = new_token()
+            if token_file:
+                # named as the option: the tenant's own check says "token_file", a tenants
+                # file's key, which this command line has none of
+                try:
+                    Path(token_file).read_bytes()
+                except OSError as e:
+                    fail(f"--token-file {token_file}: cannot read it: {e.strerror or e}")
             source: dict[str, Any] = {"token_file": token_file} if token_file else {"token": secret}
             if max_concurrency is not None:  # else TenantConfig's default (64)
                 source["max_concurrency"] = max_concurrency

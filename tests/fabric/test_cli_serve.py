@@ -301,3 +301,12 @@ def test_openrlhf_serve_on_a_port_in_use_says_it_once():
     assert r.exit_code == 2, r.output
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use; another process" in said, said
     assert "attempting to bind" not in said, said
+
+
+def test_a_token_file_that_cannot_be_read_is_named_as_the_option(tmp_path):
+    """It was named as a tenants file's key: "cannot read token_file '...'"."""
+    missing = tmp_path / "no-token"
+    r = runner.invoke(app, ["serve", "-f", "exact_match", "--token-file", str(missing)])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2, r.output
+    assert f"--token-file {missing}: cannot read it: No such file or directory" in said, said
