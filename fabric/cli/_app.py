@@ -135,7 +135,9 @@ def payload_arg(text: str) -> dict[str, Any]:
         where = text[1:]
         try:
             text = sys.stdin.read() if where == "-" else Path(where).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
+        except OSError as e:  # its own text says the path again, after an [Errno N]
+            fail(f"--payload {text}: cannot read it: {e.strerror or e}")
+        except UnicodeDecodeError as e:
             fail(f"--payload {text}: cannot read it: {e}")
     try:
         args = json.loads(text, parse_constant=no_constant)

@@ -192,6 +192,8 @@ def test_invoke_reads_a_payload_from_a_file_or_stdin(tmp_path):
     assert json.loads(r.stdout)["value"] == 0.0
     r = runner.invoke(app, ["invoke", "exact_match", "--payload", f"@{tmp_path / 'missing.json'}"])
     assert r.exit_code == 2 and "--payload @" in r.stderr and "cannot read it" in r.stderr, r.output
+    # once: the path was said again in OSError's own text ("[Errno 2] ...: '/tmp/.../missing.json'")
+    assert "cannot read it: No such file or directory\n" in r.stderr and "Errno" not in r.stderr, r.stderr
     path.write_text("[1, 2]")
     r = runner.invoke(app, ["invoke", "exact_match", "--payload", f"@{path}"])
     assert r.exit_code == 2 and "must be a JSON object" in r.stderr, r.output
