@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from envpool.errors import EnvPoolError
-from fabric.registry import import_module_or_file
+from fabric.registry import import_module_or_file, import_problem
 from fabric.usercode import prints_to_stderr, search_cwd
 from fabric.version import VersionOpt
 
@@ -70,7 +70,7 @@ def ls_cmd(modules: ModulesOpt = None, as_json: JsonOpt = False) -> None:
                 f"it called sys.exit({e.code!r}) as it was imported; a script's exit belongs under "
                 "`if __name__ == '__main__':`"
                 if isinstance(e, SystemExit)
-                else f"{type(e).__name__}: {e}"
+                else import_problem(m, e)
             )
             why = f"cannot import {m!r}: {what}"
             err.print(f"[bold red]error:[/] {escape(why)}", soft_wrap=True)

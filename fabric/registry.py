@@ -89,7 +89,23 @@ def _import_error(name: str, when: str, e: BaseException) -> EntryPointError:
             "a script's exit belongs under `if __name__ == '__main__':`, or the script outside "
             "the package discovery walks"
         )
-    return EntryPointError(f"cannot import {name!r} {when}: {type(e).__name__}: {e}")
+    return EntryPointError(f"cannot import {name!r} {when}: {import_problem(name, e)}")
+
+
+def import_problem(target: str, e: BaseException) -> str:
+    """Why ``target`` (a module name, ``module:attr`` or a file.py) did not import; when it
+    was not found itself, rather than one of its own imports, where it was looked for and
+    what to give instead (Python's "No module named 'x'" said nothing of either)."""
+    module = target.partition(":")[0]
+    if isinstance(e, FileNotFoundError) and module.endswith(".py") and not Path(module).exists():
+        return f"no such file: {Path(module).resolve()} (a path is taken from the working directory)"
+    if isinstance(e, ModuleNotFoundError) and e.name and (module + ".").startswith(e.name + "."):
+        file = module.replace(".", "/") + ".py"
+        return (
+            f"no module {e.name!r} in the working directory or on PYTHONPATH: run from the directory "
+            f"that holds it, add that directory to PYTHONPATH, or give its file ({file})"
+        )
+    return f"{type(e).__name__}: {e}"
 
 
 def load_entry_point(entry: str) -> Any:

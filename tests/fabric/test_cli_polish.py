@@ -263,3 +263,25 @@ def test_a_yaml_syntax_error_is_one_line_with_its_place(tmp_path, args, text):
     assert "\n" not in said.replace("\n  ", " "), said  # run's "(1 problem):" list may indent
     assert "<unicode string>" not in said and "line 2, column 1" in said, said
     assert str(bad) in said and "not valid YAML" in said, said
+
+
+@pytest.mark.parametrize("cli", ["fabric", "envpool"])
+def test_a_module_that_is_not_there_says_where_it_was_looked_for(tmp_path, monkeypatch, cli):
+    """`-m nosuchmod` said only "No module named 'nosuchmod'" and `-m nosuch.py` a
+    FileNotFoundError with its [Errno 2]: nothing of what to do. A module that is there but
+    imports one that is not keeps Python's words: the fix is in that module, not the path."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "needs_more.py").write_text("import nosuchdependency\n")
+    the_app = app if cli == "fabric" else envpool_app
+    r = runner.invoke(the_app, ["ls", "-m", "nosuchmod"])
+    said = " ".join(r.stderr.split())
+    assert r.exit_code == 2 and "'nosuchmod'" in said and "PYTHONPATH" in said, said
+    assert "nosuchmod.py" in said and "Traceback" not in said, said
+    r = runner.invoke(the_app, ["ls", "-m", "nosuch.py"])
+    said = " ".join(r.stderr.split())
+    assert r.exit_code == 2 and f"no such file: {tmp_path / 'nosuch.py'}" in said, said
+    assert "Errno" not in said, said
+    r = runner.invoke(the_app, ["ls", "-m", "needs_more.py"])
+    said = " ".join(r.stderr.split())
+    assert r.exit_code == 2 and "No module named 'nosuchdependency'" in said, said
+    assert "PYTHONPATH" not in said, said
