@@ -285,3 +285,23 @@ def test_a_module_that_is_not_there_says_where_it_was_looked_for(tmp_path, monke
     said = " ".join(r.stderr.split())
     assert r.exit_code == 2 and "No module named 'nosuchdependency'" in said, said
     assert "PYTHONPATH" not in said, said
+
+
+def test_ctrl_c_while_the_commands_load_exits_130_without_a_traceback():
+    """`fabric serve` interrupted in its first half second (its commands' imports: typer,
+    rich, the command modules) printed a KeyboardInterrupt traceback from inside importlib:
+    `from fabric.cli import main`, the console script's first line, imported them all."""
+    code = (
+        "import sys\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'fabric.cli.calls':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Interrupt())\n"
+        "sys.argv = ['fabric', 'ls']\n"
+        "from fabric.cli import main\n"
+        "main()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(fabric.__file__).parent.parent)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 130 and "Traceback" not in done.stderr, (done.returncode, done.stderr)
