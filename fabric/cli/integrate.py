@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from fabric.cli._app import (
+    LOAD_YOURS,
     SERVE_EXTRA,
     TOO_DEEP,
     DrainOpt,
@@ -21,7 +22,7 @@ from fabric.cli._app import (
     no_constant,
     require_extra,
 )
-from fabric.errors import FabricError
+from fabric.errors import FabricError, UnknownFunctionError
 from fabric.usercode import prints_to_stderr, search_cwd
 
 integrate_app = typer.Typer(
@@ -157,7 +158,9 @@ def openrlhf_serve(
             )
     except OSError as e:
         listen_failed(host, port, e)
-    except FabricError as e:  # an unknown function (with the known names), a bad module
+    except UnknownFunctionError as e:  # names what is registered; said as serve's -f says it
+        fail(f"--function: {e}; {LOAD_YOURS}")
+    except FabricError as e:  # a bad module
         fail(str(e))
     except KeyboardInterrupt:  # SIGINT or SIGTERM, once the server has closed
         raise typer.Exit(130) from None

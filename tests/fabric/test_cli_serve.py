@@ -310,3 +310,12 @@ def test_a_token_file_that_cannot_be_read_is_named_as_the_option(tmp_path):
     said = " ".join(r.output.split())
     assert r.exit_code == 2, r.output
     assert f"--token-file {missing}: cannot read it: No such file or directory" in said, said
+
+
+def test_openrlhf_serve_of_an_unknown_function_says_how_yours_registers():
+    """fabric serve -f and fabric deploy -f say how a function of your own is found; this
+    said only "unknown function 'nope'; known functions: ..."."""
+    r = runner.invoke(app, ["integrate", "openrlhf-serve", "-f", "nope", "--port", "0"])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2, r.output
+    assert "--function: unknown function 'nope'" in said and "-m MODULE" in said, said
