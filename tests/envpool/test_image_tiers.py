@@ -341,3 +341,48 @@ def test_a_remote_containers_fetch_keeps_to_the_caps_it_was_given(
         with pytest.raises(ImageError, match="max_unpacked_bytes"):
             fetch_image(bundle.digest, origin.url, max_unpacked_bytes=4096)
         assert (fetch_image(bundle.digest, origin.url) / "run.sh").is_file()
+
+
+async def test_an_s3_tier_refuses_an_object_over_its_cap_by_name(s3: str) -> None:
+    # the S3 tier read a whole object with Body.read(), however big: a huge one filled the
+    # node. Refused on its ContentLength before the body is read, as the HTTP tier does
+    data = b"x" * 4096
+    async with S3Tier(S3TierConfig(bucket=s3, max_blob_bytes=1024)) as tier:
+        await tier.put(digest_of(data), data)
+        with pytest.raises(ImageFetchError) as e:
+            await tier.get(digest_of(data))
+    said = str(e.value)
+    assert "its ContentLength says 4,096 bytes" in said
+    assert f"s3://{s3}/{tier.key_of(digest_of(data))}" in said
+    assert "max_blob_bytes" in said and "1,024" in said and not e.value.retryable
+    assert S3TierConfig(bucket=s3).max_blob_bytes == 2 * 2**30
+    small = b"y" * 1024  # (at the cap: read whole)
+    async with S3Tier(S3TierConfig(bucket=s3, max_blob_bytes=1024)) as tier:
+        await tier.put(digest_of(small), small)
+        assert await tier.get(digest_of(small)) == small
+
+
+async def test_an_s3_tier_cuts_off_a_body_past_its_cap(s3: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a body longer than its ContentLength says (or a reply without one) is still read no
+    # further than the cap
+    import envpool.images.tiers.s3 as s3_mod
+
+    monkeypatch.setattr(s3_mod, "_READ_CHUNK", 256, raising=False)
+    data = os.urandom(64 * 1024)
+    async with S3Tier(S3TierConfig(bucket=s3, max_blob_bytes=1024)) as tier:
+        await tier.put(digest_of(data), data)
+        real = tier._client.get_object
+        read: list[int] = []
+
+        def unsized(**kw: object) -> dict[str, object]:
+            resp = real(**kw)
+            del resp["ContentLength"]
+            body = resp["Body"]
+            plain_read = body.read
+            resp["Body"].read = lambda n=None: read.append(len(chunk := plain_read(n))) or chunk
+            return resp
+
+        monkeypatch.setattr(tier._client, "get_object", unsized)
+        with pytest.raises(ImageFetchError, match=r"its body ran past 1,024 bytes.*max_blob_bytes") as e:
+            await tier.get(digest_of(data))
+    assert not e.value.retryable and sum(read) <= 1024 + 256

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from envpool.images.bundle import parse_digest
 from envpool.images.errors import ImageError, ImageFetchError
@@ -26,6 +26,31 @@ class TierConfigBase(BaseModel):
 
     name: str | None = None
     """Label of the tier in metrics and errors (default: its ``type``)."""
+
+
+DEFAULT_MAX_BLOB_BYTES = 2 * 2**30
+
+
+class FetchingTierConfig(TierConfigBase):
+    """A tier that downloads its blobs (HTTP, S3): how much of one it reads at most."""
+
+    max_blob_bytes: int = Field(DEFAULT_MAX_BLOB_BYTES, gt=0)
+    """The most bytes of one blob this tier downloads (2 GiB by default): a reply whose
+    stated length (``Content-Length``, S3's ``ContentLength``) says more is refused before
+    its body is read, and one whose body (decompressed) runs past it is cut off there, so a
+    huge or endless body cannot fill the node's memory and disk (a blob is held whole while
+    it is verified and unpacked). Not retried (``ImageFetchError``, naming this key): raise
+    it for images that big."""
+
+
+def blob_too_big(tier: str, cap: int, digest: str, source: object, why: str) -> ImageFetchError:
+    """The error of a blob over a tier's ``max_blob_bytes``: ``why`` says how it showed."""
+    return ImageFetchError(
+        f"{digest} from {source}: {why}, over this tier's max_blob_bytes ({cap:,}); raise "
+        "max_blob_bytes in the tier's config for an image this big",
+        tier=tier,
+        retryable=False,  # (the same blob is as big on every try)
+    )
 
 
 class TierMetrics:

@@ -14,12 +14,11 @@ import httpx
 from pydantic import Field, field_validator
 
 from envpool.images.errors import ImageFetchError
-from envpool.images.tiers.base import Tier, TierConfigBase
+from envpool.images.tiers.base import DEFAULT_MAX_BLOB_BYTES as DEFAULT_MAX_BLOB_BYTES  # (envpool.server's)
+from envpool.images.tiers.base import FetchingTierConfig, Tier, blob_too_big
 
-DEFAULT_MAX_BLOB_BYTES = 2 * 2**30
 
-
-class HttpTierConfig(TierConfigBase):
+class HttpTierConfig(FetchingTierConfig):
     url: str
     """Base URL; blobs are fetched from ``{url}/blobs/sha256:<hex>``."""
 
@@ -42,12 +41,6 @@ class HttpTierConfig(TierConfigBase):
     headers: dict[str, str] = Field(default_factory=dict)
     """Sent with every request (e.g. ``Authorization`` for a private registry)."""
     max_connections: int = Field(64, ge=1)
-    max_blob_bytes: int = Field(DEFAULT_MAX_BLOB_BYTES, gt=0)
-    """The most bytes of one blob this tier downloads (2 GiB by default): a reply whose
-    ``Content-Length`` says more is refused before its body is read, and one whose body
-    (decompressed) runs past it is cut off there, so a huge or endless body cannot fill the
-    node's memory and disk (a blob is held whole while it is verified and unpacked). Not
-    retried (``ImageFetchError``, naming this key): raise it for images that big."""
 
 
 class PeerTierConfig(HttpTierConfig):
@@ -126,13 +119,7 @@ class HttpTier(Tier):
         return b"".join(chunks)
 
     def _too_big(self, resp: httpx.Response, digest: str, why: str) -> ImageFetchError:
-        return ImageFetchError(
-            f"{digest} from {resp.request.url}: {why}, over this tier's max_blob_bytes "
-            f"({self.config.max_blob_bytes:,}); raise max_blob_bytes in the tier's config for an "
-            "image this big",
-            tier=self.name,
-            retryable=False,  # (the same blob is as big on every try)
-        )
+        return blob_too_big(self.name, self.config.max_blob_bytes, digest, resp.request.url, why)
 
 
 def _status_error(resp: httpx.Response, tier: str) -> ImageFetchError:

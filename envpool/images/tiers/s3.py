@@ -3,6 +3,7 @@
 boto3 is imported here only, when the tier starts. Its calls block, so they run in threads;
 one client is shared (boto3 clients are thread-safe, sessions are not). botocore's own retries
 are off: the cache retries with backoff and jitter, and two layers would multiply the waits.
+A get reads at most ``max_blob_bytes`` of an object (``FetchingTierConfig``, as HTTP tiers do).
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ from typing import Any, Literal
 from pydantic import Field
 
 from envpool.images.errors import ImageFetchError
-from envpool.images.tiers.base import Tier, TierConfigBase
+from envpool.images.tiers.base import FetchingTierConfig, Tier, blob_too_big
 
 _MISSING = frozenset({"NoSuchKey", "404", "NotFound"})
 _THROTTLED = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "503"})
 _MULTIPART_BYTES = 64 * 2**20
 """Blobs from this size on are stored in parts of it (a single put takes 5 GB at most)."""
+_READ_CHUNK = 2**20
+"""A blob's body is read this much at a time, counted against ``max_blob_bytes``."""
 
 
-class S3TierConfig(TierConfigBase):
+class S3TierConfig(FetchingTierConfig):
     type: Literal["s3"] = "s3"
     bucket: str
     prefix: str = "envpool/images/"
@@ -78,14 +81,38 @@ class S3Tier(Tier):
         return await asyncio.to_thread(self._get_sync, digest)
 
     def _get_sync(self, digest: str) -> bytes | None:
+        key = self.key_of(digest)
         try:
-            resp = self._client.get_object(Bucket=self.config.bucket, Key=self.key_of(digest))
-            data: bytes = resp["Body"].read()
+            resp = self._client.get_object(Bucket=self.config.bucket, Key=key)
         except Exception as e:
             if _error_code(e) in _MISSING:
                 return None
             raise self._translate(e) from e
-        return data
+        body = resp["Body"]
+        try:
+            return self._body(body, resp.get("ContentLength"), digest, key)
+        finally:
+            body.close()  # (a refused body is not drained: its connection is dropped)
+
+    def _body(self, body: Any, length: int | None, digest: str, key: str) -> bytes:
+        """The object's body, read up to ``max_blob_bytes`` and no further."""
+        cap = self.config.max_blob_bytes
+        where = f"s3://{self.config.bucket}/{key}"
+        if length is not None and length > cap:
+            raise blob_too_big(self.name, cap, digest, where, f"its ContentLength says {length:,} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            try:
+                chunk: bytes = body.read(_READ_CHUNK)
+            except Exception as e:  # a timeout or a body cut short mid-read
+                raise self._translate(e) from e
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > cap:  # (a body longer than its ContentLength said, or one without it)
+                raise blob_too_big(self.name, cap, digest, where, f"its body ran past {cap:,} bytes")
+            chunks.append(chunk)
 
     async def _put(self, digest: str, data: bytes) -> None:
         try:
