@@ -386,3 +386,37 @@ async def test_an_s3_tier_cuts_off_a_body_past_its_cap(s3: str, monkeypatch: pyt
         with pytest.raises(ImageFetchError, match=r"its body ran past 1,024 bytes.*max_blob_bytes") as e:
             await tier.get(digest_of(data))
     assert not e.value.retryable and sum(read) <= 1024 + 256
+
+
+async def test_a_neighbours_start_leaves_a_blob_write_under_way_however_old(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a disk tier's start removed every .tmp-* file over an hour old, by its mtime alone: a
+    # live neighbour's write (stalled in its fsync, or its process stopped) lost its file,
+    # and its rename into place failed
+    import envpool.images.tiers.disk as disk_mod
+
+    data = b"blob bytes"
+    store = tmp_path / "l1" / "sha256"
+    neighbour = DiskTier(DiskTierConfig(path=tmp_path / "l1"))
+    real_fsync = disk_mod.durable.fsync
+    swept: list[bool] = []
+
+    def fsync(fd: int) -> None:  # mid-write, its file old: the neighbour starts then
+        [tmp] = store.glob(".tmp-*")
+        os.utime(tmp, (time.time() - 2 * disk_mod.STALE_TEMP_S,) * 2)
+        neighbour._scan()
+        swept.append(tmp.exists())
+        real_fsync(fd)
+
+    async with DiskTier(DiskTierConfig(path=tmp_path / "l1")) as l1:
+        monkeypatch.setattr(disk_mod.durable, "fsync", fsync)
+        assert await l1.put(digest_of(data), data)
+        monkeypatch.undo()
+        assert swept == [True] and await l1.get(digest_of(data)) == data
+    dead = store / ".tmp-left-by-a-dead-writer"
+    dead.write_bytes(b"half")
+    os.utime(dead, (time.time() - 2 * disk_mod.STALE_TEMP_S,) * 2)
+    async with DiskTier(DiskTierConfig(path=tmp_path / "l1")):
+        pass
+    assert not dead.exists()  # (what nobody writes is still swept)

@@ -11,6 +11,7 @@ process, not exactly across them.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import re
@@ -86,7 +87,7 @@ class DiskTier(Tier):
             if entry.name.startswith(".tmp-"):
                 # left by a writer that died mid-write (a young one may be a live neighbour's)
                 if now - st.st_mtime > STALE_TEMP_S:
-                    Path(entry.path).unlink(missing_ok=True)
+                    _remove_unless_held(Path(entry.path))
                 continue
             if not _HEX_RE.fullmatch(entry.name) or not stat.S_ISREG(st.st_mode):
                 continue
@@ -178,16 +179,38 @@ def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".tmp-{path.name[:16]}-{uuid.uuid4().hex}")
     try:
         with tmp.open("wb") as f:
+            # held (shared) until it is renamed into place: a neighbour's start leaves it
+            # however old its mtime (``_remove_unless_held``). Young, it is not stale before then
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH)
             f.write(data)
             f.flush()
             # on the disk before the rename publishes it: a crash after an unsynced rename
             # left the blob empty or short at its name. (The directory is not synced: a
             # rename a crash loses leaves a temp file, removed at a start, and a miss.)
             durable.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)  # (still open: the lock lasts until its name is the blob's)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _remove_unless_held(tmp: Path) -> None:
+    """Delete the temp file ``tmp`` unless a live write holds it (``_write_atomic``'s lock):
+    an old mtime alone does not say its writer is dead (one stalled in its fsync, or its
+    process stopped)."""
+    try:
+        fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:  # gone meanwhile, or a link: nobody's to hold
+        tmp.unlink(missing_ok=True)
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # held: its write is under way
+        tmp.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
 
 
 def _unlink_all(paths: list[Path]) -> None:
