@@ -38,7 +38,6 @@ from core.config_backends import torch_engine_problems, trainer_problems
 from core.config_messages import listing, semantic_error, validation_problems
 from core.config_rewards import reward_problems
 from core.config_sections import (
-    DEFAULT_AFFINITY,
     ENGINES,
     FABRIC_BACKENDS,
     TRAINERS,
@@ -58,6 +57,7 @@ from core.config_sections import (
 )
 from core.entropy_control import entropy_target_problem
 from core.errors import ConfigError
+from core.rollout.engine_defaults import DEFAULT_AFFINITY
 from fabric.config_messages import yaml_problem
 from fabric.registry import Registry
 

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from core.entropy_control import entropy_coef_max_fits, entropy_coef_min_fits
+from core.rollout import engine_defaults
 from envpool.images.tiers import TierConfig
 from envpool.pool import PoolConfig
 from fabric.client import ClientConfig
@@ -29,8 +30,6 @@ from fabric.client import ClientConfig
 ENGINES = ("torch", "vllm", "openai")
 TRAINERS = ("torch", "megatron")
 FABRIC_BACKENDS = ("local", "inproc")
-#: The key of ``engine.hw_affinity`` that covers every tag not named there.
-DEFAULT_AFFINITY = "default"
 
 
 def _known(what: str, known: tuple[str, ...]) -> BeforeValidator:
@@ -94,19 +93,19 @@ class EngineConfig(ConfigModel):
     hw_affinity: dict[str, str] = Field(default_factory=dict)
     """Environment tag -> Ray custom resource the tag's generation runs on (``default`` for
     every other tag), e.g. ``{frozenlake: H800, default: H20}``."""
-    max_restarts: int = Field(3, ge=0)
+    max_restarts: int = Field(engine_defaults.MAX_RESTARTS, ge=0)
     """Times Ray restarts a crashed engine replica; the proxy reloads the latest weights
     into it and re-runs the turns it lost."""
-    recover_timeout_s: float = Field(120.0, gt=0, allow_inf_nan=False)
+    recover_timeout_s: float = Field(engine_defaults.RECOVER_TIMEOUT_S, gt=0, allow_inf_nan=False)
     """How long the proxy waits for a crashed replica to come back (Ray's restart, the
     model's load, the latest weights) before it leaves the group for good. Raise it for a
     large model whose load takes minutes (vLLM)."""
-    swap_timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False)
+    swap_timeout_s: float = Field(engine_defaults.SWAP_TIMEOUT_S, gt=0, allow_inf_nan=False)
     """How long a weight update waits for one replica's swap before that replica counts as
     lost (it is recovered in the background, or dropped at ``recover_timeout_s``) and the
     update goes on without it. A swap waits for the turns in flight (vLLM's drain), so keep
     it above the longest turn."""
-    rejoin_first_s: float | None = Field(30.0, gt=0, allow_inf_nan=False)
+    rejoin_first_s: float | None = Field(engine_defaults.REJOIN_FIRST_S, gt=0, allow_inf_nan=False)
     """How long after a replica left its group (not back within ``recover_timeout_s``, or
     its reload failed) the proxy first tries it again; the try comes between half of it and
     all of it (jittered: replicas dropped together are not tried together). Each failed try
@@ -114,7 +113,7 @@ class EngineConfig(ConfigModel):
     again (the job runs on with the ones left), and the turns it was left running are
     aborted there at once, best effort (a replica still alive would otherwise generate them
     on, for nobody)."""
-    rejoin_max_s: float = Field(600.0, gt=0, allow_inf_nan=False)
+    rejoin_max_s: float = Field(engine_defaults.REJOIN_MAX_S, gt=0, allow_inf_nan=False)
     """The longest wait between two tries of a dropped replica."""
     start_timeout_s: float = Field(1800.0, gt=0, allow_inf_nan=False)
     """How long the job waits at its start for its actors to be made (every engine

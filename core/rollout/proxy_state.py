@@ -8,10 +8,10 @@ import asyncio
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Coroutine, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from core.config import DEFAULT_AFFINITY
-from core.config_sections import EngineConfig
+from core.rollout import engine_defaults
+from core.rollout.engine_defaults import DEFAULT_AFFINITY
 from core.rollout.replica_base import Replica, ReplicaGone, ReplicaLost
 from core.rollout.scheduling import TurnScheduler
 from core.rollout.wakes import Wakes, Woken
@@ -21,8 +21,14 @@ log = logging.getLogger("core.rollout.llm_proxy")
 
 T = TypeVar("T")
 
-#: The proxy's settings default to the job config's (``engine``: one place says them).
-_DEFAULTS = EngineConfig()
+if TYPE_CHECKING:
+    from core.config_sections import EngineConfig
+
+#: The proxy's settings default to the job config's ``engine`` section's, read from the
+#: module ``EngineConfig`` reads them from (one place says them): building ``EngineConfig()``
+#: here imported the job config's pydantic models into the proxy's and every engine
+#: replica's actor, a third of a second of CPU each at every job start.
+_DEFAULTS = engine_defaults
 
 
 def proxy_options(engine: EngineConfig) -> dict[str, Any]:
@@ -45,14 +51,14 @@ class ProxyState:
         groups: Mapping[str, Sequence[Replica]],
         *,
         affinity: Mapping[str, str] | None = None,
-        recover_timeout_s: float = _DEFAULTS.recover_timeout_s,
-        max_engine_restarts: int = _DEFAULTS.max_restarts,
+        recover_timeout_s: float = _DEFAULTS.RECOVER_TIMEOUT_S,
+        max_engine_restarts: int = _DEFAULTS.MAX_RESTARTS,
         max_turn_retries: int = 3,
         scheduler: TurnScheduler | None = None,
         abort_timeout_s: float = 30.0,
-        swap_timeout_s: float = _DEFAULTS.swap_timeout_s,
-        rejoin_first_s: float | None = _DEFAULTS.rejoin_first_s,
-        rejoin_max_s: float = _DEFAULTS.rejoin_max_s,
+        swap_timeout_s: float = _DEFAULTS.SWAP_TIMEOUT_S,
+        rejoin_first_s: float | None = _DEFAULTS.REJOIN_FIRST_S,
+        rejoin_max_s: float = _DEFAULTS.REJOIN_MAX_S,
     ):
         if not groups or not any(groups.values()):
             raise ValueError("the proxy needs at least one replica")

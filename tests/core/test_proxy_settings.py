@@ -6,6 +6,9 @@ No Ray: the proxy is a plain object here; fakes are in ``proxy_fakes``."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +37,21 @@ def test_the_rejoin_timings_are_engine_settings_the_proxy_takes():
     defaults = EngineConfig()
     assert (plain.rejoin_first_s, plain.rejoin_max_s) == (defaults.rejoin_first_s, defaults.rejoin_max_s)
     assert (plain.rejoin_first_s, plain.rejoin_max_s) == (30.0, 600.0)
+    assert (plain.recover_timeout_s, plain.swap_timeout_s) == (
+        defaults.recover_timeout_s,
+        defaults.swap_timeout_s,
+    )
+    assert plain.max_engine_restarts == defaults.max_restarts
+
+
+@pytest.mark.parametrize("module", ["core.rollout.llm_proxy", "core.rollout.replicas"])
+def test_the_proxy_and_replica_actors_load_no_job_config(module):
+    # every job start imports these in the proxy's actor and in each engine replica's:
+    # core.config, imported only for the engine section's defaults, was ~0.35 s of CPU there
+    # (its pydantic models, envpool's image tiers)
+    code = f"import sys, {module}; sys.exit(1 if 'core.config' in sys.modules else 0)"
+    root = Path(__file__).resolve().parents[2]
+    assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0
 
 
 def _problems(engine: dict[str, Any]) -> list[tuple[str, str]]:
