@@ -64,6 +64,9 @@ class _ContainerBase:
     _store: Any
     """The idempotency store (powertools' ``DynamoDBPersistenceLayer``), with a table."""
     init_error: str | None
+    _began: bool
+    """Whether the current invocation's function has begun to run (``_Requests._run``): a
+    failure of the handler's own code after that may have left the function's effects."""
 
     def take_cold(self) -> bool:
         cold, self._first_call = self._first_call, False

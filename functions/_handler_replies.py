@@ -71,6 +71,45 @@ class _Replies(_Requests):
     # ------------------------------------------------------------------ entry points
     def direct(self, event: Any, context: Any) -> dict[str, Any]:
         cold = self.take_cold()
+        self._began = False
+        try:
+            return self._answer(event, context, cold=cold)
+        except Exception as e:
+            # the handler's own code raised (a bug, an unexpected library error in parsing,
+            # the idempotency layer, the reply); the function's own exceptions never get here
+            # (its runner answers them as UserError). Raised out of here, it became Lambda's
+            # error object, which the lambda backend reads as the function's final UserError:
+            # kept under the idempotency key and scored as its answer, though it may not have run
+            return self._broken(event, e, cold=cold)
+
+    def _broken(self, event: Any, e: Exception, *, cold: bool) -> dict[str, Any]:
+        """The reply of a direct invoke whose handler code raised ``e``: a retryable failure,
+        ``NotStarted`` before the function began (safe to retry for any function), else
+        ``TransportError`` (it may have run: the client does not retry a side effect on it).
+        Not kept under the key: raised out of the idempotent region, powertools deleted the
+        in-progress record, and the record is written nowhere else."""
+        began = self._began
+        self.logger.exception("the handler failed", extra={"function_began": began})
+        hint: dict[str, Any] = event if isinstance(event, dict) else {}
+        function, request_id = hint.get("function"), hint.get("request_id")
+        when = "after the function began (it may have run)" if began else "before the function ran"
+        result = Result.failure(
+            ErrorCode.TRANSPORT if began else ErrorCode.NOT_STARTED,
+            f"the Lambda handler failed {when}: {type(e).__name__}: {e} (its traceback is in the "
+            "function's log); retry later",
+            function=function if isinstance(function, str) else "",
+            request_id=request_id if isinstance(request_id, str) else "",
+            worker=self.worker,
+            started=began,
+        )
+        result.cold_start = cold
+        try:
+            self.observe(result, self.metrics)
+        except Exception:  # the answer matters more than its log line and metrics
+            self.logger.exception("cannot observe the handler's failure")
+        return result.model_dump(mode="json")
+
+    def _answer(self, event: Any, context: Any, *, cold: bool) -> dict[str, Any]:
         parsed = self.parse(event, context=context)
         self.logger.set_correlation_id(parsed.request_id or None)
         if isinstance(parsed, Result):

@@ -169,6 +169,7 @@ class _Requests(_Idempotency):
         lambda_left = _lambda_remaining_s(context)
         if lambda_left is not None:
             timeout = max(min(timeout, lambda_left - LAMBDA_MARGIN_S), 0.001)
+        self._began = True  # from here on the function may have run (``_Replies.direct``)
         t0 = time.perf_counter()
         if runner.is_async:  # only async functions can be timed out; Lambda's timeout bounds the rest
             if self._loop is None:

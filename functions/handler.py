@@ -128,6 +128,7 @@ class _Container(_Replies):
         self.table = None
         self._idempotent = None
         self.init_error = None
+        self._began = False
         modules = _names(MODULES_ENV, "functions")
         try:
             self.registry.discover(*modules)
