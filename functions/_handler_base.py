@@ -67,6 +67,8 @@ class _ContainerBase:
     _began: bool
     """Whether the current invocation's function has begun to run (``_Requests._run``): a
     failure of the handler's own code after that may have left the function's effects."""
+    _current: Invocation | None
+    """The current direct invocation, once parsed (``_Replies.direct``)."""
 
     def take_cold(self) -> bool:
         cold, self._first_call = self._first_call, False

@@ -71,7 +71,7 @@ class _Replies(_Requests):
     # ------------------------------------------------------------------ entry points
     def direct(self, event: Any, context: Any) -> dict[str, Any]:
         cold = self.take_cold()
-        self._began = False
+        self._began, self._current = False, None
         try:
             return self._answer(event, context, cold=cold)
         except Exception as e:
@@ -87,11 +87,15 @@ class _Replies(_Requests):
         ``NotStarted`` before the function began (safe to retry for any function), else
         ``TransportError`` (it may have run: the client does not retry a side effect on it).
         Not kept under the key: raised out of the idempotent region, powertools deleted the
-        in-progress record, and the record is written nowhere else."""
-        began = self._began
+        in-progress record, and the record is written nowhere else. But for a side effect
+        that began: concluded ``OutcomeUnknown`` and kept, as any other failure after it began
+        is (``conclude``), so another call with the key does not run the effect again."""
+        began, inv = self._began, self._current
         self.logger.exception("the handler failed", extra={"function_began": began})
         hint: dict[str, Any] = event if isinstance(event, dict) else {}
         function, request_id = hint.get("function"), hint.get("request_id")
+        if inv is not None:  # parsed: a JSON string event's names too
+            function, request_id = inv.function, inv.request_id
         when = "after the function began (it may have run)" if began else "before the function ran"
         result = Result.failure(
             ErrorCode.TRANSPORT if began else ErrorCode.NOT_STARTED,
@@ -103,6 +107,11 @@ class _Replies(_Requests):
             started=began,
         )
         result.cold_start = cold
+        if began and inv is not None:
+            try:
+                result = self.conclude(inv, result)
+            except Exception:  # the handler is broken still: the client concludes it itself
+                self.logger.exception("cannot conclude the handler's failure")
         try:
             self.observe(result, self.metrics)
         except Exception:  # the answer matters more than its log line and metrics
@@ -116,6 +125,7 @@ class _Replies(_Requests):
             parsed.cold_start, parsed.worker = cold, self.worker
             result = parsed
         else:
+            self._current = parsed
             result = self.conclude(parsed, self.invoke(parsed, cold=cold, queue_ms=0.0, context=context))
         self._resend.discard(result.request_id)  # the caller's own retry sends anew
         reply = result.model_dump(mode="json")

@@ -129,6 +129,7 @@ class _Container(_Replies):
         self._idempotent = None
         self.init_error = None
         self._began = False
+        self._current = None
         modules = _names(MODULES_ENV, "functions")
         try:
             self.registry.discover(*modules)

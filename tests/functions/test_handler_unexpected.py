@@ -63,3 +63,31 @@ def test_the_functions_own_exception_is_still_a_user_error(table: Any) -> None:
     assert "bad input 'own'" in r.error.message
     again = invoke("broken", {"key": "own"}, idempotency_key="k-own")
     assert again.cached and CALLS["broken:own"] == 1  # the function's answer, kept
+
+
+def test_a_bug_after_a_side_effect_began_concludes_outcome_unknown_under_the_key(
+    table: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As any other failure after a side effect began (the store failing after the run): the
+    in-progress record was deleted with the exception, so another call with the key (another
+    client, a retry from outside the fabric client) ran the effect again. The handler
+    concludes ``OutcomeUnknown`` and keeps it under the key."""
+    from functions import _handler_idempotency
+
+    real, raised = _handler_idempotency._stored_bytes, []
+
+    def once(result: Any) -> int:
+        if not raised:
+            raised.append(result)
+            raise RuntimeError("a bug in the handler")
+        return real(result)
+
+    monkeypatch.setattr(_handler_idempotency, "_stored_bytes", once)
+    payload = {"key": "fx-bug", "seconds": 0}
+    r = invoke("async_effect", payload, idempotency_key="k-fx-bug", request_id="r1")
+    assert r.error is not None and r.error.type == ErrorCode.OUTCOME_UNKNOWN, r.error
+    assert "TransportError" in r.error.message and "a bug in the handler" in r.error.message
+    assert not r.retryable and CALLS["async_effect:fx-bug"] == 1
+    again = invoke("async_effect", payload, idempotency_key="k-fx-bug", request_id="r2")
+    assert again.error is not None and again.error.type == ErrorCode.OUTCOME_UNKNOWN, again.error
+    assert again.cached and CALLS["async_effect:fx-bug"] == 1  # not run again
