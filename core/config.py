@@ -307,6 +307,13 @@ class JobConfig(ConfigModel):
         path = Path(path)
         try:
             text = path.read_text()
+        except FileNotFoundError:
+            where = "" if path.is_absolute() else f" (a relative path is read from {Path.cwd()})"
+            why = (
+                f"cannot read the config: no such file{where}; a config to start from: "
+                "examples/frozenlake/config.yaml in the rl-fabric repository"
+            )
+            raise ConfigError([("", why)], str(path)) from None
         except OSError as e:
             raise ConfigError([("", f"cannot read the config: {e.strerror or e}")], str(path)) from None
         except UnicodeDecodeError:  # a binary, or UTF-16 from an editor: was a traceback

@@ -359,8 +359,14 @@ def test_the_error_is_readable_and_a_fabric_config_error():
 
 
 def test_yaml_edge(tmp_path):
-    with pytest.raises(ConfigError, match="cannot read the config"):
+    with pytest.raises(ConfigError, match="cannot read the config") as e:
         JobConfig.from_yaml(tmp_path / "missing.yaml")
+    # a missing file says where a relative path was looked for and what a config looks like
+    # (it said "No such file or directory" and no next step)
+    with pytest.raises(ConfigError) as e:
+        JobConfig.from_yaml("no/such/config.yaml")
+    assert "no such file (a relative path is read from " in str(e.value), e.value
+    assert "examples/frozenlake/config.yaml" in str(e.value), e.value
     bad = tmp_path / "bad.yaml"
     bad.write_text("envs: [\n")
     with pytest.raises(ConfigError, match="not valid YAML") as e:
