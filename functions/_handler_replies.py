@@ -80,14 +80,20 @@ class _Replies(_Requests):
             # (its runner answers them as UserError). Raised out of here, it became Lambda's
             # error object, which the lambda backend reads as the function's final UserError:
             # kept under the idempotency key and scored as its answer, though it may not have run
-            return self._broken(event, e, cold=cold)
+            result = self._broken(event, e, cold=cold)
+            try:
+                self.observe(result, self.metrics)
+            except Exception:  # the answer matters more than its log line and metrics
+                self.logger.exception("cannot observe the handler's failure")
+            return result.model_dump(mode="json")
 
-    def _broken(self, event: Any, e: Exception, *, cold: bool) -> dict[str, Any]:
-        """The reply of a direct invoke whose handler code raised ``e``: a retryable failure,
-        ``NotStarted`` before the function began (safe to retry for any function), else
-        ``TransportError`` (it may have run: the client does not retry a side effect on it).
-        Not kept under the key: raised out of the idempotent region, powertools deleted the
-        in-progress record, and the record is written nowhere else. But for a side effect
+    def _broken(self, event: Any, e: Exception, *, cold: bool) -> Result:
+        """The answer of an invocation whose handler code raised ``e`` (a direct invoke, an SQS
+        record): a retryable failure, ``NotStarted`` before the function began (safe to retry
+        for any function), else ``TransportError`` (it may have run: the client does not retry
+        a side effect on it, nor does an SQS record). ``event`` (a dict) names it until it is
+        parsed. Not kept under the key: raised out of the idempotent region, powertools deleted
+        the in-progress record, and the record is written nowhere else. But for a side effect
         that began: concluded ``OutcomeUnknown`` and kept, as any other failure after it began
         is (``conclude``), so another call with the key does not run the effect again."""
         began, inv = self._began, self._current
@@ -112,11 +118,7 @@ class _Replies(_Requests):
                 result = self.conclude(inv, result)
             except Exception:  # the handler is broken still: the client concludes it itself
                 self.logger.exception("cannot conclude the handler's failure")
-        try:
-            self.observe(result, self.metrics)
-        except Exception:  # the answer matters more than its log line and metrics
-            self.logger.exception("cannot observe the handler's failure")
-        return result.model_dump(mode="json")
+        return result
 
     def _answer(self, event: Any, context: Any, *, cold: bool) -> dict[str, Any]:
         parsed = self.parse(event, context=context)
@@ -187,13 +189,15 @@ class _Replies(_Requests):
         attributes = record.get("attributes") or {}
         sent = attributes.get("SentTimestamp")
         queue_ms = max(0.0, time.time() * 1e3 - int(sent)) if sent else 0.0
-        parsed = self.parse(record.body, fallback_request_id=record.message_id, context=context)
-        self.logger.set_correlation_id(parsed.request_id or record.message_id)
-        if isinstance(parsed, Result):
-            parsed.cold_start, parsed.worker = cold, self.worker
-            result = parsed
-        else:
-            result = self.conclude(parsed, self.invoke(parsed, cold=cold, queue_ms=queue_ms, context=context))
+        self._began, self._current = False, None
+        try:
+            result = self._record_result(record, cold=cold, queue_ms=queue_ms, context=context)
+        except Exception as e:
+            # the handler's own code raised, as on a direct invoke (``direct``). Raised out of
+            # here, the batch processor reported the record and SQS delivered it again past the
+            # function's retry.max_attempts (up to the dead-letter queue), running again a side
+            # effect that had begun; answered as there, it is retried or concluded below
+            result = self._broken(_body_hint(record), e, cold=cold)
         spec = self.registry.get(result.function) if result.function in self.served else None
         sink = EphemeralMetrics(namespace=self.namespace, service=SERVICE)
         self.observe(result, sink, queue_ms=queue_ms)
@@ -213,6 +217,16 @@ class _Replies(_Requests):
                 extra={"function": result.function, "receives": receives, "max_attempts": attempts},
             )
         self.reply(record, result)
+
+    def _record_result(self, record: SQSRecord, *, cold: bool, queue_ms: float, context: Any) -> Result:
+        """The result of a record's invocation, concluded as on a direct invoke (``_answer``)."""
+        parsed = self.parse(record.body, fallback_request_id=record.message_id, context=context)
+        self.logger.set_correlation_id(parsed.request_id or record.message_id)
+        if isinstance(parsed, Result):
+            parsed.cold_start, parsed.worker = cold, self.worker
+            return parsed
+        self._current = parsed
+        return self.conclude(parsed, self.invoke(parsed, cold=cold, queue_ms=queue_ms, context=context))
 
     def reply(self, record: SQSRecord, result: Result) -> None:
         """Send a final ``Result`` to the record's reply queue, if it has one. A send that
@@ -252,3 +266,17 @@ class _Replies(_Requests):
 
             self._sqs = boto3.client("sqs")
         self._sqs.send_message(**params)
+
+
+def _body_hint(record: SQSRecord) -> dict[str, Any]:
+    """The names of a record's invocation, best effort, for its answer when the handler failed
+    before it was parsed: a record named by no function is given up at its first receive."""
+    try:
+        body = json.loads(record.body)
+    except Exception:  # not JSON: answered under its message id, as a refused body is
+        body = None
+    hint = body if isinstance(body, dict) else {}
+    request_id = hint.get("request_id")
+    if not (isinstance(request_id, str) and request_id):
+        request_id = record.message_id
+    return {"function": hint.get("function"), "request_id": request_id}

@@ -130,6 +130,70 @@ def test_a_side_effect_whose_store_failed_before_it_ran_is_retried(
     assert drain(sqs, replies) == [] and CALLS["async_effect:e"] == 0
 
 
+def _bug(*_: Any, **__: Any) -> Any:
+    raise RuntimeError("a bug in the handler")
+
+
+def test_a_handler_bug_before_the_function_ran_is_retried_up_to_max_attempts(
+    sqs: Any, replies: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The handler's own code raising (encoding the parsed payload) went to the batch
+    processor as a failed record, redelivered past the function's ``retry.max_attempts``
+    until the dead-letter queue took it, never answered. As on a direct invoke it is
+    ``NotStarted``: redelivered (nothing ran), then replied as final."""
+    monkeypatch.setattr("functions._handler_requests.encode_payload", _bug)
+    inbox = sqs.create_queue(QueueName="rl-fabric-calls")["QueueUrl"]
+    msg = send(sqs, inbox, {"function": "flaky", "payload": {"key": "nb"}, "request_id": "nb"})
+    attempts = handler_fns.REG.get("flaky").retry.max_attempts
+    for _ in range(attempts - 1):
+        assert deliver(sqs, inbox)[0] == {"batchItemFailures": [{"itemIdentifier": msg}]}
+        assert drain(sqs, replies) == []
+    assert deliver(sqs, inbox)[0] == {"batchItemFailures": []}
+    (reply,) = drain(sqs, replies)
+    assert reply.error is not None and reply.error.type == ErrorCode.NOT_STARTED, reply.error
+    assert "a bug in the handler" in reply.error.message and reply.request_id == "nb"
+    assert reply.function == "flaky" and CALLS["flaky:nb"] == 0
+    assert deliver(sqs, inbox)[1] == []
+
+
+def test_a_handler_bug_after_a_side_effect_began_is_outcome_unknown_not_redelivered(
+    sqs: Any, replies: str, table: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sizing the result for the store raised after the effect ran: the record was redelivered
+    and, its in-progress record deleted with the exception, the effect ran again. It is
+    concluded ``OutcomeUnknown`` under the key and replied, as on a direct invoke."""
+    from functions import _handler_idempotency
+
+    real, raised = _handler_idempotency._stored_bytes, []
+
+    def once(result: Any) -> int:
+        if not raised:
+            raised.append(result)
+            raise RuntimeError("a bug in the handler")
+        return real(result)
+
+    monkeypatch.setattr(_handler_idempotency, "_stored_bytes", once)
+    inbox = sqs.create_queue(QueueName="rl-fabric-calls")["QueueUrl"]
+    body = {
+        "function": "async_effect",
+        "payload": {"key": "sq-bug", "seconds": 0},
+        "request_id": "sb",
+        "idempotency_key": "k-sq-bug",
+    }
+    send(sqs, inbox, body)
+    assert deliver(sqs, inbox)[0] == {"batchItemFailures": []}
+    (reply,) = drain(sqs, replies)
+    assert reply.error is not None and reply.error.type == ErrorCode.OUTCOME_UNKNOWN, reply.error
+    assert "TransportError" in reply.error.message and "a bug in the handler" in reply.error.message
+    assert not reply.retryable and reply.request_id == "sb"
+    assert deliver(sqs, inbox)[1] == []  # nothing left to redeliver
+    send(sqs, inbox, body)  # the same message again: answered from the key, not run
+    deliver(sqs, inbox)
+    (again,) = drain(sqs, replies)
+    assert again.error is not None and again.error.type == ErrorCode.OUTCOME_UNKNOWN and again.cached
+    assert CALLS["async_effect:sq-bug"] == 1
+
+
 def test_whole_batch_failing_is_reported_not_raised(sqs: Any, replies: str) -> None:
     inbox = sqs.create_queue(QueueName="rl-fabric-calls")["QueueUrl"]
     ids = {send(sqs, inbox, {"function": "flaky", "payload": {"key": f"w{i}"}}) for i in range(3)}
