@@ -24,8 +24,9 @@ The caller's tenant comes from its token, never from the body. Errors are Lambda
 ``InvalidRequestContentException``/``InvalidParameterValueException``, 401/403 (missing or
 wrong token; 403 ``AccessDeniedException`` for a tenant with ``invoke: false``), 404
 ``ResourceNotFoundException``, 413 ``RequestTooLargeException``, 429
-``TooManyRequestsException``, 500 ``ServiceException`` (``"Type": "Service"``), with the code
-in ``x-amzn-ErrorType`` where botocore looks.
+``TooManyRequestsException`` (with Lambda's ``Reason`` and ``Retry-After``), 500
+``ServiceException`` (``"Type": "Service"``), with the code in ``x-amzn-ErrorType`` where
+botocore looks.
 ``GET /healthz`` needs no token and says only ``ok``; ``GET /metrics`` (Prometheus) needs one
 and shows a tenant only its own tenant-labelled series (``metrics: all``: every tenant's).
 """
@@ -71,27 +72,73 @@ _MAX_DEADLINE = 1e12
 class Reply(Exception):
     """An early answer (an error before the function runs)."""
 
-    def __init__(self, status: int, code: str, message: str, *, close: bool = False):
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        *,
+        close: bool = False,
+        reason: str | None = None,
+        retry_after_s: int | None = None,
+    ):
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
         self.close = close
         """End the connection after the answer: the rest of the request is not coming."""
+        self.reason = reason
+        """A 429's ``Reason`` (Lambda's ``ThrottleReason``): which limit refused it."""
+        self.retry_after_s = retry_after_s
+        """A 429's ``Retry-After``: seconds to wait before retrying."""
 
     def __reduce__(self) -> tuple[Any, ...]:
         return pickled_whole(self)  # made of parts, not of its message
 
 
-def error_response(status: int, code: str, message: str, request_id: str) -> web.Response:
+#: ``Retry-After`` of a 429 whose limit cannot say when room comes (a call's end, a drain's)
+RETRY_AFTER_S = 1
+
+
+def throttled(
+    message: str, *, reason: str | None = None, retry_after_s: float = RETRY_AFTER_S, close: bool = False
+) -> Reply:
+    """A 429 ``TooManyRequestsException`` in the shape of Lambda's (botocore's model): a
+    ``Reason`` from its ``ThrottleReason`` enum (none where no limit refused: a drain) and
+    ``Retry-After`` in whole seconds, at least one (HTTP's delay-seconds is an integer)."""
+    return Reply(
+        429,
+        "TooManyRequestsException",
+        message,
+        close=close,
+        reason=reason,
+        retry_after_s=max(1, math.ceil(retry_after_s)),
+    )
+
+
+def error_response(
+    status: int, code: str, message: str, request_id: str, *, reason: str | None = None
+) -> web.Response:
     # botocore's rest-json parser reads the code from x-amzn-ErrorType, the text from "message";
     # "Type" is Lambda's fault side: "Service" on its 5xx (ServiceException), "User" otherwise
     kind = "Service" if status >= 500 else "User"
-    body = json.dumps({"__type": code, "Type": kind, "message": message})
+    fields = {"__type": code, "Type": kind, "message": message}
+    if reason is not None:
+        fields["Reason"] = reason
     return web.Response(
         status=status,
-        body=body.encode(),
+        body=json.dumps(fields).encode(),
         content_type=JSON,
         headers={"x-amzn-ErrorType": code, "x-amzn-RequestId": request_id},
     )
+
+
+def reply_response(e: Reply, request_id: str) -> web.Response:
+    """``e``'s answer; a 429's with its ``Reason`` in the body and ``Retry-After`` in a header,
+    where botocore reads them (``e.response["Reason"]``, the response's HTTP headers)."""
+    response = error_response(e.status, e.code, e.message, request_id, reason=e.reason)
+    if e.retry_after_s is not None:
+        response.headers["Retry-After"] = str(e.retry_after_s)
+    return response
 
 
 def split_name(name: str, query_qualifier: str | None) -> tuple[str, str | None]:

@@ -20,14 +20,17 @@ from fabric.serve._lambda_api import (
     DRAINED,
     INVOCATION_TYPES,
     LOG_TYPES,
+    RETRY_AFTER_S,
     Reply,
     error_response,
     parse_invocation,
     read_body,
     refuse_encoded,
+    reply_response,
     result_response,
     split_name,
     tenant_of,
+    throttled,
 )
 from fabric.serve.config import UNAUTHENTICATED
 from fabric.serve.gate import QuotaExceeded, RateLimiter, TenantConnections
@@ -146,30 +149,39 @@ class GatewayRoutes(GatewayCalls):
         (``max_connections``); 401, 403, or 429 with every one of its connections busy."""
         tenant = tenant_of(request, self._tokens)
         if not self.connections.arrive(tenant, request.protocol):
+            # Lambda's nearest: every one of the tenant's connections carries a request now
             raise self._throttled(
                 tenant,
                 f"already has {self.connections.limits[tenant]} connections open, every one busy "
                 "(its max_connections); send on those, or retry with backoff",
+                reason="ConcurrentInvocationLimitExceeded",
                 close=True,
             )
         return tenant
 
-    def _throttled(self, tenant: str, why: str, *, close: bool = False) -> Reply:
+    def _throttled(
+        self, tenant: str, why: str, *, reason: str, retry_after_s: float = RETRY_AFTER_S, close: bool = False
+    ) -> Reply:
         """The 429 of ``tenant``'s limit, counted as the quota's (the metric's promise)."""
         if tenant in self.quotas.throttled:
             self.quotas.throttled[tenant] += 1
-        return Reply(429, "TooManyRequestsException", f"Rate Exceeded: tenant {tenant!r} {why}", close=close)
+        message = f"Rate Exceeded: tenant {tenant!r} {why}"
+        return throttled(message, reason=reason, retry_after_s=retry_after_s, close=close)
 
     async def _pace(self, tenant: str) -> None:
         """Hold a request of ``tenant`` back to its ``max_rps`` (its token already checked);
         429 when it is more than ``MAX_DELAY_S`` of requests over. Every request a token
         makes, ``/metrics`` too: a render of every series costs more than a refused call."""
-        wait = self.rates.delay(tenant, time.monotonic())
+        now = time.monotonic()
+        wait = self.rates.delay(tenant, now)
         if wait is None:
+            # the tenant's own rate over all functions: Lambda's caller's, not a function's
             raise self._throttled(
                 tenant,
                 f"is more than {RateLimiter.MAX_DELAY_S:g} s of requests over its max_rps; "
                 "retry with backoff",
+                reason="CallerRateLimitExceeded",
+                retry_after_s=self.rates.refused_for(tenant, now),
             )
         if wait:
             await asyncio.sleep(wait)
@@ -203,7 +215,7 @@ class GatewayRoutes(GatewayCalls):
             tenant = self._tenant(request)
             await self._pace(tenant)
         except Reply as e:
-            response = error_response(e.status, e.code, e.message, new_request_id())
+            response = reply_response(e, new_request_id())
             if e.close:
                 response.force_close()
                 await self._close_after(request, response)
@@ -270,11 +282,11 @@ class GatewayRoutes(GatewayCalls):
                 self.quotas.take(tenant)
             except QuotaExceeded:
                 limit = self.quotas.limits[tenant]
-                raise Reply(
-                    429,
-                    "TooManyRequestsException",
+                # when one of its calls ends is not known here: Retry-After is the constant
+                raise throttled(
                     f"Rate Exceeded: tenant {tenant!r} already has {limit} calls in flight "
                     "(its max_concurrency); retry with backoff",
+                    reason="ConcurrentInvocationLimitExceeded",
                 ) from None
             handed_off = False
             try:
@@ -287,9 +299,8 @@ class GatewayRoutes(GatewayCalls):
                 elif kind == "Event":
                     if self._draining:
                         # accepted now, it would be cut when the drain ends, unseen by the caller
-                        raise Reply(
-                            429,
-                            "TooManyRequestsException",
+                        # no limit of the caller's refused it: no Reason, as Lambda's enum has none
+                        raise throttled(
                             "the server is draining (shutting down) and takes no new Event "
                             "invocations; nothing ran: retry with backoff",
                         )
@@ -303,9 +314,7 @@ class GatewayRoutes(GatewayCalls):
                     except StoppedBeforeRun:
                         # as an Event refused in the drain: Throttled to the lambda backend,
                         # retried even for a side effect
-                        raise Reply(
-                            429,
-                            "TooManyRequestsException",
+                        raise throttled(
                             "the server stopped (shutting down) before this call's turn in the pool "
                             "came: it did not run; retry with backoff",
                         ) from None
@@ -318,7 +327,7 @@ class GatewayRoutes(GatewayCalls):
                 if not handed_off:
                     self.quotas.give(tenant)
         except Reply as e:
-            response = error_response(e.status, e.code, e.message, request_id)
+            response = reply_response(e, request_id)
             if e.close:
                 response.force_close()
                 close = True

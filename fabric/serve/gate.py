@@ -136,6 +136,11 @@ class RateLimiter:
             return wait
         return 0.0
 
+    def refused_for(self, tenant: str, now: float) -> float:
+        """Seconds from ``now`` until a request of ``tenant`` (one ``delay`` refused) would be
+        held back ``MAX_DELAY_S`` at most, so served rather than refused: its ``Retry-After``."""
+        return max(self._tat[tenant], now) - self._tau - now - self.MAX_DELAY_S
+
 
 class FairGate:
     """At most ``capacity()`` admitted calls at once; waiters are served round robin by tenant."""

@@ -22,7 +22,7 @@ from serve_helpers import PATH, TOKEN_A, auth, config
 
 from fabric.backends.base import InprocConfig, LocalConfig
 from fabric.protocol import ErrorInfo, Invocation, Result
-from fabric.serve import Gateway
+from fabric.serve import Gateway, TenantConfig
 from fabric.serve._lambda_api import log_tail
 from fabric.testing import FakeBackend
 
@@ -219,3 +219,46 @@ async def test_another_method_on_the_invoke_path_is_a_json_error(gw):
         r = await http.get(PATH.format("add"), headers=auth())
     assert r.status_code == 405 and r.headers["x-amzn-ErrorType"] == "UnknownOperationException"
     assert "POST" in r.json()["message"] and r.headers["Allow"] == "POST"
+
+
+def _throttled(e: ClientError) -> tuple[str, str | None, str | None]:
+    """What boto3 made of a 429: its code, Lambda's ``Reason``, and the ``Retry-After`` header."""
+    headers = e.response["ResponseMetadata"]["HTTPHeaders"]
+    return e.response["Error"]["Code"], e.response.get("Reason"), headers.get("retry-after")
+
+
+async def test_a_rate_429_says_why_and_when_to_retry_as_lambdas_does():
+    """Lambda's TooManyRequestsException carries a ``Reason`` and a ``Retry-After`` header
+    (botocore's model: ``retryAfterSeconds``); the server's carried neither, so a client could
+    not tell its rate from its concurrency, nor how long to wait. The rate's comes from the
+    tenant's bucket: the seconds until a request would be paced rather than refused."""
+    tenants = {"job-a": TenantConfig(token=TOKEN_A, max_rps=0.1)}  # one request per 10 s
+    async with Gateway(config(tenants=tenants, backend=InprocConfig()), REG) as g:
+        client = _lambda(g)
+        assert (
+            json.loads((await _invoke(client, FunctionName="add", Payload=b'{"a": 1}'))["Payload"].read())
+            == 1
+        )
+        with pytest.raises(ClientError) as caught:
+            await _invoke(client, FunctionName="add", Payload=b'{"a": 1}')
+    code, reason, retry_after = _throttled(caught.value)
+    assert (code, reason) == ("TooManyRequestsException", "CallerRateLimitExceeded")
+    # 10 s to the next turn, less the 5 s a request may be held back (MAX_DELAY_S)
+    assert retry_after is not None and 1 <= int(retry_after) <= 5, retry_after
+    assert caught.value.response["Type"] == "User"
+
+
+async def test_a_concurrency_429_says_why_and_when_to_retry_as_lambdas_does():
+    async with Gateway(config(quota_a=1), REG) as g:
+        client = _lambda(g)
+        slow = asyncio.create_task(_invoke(client, FunctionName="sleepy", Payload=b'{"seconds": 1.0}'))
+        for _ in range(500):
+            if g.quotas.held["job-a"] == 1:
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(ClientError) as caught:
+            await _invoke(_lambda(g), FunctionName="add", Payload=b'{"a": 1}')
+        await slow
+    code, reason, retry_after = _throttled(caught.value)
+    assert (code, reason) == ("TooManyRequestsException", "ConcurrentInvocationLimitExceeded")
+    assert retry_after == "1"  # when a call ends is not known: a short constant

@@ -10,6 +10,7 @@ opening, so one that never sends a request is kept as long."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from contextlib import AsyncExitStack
 
@@ -106,6 +107,7 @@ async def test_a_busy_connection_is_not_taken_and_one_past_the_bound_is_refused(
         (third,) = await _connections(g, stack, 1)
         status, body = await _call(third)
         assert status == 429 and b"max_connections" in body, body
+        assert json.loads(body)["Reason"] == "ConcurrentInvocationLimitExceeded"  # as Lambda's
         assert await _closed_by_server(third)
         for _, writer in busy:  # the busy ones were left alone: their calls end as they would
             writer.write(b" 7}")

@@ -166,6 +166,19 @@ def test_rate_limiter_paces_a_tenant_and_leaves_others_alone():
     assert rl.delay("slow", 20.0) is None  # over 5 s of backlog: refused
 
 
+def test_rate_limiter_says_when_a_refused_tenant_would_be_served():
+    """A 429's ``Retry-After`` for ``max_rps``: the time until the backlog is back within
+    ``MAX_DELAY_S``, so a request then is held back, not refused again."""
+    from fabric.serve.gate import RateLimiter
+
+    rl = RateLimiter({"slow": 1.0}, burst_s=0.05)
+    assert [rl.delay("slow", 0.0) for _ in range(6)] == pytest.approx([0.0, 0.95, 1.95, 2.95, 3.95, 4.95])
+    assert rl.delay("slow", 0.0) is None
+    assert rl.refused_for("slow", 0.0) == pytest.approx(0.95)  # the 7th's turn is at 5.95 s
+    assert rl.delay("slow", 0.9) is None
+    assert rl.delay("slow", 0.95) == pytest.approx(5.0)  # as said: held back, served
+
+
 async def test_max_rps_delays_instead_of_refusing():
     tenants = {
         "job-a": TenantConfig(token=TOKEN_A, max_rps=50.0),
