@@ -162,9 +162,9 @@ class GatewayRoutes(GatewayCalls):
     def _throttled(
         self, tenant: str, why: str, *, reason: str, retry_after_s: float = RETRY_AFTER_S, close: bool = False
     ) -> Reply:
-        """The 429 of ``tenant``'s limit, counted as the quota's (the metric's promise)."""
-        if tenant in self.quotas.throttled:
-            self.quotas.throttled[tenant] += 1
+        """The 429 of ``tenant``'s limit, counted as the quota's (the metric's promise), a
+        metrics-only tenant's too."""
+        self.quotas.throttled[tenant] += 1
         message = f"Rate Exceeded: tenant {tenant!r} {why}"
         return throttled(message, reason=reason, retry_after_s=retry_after_s, close=close)
 

@@ -147,7 +147,7 @@ class Gateway(GatewayRoutes):
         invokers = {name: t for name, t in config.tenants.items() if t.invoke}
         self.may_invoke = frozenset(invokers)
         """The tenants that may invoke (the rest read ``/metrics`` only, and hold no quota)."""
-        self.quotas = Quotas({name: t.max_concurrency for name, t in invokers.items()})
+        self.quotas = Quotas({name: t.max_concurrency for name, t in invokers.items()}, config.tenants)
         self.rates = RateLimiter({name: t.max_rps for name, t in invokers.items()})
         self.connections = TenantConnections(
             {name: t.connection_limit for name, t in config.tenants.items()},

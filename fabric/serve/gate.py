@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
 
 C = TypeVar("C")
@@ -27,10 +27,12 @@ class QuotaExceeded(Exception):
 class Quotas:
     """Calls each tenant holds (queued or running), against its limit."""
 
-    def __init__(self, limits: dict[str, int]):
+    def __init__(self, limits: dict[str, int], others: Iterable[str] = ()):
         self.limits = dict(limits)
         self.held: dict[str, int] = dict.fromkeys(limits, 0)
-        self.throttled: dict[str, int] = dict.fromkeys(limits, 0)
+        self.throttled: dict[str, int] = dict.fromkeys([*limits, *others], 0)
+        """Requests refused with 429, of every tenant: ``others`` hold no quota (metrics-only
+        ones) but are refused past their ``max_connections``."""
 
     def take(self, tenant: str) -> None:
         if self.held[tenant] >= self.limits[tenant]:

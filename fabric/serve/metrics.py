@@ -80,7 +80,8 @@ class _Live:
         for tenant, n in gw.quotas.held.items():
             held.add_metric([tenant], n)
             limit.add_metric([tenant], gw.quotas.limits[tenant])
-            throttled.add_metric([tenant], gw.quotas.throttled[tenant])
+        for tenant, n in gw.quotas.throttled.items():  # a metrics-only tenant's too: no quota
+            throttled.add_metric([tenant], n)
         delayed = CounterMetricFamily(
             "fabric_serve_tenant_delayed", "Requests held back by max_rps", labels=["tenant"]
         )

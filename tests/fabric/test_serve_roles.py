@@ -4,6 +4,7 @@ keeps for itself (``-``, the label of requests with no valid token) are refused.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import httpx
@@ -110,3 +111,30 @@ def test_a_blank_tenant_name_is_refused(tmp_path: Path):
     f.write_text(f"tenants:\n  ' ': {{token: {TOKEN_A}}}\n")
     with pytest.raises(ConfigError, match="tenant ' ': the name is empty"):
         load_tenants(f)
+
+
+async def test_a_metrics_only_tenants_429_counts_as_throttled():
+    """``fabric_serve_tenant_throttled_total{tenant}`` counts the requests refused with 429,
+    the docs say. A metrics-only tenant over its ``max_connections`` got its 429 uncounted
+    (the counter kept only the tenants holding a quota), so a scraper refused showed none."""
+    tenants = {
+        "job-a": TenantConfig(token=TOKEN_A, metrics="all"),  # reads prom's series below
+        "prom": TenantConfig(token=TOKEN_PROM, metrics="all", invoke=False, max_connections=1),
+    }
+    async with Gateway(config(tenants=tenants), REG) as g, httpx.AsyncClient(base_url=g.url) as c:
+        # a scrape whose body has not all come: answered, its connection busy reading the rest
+        reader, writer = await asyncio.open_connection("127.0.0.1", g.port)
+        try:
+            writer.write(
+                b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+                + TOKEN_PROM.encode()
+                + b"\r\nContent-Length: 10\r\n\r\n{}"
+            )
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            r = await c.get("/metrics", headers=auth(TOKEN_PROM))
+            assert r.status_code == 429 and "max_connections" in r.json()["message"], r.text
+        finally:
+            writer.close()
+        text = (await c.get("/metrics", headers=auth())).text
+    assert 'fabric_serve_tenant_throttled_total{tenant="prom"} 1.0' in text, text
