@@ -40,7 +40,14 @@ from fabric.backends.base import Backend, make_backend
 from fabric.client_config import BreakerConfig, ClientConfig, HedgeConfig
 from fabric.client_keyed import KeyedCalls
 from fabric.client_state import Execution, FnState, Sent
-from fabric.errors import ConfigError, ErrorCode, FabricError, PayloadError, validation_problems
+from fabric.errors import (
+    BackendClosedError,
+    ConfigError,
+    ErrorCode,
+    FabricError,
+    PayloadError,
+    validation_problems,
+)
 from fabric.protocol import Invocation, Result, encode_payload
 from fabric.registry import Registry, default_registry
 from fabric.spec import FunctionSpec
@@ -97,8 +104,21 @@ class Client(KeyedCalls):
         # handler per tenant: 64 bits, so that no two client processes of a fleet share one
         # (32 did, about once in a hundred fleets of 10,000, and then every n-th call collided)
         self._prefix = os.urandom(8).hex()
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """True from the start of ``aclose`` on: every call is refused ``BackendClosed``."""
+        return self._closed
+
+    def _closed_message(self, what: str) -> str:
+        return f"{what}: the client is closed, and is not reopened (make a new Client)"
 
     async def __aenter__(self) -> Client:
+        if self._closed:
+            # its keys in flight were forgotten at the close: reopened, a side effect cut
+            # there could run again under its key
+            raise BackendClosedError(self._closed_message("async with"))
         await self.backend.start()
         return self
 
@@ -106,6 +126,10 @@ class Client(KeyedCalls):
         await self.aclose()
 
     async def aclose(self) -> None:
+        # first: a backend passed in stays open, and a call made through the client after its
+        # close (or while it closes) ran there, a side effect cut by the close again under
+        # the key the close forgot
+        self._closed = True
         # keyed executions outlive their callers (see Execution); they end with the client,
         # those started while it waits for them too: one left running lost its key with the
         # clear below, and the next caller with the key ran it again beside it
@@ -136,6 +160,14 @@ class Client(KeyedCalls):
         t0 = time.perf_counter()
         request_id = f"{self._prefix}-{next(self._ids)}"
         payload = {} if payload is None else payload
+        if self._closed:
+            return Result.failure(
+                ErrorCode.BACKEND_CLOSED,
+                self._closed_message(name) + "; nothing was sent",
+                function=name,
+                request_id=request_id,
+                started=False,
+            )
         spec = self.registry.find(name)
         if spec is None:
             from fabric.errors import UnknownFunctionError
@@ -209,8 +241,17 @@ class Client(KeyedCalls):
                 try:
                     # asked again: the circuit may have opened while this call waited in line
                     # for a slot (a map over a batch), and every caller waiting then was sent
-                    refusal, probe = (None, probe) if probe else self._breaker_admits(fn)
-                    if refusal is not None:
+                    # (not when the client closed while it waited: it is refused below)
+                    refusal, probe = (None, probe) if probe or self._closed else self._breaker_admits(fn)
+                    if self._closed:
+                        result = Result.failure(
+                            ErrorCode.BACKEND_CLOSED,
+                            self._closed_message(name) + "; nothing was sent",
+                            function=name,
+                            request_id=request_id,
+                            started=False,
+                        )
+                    elif refusal is not None:
                         result = Result.failure(
                             ErrorCode.CIRCUIT_OPEN,
                             refusal + "; nothing was sent",
@@ -242,7 +283,10 @@ class Client(KeyedCalls):
 
     async def warmup(self, names: list[str] | None = None) -> None:
         """Start the warm instances of ``names`` (default: every registered function) and wait
-        until they are ready, so the first calls do not pay a cold start."""
+        until they are ready, so the first calls do not pay a cold start. Raises
+        ``BackendClosedError`` once the client is closed (a backend passed in too)."""
+        if self._closed:
+            raise BackendClosedError(self._closed_message("warmup"))
         await self.backend.warmup(names)
 
     async def map(self, name: str, payloads: Iterable[dict[str, Any]], **kw: Any) -> list[Result]:

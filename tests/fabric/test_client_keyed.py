@@ -421,11 +421,12 @@ async def test_closing_the_client_before_a_keyed_execution_ran_leaves_no_key_in_
     assert c._inflight == {}  # its clean-up never ran: the close did it
 
 
-async def test_a_keyed_execution_started_while_the_client_closes_ends_with_it(tmp_path):
+async def test_a_keyed_call_made_while_the_client_closes_starts_no_execution(tmp_path):
     """``aclose`` cancelled the executions there were when it began, then forgot every key in
     flight: one started while it waited (a caller still at work as the client closed) ran
     on, no longer in flight, and the next caller with its key (on a backend the client does
-    not own, which stays open) ran the side effect a second time beside it."""
+    not own, which stays open) ran the side effect a second time beside it. The client is
+    closed from the start of ``aclose``: neither call runs (test_client_closed)."""
     path = tmp_path / "deliveries"
     payload = {"path": str(path), "seconds": 0.3}
     c, _ = make()  # the FakeBackend is the test's: the client does not close it
@@ -434,14 +435,15 @@ async def test_a_keyed_execution_started_while_the_client_closes_ends_with_it(tm
     closing = asyncio.create_task(c.aclose())
     await asyncio.sleep(0)  # the close cancelled it, and waits for it to end
     late = asyncio.create_task(c.call("deliver", payload, idempotency_key="b"))
-    await asyncio.sleep(0)  # its execution is in flight under "b"
+    await asyncio.sleep(0)
     await closing
     again = await c.call("deliver", payload, idempotency_key="b")
     await asyncio.sleep(0.5)
-    assert path.read_text().split() == ["delivered"]  # once, not once per execution
+    assert not path.exists()  # never delivered, let alone twice
     assert (await first).error.type == ErrorCode.CANCELLED
-    assert (await late).error.type == ErrorCode.CANCELLED  # it ended with the client
-    assert again.ok
+    assert (await late).error.type == ErrorCode.BACKEND_CLOSED  # refused: nothing in flight
+    assert again.error.type == ErrorCode.BACKEND_CLOSED
+    assert c._inflight == {}
 
 
 async def test_an_idempotency_key_is_its_tenants_own():
