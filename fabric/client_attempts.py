@@ -21,7 +21,7 @@ from tenacity import (
 )
 
 from fabric.client_copies import Copies
-from fabric.client_state import FnState, Sent, StopAtDeadline, StopWhenOpen, StopWhenSet
+from fabric.client_state import FnState, Sent, StopAtDeadline, StopWhen, StopWhenOpen, StopWhenSet
 from fabric.errors import FINAL_ERRORS, SAFE_TO_RETRY, ErrorCode
 from fabric.metrics import FunctionMetrics
 from fabric.protocol import ErrorInfo, Invocation, Result
@@ -49,6 +49,9 @@ def _ran_past_its_limit(result: Result) -> bool:
 
 class Attempts(Copies):
     """The attempts part of a ``Client``; its state is the client's (set in its ``__init__``)."""
+
+    _closed: bool
+    """Set at the start of ``Client.aclose``: no attempt is sent after it."""
 
     @staticmethod
     def _should_retry(side_effects: bool, r: Result) -> bool:
@@ -322,6 +325,8 @@ class Attempts(Copies):
         at_deadline = StopAtDeadline(deadline)
         when_open = StopWhenOpen(lambda: fn.consecutive_failures, self.config.breaker.failure_threshold)
         moved = StopWhenSet()  # a keyed execution's code registered again (Sent.key_version)
+        # a plain call's retries went on after the close, on a backend passed in (still open)
+        closed = StopWhen(lambda: self._closed)
 
         async def attempt() -> Result:
             nonlocal tries, last, prev, hedged
@@ -331,7 +336,7 @@ class Attempts(Copies):
             if d is not None and time.time() >= d:
                 at_deadline.hit = True  # the backoff overran the deadline a little: send nothing
                 return last
-            if when_open():  # other calls' failures opened the circuit during the backoff
+            if when_open() or closed():  # the circuit opened, or the client closed, during the backoff
                 return last
             if sent.key_version is not None and self._spec_now(fn).version != sent.key_version:
                 moved.hit = True
@@ -344,7 +349,7 @@ class Attempts(Copies):
             return last
 
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(policy.max_attempts) | when_open | at_deadline | moved,
+            stop=stop_after_attempt(policy.max_attempts) | when_open | at_deadline | moved | closed,
             wait=wait_random_exponential(multiplier=policy.initial_backoff_s, max=policy.max_backoff_s),
             retry=retry_if_result(
                 lambda r: not r.ok and self._should_retry(self._may_have_effects(fn, sent), r)
@@ -363,6 +368,8 @@ class Attempts(Copies):
                 "idempotency key does not name; a call with the key now runs the new code, under a "
                 "key of its own)"
             )
+        elif err is not None and closed.hit and tries < policy.max_attempts:
+            note = " (not retried: the client closed)"
         elif err is not None and when_open.hit and tries < policy.max_attempts:
             note = (
                 f" (not retried: the circuit opened after {fn.consecutive_failures} infrastructure "

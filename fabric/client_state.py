@@ -61,6 +61,19 @@ class StopWhenSet(stop_base):
         return self.hit
 
 
+class StopWhen(stop_base):
+    """Stop retrying once ``cond()`` holds (the client closed): asked after each attempt,
+    before the backoff's sleep; ``hit`` says it ended the retries."""
+
+    def __init__(self, cond: Callable[[], bool]) -> None:
+        self.cond = cond
+        self.hit = False
+
+    def __call__(self, retry_state: RetryCallState | None = None) -> bool:
+        self.hit = self.hit or self.cond()
+        return self.hit
+
+
 class _Due:
     """A hedge waiting in a ``HedgeClock``'s FIFO; ``cancel`` lets its callback go (its entry,
     this empty shell, stays until its time)."""

@@ -12,6 +12,7 @@ import pytest
 from client_helpers import make
 
 from fabric.errors import BackendClosedError, ErrorCode
+from fabric.testing import Fault
 
 
 def _closed(r) -> bool:
@@ -92,3 +93,20 @@ async def test_a_call_waiting_for_a_slot_at_the_close_is_not_sent():
     assert (await holder).ok  # sent before the close, on a backend that stays open
     assert _closed(await waiting)
     assert len(fake.invocations) == 1
+
+
+async def test_a_call_retrying_at_the_close_sends_no_further_attempt():
+    c, fake = make()
+    # slow_retry: 20 attempts, 10 ms apart; each fails (retryable) after 50 ms
+    fake.inject("slow_retry", *(Fault(code=ErrorCode.UNAVAILABLE, delay_s=0.05) for _ in range(20)))
+    call = asyncio.create_task(c.call("slow_retry", {"x": 1}))
+    for _ in range(3000):  # until it retries (bounded: 30 s)
+        if len(fake.invocations) >= 2:
+            break
+        await asyncio.sleep(0.01)
+    await c.aclose()
+    sent = len(fake.invocations)  # the attempt in flight at the close ends as it does
+    r = await call
+    assert not r.ok and r.error.type == ErrorCode.UNAVAILABLE  # its last real failure
+    assert "not retried: the client closed" in r.error.message
+    assert len(fake.invocations) == sent < 20
