@@ -50,9 +50,6 @@ def _ran_past_its_limit(result: Result) -> bool:
 class Attempts(Copies):
     """The attempts part of a ``Client``; its state is the client's (set in its ``__init__``)."""
 
-    _closed: bool
-    """Set at the start of ``Client.aclose``: no attempt is sent after it."""
-
     @staticmethod
     def _should_retry(side_effects: bool, r: Result) -> bool:
         """Whether failure ``r`` is retried; ``side_effects``: whether what the call sent may

@@ -34,6 +34,8 @@ class Copies:
     backend: Backend
     config: ClientConfig
     registry: Registry
+    _closed: bool
+    """Set at the start of ``Client.aclose``: no copy or attempt is sent after it."""
 
     def _release_when_settled(
         self, fn: FnState, copies: list[asyncio.Future[Result]], release: Callable[[], None]
@@ -193,6 +195,8 @@ class Copies:
         def fire() -> None:
             if winner.done() or primary.done():
                 return
+            if self._closed:
+                return  # a call in flight at the close sent its hedge after it (a backend passed in)
             if m.hedges >= self.config.hedge.max_share * m.calls + _BURST:
                 return
             if fn.consecutive_failures >= self.config.breaker.failure_threshold:

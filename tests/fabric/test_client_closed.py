@@ -110,3 +110,19 @@ async def test_a_call_retrying_at_the_close_sends_no_further_attempt():
     assert not r.ok and r.error.type == ErrorCode.UNAVAILABLE  # its last real failure
     assert "not retried: the client closed" in r.error.message
     assert len(fake.invocations) == sent < 20
+
+
+async def test_a_call_in_flight_at_the_close_sends_no_hedge():
+    # a hedge is due 50 ms after the primary is sent (min_delay_ms; the p95 is under it)
+    c, fake = make(hedge={"min_samples": 20, "max_share": 0.5, "min_delay_ms": 50})
+    await c.map("nap", [{"seconds": 0.001}] * 30)
+    fake.inject("nap", Fault(delay_s=0.3))  # the primary straggles past the hedge's time
+    call = asyncio.create_task(c.call("nap", {"seconds": 0.001, "tag": 9}))
+    for _ in range(3000):  # until the primary is sent (bounded: 30 s)
+        if len(fake.invocations) == 31:
+            break
+        await asyncio.sleep(0.001)
+    await c.aclose()  # before the hedge's time
+    r = await call
+    assert r.ok and r.value == 9 and not r.hedged  # the primary's answer: it was sent before
+    assert len(fake.invocations) == 31 and c.metrics()["nap"]["hedges"] == 0
