@@ -36,6 +36,7 @@ from pathlib import Path
 from envpool.images import durable
 from envpool.images.bundle import UNPACKED_MARKER, unpack
 from envpool.images.errors import ImageError, UnsafeBundle
+from envpool.images.held import remove_unless_held
 from envpool.images.tiers.disk import STALE_TEMP_S
 
 log = logging.getLogger(__name__)
@@ -331,26 +332,7 @@ def prepare(root: Path) -> None:
         except FileNotFoundError:
             continue
         if stale:
-            _remove_unless_held(entry)
-
-
-def _remove_unless_held(path: Path) -> None:
-    """Delete the tree at ``path`` unless a live unpack holds it (``unpack_tree``'s lock):
-    an old mtime alone does not say its process is dead. A tree's mtime is its top
-    directory's, whose entries a long extraction and byte-compile make at their start."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:  # gone meanwhile, or no directory (a file, a link): nobody's to hold
-        shutil.rmtree(path, ignore_errors=True)
-        return
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return  # held: its unpack is under way
-        shutil.rmtree(path, ignore_errors=True)
-    finally:
-        os.close(fd)
+            remove_unless_held(entry)
 
 
 def unpack_tree(

@@ -25,6 +25,7 @@ from typing import Literal
 from pydantic import Field
 
 from envpool.images import durable
+from envpool.images.held import remove_unless_held
 from envpool.images.tiers.base import Tier, TierConfigBase
 
 #: Temp files and directories older than this are debris of a dead process, removed at start.
@@ -87,7 +88,7 @@ class DiskTier(Tier):
             if entry.name.startswith(".tmp-"):
                 # left by a writer that died mid-write (a young one may be a live neighbour's)
                 if now - st.st_mtime > STALE_TEMP_S:
-                    _remove_unless_held(Path(entry.path))
+                    remove_unless_held(Path(entry.path))
                 continue
             if not _HEX_RE.fullmatch(entry.name) or not stat.S_ISREG(st.st_mode):
                 continue
@@ -180,7 +181,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
     try:
         with tmp.open("wb") as f:
             # held (shared) until it is renamed into place: a neighbour's start leaves it
-            # however old its mtime (``_remove_unless_held``). Young, it is not stale before then
+            # however old its mtime (``held.remove_unless_held``). Young, it is not stale before then
             fcntl.flock(f.fileno(), fcntl.LOCK_SH)
             f.write(data)
             f.flush()
@@ -192,25 +193,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def _remove_unless_held(tmp: Path) -> None:
-    """Delete the temp file ``tmp`` unless a live write holds it (``_write_atomic``'s lock):
-    an old mtime alone does not say its writer is dead (one stalled in its fsync, or its
-    process stopped)."""
-    try:
-        fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:  # gone meanwhile, or a link: nobody's to hold
-        tmp.unlink(missing_ok=True)
-        return
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return  # held: its write is under way
-        tmp.unlink(missing_ok=True)
-    finally:
-        os.close(fd)
 
 
 def _unlink_all(paths: list[Path]) -> None:
