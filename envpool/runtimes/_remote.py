@@ -13,6 +13,8 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from envpool.runtimes.base import proc_stat_fields
+
 T = TypeVar("T")
 
 
@@ -59,14 +61,9 @@ def owner_gone(owner: str) -> bool:
 
 def pid_start(pid: int) -> int | None:
     """Process ``pid``'s start time, in clock ticks since boot (``/proc``); None if unread."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # past the command name (which may hold spaces or parentheses): starttime is field 22
-    fields = stat.rpartition(b")")[2].split()
-    return int(fields[19]) if len(fields) > 19 else None
+    fields = proc_stat_fields(pid)
+    # starttime is field 22
+    return int(fields[19]) if fields is not None and len(fields) > 19 else None
 
 
 def pid_alive(pid: int) -> bool:

@@ -497,17 +497,25 @@ class Runtime(ABC):
     async def _alive(self, c: Container) -> bool: ...
 
 
-def proc_cpu_seconds(pid: int) -> float | None:
-    """CPU seconds process ``pid`` of this machine has used (its threads summed), from
-    ``/proc``; None if it cannot be read (gone)."""
+def proc_stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` from the third (the state) on; None if it cannot
+    be read (gone). They are read past the command name, which may hold spaces or
+    parentheses: field N of proc(5) is item N - 3."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
-    # past the command name (which may hold spaces or parentheses): state is field 3,
-    # utime and stime fields 14 and 15, in clock ticks
-    fields = stat.rpartition(b")")[2].split()
+    return stat.rpartition(b")")[2].split()
+
+
+def proc_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds process ``pid`` of this machine has used (its threads summed), from
+    ``/proc``; None if it cannot be read (gone)."""
+    fields = proc_stat_fields(pid)
+    if fields is None:
+        return None
+    # utime and stime are fields 14 and 15, in clock ticks
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
