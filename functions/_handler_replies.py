@@ -198,25 +198,42 @@ class _Replies(_Requests):
             # function's retry.max_attempts (up to the dead-letter queue), running again a side
             # effect that had begun; answered as there, it is retried or concluded below
             result = self._broken(_body_hint(record), e, cold=cold)
-        spec = self.registry.get(result.function) if result.function in self.served else None
-        sink = EphemeralMetrics(namespace=self.namespace, service=SERVICE)
-        self.observe(result, sink, queue_ms=queue_ms)
-        sink.flush_metrics()
-        # a payload that expired needs a new call (its caller spills it anew): the same
-        # record delivered again fails the same way, so it is answered now
-        resend = result.request_id in self._resend
-        self._resend.discard(result.request_id)
-        if result.retryable and not resend:
+        # the result exists: from here on only a reply that cannot be sent fails the record.
+        # Anything else raised out of here was redelivered by SQS and ran the function again,
+        # a side effect too when no idempotency key answers the second delivery
+        try:
+            sink = EphemeralMetrics(namespace=self.namespace, service=SERVICE)
+            self.observe(result, sink, queue_ms=queue_ms)
+            sink.flush_metrics()
+        except Exception:  # the call's outcome is the result, not its log line and metrics
+            self.logger.exception("cannot observe the record")
+        if self._retry_later(result, attributes):
+            raise _RetryLater(f"{result.function}: {result.error.type if result.error else ''}")
+        self.reply(record, result)
+
+    def _retry_later(self, result: Result, attributes: dict[str, Any]) -> bool:
+        """Whether a record's retryable failure is left on the queue (SQS delivers it again
+        after the visibility timeout) rather than replied: until the function's
+        ``retry.max_attempts`` receives. Deciding it raising replies the result as final."""
+        try:
+            # a payload that expired needs a new call (its caller spills it anew): the same
+            # record delivered again fails the same way, so it is answered now
+            resend = result.request_id in self._resend
+            self._resend.discard(result.request_id)
+            if not result.retryable or resend:
+                return False
+            spec = self.registry.get(result.function) if result.function in self.served else None
             receives = int(attributes.get("ApproximateReceiveCount") or 1)
             attempts = spec.retry.max_attempts if spec is not None else 1
             if receives < attempts:
-                # left on the queue: SQS delivers it again after the visibility timeout
-                raise _RetryLater(f"{result.function}: {result.error.type if result.error else ''}")
+                return True
             self.logger.error(
                 "giving up on a retryable failure",
                 extra={"function": result.function, "receives": receives, "max_attempts": attempts},
             )
-        self.reply(record, result)
+        except Exception:  # replied: its caller decides on a retryable result's retry
+            self.logger.exception("cannot decide on the record's retry")
+        return False
 
     def _record_result(self, record: SQSRecord, *, cold: bool, queue_ms: float, context: Any) -> Result:
         """The result of a record's invocation, concluded as on a direct invoke (``_answer``)."""

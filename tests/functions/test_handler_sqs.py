@@ -194,6 +194,51 @@ def test_a_handler_bug_after_a_side_effect_began_is_outcome_unknown_not_redelive
     assert CALLS["async_effect:sq-bug"] == 1
 
 
+@pytest.mark.parametrize("broken", ["observe", "log line"])
+def test_a_failure_after_the_result_exists_replies_it_not_a_second_run(
+    sqs: Any, replies: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], broken: str
+) -> None:
+    """The record's log line and metrics raising after its side effect ran (no idempotency
+    key) failed the record: SQS delivered it again and the effect ran a second time. The
+    result that exists is replied; the failure is logged with its traceback."""
+    from functions._handler_replies import _Replies
+
+    if broken == "observe":
+        monkeypatch.setattr(_Replies, "observe", _bug)
+    else:  # its "invocation ok"
+        monkeypatch.setattr(handler._container().logger, "info", _bug)
+    inbox = sqs.create_queue(QueueName="rl-fabric-calls")["QueueUrl"]
+    body = {"function": "async_effect", "payload": {"key": "sq-obs", "seconds": 0}, "request_id": "so"}
+    send(sqs, inbox, body)
+    capsys.readouterr()
+    first, _ = deliver(sqs, inbox)
+    _, again = deliver(sqs, inbox)  # what SQS would deliver again
+    assert CALLS["async_effect:sq-obs"] == 1
+    assert first == {"batchItemFailures": []} and again == []
+    (reply,) = drain(sqs, replies)
+    assert reply.ok and reply.request_id == "so" and not reply.cached
+    (logged,) = [line for line in stdout_json(capsys) if line.get("message") == "cannot observe the record"]
+    assert "a bug in the handler" in logged["exception"] and logged["correlation_id"] == "so"
+
+
+def test_a_failure_giving_up_a_retryable_result_replies_it_not_another_run(
+    sqs: Any, replies: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At the last receive allowed by ``retry.max_attempts``, logging the give-up raised: the
+    record failed, SQS delivered it past max_attempts and the function ran once more each
+    time, never answered. The retryable result is replied as final."""
+    monkeypatch.setattr(handler._container().logger, "error", _bug)
+    inbox = sqs.create_queue(QueueName="rl-fabric-calls")["QueueUrl"]
+    send(sqs, inbox, {"function": "flaky", "payload": {"key": "gu", "fail_times": 99}, "request_id": "gu"})
+    attempts = handler_fns.REG.get("flaky").retry.max_attempts
+    for _ in range(attempts + 1):  # one more than it may take: what SQS would deliver again
+        deliver(sqs, inbox)
+    assert CALLS["flaky:gu"] == attempts
+    (reply,) = drain(sqs, replies)
+    assert reply.error is not None and reply.error.type == ErrorCode.UNAVAILABLE and reply.error.retryable
+    assert deliver(sqs, inbox)[1] == []
+
+
 def test_whole_batch_failing_is_reported_not_raised(sqs: Any, replies: str) -> None:
     inbox = sqs.create_queue(QueueName="rl-fabric-calls")["QueueUrl"]
     ids = {send(sqs, inbox, {"function": "flaky", "payload": {"key": f"w{i}"}}) for i in range(3)}
