@@ -21,7 +21,15 @@ from tenacity import (
 )
 
 from fabric.client_copies import Copies
-from fabric.client_state import FnState, Sent, StopAtDeadline, StopWhen, StopWhenOpen, StopWhenSet
+from fabric.client_state import (
+    FnState,
+    Sent,
+    StopAtDeadline,
+    StopWhen,
+    StopWhenOpen,
+    StopWhenSet,
+    WaitRetryAfter,
+)
 from fabric.errors import FINAL_ERRORS, SAFE_TO_RETRY, ErrorCode
 from fabric.metrics import FunctionMetrics
 from fabric.protocol import ErrorInfo, Invocation, Result
@@ -305,9 +313,10 @@ class Attempts(Copies):
         deadline: Callable[[], float | None],
         sent: Sent,
     ) -> Result:
-        """Retry a retryable failure: exponential backoff with full jitter, bounded by the
-        function's attempts and by ``deadline()`` (read at each step: a keyed execution's
-        grows as callers join). Runs only after a failure. Whether a failure is retried
+        """Retry a retryable failure: exponential backoff with full jitter, or a throttle's
+        ``Retry-After`` when longer (``WaitRetryAfter``), bounded by the function's attempts
+        and by ``deadline()`` (read at each step: a keyed execution's grows as callers join).
+        Runs only after a failure. Whether a failure is retried
         follows every spec an attempt was sent under, and what the spec registered now says
         of the code they ran (``_may_have_effects``).
 
@@ -347,7 +356,9 @@ class Attempts(Copies):
 
         retrying = AsyncRetrying(
             stop=stop_after_attempt(policy.max_attempts) | when_open | at_deadline | moved | closed,
-            wait=wait_random_exponential(multiplier=policy.initial_backoff_s, max=policy.max_backoff_s),
+            wait=WaitRetryAfter(
+                wait_random_exponential(multiplier=policy.initial_backoff_s, max=policy.max_backoff_s)
+            ),
             retry=retry_if_result(
                 lambda r: not r.ok and self._should_retry(self._may_have_effects(fn, sent), r)
             ),

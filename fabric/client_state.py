@@ -1,6 +1,6 @@
 """The client's state per function (``FnState``), per idempotency key (``Execution``), and
-its two timing helpers: when to hedge (``HedgeClock``) and when retries must stop before the
-deadline (``StopAtDeadline``)."""
+its timing helpers: when to hedge (``HedgeClock``), how long to wait before a retry
+(``WaitRetryAfter``) and when retries must stop before the deadline (``StopAtDeadline``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from tenacity import RetryCallState
 from tenacity.stop import stop_base
+from tenacity.wait import wait_base
 
 from fabric.metrics import FunctionMetrics
 from fabric.protocol import Result
@@ -32,6 +33,26 @@ class StopAtDeadline(stop_base):
         if d is not None and time.time() + retry_state.upcoming_sleep >= d:
             self.hit = True
         return self.hit
+
+
+class WaitRetryAfter(wait_base):
+    """The backoff ``base`` draws, or the last attempt's ``Retry-After`` when it is longer
+    (``ErrorInfo.retry_after_s``, a throttle's): a retry sooner than the service said is
+    refused again, and a tenant far over its rate spent its attempts so. Longer than
+    ``max_backoff_s`` too, the service's word being the better one; ``StopAtDeadline`` sees
+    the whole wait and stops rather than sleep past the deadline."""
+
+    def __init__(self, base: wait_base):
+        self.base = base
+
+    def __call__(self, retry_state: RetryCallState) -> float:
+        wait = self.base(retry_state)
+        outcome = retry_state.outcome
+        if outcome is not None and not outcome.failed:
+            error = outcome.result().error
+            if error is not None and error.retry_after_s is not None:
+                wait = max(wait, error.retry_after_s)
+        return wait
 
 
 class StopWhenOpen(stop_base):

@@ -242,6 +242,12 @@ class ErrorInfo(_Model):
     retryable: bool = False
     traceback: str | None = None
     """The last frames of the handler's traceback, for user errors."""
+    retry_after_s: float | None = Field(None, exclude=True)
+    """A throttle's ``Retry-After``: the seconds the service said to wait before the next
+    attempt, which the client's backoff waits at least (``None``: it said nothing usable).
+    Read by this process's backend from the 429 and kept off the wire: an older peer's
+    ``ErrorInfo`` refuses a field it does not know, and refused, the whole Result was read
+    as a plain value."""
 
     @classmethod
     def of(cls, code: ErrorCode | str, message: str, traceback: str | None = None) -> ErrorInfo:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from typing import Any
 
 import pydantic_core
@@ -123,8 +124,12 @@ class LambdaReplies:
             inv, ErrorCode.NOT_STARTED, f"cannot connect to {self._where()} (the call was not sent): {e}"
         )
 
-    def _refused(self, inv: Invocation, code_name: str, status: int, text: str) -> Result:
-        """A service error (the call was refused before or instead of running)."""
+    def _refused(
+        self, inv: Invocation, code_name: str, status: int, text: str, retry_after: str | None = None
+    ) -> Result:
+        """A service error (the call was refused before or instead of running); a throttle
+        keeps its ``Retry-After`` header (``retry_after``), the wait the client's backoff
+        then takes at least."""
         if code_name == str(status):  # botocore's stand-in when the reply names no code
             code_name = ""
         code = _CLIENT_ERRORS.get(code_name)
@@ -186,7 +191,10 @@ class LambdaReplies:
                     "or $AWS_REGION must name the region `fabric deploy` used"
                 )
             message += ")"
-        return self._fail(inv, code, message)
+        result = self._fail(inv, code, message)
+        if code == ErrorCode.THROTTLED and result.error is not None:
+            result.error.retry_after_s = _retry_after_s(retry_after)
+        return result
 
     def _reply(self, inv: Invocation, body: bytes, function_error: str | None) -> Result:
         try:
@@ -329,6 +337,17 @@ def _escaped(node: Any) -> Any:
 
 #: Fields every Result a fabric handler or ``fabric serve`` sends carries.
 _RESULT_MARKS = frozenset({"ok", "function", "request_id", "timings", "worker"})
+
+
+def _retry_after_s(header: str | None) -> float | None:
+    """A ``Retry-After`` header's seconds (fabric serve's and Lambda's: a whole number), or
+    ``None`` for none, HTTP's other form (a date, which a clock skewed from the server's would
+    misread) and a value that is no wait (negative, not finite)."""
+    try:
+        seconds = float(header) if header is not None else math.nan
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 def _as_result(data: Any) -> Result | None:

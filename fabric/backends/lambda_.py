@@ -447,8 +447,12 @@ class LambdaBackend(LambdaReplies, Backend):
             body = response["Payload"].read()
         except ClientError as e:
             error = e.response.get("Error", {})
-            status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-            return self._refused(inv, str(error.get("Code", "")), status, str(error.get("Message", "")))
+            meta = e.response.get("ResponseMetadata", {})
+            status = int(meta.get("HTTPStatusCode", 0) or 0)
+            retry_after = meta.get("HTTPHeaders", {}).get("retry-after")  # botocore's names are lower case
+            return self._refused(
+                inv, str(error.get("Code", "")), status, str(error.get("Message", "")), retry_after
+            )
         except ReadTimeoutError as e:
             return self._read_timed_out(inv, by_deadline, e)
         except (ConnectTimeoutError, EndpointConnectionError) as e:
@@ -512,7 +516,7 @@ class LambdaBackend(LambdaReplies, Backend):
                 message = str(data.get("message") or data.get("Message") or "")
             except (ValueError, AttributeError):
                 message = reply[:200].decode(errors="replace")
-            return self._refused(inv, code, status, message)
+            return self._refused(inv, code, status, message, headers.get("Retry-After"))
         return self._reply(inv, reply, headers.get("X-Amz-Function-Error"))
 
     def stats(self) -> dict[str, Any]:

@@ -174,6 +174,19 @@ def test_error_info_of() -> None:
     assert ErrorInfo.of("SomethingNew", "x").retryable is False
 
 
+def test_a_throttles_retry_after_stays_off_the_wire() -> None:
+    """``ErrorInfo.retry_after_s`` is this process's reading of a 429: an older peer's
+    ``ErrorInfo`` refuses a field it does not know, and its reader then took the whole Result
+    for a plain value."""
+    r = Result.failure(ErrorCode.THROTTLED, "slow down")
+    assert r.error is not None and r.error.retry_after_s is None
+    r.error.retry_after_s = 2.0
+    assert "retry_after_s" not in json.loads(r.model_dump_json())["error"]
+    assert Result.model_validate_json(r.model_dump_json()).error == ErrorInfo.of(
+        ErrorCode.THROTTLED, "slow down"
+    )
+
+
 def test_result_json_round_trip() -> None:
     fail = Result.failure(
         ErrorCode.WORKER_LOST, "died", function="f", request_id="r1", traceback="Traceback...", worker="w1"
