@@ -89,29 +89,29 @@ class Reply(Exception):
         self.reason = reason
         """A 429's ``Reason`` (Lambda's ``ThrottleReason``): which limit refused it."""
         self.retry_after_s = retry_after_s
-        """A 429's ``Retry-After``: seconds to wait before retrying."""
+        """A 429's ``Retry-After``: seconds to wait before retrying (None: no header)."""
 
     def __reduce__(self) -> tuple[Any, ...]:
         return pickled_whole(self)  # made of parts, not of its message
 
 
-#: ``Retry-After`` of a 429 whose limit cannot say when room comes (a call's end, a drain's)
-RETRY_AFTER_S = 1
-
-
 def throttled(
-    message: str, *, reason: str | None = None, retry_after_s: float = RETRY_AFTER_S, close: bool = False
+    message: str, *, reason: str | None = None, retry_after_s: float | None = None, close: bool = False
 ) -> Reply:
     """A 429 ``TooManyRequestsException`` in the shape of Lambda's (botocore's model): a
-    ``Reason`` from its ``ThrottleReason`` enum (none where no limit refused: a drain) and
-    ``Retry-After`` in whole seconds, at least one (HTTP's delay-seconds is an integer)."""
+    ``Reason`` from its ``ThrottleReason`` enum (none where no limit refused: a drain) and,
+    where the limit can say when room comes (``max_rps``'s bucket), ``Retry-After`` in whole
+    seconds, at least one (HTTP's delay-seconds is an integer). None where it cannot (a
+    call's end frees a ``max_concurrency`` slot, often within milliseconds): a constant there
+    made the fabric client, which honours the header, wait a second per retry; without it
+    the caller's own backoff decides."""
     return Reply(
         429,
         "TooManyRequestsException",
         message,
         close=close,
         reason=reason,
-        retry_after_s=max(1, math.ceil(retry_after_s)),
+        retry_after_s=None if retry_after_s is None else max(1, math.ceil(retry_after_s)),
     )
 
 

@@ -20,7 +20,6 @@ from fabric.serve._lambda_api import (
     DRAINED,
     INVOCATION_TYPES,
     LOG_TYPES,
-    RETRY_AFTER_S,
     Reply,
     error_response,
     parse_invocation,
@@ -160,7 +159,7 @@ class GatewayRoutes(GatewayCalls):
         return tenant
 
     def _throttled(
-        self, tenant: str, why: str, *, reason: str, retry_after_s: float = RETRY_AFTER_S, close: bool = False
+        self, tenant: str, why: str, *, reason: str, retry_after_s: float | None = None, close: bool = False
     ) -> Reply:
         """The 429 of ``tenant``'s limit, counted as the quota's (the metric's promise), a
         metrics-only tenant's too."""
@@ -282,7 +281,7 @@ class GatewayRoutes(GatewayCalls):
                 self.quotas.take(tenant)
             except QuotaExceeded:
                 limit = self.quotas.limits[tenant]
-                # when one of its calls ends is not known here: Retry-After is the constant
+                # when one of its calls ends is not known here: no Retry-After (``throttled``)
                 raise throttled(
                     f"Rate Exceeded: tenant {tenant!r} already has {limit} calls in flight "
                     "(its max_concurrency); retry with backoff",
