@@ -80,7 +80,7 @@ def check_env(env_id: str, registry: EnvRegistry | None = None, *, seed: int = C
     env = _make(reg, env_id)
     try:
         _Checker(reg, env, spec, seed, problems).run()
-    except _Stop:
+    except _Stop:  # a failed check the others depend on: its problem is recorded already
         pass
     finally:
         for i in (1, 2):
@@ -218,7 +218,7 @@ class _Checker:
             return None
         try:
             self.env.step(self.actions[0])
-        except EnvOrderError:
+        except EnvOrderError:  # the contract: a step after the end is refused so
             pass
         except Exception as e:
             self.fail(f"step() after the episode ended raised {type(e).__name__}, not EnvOrderError: {e}")

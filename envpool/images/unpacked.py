@@ -285,7 +285,7 @@ def try_lock(root: Path, hex_: str) -> int | None:
         try:
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
                 return fd
-        except FileNotFoundError:
+        except FileNotFoundError:  # removed since it was opened: not the tree at path
             pass
         os.close(fd)
 
@@ -465,7 +465,7 @@ def _locked_incomplete(path: Path, fd: int) -> bool:
     try:
         os.stat(MARKER, dir_fd=fd, follow_symlinks=False)
         return False  # a whole tree took the place (another process's) since we looked
-    except FileNotFoundError:
+    except FileNotFoundError:  # still no whole tree there: this one may take the place
         pass
     try:
         return os.lstat(path).st_ino == os.fstat(fd).st_ino  # not replaced meanwhile
