@@ -75,7 +75,9 @@ class _Live:
             "fabric_serve_tenant_limit", "A tenant's max_concurrency", labels=["tenant"]
         )
         throttled = CounterMetricFamily(
-            "fabric_serve_tenant_throttled", "Calls refused with 429", labels=["tenant"]
+            "fabric_serve_tenant_throttled",
+            "Requests refused with 429 (invocations and metrics scrapes)",
+            labels=["tenant"],
         )
         for tenant, n in gw.quotas.held.items():
             held.add_metric([tenant], n)
