@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from typing import TYPE_CHECKING, Any, cast
 
@@ -254,17 +255,39 @@ class _Replies(_Requests):
         if not url:
             return
         body = result.model_dump_json()
-        if len(body.encode()) > MAX_REPLY_BYTES:
-            too_big = Result.failure(
-                ErrorCode.RESULT_NOT_SERIALIZABLE,
-                f"{result.function} returned a result of {len(body.encode()):,} bytes, over the "
-                f"{MAX_REPLY_BYTES:,}-byte SQS message limit; return a reference (an S3 key) instead",
-                function=result.function,
-                request_id=result.request_id,
-                worker=self.worker,
-            )
-            too_big.version = result.version
-            body = too_big.model_dump_json()
+        size = len(body.encode())
+        if size > MAX_REPLY_BYTES:
+            # (its attributes say what the body is: ok false, as a reader of the attributes
+            # alone was told true for the failure sent in place of the result)
+            result = self._too_big(result, size, f"{MAX_REPLY_BYTES:,}-byte SQS message limit")
+            body = result.model_dump_json()
+        try:
+            self._send_reply(url, body, record, result)
+        except Exception as e:
+            # a reply queue made with a lower MaximumMessageSize (256 KiB was SQS's limit
+            # before 2025, and older queues keep it): refused on every delivery, the record
+            # ran again each time until the dead-letter queue and was never answered
+            limit = _queue_limit(e)
+            if limit is None:
+                raise
+            where = f"{limit:,}-byte limit of the reply queue {url.rsplit('/', 1)[-1]} (MaximumMessageSize)"
+            too_big = self._too_big(result, size, where)
+            self._send_reply(url, too_big.model_dump_json(), record, too_big)
+
+    def _too_big(self, result: Result, size: int, limit: str) -> Result:
+        """The ``ResultNotSerializable`` answered in place of a reply too large."""
+        too_big = Result.failure(
+            ErrorCode.RESULT_NOT_SERIALIZABLE,
+            f"{result.function} returned a result of {size:,} bytes, over the {limit}; "
+            "return a reference (an S3 key) instead",
+            function=result.function,
+            request_id=result.request_id,
+            worker=self.worker,
+        )
+        too_big.version = result.version
+        return too_big
+
+    def _send_reply(self, url: str, body: str, record: SQSRecord, result: Result) -> None:
         params: dict[str, Any] = {
             "QueueUrl": url,
             "MessageBody": body,
@@ -283,6 +306,19 @@ class _Replies(_Requests):
 
             self._sqs = boto3.client("sqs")
         self._sqs.send_message(**params)
+
+
+def _queue_limit(error: Exception) -> int | None:
+    """The size limit named by SQS's refusal of a message too long for its queue, or None
+    for any other error (``InvalidParameterValue``: "Message must be shorter than N bytes")."""
+    response = getattr(error, "response", None)
+    if not isinstance(response, dict):
+        return None
+    err = response.get("Error") or {}
+    if err.get("Code") != "InvalidParameterValue":
+        return None
+    found = re.search(r"must be shorter than (\d+) bytes", str(err.get("Message", "")))
+    return int(found.group(1)) if found else None
 
 
 def _body_hint(record: SQSRecord) -> dict[str, Any]:

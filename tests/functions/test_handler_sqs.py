@@ -308,3 +308,31 @@ def test_an_event_that_is_not_an_sqs_batch_says_where_it_belongs(event: Any) -> 
     # KinesisDataStreams, DynamoDBStreams, Kafka", which names neither handler
     with pytest.raises(ValueError, match=r"not an SQS batch .*functions\.handler\.handler"):
         handler.sqs_handler(event, LambdaContext())
+
+
+def test_a_reply_over_a_smaller_reply_queues_limit_is_replaced_not_redelivered(sqs: Any) -> None:
+    # a reply queue made with a limit below SQS's 1 MiB (256 KiB was the limit before 2025,
+    # and older queues keep it): the reply's send was refused every delivery, the record
+    # redelivered and run again until it reached the dead-letter queue, never answered
+    inbox = sqs.create_queue(QueueName="rl-fabric-calls")["QueueUrl"]
+    small = sqs.create_queue(QueueName="small-replies", Attributes={"MaximumMessageSize": "4096"})["QueueUrl"]
+    body = {"function": "big", "payload": {"key": "sq", "n": 8000}, "request_id": "sq"}
+    send(sqs, inbox, body, small)
+    assert deliver(sqs, inbox)[0] == {"batchItemFailures": []}
+    (reply,) = drain(sqs, small)
+    assert not reply.ok and reply.error is not None and reply.request_id == "sq"
+    assert reply.error.type == ErrorCode.RESULT_NOT_SERIALIZABLE
+    assert "4,096-byte" in reply.error.message and "small-replies" in reply.error.message
+    assert CALLS["big:sq"] == 1
+    assert deliver(sqs, inbox)[1] == []  # nothing left to run again
+
+
+def test_a_reply_over_sqs_limit_is_replaced_and_its_attributes_say_it_failed(sqs: Any, replies: str) -> None:
+    # the failure sent in place of a reply over 1 MiB carried the attribute ok=true (the
+    # result's), so a consumer that routes on the attributes alone took it for a success
+    inbox = sqs.create_queue(QueueName="rl-fabric-calls")["QueueUrl"]
+    send(sqs, inbox, {"function": "big", "payload": {"key": "mb", "n": 1_100_000}, "request_id": "mb"})
+    assert deliver(sqs, inbox)[0] == {"batchItemFailures": []}
+    (reply,) = drain(sqs, replies)  # drain checks the attributes against the body
+    assert reply.error is not None and reply.error.type == ErrorCode.RESULT_NOT_SERIALIZABLE
+    assert "1,048,576-byte SQS message limit" in reply.error.message
