@@ -71,6 +71,17 @@ _READ_MARGIN_S = 15.0
 #: How long after a call's deadline its connection is given up: the client answers the caller
 #: at the deadline itself, and the handler stops there; this only frees the connection.
 _DEADLINE_MARGIN_S = 1.0
+#: OpenSSL's reasons that only a handshake gives (lower case, as in botocore's SSLError text):
+#: no byte of the request was sent before them.
+_HANDSHAKE_REASONS = (
+    "wrong version number",
+    "certificate verify failed",
+    "hostname mismatch",
+    "tlsv1 alert",
+    "sslv3 alert handshake failure",
+    "unsupported protocol",
+    "no protocols available",
+)
 #: The read timeouts (s) a call's own rounds up to: botocore takes a read timeout per client,
 #: so each step is a client (and a connection pool, idle connections kept) of its own, made
 #: when first needed. Few and coarse: a call's deadline shrinks as it is retried, and its
@@ -435,7 +446,9 @@ class LambdaBackend(LambdaReplies, Backend):
             EndpointConnectionError,
             HTTPClientError,
             IncompleteReadError,
+            ProxyConnectionError,
             ReadTimeoutError,
+            SSLError,
         )
 
         name = self.config.function_prefix + inv.function
@@ -455,8 +468,15 @@ class LambdaBackend(LambdaReplies, Backend):
             )
         except ReadTimeoutError as e:
             return self._read_timed_out(inv, by_deadline, e)
-        except (ConnectTimeoutError, EndpointConnectionError) as e:
+        except (ConnectTimeoutError, EndpointConnectionError, ProxyConnectionError) as e:
             return self._not_connected(inv, e)
+        except SSLError as e:
+            # urllib3 names any TLS error so, the handshake's and (rarely) one mid-reply:
+            # only a handshake's reasons say the request was never sent (as aiohttp's
+            # ClientConnectorSSLError does on the http transport)
+            if any(reason in str(e).lower() for reason in _HANDSHAKE_REASONS):
+                return self._not_connected(inv, e)
+            return self._fail(inv, ErrorCode.TRANSPORT, f"cannot reach {self._where()}: {e}")
         except ConnectionError as e:
             return self._fail(inv, ErrorCode.TRANSPORT, f"cannot reach {self._where()}: {e}")
         except (HTTPClientError, IncompleteReadError) as e:

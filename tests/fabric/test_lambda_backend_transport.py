@@ -140,6 +140,54 @@ async def test_a_connect_timeout_is_not_started(transport):
     assert "not sent" in r.error.message and took < 5
 
 
+async def test_a_tls_handshake_that_fails_is_not_started(transport):
+    """An https endpoint that does not speak TLS (or a certificate that does not verify): the
+    handshake fails before a byte of the request is sent. The boto3 transport answered
+    TransportError (may have run: a side effect was never retried), the http one NotStarted."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+
+    def plain_http() -> None:  # answers every TLS ClientHello with plain HTTP
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                with conn:
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+    threading.Thread(target=plain_http, daemon=True).start()
+    cfg = LambdaConfig(
+        endpoint_url=f"https://127.0.0.1:{port}", token=TOKEN, connect_timeout_s=1, transport=transport
+    )
+    try:
+        async with LambdaBackend(REG, cfg) as b:
+            r = await b.invoke(Invocation(function="add", payload={"a": 1}))
+    finally:
+        listener.close()
+    assert r.error.type == ErrorCode.NOT_STARTED and r.retryable, r.error
+    assert "not sent" in r.error.message and "wrong version number" in r.error.message.lower()
+
+
+async def test_a_proxy_that_cannot_be_reached_is_not_started(monkeypatch):
+    """boto3 goes through $HTTP_PROXY: a proxy that refuses the connection never saw the
+    request (botocore's ProxyConnectionError was a TransportError, "may have run")."""
+    proxy_port, port = free_port(), free_port()
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy_port}")
+    for name in ("NO_PROXY", "no_proxy", "http_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = LambdaConfig(
+        endpoint_url=f"http://127.0.0.1:{port}", token=TOKEN, connect_timeout_s=1, transport="boto3"
+    )
+    async with LambdaBackend(REG, cfg) as b:
+        r = await b.invoke(Invocation(function="add", payload={"a": 1}))
+    assert r.error.type == ErrorCode.NOT_STARTED and r.retryable, r.error
+    assert f"127.0.0.1:{proxy_port}" in r.error.message and "not sent" in r.error.message
+
+
 @pytest.mark.parametrize("cut", ["before the reply", "in the reply"])
 async def test_a_connection_cut_after_the_request_is_a_transport_fault(transport, cut):
     """The call may have run: a retryable TransportError (not retried for a side effect), as
