@@ -1,6 +1,6 @@
 """What a user's module imports from its own directory: the modules ``fabric deploy`` ships
 beside it (``fabric.deploy.package.code_roots``) and a function's version hashes
-(``fabric.registry.capture_code``), which a local pool keeps as hashed (``sources``) for
+(``fabric.registry_code.capture_code``), which a local pool keeps as hashed (``sources``) for
 its workers. One reading for both: a helper shipped but not hashed
 could change under an unchanged version (a deployment of the old helper answering as the
 caller's code), and one hashed but not shipped would make every deployed call's version
@@ -45,7 +45,7 @@ class CodeTreeError(FabricError):
 
 class Texts:
     """How one reading (a deploy's, a version's) reads the module files: each once, and a
-    registered module's (``fabric.registry.ModuleSource``) as registered, by its real path:
+    registered module's (``fabric.registry_code.ModuleSource``) as registered, by its real path:
     a worker imports that text in place of the file, and computes its version from it."""
 
     def __init__(self, registered: Mapping[Path, bytes] | None = None):
@@ -117,7 +117,7 @@ def sources(roots: Iterable[tuple[str, Path]], texts: Texts | None = None) -> li
     """The modules (.py files) under ``roots`` (archive name, path) as (archive name, file,
     text), in their archive names' order: what a version hashes of the modules shipped
     beside a function's (``digest``), and what a local pool keeps of them for its workers
-    (``fabric.registry.capture_code``), one reading for both. Their data files are not in
+    (``fabric.registry_code.capture_code``), one reading for both. Their data files are not in
     it, as the function's own package's are not."""
     read = texts or Texts()
     return [

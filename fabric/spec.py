@@ -53,7 +53,7 @@ class FunctionSpec(BaseModel):
     """A registered function, as data."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    #: Fields the decorator fills from the function itself (``fabric.registry.make_spec``):
+    #: Fields the decorator fills from the function itself (``fabric.registry_spec.make_spec``):
     #: never listed as options in an "unknown key" message.
     CONFIG_HIDDEN: ClassVar[frozenset[str]] = frozenset(
         {"kind", "entry", "version", "params", "is_async", "accepts_extra"}
@@ -76,7 +76,7 @@ class FunctionSpec(BaseModel):
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
     version: str
     """Hash of the function's (and its setup hook's) source and of their modules' files: part
-    of every idempotency key (``fabric.registry.capture_code``)."""
+    of every idempotency key (``fabric.registry_code.capture_code``)."""
     resources: Resources = Field(default_factory=Resources)
     side_effects: bool = Field(False, strict=True)
     """True for tools that change the world: never hedged, retries deduplicated by key."""

@@ -8,7 +8,7 @@ would import other code, and the pool refuses such a worker as stale (its versio
 right for the rewards' integrity, but with every worker gone, every call fails. So the
 module files a function's version hashes (its own module's, its setup hook's, and the
 helper modules and packages they import from their own directory, ``fabric deploy``'s
-siblings, transitively: see ``fabric.registry.capture_code``) are read when it is
+siblings, transitively: see ``fabric.registry_code.capture_code``) are read when it is
 registered, kept by its pool in memory, and sent to each worker with its start; the worker
 imports that text under the module's own name (a helper package's each module under its
 dotted name):
@@ -19,7 +19,7 @@ dotted name):
   found (as it is on disk now: only the source is kept);
 * a traceback, ``inspect.getsource`` and the worker's version read the kept text, not the
   file (``linecache`` holds it under the file's name; the helpers' for the version,
-  ``fabric.registry.KEPT_TEXTS``): the helpers' texts are those the version hashed, one
+  ``fabric.registry_code.KEPT_TEXTS``): the helpers' texts are those the version hashed, one
   listing for both (``fabric.siblings.sources``);
 * no bytecode is read or written for it: the file's ``__pycache__`` is the file's as it is
   now;
@@ -31,7 +31,7 @@ dotted name):
 
 A pool started in a worker (a function that starts a ``Client`` of its own) keeps the text
 that worker imported, for its own workers: the loader here is marked so
-(``fabric.registry.KEPT_SOURCE_ATTR``). A module that is not a plain ``.py`` file read by
+(``fabric.registry_code.KEPT_SOURCE_ATTR``). A module that is not a plain ``.py`` file read by
 Python's own source loader (from a zip, through an import hook), or a helper not kept, is
 imported as it is then; the stale refusal stays as the backstop, saying so. So does a
 helper's file removed, or a module added to a helper package, since: the worker's version
@@ -160,7 +160,7 @@ def install(snapshot: Iterable[tuple[str, str, bytes]], entry: str) -> None:
     if module.endswith(".py"):
         name = file_module_name(Path(module))
         if name in modules:
-            # a file entry is imported by its path (fabric.registry._import_file), which asks
+            # a file entry is imported by its path (fabric.registry_imports._import_file), which asks
             # no finder: imported here by its name, it is the module that import finds
             from fabric.errors import EntryPointError
 
