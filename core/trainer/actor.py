@@ -46,13 +46,17 @@ class TrainerActor:
             bundle = PolicyBundle.load(bundle)
         self.trainer = make_trainer(cfg, bundle, temperature=temperature, seed=seed)
         self.steps = 0
+        if cfg.lr_end is not None:
+            # the first step's rate, set now: a backend that cannot take one (no optimizer, no
+            # set_lr of its own) fails here, not at its first step, after the engines started
+            self.trainer.set_lr(self._lr_at(0, total_steps))
         self._schedule_note: str | None = None
         self._writes: dict[str, Future[None]] = {}  # snapshots being written, by path
 
     def step(self, batch: Sequence[TrainSample]) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """One update; returns its metrics and the new weights (``num_returns=2``: the
         caller forwards the weights' object ref without fetching them)."""
-        if self.cfg.lr_end is not None and hasattr(self.trainer, "set_lr"):
+        if self.cfg.lr_end is not None:
             self.trainer.set_lr(self._lr_at(self.steps, self.total_steps))
         # a sample without a trajectory id is its own trajectory (as batch_advantages counts
         # it): a set of the ids made all of them one, and the whole batch a single update

@@ -16,7 +16,8 @@ Ray actor) or a worker thread. The base class validates the batch, computes adva
 times the step and bumps the version. Its ``_step`` is the update sequence both backends
 share (``minibatch_updates`` over the backend's ``_update``, the learning rate reported):
 a backend implements ``_update`` and ``state`` and sets ``config``, ``optimizer`` and
-``_shuffle``; one with another kind of step overrides ``_step`` instead.
+``_shuffle``; one with another kind of step overrides ``_step`` instead, and, without an
+``optimizer``, ``lr`` and ``set_lr`` if it is to train on a schedule (``trainer.lr_end``).
 """
 
 from __future__ import annotations
@@ -301,15 +302,28 @@ class Trainer(ABC):
 
     @property
     def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
+        return float(self._rated_optimizer().param_groups[0]["lr"])
 
     def set_lr(self, lr: float) -> None:
         """Change the learning rate from the next update on (a schedule lives with the caller,
         which knows whether it counts steps or wall time)."""
         if not lr > 0:
             raise ValueError(f"learning rate must be positive, got {lr}")
-        for group in self.optimizer.param_groups:
+        for group in self._rated_optimizer().param_groups:
             group["lr"] = lr
+
+    def _rated_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer whose rate ``lr`` and ``set_lr`` are. A backend with its own step may
+        have none (``optimizer`` is only annotated here): its AttributeError named neither the
+        backend nor what it lacks."""
+        optimizer: torch.optim.Optimizer | None = getattr(self, "optimizer", None)
+        if optimizer is None:
+            raise TrainerError(
+                f"the {self.name!r} trainer has no optimizer, so no learning rate to read or set "
+                "(a learning-rate schedule, trainer.lr_end, sets it each step): set `optimizer` "
+                "in its __init__, or implement `lr` and `set_lr`"
+            )
+        return optimizer
 
     def step(self, batch: Sequence[TrainSample]) -> dict[str, float]:
         """One policy update on ``batch``; returns its metrics (``version`` included)."""
