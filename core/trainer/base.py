@@ -307,8 +307,8 @@ class Trainer(ABC):
     def set_lr(self, lr: float) -> None:
         """Change the learning rate from the next update on (a schedule lives with the caller,
         which knows whether it counts steps or wall time)."""
-        if not lr > 0:
-            raise ValueError(f"learning rate must be positive, got {lr}")
+        if not 0 < lr < math.inf:  # inf passed "lr > 0", and the next update made the weights NaN
+            raise ValueError(f"learning rate must be positive and finite, got {lr}")
         for group in self._rated_optimizer().param_groups:
             group["lr"] = lr
 

@@ -6,6 +6,7 @@ backend with its own ``lr`` and ``set_lr`` follows the schedule, and the schedul
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import pytest
@@ -99,3 +100,16 @@ def test_the_schedule_starts_at_lr_and_ends_at_lr_end_a_single_step_at_lr(monkey
     for _ in range(steps):
         actor.step(BATCH)
     assert t.used == pytest.approx(want)
+
+
+def test_set_lr_refuses_a_rate_that_is_not_positive_and_finite():
+    # "must be positive" let inf through (not inf > 0 is False): the next update made every
+    # weight it moved infinite or NaN. The job's config refuses it (allow_inf_nan=False)
+    t = Plain()
+    t.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(()))], lr=0.1)
+    for bad in (math.inf, math.nan, 0.0, -1.0):
+        with pytest.raises(ValueError, match="must be positive and finite"):
+            t.set_lr(bad)
+    assert t.lr == 0.1
+    t.set_lr(0.05)
+    assert t.lr == 0.05
