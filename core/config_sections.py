@@ -317,7 +317,9 @@ class TrainerConfig(ConfigModel):
     entropy_coef_max: float = Field(0.1, gt=0, allow_inf_nan=False, validate_default=True)
     """With ``entropy_target``: the most the coefficient is raised to."""
     lr_end: float | None = Field(None, gt=0, allow_inf_nan=False)
-    """Decay the learning rate linearly to this over the job's steps (None: constant)."""
+    """Decay the learning rate linearly to this over the job's steps: ``lr`` at the first step,
+    this at the last (a one-step job, which has no step to decay over, trains at ``lr``);
+    None: constant."""
     scale_advantages: bool = True
     """Divide by the group's reward std (GRPO); False keeps the centred reward (Dr. GRPO)."""
     step_adv: float = Field(0.0, ge=0, allow_inf_nan=False)

@@ -72,7 +72,8 @@ class TrainerActor:
 
     def _lr_at(self, step: int, total: int) -> float:
         """The learning rate of the step after ``step`` of them, on a ``total``-step schedule:
-        linear from ``lr`` to ``lr_end`` at its last step, ``lr_end`` after it."""
+        linear from ``lr`` at its first step to ``lr_end`` at its last, ``lr_end`` after it (a
+        one-step schedule: ``lr``, its first step's)."""
         assert self.cfg.lr_end is not None
         frac = min(1.0, step / max(total - 1, 1))
         return self.cfg.lr + frac * (self.cfg.lr_end - self.cfg.lr)

@@ -442,7 +442,8 @@ class Trainer(ABC):
         """What a resumed run needs to go on as this one would have: the weights, the
         optimizer's moments, the KL anchor, the shuffle generator, the version and the
         steered entropy coefficient. ``torch.save``-able; backend-specific inside (resume
-        with the same backend)."""
+        with the same backend). The optimizer's tensors are its live state, which the next
+        step updates in place: save it, or copy it (``TrainerActor.snapshot``), before then."""
         return {
             "trainer": self.name,
             "version": self._version,
