@@ -31,7 +31,7 @@ LossAgg = Literal["token_mean", "seq_mean_token_mean"]
 class TinyLMConfig(BaseModel):
     """Shape of a ``TinyLM``."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     vocab_size: int = Field(ge=2)
     d_model: int = Field(64, ge=8)
@@ -60,7 +60,7 @@ class TinyLMConfig(BaseModel):
 class TorchEngineConfig(BaseModel):
     """Serving knobs of the torch engine (the model's shape is the model's config)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     type: Literal["torch"] = "torch"
     max_batch_size: int = Field(64, ge=1)
@@ -77,7 +77,9 @@ class TorchEngineConfig(BaseModel):
 class TorchTrainerConfig(BaseModel):
     """GRPO hyper-parameters for the torch backend."""
 
-    model_config = ConfigDict(extra="forbid")
+    # no inf in any field (gt/ge let it through): built by hand, lr=inf made every weight
+    # inf or NaN at the first update; the job config refuses it field by field
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     type: Literal["torch"] = "torch"
     lr: float = Field(1e-3, gt=0.0)

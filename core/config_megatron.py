@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 class GPTShape(BaseModel):
     """The ``GPTModel``'s shape (learned absolute positions, LayerNorm, GeLU MLP)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     num_layers: int = Field(ge=1)
     hidden_size: int = Field(ge=1)
@@ -52,7 +52,7 @@ class GPTShape(BaseModel):
 class MegatronTrainerConfig(BaseModel):
     """The model (a shape or a checkpoint), parallelism and GRPO hyper-parameters."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     type: Literal["megatron"] = "megatron"
     model: GPTShape | None = None
