@@ -128,6 +128,14 @@ def drop_all_capabilities() -> None:
     _check(_libc.syscall(_SYS_CAPSET, ctypes.byref(header), ctypes.byref(data)), "capset")
 
 
+def sched_getcpu() -> int:
+    """The core this thread is running on (as of the call: the kernel may move it)."""
+    cpu = _libc.sched_getcpu()
+    if cpu < 0:
+        _check(cpu, "sched_getcpu")
+    return int(cpu)
+
+
 def pidfd_pid(pidfd: int) -> int:
     """The pid (in our PID namespace) of the process ``pidfd`` refers to; -1 once it has
     been reaped (``/proc/self/fdinfo`` says so since Linux 5.4)."""

@@ -122,8 +122,8 @@ CPU_FILES = ("online", "possible", "present")
 
 def _write_cpus(root: str, cpus: int) -> None:
     """``/sys/devices/system/cpu/{online,...}`` saying ``0-<cpus - 1>``: all of ``/sys`` a
-    run sees. (Only what reads them: ``sched_getaffinity``, and so ``nproc``, still lists
-    the host's cores; pinning runs to a few would leave the others idle.)"""
+    run sees. (``sched_getaffinity``, which ``nproc`` reads, says as many because each run
+    pins itself to that many cores: ``program._pin``.)"""
     os.makedirs(root + "/sys/devices/system/cpu")
     text = f"0-{cpus - 1}\n" if cpus > 1 else "0\n"
     for name in CPU_FILES:

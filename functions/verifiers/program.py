@@ -32,6 +32,7 @@ Stdlib only, like everything the zygote imports.
 from __future__ import annotations
 
 import atexit
+import bisect
 import builtins
 import fcntl
 import io
@@ -276,6 +277,23 @@ def _die_with_zygote(zygote_pidfd: int) -> None:
         os._exit(1)
 
 
+def _pin(cpus: int) -> None:
+    """Run on ``cpus`` of the cores this process may use, so ``sched_getaffinity`` (``nproc``,
+    Node's ``availableParallelism``, Go's ``GOMAXPROCS``, Python 3.13's ``process_cpu_count``)
+    counts what ``os.cpu_count()`` says (``jail.CPUS``), not every core of the host; its
+    children inherit the mask. Called as the run starts: the core the kernel just woke the
+    program on, an idle one where there was one, and the next ones after it. (Cores given
+    out in turn would ignore which are busy, and the zygotes of a host's workers, each
+    counting on its own, would pile runs onto the same few while others idle; the kernel
+    knows.) The price: the kernel cannot move a pinned run to a core that frees up later.
+    The mask bounds no hostile program (it may widen its own); ``cpu_s`` bounds its CPU."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) <= cpus:
+        return
+    start = bisect.bisect_left(cores, lx.sched_getcpu())
+    os.sched_setaffinity(0, [cores[(start + i) % len(cores)] for i in range(cpus)])
+
+
 def program(
     uid: int,
     namespaces: list[int],
@@ -285,6 +303,7 @@ def program(
     out_w: int,
     err_w: int,
     ok: int,
+    cpus: int,
 ) -> None:
     """The program (PID 2 of the run's namespace): set up, lock itself down, wait for the run,
     run it. Never returns.
@@ -292,6 +311,7 @@ def program(
     Everything up to the wait happens while the sandbox is a spare, off the run's latency;
     the rlimits come with the run. ``ok`` is a ``SOCK_SEQPACKET`` socket: the descriptors of
     ``/sandbox`` and stdin go out on it at once, ``b"1"`` once the run's own set-up worked.
+    ``cpus``: the cores a run runs on (``_pin``).
     """
     try:
         signal.set_wakeup_fd(-1)  # the zygote's: a handler the program installs must not write there
@@ -343,6 +363,7 @@ def program(
         role = run.get("rpc")
         if marker_fd is None and role is None:
             os.close(3)
+        _pin(cpus)
         _rlimits(run["limits"])
         env = {**BASE_ENV, **(run.get("env") or {})}
         os.environ.clear()

@@ -75,7 +75,10 @@ class SandboxConfig(BaseModel):
         jail.CPUS,
         ge=1,
         le=1024,
-        description="cores every run sees (os.cpu_count(), which sizes default pools), whatever the host has",
+        description=(
+            "cores every run sees (os.cpu_count(), which sizes default pools) and is pinned to"
+            " (sched_getaffinity, nproc), whatever the host has"
+        ),
     )
     start_timeout_s: float = Field(30.0, gt=0)
     #: how much longer than a run's wall limit the client waits for its report

@@ -76,11 +76,19 @@ class _Spares:
     """
 
     def __init__(
-        self, chan: socket.socket, base_uid: int, target: int, cgroups: RunCgroups, pid_ns: int, init: str
+        self,
+        chan: socket.socket,
+        base_uid: int,
+        target: int,
+        cgroups: RunCgroups,
+        pid_ns: int,
+        init: str,
+        cpus: int,
     ) -> None:
         self.chan = chan
         self.pid_ns = pid_ns  # our own PID namespace, to come back to after each spare
         self.init = init
+        self.cpus = cpus  # each run's cores
         self.cgroups = cgroups
         self.base_uid = base_uid
         self.target = target
@@ -167,6 +175,7 @@ class _Spares:
                         fds["_out"],
                         fds["_err"],
                         fds["_ok"],
+                        self.cpus,
                     )
                 finally:
                     os._exit(SETUP_FAILED)
@@ -318,7 +327,7 @@ def main() -> None:
     # what the zygote allocated will never be collected: keep the collector of every run
     # from walking (and so copying, page by page) the inherited heap
     gc.freeze()
-    pool = _Spares(chan, base_uid, spares, cgroups, pid_ns, init)
+    pool = _Spares(chan, base_uid, spares, cgroups, pid_ns, init, cpus)
     # a program's exit wakes the loop at once: its supervisor is waiting for the status
     child_r, child_w = os.pipe()
     os.set_blocking(child_r, False)
