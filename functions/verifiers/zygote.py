@@ -175,6 +175,7 @@ class _Spares:
                         fds["_out"],
                         fds["_err"],
                         fds["_ok"],
+                        self.init,
                         self.cpus,
                     )
                 finally:

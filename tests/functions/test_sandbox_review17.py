@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import os
 import shutil
+import signal
 from collections.abc import Iterator
 
 import pytest
@@ -69,3 +70,34 @@ def test_a_run_with_as_many_cores_as_the_host_is_not_pinned():
         stdout, why = run(sb, AFFINITY)
     assert stdout.splitlines() == [str(HOST_CORES)] * 2, why
     assert wait_clean(BASE_UID + 2000) == []
+
+
+# -- the process group -------------------------------------------------------------------
+def test_killpg_of_its_own_group_finds_the_program_alone(one_core):
+    # getpgrp() was 1 (the run's init's group), and killpg(1, sig) is kill(-1, sig): every
+    # process but the caller, so with no child alive it failed with ESRCH, where a host
+    # signals the caller's own group (here ignored) and the program goes on
+    code = (
+        "import os, signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "os.killpg(os.getpgrp(), signal.SIGTERM)\nprint(3)"
+    )
+    stdout, why = run(one_core, code)
+    assert stdout == "3", why
+
+
+def test_killpg_of_its_own_group_ends_the_program_and_its_children(one_core):
+    # kill(-1, ...) spared the caller: a program that ends itself and its workers this way
+    # ran on (and printed) where on a host it dies of the signal
+    code = (
+        "import os, signal, subprocess\nchild = subprocess.Popen(['sleep', '30'])\n"
+        "os.killpg(os.getpgrp(), signal.SIGTERM)\nprint('survived', flush=True)"
+    )
+    out = one_core.run_python(code, limits=LIMITS)
+    assert (out.status, out.signal, out.stdout) == ("signaled", signal.SIGTERM, b""), out
+
+
+def test_the_programs_group_is_neither_the_inits_nor_its_own(one_core):
+    # not 1 (above), and not its own pid: a group leader may not setsid() (test_code_verify)
+    code = "import os\nprint(os.getpgrp() not in (1, os.getpid()), os.getpgrp() == os.getpgid(0))"
+    stdout, why = run(one_core, code)
+    assert stdout == "True True", why
