@@ -75,7 +75,12 @@ BASE_ENV = {
     "MKL_NUM_THREADS": "1",
     # glibc gives each new thread a malloc arena of its own (up to 8 per core), 64 MiB of
     # address space reserved apiece, and RLIMIT_AS (memory_mb) counts reservations: at
-    # memory_mb=256 a sixth live thread could not start. Two arenas, shared by all threads
+    # memory_mb=256 a sixth live thread could not start. Two arenas, shared by all threads.
+    # (Each thread's stack, 8 MiB by glibc's default from RLIMIT_STACK, counts too: about
+    # twenty threads at 256. Kept: a smaller default would end recursion through C code, as
+    # lru_cache's, in a thread at a fraction of a host's depth, 2,000 calls a MiB, with a
+    # SIGSEGV; an exec'd program's default could only come from a lower RLIMIT_STACK, which
+    # is also its main thread's bound)
     "MALLOC_ARENA_MAX": "2",
 }
 #: The descriptors of a spare the zygote sends its supervisor, in this order: the start
