@@ -25,6 +25,7 @@ from fabric.client_state import (
     FnState,
     Sent,
     StopAtDeadline,
+    StopPastRetryAfter,
     StopWhen,
     StopWhenOpen,
     StopWhenSet,
@@ -314,8 +315,9 @@ class Attempts(Copies):
         sent: Sent,
     ) -> Result:
         """Retry a retryable failure: exponential backoff with full jitter, or a throttle's
-        ``Retry-After`` when longer (``WaitRetryAfter``), bounded by the function's attempts
-        and by ``deadline()`` (read at each step: a keyed execution's grows as callers join).
+        ``Retry-After`` when longer (``WaitRetryAfter``; one past ``max_retry_after_s`` ends the
+        retries, ``StopPastRetryAfter``), bounded by the function's attempts and by
+        ``deadline()`` (read at each step: a keyed execution's grows as callers join).
         Runs only after a failure. Whether a failure is retried
         follows every spec an attempt was sent under, and what the spec registered now says
         of the code they ran (``_may_have_effects``).
@@ -329,6 +331,7 @@ class Attempts(Copies):
         last = prev = first
         hedged = first.hedged  # any attempt's: a hedge was sent for this call
         at_deadline = StopAtDeadline(deadline)
+        too_long = StopPastRetryAfter(self.config.max_retry_after_s)
         when_open = StopWhenOpen(lambda: fn.consecutive_failures, self.config.breaker.failure_threshold)
         moved = StopWhenSet()  # a keyed execution's code registered again (Sent.key_version)
         # a plain call's retries went on after the close, on a backend passed in (still open)
@@ -355,7 +358,14 @@ class Attempts(Copies):
             return last
 
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(policy.max_attempts) | when_open | at_deadline | moved | closed,
+            # too_long before at_deadline: tenacity asks the stops in order until one holds, and a
+            # Retry-After past the bound is the cause to report even where the deadline is nearer
+            stop=stop_after_attempt(policy.max_attempts)
+            | when_open
+            | too_long
+            | at_deadline
+            | moved
+            | closed,
             wait=WaitRetryAfter(
                 wait_random_exponential(multiplier=policy.initial_backoff_s, max=policy.max_backoff_s)
             ),
@@ -382,6 +392,12 @@ class Attempts(Copies):
             note = (
                 f" (not retried: the circuit opened after {fn.consecutive_failures} infrastructure "
                 "failures in a row)"
+            )
+        elif err is not None and too_long.said is not None:
+            note = (
+                f" (not retried: the service asked for {too_long.said:g} s before attempt {tries + 1} "
+                f"(Retry-After), longer than ClientConfig.max_retry_after_s ({too_long.bound:g} s); call "
+                "again later, or raise max_retry_after_s to wait that long)"
             )
         elif err is not None and at_deadline.hit and tries < policy.max_attempts:
             note = (

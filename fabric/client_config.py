@@ -41,6 +41,12 @@ class ClientConfig(BaseModel):
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     default_deadline_s: float | None = Field(None, gt=0)
     """Deadline for calls that give none (None: bounded by the function's timeout and retries)."""
+    max_retry_after_s: float | None = Field(60.0, gt=0)
+    """The longest a throttle's ``Retry-After`` is waited before the next attempt (a shorter one
+    is waited as said, past the backoff's cap; never past the deadline). A longer one (a
+    proxy's misconfigured hour, a quota spent for the day) ends the call at once with the
+    ``Throttled`` failure, which says so: a call without a deadline was held for as long as the
+    header said. ``None``: no bound but the deadline."""
     idempotency_cache_size: int = Field(100_000, ge=0)
     """Keys whose answer is kept (the oldest dropped first; 0: none, one execution per key
     only while it runs)."""

@@ -1,6 +1,7 @@
 """The client's state per function (``FnState``), per idempotency key (``Execution``), and
 its timing helpers: when to hedge (``HedgeClock``), how long to wait before a retry
-(``WaitRetryAfter``) and when retries must stop before the deadline (``StopAtDeadline``)."""
+(``WaitRetryAfter``), and when retries must stop before the deadline (``StopAtDeadline``) or
+rather than wait out a throttle's ``Retry-After`` past its bound (``StopPastRetryAfter``)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ class WaitRetryAfter(wait_base):
     """The backoff ``base`` draws, or the last attempt's ``Retry-After`` when it is longer
     (``ErrorInfo.retry_after_s``, a throttle's): a retry sooner than the service said is
     refused again, and a tenant far over its rate spent its attempts so. Longer than
-    ``max_backoff_s`` too, the service's word being the better one; ``StopAtDeadline`` sees
-    the whole wait and stops rather than sleep past the deadline."""
+    ``max_backoff_s`` too, the service's word being the better one, up to
+    ``ClientConfig.max_retry_after_s`` (``StopPastRetryAfter``); ``StopAtDeadline`` sees the
+    whole wait and stops rather than sleep past the deadline."""
 
     def __init__(self, base: wait_base):
         self.base = base
@@ -53,6 +55,26 @@ class WaitRetryAfter(wait_base):
             if error is not None and error.retry_after_s is not None:
                 wait = max(wait, error.retry_after_s)
         return wait
+
+
+class StopPastRetryAfter(stop_base):
+    """Stop retrying when the last attempt's ``Retry-After`` is longer than ``bound``
+    (``ClientConfig.max_retry_after_s``; None: no bound): a call without a deadline waited
+    whatever the header said (a proxy's ``Retry-After: 3600``, an hour), and a retry sooner
+    is refused again. ``said`` keeps the wait asked for, which the call's failure reports."""
+
+    def __init__(self, bound: float | None):
+        self.bound = bound
+        self.said: float | None = None
+        """The ``Retry-After`` past the bound, once it ended the retries."""
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        outcome = retry_state.outcome
+        if self.bound is not None and outcome is not None and not outcome.failed:
+            error = outcome.result().error
+            if error is not None and error.retry_after_s is not None and error.retry_after_s > self.bound:
+                self.said = error.retry_after_s
+        return self.said is not None
 
 
 class StopWhenOpen(stop_base):

@@ -1,0 +1,82 @@
+"""Review 17 of the client: a throttle's ``Retry-After`` past ``max_retry_after_s`` ends the
+call at once instead of holding it (an hour, for a proxy's ``Retry-After: 3600``); calls
+refused by a closed client count in ``metrics()``; a side effect under an idempotency key cut
+by the close ends ``OutcomeUnknown``, not ``Cancelled``; and the lambda backend's S3 spill
+uploads are bounded by ``max_connections`` and by the call's deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from client_helpers import _ManualBackend
+
+from fabric.client import Client, ClientConfig
+from fabric.errors import ConfigError, ErrorCode
+from fabric.protocol import Invocation, Result
+from fabric.testing import FakeBackend
+
+#: How long a test waits for what must happen at once before it fails instead of hanging.
+_GUARD_S = 10.0
+
+
+def _throttled(inv: Invocation, retry_after_s: float) -> Result:
+    r = Result.failure(ErrorCode.THROTTLED, "Rate exceeded", function=inv.function, request_id=inv.request_id)
+    assert r.error is not None
+    r.error.retry_after_s = retry_after_s
+    return r
+
+
+# ---------------------------------------------------------------- Retry-After's bound
+
+
+@pytest.mark.parametrize("key", [None, "k"])
+async def test_a_retry_after_past_the_bound_ends_the_call_throttled_at_once(key):
+    """A faulty proxy's ``Retry-After: 3600`` held a call without a deadline for an hour."""
+    manual = _ManualBackend()
+    c = Client(backend=manual, registry=manual.registry, config={"hedge": {"enabled": False}})
+    async with c:
+        call = asyncio.create_task(c.call("double", {"x": 1}, idempotency_key=key))
+        inv, fut = await manual.next()
+        fut.set_result(_throttled(inv, 3600.0))
+        r = await asyncio.wait_for(call, _GUARD_S)
+    assert r.error is not None and r.error.type == ErrorCode.THROTTLED and r.attempts == 1, r.error
+    assert "Retry-After" in r.error.message and "3600" in r.error.message
+    assert "max_retry_after_s" in r.error.message
+    assert len(manual.invocations) == 1  # nothing sent into the hour asked for
+
+
+async def test_a_retry_after_within_the_bound_is_waited_as_before():
+    manual = _ManualBackend()
+    config = {"hedge": {"enabled": False}, "max_retry_after_s": 0.5}
+    async with Client(backend=manual, registry=manual.registry, config=config) as c:
+        call = asyncio.create_task(c.call("double", {"x": 1}))
+        inv, fut = await manual.next()
+        fut.set_result(_throttled(inv, 0.3))
+        refused_at = time.monotonic()
+        inv2, fut2 = await asyncio.wait_for(manual.next(), _GUARD_S)
+        gap = time.monotonic() - refused_at
+        manual.answer(inv2, fut2)
+        r = await call
+    assert r.ok and r.attempts == 2, r.error
+    assert gap >= 0.3, f"retried {gap:.3f} s after a 429 that said 0.3 s"
+
+
+def test_the_bound_is_a_client_setting():
+    assert ClientConfig().max_retry_after_s == 60.0
+    assert ClientConfig(max_retry_after_s=None).max_retry_after_s is None  # the deadline only
+    with pytest.raises(ConfigError, match="max_retry_after_s"):
+        Client(backend=FakeBackend(), config={"max_retry_after_s": 0})
+
+
+async def test_an_unbounded_retry_after_still_stops_at_the_deadline():
+    manual = _ManualBackend()
+    config = {"hedge": {"enabled": False}, "max_retry_after_s": None}
+    async with Client(backend=manual, registry=manual.registry, config=config) as c:
+        call = asyncio.create_task(c.call("double", {"x": 1}, deadline_s=5.0))
+        inv, fut = await manual.next()
+        fut.set_result(_throttled(inv, 3600.0))
+        r = await asyncio.wait_for(call, _GUARD_S)
+    assert r.error is not None and r.error.type == ErrorCode.THROTTLED
+    assert "the deadline left no time for attempt 2" in r.error.message
