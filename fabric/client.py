@@ -160,15 +160,18 @@ class Client(KeyedCalls):
         t0 = time.perf_counter()
         request_id = f"{self._prefix}-{next(self._ids)}"
         payload = {} if payload is None else payload
-        if self._closed:
-            return Result.failure(
-                ErrorCode.BACKEND_CLOSED,
-                self._closed_message(name) + "; nothing was sent",
-                function=name,
-                request_id=request_id,
-                started=False,
-            )
         spec = self.registry.find(name)
+        if self._closed:
+            closed = self._closed_message(name) + "; nothing was sent"
+            if spec is None:  # not counted, as an unknown name is not while the client is open
+                return Result.failure(
+                    ErrorCode.BACKEND_CLOSED, closed, function=name, request_id=request_id, started=False
+                )
+            # counted as every refused call is: a job whose client closed under it (a
+            # shutdown, a bug) saw its calls fail while metrics() said nothing of them
+            m = self._fn_state(name, spec).metrics
+            m.calls += 1
+            return self._refuse(m, ErrorCode.BACKEND_CLOSED, closed, name, request_id)
         if spec is None:
             from fabric.errors import UnknownFunctionError
 
@@ -178,14 +181,7 @@ class Client(KeyedCalls):
                 function=name,
                 request_id=request_id,
             )
-        fn = self._fns.get(name)
-        if fn is None:
-            fn = self._fns[name] = FnState(spec, self.config.hedge.quantile)
-        elif fn.spec is not spec:
-            # registered again (a notebook cell run again, a module reloaded): its version
-            # keys the idempotency cache, so the old code's answers are not served for the
-            # new code's, and its limits (concurrency, timeout, retries) apply from now on
-            fn.respec(spec)
+        fn = self._fn_state(name, spec)
         m = fn.metrics
         m.calls += 1
         # refuse bad input before anything is sent
@@ -375,6 +371,18 @@ class Client(KeyedCalls):
         return {name: fn.metrics.snapshot() for name, fn in self._fns.items()}
 
     # ------------------------------------------------------------------ internals
+    def _fn_state(self, name: str, spec: FunctionSpec) -> FnState:
+        """The client's state of function ``name``, registered now as ``spec``."""
+        fn = self._fns.get(name)
+        if fn is None:
+            fn = self._fns[name] = FnState(spec, self.config.hedge.quantile)
+        elif fn.spec is not spec:
+            # registered again (a notebook cell run again, a module reloaded): its version
+            # keys the idempotency cache, so the old code's answers are not served for the
+            # new code's, and its limits (concurrency, timeout, retries) apply from now on
+            fn.respec(spec)
+        return fn
+
     def _spec_or_default(self, name: str) -> FunctionSpec:
         if name in self.registry:
             return self.registry.get(name)

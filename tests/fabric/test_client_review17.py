@@ -10,7 +10,7 @@ import asyncio
 import time
 
 import pytest
-from client_helpers import _ManualBackend
+from client_helpers import _ManualBackend, make
 
 from fabric.client import Client, ClientConfig
 from fabric.errors import ConfigError, ErrorCode
@@ -80,3 +80,37 @@ async def test_an_unbounded_retry_after_still_stops_at_the_deadline():
         r = await asyncio.wait_for(call, _GUARD_S)
     assert r.error is not None and r.error.type == ErrorCode.THROTTLED
     assert "the deadline left no time for attempt 2" in r.error.message
+
+
+# ---------------------------------------------------------------- the closed client's metrics
+
+
+async def test_calls_refused_by_the_closed_client_count_in_metrics():
+    c, fake = make()
+    assert (await c.call("double", {"x": 1})).ok
+    await c.aclose()
+    await c.call("double", {"x": 2})
+    await c.call("double", {"x": 2}, idempotency_key="k")
+    await c.map("double", [{"x": 3}, {"x": 4}])
+    await c.call("effect", {"x": 1})  # a function not called before the close
+    m = c.metrics()
+    assert m["double"]["calls"] == 5 and m["double"]["ok"] == 1, m["double"]
+    assert m["double"]["errors"] == {ErrorCode.BACKEND_CLOSED: 4}, m["double"]
+    assert m["effect"]["calls"] == 1 and m["effect"]["errors"] == {ErrorCode.BACKEND_CLOSED: 1}
+    unknown = await c.call("no_such_function", {})
+    assert unknown.error is not None and unknown.error.type == ErrorCode.BACKEND_CLOSED
+    assert "no_such_function" not in c.metrics()  # as an unknown name is not counted when open
+    assert len(fake.invocations) == 1
+
+
+async def test_a_call_refused_while_it_waited_for_a_slot_counts_once():
+    c, _ = make()
+    holder = asyncio.create_task(c.call("one_at_a_time", {"seconds": 0.2}))
+    await asyncio.sleep(0.05)  # sent: it holds the function's only slot
+    waiting = asyncio.create_task(c.call("one_at_a_time", {"seconds": 0.2}))
+    await asyncio.sleep(0.05)  # in line for the slot
+    await c.aclose()
+    await holder
+    assert (await waiting).error.type == ErrorCode.BACKEND_CLOSED
+    m = c.metrics()["one_at_a_time"]
+    assert (m["calls"], m["ok"], m["errors"]) == (2, 1, {ErrorCode.BACKEND_CLOSED: 1}), m
