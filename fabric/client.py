@@ -135,6 +135,7 @@ class Client(KeyedCalls):
         # clear below, and the next caller with the key ran it again beside it
         while self._executions:
             tasks = list(self._executions)
+            self._before_cut()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -13,7 +13,7 @@ from typing import Any
 from fabric.backends.base import Backend
 from fabric.client_config import ClientConfig
 from fabric.client_state import FnState
-from fabric.errors import ErrorCode
+from fabric.errors import SAFE_TO_RETRY, ErrorCode
 from fabric.protocol import Invocation, Result
 from fabric.registry import Registry
 from fabric.spec import FunctionSpec
@@ -126,6 +126,23 @@ class Copies:
         if any(known):
             return True
         return None if None in known else False
+
+    @staticmethod
+    def _may_have_run(copies: list[asyncio.Future[Result]], began_when_cut: bool | None) -> bool:
+        """Whether any of a call's ``copies`` (its attempts' primaries, the last one cut by its
+        caller's cancellation) may have run: an answer that does not say it did not (``started``
+        False, or a failure safe to retry), or a copy that ended without one, unless it is the
+        cut one and the backend said it had not begun (``began_when_cut``)."""
+        for f in copies:
+            if _answered(f):
+                r = f.result()
+                if r.started is False or (r.error is not None and r.error.type in SAFE_TO_RETRY):
+                    continue
+                return True
+            if f is copies[-1] and began_when_cut is False:
+                continue
+            return True
+        return False
 
     def _abandoned(self, fn: FnState, inv: Invocation, copies: list[asyncio.Future[Result]]) -> Result:
         """The answer of a call whose deadline passed before the backend answered any of its

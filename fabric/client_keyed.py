@@ -168,13 +168,10 @@ class KeyedCalls(Attempts):
                 wait_for_run=True,
                 raw=raw,
             )
-            ex = self._inflight[here] = Execution(deadline, digest)
-            ex.task = asyncio.create_task(
-                # its retry budget and the code its key names: the spec's as the key is made
-                self._execute(
-                    fn, inv, user_key, Sent(spec.retry, key_version=spec.version), ex, hedge, probe, t0
-                )
-            )
+            # its retry budget and the code its key names: the spec's as the key is made
+            sent = Sent(spec.retry, key_version=spec.version)
+            ex = self._inflight[here] = Execution(deadline, digest, fn, sent)
+            ex.task = asyncio.create_task(self._execute(fn, inv, user_key, sent, ex, hedge, probe, t0))
             self._executions.add(ex.task)
             ex.task.add_done_callback(self._executions.discard)
         elif ex.join(deadline):
@@ -253,6 +250,7 @@ class KeyedCalls(Attempts):
         scope = self._scope(inv.tenant)
         assert inv.idempotency_key is not None
         key = inv.idempotency_key + scope  # as _call_keyed keeps it
+        cut = False  # the client's close cut it while a side effect may have run
         try:
             await fn.sem.acquire()
             try:
@@ -291,14 +289,34 @@ class KeyedCalls(Attempts):
                             request_id=inv.request_id,
                         )
                     else:
-                        result = await self._attempt(fn, inv, hedge, lambda: ex.deadline, sent)
-                        if not result.ok and self._should_retry(self._may_have_effects(fn, sent), result):
-                            result = await self._retry(fn, inv, result, hedge, lambda: ex.deadline, sent)
+                        try:
+                            result = await self._attempt(fn, inv, hedge, lambda: ex.deadline, sent)
+                            if not result.ok and self._should_retry(self._may_have_effects(fn, sent), result):
+                                result = await self._retry(fn, inv, result, hedge, lambda: ex.deadline, sent)
+                        except asyncio.CancelledError:
+                            # the close cancels executions (their callers only stop waiting).
+                            # Answered Cancelled, the callers were told nothing of an effect that
+                            # may have happened (a backend may run a call on after it is let go),
+                            # and one that called again with the key through a new client ran it
+                            # again: OutcomeUnknown, as for any keyed side effect that may have run
+                            if not (
+                                self._closed
+                                and self._may_have_effects(fn, sent)
+                                and self._may_have_run(sent.copies, sent.began_when_cut)
+                            ):
+                                raise
+                            cut = True
+                            result = self._cut_by_close(inv, user_key)
+                            task = asyncio.current_task()
+                            if task is not None:
+                                task.uncancel()  # the close's own request, answered by this outcome
             finally:
                 # held while a copy it let go still runs (a primary that lost to its hedge)
                 self._release_when_settled(fn, sent.copies, fn.sem.release)
             ran = result.version
-            if ran is not None and ran != sent.key_version and self.config.version_check != "off":
+            if cut:
+                ex.kept = self._keep_unknown(fn.spec.name, key, user_key, result, ex.digest, scope)
+            elif ran is not None and ran != sent.key_version and self.config.version_check != "off":
                 # the answer of other code than the key names (a deployment made before the
                 # function was edited): not that code's answer, so not kept under its key (a
                 # call with the key after a redeploy runs the code the key names), unless the
@@ -335,6 +353,15 @@ class KeyedCalls(Attempts):
                 fn.probing = False
             if self._inflight.get(key) is ex:
                 del self._inflight[key]
+
+    def _before_cut(self) -> None:
+        """Before the close cancels the executions: ask the backend whether the attempt each
+        has out has begun (``Sent.began_when_cut``), while it still holds the call (cancelled,
+        its record goes): a side effect it had not begun is no unknown outcome."""
+        for ex in self._inflight.values():
+            out = [f for f in ex.sent.copies if not f.done()]
+            if out:
+                ex.sent.began_when_cut = self._began(ex.fn, out)
 
     def _conclude(
         self,
@@ -374,9 +401,32 @@ class KeyedCalls(Attempts):
                 function=name,
                 request_id=result.request_id,
             )
-            self._remember(_effect_key(name, user_key, scope), unknown, digest)
-            return self._remember(key, unknown, digest)
+            return self._keep_unknown(name, key, user_key, unknown, digest, scope)
         return None
+
+    def _keep_unknown(
+        self, name: str, key: str, user_key: str, unknown: Result, digest: bytes, scope: str
+    ) -> Result | None:
+        """Keep ``OutcomeUnknown`` ``unknown`` under ``key`` and for every code of the function
+        (``_effect_key``); returns what ``key`` keeps."""
+        self._remember(_effect_key(name, user_key, scope), unknown, digest)
+        return self._remember(key, unknown, digest)
+
+    @staticmethod
+    def _cut_by_close(inv: Invocation, user_key: str) -> Result:
+        """The outcome of a keyed side effect that the client's close cut while it may have run."""
+        name = inv.function
+        return Result.failure(
+            ErrorCode.OUTCOME_UNKNOWN,
+            f"{name}: the client closed while the call under idempotency key {user_key!r} was in "
+            f"flight, and it may have run (a backend may run a call on after it is let go); {name} "
+            "has side effects, so its outcome is unknown. Check whether its effect happened before "
+            "calling again with this key from another client (the Lambda handler keeps keys itself; "
+            "the local backends do not); to run it again, call with a new idempotency key",
+            function=name,
+            request_id=inv.request_id,
+            started=True,
+        )
 
     def _keep_too_large(self, fn: FnState, key: str, user_key: str, result: Result, ex: Execution) -> None:
         """For a function with side effects whose answer ``result`` was too large to keep

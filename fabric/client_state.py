@@ -277,7 +277,7 @@ class Sent:
     """What one call (a plain call, or the execution under a key) has sent so far, over its
     attempts."""
 
-    __slots__ = ("copies", "key_version", "retry", "side_effects", "versions")
+    __slots__ = ("began_when_cut", "copies", "key_version", "retry", "side_effects", "versions")
 
     def __init__(self, retry: RetryPolicy, key_version: str | None = None) -> None:
         self.retry = retry
@@ -298,6 +298,10 @@ class Sent:
         (``Attempts._may_have_effects`` adds what the spec now says of code that ran.)"""
         self.versions: list[str] = []
         """The code (``FunctionSpec.version``) each attempt was sent to, in order."""
+        self.began_when_cut: bool | None = None
+        """For a keyed execution the client's close cuts: whether the attempt it had out had
+        begun, as the backend said before the close let it go (``KeyedCalls._before_cut``;
+        None: not known, read as begun)."""
         self.key_version = key_version
         """For the execution under an idempotency key: the code its key names
         (``name:version:key``), the only code its attempts go to. A caller after the function
@@ -315,15 +319,18 @@ class Execution:
     key free again, so a caller that comes later never starts a second execution while the
     first may still run."""
 
-    __slots__ = ("deadline", "digest", "kept", "task", "unsent")
+    __slots__ = ("deadline", "digest", "fn", "kept", "sent", "task", "unsent")
 
-    def __init__(self, deadline: float | None, digest: bytes):
+    def __init__(self, deadline: float | None, digest: bytes, fn: FnState, sent: Sent):
         self.deadline = deadline
         """The latest deadline of the callers that joined (None once one has none): after it
         no caller could use the answer, so each call sent carries it (an async handler is
         cancelled there, in the worker) and the retries stop there."""
         self.digest = digest
         """Of the payload it runs (``client_keyed._digest``): a caller with another is refused."""
+        self.fn = fn
+        self.sent = sent
+        """What its attempts sent (its retry budget and the code its key names too)."""
         self.task: asyncio.Task[Result] | None = None
         self.kept: Result | None = None
         """What the key keeps once it ended (its answer, or ``OutcomeUnknown`` for a side

@@ -10,6 +10,7 @@ import asyncio
 import time
 
 import pytest
+from client_fns import REG
 from client_helpers import _ManualBackend, make
 
 from fabric.client import Client, ClientConfig
@@ -114,3 +115,60 @@ async def test_a_call_refused_while_it_waited_for_a_slot_counts_once():
     assert (await waiting).error.type == ErrorCode.BACKEND_CLOSED
     m = c.metrics()["one_at_a_time"]
     assert (m["calls"], m["ok"], m["errors"]) == (2, 1, {ErrorCode.BACKEND_CLOSED: 1}), m
+
+
+# ---------------------------------------------------------------- a keyed side effect cut by the close
+
+
+async def _sent(fake: FakeBackend, n: int = 1) -> None:
+    for _ in range(int(_GUARD_S / 0.005)):
+        if len(fake.invocations) >= n:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("never sent")
+
+
+async def test_a_side_effect_cut_by_the_close_is_outcome_unknown_to_every_caller(tmp_path):
+    """It ended ``Cancelled``, which says nothing of the effect: the caller, told nothing
+    ran, called again with the key through a new client, and the effect ran twice wherever
+    the backend had let the cut run go on (a remote one does)."""
+    payload = {"path": str(tmp_path / "deliveries"), "seconds": 30}
+    c, fake = make()
+    first = asyncio.create_task(c.call("deliver", payload, idempotency_key="b"))
+    await _sent(fake)
+    joined = asyncio.create_task(c.call("deliver", payload, idempotency_key="b"))
+    await asyncio.sleep(0)  # it joins the execution
+    await c.aclose()
+    for r in (await first, await joined):
+        assert r.error is not None and r.error.type == ErrorCode.OUTCOME_UNKNOWN, r.error
+        assert not r.retryable and r.started is True
+        assert "client closed" in r.error.message and "new idempotency key" in r.error.message
+    m = c.metrics()["deliver"]
+    assert m["calls"] == 2 and m["errors"] == {ErrorCode.OUTCOME_UNKNOWN: 1} and m["cache_hits"] == 1, m
+    assert len(fake.invocations) == 1
+
+
+async def test_a_pure_function_cut_by_the_close_stays_cancelled():
+    c, fake = make()
+    call = asyncio.create_task(c.call("nap", {"seconds": 30}, idempotency_key="a"))
+    await _sent(fake)
+    await c.aclose()
+    assert (await call).error.type == ErrorCode.CANCELLED  # nothing to apply twice
+
+
+class _Queued(FakeBackend):
+    """Says of every call let go that it had not begun (a call still queued)."""
+
+    def started(self, function: str, fut: asyncio.Future[Result]) -> bool | None:
+        return False
+
+
+async def test_a_side_effect_the_backend_had_not_begun_at_the_close_stays_cancelled(tmp_path):
+    fake = _Queued(REG)
+    c = Client(backend=fake, registry=REG)
+    call = asyncio.create_task(
+        c.call("deliver", {"path": str(tmp_path / "d"), "seconds": 30}, idempotency_key="b")
+    )
+    await _sent(fake)
+    await c.aclose()
+    assert (await call).error.type == ErrorCode.CANCELLED  # it never ran: nothing unknown
