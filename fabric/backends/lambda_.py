@@ -108,6 +108,9 @@ class LambdaBackend(LambdaReplies, Backend):
         self._executor: ThreadPoolExecutor | None = None
         self._slots: asyncio.Semaphore | None = None
         """boto3: the calls whose callers still wait (``max_connections``)."""
+        self._spill_executor: ThreadPoolExecutor | None = None
+        self._spill_slots: asyncio.Semaphore | None = None
+        """The spill uploads under way (``max_connections``), held until each ends."""
         self._abandoned = 0
         """boto3: calls abandoned while running whose slot went back to the live calls."""
         self._session: Any = None
@@ -160,8 +163,16 @@ class LambdaBackend(LambdaReplies, Backend):
                 config=Config(
                     connect_timeout=self.config.connect_timeout_s,
                     retries={"total_max_attempts": 1, "mode": "standard"},
+                    max_pool_connections=self.config.max_connections,
                 ),
             )
+            # uploads of over 6 MB each ran on the loop's default executor: as many at once as
+            # it has threads, whatever max_connections said, and ahead of what else it runs
+            # (aiohttp's DNS lookups); a thread for each slot, so none waits for one
+            self._spill_executor = ThreadPoolExecutor(
+                self.config.max_connections, thread_name_prefix="fabric-spill"
+            )
+            self._spill_slots = asyncio.Semaphore(self.config.max_connections)
         if self.transport == "http":
             await self._start_http()
         else:
@@ -263,6 +274,8 @@ class LambdaBackend(LambdaReplies, Backend):
     async def _close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._spill_executor is not None:
+            self._spill_executor.shutdown(wait=False, cancel_futures=True)
         if self._client is not None:
             self._client.close()
         for client in self._clients.values():
@@ -276,14 +289,13 @@ class LambdaBackend(LambdaReplies, Backend):
         if not self._started:
             await self.start()
         t0 = time.perf_counter()
-        loop = asyncio.get_running_loop()
         body: bytes | Result
         head = _envelope_head(inv)
         # Lambda counts the whole request: a payload is spilled when it does not fit beside
         # the envelope's other fields, which a long idempotency key or tenant makes larger
         # than any fixed allowance (a fixed 4 KiB sent such a payload inline, to be refused)
         if self._s3 is not None and len(head) + len(inv.raw_payload) + 1 > MAX_PAYLOAD_BYTES:
-            body = await loop.run_in_executor(None, self._spill, inv)
+            body = await self._spill_bounded(inv)
             if isinstance(body, Result):  # not sent: counted with the calls and their errors
                 self._spill_failed += 1
         else:
@@ -367,6 +379,52 @@ class LambdaBackend(LambdaReplies, Backend):
 
     def _abandoned_ended(self) -> None:
         self._abandoned -= 1
+
+    async def _spill_bounded(self, inv: Invocation) -> bytes | Result:
+        """``_spill`` on a thread of the spill executor once one of its ``max_connections``
+        slots is free, within the call's deadline: a call whose deadline passes while it waits
+        for a slot, or while its payload uploads, is answered ``DeadlineExceeded`` then, and
+        not sent. An upload its caller gave up on runs on (boto3 cannot stop it) and keeps its
+        slot until it ends. A keyed execution's call (``wait_for_run``) goes as it would have,
+        however long."""
+        slots, executor = self._spill_slots, self._spill_executor
+        assert slots is not None and executor is not None
+        deadline = inv.deadline if not inv.wait_for_run else None
+        wait = None if deadline is None else deadline - time.time() - _UNSENT_MARGIN_S
+        if wait is not None and wait <= 0:
+            return self._spill_late(inv, "before its payload was spilled to S3")
+        try:
+            # as _invoke_boto3 waits for a connection (not wait_for: see there)
+            async with asyncio.timeout(wait):
+                await slots.acquire()
+        except TimeoutError:
+            return self._spill_late(
+                inv,
+                f"while it waited for one of the {self.config.max_connections} uploads of spilled "
+                "payloads (max_connections) to end",
+            )
+        try:
+            upload = executor.submit(self._spill, inv)
+        except BaseException:  # the executor was shut down (the backend closed)
+            slots.release()
+            raise
+        loop = asyncio.get_running_loop()
+        upload.add_done_callback(lambda _: _call_soon(loop, slots.release))
+        done = asyncio.wrap_future(upload)
+        if deadline is None:
+            return await done
+        await asyncio.wait((done,), timeout=max(deadline - time.time() - _UNSENT_MARGIN_S, 0.0))
+        if not done.done():
+            return self._spill_late(inv, "while its payload was uploaded to S3 (the upload runs on)")
+        return done.result()
+
+    def _spill_late(self, inv: Invocation, when: str) -> Result:
+        return self._fail(
+            inv,
+            ErrorCode.DEADLINE_EXCEEDED,
+            f"{inv.function}: the call was not sent: its deadline passed {when}",
+            started=False,  # Lambda was never called
+        )
 
     # -- boto3: the blocking part, on a worker thread
     def _spill(self, inv: Invocation) -> bytes | Result:

@@ -7,12 +7,16 @@ uploads are bounded by ``max_connections`` and by the call's deadline."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
 from client_fns import REG
 from client_helpers import _ManualBackend, make
+from sample_fns import REG as SAMPLE_REG
 
+from fabric.backends.base import LambdaConfig
+from fabric.backends.lambda_ import LambdaBackend
 from fabric.client import Client, ClientConfig
 from fabric.errors import ConfigError, ErrorCode
 from fabric.protocol import Invocation, Result
@@ -172,3 +176,114 @@ async def test_a_side_effect_the_backend_had_not_begun_at_the_close_stays_cancel
     await _sent(fake)
     await c.aclose()
     assert (await call).error.type == ErrorCode.CANCELLED  # it never ran: nothing unknown
+
+
+# ---------------------------------------------------------------- spill uploads
+
+
+class _BlockingS3:
+    """Holds every upload until ``go`` is set; counts those at once."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+        self.lock = threading.Lock()
+        self.now = self.most = self.puts = 0
+
+    def put_object(self, **_: object) -> None:
+        with self.lock:
+            self.puts += 1
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            self.go.wait(_GUARD_S)
+        finally:
+            with self.lock:
+                self.now -= 1
+
+    def close(self) -> None:
+        pass
+
+
+_BIG = {"blob": "x" * (7 * 1024 * 1024)}
+
+
+async def _spilling(max_connections: int) -> tuple[LambdaBackend, _BlockingS3]:
+    # a fabric serve that is not there: what is sent after the spill is refused NotStarted
+    cfg = LambdaConfig(
+        endpoint_url="http://127.0.0.1:1",
+        token="t",
+        spill_bucket="spill",
+        region="us-east-1",
+        max_connections=max_connections,
+    )
+    b = LambdaBackend(SAMPLE_REG, cfg)
+    await b.start()
+    b._s3.close()
+    b._s3 = s3 = _BlockingS3()
+    return b, s3
+
+
+async def _until(cond, what: str) -> None:
+    for _ in range(int(_GUARD_S / 0.005)):
+        if cond():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(what)
+
+
+async def test_spill_uploads_are_bounded_by_max_connections():
+    """They ran on the loop's default executor: as many at once as it has threads, each a
+    payload of over 6 MB, beside (and holding up) whatever else uses that executor."""
+    b, s3 = await _spilling(max_connections=2)
+    try:
+        futs = [b.submit(Invocation(function="add", payload=_BIG)) for _ in range(5)]
+        await _until(lambda: s3.puts >= 2, "no upload began")
+        await asyncio.sleep(0.2)  # room for a third, were there any
+        assert s3.most == 2, s3.most
+        s3.go.set()
+        results = await asyncio.wait_for(asyncio.gather(*futs), _GUARD_S)
+        assert s3.puts == 5 and s3.most == 2
+        assert all(r.error is not None and r.error.type == ErrorCode.NOT_STARTED for r in results)
+    finally:
+        s3.go.set()
+        await b.aclose()
+
+
+async def test_a_spill_waiting_past_its_deadline_is_not_uploaded():
+    b, s3 = await _spilling(max_connections=1)
+    try:
+        holder = b.submit(Invocation(function="add", payload=_BIG))
+        await _until(lambda: s3.puts == 1, "no upload began")
+        late = Invocation(function="add", payload=_BIG, deadline=time.time() + 0.2)
+        r = await asyncio.wait_for(b.invoke(late), _GUARD_S)
+        assert r.error is not None and r.error.type == ErrorCode.DEADLINE_EXCEEDED, r.error
+        assert r.started is False and "not sent" in r.error.message
+        assert s3.puts == 1  # never uploaded
+        s3.go.set()
+        await holder
+    finally:
+        s3.go.set()
+        await b.aclose()
+
+
+async def test_a_call_whose_deadline_passes_during_its_upload_answers_at_the_deadline():
+    """Its caller waited for the upload (up to botocore's 60 s read timeout), and the call
+    went out after it, past its deadline."""
+    b, s3 = await _spilling(max_connections=1)
+    try:
+        inv = Invocation(function="add", payload=_BIG, deadline=time.time() + 0.2)
+        r = await asyncio.wait_for(b.invoke(inv), _GUARD_S)
+        assert r.error is not None and r.error.type == ErrorCode.DEADLINE_EXCEEDED, r.error
+        assert r.started is False and "not sent" in r.error.message
+        assert s3.now == 1  # the upload runs on (boto3 cannot stop it), holding its slot
+        s3.go.set()
+        await _until(lambda: s3.now == 0, "the upload never ended")
+        # its slot is back: the next call's upload goes
+        s3.go.clear()
+        nxt = b.submit(Invocation(function="add", payload=_BIG))
+        await _until(lambda: s3.puts == 2, "the slot of the upload let go never came back")
+        s3.go.set()
+        assert (await asyncio.wait_for(nxt, _GUARD_S)).error.type == ErrorCode.NOT_STARTED
+    finally:
+        s3.go.set()
+        await b.aclose()
