@@ -178,6 +178,21 @@ async def test_a_side_effect_the_backend_had_not_begun_at_the_close_stays_cancel
     assert (await call).error.type == ErrorCode.CANCELLED  # it never ran: nothing unknown
 
 
+async def test_a_side_effect_cut_in_its_backoff_after_a_throttle_stays_cancelled():
+    """Its one attempt was refused (a throttle: it did not run), and the close came while it
+    waited out the Retry-After: nothing ran, nothing is unknown."""
+    manual = _ManualBackend()
+    c = Client(backend=manual, registry=REG)
+    call = asyncio.create_task(c.call("effect", {"x": 1}, idempotency_key="k"))
+    inv, fut = await manual.next()
+    fut.set_result(_throttled(inv, 5.0))
+    await asyncio.sleep(0.05)  # in its backoff
+    await c.aclose()
+    r = await asyncio.wait_for(call, _GUARD_S)
+    assert r.error is not None and r.error.type == ErrorCode.CANCELLED, r.error
+    assert len(manual.invocations) == 1
+
+
 # ---------------------------------------------------------------- spill uploads
 
 
