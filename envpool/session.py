@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import secrets
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
@@ -40,8 +42,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("envpool.pool")
 
-_ToolLog = dict[int, tuple[str, dict[str, Any], str]]
-"""A request's tool calls by their order in it: name, arguments, what it answered."""
+_ToolCall = tuple[str, str]
+"""A tool call as a replay knows it again: the tool's name, its arguments as canonical JSON."""
+
+_ToolLog = dict[tuple[str, str, int], str]
+"""What a request's tool calls answered, by what each call is: the tool, its arguments, and
+which occurrence of that same call in the request it is (the first, the second, ...).
+
+Not by the order the calls reached the pool: an environment may call tools from threads of
+its own, whose calls come in the order the scheduler gives them, another on a fresh
+container. Matched by place, a call that came in another order ran its tool again (a side
+effect twice), and one whose answer changes made the replay differ and lost the session.
+What a deterministic environment asks is its state's; only the order of calls made at once
+is not. Identical calls at once are the one thing this cannot tell apart: each gets one of
+the recorded answers, and if that changes the episode the replay's check says so."""
+
+
+def _tool_call(name: str, arguments: dict[str, Any]) -> _ToolCall:
+    # (decoded from a frame: JSON-safe, its keys strings; sorted, two spellings of one
+    # object are one call)
+    return name, json.dumps(arguments, sort_keys=True, separators=(",", ":"))
 
 
 def _tool_deadline(timeout_s: float) -> float:
@@ -92,7 +112,8 @@ class EnvSession:
         self._tools_now: _ToolLog | None = None
         """The tool calls of the request under way (its earlier attempts' and, in a replay,
         the original's): a call made again is answered from here, not run again."""
-        self._tool_n = 0
+        self._tool_seen: Counter[_ToolCall] = Counter()
+        """How many times this attempt of the request under way has made each call so far."""
         self._tool_by: float | None = None
         """When (monotonic) a tool call of the request under way must be answered by: its
         deadline less a reserve for the environment to take the answer and reply (``_tool_deadline``)."""
@@ -239,7 +260,8 @@ class EnvSession:
         c = self.container
         c.last_active = time.monotonic()
         c.in_flight += 1
-        self._tools_now, self._tool_n = tools, 0  # (after the attach: a constructor's calls are not op's)
+        self._tools_now = tools  # (after the attach: a constructor's calls are not op's)
+        self._tool_seen = Counter()
         self._tool_by = _tool_deadline(timeout_s)
         try:
             reply = await self.conn.exchange({"op": op, "token": self.token, "args": args}, timeout_s)
@@ -281,15 +303,17 @@ class EnvSession:
         request) is answered with what it answered then. Run again, a tool with side effects
         had them twice, and one whose answer changes (a live search, a counter) made a
         replay differ from the episode the policy saw, which lost the session."""
-        tools, n = self._tools_now, self._tool_n
+        tools = self._tools_now
         if tools is None:  # (a constructor's call, made at every attach: no request's)
             return await self.pool._call_tool(name, arguments, self._tool_by)
-        self._tool_n += 1
-        done = tools.get(n)
-        if done is not None and done[0] == name and done[1] == arguments:
-            return done[2]
+        call = _tool_call(name, arguments)
+        # counted as the call comes, before any await: two at once are two occurrences
+        key = (*call, self._tool_seen[call])
+        self._tool_seen[call] += 1
+        if key in tools:
+            return tools[key]
         result = await self.pool._call_tool(name, arguments, self._tool_by)
-        tools[n] = (name, arguments, result)
+        tools[key] = result
         return result
 
     def _protocol_error(self, e: ProtocolError) -> None:

@@ -1,0 +1,112 @@
+"""envpool, reviewed (17).
+
+* A replay (or a retried step) answers an earlier tool call of the request from the
+  request's record by what the call is (the tool, its arguments, and which occurrence of
+  that same call it is), not by its place in the order the calls reached the pool: an
+  environment's threads may ask in another order on a fresh container, and a call matched
+  by place ran its tool again (a side effect twice; an answer that changed lost the session).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from echo_bundle import IMAGE, write_env_bundle
+
+from envpool.pool import EnvPool
+
+POOL = {"min_warm": 0, "runtime": {"heartbeat_s": 0.1}}
+
+_PAIR = """
+import threading
+import envpool
+
+
+class PairEnv(envpool.Env):
+    '''Its step "pair" asks two tools from two threads; which thread's call reaches the pool
+    first is the scheduler's. Here the file ``order`` decides it (read at each step), so
+    that a test can make a fresh container's threads ask the other way round. "twice" asks
+    the same call twice from one thread.'''
+
+    def __init__(self, order):
+        self.order = order
+
+    def reset(self, *, seed=None, options=None):
+        self.n = 0
+        return f"ready {seed}", {}
+
+    def step(self, action):
+        self.n += 1
+        if action == "twice":
+            text = " ".join(self.call_tool("t", {"x": 1}) for _ in range(2))
+        elif action == "pair":
+            with open(self.order) as f:
+                first, second = f.read().split()
+            answers = {}
+            went = threading.Event()
+
+            def ask(name, after):
+                if after:
+                    went.wait()  # (the other thread's call is answered: it reached the pool first)
+                answers[name] = self.call_tool(name, {"x": name})
+                went.set()
+
+            threads = [threading.Thread(target=ask, args=(first, False)),
+                       threading.Thread(target=ask, args=(second, True))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            text = f"{answers['a']} {answers['b']}"
+        else:
+            text = f"{action} #{self.n}"
+        return envpool.StepResult(obs=envpool.Observation(text=text))
+"""
+
+
+@pytest.mark.parametrize("answers", ["changing", "constant"])
+async def test_a_replay_whose_threads_ask_in_another_order_runs_no_tool_again(tmp_path, answers):
+    images = write_env_bundle(tmp_path / "b", "pair_env", _PAIR, {"pair-v0": "PairEnv"})
+    order = tmp_path / "order"
+    order.write_text("a b")
+    calls: list[str] = []
+
+    async def tools(name, arguments):
+        calls.append(name)  # (a side effect: it must happen once per call the policy saw)
+        return f"{name}{len(calls)}" if answers == "changing" else name
+
+    async with EnvPool(POOL, images=images, tool_caller=tools) as p:
+        async with p.session("pair-v0", image=IMAGE, env_kwargs={"order": str(order)}) as s:
+            await s.reset(seed=1)
+            seen = (await s.step("pair")).obs.text
+            assert seen == ("a1 b2" if answers == "changing" else "a b")
+            await s.step("next")
+            order.write_text("b a")  # the fresh container's threads ask the other way round
+            old = s.container.pid
+            os.killpg(old, signal.SIGKILL)
+            r = await s.step("last")  # replayed: reset, "pair" (answered from the record), "next"
+            assert r.obs.text == "last #3" and s.status == "ok" and s.container.pid != old
+            assert p.stats()["replays"] == 1
+    assert calls == ["a", "b"]
+
+
+async def test_the_same_call_twice_in_a_request_is_answered_each_time_as_it_was(tmp_path):
+    # the occurrence counts: the second "t" of the replayed step gets the second answer
+    images = write_env_bundle(tmp_path / "b", "pair_env", _PAIR, {"pair-v0": "PairEnv"})
+    calls: list[str] = []
+
+    async def tools(name, arguments):
+        calls.append(name)
+        return f"{name}{len(calls)}"
+
+    async with EnvPool(POOL, images=images, tool_caller=tools) as p:
+        async with p.session("pair-v0", image=IMAGE, env_kwargs={"order": "-"}) as s:
+            await s.reset(seed=1)
+            assert (await s.step("twice")).obs.text == "t1 t2"
+            os.killpg(s.container.pid, signal.SIGKILL)
+            assert (await s.step("last")).obs.text == "last #2"
+            assert s.status == "ok" and p.stats()["replays"] == 1
+            assert (await s.step("twice")).obs.text == "t3 t4"  # a new step's calls run
+    assert calls == ["t"] * 4
