@@ -201,7 +201,8 @@ class KubernetesRuntimeConfig(_RemoteCommon):
     """How long a pod's image pull may keep failing (ErrImagePull, ImagePullBackOff: a
     registry's 5xx, a timeout, a rate limit, which the kubelet retries after a back-off of
     10 s, 20 s, 40 s...) before its start fails, naming the image and the kubelet's reason. A
-    pull the registry answers with not found or access denied fails it at once; 0: any does."""
+    pull the registry answers with not found or access denied fails it at once, not retried
+    (``EnvUsageError``); 0: any other fails the start at once too, as a retryable failure."""
 
 
 class DockerRuntimeConfig(_RemoteCommon):

@@ -15,7 +15,8 @@ its timeout and fails, the pod deleted.
 
 A pull that fails (ErrImagePull, ImagePullBackOff) is waited out while the kubelet pulls
 again, up to ``image_pull_grace_s``: a registry's hiccup passes. One the registry answers
-with not found or access denied fails the start at once, naming the image and the cause.
+with not found or access denied fails the start at once, naming the image and the cause, as
+the caller's to fix (``EnvUsageError``: not retried, as the docker runtime's missing image).
 
 A custom environment image is not mounted into the pod (the pool's local bundle is of no
 use there): the pod's server fetches the bundle by digest from ``config.image_source``.
@@ -426,15 +427,18 @@ class KubernetesRuntime(Runtime):
         if not for_good and now - pulls.since < grace:
             return
         cause = pulls.cause or message
-        what = (
-            "check runtime.image, and that the nodes may pull it (runtime.service_account with "
-            "imagePullSecrets for a private registry)"
-            if for_good
-            else f"failing for {grace:g} s (runtime.image_pull_grace_s); check the registry is "
-            "up and reachable from the cluster's nodes"
-        )
+        said = f"kubernetes: pod {name} cannot pull image {image!r}: {reason}: {cause}"
+        if for_good:
+            # the caller's to fix, as the docker runtime's missing image is: retried, every
+            # attempt of every claim (and the prewarm, for as long as the pool ran) made a
+            # pod that failed the same way, and the session ended infra_failed, not said
+            raise EnvUsageError(
+                f"{said}; check runtime.image, and that the nodes may pull it "
+                "(runtime.service_account with imagePullSecrets for a private registry)"
+            )
         raise ContainerStartError(
-            f"kubernetes: pod {name} cannot pull image {image!r}: {reason}: {cause}; {what}"
+            f"{said}; failing for {grace:g} s (runtime.image_pull_grace_s); check the registry is "
+            "up and reachable from the cluster's nodes"
         )
 
     def _port_of(self, pod: Any) -> int:

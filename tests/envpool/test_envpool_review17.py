@@ -5,17 +5,25 @@
   that same call it is), not by its place in the order the calls reached the pool: an
   environment's threads may ask in another order on a fresh container, and a call matched
   by place ran its tool again (a side effect twice; an answer that changed lost the session).
+* The kubernetes runtime: a pod whose image the registry does not have (or will not give
+  us) fails the claim at once, as the caller's to fix (``EnvUsageError``, naming the image),
+  as the docker runtime's missing image does; it was a retryable start failure, a pod
+  created and failed per attempt of every claim, the session then ``infra_failed``.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 
 import pytest
 from echo_bundle import IMAGE, write_env_bundle
+from pool_util import alive
 
+from envpool.errors import EnvUsageError
 from envpool.pool import EnvPool
+from envpool.runtimes.k8s_fake import FakeKubernetesAPI
 
 POOL = {"min_warm": 0, "runtime": {"heartbeat_s": 0.1}}
 
@@ -110,3 +118,42 @@ async def test_the_same_call_twice_in_a_request_is_answered_each_time_as_it_was(
             assert s.status == "ok" and p.stats()["replays"] == 1
             assert (await s.step("twice")).obs.text == "t3 t4"  # a new step's calls run
     assert calls == ["t"] * 4
+
+
+# -- 2. kubernetes: an image the registry does not have
+
+
+@pytest.fixture
+def api() -> Iterator[FakeKubernetesAPI]:
+    pytest.importorskip("kubernetes")
+    with FakeKubernetesAPI() as fake:
+        yield fake
+        pids = fake.processes()
+    assert not pids or all(not alive(p) for p in pids)
+
+
+def k8s_pool(api: FakeKubernetesAPI, image: str) -> EnvPool:
+    runtime = {
+        "type": "kubernetes",
+        "host": api.url,
+        "image": image,
+        "heartbeat_s": 0.2,
+        "start_timeout_s": 15,
+    }
+    retry = {"attempts": 3, "initial_backoff_s": 0.01, "max_backoff_s": 0.05}
+    return EnvPool({"runtime": runtime, "min_warm": 0, "retry": retry})
+
+
+@pytest.mark.filterwarnings("ignore:HTTPResponse.getheaders:DeprecationWarning")
+async def test_a_pod_image_the_registry_does_not_have_fails_the_claim_at_once(api):
+    api.image_pull_error_for.add("rl-fabric-env:missing")
+    async with k8s_pool(api, "rl-fabric-env:missing") as p:
+        with pytest.raises(EnvUsageError, match=r"'rl-fabric-env:missing'.*not found.*runtime\.image"):
+            async with p.session("echo-v0"):
+                pass
+        assert api.requests["POST pods"] == 1  # one pod, not one per attempt
+        # a prewarm is refused as well, and the image is not kept warm (retried in the background)
+        with pytest.raises(EnvUsageError, match="rl-fabric-env:missing"):
+            await p.prewarm(n=1)
+        assert api.requests["POST pods"] == 2 and p.stats().get("sessions_infra_failed", 0) == 0
+    assert api.pod_names() == []  # the failed pods were deleted
