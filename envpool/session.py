@@ -3,6 +3,7 @@ it replays a deterministic episode on a fresh container when its own is lost."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
@@ -45,9 +46,10 @@ log = logging.getLogger("envpool.pool")
 _ToolCall = tuple[str, str]
 """A tool call as a replay knows it again: the tool's name, its arguments as canonical JSON."""
 
-_ToolLog = dict[tuple[str, str, int], str]
-"""What a request's tool calls answered, by what each call is: the tool, its arguments, and
-which occurrence of that same call in the request it is (the first, the second, ...).
+_ToolLog = dict[tuple[str, str, int], "asyncio.Future[str]"]
+"""A request's tool calls, each a task of the pool's bridge (running, or what it answered),
+by what the call is: the tool, its arguments, and which occurrence of that same call in the
+request it is (the first, the second, ...).
 
 Not by the order the calls reached the pool: an environment may call tools from threads of
 its own, whose calls come in the order the scheduler gives them, another on a fresh
@@ -114,6 +116,9 @@ class EnvSession:
         the original's): a call made again is answered from here, not run again."""
         self._tool_seen: Counter[_ToolCall] = Counter()
         """How many times this attempt of the request under way has made each call so far."""
+        self._tool_runs: set[asyncio.Future[str]] = set()
+        """The tool calls running now: one still running when the request ends was made by an
+        attempt whose container was lost, and nothing will ask for its answer (cancelled)."""
         self._tool_by: float | None = None
         """When (monotonic) a tool call of the request under way must be answered by: its
         deadline less a reserve for the environment to take the answer and reply (``_tool_deadline``)."""
@@ -157,6 +162,8 @@ class EnvSession:
             raise
         finally:
             self._busy = None
+            for run in list(self._tool_runs):
+                run.cancel()
 
     def _end_if_cut_off(self, op: str, e: BaseException) -> None:
         """End the episode if ``op`` left it where no request of it can go on: cancelled (its
@@ -300,9 +307,11 @@ class EnvSession:
     async def _tool(self, name: str, arguments: dict[str, Any]) -> str:
         """The session's tool bridge: the pool's, but a call the request under way made
         before (in an attempt that lost its container, or in the original of a replayed
-        request) is answered with what it answered then. Run again, a tool with side effects
-        had them twice, and one whose answer changes (a live search, a counter) made a
-        replay differ from the episode the policy saw, which lost the session."""
+        request) is answered with what it answered then, or awaited if it still runs (its
+        container died while the tool ran: the connection's wait for it is cancelled, not
+        the tool). Run again, a tool with side effects had them twice, and one whose answer
+        changes (a live search, a counter) made a replay differ from the episode the policy
+        saw, which lost the session. A call that failed (the bridge raised) runs again."""
         tools = self._tools_now
         if tools is None:  # (a constructor's call, made at every attach: no request's)
             return await self.pool._call_tool(name, arguments, self._tool_by)
@@ -310,11 +319,17 @@ class EnvSession:
         # counted as the call comes, before any await: two at once are two occurrences
         key = (*call, self._tool_seen[call])
         self._tool_seen[call] += 1
-        if key in tools:
-            return tools[key]
-        result = await self.pool._call_tool(name, arguments, self._tool_by)
-        tools[key] = result
-        return result
+        run = tools.get(key)
+        if run is None or (run.done() and (run.cancelled() or run.exception() is not None)):
+            run = tools[key] = asyncio.ensure_future(self.pool._call_tool(name, arguments, self._tool_by))
+            self._tool_runs.add(run)
+            run.add_done_callback(self._tool_ran)
+        return await asyncio.shield(run)
+
+    def _tool_ran(self, run: asyncio.Future[str]) -> None:
+        self._tool_runs.discard(run)
+        if not run.cancelled():
+            run.exception()  # (read: one nobody waits for any more is not logged as unretrieved)
 
     def _protocol_error(self, e: ProtocolError) -> None:
         """Count a protocol error of the container's; a garbled frame apart too (bytes that

@@ -9,10 +9,15 @@
   us) fails the claim at once, as the caller's to fix (``EnvUsageError``, naming the image),
   as the docker runtime's missing image does; it was a retryable start failure, a pod
   created and failed per attempt of every claim, the session then ``infra_failed``.
+* A tool call still running when its step's container died is awaited by the retry's same
+  call, not run again (the dead connection's wait for it was cancelled, the tool with it
+  in name only: it ran on, and the retry ran it a second time); one that nothing will ask
+  for any more (its session lost) is cancelled when its request ends.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from collections.abc import Iterator
@@ -22,7 +27,7 @@ from echo_bundle import IMAGE, write_env_bundle
 from pool_util import alive
 
 from envpool.errors import EnvUsageError
-from envpool.pool import EnvPool
+from envpool.pool import EnvPool, SessionLost
 from envpool.runtimes.k8s_fake import FakeKubernetesAPI
 
 POOL = {"min_warm": 0, "runtime": {"heartbeat_s": 0.1}}
@@ -157,3 +162,52 @@ async def test_a_pod_image_the_registry_does_not_have_fails_the_claim_at_once(ap
             await p.prewarm(n=1)
         assert api.requests["POST pods"] == 2 and p.stats().get("sessions_infra_failed", 0) == 0
     assert api.pod_names() == []  # the failed pods were deleted
+
+
+# -- 3. a container that dies while a tool call of its step runs
+
+
+async def test_a_step_whose_container_died_while_its_tool_ran_does_not_run_the_tool_again(images):
+    # the retry's call of the same tool awaits the run under way: the connection's wait for
+    # it was cancelled with the dead container, the tool ran on, and the retry ran it again
+    calls = []
+
+    async def tools(name, arguments):
+        calls.append(arguments["expression"])
+        if len(calls) == 1:
+            # the tool's effect happened; its container dies, and the pool hears of it before
+            # the tool answers
+            os.killpg(pids[-1], signal.SIGKILL)
+            await asyncio.sleep(0.5)
+        return f"result {len(calls)}"
+
+    pids: list[int] = []
+    async with EnvPool(POOL, images=images, tool_caller=tools) as p:
+        async with p.session("bundle-echo-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            pids.append(s.container.pid)
+            r = await s.step("tool 1+1")
+            assert r.obs.text == "result 1" and s.container.pid != pids[0]
+            assert p.stats()["step_retries"] == 1
+    assert calls == ["1+1"]
+
+
+async def test_a_tool_call_left_running_by_a_lost_request_is_cancelled_when_it_ends(images):
+    ended = asyncio.Event()
+
+    async def tools(name, arguments):
+        os.killpg(pid, signal.SIGKILL)
+        try:
+            await asyncio.sleep(30)
+        finally:
+            ended.set()
+        return "late"
+
+    async with EnvPool(POOL, images=images, tool_caller=tools) as p:
+        async with p.session("bundle-random-v0", image=IMAGE) as s:
+            await s.reset(seed=1)
+            pid = s.container.pid
+            with pytest.raises(SessionLost, match="not deterministic"):
+                await s.step("tool 1+1")
+            # nothing waits for its answer any more: not left running until its deadline
+            await asyncio.wait_for(ended.wait(), 5)
