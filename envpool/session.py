@@ -197,9 +197,15 @@ class EnvSession:
                 "reset", lambda: self._call("reset", args, self._cfg.reset_timeout_s, tools)
             )
         except EnvLogicError as e:
-            # an episode under way goes on from whatever state the failed reset left
-            if not self._done:
+            # an episode under way goes on from whatever state the failed reset left, on the
+            # container that ran it; a reset retried on a new one (the episode's lost) raised
+            # where the episode never ran, and its next step would reach an environment never
+            # reset: the episode ends there
+            if not self._done and self.container is c:
                 self._ran_and_raised("reset", args, tools, e)
+            elif not self._done and self.conn is not None:  # (with none: _end_if_cut_off's)
+                self._cut_short = "reset() raised on a new container (the episode's was lost)"
+                self._done = True
             raise
         self._log, self._done, self._cut_short = [("reset", args, tools)], False, None
         self._trace = [digest(result)]

@@ -13,6 +13,9 @@
   call, not run again (the dead connection's wait for it was cancelled, the tool with it
   in name only: it ran on, and the retry ran it a second time); one that nothing will ask
   for any more (its session lost) is cancelled when its request ends.
+* A mid-episode reset retried on a new container (the episode's lost) that raised there
+  ends the episode: the next step is refused by the session ("call reset()"), not sent to
+  an environment never reset.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import pytest
 from echo_bundle import IMAGE, write_env_bundle
 from pool_util import alive
 
-from envpool.errors import EnvUsageError
+from envpool.errors import EnvLogicError, EnvOrderError, EnvUsageError
 from envpool.pool import EnvPool, SessionLost
 from envpool.runtimes.k8s_fake import FakeKubernetesAPI
 
@@ -211,3 +214,43 @@ async def test_a_tool_call_left_running_by_a_lost_request_is_cancelled_when_it_e
                 await s.step("tool 1+1")
             # nothing waits for its answer any more: not left running until its deadline
             await asyncio.wait_for(ended.wait(), 5)
+
+
+_RESET_FAILS = """
+import envpool
+
+
+class ResetFailsEnv(envpool.Env):
+    '''A reset with options {"fail": true} raises before it touches the episode.'''
+
+    def reset(self, *, seed=None, options=None):
+        if (options or {}).get("fail"):
+            raise RuntimeError("bad options")
+        self.n = 0
+        return "ready", {}
+
+    def step(self, action):
+        self.n += 1
+        return envpool.StepResult(obs=envpool.Observation(text=f"{action} #{self.n}"))
+"""
+
+
+async def test_a_reset_that_raised_on_a_fresh_container_ends_the_episode_it_never_ran(tmp_path):
+    # the episode's container died, the reset was retried on a fresh one and raised there:
+    # the session said the episode went on (as after a reset that raised on its own
+    # container), and its next step reached an environment never reset, which refused it
+    # as the caller's mistake ("step() before reset()", from the container)
+    images = write_env_bundle(tmp_path / "b", "reset_env", _RESET_FAILS, {"reset-fails-v0": "ResetFailsEnv"})
+    async with EnvPool(POOL, images=images) as p, p.session("reset-fails-v0", image=IMAGE) as s:
+        await s.reset(seed=1)
+        assert (await s.step("a")).obs.text == "a #1"
+        os.killpg(s.container.pid, signal.SIGKILL)
+        with pytest.raises(EnvLogicError, match="bad options"):
+            await s.reset(seed=2, options={"fail": True})
+        assert p.stats()["reset_retries"] == 1
+        with pytest.raises(
+            EnvOrderError, match=r"the episode ended when reset\(\) raised on a new container"
+        ):
+            await s.step("b")
+        assert (await s.reset(seed=3))[0].text == "ready" and (await s.step("c")).obs.text == "c #1"
+        assert s.status == "ok"
