@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import pytest
 from echo_bundle import IMAGE, write_env_bundle
-from pool_util import alive
+from pool_util import alive, wait_for
 
 from envpool.errors import EnvLogicError, EnvOrderError, EnvUsageError
 from envpool.pool import EnvPool, SessionLost
@@ -178,19 +178,18 @@ async def test_a_step_whose_container_died_while_its_tool_ran_does_not_run_the_t
     async def tools(name, arguments):
         calls.append(arguments["expression"])
         if len(calls) == 1:
-            # the tool's effect happened; its container dies, and the pool hears of it before
-            # the tool answers
-            os.killpg(pids[-1], signal.SIGKILL)
-            await asyncio.sleep(0.5)
+            # the tool's effect happened; its container dies, and the pool lets the container
+            # go (the step's attempt failed) before the tool answers
+            os.killpg(first.pid, signal.SIGKILL)
+            await wait_for(lambda: s.container is not first)
         return f"result {len(calls)}"
 
-    pids: list[int] = []
     async with EnvPool(POOL, images=images, tool_caller=tools) as p:
         async with p.session("bundle-echo-v0", image=IMAGE) as s:
             await s.reset(seed=1)
-            pids.append(s.container.pid)
+            first = s.container
             r = await s.step("tool 1+1")
-            assert r.obs.text == "result 1" and s.container.pid != pids[0]
+            assert r.obs.text == "result 1" and s.container is not first
             assert p.stats()["step_retries"] == 1
     assert calls == ["1+1"]
 
