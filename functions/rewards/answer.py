@@ -203,6 +203,10 @@ class Found(NamedTuple):
     tells from a denial by its words; read as what it says, it matches a ground truth that is
     that negation and never the candidate it negates. ``extract_answer`` reads it; a reward
     that reads values (``math_answer``) reads the fallback after the candidate instead."""
+    end: int = -1
+    """For ``boxed``: where the box ends in the text (past its closing brace), so that a reader
+    can look at what follows it (``math_answer`` reads a unit there: "\\boxed{5} hours");
+    -1 otherwise."""
 
 
 def boxed_or_stated(text: str) -> Found | None:
@@ -221,7 +225,7 @@ def boxed_or_stated(text: str) -> Found | None:
     # answer is \boxed{42}." scans nothing)
     stated = _stated_answer(text, 0 if boxed is None else boxed[1])
     if stated is None:
-        return None if boxed is None else Found(boxed[0], "boxed")
+        return None if boxed is None else Found(boxed[0], "boxed", end=boxed[1])
     answer, _, denied = stated
     if denied is None:
         return Found(answer, "answer_is")
@@ -229,7 +233,7 @@ def boxed_or_stated(text: str) -> Found | None:
     # a denial after the box withdraws it if it names it ("\boxed{5} ... the answer is not
     # 5"); a note that the answer is not 3 leaves \boxed{7} standing
     if boxed is not None and answer_key(candidate) != normalize(boxed[0]):
-        return Found(boxed[0], "boxed")
+        return Found(boxed[0], "boxed", end=boxed[1])
     return Found(text[after:], "denied", _rejected_keys(candidate, token), answer if literal else None)
 
 

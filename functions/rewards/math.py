@@ -29,6 +29,9 @@ or quotient of on its line: "The product is 2·3." reads ``2 \cdot 3`` (6), "12 
 4``; a sum is not read whole, and the number after the last ``=`` wins ("3 \times 4 = 12": 12);
 a percent sign (or the word) after it, or after a factor, stays with it, so that the
 percentage rule applies ("so it is 1,000%." reads ``1,000%``, "50% \times 2" the product, not 2).
+A unit the prose states right after a box, the last math span or the last number is read
+with it, so that the units rule below applies ("It takes 5 hours.", "$5$ hours" and
+"\boxed{5} hours" read ``5 hours``; "5 apples" names no unit and reads ``5``).
 
 A condition states no value. A number beside an inequality (``<``, ``>``, ``<=``, ``>=``,
 ``!=``, ``\le``, ``\ge``, ``\lt``, ``\gt``, ``\ne``, ``\neq``, the Unicode signs) is a bound,
@@ -150,8 +153,10 @@ Rules worth knowing:
   truth that is irrational (``\pi`` against 15 digits) or itself a decimal. A decimal cut
   short with an ellipsis (``0.999...``, ``3.14...``, also as the last number of a text) is not
   its digits, and matches only itself (``0.999...`` is not ``0.999``). An infinity
-  (``\infty``, ``-\infty``) equals only itself; a huge finite number (``9^{999}``,
-  ``e^{1000}``) is compared as any other number.
+  (``\infty``, ``-\infty``) equals only itself; a division by zero (``1/0``, ``\frac{x}{0}``)
+  or an indeterminate form (``0/0``, ``\infty - \infty``) is no number and equals no other
+  answer (sympy's ``zoo`` equals itself: ``1/0`` was ``2/0``), only its own text; a huge
+  finite number (``9^{999}``, ``e^{1000}``) is compared as any other number.
 * **Percentages.** When exactly one side has a ``%`` (or ``\%``, "percent"), its number
   ``X`` is read as ``X/100`` if the other side is written as a fraction or decimal
   (``50% == 0.5 == 1/2``) and as ``X`` if the other side is an integer (``50% == 50``); against
@@ -172,7 +177,8 @@ Rules worth knowing:
   in any spelling (``5 \text{ hours}`` is not ``5 \text{ minutes}``, ``5 km`` not ``5 miles``,
   ``5 \text{ m}^2`` not ``5 \text{ m}``; ``3 \text{ m/s}`` is ``3 \text{ meters per
   second}``, ``30^\circ`` is ``30 \text{ degrees}``); no scale is converted (``5 km`` is not
-  ``5000 m``), and a count noun (apples, people) is no unit.
+  ``5000 m``), and a count noun (apples, people) is no unit. A bare number against an answer
+  with a unit is the number (``5`` is ``5 \text{ minutes}``).
 * **Multiple choice.** Against a ground truth that is a letter A-E (``C``, ``(C)``), an
   answer that starts with a choice, as AMC solutions do (``\textbf{(C) }12``), is that
   choice, unless it names another one or says "or".
@@ -221,7 +227,7 @@ from typing import Any
 import fabric
 from fabric.protocol import RewardResult, Trajectory
 from functions.rewards.answer import MAX_ANSWER_CHARS, after_thinking, boxed_or_stated
-from functions.rewards.math_canonical import plain_unicode, unit_key
+from functions.rewards.math_canonical import plain_unicode, unit_after, unit_key
 from functions.rewards.math_fast import (
     Shape,
     Verdict,
@@ -345,8 +351,9 @@ def _last_math(
     numbers: list[re.Match[str]],
     negated: Refused,
     rejections: Rejections,
-) -> str | None:
-    """The value of the last math span that states an answer (see ``extract_final``), or None."""
+) -> tuple[str, int] | None:
+    """``(value, end)`` of the last math span that states an answer (see ``extract_final``),
+    ``end`` just past the span; None when no span states one."""
     # the end of the last number of the prose (outside every span): a span before it is not
     # the answer ("$5$ apples, 12 left")
     merged: list[list[int]] = []  # the spans as disjoint intervals (a $ span can sit in \[ \])
@@ -373,9 +380,9 @@ def _last_math(
         if rejections.restates(value, start):  # "not $5$ but close to $5$"
             continue
         if _NUMERIC.search(value):
-            return value
+            return value, end
         if not _LONE_VARIABLE.fullmatch(value) and _TRAILING.fullmatch(text, end):
-            return value  # an expression that ends the text ("so it is $a + b$.")
+            return value, end  # an expression that ends the text ("so it is $a + b$.")
     return None
 
 
@@ -402,8 +409,10 @@ def extract_final(text: str) -> tuple[str | None, str]:
     found = boxed_or_stated(text)
     rejected: frozenset[str] = frozenset()
     if found is not None:
+        if found.rule == "boxed":
+            return _with_unit(found.answer, text, found.end), "boxed"
         if found.rule != "denied":
-            return (_chain_end(found.answer) if found.rule == "answer_is" else found.answer), found.rule
+            return _chain_end(found.answer), found.rule
         # what follows a rejected candidate ("not 5, it is 6"): never the candidate, nor the
         # rest of its sentence saying it again ("not 5 but it is close to 5")
         text, rejected = found.answer, found.rejected
@@ -422,16 +431,31 @@ def extract_final(text: str) -> tuple[str | None, str]:
     rejections.sort()
     numbers = [m for m in numbers if not rejections.restates(m.group(), m.start())]
     numbers = without_premises(text, numbers)
-    value = _last_math(text, spans, numbers, negated, rejections)
-    if value is not None:
-        return value, "last_math"
+    last = _last_math(text, spans, numbers, negated, rejections)
+    if last is not None:
+        value, end = last
+        return _with_unit(value, text, end), "last_math"
     number = numbers[-1] if numbers else None
     if number is not None:
         if "." in number.group() and text.startswith("...", number.end()):
             # a decimal cut short ("It is 3.14...") is not its digits: canonical keeps it so
             return number.group() + "...", "last_number"
-        return number.group(), "last_number"
+        return _with_unit(number.group(), text, number.end()), "last_number"
     return None, "none"
+
+
+def _with_unit(answer: str, text: str, end: int) -> str:
+    """``answer``, read from ``text`` up to ``end``, with the unit the prose states after it
+    ("It takes 5 hours." reads ``5 hours``): two answers that both carry a unit must carry the
+    same, and a unit outside the value read (a box's, a math span's or the last number's) was
+    dropped, so 5 hours matched 5 minutes. None after it, or a count noun ("5 apples"), leaves
+    ``answer`` as it is; so does an answer with a variable (``2x``), which canonical keeps
+    whole with a unit word after it (``\frac{1}{2} b h``)."""
+    if end < 0 or unit_key(answer) or not any(c.isdigit() for c in answer):
+        return answer
+    if any(c.isalpha() for c in _COMMAND.sub("", answer)):
+        return answer
+    return answer + unit_after(text, end)
 
 
 # ----------------------------------------------------------------------------- equivalence

@@ -413,6 +413,44 @@ def unit_key(answer: str) -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
+# what may follow an answer read out of prose before its unit: spaces, a math span's closing
+# $ (``$5$ hours``); then a \text{} group, or a few words on the same line
+_BEFORE_UNIT = re.compile(r"[ \t]*+(?:\$[ \t]*+)?")
+_UNIT_GROUP = re.compile(
+    r"\\(?:text|textrm|mathrm|mbox)[ \t]*\{([^{}\n]{1,60})\}(?:[ \t]*\^[ \t]*\{?[23]\}?)?"
+)
+_PROSE_WORD = re.compile(r"[ \t]*+([^\s$]{1,30})")
+_UNIT_AFTER_WORDS = 4  # "square feet", "miles per hour", "meters per second squared"
+_WORD_END = ".,;:!?)"
+
+
+def unit_after(text: str, pos: int) -> str:
+    """The unit the prose states right after an answer that ends at ``pos`` (" hours" in "It
+    takes 5 hours."; "\\text{ hours}"; " miles per hour"), with the space before it, or ``""``
+    when the words there name no unit (``unit_key``: "5 apples", "5 in the box"). Reads a few
+    words at most: bounded, however long the text."""
+    at = _BEFORE_UNIT.match(text, pos)
+    start = at.end() if at else pos
+    if group := _UNIT_GROUP.match(text, start):
+        words = group[1].split()
+        if words and all(_TEXT_UNIT_TOKEN.fullmatch(w) for w in words):
+            return " " + group[0] if unit_key(group[0]) else ""
+        return ""
+    end = start
+    for _ in range(_UNIT_AFTER_WORDS):
+        word = _PROSE_WORD.match(text, end)
+        if word is None:
+            break
+        bare = word[1].rstrip(_WORD_END)
+        if not bare or bare.lower() == "in" or not _UNIT_TOKEN.fullmatch(bare):
+            break
+        end = word.start(1) + len(bare)
+        if bare != word[1]:  # punctuation ends the phrase ("5 hours, door to door")
+            break
+    unit = text[start:end]
+    return " " + unit if unit and unit_key(unit) else ""
+
+
 # a relation of an inequality: "less" (<, \le...) or "greater", and whether it is strict
 _RELATION = re.compile(r"(<|>|≤|≥|\\(?:lt|le|leq|leqslant|gt|ge|geq|geqslant)(?![A-Za-z]))")
 _LESS = frozenset(["<", "≤", "\\lt", "\\le", "\\leq", "\\leqslant"])

@@ -329,8 +329,9 @@ def _num_close(a: Any, b: Any, rounded_a: bool = False, rounded_b: bool = False)
 
     Everything stays in sympy Floats (mpmath: arbitrary exponent), so ``9^{999}`` or
     ``e^{1000}`` is a huge finite number rather than a Python ``inf`` that compares "close" to
-    anything (``inf <= 1e-9 * inf``). A value that is not finite (``oo``, ``-oo``, ``zoo``,
-    ``nan``) equals only a structurally identical one. Against an exact rational ground truth,
+    anything (``inf <= 1e-9 * inf``). A value that is not finite (``oo``, ``-oo``) equals only
+    a structurally identical one (an undefined one, ``zoo`` or ``nan``, is never compared:
+    ``_undefined``). Against an exact rational ground truth,
     an exact rational or an expression with a decimal in it (read as the exact number it spells)
     must be equal: the tolerance for a rounded decimal applies to a plain one (the fast path,
     where its last place is known) and, here, to a ground truth that is irrational or itself
@@ -358,6 +359,12 @@ def _num_close(a: Any, b: Any, rounded_a: bool = False, rounded_b: bool = False)
     return bool(d <= tol * scale)
 
 
+def _undefined(x: Any) -> bool:
+    """Whether sympy value ``x`` holds a division by zero or an indeterminate form."""
+    sympy, _ = _load_sympy()
+    return bool(x.has(sympy.zoo, sympy.nan))
+
+
 def sympy_scalar(p: str, g: str) -> Verdict:
     fast = _fast_scalar(p, g)
     if fast[0] is not None:
@@ -367,6 +374,11 @@ def sympy_scalar(p: str, g: str) -> Verdict:
     if a is None or b is None:
         return False, "unparsable"
     try:
+        # a division by zero (zoo, complex infinity) or an indeterminate form (nan: 0/0,
+        # \infty - \infty) is no number: sympy holds zoo == zoo, so 1/0 matched 2/0. It
+        # matches nothing here; the fast path's string rule has already matched its own text
+        if _undefined(a) or _undefined(b):
+            return False, "undefined"
         if a == b:
             return True, "sympy"
         diff = a - b

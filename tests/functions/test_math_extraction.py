@@ -25,7 +25,8 @@ from functions.rewards.math import extract_final, math_answer
         ("so it comes to 10^3", ("10^3", "last_number")),
         ("a rate of 2^{-3} per step", ("2^{-3}", "last_number")),
         # so is a number in scientific notation: its power of ten alone is not the answer
-        ("The speed is 3 \\times 10^8 m/s.", ("3 \\times 10^8", "last_number")),
+        # (with the unit the prose states after it, which the units rule compares)
+        ("The speed is 3 \\times 10^8 m/s.", ("3 \\times 10^8 m/s", "last_number")),
         ("so we get 1.5 \\cdot 10^{-3}", ("1.5 \\cdot 10^{-3}", "last_number")),
         ("about 6.02*10^23 molecules", ("6.02*10^23", "last_number")),
         ("no digits here", (None, "none")),

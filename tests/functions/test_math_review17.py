@@ -1,0 +1,94 @@
+"""Review 17 of the ``math_answer`` reward: a unit the completion states after its number is
+part of its answer, a division by zero is no number, and the false accepts and misses a
+review of real model outputs found (boxed answers, intervals, sets, fractions against
+decimals, scientific notation, signs, trailing text)."""
+
+from __future__ import annotations
+
+import pytest
+
+from functions.rewards.math import extract_final, is_equivalent, math_answer
+
+# ----------------------------------------------------------------------------- units in prose
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # the last-number fallback read 5 alone, so the hours were never compared
+        "It takes 5 hours.",
+        "So the trip lasts 5 hours, door to door.",
+        "The speed is 5 miles per hour.",
+        # ... and the last math span read $5$ alone
+        "It takes $5$ hours.",
+        # ... and a box, the unit written after it
+        "It takes \\boxed{5} hours.",
+        "It takes $\\boxed{5}$ hours.",
+        "It takes $\\boxed{5}\\text{ hours}$.",
+    ],
+)
+def test_a_unit_after_the_number_must_agree_with_the_ground_truths(text):
+    res = math_answer(text, ground_truth="5 \\text{ minutes}")
+    assert res.score == 0.0, res.info
+
+
+@pytest.mark.parametrize(
+    ("text", "gt"),
+    [
+        ("It takes 5 minutes.", "5 \\text{ minutes}"),
+        ("It takes 5 min.", "5 \\text{ minutes}"),
+        ("It takes $5$ minutes.", "5 \\text{ minutes}"),
+        ("It takes \\boxed{5} minutes.", "5 \\text{ minutes}"),
+        ("The speed is 5 miles per hour.", "5 \\text{ mph}"),
+        ("The area is 12 square feet.", "12 \\text{ ft}^2"),
+        ("The angle is 30 degrees.", "30^\\circ"),
+        # a bare number against a unit stays what it was: the number (see the table's units rows)
+        ("It takes 5.", "5 \\text{ minutes}"),
+        ("\\boxed{5}", "5 \\text{ minutes}"),
+        # a unit against a bare ground truth, too
+        ("It takes 5 hours.", "5"),
+        ("It takes $5$ hours.", "5"),
+        ("It takes 3.5 hours", "\\frac{7}{2}"),
+        ("The speed is 3 \\times 10^8 m/s.", "3 \\times 10^8"),
+        # a count noun is no unit, nor "in" (a word of prose)
+        ("There are 5 apples.", "5 \\text{ cm}"),
+        ("There are 5 in the box.", "5 \\text{ cm}"),
+    ],
+)
+def test_a_unit_that_agrees_or_is_absent_leaves_the_number(text, gt):
+    res = math_answer(text, ground_truth=gt)
+    assert res.score == 1.0, res.info
+
+
+def test_the_extracted_answer_carries_its_unit():
+    assert extract_final("It takes 5 hours.") == ("5 hours", "last_number")
+    assert extract_final("It takes $5$ hours.") == ("5 hours", "last_math")
+    assert extract_final("There are 5 apples.") == ("5", "last_number")  # no unit named
+
+
+# ----------------------------------------------------------------------------- division by zero
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt"),
+    [
+        # sympy reads each as zoo (complex infinity), and zoo == zoo: 1/0 matched 2/0
+        ("1/0", "2/0"),
+        ("\\frac{1}{0}", "\\frac{2}{0}"),
+        ("\\frac{1}{0}", "1/0"),
+        ("\\frac{x}{0}", "\\frac{2x}{0}"),
+        # 0/0 and \infty - \infty are nan, which sympy also called equal
+        ("0/0", "\\infty - \\infty"),
+        # an undefined value is not infinity either
+        ("1/0", "\\infty"),
+    ],
+)
+def test_a_division_by_zero_matches_no_other_answer(pred, gt):
+    verdict = is_equivalent(pred, gt)
+    assert verdict[0] is False, verdict
+    assert is_equivalent(gt, pred)[0] is False
+
+
+def test_a_division_by_zero_matches_its_own_text_only():
+    # the fast path's string rule: the ground truth's own spelling is no value judgement
+    assert is_equivalent("1/0", "1/0") == (True, "string")
