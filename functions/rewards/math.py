@@ -215,7 +215,8 @@ Rules worth knowing:
   ``0x10`` is no hexadecimal, and ``1.000.000`` is unparsable. A function command
   applies to what follows it, braced or not (``\ln 2`` is ``\ln{2}``, ``3\ln 2`` is
   ``\ln 8``); trigonometric functions take radians, as sympy does (``\sin 30`` is not
-  ``\frac{1}{2}``).
+  ``\frac{1}{2}``), and ``\sin^{-1} x`` is the inverse function, ``\arcsin x`` (not ``\csc
+  x``: ``\tan^{-1} 1`` is ``\frac{\pi}{4}``), as are ``\arccos``, ``\arctan``...
 """
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ _WARM_UP = (
 
 _FUNCS = {
     *("sqrt", "pi", "oo", "log", "sin", "cos", "tan", "cot", "sec", "csc", "exp", "E", "I", "Abs"),
+    *("asin", "acos", "atan", "acot", "asec", "acsc"),
     "binomial",
 }
 _LATEX_CMDS = {
@@ -84,6 +85,12 @@ _LATEX_CMDS = {
     "\\cot": " cot ",
     "\\sec": " sec ",
     "\\csc": " csc ",
+    "\\arcsin": " asin ",
+    "\\arccos": " acos ",
+    "\\arctan": " atan ",
+    "\\arccot": " acot ",
+    "\\arcsec": " asec ",
+    "\\arccsc": " acsc ",
 }
 _CMD = re.compile(r"\\[A-Za-z]+")
 _GLUED_NUMBERS = re.compile(r"[\d.]\s+[\d.]")
@@ -98,6 +105,11 @@ def _subscript(m: re.Match[str] | None) -> str:
 
 
 _TRIG = re.compile(r"\\(?:sin|cos|tan|cot|sec|csc)(?![A-Za-z])")
+# \sin^{-1} x is the inverse function (arcsin), as textbooks and MATH write it, not the power
+# -1 of \sin: read so, \sin^{-1} x was \csc x and \tan^{-1} 1 was \cot 1, not \frac{\pi}{4}
+_INVERSE_TRIG = re.compile(
+    r"\\(sin|cos|tan|cot|sec|csc)[ \t]*\^[ \t]*(?:\{[ \t]*-[ \t]*1[ \t]*\}|-[ \t]*1(?![\d.]))"
+)
 _DEGREES = re.compile(r"(\d+(?:\.\d+)?)\s*\^\s*(?:\{\s*\\circ\s*\}|\\circ)")
 
 
@@ -105,6 +117,7 @@ def latex_to_python(s: str) -> str | None:
     r"""A sympy-parsable string for LaTeX-ish ``s``, or None. Iterative (an explicit brace
     stack), so deep nesting costs no recursion. Degrees in a trigonometric expression are
     radians (``\tan 45^\circ`` is 1); elsewhere a degree sign is the fast path's to drop."""
+    s = _INVERSE_TRIG.sub(r"\\arc\1 ", s)
     if _TRIG.search(s):
         s = _DEGREES.sub(r"{\1 \\cdot \\frac{\\pi}{180}}", s)
     out: list[str] = []
@@ -248,7 +261,7 @@ _PROSE = frozenset("or and not nor but no yes is are was the any all if of for".
 
 # a function written without parentheses, whose argument is followed by another function:
 # "\sin x \cos x" is sin(x)*cos(x), where sympy's implicit application read sin(x*cos(x))
-_APPLIED = r"(?:sin|cos|tan|cot|sec|csc|log|exp)"
+_APPLIED = r"(?:a?(?:sin|cos|tan|cot|sec|csc)|log|exp)"
 _BARE_ARGUMENT = re.compile(
     rf"\b({_APPLIED})(\s*\*\*\s*\d+)?\s+((?:[A-Za-z0-9._]|\*\*)+)(?=\s*\*?\s*(?:{_APPLIED}|sqrt|Abs)\b)"
 )

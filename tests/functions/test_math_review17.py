@@ -92,3 +92,34 @@ def test_a_division_by_zero_matches_no_other_answer(pred, gt):
 def test_a_division_by_zero_matches_its_own_text_only():
     # the fast path's string rule: the ground truth's own spelling is no value judgement
     assert is_equivalent("1/0", "1/0") == (True, "string")
+
+
+# ----------------------------------------------------------------------------- inverse trigonometry
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt", "equal"),
+    [
+        # \sin^{-1} x is the inverse function, as every textbook and MATH write it: sympy read the
+        # power -1 of \sin, so \sin^{-1} x matched \csc x and \tan^{-1}(1) matched \cot(1) ...
+        ("\\sin^{-1} x", "\\csc x", False),
+        ("\\tan^{-1}(1)", "\\cot(1)", False),
+        ("\\frac{1}{\\sin x}", "\\sin^{-1} x", False),
+        # ... and missed the angle it names
+        ("\\sin^{-1}(1/2)", "\\frac{\\pi}{6}", True),
+        ("\\tan^{-1} 1", "\\frac{\\pi}{4}", True),
+        ("\\cos^{-1} 0", "\\frac{\\pi}{2}", True),
+        # \arcsin and friends were unparsable
+        ("\\arctan 1", "\\frac{\\pi}{4}", True),
+        ("\\arcsin \\frac12", "\\frac{\\pi}{6}", True),
+        ("\\arccos(0)", "\\frac{\\pi}{2}", True),
+        ("\\tan^{-1} 2", "\\arctan 2", True),
+        ("\\sin^{-1}(x)", "\\arcsin x", True),
+        ("\\arctan(2)", "\\arctan(3)", False),
+        # a power that is not -1 stays a power, and the reciprocal is written as one
+        ("\\sin^2 x + \\cos^2 x", "1", True),
+        ("(\\sin x)^{-1}", "\\csc x", True),
+    ],
+)
+def test_an_inverse_trigonometric_function_is_the_inverse(pred, gt, equal):
+    assert is_equivalent(pred, gt)[0] is equal, is_equivalent(pred, gt)
