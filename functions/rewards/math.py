@@ -24,9 +24,10 @@ and the span before it is read (``$f(n) = 3$ for all $n \ge 1$``: ``3``), and a 
 number in it (a digit, ``\frac``, ``\sqrt``, ``\pi``...) is read only when it ends the text and
 is more than a lone variable (in "42 ways, one for each value of $n$." the answer is 42); else
 the last number (``\frac{3}{4}``, a power, ``2^{10}``, scientific notation, ``3 \times
-10^8``, and a root of a number, ``3\sqrt{2}``, count as one), with the numbers it is a product
-or quotient of on its line: "The product is 2·3." reads ``2 \cdot 3`` (6), "12 ÷ 4" reads ``12 /
-4``; a sum is not read whole, and the number after the last ``=`` wins ("3 \times 4 = 12": 12);
+10^8`` or, typed, ``1.5 x 10^3``, and a root of a number, ``3\sqrt{2}``, count as one),
+with the numbers it is a product or quotient of on its line: "The product is 2·3." reads
+``2 \cdot 3`` (6), "12 ÷ 4" reads ``12 / 4``; a sum is not read whole, and the number after
+the last ``=`` wins ("3 \times 4 = 12": 12);
 a percent sign (or the word) after it, or after a factor, stays with it, so that the
 percentage rule applies ("so it is 1,000%." reads ``1,000%``, "50% \times 2" the product, not 2).
 A unit the prose states right after a box, the last math span or the last number is read
@@ -286,7 +287,8 @@ _A_NUMBER = (
     r"|[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
     # a power is one number (2^{10}, 10^3: not 10 and 3), as are 1e3, 3 \times 10^8 and 3/4
     r"(?:\^(?:\{[-+]?\d+\}|\d+)"
-    r"|\s*(?:\\times|\\cdot|\u00d7|\u22c5|\*)\s*10\^(?:\{[-+]?\d+\}|[-+]?\d+)"
+    # ("1.5 x 10^3" as typed too: its 10^3 alone was read, which matched 1000)
+    r"|\s*(?:\\times|\\cdot|\u00d7|\u22c5|\*|x)\s*10\^(?:\{[-+]?\d+\}|[-+]?\d+)"
     r"|(?:[eE][-+]?\d+)?(?:/\d+(?:\.\d+)?)?)|[-+]?\.\d+"
 )
 # a product or quotient of numbers is one expression ("The product is 2 \cdot 3." states 6, not

@@ -123,3 +123,22 @@ def test_a_division_by_zero_matches_its_own_text_only():
 )
 def test_an_inverse_trigonometric_function_is_the_inverse(pred, gt, equal):
     assert is_equivalent(pred, gt)[0] is equal, is_equivalent(pred, gt)
+
+
+# ----------------------------------------------------------------------------- scientific notation
+
+
+@pytest.mark.parametrize(
+    ("text", "gt", "score"),
+    [
+        # "1.5 x 10^3", as typed: the last-number fallback read its power of ten alone (10^3),
+        # which matched 1000 and missed 1500; the fast path already read the whole form
+        ("It is about 1.5 x 10^3.", "1500", 1.0),
+        ("It is about 1.5 x 10^3.", "1000", 0.0),
+        ("We get 6.02 x 10^{23} atoms.", "6.02 \\times 10^{23}", 1.0),
+        ("It is 2x10^3.", "2000", 1.0),
+    ],
+)
+def test_a_typed_x_in_scientific_notation_is_one_number(text, gt, score):
+    res = math_answer(text, ground_truth=gt)
+    assert res.score == score, res.info
