@@ -30,9 +30,10 @@ with the numbers it is a product or quotient of on its line: "The product is 2·
 the last ``=`` wins ("3 \times 4 = 12": 12);
 a percent sign (or the word) after it, or after a factor, stays with it, so that the
 percentage rule applies ("so it is 1,000%." reads ``1,000%``, "50% \times 2" the product, not 2).
-A unit the prose states right after a box, the last math span or the last number is read
-with it, so that the units rule below applies ("It takes 5 hours.", "$5$ hours" and
-"\boxed{5} hours" read ``5 hours``; "5 apples" names no unit and reads ``5``).
+A percent sign or a unit the prose states right after a box, the last math span or the last
+number is read with it, so that the percentage and units rules below apply ("$\boxed{25}\%$"
+reads ``25%``; "It takes 5 hours.", "$5$ hours" and "\boxed{5} hours" read ``5 hours``; "5
+apples" names no unit and reads ``5``).
 
 A condition states no value. A number beside an inequality (``<``, ``>``, ``<=``, ``>=``,
 ``!=``, ``\le``, ``\ge``, ``\lt``, ``\gt``, ``\ne``, ``\neq``, the Unicode signs) is a bound,
@@ -447,15 +448,22 @@ def extract_final(text: str) -> tuple[str | None, str]:
     return None, "none"
 
 
+# a percent sign (or the word) right after a box or a math span ("$\boxed{25}\%$", "$25$%")
+_PERCENT_AFTER = re.compile(r"[ \t]*+(?:\$[ \t]*+)?(?:\\?%|[Pp]ercent(?![A-Za-z]))")
+
+
 def _with_unit(answer: str, text: str, end: int) -> str:
-    """``answer``, read from ``text`` up to ``end``, with the unit the prose states after it
-    ("It takes 5 hours." reads ``5 hours``): two answers that both carry a unit must carry the
-    same, and a unit outside the value read (a box's, a math span's or the last number's) was
-    dropped, so 5 hours matched 5 minutes. None after it, or a count noun ("5 apples"), leaves
-    ``answer`` as it is; so does an answer with a variable (``2x``), which canonical keeps
-    whole with a unit word after it (``\frac{1}{2} b h``)."""
+    """``answer``, read from ``text`` up to ``end``, with the percent sign or the unit the
+    prose states after it ("It takes 5 hours." reads ``5 hours``, "$\\boxed{25}\\%$" ``25%``):
+    two answers that both carry a unit must carry the same, and a unit outside the value read
+    (a box's, a math span's or the last number's) was dropped, so 5 hours matched 5 minutes.
+    None after it, or a count noun ("5 apples"), leaves ``answer`` as it is; so does an answer
+    with a variable (``2x``) for a unit, which canonical keeps whole with a unit word after it
+    (``\\frac{1}{2} b h``)."""
     if end < 0 or unit_key(answer) or not any(c.isdigit() for c in answer):
         return answer
+    if "%" not in answer and _PERCENT_AFTER.match(text, end):
+        return answer + "%"  # 25%, which the percentage rule reads as 1/4 against a fraction
     if any(c.isalpha() for c in _COMMAND.sub("", answer)):
         return answer
     return answer + unit_after(text, end)

@@ -142,3 +142,25 @@ def test_an_inverse_trigonometric_function_is_the_inverse(pred, gt, equal):
 def test_a_typed_x_in_scientific_notation_is_one_number(text, gt, score):
     res = math_answer(text, ground_truth=gt)
     assert res.score == score, res.info
+
+
+# ----------------------------------------------------------------------------- a percent sign after a box
+
+
+@pytest.mark.parametrize(
+    ("text", "gt", "score"),
+    [
+        # the box read 25 alone, which matched only 25: the percent sign outside it is the
+        # writer's as much as a unit is
+        ("So $\\boxed{25}\\%$ of them.", "0.25", 1.0),
+        ("So \\boxed{25}%.", "\\frac{1}{4}", 1.0),
+        ("So $\\boxed{25}\\%$ of them.", "25\\%", 1.0),
+        ("So $\\boxed{25}\\%$ of them.", "25", 1.0),  # against an integer, X% is X
+        ("So $\\boxed{25}\\%$ of them.", "2.5", 0.0),
+        ("It is $25$\\%.", "0.25", 1.0),
+        ("It is $25$ percent.", "0.25", 1.0),
+    ],
+)
+def test_a_percent_sign_after_the_value_read_is_its(text, gt, score):
+    res = math_answer(text, ground_truth=gt)
+    assert res.score == score, res.info
