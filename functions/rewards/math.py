@@ -86,8 +86,9 @@ Equivalence, cheapest first:
    ``\hspace{1em}``, ``\phantom{0}``, ``\mathstrut``...), unit words and a ``\text{}`` that
    holds only unit words
    (any other ``\text{}`` says what it says: ``\text{not } 3`` is not 3, ``\text{ and }`` is
-   a comma, and so is ``\text{ or }`` between values of one unknown: ``x = 2 \text{ or } x = 3``
-   is the set ``2, 3``; unit words go only after a number with no variable beside it, so
+   a comma (and so is a bare "and" after a value: ``2 and 3``, ``1, 2, and 3``), and so is
+   ``\text{ or }`` between values of one unknown: ``x = 2 \text{ or } x = 3`` is the set
+   ``2, 3``; unit words go only after a number with no variable beside it, so
    ``\frac{1}{2} b h`` keeps its ``h``, and the one-letter units ``m``, ``s``, ``h``, ``g``,
    ``l`` only inside ``\text{}``/``\mathrm{}``: ``4 s`` is ``4s``, ``4 \text{ s}`` is 4),
    degrees (except in a trigonometric expression, where they are radians to sympy:

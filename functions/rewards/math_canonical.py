@@ -269,6 +269,8 @@ _SET_BRACE = re.compile(r"\\([lr])brace(?![A-Za-z])\s*")
 _BRACED_THOUSANDS = re.compile(r"(?<=\d)\{,\}(?=\d{3}(?!\d))")
 _TRUNCATED = re.compile(r"\d\.\d+\.{3,}$")
 _REALS = re.compile(r"\\mathbb\s*\{?\s*R\s*\}?|\\R|\u211d")
+_LIST_AND = re.compile(r"(?<=[\d}])(?:[ \t]*+,)?[ \t]++and[ \t]++(?=\S)")
+_EMPTY_ELEMENT = re.compile(r",(?:[ \t]*+,)++")
 _EMPTY_SET = re.compile(r"\\varnothing\b|^\\\{\s*\\\}$")
 
 
@@ -299,6 +301,9 @@ def canonical(answer: str) -> str:
     s = s.replace("\\%", "%").replace("\\percent", "%")
     s = _PERCENT_WORD.sub("%", s)
     s = _strip_text(s)
+    # "and" between values lists them ("2 and 3" was unparsable), and the Oxford comma before
+    # it is the same comma ("1, 2, \text{ and } 3" was "1, 2, , 3", with an empty element)
+    s = _EMPTY_ELEMENT.sub(",", _LIST_AND.sub(", ", s)) if "," in s or "and" in s else s
     s = s.strip()
     # a sentence's period goes, not a decimal's ellipsis: 0.999... is not 0.999 (it is 1), and
     # 3.14... is not 3.14; it is left to match only itself (42... is 42, a pause)

@@ -164,3 +164,28 @@ def test_a_typed_x_in_scientific_notation_is_one_number(text, gt, score):
 def test_a_percent_sign_after_the_value_read_is_its(text, gt, score):
     res = math_answer(text, ground_truth=gt)
     assert res.score == score, res.info
+
+
+# ----------------------------------------------------------------------------- lists with "and"
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt", "equal"),
+    [
+        # the Oxford comma: \text{ and } is a comma, so "1, 2, \text{ and } 3" had an empty
+        # element ("1, 2, , 3") and matched no list
+        ("1, 2, \\text{ and } 3", "\\{1,2,3\\}", True),
+        ("1, 2, \\text{and } 3", "1, 2, 3", True),
+        ("1, 2, \\text{ and } 4", "1, 2, 3", False),
+        # ... and a bare "and" between values is one too (it was unparsable)
+        ("1, 2, and 3", "1, 2, 3", True),
+        ("2 and 3", "2, 3", True),
+        ("-2 and \\frac{1}{2}", "\\{\\frac12, -2\\}", True),
+        ("2 and 3", "5", False),
+        ("2 and 3", "2", False),
+        # "or" offers a choice, not a list
+        ("1, 2, or 3", "1, 2, 3", False),
+    ],
+)
+def test_and_in_a_list_is_a_comma(pred, gt, equal):
+    assert is_equivalent(pred, gt)[0] is equal, is_equivalent(pred, gt)
