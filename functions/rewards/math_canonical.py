@@ -300,6 +300,7 @@ def canonical(answer: str) -> str:
     s = _DEGREES.sub(r"^\\circ" if _TRIG_CMD.search(s) else "", s)
     s = s.replace("\\%", "%").replace("\\percent", "%")
     s = _PERCENT_WORD.sub("%", s)
+    s = _or_union(s) if "or" in s else s
     s = _strip_text(s)
     # "and" between values lists them ("2 and 3" was unparsable), and the Oxford comma before
     # it is the same comma ("1, 2, \text{ and } 3" was "1, 2, , 3", with an empty element)
@@ -467,15 +468,41 @@ def _as_interval(s: str) -> str:
     ``(-\\infty, 3]``, ``1 < x \\le 3`` is ``(1, 3]``, ``3 > x`` is ``(-\\infty, 3)``; ``s``
     itself for anything else (a bound with a letter in it, two relations that do not bound one
     interval, a comparison without a lone variable)."""
+    found = _interval(s)
+    return s if found is None else found[0]
+
+
+# "or" between inequalities, as a word or in \text{}: no \s around it, which a failed match
+# retried at every space of a long run would rescan (the parts are stripped instead)
+_OR = re.compile(r"\\text\s*\{\s*or\s*\}|(?<![A-Za-z\\])or(?![A-Za-z])")
+
+
+def _or_union(s: str) -> str:
+    """Inequalities in one variable joined by "or" as the union of their intervals: ``x < -2
+    \\text{ or } x > 3`` is ``(-\\infty, -2) \\cup (3, \\infty)`` (a list of inequalities
+    matched no union); ``s`` itself for anything else ("and" is an intersection, and two
+    variables bound no union)."""
+    parts = _OR.split(s)
+    if len(parts) < 2:
+        return s
+    found = [_interval(p.strip()) for p in parts]
+    if any(f is None for f in found) or len({f[1] for f in found if f}) != 1:
+        return s
+    return " \\cup ".join(f[0] for f in found if f)
+
+
+def _interval(s: str) -> tuple[str, str] | None:
+    """``(interval, variable)`` of an inequality in one variable (see ``_as_interval``), else
+    None."""
     parts = [p.strip() for p in _RELATION.split(s)]
     if len(parts) not in (3, 5):
-        return s
+        return None
     sides, ops = parts[::2], parts[1::2]
     lone = [i for i, side in enumerate(sides) if len(side) == 1 and side.isalpha()]
     if len(lone) != 1 or any(
         not side or _VARIABLE.search(_COMMAND.sub("", side)) for i, side in enumerate(sides) if i != lone[0]
     ):
-        return s
+        return None
     less = [op in _LESS for op in ops]
     if len(sides) == 3 and lone == [1] and less[0] == less[1]:  # a < x < b, b > x > a
         lo, hi, lo_op, hi_op = (
@@ -490,8 +517,9 @@ def _as_interval(s: str) -> str:
             (sides[0], "\\infty", ops[0], "<") if less[0] else ("-\\infty", sides[0], "<", ops[0])
         )
     else:
-        return s
-    return f"{'(' if lo_op in _STRICT else '['}{lo}, {hi}{')' if hi_op in _STRICT else ']'}"
+        return None
+    interval = f"{'(' if lo_op in _STRICT else '['}{lo}, {hi}{')' if hi_op in _STRICT else ']'}"
+    return interval, sides[lone[0]]
 
 
 def _plus_minus(s: str) -> str:

@@ -189,3 +189,27 @@ def test_a_percent_sign_after_the_value_read_is_its(text, gt, score):
 )
 def test_and_in_a_list_is_a_comma(pred, gt, equal):
     assert is_equivalent(pred, gt)[0] is equal, is_equivalent(pred, gt)
+
+
+# ----------------------------------------------------------------------------- unions of inequalities
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt", "equal"),
+    [
+        # an inequality was read as its interval, but two joined by "or" stayed a list of
+        # inequalities (\text{ or } is a comma), which matched no union
+        ("x < -2 \\text{ or } x > 3", "(-\\infty,-2)\\cup(3,\\infty)", True),
+        ("x \\le -2 \\text{ or } x \\ge 3", "(-\\infty,-2]\\cup[3,\\infty)", True),
+        ("x < -2 or x > 3", "(-\\infty,-2)\\cup(3,\\infty)", True),
+        ("x < -2 \\text{ or } x > 3", "x > 3 \\text{ or } x < -2", True),
+        ("x < -2 \\text{ or } x > 4", "(-\\infty,-2)\\cup(3,\\infty)", False),
+        ("x < -2 \\text{ or } x \\ge 3", "(-\\infty,-2)\\cup(3,\\infty)", False),
+        # two variables are no union of one variable's values
+        ("x < -2 \\text{ or } y > 3", "(-\\infty,-2)\\cup(3,\\infty)", False),
+        # "and" is an intersection, not a union
+        ("x > -2 \\text{ and } x < 3", "(-\\infty,-2)\\cup(3,\\infty)", False),
+    ],
+)
+def test_inequalities_joined_by_or_are_a_union(pred, gt, equal):
+    assert is_equivalent(pred, gt)[0] is equal, is_equivalent(pred, gt)
