@@ -23,13 +23,13 @@ read as its last side (``$x = \frac{3}{4}$``: ``\frac{3}{4}``): an inequality is
 and the span before it is read (``$f(n) = 3$ for all $n \ge 1$``: ``3``), and a span with no
 number in it (a digit, ``\frac``, ``\sqrt``, ``\pi``...) is read only when it ends the text and
 is more than a lone variable (in "42 ways, one for each value of $n$." the answer is 42); else
-the last number (``\frac{3}{4}``, a power, ``2^{10}``, scientific notation, ``3 \times
-10^8`` or, typed, ``1.5 x 10^3``, and a root of a number, ``3\sqrt{2}``, count as one),
-with the numbers it is a product or quotient of on its line: "The product is 2·3." reads
-``2 \cdot 3`` (6), "12 ÷ 4" reads ``12 / 4``; a sum is not read whole, and the number after
-the last ``=`` wins ("3 \times 4 = 12": 12);
-a percent sign (or the word) after it, or after a factor, stays with it, so that the
-percentage rule applies ("so it is 1,000%." reads ``1,000%``, "50% \times 2" the product, not 2).
+the last number (``\frac{3}{4}``, a power, ``2^{10}``, scientific notation, ``3 \times 10^8``
+or, typed, ``1.5 x 10^3``, and a root of a number, ``3\sqrt{2}``, count as one; an exponent of a
+unit or a variable, ``cm^2``, ``x^{-2}``, is none), with the numbers it is a product or quotient
+of on its line: "The product is 2·3." reads ``2 \cdot 3`` (6), "12 ÷ 4" reads ``12 / 4``; a sum
+is not read whole, and the number after the last ``=`` wins ("3 \times 4 = 12": 12); a percent
+sign (or the word) after it, or after a factor, stays with it, so that the percentage rule
+applies ("so it is 1,000%." reads ``1,000%``, "50% \times 2" the product, not 2).
 A percent sign or a unit the prose states right after a box, the last math span or the last
 number is read with it, so that the percentage and units rules below apply ("$\boxed{25}\%$"
 reads ``25%``; "It takes 5 hours.", "$5$ hours" and "\boxed{5} hours" read ``5 hours``; "5
@@ -303,7 +303,12 @@ _TIMES = r"[ \t]*+(?:\\(?:times|cdot|div)(?![A-Za-z])|[*/])[ \t]*+"
 # reads as 1/2 against a fraction; read as 50 it matched only 50. A factor's too: "50% \times
 # 2" is one product (its 2 alone was read)
 _PERCENT = r"(?:[ \t]*+(?:\\?%|[Pp]ercent(?![A-Za-z])))?"
-_LAST_NUMBER = re.compile(rf"(?:{_A_NUMBER}){_PERCENT}(?:{_TIMES}(?:{_A_NUMBER}){_PERCENT})*")
+# ... and no exponent of something else: a unit's (cm^2, cm\u00b2, which reads cm^{2}) or a
+# variable's (x^{-2}) is not a value ("12 cm\u00b2." read 2); a number's is part of it (2^{10})
+_NOT_AN_EXPONENT = r"(?<!\^)(?<!\^\{)(?<!\^[-+])(?<!\^\{[-+])"
+_LAST_NUMBER = re.compile(
+    rf"{_NOT_AN_EXPONENT}(?:{_A_NUMBER}){_PERCENT}(?:{_TIMES}(?:{_A_NUMBER}){_PERCENT})*"
+)
 # one math span: $...$, $$...$$ (an escaped \$ is a dollar sign), \(...\), \[...\]
 _DOLLAR = re.compile(r"(?<!\\)\$\$?")
 _INEQUALITY = re.compile(r"[<>]|\\(?:le|ge|lt|gt|leq|geq|neq|ne)(?![A-Za-z])")  # \ge1 too
@@ -379,6 +384,8 @@ def _last_math(
         if end < prose_end:
             return None
         if start in negated:  # "x is not $5$": a value the text rejects, look further back
+            continue
+        if content.lstrip().startswith("^"):  # cm$^2$: the exponent of what precedes it
             continue
         value = _value_of(content)
         if value is None:  # an inequality ("for all $n \ge 1$") is a condition: look further back

@@ -426,6 +426,7 @@ _UNIT_GROUP = re.compile(
     r"\\(?:text|textrm|mathrm|mbox)[ \t]*\{([^{}\n]{1,60})\}(?:[ \t]*\^[ \t]*\{?[23]\}?)?"
 )
 _PROSE_WORD = re.compile(r"[ \t]*+([^\s$]{1,30})")
+_SPAN_POWER = re.compile(r"\$\^\{?([23])\}?\$")  # a unit's power in math of its own: cm$^2$
 _UNIT_AFTER_WORDS = 4  # "square feet", "miles per hour", "meters per second squared"
 _WORD_END = ".,;:!?)"
 
@@ -454,6 +455,8 @@ def unit_after(text: str, pos: int) -> str:
         if bare != word[1]:  # punctuation ends the phrase ("5 hours, door to door")
             break
     unit = text[start:end]
+    if unit and (power := _SPAN_POWER.match(text, end)):  # cm$^2$
+        unit += "^" + power[1]
     return " " + unit if unit and unit_key(unit) else ""
 
 

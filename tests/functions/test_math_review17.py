@@ -213,3 +213,30 @@ def test_and_in_a_list_is_a_comma(pred, gt, equal):
 )
 def test_inequalities_joined_by_or_are_a_union(pred, gt, equal):
     assert is_equivalent(pred, gt)[0] is equal, is_equivalent(pred, gt)
+
+
+# ----------------------------------------------------------------------------- a unit's exponent
+
+
+@pytest.mark.parametrize(
+    ("text", "gt", "score"),
+    [
+        # the exponent of a unit (cm², cm^2, cm$^2$) is no number: the last-number fallback read
+        # its 2, which matched 2, and the last math span read "^2", which matched nothing
+        ("The area is 12 cm².", "2", 0.0),
+        ("The area is 12 cm².", "12", 1.0),
+        ("The area is 12 cm^2.", "12", 1.0),
+        ("The area is 12 cm².", "12 \\text{ cm}^2", 1.0),
+        ("The area is 12 cm².", "12 \\text{ cm}", 0.0),
+        ("The area is $12$ cm$^2$.", "12", 1.0),
+        ("The area is $12$ cm$^2$.", "12 \\text{ cm}^2", 1.0),
+        ("The area is $12$ cm$^2$.", "2", 0.0),
+        # nor is a variable's: "x^{-2}" states no -2
+        ("The result is proportional to x^{-2}.", "-2", 0.0),
+        # a power of a number is still one number
+        ("The value is 2^{10}.", "1024", 1.0),
+    ],
+)
+def test_an_exponent_after_a_unit_or_a_variable_is_no_answer(text, gt, score):
+    res = math_answer(text, ground_truth=gt)
+    assert res.score == score, res.info
