@@ -220,7 +220,9 @@ Rules worth knowing:
   applies to what follows it, braced or not (``\ln 2`` is ``\ln{2}``, ``3\ln 2`` is
   ``\ln 8``); trigonometric functions take radians, as sympy does (``\sin 30`` is not
   ``\frac{1}{2}``), and ``\sin^{-1} x`` is the inverse function, ``\arcsin x`` (not ``\csc
-  x``: ``\tan^{-1} 1`` is ``\frac{\pi}{4}``), as are ``\arccos``, ``\arctan``...
+  x``: ``\tan^{-1} 1`` is ``\frac{\pi}{4}``), as are ``\arccos``, ``\arctan``... An odd root
+  of a negative number is the real one (``\sqrt[3]{-8}`` is -2, not sympy's principal root
+  ``1 + i\sqrt{3}``).
 """
 
 from __future__ import annotations

@@ -66,6 +66,7 @@ _WARM_UP = (
 _FUNCS = {
     *("sqrt", "pi", "oo", "log", "sin", "cos", "tan", "cot", "sec", "csc", "exp", "E", "I", "Abs"),
     *("asin", "acos", "atan", "acot", "asec", "acsc"),
+    "realroot",  # sympy's real_root, for an odd \sqrt[n]{} (see latex_to_python)
     "binomial",
 }
 _LATEX_CMDS = {
@@ -159,8 +160,14 @@ def latex_to_python(s: str) -> str | None:
                     idx = latex_to_python(s[i + 1 : j])
                     if idx is None:
                         return None
-                    stack.append("root:" + idx)
-                    out.append("((")
+                    if idx.strip().isdigit() and int(idx) % 2:
+                        # an odd root of a negative number is the real one, as answers mean
+                        # it (\sqrt[3]{-8} is -2; sympy's principal root is 1 + i\sqrt{3})
+                        stack.append("realroot:" + idx.strip())
+                        out.append(" realroot((")
+                    else:
+                        stack.append("root:" + idx)
+                        out.append("((")
                     i = j + 2
                 elif i < n and s[i] == "{":
                     stack.append("sqrt")
@@ -207,6 +214,8 @@ def latex_to_python(s: str) -> str | None:
                 out.append("))")
             elif kind.startswith("root:"):
                 out.append(f")**(1/({kind[5:]})))")
+            elif kind.startswith("realroot:"):
+                out.append(f"), {kind[9:]})")
             else:
                 out.append(")")
         elif c == "^":
@@ -291,6 +300,7 @@ def _parse(s: str) -> Any:
         sp.rationalize,
     )
     local = {"e": sympy.E, "i": sympy.I, "E": sympy.E, "I": sympy.I, "pi": sympy.pi, "oo": sympy.oo}
+    local["realroot"] = sympy.real_root
     try:
         return sp.parse_expr(code, local_dict=local, transformations=trans)
     except Exception:  # sympy raises anything from SyntaxError to TypeError on junk

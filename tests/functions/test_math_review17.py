@@ -240,3 +240,25 @@ def test_inequalities_joined_by_or_are_a_union(pred, gt, equal):
 def test_an_exponent_after_a_unit_or_a_variable_is_no_answer(text, gt, score):
     res = math_answer(text, ground_truth=gt)
     assert res.score == score, res.info
+
+
+# ----------------------------------------------------------------------------- odd roots of negatives
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt", "equal"),
+    [
+        # an odd root of a negative number is the real one, as answers mean it: sympy's
+        # principal root of -8 is 1 + i\sqrt{3}, so \sqrt[3]{-8} missed -2
+        ("\\sqrt[3]{-8}", "-2", True),
+        ("\\sqrt[3]{-2}", "-\\sqrt[3]{2}", True),
+        ("\\sqrt[5]{-32}", "-2", True),
+        ("\\sqrt[3]{-8}", "2", False),
+        ("\\sqrt[3]{x^3}", "x", True),
+        # an even root of a negative number stays imaginary
+        ("\\sqrt[4]{-16}", "-2", False),
+        ("\\sqrt[3]{8}", "2", True),
+    ],
+)
+def test_an_odd_root_of_a_negative_number_is_real(pred, gt, equal):
+    assert is_equivalent(pred, gt)[0] is equal, is_equivalent(pred, gt)
