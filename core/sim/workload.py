@@ -27,9 +27,10 @@ class Turn:
 
     def __post_init__(self) -> None:
         # a negative or nan length or latency runs the simulator's clock backwards (or makes
-        # every time nan) without an error: refused here, where the workload is built
-        if self.gen_tokens < 0 or self.tool_tokens < 0:
-            raise ValueError(f"a turn's gen_tokens and tool_tokens must be >= 0, got {self}")
+        # every time nan) without an error: refused here, where the workload is built (nan
+        # passed a "< 0" check; an infinite length never completes)
+        if not all(0 <= n < math.inf for n in (self.gen_tokens, self.tool_tokens)):
+            raise ValueError(f"a turn's gen_tokens and tool_tokens must be finite and >= 0, got {self}")
         if not 0.0 <= self.tool_ms < math.inf:
             raise ValueError(f"a turn's tool_ms must be finite and >= 0, got {self.tool_ms}")
 
@@ -44,8 +45,10 @@ class TrajSpec:
     def __post_init__(self) -> None:
         if not self.turns:
             raise ValueError(f"trajectory {self.id!r} has no turns")
-        if self.prompt_tokens < 0:
-            raise ValueError(f"trajectory {self.id!r}: prompt_tokens must be >= 0, got {self.prompt_tokens}")
+        if not 0 <= self.prompt_tokens < math.inf:
+            raise ValueError(
+                f"trajectory {self.id!r}: prompt_tokens must be finite and >= 0, got {self.prompt_tokens}"
+            )
 
     @property
     def total_tokens(self) -> int:

@@ -146,3 +146,24 @@ def test_cmlfq_follows_its_documented_rules_on_random_traffic():
             store[got.trajectory] = keys[want][0]  # aging's lift is the trajectory's level
             assert q.level_of(got.trajectory) == store[got.trajectory]
             del waiting[want]
+
+
+# ------------------------------------------------------------------ bad inputs
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        # nan passed the "< 0" checks: every finish time and the makespan came out nan
+        lambda: Turn(float("nan")),
+        lambda: Turn(10, 0.0, "ok", float("nan")),
+        lambda: TrajSpec("a", float("nan"), (Turn(10),)),
+        # inf: the turn never completes, and its trajectory finishes at inf
+        lambda: Turn(float("inf")),
+        lambda: Turn(10, 0.0, "ok", float("inf")),
+        lambda: TrajSpec("a", float("inf"), (Turn(10),)),
+    ],
+)
+def test_a_nan_or_infinite_turn_or_prompt_is_refused_where_the_workload_is_built(bad):
+    with pytest.raises(ValueError, match="finite"):
+        bad()
