@@ -179,13 +179,20 @@ def speed_partition(
     """Contiguous groups of ``lengths`` (longest first) onto workers of these ``speeds``
     (fastest first): group ``k`` costs ``group_cost / speeds[k]``, and the split minimises
     the largest. ``(makespan, cuts)``; with equal speeds, ``fast_partition``."""
+    # checked before anything is computed: a negative speed gave a negative makespan (and
+    # anneal's search over such plans never ended), a zero one divided by zero, and a nan
+    # anywhere came out a nan makespan
+    if not (_finite_positive(c) and _finite_positive(a)):
+        raise ValueError(f"c and the interference factor must be finite and > 0, got c={c}, a={a}")
+    if not speeds:
+        raise ValueError("no workers to place on")
+    if not all(_finite_positive(s) for s in speeds):
+        raise ValueError(f"worker speeds must be finite and > 0, got {list(speeds)}")
+    if not all(0 <= x < math.inf for x in lengths):
+        raise ValueError("lengths must be finite and >= 0")
     n = len(lengths)
     if n == 0:
         return 0.0, [0]
-    if a <= 0:
-        raise ValueError("the interference factor must be > 0")
-    if not speeds:
-        raise ValueError("no workers to place on")
     prefix = list(itertools.accumulate(lengths, initial=0.0))
     # the rounding of the room arithmetic below: without it, a budget equal to a group's
     # exact cost can come out a hair short (one group too many, e.g. none fits on m = 1)
@@ -219,6 +226,10 @@ def speed_partition(
     assert cuts is not None
     costs = (group_cost(lengths, cuts[k], cuts[k + 1], c, a) / speeds[k] for k in range(len(cuts) - 1))
     return max(costs), cuts
+
+
+def _finite_positive(x: float) -> bool:
+    return 0 < x < math.inf
 
 
 class PresortedDP(Placement):

@@ -65,10 +65,16 @@ def anneal(
 ) -> tuple[list[int], float]:
     """``(degrees, makespan)``: per-worker MP degrees using at most ``budget`` GPUs."""
     speedup = dict(speedup or DEFAULT_SPEEDUP)
-    if budget < 1:
-        raise ValueError(f"the GPU budget must be >= 1, got {budget}")
+    if not _whole(budget) or budget < 1:
+        raise ValueError(f"the GPU budget must be a whole number >= 1, got {budget!r}")
     if 1 not in speedup:
         raise ValueError("the speedup table needs MP=1")
+    # a degree 0 worker holds no GPU (a split of 1 into 0 + 1 made workers for free), and a
+    # speed <= 0 or nan made makespans negative or nan (the search on them never ended)
+    if bad := {d: v for d, v in speedup.items() if not _whole(d) or d < 1 or not 0 < v < math.inf}:
+        raise ValueError(f"speedup maps whole degrees >= 1 to finite speeds > 0; got {bad}")
+    if not all(0 <= x < math.inf for x in lengths):
+        raise ValueError("predicted lengths must be finite and >= 0")
     if not lengths:
         return [1] * budget, 0.0
     rng = random.Random(seed)
@@ -103,3 +109,8 @@ def anneal(
                 best, best_cost = sorted(cand, reverse=True), c
         temp *= 0.997
     return best, best_cost
+
+
+def _whole(x: object) -> bool:
+    """An integer, not a bool."""
+    return isinstance(x, int) and not isinstance(x, bool)

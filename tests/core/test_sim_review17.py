@@ -10,7 +10,9 @@ import random
 import pytest
 
 from core.sched import Request
+from core.sched.placement import speed_partition
 from core.sched.queueing import CMLFQ
+from core.sched.resources import anneal
 from core.sim import EngineProfile, Simulator, TrajSpec, Turn, no_prediction, oracle
 
 _OUTCOMES = ("ok", "tool_error", "test_failure", "timeout", "success")
@@ -167,3 +169,36 @@ def test_cmlfq_follows_its_documented_rules_on_random_traffic():
 def test_a_nan_or_infinite_turn_or_prompt_is_refused_where_the_workload_is_built(bad):
     with pytest.raises(ValueError, match="finite"):
         bad()
+
+
+@pytest.mark.parametrize(
+    ("speeds", "lengths"),
+    [
+        ([-1.0], [5.0, 3.0]),  # a makespan of -5.3 (anneal's search on it never ended)
+        ([1.0, 0.0], [5.0, 3.0]),  # ZeroDivisionError
+        ([float("nan")], [5.0, 3.0]),
+        ([1.0], [float("nan"), 3.0]),  # a nan makespan, silently
+        ([1.0], [5.0, -3.0]),
+        ([1.0], [float("inf"), 3.0]),
+    ],
+)
+def test_speed_partition_refuses_bad_speeds_and_lengths(speeds, lengths):
+    with pytest.raises(ValueError, match="finite"):
+        speed_partition(lengths, speeds)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "budget", "speedup"),
+    [
+        ([5.0, 3.0], 4, {1: -1.0}),  # hung for good (speed_partition's bisection)
+        ([5.0, 3.0], 4, {1: 1.0, 2: 0.0}),  # ZeroDivisionError
+        ([float("nan"), 3.0], 4, None),  # ([1, 1, 1, 1], nan)
+        ([-5.0, 3.0], 4, None),  # a plan for a negative length
+        # a degree-0 worker costs no GPU: splitting a 1 into 0 + 1 made free workers
+        ([5.0, 3.0], 4, {0: 1.0, 1: 1.0}),
+        ([5.0, 3.0], 2.5, None),  # TypeError from deep inside
+    ],
+)
+def test_anneal_refuses_bad_lengths_budgets_and_speedups(lengths, budget, speedup):
+    with pytest.raises(ValueError):
+        anneal(lengths, budget, speedup, iterations=50)
