@@ -101,6 +101,10 @@ class CacheAffinity(Placement):
     name = "cache_affinity"
 
     def __init__(self, slack: float = 0.25) -> None:
+        # nan failed every comparison below, and inf made (1 + inf) * 0 nan with an idle
+        # least-loaded worker: either sent every trajectory away from its cache, silently
+        if not 0 <= slack < math.inf:
+            raise ValueError(f"slack must be finite and >= 0, got {slack!r}")
         self.slack = slack
 
     def place(
@@ -236,6 +240,9 @@ class PresortedDP(Placement):
     name = "presorted_dp"
 
     def __init__(self, c: float = 1.0, interference: float = 0.1) -> None:
+        # here, not at the first placement (mid-run; c = 0 as a ZeroDivisionError)
+        if not (_finite_positive(c) and _finite_positive(interference)):
+            raise ValueError(f"c and interference must be finite and > 0, got {c!r}, {interference!r}")
         self.c = c
         self.a = interference
         self.last_makespan = 0.0

@@ -155,8 +155,9 @@ class CMLFQ(QueuePolicy):
     ) -> None:
         """``level_store``: where trajectories' levels are kept; queues that share one (the
         real path's per-replica queues) keep a trajectory's level when it moves replica."""
-        if levels < 1:
-            raise ValueError(f"levels must be >= 1, got {levels}")
+        # a float failed as a TypeError from a slice below, and True (YAML's yes) ran as 1 level
+        if not isinstance(levels, int) or isinstance(levels, bool) or levels < 1:
+            raise ValueError(f"levels must be >= 1 (a whole number), got {levels!r}")
         if len(quantum_tokens) < levels - 1:
             raise ValueError(f"quantum_tokens needs {levels - 1} entries (one per level but the last)")
         quantum = tuple(quantum_tokens[: levels - 1])

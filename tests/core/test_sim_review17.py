@@ -10,7 +10,7 @@ import random
 import pytest
 
 from core.sched import Request
-from core.sched.placement import speed_partition
+from core.sched.placement import CacheAffinity, PresortedDP, speed_partition
 from core.sched.queueing import CMLFQ
 from core.sched.resources import anneal
 from core.sim import EngineProfile, Simulator, TrajSpec, Turn, no_prediction, oracle
@@ -202,3 +202,30 @@ def test_speed_partition_refuses_bad_speeds_and_lengths(speeds, lengths):
 def test_anneal_refuses_bad_lengths_budgets_and_speedups(lengths, budget, speedup):
     with pytest.raises(ValueError):
         anneal(lengths, budget, speedup, iterations=50)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        # nan failed every comparison: every trajectory went to the least-loaded worker, moving
+        # at every turn, silently; inf did so whenever that worker was idle ((1 + inf) * 0)
+        lambda: CacheAffinity(slack=float("nan")),
+        lambda: CacheAffinity(slack=float("inf")),
+        lambda: CacheAffinity(slack=-0.5),
+        # refused only when the first placement ran (c = 0 as a ZeroDivisionError there)
+        lambda: PresortedDP(c=0.0),
+        lambda: PresortedDP(c=float("nan")),
+        lambda: PresortedDP(interference=0.0),
+        lambda: PresortedDP(interference=float("inf")),
+    ],
+)
+def test_placement_options_are_checked_when_the_placement_is_built(build):
+    with pytest.raises(ValueError, match="finite"):
+        build()
+
+
+@pytest.mark.parametrize("levels", [2.5, True, "3"])
+def test_cmlfq_levels_must_be_a_whole_number(levels):
+    # 2.5 failed as a TypeError from a slice; True (YAML's yes) ran as 1 level
+    with pytest.raises(ValueError, match="levels"):
+        CMLFQ(levels=levels)
