@@ -18,6 +18,7 @@ real path.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,9 @@ def _parse(line: str, where: str) -> TraceTurn:
         )
     except (TypeError, ValueError) as e:
         raise TraceError(f"{where}: {e}") from None
+    # JSON's Infinity parses: a -inf ready made every start inf, an inf end the makespan
+    if not all(math.isfinite(x) for x in (turn.ready, turn.end)):
+        raise TraceError(f"{where}: ready, start and end must be finite numbers of seconds")
     if not turn.ready <= turn.start <= turn.end or min(turn.gen_tokens, turn.prompt_tokens, turn.turn) < 0:
         raise TraceError(
             f"{where}: needs ready <= start <= end, gen_tokens >= 0, prompt_tokens >= 0 and turn >= 0"

@@ -4,6 +4,7 @@ regression tests for the bad inputs the review found passing silently (or hangin
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -14,6 +15,7 @@ from core.sched.placement import CacheAffinity, PresortedDP, speed_partition
 from core.sched.queueing import CMLFQ
 from core.sched.resources import anneal
 from core.sim import EngineProfile, Simulator, TrajSpec, Turn, no_prediction, oracle
+from core.sim.trace import TraceError, load_trace
 
 _OUTCOMES = ("ok", "tool_error", "test_failure", "timeout", "success")
 
@@ -229,3 +231,19 @@ def test_cmlfq_levels_must_be_a_whole_number(levels):
     # 2.5 failed as a TypeError from a slice; True (YAML's yes) ran as 1 level
     with pytest.raises(ValueError, match="levels"):
         CMLFQ(levels=levels)
+
+
+@pytest.mark.parametrize(
+    "times",
+    [
+        '"ready": -Infinity, "start": 0.0, "end": 0.5',  # every start came out inf (ready - t0)
+        '"ready": 0.0, "start": 0.1, "end": Infinity',  # an infinite real makespan
+    ],
+)
+def test_a_trace_line_with_an_infinite_time_is_refused_with_its_line(tmp_path, times):
+    path = tmp_path / "trace.jsonl"
+    good = {"trajectory": "a", "turn": 0, "ready": 0.0, "start": 0.0, "end": 0.2, "gen_tokens": 4}
+    bad = '{"trajectory": "b", "turn": 0, ' + times + ', "gen_tokens": 4}'
+    path.write_text(json.dumps(good) + "\n" + bad + "\n")
+    with pytest.raises(TraceError, match=r"trace\.jsonl:2: .*finite"):
+        load_trace(path)
