@@ -103,6 +103,11 @@ def preset(name: str, n: int, *, seed: int = 0, group_size: int = 8, submit_turn
     no turn sees its outcome. Off by default: the other coding figures were measured
     without it. The same seed gives the same trajectories either way, but for those two turns.
     """
+    # checked up front: per trajectory, preset("nope", 0) returned an empty "nope" workload
+    if name not in ("coding", "search", "math"):
+        raise ValueError(f"unknown workload preset {name!r}; known: coding, search, math")
+    if n < 0 or group_size < 1:
+        raise ValueError(f"n must be >= 0 (trajectories) and group_size >= 1, got {n}, {group_size}")
     if submit_turn and name != "coding":
         raise ValueError(f"submit_turn is for the coding preset, not {name!r}")
     rng = random.Random(seed)
@@ -142,14 +147,12 @@ def preset(name: str, n: int, *, seed: int = 0, group_size: int = 8, submit_turn
                 for j in range(k)
             ]
             prompt = 768
-        elif name == "math":
+        else:  # math (the name was checked above)
             k = 1 if rng.random() < 0.7 else 2
             turns = [
                 Turn(int(_clip(rng.lognormvariate(7.0, 1.0), 32, 32_768)), 200.0 if j < k - 1 else 0.0)
                 for j in range(k)
             ]
             prompt = 256
-        else:
-            raise ValueError(f"unknown workload preset {name!r}; known: coding, search, math")
         trajs.append(TrajSpec(f"t{i}", prompt, tuple(turns), group=i // group_size))
     return Workload(trajs, name)

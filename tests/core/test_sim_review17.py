@@ -14,7 +14,7 @@ from core.sched import Request
 from core.sched.placement import CacheAffinity, PresortedDP, speed_partition
 from core.sched.queueing import CMLFQ
 from core.sched.resources import anneal
-from core.sim import EngineProfile, Simulator, TrajSpec, Turn, no_prediction, oracle
+from core.sim import EngineProfile, Simulator, TrajSpec, Turn, no_prediction, oracle, preset
 from core.sim.trace import TraceError, load_trace
 
 _OUTCOMES = ("ok", "tool_error", "test_failure", "timeout", "success")
@@ -247,3 +247,13 @@ def test_a_trace_line_with_an_infinite_time_is_refused_with_its_line(tmp_path, t
     path.write_text(json.dumps(good) + "\n" + bad + "\n")
     with pytest.raises(TraceError, match=r"trace\.jsonl:2: .*finite"):
         load_trace(path)
+
+
+def test_an_unknown_preset_is_refused_even_for_no_trajectories():
+    # the name was checked per trajectory: preset("nope", 0) returned an empty "nope" workload
+    with pytest.raises(ValueError, match="unknown workload preset 'nope'"):
+        preset("nope", 0)
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        preset("coding", -3)  # an empty workload, silently
+    with pytest.raises(ValueError, match="group_size >= 1"):
+        preset("math", 4, group_size=0)  # ZeroDivisionError
