@@ -18,6 +18,7 @@ and their arrivals never go back in time, so one pool serves the whole run.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -78,6 +79,10 @@ class RewardPool:
         last = 0.0
         # by arrival only: sorting the tuples ran equal arrivals shortest first, not FCFS
         for arrival, service in sorted(jobs, key=lambda job: job[0]):
+            # a user's service-time function: a negative time ended a reward before it began,
+            # nan made the busy time and the utilisation nan, silently
+            if not 0 <= service < math.inf:
+                raise ValueError(f"a reward's service time must be finite and >= 0 ms, got {service}")
             inst, start = self._instance_for(arrival)
             inst.free_ms = start + service
             self.busy_ms += service

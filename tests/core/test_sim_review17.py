@@ -15,6 +15,7 @@ from core.sched.placement import CacheAffinity, PresortedDP, speed_partition
 from core.sched.queueing import CMLFQ
 from core.sched.resources import anneal
 from core.sim import EngineProfile, Simulator, TrajSpec, Turn, no_prediction, oracle, preset
+from core.sim.reward import RewardPool, RewardStage, fixed_ms
 from core.sim.trace import TraceError, load_trace
 
 _OUTCOMES = ("ok", "tool_error", "test_failure", "timeout", "success")
@@ -257,3 +258,11 @@ def test_an_unknown_preset_is_refused_even_for_no_trajectories():
         preset("coding", -3)  # an empty workload, silently
     with pytest.raises(ValueError, match="group_size >= 1"):
         preset("math", 4, group_size=0)  # ZeroDivisionError
+
+
+@pytest.mark.parametrize("service", [-5.0, float("nan"), float("inf")])
+def test_a_reward_service_time_that_is_not_finite_and_non_negative_is_refused(service):
+    # a negative one ended rewards before they began, nan made busy time and utilisation nan
+    pool = RewardPool(RewardStage(service_ms=fixed_ms(service)))
+    with pytest.raises(ValueError, match="service"):
+        pool.serve([(0.0, service)])
