@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,8 +48,10 @@ class EngineProfile:
         # a zero, negative or nan rate runs the clock backwards or admits nothing, silently
         if self.batch_sizes[0] < 1 or not all(0 < y < math.inf for y in self.step_ms_table):
             raise ValueError("batch sizes must be >= 1 and step times finite and > 0")
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        # slots are whole: 2.5 ran 3 turns at once (free slots 0.5 > 0) and True ran 1
+        whole = isinstance(self.max_batch, numbers.Integral) and not isinstance(self.max_batch, bool)
+        if not whole or self.max_batch < 1:
+            raise ValueError(f"max_batch must be a whole number >= 1, got {self.max_batch!r}")
         if not 0 <= self.prefill_ratio < math.inf or self.cache_tokens < 0:
             raise ValueError("prefill_ratio must be finite and >= 0, cache_tokens >= 0")
 

@@ -266,3 +266,10 @@ def test_a_reward_service_time_that_is_not_finite_and_non_negative_is_refused(se
     pool = RewardPool(RewardStage(service_ms=fixed_ms(service)))
     with pytest.raises(ValueError, match="service"):
         pool.serve([(0.0, service)])
+
+
+@pytest.mark.parametrize("max_batch", [2.5, True, float("inf")])
+def test_an_engine_profile_batch_is_a_whole_number_of_slots(max_batch):
+    # 2.5 ran 3 turns at once (free_slots 0.5 > 0), True ran one: both silently
+    with pytest.raises(ValueError, match="max_batch"):
+        EngineProfile(max_batch=max_batch)
