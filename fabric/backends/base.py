@@ -119,7 +119,8 @@ class LambdaConfig(_Config):
     max_connections: int = Field(64, ge=1)
     """Calls in flight whose callers still wait (the connection pool). With boto3 as many
     calls given up on may run on beside them, each on a spare thread and connection, until
-    Lambda answers (a blocking invoke cannot be stopped)."""
+    Lambda answers (a blocking invoke cannot be stopped). Large payloads' uploads to S3
+    (spills) run on a pool of as many threads, at most this many at once."""
     connect_timeout_s: float = Field(5.0, gt=0)
     read_timeout_s: float = Field(910.0, gt=0)
     """The longest a reply is waited for (longer than Lambda's 900 s maximum). Each call waits
