@@ -112,7 +112,10 @@ Equivalence, cheapest first:
    ``\times``, ``\cdot``, ``\cdot`` and ``/``, and pi, infinity, the root sign, superscript digits and
    vulgar fractions (U+03C0, U+221E, U+221A, U+00B2, U+00BD...) their LaTeX (the parentheses
    after a root sign are its braces: ``√(x+1)`` is ``\sqrt{x+1}``); ``\varnothing``, ``\{\}`` and U+2205 are
-   ``\emptyset``, ``\mathbb{R}`` (``\R``, U+211D) is ``(-\infty, \infty)``;
+   ``\emptyset``, ``\mathbb{R}`` (``\R``, U+211D) is ``(-\infty, \infty)``; an answer
+   in words, whole, is the symbol it names: "all real numbers" (``\text{all reals}``...) is
+   ``(-\infty, \infty)``, "no solution" ("no real solutions"...) ``\emptyset``, "infinity"
+   ``\infty``, and "undefined", "does not exist" and "DNE" are one answer;
    ``a \pm b`` is the list ``a + b, a - b``, in a list element by element:
    ``\pm 2, \pm 3`` is ``2, -2, 3, -3`` and ``(\pm 1, 2)`` the two points). Equal strings are equal;
    two plain numbers (integers, decimals, ``a/b``, ``\frac{a}{b}``, a mixed number,

@@ -272,6 +272,44 @@ _REALS = re.compile(r"\\mathbb\s*\{?\s*R\s*\}?|\\R|\u211d")
 _LIST_AND = re.compile(r"(?<=[\d}])(?:[ \t]*+,)?[ \t]++and[ \t]++(?=\S)")
 _EMPTY_ELEMENT = re.compile(r",(?:[ \t]*+,)++")
 _EMPTY_SET = re.compile(r"\\varnothing\b|^\\\{\s*\\\}$")
+# an answer in words is the symbol it names (whole, case folded): "all real numbers" is the real
+# line, "no solution" the empty set, "infinity" \infty, and "undefined", "does not exist" and
+# "DNE" one answer; as text none of them matched its symbol, nor each other
+_WORD_ANSWERS = (
+    dict.fromkeys(
+        (
+            "all real numbers",
+            "all reals",
+            "all real values",
+            "all real x",
+            "any real number",
+            "every real number",
+            "the set of all real numbers",
+            "the set of real numbers",
+        ),
+        "(-\\infty, \\infty)",
+    )
+    | dict.fromkeys(
+        (
+            "no solution",
+            "no solutions",
+            "no real solution",
+            "no real solutions",
+            "no real roots",
+            "no roots",
+            "the empty set",
+            "empty set",
+        ),
+        "\\emptyset",
+    )
+    | dict.fromkeys(("infinity", "+infinity", "positive infinity"), "\\infty")
+    | dict.fromkeys(("-infinity", "negative infinity", "minus infinity"), "-\\infty")
+    | dict.fromkeys(
+        ("undefined", "not defined", "does not exist", "doesn't exist", "doesn\u2019t exist", "dne", "d.n.e"),
+        "undefined",
+    )
+)
+_WORD_ANSWER_CHARS = max(map(len, _WORD_ANSWERS))
 
 
 @_small_cache
@@ -324,6 +362,8 @@ def canonical(answer: str) -> str:
     s = " ".join(s.split())
     if _THOUSANDS.match(s) or _SPACED_THOUSANDS.match(s):
         s = s.replace(",", "").replace(" ", "")
+    if len(s) <= _WORD_ANSWER_CHARS and (named := _WORD_ANSWERS.get(s.lower())) is not None:
+        return named
     s = _EMPTY_SET.sub(r"\\emptyset", s)
     if _REALS.fullmatch(s):  # the real line is the interval it is (\mathbb{R} did not match it)
         return "(-\\infty, \\infty)"

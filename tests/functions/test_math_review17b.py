@@ -1,0 +1,72 @@
+"""Review 17, second part, of the ``math_answer`` reward: answers in words against their
+symbols, floor, ceiling, gcd, lcm, max, min and ``C(n, k)``, unions of touching intervals, and
+a choice letter boxed in lowercase."""
+
+from __future__ import annotations
+
+import pytest
+
+from functions.rewards.math import is_equivalent, math_answer
+
+# ----------------------------------------------------------------------------- words as symbols
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt"),
+    [
+        # the words stayed text, which matched no interval, set or symbol
+        ("all real numbers", "(-\\infty, \\infty)"),
+        ("All real numbers", "\\mathbb{R}"),
+        ("all reals", "(-\\infty, \\infty)"),
+        ("\\text{all real numbers}", "\\mathbb{R}"),
+        ("(-\\infty, \\infty)", "all real numbers"),
+        ("no solution", "\\emptyset"),
+        ("No solutions", "\\varnothing"),
+        ("no real solutions", "\\{\\}"),
+        ("\\text{no solution}", "\\emptyset"),
+        ("\\emptyset", "\\text{No solution}"),
+        ("infinity", "\\infty"),
+        ("\\infty", "Infinity"),
+        ("negative infinity", "-\\infty"),
+        # ... and the words for "no value" were three texts that never matched each other
+        ("undefined", "DNE"),
+        ("does not exist", "undefined"),
+        ("DNE", "does not exist"),
+        ("\\text{DNE}", "\\text{undefined}"),
+    ],
+)
+def test_an_answer_in_words_matches_its_symbol(pred, gt):
+    assert is_equivalent(pred, gt)[0] is True
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt"),
+    [
+        ("all real numbers", "[0, \\infty)"),
+        ("all real numbers", "\\emptyset"),
+        ("no solution", "(-\\infty, \\infty)"),
+        ("no solution", "0"),
+        ("infinity", "-\\infty"),
+        ("negative infinity", "\\infty"),
+        ("undefined", "0"),
+        ("undefined", "\\infty"),
+        ("does not exist", "\\emptyset"),
+        # a phrase is read whole: more words say something else
+        ("all real numbers except 2", "(-\\infty, \\infty)"),
+        ("all positive real numbers", "(-\\infty, \\infty)"),
+    ],
+)
+def test_words_match_only_what_they_say(pred, gt):
+    assert is_equivalent(pred, gt)[0] is False
+
+
+@pytest.mark.parametrize(
+    ("text", "gt"),
+    [
+        ("The answer is all real numbers.", "(-\\infty, \\infty)"),
+        ("So the final answer is: no solution", "\\emptyset"),
+        ("\\boxed{\\text{DNE}}", "\\text{undefined}"),
+    ],
+)
+def test_a_completion_in_words_scores(text, gt):
+    assert math_answer(text, ground_truth=gt).score == 1.0
