@@ -125,8 +125,9 @@ Equivalence, cheapest first:
    first, so a bracket or size mismatch is decided here too.
 2. **sympy, in a forked child process** killed after ``sympy_timeout_s`` (default 2 s, at
    most ``MAX_TIMEOUT_S``, 5 s: half the reward's own ``timeout_s``; 0, a negative number or
-   NaN is a ``ValueError``). The child converts the LaTeX (with ``\binom``, ``\log_b`` and ``n!``)
-   to a sympy expression and compares: ``a - b == 0`` exactly; for numbers, numerically at
+   NaN is a ``ValueError``). The child converts the LaTeX (with ``\binom``, ``C(n, k)``, ``\log_b``, ``n!``,
+   ``\lfloor x \rfloor``, ``\lceil x \rceil``, ``\gcd``, ``\operatorname{lcm}``, ``\max``
+   and ``\min``) to a sympy expression and compares: ``a - b == 0`` exactly; for numbers, numerically at
    30 digits; with free symbols, at three fixed points and two drawn at random for each call
    (an identity test no answer can be fitted to: a polynomial vanishing at the public points
    is not ``0``), exact rationals, so that two exact expressions are compared exactly there

@@ -118,17 +118,18 @@ GREEK = {
     ).split()
 } | {"varepsilon": "epsilon", "vartheta": "theta", "varphi": "phi", "varrho": "rho", "varsigma": "sigma"}
 """Greek letters (``\\pi`` aside, a number) by command name, variants as their letter."""
-# a one-token argument of \frac or \sqrt, as TeX reads it (\frac12, \frac\pi2, \frac a b,
-# \sqrt\pi): a braced group with no braces inside, a symbol command, a letter or a digit
+# a one-token argument of \frac, \binom or \sqrt, as TeX reads it (\frac12, \frac\pi2, \frac a
+# b, \sqrt\pi; \binom 5 2 was unparsable): a braced group with no braces inside, a symbol
+# command, a letter or a digit
 _SYMBOL = r"\\(?:pi|infty|" + "|".join(sorted(GREEK, key=len, reverse=True)) + r")(?![A-Za-z])"
 _ARG = rf"\{{[^{{}}]*\}}|{_SYMBOL}|[0-9A-Za-z]"
-_FRAC_SHORT = re.compile(rf"\\frac(?![A-Za-z])\s*({_ARG})\s*({_ARG})")
+_FRAC_SHORT = re.compile(rf"\\(frac|binom)(?![A-Za-z])\s*({_ARG})\s*({_ARG})")
 _SQRT_SHORT = re.compile(rf"\\sqrt(?![A-Za-z])\s*(\d+|[a-zA-Z]|{_SYMBOL})")
 
 
-def _braced_frac(m: re.Match[str]) -> str:
-    num, den = (a[1:-1] if a.startswith("{") else a for a in (m[1], m[2]))
-    return f"\\frac{{{num}}}{{{den}}}"
+def _braced_args(m: re.Match[str]) -> str:
+    num, den = (a[1:-1] if a.startswith("{") else a for a in (m[2], m[3]))
+    return f"\\{m[1]}{{{num}}}{{{den}}}"
 
 
 def _strip_units(s: str, unit: re.Pattern[str] = _UNIT_TOKEN) -> str:
@@ -195,6 +196,8 @@ _SIGNS = str.maketrans(
     # pi, infinity, the square root sign and the empty set are their commands (2\u03c0 was not
     # 2\\pi, \u2205 not \\emptyset)
     | {"\u03c0": "\\pi ", "\u221e": "\\infty ", "\u221a": "\\sqrt ", "\u2205": "\\emptyset "}
+    # ... and so are the floor and ceiling brackets (\u230a3.7\u230b was unparsable, not 3)
+    | {"\u230a": " \\lfloor ", "\u230b": " \\rfloor ", "\u2308": " \\lceil ", "\u2309": " \\rceil "}
     # zero-width characters are not there (3\u200b is 3), nor a currency sign, as a dollar
     # sign is not (the euro, pound, yen and rupee signs: \u20ac5 is 5)
     | dict.fromkeys("\u200b\u200c\u200d\u2060\ufeff\u20ac\u00a3\u00a5\u20b9", "")
@@ -357,7 +360,7 @@ def canonical(answer: str) -> str:
     listed = _assignments(s)
     # a single leading ``x =`` goes; an assignment list keeps its variables (``_named``)
     s = _LHS.sub("", s) if listed is None else listed
-    s = _FRAC_SHORT.sub(_braced_frac, s)
+    s = _FRAC_SHORT.sub(_braced_args, s)
     s = _SQRT_SHORT.sub(r"\\sqrt{\1}", s)
     s = " ".join(s.split())
     if _THOUSANDS.match(s) or _SPACED_THOUSANDS.match(s):

@@ -68,6 +68,9 @@ _FUNCS = {
     *("asin", "acos", "atan", "acot", "asec", "acsc"),
     "realroot",  # sympy's real_root, for an odd \sqrt[n]{} (see latex_to_python)
     "binomial",
+    # floor, ceiling, gcd, lcm, max and min (\lfloor x \rfloor, \gcd(12, 18), \operatorname{lcm}(4,
+    # 6), \max(3, 5) were unparsable, so a right answer in that form missed)
+    *("floor", "ceiling", "gcd", "lcm", "Max", "Min", "max", "min"),
 }
 _LATEX_CMDS = {
     "\\pi": " pi ",
@@ -92,7 +95,23 @@ _LATEX_CMDS = {
     "\\arccot": " acot ",
     "\\arcsec": " asec ",
     "\\arccsc": " acsc ",
+    "\\lfloor": " floor(",
+    "\\rfloor": ")",
+    "\\lceil": " ceiling(",
+    "\\rceil": ")",
+    "\\gcd": " gcd",
+    "\\lcm": " lcm",
+    "\\max": " Max",
+    "\\min": " Min",
 }
+# the functions whose arguments a comma separates: anywhere else a comma lists nothing to sympy
+# (3(1, 2) is no number; compare has split the lists and tuples of an answer already)
+_MULTI_ARGUMENT = frozenset(["gcd", "lcm", "Max", "Min", "max", "min", "binomial", "realroot"])
+# a name starts only where a word does, and its spaces are few: linear in a long run of either
+_CALL_OPEN = re.compile(r"(?<![A-Za-z])([A-Za-z]+)[ \t]{0,3}\(|[(),]")
+# C(5, 2) is the binomial coefficient (it was the product of a symbol C and the point (5, 2)):
+# integer arguments or one letter each (C(n, 2)); \mathrm{C} is C once canonical
+_CHOOSE_CALL = re.compile(r"(?<![A-Za-z\\_])C[ \t]*\([ \t]*(\d+|[A-Za-z])[ \t]*,[ \t]*(\d+|[A-Za-z])[ \t]*\)")
 _CMD = re.compile(r"\\[A-Za-z]+")
 _GLUED_NUMBERS = re.compile(r"[\d.]\s+[\d.]")
 
@@ -119,6 +138,7 @@ def latex_to_python(s: str) -> str | None:
     stack), so deep nesting costs no recursion. Degrees in a trigonometric expression are
     radians (``\tan 45^\circ`` is 1); elsewhere a degree sign is the fast path's to drop."""
     s = _INVERSE_TRIG.sub(r"\\arc\1 ", s)
+    s = _CHOOSE_CALL.sub(r"\\binom{\1}{\2}", s)
     if _TRIG.search(s):
         s = _DEGREES.sub(r"{\1 \\cdot \\frac{\\pi}{180}}", s)
     out: list[str] = []
@@ -130,6 +150,11 @@ def latex_to_python(s: str) -> str | None:
         if c == "\\":
             m = _CMD.match(s, i)
             if m is None:
+                if s.startswith("\\}", i) and stack and stack[-1] == "set_call":
+                    stack.pop()
+                    out.append(")")
+                    i += 2
+                    continue
                 return None
             cmd = m.group()
             i = m.end()
@@ -175,6 +200,10 @@ def latex_to_python(s: str) -> str | None:
                     i += 1
                 else:
                     return None
+            elif cmd in ("\\max", "\\min") and s.startswith("\\{", i):  # \max\{3, 5\}
+                stack.append("set_call")
+                out.append(_LATEX_CMDS[cmd] + "(")
+                i += 2
             elif cmd in _LATEX_CMDS:
                 out.append(_LATEX_CMDS[cmd])
             elif (letter := GREEK.get(cmd[1:])) is not None:
@@ -233,7 +262,7 @@ def latex_to_python(s: str) -> str | None:
             if s.startswith("!=", i):
                 return None
             out.append(c)
-        elif c.isalnum() or c in " .+-*/()":
+        elif c.isalnum() or c in " .+-*/(),":
             out.append(c)
         else:
             return None
@@ -241,6 +270,8 @@ def latex_to_python(s: str) -> str | None:
     if stack:
         return None
     text = "".join(out)
+    if "," in text and not _commas_in_calls(text):
+        return None
     if _GLUED_NUMBERS.search(text):  # "5 6" is two numbers (5 \text{ or } 6), not 30
         return None
     # a numeral with two points (1.000.000, 3.0.0) is no number: Python's tokenizer read it as
@@ -276,6 +307,22 @@ _BARE_ARGUMENT = re.compile(
 )
 
 
+def _commas_in_calls(text: str) -> bool:
+    """Whether every comma of ``text`` separates the arguments of a function that takes
+    several (``gcd(12, 18)``, ``binomial((5),(2))``). One pass with a stack of parentheses."""
+    calls: list[bool] = []
+    for m in _CALL_OPEN.finditer(text):
+        if m[0] == ",":
+            if not calls or not calls[-1]:
+                return False
+        elif m[0] == ")":
+            if calls:
+                calls.pop()
+        else:
+            calls.append(m[1] is not None and m[1] in _MULTI_ARGUMENT)
+    return True
+
+
 def _call(m: re.Match[str]) -> str:
     name, power, arg = m.group(1), m.group(2) or "", m.group(3)
     return f"{name}({arg}){power.strip()} "
@@ -301,6 +348,7 @@ def _parse(s: str) -> Any:
     )
     local = {"e": sympy.E, "i": sympy.I, "E": sympy.E, "I": sympy.I, "pi": sympy.pi, "oo": sympy.oo}
     local["realroot"] = sympy.real_root
+    local |= {"max": sympy.Max, "min": sympy.Min}
     try:
         return sp.parse_expr(code, local_dict=local, transformations=trans)
     except Exception:  # sympy raises anything from SyntaxError to TypeError on junk

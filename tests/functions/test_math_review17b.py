@@ -70,3 +70,56 @@ def test_words_match_only_what_they_say(pred, gt):
 )
 def test_a_completion_in_words_scores(text, gt):
     assert math_answer(text, ground_truth=gt).score == 1.0
+
+
+# ----------------------------------------------------------------------------- floor, gcd, C(n, k)
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt"),
+    [
+        # each was unparsable, so a right answer in that form scored 0
+        ("\\lfloor 3.7 \\rfloor", "3"),
+        ("\\left\\lfloor \\frac{7}{2} \\right\\rfloor", "3"),
+        ("\\lfloor -3.5 \\rfloor", "-4"),
+        ("\\lceil 3.2 \\rceil", "4"),
+        ("\u230a 3.7 \u230b", "3"),
+        ("\\gcd(12, 18)", "6"),
+        ("\\operatorname{lcm}(4, 6)", "12"),
+        ("\\text{lcm}(4,6)", "12"),
+        ("\\operatorname{gcd}(12, 18)", "6"),
+        ("\\max(3, 5)", "5"),
+        ("\\min(3, 5)", "3"),
+        ("\\max\\{3, 5\\}", "5"),
+        ("\\binom 5 2", "10"),
+        ("\\dbinom52", "10"),
+        ("C(5,2)", "10"),
+        ("C(5, 2)", "10"),
+        ("2C(5, 2)", "20"),
+        ("C(n, 2)", "\\frac{n(n-1)}{2}"),
+        ("\\lfloor x \\rfloor + 1", "\\lfloor x + 1 \\rfloor"),
+    ],
+)
+def test_floor_gcd_max_and_binomials_are_read(pred, gt):
+    assert is_equivalent(pred, gt)[0] is True
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt"),
+    [
+        ("\\lfloor 3.7 \\rfloor", "4"),
+        ("\\lceil 3.2 \\rceil", "3"),
+        ("\\gcd(12, 18)", "36"),
+        ("\\operatorname{lcm}(4, 6)", "24"),
+        ("\\max(3, 5)", "3"),
+        ("\\min(3, 5)", "5"),
+        ("C(5,2)", "20"),
+        ("\\lfloor x \\rfloor", "x"),
+        # a comma outside these functions still lists nothing to sympy: 3(1, 2) is no number
+        ("3(1, 2)", "9"),
+        # C(5, 2) is not the point (5, 2)
+        ("C(5,2)", "(5, 2)"),
+    ],
+)
+def test_floor_gcd_max_and_binomials_are_their_values_only(pred, gt):
+    assert is_equivalent(pred, gt)[0] is False
