@@ -197,7 +197,10 @@ Rules worth knowing:
   solutions of one unknown) is the set ``1, 2``. An inequality in one variable with bounds
   free of letters is its interval: ``x \le 3`` is ``(-\infty, 3]``, ``1 < x \le 3`` is
   ``(1, 3]``, ``3 > x`` is ``(-\infty, 3)``, and inequalities in it joined by "or" are the
-  union of theirs: ``x < -2 \text{ or } x > 3`` is ``(-\infty, -2) \cup (3, \infty)``.
+  union of theirs: ``x < -2 \text{ or } x > 3`` is ``(-\infty, -2) \cup (3, \infty)``. A
+  union is the set it covers: intervals in it that overlap or touch are one (``[0, 1] \cup
+  [1, 2]`` is ``[0, 2]``, ``(0, 1] \cup (1, 2)`` is ``(0, 2)``; ``(0, 1) \cup (1, 2)`` is
+  not, 1 is left out), where their ends are plain numbers or infinities.
 * **Equations.** Against a value (a ground truth with no ``=``), an answer written with
   ``=`` states its last side when every side before it is arithmetic or names a value: ``2+1=3``,
   ``x = 2 \cdot 3 = 6``, ``AB = 5``, ``f(2) = 5``, ``m\angle A = 30^\circ`` (and a ground

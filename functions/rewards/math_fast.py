@@ -5,6 +5,7 @@ The rules are documented in ``functions.rewards.math``."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from fractions import Fraction
@@ -295,8 +296,53 @@ _GROUPED = r"[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?"
 _GROUPED_ALONE = re.compile(rf"\({_GROUPED}\)|\[{_GROUPED}\]|\\\{{{_GROUPED}\\\}}")
 
 
+_INFINITIES = {"\\infty": math.inf, "+\\infty": math.inf, "-\\infty": -math.inf}
+
+
+def _endpoint(s: str) -> Fraction | float | None:
+    """An interval's endpoint as a number: a plain number exactly, an infinity as ``inf``;
+    None for anything else (a root, a letter), which only sympy could place."""
+    return _INFINITIES[s] if s in _INFINITIES else as_fraction(s)
+
+
+def _merged_union(s: str) -> str:
+    """A union of intervals with the ones that overlap or touch joined: ``[0, 1] \\cup [1, 2]``
+    is ``[0, 2]`` (compared part by part, it missed it), ``(0, 1] \\cup (1, 2)`` is ``(0, 2)``;
+    ``(0, 1) \\cup (1, 2)`` keeps its gap at 1. ``s`` itself when nothing joins, or a part is
+    not an interval with plain-number (or infinite) endpoints."""
+    kind, _, parts = shape(s)
+    if kind != "union":
+        return s
+    spans: list[tuple[Fraction | float, bool, Fraction | float, bool, str, str]] = []
+    for part in parts:
+        k, brackets, ends = shape(part)
+        if k != "seq" or len(ends) != 2 or brackets not in ("()", "[]", "(]", "[)"):
+            return s
+        lo, hi = _endpoint(ends[0]), _endpoint(ends[1])
+        if lo is None or hi is None or lo > hi:
+            return s
+        spans.append((lo, brackets[0] == "[", hi, brackets[1] == "]", ends[0], ends[1]))
+    spans.sort(key=lambda sp: (sp[0], not sp[1]))  # by the low end, a closed one first
+    merged = [spans[0]]
+    for sp in spans[1:]:
+        lo, lo_closed, hi, hi_closed, lo_text, _ = merged[-1]
+        if sp[0] < hi or (sp[0] == hi and (hi_closed or sp[1])):  # overlaps or touches
+            if sp[2] > hi or (sp[2] == hi and sp[3]):
+                merged[-1] = (lo, lo_closed, sp[2], sp[3], lo_text, sp[5])
+        else:
+            merged.append(sp)
+    if len(merged) == len(spans):
+        return s
+    return " \\cup ".join(
+        f"{'[' if lc else '('}{lt}, {ht}{']' if hc else ')'}" for _, lc, _, hc, lt, ht in merged
+    )
+
+
 def _compare_read(pred: str, gt: str, scalar: Callable[[str, str], Verdict]) -> Verdict:
     """``compare`` once the percentage rule has been applied."""
+    # a union is the set it covers, however it is cut: intervals that overlap or touch are one
+    pred = _merged_union(pred) if "\\cup" in pred else pred
+    gt = _merged_union(gt) if "\\cup" in gt else gt
     if "," in pred or "," in gt:
         # an answer that could be a list or a number in groups of three is neither: it matches
         # only itself ((1,000) matched the point (1, 0), which nobody writes so; it was never

@@ -123,3 +123,41 @@ def test_floor_gcd_max_and_binomials_are_read(pred, gt):
 )
 def test_floor_gcd_max_and_binomials_are_their_values_only(pred, gt):
     assert is_equivalent(pred, gt)[0] is False
+
+
+# ----------------------------------------------------------------------------- unions
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt"),
+    [
+        # a union was compared part by part, so the same set written in fewer parts missed
+        ("[0,1] \\cup [1,2]", "[0,2]"),
+        ("[0, 2]", "[0, 1] \\cup [1, 2]"),
+        ("[0, 1) \\cup [1, 2]", "[0, 2]"),
+        ("(0, 1] \\cup (1, 2)", "(0, 2)"),
+        ("(0, 3) \\cup (1, 2)", "(0, 3)"),
+        ("(-\\infty, 1] \\cup [0, \\infty)", "(-\\infty, \\infty)"),
+        ("(-\\infty, 1] \\cup [0, \\infty)", "\\mathbb{R}"),
+        ("(-\\infty, 0) \\cup [0, 1] \\cup (5, 6)", "(-\\infty, 1] \\cup (5, 6)"),
+        ("[\\frac{1}{2}, 1] \\cup [1, 2]", "[0.5, 2]"),
+        ("x \\in [0, 1] \\cup [1, 2]", "[0, 2]"),
+    ],
+)
+def test_touching_or_overlapping_intervals_are_their_union(pred, gt):
+    assert is_equivalent(pred, gt)[0] is True
+
+
+@pytest.mark.parametrize(
+    ("pred", "gt"),
+    [
+        # a point both leave out is a gap
+        ("(0, 1) \\cup (1, 2)", "(0, 2)"),
+        ("[0, 1) \\cup (1, 2]", "[0, 2]"),
+        ("[0, 1] \\cup [2, 3]", "[0, 3]"),
+        ("[0, 1] \\cup [1, 2]", "[0, 2)"),
+        ("[0, 1] \\cup [1, 2]", "[0, 1] \\cup [2, 3]"),
+    ],
+)
+def test_a_gap_keeps_a_union_apart(pred, gt):
+    assert is_equivalent(pred, gt)[0] is False
