@@ -188,7 +188,10 @@ Rules worth knowing:
   with a unit is the number (``5`` is ``5 \text{ minutes}``).
 * **Multiple choice.** Against a ground truth that is a letter A-E (``C``, ``(C)``), an
   answer that starts with a choice, as AMC solutions do (``\textbf{(C) }12``), is that
-  choice, unless it names another one or says "or".
+  choice, unless it names another one or says "or"; a label in parentheses in lowercase,
+  ``(d)``, is its capital's, and so is a lowercase letter a-e alone in a box (``\boxed{d}``)
+  in a text that names choices (a label "(b)", a line "B) ...", the words option or choice):
+  elsewhere a lone letter keeps its case.
 * **Collections.** ``(a, b)``, ``[a, b)`` etc. compare element-wise and brackets must match
   (an open interval is not a closed one); ``\{...\}`` sets and bare comma lists compare as
   sets (order and repeats ignored). A list of assignments names a point: ``x = 1, y = 2``
@@ -491,10 +494,18 @@ def _with_unit(answer: str, text: str, end: int) -> str:
 
 
 # a multiple-choice ground truth (a letter A-E) and an answer that starts with its choice, as
-# AMC solutions do: \textbf{(C) }12
+# AMC solutions do: \textbf{(C) }12; a label in parentheses is a choice in either case ((d) is D)
 _CHOICE_GT = re.compile(r"\(?([A-E])\)?")
-_CHOICE_PRED = re.compile(r"\s*(?:\\text(?:bf|rm)?\s*\{\s*)?\(([A-E])\)")
-_ANOTHER_CHOICE = re.compile(r"\([A-E]\)|\bor\b")
+_CHOICE_PRED = re.compile(r"\s*(?:\\text(?:bf|rm)?\s*\{\s*)?\(([A-Ea-e])\)")
+_ANOTHER_CHOICE = re.compile(r"\([A-Ea-e]\)|\bor\b")
+# a lowercase letter a-e alone in a box (\boxed{d}, \boxed{\text{d}}), and what shows that the
+# text answers a multiple-choice question: a label, "(b)" or a line "B) ..." / "b. ...", or
+# the words option(s), choice(s)
+_LOWER_CHOICE = re.compile(r"\s*(?:\\(?:text(?:bf|rm)?|mathrm|mathbf)\s*\{\s*([a-e])\s*\}|([a-e]))\s*")
+_CHOICES_NAMED = re.compile(
+    r"\([A-Ea-e]\)|(?<![A-Za-z])(?:[Oo]ptions?|[Cc]hoices?)(?![A-Za-z])|^[ \t]*+[A-Ea-e][.)][ \t]",
+    re.MULTILINE,
+)
 
 
 def _choice(pred: str, gt: str) -> Verdict | None:
@@ -505,7 +516,20 @@ def _choice(pred: str, gt: str) -> Verdict | None:
     m = _CHOICE_PRED.match(p)
     if g is None or m is None or _ANOTHER_CHOICE.search(p, m.end()):
         return None
-    return m[1] == g[1], "choice"
+    return m[1].upper() == g[1], "choice"
+
+
+def _boxed_choice(answer: str, gt: str, text: str) -> str:
+    """``answer``, a box's, as the capital it names when it is a lowercase letter a-e, the
+    ground truth a choice letter and the text one that names choices (``\\boxed{d}`` after
+    "(A) 1, (B) 2..." is D): a lone letter keeps its case elsewhere (a variable's, a point's),
+    so a choice boxed in lowercase missed its capital."""
+    if _CHOICE_GT.fullmatch(gt.strip().strip("$").strip()) is None:
+        return answer
+    m = _LOWER_CHOICE.fullmatch(answer)
+    if m is None or _CHOICES_NAMED.search(text) is None:
+        return answer
+    return (m[1] or m[2]).upper()
 
 
 # what a side that names a value is made of besides its letters: subscripts (S_{10}),
@@ -600,6 +624,8 @@ def math_answer(
     if len(answer) > MAX_ANSWER_CHARS:
         info.update(extracted=answer[:100] + "...", chars=len(answer), decided_by="too_long")
         return RewardResult(score=0.0, components={"correct": 0.0, "extracted": 1.0}, info=info)
+    if extracted_by == "boxed":
+        answer = _boxed_choice(answer, ground_truth, text)
     ok, rule = is_equivalent(answer, ground_truth, timeout_s=sympy_timeout_s)
     info.update(prediction=canonical(answer), ground_truth=canonical(ground_truth), decided_by=rule)
     if rule == "timeout":

@@ -161,3 +161,52 @@ def test_touching_or_overlapping_intervals_are_their_union(pred, gt):
 )
 def test_a_gap_keeps_a_union_apart(pred, gt):
     assert is_equivalent(pred, gt)[0] is False
+
+
+# ----------------------------------------------------------------------------- a choice in lowercase
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # a lone letter keeps its case, so a choice boxed in lowercase missed its capital
+        "The options are (A) 1, (B) 2, (C) 3, (D) 4. So \\boxed{d}",
+        "Option d is the only one that works: \\boxed{d}.",
+        "<think>Check the choices: (a) fails, (b) fails, (c) fails.</think>\n\\boxed{d}",
+        "A) 1\nB) 2\nC) 3\nD) 4\n\nThe answer is \\boxed{\\text{d}}",
+        # a choice label in parentheses is a choice however it is written
+        "\\boxed{(d)}",
+        "The answer is (d).",
+    ],
+)
+def test_a_choice_in_lowercase_is_its_capital(text):
+    res = math_answer(text, ground_truth="D")
+    assert res.score == 1.0, res.info
+    assert math_answer(text, ground_truth="(D)").score == 1.0
+    assert math_answer(text, ground_truth="C").score == 0.0
+
+
+@pytest.mark.parametrize(
+    ("text", "gt"),
+    [
+        # no choice in sight: a lone letter is a variable or a point, and keeps its case
+        ("\\boxed{d}", "D"),
+        ("So the distance is \\boxed{d}.", "D"),
+        ("The options are (A) 1, (B) 2, (C) 3. \\boxed{x}", "X"),
+        # only a single capital A-E is a choice
+        ("The options are (a), (b), (f). \\boxed{f}", "F"),
+        ("The options are (a) and (b). \\boxed{a + b}", "A + B"),
+    ],
+)
+def test_a_lowercase_letter_without_a_choice_keeps_its_case(text, gt):
+    assert math_answer(text, ground_truth=gt).score == 0.0
+
+
+def test_a_lowercase_choice_label_against_a_choice():
+    assert is_equivalent("(d)", "D") == (True, "choice")
+    assert is_equivalent("\\textbf{(c) }12", "C") == (True, "choice")
+    assert is_equivalent("(d)", "C") == (False, "choice")
+    assert is_equivalent("(c) or (d)", "C")[0] is False
+    # the letter alone, as before: the reward's context decides, not the two answers
+    assert is_equivalent("d", "D")[0] is False
+    assert is_equivalent("x", "X")[0] is False
