@@ -128,8 +128,8 @@ def test_a_fork_while_the_module_level_rewards_are_being_built_does_not_hang_the
     # reward (registry discovery, imports): a child forked then must not inherit it held
     import multiprocessing as mp
 
+    from fabric.integrations import _openrlhf as openrlhf_mod
     from fabric.integrations import _verl
-    from fabric.integrations import openrlhf as openrlhf_mod
 
     ctx = mp.get_context("fork")
     for module in (_verl, openrlhf_mod):

@@ -1,0 +1,67 @@
+"""fabric.integrations against the frameworks' own calling code (review 17): what their source
+does with a reward file or function that the adapters' earlier tests did not do."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+import fabric.integrations.openrlhf as openrlhf_mod
+
+
+def _load_as_openrlhf_does(path: str):
+    """OpenRLHF's loading of ``--remote_rm_url file.py``: a module named ``reward_func``,
+    not put in ``sys.modules``, so nobody can import it by that name."""
+    spec = importlib.util.spec_from_file_location("reward_func", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _call_unpickled_in_a_child(blob: bytes, tmp_path) -> subprocess.CompletedProcess[bytes]:
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("FABRIC_")},
+        "FABRIC_FUNCTION": "exact_match",
+        "FABRIC_BACKEND": "inproc",
+    }
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import pickle, sys; f = pickle.loads(sys.stdin.buffer.read()); "
+            "print(f(['p Answer: 4'], ['p'], ['4'])['rewards'])",
+        ],
+        input=blob,
+        capture_output=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+    )
+
+
+def test_the_openrlhf_file_loaded_by_path_pickles_by_reference(tmp_path):
+    """OpenRLHF 0.8's ``RemoteRewardModel`` runs the file's function as a Ray task
+    (``ray.remote(reward_module.reward_func)``), which pickles it. Defined in the file loaded
+    by path, it belonged to a module nobody can import: pickle refused it ("import of module
+    'reward_func' failed"), and cloudpickle, copying it by value with the globals it reads,
+    failed on the module's lock ("cannot pickle '_thread.lock' object"). Defined in an
+    importable module it goes by reference and is rebuilt by import in the Ray worker."""
+    loaded = _load_as_openrlhf_does(openrlhf_mod.__file__)
+    blob = pickle.dumps(loaded.reward_func)  # what cloudpickle does with an importable function
+    child = _call_unpickled_in_a_child(blob, tmp_path)
+    assert child.returncode == 0, child.stderr.decode()[-2000:]
+    assert child.stdout.decode().strip() == "[1.0]"
+
+
+def test_the_openrlhf_file_loaded_by_path_goes_through_cloudpickle(tmp_path):
+    cloudpickle = pytest.importorskip("cloudpickle")  # Ray's pickler; not a dependency here
+    loaded = _load_as_openrlhf_does(openrlhf_mod.__file__)
+    child = _call_unpickled_in_a_child(cloudpickle.dumps(loaded.reward_func), tmp_path)
+    assert child.returncode == 0, child.stderr.decode()[-2000:]
+    assert child.stdout.decode().strip() == "[1.0]"
