@@ -19,7 +19,8 @@ that NaN, leaves it out of that sample's sum, and a sample with no reward at all
 advantage. That is what a failed call returns here (unless ``failure_score`` is set). The
 trainer logs ``rewards/<__name__>/mean``; ``__name__`` is the fabric function's name. An
 async callable (``async def __call__``) runs on TRL's own event-loop thread, concurrently
-with the other async reward functions: ``trl_async_reward``.
+with the other async reward functions: ``trl_async_reward`` (which also reads as a coroutine
+function to ``inspect.iscoroutinefunction``, what earlier TRL releases check).
 
 Dataset columns reach the function's parameters by name (a ``ground_truth`` column for
 ``math_answer``'s ``ground_truth``); ``args={"ground_truth": "answer"}`` names another column.
@@ -156,9 +157,26 @@ class TRLReward(_TRLReward):
         return self.finish(self._bridge.run(samples), kwargs)
 
 
+async def _trl_call(prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
+    """The calling convention an ``AsyncTRLReward`` shows ``inspect`` (never called)."""
+    raise NotImplementedError
+
+
 class AsyncTRLReward(_TRLReward):
     """The same, as an async callable: TRL awaits it on its event-loop thread, together with
     its other async reward functions (the calls themselves run on the bridge's loop)."""
+
+    def __init__(self, function: str | Callable[..., Any], **options: Any):
+        super().__init__(function, **options)
+        # TRL releases before is_async_callable pick async reward functions with
+        # inspect.iscoroutinefunction(reward_func), False for an instance with an async
+        # __call__: they called it as a sync function and iterated the coroutine it returned.
+        # A function's attributes make inspect (and asyncio) read the instance as the coroutine
+        # function it is, as they do Cython's functions; its signature is TRL's convention
+        self.__code__ = _trl_call.__code__
+        self.__defaults__ = _trl_call.__defaults__
+        self.__kwdefaults__ = _trl_call.__kwdefaults__
+        self.__annotations__ = dict(_trl_call.__annotations__)
 
     async def __call__(
         self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any

@@ -3,15 +3,20 @@ does with a reward file or function that the adapters' earlier tests did not do.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import inspect
 import os
 import pickle
 import subprocess
 import sys
 
 import pytest
+from integ_fns import REG
+from integ_helpers import trl_kwargs
 
 import fabric.integrations.openrlhf as openrlhf_mod
+from fabric.integrations.trl import trl_async_reward, trl_reward
 
 
 def _load_as_openrlhf_does(path: str):
@@ -65,3 +70,28 @@ def test_the_openrlhf_file_loaded_by_path_goes_through_cloudpickle(tmp_path):
     child = _call_unpickled_in_a_child(cloudpickle.dumps(loaded.reward_func), tmp_path)
     assert child.returncode == 0, child.stderr.decode()[-2000:]
     assert child.stdout.decode().strip() == "[1.0]"
+
+
+def test_an_async_trl_reward_reads_as_a_coroutine_function_itself():
+    """TRL releases before ``is_async_callable`` (the ``GRPOTrainer._calculate_rewards`` with
+    ``log_metric`` and ``self.async_loop``) pick the async reward functions with
+    ``inspect.iscoroutinefunction(reward_func)``, which is False for an instance whose
+    ``__call__`` is async: TRL called ``trl_async_reward(...)`` as a sync function, got a
+    coroutine back, and failed iterating it ("'coroutine' object is not iterable")."""
+    sync = trl_reward("length", registry=REG, backend="inproc")
+    reward = trl_async_reward("length", registry=REG, backend="inproc")
+    try:
+        assert inspect.iscoroutinefunction(reward) and asyncio.iscoroutinefunction(reward)
+        assert not inspect.iscoroutinefunction(sync) and not asyncio.iscoroutinefunction(sync)
+        # what inspect says of its parameters is TRL's calling convention, not __call__'s self
+        assert list(inspect.signature(reward).parameters) == ["prompts", "completions", "kwargs"]
+        kw = trl_kwargs(2)
+        kw.pop("_metrics")
+
+        async def as_those_releases_call_it():  # awaited on TRL's own loop thread
+            return await reward(prompts=["p", "p"], completions=["ab", "abc"], **kw)
+
+        assert asyncio.run(as_those_releases_call_it()) == [2.0, 3.0]
+    finally:
+        sync.close()
+        reward.close()
