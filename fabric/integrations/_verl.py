@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from fabric.backends.base import Backend
@@ -99,19 +99,26 @@ class VerlReward:
         ground_truths: Sequence[Any],
         extra_infos: Sequence[Any] | None = None,
     ) -> list[dict[str, float]]:
-        n = len(solution_strs)
-        extras = list(extra_infos) if extra_infos is not None else [None] * n
-        lengths = {
-            "data_sources": len(data_sources),
-            "ground_truths": len(ground_truths),
-            "extra_infos": len(extras),
+        strs = _batch_list("solution_strs", solution_strs)
+        if strs is None:
+            raise BadBatchError("solution_strs must be a list of the decoded responses, not None")
+        n = len(strs)
+        # a list left out (None) is none for every sample: callers of this convention pass
+        # data_sources=None or extra_infos=None when they have none
+        given = {
+            "data_sources": _batch_list("data_sources", data_sources),
+            "ground_truths": _batch_list("ground_truths", ground_truths),
+            "extra_infos": _batch_list("extra_infos", extra_infos),
         }
-        bad = {k: v for k, v in lengths.items() if v != n}
+        lists = {k: [None] * n if v is None else v for k, v in given.items()}
+        bad = {k: len(v) for k, v in lists.items() if len(v) != n}
         if bad:
             raise BadBatchError(f"{n} solution_strs but " + ", ".join(f"{v} {k}" for k, v in bad.items()))
         samples = [
             self.sample(ds, s, gt, ex)
-            for ds, s, gt, ex in zip(data_sources, solution_strs, ground_truths, extras, strict=True)
+            for ds, s, gt, ex in zip(
+                lists["data_sources"], strs, lists["ground_truths"], lists["extra_infos"], strict=True
+            )
         ]
         scores = self._bridge.run(samples)
         self.adapter.check(scores, none_ok=False)
@@ -119,6 +126,17 @@ class VerlReward:
 
     def close(self) -> None:
         self._bridge.close()
+
+
+def _batch_list(name: str, values: Any) -> list[Any] | None:
+    """One of the batch convention's lists (a list, a tuple, a numpy array) as a list; None
+    stays None. A string or a mapping is one value where a list of them goes: refused, where
+    it was read as one sample per character (or key)."""
+    if values is None:
+        return None
+    if isinstance(values, str | bytes | Mapping) or not isinstance(values, Iterable):
+        raise BadBatchError(f"{name} must be a list, one value per sample, not {type(values).__name__}")
+    return list(values)
 
 
 # ----------------------------------------------------------------------------- module level

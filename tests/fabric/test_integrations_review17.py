@@ -16,7 +16,9 @@ from integ_fns import REG
 from integ_helpers import trl_kwargs
 
 import fabric.integrations.openrlhf as openrlhf_mod
+from fabric.integrations import BadBatchError
 from fabric.integrations.trl import trl_async_reward, trl_reward
+from fabric.integrations.verl import VerlReward
 
 
 def _load_as_openrlhf_does(path: str):
@@ -94,4 +96,24 @@ def test_an_async_trl_reward_reads_as_a_coroutine_function_itself():
         assert asyncio.run(as_those_releases_call_it()) == [2.0, 3.0]
     finally:
         sync.close()
+        reward.close()
+
+
+def test_verl_batch_lists_that_are_none_or_not_lists_are_clear():
+    """veRL's batch convention passes four lists; a caller of it (an evaluation script scoring
+    saved outputs) passes ``data_sources=None`` as ``extra_infos`` may be: that was a
+    ``TypeError`` ("object of type 'NoneType' has no len()"). A None list is none for every
+    sample, as ``extra_infos``'s is; ``solution_strs`` None, or a single string where a list
+    goes, is a ``BadBatchError`` that says so, not a batch of one sample per character."""
+    reward = VerlReward("length", registry=REG, backend="inproc")
+    try:
+        out = reward.compute_score_batch(None, ["ab", "abc"], None, None)
+        assert [d["score"] for d in out] == [2.0, 3.0]
+        with pytest.raises(BadBatchError, match="solution_strs must be a list"):
+            reward.compute_score_batch(None, None, None)
+        with pytest.raises(BadBatchError, match="solution_strs must be a list"):
+            reward.compute_score_batch("d", "Answer: 4", "4")
+        with pytest.raises(BadBatchError, match="ground_truths must be a list"):
+            reward.compute_score_batch(["d"], ["Answer: 4"], "4")
+    finally:
         reward.close()
