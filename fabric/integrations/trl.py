@@ -90,6 +90,12 @@ class _TRLReward:
     def samples(
         self, prompts: Sequence[Any], completions: Sequence[Any], kwargs: dict[str, Any]
     ) -> list[Sample]:
+        # TRL passes lists: a string would be scored as one completion per character
+        for what, values in (("completions", completions), ("prompts", prompts)):
+            if not isinstance(values, list | tuple) and (what == "completions" or values is not None):
+                raise BadBatchError(
+                    f"{self.__name__}: {what} must be a list, one per completion, not {type(values).__name__}"
+                )
         n = len(completions)
         if prompts is not None and len(prompts) != n:
             raise BadBatchError(f"{self.__name__}: {len(prompts)} prompts but {n} completions")

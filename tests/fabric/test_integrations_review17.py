@@ -117,3 +117,18 @@ def test_verl_batch_lists_that_are_none_or_not_lists_are_clear():
             reward.compute_score_batch(["d"], ["Answer: 4"], "4")
     finally:
         reward.close()
+
+
+def test_trl_prompts_and_completions_that_are_not_lists_are_clear():
+    """TRL passes lists; a None was a ``TypeError`` (``len(None)``) and a string was scored as
+    one completion per character (and ``prompts="p"`` beside one completion passed)."""
+    with trl_reward("length", registry=REG, backend="inproc") as reward:
+        kw = trl_kwargs(1)
+        kw.pop("_metrics")
+        with pytest.raises(BadBatchError, match="completions must be a list"):
+            reward(prompts=["p"], completions=None, **kw)
+        with pytest.raises(BadBatchError, match="completions must be a list"):
+            reward(prompts=["p"], completions="abc", **kw)
+        with pytest.raises(BadBatchError, match="prompts must be a list"):
+            reward(prompts="p", completions=["abc"], **kw)
+        assert reward(prompts=["p"], completions=("abc",), **kw) == [3.0]
