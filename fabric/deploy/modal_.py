@@ -7,7 +7,8 @@ deploy`` sets to 0 unless given ``--keep-warm`` or ``--warm N``: billed while id
 ``memory_mb`` -> ``memory``. ``retry`` is not Modal's: Modal retries nothing (``retries=0``).
 Its retries would cover a lost or timed-out container, after which the call may have run,
 side effects included, and the client retries each such call again (3 x 3 runs); the client
-alone applies ``retry``, with its idempotency and side-effect rules. The image installs rl-fabric's
+alone applies ``retry``, with its idempotency and side-effect rules. The image runs the Python
+minor version that deploys it (the functions are pickled by value), installs rl-fabric's
 runtime requirements and adds the code (``fabric``, ``functions`` and your modules).
 Variables reach the functions through Modal secrets named at deploy (``--modal-secret``).
 
@@ -18,6 +19,7 @@ Variables reach the functions through Modal secrets named at deploy (``--modal-s
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -109,8 +111,12 @@ def build_app(
     roots = code_roots(plan)
     dirs = {arc: path for arc, path in roots.items() if path.is_dir()}
     named = sorted(arc for arc, path in dirs.items() if _found_at(arc, path))
+    # the functions go serialized (cloudpickle sends their code by value), and a code object
+    # loads only in the Python minor version that made it: the container runs the deploying
+    # interpreter's (a fixed 3.11 made functions no container could load from 3.12 or 3.13)
+    python = "{}.{}".format(*sys.version_info)
     image = (
-        modal.Image.debian_slim(python_version="3.11")
+        modal.Image.debian_slim(python_version=python)
         .pip_install(*requirements(pip))
         .add_local_python_source(*named, ignore=_left_out)
     )
