@@ -45,6 +45,14 @@ def _modal() -> Any:
 def modal_options(registry: Registry, fn: DeployedFunction) -> dict[str, Any]:
     """The keyword arguments of ``app.function`` for one function, as plain data."""
     spec = registry.get(fn.name)
+    if fn.warm > spec.max_concurrency:
+        # Modal refuses min_containers above max_containers while the app is built; the
+        # decorator checks its own warm, but --warm N sets every function's
+        raise DeployError(
+            f"{fn.name}: --warm {fn.warm} is more than its max_concurrency={spec.max_concurrency} (Modal's "
+            "max_containers, which min_containers cannot exceed): pass a smaller --warm, or --keep-warm "
+            "for each function's own warm"
+        )
     options: dict[str, Any] = {
         "name": fn.deployed_name,
         "min_containers": fn.warm,
@@ -152,9 +160,10 @@ def deploy_modal(
     echo: Callable[[str], None],
 ) -> None:
     modal = _modal()
-    app, _ = build_app(registry, plan, app_name, secrets=secrets, pip=pip)
-    echo(f"deploying Modal app {app_name!r}: {', '.join(f.deployed_name for f in plan)}")
     try:
+        # inside: Modal refuses some options when a function is defined, not when it deploys
+        app, _ = build_app(registry, plan, app_name, secrets=secrets, pip=pip)
+        echo(f"deploying Modal app {app_name!r}: {', '.join(f.deployed_name for f in plan)}")
         with modal.enable_output():
             app.deploy()
     except modal.exception.AuthError as e:

@@ -6,9 +6,18 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 from sample_fns import REG
 
 from fabric.deploy import plan_functions
+
+
+@pytest.fixture
+def no_modal_token(monkeypatch, tmp_path):
+    monkeypatch.delenv("MODAL_TOKEN_ID", raising=False)
+    monkeypatch.delenv("MODAL_TOKEN_SECRET", raising=False)
+    monkeypatch.setenv("MODAL_CONFIG_PATH", str(tmp_path / "modal.toml"))
+    monkeypatch.setenv("HOME", str(tmp_path))
 
 
 def test_the_modal_image_runs_the_python_that_pickled_the_functions(monkeypatch):
@@ -40,3 +49,38 @@ def test_the_modal_image_runs_the_python_that_pickled_the_functions(monkeypatch)
     finally:
         monkeypatch.undo()
     assert series == ["3.12"], asked
+
+
+def test_a_warm_above_max_concurrency_is_a_deploy_error_not_a_traceback(
+    no_modal_token, tmp_path, monkeypatch
+):
+    """``--warm N`` sets every function's ``min_containers``; Modal refuses one above
+    ``max_containers`` (the function's ``max_concurrency``) while the app is built, before
+    the deploy's own error handling: `fabric deploy --backend modal --warm 100` ended in
+    InvalidError's traceback. It says which function and what to pass."""
+    from typer.testing import CliRunner
+
+    from fabric.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    args = ["deploy", "--backend", "modal", "--prune", "-m", "sample_fns", "-f", "add", "--warm", "100"]
+    r = CliRunner().invoke(app, args)
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and "Traceback" not in r.output, (r.exit_code, r.output, r.exception)
+    assert "add" in said and "--warm 100" in said and "max_concurrency=64" in said, said
+
+
+def test_what_modal_refuses_while_the_app_is_built_is_a_deploy_error(monkeypatch):
+    """``build_app`` ran outside ``deploy_modal``'s translation of Modal's errors: an option
+    Modal refuses when the function is defined (not when the app deploys) came out as its
+    exception instead of a ``DeployError`` saying so."""
+    import fabric.deploy.modal_ as modal_deploy
+    from fabric.deploy.plan import DeployError
+
+    plan = plan_functions(REG, ["add"], prefix="rl-")
+    real = modal_deploy.modal_options
+    monkeypatch.setattr(
+        modal_deploy, "modal_options", lambda reg, fn: {**real(reg, fn), "scaledown_window": 1}
+    )
+    with pytest.raises(DeployError, match="InvalidError: `scaledown_window` must be between 2 and 3600"):
+        modal_deploy.deploy_modal(REG, plan, echo=lambda m: None)
