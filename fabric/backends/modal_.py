@@ -9,7 +9,8 @@ message says how to log in); a function that is not deployed is ``UnknownFunctio
 timeout is ``FunctionTimeout``; its rate limit (``ResourceExhaustedError``) is ``Throttled``,
 retryable and safe to retry for a side effect (nothing ran); a request Modal refuses as
 invalid is ``SetupFailed`` (the deployment's or the config's, not the payload's), and so is
-an ``ImportError`` from the container (its image cannot import fabric's runtime), one too
+an ``ImportError`` from the container (its image cannot import fabric's runtime) or a
+``DeserializationError`` (it cannot load the function as deployed), one too
 large ``PayloadTooLarge``, all final; anything else on
 the way (``ConnectionError``, ``InternalFailure``, ``ServiceError``, a lost container) is a
 retryable ``TransportError``.
@@ -39,6 +40,10 @@ _ERRORS: tuple[tuple[str, ErrorCode], ...] = (
     # not the function's answer: InvalidArguments was kept under the idempotency key and
     # scored by a reward's failure_score as if the trajectory had earned it
     ("InvalidError", ErrorCode.SETUP_FAILED),
+    # raised by a container that cannot load the deployed (cloudpickled) function, before any
+    # input runs, and re-raised here for the inputs Modal fails with it: no call runs until
+    # the app is redeployed (from the Python version the image runs), as for an ImportError
+    ("DeserializationError", ErrorCode.SETUP_FAILED),
     ("RequestSizeError", ErrorCode.PAYLOAD_TOO_LARGE),
 )
 
@@ -113,6 +118,11 @@ class ModalBackend(Backend):
             message += (
                 " (the Modal container cannot import fabric's runtime: its image lacks a package; "
                 "redeploy with `fabric deploy --backend modal` from an environment with rl-fabric installed)"
+            )
+        elif isinstance(e, getattr(exc, "DeserializationError", ())):
+            message += (
+                " (the Modal container cannot load the function as deployed, made by another Python "
+                "or library version: redeploy with `fabric deploy --backend modal`)"
             )
         elif code == ErrorCode.UNAUTHORIZED:
             message += (

@@ -84,3 +84,43 @@ def test_what_modal_refuses_while_the_app_is_built_is_a_deploy_error(monkeypatch
     )
     with pytest.raises(DeployError, match="InvalidError: `scaledown_window` must be between 2 and 3600"):
         modal_deploy.deploy_modal(REG, plan, echo=lambda m: None)
+
+
+async def test_a_container_that_cannot_load_the_deployed_function_is_setup_failed():
+    """A Modal container loads the cloudpickled function before any input runs; when that
+    fails (the app was deployed from another Python version, or another cloudpickle), the
+    container reports the ``DeserializationError`` as a task failure, Modal fails the
+    queued inputs with it and the client re-raises it. It was a retryable TransportError:
+    every call retried to its attempts and a side effect's ended OutcomeUnknown, though no
+    call can run until the app is redeployed (as for an ImportError in the container)."""
+    import modal.exception
+
+    from fabric.backends.base import ModalConfig
+    from fabric.backends.modal_ import ModalBackend
+    from fabric.errors import FINAL_ERRORS, ErrorCode
+    from fabric.protocol import Invocation
+
+    said = (
+        "Deserialization failed due to a version mismatch between local and remote environments. "
+        "Try changing the Python version in your Modal image to match your local Python version. "
+    )
+
+    class Unloadable:
+        """A deployed function whose ``.remote.aio`` raises what Modal's client raised."""
+
+        @property
+        def remote(self):
+            return self
+
+        async def aio(self, *args, **kwargs):
+            raise modal.exception.DeserializationError(said)
+
+    class FakeModal(ModalBackend):
+        def _function(self, name):  # the lookup hook: no Modal account here
+            return Unloadable()
+
+    async with FakeModal(REG, ModalConfig()) as b:
+        r = await b.invoke(Invocation(function="add", payload={"a": 1}))
+    assert r.error.type == ErrorCode.SETUP_FAILED and not r.retryable, r.error
+    assert r.error.type not in FINAL_ERRORS  # not the function's answer, kept under a key
+    assert "version mismatch" in r.error.message and "fabric deploy --backend modal" in r.error.message
