@@ -16,7 +16,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from fabric.errors import BackendClosedError, ConfigError, ErrorCode, PayloadError, validation_problems
 from fabric.protocol import MAX_PAYLOAD_BYTES, Invocation, Result, encode_payload
@@ -163,13 +171,38 @@ class LambdaConfig(_Config):
         return self
 
 
+#: A Modal app's name, as Modal's ``check_object_name`` takes it (``fabric deploy`` is refused
+#: one it does not).
+_MODAL_APP = re.compile(r"[A-Za-z0-9._-]{1,64}")
+#: ``fabric deploy --prefix``'s characters: a Modal function name's less the '.', which
+#: ``Function.from_name`` refuses (it takes a name with one for a class's method).
+_MODAL_PREFIX = re.compile(r"[A-Za-z0-9_-]*")
+
+
 class ModalConfig(_Config):
     """Call functions deployed to Modal (``fabric deploy --backend modal``)."""
 
     type: Literal["modal"] = "modal"
     app_name: str = "rl-fabric"
+    """``fabric deploy --modal-app``: letters, digits, '-', '_' and '.', at most 64."""
     function_prefix: str = DEPLOY_PREFIX
     """Deployed names are ``prefix + name`` (``fabric deploy --prefix``)."""
+
+    # checked here, when a job starts: Modal refused them at every call, each a SetupFailed
+    @field_validator("app_name")
+    @classmethod
+    def _modal_app(cls, v: str) -> str:
+        if not _MODAL_APP.fullmatch(v):
+            raise ValueError(f"{v!r} is not a Modal app name (1 to 64 letters, digits, '-', '_' or '.')")
+        return v
+
+    @field_validator("function_prefix")
+    @classmethod
+    def _modal_prefix(cls, v: str) -> str:
+        if not _MODAL_PREFIX.fullmatch(v):
+            raise ValueError(f"{v!r} is not a prefix fabric deploy makes (letters, digits, '-' and '_' only)")
+        return v
+
     environment_name: str | None = None
     """Modal environment; ``None`` is the workspace default."""
 

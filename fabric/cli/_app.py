@@ -218,7 +218,10 @@ def remote_backend(
             return None
         given_modal = {"function_prefix": prefix, "app_name": modal_app}
         chosen = {k: v for k, v in given_modal.items() if v is not None}
-        return ModalConfig(**chosen) if chosen else None
+        try:
+            return ModalConfig(**chosen) if chosen else None
+        except ValidationError as e:
+            bad_options(e, {"function_prefix": "--prefix", "app_name": "--modal-app"})
     if region is not None and endpoint_url is None:  # worded as deploy's --region
         problem = region_problem(region)
         if problem is not None:

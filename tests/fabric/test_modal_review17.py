@@ -124,3 +124,44 @@ async def test_a_container_that_cannot_load_the_deployed_function_is_setup_faile
     assert r.error.type == ErrorCode.SETUP_FAILED and not r.retryable, r.error
     assert r.error.type not in FINAL_ERRORS  # not the function's answer, kept under a key
     assert "version mismatch" in r.error.message and "fabric deploy --backend modal" in r.error.message
+
+
+@pytest.mark.parametrize(
+    ("config", "key"),
+    [
+        ({"function_prefix": "team.a-"}, "function_prefix"),  # Function.from_name refuses a '.'
+        ({"function_prefix": "team a-"}, "function_prefix"),
+        ({"app_name": "my rewards"}, "app_name"),  # Modal's names: letters, digits, '-', '_', '.'
+        ({"app_name": "x" * 65}, "app_name"),
+        ({"app_name": ""}, "app_name"),
+    ],
+)
+def test_a_modal_config_naming_what_modal_refuses_is_refused_at_the_edge(config, key):
+    """A ``ModalConfig`` took any app name and prefix: one Modal refuses failed every call,
+    at the call (a '.' in the prefix as SetupFailed with Modal's hint to use
+    ``Cls.from_name``), where a job found it after starting. It is a ``ConfigError`` naming
+    the key, as ``fabric deploy`` refuses a bad ``--prefix``."""
+    from fabric.backends.base import parse_backend_config
+    from fabric.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=key):
+        parse_backend_config({"type": "modal", **config})
+
+
+def test_a_modal_config_takes_the_names_fabric_deploy_makes():
+    from fabric.backends.base import ModalConfig, parse_backend_config
+
+    cfg = parse_backend_config({"type": "modal", "app_name": "team-a.rewards_v2", "function_prefix": ""})
+    assert isinstance(cfg, ModalConfig) and cfg.app_name == "team-a.rewards_v2"
+    assert ModalConfig(function_prefix="team_a-").function_prefix == "team_a-"
+
+
+@pytest.mark.parametrize(("option", "value"), [("--modal-app", "my app"), ("--prefix", "team.a-")])
+def test_fabric_invoke_names_the_modal_option_modal_refuses(no_modal_token, option, value):
+    from typer.testing import CliRunner
+
+    from fabric.cli import app
+
+    r = CliRunner().invoke(app, ["invoke", "add", "--backend", "modal", option, value, "-m", "sample_fns"])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and f"{option} {value!r}" in said, (r.exit_code, r.output, r.exception)
