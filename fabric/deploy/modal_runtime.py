@@ -4,13 +4,16 @@ One ``FunctionRunner`` per function per container, built on first use (the setup
 once, as in a local warm worker), and one event loop per container for the async ones, as the
 Lambda handler keeps: a client a setup hook (or a first call) made, an ``httpx.AsyncClient``,
 stays bound to the loop it first ran on, and ``asyncio.run`` per call would close that loop
-under it. A failure is data, as with the Lambda handler: the Modal function itself raises
-only if this module is broken.
+under it. An async call is cut before Modal's own timeout, which counts a cold start's import
+and setup hook (``MODAL_MARGIN_S``, as the Lambda handler keeps back from Lambda's). A failure
+is data, as with the Lambda handler: the Modal function itself raises only if this module is
+broken.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any
 
@@ -18,6 +21,10 @@ from fabric.errors import ErrorCode
 from fabric.protocol import Invocation, Result
 from fabric.registry import Registry
 from fabric.runner import FunctionRunner, outcome_to_result
+
+#: Time kept back from Modal's timeout for an async call, so that its own FunctionTimeout
+#: reaches the client before Modal kills the container (as the Lambda handler keeps back).
+MODAL_MARGIN_S = 0.5
 
 _runners: dict[str, FunctionRunner] = {}
 _cold = True
@@ -29,6 +36,7 @@ entered twice at once."""
 
 def run(name: str, module: str, envelope: dict[str, Any]) -> dict[str, Any]:
     global _cold, _loop
+    began = time.monotonic()  # Modal's timeout counts from here: the import and setup hook too
     cold, _cold = _cold, False
     try:
         inv = Invocation.model_validate(envelope)
@@ -81,6 +89,11 @@ def run(name: str, module: str, envelope: dict[str, Any]) -> dict[str, Any]:
         timeout = min(timeout, remaining)
     t0 = time.perf_counter()
     if runner.is_async:
+        # what Modal's timeout (deployed as ceil(timeout_s)) leaves after a cold start's import
+        # and setup hook: cut there, the call ends as its own FunctionTimeout and the container
+        # stays warm; past it Modal kills the container and the set-up runner with it
+        modal_left = max(1, math.ceil(runner.spec.timeout_s)) - (time.monotonic() - began) - MODAL_MARGIN_S
+        timeout = max(min(timeout, modal_left), 0.001)
         if _loop is None:
             _loop = asyncio.new_event_loop()
         ok, out = _loop.run_until_complete(runner.run_async(inv.raw_payload, timeout))

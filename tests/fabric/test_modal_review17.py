@@ -165,3 +165,44 @@ def test_fabric_invoke_names_the_modal_option_modal_refuses(no_modal_token, opti
     r = CliRunner().invoke(app, ["invoke", "add", "--backend", "modal", option, value, "-m", "sample_fns"])
     said = " ".join(r.output.split())
     assert r.exit_code == 2 and f"{option} {value!r}" in said, (r.exit_code, r.output, r.exception)
+
+
+def test_a_cold_async_call_on_modal_ends_before_modal_kills_its_container(tmp_path, monkeypatch):
+    """Modal's ``timeout`` (the function's ``timeout_s``) counts from the input's start, and a
+    cold container's first input imports the module and runs the setup hook in it. The runtime
+    then gave the async call its whole ``timeout_s`` again: one that ran long was killed by
+    Modal (FunctionTimeoutError) with its container and its set-up runner, so the next call
+    was cold again, and with a slow setup every call was. As the Lambda handler bounds an async
+    call by what Lambda leaves it, the runtime bounds it by what Modal's timeout leaves."""
+    from fabric.deploy import modal_runtime
+    from fabric.protocol import Invocation
+    from fabric.runner import FunctionRunner
+
+    src = tmp_path / "slow_setup_fns.py"
+    src.write_text(
+        "import asyncio, time\n"
+        "from fabric.registry import Registry\n"
+        "REG = Registry()\n"
+        "def _setup():\n    time.sleep(0.5)\n    return 1\n"
+        "@REG.function(timeout_s=2, setup=_setup)\n"
+        "async def slow_setup(x: int, ctx: int) -> int:\n    return x + ctx\n"
+    )
+    given: list[float | None] = []
+    real = FunctionRunner.run_async
+
+    async def recording(self, raw, timeout_s, on_timer=None):
+        given.append(timeout_s)
+        return await real(self, raw, timeout_s, on_timer)
+
+    monkeypatch.setattr(FunctionRunner, "run_async", recording)
+    try:
+        inv = Invocation(function="slow_setup", payload={"x": 1})
+        out = modal_runtime.run("slow_setup", str(src), inv.model_dump(mode="json"))
+        assert out["ok"] and out["value"] == 2 and out["cold_start"], out
+        out = modal_runtime.run("slow_setup", str(src), inv.model_dump(mode="json"))
+        assert out["ok"] and not out["cold_start"], out
+    finally:
+        modal_runtime.reset()
+    # the cold call: Modal's 2 s less the 0.5 s setup and a margin; a warm one has its own
+    assert given[0] is not None and given[0] <= 1.5 - modal_runtime.MODAL_MARGIN_S, given
+    assert given[1] is not None and given[1] > 1.5 - modal_runtime.MODAL_MARGIN_S, given
