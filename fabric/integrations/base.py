@@ -362,8 +362,8 @@ class RewardAdapter:
                     if param in required:
                         raise MissingArgumentError(
                             f"sample #{i} has no {' or '.join(map(repr, sources))} for {param!r} of "
-                            f"{self.spec.name} (a required parameter; the first sample had it); it has: "
-                            f"{_shown(s.sources)}"
+                            f"{self.spec.name} (a required parameter, which the first sample scored had); "
+                            f"it has: {_shown(s.sources)}"
                         )
             if i not in held:
                 out.append(payload)
