@@ -202,8 +202,16 @@ class EnvPool:
         from then on the pool keeps that many warm (until no session has asked for it in
         ``warm_idle_s``). If none of them starts, the first start error is raised
         (``ImageNotFound`` for a wrong reference) and the image is not kept warm: only an
-        image that starts is retried in the background."""
+        image that starts is retried in the background. More than ``max_containers`` is
+        refused (``EnvUsageError``), as ``PoolConfig`` refuses such a ``min_warm``."""
         n = self.config.min_warm if n is None else n
+        if n > self.config.max_containers:
+            # kept, the want could never be met: the housekeeping chased it every tick, and it
+            # let go of every other image's warm containers to make room for it
+            raise EnvUsageError(
+                f"prewarm(n={n}) of {image or 'the built-ins'}: more than max_containers "
+                f"({self.config.max_containers}) can never be warm; lower n or raise max_containers"
+            )
         need = max(n - len(self._idle.get(image, ())) - self._starting[image], 0)
         if need:
             starts = [self._start_idle(image, background=False) for _ in range(need)]
@@ -457,12 +465,18 @@ class EnvPool:
                 self._stopper.retry_leaked(now)
                 self._probe_idle(now)
                 self._stopper.unpin_stopped()  # a stop whose caller was cancelled went on
+                # no more starts than there are free slots: each start past them found no
+                # room and returned, spawned again every tick while sessions held the slots
+                room = self.config.max_containers - len(self.runtime.live) - sum(self._starting.values())
                 for image, want in list(self._wanted.items()):
+                    if room <= 0:
+                        break
                     if now < self._prestart_after.get(image, 0.0):
                         continue
-                    missing = want - len(self._idle[image]) - self._starting[image]
+                    missing = min(want - len(self._idle[image]) - self._starting[image], room)
                     for _ in range(max(missing, 0)):
                         self._spawn_bg(self._start_idle(image))
+                    room -= max(missing, 0)
                 for c in list(self._claimed.values()):
                     if not c.in_flight and now - c.last_active > self.config.session_ttl_s:
                         # a session idle this long was leaked (its owner forgot it): reclaim
