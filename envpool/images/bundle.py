@@ -20,6 +20,7 @@ import stat
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from envpool.images.errors import DigestMismatch, InvalidImageRef, UnsafeBundle
 
@@ -43,9 +44,17 @@ def parse_digest(digest: str) -> str:
     return digest
 
 
-def verify(data: bytes, digest: str, *, source: str = "") -> None:
-    """Raise ``DigestMismatch`` unless ``data`` hashes to ``digest``."""
-    actual = digest_of(data)
+def verify(data: bytes | BinaryIO, digest: str, *, source: str = "") -> None:
+    """Raise ``DigestMismatch`` unless ``data`` (bytes, or a file read from its start a
+    part at a time) hashes to ``digest``."""
+    if isinstance(data, bytes | bytearray | memoryview):
+        actual = digest_of(bytes(data))
+    else:
+        data.seek(0)
+        h = hashlib.sha256()
+        while chunk := data.read(2**20):
+            h.update(chunk)
+        actual = "sha256:" + h.hexdigest()
     if actual != digest:
         raise DigestMismatch(digest, actual, tier=source)
 
@@ -268,11 +277,16 @@ def _check_member(m: tarfile.TarInfo, seen: dict[str, tarfile.TarInfo]) -> None:
             raise UnsafeBundle(f"bundle member {m.name!r} hard-links to the directory {m.linkname!r}")
 
 
-def unpack(data: bytes, dest: str | os.PathLike[str], *, max_bytes: int | None = None) -> None:
-    """Unpack a bundle into the (new or empty) directory ``dest``; ``UnsafeBundle`` on any
-    member that could write outside it, and before anything is written."""
+def unpack(data: bytes | BinaryIO, dest: str | os.PathLike[str], *, max_bytes: int | None = None) -> None:
+    """Unpack a bundle (its bytes, or a file of them: read from its start, never whole)
+    into the (new or empty) directory ``dest``; ``UnsafeBundle`` on any member that could
+    write outside it, and before anything is written."""
+    if isinstance(data, bytes | bytearray | memoryview):
+        data = io.BytesIO(data)
+    else:
+        data.seek(0)
     try:
-        tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:gz")
+        tar = tarfile.open(fileobj=data, mode="r:gz")
     except (tarfile.TarError, OSError, EOFError) as e:
         raise UnsafeBundle(f"not a tar.gz bundle: {e}") from None
     with tar:

@@ -8,11 +8,13 @@
 A ``get`` walks the tiers fastest first. Whatever a tier returns is checked against the digest;
 a corrupt blob is counted, dropped from that tier and the walk goes on to the next one. The
 first good copy is written back to the faster writable tiers it missed and unpacked (both at
-once). Concurrent gets of one digest share a single fetch (single-flight), so a thousand resets
-of a cold image cost one download; the processes sharing ``unpack_dir`` share it too (a lock
-file per bundle being loaded: the others wait for the bundle to be there). A walk that ends in
-a transport fault is retried with exponential backoff and full jitter; one that ends in "no
-tier has it" is not.
+once). Behind a disk tier, a blob is streamed into it a chunk at a time, its digest checked
+as it comes, and unpacked and written back from that file: an image larger than memory is
+never held whole (with no disk tier in front, it is). Concurrent gets of one digest share a
+single fetch (single-flight), so a thousand resets of a cold image cost one download; the
+processes sharing ``unpack_dir`` share it too (a lock file per bundle being loaded: the others
+wait for the bundle to be there). A walk that ends in a transport fault is retried with
+exponential backoff and full jitter; one that ends in "no tier has it" is not.
 
 Unpacked bundles are evicted least recently used first to stay under
 ``unpacked_budget_bytes`` (``envpool.images.unpacked``) after each unpack and at each
@@ -34,7 +36,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from pydantic import BaseModel, ConfigDict, Field
 from tenacity import (
@@ -49,7 +51,8 @@ from tenacity.stop import stop_base
 
 from envpool.images.bundle import Bundle, ImageRef, verify
 from envpool.images.errors import DigestMismatch, ImageError, ImageFetchError, ImageNotFound
-from envpool.images.tiers import Tier, TierConfig, make_tier
+from envpool.images.tiers import DiskTier, Tier, TierConfig, make_tier
+from envpool.images.tiers.disk import second_reader
 from envpool.images.unpacked import (
     MARKER,
     UnpackedStore,
@@ -106,6 +109,21 @@ class CacheConfig(BaseModel):
     releasing its pin. Enforced per process."""
 
 
+Blob = bytes | BinaryIO
+"""A blob in hand: its bytes, or a file of them (the disk tier's: never read whole)."""
+
+
+class _Streamed:
+    """A blob streamed into the disk tier, its digest checked on the way: its file."""
+
+    def __init__(self, file: BinaryIO):
+        self.file = file
+
+
+def _close(f: BinaryIO, _: object) -> None:
+    f.close()
+
+
 def _retryable(e: BaseException) -> bool:
     return isinstance(e, ImageFetchError) and e.retryable
 
@@ -152,6 +170,8 @@ class TieredCache:
         if len(set(names)) != len(names):
             raise ImageError(f"tier names must be unique (they key the metrics): {names}")
         self.tiers = list(tiers)
+        self._disk = next((t for t in self.tiers if isinstance(t, DiskTier)), None)
+        """The disk tier the tiers behind it stream their blobs into (``_get``)."""
         self.unpack_root = Path(unpack_dir) / "sha256"
         self.retry = retry or RetryPolicy()
         self.max_unpacked_bytes = max_unpacked_bytes
@@ -451,10 +471,17 @@ class TieredCache:
         return None
 
     async def _fetch_and_unpack(self, digest: str) -> Path:
+        data: Blob | None = None
+        unpacking: asyncio.Future[tuple[Path, int]] | None = None
         try:
             async with self._fetch_slots:
                 data, found_at = await self._fetch(digest)
-            faster = [t for t in self.tiers[:found_at] if t.writable]
+            # (a blob in a file is in the disk tier already, or was too big for it)
+            faster = [
+                t
+                for t in self.tiers[:found_at]
+                if t.writable and (isinstance(data, bytes) or t is not self._disk)
+            ]
             # unpack while the copies are written back; _write_back never raises. Not
             # cancelled with the load (only the close cancels it): its thread would go on
             unpacking = self._unpack(digest, data)
@@ -471,6 +498,13 @@ class TieredCache:
             self._outcomes["failed"] += 1
             log.warning("loading image %s failed: %s: %s", digest, type(e).__name__, e)
             raise
+        finally:
+            if data is not None and not isinstance(data, bytes):
+                # once its unpack is done: a cancelled load's thread may still read it
+                if unpacking is None or unpacking.done():
+                    data.close()
+                else:
+                    unpacking.add_done_callback(partial(_close, data))
         self._outcomes["loaded"] += 1
         self.unpacked.added(path.name, size)
         await self._evict(keep=path.name)
@@ -491,7 +525,7 @@ class TieredCache:
             await asyncio.to_thread(remove_all, victims)
 
     # -- the walk
-    async def _fetch(self, digest: str) -> tuple[bytes, int]:
+    async def _fetch(self, digest: str) -> tuple[Blob, int]:
         r = self.retry
         stop: stop_base = stop_after_attempt(r.attempts)
         if r.deadline_s is not None:
@@ -513,23 +547,18 @@ class TieredCache:
         exc = state.outcome.exception() if state.outcome else None
         log.info("retrying image %s after attempt %d: %s", digest, state.attempt_number, exc)
 
-    async def _walk(self, digest: str) -> tuple[bytes, int]:
+    async def _walk(self, digest: str) -> tuple[Blob, int]:
         """One pass over the tiers. Its verdict is the last tier's: a miss there means the
-        image does not exist (final), a fault there means try again later."""
+        image does not exist (final), a fault there means try again later. Behind a disk
+        tier, a blob is streamed into it (``_get``) and handed on as its file."""
         last_error: ImageFetchError | None = None
         for i, tier in enumerate(self.tiers):
+            data: bytes | BinaryIO | _Streamed | None = None
             try:
-                data = await tier.get(digest)
-            except ImageFetchError as e:
-                log.info("tier %s failed for %s: %s", tier.name, digest, e)
-                last_error = e
-                continue
-            if data is None:
-                last_error = None
-                continue
-            try:
-                # hashing releases the GIL; off the loop so an 8 GB check does not stall it
-                await asyncio.to_thread(verify, data, digest, source=tier.name)
+                data = await self._get(tier, i, digest)
+                if data is not None and not isinstance(data, _Streamed):
+                    # hashing releases the GIL; off the loop so an 8 GB check does not stall it
+                    await asyncio.to_thread(verify, data, digest, source=tier.name)
             except DigestMismatch as e:
                 # bytes, not the image: counted corrupt, not a hit (a tier whose every copy is
                 # bad read as a healthy hit ratio)
@@ -538,13 +567,43 @@ class TieredCache:
                 self._outcomes["corrupt"] += 1
                 then = "trying the next tier" if i + 1 < len(self.tiers) else "fetching it again"
                 log.warning("%s; dropping it and %s", e, then)
+                if data is not None and not isinstance(data, bytes | _Streamed):
+                    data.close()  # (a disk tier's file)
                 await self._drop(tier, digest)
                 last_error = e
                 continue
-            return data, i
+            except ImageFetchError as e:
+                log.info("tier %s failed for %s: %s", tier.name, digest, e)
+                last_error = e
+                continue
+            if data is None:
+                last_error = None
+                continue
+            return (data.file if isinstance(data, _Streamed) else data), i
         if last_error is not None:
             raise last_error
         raise ImageNotFound(digest, [t.name for t in self.tiers])
+
+    async def _get(self, tier: Tier, i: int, digest: str) -> bytes | BinaryIO | _Streamed | None:
+        """``tier``'s copy of the blob: its bytes; a disk tier's file; or, behind a disk
+        tier, streamed into that tier a chunk at a time (its digest checked as it came):
+        an image larger than memory is never held whole. A disk that cannot take it (full)
+        is passed by: the blob is read into memory, as with no disk tier."""
+        disk = self._disk
+        if tier is disk:
+            return await disk.open_blob(digest)
+        if disk is None or self.tiers.index(disk) > i:
+            return await tier.get(digest)
+        async with tier.stream(digest) as chunks:
+            if chunks is None:
+                return None
+            try:
+                return _Streamed(await disk.put_stream(digest, chunks, source=tier.name))
+            except ImageFetchError as e:
+                if e.tier != disk.name or isinstance(e, DigestMismatch):
+                    raise
+                log.warning("could not stream %s into %s (%s): reading it into memory", digest, disk.name, e)
+        return await tier.get(digest)
 
     async def _drop(self, tier: Tier, digest: str) -> None:
         try:
@@ -552,14 +611,19 @@ class TieredCache:
         except ImageError as e:
             log.warning("could not drop corrupt %s from %s: %s", digest, tier.name, e)
 
-    async def _write_back(self, tier: Tier, digest: str, data: bytes) -> None:
+    async def _write_back(self, tier: Tier, digest: str, data: Blob) -> None:
         try:
-            await tier.put(digest, data)
-        except ImageError as e:
+            if isinstance(data, bytes):
+                await tier.put(digest, data)
+            else:
+                # a reader of its own: the unpack reads the same file meanwhile
+                with second_reader(data) as f:
+                    await tier.put_file(digest, f)
+        except (ImageError, OSError) as e:
             # the image is in hand; a tier that cannot keep a copy costs a later fetch only
             log.warning("could not write %s back to %s: %s", digest, tier.name, e)
 
-    def _unpack(self, digest: str, data: bytes) -> asyncio.Future[tuple[Path, int]]:
+    def _unpack(self, digest: str, data: Blob) -> asyncio.Future[tuple[Path, int]]:
         """The bundle unpacked in a thread (``unpack_tree``), tracked for the close."""
         work = partial(
             unpack_tree,

@@ -32,6 +32,7 @@ import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from envpool.images import durable
 from envpool.images.bundle import UNPACKED_MARKER, unpack
@@ -338,7 +339,7 @@ def prepare(root: Path) -> None:
 def unpack_tree(
     root: Path,
     digest: str,
-    data: bytes,
+    data: bytes | BinaryIO,
     *,
     max_bytes: int | None,
     precompile: bool,
@@ -370,7 +371,7 @@ def _unpack_into(
     tmp: Path,
     final: Path,
     digest: str,
-    data: bytes,
+    data: bytes | BinaryIO,
     *,
     max_bytes: int | None,
     precompile: bool,

@@ -3,22 +3,27 @@
 A tier maps a digest to the bundle's bytes. ``get`` returns ``None`` for a blob the tier does
 not have (a miss, never retried) and raises ``ImageFetchError`` when the tier itself failed
 (``retryable`` says whether trying again can help). Tiers do not verify digests: the cache
-does, once, for whatever any tier returns. The public methods live here and keep the
-metrics; tiers override the hooks ``_get``, ``_put``, ``_delete``, ``_start`` and ``_close``.
+does, once, for whatever any tier returns. ``stream`` hands a blob over a chunk at a time
+(the cache streams one into its disk tier, checking its digest as it comes), ``put_file``
+stores one from a file. The public methods live here and keep the metrics; tiers override
+the hooks ``_get``, ``_stream``, ``_put``, ``_put_file``, ``_delete``, ``_start`` and ``_close``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from typing import Any, ClassVar
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, BinaryIO, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from envpool.images.bundle import parse_digest
-from envpool.images.errors import ImageError, ImageFetchError
+from envpool.images.errors import DigestMismatch, ImageError, ImageFetchError
 
 
 class TierConfigBase(BaseModel):
@@ -38,9 +43,10 @@ class FetchingTierConfig(TierConfigBase):
     """The most bytes of one blob this tier downloads (2 GiB by default): a reply whose
     stated length (``Content-Length``, S3's ``ContentLength``) says more is refused before
     its body is read, and one whose body (decompressed) runs past it is cut off there, so a
-    huge or endless body cannot fill the node's memory and disk (a blob is held whole while
-    it is verified and unpacked). Not retried (``ImageFetchError``, naming this key): raise
-    it for images that big."""
+    huge or endless body cannot fill the node's disk (behind a disk tier a blob is streamed
+    into it, and counted as it streams) or memory (with none, a blob is held whole while it
+    is verified and unpacked). Not retried (``ImageFetchError``, naming this key): raise it
+    for images that big."""
 
 
 def blob_too_big(tier: str, cap: int, digest: str, source: object, why: str) -> ImageFetchError:
@@ -173,6 +179,72 @@ class Tier(ABC):
             self.metrics.bytes_read += len(data)
         return data
 
+    @contextlib.asynccontextmanager
+    async def stream(self, digest: str) -> AsyncIterator[AsyncIterator[bytes] | None]:
+        """The blob's bytes a chunk at a time (``None``: this tier does not have it), for a
+        blob that must not be held whole in memory: the cache streams one into its disk
+        tier. A fault, opening or mid-stream, raises ``ImageFetchError``, as ``get``."""
+        parse_digest(digest)
+        await self.start()
+        t0 = time.perf_counter()
+        try:
+            async with self._stream(digest) as chunks:
+                if chunks is None:
+                    self.metrics.misses += 1
+                    yield None
+                    return
+                self.metrics.hits += 1
+                counted = self._counted(chunks)
+                try:
+                    yield counted
+                finally:  # (a reader that stopped early: before the reply or body is closed)
+                    await counted.aclose()
+        except ImageFetchError as e:
+            if not isinstance(e, DigestMismatch):  # (the cache's verdict on the bytes, counted there)
+                self.metrics.errors += 1
+            raise
+        except ImageError:
+            raise
+        except Exception as e:  # a hook let a third-party error through: as ``get`` does
+            self.metrics.errors += 1
+            raise ImageFetchError(
+                f"unexpected {type(e).__name__}: {e}", tier=self.name, retryable=False
+            ) from e
+        finally:
+            self.metrics.observe(time.perf_counter() - t0)
+
+    async def _counted(self, chunks: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
+        try:
+            async for chunk in chunks:
+                self.metrics.bytes_read += len(chunk)
+                yield chunk
+        finally:
+            aclose = getattr(chunks, "aclose", None)  # (an async generator's: its finally runs now)
+            if aclose is not None:
+                await aclose()
+
+    async def put_file(self, digest: str, f: BinaryIO) -> bool:
+        """``put`` of a verified blob read from ``f`` (a file the disk tier holds), which
+        tiers that can (S3) read a part at a time."""
+        parse_digest(digest)
+        if not self.writable:
+            return False
+        await self.start()
+        size = os.fstat(f.fileno()).st_size  # (before: boto3's upload closes the file it read)
+        try:
+            stored = await self._put_file(digest, f)
+        except ImageError:
+            self.metrics.put_errors += 1
+            raise
+        except Exception as e:
+            self.metrics.put_errors += 1
+            raise ImageFetchError(f"write failed: {type(e).__name__}: {e}", tier=self.name) from e
+        if stored is False:
+            return False
+        self.metrics.puts += 1
+        self.metrics.bytes_written += size
+        return True
+
     async def put(self, digest: str, data: bytes) -> bool:
         """Store a verified blob; whether the tier kept it (read-only tiers never do, nor a
         disk tier a blob over its cap). Raises ``ImageFetchError``."""
@@ -226,3 +298,19 @@ class Tier(ABC):
 
     async def _delete(self, digest: str) -> None:  # noqa: B027 - read-only tiers
         pass
+
+    @contextlib.asynccontextmanager
+    async def _stream(self, digest: str) -> AsyncIterator[AsyncIterator[bytes] | None]:
+        """The blob's chunks, or ``None`` on a miss; raising ``ImageFetchError`` (opening, or
+        from the chunks). By default ``_get``'s bytes as one chunk: the tiers that download
+        (HTTP, S3) stream theirs."""
+        data = await self._get(digest)
+        yield None if data is None else _one(data)
+
+    async def _put_file(self, digest: str, f: BinaryIO) -> bool | None:
+        """By default ``_put`` of the file's bytes, read whole; S3 uploads it in parts."""
+        return await self._put(digest, await asyncio.to_thread(f.read))
+
+
+async def _one(data: bytes) -> AsyncIterator[bytes]:
+    yield data

@@ -8,6 +8,8 @@ other status is a configuration problem and is not.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
 import httpx
@@ -84,14 +86,26 @@ class HttpTier(Tier):
             await self._client.aclose()
 
     async def _get(self, digest: str) -> bytes | None:
+        async with self._stream(digest) as chunks:
+            return None if chunks is None else b"".join([c async for c in chunks])
+
+    @contextlib.asynccontextmanager
+    async def _stream(self, digest: str) -> AsyncIterator[AsyncIterator[bytes] | None]:
         assert self._client is not None
-        try:
+        with self._translated(digest):
             async with self._client.stream("GET", f"/blobs/{digest}") as resp:
                 if resp.status_code == 404:
-                    return None
+                    yield None
+                    return
                 if resp.status_code != 200:
                     raise _status_error(resp, self.name)
-                return await self._body(resp, digest)
+                yield self._body(resp, digest)
+
+    @contextlib.contextmanager
+    def _translated(self, digest: str) -> Iterator[None]:
+        """httpx's faults as ours: the one place they are translated."""
+        try:
+            yield
         except httpx.TransportError as e:
             raise ImageFetchError(f"{type(e).__name__} fetching {digest}: {e}", tier=self.name) from e
         except httpx.DecodingError as e:
@@ -103,20 +117,19 @@ class HttpTier(Tier):
                 tier=self.name,
             ) from e
 
-    async def _body(self, resp: httpx.Response, digest: str) -> bytes:
-        """The reply's body, read up to ``max_blob_bytes`` and no further."""
+    async def _body(self, resp: httpx.Response, digest: str) -> AsyncIterator[bytes]:
+        """The reply's body a chunk at a time, up to ``max_blob_bytes`` and no further."""
         cap = self.config.max_blob_bytes
         length = resp.headers.get("content-length", "")
         if length.isdigit() and int(length) > cap:
             raise self._too_big(resp, digest, f"its Content-Length says {int(length):,} bytes")
-        chunks: list[bytes] = []
         size = 0
-        async for chunk in resp.aiter_bytes():  # (after its Content-Encoding: counted as decoded)
-            size += len(chunk)
-            if size > cap:
-                raise self._too_big(resp, digest, f"its body ran past {cap:,} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
+        with self._translated(digest):  # (a body cut short: raised as it is read, by whoever reads)
+            async for chunk in resp.aiter_bytes():  # (after its Content-Encoding: counted as decoded)
+                size += len(chunk)
+                if size > cap:
+                    raise self._too_big(resp, digest, f"its body ran past {cap:,} bytes")
+                yield chunk
 
     def _too_big(self, resp: httpx.Response, digest: str, why: str) -> ImageFetchError:
         return blob_too_big(self.name, self.config.max_blob_bytes, digest, resp.request.url, why)

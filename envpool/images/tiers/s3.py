@@ -9,8 +9,10 @@ A get reads at most ``max_blob_bytes`` of an object (``FetchingTierConfig``, as 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
-from typing import Any, Literal
+from collections.abc import AsyncIterator
+from typing import Any, BinaryIO, Literal
 
 from pydantic import Field
 
@@ -78,41 +80,50 @@ class S3Tier(Tier):
             await asyncio.to_thread(self._client.close)
 
     async def _get(self, digest: str) -> bytes | None:
-        return await asyncio.to_thread(self._get_sync, digest)
+        async with self._stream(digest) as chunks:
+            return None if chunks is None else b"".join([c async for c in chunks])
 
-    def _get_sync(self, digest: str) -> bytes | None:
+    @contextlib.asynccontextmanager
+    async def _stream(self, digest: str) -> AsyncIterator[AsyncIterator[bytes] | None]:
         key = self.key_of(digest)
+        call = asyncio.ensure_future(
+            asyncio.to_thread(self._client.get_object, Bucket=self.config.bucket, Key=key)
+        )
         try:
-            resp = self._client.get_object(Bucket=self.config.bucket, Key=key)
+            resp = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(_close_body)  # (its thread goes on: the body it opens is closed)
+            raise
         except Exception as e:
             if _error_code(e) in _MISSING:
-                return None
+                yield None
+                return
             raise self._translate(e) from e
         body = resp["Body"]
         try:
-            return self._body(body, resp.get("ContentLength"), digest, key)
+            yield self._body(body, resp.get("ContentLength"), digest, key)
         finally:
-            body.close()  # (a refused body is not drained: its connection is dropped)
+            await asyncio.to_thread(body.close)  # (a refused body is not drained: its connection is dropped)
 
-    def _body(self, body: Any, length: int | None, digest: str, key: str) -> bytes:
-        """The object's body, read up to ``max_blob_bytes`` and no further."""
+    async def _body(self, body: Any, length: int | None, digest: str, key: str) -> AsyncIterator[bytes]:
+        """The object's body a chunk at a time (each read in a thread), up to
+        ``max_blob_bytes`` and no further."""
         cap = self.config.max_blob_bytes
         where = f"s3://{self.config.bucket}/{key}"
         if length is not None and length > cap:
             raise blob_too_big(self.name, cap, digest, where, f"its ContentLength says {length:,} bytes")
-        chunks: list[bytes] = []
         size = 0
         while True:
             try:
-                chunk: bytes = body.read(_READ_CHUNK)
+                chunk: bytes = await asyncio.to_thread(body.read, _READ_CHUNK)
             except Exception as e:  # a timeout or a body cut short mid-read
                 raise self._translate(e) from e
             if not chunk:
-                return b"".join(chunks)
+                return
             size += len(chunk)
             if size > cap:  # (a body longer than its ContentLength said, or one without it)
                 raise blob_too_big(self.name, cap, digest, where, f"its body ran past {cap:,} bytes")
-            chunks.append(chunk)
+            yield chunk
 
     async def _put(self, digest: str, data: bytes) -> None:
         try:
@@ -124,11 +135,21 @@ class S3Tier(Tier):
         if len(data) < _MULTIPART_BYTES:
             self._client.put_object(Bucket=self.config.bucket, Key=self.key_of(digest), Body=data)
             return
+        self._upload(digest, io.BytesIO(data))
+
+    async def _put_file(self, digest: str, f: BinaryIO) -> None:
+        # from the file, in parts as they are read: never the whole blob in memory
+        try:
+            await asyncio.to_thread(self._upload, digest, f)
+        except Exception as e:
+            raise self._translate(e) from e
+
+    def _upload(self, digest: str, f: BinaryIO) -> None:
         # one put_object takes 5 GB at most: a big bundle goes in parts (boto3's transfer)
         from boto3.s3.transfer import TransferConfig
 
         self._client.upload_fileobj(
-            io.BytesIO(data),
+            f,
             self.config.bucket,
             self.key_of(digest),
             Config=TransferConfig(
@@ -187,6 +208,11 @@ class S3Tier(Tier):
         if isinstance(e, BotoCoreError):  # connection refused, timeouts, truncated bodies
             return ImageFetchError(f"S3 transport error: {e}", tier=self.name)
         return ImageFetchError(f"unexpected {type(e).__name__}: {e}", tier=self.name, retryable=False)
+
+
+def _close_body(call: asyncio.Future[Any]) -> None:
+    if not call.cancelled() and call.exception() is None:
+        call.result()["Body"].close()
 
 
 def _error_code(e: Exception) -> str:
