@@ -202,9 +202,12 @@ class EnvPool:
         from then on the pool keeps that many warm (until no session has asked for it in
         ``warm_idle_s``). If none of them starts, the first start error is raised
         (``ImageNotFound`` for a wrong reference) and the image is not kept warm: only an
-        image that starts is retried in the background. More than ``max_containers`` is
-        refused (``EnvUsageError``), as ``PoolConfig`` refuses such a ``min_warm``."""
+        image that starts is retried in the background. More than ``max_containers`` (or
+        fewer than 0) is refused (``EnvUsageError``), as ``PoolConfig`` refuses such a
+        ``min_warm``."""
         n = self.config.min_warm if n is None else n
+        if n < 0:  # (kept, it lowered the wants' sum that bounds the other images' wants)
+            raise EnvUsageError(f"prewarm(n={n}): n is a count of containers, 0 or more")
         if n > self.config.max_containers:
             # kept, the want could never be met: the housekeeping chased it every tick, and it
             # let go of every other image's warm containers to make room for it

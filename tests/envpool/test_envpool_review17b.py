@@ -4,6 +4,7 @@
   both), as ``PoolConfig`` refuses such a ``min_warm``: it stored the want unclamped, the
   housekeeping then started ``n`` - idle do-nothing tasks every tick, forever, and the want
   let go of every other image's warm containers.
+  A negative ``n`` is refused too (it was kept as a negative want).
 * The housekeeping starts no more idle containers than the pool has room for: with every
   slot claimed it started one task per missing idle container every tick, each of which
   found no room and returned.
@@ -57,6 +58,15 @@ async def test_prewarm_of_more_than_max_containers_is_refused(images):
         assert p._wanted == {IMAGE: 1}
 
 
+async def test_prewarm_of_a_negative_count_is_refused():
+    # it was kept as a want of -1: the wants' sum, which bounds them by max_containers, read
+    # one less, and let the other images keep more warm than the pool can hold
+    async with EnvPool({**POOL, "min_warm": 0, "max_containers": 2}) as p:
+        with pytest.raises(EnvUsageError, match=r"prewarm\(n=-1\)"):
+            await p.prewarm(None, -1)
+        assert p._wanted == {}
+
+
 async def test_housekeeping_starts_no_idle_container_it_has_no_room_for():
     async with EnvPool({**POOL, "min_warm": 2, "max_containers": 2}) as p:
         starts = 0
@@ -71,6 +81,8 @@ async def test_housekeeping_starts_no_idle_container_it_has_no_room_for():
         async with p.session("frozenlake-v1") as a, p.session("frozenlake-v1") as b:
             await a.reset(seed=1)
             await b.reset(seed=2)
+            # (a tick between the two claims had a slot to fill: that start was due)
+            starts = 0
             await asyncio.sleep(0.5)  # a few ticks of the housekeeping, every slot claimed
             assert starts == 0
             assert p.stats()["containers"] == 2
