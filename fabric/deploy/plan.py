@@ -107,6 +107,16 @@ def plan_functions(
     out = []
     for name in chosen:
         spec = registry.get(name)
+        if warm is not None and warm > spec.max_concurrency:
+            # said before the packaging, as the decorator says it of its own warm: Lambda
+            # refuses provisioned above reserved concurrency (--reserved caps at
+            # max_concurrency; terraform's validation said so after the packaging), and
+            # without the cap a warm pool larger than the function's own bound is billed idle
+            raise DeployError(
+                f"{name}: --warm {warm} is more than its max_concurrency={spec.max_concurrency} (Lambda's "
+                "reserved concurrency with --reserved, Modal's max_containers; neither takes more warm "
+                "instances): pass a smaller --warm, or --keep-warm for each function's own warm"
+            )
         module, source = _module_of(spec)
         out.append(
             DeployedFunction(
