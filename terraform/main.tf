@@ -1,6 +1,10 @@
 locals {
   # records per sqs-worker invocation: sizes the worker's timeout and the event source mapping
   sqs_batch_size = 10
+  # the sqs-worker leaves a retryable record on the input queue until its function's
+  # retry.max_attempts receives, then replies the failure: a redrive that gives up sooner
+  # dead-letters it unanswered. At least 5, room for a reply that could not be sent
+  max_receive_count = max(5, [for f in values(var.functions) : f.max_attempts]...)
   # the user's tags, with the one that says who manages these: fabric deploy writes no tags
   # (a variable set in its fabric.auto.tfvars.json replaces the user's, whole)
   default_tags = merge(var.tags, { "managed-by" = "rl-fabric" })
@@ -49,6 +53,7 @@ module "queue" {
   function_arn       = module.functions.sqs_worker_alias_arn
   function_timeout_s = module.functions.sqs_worker_timeout_s
   batch_size         = local.sqs_batch_size
+  max_receive_count  = local.max_receive_count
 }
 
 module "image_cache" {

@@ -62,6 +62,7 @@ variable "functions" {
     version              = optional(string, "")
     image_uri            = optional(string)
     environment          = optional(map(string), {})
+    max_attempts         = optional(number, 3)
   }))
 
   validation {
@@ -92,6 +93,11 @@ variable "functions" {
   validation {
     condition     = alltrue([for f in values(var.functions) : f.ephemeral_storage_mb >= 512 && f.ephemeral_storage_mb <= 10240])
     error_message = "functions[*].ephemeral_storage_mb must be between 512 and 10240."
+  }
+  validation {
+    # the input queue's maxReceiveCount (1 to 1000) is the most of them
+    condition     = alltrue([for f in values(var.functions) : f.max_attempts >= 1 && f.max_attempts <= 1000])
+    error_message = "functions[*].max_attempts (the function's retry.max_attempts) must be between 1 and 1000."
   }
 }
 

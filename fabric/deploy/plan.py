@@ -64,6 +64,9 @@ class DeployedFunction(BaseModel):
     version: str
     gpu: int = 0
     cpu: float = 1.0
+    max_attempts: int = 3
+    """Its ``retry.max_attempts``: the SQS worker leaves a retryable record on the queue for
+    that many receives, which the input queue's redrive has to allow."""
 
 
 def _module_of(spec: FunctionSpec) -> tuple[str, str | None]:
@@ -132,6 +135,7 @@ def plan_functions(
                 version=spec.version,
                 gpu=spec.resources.gpu,
                 cpu=spec.resources.cpu,
+                max_attempts=spec.retry.max_attempts,
             )
         )
     too_long = [f.deployed_name for f in out if len(f.deployed_name) > 64]

@@ -43,6 +43,7 @@ def tfvars(
                 "reserved_concurrency": f.reserved_concurrency,
                 "description": f.description,
                 "version": f.version,
+                "max_attempts": f.max_attempts,
             }
             for f in functions
         },

@@ -160,6 +160,7 @@ def test_tfvars_keys_are_declared_terraform_variables(tmp_path):
         "reserved_concurrency": -1,
         "description": REG.get("add").description or "rl-fabric function add",
         "version": REG.get("add").version,
+        "max_attempts": REG.get("add").retry.max_attempts,
     }
     (tmp_path / "variables.tf").write_text('variable "region" {}\n')
     with pytest.raises(DeployError, match="name_prefix: not a declared variable; package: not a declared"):
