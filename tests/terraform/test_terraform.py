@@ -306,8 +306,9 @@ ALLOWED_ACTIONS = {
 
 def test_role_policy_is_least_privilege():
     role_policy = _typed(FUNCTIONS_DIR, "resource", "aws_iam_role_policy")
-    assert list(role_policy) == ["this"]
+    assert list(role_policy) == ["this", "sqs_worker"]
     assert role_policy["this"]["policy"] == "${data.aws_iam_policy_document.this.json}"
+    assert role_policy["sqs_worker"]["policy"] == "${data.aws_iam_policy_document.sqs_worker[0].json}"
     # managed policies (AWSLambdaBasicExecutionRole: logs on "*") and extra inline ones
     for kind in (
         "aws_iam_role_policy_attachment",
@@ -315,26 +316,30 @@ def test_role_policy_is_least_privilege():
         "aws_iam_role_policy_attachments_exclusive",
     ):
         assert not _typed(FUNCTIONS_DIR, "resource", kind), kind
-    statements = _statements(_typed(FUNCTIONS_DIR, "data", "aws_iam_policy_document")["this"])
-    assert len(statements) == 5
+    documents = _typed(FUNCTIONS_DIR, "data", "aws_iam_policy_document")
+    # the functions' role: no queue (test_terraform_review17); the worker's: the queues too
+    expected = {"this": 3, "sqs_worker": 5}
     actions: set[str] = set()
-    for st in statements:
-        assert st.get("effect", "Allow") == "Allow"
-        assert not {"not_actions", "not_resources", "principals"} & set(st), st
-        assert isinstance(st["actions"], list), st  # literal, so it can be checked here
-        assert all("*" not in a for a in st["actions"]), st
-        actions |= set(st["actions"])
-        resources = st["resources"] if isinstance(st["resources"], list) else [st["resources"]]
-        for r in resources:
-            assert r.strip() != "*" and '"*"' not in r, st
-            if st["sid"] == "Logs":  # the streams of this module's log groups, nothing wider
-                assert (
-                    r.startswith("${[for g in ") and "aws_cloudwatch_log_group." in r and r.endswith(':*"]}')
-                ), r
-            elif st["sid"] == "SpilledPayloads":
-                assert r == "${var.spill_bucket_arn}/spill/*", r
-            else:
-                assert "*" not in r, st
+    for name, count in expected.items():
+        statements = _statements(documents[name])
+        assert len(statements) == count, name
+        for st in statements:
+            assert st.get("effect", "Allow") == "Allow"
+            assert not {"not_actions", "not_resources", "principals"} & set(st), st
+            assert isinstance(st["actions"], list), st  # literal, so it can be checked here
+            assert all("*" not in a for a in st["actions"]), st
+            actions |= set(st["actions"])
+            resources = st["resources"] if isinstance(st["resources"], list) else [st["resources"]]
+            for r in resources:
+                assert r.strip() != "*" and '"*"' not in r, st
+                if st["sid"] == "Logs":  # the streams of this module's log groups, nothing wider
+                    assert "aws_cloudwatch_log_group." in r and r.endswith(
+                        ':*"]}' if name == "this" else ".arn}:*"
+                    ), r
+                elif st["sid"] == "SpilledPayloads":
+                    assert r == "${var.spill_bucket_arn}/spill/*", r
+                else:
+                    assert "*" not in r, st
     assert actions == ALLOWED_ACTIONS
 
 

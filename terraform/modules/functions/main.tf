@@ -140,9 +140,32 @@ data "aws_iam_policy_document" "this" {
     sid     = "Logs"
     actions = ["logs:CreateLogStream", "logs:PutLogEvents"]
     # the groups' streams; no logs:CreateLogGroup, the groups are created here
-    resources = [
-      for g in concat(values(aws_cloudwatch_log_group.this), aws_cloudwatch_log_group.sqs_worker) : "${g.arn}:*"
-    ]
+    resources = [for g in values(aws_cloudwatch_log_group.this) : "${g.arn}:*"]
+  }
+
+  statement {
+    sid       = "Idempotency"
+    actions   = ["dynamodb:GetItem", "dynamodb:PutItem", "dynamodb:UpdateItem", "dynamodb:DeleteItem"]
+    resources = [var.idempotency_table_arn]
+  }
+
+  statement {
+    sid       = "SpilledPayloads"
+    actions   = ["s3:GetObject"]
+    resources = ["${var.spill_bucket_arn}/spill/*"]
+  }
+}
+
+# The worker's own: the functions invoked directly touch no queue, and with the worker's role
+# any of them (a tool running model-written code) could take the input queue's records or
+# send forged results to the reply queue.
+data "aws_iam_policy_document" "sqs_worker" {
+  count = var.sqs_worker ? 1 : 0
+
+  statement {
+    sid       = "Logs"
+    actions   = ["logs:CreateLogStream", "logs:PutLogEvents"]
+    resources = ["${aws_cloudwatch_log_group.sqs_worker[0].arn}:*"]
   }
 
   statement {
@@ -185,6 +208,22 @@ resource "aws_iam_role_policy" "this" {
   name   = "${var.name_prefix}functions"
   role   = aws_iam_role.this.id
   policy = data.aws_iam_policy_document.this.json
+}
+
+# "worker-", not "sqs-worker-": a 40-character name_prefix and a 14-character region leave 10
+resource "aws_iam_role" "sqs_worker" {
+  count = var.sqs_worker ? 1 : 0
+
+  name               = "${var.name_prefix}worker-${data.aws_region.current.name}"
+  assume_role_policy = data.aws_iam_policy_document.assume.json
+}
+
+resource "aws_iam_role_policy" "sqs_worker" {
+  count = var.sqs_worker ? 1 : 0
+
+  name   = "${var.name_prefix}sqs-worker"
+  role   = aws_iam_role.sqs_worker[0].id
+  policy = data.aws_iam_policy_document.sqs_worker[0].json
 }
 
 resource "aws_lambda_function" "this" {
@@ -284,7 +323,7 @@ resource "aws_lambda_function" "sqs_worker" {
 
   function_name = local.worker_name
   description   = "rl-fabric SQS worker: every function, results to the reply queue"
-  role          = aws_iam_role.this.arn
+  role          = aws_iam_role.sqs_worker[0].arn
   architectures = [var.package.architecture]
   publish       = true
 
@@ -329,7 +368,7 @@ resource "aws_lambda_function" "sqs_worker" {
     }
   }
 
-  depends_on = [aws_cloudwatch_log_group.sqs_worker, aws_iam_role_policy.this]
+  depends_on = [aws_cloudwatch_log_group.sqs_worker, aws_iam_role_policy.sqs_worker]
 }
 
 resource "aws_lambda_alias" "sqs_worker" {

@@ -21,8 +21,8 @@ output "alias_name" {
 output "sqs_worker_alias_arn" {
   description = "The SQS worker's live alias ARN; null without sqs_worker."
   value       = one(aws_lambda_alias.sqs_worker[*].arn)
-  # an event source mapping is refused until the role may read the queue
-  depends_on = [aws_iam_role_policy.this]
+  # an event source mapping is refused until the worker's role may read the queue
+  depends_on = [aws_iam_role_policy.sqs_worker]
 }
 
 output "sqs_worker_timeout_s" {
