@@ -76,30 +76,46 @@ def fetch_image(
     """A remote container fetches its image bundle itself, through the tiered cache
     (verified by digest, retried), from the mirror or origin the pool named, within the
     runtime's caps (``image_max_blob_bytes``, ``image_max_unpacked_bytes``; None: the
-    cache's defaults)."""
+    cache's defaults). The bundle is unpacked into a work directory of its own in the
+    container's temp dir; a fetch that fails removes it."""
     import asyncio
+    import shutil
     import tempfile
 
-    from envpool.images import HttpTier, MirrorTierConfig, TieredCache
+    from envpool.images import DiskTier, DiskTierConfig, HttpTier, MirrorTierConfig, TieredCache
     from envpool.images.cache import DEFAULT_MAX_UNPACKED_BYTES
     from envpool.images.tiers.http import DEFAULT_MAX_BLOB_BYTES
 
     if not source:
         raise ValueError(f"image {digest} given without an image source to fetch it from")
 
+    work = Path(tempfile.mkdtemp(prefix="envpool-image-"))
+    blobs = work / "blobs"
+
     async def get() -> Path:
         blob = DEFAULT_MAX_BLOB_BYTES if max_blob_bytes is None else max_blob_bytes
-        tiers = [HttpTier(MirrorTierConfig(url=source, max_blob_bytes=blob))]
+        # a disk tier in front: the blob is streamed to a file a chunk at a time and unpacked
+        # from it, never held whole in the container's memory (a multi-GB image would OOM it)
+        tiers = [
+            DiskTier(DiskTierConfig(path=blobs, max_bytes=blob)),
+            HttpTier(MirrorTierConfig(url=source, max_blob_bytes=blob)),
+        ]
         unpacked = DEFAULT_MAX_UNPACKED_BYTES if max_unpacked_bytes is None else max_unpacked_bytes
         # not byte-compiled as a whole: this container alone uses it, and compiles what it
         # imports as it imports it (the rest would only delay its start)
-        unpack_dir = Path(tempfile.mkdtemp(prefix="envpool-image-"))
         async with TieredCache(
-            tiers, unpack_dir=unpack_dir, max_unpacked_bytes=unpacked, precompile=False
+            tiers, unpack_dir=work, max_unpacked_bytes=unpacked, precompile=False
         ) as cache:
             return await cache.get(digest)
 
-    return asyncio.run(get())
+    try:
+        path = asyncio.run(get())
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    # unpacked, the blob is spent: it would double the image's footprint on the container's disk
+    shutil.rmtree(blobs, ignore_errors=True)
+    return path
 
 
 def listen(opts: dict[str, Any]) -> tuple[str, socket.socket]:
