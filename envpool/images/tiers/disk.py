@@ -141,12 +141,13 @@ class DiskTier(Tier):
 
     async def put_stream(self, digest: str, chunks: AsyncIterator[bytes], *, source: str) -> BinaryIO:
         """Write a blob streamed from ``source`` (a tier's ``stream``) a chunk at a time to a
-        temp file, hashing it as it comes, and rename it into place once whole and matching
-        its digest: a blob larger than memory never is held whole. Returns the blob open
-        for reading (read from its descriptor: an eviction meanwhile does not take it). One
-        over ``max_bytes`` is not kept (as ``put``): its file is unlinked, open. Raises
-        ``DigestMismatch`` (nothing kept), what ``chunks`` raises (a fault of the source),
-        or ``ImageFetchError`` of this tier (a write that failed: a full disk)."""
+        temp file, hashing it as it comes (off the loop, in the thread that writes it), and
+        rename it into place once whole and matching its digest: a blob larger than memory
+        never is held whole. Returns the blob open for reading (read from its descriptor:
+        an eviction meanwhile does not take it). One over ``max_bytes`` is not kept (as
+        ``put``): its file is unlinked, open. Raises ``DigestMismatch`` (nothing kept), what
+        ``chunks`` raises (a fault of the source), or ``ImageFetchError`` of this tier (a
+        write that failed: a full disk)."""
         parse_digest(digest)
         await self.start()
         path = self.path_of(digest)
@@ -160,10 +161,11 @@ class DiskTier(Tier):
         f: BinaryIO | None = None
         try:
             async for chunk in chunks:
-                hasher.update(chunk)
-                # each in a thread not cancelled with the put (its descriptor must outlive
-                # the write: see the cleanup below); the close waits for them
-                step = self._tracked(_write_chunk, fd, chunk)
+                # hashed and written in a thread (a MiB takes a millisecond or two to hash:
+                # on the loop it stalled every other session's I/O), not cancelled with the
+                # put (its descriptor must outlive the write: see the cleanup below); the
+                # close waits for them. One chunk at a time: the hasher is never shared
+                step = self._tracked(_hash_and_write, hasher, fd, chunk)
                 await asyncio.shield(step)
                 size += len(chunk)
             actual = "sha256:" + hasher.hexdigest()
@@ -304,6 +306,11 @@ def _open_temp(path: Path) -> tuple[Path, int]:
         tmp.unlink(missing_ok=True)
         raise
     return tmp, fd
+
+
+def _hash_and_write(hasher: Any, fd: int, chunk: bytes) -> None:
+    hasher.update(chunk)  # (hashlib lets go of the GIL for a chunk this size)
+    _write_chunk(fd, chunk)
 
 
 def _write_chunk(fd: int, chunk: bytes) -> None:
