@@ -18,15 +18,12 @@ store by the job), so version 0 means the same weights everywhere.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from core.config import JobConfig
 from core.config_backends import MODEL_KEYS as MODEL_KEYS  # engine.kwargs that shape the TinyLM
 from core.errors import ConfigError
+from core.policy.bundle import PolicyBundle as PolicyBundle  # its home; the actors import it from there
 from core.policy.corpus import CORPUS_EPISODES, play_envs
 from core.policy.pretrain import OnStep, pretrain, transition_sequences
 from core.policy.tiny_lm import TinyLM, TinyLMConfig
@@ -34,45 +31,6 @@ from core.policy.tokenizer import WordTokenizer
 from core.rollout.env_manager import task_key
 
 TINY_LM = "tiny-lm"
-
-
-@dataclass(frozen=True)
-class PolicyBundle:
-    tokenizer: dict[str, Any]
-    """``WordTokenizer.to_dict()`` (plain data: ships through Ray without pickling code)."""
-    model_config: dict[str, Any]
-    state: dict[str, torch.Tensor]
-    pretrained: dict[str, float] = field(default_factory=dict)
-    """``PretrainReport.as_dict()`` when the weights were pretrained here (for the summary)."""
-    tasks: frozenset[str] = frozenset()
-    """``task_key``s of the episodes it was pretrained on: tasks the policy has seen."""
-
-    def model(self) -> TinyLM:
-        m = TinyLM(TinyLMConfig.model_validate(self.model_config))
-        m.load_state_dict(self.state)
-        return m
-
-    def tok(self) -> WordTokenizer:
-        return WordTokenizer.from_dict(self.tokenizer)
-
-    def save(self, directory: str | Path) -> Path:
-        """``save_pretrained`` + ``tokenizer.json``: what ``engine.model: <dir>`` loads, and
-        what actors load from (a Ray actor restarted after a crash reads it again, so its
-        constructor arguments are a path, not an object that may be gone)."""
-        d = Path(directory)
-        self.model().save_pretrained(d)
-        self.tok().save(d / "tokenizer.json")
-        return d
-
-    @classmethod
-    def load(cls, directory: str | Path) -> PolicyBundle:
-        d = Path(directory)
-        model = TinyLM.from_pretrained(d)
-        return cls(
-            tokenizer=WordTokenizer.load(d / "tokenizer.json").to_dict(),
-            model_config=model.config.model_dump(),
-            state=dict(model.state_dict()),
-        )
 
 
 def build_policy(

@@ -30,7 +30,7 @@ from core.rollout.llm_proxy import Replica, ReplicaEngineDead, ReplicaGone, Repl
 if TYPE_CHECKING:
     # not at run time: the proxy actor unpickles RayReplica (this module) and never needs
     # torch, whose import was a third of a job's start (three actor processes, two cores)
-    from core.policy.build import PolicyBundle
+    from core.policy.bundle import PolicyBundle
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def make_engine(
     """The job's engine for ``backend``: the torch engine runs the bundle's ``TinyLM``;
     other backends get ``model`` (the job's ``engine.model``) and ``kwargs`` as they are."""
     if backend == "torch":
-        from core.policy.build import PolicyBundle
+        from core.policy.bundle import PolicyBundle
         from core.rollout.engines.torch_ import TorchEngine, TorchEngineConfig
 
         if bundle is None:

@@ -24,7 +24,7 @@ import torch
 from core.config import TrainerConfig
 from core.config_backends import backend_config
 from core.errors import ConfigError, writing
-from core.policy.build import PolicyBundle
+from core.policy.bundle import PolicyBundle
 from core.trainer.base import Trainer, TrainerError, TrainSample
 
 log = logging.getLogger(__name__)
