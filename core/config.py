@@ -21,8 +21,9 @@ belongs to (``envs[1].id``, ``rewards.frozenlake[0].function``, ``alpha``):
 
 Nothing downstream re-validates: the job passes these typed objects inward.
 
-The sections' models live in ``core.config_sections`` and the wording of the problems in
-``core.config_messages``; every section model is importable from here too.
+The sections' models live in ``core.config_sections`` (the trainer's in
+``core.config_trainer``, which the trainer actor imports alone) and the wording of the
+problems in ``core.config_messages``; every section model is importable from here too.
 """
 
 from __future__ import annotations

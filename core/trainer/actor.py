@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from core.config import TrainerConfig
 from core.config_backends import backend_config
+from core.config_trainer import TrainerConfig  # not core.config, which imports every section
 from core.errors import ConfigError, writing
 from core.policy.bundle import PolicyBundle
 from core.trainer.base import Trainer, TrainerError, TrainSample

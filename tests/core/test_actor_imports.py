@@ -43,3 +43,22 @@ def test_an_engine_replica_loads_no_job_config(tmp_path):
         f"make_engine('torch', {str(path)!r}, {{}}, seed=0, model='tiny-lm')"
     )
     assert _loaded_after(code) == []
+
+
+def test_the_trainer_actor_loads_no_job_config(tmp_path):
+    # as Ray makes it: TrainerActor's module imported, its TrainerConfig unpickled (the job
+    # pickled cfg.trainer), the bundle loaded from its directory; core.config was imported
+    # for a type hint, and the unpickle imported every section of the job config
+    import pickle
+
+    from core.config import TrainerConfig
+
+    path = _saved_bundle(tmp_path)
+    (tmp_path / "cfg.pkl").write_bytes(pickle.dumps(TrainerConfig(lr=1e-3)))
+    code = (
+        "import pickle\n"
+        "from core.trainer.actor import TrainerActor\n"
+        f"cfg = pickle.loads(open({str(tmp_path / 'cfg.pkl')!r}, 'rb').read())\n"
+        f"TrainerActor(cfg, {str(path)!r}, total_steps=3, temperature=1.0, seed=0)"
+    )
+    assert _loaded_after(code) == []
