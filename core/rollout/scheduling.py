@@ -35,14 +35,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, get_args
+from typing import IO, TYPE_CHECKING, Any, get_args
 
 from core.errors import writing
 from core.sched import Request, make_placement, make_queue_policy
 from core.sched.base import Outcome, Placement, QueuePolicy
 from core.sched.placement import predicted_work, stable_relabel
-from core.sched.predictor import LengthPredictor
 from core.sched.queueing import CMLFQ
+
+if TYPE_CHECKING:
+    from core.sched.predictor import LengthPredictor
 
 OUTCOMES: frozenset[str] = frozenset(get_args(Outcome))
 
@@ -90,7 +92,13 @@ class TurnScheduler:
         if scheduler == "cmlfq":
             self._queue_options["level_store"] = {}
         self.placement: Placement | None = None if placement == "affinity" else make_placement(placement)
-        self.predictor = predictor if predictor is not None else LengthPredictor(refit_every=8)
+        if predictor is None:
+            # imported here: the LLM proxy's actor imports this module at every job's start,
+            # most jobs without a scheduler, and the predictor's numpy was 0.1 s of CPU there
+            from core.sched.predictor import LengthPredictor
+
+            predictor = LengthPredictor(refit_every=8)
+        self.predictor = predictor
         self._replicas: dict[int, _Slots] = {}
         self._trajs: dict[str, _Traj] = {}
         self._t0 = time.monotonic()

@@ -62,3 +62,12 @@ def test_the_trainer_actor_loads_no_job_config(tmp_path):
         f"TrainerActor(cfg, {str(path)!r}, total_steps=3, temperature=1.0, seed=0)"
     )
     assert _loaded_after(code) == []
+
+
+def test_the_proxy_actor_loads_no_numpy():
+    # the proxy's actor imports the turn scheduler's module (its state holds one), whose
+    # placements imported numpy for the reference partition alone: 0.1 s of CPU there
+    code = "import core.rollout.llm_proxy, core.rollout.replicas"
+    check = f"import sys\n{code}\nprint('numpy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert (out.returncode, out.stdout.strip()) == (0, "False"), out.stderr[-2000:]
