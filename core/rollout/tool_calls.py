@@ -42,7 +42,9 @@ def record_calls(info: dict[str, Any]) -> list[dict[str, str]]:
     for c in given:
         c = c if isinstance(c, dict) else {"arguments": c}
         call = {k: _text(c.get(k)) for k in ("name", "arguments", "output")}
-        if c.get("refused") is not None:
+        # a reason, or True; an empty reason is still a refusal, but False is a flag saying
+        # the call ran (made "false", a truthy string, tool_use counted it as invalid)
+        if c.get("refused") not in (None, False):
             call["refused"] = _text(c["refused"]) or "refused by the environment"
         out.append(call)
     return out

@@ -1,0 +1,26 @@
+"""Review 17 of the rollout engines and the tool-call record.
+
+* ``record_calls``: an environment that reports a call it ran with ``"refused": False`` (a
+  flag, not a reason) had it recorded as refused (``"false"``, a truthy string), so the
+  ``tool_use`` reward, which reads ``refused`` as a verdict, counted a good call as invalid.
+* ``OpenAIEngine``: the OpenAI API names an over-long prompt by its error code,
+  ``context_length_exceeded``, with a message that need not say "context length" ("Your
+  input exceeds the context window of this model"): it was a generic ``OpenAIEngineError``,
+  not the ``PromptTooLongError`` the other engines raise for the same request.
+"""
+
+from __future__ import annotations
+
+from core.rollout.tool_calls import record_calls
+
+
+def test_a_call_flagged_refused_false_is_a_call_that_ran():
+    info = {
+        "calls": [
+            {"name": "calculator", "arguments": '{"expression": "6*7"}', "output": "42", "refused": False},
+            {"name": "", "arguments": "{oops", "output": "Bad tool call", "refused": "invalid JSON"},
+        ]
+    }
+    ran, refused = record_calls(info)
+    assert "refused" not in ran
+    assert refused["refused"] == "invalid JSON"
