@@ -11,7 +11,15 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
+from core.rollout.engines.base import GenerateRequest, PromptTooLongError
+from core.rollout.engines.openai_ import OpenAIEngine
 from core.rollout.tool_calls import record_calls
+from fabric.protocol import Message
+from functions.fakes import FakeOpenAI, Scripted
 
 
 def test_a_call_flagged_refused_false_is_a_call_that_ran():
@@ -24,3 +32,20 @@ def test_a_call_flagged_refused_false_is_a_call_that_ran():
     ran, refused = record_calls(info)
     assert "refused" not in ran
     assert refused["refused"] == "invalid JSON"
+
+
+async def test_openais_context_length_code_is_a_prompt_too_long():
+    body = {
+        "error": {
+            "message": "Your input exceeds the context window of this model. Please adjust your input.",
+            "type": "invalid_request_error",
+            "param": "input",
+            "code": "context_length_exceeded",
+        }
+    }
+    with FakeOpenAI(reply="unused", model="fake-policy") as srv:
+        srv.enqueue(Scripted(status=400, body=json.dumps(body).encode()))
+        engine = OpenAIEngine(model=srv.model, base_url=srv.base_url, api_key=srv.api_key, max_retries=0)
+        async with engine:
+            with pytest.raises(PromptTooLongError, match="context window"):
+                await engine.generate(GenerateRequest(messages=[Message(role="user", content="hi")]))

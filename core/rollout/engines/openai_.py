@@ -346,7 +346,11 @@ class OpenAIEngine(Engine):
             raise _Transient(f"HTTP {status}: {error_message(resp)}", status, after)
         if status >= 400:
             message = error_message(resp)
-            if status == 400 and "context length" in message.lower():
+            # OpenAI names it by its code; its message need not say "context length" ("Your
+            # input exceeds the context window"); vLLM's does, with no such code
+            if status == 400 and (
+                "context length" in message.lower() or _error_code(resp) == "context_length_exceeded"
+            ):
                 raise PromptTooLongError(f"{self.url}: {message}")
             raise OpenAIEngineError(
                 f"{self.url} refused the request (HTTP {status}: {message}); {_hint(status, cfg)}",
@@ -413,6 +417,14 @@ def _id_of(token: Any) -> int | None:
     if isinstance(token, str) and token.startswith("token_id:"):
         with contextlib.suppress(ValueError):
             return int(token.removeprefix("token_id:"))
+    return None
+
+
+def _error_code(resp: httpx.Response) -> str | None:
+    """The ``error.code`` of OpenAI's error JSON, if it has one."""
+    with contextlib.suppress(ValueError, AttributeError):
+        code = resp.json().get("error", {}).get("code")
+        return code if isinstance(code, str) else None
     return None
 
 
