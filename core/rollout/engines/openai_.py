@@ -28,8 +28,11 @@ What a completion carries depends on what the server says:
 it, so the ``openai`` dialect refuses such requests: ``logit_bias`` (+100 on the allowed ids)
 only makes the others unlikely, is capped at 300 ids by OpenAI, and its logprobs are not of
 the renormalised distribution the trainer applies, so a GRPO ratio built on them would be
-wrong. (vLLM also reports logprobs *before* the restriction unless the server runs with
-``--logprobs-mode processed_logprobs``: start it so.)
+wrong. (vLLM reports logprobs *before* the restriction, and before the temperature, unless
+the server runs with ``--logprobs-mode processed_logprobs``: start it so whenever its
+logprobs are trained on. Under its default, ``raw_logprobs``, a turn sampled at temperature
+0.7 carries the temperature-1 logprobs, and the trainer's importance ratio is off from the
+first step; the client cannot tell, so it is the server's flag to set.)
 
 Requests are not streamed: an aborted request closes its connection (vLLM aborts a request
 whose client went away) and returns a ``finish_reason="abort"`` completion with no text.
