@@ -38,7 +38,9 @@ Requests are not streamed: an aborted request closes its connection (vLLM aborts
 whose client went away) and returns a ``finish_reason="abort"`` completion with no text.
 Each HTTP attempt is bounded by ``timeout_s``; 408, 429, 5xx, timeouts and connection errors
 are retried with full-jitter exponential backoff (or after the server's ``Retry-After``);
-other 4xx fail at once with the server's message.
+other 4xx fail at once with the server's message. A prompt that fits with a ``max_tokens``
+that does not (vLLM's server refuses it with a 400) is sent again asking for the tokens that
+fit, as the other engines generate to the context's end.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -331,18 +334,12 @@ class OpenAIEngine(Engine):
         client = self._client
         if client is None:
             raise EngineError("the openai engine is not started")
-        async with self._slots:
-            self.stats["http_attempts"] += 1
-            try:
-                # httpx's timeout is per read; this one bounds the whole attempt
-                async with asyncio.timeout(cfg.timeout_s):
-                    resp = await client.post(self.url, json=body, headers={"X-Request-Id": rid})
-            except (TimeoutError, httpx.TimeoutException):
-                raise _Transient(f"no answer within timeout_s={cfg.timeout_s:g} s") from None
-            except httpx.UnsupportedProtocol as e:
-                raise OpenAIEngineError(f"bad base_url {cfg.base_url!r}: {e}") from None
-            except httpx.TransportError as e:
-                raise _Transient(f"{type(e).__name__}: {e or 'connection failed'}") from None
+        resp = await self._post(client, rid, body)
+        room = _room_left(resp, body)
+        if room is not None:
+            # the prompt fits but max_tokens does not (vLLM refuses it): generate what fits, as
+            # the torch and vllm engines do (finish_reason "length"), not a failed turn
+            resp = await self._post(client, rid, {**body, "max_tokens": room})
         status = resp.status_code
         if status in (408, 429) or status >= 500:
             after = retry_after_s(resp.headers) if status in (429, 503) else None
@@ -371,6 +368,21 @@ class OpenAIEngine(Engine):
         if not isinstance(data, dict):
             raise OpenAIEngineError(f"{self.url} answered JSON that is not an object: {excerpt(resp.text)}")
         return data
+
+    async def _post(self, client: httpx.AsyncClient, rid: str, body: dict[str, Any]) -> httpx.Response:
+        cfg = self.config
+        async with self._slots:
+            self.stats["http_attempts"] += 1
+            try:
+                # httpx's timeout is per read; this one bounds the whole attempt
+                async with asyncio.timeout(cfg.timeout_s):
+                    return await client.post(self.url, json=body, headers={"X-Request-Id": rid})
+            except (TimeoutError, httpx.TimeoutException):
+                raise _Transient(f"no answer within timeout_s={cfg.timeout_s:g} s") from None
+            except httpx.UnsupportedProtocol as e:
+                raise OpenAIEngineError(f"bad base_url {cfg.base_url!r}: {e}") from None
+            except httpx.TransportError as e:
+                raise _Transient(f"{type(e).__name__}: {e or 'connection failed'}") from None
 
 
 def _reply_text(message: Any) -> str:
@@ -421,6 +433,24 @@ def _id_of(token: Any) -> int | None:
         with contextlib.suppress(ValueError):
             return int(token.removeprefix("token_id:"))
     return None
+
+
+#: vLLM's server on a prompt that fits with a max_tokens that does not
+_TOO_LARGE = re.compile(
+    r"maximum context length is (\d+) tokens and your request has (\d+) input tokens", re.IGNORECASE
+)
+
+
+def _room_left(resp: httpx.Response, body: dict[str, Any]) -> int | None:
+    """The tokens the context has left after the prompt, when ``resp`` is vLLM's refusal of a
+    ``max_tokens`` over them and there is room for at least one (else None: no retry)."""
+    if resp.status_code != 400:
+        return None
+    m = _TOO_LARGE.search(error_message(resp))
+    if m is None:
+        return None
+    room = int(m.group(1)) - int(m.group(2))
+    return room if 1 <= room < body.get("max_tokens", 0) else None
 
 
 def _error_code(resp: httpx.Response) -> str | None:
