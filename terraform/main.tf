@@ -3,8 +3,10 @@ locals {
   sqs_batch_size = 10
   # the sqs-worker leaves a retryable record on the input queue until its function's
   # retry.max_attempts receives, then replies the failure: a redrive that gives up sooner
-  # dead-letters it unanswered. At least 5, room for a reply that could not be sent
-  max_receive_count = max(5, [for f in values(var.functions) : f.max_attempts]...)
+  # dead-letters it unanswered. A receive that Lambda throttled counts too, so 5 more (AWS's
+  # advice for a Lambda consumer's queue) let a throttled last attempt still be replied;
+  # they also leave room for a reply that could not be sent. SQS allows at most 1000
+  max_receive_count = min(1000, max([for f in values(var.functions) : f.max_attempts]...) + 5)
   # the user's tags, with the one that says who manages these: fabric deploy writes no tags
   # (a variable set in its fabric.auto.tfvars.json replaces the user's, whole)
   default_tags = merge(var.tags, { "managed-by" = "rl-fabric" })
