@@ -11,8 +11,13 @@ exists, used or not).
 A role this deploy creates takes some seconds to reach Lambda (IAM is eventually
 consistent): creating a function is tried again while Lambda cannot assume it yet.
 
-Provisioned concurrency fails soft: a warning names the function and the reason, and the
-function works without a warm pool (moto, for one, does not implement the calls).
+Each function's log group ``/aws/lambda/<name>`` is created (or found) with the retention
+terraform gives it: Lambda creates the group at a function's first log line with none, and
+its logs are then kept, and billed, for good.
+
+Provisioned concurrency and the log group's retention fail soft: a warning names the function
+and the reason, and the function works without a warm pool (moto, for one, does not implement
+the calls) or keeps its logs for good.
 """
 
 from __future__ import annotations
@@ -59,6 +64,11 @@ _ROLE_RETRY_WAITS = (1.0, 2.0, 4.0, 8.0)
 MANAGED_ENV = "RL_FABRIC_MANAGED_ENV"
 #: Lambda's refusal of a role it cannot assume (yet): the message is the only mark.
 _ROLE_NOT_ASSUMABLE = "cannot be assumed by Lambda"
+#: The retentions CloudWatch Logs accepts, in days (terraform/modules/functions checks the same).
+LOG_RETENTIONS = (
+    0, 1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557,
+    2922, 3288, 3653,
+)  # fmt: skip
 
 
 class DirectConfig(BaseModel):
@@ -76,6 +86,16 @@ class DirectConfig(BaseModel):
     """Extra variables for every function (e.g. ``RL_FABRIC_IDEMPOTENCY_TABLE``). Their names
     are recorded on the function (``RL_FABRIC_MANAGED_ENV``): one dropped from here is
     removed by the next deploy, while variables set on the function by hand are kept."""
+    log_retention_days: int = 14
+    """Retention of each function's log group, as terraform's ``log_retention_days`` (whose
+    default this is); 0 keeps the logs for good."""
+
+    @field_validator("log_retention_days")
+    @classmethod
+    def _a_retention(cls, days: int) -> int:
+        if days not in LOG_RETENTIONS:
+            raise ValueError(f"log_retention_days must be one CloudWatch Logs accepts: {LOG_RETENTIONS}")
+        return days
 
     @field_validator("environment")
     @classmethod
@@ -125,10 +145,10 @@ def check_credentials(region: str) -> None:
         raise DeployError(f"no AWS credentials found: {_GET_CREDENTIALS}")
 
 
-def _clients(cfg: DirectConfig) -> tuple[Any, Any]:
+def _clients(cfg: DirectConfig) -> tuple[Any, Any, Any]:
     boto3 = _boto3()
     kw = {"region_name": cfg.region, "endpoint_url": cfg.endpoint_url}
-    return boto3.client("lambda", **kw), boto3.client("iam", **kw)
+    return boto3.client("lambda", **kw), boto3.client("iam", **kw), boto3.client("logs", **kw)
 
 
 def ensure_role(iam: Any, cfg: DirectConfig) -> str:
@@ -160,7 +180,7 @@ def deploy_direct(
             "terraform (which uploads through S3) or --no-deps with a layer"
         )
     say = on_step or (lambda _m: None)
-    lam, iam = _clients(cfg)
+    lam, iam, logs = _clients(cfg)
     out: list[Deployed] = []
     failing: str | None = None
     try:
@@ -168,7 +188,11 @@ def deploy_direct(
         for fn in functions:
             failing = fn.deployed_name
             say(f"{fn.deployed_name}: deploying")
-            out.append(_one(lam, fn, code, role, cfg, say))
+            unkept = _log_group_warning(logs, fn.deployed_name, cfg, say)
+            done = _one(lam, fn, code, role, cfg, say)
+            if unkept is not None:
+                done.warning = f"{done.warning}; {unkept}" if done.warning else unkept
+            out.append(done)
         return out
     except NoCredentialsError:  # with --endpoint-url, which skips check_credentials
         raise DeployError(
@@ -182,6 +206,41 @@ def deploy_direct(
         ) from None
     except DeployError as e:
         raise DeployError(f"{e}{_so_far(functions, out, failing)}") from None
+
+
+def _log_group(logs: Any, group: str, days: int) -> None:
+    """Create ``group`` with a retention of ``days`` (0: none), or put that retention on it
+    where it exists: Lambda made it without one, or an earlier deploy with another."""
+    try:
+        logs.create_log_group(logGroupName=group)
+    except logs.exceptions.ResourceAlreadyExistsException:
+        pass  # a redeploy, or the function has logged already
+    if days:
+        logs.put_retention_policy(logGroupName=group, retentionInDays=days)
+    else:
+        try:
+            logs.delete_retention_policy(logGroupName=group)
+        except logs.exceptions.ResourceNotFoundException:
+            pass
+
+
+def _log_group_warning(logs: Any, name: str, cfg: DirectConfig, say: Callable[[str], None]) -> str | None:
+    """``_log_group`` for function ``name``, before the function exists so that Lambda does
+    not make the group without a retention; a refusal (credentials that may deploy functions
+    but not manage logs, which deployed before) is a warning, not a failure."""
+    from botocore.exceptions import ClientError
+
+    group = f"/aws/lambda/{name}"
+    try:
+        _log_group(logs, group, cfg.log_retention_days)
+    except ClientError as e:
+        warning = (
+            f"{name}: log group {group} not given a retention of {cfg.log_retention_days} days: "
+            f"{_reason(e)}; the function works, and its logs are kept until one is set"
+        )
+        say(f"warning: {warning}")
+        return warning
+    return None
 
 
 def _so_far(functions: list[DeployedFunction], done: list[Deployed], failing: str | None) -> str:
