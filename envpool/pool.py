@@ -198,13 +198,16 @@ class EnvPool:
             await s._detach()
 
     async def prewarm(self, image: str | None = None, n: int | None = None) -> None:
-        """Start ``n`` (default ``min_warm``) idle containers for ``image`` and wait for them;
-        from then on the pool keeps that many warm (until no session has asked for it in
-        ``warm_idle_s``). If none of them starts, the first start error is raised
-        (``ImageNotFound`` for a wrong reference) and the image is not kept warm: only an
-        image that starts is retried in the background. More than ``max_containers`` (or
-        fewer than 0) is refused (``EnvUsageError``), as ``PoolConfig`` refuses such a
-        ``min_warm``."""
+        """Start up to ``n`` (default ``min_warm``) idle containers for ``image``, as many as
+        the pool has room for, and wait for them; from then on the pool keeps ``n`` warm
+        (until no session has asked for it in ``warm_idle_s``), starting the rest as slots
+        free. With every slot taken (sessions, other starts) it starts nothing and returns at
+        once, keeping the want: a wait for room would last as long as the sessions holding
+        it, and the job's start-up prewarms its images one after another. If every start it
+        made failed, the first start error is raised (``ImageNotFound`` for a wrong
+        reference) and the image is not kept warm: only an image that starts is retried in
+        the background. More than ``max_containers`` (or fewer than 0) is refused
+        (``EnvUsageError``), as ``PoolConfig`` refuses such a ``min_warm``."""
         n = self.config.min_warm if n is None else n
         if n < 0:  # (kept, it lowered the wants' sum that bounds the other images' wants)
             raise EnvUsageError(f"prewarm(n={n}): n is a count of containers, 0 or more")
@@ -219,7 +222,7 @@ class EnvPool:
         if need:
             starts = [self._start_idle(image, background=False) for _ in range(need)]
             try:
-                errors = [r for r in await asyncio.gather(*starts, return_exceptions=True) if r is not None]
+                results = await asyncio.gather(*starts, return_exceptions=True)
             except BaseException:
                 # cancelled (a caller that gave up) after some of them started: the image is
                 # kept warm all the same, else they stayed idle, of an image no prune looks
@@ -227,7 +230,10 @@ class EnvPool:
                 if self._idle.get(image):
                     self._keep_warm(image, max(self._wanted.get(image, 0), n))
                 raise
-            if len(errors) == need:
+            errors = [r for r in results if isinstance(r, BaseException)]
+            # those that found no room tried nothing: they do not make the failed ones' image
+            # one that starts (it was kept warm when no start of it had worked)
+            if errors and True not in results:
                 raise errors[0]
         self._keep_warm(image, max(self._wanted.get(image, 0), n))
 
@@ -320,11 +326,12 @@ class EnvPool:
                 del self._starting[image]  # keyed by image: bounded by the images starting now
             self._kick()
 
-    async def _start_idle(self, image: str | None, *, background: bool = True) -> None:
-        """Start an idle container of ``image`` (none at ``max_containers``). In the
-        background a failure is counted and backs the image off; else it is raised."""
+    async def _start_idle(self, image: str | None, *, background: bool = True) -> bool:
+        """Start an idle container of ``image`` (none at ``max_containers``); whether one
+        was made idle. In the background a failure is counted and backs the image off; else
+        it is raised."""
         if len(self.runtime.live) + sum(self._starting.values()) >= self.config.max_containers:
-            return
+            return False
         try:
             c = await self._new_container(image)
         except Exception as e:  # background work: count it, back off, never crash the loop
@@ -341,17 +348,18 @@ class EnvPool:
                     e,
                 )
                 self._unwant(image, type(e).__name__)
-                return
+                return False
             self._prestart_failures[image] += 1
             delay = min(30.0, 0.2 * 2 ** self._prestart_failures[image])
             self._prestart_after[image] = time.monotonic() + delay
-            return
+            return False
         self._prestart_failures.pop(image, None)
         if background and image not in self._wanted:  # let go of while it started
             await self._stop(c)
-            return
+            return False
         self._idle[image].append(c)
         self._notify_changed()
+        return True
 
     async def _stop(self, c: Container) -> None:
         await self._stopper.stop(c)
