@@ -11,7 +11,10 @@ retryable and safe to retry for a side effect (nothing ran); a request Modal ref
 invalid is ``SetupFailed`` (the deployment's or the config's, not the payload's), and so is
 an ``ImportError`` from the container (its image cannot import fabric's runtime) or a
 ``DeserializationError`` (it cannot load the function as deployed), one too
-large ``PayloadTooLarge``, all final; anything else on
+large ``PayloadTooLarge``, a request Modal's server does not implement
+(``UnimplementedError``: the modal package is too old or too new) ``SetupFailed``, all final;
+a full input queue (a plain ``Exception`` raised before anything is queued) is
+``NotStarted``, safe to retry for a side effect; anything else on
 the way (``ConnectionError``, ``InternalFailure``, ``ServiceError``, a lost container) is a
 retryable ``TransportError``.
 """
@@ -45,7 +48,13 @@ _ERRORS: tuple[tuple[str, ErrorCode], ...] = (
     # the app is redeployed (from the Python version the image runs), as for an ImportError
     ("DeserializationError", ErrorCode.SETUP_FAILED),
     ("RequestSizeError", ErrorCode.PAYLOAD_TOO_LARGE),
+    # gRPC's UNIMPLEMENTED: Modal's server does not implement what this client asks (a modal
+    # package too old or too new for it); every call and retry asks the same
+    ("UnimplementedError", ErrorCode.SETUP_FAILED),
 )
+#: Modal's client raises a plain ``Exception`` with this message when the server took none of
+#: the inputs it put: nothing is queued, nothing ran. Its message is the only mark
+_QUEUE_FULL = "input queue seems to be full"
 
 
 class ModalBackend(Backend):
@@ -110,7 +119,11 @@ class ModalBackend(Backend):
             ErrorCode.TRANSPORT,
         )
         message = f"Modal: {type(e).__name__}: {e}"
-        if isinstance(e, ImportError):
+        if type(e) is Exception and _QUEUE_FULL in str(e):
+            # a TransportError may have run: a side effect's call was not retried, and ended
+            # OutcomeUnknown, though Modal never queued it
+            code = ErrorCode.NOT_STARTED
+        elif isinstance(e, ImportError):
             # raised in the container and re-raised here by Modal: its entry cannot import
             # fabric's runtime (the function's own import failures come back as a Result), so
             # no call can run until the image is fixed: not a transport fault to retry
@@ -118,6 +131,11 @@ class ModalBackend(Backend):
             message += (
                 " (the Modal container cannot import fabric's runtime: its image lacks a package; "
                 "redeploy with `fabric deploy --backend modal` from an environment with rl-fabric installed)"
+            )
+        elif isinstance(e, getattr(exc, "UnimplementedError", ())):
+            message += (
+                " (Modal's server does not implement what this modal client asks: upgrade it, "
+                "pip install -U modal, and redeploy with `fabric deploy --backend modal`)"
             )
         elif isinstance(e, getattr(exc, "DeserializationError", ())):
             message += (
