@@ -46,6 +46,16 @@ class TrainerActor:
             bundle = PolicyBundle.load(bundle)
         self.trainer = make_trainer(cfg, bundle, temperature=temperature, seed=seed)
         self.steps = 0
+        if cfg.minibatch_size is not None and not hasattr(self.trainer, "config"):
+            # step() splits a batch through the backend's config.mini_batch_size; one with its
+            # own step and no config had the setting ignored without a word, every batch one
+            # update (refused here, before the engines start, as a rate it cannot take is)
+            raise TrainerError(
+                f"trainer.minibatch_size={cfg.minibatch_size}: the {self.trainer.name!r} trainer has "
+                "no `config` to take it: set `config` in its __init__ (a pydantic model with "
+                "`mini_batch_size`, turns per update, which the actor sets each step) and split its "
+                "step by it, or leave trainer.minibatch_size unset (the whole batch, one update)"
+            )
         if cfg.lr_end is not None:
             # the first step's rate, set now: a backend that cannot take one (no optimizer, no
             # set_lr of its own) fails here, not at its first step, after the engines started
@@ -62,7 +72,7 @@ class TrainerActor:
         # it): a set of the ids made all of them one, and the whole batch a single update
         ids = [s.trajectory_id for s in batch]
         n_traj = len(set(ids) - {None}) + ids.count(None)
-        if self.cfg.minibatch_size is not None and hasattr(self.trainer, "config"):
+        if self.cfg.minibatch_size is not None:  # (a backend without a config was refused at start)
             # minibatch_size counts trajectories; the backend splits turns: same proportion
             per_update = math.ceil(len(batch) * min(1.0, self.cfg.minibatch_size / max(n_traj, 1)))
             self.trainer.config = self.trainer.config.model_copy(update={"mini_batch_size": per_update})

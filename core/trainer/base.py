@@ -17,7 +17,9 @@ times the step and bumps the version. Its ``_step`` is the update sequence both 
 share (``minibatch_updates`` over the backend's ``_update``, the learning rate reported):
 a backend implements ``_update`` and ``state`` and sets ``config``, ``optimizer`` and
 ``_shuffle``; one with another kind of step overrides ``_step`` instead, and, without an
-``optimizer``, ``lr`` and ``set_lr`` if it is to train on a schedule (``trainer.lr_end``).
+``optimizer``, ``lr`` and ``set_lr`` if it is to train on a schedule (``trainer.lr_end``),
+and, without a ``config``, cannot take ``trainer.minibatch_size`` (the trainer actor sets
+``config.mini_batch_size``; it refuses the setting for such a backend at start).
 """
 
 from __future__ import annotations
