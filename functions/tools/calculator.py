@@ -5,14 +5,16 @@ and parentheses are evaluated: no names, calls, attributes or subscripts, so not
 policy writes can reach Python. Sizes are bounded before the work is done (``9**9**9`` is
 refused at once instead of computing a number with 370 million digits). The signs a model
 types for them (the minus sign, times, divide, full-width forms, no-break spaces) read as the
-ASCII operators; a superscript, or the tool's JSON arguments passed as the expression, is
-refused saying what to write instead.
+ASCII operators; a superscript, a percent sign, a factorial, a number before ``(`` (``2(3)``)
+or the tool's JSON arguments passed as the expression, is refused saying what to write instead.
 
 The result is printed as text: an integer in full, a float to 15 significant digits
 (``0.1 + 0.2`` is ``0.3``, ``0.5 + 123456789012`` is ``123456789012.5``), a whole float below
 2**53 as an integer (``6 / 3`` is ``2``). A float result over about 1.8e308 is refused as too
 large; one under about 5e-324 reads 0, but an expression that divides by it or scales it back
 up (``1 / 3 ** -1000``) is refused as out of range, never answered "division by zero" or 0.
+An int past a float's range with a float is worked exactly, so only a result too large for a
+float is refused (``10 ** 400 * 1e-300`` is ``1e+100``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import re
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 import fabric
@@ -49,6 +53,15 @@ _UNICODE = str.maketrans(
     | dict.fromkeys(["\u00a0", *map(chr, range(0x2000, 0x200B)), "\u202f", "\u205f", "\u3000"], " ")
 )
 _SUPERSCRIPTS = frozenset("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079")
+# what a model types that Python cannot parse, read only of a syntax error: a percent sign
+# after its number (not a remainder: one of those parses) and a factorial
+_SYNTAX_HINTS = (
+    (
+        re.compile(r"%\s*(?:$|[)*/%+]|[^\W\d_])"),
+        "; '%' is the remainder, not a percentage: divide by 100 (15% of 80 is 15 / 100 * 80)",
+    ),
+    (re.compile(r"!(?!=)"), "; '!' (factorial) is not supported: multiply it out (5! is 1 * 2 * 3 * 4 * 5)"),
+)
 _HINTS: dict[type[ast.AST], str] = {
     ast.BitXor: "'^' is not a power; use '**'",
     ast.Name: "names are not allowed",
@@ -195,6 +208,10 @@ def _power(base: Any, exp: Any) -> Any:
         return -0.0 if base < 0 and isinstance(exp, int) and exp % 2 else 0.0
 
 
+def _int_and_float(left: Any, right: Any) -> bool:
+    return {type(left), type(right)} == {int, float}
+
+
 def _eval(node: ast.AST) -> Any:
     if isinstance(node, ast.Expression):
         return _eval(node.body)
@@ -216,6 +233,12 @@ def _eval(node: ast.AST) -> Any:
         try:
             value = _check_size(op(left, right))
         except OverflowError:
+            if _int_and_float(left, right) and not isinstance(node.op, ast.Pow):
+                # the int was converted to a float on its own and overflowed, the result may
+                # well fit one (10 ** 400 * 1e-300 is 1e100): exactly in fractions, then to a
+                # float, which overflows only when the result is too large for one
+                value = _check_size(float(_BINOPS[type(node.op)](Fraction(left), Fraction(right))))
+                return _Tiny(value) if _underflowed(node.op, left, right, value) else value
             if isinstance(node.op, ast.Div) and isinstance(left, int) and isinstance(right, int):
                 # an int quotient over a float's range (10 ** 400 / 3): // gives it exactly
                 raise ValueError(
@@ -223,6 +246,9 @@ def _eval(node: ast.AST) -> Any:
                 ) from None
             raise
         return _Tiny(value) if _underflowed(node.op, left, right, value) else value
+    if isinstance(node, ast.Call) and not isinstance(node.func, ast.Name | ast.Attribute):
+        # 2(3 + 4) is a call of 2 to Python: the policy meant a product
+        raise ValueError("unsupported expression: put * before '(' to multiply: 2 * (3 + 4), not 2(3 + 4)")
     what = getattr(node, "op", node)
     hint = _HINTS.get(type(what), f"{type(what).__name__} is not allowed")
     raise ValueError(f"unsupported expression: {hint} (only numbers, + - * / // % ** and parentheses)")
@@ -248,6 +274,10 @@ def _format(value: int | float) -> str:
 
 def evaluate(expression: str) -> int | float:
     """The value of an arithmetic expression; ``ValueError`` saying what is wrong."""
+    if not isinstance(expression, str):  # envpool's in-process bridge passes the policy's value as it is
+        raise ValueError(
+            f"expression must be a string, got {type(expression).__name__}: pass it as text, e.g. 2 + 3"
+        )
     text = expression.strip()
     if not text:
         raise ValueError("empty expression")
@@ -264,7 +294,8 @@ def evaluate(expression: str) -> int | float:
     try:
         tree = ast.parse(text, mode="eval")
     except SyntaxError as e:
-        raise ValueError(f"not an arithmetic expression: {e.msg}") from None
+        hint = next((h for pattern, h in _SYNTAX_HINTS if pattern.search(text)), "")
+        raise ValueError(f"not an arithmetic expression: {e.msg}{hint}") from None
     except (RecursionError, MemoryError):
         raise ValueError("expression is nested too deeply") from None
     try:

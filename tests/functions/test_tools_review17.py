@@ -1,0 +1,64 @@
+"""The built-in tools as a policy calls them thousands of times a step, with model-written
+arguments: values the calculator answered wrongly, and arguments that came back as the
+tool's own internals (an ``AttributeError``) instead of a message saying what to pass."""
+
+from __future__ import annotations
+
+import pytest
+
+from functions.tools.calculator import calculator
+
+
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [
+        # an int past a float's range times a float was refused as "too large for a float",
+        # its result well inside it: the int was converted on its own, and overflowed
+        ("10 ** 400 * 1e-300", "1e+100"),
+        ("10 ** 400 / 1e300", "1e+100"),
+        ("1e-300 * 10 ** 400", "1e+100"),
+        ("10 ** 400 * 0.0", "0"),
+        ("10 ** 400 // 1e300", "1e+100"),
+        ("(10 ** 400 + 7) % 2.5", "2"),
+        ("10 ** 400 - 10 ** 400 + 0.5", "0.5"),
+    ],
+)
+def test_an_int_past_a_floats_range_with_a_float_is_answered_when_the_result_fits(expression, value):
+    assert calculator(expression) == value
+
+
+@pytest.mark.parametrize("expression", ["10 ** 400 * 1.0", "10 ** 400 + 0.5", "10 ** 400 / 1e-300"])
+def test_an_int_past_a_floats_range_with_a_float_is_still_refused_when_the_result_is(expression):
+    with pytest.raises(ValueError, match="too large for a float"):
+        calculator(expression)
+
+
+@pytest.mark.parametrize(
+    ("expression", "hint"),
+    [
+        # "invalid syntax" told the policy nothing of what it wrote, or what to write instead
+        ("50%", "percentage"),
+        ("200 * 15%", "percentage"),
+        ("15% of 80", "percentage"),
+        ("5!", "factorial"),
+        ("2(3 + 4)", "put * before '(' to multiply"),
+        ("(1 + 2)(3 + 4)", "put * before '(' to multiply"),
+    ],
+)
+def test_notations_a_model_types_are_refused_saying_what_to_write(expression, hint):
+    with pytest.raises(ValueError) as e:
+        calculator(expression)
+    assert hint in str(e.value), str(e.value)
+
+
+def test_a_call_of_a_name_still_says_calls_are_not_allowed():
+    with pytest.raises(ValueError, match="function calls are not allowed"):
+        calculator("sqrt(4)")
+
+
+@pytest.mark.parametrize("expression", [5, None, ["1 + 1"], b"1 + 1"])
+def test_calculator_called_with_no_string_says_what_to_pass(expression):
+    # envpool's in-process bridge calls the tool as it is, without the fabric's argument
+    # check: "AttributeError: 'int' object has no attribute 'strip'" was what the policy read
+    with pytest.raises(ValueError, match="expression must be a string"):
+        calculator(expression)
