@@ -80,6 +80,11 @@ def run_python(verifier: Verifier, code: str, stdin: str = "", limits: Limits = 
     """The ``python`` tool's run under ``limits``: what it printed, then how it ended when that
     was not a clean exit (``[exit code 2]``, or the limit that ended it and its value).
     ``ValueError`` for what cannot run: empty or too long code, stdin over ``MAX_STDIN_BYTES``."""
+    # envpool's in-process bridge passes the policy's values as they are (the fabric checks
+    # their types first): an int was "AttributeError: 'int' object has no attribute 'encode'"
+    for name, value in (("code", code), ("stdin", stdin)):
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, got {type(value).__name__}")
     source = utf8(code, "code")
     if len(source) > MAX_CODE_BYTES:
         raise ValueError(f"code is {len(source)} bytes; the limit is {MAX_CODE_BYTES}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from functions.tools.calculator import calculator
+from functions.tools.python import run_python
 
 
 @pytest.mark.parametrize(
@@ -62,3 +63,26 @@ def test_calculator_called_with_no_string_says_what_to_pass(expression):
     # check: "AttributeError: 'int' object has no attribute 'strip'" was what the policy read
     with pytest.raises(ValueError, match="expression must be a string"):
         calculator(expression)
+
+
+class _NoSandbox:
+    """A verifier that must not be reached: the arguments are refused first."""
+
+    @property
+    def sandbox(self):
+        raise AssertionError("the run started on arguments that should have been refused")
+
+
+@pytest.mark.parametrize(
+    ("code", "stdin", "message"),
+    [
+        (5, "", "code must be a string"),
+        (None, "", "code must be a string"),
+        (["print(1)"], "", "code must be a string"),
+        ("print(1)", 5, "stdin must be a string"),
+        ("print(1)", None, "stdin must be a string"),
+    ],
+)
+def test_python_called_with_no_string_says_what_to_pass(code, stdin, message):
+    with pytest.raises(ValueError, match=message):
+        run_python(_NoSandbox(), code, stdin)  # type: ignore[arg-type]
