@@ -57,7 +57,7 @@ from typing import Annotated, Any
 from pydantic import Strict
 
 import fabric
-from functions.tools._args import holds_json_arguments
+from functions.tools._args import holds_json_arguments, utf8
 from functions.tools._search_text import _CJK, _WORD, tokenize
 
 # the text rules live in their own module; these stay importable from here
@@ -460,6 +460,7 @@ def check_arguments(query: str, k: int) -> str:
     if not isinstance(query, str):
         raise ValueError(f"query must be a string, got {type(query).__name__}")
     text = query.strip()
+    utf8(text, "query")  # echoed in the answer, which must encode as the observation's text
     if not text:
         raise ValueError("empty query: pass the words to look for, e.g. 'speed of light'")
     if holds_json_arguments(text, "query"):

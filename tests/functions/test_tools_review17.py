@@ -8,6 +8,7 @@ import pytest
 
 from functions.tools.calculator import calculator
 from functions.tools.python import run_python
+from functions.tools.search import check_arguments
 
 
 @pytest.mark.parametrize(
@@ -86,3 +87,10 @@ class _NoSandbox:
 def test_python_called_with_no_string_says_what_to_pass(code, stdin, message):
     with pytest.raises(ValueError, match=message):
         run_python(_NoSandbox(), code, stdin)  # type: ignore[arg-type]
+
+
+def test_a_search_query_with_a_lone_surrogate_is_refused_saying_where():
+    # the calculator and python refuse one; search echoed it back in its answer, text no
+    # UTF-8 encodes, for whatever encodes the observation next
+    with pytest.raises(ValueError, match="lone surrogate"):
+        check_arguments("speed of \ud800 light", 3)
