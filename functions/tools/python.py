@@ -29,12 +29,18 @@ OPENAI_SCHEMA: dict[str, Any] = {
             f"limits: {TOOL_LIMITS.cpu_s:g} CPU seconds, {TOOL_LIMITS.wall_s:g} s wall time, "
             f"{TOOL_LIMITS.memory_mb} MB memory, {TOOL_LIMITS.stdout_bytes >> 10} KiB of stdout; "
             f"past {TOOL_LIMITS.stderr_bytes >> 10} KiB, stderr keeps its start and end). "
-            "Print what you want to see."
+            f"Print what you want to see: you are shown the first {MAX_SHOWN:,} characters of stdout "
+            f"and the last {MAX_SHOWN:,} of stderr."
         ),
         "parameters": {
             "type": "object",
             "properties": {
-                "code": {"type": "string", "description": "a complete program, e.g. print(sum(range(10)))"},
+                "code": {
+                    "type": "string",
+                    "description": (
+                        f"a complete program, e.g. print(sum(range(10))) (up to {MAX_CODE_BYTES >> 10} KiB)"
+                    ),
+                },
                 "stdin": {
                     "type": "string",
                     "description": f"text on standard input (optional; up to {MAX_STDIN_BYTES >> 10} KiB)",

@@ -94,3 +94,33 @@ def test_a_search_query_with_a_lone_surrogate_is_refused_saying_where():
     # UTF-8 encodes, for whatever encodes the observation next
     with pytest.raises(ValueError, match="lone surrogate"):
         check_arguments("speed of \ud800 light", 3)
+
+
+@pytest.mark.parametrize("module", ["calculator", "search", "python"])
+def test_each_tools_schema_is_the_arguments_it_takes(module):
+    # what the policy is shown (OpenAI's tool format) and what the fabric accepts: the same
+    # names, the same required ones, and no others (extra fields are refused)
+    import importlib
+
+    tool = importlib.import_module(f"functions.tools.{module}")
+    spec = getattr(tool, module).__fabric_spec__
+    fn = tool.OPENAI_SCHEMA["function"]
+    params = fn["parameters"]
+    assert tool.OPENAI_SCHEMA["type"] == "function" and fn["name"] == spec.name
+    assert params["type"] == "object" and params["additionalProperties"] is False
+    assert sorted(params["required"]) == sorted(p.name for p in spec.params if p.required)
+    assert set(params["properties"]) == {p.name for p in spec.params}
+    assert not spec.accepts_extra
+
+
+def test_the_python_tools_schema_says_what_the_policy_sees_and_how_much_code_it_takes():
+    # a program over 256 KiB is refused and only the first 4,000 characters of its output
+    # are shown, but neither was in what the policy is shown of the tool: it printed a long
+    # table to read, or sent a long program, and learnt the limit only from a cut
+    from functions.tools.python import MAX_SHOWN, OPENAI_SCHEMA
+    from functions.verifiers.verify import MAX_CODE_BYTES
+
+    fn = OPENAI_SCHEMA["function"]
+    assert f"{MAX_SHOWN:,} characters" in fn["description"], fn["description"]
+    code = fn["parameters"]["properties"]["code"]["description"]
+    assert f"{MAX_CODE_BYTES >> 10} KiB" in code, code
