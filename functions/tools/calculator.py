@@ -5,8 +5,9 @@ and parentheses are evaluated: no names, calls, attributes or subscripts, so not
 policy writes can reach Python. Sizes are bounded before the work is done (``9**9**9`` is
 refused at once instead of computing a number with 370 million digits). The signs a model
 types for them (the minus sign, times, divide, full-width forms, no-break spaces) read as the
-ASCII operators; a superscript, a percent sign, a factorial, a number before ``(`` (``2(3)``)
-or the tool's JSON arguments passed as the expression, is refused saying what to write instead.
+ASCII operators; a superscript, a percent sign, a factorial, a number before ``(`` (``2(3)``),
+a thousands separator, an ``=``, a currency sign or the tool's JSON arguments passed as the
+expression, is refused saying what to write instead.
 
 The result is printed as text: an integer in full, a float to 15 significant digits
 (``0.1 + 0.2`` is ``0.3``, ``0.5 + 123456789012`` is ``123456789012.5``), a whole float below
@@ -54,19 +55,26 @@ _UNICODE = str.maketrans(
 )
 _SUPERSCRIPTS = frozenset("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079")
 # what a model types that Python cannot parse, read only of a syntax error: a percent sign
-# after its number (not a remainder: one of those parses) and a factorial
+# after its number (not a remainder: one of those parses), a factorial, an equation, money
 _SYNTAX_HINTS = (
     (
         re.compile(r"%\s*(?:$|[)*/%+]|[^\W\d_])"),
         "; '%' is the remainder, not a percentage: divide by 100 (15% of 80 is 15 / 100 * 80)",
     ),
     (re.compile(r"!(?!=)"), "; '!' (factorial) is not supported: multiply it out (5! is 1 * 2 * 3 * 4 * 5)"),
+    (
+        re.compile(r"(?<![=!<>])=(?!=)"),
+        "; write only the expression, no '=' (2 + 3, not 2 + 3 = or x = 2 + 3)",
+    ),
+    (re.compile("[$\u00a2-\u00a5\u20a0-\u20c0]"), "; leave out currency signs and units ($5 + 3 is 5 + 3)"),
 )
 _HINTS: dict[type[ast.AST], str] = {
     ast.BitXor: "'^' is not a power; use '**'",
     ast.Name: "names are not allowed",
     ast.Call: "function calls are not allowed",
     ast.Attribute: "attributes are not allowed",
+    # 1,234 is the tuple (1, 234) to Python
+    ast.Tuple: "',' is not allowed: write numbers without thousands separators (1234, not 1,234)",
 }
 
 #: The OpenAI-style tool schema a policy is shown (envpool's math environment offers it).

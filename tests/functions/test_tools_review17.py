@@ -124,3 +124,20 @@ def test_the_python_tools_schema_says_what_the_policy_sees_and_how_much_code_it_
     assert f"{MAX_SHOWN:,} characters" in fn["description"], fn["description"]
     code = fn["parameters"]["properties"]["code"]["description"]
     assert f"{MAX_CODE_BYTES >> 10} KiB" in code, code
+
+
+@pytest.mark.parametrize(
+    ("expression", "hint"),
+    [
+        # "Tuple is not allowed" and "invalid syntax" said nothing the policy could act on
+        ("1,234 + 5", "thousands separators"),
+        ("2 + 3 =", "only the expression"),
+        ("x = 2 + 3", "only the expression"),
+        ("$5 + 3", "currency"),
+        ("5 \u20ac * 3", "currency"),
+    ],
+)
+def test_more_notations_a_model_types_are_refused_saying_what_to_write(expression, hint):
+    with pytest.raises(ValueError) as e:
+        calculator(expression)
+    assert hint in str(e.value), str(e.value)
