@@ -97,6 +97,12 @@ def run_python(verifier: Verifier, code: str, stdin: str = "", limits: Limits = 
     # both ran and answered "[no output]", which told the policy nothing of its mistake
     if not code.strip():
         raise ValueError("code is empty: pass a complete program that prints, e.g. print(6 * 7)")
+    if code.lstrip().startswith("```"):
+        # no program starts so (a syntax error at line 1, after a sandbox run): the policy
+        # pasted the fence its answer's code is written in
+        raise ValueError(
+            "code is in a Markdown code fence (```): pass the program itself, without the fence lines"
+        )
     if holds_json_arguments(code, "code"):
         raise ValueError(
             'code holds the JSON arguments ({"code": ...}): pass the program itself as the string, '

@@ -141,3 +141,11 @@ def test_more_notations_a_model_types_are_refused_saying_what_to_write(expressio
     with pytest.raises(ValueError) as e:
         calculator(expression)
     assert hint in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("code", ["```python\nprint(1)\n```", "\n```\nprint(1)\n```\n", "```py\nprint(1)"])
+def test_python_code_in_a_markdown_fence_is_refused_saying_to_pass_the_program(code):
+    # no program starts with ``` (a syntax error): the policy pasted its answer's fence, and
+    # read a SyntaxError at line 1 after a sandbox run
+    with pytest.raises(ValueError, match="Markdown code fence"):
+        run_python(_NoSandbox(), code)  # type: ignore[arg-type]
