@@ -14,8 +14,9 @@ The result is printed as text: an integer in full, a float to 15 significant dig
 2**53 as an integer (``6 / 3`` is ``2``). A float result over about 1.8e308 is refused as too
 large; one under about 5e-324 reads 0, but an expression that divides by it or scales it back
 up (``1 / 3 ** -1000``) is refused as out of range, never answered "division by zero" or 0.
-An int past a float's range with a float is worked exactly, so only a result too large for a
-float is refused (``10 ** 400 * 1e-300`` is ``1e+100``).
+An int past a float's range with a float, or to a float power, is worked out without
+converting it first, so only a result too large for a float is refused (``10 ** 400 * 1e-300``
+is ``1e+100``, ``(10 ** 400) ** 0.5`` is ``1e+200``, ``(10 ** 400) ** -0.5`` is ``1e-200``).
 """
 
 from __future__ import annotations
@@ -204,6 +205,8 @@ def _power(base: Any, exp: Any) -> Any:
     try:
         return base**exp
     except OverflowError:
+        if isinstance(base, int) and isinstance(exp, float):
+            return _big_int_power(base, exp)
         # a float power whose exponent does not fit a float (2 ** -(10**3000)): the result
         # is huge or tiny by whether |base| > 1 and the exponent's sign agree
         if base == 0:
@@ -214,6 +217,26 @@ def _power(base: Any, exp: Any) -> Any:
             raise
         # tiny: what a float power that underflows gives (2 ** -2000), its sign kept
         return -0.0 if base < 0 and isinstance(exp, int) and exp % 2 else 0.0
+
+
+def _big_int_power(base: int, exp: float) -> float:
+    """``base ** exp`` for an int past a float's range (which Python converts first, and
+    overflows): ``|base|`` as ``m * 2 ** s`` with ``m`` a float, so the power is
+    ``m ** exp * 2 ** (s * exp)``, ``s * exp`` split exactly into its whole and its fraction.
+    Huge or tiny by its size, not by the exponent's sign alone (``** 0.0`` is 1)."""
+    if exp == 0:
+        return 1.0
+    odd = exp.is_integer() and int(exp) % 2 == 1
+    if base < 0 and not exp.is_integer():
+        raise ValueError("the result is not a real number")
+    shift = base.bit_length() - 64
+    m = float(abs(base) >> shift)  # (the bits past a float's 53 do not change its value)
+    if math.log2(m) * exp + shift * exp > 1100:  # past 2 ** 1024: the message of a float's overflow
+        raise OverflowError
+    scaled = Fraction(shift) * Fraction(exp)  # exactly: s * exp may be thousands
+    whole = math.floor(scaled)
+    value = math.ldexp(m**exp * 2.0 ** float(scaled - whole), whole)  # OverflowError past 2 ** 1024
+    return -value if base < 0 and odd else value
 
 
 def _int_and_float(left: Any, right: Any) -> bool:

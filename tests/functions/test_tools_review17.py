@@ -149,3 +149,34 @@ def test_python_code_in_a_markdown_fence_is_refused_saying_to_pass_the_program(c
     # read a SyntaxError at line 1 after a sandbox run
     with pytest.raises(ValueError, match="Markdown code fence"):
         run_python(_NoSandbox(), code)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [
+        # an int past a float's range to a float power was taken as "huge" or "tiny" by the
+        # exponent's sign alone: a power of 0.0 read 0 (it is 1), one of -0.5 read 0
+        ("(10 ** 400) ** 0.0", "1"),
+        ("(10 ** 400) ** -0.5", "1e-200"),
+        ("(10 ** 400) ** 0.5", "1e+200"),
+        ("(2 ** 5000) ** 0.125", "1.39234637988959e+188"),  # 2 ** 625
+        ("(-(10 ** 400)) ** -1.0", "0"),
+        ("(10 ** 400) ** -2.0", "0"),
+    ],
+)
+def test_an_int_past_a_floats_range_to_a_float_power_is_its_value(expression, value):
+    assert calculator(expression) == value
+
+
+@pytest.mark.parametrize(
+    ("expression", "message"),
+    [
+        ("(10 ** 400) ** 0.9", "too large for a float"),
+        ("(-(10 ** 400)) ** 3.0", "too large for a float"),
+        ("(-(10 ** 400)) ** 0.5", "not a real number"),
+        ("(-(10 ** 400)) ** -0.5", "not a real number"),
+    ],
+)
+def test_an_int_past_a_floats_range_to_a_float_power_is_refused_for_what_it_is(expression, message):
+    with pytest.raises(ValueError, match=message):
+        calculator(expression)
