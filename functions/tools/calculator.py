@@ -205,8 +205,8 @@ def _power(base: Any, exp: Any) -> Any:
     try:
         return base**exp
     except OverflowError:
-        if isinstance(base, int) and isinstance(exp, float):
-            return _big_int_power(base, exp)
+        if isinstance(base, int) and isinstance(exp, float) and base.bit_length() >= 1024:
+            return _big_int_power(base, exp)  # (an int within a float's range: the result overflowed)
         # a float power whose exponent does not fit a float (2 ** -(10**3000)): the result
         # is huge or tiny by whether |base| > 1 and the exponent's sign agree
         if base == 0:

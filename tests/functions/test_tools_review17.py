@@ -160,6 +160,7 @@ def test_python_code_in_a_markdown_fence_is_refused_saying_to_pass_the_program(c
         ("(10 ** 400) ** -0.5", "1e-200"),
         ("(10 ** 400) ** 0.5", "1e+200"),
         ("(2 ** 5000) ** 0.125", "1.39234637988959e+188"),  # 2 ** 625
+        ("(2 ** 1024 - 1) ** 0.5", "1.34078079299426e+154"),  # (its float rounds to 2 ** 1024)
         ("(-(10 ** 400)) ** -1.0", "0"),
         ("(10 ** 400) ** -2.0", "0"),
     ],
@@ -175,6 +176,10 @@ def test_an_int_past_a_floats_range_to_a_float_power_is_its_value(expression, va
         ("(-(10 ** 400)) ** 3.0", "too large for a float"),
         ("(-(10 ** 400)) ** 0.5", "not a real number"),
         ("(-(10 ** 400)) ** -0.5", "not a real number"),
+        # a float's own overflow, the int within its range: as before
+        ("10 ** 400.0", "too large for a float"),
+        ("(-10) ** 401.0", "too large for a float"),
+        ("2 ** 1024.0", "too large for a float"),
     ],
 )
 def test_an_int_past_a_floats_range_to_a_float_power_is_refused_for_what_it_is(expression, message):
