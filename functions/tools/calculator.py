@@ -205,8 +205,10 @@ def _power(base: Any, exp: Any) -> Any:
     try:
         return base**exp
     except OverflowError:
+        # an int a float cannot hold (from 2 ** 1023 one may round up past it), not a float
+        # power's result that overflowed (10 ** 400.0): that one goes on below
         if isinstance(base, int) and isinstance(exp, float) and base.bit_length() >= 1024:
-            return _big_int_power(base, exp)  # (an int within a float's range: the result overflowed)
+            return _big_int_power(base, exp)
         # a float power whose exponent does not fit a float (2 ** -(10**3000)): the result
         # is huge or tiny by whether |base| > 1 and the exponent's sign agree
         if base == 0:
@@ -230,7 +232,7 @@ def _big_int_power(base: int, exp: float) -> float:
     if base < 0 and not exp.is_integer():
         raise ValueError("the result is not a real number")
     shift = base.bit_length() - 64
-    m = float(abs(base) >> shift)  # (the bits past a float's 53 do not change its value)
+    m = float(abs(base) >> shift)  # (its top 64 bits, rounded to a float's 53: a float's error)
     if math.log2(m) * exp + shift * exp > 1100:  # past 2 ** 1024: the message of a float's overflow
         raise OverflowError
     scaled = Fraction(shift) * Fraction(exp)  # exactly: s * exp may be thousands

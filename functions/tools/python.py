@@ -85,7 +85,8 @@ def python(code: str, stdin: str = "", ctx: Any = None) -> str:
 def run_python(verifier: Verifier, code: str, stdin: str = "", limits: Limits = TOOL_LIMITS) -> str:
     """The ``python`` tool's run under ``limits``: what it printed, then how it ended when that
     was not a clean exit (``[exit code 2]``, or the limit that ended it and its value).
-    ``ValueError`` for what cannot run: empty or too long code, stdin over ``MAX_STDIN_BYTES``."""
+    ``ValueError`` for what cannot run: code or stdin that is no string, empty or too long code,
+    code in a Markdown fence or holding the tool's JSON arguments, stdin over ``MAX_STDIN_BYTES``."""
     # envpool's in-process bridge passes the policy's values as they are (the fabric checks
     # their types first): an int was "AttributeError: 'int' object has no attribute 'encode'"
     for name, value in (("code", code), ("stdin", stdin)):
