@@ -9,8 +9,8 @@ install is an ``EngineError`` naming ``pip install 'rl-fabric[vllm]'``. Written 
 engine of vLLM 0.10.2-0.11 (``vllm.v1.engine.async_llm.AsyncLLM``; older releases expose the
 same methods as ``vllm.AsyncLLMEngine``, used as a fallback); weight loading and generation
 run on an H100 with vLLM 0.24.0. Each call below was also read against the sources of 0.24.0
-and 0.33.0 (the newest the pin admits; never run on a GPU): same names, signatures and
-meaning. The vLLM API it relies on:
+and 0.33.0 (the newest read: the pin has no upper bound; never run on a GPU): same names,
+signatures and meaning. The vLLM API it relies on:
 
 * ``AsyncLLM.from_engine_args(AsyncEngineArgs(model=..., seed=..., logprobs_mode=...,
   worker_extension_cls=..., **engine_args))``; ``shutdown()`` on close;
