@@ -12,7 +12,9 @@ How a call goes:
 * the rubric is filled in (``{question}``, ``{reference}``, ``{response}``, ``{min_score}``,
   ``{max_score}``, ``{nonce}``) and sent as one user message, at ``temperature`` (0 by
   default; no ``seed`` unless ``extra_body`` sets one, so a verdict is as repeatable as the
-  endpoint's greedy decoding, which batching can vary; the nonces differ per call); ``{response}``
+  endpoint's greedy decoding, which batching can vary; the nonces differ per call), its length
+  capped by ``max_tokens`` (sent as ``max_completion_tokens`` to OpenAI's API, whose reasoning
+  models refuse ``max_tokens``; ``max_tokens_field`` chooses); ``{response}``
   becomes the response between ``<response-NONCE>`` tags, the nonce random per call, so a
   response cannot close them and go on as the rubric; ``{nonce}`` is a second per-call
   nonce (six letters, never in the response) for the verdict line;
@@ -240,7 +242,7 @@ class Judge:
             "model": cfg.model,
             "messages": [{"role": "user", "content": prompt}],
             "temperature": cfg.temperature,
-            "max_tokens": cfg.max_tokens,
+            cfg.reply_limit_field: cfg.max_tokens,
             **cfg.extra_body,
         }
         tokens = estimate_tokens(prompt, cfg.max_tokens)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -45,7 +45,9 @@ Explain your judgement in a few sentences, then end with one line of the form \
 {max_score} (best). Copy the code {nonce} exactly: it marks the line as your verdict."""
 
 
-_RESERVED_BODY = frozenset({"model", "messages", "temperature", "max_tokens", "stream", "n"})
+_RESERVED_BODY = frozenset(
+    {"model", "messages", "temperature", "max_tokens", "max_completion_tokens", "stream", "n"}
+)
 
 
 class JudgeConfig(BaseModel):
@@ -78,11 +80,17 @@ class JudgeConfig(BaseModel):
     max_tokens: int = Field(512, ge=1)
     """The most the judge may write; a reply cut at it (``finish_reason="length"``) is an
     error, never scored: leave room for a reasoning model's thinking and the verdict line."""
+    max_tokens_field: Literal["max_tokens", "max_completion_tokens"] | None = None
+    """The request field ``max_tokens`` is sent as (``None``: ``max_completion_tokens`` to
+    OpenAI's API, ``max_tokens`` to any other server). OpenAI's reasoning models (o-series,
+    gpt-5) refuse ``max_tokens``, every OpenAI chat model reads ``max_completion_tokens``;
+    vLLM reads both, some other servers only ``max_tokens``."""
     extra_body: dict[str, Any] = Field(default_factory=dict)
     """Merged into every request body (``{"seed": 0}``, vendor options); not the keys the
-    judge sets itself (``model``, ``messages``, ``temperature``, ``max_tokens``, ``stream``,
-    ``n``): ``messages`` would replace the rubric and the response, ``max_tokens`` go uncharged
-    by ``tokens_per_minute``, ``stream`` turn the one JSON reply into events."""
+    judge sets itself (``model``, ``messages``, ``temperature``, ``max_tokens``,
+    ``max_completion_tokens``, ``stream``, ``n``): ``messages`` would replace the rubric and
+    the response, a reply limit go uncharged by ``tokens_per_minute`` (``max_tokens_field``
+    names the field), ``stream`` turn the one JSON reply into events."""
     timeout_s: float = Field(60.0, gt=0)
     """Limit on each attempt, connection to last byte."""
     max_retries: int = Field(3, ge=0, le=10)
@@ -100,6 +108,13 @@ class JudgeConfig(BaseModel):
     """Cap on tokens (prompt + completion) by one worker (``None``: no cap)."""
     max_wait_s: float = Field(120.0, ge=0)
     """Longest a call waits for the rate limiter before failing (retryable)."""
+
+    @property
+    def reply_limit_field(self) -> str:
+        """The request field that carries ``max_tokens`` (see ``max_tokens_field``)."""
+        if self.max_tokens_field is not None:
+            return self.max_tokens_field
+        return "max_completion_tokens" if self.base_url.rstrip("/") == OPENAI_URL else "max_tokens"
 
     @field_validator("requests_per_minute", "tokens_per_minute")
     @classmethod
