@@ -25,11 +25,12 @@ How a call goes:
 * a token bucket per worker holds requests under ``requests_per_minute`` and
   ``tokens_per_minute`` (a request is charged ``chars / 4 + max_tokens`` up front, the
   ``usage`` of the reply settles the difference);
-* 408, 429, 5xx, timeouts and network errors are retried with exponential backoff and
-  jitter, or after the server's ``Retry-After``; other 4xx fail at once. Retries, waits and
-  each attempt's timeout stay within the time the reward's run has left (its ``timeout_s``,
-  or the call's deadline if sooner), so an endpoint that stays down ends in the judge's own
-  ``Unavailable``, saying how long it tried, not in the run's bare timeout;
+* 408, 429 (but ``insufficient_quota``), 5xx, timeouts and network errors are retried with
+  exponential backoff and jitter, or after the server's ``Retry-After``; other 4xx fail at
+  once. Retries, waits and each attempt's timeout stay within the time the reward's run has
+  left (its ``timeout_s``, or the call's deadline if sooner), so an endpoint that stays down
+  ends in the judge's own ``Unavailable``, saying how long it tried, not in the run's bare
+  timeout;
 * the reply is the message's content, a string or a list of parts (``[{"type": "text",
   "text": ...}]``: its text parts, one a line; a refusal part is no text);
 * the score is the judge's verdict line, ``Verdict NONCE: N/10`` as the default rubric asks
@@ -49,10 +50,12 @@ does a reply cut short (``finish_reason`` ``length``: past ``max_tokens``, or
 ``content_filter``), whatever score-like text it holds: it stops before the verdict, or in it.
 A fault of the judge's own setup raises ``JudgeMisconfigured`` (``fabric.Misconfigured``: the
 call fails ``Misconfigured``, which a reward's ``failure_score`` never scores, as it would every
-trajectory alike): the endpoint refusing the key (401/403) or knowing neither the model nor the
-URL (404), a ``rubric`` argument without ``{response}``, no model configured when no setup hook
-read the config. Another 4xx (a 400 for a response past the model's context) stays
-``JudgeRejectedError``.
+trajectory alike): the endpoint refusing the key (401/403), knowing neither the model nor the
+URL (404), refusing a setting the model does not take (400 ``unsupported_parameter`` or
+``unsupported_value``: ``max_tokens`` or ``temperature`` 0 on an OpenAI reasoning model) or an
+account out of credit (429 ``insufficient_quota``, never retried), a ``rubric`` argument
+without ``{response}``, no model configured when no setup hook read the config. Another 4xx
+(a 400 for a response past the model's context) stays ``JudgeRejectedError``.
 """
 
 from __future__ import annotations
@@ -80,7 +83,9 @@ from functions.openai_api import error_message, excerpt, retry_after_s
 from functions.rewards.judge_config import DEFAULT_RUBRIC, ENV_PREFIX, OPENAI_URL, JudgeConfig
 from functions.rewards.judge_errors import (
     _MISCONFIGURED_STATUSES,
+    _NO_QUOTA,
     _REJECT_HINTS,
+    _UNSUPPORTED_SETTING,
     JudgeError,
     JudgeMisconfigured,
     JudgeRejectedError,
@@ -382,6 +387,15 @@ class Judge:
                 f"Is the server up at {ENV_PREFIX}BASE_URL={cfg.base_url}?",
             ) from None
         status = resp.status_code
+        code = _error_code(resp) if status in (400, 429) else ""
+        if status == 429 and code == _NO_QUOTA:
+            # the account is out of credit: retried, each call spent its time limit on it and
+            # then failed retryable, which a failure_score scored for every trajectory alike
+            self.limiter.settle(tokens, 0)
+            raise JudgeMisconfigured(
+                f"{self.url} refused the request (HTTP 429 {code}: {error_message(resp)}); the "
+                "account has no quota left: check its plan and billing, or use another key"
+            )
         if status == 408 or status == 429 or status >= 500:
             self.limiter.settle(tokens, 0)
             after = retry_after_s(resp.headers) if status in (429, 503) else None
@@ -403,6 +417,15 @@ class Judge:
             # 401/403/404: the key, the model or the URL, the same for every response; another
             # 4xx may be this request's own (a response past the model's context)
             refused = JudgeMisconfigured if status in _MISCONFIGURED_STATUSES else JudgeRejectedError
+            if status == 400 and code in _UNSUPPORTED_SETTING:
+                # a setting the model does not take (OpenAI's reasoning models: max_tokens,
+                # temperature 0): in every request, so the judge's setup, not this response
+                refused = JudgeMisconfigured
+                hint = (
+                    f"the model does not take a setting the judge sends: for an OpenAI reasoning "
+                    f"model set {ENV_PREFIX}TEMPERATURE=1 and {ENV_PREFIX}MAX_TOKENS_FIELD="
+                    f"max_completion_tokens, or drop the option from {ENV_PREFIX}EXTRA_BODY"
+                )
             raise refused(f"{self.url} refused the request (HTTP {status}: {error_message(resp)}); {hint}")
         try:
             data = resp.json()
@@ -445,6 +468,19 @@ class Judge:
                 f"is not scored: {excerpt(text)}"
             )
         return text
+
+
+def _error_code(resp: httpx.Response) -> str:
+    """The ``error.code`` of OpenAI's error JSON, else its ``error.type`` (``insufficient_quota``
+    comes as both); ``""`` when the body has neither (vLLM's code is the status, a number)."""
+    try:
+        err = resp.json().get("error")
+    except (ValueError, AttributeError):
+        return ""
+    if not isinstance(err, dict):
+        return ""
+    code = err.get("code")
+    return code if isinstance(code, str) and code else str(err.get("type") or "")
 
 
 def _text_parts(parts: list[Any]) -> str:

@@ -23,9 +23,11 @@ class JudgeRejectedError(JudgeError):
 
 class JudgeMisconfigured(JudgeRejectedError, Misconfigured):
     """The judge's own setup is wrong, whatever the response: the endpoint refused its key
-    (401/403) or knows neither its model nor its URL (404), the base URL is no HTTP URL, or
-    its config is missing. The fabric reports it as ``Misconfigured``, which a reward's
-    ``failure_score`` never scores: every trajectory would get that score."""
+    (401/403), knows neither its model nor its URL (404), refused a setting the model does not
+    take (400 ``unsupported_parameter``/``unsupported_value``) or the account's quota (429
+    ``insufficient_quota``), the base URL is no HTTP URL, or its config is missing. The fabric
+    reports it as ``Misconfigured``, which a reward's ``failure_score`` never scores: every
+    trajectory would get that score."""
 
 
 class _Transient(Exception):
@@ -49,3 +51,12 @@ _REJECT_HINTS = {
     403: "the key is not allowed to use this model or endpoint",
     404: f"check base_url ({ENV_PREFIX}BASE_URL, the API root ending in /v1) and the model name",
 }
+
+#: OpenAI's ``error.code`` of a 400 for a setting the model does not take (``max_tokens`` or
+#: ``temperature=0`` on a reasoning model): every request carries it, whatever the response.
+#: Other 400s (``context_length_exceeded``) may be the response's own.
+_UNSUPPORTED_SETTING = frozenset({"unsupported_parameter", "unsupported_value"})
+
+#: OpenAI's ``error.code`` (and ``type``) of a 429 for an account out of credit: no wait
+#: fixes it, unlike a rate limit's 429.
+_NO_QUOTA = "insufficient_quota"

@@ -3,14 +3,24 @@ refusals that are the judge's setup's (every call alike), not the response's."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from judge_helpers import fake_openai, judge_maker
 
-from fabric.errors import ConfigError
+from fabric.errors import ConfigError, Misconfigured
+from functions.fakes import Scripted
 from functions.rewards.judge_config import OPENAI_URL, JudgeConfig
+from functions.rewards.judge_errors import JudgeRejectedError
 
 srv = pytest.fixture(fake_openai, name="srv")
 make_judge = pytest.fixture(judge_maker, name="make_judge")
+
+
+def _openai_error(status: int, message: str, *, type_: str, param: str | None, code: str | None) -> Scripted:
+    # OpenAI's error body, as its API sends it
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return Scripted(status=status, body=json.dumps(body).encode())
 
 
 # ----------------------------------------------------------------------------- the request
@@ -42,3 +52,69 @@ def test_extra_body_cannot_set_max_completion_tokens():
             {"RL_FABRIC_JUDGE_MODEL": "m", "RL_FABRIC_JUDGE_BASE_URL": "http://x/v1"},
             extra_body={"max_completion_tokens": 4000},
         )
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize(
+    ("param", "code", "message"),
+    [
+        (
+            "max_tokens",
+            "unsupported_parameter",
+            "Unsupported parameter: 'max_tokens' is not supported with this model. "
+            "Use 'max_completion_tokens' instead.",
+        ),
+        (
+            "temperature",
+            "unsupported_value",
+            "Unsupported value: 'temperature' does not support 0 with this model. "
+            "Only the default (1) value is supported.",
+        ),
+    ],
+)
+async def test_a_400_for_a_setting_the_model_does_not_support_is_misconfigured(
+    srv, make_judge, param, code, message
+):
+    # every request carries the setting, whatever the response: a failure_score standing in for
+    # it scored every trajectory alike
+    srv.enqueue(_openai_error(400, message, type_="invalid_request_error", param=param, code=code))
+    with pytest.raises(Misconfigured, match=rf"HTTP 400.*{param}") as e:
+        await make_judge(srv).score("Paris")
+    assert isinstance(e.value, JudgeRejectedError)
+    assert len(srv.chat_requests) == 1
+
+
+async def test_a_400_for_the_prompts_length_stays_a_rejection(srv, make_judge):
+    # past the model's context is this response's doing (a runaway completion)
+    srv.enqueue(
+        _openai_error(
+            400,
+            "This model's maximum context length is 128000 tokens.",
+            type_="invalid_request_error",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    )
+    with pytest.raises(JudgeRejectedError, match="HTTP 400") as e:
+        await make_judge(srv).score("x" * 100)
+    assert not isinstance(e.value, Misconfigured)
+
+
+async def test_a_429_for_an_exhausted_quota_is_misconfigured_and_not_retried(srv, make_judge):
+    # OpenAI answers an account out of credit with a 429 that no wait fixes: retried, it was
+    # each call's time limit spent on a dead account, then a retryable failure that
+    # failure_score scored for every trajectory
+    srv.enqueue(
+        _openai_error(
+            429,
+            "You exceeded your current quota, please check your plan and billing details.",
+            type_="insufficient_quota",
+            param=None,
+            code="insufficient_quota",
+        )
+    )
+    with pytest.raises(Misconfigured, match=r"HTTP 429.*quota.*billing"):
+        await make_judge(srv, max_retries=3).score("Paris")
+    assert len(srv.chat_requests) == 1
