@@ -57,7 +57,9 @@ later score that the response carries and that reads lower fails the call
 verdict line of step 1 has none of these problems, as long as the judge copies the nonce.
 
 A ``<think>...</think>`` block is dropped only where a reasoning model puts it, at the start
-of the reply: one quoted from the response (maybe unclosed) is ordinary text.
+of the reply: one quoted from the response (maybe unclosed) is ordinary text. So is the text up
+to a first ``</think>`` that no ``<think>`` opens: the chat template opened it in the prompt
+(DeepSeek-R1, Qwen3), and the server has no reasoning parser to split it off.
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ _OF = (
 # the numbers of a scale: a sign only where no digit is before it (the "-" of "1-10" is not)
 _RANGE_NUM = re.compile(r"(?<![\d.,])[-+]?\d+(?:\.\d+|,\d{1,2}(?!\d))?")
 _THINK = re.compile(r"\A\s*<think>.*?(?:</think>|\Z)", re.DOTALL | re.IGNORECASE)
+_THINK_END = re.compile(r"</think>", re.IGNORECASE)
+_THINK_OPEN = re.compile(r"<think>", re.IGNORECASE)
 _TAG = re.compile(rf"<score>\s*({_NUM})(?:{_OF})?\s*</score>", re.IGNORECASE)
 _LABEL = re.compile(
     # the separators before the number must not overlap ("score" then a long run of spaces
@@ -533,6 +537,23 @@ def _verdict(body: str, nonce: str, lo: float, hi: float) -> float | None:
     return _scaled(matches[-1], lo, hi, pct=2, den=3)() if matches else None
 
 
+def _without_thinking(text: str) -> str:
+    """``text`` without a reasoning model's scratch work: a ``<think>`` block that opens the
+    reply, or everything up to the first ``</think>`` with no ``<think>`` before it (DeepSeek-R1's
+    and Qwen3's chat templates open the block in the prompt, so a server without a reasoning
+    parser answers the scratch work, ``</think>``, then the answer: a score the judge weighed
+    there was read as its verdict). Only a prefix is dropped, so a ``</think>`` the judge quotes
+    from the response can only leave out text before it: a verdict there fails the call, it
+    never makes another score the verdict."""
+    body, n = _THINK.subn("", text, count=1)
+    if n:
+        return body
+    end = _THINK_END.search(text)
+    if end is None or _THINK_OPEN.search(text, 0, end.start()):
+        return text
+    return text[end.end() :]
+
+
 def parse_score(
     text: str,
     lo: float = 0.0,
@@ -547,7 +568,7 @@ def parse_score(
     call's verdict nonce when the rubric asked for a verdict line with it, ``response`` the
     graded text (a score the judge quotes from it is not the score). ``JudgeResponseError``
     when there is none or it is out of range."""
-    body = _THINK.sub("", text).strip()  # a reasoning model's scratch work is not its verdict
+    body = _without_thinking(text).strip()  # a reasoning model's scratch work is not its verdict
     fenced = body.startswith(_FENCE) and body.count(_FENCE) == 2
     whole = _plain((_unfenced(body) or "") if fenced else body)
     # (a reply that is only a number, "8", is no echo: a response has numbers of its own)

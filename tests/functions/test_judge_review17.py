@@ -10,8 +10,9 @@ from judge_helpers import fake_openai, judge_maker
 
 from fabric.errors import ConfigError, Misconfigured
 from functions.fakes import Scripted
-from functions.rewards.judge_config import OPENAI_URL, JudgeConfig
-from functions.rewards.judge_errors import JudgeRejectedError
+from functions.rewards.judge_config import DEFAULT_RUBRIC, OPENAI_URL, JudgeConfig
+from functions.rewards.judge_errors import JudgeRejectedError, JudgeResponseError
+from functions.rewards.judge_score import parse_score
 
 srv = pytest.fixture(fake_openai, name="srv")
 make_judge = pytest.fixture(judge_maker, name="make_judge")
@@ -118,3 +119,35 @@ async def test_a_429_for_an_exhausted_quota_is_misconfigured_and_not_retried(srv
     with pytest.raises(Misconfigured, match=r"HTTP 429.*quota.*billing"):
         await make_judge(srv, max_retries=3).score("Paris")
     assert len(srv.chat_requests) == 1
+
+
+# ----------------------------------------------------------------------------- thinking
+
+
+# DeepSeek-R1's and Qwen3's chat templates open the <think> block in the prompt: served without
+# a reasoning parser, the reply is the scratch work, then </think>, then the answer
+_UNOPENED = "Okay, let me check the capital.\nScore: 9/10 maybe? No, Lyon is wrong.\n</think>\n\n"
+
+
+@pytest.mark.parametrize(
+    ("rubric", "nonce"),
+    [(DEFAULT_RUBRIC, "bcdfgh"), ("Grade {response}. End with Score: N/10", None)],
+)
+def test_thinking_whose_tag_the_template_opened_is_not_the_verdict(rubric, nonce):
+    reply = _UNOPENED + "The response names the wrong city."
+    with pytest.raises(JudgeResponseError, match=r"no (verdict line|score)"):
+        parse_score(reply, 0, 10, rubric=rubric, nonce=nonce, response="The capital is Lyon.")
+    # as a block the reply opens itself, which was already left out
+    with pytest.raises(JudgeResponseError):
+        parse_score("<think>\n" + reply, 0, 10, rubric=rubric, nonce=nonce, response="The capital is Lyon.")
+
+
+def test_the_verdict_after_unopened_thinking_is_read():
+    reply = _UNOPENED + "Wrong city.\nVerdict bcdfgh: 1/10"
+    assert parse_score(reply, 0, 10, rubric=DEFAULT_RUBRIC, nonce="bcdfgh", response="Lyon.") == 1.0
+
+
+async def test_a_reasoning_judges_unopened_thinking_is_not_scored(srv, make_judge):
+    srv.enqueue(Scripted(text=_UNOPENED + "The response names the wrong city."))
+    with pytest.raises(JudgeResponseError, match="no verdict line"):
+        await make_judge(srv).score("The capital is Lyon.", question="Capital of France?")
