@@ -116,6 +116,27 @@ class JudgeConfig(BaseModel):
             return self.max_tokens_field
         return "max_completion_tokens" if self.base_url.rstrip("/") == OPENAI_URL else "max_tokens"
 
+    @field_validator("model", "base_url", "api_key", mode="before")
+    @classmethod
+    def _strip(cls, value: Any) -> Any:
+        # read from a secret file or a heredoc, they keep a newline that is no part of them: in
+        # the key's header it was refused on every request as a network error (retried, then
+        # Unavailable), in the URL every call failed as the response's own error
+        return value.strip() if isinstance(value, str) else value
+
+    @field_validator("api_key")
+    @classmethod
+    def _header_safe(cls, value: SecretStr | None) -> SecretStr | None:
+        # within the key, a space, a control or a non-ASCII character is a bad copy that every
+        # request would fail on (UnicodeEncodeError, an illegal header): refused here, without
+        # the key in the message
+        if value is not None and not all("!" <= c <= "~" for c in value.get_secret_value()):
+            raise ValueError(
+                "the key has characters an HTTP header cannot carry (a space, a line break, a "
+                "non-ASCII letter): check how it was copied"
+            )
+        return value
+
     @field_validator("requests_per_minute", "tokens_per_minute")
     @classmethod
     def _positive_rate(cls, value: float | None, info: ValidationInfo) -> float | None:

@@ -10,6 +10,7 @@ from judge_helpers import fake_openai, judge_maker
 
 from fabric.errors import ConfigError, Misconfigured
 from functions.fakes import Scripted
+from functions.rewards.judge import Judge
 from functions.rewards.judge_config import DEFAULT_RUBRIC, OPENAI_URL, JudgeConfig
 from functions.rewards.judge_errors import JudgeRejectedError, JudgeResponseError
 from functions.rewards.judge_score import parse_score
@@ -151,3 +152,32 @@ async def test_a_reasoning_judges_unopened_thinking_is_not_scored(srv, make_judg
     srv.enqueue(Scripted(text=_UNOPENED + "The response names the wrong city."))
     with pytest.raises(JudgeResponseError, match="no verdict line"):
         await make_judge(srv).score("The capital is Lyon.", question="Capital of France?")
+
+
+# ----------------------------------------------------------------------------- the key and URL
+
+
+async def test_a_key_and_url_read_with_a_trailing_newline_still_work(srv):
+    # a key or URL from a secret file keeps its newline: as a header the key was refused by the
+    # HTTP library on every request and retried as a network error ("is the server up?"), the
+    # URL failed every call as the response's UserError; whitespace is never part of either
+    env = {
+        "RL_FABRIC_JUDGE_MODEL": srv.model + "\n",
+        "RL_FABRIC_JUDGE_BASE_URL": srv.base_url + "\n",
+        "RL_FABRIC_JUDGE_API_KEY": " sk-fake\r\n",
+    }
+    config = JudgeConfig.from_env(env)
+    assert config.base_url == srv.base_url and config.model == srv.model
+    assert config.api_key is not None and config.api_key.get_secret_value() == "sk-fake"
+    async with Judge(config) as judge:
+        result = await judge.score("Paris", question="Capital of France?")
+    assert result.score == 0.8 and srv.chat_requests[-1].headers["authorization"] == "Bearer sk-fake"
+
+
+@pytest.mark.parametrize("key", ["sk-f\u00e4ke", "sk-a\nb", "sk-a b"])
+def test_a_key_no_header_can_carry_is_a_config_error(key):
+    # inside the key these are a bad copy, not a separator: refused at the edge, with what is
+    # wrong, not as each call's UnicodeEncodeError or protocol error
+    with pytest.raises(ConfigError, match=r"API_KEY: .*characters an HTTP header cannot carry") as e:
+        JudgeConfig.from_env({"RL_FABRIC_JUDGE_MODEL": "m", "RL_FABRIC_JUDGE_API_KEY": key})
+    assert key not in str(e.value)  # the key stays out of the message
