@@ -54,8 +54,9 @@ class JudgeConfig(BaseModel):
     """Where the judge is and how to use it."""
 
     # a number that is not finite is refused: a scale of inf made every score 0, nan every
-    # reply unreadable, and inf limits (timeout, waits, rates) never end or never limit
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # reply unreadable, and inf limits (timeout, waits, rates) never end or never limit; an error
+    # does not show its input, which holds the API key
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, hide_input_in_errors=True)
 
     model: str = Field(min_length=1)
     """Model name as the endpoint knows it (``gpt-4o-mini``, ``Qwen/Qwen2.5-72B-Instruct``)."""

@@ -7,6 +7,7 @@ import json
 
 import pytest
 from judge_helpers import fake_openai, judge_maker
+from pydantic import ValidationError
 
 from fabric.errors import ConfigError, Misconfigured
 from functions.fakes import Scripted
@@ -181,3 +182,13 @@ def test_a_key_no_header_can_carry_is_a_config_error(key):
     with pytest.raises(ConfigError, match=r"API_KEY: .*characters an HTTP header cannot carry") as e:
         JudgeConfig.from_env({"RL_FABRIC_JUDGE_MODEL": "m", "RL_FABRIC_JUDGE_API_KEY": key})
     assert key not in str(e.value)  # the key stays out of the message
+
+
+@pytest.mark.parametrize(
+    "bad", [{"api_key": "sk-a\nb-0123456789"}, {"api_key": "sk-0123456789", "max_score": 0}]
+)
+def test_a_config_error_made_in_code_does_not_show_the_key(bad):
+    # pydantic's own message shows the input: the key itself, or the tail of the whole dict's
+    with pytest.raises(ValidationError) as e:
+        JudgeConfig(model="m", base_url="http://x/v1", **bad)
+    assert "0123456789" not in str(e.value) and "6789" not in str(e.value)
