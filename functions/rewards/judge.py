@@ -51,10 +51,11 @@ does a reply cut short (``finish_reason`` ``length``: past ``max_tokens``, or
 A fault of the judge's own setup raises ``JudgeMisconfigured`` (``fabric.Misconfigured``: the
 call fails ``Misconfigured``, which a reward's ``failure_score`` never scores, as it would every
 trajectory alike): the endpoint refusing the key (401/403), knowing neither the model nor the
-URL (404), refusing a setting the model does not take (400 ``unsupported_parameter`` or
-``unsupported_value``: ``max_tokens`` or ``temperature`` 0 on an OpenAI reasoning model) or an
-account out of credit (429 ``insufficient_quota``, never retried), a ``rubric`` argument
-without ``{response}``, no model configured when no setup hook read the config. Another 4xx
+URL (404) or redirecting it (3xx, not followed), refusing a setting the model does not take
+(400 ``unsupported_parameter`` or ``unsupported_value``: ``max_tokens`` or ``temperature`` 0
+on an OpenAI reasoning model) or an account out of credit (429 ``insufficient_quota``, never
+retried), a ``rubric`` argument without ``{response}``, no model configured when no setup hook
+read the config. Another 4xx
 (a 400 for a response past the model's context) stays ``JudgeRejectedError``.
 """
 
@@ -411,6 +412,16 @@ class Judge:
                 else "The endpoint is failing; the call is retryable."
             )
             raise _Transient(f"HTTP {status}: {error_message(resp)}", hint, after)
+        if 300 <= status < 400:
+            # http:// to https://, a moved path: the same for every request (its body, no chat
+            # completion, failed each call as the response's unreadable reply). Not followed: a
+            # 301/302 makes the POST a GET, and the key would go where the server says
+            self.limiter.settle(tokens, 0)
+            where = resp.headers.get("location") or "(no Location header)"
+            raise JudgeMisconfigured(
+                f"{self.url} answered HTTP {status}: it redirects to {where}; set "
+                f"{ENV_PREFIX}BASE_URL to the API root there (redirects are not followed)"
+            )
         if status >= 400:
             self.limiter.settle(tokens, 0)  # refused: nothing was generated, so nothing is charged
             hint = _REJECT_HINTS.get(status, "check the model name and extra_body options")

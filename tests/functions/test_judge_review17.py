@@ -192,3 +192,18 @@ def test_a_config_error_made_in_code_does_not_show_the_key(bad):
     with pytest.raises(ValidationError) as e:
         JudgeConfig(model="m", base_url="http://x/v1", **bad)
     assert "0123456789" not in str(e.value) and "6789" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- redirects
+
+
+@pytest.mark.parametrize("status", [301, 302, 307, 308])
+async def test_an_endpoint_that_redirects_is_misconfigured(srv, make_judge, status):
+    # http:// to https://, or a path moved: the same for every request, and the body is no
+    # chat completion (it failed each call as an unreadable reply, the response's UserError);
+    # not followed: a 301/302 turns the POST into a GET, and the key would go where it points
+    where = "https://judge.example/v1/chat/completions"
+    srv.enqueue(Scripted(status=status, body=b"<html>Moved</html>", headers={"Location": where}))
+    with pytest.raises(Misconfigured, match=rf"HTTP {status}.*redirects to {where}.*BASE_URL"):
+        await make_judge(srv).score("Paris")
+    assert len(srv.chat_requests) == 1
