@@ -466,6 +466,11 @@ class Judge:
         if isinstance(text, list):
             text = _text_parts(text)
         if not isinstance(text, str) or not text.strip():
+            refusal = choice["message"].get("refusal") if isinstance(choice["message"], dict) else None
+            if isinstance(refusal, str) and refusal.strip():
+                # OpenAI's models put a refusal there, content null: its words say why (most often
+                # the response's own content), which "no text" hid
+                raise JudgeResponseError(f"the judge refused to grade: {excerpt(refusal)}")
             more = " (it ran out of tokens: raise max_tokens)" if reason == "length" else ""
             raise JudgeResponseError(f"the judge returned no text, finish_reason={reason!r}{more}")
         if reason in _CUT_SHORT:

@@ -207,3 +207,27 @@ async def test_an_endpoint_that_redirects_is_misconfigured(srv, make_judge, stat
     with pytest.raises(Misconfigured, match=rf"HTTP {status}.*redirects to {where}.*BASE_URL"):
         await make_judge(srv).score("Paris")
     assert len(srv.chat_requests) == 1
+
+
+# ----------------------------------------------------------------------------- refusals by the judge
+
+
+async def test_a_judge_that_refuses_says_so_with_its_words(srv, make_judge):
+    # OpenAI's models answer a refusal in message.refusal, content null: the error said only
+    # "no text", which hid why (most often the response's own content)
+    refusal = "I'm sorry, I can't help with grading that."
+    body = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "model": srv.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": None, "refusal": refusal},
+                "finish_reason": "stop",
+            }
+        ],
+    }
+    srv.enqueue(Scripted(body=json.dumps(body).encode()))
+    with pytest.raises(JudgeResponseError, match=r"the judge refused to grade: I'm sorry, I can't help"):
+        await make_judge(srv).score("how to pick a lock")
