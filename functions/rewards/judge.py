@@ -25,12 +25,12 @@ How a call goes:
 * a token bucket per worker holds requests under ``requests_per_minute`` and
   ``tokens_per_minute`` (a request is charged ``chars / 4 + max_tokens`` up front, the
   ``usage`` of the reply settles the difference);
-* 408, 429 (but ``insufficient_quota``), 5xx, timeouts and network errors are retried with
-  exponential backoff and jitter, or after the server's ``Retry-After``; other 4xx fail at
-  once. Retries, waits and each attempt's timeout stay within the time the reward's run has
-  left (its ``timeout_s``, or the call's deadline if sooner), so an endpoint that stays down
-  ends in the judge's own ``Unavailable``, saying how long it tried, not in the run's bare
-  timeout;
+* 408, 429 (but ``insufficient_quota``), 5xx, timeouts, network errors and a reply the
+  server aborted (vLLM's ``finish_reason`` ``abort``) are retried with exponential backoff and
+  jitter, or after the server's ``Retry-After``; other 4xx fail at once. Retries, waits and
+  each attempt's timeout stay within the time the reward's run has left (its ``timeout_s``,
+  or the call's deadline if sooner), so an endpoint that stays down ends in the judge's own
+  ``Unavailable``, saying how long it tried, not in the run's bare timeout;
 * the reply is the message's content, a string or a list of parts (``[{"type": "text",
   "text": ...}]``: its text parts, one a line; a refusal part is no text);
 * the score is the judge's verdict line, ``Verdict NONCE: N/10`` as the default rubric asks
@@ -123,6 +123,8 @@ MAX_INFO_CHARS = 2000
 
 #: ``finish_reason`` values of a reply that stopped before the judge did.
 _CUT_SHORT = frozenset({"length", "content_filter"})
+#: ``finish_reason`` values of a reply the server stopped (vLLM's, HTTP 200 all the same).
+_ABORTED = frozenset({"abort"})
 
 _PLACEHOLDER = re.compile(r"\{(question|reference|response|min_score|max_score|nonce)\}")
 
@@ -451,6 +453,15 @@ class Judge:
         usage = data.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
             self.limiter.settle(tokens, usage["total_tokens"])
+        reason = _finish_reason(data)
+        if reason in _ABORTED:
+            # the server stopped the request, not the judge (vLLM: its engine shut down, paused
+            # for sleep mode or a weight update, scaled down) and still answered 200: the text
+            # stops anywhere, in the verdict too, so it is no verdict; another attempt may finish
+            raise _Transient(
+                f"the server aborted the reply (finish_reason {reason!r}) before it ended",
+                "The server stopped the request (shut down, paused, scaled down); the call is retryable.",
+            )
         return data
 
     def _text(self, data: dict[str, Any]) -> str:
@@ -497,6 +508,13 @@ def _error_code(resp: httpx.Response) -> str:
         return ""
     code = err.get("code")
     return code if isinstance(code, str) and code else str(err.get("type") or "")
+
+
+def _finish_reason(data: dict[str, Any]) -> Any:
+    try:
+        return data["choices"][0].get("finish_reason")
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return None
 
 
 def _text_parts(parts: list[Any]) -> str:

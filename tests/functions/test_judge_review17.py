@@ -9,7 +9,7 @@ import pytest
 from judge_helpers import fake_openai, judge_maker
 from pydantic import ValidationError
 
-from fabric.errors import ConfigError, Misconfigured
+from fabric.errors import ConfigError, Misconfigured, Unavailable
 from functions.fakes import Scripted
 from functions.rewards.judge import Judge
 from functions.rewards.judge_config import DEFAULT_RUBRIC, OPENAI_URL, JudgeConfig
@@ -231,3 +231,22 @@ async def test_a_judge_that_refuses_says_so_with_its_words(srv, make_judge):
     srv.enqueue(Scripted(body=json.dumps(body).encode()))
     with pytest.raises(JudgeResponseError, match=r"the judge refused to grade: I'm sorry, I can't help"):
         await make_judge(srv).score("how to pick a lock")
+
+
+# ----------------------------------------------------------------------------- aborted replies
+
+
+async def test_a_reply_the_server_aborted_is_retried_not_scored(srv, make_judge):
+    # vLLM ends a request its engine aborted (shut down, paused for sleep mode or a weight
+    # update, scaled down) with HTTP 200 and finish_reason "abort": the text stops anywhere,
+    # in the verdict too ("Verdict x: 1" of "10/10"), and was scored as if whole
+    srv.enqueue(Scripted(text="The answer is right.\nScore: 1", finish_reason="abort"))
+    result = await make_judge(srv).score("Paris", question="Capital of France?")
+    assert result.score == 0.8 and result.info["attempts"] == 2
+    assert len(srv.chat_requests) == 2
+
+
+async def test_a_server_that_keeps_aborting_is_unavailable(srv, make_judge):
+    srv.enqueue(*(Scripted(text="Score: 1", finish_reason="abort") for _ in range(3)))
+    with pytest.raises(Unavailable, match=r"failed 3 attempts.*finish_reason 'abort'"):
+        await make_judge(srv, max_retries=2).score("Paris")
