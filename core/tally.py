@@ -10,7 +10,8 @@
 ``counts`` run over the whole job (finished trajectories by status, disjoint: one whose reward
 failed for good counts as ``reward_failed``, not ``ok``; generated tokens, groups
 dropped as stale or given up, aborted or masked trajectories that were trained), and so do
-``errors`` (``infra_failed`` trajectories by the type of error that ended them); the
+``errors`` (``infra_failed`` trajectories by the type of error that ended them), and
+``context_full`` (the ``truncated`` ones whose conversation outgrew the model's context); the
 generation, environment and reward times are means over what finished since the last row.
 """
 
@@ -56,6 +57,10 @@ class Tally:
         self.counts["tokens"] += sum(
             len((m.model_extra or {}).get("token_ids", [])) for m in traj.messages if m.role == "assistant"
         )
+        if traj.info.get("finish_reason") == "context_full":
+            # a part of ``truncated``, counted apart: a run whose episodes keep outgrowing the
+            # context wants a larger one (or a shorter prompt.history)
+            self.counts["context_full"] += 1
         if traj.status in ("ok", "truncated"):
             for k in ("gen_s", "env_s"):
                 self._times[k].append(float(traj.info.get(k, 0.0)))

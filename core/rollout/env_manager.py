@@ -12,13 +12,15 @@ calculator) goes to the fabric through the pool's tool bridge.
 
 Outcomes are data, never exceptions:
 
-* ``ok`` / ``truncated`` (``max_turns`` reached): rewarded by the reward stream.
+* ``ok`` / ``truncated`` (``max_turns`` reached, or the conversation outgrew the model's
+  context: the next turn's prompt left no room for a token, ``info["finish_reason"]`` is then
+  ``"context_full"``): rewarded by the reward stream.
 * ``aborted``: the proxy answered a turn with ``abort`` (the group had enough, or the
   trajectory went stale); never reaches the trainer.
 * ``infra_failed``: the environment's container was lost beyond repair, the environment
-  itself failed (raised, or hung past ``step_timeout_s``), the engine replicas are gone, or
-  the trajectory outran ``rollout.trajectory_timeout_s``: masked, re-run by the group,
-  never scored as zero.
+  itself failed (raised, or hung past ``step_timeout_s``), the engine replicas are gone, the
+  first prompt does not fit the model's context, or the trajectory outran
+  ``rollout.trajectory_timeout_s``: masked, re-run by the group, never scored as zero.
 
 A reply that is not a valid action is sent to the environment as it is: the environment
 records it as invalid and decides the penalty (one too large to send at all is recorded as
@@ -48,7 +50,7 @@ from typing import Any, Protocol
 
 from core.config import EnvConfig, JobConfig
 from core.errors import ProxyDiedError, where_raised
-from core.rollout.engines.base import Completion, EngineError, GenerateRequest
+from core.rollout.engines.base import Completion, EngineError, GenerateRequest, PromptTooLongError
 from core.rollout.scheduling import OUTCOMES
 from core.rollout.tool_calls import TURN_CALLS_KEY, record_calls
 from core.sample import GROUP_KEY, TAG_KEY, VERSION_KEY
@@ -287,7 +289,19 @@ class EnvManager:
                 if barrier is not None:
                     await barrier.wait()
                 tg = time.perf_counter()
-                c = await self.proxy.generate(traj.id, env.tag, self._request(task, traj, turn, outcome))
+                try:
+                    c = await self.proxy.generate(traj.id, env.tag, self._request(task, traj, turn, outcome))
+                except PromptTooLongError as e:
+                    if turn == 0:
+                        raise  # the first prompt does not fit: no turn to score, a setup fault
+                    # the conversation outgrew the model's context: the episode ends here, on
+                    # the observation the policy was to answer, and is scored like one cut at
+                    # max_turns. Masked and re-run, as an infrastructure fault, it overflowed
+                    # again and only the short episodes were trained
+                    info["gen_s"] += time.perf_counter() - tg
+                    info["finish_reason"] = "context_full"
+                    log.info("trajectory %s truncated at turn %d, its context is full: %s", traj.id, turn, e)
+                    break
                 info["gen_s"] += time.perf_counter() - tg
                 if c.finish_reason == "abort":
                     traj.status = "aborted"
