@@ -14,13 +14,15 @@ are truncated at ``max_episode_steps``.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import math
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from envpool.errors import (
     ActionError,
@@ -30,6 +32,9 @@ from envpool.errors import (
     ToolUnavailable,
     UnknownEnvError,
 )
+
+if TYPE_CHECKING:  # (as the bridge imports fabric: where a tool runs, not on every import of envpool)
+    from fabric.spec import FunctionSpec
 
 #: Actions over this many UTF-8 bytes are refused (an env may lower it).
 MAX_ACTION_BYTES = 64 * 1024
@@ -228,18 +233,76 @@ def misconfigured(name: str, message: str) -> str:
     )
 
 
+# a tool's argument validator and whether it has a setup parameter, read once per function
+# (and again for a new spec of it)
+_CHECKS: weakref.WeakKeyDictionary[Callable[..., Any], tuple[FunctionSpec, TypeAdapter[Any], bool]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _checks(fn: Callable[..., Any], spec: FunctionSpec) -> tuple[TypeAdapter[Any], bool]:
+    from fabric.runner import args_adapter
+    from fabric.spec import CTX_PARAM
+
+    kept = _CHECKS.get(fn)
+    if kept is None or kept[0] is not spec:
+        kept = _CHECKS[fn] = (spec, args_adapter(fn, spec), CTX_PARAM in inspect.signature(fn).parameters)
+    return kept[1], kept[2]
+
+
+def tool_arguments(fn: Callable[..., Any], spec: FunctionSpec, arguments: Any) -> dict[str, Any] | str:
+    """The keyword arguments ``fn`` runs on, read as a fabric call reads the policy's
+    ``arguments`` (the client's checks, the JSON a worker gets, its validator), or the
+    ``InvalidArguments``/``PayloadNotSerializable`` text the job's bridge shows for them.
+    Called with them as they came, an extra field was a raw ``TypeError``, a wrong type
+    reached the tool, and a ``ctx`` replaced the tool's setup object."""
+    from fabric.errors import PayloadError
+    from fabric.protocol import encode_payload
+    from fabric.runner import format_validation_error
+    from fabric.spec import CTX_PARAM
+
+    adapter, wants_ctx = _checks(fn, spec)
+    if not isinstance(arguments, dict):
+        return f"{spec.name}: payload must be a dict of keyword arguments, got {type(arguments).__name__}"
+    # names first, as the client checks them: the setup parameter is none of a spec's
+    problem = spec.check_args(arguments)
+    if problem is not None:
+        return problem
+    try:
+        raw = encode_payload(arguments, what=f"payload of {spec.name}")
+    except PayloadError as e:
+        return str(e)
+    try:
+        kwargs: dict[str, Any] = adapter.validate_json(raw)
+    except ValidationError as e:
+        return format_validation_error(spec, e)
+    # a **extra tool takes any name: a worker puts its setup's object over the caller's
+    # ctx, here (no setup run) the tool's own default stands
+    if wants_ctx:
+        kwargs.pop(CTX_PARAM, None)
+    return kwargs
+
+
 def inprocess_tool_caller(name: str, arguments: dict[str, Any]) -> str:
-    """Run a registered fabric tool right here (built-ins are discovered on first use)."""
+    """Run a registered fabric tool right here (built-ins are discovered on first use), on
+    its arguments as a fabric worker reads them (``tool_arguments``)."""
     import fabric
 
     reg = fabric.default_registry
     if name not in reg:
         reg.discover("functions")
-    refused = not_a_tool(name, reg.find(name), [s.name for s in reg.specs() if s.kind == "tool"])
+    spec = reg.find(name)
+    refused = not_a_tool(name, spec, [s.name for s in reg.specs() if s.kind == "tool"])
     if refused is not None:
         return refused
+    assert spec is not None  # (not_a_tool refuses a name with none)
+    fn = reg.callable(name)
     try:
-        value = reg.callable(name)(**arguments)
+        # (an argument's own validator may raise anything: the tool's error, as a worker's)
+        kwargs = tool_arguments(fn, spec, arguments)
+        if isinstance(kwargs, str):
+            return f"error: {kwargs}"
+        value = fn(**kwargs)
     except fabric.Unavailable as e:
         # the tool says its own dependency failed, not its input: as the job's bridge
         # (``fabric_tools``) takes it, an infrastructure failure, never text for the policy
