@@ -51,7 +51,9 @@ does a reply cut short (``finish_reason`` ``length``: past ``max_tokens``, or
 A fault of the judge's own setup raises ``JudgeMisconfigured`` (``fabric.Misconfigured``: the
 call fails ``Misconfigured``, which a reward's ``failure_score`` never scores, as it would every
 trajectory alike): the endpoint refusing the key (401/403), knowing neither the model nor the
-URL (404) or redirecting it (3xx, not followed), refusing a setting the model does not take
+URL (404), redirecting it (3xx, not followed) or answering with a web page (a ``base_url``
+at a web UI: HTML where JSON should be; another body that is not JSON stays
+``JudgeResponseError``), refusing a setting the model does not take
 (400 ``unsupported_parameter`` or ``unsupported_value``: ``max_tokens`` or ``temperature`` 0
 on an OpenAI reasoning model) or an account out of credit (429 ``insufficient_quota``, never
 retried), a ``rubric`` argument without ``{response}``, no model configured when no setup hook
@@ -443,9 +445,20 @@ class Judge:
         try:
             data = resp.json()
         except ValueError:
+            kind = resp.headers.get("content-type", "no content type")
+            if _is_web_page(resp):
+                # a base_url that points at a web UI or a login page (its index answers every
+                # path 200): every request gets the page, whatever the response, and as the
+                # response's unreadable reply a failure_score scored every trajectory alike
+                self.limiter.settle(tokens, 0)
+                raise JudgeMisconfigured(
+                    f"{self.url} answered {status} with a web page ({kind}), not a chat completion: "
+                    f"{excerpt(resp.text, 100)}; set {ENV_PREFIX}BASE_URL to the OpenAI-compatible "
+                    "API root (ending in /v1)"
+                ) from None
             raise JudgeResponseError(
                 f"{self.url} answered {status} with a body that is not JSON "
-                f"({resp.headers.get('content-type', 'no content type')}): {excerpt(resp.text)}; "
+                f"({kind}): {excerpt(resp.text)}; "
                 f"is {ENV_PREFIX}BASE_URL the OpenAI-compatible API root (ending in /v1)?"
             ) from None
         if not isinstance(data, dict):
@@ -508,6 +521,12 @@ def _error_code(resp: httpx.Response) -> str:
         return ""
     code = err.get("code")
     return code if isinstance(code, str) and code else str(err.get("type") or "")
+
+
+def _is_web_page(resp: httpx.Response) -> bool:
+    """An HTML page (by its content type, or a body that opens with a tag): no API's reply."""
+    media = resp.headers.get("content-type", "").split(";")[0].strip().lower()
+    return media in ("text/html", "application/xhtml+xml") or resp.text.lstrip().startswith("<")
 
 
 def _finish_reason(data: dict[str, Any]) -> Any:

@@ -23,7 +23,8 @@ class JudgeRejectedError(JudgeError):
 
 class JudgeMisconfigured(JudgeRejectedError, Misconfigured):
     """The judge's own setup is wrong, whatever the response: the endpoint refused its key
-    (401/403), knows neither its model nor its URL (404), refused a setting the model does not
+    (401/403), knows neither its model nor its URL (404), redirects (3xx) or answers with a web
+    page (HTML: the base URL is a web UI's), refused a setting the model does not
     take (400 ``unsupported_parameter``/``unsupported_value``) or the account's quota (429
     ``insufficient_quota``), the base URL is no HTTP URL, or its config is missing. The fabric
     reports it as ``Misconfigured``, which a reward's ``failure_score`` never scores: every

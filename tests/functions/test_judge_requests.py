@@ -152,12 +152,13 @@ async def test_an_unreachable_endpoint_says_where_it_looked():
 
 
 async def test_garbage_is_a_final_error_and_not_retried(srv, make_judge):
-    srv.garbage_next()
+    # not a web page (that is the judge's setup's: test_judge_review17b.py)
+    srv.enqueue(Scripted(body=b"502 Bad Gateway", headers={"Content-Type": "text/plain"}))
     runner = FunctionRunner.from_entry(ENTRY)
     runner.ctx = make_judge(srv)
     ok, (code, message, _) = await runner.run_async(encode_payload({"traj": "x"}), 10)
     assert not ok and code == ErrorCode.USER_ERROR and code not in RETRYABLE
-    assert "JudgeResponseError" in message and "not JSON (text/html)" in message
+    assert "JudgeResponseError" in message and "not JSON (text/plain)" in message
     assert "502 Bad Gateway" in message and "ending in /v1" in message
     assert len(srv.chat_requests) == 1  # the same garbage would come back: no retry
 

@@ -18,7 +18,7 @@ from fabric.client import Client
 from fabric.errors import ConfigError, ErrorCode
 from fabric.registry import Registry
 from fabric.testing import check_function
-from functions.fakes import FakeOpenAI
+from functions.fakes import FakeOpenAI, Scripted
 from functions.rewards.judge_config import JudgeConfig
 
 # judge_helpers: a FakeOpenAI server per test
@@ -181,7 +181,8 @@ async def test_worker_stays_healthy_after_garbage_and_a_hang(srv, monkeypatch):
     async with Client(backend=LocalConfig(max_workers=1), registry=reg) as c:
         first = await c.call("llm_judge", payload)
         assert first.ok and first.value["score"] == 0.8
-        srv.garbage_next()
+        # a body that is not JSON, nor a web page (that is Misconfigured: test_judge_review17b.py)
+        srv.enqueue(Scripted(body=b"502 Bad Gateway", headers={"Content-Type": "text/plain"}))
         bad = await c.call("llm_judge", payload)
         assert not bad.ok and bad.error.type == ErrorCode.USER_ERROR and not bad.error.retryable
         assert "not JSON" in bad.error.message and bad.attempts == 1
