@@ -128,6 +128,9 @@ _CUT_SHORT = frozenset({"length", "content_filter"})
 #: ``finish_reason`` values of a reply the server stopped (vLLM's, HTTP 200 all the same).
 _ABORTED = frozenset({"abort"})
 
+#: Calls one worker runs at once (the reward's ``max_concurrency`` and ``max_batch``).
+_CALLS_AT_ONCE = 64
+
 _PLACEHOLDER = re.compile(r"\{(question|reference|response|min_score|max_score|nonce)\}")
 
 
@@ -190,6 +193,10 @@ class Judge:
         client = httpx.AsyncClient(
             headers={"Authorization": f"Bearer {key.get_secret_value()}"} if key else {},
             timeout=httpx.Timeout(self.config.timeout_s),
+            # as many idle connections kept as calls run at once: httpx keeps 20 by default, so
+            # each burst of calls reopened the rest (a TCP and a TLS handshake each, on a remote
+            # API); max_connections stays httpx's default
+            limits=httpx.Limits(max_connections=100, max_keepalive_connections=_CALLS_AT_ONCE),
         )
         closer = _closes_with_loop(client)
         await closer.__anext__()
@@ -608,8 +615,8 @@ _EXAMPLE_TRAJ = {
     retry={"max_attempts": 2},
     # every call is a paid request, and a judge's slow tail is where hedges would fire
     hedge=False,
-    max_concurrency=64,
-    max_batch=64,
+    max_concurrency=_CALLS_AT_ONCE,
+    max_batch=_CALLS_AT_ONCE,
     examples=(
         {"traj": _EXAMPLE_TRAJ},
         {

@@ -3,6 +3,9 @@ setup's fault, and a burst of calls reuses the connections the last one opened."
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import pytest
 from judge_helpers import ENTRY, fake_openai, judge_maker
 
@@ -10,6 +13,8 @@ from fabric.errors import ErrorCode, Misconfigured
 from fabric.protocol import encode_payload
 from fabric.runner import FunctionRunner
 from functions.fakes import Scripted
+from functions.rewards.judge import Judge, llm_judge
+from functions.rewards.judge_config import JudgeConfig
 from functions.rewards.judge_errors import JudgeResponseError
 
 srv = pytest.fixture(fake_openai, name="srv")
@@ -48,3 +53,87 @@ async def test_other_bodies_that_are_not_json_stay_the_replys_error(srv, make_ju
     with pytest.raises(JudgeResponseError, match=r"not JSON \(text/plain\): upstream connect error") as e:
         await make_judge(srv).score("Paris")
     assert not isinstance(e.value, Misconfigured)
+
+
+# ----------------------------------------------------------------------------- connections
+
+
+class _CountingServer:
+    """A chat endpoint on 127.0.0.1 that counts the connections it accepts and answers a burst
+    only once all ``burst`` requests are in (so they are surely concurrent, each on its own
+    connection); HTTP/1.1 keep-alive, as a real server."""
+
+    def __init__(self, burst: int):
+        self.accepted = 0
+        self._open = 0
+        self._barrier = asyncio.Barrier(burst)
+        self._closed = asyncio.Event()
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> _CountingServer:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+        if self._open:
+            await self._closed.wait()  # the client closed its connections: every handler ends
+
+    @property
+    def base_url(self) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}/v1"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        self._open += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                await reader.readexactly(length)
+                await self._barrier.wait()
+                body = json.dumps(
+                    {
+                        "model": "m",
+                        "choices": [
+                            {
+                                "index": 0,
+                                "message": {"role": "assistant", "content": "Score: 8/10"},
+                                "finish_reason": "stop",
+                            }
+                        ],
+                    }
+                ).encode()
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client closed the connection
+        finally:
+            writer.close()
+            self._open -= 1
+            if not self._open:
+                self._closed.set()
+
+
+async def test_a_second_burst_of_calls_reuses_the_connections_of_the_first():
+    # llm_judge runs max_concurrency calls at once; httpx keeps only 20 idle connections by
+    # default, so each burst reopened the rest (a TCP and TLS handshake each on a remote API)
+    burst = llm_judge.__fabric_spec__.max_concurrency
+    async with _CountingServer(burst) as server:
+        config = JudgeConfig(model="m", base_url=server.base_url, rubric="Grade {response}. Score: N/10")
+        async with Judge(config) as judge:
+            for _ in range(2):
+                results = await asyncio.gather(*(judge.score(f"answer {i}") for i in range(burst)))
+                assert [r.score for r in results] == [0.8] * burst
+                assert server.accepted == burst  # one connection per call in the first, none new after
