@@ -12,9 +12,11 @@ calculator) goes to the fabric through the pool's tool bridge.
 
 Outcomes are data, never exceptions:
 
-* ``ok`` / ``truncated`` (``max_turns`` reached, or the conversation outgrew the model's
-  context: the next turn's prompt left no room for a token, ``info["finish_reason"]`` is then
-  ``"context_full"``): rewarded by the reward stream.
+* ``ok`` / ``truncated`` (``max_turns`` reached, the environment's own step limit, or the
+  conversation outgrew the model's context: the next turn's prompt left no room for a
+  token): rewarded by the reward stream. ``info["finish_reason"]`` says which ending it was
+  (``FINISH_REASONS``): ``"terminated"`` (``ok``), ``"max_turns"``, ``"env_truncated"`` or
+  ``"context_full"``.
 * ``aborted``: the proxy answered a turn with ``abort`` (the group had enough, or the
   trajectory went stale); never reaches the trainer.
 * ``infra_failed``: the environment's container was lost beyond repair, the environment
@@ -61,6 +63,11 @@ from envpool.pool import EnvPool
 from fabric.protocol import Message, Trajectory
 
 log = logging.getLogger(__name__)
+FINISH_REASONS = ("terminated", "max_turns", "env_truncated", "context_full")
+"""``info["finish_reason"]`` of a finished (``ok`` / ``truncated``) trajectory: the environment
+ended it (``ok``), it ran out of ``max_turns``, the environment cut it at its own step limit
+(truncated, ``max_episode_steps``), or its conversation outgrew the model's context. An
+``aborted`` or ``infra_failed`` one has none (``info["error_type"]`` says what failed)."""
 _JOB_TASK_KEYS = frozenset({"env_id", "seed", TAG_KEY, GROUP_KEY})
 """What the job writes into every trajectory's ``task``; an environment's may not override them."""
 
@@ -327,9 +334,15 @@ class EnvManager:
                 state = _state(res.info, self.shown(res.obs.text, env))
                 outcome = _outcome(res)
                 if res.done:
-                    # cut off by the environment's own step limit: truncated, as at max_turns
+                    # cut off by the environment's own step limit: truncated, as at max_turns,
+                    # but its finish_reason tells the two apart
                     traj.status = "ok" if res.terminated else "truncated"
+                    info["finish_reason"] = "terminated" if res.terminated else "env_truncated"
                     break
+            else:
+                # every turn played and the episode goes on: cut here, as the environment's
+                # own limit would (an error or an abort above leaves no finish_reason)
+                info["finish_reason"] = "max_turns"
             traj.env_reward = float(sum(info["turn_rewards"]))
 
     def _request(
@@ -406,6 +419,9 @@ def _state(info: dict[str, Any], shown: str) -> str:
 
 def _fail(traj: Trajectory, error: str, kind: str) -> None:
     traj.status = "infra_failed"
+    # one that timed out after its last turn (leaving its session) had its ending set: it is
+    # no finished trajectory now
+    traj.info.pop("finish_reason", None)
     traj.info["error"] = error
     traj.info["error_type"] = kind  # what the job's summary counts errors by
     log.info("trajectory %s infra_failed: %s", traj.id, error)
