@@ -14,15 +14,14 @@ are truncated at ``max_episode_steps``.
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
 import math
-import weakref
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from envpool.errors import (
     ActionError,
@@ -233,35 +232,79 @@ def misconfigured(name: str, message: str) -> str:
     )
 
 
-# a tool's argument validator and whether it has a setup parameter, read once per function
-# (and again for a new spec of it)
-_CHECKS: weakref.WeakKeyDictionary[Callable[..., Any], tuple[FunctionSpec, TypeAdapter[Any], bool]] = (
-    weakref.WeakKeyDictionary()
-)
+class _SetupFailed(ToolUnavailable):
+    """A tool's setup hook raised in this process: told apart from a ``ToolUnavailable`` its
+    own code raises, which is the tool's error (text), as a worker's ``UserError``."""
 
 
-def _checks(fn: Callable[..., Any], spec: FunctionSpec) -> tuple[TypeAdapter[Any], bool]:
-    from fabric.runner import args_adapter
-    from fabric.spec import CTX_PARAM
+class _Tool:
+    """A registered tool as this process runs it: a worker's ``FunctionRunner`` of it (its
+    validator, and its setup hook's result as ``ctx``), the hook run at the first call, once.
+    Calls come on many threads (a pool's tool threads, ``asyncio.to_thread``): the first
+    calls at once wait for one run of the hook, and those that waited on a run that raised
+    fail with it. A later call runs it again, as the in-process backend does (and the local
+    pool, after its cooldown): a hook that failed for a moment (a download) recovers."""
 
-    kept = _CHECKS.get(fn)
-    if kept is None or kept[0] is not spec:
-        kept = _CHECKS[fn] = (spec, args_adapter(fn, spec), CTX_PARAM in inspect.signature(fn).parameters)
-    return kept[1], kept[2]
+    def __init__(self, fn: Callable[..., Any], spec: FunctionSpec):
+        from fabric.runner import FunctionRunner
+
+        self.runner = FunctionRunner(fn, spec)
+        self._lock = threading.Lock()
+        self._ready = False
+        self._ended = 0  # runs of the hook ended
+        self._failed: Exception | None = None  # the last run's raise
+
+    def set_up(self) -> None:
+        """Run the setup hook unless a run of it succeeded; ``ToolUnavailable`` saying
+        ``SetupFailed`` and its raise (as ``fabric_tools`` says it) if it raised."""
+        if self._ready:
+            return
+        seen = self._ended
+        with self._lock:
+            # a run that ended while this call waited: its outcome is this call's too
+            failed = self._failed if self._ended != seen else None
+            if failed is None and not self._ready:
+                try:
+                    self.runner.setup()
+                except Exception as e:
+                    failed = self._failed = e
+                    self._ended += 1
+                else:
+                    self._ready, self._failed = True, None
+                    self._ended += 1
+        if failed is not None and not self._ready:
+            raise _SetupFailed(
+                f"tool {self.runner.spec.name!r} failed (SetupFailed): {type(failed).__name__}: {failed}"
+            ) from failed
+
+
+# each tool's, by name, as the in-process backend keeps its runners (a weak key would not
+# do: the runner holds the function): made again for another function or spec under the
+# name (registered again: its new code is set up anew), the old one's ctx let go
+_TOOLS: dict[str, _Tool] = {}
+_TOOLS_LOCK = threading.Lock()
+
+
+def _tool(fn: Callable[..., Any], spec: FunctionSpec) -> _Tool:
+    with _TOOLS_LOCK:  # one per function: two of them would run its hook twice
+        tool = _TOOLS.get(spec.name)
+        if tool is None or tool.runner.fn is not fn or tool.runner.spec is not spec:
+            tool = _TOOLS[spec.name] = _Tool(fn, spec)
+        return tool
 
 
 def tool_arguments(fn: Callable[..., Any], spec: FunctionSpec, arguments: Any) -> dict[str, Any] | str:
     """The keyword arguments ``fn`` runs on, read as a fabric call reads the policy's
-    ``arguments`` (the client's checks, the JSON a worker gets, its validator), or the
-    ``InvalidArguments``/``PayloadNotSerializable`` text the job's bridge shows for them.
-    Called with them as they came, an extra field was a raw ``TypeError``, a wrong type
-    reached the tool, and a ``ctx`` replaced the tool's setup object."""
+    ``arguments`` (the client's checks, then the worker's: its setup hook run once, its
+    validator, the hook's result as ``ctx``), or the ``InvalidArguments``/
+    ``PayloadNotSerializable`` text the job's bridge shows for them; ``ToolUnavailable`` if
+    the setup hook raised. Called with them as they came, an extra field was a raw
+    ``TypeError``, a wrong type reached the tool, and a ``ctx`` replaced the tool's setup object."""
     from fabric.errors import PayloadError
     from fabric.protocol import encode_payload
     from fabric.runner import format_validation_error
-    from fabric.spec import CTX_PARAM
 
-    adapter, wants_ctx = _checks(fn, spec)
+    tool = _tool(fn, spec)
     if not isinstance(arguments, dict):
         return f"{spec.name}: payload must be a dict of keyword arguments, got {type(arguments).__name__}"
     # names first, as the client checks them: the setup parameter is none of a spec's
@@ -272,20 +315,21 @@ def tool_arguments(fn: Callable[..., Any], spec: FunctionSpec, arguments: Any) -
         raw = encode_payload(arguments, what=f"payload of {spec.name}")
     except PayloadError as e:
         return str(e)
+    # where a worker runs it: before it reads any call (so a call with a broken setup is
+    # SetupFailed, whatever its arguments)
+    tool.set_up()
     try:
-        kwargs: dict[str, Any] = adapter.validate_json(raw)
+        # the worker's own reading: its validator, then its setup's object as ctx (over a
+        # **extra tool's ctx argument too)
+        return tool.runner._kwargs(raw)
     except ValidationError as e:
         return format_validation_error(spec, e)
-    # a **extra tool takes any name: a worker puts its setup's object over the caller's
-    # ctx, here (no setup run) the tool's own default stands
-    if wants_ctx:
-        kwargs.pop(CTX_PARAM, None)
-    return kwargs
 
 
 def inprocess_tool_caller(name: str, arguments: dict[str, Any]) -> str:
     """Run a registered fabric tool right here (built-ins are discovered on first use), on
-    its arguments as a fabric worker reads them (``tool_arguments``)."""
+    its arguments as a fabric worker reads them (``tool_arguments``: its setup hook's result
+    as ``ctx``, the hook run at its first call in this process)."""
     import fabric
 
     reg = fabric.default_registry
@@ -303,6 +347,10 @@ def inprocess_tool_caller(name: str, arguments: dict[str, Any]) -> str:
         if isinstance(kwargs, str):
             return f"error: {kwargs}"
         value = fn(**kwargs)
+    except _SetupFailed:
+        # its setup hook raised (tool_arguments): the job's bridge's infrastructure failure
+        # too (SetupFailed), never text for the policy
+        raise
     except fabric.Unavailable as e:
         # the tool says its own dependency failed, not its input: as the job's bridge
         # (``fabric_tools``) takes it, an infrastructure failure, never text for the policy

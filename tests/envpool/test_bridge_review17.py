@@ -31,7 +31,7 @@ def setup_greeting() -> dict[str, str]:
 
 @REG.tool(setup=setup_greeting)
 def greet(name: str, times: int = 1, ctx: dict[str, str] | None = None) -> str:
-    ctx = ctx if ctx is not None else setup_greeting()  # (in-process: no setup hook run)
+    ctx = ctx if ctx is not None else setup_greeting()  # (a direct call: no setup hook run)
     return ", ".join([f"{ctx['greeting']} {name}"] * times)
 
 
@@ -91,8 +91,8 @@ def test_a_lone_surrogate_is_refused_as_the_fabric_refuses_it(tools):
 
 
 def test_a_ctx_argument_never_reaches_the_tools_setup_parameter(tools):
-    # a **extra tool accepts the name: the worker replaces it with its setup's, here the
-    # tool's own default stands (its setup as it falls back to it)
+    # a **extra tool accepts the name: the worker replaces it with its setup's, and so does
+    # this bridge
     assert inprocess_tool_caller("greet_any", {"name": "ada", "ctx": {"greeting": "pwned"}}) == "hello ada []"
     assert inprocess_tool_caller("greet_any", {"name": "ada", "mood": "calm"}) == "hello ada ['mood']"
 
