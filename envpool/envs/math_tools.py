@@ -3,9 +3,15 @@
 Each reset poses one problem generated from the seed (or ``options={"question": ...,
 "answer": ...}`` for a problem of your own). An action is either
 
-* a tool call, as JSON: ``{"tool": "calculator", "arguments": {"expression": "17 * 23"}}``
-  (``"name"`` for ``"tool"`` and OpenAI's JSON-string ``"arguments"`` are accepted too):
-  the environment calls the tool through its bridge and shows the output, reward 0; or
+* one or more tool calls, ``{"name": "calculator", "arguments": {"expression": "17 * 23"}}``
+  (``"tool"`` for ``"name"``; the arguments an object or OpenAI's JSON string of one), written
+  as real policies write them (``envpool.envs.reply_calls``): the whole reply, Hermes/Qwen
+  ``<tool_call>...</tool_call>`` blocks after any text or thinking, a line of its own after
+  the text (the OpenAI engine's form), or a fenced JSON block. Each call is run in order
+  through the bridge (at most 8 a turn; one more is refused as one too many) and the
+  observation is their outputs, one a line in the calls' order (a refused call's line says
+  why), reward 0. A reply that makes a call is a step, even if it states an answer too: the
+  policy has not seen the outputs yet; or
 * a final answer: the episode ends with reward 1.0 when it equals the problem's answer, else
   0.0. The answer is read and judged as the ``math_answer`` reward does
   (``functions.rewards.math.extract_final`` and ``is_equivalent``: "Answer: 37 trees",
@@ -13,9 +19,9 @@ Each reset poses one problem generated from the seed (or ``options={"question": 
   run's success) and the reward function agree on it. A reply states a final answer, and
   ends the episode, when that extraction finds a box or an answer marker ("Answer:",
   "final answer:", "the answer is", "####"), or when the whole reply is one number (a bare
-  "37"). The reward's last-resort rule, the last number anywhere in a reply, does not end
-  the episode: "17 * 23 is 391; next I add 5" is a step, not an answer (the reward would
-  judge 5 if the episode ended there).
+  "37", after any ``<think>...</think>``). The reward's last-resort rule, the last number
+  anywhere in a reply, does not end the episode: "17 * 23 is 391; next I add 5" is a step,
+  not an answer (the reward would judge 5 if the episode ended there).
 
 Anything else gets a reminder of the two forms, reward 0.
 
@@ -25,25 +31,28 @@ correct answer is ``"success"``.
 
 For the rewards, a step that was a tool call says so in ``info["calls"]`` (the env
 manager's contract, ``core.rollout.tool_calls``): ``[{"name", "arguments", "output"}]``,
-with ``"refused": <why>`` when the call was not run (bad JSON, an unknown tool, arguments
-the calculator does not take): it is still the policy's call, an invalid one.
+one entry per call in order, with ``"refused": <why>`` when the call was not run (bad JSON,
+no name or an unknown tool, arguments that are not an object or that the calculator does
+not take, one call too many): it is still the policy's call, an invalid one. ``info["valid"]``
+is True only when every call of the turn ran and none answered ``error: ...``.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import re
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 from envpool.api import Env, Observation, StepResult
+from envpool.envs.reply_calls import ToolCallText, find_tool_calls
+from functions.rewards.answer import after_thinking
 from functions.rewards.math import extract_final, is_equivalent
 from functions.tools.calculator import OPENAI_SCHEMA
 
 TOOLS = [OPENAI_SCHEMA]
+TOOL_NAMES = ("calculator",)
 _STATED = frozenset({"boxed", "answer_is"})  # extract_final's rules for a stated final answer
-_FENCE = re.compile(r"^```(?:json)?\s*|\s*```$")
 _HOW = (
     'Call the calculator with JSON, e.g. {"tool": "calculator", "arguments": {"expression": "12 * 7"}}, '
     "or give the final answer as 'Answer: <number>'."
@@ -113,6 +122,7 @@ class MathToolsEnv(Env):
 
     example_actions: ClassVar[tuple[str, ...]] = (
         '{"tool": "calculator", "arguments": {"expression": "6 * 7"}}',
+        'Hm.\n<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>',
         "I am not sure yet.",
         "Answer: 0",
     )
@@ -143,11 +153,14 @@ class MathToolsEnv(Env):
 
     def step(self, action: str) -> StepResult:
         text = action.strip()
-        call = _parse_tool_call(text)
-        if call is not None:
-            return self._tool_step(call, text)
+        calls = find_tool_calls(text, TOOL_NAMES)
+        if calls:
+            return self._tool_step(calls)
         given, rule = extract_final(text)
-        if given is not None and (rule in _STATED or (rule == "last_number" and given == text)):
+        # a bare number is one only when it is all the reply says after its thinking, as the
+        # reward reads it ("<think>...</think>\n42" was a reply that neither called nor answered)
+        bare = after_thinking(text).strip()
+        if given is not None and (rule in _STATED or (rule == "last_number" and given == bare)):
             correct, _ = is_equivalent(given, self.answer)
             verdict = "Correct." if correct else "Incorrect."
             info = {"answer": given, "correct": correct, "tool_calls": self.tool_calls}
@@ -164,78 +177,47 @@ class MathToolsEnv(Env):
             info=dict(_TOOL_ERROR),
         )
 
-    def _tool_step(self, call: dict[str, Any] | str, text: str) -> StepResult:
-        if isinstance(call, str):  # what was wrong with the JSON
-            shown = f"Bad tool call: {call}. {_HOW}"
-            name, arguments = _as_written(text)
-            refused = {"name": name, "arguments": arguments, "output": shown, "refused": call}
-            return StepResult(
-                obs=Observation(text=shown, tools=TOOLS), info={**_TOOL_ERROR, "calls": [refused]}
-            )
-        self.tool_calls += 1
-        output = self.call_tool(call["tool"], call["arguments"])
-        # the bridge answers a tool's exception (a calculator's refusal) as "error: ..."
-        failed = output.startswith("error:")
-        ran = {"name": call["tool"], "arguments": json.dumps(call["arguments"]), "output": output}
+    def _tool_step(self, calls: list[ToolCallText]) -> StepResult:
+        """Run each call in order (a refused one answered by why), and show their outputs one
+        a line, in order: the observation is the outputs joined by newlines, as the rewards'
+        view of the turn expects (``core.rollout.tool_calls``)."""
+        records: list[dict[str, Any]] = []
+        ran = failed = 0
+        for call in calls:
+            why = call.refused or _calculator_refuses(call.parsed)
+            if why is not None:
+                shown = f"Bad tool call: {why}. {_HOW}"
+                records.append(
+                    {"name": call.name, "arguments": call.arguments, "output": shown, "refused": why}
+                )
+                continue
+            assert call.parsed is not None  # (a call not refused has its arguments parsed)
+            self.tool_calls += 1
+            ran += 1
+            output = self.call_tool(call.name, call.parsed)
+            # the bridge answers a tool's exception (a calculator's refusal) as "error: ..."
+            failed += output.startswith("error:")
+            records.append({"name": call.name, "arguments": json.dumps(call.parsed), "output": output})
+        obs = Observation(text="\n".join(r["output"] for r in records), tools=TOOLS)
+        if not ran:
+            return StepResult(obs=obs, info={**_TOOL_ERROR, "calls": records})
+        valid = not failed and ran == len(records)
         info: dict[str, Any] = {
-            "tool": call["tool"],
+            "tool": "calculator",
             "tool_calls": self.tool_calls,
-            "valid": not failed,
-            "calls": [ran],
+            "valid": valid,
+            "calls": records,
         }
-        if failed:
+        if not valid:
             info["outcome"] = "tool_error"
-        return StepResult(obs=Observation(text=output, tools=TOOLS), info=info)
+        return StepResult(obs=obs, info=info)
+
+
+def _calculator_refuses(arguments: dict[str, Any] | None) -> str | None:
+    if arguments is None or set(arguments) != {"expression"} or not isinstance(arguments["expression"], str):
+        return 'calculator takes {"expression": "<text>"} and nothing else'
+    return None
 
 
 # the schedulers' signal (info["outcome"]) for a reply that neither calls a tool nor answers
 _TOOL_ERROR: dict[str, Any] = {"valid": False, "outcome": "tool_error"}
-
-
-_TOO_DEEP = "invalid JSON (nested too deep)"
-
-
-def _as_written(text: str) -> tuple[str, str]:
-    """A refused call's name and arguments as the policy wrote them, for the rewards: the
-    name when the JSON gives a string one (else ""), the arguments as a JSON string, or the
-    whole text when it is not a JSON object at all."""
-    body = _FENCE.sub("", text).strip()
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        return "", body
-    if not isinstance(data, dict):
-        return "", body
-    name = data.get("tool", data.get("name"))
-    args = data.get("arguments", {})
-    return (name if isinstance(name, str) else ""), (args if isinstance(args, str) else json.dumps(args))
-
-
-def _parse_tool_call(text: str) -> dict[str, Any] | str | None:
-    """``{"tool", "arguments"}``, a message saying why the JSON is not a valid call, or
-    None when the action is not meant as a tool call."""
-    body = _FENCE.sub("", text).strip()
-    if not body.startswith("{"):
-        return None
-    try:
-        data = json.loads(body)
-    except json.JSONDecodeError as e:
-        return f"invalid JSON ({e.msg} at position {e.pos})"
-    except RecursionError:  # (raised from step, it made the trajectory an environment failure)
-        return _TOO_DEEP
-    if not isinstance(data, dict):
-        return "a tool call is a JSON object"
-    name = data.get("tool", data.get("name"))
-    args = data.get("arguments", {})
-    if isinstance(args, str):  # OpenAI sends arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return "'arguments' is a string that is not JSON"
-        except RecursionError:
-            return _TOO_DEEP
-    if name != "calculator":
-        return f"unknown tool {name!r}; the only tool is 'calculator'"
-    if not isinstance(args, dict) or set(args) != {"expression"} or not isinstance(args["expression"], str):
-        return 'calculator takes {"expression": "<text>"} and nothing else'
-    return {"tool": name, "arguments": args}
