@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -174,23 +173,6 @@ async def test_an_http_blob_is_streamed_into_the_disk_tier_in_chunks(
             assert len(no_whole_blob) > 1 and max(no_whole_blob) < big.size
             assert sum(no_whole_blob) == big.size
             assert cache.metrics()["tiers"]["origin"]["hits"] == 1
-
-
-@pytest.fixture
-def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    moto = pytest.importorskip("moto")
-    for k, v in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    with moto.mock_aws():
-        import boto3
-
-        boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="images")
-        yield "images"
 
 
 async def test_an_s3_object_is_streamed_into_the_disk_tier_in_chunks(

@@ -11,7 +11,6 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -134,23 +133,6 @@ async def test_peer_tier_serves_another_nodes_l1(tmp_path: Path, bundle: Bundle)
 
 
 # -- L2 on S3 (moto)
-
-
-@pytest.fixture
-def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    moto = pytest.importorskip("moto")
-    for k, v in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    with moto.mock_aws():
-        import boto3
-
-        boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="images")
-        yield "images"
 
 
 async def test_s3_tier_against_moto(s3: str) -> None:

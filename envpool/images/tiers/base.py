@@ -17,7 +17,7 @@ import os
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any, BinaryIO, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -231,19 +231,7 @@ class Tier(ABC):
             return False
         await self.start()
         size = os.fstat(f.fileno()).st_size  # (before: boto3's upload closes the file it read)
-        try:
-            stored = await self._put_file(digest, f)
-        except ImageError:
-            self.metrics.put_errors += 1
-            raise
-        except Exception as e:
-            self.metrics.put_errors += 1
-            raise ImageFetchError(f"write failed: {type(e).__name__}: {e}", tier=self.name) from e
-        if stored is False:
-            return False
-        self.metrics.puts += 1
-        self.metrics.bytes_written += size
-        return True
+        return await self._stored(self._put_file(digest, f), size)
 
     async def put(self, digest: str, data: bytes) -> bool:
         """Store a verified blob; whether the tier kept it (read-only tiers never do, nor a
@@ -252,8 +240,12 @@ class Tier(ABC):
         if not self.writable:
             return False
         await self.start()
+        return await self._stored(self._put(digest, data), len(data))
+
+    async def _stored(self, write: Awaitable[bool | None], size: int) -> bool:
+        """Await a ``put``'s write of ``size`` bytes and count it; whether the tier kept it."""
         try:
-            stored = await self._put(digest, data)
+            stored = await write
         except ImageError:
             self.metrics.put_errors += 1
             raise
@@ -263,7 +255,7 @@ class Tier(ABC):
         if stored is False:  # the tier chose not to keep it (a disk tier's blob over its cap)
             return False
         self.metrics.puts += 1
-        self.metrics.bytes_written += len(data)
+        self.metrics.bytes_written += size
         return True
 
     async def delete(self, digest: str) -> None:
