@@ -92,8 +92,7 @@ class JobCheckpoints(JobState):
         self._wall_before = float(saved.get("train_wall_s", 0.0))
         v, state, gauss = saved["rng"]
         self.rng.setstate((v, tuple(state), gauss))
-        self.tally.counts.update(saved["counts"])
-        self.tally.errors.update(saved.get("errors", {}))  # absent in an earlier release's
+        self.tally.restore(saved)
         self.evaluator.restore(saved)
         self.evaluator.rows.extend(run_dir.evals)
         progress.note(f"resumed from {path} (step {self.step}, policy version {version})")
@@ -119,8 +118,7 @@ class JobCheckpoints(JobState):
             "version": self.version,
             "config": self.cfg.to_yaml(),
             "rng": [v, list(state), gauss],
-            "counts": dict(self.tally.counts),
-            "errors": dict(self.tally.errors),
+            **self.tally.state(),  # counts, errors, finish_reasons
             **self.evaluator.state(),  # trained_tasks (bounded), eval_tasks
             "pretrained": self._pretrained,
             "train_wall_s": round(time.perf_counter() - self._t0, 3),

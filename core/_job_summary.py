@@ -61,7 +61,7 @@ class JobSummary(JobCheckpoints):
                 }
                 for e in self.evals
             ],
-            "trajectories": {**self.tally.counts, "errors": dict(self.tally.errors)},
+            "trajectories": self.tally.trajectories(),
             "aborted_trained": self.tally.counts["aborted_trained"],
             "masked_trained": self.tally.counts["masked_trained"],
             "nonfinite_logprob_trained": self.tally.counts["nonfinite_logprob_trained"],
@@ -91,7 +91,7 @@ class JobSummary(JobCheckpoints):
             "error": f"{type(error).__name__}: {error}",
             "steps": len(run_dir.rows),  # trained, as in summary.json
             "wall_s": round(time.perf_counter() - t_start, 1),
-            "trajectories": {**self.tally.counts, "errors": dict(self.tally.errors)},
+            "trajectories": self.tally.trajectories(),
         }
         if buffer is not None:
             out["buffer"] = {k: v for k, v in buffer.metrics().items() if k not in ("trainer_wait_s",)}

@@ -10,8 +10,10 @@
 ``counts`` run over the whole job (finished trajectories by status, disjoint: one whose reward
 failed for good counts as ``reward_failed``, not ``ok``; generated tokens, groups
 dropped as stale or given up, aborted or masked trajectories that were trained), and so do
-``errors`` (``infra_failed`` trajectories by the type of error that ended them), and
-``context_full`` (the ``truncated`` ones whose conversation outgrew the model's context); the
+``errors`` (``infra_failed`` trajectories by the type of error that ended them),
+``finish_reasons`` (finished trajectories by their ``info["finish_reason"]``: ``terminated``,
+``max_turns``, ``env_truncated``, ``context_full``) and ``context_full`` (the ``truncated``
+ones whose conversation outgrew the model's context, kept under its own key too); the
 generation, environment and reward times are means over what finished since the last row.
 """
 
@@ -43,6 +45,10 @@ class Tally:
         # SessionLost, TrajectoryTimeout, ...): summary.json's trajectories.errors. Without it
         # an environment that raised on some seeds showed only as an infra_failed count
         self.errors: Counter[str] = Counter()
+        # finished trajectories by how they ended (info["finish_reason"]): summary.json's
+        # trajectories.finish_reasons. Without it an episode cut at max_turns was a plain
+        # truncated count, not told apart from the environment's own step limit
+        self.finish_reasons: Counter[str] = Counter()
 
     def finished(self, traj: Trajectory) -> None:
         if traj.id in self._seen:  # cannot happen by construction; counted if it does
@@ -57,13 +63,36 @@ class Tally:
         self.counts["tokens"] += sum(
             len((m.model_extra or {}).get("token_ids", [])) for m in traj.messages if m.role == "assistant"
         )
-        if traj.info.get("finish_reason") == "context_full":
+        reason = traj.info.get("finish_reason")
+        if reason:  # aborted and infra_failed trajectories have none
+            self.finish_reasons[str(reason)] += 1
+        if reason == "context_full":
             # a part of ``truncated``, counted apart: a run whose episodes keep outgrowing the
             # context wants a larger one (or a shorter prompt.history)
             self.counts["context_full"] += 1
         if traj.status in ("ok", "truncated"):
             for k in ("gen_s", "env_s"):
                 self._times[k].append(float(traj.info.get(k, 0.0)))
+
+    def trajectories(self) -> dict[str, Any]:
+        """summary.json's (and failure.json's) ``trajectories``: the counts, the errors and
+        the finish reasons."""
+        return {**self.counts, "errors": dict(self.errors), "finish_reasons": dict(self.finish_reasons)}
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the tally: the job-long counts (copies)."""
+        return {
+            "counts": dict(self.counts),
+            "errors": dict(self.errors),
+            "finish_reasons": dict(self.finish_reasons),
+        }
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """The counts of a checkpoint's ``state()``; ``errors`` and ``finish_reasons`` are
+        absent in an earlier release's."""
+        self.counts.update(saved["counts"])
+        self.errors.update(saved.get("errors", {}))
+        self.finish_reasons.update(saved.get("finish_reasons", {}))
 
     def cancelled(self, traj_id: str) -> None:
         """A run cancelled before it ended (aborted inside an environment step): counted
