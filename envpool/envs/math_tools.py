@@ -4,10 +4,11 @@ Each reset poses one problem generated from the seed (or ``options={"question": 
 "answer": ...}`` for a problem of your own). An action is either
 
 * one or more tool calls, ``{"name": "calculator", "arguments": {"expression": "17 * 23"}}``
-  (``"tool"`` for ``"name"``; the arguments an object or OpenAI's JSON string of one), written
-  as real policies write them (``envpool.envs.reply_calls``): the whole reply, Hermes/Qwen
-  ``<tool_call>...</tool_call>`` blocks after any text or thinking, a line of its own after
-  the text (the OpenAI engine's form), or a fenced JSON block. Each call is run in order
+  (``"tool"`` for ``"name"``, Llama 3.1's ``"parameters"`` for ``"arguments"``; the
+  arguments an object or OpenAI's JSON string of one), written as real policies write them
+  (``envpool.envs.reply_calls``): the whole reply, Hermes/Qwen ``<tool_call>...</tool_call>``
+  blocks after any text or thinking, a line of its own after the text (the OpenAI engine's
+  form), or a fenced JSON block. Each call is run in order
   through the bridge (at most 8 a turn; one more is refused as one too many) and the
   observation is their outputs, one a line in the calls' order (a refused call's line says
   why), reward 0. A reply that makes a call is a step, even if it states an answer too: the

@@ -11,11 +11,12 @@
   (``core.rollout.engines.openai_``), and several calls written one a line;
 * a JSON object in a fenced block (````json`` or a bare fence) after some text.
 
-A call is ``{"name": <tool>, "arguments": <object>}`` (``"tool"`` for ``"name"``; the
-arguments as an object or, OpenAI's wire form, a string holding one; none is ``{}``). What
-precedes the last ``</think>`` is thinking, as the answer rewards read it
-(``functions.rewards.answer.after_thinking``), and so is a ``<think>`` never closed: a call
-drafted there is not made. Each attempt the reply makes comes back, with why it is refused
+A call is ``{"name": <tool>, "arguments": <object>}`` (``"tool"`` for ``"name"``;
+``"parameters"`` for ``"arguments"``, Llama 3.1's form, read when there is no
+``"arguments"``; the arguments as an object or, OpenAI's wire form, a string holding one;
+none is ``{}``). What precedes the last ``</think>`` is thinking, as the answer rewards
+read it (``functions.rewards.answer.after_thinking``), and so is a ``<think>`` never
+closed: a call drafted there is not made. Each attempt the reply makes comes back, with why it is refused
 when it is not a call (malformed JSON, not an object, no name, an unknown tool, arguments
 that are not an object). At most ``limit`` are read: one more is refused as one too many,
 and the rest of the reply is not read.
@@ -159,7 +160,9 @@ class _Found:
         if not isinstance(data, dict):
             return ToolCallText("", text, refused="a tool call is a JSON object")
         name = data.get("tool", data.get("name"))
-        args = data.get("arguments", {})
+        # Llama 3.1's JSON tool calling writes the arguments under "parameters"
+        key = "arguments" if "arguments" in data or "parameters" not in data else "parameters"
+        args = data.get(key, {})
         try:
             written = args if isinstance(args, str) else json.dumps(args)
         except RecursionError:
@@ -176,12 +179,12 @@ class _Found:
             try:
                 args = json.loads(args)
             except json.JSONDecodeError:
-                return ToolCallText(shown, written, refused="'arguments' is a string that is not JSON")
+                return ToolCallText(shown, written, refused=f"'{key}' is a string that is not JSON")
             except RecursionError:
                 return ToolCallText(shown, written, refused=TOO_DEEP)
         if not isinstance(args, dict):
             got = type(args).__name__
-            why = f"'arguments' is not a JSON object (got {got}): give {{\"<name>\": <value>, ...}}"
+            why = f"'{key}' is not a JSON object (got {got}): give {{\"<name>\": <value>, ...}}"
             return ToolCallText(shown, written, refused=why)
         return ToolCallText(shown, written, parsed=args)
 
