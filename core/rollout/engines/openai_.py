@@ -38,9 +38,11 @@ Requests are not streamed: an aborted request closes its connection (vLLM aborts
 whose client went away) and returns a ``finish_reason="abort"`` completion with no text.
 Each HTTP attempt is bounded by ``timeout_s``; 408, 429, 5xx, timeouts and connection errors
 are retried with full-jitter exponential backoff (or after the server's ``Retry-After``);
-other 4xx fail at once with the server's message. A prompt that fits with a ``max_tokens``
-that does not (vLLM's server refuses it with a 400) is sent again asking for the tokens that
-fit, as the other engines generate to the context's end.
+other 4xx fail at once with the server's message. The turn's ``max_new_tokens`` goes as
+``max_completion_tokens`` to OpenAI's API (its reasoning models refuse ``max_tokens``) and as
+``max_tokens`` to any other server; ``max_tokens_field`` chooses. A prompt that fits with a
+reply limit that does not (vLLM's server refuses it with a 400) is sent again asking for the
+tokens that fit, as the other engines generate to the context's end.
 """
 
 from __future__ import annotations
@@ -81,6 +83,11 @@ _FINISH: dict[str, FinishReason] = {
 }
 
 
+# the reply limit too: one in extra_body went beside the engine's own (or was overwritten by
+# it), so max_new_tokens was silently not the limit
+_RESERVED_BODY = frozenset({"model", "messages", "stream", "n", "max_tokens", "max_completion_tokens"})
+
+
 class OpenAIEngineConfig(BaseModel):
     """Where the server is and how to talk to it."""
 
@@ -112,8 +119,15 @@ class OpenAIEngineConfig(BaseModel):
     """Cap on one wait, a server's ``Retry-After`` included."""
     max_concurrency: int = Field(64, ge=1)
     """HTTP requests in flight at once; more wait their turn (an abort still finds them)."""
+    max_tokens_field: Literal["max_tokens", "max_completion_tokens"] | None = None
+    """The request field a turn's ``max_new_tokens`` is sent as (``None``:
+    ``max_completion_tokens`` to OpenAI's API, ``max_tokens`` to any other server). OpenAI's
+    reasoning models (o-series, gpt-5) refuse ``max_tokens``, every OpenAI chat model reads
+    ``max_completion_tokens``; vLLM reads both, some other servers only ``max_tokens``."""
     extra_body: dict[str, Any] = Field(default_factory=dict)
-    """Merged into every request body (``top_p``, vendor options)."""
+    """Merged into every request body (``top_p``, vendor options); not the fields the engine
+    sets itself (``model``, ``messages``, ``stream``, ``n``, ``max_tokens``,
+    ``max_completion_tokens``: ``max_tokens_field`` names the reply limit's field)."""
     headers: dict[str, str] = Field(default_factory=dict)
     """Extra HTTP headers on every request."""
 
@@ -127,10 +141,17 @@ class OpenAIEngineConfig(BaseModel):
     @field_validator("extra_body")
     @classmethod
     def _extra(cls, v: dict[str, Any]) -> dict[str, Any]:
-        reserved = sorted(set(v) & {"model", "messages", "stream", "n"})
+        reserved = sorted(set(v) & _RESERVED_BODY)
         if reserved:
             raise ValueError(f"may not set {reserved}: the engine sets them")
         return v
+
+    @property
+    def reply_limit_field(self) -> str:
+        """The request field that carries ``max_new_tokens`` (see ``max_tokens_field``)."""
+        if self.max_tokens_field is not None:
+            return self.max_tokens_field
+        return "max_completion_tokens" if self.base_url.rstrip("/") == OPENAI_URL else "max_tokens"
 
     @property
     def wants_logprobs(self) -> bool:
@@ -252,7 +273,7 @@ class OpenAIEngine(Engine):
             "messages": [
                 m.model_dump(exclude_none=True, exclude={"policy_version"}) for m in request.messages
             ],
-            "max_tokens": request.max_new_tokens,
+            cfg.reply_limit_field: request.max_new_tokens,
             "temperature": request.temperature,
             "n": 1,
             "stream": False,
@@ -335,11 +356,12 @@ class OpenAIEngine(Engine):
         if client is None:
             raise EngineError("the openai engine is not started")
         resp = await self._post(client, rid, body)
-        room = _room_left(resp, body)
+        field = cfg.reply_limit_field
+        room = _room_left(resp, body.get(field, 0))
         if room is not None:
             # the prompt fits but max_tokens does not (vLLM refuses it): generate what fits, as
             # the torch and vllm engines do (finish_reason "length"), not a failed turn
-            resp = await self._post(client, rid, {**body, "max_tokens": room})
+            resp = await self._post(client, rid, {**body, field: room})
         status = resp.status_code
         if status in (408, 429) or status >= 500:
             after = retry_after_s(resp.headers) if status in (429, 503) else None
@@ -441,16 +463,16 @@ _TOO_LARGE = re.compile(
 )
 
 
-def _room_left(resp: httpx.Response, body: dict[str, Any]) -> int | None:
+def _room_left(resp: httpx.Response, asked: int) -> int | None:
     """The tokens the context has left after the prompt, when ``resp`` is vLLM's refusal of a
-    ``max_tokens`` over them and there is room for at least one (else None: no retry)."""
+    reply limit (``asked``) over them and there is room for at least one (else None: no retry)."""
     if resp.status_code != 400:
         return None
     m = _TOO_LARGE.search(error_message(resp))
     if m is None:
         return None
     room = int(m.group(1)) - int(m.group(2))
-    return room if 1 <= room < body.get("max_tokens", 0) else None
+    return room if 1 <= room < asked else None
 
 
 def _error_code(resp: httpx.Response) -> str | None:
