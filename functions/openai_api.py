@@ -1,6 +1,7 @@
 """Reading an OpenAI-compatible endpoint's answers, shared by every client of one in this
 project (``llm_judge``, the ``openai`` rollout engine): how long a 429/503 asks us to wait,
-the error message of a refusal, and a short excerpt of a body that is not what we expected."""
+the error message of a refusal, a web page where JSON should be, and a short excerpt of a
+body that is not what we expected."""
 
 from __future__ import annotations
 
@@ -55,6 +56,13 @@ def error_message(resp: httpx.Response) -> str:
         if isinstance(err, str) and err:
             return err
     return excerpt(resp.text)
+
+
+def is_web_page(resp: httpx.Response) -> bool:
+    """An HTML page (by its content type, or a body that opens with a tag): no API's reply, but
+    a ``base_url`` at a web UI or a login page, whose index answers every path 200."""
+    media = resp.headers.get("content-type", "").split(";")[0].strip().lower()
+    return media in ("text/html", "application/xhtml+xml") or resp.text.lstrip().startswith("<")
 
 
 def excerpt(text: str, n: int = 300) -> str:

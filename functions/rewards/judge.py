@@ -82,7 +82,7 @@ import fabric
 from fabric.errors import ConfigError, Unavailable
 from fabric.protocol import RewardResult, Trajectory
 from fabric.runner import time_left_s
-from functions.openai_api import error_message, excerpt, retry_after_s
+from functions.openai_api import error_message, excerpt, is_web_page, retry_after_s
 from functions.rewards.judge_config import DEFAULT_RUBRIC, ENV_PREFIX, OPENAI_URL, JudgeConfig
 from functions.rewards.judge_errors import (
     _MISCONFIGURED_STATUSES,
@@ -453,7 +453,7 @@ class Judge:
             data = resp.json()
         except ValueError:
             kind = resp.headers.get("content-type", "no content type")
-            if _is_web_page(resp):
+            if is_web_page(resp):
                 # a base_url that points at a web UI or a login page (its index answers every
                 # path 200): every request gets the page, whatever the response, and as the
                 # response's unreadable reply a failure_score scored every trajectory alike
@@ -528,12 +528,6 @@ def _error_code(resp: httpx.Response) -> str:
         return ""
     code = err.get("code")
     return code if isinstance(code, str) and code else str(err.get("type") or "")
-
-
-def _is_web_page(resp: httpx.Response) -> bool:
-    """An HTML page (by its content type, or a body that opens with a tag): no API's reply."""
-    media = resp.headers.get("content-type", "").split(";")[0].strip().lower()
-    return media in ("text/html", "application/xhtml+xml") or resp.text.lstrip().startswith("<")
 
 
 def _finish_reason(data: dict[str, Any]) -> Any:

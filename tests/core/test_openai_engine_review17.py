@@ -4,6 +4,9 @@
   ``unsupported_parameter``): they read ``max_completion_tokens``, and the engine always sent
   ``max_tokens``, so a policy served by one failed every turn. ``max_tokens_field`` chooses the
   field, ``max_completion_tokens`` for OpenAI's API by default (as the LLM judge does).
+* A ``base_url`` at a web UI (its index answers every path 200 with HTML) failed each turn
+  with a generic "body that is not JSON" error: it is the endpoint's setup, said so, naming
+  the URL and the page, and not retried (as the judge's ``Misconfigured`` for the same page).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 import pytest
 
 from core.rollout.engines.base import EngineError, GenerateRequest
-from core.rollout.engines.openai_ import OPENAI_URL, OpenAIEngine, OpenAIEngineConfig
+from core.rollout.engines.openai_ import OPENAI_URL, OpenAIEngine, OpenAIEngineConfig, OpenAIEngineError
 from fabric.protocol import Message
 from functions.fakes import FakeOpenAI, Scripted
 
@@ -82,3 +85,30 @@ def test_extra_body_may_not_set_the_reply_limit(key):
     # it went beside (or was overwritten by) the engine's own, max_new_tokens silently not the limit
     with pytest.raises(EngineError, match="extra_body: may not set"):
         OpenAIEngine(model="m", base_url="http://127.0.0.1:9/v1", extra_body={key: 8})
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{"Content-Type": "text/html; charset=utf-8"}, {"Content-Type": "application/octet-stream"}],
+    ids=["by its content type", "by its opening tag"],
+)
+async def test_a_web_page_is_a_misconfigured_base_url(srv, headers):
+    page = b"<!doctype html><html><head><title>Open WebUI</title></head><body>sign in</body></html>"
+    srv.enqueue(Scripted(body=page, headers=headers))
+    async with make(srv, max_retries=3) as engine:
+        with pytest.raises(OpenAIEngineError) as e:
+            await engine.generate(chat())
+    message = str(e.value)
+    assert f"{srv.base_url}/chat/completions answered 200 with a web page" in message
+    assert "<!doctype html><html><head><title>Open WebUI</title>" in message  # the page's start
+    assert "set base_url to the OpenAI-compatible API root (ending in /v1)" in message
+    assert not e.value.retryable and e.value.status == 200
+    assert len(srv.chat_requests) == 1  # every retry would get the same page
+
+
+async def test_a_body_neither_json_nor_a_page_stays_not_json(srv):
+    srv.enqueue(Scripted(body=b"upstream connect error", headers={"Content-Type": "text/plain"}))
+    async with make(srv) as engine:
+        with pytest.raises(OpenAIEngineError, match=r"not JSON \(text/plain\): upstream connect error") as e:
+            await engine.generate(chat())
+    assert "web page" not in str(e.value)

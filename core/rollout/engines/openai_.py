@@ -38,7 +38,8 @@ Requests are not streamed: an aborted request closes its connection (vLLM aborts
 whose client went away) and returns a ``finish_reason="abort"`` completion with no text.
 Each HTTP attempt is bounded by ``timeout_s``; 408, 429, 5xx, timeouts and connection errors
 are retried with full-jitter exponential backoff (or after the server's ``Retry-After``);
-other 4xx fail at once with the server's message. The turn's ``max_new_tokens`` goes as
+other 4xx fail at once with the server's message, and so does a 200 that is a web page (a
+``base_url`` at a web UI: HTML where JSON should be). The turn's ``max_new_tokens`` goes as
 ``max_completion_tokens`` to OpenAI's API (its reasoning models refuse ``max_tokens``) and as
 ``max_tokens`` to any other server; ``max_tokens_field`` chooses. A prompt that fits with a
 reply limit that does not (vLLM's server refuses it with a 400) is sent again asking for the
@@ -69,7 +70,7 @@ from core.rollout.engines.base import (
     PromptTooLongError,
     options_error,
 )
-from functions.openai_api import error_message, excerpt, retry_after_s
+from functions.openai_api import error_message, excerpt, is_web_page, retry_after_s
 
 OPENAI_URL = "https://api.openai.com/v1"
 
@@ -381,10 +382,19 @@ class OpenAIEngine(Engine):
         try:
             data = resp.json()
         except ValueError:
+            kind = resp.headers.get("content-type", "no content type")
+            if is_web_page(resp):
+                # base_url at a web UI or a login page (its index answers every path 200): no
+                # turn will ever get a completion from it, so say it is the setup, not the reply
+                raise OpenAIEngineError(
+                    f"{self.url} answered {status} with a web page ({kind}), not a chat completion: "
+                    f"{excerpt(resp.text, 100)}; set base_url to the OpenAI-compatible API root "
+                    "(ending in /v1)",
+                    status=status,
+                ) from None
             raise OpenAIEngineError(
-                f"{self.url} answered {status} with a body that is not JSON "
-                f"({resp.headers.get('content-type', 'no content type')}): {excerpt(resp.text)}; "
-                "is base_url the OpenAI-compatible API root (ending in /v1)?",
+                f"{self.url} answered {status} with a body that is not JSON ({kind}): "
+                f"{excerpt(resp.text)}; is base_url the OpenAI-compatible API root (ending in /v1)?",
                 status=status,
             ) from None
         if not isinstance(data, dict):
