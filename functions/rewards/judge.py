@@ -27,10 +27,12 @@ How a call goes:
   ``usage`` of the reply settles the difference);
 * 408, 429 (but ``insufficient_quota``), 5xx, timeouts, network errors and a reply the
   server aborted (vLLM's ``finish_reason`` ``abort``) are retried with exponential backoff and
-  jitter, or after the server's ``Retry-After``; other 4xx fail at once. Retries, waits and
-  each attempt's timeout stay within the time the reward's run has left (its ``timeout_s``,
-  or the call's deadline if sooner), so an endpoint that stays down ends in the judge's own
-  ``Unavailable``, saying how long it tried, not in the run's bare timeout;
+  jitter, or after the server's ``Retry-After`` and a small random jitter (up to a fifth of it
+  more, at most 1 s: calls that got a 429 together do not all come back at one instant);
+  other 4xx fail at once. Retries, waits and each attempt's timeout stay within the time the
+  reward's run has left (its ``timeout_s``, or the call's deadline if sooner), so an
+  endpoint that stays down ends in the judge's own ``Unavailable``, saying how long it
+  tried, not in the run's bare timeout;
 * the reply is the message's content, a string or a list of parts (``[{"type": "text",
   "text": ...}]``: its text parts, one a line; a refusal part is no text);
 * the score is the judge's verdict line, ``Verdict NONCE: N/10`` as the default rubric asks
@@ -66,6 +68,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import re
 import threading
 import time
@@ -128,6 +131,10 @@ _CUT_SHORT = frozenset({"length", "content_filter"})
 #: ``finish_reason`` values of a reply the server stopped (vLLM's, HTTP 200 all the same).
 _ABORTED = frozenset({"abort"})
 
+#: The jitter on a server's ``Retry-After``: up to this share of it more, at most this long.
+_JITTER_SHARE = 0.2
+_JITTER_MAX_S = 1.0
+
 #: Calls one worker runs at once (the reward's ``max_concurrency`` and ``max_batch``).
 _CALLS_AT_ONCE = 64
 
@@ -164,7 +171,8 @@ class Judge:
     first use (a worker has one loop; ``asyncio.run`` callers get a fresh one each time). Use
     ``async with Judge(...)`` or ``aclose()``; a client still open when its loop shuts down is
     closed then.
-    ``clock`` and ``sleep`` are injectable so tests can check waits without waiting."""
+    ``clock`` and ``sleep`` are injectable so tests can check waits without waiting, and ``rng``
+    (the jitter on a ``Retry-After``) so they can seed it."""
 
     def __init__(
         self,
@@ -172,8 +180,10 @@ class Judge:
         *,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        rng: random.Random | None = None,
     ):
         self.config = config
+        self._rng = rng if rng is not None else random.Random()
         self.limiter = RateLimiter(config.requests_per_minute, config.tokens_per_minute, clock)
         self._clock = clock
         self._sleep = sleep
@@ -312,7 +322,11 @@ class Judge:
         def wait(state: RetryCallState) -> float:
             exc = state.outcome.exception() if state.outcome else None
             if isinstance(exc, _Transient) and exc.retry_after is not None:
-                return exc.retry_after  # the server knows when it will have room
+                # the server knows when it will have room; the calls it told so at once (a burst
+                # over its rate limit) would all come back at that same instant and meet the
+                # limit again: each waits a little more, never less than it was told
+                after = exc.retry_after
+                return after + self._rng.uniform(0.0, min(_JITTER_SHARE * after, _JITTER_MAX_S))
             return float(backoff(state))
 
         def past_deadline(state: RetryCallState) -> bool:
@@ -324,8 +338,9 @@ class Judge:
             if self._clock() + pause + reserve < deadline - reserve:
                 return False
             exc = state.outcome.exception() if state.outcome else None
-            asked = isinstance(exc, _Transient) and exc.retry_after is not None
-            what = f"its retry after {pause:g} s" if asked else "a retry"
+            asked = exc.retry_after if isinstance(exc, _Transient) else None
+            # the server's Retry-After, as it said it (the pause adds the jitter)
+            what = f"its retry after {asked:g} s" if asked is not None else "a retry"
             left_now = max(0.0, deadline - self._clock())
             why_stopped[0] = f"; {what} would pass the call's time limit ({left_now:.1f} s left)"
             return True

@@ -34,7 +34,9 @@ async def test_429_is_retried_after_the_servers_retry_after(srv, make_judge):
     srv.fail_next(429, times=2, retry_after=7)
     r = await make_judge(srv, t).score("x")
     assert r.score == 0.8 and r.info["attempts"] == 3
-    assert t.sleeps == [7.0, 7.0]  # Retry-After, not the (much shorter) backoff
+    # Retry-After (and its jitter, at most 1 s: test_judge_review17c.py), not the (much
+    # shorter) backoff
+    assert len(t.sleeps) == 2 and all(7.0 <= s <= 8.0 for s in t.sleeps), t.sleeps
     assert len(srv.chat_requests) == 3
 
 
