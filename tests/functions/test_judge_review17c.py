@@ -25,11 +25,12 @@ def config(srv, **cfg) -> JudgeConfig:
 async def test_calls_429d_together_do_not_retry_together(srv):
     t = FakeTime()
     srv.fail_next(429, times=4, retry_after=5)
-    # the judge's own random source (distinct floats: equal draws are a 1e-15 chance); the
-    # other tests seed theirs
-    async with Judge(config(srv), clock=t.clock, sleep=t.sleep) as judge:
+    async with Judge(config(srv), clock=t.clock, sleep=t.sleep, rng=random.Random(3)) as judge:
         results = await asyncio.gather(*(judge.score(f"x{i}") for i in range(4)))
-    assert all(r.score == 0.8 and r.info["attempts"] == 2 for r in results)
+    # each 429 is one wait and one more attempt, whichever call it met: a retry (the fake
+    # clock sleeps at once) may reach the server before another call's first attempt does
+    assert all(r.score == 0.8 for r in results)
+    assert sum(r.info["attempts"] for r in results) == 8
     assert len(t.sleeps) == 4
     assert all(5.0 <= s <= 6.0 for s in t.sleeps), t.sleeps  # never sooner than asked, a fifth more at most
     assert len(set(t.sleeps)) == 4  # the herd is spread, not sent back at one instant
