@@ -37,7 +37,8 @@ lint: setup
 # three workers on 2 cores, a test module on one (its module-scoped fixtures, such as a Ray
 # cluster, start once): many tests wait on processes, sockets and timers, so a third worker
 # fills the idle time (6.4 minutes where two took 8.1, when the suite was smaller; now
-# ~10 minutes of tests, make test ~11.5 on a fresh clone); JOBS=0 runs it in this process
+# 8-10 minutes of tests, make test 9.5-11.5 on a fresh clone; four workers saved 3%, not worth
+# more load-sensitive tests); JOBS=0 runs it in this process
 JOBS ?= 3
 unit: setup
 	$(BIN)/python -m pytest -q $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
