@@ -66,7 +66,6 @@ read the config. Another 4xx
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import re
@@ -99,10 +98,11 @@ from functions.rewards.judge_errors import (
     _Transient,
 )
 from functions.rewards.judge_ratelimit import RateLimiter, TokenBucket, estimate_tokens
+from functions.rewards.judge_reply import _ABORTED, _error_code, _finish_reason, reply_text
 from functions.rewards.judge_score import parse_score, verdict_nonce
 
-# the config, errors, rate limits and score parsing live in their own modules; their public
-# names stay importable from here
+# the config, errors, rate limits, reply reading and score parsing live in their own
+# modules; their public names stay importable from here
 __all__ = [
     "DEFAULT_RUBRIC",
     "ENV_PREFIX",
@@ -125,11 +125,6 @@ __all__ = [
 
 #: Judge text kept in ``RewardResult.info`` (enough to audit a score, small on the wire).
 MAX_INFO_CHARS = 2000
-
-#: ``finish_reason`` values of a reply that stopped before the judge did.
-_CUT_SHORT = frozenset({"length", "content_filter"})
-#: ``finish_reason`` values of a reply the server stopped (vLLM's, HTTP 200 all the same).
-_ABORTED = frozenset({"abort"})
 
 #: The jitter on a server's ``Retry-After``: up to this share of it more, at most this long.
 _JITTER_SHARE = 0.2
@@ -284,7 +279,7 @@ class Judge:
                 "provider allows"
             )
         data, attempts = await self._complete(body, tokens, deadline)
-        text = self._text(data)
+        text = reply_text(data, self.url)
         raw = parse_score(
             text,
             cfg.min_score,
@@ -498,70 +493,6 @@ class Judge:
                 "The server stopped the request (shut down, paused, scaled down); the call is retryable.",
             )
         return data
-
-    def _text(self, data: dict[str, Any]) -> str:
-        try:
-            choice = data["choices"][0]
-            text = choice["message"]["content"]
-        except (KeyError, IndexError, TypeError):
-            raise JudgeResponseError(
-                f"{self.url} answered JSON that is not a chat completion (no choices[0].message.content): "
-                f"{excerpt(json.dumps(data))}"
-            ) from None
-        reason = choice.get("finish_reason") if isinstance(choice, dict) else None
-        if isinstance(text, list):
-            text = _text_parts(text)
-        if not isinstance(text, str) or not text.strip():
-            refusal = choice["message"].get("refusal") if isinstance(choice["message"], dict) else None
-            if isinstance(refusal, str) and refusal.strip():
-                # OpenAI's models put a refusal there, content null: its words say why (most often
-                # the response's own content), which "no text" hid
-                raise JudgeResponseError(f"the judge refused to grade: {excerpt(refusal)}")
-            more = " (it ran out of tokens: raise max_tokens)" if reason == "length" else ""
-            raise JudgeResponseError(f"the judge returned no text, finish_reason={reason!r}{more}")
-        if reason in _CUT_SHORT:
-            # the reply stops before the judge's verdict, or in it ("Verdict NONCE: 1" of
-            # "10/10"): what it wrote by then (a score it was weighing, its paraphrase of the
-            # response's claim) is no verdict, and a policy that makes the judge reason at length
-            # would be scored by it
-            more = "it ran out of tokens: raise max_tokens" if reason == "length" else "the provider cut it"
-            raise JudgeResponseError(
-                f"the judge's reply was cut short, finish_reason={reason!r} ({more}); a cut reply "
-                f"is not scored: {excerpt(text)}"
-            )
-        return text
-
-
-def _error_code(resp: httpx.Response) -> str:
-    """The ``error.code`` of OpenAI's error JSON, else its ``error.type`` (``insufficient_quota``
-    comes as both); ``""`` when the body has neither (vLLM's code is the status, a number)."""
-    try:
-        err = resp.json().get("error")
-    except (ValueError, AttributeError):
-        return ""
-    if not isinstance(err, dict):
-        return ""
-    code = err.get("code")
-    return code if isinstance(code, str) and code else str(err.get("type") or "")
-
-
-def _finish_reason(data: dict[str, Any]) -> Any:
-    try:
-        return data["choices"][0].get("finish_reason")
-    except (KeyError, IndexError, TypeError, AttributeError):
-        return None
-
-
-def _text_parts(parts: list[Any]) -> str:
-    """The text of a message content given as parts (``[{"type": "text", "text": ...}]``, as
-    some OpenAI-compatible servers answer; ``output_text`` in the Responses API's shape), one
-    part a line: each is a block of the reply. A refusal, an image or a malformed part is no
-    text."""
-    return "\n".join(
-        p["text"]
-        for p in parts
-        if isinstance(p, dict) and p.get("type") in ("text", "output_text") and isinstance(p.get("text"), str)
-    )
 
 
 # ----------------------------------------------------------------------------- the reward
