@@ -8,60 +8,49 @@ give (``functions.rewards.math_fast``); the rules are documented in
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from functools import lru_cache, wraps
-from typing import TypeVar
 
-_CACHE_KEY_MAX = 256
-"""Longer strings bypass the caches: answers are policy-controlled, and 65536 cached 1 MB
-answers would hold gigabytes."""
+# the cache, Unicode math and units live in math_cache, math_unicode and math_units; their
+# names, private ones included, stay importable from here
+from functions.rewards.math_cache import _CACHE_KEY_MAX, _T, _small_cache  # noqa: F401
+from functions.rewards.math_unicode import (  # noqa: F401
+    _PAREN,
+    _ROOT_PAREN,
+    _SIGNS,
+    _SUPERSCRIPT,
+    _SUPERSCRIPTS,
+    _VULGAR,
+    _VULGAR_FRACTION,
+    _root_parentheses,
+    plain_unicode,
+)
+from functions.rewards.math_units import (  # noqa: F401
+    _BEFORE_UNIT,
+    _DEGREES,
+    _LETTER,
+    _LETTER_UNITS,
+    _PROSE_WORD,
+    _SPAN_POWER,
+    _TEXT_UNIT_TOKEN,
+    _UNIT_AFTER_WORDS,
+    _UNIT_GROUP,
+    _UNIT_NAMES,
+    _UNIT_SCAN,
+    _UNIT_TOKEN,
+    _UNIT_WORD,
+    _UNITS,
+    _WORD_END,
+    _key,
+    _names,
+    _unit_names,
+    _unit_token,
+    unit_after,
+    unit_key,
+)
 
-_T = TypeVar("_T")
-
-
-def _small_cache(fn: Callable[[str], _T]) -> Callable[[str], _T]:
-    """``lru_cache`` for short arguments only (see ``_CACHE_KEY_MAX``)."""
-    cached = lru_cache(maxsize=65536)(fn)
-
-    @wraps(fn)
-    def call(s: str) -> _T:
-        return cached(s) if len(s) <= _CACHE_KEY_MAX else fn(s)
-
-    return call
-
+__all__ = ["GREEK", "Shape", "canonical", "plain_unicode", "shape", "unit_after", "unit_key"]
 
 # ----------------------------------------------------------------------------- canonical form
 
-_UNITS = (
-    "mm cm km meter meters metre metres centimeter centimeters millimeter millimeters kilometer "
-    "kilometers in inch inches ft foot feet yd yard yards mi mile miles mph kph kmh "
-    "kg mg gram grams kilogram kilograms lb lbs pound pounds oz ounce ounces ton tons "
-    "ml liter liters litre litres gallon gallons cup cups quart quarts "
-    "sec second seconds min minute minutes hr hrs hour hours day days week weeks month months "
-    "year years dollar dollars cent cents euro euros "
-    "deg degree degrees radian radians unit units sq square cubic "
-    "people persons students apples cookies marbles pages points ways times "
-    "m/s km/h ft/s mi/h per sqft "
-    "boys girls children adults men women friends members players teams games books cards coins "
-    "balls boxes bags eggs trees dogs cats cars rows seats handshakes hats tickets toys"
-).split()
-# one-letter units are units only inside ``\text{}``/``\mathrm{}``: bare, they are variables
-# (``\frac{1}{2} b h``, ``4 s``, ``2 \pi r h``)
-_LETTER_UNITS = "m s h g l".split()
-
-
-def _unit_token(units: list[str]) -> re.Pattern[str]:
-    """One unit token (``cm``, ``m^2``, ``km²``, ``sec.``). Units are stripped token by token
-    from the right (``_strip_units``), never with a pattern anchored at ``$`` that is retried
-    from every start, which is quadratic in a long run of spaces or units."""
-    return re.compile(
-        r"(?:" + "|".join(sorted(units, key=len, reverse=True)) + r")\.?(?:\^\{?[23]\}?|²|³)?",
-        re.IGNORECASE,
-    )
-
-
-_UNIT_TOKEN = _unit_token(_UNITS)
-_TEXT_UNIT_TOKEN = _unit_token(_UNITS + _LETTER_UNITS)
 _PERCENT_WORD = re.compile(r"(?<!\s)\s*\bpercent\b", re.IGNORECASE)  # starts once per space run
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|mbox|mathrm|mathbf|operatorname)\s*\{([^{}]*)\}")
 _TEXT_UNIT = re.compile(_TEXT_CMD.pattern + r"(?:\s*\^\s*\{?[23]\}?)?")
@@ -76,7 +65,6 @@ _SPACING = re.compile(
 )
 _DISPLAY = re.compile(r"^\\\[|\\\]$")  # display math around the answer: \[ 42 \]
 _LEFT_RIGHT = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big)\b\.?")
-_DEGREES = re.compile(r"\^\s*\{?\\circ\}?|°|\\degree\b")
 _TRIG_CMD = re.compile(r"\\(?:sin|cos|tan|cot|sec|csc)(?![A-Za-z])")
 # ``x =``, ``x_1 =``, ``f(x) =``, ``(x, y) =``, ``x \in``
 _LHS = re.compile(
@@ -184,83 +172,6 @@ def _strip_text(s: str) -> str:
     if without and any(c.isdigit() for c in without):
         return without
     return _TEXT_CMD.sub(r"\1", s)  # no number left: \text{cm} alone is the word cm
-
-
-_SIGNS = str.maketrans(
-    {"\u2212": "-", "\ufe63": "-", "\uff0d": "-"}
-    # the multiplication and division signs are their operators (sympy cannot read them:
-    # 1\u00d710^3 was unparsable, not 1000); so is the middle dot U+00B7, as a product is
-    # usually typed (2\u00b73 was unparsable, not 6), though it was once also a decimal point
-    # (3\u00b714 is 42 here, not 3.14: no reading of it could be both)
-    | {"\u00d7": " \\times ", "\u22c5": " \\cdot ", "\u00b7": " \\cdot ", "\u00f7": "/"}
-    # pi, infinity, the square root sign and the empty set are their commands (2\u03c0 was not
-    # 2\\pi, \u2205 not \\emptyset)
-    | {"\u03c0": "\\pi ", "\u221e": "\\infty ", "\u221a": "\\sqrt ", "\u2205": "\\emptyset "}
-    # ... and so are the floor and ceiling brackets (\u230a3.7\u230b was unparsable, not 3)
-    | {"\u230a": " \\lfloor ", "\u230b": " \\rfloor ", "\u2308": " \\lceil ", "\u2309": " \\rceil "}
-    # zero-width characters are not there (3\u200b is 3), nor a currency sign, as a dollar
-    # sign is not (the euro, pound, yen and rupee signs: \u20ac5 is 5)
-    | dict.fromkeys("\u200b\u200c\u200d\u2060\ufeff\u20ac\u00a3\u00a5\u20b9", "")
-)
-# a run of superscript digits is one exponent (10\u2076\u2074 is 10^{64}); a vulgar fraction is
-# its \frac (3\u00bd is 3\frac{1}{2}, which is 3.5, not 31/2)
-_SUPERSCRIPTS = str.maketrans(
-    "\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207a\u207b", "0123456789+-"
-)
-_SUPERSCRIPT = re.compile("[\u207a\u207b]?[\u2070\u00b9\u00b2\u00b3\u2074-\u2079]+")
-_VULGAR = {
-    "\u00bd": (1, 2),
-    "\u2153": (1, 3),
-    "\u2154": (2, 3),
-    "\u00bc": (1, 4),
-    "\u00be": (3, 4),
-    "\u2155": (1, 5),
-    "\u2156": (2, 5),
-    "\u2157": (3, 5),
-    "\u2158": (4, 5),
-    "\u2159": (1, 6),
-    "\u215a": (5, 6),
-    "\u2150": (1, 7),
-    "\u215b": (1, 8),
-    "\u215c": (3, 8),
-    "\u215d": (5, 8),
-    "\u215e": (7, 8),
-    "\u2151": (1, 9),
-    "\u2152": (1, 10),
-}
-_VULGAR_FRACTION = re.compile("[" + "".join(_VULGAR) + "]")
-
-
-_ROOT_PAREN = re.compile("\u221a[ \t]*\\(")
-_PAREN = re.compile(r"[()]")
-
-
-def _root_parentheses(s: str) -> str:
-    """``s`` with the parentheses of a root sign as its braces: \u221a(x+1) is ``\\sqrt{x+1}``
-    (it was ``\\sqrt (x+1)``, a root of nothing, unparsable); a pair that never closes is left.
-    One pass with a stack of open parentheses (linear, however deep)."""
-    roots = {m.end() - 1: m.start() for m in _ROOT_PAREN.finditer(s)}  # its ( -> the sign
-    if not roots:
-        return s
-    out = list(s)
-    stack: list[int] = []
-    for m in _PAREN.finditer(s):
-        if m[0] == "(":
-            stack.append(m.start())
-        elif stack and (opened := stack.pop()) in roots:
-            out[roots[opened] : opened + 1] = [""] * (opened - roots[opened]) + ["\\sqrt{"]
-            out[m.start()] = "}"
-    return "".join(out)
-
-
-def plain_unicode(s: str) -> str:
-    """``s`` with its Unicode math in ASCII and LaTeX: minus signs, operators, pi, infinity,
-    the root sign (its parentheses its braces), superscript digits and vulgar fractions;
-    zero-width characters dropped."""
-    s = _root_parentheses(s)
-    s = s.translate(_SIGNS)
-    s = _SUPERSCRIPT.sub(lambda m: "^{" + m[0].translate(_SUPERSCRIPTS) + "}", s)
-    return _VULGAR_FRACTION.sub(lambda m: "\\frac{{{}}}{{{}}}".format(*_VULGAR[m[0]]), s)
 
 
 _COMMAND = re.compile(r"\\[A-Za-z]+")
@@ -371,136 +282,6 @@ def canonical(answer: str) -> str:
     if _REALS.fullmatch(s):  # the real line is the interval it is (\mathbb{R} did not match it)
         return "(-\\infty, \\infty)"
     return _plus_minus(_as_interval(s))
-
-
-# ----------------------------------------------------------------------------- units
-
-# what a unit word names, so that two answers that both carry a unit are compared with it
-# (5 hours is not 5 minutes, nor 5 km 5 miles: both were 5); the scale is not converted (5 km
-# is not 5000 m either). Count nouns (apples, people) name no unit and are left out, as is
-# "in", also a word of prose
-_UNIT_NAMES: dict[str, tuple[str, ...]] = {}
-for _key, _names in {
-    "mm": "mm millimeter millimeters millimetre millimetres",
-    "cm": "cm centimeter centimeters centimetre centimetres",
-    "m": "m meter meters metre metres",
-    "km": "km kilometer kilometers kilometre kilometres",
-    "inch": "inch inches",
-    "ft": "ft foot feet",
-    "yd": "yd yard yards",
-    "mi": "mi mile miles",
-    "mg": "mg milligram milligrams",
-    "g": "g gram grams",
-    "kg": "kg kilogram kilograms",
-    "lb": "lb lbs pound pounds",
-    "oz": "oz ounce ounces",
-    "ton": "ton tons",
-    "ml": "ml milliliter milliliters millilitre millilitres",
-    "l": "l liter liters litre litres",
-    "gal": "gallon gallons",
-    "cup": "cup cups",
-    "quart": "quart quarts",
-    "s": "s sec secs second seconds",
-    "min": "min mins minute minutes",
-    "h": "h hr hrs hour hours",
-    "day": "day days",
-    "week": "week weeks",
-    "month": "month months",
-    "year": "year years",
-    "dollar": "dollar dollars",
-    "cent": "cent cents",
-    "euro": "euro euros",
-    "deg": "deg degree degrees",
-    "rad": "rad radian radians",
-    "^2": "sq square",
-    "^3": "cubic",
-}.items():
-    _UNIT_NAMES.update(dict.fromkeys(_names.split(), (_key,)))
-_UNIT_NAMES |= {"mph": ("mi", "h"), "kph": ("km", "h"), "kmh": ("km", "h"), "sqft": ("^2", "ft")}
-_UNIT_SCAN = re.compile(
-    r"\\(?:text|textrm|mathrm|mbox|operatorname)\s*\{([^{}]*)\}(\s*\^\s*\{?[23]\}?)?"
-    r"|\\[A-Za-z]+"
-    r"|([A-Za-z]+(?:/[A-Za-z]+)?)(\s*\^\s*\{?[23]\}?)?"
-)
-_UNIT_WORD = re.compile(r"[A-Za-z]+(?:/[A-Za-z]+)?")
-_LETTER = re.compile(r"[A-Za-z°]")
-
-
-def _unit_names(word: str, bare: bool) -> list[str]:
-    """The units ``word`` names (``km/h``: km and h; ``meters``: m), none for a word that names
-    none or, ``bare`` (outside ``\\text{}``), a lone letter: a variable there."""
-    out: list[str] = []
-    for part in word.lower().split("/"):
-        if bare and "/" not in word and len(part) < 2:
-            return []
-        out += _UNIT_NAMES.get(part, ())
-    return out
-
-
-@_small_cache
-def unit_key(answer: str) -> tuple[str, ...]:
-    """The units an answer carries, sorted (``12 \\text{ ft}^2`` and ``12 square feet``:
-    ``("^2", "ft")``; ``30^\\circ``: ``("deg",)``); empty when it carries none (a power
-    alone, ``x^2``, is no unit)."""
-    if not _LETTER.search(answer):
-        return ()
-    s = plain_unicode(answer)
-    found: list[str] = ["deg"] if _DEGREES.search(s) else []
-    for m in _UNIT_SCAN.finditer(s):
-        if m[1] is not None:
-            words = [u for w in _UNIT_WORD.findall(m[1]) for u in _unit_names(w, bare=False)]
-            power = m[2]
-        elif m[3] is not None:
-            words, power = _unit_names(m[3], bare=True), m[4]
-        else:
-            continue
-        found += words
-        if words and power:
-            found.append("^3" if "3" in power else "^2")
-    if not any(u[0] != "^" for u in found):  # "square" alone names no unit
-        return ()
-    return tuple(sorted(found))
-
-
-# what may follow an answer read out of prose before its unit: spaces, a math span's closing
-# $ (``$5$ hours``); then a \text{} group, or a few words on the same line
-_BEFORE_UNIT = re.compile(r"[ \t]*+(?:\$[ \t]*+)?")
-_UNIT_GROUP = re.compile(
-    r"\\(?:text|textrm|mathrm|mbox)[ \t]*\{([^{}\n]{1,60})\}(?:[ \t]*\^[ \t]*\{?[23]\}?)?"
-)
-_PROSE_WORD = re.compile(r"[ \t]*+([^\s$]{1,30})")
-_SPAN_POWER = re.compile(r"\$\^\{?([23])\}?\$")  # a unit's power in math of its own: cm$^2$
-_UNIT_AFTER_WORDS = 4  # "square feet", "miles per hour", "meters per second squared"
-_WORD_END = ".,;:!?)"
-
-
-def unit_after(text: str, pos: int) -> str:
-    """The unit the prose states right after an answer that ends at ``pos`` (" hours" in "It
-    takes 5 hours."; "\\text{ hours}"; " miles per hour"), with the space before it, or ``""``
-    when the words there name no unit (``unit_key``: "5 apples", "5 in the box"). Reads a few
-    words at most: bounded, however long the text."""
-    at = _BEFORE_UNIT.match(text, pos)
-    start = at.end() if at else pos
-    if group := _UNIT_GROUP.match(text, start):
-        words = group[1].split()
-        if words and all(_TEXT_UNIT_TOKEN.fullmatch(w) for w in words):
-            return " " + group[0] if unit_key(group[0]) else ""
-        return ""
-    end = start
-    for _ in range(_UNIT_AFTER_WORDS):
-        word = _PROSE_WORD.match(text, end)
-        if word is None:
-            break
-        bare = word[1].rstrip(_WORD_END)
-        if not bare or bare.lower() == "in" or not _UNIT_TOKEN.fullmatch(bare):
-            break
-        end = word.start(1) + len(bare)
-        if bare != word[1]:  # punctuation ends the phrase ("5 hours, door to door")
-            break
-    unit = text[start:end]
-    if unit and (power := _SPAN_POWER.match(text, end)):  # cm$^2$
-        unit += "^" + power[1]
-    return " " + unit if unit and unit_key(unit) else ""
 
 
 # a relation of an inequality: "less" (<, \le...) or "greater", and whether it is strict
